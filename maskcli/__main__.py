@@ -1,0 +1,3 @@
+from maskcli.cli import main
+
+main()

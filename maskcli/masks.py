@@ -1,0 +1,292 @@
+"""Mask predicates, the Mask value that carries one, and materialisation.
+
+Every mask is a FlexAttention-style predicate
+
+    mask_mod(b, h, q_idx, kv_idx) -> bool tensor     # True = this query may attend to this key
+
+called on broadcast index tensors, so a maskcli predicate can be handed straight to
+`torch.nn.attention.flex_attention.create_mask` / `create_block_mask`. Query indices
+are local (0..Lq-1) as FlexAttention passes them; a Mask's `q_offset` says which
+absolute position query row 0 is (prefill with a KV cache).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from maskcli.errors import MaskError
+from maskcli.spec import MaskSpec
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# --- builders: each returns a small pure predicate ---------------------------------
+
+
+def causal() -> MaskMod:
+    def causal_mask(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    return causal_mask
+
+
+def bottom_right_causal(offset: int) -> MaskMod:
+    """Causal for queries that sit at absolute positions offset, offset+1, ... (KV cache)."""
+
+    def prefill_mask(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    return prefill_mask
+
+
+def tril(diagonal: int = 0) -> MaskMod:
+    """The 1-cells of `torch.tril(ones, diagonal)`."""
+
+    def tril_mask(b, h, q_idx, kv_idx):
+        return kv_idx - q_idx <= diagonal
+
+    return tril_mask
+
+
+def triu(diagonal: int = 0) -> MaskMod:
+    """The 1-cells of `torch.triu(ones, diagonal)`."""
+
+    def triu_mask(b, h, q_idx, kv_idx):
+        return kv_idx - q_idx >= diagonal
+
+    return triu_mask
+
+
+def sliding_window(window: int) -> MaskMod:
+    """Causal; each query sees itself and the window-1 keys before it (Hugging Face's count)."""
+
+    def sliding_window_mask(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    return sliding_window_mask
+
+
+def prefix_lm(prefix: int) -> MaskMod:
+    def prefix_lm_mask(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (kv_idx < prefix)
+
+    return prefix_lm_mask
+
+
+def chunked(labels: torch.Tensor) -> MaskMod:
+    """label[kv] <= label[q]: own chunk and every earlier chunk."""
+
+    def chunk_mask(b, h, q_idx, kv_idx):
+        return labels[kv_idx] <= labels[q_idx]
+
+    return chunk_mask
+
+
+def document(labels: torch.Tensor) -> MaskMod:
+    """Same label only, causal inside (packed sequences)."""
+
+    def document_mask(b, h, q_idx, kv_idx):
+        return (labels[kv_idx] == labels[q_idx]) & (kv_idx <= q_idx)
+
+    return document_mask
+
+
+def key_padding(key_valid: torch.Tensor) -> MaskMod:
+    """key_valid[b, kv]: False for pad keys, per batch row."""
+
+    def padding_mask(b, h, q_idx, kv_idx):
+        return key_valid[b, kv_idx]
+
+    return padding_mask
+
+
+def negate(mask_mod: MaskMod) -> MaskMod:
+    def not_mask(b, h, q_idx, kv_idx):
+        return ~mask_mod(b, h, q_idx, kv_idx)
+
+    return not_mask
+
+
+def and_masks(*mask_mods: MaskMod) -> MaskMod:
+    """True where every predicate is True (FlexAttention's and_masks)."""
+
+    def and_mask(b, h, q_idx, kv_idx):
+        result = mask_mods[0](b, h, q_idx, kv_idx)
+        for mask_mod in mask_mods[1:]:
+            result = result & mask_mod(b, h, q_idx, kv_idx)
+        return result
+
+    return and_mask
+
+
+def or_masks(*mask_mods: MaskMod) -> MaskMod:
+    """True where any predicate is True (FlexAttention's or_masks)."""
+
+    def or_mask(b, h, q_idx, kv_idx):
+        result = mask_mods[0](b, h, q_idx, kv_idx)
+        for mask_mod in mask_mods[1:]:
+            result = result | mask_mod(b, h, q_idx, kv_idx)
+        return result
+
+    return or_mask
+
+
+# --- the Mask value ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mask:
+    """A predicate with what it alone does not carry: name, shape (B, H, Lq, Lk), q_offset."""
+
+    name: str
+    shape: tuple[int, int, int, int]
+    mask_mod: MaskMod
+    q_offset: int = 0
+    kind: str = "custom"
+    params: dict = field(default_factory=dict)
+    tokens: tuple[str, ...] | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __and__(self, other: Mask) -> Mask:
+        return self._combine(other, and_masks, "and")
+
+    def __or__(self, other: Mask) -> Mask:
+        return self._combine(other, or_masks, "or")
+
+    def _combine(self, other: Mask, combine, word: str) -> Mask:
+        if self.shape[2:] != other.shape[2:] or self.q_offset != other.q_offset:
+            raise MaskError(
+                f"cannot combine {self.name} {self.shape[2:]} with {other.name} {other.shape[2:]}: "
+                "query and key lengths must match"
+            )
+        shape = tuple(max(x, y) for x, y in zip(self.shape, other.shape))
+        return Mask(
+            name=f"{self.name}_{word}_{other.name}",
+            shape=shape,
+            mask_mod=combine(self.mask_mod, other.mask_mod),
+            q_offset=self.q_offset,
+            params={**self.params, **other.params},
+            tokens=self.tokens or other.tokens,
+            device=self.device,
+        )
+
+    def materialize(self, q_range: range | None = None, k_range: range | None = None) -> torch.Tensor:
+        """Bool (B, H, len(q_range), len(k_range)), True = may attend; one broadcast call.
+
+        The ranges are local indices (query row 0 is absolute position q_offset).
+        The whole mask is the window taken whole; the result may be a broadcast view.
+        """
+        batch, heads, q_len, k_len = self.shape
+        q_range = range(q_len) if q_range is None else q_range
+        k_range = range(k_len) if k_range is None else k_range
+
+        def index(values: range, dim: int) -> torch.Tensor:
+            view = [1, 1, 1, 1]
+            view[dim] = len(values)
+            return torch.arange(values.start, values.stop, values.step or 1, device=self.device).view(view)
+
+        keep = self.mask_mod(index(range(batch), 0), index(range(heads), 1), index(q_range, 2), index(k_range, 3))
+        keep = torch.as_tensor(keep, device=self.device)
+        return torch.broadcast_to(keep, (batch, heads, len(q_range), len(k_range)))
+
+    def dense(self) -> torch.Tensor:
+        """The whole mask as a contiguous bool tensor, after checking that it fits in memory."""
+        check_dense_fits(self.shape, 1, "as a bool tensor")
+        return self.materialize().contiguous()
+
+
+# --- from a validated spec ---------------------------------------------------------
+
+
+def build(spec: MaskSpec, device: str | torch.device = "cpu") -> Mask:
+    """The Mask a MaskSpec describes, its predicate's tensors on `device`."""
+    device = torch.device(device)
+    labels = torch.tensor(spec.labels, device=device) if spec.labels is not None else None
+    kind_mod: MaskMod | None = {
+        "causal": lambda: causal(),
+        "tril": lambda: tril(spec.diagonal),
+        "triu": lambda: triu(spec.diagonal),
+        "padding": lambda: None,
+        "prefill": lambda: bottom_right_causal(spec.offset),
+        "chunk": lambda: chunked(labels),
+        "window": lambda: sliding_window(spec.window),
+        "prefix": lambda: prefix_lm(spec.prefix),
+        "document": lambda: document(labels),
+    }[spec.kind]()
+    # tril/triu read as "block" mean: the 1-cells are the masked ones.
+    if spec.kind in ("tril", "triu") and spec.means == "block":
+        kind_mod = negate(kind_mod)
+    mods = [m for m in (kind_mod,) if m is not None]
+    if spec.key_valid is not None:
+        mods.append(key_padding(torch.tensor(spec.key_valid, dtype=torch.bool, device=device)))
+    mask_mod = mods[0] if len(mods) == 1 else and_masks(*mods)
+    return Mask(
+        name=spec.name,
+        shape=spec.shape,
+        mask_mod=mask_mod,
+        q_offset=spec.offset,
+        kind=spec.kind,
+        params=spec.params,
+        tokens=spec.tokens,
+        device=device,
+    )
+
+
+# --- memory guard and summaries of long masks --------------------------------------
+
+
+def available_memory() -> int | None:
+    """Bytes of physical memory free now, or None where the platform cannot say."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def format_bytes(count: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if count < 1024 or unit == "PiB":
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_dense_fits(shape: tuple[int, ...], bytes_per_cell: float, how: str) -> None:
+    """Refuse a dense (B, H, Lq, Lk) result that would not fit in free memory."""
+    cells = 1
+    for size in shape:
+        cells *= size
+    needed = cells * bytes_per_cell
+    free = available_memory()
+    if free is not None and needed > free:
+        dims = " x ".join(map(str, shape))
+        raise MaskError(
+            f"the dense mask {dims} would need {format_bytes(needed)} ({needed:,.0f} bytes) {how}, "
+            f"but only {format_bytes(free)} is free: use a smaller --len, or show it without "
+            "--json/--save/--png to get a density map"
+        )
+
+
+def block_counts(mask: Mask, batch: int, head: int, rows: int, cols: int, budget: int = 1 << 24) -> torch.Tensor:
+    """Visible cells per block of `rows` queries x `cols` keys, as an int64 grid.
+
+    The mask is evaluated a band of blocks at a time, so a long mask is summarised
+    with memory bounded by `budget` cells rather than Lq x Lk.
+    """
+    _, _, q_len, k_len = mask.shape
+    grid_rows, grid_cols = -(-q_len // rows), -(-k_len // cols)
+    counts = torch.zeros(grid_rows, grid_cols, dtype=torch.int64)
+    band = max(1, budget // max(1, rows * k_len))
+    padded_k = grid_cols * cols
+    for first in range(0, grid_rows, band):
+        last = min(grid_rows, first + band)
+        q_range = range(first * rows, min(q_len, last * rows))
+        keep = mask.materialize(q_range, range(k_len))[batch, head].to("cpu")
+        full = torch.zeros((last - first) * rows, padded_k, dtype=torch.int32)
+        full[: len(q_range), :k_len] = keep
+        counts[first:last] = full.view(last - first, rows, grid_cols, cols).sum(dim=(1, 3))
+    return counts

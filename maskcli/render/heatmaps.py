@@ -1,0 +1,114 @@
+"""Heatmap figures (matplotlib, headless). One function builds every figure maskcli draws."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# Colours are fixed so that tests can read cells back from the image.
+VISIBLE_RGB = (31, 119, 180)  # matplotlib's tab:blue
+MASKED_RGB = (224, 224, 224)  # light grey, off any value colour map
+GRID_LINES_UP_TO = 48  # draw cell borders when a panel has at most this many rows and columns
+VALUES_UP_TO = 12  # write values in the cells up to this size
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One heatmap: a keep mask, and optionally values to colour its visible cells with."""
+
+    title: str
+    keep: np.ndarray  # bool [Lq, Lk], True = may attend; or the share visible per block, 0..1
+    row_labels: Sequence[str]
+    col_labels: Sequence[str]
+    values: np.ndarray | None = None  # float [Lq, Lk]; masked cells are never coloured by value
+
+
+def _rgb(colour: tuple[int, int, int]) -> tuple[float, float, float]:
+    return tuple(c / 255 for c in colour)
+
+
+def _ticks(ax, labels: Sequence[str], axis: str) -> None:
+    count = len(labels)
+    step = max(1, -(-count // 24))
+    positions = list(range(0, count, step))
+    if axis == "x":
+        ax.set_xticks(positions, [labels[i] for i in positions], rotation=90 if step == 1 and max(map(len, labels)) > 2 else 0)
+    else:
+        ax.set_yticks(positions, [labels[i] for i in positions])
+
+
+def _draw(ax, panel: Panel) -> object | None:
+    import matplotlib.colors as mcolors
+
+    q_len, k_len = panel.keep.shape
+    image = None
+    if panel.values is None:
+        # 0 and 1 land exactly on the two colours; a summarised long mask shades between them.
+        cmap = mcolors.LinearSegmentedColormap.from_list("mask", [_rgb(MASKED_RGB), _rgb(VISIBLE_RGB)])
+        ax.imshow(panel.keep.astype(np.float32), cmap=cmap, vmin=0, vmax=1, interpolation="nearest", aspect="equal")
+    else:
+        values = np.ma.masked_array(panel.values, mask=~panel.keep | ~np.isfinite(panel.values))
+        cmap = mcolors.Colormap.copy(__import__("matplotlib").colormaps["viridis"])
+        cmap.set_bad(_rgb(MASKED_RGB))
+        image = ax.imshow(values, cmap=cmap, interpolation="nearest", aspect="equal")
+        if q_len <= VALUES_UP_TO and k_len <= VALUES_UP_TO:
+            for i in range(q_len):
+                for j in range(k_len):
+                    text = f"{panel.values[i, j]:.2f}" if panel.keep[i, j] else "×"
+                    ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if panel.keep[i, j] else "#888888")
+    if q_len <= GRID_LINES_UP_TO and k_len <= GRID_LINES_UP_TO:
+        ax.set_xticks(np.arange(-0.5, k_len, 1), minor=True)
+        ax.set_yticks(np.arange(-0.5, q_len, 1), minor=True)
+        ax.grid(which="minor", color="white", linewidth=1)
+        ax.tick_params(which="minor", length=0)
+    _ticks(ax, panel.col_labels, "x")
+    _ticks(ax, panel.row_labels, "y")
+    ax.set_xlabel("key position (kv)")
+    ax.set_ylabel("query position (q)")
+    ax.set_title(panel.title, fontsize=10)
+    return image
+
+
+def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels: tuple[str, str]):
+    """A figure with one axes per panel (rows x columns of the grid), a title and a legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.patches as mpatches
+    from matplotlib.figure import Figure
+
+    n_rows = len(grid)
+    n_cols = max(len(row) for row in grid)
+    q_len, k_len = grid[0][0].keep.shape
+    cell = min(0.45, 7.0 / max(q_len, k_len, 1))
+    width = max(3.2, k_len * cell + 1.6)
+    height = max(2.6, q_len * cell + 1.6)
+    figure = Figure(figsize=(width * n_cols, height * n_rows + 0.8), layout="constrained")
+    axes = figure.subplots(n_rows, n_cols, squeeze=False)
+    for r, row in enumerate(grid):
+        for c in range(n_cols):
+            ax = axes[r][c]
+            if c >= len(row):
+                ax.set_visible(False)
+                continue
+            image = _draw(ax, row[c])
+            if image is not None:
+                figure.colorbar(image, ax=ax, shrink=0.8)
+    figure.suptitle(title, fontsize=11)
+    handles = [
+        mpatches.Patch(facecolor=_rgb(VISIBLE_RGB), edgecolor="black", label=legend_labels[0]),
+        mpatches.Patch(facecolor=_rgb(MASKED_RGB), edgecolor="black", label=legend_labels[1]),
+    ]
+    figure.legend(handles=handles, loc="outside lower center", ncols=2, frameon=False, fontsize=9)
+    return figure
+
+
+def save_figure(figure, path: Path) -> None:
+    """Write PNG, SVG or PDF (by extension) whole, or leave nothing."""
+    from maskcli.files import atomic_write
+
+    fmt = path.suffix.lower().lstrip(".")
+    atomic_write(path, lambda temp: figure.savefig(temp, format=fmt, dpi=100))

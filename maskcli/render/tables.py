@@ -1,0 +1,57 @@
+"""Rich tables of masks and of attention stages. Renderers build objects; the CLI prints them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+from rich.text import Text
+
+VISIBLE_STYLE = "bold green"
+MASKED_STYLE = "red dim"
+
+
+def axis_labels(count: int, start: int = 0, tokens: Sequence[str] | None = None) -> list[str]:
+    """Absolute positions, with the token beside each when there are tokens."""
+    if tokens is None:
+        return [str(start + i) for i in range(count)]
+    return [f"{start + i} {tokens[start + i]}" for i in range(count)]
+
+
+def grid_table(
+    title: str,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    cell: Callable[[int, int], Text],
+    caption: str | None = None,
+    corner: str = "q \\ kv",
+) -> Table:
+    """A queries x keys table; `cell(i, j)` gives each cell's styled text."""
+    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=None)
+    table.add_column(corner, justify="right", style="bold", no_wrap=True)
+    for label in col_labels:
+        table.add_column(label, justify="center", no_wrap=True, header_style="bold")
+    for i, label in enumerate(row_labels):
+        table.add_row(label, *(cell(i, j) for j in range(len(col_labels))))
+    return table
+
+
+def mask_table(
+    keep: Sequence[Sequence[bool]],
+    title: str,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    texts: tuple[str, str],
+    caption: str | None = None,
+) -> Table:
+    """One 2-D mask: visible and masked cells differ by symbol and by colour."""
+    visible = Text(texts[0], style=VISIBLE_STYLE)
+    masked = Text(texts[1], style=MASKED_STYLE)
+    return grid_table(title, row_labels, col_labels, lambda i, j: visible if keep[i][j] else masked, caption)
+
+
+def fits(console: Console, renderable) -> bool:
+    """True when the renderable's natural width fits the terminal without wrapping."""
+    return Measurement.get(console, console.options, renderable).maximum <= console.width
