@@ -38,6 +38,9 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     os.close(handle)
     try:
         write(temp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temp, 0o666 & ~umask)  # mkstemp made it private; give it a normal file's mode
         os.replace(temp, path)
     except OSError as error:
         raise MaskError(f"cannot write {str(path)!r}: {error.strerror or error}") from None

@@ -60,9 +60,11 @@ def _ranges(values: list[int]) -> str:
 
 def _labels(mask: Mask) -> tuple[list[str], list[str]]:
     _, _, q_len, k_len = mask.shape
+    width = len(str(mask.q_offset + q_len - 1))
+    positions = [f"{mask.q_offset + i:>{width}}" for i in range(q_len)]
     if mask.tokens is None:
-        return [str(mask.q_offset + i) for i in range(q_len)], [str(k) for k in range(k_len)]
-    rows = [f"{mask.q_offset + i} {mask.tokens[mask.q_offset + i]}" for i in range(q_len)]
+        return positions, [str(k) for k in range(k_len)]
+    rows = [f"{position} {mask.tokens[mask.q_offset + i]}" for i, position in enumerate(positions)]
     return rows, list(mask.tokens)
 
 
@@ -150,11 +152,8 @@ def mask_figure(mask: Mask):
             capacity = block_counts(_full_like(mask), 0, 0, rows, cols).numpy()
             share = counts / capacity
             title = (title + "\n" if title else "") + f"one pixel = {rows} queries x {cols} keys (shade = share visible)"
-            panels.append(
-                Panel(title, share, [str(mask.q_offset + i * rows) for i in range(share.shape[0])],
-                      [str(j * cols) for j in range(share.shape[1])])
-            )
-    figure_title = f"{mask.name}: {describe_params(mask.kind, mask.params)}\nshape (B={batch}, H={mask.shape[1]}, Lq={q_len}, Lk={k_len}), keep convention"
+            panels.append(Panel(title, share, None, None, extent=(0, k_len, mask.q_offset + q_len, mask.q_offset)))
+    figure_title = f"{describe_params(mask.kind, mask.params)}\nshape (B={batch}, H={mask.shape[1]}, Lq={q_len}, Lk={k_len}), keep convention"
     return heatmap_figure([panels], figure_title, ("may attend (True)", "masked (False)"))
 
 

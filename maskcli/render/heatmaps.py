@@ -21,9 +21,10 @@ class Panel:
 
     title: str
     keep: np.ndarray  # bool [Lq, Lk], True = may attend; or the share visible per block, 0..1
-    row_labels: Sequence[str]
-    col_labels: Sequence[str]
+    row_labels: Sequence[str] | None  # None: numeric axes from `extent`
+    col_labels: Sequence[str] | None
     values: np.ndarray | None = None  # float [Lq, Lk]; masked cells are never coloured by value
+    extent: tuple[float, float, float, float] | None = None  # (left, right, bottom, top) in positions
 
 
 def _rgb(colour: tuple[int, int, int]) -> tuple[float, float, float]:
@@ -48,7 +49,7 @@ def _draw(ax, panel: Panel) -> object | None:
     if panel.values is None:
         # 0 and 1 land exactly on the two colours; a summarised long mask shades between them.
         cmap = mcolors.LinearSegmentedColormap.from_list("mask", [_rgb(MASKED_RGB), _rgb(VISIBLE_RGB)])
-        ax.imshow(panel.keep.astype(np.float32), cmap=cmap, vmin=0, vmax=1, interpolation="nearest", aspect="equal")
+        ax.imshow(panel.keep.astype(np.float32), cmap=cmap, vmin=0, vmax=1, interpolation="nearest", aspect="equal", extent=panel.extent)
     else:
         values = np.ma.masked_array(panel.values, mask=~panel.keep | ~np.isfinite(panel.values))
         cmap = mcolors.Colormap.copy(__import__("matplotlib").colormaps["viridis"])
@@ -59,13 +60,15 @@ def _draw(ax, panel: Panel) -> object | None:
                 for j in range(k_len):
                     text = f"{panel.values[i, j]:.2f}" if panel.keep[i, j] else "×"
                     ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if panel.keep[i, j] else "#888888")
-    if q_len <= GRID_LINES_UP_TO and k_len <= GRID_LINES_UP_TO:
+    if panel.extent is None and q_len <= GRID_LINES_UP_TO and k_len <= GRID_LINES_UP_TO:
         ax.set_xticks(np.arange(-0.5, k_len, 1), minor=True)
         ax.set_yticks(np.arange(-0.5, q_len, 1), minor=True)
         ax.grid(which="minor", color="white", linewidth=1)
         ax.tick_params(which="minor", length=0)
-    _ticks(ax, panel.col_labels, "x")
-    _ticks(ax, panel.row_labels, "y")
+    if panel.col_labels is not None:
+        _ticks(ax, panel.col_labels, "x")
+    if panel.row_labels is not None:
+        _ticks(ax, panel.row_labels, "y")
     ax.set_xlabel("key position (kv)")
     ax.set_ylabel("query position (q)")
     ax.set_title(panel.title, fontsize=10)

@@ -30,7 +30,7 @@ def grid_table(
 ) -> Table:
     """A queries x keys table; `cell(i, j)` gives each cell's styled text."""
     table = Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=None)
-    table.add_column(corner, justify="right", style="bold", no_wrap=True)
+    table.add_column(corner, justify="left", style="bold", no_wrap=True)
     for label in col_labels:
         table.add_column(label, justify="center", no_wrap=True, header_style="bold")
     for i, label in enumerate(row_labels):
