@@ -24,10 +24,11 @@ NoArgsIsHelpError = getattr(_click_exceptions, "NoArgsIsHelpError", ())
 from maskcli import __version__
 from maskcli.errors import MaskError
 from maskcli.options import (
-    KIND_LIST, As, Chunks, Diagonal, Dtype, Heads, Ids, Json, Len, Lengths, Means, Offset, PadId, Png, Prefix,
-    Save, Tokens, Window,
+    KIND_LIST, As, Batch, BatchIndex, Chunks, ComputeDtype, Device, Diagonal, DOut, Dropout, Dtype, FigurePng,
+    Fill, Head, HeadDim, Heads, Ids, Json, KFile, Len, Lengths, Means, Offset, PadId, Png, Precision, Prefix,
+    QFile, QkvBias, Save, Scale, Seed, StagesJson, StagesOpt, Tokens, VFile, Window, XFile,
 )
-from maskcli.spec import CONVENTIONS, DTYPES, KINDS, check_choice, make_spec
+from maskcli.spec import CONVENTIONS, DTYPES, FILLS, KINDS, STAGES, check_choice, make_spec, parse_stages
 
 
 class MaskcliGroup(TyperGroup):
@@ -181,6 +182,111 @@ def _present(spec, convention: str, dtype_name: str, png: str | None, json_out: 
         console = Console()
         for view in output.mask_views(mask, convention, dtype_name, console):
             console.print(view)
+
+
+@app.command(
+    epilog="Examples: maskcli attend causal --len 4 · maskcli attend chunk --chunks 0,0,1,1 --fill multiply · "
+    "maskcli attend causal --x \"[[0.43,0.15,0.89],[0.55,0.87,0.66],[0.57,0.85,0.64],[0.22,0.58,0.33],"
+    "[0.77,0.25,0.10],[0.05,0.80,0.55]]\" --seed 789 --d-out 2 --stages weights · "
+    "maskcli attend padding --lengths 3,0 --fill min --png stages.png",
+)
+def attend(
+    kind: Annotated[str, typer.Argument(help="Mask kind: " + ", ".join(KINDS) + ".", show_default=False)],
+    length: Len = None,
+    diagonal: Diagonal = None,
+    means: Means = None,
+    lengths: Lengths = None,
+    ids: Ids = None,
+    pad_id: PadId = 0,
+    offset: Offset = None,
+    chunks: Chunks = None,
+    window: Window = None,
+    prefix: Prefix = None,
+    heads: Heads = 1,
+    q: QFile = None,
+    k: KFile = None,
+    v: VFile = None,
+    x: XFile = None,
+    seed: Seed = 0,
+    batch: Batch = 1,
+    head_dim: HeadDim = 8,
+    d_out: DOut = None,
+    qkv_bias: QkvBias = False,
+    device: Device = "auto",
+    dtype: ComputeDtype = "float32",
+    scale: Scale = None,
+    fill: Fill = "-inf",
+    dropout: Dropout = 0.0,
+    stages: StagesOpt = "scores,masked,weights,output",
+    batch_index: BatchIndex = None,
+    head: Head = None,
+    precision: Precision = 4,
+    tokens: Tokens = None,
+    png: FigurePng = None,
+    json_: StagesJson = False,
+) -> None:
+    """Run scaled dot-product attention through a mask and show every stage.
+
+    scores = Q Kᵀ, scaled = scores / sqrt(D), masked, weights = softmax(masked), output = weights V;
+    then findings in plain words: rows that see no key (NaN or uniform weights), rows whose
+    weights do not sum to 1, queries that see later keys, a fill value the dtype cannot hold.
+    """
+    from maskcli.files import FIGURE_SUFFIXES, check_output_path
+
+    check_choice(fill, FILLS, "--fill")
+    names = list(parse_stages(stages))
+    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png else None
+    if not 0 <= dropout < 1:
+        raise MaskError(f"--dropout must be at least 0 and below 1, got {dropout}")
+    if not 0 <= precision <= 12:
+        raise MaskError(f"--precision must be 0 to 12 decimals, got {precision}")
+    if scale is not None and not scale > 0:
+        raise MaskError(f"--scale must be a positive number, got {scale}")
+    mask_options = dict(
+        diagonal=diagonal, means=means, lengths=lengths, ids=ids, pad_id=pad_id, offset=offset, chunks=chunks,
+        window=window, prefix=prefix, heads=heads, tokens=tokens,
+    )
+    if not (q or k or v or x):
+        make_spec(kind, length=length, **mask_options)  # refuse bad mask options before importing torch
+
+    from maskcli.inputs import load_given, make_qkv, resolve_device, resolve_dtype
+    from maskcli.run import run_attention
+
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype)
+    given = load_given(q, k, v, x)
+    if given is not None and length is None and kind not in ("chunk", "document"):
+        length = given.query_length(offset or 0)  # the inputs say how long the sequence is
+    spec = make_spec(kind, length=length, **mask_options)
+    for message in spec.warnings:
+        warn(message)
+    qkv = make_qkv(
+        given, seed=seed, batch=spec.batch if spec.padded else batch, heads=heads, head_dim=head_dim,
+        d_out=d_out, qkv_bias=qkv_bias, q_len=spec.q_len, k_len=spec.k_len,
+    )
+    run = run_attention(spec, qkv, torch_device, torch_dtype, scale=scale, fill=fill, dropout=dropout, seed=seed)
+
+    from maskcli import report
+
+    pairs = report.selection(run.stages.keep.shape, batch_index, head)
+    for b, h in pairs:
+        if not (0 <= b < run.stages.keep.shape[0] and 0 <= h < run.stages.keep.shape[1]):
+            raise MaskError(f"--batch-index {b} / --head {h} is outside batch {run.stages.keep.shape[0]} x heads {run.stages.keep.shape[1]}")
+    if png_path is not None:
+        from maskcli.render.heatmaps import save_figure
+
+        save_figure(report.stages_figure(run.mask, run.stages, names, pairs, run.device), png_path)
+        warn_done(f"wrote {png_path}")
+    if json_:
+        typer.echo(report.stages_json(run.mask, run.stages, run.device, run.findings, list(STAGES)))
+        return
+    from rich.console import Console
+
+    console = Console()
+    console.print(report.run_header(run.mask, run.stages, run.device, run.source), style="bold", highlight=False)
+    for table in report.stage_tables(run.mask, run.stages, names, pairs, precision):
+        console.print(table)
+    console.print(report.findings_text(run.findings))
 
 
 def warn_done(message: str) -> None:

@@ -40,3 +40,28 @@ Json = Annotated[bool, typer.Option("--json", help="Print one JSON object: kind,
 Save = Annotated[str | None, typer.Option(help="Save the mask tensor in the --as convention; .pt or .npy by extension.", rich_help_panel=OUTPUT_PANEL)]
 
 
+
+INPUT_PANEL = "Inputs"
+COMPUTE_PANEL = "Computation"
+DISPLAY_PANEL = "Display"
+
+QFile = Annotated[str | None, typer.Option("--q", help="Queries: a .pt/.npy/.safetensors/.json file (tensor 'q') or inline JSON; shape [L, D], [B, L, D] or [B, H, L, D]. Needs --k and --v too.", rich_help_panel=INPUT_PANEL)]
+KFile = Annotated[str | None, typer.Option("--k", help="Keys, like --q (tensor 'k').", rich_help_panel=INPUT_PANEL)]
+VFile = Annotated[str | None, typer.Option("--v", help="Values, like --q (tensor 'v').", rich_help_panel=INPUT_PANEL)]
+XFile = Annotated[str | None, typer.Option("--x", help="Embeddings [L, d_in] or [B, L, d_in] (file or inline JSON like \"[[0.43, 0.15, 0.89], ...]\"), projected as tutorial code does: torch.manual_seed(--seed), then nn.Linear(d_in, d_out) for query, key and value in that order.", rich_help_panel=INPUT_PANEL)]
+Seed = Annotated[int, typer.Option(help="Seed for random inputs, for the --x projections and for --dropout.", parser=integer, rich_help_panel=INPUT_PANEL)]
+Batch = Annotated[int, typer.Option(help="Batch size of random inputs (padding masks set it from --lengths/--ids).", parser=integer, rich_help_panel=INPUT_PANEL)]
+HeadDim = Annotated[int, typer.Option(help="Head size D of random inputs.", parser=integer, rich_help_panel=INPUT_PANEL)]
+DOut = Annotated[int | None, typer.Option(help="--x: output size of the projections (default d_in); split over --heads.", parser=integer, rich_help_panel=INPUT_PANEL)]
+QkvBias = Annotated[bool, typer.Option("--qkv-bias", help="--x: give the projections a bias (nn.Linear(bias=True)).", rich_help_panel=INPUT_PANEL)]
+Device = Annotated[str, typer.Option(help="Where to compute: auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.", rich_help_panel=COMPUTE_PANEL)]
+ComputeDtype = Annotated[str, typer.Option("--dtype", help=f"Compute dtype of every stage: {', '.join(DTYPES)}.", rich_help_panel=COMPUTE_PANEL)]
+Scale = Annotated[float | None, typer.Option(help="Multiply the scores by this instead of 1/sqrt(D) (as SDPA's scale does).", rich_help_panel=COMPUTE_PANEL)]
+Fill = Annotated[str, typer.Option(help="How masked scores are hidden: -inf (masked_fill, as SDPA), min (finfo(dtype).min, as Hugging Face), -1e9 (older tutorials), multiply (softmax first, then zero masked weights and renormalise).", rich_help_panel=COMPUTE_PANEL)]
+Dropout = Annotated[float, typer.Option(help="Dropout probability on the weights (seeded by --seed), 0 to turn it off.", rich_help_panel=COMPUTE_PANEL)]
+StagesOpt = Annotated[str, typer.Option("--stages", help="Stages to show, comma-separated: scores, scaled, masked, weights, output.", rich_help_panel=DISPLAY_PANEL)]
+BatchIndex = Annotated[int | None, typer.Option(help="Show this batch row only (default: all when batch x heads <= 4, else row 0).", parser=integer, rich_help_panel=DISPLAY_PANEL)]
+Head = Annotated[int | None, typer.Option(help="Show this head only (default: all when batch x heads <= 4, else head 0).", parser=integer, rich_help_panel=DISPLAY_PANEL)]
+Precision = Annotated[int, typer.Option(help="Decimals in the tables.", parser=integer, rich_help_panel=DISPLAY_PANEL)]
+FigurePng = Annotated[str | None, typer.Option("--png", help="Write a figure: rows = heads, columns = stages; .png, .svg or .pdf.", rich_help_panel=DISPLAY_PANEL)]
+StagesJson = Annotated[bool, typer.Option("--json", help="Print every stage as nested lists (non-finite values as \"nan\", \"inf\", \"-inf\"), with the mask and findings.", rich_help_panel=DISPLAY_PANEL)]

@@ -31,6 +31,8 @@ CONVENTIONS: dict[str, str] = {
 }
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
+FILLS = ("-inf", "min", "-1e9", "multiply")
+STAGES = ("scores", "scaled", "masked", "weights", "output")
 DEFAULT_LEN = 8
 
 _DEFAULT_DIAGONAL = {"tril": 0, "triu": 1}
@@ -73,6 +75,16 @@ def parse_tokens(text: str) -> tuple[str, ...]:
     if not tokens:
         raise MaskError(f"--tokens {text!r} has no words: give one word per position")
     return tokens
+
+
+def parse_stages(text: str) -> tuple[str, ...]:
+    """`scores,masked,weights` -> names, each one of STAGES, in the order given."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise MaskError(f"--stages {text!r} names no stage: choose from {', '.join(STAGES)}")
+    for name in names:
+        check_choice(name, STAGES, "stage in --stages")
+    return names
 
 
 def check_choice(value: str, choices, what: str) -> str:

@@ -25,6 +25,8 @@ class Panel:
     col_labels: Sequence[str] | None
     values: np.ndarray | None = None  # float [Lq, Lk]; masked cells are never coloured by value
     extent: tuple[float, float, float, float] | None = None  # (left, right, bottom, top) in positions
+    x_label: str = "key position (kv)"
+    before_mask: bool = False  # values exist under masked cells too (scores): show them, hatched over
 
 
 def _rgb(colour: tuple[int, int, int]) -> tuple[float, float, float]:
@@ -42,6 +44,7 @@ def _ticks(ax, labels: Sequence[str], axis: str) -> None:
 
 
 def _draw(ax, panel: Panel) -> object | None:
+    import matplotlib
     import matplotlib.colors as mcolors
 
     q_len, k_len = panel.keep.shape
@@ -51,15 +54,28 @@ def _draw(ax, panel: Panel) -> object | None:
         cmap = mcolors.LinearSegmentedColormap.from_list("mask", [_rgb(MASKED_RGB), _rgb(VISIBLE_RGB)])
         ax.imshow(panel.keep.astype(np.float32), cmap=cmap, vmin=0, vmax=1, interpolation="nearest", aspect="equal", extent=panel.extent)
     else:
-        values = np.ma.masked_array(panel.values, mask=~panel.keep | ~np.isfinite(panel.values))
-        cmap = mcolors.Colormap.copy(__import__("matplotlib").colormaps["viridis"])
+        finite = np.isfinite(panel.values)
+        hidden = ~finite if panel.before_mask else ~panel.keep | ~finite
+        values = np.ma.masked_array(panel.values, mask=hidden)
+        cmap = matplotlib.colormaps["viridis"].copy()
         cmap.set_bad(_rgb(MASKED_RGB))
         image = ax.imshow(values, cmap=cmap, interpolation="nearest", aspect="equal")
+        if panel.before_mask:
+            # the cells the mask will hide: hatched, so the value under them stays readable
+            overlay = np.zeros((q_len, k_len, 4))
+            overlay[~panel.keep] = (*_rgb(MASKED_RGB), 0.65)
+            ax.imshow(overlay, interpolation="nearest", aspect="equal")
         if q_len <= VALUES_UP_TO and k_len <= VALUES_UP_TO:
+            low, high = (values.min(), values.max()) if values.count() else (0.0, 1.0)
             for i in range(q_len):
                 for j in range(k_len):
-                    text = f"{panel.values[i, j]:.2f}" if panel.keep[i, j] else "×"
-                    ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if panel.keep[i, j] else "#888888")
+                    shown = panel.keep[i, j] or panel.before_mask
+                    text = f"{panel.values[i, j]:.2f}" if shown else "×"
+                    if not panel.keep[i, j] and panel.before_mask:
+                        text += "×"
+                    bright = high > low and (panel.values[i, j] - low) / (high - low) > 0.6
+                    colour = "#555555" if not panel.keep[i, j] else "black" if bright else "white"
+                    ax.text(j, i, text, ha="center", va="center", fontsize=7, color=colour)
     if panel.extent is None and q_len <= GRID_LINES_UP_TO and k_len <= GRID_LINES_UP_TO:
         ax.set_xticks(np.arange(-0.5, k_len, 1), minor=True)
         ax.set_yticks(np.arange(-0.5, q_len, 1), minor=True)
@@ -69,14 +85,18 @@ def _draw(ax, panel: Panel) -> object | None:
         _ticks(ax, panel.col_labels, "x")
     if panel.row_labels is not None:
         _ticks(ax, panel.row_labels, "y")
-    ax.set_xlabel("key position (kv)")
+    ax.set_xlabel(panel.x_label)
     ax.set_ylabel("query position (q)")
     ax.set_title(panel.title, fontsize=10)
     return image
 
 
-def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels: tuple[str, str]):
-    """A figure with one axes per panel (rows x columns of the grid), a title and a legend."""
+def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels: tuple[str, str] | None):
+    """A figure with one axes per panel (rows x columns of the grid), a title and a legend.
+
+    legend_labels names the visible and masked colours of mask panels; None (value
+    panels) names only the masked colour, which lies off every value colour map.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,10 +121,13 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels: t
             if image is not None:
                 figure.colorbar(image, ax=ax, shrink=0.8)
     figure.suptitle(title, fontsize=11)
-    handles = [
-        mpatches.Patch(facecolor=_rgb(VISIBLE_RGB), edgecolor="black", label=legend_labels[0]),
-        mpatches.Patch(facecolor=_rgb(MASKED_RGB), edgecolor="black", label=legend_labels[1]),
-    ]
+    if legend_labels is None:
+        handles = [mpatches.Patch(facecolor=_rgb(MASKED_RGB), edgecolor="black", label="masked (× in small panels)")]
+    else:
+        handles = [
+            mpatches.Patch(facecolor=_rgb(VISIBLE_RGB), edgecolor="black", label=legend_labels[0]),
+            mpatches.Patch(facecolor=_rgb(MASKED_RGB), edgecolor="black", label=legend_labels[1]),
+        ]
     figure.legend(handles=handles, loc="outside lower center", ncols=2, frameon=False, fontsize=9)
     return figure
 

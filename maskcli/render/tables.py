@@ -27,12 +27,13 @@ def grid_table(
     cell: Callable[[int, int], Text],
     caption: str | None = None,
     corner: str = "q \\ kv",
+    justify: str = "center",
 ) -> Table:
     """A queries x keys table; `cell(i, j)` gives each cell's styled text."""
     table = Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=None)
     table.add_column(corner, justify="left", style="bold", no_wrap=True)
     for label in col_labels:
-        table.add_column(label, justify="center", no_wrap=True, header_style="bold")
+        table.add_column(label, justify=justify, no_wrap=True, header_style="bold")
     for i, label in enumerate(row_labels):
         table.add_row(label, *(cell(i, j) for j in range(len(col_labels))))
     return table

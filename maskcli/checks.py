@@ -1,0 +1,128 @@
+"""Findings in plain words about a mask, or about a run of attention through one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from maskcli.attention import Stages, fill_value
+
+# Kinds under which no query should see a key after its own position.
+CAUSAL_KINDS = ("causal", "prefill", "window", "document", "tril", "triu")
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: str  # short, stable: fully-masked, row-sum, sees-later, fill-overflow
+    message: str
+
+
+def spans(values: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    parts: list[str] = []
+    start = prev = None
+    for value in values:
+        if start is None:
+            start = prev = value
+        elif value == prev + 1:
+            prev = value
+        else:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = value
+    if start is not None:
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ", ".join(parts)
+
+
+def _rows(rows: list[int], verb: str) -> str:
+    """'query row 2 sees' / 'query rows 0-2 see'."""
+    if len(rows) == 1:
+        return f"query row {rows[0]} {verb}s"
+    return f"query rows {spans(rows)} {verb}"
+
+
+def _where(b: int, h: int, shape) -> str:
+    parts = []
+    if shape[0] > 1:
+        parts.append(f"batch {b}")
+    if shape[1] > 1:
+        parts.append(f"head {h}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _rows_by_slice(rows: torch.Tensor, q_offset: int):
+    """Yield (b, h, [absolute query positions]) for each (b, h) with a True row."""
+    for b, h in torch.nonzero(rows.any(dim=-1)).tolist():
+        yield b, h, [q_offset + i for i in torch.nonzero(rows[b, h]).flatten().tolist()]
+
+
+def fully_masked_rows(keep: torch.Tensor) -> torch.Tensor:
+    """Bool (B, H, Lq): rows that see no key at all."""
+    return ~keep.any(dim=-1)
+
+
+def mask_findings(keep: torch.Tensor, kind: str, q_offset: int = 0) -> list[Finding]:
+    """Findings about the mask alone: rows that see nothing, queries that see later keys."""
+    keep = keep.cpu()
+    findings = []
+    for b, h, rows in _rows_by_slice(fully_masked_rows(keep), q_offset):
+        findings.append(Finding("fully-masked", f"{_rows(rows, 'see')} no key at all{_where(b, h, keep.shape)}"))
+    if kind in CAUSAL_KINDS:
+        q_pos = torch.arange(keep.shape[2])[:, None] + q_offset
+        k_pos = torch.arange(keep.shape[3])[None, :]
+        later = keep & (k_pos > q_pos)
+        for b, h, rows in _rows_by_slice(later.any(dim=-1), q_offset):
+            first = rows[0]
+            keys = torch.nonzero(later[b, h, first - q_offset]).flatten().tolist()
+            hint = " (is tril/triu read with the wrong --means?)" if kind in ("tril", "triu") else ""
+            findings.append(
+                Finding(
+                    "sees-later",
+                    f"{_rows(rows, 'see')} later keys{_where(b, h, keep.shape)}, which a {kind} mask "
+                    f"should not allow: query {first} sees keys {spans(keys)}{hint}",
+                )
+            )
+    return findings
+
+
+def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
+    """Findings about a run: what fully masked rows turned into, rows that do not sum to 1, fill overflow."""
+    keep = stages.keep.cpu()
+    weights = stages.weights.detach().float().cpu()
+    dtype = stages.scaled.dtype
+    findings: list[Finding] = []
+    if stages.fill == "-1e9" and fill_value("-1e9", dtype) == float("-inf"):
+        findings.append(
+            Finding(
+                "fill-overflow",
+                f"fill -1e9 does not fit {str(dtype).removeprefix('torch.')} (lowest {torch.finfo(dtype).min:.6g}) "
+                "and became -inf, so a fully masked row turns to NaN; use --fill min",
+            )
+        )
+    empty = fully_masked_rows(keep)
+    for finding in mask_findings(keep, kind, q_offset):
+        if finding.code != "fully-masked":
+            findings.append(finding)
+    for b, h, rows in _rows_by_slice(empty, q_offset):
+        row_weights = weights[b, h][empty[b, h]]
+        if torch.isnan(row_weights).all():
+            effect = "the weights and outputs there are NaN (softmax of a row with no finite score, or 0/0)"
+        elif torch.allclose(row_weights, torch.full_like(row_weights, 1.0 / keep.shape[-1]), atol=1e-3) and stages.dropout == 0:
+            effect = (
+                f"the fill {stages.fill} makes the weights there uniform (1/{keep.shape[-1]} on every key), "
+                "so masked keys are attended to"
+            )
+        else:
+            effect = "the weights there are whatever the fill left"
+        findings.append(
+            Finding("fully-masked", f"{_rows(rows, 'see')} no key{_where(b, h, keep.shape)}: {effect}")
+        )
+    sums = weights.sum(dim=-1)
+    off = ~torch.isclose(sums, torch.ones_like(sums), atol=1e-3) & ~empty
+    if stages.dropout > 0 and off.any():
+        findings.append(Finding("row-sum", f"with --dropout {stages.dropout} the weight rows no longer sum to 1 (kept weights are scaled by 1/(1-p))"))
+    else:
+        for b, h, rows in _rows_by_slice(off, q_offset):
+            findings.append(Finding("row-sum", f"the weights of query row{'s' if len(rows) > 1 else ''} {spans(rows)} do not sum to 1{_where(b, h, keep.shape)}"))
+    return findings

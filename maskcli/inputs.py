@@ -1,0 +1,191 @@
+"""Queries, keys and values for attention: given, projected from embeddings, or random; device and dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from maskcli.conventions import DTYPES
+from maskcli.errors import MaskError
+from maskcli.tensorfile import load_tensor
+
+
+def available_devices() -> list[str]:
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += ["cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto = cuda, then mps, then cpu; anything unavailable is a MaskError listing what is."""
+    available = available_devices()
+    if name == "auto":
+        return torch.device("cuda" if "cuda" in available else "mps" if "mps" in available else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise MaskError(f"unknown --device {name!r}: use auto or one of {', '.join(available)}") from None
+    if str(device) not in available and device.type not in ("cpu",):
+        raise MaskError(f"--device {name!r} is not available here; available: {', '.join(available)}")
+    return device
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise MaskError(f"unknown --dtype {name!r}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class QKV:
+    """(B, H, L, D) tensors on the compute device; `source` says where they came from."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    source: str
+
+
+def as_4d(tensor: torch.Tensor, flag: str) -> torch.Tensor:
+    """[L, D], [B, L, D] or [B, H, L, D] as [B, H, L, D]."""
+    if tensor.dim() == 2:
+        return tensor[None, None]
+    if tensor.dim() == 3:
+        return tensor[:, None]
+    if tensor.dim() == 4:
+        return tensor
+    raise MaskError(
+        f"{flag} has shape {list(tensor.shape)}: expected [L, D], [B, L, D] or [B, H, L, D]"
+    )
+
+
+def _float(tensor: torch.Tensor, flag: str) -> torch.Tensor:
+    if tensor.is_complex() or not (tensor.is_floating_point() or tensor.dtype in (torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)):
+        raise MaskError(f"{flag} has dtype {str(tensor.dtype).removeprefix('torch.')}; give real numbers")
+    if tensor.numel() == 0:
+        raise MaskError(f"{flag} is empty (shape {list(tensor.shape)})")
+    return tensor.to(torch.float32) if not tensor.is_floating_point() else tensor
+
+
+def load_input(source: str, flag: str, name: str) -> torch.Tensor:
+    """One input tensor from a file or inline JSON; a file may hold it under `name` (q, k, v or x)."""
+    return _float(load_tensor(source, flag, (name,)), flag)
+
+
+def project(x: torch.Tensor, seed: int, d_out: int | None, heads: int, bias: bool) -> tuple[torch.Tensor, ...]:
+    """Q, K, V as tutorial code makes them: after torch.manual_seed(seed), nn.Linear(d_in, d_out)
+    for query, key and value in that order; heads split d_out as (H, d_out / H)."""
+    x3 = x if x.dim() == 3 else x[None]
+    d_in = x3.shape[-1]
+    d_out = d_out or d_in
+    if d_out % heads:
+        raise MaskError(f"--d-out {d_out} does not split into --heads {heads}: make d_out a multiple of heads")
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(d_in, d_out, bias=bias) for _ in range(3)]
+    batch, length, _ = x3.shape
+    with torch.no_grad():
+        outs = [layer(x3.to(torch.float32)) for layer in layers]
+    return tuple(o.view(batch, length, heads, d_out // heads).transpose(1, 2) for o in outs)
+
+
+@dataclass(frozen=True)
+class Given:
+    """Inputs the user gave: q, k and v, or embeddings x; loaded but not yet projected."""
+
+    q: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    x: torch.Tensor | None = None
+
+    def sequence_length(self) -> int:
+        """Keys in the inputs: rows of k, or of x."""
+        return (self.k if self.x is None else self.x).shape[-2]
+
+    def query_length(self, offset: int) -> int:
+        """Queries: rows of q; with x, the rows after the first `offset` (already in the cache)."""
+        return self.q.shape[-2] if self.x is None else self.x.shape[-2] - offset
+
+
+def load_given(q: str | None, k: str | None, v: str | None, x: str | None) -> Given | None:
+    """--q/--k/--v (all three) take precedence over --x; None when nothing was given."""
+    given = {"--q": q, "--k": k, "--v": v}
+    if any(given.values()):
+        missing = [flag for flag, value in given.items() if value is None]
+        if missing:
+            raise MaskError(f"give all of --q, --k and --v (missing {', '.join(missing)}), or use --x or random inputs")
+        return Given(*(as_4d(load_input(value, flag, flag[2:]), flag) for flag, value in given.items()))
+    if x is not None:
+        xt = load_input(x, "--x", "x")
+        if xt.dim() not in (2, 3):
+            raise MaskError(f"--x has shape {list(xt.shape)}: expected [L, d_in] or [B, L, d_in]")
+        return Given(x=xt)
+    return None
+
+
+def make_qkv(
+    given: Given | None,
+    *,
+    seed: int,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    d_out: int | None,
+    qkv_bias: bool,
+    q_len: int,
+    k_len: int,
+) -> QKV:
+    """Q, K, V (B, H, L, D): as given, projected from x, or random from the seed.
+
+    With x the keys and values cover every row of x and the queries are its last
+    q_len rows (the new tokens of a prefill).
+    """
+    if given is not None and given.x is None:
+        return QKV(given.q, given.k, given.v, source="given --q/--k/--v")
+    if given is not None:
+        qf, kf, vf = project(given.x, seed, d_out, heads, qkv_bias)
+        return QKV(qf[:, :, kf.shape[2] - q_len :], kf, vf, source=f"--x projected by nn.Linear after torch.manual_seed({seed})")
+    if head_dim < 1 or batch < 1:
+        raise MaskError(f"--head-dim and --batch must be at least 1, got {head_dim} and {batch}")
+    generator = torch.Generator().manual_seed(seed)
+    shape_q = (batch, heads, q_len, head_dim)
+    shape_kv = (batch, heads, k_len, head_dim)
+    return QKV(
+        torch.randn(shape_q, generator=generator),
+        torch.randn(shape_kv, generator=generator),
+        torch.randn(shape_kv, generator=generator),
+        source=f"random, torch.Generator().manual_seed({seed})",
+    )
+
+
+def check_against_mask(qkv: QKV, shape: tuple[int, int, int, int]) -> QKV:
+    """Broadcast batch and heads against the mask's (B, H, Lq, Lk); name the dimension that disagrees."""
+    batch, heads, q_len, k_len = shape
+    q, k, v = qkv.q, qkv.k, qkv.v
+    checks = [
+        ("query length (dim -2 of q)", q.shape[2], q_len),
+        ("key length (dim -2 of k)", k.shape[2], k_len),
+        ("value length (dim -2 of v)", v.shape[2], k_len),
+    ]
+    for what, got, want in checks:
+        if got != want:
+            raise MaskError(f"inputs' {what} is {got} but the mask has {want}: match --len/--offset/labels to the inputs")
+    if q.shape[-1] != k.shape[-1]:
+        raise MaskError(f"q and k head sizes differ ({q.shape[-1]} vs {k.shape[-1]}, dim -1): they must match")
+    if k.shape[:2] != v.shape[:2]:
+        raise MaskError(f"k and v batch/heads differ ({list(k.shape[:2])} vs {list(v.shape[:2])})")
+    out_b = max(q.shape[0], k.shape[0], batch)
+    out_h = max(q.shape[1], k.shape[1], heads)
+    for what, sizes, want in (("batch (dim 0)", (q.shape[0], k.shape[0], batch), out_b), ("heads (dim 1)", (q.shape[1], k.shape[1], heads), out_h)):
+        if any(size not in (1, want) for size in sizes):
+            raise MaskError(
+                f"{what} does not agree: q {sizes[0]}, k/v {sizes[1]}, mask {sizes[2]}; each must be 1 or {want}"
+            )
+
+    def expand(t: torch.Tensor) -> torch.Tensor:
+        return t.expand(out_b, out_h, *t.shape[2:])
+
+    return QKV(expand(q), expand(k), expand(v), qkv.source)

@@ -1,0 +1,46 @@
+"""The attend pipeline without any rendering: inputs and mask on a device, stages, findings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from maskcli.attention import Stages, attend
+from maskcli.checks import Finding, run_findings
+from maskcli.inputs import QKV, check_against_mask
+from maskcli.masks import Mask, build, check_dense_fits
+from maskcli.spec import MaskSpec
+
+
+@dataclass(frozen=True)
+class Run:
+    mask: Mask
+    stages: Stages
+    findings: list[Finding]
+    device: torch.device
+    source: str
+
+
+def run_attention(
+    spec: MaskSpec,
+    qkv: QKV,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    scale: float | None = None,
+    fill: str = "-inf",
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> Run:
+    """Build the mask on `device`, run every stage there in `dtype`, and collect findings."""
+    mask = build(spec, device)
+    qkv = check_against_mask(qkv, spec.shape)
+    batch, heads = qkv.q.shape[:2]
+    # scores, scaled, masked, weights (and their temporaries) are each B x H x Lq x Lk
+    check_dense_fits((batch, heads, spec.q_len, spec.k_len), 6 * torch.finfo(dtype).bits // 8 + 1, "for the attention stages")
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (qkv.q, qkv.k, qkv.v))
+    keep = mask.materialize()
+    stages = attend(q, k, v, keep, scale=scale, fill=fill, dropout=dropout, seed=seed)
+    findings = run_findings(stages, spec.kind, spec.offset)
+    return Run(mask, stages, findings, device, qkv.source)

@@ -1,0 +1,158 @@
+"""Read named tensors from .pt, .npy, .npz, .safetensors and .json files, or inline JSON.
+
+Loading never runs code from the file: .pt goes through `torch.load(weights_only=True)`,
+.npy/.npz through `numpy.load(allow_pickle=False)`, and .safetensors is parsed here
+(an 8-byte header length, a JSON header, raw little-endian bytes), so no extra
+dependency is needed for it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+from maskcli.errors import MaskError
+
+SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors", ".json")
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def is_inline(text: str) -> bool:
+    return text.lstrip().startswith(("[", "{"))
+
+
+def load_tensors(source: str, flag: str) -> dict[str, torch.Tensor]:
+    """Every tensor in a file (or inline JSON) by name; a lone tensor is named ''."""
+    if is_inline(source):
+        return _from_json(_parse_json(source, f"{flag} (inline JSON)"), f"{flag} (inline JSON)")
+    path = Path(source)
+    where = f"{flag} {source!r}"
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; use one of {', '.join(SUFFIXES)} or inline JSON")
+    if not path.is_file():
+        raise MaskError(f"{where}: no such file")
+    if path.stat().st_size == 0:
+        raise MaskError(f"{where}: the file is empty")
+    if suffix in (".pt", ".pth"):
+        return _from_pt(path, where)
+    if suffix in (".npy", ".npz"):
+        return _from_numpy(path, where)
+    if suffix == ".safetensors":
+        return _from_safetensors(path, where)
+    return _from_json(_parse_json(path.read_text(errors="replace"), where), where)
+
+
+def load_tensor(source: str, flag: str, names: tuple[str, ...] = ()) -> torch.Tensor:
+    """The one tensor in `source`, or the first of `names` that it holds."""
+    tensors = load_tensors(source, flag)
+    if len(tensors) == 1 and ("" in tensors or not names):
+        return next(iter(tensors.values()))
+    for name in names:
+        if name in tensors:
+            return tensors[name]
+    wanted = " or ".join(repr(n) for n in names) if names else "one tensor"
+    raise MaskError(
+        f"{flag} {source!r} holds {', '.join(repr(k) for k in tensors) or 'no tensors'}; expected {wanted}"
+        + (" (choose one with --key)" if not names else "")
+    )
+
+
+def _parse_json(text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise MaskError(f"{where}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
+
+
+def _from_json(data, where: str) -> dict[str, torch.Tensor]:
+    items = data.items() if isinstance(data, dict) else [("", data)]
+    tensors = {}
+    for name, value in items:
+        try:
+            tensors[name] = torch.tensor(value)
+        except (TypeError, ValueError, RuntimeError) as error:
+            label = f" {name!r}" if name else ""
+            raise MaskError(
+                f"{where}{label}: not a rectangular nested list of numbers ({str(error).splitlines()[0]})"
+            ) from None
+    return tensors
+
+
+def _from_pt(path: Path, where: str) -> dict[str, torch.Tensor]:
+    import pickle
+
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        reason = str(error).splitlines()[0] if str(error) else "it holds objects other than tensors"
+        raise MaskError(
+            f"{where}: refused to load: weights_only=True allows plain tensors only ({reason[:160]}); "
+            "save the tensor itself with torch.save(tensor, path)"
+        ) from None
+    except Exception as error:  # torch raises RuntimeError, EOFError, zipfile errors... for bad files
+        raise MaskError(f"{where}: not a readable .pt file ({type(error).__name__}: {str(error)[:160]})") from None
+    if isinstance(data, torch.Tensor):
+        return {"": data}
+    if isinstance(data, dict) and data and all(isinstance(v, torch.Tensor) for v in data.values()):
+        return {str(k): v for k, v in data.items()}
+    raise MaskError(f"{where}: holds a {type(data).__name__}, not a tensor or a dict of tensors")
+
+
+def _from_numpy(path: Path, where: str) -> dict[str, torch.Tensor]:
+    import numpy as np
+
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except ValueError as error:
+        raise MaskError(f"{where}: refused: it holds Python objects, which would need pickle ({error})") from None
+    except Exception as error:
+        raise MaskError(f"{where}: not a readable numpy file ({type(error).__name__}: {str(error)[:160]})") from None
+    arrays = {"": loaded} if isinstance(loaded, np.ndarray) else {k: loaded[k] for k in loaded.files}
+    tensors = {}
+    for name, array in arrays.items():
+        if array.dtype.kind not in "biuf":
+            label = f" {name!r}" if name else ""
+            raise MaskError(f"{where}{label}: numpy dtype {array.dtype} cannot be a tensor of numbers")
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
+    return tensors
+
+
+def _from_safetensors(path: Path, where: str) -> dict[str, torch.Tensor]:
+    data = path.read_bytes()
+    try:
+        (header_len,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + header_len])
+        base = 8 + header_len
+        tensors = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise MaskError(f"{where}: tensor {name!r} has dtype {info['dtype']}, which cannot be used here")
+            start, end = info["data_offsets"]
+            raw = bytearray(data[base + start : base + end])
+            shape = info["shape"]
+            tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+            tensors[name] = tensor.reshape(shape)
+        return tensors
+    except MaskError:
+        raise
+    except Exception as error:
+        raise MaskError(f"{where}: not a readable .safetensors file ({type(error).__name__}: {str(error)[:160]})") from None
