@@ -63,7 +63,7 @@ def attend(
     if fill not in FILLS:
         raise ValueError(f"unknown fill {fill!r}; known: {', '.join(FILLS)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    keep = torch.broadcast_to(keep.to(q.device), (*q.shape[:-1], k.shape[-2]))
+    keep = compact(keep.to(q.device))  # negate and fill with the small mask, let broadcasting do the rest
     scores = q @ k.transpose(-2, -1)
     scaled = scores * scale
     if fill == "multiply":
@@ -78,4 +78,12 @@ def attend(
         kept = torch.rand(weights.shape, generator=generator, device=q.device) >= dropout
         weights = weights * kept / (1 - dropout)
     output = weights @ v
-    return Stages(scores, scaled, masked, weights, output, keep, scale, fill, dropout)
+    return Stages(scores, scaled, masked, weights, output, torch.broadcast_to(keep, scores.shape), scale, fill, dropout)
+
+
+def compact(tensor: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The same values with each broadcast (stride 0) dimension, of `dims` or all, cut to size 1."""
+    for dim, (size, stride) in enumerate(zip(tensor.shape, tensor.stride())):
+        if stride == 0 and size > 1 and (dims is None or dim in dims):
+            tensor = tensor.narrow(dim, 0, 1)
+    return tensor

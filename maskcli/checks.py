@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from maskcli.attention import Stages, fill_value
+from maskcli.attention import Stages, compact, fill_value
 
 # Kinds under which no query should see a key after its own position.
 CAUSAL_KINDS = ("causal", "prefill", "window", "document", "tril", "triu")
@@ -63,15 +63,24 @@ def fully_masked_rows(keep: torch.Tensor) -> torch.Tensor:
 
 
 def mask_findings(keep: torch.Tensor, kind: str, q_offset: int = 0) -> list[Finding]:
-    """Findings about the mask alone: rows that see nothing, queries that see later keys."""
-    keep = keep.cpu()
+    """Findings about the mask alone: rows that see nothing, queries that see later keys.
+
+    Dimensions the mask only broadcasts over (heads, usually) are looked at once.
+    """
+    keep = compact(keep, (0, 1)).cpu()
     findings = []
     for b, h, rows in _rows_by_slice(fully_masked_rows(keep), q_offset):
         findings.append(Finding("fully-masked", f"{_rows(rows, 'see')} no key at all{_where(b, h, keep.shape)}"))
+    findings += later_key_findings(keep, kind, q_offset)
+    return findings
+
+
+def later_key_findings(keep: torch.Tensor, kind: str, q_offset: int) -> list[Finding]:
+    findings = []
     if kind in CAUSAL_KINDS:
-        q_pos = torch.arange(keep.shape[2])[:, None] + q_offset
-        k_pos = torch.arange(keep.shape[3])[None, :]
-        later = keep & (k_pos > q_pos)
+        later = torch.triu(keep, diagonal=q_offset + 1)  # cells with kv > q_offset + local q
+        if not later.any():
+            return findings
         for b, h, rows in _rows_by_slice(later.any(dim=-1), q_offset):
             first = rows[0]
             keys = torch.nonzero(later[b, h, first - q_offset]).flatten().tolist()
@@ -88,8 +97,8 @@ def mask_findings(keep: torch.Tensor, kind: str, q_offset: int = 0) -> list[Find
 
 def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
     """Findings about a run: what fully masked rows turned into, rows that do not sum to 1, fill overflow."""
-    keep = stages.keep.cpu()
-    weights = stages.weights.detach().float().cpu()
+    keep = compact(stages.keep, (0, 1)).cpu()
+    weights = stages.weights.detach().cpu()
     dtype = stages.scaled.dtype
     findings: list[Finding] = []
     if stages.fill == "-1e9" and fill_value("-1e9", dtype) == float("-inf"):
@@ -100,12 +109,15 @@ def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
                 "and became -inf, so a fully masked row turns to NaN; use --fill min",
             )
         )
-    empty = fully_masked_rows(keep)
-    for finding in mask_findings(keep, kind, q_offset):
-        if finding.code != "fully-masked":
-            findings.append(finding)
+    findings += later_key_findings(keep, kind, q_offset)
+    sums = weights.sum(dim=-1, dtype=torch.float32)
+    sums_ok = (sums - 1).abs() <= 1e-3  # False for NaN
+    seen = keep.any(dim=-1)
+    if bool(sums_ok.all()) and bool(seen.all()):  # the common case, in four small ops
+        return findings
+    empty = ~seen
     for b, h, rows in _rows_by_slice(empty, q_offset):
-        row_weights = weights[b, h][empty[b, h]]
+        row_weights = weights[b if keep.shape[0] > 1 else 0, h if keep.shape[1] > 1 else 0][empty[b, h]].float()
         if torch.isnan(row_weights).all():
             effect = "the weights and outputs there are NaN (softmax of a row with no finite score, or 0/0)"
         elif torch.allclose(row_weights, torch.full_like(row_weights, 1.0 / keep.shape[-1]), atol=1e-3) and stages.dropout == 0:
@@ -118,11 +130,12 @@ def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
         findings.append(
             Finding("fully-masked", f"{_rows(rows, 'see')} no key{_where(b, h, keep.shape)}: {effect}")
         )
-    sums = weights.sum(dim=-1)
-    off = ~torch.isclose(sums, torch.ones_like(sums), atol=1e-3) & ~empty
-    if stages.dropout > 0 and off.any():
+    off = ~sums_ok & seen
+    if not off.any():
+        return findings
+    if stages.dropout > 0:
         findings.append(Finding("row-sum", f"with --dropout {stages.dropout} the weight rows no longer sum to 1 (kept weights are scaled by 1/(1-p))"))
     else:
         for b, h, rows in _rows_by_slice(off, q_offset):
-            findings.append(Finding("row-sum", f"the weights of query row{'s' if len(rows) > 1 else ''} {spans(rows)} do not sum to 1{_where(b, h, keep.shape)}"))
+            findings.append(Finding("row-sum", f"the weights of query row{'s' if len(rows) > 1 else ''} {spans(rows)} do not sum to 1{_where(b, h, off.shape)}"))
     return findings
