@@ -26,7 +26,8 @@ from maskcli.errors import MaskError
 from maskcli.options import (
     KIND_LIST, As, Batch, BatchIndex, Chunks, ComputeDtype, Device, Diagonal, DOut, Dropout, Dtype, FigurePng,
     Fill, Head, HeadDim, Heads, Ids, Json, KFile, Len, Lengths, Means, Offset, PadId, Png, Precision, Prefix,
-    QFile, QkvBias, Save, Scale, Seed, StagesJson, StagesOpt, Tokens, VFile, Window, XFile,
+    QFile, QkvBias, Repeat, Save, Scale, Seed, StagesJson, StagesOpt, Strict, Tokens, VerifyJson, VFile, Window, XFile,
+    Atol,
 )
 from maskcli.spec import CONVENTIONS, DTYPES, FILLS, KINDS, STAGES, check_choice, make_spec, parse_stages
 
@@ -246,24 +247,12 @@ def attend(
         diagonal=diagonal, means=means, lengths=lengths, ids=ids, pad_id=pad_id, offset=offset, chunks=chunks,
         window=window, prefix=prefix, heads=heads, tokens=tokens,
     )
-    if not (q or k or v or x):
-        make_spec(kind, length=length, **mask_options)  # refuse bad mask options before importing torch
-
-    from maskcli.inputs import load_given, make_qkv, resolve_device, resolve_dtype
+    spec, qkv, torch_device, torch_dtype = _mask_and_inputs(
+        kind, length, mask_options, q=q, k=k, v=v, x=x, seed=seed, batch=batch, heads=heads, head_dim=head_dim,
+        d_out=d_out, qkv_bias=qkv_bias, device=device, dtype=dtype,
+    )
     from maskcli.run import run_attention
 
-    torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype)
-    given = load_given(q, k, v, x)
-    if given is not None and length is None and kind not in ("chunk", "document"):
-        length = given.query_length(offset or 0)  # the inputs say how long the sequence is
-    spec = make_spec(kind, length=length, **mask_options)
-    for message in spec.warnings:
-        warn(message)
-    qkv = make_qkv(
-        given, seed=seed, batch=spec.batch if spec.padded else batch, heads=heads, head_dim=head_dim,
-        d_out=d_out, qkv_bias=qkv_bias, q_len=spec.q_len, k_len=spec.k_len,
-    )
     run = run_attention(spec, qkv, torch_device, torch_dtype, scale=scale, fill=fill, dropout=dropout, seed=seed)
 
     from maskcli import report
@@ -287,6 +276,125 @@ def attend(
     for table in report.stage_tables(run.mask, run.stages, names, pairs, precision):
         console.print(table)
     console.print(report.findings_text(run.findings))
+
+
+def _mask_and_inputs(kind, length, mask_options, *, q, k, v, x, seed, batch, heads, head_dim, d_out, qkv_bias, device, dtype):
+    """The MaskSpec and Q/K/V for attend and verify: given inputs decide the length unless --len does."""
+    if not (q or k or v or x):
+        make_spec(kind, length=length, **mask_options)  # refuse bad mask options before importing torch
+
+    from maskcli.inputs import load_given, make_qkv, resolve_device, resolve_dtype
+
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype)
+    given = load_given(q, k, v, x)
+    if given is not None and length is None and kind not in ("chunk", "document"):
+        length = given.query_length(mask_options.get("offset") or 0)  # the inputs say how long the sequence is
+    spec = make_spec(kind, length=length, **mask_options)
+    for message in spec.warnings:
+        warn(message)
+    qkv = make_qkv(
+        given, seed=seed, batch=spec.batch if spec.padded else batch, heads=heads, head_dim=head_dim,
+        d_out=d_out, qkv_bias=qkv_bias, q_len=spec.q_len, k_len=spec.k_len,
+    )
+    return spec, qkv, torch_device, torch_dtype
+
+
+@app.command(
+    epilog="Examples: maskcli verify causal --len 16 · maskcli verify padding --lengths 5,0 --device cuda --dtype float16 · "
+    "maskcli verify prefill --offset 4 --len 2 --strict --json",
+)
+def verify(
+    kind: Annotated[str, typer.Argument(help="Mask kind: " + ", ".join(KINDS) + ".", show_default=False)],
+    length: Len = None,
+    diagonal: Diagonal = None,
+    means: Means = None,
+    lengths: Lengths = None,
+    ids: Ids = None,
+    pad_id: PadId = 0,
+    offset: Offset = None,
+    chunks: Chunks = None,
+    window: Window = None,
+    prefix: Prefix = None,
+    heads: Heads = 2,
+    q: QFile = None,
+    k: KFile = None,
+    v: VFile = None,
+    x: XFile = None,
+    seed: Seed = 0,
+    batch: Batch = 1,
+    head_dim: HeadDim = 16,
+    d_out: DOut = None,
+    qkv_bias: QkvBias = False,
+    device: Device = "auto",
+    dtype: ComputeDtype = "float32",
+    scale: Scale = None,
+    atol: Atol = None,
+    repeat: Repeat = 5,
+    strict: Strict = False,
+    json_: VerifyJson = False,
+) -> None:
+    """Run one mask and one Q/K/V through every PyTorch attention kernel and compare them.
+
+    Backends: maskcli's staged computation, F.scaled_dot_product_attention under each
+    backend (math, flash, efficient, cudnn: a backend that refuses says why),
+    nn.MultiheadAttention (block-convention attn_mask and key_padding_mask, identity
+    projections) and flex_attention with the mask's own predicate. Each is compared with a
+    float64 reference on rows that see a key; for fully masked rows the table says what
+    each backend returned (zero, NaN, the unmasked row, the mean of V, other).
+    """
+    if scale is not None and not scale > 0:
+        raise MaskError(f"--scale must be a positive number, got {scale}")
+    if atol is not None and not atol >= 0:
+        raise MaskError(f"--atol must be 0 or more, got {atol}")
+    if not 1 <= repeat <= 1000:
+        raise MaskError(f"--repeat must be 1 to 1000, got {repeat}")
+    mask_options = dict(
+        diagonal=diagonal, means=means, lengths=lengths, ids=ids, pad_id=pad_id, offset=offset, chunks=chunks,
+        window=window, prefix=prefix, heads=heads, tokens=None,
+    )
+    spec, qkv, torch_device, torch_dtype = _mask_and_inputs(
+        kind, length, mask_options, q=q, k=k, v=v, x=x, seed=seed, batch=batch, heads=heads, head_dim=head_dim,
+        d_out=d_out, qkv_bias=qkv_bias, device=device, dtype=dtype,
+    )
+    from maskcli import verify as verify_core
+    from maskcli.inputs import check_against_mask
+    from maskcli.masks import build
+
+    qkv = check_against_mask(qkv, spec.shape)
+    tensors = [t.to(device=torch_device, dtype=torch_dtype).contiguous() for t in (qkv.q, qkv.k, qkv.v)]
+    tolerance = verify_core.DEFAULT_ATOL[torch_dtype] if atol is None else atol
+    results = verify_core.verify(build(spec, torch_device), spec, *tensors, scale=scale, atol=tolerance, repeat=repeat)
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+    if json_:
+        import json
+
+        typer.echo(json.dumps({
+            "kind": spec.kind, "params": spec.params, "shape": [*tensors[0].shape[:2], spec.q_len, spec.k_len],
+            "device": str(torch_device), "dtype": dtype_name, "atol": tolerance,
+            "backends": [
+                {"backend": r.name, "status": r.status, "reason": r.reason or None,
+                 "max_diff": None if r.max_diff is None or r.max_diff != r.max_diff else r.max_diff,
+                 "max_diff_is_nan": r.max_diff is not None and r.max_diff != r.max_diff,
+                 "fully_masked_rows": r.masked_rows, "seconds_per_call": r.seconds, "agrees": r.agrees(tolerance)}
+                for r in results
+            ],
+        }))
+    else:
+        from rich.console import Console
+
+        from maskcli.checks import mask_findings
+        from maskcli.render.backends import backends_table
+
+        empty = [f.message for f in mask_findings(build(spec).materialize(), spec.kind, spec.offset) if f.code == "fully-masked"]
+        title = (
+            f"verify {spec.describe()} · shape (B={tensors[0].shape[0]}, H={tensors[0].shape[1]}, Lq={spec.q_len}, "
+            f"Lk={spec.k_len}, D={tensors[0].shape[-1]}) · {torch_device} {dtype_name} · inputs: {qkv.source}\n"
+            + ("\n".join(empty) if empty else "every query row sees at least one key")
+        )
+        Console().print(backends_table(results, tolerance, title))
+    if strict and not all(r.agrees(tolerance) for r in results):
+        raise typer.Exit(1)
 
 
 def warn_done(message: str) -> None:

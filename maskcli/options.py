@@ -65,3 +65,7 @@ Head = Annotated[int | None, typer.Option(help="Show this head only (default: al
 Precision = Annotated[int, typer.Option(help="Decimals in the tables.", parser=integer, rich_help_panel=DISPLAY_PANEL)]
 FigurePng = Annotated[str | None, typer.Option("--png", help="Write a figure: rows = heads, columns = stages; .png, .svg or .pdf.", rich_help_panel=DISPLAY_PANEL)]
 StagesJson = Annotated[bool, typer.Option("--json", help="Print every stage as nested lists (non-finite values as \"nan\", \"inf\", \"-inf\"), with the mask and findings.", rich_help_panel=DISPLAY_PANEL)]
+Atol = Annotated[float | None, typer.Option(help="Agreement tolerance on max |diff| (default by dtype: float32 1e-5, float16 5e-3, bfloat16 3e-2, float64 1e-10).", rich_help_panel=COMPUTE_PANEL)]
+Repeat = Annotated[int, typer.Option(help="Timed calls per backend (the median is shown), after one warm-up call.", parser=integer, rich_help_panel=COMPUTE_PANEL)]
+Strict = Annotated[bool, typer.Option("--strict", help="Exit with status 1 when any backend that ran disagrees beyond --atol.", rich_help_panel=DISPLAY_PANEL)]
+VerifyJson = Annotated[bool, typer.Option("--json", help="Print the table as one JSON object.", rich_help_panel=DISPLAY_PANEL)]
