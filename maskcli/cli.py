@@ -147,7 +147,7 @@ def chunk(
     json_: Json = False,
     save: Save = None,
 ) -> None:
-    """Show the chunk mask of per-token labels: a token sees its own chunk and every earlier one (label[kv] <= label[q])."""
+    """Show the chunk mask of per-token labels: a token sees its own chunk and every earlier one (label\\[kv] <= label\\[q])."""
     spec = make_spec("chunk", chunks=labels, lengths=lengths, ids=ids, pad_id=pad_id, heads=heads, tokens=tokens)
     _present(spec, as_, dtype, png, json_, save)
 
@@ -228,9 +228,7 @@ def attend(
 ) -> None:
     """Run scaled dot-product attention through a mask and show every stage.
 
-    scores = Q Kᵀ, scaled = scores / sqrt(D), masked, weights = softmax(masked), output = weights V;
-    then findings in plain words: rows that see no key (NaN or uniform weights), rows whose
-    weights do not sum to 1, queries that see later keys, a fill value the dtype cannot hold.
+    scores = Q Kᵀ, scaled = scores / sqrt(D), masked (see --fill), weights = softmax(masked), output = weights V. Under the tables, findings in plain words: rows that see no key (NaN or uniform weights), rows whose weights do not sum to 1, queries that see later keys, a fill value the dtype cannot hold.
     """
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
 
@@ -336,12 +334,7 @@ def verify(
 ) -> None:
     """Run one mask and one Q/K/V through every PyTorch attention kernel and compare them.
 
-    Backends: maskcli's staged computation, F.scaled_dot_product_attention under each
-    backend (math, flash, efficient, cudnn: a backend that refuses says why),
-    nn.MultiheadAttention (block-convention attn_mask and key_padding_mask, identity
-    projections) and flex_attention with the mask's own predicate. Each is compared with a
-    float64 reference on rows that see a key; for fully masked rows the table says what
-    each backend returned (zero, NaN, the unmasked row, the mean of V, other).
+    Backends: maskcli's staged computation; F.scaled_dot_product_attention under each backend (math, flash, efficient, cudnn; one that refuses says why); nn.MultiheadAttention (block-convention attn_mask and key_padding_mask, identity projections); flex_attention with the mask's own predicate. Each is compared with a float64 reference on rows that see a key; for fully masked rows the table says what each backend returned (zero, NaN, the unmasked row, the mean of V, other).
     """
     if scale is not None and not scale > 0:
         raise MaskError(f"--scale must be a positive number, got {scale}")

@@ -17,7 +17,12 @@ def integer(value: str) -> int:
         raise typer.BadParameter(f"{value!r} is not a whole number") from None
 
 
-KIND_LIST = "\n\n".join(f"[bold]{kind}[/bold]: {text}" for kind, text in KINDS.items())
+def escape(text: str) -> str:
+    """Help text is rich markup: keep `label[kv]` from being read as a tag."""
+    return text.replace("[", "\\[")
+
+
+KIND_LIST = "\n\n".join(f"[bold]{kind}[/bold]: {escape(text)}" for kind, text in KINDS.items())
 MASK_PANEL = "Mask options"
 OUTPUT_PANEL = "Output"
 
