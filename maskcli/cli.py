@@ -360,19 +360,7 @@ def verify(
     results = verify_core.verify(build(spec, torch_device), spec, *tensors, scale=scale, atol=tolerance, repeat=repeat)
     dtype_name = str(torch_dtype).removeprefix("torch.")
     if json_:
-        import json
-
-        typer.echo(json.dumps({
-            "kind": spec.kind, "params": spec.params, "shape": [*tensors[0].shape[:2], spec.q_len, spec.k_len],
-            "device": str(torch_device), "dtype": dtype_name, "atol": tolerance,
-            "backends": [
-                {"backend": r.name, "status": r.status, "reason": r.reason or None,
-                 "max_diff": None if r.max_diff is None or r.max_diff != r.max_diff else r.max_diff,
-                 "max_diff_is_nan": r.max_diff is not None and r.max_diff != r.max_diff,
-                 "fully_masked_rows": r.masked_rows, "seconds_per_call": r.seconds, "agrees": r.agrees(tolerance)}
-                for r in results
-            ],
-        }))
+        typer.echo(verify_core.results_json(results, spec, tensors[0], tolerance))
     else:
         from rich.console import Console
 

@@ -58,7 +58,8 @@ def _ranges(values: list[int]) -> str:
     return ",".join(map(str, values))
 
 
-def _labels(mask: Mask) -> tuple[list[str], list[str]]:
+def axis_labels(mask: Mask) -> tuple[list[str], list[str]]:
+    """Row labels (absolute query positions, with tokens) and column labels (key positions or tokens)."""
     _, _, q_len, k_len = mask.shape
     width = len(str(mask.q_offset + q_len - 1))
     positions = [f"{mask.q_offset + i:>{width}}" for i in range(q_len)]
@@ -78,7 +79,7 @@ def mask_views(mask: Mask, convention: str, dtype_name: str, console) -> list:
     dtype = DTYPES[dtype_name]
     batch, _, q_len, k_len = mask.shape
     texts = cell_texts(convention, dtype)
-    row_labels, col_labels = _labels(mask)
+    row_labels, col_labels = axis_labels(mask)
     label_width = max(map(len, row_labels))
     cell_width = max(max(map(len, col_labels)), *map(len, texts)) + 1
     maybe_table = label_width + 2 + k_len * cell_width <= console.width
@@ -137,7 +138,7 @@ def mask_figure(mask: Mask):
     from maskcli.render.heatmaps import Panel, heatmap_figure
 
     batch, _, q_len, k_len = mask.shape
-    row_labels, col_labels = _labels(mask)
+    row_labels, col_labels = axis_labels(mask)
     rows = max(1, -(-q_len // FIGURE_MAX_CELLS))
     cols = max(1, -(-k_len // FIGURE_MAX_CELLS))
     panels = []

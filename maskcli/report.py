@@ -71,10 +71,10 @@ def stage_tables(mask: Mask, stages: Stages, names: list[str], pairs, precision:
     """One rich table per chosen stage and (batch, head); masked cells red and marked ×."""
     from rich.text import Text
 
-    from maskcli.output import _labels
+    from maskcli.output import axis_labels
     from maskcli.render.tables import MASKED_STYLE, grid_table
 
-    row_labels, col_labels = _labels(mask)
+    row_labels, col_labels = axis_labels(mask)
     keep = stages.keep.cpu()
     tables = []
     for b, h in pairs:
@@ -130,10 +130,10 @@ def stages_figure(mask: Mask, stages: Stages, names: list[str], pairs, device: t
     """Rows = (batch, head) pairs, columns = stages; masked cells grey, off the value scale."""
     import numpy as np
 
-    from maskcli.output import _labels
+    from maskcli.output import axis_labels
     from maskcli.render.heatmaps import Panel, heatmap_figure
 
-    row_labels, col_labels = _labels(mask)
+    row_labels, col_labels = axis_labels(mask)
     grid = []
     for b, h in pairs:
         keep = stages.keep[b, h].cpu().numpy()

@@ -216,3 +216,31 @@ def verify(
             )
         )
     return results
+
+
+def results_json(results: list[BackendResult], spec: MaskSpec, q: torch.Tensor, atol: float) -> str:
+    """The verify table as one JSON object; a NaN difference is null with max_diff_is_nan true."""
+    import json
+
+    def row(r: BackendResult) -> dict:
+        nan = r.max_diff is not None and math.isnan(r.max_diff)
+        return {
+            "backend": r.name,
+            "status": r.status,
+            "reason": r.reason or None,
+            "max_diff": None if r.max_diff is None or nan else r.max_diff,
+            "max_diff_is_nan": nan,
+            "fully_masked_rows": r.masked_rows,
+            "seconds_per_call": r.seconds,
+            "agrees": r.agrees(atol),
+        }
+
+    return json.dumps({
+        "kind": spec.kind,
+        "params": spec.params,
+        "shape": [q.shape[0], q.shape[1], spec.q_len, spec.k_len],
+        "device": str(q.device),
+        "dtype": str(q.dtype).removeprefix("torch."),
+        "atol": atol,
+        "backends": [row(r) for r in results],
+    })

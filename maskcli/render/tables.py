@@ -13,13 +13,6 @@ VISIBLE_STYLE = "bold green"
 MASKED_STYLE = "red dim"
 
 
-def axis_labels(count: int, start: int = 0, tokens: Sequence[str] | None = None) -> list[str]:
-    """Absolute positions, with the token beside each when there are tokens."""
-    if tokens is None:
-        return [str(start + i) for i in range(count)]
-    return [f"{start + i} {tokens[start + i]}" for i in range(count)]
-
-
 def grid_table(
     title: str,
     row_labels: Sequence[str],
