@@ -271,8 +271,11 @@ def attend(
 
     console = Console()
     console.print(report.run_header(run.mask, run.stages, run.device, run.source), style="bold", highlight=False)
-    for table in report.stage_tables(run.mask, run.stages, names, pairs, precision):
-        console.print(table)
+    views = report.stage_tables(run.mask, run.stages, names, pairs, precision, width=console.width)
+    for view in views:
+        console.print(view)
+    if any(not hasattr(view, "columns") for view in views):
+        console.print(report.too_wide_note())
     console.print(report.findings_text(run.findings))
 
 

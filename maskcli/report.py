@@ -67,14 +67,36 @@ def run_header(mask: Mask, stages: Stages, device: torch.device, source: str) ->
     )
 
 
-def stage_tables(mask: Mask, stages: Stages, names: list[str], pairs, precision: int) -> list:
-    """One rich table per chosen stage and (batch, head); masked cells red and marked ×."""
+def stage_summary(name: str, title: str, values: torch.Tensor, keep: torch.Tensor | None):
+    """One line for a stage too wide for the terminal: range and counts of what it holds."""
+    from rich.text import Text
+
+    shown = values if keep is None else values[keep.expand(values.shape)]
+    finite = shown[torch.isfinite(shown)]
+    parts = [f"{title}: {tuple(values.shape)}"]
+    if finite.numel():
+        parts.append(f"min {finite.min().item():.4g}, max {finite.max().item():.4g}, mean {finite.mean().item():.4g}")
+    nan = int(torch.isnan(values).sum())
+    if nan:
+        parts.append(f"{nan} nan")
+    if keep is not None:
+        parts.append(f"{int((~keep).sum())} masked cells")
+    return Text(" · ".join(parts))
+
+
+def stage_tables(mask: Mask, stages: Stages, names: list[str], pairs, precision: int, width: int = 10**9) -> list:
+    """One rich table per chosen stage and (batch, head); masked cells red and marked ×.
+
+    A stage whose table would be wider than `width` columns becomes a one-line summary.
+    """
     from rich.text import Text
 
     from maskcli.output import axis_labels
     from maskcli.render.tables import MASKED_STYLE, grid_table
 
     row_labels, col_labels = axis_labels(mask)
+    cell_width = precision + 5  # sign, a digit, point, and rich's padding of one each side
+    label_width = max(map(len, row_labels)) + 2
     keep = stages.keep.cpu()
     tables = []
     for b, h in pairs:
@@ -82,6 +104,11 @@ def stage_tables(mask: Mask, stages: Stages, names: list[str], pairs, precision:
         for name in names:
             values = stages.stage(name)[b, h].detach().float().cpu()
             title = f"{name}{' — ' + where if where else ''}"
+            columns = values.shape[-1]
+            header_width = cell_width if name == "output" else max(cell_width + 1, max(map(len, col_labels)) + 2)
+            if label_width + columns * header_width > width:
+                tables.append(stage_summary(name, title, values, None if name == "output" else keep[b, h]))
+                continue
             if name == "output":
                 dims = [f"d{j}" for j in range(values.shape[-1])]
                 tables.append(grid_table(title, row_labels, dims, lambda i, j, v=values: Text(number(v[i, j].item(), precision)), corner="q \\ dim", justify="right"))
@@ -94,6 +121,12 @@ def stage_tables(mask: Mask, stages: Stages, names: list[str], pairs, precision:
 
             tables.append(grid_table(title, row_labels, col_labels, cell, justify="right"))
     return tables
+
+
+def too_wide_note():
+    from rich.text import Text
+
+    return Text("stages wider than the terminal are summarised: a smaller --precision fits more columns, --png draws them, --json prints every value", style="dim")
 
 
 def findings_text(findings: list[Finding]):
