@@ -87,16 +87,16 @@ def mask_views(mask: Mask, convention: str, dtype_name: str, console) -> list:
     for b in range(batch):
         for group in head_groups(mask, b):
             title = _panel_title(mask, b, group)
+            if title:  # its own line: a table title would wrap to the table's width
+                views.append(Text(title, style="bold"))
             if maybe_table:
                 keep = mask.materialize()[b, group[0]].tolist()
-                table = mask_table(keep, title, row_labels, col_labels, texts)
+                table = mask_table(keep, None, row_labels, col_labels, texts)
                 if fits(console, table):
                     views.append(table)
                     continue
             blocks = choose_blocks(q_len, k_len, console.width - label_width - 2)
             counts = block_counts(mask, b, group[0], blocks.rows, blocks.cols)
-            if title:
-                views.append(Text(title, style="bold"))
             views.append(density_text(counts, blocks, q_len, k_len, mask.q_offset))
     return views
 

@@ -14,7 +14,7 @@ MASKED_STYLE = "red dim"
 
 
 def grid_table(
-    title: str,
+    title: str | None,
     row_labels: Sequence[str],
     col_labels: Sequence[str],
     cell: Callable[[int, int], Text],
@@ -34,7 +34,7 @@ def grid_table(
 
 def mask_table(
     keep: Sequence[Sequence[bool]],
-    title: str,
+    title: str | None,
     row_labels: Sequence[str],
     col_labels: Sequence[str],
     texts: tuple[str, str],
