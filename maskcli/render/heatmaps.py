@@ -57,8 +57,7 @@ def _draw(ax, panel: Panel) -> object | None:
         finite = np.isfinite(panel.values)
         hidden = ~finite if panel.before_mask else ~panel.keep | ~finite
         values = np.ma.masked_array(panel.values, mask=hidden)
-        cmap = matplotlib.colormaps["viridis"].copy()
-        cmap.set_bad(_rgb(MASKED_RGB))
+        cmap = matplotlib.colormaps["viridis"].with_extremes(bad=_rgb(MASKED_RGB))
         image = ax.imshow(values, cmap=cmap, interpolation="nearest", aspect="equal")
         if panel.before_mask:
             # the cells the mask will hide: hatched, so the value under them stays readable
