@@ -96,13 +96,19 @@ def _from_json(data, where: str) -> dict[str, torch.Tensor]:
 
 def _from_pt(path: Path, where: str) -> dict[str, torch.Tensor]:
     import pickle
+    import warnings
 
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the error below says enough
+            data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        reason = str(error).splitlines()[0] if str(error) else "it holds objects other than tensors"
+        # torch's message is mostly advice to turn weights_only off; keep the line that names the object
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        named = [line for line in lines if "GLOBAL" in line or line.startswith("Unsupported")]
+        reason = (named or lines[1:2] or ["it holds objects other than tensors"])[0]
         raise MaskError(
-            f"{where}: refused to load: weights_only=True allows plain tensors only ({reason[:160]}); "
+            f"{where}: refused to load with weights_only=True, nothing in it was run ({reason[:200]}); "
             "save the tensor itself with torch.save(tensor, path)"
         ) from None
     except Exception as error:  # torch raises RuntimeError, EOFError, zipfile errors... for bad files
