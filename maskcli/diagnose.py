@@ -233,7 +233,8 @@ def findings(tensor: torch.Tensor, convention: Convention, keep4: torch.Tensor, 
         later = torch.triu(keep4[:, :1], diagonal=max(0, keep4.shape[-1] - keep4.shape[-2]) + 1).any(dim=-1)
         rows = later.any(dim=0).flatten().nonzero().flatten().tolist()
         if rows and len(rows) < keep4.shape[-2] / 2:
-            result.append(Finding("sees-later", f"query rows {spans(rows)} see later keys while the others do not: an off-by-one in a causal mask?"))
+            who = f"query row {rows[0]} sees" if len(rows) == 1 else f"query rows {spans(rows)} see"
+            result.append(Finding("sees-later", f"{who} later keys while the others do not: an off-by-one in a causal mask?"))
     if convention.sentinel is not None or convention.name == "bias":
         lowest = float(tensor[torch.isfinite(tensor)].min()) if bool(torch.isfinite(tensor).any()) else 0.0
         for dtype in (torch.float16, torch.bfloat16):

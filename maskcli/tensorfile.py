@@ -80,12 +80,24 @@ def _parse_json(text: str, where: str):
         raise MaskError(f"{where}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
 
 
+_NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def _numbers(value):
+    """Nested lists with maskcli's JSON spelling of non-finite values ("nan", "inf", "-inf") as floats."""
+    if isinstance(value, list):
+        return [_numbers(item) for item in value]
+    if isinstance(value, str) and value.lower() in _NON_FINITE:
+        return _NON_FINITE[value.lower()]
+    return value
+
+
 def _from_json(data, where: str) -> dict[str, torch.Tensor]:
     items = data.items() if isinstance(data, dict) else [("", data)]
     tensors = {}
     for name, value in items:
         try:
-            tensors[name] = torch.tensor(value)
+            tensors[name] = torch.tensor(_numbers(value))
         except (TypeError, ValueError, RuntimeError) as error:
             label = f" {name!r}" if name else ""
             raise MaskError(
