@@ -66,8 +66,8 @@ def classify(tensor: torch.Tensor) -> Convention:
             return Convention(
                 name,
                 share >= 0.75,
-                f"{share:.0%} of the queries {'see' if name == 'keep' else 'are masked from'} their own position when True means "
-                f"{'attend' if name == 'keep' else 'masked'}; a query normally sees itself",
+                f"read as {name} (True = {'attend' if name == 'keep' else 'masked'}), {share:.0%} of the queries see "
+                "their own position, as queries normally do",
             )
         first = tensor[..., 0].float().mean().item()
         name = "keep" if first >= 0.5 else "block"
