@@ -193,6 +193,14 @@ class Mask:
         keep = torch.as_tensor(keep, device=self.device)
         return torch.broadcast_to(keep, (batch, heads, len(q_range), len(k_range)))
 
+    def evaluate(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
+        """Bool (B, H, len(q_index), len(k_index)) at any local query and key positions."""
+        batch, heads = self.shape[:2]
+        b = torch.arange(batch, device=self.device).view(-1, 1, 1, 1)
+        h = torch.arange(heads, device=self.device).view(1, -1, 1, 1)
+        keep = torch.as_tensor(self.mask_mod(b, h, q_index.view(1, 1, -1, 1), k_index.view(1, 1, 1, -1)), device=self.device)
+        return torch.broadcast_to(keep, (batch, heads, len(q_index), len(k_index)))
+
     def dense(self) -> torch.Tensor:
         """The whole mask as a contiguous bool tensor, after checking that it fits in memory."""
         check_dense_fits(self.shape, 1, "as a bool tensor")
@@ -271,22 +279,46 @@ def check_dense_fits(shape: tuple[int, ...], bytes_per_cell: float, how: str) ->
         )
 
 
-def block_counts(mask: Mask, batch: int, head: int, rows: int, cols: int, budget: int = 1 << 24) -> torch.Tensor:
-    """Visible cells per block of `rows` queries x `cols` keys, as an int64 grid.
+SAMPLES_PER_SIDE = 32  # a block larger than this many queries or keys is sampled, not counted
 
-    The mask is evaluated a band of blocks at a time, so a long mask is summarised
-    with memory bounded by `budget` cells rather than Lq x Lk.
+
+def _block_points(length: int, block: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Positions to evaluate for blocks of `block` along an axis of `length`, their weights, and points per block.
+
+    A block of up to SAMPLES_PER_SIDE positions uses every position; a longer one uses that
+    many evenly spaced positions, so the cost stops growing with the length. The last block
+    may be shorter: its unused slots get weight 0.
+    """
+    blocks = -(-length // block)
+    per = min(block, SAMPLES_PER_SIDE)
+    starts = torch.arange(blocks, dtype=torch.float64)[:, None] * block
+    sizes = torch.clamp(length - starts, max=block)
+    used = torch.minimum(sizes, torch.tensor(float(per)))
+    slots = torch.arange(per, dtype=torch.float64)[None, :]
+    points = (starts + torch.floor((slots + 0.5) * sizes / used)).to(torch.int64)
+    weights = (slots < used).to(torch.float64)
+    return torch.minimum(points, torch.tensor(length - 1)).flatten(), weights.flatten(), per
+
+
+def block_shares(mask: Mask, batch: int, head: int, rows: int, cols: int, budget: int = 1 << 24) -> tuple[torch.Tensor, bool]:
+    """Share of visible cells per block of `rows` queries x `cols` keys (0..1), and whether it was sampled.
+
+    Blocks up to SAMPLES_PER_SIDE on a side are counted exactly; larger ones are estimated
+    from an even grid of sample points, so any length is summarised in bounded time and
+    memory. The predicate is evaluated a band of blocks at a time, within `budget` cells.
     """
     _, _, q_len, k_len = mask.shape
-    grid_rows, grid_cols = -(-q_len // rows), -(-k_len // cols)
-    counts = torch.zeros(grid_rows, grid_cols, dtype=torch.int64)
-    band = max(1, budget // max(1, rows * k_len))
-    padded_k = grid_cols * cols
+    q_points, q_weights, q_per = _block_points(q_len, rows)
+    k_points, k_weights, k_per = _block_points(k_len, cols)
+    grid_rows, grid_cols = len(q_points) // q_per, len(k_points) // k_per
+    visible = torch.zeros(grid_rows, grid_cols, dtype=torch.float64)
+    k_index = k_points.to(mask.device)
+    band = max(1, budget // max(1, q_per * len(k_points)))
     for first in range(0, grid_rows, band):
         last = min(grid_rows, first + band)
-        q_range = range(first * rows, min(q_len, last * rows))
-        keep = mask.materialize(q_range, range(k_len))[batch, head].to("cpu")
-        full = torch.zeros((last - first) * rows, padded_k, dtype=torch.int32)
-        full[: len(q_range), :k_len] = keep
-        counts[first:last] = full.view(last - first, rows, grid_cols, cols).sum(dim=(1, 3))
-    return counts
+        rows_here = slice(first * q_per, last * q_per)
+        keep = mask.evaluate(q_points[rows_here].to(mask.device), k_index)[batch, head].to("cpu", torch.float64)
+        weighted = keep * q_weights[rows_here, None] * k_weights[None, :]
+        visible[first:last] = weighted.view(last - first, q_per, grid_cols, k_per).sum(dim=(1, 3))
+    cells = q_weights.view(grid_rows, q_per).sum(1)[:, None] * k_weights.view(grid_cols, k_per).sum(1)[None, :]
+    return visible / cells, rows > q_per or cols > k_per

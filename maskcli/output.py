@@ -9,10 +9,11 @@ import torch
 
 from maskcli.conventions import DTYPES, bytes_per_cell, cell_texts, describe, to_convention
 from maskcli.files import atomic_write
-from maskcli.masks import Mask, block_counts, check_dense_fits
+from maskcli.masks import SAMPLES_PER_SIDE, Mask, block_shares, check_dense_fits
 from maskcli.spec import describe as describe_params
 
 FIGURE_MAX_CELLS = 512  # per side; a longer mask is drawn as the share of visible cells per block
+TABLE_MAX_ROWS = 256  # a taller mask is a density map even when it is narrow
 HEAD_COMPARE_CELLS = 1 << 22
 
 
@@ -79,10 +80,14 @@ def mask_views(mask: Mask, convention: str, dtype_name: str, console) -> list:
     dtype = DTYPES[dtype_name]
     batch, _, q_len, k_len = mask.shape
     texts = cell_texts(convention, dtype)
-    row_labels, col_labels = axis_labels(mask)
-    label_width = max(map(len, row_labels))
-    cell_width = max(max(map(len, col_labels)), *map(len, texts)) + 1
-    maybe_table = label_width + 2 + k_len * cell_width <= console.width
+    label_width = len(str(mask.q_offset + q_len - 1)) + 1
+    # every cell takes at least two columns: decide before building labels for a long mask
+    maybe_table = 2 * k_len + label_width <= console.width and q_len <= TABLE_MAX_ROWS
+    if maybe_table:
+        row_labels, col_labels = axis_labels(mask)
+        label_width = max(map(len, row_labels))
+        cell_width = max(max(map(len, col_labels)), *map(len, texts)) + 1
+        maybe_table = label_width + 2 + k_len * cell_width <= console.width
     views: list = [Text(header(mask, convention, dtype), style="bold")]
     for b in range(batch):
         for group in head_groups(mask, b):
@@ -96,8 +101,8 @@ def mask_views(mask: Mask, convention: str, dtype_name: str, console) -> list:
                     views.append(table)
                     continue
             blocks = choose_blocks(q_len, k_len, console.width - label_width - 2)
-            counts = block_counts(mask, b, group[0], blocks.rows, blocks.cols)
-            views.append(density_text(counts, blocks, q_len, k_len, mask.q_offset))
+            shares, sampled = block_shares(mask, b, group[0], blocks.rows, blocks.cols)
+            views.append(density_text(shares, blocks, q_len, k_len, mask.q_offset, SAMPLES_PER_SIDE if sampled else None))
     return views
 
 
@@ -133,12 +138,10 @@ def save_tensor(mask: Mask, convention: str, dtype_name: str, path: Path) -> Non
 
 def mask_figure(mask: Mask):
     """One panel per batch row (and distinct head); long masks show the visible share per block."""
-    import numpy as np
 
     from maskcli.render.heatmaps import Panel, heatmap_figure
 
     batch, _, q_len, k_len = mask.shape
-    row_labels, col_labels = axis_labels(mask)
     rows = max(1, -(-q_len // FIGURE_MAX_CELLS))
     cols = max(1, -(-k_len // FIGURE_MAX_CELLS))
     panels = []
@@ -147,19 +150,14 @@ def mask_figure(mask: Mask):
             title = _panel_title(mask, b, group)
             if rows == 1 and cols == 1:
                 keep = mask.materialize()[b, group[0]].cpu().numpy()
-                panels.append(Panel(title, keep, row_labels, col_labels))
+                panels.append(Panel(title, keep, *axis_labels(mask)))
                 continue
-            counts = block_counts(mask, b, group[0], rows, cols).numpy().astype(np.float64)
-            capacity = block_counts(_full_like(mask), 0, 0, rows, cols).numpy()
-            share = counts / capacity
-            title = (title + "\n" if title else "") + f"one pixel = {rows} queries x {cols} keys (shade = share visible)"
-            panels.append(Panel(title, share, None, None, extent=(0, k_len, mask.q_offset + q_len, mask.q_offset)))
+            share, sampled = block_shares(mask, b, group[0], rows, cols)
+            how = f"share visible, estimated from up to {SAMPLES_PER_SIDE} x {SAMPLES_PER_SIDE} points" if sampled else "share visible"
+            title = (title + "\n" if title else "") + f"one pixel = {rows} queries x {cols} keys (shade = {how})"
+            panels.append(Panel(title, share.numpy(), None, None, extent=(0, k_len, mask.q_offset + q_len, mask.q_offset)))
     figure_title = f"{describe_params(mask.kind, mask.params)}\nshape (B={batch}, H={mask.shape[1]}, Lq={q_len}, Lk={k_len}), keep convention"
     return heatmap_figure([panels], figure_title, ("may attend (True)", "masked (False)"))
-
-
-def _full_like(mask: Mask) -> Mask:
-    return Mask(name="all", shape=(1, 1, *mask.shape[2:]), mask_mod=lambda b, h, q, kv: torch.ones((), dtype=torch.bool))
 
 
 def save_mask_figure(mask: Mask, path: Path) -> None:

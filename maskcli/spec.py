@@ -34,6 +34,7 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 FILLS = ("-inf", "min", "-1e9", "multiply")
 STAGES = ("scores", "scaled", "masked", "weights", "output")
 DEFAULT_LEN = 8
+MAX_LEN = 1 << 40  # positions are int64 and long masks are only ever sampled; past this nothing is useful
 
 _DEFAULT_DIAGONAL = {"tril": 0, "triu": 1}
 _DEFAULT_MEANS = {"tril": "keep", "triu": "block"}
@@ -237,6 +238,9 @@ def make_spec(
     _positive(heads, "--heads", "the number of attention heads")
     _positive(window, "--window", "a query sees itself and the W-1 keys before it")
     _positive(prefix, "--prefix", "the number of bidirectional prefix tokens")
+    for flag, value in (("--len", length), ("--offset", offset), ("--window", window), ("--prefix", prefix)):
+        if value is not None and value > MAX_LEN:
+            raise MaskError(f"{flag} {value} is too large: at most {MAX_LEN:,}")
     if offset is not None and offset < 0:
         raise MaskError(f"--offset must be 0 or more (tokens already in the KV cache), got {offset}")
     offset = offset or 0

@@ -148,3 +148,35 @@ def test_conventions(dtype):
     assert torch.equal(additive[0, 0].float(), torch.nn.Transformer.generate_square_subsequent_mask(4))
     minimum = to_convention(keep, "min", dtype)
     assert minimum[~keep].unique().tolist() == [torch.finfo(dtype).min] and bool((minimum[keep] == 0).all())
+
+
+@settings(max_examples=40, deadline=None)
+@given(length=st.integers(1, 40), rows=st.integers(1, 9), cols=st.integers(1, 9), window=st.integers(1, 6))
+def test_block_shares_count_exactly_when_blocks_are_small(length, rows, cols, window):
+    from maskcli.masks import block_shares
+
+    mask = build(make_spec("window", length=length, window=window))
+    shares, sampled = block_shares(mask, 0, 0, rows, cols)
+    keep = mask.dense()[0, 0].double()
+    for i in range(shares.shape[0]):
+        for j in range(shares.shape[1]):
+            block = keep[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols]
+            assert shares[i, j].item() == pytest.approx(block.mean().item())
+    assert not sampled
+
+
+def test_block_shares_of_a_huge_mask_are_sampled_and_right_where_it_is_clear():
+    from maskcli.masks import block_shares
+
+    length = 10**12
+    mask = build(make_spec("causal", length=length))
+    block = length // 10
+    shares, sampled = block_shares(mask, 0, 0, block, block)
+    assert sampled and shares.shape == (10, 10)
+    for i in range(10):
+        for j in range(10):
+            expected = 1.0 if j < i else 0.0 if j > i else None  # diagonal blocks are about half visible
+            if expected is None:
+                assert 0.4 < shares[i, j].item() < 0.6
+            else:
+                assert shares[i, j].item() == expected

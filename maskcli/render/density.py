@@ -26,13 +26,16 @@ def choose_blocks(q_len: int, k_len: int, width: int) -> Blocks:
     as many queries as keys and a square mask looks square.
     """
     cols = max(1, -(-k_len // max(1, width)))
-    rows = max(1, 2 * cols, -(-q_len // MAX_LINES))
+    rows = max(1, min(2 * cols, q_len), -(-q_len // MAX_LINES))
     return Blocks(rows=rows, cols=cols)
 
 
-def density_text(counts, blocks: Blocks, q_len: int, k_len: int, q_offset: int = 0) -> Text:
-    """The map: a key-position ruler, then one line per block of queries, labelled by its first query."""
-    grid_rows, grid_cols = counts.shape
+def density_text(shares, blocks: Blocks, q_len: int, k_len: int, q_offset: int = 0, sampled: int | None = None) -> Text:
+    """The map: a key-position ruler, then one line per block of queries, labelled by its first query.
+
+    `shares` holds the visible share (0..1) of each block; `sampled`, when given, is the points per side each block was estimated from.
+    """
+    grid_rows, grid_cols = shares.shape
     label_width = len(str(q_offset + q_len - 1))
     text = Text()
     ruler = [" "] * grid_cols
@@ -43,16 +46,14 @@ def density_text(counts, blocks: Blocks, q_len: int, k_len: int, q_offset: int =
     text.append(" " * (label_width + 1) + "".join(ruler).rstrip() + "\n", style="dim")
     for row in range(grid_rows):
         first_q = row * blocks.rows
-        height = min(blocks.rows, q_len - first_q)
         text.append(f"{q_offset + first_q:>{label_width}} ", style="bold")
         for col in range(grid_cols):
-            capacity = height * min(blocks.cols, k_len - col * blocks.cols)
-            count = int(counts[row, col])
-            if count == capacity:
+            share = float(shares[row, col])
+            if share == 1:
                 text.append(FULL, style="green")
-            elif count == 0:
+            elif share == 0:
                 text.append(NONE, style="red dim")
-            elif 2 * count > capacity:
+            elif share > 0.5:
                 text.append(MOST, style="yellow")
             else:
                 text.append(SOME, style="yellow")
@@ -61,7 +62,8 @@ def density_text(counts, blocks: Blocks, q_len: int, k_len: int, q_offset: int =
     noun_k = "key" if blocks.cols == 1 else "keys"
     text.append(
         f"rows: query position, ruler: key position; one character = {blocks.rows} {noun_q} x "
-        f"{blocks.cols} {noun_k}\n{LEGEND}",
+        f"{blocks.cols} {noun_k}" + (f" (estimated from up to {sampled} x {sampled} points each)" if sampled else "")
+        + f"\n{LEGEND}",
         style="dim",
     )
     return text
