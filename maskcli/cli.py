@@ -421,7 +421,7 @@ def inspect(
     from maskcli.masks import Mask
 
     convention = diagnose.classify(tensor)
-    keep4, broadcast = diagnose.as_4d(diagnose.to_keep(tensor, convention))
+    keep4, broadcast = diagnose.broadcast_4d(diagnose.to_keep(tensor, convention))
     structure = diagnose.recognise(keep4)
     found = diagnose.findings(tensor, convention, keep4, structure, heads)
     parsed_tokens = None

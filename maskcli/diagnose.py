@@ -109,7 +109,7 @@ def to_keep(tensor: torch.Tensor, convention: Convention | str) -> torch.Tensor:
     return torch.isfinite(tensor) & (tensor > SENTINEL_AT_MOST)  # additive, min, bias
 
 
-def as_4d(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
+def broadcast_4d(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
     """(B, H, Lq, Lk) as SDPA broadcasts it, and how the dimensions were read."""
     if tensor.dim() == 2:
         return tensor[None, None], f"[Lq={tensor.shape[0]}, Lk={tensor.shape[1]}] broadcasts over batch and heads"

@@ -180,18 +180,13 @@ class Mask:
         The ranges are local indices (query row 0 is absolute position q_offset).
         The whole mask is the window taken whole; the result may be a broadcast view.
         """
-        batch, heads, q_len, k_len = self.shape
-        q_range = range(q_len) if q_range is None else q_range
-        k_range = range(k_len) if k_range is None else k_range
+        q_range = range(self.shape[2]) if q_range is None else q_range
+        k_range = range(self.shape[3]) if k_range is None else k_range
 
-        def index(values: range, dim: int) -> torch.Tensor:
-            view = [1, 1, 1, 1]
-            view[dim] = len(values)
-            return torch.arange(values.start, values.stop, values.step or 1, device=self.device).view(view)
+        def index(values: range) -> torch.Tensor:
+            return torch.arange(values.start, values.stop, values.step or 1, device=self.device)
 
-        keep = self.mask_mod(index(range(batch), 0), index(range(heads), 1), index(q_range, 2), index(k_range, 3))
-        keep = torch.as_tensor(keep, device=self.device)
-        return torch.broadcast_to(keep, (batch, heads, len(q_range), len(k_range)))
+        return self.evaluate(index(q_range), index(k_range))
 
     def evaluate(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
         """Bool (B, H, len(q_index), len(k_index)) at any local query and key positions."""
