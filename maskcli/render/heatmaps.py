@@ -35,6 +35,13 @@ def _rgb(colour: tuple[int, int, int]) -> tuple[float, float, float]:
 
 def _ticks(ax, labels: Sequence[str], axis: str) -> None:
     count = len(labels)
+    if count > 48:  # long axes: a few round positions, as matplotlib would choose them
+        from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+        target = ax.xaxis if axis == "x" else ax.yaxis
+        target.set_major_locator(MaxNLocator(nbins=8, integer=True))
+        target.set_major_formatter(FuncFormatter(lambda value, _: labels[int(value)] if 0 <= int(value) < count else ""))
+        return
     step = max(1, -(-count // 24))
     positions = list(range(0, count, step))
     if axis == "x":
@@ -58,7 +65,9 @@ def _draw(ax, panel: Panel) -> object | None:
         hidden = ~finite if panel.before_mask else ~panel.keep | ~finite
         values = np.ma.masked_array(panel.values, mask=hidden)
         cmap = matplotlib.colormaps["viridis"].with_extremes(bad=_rgb(MASKED_RGB))
-        image = ax.imshow(values, cmap=cmap, interpolation="nearest", aspect="equal")
+        # an output panel (queries x head dims) is tall and thin: let it fill its box
+        aspect = "equal" if max(q_len, k_len) <= 4 * min(q_len, k_len) else "auto"
+        image = ax.imshow(values, cmap=cmap, interpolation="nearest", aspect=aspect)
         if panel.before_mask:
             # the cells the mask will hide: hatched, so the value under them stays readable
             overlay = np.zeros((q_len, k_len, 4))
