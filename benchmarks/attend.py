@@ -1,6 +1,6 @@
 """Overhead of maskcli's attend pipeline against the same computation written directly in torch.
 
-    python benchmarks/attend.py [--runs 5] [--lengths 64,512,2048] [--heads 8]
+    python benchmarks/attend.py [--runs 9] [--lengths 64,512,2048] [--heads 8]
 
 For each length L (8 heads, head size 64, batch 1, causal mask) it times, in one run and
 interleaved, (a) maskcli.run.run_attention: mask predicate built and materialised, every
@@ -44,7 +44,7 @@ def clock(fn, device) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--lengths", default="64,512,2048")
     parser.add_argument("--heads", type=int, default=8)
     args = parser.parse_args()
