@@ -10,6 +10,8 @@ from maskcli.attention import Stages, compact, fill_value
 
 # Kinds under which no query should see a key after its own position.
 CAUSAL_KINDS = ("causal", "prefill", "window", "document", "tril", "triu")
+# Of those, the kinds whose predicate has kv <= q built in: a run through them needs no look.
+CAUSAL_BY_CONSTRUCTION = ("causal", "prefill", "window", "document")
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,8 @@ def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
                 "and became -inf, so a fully masked row turns to NaN; use --fill min",
             )
         )
-    findings += later_key_findings(keep, kind, q_offset)
+    if kind not in CAUSAL_BY_CONSTRUCTION:
+        findings += later_key_findings(keep, kind, q_offset)
     sums = weights.sum(dim=-1, dtype=torch.float32)
     tolerance = max(1e-3, 4 * torch.finfo(stages.weights.dtype).eps)  # bfloat16 keeps under 3 digits
     sums_ok = (sums - 1).abs() <= tolerance  # False for NaN

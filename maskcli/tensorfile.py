@@ -45,17 +45,22 @@ def load_tensors(source: str, flag: str) -> dict[str, torch.Tensor]:
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
         raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; use one of {', '.join(SUFFIXES)} or inline JSON")
+    if path.is_dir():
+        raise MaskError(f"{where} is a directory; give a file")
     if not path.is_file():
         raise MaskError(f"{where}: no such file")
-    if path.stat().st_size == 0:
-        raise MaskError(f"{where}: the file is empty")
-    if suffix in (".pt", ".pth"):
-        return _from_pt(path, where)
-    if suffix in (".npy", ".npz"):
-        return _from_numpy(path, where)
-    if suffix == ".safetensors":
-        return _from_safetensors(path, where)
-    return _from_json(_parse_json(path.read_text(errors="replace"), where), where)
+    try:
+        if path.stat().st_size == 0:
+            raise MaskError(f"{where}: the file is empty")
+        if suffix in (".pt", ".pth"):
+            return _from_pt(path, where)
+        if suffix in (".npy", ".npz"):
+            return _from_numpy(path, where)
+        if suffix == ".safetensors":
+            return _from_safetensors(path, where)
+        return _from_json(_parse_json(path.read_text(errors="replace"), where), where)
+    except OSError as error:  # unreadable (permissions, a vanished file): one line, not a traceback
+        raise MaskError(f"{where}: cannot read it ({error.strerror or error})") from None
 
 
 def load_tensor(source: str, flag: str, names: tuple[str, ...] = ()) -> torch.Tensor:
@@ -78,6 +83,8 @@ def _parse_json(text: str, where: str):
         return json.loads(text)
     except json.JSONDecodeError as error:
         raise MaskError(f"{where}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
+    except RecursionError:
+        raise MaskError(f"{where}: JSON nested too deeply to be a tensor") from None
 
 
 _NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
@@ -137,17 +144,22 @@ def _from_numpy(path: Path, where: str) -> dict[str, torch.Tensor]:
 
     try:
         loaded = np.load(path, allow_pickle=False)
+        if isinstance(loaded, np.ndarray):
+            arrays = {"": loaded}
+        else:  # an .npz reads each array lazily, so its errors come here too
+            with loaded:
+                arrays = {k: loaded[k] for k in loaded.files}
     except ValueError as error:
         raise MaskError(f"{where}: refused: it holds Python objects, which would need pickle ({error})") from None
     except Exception as error:
         raise MaskError(f"{where}: not a readable numpy file ({type(error).__name__}: {str(error)[:160]})") from None
-    arrays = {"": loaded} if isinstance(loaded, np.ndarray) else {k: loaded[k] for k in loaded.files}
     tensors = {}
     for name, array in arrays.items():
         if array.dtype.kind not in "biuf":
             label = f" {name!r}" if name else ""
             raise MaskError(f"{where}{label}: numpy dtype {array.dtype} cannot be a tensor of numbers")
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(array))
+        # torch takes native byte order only; a big-endian array ('>f4') is swapped here
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("=")))
     return tensors
 
 
