@@ -27,7 +27,7 @@ from maskcli.options import (
     KIND_LIST, As, Batch, BatchIndex, Chunks, ComputeDtype, Device, Diagonal, DOut, Dropout, Dtype, FigurePng,
     Fill, Head, HeadDim, Heads, Ids, Json, KFile, Len, Lengths, Means, Offset, PadId, Png, Precision, Prefix,
     QFile, QkvBias, Repeat, Save, Scale, Seed, StagesJson, StagesOpt, Strict, Tokens, VerifyJson, VFile, Window, XFile,
-    Atol, FromConvention, InspectHeads, KeyOpt, OutFile, ReportJson, ToConvention,
+    Atol,
 )
 from maskcli.spec import CONVENTIONS, DTYPES, FILLS, KINDS, STAGES, check_choice, make_spec, parse_stages
 
@@ -381,182 +381,12 @@ def verify(
         raise typer.Exit(1)
 
 
-def _load_mask(file: str, key: str | None):
-    """The tensor in FILE (the one named --key where there are several), checked to be maskable."""
-    from maskcli.diagnose import check_maskable
-    from maskcli.tensorfile import load_tensors
-
-    tensors = load_tensors(file, "FILE")
-    if key is not None:
-        if key not in tensors:
-            raise MaskError(f"{file!r} has no tensor {key!r}; it holds {', '.join(repr(k) for k in tensors if k) or 'one unnamed tensor'}")
-        tensor = tensors[key]
-    elif len(tensors) == 1:
-        tensor = next(iter(tensors.values()))
-    else:
-        raise MaskError(f"{file!r} holds several tensors ({', '.join(repr(k) for k in tensors)}): choose one with --key")
-    check_maskable(tensor, repr(file) + (f" [{key!r}]" if key else ""))
-    return tensor
-
-
-@app.command(
-    epilog="Examples: maskcli inspect mask.pt · maskcli inspect masks.npz --key attention_mask --heads 8 · "
-    "maskcli inspect hf_mask.safetensors --png mask.png",
-)
-def inspect(
-    file: Annotated[str, typer.Argument(help="A mask tensor: .pt (loaded with weights_only=True), .npy, .npz, .safetensors or .json.", show_default=False)],
-    key: KeyOpt = None,
-    heads: InspectHeads = None,
-    tokens: Tokens = None,
-    png: Png = None,
-    json_: ReportJson = False,
-) -> None:
-    """Say what a mask tensor is: dtype and shape, how it broadcasts and which APIs take it, its convention, the maskcli command that rebuilds it, and what looks wrong; then show it."""
-    from maskcli.files import FIGURE_SUFFIXES, check_output_path
-
-    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png else None
-    tensor = _load_mask(file, key)
-
-    from maskcli import diagnose
-    from maskcli.masks import Mask
-
-    convention = diagnose.classify(tensor)
-    keep4, broadcast = diagnose.broadcast_4d(diagnose.to_keep(tensor, convention))
-    structure = diagnose.recognise(keep4)
-    found = diagnose.findings(tensor, convention, keep4, structure, heads)
-    parsed_tokens = None
-    if tokens is not None:
-        from maskcli.spec import parse_tokens
-
-        parsed_tokens = parse_tokens(tokens)
-        if len(parsed_tokens) != keep4.shape[-1]:
-            raise MaskError(f"--tokens has {len(parsed_tokens)} words but the mask has {keep4.shape[-1]} key positions")
-    offset = structure.options.get("offset", max(0, keep4.shape[-1] - keep4.shape[-2]))
-    dense = keep4.contiguous()
-    mask = Mask(
-        name=structure.kind or "custom",
-        shape=tuple(dense.shape),
-        mask_mod=lambda b, h, q, kv: dense[b, h, q, kv],
-        q_offset=offset,
-        kind="custom",
-        params={"file": file} if structure.kind is None else dict(structure.options),
-        tokens=parsed_tokens,
-    )
-    report = {
-        "file": file,
-        "dtype": str(tensor.dtype).removeprefix("torch."),
-        "shape": list(tensor.shape),
-        "broadcast": broadcast,
-        "apis": diagnose.api_fits(tensor, convention),
-        "convention": convention.name,
-        "convention_sure": convention.sure,
-        "convention_note": convention.note,
-        "structure": structure.kind,
-        "params": structure.options,
-        "command": structure.command,
-        "findings": [{"code": f.code, "message": f.message} for f in found],
-    }
-    if png_path is not None:
-        from maskcli import output
-
-        output.save_mask_figure(mask, png_path)
-        warn_done(f"wrote {png_path}")
-    if json_:
-        import json
-
-        typer.echo(json.dumps(report))
-        return
-    from rich.console import Console
-    from rich.text import Text
-
-    from maskcli import output
-
-    console = Console(highlight=False)
-    text = Text()
-    text.append(f"{file}", style="bold")
-    text.append(f": {report['dtype']} {report['shape']}\n")
-    text.append(f"shape: {broadcast}\n")
-    text.append("fits: " + "\n      ".join(report["apis"]) + "\n")
-    text.append(f"convention: {convention.name}{'' if convention.sure else ' (a guess)'}", style="bold")
-    text.append(f" — {convention.note}\n")
-    if structure.kind is not None:
-        text.append(f"structure: {structure.kind}", style="bold")
-        text.append(f" — rebuild it with: {structure.command}\n")
-    else:
-        text.append("structure: none recognised", style="bold")
-        text.append(f" — {structure.note}\n")
-    console.print(text, end="")
-    from maskcli.report import findings_text
-
-    console.print(findings_text(found) if found else Text("findings: none", style="green"))
-    shown = convention.name if convention.name in ("keep", "block", "additive", "min", "int") else "keep"
-    dtype_name = report["dtype"] if shown in ("additive", "min") and tensor.is_floating_point() else "float32"
-    for view in output.mask_views(mask, shown, dtype_name, console)[1:]:  # the report above replaces the header
-        console.print(view)
-
-
-@app.command(
-    epilog="Examples: maskcli convert causal.pt --to additive --out causal_additive.pt · "
-    "maskcli convert hf_mask.npy --to keep --out keep.json · maskcli convert m.pt --from block --to keep --out keep.npy",
-)
-def convert(
-    file: Annotated[str, typer.Argument(help="A mask tensor: .pt, .npy, .npz, .safetensors or .json.", show_default=False)],
-    to: ToConvention,
-    out: OutFile,
-    from_: FromConvention = None,
-    dtype: Dtype = "float32",
-    key: KeyOpt = None,
-) -> None:
-    """Write a mask in another convention (keep, block, additive, min, int), e.g. an nn.MultiheadAttention block mask as an SDPA keep mask."""
-    from maskcli.files import check_output_path
-
-    check_choice(to, CONVENTIONS, "--to convention")
-    check_choice(dtype, DTYPES, "--dtype")
-    if from_ is not None:
-        check_choice(from_, CONVENTIONS, "--from convention")
-    out_path = check_output_path(out, (".pt", ".npy", ".json"), "--out")
-    if out_path.suffix == ".npy" and dtype == "bfloat16" and to in ("additive", "min"):
-        raise MaskError("--out .npy cannot hold bfloat16 (numpy has no such dtype): write .pt or pick another --dtype")
-    tensor = _load_mask(file, key)
-
-    from maskcli import diagnose
-    from maskcli.conventions import DTYPES as TORCH_DTYPES
-    from maskcli.conventions import to_convention
-    from maskcli.files import atomic_write
-
-    convention = diagnose.classify(tensor)
-    if from_ is not None:
-        convention = diagnose.Convention(from_, True, "given with --from")
-    elif convention.name == "bias":
-        raise MaskError(f"{file!r} is not a mask but an additive bias ({convention.note}); nothing to convert")
-    elif not convention.sure:
-        raise MaskError(f"cannot tell whether {file!r} is keep or block ({convention.note}): say which with --from keep or --from block")
-    result = to_convention(diagnose.to_keep(tensor, convention), to, TORCH_DTYPES[dtype])
-    suffix = out_path.suffix.lower()
-    if suffix == ".pt":
-        import torch
-
-        atomic_write(out_path, lambda temp: torch.save(result, temp))
-    elif suffix == ".npy":
-        import numpy as np
-
-        atomic_write(out_path, lambda temp: np.save(temp, result.numpy()))
-    else:
-        import json
-        from pathlib import Path
-
-        from maskcli.report import json_number
-
-        def nested(item):
-            return [nested(x) for x in item] if isinstance(item, list) else json_number(item) if isinstance(item, float) else item
-
-        atomic_write(out_path, lambda temp: Path(temp).write_text(json.dumps(nested(result.tolist()))))
-    warn_done(f"wrote {out_path}: {convention.name} -> {to}{' ' + dtype if to in ('additive', 'min') else ''}, shape {list(result.shape)}")
-
-
 def warn_done(message: str) -> None:
     typer.echo(message, err=True)
 
 
 def main() -> None:
     app()
+
+
+from maskcli import inspect_cli  # noqa: E402,F401  (registers inspect and convert on app)

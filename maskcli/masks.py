@@ -163,6 +163,9 @@ class Mask:
                 f"cannot combine {self.name} {self.shape[2:]} with {other.name} {other.shape[2:]}: "
                 "query and key lengths must match"
             )
+        for axis, x, y in (("batch", self.shape[0], other.shape[0]), ("heads", self.shape[1], other.shape[1])):
+            if x != y and 1 not in (x, y):
+                raise MaskError(f"cannot combine {self.name} ({axis} {x}) with {other.name} ({axis} {y}): {axis} must match or be 1")
         shape = tuple(max(x, y) for x, y in zip(self.shape, other.shape))
         return Mask(
             name=f"{self.name}_{word}_{other.name}",

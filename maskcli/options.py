@@ -77,6 +77,3 @@ VerifyJson = Annotated[bool, typer.Option("--json", help="Print the table as one
 KeyOpt = Annotated[str | None, typer.Option("--key", help="The tensor's name in a .npz, .safetensors, .pt dict or JSON object.")]
 InspectHeads = Annotated[int | None, typer.Option("--heads", help="Your model's head count, to check a 3-D mask against it.", parser=integer)]
 ReportJson = Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")]
-ToConvention = Annotated[str, typer.Option("--to", help="Target convention: keep, block, additive, min or int.")]
-OutFile = Annotated[str, typer.Option("--out", help="Output file; .pt, .npy or .json by extension.")]
-FromConvention = Annotated[str | None, typer.Option("--from", help="The input's convention when the values cannot tell (a bool mask): keep or block.")]

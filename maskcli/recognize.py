@@ -15,7 +15,7 @@ one reading is a known kind and the other is not, that decides it.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -116,9 +116,8 @@ def broadcast_text(tensor: torch.Tensor) -> str:
             "head and query (a key padding row)"
         )
     if tensor.dim() == 2:
-        return (
-            f"[Lq={shape[0]}, Lk={shape[1]}] broadcasts over batch and heads to (1, 1, {shape[0]}, {shape[1]}) "
-            f"(nn.MultiheadAttention's key_padding_mask would read the same shape as [B={shape[0]}, S={shape[1]}])"
+        return f"[Lq={shape[0]}, Lk={shape[1]}] broadcasts over batch and heads to (1, 1, {shape[0]}, {shape[1]})" + (
+            f"; as a key padding mask it is [B={shape[0]}, S={shape[1]}]" if shape[0] != shape[1] else ""
         )
     if tensor.dim() == 3:
         n = shape[0]
@@ -170,54 +169,58 @@ def classify(tensor: torch.Tensor) -> Convention:
             return Convention("keep", how, why)
         name = "keep" if meaning == "attend" else "block"
         return Convention(name, how, f"read as {name} (True = {'may attend' if name == 'keep' else 'masked'}): {why}")
-    values = torch.unique(tensor)
     if not tensor.is_floating_point():
-        if not bool(((values == 0) | (values == 1)).all()):
+        zero_one = (tensor == 0) | (tensor == 1)
+        if not bool(zero_one.all()):
+            values = torch.unique(tensor[~zero_one])  # only the offending values: small, and this is an error path
             shown = ", ".join(map(str, values[:6].tolist())) + (", ..." if len(values) > 6 else "")
             raise MaskError(
                 f"integer values {{{shown}}} are not a 0/1 mask (masks are bool, 0/1 or float); "
                 "chunk or document labels go to maskcli show chunk/document --chunks"
             )
-        return _zero_one(tensor, values, "integer")
-    values = values.to(torch.float64)
-    if bool(torch.isnan(values).any()):
+        return _zero_one(tensor, "integer")
+    # Everything below is a few passes over the values: no sort (torch.unique) of a large mask.
+    nan = torch.isnan(tensor)
+    if bool(nan.any()):
         raise MaskError(
-            f"the mask holds NaN in {int(torch.isnan(tensor).sum())} cells; a float mask is 0 where attending "
+            f"the mask holds NaN in {int(nan.sum())} cells; a float mask is 0 where attending "
             "and -inf or a large negative number where masked"
         )
-    if bool((values == float("inf")).any()):
+    if bool((tensor == float("inf")).any()):
         raise MaskError("the mask holds +inf, which makes softmax NaN; a float mask is 0 where attending and -inf or a large negative number where masked")
-    if bool(((values == 0) | (values == 1)).all()) and bool((values == 1).any()):
-        return _zero_one(tensor, values, "float")
-    masked = values[values != 0]
+    masked = tensor[tensor != 0].to(torch.float64)
     if len(masked) == 0:
         return Convention("additive", "values", "every value is 0: an additive mask that masks nothing (read as 0/1, everything would be masked)")
+    if bool((masked == 1).all()):
+        return _zero_one(tensor, "float")
     if bool((masked <= SENTINEL_AT_MOST).all()):
         finite = masked[torch.isfinite(masked)]
         if len(finite) == 0:
             return Convention("additive", "values", "float 0 / -inf, added to the scores")
-        if len(finite) == 1 and len(masked) == 1:
+        if len(finite) == len(masked) and bool((finite == finite[0]).all()):
             sentinel = float(finite[0])
             return Convention(
                 "min", "values",
                 f"float 0 / {_sentinel_name(sentinel, tensor.dtype)}, added to the scores (Hugging Face eager style)", sentinel,
             )
-        fills = ", ".join(f"{v:g}" for v in masked[:4].tolist())
+        fills = ", ".join(f"{v:g}" for v in torch.unique(masked)[:4].tolist())
         return Convention(
             "additive", "values", f"float 0 and several fills ({fills}): all mask, since each is -inf or at most {SENTINEL_AT_MOST:g}",
             float(finite.min()),
         )
-    lo, hi = float(values.min()), float(values.max())
+    finite = masked[torch.isfinite(masked)]
+    lo, hi = float(finite.min()), float(max(finite.max(), 0))
     return Convention(
         "bias", "values",
         f"float values from {lo:g} to {hi:g}, not just 0 and one fill: an additive bias (ALiBi, relative positions), "
         f"not a mask; its masked cells are those at -inf or at most {SENTINEL_AT_MOST:g}",
+        lo if lo <= SENTINEL_AT_MOST else None,
     )
 
 
-def _zero_one(tensor: torch.Tensor, values: torch.Tensor, what: str) -> Convention:
+def _zero_one(tensor: torch.Tensor, what: str) -> Convention:
     """0/1 numbers: 1 = attend (torch.tril(torch.ones(L, L))) unless the structure says 1 = masked (triu(ones, 1))."""
-    if len(values) == 2:
+    if bool((tensor == 0).any()) and bool((tensor == 1).any()):
         meaning, how, why = _polarity(tensor != 0)
         if meaning == "masked" and how == "structure":
             return Convention(
@@ -238,33 +241,49 @@ def _polarity(ones: torch.Tensor) -> tuple[str | None, str, str]:
         )
     q_len, k_len = x.shape[-2:]
     if x.numel() <= STRUCTURE_CELLS:
-        scores = {}
+        # Each reading scores 2 for a maskcli kind, 1 for a raw tril/triu, 0 for none, and 1 less
+        # when some query would see no key. A clear winner decides.
+        readings = []
         for meaning, keep in (("attend", x), ("masked", ~x)):
-            structure = recognise(keep, key_padding=ones.dim() == 2)
-            score = 0 if structure.kind is None else 1 if structure.kind in ("tril", "triu") else 2
-            scores[meaning] = (score - int(bool(fully_masked_rows(keep).any())), structure)
-        (best, (top, structure)), (_, (other, _)) = sorted(scores.items(), key=lambda item: -item[1][0])
+            structure = recognise(keep, key_padding=ones.dim() == 2, marked=meaning)
+            empty = bool(fully_masked_rows(keep).any())
+            score = (0 if structure.kind is None else 1 if structure.kind in ("tril", "triu") else 2) - empty
+            readings.append((score, meaning, structure, empty))
+        (top, best, structure, _), (other, _, flipped, flipped_empty) = sorted(readings, key=lambda r: -r[0])
         if top >= 2 > other or (top >= 1 and other < 0 and structure.kind is not None):
-            return best, "structure", f"maskcli's {structure.kind} rebuilds it read this way; read the other way it is no known kind"
-    # The diagonal cells (q, q + Lk - Lq), leaving out columns that are the same for every query (padding-like).
-    offset = k_len - q_len
-    diagonal = torch.diagonal(x, offset=offset, dim1=-2, dim2=-1)
-    columns = torch.arange(diagonal.shape[-1]) + max(offset, 0)
-    constant = (x.all(dim=-2) | ~x.any(dim=-2))[..., columns]
-    informative = diagonal[~constant]
-    if informative.numel():
-        share = informative.float().mean().item()
-        if share != 0.5:
-            meaning = "attend" if share > 0.5 else "masked"
-            seen = share if meaning == "attend" else 1 - share
-            return meaning, "structure" if seen >= 0.9 else "guess", (
-                f"{seen:.0%} of the queries see their own position (cell q, q + Lk - Lq) read this way, as queries normally do"
+            instead = "no maskcli kind rebuilds it" if flipped.kind is None else (
+                f"it would be {flipped.kind}" + (" with queries that see no key" if flipped_empty else "")
             )
+            return best, "structure", f"maskcli's {structure.kind} rebuilds it read this way; read the other way round, {instead}"
+    # The diagonal cells (q, q + Lk - Lq), leaving out columns that are the same for every query (padding-like).
+    # Where Lq != Lk the top-left diagonal (q, q) is asked too: if the two disagree, the alignment is in
+    # question (causal_upper_left against lower_right), not the polarity, and key 0 decides.
+    constant = x.all(dim=-2) | ~x.any(dim=-2)  # (B, H, Lk)
+    shares = []
+    for offset in dict.fromkeys((k_len - q_len, 0)):
+        diagonal = torch.diagonal(x, offset=offset, dim1=-2, dim2=-1)
+        columns = torch.arange(diagonal.shape[-1]) + max(offset, 0)
+        informative = diagonal[~constant[..., columns]]
+        shares.append(informative.float().mean().item() if informative.numel() else 0.5)
+    share = shares[0]
+    if share != 0.5 and all((other > 0.5) == (share > 0.5) and other != 0.5 for other in shares[1:]):
+        meaning = "attend" if share > 0.5 else "masked"
+        seen = share if meaning == "attend" else 1 - share
+        return meaning, "structure" if seen >= 0.9 else "guess", (
+            f"{seen:.0%} of the queries see their own position (cell q, q + Lk - Lq) read this way, as queries normally do"
+        )
     first = x[..., 0].float().mean().item()
     if first != 0.5:
         meaning = "attend" if first > 0.5 else "masked"
         return meaning, "guess", "the diagonal does not tell; key 0 is visible read this way, and key 0 is rarely padding"
     return None, "cannot tell", "neither the diagonal nor key 0 tells which way round it is; read as keep"
+
+
+def marks(convention: Convention) -> str:
+    """What the cells a tensor marks (True, 1, nonzero) mean in `convention`: "attend" or "masked"."""
+    if convention.name == "keep" or (convention.name == "int" and convention.ones_mean == "attend"):
+        return "attend"
+    return "masked"
 
 
 def to_keep(tensor: torch.Tensor, convention: Convention | str) -> torch.Tensor:
@@ -287,53 +306,64 @@ def to_keep(tensor: torch.Tensor, convention: Convention | str) -> torch.Tensor:
 # --- which APIs take it as is --------------------------------------------------------
 
 
+def _as_bool(expr: str, tensor: torch.Tensor, convention: Convention, want: str) -> str:
+    """Python for `expr` as a bool mask where True means `want` ("attend" or "masked")."""
+    if marks(convention) == want:
+        return expr if tensor.dtype == torch.bool else f"{expr}.bool()"
+    return f"~{expr}" if tensor.dtype == torch.bool else f"({expr} == 0)"
+
+
 def api_fits(tensor: torch.Tensor, convention: Convention, key_padding: bool = False) -> list[str]:
-    """For SDPA attn_mask, nn.MultiheadAttention attn_mask and key_padding_mask: yes as is, or what to do instead."""
-    name, dims = convention.name, tensor.dim()
-    is_float = tensor.is_floating_point()
-    flip = "~mask" if tensor.dtype == torch.bool else "mask == 0"
-    as_bool = "mask.bool()" if tensor.dtype != torch.bool else "mask"
+    """For SDPA attn_mask, nn.MultiheadAttention attn_mask and key_padding_mask: yes as is, or the expression to pass instead."""
+    name, dims, shape = convention.name, tensor.dim(), tensor.shape
+    floats = name in ("additive", "min", "bias")
     fits = []
+
     sdpa = "F.scaled_dot_product_attention attn_mask: "
-    if key_padding and dims == 2:
-        keep_form = as_bool if name in ("keep", "int") and convention.ones_mean == "attend" else flip
-        sdpa += f"no as is, SDPA would read [B, S] as (Lq, Lk); pass ({keep_form})[:, None, None, :] as a [B, 1, 1, S] keep mask"
+    heads_note = ", its first dimension read as heads" if dims == 3 else ""
+    if key_padding:
+        keep_form = "mask" if floats else _as_bool("mask", tensor, convention, "attend")
+        sdpa += f"no, SDPA reads 2-D as (Lq, Lk), not [B, S]; pass {keep_form}[:, None, None, :]"
     elif name == "keep":
-        sdpa += "yes, as is (True = attend)" + (", its first dimension read as heads" if dims == 3 else "")
+        sdpa += f"yes, as is (True = attend){heads_note}"
+    elif floats:
+        sdpa += f"yes, as is (added to the scores; in the query's dtype){heads_note}"
     elif name == "block":
-        sdpa += "no, SDPA reads True as attend; pass ~mask (or maskcli convert --to keep)"
-    elif name in ("additive", "min", "bias"):
-        sdpa += "yes, as is (added to the scores), cast to the query's dtype" + (", its first dimension read as heads" if dims == 3 else "")
-    elif is_float:
-        sdpa += f"no, a float mask is added to the scores, so 0/1 would mask nothing; pass {as_bool if convention.ones_mean == 'attend' else flip} as bool"
+        sdpa += "no, SDPA reads True as attend; pass ~mask"
+    elif tensor.is_floating_point():
+        sdpa += f"no, a float mask is added to the scores, so 0/1 masks nothing; pass {_as_bool('mask', tensor, convention, 'attend')}"
     else:
-        sdpa += f"no, it takes bool or float; pass {as_bool if convention.ones_mean == 'attend' else '(mask == 0)'}"
+        sdpa += f"no, it takes bool or float; pass {_as_bool('mask', tensor, convention, 'attend')}"
     fits.append(sdpa)
+
     mha = "nn.MultiheadAttention attn_mask: "
-    if dims not in (2, 3):
-        mha += "no, it takes 2-D (L, S) or 3-D (B*num_heads, L, S)" + (
-            "; expand heads and flatten: mask.expand(B, num_heads, L, S).flatten(0, 1)" if dims == 4 else ""
-        )
-    elif key_padding:
+    if key_padding:
         mha += "no, a [B, S] padding mask goes to key_padding_mask"
-    elif name in ("block", "additive", "min", "bias"):
-        mha += "yes, as is" + (" (True = masked)" if name == "block" else " (added to the scores)")
-    elif name == "keep":
-        mha += "no, MHA reads True as masked; pass ~mask"
+    elif dims == 1:
+        mha += "no, it takes 2-D (L, S) or 3-D (B*num_heads, L, S); a 1-D key row goes to key_padding_mask"
     else:
-        mha += f"no, pass {'(mask == 0)' if convention.ones_mean == 'attend' else as_bool} as a bool block mask"
-    fits.append(mha)
-    kpm = "nn.MultiheadAttention key_padding_mask: "
-    if dims == 2:
-        if name in ("block", "additive", "min"):
-            kpm += f"yes, if its rows are batch items ([B={tensor.shape[0]}, S={tensor.shape[1]}])"
-        elif name == "keep":
-            kpm += "no, True = masked there; pass ~mask"
+        shaped = "mask"
+        if dims == 4:
+            shaped = "mask[0, 0]" if shape[0] == 1 and shape[1] == 1 else "mask.expand(-1, num_heads, -1, -1).flatten(0, 1)"
+        if dims in (2, 3) and (name == "block" or floats):
+            mha += "yes, as is" + (" (True = masked)" if name == "block" else " (added to the scores)")
         else:
-            kpm += f"no, pass {'(mask == 0)' if convention.ones_mean == 'attend' else as_bool} (True = padding)"
+            reason = "it takes 2-D (L, S) or 3-D (B*num_heads, L, S)" if dims == 4 else "MHA reads True as masked" if name == "keep" else "it takes a bool block or float mask"
+            fixed = shaped if floats or name == "block" else _as_bool(shaped, tensor, convention, "masked")
+            mha += f"no, {reason}; pass {fixed}"
+    fits.append(mha)
+
+    kpm = "nn.MultiheadAttention key_padding_mask: "
+    row_shaped = (dims == 2 and (key_padding or shape[0] != shape[1])) or dims == 1 or (dims == 4 and shape[1] == 1 and shape[2] == 1)
+    if row_shaped:
+        shaped = {1: "mask.expand(B, -1)", 2: "mask", 4: "mask[:, 0, 0]"}[dims]
+        ok = name == "block" or name in ("additive", "min")
+        if dims == 2 and ok:
+            kpm += "yes, as is" if key_padding else f"yes, if its rows are batch items ([B={shape[0]}, S={shape[1]}])"
+        else:
+            fixed = shaped if ok else _as_bool(shaped, tensor, convention, "masked")
+            kpm += f"no, it takes [B, S] with True = padding; pass {fixed}"
         fits.append(kpm)
-    elif dims == 4 and tensor.shape[1] == 1 and tensor.shape[2] == 1:
-        fits.append(kpm + "no as is, it takes [B, S]; mask[:, 0, 0, :] is that" + (" (then ~ to make True = padding)" if name == "keep" else ""))
     return fits
 
 
@@ -397,8 +427,20 @@ def _padding_options(seen: torch.Tensor) -> dict:
     return {"ids": rows, "pad_id": 0}
 
 
-def _candidates(ref: torch.Tensor) -> list[tuple[str, dict]]:
-    """Kinds and parameters read off one (Lq, Lk) keep matrix, simplest first; each is then checked by rebuilding."""
+def _padding_kind(padding: dict, k_len: int) -> dict:
+    """Options for the padding kind itself: --len where the longest length is shorter than the keys."""
+    if "lengths" in padding and max(map(int, padding["lengths"].split(","))) != k_len:
+        return {"length": k_len, **padding}
+    return padding
+
+
+def _candidates(ref: torch.Tensor, marked: str = "attend") -> list[tuple[str, dict]]:
+    """Kinds and parameters read off one (Lq, Lk) keep matrix, simplest first; each is then checked by rebuilding.
+
+    torch.tril(ones, d) read as keep is torch.triu(ones, d + 1) read as block: `marked` says
+    which cells the file marks (True/1/nonzero: "attend" or "masked"), and the tril/triu
+    named is the one whose 1-cells are those.
+    """
     q_len, k_len = ref.shape
     offset = k_len - q_len
     rows = ref.any(dim=1)
@@ -420,27 +462,32 @@ def _candidates(ref: torch.Tensor) -> list[tuple[str, dict]]:
         candidates.append(("chunk", {"chunks": _labels(torch.cat([torch.tensor([False]), last[1:] != last[:-1]]))}))
         candidates.append(("document", {"chunks": _labels(torch.cat([torch.tensor([False]), first[1:] != first[:-1]]))}))
         lower = (last < k_len - 1) & rows
-        if bool(lower.any()):
+        if bool(lower.any()):  # keep = tril(d)
             row = int(lower.nonzero()[0])
-            candidates.append(("tril", {"length": q_len, "diagonal": int(last[row]) - row}))
+            d = int(last[row]) - row
+            candidates.append(("tril", {"length": q_len, "diagonal": d}) if marked == "attend"
+                              else ("triu", {"length": q_len, "diagonal": d + 1}))
         upper = (first > 0) & rows
-        if bool(upper.any()):
+        if bool(upper.any()):  # keep = triu(d)
             row = int(upper.nonzero()[0])
-            candidates.append(("triu", {"length": q_len, "diagonal": int(first[row]) - row, "means": "keep"}))
+            d = int(first[row]) - row
+            candidates.append(("triu", {"length": q_len, "diagonal": d, "means": "keep"}) if marked == "attend"
+                              else ("tril", {"length": q_len, "diagonal": d - 1, "means": "block"}))
     return candidates
 
 
-def recognise(keep4: torch.Tensor, key_padding: bool = False) -> Structure:
+def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "attend") -> Structure:
     """The maskcli kind (and options) whose mask is exactly this keep mask (B, H, Lq, Lk), or kind None.
 
     `key_padding`: the tensor was 2-D, so it may also be a [B, S] key padding mask; that
-    reading is used when the (Lq, Lk) reading matches no kind.
+    reading is used when the (Lq, Lk) reading matches no kind and the tensor is not square.
+    `marked`: what the file's True/1/nonzero cells mean, "attend" or "masked" (picks tril or triu).
     """
     batch, heads, q_len, k_len = keep4.shape
     if heads > 1 and not bool((keep4 == keep4[:, :1]).all()):
         per_head = []
         for h in range(min(heads, 8)):
-            found = recognise(keep4[:, h : h + 1])
+            found = recognise(keep4[:, h : h + 1], marked=marked)
             per_head.append(f"head {h}: {found.command.removeprefix('maskcli show ') if found.kind else 'none'}")
         more = f"; {heads - 8} more" if heads > 8 else ""
         return Structure(None, note=f"the heads differ, and a maskcli kind is the same for every head ({'; '.join(per_head)}{more})")
@@ -462,42 +509,33 @@ def recognise(keep4: torch.Tensor, key_padding: bool = False) -> Structure:
     if q_len == 1 and k_len > 1:
         decode = found("prefill", {"offset": k_len - 1, "length": 1, **(padding or {})})
         if padding is not None:
-            row = found("padding", padding, "key padding row",
+            row = found("padding", _padding_kind(padding, k_len), "key padding row",
                         "the query dimension is 1, so this one row of keys applies to every query")
             if row is not None:
-                return Structure(**{**row.__dict__, "also": decode.command if decode else None})
+                return replace(row, also=decode.command if decode else None)
         if decode is not None:
-            return Structure(**{**decode.__dict__, "note": "a single decode step: the last position sees every key"})
+            return replace(decode, note="a single decode step: the one query sees every key up to its own position")
     if bool(keep.all()) and q_len == k_len:
         full = found("padding", {"lengths": ",".join([str(k_len)] * batch)}, note="every query sees every key: nothing is masked")
         if full is not None:
             return full
-    candidates = _candidates(ref)
+    candidates = _candidates(ref, marked)
     for options in ([{}] if padding is None else [{}, padding]):
         if options and q_len == k_len:
-            structure = found("padding", {"length": k_len, **options} if "lengths" in options and
-                              max(map(int, options["lengths"].split(","))) != k_len else options)
+            structure = found("padding", _padding_kind(options, k_len))
             if structure is not None:
                 return structure
         for kind, kind_options in candidates:
             structure = found(kind, {**kind_options, **options})
             if structure is not None:
                 return structure
-    if key_padding and heads == 1 and batch == 1:
-        rows = keep[0, 0]  # read [B, S]: each row is one batch item's key mask
-        options = _padding_options(rows) if not bool(rows.all()) else {"lengths": ",".join([str(k_len)] * q_len)}
-        structure = found("padding", options, "key padding [B, S]",
-                          f"read as a key padding mask: {q_len} batch rows of {k_len} keys")
-        if structure is None:  # compare each batch row with the built mask's rows
-            try:
-                spec = make_spec("padding", **options)
-            except MaskError:
-                spec = None
-            if spec is not None and spec.k_len == k_len and torch.equal(build(spec).materialize()[:, 0, 0], rows):
-                structure = Structure("padding", options, spec, command_for("padding", options), "key padding [B, S]",
-                                      f"read as a key padding mask: {q_len} batch rows of {k_len} keys")
-        if structure is not None:
-            return structure
+    if key_padding and heads == 1 and batch == 1 and q_len != k_len:  # a square one is (L, L): B == S would be a coincidence
+        rows = keep[0, 0]  # read as [B, S]: each row is one batch item's keys
+        options = _padding_kind(_padding_options(rows), k_len)
+        spec = make_spec("padding", **options)
+        if spec.k_len == k_len and torch.equal(build(spec).materialize()[:, 0, 0], rows):
+            return Structure("padding", options, spec, command_for("padding", options), "key padding [B, S]",
+                             f"read as a key padding mask: {q_len} batch rows of {k_len} keys")
     if q_len > k_len:
         return Structure(None, note=f"more queries ({q_len}) than keys ({k_len}): no maskcli kind has that shape")
     return Structure(None, note="no maskcli kind rebuilds it exactly")
@@ -518,28 +556,33 @@ def findings(tensor: torch.Tensor, convention: Convention, keep4: torch.Tensor, 
     """Rows that see nothing, later keys a kind does not mean, fills that overflow, a 3-D heads trap, and more."""
     result: list[Finding] = []
     q_len, k_len = keep4.shape[-2:]
-    empty = fully_masked_rows(keep4)
-    for b, h in torch.nonzero(empty.any(dim=-1)).tolist():
-        if h > 0 and torch.equal(empty[b, h], empty[b, 0]):
-            continue
-        rows = [q_offset + i for i in torch.nonzero(empty[b, h]).flatten().tolist()]
-        who = f"query row {rows[0]} sees" if len(rows) == 1 else f"query rows {spans(rows)} see"
-        what = "batch row" if structure.reading == "key padding [B, S]" else None
-        if what:
-            who = f"batch row {b} has" if len(rows) == 1 else who
-            result.append(Finding("fully-masked", f"batch row {b} hides every key: a length-0 sequence, NaN in SDPA's output"))
-            continue
-        consequence = "softmax over no key gives NaN" if convention.name in ("additive", "keep", "block") else "the weights there are uniform over masked keys"
-        result.append(Finding("fully-masked", f"{who} no key at all{_where(b, h, keep4.shape)}: {consequence}"))
+    empty = fully_masked_rows(keep4)  # (B, H, Lq)
+    if structure.reading == "key padding [B, S]":
+        batch_rows = empty[:, 0, 0].nonzero().flatten().tolist()
+        if batch_rows:
+            who = f"batch row {batch_rows[0]} hides" if len(batch_rows) == 1 else f"batch rows {spans(batch_rows)} hide"
+            result.append(Finding("fully-masked", f"{who} every key: a length-0 sequence, whose queries see no key at all"))
+    else:
+        for b, h in torch.nonzero(empty.any(dim=-1)).tolist():
+            if h > 0 and torch.equal(empty[b, h], empty[b, 0]):
+                continue  # the same rows as head 0: said once
+            rows = [q_offset + i for i in torch.nonzero(empty[b, h]).flatten().tolist()]
+            who = f"query row {rows[0]} sees" if len(rows) == 1 else f"query rows {spans(rows)} see"
+            result.append(Finding(
+                "fully-masked",
+                f"{who} no key at all{_where(b, h, keep4.shape)}: softmax over nothing, NaN with an -inf fill and "
+                "uniform weights over the masked keys with a finite one (maskcli verify shows what each backend does)",
+            ))
     if structure.kind is None and structure.reading == "mask":
         offset = k_len - q_len
         later = torch.triu(keep4, diagonal=offset + 1)
         any_later = later.any(dim=-1).any(dim=(0, 1))  # (Lq,)
         rows = any_later.nonzero().flatten().tolist()
         if rows:
-            b, h = (int(x) for x in later.any(dim=(-1, -2)).nonzero()[0])
+            b, h = (int(x) for x in later[..., rows[0], :].any(dim=-1).nonzero()[0])
             keys = later[b, h, rows[0]].nonzero().flatten().tolist()
-            example = f"query {q_offset + rows[0]} sees key{'s' if len(keys) > 1 else ''} {spans(keys)}"
+            where = _where(b, h, keep4.shape).strip(" ()")
+            example = f"query {q_offset + rows[0]} sees key{'s' if len(keys) > 1 else ''} {spans(keys)}" + (f" in {where}" if where else "")
             shown = [q_offset + r for r in rows]
             who = f"query row {shown[0]} sees" if len(rows) == 1 else f"query rows {spans(shown)} see"
             if len(rows) < q_len / 2:
@@ -547,16 +590,19 @@ def findings(tensor: torch.Tensor, convention: Convention, keep4: torch.Tensor, 
             else:
                 message = f"{who} later keys ({example}): a bidirectional mask, or one read the wrong way round?"
             result.append(Finding("sees-later", message))
-        if q_len != k_len and q_len > 1 and torch.equal(keep4, torch.ones(q_len, k_len, dtype=torch.bool).tril().expand_as(keep4)):
+    q_len, k_len = sdpa_view(tensor).shape[-2:]
+    if structure.kind is None or structure.reading == "key padding [B, S]":
+        as_matrix = sdpa_view(to_keep(tensor, convention))  # (Lq, Lk) as SDPA reads it, whatever the reading above
+        if 1 < q_len < k_len and torch.equal(as_matrix, torch.ones(q_len, k_len, dtype=torch.bool).tril().expand_as(as_matrix)):
             result.append(Finding(
                 "top-left-causal",
-                f"causal aligned top-left (query row q sees keys 0..q, torch.tril of a {q_len}x{k_len} matrix, "
+                ("read as an (Lq, Lk) mask instead, it is " if structure.kind is not None else "")
+                + f"causal aligned top-left (query row q sees keys 0..q, torch.tril of a {q_len}x{k_len} matrix, "
                 f"causal_upper_left, SDPA's is_causal=True): with {k_len - q_len} cached keys the new queries usually "
                 f"sit at the end; bottom-right is maskcli show prefill --offset {k_len - q_len} --len {q_len}",
             ))
-    if convention.name in ("min", "additive", "bias") and tensor.is_floating_point():
-        finite = tensor[torch.isfinite(tensor)]
-        lowest = float(finite.min()) if finite.numel() else 0.0
+    if convention.sentinel is not None:  # the lowest finite fill (-inf needs no check: it is -inf in every dtype)
+        lowest = convention.sentinel
         for dtype in (torch.float16, torch.bfloat16):
             if tensor.dtype == dtype or lowest >= torch.finfo(dtype).min:
                 continue
@@ -611,7 +657,10 @@ class Analysis:
 
     @property
     def q_offset(self) -> int:
-        if self.structure.spec is not None and self.structure.reading == "mask":
+        """The absolute position of query row 0: the kind's own, else bottom-right alignment (maskcli's reading)."""
+        if self.structure.reading != "mask":
+            return 0
+        if self.structure.spec is not None:
             return self.structure.spec.offset
         return max(0, self.keep4.shape[-1] - self.keep4.shape[-2])
 
@@ -646,10 +695,9 @@ def analyse(tensor: torch.Tensor, heads: int | None = None, convention: Conventi
     convention = convention or classify(tensor)
     keep = to_keep(tensor, convention)
     keep4 = sdpa_view(keep)
-    structure = recognise(keep4, key_padding=tensor.dim() == 2) if keep4.numel() else Structure(None)
-    if structure.reading == "key padding [B, S]":
+    structure = recognise(keep4, key_padding=tensor.dim() == 2, marked=marks(convention))
+    key_padding = structure.reading == "key padding [B, S]"
+    if key_padding:
         keep4 = keep[:, None, None, :]
-    analysis = Analysis(tensor, convention, keep4, structure, [], api_fits(tensor, convention, structure.reading == "key padding [B, S]"),
-                        broadcast_text(tensor))
-    found = findings(tensor, convention, keep4, structure, heads, analysis.q_offset)
-    return Analysis(**{**analysis.__dict__, "findings": found})
+    analysis = Analysis(tensor, convention, keep4, structure, [], api_fits(tensor, convention, key_padding), broadcast_text(tensor))
+    return replace(analysis, findings=findings(tensor, convention, keep4, structure, heads, analysis.q_offset))

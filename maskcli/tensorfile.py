@@ -142,6 +142,11 @@ def _from_pt(path: Path, where: str) -> dict[str, torch.Tensor]:
 def _from_numpy(path: Path, where: str) -> dict[str, torch.Tensor]:
     import numpy as np
 
+    with path.open("rb") as file:
+        head = file.read(6)
+    # np.load takes anything without the .npy/.npz signature for a pickle, and would call garbage "objects"
+    if not head.startswith((b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06", b"\x80")):
+        raise MaskError(f"{where}: not a numpy file (it does not start with the .npy or .npz signature)")
     try:
         loaded = np.load(path, allow_pickle=False)
         if isinstance(loaded, np.ndarray):
@@ -150,7 +155,9 @@ def _from_numpy(path: Path, where: str) -> dict[str, torch.Tensor]:
             with loaded:
                 arrays = {k: loaded[k] for k in loaded.files}
     except ValueError as error:
-        raise MaskError(f"{where}: refused: it holds Python objects, which would need pickle ({error})") from None
+        if "pickle" in str(error):  # numpy's refusal of object arrays names allow_pickle
+            raise MaskError(f"{where}: refused: it holds Python objects, which would need pickle ({error})") from None
+        raise MaskError(f"{where}: not a readable numpy file ({str(error)[:160]})") from None
     except Exception as error:
         raise MaskError(f"{where}: not a readable numpy file ({type(error).__name__}: {str(error)[:160]})") from None
     tensors = {}
