@@ -39,10 +39,12 @@ def density_text(shares, blocks: Blocks, q_len: int, k_len: int, q_offset: int =
     label_width = len(str(q_offset + q_len - 1))
     text = Text()
     ruler = [" "] * grid_cols
+    free = 0  # first column after the last mark and its gap: long numbers must not run together
     for col in range(0, grid_cols, 10):
         mark = str(col * blocks.cols)
-        if col + len(mark) <= grid_cols:
+        if col >= free and col + len(mark) <= grid_cols:
             ruler[col : col + len(mark)] = mark
+            free = col + len(mark) + 1
     text.append(" " * (label_width + 1) + "".join(ruler).rstrip() + "\n", style="dim")
     for row in range(grid_rows):
         first_q = row * blocks.rows
