@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -473,7 +474,7 @@ def imported_modules(*args):
     """Top-level modules `python -X importtime -m maskcli ARGS` imported, and its stdout."""
     result = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "maskcli", *args],
-        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "COLUMNS": "100"},
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "100"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
     names = set()

@@ -65,7 +65,8 @@ def density_text(shares, blocks: Blocks, q_len: int, k_len: int, q_offset: int =
     text.append(
         f"rows: query position, ruler: key position; one character = {blocks.rows} {noun_q} x "
         f"{blocks.cols} {noun_k}" + (f" (estimated from up to {sampled} x {sampled} points each)" if sampled else "")
-        + f"\n{LEGEND}",
+        + "\n"
+        + (LEGEND if not sampled else LEGEND.replace(f"{NONE} none", f"{NONE} none found (a band narrower than a sample step can hide)")),
         style="dim",
     )
     return text
