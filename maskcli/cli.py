@@ -131,6 +131,7 @@ show.__doc__ = (show.__doc__ or "") + KIND_LIST
 
 
 @app.command(
+    context_settings={"ignore_unknown_options": True},  # so labels may start with a minus: chunk -1,0,1
     epilog="Example: maskcli chunk 0,0,1,1,1,1,2,2,2,3,4,4 (the tutorial's chunk mask) · "
     "maskcli chunk 0,0,1,1 --lengths 4,3 --png chunk.png",
 )
