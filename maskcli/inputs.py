@@ -146,6 +146,12 @@ def make_qkv(
     if given is not None and given.x is None:
         return QKV(given.q, given.k, given.v, source="given --q/--k/--v")
     if given is not None:
+        rows = given.x.shape[-2]
+        if rows != k_len:  # checked here: slicing the last q_len rows of too few would hide the real mismatch
+            raise MaskError(
+                f"--x has {rows} rows (dim -2, one per token) but the mask has {k_len} key positions: "
+                "match --len/--offset/labels to the inputs"
+            )
         qf, kf, vf = project(given.x, seed, d_out, heads, qkv_bias)
         return QKV(qf[:, :, kf.shape[2] - q_len :], kf, vf, source=f"--x projected by nn.Linear after torch.manual_seed({seed})")
     if head_dim < 1 or batch < 1:

@@ -252,6 +252,9 @@ def test_lengths_that_disagree_with_the_mask_name_the_dimension():
     assert_one_line_error(invoke(["causal", "--q", two, "--k", three, "--v", three]), "key length (dim -2 of k) is 3 but the mask has 2")
     assert_one_line_error(invoke(["causal", "--q", two, "--k", two, "--v", three]), "value length (dim -2 of v) is 3 but the mask has 2")
     assert_one_line_error(invoke(["chunk", "--chunks", "0,0,1", "--q", two, "--k", two, "--v", two]), "query length (dim -2 of q) is 2 but the mask has 3")
+    four_rows = json.dumps(TUTORIAL_X[:4])
+    for args in (["causal", "--len", 3], ["prefill", "--offset", 1, "--len", 5], ["chunk", "--chunks", "0,1,1"]):
+        assert_one_line_error(invoke([*args, "--x", four_rows]), "--x has 4 rows (dim -2, one per token) but the mask has")
     narrow = json.dumps([[1.0], [0.0]])
     assert_one_line_error(invoke(["causal", "--q", two, "--k", narrow, "--v", two]), "head sizes differ (2 vs 1, dim -1)")
     batch3 = json.dumps(torch.zeros(3, 2, 2).tolist())
@@ -281,7 +284,7 @@ def test_devices_that_are_not_here_list_the_available_ones():
         (["--scale", "0"], ["--scale must be a positive number"]),
         (["--png", "out.gif"], ["--png 'out.gif': unknown extension '.gif'"]),
         (["--head", "3"], ["--head 3 is outside"]),
-        (["--d-out", "3", "--heads", "2", "--x", json.dumps(TUTORIAL_X)], ["--d-out 3 does not split into --heads 2"]),
+        (["--d-out", "3", "--heads", "2", "--x", json.dumps(TUTORIAL_X[:3])], ["--d-out 3 does not split into --heads 2"]),
     ],
 )
 def test_bad_options_are_one_line(args, fragments):

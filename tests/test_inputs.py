@@ -301,6 +301,13 @@ def test_x_gives_queries_from_its_last_rows_for_prefill():
     assert "789" in qkv.source
 
 
+@pytest.mark.parametrize("q_len, k_len", [(5, 6), (3, 3), (1, 4)])
+def test_x_with_a_row_count_other_than_the_keys_is_named_as_x(q_len, k_len):
+    given = load_given(None, None, None, json.dumps(TUTORIAL_X[:5]))
+    with pytest.raises(MaskError, match=rf"--x has 5 rows \(dim -2, one per token\) but the mask has {k_len} key positions"):
+        make_qkv(given, seed=0, batch=1, heads=1, head_dim=8, d_out=None, qkv_bias=False, q_len=q_len, k_len=k_len)
+
+
 def test_random_inputs_follow_the_seed_and_sizes():
     a = make_qkv(None, seed=3, batch=2, heads=3, head_dim=5, d_out=None, qkv_bias=False, q_len=4, k_len=6)
     b = make_qkv(None, seed=3, batch=2, heads=3, head_dim=5, d_out=None, qkv_bias=False, q_len=4, k_len=6)
