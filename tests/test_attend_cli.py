@@ -417,7 +417,6 @@ def figure_cells(tmp_path, args, names):
 
     from maskcli import report
     from maskcli.inputs import make_qkv
-    from maskcli.masks import build  # noqa: F401  (run_attention builds it)
     from maskcli.run import run_attention
     from maskcli.spec import make_spec
 
