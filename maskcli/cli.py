@@ -361,7 +361,8 @@ def verify(
     qkv = check_against_mask(qkv, spec.shape)
     tensors = [t.to(device=torch_device, dtype=torch_dtype).contiguous() for t in (qkv.q, qkv.k, qkv.v)]
     tolerance = verify_core.DEFAULT_ATOL[torch_dtype] if atol is None else atol
-    results = verify_core.verify(build(spec, torch_device), spec, *tensors, scale=scale, atol=tolerance, repeat=repeat)
+    mask = build(spec, torch_device)
+    results = verify_core.verify(mask, spec, *tensors, scale=scale, atol=tolerance, repeat=repeat)
     dtype_name = str(torch_dtype).removeprefix("torch.")
     if json_:
         typer.echo(verify_core.results_json(results, spec, tensors[0], tolerance))
@@ -371,7 +372,7 @@ def verify(
         from maskcli.checks import mask_findings
         from maskcli.render.backends import backends_table
 
-        empty = [f.message for f in mask_findings(build(spec).materialize(), spec.kind, spec.offset) if f.code == "fully-masked"]
+        empty = [f.message for f in mask_findings(mask.materialize(), spec.kind, spec.offset) if f.code == "fully-masked"]
         title = (
             f"verify {spec.describe()} · shape (B={tensors[0].shape[0]}, H={tensors[0].shape[1]}, Lq={spec.q_len}, "
             f"Lk={spec.k_len}, D={tensors[0].shape[-1]}) · {torch_device} {dtype_name} · inputs: {qkv.source}\n"

@@ -101,10 +101,6 @@ class Given:
     v: torch.Tensor | None = None
     x: torch.Tensor | None = None
 
-    def sequence_length(self) -> int:
-        """Keys in the inputs: rows of k, or of x."""
-        return (self.k if self.x is None else self.x).shape[-2]
-
     def query_length(self, offset: int) -> int:
         """Queries: rows of q; with x, the rows after the first `offset` (already in the cache)."""
         return self.q.shape[-2] if self.x is None else self.x.shape[-2] - offset
