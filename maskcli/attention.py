@@ -71,7 +71,8 @@ def attend(
         weights = torch.softmax(scaled, dim=-1) * keep
         weights = weights / weights.sum(dim=-1, keepdim=True)  # 0 / 0 = NaN on a fully masked row
     else:
-        masked = scaled.masked_fill(~keep, fill_value(fill, scaled.dtype))
+        # what masked_fill(~keep, value) gives, in one pass and without negating the mask
+        masked = torch.where(keep, scaled, fill_value(fill, scaled.dtype))
         weights = torch.softmax(masked, dim=-1)
     if dropout > 0:
         generator = torch.Generator(device=q.device).manual_seed(seed)

@@ -166,28 +166,32 @@ def make_qkv(
 def check_against_mask(qkv: QKV, shape: tuple[int, int, int, int]) -> QKV:
     """Broadcast batch and heads against the mask's (B, H, Lq, Lk); name the dimension that disagrees."""
     batch, heads, q_len, k_len = shape
-    q, k, v = qkv.q, qkv.k, qkv.v
-    checks = [
-        ("query length (dim -2 of q)", q.shape[2], q_len),
-        ("key length (dim -2 of k)", k.shape[2], k_len),
-        ("value length (dim -2 of v)", v.shape[2], k_len),
-    ]
+    q_shape, k_shape, v_shape = qkv.q.shape, qkv.k.shape, qkv.v.shape
+    if q_shape[:3] == (batch, heads, q_len) and k_shape[:3] == v_shape[:3] == (batch, heads, k_len) and q_shape[3] == k_shape[3]:
+        return qkv  # already the mask's sizes: the checks below cost more than the attention on a small mask
+    checks = (
+        ("query length (dim -2 of q)", q_shape[2], q_len),
+        ("key length (dim -2 of k)", k_shape[2], k_len),
+        ("value length (dim -2 of v)", v_shape[2], k_len),
+    )
     for what, got, want in checks:
         if got != want:
             raise MaskError(f"inputs' {what} is {got} but the mask has {want}: match --len/--offset/labels to the inputs")
-    if q.shape[-1] != k.shape[-1]:
-        raise MaskError(f"q and k head sizes differ ({q.shape[-1]} vs {k.shape[-1]}, dim -1): they must match")
-    if k.shape[:2] != v.shape[:2]:
-        raise MaskError(f"k and v batch/heads differ ({list(k.shape[:2])} vs {list(v.shape[:2])})")
-    out_b = max(q.shape[0], k.shape[0], batch)
-    out_h = max(q.shape[1], k.shape[1], heads)
-    for what, sizes, want in (("batch (dim 0)", (q.shape[0], k.shape[0], batch), out_b), ("heads (dim 1)", (q.shape[1], k.shape[1], heads), out_h)):
+    if q_shape[-1] != k_shape[-1]:
+        raise MaskError(f"q and k head sizes differ ({q_shape[-1]} vs {k_shape[-1]}, dim -1): they must match")
+    if k_shape[:2] != v_shape[:2]:
+        raise MaskError(f"k and v batch/heads differ ({list(k_shape[:2])} vs {list(v_shape[:2])})")
+    out_b = max(q_shape[0], k_shape[0], batch)
+    out_h = max(q_shape[1], k_shape[1], heads)
+    for what, sizes, want in (("batch (dim 0)", (q_shape[0], k_shape[0], batch), out_b), ("heads (dim 1)", (q_shape[1], k_shape[1], heads), out_h)):
         if any(size not in (1, want) for size in sizes):
             raise MaskError(
                 f"{what} does not agree: q {sizes[0]}, k/v {sizes[1]}, mask {sizes[2]}; each must be 1 or {want}"
             )
+    if q_shape[:2] == k_shape[:2] == (out_b, out_h):
+        return qkv
 
     def expand(t: torch.Tensor) -> torch.Tensor:
         return t.expand(out_b, out_h, *t.shape[2:])
 
-    return QKV(expand(q), expand(k), expand(v), qkv.source)
+    return QKV(expand(qkv.q), expand(qkv.k), expand(qkv.v), qkv.source)

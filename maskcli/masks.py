@@ -12,6 +12,7 @@ absolute position query row 0 is (prefill with a KV cache).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -183,21 +184,20 @@ class Mask:
         The ranges are local indices (query row 0 is absolute position q_offset).
         The whole mask is the window taken whole; the result may be a broadcast view.
         """
-        q_range = range(self.shape[2]) if q_range is None else q_range
-        k_range = range(self.shape[3]) if k_range is None else k_range
-
-        def index(values: range) -> torch.Tensor:
-            return torch.arange(values.start, values.stop, values.step or 1, device=self.device)
-
-        return self.evaluate(index(q_range), index(k_range))
+        _, _, q_len, k_len = self.shape
+        q_range = range(q_len) if q_range is None else q_range
+        k_range = range(k_len) if k_range is None else k_range
+        return self._call(positions(q_range, 2, self.device), positions(k_range, 3, self.device))
 
     def evaluate(self, q_index: torch.Tensor, k_index: torch.Tensor) -> torch.Tensor:
         """Bool (B, H, len(q_index), len(k_index)) at any local query and key positions."""
+        return self._call(q_index.view(1, 1, -1, 1), k_index.view(1, 1, 1, -1))
+
+    def _call(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         batch, heads = self.shape[:2]
-        b = torch.arange(batch, device=self.device).view(-1, 1, 1, 1)
-        h = torch.arange(heads, device=self.device).view(1, -1, 1, 1)
-        keep = torch.as_tensor(self.mask_mod(b, h, q_index.view(1, 1, -1, 1), k_index.view(1, 1, 1, -1)), device=self.device)
-        return torch.broadcast_to(keep, (batch, heads, len(q_index), len(k_index)))
+        b, h = positions(range(batch), 0, self.device), positions(range(heads), 1, self.device)
+        keep = torch.as_tensor(self.mask_mod(b, h, q_idx, kv_idx), device=self.device)
+        return torch.broadcast_to(keep, (batch, heads, q_idx.shape[2], kv_idx.shape[3]))
 
     def dense(self) -> torch.Tensor:
         """The whole mask as a contiguous bool tensor, after checking that it fits in memory."""
@@ -205,24 +205,41 @@ class Mask:
         return self.materialize().contiguous()
 
 
+@functools.lru_cache(maxsize=64)
+def positions(values: range, axis: int, device: torch.device) -> torch.Tensor:
+    """The indices in `values` laid along `axis` of four dimensions, as a predicate receives them.
+
+    Cached: a predicate only reads its index tensors (FlexAttention's contract for a
+    mask_mod), and on a small mask making them afresh cost more than the predicate
+    itself (benchmarks/attend.py).
+    """
+    shape = [1, 1, 1, 1]
+    shape[axis] = len(values)
+    return torch.arange(values.start, values.stop, values.step, device=device).view(shape)
+
+
 # --- from a validated spec ---------------------------------------------------------
+
+
+# kind -> its predicate from (spec, labels tensor); padding alone has none (the key padding is added below)
+_KIND_MODS: dict[str, Callable[[MaskSpec, torch.Tensor | None], MaskMod | None]] = {
+    "causal": lambda spec, labels: causal(),
+    "tril": lambda spec, labels: tril(spec.diagonal),
+    "triu": lambda spec, labels: triu(spec.diagonal),
+    "padding": lambda spec, labels: None,
+    "prefill": lambda spec, labels: bottom_right_causal(spec.offset),
+    "chunk": lambda spec, labels: chunked(labels),
+    "window": lambda spec, labels: sliding_window(spec.window),
+    "prefix": lambda spec, labels: prefix_lm(spec.prefix),
+    "document": lambda spec, labels: document(labels),
+}
 
 
 def build(spec: MaskSpec, device: str | torch.device = "cpu") -> Mask:
     """The Mask a MaskSpec describes, its predicate's tensors on `device`."""
     device = torch.device(device)
     labels = torch.tensor(spec.labels, device=device) if spec.labels is not None else None
-    kind_mod: MaskMod | None = {
-        "causal": lambda: causal(),
-        "tril": lambda: tril(spec.diagonal),
-        "triu": lambda: triu(spec.diagonal),
-        "padding": lambda: None,
-        "prefill": lambda: bottom_right_causal(spec.offset),
-        "chunk": lambda: chunked(labels),
-        "window": lambda: sliding_window(spec.window),
-        "prefix": lambda: prefix_lm(spec.prefix),
-        "document": lambda: document(labels),
-    }[spec.kind]()
+    kind_mod = _KIND_MODS[spec.kind](spec, labels)
     # tril/triu read as "block" mean: the 1-cells are the masked ones.
     if spec.kind in ("tril", "triu") and spec.means == "block":
         kind_mod = negate(kind_mod)
@@ -245,8 +262,10 @@ def build(spec: MaskSpec, device: str | torch.device = "cpu") -> Mask:
 # --- memory guard and summaries of long masks --------------------------------------
 
 
-def available_memory() -> int | None:
-    """Bytes of physical memory free now, or None where the platform cannot say."""
+def available_memory(device: torch.device | None = None) -> int | None:
+    """Bytes free now on a CUDA `device`, else of physical memory; None where it cannot be told."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -261,18 +280,18 @@ def format_bytes(count: float) -> str:
     raise AssertionError("unreachable")
 
 
-def check_dense_fits(shape: tuple[int, ...], bytes_per_cell: float, how: str) -> None:
-    """Refuse a dense (B, H, Lq, Lk) result that would not fit in free memory."""
+def check_dense_fits(shape: tuple[int, ...], bytes_per_cell: float, how: str, device: torch.device | None = None) -> None:
+    """Refuse a dense (B, H, Lq, Lk) result that would not fit in the free memory of `device` (the host's by default)."""
     cells = 1
     for size in shape:
         cells *= size
     needed = cells * bytes_per_cell
-    free = available_memory()
+    free = available_memory(device)
     if free is not None and needed > free:
         dims = " x ".join(map(str, shape))
         raise MaskError(
             f"the dense mask {dims} would need {format_bytes(needed)} ({needed:,.0f} bytes) {how}, "
-            f"but only {format_bytes(free)} is free: use a smaller --len, or show it without "
+            f"but only {format_bytes(free)} is free{f' on {device}' if device is not None and device.type != 'cpu' else ''}: use a smaller --len, or show it without "
             "--json/--save/--png to get a density map"
         )
 

@@ -38,8 +38,8 @@ def run_attention(
     qkv = check_against_mask(qkv, spec.shape)
     batch, heads = qkv.q.shape[:2]
     # scores, scaled, masked, weights (and their temporaries) are each B x H x Lq x Lk
-    check_dense_fits((batch, heads, spec.q_len, spec.k_len), 6 * torch.finfo(dtype).bits // 8 + 1, "for the attention stages")
-    q, k, v = (t.to(device=device, dtype=dtype) for t in (qkv.q, qkv.k, qkv.v))
+    check_dense_fits((batch, heads, spec.q_len, spec.k_len), 6 * torch.finfo(dtype).bits // 8 + 1, "for the attention stages", device)
+    q, k, v = qkv.q.to(device, dtype), qkv.k.to(device, dtype), qkv.v.to(device, dtype)
     keep = mask.materialize()
     stages = attend(q, k, v, keep, scale=scale, fill=fill, dropout=dropout, seed=seed)
     findings = run_findings(stages, spec.kind, spec.offset)

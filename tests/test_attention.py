@@ -429,3 +429,11 @@ def test_dropout_is_seeded_and_scales_the_kept_weights():
     assert torch.allclose(first.weights[~dropped], plain.weights[~dropped] / 0.75)
     assert bool(dropped[keep.expand(dropped.shape)].any())  # something visible was dropped
     assert torch.allclose(first.output, first.weights @ v, atol=1e-6)
+
+
+@pytest.mark.parametrize("fill, effect", [("-inf", "NaN"), ("multiply", "NaN"), ("min", "uniform"), ("-1e9", "uniform")])
+def test_padded_causal_rows_that_see_nothing_are_found_under_every_fill(fill, effect):
+    # causal never hides a query's own key, so only the padding (length 0) empties these rows
+    codes, findings = codes_of("causal", length=4, lengths="4,0", fill=fill)
+    assert codes == ["fully-masked"]
+    assert findings[0].message.startswith("query rows 0-3 see no key (batch 1): ") and effect in findings[0].message

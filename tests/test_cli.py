@@ -432,7 +432,7 @@ BAD = [
 @pytest.mark.parametrize("args, quoted", BAD, ids=[" ".join(args) for args, _ in BAD])
 def test_bad_input_is_one_line_exit_2_no_traceback_no_file(args, quoted, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(masks, "available_memory", lambda: 16 << 30)  # the same answer on every machine
+    monkeypatch.setattr(masks, "available_memory", lambda device=None: 16 << 30)  # the same answer on every machine
     result = invoke(args)
     assert result.exit_code == 2, result.output
     assert isinstance(result.exception, SystemExit)  # not an escaped exception

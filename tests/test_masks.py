@@ -403,12 +403,12 @@ def test_conventions_mean_the_same_to_pytorch_attention():
 
 
 def test_dense_refuses_what_does_not_fit(monkeypatch):
-    monkeypatch.setattr(masks, "available_memory", lambda: 1000)
+    monkeypatch.setattr(masks, "available_memory", lambda device=None: 1000)
     with pytest.raises(MaskError, match=r"1,024 bytes") as error:
         build(make_spec("causal", length=32)).dense()  # 32 x 32 bool cells
     assert "1 x 1 x 32 x 32" in str(error.value)
     assert build(make_spec("causal", length=31)).dense().shape == (1, 1, 31, 31)  # 961 bytes fits
-    monkeypatch.setattr(masks, "available_memory", lambda: None)  # the platform cannot say: go ahead
+    monkeypatch.setattr(masks, "available_memory", lambda device=None: None)  # the platform cannot say: go ahead
     assert build(make_spec("causal", length=32)).dense().shape == (1, 1, 32, 32)
 
 
