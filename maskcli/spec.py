@@ -127,17 +127,16 @@ class MaskSpec:
     @property
     def name(self) -> str:
         """Readable name for titles and file names, like `sliding_window_3`."""
-        base = {
-            "causal": "causal",
-            "tril": f"tril_{self.diagonal}",
-            "triu": f"triu_{self.diagonal}",
-            "padding": "padding",
-            "prefill": f"prefill_offset_{self.offset}",
-            "chunk": "chunk",
-            "window": f"sliding_window_{self.window}",
-            "prefix": f"prefix_lm_{self.prefix}",
-            "document": "document",
-        }[self.kind]
+        if self.kind in _DEFAULT_MEANS:
+            base = f"{self.kind}_{self.diagonal}"
+        elif self.kind == "prefill":
+            base = f"prefill_offset_{self.offset}"
+        elif self.kind == "window":
+            base = f"sliding_window_{self.window}"
+        elif self.kind == "prefix":
+            base = f"prefix_lm_{self.prefix}"
+        else:
+            base = self.kind
         if self.kind in _DEFAULT_MEANS and self.means != _DEFAULT_MEANS[self.kind]:
             base += f"_as_{self.means}"
         if self.padded and self.kind != "padding":
