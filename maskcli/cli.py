@@ -27,7 +27,7 @@ from maskcli.options import (
     KIND_LIST, As, Batch, BatchIndex, Chunks, ComputeDtype, Device, Diagonal, DOut, Dropout, Dtype, FigurePng,
     Fill, Head, HeadDim, Heads, Ids, Json, KFile, Len, Lengths, Means, Offset, PadId, Png, Precision, Prefix,
     QFile, QkvBias, Repeat, Save, Scale, Seed, StagesJson, StagesOpt, Strict, Tokens, VerifyJson, VFile, Window, XFile,
-    Atol,
+    Atol, examples,
 )
 from maskcli.spec import CONVENTIONS, DTYPES, FILLS, KINDS, STAGES, check_choice, make_spec, parse_stages
 
@@ -92,8 +92,12 @@ def root(
 
 
 @app.command(
-    epilog="Examples: maskcli show causal --len 6 · maskcli show padding --lengths 4,2 · "
-    "maskcli show prefill --offset 3 --len 2 --as additive · maskcli show window --len 8 --window 3 --png window.png",
+    epilog=examples(
+        "maskcli show causal --len 6",
+        "maskcli show padding --lengths 4,2",
+        "maskcli show prefill --offset 3 --len 2 --as additive",
+        "maskcli show window --len 8 --window 3 --png window.png",
+    ),
 )
 def show(
     kind: Annotated[str, typer.Argument(help="Mask kind: " + ", ".join(KINDS) + ".", show_default=False)],
@@ -132,8 +136,10 @@ show.__doc__ = (show.__doc__ or "") + KIND_LIST
 
 @app.command(
     context_settings={"ignore_unknown_options": True},  # so labels may start with a minus: chunk -1,0,1
-    epilog="Example: maskcli chunk 0,0,1,1,1,1,2,2,2,3,4,4 (the tutorial's chunk mask) · "
-    "maskcli chunk 0,0,1,1 --lengths 4,3 --png chunk.png",
+    epilog=examples(
+        "maskcli chunk 0,0,1,1,1,1,2,2,2,3,4,4  # the tutorial's chunk mask",
+        "maskcli chunk 0,0,1,1 --lengths 4,3 --png chunk.png",
+    ),
 )
 def chunk(
     labels: Annotated[str, typer.Argument(help="Comma-separated chunk label per token, like 0,0,1,1,2.", show_default=False)],
@@ -187,10 +193,13 @@ def _present(spec, convention: str, dtype_name: str, png: str | None, json_out: 
 
 
 @app.command(
-    epilog="Examples: maskcli attend causal --len 4 · maskcli attend chunk --chunks 0,0,1,1 --fill multiply · "
-    "maskcli attend causal --x \"[[0.43,0.15,0.89],[0.55,0.87,0.66],[0.57,0.85,0.64],[0.22,0.58,0.33],"
-    "[0.77,0.25,0.10],[0.05,0.80,0.55]]\" --seed 789 --d-out 2 --stages weights · "
-    "maskcli attend padding --lengths 3,0 --fill min --png stages.png",
+    epilog=examples(
+        "maskcli attend causal --len 4",
+        "maskcli attend chunk --chunks 0,0,1,1 --fill multiply",
+        "maskcli attend padding --lengths 3,0 --fill min --png stages.png",
+        "maskcli attend causal --seed 789 --d-out 2 --stages weights --x "
+        "\"[[0.43,0.15,0.89],[0.55,0.87,0.66],[0.57,0.85,0.64],[0.22,0.58,0.33],[0.77,0.25,0.10],[0.05,0.80,0.55]]\"",
+    ),
 )
 def attend(
     kind: Annotated[str, typer.Argument(help="Mask kind: " + ", ".join(KINDS) + ".", show_default=False)],
@@ -303,8 +312,11 @@ def _mask_and_inputs(kind, length, mask_options, *, q, k, v, x, seed, batch, hea
 
 
 @app.command(
-    epilog="Examples: maskcli verify causal --len 16 · maskcli verify padding --lengths 5,0 --device cuda --dtype float16 · "
-    "maskcli verify prefill --offset 4 --len 2 --strict --json",
+    epilog=examples(
+        "maskcli verify causal --len 16",
+        "maskcli verify padding --lengths 5,0 --device cuda --dtype float16",
+        "maskcli verify prefill --offset 4 --len 2 --strict --json",
+    ),
 )
 def verify(
     kind: Annotated[str, typer.Argument(help="Mask kind: " + ", ".join(KINDS) + ".", show_default=False)],

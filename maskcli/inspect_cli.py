@@ -12,7 +12,7 @@ import typer
 
 from maskcli.cli import app
 from maskcli.errors import MaskError
-from maskcli.options import InspectHeads, KeyOpt, Png, ReportJson, Tokens
+from maskcli.options import InspectHeads, KeyOpt, Png, ReportJson, Tokens, examples
 from maskcli.spec import CONVENTIONS, DTYPES, check_choice
 
 FILE_HELP = (
@@ -36,8 +36,12 @@ def _done(message: str) -> None:
 
 
 @app.command(
-    epilog="Examples: maskcli inspect mask.pt · maskcli inspect masks.npz --key attention_mask --heads 8 · "
-    "maskcli inspect hf_mask.safetensors --png mask.png · maskcli inspect '[[1,0,0],[1,1,0],[1,1,1]]' --json",
+    epilog=examples(
+        "maskcli inspect mask.pt",
+        "maskcli inspect masks.npz --key attention_mask --heads 8",
+        "maskcli inspect hf_mask.safetensors --png mask.png",
+        "maskcli inspect '[[1,0,0],[1,1,0],[1,1,1]]' --json",
+    ),
 )
 def inspect(
     file: File,
@@ -168,9 +172,11 @@ def _print_report(analysis, report: dict, mask) -> None:
 
 
 @app.command(
-    epilog="Examples: maskcli convert mha_mask.pt --to keep --out sdpa_mask.pt · "
-    "maskcli convert causal.pt --to min --dtype float16 --out hf_mask.npy · "
-    "maskcli convert padding.npy --from block --to additive --out padding.json",
+    epilog=examples(
+        "maskcli convert mha_mask.pt --to keep --out sdpa_mask.pt",
+        "maskcli convert causal.pt --to min --dtype float16 --out hf_mask.npy",
+        "maskcli convert padding.npy --from block --to additive --out padding.json",
+    ),
 )
 def convert(
     file: File,

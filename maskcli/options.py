@@ -22,6 +22,11 @@ def escape(text: str) -> str:
     return text.replace("[", "\\[")
 
 
+def examples(*commands: str) -> str:
+    """A command's epilog: one runnable example a line, so each can be copied whole."""
+    return "\n\n".join(["Examples:" if len(commands) > 1 else "Example:", *commands])
+
+
 KIND_LIST = "\n\n".join(f"[bold]{kind}[/bold]: {escape(text)}" for kind, text in KINDS.items())
 MASK_PANEL = "Mask options"
 OUTPUT_PANEL = "Output"
