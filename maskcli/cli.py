@@ -165,8 +165,8 @@ def _present(spec, convention: str, dtype_name: str, png: str | None, json_out: 
 
     check_choice(convention, CONVENTIONS, "--as convention")
     check_choice(dtype_name, DTYPES, "--dtype")
-    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png else None
-    save_path = check_output_path(save, TENSOR_SUFFIXES, "--save") if save else None
+    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
+    save_path = check_output_path(save, TENSOR_SUFFIXES, "--save") if save is not None else None
     if save_path is not None and save_path.suffix.lower() == ".npy" and dtype_name == "bfloat16" and convention in ("additive", "min"):
         raise MaskError("--save .npy cannot hold bfloat16 (numpy has no such dtype): save as .pt or pick another --dtype")
     for message in spec.warnings:
@@ -219,8 +219,8 @@ def attend(
     v: VFile = None,
     x: XFile = None,
     seed: Seed = 0,
-    batch: Batch = 1,
-    head_dim: HeadDim = 8,
+    batch: Batch = None,
+    head_dim: HeadDim = None,
     d_out: DOut = None,
     qkv_bias: QkvBias = False,
     device: Device = "auto",
@@ -244,7 +244,7 @@ def attend(
 
     check_choice(fill, FILLS, "--fill")
     names = list(parse_stages(stages))
-    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png else None
+    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
     if not 0 <= dropout < 1:
         raise MaskError(f"--dropout must be at least 0 and below 1, got {dropout}")
     if not 0 <= precision <= 12:
@@ -257,7 +257,7 @@ def attend(
     )
     spec, qkv, torch_device, torch_dtype = _mask_and_inputs(
         kind, length, mask_options, q=q, k=k, v=v, x=x, seed=seed, batch=batch, heads=heads, head_dim=head_dim,
-        d_out=d_out, qkv_bias=qkv_bias, device=device, dtype=dtype,
+        d_out=d_out, qkv_bias=qkv_bias, device=device, dtype=dtype, default_head_dim=8,
     )
     from maskcli.run import run_attention
 
@@ -265,15 +265,18 @@ def attend(
 
     from maskcli import report
 
-    pairs = report.selection(run.stages.keep.shape, batch_index, head)
-    for b, h in pairs:
-        if not (0 <= b < run.stages.keep.shape[0] and 0 <= h < run.stages.keep.shape[1]):
-            raise MaskError(f"--batch-index {b} / --head {h} is outside batch {run.stages.keep.shape[0]} x heads {run.stages.keep.shape[1]}")
+    shape = run.stages.keep.shape
+    chosen = batch_index is not None or head is not None
+    for flag, index, size, what in (("--batch-index", batch_index, shape[0], "batch rows"), ("--head", head, shape[1], "heads")):
+        if index is not None and not 0 <= index < size:
+            raise MaskError(f"{flag} {index} is outside this run's {what} 0-{size - 1} ({what[0].upper()}={size}): pick one of them")
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure
 
+        pairs = report.selection(shape, batch_index, head, limit=FIGURE_ROWS)
         save_figure(report.stages_figure(run.mask, run.stages, names, pairs, run.device), png_path)
-        warn_done(f"wrote {png_path}")
+        note = report.selection_note(shape, pairs, "the figure's rows", chosen)
+        warn_done(f"wrote {png_path}" + (f" ({note})" if note else ""))
     if json_:
         typer.echo(report.stages_json(run.mask, run.stages, run.device, run.findings, list(STAGES)))
         return
@@ -281,17 +284,38 @@ def attend(
 
     console = Console()
     console.print(report.run_header(run.mask, run.stages, run.device, run.source), style="bold", highlight=False)
-    views = report.stage_tables(run.mask, run.stages, names, pairs, precision, width=console.width)
-    for view in views:
+    pairs = report.selection(shape, batch_index, head)
+    note = report.selection_note(shape, pairs, "the tables", chosen)
+    if note:
+        console.print(note, style="dim", highlight=False)
+    for view in report.stage_tables(run.mask, run.stages, names, pairs, precision, width=console.width):
         console.print(view)
-    if any(not hasattr(view, "columns") for view in views):
-        console.print(report.too_wide_note())
     console.print(report.findings_text(run.findings))
 
 
-def _mask_and_inputs(kind, length, mask_options, *, q, k, v, x, seed, batch, heads, head_dim, d_out, qkv_bias, device, dtype):
+FIGURE_ROWS = 8  # (batch, head) rows in an attend figure unless --batch-index / --head choose
+
+
+def _check_input_options(q, k, v, x, batch, head_dim, d_out, qkv_bias) -> None:
+    """Refuse input options that the inputs in use would silently ignore."""
+    given_qkv = any(t is not None for t in (q, k, v))
+    source = "--q/--k/--v" if given_qkv else "--x" if x is not None else None
+    if source and batch is not None:
+        raise MaskError(f"--batch {batch} is for random inputs, and {source} set the batch size: drop --batch")
+    if source and head_dim is not None:
+        how = "--q/--k/--v set it" if given_qkv else "with --x it is --d-out / --heads"
+        raise MaskError(f"--head-dim {head_dim} is for random inputs, and {how}: drop --head-dim")
+    if (d_out is not None or qkv_bias) and (given_qkv or x is None):
+        flag = f"--d-out {d_out}" if d_out is not None else "--qkv-bias"
+        raise MaskError(f"{flag} is for the projections of --x embeddings, and there is no --x in use: drop {flag.split()[0]}")
+    if given_qkv and x is not None:
+        warn("--x is ignored: --q/--k/--v take precedence")
+
+
+def _mask_and_inputs(kind, length, mask_options, *, q, k, v, x, seed, batch, heads, head_dim, d_out, qkv_bias, device, dtype, default_head_dim):
     """The MaskSpec and Q/K/V for attend and verify: given inputs decide the length unless --len does."""
-    if not (q or k or v or x):
+    _check_input_options(q, k, v, x, batch, head_dim, d_out, qkv_bias)
+    if all(t is None for t in (q, k, v, x)):
         make_spec(kind, length=length, **mask_options)  # refuse bad mask options before importing torch
 
     from maskcli.inputs import load_given, make_qkv, resolve_device, resolve_dtype
@@ -304,9 +328,12 @@ def _mask_and_inputs(kind, length, mask_options, *, q, k, v, x, seed, batch, hea
     spec = make_spec(kind, length=length, **mask_options)
     for message in spec.warnings:
         warn(message)
+    if spec.padded and batch is not None and batch != spec.batch:
+        raise MaskError(f"--batch {batch} does not match the {spec.batch} batch rows of --lengths/--ids: drop --batch")
     qkv = make_qkv(
-        given, seed=seed, batch=spec.batch if spec.padded else batch, heads=heads, head_dim=head_dim,
-        d_out=d_out, qkv_bias=qkv_bias, q_len=spec.q_len, k_len=spec.k_len,
+        given, seed=seed, batch=spec.batch if spec.padded else 1 if batch is None else batch, heads=heads,
+        head_dim=default_head_dim if head_dim is None else head_dim, d_out=d_out, qkv_bias=qkv_bias,
+        q_len=spec.q_len, k_len=spec.k_len,
     )
     return spec, qkv, torch_device, torch_dtype
 
@@ -336,8 +363,8 @@ def verify(
     v: VFile = None,
     x: XFile = None,
     seed: Seed = 0,
-    batch: Batch = 1,
-    head_dim: HeadDim = 16,
+    batch: Batch = None,
+    head_dim: HeadDim = None,
     d_out: DOut = None,
     qkv_bias: QkvBias = False,
     device: Device = "auto",
@@ -364,7 +391,7 @@ def verify(
     )
     spec, qkv, torch_device, torch_dtype = _mask_and_inputs(
         kind, length, mask_options, q=q, k=k, v=v, x=x, seed=seed, batch=batch, heads=heads, head_dim=head_dim,
-        d_out=d_out, qkv_bias=qkv_bias, device=device, dtype=dtype,
+        d_out=d_out, qkv_bias=qkv_bias, device=device, dtype=dtype, default_head_dim=16,
     )
     from maskcli import verify as verify_core
     from maskcli.inputs import check_against_mask

@@ -81,7 +81,9 @@ def project(x: torch.Tensor, seed: int, d_out: int | None, heads: int, bias: boo
     for query, key and value in that order; heads split d_out as (H, d_out / H)."""
     x3 = x if x.dim() == 3 else x[None]
     d_in = x3.shape[-1]
-    d_out = d_out or d_in
+    d_out = d_in if d_out is None else d_out
+    if d_out < 1:
+        raise MaskError(f"--d-out must be at least 1 (the size of each projection), got {d_out}")
     if d_out % heads:
         raise MaskError(f"--d-out {d_out} does not split into --heads {heads}: make d_out a multiple of heads")
     torch.manual_seed(seed)
@@ -109,7 +111,7 @@ class Given:
 def load_given(q: str | None, k: str | None, v: str | None, x: str | None) -> Given | None:
     """--q/--k/--v (all three) take precedence over --x; None when nothing was given."""
     given = {"--q": q, "--k": k, "--v": v}
-    if any(given.values()):
+    if any(value is not None for value in given.values()):
         missing = [flag for flag, value in given.items() if value is None]
         if missing:
             raise MaskError(f"give all of --q, --k and --v (missing {', '.join(missing)}), or use --x or random inputs")

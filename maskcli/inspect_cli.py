@@ -64,7 +64,7 @@ def inspect(
 
     if heads is not None and heads < 1:
         raise MaskError(f"--heads must be at least 1 (your model's head count), got {heads}")
-    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png else None
+    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
 
     from maskcli import recognize
 

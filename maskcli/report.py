@@ -44,89 +44,140 @@ def _json_nested(tensor: torch.Tensor):
     return convert(values)
 
 
-def selection(shape, batch_index: int | None, head: int | None) -> list[tuple[int, int]]:
-    """The (batch, head) pairs to show: those asked for, else all when there are at most 4, else (0, 0)."""
+def selection(shape, batch_index: int | None, head: int | None, limit: int = 4) -> list[tuple[int, int]]:
+    """The (batch, head) pairs to show: those asked for, else all of them up to `limit`, batch by batch."""
     batch, heads = shape[0], shape[1]
-    batches = [batch_index] if batch_index is not None else None
-    head_list = [head] if head is not None else None
-    if batches is None and head_list is None and batch * heads > 4:
-        batches, head_list = [0], [0]
-    return [(b, h) for b in (batches or range(batch)) for h in (head_list or range(heads))]
+    pairs = [
+        (b, h)
+        for b in ([batch_index] if batch_index is not None else range(batch))
+        for h in ([head] if head is not None else range(heads))
+    ]
+    return pairs if batch_index is not None or head is not None else pairs[:limit]
+
+
+def selection_note(shape, pairs, what: str, chosen: bool) -> str | None:
+    """Say so when `what` (the tables, the figure) leaves (batch, head) pairs out that the user did not choose away."""
+    total = shape[0] * shape[1]
+    if chosen or len(pairs) == total:
+        return None
+    shown = ", ".join(f"b{b} h{h}" for b, h in pairs)
+    return f"{what} show {shown} of {total} (batch, head) pairs (B={shape[0]}, H={shape[1]}): choose with --batch-index and --head"
+
+
+FILL_WORDS = {
+    "-inf": "masked_fill -inf",
+    "min": "masked_fill finfo.min",
+    "-1e9": "masked_fill -1e9",
+    "multiply": "softmax, then multiply by the mask and renormalise",
+}
 
 
 def run_header(mask: Mask, stages: Stages, device: torch.device, source: str) -> str:
     batch, heads, q_len, k_len = stages.keep.shape
     dtype = str(stages.scores.dtype).removeprefix("torch.")
-    fill = {"-inf": "masked_fill -inf", "min": "masked_fill finfo.min", "-1e9": "masked_fill -1e9", "multiply": "softmax, then multiply by the mask and renormalise"}[stages.fill]
     extra = f" · dropout {stages.dropout}" if stages.dropout else ""
     return (
         f"attend {describe_params(mask.kind, mask.params)} · shape (B={batch}, H={heads}, Lq={q_len}, Lk={k_len}, "
         f"D={stages.output.shape[-1]})\n"
-        f"device {device} · dtype {dtype} · scale {stages.scale:.6g} · fill: {fill}{extra}\n"
+        f"device {device} · dtype {dtype} · scale {stages.scale:.6g} · fill: {FILL_WORDS[stages.fill]}{extra}\n"
         f"inputs: {source}"
     )
 
 
-def stage_summary(name: str, title: str, values: torch.Tensor, keep: torch.Tensor | None):
-    """One line for a stage too wide for the terminal: range and counts of what it holds."""
+def stage_formula(name: str, stages: Stages) -> str:
+    """What a stage is, in one line: `weights = softmax(masked)`."""
+    if name == "scaled":
+        return f"scaled = scores × {stages.scale:.6g}"
+    if name == "masked":
+        if stages.fill == "multiply":
+            return "masked = scaled (--fill multiply masks after the softmax)"
+        return f"masked = scaled, masked cells (×) set to {'finfo.min' if stages.fill == 'min' else stages.fill}"
+    if name == "weights":
+        formula = "softmax(scaled) × mask, renormalised" if stages.fill == "multiply" else "softmax(masked)"
+        return f"weights = {formula}" + (f", then dropout {stages.dropout}" if stages.dropout else "")
+    return {"scores": "scores = Q Kᵀ", "output": "output = weights V"}[name]
+
+
+MAX_TABLE_ROWS = 64
+MORE = "…"
+
+
+def value_table(title: str, values: torch.Tensor, keep: torch.Tensor | None, row_labels, col_labels, precision: int,
+                width: int, corner: str = "q \\ kv"):
+    """A rich table of a 2-D stage: masked cells red and marked ×; as many columns as fit `width`.
+
+    Rows past MAX_TABLE_ROWS and columns past the width are left out, and the caption says
+    which are shown: the cells are formatted only for what is shown.
+    """
+    from rich.console import Group
+    from rich.table import Table
     from rich.text import Text
 
-    shown = values if keep is None else values[keep.expand(values.shape)]
-    finite = shown[torch.isfinite(shown)]
-    parts = [f"{title}: {tuple(values.shape)}"]
-    if finite.numel():
-        parts.append(f"min {finite.min().item():.4g}, max {finite.max().item():.4g}, mean {finite.mean().item():.4g}")
-    nan = int(torch.isnan(values).sum())
-    if nan:
-        parts.append(f"{nan} nan")
-    if keep is not None:
-        parts.append(f"{int((~keep).sum())} masked cells")
-    return Text(" · ".join(parts))
+    from maskcli.render.tables import MASKED_STYLE
+
+    n_rows, n_cols = values.shape
+    rows = min(n_rows, MAX_TABLE_ROWS)
+    shown = values[:rows].to(torch.float64)  # float64: finfo(float64).min must not print as -inf
+    marks = None if keep is None else keep[:rows]
+    used = max(len(corner), *(len(label) for label in row_labels[:rows])) + 2
+    columns: list[tuple[str, list[Text]]] = []
+    for j in range(n_cols):
+        texts = [number(value, precision) for value in shown[:, j].tolist()]
+        if marks is None:
+            cells = [Text(text) for text in texts]
+        else:
+            cells = [
+                Text(text + " ") if visible else Text(text + MASKED_MARK, style=MASKED_STYLE)
+                for text, visible in zip(texts, marks[:, j].tolist())
+            ]
+        column_width = max(len(col_labels[j]), *(len(cell) for cell in cells)) + 2
+        room = width - (len(MORE) + 2 if j < n_cols - 1 else 0)  # keep room for the … column
+        if columns and used + column_width > room:
+            break
+        used += column_width
+        columns.append((col_labels[j], cells))
+    table = Table(box=None)
+    table.add_column(corner, justify="left", style="bold", no_wrap=True)
+    for label, _ in columns:
+        table.add_column(label, justify="right", no_wrap=True, header_style="bold")
+    if len(columns) < n_cols:
+        table.add_column(MORE, no_wrap=True)
+    for i in range(rows):
+        cells = [cells[i] for _, cells in columns]
+        table.add_row(row_labels[i], *cells, *([MORE] if len(columns) < n_cols else []))
+    if rows < n_rows:
+        table.add_row("⋮", *(["⋮"] * len(columns)))
+    # title and note on lines of their own: a table narrower than them would fold them
+    parts = [Text(title, style="italic", overflow="ellipsis", no_wrap=True), table]
+    if len(columns) < n_cols or rows < n_rows:
+        axis = "keys" if corner == "q \\ kv" else "dims"
+        parts.append(Text(
+            f"{axis} 0-{len(columns) - 1} of {n_cols}, queries {row_labels[0].strip()}-{row_labels[rows - 1].strip()} "
+            f"of {n_rows} shown: --png draws every cell, --json prints every value",
+            style="dim",
+        ))
+    return Group(*parts)
 
 
 def stage_tables(mask: Mask, stages: Stages, names: list[str], pairs, precision: int, width: int = 10**9) -> list:
-    """One rich table per chosen stage and (batch, head); masked cells red and marked ×.
-
-    A stage whose table would be wider than `width` columns becomes a one-line summary.
-    """
-    from rich.text import Text
-
+    """One rich table per chosen stage and (batch, head), each titled with what the stage is."""
     from maskcli.output import axis_labels
-    from maskcli.render.tables import MASKED_STYLE, grid_table
 
     row_labels, col_labels = axis_labels(mask)
-    cell_width = precision + 5  # sign, a digit, point, and rich's padding of one each side
-    label_width = max(map(len, row_labels)) + 2
-    keep = stages.keep.cpu()
+    batch, heads = stages.keep.shape[:2]
     tables = []
     for b, h in pairs:
-        where = ", ".join(part for part in (f"batch {b}" if stages.keep.shape[0] > 1 else "", f"head {h}" if stages.keep.shape[1] > 1 else "") if part)
+        where = ", ".join(part for part in (f"batch {b}" if batch > 1 else "", f"head {h}" if heads > 1 else "") if part)
+        keep = stages.keep[b, h].cpu()
         for name in names:
-            values = stages.stage(name)[b, h].detach().float().cpu()
-            title = f"{name}{' — ' + where if where else ''}"
-            columns = values.shape[-1]
-            header_width = cell_width if name == "output" else max(cell_width + 1, max(map(len, col_labels)) + 2)
-            if label_width + columns * header_width > width:
-                tables.append(stage_summary(name, title, values, None if name == "output" else keep[b, h]))
-                continue
+            values = stages.stage(name)[b, h].detach().cpu()
+            title = f"{stage_formula(name, stages)}{' — ' + where if where else ''}"
             if name == "output":
                 dims = [f"d{j}" for j in range(values.shape[-1])]
-                tables.append(grid_table(title, row_labels, dims, lambda i, j, v=values: Text(number(v[i, j].item(), precision)), corner="q \\ dim", justify="right"))
-                continue
-            k = keep[b, h]
-
-            def cell(i, j, v=values, k=k):
-                text = number(v[i, j].item(), precision)
-                return Text(text + MASKED_MARK, style=MASKED_STYLE) if not k[i, j] else Text(text + " ")
-
-            tables.append(grid_table(title, row_labels, col_labels, cell, justify="right"))
+                tables.append(value_table(title, values, None, row_labels, dims, precision, width, corner="q \\ dim"))
+            else:
+                tables.append(value_table(title, values, keep, row_labels, col_labels, precision, width))
     return tables
-
-
-def too_wide_note():
-    from rich.text import Text
-
-    return Text("stages wider than the terminal are summarised: a smaller --precision fits more columns, --png draws them, --json prints every value", style="dim")
 
 
 def findings_text(findings: list[Finding]):
@@ -167,19 +218,20 @@ def stages_figure(mask: Mask, stages: Stages, names: list[str], pairs, device: t
     from maskcli.render.heatmaps import Panel, heatmap_figure
 
     row_labels, col_labels = axis_labels(mask)
+    batch, heads = stages.keep.shape[:2]
     grid = []
     for b, h in pairs:
         keep = stages.keep[b, h].cpu().numpy()
+        prefix = f"b{b} h{h}: " if batch * heads > 1 else ""
         row = []
         for name in names:
-            values = stages.stage(name)[b, h].detach().float().cpu().numpy()
-            prefix = f"b{b} h{h}: " if len(pairs) > 1 else ""
+            values = stages.stage(name)[b, h].detach().to("cpu", torch.float64).numpy()
             if name == "output":
                 dims = [f"d{j}" for j in range(values.shape[-1])]
                 row.append(Panel(prefix + name, np.ones(values.shape, dtype=bool), row_labels, dims, values=values, x_label="dimension"))
             else:
                 before = name in ("scores", "scaled") or (name == "masked" and stages.fill == "multiply")
-                row.append(Panel(prefix + name, keep, row_labels, col_labels, values=values, before_mask=before))
+                row.append(Panel(prefix + name, keep, row_labels, col_labels, values=values, before_mask=before, show_leaks=name == "weights"))
         grid.append(row)
     dtype = str(stages.scores.dtype).removeprefix("torch.")
     title = f"attend {describe_params(mask.kind, mask.params)} · {device} {dtype} · fill {stages.fill}"

@@ -38,8 +38,8 @@ TUTORIAL_WEIGHTS = [
 STAGE_NAMES = ["scores", "scaled", "masked", "weights", "output"]
 
 
-def invoke(args):
-    return runner.invoke(app, ["attend", *map(str, args)])
+def invoke(args, **kwargs):
+    return runner.invoke(app, ["attend", *map(str, args)], **kwargs)
 
 
 def attend_json(args):
@@ -283,12 +283,39 @@ def test_devices_that_are_not_here_list_the_available_ones():
         (["--dropout", "1"], ["--dropout must be at least 0 and below 1"]),
         (["--scale", "0"], ["--scale must be a positive number"]),
         (["--png", "out.gif"], ["--png 'out.gif': unknown extension '.gif'"]),
-        (["--head", "3"], ["--head 3 is outside"]),
+        (["--head", "3"], ["--head 3 is outside this run's heads 0-0 (H=1): pick one of them"]),
+        (["--batch-index", "-1"], ["--batch-index -1 is outside this run's batch rows 0-0 (B=1)"]),
         (["--d-out", "3", "--heads", "2", "--x", json.dumps(TUTORIAL_X[:3])], ["--d-out 3 does not split into --heads 2"]),
+        (["--d-out", "0", "--x", json.dumps(TUTORIAL_X[:3])], ["--d-out must be at least 1", "got 0"]),
+        # options the inputs in use would ignore are refused, not ignored
+        (["--d-out", "2"], ["--d-out 2 is for the projections of --x embeddings", "drop --d-out"]),
+        (["--qkv-bias"], ["--qkv-bias is for the projections of --x embeddings", "drop --qkv-bias"]),
+        (["--head-dim", "4", "--x", json.dumps(TUTORIAL_X[:3])], ["--head-dim 4 is for random inputs", "--d-out / --heads"]),
+        (["--batch", "2", "--x", json.dumps(TUTORIAL_X[:3])], ["--batch 2 is for random inputs, and --x set the batch size"]),
+        (["--batch", "3", "--lengths", "3,1"], ["--batch 3 does not match the 2 batch rows of --lengths/--ids: drop --batch"]),
+        (["--png", ""], ["--png '': unknown extension '(none)'"]),
+        (["--q", "", "--k", "[[1]]", "--v", "[[1]]"], ["--q ''"]),
     ],
 )
-def test_bad_options_are_one_line(args, fragments):
+def test_bad_options_are_one_line(args, fragments, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     assert_one_line_error(invoke(["causal", "--len", 3, *args]), *fragments)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_q_k_v_take_precedence_over_x_and_say_so():
+    q = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
+    result = invoke(["causal", "--q", json.dumps(q), "--k", json.dumps(q), "--v", json.dumps(q), "--x", json.dumps(TUTORIAL_X[:3]), "--json"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == "maskcli: warning: --x is ignored: --q/--k/--v take precedence\n"
+    data = json.loads(result.stdout)
+    expected = sdpa(torch.tensor(q), torch.tensor(q), torch.tensor(q), torch.ones(3, 3, dtype=torch.bool).tril())
+    assert torch.allclose(tensor(data["stages"]["output"])[0, 0], expected.double(), atol=1e-6)
+
+
+def test_batch_that_matches_the_padding_is_accepted():
+    data = attend_json(["causal", "--len", 3, "--lengths", "3,1", "--batch", 2])
+    assert data["shape"] == [2, 1, 3, 3]
 
 
 # --- JSON -----------------------------------------------------------------------------------
@@ -402,8 +429,8 @@ def test_findings_in_the_table_output():
 def test_stages_and_precision_choose_what_the_tables_show():
     result = invoke(["causal", "--len", 3, "--stages", "weights,scaled", "--precision", 2])
     assert result.exit_code == 0, result.output
-    titles = [line.strip() for line in result.stdout.splitlines() if line.strip() in STAGE_NAMES]
-    assert titles == ["weights", "scaled"]
+    titles = [line.strip() for line in result.stdout.splitlines() if line.split(" =")[0] in STAGE_NAMES]
+    assert titles == ["weights = softmax(masked)", "scaled = scores × 0.353553"]  # 1/sqrt(8)
     row0 = next(line.split() for line in result.stdout.splitlines() if line.split()[:2] == ["0", "1.00"])
     assert row0 == ["0", "1.00", "0.00×", "0.00×"]
 
@@ -428,8 +455,10 @@ def figure_cells(tmp_path, args, names):
     kind, options = args[0], dict(zip(args[1::2], args[2::2]))
     spec = make_spec(kind, length=options.get("--len"), lengths=options.get("--lengths"))
     qkv = make_qkv(None, seed=0, batch=spec.batch, heads=1, head_dim=8, d_out=None, qkv_bias=False, q_len=spec.q_len, k_len=spec.k_len)
-    run = run_attention(spec, qkv, torch.device("cpu"), torch.float32)
-    pairs = report.selection(run.stages.keep.shape, None, None)
+    run = run_attention(spec, qkv, torch.device("cpu"), torch.float32, fill=options.get("--fill", "-inf"))
+    from maskcli.cli import FIGURE_ROWS
+
+    pairs = report.selection(run.stages.keep.shape, None, None, limit=FIGURE_ROWS)
     figure = report.stages_figure(run.mask, run.stages, names, pairs, run.device)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -491,3 +520,88 @@ def test_png_padding_heads_by_stages_with_values_written(tmp_path):
 
     grey = (np.abs(np.round(image[..., :3] * 255) - np.array(MASKED_RGB)).max(axis=-1) <= 2).mean()
     assert grey > 0.01
+
+
+def test_png_masked_cells_that_still_carry_weight_are_red_and_named(tmp_path):
+    # --fill min on a batch row that sees no key: uniform weights on masked cells, which the figure must not hide
+    from maskcli.render.heatmaps import LEAK_RGB
+
+    names = ["weights"]
+    image, figure, run, pairs = figure_cells(tmp_path, ["padding", "--lengths", "3,0", "--fill", "min"], names)
+    assert pairs == [(0, 0), (1, 0)]
+    row0, row1 = figure.axes[:2]  # colour bars come after the panels
+    assert (row0.get_title(), row1.get_title()) == ("b0 h0: weights", "b1 h0: weights")
+    weights = run.stages.weights
+    assert torch.allclose(weights[1, 0], torch.full((3, 3), 1 / 3))  # independent of the figure: uniform
+    for i in range(3):
+        for j in range(3):
+            assert np.abs(pixel(image, row1, j - 0.35, i - 0.35) - np.array(LEAK_RGB)).max() <= 2, (i, j)
+            assert np.abs(pixel(image, row0, j - 0.35, i - 0.35) - np.array(LEAK_RGB)).max() > 60, (i, j)
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert legend == ["masked (× in small panels)", "masked, yet weighted (a row that sees no key)"]
+
+
+def test_png_with_fill_min_writes_no_warnings(tmp_path):
+    # finfo.min in the masked stage once overflowed matplotlib's colour scaling (RuntimeWarning on stderr)
+    path = tmp_path / "min.png"
+    result = invoke(["padding", "--lengths", "3,0", "--fill", "min", "--png", path])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == f"wrote {path}\n"
+
+
+def test_png_rows_are_labelled_and_capped_with_a_note(tmp_path):
+    path = tmp_path / "many.png"
+    result = invoke(["causal", "--len", 3, "--heads", 5, "--lengths", "3,2", "--stages", "weights", "--png", path])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (
+        f"wrote {path} (the figure's rows show b0 h0, b0 h1, b0 h2, b0 h3, b0 h4, b1 h0, b1 h1, b1 h2 of 10 (batch, head) "
+        "pairs (B=2, H=5): choose with --batch-index and --head)\n"
+    )
+    chosen = tmp_path / "one.png"
+    result = invoke(["causal", "--len", 3, "--heads", 5, "--lengths", "3,2", "--batch-index", 1, "--head", 4, "--png", chosen])
+    assert result.exit_code == 0 and result.stderr == f"wrote {chosen}\n", result.output
+
+
+def test_tables_say_which_heads_they_leave_out():
+    result = invoke(["causal", "--len", 2, "--heads", 6, "--stages", "weights"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert "the tables show b0 h0, b0 h1, b0 h2, b0 h3 of 6 (batch, head) pairs (B=1, H=6): choose with --batch-index and --head" in " ".join(result.stdout.split())
+    assert [line for line in lines if line.startswith("weights")] == [f"weights = softmax(masked) — head {h}" for h in range(4)]
+    one = invoke(["causal", "--len", 2, "--heads", 6, "--head", 5, "--stages", "weights"])
+    assert [line for line in one.stdout.splitlines() if line.startswith("weights")] == ["weights = softmax(masked) — head 5"]
+    assert "the tables show" not in one.stdout
+
+
+def test_a_wide_stage_shows_the_columns_that_fit_and_says_so():
+    # weights cells are "0.1234×": 7 characters + 2 of padding; the label column "q \ kv" takes 8; "…" 3
+    result = invoke(["causal", "--len", 20, "--stages", "weights"], env={"COLUMNS": "60"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if line.startswith(" q \\ kv"))
+    assert header.split() == ["q", "\\", "kv", "0", "1", "2", "3", "4", "…"]
+    assert max(map(len, lines[3:])) <= 60
+    assert "keys 0-4 of 20, queries 0-19 of 20 shown: --png draws every cell, --json prints every value" in " ".join(result.stdout.split())
+    # the values shown are the run's own, cell for cell
+    data = attend_json(["causal", "--len", 20])
+    row = next(line.split() for line in lines if line.split()[:1] == ["3"])
+    assert row == ["3"] + [f"{w:.4f}" + ("" if j <= 3 else "×") for j, w in enumerate(data["stages"]["weights"][0][0][3][:5])] + ["…"]
+
+
+def test_a_long_stage_shows_its_first_rows_and_says_so():
+    from maskcli.report import MAX_TABLE_ROWS
+
+    length = MAX_TABLE_ROWS + 6
+    result = invoke(["causal", "--len", length, "--stages", "output"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    rows = [line.split()[0] for line in result.stdout.splitlines() if line.split() and (line.split()[0].isdigit() or line.split()[0] == "⋮")]
+    assert rows == [str(i) for i in range(MAX_TABLE_ROWS)] + ["⋮"]
+    assert f"dims 0-7 of 8, queries 0-{MAX_TABLE_ROWS - 1} of {length} shown" in " ".join(result.stdout.split())
+
+
+def test_min_fill_in_float64_prints_finfo_min_not_minus_inf():
+    result = invoke(["causal", "--len", 2, "--fill", "min", "--dtype", "float64", "--stages", "masked"])
+    assert result.exit_code == 0, result.output
+    row0 = next(line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["0"])
+    assert row0[2] == f"{torch.finfo(torch.float64).min:.2e}×" == "-1.80e+308×"
+    assert "-inf" not in result.stdout.replace("set to finfo.min", "")

@@ -11,6 +11,7 @@ import numpy as np
 # Colours are fixed so that tests can read cells back from the image.
 VISIBLE_RGB = (31, 119, 180)  # matplotlib's tab:blue
 MASKED_RGB = (224, 224, 224)  # light grey, off any value colour map
+LEAK_RGB = (214, 39, 40)  # red, off viridis too: a masked cell that still carries weight
 GRID_LINES_UP_TO = 48  # draw cell borders when a panel has at most this many rows and columns
 VALUES_UP_TO = 12  # write values in the cells up to this size
 
@@ -27,6 +28,13 @@ class Panel:
     extent: tuple[float, float, float, float] | None = None  # (left, right, bottom, top) in positions
     x_label: str = "key position (kv)"
     before_mask: bool = False  # values exist under masked cells too (scores): show them, hatched over
+    show_leaks: bool = False  # weights: a masked cell with a nonzero weight is drawn in LEAK_RGB, with its value
+
+    def leaks(self) -> np.ndarray:
+        """Bool [Lq, Lk]: masked cells whose value is finite and not zero, where show_leaks asks for them."""
+        if not self.show_leaks or self.values is None:
+            return np.zeros(self.keep.shape, dtype=bool)
+        return ~self.keep.astype(bool) & np.isfinite(self.values) & (self.values != 0)
 
 
 def _rgb(colour: tuple[int, int, int]) -> tuple[float, float, float]:
@@ -62,27 +70,39 @@ def _draw(ax, panel: Panel) -> object | None:
         ax.imshow(panel.keep.astype(np.float32), cmap=cmap, vmin=0, vmax=1, interpolation="nearest", aspect="equal", extent=panel.extent)
     else:
         finite = np.isfinite(panel.values)
+        leaks = panel.leaks()
         hidden = ~finite if panel.before_mask else ~panel.keep | ~finite
-        values = np.ma.masked_array(panel.values, mask=hidden)
+        # hidden cells become NaN, not just masked: a fill like finfo.min would overflow the colour scaling
+        values = np.ma.masked_invalid(np.where(hidden, np.nan, panel.values))
         cmap = matplotlib.colormaps["viridis"].with_extremes(bad=_rgb(MASKED_RGB))
         # an output panel (queries x head dims) is tall and thin: let it fill its box
         aspect = "equal" if max(q_len, k_len) <= 4 * min(q_len, k_len) else "auto"
-        image = ax.imshow(values, cmap=cmap, interpolation="nearest", aspect=aspect)
+        if values.count():
+            image = ax.imshow(values, cmap=cmap, interpolation="nearest", aspect=aspect)
+        else:  # nothing on the value scale: no colour bar to mislead
+            ax.imshow(np.zeros((q_len, k_len, 3)) + _rgb(MASKED_RGB), interpolation="nearest", aspect=aspect)
+        overlay = np.zeros((q_len, k_len, 4))
         if panel.before_mask:
             # the cells the mask will hide: hatched, so the value under them stays readable
-            overlay = np.zeros((q_len, k_len, 4))
             overlay[~panel.keep] = (*_rgb(MASKED_RGB), 0.65)
-            ax.imshow(overlay, interpolation="nearest", aspect="equal")
+        overlay[leaks] = (*_rgb(LEAK_RGB), 1.0)
+        if overlay[..., 3].any():
+            ax.imshow(overlay, interpolation="nearest", aspect=aspect)
         if q_len <= VALUES_UP_TO and k_len <= VALUES_UP_TO:
             low, high = (values.min(), values.max()) if values.count() else (0.0, 1.0)
             for i in range(q_len):
                 for j in range(k_len):
-                    shown = panel.keep[i, j] or panel.before_mask
-                    text = f"{panel.values[i, j]:.2f}" if shown else "×"
-                    if not panel.keep[i, j] and panel.before_mask:
+                    value = panel.values[i, j]
+                    shown = panel.keep[i, j] or panel.before_mask or leaks[i, j]
+                    text = ("nan" if np.isnan(value) else f"{value:.2f}") if shown else "×"
+                    if not panel.keep[i, j] and shown:
                         text += "×"
-                    bright = high > low and (panel.values[i, j] - low) / (high - low) > 0.6
-                    colour = "#555555" if not panel.keep[i, j] else "black" if bright else "white"
+                    if leaks[i, j]:
+                        colour = "white"
+                    elif hidden[i, j] or not panel.keep[i, j]:  # drawn grey
+                        colour = "#555555"
+                    else:
+                        colour = "black" if high > low and (value - low) / (high - low) > 0.6 else "white"
                     ax.text(j, i, text, ha="center", va="center", fontsize=7, color=colour)
     if panel.extent is None and q_len <= GRID_LINES_UP_TO and k_len <= GRID_LINES_UP_TO:
         ax.set_xticks(np.arange(-0.5, k_len, 1), minor=True)
@@ -131,6 +151,8 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels: t
     figure.suptitle(title, fontsize=11)
     if legend_labels is None:
         handles = [mpatches.Patch(facecolor=_rgb(MASKED_RGB), edgecolor="black", label="masked (× in small panels)")]
+        if any(panel.leaks().any() for row in grid for panel in row):
+            handles.append(mpatches.Patch(facecolor=_rgb(LEAK_RGB), edgecolor="black", label="masked, yet weighted (a row that sees no key)"))
     else:
         handles = [
             mpatches.Patch(facecolor=_rgb(VISIBLE_RGB), edgecolor="black", label=legend_labels[0]),
