@@ -16,7 +16,7 @@ CAUSAL_BY_CONSTRUCTION = ("causal", "prefill", "window", "document")
 
 @dataclass(frozen=True)
 class Finding:
-    code: str  # short, stable: fully-masked, row-sum, sees-later, fill-overflow
+    code: str  # short, stable: fully-masked, row-sum, sees-later, fill-overflow, non-finite
     message: str
 
 
@@ -145,7 +145,23 @@ def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
         findings.append(
             Finding("fully-masked", f"{_rows(rows, 'see')} no key{_where(b, h, keep.shape)}: {effect}")
         )
-    off = ~sums_ok & seen
+    # scores that are not finite spoil their rows whatever the mask does: say why, not just "does not sum to 1"
+    broken = ~torch.isfinite(stages.scores).all(dim=-1)
+    for b, h, rows in _rows_by_slice(broken, q_offset):
+        if bool(torch.isnan(stages.scores[b, h]).any()):
+            what, cause = "NaN", "the inputs carry NaN (or inf times 0)"
+        else:
+            name = str(dtype).removeprefix("torch.")
+            what = "inf"
+            cause = (
+                f"Q Kᵀ overflows {name} (largest {torch.finfo(dtype).max:.6g}) or the inputs carry inf; "
+                + ("compute in float32 or " if torch.finfo(dtype).bits < 32 else "")
+                + "scale the inputs down"
+            )
+        findings.append(
+            Finding("non-finite", f"the scores of query row{'s' if len(rows) > 1 else ''} {spans(rows)} hold {what}{_where(b, h, broken.shape)}: {cause}")
+        )
+    off = ~sums_ok & seen & ~broken
     if not off.any():
         return findings
     if stages.dropout > 0:

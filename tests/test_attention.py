@@ -437,3 +437,20 @@ def test_padded_causal_rows_that_see_nothing_are_found_under_every_fill(fill, ef
     codes, findings = codes_of("causal", length=4, lengths="4,0", fill=fill)
     assert codes == ["fully-masked"]
     assert findings[0].message.startswith("query rows 0-3 see no key (batch 1): ") and effect in findings[0].message
+
+
+def test_non_finite_scores_are_named_with_their_cause_instead_of_a_row_sum():
+    spec = make_spec("causal", length=3)
+    keep = build(spec).materialize()
+    q = torch.randn(1, 1, 3, 4, generator=torch.Generator().manual_seed(0))
+    q[0, 0, 1, 2] = float("nan")
+    findings = run_findings(attend(q, q.nan_to_num(), q.nan_to_num(), keep), "causal")
+    assert [f.code for f in findings] == ["non-finite"]
+    assert findings[0].message.startswith("the scores of query row 1 hold NaN: the inputs carry NaN")
+    # 300 * 300 * 2 = 180000 is past float16's largest, 65504: the first query's score overflows
+    big = torch.tensor([[300.0, 300.0], [1.0, 1.0], [1.0, 1.0]], dtype=torch.float16)[None, None]
+    assert torch.isinf(big[0, 0, 0] @ big[0, 0, 0])  # independent: the overflow itself
+    findings = run_findings(attend(big, big, big, keep), "causal")
+    assert [f.code for f in findings] == ["non-finite"]
+    assert "query row 0 hold inf: Q Kᵀ overflows float16 (largest 65504)" in findings[0].message
+    assert "compute in float32" in findings[0].message
