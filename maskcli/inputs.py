@@ -67,13 +67,14 @@ def _float(tensor: torch.Tensor, flag: str) -> torch.Tensor:
     if tensor.is_complex() or not (tensor.is_floating_point() or tensor.dtype in (torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)):
         raise MaskError(f"{flag} has dtype {str(tensor.dtype).removeprefix('torch.')}; give real numbers")
     if tensor.numel() == 0:
-        raise MaskError(f"{flag} is empty (shape {list(tensor.shape)})")
+        raise MaskError(f"{flag} is empty (shape {list(tensor.shape)}): give at least one row of numbers")
     return tensor.to(torch.float32) if not tensor.is_floating_point() else tensor
 
 
 def load_input(source: str, flag: str, name: str) -> torch.Tensor:
-    """One input tensor from a file or inline JSON; a file may hold it under `name` (q, k, v or x)."""
-    return _float(load_tensor(source, flag, (name,)), flag)
+    """One input tensor from a file or inline JSON: the one named `name` (q, k, v or x), or the file's only one."""
+    others = tuple(role for role in ("q", "k", "v", "x") if role != name)  # a lone 'k' is no query
+    return _float(load_tensor(source, flag, (name,), others), flag)
 
 
 def project(x: torch.Tensor, seed: int, d_out: int | None, heads: int, bias: bool) -> tuple[torch.Tensor, ...]:

@@ -63,19 +63,21 @@ def load_tensors(source: str, flag: str) -> dict[str, torch.Tensor]:
         raise MaskError(f"{where}: cannot read it ({error.strerror or error})") from None
 
 
-def load_tensor(source: str, flag: str, names: tuple[str, ...] = ()) -> torch.Tensor:
-    """The one tensor in `source`, or the first of `names` that it holds."""
+def load_tensor(source: str, flag: str, names: tuple[str, ...] = (), others: tuple[str, ...] = ()) -> torch.Tensor:
+    """The first of `names` that `source` holds, else its one tensor, unless that one is named in `others`."""
     tensors = load_tensors(source, flag)
-    if len(tensors) == 1 and ("" in tensors or not names):
-        return next(iter(tensors.values()))
     for name in names:
         if name in tensors:
             return tensors[name]
-    wanted = " or ".join(repr(n) for n in names) if names else "one tensor"
-    raise MaskError(
-        f"{flag} {source!r} holds {', '.join(repr(k) for k in tensors) or 'no tensors'}; expected {wanted}"
-        + (" (choose one with --key)" if not names else "")
-    )
+    if len(tensors) == 1 and not set(tensors) & set(others):
+        return next(iter(tensors.values()))
+    held = ", ".join(repr(k) for k in tensors) or "no tensors"
+    if not names:
+        raise MaskError(f"{flag} {source!r} holds {held}; expected one tensor (choose one with --key)")
+    wanted = " or ".join(repr(n) for n in names)
+    if len(tensors) == 1:  # alone, but named for another input
+        raise MaskError(f"{flag} {source!r} holds only {held}, another input's name; expected {wanted}: save it under that name")
+    raise MaskError(f"{flag} {source!r} holds {held}; expected {wanted}: save the tensor under that name, or alone in the file")
 
 
 def _parse_json(text: str, where: str):
@@ -113,6 +115,11 @@ def _from_json(data, where: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _from_pt(path: Path, where: str) -> dict[str, torch.Tensor]:
     import pickle
     import warnings
@@ -136,7 +143,10 @@ def _from_pt(path: Path, where: str) -> dict[str, torch.Tensor]:
         return {"": data}
     if isinstance(data, dict) and data and all(isinstance(v, torch.Tensor) for v in data.values()):
         return {str(k): v for k, v in data.items()}
-    raise MaskError(f"{where}: holds a {type(data).__name__}, not a tensor or a dict of tensors")
+    if isinstance(data, dict) and data:
+        odd = next(k for k, v in data.items() if not isinstance(v, torch.Tensor))
+        raise MaskError(f"{where}: entry {odd!r} of the dict is {type(data[odd]).__name__} {_short(data[odd])}, not a tensor; save only tensors")
+    raise MaskError(f"{where}: holds {type(data).__name__} {_short(data)}, not a tensor or a dict of tensors")
 
 
 def _from_numpy(path: Path, where: str) -> dict[str, torch.Tensor]:

@@ -209,6 +209,20 @@ def test_missing_file_directory_and_wrong_names(tmp_path):
     assert set(load_tensors(str(path), "--q")) == {"a", "b"}
 
 
+def test_a_file_holding_one_tensor_is_that_input_unless_it_is_named_for_another(tmp_path):
+    hidden = torch.arange(6.0).view(3, 2)
+    write_safetensors(tmp_path / "hidden.safetensors", {"hidden_states": hidden})
+    np.savez(tmp_path / "default.npz", hidden.numpy())  # numpy names it arr_0
+    for path in (tmp_path / "hidden.safetensors", tmp_path / "default.npz"):
+        assert torch.equal(load_given(None, None, None, str(path)).x, hidden), path
+    torch.save({"k": hidden}, tmp_path / "keys.pt")
+    with pytest.raises(MaskError, match="holds only 'k', another input's name; expected 'x': save it under that name"):
+        load_given(None, None, None, str(tmp_path / "keys.pt"))
+    torch.save({"q": hidden, "n": 3}, tmp_path / "mixed.pt")
+    with pytest.raises(MaskError, match="entry 'n' of the dict is int 3, not a tensor; save only tensors"):
+        load_given(str(tmp_path / "mixed.pt"), "[[1]]", "[[1]]", None)
+
+
 def test_empty_tensor_and_complex_tensor_are_refused(tmp_path):
     with pytest.raises(MaskError, match="empty"):
         load_given("[]", "[]", "[]", None)
