@@ -80,7 +80,8 @@ def run_header(mask: Mask, stages: Stages, device: torch.device, source: str) ->
         f"attend {describe_params(mask.kind, mask.params)} · shape (B={batch}, H={heads}, Lq={q_len}, Lk={k_len}, "
         f"D={stages.output.shape[-1]})\n"
         f"device {device} · dtype {dtype} · scale {stages.scale:.6g} · fill: {FILL_WORDS[stages.fill]}{extra}\n"
-        f"inputs: {source}"
+        f"inputs: {source}\n"
+        f"cells marked {MASKED_MARK} are masked"
     )
 
 
