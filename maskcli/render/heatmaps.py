@@ -135,10 +135,12 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels: t
     n_cols = max(len(row) for row in grid)
     q_len, k_len = grid[0][0].keep.shape
     cell = min(0.45, 7.0 / max(q_len, k_len, 1))
-    width = max(3.2, k_len * cell + 1.6)
+    # each column as wide as its widest panel needs: an output panel (head dims) is not a keys panel
+    columns = [max(row[c].keep.shape[1] for row in grid if c < len(row)) for c in range(n_cols)]
+    widths = [max(3.2, min(columns[c], 4 * max(q_len, k_len)) * cell + 1.6) for c in range(n_cols)]
     height = max(2.6, q_len * cell + 1.6)
-    figure = Figure(figsize=(width * n_cols, height * n_rows + 0.8), layout="constrained")
-    axes = figure.subplots(n_rows, n_cols, squeeze=False)
+    figure = Figure(figsize=(sum(widths), height * n_rows + 0.8), layout="constrained")
+    axes = figure.subplots(n_rows, n_cols, squeeze=False, width_ratios=widths)
     for r, row in enumerate(grid):
         for c in range(n_cols):
             ax = axes[r][c]
