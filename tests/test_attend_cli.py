@@ -325,6 +325,8 @@ def test_json_has_every_stage_as_nested_lists_and_spells_non_finite_values():
     data = attend_json(["padding", "--lengths", "3,0", "--fill", "-inf"])
     assert data["device"] == "cpu" and data["dtype"] == "float32" and data["fill"] == "-inf"
     assert data["shape"] == [2, 1, 3, 3] and data["scale"] == pytest.approx(1 / math.sqrt(8))
+    assert data["head_dim"] == 8 and data["tokens"] is None
+    assert attend_json(["causal", "--len", 2, "--tokens", "hello world"])["tokens"] == ["hello", "world"]
     assert data["mask"] == [[[[1, 1, 1]] * 3], [[[0, 0, 0]] * 3]]
     assert list(data["stages"]) == STAGE_NAMES
     for name in STAGE_NAMES:
