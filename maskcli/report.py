@@ -104,11 +104,11 @@ MORE = "…"
 
 
 def value_table(title: str, values: torch.Tensor, keep: torch.Tensor | None, row_labels, col_labels, precision: int,
-                width: int, corner: str = "q \\ kv"):
-    """A rich table of a 2-D stage: masked cells red and marked ×; as many columns as fit `width`.
+                width: int, axis: str = "keys"):
+    """A rich table of a 2-D stage (queries x keys, or x head dims): masked cells red and marked ×.
 
-    Rows past MAX_TABLE_ROWS and columns past the width are left out, and the caption says
-    which are shown: the cells are formatted only for what is shown.
+    Rows past MAX_TABLE_ROWS and the columns past `width` are left out, and a note below
+    says which are shown; only the cells shown are formatted.
     """
     from rich.console import Group
     from rich.table import Table
@@ -120,6 +120,7 @@ def value_table(title: str, values: torch.Tensor, keep: torch.Tensor | None, row
     rows = min(n_rows, MAX_TABLE_ROWS)
     shown = values[:rows].to(torch.float64)  # float64: finfo(float64).min must not print as -inf
     marks = None if keep is None else keep[:rows]
+    corner = {"keys": "q \\ kv", "dims": "q \\ dim"}[axis]
     used = max(len(corner), *(len(label) for label in row_labels[:rows])) + 2
     columns: list[tuple[str, list[Text]]] = []
     for j in range(n_cols):
@@ -144,14 +145,12 @@ def value_table(title: str, values: torch.Tensor, keep: torch.Tensor | None, row
     if len(columns) < n_cols:
         table.add_column(MORE, no_wrap=True)
     for i in range(rows):
-        cells = [cells[i] for _, cells in columns]
-        table.add_row(row_labels[i], *cells, *([MORE] if len(columns) < n_cols else []))
+        table.add_row(row_labels[i], *(cells[i] for _, cells in columns), *([MORE] if len(columns) < n_cols else []))
     if rows < n_rows:
         table.add_row("⋮", *(["⋮"] * len(columns)))
     # title and note on lines of their own: a table narrower than them would fold them
     parts = [Text(title, style="italic", overflow="ellipsis", no_wrap=True), table]
     if len(columns) < n_cols or rows < n_rows:
-        axis = "keys" if corner == "q \\ kv" else "dims"
         parts.append(Text(
             f"{axis} 0-{len(columns) - 1} of {n_cols}, queries {row_labels[0].strip()}-{row_labels[rows - 1].strip()} "
             f"of {n_rows} shown: --png draws every cell, --json prints every value",
@@ -175,7 +174,7 @@ def stage_tables(mask: Mask, stages: Stages, names: list[str], pairs, precision:
             title = f"{stage_formula(name, stages)}{' — ' + where if where else ''}"
             if name == "output":
                 dims = [f"d{j}" for j in range(values.shape[-1])]
-                tables.append(value_table(title, values, None, row_labels, dims, precision, width, corner="q \\ dim"))
+                tables.append(value_table(title, values, None, row_labels, dims, precision, width, axis="dims"))
             else:
                 tables.append(value_table(title, values, keep, row_labels, col_labels, precision, width))
     return tables
