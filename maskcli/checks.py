@@ -118,15 +118,15 @@ def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
     tolerance = max(1e-3, 4 * torch.finfo(weights.dtype).eps)  # bfloat16 keeps under 3 digits
     low, high = torch.aminmax(sums)
     rows_sum_to_one = 1 - tolerance <= float(low) and float(high) <= 1 + tolerance  # NaN fails both
-    if rows_sum_to_one and kind in CAUSAL_BY_CONSTRUCTION and stages.fill in ("-inf", "multiply"):
-        # The common case, settled by that one reduction: under -inf and multiply a row
-        # that sees no key turns to NaN, and these kinds never let a query see a later key.
+    empty_rows_are_nan = stages.fill in ("-inf", "multiply")  # under min and -1e9 they are uniform, and sum to 1
+    if rows_sum_to_one and empty_rows_are_nan and kind in CAUSAL_BY_CONSTRUCTION:
+        # The common case, settled by that one reduction: no row is NaN, so none sees no key,
+        # and these kinds never let a query see a later key.
         return findings
     keep = compact(stages.keep, (0, 1))  # a view: dimensions the mask only broadcasts over are looked at once
     if kind not in CAUSAL_BY_CONSTRUCTION:
         findings += later_key_findings(keep, kind, q_offset)
-    # under min and -1e9 a row that sees no key is uniform, and sums to 1
-    if rows_sum_to_one and (stages.fill in ("-inf", "multiply") or bool(keep.any(dim=-1).all())):
+    if rows_sum_to_one and (empty_rows_are_nan or bool(keep.any(dim=-1).all())):
         return findings
     sums_ok = (sums - 1).abs() <= tolerance  # False for NaN
     seen = keep.any(dim=-1)
