@@ -12,7 +12,8 @@ Each sample times a block of back-to-back calls long enough (about 20 ms) for th
 clock to be exact, and the two sides alternate block by block, so a slow spell on a
 shared machine hits both. It prints the median time per call of each side and the
 median of the paired ratios with their quartiles (target <= 1.3). On cuda it
-synchronises before and after each block.
+synchronises before and after each block, and also prints the peak memory of one call
+of each (maskcli keeps every stage, so it needs more).
 """
 
 from __future__ import annotations
@@ -65,6 +66,17 @@ def compare(ours, ref, device, runs: int) -> tuple[float, float, list[float]]:
     return statistics.median(times_ours), statistics.median(times_ref), ratios
 
 
+def peak_bytes(fn, device) -> int:
+    """Peak CUDA memory allocated during one call, above what was allocated before it."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    del result
+    return torch.cuda.max_memory_allocated(device) - before
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15, help="samples per side (default 15)")
@@ -90,8 +102,12 @@ def main() -> None:
             a, b, ratios = compare(ours, ref, device, args.runs)
             low, mid, high = statistics.quantiles(ratios, n=4)
             verdict = "OK" if mid <= TARGET else "OVER"
+            memory = ""
+            if device.type == "cuda":  # every stage is kept, so more memory than the reference is expected
+                mine, theirs = peak_bytes(ours, device), peak_bytes(ref, device)
+                memory = f"  peak memory {mine / 2**20:.1f} / {theirs / 2**20:.1f} MiB = {mine / theirs:.2f}"
             print(f"{device.type:4s} L={length:5d} H={args.heads}: maskcli {a * 1000:9.3f} ms  torch {b * 1000:9.3f} ms  "
-                  f"ratio {mid:5.2f} (quartiles {low:.2f}-{high:.2f}; target <= {TARGET}) {verdict}")
+                  f"ratio {mid:5.2f} (quartiles {low:.2f}-{high:.2f}; target <= {TARGET}) {verdict}{memory}")
 
 
 if __name__ == "__main__":

@@ -63,12 +63,13 @@ def attend(
     if fill not in FILLS:
         raise ValueError(f"unknown fill {fill!r}; known: {', '.join(FILLS)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    keep = compact(keep.to(q.device))  # negate and fill with the small mask, let broadcasting do the rest
+    keep = keep.to(q.device)
     scores = q @ k.transpose(-2, -1)
     scaled = scores * scale
     if fill == "multiply":
         masked = scaled
-        weights = torch.softmax(scaled, dim=-1) * keep
+        # multiply by the small mask: a product with a broadcast (stride 0) view is several times slower
+        weights = torch.softmax(scaled, dim=-1) * compact(keep)
         weights = weights / weights.sum(dim=-1, keepdim=True)  # 0 / 0 = NaN on a fully masked row
     else:
         # what masked_fill(~keep, value) gives, in one pass and without negating the mask
@@ -79,7 +80,8 @@ def attend(
         kept = torch.rand(weights.shape, generator=generator, device=q.device) >= dropout
         weights = weights * kept / (1 - dropout)
     output = weights @ v
-    return Stages(scores, scaled, masked, weights, output, torch.broadcast_to(keep, scores.shape), scale, fill, dropout)
+    keep = keep if keep.shape == scores.shape else torch.broadcast_to(keep, scores.shape)
+    return Stages(scores, scaled, masked, weights, output, keep, scale, fill, dropout)
 
 
 def compact(tensor: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tensor:
