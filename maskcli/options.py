@@ -64,7 +64,7 @@ Batch = Annotated[int | None, typer.Option(help="Batch size of random inputs (de
 HeadDim = Annotated[int | None, typer.Option(help="Head size D of random inputs (default 8 for attend, 16 for verify).", parser=integer, rich_help_panel=INPUT_PANEL)]
 DOut = Annotated[int | None, typer.Option(help="--x: output size of the projections (default d_in); split over --heads.", parser=integer, rich_help_panel=INPUT_PANEL)]
 QkvBias = Annotated[bool, typer.Option("--qkv-bias", help="--x: give the projections a bias (nn.Linear(bias=True)).", rich_help_panel=INPUT_PANEL)]
-Device = Annotated[str, typer.Option(help="Where to compute: auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.", rich_help_panel=COMPUTE_PANEL)]
+Device = Annotated[str, typer.Option(help="Where to compute: auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.", envvar="MASKCLI_DEVICE", rich_help_panel=COMPUTE_PANEL)]
 ComputeDtype = Annotated[str, typer.Option("--dtype", help=f"Compute dtype of every stage: {', '.join(DTYPES)}.", rich_help_panel=COMPUTE_PANEL)]
 Scale = Annotated[float | None, typer.Option(help="Multiply the scores by this instead of 1/sqrt(D) (as SDPA's scale does).", rich_help_panel=COMPUTE_PANEL)]
 Fill = Annotated[str, typer.Option(help="How masked scores are hidden: -inf (masked_fill, as SDPA), min (finfo(dtype).min, as Hugging Face), -1e9 (older tutorials), multiply (softmax first, then zero masked weights and renormalise).", rich_help_panel=COMPUTE_PANEL)]

@@ -607,3 +607,10 @@ def test_min_fill_in_float64_prints_finfo_min_not_minus_inf():
     row0 = next(line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["0"])
     assert row0[2] == f"{torch.finfo(torch.float64).min:.2e}×" == "-1.80e+308×"
     assert "-inf" not in result.stdout.replace("set to finfo.min", "")
+
+
+def test_maskcli_device_sets_the_default_device_and_the_flag_wins(monkeypatch):
+    monkeypatch.setenv("MASKCLI_DEVICE", "tpu")
+    assert_one_line_error(invoke(["causal", "--len", 2]), "unknown --device 'tpu'")
+    result = invoke(["causal", "--len", 2, "--device", "cpu", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["device"] == "cpu", result.output
