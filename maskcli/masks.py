@@ -265,7 +265,9 @@ def build(spec: MaskSpec, device: str | torch.device = "cpu") -> Mask:
 def available_memory(device: torch.device | None = None) -> int | None:
     """Bytes free now on a CUDA `device`, else of physical memory; None where it cannot be told."""
     if device is not None and device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free = torch.cuda.mem_get_info(device)[0]
+        # memory torch's caching allocator holds but no tensor uses is free to this process too
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -8,6 +8,7 @@ import torch
 
 from maskcli.attention import Stages, attend
 from maskcli.checks import Finding, run_findings
+from maskcli.errors import MaskError
 from maskcli.inputs import QKV, check_against_mask
 from maskcli.masks import Mask, build, check_dense_fits
 from maskcli.spec import MaskSpec
@@ -37,10 +38,19 @@ def run_attention(
     mask = build(spec, device)
     qkv = check_against_mask(qkv, spec.shape)
     batch, heads = qkv.q.shape[:2]
-    # scores, scaled, masked, weights (and their temporaries) are each B x H x Lq x Lk
-    check_dense_fits((batch, heads, spec.q_len, spec.k_len), 6 * torch.finfo(dtype).bits // 8 + 1, "for the attention stages", device)
+    # scores, scaled, masked, weights (and their temporaries) are each B x H x Lq x Lk;
+    # dropout adds its random draw, its bool mask and one more product
+    floats = 6 + (3 if dropout > 0 else 0)
+    cells = (batch, heads, spec.q_len, spec.k_len)
+    check_dense_fits(cells, floats * torch.finfo(dtype).bits // 8 + 1, "for the attention stages", device)
     q, k, v = qkv.q.to(device, dtype), qkv.k.to(device, dtype), qkv.v.to(device, dtype)
     keep = mask.materialize()
-    stages = attend(q, k, v, keep, scale=scale, fill=fill, dropout=dropout, seed=seed)
+    try:
+        stages = attend(q, k, v, keep, scale=scale, fill=fill, dropout=dropout, seed=seed)
+    except torch.OutOfMemoryError:  # the guard above reads free memory, which others may take meanwhile
+        raise MaskError(
+            f"{device} ran out of memory for the attention stages ({' x '.join(map(str, cells))} cells each): "
+            "use a smaller --len, fewer --heads or --batch, or another --device"
+        ) from None
     findings = run_findings(stages, spec.kind, spec.offset)
     return Run(mask, stages, findings, device, qkv.source)

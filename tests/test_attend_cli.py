@@ -614,3 +614,13 @@ def test_maskcli_device_sets_the_default_device_and_the_flag_wins(monkeypatch):
     assert_one_line_error(invoke(["causal", "--len", 2]), "unknown --device 'tpu'")
     result = invoke(["causal", "--len", 2, "--device", "cpu", "--json"])
     assert result.exit_code == 0 and json.loads(result.stdout)["device"] == "cpu", result.output
+
+
+def test_running_out_of_memory_midway_is_one_line(monkeypatch):
+    from maskcli import run
+
+    def exhausted(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    monkeypatch.setattr(run, "attend", exhausted)
+    assert_one_line_error(invoke(["causal", "--len", 4, "--heads", 2]), "cpu ran out of memory for the attention stages (1 x 2 x 4 x 4 cells each)", "--len")
