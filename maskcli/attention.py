@@ -76,8 +76,10 @@ def attend(
         masked = torch.where(keep, scaled, fill_value(fill, scaled.dtype))
         weights = torch.softmax(masked, dim=-1)
     if dropout > 0:
-        generator = torch.Generator(device=q.device).manual_seed(seed)
-        kept = torch.rand(weights.shape, generator=generator, device=q.device) >= dropout
+        # drawn on the CPU, as the random inputs are, so a seed drops the same weights on every
+        # device (a CUDA generator draws other numbers from the same seed)
+        generator = torch.Generator().manual_seed(seed)
+        kept = (torch.rand(weights.shape, generator=generator) >= dropout).to(q.device)
         weights = weights * kept / (1 - dropout)
     output = weights @ v
     keep = keep if keep.shape == scores.shape else torch.broadcast_to(keep, scores.shape)
