@@ -36,7 +36,7 @@ def json_number(value: float):
 
 
 def _json_nested(tensor: torch.Tensor):
-    values = tensor.detach().to(torch.float64).cpu().tolist()
+    values = tensor.detach().to("cpu", torch.float64).tolist()  # converted on the host: no float64 copy on the device
 
     def convert(item):
         return [convert(x) for x in item] if isinstance(item, list) else json_number(item)
@@ -118,12 +118,13 @@ def value_table(title: str, values: torch.Tensor, keep: torch.Tensor | None, row
 
     n_rows, n_cols = values.shape
     rows = min(n_rows, MAX_TABLE_ROWS)
-    shown = values[:rows].to(torch.float64)  # float64: finfo(float64).min must not print as -inf
-    marks = None if keep is None else keep[:rows]
+    most = width // 3 + 1  # no column is narrower than 3 characters: only this corner leaves the device
+    shown = values[:rows, :most].to("cpu", torch.float64)  # float64: finfo(float64).min must not print as -inf
+    marks = None if keep is None else keep[:rows, :most].cpu()
     corner = {"keys": "q \\ kv", "dims": "q \\ dim"}[axis]
     used = max(len(corner), *(len(label) for label in row_labels[:rows])) + 2
     columns: list[tuple[str, list[Text]]] = []
-    for j in range(n_cols):
+    for j in range(min(n_cols, most)):
         texts = [number(value, precision) for value in shown[:, j].tolist()]
         if marks is None:
             cells = [Text(text) for text in texts]
@@ -168,9 +169,9 @@ def stage_tables(mask: Mask, stages: Stages, names: list[str], pairs, precision:
     tables = []
     for b, h in pairs:
         where = ", ".join(part for part in (f"batch {b}" if batch > 1 else "", f"head {h}" if heads > 1 else "") if part)
-        keep = stages.keep[b, h].cpu()
+        keep = stages.keep[b, h]
         for name in names:
-            values = stages.stage(name)[b, h].detach().cpu()
+            values = stages.stage(name)[b, h].detach()
             title = f"{stage_formula(name, stages)}{' — ' + where if where else ''}"
             if name == "output":
                 dims = [f"d{j}" for j in range(values.shape[-1])]
@@ -210,7 +211,7 @@ def stages_json(mask: Mask, stages: Stages, device: torch.device, findings: list
         "scale": stages.scale,
         "fill": stages.fill,
         "dropout": stages.dropout,
-        "mask": stages.keep.to(torch.uint8).cpu().tolist(),
+        "mask": stages.keep.cpu().to(torch.uint8).tolist(),
         "stages": {name: _json_nested(stages.stage(name)) for name in names},
         "findings": [{"code": f.code, "message": f.message} for f in findings],
     }
