@@ -55,6 +55,7 @@ def _where(b: int, h: int, shape) -> str:
 
 def _rows_by_slice(rows: torch.Tensor, q_offset: int):
     """Yield (b, h, [absolute query positions]) for each (b, h) with a True row."""
+    rows = rows.cpu()  # (B, H, Lq) flags: one copy off the device, not one per slice
     for b, h in torch.nonzero(rows.any(dim=-1)).tolist():
         yield b, h, [q_offset + i for i in torch.nonzero(rows[b, h]).flatten().tolist()]
 
@@ -69,7 +70,7 @@ def mask_findings(keep: torch.Tensor, kind: str, q_offset: int = 0) -> list[Find
 
     Dimensions the mask only broadcasts over (heads, usually) are looked at once.
     """
-    keep = compact(keep, (0, 1)).cpu()
+    keep = compact(keep, (0, 1))
     findings = []
     for b, h, rows in _rows_by_slice(fully_masked_rows(keep), q_offset):
         findings.append(Finding("fully-masked", f"{_rows(rows, 'see')} no key at all{_where(b, h, keep.shape)}"))
@@ -131,11 +132,16 @@ def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
     sums_ok = (sums - 1).abs() <= tolerance  # False for NaN
     seen = keep.any(dim=-1)
     empty = ~seen
+    if bool(empty.any()):
+        # what each row became, as per-row flags computed on the device
+        nan_rows = torch.isnan(weights).all(dim=-1).cpu()
+        uniform_rows = ((weights.float() - 1.0 / keep.shape[-1]).abs() <= 1e-3).all(dim=-1).cpu()
     for b, h, rows in _rows_by_slice(empty, q_offset):
-        row_weights = weights[b if keep.shape[0] > 1 else 0, h if keep.shape[1] > 1 else 0][empty[b, h]].float().cpu()
-        if torch.isnan(row_weights).all():
+        # a mask that broadcasts over batch or heads is looked at once, through the first of them
+        at = (b if keep.shape[0] > 1 else 0, h if keep.shape[1] > 1 else 0, [row - q_offset for row in rows])
+        if bool(nan_rows[at].all()):
             effect = "the weights and outputs there are NaN (softmax of a row with no finite score, or 0/0)"
-        elif torch.allclose(row_weights, torch.full_like(row_weights, 1.0 / keep.shape[-1]), atol=1e-3) and stages.dropout == 0:
+        elif bool(uniform_rows[at].all()) and stages.dropout == 0:
             effect = (
                 f"the fill {stages.fill} makes the weights there uniform (1/{keep.shape[-1]} on every key), "
                 "so masked keys are attended to"
@@ -147,8 +153,9 @@ def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
         )
     # scores that are not finite spoil their rows whatever the mask does: say why, not just "does not sum to 1"
     broken = ~torch.isfinite(stages.scores).all(dim=-1)
+    has_nan = torch.isnan(stages.scores).any(dim=-1).any(dim=-1).cpu()  # (B, H)
     for b, h, rows in _rows_by_slice(broken, q_offset):
-        if bool(torch.isnan(stages.scores[b, h]).any()):
+        if bool(has_nan[b, h]):
             what, cause = "NaN", "the inputs carry NaN (or inf times 0)"
         else:
             name = str(dtype).removeprefix("torch.")
