@@ -238,6 +238,8 @@ _KIND_MODS: dict[str, Callable[[MaskSpec, torch.Tensor | None], MaskMod | None]]
 def build(spec: MaskSpec, device: str | torch.device = "cpu") -> Mask:
     """The Mask a MaskSpec describes, its predicate's tensors on `device`."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # pin "cuda" to a GPU: cached indices must stay with the labels
+        device = torch.device("cuda", torch.cuda.current_device())
     labels = torch.tensor(spec.labels, device=device) if spec.labels is not None else None
     kind_mod = _KIND_MODS[spec.kind](spec, labels)
     # tril/triu read as "block" mean: the 1-cells are the masked ones.
