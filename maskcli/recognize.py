@@ -573,7 +573,8 @@ def findings(tensor: torch.Tensor, convention: Convention, keep4: torch.Tensor, 
                 f"{who} no key at all{_where(b, h, keep4.shape)}: softmax over nothing, NaN with an -inf fill and "
                 "uniform weights over the masked keys with a finite one (maskcli verify shows what each backend does)",
             ))
-    if structure.kind is None and structure.reading == "mask":
+    # later keys are worth a word unless a kind that means them rebuilds the mask (tril/triu mean them only by accident)
+    if structure.reading == "mask" and structure.kind in (None, "tril", "triu"):
         offset = k_len - q_len
         later = torch.triu(keep4, diagonal=offset + 1)
         any_later = later.any(dim=-1).any(dim=(0, 1))  # (Lq,)
@@ -585,7 +586,12 @@ def findings(tensor: torch.Tensor, convention: Convention, keep4: torch.Tensor, 
             example = f"query {q_offset + rows[0]} sees key{'s' if len(keys) > 1 else ''} {spans(keys)}" + (f" in {where}" if where else "")
             shown = [q_offset + r for r in rows]
             who = f"query row {shown[0]} sees" if len(rows) == 1 else f"query rows {spans(shown)} see"
-            if len(rows) < q_len / 2:
+            if structure.kind is not None:
+                message = (
+                    f"{who} later keys ({example}): {structure.kind} --diagonal {structure.params.get('diagonal')} "
+                    "reaches past the diagonal, which a causal mask does not (an off-by-one?)"
+                )
+            elif len(rows) < q_len / 2:
                 message = f"{who} later keys while the others do not: an off-by-one in a causal mask? ({example})"
             else:
                 message = f"{who} later keys ({example}): a bidirectional mask, or one read the wrong way round?"

@@ -330,9 +330,23 @@ def test_fully_masked_row_and_off_by_one(tmp_path):
 
 
 def test_later_keys_are_not_a_finding_where_the_kind_means_them(tmp_path):
-    for args in ("prefix --len 5 --prefix 3", "chunk --chunks 0,0,1,1", "tril --len 4 --diagonal 1", "padding --lengths 3,2"):
+    for args in ("prefix --len 5 --prefix 3", "chunk --chunks 0,0,1,1", "padding --lengths 3,2"):
         ok(["show", *args.split(), "--save", tmp_path / "m.pt"])
         assert report(tmp_path / "m.pt")["findings"] == [], args
+
+
+def test_a_tril_past_its_diagonal_is_named_as_seeing_later_keys(tmp_path):
+    # tril/triu rebuild such a mask, but mean it only by accident: attend says the same of tril --diagonal 1
+    torch.save(torch.ones(4, 4).tril(1).bool(), tmp_path / "m.pt")
+    found = report(tmp_path / "m.pt")
+    assert found["command"] == "maskcli show tril --len 4 --diagonal 1"
+    assert [(f["code"], f["message"]) for f in found["findings"]] == [(
+        "sees-later",
+        "query rows 0-2 see later keys (query 0 sees key 1): tril --diagonal 1 reaches past the diagonal, "
+        "which a causal mask does not (an off-by-one?)",
+    )]
+    torch.save(torch.ones(4, 4).tril().bool(), tmp_path / "causal.pt")
+    assert report(tmp_path / "causal.pt")["findings"] == []
 
 
 def test_minus_1e9_overflows_float16_only(tmp_path):
