@@ -151,8 +151,10 @@ def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
         findings.append(
             Finding("fully-masked", f"{_rows(rows, 'see')} no key{_where(b, h, keep.shape)}: {effect}")
         )
-    # scores that are not finite spoil their rows whatever the mask does: say why, not just "does not sum to 1"
-    broken = ~torch.isfinite(stages.scores).all(dim=-1)
+    # Scores that are not finite spoil their rows: say why, not just "does not sum to 1". Only
+    # the cells the softmax reads count: a fill replaces masked ones, multiply reads them all.
+    counted = torch.ones((), dtype=torch.bool, device=keep.device) if stages.fill == "multiply" else keep
+    broken = (~torch.isfinite(stages.scores) & counted).any(dim=-1)
     has_nan = torch.isnan(stages.scores).any(dim=-1).any(dim=-1).cpu()  # (B, H)
     for b, h, rows in _rows_by_slice(broken, q_offset):
         if bool(has_nan[b, h]):
@@ -168,7 +170,16 @@ def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
         findings.append(
             Finding("non-finite", f"the scores of query row{'s' if len(rows) > 1 else ''} {spans(rows)} hold {what}{_where(b, h, broken.shape)}: {cause}")
         )
-    off = ~sums_ok & seen & ~broken
+    # finite scores that the scale takes past the dtype's range
+    overflowed = (~torch.isfinite(stages.scaled) & counted).any(dim=-1) & ~broken
+    for b, h, rows in _rows_by_slice(overflowed, q_offset):
+        name = str(dtype).removeprefix("torch.")
+        findings.append(Finding(
+            "non-finite",
+            f"the scaled scores of query row{'s' if len(rows) > 1 else ''} {spans(rows)} hold inf{_where(b, h, overflowed.shape)}: "
+            f"scores × {stages.scale:.6g} overflows {name} (largest {torch.finfo(dtype).max:.6g}); use a smaller --scale",
+        ))
+    off = ~sums_ok & seen & ~broken & ~overflowed
     if not off.any():
         return findings
     if stages.dropout > 0:

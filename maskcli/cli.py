@@ -7,6 +7,7 @@ them, so `maskcli --help` loads neither.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Annotated
 
@@ -58,7 +59,8 @@ class MaskcliGroup(TyperGroup):
 
 
 def fail(message: str) -> None:
-    typer.echo(f"maskcli: error: {message}", err=True)
+    one_line = " ".join(message.splitlines())  # a quoted value (a repr, say) may hold line breaks
+    typer.echo(f"maskcli: error: {one_line}", err=True)
     sys.exit(2)
 
 
@@ -249,8 +251,8 @@ def attend(
         raise MaskError(f"--dropout must be at least 0 and below 1, got {dropout}")
     if not 0 <= precision <= 12:
         raise MaskError(f"--precision must be 0 to 12 decimals, got {precision}")
-    if scale is not None and not scale > 0:
-        raise MaskError(f"--scale must be a positive number, got {scale}")
+    if scale is not None and not 0 < scale < math.inf:
+        raise MaskError(f"--scale must be a positive finite number, got {scale}")
     mask_options = dict(
         diagonal=diagonal, means=means, lengths=lengths, ids=ids, pad_id=pad_id, offset=offset, chunks=chunks,
         window=window, prefix=prefix, heads=heads, tokens=tokens,
@@ -296,8 +298,10 @@ def attend(
 FIGURE_ROWS = 8  # (batch, head) rows in an attend figure unless --batch-index / --head choose
 
 
-def _check_input_options(q, k, v, x, batch, head_dim, d_out, qkv_bias) -> None:
-    """Refuse input options that the inputs in use would silently ignore."""
+def _check_input_options(q, k, v, x, seed, batch, head_dim, d_out, qkv_bias) -> None:
+    """Refuse a seed torch cannot take, and input options that the inputs in use would silently ignore."""
+    if not 0 <= seed < 2**63:
+        raise MaskError(f"--seed must be 0 to {2**63 - 1} (a 64-bit seed), got {seed}")
     given_qkv = any(t is not None for t in (q, k, v))
     source = "--q/--k/--v" if given_qkv else "--x" if x is not None else None
     if source and batch is not None:
@@ -314,7 +318,7 @@ def _check_input_options(q, k, v, x, batch, head_dim, d_out, qkv_bias) -> None:
 
 def _mask_and_inputs(kind, length, mask_options, *, q, k, v, x, seed, batch, heads, head_dim, d_out, qkv_bias, device, dtype, default_head_dim):
     """The MaskSpec and Q/K/V for attend and verify: given inputs decide the length unless --len does."""
-    _check_input_options(q, k, v, x, batch, head_dim, d_out, qkv_bias)
+    _check_input_options(q, k, v, x, seed, batch, head_dim, d_out, qkv_bias)
     if all(t is None for t in (q, k, v, x)):
         make_spec(kind, length=length, **mask_options)  # refuse bad mask options before importing torch
 
@@ -379,8 +383,8 @@ def verify(
 
     Backends: maskcli's staged computation; F.scaled_dot_product_attention under each backend (math, flash, efficient, cudnn; one that refuses says why); nn.MultiheadAttention (block-convention attn_mask and key_padding_mask, identity projections); flex_attention with the mask's own predicate. Each is compared with a float64 reference on rows that see a key; for fully masked rows the table says what each backend returned (zero, NaN, the unmasked row, the mean of V, other).
     """
-    if scale is not None and not scale > 0:
-        raise MaskError(f"--scale must be a positive number, got {scale}")
+    if scale is not None and not 0 < scale < math.inf:
+        raise MaskError(f"--scale must be a positive finite number, got {scale}")
     if atol is not None and not atol >= 0:
         raise MaskError(f"--atol must be 0 or more, got {atol}")
     if not 1 <= repeat <= 1000:

@@ -116,7 +116,7 @@ def _from_json(data, where: str) -> dict[str, torch.Tensor]:
 
 
 def _short(value) -> str:
-    text = repr(value)
+    text = " ".join(repr(value).split())
     return text if len(text) <= 40 else text[:37] + "..."
 
 

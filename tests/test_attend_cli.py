@@ -281,7 +281,7 @@ def test_devices_that_are_not_here_list_the_available_ones():
         (["--stages", "scores,logits"], ["unknown stage in --stages 'logits'"]),
         (["--stages", ","], ["--stages ',' names no stage"]),
         (["--dropout", "1"], ["--dropout must be at least 0 and below 1"]),
-        (["--scale", "0"], ["--scale must be a positive number"]),
+        (["--scale", "0"], ["--scale must be a positive finite number"]),
         (["--png", "out.gif"], ["--png 'out.gif': unknown extension '.gif'"]),
         (["--head", "3"], ["--head 3 is outside this run's heads 0-0 (H=1): pick one of them"]),
         (["--batch-index", "-1"], ["--batch-index -1 is outside this run's batch rows 0-0 (B=1)"]),
@@ -294,6 +294,9 @@ def test_devices_that_are_not_here_list_the_available_ones():
         (["--batch", "2", "--x", json.dumps(TUTORIAL_X[:3])], ["--batch 2 is for random inputs, and --x set the batch size"]),
         (["--batch", "3", "--lengths", "3,1"], ["--batch 3 does not match the 2 batch rows of --lengths/--ids: drop --batch"]),
         (["--png", ""], ["--png '': unknown extension '(none)'"]),
+        (["--seed", str(2**64)], [f"--seed must be 0 to {2**63 - 1}", str(2**64)]),
+        (["--seed", "-1"], ["--seed must be 0 to"]),
+        (["--scale", "inf"], ["--scale must be a positive finite number, got inf"]),
         (["--q", "", "--k", "[[1]]", "--v", "[[1]]"], ["--q ''"]),
     ],
 )
@@ -624,3 +627,9 @@ def test_running_out_of_memory_midway_is_one_line(monkeypatch):
 
     monkeypatch.setattr(run, "attend", exhausted)
     assert_one_line_error(invoke(["causal", "--len", 4, "--heads", 2]), "cpu ran out of memory for the attention stages (1 x 2 x 4 x 4 cells each)", "--len")
+
+
+def test_a_file_holding_a_list_is_refused_on_one_line(tmp_path):
+    torch.save([torch.ones(3, 3)], tmp_path / "list.pt")  # the list's repr spans lines
+    path = str(tmp_path / "list.pt")
+    assert_one_line_error(invoke(["causal", "--q", path, "--k", path, "--v", path]), "holds list [tensor(", "not a tensor or a dict of tensors")

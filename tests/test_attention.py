@@ -454,3 +454,14 @@ def test_non_finite_scores_are_named_with_their_cause_instead_of_a_row_sum():
     assert [f.code for f in findings] == ["non-finite"]
     assert "query row 0 hold inf: Q Kᵀ overflows float16 (largest 65504)" in findings[0].message
     assert "compute in float32" in findings[0].message
+
+
+def test_a_scale_that_overflows_the_dtype_is_named():
+    spec = make_spec("causal", length=3)
+    q = torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]], dtype=torch.float16)[None, None]
+    stages = attend(q, q, q, build(spec).materialize(), scale=30000.0)
+    assert bool(torch.isfinite(stages.scores).all()) and not bool(torch.isfinite(stages.scaled).all())  # independent
+    findings = run_findings(stages, "causal")
+    assert [f.code for f in findings] == ["non-finite"]
+    assert findings[0].message.startswith("the scaled scores of query rows 1-2 hold inf: scores × 30000 overflows float16")
+    assert findings[0].message.endswith("use a smaller --scale")
