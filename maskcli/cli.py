@@ -322,7 +322,7 @@ def _mask_and_inputs(kind, length, mask_options, *, q, k, v, x, seed, batch, hea
     if all(t is None for t in (q, k, v, x)):
         make_spec(kind, length=length, **mask_options)  # refuse bad mask options before importing torch
 
-    from maskcli.inputs import load_given, make_qkv, resolve_device, resolve_dtype
+    from maskcli.inputs import check_fits, load_given, make_qkv, resolve_device, resolve_dtype
 
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype)
@@ -339,6 +339,10 @@ def _mask_and_inputs(kind, length, mask_options, *, q, k, v, x, seed, batch, hea
         head_dim=default_head_dim if head_dim is None else head_dim, d_out=d_out, qkv_bias=qkv_bias,
         q_len=spec.q_len, k_len=spec.k_len,
     )
+    if given is not None:
+        source = "--x (projected)" if given.x is not None else None
+        for flag, tensor in (("--q", qkv.q), ("--k", qkv.k), ("--v", qkv.v)):
+            check_fits(tensor, torch_dtype, source or flag)
     return spec, qkv, torch_device, torch_dtype
 
 

@@ -74,7 +74,20 @@ def _float(tensor: torch.Tensor, flag: str) -> torch.Tensor:
 def load_input(source: str, flag: str, name: str) -> torch.Tensor:
     """One input tensor from a file or inline JSON: the one named `name` (q, k, v or x), or the file's only one."""
     others = tuple(role for role in ("q", "k", "v", "x") if role != name)  # a lone 'k' is no query
-    return _float(load_tensor(source, flag, (name,), others), flag)
+    # JSON numbers are doubles: keep them so until the compute dtype is applied
+    return _float(load_tensor(source, flag, (name,), others, json_floats=torch.float64), flag)
+
+
+def check_fits(tensor: torch.Tensor, dtype: torch.dtype, flag: str, fix: str = "scale the inputs down or compute in a wider --dtype") -> None:
+    """Refuse finite values that `dtype` cannot hold: they would turn to inf before any stage is computed."""
+    if not tensor.is_floating_point() or torch.finfo(tensor.dtype).max <= torch.finfo(dtype).max:
+        return
+    largest = torch.finfo(dtype).max
+    beyond = torch.isfinite(tensor) & (tensor.abs() > largest)
+    if bool(beyond.any()):
+        value = tensor[beyond][0].item()
+        name = str(dtype).removeprefix("torch.")
+        raise MaskError(f"{flag} holds {value:g}, beyond what {name} holds (largest {largest:.6g}): {fix}")
 
 
 def project(x: torch.Tensor, seed: int, d_out: int | None, heads: int, bias: bool) -> tuple[torch.Tensor, ...]:
@@ -87,6 +100,7 @@ def project(x: torch.Tensor, seed: int, d_out: int | None, heads: int, bias: boo
         raise MaskError(f"--d-out must be at least 1 (the size of each projection), got {d_out}")
     if d_out % heads:
         raise MaskError(f"--d-out {d_out} does not split into --heads {heads}: make d_out a multiple of heads")
+    check_fits(x3, torch.float32, "--x", "scale the embeddings down (they are projected in float32, as tutorial code does)")
     torch.manual_seed(seed)
     layers = [torch.nn.Linear(d_in, d_out, bias=bias) for _ in range(3)]
     batch, length, _ = x3.shape

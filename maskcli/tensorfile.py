@@ -36,10 +36,13 @@ def is_inline(text: str) -> bool:
     return text.lstrip().startswith(("[", "{"))
 
 
-def load_tensors(source: str, flag: str) -> dict[str, torch.Tensor]:
-    """Every tensor in a file (or inline JSON) by name; a lone tensor is named ''."""
+def load_tensors(source: str, flag: str, json_floats: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor in a file (or inline JSON) by name; a lone tensor is named ''.
+
+    JSON carries no dtype: its floats become `json_floats`, or torch's default dtype.
+    """
     if is_inline(source):
-        return _from_json(_parse_json(source, f"{flag} (inline JSON)"), f"{flag} (inline JSON)")
+        return _from_json(_parse_json(source, f"{flag} (inline JSON)"), f"{flag} (inline JSON)", json_floats)
     path = Path(source)
     where = f"{flag} {source!r}"
     suffix = path.suffix.lower()
@@ -58,14 +61,16 @@ def load_tensors(source: str, flag: str) -> dict[str, torch.Tensor]:
             return _from_numpy(path, where)
         if suffix == ".safetensors":
             return _from_safetensors(path, where)
-        return _from_json(_parse_json(path.read_text(errors="replace"), where), where)
+        return _from_json(_parse_json(path.read_text(errors="replace"), where), where, json_floats)
     except OSError as error:  # unreadable (permissions, a vanished file): one line, not a traceback
         raise MaskError(f"{where}: cannot read it ({error.strerror or error})") from None
 
 
-def load_tensor(source: str, flag: str, names: tuple[str, ...] = (), others: tuple[str, ...] = ()) -> torch.Tensor:
+def load_tensor(
+    source: str, flag: str, names: tuple[str, ...] = (), others: tuple[str, ...] = (), json_floats: torch.dtype | None = None
+) -> torch.Tensor:
     """The first of `names` that `source` holds, else its one tensor, unless that one is named in `others`."""
-    tensors = load_tensors(source, flag)
+    tensors = load_tensors(source, flag, json_floats)
     for name in names:
         if name in tensors:
             return tensors[name]
@@ -101,12 +106,15 @@ def _numbers(value):
     return value
 
 
-def _from_json(data, where: str) -> dict[str, torch.Tensor]:
+def _from_json(data, where: str, floats: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     items = data.items() if isinstance(data, dict) else [("", data)]
     tensors = {}
     for name, value in items:
         try:
-            tensors[name] = torch.tensor(_numbers(value))
+            tensor = torch.tensor(_numbers(value))
+            if floats is not None and tensor.is_floating_point():
+                tensor = torch.tensor(_numbers(value), dtype=floats)
+            tensors[name] = tensor
         except (TypeError, ValueError, RuntimeError) as error:
             label = f" {name!r}" if name else ""
             raise MaskError(

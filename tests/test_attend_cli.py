@@ -377,14 +377,13 @@ def test_json_dtype_float64_computes_in_float64():
     q, k, v = (torch.randn(4, 8, generator=generator, dtype=torch.float64) for _ in range(3))
     args = ["--q", json.dumps(q.tolist()), "--k", json.dumps(k.tolist()), "--v", json.dumps(v.tolist())]
     keep = torch.tril(torch.ones(4, 4, dtype=torch.bool))
-    # JSON loads as float32 (like torch.tensor of a list); the float64 run computes on those numbers
-    q32, k32, v32 = (torch.tensor(t.tolist()) for t in (q, k, v))
-    reference = torch.softmax((q32.double() @ k32.double().T / math.sqrt(8)).masked_fill(~keep, -math.inf), dim=-1)
+    # JSON numbers are doubles and stay so: the float64 run computes on exactly these numbers
+    reference = torch.softmax((q @ k.T / math.sqrt(8)).masked_fill(~keep, -math.inf), dim=-1)
     data64 = attend_json(["causal", *args, "--dtype", "float64"])
     data32 = attend_json(["causal", *args, "--dtype", "float32"])
     assert data64["dtype"] == "float64" and data32["dtype"] == "float32"
     assert (tensor(data64["stages"]["weights"])[0, 0] - reference).abs().max().item() <= 1e-14
-    assert (tensor(data64["stages"]["output"])[0, 0] - reference @ v32.double()).abs().max().item() <= 1e-13
+    assert (tensor(data64["stages"]["output"])[0, 0] - reference @ v).abs().max().item() <= 1e-13
     # float32 rounding shows at float64 precision: the two runs are not the same numbers
     diff32 = (tensor(data32["stages"]["weights"])[0, 0] - reference).abs().max().item()
     assert 1e-12 < diff32 <= 1e-6
@@ -633,3 +632,22 @@ def test_a_file_holding_a_list_is_refused_on_one_line(tmp_path):
     torch.save([torch.ones(3, 3)], tmp_path / "list.pt")  # the list's repr spans lines
     path = str(tmp_path / "list.pt")
     assert_one_line_error(invoke(["causal", "--q", path, "--k", path, "--v", path]), "holds list [tensor(", "not a tensor or a dict of tensors")
+
+
+def test_json_inputs_keep_double_precision_until_the_compute_dtype():
+    q = [[1.0000000001, 2.0], [3.0, 4.0]]
+    data = attend_json(["causal", "--q", json.dumps(q), "--k", json.dumps(q), "--v", json.dumps(q), "--dtype", "float64"])
+    expected = torch.tensor(q, dtype=torch.float64) @ torch.tensor(q, dtype=torch.float64).T  # independent, in float64
+    assert tensor(data["stages"]["scores"])[0, 0].tolist() == expected.tolist()
+    assert data["stages"]["scores"][0][0][0][0] == 1.0000000001**2 + 4 != 5.0
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--q", "[[1e39,2],[3,4]]", "--k", "[[1,2],[3,4]]", "--v", "[[1,2],[3,4]]"], "--q holds 1e+39, beyond what float32 holds (largest 3.40282e+38)"),
+    (["--q", "[[1,2],[3,4]]", "--k", "[[70000,2],[3,4]]", "--v", "[[1,2],[3,4]]", "--dtype", "float16"], "--k holds 70000, beyond what float16 holds (largest 65504)"),
+    (["--x", "[[1e39,2],[3,4]]"], "--x holds 1e+39, beyond what float32 holds"),
+])
+def test_inputs_beyond_the_dtype_are_refused_not_turned_to_inf(args, fragment):
+    assert_one_line_error(invoke(["causal", *args]), fragment)
+    if "--q" in args and "--dtype" not in args:  # the same numbers fit float64
+        assert invoke(["causal", *args, "--dtype", "float64"]).exit_code == 0
