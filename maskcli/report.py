@@ -45,14 +45,20 @@ def _json_nested(tensor: torch.Tensor):
 
 
 def selection(shape, batch_index: int | None, head: int | None, limit: int = 4) -> list[tuple[int, int]]:
-    """The (batch, head) pairs to show: those asked for, else all of them up to `limit`, batch by batch."""
+    """The (batch, head) pairs to show: those asked for, else up to `limit` of them, in (batch, head) order.
+
+    Left to choose, it takes head 0 of every batch row first: batch rows differ in their
+    masks (padding), while heads share the mask and differ only in their inputs.
+    """
     batch, heads = shape[0], shape[1]
     pairs = [
         (b, h)
         for b in ([batch_index] if batch_index is not None else range(batch))
         for h in ([head] if head is not None else range(heads))
     ]
-    return pairs if batch_index is not None or head is not None else pairs[:limit]
+    if batch_index is not None or head is not None:
+        return pairs
+    return sorted(sorted(pairs, key=lambda pair: (pair[1], pair[0]))[:limit])
 
 
 def selection_note(shape, pairs, what: str, chosen: bool) -> str | None:

@@ -558,7 +558,7 @@ def test_png_rows_are_labelled_and_capped_with_a_note(tmp_path):
     result = invoke(["causal", "--len", 3, "--heads", 5, "--lengths", "3,2", "--stages", "weights", "--png", path])
     assert result.exit_code == 0, result.output
     assert result.stderr == (
-        f"wrote {path} (the figure's rows show b0 h0, b0 h1, b0 h2, b0 h3, b0 h4, b1 h0, b1 h1, b1 h2 of 10 (batch, head) "
+        f"wrote {path} (the figure's rows show b0 h0, b0 h1, b0 h2, b0 h3, b1 h0, b1 h1, b1 h2, b1 h3 of 10 (batch, head) "
         "pairs (B=2, H=5): choose with --batch-index and --head)\n"
     )
     chosen = tmp_path / "one.png"
@@ -575,6 +575,10 @@ def test_tables_say_which_heads_they_leave_out():
     one = invoke(["causal", "--len", 2, "--heads", 6, "--head", 5, "--stages", "weights"])
     assert [line for line in one.stdout.splitlines() if line.startswith("weights")] == ["weights = softmax(masked) — head 5"]
     assert "the tables show" not in one.stdout
+    # left to choose, every batch row (whose masks differ) comes before a second head (whose masks do not)
+    padded = invoke(["causal", "--len", 2, "--heads", 4, "--lengths", "2,1,0", "--stages", "weights"])
+    titles = [line for line in padded.stdout.splitlines() if line.startswith("weights")]
+    assert titles == [f"weights = softmax(masked) — batch {b}, head {h}" for b, h in ((0, 0), (0, 1), (1, 0), (2, 0))]
 
 
 def test_a_wide_stage_shows_the_columns_that_fit_and_says_so():
