@@ -31,7 +31,7 @@ KIND_LIST = "\n\n".join(f"[bold]{kind}[/bold]: {escape(text)}" for kind, text in
 MASK_PANEL = "Mask options"
 OUTPUT_PANEL = "Output"
 
-Len = Annotated[int | None, typer.Option("--len", "-n", help="Number of query positions (default 8, or the longest --lengths).", parser=integer, rich_help_panel=MASK_PANEL)]
+Len = Annotated[int | None, typer.Option("--len", "-n", help="Number of query positions (default 8, or from the longest --lengths, or from --tokens).", parser=integer, rich_help_panel=MASK_PANEL)]
 Diagonal = Annotated[int | None, typer.Option(help="tril/triu: the diagonal argument of torch.tril/triu (default 0 for tril, 1 for triu).", parser=integer, rich_help_panel=MASK_PANEL)]
 Means = Annotated[str | None, typer.Option(help="tril/triu: read the 1-cells as 'keep' (tril default) or 'block' (triu default).", rich_help_panel=MASK_PANEL)]
 Lengths = Annotated[str | None, typer.Option(help="Valid length per batch row, like 4,2: later keys are padding. Combines with any kind.", rich_help_panel=MASK_PANEL)]

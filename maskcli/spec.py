@@ -288,6 +288,10 @@ def make_spec(
             raise MaskError(
                 f"the longest sequence ({k_len}) leaves no new query after --offset {offset}: give --len"
             )
+    elif tokens is not None:  # one word per key position: the words say how long the sequence is
+        q_len = len(parse_tokens(tokens)) - offset
+        if q_len < 1:
+            raise MaskError(f"--tokens has {len(parse_tokens(tokens))} words, which leave no new query after --offset {offset}: give more words")
     else:
         q_len = DEFAULT_LEN
     k_len = q_len + offset

@@ -280,3 +280,15 @@ def test_spec_does_not_import_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_tokens_give_the_length_when_nothing_else_does():
+    words = "Your journey starts with one step"
+    spec = make_spec("causal", tokens=words)
+    assert (spec.q_len, spec.k_len, spec.tokens) == (6, 6, tuple(words.split()))
+    prefill = make_spec("prefill", offset=4, tokens=words)
+    assert (prefill.q_len, prefill.k_len) == (2, 6)
+    with pytest.raises(MaskError, match="--tokens has 6 words but the mask has 8 key positions"):
+        make_spec("causal", length=8, tokens=words)
+    with pytest.raises(MaskError, match="leave no new query after --offset 6"):
+        make_spec("prefill", offset=6, tokens=words)
