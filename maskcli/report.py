@@ -22,7 +22,7 @@ def number(value: float, precision: int) -> str:
         return "nan"
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
-    if value != 0 and (abs(value) >= 1e5 or abs(value) < 10 ** -precision / 2):
+    if value != 0 and (abs(value) >= 1e5 or (precision > 0 and abs(value) < 10 ** -precision / 2)):
         return f"{value:.{max(1, precision - 2)}e}"
     return f"{value:.{precision}f}"
 
@@ -157,12 +157,13 @@ def value_table(title: str, values: torch.Tensor, keep: torch.Tensor | None, row
         table.add_row("⋮", *(["⋮"] * len(columns)))
     # title and note on lines of their own: a table narrower than them would fold them
     parts = [Text(title, style="italic", overflow="ellipsis", no_wrap=True), table]
-    if len(columns) < n_cols or rows < n_rows:
-        parts.append(Text(
-            f"{axis} 0-{len(columns) - 1} of {n_cols}, queries {row_labels[0].strip()}-{row_labels[rows - 1].strip()} "
-            f"of {n_rows} shown: --png draws every cell, --json prints every value",
-            style="dim",
-        ))
+    cut = []
+    if len(columns) < n_cols:
+        cut.append(f"{axis} 0-{len(columns) - 1} of {n_cols}")
+    if rows < n_rows:  # row labels start with the absolute query position (a token may follow)
+        cut.append(f"queries {row_labels[0].split()[0]}-{row_labels[rows - 1].split()[0]} of {n_rows}")
+    if cut:
+        parts.append(Text(f"{' and '.join(cut)} shown: --png draws every cell, --json prints every value", style="dim"))
     return Group(*parts)
 
 

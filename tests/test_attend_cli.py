@@ -589,7 +589,7 @@ def test_a_wide_stage_shows_the_columns_that_fit_and_says_so():
     header = next(line for line in lines if line.startswith(" q \\ kv"))
     assert header.split() == ["q", "\\", "kv", "0", "1", "2", "3", "4", "…"]
     assert max(map(len, lines[3:])) <= 60
-    assert "keys 0-4 of 20, queries 0-19 of 20 shown: --png draws every cell, --json prints every value" in " ".join(result.stdout.split())
+    assert "keys 0-4 of 20 shown: --png draws every cell, --json prints every value" in " ".join(result.stdout.split())
     # the values shown are the run's own, cell for cell
     data = attend_json(["causal", "--len", 20])
     row = next(line.split() for line in lines if line.split()[:1] == ["3"])
@@ -604,7 +604,10 @@ def test_a_long_stage_shows_its_first_rows_and_says_so():
     assert result.exit_code == 0, result.output
     rows = [line.split()[0] for line in result.stdout.splitlines() if line.split() and (line.split()[0].isdigit() or line.split()[0] == "⋮")]
     assert rows == [str(i) for i in range(MAX_TABLE_ROWS)] + ["⋮"]
-    assert f"dims 0-7 of 8, queries 0-{MAX_TABLE_ROWS - 1} of {length} shown" in " ".join(result.stdout.split())
+    assert f"queries 0-{MAX_TABLE_ROWS - 1} of {length} shown" in " ".join(result.stdout.split())
+    assert "dims" not in result.stdout  # every head dim is shown
+    both = invoke(["prefill", "--offset", 3, "--len", length, "--stages", "weights"], env={"COLUMNS": "60"})
+    assert f"keys 0-4 of {length + 3} and queries 3-{MAX_TABLE_ROWS + 2} of {length} shown" in " ".join(both.stdout.split())
 
 
 def test_min_fill_in_float64_prints_finfo_min_not_minus_inf():
@@ -655,3 +658,11 @@ def test_inputs_beyond_the_dtype_are_refused_not_turned_to_inf(args, fragment):
     assert_one_line_error(invoke(["causal", *args]), fragment)
     if "--q" in args and "--dtype" not in args:  # the same numbers fit float64
         assert invoke(["causal", *args, "--dtype", "float64"]).exit_code == 0
+
+
+def test_precision_0_prints_whole_numbers_only():
+    data = attend_json(["causal", "--len", 3])
+    result = invoke(["causal", "--len", 3, "--stages", "weights", "--precision", 0])
+    row2 = next(line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["2"])
+    assert row2 == ["2"] + [f"{w:.0f}" for w in data["stages"]["weights"][0][0][2]]
+    assert "e-" not in result.stdout
