@@ -200,10 +200,14 @@ def check_against_mask(qkv: QKV, shape: tuple[int, int, int, int]) -> QKV:
         raise MaskError(f"k and v batch/heads differ ({list(k_shape[:2])} vs {list(v_shape[:2])})")
     out_b = max(q_shape[0], k_shape[0], batch)
     out_h = max(q_shape[1], k_shape[1], heads)
-    for what, sizes, want in (("batch (dim 0)", (q_shape[0], k_shape[0], batch), out_b), ("heads (dim 1)", (q_shape[1], k_shape[1], heads), out_h)):
+    for what, sizes, want, mask_from in (
+        ("batch (dim 0)", (q_shape[0], k_shape[0], batch), out_b, "the rows of --lengths/--ids"),
+        ("heads (dim 1)", (q_shape[1], k_shape[1], heads), out_h, "--heads"),
+    ):
         if any(size not in (1, want) for size in sizes):
             raise MaskError(
-                f"{what} does not agree: q {sizes[0]}, k/v {sizes[1]}, mask {sizes[2]}; each must be 1 or {want}"
+                f"{what} does not agree: q {sizes[0]}, k/v {sizes[1]}, mask {sizes[2]} (from {mask_from}); "
+                f"each must be 1 or {want}"
             )
     if q_shape[:2] == k_shape[:2] == (out_b, out_h):
         return qkv

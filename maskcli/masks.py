@@ -284,7 +284,12 @@ def format_bytes(count: float) -> str:
     raise AssertionError("unreachable")
 
 
-def check_dense_fits(shape: tuple[int, ...], bytes_per_cell: float, how: str, device: torch.device | None = None) -> None:
+DENSITY_FIX = "use a smaller --len, or show it without --json/--save/--png to get a density map"
+
+
+def check_dense_fits(
+    shape: tuple[int, ...], bytes_per_cell: float, how: str, device: torch.device | None = None, fix: str = DENSITY_FIX
+) -> None:
     """Refuse a dense (B, H, Lq, Lk) result that would not fit in the free memory of `device` (the host's by default)."""
     cells = 1
     for size in shape:
@@ -295,8 +300,7 @@ def check_dense_fits(shape: tuple[int, ...], bytes_per_cell: float, how: str, de
         dims = " x ".join(map(str, shape))
         raise MaskError(
             f"the dense mask {dims} would need {format_bytes(needed)} ({needed:,.0f} bytes) {how}, "
-            f"but only {format_bytes(free)} is free{f' on {device}' if device is not None and device.type != 'cpu' else ''}: use a smaller --len, or show it without "
-            "--json/--save/--png to get a density map"
+            f"but only {format_bytes(free)} is free{f' on {device}' if device is not None and device.type != 'cpu' else ''}: {fix}"
         )
 
 

@@ -42,7 +42,10 @@ def run_attention(
     # dropout adds its random draw, its bool mask and one more product
     floats = 6 + (3 if dropout > 0 else 0)
     cells = (batch, heads, spec.q_len, spec.k_len)
-    check_dense_fits(cells, floats * torch.finfo(dtype).bits // 8 + 1, "for the attention stages", device)
+    check_dense_fits(
+        cells, floats * torch.finfo(dtype).bits // 8 + 1, "for the attention stages", device,
+        fix="use a smaller --len, fewer --heads or --batch, or a smaller --dtype",
+    )
     q, k, v = qkv.q.to(device, dtype), qkv.k.to(device, dtype), qkv.v.to(device, dtype)
     keep = mask.materialize()
     try:

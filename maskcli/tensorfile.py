@@ -46,12 +46,13 @@ def load_tensors(source: str, flag: str, json_floats: torch.dtype | None = None)
     path = Path(source)
     where = f"{flag} {source!r}"
     suffix = path.suffix.lower()
-    if suffix not in SUFFIXES:
-        raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; use one of {', '.join(SUFFIXES)} or inline JSON")
     if path.is_dir():
         raise MaskError(f"{where} is a directory; give a file")
     if not path.is_file():
-        raise MaskError(f"{where}: no such file")
+        unknown = f", and {suffix!r} is not a file type maskcli reads" if suffix and suffix not in SUFFIXES else ""
+        raise MaskError(f"{where}: no such file{unknown} (give a {', '.join(SUFFIXES)} file, or inline JSON like '[[1, 0], [1, 1]]')")
+    if suffix not in SUFFIXES:
+        raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; use one of {', '.join(SUFFIXES)} or inline JSON")
     try:
         if path.stat().st_size == 0:
             raise MaskError(f"{where}: the file is empty")

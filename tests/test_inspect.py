@@ -483,7 +483,7 @@ HOSTILE = [
     (["inspect", "labels.pt"], "not a 0/1 mask"),
     (["inspect", "scalar.pt"], "single number"),
     (["inspect", "folder.pt"], "is a directory"),
-    (["inspect", "mask.txt"], "unknown file type '.txt'"),
+    (["inspect", "mask.txt"], "no such file, and '.txt' is not a file type maskcli reads"),
     (["inspect", "two.npz"], "'first', 'second'"),
     (["inspect", "two.npz", "--key", "third"], "has no tensor 'third'; it holds 'first', 'second'"),
     (["inspect", "named.safetensors", "--key", "mask"], "has no tensor 'mask'; it holds 'attention_mask'"),
