@@ -297,6 +297,9 @@ def test_devices_that_are_not_here_list_the_available_ones():
         (["--seed", str(2**64)], [f"--seed must be 0 to {2**63 - 1}", str(2**64)]),
         (["--seed", "-1"], ["--seed must be 0 to"]),
         (["--scale", "inf"], ["--scale must be a positive finite number, got inf"]),
+        (["--lengths", "3,3,2", "--q", json.dumps([TUTORIAL_X[:3]] * 2), "--k", json.dumps(TUTORIAL_X[:3]), "--v", json.dumps(TUTORIAL_X[:3])],
+         ["batch (dim 0) does not agree: q 2, k/v 1, mask 3 (from the rows of --lengths/--ids); each must be 1 or 3"]),
+        (["--q", "missing.npy", "--k", "[[1]]", "--v", "[[1]]"], ["--q 'missing.npy': no such file (give a .pt"]),
         (["--q", "", "--k", "[[1]]", "--v", "[[1]]"], ["--q ''"]),
     ],
 )
@@ -666,3 +669,13 @@ def test_precision_0_prints_whole_numbers_only():
     row2 = next(line.split() for line in result.stdout.splitlines() if line.split()[:1] == ["2"])
     assert row2 == ["2"] + [f"{w:.0f}" for w in data["stages"]["weights"][0][0][2]]
     assert "e-" not in result.stdout
+
+
+def test_stages_too_big_for_memory_are_refused_with_what_attend_can_change(monkeypatch):
+    from maskcli import masks
+
+    monkeypatch.setattr(masks, "available_memory", lambda device=None: 10_000)
+    assert_one_line_error(
+        invoke(["causal", "--len", 64, "--heads", 2]),
+        "1 x 2 x 64 x 64 would need", "for the attention stages", "use a smaller --len, fewer --heads or --batch, or a smaller --dtype",
+    )
