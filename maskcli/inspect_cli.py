@@ -37,9 +37,9 @@ def _done(message: str) -> None:
 
 @app.command(
     epilog=examples(
+        "maskcli show causal --len 4 --as block --save mask.pt  # a mask to look at",
         "maskcli inspect mask.pt",
-        "maskcli inspect masks.npz --key attention_mask --heads 8",
-        "maskcli inspect hf_mask.safetensors --png mask.png",
+        "maskcli inspect mask.pt --heads 8 --png mask.png",
         "maskcli inspect '[[1,0,0],[1,1,0],[1,1,1]]' --json",
     ),
 )
@@ -173,9 +173,10 @@ def _print_report(analysis, report: dict, mask) -> None:
 
 @app.command(
     epilog=examples(
+        "maskcli show causal --len 4 --as block --save mha_mask.pt  # a mask to convert",
         "maskcli convert mha_mask.pt --to keep --out sdpa_mask.pt",
-        "maskcli convert causal.pt --to min --dtype float16 --out hf_mask.npy",
-        "maskcli convert padding.npy --from block --to additive --out padding.json",
+        "maskcli convert mha_mask.pt --to min --dtype float16 --out hf_mask.npy",
+        "maskcli convert '[[0,1],[0,0]]' --from block --to additive --out padding.json",
     ),
 )
 def convert(

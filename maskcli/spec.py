@@ -80,7 +80,7 @@ def parse_tokens(text: str) -> tuple[str, ...]:
 
 def parse_stages(text: str) -> tuple[str, ...]:
     """`scores,masked,weights` -> names, each one of STAGES, in the order given."""
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))  # each once, in order
     if not names:
         raise MaskError(f"--stages {text!r} names no stage: choose from {', '.join(STAGES)}")
     for name in names:

@@ -235,4 +235,4 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
 
 def test_help_ends_with_examples():
     result = ok(["convert", "--help"])
-    assert "Examples: maskcli convert mha_mask.pt --to keep --out sdpa_mask.pt" in " ".join(result.stdout.split())
+    assert "maskcli convert mha_mask.pt --to keep --out sdpa_mask.pt" in " ".join(result.stdout.split())

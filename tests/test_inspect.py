@@ -417,7 +417,7 @@ def test_png_is_the_mask(tmp_path):
 
 def test_help_ends_with_examples():
     result = ok(["inspect", "--help"])
-    assert "Examples: maskcli inspect mask.pt" in " ".join(result.stdout.split())
+    assert "Examples: maskcli show causal --len 4 --as block --save mask.pt # a mask to look at maskcli inspect mask.pt" in " ".join(result.stdout.split())
 
 
 # --- hostile and broken files: one line, exit 2, nothing runs ---------------------------------
