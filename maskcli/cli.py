@@ -116,7 +116,7 @@ def show(
     heads: Heads = 1,
     tokens: Tokens = None,
     as_: As = "keep",
-    dtype: Dtype = "float32",
+    dtype: Dtype = None,
     png: Png = None,
     json_: Json = False,
     save: Save = None,
@@ -151,7 +151,7 @@ def chunk(
     heads: Heads = 1,
     tokens: Tokens = None,
     as_: As = "keep",
-    dtype: Dtype = "float32",
+    dtype: Dtype = None,
     png: Png = None,
     json_: Json = False,
     save: Save = None,
@@ -161,12 +161,15 @@ def chunk(
     _present(spec, as_, dtype, png, json_, save)
 
 
-def _present(spec, convention: str, dtype_name: str, png: str | None, json_out: bool, save: str | None) -> None:
+def _present(spec, convention: str, dtype_name: str | None, png: str | None, json_out: bool, save: str | None) -> None:
     """Check the outputs, build the mask once, then print and write what was asked for."""
     from maskcli.files import FIGURE_SUFFIXES, TENSOR_SUFFIXES, check_output_path
 
     check_choice(convention, CONVENTIONS, "--as convention")
-    check_choice(dtype_name, DTYPES, "--dtype")
+    if dtype_name is not None and convention not in ("additive", "min"):
+        check_choice(dtype_name, DTYPES, "--dtype")
+        warn(f"--dtype {dtype_name} is ignored: it is for --as additive and --as min, and --as {convention} has a dtype of its own")
+    dtype_name = check_choice(dtype_name or "float32", DTYPES, "--dtype")
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
     save_path = check_output_path(save, TENSOR_SUFFIXES, "--save") if save is not None else None
     if save_path is not None and save_path.suffix.lower() == ".npy" and dtype_name == "bfloat16" and convention in ("additive", "min"):

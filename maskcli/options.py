@@ -44,7 +44,7 @@ Prefix = Annotated[int | None, typer.Option(help="prefix: the first P tokens see
 Heads = Annotated[int, typer.Option(help="Number of attention heads (the H in B, H, Lq, Lk).", parser=integer, rich_help_panel=MASK_PANEL)]
 Tokens = Annotated[str | None, typer.Option(help="Words that label the axes, one per key position: \"Your journey starts with one step\".", rich_help_panel=OUTPUT_PANEL)]
 As = Annotated[str, typer.Option("--as", help="Convention shown and saved: " + "; ".join(f"{k} = {v}" for k, v in CONVENTIONS.items()) + ".", rich_help_panel=OUTPUT_PANEL)]
-Dtype = Annotated[str, typer.Option(help=f"Float dtype for the additive and min conventions: {', '.join(DTYPES)}.", rich_help_panel=OUTPUT_PANEL)]
+Dtype = Annotated[str | None, typer.Option(help=f"Float dtype for the additive and min conventions: {', '.join(DTYPES)} (default float32).", rich_help_panel=OUTPUT_PANEL)]
 Png = Annotated[str | None, typer.Option("--png", help="Write a heatmap; the extension picks the format: .png, .svg or .pdf.", rich_help_panel=OUTPUT_PANEL)]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object: kind, params, shape, q_offset, convention and the mask as nested 0/1 lists (1 = may attend).", rich_help_panel=OUTPUT_PANEL)]
 Save = Annotated[str | None, typer.Option(help="Save the mask tensor in the --as convention; .pt or .npy by extension.", rich_help_panel=OUTPUT_PANEL)]

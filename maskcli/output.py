@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 
 from maskcli.conventions import DTYPES, bytes_per_cell, cell_texts, describe, to_convention
+from maskcli.errors import MaskError
 from maskcli.files import atomic_write
-from maskcli.masks import SAMPLES_PER_SIDE, Mask, block_shares, check_dense_fits
+from maskcli.masks import SAMPLES_PER_SIDE, Mask, block_shares, check_dense_fits, format_bytes
 from maskcli.spec import describe as describe_params
 
 FIGURE_MAX_CELLS = 512  # per side; a longer mask is drawn as the share of visible cells per block
@@ -127,6 +129,16 @@ def save_tensor(mask: Mask, convention: str, dtype_name: str, path: Path) -> Non
     """The dense mask in `convention`, as .pt or .npy."""
     dtype = DTYPES[dtype_name]
     check_dense_fits(mask.shape, bytes_per_cell(convention, dtype) + 1, f"in the {convention} convention")
+    cells = 1
+    for size in mask.shape:
+        cells *= size
+    size = cells * bytes_per_cell(convention, dtype)
+    free = shutil.disk_usage(path.parent if str(path.parent) else ".").free
+    if size > free:
+        raise MaskError(
+            f"--save {str(path)!r} would write {format_bytes(size)} but the disk there has {format_bytes(free)} free: "
+            "use a smaller --len, or --png for a picture of it"
+        )
     tensor = to_convention(mask.dense(), convention, dtype)
     if path.suffix.lower() == ".pt":
         atomic_write(path, lambda temp: torch.save(tensor, temp))

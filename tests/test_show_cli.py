@@ -193,3 +193,25 @@ def test_help_imports_neither_torch_nor_matplotlib_and_a_table_no_matplotlib():
     assert imported(["--help"]) == "[]"
     assert imported(["show", "--help"]) == "[]"
     assert imported(["show", "causal", "--len", "6"]) == "['torch']"
+
+
+def test_save_refuses_a_tensor_bigger_than_the_free_disk(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 100, 100))  # 100 bytes free
+    path = tmp_path / "big.pt"
+    result = runner.invoke(app, ["show", "causal", "--len", "16", "--save", str(path)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"maskcli: error: --save {str(path)!r} would write 256 bytes but the disk there has 100 bytes free: use a smaller --len, or --png for a picture of it\n"
+    assert not path.exists()
+
+
+def test_dtype_with_a_bool_or_int_convention_is_said_to_be_ignored():
+    result = runner.invoke(app, ["show", "causal", "--len", "2", "--dtype", "float16"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == "maskcli: warning: --dtype float16 is ignored: it is for --as additive and --as min, and --as keep has a dtype of its own\n"
+    quiet = runner.invoke(app, ["show", "causal", "--len", "2", "--as", "min", "--dtype", "float16"])
+    assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
+    assert "convention: min float16" in quiet.stdout
