@@ -99,24 +99,23 @@ def later_key_findings(keep: torch.Tensor, kind: str, q_offset: int) -> list[Fin
 
 
 def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
-    """Findings about a run: what fully masked rows turned into, rows that do not sum to 1, fill overflow.
+    """Findings about a run: what fully masked rows turned into, rows that do not sum to 1,
+    scores that are not finite, fill overflow.
 
-    The work stays on the compute device; only per-row flags and the weights of rows
-    that need a word come back to the host.
+    The work stays on the compute device; only a few numbers and per-row flags come back to the host.
     """
-    weights = stages.weights
     dtype = stages.scaled.dtype
     findings: list[Finding] = []
     if stages.fill == "-1e9" and fill_value("-1e9", dtype) == float("-inf"):
         findings.append(
             Finding(
                 "fill-overflow",
-                f"fill -1e9 does not fit {str(dtype).removeprefix('torch.')} (lowest {torch.finfo(dtype).min:.6g}) "
+                f"fill -1e9 does not fit {_name(dtype)} (lowest {torch.finfo(dtype).min:.6g}) "
                 "and became -inf, so a fully masked row turns to NaN; use --fill min",
             )
         )
-    sums = weights.sum(dim=-1, dtype=torch.float32)
-    tolerance = max(1e-3, 4 * torch.finfo(weights.dtype).eps)  # bfloat16 keeps under 3 digits
+    sums = stages.weights.sum(dim=-1, dtype=torch.float32)
+    tolerance = max(1e-3, 4 * torch.finfo(stages.weights.dtype).eps)  # bfloat16 keeps under 3 digits
     low, high = torch.aminmax(sums)
     rows_sum_to_one = 1 - tolerance <= float(low) and float(high) <= 1 + tolerance  # NaN fails both
     empty_rows_are_nan = stages.fill in ("-inf", "multiply")  # under min and -1e9 they are uniform, and sum to 1
@@ -129,13 +128,34 @@ def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
         findings += later_key_findings(keep, kind, q_offset)
     if rows_sum_to_one and (empty_rows_are_nan or bool(keep.any(dim=-1).all())):
         return findings
-    sums_ok = (sums - 1).abs() <= tolerance  # False for NaN
     seen = keep.any(dim=-1)
-    empty = ~seen
-    if bool(empty.any()):
-        # what each row became, as per-row flags computed on the device
-        nan_rows = torch.isnan(weights).all(dim=-1).cpu()
-        uniform_rows = ((weights.float() - 1.0 / keep.shape[-1]).abs() <= 1e-3).all(dim=-1).cpu()
+    findings += _empty_row_findings(stages, keep, ~seen, q_offset)
+    explained, non_finite = _non_finite_findings(stages, keep, q_offset)
+    findings += non_finite
+    sums_ok = (sums - 1).abs() <= tolerance  # False for NaN
+    off = ~sums_ok & seen & ~explained
+    if not off.any():
+        return findings
+    if stages.dropout > 0:
+        findings.append(Finding("row-sum", f"with --dropout {stages.dropout} the weight rows no longer sum to 1 (kept weights are scaled by 1/(1-p))"))
+    else:
+        for b, h, rows in _rows_by_slice(off, q_offset):
+            findings.append(Finding("row-sum", f"the weights of query row{'s' if len(rows) > 1 else ''} {spans(rows)} do not sum to 1{_where(b, h, off.shape)}"))
+    return findings
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _empty_row_findings(stages: Stages, keep: torch.Tensor, empty: torch.Tensor, q_offset: int) -> list[Finding]:
+    """Rows that see no key, and what the fill made of them: NaN, uniform weights, or something else."""
+    if not bool(empty.any()):
+        return []
+    # what each row became, as per-row flags computed on the device
+    nan_rows = torch.isnan(stages.weights).all(dim=-1).cpu()
+    uniform_rows = ((stages.weights.float() - 1.0 / keep.shape[-1]).abs() <= 1e-3).all(dim=-1).cpu()
+    findings = []
     for b, h, rows in _rows_by_slice(empty, q_offset):
         # a mask that broadcasts over batch or heads is looked at once, through the first of them
         at = (b if keep.shape[0] > 1 else 0, h if keep.shape[1] > 1 else 0, [row - q_offset for row in rows])
@@ -148,22 +168,27 @@ def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
             )
         else:
             effect = "the weights there are whatever the fill left"
-        findings.append(
-            Finding("fully-masked", f"{_rows(rows, 'see')} no key{_where(b, h, keep.shape)}: {effect}")
-        )
-    # Scores that are not finite spoil their rows: say why, not just "does not sum to 1". Only
-    # the cells the softmax reads count: a fill replaces masked ones, multiply reads them all.
+        findings.append(Finding("fully-masked", f"{_rows(rows, 'see')} no key{_where(b, h, keep.shape)}: {effect}"))
+    return findings
+
+
+def _non_finite_findings(stages: Stages, keep: torch.Tensor, q_offset: int) -> tuple[torch.Tensor, list[Finding]]:
+    """Rows whose scores or scaled scores are not finite, with why; and the (B, H, Lq) flags of those rows.
+
+    Only the cells the softmax reads count: a fill replaces masked ones, multiply reads them all.
+    """
+    dtype = stages.scaled.dtype
     counted = torch.ones((), dtype=torch.bool, device=keep.device) if stages.fill == "multiply" else keep
     broken = (~torch.isfinite(stages.scores) & counted).any(dim=-1)
     has_nan = torch.isnan(stages.scores).any(dim=-1).any(dim=-1).cpu()  # (B, H)
+    findings = []
     for b, h, rows in _rows_by_slice(broken, q_offset):
         if bool(has_nan[b, h]):
             what, cause = "NaN", "the inputs carry NaN (or inf times 0)"
         else:
-            name = str(dtype).removeprefix("torch.")
             what = "inf"
             cause = (
-                f"Q Kᵀ overflows {name} (largest {torch.finfo(dtype).max:.6g}) or the inputs carry inf; "
+                f"Q Kᵀ overflows {_name(dtype)} (largest {torch.finfo(dtype).max:.6g}) or the inputs carry inf; "
                 + ("compute in float32 or " if torch.finfo(dtype).bits < 32 else "")
                 + "scale the inputs down"
             )
@@ -173,18 +198,9 @@ def run_findings(stages: Stages, kind: str, q_offset: int = 0) -> list[Finding]:
     # finite scores that the scale takes past the dtype's range
     overflowed = (~torch.isfinite(stages.scaled) & counted).any(dim=-1) & ~broken
     for b, h, rows in _rows_by_slice(overflowed, q_offset):
-        name = str(dtype).removeprefix("torch.")
         findings.append(Finding(
             "non-finite",
             f"the scaled scores of query row{'s' if len(rows) > 1 else ''} {spans(rows)} hold inf{_where(b, h, overflowed.shape)}: "
-            f"scores × {stages.scale:.6g} overflows {name} (largest {torch.finfo(dtype).max:.6g}); use a smaller --scale",
+            f"scores × {stages.scale:.6g} overflows {_name(dtype)} (largest {torch.finfo(dtype).max:.6g}); use a smaller --scale",
         ))
-    off = ~sums_ok & seen & ~broken & ~overflowed
-    if not off.any():
-        return findings
-    if stages.dropout > 0:
-        findings.append(Finding("row-sum", f"with --dropout {stages.dropout} the weight rows no longer sum to 1 (kept weights are scaled by 1/(1-p))"))
-    else:
-        for b, h, rows in _rows_by_slice(off, q_offset):
-            findings.append(Finding("row-sum", f"the weights of query row{'s' if len(rows) > 1 else ''} {spans(rows)} do not sum to 1{_where(b, h, off.shape)}"))
-    return findings
+    return broken | overflowed, findings
