@@ -112,9 +112,10 @@ def _from_json(data, where: str, floats: torch.dtype | None = None) -> dict[str,
     tensors = {}
     for name, value in items:
         try:
-            tensor = torch.tensor(_numbers(value))
+            numbers = _numbers(value)
+            tensor = torch.tensor(numbers)
             if floats is not None and tensor.is_floating_point():
-                tensor = torch.tensor(_numbers(value), dtype=floats)
+                tensor = torch.tensor(numbers, dtype=floats)  # parsed again: a double read as float32 has lost digits
             tensors[name] = tensor
         except (TypeError, ValueError, RuntimeError) as error:
             label = f" {name!r}" if name else ""
