@@ -166,10 +166,10 @@ def _present(spec, convention: str, dtype_name: str | None, png: str | None, jso
     from maskcli.files import FIGURE_SUFFIXES, TENSOR_SUFFIXES, check_output_path
 
     check_choice(convention, CONVENTIONS, "--as convention")
-    if dtype_name is not None and convention not in ("additive", "min"):
-        check_choice(dtype_name, DTYPES, "--dtype")
-        warn(f"--dtype {dtype_name} is ignored: it is for --as additive and --as min, and --as {convention} has a dtype of its own")
+    given_dtype = dtype_name is not None
     dtype_name = check_choice(dtype_name or "float32", DTYPES, "--dtype")
+    if given_dtype and convention not in ("additive", "min"):
+        warn(f"--dtype {dtype_name} is ignored: it is for --as additive and --as min, and --as {convention} has a dtype of its own")
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
     save_path = check_output_path(save, TENSOR_SUFFIXES, "--save") if save is not None else None
     if save_path is not None and save_path.suffix.lower() == ".npy" and dtype_name == "bfloat16" and convention in ("additive", "min"):

@@ -13,6 +13,7 @@ absolute position query row 0 is (prefill with a KV cache).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -291,10 +292,7 @@ def check_dense_fits(
     shape: tuple[int, ...], bytes_per_cell: float, how: str, device: torch.device | None = None, fix: str = DENSITY_FIX
 ) -> None:
     """Refuse a dense (B, H, Lq, Lk) result that would not fit in the free memory of `device` (the host's by default)."""
-    cells = 1
-    for size in shape:
-        cells *= size
-    needed = cells * bytes_per_cell
+    needed = math.prod(shape) * bytes_per_cell
     free = available_memory(device)
     if free is not None and needed > free:
         dims = " x ".join(map(str, shape))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -129,10 +130,7 @@ def save_tensor(mask: Mask, convention: str, dtype_name: str, path: Path) -> Non
     """The dense mask in `convention`, as .pt or .npy."""
     dtype = DTYPES[dtype_name]
     check_dense_fits(mask.shape, bytes_per_cell(convention, dtype) + 1, f"in the {convention} convention")
-    cells = 1
-    for size in mask.shape:
-        cells *= size
-    size = cells * bytes_per_cell(convention, dtype)
+    size = math.prod(mask.shape) * bytes_per_cell(convention, dtype)
     free = shutil.disk_usage(path.parent if str(path.parent) else ".").free
     if size > free:
         raise MaskError(

@@ -267,6 +267,7 @@ def make_spec(
                 )
                 break
 
+    parsed_tokens = parse_tokens(tokens) if tokens is not None else None
     parsed_lengths = parse_ints(lengths, "--lengths values", "4,2") if lengths is not None else None
     parsed_ids = parse_ids(ids) if ids is not None else None
     if parsed_lengths is not None:
@@ -288,10 +289,10 @@ def make_spec(
             raise MaskError(
                 f"the longest sequence ({k_len}) leaves no new query after --offset {offset}: give --len"
             )
-    elif tokens is not None:  # one word per key position: the words say how long the sequence is
-        q_len = len(parse_tokens(tokens)) - offset
+    elif parsed_tokens is not None:  # one word per key position: the words say how long the sequence is
+        q_len = len(parsed_tokens) - offset
         if q_len < 1:
-            raise MaskError(f"--tokens has {len(parse_tokens(tokens))} words, which leave no new query after --offset {offset}: give more words")
+            raise MaskError(f"--tokens has {len(parsed_tokens)} words, which leave no new query after --offset {offset}: give more words")
     else:
         q_len = DEFAULT_LEN
     k_len = q_len + offset
@@ -319,14 +320,11 @@ def make_spec(
         key_valid = tuple(tuple(token != pad_id for token in row) for row in parsed_ids)
         batch = len(parsed_ids)
 
-    parsed_tokens = None
-    if tokens is not None:
-        parsed_tokens = parse_tokens(tokens)
-        if len(parsed_tokens) != k_len:
-            raise MaskError(
-                f"--tokens has {len(parsed_tokens)} words but the mask has {k_len} key positions: "
-                f"give exactly {k_len} words"
-            )
+    if parsed_tokens is not None and len(parsed_tokens) != k_len:
+        raise MaskError(
+            f"--tokens has {len(parsed_tokens)} words but the mask has {k_len} key positions: "
+            f"give exactly {k_len} words"
+        )
 
     return MaskSpec(
         kind=kind,
