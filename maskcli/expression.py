@@ -1,0 +1,314 @@
+"""Mask expressions: kinds combined with & (both allow), | (either allows), ~ (not) and parentheses.
+
+    document(0,0,0,1,1,1) & window(2)
+    causal | blocks(-1,-1,0,0,0,-1)
+    causal & (window(1020) | sink(4))
+    document(sizes=[3,5]) · document("labels.npy") · tril(-1) · triu(1, means=keep)
+
+A string is parsed once, by the small grammar below, into an immutable tree; it is never
+eval'ed. `~` binds tightest, then `&`, then `|`; `a & b & c` is one And of three items.
+
+    expr    := and ('|' and)*
+    and     := unary ('&' unary)*
+    unary   := '~' unary | '(' expr ')' | call
+    call    := NAME ['(' [args] ')']
+    args    := (ints | STRING) [',' keyword]* | keyword (',' keyword)*
+    ints    := INT ((',' | ';') INT)*            ';' separates batch rows
+    keyword := NAME '=' (INT | '[' ints ']' | STRING | NAME)
+
+`print_tree(parse(text))` is the canonical text; parsing it again gives an equal tree.
+A bare NAME takes its parameters from the command-line flags (`window --window 3`);
+`resolve` binds every call to its kind in the registry and checks its parameters.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Union
+
+from maskcli.errors import MaskError
+
+# --- syntax ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ints:
+    """Integers, in rows (`;` between batch rows); `bracketed` when written `[...]`."""
+
+    rows: tuple[tuple[int, ...], ...]
+    bracketed: bool = False
+
+
+@dataclass(frozen=True)
+class Text:
+    """A string argument: quoted (`"labels.npy"`) or a bare word (`keep`)."""
+
+    value: str
+    quoted: bool = True
+
+
+Value = Union[Ints, Text]
+
+
+@dataclass(frozen=True)
+class Call:
+    """A kind as written: `window(3)`, or a bare `window` (called False: parameters from flags)."""
+
+    name: str
+    positional: Value | None = None
+    keywords: tuple[tuple[str, Value], ...] = ()
+    called: bool = False
+    at: int = field(default=0, compare=False)  # character index, for messages
+
+
+@dataclass(frozen=True)
+class And:
+    items: tuple
+
+
+@dataclass(frozen=True)
+class Or:
+    items: tuple
+
+
+@dataclass(frozen=True)
+class Not:
+    item: object
+
+
+def both(*items) -> And:
+    """And of the items, flattened: (a & b) & c is a & b & c."""
+    flat: list = []
+    for item in items:
+        flat.extend(item.items if isinstance(item, And) else (item,))
+    return And(tuple(flat))
+
+
+def either(*items) -> Or:
+    flat: list = []
+    for item in items:
+        flat.extend(item.items if isinstance(item, Or) else (item,))
+    return Or(tuple(flat))
+
+
+# --- tokens and parser ----------------------------------------------------------------------
+
+_TOKEN = re.compile(
+    r"""\s*(?:
+        (?P<name>[A-Za-z_][A-Za-z0-9_]*)
+      | (?P<int>[+-]?\d+)
+      | (?P<string>"[^"]*"|'[^']*')
+      | (?P<op>[()\[\],;=&|~])
+    )""",
+    re.VERBOSE,
+)
+MAX_TEXT = 1 << 20  # characters: inline labels past this belong in a file
+
+
+@dataclass(frozen=True)
+class _Token:
+    kind: str  # name, int, string, op, end
+    text: str
+    at: int
+
+
+def _tokens(text: str) -> list[_Token]:
+    tokens = []
+    position = 0
+    while position < len(text):
+        if text[position:].strip() == "":
+            break
+        match = _TOKEN.match(text, position)
+        if match is None:
+            at = position + len(text[position:]) - len(text[position:].lstrip())
+            raise _error(text, at, f"unexpected character {text[at]!r}", "write kinds like window(3), joined by &, | and ~")
+        kind = match.lastgroup
+        tokens.append(_Token(kind, match.group(kind), match.start(kind)))
+        position = match.end()
+    tokens.append(_Token("end", "", len(text)))
+    return tokens
+
+
+def _error(text: str, at: int, problem: str, fix: str) -> MaskError:
+    return MaskError(f"mask expression {text!r}: {problem} at character {at + 1} ({text[:at]}>>{text[at:]}); {fix}")
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.text = text
+        self.tokens = _tokens(text)
+        self.i = 0
+
+    @property
+    def token(self) -> _Token:
+        return self.tokens[self.i]
+
+    def take(self, text: str | None = None, kind: str | None = None) -> _Token | None:
+        token = self.token
+        if (text is not None and token.text == text and token.kind == "op") or (kind is not None and token.kind == kind):
+            self.i += 1
+            return token
+        return None
+
+    def fail(self, expected: str, fix: str = "see maskcli kinds for every kind and its parameters") -> MaskError:
+        token = self.token
+        found = "the end" if token.kind == "end" else repr(token.text)
+        return _error(self.text, token.at, f"expected {expected}, found {found}", fix)
+
+    def expression(self):
+        items = [self.conjunction()]
+        while self.take("|"):
+            items.append(self.conjunction())
+        return items[0] if len(items) == 1 else either(*items)
+
+    def conjunction(self):
+        items = [self.unary()]
+        while self.take("&"):
+            items.append(self.unary())
+        return items[0] if len(items) == 1 else both(*items)
+
+    def unary(self):
+        if self.take("~"):
+            return Not(self.unary())
+        if self.take("("):
+            inner = self.expression()
+            if not self.take(")"):
+                raise self.fail("')' to close the '('", "close every '(' with a ')'")
+            return inner
+        name = self.take(kind="name")
+        if name is None:
+            raise self.fail("a kind name, '(' or '~'")
+        if not self.take("("):
+            return Call(name.text, at=name.at)
+        positional, keywords = self.arguments(name.text)
+        if not self.take(")"):
+            raise self.fail(f"',' or ')' in the arguments of {name.text}", "separate arguments with ',' and close them with ')'")
+        return Call(name.text, positional, tuple(keywords), called=True, at=name.at)
+
+    def arguments(self, kind: str):
+        positional = None
+        keywords: list[tuple[str, Value]] = []
+        if self.token.kind == "op" and self.token.text == ")":
+            return positional, keywords
+        if self.token.kind == "name" and self.tokens[self.i + 1].text == "=":
+            keywords.append(self.keyword(keywords))
+        elif self.token.kind == "int":
+            positional = Ints(self.ints())
+        elif self.token.kind == "string":
+            positional = Text(self.take(kind="string").text[1:-1])
+        else:
+            raise self.fail(f"an integer, a quoted file name or name=value in {kind}(...)")
+        while self.take(","):
+            if not (self.token.kind == "name" and self.tokens[self.i + 1].text == "="):
+                raise self.fail("name=value after the first argument", f"write it like {kind}(..., name=value)")
+            keywords.append(self.keyword(keywords))
+        return positional, keywords
+
+    def keyword(self, seen) -> tuple[str, Value]:
+        name = self.take(kind="name")
+        if any(name.text == other for other, _ in seen):
+            self.i -= 1
+            raise self.fail(f"each name once, not {name.text} again", "give each parameter once")
+        self.take("=")
+        if self.take("["):
+            rows = self.ints()
+            if not self.take("]"):
+                raise self.fail("']' to close the list", "write lists like [3,5]")
+            return name.text, Ints(rows, bracketed=True)
+        if self.token.kind == "int":
+            return name.text, Ints(((int(self.take(kind="int").text),),))
+        if self.token.kind == "string":
+            return name.text, Text(self.take(kind="string").text[1:-1])
+        if self.token.kind == "name":
+            return name.text, Text(self.take(kind="name").text, quoted=False)
+        raise self.fail(f"a value after {name.text}=", f"write it like {name.text}=3 or {name.text}=[3,5]")
+
+    def ints(self) -> tuple[tuple[int, ...], ...]:
+        rows: list[list[int]] = [[]]
+        while True:
+            token = self.take(kind="int")
+            if token is None:
+                raise self.fail("an integer")
+            rows[-1].append(int(token.text))
+            if self.token.kind == "op" and self.token.text == "," and self.tokens[self.i + 1].kind == "int":
+                self.i += 1
+            elif self.take(";"):
+                rows.append([])
+            else:
+                return tuple(tuple(row) for row in rows)
+
+
+def parse(text: str):
+    """The syntax tree of a mask expression; a MaskError that points at the bad character."""
+    if len(text) > MAX_TEXT:
+        raise MaskError(f"the mask expression is {len(text):,} characters long: put long labels in a file, like document(\"labels.npy\")")
+    if not text.strip():
+        raise MaskError("the mask expression is empty: give a kind such as causal, or an expression such as \"causal & window(3)\"")
+    parser = _Parser(text)
+    tree = parser.expression()
+    if parser.token.kind != "end":
+        raise parser.fail("'&', '|' or the end", "join kinds with & or |")
+    return tree
+
+
+# --- printing ------------------------------------------------------------------------------
+
+
+def _ints_text(value: Ints) -> str:
+    body = ";".join(",".join(str(v) for v in row) for row in value.rows)
+    return f"[{body}]" if value.bracketed else body
+
+
+def value_text(value: Value) -> str:
+    if isinstance(value, Ints):
+        return _ints_text(value)
+    return _quote(value.value) if value.quoted else value.value
+
+
+def _quote(text: str) -> str:
+    return f"'{text}'" if '"' in text else f'"{text}"'
+
+
+def call_text(call: Call) -> str:
+    if not call.called:
+        return call.name
+    parts = [value_text(call.positional)] if call.positional is not None else []
+    parts += [f"{name}={value_text(value)}" for name, value in call.keywords]
+    return f"{call.name}({', '.join(parts)})"
+
+
+def print_tree(node, leaf=call_text) -> str:
+    """Canonical text with the fewest parentheses; `leaf` prints a call (or a resolved term)."""
+    if isinstance(node, Or):
+        return " | ".join(print_tree(item, leaf) for item in node.items)
+    if isinstance(node, And):
+        return " & ".join(_wrapped(item, leaf, (Or,)) for item in node.items)
+    if isinstance(node, Not):
+        return "~" + _wrapped(node.item, leaf, (Or, And))
+    return leaf(node)
+
+
+def _wrapped(node, leaf, kinds) -> str:
+    text = print_tree(node, leaf)
+    return f"({text})" if isinstance(node, kinds) else text
+
+
+def leaves(node) -> list:
+    """The calls (or terms) of a tree, left to right."""
+    if isinstance(node, (And, Or)):
+        return [leaf for item in node.items for leaf in leaves(item)]
+    if isinstance(node, Not):
+        return leaves(node.item)
+    return [node]
+
+
+def transform(node, leaf):
+    """The same tree with each leaf replaced by leaf(call)."""
+    if isinstance(node, And):
+        return And(tuple(transform(item, leaf) for item in node.items))
+    if isinstance(node, Or):
+        return Or(tuple(transform(item, leaf) for item in node.items))
+    if isinstance(node, Not):
+        return Not(transform(node.item, leaf))
+    return leaf(node)

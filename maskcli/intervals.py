@@ -1,0 +1,211 @@
+"""Per-row key intervals: the exact, O(L) form of a mask.
+
+The keys a query row may attend to are a few sorted, disjoint, half-open intervals
+`[start, end)` of absolute key positions. A mask's rows are stored as two int64 arrays
+`starts` and `ends` of shape (B, Lq, K): K is the most intervals any row has, and a row
+with fewer is padded with empty intervals `[k_end, k_end)`, which sort last. B and Lq
+may be 1 where every batch row, or every query row, is the same (they broadcast).
+
+`&`, `|` and `~` act on intervals directly (intersection, union and complement within
+the keys `[k_start, k_end)`), so a 1M-token mask is a few million integers, not 10^12
+cells. Everything here is numpy, vectorised over rows: no Python loop per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PAIRWISE = 16  # intersect pairwise up to this many pairs per row; past it, by complements and a union
+MAX_PER_ROW = 64  # more intervals than this in a row and they are no longer "few": use the predicate
+ROW_BUDGET = 1 << 22  # rows x keys-edges processed at once when counting per block
+
+
+class NotFew(Exception):
+    """A row would need more than MAX_PER_ROW intervals; the message says why (for the user)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Intervals:
+    """Sorted, disjoint, non-touching key intervals per (batch row, query row); see the module docstring."""
+
+    starts: np.ndarray  # int64 (B, Lq, K)
+    ends: np.ndarray  # int64 (B, Lq, K)
+    k_start: int
+    k_end: int
+
+    @classmethod
+    def of(cls, starts, ends, k_start: int, k_end: int) -> Intervals:
+        """Normalise any intervals (unsorted, overlapping, out of range, empty) broadcast to 3-D."""
+        starts, ends = np.broadcast_arrays(_three_d(starts), _three_d(ends))
+        return _normal(starts, ends, k_start, k_end)
+
+    @classmethod
+    def everything(cls, k_start: int, k_end: int) -> Intervals:
+        return cls.of(np.array(k_start), np.array(k_end), k_start, k_end)
+
+    @property
+    def per_row(self) -> int:
+        """K: the most intervals a row has (at least 1, an empty one)."""
+        return self.starts.shape[-1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(B, Lq) as stored: 1 where it broadcasts."""
+        return self.starts.shape[0], self.starts.shape[1]
+
+    def __and__(self, other: Intervals) -> Intervals:
+        self._same_keys(other)
+        if self.per_row * other.per_row <= PAIRWISE:
+            # intersections of pairs from two disjoint lists are disjoint: no merge needed, only order
+            a_s, b_s = _broadcast_rows(self.starts, other.starts)
+            a_e, b_e = _broadcast_rows(self.ends, other.ends)
+            lead = a_s.shape[:-1]
+            starts = np.maximum(a_s[..., :, None], b_s[..., None, :]).reshape(lead + (-1,))
+            ends = np.minimum(a_e[..., :, None], b_e[..., None, :]).reshape(lead + (-1,))
+            return _normal(starts, ends, self.k_start, self.k_end, disjoint=True)
+        return ~(~self | ~other)
+
+    def __or__(self, other: Intervals) -> Intervals:
+        self._same_keys(other)
+        a_s, b_s = _broadcast_rows(self.starts, other.starts)
+        a_e, b_e = _broadcast_rows(self.ends, other.ends)
+        return _normal(np.concatenate([a_s, b_s], -1), np.concatenate([a_e, b_e], -1), self.k_start, self.k_end)
+
+    def __invert__(self) -> Intervals:
+        lead = self.starts.shape[:-1] + (1,)
+        starts = np.concatenate([np.full(lead, self.k_start, np.int64), self.ends], -1)
+        ends = np.concatenate([self.starts, np.full(lead, self.k_end, np.int64)], -1)
+        return _normal(starts, ends, self.k_start, self.k_end, disjoint=True, ordered=True)
+
+    def _same_keys(self, other: Intervals) -> None:
+        if (self.k_start, self.k_end) != (other.k_start, other.k_end):
+            raise ValueError(f"intervals over keys [{self.k_start}, {self.k_end}) and [{other.k_start}, {other.k_end}) do not combine")
+
+    def counts(self) -> np.ndarray:
+        """Visible keys per row, int64 (B, Lq) as stored (broadcast dimensions stay 1)."""
+        return (self.ends - self.starts).sum(-1)
+
+    def rows(self, batch: int, q_lo: int, q_hi: int) -> Intervals:
+        """Rows q_lo..q_hi-1 (local indices) of one batch row, as (1, n, K) intervals."""
+        b = batch if self.starts.shape[0] > 1 else 0
+        if self.starts.shape[1] == 1:
+            s = np.broadcast_to(self.starts[b : b + 1], (1, q_hi - q_lo, self.per_row))
+            e = np.broadcast_to(self.ends[b : b + 1], (1, q_hi - q_lo, self.per_row))
+        else:
+            s, e = self.starts[b : b + 1, q_lo:q_hi], self.ends[b : b + 1, q_lo:q_hi]
+        return Intervals(s, e, self.k_start, self.k_end)
+
+    def row(self, batch: int, q: int) -> list[tuple[int, int]]:
+        """The non-empty intervals of one row (local query index), as Python pairs."""
+        one = self.rows(batch, q, q + 1)
+        return [(int(s), int(e)) for s, e in zip(one.starts[0, 0], one.ends[0, 0]) if s < e]
+
+    def dense(self, batch: int, q_lo: int, q_hi: int, k_lo: int | None = None, k_hi: int | None = None) -> np.ndarray:
+        """Bool (q_hi - q_lo, k_hi - k_lo): the cells of one batch row's rows, keys as absolute positions."""
+        k_lo = self.k_start if k_lo is None else k_lo
+        k_hi = self.k_end if k_hi is None else k_hi
+        part = self.rows(batch, q_lo, q_hi)
+        keys = np.arange(k_lo, k_hi, dtype=np.int64)
+        out = np.zeros((q_hi - q_lo, k_hi - k_lo), dtype=bool)
+        for k in range(self.per_row):  # K is small: a pass per interval column, vectorised over cells
+            out |= (keys >= part.starts[0, :, k, None]) & (keys < part.ends[0, :, k, None])
+        return out
+
+    def visible_before(self, edges: np.ndarray, batch: int, q_lo: int, q_hi: int) -> np.ndarray:
+        """int64 (q_hi - q_lo, len(edges)): per row, visible keys below each key position in `edges`."""
+        part = self.rows(batch, q_lo, q_hi)
+        s = part.starts[0][:, None, :]
+        e = part.ends[0][:, None, :]
+        x = np.asarray(edges, dtype=np.int64)[None, :, None]
+        return (np.clip(x, s, e) - s).sum(-1)
+
+    def block_counts(self, batch: int, q_edges: np.ndarray, k_edges: np.ndarray) -> np.ndarray:
+        """Exact visible cells per block: int64 (len(q_edges)-1, len(k_edges)-1).
+
+        Block (i, j) covers local query rows q_edges[i]..q_edges[i+1]-1 and absolute keys
+        k_edges[j]..k_edges[j+1]-1. Rows are taken a band at a time, so memory stays
+        bounded by ROW_BUDGET whatever the length.
+        """
+        q_edges = np.asarray(q_edges, dtype=np.int64)
+        k_edges = np.asarray(k_edges, dtype=np.int64)
+        out = np.zeros((len(q_edges) - 1, len(k_edges) - 1), dtype=np.int64)
+        band = max(1, ROW_BUDGET // (len(k_edges) * self.per_row))
+        first, last = int(q_edges[0]), int(q_edges[-1])
+        block_of_row = np.searchsorted(q_edges, np.arange(first, last), side="right") - 1
+        for lo in range(first, last, band):
+            hi = min(last, lo + band)
+            per_key_block = np.diff(self.visible_before(k_edges, batch, lo, hi), axis=1)  # (rows, blocks)
+            np.add.at(out, block_of_row[lo - first : hi - first], per_key_block)
+        return out
+
+
+def _three_d(values) -> np.ndarray:
+    array = np.asarray(values, dtype=np.int64)
+    while array.ndim < 3:
+        array = array[..., None] if array.ndim == 2 else array.reshape((1,) * (3 - array.ndim) + array.shape)
+    return array
+
+
+def _broadcast_rows(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Broadcast (B, Lq) of two (B, Lq, K) arrays, keeping each its own K."""
+    lead = np.broadcast_shapes(a.shape[:-1], b.shape[:-1])
+    return np.broadcast_to(a, lead + a.shape[-1:]), np.broadcast_to(b, lead + b.shape[-1:])
+
+
+def _normal(starts: np.ndarray, ends: np.ndarray, k_start: int, k_end: int, disjoint: bool = False, ordered: bool = False) -> Intervals:
+    """Clip to [k_start, k_end), drop empties, sort, merge overlapping or touching intervals, trim K.
+
+    `disjoint`: no two intervals overlap (touching ones may stay apart only when they
+    come from a complement, which never makes touching ones); `ordered`: already sorted
+    by start. Either saves work on the common paths.
+    """
+    s = np.minimum(np.maximum(starts, k_start), k_end)
+    e = np.minimum(np.maximum(ends, k_start), k_end)
+    empty = s >= e
+    if s.shape[-1] == 1:
+        s = np.where(empty, k_end, s)
+        e = np.where(empty, k_end, e)
+        return Intervals(np.ascontiguousarray(s), np.ascontiguousarray(e), int(k_start), int(k_end))
+    lead, width = s.shape[:-1], s.shape[-1]
+    s, e, empty = s.reshape(-1, width), e.reshape(-1, width), empty.reshape(-1, width)
+    if disjoint:
+        if not ordered:
+            key = np.where(empty, k_end, s)
+            order = np.argsort(key, axis=-1, kind="stable")
+            s, e, empty = (np.take_along_axis(a, order, -1) for a in (s, e, empty))
+        out_s, out_e = _compact(s, e, ~empty, k_end)
+    else:
+        s = np.where(empty, k_end, s)
+        e = np.where(empty, k_end, e)
+        order = np.argsort(s, axis=-1, kind="stable")
+        s = np.take_along_axis(s, order, -1)
+        e = np.take_along_axis(e, order, -1)
+        reach = np.maximum.accumulate(e, axis=-1)  # the furthest end so far: a start beyond it opens a new interval
+        new = np.ones(s.shape, dtype=bool)
+        new[:, 1:] = s[:, 1:] > reach[:, :-1]
+        last = np.ones(s.shape, dtype=bool)  # the last entry of each merged group carries its end
+        last[:, :-1] = new[:, 1:]
+        out_s, _ = _compact(s, s, new, k_end)
+        out_e, _ = _compact(reach, reach, last, k_end)
+    keep = max(1, int(np.max((out_s < out_e).sum(-1), initial=0)))
+    s, e = out_s[:, :keep].reshape(lead + (keep,)), out_e[:, :keep].reshape(lead + (keep,))
+    return Intervals(np.ascontiguousarray(s), np.ascontiguousarray(e), int(k_start), int(k_end))
+
+
+def _compact(s: np.ndarray, e: np.ndarray, chosen: np.ndarray, fill: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the chosen entries moved to the front in order; the rest filled with `fill`."""
+    width = max(1, int(chosen.sum(-1).max(initial=0)))
+    order = np.argsort(~chosen, axis=-1, kind="stable")[:, :width]  # a stable sort of a bool key is a compaction
+    kept = np.take_along_axis(chosen, order, -1)
+    out_s = np.where(kept, np.take_along_axis(s, order, -1), fill)
+    out_e = np.where(kept, np.take_along_axis(e, order, -1), fill)
+    return out_s, out_e
+
+
+def check_few(intervals: Intervals, what: str) -> Intervals:
+    """Raise NotFew when a row needs more than MAX_PER_ROW intervals."""
+    if intervals.per_row > MAX_PER_ROW:
+        raise NotFew(f"{what} gives up to {intervals.per_row} key intervals in a row (more than {MAX_PER_ROW})")
+    return intervals

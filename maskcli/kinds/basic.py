@@ -1,0 +1,149 @@
+"""full, causal, and the raw torch.tril / torch.triu matrices."""
+
+from __future__ import annotations
+
+from maskcli.kinds.base import Kind, Param, Profile, column, one_interval
+
+MEANS = Param(
+    "means", "choice", "read the matrix's 1-cells as keep (may attend) or block (masked)", "--means",
+    choices=("keep", "block"), metavar="keep|block",
+)
+
+
+def _full_intervals(p, frame):
+    return one_interval(frame, frame.k_start, frame.k_end)
+
+
+def _full_predicate(p, frame, device):
+    def full(b, h, q_idx, kv_idx):
+        return (q_idx >= 0) & (kv_idx >= 0)
+
+    return full
+
+
+def _causal_intervals(p, frame):
+    return one_interval(frame, frame.k_start, column(frame.q_positions() + 1))
+
+
+def _causal_predicate(p, frame, device):
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    return causal
+
+
+def _causal_candidates(profile: Profile):
+    yield {}
+
+
+def _tril_intervals(p, frame):
+    ones = one_interval(frame, frame.k_start, column(frame.q_positions() + p["diagonal"] + 1))
+    return ones if p["means"] == "keep" else ~ones
+
+
+def _triu_intervals(p, frame):
+    ones = one_interval(frame, column(frame.q_positions() + p["diagonal"]), frame.k_end)
+    return ones if p["means"] == "keep" else ~ones
+
+
+def _tril_predicate(p, frame, device):
+    diagonal, keep = p["diagonal"], p["means"] == "keep"
+
+    def tril(b, h, q_idx, kv_idx):
+        ones = kv_idx - q_idx <= diagonal  # the 1-cells of torch.tril(ones, diagonal)
+        return ones if keep else ~ones
+
+    return tril
+
+
+def _triu_predicate(p, frame, device):
+    diagonal, keep = p["diagonal"], p["means"] == "keep"
+
+    def triu(b, h, q_idx, kv_idx):
+        ones = kv_idx - q_idx >= diagonal  # the 1-cells of torch.triu(ones, diagonal)
+        return ones if keep else ~ones
+
+    return triu
+
+
+def _diagonals(profile: Profile):
+    """tril/triu candidates: which diagonal bounds the visible cells, for the cells the tensor marks.
+
+    torch.tril(ones, d) read as keep is torch.triu(ones, d + 1) read as block; the one named
+    is the one whose 1-cells are the cells the tensor marks (True, 1).
+    """
+    rows = profile.seen
+    below_end = rows & (profile.last < profile.k_end - 1)
+    if below_end.any():
+        i = int(below_end.nonzero()[0][0])
+        d = int(profile.last[i] - profile.q[i])
+        yield ("tril", {"diagonal": d, "means": "keep"}) if profile.marked == "attend" else ("triu", {"diagonal": d + 1, "means": "block"})
+    after_start = rows & (profile.first > profile.k_start)
+    if after_start.any():
+        i = int(after_start.nonzero()[0][0])
+        d = int(profile.first[i] - profile.q[i])
+        yield ("triu", {"diagonal": d, "means": "keep"}) if profile.marked == "attend" else ("tril", {"diagonal": d - 1, "means": "block"})
+
+
+def _tril_candidates(profile: Profile):
+    yield from (params for kind, params in _diagonals(profile) if kind == "tril")
+
+
+def _triu_candidates(profile: Profile):
+    yield from (params for kind, params in _diagonals(profile) if kind == "triu")
+
+
+KINDS = (
+    Kind(
+        name="full",
+        meaning="no mask: every query sees every key (bidirectional encoders, the unmasked tutorial table)",
+        keep="always",
+        params=(),
+        example="full",
+        intervals=_full_intervals,
+        predicate=_full_predicate,
+        rank=0,
+        recognise=lambda profile: iter([{}]),
+    ),
+    Kind(
+        name="causal",
+        meaning="each query sees itself and every earlier key (decoders; behind --offset, a prefill or decode step)",
+        keep="kv <= q",
+        params=(),
+        example="causal",
+        intervals=_causal_intervals,
+        predicate=_causal_predicate,
+        rank=1,
+        recognise=_causal_candidates,
+        causal=True,
+        aliases=("prefill",),
+    ),
+    Kind(
+        name="tril",
+        meaning="the raw torch.tril(ones, D) matrix, its 1-cells read as keep (--means block flips it)",
+        keep="kv - q <= D (1-cells)",
+        params=(
+            Param("diagonal", "int", "the diagonal argument of torch.tril (0 = main diagonal)", "--diagonal", default=0, metavar="D"),
+            Param(MEANS.name, MEANS.type, MEANS.help, MEANS.flag, default="keep", choices=MEANS.choices, metavar=MEANS.metavar),
+        ),
+        example="tril(-1)",
+        intervals=_tril_intervals,
+        predicate=_tril_predicate,
+        rank=20,
+        recognise=_tril_candidates,
+    ),
+    Kind(
+        name="triu",
+        meaning="the raw torch.triu(ones, D) matrix, its 1-cells read as block, as llama-style code uses it (--means keep flips it)",
+        keep="kv - q >= D (1-cells)",
+        params=(
+            Param("diagonal", "int", "the diagonal argument of torch.triu (1 = above the main diagonal)", "--diagonal", default=1, metavar="D"),
+            Param(MEANS.name, MEANS.type, MEANS.help, MEANS.flag, default="block", choices=MEANS.choices, metavar=MEANS.metavar),
+        ),
+        example="triu(1)",
+        intervals=_triu_intervals,
+        predicate=_triu_predicate,
+        rank=21,
+        recognise=_triu_candidates,
+    ),
+)

@@ -1,0 +1,227 @@
+"""Kinds read from a label per position: chunk, document, segment, blocks.
+
+Labels cover the whole sequence 0..n-1 and are indexed by absolute position; one row is
+shared by every batch row, or there is one row per batch row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
+from maskcli.kinds.base import Kind, Labels, Param, Profile, column, one_interval
+from maskcli.kinds.values import inline
+
+
+def _labels_param(help_text: str) -> Param:
+    return Param("labels", "labels", help_text, "--chunks", metavar="LABELS", sizes=True)
+
+
+def same_label(labels: np.ndarray, frame, what: str) -> Intervals:
+    """Per (batch row, query): the runs of keys that carry the query's label, as intervals.
+
+    The runs of each label are found once and gathered per query, so the work is O(n)
+    whatever the length; a label that comes back in more than MAX_PER_ROW runs is NotFew.
+    """
+    q = frame.q_positions()
+    starts, ends = [], []
+    for row in labels:  # one pass per batch row of labels, vectorised along the sequence
+        change = np.flatnonzero(row[1:] != row[:-1]) + 1
+        run_start = np.concatenate([[0], change])
+        run_end = np.concatenate([change, [len(row)]])
+        values, run_value = np.unique(row[run_start], return_inverse=True)
+        counts = np.bincount(run_value, minlength=len(values))
+        if counts.max() > MAX_PER_ROW:
+            value = int(values[counts.argmax()])
+            raise NotFew(f"{what}: label {value} comes back in {int(counts.max())} separate runs")
+        order = np.argsort(run_value, kind="stable")  # runs grouped by label, in position order
+        rank = np.arange(len(order)) - np.repeat(np.cumsum(counts) - counts, counts)
+        table_s = np.full((len(values), counts.max()), frame.k_end, dtype=np.int64)
+        table_e = np.full((len(values), counts.max()), frame.k_end, dtype=np.int64)
+        table_s[run_value[order], rank] = run_start[order]
+        table_e[run_value[order], rank] = run_end[order]
+        value_at = np.repeat(run_value, run_end - run_start)
+        starts.append(table_s[value_at[q]])
+        ends.append(table_e[value_at[q]])
+    width = max(s.shape[1] for s in starts)
+    starts = np.stack([np.pad(s, [(0, 0), (0, width - s.shape[1])], constant_values=frame.k_end) for s in starts])
+    ends = np.stack([np.pad(e, [(0, 0), (0, width - e.shape[1])], constant_values=frame.k_end) for e in ends])
+    return Intervals.of(starts, ends, frame.k_start, frame.k_end)
+
+
+def _segment_intervals(p, frame):
+    return same_label(p["labels"].array, frame, "segment labels")
+
+
+def _document_intervals(p, frame):
+    causal = one_interval(frame, frame.k_start, column(frame.q_positions() + 1))
+    return same_label(p["labels"].array, frame, "document labels") & causal
+
+
+def _blocks_intervals(p, frame):
+    ids = p["labels"].array
+    same = same_label(ids, frame, "block ids")
+    in_block = (ids[:, frame.q_start : frame.q_end] >= 0)[:, :, None]  # (R, Lq, 1): -1 is no block
+    return Intervals.of(np.where(in_block, same.starts, frame.k_end), np.where(in_block, same.ends, frame.k_end), frame.k_start, frame.k_end)
+
+
+def _chunk_intervals(p, frame):
+    labels = p["labels"].array
+    down = labels[:, 1:] < labels[:, :-1]
+    if down.any():
+        row, position = (int(i) for i in np.argwhere(down)[0])
+        raise NotFew(f"chunk labels go down at position {position + 1} ({labels[row, position]} then {labels[row, position + 1]})")
+    q = frame.q_positions()
+    # labels that never go down: the keys whose label is at most the query's are one prefix
+    ends = np.stack([np.searchsorted(row, row[q], side="right") for row in labels])
+    return Intervals.of(np.int64(0), ends[:, :, None], frame.k_start, frame.k_end)
+
+
+def _label_table(p, device):
+    import torch
+
+    table = torch.as_tensor(p["labels"].array, device=device)
+    return table[0] if table.shape[0] == 1 else table
+
+
+def _at(table, b, index):
+    # clamped: a FlexAttention kernel may call a mask_mod on the padding past the last block's end
+    index = index.clamp(0, table.shape[-1] - 1)
+    return table[index] if table.dim() == 1 else table[b, index]
+
+
+def _chunk_predicate(p, frame, device):
+    labels = _label_table(p, device)
+
+    def chunk(b, h, q_idx, kv_idx):
+        return _at(labels, b, kv_idx) <= _at(labels, b, q_idx)
+
+    return chunk
+
+
+def _document_predicate(p, frame, device):
+    labels = _label_table(p, device)
+
+    def document(b, h, q_idx, kv_idx):
+        return (_at(labels, b, kv_idx) == _at(labels, b, q_idx)) & (kv_idx <= q_idx)
+
+    return document
+
+
+def _segment_predicate(p, frame, device):
+    labels = _label_table(p, device)
+
+    def segment(b, h, q_idx, kv_idx):
+        return _at(labels, b, kv_idx) == _at(labels, b, q_idx)
+
+    return segment
+
+
+def _blocks_predicate(p, frame, device):
+    ids = _label_table(p, device)
+
+    def blocks(b, h, q_idx, kv_idx):
+        block = _at(ids, b, q_idx)
+        return (_at(ids, b, kv_idx) == block) & (block >= 0)
+
+    return blocks
+
+
+def _chunk_check(p, frame, where):
+    labels = p["labels"].array
+    down = labels[:, 1:] < labels[:, :-1]
+    if down.any():
+        row, position = (int(i) for i in np.argwhere(down)[0])
+        return [
+            f"{where}: chunk labels go down at position {position + 1} ({labels[row, position]} then "
+            f"{labels[row, position + 1]}): label[kv] <= label[q] then lets earlier tokens see later ones"
+        ]
+    return []
+
+
+def _from_starts(new: np.ndarray) -> Labels:
+    """Labels 0,0,1,1,2 from a bool per position saying where a new label starts."""
+    new = new.copy()
+    new[0] = False
+    return inline([np.cumsum(new).tolist()], "recognised labels")
+
+
+def _whole_sequence(profile: Profile) -> bool:
+    """Label kinds are read off a mask whose queries and keys are both the whole sequence 0..n-1."""
+    return profile.k_start == 0 and len(profile.q) == profile.k_end and profile.q[0] == 0
+
+
+def _chunk_candidates(profile: Profile):
+    if _whole_sequence(profile) and profile.seen.all():
+        yield {"labels": _from_starts(np.r_[False, profile.last[1:] != profile.last[:-1]])}
+
+
+def _document_candidates(profile: Profile):
+    if _whole_sequence(profile) and profile.seen.all():
+        yield {"labels": _from_starts(np.r_[False, profile.first[1:] != profile.first[:-1]])}
+
+
+def _blocks_candidates(profile: Profile):
+    if _whole_sequence(profile) and profile.seen.any():
+        block = np.r_[False, profile.first[1:] != profile.first[:-1]]
+        ids = np.cumsum(block)
+        ids[~profile.seen] = -1
+        yield {"labels": inline([ids.tolist()], "recognised ids")}
+
+
+def _sequence(p) -> int:
+    return p["labels"].length
+
+
+KINDS = (
+    Kind(
+        name="chunk",
+        meaning="a token sees its own chunk and every earlier chunk (the chunk labels of the classic tutorial)",
+        keep="label[kv] <= label[q]",
+        params=(_labels_param("one integer label per position, like 0,0,1,1 (';' between batch rows), or a .npy/.json/.txt/.pt file"),),
+        example="chunk(0,0,1,1,2)",
+        intervals=_chunk_intervals,
+        predicate=_chunk_predicate,
+        rank=10,
+        recognise=_chunk_candidates,
+        check=_chunk_check,
+        sequence=_sequence,
+    ),
+    Kind(
+        name="document",
+        meaning="packed sequences: causal inside each document, nothing across documents",
+        keep="label[kv] == label[q] and kv <= q",
+        params=(_labels_param("a document label per position (or sizes=[3,5])"),),
+        example="document(0,0,0,1,1)",
+        intervals=_document_intervals,
+        predicate=_document_predicate,
+        rank=11,
+        recognise=_document_candidates,
+        sequence=_sequence,
+        causal=True,
+    ),
+    Kind(
+        name="segment",
+        meaning="bidirectional inside each segment, nothing across segments (packed encoder inputs)",
+        keep="label[kv] == label[q]",
+        params=(_labels_param("a segment label per position (or sizes=[3,5])"),),
+        example="segment(0,0,1,1)",
+        intervals=_segment_intervals,
+        predicate=_segment_predicate,
+        rank=12,
+        recognise=_document_candidates,
+        sequence=_sequence,
+    ),
+    Kind(
+        name="blocks",
+        meaning="tokens that share a block id >= 0 see each other both ways; -1 is no block (Gemma 3 image tokens: causal | blocks(...))",
+        keep="ids[q] == ids[kv] >= 0",
+        params=(Param("labels", "labels", "a block id per position, -1 outside every block", "--block-ids", metavar="IDS"),),
+        example="causal | blocks(-1,-1,0,0,0,-1)",
+        intervals=_blocks_intervals,
+        predicate=_blocks_predicate,
+        rank=13,
+        recognise=_blocks_candidates,
+        sequence=_sequence,
+    ),
+)

@@ -1,0 +1,71 @@
+"""padding: the key padding of --lengths or --ids, per batch row.
+
+Given --lengths or --ids, every mask is and-ed with its padding, so the kind adds
+nothing to an expression but a name: `maskcli show padding --lengths 4,2` is the key
+padding alone (every query sees every real key).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.errors import MaskError
+from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
+from maskcli.kinds.base import Kind
+
+
+def key_runs(valid: np.ndarray, frame, what: str = "the padding") -> Intervals:
+    """Runs of real (non-pad) keys per batch row, as (B, 1, K) intervals."""
+    edges = np.diff(np.pad(valid.astype(np.int8), [(0, 0), (1, 1)]), axis=1)
+    counts = (edges == 1).sum(axis=1)
+    width = max(1, int(counts.max()))
+    if width > MAX_PER_ROW:
+        raise NotFew(f"{what}: a batch row has {width} separate runs of real tokens")
+    starts = np.full((valid.shape[0], width), frame.k_end, dtype=np.int64)
+    ends = np.full((valid.shape[0], width), frame.k_end, dtype=np.int64)
+    rows, begin = np.nonzero(edges == 1)
+    _, finish = np.nonzero(edges == -1)
+    rank = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+    starts[rows, rank] = begin
+    ends[rows, rank] = finish
+    return Intervals.of(starts[:, None, :], ends[:, None, :], frame.k_start, frame.k_end)
+
+
+def _intervals(p, frame):
+    if frame.lengths is not None:
+        lengths = np.asarray(frame.lengths, dtype=np.int64).reshape(-1, 1, 1)
+        return Intervals.of(np.int64(0), lengths, frame.k_start, frame.k_end)
+    return key_runs(frame.key_valid, frame)
+
+
+def _predicate(p, frame, device):
+    import torch
+
+    valid = torch.as_tensor(frame.key_valid, device=device)
+
+    def padding(b, h, q_idx, kv_idx):
+        return valid[b, kv_idx.clamp(0, valid.shape[-1] - 1)] & (q_idx >= 0)
+
+    return padding
+
+
+def _check(p, frame, where):
+    if not frame.padded:
+        raise MaskError(f"{where} needs --lengths (like 4,2) or --ids (like '1,2,3,0;4,5,0,0' with --pad-id 0)")
+
+
+KINDS = (
+    Kind(
+        name="padding",
+        meaning="key padding per batch row: keys at or past --lengths, or whose --ids are --pad-id, are hidden",
+        keep="kv < length[b] (or ids[b, kv] != pad_id)",
+        params=(),
+        example="padding",
+        options="--lengths 4,2",
+        intervals=_intervals,
+        predicate=_predicate,
+        rank=40,
+        check=_check,
+        frame_data=True,
+    ),
+)

@@ -1,0 +1,132 @@
+"""Integer lists as kinds take them: inline (`0,0,1,1`, `;` between batch rows), from segment sizes, or from a file.
+
+Only numpy is needed, except for .pt files (torch.load with weights_only=True).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from maskcli.errors import MaskError
+from maskcli.kinds.base import Labels
+
+FILE_SUFFIXES = (".npy", ".json", ".txt", ".pt")
+_INT = re.compile(r"^\s*[+-]?\d+\s*$")
+INT64_LIMIT = 1 << 62  # labels and ids stay far from int64's edge, so differences and sums cannot wrap
+
+
+def rows_text(rows) -> str:
+    """((0, 0, 1), (0, 1, 1)) -> '0,0,1;0,1,1'."""
+    return ";".join(",".join(str(int(v)) for v in row) for row in rows)
+
+
+def _array(rows, where: str) -> np.ndarray:
+    widths = sorted({len(row) for row in rows})
+    if len(widths) > 1:
+        raise MaskError(f"{where}: the rows have different lengths {widths}: give every batch row one value per position")
+    if widths == [0]:
+        raise MaskError(f"{where}: no values: give comma-separated integers such as 0,0,1,1")
+    for row in rows:
+        for value in row:
+            if not -INT64_LIMIT <= value <= INT64_LIMIT:
+                raise MaskError(f"{where}: {value} is too large for a label (at most ±{INT64_LIMIT:,})")
+    return np.asarray(rows, dtype=np.int64).reshape(len(rows), -1)
+
+
+def inline(rows, where: str) -> Labels:
+    """Labels written out: rows of integers."""
+    return Labels(_array(rows, where), "inline", rows_text(rows))
+
+
+def from_sizes(rows, where: str) -> Labels:
+    """Labels 0,0,0,1,1 from sizes [3, 2]: one segment per size, per batch row."""
+    for row in rows:
+        for size in row:
+            if size < 1:
+                raise MaskError(f"{where}: segment sizes must be at least 1, got {size}")
+    sizes = _array(rows, where)
+    totals = sizes.sum(axis=1)
+    if len(set(totals.tolist())) > 1:
+        raise MaskError(f"{where}: the batch rows' sizes add up to different lengths {sorted(set(totals.tolist()))}: every row must cover the same positions")
+    labels = np.stack([np.repeat(np.arange(sizes.shape[1], dtype=np.int64), row) for row in sizes])
+    text = "sizes=[" + rows_text(rows) + "]"
+    return Labels(labels, "sizes", text)
+
+
+def parse_rows(text: str, where: str, example: str = "0,0,1,1") -> list[list[int]]:
+    """'0,0,1;0,1,1' -> [[0, 0, 1], [0, 1, 1]], quoting the bad item."""
+    rows = []
+    for row_text in text.split(";"):
+        items = row_text.split(",")
+        row = []
+        for position, item in enumerate(items):
+            if not _INT.match(item):
+                shown = item.strip() or "(nothing)"
+                raise MaskError(f"{where}: {shown!r} at position {position} of {text!r} is not an integer (write them like {example})")
+            row.append(int(item))
+        rows.append(row)
+    return rows
+
+
+def from_flag(text: str, flag: str, sizes: bool = False) -> Labels:
+    """A flag's value: inline integers, or a file path (by its suffix)."""
+    where = f"{flag} {text!r}"
+    if Path(text).suffix.lower() in FILE_SUFFIXES and not _looks_inline(text):
+        labels = from_file(text, where)
+        return _sizes_of(labels, where) if sizes else labels
+    rows = parse_rows(text, where, "3,5" if sizes else "0,0,1,1")
+    return from_sizes(rows, where) if sizes else inline(rows, where)
+
+
+def _looks_inline(text: str) -> bool:
+    return bool(re.fullmatch(r"[\s\d,;+-]*", text))
+
+
+def _sizes_of(labels: Labels, where: str) -> Labels:
+    return from_sizes(labels.array.tolist(), where)
+
+
+def from_file(path: str, where: str) -> Labels:
+    """Labels from .npy, .json, .txt (integers separated by commas or spaces, a line per batch row) or .pt."""
+    file = Path(path)
+    suffix = file.suffix.lower()
+    if suffix not in FILE_SUFFIXES:
+        raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; labels are read from {', '.join(FILE_SUFFIXES)}")
+    if not file.is_file():
+        raise MaskError(f"{where}: no such file {path!r}")
+    try:
+        if suffix == ".npy":
+            array = np.load(file, allow_pickle=False)
+        elif suffix == ".json":
+            array = np.asarray(json.loads(file.read_text()))
+        elif suffix == ".txt":
+            lines = [line for line in file.read_text().splitlines() if line.strip()]
+            array = np.asarray([[int(v) for v in re.split(r"[\s,]+", line.strip())] for line in lines])
+        else:
+            import torch
+
+            array = torch.load(file, map_location="cpu", weights_only=True)
+            if not isinstance(array, torch.Tensor):
+                raise MaskError(f"{where}: the .pt file holds a {type(array).__name__}, not one tensor of labels")
+            array = array.numpy()
+    except MaskError:
+        raise
+    except (OSError, ValueError, TypeError, json.JSONDecodeError, RuntimeError) as error:
+        raise MaskError(f"{where}: cannot read labels from it ({' '.join(str(error).split())[:160]})") from None
+    if array.ndim == 1:
+        array = array[None, :]
+    if array.ndim != 2 or array.size == 0:
+        raise MaskError(f"{where}: labels must be one row of integers, or one row per batch row; got shape {list(array.shape)}")
+    if array.dtype.kind not in "iub":
+        if array.dtype.kind == "f" and np.all(np.isfinite(array)) and np.all(array == np.round(array)):
+            array = array.astype(np.int64)
+        else:
+            raise MaskError(f"{where}: labels must be integers, got {array.dtype}")
+    array = array.astype(np.int64)
+    if np.abs(array).max() > INT64_LIMIT:
+        raise MaskError(f"{where}: a label is too large (at most ±{INT64_LIMIT:,})")
+    return Labels(np.ascontiguousarray(array), "file", json.dumps(path))

@@ -1,0 +1,360 @@
+"""Mask: an expression of kinds, on absolute positions, with its batch data; cells only on demand.
+
+    from maskcli import mask
+    m = mask("document(sizes=[3,5]) & window(2)")
+    m.intervals()            # exact per-row key intervals (numpy)
+    m.mask_mod               # FlexAttention mask_mod on local indices (torch)
+    m.dense()                # bool (B, H, Lq, Lk) numpy, True = may attend
+
+A dense tensor (from a file) is a Mask too, with `keep` set and no expression.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from maskcli import expression as ex
+from maskcli import positions as pos
+from maskcli import terms
+from maskcli.errors import MaskError
+from maskcli.intervals import Intervals, NotFew
+from maskcli.kinds import get as get_kind
+from maskcli.kinds.base import Labels
+from maskcli.kinds.values import parse_rows
+from maskcli.memory import check_dense_fits
+from maskcli.positions import Frame
+
+
+@dataclass(frozen=True)
+class MaskOptions:
+    """What the command line says about a mask besides its expression; None = not given."""
+
+    length: int | None = None
+    offset: int | None = None
+    kv_start: int | None = None
+    kv_len: int | None = None
+    align: str | None = None
+    heads: int = 1
+    lengths: str | None = None
+    ids: str | None = None
+    pad_id: int = 0
+    tokens: str | None = None
+    params: dict = field(default_factory=dict)  # kind parameter flags: {"--window": 3, "--chunks": "0,0,1,1"}
+
+
+@dataclass(frozen=True, eq=False)
+class Mask:
+    """A mask: its name, positions, batch rows and heads, and where its cells come from."""
+
+    text: str  # canonical expression text, or the file a tensor came from
+    frame: Frame
+    batch: int
+    heads: int
+    tree: object | None = None  # terms, with the key padding of --lengths/--ids and-ed on
+    expression: object | None = None  # terms as the user wrote them (the name)
+    tokens: tuple[str, ...] | None = None
+    keep: np.ndarray | None = None  # a tensor's cells, bool (B, H, Lq, Lk)
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, self.frame.q_len, self.frame.k_len)
+
+    @property
+    def q_offset(self) -> int:
+        return self.frame.q_start
+
+    @property
+    def kv_offset(self) -> int:
+        return self.frame.k_start
+
+    @property
+    def kinds(self) -> list[str]:
+        return [term.kind.name for term in terms.terms(self.expression)] if self.expression is not None else []
+
+    @property
+    def padding_text(self) -> str:
+        """'lengths 4,2' or 'ids 5,6,0;7,0,0 (pad 0)': the key padding the flags added, in words."""
+        f = self.frame
+        if f.lengths is not None:
+            return "lengths " + ",".join(map(str, f.lengths))
+        if f.ids is not None:
+            return "ids " + ";".join(",".join(map(str, row)) for row in f.ids.tolist()) + f" (pad {f.pad_id})"
+        return ""
+
+    @property
+    def title(self) -> str:
+        """The name with the key padding: `causal · lengths 4,2`."""
+        return self.text + (f" · {self.padding_text}" if self.padding_text else "")
+
+    @property
+    def slug(self) -> str:
+        """A file-name form of the name: causal_and_window_3."""
+        words = self.text.replace("&", " and ").replace("|", " or ").replace("~", " not ")
+        slug = "".join(c if c.isalnum() else "_" for c in words)
+        slug = "_".join(part for part in slug.split("_") if part)[:80]
+        return slug or "mask"
+
+    @functools.cached_property
+    def _intervals(self):
+        if self.tree is None:
+            return None, "a tensor's cells are read as they are"
+        try:
+            return terms.intervals(self.tree, self.frame), None
+        except NotFew as reason:
+            return None, str(reason)
+
+    def intervals(self) -> Intervals:
+        """Exact key intervals per (batch row, query row); raises NotFew where they are not few."""
+        found, reason = self._intervals
+        if found is None:
+            raise NotFew(reason)
+        return found
+
+    @property
+    def exact(self) -> bool:
+        """True when the intervals are few: counts and maps come from them."""
+        return self._intervals[0] is not None
+
+    @property
+    def why_not_exact(self) -> str | None:
+        return self._intervals[1]
+
+    @property
+    def causal(self) -> bool:
+        """No query sees a later key by construction (a causal kind and-ed in)."""
+        return self.tree is not None and terms.is_causal(self.tree)
+
+    def predicate(self, device="cpu"):
+        """mask_mod(b, h, q, kv) on absolute positions (torch)."""
+        if self.tree is None:
+            raise ValueError("a tensor mask has no predicate of its own; use mask_mod")
+        return terms.predicate(self.tree, self.frame, device)
+
+    def local_mask_mod(self, device="cpu"):
+        """A FlexAttention mask_mod on local indices: it adds the query and key offsets itself."""
+        if self.tree is None:
+            import torch
+
+            keep = torch.as_tensor(self.keep, device=device)
+
+            def tensor_mask(b, h, q_idx, kv_idx):
+                return keep[b if keep.shape[0] > 1 else 0, h if keep.shape[1] > 1 else 0, q_idx, kv_idx]
+
+            return tensor_mask
+        absolute = self.predicate(device)
+        q0, k0 = self.frame.q_start, self.frame.k_start
+        if q0 == 0 and k0 == 0:
+            return absolute
+
+        def offset_mask(b, h, q_idx, kv_idx):
+            return absolute(b, h, q_idx + q0, kv_idx + k0)
+
+        return offset_mask
+
+    @property
+    def mask_mod(self):
+        """The local-index mask_mod on the CPU, for create_mask / create_block_mask."""
+        return self.local_mask_mod("cpu")
+
+    def cells(self, b: int, h: int = 0, q_lo: int = 0, q_hi: int | None = None) -> np.ndarray:
+        """Bool (rows, Lk) numpy: query rows q_lo..q_hi-1 (local) of batch row b, head h."""
+        q_hi = self.frame.q_len if q_hi is None else q_hi
+        if self.keep is not None:
+            return self.keep[b if self.keep.shape[0] > 1 else 0, h if self.keep.shape[1] > 1 else 0, q_lo:q_hi]
+        found, _ = self._intervals
+        if found is not None:
+            return found.dense(b, q_lo, q_hi)
+        import torch
+
+        keep = self.materialize(q_range=range(q_lo, q_hi), batch_rows=range(b, b + 1))
+        return keep[0, 0].cpu().numpy() if isinstance(keep, torch.Tensor) else keep
+
+    def dense(self) -> np.ndarray:
+        """Bool (B, H, Lq, Lk) numpy, True = may attend (H is 1 where every head is the same)."""
+        if self.keep is not None:
+            return self.keep
+        check_dense_fits((self.batch, 1, *self.shape[2:]), 1, "as a bool array")
+        return np.stack([self.cells(b)[None] for b in range(self.batch)])
+
+    def materialize(self, device="cpu", q_range: range | None = None, batch_rows: range | None = None):
+        """Bool torch tensor (B, H, Lq, Lk) from the predicate, one broadcast call (a view where it broadcasts)."""
+        import torch
+
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # cached index tensors must stay with the labels
+            device = torch.device("cuda", torch.cuda.current_device())
+        batch_rows = range(self.batch) if batch_rows is None else batch_rows
+        q_range = range(self.frame.q_len) if q_range is None else q_range
+        if self.keep is not None:
+            keep = torch.as_tensor(self.keep, device=device)
+            keep = keep[batch_rows.start : batch_rows.stop] if keep.shape[0] > 1 else keep
+            return torch.broadcast_to(keep[:, :, q_range.start : q_range.stop], (len(batch_rows), self.heads, len(q_range), self.frame.k_len))
+        mod = _cached_predicate(self, device)
+        f = self.frame
+        b = index_tensor(range(batch_rows.start, batch_rows.stop), 0, device)
+        h = index_tensor(range(self.heads), 1, device)
+        q = index_tensor(range(f.q_start + q_range.start, f.q_start + q_range.stop), 2, device)
+        kv = index_tensor(range(f.k_start, f.k_end), 3, device)
+        keep = torch.as_tensor(mod(b, h, q, kv), device=device)
+        return torch.broadcast_to(keep, (len(batch_rows), self.heads, len(q_range), f.k_len))
+
+    def json(self) -> dict:
+        """What names and places the mask, JSON-ready (no cells)."""
+        kinds = [term.json() for term in terms.terms(self.expression)] if self.expression is not None else []
+        single = kinds[0] if len(kinds) == 1 and not isinstance(self.expression, (ex.Not,)) else None
+        data = {
+            "expression": self.text,
+            "kind": single["kind"] if single else None,
+            "params": single["params"] if single else {},
+            "kinds": kinds,
+            "shape": list(self.shape),
+            "q_offset": self.frame.q_start,
+            "kv_offset": self.frame.k_start,
+        }
+        f = self.frame
+        if f.lengths is not None:
+            data["lengths"] = list(f.lengths)
+        if f.ids is not None:
+            data["ids"] = f.ids.tolist()
+            data["pad_id"] = f.pad_id
+        if self.tokens is not None:
+            data["tokens"] = list(self.tokens)
+        return data
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_predicate(mask: Mask, device):
+    return mask.predicate(device)
+
+
+@functools.lru_cache(maxsize=64)
+def index_tensor(values: range, axis: int, device):
+    """Indices laid along `axis` of four dimensions, as a mask_mod receives them.
+
+    Cached: a mask_mod only reads its index tensors (FlexAttention's contract), and on a
+    small mask making them afresh cost more than the predicate itself (benchmarks/attend.py).
+    """
+    import torch
+
+    shape = [1, 1, 1, 1]
+    shape[axis] = len(values)
+    return torch.arange(values.start, values.stop, dtype=torch.int64, device=device).view(shape)
+
+
+# --- building one from what the user typed ---------------------------------------------------
+
+
+def mask(expression: str, options: MaskOptions | None = None, default_length: int | None = None, **flags) -> Mask:
+    """The Mask an expression and options describe; keyword flags are MaskOptions fields.
+
+    `default_length`: the number of queries when neither --len nor the data says (inputs given to attend).
+    """
+    options = options or MaskOptions(**flags)
+    tree = ex.parse(expression)
+    resolved, used = terms.resolve(tree, options.params, expression)
+    terms.check_flags_used(resolved, options.params, used, expression)
+    lengths, ids = _padding(options)
+    tokens = tuple(options.tokens.split()) if options.tokens is not None else None
+    if tokens == ():
+        raise MaskError(f"--tokens {options.tokens!r} has no words: give one word per position")
+    sequence = _sequence(resolved, ids, tokens)
+    queries = [term.kind.queries(term.values) for term in terms.terms(resolved) if term.kind.queries]
+    q_start, q_len, k_start, k_len = pos.resolve(
+        length=options.length, offset=options.offset, kv_start=options.kv_start, kv_len=options.kv_len,
+        align=options.align, sequence=sequence[0][1] if sequence else None, queries=queries[0] if queries else None,
+        default=default_length or pos.DEFAULT_LEN,
+    )
+    frame = Frame(q_start, q_len, k_start, k_len)
+    frame = _with_padding(frame, lengths, ids, options.pad_id)
+    warnings: list[str] = []
+    for what, count in sequence:
+        pos.data_length(what, count, frame)
+    for term in terms.terms(resolved):
+        if term.kind.check is not None:
+            warnings += term.kind.check(term.values, frame, term.text()) or []
+    batch = _batch(resolved, frame)
+    pos.check_size(options.heads, "--heads", "the number of attention heads")
+    tree = resolved
+    if frame.padded and resolved != terms.Term(get_kind("padding"), ()):
+        tree = ex.both(resolved, terms.Term(get_kind("padding"), ()))  # key padding cuts every expression
+    return Mask(terms.text(resolved), frame, batch, options.heads, tree, resolved, tokens, None, tuple(warnings))
+
+
+def _padding(options: MaskOptions) -> tuple[tuple[int, ...] | None, np.ndarray | None]:
+    if options.lengths is not None and options.ids is not None:
+        raise MaskError("give either --lengths or --ids, not both")
+    lengths = ids = None
+    if options.lengths is not None:
+        rows = parse_rows(options.lengths, "--lengths", "4,2")
+        if len(rows) > 1:
+            raise MaskError(f"--lengths {options.lengths!r}: one length per batch row, comma-separated (like 4,2); ';' is for --ids")
+        lengths = tuple(rows[0])
+        for value in lengths:
+            if value < 0:
+                raise MaskError(f"--lengths values must be 0 or more, got {value} in {options.lengths!r}")
+    if options.ids is not None:
+        rows = parse_rows(options.ids, "--ids", "1,2,3,0;4,5,0,0")
+        widths = sorted({len(row) for row in rows})
+        if len(widths) > 1:
+            raise MaskError(f"token id rows in {options.ids!r} have different lengths {widths}: pad every row to the same length with the pad id")
+        ids = np.asarray(rows, dtype=np.int64)
+    return lengths, ids
+
+
+def _sequence(tree, ids, tokens) -> list[tuple[str, int]]:
+    """What says how long the sequence is: (what, count) for labels, --ids and --tokens."""
+    found = []
+    for term in terms.terms(tree):
+        if term.kind.sequence is not None:
+            found.append((f"the labels of {term.text()[:60]}", term.kind.sequence(term.values)))
+    if ids is not None:
+        found.append(("--ids rows", ids.shape[1]))
+    if tokens is not None:
+        found.append(("--tokens", len(tokens)))
+    return found
+
+
+def _with_padding(frame: Frame, lengths, ids, pad_id: int) -> Frame:
+    n = frame.n
+    if lengths is not None:
+        for value in lengths:
+            if value > n:
+                raise MaskError(
+                    f"length {value} in --lengths is larger than the sequence ({n} positions, {frame.describe()}): "
+                    "raise --len or shorten the length"
+                )
+        check_dense_fits((len(lengths), n), 1, "for the key padding", fix="use fewer batch rows or a shorter sequence")
+        valid = np.arange(n)[None, :] < np.asarray(lengths)[:, None]
+        return replace(frame, key_valid=valid, lengths=lengths)
+    if ids is not None:
+        if ids.shape[1] != n:
+            raise MaskError(
+                f"--ids rows have {ids.shape[1]} tokens but the sequence has {n} positions ({frame.describe()}): "
+                "give one id per position"
+            )
+        return replace(frame, key_valid=ids != pad_id, ids=ids, pad_id=pad_id)
+    return frame
+
+
+def _batch(tree, frame: Frame) -> int:
+    """The batch size that the padding rows and the labels' rows agree on (each 1 or the same B)."""
+    sources = [("--lengths/--ids", frame.batch)] if frame.padded else []
+    for term in terms.terms(tree):
+        for name, value in term.params:
+            if isinstance(value, Labels) and value.rows > 1:
+                sources.append((term.text()[:60], value.rows))
+    sizes = {size for _, size in sources if size > 1}
+    if len(sizes) > 1:
+        listed = ", ".join(f"{what} has {size}" for what, size in sources)
+        raise MaskError(f"batch rows do not agree: {listed}; give each 1 row or the same number")
+    return max(sizes, default=1)
+
+
+def from_tensor(keep: np.ndarray, text: str, q_start: int = 0, k_start: int = 0, tokens=None) -> Mask:
+    """A Mask over a dense bool (B, H, Lq, Lk) array, read from a file."""
+    batch, heads, q_len, k_len = keep.shape
+    return Mask(text, Frame(q_start, q_len, k_start, k_len), batch, heads, keep=keep, tokens=tokens)

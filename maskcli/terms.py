@@ -1,0 +1,226 @@
+"""Expressions bound to kinds: each call becomes a Term with checked parameters, and a tree of
+terms gives its intervals (numpy) and its predicate (torch) by combining its kinds'.
+
+A call written with parentheses carries its own parameters; a bare kind name takes them
+from the command-line flags (`window --window 3`), and a flag that no bare kind reads is
+refused, so a silently ignored `--window` cannot happen.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from maskcli import expression as ex
+from maskcli.errors import MaskError
+from maskcli.intervals import Intervals
+from maskcli.kinds import get as get_kind
+from maskcli.kinds import values as label_values
+from maskcli.kinds.base import REQUIRED, Kind, Labels, Param
+from maskcli.positions import Frame
+
+
+@dataclass(frozen=True)
+class Term:
+    """One kind with its parameters, checked."""
+
+    kind: Kind
+    params: tuple[tuple[str, object], ...]
+    at: int = field(default=0, compare=False)
+
+    @property
+    def values(self) -> dict:
+        return dict(self.params)
+
+    def text(self) -> str:
+        """Canonical text: the first parameter always, the others where they differ from their default."""
+        if not self.kind.params:
+            return self.kind.name
+        values = self.values
+        parts = []
+        for i, param in enumerate(self.kind.params):
+            value = values[param.name]
+            if isinstance(value, Labels):
+                parts.append(value.text if i == 0 or value.form != "inline" else f"{param.name}=[{value.text}]")
+            elif i == 0:
+                parts.append(str(value))
+            elif value != param.default:
+                parts.append(f"{param.name}={value}")
+        return f"{self.kind.name}({', '.join(parts)})"
+
+    def json(self) -> dict:
+        out = {}
+        for name, value in self.params:
+            out[name] = value.as_json() if isinstance(value, Labels) else value
+            if isinstance(value, Labels) and value.form == "file":
+                out[name + "_file"] = value.text.strip('"')
+        return {"kind": self.kind.name, "params": out}
+
+
+def text(tree) -> str:
+    """The canonical text of a tree of terms: the name of the mask."""
+    return ex.print_tree(tree, leaf=Term.text)
+
+
+def terms(tree) -> list[Term]:
+    return ex.leaves(tree)
+
+
+# --- binding calls to kinds ------------------------------------------------------------------
+
+
+def resolve(tree, flags: dict[str, object], source: str) -> tuple[object, list[str]]:
+    """Bind every call of a parsed tree to its kind; return the tree of Terms and the flags it read.
+
+    `flags` maps a parameter flag (--window) to what the user gave; `source` is the
+    expression as typed, quoted in messages.
+    """
+    used: list[str] = []
+
+    def bind(call: ex.Call) -> Term:
+        kind = get_kind(call.name, where=repr(source) if source != call.name else None)
+        where = ex.call_text(call)
+        values = _from_call(kind, call, where) if call.called else _from_flags(kind, flags, used)
+        for param in kind.params:
+            value = values[param.name]
+            values[param.name] = param.check(value, where if call.called else f"{param.flag} {value}")
+        return Term(kind, tuple((p.name, values[p.name]) for p in kind.params), at=call.at)
+
+    return ex.transform(tree, bind), used
+
+
+def _from_call(kind: Kind, call: ex.Call, where: str) -> dict:
+    values: dict = {}
+    if call.positional is not None:
+        if not kind.params:
+            raise MaskError(f"{where}: {kind.name} takes no parameters; write it as {kind.name}")
+        first = kind.params[0]
+        values[first.name] = _convert(first, call.positional, where)
+    for name, value in call.keywords:
+        param = kind.param(name) or (next((p for p in kind.params if p.sizes), None) if name == "sizes" else None)
+        if param is None:
+            known = ", ".join(p.name for p in kind.params) or "none"
+            raise MaskError(f"{where}: {kind.name} has no parameter {name!r} (its parameters: {known}; maskcli kinds explains them)")
+        if param.name in values:
+            raise MaskError(f"{where}: {param.name} is given twice")
+        values[param.name] = _convert(param, value, where, sizes=name == "sizes")
+    for param in kind.params:
+        if param.name not in values:
+            if param.required:
+                raise MaskError(f"{where}: {kind.name} needs {param.metavar}, {param.help}: write it like {kind.example}")
+            values[param.name] = param.default
+    return values
+
+
+def _convert(param: Param, value: ex.Value, where: str, sizes: bool = False):
+    if param.type == "labels":
+        if isinstance(value, ex.Text):
+            if not value.quoted:
+                raise MaskError(f"{where}: {value.value!r} is neither integers nor a quoted file name: write {param.name} like 0,0,1,1 or \"labels.npy\"")
+            labels = label_values.from_file(value.value, where)
+            return label_values.from_sizes(labels.array.tolist(), where) if sizes else labels
+        if sizes:
+            return label_values.from_sizes(value.rows, where)
+        return label_values.inline(value.rows, where)
+    if param.type == "int":
+        if not isinstance(value, ex.Ints) or value.bracketed or len(value.rows) != 1 or len(value.rows[0]) != 1:
+            raise MaskError(f"{where}: {param.name} is one whole number ({param.help}), got {ex.value_text(value)}")
+        return value.rows[0][0]
+    if not isinstance(value, ex.Text):
+        raise MaskError(f"{where}: {param.name} is one of {', '.join(param.choices)}, got {ex.value_text(value)}")
+    return value.value
+
+
+def _from_flags(kind: Kind, flags: dict, used: list[str]) -> dict:
+    values: dict = {}
+    for param in kind.params:
+        value = flags.get(param.flag)
+        sizes = flags.get("--sizes") if param.sizes else None
+        if value is not None and sizes is not None:
+            raise MaskError(f"give {param.flag} or --sizes, not both: both say the {param.name} of {kind.name}")
+        if sizes is not None:
+            values[param.name] = label_values.from_flag(sizes, "--sizes", sizes=True)
+            used.append("--sizes")
+        elif value is not None:
+            values[param.name] = label_values.from_flag(value, param.flag) if param.type == "labels" else value
+            used.append(param.flag)
+        elif param.default is not REQUIRED:
+            values[param.name] = param.default
+        else:
+            raise MaskError(
+                f"{kind.name} needs {param.flag} {param.metavar} ({param.help}): give {param.flag}, "
+                f"or write it in the expression like {kind.example}"
+            )
+    return values
+
+
+def check_flags_used(tree, flags: dict, used: list[str], source: str) -> None:
+    """Refuse a parameter flag that no bare kind of the expression reads."""
+    from maskcli.kinds import flags as flag_table
+
+    for flag, value in flags.items():
+        if value is None or flag in used:
+            continue
+        readers = sorted({kind.name for kind, _ in flag_table().get(flag, [])})
+        written = [term.text() for term in terms(tree) if term.kind.name in readers]
+        shown = f"{flag} {value}"
+        if written:
+            raise MaskError(f"{shown} does not apply: {written[0]} in the expression gives its own; drop {flag}")
+        raise MaskError(f"{shown} does not apply to {source!r}: it is for {', '.join(readers)}")
+
+
+# --- what a tree of terms gives ----------------------------------------------------------------
+
+
+def intervals(tree, frame: Frame) -> Intervals:
+    """Per-row key intervals of the whole tree (may raise intervals.NotFew)."""
+    if isinstance(tree, ex.And):
+        return functools.reduce(lambda a, b: a & b, (intervals(item, frame) for item in tree.items))
+    if isinstance(tree, ex.Or):
+        return functools.reduce(lambda a, b: a | b, (intervals(item, frame) for item in tree.items))
+    if isinstance(tree, ex.Not):
+        return ~intervals(tree.item, frame)
+    return tree.kind.intervals(tree.values, frame)
+
+
+def predicate(tree, frame: Frame, device):
+    """mask_mod(b, h, q, kv) on absolute positions for the whole tree (torch)."""
+    if isinstance(tree, ex.And):
+        parts = [predicate(item, frame, device) for item in tree.items]
+
+        def and_mask(b, h, q_idx, kv_idx):
+            result = parts[0](b, h, q_idx, kv_idx)
+            for part in parts[1:]:
+                result = result & part(b, h, q_idx, kv_idx)
+            return result
+
+        return and_mask
+    if isinstance(tree, ex.Or):
+        parts = [predicate(item, frame, device) for item in tree.items]
+
+        def or_mask(b, h, q_idx, kv_idx):
+            result = parts[0](b, h, q_idx, kv_idx)
+            for part in parts[1:]:
+                result = result | part(b, h, q_idx, kv_idx)
+            return result
+
+        return or_mask
+    if isinstance(tree, ex.Not):
+        inner = predicate(tree.item, frame, device)
+
+        def not_mask(b, h, q_idx, kv_idx):
+            return ~inner(b, h, q_idx, kv_idx)
+
+        return not_mask
+    return tree.kind.predicate(tree.values, frame, device)
+
+
+def is_causal(tree) -> bool:
+    """True when no query can see a later key, whatever the parameters (an And with a causal kind)."""
+    if isinstance(tree, ex.And):
+        return any(is_causal(item) for item in tree.items)
+    if isinstance(tree, ex.Or):
+        return all(is_causal(item) for item in tree.items)
+    if isinstance(tree, ex.Not):
+        return False
+    return tree.kind.causal

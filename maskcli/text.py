@@ -1,0 +1,31 @@
+"""Small helpers that put numbers into words, shared by findings and reports."""
+
+from __future__ import annotations
+
+
+def spans(values: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    parts: list[str] = []
+    start = prev = None
+    for value in values:
+        if start is None:
+            start = prev = value
+        elif value == prev + 1:
+            prev = value
+        else:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = value
+    if start is not None:
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ", ".join(parts)
+
+
+def shell_quote(text: str) -> str:
+    """A command-line word: bare where the shell leaves it alone, else in double quotes where that is safe."""
+    import shlex
+
+    if all(c.isalnum() or c in "_-.,/=:+" for c in text) and text:
+        return text
+    if not any(c in text for c in '"$`\\!'):
+        return f'"{text}"'
+    return shlex.quote(text)

@@ -1,0 +1,114 @@
+"""The expression grammar: printed trees parse back equal; malformed text is one MaskError that points at it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from maskcli.errors import MaskError
+from maskcli.expression import And, Call, Ints, Not, Or, Text, both, either, leaves, parse, print_tree
+
+names = st.sampled_from(["causal", "window", "document", "tril", "x", "my_kind2"])
+ints = st.integers(-(10**12), 10**12)
+int_rows = st.lists(st.lists(ints, min_size=1, max_size=4), min_size=1, max_size=3).map(lambda rows: tuple(map(tuple, rows)))
+files = st.text(alphabet="abc._/-0123", min_size=1, max_size=12)
+words = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,6}", fullmatch=True)
+
+
+@st.composite
+def calls(draw):
+    name = draw(names)
+    if not draw(st.booleans()):
+        return Call(name)
+    positional = draw(st.one_of(st.none(), int_rows.map(Ints), files.map(Text)))
+    keyword_values = st.one_of(
+        ints.map(lambda v: Ints(((v,),))), int_rows.map(lambda r: Ints(r, bracketed=True)), files.map(Text),
+        words.map(lambda w: Text(w, quoted=False)),
+    )
+    keys = draw(st.lists(words, max_size=3, unique=True))
+    return Call(name, positional, tuple((key, draw(keyword_values)) for key in keys), called=True)
+
+
+trees = st.recursive(
+    calls(),
+    lambda inner: st.one_of(
+        inner.map(Not),
+        st.lists(inner, min_size=2, max_size=3).map(lambda items: both(*items)),
+        st.lists(inner, min_size=2, max_size=3).map(lambda items: either(*items)),
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(trees)
+def test_printed_trees_parse_back_equal(tree):
+    text = print_tree(tree)
+    assert parse(text) == tree
+    assert print_tree(parse(text)) == text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "causal", "full", "window(3)", "prefix(2)", "sink(2)", "local(4)", "tril(-1)", "triu(1)",
+        "chunk(0,0,1,1)", "document(0,0,1,1)", "segment(0,0,1,1)", "blocks(-1,0,0,-1)", "tree(-1,0,0,1)",
+        "document(sizes=[3,5])", 'document("labels.npy")', "document(0,0,0,1,1,1) & window(2)",
+        "causal | blocks(-1,-1,0,0,0,-1)", "causal & (window(3) | sink(1))", "~triu(1)", "triu(1, means=keep)",
+        "document(0,0,1;0,1,1)",
+    ],
+)
+def test_the_issue_forms_are_canonical(text):
+    assert print_tree(parse(text)) == text
+
+
+def test_precedence_and_flattening():
+    tree = parse("a | b & ~c & (d | e)")
+    assert tree == Or((Call("a"), And((Call("b"), Not(Call("c")), Or((Call("d"), Call("e")))))))
+    assert parse("(a & b) & c") == parse("a & (b & c)") == And((Call("a"), Call("b"), Call("c")))
+    assert [call.name for call in leaves(parse("~a | b & c"))] == ["a", "b", "c"]
+    assert print_tree(parse("  window( 3 )&causal ")) == "window(3) & causal"
+    assert parse("window(+3)") == parse("window(3)")
+
+
+@pytest.mark.parametrize(
+    ("text", "at", "says"),
+    [
+        ("causal & & window(3)", 10, "expected a kind name, '(' or '~', found '&'"),
+        ("causal & (window(3)", 20, "expected ')' to close the '('"),
+        ("window(3", 9, "in the arguments of window, found the end"),
+        ("window(3,)", 10, "expected name=value after the first argument"),
+        ("tril(means=keep, means=block)", 18, "each name once, not means again"),
+        ("causal $ window", 8, "unexpected character '$'"),
+        ("window(3) window(4)", 11, "expected '&', '|' or the end"),
+        ("document(sizes=[3,5)", 20, "expected ']' to close the list"),
+        ("~", 2, "found the end"),
+        ("(causal", 8, "expected ')'"),
+        ("tril(means=)", 12, "a value after means="),
+    ],
+)
+def test_malformed_text_points_at_the_character(text, at, says):
+    with pytest.raises(MaskError) as error:
+        parse(text)
+    message = str(error.value)
+    assert says in message
+    assert f"at character {at} " in message
+    assert repr(text) in message
+    assert "\n" not in message
+
+
+def test_empty_and_huge_expressions_are_refused():
+    with pytest.raises(MaskError, match="empty"):
+        parse("   ")
+    with pytest.raises(MaskError, match="put long labels in a file"):
+        parse("chunk(" + "0," * (1 << 20) + "0)")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="abcw()[],;=&|~ 0123-\"'$", max_size=30))
+def test_any_text_parses_or_is_one_mask_error(text):
+    try:
+        parse(text)
+    except MaskError as error:
+        assert "\n" not in str(error)

@@ -1,0 +1,119 @@
+"""The registry: every kind defined once, with what lists, explains, builds and recognises it."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import shlex
+
+import numpy as np
+import pytest
+
+import definitions as ref
+import maskcli.kinds as package
+from maskcli.errors import MaskError
+from maskcli.kinds import all_kinds, flags, get, names
+from maskcli.kinds.base import Profile
+from maskcli.mask import MaskOptions, mask
+
+KIND_NAMES = {"full", "causal", "tril", "triu", "window", "prefix", "sink", "local", "chunk", "document", "segment", "blocks", "tree", "padding"}
+
+
+def test_every_kind_of_the_design_is_registered_once():
+    assert set(names()) == KIND_NAMES
+    assert len(names()) == len(set(names()))
+    assert get("prefill") is get("causal")  # a name kept for causal behind an offset
+
+
+def test_the_registry_reads_every_kind_module():
+    modules = [m.name for m in pkgutil.iter_modules(package.__path__) if m.name not in ("base", "values", "registry")]
+    defined = [kind for name in modules for kind in importlib.import_module(f"maskcli.kinds.{name}").KINDS]
+    assert sorted(k.name for k in defined) == sorted(names())
+
+
+@pytest.mark.parametrize("kind", all_kinds(), ids=lambda k: k.name)
+def test_each_kind_explains_itself_and_its_example_builds(kind):
+    assert kind.meaning and kind.keep and kind.example
+    for param in kind.params:
+        assert param.help and param.flag.startswith("--") and param.type in ("int", "choice", "labels")
+    options = {}
+    words = shlex.split(kind.options)
+    for flag, value in zip(words[::2], words[1::2]):
+        options[{"--offset": "offset", "--lengths": "lengths", "--len": "length"}[flag]] = int(value) if flag != "--lengths" else value
+    built = mask(kind.example, MaskOptions(**options))
+    assert kind.name in built.kinds
+    assert built.dense().any()
+
+
+def test_flags_are_shared_by_meaning_only():
+    table = flags()
+    assert {kind.name for kind, _ in table["--diagonal"]} == {"tril", "triu"}
+    assert {kind.name for kind, _ in table["--chunks"]} == {"chunk", "document", "segment"}
+    assert {kind.name for kind, _ in table["--sizes"]} == {"chunk", "document", "segment"}
+    for flag, readers in table.items():
+        assert len({param.type for _, param in readers}) == 1, flag
+
+
+def test_unknown_names_suggest_the_nearest():
+    with pytest.raises(MaskError, match="did you mean document?"):
+        get("documnet")
+    with pytest.raises(MaskError, match="the kinds are full, causal"):
+        get("zzz")
+
+
+def test_json_params_come_from_the_registry():
+    assert mask("window(3)").json()["params"] == {"window": 3}
+    assert mask("tril(-1)", length=3).json()["params"] == {"diagonal": -1, "means": "keep"}
+    both = mask("document(0,0,1,1) & window(2)").json()
+    assert both["kind"] is None and [k["kind"] for k in both["kinds"]] == ["document", "window"]
+    assert both["kinds"][0]["params"] == {"labels": [0, 0, 1, 1]}
+
+
+CASES = [
+    ("full", {}, 5),
+    ("causal", {}, 5),
+    ("window(2)", {"window": 2}, 6),
+    ("prefix(3)", {"prefix": 3}, 6),
+    ("sink(2)", {"sink": 2}, 6),
+    ("local(3)", {"chunk_size": 3}, 7),
+    ("tril(-1)", {"diagonal": -1, "means": "keep"}, 4),
+    ("triu(1)", {"diagonal": 1, "means": "block"}, 4),
+    ("triu(0, means=keep)", {"diagonal": 0, "means": "keep"}, 4),
+]
+
+
+@pytest.mark.parametrize(("text", "params", "length"), CASES)
+@pytest.mark.parametrize("offset", [0, 3])
+def test_positional_kinds_equal_their_definition_behind_an_offset(text, params, length, offset):
+    name = text.split("(")[0]
+    built = mask(text, length=length, offset=offset or None)
+    expected = ref.dense(("kind", name, params), q0=offset, lq=length, k0=0, lk=offset + length)
+    assert built.dense()[:, 0].tolist() == expected
+
+
+def test_label_kinds_equal_their_definition():
+    labels = [[0, 0, 1, 1, 1, 2], [0, 1, 1, 2, 2, 2]]
+    for name in ("chunk", "document", "segment", "blocks"):
+        built = mask(f"{name}(0,0,1,1,1,2;0,1,1,2,2,2)")
+        assert built.batch == 2
+        assert built.dense()[:, 0].tolist() == ref.dense(("kind", name, {"labels": labels}), q0=0, lq=6, k0=0, lk=6, batch=2)
+
+
+def test_recognition_reads_parameters_that_rebuild_the_kind():
+    """Each kind's candidates, read off its own cells, include parameters that rebuild it."""
+    for text, length in (("window(3)", 8), ("prefix(3)", 8), ("local(3)", 9), ("chunk(0,0,1,1,2)", 5), ("tril(1)", 5), ("triu(2, means=keep)", 5)):
+        built = mask(text, length=length)
+        cells = built.dense()[0, 0]
+        positions = np.arange(length)
+        profile = Profile(
+            q=positions, first=np.where(cells, positions, length).min(1), last=np.where(cells, positions, -1).max(1),
+            seen=cells.any(1), k_start=0, k_end=length, marked="attend",
+        )
+        kind = get(text.split("(")[0])
+        rebuilt = []
+        for params in kind.recognise(profile):
+            from maskcli.terms import Term
+
+            full = {p.name: params.get(p.name, p.default) for p in kind.params}
+            rebuilt.append(Term(kind, tuple((p.name, full[p.name]) for p in kind.params)).text())
+        assert any(np.array_equal(mask(candidate, length=length).dense(), built.dense()) for candidate in rebuilt), (text, rebuilt)
