@@ -3,7 +3,7 @@
     python benchmarks/attend.py [--runs 15] [--lengths 64,512,2048] [--heads 8] [--devices cpu,cuda]
 
 For each length L (8 heads, head size 64, batch 1, causal mask, float32) it times, in one
-run, (a) maskcli.run.run_attention: the mask predicate built and materialised, every
+run, (a) maskcli.attention.run.run_attention: the mask predicate built and materialised, every
 stage computed and kept, findings computed; and (b) the hand-written torch reference:
 torch.tril mask, masked_fill(-inf), softmax, matmul (the tutorial's code). The torch
 import both pay is outside the timing.
@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from maskcli.inputs import QKV
-from maskcli.run import run_attention
-from maskcli.spec import make_spec
+from maskcli.attention.inputs import QKV
+from maskcli.attention.run import run_attention
+from maskcli.mask import build
 
 TARGET = 1.3
 BLOCK_SECONDS = 0.02
@@ -95,7 +95,7 @@ def main() -> None:
         print(f"cuda: {torch.cuda.get_device_name()}")
     for device in devices:
         for length in map(int, args.lengths.split(",")):
-            spec = make_spec("causal", length=length, heads=args.heads)
+            spec = build("causal", length=length, heads=args.heads)
             generator = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(1, args.heads, length, 64, generator=generator).to(device) for _ in range(3))
             qkv = QKV(q, k, v, "benchmark")

@@ -2,21 +2,23 @@
 
 The public API is imported lazily so that `maskcli --help` never loads torch:
 
-    from maskcli import make_spec, build
-    mask = build(make_spec("window", length=8, window=3))
-    mask.mask_mod          # hand it to torch.nn.attention.flex_attention.create_block_mask
+    from maskcli import build
+    m = build("document(sizes=[3,5]) & window(2)")
+    m.intervals()          # exact key intervals per query row (numpy)
+    m.mask_mod             # hand it to torch.nn.attention.flex_attention.create_block_mask
+    m.dense()              # bool (B, H, Lq, Lk), True = may attend
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
     "MaskError": "maskcli.errors",
-    "MaskSpec": "maskcli.spec",
-    "make_spec": "maskcli.spec",
-    "Mask": "maskcli.masks",
-    "build": "maskcli.masks",
-    "and_masks": "maskcli.masks",
-    "or_masks": "maskcli.masks",
+    "Mask": "maskcli.mask",
+    "MaskOptions": "maskcli.mask",
+    "build": "maskcli.mask",
+    "parse": "maskcli.expression",
+    "Intervals": "maskcli.intervals",
+    "kinds": "maskcli.kinds",
     "to_convention": "maskcli.conventions",
 }
 
@@ -27,5 +29,6 @@ def __getattr__(name: str):
     if name in _EXPORTS:
         import importlib
 
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        module = importlib.import_module(_EXPORTS[name])
+        return module if name == "kinds" else getattr(module, name)
     raise AttributeError(f"module 'maskcli' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from maskcli.cli import main
+from maskcli.commands import main
 
 main()

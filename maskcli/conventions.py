@@ -6,49 +6,73 @@
 | additive   | float, 0 / -inf                | triu(full(-inf), 1), generate_square_subsequent_mask |
 | min        | float, 0 / finfo(dtype).min    | Hugging Face eager masks                     |
 | int        | 0 / 1                          | torch.tril(torch.ones(L, L)) in tutorials     |
+
+Numpy arrays and torch tensors both work; only a torch tensor (or bfloat16) needs torch.
 """
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
-from maskcli.spec import CONVENTIONS
-
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
+CONVENTIONS: dict[str, str] = {
+    "keep": "bool, True = may attend (SDPA attn_mask, FlexAttention create_mask)",
+    "block": "bool, True = masked (nn.MultiheadAttention attn_mask / key_padding_mask)",
+    "additive": "float, 0 = attend, -inf = masked (added to the scores)",
+    "min": "float, 0 = attend, finfo(dtype).min = masked (Hugging Face eager masks)",
+    "int": "integer, 1 = attend, 0 = masked (torch.tril(torch.ones(L, L)))",
 }
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+# the lowest finite value and the size of each float dtype: bfloat16 has numpy's float32 range at 16 bits
+FLOAT_MIN = {
+    "float32": float(np.finfo(np.float32).min),
+    "float16": float(np.finfo(np.float16).min),
+    "bfloat16": -3.3895313892515355e38,
+    "float64": float(np.finfo(np.float64).min),
+}
+FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
-def to_convention(keep: torch.Tensor, convention: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The keep mask written in `convention`; `dtype` is used by the float conventions."""
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def to_convention(keep, convention: str, dtype: str = "float32"):
+    """The keep mask written in `convention` (numpy in, numpy out; a torch tensor in, a tensor out).
+
+    bfloat16, which numpy lacks, comes back as a torch tensor either way.
+    """
+    numpy_in = isinstance(keep, np.ndarray)
     if convention == "keep":
-        return keep.clone()
+        return keep.copy() if numpy_in else keep.clone()
     if convention == "block":
         return ~keep
     if convention == "int":
-        return keep.to(torch.int64)
-    if convention in ("additive", "min"):
-        fill = float("-inf") if convention == "additive" else torch.finfo(dtype).min
-        out = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
-        return out.masked_fill_(~keep, fill)
-    raise ValueError(f"unknown convention {convention!r}; known: {', '.join(CONVENTIONS)}")
+        return keep.astype(np.int64) if numpy_in else keep.long()
+    if convention not in ("additive", "min"):
+        raise ValueError(f"unknown convention {convention!r}; known: {', '.join(CONVENTIONS)}")
+    fill = float("-inf") if convention == "additive" else FLOAT_MIN[dtype]
+    if numpy_in and dtype != "bfloat16":
+        return np.where(keep, np.zeros((), dtype=dtype), np.asarray(fill, dtype=dtype))
+    import torch
+
+    keep = torch.as_tensor(keep)
+    return torch.zeros(keep.shape, dtype=torch_dtype(dtype), device=keep.device).masked_fill_(~keep, fill)
 
 
-def bytes_per_cell(convention: str, dtype: torch.dtype = torch.float32) -> int:
+def bytes_per_cell(convention: str, dtype: str = "float32") -> int:
     if convention in ("keep", "block"):
         return 1
     if convention == "int":
         return 8
-    return torch.finfo(dtype).bits // 8
+    return FLOAT_BYTES[dtype]
 
 
-def cell_texts(convention: str, dtype: torch.dtype = torch.float32) -> tuple[str, str]:
+def cell_texts(convention: str, dtype: str = "float32") -> tuple[str, str]:
     """How a visible and a masked cell print in `convention`: (visible, masked)."""
     if convention == "min":
-        return "0", f"{torch.finfo(dtype).min:.2g}"
+        return "0", f"{FLOAT_MIN[dtype]:.2g}"
     return {
         "keep": ("1", "0"),
         "block": ("False", "True"),
@@ -57,10 +81,10 @@ def cell_texts(convention: str, dtype: torch.dtype = torch.float32) -> tuple[str
     }[convention]
 
 
-def describe(convention: str, dtype: torch.dtype = torch.float32) -> str:
+def describe(convention: str, dtype: str = "float32") -> str:
     """One phrase naming the convention and what its values mean."""
     visible, masked = cell_texts(convention, dtype)
     if convention == "keep":
         return "keep (bool, 1 = True = may attend, 0 = masked)"
-    dtype_note = f" {str(dtype).removeprefix('torch.')}" if convention in ("additive", "min") else ""
+    dtype_note = f" {dtype}" if convention in ("additive", "min") else ""
     return f"{convention}{dtype_note} ({visible} = may attend, {masked} = masked)"

@@ -13,9 +13,15 @@ FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
 TENSOR_SUFFIXES = (".pt", ".npy")
 
 
-def check_output_path(path: str, suffixes: tuple[str, ...], flag: str) -> Path:
-    """The path as a Path, or a MaskError naming what is wrong with it."""
+def check_output_path(path: str, suffixes: tuple[str, ...], flag: str, name: str | None = None) -> Path:
+    """The path as a Path, or a MaskError naming what is wrong with it.
+
+    Given `name` (the mask's file-name form), a directory means a file named after the
+    mask in it, with the first of `suffixes`.
+    """
     out = Path(path)
+    if name is not None and out.is_dir():
+        out = out / (name + suffixes[0])
     suffix = out.suffix.lower()
     if suffix not in suffixes:
         raise MaskError(
@@ -47,3 +53,50 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     finally:
         if os.path.exists(temp):
             os.unlink(temp)
+
+
+def json_number(value: float):
+    """A float for JSON: NaN and infinities as the strings "nan", "inf", "-inf" (which maskcli reads back)."""
+    if value != value:
+        return "nan"
+    if value in (float("inf"), float("-inf")):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def check_disk(path: Path, size: int, flag: str) -> None:
+    """Refuse to start writing `size` bytes where the disk has less room."""
+    import shutil
+
+    from maskcli.memory import format_bytes
+
+    free = shutil.disk_usage(path.parent if str(path.parent) else ".").free
+    if size > free:
+        raise MaskError(
+            f"{flag} {str(path)!r} would write {format_bytes(size)} but the disk there has {format_bytes(free)} free: "
+            "use a smaller --len, or --png for a picture of it"
+        )
+
+
+def write_array(array, path: Path) -> None:
+    """A numpy array or torch tensor as .pt, .npy or .json (by suffix), written whole or not at all."""
+    suffix = path.suffix.lower()
+    if suffix == ".pt":
+        import torch
+
+        tensor = torch.from_numpy(array) if not isinstance(array, torch.Tensor) else array
+        atomic_write(path, lambda temp: torch.save(tensor, temp))
+    elif suffix == ".npy":
+        import numpy as np
+
+        values = array if isinstance(array, np.ndarray) else array.numpy()
+        atomic_write(path, lambda temp: np.save(temp, values))
+    else:
+        import json
+
+        def nested(item):
+            if isinstance(item, list):
+                return [nested(x) for x in item]
+            return json_number(item) if isinstance(item, float) else item
+
+        atomic_write(path, lambda temp: Path(temp).write_text(json.dumps(nested(array.tolist()))))

@@ -71,6 +71,8 @@ class Intervals:
         self._same_keys(other)
         a_s, b_s = _broadcast_rows(self.starts, other.starts)
         a_e, b_e = _broadcast_rows(self.ends, other.ends)
+        if self.per_row == 1 and other.per_row == 1:
+            return _union_of_two(a_s, a_e, b_s, b_e, self.k_start, self.k_end)
         return _normal(np.concatenate([a_s, b_s], -1), np.concatenate([a_e, b_e], -1), self.k_start, self.k_end)
 
     def __invert__(self) -> Intervals:
@@ -152,6 +154,20 @@ def _broadcast_rows(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarra
     """Broadcast (B, Lq) of two (B, Lq, K) arrays, keeping each its own K."""
     lead = np.broadcast_shapes(a.shape[:-1], b.shape[:-1])
     return np.broadcast_to(a, lead + a.shape[-1:]), np.broadcast_to(b, lead + b.shape[-1:])
+
+
+def _union_of_two(a_s, a_e, b_s, b_e, k_start: int, k_end: int) -> Intervals:
+    """Union of one interval per row with one interval per row, without a sort (empties are [k_end, k_end))."""
+    a_first = a_s <= b_s
+    s1, e1 = np.where(a_first, a_s, b_s), np.where(a_first, a_e, b_e)
+    s2, e2 = np.where(a_first, b_s, a_s), np.where(a_first, b_e, a_e)
+    merged = s2 <= e1  # they overlap or touch (an empty second one starts at k_end: merged only into one that ends there)
+    end = np.where(merged, np.maximum(e1, e2), e1)
+    s2 = np.where(merged, k_end, s2)
+    e2 = np.where(merged, k_end, e2)
+    if not (s2 < e2).any():
+        return Intervals(np.ascontiguousarray(s1), np.ascontiguousarray(end), int(k_start), int(k_end))
+    return Intervals(np.concatenate([s1, s2], -1), np.concatenate([end, e2], -1), int(k_start), int(k_end))
 
 
 def _normal(starts: np.ndarray, ends: np.ndarray, k_start: int, k_end: int, disjoint: bool = False, ordered: bool = False) -> Intervals:

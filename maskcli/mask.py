@@ -1,7 +1,7 @@
 """Mask: an expression of kinds, on absolute positions, with its batch data; cells only on demand.
 
-    from maskcli import mask
-    m = mask("document(sizes=[3,5]) & window(2)")
+    from maskcli import build
+    m = build("document(sizes=[3,5]) & window(2)")
     m.intervals()            # exact per-row key intervals (numpy)
     m.mask_mod               # FlexAttention mask_mod on local indices (torch)
     m.dense()                # bool (B, H, Lq, Lk) numpy, True = may attend
@@ -102,6 +102,11 @@ class Mask:
     def _intervals(self):
         if self.tree is None:
             return None, "a tensor's cells are read as they are"
+        # a few int64 arrays of (B, Lq, K) live at once while intervals combine
+        check_dense_fits(
+            (self.batch, self.frame.q_len), 8 * 2 * 6, "for its key intervals", what="a mask of",
+            fix="use a smaller --len: maskcli keeps a few integers per query row",
+        )
         try:
             return terms.intervals(self.tree, self.frame), None
         except NotFew as reason:
@@ -248,7 +253,7 @@ def index_tensor(values: range, axis: int, device):
 # --- building one from what the user typed ---------------------------------------------------
 
 
-def mask(expression: str, options: MaskOptions | None = None, default_length: int | None = None, **flags) -> Mask:
+def build(expression: str, options: MaskOptions | None = None, default_length: int | None = None, **flags) -> Mask:
     """The Mask an expression and options describe; keyword flags are MaskOptions fields.
 
     `default_length`: the number of queries when neither --len nor the data says (inputs given to attend).
@@ -265,7 +270,7 @@ def mask(expression: str, options: MaskOptions | None = None, default_length: in
     queries = [term.kind.queries(term.values) for term in terms.terms(resolved) if term.kind.queries]
     q_start, q_len, k_start, k_len = pos.resolve(
         length=options.length, offset=options.offset, kv_start=options.kv_start, kv_len=options.kv_len,
-        align=options.align, sequence=sequence[0][1] if sequence else None, queries=queries[0] if queries else None,
+        align=options.align, sequence=sequence[0] if sequence else _longest(lengths), queries=queries[0] if queries else None,
         default=default_length or pos.DEFAULT_LEN,
     )
     frame = Frame(q_start, q_len, k_start, k_len)
@@ -316,6 +321,11 @@ def _sequence(tree, ids, tokens) -> list[tuple[str, int]]:
     if tokens is not None:
         found.append(("--tokens", len(tokens)))
     return found
+
+
+def _longest(lengths) -> tuple[str, int] | None:
+    """Without --len or labels, the longest of --lengths is the sequence (padded to it)."""
+    return ("the longest of --lengths", max(lengths)) if lengths else None
 
 
 def _with_padding(frame: Frame, lengths, ids, pad_id: int) -> Frame:

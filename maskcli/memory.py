@@ -32,7 +32,7 @@ def format_bytes(count: float) -> str:
     raise AssertionError("unreachable")
 
 
-def check_dense_fits(shape: tuple[int, ...], bytes_per_cell: float, how: str, device=None, fix: str = DENSITY_FIX) -> None:
+def check_dense_fits(shape: tuple[int, ...], bytes_per_cell: float, how: str, device=None, fix: str = DENSITY_FIX, what: str = "the dense mask") -> None:
     """Refuse a dense result of `shape` that would not fit in the free memory of `device` (the host's by default)."""
     needed = math.prod(shape) * bytes_per_cell
     free = available_memory(device)
@@ -40,6 +40,6 @@ def check_dense_fits(shape: tuple[int, ...], bytes_per_cell: float, how: str, de
         dims = " x ".join(map(str, shape))
         where = f" on {device}" if device is not None and getattr(device, "type", "cpu") != "cpu" else ""
         raise MaskError(
-            f"the dense mask {dims} would need {format_bytes(needed)} ({needed:,.0f} bytes) {how}, "
+            f"{what} {dims} would need {format_bytes(needed)} ({needed:,.0f} bytes) {how}, "
             f"but only {format_bytes(free)} is free{where}: {fix}"
         )

@@ -96,13 +96,13 @@ def resolve(
     kv_start: int | None,
     kv_len: int | None,
     align: str | None,
-    sequence: int | None,
+    sequence: tuple[str, int] | None,
     queries: int | None,
     default: int = DEFAULT_LEN,
 ) -> tuple[int, int, int, int]:
     """(q_start, q_len, k_start, k_len) from the flags and from what the data says.
 
-    `sequence`: the length the labels, ids or words give (they cover 0..n-1); `queries`:
+    `sequence`: (what, length) the labels, ids, words or lengths give (they cover 0..n-1); `queries`:
     the number of queries a kind fixes (a draft tree's tokens). Without --len the queries
     run to the end of that sequence, else there are `default` of them.
     """
@@ -123,11 +123,12 @@ def resolve(
         if queries is not None:
             length = queries
         elif sequence is not None:
-            length = sequence - (offset or 0)
+            what, count = sequence
+            length = count - (offset or 0)
             if length < 1:
                 raise MaskError(
-                    f"the labels, ids or words cover {sequence} positions, which leave no query after --offset {offset}: "
-                    "give --len, or more of them"
+                    f"{what} give {count} position{'s' if count != 1 else ''}, none left for a query after "
+                    f"--offset {offset or 0}: give --len, or more of them"
                 )
         else:
             length = default

@@ -1,6 +1,14 @@
-"""Small helpers that put numbers into words, shared by findings and reports."""
+"""Small helpers that put numbers into words, and the Finding that findings are made of."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: str  # short, stable: fully-masked, row-sum, sees-later, fill-overflow, non-finite
+    message: str
 
 
 def spans(values: list[int]) -> str:

@@ -16,10 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from maskcli.attention import attend, fill_value
-from maskcli.checks import mask_findings, run_findings
-from maskcli.masks import build
-from maskcli.spec import make_spec
+from maskcli.attention.stages import attend, fill_value
+from maskcli.attention.findings import mask_findings, run_findings
+from flags import about, from_flags
 
 # One example of every kind (and a kind combined with key padding).
 EVERY_KIND = {
@@ -43,9 +42,9 @@ EVERY_KIND = {
 def qkv_for(spec, *, heads=2, dim=8, seed=0, dtype=torch.float32):
     generator = torch.Generator().manual_seed(seed)
     lead = (spec.batch, heads)
-    q = torch.randn(*lead, spec.q_len, dim, generator=generator, dtype=torch.float64).to(dtype)
-    k = torch.randn(*lead, spec.k_len, dim, generator=generator, dtype=torch.float64).to(dtype)
-    v = torch.randn(*lead, spec.k_len, dim, generator=generator, dtype=torch.float64).to(dtype)
+    q = torch.randn(*lead, spec.frame.q_len, dim, generator=generator, dtype=torch.float64).to(dtype)
+    k = torch.randn(*lead, spec.frame.k_len, dim, generator=generator, dtype=torch.float64).to(dtype)
+    v = torch.randn(*lead, spec.frame.k_len, dim, generator=generator, dtype=torch.float64).to(dtype)
     return q, k, v
 
 
@@ -68,13 +67,13 @@ def seen_rows(keep, shape):
 @pytest.mark.parametrize("name", list(EVERY_KIND))
 def test_every_kind_matches_sdpa_math_and_a_written_out_softmax(name):
     kind, options = EVERY_KIND[name]
-    spec = make_spec(kind, heads=2, **options)
-    keep = build(spec).materialize()
+    spec = from_flags(kind, heads=2, **options)
+    keep = spec.materialize()
     q, k, v = qkv_for(spec, seed=len(name))
     stages = attend(q, k, v, keep)
-    shape = (spec.batch, 2, spec.q_len, spec.k_len)
+    shape = (spec.batch, 2, spec.frame.q_len, spec.frame.k_len)
     assert stages.scores.shape == stages.weights.shape == shape
-    assert stages.output.shape == (spec.batch, 2, spec.q_len, 8)
+    assert stages.output.shape == (spec.batch, 2, spec.frame.q_len, 8)
     assert stages.scale == pytest.approx(1 / math.sqrt(8))
 
     rows = seen_rows(keep, shape)
@@ -100,11 +99,11 @@ def test_every_kind_matches_sdpa_math_and_a_written_out_softmax(name):
 
 def test_every_kind_has_a_row_a_query_can_see_and_sums_to_one():
     for kind, options in EVERY_KIND.values():
-        spec = make_spec(kind, **options)
-        keep = build(spec).materialize()
+        spec = from_flags(kind, **options)
+        keep = spec.materialize()
         stages = attend(*qkv_for(spec, heads=1), keep)
         sums = stages.weights.sum(-1)
-        rows = seen_rows(keep, sums.shape + (spec.k_len,))
+        rows = seen_rows(keep, sums.shape + (spec.frame.k_len,))
         assert torch.allclose(sums[rows], torch.ones_like(sums[rows]), atol=1e-6), kind
 
 
@@ -138,11 +137,11 @@ def mask_specs(draw):
 @given(case=mask_specs(), heads=st.integers(1, 3), dim=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_random_masks_and_sizes_match_sdpa_math(case, heads, dim, seed):
     kind, options = case
-    spec = make_spec(kind, heads=heads, **options)
-    keep = build(spec).materialize()
+    spec = from_flags(kind, heads=heads, **options)
+    keep = spec.materialize()
     q, k, v = qkv_for(spec, heads=heads, dim=dim, seed=seed)
     stages = attend(q, k, v, keep)
-    shape = (spec.batch, heads, spec.q_len, spec.k_len)
+    shape = (spec.batch, heads, spec.frame.q_len, spec.frame.k_len)
     rows = seen_rows(keep, shape)
     if rows.any():
         assert (stages.output - sdpa_math(q, k, v, keep))[rows].abs().max().item() <= 1e-6
@@ -155,8 +154,8 @@ def test_random_masks_and_sizes_match_sdpa_math(case, heads, dim, seed):
 @settings(max_examples=25, deadline=None)
 @given(scale=st.floats(0.01, 3.0), length=st.integers(1, 8), offset=st.integers(0, 5))
 def test_scale_override_matches_sdpa_scale(scale, length, offset):
-    spec = make_spec("prefill", offset=offset, length=length)
-    keep = build(spec).materialize()
+    spec = from_flags("prefill", offset=offset, length=length)
+    keep = spec.materialize()
     q, k, v = qkv_for(spec, dim=5, seed=length + 10 * offset)
     stages = attend(q, k, v, keep, scale=scale)
     assert stages.scale == scale
@@ -172,8 +171,8 @@ def test_scale_override_matches_sdpa_scale(scale, length, offset):
 
 
 def test_float64_computes_in_float64_and_matches_to_float64_precision():
-    spec = make_spec("window", length=6, window=2)
-    keep = build(spec).materialize()
+    spec = from_flags("window", length=6, window=2)
+    keep = spec.materialize()
     q, k, v = qkv_for(spec, dtype=torch.float64)
     stages = attend(q, k, v, keep)
     for name in ("scores", "scaled", "masked", "weights", "output"):
@@ -221,32 +220,32 @@ def projected(x, layer, heads):
 @pytest.mark.parametrize("kind, options", [("padding", dict(lengths="5,3,1")), ("causal", dict(length=5, lengths="5,2,4"))])
 def test_matches_multihead_attention_with_identical_projections(how, kind, options):
     heads, embed = 2, 6
-    spec = make_spec(kind, heads=heads, **options)
-    keep = build(spec).materialize().expand(spec.batch, heads, spec.q_len, spec.k_len)
+    spec = from_flags(kind, heads=heads, **options)
+    keep = spec.materialize().expand(spec.batch, heads, spec.frame.q_len, spec.frame.k_len)
     torch.manual_seed(123)
-    x = torch.randn(spec.batch, spec.k_len, embed)
+    x = torch.randn(spec.batch, spec.frame.k_len, embed)
     linears = [torch.nn.Linear(embed, embed, bias=False) for _ in range(3)]
     mha = mha_with(*(layer.weight.detach() for layer in linears), heads)
 
     lengths = [int(n) for n in options["lengths"].split(",")]
-    key_padding = torch.tensor([[j >= n for j in range(spec.k_len)] for n in lengths])  # True = pad
-    causal_block = torch.triu(torch.ones(spec.q_len, spec.k_len, dtype=torch.bool), 1) if kind == "causal" else None
+    key_padding = torch.tensor([[j >= n for j in range(spec.frame.k_len)] for n in lengths])  # True = pad
+    causal_block = torch.triu(torch.ones(spec.frame.q_len, spec.frame.k_len, dtype=torch.bool), 1) if kind == "causal" else None
     if how == "key_padding_mask":
         mask_args = dict(attn_mask=causal_block, key_padding_mask=key_padding)
     elif how.startswith("attn_mask 2-D"):
         if causal_block is None:
-            causal_block = torch.zeros(spec.q_len, spec.k_len, dtype=torch.bool)
+            causal_block = torch.zeros(spec.frame.q_len, spec.frame.k_len, dtype=torch.bool)
         mask_args = dict(attn_mask=causal_block, key_padding_mask=key_padding)
     else:  # the whole mask in block convention, one (L, S) per batch row and head, batch-major
-        mask_args = dict(attn_mask=(~keep).reshape(spec.batch * heads, spec.q_len, spec.k_len))
+        mask_args = dict(attn_mask=(~keep).reshape(spec.batch * heads, spec.frame.q_len, spec.frame.k_len))
 
     with torch.no_grad():
         out, weights = mha(x, x, x, need_weights=True, average_attn_weights=False, **mask_args)
         q, k, v = (projected(x, layer, heads) for layer in linears)
     stages = attend(q, k, v, keep)
-    assert weights.shape == (spec.batch, heads, spec.q_len, spec.k_len)
+    assert weights.shape == (spec.batch, heads, spec.frame.q_len, spec.frame.k_len)
     assert (stages.weights - weights).abs().max().item() <= 1e-6
-    merged = stages.output.transpose(1, 2).reshape(spec.batch, spec.q_len, embed)
+    merged = stages.output.transpose(1, 2).reshape(spec.batch, spec.frame.q_len, embed)
     assert (merged - out).abs().max().item() <= 1e-6
     # and both agree with the mask: masked keys get no weight
     assert bool((weights[~keep] == 0).all())
@@ -259,8 +258,8 @@ def test_matches_multihead_attention_with_identical_projections(how, kind, optio
 @given(case=mask_specs(), seed=st.integers(0, 1000))
 def test_multiply_equals_minus_inf_on_rows_that_see_a_key(case, seed):
     kind, options = case
-    spec = make_spec(kind, heads=2, **options)
-    keep = build(spec).materialize()
+    spec = from_flags(kind, heads=2, **options)
+    keep = spec.materialize()
     q, k, v = qkv_for(spec, seed=seed)
     by_inf = attend(q, k, v, keep, fill="-inf")
     by_multiply = attend(q, k, v, keep, fill="multiply")
@@ -273,8 +272,8 @@ def test_multiply_equals_minus_inf_on_rows_that_see_a_key(case, seed):
 
 
 def test_fully_masked_rows_per_fill_in_float32():
-    spec = make_spec("causal", length=4, lengths="4,0", heads=2)
-    keep = build(spec).materialize()
+    spec = from_flags("causal", length=4, lengths="4,0", heads=2)
+    keep = spec.materialize()
     q, k, v = qkv_for(spec)
     by_inf = attend(q, k, v, keep, fill="-inf")
     assert bool(torch.isnan(by_inf.weights[1]).all()) and bool(torch.isnan(by_inf.output[1]).all())
@@ -301,40 +300,40 @@ def test_fill_values_as_each_dtype_stores_them():
     with pytest.raises(ValueError):
         fill_value("multiply", torch.float32)
     with pytest.raises(ValueError):
-        attend(*qkv_for(make_spec("causal", length=2)), torch.ones(2, 2, dtype=torch.bool), fill="zero")
+        attend(*qkv_for(from_flags("causal", length=2)), torch.ones(2, 2, dtype=torch.bool), fill="zero")
 
 
 def test_minus_1e9_in_float16_becomes_minus_inf_and_is_found():
-    spec = make_spec("padding", lengths="3,0")
-    keep = build(spec).materialize()
+    spec = from_flags("padding", lengths="3,0")
+    keep = spec.materialize()
     q, k, v = qkv_for(spec, dtype=torch.float16)
     stages = attend(q, k, v, keep, fill="-1e9")
     assert bool(torch.isneginf(stages.masked[1]).all())
     assert bool(torch.isnan(stages.weights[1]).all())
-    codes = [f.code for f in run_findings(stages, "padding")]
+    codes = [f.code for f in run_findings(stages, about("padding"))]
     assert codes == ["fill-overflow", "fully-masked"]
-    overflow = run_findings(stages, "padding")[0].message
+    overflow = run_findings(stages, about("padding"))[0].message
     assert "float16" in overflow and "-inf" in overflow
     # the same fill in float32 and bfloat16 fits: uniform rows, no overflow finding
     for dtype in (torch.float32, torch.bfloat16):
         fits = attend(*qkv_for(spec, dtype=dtype), keep, fill="-1e9")
-        assert [f.code for f in run_findings(fits, "padding")] == ["fully-masked"], dtype
-        assert "uniform" in run_findings(fits, "padding")[0].message
+        assert [f.code for f in run_findings(fits, about("padding"))] == ["fully-masked"], dtype
+        assert "uniform" in run_findings(fits, about("padding"))[0].message
     # min never overflows, and -1e9 without a fully masked row is still worth saying in float16
-    assert [f.code for f in run_findings(attend(q, k, v, keep, fill="min"), "padding")] == ["fully-masked"]
-    clean_spec = make_spec("causal", length=3)
-    clean = attend(*qkv_for(clean_spec, dtype=torch.float16), build(clean_spec).materialize(), fill="-1e9")
-    assert [f.code for f in run_findings(clean, "causal")] == ["fill-overflow"]
+    assert [f.code for f in run_findings(attend(q, k, v, keep, fill="min"), about("padding"))] == ["fully-masked"]
+    clean_spec = from_flags("causal", length=3)
+    clean = attend(*qkv_for(clean_spec, dtype=torch.float16), clean_spec.materialize(), fill="-1e9")
+    assert [f.code for f in run_findings(clean, about("causal"))] == ["fill-overflow"]
 
 
 # --- findings -------------------------------------------------------------------------------
 
 
 def codes_of(kind, *, fill="-inf", dropout=0.0, dtype=torch.float32, **options):
-    spec = make_spec(kind, heads=2, **options)
-    keep = build(spec).materialize()
+    spec = from_flags(kind, heads=2, **options)
+    keep = spec.materialize()
     stages = attend(*qkv_for(spec, dtype=dtype), keep, fill=fill, dropout=dropout, seed=3)
-    return [f.code for f in run_findings(stages, kind, spec.offset)], run_findings(stages, kind, spec.offset)
+    return [f.code for f in run_findings(stages, spec)], run_findings(stages, spec)
 
 
 # What each example of EVERY_KIND should be told: most nothing; a shifted diagonal shows its effect.
@@ -380,15 +379,15 @@ def test_fully_masked_finding_names_the_rows_and_what_they_became():
 )
 def test_sees_later_fires_exactly_when_tril_or_triu_lets_a_query_see_a_later_key(kind, options, later):
     codes, findings = codes_of(kind, **options)
-    spec = make_spec(kind, **options)
-    keep = build(spec).materialize()[0, 0]
+    spec = from_flags(kind, **options)
+    keep = spec.materialize()[0, 0]
     expected_later = bool(torch.triu(keep, 1).any())  # independent: any cell right of the diagonal
     assert ("sees-later" in codes) == expected_later == (later is not None)
     if later:
         message = findings[codes.index("sees-later")].message
         assert message.startswith(later) and "--means" in message and "query 0 sees keys 1" in message
     # the same finding about the mask alone
-    assert ("sees-later" in [f.code for f in mask_findings(build(spec).materialize(), kind)]) == expected_later
+    assert ("sees-later" in [f.code for f in mask_findings(spec.materialize(), spec)]) == expected_later
 
 
 def test_kinds_that_see_later_keys_by_design_are_not_reported():
@@ -403,21 +402,21 @@ def test_row_sum_fires_with_dropout_and_not_without():
 
 
 def test_row_sum_names_rows_whose_weights_do_not_sum_to_one():
-    spec = make_spec("causal", length=3)
-    keep = build(spec).materialize()
+    spec = from_flags("causal", length=3)
+    keep = spec.materialize()
     stages = attend(*qkv_for(spec), keep)
     broken = stages.weights.clone()
     broken[0, 0, 2] *= 0.5
     from dataclasses import replace
 
-    findings = run_findings(replace(stages, weights=broken), "causal")
+    findings = run_findings(replace(stages, weights=broken), about("causal"))
     assert [f.code for f in findings] == ["row-sum"]
     assert "query row 2 " in findings[0].message
 
 
 def test_dropout_is_seeded_and_scales_the_kept_weights():
-    spec = make_spec("causal", length=8)
-    keep = build(spec).materialize()
+    spec = from_flags("causal", length=8)
+    keep = spec.materialize()
     q, k, v = qkv_for(spec, heads=1)
     plain = attend(q, k, v, keep)
     first = attend(q, k, v, keep, dropout=0.25, seed=5)
@@ -440,28 +439,59 @@ def test_padded_causal_rows_that_see_nothing_are_found_under_every_fill(fill, ef
 
 
 def test_non_finite_scores_are_named_with_their_cause_instead_of_a_row_sum():
-    spec = make_spec("causal", length=3)
-    keep = build(spec).materialize()
+    spec = from_flags("causal", length=3)
+    keep = spec.materialize()
     q = torch.randn(1, 1, 3, 4, generator=torch.Generator().manual_seed(0))
     q[0, 0, 1, 2] = float("nan")
-    findings = run_findings(attend(q, q.nan_to_num(), q.nan_to_num(), keep), "causal")
+    findings = run_findings(attend(q, q.nan_to_num(), q.nan_to_num(), keep), about("causal"))
     assert [f.code for f in findings] == ["non-finite"]
     assert findings[0].message.startswith("the scores of query row 1 hold NaN: the inputs carry NaN")
     # 300 * 300 * 2 = 180000 is past float16's largest, 65504: the first query's score overflows
     big = torch.tensor([[300.0, 300.0], [1.0, 1.0], [1.0, 1.0]], dtype=torch.float16)[None, None]
     assert torch.isinf(big[0, 0, 0] @ big[0, 0, 0])  # independent: the overflow itself
-    findings = run_findings(attend(big, big, big, keep), "causal")
+    findings = run_findings(attend(big, big, big, keep), about("causal"))
     assert [f.code for f in findings] == ["non-finite"]
     assert "query row 0 hold inf: Q Kᵀ overflows float16 (largest 65504)" in findings[0].message
     assert "compute in float32" in findings[0].message
 
 
 def test_a_scale_that_overflows_the_dtype_is_named():
-    spec = make_spec("causal", length=3)
+    spec = from_flags("causal", length=3)
     q = torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]], dtype=torch.float16)[None, None]
-    stages = attend(q, q, q, build(spec).materialize(), scale=30000.0)
+    stages = attend(q, q, q, spec.materialize(), scale=30000.0)
     assert bool(torch.isfinite(stages.scores).all()) and not bool(torch.isfinite(stages.scaled).all())  # independent
-    findings = run_findings(stages, "causal")
+    findings = run_findings(stages, about("causal"))
     assert [f.code for f in findings] == ["non-finite"]
     assert findings[0].message.startswith("the scaled scores of query rows 1-2 hold inf: scores × 30000 overflows float16")
     assert findings[0].message.endswith("use a smaller --scale")
+
+
+def test_fill_overflow_in_float16_is_found():
+    assert fill_value("-1e9", torch.float16) == float("-inf")
+    assert fill_value("-1e9", torch.float32) == -1e9
+    spec = from_flags("padding", lengths="2,0")
+    stages = attend(*qkv_for(spec, dtype=torch.float16), spec.materialize(), fill="-1e9")
+    codes = [f.code for f in run_findings(stages, spec)]
+    assert codes[0] == "fill-overflow" and "fully-masked" in codes
+    clean_spec = from_flags("causal", length=3)
+    assert run_findings(attend(*qkv_for(clean_spec), clean_spec.materialize()), clean_spec) == []
+
+
+def test_a_triu_read_as_keep_sees_later_keys():
+    spec = from_flags("triu", length=3, means="keep")
+    findings = {f.code: f.message for f in run_findings(attend(*qkv_for(spec), spec.materialize()), spec)}
+    assert "sees-later" in findings and "--means" in findings["sees-later"]
+    assert "triu(1, means=keep) should not allow" in findings["sees-later"]
+    assert "fully-masked" in findings and "NaN" in findings["fully-masked"]
+
+
+def test_expressions_that_see_later_keys_by_design_are_not_reported_and_causal_ones_never_look():
+    for text, length in (("causal | blocks(-1,0,0,-1)", None), ("window(2) | sink(1)", 5), ("segment(0,0,1,1)", None)):
+        spec = from_flags(text, length=length)
+        stages = attend(*qkv_for(spec), spec.materialize())
+        assert run_findings(stages, spec) == [], text
+    behind = from_flags("document(0,0,1,1,1) & window(2)", offset=2)
+    assert behind.causal and run_findings(attend(*qkv_for(behind), behind.materialize()), behind) == []
+    later = from_flags("tril(1)", offset=2, length=2)
+    (finding,) = mask_findings(later.materialize(), later)
+    assert finding.code == "sees-later" and "query 2 sees keys 3" in finding.message

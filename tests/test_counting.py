@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from maskcli.counting import block_counts, block_shares, edges, how_counted
-from maskcli.mask import from_tensor, mask
+from maskcli.mask import build, from_tensor
 
 
 def dense_counts(cells, q_edges, k_edges, k_start=0):
@@ -28,7 +28,7 @@ def dense_counts(cells, q_edges, k_edges, k_start=0):
 )
 @pytest.mark.parametrize(("rows", "cols"), [(1, 1), (4, 3), (7, 16), (64, 64)])
 def test_block_counts_are_exact(text, options, rows, cols):
-    built = mask(text, **options)
+    built = build(text, **options)
     f = built.frame
     q_edges, k_edges = edges(f.q_len, rows), edges(f.k_len, cols, f.k_start)
     counts = block_counts(built, 0, 0, q_edges, k_edges)
@@ -44,15 +44,15 @@ def test_edges_cover_the_axis_with_a_short_last_block():
 
 
 def test_how_counted_says_which_path():
-    assert how_counted(mask("causal")) == "exact, from key intervals"
-    assert "cell by cell" in how_counted(mask("chunk(1,0)"))
+    assert how_counted(build("causal")) == "exact, from key intervals"
+    assert "cell by cell" in how_counted(build("chunk(1,0)"))
     tensor = from_tensor(np.tril(np.ones((1, 1, 4, 4), dtype=bool)), "file.pt")
     assert "cell by cell" in how_counted(tensor)
     assert np.array_equal(block_counts(tensor, 0, 0, edges(4, 2), edges(4, 2)), [[3, 0], [4, 3]])
 
 
 def test_a_million_token_window_band_is_never_drawn_empty():
-    built = mask("window(128)", length=1 << 20)
+    built = build("window(128)", length=1 << 20)
     shares = block_shares(built, 0, 0, 1 << 15, 1 << 14)  # a 32 x 64 map
     diagonal = [shares[i, 2 * i] for i in range(32)]
     assert all(share > 0 for share in diagonal)

@@ -15,11 +15,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from typer.testing import CliRunner
 
-from maskcli.attention import attend
-from maskcli.checks import run_findings
-from maskcli.cli import app
-from maskcli.masks import build
-from maskcli.spec import make_spec
+from maskcli.attention.stages import attend
+from maskcli.attention.findings import run_findings
+from maskcli.commands import app
+from flags import about, from_flags
 
 pytestmark = [
     pytest.mark.cuda,
@@ -63,21 +62,21 @@ def same(a, b, atol):
 @pytest.mark.parametrize("kind, options", KINDS, ids=[f"{k}-{i}" for i, (k, _) in enumerate(KINDS)])
 @pytest.mark.parametrize("fill", ["-inf", "min", "multiply"])
 def test_every_stage_on_cuda_equals_cpu(kind, options, fill):
-    spec = make_spec(kind, heads=2, **options)
+    spec = from_flags(kind, heads=2, **options)
     generator = torch.Generator().manual_seed(0)
-    q = torch.randn(spec.batch, 2, spec.q_len, 16, generator=generator)
-    k = torch.randn(spec.batch, 2, spec.k_len, 16, generator=generator)
-    v = torch.randn(spec.batch, 2, spec.k_len, 16, generator=generator)
-    on_cpu = attend(q, k, v, build(spec, "cpu").materialize(), fill=fill)
+    q = torch.randn(spec.batch, 2, spec.frame.q_len, 16, generator=generator)
+    k = torch.randn(spec.batch, 2, spec.frame.k_len, 16, generator=generator)
+    v = torch.randn(spec.batch, 2, spec.frame.k_len, 16, generator=generator)
+    on_cpu = attend(q, k, v, spec.materialize("cpu"), fill=fill)
     device = torch.device("cuda:0")
-    keep = build(spec, device).materialize()
+    keep = spec.materialize(device)
     assert keep.device.type == "cuda"
     on_cuda = attend(q.to(device), k.to(device), v.to(device), keep, fill=fill)
     for name in ("scores", "scaled", "masked", "weights", "output"):
         stage = on_cuda.stage(name)
         assert stage.device.type == "cuda" and stage.dtype == torch.float32, name
         same(stage, on_cpu.stage(name), 1e-5)
-    assert [f.code for f in run_findings(on_cuda, kind, spec.offset)] == [f.code for f in run_findings(on_cpu, kind, spec.offset)]
+    assert [f.code for f in run_findings(on_cuda, spec)] == [f.code for f in run_findings(on_cpu, spec)]
     # and against SDPA's math backend on the GPU, on rows that see a key
     with sdpa_kernel(SDPBackend.MATH):
         expected = F.scaled_dot_product_attention(q.to(device), k.to(device), v.to(device), attn_mask=keep)
@@ -87,18 +86,18 @@ def test_every_stage_on_cuda_equals_cpu(kind, options, fill):
 
 
 def test_minus_1e9_overflows_float16_on_cuda_too():
-    spec = make_spec("padding", lengths="3,0")
+    spec = from_flags("padding", lengths="3,0")
     device = torch.device("cuda")
     q = torch.randn(2, 1, 3, 8, device=device, dtype=torch.float16)
-    stages = attend(q, q, q, build(spec, device).materialize(), fill="-1e9")
+    stages = attend(q, q, q, spec.materialize(device), fill="-1e9")
     assert bool(torch.isneginf(stages.masked[1]).all()) and bool(torch.isnan(stages.weights[1]).all())
-    assert [f.code for f in run_findings(stages, "padding")] == ["fill-overflow", "fully-masked"]
+    assert [f.code for f in run_findings(stages, about("padding"))] == ["fill-overflow", "fully-masked"]
 
 
 def test_dropout_on_cuda_is_seeded():
-    spec = make_spec("causal", length=8)
+    spec = from_flags("causal", length=8)
     device = torch.device("cuda")
-    keep = build(spec, device).materialize()
+    keep = spec.materialize(device)
     q = torch.randn(1, 1, 8, 4, device=device)
     first = attend(q, q, q, keep, dropout=0.3, seed=4)
     again = attend(q, q, q, keep, dropout=0.3, seed=4)
@@ -142,3 +141,15 @@ def test_cli_tables_and_figure_on_cuda(tmp_path):
     assert "device cuda" in result.stdout and png.stat().st_size > 0
     bad = runner.invoke(app, ["attend", "causal", "--len", 4, "--device", f"cuda:{torch.cuda.device_count()}"])
     assert bad.exit_code == 2 and bad.stderr.startswith("maskcli: error: ") and "available: cpu, cuda" in bad.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_attend_json_on_cuda_agrees_with_cpu():
+    results = {}
+    for device in ("cpu", "cuda"):
+        result = runner.invoke(app, ["attend", "window", "--len", "16", "--window", "4", "--heads", "2", "--device", device, "--json"])
+        assert result.exit_code == 0, result.output
+        results[device] = json.loads(result.stdout)
+    assert results["cuda"]["device"].startswith("cuda")
+    assert torch.allclose(torch.tensor(results["cuda"]["stages"]["output"]), torch.tensor(results["cpu"]["stages"]["output"]), atol=1e-5)

@@ -14,7 +14,7 @@ import maskcli.kinds as package
 from maskcli.errors import MaskError
 from maskcli.kinds import all_kinds, flags, get, names
 from maskcli.kinds.base import Profile
-from maskcli.mask import MaskOptions, mask
+from maskcli.mask import MaskOptions, build
 
 KIND_NAMES = {"full", "causal", "tril", "triu", "window", "prefix", "sink", "local", "chunk", "document", "segment", "blocks", "tree", "padding"}
 
@@ -40,7 +40,7 @@ def test_each_kind_explains_itself_and_its_example_builds(kind):
     words = shlex.split(kind.options)
     for flag, value in zip(words[::2], words[1::2]):
         options[{"--offset": "offset", "--lengths": "lengths", "--len": "length"}[flag]] = int(value) if flag != "--lengths" else value
-    built = mask(kind.example, MaskOptions(**options))
+    built = build(kind.example, MaskOptions(**options))
     assert kind.name in built.kinds
     assert built.dense().any()
 
@@ -62,9 +62,9 @@ def test_unknown_names_suggest_the_nearest():
 
 
 def test_json_params_come_from_the_registry():
-    assert mask("window(3)").json()["params"] == {"window": 3}
-    assert mask("tril(-1)", length=3).json()["params"] == {"diagonal": -1, "means": "keep"}
-    both = mask("document(0,0,1,1) & window(2)").json()
+    assert build("window(3)").json()["params"] == {"window": 3}
+    assert build("tril(-1)", length=3).json()["params"] == {"diagonal": -1, "means": "keep"}
+    both = build("document(0,0,1,1) & window(2)").json()
     assert both["kind"] is None and [k["kind"] for k in both["kinds"]] == ["document", "window"]
     assert both["kinds"][0]["params"] == {"labels": [0, 0, 1, 1]}
 
@@ -86,7 +86,7 @@ CASES = [
 @pytest.mark.parametrize("offset", [0, 3])
 def test_positional_kinds_equal_their_definition_behind_an_offset(text, params, length, offset):
     name = text.split("(")[0]
-    built = mask(text, length=length, offset=offset or None)
+    built = build(text, length=length, offset=offset or None)
     expected = ref.dense(("kind", name, params), q0=offset, lq=length, k0=0, lk=offset + length)
     assert built.dense()[:, 0].tolist() == expected
 
@@ -94,7 +94,7 @@ def test_positional_kinds_equal_their_definition_behind_an_offset(text, params, 
 def test_label_kinds_equal_their_definition():
     labels = [[0, 0, 1, 1, 1, 2], [0, 1, 1, 2, 2, 2]]
     for name in ("chunk", "document", "segment", "blocks"):
-        built = mask(f"{name}(0,0,1,1,1,2;0,1,1,2,2,2)")
+        built = build(f"{name}(0,0,1,1,1,2;0,1,1,2,2,2)")
         assert built.batch == 2
         assert built.dense()[:, 0].tolist() == ref.dense(("kind", name, {"labels": labels}), q0=0, lq=6, k0=0, lk=6, batch=2)
 
@@ -102,7 +102,7 @@ def test_label_kinds_equal_their_definition():
 def test_recognition_reads_parameters_that_rebuild_the_kind():
     """Each kind's candidates, read off its own cells, include parameters that rebuild it."""
     for text, length in (("window(3)", 8), ("prefix(3)", 8), ("local(3)", 9), ("chunk(0,0,1,1,2)", 5), ("tril(1)", 5), ("triu(2, means=keep)", 5)):
-        built = mask(text, length=length)
+        built = build(text, length=length)
         cells = built.dense()[0, 0]
         positions = np.arange(length)
         profile = Profile(
@@ -116,4 +116,4 @@ def test_recognition_reads_parameters_that_rebuild_the_kind():
 
             full = {p.name: params.get(p.name, p.default) for p in kind.params}
             rebuilt.append(Term(kind, tuple((p.name, full[p.name]) for p in kind.params)).text())
-        assert any(np.array_equal(mask(candidate, length=length).dense(), built.dense()) for candidate in rebuilt), (text, rebuilt)
+        assert any(np.array_equal(build(candidate, length=length).dense(), built.dense()) for candidate in rebuilt), (text, rebuilt)

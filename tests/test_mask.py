@@ -14,115 +14,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import definitions as ref
+from strategies import cases, expected_cells
 from maskcli.errors import MaskError
-from maskcli.mask import MaskOptions, mask
-
-
-@st.composite
-def positions(draw):
-    """Options that place the queries and keys, and the frame the issue's rules give for them."""
-    lq = draw(st.integers(1, 6))
-    offset = draw(st.one_of(st.none(), st.integers(0, 5)))
-    kv_len = draw(st.one_of(st.none(), st.integers(1, 9)))
-    kv_start = draw(st.one_of(st.none(), st.integers(0, 4)))
-    align = draw(st.sampled_from([None, "top-left", "bottom-right"])) if kv_len is not None and offset is None else None
-    k0 = kv_start or 0
-    if kv_len is None:
-        q0 = offset or 0
-        k1 = q0 + lq
-    else:
-        k1 = k0 + kv_len
-        q0 = offset if offset is not None else (k1 - lq if align == "bottom-right" else k0)
-    if k1 <= k0 or q0 < 0:
-        kv_start, k0, align = None, 0, None
-        q0 = offset or 0
-        kv_len = None
-        k1 = q0 + lq
-    options = dict(length=lq, offset=offset, kv_start=kv_start, kv_len=kv_len, align=align)
-    return options, (q0, lq, k0, k1 - k0)
-
-
-def labels(n, rows, low, high):
-    return st.lists(st.lists(st.integers(low, high), min_size=n, max_size=n), min_size=rows, max_size=rows)
-
-
-@st.composite
-def leaves(draw, n, lq, batch, padded):
-    names = ["full", "causal", "window", "prefix", "sink", "local", "tril", "triu", "chunk", "document", "segment", "blocks", "tree"]
-    if padded:
-        names.append("padding")
-    name = draw(st.sampled_from(names))
-    rows = draw(st.sampled_from([1, batch]))
-    if name in ("full", "causal", "padding"):
-        return ("kind", name, {})
-    if name == "window":
-        return ("kind", name, {"window": draw(st.integers(1, 5))})
-    if name in ("prefix", "sink"):
-        return ("kind", name, {name: draw(st.integers(1, n))})
-    if name == "local":
-        return ("kind", name, {"chunk_size": draw(st.integers(1, 4))})
-    if name in ("tril", "triu"):
-        return ("kind", name, {"diagonal": draw(st.integers(-3, 3)), "means": draw(st.sampled_from(["keep", "block"]))})
-    if name == "chunk" and draw(st.booleans()):  # non-decreasing labels: one interval per row
-        return ("kind", name, {"labels": [sorted(row) for row in draw(labels(n, rows, 0, 3))]})
-    if name in ("chunk", "document", "segment"):
-        return ("kind", name, {"labels": draw(labels(n, rows, 0, 2))})
-    if name == "blocks":
-        return ("kind", name, {"labels": draw(labels(n, rows, -1, 2))})
-    parents = [draw(st.integers(-1, i - 1)) for i in range(lq)]
-    return ("kind", "tree", {"parents": parents})
-
-
-@st.composite
-def cases(draw):
-    options, frame = draw(positions())
-    q0, lq, k0, lk = frame
-    n = max(q0 + lq, k0 + lk)
-    batch = draw(st.integers(1, 2))
-    padding = draw(st.sampled_from(["none", "lengths", "ids"]))
-    valid = None
-    if padding == "lengths":
-        lengths = draw(st.lists(st.integers(0, n), min_size=batch, max_size=batch))
-        options["lengths"] = ",".join(map(str, lengths))
-        valid = [[kv < length for kv in range(n)] for length in lengths]
-    elif padding == "ids":
-        ids = draw(st.lists(st.lists(st.sampled_from([0, 7, 8]), min_size=n, max_size=n), min_size=batch, max_size=batch))
-        options["ids"] = ";".join(",".join(map(str, row)) for row in ids)
-        valid = [[token != 0 for token in row] for row in ids]
-    else:
-        batch = draw(st.sampled_from([1, batch]))  # labels alone may set the batch
-    tree = draw(st.recursive(
-        leaves(n, lq, batch, valid is not None),
-        lambda inner: st.one_of(
-            inner.map(lambda t: ("not", t)),
-            st.lists(inner, min_size=2, max_size=3).map(lambda ts: ("and", ts)),
-            st.lists(inner, min_size=2, max_size=3).map(lambda ts: ("or", ts)),
-        ),
-        max_leaves=4,
-    ))
-    return tree, options, frame, valid
-
-
-def reference_for(tree, frame, valid, batch):
-    q0, lq, k0, lk = frame
-    left = [ref.left_padding(row) for row in valid] if valid is not None and True else None
-    return np.array(ref.dense(tree, q0=q0, lq=lq, k0=k0, lk=lk, batch=batch, valid=valid, ids_valid_left_pad=left))
-
-
-def uses_ids(options):
-    return options.get("ids") is not None
+from maskcli.mask import MaskOptions, build
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_random_expressions_equal_the_definitions(case):
     tree, options, frame, valid = case
-    built = mask(ref.text(tree), MaskOptions(**options))
+    built = build(ref.text(tree), MaskOptions(**options))
     assert (built.frame.q_start, built.frame.q_len, built.frame.k_start, built.frame.k_len) == frame
     assert built.q_offset == frame[0] and built.kv_offset == frame[2]
-    batch = built.batch
-    left = [ref.left_padding(row) for row in valid] if uses_ids(options) else [0] * batch
-    expected = np.array(ref.dense(tree, q0=frame[0], lq=frame[1], k0=frame[2], lk=frame[3], batch=batch, valid=valid, ids_valid_left_pad=left))
+    expected = expected_cells(tree, options, frame, valid, built.batch)
     cells = np.broadcast_to(built.dense()[:, 0], expected.shape)
     assert np.array_equal(cells, expected)  # from the intervals where they are few, else the predicate
     assert np.array_equal(built.materialize().numpy()[:, 0], expected)  # the predicate on absolute positions
@@ -138,7 +42,7 @@ def test_flex_create_mask_with_the_exported_mask_mod_agrees(case):
     from torch.nn.attention.flex_attention import create_mask
 
     tree, options, frame, valid = case
-    built = mask(ref.text(tree), MaskOptions(**options))
+    built = build(ref.text(tree), MaskOptions(**options))
     flex = create_mask(built.mask_mod, built.batch, 1, frame[1], frame[3], device="cpu")
     assert np.array_equal(flex.numpy()[:, 0], np.broadcast_to(built.dense()[:, 0], flex.shape[:1] + flex.shape[2:]))
 
@@ -155,41 +59,41 @@ def test_the_issue_compositions():
         ],
     }
     for text, expected in cases.items():
-        assert mask(text).dense()[0, 0].astype(int).tolist() == expected
-    sinks = mask("causal & (window(3) | sink(1))", length=6).dense()[0, 0].astype(int)
+        assert build(text).dense()[0, 0].astype(int).tolist() == expected
+    sinks = build("causal & (window(3) | sink(1))", length=6).dense()[0, 0].astype(int)
     assert sinks[5].tolist() == [1, 0, 0, 1, 1, 1]
-    assert mask("~triu(1)", length=3).dense()[0, 0].astype(int).tolist() == [[0, 1, 1], [0, 0, 1], [0, 0, 0]]
-    assert mask("document(sizes=[3,5])").json()["params"]["labels"] == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert build("~triu(1)", length=3).dense()[0, 0].astype(int).tolist() == [[0, 1, 1], [0, 0, 1], [0, 0, 0]]
+    assert build("document(sizes=[3,5])").json()["params"]["labels"] == [0, 0, 0, 1, 1, 1, 1, 1]
 
 
 def test_behind_a_cache_every_kind_uses_absolute_positions():
     # the decode step of a window: query 9 sees keys 7, 8, 9
-    decode = mask("window(3)", offset=9, length=1)
+    decode = build("window(3)", offset=9, length=1)
     assert decode.intervals().row(0, 0) == [(7, 10)]
     # a sliding cache that dropped keys 0..5: the same window, fewer keys
-    sliding = mask("window(3)", offset=9, length=1, kv_start=6)
+    sliding = build("window(3)", offset=9, length=1, kv_start=6)
     assert sliding.shape == (1, 1, 1, 4) and sliding.intervals().row(0, 0) == [(7, 10)]
     assert sliding.dense()[0, 0, 0].tolist() == [False, True, True, True]
     # a static cache of 8 keys with 3 queries: top-left by default, bottom-right on request
-    assert mask("causal", length=3, kv_len=8).intervals().row(0, 2) == [(0, 3)]
-    assert mask("causal", length=3, kv_len=8, align="bottom-right").intervals().row(0, 0) == [(0, 6)]
+    assert build("causal", length=3, kv_len=8).intervals().row(0, 2) == [(0, 3)]
+    assert build("causal", length=3, kv_len=8, align="bottom-right").intervals().row(0, 0) == [(0, 6)]
     # document labels indexed by absolute position, behind an offset
-    behind = mask("document(0,0,1,1,1)", offset=3)
+    behind = build("document(0,0,1,1,1)", offset=3)
     assert behind.shape == (1, 1, 2, 5) and behind.dense()[0, 0].astype(int).tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
 
 
 def test_llama4_local_attention_counts_chunks_from_the_first_real_token():
     # Hugging Face's chunked_overlay with left padding: (kv - pad) // C == (q - pad) // C, and causal
-    left_padded = mask("local(3)", ids="0,0,5,6,7,8,9,1")
+    left_padded = build("local(3)", ids="0,0,5,6,7,8,9,1")
     cells = left_padded.dense()[0, 0].astype(int)
     assert cells[4].tolist() == [0, 0, 1, 1, 1, 0, 0, 0]  # tokens 2, 3, 4 are the first chunk
     assert cells[5].tolist() == [0, 0, 0, 0, 0, 1, 0, 0]  # token 5 starts the second
-    plain = mask("local(3)", length=8).dense()[0, 0].astype(int)
+    plain = build("local(3)", length=8).dense()[0, 0].astype(int)
     assert plain[5].tolist() == [0, 0, 0, 1, 1, 1, 0, 0]
 
 
 def test_tree_sees_the_prefix_its_ancestors_and_itself():
-    drafted = mask("tree(-1,0,0,1)", offset=3)
+    drafted = build("tree(-1,0,0,1)", offset=3)
     assert drafted.shape == (1, 1, 4, 7)
     assert drafted.dense()[0, 0].astype(int).tolist() == [
         [1, 1, 1, 1, 0, 0, 0],
@@ -198,26 +102,26 @@ def test_tree_sees_the_prefix_its_ancestors_and_itself():
         [1, 1, 1, 1, 1, 0, 1],
     ]
     with pytest.raises(MaskError, match=r"parents\[1\] is 1"):
-        mask("tree(-1,1)")
+        build("tree(-1,1)")
     with pytest.raises(MaskError, match="does not match the 4 draft tokens"):
-        mask("tree(-1,0,0,1)", length=3)
+        build("tree(-1,0,0,1)", length=3)
 
 
 def test_labels_that_do_not_stay_few_fall_back_to_the_predicate():
-    down = mask("chunk(0,0,1,1,0,2)")
+    down = build("chunk(0,0,1,1,0,2)")
     assert not down.exact and "go down at position 4" in down.why_not_exact
     assert down.dense()[0, 0, 4].astype(int).tolist() == [1, 1, 0, 0, 1, 0]
     assert any("go down" in warning for warning in down.warnings)
-    scattered = mask("segment(" + ",".join(str(i % 2) for i in range(140)) + ")")
+    scattered = build("segment(" + ",".join(str(i % 2) for i in range(140)) + ")")
     assert not scattered.exact and "separate runs" in scattered.why_not_exact
 
 
 def test_bare_kinds_take_their_parameters_from_flags():
-    assert mask("window", length=6, params={"--window": 2}).text == "window(2)"
-    assert mask("document & window", params={"--chunks": "0,0,1,1", "--window": 2}).text == "document(0,0,1,1) & window(2)"
-    assert mask("document", params={"--sizes": "2,2"}).text == "document(sizes=[2,2])"
-    assert mask("prefill", offset=4, length=2).text == "causal"
-    assert mask("triu", length=3, params={"--means": "keep"}).text == "triu(1, means=keep)"
+    assert build("window", length=6, params={"--window": 2}).text == "window(2)"
+    assert build("document & window", params={"--chunks": "0,0,1,1", "--window": 2}).text == "document(0,0,1,1) & window(2)"
+    assert build("document", params={"--sizes": "2,2"}).text == "document(sizes=[2,2])"
+    assert build("prefill", offset=4, length=2).text == "causal"
+    assert build("triu", length=3, params={"--means": "keep"}).text == "triu(1, means=keep)"
 
 
 @pytest.mark.parametrize(
@@ -246,7 +150,7 @@ def test_bare_kinds_take_their_parameters_from_flags():
 )
 def test_bad_expressions_and_options_say_what_to_fix(text, options, says):
     with pytest.raises(MaskError) as error:
-        mask(text, MaskOptions(**options))
+        build(text, MaskOptions(**options))
     assert says in str(error.value)
 
 
@@ -257,21 +161,190 @@ def test_labels_from_files(tmp_path):
     import torch
 
     torch.save(torch.tensor([0, 0, 1, 1, 1]), tmp_path / "labels.pt")
-    expected = mask("document(0,0,1,1,1)").dense()
+    expected = build("document(0,0,1,1,1)").dense()
     for name in ("labels.npy", "labels.txt", "labels.pt"):
-        from_file = mask(f'document("{tmp_path / name}")')
+        from_file = build(f'document("{tmp_path / name}")')
         assert np.array_equal(from_file.dense(), expected)
         assert from_file.text == f'document("{tmp_path / name}")'
-    two = mask(f'document("{tmp_path / "labels.json"}")')
+    two = build(f'document("{tmp_path / "labels.json"}")')
     assert two.batch == 2 and two.dense()[1, 0, 1].astype(int).tolist() == [0, 1, 0, 0, 0]
-    assert np.array_equal(mask("document", params={"--chunks": str(tmp_path / "labels.npy")}).dense(), expected)
+    assert np.array_equal(build("document", params={"--chunks": str(tmp_path / "labels.npy")}).dense(), expected)
 
 
 def test_a_million_token_mask_is_intervals_not_cells():
     sizes = ",".join(["4096"] * 256)
-    long = mask(f"document(sizes=[{sizes}]) & window(4096)")
+    long = build(f"document(sizes=[{sizes}]) & window(4096)")
     intervals = long.intervals()
     assert long.shape == (1, 1, 1 << 20, 1 << 20) and intervals.per_row == 1
     # closed form: each document of 4096 is causal inside, and a 4096 window never cuts it
     assert int(intervals.counts().sum()) == 256 * 4096 * 4097 // 2
     assert intervals.row(0, 5000) == [(4096, 5001)]
+
+
+def test_sizes_come_from_the_data_when_len_is_not_given():
+    assert build("causal").shape == (1, 1, 8, 8)
+    assert build("causal", length=5, heads=3).shape == (1, 3, 5, 5)
+    assert build("padding", lengths="4,2").shape == (2, 1, 4, 4)  # the longest length
+    assert build("causal", offset=2, lengths="6,7").shape == (2, 1, 5, 7)
+    assert build("padding", ids="5,0,0;6,7,0").shape == (2, 1, 3, 3)
+    assert build("chunk(0,0,1)").shape == (1, 1, 3, 3)
+    assert build("chunk(0,0,1,1)", offset=3).shape == (1, 1, 1, 4)
+    words = "Your journey starts with one step"
+    assert build("causal", tokens=words).shape == (1, 1, 6, 6)
+    assert build("causal", offset=4, tokens=words).shape == (1, 1, 2, 6)
+    assert build("causal", offset=4, tokens=words).tokens == tuple(words.split())
+
+
+@pytest.mark.parametrize(
+    ("text", "options", "says"),
+    [
+        ("chunk(0,0,1)", {"length": 2}, "have 3 entries but the mask covers positions 0-1"),
+        ("causal", {"length": 3, "tokens": "a b"}, "--tokens have 2 entries but the mask covers positions 0-2"),
+        ("causal", {"offset": 2, "length": 1, "tokens": "a"}, "--tokens has 1 entry but the mask covers positions 0-2"),
+        ("causal", {"tokens": "  "}, "--tokens '  ' has no words"),
+        ("causal", {"offset": 6, "tokens": "a b c d e f"}, "--tokens give 6 positions, none left for a query after --offset 6"),
+        ("padding", {"lengths": "0,0"}, "the longest of --lengths give 0 positions"),
+        ("padding", {"lengths": "2,-1"}, "--lengths values must be 0 or more, got -1 in '2,-1'"),
+        ("padding", {"lengths": "2,x"}, "'x' at position 1 of '2,x' is not an integer"),
+        ("padding", {"lengths": "2;3"}, "one length per batch row"),
+        ("padding", {"ids": "1,2,0", "length": 4}, "--ids rows have 3 tokens but the sequence has 4 positions"),
+        ("padding", {"ids": "1,2;3"}, "different lengths [1, 2]"),
+        ("padding", {"ids": "1,2", "lengths": "2"}, "either --lengths or --ids, not both"),
+        ("causal", {"heads": 0}, "--heads must be at least 1"),
+        ("prefix(9)", {"length": 4}, "the prefix of 9 is longer than the sequence (4 tokens)"),
+        ("chunk", {"params": {"--chunks": "0,a,1"}}, "'a' at position 1 of '0,a,1' is not an integer"),
+        ("chunk", {"params": {"--chunks": ""}}, "no values"),
+        ("chunk", {}, "chunk needs --chunks LABELS"),
+        ("causal", {"params": {"--diagonal": 1}}, "--diagonal 1 does not apply to 'causal': it is for tril, triu"),
+        ("window", {"params": {"--window": 2, "--prefix": 1}}, "--prefix 1 does not apply to 'window'"),
+        ("document", {"params": {"--chunks": "0,1", "--sizes": "1,1"}}, "give --chunks or --sizes, not both"),
+        ("Causal", {}, "unknown mask kind 'Causal': did you mean causal?"),
+    ],
+)
+def test_every_refusal_is_one_line_that_says_what(text, options, says):
+    with pytest.raises(MaskError) as error:
+        build(text, MaskOptions(**options))
+    assert says in str(error.value)
+    assert "\n" not in str(error.value)
+    assert isinstance(error.value, ValueError)  # library callers may catch it as a ValueError
+
+
+def test_building_a_mask_imports_numpy_but_not_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from maskcli.mask import build\n"
+        "m = build('document(0,0,1,1) & window(2)', lengths='4,3', tokens='a b c d')\n"
+        "m.dense(); m.intervals(); m.json()\n"
+        "print(sorted(name for name in ('torch', 'matplotlib', 'rich', 'typer') if name in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+# --- against PyTorch's own matrices and mask_mods ------------------------------------------------
+
+import torch  # noqa: E402
+from torch.nn.attention.flex_attention import and_masks as flex_and_masks  # noqa: E402
+from torch.nn.attention.flex_attention import create_mask  # noqa: E402
+from torch.nn.attention.flex_attention import or_masks as flex_or_masks  # noqa: E402
+
+FAST = settings(max_examples=40, deadline=None)
+
+
+@FAST
+@given(length=st.integers(1, 10), diagonal=st.integers(-5, 5), means=st.sampled_from([None, "keep", "block"]))
+def test_tril_and_triu_are_the_raw_torch_matrices(length, diagonal, means):
+    extra = "" if means is None else f", means={means}"
+    tril = build(f"tril({diagonal}{extra})", length=length).materialize()[0, 0]
+    triu = build(f"triu({diagonal}{extra})", length=length).materialize()[0, 0]
+    raw_l = torch.tril(torch.ones(length, length), diagonal).bool()
+    raw_u = torch.triu(torch.ones(length, length), diagonal).bool()
+    assert torch.equal(tril, raw_l if means in (None, "keep") else ~raw_l)  # tril reads its 1-cells as keep
+    assert torch.equal(triu, raw_u if means == "keep" else ~raw_u)  # triu reads them as block
+
+
+@pytest.mark.parametrize("length", [1, 2, 5, 9])
+def test_tril_triu_and_causal_defaults_are_the_tutorial_mask(length):
+    from maskcli.conventions import to_convention
+
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool))
+    for text in ("causal", "tril", "triu", "tril(0)", "~triu(1, means=keep)"):
+        assert torch.equal(build(text, length=length).materialize()[0, 0], causal), text
+    # the llama idiom: triu(full(-inf), 1) added to the scores is the causal mask, additive
+    llama = torch.triu(torch.full((length, length), float("-inf")), 1)
+    assert torch.equal(to_convention(build("triu", length=length).materialize(), "additive")[0, 0], llama)
+    assert torch.equal(
+        to_convention(build("causal", length=length).materialize(), "additive")[0, 0],
+        torch.nn.Transformer.generate_square_subsequent_mask(length),
+    )
+
+
+@FAST
+@given(offset=st.integers(0, 10), length=st.integers(1, 10))
+def test_prefill_is_torch_tril_moved_right_by_the_cache(offset, length):
+    keep = build("prefill", offset=offset, length=length).materialize()[0, 0]
+    assert torch.equal(keep, torch.ones(length, offset + length).tril(offset).bool())
+
+
+def test_causal_with_padding_is_the_merged_decoder_mask():
+    keep = build("causal", length=4, lengths="4,2").materialize()
+    lengths = torch.tensor([4, 2])
+    key_valid = torch.arange(4)[None, :] < lengths[:, None]
+    recipe = torch.tril(torch.ones(4, 4, dtype=torch.bool))[None, None] & key_valid[:, None, None, :]
+    assert torch.equal(keep, recipe)
+
+
+@FAST
+@given(data=st.data())
+def test_materialize_a_window_of_rows_is_that_slice_of_the_whole(data):
+    built = build("document(0,0,1,1,1,2,2) & window(3) | sink(1)", offset=None)
+    whole = built.materialize()
+    q_lo = data.draw(st.integers(0, 6))
+    q_hi = data.draw(st.integers(q_lo + 1, 7))
+    assert torch.equal(built.materialize(q_range=range(q_lo, q_hi)), whole[:, :, q_lo:q_hi])
+    assert np.array_equal(built.cells(0, 0, q_lo, q_hi), whole[0, 0, q_lo:q_hi].numpy())
+
+
+def test_and_or_not_of_predicates_are_flex_attentions():
+    a, b = build("window(3)", length=7), build("prefix(2)", length=7)
+    both, either, neither = (build(text, length=7) for text in ("window(3) & prefix(2)", "window(3) | prefix(2)", "~(window(3) | prefix(2))"))
+    flex_both = create_mask(flex_and_masks(a.mask_mod, b.mask_mod), 1, 1, 7, 7, device="cpu")
+    flex_either = create_mask(flex_or_masks(a.mask_mod, b.mask_mod), 1, 1, 7, 7, device="cpu")
+    assert torch.equal(create_mask(both.mask_mod, 1, 1, 7, 7, device="cpu"), flex_both)
+    assert torch.equal(create_mask(either.mask_mod, 1, 1, 7, 7, device="cpu"), flex_either)
+    assert torch.equal(neither.materialize(), ~flex_either)
+
+
+def test_the_exported_mask_mod_adds_the_offsets_for_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    built = build("document(sizes=[100,60,40]) & window(32)", offset=150, length=50)
+    block = create_block_mask(built.mask_mod, None, None, 50, 200, device="cpu", BLOCK_SIZE=16)
+    assert torch.equal(block.to_dense().bool()[0, 0, :50, :200].any(), torch.tensor(True))
+    dense = create_mask(built.mask_mod, 1, 1, 50, 200, device="cpu")
+    assert np.array_equal(dense[0, 0].numpy(), built.dense()[0, 0])
+
+
+def test_a_mask_is_immutable_and_its_dense_form_is_guarded(monkeypatch):
+    from maskcli import memory
+
+    built, smaller = build("causal", length=32), build("causal", length=31)
+    with pytest.raises(AttributeError):
+        built.batch = 3
+    assert built.exact and smaller.exact  # the intervals, a few integers per row, are made first
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: 1000)
+    with pytest.raises(MaskError, match=r"1,024 bytes") as error:
+        built.dense()  # 32 x 32 bool cells
+    assert "1 x 1 x 32 x 32" in str(error.value)
+    assert smaller.dense().shape == (1, 1, 31, 31)  # 961 bytes fits
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: None)  # the platform cannot say: go ahead
+    assert build("causal", length=32).dense().shape == (1, 1, 32, 32)
+
+
+def test_intervals_of_an_impossible_length_are_refused_up_front():
+    with pytest.raises(MaskError, match="for its key intervals"):
+        build("causal", length=10**12).exact

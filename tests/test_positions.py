@@ -15,8 +15,8 @@ def place(**given):
 
 def test_defaults_and_what_the_data_says():
     assert place() == (0, DEFAULT_LEN, 0, DEFAULT_LEN)
-    assert place(sequence=6) == (0, 6, 0, 6)  # labels cover 0..5: six queries over six keys
-    assert place(sequence=6, offset=4) == (4, 2, 0, 6)  # the last two are new, four are cached
+    assert place(sequence=("labels", 6)) == (0, 6, 0, 6)  # labels cover 0..5: six queries over six keys
+    assert place(sequence=("labels", 6), offset=4) == (4, 2, 0, 6)  # the last two are new, four are cached
     assert place(queries=3, offset=5) == (5, 3, 0, 8)  # a draft tree of three tokens
     assert place(length=2, default=5) == (0, 2, 0, 2)
     assert place(default=5) == (0, 5, 0, 5)
@@ -42,7 +42,7 @@ def test_cache_offsets_and_kv_windows():
         ({"align": "top-left"}, "without --kv-len"),
         ({"align": "top-left", "offset": 1, "kv_len": 3}, "not both"),
         ({"kv_start": 4, "length": 4}, "--kv-start 4 leaves no key"),
-        ({"sequence": 3, "offset": 3}, "leave no query after --offset 3"),
+        ({"sequence": ("labels", 3), "offset": 3}, "labels give 3 positions, none left for a query after --offset 3"),
         ({"queries": 4, "length": 3}, "does not match the 4 draft tokens"),
         ({"length": 5, "kv_len": 3, "align": "bottom-right"}, "position -2"),
     ],

@@ -10,6 +10,7 @@ import difflib
 import functools
 import importlib
 import pkgutil
+from pathlib import Path
 
 from maskcli.errors import MaskError
 from maskcli.kinds.base import Kind, Param
@@ -20,10 +21,8 @@ _NOT_KINDS = {"base", "values", "registry"}
 @functools.cache
 def all_kinds() -> tuple[Kind, ...]:
     """Every kind, simplest first."""
-    import maskcli.kinds as package
-
     kinds: list[Kind] = []
-    for module in pkgutil.iter_modules(package.__path__):
+    for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if module.name not in _NOT_KINDS:
             kinds.extend(importlib.import_module(f"maskcli.kinds.{module.name}").KINDS)
     names = [name for kind in kinds for name in (kind.name, *kind.aliases)]

@@ -43,24 +43,31 @@ def inline(rows, where: str) -> Labels:
 
 
 def from_sizes(rows, where: str) -> Labels:
-    """Labels 0,0,0,1,1 from sizes [3, 2]: one segment per size, per batch row."""
+    """Labels 0,0,0,1,1 from sizes [3, 2]: one segment per size, per batch row (rows may hold different counts)."""
     for row in rows:
+        if not row:
+            raise MaskError(f"{where}: a batch row has no sizes: give sizes like 3,5")
         for size in row:
-            if size < 1:
+            if not 1 <= size <= INT64_LIMIT:
                 raise MaskError(f"{where}: segment sizes must be at least 1, got {size}")
-    sizes = _array(rows, where)
-    totals = sizes.sum(axis=1)
-    if len(set(totals.tolist())) > 1:
-        raise MaskError(f"{where}: the batch rows' sizes add up to different lengths {sorted(set(totals.tolist()))}: every row must cover the same positions")
-    labels = np.stack([np.repeat(np.arange(sizes.shape[1], dtype=np.int64), row) for row in sizes])
-    text = "sizes=[" + rows_text(rows) + "]"
-    return Labels(labels, "sizes", text)
+    totals = sorted({sum(row) for row in rows})
+    if len(totals) > 1:
+        raise MaskError(f"{where}: the batch rows' sizes add up to different lengths {totals}: every row must cover the same positions")
+    from maskcli.memory import check_dense_fits
+
+    check_dense_fits((len(rows), totals[0]), 8, "", fix="use fewer or smaller sizes", what="labels")
+    labels = np.stack([np.repeat(np.arange(len(row), dtype=np.int64), np.asarray(row, dtype=np.int64)) for row in rows])
+    return Labels(labels, "sizes", "sizes=[" + rows_text(rows) + "]")
 
 
 def parse_rows(text: str, where: str, example: str = "0,0,1,1") -> list[list[int]]:
     """'0,0,1;0,1,1' -> [[0, 0, 1], [0, 1, 1]], quoting the bad item."""
+    if all(not item.strip() for item in re.split(r"[,;]", text)):
+        raise MaskError(f"{where}: no values: give comma-separated integers such as {example}")
     rows = []
-    for row_text in text.split(";"):
+    for number, row_text in enumerate(text.split(";")):
+        if not row_text.strip():
+            raise MaskError(f"{where}: batch row {number} is empty: give every row one value per position, ';' between rows")
         items = row_text.split(",")
         row = []
         for position, item in enumerate(items):

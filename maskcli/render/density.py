@@ -30,10 +30,10 @@ def choose_blocks(q_len: int, k_len: int, width: int) -> Blocks:
     return Blocks(rows=rows, cols=cols)
 
 
-def density_text(shares, blocks: Blocks, q_len: int, k_len: int, q_offset: int = 0, sampled: int | None = None) -> Text:
+def density_text(shares, blocks: Blocks, q_len: int, k_len: int, q_offset: int = 0, k_offset: int = 0, how: str = "exact") -> Text:
     """The map: a key-position ruler, then one line per block of queries, labelled by its first query.
 
-    `shares` holds the visible share (0..1) of each block; `sampled`, when given, is the points per side each block was estimated from.
+    `shares` holds the exact visible share (0..1) of each block; `how` says how it was counted.
     """
     grid_rows, grid_cols = shares.shape
     label_width = len(str(q_offset + q_len - 1))
@@ -41,7 +41,7 @@ def density_text(shares, blocks: Blocks, q_len: int, k_len: int, q_offset: int =
     ruler = [" "] * grid_cols
     free = 0  # first column after the last mark and its gap: long numbers must not run together
     for col in range(0, grid_cols, 10):
-        mark = str(col * blocks.cols)
+        mark = str(k_offset + col * blocks.cols)
         if col >= free and col + len(mark) <= grid_cols:
             ruler[col : col + len(mark)] = mark
             free = col + len(mark) + 1
@@ -63,10 +63,8 @@ def density_text(shares, blocks: Blocks, q_len: int, k_len: int, q_offset: int =
     noun_q = "query" if blocks.rows == 1 else "queries"
     noun_k = "key" if blocks.cols == 1 else "keys"
     text.append(
-        f"rows: query position, ruler: key position; one character = {blocks.rows} {noun_q} x "
-        f"{blocks.cols} {noun_k}" + (f" (estimated from up to {sampled} x {sampled} points each)" if sampled else "")
-        + "\n"
-        + (LEGEND if not sampled else LEGEND.replace(f"{NONE} none", f"{NONE} none found (a band narrower than a sample step can hide)")),
+        f"rows: query position, ruler: key position; one character = {blocks.rows:,} {noun_q} x "
+        f"{blocks.cols:,} {noun_k} ({how})\n" + LEGEND,
         style="dim",
     )
     return text

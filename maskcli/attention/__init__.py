@@ -1,0 +1,7 @@
+"""Attention through a mask: inputs, staged computation, findings, and verification against kernels.
+
+Nothing is imported here, so the names below stay cheap for help text; the modules import torch.
+"""
+
+FILLS = ("-inf", "min", "-1e9", "multiply")
+STAGES = ("scores", "scaled", "masked", "weights", "output")

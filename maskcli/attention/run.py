@@ -1,0 +1,58 @@
+"""The attend pipeline without any rendering: inputs and mask on a device, stages, findings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from maskcli.attention.findings import Finding, run_findings
+from maskcli.attention.inputs import QKV, check_against_mask
+from maskcli.attention.stages import Stages, attend
+from maskcli.errors import MaskError
+from maskcli.mask import Mask
+from maskcli.memory import check_dense_fits
+
+
+@dataclass(frozen=True)
+class Run:
+    mask: Mask
+    stages: Stages
+    findings: list[Finding]
+    device: torch.device
+    source: str
+
+
+def run_attention(
+    mask: Mask,
+    qkv: QKV,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    scale: float | None = None,
+    fill: str = "-inf",
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> Run:
+    """Build the mask on `device`, run every stage there in `dtype`, and collect findings."""
+    qkv = check_against_mask(qkv, mask.shape)
+    batch, heads = qkv.q.shape[:2]
+    # scores, scaled, masked, weights (and their temporaries) are each B x H x Lq x Lk;
+    # dropout adds its random draw, its bool mask and one more product
+    floats = 6 + (3 if dropout > 0 else 0)
+    cells = (batch, heads, mask.frame.q_len, mask.frame.k_len)
+    check_dense_fits(
+        cells, floats * torch.finfo(dtype).bits // 8 + 1, "for the attention stages", device,
+        fix="use a smaller --len, fewer --heads or --batch, or a smaller --dtype",
+    )
+    q, k, v = qkv.q.to(device, dtype), qkv.k.to(device, dtype), qkv.v.to(device, dtype)
+    keep = mask.materialize(device)
+    try:
+        stages = attend(q, k, v, keep, scale=scale, fill=fill, dropout=dropout, seed=seed)
+    except torch.OutOfMemoryError:  # the guard above reads free memory, which others may take meanwhile
+        raise MaskError(
+            f"{device} ran out of memory for the attention stages ({' x '.join(map(str, cells))} cells each): "
+            "use a smaller --len, fewer --heads or --batch, or another --device"
+        ) from None
+    findings = run_findings(stages, mask)
+    return Run(mask, stages, findings, device, qkv.source)

@@ -1,0 +1,91 @@
+"""The Typer app and the one place where bad input becomes a line on stderr and exit status 2.
+
+Commands register themselves on `app` (maskcli.commands imports every command module).
+torch and matplotlib are imported inside the commands that need them, so `maskcli --help`
+loads neither.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+from typer.core import TyperGroup
+
+try:  # newer typer carries its own copy of click, with its own exception classes
+    from typer._click import exceptions as _click_exceptions
+except ImportError:  # pragma: no cover - older typer raises click's
+    from click import exceptions as _click_exceptions
+
+from maskcli import __version__
+from maskcli.errors import MaskError
+
+UsageError = _click_exceptions.UsageError
+NoArgsIsHelpError = getattr(_click_exceptions, "NoArgsIsHelpError", ())
+
+
+class MaskcliGroup(TyperGroup):
+    """Every bad input, ours or click's, ends as one line on stderr and exit status 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except NoArgsIsHelpError as error:
+            typer.echo(error.ctx.get_help())
+            code = 0
+        except UsageError as error:
+            command = error.ctx.command_path if error.ctx else "maskcli"
+            fail(f"{command}: {error.format_message()} (see '{command} --help')")
+        except MaskError as error:
+            fail(str(error))
+        except typer.Abort:
+            typer.echo("maskcli: aborted", err=True)
+            code = 1
+        except BrokenPipeError:
+            sys.stderr.close()
+            code = 1
+        if not standalone_mode:
+            return code
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def fail(message: str) -> None:
+    one_line = " ".join(message.splitlines())  # a quoted value (a repr, say) may hold line breaks
+    typer.echo(f"maskcli: error: {one_line}", err=True)
+    sys.exit(2)
+
+
+def warn(message: str) -> None:
+    typer.echo(f"maskcli: warning: {message}", err=True)
+
+
+def done(message: str) -> None:
+    """What was written, on stderr, so that stdout stays the view (or the JSON)."""
+    typer.echo(message, err=True)
+
+
+app = typer.Typer(
+    cls=MaskcliGroup,
+    name="maskcli",
+    help="See and check attention masks: build them from kinds and expressions, show them as tables, "
+    "exact density maps or heatmaps, and run attention through them.",
+    epilog="Examples: maskcli show causal --len 6 · maskcli show \"document(0,0,1,1) & window(2)\" · maskcli kinds",
+    no_args_is_help=True,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_enable=False,
+)
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"maskcli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[bool, typer.Option("--version", callback=version_callback, is_eager=True, help="Print the version and exit.")] = False,
+) -> None:
+    """See and check attention masks."""

@@ -1,0 +1,105 @@
+"""`maskcli attend`: run scaled dot-product attention through a mask and show every stage."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from maskcli.attention import FILLS, STAGES
+from maskcli.commands.app import app, done
+from maskcli.commands.inputs import InputOptions, mask_and_inputs
+from maskcli.commands.options import (
+    KIND_ARGUMENT_HELP, BatchIndex, Dropout, FigurePng, Fill, Head, Precision, StagesJson, StagesOpt, examples,
+    input_options, mask_options,
+)
+from maskcli.commands.show import check_choice
+from maskcli.errors import MaskError
+from maskcli.mask import MaskOptions
+
+FIGURE_ROWS = 8  # (batch, head) rows in an attend figure unless --batch-index / --head choose
+
+
+def parse_stages(text: str) -> tuple[str, ...]:
+    """`scores,masked,weights` -> names, each one of STAGES, in the order given."""
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))  # each once, in order
+    if not names:
+        raise MaskError(f"--stages {text!r} names no stage: choose from {', '.join(STAGES)}")
+    for name in names:
+        check_choice(name, STAGES, "stage in --stages")
+    return names
+
+
+@app.command(
+    epilog=examples(
+        "maskcli attend causal --len 4",
+        "maskcli attend \"document(0,0,1,1) & window(2)\" --fill multiply",
+        "maskcli attend padding --lengths 3,0 --fill min --png stages.png",
+        "maskcli attend causal --seed 789 --d-out 2 --stages weights --x "
+        "\"[[0.43,0.15,0.89],[0.55,0.87,0.66],[0.57,0.85,0.64],[0.22,0.58,0.33],[0.77,0.25,0.10],[0.05,0.80,0.55]]\"",
+    ),
+)
+@mask_options()
+@input_options(head_dim=8)
+def attend(
+    kind: Annotated[str, typer.Argument(help=KIND_ARGUMENT_HELP, show_default=False, metavar="EXPR")],
+    fill: Fill = "-inf",
+    dropout: Dropout = 0.0,
+    stages: StagesOpt = "scores,masked,weights,output",
+    batch_index: BatchIndex = None,
+    head: Head = None,
+    precision: Precision = 4,
+    png: FigurePng = None,
+    json_: StagesJson = False,
+    *,
+    mask: MaskOptions,
+    inputs: InputOptions,
+) -> None:
+    """Run scaled dot-product attention through a mask and show every stage.
+
+    scores = Q Kᵀ, scaled = scores / sqrt(D), masked (see --fill), weights = softmax(masked), output = weights V. Under the tables, findings in plain words: rows that see no key (NaN or uniform weights), rows whose weights do not sum to 1, queries that see later keys, a fill value the dtype cannot hold.
+    """
+    from maskcli.files import FIGURE_SUFFIXES, check_output_path
+
+    check_choice(fill, FILLS, "--fill")
+    names = list(parse_stages(stages))
+    if png is not None and not png.strip():
+        raise MaskError("--png is empty: give a file name")
+    if not 0 <= dropout < 1:
+        raise MaskError(f"--dropout must be at least 0 and below 1, got {dropout}")
+    if not 0 <= precision <= 12:
+        raise MaskError(f"--precision must be 0 to 12 decimals, got {precision}")
+    built, qkv, torch_device, torch_dtype = mask_and_inputs(kind, mask, inputs)
+    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "attend_" + built.slug) if png is not None else None
+    from maskcli.attention.run import run_attention
+
+    run = run_attention(built, qkv, torch_device, torch_dtype, scale=inputs.scale, fill=fill, dropout=dropout, seed=inputs.seed)
+
+    from maskcli.render import stages as report
+
+    shape = run.stages.keep.shape
+    chosen = batch_index is not None or head is not None
+    for flag, index, size, what in (("--batch-index", batch_index, shape[0], "batch rows"), ("--head", head, shape[1], "heads")):
+        if index is not None and not 0 <= index < size:
+            raise MaskError(f"{flag} {index} is outside this run's {what} 0-{size - 1} ({what[0].upper()}={size}): pick one of them")
+    if png_path is not None:
+        from maskcli.render.heatmaps import save_figure
+
+        pairs = report.selection(shape, batch_index, head, limit=FIGURE_ROWS)
+        save_figure(report.stages_figure(run.mask, run.stages, names, pairs, run.device), png_path)
+        note = report.selection_note(shape, pairs, "the figure's rows", chosen)
+        done(f"wrote {png_path}" + (f" ({note})" if note else ""))
+    if json_:
+        typer.echo(report.stages_json(run.mask, run.stages, run.device, run.findings, list(STAGES)))
+        return
+    from rich.console import Console
+
+    console = Console()
+    console.print(report.run_header(run.mask, run.stages, run.device, run.source), style="bold", highlight=False)
+    pairs = report.selection(shape, batch_index, head)
+    note = report.selection_note(shape, pairs, "the tables", chosen)
+    if note:
+        console.print(note, style="dim", highlight=False)
+    for view in report.stage_tables(run.mask, run.stages, names, pairs, precision, width=console.width):
+        console.print(view)
+    console.print(report.findings_text(run.findings))

@@ -1,0 +1,82 @@
+"""What attend and verify share: the input options, and building the mask and Q/K/V together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from maskcli.commands.app import warn
+from maskcli.errors import MaskError
+from maskcli.mask import MaskOptions
+from maskcli.mask import build as build_mask
+
+
+@dataclass(frozen=True)
+class InputOptions:
+    """The input and compute options of attend and verify, as given."""
+
+    q: str | None
+    k: str | None
+    v: str | None
+    x: str | None
+    seed: int
+    batch: int | None
+    head_dim: int | None
+    d_out: int | None
+    qkv_bias: bool
+    device: str
+    dtype: str
+    scale: float | None
+    default_head_dim: int
+
+
+def check_input_options(o: InputOptions) -> None:
+    """Refuse a seed torch cannot take, a bad scale, and input options that the inputs in use would silently ignore."""
+    import math
+
+    if not 0 <= o.seed < 2**63:
+        raise MaskError(f"--seed must be 0 to {2**63 - 1} (a 64-bit seed), got {o.seed}")
+    if o.scale is not None and not 0 < o.scale < math.inf:
+        raise MaskError(f"--scale must be a positive finite number, got {o.scale}")
+    given_qkv = any(t is not None for t in (o.q, o.k, o.v))
+    source = "--q/--k/--v" if given_qkv else "--x" if o.x is not None else None
+    if source and o.batch is not None:
+        raise MaskError(f"--batch {o.batch} is for random inputs, and {source} set the batch size: drop --batch")
+    if source and o.head_dim is not None:
+        how = "--q/--k/--v set it" if given_qkv else "with --x it is --d-out / --heads"
+        raise MaskError(f"--head-dim {o.head_dim} is for random inputs, and {how}: drop --head-dim")
+    if (o.d_out is not None or o.qkv_bias) and (given_qkv or o.x is None):
+        flag = f"--d-out {o.d_out}" if o.d_out is not None else "--qkv-bias"
+        raise MaskError(f"{flag} is for the projections of --x embeddings, and there is no --x in use: drop {flag.split()[0]}")
+    if given_qkv and o.x is not None:
+        warn("--x is ignored: --q/--k/--v take precedence")
+
+
+def mask_and_inputs(expression: str, options: MaskOptions, o: InputOptions):
+    """The Mask and Q/K/V for attend and verify: given inputs decide the length unless --len or the data does."""
+    check_input_options(o)
+    if all(t is None for t in (o.q, o.k, o.v, o.x)):
+        build_mask(expression, options)  # refuse bad mask options before importing torch
+
+    from maskcli.attention.inputs import check_fits, load_given, make_qkv, resolve_device, resolve_dtype
+
+    torch_device = resolve_device(o.device)
+    torch_dtype = resolve_dtype(o.dtype)
+    given = load_given(o.q, o.k, o.v, o.x)
+    default = given.query_length(options.offset or 0) if given is not None else None
+    if default is not None and default < 1:
+        raise MaskError(f"--x has {given.x.shape[-2]} rows, which leave no query after --offset {options.offset}: give more rows or a smaller --offset")
+    mask = build_mask(expression, options, default_length=default)
+    for message in mask.warnings:
+        warn(message)
+    if mask.batch > 1 and o.batch is not None and o.batch != mask.batch:
+        raise MaskError(f"--batch {o.batch} does not match the {mask.batch} batch rows of the mask (--lengths/--ids or labels): drop --batch")
+    qkv = make_qkv(
+        given, seed=o.seed, batch=mask.batch if mask.batch > 1 else 1 if o.batch is None else o.batch, heads=options.heads,
+        head_dim=o.default_head_dim if o.head_dim is None else o.head_dim, d_out=o.d_out, qkv_bias=o.qkv_bias,
+        q_len=mask.frame.q_len, k_len=mask.frame.k_len,
+    )
+    if given is not None:
+        source = "--x (projected)" if given.x is not None else None
+        for flag, tensor in (("--q", qkv.q), ("--k", qkv.k), ("--v", qkv.v)):
+            check_fits(tensor, torch_dtype, source or flag)
+    return mask, qkv, torch_device, torch_dtype

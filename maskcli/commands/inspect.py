@@ -1,0 +1,218 @@
+"""`maskcli inspect` and `maskcli convert`: say what a mask tensor is, and write it in another convention.
+
+torch, rich and matplotlib are imported inside the commands, so `maskcli --help` loads none of them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from maskcli.commands.app import app, done, warn
+from maskcli.commands.options import InspectHeads, KeyOpt, Png, ReportJson, Tokens, examples
+from maskcli.commands.show import check_choice
+from maskcli.conventions import CONVENTIONS, DTYPES
+from maskcli.errors import MaskError
+
+FILE_HELP = (
+    "The mask tensor: .pt (loaded with weights_only=True, so no code in it runs), .npy, .npz, .safetensors, "
+    ".json, or inline JSON like '[[1,0],[1,1]]'."
+)
+OUT_SUFFIXES = (".pt", ".npy", ".json")
+
+File = Annotated[str, typer.Argument(help=FILE_HELP, show_default=False)]
+To = Annotated[str, typer.Option("--to", help="Target convention: " + "; ".join(f"{k} = {v}" for k, v in CONVENTIONS.items()) + ".", show_default=False)]
+Out = Annotated[str, typer.Option("--out", help="Output file; .pt, .npy or .json by extension. Written whole or not at all.", show_default=False)]
+ConvertDtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype of an additive or min result: {', '.join(DTYPES)} (default float32).", show_default=False)]
+From = Annotated[str | None, typer.Option(
+    "--from", help="Say which way round a bool (or 0/1) input is, where its structure does not tell: keep (True = attend) or block (True = masked).",
+    show_default=False,
+)]
+
+
+@app.command(
+    epilog=examples(
+        "maskcli show causal --len 4 --as block --save mask.pt  # a mask to look at",
+        "maskcli inspect mask.pt",
+        "maskcli inspect mask.pt --heads 8 --png mask.png",
+        "maskcli inspect '[[1,0,0],[1,1,0],[1,1,1]]' --json",
+    ),
+)
+def inspect(
+    file: File,
+    key: KeyOpt = None,
+    heads: InspectHeads = None,
+    tokens: Tokens = None,
+    png: Png = None,
+    json_: ReportJson = False,
+) -> None:
+    """Say what a mask tensor is, then show it.
+
+    The report: dtype and shape; how the shape broadcasts to (B, H, Lq, Lk) and which APIs
+    take it as is (SDPA attn_mask, nn.MultiheadAttention attn_mask and key_padding_mask);
+    its convention (a bool mask's polarity is read from its structure, and the report says
+    when it cannot tell); the maskcli kind that rebuilds it exactly, with the command; and
+    findings: rows that see no key, a query that sees a later key, a fill value that turns
+    to -inf in float16/bfloat16, a 3-D mask whose first dimension is the head count.
+    """
+    from maskcli.files import FIGURE_SUFFIXES, check_output_path
+
+    if heads is not None and heads < 1:
+        raise MaskError(f"--heads must be at least 1 (your model's head count), got {heads}")
+    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
+
+    from maskcli.inspect.analysis import analyse
+    from maskcli.inspect.load import load_mask
+
+    tensor, _ = load_mask(file, key)
+    analysis = analyse(tensor, heads)
+    mask = _display_mask(analysis, file if key is None else f"{file} [{key}]", tokens)
+    if png_path is not None:
+        from maskcli.render.heatmaps import save_figure
+        from maskcli.render.masks import mask_figure
+
+        save_figure(mask_figure(mask), png_path)
+        done(f"wrote {png_path}")
+    report = analysis.report(file)
+    if json_:
+        import json
+
+        typer.echo(json.dumps(report))
+        return
+    _print_report(analysis, report, mask)
+
+
+def _display_mask(analysis, source: str, tokens: str | None):
+    """A Mask over the dense keep tensor, named by the expression that rebuilds it (or by the file)."""
+    from maskcli.mask import from_tensor
+
+    dense = analysis.keep4.contiguous().numpy()
+    _, _, q_len, k_len = dense.shape
+    parsed = None
+    if tokens is not None:
+        parsed = tuple(tokens.split())
+        if not parsed:
+            raise MaskError(f"--tokens {tokens!r} has no words: give one word per key position")
+        if len(parsed) != k_len:
+            raise MaskError(f"--tokens has {len(parsed)} words but the mask has {k_len} key positions: give exactly {k_len}")
+        if analysis.q_offset + q_len > k_len:
+            raise MaskError(f"--tokens labels key positions, and this mask has more queries ({q_len}) than keys ({k_len}): drop --tokens")
+    structure = analysis.structure
+    name = structure.mask.title if structure.mask is not None else source
+    return from_tensor(dense, name, analysis.q_offset, 0, parsed)
+
+
+def _shown_convention(analysis) -> tuple[str, str, str | None]:
+    """The convention and dtype to draw the cells in: the file's own where maskcli can write its values."""
+    import torch
+
+    from maskcli.conventions import torch_dtype
+    from maskcli.inspect.load import dtype_name
+
+    convention = analysis.convention
+    own_dtype = dtype_name(analysis.tensor.dtype)
+    if convention.name in ("keep", "block"):
+        return convention.name, "float32", None
+    if convention.name == "int" and convention.ones_mean == "attend":
+        return "int", "float32", None
+    if convention.name == "additive" and convention.sentinel is None:
+        return "additive", own_dtype if own_dtype in DTYPES else "float32", None
+    if convention.name == "min":
+        for name in DTYPES:
+            if convention.sentinel == torch.finfo(torch_dtype(name)).min:
+                return "min", name, None
+    return "keep", "float32", "shown as keep (1 = may attend, 0 = masked): maskcli draws no column in the file's own values"
+
+
+def _print_report(analysis, report: dict, mask) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    from maskcli.render.masks import mask_views
+    from maskcli.render.stages import findings_text
+
+    console = Console(highlight=False)
+    convention, structure = analysis.convention, analysis.structure
+    text = Text()
+    text.append(f"{report['file']}", style="bold")
+    text.append(f": {report['dtype']} {report['shape']}\n")
+    text.append(f"shape: {report['broadcast']}\n")
+    text.append("fits: " + "\n      ".join(report["apis"]) + "\n")
+    how = {"values": "", "structure": "", "guess": " (a guess)", "cannot tell": " (cannot tell)"}[convention.how]
+    text.append(f"convention: {convention.name}{how}", style="bold")
+    text.append(f" — {convention.note}\n")
+    if structure.expression is not None:
+        text.append(f"structure: {structure.expression}", style="bold")
+        text.append(f" — rebuild it with: {structure.command}\n")
+        if structure.note:
+            text.append(f"  {structure.note}\n", style="dim")
+        if structure.also:
+            text.append(f"  also rebuilt by: {structure.also}\n", style="dim")
+    else:
+        text.append("structure: none recognised", style="bold")
+        text.append(f" — {structure.note}\n")
+    console.print(text, end="")
+    console.print(findings_text(analysis.findings) if analysis.findings else Text("findings: none", style="green"))
+    shown, dtype_name, note = _shown_convention(analysis)
+    if note:
+        console.print(Text(note, style="dim"))
+    for view in mask_views(mask, shown, dtype_name, console):
+        console.print(view)
+
+
+@app.command(
+    epilog=examples(
+        "maskcli show causal --len 4 --as block --save mha_mask.pt  # a mask to convert",
+        "maskcli convert mha_mask.pt --to keep --out sdpa_mask.pt",
+        "maskcli convert mha_mask.pt --to min --dtype float16 --out hf_mask.npy",
+        "maskcli convert '[[0,1],[0,0]]' --from block --to additive --out padding.json",
+    ),
+)
+def convert(
+    file: File,
+    to: To,
+    out: Out,
+    dtype: ConvertDtype = None,
+    key: KeyOpt = None,
+    from_: From = None,
+) -> None:
+    """Write a mask in another convention (keep, block, additive, min, int), in the same shape.
+
+    The input's convention is read from its values; a bool (or 0/1) mask's polarity from its
+    structure, and where that cannot tell, --from says it. An additive bias (values other
+    than 0 and one fill) is not a mask and is refused.
+    """
+    from maskcli.files import check_output_path
+
+    check_choice(to, CONVENTIONS, "--to convention")
+    if dtype is not None:
+        check_choice(dtype, DTYPES, "--dtype")
+        if to not in ("additive", "min"):
+            warn(f"--dtype {dtype} is for --to additive or min; --to {to} is written as {'bool' if to in ('keep', 'block') else 'int64'}")
+    if from_ is not None:
+        check_choice(from_, ("keep", "block"), "--from convention")
+    out_path = check_output_path(out, OUT_SUFFIXES, "--out")
+    dtype = dtype or "float32"
+    if out_path.suffix.lower() == ".npy" and dtype == "bfloat16":
+        raise MaskError("--out .npy cannot hold bfloat16 (numpy has no such dtype): write .pt or .json, or pick another --dtype")
+
+    from maskcli.conventions import to_convention
+    from maskcli.files import write_array
+    from maskcli.inspect.load import load_mask
+    from maskcli.inspect.polarity import Convention, classify, to_keep
+
+    tensor, label = load_mask(file, key)
+    convention = classify(tensor)
+    if from_ is not None:
+        if convention.name not in ("keep", "block", "int"):
+            raise MaskError(f"--from is for bool and 0/1 masks; {label} is {convention.name} ({convention.note})")
+        convention = Convention(from_, "values", "given with --from")
+    elif convention.name == "bias":
+        raise MaskError(f"{label} is not a mask but an additive bias ({convention.note}): nothing to convert")
+    elif not convention.sure:
+        raise MaskError(f"cannot tell whether {label} is keep or block ({convention.note}): say which with --from keep or --from block")
+    result = to_convention(to_keep(tensor, convention), to, dtype)
+    write_array(result, out_path)
+    described = f"{convention.name}" + (", 1 = masked" if convention.name == "int" and convention.ones_mean == "masked" else "")
+    done(f"wrote {out_path}: {described} -> {to}{' ' + dtype if to in ('additive', 'min') else ''}, shape {list(result.shape)}")

@@ -1,0 +1,211 @@
+"""Command-line options shared by several commands, defined once as Annotated aliases."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import typer
+
+from maskcli.conventions import CONVENTIONS, DTYPES
+
+
+def integer(value: str) -> int:
+    """Parse an integer option so that the error quotes what was typed."""
+    try:
+        return int(value)
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a whole number") from None
+
+
+def escape(text: str) -> str:
+    """Help text is rich markup: keep `label[kv]` from being read as a tag."""
+    return text.replace("[", "\\[")
+
+
+def examples(*commands: str) -> str:
+    """A command's epilog: one runnable example a line, so each can be copied whole."""
+    return "\n\n".join(["Examples:" if len(commands) > 1 else "Example:", *commands])
+
+
+MASK_PANEL = "Mask options"
+POSITION_PANEL = "Positions"
+KIND_PANEL = "Kind parameters (for a bare kind name)"
+OUTPUT_PANEL = "Output"
+
+Tokens = Annotated[str | None, typer.Option("--tokens", help="Words that label the axes, one per position of the sequence: \"Your journey starts with one step\" (without --len they give the length).", rich_help_panel=OUTPUT_PANEL)]
+As = Annotated[str, typer.Option("--as", help="Convention shown and saved: " + "; ".join(f"{k} = {v}" for k, v in CONVENTIONS.items()) + ".", rich_help_panel=OUTPUT_PANEL)]
+Dtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype for the additive and min conventions: {', '.join(DTYPES)} (default float32).", rich_help_panel=OUTPUT_PANEL)]
+Png = Annotated[str | None, typer.Option("--png", help="Write a heatmap; the extension picks the format: .png, .svg or .pdf (a directory: a .png named after the mask).", rich_help_panel=OUTPUT_PANEL)]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object: expression, kinds with their params, shape, q_offset, kv_offset, convention and the mask as nested 0/1 lists (1 = may attend).", rich_help_panel=OUTPUT_PANEL)]
+Save = Annotated[str | None, typer.Option("--save", help="Save the mask tensor in the --as convention; .pt or .npy by extension (a directory: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
+
+
+
+INPUT_PANEL = "Inputs"
+COMPUTE_PANEL = "Computation"
+DISPLAY_PANEL = "Display"
+
+QFile = Annotated[str | None, typer.Option("--q", help="Queries: a .pt/.npy/.safetensors/.json file (tensor 'q') or inline JSON; shape [L, D], [B, L, D] or [B, H, L, D]. Needs --k and --v too.", rich_help_panel=INPUT_PANEL)]
+KFile = Annotated[str | None, typer.Option("--k", help="Keys, like --q (tensor 'k').", rich_help_panel=INPUT_PANEL)]
+VFile = Annotated[str | None, typer.Option("--v", help="Values, like --q (tensor 'v').", rich_help_panel=INPUT_PANEL)]
+XFile = Annotated[str | None, typer.Option("--x", help="Embeddings [L, d_in] or [B, L, d_in] (file or inline JSON like \"[[0.43, 0.15, 0.89], ...]\"), projected as tutorial code does: torch.manual_seed(--seed), then nn.Linear(d_in, d_out) for query, key and value in that order.", rich_help_panel=INPUT_PANEL)]
+Seed = Annotated[int, typer.Option("--seed", help="Seed for random inputs, for the --x projections and for --dropout.", parser=integer, rich_help_panel=INPUT_PANEL)]
+Batch = Annotated[int | None, typer.Option("--batch", help="Batch size of random inputs (default 1; padding masks set it from --lengths/--ids).", parser=integer, rich_help_panel=INPUT_PANEL)]
+HeadDim = Annotated[int | None, typer.Option("--head-dim", help="Head size D of random inputs (default 8 for attend, 16 for verify).", parser=integer, rich_help_panel=INPUT_PANEL)]
+DOut = Annotated[int | None, typer.Option("--d-out", help="--x: output size of the projections (default d_in); split over --heads.", parser=integer, rich_help_panel=INPUT_PANEL)]
+QkvBias = Annotated[bool, typer.Option("--qkv-bias", help="--x: give the projections a bias (nn.Linear(bias=True)).", rich_help_panel=INPUT_PANEL)]
+Device = Annotated[str, typer.Option("--device", help="Where to compute: auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.", envvar="MASKCLI_DEVICE", rich_help_panel=COMPUTE_PANEL)]
+ComputeDtype = Annotated[str, typer.Option("--dtype", help=f"Compute dtype of every stage: {', '.join(DTYPES)}.", rich_help_panel=COMPUTE_PANEL)]
+Scale = Annotated[float | None, typer.Option("--scale", help="Multiply the scores by this instead of 1/sqrt(D) (as SDPA's scale does).", rich_help_panel=COMPUTE_PANEL)]
+Fill = Annotated[str, typer.Option("--fill", help="How masked scores are hidden: -inf (masked_fill, as SDPA), min (finfo(dtype).min, as Hugging Face), -1e9 (older tutorials), multiply (softmax first, then zero masked weights and renormalise).", rich_help_panel=COMPUTE_PANEL)]
+Dropout = Annotated[float, typer.Option("--dropout", help="Dropout probability on the weights (seeded by --seed), 0 to turn it off.", rich_help_panel=COMPUTE_PANEL)]
+StagesOpt = Annotated[str, typer.Option("--stages", help="Stages to show, comma-separated: scores, scaled, masked, weights, output.", rich_help_panel=DISPLAY_PANEL)]
+BatchIndex = Annotated[int | None, typer.Option("--batch-index", help="Show this batch row only (default: up to 4 (batch, head) pairs in the tables and 8 in --png, head 0 of every batch row first).", parser=integer, rich_help_panel=DISPLAY_PANEL)]
+Head = Annotated[int | None, typer.Option("--head", help="Show this head only (default: as for --batch-index).", parser=integer, rich_help_panel=DISPLAY_PANEL)]
+Precision = Annotated[int, typer.Option("--precision", help="Decimals in the tables.", parser=integer, rich_help_panel=DISPLAY_PANEL)]
+FigurePng = Annotated[str | None, typer.Option("--png", help="Write a figure: rows = heads, columns = stages; .png, .svg or .pdf.", rich_help_panel=DISPLAY_PANEL)]
+StagesJson = Annotated[bool, typer.Option("--json", help="Print every stage as nested lists (non-finite values as \"nan\", \"inf\", \"-inf\"), with the mask and findings.", rich_help_panel=DISPLAY_PANEL)]
+Atol = Annotated[float | None, typer.Option("--atol", help="Agreement tolerance on max |diff| (default by dtype: float32 1e-5, float16 5e-3, bfloat16 3e-2, float64 1e-10).", rich_help_panel=COMPUTE_PANEL)]
+Repeat = Annotated[int, typer.Option("--repeat", help="Timed calls per backend (the median is shown), after one warm-up call.", parser=integer, rich_help_panel=COMPUTE_PANEL)]
+Strict = Annotated[bool, typer.Option("--strict", help="Exit with status 1 when any backend that ran disagrees beyond --atol.", rich_help_panel=DISPLAY_PANEL)]
+VerifyJson = Annotated[bool, typer.Option("--json", help="Print the table as one JSON object.", rich_help_panel=DISPLAY_PANEL)]
+KeyOpt = Annotated[str | None, typer.Option("--key", help="The tensor's name in a .npz, .safetensors, .pt dict or JSON object.")]
+InspectHeads = Annotated[int | None, typer.Option("--heads", help="Your model's head count, to check a 3-D mask against it.", parser=integer)]
+ReportJson = Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")]
+
+
+# --- the mask options: declared once, read by every command that builds a mask ---------------
+
+KIND_ARGUMENT_HELP = (
+    "A kind or an expression of kinds: causal, window(3), \"document(0,0,1,1) & window(2)\", "
+    "\"causal | blocks(-1,0,0,-1)\", \"~triu(1)\". maskcli kinds lists every kind."
+)
+
+
+def _position_options(heads: int) -> list[tuple[str, object, object]]:
+    """(python name, annotation, default) of the options every mask takes."""
+    return [
+        ("m_length", Annotated[int | None, typer.Option("--len", "-n", help="Number of queries (default 8, or what labels, --ids or --tokens cover after --offset).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
+        ("m_offset", Annotated[int | None, typer.Option("--offset", "--prev", help="Tokens already in the KV cache: the queries sit at positions P..P+Lq-1 over keys 0..P+Lq-1 (a prefill; --len 1 is a decode step).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
+        ("m_kv_start", Annotated[int | None, typer.Option("--kv-start", help="First key position kept (a sliding cache that dropped its first S keys).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
+        ("m_kv_len", Annotated[int | None, typer.Option("--kv-len", help="Number of keys (a static cache longer than the sequence, or N memory keys of cross-attention); the queries then start at the first key unless --offset or --align say otherwise.", parser=integer, rich_help_panel=POSITION_PANEL)], None),
+        ("m_align", Annotated[str | None, typer.Option("--align", help="With --kv-len: top-left (query 0 faces key 0, SDPA's is_causal) or bottom-right (the last query on the last key, FlashAttention's causal).", rich_help_panel=POSITION_PANEL)], None),
+        ("m_heads", Annotated[int, typer.Option("--heads", help="Number of attention heads (the H in B, H, Lq, Lk).", parser=integer, rich_help_panel=MASK_PANEL)], heads),
+        ("m_lengths", Annotated[str | None, typer.Option("--lengths", help="Valid length per batch row, like 4,2: keys at or past it are padding. And-ed with any expression.", rich_help_panel=MASK_PANEL)], None),
+        ("m_ids", Annotated[str | None, typer.Option("--ids", help="Token ids per batch row, ';' between rows, like '5,6,7,0;0,8,9,1': ids equal to --pad-id are padding (left padding too).", rich_help_panel=MASK_PANEL)], None),
+        ("m_pad_id", Annotated[int, typer.Option("--pad-id", help="The padding token id for --ids.", parser=integer, rich_help_panel=MASK_PANEL)], 0),
+    ]
+
+
+def _kind_options() -> list[tuple[str, object, object, str]]:
+    """One option per kind parameter flag, from the registry: (python name, annotation, default, flag)."""
+    from maskcli.kinds import flags
+
+    options = []
+    for flag, readers in flags().items():
+        kinds = ", ".join(dict.fromkeys(kind.name for kind, _ in readers))
+        param = readers[0][1]
+        if flag == "--sizes":
+            text = f"{kinds}: labels from segment sizes, like 3,5 (0,0,0,1,1,1,1,1)."
+        else:
+            text = f"{kinds}: {param.help}"
+            defaults = {kind.name: p.default for kind, p in readers if not p.required}
+            if defaults:
+                text += " (default " + ", ".join(f"{v} for {k}" for k, v in defaults.items()) + ")"
+            text += "."
+        is_int = param.type == "int" and flag != "--sizes"
+        annotation = Annotated[
+            int | None if is_int else str | None,
+            typer.Option(flag, help=escape(text), rich_help_panel=KIND_PANEL, **({"parser": integer} if is_int else {})),
+        ]
+        options.append(("m_" + flag.lstrip("-").replace("-", "_"), annotation, None, flag))
+    return options
+
+
+def extend(func, name: str, added: list[tuple[str, object, object]], pack):
+    """`func` with the options `added` (python name, annotation, default) in its signature, given to it
+    as one argument `name` = pack(values of the added options). Typer reads the new signature."""
+    import functools
+    import inspect
+    import typing
+
+    hints = typing.get_type_hints(func, include_extras=True)
+    own = [
+        p.replace(annotation=hints.get(p.name, p.annotation), kind=inspect.Parameter.KEYWORD_ONLY)
+        for p in inspect.signature(func).parameters.values() if p.name != name
+    ]
+    arguments = [p for p in own if p.default is inspect.Parameter.empty]
+    rest = [p for p in own if p.default is not inspect.Parameter.empty]
+    parameters = arguments + [
+        inspect.Parameter(option, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+        for option, annotation, default in added
+    ] + rest
+
+    @functools.wraps(func)
+    def command(**values):
+        values[name] = pack({option: values.pop(option) for option, _, _ in added})
+        return func(**values)
+
+    del command.__wrapped__  # typer must read the new signature, not the function's own
+    command.__signature__ = inspect.Signature(parameters)
+    command.__annotations__ = {p.name: p.annotation for p in parameters}
+    return command
+
+
+def mask_options(*, heads: int = 1, tokens: bool = True, kind_params: bool = True):
+    """Decorate a command that builds a mask: its signature gains every mask option, declared here once,
+    and the function receives them as one `mask: MaskOptions` argument."""
+    from maskcli.mask import MaskOptions
+
+    kind_options = _kind_options() if kind_params else []
+    added = list(_position_options(heads)) + [(name, annotation, default) for name, annotation, default, _ in kind_options]
+    if tokens:
+        added.append(("m_tokens", Tokens, None))
+    flag_of = {name: flag for name, _, _, flag in kind_options}
+
+    def pack(given: dict) -> MaskOptions:
+        return MaskOptions(
+            length=given["m_length"], offset=given["m_offset"], kv_start=given["m_kv_start"],
+            kv_len=given["m_kv_len"], align=given["m_align"], heads=given["m_heads"],
+            lengths=given["m_lengths"], ids=given["m_ids"], pad_id=given["m_pad_id"],
+            tokens=given.get("m_tokens"),
+            params={flag_of[name]: given[name] for name in flag_of if given[name] is not None},
+        )
+
+    return lambda func: extend(func, "mask", added, pack)
+
+
+def input_options(*, head_dim: int):
+    """Decorate a command that runs attention: it gains the input and compute options, given to it as
+    one `inputs: InputOptions` argument."""
+    from maskcli.commands.inputs import InputOptions
+
+    added = [
+        ("i_q", QFile, None), ("i_k", KFile, None), ("i_v", VFile, None), ("i_x", XFile, None),
+        ("i_seed", Seed, 0), ("i_batch", Batch, None), ("i_head_dim", HeadDim, None), ("i_d_out", DOut, None),
+        ("i_qkv_bias", QkvBias, False), ("i_device", Device, "auto"), ("i_dtype", ComputeDtype, "float32"),
+        ("i_scale", Scale, None),
+    ]
+
+    def pack(given: dict) -> InputOptions:
+        return InputOptions(**{key[2:]: value for key, value in given.items()}, default_head_dim=head_dim)
+
+    return lambda func: extend(func, "inputs", added, pack)
+
+
+@dataclass(frozen=True)
+class Output:
+    """What show and chunk print or write."""
+
+    convention: str
+    dtype: str | None
+    png: str | None
+    json: bool
+    save: str | None
+
+
+def output_options(func):
+    """The output options of show and chunk, declared once and given to the command as `output: Output`."""
+    added = [("o_as", As, "keep"), ("o_dtype", Dtype, None), ("o_png", Png, None), ("o_json", Json, False), ("o_save", Save, None)]
+    return extend(func, "output", added, lambda given: Output(*given.values()))

@@ -1,0 +1,132 @@
+"""`maskcli show` and `maskcli chunk`: build a mask and print, draw, save or list it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from maskcli.commands.app import app, done, warn
+from maskcli.commands.options import KIND_ARGUMENT_HELP, Output, escape, examples, mask_options, output_options
+from maskcli.conventions import CONVENTIONS, DTYPES
+from maskcli.errors import MaskError
+from maskcli.mask import Mask, MaskOptions
+from maskcli.mask import build as build_mask
+
+
+def check_choice(value: str, choices, what: str) -> str:
+    if value not in choices:
+        raise MaskError(f"unknown {what} {value!r}: choose one of {', '.join(choices)}")
+    return value
+
+
+def kinds_help() -> str:
+    """Every kind, one paragraph each, from the registry (for a command's help)."""
+    from maskcli.kinds import all_kinds
+
+    lines = [f"[bold]{escape(kind.signature)}[/bold]: {escape(kind.meaning)}" for kind in all_kinds()]
+    return "Kinds (combine them with & | ~ and parentheses; a bare name takes its parameters from the options below):\n\n" + "\n\n".join(lines)
+
+
+@app.command(
+    epilog=examples(
+        "maskcli show causal --len 6",
+        "maskcli show \"document(0,0,0,1,1,1) & window(2)\"",
+        "maskcli show \"causal | blocks(-1,-1,0,0,0,-1)\"",
+        "maskcli show \"causal & (window(3) | sink(1))\" --len 8 --png sinks.png",
+        "maskcli show prefill --offset 3 --len 2 --as additive",
+        "maskcli show window --len 8 --window 3 --kv-start 2",
+        "maskcli show padding --lengths 4,2",
+    ),
+)
+@mask_options()
+@output_options
+def show(
+    kind: Annotated[str, typer.Argument(help=KIND_ARGUMENT_HELP, show_default=False, metavar="EXPR")],
+    *,
+    mask: MaskOptions,
+    output: Output,
+) -> None:
+    """Show a mask as a table (an exact density map when it is wider than the terminal)."""
+    present(kind, mask, output)
+
+
+show.__doc__ = (show.__doc__ or "") + "\n\n" + kinds_help()
+
+
+@app.command(
+    context_settings={"ignore_unknown_options": True},  # so labels may start with a minus: chunk -1,0,1
+    epilog=examples(
+        "maskcli chunk 0,0,1,1,1,1,2,2,2,3,4,4  # the tutorial's chunk mask",
+        "maskcli chunk 0,0,1,1 --lengths 4,3 --png chunk.png",
+        "maskcli chunk \"0,0,1,1;0,1,1,2\"  # one row of labels per batch row",
+    ),
+)
+@mask_options(kind_params=False)
+@output_options
+def chunk(
+    labels: Annotated[str, typer.Argument(help="Comma-separated chunk label per position, like 0,0,1,1,2 (';' between batch rows), or a .npy/.json/.txt/.pt file.", show_default=False)],
+    *,
+    mask: MaskOptions,
+    output: Output,
+) -> None:
+    """Show the chunk mask of per-token labels: a token sees its own chunk and every earlier one (label\\[kv] <= label\\[q])."""
+    present("chunk", MaskOptions(**{**mask.__dict__, "params": {"--chunks": labels}}), output)
+
+
+def present(expression: str, options: MaskOptions, output: Output) -> None:
+    """Check the outputs, build the mask once, then print and write what was asked for."""
+    from maskcli.files import FIGURE_SUFFIXES, TENSOR_SUFFIXES, check_output_path
+
+    convention, dtype_name, png, json_out, save = output.convention, output.dtype, output.png, output.json, output.save
+
+    check_choice(convention, CONVENTIONS, "--as convention")
+    given_dtype = dtype_name is not None
+    dtype_name = check_choice(dtype_name or "float32", DTYPES, "--dtype")
+    if given_dtype and convention not in ("additive", "min"):
+        warn(f"--dtype {dtype_name} is ignored: it is for --as additive and --as min, and --as {convention} has a dtype of its own")
+    for flag, value in (("--png", png), ("--save", save)):
+        if value is not None and not value.strip():
+            raise MaskError(f"{flag} is empty: give a file name")
+    mask = build_mask(expression, options)
+    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", mask.slug) if png is not None else None
+    save_path = check_output_path(save, TENSOR_SUFFIXES, "--save", mask.slug) if save is not None else None
+    if save_path is not None and save_path.suffix.lower() == ".npy" and dtype_name == "bfloat16" and convention in ("additive", "min"):
+        raise MaskError("--save .npy cannot hold bfloat16 (numpy has no such dtype): save as .pt or pick another --dtype")
+    for message in mask.warnings:
+        warn(message)
+    if save_path is not None:
+        save_mask(mask, convention, dtype_name, save_path)
+        done(f"wrote {save_path} ({convention} convention)")
+    if png_path is not None:
+        from maskcli.render.heatmaps import save_figure
+        from maskcli.render.masks import mask_figure
+
+        save_figure(mask_figure(mask), png_path)
+        done(f"wrote {png_path}")
+    from maskcli.render.masks import mask_json, mask_views
+
+    if json_out:
+        typer.echo(mask_json(mask))
+        return
+    from rich.console import Console
+
+    console = Console()
+    for view in mask_views(mask, convention, dtype_name, console):
+        console.print(view)
+
+
+def save_mask(mask: Mask, convention: str, dtype: str, path) -> None:
+    """The dense mask in `convention`, as .pt or .npy, after checking memory and disk."""
+    import math
+
+    import numpy as np
+
+    from maskcli.conventions import bytes_per_cell, to_convention
+    from maskcli.files import check_disk, write_array
+    from maskcli.memory import check_dense_fits
+
+    check_dense_fits(mask.shape, bytes_per_cell(convention, dtype) + 1, f"in the {convention} convention")
+    check_disk(path, math.prod(mask.shape) * bytes_per_cell(convention, dtype), "--save")
+    keep = np.ascontiguousarray(np.broadcast_to(mask.dense(), mask.shape))
+    write_array(to_convention(keep, convention, dtype), path)

@@ -1,0 +1,70 @@
+"""`maskcli verify`: one mask and one Q/K/V through every PyTorch attention kernel, compared."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from maskcli.commands.app import app
+from maskcli.commands.inputs import InputOptions, mask_and_inputs
+from maskcli.commands.options import KIND_ARGUMENT_HELP, Atol, Repeat, Strict, VerifyJson, examples, input_options, mask_options
+from maskcli.errors import MaskError
+from maskcli.mask import MaskOptions
+
+
+@app.command(
+    epilog=examples(
+        "maskcli verify causal --len 16",
+        "maskcli verify \"document(0,0,1,1,1) & window(2)\"",
+        "maskcli verify padding --lengths 5,0 --device cuda --dtype float16",
+        "maskcli verify prefill --offset 4 --len 2 --strict --json",
+    ),
+)
+@mask_options(heads=2, tokens=False)
+@input_options(head_dim=16)
+def verify(
+    kind: Annotated[str, typer.Argument(help=KIND_ARGUMENT_HELP, show_default=False, metavar="EXPR")],
+    atol: Atol = None,
+    repeat: Repeat = 5,
+    strict: Strict = False,
+    json_: VerifyJson = False,
+    *,
+    mask: MaskOptions,
+    inputs: InputOptions,
+) -> None:
+    """Run one mask and one Q/K/V through every PyTorch attention kernel and compare them.
+
+    Backends: maskcli's staged computation; F.scaled_dot_product_attention under each backend (math, flash, efficient, cudnn; one that refuses says why); nn.MultiheadAttention (block-convention attn_mask and key_padding_mask, identity projections); flex_attention with the mask's own predicate. Each is compared with a float64 reference on rows that see a key; for fully masked rows the table says what each backend returned (zero, NaN, the unmasked row, the mean of V, other).
+    """
+    if atol is not None and not atol >= 0:
+        raise MaskError(f"--atol must be 0 or more, got {atol}")
+    if not 1 <= repeat <= 1000:
+        raise MaskError(f"--repeat must be 1 to 1000, got {repeat}")
+    built, qkv, torch_device, torch_dtype = mask_and_inputs(kind, mask, inputs)
+    from maskcli.attention import verify as verify_core
+    from maskcli.attention.inputs import check_against_mask
+
+    qkv = check_against_mask(qkv, built.shape)
+    tensors = [t.to(device=torch_device, dtype=torch_dtype).contiguous() for t in (qkv.q, qkv.k, qkv.v)]
+    tolerance = verify_core.DEFAULT_ATOL[torch_dtype] if atol is None else atol
+    results = verify_core.verify(built, *tensors, scale=inputs.scale, atol=tolerance, repeat=repeat)
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+    if json_:
+        typer.echo(verify_core.results_json(results, built, tensors[0], tolerance))
+    else:
+        from rich.console import Console
+
+        from maskcli.attention.findings import mask_findings
+        from maskcli.render.backends import backends_table
+
+        empty = [f.message for f in mask_findings(built.materialize(torch_device), built) if f.code == "fully-masked"]
+        where = "" if built.frame.is_plain() else f" · {built.frame.describe()}"
+        title = (
+            f"verify {built.title} · shape (B={tensors[0].shape[0]}, H={tensors[0].shape[1]}, Lq={built.frame.q_len}, "
+            f"Lk={built.frame.k_len}, D={tensors[0].shape[-1]}){where} · {torch_device} {dtype_name} · inputs: {qkv.source}\n"
+            + ("\n".join(empty) if empty else "every query row sees at least one key")
+        )
+        Console().print(backends_table(results, tolerance, title))
+    if strict and not all(r.agrees(tolerance) for r in results):
+        raise typer.Exit(1)

@@ -1,0 +1,73 @@
+"""Everything inspect says about a tensor, at once: convention, shape, APIs, structure, findings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from maskcli.inspect.apis import api_fits, broadcast_text
+from maskcli.inspect.findings import findings
+from maskcli.inspect.load import dtype_name
+from maskcli.inspect.polarity import Convention, classify, marks, sdpa_view, to_keep
+from maskcli.inspect.structure import Structure, recognise
+
+
+@dataclass(frozen=True)
+class Analysis:
+    tensor: torch.Tensor
+    convention: Convention
+    keep4: torch.Tensor  # bool (B, H, Lq, Lk) as shown: SDPA's view, or [B, 1, 1, S] for a key padding reading
+    structure: Structure
+    findings: list
+    apis: list
+    broadcast: str
+
+    @property
+    def q_offset(self) -> int:
+        """The absolute position of query row 0: the kind's own, else bottom-right alignment (maskcli's reading)."""
+        if self.structure.reading != "mask":
+            return 0
+        if self.structure.mask is not None:
+            return self.structure.mask.q_offset
+        return max(0, self.keep4.shape[-1] - self.keep4.shape[-2])
+
+    def report(self, source: str) -> dict:
+        """Everything said about the tensor, JSON-ready."""
+        structure = self.structure
+        return {
+            "file": source,
+            "dtype": dtype_name(self.tensor.dtype),
+            "shape": list(self.tensor.shape),
+            "broadcast": self.broadcast,
+            "as_4d": list(sdpa_view(self.tensor).shape),
+            "apis": self.apis,
+            "convention": self.convention.name,
+            "convention_sure": self.convention.sure,
+            "convention_how": self.convention.how,
+            "convention_note": self.convention.note,
+            "sentinel": self.convention.sentinel,
+            "ones_mean": self.convention.ones_mean if self.convention.name == "int" else None,
+            "structure": structure.expression,
+            "kind": structure.kind,
+            "reading": structure.reading,
+            "params": structure.params,
+            "command": structure.command,
+            "also": structure.also,
+            "structure_note": structure.note,
+            "findings": [{"code": f.code, "message": f.message} for f in self.findings],
+        }
+
+
+def analyse(tensor: torch.Tensor, heads: int | None = None, convention: Convention | None = None) -> Analysis:
+    """Classify, recognise and find what is wrong, in one go; `convention` overrides the classification."""
+    convention = convention or classify(tensor)
+    keep = to_keep(tensor, convention)
+    keep4 = sdpa_view(keep)
+    structure = recognise(keep4, key_padding=tensor.dim() == 2, marked=marks(convention))
+    key_padding = structure.reading == "key padding [B, S]"
+    if key_padding:
+        keep4 = keep[:, None, None, :]
+    analysis = Analysis(tensor, convention, keep4, structure, [], api_fits(tensor, convention, key_padding), broadcast_text(tensor))
+    return replace(analysis, findings=findings(tensor, convention, keep4, structure, heads, analysis.q_offset))
+

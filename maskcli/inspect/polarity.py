@@ -1,0 +1,198 @@
+"""A tensor's convention (keep, block, additive, min, int, or a bias), read from its values,
+and a bool (or 0/1) tensor's polarity, read from its structure.
+
+A query normally sees its own position, so the cells (q, q + Lk - Lq) -- the diagonal,
+bottom-right aligned -- tell keep from block; key padding shows as whole columns hidden,
+and key 0 is rarely padding. Where one reading is a known kind and the other is not,
+that decides it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from maskcli.errors import MaskError
+from maskcli.inspect.load import dtype_name
+from maskcli.inspect.structure import fully_masked_rows, recognise
+
+SENTINEL_AT_MOST = -1e4  # a finite fill at most this negative masks (BERT's -10000.0 ... finfo.min)
+STRUCTURE_CELLS = 1 << 24  # above this many cells, polarity is told from the diagonal alone
+
+
+def sdpa_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The (B, H, Lq, Lk) view that SDPA's broadcasting gives: leading dimensions of size 1 are added."""
+    return tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
+
+# --- conventions ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Convention:
+    """A tensor's convention and how it was told.
+
+    `how` is "values" (the values say it), "structure" (a bool/0-1 tensor's polarity, read
+    from its structure), "guess" (weak evidence) or "cannot tell".
+    """
+
+    name: str  # keep, block, additive, min, int, bias
+    how: str
+    note: str
+    sentinel: float | None = None  # the fill of a min-style mask
+    ones_mean: str = "attend"  # int: what a 1 means, "attend" or (a triu(ones, 1) mask) "masked"
+
+    @property
+    def sure(self) -> bool:
+        return self.how in ("values", "structure")
+
+
+def _sentinel_name(value: float, dtype: torch.dtype) -> str:
+    for candidate in (dtype, torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        if candidate.is_floating_point and value == torch.finfo(candidate).min:
+            return f"finfo({dtype_name(candidate)}).min"
+    return f"{value:g}"
+
+
+def classify(tensor: torch.Tensor) -> Convention:
+    """The tensor's convention from its dtype and values; a bool or 0/1 tensor's polarity from its structure."""
+    if tensor.dtype == torch.bool:
+        meaning, how, why = _polarity(tensor)
+        if meaning is None:
+            return Convention("keep", how, why)
+        name = "keep" if meaning == "attend" else "block"
+        return Convention(name, how, f"read as {name} (True = {'may attend' if name == 'keep' else 'masked'}): {why}")
+    if not tensor.is_floating_point():
+        zero_one = (tensor == 0) | (tensor == 1)
+        if not bool(zero_one.all()):
+            values = torch.unique(tensor[~zero_one])  # only the offending values: small, and this is an error path
+            shown = ", ".join(map(str, values[:6].tolist())) + (", ..." if len(values) > 6 else "")
+            raise MaskError(
+                f"integer values {{{shown}}} are not a 0/1 mask (masks are bool, 0/1 or float); "
+                "chunk or document labels go to maskcli show chunk/document --chunks"
+            )
+        return _zero_one(tensor, "integer")
+    # Everything below is a few passes over the values: no sort (torch.unique) of a large mask.
+    nan = torch.isnan(tensor)
+    if bool(nan.any()):
+        raise MaskError(
+            f"the mask holds NaN in {int(nan.sum())} cells; a float mask is 0 where attending "
+            "and -inf or a large negative number where masked"
+        )
+    if bool((tensor == float("inf")).any()):
+        raise MaskError("the mask holds +inf, which makes softmax NaN; a float mask is 0 where attending and -inf or a large negative number where masked")
+    masked = tensor[tensor != 0].to(torch.float64)
+    if len(masked) == 0:
+        return Convention("additive", "values", "every value is 0: an additive mask that masks nothing (read as 0/1, everything would be masked)")
+    if bool((masked == 1).all()):
+        return _zero_one(tensor, "float")
+    if bool((masked <= SENTINEL_AT_MOST).all()):
+        finite = masked[torch.isfinite(masked)]
+        if len(finite) == 0:
+            return Convention("additive", "values", "float 0 / -inf, added to the scores")
+        if len(finite) == len(masked) and bool((finite == finite[0]).all()):
+            sentinel = float(finite[0])
+            return Convention(
+                "min", "values",
+                f"float 0 / {_sentinel_name(sentinel, tensor.dtype)}, added to the scores (Hugging Face eager style)", sentinel,
+            )
+        fills = ", ".join(f"{v:g}" for v in torch.unique(masked)[:4].tolist())
+        return Convention(
+            "additive", "values", f"float 0 and several fills ({fills}): all mask, since each is -inf or at most {SENTINEL_AT_MOST:g}",
+            float(finite.min()),
+        )
+    finite = masked[torch.isfinite(masked)]
+    lo, hi = float(finite.min()), float(max(finite.max(), 0))
+    return Convention(
+        "bias", "values",
+        f"float values from {lo:g} to {hi:g}, not just 0 and one fill: an additive bias (ALiBi, relative positions), "
+        f"not a mask; its masked cells are those at -inf or at most {SENTINEL_AT_MOST:g}",
+        lo if lo <= SENTINEL_AT_MOST else None,
+    )
+
+
+def _zero_one(tensor: torch.Tensor, what: str) -> Convention:
+    """0/1 numbers: 1 = attend (torch.tril(torch.ones(L, L))) unless the structure says 1 = masked (triu(ones, 1))."""
+    if bool((tensor == 0).any()) and bool((tensor == 1).any()):
+        meaning, how, why = _polarity(tensor != 0)
+        if meaning == "masked" and how == "structure":
+            return Convention(
+                "int", "structure",
+                f"{what} 0/1 with 1 = masked, a torch.triu(torch.ones(L, L), 1) mask: {why}", ones_mean="masked",
+            )
+    return Convention("int", "values", f"{what} 0/1, 1 = attend (torch.tril(torch.ones(L, L)) style)")
+
+
+def _polarity(ones: torch.Tensor) -> tuple[str | None, str, str]:
+    """Whether True (or 1) means attend or masked here, how that was told, and why."""
+    x = sdpa_view(ones)
+    if bool(x.all()) or not bool(x.any()):
+        value = bool(x.flatten()[0])
+        return None, "cannot tell", (
+            f"every cell is {value}: read as keep {'nothing' if value else 'everything'} is masked, "
+            f"read as block {'everything' if value else 'nothing'}"
+        )
+    q_len, k_len = x.shape[-2:]
+    if x.numel() <= STRUCTURE_CELLS:
+        # Each reading scores 2 for a maskcli kind, 1 for a raw tril/triu, 0 for none, and 1 less
+        # when some query would see no key. A clear winner decides.
+        readings = []
+        for meaning, keep in (("attend", x), ("masked", ~x)):
+            structure = recognise(keep, key_padding=ones.dim() == 2, marked=meaning)
+            empty = bool(fully_masked_rows(keep).any())
+            score = (0 if structure.kind is None else 1 if structure.kind in ("tril", "triu") else 2) - empty
+            readings.append((score, meaning, structure, empty))
+        (top, best, structure, _), (other, _, flipped, flipped_empty) = sorted(readings, key=lambda r: -r[0])
+        if top >= 2 > other or (top >= 1 and other < 0 and structure.kind is not None):
+            instead = "no maskcli kind rebuilds it" if flipped.kind is None else (
+                f"it would be {flipped.expression}" + (" with queries that see no key" if flipped_empty else "")
+            )
+            return best, "structure", f"maskcli's {structure.expression} rebuilds it read this way; read the other way round, {instead}"
+    # The diagonal cells (q, q + Lk - Lq), leaving out columns that are the same for every query (padding-like).
+    # Where Lq != Lk the top-left diagonal (q, q) is asked too: if the two disagree, the alignment is in
+    # question (causal_upper_left against lower_right), not the polarity, and key 0 decides.
+    constant = x.all(dim=-2) | ~x.any(dim=-2)  # (B, H, Lk)
+    shares = []
+    for offset in dict.fromkeys((k_len - q_len, 0)):
+        diagonal = torch.diagonal(x, offset=offset, dim1=-2, dim2=-1)
+        columns = torch.arange(diagonal.shape[-1]) + max(offset, 0)
+        informative = diagonal[~constant[..., columns]]
+        shares.append(informative.float().mean().item() if informative.numel() else 0.5)
+    share = shares[0]
+    if share != 0.5 and all((other > 0.5) == (share > 0.5) and other != 0.5 for other in shares[1:]):
+        meaning = "attend" if share > 0.5 else "masked"
+        seen = share if meaning == "attend" else 1 - share
+        return meaning, "structure" if seen >= 0.9 else "guess", (
+            f"{seen:.0%} of the queries see their own position (cell q, q + Lk - Lq) read this way, as queries normally do"
+        )
+    first = x[..., 0].float().mean().item()
+    if first != 0.5:
+        meaning = "attend" if first > 0.5 else "masked"
+        return meaning, "guess", "the diagonal does not tell; key 0 is visible read this way, and key 0 is rarely padding"
+    return None, "cannot tell", "neither the diagonal nor key 0 tells which way round it is; read as keep"
+
+
+def marks(convention: Convention) -> str:
+    """What the cells a tensor marks (True, 1, nonzero) mean in `convention`: "attend" or "masked"."""
+    if convention.name == "keep" or (convention.name == "int" and convention.ones_mean == "attend"):
+        return "attend"
+    return "masked"
+
+
+def to_keep(tensor: torch.Tensor, convention: Convention | str) -> torch.Tensor:
+    """The bool keep mask (True = may attend) that `tensor` means in `convention`.
+
+    As a name, "keep" and "block" also apply to 0/1 numbers (nonzero = attend, nonzero = masked).
+    """
+    if isinstance(convention, str):
+        convention = Convention(convention, "values", "")
+    name = convention.name
+    if name == "keep" or (name == "int" and convention.ones_mean == "attend"):
+        return tensor if tensor.dtype == torch.bool else tensor != 0
+    if name == "block" or name == "int":
+        return ~tensor if tensor.dtype == torch.bool else tensor == 0
+    if name in ("additive", "min", "bias"):
+        return torch.isfinite(tensor) & (tensor > SENTINEL_AT_MOST)
+    raise ValueError(f"unknown convention {name!r}")
+
+

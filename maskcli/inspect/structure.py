@@ -1,0 +1,192 @@
+"""Which maskcli kind rebuilds a mask tensor exactly, and the command that does it.
+
+A structure is only ever *recognised by rebuilding*: each kind in the registry reads
+candidate parameters off the tensor (a window from the widest row, chunk labels from where
+rows' visible prefixes end, ...), then maskcli builds that mask and it must equal the
+tensor cell for cell. So the command suggested always rebuilds the mask exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from maskcli.errors import MaskError
+from maskcli.kinds import all_kinds
+from maskcli.kinds.base import Profile
+from maskcli.mask import Mask, MaskOptions
+from maskcli.mask import build as build_mask
+from maskcli.terms import Term
+from maskcli.text import shell_quote
+
+FLAGS = {
+    "length": "--len", "offset": "--offset", "kv_start": "--kv-start", "kv_len": "--kv-len", "align": "--align",
+    "heads": "--heads", "lengths": "--lengths", "ids": "--ids", "pad_id": "--pad-id",
+}
+MAX_LABELS = 4096  # label kinds are read off masks up to this long; longer labels make no useful command
+
+
+@dataclass(frozen=True)
+class Structure:
+    expression: str | None  # a maskcli expression that rebuilds it, or None
+    options: dict = field(default_factory=dict)  # MaskOptions fields
+    mask: Mask | None = None
+    command: str | None = None
+    reading: str = "mask"  # "mask" (Lq, Lk cells), "key padding [B, S]" or "key padding row"
+    note: str = ""
+    also: str | None = None  # another command that rebuilds it, where one reading is not enough
+    kind: str | None = None  # the kind at its heart (causal, window, ...)
+
+    @property
+    def params(self) -> dict:
+        if self.mask is None or self.mask.expression is None:
+            return {}
+        return self.mask.json()["params"]
+
+
+def command_for(expression: str, options: dict) -> str:
+    """The `maskcli show` command that rebuilds the mask."""
+    parts = ["maskcli", "show", shell_quote(expression)]
+    for key, value in options.items():
+        parts += [FLAGS[key], shell_quote(str(value))]
+    return " ".join(parts)
+
+
+def fully_masked_rows(keep: torch.Tensor) -> torch.Tensor:
+    """Bool (B, H, Lq): rows that see no key at all."""
+    return ~keep.any(dim=-1)
+
+
+def _rebuild(expression: str, options: dict, keep: np.ndarray) -> Mask | None:
+    """The Mask when `expression` with `options` is exactly `keep` (B, H, Lq, Lk); a row of size 1 compares by broadcasting."""
+    try:
+        built = build_mask(expression, MaskOptions(**options))
+    except MaskError:
+        return None
+    batch, heads, q_len, k_len = keep.shape
+    f = built.frame
+    if f.k_len != k_len or built.batch not in (1, batch) or built.heads not in (1, heads):
+        return None
+    if f.q_len != q_len and q_len != 1:
+        return None
+    cells = built.dense()  # (B', 1, Lq', Lk)
+    if q_len == 1 and f.q_len != 1:  # a [B, 1, 1, S] row stands for every query, so every built row must be it
+        return built if bool((cells == keep).all()) else None
+    return built if np.array_equal(np.broadcast_to(cells, keep.shape), keep) else None
+
+
+def _padding_options(seen: np.ndarray) -> dict:
+    """--lengths where each batch row's visible keys are a prefix, else --ids (1 = real key, 0 = padding)."""
+    lengths = seen.sum(axis=1)
+    prefix = np.arange(seen.shape[1])[None, :] < lengths[:, None]
+    if np.array_equal(prefix, seen):
+        return {"lengths": ",".join(map(str, lengths.tolist()))}
+    rows = ";".join(",".join("1" if v else "0" for v in row) for row in seen.tolist())
+    return {"ids": rows, "pad_id": 0}
+
+
+def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile:
+    """What the kinds read candidates from: first and last visible key per row, in absolute positions."""
+    q_len, k_len = ref.shape
+    positions = np.arange(k_start, k_start + k_len)
+    return Profile(
+        q=np.arange(q_start, q_start + q_len),
+        first=np.where(ref, positions, k_start + k_len).min(axis=1),
+        last=np.where(ref, positions, k_start - 1).max(axis=1),
+        seen=ref.any(axis=1),
+        k_start=k_start,
+        k_end=k_start + k_len,
+        marked=marked,
+    )
+
+
+def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str):
+    """(kind name, expression, options) read off one (Lq, Lk) keep matrix: simplest kind first, and for
+    each kind the queries at the end of the keys (as a cache puts them) before top-left."""
+    found = []
+    for order, (options, q_start) in enumerate(placements):
+        read = profile(ref, q_start, 0, marked)
+        for kind in all_kinds():
+            if kind.recognise is None:
+                continue
+            for params in kind.recognise(read):
+                if any(getattr(v, "length", 0) > MAX_LABELS for v in params.values()):
+                    continue
+                full = {p.name: params.get(p.name, p.default) for p in kind.params}
+                text = Term(kind, tuple((p.name, full[p.name]) for p in kind.params)).text()
+                found.append((kind.rank, order, kind.name, text, options))
+    for _, _, name, text, options in sorted(found, key=lambda item: item[:2]):
+        yield name, text, options
+
+
+def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "attend") -> Structure:
+    """The expression (and options) whose mask is exactly this keep mask (B, H, Lq, Lk), or expression None.
+
+    The queries are taken to sit at the end of the keys (bottom-right, as a cache puts them).
+    `key_padding`: the tensor was 2-D, so it may also be a [B, S] key padding mask; that
+    reading is used when the (Lq, Lk) reading matches nothing and the tensor is not square.
+    `marked`: what the file's True/1/nonzero cells mean, "attend" or "masked" (picks tril or triu).
+    """
+    keep_np = keep4.cpu().numpy()
+    batch, heads, q_len, k_len = keep_np.shape
+    if heads > 1 and not bool((keep_np == keep_np[:, :1]).all()):
+        per_head = []
+        for h in range(min(heads, 8)):
+            found = recognise(keep4[:, h : h + 1], marked=marked)
+            per_head.append(f"head {h}: {found.command.removeprefix('maskcli show ') if found.expression else 'none'}")
+        more = f"; {heads - 8} more" if heads > 8 else ""
+        return Structure(None, note=f"the heads differ, and a maskcli expression is the same for every head ({'; '.join(per_head)}{more})")
+    if q_len > k_len:
+        return Structure(None, note=f"more queries ({q_len}) than keys ({k_len}): maskcli puts the queries among the keys")
+    head_option = {"heads": heads} if heads > 1 else {}
+    keep = keep_np[:, :1]
+    seen = keep[:, 0].any(axis=1)  # (B, Lk): keys that some query sees
+    padding = _padding_options(seen) if not bool(seen.all()) else None
+    ref = keep[int(seen.sum(axis=1).argmax()), 0]  # the batch row with the most keys in use
+    q_start = k_len - q_len
+    base = {"length": q_len, **({"offset": q_start} if q_start else {})}
+    placements = [(base, q_start)] + ([({"length": q_len, "kv_len": k_len}, 0)] if q_start else [])
+
+    def found(kind: str, expression: str, options: dict, reading: str = "mask", note: str = "") -> Structure | None:
+        options = {**options, **head_option}
+        built = _rebuild(expression, options, keep_np)
+        if built is None:
+            return None
+        if "length" in options and "offset" not in options and "kv_len" not in options:
+            shorter = {key: value for key, value in options.items() if key != "length"}
+            if _rebuild(expression, shorter, keep_np) is not None:  # the data says the length: say no more
+                options = shorter
+        if batch > 1 and built.batch == 1:
+            note = (note + " " if note else "") + f"(the file repeats it for each of its {batch} batch rows)"
+        return Structure(expression, options, built, command_for(expression, options), reading, note, kind=kind)
+
+    if q_len == 1 and k_len > 1:
+        decode = found("causal", "causal", {**base, **(padding or {})})
+        if padding is not None:
+            row = found("padding", "padding", {"length": k_len, **padding}, "key padding row",
+                        "the query dimension is 1, so this one row of keys applies to every query")
+            if row is not None:
+                return replace(row, also=decode.command if decode else None)
+        if decode is not None:
+            return replace(decode, note="a single decode step: the one query sees every key up to its own position")
+    for extra in [{}] if padding is None else [{}, padding]:
+        if extra:
+            alone = found("padding", "padding", {**base, **extra})
+            if alone is not None:
+                return alone
+        for kind, expression, options in candidates(ref, placements, marked):
+            structure = found(kind, expression, {**options, **extra})
+            if structure is not None:
+                return structure
+    if key_padding and heads == 1 and batch == 1 and q_len != k_len:  # a square one is (L, L): B == S would be a coincidence
+        rows = keep_np[0, 0]  # read as [B, S]: each row is one batch item's keys
+        options = _padding_options(rows)
+        if "lengths" not in options or max(map(int, options["lengths"].split(","))) != k_len:
+            options = {"length": k_len, **options}  # else the longest length says it
+        built = build_mask("padding", MaskOptions(**options))
+        if built.frame.k_len == k_len and np.array_equal(built.dense()[:, 0, 0], rows):
+            return Structure("padding", options, built, command_for("padding", options), "key padding [B, S]",
+                             f"read as a key padding mask: {q_len} batch rows of {k_len} keys", kind="padding")
+    return Structure(None, note="no maskcli kind rebuilds it exactly")

@@ -1,0 +1,140 @@
+"""From a Mask to what the user sees: a header, tables or exact density maps, JSON, a figure.
+
+Renderers build objects (rich renderables, a JSON string, a matplotlib Figure); the
+commands print or save them. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from maskcli.conventions import cell_texts, describe
+from maskcli.counting import block_shares, how_counted
+from maskcli.mask import Mask
+from maskcli.memory import check_dense_fits
+
+FIGURE_MAX_CELLS = 512  # per side; a longer mask is drawn as the share of visible cells per block
+TABLE_MAX_ROWS = 256  # a taller mask is a density map even when it is narrow
+HEAD_COMPARE_CELLS = 1 << 22
+
+
+def shape_text(mask: Mask) -> str:
+    batch, heads, q_len, k_len = mask.shape
+    return f"shape (B={batch}, H={heads}, Lq={q_len}, Lk={k_len})"
+
+
+def header(mask: Mask, convention: str, dtype: str) -> str:
+    where = "" if mask.frame.is_plain() else f" · {mask.frame.describe()}"
+    return f"{mask.title} · {shape_text(mask)}{where}\nconvention: {describe(convention, dtype)}"
+
+
+def head_groups(mask: Mask, batch: int) -> list[list[int]]:
+    """Heads with identical masks, grouped; an expression ignores h, so all heads are one group."""
+    heads = mask.shape[1]
+    if heads == 1 or mask.keep is None or mask.keep.shape[1] == 1 or mask.shape[2] * mask.shape[3] * heads > HEAD_COMPARE_CELLS:
+        return [list(range(heads))]
+    keep = mask.keep[batch if mask.keep.shape[0] > 1 else 0]
+    groups: list[list[int]] = []
+    for h in range(heads):
+        for group in groups:
+            if np.array_equal(keep[group[0]], keep[h]):
+                group.append(h)
+                break
+        else:
+            groups.append([h])
+    return groups
+
+
+def panel_title(mask: Mask, batch: int, group: list[int]) -> str:
+    parts = []
+    if mask.shape[0] > 1:
+        parts.append(f"batch {batch}")
+        if mask.frame.lengths is not None:
+            parts[-1] += f" (length {mask.frame.lengths[batch]})"
+    if mask.shape[1] > 1:
+        parts.append(f"head {group[0]}" if len(group) == 1 else f"heads {_ranges(group)} (identical)")
+    return ", ".join(parts)
+
+
+def _ranges(values: list[int]) -> str:
+    if values == list(range(values[0], values[-1] + 1)) and len(values) > 2:
+        return f"{values[0]}-{values[-1]}"
+    return ",".join(map(str, values))
+
+
+def axis_labels(mask: Mask) -> tuple[list[str], list[str]]:
+    """Row labels (absolute query positions, with their words) and column labels (key positions or words)."""
+    f = mask.frame
+    width = len(str(f.q_end - 1))
+    positions = [f"{q:>{width}}" for q in range(f.q_start, f.q_end)]
+    if mask.tokens is None:
+        return positions, [str(k) for k in range(f.k_start, f.k_end)]
+    rows = [f"{position} {mask.tokens[f.q_start + i]}" for i, position in enumerate(positions)]
+    return rows, list(mask.tokens[f.k_start : f.k_end])
+
+
+def mask_views(mask: Mask, convention: str, dtype: str, console) -> list:
+    """Rich renderables: a header, then per batch row (and head group) a table or an exact density map."""
+    from rich.text import Text
+
+    from maskcli.render.density import choose_blocks, density_text
+    from maskcli.render.tables import fits, mask_table
+
+    batch, _, q_len, k_len = mask.shape
+    texts = cell_texts(convention, dtype)
+    label_width = len(str(mask.frame.q_end - 1)) + 1
+    # every cell takes at least two columns: decide before building labels for a long mask
+    maybe_table = 2 * k_len + label_width <= console.width and q_len <= TABLE_MAX_ROWS
+    if maybe_table:
+        row_labels, col_labels = axis_labels(mask)
+        label_width = max(map(len, row_labels))
+        cell_width = max(max(map(len, col_labels)), *map(len, texts)) + 1
+        maybe_table = label_width + 2 + k_len * cell_width <= console.width
+    views: list = [Text(header(mask, convention, dtype), style="bold")]
+    for b in range(batch):
+        for group in head_groups(mask, b):
+            title = panel_title(mask, b, group)
+            if title:  # its own line: a table title would wrap to the table's width
+                views.append(Text(title, style="bold"))
+            if maybe_table:
+                table = mask_table(mask.cells(b, group[0]).tolist(), None, row_labels, col_labels, texts)
+                if fits(console, table):
+                    views.append(table)
+                    continue
+            blocks = choose_blocks(q_len, k_len, console.width - label_width - 2)
+            shares = block_shares(mask, b, group[0], blocks.rows, blocks.cols)
+            views.append(density_text(shares, blocks, q_len, k_len, mask.q_offset, mask.kv_offset, how_counted(mask)))
+    return views
+
+
+def mask_json(mask: Mask) -> str:
+    """One JSON object; `mask` is nested [B][H][Lq][Lk] lists of 0/1, 1 = may attend."""
+    check_dense_fits(mask.shape, 12, "as JSON", fix="use a smaller --len, or show it without --json to get a density map")
+    dense = np.broadcast_to(mask.dense(), mask.shape).astype(np.uint8)
+    data = {**mask.json(), "name": mask.slug, "convention": "keep", "mask": dense.tolist()}
+    return json.dumps(data)
+
+
+def mask_figure(mask: Mask):
+    """One panel per batch row (and distinct head); long masks show the exact visible share per block."""
+    from maskcli.render.heatmaps import Panel, heatmap_figure
+
+    batch, _, q_len, k_len = mask.shape
+    rows = max(1, -(-q_len // FIGURE_MAX_CELLS))
+    cols = max(1, -(-k_len // FIGURE_MAX_CELLS))
+    f = mask.frame
+    panels = []
+    for b in range(batch):
+        for group in head_groups(mask, b):
+            title = panel_title(mask, b, group)
+            if rows == 1 and cols == 1:
+                panels.append(Panel(title, mask.cells(b, group[0]), *axis_labels(mask)))
+                continue
+            share = block_shares(mask, b, group[0], rows, cols)
+            title = (title + "\n" if title else "") + f"one pixel = {rows:,} queries x {cols:,} keys (shade = share visible, {how_counted(mask)})"
+            panels.append(Panel(title, share, None, None, extent=(f.k_start, f.k_end, f.q_end, f.q_start)))
+    where = "" if f.is_plain() else f", {f.describe()}"
+    figure_title = f"{mask.title}\n{shape_text(mask)}{where}, keep convention"
+    return heatmap_figure([panels], figure_title, ("may attend (True)", "masked (False)"))

@@ -1,0 +1,544 @@
+"""inspect: masks saved by maskcli and by other libraries are recognised by rebuilding; findings; hostile files run nothing.
+
+References are independent of maskcli's builders: torch.tril/triu, PyTorch's own mask helpers,
+FlexAttention's create_mask, masks written out by hand the way Hugging Face builds them, and
+nn.MultiheadAttention / SDPA outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shlex
+import struct
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_mask
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+
+runner = CliRunner()
+F32_MIN = torch.finfo(torch.float32).min
+
+
+def ok(args):
+    result = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def report(path, *extra):
+    return json.loads(ok(["inspect", path, "--json", *extra]).stdout)
+
+
+def shown(command: str) -> dict:
+    """What a `maskcli show ...` command builds, from its own --json."""
+    args = shlex.split(command)
+    assert args[:2] == ["maskcli", "show"], command
+    return json.loads(ok([*args[1:], "--json"]).stdout)
+
+
+def dense(command: str) -> torch.Tensor:
+    return torch.tensor(shown(command)["mask"], dtype=torch.bool)
+
+
+def lower_right(q_len: int, k_len: int) -> torch.Tensor:
+    return torch.ones(q_len, k_len, dtype=torch.bool).tril(diagonal=k_len - q_len)
+
+
+# --- every builtin kind, saved in every convention, read back as itself ----------------
+
+KINDS = [
+    "causal --len 6",
+    "causal --len 4 --heads 3",
+    "tril --len 5 --diagonal 2",
+    "tril --len 6 --diagonal 1",
+    "triu --len 5 --diagonal 3",
+    "triu --len 6 --diagonal 0 --means keep",
+    "padding --lengths 4,2",
+    "padding --len 5 --lengths 3,5,1",
+    "prefill --offset 3 --len 2",
+    "prefill --offset 1 --len 4",
+    "chunk --chunks 0,0,1,1,1,2",
+    "chunk --chunks 0,0,0,1,1,2,2,2",
+    "window --len 8 --window 3",
+    "window --len 6 --window 1",
+    "prefix --len 6 --prefix 2",
+    "prefix --len 7 --prefix 4",
+    "document --chunks 0,0,1,1,1,2",
+    "document --chunks 0,0,1,1,1",  # (0,0,0,1,1 is local(3) as well, which inspect names first)
+    "causal --lengths 5,3",
+    "causal --len 6 --lengths 6,4,1",
+    "prefill --offset 2 --len 3 --lengths 5,3",
+    "window --len 6 --window 3 --lengths 6,4",
+    "chunk --chunks 0,0,1,1,2,2 --lengths 6,5",
+]
+
+
+def same_kind(found: dict, original: dict) -> None:
+    """The suggested command rebuilds the original: same kind, same parameters, same cells."""
+    rebuilt = shown(found["command"])
+    assert rebuilt["mask"] == original["mask"]
+    assert (rebuilt["kind"], rebuilt["params"]) == (original["kind"], original["params"])
+
+
+@pytest.mark.parametrize("convention", ["keep", "block", "additive", "min", "int"])
+@pytest.mark.parametrize("args", KINDS)
+def test_every_kind_saved_as_pt_is_recognised_as_itself(tmp_path, args, convention):
+    original = json.loads(ok(["show", *args.split(), "--json"]).stdout)
+    ok(["show", *args.split(), "--as", convention, "--save", tmp_path / "m.pt"])
+    found = report(tmp_path / "m.pt")
+    assert found["convention"] == convention and found["convention_sure"], found["convention_note"]
+    if original["kind"] in ("tril", "triu"):
+        # tril(d) read as keep is triu(d + 1) read as block: the same cells. inspect names the one whose
+        # 1-cells are the cells the file marks (True/1 attend in keep and int; True/-inf/min masked otherwise).
+        rebuilt = shown(found["command"])
+        assert rebuilt["mask"] == original["mask"]
+        assert rebuilt["params"]["means"] == ("keep" if convention in ("keep", "int") else "block")
+        if rebuilt["params"]["means"] == original["params"]["means"]:
+            assert (rebuilt["kind"], rebuilt["params"]) == (original["kind"], original["params"])
+    else:
+        same_kind(found, original)
+
+
+@pytest.mark.parametrize("convention", ["keep", "additive", "int"])
+@pytest.mark.parametrize("args", [a for a in KINDS if not a.startswith(("tril", "triu"))])
+def test_every_kind_saved_as_npy_is_recognised_as_itself(tmp_path, args, convention):
+    original = json.loads(ok(["show", *args.split(), "--json"]).stdout)
+    ok(["show", *args.split(), "--as", convention, "--save", tmp_path / "m.npy"])
+    found = report(tmp_path / "m.npy")
+    assert found["convention"] == convention
+    same_kind(found, original)
+
+
+@pytest.mark.parametrize("convention", ["block", "min"])
+@pytest.mark.parametrize("args", [a for a in KINDS if not a.startswith(("tril", "triu"))])
+def test_every_kind_converted_to_json_is_recognised_as_itself(tmp_path, args, convention):
+    original = json.loads(ok(["show", *args.split(), "--json"]).stdout)
+    ok(["show", *args.split(), "--save", tmp_path / "m.pt"])
+    ok(["convert", tmp_path / "m.pt", "--to", convention, "--out", tmp_path / "m.json"])
+    found = report(tmp_path / "m.json")
+    assert found["convention"] == convention
+    same_kind(found, original)
+
+
+def test_decode_step(tmp_path):
+    ok(["show", "prefill", "--offset", "4", "--len", "1", "--as", "additive", "--save", tmp_path / "m.pt"])
+    found = report(tmp_path / "m.pt")
+    assert (found["convention"], found["command"]) == ("additive", "maskcli show causal --len 1 --offset 4")
+    ok(["show", "prefill", "--offset", "4", "--len", "1", "--save", tmp_path / "m.pt"])
+    found = report(tmp_path / "m.pt")  # every cell True: a bool tensor cannot say which way round it is
+    assert (found["convention_how"], found["command"]) == ("cannot tell", "maskcli show causal --len 1 --offset 4")
+
+
+def test_npz_and_safetensors_with_a_key(tmp_path):
+    keep = torch.ones(5, 5, dtype=torch.bool).tril()
+    np.savez(tmp_path / "m.npz", input_ids=np.arange(5), attention_mask=keep.numpy())
+    found = report(tmp_path / "m.npz", "--key", "attention_mask")
+    assert (found["convention"], found["command"]) == ("keep", "maskcli show causal --len 5")
+    raw = torch.zeros(3, 5).masked_fill(~lower_right(3, 5), float("-inf")).numpy().astype("<f4").tobytes()
+    header = json.dumps({"__metadata__": {"format": "pt"}, "mask": {"dtype": "F32", "shape": [3, 5], "data_offsets": [0, len(raw)]}}).encode()
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + raw)
+    found = report(tmp_path / "m.safetensors", "--key", "mask")
+    assert (found["convention"], found["command"]) == ("additive", "maskcli show causal --len 3 --offset 2")
+
+
+def test_inline_json():
+    found = json.loads(ok(["inspect", "[[1,0,0],[1,1,0],[1,1,1]]", "--json"]).stdout)
+    assert (found["convention"], found["command"]) == ("int", "maskcli show causal --len 3")
+
+
+# --- masks made by other libraries ------------------------------------------------------
+
+
+def test_generate_square_subsequent_mask(tmp_path):
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(7)
+    assert torch.equal(mask == 0, torch.ones(7, 7, dtype=torch.bool).tril())  # the reference: additive causal
+    torch.save(mask, tmp_path / "m.pt")
+    found = report(tmp_path / "m.pt")
+    assert (found["convention"], found["structure"], found["command"]) == ("additive", "causal", "maskcli show causal --len 7")
+    assert found["findings"] == []
+    assert "nn.MultiheadAttention attn_mask: yes, as is (added to the scores)" in found["apis"]
+
+
+@pytest.mark.parametrize("q_len, k_len", [(3, 7), (1, 5), (4, 4)])
+def test_causal_lower_right(tmp_path, q_len, k_len):
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(q_len, k_len)._materialize()
+    assert torch.equal(mask, lower_right(q_len, k_len))
+    torch.save(mask, tmp_path / "m.pt")
+    found = report(tmp_path / "m.pt")
+    expected = "maskcli show causal --len 4" if q_len == k_len else f"maskcli show causal --len {q_len} --offset {k_len - q_len}"
+    assert (found["convention"], found["command"]) == ("keep", expected)
+    assert torch.equal(dense(found["command"])[0, 0], mask)
+
+
+def test_causal_upper_left_is_named_as_the_other_alignment(tmp_path):
+    from torch.nn.attention.bias import causal_upper_left
+
+    mask = causal_upper_left(3, 5)._materialize()
+    assert torch.equal(mask, torch.ones(3, 5, dtype=torch.bool).tril())
+    torch.save(mask[None, None], tmp_path / "m.pt")
+    found = report(tmp_path / "m.pt")
+    # top-left is causal over a static cache: --kv-len 5 with the queries at its start
+    assert (found["structure"], found["command"]) == ("causal", "maskcli show causal --len 3 --kv-len 5")
+    assert torch.equal(dense(found["command"])[0, 0], mask)
+    message = {f["code"]: f["message"] for f in found["findings"]}["top-left-causal"]
+    assert message.startswith("causal aligned top-left") and message.endswith("bottom-right is maskcli show causal --offset 2 --len 3")
+    # 2-D, the (Lq, Lk) reading wins over a [B=3, S=5] key padding reading; the finding stays
+    torch.save(mask, tmp_path / "m2.pt")
+    found = report(tmp_path / "m2.pt")
+    assert (found["reading"], found["command"]) == ("mask", "maskcli show causal --len 3 --kv-len 5")
+    assert "top-left-causal" in [f["code"] for f in found["findings"]]
+
+
+def hf_keep(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor:
+    """A Hugging Face style 4-D keep mask [B, 1, Lq, Lk]: causal at the end of the keys, and padding from attention_mask [B, Lk]."""
+    k_len = attention_mask.shape[1]
+    q = torch.arange(k_len - q_len, k_len)[:, None]
+    kv = torch.arange(k_len)[None, :]
+    return ((kv <= q)[None] & attention_mask.bool()[:, None, :])[:, None]
+
+
+def test_hugging_face_eager_mask_float32_min(tmp_path):
+    keep = hf_keep(torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), 5)
+    eager = torch.zeros(2, 1, 5, 5).masked_fill(~keep, F32_MIN)
+    np.save(tmp_path / "eager.npy", eager.numpy())
+    found = report(tmp_path / "eager.npy")
+    assert (found["convention"], found["command"]) == ("min", "maskcli show causal --lengths 5,3")
+    assert found["sentinel"] == F32_MIN and "finfo(float32).min" in found["convention_note"]
+    overflow = [f["message"] for f in found["findings"] if f["code"] == "sentinel-overflow"]
+    assert len(overflow) == 2 and "float16" in overflow[0] and "bfloat16" in overflow[1]
+    assert torch.equal(dense(found["command"]), keep)
+
+
+def test_hugging_face_sdpa_mask_left_padding_with_a_kv_cache(tmp_path):
+    # generation pads on the left; two new tokens after four cached ones
+    keep = hf_keep(torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]]), 2)
+    torch.save(keep, tmp_path / "sdpa.pt")
+    found = report(tmp_path / "sdpa.pt")
+    assert found["convention"] == "keep" and found["structure"] == "causal"
+    assert found["command"] == 'maskcli show causal --len 2 --offset 4 --ids "1,1,1,1,1,1;0,0,1,1,1,1" --pad-id 0'
+    assert torch.equal(dense(found["command"]), keep)
+
+
+def test_hugging_face_float16_eager_mask_fits_float16(tmp_path):
+    keep = hf_keep(torch.ones(1, 4, dtype=torch.long), 4)
+    torch.save(torch.zeros(1, 1, 4, 4, dtype=torch.float16).masked_fill(~keep, torch.finfo(torch.float16).min), tmp_path / "m.pt")
+    found = report(tmp_path / "m.pt")
+    assert (found["convention"], found["command"], found["findings"]) == ("min", "maskcli show causal --len 4", [])
+
+
+def test_hugging_face_2d_attention_mask_is_read_as_key_padding(tmp_path):
+    torch.save(torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]), tmp_path / "attention_mask.pt")
+    found = report(tmp_path / "attention_mask.pt")
+    assert (found["convention"], found["reading"], found["command"]) == ("int", "key padding [B, S]", "maskcli show padding --lengths 5,3")
+    assert any(line.startswith("nn.MultiheadAttention key_padding_mask: no") and "(mask == 0)" in line for line in found["apis"])
+
+
+def test_expanded_padding_row_broadcasts_over_queries(tmp_path):
+    valid = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]).bool()
+    torch.save(torch.zeros(2, 1, 1, 4).masked_fill(~valid[:, None, None, :], F32_MIN), tmp_path / "m.pt")
+    found = report(tmp_path / "m.pt")
+    assert (found["structure"], found["command"]) == ("padding", "maskcli show padding --len 4 --lengths 3,2")
+    assert found["also"] == "maskcli show causal --len 1 --offset 3 --lengths 3,2"
+    assert "every query" in found["structure_note"]
+
+
+def test_flex_attention_create_mask(tmp_path):
+    labels = torch.tensor([0, 0, 0, 1, 1, 2, 2])
+
+    def packed(b, h, q, kv):
+        return (labels[q] == labels[kv]) & (kv <= q)
+
+    def sliding(b, h, q, kv):
+        return (kv <= q) & (q - kv < 3)
+
+    torch.save(create_mask(packed, 1, 1, 7, 7, device="cpu"), tmp_path / "doc.pt")
+    assert report(tmp_path / "doc.pt")["command"] == 'maskcli show "document(0,0,0,1,1,2,2)"'
+    torch.save(create_mask(sliding, 2, 4, 9, 9, device="cpu"), tmp_path / "win.pt")
+    found = report(tmp_path / "win.pt")
+    assert found["command"] == 'maskcli show "window(3)" --len 9 --heads 4'
+    assert "2 batch rows" in found["structure_note"]
+
+
+# --- polarity -------------------------------------------------------------------------
+
+
+def test_masks_from_pytorch_and_hugging_face_style_code(tmp_path):
+    from torch.nn.attention.bias import causal_lower_right
+
+    torch.save(torch.nn.Transformer.generate_square_subsequent_mask(5), tmp_path / "square.pt")
+    found = report(tmp_path / "square.pt")
+    assert (found["convention"], found["command"]) == ("additive", "maskcli show causal --len 5")
+
+    torch.save(causal_lower_right(3, 7)._materialize(), tmp_path / "lower_right.pt")
+    found = report(tmp_path / "lower_right.pt")
+    assert (found["convention"], found["command"]) == ("keep", "maskcli show causal --len 3 --offset 4")
+
+    keep = torch.ones(5, 5, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
+    keep[1, :, :, 3:] = False  # batch row 1 has 3 real tokens
+    eager = torch.zeros(2, 1, 5, 5).masked_fill(~keep, torch.finfo(torch.float32).min)
+    np.save(tmp_path / "eager.npy", eager.numpy())
+    found = report(tmp_path / "eager.npy")
+    assert (found["convention"], found["command"]) == ("min", "maskcli show causal --lengths 5,3")
+    assert [f["code"] for f in found["findings"]] == ["sentinel-overflow", "sentinel-overflow"]
+
+    torch.save(keep, tmp_path / "sdpa.pt")
+    assert report(tmp_path / "sdpa.pt")["command"] == "maskcli show causal --lengths 5,3"
+
+    def packed(b, h, q, kv):
+        return (q // 3 == kv // 3) & (kv <= q)
+
+    torch.save(create_mask(packed, 1, 1, 6, 6, device="cpu"), tmp_path / "flex.pt")
+    # q // 3 == kv // 3 and causal: Llama 4's chunked attention
+    assert report(tmp_path / "flex.pt")["command"] == 'maskcli show "local(3)" --len 6'
+
+
+@pytest.mark.parametrize("args", ["causal --len 6", "window --len 7 --window 2", "prefix --len 6 --prefix 3",
+                                  "chunk --chunks 0,0,1,1,2", "prefill --offset 2 --len 4", "causal --lengths 5,2"])
+def test_flipped_bool_masks_are_recognised_as_block(tmp_path, args):
+    keep = dense(f"maskcli show {args}")
+    torch.save(~keep, tmp_path / "flipped.pt")
+    found = report(tmp_path / "flipped.pt")
+    assert (found["convention"], found["convention_sure"]) == ("block", True)
+    assert torch.equal(dense(found["command"]), keep)
+    torch.save(keep, tmp_path / "keep.pt")
+    assert report(tmp_path / "keep.pt")["convention"] == "keep"
+
+
+def test_block_mask_gives_mha_what_the_rebuilt_keep_mask_gives_sdpa(tmp_path):
+    # The independent check: nn.MultiheadAttention with the file's block mask equals SDPA with the rebuilt keep mask.
+    torch.save(torch.ones(6, 6, dtype=torch.bool).triu(1), tmp_path / "mha.pt")
+    found = report(tmp_path / "mha.pt")
+    assert (found["convention"], found["command"]) == ("block", "maskcli show causal --len 6")
+    assert "nn.MultiheadAttention attn_mask: yes, as is (True = masked)" in found["apis"]
+    assert "F.scaled_dot_product_attention attn_mask: no, SDPA reads True as attend; pass ~mask" in found["apis"]
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 1, batch_first=True, bias=False)
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.eye(8).repeat(3, 1))  # q = k = v = x
+        mha.out_proj.weight.copy_(torch.eye(8))
+    x = torch.randn(1, 6, 8)
+    ours, _ = mha(x, x, x, attn_mask=torch.load(tmp_path / "mha.pt", weights_only=True), need_weights=False)
+    theirs = F.scaled_dot_product_attention(x, x, x, attn_mask=dense(found["command"])[0, 0])
+    assert torch.allclose(ours, theirs, atol=1e-6)
+
+
+def test_triu_ones_float_mask_reads_ones_as_masked(tmp_path):
+    torch.save(torch.triu(torch.ones(5, 5), diagonal=1), tmp_path / "m.pt")  # masked_fill(mask.bool(), -inf) style
+    found = report(tmp_path / "m.pt")
+    assert (found["convention"], found["ones_mean"], found["command"]) == ("int", "masked", "maskcli show causal --len 5")
+    assert "ones-masked" in [f["code"] for f in found["findings"]]
+
+
+def test_polarity_it_cannot_tell_is_said(tmp_path):
+    torch.save(torch.ones(4, 4, dtype=torch.bool), tmp_path / "m.pt")
+    found = report(tmp_path / "m.pt")
+    assert (found["convention_how"], found["convention_sure"]) == ("cannot tell", False)
+    assert "every cell is True" in found["convention_note"]
+    text = ok(["inspect", tmp_path / "m.pt"]).stdout
+    assert "convention: keep (cannot tell)" in text
+
+
+# --- findings -----------------------------------------------------------------------------
+
+
+def test_fully_masked_row_and_off_by_one(tmp_path):
+    keep = torch.ones(6, 6, dtype=torch.bool).tril()
+    keep[2, 3] = True  # one query sees the next key
+    keep[4] = False  # and one sees nothing
+    torch.save(keep, tmp_path / "bug.pt")
+    found = report(tmp_path / "bug.pt")
+    assert found["structure"] is None
+    messages = {f["code"]: f["message"] for f in found["findings"]}
+    assert messages["fully-masked"].startswith("query row 4 sees no key at all")
+    assert messages["sees-later"] == "query row 2 sees later keys while the others do not: an off-by-one in a causal mask? (query 2 sees key 3)"
+
+
+def test_later_keys_are_not_a_finding_where_the_kind_means_them(tmp_path):
+    for args in ("prefix --len 5 --prefix 3", "chunk --chunks 0,0,1,1", "padding --lengths 3,2"):
+        ok(["show", *args.split(), "--save", tmp_path / "m.pt"])
+        assert report(tmp_path / "m.pt")["findings"] == [], args
+
+
+def test_a_tril_past_its_diagonal_is_named_as_seeing_later_keys(tmp_path):
+    # tril/triu rebuild such a mask, but mean it only by accident: attend says the same of tril --diagonal 1
+    torch.save(torch.ones(4, 4).tril(1).bool(), tmp_path / "m.pt")
+    found = report(tmp_path / "m.pt")
+    assert found["command"] == 'maskcli show "tril(1)" --len 4'
+    assert [(f["code"], f["message"]) for f in found["findings"]] == [(
+        "sees-later",
+        "query rows 0-2 see later keys (query 0 sees key 1): tril(1) reaches past the diagonal, "
+        "which a causal mask does not (an off-by-one?)",
+    )]
+    torch.save(torch.ones(4, 4).tril().bool(), tmp_path / "causal.pt")
+    assert report(tmp_path / "causal.pt")["findings"] == []
+
+
+def test_minus_1e9_overflows_float16_only(tmp_path):
+    torch.save(torch.zeros(4, 4).masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), -1e9), tmp_path / "m.pt")
+    assert torch.tensor(-1e9).half().item() == float("-inf") and torch.tensor(-1e9).bfloat16().item() > float("-inf")
+    found = report(tmp_path / "m.pt")
+    assert found["convention"] == "min" and found["command"] == "maskcli show causal --len 4"
+    assert [f["code"] for f in found["findings"]] == ["sentinel-overflow"]
+    assert "does not fit float16" in found["findings"][0]["message"]
+
+
+def test_3d_mask_with_the_head_count_first(tmp_path):
+    torch.save(torch.ones(8, 4, 4).tril().bool(), tmp_path / "three.pt")
+    found = report(tmp_path / "three.pt", "--heads", "8")
+    assert "3d-heads" in [f["code"] for f in found["findings"]]
+    assert "8 heads" in found["broadcast"] and "batch x heads" in found["broadcast"]
+    assert found["command"] == "maskcli show causal --len 4 --heads 8"
+    assert "3d-heads" not in [f["code"] for f in report(tmp_path / "three.pt", "--heads", "2")["findings"]]
+
+
+def test_heads_that_differ_are_named(tmp_path):
+    keep = torch.ones(1, 2, 5, 5, dtype=torch.bool).tril().clone()
+    keep[0, 1] &= torch.ones(5, 5, dtype=torch.bool).triu(-1)  # head 1: window 2
+    torch.save(keep, tmp_path / "m.pt")
+    found = report(tmp_path / "m.pt")
+    assert found["structure"] is None
+    assert 'head 0: causal --len 5; head 1: "window(2)" --len 5' in found["structure_note"]
+
+
+def test_an_additive_bias_is_not_a_mask(tmp_path):
+    alibi = -(torch.arange(4)[:, None] - torch.arange(4)[None, :]).abs().float() * 0.5
+    torch.save(alibi.masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), float("-inf")), tmp_path / "m.pt")
+    found = report(tmp_path / "m.pt")
+    assert found["convention"] == "bias" and "not a mask" in found["convention_note"]
+    assert found["command"] == "maskcli show causal --len 4"  # its -inf cells are causal
+
+
+# --- the text report and the picture ---------------------------------------------------------
+
+
+def test_text_report_then_the_mask_like_show(tmp_path):
+    ok(["show", "prefill", "--offset", "2", "--len", "3", "--as", "block", "--save", tmp_path / "m.pt"])
+    lines = [" ".join(line.split()) for line in ok(["inspect", tmp_path / "m.pt"]).stdout.splitlines()]
+    text = " ".join(lines)
+    assert lines[0] == f"{tmp_path / 'm.pt'}: bool [1, 1, 3, 5]"
+    assert "convention: block — read as block (True = masked)" in text
+    assert "structure: causal — rebuild it with: maskcli show causal --len 3 --offset 2" in text
+    assert "findings: none" in text
+    assert lines[-3:] == ["2 False False False True True", "3 False False False False True", "4 False False False False False"]
+
+
+def test_text_report_with_tokens_and_findings(tmp_path):
+    torch.save(torch.zeros(3, 3).masked_fill(~torch.ones(3, 3, dtype=torch.bool).tril(), torch.finfo(torch.float16).min), tmp_path / "m.pt")
+    lines = [" ".join(line.split()) for line in ok(["inspect", tmp_path / "m.pt", "--tokens", "the cat sat"]).stdout.splitlines()]
+    assert "convention: min — float 0 / finfo(float16).min, added to the scores (Hugging Face eager style)" in " ".join(lines)
+    assert lines[-4:] == ["q \\ kv the cat sat", "0 the 0 -6.6e+04 -6.6e+04", "1 cat 0 0 -6.6e+04", "2 sat 0 0 0"]
+
+
+def test_png_is_the_mask(tmp_path):
+    import matplotlib.image as mpimg
+
+    torch.save(torch.ones(4, 4, dtype=torch.bool).tril(), tmp_path / "m.pt")
+    result = ok(["inspect", tmp_path / "m.pt", "--png", tmp_path / "m.png", "--json"])
+    assert f"wrote {tmp_path / 'm.png'}" in result.stderr
+    image = mpimg.imread(tmp_path / "m.png")
+    assert image.ndim == 3 and image.shape[0] > 50 and image.shape[1] > 50
+
+
+def test_help_ends_with_examples():
+    result = ok(["inspect", "--help"])
+    assert "Examples: maskcli show causal --len 4 --as block --save mask.pt # a mask to look at maskcli inspect mask.pt" in " ".join(result.stdout.split())
+
+
+# --- hostile and broken files: one line, exit 2, nothing runs ---------------------------------
+
+
+class Exploit:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch exploited",))
+
+
+def write_safetensors(path, name, dtype="F32", data=None):
+    raw = np.zeros((2, 2), dtype="<f4").tobytes() if data is None else data
+    header = json.dumps({name: {"dtype": dtype, "shape": [2, 2], "data_offsets": [0, len(raw)]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + raw)
+
+
+def hostile(tmp_path):
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "corrupt.pt").write_bytes(b"PK\x03\x04 not really a zip")
+    (tmp_path / "corrupt.npy").write_bytes(b"\x93NUMPY garbage")
+    (tmp_path / "corrupt.safetensors").write_bytes(b"\xff" * 12)
+    (tmp_path / "corrupt.json").write_text("[[1, 0], [1")
+    (tmp_path / "evil.pt").write_bytes(pickle.dumps(Exploit()))
+    torch.save({"mask": Exploit()}, tmp_path / "evil_zip.pt")
+    np.save(tmp_path / "evil.npy", np.array([Exploit()], dtype=object), allow_pickle=True)
+    np.savez(tmp_path / "evil.npz", mask=np.array([Exploit()], dtype=object))
+    torch.save(torch.zeros(2, 2, dtype=torch.complex64), tmp_path / "complex.pt")
+    np.save(tmp_path / "complex.npy", np.zeros((2, 2), dtype=np.complex128))
+    np.save(tmp_path / "strings.npy", np.array([["a", "b"], ["c", "d"]]))
+    (tmp_path / "strings.json").write_text('[["a", "b"], ["c", "d"]]')
+    torch.save(torch.zeros(1, 1, 1, 2, 2, dtype=torch.bool), tmp_path / "five.pt")
+    torch.save(torch.zeros(2, 2, dtype=torch.float8_e4m3fn), tmp_path / "float8.pt")
+    torch.save(torch.tensor([[0.0, float("nan")], [0.0, 0.0]]), tmp_path / "nan.pt")
+    torch.save(torch.tensor([[0, 1], [2, 3]]), tmp_path / "labels.pt")
+    torch.save(torch.tensor(1.0), tmp_path / "scalar.pt")
+    np.savez(tmp_path / "two.npz", first=np.zeros((2, 2)), second=np.ones((2, 2)))
+    write_safetensors(tmp_path / "named.safetensors", "attention_mask")
+    write_safetensors(tmp_path / "c64.safetensors", "mask", "C64", np.zeros((2, 2), dtype="<c8").tobytes())
+    (tmp_path / "folder.pt").mkdir()
+
+
+HOSTILE = [
+    (["inspect", "missing.pt"], "no such file"),
+    (["inspect", "empty.pt"], "the file is empty"),
+    (["inspect", "corrupt.pt"], "not a readable .pt file"),
+    (["inspect", "corrupt.npy"], "not a readable numpy file"),
+    (["inspect", "corrupt.safetensors"], "not a readable .safetensors file"),
+    (["inspect", "corrupt.json"], "not valid JSON"),
+    (["inspect", "evil.pt"], "nothing in it was run"),
+    (["inspect", "evil_zip.pt"], "nothing in it was run"),
+    (["inspect", "evil.npy"], "would need pickle"),
+    (["inspect", "evil.npz"], "would need pickle"),
+    (["inspect", "complex.pt"], "complex"),
+    (["inspect", "complex.npy"], "complex128"),
+    (["inspect", "c64.safetensors"], "C64"),
+    (["inspect", "strings.npy"], "<U1"),
+    (["inspect", "strings.json"], "not a rectangular nested list of numbers"),
+    (["inspect", "five.pt"], "5 dimensions"),
+    (["inspect", "float8.pt"], "float8_e4m3fn"),
+    (["inspect", "nan.pt"], "NaN"),
+    (["inspect", "labels.pt"], "not a 0/1 mask"),
+    (["inspect", "scalar.pt"], "single number"),
+    (["inspect", "folder.pt"], "is a directory"),
+    (["inspect", "mask.txt"], "no such file, and '.txt' is not a file type maskcli reads"),
+    (["inspect", "two.npz"], "'first', 'second'"),
+    (["inspect", "two.npz", "--key", "third"], "has no tensor 'third'; it holds 'first', 'second'"),
+    (["inspect", "named.safetensors", "--key", "mask"], "has no tensor 'mask'; it holds 'attention_mask'"),
+    (["inspect", "named.safetensors", "--png", "out.gif"], "'.gif'"),
+    (["inspect", "named.safetensors", "--heads", "x"], "x"),
+    (["inspect", "named.safetensors", "--tokens", "a b c"], "--tokens has 3 words but the mask has 2 key positions"),
+]
+
+
+@pytest.mark.parametrize("args, quoted", HOSTILE, ids=[" ".join(a) for a, _ in HOSTILE])
+def test_hostile_and_broken_files(tmp_path, monkeypatch, args, quoted):
+    hostile(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = set(tmp_path.iterdir())
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("maskcli: error: ") and quoted in lines[0], result.stderr
+    assert "Traceback" not in result.output and result.stdout == ""
+    assert set(tmp_path.iterdir()) == before  # nothing ran (no 'exploited' file), nothing was written
+    assert not (tmp_path / "exploited").exists()
+
+
+def test_big_endian_npy_is_read(tmp_path):
+    np.save(tmp_path / "m.npy", np.tril(np.ones((4, 4))).astype(">f4"))
+    assert report(tmp_path / "m.npy")["command"] == "maskcli show causal --len 4"

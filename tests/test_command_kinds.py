@@ -1,0 +1,61 @@
+"""`maskcli kinds`: every kind in the registry, as a readable list and as JSON."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+from maskcli.kinds import all_kinds
+
+runner = CliRunner()
+
+
+def ok(args, **kwargs):
+    result = runner.invoke(app, args, **kwargs)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_json_lists_every_kind_with_its_parameters():
+    data = json.loads(ok(["kinds", "--json"]).stdout)
+    assert [k["name"] for k in data] == [kind.name for kind in all_kinds()]
+    assert {k["name"] for k in data} == {
+        "full", "causal", "tril", "triu", "window", "prefix", "sink", "local", "chunk", "document", "segment", "blocks", "tree", "padding",
+    }
+    window = next(k for k in data if k["name"] == "window")
+    assert window == {
+        "name": "window", "signature": "window(W)",
+        "meaning": "sliding window: each query sees itself and the W-1 keys before it (Mistral, Gemma; W keys as Hugging Face counts)",
+        "keep": "q - W < kv <= q",
+        "params": [{"name": "window", "type": "int", "flag": "--window", "required": True, "default": None, "minimum": 1,
+                    "choices": None, "sizes": False,
+                    "help": "keys each query sees, itself included (FlashAttention window_size=(W-1, 0))"}],
+        "example": "window(3)", "command": 'maskcli show "window(3)"', "aliases": [], "causal": True,
+    }
+    tril = next(k for k in data if k["name"] == "tril")
+    assert [(p["name"], p["default"], p["choices"]) for p in tril["params"]] == [("diagonal", 0, None), ("means", "keep", ["keep", "block"])]
+    assert next(k for k in data if k["name"] == "causal")["aliases"] == ["prefill"]
+
+
+@pytest.mark.parametrize("kind", [k.name for k in all_kinds()])
+def test_every_example_command_runs(kind):
+    command = next(k for k in json.loads(ok(["kinds", "--json"]).stdout) if k["name"] == kind)["command"]
+    args = shlex.split(command)
+    assert args[:2] == ["maskcli", "show"]
+    result = ok(args[1:], env={"COLUMNS": "120"})
+    assert result.stdout.startswith(json.loads(ok([*args[1:], "--json"]).stdout)["expression"])
+
+
+def test_the_list_reads_at_60_columns():
+    text = ok(["kinds"], env={"COLUMNS": "60"}).stdout
+    assert all(len(line) <= 60 for line in text.splitlines())
+    for kind in all_kinds():
+        assert kind.signature in text
+    flat = " ".join(text.split())
+    assert "window(W) keeps q - W < kv <= q" in flat and "W --window keys each query sees, itself included" in flat
+    assert "also: prefill" in flat and "sizes=[3,5] / --sizes 3,5" in flat
+    assert 'example: maskcli show "causal | blocks(-1,-1,0,0,0,-1)"' in flat

@@ -1,0 +1,521 @@
+"""`maskcli show` and `maskcli chunk` through Typer's CliRunner; expected text and matrices written here."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+import definitions as ref
+from maskcli import memory
+from maskcli.commands import app
+from strategies import cases, expected_cells
+
+runner = CliRunner()
+
+
+def invoke(args, **kwargs):
+    return runner.invoke(app, [str(arg) for arg in args], **kwargs)
+
+
+def ok(args, **kwargs):
+    result = invoke(args, **kwargs)
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    return result
+
+
+def lines(text):
+    """Non-empty lines, white space collapsed."""
+    return [" ".join(line.split()) for line in text.splitlines() if line.strip()]
+
+
+def table_rows(text):
+    """The body rows of every table in the output (lines that start with a query position)."""
+    return [line for line in lines(text) if re.match(r"-?\d+ ", line) and "one character" not in line]
+
+
+# --- the table ----------------------------------------------------------------------
+
+
+def test_show_causal_len_6_is_the_lower_triangular_table():
+    result = ok(["show", "causal", "--len", "6"])
+    assert lines(result.stdout) == [
+        "causal · shape (B=1, H=1, Lq=6, Lk=6)",
+        "convention: keep (bool, 1 = True = may attend, 0 = masked)",
+        "q \\ kv 0 1 2 3 4 5",
+        "0 1 0 0 0 0 0",
+        "1 1 1 0 0 0 0",
+        "2 1 1 1 0 0 0",
+        "3 1 1 1 1 0 0",
+        "4 1 1 1 1 1 0",
+        "5 1 1 1 1 1 1",
+    ]
+    assert result.stderr == ""
+
+
+def test_an_expression_is_named_by_its_canonical_text():
+    result = ok(["show", "document(0,0,0,1,1,1)&window( 2 )"])
+    assert lines(result.stdout)[0] == "document(0,0,0,1,1,1) & window(2) · shape (B=1, H=1, Lq=6, Lk=6)"
+    assert table_rows(result.stdout) == [
+        "0 1 0 0 0 0 0", "1 1 1 0 0 0 0", "2 0 1 1 0 0 0", "3 0 0 0 1 0 0", "4 0 0 0 1 1 0", "5 0 0 0 0 1 1",
+    ]
+
+
+def test_gemma_image_tokens_and_streaming_sinks():
+    gemma = ok(["show", "causal | blocks(-1,-1,0,0,0,-1)"])
+    assert table_rows(gemma.stdout) == [
+        "0 1 0 0 0 0 0", "1 1 1 0 0 0 0", "2 1 1 1 1 1 0", "3 1 1 1 1 1 0", "4 1 1 1 1 1 0", "5 1 1 1 1 1 1",
+    ]
+    sinks = ok(["show", "causal & (window(3) | sink(1))", "--len", "6"])
+    assert table_rows(sinks.stdout)[-2:] == ["4 1 0 1 1 1 0", "5 1 0 0 1 1 1"]
+
+
+def test_chunk_table_is_the_tutorial_mask():
+    result = ok(["chunk", "0,0,1,1,2"])
+    assert lines(result.stdout)[0] == "chunk(0,0,1,1,2) · shape (B=1, H=1, Lq=5, Lk=5)"
+    assert table_rows(result.stdout) == ["0 1 1 0 0 0", "1 1 1 0 0 0", "2 1 1 1 1 0", "3 1 1 1 1 0", "4 1 1 1 1 1"]
+
+
+def test_prefill_rows_are_absolute_query_positions():
+    result = ok(["show", "prefill", "--offset", "4", "--len", "2"])
+    assert lines(result.stdout)[0] == "causal · shape (B=1, H=1, Lq=2, Lk=6) · queries 4-5 · keys 0-5"
+    assert table_rows(result.stdout) == ["4 1 1 1 1 1 0", "5 1 1 1 1 1 1"]
+
+
+def test_a_sliding_cache_labels_its_key_columns_by_absolute_position():
+    result = ok(["show", "window", "--window", "3", "--offset", "9", "--len", "1", "--kv-start", "6"])
+    assert lines(result.stdout)[0] == "window(3) · shape (B=1, H=1, Lq=1, Lk=4) · queries 9 · keys 6-9"
+    assert "q \\ kv 6 7 8 9" in lines(result.stdout)
+    assert table_rows(result.stdout) == ["9 0 1 1 1"]
+
+
+def test_a_static_cache_aligns_top_left_unless_told_otherwise():
+    top = ok(["show", "causal", "--len", "2", "--kv-len", "4"])
+    assert table_rows(top.stdout) == ["0 1 0 0 0", "1 1 1 0 0"]
+    bottom = ok(["show", "causal", "--len", "2", "--kv-len", "4", "--align", "bottom-right"])
+    assert table_rows(bottom.stdout) == ["2 1 1 1 0", "3 1 1 1 1"]
+
+
+def test_padding_prints_one_table_per_batch_row():
+    result = ok(["show", "padding", "--lengths", "4,2"])
+    out = lines(result.stdout)
+    assert out[0] == "padding · lengths 4,2 · shape (B=2, H=1, Lq=4, Lk=4)"
+    assert "batch 0 (length 4)" in out and "batch 1 (length 2)" in out
+    assert table_rows(result.stdout) == ["0 1 1 1 1", "1 1 1 1 1", "2 1 1 1 1", "3 1 1 1 1", "0 1 1 0 0", "1 1 1 0 0", "2 1 1 0 0", "3 1 1 0 0"]
+
+
+def test_padding_from_ids():
+    result = ok(["show", "padding", "--ids", "5,6,0;7,0,0", "--pad-id", "0"])
+    assert table_rows(result.stdout) == ["0 1 1 0", "1 1 1 0", "2 1 1 0", "0 1 0 0", "1 1 0 0", "2 1 0 0"]
+
+
+@pytest.mark.parametrize("convention, dtype, visible, masked, described", [
+    ("keep", "float32", "1", "0", "keep (bool, 1 = True = may attend, 0 = masked)"),
+    ("block", "float32", "False", "True", "block (False = may attend, True = masked)"),
+    ("additive", "float32", "0", "-inf", "additive float32 (0 = may attend, -inf = masked)"),
+    ("min", "float32", "0", "-3.4e+38", "min float32 (0 = may attend, -3.4e+38 = masked)"),
+    ("min", "float16", "0", "-6.6e+04", "min float16 (0 = may attend, -6.6e+04 = masked)"),
+    ("min", "bfloat16", "0", "-3.4e+38", "min bfloat16 (0 = may attend, -3.4e+38 = masked)"),
+    ("int", "float32", "1", "0", "int (1 = may attend, 0 = masked)"),
+])
+def test_as_shows_each_conventions_symbols(convention, dtype, visible, masked, described):
+    args = ["show", "causal", "--len", "3", "--as", convention] + (["--dtype", dtype] if convention in ("additive", "min") else [])
+    result = ok(args)
+    assert lines(result.stdout)[1] == f"convention: {described}"
+    v, m = visible, masked
+    assert table_rows(result.stdout) == [f"0 {v} {m} {m}", f"1 {v} {v} {m}", f"2 {v} {v} {v}"]
+
+
+def test_tokens_label_both_axes_by_absolute_position():
+    result = ok(["show", "causal", "--len", "3", "--tokens", "Your journey starts"])
+    assert "q \\ kv Your journey starts" in lines(result.stdout)
+    assert table_rows(result.stdout) == ["0 Your 1 0 0", "1 journey 1 1 0", "2 starts 1 1 1"]
+    prefill = ok(["show", "prefill", "--offset", "2", "--len", "2", "--tokens", "a b c d"])
+    assert "q \\ kv a b c d" in lines(prefill.stdout)
+    assert table_rows(prefill.stdout) == ["2 c 1 1 1 0", "3 d 1 1 1 1"]
+
+
+def test_heads_are_shown_once_when_identical():
+    result = ok(["show", "causal", "--len", "2", "--heads", "3"])
+    assert "(B=1, H=3, Lq=2, Lk=2)" in result.stdout
+    assert table_rows(result.stdout) == ["0 1 0", "1 1 1"]
+
+
+def test_labels_that_go_down_warn_on_stderr_and_still_show_the_mask():
+    result = invoke(["chunk", "0,1,0"])
+    assert result.exit_code == 0, result.output
+    (warning,) = result.stderr.splitlines()
+    assert warning.startswith("maskcli: warning: chunk(0,1,0): chunk labels go down at position 2 (1 then 0)")
+    labels = [0, 1, 0]
+    assert table_rows(result.stdout) == [f"{q} " + " ".join(str(int(labels[kv] <= labels[q])) for kv in range(3)) for q in range(3)]
+    assert ok(["show", "document", "--chunks", "1,1,0"]).stderr == ""
+
+
+def test_one_row_of_labels_per_batch_row():
+    result = ok(["chunk", "0,0,1;0,1,1"])
+    assert "(B=2, H=1, Lq=3, Lk=3)" in result.stdout
+    assert table_rows(result.stdout) == ["0 1 1 0", "1 1 1 0", "2 1 1 1", "0 1 0 0", "1 1 1 1", "2 1 1 1"]
+
+
+# --- exact density maps for wide masks ------------------------------------------------------
+
+
+DENSITY = {"█": lambda s: s == 1, "·": lambda s: s == 0, "▓": lambda s: 0.5 < s < 1, "░": lambda s: 0 < s <= 0.5}
+
+
+def map_of(stdout):
+    """(rows per character, keys per character, [(label, characters)]) of the first map."""
+    text = " ".join(stdout.split())
+    found = re.search(r"one character = ([\d,]+) quer(?:y|ies) x ([\d,]+) keys?", text)
+    rows, cols = (int(found[i].replace(",", "")) for i in (1, 2))
+    body = [line.split() for line in stdout.splitlines() if re.fullmatch(r"\s*\d+ [█▓░·]+", line)]
+    return rows, cols, body
+
+
+@pytest.mark.parametrize("args, tree, q_len, offset", [
+    (["show", "causal", "--len", "300"], ("kind", "causal", {}), 300, 0),
+    (["show", "window", "--len", "300", "--window", "40"], ("kind", "window", {"window": 40}), 300, 0),
+    (["show", "prefill", "--offset", "100", "--len", "200"], ("kind", "causal", {}), 200, 100),
+    (["show", "prefix(90)", "--len", "250"], ("kind", "prefix", {"prefix": 90}), 250, 0),
+    (["show", "window(3) | sink(2)", "--len", "500"], ("or", [("kind", "window", {"window": 3}), ("kind", "sink", {"sink": 2})]), 500, 0),
+])
+def test_wide_mask_is_an_exact_density_map(args, tree, q_len, offset):
+    result = ok(args, env={"COLUMNS": "80"})
+    text = " ".join(result.stdout.split())
+    assert "exact, from key intervals" in text and "█ all visible ▓ over half ░ some · none" in text
+    assert all(len(line) <= 80 for line in result.stdout.splitlines())
+    rows, cols, body = map_of(result.stdout)
+    k_len = q_len + offset
+    keep = ref.dense(tree, q0=offset, lq=q_len, k0=0, lk=k_len)[0]
+    check_ruler(result.stdout, cols)
+    assert len(body) == -(-q_len // rows)
+    for r, (label, chars) in enumerate(body):
+        assert int(label) == offset + r * rows  # labelled by the block's first absolute query position
+        assert len(chars) == -(-k_len // cols)
+        for c, char in enumerate(chars):
+            block = [keep[i][j] for i in range(r * rows, min(q_len, (r + 1) * rows)) for j in range(c * cols, min(k_len, (c + 1) * cols))]
+            assert DENSITY[char](sum(block) / len(block)), (r, c, char)
+
+
+def check_ruler(stdout, cols, first_key=0):
+    """Every number on the key ruler stands over the column whose first key it names, apart from its neighbours."""
+    out = stdout.splitlines()
+    first = next(i for i, line in enumerate(out) if re.fullmatch(r"\s*\d+ [█▓░·]+", line))
+    start = len(out[first]) - len(out[first].lstrip()) + len(out[first].split()[0]) + 1  # where the map's cells begin
+    marks = list(re.finditer(r"\d+", out[first - 1]))
+    assert marks and int(marks[0][0]) == first_key and marks[0].start() == start
+    for mark in marks:
+        assert int(mark[0]) == first_key + (mark.start() - start) * cols, out[first - 1]
+    assert all(b.start() > a.end() for a, b in zip(marks, marks[1:]))
+
+
+def test_a_million_token_window_shows_its_band_in_60_columns():
+    result = ok(["show", "window", "--len", "1048576", "--window", "128"], env={"COLUMNS": "60"})
+    rows, cols, body = map_of(result.stdout)
+    assert all(len(line) <= 60 for line in result.stdout.splitlines())
+    assert "exact, from key intervals" in " ".join(result.stdout.split())
+    for r, (_, chars) in enumerate(body):
+        diagonal = [chars[c] for c in range(len(chars)) if c * cols <= (r + 1) * rows - 1 and (c + 1) * cols > r * rows]
+        assert diagonal and all(char != "·" for char in diagonal), r  # the band is visible in every row of the map
+        assert set(chars) - set(diagonal) <= {"·"}
+    check_ruler(result.stdout, cols)
+
+
+def test_a_sliding_cache_map_starts_its_ruler_at_the_first_key():
+    result = ok(["show", "window(100)", "--len", "400", "--offset", "1000", "--kv-start", "900"], env={"COLUMNS": "80"})
+    _, cols, _ = map_of(result.stdout)
+    check_ruler(result.stdout, cols, first_key=900)
+
+
+def test_labels_that_go_down_are_counted_cell_by_cell_and_say_so():
+    labels = ",".join(str(v) for v in [0, 2, 1] * 100)
+    result = ok(["chunk", labels], env={"COLUMNS": "80"})
+    assert "exact, cell by cell (chunk labels go down at position 2 (2 then 1))" in " ".join(result.stdout.split())
+
+
+def test_a_length_past_what_intervals_fit_is_refused_with_the_memory_it_needs():
+    result = invoke(["show", "causal", "--len", 1 << 40], env={"COLUMNS": "80"})
+    assert result.exit_code == 2 and "for its key intervals" in result.stderr and result.stdout == ""
+
+
+def test_density_map_per_batch_row():
+    result = ok(["show", "causal", "--len", "300", "--lengths", "300,100"], env={"COLUMNS": "80"})
+    assert result.stdout.count("one character =") == 2
+    assert "batch 0 (length 300)" in result.stdout and "batch 1 (length 100)" in result.stdout
+
+
+# --- JSON equals the definitions ------------------------------------------------------------
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=cases(), heads=st.integers(1, 2), shown_as=st.sampled_from(["keep", "block", "int"]))
+def test_json_of_random_expressions_equals_the_definitions(case, heads, shown_as):
+    tree, options, frame, valid = case
+    args = ["show", ref.text(tree), "--heads", heads, "--as", shown_as, "--json"]  # --json is keep whatever --as says
+    flags = {"length": "--len", "offset": "--offset", "kv_start": "--kv-start", "kv_len": "--kv-len", "align": "--align",
+             "lengths": "--lengths", "ids": "--ids"}
+    for key, flag in flags.items():
+        if options.get(key) is not None:
+            args += [flag, options[key]]
+    got = json.loads(ok(args).stdout)
+    batch = got["shape"][0]
+    expected = expected_cells(tree, options, frame, valid, batch)
+    assert got["shape"] == [batch, heads, frame[1], frame[3]]
+    assert (got["q_offset"], got["kv_offset"], got["convention"]) == (frame[0], frame[2], "keep")
+    assert np.array_equal(np.array(got["mask"]), np.repeat(expected[:, None], heads, axis=1).astype(int))
+
+
+def test_json_names_the_expression_its_kinds_and_their_params():
+    got = json.loads(ok(["show", "document(sizes=[2,2]) & window(3)", "--lengths", "4,3", "--json"]).stdout)
+    assert got["expression"] == "document(sizes=[2,2]) & window(3)"
+    assert got["kind"] is None and got["params"] == {}
+    assert got["kinds"] == [{"kind": "document", "params": {"labels": [0, 0, 1, 1]}}, {"kind": "window", "params": {"window": 3}}]
+    assert got["lengths"] == [4, 3] and got["name"] == "document_sizes_2_2_and_window_3"
+    single = json.loads(ok(["show", "window", "--window", "2", "--len", "3", "--json"]).stdout)
+    assert (single["kind"], single["params"], single["expression"]) == ("window", {"window": 2}, "window(2)")
+    prefill = json.loads(ok(["show", "prefill", "--offset", "4", "--len", "2", "--json"]).stdout)
+    assert (prefill["q_offset"], prefill["kv_offset"], prefill["shape"]) == (4, 0, [1, 1, 2, 6])
+
+
+def test_chunk_json_is_the_tutorial_matrix():
+    got = json.loads(ok(["chunk", "0,0,1,1,1,1,2,2,2,3,4,4", "--json"]).stdout)
+    assert got["kind"] == "chunk" and got["convention"] == "keep" and got["q_offset"] == 0
+    assert got["params"] == {"labels": [0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 4, 4]}
+    labels = [0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 4, 4]
+    assert got["mask"] == [[[[int(labels[kv] <= labels[q]) for kv in range(12)] for q in range(12)]]]
+
+
+def test_json_is_one_object_and_carries_tokens():
+    result = ok(["show", "causal", "--len", "2", "--tokens", "hello world", "--json"])
+    got = json.loads(result.stdout)  # nothing but the object on stdout
+    assert got["tokens"] == ["hello", "world"] and got["mask"] == [[[[1, 0], [1, 1]]]]
+
+
+# --- saved tensors and figures named after the mask ---------------------------------------------
+
+
+def expected_tensor_values(convention, dtype):
+    """causal --len 4 --lengths 4,2 in `convention`, from the definition."""
+    keep = ref.dense(("kind", "causal", {}), q0=0, lq=4, k0=0, lk=4, batch=2, valid=[[True] * 4, [True, True, False, False]])
+    fill = {"additive": -math.inf, "min": float(torch.finfo(dtype).min) if dtype.is_floating_point else None}.get(convention)
+
+    def cell(k):
+        return {"keep": k, "block": not k, "int": int(k)}.get(convention, 0.0 if k else fill)
+
+    return [[[cell(k) for k in row] for row in plane] for plane in keep]
+
+
+SAVES = [
+    ("keep", "float32", torch.bool, np.bool_),
+    ("block", "float32", torch.bool, np.bool_),
+    ("int", "float32", torch.int64, np.int64),
+    ("additive", "float32", torch.float32, np.float32),
+    ("additive", "float16", torch.float16, np.float16),
+    ("min", "float32", torch.float32, np.float32),
+    ("min", "float16", torch.float16, np.float16),
+    ("min", "bfloat16", torch.bfloat16, None),
+]
+
+
+@pytest.mark.parametrize("convention, dtype_name, torch_dtype, numpy_dtype", SAVES)
+def test_save_pt_and_npy_round_trip_in_the_as_convention(tmp_path, convention, dtype_name, torch_dtype, numpy_dtype):
+    base = ["show", "causal", "--len", "4", "--lengths", "4,2", "--as", convention]
+    base += ["--dtype", dtype_name] if convention in ("additive", "min") else []
+    want = expected_tensor_values(convention, torch_dtype)
+    pt = tmp_path / "mask.pt"
+    result = ok([*base, "--save", pt])
+    assert f"wrote {pt} ({convention} convention)" in result.stderr
+    saved = torch.load(pt, weights_only=True)
+    assert saved.dtype == torch_dtype and tuple(saved.shape) == (2, 1, 4, 4)
+    assert saved[:, 0].tolist() == want
+    if numpy_dtype is None:
+        return
+    npy = tmp_path / "mask.npy"
+    ok([*base, "--save", npy])
+    loaded = np.load(npy, allow_pickle=False)
+    assert loaded.dtype == numpy_dtype and loaded.shape == (2, 1, 4, 4)
+    assert loaded[:, 0].tolist() == want
+
+
+def test_additive_save_is_what_nn_transformer_builds(tmp_path):
+    ok(["show", "causal", "--len", "4", "--as", "additive", "--save", tmp_path / "m.pt"])
+    assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=True)[0, 0], torch.nn.Transformer.generate_square_subsequent_mask(4))
+
+
+def test_save_with_json_writes_the_file_and_prints_keep(tmp_path):
+    path = tmp_path / "m.npy"
+    got = json.loads(ok(["show", "window", "--len", "3", "--window", "2", "--as", "block", "--save", path, "--json"]).stdout)
+    assert got["mask"] == [[[[1, 0, 0], [1, 1, 0], [0, 1, 1]]]]
+    assert np.load(path).tolist() == [[[[False, True, True], [False, False, True], [True, False, False]]]]
+
+
+def test_a_directory_gets_a_file_named_after_the_mask(tmp_path):
+    result = ok(["show", "causal & window(3)", "--len", "4", "--save", tmp_path, "--png", tmp_path])
+    assert (tmp_path / "causal_and_window_3.npy").exists() is False
+    assert (tmp_path / "causal_and_window_3.pt").exists() and (tmp_path / "causal_and_window_3.png").exists()
+    assert f"wrote {tmp_path / 'causal_and_window_3.png'}" in result.stderr
+
+
+def test_save_refuses_a_tensor_bigger_than_the_free_disk(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 100, 100))  # 100 bytes free
+    path = tmp_path / "big.pt"
+    result = invoke(["show", "causal", "--len", "16", "--save", path])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"maskcli: error: --save {str(path)!r} would write 256 bytes but the disk there has 100 bytes free: use a smaller --len, or --png for a picture of it\n"
+    assert not path.exists()
+
+
+def test_dtype_with_a_bool_or_int_convention_is_said_to_be_ignored():
+    result = invoke(["show", "causal", "--len", "2", "--dtype", "float16"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == "maskcli: warning: --dtype float16 is ignored: it is for --as additive and --as min, and --as keep has a dtype of its own\n"
+    quiet = invoke(["show", "causal", "--len", "2", "--as", "min", "--dtype", "float16"])
+    assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
+    assert "convention: min float16" in quiet.stdout
+
+
+# --- bad input ----------------------------------------------------------------------
+
+
+BAD = [
+    (["chunk", "0,a,1", "--save", "m.pt"], ["'a'", "position 1"]),
+    (["chunk", "0,1,2.5", "--png", "m.png"], ["'2.5'", "position 2"]),
+    (["show", "document", "--chunks", "0,x", "--json"], ["'x'"]),
+    (["chunk", "", "--save", "m.pt"], ["no values"]),
+    (["chunk", " , ", "--png", "m.png"], ["no values"]),
+    (["show", "causal", "--len", "0", "--save", "m.pt"], ["--len", "got 0"]),
+    (["show", "causal", "--len", "-2", "--png", "m.png"], ["--len", "got -2"]),
+    (["show", "causal", "--len", "six"], ["'six'"]),
+    (["show", "padding", "--lengths", "3,7", "--len", "5", "--save", "m.pt"], ["length 7", "5 positions"]),
+    (["show", "causal", "--lengths", "9", "--len", "4", "--png", "m.png"], ["length 9", "4 positions"]),
+    (["show", "padding", "--ids", "1,2,0", "--len", "4"], ["3 tokens", "4 positions"]),
+    (["show", "causal", "--len", "3", "--tokens", "a b", "--save", "m.npy"], ["--tokens have 2 entries", "positions 0-2"]),
+    (["chunk", "0,0,1", "--tokens", "one two three four"], ["4 entries", "positions 0-2"]),
+    (["show", "window", "--len", "4", "--window", "0", "--png", "m.png"], ["--window 0", "at least 1"]),
+    (["show", "window", "--len", "4", "--window", "-3"], ["--window -3"]),
+    (["show", "prefix", "--len", "4", "--prefix", "0", "--save", "m.pt"], ["--prefix 0"]),
+    (["show", "prefix", "--len", "4", "--prefix", "5"], ["prefix of 5", "4 tokens"]),
+    (["show", "banana", "--save", "m.pt"], ["'banana'", "the kinds are full, causal"]),
+    (["show", "windw(3)"], ["'windw'", "did you mean window?"]),
+    (["show", "causal & & window(3)", "--png", "m.png"], ["at character 10", "causal & >>& window(3)"]),
+    (["show", "causal & (window(3)"], ["expected ')'"]),
+    (["show", "causal", "--png", "missing/m.png"], ["'missing'"]),
+    (["show", "causal", "--save", "missing/deeper/m.pt"], ["'missing/deeper'"]),
+    (["show", "causal", "--png", "m.gif"], ["'.gif'", ".png, .svg, .pdf"]),
+    (["show", "causal", "--save", "m.txt"], ["'.txt'", ".pt, .npy"]),
+    (["chunk", "0,1", "--save", "m"], ["'m'", ".pt, .npy"]),
+    (["show", "causal", "--len", "3000000", "--json"], [f"({3_000_000**2 * 12:,} bytes)"]),
+    (["show", "causal", "--len", "3000000", "--save", "m.pt"], [f"({3_000_000**2 * 2:,} bytes)"]),
+    (["show", "causal", "--as", "sideways"], ["'sideways'", "keep, block, additive, min, int"]),
+    (["show", "causal", "--as", "min", "--dtype", "float8"], ["'float8'"]),
+    (["show", "causal", "--as", "min", "--dtype", "bfloat16", "--save", "m.npy"], ["bfloat16", ".npy"]),
+    (["show", "tril", "--means", "both"], ["'both'"]),
+    (["show", "causal", "--window", "3"], ["--window 3", "'causal'"]),
+    (["show", "window(4)", "--window", "3"], ["window(4) in the expression gives its own"]),
+    (["show", "padding"], ["--lengths"]),
+    (["show", "padding", "--ids", "1,2;3"], ["'1,2;3'"]),
+    (["chunk", "0,1", "--len", "3"], ["2 entries", "positions 0-2"]),
+    (["show", "causal", "--align", "bottom-right"], ["without --kv-len"]),
+    (["show", "causal", "--kv-start", "9", "--len", "4"], ["--kv-start 9 leaves no key"]),
+    (["show"], ["Missing argument", "'EXPR'"]),
+]
+
+
+@pytest.mark.parametrize("args, quoted", BAD, ids=[" ".join(args) for args, _ in BAD])
+def test_bad_input_is_one_line_exit_2_no_traceback_no_file(args, quoted, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: 16 << 30)  # the same answer on every machine
+    result = invoke(args)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # not an escaped exception
+    assert result.stderr.endswith("\n")
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("maskcli: error: ")
+    for text in quoted:
+        assert text in line
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_png_onto_a_directory_named_like_a_file_writes_into_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out.png").mkdir()
+    ok(["show", "causal", "--png", "out.png"])
+    assert [p.name for p in (tmp_path / "out.png").iterdir()] == ["causal.png"]
+
+
+# --- help and imports ----------------------------------------------------------------
+
+
+def test_help_lists_every_kind_ends_with_examples_and_says_how_window_counts():
+    from maskcli.kinds import all_kinds
+
+    text = " ".join(ok(["show", "--help"], env={"COLUMNS": "200"}).stdout.replace("│", " ").split())
+    assert "maskcli show causal --len 6" in text and 'maskcli show "document(0,0,0,1,1,1) & window(2)"' in text
+    assert "W-1 keys before it" in text and "W keys as Hugging Face counts" in text
+    for kind in all_kinds():
+        assert kind.signature in text and kind.meaning[:40] in text
+    for flag in ("--window", "--prefix", "--sink", "--chunk-size", "--chunks", "--sizes", "--block-ids", "--parents",
+                 "--diagonal", "--means", "--offset", "--kv-start", "--kv-len", "--align"):
+        assert flag in text
+    assert "maskcli chunk 0,0,1,1,1,1,2,2,2,3,4,4" in " ".join(ok(["chunk", "--help"]).stdout.split())
+
+
+def test_version():
+    import maskcli
+
+    assert ok(["--version"]).stdout.strip() == f"maskcli {maskcli.__version__}"
+
+
+def imported_modules(*args):
+    """Top-level modules `python -X importtime -m maskcli ARGS` imported, and its stdout."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "maskcli", *args],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "100"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    names = set()
+    for line in result.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    assert "maskcli" in names  # the parse worked
+    return names, result.stdout
+
+
+def test_help_imports_neither_torch_nor_matplotlib():
+    for args in (["--help"], ["show", "--help"], ["kinds"]):
+        names, stdout = imported_modules(*args)
+        assert "torch" not in names and "matplotlib" not in names, args
+
+
+def test_a_table_a_map_and_json_import_neither_torch_nor_matplotlib():
+    names, stdout = imported_modules("show", "document(0,0,1,1) & window(2)")
+    assert "numpy" in names  # the check can see what it looks for
+    assert "torch" not in names and "matplotlib" not in names
+    assert table_rows(stdout)[-1] == "3 0 0 1 1"
+    for args in (["show", "window(128)", "--len", "100000"], ["show", "causal", "--len", "4", "--json"]):
+        names, _ = imported_modules(*args)
+        assert "torch" not in names and "matplotlib" not in names, args
+
+
+@pytest.mark.parametrize("command", ["show", "chunk", "attend", "verify", "inspect", "convert", "kinds"])
+def test_every_option_has_its_own_name(command):
+    """Shared options reach each command under the names the user types, never the Python ones."""
+    text = ok([command, "--help"], env={"COLUMNS": "200"}).stdout
+    assert not re.search(r"--[moi]-[a-z]", text), text

@@ -1,0 +1,96 @@
+"""Integer lists as kinds and flags take them: inline rows, segment sizes, files."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from maskcli.errors import MaskError
+from maskcli.kinds.values import from_file, from_flag, from_sizes, inline, parse_rows
+
+FAST = settings(max_examples=60, deadline=None)
+ints = st.integers(min_value=-(10**15), max_value=10**15)
+blank = st.sampled_from(["", " ", "  ", "\t"])
+INTEGER = re.compile(r"\s*[+-]?[0-9]+\s*")
+bad_items = st.text(alphabet="abxyz.e/-+ 1", min_size=1, max_size=5).filter(lambda item: item.strip() and not INTEGER.fullmatch(item))
+
+
+@FAST
+@given(data=st.data(), width=st.integers(1, 6))
+def test_rows_round_trip_with_spaces_anywhere(data, width):
+    rows = data.draw(st.lists(st.lists(ints, min_size=width, max_size=width), min_size=1, max_size=4))
+    text = ";".join(",".join(data.draw(blank) + str(v) + data.draw(blank) for v in row) for row in rows)
+    assert parse_rows(text, "--ids") == rows
+
+
+@FAST
+@given(data=st.data(), values=st.lists(ints, max_size=6), bad=bad_items)
+def test_a_non_integer_is_quoted_with_its_position(data, values, bad):
+    position = data.draw(st.integers(0, len(values)))
+    items = [str(v) for v in values]
+    items.insert(position, bad)
+    text = ",".join(items)
+    with pytest.raises(MaskError) as error:
+        parse_rows(text, "--chunks")
+    message = str(error.value)
+    assert message.startswith(f"--chunks: {bad.strip()!r} at position {position} of {text!r} is not an integer")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("text", ["", " ", ",", " , ,  ", ";", "\t"])
+def test_nothing_is_refused_as_empty(text):
+    with pytest.raises(MaskError, match="no values: give comma-separated integers"):
+        parse_rows(text, "--chunks")
+
+
+def test_an_empty_batch_row_and_rows_of_different_lengths():
+    with pytest.raises(MaskError, match="batch row 1 is empty"):
+        parse_rows("1,2;", "--ids")
+    with pytest.raises(MaskError, match=r"rows have different lengths \[1, 2\]"):
+        inline(parse_rows("1,2;3", "--chunks"), "--chunks")
+    with pytest.raises(MaskError, match="too large for a label"):
+        inline([[10**30]], "chunk(...)")
+
+
+@FAST
+@given(rows=st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=4), min_size=1, max_size=3))
+def test_sizes_give_one_label_per_segment(rows):
+    assume(len({sum(row) for row in rows}) == 1)
+    labels = from_sizes(rows, "sizes")
+    for row, sizes in zip(labels.array.tolist(), rows):
+        assert row == [i for i, size in enumerate(sizes) for _ in range(size)]
+    assert labels.text == "sizes=[" + ";".join(",".join(map(str, r)) for r in rows) + "]"
+
+
+def test_sizes_must_cover_the_same_positions_and_be_positive():
+    with pytest.raises(MaskError, match="add up to different lengths"):
+        from_sizes([[1, 2], [2, 2]], "sizes")
+    with pytest.raises(MaskError, match="at least 1, got 0"):
+        from_sizes([[0, 3]], "sizes")
+
+
+def test_flags_take_inline_values_or_a_file(tmp_path):
+    assert from_flag("0,0,1", "--chunks").array.tolist() == [[0, 0, 1]]
+    assert from_flag("2,1", "--sizes", sizes=True).array.tolist() == [[0, 0, 1]]
+    np.save(tmp_path / "l.npy", np.array([[0, 1], [1, 1]]))
+    assert from_flag(str(tmp_path / "l.npy"), "--chunks").array.tolist() == [[0, 1], [1, 1]]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        ("l.json", "[0.5, 1]", "labels must be integers"),
+        ("l.json", "{", "cannot read labels"),
+        ("l.json", "[[[1]]]", "got shape [1, 1, 1]"),
+        ("l.txt", "0 a 1", "cannot read labels"),
+        ("l.csv", "0,1", "unknown file type '.csv'"),
+    ],
+)
+def test_bad_label_files_say_why(tmp_path, name, content, says):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(MaskError, match=re.escape(says)):
+        from_file(str(tmp_path / name), "document(...)")
