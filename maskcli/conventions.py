@@ -57,7 +57,7 @@ def to_convention(keep, convention: str, dtype: str = "float32"):
         return np.where(keep, np.zeros((), dtype=dtype), np.asarray(fill, dtype=dtype))
     import torch
 
-    keep = torch.as_tensor(keep)
+    keep = torch.tensor(keep) if numpy_in else keep  # a copy: the array may be a read-only broadcast view
     return torch.zeros(keep.shape, dtype=torch_dtype(dtype), device=keep.device).masked_fill_(~keep, fill)
 
 

@@ -26,6 +26,7 @@ from maskcli.kinds.base import Labels
 from maskcli.kinds.values import parse_rows
 from maskcli.memory import check_dense_fits
 from maskcli.positions import Frame
+from maskcli.text import shortened
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,8 @@ class Mask:
 
     @property
     def title(self) -> str:
-        """The name with the key padding: `causal · lengths 4,2`."""
-        return self.text + (f" · {self.padding_text}" if self.padding_text else "")
+        """The name with the key padding, `causal · lengths 4,2`, shortened for headers (JSON has it whole)."""
+        return shortened(self.text) + (f" · {shortened(self.padding_text, 60)}" if self.padding_text else "")
 
     @property
     def slug(self) -> str:
@@ -297,7 +298,7 @@ def _padding(options: MaskOptions) -> tuple[tuple[int, ...] | None, np.ndarray |
         rows = parse_rows(options.lengths, "--lengths", "4,2")
         if len(rows) > 1:
             raise MaskError(f"--lengths {options.lengths!r}: one length per batch row, comma-separated (like 4,2); ';' is for --ids")
-        lengths = tuple(rows[0])
+        lengths = tuple(rows[0].tolist())
         for value in lengths:
             if value < 0:
                 raise MaskError(f"--lengths values must be 0 or more, got {value} in {options.lengths!r}")

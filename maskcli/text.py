@@ -37,3 +37,11 @@ def shell_quote(text: str) -> str:
     if not any(c in text for c in '"$`\\!'):
         return f'"{text}"'
     return shlex.quote(text)
+
+
+def shortened(text: str, limit: int = 100) -> str:
+    """Text for a header or title: whole up to `limit` characters, else its start and end around '...'."""
+    if len(text) <= limit:
+        return text
+    tail = max(10, limit // 5)
+    return f"{text[: limit - tail - 5]} ... {text[-tail:]}"

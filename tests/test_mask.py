@@ -348,3 +348,88 @@ def test_a_mask_is_immutable_and_its_dense_form_is_guarded(monkeypatch):
 def test_intervals_of_an_impossible_length_are_refused_up_front():
     with pytest.raises(MaskError, match="for its key intervals"):
         build("causal", length=10**12).exact
+
+
+# --- Hugging Face style masks, written here the way masking_utils writes them ----------------------
+
+
+def hf_and(*functions):
+    def inner(b, h, q, kv):
+        result = torch.ones((), dtype=torch.bool)
+        for function in functions:
+            result = result & function(b, h, q, kv)
+        return result
+
+    return inner
+
+
+def hf_or(*functions):
+    def inner(b, h, q, kv):
+        result = torch.zeros((), dtype=torch.bool)
+        for function in functions:
+            result = result | function(b, h, q, kv)
+        return result
+
+    return inner
+
+
+def hf_causal(b, h, q, kv):
+    return kv <= q
+
+
+def hf_sliding_window_overlay(window):
+    return lambda b, h, q, kv: kv > q - window
+
+
+def hf_chunked_overlay(chunk_size, left_padding):
+    return lambda b, h, q, kv: (kv - left_padding[b]) // chunk_size == (q - left_padding[b]) // chunk_size
+
+
+def hf_padding(attention_mask):
+    return lambda b, h, q, kv: attention_mask[b, kv].bool()
+
+
+def hf_blockwise_overlay(block_ids):
+    """Tokens of the same block (id >= 0) see each other both ways: Gemma 3's image tokens."""
+    return lambda b, h, q, kv: (block_ids[b, q] == block_ids[b, kv]) & (block_ids[b, q] >= 0)
+
+
+def hf_mask(function, batch, cache_position, kv_length, kv_offset):
+    """What sdpa_mask evaluates: absolute query positions against kv_offset + arange(kv_length)."""
+    b = torch.arange(batch)[:, None, None, None]
+    h = torch.arange(1)[None, :, None, None]
+    q = cache_position[None, None, :, None]
+    kv = (torch.arange(kv_length) + kv_offset)[None, None, None, :]
+    return torch.broadcast_to(function(b, h, q, kv), (batch, 1, len(cache_position), kv_length))
+
+
+def test_llama4_chunked_attention_with_left_padding_is_reproduced():
+    attention_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]])
+    left_padding = (attention_mask.cumsum(dim=-1) == torch.zeros_like(attention_mask)).sum(dim=-1)  # as HF counts it
+    function = hf_and(hf_causal, hf_chunked_overlay(4, left_padding), hf_padding(attention_mask))
+    for cache_position, offset in ((torch.arange(11), None), (torch.arange(8, 11), 8)):
+        expected = hf_mask(function, 2, cache_position, 11, 0)
+        ids = ";".join(",".join(map(str, row)) for row in attention_mask.tolist())
+        got = build("local(4)", ids=ids, offset=offset, length=len(cache_position)).materialize()
+        assert torch.equal(got, expected)
+
+
+def test_gemma3_image_blocks_over_causal_text_are_reproduced():
+    block_ids = torch.tensor([[-1, -1, 0, 0, 0, -1, 1, 1, -1]])
+    expected = hf_mask(hf_or(hf_causal, hf_blockwise_overlay(block_ids)), 1, torch.arange(9), 9, 0)
+    assert torch.equal(build("causal | blocks(-1,-1,0,0,0,-1,1,1,-1)").materialize(), expected)
+
+
+def test_a_sliding_window_behind_a_sliding_cache_is_reproduced():
+    """Mistral decoding at position 20 with a 4096-style window of 5, its cache holding only the last 5 keys."""
+    window, position = 5, 20
+    function = hf_and(hf_causal, hf_sliding_window_overlay(window))
+    cache_position = torch.tensor([position])
+    kv_offset = position - window + 1  # the cache dropped every key older than the window
+    expected = hf_mask(function, 1, cache_position, window, kv_offset)
+    got = build(f"window({window})", offset=position, length=1, kv_start=kv_offset)
+    assert torch.equal(got.materialize(), expected) and bool(expected.all())
+    # prefill of 3 tokens after 10 cached ones, a static cache of 16 slots: the empty slots stay hidden
+    function = hf_and(hf_causal, hf_sliding_window_overlay(4))
+    expected = hf_mask(function, 1, torch.arange(10, 13), 16, 0)
+    assert torch.equal(build("window(4)", offset=10, length=3, kv_len=16).materialize(), expected)

@@ -21,7 +21,7 @@ INT64_LIMIT = 1 << 62  # labels and ids stay far from int64's edge, so differenc
 
 def rows_text(rows) -> str:
     """((0, 0, 1), (0, 1, 1)) -> '0,0,1;0,1,1'."""
-    return ";".join(",".join(str(int(v)) for v in row) for row in rows)
+    return ";".join(",".join(map(str, np.asarray(row).tolist())) for row in rows)
 
 
 def _array(rows, where: str) -> np.ndarray:
@@ -30,11 +30,13 @@ def _array(rows, where: str) -> np.ndarray:
         raise MaskError(f"{where}: the rows have different lengths {widths}: give every batch row one value per position")
     if widths == [0]:
         raise MaskError(f"{where}: no values: give comma-separated integers such as 0,0,1,1")
-    for row in rows:
-        for value in row:
-            if not -INT64_LIMIT <= value <= INT64_LIMIT:
-                raise MaskError(f"{where}: {value} is too large for a label (at most ±{INT64_LIMIT:,})")
-    return np.asarray(rows, dtype=np.int64).reshape(len(rows), -1)
+    try:
+        array = np.asarray(rows, dtype=np.int64).reshape(len(rows), -1)
+    except OverflowError:
+        array = None
+    if array is None or np.abs(array).max() > INT64_LIMIT:
+        raise MaskError(f"{where}: a value is too large for a label (at most ±{INT64_LIMIT:,})")
+    return array
 
 
 def inline(rows, where: str) -> Labels:
@@ -44,24 +46,33 @@ def inline(rows, where: str) -> Labels:
 
 def from_sizes(rows, where: str) -> Labels:
     """Labels 0,0,0,1,1 from sizes [3, 2]: one segment per size, per batch row (rows may hold different counts)."""
+    sizes = []
     for row in rows:
-        if not row:
+        try:
+            row = np.asarray(row, dtype=np.int64)
+        except OverflowError:
+            raise MaskError(f"{where}: a segment size is too large (at most {INT64_LIMIT:,})") from None
+        if row.size == 0:
             raise MaskError(f"{where}: a batch row has no sizes: give sizes like 3,5")
-        for size in row:
-            if not 1 <= size <= INT64_LIMIT:
-                raise MaskError(f"{where}: segment sizes must be at least 1, got {size}")
-    totals = sorted({sum(row) for row in rows})
+        if row.min() < 1 or row.max() > INT64_LIMIT:
+            bad = int(row[(row < 1) | (row > INT64_LIMIT)][0])
+            raise MaskError(f"{where}: segment sizes must be at least 1, got {bad}")
+        sizes.append(row)
+    totals = sorted({int(row.sum()) for row in sizes})
     if len(totals) > 1:
         raise MaskError(f"{where}: the batch rows' sizes add up to different lengths {totals}: every row must cover the same positions")
     from maskcli.memory import check_dense_fits
 
-    check_dense_fits((len(rows), totals[0]), 8, "", fix="use fewer or smaller sizes", what="labels")
-    labels = np.stack([np.repeat(np.arange(len(row), dtype=np.int64), np.asarray(row, dtype=np.int64)) for row in rows])
+    check_dense_fits((len(sizes), totals[0]), 8, "", fix="use fewer or smaller sizes", what="labels")
+    labels = np.stack([np.repeat(np.arange(len(row), dtype=np.int64), row) for row in sizes])
     return Labels(labels, "sizes", "sizes=[" + rows_text(rows) + "]")
 
 
-def parse_rows(text: str, where: str, example: str = "0,0,1,1") -> list[list[int]]:
-    """'0,0,1;0,1,1' -> [[0, 0, 1], [0, 1, 1]], quoting the bad item."""
+def parse_rows(text: str, where: str, example: str = "0,0,1,1") -> list[np.ndarray]:
+    """'0,0,1;0,1,1' -> [array([0, 0, 1]), array([0, 1, 1])], quoting the bad item.
+
+    numpy converts a whole row at once; only a row that fails is looked at item by item.
+    """
     if all(not item.strip() for item in re.split(r"[,;]", text)):
         raise MaskError(f"{where}: no values: give comma-separated integers such as {example}")
     rows = []
@@ -69,13 +80,17 @@ def parse_rows(text: str, where: str, example: str = "0,0,1,1") -> list[list[int
         if not row_text.strip():
             raise MaskError(f"{where}: batch row {number} is empty: give every row one value per position, ';' between rows")
         items = row_text.split(",")
-        row = []
-        for position, item in enumerate(items):
-            if not _INT.match(item):
-                shown = item.strip() or "(nothing)"
-                raise MaskError(f"{where}: {shown!r} at position {position} of {text!r} is not an integer (write them like {example})")
-            row.append(int(item))
-        rows.append(row)
+        try:
+            rows.append(np.array(items, dtype=np.int64))
+            continue
+        except OverflowError:
+            raise MaskError(f"{where}: a value in {text[:80]!r} is too large (at most ±{INT64_LIMIT:,})") from None
+        except ValueError:
+            pass
+        position, item = next((i, item) for i, item in enumerate(items) if not _INT.match(item))
+        offset = sum(len(r.split(",")) for r in text.split(";")[:number])
+        shown = item.strip() or "(nothing)"
+        raise MaskError(f"{where}: {shown!r} at position {offset + position} of {text!r} is not an integer (write them like {example})")
     return rows
 
 
@@ -112,7 +127,7 @@ def from_file(path: str, where: str) -> Labels:
             array = np.asarray(json.loads(file.read_text()))
         elif suffix == ".txt":
             lines = [line for line in file.read_text().splitlines() if line.strip()]
-            array = np.asarray([[int(v) for v in re.split(r"[\s,]+", line.strip())] for line in lines])
+            array = np.asarray([np.array(re.split(r"[\s,]+", line.strip()), dtype=np.int64) for line in lines])
         else:
             import torch
 
