@@ -19,32 +19,35 @@ def edges(length: int, block: int, start: int = 0) -> np.ndarray:
     return np.minimum(np.arange(0, length + block, block, dtype=np.int64), length)[: -(-length // block) + 1] + start
 
 
-def block_counts(mask: Mask, b: int, h: int, q_edges: np.ndarray, k_edges: np.ndarray) -> np.ndarray:
-    """Visible cells per block, int64 (len(q_edges)-1, len(k_edges)-1).
+def block_counts(mask: Mask, b: int, h: int, row_block: int, key_block: int, progress=None) -> np.ndarray:
+    """Visible cells per block of `row_block` queries x `key_block` keys, int64, exactly.
 
-    q_edges are local query rows (0..Lq), k_edges absolute key positions (k_start..k_end).
+    From the intervals where they are few; else cell by cell, a band of rows at a time,
+    calling progress(rows done, rows) after each band.
     """
+    f = mask.frame
     if mask.exact:
-        return mask.intervals().block_counts(b, q_edges, k_edges)
-    out = np.zeros((len(q_edges) - 1, len(k_edges) - 1), dtype=np.int64)
-    local_k = np.asarray(k_edges) - mask.frame.k_start
-    band = max(1, TILE_CELLS // max(1, mask.frame.k_len))
-    block_of_row = np.searchsorted(q_edges, np.arange(q_edges[0], q_edges[-1]), side="right") - 1
-    for lo in range(int(q_edges[0]), int(q_edges[-1]), band):
-        hi = min(int(q_edges[-1]), lo + band)
+        return mask.intervals().block_counts(b, f.q_len, row_block, key_block)
+    n_rows, n_cols = -(-f.q_len // row_block), -(-f.k_len // key_block)
+    out = np.zeros((n_rows, n_cols), dtype=np.int64)
+    band = max(row_block, (TILE_CELLS // max(1, f.k_len)) // row_block * row_block)  # whole blocks of rows
+    key_edges = edges(f.k_len, key_block)
+    for lo in range(0, f.q_len, band):
+        hi = min(f.q_len, lo + band)
         cells = mask.cells(b, h, lo, hi)
-        before = np.concatenate([np.zeros((hi - lo, 1), np.int64), np.cumsum(cells, axis=1)], axis=1)
-        np.add.at(out, block_of_row[lo - q_edges[0] : hi - q_edges[0]], np.diff(before[:, local_k], axis=1))
+        per_key_block = np.add.reduceat(cells, key_edges[:-1], axis=1, dtype=np.int64)
+        rows_of = np.arange(lo, hi) // row_block
+        out[rows_of[0] : rows_of[-1] + 1] += np.add.reduceat(per_key_block, np.flatnonzero(np.r_[True, np.diff(rows_of) > 0]), axis=0)
+        if progress is not None:
+            progress(hi, f.q_len)
     return out
 
 
-def block_shares(mask: Mask, b: int, h: int, rows: int, cols: int) -> np.ndarray:
+def block_shares(mask: Mask, b: int, h: int, rows: int, cols: int, progress=None) -> np.ndarray:
     """Share of visible cells (0..1) per block of `rows` queries x `cols` keys, exactly."""
     f = mask.frame
-    q_edges = edges(f.q_len, rows)
-    k_edges = edges(f.k_len, cols, f.k_start)
-    counts = block_counts(mask, b, h, q_edges, k_edges)
-    return counts / (np.diff(q_edges)[:, None] * np.diff(k_edges)[None, :])
+    counts = block_counts(mask, b, h, rows, cols, progress)
+    return counts / (np.diff(edges(f.q_len, rows))[:, None] * np.diff(edges(f.k_len, cols))[None, :])
 
 
 def how_counted(mask: Mask) -> str:

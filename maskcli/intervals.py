@@ -115,32 +115,100 @@ class Intervals:
             out |= (keys >= part.starts[0, :, k, None]) & (keys < part.ends[0, :, k, None])
         return out
 
-    def visible_before(self, edges: np.ndarray, batch: int, q_lo: int, q_hi: int) -> np.ndarray:
-        """int64 (q_hi - q_lo, len(edges)): per row, visible keys below each key position in `edges`."""
-        part = self.rows(batch, q_lo, q_hi)
-        s = part.starts[0][:, None, :]
-        e = part.ends[0][:, None, :]
-        x = np.asarray(edges, dtype=np.int64)[None, :, None]
-        return (np.clip(x, s, e) - s).sum(-1)
+    def block_counts(self, batch: int, q_len: int, row_block: int, key_block: int) -> np.ndarray:
+        """Exact visible cells per block: int64 (ceil(Lq / row_block), ceil(Lk / key_block)).
 
-    def block_counts(self, batch: int, q_edges: np.ndarray, k_edges: np.ndarray) -> np.ndarray:
-        """Exact visible cells per block: int64 (len(q_edges)-1, len(k_edges)-1).
-
-        Block (i, j) covers local query rows q_edges[i]..q_edges[i+1]-1 and absolute keys
-        k_edges[j]..k_edges[j+1]-1. Rows are taken a band at a time, so memory stays
-        bounded by ROW_BUDGET whatever the length.
+        Block (i, j) covers local query rows i*row_block.. and keys k_start + j*key_block..;
+        the last row and column of blocks may be shorter. Each interval adds its two end
+        blocks directly and the whole blocks between them through a running sum, so the
+        work is O(rows x K + blocks), and rows are taken a band of blocks at a time, within
+        ROW_BUDGET numbers.
         """
-        q_edges = np.asarray(q_edges, dtype=np.int64)
-        k_edges = np.asarray(k_edges, dtype=np.int64)
-        out = np.zeros((len(q_edges) - 1, len(k_edges) - 1), dtype=np.int64)
-        band = max(1, ROW_BUDGET // (len(k_edges) * self.per_row))
-        first, last = int(q_edges[0]), int(q_edges[-1])
-        block_of_row = np.searchsorted(q_edges, np.arange(first, last), side="right") - 1
-        for lo in range(first, last, band):
-            hi = min(last, lo + band)
-            per_key_block = np.diff(self.visible_before(k_edges, batch, lo, hi), axis=1)  # (rows, blocks)
-            np.add.at(out, block_of_row[lo - first : hi - first], per_key_block)
+        n_rows = -(-q_len // row_block)
+        n_cols = -(-(self.k_end - self.k_start) // key_block)
+        width = n_cols + 1
+        out = np.zeros((n_rows, n_cols), dtype=np.int64)
+        per_band = max(1, ROW_BUDGET // max(row_block * self.per_row, width))
+        for first in range(0, n_rows, per_band):
+            last = min(n_rows, first + per_band)
+            lo, hi = first * row_block, min(q_len, last * row_block)
+            part = self.rows(batch, lo, hi)
+            s = part.starts[0] - self.k_start
+            e = part.ends[0] - self.k_start
+            row = np.broadcast_to((np.arange(lo, hi) // row_block - first)[:, None] * width, s.shape)
+            real = s < e
+            js, je = s // key_block, (e - 1) // key_block
+            one = js == je
+            ends = real & ~one
+            inner = real & (je > js + 1)
+            size = (last - first) * width
+            direct = np.bincount(
+                np.concatenate([(row + js)[real], (row + je)[ends]]),
+                weights=np.concatenate([np.where(one, e - s, (js + 1) * key_block - s)[real], (e - je * key_block)[ends]]),
+                minlength=size,
+            )
+            between = np.bincount(
+                np.concatenate([(row + js + 1)[inner], (row + je)[inner]]),
+                weights=np.concatenate([np.full(inner.sum(), key_block), np.full(inner.sum(), -key_block)]),
+                minlength=size,
+            )
+            counts = direct.reshape(-1, width) + np.cumsum(between.reshape(-1, width), axis=1)
+            out[first:last] = np.rint(counts[:, :n_cols]).astype(np.int64)
         return out
+
+
+    def block_sets(self, batch: int, q_len: int, q_block: int, kv_block: int) -> tuple[Intervals, Intervals]:
+        """Per block of q_block query rows, the key blocks any row sees some of, and those every row sees whole.
+
+        Both are intervals over key-block indices [0, ceil(Lk / kv_block)), one row per query
+        block, as FlexAttention's block mask counts them: the sequence is padded with hidden
+        cells to whole blocks, so a block cut short by the end of the queries or keys is
+        never full.
+        """
+        n_q = -(-q_len // q_block)
+        n_kv = -(-(self.k_end - self.k_start) // kv_block)
+        part = self.rows(batch, 0, q_len)
+        s = part.starts[0] - self.k_start
+        e = part.ends[0] - self.k_start
+        real = s < e
+        pad = n_q * q_block - q_len  # the padding rows see nothing
+        touched_s = np.pad(np.where(real, s // kv_block, n_kv), [(0, pad), (0, 0)], constant_values=n_kv)
+        touched_e = np.pad(np.where(real, (e - 1) // kv_block + 1, n_kv), [(0, pad), (0, 0)], constant_values=n_kv)
+        width = touched_s.shape[1] * q_block
+        touched = Intervals.of(touched_s.reshape(1, n_q, width), touched_e.reshape(1, n_q, width), 0, n_kv)
+        whole = Intervals.of(
+            np.pad(-(-s // kv_block), [(0, pad), (0, 0)], constant_values=n_kv)[None],
+            np.pad(np.where(real, e // kv_block, 0), [(0, pad), (0, 0)], constant_values=n_kv)[None],
+            0, n_kv,
+        )
+        gaps = ~whole  # per row: the blocks it does not see whole; their union per query block is what is not full
+        k = gaps.per_row
+        joined = Intervals.of(gaps.starts.reshape(1, n_q, q_block * k), gaps.ends.reshape(1, n_q, q_block * k), 0, n_kv)
+        return touched, ~joined
+
+
+def ordered(intervals: Intervals, n: int) -> np.ndarray:
+    """int32 (rows, n): per row, the indices inside the intervals ascending, then the others ascending.
+
+    What FlexAttention's kv_indices hold (a stable descending argsort of a 0/1 row). A row
+    is a few runs of consecutive indices, index = position + shift with the shift constant
+    on each run: the shifts go in at the runs' first positions and a running sum spreads
+    them, so the work is one pass over the output.
+    """
+    rows = intervals.starts.shape[1]
+    outside = ~intervals
+    starts = np.concatenate([intervals.starts[0], outside.starts[0]], axis=1)
+    lengths = np.concatenate([intervals.ends[0] - intervals.starts[0], outside.ends[0] - outside.starts[0]], axis=1)
+    positions = np.cumsum(lengths, axis=1) - lengths  # where each run begins in the output row
+    shifts = starts - positions
+    steps = np.diff(shifts, axis=1, prepend=0)  # an empty run's step cancels against the next one's at the same position
+    inside = positions < n  # steps at n would only follow the last run
+    row_of = np.broadcast_to(np.arange(rows)[:, None], positions.shape)
+    out = np.zeros((rows, n), dtype=np.int32)
+    np.add.at(out, (row_of[inside], positions[inside]), steps[inside].astype(np.int32))
+    np.cumsum(out, axis=1, dtype=np.int32, out=out)
+    out += np.arange(n, dtype=np.int32)
+    return out
 
 
 def _three_d(values) -> np.ndarray:

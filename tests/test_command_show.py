@@ -519,3 +519,60 @@ def test_every_option_has_its_own_name(command):
     """Shared options reach each command under the names the user types, never the Python ones."""
     text = ok([command, "--help"], env={"COLUMNS": "200"}).stdout
     assert not re.search(r"--[moi]-[a-z]", text), text
+
+
+# --- statistics ----------------------------------------------------------------------------
+
+
+def test_summary_in_words():
+    out = ok(["show", "document(0,0,1,1,1)", "--lengths", "5,2", "--summary"]).stdout
+    assert lines(out) == [
+        "document(0,0,1,1,1) · lengths 5,2 · shape (B=2, H=1, Lq=5, Lk=5)",
+        "visible cells: 12 of 50 (24.00%) · exact, from key intervals",
+        "batch 0 (length 5): visible 9 of 25 per head (36.00%)",
+        "keys per query row: min 1 · median 2 · max 3",
+        "rows that see no key: none",
+        "batch 1 (length 2): visible 3 of 25 per head (12.00%)",
+        "keys per query row: min 0 · median 0 · max 2",
+        "rows that see no key: 3 (2-4)",
+        "attention FLOPs: 4·D per visible cell = 48·D, 24.00% of dense (200·D) for head size D",
+    ]
+
+
+def test_summary_json_counts_a_million_token_mask_exactly():
+    got = json.loads(ok(["show", "window(4096)", "--len", 1 << 20, "--heads", 2, "--summary", "--json", "--grid", "4,8"]).stdout)
+    n, w = 1 << 20, 4096
+    per_head = w * (w + 1) // 2 + (n - w) * w
+    assert got["visible_cells"] == 2 * per_head and got["total_cells"] == 2 * n * n
+    assert got["batch_rows"][0]["row_keys"] == {"min": 1, "median": 4096.0, "max": 4096}
+    assert got["flops"]["per_head_dim"] == 4 * got["visible_cells"]
+    grid = np.array(got["grid"]["visible"][0])
+    assert grid.shape == (4, 8) and grid.sum() == per_head
+    assert (got["grid"]["queries_per_block"], got["grid"]["keys_per_block"]) == (n // 4, n // 8)
+
+
+def test_grid_needs_summary_json_and_json_of_a_huge_mask_points_to_summary():
+    result = invoke(["show", "causal", "--grid", "2,2"])
+    assert result.exit_code == 2 and "add --summary --json" in result.stderr
+    bad = invoke(["show", "causal", "--summary", "--json", "--grid", "2"])
+    assert bad.exit_code == 2 and "--grid '2' is not R,C" in bad.stderr
+    huge = invoke(["show", "causal", "--len", 1 << 20, "--json"])
+    assert huge.exit_code == 2 and "--summary --json for exact counts at any length" in huge.stderr
+
+
+def test_the_progress_bar_appears_only_after_a_second(monkeypatch):
+    from maskcli.commands import progress as module
+
+    clock = iter([0.0, 0.5, 2.0])
+    monkeypatch.setattr(module, "now", lambda: next(clock))
+    started = []
+    import rich.progress
+
+    real_start = rich.progress.Progress.start
+    monkeypatch.setattr(rich.progress.Progress, "start", lambda self: (started.append(True), real_start(self)))
+    with module.progress("counting") as update:
+        update(1, 10)  # half a second in: nothing drawn
+        assert started == []
+        update(5, 10)  # two seconds in: the bar starts
+        update(10, 10)
+    assert started == [True]

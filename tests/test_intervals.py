@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew, check_few
+from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew, check_few, ordered
 
 K0, K1 = 3, 23  # keys 3..22: intervals out of range must be clipped to them
 
@@ -92,19 +92,32 @@ def test_counts_and_cells_match_the_sets(data):
 
 
 @settings(max_examples=100, deadline=None)
-@given(interval_rows(rows=7), st.integers(1, 4), st.integers(1, 9))
+@given(interval_rows(rows=7), st.integers(1, 8), st.integers(1, 21))
 def test_block_counts_equal_sums_of_cells(data, row_block, key_block):
     starts, ends, _ = data
     intervals = Intervals.of(starts, ends, K0, K1)
     cells = intervals.dense(0, 0, 7).astype(int)
-    q_edges = np.minimum(np.arange(0, 7 + row_block, row_block), 7)
-    q_edges = np.unique(q_edges)
-    k_edges = np.unique(np.minimum(np.arange(K0, K1 + key_block, key_block), K1))
-    counts = intervals.block_counts(0, q_edges, k_edges)
-    for i in range(len(q_edges) - 1):
-        for j in range(len(k_edges) - 1):
-            block = cells[q_edges[i] : q_edges[i + 1], k_edges[j] - K0 : k_edges[j + 1] - K0]
-            assert counts[i, j] == block.sum()
+    counts = intervals.block_counts(0, 7, row_block, key_block)
+    expected = np.add.reduceat(np.add.reduceat(cells, np.arange(0, 7, row_block), 0), np.arange(0, K1 - K0, key_block), 1)
+    assert np.array_equal(counts, expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(interval_rows(rows=7), st.integers(1, 8), st.integers(1, 21))
+def test_block_sets_are_the_blocks_some_row_touches_and_every_row_covers(data, q_block, kv_block):
+    starts, ends, _ = data
+    intervals = Intervals.of(starts, ends, K0, K1)
+    cells = intervals.dense(0, 0, 7)
+    n_q, n_kv = -(-7 // q_block), -(-(K1 - K0) // kv_block)
+    padded = np.zeros((n_q * q_block, n_kv * kv_block), dtype=bool)  # FlexAttention pads with hidden cells
+    padded[:7, : K1 - K0] = cells
+    blocks = padded.reshape(n_q, q_block, n_kv, kv_block).transpose(0, 2, 1, 3).reshape(n_q, n_kv, -1)
+    touched, full = intervals.block_sets(0, 7, q_block, kv_block)
+    assert np.array_equal(touched.dense(0, 0, n_q), blocks.any(-1))
+    assert np.array_equal(full.dense(0, 0, n_q), blocks.all(-1))
+    kv_indices = ordered(touched & ~full, n_kv)
+    partial = blocks.any(-1) & ~blocks.all(-1)
+    assert np.array_equal(kv_indices, np.argsort(~partial, axis=1, kind="stable"))
 
 
 def test_rows_broadcast_over_batch_and_queries():

@@ -203,9 +203,16 @@ class Output:
     png: str | None
     json: bool
     save: str | None
+    summary: bool
+    grid: str | None
+
+
+Summary = Annotated[bool, typer.Option("--summary", help="Print statistics instead of the cells: visible cells, keys per query row, rows that see no key, attention FLOPs against dense; exact at any length.", rich_help_panel=OUTPUT_PANEL)]
+Grid = Annotated[str | None, typer.Option("--grid", help="With --summary --json: the size R,C of the exact density grid (default 32,64).", rich_help_panel=OUTPUT_PANEL)]
 
 
 def output_options(func):
     """The output options of show and chunk, declared once and given to the command as `output: Output`."""
-    added = [("o_as", As, "keep"), ("o_dtype", Dtype, None), ("o_png", Png, None), ("o_json", Json, False), ("o_save", Save, None)]
+    added = [("o_as", As, "keep"), ("o_dtype", Dtype, None), ("o_png", Png, None), ("o_json", Json, False), ("o_save", Save, None),
+             ("o_summary", Summary, False), ("o_grid", Grid, None)]
     return extend(func, "output", added, lambda given: Output(*given.values()))

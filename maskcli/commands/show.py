@@ -79,6 +79,8 @@ def present(expression: str, options: MaskOptions, output: Output) -> None:
     from maskcli.files import FIGURE_SUFFIXES, TENSOR_SUFFIXES, check_output_path
 
     convention, dtype_name, png, json_out, save = output.convention, output.dtype, output.png, output.json, output.save
+    if output.grid is not None and not (output.summary and json_out):
+        raise MaskError(f"--grid {output.grid} sizes the density grid of --summary --json: add --summary --json, or drop --grid")
 
     check_choice(convention, CONVENTIONS, "--as convention")
     given_dtype = dtype_name is not None
@@ -104,6 +106,17 @@ def present(expression: str, options: MaskOptions, output: Output) -> None:
 
         save_figure(mask_figure(mask), png_path)
         done(f"wrote {png_path}")
+    from maskcli.commands.progress import progress
+
+    if output.summary:
+        from maskcli.render.summary import summary_json, summary_text
+        from maskcli.summary import DEFAULT_GRID, summarise
+
+        grid = parse_grid(output.grid) if output.grid is not None else DEFAULT_GRID
+        with progress("counting") as update:
+            summary = summarise(mask, grid, update)
+        typer.echo(summary_json(summary) if json_out else summary_text(summary))
+        return
     from maskcli.render.masks import mask_json, mask_views
 
     if json_out:
@@ -112,8 +125,20 @@ def present(expression: str, options: MaskOptions, output: Output) -> None:
     from rich.console import Console
 
     console = Console()
-    for view in mask_views(mask, convention, dtype_name, console):
+    with progress("counting") as update:
+        views = mask_views(mask, convention, dtype_name, console, update)
+    for view in views:
         console.print(view)
+
+
+def parse_grid(text: str) -> tuple[int, int]:
+    try:
+        rows, cols = (int(part) for part in text.split(","))
+    except ValueError:
+        raise MaskError(f"--grid {text!r} is not R,C: give the grid's rows and columns like 32,64") from None
+    if not (1 <= rows <= 4096 and 1 <= cols <= 4096):
+        raise MaskError(f"--grid {text!r}: rows and columns are 1 to 4096 each")
+    return rows, cols
 
 
 def save_mask(mask: Mask, convention: str, dtype: str, path) -> None:

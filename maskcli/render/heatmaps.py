@@ -12,6 +12,12 @@ import numpy as np
 VISIBLE_RGB = (31, 119, 180)  # matplotlib's tab:blue
 MASKED_RGB = (224, 224, 224)  # light grey, off any value colour map
 LEAK_RGB = (214, 39, 40)  # red, off viridis too: a masked cell that still carries weight
+# a block view's partial block is drawn half way between the two mask colours, where the mask colour map puts 0.5
+FIGURE_COLOURS = {
+    "visible": VISIBLE_RGB,
+    "masked": MASKED_RGB,
+    "partial": tuple(round((a + b) / 2) for a, b in zip(VISIBLE_RGB, MASKED_RGB)),
+}
 GRID_LINES_UP_TO = 48  # draw cell borders when a panel has at most this many rows and columns
 VALUES_UP_TO = 12  # write values in the cells up to this size
 
@@ -119,11 +125,12 @@ def _draw(ax, panel: Panel) -> object | None:
     return image
 
 
-def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels: tuple[str, str] | None):
+def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels):
     """A figure with one axes per panel (rows x columns of the grid), a title and a legend.
 
     legend_labels names the visible and masked colours of mask panels; None (value
-    panels) names only the masked colour, which lies off every value colour map.
+    panels) names only the masked colour, which lies off every value colour map; a list
+    of (rgb, label) names those colours.
     """
     import matplotlib
 
@@ -155,12 +162,14 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels: t
         handles = [mpatches.Patch(facecolor=_rgb(MASKED_RGB), edgecolor="black", label="masked (× in small panels)")]
         if any(panel.leaks().any() for row in grid for panel in row):
             handles.append(mpatches.Patch(facecolor=_rgb(LEAK_RGB), edgecolor="black", label="masked, yet weighted (a row that sees no key)"))
+    elif isinstance(legend_labels, list):
+        handles = [mpatches.Patch(facecolor=_rgb(colour), edgecolor="black", label=label) for colour, label in legend_labels]
     else:
         handles = [
             mpatches.Patch(facecolor=_rgb(VISIBLE_RGB), edgecolor="black", label=legend_labels[0]),
             mpatches.Patch(facecolor=_rgb(MASKED_RGB), edgecolor="black", label=legend_labels[1]),
         ]
-    figure.legend(handles=handles, loc="outside lower center", ncols=2, frameon=False, fontsize=9)
+    figure.legend(handles=handles, loc="outside lower center", ncols=len(handles) if len(handles) > 2 else 2, frameon=False, fontsize=9)
     return figure
 
 

@@ -75,11 +75,11 @@ def axis_labels(mask: Mask) -> tuple[list[str], list[str]]:
     return rows, list(mask.tokens[f.k_start : f.k_end])
 
 
-def mask_views(mask: Mask, convention: str, dtype: str, console) -> list:
+def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None) -> list:
     """Rich renderables: a header, then per batch row (and head group) a table or an exact density map."""
     from rich.text import Text
 
-    from maskcli.render.density import choose_blocks, density_text
+    from maskcli.render.density import MAX_LINES, choose_blocks, density_text
     from maskcli.render.tables import fits, mask_table
 
     batch, _, q_len, k_len = mask.shape
@@ -103,15 +103,16 @@ def mask_views(mask: Mask, convention: str, dtype: str, console) -> list:
                 if fits(console, table):
                     views.append(table)
                     continue
-            blocks = choose_blocks(q_len, k_len, console.width - label_width - 2)
-            shares = block_shares(mask, b, group[0], blocks.rows, blocks.cols)
+            lines = max(8, console.height - 6) if console.is_terminal else MAX_LINES
+            blocks = choose_blocks(q_len, k_len, console.width - label_width - 2, lines)
+            shares = block_shares(mask, b, group[0], blocks.rows, blocks.cols, progress)
             views.append(density_text(shares, blocks, q_len, k_len, mask.q_offset, mask.kv_offset, how_counted(mask)))
     return views
 
 
 def mask_json(mask: Mask) -> str:
     """One JSON object; `mask` is nested [B][H][Lq][Lk] lists of 0/1, 1 = may attend."""
-    check_dense_fits(mask.shape, 12, "as JSON", fix="use a smaller --len, or show it without --json to get a density map")
+    check_dense_fits(mask.shape, 12, "as JSON", fix="use a smaller --len, or --summary --json for exact counts at any length")
     dense = np.broadcast_to(mask.dense(), mask.shape).astype(np.uint8)
     data = {**mask.json(), "name": mask.slug, "convention": "keep", "mask": dense.tolist()}
     return json.dumps(data)

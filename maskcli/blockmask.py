@@ -1,0 +1,114 @@
+"""FlexAttention's block view of a mask, exactly as create_block_mask makes it, without its dense mask.
+
+create_block_mask evaluates the mask_mod on every cell, pads the sequence with hidden
+cells to whole blocks, and calls a block full when all its cells are visible and partial
+when some are. Here the same blocks come from the key intervals (O(rows + blocks)), so
+the four tensors of a BlockMask can be had at lengths where the eager call runs out of
+memory:
+
+    kv_num_blocks, kv_indices            partial blocks per query block, their indices first
+    full_kv_num_blocks, full_kv_indices  the same for full blocks
+
+Index rows hold the chosen blocks ascending, then every other block ascending, as
+FlexAttention's stable argsort leaves them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from maskcli.counting import block_counts
+from maskcli.intervals import ordered
+from maskcli.mask import Mask
+from maskcli.memory import check_dense_fits
+
+DEFAULT_BLOCK = 128  # FlexAttention's _DEFAULT_SPARSE_BLOCK_SIZE
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True, eq=False)
+class Blocks:
+    """The block view of a mask; arrays are (B, H', n_q[, n_kv]), H' = 1 where every head is the same."""
+
+    mask: Mask
+    q_block: int
+    kv_block: int
+    kv_num_blocks: np.ndarray
+    kv_indices: np.ndarray
+    full_kv_num_blocks: np.ndarray
+    full_kv_indices: np.ndarray
+
+    @property
+    def n_q(self) -> int:
+        return self.kv_indices.shape[-2]
+
+    @property
+    def n_kv(self) -> int:
+        return self.kv_indices.shape[-1]
+
+    def counts(self, b: int, h: int = 0) -> tuple[int, int, int]:
+        """(full, partial, empty) blocks of batch row b, head h."""
+        h = h if self.kv_num_blocks.shape[1] > 1 else 0
+        full = int(self.full_kv_num_blocks[b, h].sum())
+        partial = int(self.kv_num_blocks[b, h].sum())
+        return full, partial, self.n_q * self.n_kv - full - partial
+
+    def sparsity(self) -> float:
+        """BlockMask.sparsity(): the percentage of the (B, H, Lq, Lk) cells in blocks not computed."""
+        batch, heads, q_len, k_len = self.mask.shape
+        computed = (int(self.kv_num_blocks.sum()) + int(self.full_kv_num_blocks.sum())) * (heads // self.kv_num_blocks.shape[1])
+        return 100 * (1 - computed * self.q_block * self.kv_block / (batch * heads * q_len * k_len))
+
+    def categories(self, b: int, h: int = 0) -> np.ndarray:
+        """int8 (n_q, n_kv): EMPTY, PARTIAL or FULL per block."""
+        h = h if self.kv_num_blocks.shape[1] > 1 else 0
+        out = np.zeros((self.n_q, self.n_kv), dtype=np.int8)
+        rows = np.arange(self.n_q)[:, None]
+        for value, num, indices in ((PARTIAL, self.kv_num_blocks, self.kv_indices), (FULL, self.full_kv_num_blocks, self.full_kv_indices)):
+            chosen = np.arange(self.n_kv)[None, :] < num[b, h][:, None]  # the first num indices of each row
+            out[np.broadcast_to(rows, chosen.shape)[chosen], indices[b, h][chosen]] = value
+        return out
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The four BlockMask arrays at the mask's full (B, H), as create_block_mask(mask_mod, B, H, ...) gives them."""
+        batch, heads = self.mask.shape[:2]
+        return {
+            name: np.broadcast_to(value, (batch, heads) + value.shape[2:])
+            for name, value in (
+                ("kv_num_blocks", self.kv_num_blocks), ("kv_indices", self.kv_indices),
+                ("full_kv_num_blocks", self.full_kv_num_blocks), ("full_kv_indices", self.full_kv_indices),
+            )
+        }
+
+
+def layout(mask: Mask, q_block: int = DEFAULT_BLOCK, kv_block: int = DEFAULT_BLOCK, progress=None) -> Blocks:
+    """The blocks of `mask`: from its intervals where they are few, else from exact counts per block."""
+    f = mask.frame
+    n_q, n_kv = -(-f.q_len // q_block), -(-f.k_len // kv_block)
+    heads = 1 if mask.keep is None or mask.keep.shape[1] == 1 else mask.shape[1]
+    check_dense_fits((mask.batch, heads, n_q, n_kv), 4 * 2 + 2, "for the block indices", what="a block mask of",
+                     fix="use a larger --block, or a shorter mask")
+    parts: dict[str, list] = {"kv_num_blocks": [], "kv_indices": [], "full_kv_num_blocks": [], "full_kv_indices": []}
+    for b in range(mask.batch):
+        for h in range(heads):
+            if mask.exact:
+                touched, full = mask.intervals().block_sets(b, f.q_len, q_block, kv_block)
+                partial = touched & ~full
+                rows = {
+                    "kv_num_blocks": partial.counts()[0], "kv_indices": ordered(partial, n_kv),
+                    "full_kv_num_blocks": full.counts()[0], "full_kv_indices": ordered(full, n_kv),
+                }
+            else:
+                counts = block_counts(mask, b, h, q_block, kv_block, progress)
+                is_full = counts == q_block * kv_block  # a block cut short by the end is padded with hidden cells
+                is_partial = (counts > 0) & ~is_full
+                rows = {
+                    "kv_num_blocks": is_partial.sum(1), "kv_indices": np.argsort(~is_partial, axis=1, kind="stable"),
+                    "full_kv_num_blocks": is_full.sum(1), "full_kv_indices": np.argsort(~is_full, axis=1, kind="stable"),
+                }
+            for name, value in rows.items():
+                parts[name].append(np.asarray(value, dtype=np.int32))
+    stacked = {name: np.stack(values).reshape((mask.batch, heads) + values[0].shape) for name, values in parts.items()}
+    return Blocks(mask, q_block, kv_block, **stacked)

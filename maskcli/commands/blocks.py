@@ -1,0 +1,114 @@
+"""`maskcli blocks`: FlexAttention's block view of a mask (full, partial, empty), at any length."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from maskcli.commands.app import app, done
+from maskcli.commands.options import KIND_ARGUMENT_HELP, examples, mask_options
+from maskcli.errors import MaskError
+from maskcli.mask import MaskOptions
+from maskcli.mask import build as build_mask
+
+BlockOpt = Annotated[str, typer.Option("--block", help="Block size: 128 (FlexAttention's BLOCK_SIZE), or Q,KV for unequal query and key blocks like 128,64.")]
+BlocksPng = Annotated[str | None, typer.Option("--png", help="Write a figure of full, partial and empty blocks: .png, .svg or .pdf (a directory: named after the mask).")]
+BlocksJson = Annotated[bool, typer.Option("--json", help="Print counts, sparsity and kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices exactly as create_block_mask makes them.")]
+BlocksSave = Annotated[str | None, typer.Option("--save", help="Save the four tensors with BLOCK_SIZE and seq_lengths to a .pt file: BlockMask.from_kv_blocks(**torch.load(path)) rebuilds the BlockMask.")]
+
+
+def parse_block(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    try:
+        sizes = [int(part) for part in parts]
+    except ValueError:
+        raise MaskError(f"--block {text!r} is not a block size: give one whole number like 128, or Q,KV like 128,64") from None
+    if len(sizes) not in (1, 2) or any(size < 1 for size in sizes):
+        raise MaskError(f"--block {text!r}: give one size of at least 1 like 128, or two like 128,64")
+    return (sizes[0], sizes[-1])
+
+
+@app.command(
+    epilog=examples(
+        "maskcli blocks causal --len 1024",
+        "maskcli blocks \"document(sizes=[300,500,224]) & window(128)\" --block 64",
+        "maskcli blocks \"window(4096)\" --len 1048576 --save blocks.pt",
+        "maskcli blocks \"causal | blocks(-1,-1,0,0,0,-1)\" --block 2 --json",
+    ),
+)
+@mask_options()
+def blocks(
+    kind: Annotated[str, typer.Argument(help=KIND_ARGUMENT_HELP, show_default=False, metavar="EXPR")],
+    block: BlockOpt = "128",
+    png: BlocksPng = None,
+    json_: BlocksJson = False,
+    save: BlocksSave = None,
+    *,
+    mask: MaskOptions,
+) -> None:
+    """Show which FlexAttention blocks of a mask are full, partial or empty, exactly, at any length.
+
+    The blocks are what create_block_mask makes (the sequence padded to whole blocks, so a
+    block cut short by the end is never full), counted from the mask's key intervals
+    without building its cells: a 1M-token mask takes seconds. --save writes the four
+    BlockMask tensors for BlockMask.from_kv_blocks.
+    """
+    from maskcli.files import FIGURE_SUFFIXES, check_output_path
+
+    q_block, kv_block = parse_block(block)
+    for flag, value in (("--png", png), ("--save", save)):
+        if value is not None and not value.strip():
+            raise MaskError(f"{flag} is empty: give a file name")
+    built = build_mask(kind, mask)
+    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "blocks_" + built.slug) if png is not None else None
+    save_path = check_output_path(save, (".pt",), "--save", "blocks_" + built.slug) if save is not None else None
+    from maskcli.blockmask import layout
+    from maskcli.commands.progress import progress
+    from maskcli.render import blocks as render
+
+    f = built.frame
+    n_q, n_kv = -(-f.q_len // q_block), -(-f.k_len // kv_block)
+    if json_ and built.batch * built.heads * n_q * n_kv > render.JSON_MAX_INDICES:
+        raise MaskError(
+            f"--json would list {built.batch * built.heads * n_q * n_kv:,} block indices: save them with --save blocks.pt, "
+            "or use a larger --block"
+        )
+    with progress("counting blocks") as update:
+        found = layout(built, q_block, kv_block, update)
+    if save_path is not None:
+        _save(found, save_path)
+        done(f"wrote {save_path} (BlockMask.from_kv_blocks(**torch.load({str(save_path)!r}, weights_only=True)))")
+    if png_path is not None:
+        from maskcli.render.heatmaps import save_figure
+
+        save_figure(render.blocks_figure(found), png_path)
+        done(f"wrote {png_path}")
+    if json_:
+        typer.echo(render.blocks_json(found))
+        return
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(highlight=False)
+    console.print(Text(render.header(found), style="bold"))
+    lines = max(8, console.height - 8) if console.is_terminal else 48
+    for b in range(built.batch):
+        for h in range(found.kv_num_blocks.shape[1]):
+            where = ", ".join(p for p in (f"batch {b}" if built.batch > 1 else "", f"head {h}" if found.kv_num_blocks.shape[1] > 1 else "") if p)
+            console.print(Text((where + ": " if where else "") + render.counts_line(found, b, h), style="bold"))
+            console.print(render.block_map(found, b, h, console.width, lines))
+
+
+def _save(found, path) -> None:
+    """The four BlockMask tensors (int32, at the mask's B and H) with BLOCK_SIZE and seq_lengths, written whole."""
+    import torch
+
+    from maskcli.files import atomic_write, check_disk
+
+    arrays = found.arrays()
+    check_disk(path, sum(a.size * 4 for a in arrays.values()), "--save")
+    data = {name: torch.from_numpy(value).contiguous() for name, value in arrays.items()}
+    data["BLOCK_SIZE"] = (found.q_block, found.kv_block)
+    data["seq_lengths"] = (found.mask.frame.q_len, found.mask.frame.k_len)
+    atomic_write(path, lambda temp: torch.save(data, temp))

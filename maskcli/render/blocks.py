@@ -1,0 +1,99 @@
+"""The block view of a mask: counts, a map of full, partial and empty blocks, JSON, a figure."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from maskcli.blockmask import EMPTY, FULL, PARTIAL, Blocks
+from maskcli.render.density import Blocks, choose_blocks, map_text
+from maskcli.render.masks import shape_text
+
+SYMBOLS = {FULL: "█", PARTIAL: "▒", EMPTY: "·"}
+MIXED = "▓"  # a character over several blocks, full and empty but none partial
+LEGEND = "█ full  ▒ partial (some cells masked)  · empty"
+JSON_MAX_INDICES = 1 << 22  # block indices past this are saved (--save), not printed
+
+
+def header(blocks: Blocks) -> str:
+    mask, f = blocks.mask, blocks.mask.frame
+    where = "" if f.is_plain() else f" · {f.describe()}"
+    return (
+        f"blocks of {mask.title} · {shape_text(mask)}{where}\n"
+        f"block {blocks.q_block} x {blocks.kv_block} (queries x keys): {blocks.n_q:,} x {blocks.n_kv:,} blocks\n"
+        f"sparsity {blocks.sparsity():.2f}% (BlockMask.sparsity(): the share of cells in blocks FlexAttention skips)"
+    )
+
+
+def counts_line(blocks: Blocks, b: int, h: int = 0) -> str:
+    full, partial, empty = blocks.counts(b, h)
+    total = blocks.n_q * blocks.n_kv
+    return f"full {full:,} ({full / total:.2%}) · partial {partial:,} ({partial / total:.2%}) · empty {empty:,} ({empty / total:.2%})"
+
+
+def symbols(categories: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """One character per rows x cols blocks: █ all full, · all empty, ▒ any partial, ▓ full and empty."""
+    n_q, n_kv = categories.shape
+    row_starts, col_starts = np.arange(0, n_q, rows), np.arange(0, n_kv, cols)
+
+    def any_of(value):
+        hit = np.add.reduceat(np.add.reduceat((categories == value).astype(np.int64), row_starts, axis=0), col_starts, axis=1)
+        return hit > 0
+
+    full, partial, empty = any_of(FULL), any_of(PARTIAL), any_of(EMPTY)
+    return np.where(partial, SYMBOLS[PARTIAL], np.where(full & empty, MIXED, np.where(full, SYMBOLS[FULL], SYMBOLS[EMPTY])))
+
+
+def block_map(blocks: Blocks, b: int, h: int, width: int, lines: int):
+    """A rich Text map of batch row b, head h: one character per block where they fit."""
+    f = blocks.mask.frame
+    label_width = len(str(f.q_end - 1)) + 1
+    room = width - label_width - 1
+    per = Blocks(1, 1) if blocks.n_kv <= room and blocks.n_q <= lines else choose_blocks(blocks.n_q, blocks.n_kv, room, lines)
+    one = per.rows == 1 and per.cols == 1
+    caption = (
+        f"rows: query position, ruler: key position; one character = "
+        + ("one block" if one else f"{per.rows:,} x {per.cols:,} blocks")
+        + f" of {blocks.q_block} queries x {blocks.kv_block} keys\n{LEGEND}" + ("" if one else f"  {MIXED} full and empty")
+    )
+    chars = symbols(blocks.categories(b, h), per.rows, per.cols)
+    return map_text(chars, per.rows * blocks.q_block, per.cols * blocks.kv_block, f.q_len, f.q_start, f.k_start, caption)
+
+
+def blocks_json(blocks: Blocks) -> str:
+    mask = blocks.mask
+    arrays = blocks.arrays()
+    return json.dumps({
+        **mask.json(),
+        "block_size": [blocks.q_block, blocks.kv_block],
+        "seq_lengths": [mask.frame.q_len, mask.frame.k_len],
+        "num_blocks": [blocks.n_q, blocks.n_kv],
+        "sparsity": blocks.sparsity(),
+        "counts": [
+            dict(zip(("batch", "head", "full", "partial", "empty"), (b, h, *blocks.counts(b, h))))
+            for b in range(mask.batch) for h in range(blocks.kv_num_blocks.shape[1])
+        ],
+        **{name: value.tolist() for name, value in arrays.items()},
+    })
+
+
+def blocks_figure(blocks: Blocks):
+    """One panel per batch row: full, partial and empty blocks (a pixel over many blocks shows their mix)."""
+    from maskcli.render.heatmaps import FIGURE_COLOURS, Panel, heatmap_figure
+
+    f, mask = blocks.mask.frame, blocks.mask
+    step_q, step_kv = max(1, -(-blocks.n_q // 512)), max(1, -(-blocks.n_kv // 512))
+    panels = []
+    for b in range(mask.batch):
+        categories = blocks.categories(b)
+        values = np.add.reduceat(np.add.reduceat(categories.astype(np.float64) / 2, np.arange(0, blocks.n_q, step_q), axis=0),
+                                 np.arange(0, blocks.n_kv, step_kv), axis=1)
+        sizes = np.add.reduceat(np.add.reduceat(np.ones_like(categories, dtype=np.float64), np.arange(0, blocks.n_q, step_q), axis=0),
+                                np.arange(0, blocks.n_kv, step_kv), axis=1)
+        title = (f"batch {b}: " if mask.batch > 1 else "") + counts_line(blocks, b)
+        extent = (f.k_start, f.k_start + blocks.n_kv * blocks.kv_block, f.q_start + blocks.n_q * blocks.q_block, f.q_start)
+        panels.append(Panel(title, values / sizes, None, None, extent=extent))
+    title = f"blocks of {mask.title} · {blocks.q_block} x {blocks.kv_block}\n{shape_text(mask)}, sparsity {blocks.sparsity():.2f}%"
+    legend = [(FIGURE_COLOURS["visible"], "full block"), (FIGURE_COLOURS["partial"], "partial block"), (FIGURE_COLOURS["masked"], "empty block")]
+    return heatmap_figure([panels], title, legend)

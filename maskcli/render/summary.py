@@ -1,0 +1,53 @@
+"""Statistics of a mask in words: visible cells, keys per query row, rows that see nothing, FLOPs."""
+
+from __future__ import annotations
+
+import json
+
+from maskcli.render.masks import shape_text
+from maskcli.summary import Summary
+
+
+def _share(part: int, whole: int) -> str:
+    """A percentage that keeps its first digits however small: 24.00%, 0.0122%."""
+    if not whole:
+        return "-"
+    share = 100 * part / whole
+    return f"{share:.2f}%" if share >= 0.01 or share == 0 else f"{share:.3g}%"
+
+
+def _empty(row) -> str:
+    if not row.empty_rows:
+        return "none"
+    shown = ", ".join(f"{a}" if a == z else f"{a}-{z}" for a, z in row.empty_spans)
+    listed = sum(z - a + 1 for a, z in row.empty_spans)
+    more = f" and {row.empty_rows - listed:,} more" if row.empty_rows > listed else ""
+    return f"{row.empty_rows:,} ({shown}{more})"
+
+
+def summary_text(summary: Summary) -> str:
+    mask = summary.mask
+    where = "" if mask.frame.is_plain() else f" · {mask.frame.describe()}"
+    lines = [f"{mask.title} · {shape_text(mask)}{where}"]
+    lines.append(
+        f"visible cells: {summary.visible:,} of {summary.total:,} ({_share(summary.visible, summary.total)}) · {summary.how}"
+    )
+    for row in summary.rows:
+        prefix = ""
+        if mask.batch > 1:
+            length = f" (length {mask.frame.lengths[row.batch]})" if mask.frame.lengths is not None else ""
+            prefix = f"batch {row.batch}{length}: "
+            lines.append(f"{prefix}visible {row.visible:,} of {row.total:,} per head ({_share(row.visible, row.total)})")
+            prefix = "  "
+        median = f"{row.keys_median:g}"
+        lines.append(f"{prefix}keys per query row: min {row.keys_min:,} · median {median} · max {row.keys_max:,}")
+        lines.append(f"{prefix}rows that see no key: {_empty(row)}")
+    lines.append(
+        f"attention FLOPs: 4·D per visible cell = {4 * summary.visible:,}·D, {_share(summary.visible, summary.total)} of dense "
+        f"({4 * summary.total:,}·D) for head size D"
+    )
+    return "\n".join(lines)
+
+
+def summary_json(summary: Summary) -> str:
+    return json.dumps(summary.json())

@@ -1,0 +1,113 @@
+"""Statistics of a mask at any length, exactly: visible cells, keys per query row, rows that see
+nothing, attention FLOPs against dense, and a density grid.
+
+From the key intervals these are O(rows); a mask whose intervals are not few is counted
+cell by cell, a band of rows at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from maskcli.counting import TILE_CELLS, block_counts, how_counted
+from maskcli.mask import Mask
+
+DEFAULT_GRID = (32, 64)
+MAX_SPANS = 8
+
+
+@dataclass(frozen=True)
+class RowStats:
+    batch: int
+    visible: int  # visible cells of this batch row (one head)
+    total: int
+    keys_min: int
+    keys_median: float
+    keys_max: int
+    empty_rows: int
+    empty_spans: list[tuple[int, int]]  # absolute query positions, first..last, up to MAX_SPANS
+
+
+@dataclass(frozen=True)
+class Summary:
+    mask: Mask
+    rows: list[RowStats]
+    how: str
+    grid: list[np.ndarray]  # visible cells per grid block, one (R, C) per batch row
+    grid_blocks: tuple[int, int]  # queries x keys per grid block
+
+    @property
+    def visible(self) -> int:
+        """Visible cells of the whole mask: every batch row and head."""
+        return sum(r.visible for r in self.rows) * self.mask.heads
+
+    @property
+    def total(self) -> int:
+        batch, heads, q_len, k_len = self.mask.shape
+        return batch * heads * q_len * k_len
+
+    def json(self) -> dict:
+        rb, cb = self.grid_blocks
+        return {
+            **self.mask.json(),
+            "visible_cells": self.visible,
+            "total_cells": self.total,
+            "share": self.visible / self.total,
+            "counted": self.how,
+            "batch_rows": [
+                {
+                    "batch": r.batch, "visible_cells": r.visible, "total_cells": r.total, "share": r.visible / r.total,
+                    "row_keys": {"min": r.keys_min, "median": r.keys_median, "max": r.keys_max},
+                    "empty_rows": r.empty_rows, "empty_row_spans": [list(span) for span in r.empty_spans],
+                }
+                for r in self.rows
+            ],
+            "flops": {
+                "per_head_dim": 4 * self.visible,
+                "dense_per_head_dim": 4 * self.total,
+                "note": "4·D per visible cell: Q Kᵀ and weights·V, 2·D each, over every batch row and head",
+            },
+            "grid": {"queries_per_block": rb, "keys_per_block": cb, "visible": [g.tolist() for g in self.grid]},
+        }
+
+
+def row_counts(mask: Mask, b: int, progress=None) -> np.ndarray:
+    """Visible keys per query row of batch row b, int64 (Lq,)."""
+    f = mask.frame
+    if mask.exact:
+        counts = mask.intervals().counts()
+        return np.broadcast_to(counts[b if counts.shape[0] > 1 else 0], (f.q_len,))
+    out = np.empty(f.q_len, dtype=np.int64)
+    band = max(1, TILE_CELLS // max(1, f.k_len))
+    for lo in range(0, f.q_len, band):
+        hi = min(f.q_len, lo + band)
+        out[lo:hi] = mask.cells(b, 0, lo, hi).sum(axis=1)
+        if progress is not None:
+            progress(hi, f.q_len)
+    return out
+
+
+def spans(flags: np.ndarray, start: int, most: int = MAX_SPANS) -> list[tuple[int, int]]:
+    """(first, last) of each run of True, as absolute positions from `start`; the first `most` runs."""
+    edges = np.diff(flags.astype(np.int8), prepend=0, append=0)
+    firsts = np.flatnonzero(edges == 1)[:most]
+    lasts = np.flatnonzero(edges == -1)[:most] - 1
+    return [(int(start + a), int(start + z)) for a, z in zip(firsts, lasts)]
+
+
+def summarise(mask: Mask, grid: tuple[int, int] = DEFAULT_GRID, progress=None) -> Summary:
+    f = mask.frame
+    rb, cb = -(-f.q_len // grid[0]), -(-f.k_len // grid[1])
+    rows, grids = [], []
+    for b in range(mask.batch):
+        counts = row_counts(mask, b, progress)
+        empty = counts == 0
+        rows.append(RowStats(
+            batch=b, visible=int(counts.sum()), total=f.q_len * f.k_len,
+            keys_min=int(counts.min()), keys_median=float(np.median(counts)), keys_max=int(counts.max()),
+            empty_rows=int(empty.sum()), empty_spans=spans(empty, f.q_start),
+        ))
+        grids.append(block_counts(mask, b, 0, rb, cb, progress))
+    return Summary(mask, rows, how_counted(mask), grids, (rb, cb))

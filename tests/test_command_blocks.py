@@ -1,0 +1,113 @@
+"""`maskcli blocks` through Typer's CliRunner: the map, JSON equal to create_block_mask, --save, errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+from maskcli.mask import build
+
+runner = CliRunner()
+
+
+def invoke(args, **kwargs):
+    return runner.invoke(app, ["blocks", *map(str, args)], **kwargs)
+
+
+def ok(args, **kwargs):
+    result = invoke(args, **kwargs)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_the_map_of_a_causal_mask():
+    out = ok(["causal", "--len", 1024], env={"COLUMNS": "100"}).stdout
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert lines[:4] == [
+        "blocks of causal · shape (B=1, H=1, Lq=1024, Lk=1024)",
+        "block 128 x 128 (queries x keys): 8 x 8 blocks",
+        "sparsity 43.75% (BlockMask.sparsity(): the share of cells in blocks FlexAttention skips)",
+        "full 28 (43.75%) · partial 8 (12.50%) · empty 28 (43.75%)",
+    ]
+    rows = [line.split() for line in lines if re.fullmatch(r"\d+ [█▒·▓]+", line)]
+    assert rows == [[str(128 * i), "█" * i + "▒" + "·" * (7 - i)] for i in range(8)]
+    assert "one character = one block of 128 queries x 128 keys" in " ".join(lines)
+
+
+@pytest.mark.parametrize("args, block", [
+    (["document(sizes=[90,60,50]) & window(24)"], (16, 16)),
+    (["causal | blocks(-1,-1,0,0,0,0,0,-1,1,1,1,-1,-1)"], (2, 3)),
+    (["local(8)", "--ids", "0,0,0,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4;4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4,4"], (4, 4)),
+    (["window(5)", "--offset", 30, "--len", 17, "--kv-start", 20], (8, 4)),
+    (["causal", "--len", 50, "--heads", 2, "--lengths", "50,31"], (16, 16)),
+])
+def test_json_is_what_create_block_mask_makes(args, block):
+    data = json.loads(ok([*args, "--block", f"{block[0]},{block[1]}", "--json"]).stdout)
+    flags = dict(zip(args[1::2], args[2::2]))
+    built = build(args[0], length=flags.get("--len"), offset=flags.get("--offset"), kv_start=flags.get("--kv-start"),
+                  ids=flags.get("--ids"), lengths=flags.get("--lengths"), heads=flags.get("--heads", 1))
+    f = built.frame
+    flex = create_block_mask(built.mask_mod, built.batch, built.heads, f.q_len, f.k_len, device="cpu", BLOCK_SIZE=block)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert data[name] == getattr(flex, name).tolist(), name
+    assert data["sparsity"] == pytest.approx(flex.sparsity())
+    assert data["block_size"] == list(block) and data["seq_lengths"] == [f.q_len, f.k_len]
+    assert data["expression"] == built.text
+
+
+def test_save_rebuilds_the_block_mask_with_from_kv_blocks(tmp_path):
+    path = tmp_path / "blocks.pt"
+    result = ok(["document(sizes=[300,212]) & window(64)", "--block", 32, "--save", path])
+    assert f"wrote {path}" in result.stderr and "from_kv_blocks" in result.stderr
+    rebuilt = BlockMask.from_kv_blocks(**torch.load(path, weights_only=True))
+    built = build("document(sizes=[300,212]) & window(64)")
+    flex = create_block_mask(built.mask_mod, None, None, 512, 512, device="cpu", BLOCK_SIZE=32)
+    assert torch.equal(rebuilt.to_dense(), flex.to_dense()) and rebuilt.seq_lengths == (512, 512)
+    assert [p.name for p in tmp_path.iterdir()] == ["blocks.pt"]
+
+
+def test_png_has_a_panel_per_batch_row(tmp_path):
+    path = tmp_path / "b.png"
+    result = ok(["causal", "--len", 256, "--lengths", "256,100", "--block", 32, "--png", path])
+    assert f"wrote {path}" in result.stderr and path.stat().st_size > 0
+
+
+def test_a_long_map_fits_60_columns_and_shows_the_sink_column():
+    out = ok(["window(3) | sink(1)", "--len", 100000, "--block", 16], env={"COLUMNS": "60"}).stdout
+    rows = [line.split()[1] for line in out.splitlines() if re.fullmatch(r"\s*\d+ [█▒·▓]+", line)]
+    assert rows and all(row[0] == "▒" for row in rows)  # every query block sees key 0 and not all of its block
+    assert all(len(line) <= 60 for line in out.splitlines())
+
+
+@pytest.mark.parametrize("args, says", [
+    (["causal", "--block", "0"], "--block '0'"),
+    (["causal", "--block", "a"], "not a block size"),
+    (["causal", "--block", "1,2,3"], "give one size"),
+    (["causal", "--len", 1 << 20, "--json"], "--json would list 67,108,864 block indices"),
+    (["causal", "--save", "b.npy"], "'.npy'"),
+    (["windw(3)"], "did you mean window?"),
+])
+def test_bad_input_is_one_line(args, says, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(args)
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("maskcli: error: ") and says in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_blocks_import_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys\nfrom maskcli.commands import main\nsys.argv = ['maskcli', 'blocks', 'window(64)', '--len', '4096']\n" \
+           "try:\n    main()\nexcept SystemExit:\n    pass\nprint('TORCH', 'torch' in sys.modules, file=sys.stderr)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "TORCH False" in result.stderr, result.stderr[-500:]
