@@ -122,6 +122,9 @@ def _tokens(text: str) -> list[_Token]:
         match = _TOKEN.match(text, position)
         if match is None:
             at = position + len(text[position:]) - len(text[position:].lstrip())
+            if text[at] == "." and tokens and tokens[-1].kind == "int":
+                number = tokens[-1].text + re.match(r"\.\d*", text[at:]).group()
+                raise _error(text, at, f"{number} is not a whole number", "parameters are whole numbers, like window(3)")
             raise _error(text, at, f"unexpected character {text[at]!r}", "write kinds like window(3), joined by &, | and ~")
         kind = match.lastgroup
         tokens.append(_Token(kind, match.group(kind), match.start(kind)))
@@ -201,6 +204,9 @@ class _Parser:
             raise self.fail(f"an integer, a quoted file name or name=value in {kind}(...)")
         while self.take(","):
             if not (self.token.kind == "name" and self.tokens[self.i + 1].text == "="):
+                previous = keywords[-1] if keywords else None
+                if previous is not None and self.token.kind == "int" and isinstance(previous[1], Ints) and not previous[1].bracketed:
+                    raise self.fail("name=value after it", f"a list goes in brackets: {previous[0]}=[{previous[1].rows[0][0]},{self.token.text},...]")
                 raise self.fail("name=value after the first argument", f"write it like {kind}(..., name=value)")
             keywords.append(self.keyword(keywords))
         return positional, keywords

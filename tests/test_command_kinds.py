@@ -33,7 +33,7 @@ def test_json_lists_every_kind_with_its_parameters():
         "keep": "q - W < kv <= q",
         "params": [{"name": "window", "type": "int", "flag": "--window", "required": True, "default": None, "minimum": 1,
                     "choices": None, "sizes": False,
-                    "help": "keys each query sees, itself included (FlashAttention window_size=(W-1, 0))"}],
+                    "help": "keys each query sees: itself and the W-1 before it (Hugging Face's count; FlashAttention window_size=(W-1, 0))"}],
         "example": "window(3)", "command": 'maskcli show "window(3)"', "aliases": [], "causal": True,
     }
     tril = next(k for k in data if k["name"] == "tril")
@@ -56,6 +56,6 @@ def test_the_list_reads_at_60_columns():
     for kind in all_kinds():
         assert kind.signature in text
     flat = " ".join(text.split())
-    assert "window(W) keeps q - W < kv <= q" in flat and "W --window keys each query sees, itself included" in flat
-    assert "also: prefill" in flat and "sizes=[3,5] / --sizes 3,5" in flat
+    assert "window(W) keeps q - W < kv <= q" in flat and "W --window keys each query sees: itself and the W-1 before it" in flat
+    assert "also: prefill" in flat and "a document label per position; or sizes=[3,5] / --sizes 3,5" in flat
     assert 'example: maskcli show "causal | blocks(-1,-1,0,0,0,-1)"' in flat

@@ -36,7 +36,7 @@ class MaskcliGroup(TyperGroup):
             code = 0
         except UsageError as error:
             command = error.ctx.command_path if error.ctx else "maskcli"
-            fail(f"{command}: {error.format_message()} (see '{command} --help')")
+            fail(f"{error.format_message().rstrip('.')} (see '{command} --help')")
         except MaskError as error:
             fail(str(error))
         except typer.Abort:

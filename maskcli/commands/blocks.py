@@ -49,10 +49,7 @@ def blocks(
 ) -> None:
     """Show which FlexAttention blocks of a mask are full, partial or empty, exactly, at any length.
 
-    The blocks are what create_block_mask makes (the sequence padded to whole blocks, so a
-    block cut short by the end is never full), counted from the mask's key intervals
-    without building its cells: a 1M-token mask takes seconds. --save writes the four
-    BlockMask tensors for BlockMask.from_kv_blocks.
+    The blocks are what create_block_mask makes (the sequence padded to whole blocks, so a block cut short by the end is never full), counted from the mask's key intervals without building its cells: a 1M-token mask takes seconds. --save writes the four BlockMask tensors for BlockMask.from_kv_blocks.
     """
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
 

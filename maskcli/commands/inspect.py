@@ -49,12 +49,7 @@ def inspect(
 ) -> None:
     """Say what a mask tensor is, then show it.
 
-    The report: dtype and shape; how the shape broadcasts to (B, H, Lq, Lk) and which APIs
-    take it as is (SDPA attn_mask, nn.MultiheadAttention attn_mask and key_padding_mask);
-    its convention (a bool mask's polarity is read from its structure, and the report says
-    when it cannot tell); the maskcli kind that rebuilds it exactly, with the command; and
-    findings: rows that see no key, a query that sees a later key, a fill value that turns
-    to -inf in float16/bfloat16, a 3-D mask whose first dimension is the head count.
+    The report: dtype and shape; how the shape broadcasts to (B, H, Lq, Lk) and which APIs take it as is (SDPA attn_mask, nn.MultiheadAttention attn_mask and key_padding_mask); its convention (a bool mask's polarity is read from its structure, and the report says when it cannot tell); the maskcli expression that rebuilds it exactly, with the command; and findings: rows that see no key, a query that sees a later key, a fill value that turns to -inf in float16/bfloat16, a 3-D mask whose first dimension is the head count.
     """
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
 
@@ -179,9 +174,7 @@ def convert(
 ) -> None:
     """Write a mask in another convention (keep, block, additive, min, int), in the same shape.
 
-    The input's convention is read from its values; a bool (or 0/1) mask's polarity from its
-    structure, and where that cannot tell, --from says it. An additive bias (values other
-    than 0 and one fill) is not a mask and is refused.
+    The input's convention is read from its values; a bool (or 0/1) mask's polarity from its structure, and where that cannot tell, --from says it. An additive bias (values other than 0 and one fill) is not a mask and is refused.
     """
     from maskcli.files import check_output_path
 

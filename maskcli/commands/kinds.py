@@ -55,8 +55,7 @@ def kinds(
 ) -> None:
     """List every kind of mask: its name, what it keeps, its parameters and an example.
 
-    Kinds combine into expressions with & (both allow), | (either allows), ~ (not) and
-    parentheses, on absolute positions: "document(0,0,1,1) & window(2)".
+    Kinds combine into expressions with & (both allow), | (either allows), ~ (not) and parentheses, on absolute positions: "document(0,0,1,1) & window(2)".
     """
     from maskcli.kinds import all_kinds
 

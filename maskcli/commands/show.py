@@ -21,11 +21,14 @@ def check_choice(value: str, choices, what: str) -> str:
 
 
 def kinds_help() -> str:
-    """Every kind, one paragraph each, from the registry (for a command's help)."""
+    """The kinds in one paragraph, from the registry (for a command's help)."""
     from maskcli.kinds import all_kinds
 
-    lines = [f"[bold]{escape(kind.signature)}[/bold]: {escape(kind.meaning)}" for kind in all_kinds()]
-    return "Kinds (combine them with & | ~ and parentheses; a bare name takes its parameters from the options below):\n\n" + "\n\n".join(lines)
+    signatures = ", ".join(escape(kind.signature) for kind in all_kinds())
+    return (
+        f"Kinds: {signatures}. Combine them with & (both allow), | (either allows), ~ (not) and parentheses; "
+        "a bare name takes its parameters from the options below. maskcli kinds explains each."
+    )
 
 
 @app.command(
@@ -97,6 +100,9 @@ def present(expression: str, options: MaskOptions, output: Output) -> None:
         raise MaskError("--save .npy cannot hold bfloat16 (numpy has no such dtype): save as .pt or pick another --dtype")
     for message in mask.warnings:
         warn(message)
+    empty = empty_rows(mask)
+    if empty:
+        warn(f"{empty}: softmax over nothing is NaN with an -inf fill (maskcli attend shows what each fill makes of it)")
     if save_path is not None:
         save_mask(mask, convention, dtype_name, save_path)
         done(f"wrote {save_path} ({convention} convention)")
@@ -124,11 +130,50 @@ def present(expression: str, options: MaskOptions, output: Output) -> None:
         return
     from rich.console import Console
 
-    console = Console()
+    console, map_width = wide_console()
     with progress("counting") as update:
-        views = mask_views(mask, convention, dtype_name, console, update)
+        views = mask_views(mask, convention, dtype_name, console, update, map_width)
     for view in views:
         console.print(view)
+
+
+def empty_rows(mask: Mask) -> str | None:
+    """'2 query rows see no key (3-4 of batch row 1)'; from the intervals, or from the cells up to a few million."""
+    import numpy as np
+
+    from maskcli.summary import spans
+
+    f = mask.frame
+    if not mask.exact and mask.batch * f.q_len * f.k_len > 1 << 24:
+        return None
+    count, parts = 0, []
+    for b in range(mask.batch):
+        if mask.exact:
+            counts = mask.intervals().counts()
+            seen = np.broadcast_to(counts[b if counts.shape[0] > 1 else 0], (f.q_len,)) > 0
+        else:
+            seen = mask.cells(b).any(axis=1)
+        if not seen.all():
+            count += int((~seen).sum())
+            runs = spans(~seen, f.q_start, 5)
+            shown = ", ".join(f"{a}" if a == z else f"{a}-{z}" for a, z in runs[:4]) + (", ..." if len(runs) > 4 else "")
+            parts.append(shown + (f" of batch row {b}" if mask.batch > 1 else ""))
+    if not count:
+        return None
+    return f"{count:,} query row{'s see' if count > 1 else ' sees'} no key ({'; '.join(parts)})"
+
+
+def wide_console():
+    """A console for a view, and the width a map takes: piped output (no terminal, no COLUMNS) keeps
+    tables whole at their natural width, and draws maps 80 columns wide."""
+    import os
+
+    from rich.console import Console
+
+    console = Console()
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return console, None
+    return Console(width=1 << 12), console.width
 
 
 def parse_grid(text: str) -> tuple[int, int]:

@@ -121,7 +121,7 @@ KINDS = (
     Kind(
         name="tril",
         meaning="the raw torch.tril(ones, D) matrix, its 1-cells read as keep (--means block flips it)",
-        keep="kv - q <= D (1-cells)",
+        keep="kv - q <= D (its 1-cells; means=block hides them instead)",
         params=(
             Param("diagonal", "int", "the diagonal argument of torch.tril (0 = main diagonal)", "--diagonal", default=0, metavar="D"),
             Param(MEANS.name, MEANS.type, MEANS.help, MEANS.flag, default="keep", choices=MEANS.choices, metavar=MEANS.metavar),
@@ -135,7 +135,7 @@ KINDS = (
     Kind(
         name="triu",
         meaning="the raw torch.triu(ones, D) matrix, its 1-cells read as block, as llama-style code uses it (--means keep flips it)",
-        keep="kv - q >= D (1-cells)",
+        keep="kv - q < D (its 1-cells kv - q >= D are hidden; means=keep keeps them instead)",
         params=(
             Param("diagonal", "int", "the diagonal argument of torch.triu (1 = above the main diagonal)", "--diagonal", default=1, metavar="D"),
             Param(MEANS.name, MEANS.type, MEANS.help, MEANS.flag, default="block", choices=MEANS.choices, metavar=MEANS.metavar),

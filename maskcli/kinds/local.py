@@ -113,7 +113,7 @@ KINDS = (
         name="window",
         meaning="sliding window: each query sees itself and the W-1 keys before it (Mistral, Gemma; W keys as Hugging Face counts)",
         keep="q - W < kv <= q",
-        params=(Param("window", "int", "keys each query sees, itself included (FlashAttention window_size=(W-1, 0))", "--window", minimum=1, metavar="W"),),
+        params=(Param("window", "int", "keys each query sees: itself and the W-1 before it (Hugging Face's count; FlashAttention window_size=(W-1, 0))", "--window", minimum=1, metavar="W"),),
         example="window(3)",
         intervals=_window_intervals,
         predicate=_window_predicate,

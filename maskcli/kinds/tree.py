@@ -77,6 +77,8 @@ def _check(p, frame, where):
     bad = (parents != -1) & ((parents < 0) | (parents >= np.arange(len(parents))))
     if bad.any():
         i = int(bad.nonzero()[0][0])
+        if i == 0:
+            raise MaskError(f"{where}: parents[0] is {int(parents[0])}; the first draft token has no earlier one, so its parent is -1 (a root)")
         raise MaskError(
             f"{where}: parents[{i}] is {int(parents[i])}; each parent is -1 (a root) or an earlier draft token "
             f"(0 to {i - 1}), as draft trees are laid out"

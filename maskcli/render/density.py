@@ -25,11 +25,14 @@ def choose_blocks(q_len: int, k_len: int, width: int, lines: int = MAX_LINES) ->
     """Block size so the map fits `width` characters and `lines` lines.
 
     A terminal cell is about twice as tall as it is wide, so a block covers twice
-    as many queries as keys and a square mask looks square.
+    as many queries as keys and a square mask looks square, unless one key a character
+    fits: then one query a line keeps every cell exact.
     """
     cols = max(1, -(-k_len // max(1, width)))
-    rows = max(1, min(2 * cols, q_len), -(-q_len // max(1, lines)))
-    return Blocks(rows=rows, cols=cols)
+    rows = -(-q_len // max(1, lines))
+    if cols > 1:  # one key a character is exact per cell: keep one query a line while the lines last
+        rows = max(rows, min(2 * cols, q_len))
+    return Blocks(rows=max(1, rows), cols=cols)
 
 
 def shade(shares: np.ndarray) -> np.ndarray:

@@ -64,19 +64,49 @@ def _ranges(values: list[int]) -> str:
     return ",".join(map(str, values))
 
 
-def axis_labels(mask: Mask) -> tuple[list[str], list[str]]:
-    """Row labels (absolute query positions, with their words) and column labels (key positions or words)."""
+def axis_labels(mask: Mask, word_width: int | None = None, word_columns: bool = True) -> tuple[list[str], list[str]]:
+    """Row labels (absolute query positions, with their words) and column labels (key positions or words).
+
+    `word_width` cuts each word to that many characters (0: no words, positions only);
+    `word_columns` False labels the columns by position and keeps the words for the rows.
+    """
     f = mask.frame
     width = len(str(f.q_end - 1))
     positions = [f"{q:>{width}}" for q in range(f.q_start, f.q_end)]
-    if mask.tokens is None:
-        return positions, [str(k) for k in range(f.k_start, f.k_end)]
-    rows = [f"{position} {mask.tokens[f.q_start + i]}" for i, position in enumerate(positions)]
-    return rows, list(mask.tokens[f.k_start : f.k_end])
+    keys = [str(k) for k in range(f.k_start, f.k_end)]
+    if mask.tokens is None or word_width == 0:
+        return positions, keys
+    words = [w if word_width is None or len(w) <= word_width else w[: word_width - 1] + "…" for w in mask.tokens]
+    rows = [f"{position} {words[f.q_start + i]}" for i, position in enumerate(positions)]
+    return rows, words[f.k_start : f.k_end] if word_columns else keys
 
 
-def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None) -> list:
-    """Rich renderables: a header, then per batch row (and head group) a table or an exact density map."""
+def _table_labels(mask: Mask, texts, console):
+    """The fullest labels whose table fits the console: words on both axes, on the rows only, cut short,
+    or none; and a note of what was given up."""
+    from maskcli.render.tables import fits, mask_table
+
+    choices = [(None, True, "")]
+    if mask.tokens is not None:
+        choices += [
+            (None, False, "--tokens label the rows: the columns, too narrow for the words, are key positions"),
+            (10, False, "--tokens cut to 10 characters and label the rows only, to fit"),
+            (0, True, "--tokens not shown: the words do not fit the width"),
+        ]
+    f = mask.frame
+    for word_width, word_columns, note in choices:
+        rows, cols = axis_labels(mask, word_width, word_columns)
+        if fits(console, mask_table([[True] * f.k_len] * f.q_len, None, rows, cols, texts)):
+            return rows, cols, note
+    return None
+
+
+def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, map_width: int | None = None) -> list:
+    """Rich renderables: a header, then per batch row (and head group) a table or an exact density map.
+
+    A table is used whenever every cell fits the console's width (never one cut short);
+    `map_width` (default the console's) sizes a map where one does not.
+    """
     from rich.text import Text
 
     from maskcli.render.density import MAX_LINES, choose_blocks, density_text
@@ -86,13 +116,15 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None) 
     texts = cell_texts(convention, dtype)
     label_width = len(str(mask.frame.q_end - 1)) + 1
     # every cell takes at least two columns: decide before building labels for a long mask
-    maybe_table = 2 * k_len + label_width <= console.width and q_len <= TABLE_MAX_ROWS
-    if maybe_table:
-        row_labels, col_labels = axis_labels(mask)
-        label_width = max(map(len, row_labels))
-        cell_width = max(max(map(len, col_labels)), *map(len, texts)) + 1
-        maybe_table = label_width + 2 + k_len * cell_width <= console.width
+    labels = _table_labels(mask, texts, console) if 2 * k_len + label_width <= console.width and q_len <= TABLE_MAX_ROWS else None
+    maybe_table = labels is not None
     views: list = [Text(header(mask, convention, dtype), style="bold")]
+    if maybe_table:
+        row_labels, col_labels, note = labels
+        if note:
+            views.append(Text(note, style="dim"))
+    elif mask.tokens is not None:
+        views.append(Text("--tokens not shown: a density map has no room for words", style="dim"))
     for b in range(batch):
         for group in head_groups(mask, b):
             title = panel_title(mask, b, group)
@@ -104,7 +136,7 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None) 
                     views.append(table)
                     continue
             lines = max(8, console.height - 6) if console.is_terminal else MAX_LINES
-            blocks = choose_blocks(q_len, k_len, console.width - label_width - 2, lines)
+            blocks = choose_blocks(q_len, k_len, (map_width or console.width) - label_width - 2, lines)
             shares = block_shares(mask, b, group[0], blocks.rows, blocks.cols, progress)
             views.append(density_text(shares, blocks, q_len, k_len, mask.q_offset, mask.kv_offset, how_counted(mask)))
     return views

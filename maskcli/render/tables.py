@@ -46,6 +46,11 @@ def mask_table(
     return grid_table(title, row_labels, col_labels, lambda i, j: visible if keep[i][j] else masked, caption)
 
 
-def fits(console: Console, renderable) -> bool:
-    """True when the renderable's natural width fits the terminal without wrapping."""
-    return Measurement.get(console, console.options, renderable).maximum <= console.width
+def fits(console: Console, renderable, width: int | None = None) -> bool:
+    """True when the renderable's natural width fits `width` (the console's) without wrapping or cutting a column.
+
+    Measured without the console's own limit: rich clamps a measurement to the width it
+    is given, and a table clamped to fit drops columns silently.
+    """
+    natural = Measurement.get(console, console.options.update(max_width=1 << 20), renderable).maximum
+    return natural <= (console.width if width is None else width)
