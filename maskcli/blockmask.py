@@ -39,6 +39,7 @@ class Blocks:
     kv_indices: np.ndarray
     full_kv_num_blocks: np.ndarray
     full_kv_indices: np.ndarray
+    sets: list | None = None  # per (batch, head): (touched, full) block intervals, where the mask's intervals are few
 
     @property
     def n_q(self) -> int:
@@ -64,6 +65,11 @@ class Blocks:
     def categories(self, b: int, h: int = 0) -> np.ndarray:
         """int8 (n_q, n_kv): EMPTY, PARTIAL or FULL per block."""
         h = h if self.kv_num_blocks.shape[1] > 1 else 0
+        if self.sets is not None:
+            touched, full = self.sets[b * self.kv_num_blocks.shape[1] + h]
+            out = touched.dense(0, 0, self.n_q).view(np.int8)  # 1 where touched: PARTIAL unless full
+            out += full.dense(0, 0, self.n_q).view(np.int8)
+            return out
         out = np.zeros((self.n_q, self.n_kv), dtype=np.int8)
         rows = np.arange(self.n_q)[:, None]
         for value, num, indices in ((PARTIAL, self.kv_num_blocks, self.kv_indices), (FULL, self.full_kv_num_blocks, self.full_kv_indices)):
@@ -91,10 +97,12 @@ def layout(mask: Mask, q_block: int = DEFAULT_BLOCK, kv_block: int = DEFAULT_BLO
     check_dense_fits((mask.batch, heads, n_q, n_kv), 4 * 2 + 2, "for the block indices", what="a block mask of",
                      fix="use a larger --block, or a shorter mask")
     parts: dict[str, list] = {"kv_num_blocks": [], "kv_indices": [], "full_kv_num_blocks": [], "full_kv_indices": []}
+    sets = [] if mask.exact else None
     for b in range(mask.batch):
         for h in range(heads):
             if mask.exact:
                 touched, full = mask.intervals().block_sets(b, f.q_len, q_block, kv_block)
+                sets.append((touched, full))
                 partial = touched & ~full
                 rows = {
                     "kv_num_blocks": partial.counts()[0], "kv_indices": ordered(partial, n_kv),
@@ -110,5 +118,8 @@ def layout(mask: Mask, q_block: int = DEFAULT_BLOCK, kv_block: int = DEFAULT_BLO
                 }
             for name, value in rows.items():
                 parts[name].append(np.asarray(value, dtype=np.int32))
-    stacked = {name: np.stack(values).reshape((mask.batch, heads) + values[0].shape) for name, values in parts.items()}
-    return Blocks(mask, q_block, kv_block, **stacked)
+    if mask.batch * heads == 1:  # one (batch, head): a view, not a copy of the largest arrays
+        stacked = {name: values[0][None, None] for name, values in parts.items()}
+    else:
+        stacked = {name: np.stack(values).reshape((mask.batch, heads) + values[0].shape) for name, values in parts.items()}
+    return Blocks(mask, q_block, kv_block, **stacked, sets=sets)

@@ -203,9 +203,10 @@ def ordered(intervals: Intervals, n: int) -> np.ndarray:
     shifts = starts - positions
     steps = np.diff(shifts, axis=1, prepend=0)  # an empty run's step cancels against the next one's at the same position
     inside = positions < n  # steps at n would only follow the last run
-    row_of = np.broadcast_to(np.arange(rows)[:, None], positions.shape)
+    flat = (np.arange(rows)[:, None] * n + positions)[inside]
+    where, which = np.unique(flat, return_inverse=True)  # an empty run shares its position with the next run
     out = np.zeros((rows, n), dtype=np.int32)
-    np.add.at(out, (row_of[inside], positions[inside]), steps[inside].astype(np.int32))
+    out.ravel()[where] = np.bincount(which, weights=steps[inside]).astype(np.int32)
     np.cumsum(out, axis=1, dtype=np.int32, out=out)
     out += np.arange(n, dtype=np.int32)
     return out

@@ -510,9 +510,18 @@ def test_a_table_a_map_and_json_import_neither_torch_nor_matplotlib():
     assert "numpy" in names  # the check can see what it looks for
     assert "torch" not in names and "matplotlib" not in names
     assert table_rows(stdout)[-1] == "3 0 0 1 1"
-    for args in (["show", "window(128)", "--len", "100000"], ["show", "causal", "--len", "4", "--json"]):
+    for args in (["show", "window(128)", "--len", "100000"], ["show", "causal", "--len", "4", "--json"],
+                 ["show", "window(8)", "--len", "100000", "--summary", "--json"], ["chunk", "0,0,1"], ["kinds", "--json"]):
         names, _ = imported_modules(*args)
         assert "torch" not in names and "matplotlib" not in names, args
+
+
+def test_figures_and_npy_need_no_torch(tmp_path):
+    for args in (["show", "causal", "--len", "4", "--png", str(tmp_path / "m.png")],
+                 ["show", "causal", "--len", "4", "--as", "min", "--save", str(tmp_path / "m.npy")],
+                 ["blocks", "window(64)", "--len", "4096", "--png", str(tmp_path / "b.png")]):
+        names, _ = imported_modules(*args)
+        assert "torch" not in names, args
 
 
 @pytest.mark.parametrize("command", ["show", "chunk", "attend", "verify", "inspect", "convert", "kinds"])

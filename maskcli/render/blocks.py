@@ -35,11 +35,13 @@ def counts_line(blocks: Blocks, b: int, h: int = 0) -> str:
 def symbols(categories: np.ndarray, rows: int, cols: int) -> np.ndarray:
     """One character per rows x cols blocks: █ all full, · all empty, ▒ any partial, ▓ full and empty."""
     n_q, n_kv = categories.shape
-    row_starts, col_starts = np.arange(0, n_q, rows), np.arange(0, n_kv, cols)
+    grid_q, grid_kv = -(-n_q // rows), -(-n_kv // cols)
+    padded = np.full((grid_q * rows, grid_kv * cols), -1, dtype=np.int8)  # -1: past the end, none of the three
+    padded[:n_q, :n_kv] = categories
+    tiles = padded.reshape(grid_q, rows, grid_kv, cols)
 
     def any_of(value):
-        hit = np.add.reduceat(np.add.reduceat((categories == value).astype(np.int64), row_starts, axis=0), col_starts, axis=1)
-        return hit > 0
+        return (tiles == value).any(axis=(1, 3))
 
     full, partial, empty = any_of(FULL), any_of(PARTIAL), any_of(EMPTY)
     return np.where(partial, SYMBOLS[PARTIAL], np.where(full & empty, MIXED, np.where(full, SYMBOLS[FULL], SYMBOLS[EMPTY])))
