@@ -44,6 +44,11 @@ class MaskOptions:
     pad_id: int = 0
     tokens: str | None = None
     params: dict = field(default_factory=dict)  # kind parameter flags: {"--window": 3, "--chunks": "0,0,1,1"}
+    mask_file: str | None = None  # --mask: a tensor instead of an expression
+    key: str | None = None  # --key: which tensor of the file
+    from_: str | None = None  # --from: the tensor's convention, where its values do not say
+    mask_mod: str | None = None  # --mask-mod FILE.py:NAME: the user's own predicate
+    mask_mod_args: str | None = None  # --mask-mod-args: arguments for a mask_mod factory
 
 
 @dataclass(frozen=True, eq=False)
@@ -254,14 +259,15 @@ def index_tensor(values: range, axis: int, device):
 # --- building one from what the user typed ---------------------------------------------------
 
 
-def build(expression: str, options: MaskOptions | None = None, default_length: int | None = None, **flags) -> Mask:
+def build(expression: str, options: MaskOptions | None = None, default_length: int | None = None, kinds=None, **flags) -> Mask:
     """The Mask an expression and options describe; keyword flags are MaskOptions fields.
 
-    `default_length`: the number of queries when neither --len nor the data says (inputs given to attend).
+    `default_length`: the number of queries when neither --len nor the data says (inputs given to attend);
+    `kinds`: kinds of the user's own, by name (mask_mods).
     """
     options = options or MaskOptions(**flags)
     tree = ex.parse(expression)
-    resolved, used = terms.resolve(tree, options.params, expression)
+    resolved, used = terms.resolve(tree, options.params, expression, kinds)
     terms.check_flags_used(resolved, options.params, used, expression)
     lengths, ids = _padding(options)
     tokens = tuple(options.tokens.split()) if options.tokens is not None else None

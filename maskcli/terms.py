@@ -69,16 +69,17 @@ def terms(tree) -> list[Term]:
 # --- binding calls to kinds ------------------------------------------------------------------
 
 
-def resolve(tree, flags: dict[str, object], source: str) -> tuple[object, list[str]]:
+def resolve(tree, flags: dict[str, object], source: str, extra: dict[str, Kind] | None = None) -> tuple[object, list[str]]:
     """Bind every call of a parsed tree to its kind; return the tree of Terms and the flags it read.
 
     `flags` maps a parameter flag (--window) to what the user gave; `source` is the
-    expression as typed, quoted in messages.
+    expression as typed, quoted in messages; `extra` holds kinds of the user's own (mask_mods).
     """
     used: list[str] = []
+    extra = extra or {}
 
     def bind(call: ex.Call) -> Term:
-        kind = get_kind(call.name, where=repr(source) if source != call.name else None)
+        kind = extra.get(call.name) or get_kind(call.name, where=repr(source) if source != call.name else None)
         where = ex.call_text(call)
         values = _from_call(kind, call, where) if call.called else _from_flags(kind, flags, used)
         for param in kind.params:

@@ -690,3 +690,17 @@ def test_an_expression_behind_a_cache_runs_through_its_own_cells():
     assert data["mask"] == [[expected]]
     header = invoke(["document(0,0,1,1,1,1) & window(2) | sink(1)", "--offset", 3, "--stages", "weights"], env={"COLUMNS": "200"}).stdout.splitlines()[0]
     assert header == "attend document(0,0,1,1,1,1) & window(2) | sink(1) · shape (B=1, H=1, Lq=3, Lk=6, D=8) · queries 3-5 · keys 0-5"
+
+
+def test_attend_through_a_mask_file_with_given_inputs_equals_sdpa(tmp_path):
+    keep = torch.ones(3, 5, dtype=torch.bool).tril(2)
+    keep[1, 0] = False  # not a kind maskcli has: the file is the mask
+    torch.save(torch.zeros(1, 1, 3, 5).masked_fill(~keep, float("-inf")), tmp_path / "m.pt")
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(3, 4, generator=generator), torch.randn(5, 4, generator=generator), torch.randn(5, 4, generator=generator)
+    for name, value in (("q", q), ("k", k), ("v", v)):
+        torch.save(value, tmp_path / f"{name}.pt")
+    data = attend_json(["--mask", tmp_path / "m.pt", "--q", tmp_path / "q.pt", "--k", tmp_path / "k.pt", "--v", tmp_path / "v.pt"])
+    expected = torch.nn.functional.scaled_dot_product_attention(q[None, None], k[None, None], v[None, None], attn_mask=keep)
+    torch.testing.assert_close(torch.tensor(data["stages"]["output"], dtype=torch.float32)[0, 0], expected[0, 0])
+    assert data["mask"] == [[keep.int().tolist()]]

@@ -111,3 +111,16 @@ def test_blocks_import_no_torch():
            "try:\n    main()\nexcept SystemExit:\n    pass\nprint('TORCH', 'torch' in sys.modules, file=sys.stderr)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "TORCH False" in result.stderr, result.stderr[-500:]
+
+
+def test_blocks_of_a_mask_file_and_a_mask_mod_equal_create_block_mask(tmp_path):
+    import os
+
+    keep = torch.rand(1, 1, 40, 40, generator=torch.Generator().manual_seed(0)) > 0.7
+    torch.save(keep, tmp_path / "m.pt")
+    data = json.loads(ok(["--mask", tmp_path / "m.pt", "--from", "keep", "--block", 8, "--json"]).stdout)
+    flex = create_block_mask(lambda b, h, q, kv: keep[0, 0, q, kv], 1, 1, 40, 40, device="cpu", BLOCK_SIZE=8)
+    assert data["kv_indices"] == flex.kv_indices.tolist() and data["full_kv_num_blocks"] == flex.full_kv_num_blocks.tolist()
+    gym = os.path.join(os.path.dirname(__file__), "data", "gym_masks.py")
+    data = json.loads(ok(["--mask-mod", f"{gym}:packed_causal", "--len", 8, "--block", 2, "--json"]).stdout)
+    assert data["kv_num_blocks"] == create_block_mask(build("document(sizes=[3,5])").mask_mod, 1, 1, 8, 8, device="cpu", BLOCK_SIZE=2).kv_num_blocks.tolist()

@@ -542,3 +542,74 @@ def test_hostile_and_broken_files(tmp_path, monkeypatch, args, quoted):
 def test_big_endian_npy_is_read(tmp_path):
     np.save(tmp_path / "m.npy", np.tril(np.ones((4, 4))).astype(">f4"))
     assert report(tmp_path / "m.npy")["command"] == "maskcli show causal --len 4"
+
+
+# --- expressions, not only single kinds ---------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from maskcli.inspect.analysis import analyse  # noqa: E402
+from maskcli.mask import build  # noqa: E402
+
+
+@st.composite
+def recognisable(draw):
+    """Masks of real models, as expressions, with their length."""
+    sizes = draw(st.lists(st.integers(1, 6), min_size=1, max_size=4))
+    n = sum(sizes)
+    form = draw(st.sampled_from(["document&window", "blocks", "sinks", "window", "prefix", "local", "offset"]))
+    if form == "document&window":
+        return f"document(sizes=[{','.join(map(str, sizes))}]) & window({draw(st.integers(2, 6))})", n, {}
+    if form == "blocks":
+        ids = []
+        for i, size in enumerate(sizes):
+            ids += [i if draw(st.booleans()) else -1] * size
+        return f"causal | blocks({','.join(map(str, ids))})", n, {}
+    if form == "sinks":
+        return f"causal & (window({draw(st.integers(1, 4))}) | sink({draw(st.integers(1, 3))}))", max(n, 8), {}
+    if form == "window":
+        return f"window({draw(st.integers(1, 5))})", max(n, 3), {}
+    if form == "prefix":
+        return f"prefix({draw(st.integers(1, n))})", n, {}
+    if form == "local":
+        return f"local({draw(st.integers(2, 4))})", max(n, 5), {}
+    return f"window({draw(st.integers(1, 5))})", 3, {"offset": draw(st.integers(1, 6))}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recognisable())
+def test_masks_of_expressions_are_rebuilt_by_the_command_inspect_names(case):
+    text, length, options = case
+    built = build(text, length=length, **options)
+    keep = torch.from_numpy(built.dense().copy())
+    found = analyse(keep).structure
+    if not keep.any() or keep.all():
+        return
+    assert found.expression is not None, text
+    rebuilt = dense(found.command)
+    assert torch.equal(rebuilt.expand_as(keep), keep), (text, found.command)
+
+
+def test_compositions_are_named_as_expressions(tmp_path):
+    for text in ("document(0,0,0,1,1,1,1,2,2,2) & window(2)", "causal | blocks(-1,-1,0,0,0,-1,1,1,-1)"):
+        ok(["show", text, "--save", tmp_path / "m.pt"])
+        found = report(tmp_path / "m.pt")
+        assert found["structure"] == text and found["command"] == f'maskcli show "{text}"'
+    ok(["show", "causal & (window(3) | sink(2))", "--len", "12", "--save", tmp_path / "m.pt"])
+    assert report(tmp_path / "m.pt")["command"] == 'maskcli show "causal & (window(3) | sink(2))" --len 12'
+
+
+def test_a_mask_nothing_rebuilds_is_said_to_be_closest_to_a_kind_and_where_it_differs(tmp_path):
+    keep = torch.ones(8, 8, dtype=torch.bool).tril()
+    keep[4, 1] = False  # a hole in a causal mask
+    torch.save(keep, tmp_path / "bug.pt")
+    found = report(tmp_path / "bug.pt")
+    assert found["structure"] is None
+    close = found["closest"]
+    assert close == {
+        "expression": "causal", "command": "maskcli show causal --len 8", "cells_apart": 1,
+        "rows": ["row 4: the tensor sees 0, 2-4, causal sees 0-4: the tensor hides key 1"],
+    }
+    text = " ".join(ok(["inspect", tmp_path / "bug.pt"]).stdout.split())
+    assert "closest: maskcli show causal --len 8, 1 cell apart" in text

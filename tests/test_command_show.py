@@ -432,7 +432,7 @@ BAD = [
     (["chunk", "0,1", "--len", "3"], ["2 entries", "positions 0-2"]),
     (["show", "causal", "--align", "bottom-right"], ["without --kv-len"]),
     (["show", "causal", "--kv-start", "9", "--len", "4"], ["--kv-start 9 leaves no key"]),
-    (["show"], ["Missing argument", "'EXPR'"]),
+    (["show"], ["give a mask: an expression like", "--mask FILE, or --mask-mod FILE.py:NAME"]),
 ]
 
 
@@ -634,8 +634,52 @@ def test_rows_that_see_no_key_are_said_on_stderr():
     (["show", "tree(0,0)"], "parents[0] is 0; the first draft token has no earlier one, so its parent is -1 (a root)"),
     (["show", "document(sizes=3,5)"], "a list goes in brackets: sizes=[3,5,...]"),
     (["show", "window(2.5)"], "2.5 is not a whole number"),
-    (["show"], "Missing argument 'EXPR' (see 'maskcli show --help')"),
+    (["convert", "m.pt", "--to", "keep"], "Missing option '--out' (see 'maskcli convert --help')"),
 ])
 def test_messages_say_what_was_meant(args, says):
     result = invoke(args)
     assert result.exit_code == 2 and says in result.stderr and result.stderr.count("\n") == 1
+
+
+# --- the user's own masks ----------------------------------------------------------------------
+
+GYM = os.path.join(os.path.dirname(__file__), "data", "gym_masks.py")
+
+
+def test_show_a_pytorch_mask_file_names_the_file_and_its_convention(tmp_path):
+    torch.save(torch.nn.Transformer.generate_square_subsequent_mask(4), tmp_path / "square.pt")
+    out = ok(["show", "--mask", tmp_path / "square.pt"]).stdout
+    assert lines(out)[0] == f"'{tmp_path / 'square.pt'}' (read as additive) · shape (B=1, H=1, Lq=4, Lk=4)"
+    assert table_rows(out) == ["0 1 0 0 0", "1 1 1 0 0", "2 1 1 1 0", "3 1 1 1 1"]
+
+
+def test_show_a_hugging_face_style_mask_puts_its_queries_at_the_end(tmp_path):
+    keep = torch.ones(2, 5, dtype=torch.bool).tril(3)
+    np.savez(tmp_path / "m.npz", input_ids=np.arange(5), mask=torch.zeros(1, 1, 2, 5).masked_fill(~keep, torch.finfo(torch.float32).min).numpy())
+    out = ok(["show", "--mask", tmp_path / "m.npz", "--key", "mask"]).stdout
+    assert "(read as min) · shape (B=1, H=1, Lq=2, Lk=5) · queries 3-4 · keys 0-4" in lines(out)[0]
+    assert table_rows(out) == ["3 1 1 1 1 0", "4 1 1 1 1 1"]
+
+
+def test_show_a_mask_mod_and_an_expression_that_uses_it():
+    out = ok(["show", "--mask-mod", f"{GYM}:generate_sliding_window", "--mask-mod-args", "1", "--len", "4"]).stdout
+    assert lines(out)[0] == "generate_sliding_window · shape (B=1, H=1, Lq=4, Lk=4)"
+    assert table_rows(out) == ["0 1 0 0 0", "1 1 1 0 0", "2 0 1 1 0", "3 0 0 1 1"]
+    mixed = ok(["show", "causal_mask & ~window(2)", "--mask-mod", f"{GYM}:causal_mask", "--len", "4"]).stdout
+    assert table_rows(mixed) == ["0 0 0 0 0", "1 0 0 0 0", "2 1 0 0 0", "3 1 1 0 0"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["causal", "--mask", "m.pt"], "give an expression or --mask"),
+    (["--mask", "m.pt", "--len", "3"], "--len does not apply to --mask"),
+    (["--mask", "all.pt"], "cannot tell whether"),
+    (["--mask-mod", f"{GYM}:returns_floats", "--len", "3"], "returned float32 values"),
+    (["--key", "x"], "--key x is for --mask FILE"),
+])
+def test_bad_own_masks_are_one_line(args, says, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.save(torch.tril(torch.ones(3, 3)).bool(), tmp_path / "m.pt")
+    torch.save(torch.ones(3, 3, dtype=torch.bool), tmp_path / "all.pt")
+    result = invoke(["show", *args])
+    assert result.exit_code == 2 and says in result.stderr and result.stderr.count("\n") == 1
+    assert table_rows(ok(["show", "--mask", "all.pt", "--from", "keep"]).stdout) == ["0 1 1 1", "1 1 1 1", "2 1 1 1"]

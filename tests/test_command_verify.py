@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import math
 
 import pytest
@@ -150,3 +151,14 @@ def test_expressions_agree_across_every_kernel_that_runs(args):
     ran = {row["backend"]: row for row in data["backends"] if row["status"] == "ok"}
     assert {"maskcli staged", "sdpa math", "nn.MultiheadAttention", "flex_attention"} <= set(ran)
     assert all(row["agrees"] for row in ran.values()), ran
+
+
+def test_a_mask_mod_and_a_mask_file_agree_across_kernels(tmp_path):
+    gym = str(Path(__file__).parent / "data" / "gym_masks.py")
+    for args in (["--mask-mod", f"{gym}:packed_causal", "--len", "8"], ["--mask", str(tmp_path / "m.pt")]):
+        torch.save(torch.nn.Transformer.generate_square_subsequent_mask(6), tmp_path / "m.pt")
+        result = runner.invoke(app, ["verify", *args, "--json", "--repeat", "1"])
+        assert result.exit_code == 0, result.output
+        ran = [row for row in json.loads(result.stdout)["backends"] if row["status"] == "ok"]
+        assert {"flex_attention", "nn.MultiheadAttention", "sdpa math"} <= {row["backend"] for row in ran}
+        assert all(row["agrees"] for row in ran)

@@ -10,7 +10,7 @@ from maskcli.attention import FILLS, STAGES
 from maskcli.commands.app import app, done
 from maskcli.commands.inputs import InputOptions, mask_and_inputs
 from maskcli.commands.options import (
-    KIND_ARGUMENT_HELP, BatchIndex, Dropout, FigurePng, Fill, Head, Precision, StagesJson, StagesOpt, examples,
+    Expr, BatchIndex, Dropout, FigurePng, Fill, Head, Precision, StagesJson, StagesOpt, examples,
     input_options, mask_options,
 )
 from maskcli.commands.show import check_choice
@@ -42,7 +42,7 @@ def parse_stages(text: str) -> tuple[str, ...]:
 @mask_options()
 @input_options(head_dim=8)
 def attend(
-    kind: Annotated[str, typer.Argument(help=KIND_ARGUMENT_HELP, show_default=False, metavar="EXPR")],
+    kind: Expr = None,
     fill: Fill = "-inf",
     dropout: Dropout = 0.0,
     stages: StagesOpt = "scores,masked,weights,output",

@@ -7,10 +7,9 @@ from typing import Annotated
 import typer
 
 from maskcli.commands.app import app, done
-from maskcli.commands.options import KIND_ARGUMENT_HELP, examples, mask_options
+from maskcli.commands.options import Expr, examples, mask_options
 from maskcli.errors import MaskError
 from maskcli.mask import MaskOptions
-from maskcli.mask import build as build_mask
 
 BlockOpt = Annotated[str, typer.Option("--block", help="Block size: 128 (FlexAttention's BLOCK_SIZE), or Q,KV for unequal query and key blocks like 128,64.")]
 BlocksPng = Annotated[str | None, typer.Option("--png", help="Write a figure of full, partial and empty blocks: .png, .svg or .pdf (a directory: named after the mask).")]
@@ -39,7 +38,7 @@ def parse_block(text: str) -> tuple[int, int]:
 )
 @mask_options()
 def blocks(
-    kind: Annotated[str, typer.Argument(help=KIND_ARGUMENT_HELP, show_default=False, metavar="EXPR")],
+    kind: Expr = None,
     block: BlockOpt = "128",
     png: BlocksPng = None,
     json_: BlocksJson = False,
@@ -57,7 +56,9 @@ def blocks(
     for flag, value in (("--png", png), ("--save", save)):
         if value is not None and not value.strip():
             raise MaskError(f"{flag} is empty: give a file name")
-    built = build_mask(kind, mask)
+    from maskcli.inspect.given import build_any
+
+    built = build_any(kind, mask)
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "blocks_" + built.slug) if png is not None else None
     save_path = check_output_path(save, (".pt",), "--save", "blocks_" + built.slug) if save is not None else None
     from maskcli.blockmask import layout

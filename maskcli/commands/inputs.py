@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from maskcli.commands.app import warn
 from maskcli.errors import MaskError
 from maskcli.mask import MaskOptions
-from maskcli.mask import build as build_mask
 
 
 @dataclass(frozen=True)
@@ -51,11 +50,13 @@ def check_input_options(o: InputOptions) -> None:
         warn("--x is ignored: --q/--k/--v take precedence")
 
 
-def mask_and_inputs(expression: str, options: MaskOptions, o: InputOptions):
+def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOptions):
     """The Mask and Q/K/V for attend and verify: given inputs decide the length unless --len or the data does."""
+    from maskcli.inspect.given import build_any
+
     check_input_options(o)
-    if all(t is None for t in (o.q, o.k, o.v, o.x)):
-        build_mask(expression, options)  # refuse bad mask options before importing torch
+    if all(t is None for t in (o.q, o.k, o.v, o.x)) and options.mask_file is None and options.mask_mod is None:
+        build_any(expression, options)  # refuse bad mask options before importing torch
 
     from maskcli.attention.inputs import check_fits, load_given, make_qkv, resolve_device, resolve_dtype
 
@@ -65,7 +66,7 @@ def mask_and_inputs(expression: str, options: MaskOptions, o: InputOptions):
     default = given.query_length(options.offset or 0) if given is not None else None
     if default is not None and default < 1:
         raise MaskError(f"--x has {given.x.shape[-2]} rows, which leave no query after --offset {options.offset}: give more rows or a smaller --offset")
-    mask = build_mask(expression, options, default_length=default)
+    mask = build_any(expression, options, default_length=default)
     for message in mask.warnings:
         warn(message)
     if mask.batch > 1 and o.batch is not None and o.batch != mask.batch:

@@ -147,6 +147,12 @@ def _print_report(analysis, report: dict, mask) -> None:
     else:
         text.append("structure: none recognised", style="bold")
         text.append(f" — {structure.note}\n")
+        if structure.closest:
+            close = structure.closest
+            apart = close["cells_apart"]
+            text.append(f"  closest: {close['command']}, {apart:,} cell{'s' if apart != 1 else ''} apart\n", style="dim")
+            for line in close["rows"][:3]:
+                text.append(f"    {line}\n", style="dim")
     console.print(text, end="")
     console.print(findings_text(analysis.findings) if analysis.findings else Text("findings: none", style="green"))
     shown, dtype_name, note = _shown_convention(analysis)

@@ -31,6 +31,7 @@ def examples(*commands: str) -> str:
 MASK_PANEL = "Mask options"
 POSITION_PANEL = "Positions"
 KIND_PANEL = "Kind parameters (for a bare kind name)"
+OWN_PANEL = "Your own mask"
 OUTPUT_PANEL = "Output"
 
 Tokens = Annotated[str | None, typer.Option("--tokens", help="Words that label the axes, one per position of the sequence: \"Your journey starts with one step\" (without --len they give the length).", rich_help_panel=OUTPUT_PANEL)]
@@ -79,8 +80,12 @@ ReportJson = Annotated[bool, typer.Option("--json", help="Print the report as on
 
 KIND_ARGUMENT_HELP = (
     "A kind or an expression of kinds: causal, window(3), \"document(0,0,1,1) & window(2)\", "
-    "\"causal | blocks(-1,0,0,-1)\", \"~triu(1)\". maskcli kinds lists every kind."
+    "\"causal | blocks(-1,0,0,-1)\", \"~triu(1)\". maskcli kinds lists every kind. Left out with --mask, "
+    "or with --mask-mod alone."
 )
+
+
+Expr = Annotated[str | None, typer.Argument(help=KIND_ARGUMENT_HELP, show_default=False, metavar="EXPR")]
 
 
 def _position_options(heads: int) -> list[tuple[str, object, object]]:
@@ -95,6 +100,11 @@ def _position_options(heads: int) -> list[tuple[str, object, object]]:
         ("m_lengths", Annotated[str | None, typer.Option("--lengths", help="Valid length per batch row, like 4,2: keys at or past it are padding. And-ed with any expression.", rich_help_panel=MASK_PANEL)], None),
         ("m_ids", Annotated[str | None, typer.Option("--ids", help="Token ids per batch row, ';' between rows, like '5,6,7,0;0,8,9,1': ids equal to --pad-id are padding (left padding too).", rich_help_panel=MASK_PANEL)], None),
         ("m_pad_id", Annotated[int, typer.Option("--pad-id", help="The padding token id for --ids.", parser=integer, rich_help_panel=MASK_PANEL)], 0),
+        ("m_mask_file", Annotated[str | None, typer.Option("--mask", help="A mask tensor instead of an expression: .pt (loaded with weights_only=True), .npy, .npz, .safetensors or .json, in any convention and any shape that broadcasts to (B, H, Lq, Lk).", rich_help_panel=OWN_PANEL)], None),
+        ("m_key", Annotated[str | None, typer.Option("--key", help="With --mask: the tensor's name in a .npz, .safetensors, .pt dict or JSON object.", rich_help_panel=OWN_PANEL)], None),
+        ("m_from", Annotated[str | None, typer.Option("--from", help="With --mask: keep or block, where a bool or 0/1 tensor's structure does not tell which way round it is.", rich_help_panel=OWN_PANEL)], None),
+        ("m_mask_mod", Annotated[str | None, typer.Option("--mask-mod", help="Your own FlexAttention mask_mod(b, h, q_idx, kv_idx), as FILE.py:NAME or package.module:NAME. This RUNS YOUR CODE: only this flag loads it. It gets local indices, as FlexAttention passes them; its NAME can stand in the expression, like \"mine & ~causal\".", rich_help_panel=OWN_PANEL)], None),
+        ("m_mask_mod_args", Annotated[str | None, typer.Option("--mask-mod-args", help="Arguments for a --mask-mod factory, as Python literals: --mask-mod gym.py:generate_sliding_window --mask-mod-args 4.", rich_help_panel=OWN_PANEL)], None),
     ]
 
 
@@ -171,6 +181,8 @@ def mask_options(*, heads: int = 1, tokens: bool = True, kind_params: bool = Tru
             lengths=given["m_lengths"], ids=given["m_ids"], pad_id=given["m_pad_id"],
             tokens=given.get("m_tokens"),
             params={flag_of[name]: given[name] for name in flag_of if given[name] is not None},
+            mask_file=given["m_mask_file"], key=given["m_key"], from_=given["m_from"],
+            mask_mod=given["m_mask_mod"], mask_mod_args=given["m_mask_mod_args"],
         )
 
     return lambda func: extend(func, "mask", added, pack)

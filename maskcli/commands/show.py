@@ -7,11 +7,10 @@ from typing import Annotated
 import typer
 
 from maskcli.commands.app import app, done, warn
-from maskcli.commands.options import KIND_ARGUMENT_HELP, Output, escape, examples, mask_options, output_options
+from maskcli.commands.options import Expr, Output, escape, examples, mask_options, output_options
 from maskcli.conventions import CONVENTIONS, DTYPES
 from maskcli.errors import MaskError
 from maskcli.mask import Mask, MaskOptions
-from maskcli.mask import build as build_mask
 
 
 def check_choice(value: str, choices, what: str) -> str:
@@ -45,7 +44,7 @@ def kinds_help() -> str:
 @mask_options()
 @output_options
 def show(
-    kind: Annotated[str, typer.Argument(help=KIND_ARGUMENT_HELP, show_default=False, metavar="EXPR")],
+    kind: Expr = None,
     *,
     mask: MaskOptions,
     output: Output,
@@ -77,7 +76,7 @@ def chunk(
     present("chunk", MaskOptions(**{**mask.__dict__, "params": {"--chunks": labels}}), output)
 
 
-def present(expression: str, options: MaskOptions, output: Output) -> None:
+def present(expression: str | None, options: MaskOptions, output: Output) -> None:
     """Check the outputs, build the mask once, then print and write what was asked for."""
     from maskcli.files import FIGURE_SUFFIXES, TENSOR_SUFFIXES, check_output_path
 
@@ -93,7 +92,9 @@ def present(expression: str, options: MaskOptions, output: Output) -> None:
     for flag, value in (("--png", png), ("--save", save)):
         if value is not None and not value.strip():
             raise MaskError(f"{flag} is empty: give a file name")
-    mask = build_mask(expression, options)
+    from maskcli.inspect.given import build_any
+
+    mask = build_any(expression, options)
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", mask.slug) if png is not None else None
     save_path = check_output_path(save, TENSOR_SUFFIXES, "--save", mask.slug) if save is not None else None
     if save_path is not None and save_path.suffix.lower() == ".npy" and dtype_name == "bfloat16" and convention in ("additive", "min"):

@@ -8,7 +8,7 @@ import typer
 
 from maskcli.commands.app import app
 from maskcli.commands.inputs import InputOptions, mask_and_inputs
-from maskcli.commands.options import KIND_ARGUMENT_HELP, Atol, Repeat, Strict, VerifyJson, examples, input_options, mask_options
+from maskcli.commands.options import Expr, Atol, Repeat, Strict, VerifyJson, examples, input_options, mask_options
 from maskcli.errors import MaskError
 from maskcli.mask import MaskOptions
 
@@ -24,7 +24,7 @@ from maskcli.mask import MaskOptions
 @mask_options(heads=2, tokens=False)
 @input_options(head_dim=16)
 def verify(
-    kind: Annotated[str, typer.Argument(help=KIND_ARGUMENT_HELP, show_default=False, metavar="EXPR")],
+    kind: Expr = None,
     atol: Atol = None,
     repeat: Repeat = 5,
     strict: Strict = False,

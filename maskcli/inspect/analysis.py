@@ -55,6 +55,7 @@ class Analysis:
             "command": structure.command,
             "also": structure.also,
             "structure_note": structure.note,
+            "closest": structure.closest,
             "findings": [{"code": f.code, "message": f.message} for f in self.findings],
         }
 
@@ -64,7 +65,7 @@ def analyse(tensor: torch.Tensor, heads: int | None = None, convention: Conventi
     convention = convention or classify(tensor)
     keep = to_keep(tensor, convention)
     keep4 = sdpa_view(keep)
-    structure = recognise(keep4, key_padding=tensor.dim() == 2, marked=marks(convention))
+    structure = recognise(keep4, key_padding=tensor.dim() == 2, marked=marks(convention), nearest=True)
     key_padding = structure.reading == "key padding [B, S]"
     if key_padding:
         keep4 = keep[:, None, None, :]

@@ -38,6 +38,7 @@ class Structure:
     note: str = ""
     also: str | None = None  # another command that rebuilds it, where one reading is not enough
     kind: str | None = None  # the kind at its heart (causal, window, ...)
+    closest: dict | None = None  # where nothing rebuilds it: the kind with the fewest cells apart, and where they differ
 
     @property
     def params(self) -> dict:
@@ -121,13 +122,42 @@ def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str)
         yield name, text, options
 
 
-def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "attend") -> Structure:
+def closest(keep: np.ndarray, ref: np.ndarray, placements, marked: str) -> dict | None:
+    """The single-kind candidate with the fewest cells apart from the tensor, and its first differing rows in words."""
+    from maskcli.diff import compare, row_words
+    from maskcli.mask import from_tensor
+
+    if keep.shape[2] * keep.shape[3] > 1 << 20:
+        return None
+    best = None
+    for _, expression, options in candidates(ref, placements, marked):
+        try:
+            built = build_mask(expression, MaskOptions(**options))
+            built_cells = built.dense()
+        except MaskError:
+            continue
+        if built_cells.shape[2:] != keep.shape[2:]:
+            continue
+        apart = int((np.broadcast_to(built_cells, keep[:, :1].shape) != keep[:, :1]).sum())
+        if best is None or apart < best[0]:
+            best = (apart, expression, options, built)
+    if best is None:
+        return None
+    apart, expression, options, built = best
+    tensor = from_tensor(np.ascontiguousarray(keep[:, :1]), "the tensor", built.q_offset, built.kv_offset)
+    difference = compare(tensor, from_tensor(np.broadcast_to(built.dense(), keep[:, :1].shape).copy(), expression, built.q_offset, built.kv_offset))
+    return {"expression": expression, "command": command_for(expression, options), "cells_apart": apart,
+            "rows": row_words(difference, "the tensor", expression)}
+
+
+def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "attend", nearest: bool = False) -> Structure:
     """The expression (and options) whose mask is exactly this keep mask (B, H, Lq, Lk), or expression None.
 
     The queries are taken to sit at the end of the keys (bottom-right, as a cache puts them).
     `key_padding`: the tensor was 2-D, so it may also be a [B, S] key padding mask; that
     reading is used when the (Lq, Lk) reading matches nothing and the tensor is not square.
     `marked`: what the file's True/1/nonzero cells mean, "attend" or "masked" (picks tril or triu).
+    `nearest`: where nothing rebuilds it, find the closest kind and where it differs.
     """
     keep_np = keep4.cpu().numpy()
     batch, heads, q_len, k_len = keep_np.shape
@@ -180,6 +210,13 @@ def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "att
             structure = found(kind, expression, {**options, **extra})
             if structure is not None:
                 return structure
+        if q_len == k_len and k_len <= MAX_LABELS:
+            from maskcli.inspect.composite import composites
+
+            for kind, expression in composites(profile(ref, 0, 0, marked), ref):
+                structure = found(kind, expression, {"length": q_len, **extra})
+                if structure is not None:
+                    return structure
     if key_padding and heads == 1 and batch == 1 and q_len != k_len:  # a square one is (L, L): B == S would be a coincidence
         rows = keep_np[0, 0]  # read as [B, S]: each row is one batch item's keys
         options = _padding_options(rows)
@@ -189,4 +226,4 @@ def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "att
         if built.frame.k_len == k_len and np.array_equal(built.dense()[:, 0, 0], rows):
             return Structure("padding", options, built, command_for("padding", options), "key padding [B, S]",
                              f"read as a key padding mask: {q_len} batch rows of {k_len} keys", kind="padding")
-    return Structure(None, note="no maskcli kind rebuilds it exactly")
+    return Structure(None, note="no maskcli kind rebuilds it exactly", closest=closest(keep_np, ref, placements, marked) if nearest else None)

@@ -153,7 +153,11 @@ def _whole_sequence(profile: Profile) -> bool:
 
 def _chunk_candidates(profile: Profile):
     if _whole_sequence(profile) and profile.seen.all():
-        yield {"labels": _from_starts(np.r_[False, profile.last[1:] != profile.last[:-1]])}
+        labels = _from_starts(np.r_[False, profile.last[1:] != profile.last[:-1]])
+        sizes = np.bincount(labels.array[0])
+        if (sizes == 1).sum() > len(sizes) / 2 and sizes.max() > 1:
+            return  # mostly single tokens with a few runs: causal text with blocks, which inspect names as such
+        yield {"labels": labels}
 
 
 def _document_candidates(profile: Profile):

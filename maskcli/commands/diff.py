@@ -1,0 +1,119 @@
+"""`maskcli diff A B`: is my mask the one I meant? Exit status 0 when equal, 1 when they differ."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from maskcli.commands.app import app, done
+from maskcli.commands.options import examples, mask_options
+from maskcli.errors import MaskError
+from maskcli.mask import Mask, MaskOptions
+
+SIDE_HELP = (
+    "A mask expression (\"window(4096)\"), a mask tensor file (.pt, .npy, .npz, .safetensors, .json, in any convention), "
+    "or your mask_mod as FILE.py:NAME (this runs your code)."
+)
+DiffPng = Annotated[str | None, typer.Option("--png", help="Write a figure coloured by category: .png, .svg or .pdf.")]
+DiffJson = Annotated[bool, typer.Option("--json", help="Print the counts, the first rows that differ (with intervals and in words) as one JSON object.")]
+
+
+def _side(text: str, options: MaskOptions, kinds: dict, label: str) -> Mask:
+    from maskcli.inspect.given import TENSOR_SUFFIXES, build_any, mask_from_file
+    from maskcli.mask import build
+    from maskcli.usermods import looks_like_spec
+
+    if looks_like_spec(text):
+        return build_any(None, replace(options, mask_mod=text, mask_mod_args=options.mask_mod_args))
+    path = Path(text)
+    if path.suffix.lower() in TENSOR_SUFFIXES and not text.lstrip().startswith(("[", "{")):
+        if not path.exists():
+            raise MaskError(f"{label} {text!r}: no such file (give a mask file, an expression, or FILE.py:NAME)")
+        return mask_from_file(text, options.key, options.from_, options)
+    return build(text, options, kinds=kinds)
+
+
+def _positions_given(options: MaskOptions) -> bool:
+    return any(value is not None for value in (options.length, options.offset, options.kv_start, options.kv_len, options.align))
+
+
+@app.command(
+    epilog=examples(
+        "maskcli diff \"document(0,0,1,1)\" causal --png leak.png",
+        "maskcli show \"window(4096)\" --len 8192 --offset 100 --as min --save hf_mask.pt  # a mask to compare",
+        "maskcli diff \"window(4096)\" hf_mask.pt",
+        "maskcli diff \"window(4095)\" \"window(4096)\" --len 1048576",
+    ),
+)
+@mask_options()
+def diff(
+    a: Annotated[str, typer.Argument(help="A: " + SIDE_HELP, show_default=False, metavar="A")],
+    b: Annotated[str, typer.Argument(help="B: " + SIDE_HELP, show_default=False, metavar="B")],
+    png: DiffPng = None,
+    json_: DiffJson = False,
+    *,
+    mask: MaskOptions,
+) -> None:
+    """Compare two masks: the cells only A allows, only B allows, and both, and the first rows that differ, in words.
+
+    Exit status 0 when they are equal and 1 when they differ, so a test suite can call it. Two expressions are compared on their key intervals, exactly at any length; a tensor or a mask_mod cell by cell. A tensor's shape sets the positions of an expression beside it (its queries at the end of its keys) unless --len/--offset say otherwise.
+    """
+    from maskcli.files import FIGURE_SUFFIXES, check_output_path
+
+    if mask.mask_file is not None:
+        raise MaskError("diff takes its masks as A and B: give the file as one of them instead of --mask")
+    if png is not None and not png.strip():
+        raise MaskError("--png is empty: give a file name")
+    from maskcli.inspect.given import user_kinds
+
+    kinds = user_kinds(mask.mask_mod, mask.mask_mod_args) if mask.mask_mod is not None else {}
+    options = replace(mask, mask_mod=None, mask_mod_args=None if mask.mask_mod is not None else mask.mask_mod_args)
+    from maskcli.usermods import looks_like_spec
+
+    files = [text for text in (a, b) if not looks_like_spec(text) and Path(text).suffix.lower() in (".pt", ".pth", ".npy", ".npz", ".safetensors", ".json")]
+    sides: dict[str, Mask] = {}
+    if files and not _positions_given(options):  # a tensor's shape places the other side
+        first = _side(files[0], options, kinds, "A" if files[0] == a else "B")
+        f = first.frame
+        placed = replace(options, length=f.q_len, offset=f.q_start, kv_len=f.k_len if f.k_len != f.q_end else None)
+        sides = {label: first if text == files[0] else _side(text, placed, kinds, label) for label, text in (("A", a), ("B", b))}
+    else:
+        sides = {label: _side(text, options, kinds, label) for label, text in (("A", a), ("B", b))}
+        fa, fb = sides["A"].frame, sides["B"].frame
+        if (fa.q_start, fa.q_len, fa.k_start, fa.k_len) != (fb.q_start, fb.q_len, fb.k_start, fb.k_len) and not _positions_given(options):
+            # one side's labels or words fix the sequence: place the other side the same way
+            for fixed, other, text in (("A", "B", b), ("B", "A", a)):
+                f = sides[fixed].frame
+                placed = replace(options, length=f.q_len, offset=f.q_start or None, kv_start=f.k_start or None,
+                                 kv_len=f.k_len if f.k_end != f.q_end else None)
+                try:
+                    sides[other] = _side(text, placed, kinds, other)
+                    break
+                except MaskError:
+                    continue
+    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "diff") if png is not None else None
+
+    from maskcli.commands.progress import progress
+    from maskcli.diff import compare
+    from maskcli.render import diff as render
+
+    with progress("comparing") as update:
+        difference = compare(sides["A"], sides["B"], progress=update)
+    if png_path is not None:
+        from maskcli.render.heatmaps import save_figure
+
+        save_figure(render.diff_figure(difference), png_path)
+        done(f"wrote {png_path}")
+    if json_:
+        typer.echo(render.diff_json(difference))
+    else:
+        from maskcli.commands.show import wide_console
+
+        console, _ = wide_console()
+        for view in render.views(difference, console):
+            console.print(view)
+    if not difference.equal:
+        raise typer.Exit(1)

@@ -1,0 +1,69 @@
+"""Expressions of two kinds read off a keep matrix, for masks no single kind rebuilds, and the closest kind.
+
+Like single kinds, each candidate is only a guess until maskcli rebuilds it and it equals
+the tensor cell for cell. The shapes looked for are those of real models:
+
+    document(labels) & window(W)     packed sequences with a sliding window
+    causal | blocks(ids)             causal text with bidirectional image tokens (Gemma 3)
+    causal & (window(W) | sink(S))   StreamingLLM's sinks beside a window
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.kinds.base import Profile
+from maskcli.kinds.values import inline
+
+
+def _labels_text(labels: np.ndarray) -> str:
+    return inline([labels.tolist()], "recognised labels").text
+
+
+def _window(profile: Profile) -> int | None:
+    rows = profile.seen
+    if not rows.any():
+        return None
+    return int((profile.q - profile.first)[rows].max()) + 1
+
+
+def document_window(profile: Profile):
+    """Documents start where a row sees only itself; the window is the widest look-back."""
+    width = _window(profile)
+    if width is None or width < 2 or not profile.seen.all() or profile.q[0] != 0 or len(profile.q) != profile.k_end:
+        return
+    starts = profile.first == profile.q
+    starts[0] = False
+    yield "document", f"document({_labels_text(np.cumsum(starts))}) & window({width})"
+
+
+def causal_blocks(profile: Profile):
+    """Rows that see past themselves belong to a block that ends at the last key they see."""
+    if not (profile.first == profile.k_start).all() or profile.q[0] != 0 or len(profile.q) != profile.k_end:
+        return
+    ids = np.full(len(profile.q), -1, dtype=np.int64)
+    ends = profile.last[profile.last > profile.q]
+    for number, end in enumerate(np.unique(ends)):  # one pass per block of the tensor, not per token
+        members = (profile.last == end) & (profile.q <= end)
+        start = int(np.flatnonzero(members)[0])
+        ids[start : int(end) + 1] = number
+    if (ids >= 0).any():
+        yield "blocks", f"causal | blocks({_labels_text(ids)})"
+
+
+def composites(profile: Profile, cells: np.ndarray):
+    """(kind, expression) of two-kind expressions worth rebuilding, for one (Lq, Lk) keep matrix."""
+    yield from document_window(profile)
+    yield from causal_blocks(profile)
+    yield from _streaming(profile, cells)
+
+
+def _streaming(profile: Profile, cells: np.ndarray):
+    """causal & (window(W) | sink(S)): in the last row, S leading keys, a gap, then the W keys of its window."""
+    if not profile.seen.all():
+        return
+    last_row = cells[-1].astype(np.int8)
+    edges = np.diff(last_row, prepend=0, append=0)
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    if len(starts) == 2 and starts[0] == 0:
+        yield "sink", f"causal & (window({int(ends[1] - starts[1])}) | sink({int(ends[0])}))"

@@ -1,0 +1,82 @@
+"""A mask from whatever the user gives: an expression, a tensor file (--mask), or their mask_mod (--mask-mod).
+
+A tensor is read in its own convention (recognised as inspect recognises it, or named
+with --from) and becomes a Mask over its cells, its queries at the end of its keys unless
+--offset says where they sit. A mask_mod becomes a kind named after the function, so it
+can stand alone or in an expression.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.errors import MaskError
+from maskcli.mask import Mask, MaskOptions, build, from_tensor
+
+TENSOR_SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors", ".json")
+
+
+def mask_from_file(path: str, key: str | None, from_: str | None, options: MaskOptions) -> Mask:
+    """The keep mask in a tensor file, as (B, H, Lq, Lk), named by the file and the convention it was read in."""
+    from maskcli.inspect.load import load_mask
+    from maskcli.inspect.polarity import Convention, classify, sdpa_view, to_keep
+
+    tensor, label = load_mask(path, key, "--mask")
+    convention = classify(tensor) if from_ is None else Convention(from_, "values", "given with --from")
+    if from_ is not None and tensor.is_floating_point() and bool(((tensor != 0) & (tensor != 1)).any()):
+        raise MaskError(f"--from is for bool and 0/1 masks; {label} holds other values ({classify(tensor).note})")
+    if convention.name == "bias":
+        raise MaskError(f"{label} is not a mask but an additive bias ({convention.note})")
+    if not convention.sure and from_ is None:
+        raise MaskError(f"cannot tell whether {label} is keep or block ({convention.note}): say which with --from keep or --from block")
+    keep = sdpa_view(to_keep(tensor, convention)).numpy()
+    _, heads, q_len, k_len = keep.shape
+    if options.heads != 1 and heads not in (1, options.heads):
+        raise MaskError(f"{label} has {heads} heads but --heads is {options.heads}: give --heads {heads}, or drop it")
+    if options.heads > heads:
+        keep = np.broadcast_to(keep, (keep.shape[0], options.heads, q_len, k_len))
+    for flag, value in (("--len", options.length), ("--kv-len", options.kv_len), ("--align", options.align), ("--lengths", options.lengths),
+                        ("--ids", options.ids), ("--tokens", None)):
+        if value is not None:
+            raise MaskError(f"{flag} does not apply to --mask {path!r}: the file's shape {list(keep.shape)} says the sizes; drop {flag}")
+    if options.params:
+        flag = next(iter(options.params))
+        raise MaskError(f"{flag} does not apply to --mask {path!r}: it is for a bare kind in an expression")
+    q_start = options.offset if options.offset is not None else max(0, k_len - q_len)  # a cache puts the queries last
+    k_start = options.kv_start or 0
+    described = f"{convention.name}" + (", 1 = masked" if convention.name == "int" and convention.ones_mean == "masked" else "")
+    return from_tensor(np.ascontiguousarray(keep), f"{label} (read as {described})", q_start, k_start)
+
+
+def user_kinds(spec: str | None, args: str | None) -> dict:
+    """{name: kind} for --mask-mod, loaded (running the user's code) only when that flag is given."""
+    if spec is None:
+        if args is not None:
+            raise MaskError("--mask-mod-args is for --mask-mod: give --mask-mod FILE.py:NAME too")
+        return {}
+    from maskcli.kinds import names
+    from maskcli.usermods import kind, load
+
+    name, function, origin = load(spec, args)
+    if name in names() or name == "prefill":
+        raise MaskError(f"--mask-mod {spec!r}: {name} is the name of a maskcli kind; rename your function or import it under another name")
+    return {name: kind(name, function, origin)}
+
+
+def build_any(expression: str | None, options: MaskOptions, default_length: int | None = None) -> Mask:
+    """The mask an expression, a --mask file or a --mask-mod describes (an expression may use the mask_mod's name)."""
+    kinds = user_kinds(options.mask_mod, options.mask_mod_args)
+    if options.mask_file is not None:
+        if expression is not None:
+            raise MaskError(f"give an expression or --mask {options.mask_file!r}, not both: the file is the whole mask")
+        if kinds:
+            raise MaskError("give --mask or --mask-mod, not both")
+        return mask_from_file(options.mask_file, options.key, options.from_, options)
+    for flag, value in (("--key", options.key), ("--from", options.from_)):
+        if value is not None:
+            raise MaskError(f"{flag} {value} is for --mask FILE: give --mask too, or drop {flag}")
+    if expression is None:
+        if not kinds:
+            raise MaskError("give a mask: an expression like \"causal & window(3)\", --mask FILE, or --mask-mod FILE.py:NAME (maskcli kinds lists the kinds)")
+        expression = next(iter(kinds))
+    return build(expression, options, default_length=default_length, kinds=kinds)

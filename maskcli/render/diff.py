@@ -1,0 +1,122 @@
+"""A difference of two masks in words, as a table or an exact map coloured by category, as JSON and as a figure."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from rich.text import Text
+
+from maskcli.diff import Difference, block_counts, categories, row_words
+from maskcli.render.density import choose_blocks, map_text, shade
+from maskcli.render.masks import axis_labels, shape_text
+
+CELL = {0: ("·", "dim"), 1: ("1", "green"), 2: ("A", "bold red"), 3: ("B", "bold blue")}
+LEGEND = "1 both allow  A only A allows  B only B allows  · neither"
+MAP_LEGEND = "A only A allows some  B only B allows some  X both kinds of difference; else how much both allow: █ all  ▓ over half  ░ some  · none"
+ONLY_B_RGB = (44, 160, 44)  # green
+BOTH_KINDS_RGB = (148, 103, 189)  # purple
+
+
+def header(difference: Difference) -> str:
+    a, b = difference.a, difference.b
+    where = "" if a.frame.is_plain() else f" · {a.frame.describe()}"
+    verdict = "equal" if difference.equal else "they differ"
+    return (
+        f"A: {a.title}\nB: {b.title}\n{shape_text(a if a.batch >= b.batch else b)}{where} · {verdict} ({difference.how})\n"
+        f"only A allows {difference.only_a:,} cells · only B allows {difference.only_b:,} · both allow {difference.both:,}"
+    )
+
+
+def views(difference: Difference, console, progress=None) -> list:
+    """Header and words, then per batch row a table (small) or an exact map (large) of the categories."""
+    out: list = [Text(header(difference), style="bold")]
+    if difference.rows:
+        shown = row_words(difference)
+        more = "" if len(shown) < 5 else " (the first 5; --json lists them too)"
+        out.append(Text("first rows that differ" + more + ":\n" + "\n".join(f"  {line}" for line in shown), style="yellow"))
+    a = difference.a
+    f = a.frame
+    rows_labels, cols_labels = axis_labels(a, 0)
+    label_width = max(map(len, rows_labels)) if f.q_len <= 256 else len(str(f.q_end - 1))
+    batch = max(a.batch, difference.b.batch)
+    for b in range(batch):
+        if batch > 1:
+            out.append(Text(f"batch {b}", style="bold"))
+        if f.q_len <= 256 and label_width + 2 + 3 * f.k_len <= console.width:
+            from maskcli.render.tables import grid_table
+
+            cells = categories(difference, b, 0, 0, f.q_len)
+            styled = {value: Text(symbol, style=style) for value, (symbol, style) in CELL.items()}
+            out.append(grid_table(None, rows_labels, cols_labels, lambda i, j: styled[int(cells[i, j])]))
+            out.append(Text(LEGEND, style="dim"))
+            continue
+        lines = max(8, console.height - 8) if console.is_terminal else 48
+        blocks = choose_blocks(f.q_len, f.k_len, console.width - label_width - 2, lines)
+        grids = block_counts(difference, b, 0, blocks.rows, blocks.cols, progress)
+        sizes = np.diff(np.minimum(np.arange(0, f.q_len + blocks.rows, blocks.rows), f.q_len))[: grids["both"].shape[0], None] * \
+            np.diff(np.minimum(np.arange(0, f.k_len + blocks.cols, blocks.cols), f.k_len))[None, : grids["both"].shape[1]]
+        symbols = shade(grids["both"] / sizes)
+        symbols = np.where(grids["only_a"] > 0, "A", symbols)
+        symbols = np.where(grids["only_b"] > 0, np.where(grids["only_a"] > 0, "X", "B"), symbols)
+        caption = f"rows: query position, ruler: key position; one character = {blocks.rows:,} queries x {blocks.cols:,} keys ({difference.how})\n{MAP_LEGEND}"
+        out.append(map_text(symbols, blocks.rows, blocks.cols, f.q_len, f.q_start, f.k_start, caption))
+    return out
+
+
+def diff_json(difference: Difference) -> str:
+    return json.dumps({
+        "a": {**difference.a.json(), "name": difference.a.title},
+        "b": {**difference.b.json(), "name": difference.b.title},
+        "equal": difference.equal,
+        "only_a": difference.only_a,
+        "only_b": difference.only_b,
+        "both": difference.both,
+        "counted": difference.how,
+        "rows": [
+            {
+                "batch": r.batch, "head": r.head, "query": r.query,
+                "a": [list(x) for x in r.a], "b": [list(x) for x in r.b],
+                "only_a": [list(x) for x in r.only_a], "only_b": [list(x) for x in r.only_b],
+            }
+            for r in difference.rows
+        ],
+        "words": row_words(difference),
+    })
+
+
+def diff_figure(difference: Difference):
+    """One panel per batch row: both (blue), only A (red), only B (green), neither (grey); long masks per block."""
+    from matplotlib.figure import Figure
+
+    from maskcli.render.heatmaps import LEAK_RGB, MASKED_RGB, VISIBLE_RGB
+
+    a = difference.a
+    f = a.frame
+    batch = max(a.batch, difference.b.batch)
+    rows, cols = max(1, -(-f.q_len // 512)), max(1, -(-f.k_len // 512))
+    figure = Figure(figsize=(5.2 * batch, 5.6), layout="constrained")
+    axes = figure.subplots(1, batch, squeeze=False)[0]
+    colours = {name: np.array(rgb) / 255 for name, rgb in (("masked", MASKED_RGB), ("visible", VISIBLE_RGB), ("a", LEAK_RGB), ("b", ONLY_B_RGB), ("x", BOTH_KINDS_RGB))}
+    for b, ax in enumerate(axes):
+        grids = block_counts(difference, b, 0, rows, cols)
+        sizes = np.diff(np.minimum(np.arange(0, f.q_len + rows, rows), f.q_len))[: grids["both"].shape[0], None] * \
+            np.diff(np.minimum(np.arange(0, f.k_len + cols, cols), f.k_len))[None, : grids["both"].shape[1]]
+        share = (grids["both"] / sizes)[..., None]
+        image = colours["masked"] * (1 - share) + colours["visible"] * share
+        image[grids["only_a"] > 0] = colours["a"]
+        image[grids["only_b"] > 0] = colours["b"]
+        image[(grids["only_a"] > 0) & (grids["only_b"] > 0)] = colours["x"]
+        ax.imshow(image, interpolation="nearest", extent=(f.k_start, f.k_end, f.q_end, f.q_start), aspect="equal")
+        ax.set_xlabel("key position (kv)")
+        ax.set_ylabel("query position (q)")
+        if batch > 1:
+            ax.set_title(f"batch {b}", fontsize=10)
+    import matplotlib.patches as mpatches
+
+    handles = [mpatches.Patch(facecolor=colours[key], edgecolor="black", label=label) for key, label in
+               (("visible", "both allow"), ("a", "only A allows"), ("b", "only B allows"), ("masked", "neither"))]
+    figure.legend(handles=handles, loc="outside lower center", ncols=4, frameon=False, fontsize=9)
+    per = "" if rows == cols == 1 else f" · one pixel = {rows} x {cols} cells (a difference anywhere in it colours it)"
+    figure.suptitle(f"A: {a.title}\nB: {difference.b.title}\n{difference.only_a:,} cells only A allows, {difference.only_b:,} only B{per}", fontsize=10)
+    return figure

@@ -1,0 +1,126 @@
+"""`maskcli diff A B` against a double loop, with expressions, tensor files and mask_mods on either side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from typer.testing import CliRunner
+
+import definitions as ref
+from maskcli.commands import app
+from strategies import cases, expected_cells
+
+runner = CliRunner()
+GYM = str(Path(__file__).parent / "data" / "gym_masks.py")
+FLAGS = {"length": "--len", "offset": "--offset", "kv_start": "--kv-start", "kv_len": "--kv-len", "align": "--align",
+         "lengths": "--lengths", "ids": "--ids"}
+
+
+def diff(*args, **kwargs):
+    return runner.invoke(app, ["diff", *map(str, args)], **kwargs)
+
+
+def as_json(*args):
+    result = diff(*args, "--json")
+    assert result.exit_code in (0, 1), result.output
+    data = json.loads(result.stdout)
+    assert result.exit_code == (0 if data["equal"] else 1)
+    return data
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(first=cases(), second=cases())
+def test_counts_and_rows_equal_a_double_loop(first, second):
+    tree_a, options, frame, valid = first
+    tree_b = second[0]
+    args = [ref.text(tree_a), ref.text(tree_b)]
+    for key, flag in FLAGS.items():
+        if options.get(key) is not None:
+            args += [flag, options[key]]
+    result = diff(*args, "--json")
+    if result.exit_code == 2:  # the second tree's labels may not fit the first's positions
+        assert "maskcli: error:" in result.stderr
+        return
+    data = json.loads(result.stdout)
+    batch = max(data["a"]["shape"][0], data["b"]["shape"][0])
+    a = expected_cells(tree_a, options, frame, valid, batch)
+    b = expected_cells(tree_b, options, frame, valid, batch)
+    assert (data["only_a"], data["only_b"], data["both"]) == (int((a & ~b).sum()), int((b & ~a).sum()), int((a & b).sum()))
+    differing = [(bi, q) for bi in range(batch) for q in range(frame[1]) if (a[bi, q] != b[bi, q]).any()]
+    assert [(r["batch"], r["query"] - frame[0]) for r in data["rows"]] == differing[:5]
+    assert result.exit_code == (0 if not differing else 1)
+
+
+def test_words_name_the_keys_one_side_hides():
+    result = diff("window(3)", "window(4)", "--len", 6)
+    assert result.exit_code == 1
+    text = " ".join(result.stdout.split())
+    assert "only A allows 0 cells · only B allows 3 · both allow 15" in text
+    assert "row 3: A sees 1-3, B sees 0-3: A hides key 0" in text
+    assert "row 5: A sees 3-5, B sees 2-5: A hides key 2" in text
+    leak = diff("document(0,0,1,1)", "causal")
+    assert leak.exit_code == 1 and "row 2: A sees 2, B sees 0-2: A hides keys 0-1" in " ".join(leak.stdout.split())
+
+
+def test_equal_masks_exit_0():
+    result = diff("causal", "tril(0)", "--len", 5)
+    assert result.exit_code == 0 and "equal (exact, from key intervals)" in result.stdout
+    assert diff("~triu(1, means=keep)", "causal", "--len", 7).exit_code == 0
+
+
+def test_exact_at_a_million_tokens():
+    data = as_json("window(4095)", "window(4096)", "--len", 1 << 20)
+    n = 1 << 20
+    assert data["only_a"] == 0 and data["only_b"] == n - 4095 and data["counted"] == "exact, from key intervals"
+    assert data["words"][0] == "row 4095: A sees 1-4095, B sees 0-4095: A hides key 0"
+
+
+def test_a_tensor_file_places_the_expression_beside_it(tmp_path):
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(6)  # PyTorch's additive causal mask
+    torch.save(mask, tmp_path / "square.pt")
+    assert diff("causal", tmp_path / "square.pt").exit_code == 0
+    data = as_json("window(3)", tmp_path / "square.pt")
+    assert data["only_b"] == sum(max(0, q - 2) for q in range(6))
+    # Hugging Face style: a 4-D float mask, min where masked, two new queries behind four cached keys
+    keep = torch.ones(2, 6, dtype=torch.bool).tril(4)
+    hf = torch.zeros(1, 1, 2, 6).masked_fill(~keep, torch.finfo(torch.float32).min)
+    np.save(tmp_path / "hf.npy", hf.numpy())
+    assert diff("causal", tmp_path / "hf.npy").exit_code == 0  # the queries sit at the end of the keys
+    off = as_json(tmp_path / "hf.npy", "window(2)")
+    assert off["only_a"] == 3 + 4
+
+
+def test_a_mask_mod_on_either_side(tmp_path):
+    assert diff(f"{GYM}:causal_mask", "causal", "--len", 5).exit_code == 0
+    data = as_json("window(3)", f"{GYM}:generate_sliding_window", "--mask-mod-args", 3, "--len", 7)
+    assert data["b"]["expression"] == "generate_sliding_window" and data["only_b"] == 4  # its window 3 is maskcli's window(4)
+    both = as_json("causal_mask & ~window(2)", "causal", "--mask-mod", f"{GYM}:causal_mask", "--len", 5)
+    assert both["only_b"] == 5 + 4  # the diagonal and the one before it
+
+
+def test_maps_and_figures(tmp_path):
+    result = diff("window(100)", "window(101)", "--len", 5000, env={"COLUMNS": "80"})
+    assert result.exit_code == 1
+    map_rows = [line.split()[-1] for line in result.stdout.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 2]
+    assert map_rows and all("B" in row for row in map_rows[1:])  # every block row past the first holds a key only B allows
+    assert "one character =" in result.stdout
+    png = tmp_path / "leak.png"
+    assert diff("document(0,0,1,1)", "causal", "--png", png).exit_code == 1
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["causal", "window(2)", "--mask", "m.pt"], "give the file as one of them instead of --mask"),
+    (["causal", "missing.pt"], "no such file"),
+    (["causal", "document(0,1,1)", "--len", "5"], "have 3 entries but the mask covers positions 0-4"),
+    (["windw(3)", "causal"], "did you mean window?"),
+])
+def test_bad_input_is_one_line(args, says, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = diff(*args)
+    assert result.exit_code == 2 and says in result.stderr and result.stderr.count("\n") == 1
