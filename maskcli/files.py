@@ -13,6 +13,36 @@ FIGURE_SUFFIXES = (".png", ".svg", ".pdf")
 TENSOR_SUFFIXES = (".pt", ".npy")
 
 
+def state(path: Path) -> str:
+    """'file', 'dir', 'missing', 'special' (a FIFO, device or socket), or why the path cannot be looked at."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "missing"
+    except OSError as error:  # a name too long, a loop of links, no permission
+        return error.strerror or type(error).__name__
+    if stat.S_ISDIR(mode):
+        return "dir"
+    return "file" if stat.S_ISREG(mode) else "special"
+
+
+def readable_file(source: str, where: str) -> Path:
+    """The path of an existing regular file, or a MaskError that says what it is instead."""
+    path = Path(source)
+    found = state(path)
+    if found == "file":
+        return path
+    if found == "missing":
+        raise MaskError(f"{where}: no such file")
+    if found == "dir":
+        raise MaskError(f"{where} is a directory; give a file")
+    if found == "special":
+        raise MaskError(f"{where} is not a regular file (a FIFO, a device or a socket): save the tensor to a file first")
+    raise MaskError(f"{where}: cannot open it ({found})")
+
+
 def check_output_path(path: str, suffixes: tuple[str, ...], flag: str, name: str | None = None) -> Path:
     """The path as a Path, or a MaskError naming what is wrong with it.
 
@@ -20,18 +50,29 @@ def check_output_path(path: str, suffixes: tuple[str, ...], flag: str, name: str
     mask in it, with the first of `suffixes`.
     """
     out = Path(path)
-    if name is not None and out.is_dir():
+    if not path.strip():
+        raise MaskError(f"{flag} is empty: give a file name")
+    if name is not None and state(out) == "dir":
         out = out / (name + suffixes[0])
     suffix = out.suffix.lower()
     if suffix not in suffixes:
         raise MaskError(
             f"{flag} {path!r}: unknown extension {suffix or '(none)'!r}; use one of {', '.join(suffixes)}"
         )
+    if len(out.name.encode()) > 255 - 16:  # the temporary file beside it takes a few more characters
+        raise MaskError(f"{flag} {path!r}: the file name is {len(out.name.encode())} bytes long; file systems take 255 at most: use a shorter name")
     parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise MaskError(f"{flag} {path!r}: directory {str(parent)!r} does not exist; create it first")
-    if out.is_dir():
+    parent_state = state(parent)
+    if parent_state != "dir":
+        problem = "does not exist; create it first" if parent_state in ("missing", "file", "special") else f"cannot be used ({parent_state})"
+        raise MaskError(f"{flag} {path!r}: directory {str(parent)!r} {problem}")
+    if not os.access(parent, os.W_OK):
+        raise MaskError(f"{flag} {path!r}: directory {str(parent)!r} is not writable: write somewhere else")
+    found = state(out)
+    if found == "dir":
         raise MaskError(f"{flag} {path!r} is a directory; give a file name")
+    if found == "special":
+        raise MaskError(f"{flag} {path!r} is not a regular file (a FIFO, a device or a socket): give a file name")
     return out
 
 
@@ -50,6 +91,11 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
         os.replace(temp, path)
     except OSError as error:
         raise MaskError(f"cannot write {str(path)!r}: {error.strerror or error}") from None
+    except MaskError:
+        raise
+    except Exception as error:  # torch.save reports a full disk as a RuntimeError
+        reason = " ".join(str(error).split())[:200]
+        raise MaskError(f"cannot write {str(path)!r}: {type(error).__name__}: {reason} (is the disk full?)") from None
     finally:
         if os.path.exists(temp):
             os.unlink(temp)
@@ -90,7 +136,12 @@ def write_array(array, path: Path) -> None:
         import numpy as np
 
         values = array if isinstance(array, np.ndarray) else array.numpy()
-        atomic_write(path, lambda temp: np.save(temp, values))
+
+        def save(temp: str) -> None:
+            with open(temp, "wb") as handle:  # a handle: given a name, np.save would add ".npy" to one that ends ".NPY"
+                np.save(handle, values)
+
+        atomic_write(path, save)
     else:
         import json
 

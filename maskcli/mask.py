@@ -287,7 +287,7 @@ def build(expression: str, options: MaskOptions | None = None, default_length: i
         pos.data_length(what, count, frame)
     for term in terms.terms(resolved):
         if term.kind.check is not None:
-            warnings += term.kind.check(term.values, frame, term.text()) or []
+            warnings += term.kind.check(term.values, frame, shortened(term.text(), 60)) or []
     batch = _batch(resolved, frame)
     pos.check_size(options.heads, "--heads", "the number of attention heads")
     tree = resolved

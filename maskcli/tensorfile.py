@@ -9,6 +9,7 @@ dependency is needed for it.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -43,14 +44,15 @@ def load_tensors(source: str, flag: str, json_floats: torch.dtype | None = None)
     """
     if is_inline(source):
         return _from_json(_parse_json(source, f"{flag} (inline JSON)"), f"{flag} (inline JSON)", json_floats)
+    from maskcli.files import readable_file, state
+
     path = Path(source)
     where = f"{flag} {source!r}"
     suffix = path.suffix.lower()
-    if path.is_dir():
-        raise MaskError(f"{where} is a directory; give a file")
-    if not path.is_file():
+    if state(path) == "missing":
         unknown = f", and {suffix!r} is not a file type maskcli reads" if suffix and suffix not in SUFFIXES else ""
         raise MaskError(f"{where}: no such file{unknown} (give a {', '.join(SUFFIXES)} file, or inline JSON like '[[1, 0], [1, 1]]')")
+    readable_file(source, where)
     if suffix not in SUFFIXES:
         raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; use one of {', '.join(SUFFIXES)} or inline JSON")
     try:
@@ -204,8 +206,16 @@ def _from_safetensors(path: Path, where: str) -> dict[str, torch.Tensor]:
             if dtype is None:
                 raise MaskError(f"{where}: tensor {name!r} has dtype {info['dtype']}, which cannot be used here")
             start, end = info["data_offsets"]
-            raw = bytearray(data[base + start : base + end])
             shape = info["shape"]
+            if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+                raise MaskError(f"{where}: tensor {name!r} has shape {_short(shape)}; a shape is a list of sizes of 0 or more")
+            size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= len(data) - base and end - start == size):
+                raise MaskError(
+                    f"{where}: tensor {name!r} has data_offsets {_short(info['data_offsets'])}, which do not hold its "
+                    f"{size:,} bytes inside the file's {len(data) - base:,}: the file is damaged"
+                )
+            raw = bytearray(data[base + start : base + end])
             tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
             tensors[name] = tensor.reshape(shape)
         return tensors

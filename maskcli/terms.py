@@ -18,6 +18,7 @@ from maskcli.kinds import get as get_kind
 from maskcli.kinds import values as label_values
 from maskcli.kinds.base import REQUIRED, Kind, Labels, Param
 from maskcli.positions import Frame
+from maskcli.text import shortened
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def resolve(tree, flags: dict[str, object], source: str, extra: dict[str, Kind] 
 
     def bind(call: ex.Call) -> Term:
         kind = extra.get(call.name) or get_kind(call.name, where=repr(source) if source != call.name else None)
-        where = ex.call_text(call)
+        where = shortened(ex.call_text(call), 60)
         values = _from_call(kind, call, where) if call.called else _from_flags(kind, flags, used)
         for param in kind.params:
             value = values[param.name]

@@ -67,9 +67,9 @@ def load(spec: str, args: str | None = None) -> tuple[str, object, str]:
 
 def _module(where: str, spec: str):
     if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise MaskError(f"--mask-mod {spec!r}: no such file {where!r}")
+        from maskcli.files import readable_file
+
+        path = readable_file(where, f"--mask-mod {spec!r}: {where!r}")
         module_name = f"maskcli_user_{abs(hash(str(path.resolve())))}"
         loader = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(loader)

@@ -8,4 +8,21 @@ from maskcli.commands.app import app
 
 
 def main() -> None:
-    app()
+    import sys
+
+    from maskcli.commands.app import quiet_stdout
+
+    for stream in (sys.stdout, sys.stderr):  # an ASCII or Latin-1 terminal gets '?' for █ and ·, not a traceback
+        try:
+            stream.reconfigure(errors="replace")
+        except (AttributeError, ValueError):
+            pass
+    try:
+        app()
+    except SystemExit as done:
+        try:
+            sys.stdout.flush()  # here, not at exit: a reader that went away (| head) is a quiet stop
+        except BrokenPipeError:
+            quiet_stdout()
+            raise SystemExit(141) from None
+        raise done

@@ -39,15 +39,36 @@ class MaskcliGroup(TyperGroup):
             fail(f"{error.format_message().rstrip('.')} (see '{command} --help')")
         except MaskError as error:
             fail(str(error))
-        except typer.Abort:
-            typer.echo("maskcli: aborted", err=True)
-            code = 1
+        except (typer.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
+            typer.echo("maskcli: interrupted", err=True)
+            code = 130
         except BrokenPipeError:
-            sys.stderr.close()
-            code = 1
+            quiet_stdout()  # the reader went away (| head): stop quietly, as a killed pipe writer does
+            code = 141
+        except MemoryError:
+            fail("ran out of memory: use a smaller --len (or fewer batch rows, heads or a larger --block)")
+        except OSError as error:
+            fail(f"{error.strerror or error}{': ' + repr(error.filename) if error.filename else ''}")
+        except RecursionError:
+            fail("the input is nested too deeply to read: give a flat list or a file")
+        except Exception as error:
+            if "can't allocate memory" in str(error) or type(error).__name__ == "OutOfMemoryError":
+                fail("ran out of memory: use a smaller --len (or fewer batch rows, heads, a smaller --head-dim or --dtype)")
+            fail(f"unexpected {type(error).__name__}: {' '.join(str(error).split())[:300]} (a maskcli bug: please report the command)")
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's last flush at exit finds no closed pipe."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def fail(message: str) -> None:

@@ -30,7 +30,9 @@ def _side(text: str, options: MaskOptions, kinds: dict, label: str) -> Mask:
         return build_any(None, replace(options, mask_mod=text, mask_mod_args=options.mask_mod_args))
     path = Path(text)
     if path.suffix.lower() in TENSOR_SUFFIXES and not text.lstrip().startswith(("[", "{")):
-        if not path.exists():
+        from maskcli.files import state
+
+        if state(path) == "missing":
             raise MaskError(f"{label} {text!r}: no such file (give a mask file, an expression, or FILE.py:NAME)")
         return mask_from_file(text, options.key, options.from_, options)
     return build(text, options, kinds=kinds)

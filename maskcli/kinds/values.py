@@ -118,8 +118,11 @@ def from_file(path: str, where: str) -> Labels:
     suffix = file.suffix.lower()
     if suffix not in FILE_SUFFIXES:
         raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; labels are read from {', '.join(FILE_SUFFIXES)}")
-    if not file.is_file():
+    from maskcli.files import readable_file, state
+
+    if state(file) == "missing":
         raise MaskError(f"{where}: no such file {path!r}")
+    readable_file(path, f"{where}: {path!r}")
     try:
         if suffix == ".npy":
             array = np.load(file, allow_pickle=False)
