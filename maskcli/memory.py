@@ -7,21 +7,75 @@ import os
 
 from maskcli.errors import MaskError
 
+ATTENTION_FIX = "use a smaller --len, fewer --heads or --batch, a smaller --head-dim, or a smaller --dtype"
 DENSITY_FIX = "use a smaller --len, or show it without --json/--save/--png to get a density map"
 
 
 def available_memory(device=None) -> int | None:
-    """Bytes free now on a CUDA `device`, else of physical memory; None where it cannot be told."""
+    """Bytes this process can still take now on a CUDA `device`, else on the host; None where it cannot be told.
+
+    On the host that is the least of free physical memory, what the address-space limit
+    (RLIMIT_AS, `ulimit -v`) leaves beside what the process already maps, and what its
+    cgroup's memory limit leaves.
+    """
     if device is not None and getattr(device, "type", "cpu") == "cuda":
         import torch
 
         free = torch.cuda.mem_get_info(device)[0]
         # memory torch's caching allocator holds but no tensor uses is free to this process too
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    limits = [limit for limit in (_physical_free(), _address_space_left(), _cgroup_left()) if limit is not None]
+    return max(0, min(limits)) if limits else None
+
+
+def _physical_free() -> int | None:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def _address_space_left() -> int | None:
+    """RLIMIT_AS less the virtual memory this process maps already; None when unlimited."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, ValueError, OSError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return soft - (_status_kib("VmSize") or 0) * 1024
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_left() -> int | None:
+    """The memory limit of this process's cgroup (v2, else v1) less what the cgroup uses; None when unlimited."""
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(limit_file) as handle:
+                limit = handle.read().strip()
+            with open(usage_file) as handle:
+                usage = int(handle.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 2**60:  # v1 writes a huge number for no limit
+            return None
+        return int(limit) - usage
+    return None
 
 
 def format_bytes(count: float) -> str:
@@ -34,12 +88,28 @@ def format_bytes(count: float) -> str:
 
 def check_dense_fits(shape: tuple[int, ...], bytes_per_cell: float, how: str, device=None, fix: str = DENSITY_FIX, what: str = "the dense mask") -> None:
     """Refuse a dense result of `shape` that would not fit in the free memory of `device` (the host's by default)."""
-    needed = math.prod(shape) * bytes_per_cell
+    check_bytes_fit(math.prod(shape) * bytes_per_cell, f"{what} {' x '.join(map(str, shape))}", how, device, fix)
+
+
+def check_bytes_fit(needed: float, what: str, how: str, device=None, fix: str = DENSITY_FIX) -> None:
+    """Refuse `needed` bytes that would not fit in what `device` (the host by default) has left for this process."""
     free = available_memory(device)
     if free is not None and needed > free:
-        dims = " x ".join(map(str, shape))
         where = f" on {device}" if device is not None and getattr(device, "type", "cpu") != "cpu" else ""
         raise MaskError(
-            f"{what} {dims} would need {format_bytes(needed)} ({needed:,.0f} bytes) {how}, "
+            f"{what} would need {format_bytes(needed)} ({needed:,.0f} bytes) {how}, "
             f"but only {format_bytes(free)} is free{where}: {fix}"
         )
+
+
+def attention_bytes(cells: tuple[int, int, int, int], head_dim: int, float_bytes: int, dropout: float = 0.0) -> int:
+    """Bytes the attention stages of (B, H, Lq, Lk) `cells` take, with Q, K, V and the output, at `float_bytes` a value."""
+    batch, heads, q_len, k_len = cells
+    # scores, scaled, masked, weights (and their temporaries) are each B x H x Lq x Lk, plus the
+    # bool mask; dropout adds its random draw, its bool mask and one more product
+    floats = 6 + (3 if dropout > 0 else 0)
+    return math.prod(cells) * (floats * float_bytes + 1) + batch * heads * (2 * q_len + 2 * k_len) * head_dim * float_bytes
+
+
+def attention_what(cells: tuple[int, int, int, int], head_dim: int) -> str:
+    return f"{' x '.join(map(str, cells))} attention cells (head dim {head_dim})"

@@ -677,7 +677,7 @@ def test_stages_too_big_for_memory_are_refused_with_what_attend_can_change(monke
     monkeypatch.setattr(memory, "available_memory", lambda device=None: 10_000)
     assert_one_line_error(
         invoke(["causal", "--len", 64, "--heads", 2]),
-        "1 x 2 x 64 x 64 would need", "for the attention stages", "use a smaller --len, fewer --heads or --batch, or a smaller --dtype",
+        "1 x 2 x 64 x 64 attention cells (head dim 8) would need", "use a smaller --len, fewer --heads or --batch, a smaller --head-dim, or a smaller --dtype",
     )
 
 

@@ -64,6 +64,11 @@ def as_4d(tensor: torch.Tensor, flag: str) -> torch.Tensor:
 
 
 def _float(tensor: torch.Tensor, flag: str) -> torch.Tensor:
+    if tensor.device.type == "meta":
+        raise MaskError(f"{flag} is a meta tensor: it has a shape {list(tensor.shape)} but no values; save a tensor with values")
+    if tensor.is_quantized or tensor.layout != torch.strided:
+        kind = "quantized" if tensor.is_quantized else str(tensor.layout).removeprefix("torch.")
+        raise MaskError(f"{flag} is a {kind} tensor; give a plain dense tensor of numbers (.to_dense() or .dequantize() it first)")
     if tensor.is_complex() or not (tensor.is_floating_point() or tensor.dtype in (torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)):
         raise MaskError(f"{flag} has dtype {str(tensor.dtype).removeprefix('torch.')}; give real numbers")
     if tensor.numel() == 0:

@@ -11,7 +11,7 @@ from maskcli.attention.inputs import QKV, check_against_mask
 from maskcli.attention.stages import Stages, attend
 from maskcli.errors import MaskError
 from maskcli.mask import Mask
-from maskcli.memory import check_dense_fits
+from maskcli.memory import ATTENTION_FIX, attention_bytes, attention_what, check_bytes_fit
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,16 @@ class Run:
     findings: list[Finding]
     device: torch.device
     source: str
+
+
+def check_attention_fits(
+    cells: tuple[int, int, int, int], head_dim: int, dtype: torch.dtype, device: torch.device, *, dropout: float = 0.0,
+) -> None:
+    """Refuse a run whose stages would not fit on `device`, before any of them is allocated."""
+    check_bytes_fit(
+        attention_bytes(cells, head_dim, torch.finfo(dtype).bits // 8, dropout), attention_what(cells, head_dim),
+        "for the attention stages", device, fix=ATTENTION_FIX,
+    )
 
 
 def run_attention(
@@ -37,14 +47,8 @@ def run_attention(
     """Build the mask on `device`, run every stage there in `dtype`, and collect findings."""
     qkv = check_against_mask(qkv, mask.shape)
     batch, heads = qkv.q.shape[:2]
-    # scores, scaled, masked, weights (and their temporaries) are each B x H x Lq x Lk;
-    # dropout adds its random draw, its bool mask and one more product
-    floats = 6 + (3 if dropout > 0 else 0)
     cells = (batch, heads, mask.frame.q_len, mask.frame.k_len)
-    check_dense_fits(
-        cells, floats * torch.finfo(dtype).bits // 8 + 1, "for the attention stages", device,
-        fix="use a smaller --len, fewer --heads or --batch, or a smaller --dtype",
-    )
+    check_attention_fits(cells, qkv.q.shape[-1], dtype, device, dropout=dropout)
     q, k, v = qkv.q.to(device, dtype), qkv.k.to(device, dtype), qkv.v.to(device, dtype)
     keep = mask.materialize(device)
     try:

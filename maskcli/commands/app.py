@@ -36,7 +36,7 @@ class MaskcliGroup(TyperGroup):
             code = 0
         except UsageError as error:
             command = error.ctx.command_path if error.ctx else "maskcli"
-            fail(f"{error.format_message().rstrip('.')} (see '{command} --help')")
+            fail(f"{_usage_message(error, sys.argv[1:] if args is None else list(args)).rstrip('.')} (see '{command} --help')")
         except MaskError as error:
             fail(str(error))
         except (typer.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
@@ -60,6 +60,21 @@ class MaskcliGroup(TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+def _usage_message(error, args: list[str]) -> str:
+    """click's message, with the value the user gave quoted where a value was bad."""
+    param = getattr(error, "param", None)
+    message = getattr(error, "message", None)
+    if param is None or not message or not getattr(param, "opts", None) or type(error).__name__ != "BadParameter":
+        return error.format_message()
+    for index, arg in enumerate(args):
+        for opt in param.opts:
+            if arg == opt and index + 1 < len(args):
+                return f"{opt} {args[index + 1]!r}: {message}"
+            if arg.startswith(opt + "=") and opt.startswith("--"):
+                return f"{opt} {arg[len(opt) + 1:]!r}: {message}"
+    return error.format_message()
+
+
 def quiet_stdout() -> None:
     """Point stdout at /dev/null, so that Python's last flush at exit finds no closed pipe."""
     import os
@@ -79,6 +94,19 @@ def fail(message: str) -> None:
 
 def warn(message: str) -> None:
     typer.echo(f"maskcli: warning: {message}", err=True)
+
+
+LARGE_WRITE = 1 << 30  # bytes past which a write is announced before it starts
+
+
+def check_write(path, size: int, flag: str) -> None:
+    """Refuse a write the disk has no room for, and say so before one of a gigabyte or more starts."""
+    from maskcli.files import check_disk
+    from maskcli.memory import format_bytes
+
+    check_disk(path, size, flag)
+    if size >= LARGE_WRITE:
+        warn(f"{flag} writes {format_bytes(size)} to {str(path)!r}; this takes a while (Ctrl-C stops it and leaves no file)")
 
 
 def done(message: str) -> None:

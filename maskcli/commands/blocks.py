@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, done
+from maskcli.commands.app import app, check_write, done
 from maskcli.commands.options import Expr, examples, mask_options
 from maskcli.errors import MaskError
 from maskcli.mask import MaskOptions
@@ -102,11 +102,11 @@ def _save(found, path) -> None:
     """The four BlockMask tensors (int32, at the mask's B and H) with BLOCK_SIZE and seq_lengths, written whole."""
     import torch
 
-    from maskcli.files import atomic_write, check_disk
+    from maskcli.files import atomic_write
 
     arrays = found.arrays()
-    check_disk(path, sum(a.size * 4 for a in arrays.values()), "--save")
-    data = {name: torch.from_numpy(value).contiguous() for name, value in arrays.items()}
+    check_write(path, sum(a.size * 4 for a in arrays.values()), "--save")
+    data = {name: torch.from_numpy(value.copy()) for name, value in arrays.items()}  # a copy: the arrays may be read-only views
     data["BLOCK_SIZE"] = (found.q_block, found.kv_block)
     data["seq_lengths"] = (found.mask.frame.q_len, found.mask.frame.k_len)
     atomic_write(path, lambda temp: torch.save(data, temp))

@@ -56,7 +56,11 @@ def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOption
 
     check_input_options(o)
     if all(t is None for t in (o.q, o.k, o.v, o.x)) and options.mask_file is None and options.mask_mod is None:
-        build_any(expression, options)  # refuse bad mask options before importing torch
+        early = build_any(expression, options)  # refuse bad mask options and impossible sizes before importing torch
+        _check_fits_before_torch(
+            o, early, early.batch if early.batch > 1 else 1 if o.batch is None else o.batch,
+            o.default_head_dim if o.head_dim is None else o.head_dim,
+        )
 
     from maskcli.attention.inputs import check_fits, load_given, make_qkv, resolve_device, resolve_dtype
 
@@ -71,9 +75,14 @@ def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOption
         warn(message)
     if mask.batch > 1 and o.batch is not None and o.batch != mask.batch:
         raise MaskError(f"--batch {o.batch} does not match the {mask.batch} batch rows of the mask (--lengths/--ids or labels): drop --batch")
+    batch = mask.batch if mask.batch > 1 else 1 if o.batch is None else o.batch
+    head_dim = o.default_head_dim if o.head_dim is None else o.head_dim
+    if given is None:
+        _check_fits_before_torch(o, mask, batch, head_dim)
+    elif given.x is not None:
+        _check_projections_fit(given.x, o)
     qkv = make_qkv(
-        given, seed=o.seed, batch=mask.batch if mask.batch > 1 else 1 if o.batch is None else o.batch, heads=options.heads,
-        head_dim=o.default_head_dim if o.head_dim is None else o.head_dim, d_out=o.d_out, qkv_bias=o.qkv_bias,
+        given, seed=o.seed, batch=batch, heads=options.heads, head_dim=head_dim, d_out=o.d_out, qkv_bias=o.qkv_bias,
         q_len=mask.frame.q_len, k_len=mask.frame.k_len,
     )
     if given is not None:
@@ -81,3 +90,30 @@ def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOption
         for flag, tensor in (("--q", qkv.q), ("--k", qkv.k), ("--v", qkv.v)):
             check_fits(tensor, torch_dtype, source or flag)
     return mask, qkv, torch_device, torch_dtype
+
+
+def _check_fits_before_torch(o: InputOptions, mask, batch: int, head_dim: int) -> None:
+    """Refuse random inputs (and, on the cpu, stages) that cannot be allocated: O(1), before torch is imported."""
+    from maskcli.conventions import FLOAT_BYTES
+    from maskcli.memory import ATTENTION_FIX, attention_bytes, attention_what, check_bytes_fit
+
+    if head_dim < 1 or batch < 1:
+        raise MaskError(f"--head-dim and --batch must be at least 1, got {head_dim} and {batch}")
+    cells = (batch, mask.heads, mask.frame.q_len, mask.frame.k_len)
+    needed = 4 * batch * mask.heads * (mask.frame.q_len + 2 * mask.frame.k_len) * head_dim  # random Q, K, V: float32, on the host
+    how = "for the random inputs"
+    if o.device == "cpu" and o.dtype in FLOAT_BYTES:
+        needed += attention_bytes(cells, head_dim, FLOAT_BYTES[o.dtype])
+        how = "for the random inputs and attention stages"
+    check_bytes_fit(needed, attention_what(cells, head_dim), how, fix=ATTENTION_FIX)
+
+
+def _check_projections_fit(x, o: InputOptions) -> None:
+    """Refuse --x projections (three nn.Linear(d_in, d_out) and their outputs, float32) that cannot be allocated."""
+    from maskcli.memory import ATTENTION_FIX, check_bytes_fit
+
+    d_in, rows = x.shape[-1], x.shape[-2]
+    d_out = d_in if o.d_out is None else max(o.d_out, 1)
+    batch = x.shape[0] if x.dim() == 3 else 1
+    needed = 3 * 4 * (d_in * d_out + batch * rows * d_out)
+    check_bytes_fit(needed, f"three projections of --x to --d-out {d_out} ({batch} x {rows} x {d_in} embeddings)", "in float32", fix="use a smaller --d-out")

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, done, warn
+from maskcli.commands.app import app, check_write, done, warn
 from maskcli.commands.options import InspectHeads, KeyOpt, Png, ReportJson, Tokens, examples
 from maskcli.commands.show import check_choice
 from maskcli.conventions import CONVENTIONS, DTYPES
@@ -212,6 +212,7 @@ def convert(
     elif not convention.sure:
         raise MaskError(f"cannot tell whether {label} is keep or block ({convention.note}): say which with --from keep or --from block")
     result = to_convention(to_keep(tensor, convention), to, dtype)
+    check_write(out_path, result.numel() * result.element_size() if hasattr(result, "numel") else result.nbytes, "--out")
     write_array(result, out_path)
     described = f"{convention.name}" + (", 1 = masked" if convention.name == "int" and convention.ones_mean == "masked" else "")
     done(f"wrote {out_path}: {described} -> {to}{' ' + dtype if to in ('additive', 'min') else ''}, shape {list(result.shape)}")

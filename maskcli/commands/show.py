@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, done, warn
+from maskcli.commands.app import app, check_write, done, warn
 from maskcli.commands.options import Expr, Output, escape, examples, mask_options, output_options
 from maskcli.conventions import CONVENTIONS, DTYPES
 from maskcli.errors import MaskError
@@ -194,10 +194,10 @@ def save_mask(mask: Mask, convention: str, dtype: str, path) -> None:
     import numpy as np
 
     from maskcli.conventions import bytes_per_cell, to_convention
-    from maskcli.files import check_disk, write_array
+    from maskcli.files import write_array
     from maskcli.memory import check_dense_fits
 
     check_dense_fits(mask.shape, bytes_per_cell(convention, dtype) + 1, f"in the {convention} convention")
-    check_disk(path, math.prod(mask.shape) * bytes_per_cell(convention, dtype), "--save")
+    check_write(path, math.prod(mask.shape) * bytes_per_cell(convention, dtype), "--save")
     keep = np.ascontiguousarray(np.broadcast_to(mask.dense(), mask.shape))
     write_array(to_convention(keep, convention, dtype), path)
