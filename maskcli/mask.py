@@ -326,7 +326,7 @@ def _sequence(tree, ids, tokens) -> list[tuple[str, int]]:
     if ids is not None:
         found.append(("--ids rows", ids.shape[1]))
     if tokens is not None:
-        found.append(("--tokens", len(tokens)))
+        found.append((f"--tokens {shortened(' '.join(tokens), 60)!r}", len(tokens)))
     return found
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from maskcli.errors import MaskError
+from maskcli.text import shortened
 
 SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors", ".json")
 
@@ -43,7 +44,8 @@ def load_tensors(source: str, flag: str, json_floats: torch.dtype | None = None)
     JSON carries no dtype: its floats become `json_floats`, or torch's default dtype.
     """
     if is_inline(source):
-        return _from_json(_parse_json(source, f"{flag} (inline JSON)"), f"{flag} (inline JSON)", json_floats)
+        where = f"{flag} {shortened(source, 60)!r} (inline JSON)"
+        return _from_json(_parse_json(source, where), where, json_floats)
     from maskcli.files import readable_file, state
 
     path = Path(source)

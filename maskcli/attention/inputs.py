@@ -8,7 +8,7 @@ import torch
 
 from maskcli.conventions import DTYPES, torch_dtype
 from maskcli.errors import MaskError
-from maskcli.tensorfile import load_tensor
+from maskcli.tensorfile import is_inline, load_tensor
 
 
 def available_devices() -> list[str]:
@@ -80,7 +80,8 @@ def load_input(source: str, flag: str, name: str) -> torch.Tensor:
     """One input tensor from a file or inline JSON: the one named `name` (q, k, v or x), or the file's only one."""
     others = tuple(role for role in ("q", "k", "v", "x") if role != name)  # a lone 'k' is no query
     # JSON numbers are doubles: keep them so until the compute dtype is applied
-    return _float(load_tensor(source, flag, (name,), others, json_floats=torch.float64), flag)
+    where = flag if is_inline(source) else f"{flag} {source!r}"
+    return _float(load_tensor(source, flag, (name,), others, json_floats=torch.float64), where)
 
 
 def check_fits(tensor: torch.Tensor, dtype: torch.dtype, flag: str, fix: str = "scale the inputs down or compute in a wider --dtype") -> None:

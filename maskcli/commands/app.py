@@ -25,8 +25,24 @@ UsageError = _click_exceptions.UsageError
 NoArgsIsHelpError = getattr(_click_exceptions, "NoArgsIsHelpError", ())
 
 
+class _Interrupted(Exception):
+    """Ctrl-C inside a command, carried past typer (which would turn it into a silent exit 130)."""
+
+
+class _PipeClosed(Exception):
+    """The reader of stdout went away, carried past typer (which would exit 1)."""
+
+
 class MaskcliGroup(TyperGroup):
     """Every bad input, ours or click's, ends as one line on stderr and exit status 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise _Interrupted() from None
+        except BrokenPipeError:
+            raise _PipeClosed() from None
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
@@ -39,10 +55,10 @@ class MaskcliGroup(TyperGroup):
             fail(f"{_usage_message(error, sys.argv[1:] if args is None else list(args)).rstrip('.')} (see '{command} --help')")
         except MaskError as error:
             fail(str(error))
-        except (typer.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
+        except (_Interrupted, KeyboardInterrupt):
             typer.echo("maskcli: interrupted", err=True)
             code = 130
-        except BrokenPipeError:
+        except (_PipeClosed, BrokenPipeError):
             quiet_stdout()  # the reader went away (| head): stop quietly, as a killed pipe writer does
             code = 141
         except MemoryError:

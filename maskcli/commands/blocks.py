@@ -25,6 +25,8 @@ def parse_block(text: str) -> tuple[int, int]:
         raise MaskError(f"--block {text!r} is not a block size: give one whole number like 128, or Q,KV like 128,64") from None
     if len(sizes) not in (1, 2) or any(size < 1 for size in sizes):
         raise MaskError(f"--block {text!r}: give one size of at least 1 like 128, or two like 128,64")
+    if any(size > 2**40 for size in sizes):
+        raise MaskError(f"--block {text!r} is too large: a block holds at most {2**40:,} positions")
     return (sizes[0], sizes[-1])
 
 

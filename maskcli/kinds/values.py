@@ -78,7 +78,7 @@ def parse_rows(text: str, where: str, example: str = "0,0,1,1") -> list[np.ndarr
     rows = []
     for number, row_text in enumerate(text.split(";")):
         if not row_text.strip():
-            raise MaskError(f"{where}: batch row {number} is empty: give every row one value per position, ';' between rows")
+            raise MaskError(f"{where}: batch row {number} of {text[:80]!r} is empty: give every row one value per position, ';' between rows")
         items = row_text.split(",")
         try:
             rows.append(np.array(items, dtype=np.int64))

@@ -1,0 +1,385 @@
+"""Hostile input, every command: one line on stderr that quotes the bad value, exit 2, no traceback, no file left.
+
+The table runs each case in a fresh folder holding the files `plant` makes, and checks that the folder
+holds exactly those files afterwards (no partial output, no stray temporary file).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+
+runner = CliRunner()
+LONG = "a" * 300
+BIG = str(10**30)
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch exploited",))
+
+
+def safetensors(path, offsets, shape=(2, 2), dtype="F32", name="mask"):
+    raw = np.tril(np.ones((2, 2), dtype="<f4")).tobytes()
+    header = json.dumps({name: {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + raw)
+
+
+def plant(folder):
+    """The files the cases read: good ones, damaged ones, and things that are not files."""
+    torch.save(torch.tril(torch.ones(4, 4, dtype=torch.bool)), folder / "good.pt")
+    np.save(folder / "good.npy", np.tril(np.ones((4, 4), dtype=bool)))
+    torch.save(torch.empty(4, 4, device="meta"), folder / "meta.pt")
+    torch.save(torch.empty(1, 4, 8, device="meta"), folder / "meta3.pt")
+    torch.save(torch.randn(1, 4, 8), folder / "q.pt")
+    torch.save({"mask": Exploit()}, folder / "evil.pt")
+    (folder / "pickle.pt").write_bytes(pickle.dumps(Exploit()))
+    safetensors(folder / "negative.safetensors", (-16, 0))
+    safetensors(folder / "beyond.safetensors", (0, 10**6))
+    safetensors(folder / "short.safetensors", (0, 8))
+    safetensors(folder / "negshape.safetensors", (0, 16), shape=(-2, -2))
+    safetensors(folder / "strshape.safetensors", (0, 16), shape=("2", 2))
+    (folder / "header.safetensors").write_bytes(struct.pack("<Q", 2**62) + b"{}")
+    (folder / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (folder / "bad.json").write_text("[[1, 0], [1")
+    (folder / "empty.npy").write_bytes(b"")
+    (folder / "labels.txt").write_text("0 0 1 x\n")
+    (folder / "mod.py").write_text(
+        "def raises(b, h, q, kv):\n    raise ValueError('boom')\n\n"
+        "def floats(b, h, q, kv):\n    return (q >= kv).float()\n\n"
+        "def shape(b, h, q, kv):\n    import torch\n    return torch.ones(3, dtype=torch.bool)\n\n"
+        "def factory(w):\n    return lambda b, h, q, kv: (q - kv < w) & (q >= kv)\n"
+    )
+    (folder / "syntax.py").write_text("def broken(:\n")
+    (folder / "dir.pt").mkdir()
+    os.symlink("loop.pt", folder / "loop.pt")
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(folder / "fifo.pt")
+
+
+CASES = [
+    # integers past what numpy and torch hold
+    (["chunk", f"{BIG},0,1"], BIG),
+    (["chunk", f"-{BIG},0,1"], BIG),
+    (["show", f"chunk(0,{BIG})"], BIG),
+    (["show", "tril", "--diagonal", BIG], BIG),
+    (["show", "tril", "--diagonal", str(-(2**63) - 1)], str(-(2**63) - 1)),
+    (["show", "tril", "--diagonal", str(2**63)], str(2**63)),
+    (["show", f"triu({2**63})", "--len", "4"], str(2**63)),
+    (["show", "causal", "--heads", str(2**63)], str(2**63)),
+    (["show", "causal", "--len", BIG], BIG),
+    (["show", "causal", "--offset", str(2**63)], str(2**63)),
+    (["show", "causal", "--kv-start", str(-(2**63))], str(-(2**63))),
+    (["show", f"window({BIG})", "--len", "4"], BIG),
+    (["show", f"sink({2**64})", "--len", "4"], str(2**64)),
+    (["show", f"local({-(2**63)})", "--len", "4"], str(-(2**63))),
+    (["show", f"document(sizes=[{BIG}])"], BIG),
+    (["show", f"tree(-1,{BIG})"], BIG),
+    (["show", f"blocks(-1,{BIG})"], BIG),
+    (["show", "padding", "--lengths", BIG], BIG),
+    (["show", "padding", "--ids", f"1,{BIG}"], BIG),
+    (["blocks", "causal", "--block", BIG], BIG),
+    (["blocks", "causal", "--block", "0"], "'0'"),
+    (["blocks", "causal", "--block", "16,x"], "16,x"),
+    (["diff", "causal", f"window({BIG})", "--len", "4"], BIG),
+    (["attend", "causal", "--seed", str(2**64)], str(2**64)),
+    (["attend", "causal", "--batch-index", BIG], BIG),
+    (["attend", "causal", "--precision", BIG], BIG),
+    (["verify", "causal", "--repeat", BIG], BIG),
+    (["verify", "causal", "--atol", "nan"], "nan"),
+    # sizes that cannot be allocated: refused up front, naming the bytes
+    (["attend", "causal", "--len", str(2**40)], "would need"),
+    (["attend", "causal", "--heads", str(10**12)], "would need"),
+    (["attend", "causal", "--batch", str(10**12)], "would need"),
+    (["attend", "causal", "--head-dim", str(10**12)], "would need"),
+    (["attend", "prefill", "--offset", str(2**40), "--len", "1"], "would need"),
+    (["attend", "causal", "--x", "[[1,2],[3,4]]", "--d-out", str(10**12)], "would need"),
+    (["verify", "causal", "--len", str(2**40)], "would need"),
+    (["verify", "causal", "--head-dim", str(10**12)], "would need"),
+    (["show", "padding", "--lengths", str(10**12), "--json"], "would need"),
+    (["show", "causal", "--len", str(2**40), "--json"], "would need"),
+    (["show", "causal", "--len", str(2**40), "--save", "big.pt"], "would need"),
+    (["chunk", "0,0,1", "--len", str(2**40), "--save", "big.npy"], "chunk(0,0,1)"),
+    # files: missing, not files, damaged, hostile
+    (["inspect", LONG + ".pt"], "aaaa"),
+    (["show", "--mask", LONG + ".pt"], "aaaa"),
+    (["attend", "causal", "--q", LONG + ".pt", "--k", "q.pt", "--v", "q.pt"], "aaaa"),
+    (["show", "causal", "--png", LONG + ".png"], "aaaa"),
+    (["show", "causal", "--save", LONG + ".npy"], "aaaa"),
+    (["convert", "good.pt", "--out", LONG + ".pt", "--to", "block"], "aaaa"),
+    (["attend", "causal", "--x", "meta.pt"], "meta.pt"),
+    (["attend", "causal", "--q", "meta3.pt", "--k", "meta3.pt", "--v", "meta3.pt"], "meta3.pt"),
+    (["inspect", "meta.pt"], "meta.pt"),
+    (["show", "--mask", "meta.pt"], "meta.pt"),
+    (["inspect", "negative.safetensors"], "negative.safetensors"),
+    (["inspect", "beyond.safetensors"], "beyond.safetensors"),
+    (["inspect", "short.safetensors"], "short.safetensors"),
+    (["show", "--mask", "negshape.safetensors"], "negshape.safetensors"),
+    (["show", "--mask", "strshape.safetensors"], "strshape.safetensors"),
+    (["inspect", "header.safetensors"], "header.safetensors"),
+    (["inspect", "/dev/zero"], "/dev/zero"),
+    (["inspect", "fifo.pt"], "fifo.pt"),
+    (["show", "--mask", "fifo.pt"], "fifo.pt"),
+    (["attend", "causal", "--x", "fifo.pt"], "fifo.pt"),
+    (["inspect", "loop.pt"], "loop.pt"),
+    (["diff", "causal", "loop.pt"], "loop.pt"),
+    (["inspect", "dir.pt"], "dir.pt"),
+    (["inspect", "evil.pt"], "evil.pt"),
+    (["show", "--mask", "pickle.pt"], "pickle.pt"),
+    (["inspect", "empty.npy"], "empty.npy"),
+    (["show", "--mask", "deep.json"], "deep.json"),
+    (["attend", "causal", "--x", "bad.json"], "bad.json"),
+    (["show", 'document("labels.txt")'], "labels.txt"),
+    (["show", 'document("fifo.pt")'], "fifo.pt"),
+    (["show", 'document("missing.npy")'], "missing.npy"),
+    (["show", "--mask-mod", "mod.py:raises", "--len", "4"], "mod.py"),
+    (["show", "--mask-mod", "mod.py:floats", "--len", "4"], "floats"),
+    (["show", "--mask-mod", "mod.py:shape", "--len", "4"], "shape"),
+    (["show", "--mask-mod", "mod.py:nothing", "--len", "4"], "nothing"),
+    (["show", "--mask-mod", "syntax.py:broken", "--len", "4"], "syntax.py"),
+    (["show", "--mask-mod", "mod.py:factory", "--mask-mod-args", "__import__('os')", "--len", "4"], "__import__"),
+    (["show", "--mask-mod", "fifo.py:f", "--len", "4"], "fifo.py"),
+    (["blocks", "--mask-mod", "mod.py:raises", "--len", "64"], "mod.py"),
+    # writing: unknown suffixes, directories, unwritable places, empty names
+    (["show", "causal", "--save", "out.txt"], "'.txt'"),
+    (["show", "causal", "--png", "out.gif"], "'.gif'"),
+    (["show", "causal", "--save", "missing/out.npy"], "missing"),
+    (["show", "causal", "--save", ""], "--save"),
+    (["attend", "causal", "--png", ""], "--png"),
+    (["show", "causal", "--save", "good.npy/out.npy"], "good.npy"),
+    (["show", "causal", "--save", "fifo.pt"], "fifo.pt"),
+    # messages: malformed values say what was given
+    (["attend", "causal", "--ids", ";1,2"], "--ids"),
+    (["show", "causal", "--ids", "1,2;;3"], "1,2;;3"),
+    (["attend", "causal", "--scale", "abc"], "'abc'"),
+    (["attend", "causal", "--dropout", "1.5"], "1.5"),
+    (["attend", "causal", "--x", "[[1,2],[3"], "[[1,2],[3"),
+    (["attend", "causal", "--x", "[" * 5000 + "]" * 5000], "--x"),
+    (["show", "causal", "--dtype", "bogus", "--as", "additive"], "'bogus'"),
+    (["show", "causal", "--as", "sideways"], "'sideways'"),
+    (["show", "causal &"], "causal &"),
+    (["show", "window(3"], "window(3"),
+    (["show", "causl"], "causl"),
+    (["show", "window(x)"], "window(x)"),
+    (["show", "causal", "--align", "middle", "--kv-len", "4"], "'middle'"),
+    (["show", "causal", "--grid", "0,0", "--summary"], "0,0"),
+    (["show", "causal", "--tokens", "a b", "--len", "4"], "a b"),
+    (["attend", "causal", "--stages", ",,"], ",,"),
+    (["attend", "causal", "--device", "tpu"], "'tpu'"),
+    (["verify", "causal", "--device", "cuda:99"], "cuda:99"),
+    (["inspect", "good.pt", "--heads", "x"], "'x'"),
+    (["convert", "good.pt", "--out", "out.pt", "--to", "upside"], "'upside'"),
+    (["convert", "good.pt", "--out", "out.gif", "--to", "block"], "'.gif'"),
+    (["convert", "pickle.pt", "--out", "out.pt", "--to", "block"], "pickle.pt"),
+    (["diff", "causal"], "B"),
+    (["kinds", "--json", "extra"], "extra"),
+    (["nosuchcommand"], "nosuchcommand"),
+]
+
+
+@pytest.mark.parametrize("args", [args for args, _ in CASES], ids=[" ".join(a)[:80] for a, _ in CASES])
+def test_hostile_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypatch, args):
+    quoted = dict((tuple(a), q) for a, q in CASES)[tuple(args)]
+    plant(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = set(tmp_path.rglob("*"))
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("maskcli: error: "), result.stderr
+    assert quoted in lines[0], (quoted, lines[0])
+    assert "Traceback" not in result.output and result.stdout == ""
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
+    assert set(tmp_path.rglob("*")) == before  # no partial file, no temporary file, nothing the exploit made
+
+
+def test_the_table_is_large_and_covers_every_command():
+    commands = {args[0] for args, _ in CASES}
+    assert len(CASES) >= 80
+    assert {"show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds"} <= commands
+
+
+# --- a full disk, and other failures while writing ---------------------------------------------------
+
+
+FULL = OSError(errno.ENOSPC, "No space left on device")
+TORCH_FULL = RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/0: file write failed")
+
+
+@pytest.mark.parametrize("error, said", [(FULL, "No space left on device"), (TORCH_FULL, "is the disk full?")], ids=["ENOSPC", "torch"])
+@pytest.mark.parametrize("args", [
+    ["show", "causal", "--save", "out.npy"],
+    ["show", "causal", "--save", "out.NPY"],
+    ["show", "causal", "--save", "out.pt"],
+    ["show", "causal", "--png", "out.png"],
+    ["blocks", "causal", "--save", "b.pt"],
+    ["convert", "good.pt", "--out", "out.json", "--to", "additive"],
+    ["diff", "causal", "window(2)", "--png", "d.svg"],
+    ["attend", "causal", "--len", "3", "--png", "a.pdf"],
+], ids=lambda args: " ".join(args))
+def test_a_disk_that_fills_midway_is_one_line_and_leaves_no_file(tmp_path, monkeypatch, args, error, said):
+    from maskcli import files
+
+    real = files.atomic_write
+
+    def filling(path, write):
+        def half_then_full(temp):
+            with open(temp, "wb") as handle:  # part of the file reaches the disk, then it is full
+                handle.write(b"partial")
+            raise error
+
+        real(path, half_then_full)
+
+    plant(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(files, "atomic_write", filling)
+    before = set(tmp_path.rglob("*"))
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert "\n" not in line and line.startswith("maskcli: error: ") and said in line, result.stderr
+    assert set(tmp_path.rglob("*")) == before
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """A folder this process cannot write in: read-only by its mode, or for root (whom modes do not stop)
+    a read-only tmpfs mounted there."""
+    folder = tmp_path / "readonly"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        os.chmod(folder, 0o555)
+        yield folder
+        os.chmod(folder, 0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=16k", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("running as root, and no read-only tmpfs can be mounted here")
+    yield folder
+    subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+@pytest.mark.parametrize("args", [
+    ["show", "causal", "--save", "readonly/out.npy"],
+    ["show", "causal", "--png", "readonly/out.png"],
+    ["blocks", "causal", "--save", "readonly/b.pt"],
+    ["convert", "good.pt", "--out", "readonly/out.pt", "--to", "block"],
+    ["diff", "causal", "window(2)", "--png", "readonly/d.png"],
+    ["attend", "causal", "--len", "3", "--png", "readonly/a.png"],
+    ["inspect", "good.pt", "--png", "readonly/i.png"],
+], ids=lambda args: " ".join(args))
+def test_an_unwritable_folder_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, unwritable, args):
+    plant(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert "\n" not in line and line.startswith("maskcli: error: ") and "readonly" in line, result.stderr
+    assert list(unwritable.iterdir()) == []
+
+
+def test_a_real_small_disk_keeps_every_write_whole_or_absent(tmp_path):
+    """A 64 KiB tmpfs where the system lets us mount one (root); the simulated disk above covers the rest."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        (disk / "fill").write_bytes(b"\0" * 40 * 1024)
+        for args in (["show", "causal", "--len", "200", "--save", str(disk / "a.npy")],
+                     ["show", "causal", "--len", "200", "--save", str(disk / "a.pt")],
+                     ["show", "causal", "--len", "300", "--png", str(disk / "a.png")]):
+            result = runner.invoke(app, args)
+            assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+        assert sorted(p.name for p in disk.iterdir()) == ["fill"]
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+# --- interruption and the environment, in a real process -----------------------------------------------
+
+
+def maskcli(*args, env=None, preexec_fn=None, stdin=None, timeout=60):
+    return subprocess.run(
+        [sys.executable, "-m", "maskcli", *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "MASKCLI_DEVICE": "cpu", **(env or {})}, preexec_fn=preexec_fn, stdin=stdin,
+    )
+
+
+def test_ctrl_c_exits_130_with_one_line(tmp_path):
+    import time
+
+    # a mask_mod that says it started, then waits: the interrupt lands while maskcli works
+    (tmp_path / "slow.py").write_text(
+        "import pathlib, time\n"
+        "def slow(b, h, q, kv):\n    pathlib.Path('started').touch()\n    time.sleep(60)\n    return q >= kv\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "maskcli", "show", "--mask-mod", "slow.py:slow", "--len", "4", "--save", "out.npy"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.time() + 60
+    while not (tmp_path / "started").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, (process.returncode, err)
+    assert err.strip() == "maskcli: interrupted" and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slow.py", "started"]  # no out.npy, no temporary file
+
+
+def test_an_ascii_terminal_gets_question_marks_not_a_traceback():
+    result = maskcli("show", "window", "--len", "100000", "--window", "3", env={"PYTHONIOENCODING": "ascii", "COLUMNS": "60"})
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "?" in result.stdout
+
+
+def test_a_closed_pipe_stops_quietly():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "maskcli", "show", "causal", "--len", "3000", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "MASKCLI_DEVICE": "cpu"},
+    )
+    process.stdout.read(10)
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    process.wait(timeout=60)
+    assert process.returncode in (0, 141) and err == "", (process.returncode, err)
+
+
+def test_an_address_space_limit_is_respected_before_allocating(tmp_path):
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))
+
+    result = subprocess.run(
+        [sys.executable, "-m", "maskcli", "show", "causal", "--len", "100000", "--save", str(tmp_path / "big.pt")],
+        capture_output=True, text=True, preexec_fn=limit, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "would need" in result.stderr and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_impossible_sizes_are_refused_without_building_anything():
+    import time
+
+    start = time.perf_counter()
+    for args in (["attend", "causal", "--len", str(2**40)], ["show", "padding", "--lengths", str(10**12), "--json"],
+                 ["verify", "causal", "--heads", str(10**12)]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and "would need" in result.stderr, result.output
+    assert time.perf_counter() - start < 10  # O(1): nothing of 2**40 cells is touched
