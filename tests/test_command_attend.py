@@ -238,7 +238,7 @@ def test_bad_files_and_shapes(tmp_path):
         (["--q", tmp_path / "five.npy", "--k", good, "--v", good], ["--q has shape [1, 1, 1, 2, 2]", "expected [L, D], [B, L, D] or [B, H, L, D]"]),
         (["--x", tmp_path / "five.npy"], ["--x has shape [1, 1, 1, 2, 2]"]),
         (["--q", good, "--k", good, "--v", tmp_path / "ragged.json"], ["ragged.json", "not a rectangular nested list"]),
-        (["--q", good, "--k", good, "--v", "[[1, 2], [3"], ["--v (inline JSON): not valid JSON"]),
+        (["--q", good, "--k", good, "--v", "[[1, 2], [3"], ["--v '[[1, 2], [3' (inline JSON): not valid JSON"]),
         (["--q", good], ["give all of --q, --k and --v (missing --k, --v)"]),
         (["--v", good, "--k", good], ["missing --q"]),
     ]

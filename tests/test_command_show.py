@@ -404,7 +404,7 @@ BAD = [
     (["show", "padding", "--lengths", "3,7", "--len", "5", "--save", "m.pt"], ["length 7", "5 positions"]),
     (["show", "causal", "--lengths", "9", "--len", "4", "--png", "m.png"], ["length 9", "4 positions"]),
     (["show", "padding", "--ids", "1,2,0", "--len", "4"], ["3 tokens", "4 positions"]),
-    (["show", "causal", "--len", "3", "--tokens", "a b", "--save", "m.npy"], ["--tokens have 2 entries", "positions 0-2"]),
+    (["show", "causal", "--len", "3", "--tokens", "a b", "--save", "m.npy"], ["--tokens 'a b' have 2 entries", "positions 0-2"]),
     (["chunk", "0,0,1", "--tokens", "one two three four"], ["4 entries", "positions 0-2"]),
     (["show", "window", "--len", "4", "--window", "0", "--png", "m.png"], ["--window 0", "at least 1"]),
     (["show", "window", "--len", "4", "--window", "-3"], ["--window -3"]),

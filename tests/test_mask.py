@@ -199,10 +199,10 @@ def test_sizes_come_from_the_data_when_len_is_not_given():
     ("text", "options", "says"),
     [
         ("chunk(0,0,1)", {"length": 2}, "have 3 entries but the mask covers positions 0-1"),
-        ("causal", {"length": 3, "tokens": "a b"}, "--tokens have 2 entries but the mask covers positions 0-2"),
-        ("causal", {"offset": 2, "length": 1, "tokens": "a"}, "--tokens has 1 entry but the mask covers positions 0-2"),
+        ("causal", {"length": 3, "tokens": "a b"}, "--tokens 'a b' have 2 entries but the mask covers positions 0-2"),
+        ("causal", {"offset": 2, "length": 1, "tokens": "a"}, "--tokens 'a' has 1 entry but the mask covers positions 0-2"),
         ("causal", {"tokens": "  "}, "--tokens '  ' has no words"),
-        ("causal", {"offset": 6, "tokens": "a b c d e f"}, "--tokens give 6 positions, none left for a query after --offset 6"),
+        ("causal", {"offset": 6, "tokens": "a b c d e f"}, "--tokens 'a b c d e f' give 6 positions, none left for a query after --offset 6"),
         ("padding", {"lengths": "0,0"}, "the longest of --lengths give 0 positions"),
         ("padding", {"lengths": "2,-1"}, "--lengths values must be 0 or more, got -1 in '2,-1'"),
         ("padding", {"lengths": "2,x"}, "'x' at position 1 of '2,x' is not an integer"),

@@ -45,8 +45,10 @@ class MaskcliGroup(TyperGroup):
             raise _PipeClosed() from None
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        _pending.clear()
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            flush_warnings()
         except NoArgsIsHelpError as error:
             typer.echo(error.ctx.get_help())
             code = 0
@@ -103,13 +105,27 @@ def quiet_stdout() -> None:
 
 
 def fail(message: str) -> None:
+    _pending.clear()  # a warning about input that is then refused would be a second line about the same thing
     one_line = " ".join(message.splitlines())  # a quoted value (a repr, say) may hold line breaks
     typer.echo(f"maskcli: error: {one_line}", err=True)
     sys.exit(2)
 
 
-def warn(message: str) -> None:
-    typer.echo(f"maskcli: warning: {message}", err=True)
+_pending: list[str] = []
+
+
+def warn(message: str, now: bool = False) -> None:
+    """A warning on stderr: held until the command has checked all of its input (an error then says it
+    alone), unless `now` (before long work the user may want to stop)."""
+    _pending.append(message)
+    if now:
+        flush_warnings()
+
+
+def flush_warnings() -> None:
+    for message in _pending:
+        typer.echo(f"maskcli: warning: {message}", err=True)
+    _pending.clear()
 
 
 LARGE_WRITE = 1 << 30  # bytes past which a write is announced before it starts
@@ -122,11 +138,12 @@ def check_write(path, size: int, flag: str) -> None:
 
     check_disk(path, size, flag)
     if size >= LARGE_WRITE:
-        warn(f"{flag} writes {format_bytes(size)} to {str(path)!r}; this takes a while (Ctrl-C stops it and leaves no file)")
+        warn(f"{flag} writes {format_bytes(size)} to {str(path)!r}; this takes a while (Ctrl-C stops it and leaves no file)", now=True)
 
 
 def done(message: str) -> None:
     """What was written, on stderr, so that stdout stays the view (or the JSON)."""
+    flush_warnings()
     typer.echo(message, err=True)
 
 

@@ -1,0 +1,154 @@
+"""A property fuzz over every command: command lines drawn from each command's real options, valid and not.
+
+Whatever the line, maskcli ends with exit status 0, 2, or 1 where the command documents it (diff when the
+masks differ, verify --strict), never an uncaught exception, and leaves no file but the outputs it was
+asked for (and those only on success). MASKCLI_FUZZ_EXAMPLES sets the examples per command (default 12).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import typer.main
+from hostile_files import LONG, plant
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+
+EXAMPLES = int(os.environ.get("MASKCLI_FUZZ_EXAMPLES", "12"))
+COMMANDS = typer.main.get_command(app).commands
+runner = CliRunner()
+
+INTS = [-(2**63) - 1, -3, -1, 0, 1, 2, 3, 4, 5, 8, 2**31, 2**63, 10**30, "x", "1.5", "", "0x10"]
+FLOATS = [0, 0.1, 0.5, 1, 1.5, -1, "nan", "inf", "-inf", "abc", "1e308", ""]
+EXPRESSIONS = [
+    "causal", "full", "window(3)", "prefix(2)", "sink(1)", "local(2)", "tril(-1)", "triu(1)", "padding", "prefill",
+    "chunk(0,0,1,1)", "document(0,0,1,1)", "segment(0,1,1,1)", "blocks(-1,0,0,-1)", "tree(-1,0,0,1)",
+    "document(sizes=[2,2])", "causal & window(2)", "causal | blocks(-1,0,0,-1)", "~triu(1)", "causal & (window(2) | sink(1))",
+    "window", "chunk", "document", "tril", "mine & causal",
+    "causal &", "window(3", "causl", "window(x)", "((", "~", "window(-1)", "chunk(0,x)", "document(sizes=[])",
+    'document("good.npy")', 'document("missing.npy")', "a" * 300, "", "causal & & causal", "tree(5)", "blocks(0;1)",
+]
+FILES = ["good.pt", "good.npy", "missing.pt", "meta.pt", "evil.pt", "pickle.pt", "negative.safetensors",
+         "beyond.safetensors", "deep.json", "bad.json", "empty.npy", "dir.pt", "loop.pt", "fifo.pt", "/dev/zero",
+         LONG + ".pt", "q.pt", "[[1,0],[1,1]]", "[[true]]", "[]", "nan"]
+OUTPUTS = ["out.png", "out.svg", "out.pdf", "out.npy", "out.NPY", "out.pt", "out.json", "out.gif", "", "missing/out.png",
+           "dir.pt", "good.npy/x.png", LONG + ".png", "fifo.pt", "."]
+LABELS = ["0,0,1,1", "0,1;1,1", "1,x", ",", ";", "", "3,2", "0", "-1,-1", "4,2", "5,6,7,0;0,8,9,1", "1,2;3", "0,10**30"]
+WORDS = {
+    "--align": ["top-left", "bottom-right", "middle", ""],
+    "--as": ["keep", "block", "additive", "min", "int", "sideways"],
+    "--to": ["keep", "block", "additive", "min", "int", "sideways"],
+    "--from": ["keep", "block", "int", "sideways"],
+    "--dtype": ["float32", "float16", "bfloat16", "float64", "bogus"],
+    "--means": ["keep", "block", "sideways"],
+    "--fill": ["-inf", "min", "-1e9", "multiply", "zero"],
+    "--device": ["cpu", "auto", "tpu", "cuda:99", ""],
+    "--stages": ["scores,weights", "weights", ",,", "nothing"],
+    "--block": ["16", "128", "16,32", "0", "x", "1,2,3", str(10**30)],
+    "--grid": ["4,8", "0,0", "x", "5000,5000"],
+    "--tokens": ["a b c d", "one", "", "a b c d e f g h"],
+    "--key": ["mask", "missing", ""],
+    "--mask-mod": ["mod.py:factory", "mod.py:raises", "mod.py:floats", "mod.py:shape", "mod.py:nothing", "syntax.py:broken",
+                   "missing.py:f", "os:system", "nomodule"],
+    "--mask-mod-args": ["2", "__import__('os')", "(", "2, 3"],
+    "--mask": FILES,
+    "--q": FILES, "--k": FILES, "--v": FILES, "--x": FILES + ["[[1,2],[3,4],[5,6],[7,8]]"],
+}
+
+
+def option_values(option) -> st.SearchStrategy:
+    opt = max(option.opts, key=len)
+    annotation = getattr(option.type_descriptor, "annotation", str)
+    if opt in WORDS:
+        pool = WORDS[opt]
+    elif opt in ("--png", "--save", "--out"):
+        pool = OUTPUTS
+    elif opt in ("--lengths", "--ids", "--chunks", "--sizes", "--block-ids", "--parents"):
+        pool = LABELS
+    elif annotation is int:
+        pool = INTS
+    elif annotation is float:
+        pool = FLOATS
+    else:
+        pool = LABELS + FILES
+    return st.one_of(st.sampled_from(pool), st.text(max_size=6)).map(str)
+
+
+def positionals(name: str) -> st.SearchStrategy:
+    if name in ("show", "attend", "verify", "blocks"):
+        return st.lists(st.sampled_from(EXPRESSIONS), max_size=1)
+    if name == "chunk":
+        return st.lists(st.sampled_from(LABELS), max_size=1)
+    if name == "diff":
+        return st.lists(st.sampled_from(EXPRESSIONS + FILES), max_size=2)
+    if name in ("inspect", "convert"):
+        return st.lists(st.sampled_from(FILES), max_size=1)
+    return st.just([])
+
+
+@st.composite
+def command_lines(draw, name: str) -> list[str]:
+    command = COMMANDS[name]
+    options = [p for p in command.params if p.param_type_name == "option" and "--help" not in p.opts]
+    chosen = draw(st.lists(st.sampled_from(options), max_size=4, unique_by=lambda p: p.name)) if options else []
+    line = [name, *draw(positionals(name))]
+    for option in chosen:
+        opt = draw(st.sampled_from(option.opts))
+        if option.is_flag:
+            line.append(opt)
+        else:
+            line += [opt, draw(option_values(option))]
+    return line
+
+
+def outputs_named(line: list[str]) -> set[str]:
+    """The files the line asks for: --save/--png/--out values (a folder gets a default name inside)."""
+    return {line[i + 1] for i, arg in enumerate(line[:-1]) if arg in ("--save", "--png", "--out")}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    place = tmp_path_factory.mktemp("fuzz")
+    plant(place)
+    return place
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_any_command_line_ends_cleanly(folder, name):
+    documented_one = {"diff": lambda line: True, "verify": lambda line: "--strict" in line}.get(name, lambda line: False)
+    planted = {p.relative_to(folder) for p in folder.rglob("*")}
+    cwd = Path.cwd()
+
+    @settings(max_examples=EXAMPLES, deadline=30_000, derandomize=os.environ.get("CI") == "true",
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(line=command_lines(name))
+    def run(line):
+        os.chdir(folder)
+        try:
+            result = runner.invoke(app, line, env={"MASKCLI_DEVICE": "cpu", "COLUMNS": "80"})
+        finally:
+            os.chdir(cwd)
+        assert result.exception is None or isinstance(result.exception, SystemExit), (line, repr(result.exception))
+        assert "Traceback" not in result.output, (line, result.output)
+        allowed = {0, 2} | ({1} if documented_one(line) else set())
+        assert result.exit_code in allowed, (line, result.exit_code, result.output)
+        if result.exit_code == 2:
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("maskcli: error: "), (line, result.stderr)
+        made = {p.relative_to(folder) for p in folder.rglob("*")} - planted
+        for path in made:  # clean up for the next example, after looking
+            (folder / path).unlink() if (folder / path).is_file() else None
+        stray = {p for p in made if p.name.startswith(".")}
+        assert not stray, (line, stray)
+        if result.exit_code != 0:
+            assert not made, (line, made)
+        else:
+            named = outputs_named(line)
+            assert all(str(p) in named or str(p.parent) in named for p in made), (line, made, named)
+
+    run()
