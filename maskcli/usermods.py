@@ -15,6 +15,7 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import os
 import re
 import sys
 import traceback
@@ -80,6 +81,8 @@ def _module(where: str, spec: str):
             del sys.modules[module_name]
             raise MaskError(f"--mask-mod {spec!r}: loading {where} failed: {_where(error, str(path.resolve()))}") from None
         return module
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # package.module:NAME finds the user's package here, as `python -m` would
     try:
         return importlib.import_module(where)
     except Exception as error:

@@ -95,6 +95,36 @@ def test_a_tensor_file_places_the_expression_beside_it(tmp_path):
     assert off["only_a"] == 3 + 4
 
 
+def test_two_files_and_a_padded_or_placed_expression_beside_a_file(tmp_path):
+    torch.save(torch.nn.Transformer.generate_square_subsequent_mask(6), tmp_path / "square.pt")  # additive
+    torch.save(torch.tril(torch.ones(6, 6)), tmp_path / "tril.pt")  # the tutorial's 0/1
+    torch.save(torch.ones(6, 6, dtype=torch.bool).triu(2), tmp_path / "wide.pt")  # block, as MHA takes it
+    assert diff(tmp_path / "square.pt", tmp_path / "tril.pt").exit_code == 0
+    files = as_json(tmp_path / "tril.pt", tmp_path / "wide.pt")
+    assert files["only_b"] == 5  # the block mask triu(2) keeps the diagonal after the main one too
+    # Hugging Face left padding: (B, 1, Lq, Lk) with min on masked cells; --ids pads the expression only
+    keep = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+    keep[1, :, :, :3] = False
+    hf = torch.zeros(2, 1, 8, 8).masked_fill(~keep, torch.finfo(torch.float32).min)
+    torch.save(hf, tmp_path / "left.pt")
+    assert diff("causal", tmp_path / "left.pt", "--ids", "1,1,1,1,1,1,1,1;0,0,0,1,1,1,1,1").exit_code == 0
+    assert diff("causal", tmp_path / "left.pt", "--lengths", "8,8").exit_code == 1
+    # a window behind a cache: four new queries after ten cached keys, placed by --offset and --len or by the file
+    q, k = torch.arange(10, 14)[:, None], torch.arange(14)[None]
+    torch.save(torch.where((k <= q) & (q - k < 4), 0.0, float("-inf")), tmp_path / "cache.pt")
+    assert diff("window(4)", tmp_path / "cache.pt", "--offset", 10, "--len", 4).exit_code == 0
+    assert diff("window(4)", tmp_path / "cache.pt", "--offset", 10).exit_code == 0
+    assert diff("window(4)", tmp_path / "cache.pt").exit_code == 0
+
+
+def test_a_mask_mod_from_a_package_in_the_working_folder(tmp_path, monkeypatch):
+    (tmp_path / "mymasks").mkdir()
+    (tmp_path / "mymasks" / "__init__.py").write_text("")
+    (tmp_path / "mymasks" / "gym.py").write_text(Path(GYM).read_text())
+    monkeypatch.chdir(tmp_path)
+    assert diff("mymasks.gym:causal_mask", "causal", "--len", 5).exit_code == 0
+
+
 def test_a_mask_mod_on_either_side(tmp_path):
     assert diff(f"{GYM}:causal_mask", "causal", "--len", 5).exit_code == 0
     data = as_json("window(3)", f"{GYM}:generate_sliding_window", "--mask-mod-args", 3, "--len", 7)

@@ -539,6 +539,17 @@ def test_hostile_and_broken_files(tmp_path, monkeypatch, args, quoted):
     assert not (tmp_path / "exploited").exists()
 
 
+def test_from_says_which_way_round_a_bool_mask_is(tmp_path):
+    keep = torch.zeros(6, 6, dtype=torch.bool)
+    keep[:, 0] = True  # every query sees key 0 only: read alone, no query sees itself, so it looks like a block mask
+    torch.save(keep, tmp_path / "sink.pt")
+    assert report(tmp_path / "sink.pt", "--from", "keep")["command"] == "maskcli show \"sink(1)\" --len 6"
+    assert report(tmp_path / "sink.pt", "--from", "block")["convention"] == "block"
+    torch.save(torch.zeros(2, 2), tmp_path / "floats.pt")
+    result = runner.invoke(app, ["inspect", str(tmp_path / "floats.pt"), "--from", "sideways"])
+    assert result.exit_code == 2 and "'sideways'" in result.stderr
+
+
 def test_big_endian_npy_is_read(tmp_path):
     np.save(tmp_path / "m.npy", np.tril(np.ones((4, 4))).astype(">f4"))
     assert report(tmp_path / "m.npy")["command"] == "maskcli show causal --len 4"

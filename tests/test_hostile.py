@@ -311,6 +311,18 @@ def test_a_closed_pipe_stops_quietly():
     assert process.returncode in (0, 141) and err == "", (process.returncode, err)
 
 
+def test_a_closed_pipe_is_not_read_as_diff_saying_the_masks_differ():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "maskcli", "diff", "causal", "tril(0)", "--len", "400"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "MASKCLI_DEVICE": "cpu", "COLUMNS": "4000"},
+    )
+    process.stdout.readline()
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    process.wait(timeout=60)
+    assert process.returncode in (0, 141) and "Traceback" not in err, (process.returncode, err)
+
+
 def test_an_address_space_limit_is_respected_before_allocating(tmp_path):
     import resource
 

@@ -93,6 +93,19 @@ def _usage_message(error, args: list[str]) -> str:
     return error.format_message()
 
 
+def make_console(**options):
+    """A rich Console for a command's view: a reader that goes away (| head) stops maskcli quietly with
+    status 141, as it stops other tools, where rich's own handler would exit 1 (diff's "they differ")."""
+    from rich.console import Console
+
+    class PipeConsole(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError()
+
+    return PipeConsole(**options)
+
+
 def quiet_stdout() -> None:
     """Point stdout at /dev/null, so that Python's last flush at exit finds no closed pipe."""
     import os

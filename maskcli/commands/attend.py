@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from maskcli.attention import FILLS, STAGES
-from maskcli.commands.app import app, done
+from maskcli.commands.app import app, done, make_console
 from maskcli.commands.inputs import InputOptions, mask_and_inputs
 from maskcli.commands.options import (
     Expr, BatchIndex, Dropout, FigurePng, Fill, Head, Precision, StagesJson, StagesOpt, examples,
@@ -92,9 +92,8 @@ def attend(
     if json_:
         typer.echo(report.stages_json(run.mask, run.stages, run.device, run.findings, list(STAGES)))
         return
-    from rich.console import Console
 
-    console = Console()
+    console = make_console()
     console.print(report.run_header(run.mask, run.stages, run.device, run.source), style="bold", highlight=False)
     pairs = report.selection(shape, batch_index, head)
     note = report.selection_note(shape, pairs, "the tables", chosen)

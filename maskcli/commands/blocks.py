@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, check_write, done
+from maskcli.commands.app import app, check_write, done, make_console
 from maskcli.commands.options import Expr, examples, mask_options
 from maskcli.errors import MaskError
 from maskcli.mask import MaskOptions
@@ -87,10 +87,9 @@ def blocks(
     if json_:
         typer.echo(render.blocks_json(found))
         return
-    from rich.console import Console
     from rich.text import Text
 
-    console = Console(highlight=False)
+    console = make_console(highlight=False)
     console.print(Text(render.header(found), style="bold"))
     lines = max(8, console.height - 8) if console.is_terminal else 48
     for b in range(built.batch):

@@ -22,20 +22,32 @@ DiffJson = Annotated[bool, typer.Option("--json", help="Print the counts, the fi
 
 
 def _side(text: str, options: MaskOptions, kinds: dict, label: str) -> Mask:
-    from maskcli.inspect.given import TENSOR_SUFFIXES, build_any, mask_from_file
+    from maskcli.inspect.given import build_any, mask_from_file
     from maskcli.mask import build
     from maskcli.usermods import looks_like_spec
 
     if looks_like_spec(text):
         return build_any(None, replace(options, mask_mod=text, mask_mod_args=options.mask_mod_args))
-    path = Path(text)
-    if path.suffix.lower() in TENSOR_SUFFIXES and not text.lstrip().startswith(("[", "{")):
+    if _is_file(text):
         from maskcli.files import state
 
-        if state(path) == "missing":
+        if state(Path(text)) == "missing":
             raise MaskError(f"{label} {text!r}: no such file (give a mask file, an expression, or FILE.py:NAME)")
         return mask_from_file(text, options.key, options.from_, options)
     return build(text, options, kinds=kinds)
+
+
+def _is_file(text: str) -> bool:
+    from maskcli.inspect.given import TENSOR_SUFFIXES
+    from maskcli.usermods import looks_like_spec
+
+    return not looks_like_spec(text) and Path(text).suffix.lower() in TENSOR_SUFFIXES and not text.lstrip().startswith(("[", "{"))
+
+
+def _for_a_file(options: MaskOptions) -> MaskOptions:
+    """The options a tensor file takes: its key, convention, heads and where its queries sit; not the sizes,
+    padding or kind parameters, which are for the expression beside it."""
+    return replace(options, length=None, kv_len=None, align=None, lengths=None, ids=None, tokens=None, params={})
 
 
 def _positions_given(options: MaskOptions) -> bool:
@@ -73,29 +85,35 @@ def diff(
 
     kinds = user_kinds(mask.mask_mod, mask.mask_mod_args) if mask.mask_mod is not None else {}
     options = replace(mask, mask_mod=None, mask_mod_args=None if mask.mask_mod is not None else mask.mask_mod_args)
-    from maskcli.usermods import looks_like_spec
-
-    files = [text for text in (a, b) if not looks_like_spec(text) and Path(text).suffix.lower() in (".pt", ".pth", ".npy", ".npz", ".safetensors", ".json")]
-    sides: dict[str, Mask] = {}
-    if files and not _positions_given(options):  # a tensor's shape places the other side
-        first = _side(files[0], options, kinds, "A" if files[0] == a else "B")
-        f = first.frame
-        placed = replace(options, length=f.q_len, offset=f.q_start, kv_len=f.k_len if f.k_len != f.q_end else None)
-        sides = {label: first if text == files[0] else _side(text, placed, kinds, label) for label, text in (("A", a), ("B", b))}
+    texts = {"A": a, "B": b}
+    is_file = {label: _is_file(text) for label, text in texts.items()}
+    # a tensor's shape says its own positions: the position, padding and kind options are the expressions'
+    sides: dict[str, Mask] = {label: _side(texts[label], _for_a_file(options), kinds, label) for label in texts if is_file[label]}
+    if sides:
+        f = next(iter(sides.values())).frame  # the (first) file places the expressions, unless options say otherwise
+        placed = replace(
+            options,
+            length=options.length if options.length is not None else f.q_len,
+            offset=options.offset if options.offset is not None else f.q_start,
+            kv_start=options.kv_start if options.kv_start is not None else f.k_start or None,
+            kv_len=options.kv_len if options.kv_len is not None else f.k_len if f.k_end != f.q_end else None,
+        )
+        sides.update({label: _side(texts[label], placed, kinds, label) for label in texts if not is_file[label]})
     else:
-        sides = {label: _side(text, options, kinds, label) for label, text in (("A", a), ("B", b))}
+        sides = {label: _side(text, options, kinds, label) for label, text in texts.items()}
         fa, fb = sides["A"].frame, sides["B"].frame
         if (fa.q_start, fa.q_len, fa.k_start, fa.k_len) != (fb.q_start, fb.q_len, fb.k_start, fb.k_len) and not _positions_given(options):
             # one side's labels or words fix the sequence: place the other side the same way
             for fixed, other, text in (("A", "B", b), ("B", "A", a)):
                 f = sides[fixed].frame
-                placed = replace(options, length=f.q_len, offset=f.q_start or None, kv_start=f.k_start or None,
-                                 kv_len=f.k_len if f.k_end != f.q_end else None)
+                again = replace(options, length=f.q_len, offset=f.q_start or None, kv_start=f.k_start or None,
+                                kv_len=f.k_len if f.k_end != f.q_end else None)
                 try:
-                    sides[other] = _side(text, placed, kinds, other)
+                    sides[other] = _side(text, again, kinds, other)
                     break
                 except MaskError:
                     continue
+    sides = {label: sides[label] for label in texts}
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "diff") if png is not None else None
 
     from maskcli.commands.progress import progress

@@ -110,7 +110,7 @@ def _check_fits_before_torch(o: InputOptions, mask, batch: int, head_dim: int) -
 
 def _check_projections_fit(x, o: InputOptions) -> None:
     """Refuse --x projections (three nn.Linear(d_in, d_out) and their outputs, float32) that cannot be allocated."""
-    from maskcli.memory import ATTENTION_FIX, check_bytes_fit
+    from maskcli.memory import check_bytes_fit
 
     d_in, rows = x.shape[-1], x.shape[-2]
     d_out = d_in if o.d_out is None else max(o.d_out, 1)

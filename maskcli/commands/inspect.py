@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, check_write, done, warn
+from maskcli.commands.app import app, check_write, done, make_console, warn
 from maskcli.commands.options import InspectHeads, KeyOpt, Png, ReportJson, Tokens, examples
 from maskcli.commands.show import check_choice
 from maskcli.conventions import CONVENTIONS, DTYPES
@@ -42,6 +42,7 @@ From = Annotated[str | None, typer.Option(
 def inspect(
     file: File,
     key: KeyOpt = None,
+    from_: From = None,
     heads: InspectHeads = None,
     tokens: Tokens = None,
     png: Png = None,
@@ -55,13 +56,15 @@ def inspect(
 
     if heads is not None and heads < 1:
         raise MaskError(f"--heads must be at least 1 (your model's head count), got {heads}")
+    if from_ is not None:
+        check_choice(from_, ("keep", "block"), "--from convention")
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
 
     from maskcli.inspect.analysis import analyse
     from maskcli.inspect.load import load_mask
 
-    tensor, _ = load_mask(file, key)
-    analysis = analyse(tensor, heads)
+    tensor, label = load_mask(file, key)
+    analysis = analyse(tensor, heads, _convention(tensor, from_, label) if from_ is not None else None)
     mask = _display_mask(analysis, file if key is None else f"{file} [{key}]", tokens)
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure
@@ -121,13 +124,12 @@ def _shown_convention(analysis) -> tuple[str, str, str | None]:
 
 
 def _print_report(analysis, report: dict, mask) -> None:
-    from rich.console import Console
     from rich.text import Text
 
     from maskcli.render.masks import mask_views
     from maskcli.render.stages import findings_text
 
-    console = Console(highlight=False)
+    console = make_console(highlight=False)
     convention, structure = analysis.convention, analysis.structure
     text = Text()
     text.append(f"{report['file']}", style="bold")
@@ -199,15 +201,11 @@ def convert(
     from maskcli.conventions import to_convention
     from maskcli.files import write_array
     from maskcli.inspect.load import load_mask
-    from maskcli.inspect.polarity import Convention, classify, to_keep
+    from maskcli.inspect.polarity import to_keep
 
     tensor, label = load_mask(file, key)
-    convention = classify(tensor)
-    if from_ is not None:
-        if convention.name not in ("keep", "block", "int"):
-            raise MaskError(f"--from is for bool and 0/1 masks; {label} is {convention.name} ({convention.note})")
-        convention = Convention(from_, "values", "given with --from")
-    elif convention.name == "bias":
+    convention = _convention(tensor, from_, label)
+    if convention.name == "bias":
         raise MaskError(f"{label} is not a mask but an additive bias ({convention.note}): nothing to convert")
     elif not convention.sure:
         raise MaskError(f"cannot tell whether {label} is keep or block ({convention.note}): say which with --from keep or --from block")
@@ -216,3 +214,15 @@ def convert(
     write_array(result, out_path)
     described = f"{convention.name}" + (", 1 = masked" if convention.name == "int" and convention.ones_mean == "masked" else "")
     done(f"wrote {out_path}: {described} -> {to}{' ' + dtype if to in ('additive', 'min') else ''}, shape {list(result.shape)}")
+
+
+def _convention(tensor, from_: str | None, label: str):
+    """The tensor's convention as its values say, or as --from says for a bool or 0/1 mask."""
+    from maskcli.inspect.polarity import Convention, classify
+
+    convention = classify(tensor)
+    if from_ is None:
+        return convention
+    if convention.name not in ("keep", "block", "int"):
+        raise MaskError(f"--from is for bool and 0/1 masks; {label} is {convention.name} ({convention.note})")
+    return Convention(from_, "values", "given with --from")

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app
+from maskcli.commands.app import app, make_console
 from maskcli.commands.options import examples
 from maskcli.kinds.base import Kind, Param
 from maskcli.text import shell_quote
@@ -62,7 +62,7 @@ def kinds(
     if json_:
         typer.echo(json.dumps([kind_json(kind) for kind in all_kinds()]))
         return
-    from rich.console import Console, Group
+    from rich.console import Group
     from rich.padding import Padding
     from rich.text import Text
 
@@ -83,4 +83,4 @@ def kinds(
         body.append("example: ", style="dim")
         body.append(example_command(kind))
         blocks += [head, Padding(body, (0, 0, 1, 2))]
-    Console(highlight=False).print(Group(*blocks))
+    make_console(highlight=False).print(Group(*blocks))

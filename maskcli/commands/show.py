@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, check_write, done, warn
+from maskcli.commands.app import app, check_write, done, make_console, warn
 from maskcli.commands.options import Expr, Output, escape, examples, mask_options, output_options
 from maskcli.conventions import CONVENTIONS, DTYPES
 from maskcli.errors import MaskError
@@ -129,7 +129,6 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
     if json_out:
         typer.echo(mask_json(mask))
         return
-    from rich.console import Console
 
     console, map_width = wide_console()
     with progress("counting") as update:
@@ -169,12 +168,10 @@ def wide_console():
     tables whole at their natural width, and draws maps 80 columns wide."""
     import os
 
-    from rich.console import Console
-
-    console = Console()
+    console = make_console()
     if console.is_terminal or os.environ.get("COLUMNS"):
         return console, None
-    return Console(width=1 << 12), console.width
+    return make_console(width=1 << 12), console.width
 
 
 def parse_grid(text: str) -> tuple[int, int]:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app
+from maskcli.commands.app import app, make_console
 from maskcli.commands.inputs import InputOptions, mask_and_inputs
 from maskcli.commands.options import Expr, Atol, Repeat, Strict, VerifyJson, examples, input_options, mask_options
 from maskcli.errors import MaskError
@@ -53,7 +53,6 @@ def verify(
     if json_:
         typer.echo(verify_core.results_json(results, built, tensors[0], tolerance))
     else:
-        from rich.console import Console
 
         from maskcli.attention.findings import mask_findings
         from maskcli.render.backends import backends_table
@@ -65,6 +64,6 @@ def verify(
             f"Lk={built.frame.k_len}, D={tensors[0].shape[-1]}){where} · {torch_device} {dtype_name} · inputs: {qkv.source}\n"
             + ("\n".join(empty) if empty else "every query row sees at least one key")
         )
-        Console().print(backends_table(results, tolerance, title))
+        make_console().print(backends_table(results, tolerance, title))
     if strict and not all(r.agrees(tolerance) for r in results):
         raise typer.Exit(1)

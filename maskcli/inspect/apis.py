@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from maskcli.inspect.polarity import Convention, marks, sdpa_view
+from maskcli.inspect.polarity import Convention, marks
 
 # --- shapes as SDPA and nn.MultiheadAttention read them ------------------------------
 

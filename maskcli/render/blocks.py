@@ -7,7 +7,8 @@ import json
 import numpy as np
 
 from maskcli.blockmask import EMPTY, FULL, PARTIAL, Blocks
-from maskcli.render.density import Blocks, choose_blocks, map_text
+from maskcli.render.density import Blocks as Grouping
+from maskcli.render.density import choose_blocks, map_text
 from maskcli.render.masks import shape_text
 
 SYMBOLS = {FULL: "█", PARTIAL: "▒", EMPTY: "·"}
@@ -52,10 +53,10 @@ def block_map(blocks: Blocks, b: int, h: int, width: int, lines: int):
     f = blocks.mask.frame
     label_width = len(str(f.q_end - 1)) + 1
     room = width - label_width - 1
-    per = Blocks(1, 1) if blocks.n_kv <= room and blocks.n_q <= lines else choose_blocks(blocks.n_q, blocks.n_kv, room, lines)
+    per = Grouping(1, 1) if blocks.n_kv <= room and blocks.n_q <= lines else choose_blocks(blocks.n_q, blocks.n_kv, room, lines)
     one = per.rows == 1 and per.cols == 1
     caption = (
-        f"rows: query position, ruler: key position; one character = "
+        "rows: query position, ruler: key position; one character = "
         + ("one block" if one else f"{per.rows:,} x {per.cols:,} blocks")
         + f" of {blocks.q_block} queries x {blocks.kv_block} keys\n{LEGEND}" + ("" if one else f"  {MIXED} full and empty")
     )
