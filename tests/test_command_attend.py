@@ -35,6 +35,24 @@ TUTORIAL_WEIGHTS = [
     [0.2175, 0.1983, 0.1984, 0.1888, 0.1971, 0.0000],
     [0.1935, 0.1663, 0.1666, 0.1542, 0.1666, 0.1529],
 ]
+# The same weights before the mask (the tutorial's sa_v2 attn_weights), and after torch.manual_seed(123)
+# and nn.Dropout(0.5), as LLMs-from-scratch prints them.
+TUTORIAL_UNMASKED = [
+    [0.1921, 0.1646, 0.1652, 0.1550, 0.1721, 0.1510],
+    [0.2041, 0.1659, 0.1662, 0.1496, 0.1665, 0.1477],
+    [0.2036, 0.1659, 0.1662, 0.1498, 0.1664, 0.1480],
+    [0.1869, 0.1667, 0.1668, 0.1571, 0.1661, 0.1564],
+    [0.1830, 0.1669, 0.1670, 0.1588, 0.1658, 0.1585],
+    [0.1935, 0.1663, 0.1666, 0.1542, 0.1666, 0.1529],
+]
+TUTORIAL_DROPOUT = [
+    [2.0000, 0.0000, 0.0000, 0.0000, 0.0000, 0.0000],
+    [0.0000, 0.0000, 0.0000, 0.0000, 0.0000, 0.0000],
+    [0.7599, 0.6194, 0.6206, 0.0000, 0.0000, 0.0000],
+    [0.0000, 0.4921, 0.4925, 0.0000, 0.0000, 0.0000],
+    [0.0000, 0.3966, 0.0000, 0.3775, 0.0000, 0.0000],
+    [0.0000, 0.3327, 0.3331, 0.3084, 0.3331, 0.0000],
+]
 STAGE_NAMES = ["scores", "scaled", "masked", "weights", "output"]
 
 
@@ -70,6 +88,27 @@ def test_tutorial_inputs_and_seed_give_the_tutorial_weights():
     assert data["shape"] == [1, 1, 6, 6]
     assert rounded(data["stages"]["weights"][0][0]) == TUTORIAL_WEIGHTS
     assert data["findings"] == []
+
+
+def test_tutorial_tables_digit_for_digit_with_dropout_like_the_book():
+    tutorial = ["causal", "--like", "tutorial", "--x", json.dumps(TUTORIAL_X), "--seed", 789, "--d-out", 2]
+    data = attend_json(tutorial)
+    assert rounded(data["stages"]["unmasked"][0][0]) == TUTORIAL_UNMASKED
+    assert rounded(data["stages"]["weights"][0][0]) == TUTORIAL_WEIGHTS
+    dropped = attend_json([*tutorial, "--dropout", 0.5, "--dropout-seed", 123])
+    assert rounded(dropped["stages"]["weights"][0][0]) == TUTORIAL_DROPOUT
+    table = invoke([*tutorial, "--dropout", 0.5, "--dropout-seed", 123, "--stages", "weights"])
+    assert "weights = softmax(masked), then nn.Dropout(0.5)" in table.stdout
+    assert " 4        0.0000   0.3966   0.0000   0.3775   0.0000  0.0000× " in table.stdout
+
+
+def test_like_and_fill_together_and_mha_dropout_are_refused():
+    result = invoke(["causal", "--like", "sdpa", "--fill", "min"])
+    assert result.exit_code == 2 and "give one of them" in result.stderr
+    result = invoke(["causal", "--like", "mha", "--dropout", 0.1])
+    assert result.exit_code == 2 and "--like mha-weights" in result.stderr
+    result = invoke(["causal", "--like", "keras"])
+    assert result.exit_code == 2 and "'keras'" in result.stderr
 
 
 def test_tutorial_weights_reproduced_independently_in_torch():
@@ -334,7 +373,7 @@ def test_json_has_every_stage_as_nested_lists_and_spells_non_finite_values():
     assert data["head_dim"] == 8 and data["tokens"] is None
     assert attend_json(["causal", "--len", 2, "--tokens", "hello world"])["tokens"] == ["hello", "world"]
     assert data["mask"] == [[[[1, 1, 1]] * 3], [[[0, 0, 0]] * 3]]
-    assert list(data["stages"]) == STAGE_NAMES
+    assert list(data["stages"]) == ["scores", "scaled", "unmasked", "masked", "weights", "output"]
     for name in STAGE_NAMES:
         width = 8 if name == "output" else 3
         values = data["stages"][name]

@@ -4,4 +4,5 @@ Nothing is imported here, so the names below stay cheap for help text; the modul
 """
 
 FILLS = ("-inf", "min", "-1e9", "multiply")
-STAGES = ("scores", "scaled", "masked", "weights", "output")
+STAGES = ("scores", "scaled", "unmasked", "masked", "weights", "output")  # unmasked: softmax(scaled), no mask
+LIKES = ("tutorial", "sdpa", "hf-eager", "mha", "mha-weights")

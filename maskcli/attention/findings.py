@@ -108,7 +108,8 @@ def run_findings(stages: Stages, mask) -> list[Finding]:
     tolerance = max(1e-3, 4 * torch.finfo(stages.weights.dtype).eps)  # bfloat16 keeps under 3 digits
     low, high = torch.aminmax(sums)
     rows_sum_to_one = 1 - tolerance <= float(low) and float(high) <= 1 + tolerance  # NaN fails both
-    empty_rows_are_nan = stages.fill in ("-inf", "multiply")  # under min and -1e9 they are uniform, and sum to 1
+    # under min and -1e9 they are uniform and sum to 1; a safe softmax (SDPA) makes them 0
+    empty_rows_are_nan = stages.fill in ("-inf", "multiply") and stages.pipeline.softmax != "safe"
     q_offset = mask.q_offset
     if rows_sum_to_one and empty_rows_are_nan and (mask.causal or not expects_causal(mask)):
         # The common case, settled by that one reduction: no row is NaN, so none sees no key,
@@ -144,6 +145,7 @@ def _empty_row_findings(stages: Stages, keep: torch.Tensor, empty: torch.Tensor,
         return []
     # what each row became, as per-row flags computed on the device
     nan_rows = torch.isnan(stages.weights).all(dim=-1).cpu()
+    zero_rows = (stages.weights == 0).all(dim=-1).cpu()
     uniform_rows = ((stages.weights.float() - 1.0 / keep.shape[-1]).abs() <= 1e-3).all(dim=-1).cpu()
     findings = []
     for b, h, rows in _rows_by_slice(empty, q_offset):
@@ -151,6 +153,8 @@ def _empty_row_findings(stages: Stages, keep: torch.Tensor, empty: torch.Tensor,
         at = (b if keep.shape[0] > 1 else 0, h if keep.shape[1] > 1 else 0, [row - q_offset for row in rows])
         if bool(nan_rows[at].all()):
             effect = "the weights and outputs there are NaN (softmax of a row with no finite score, or 0/0)"
+        elif bool(zero_rows[at].all()) and stages.pipeline.softmax == "safe":
+            effect = "the weights and outputs there are 0 (a safe softmax, as SDPA's math backend gives)"
         elif bool(uniform_rows[at].all()) and stages.dropout == 0:
             effect = (
                 f"the fill {stages.fill} makes the weights there uniform (1/{keep.shape[-1]} on every key), "

@@ -43,6 +43,8 @@ def run_attention(
     fill: str = "-inf",
     dropout: float = 0.0,
     seed: int = 0,
+    like: str | None = None,
+    unmasked: bool = False,
 ) -> Run:
     """Build the mask on `device`, run every stage there in `dtype`, and collect findings."""
     qkv = check_against_mask(qkv, mask.shape)
@@ -52,7 +54,7 @@ def run_attention(
     q, k, v = qkv.q.to(device, dtype), qkv.k.to(device, dtype), qkv.v.to(device, dtype)
     keep = mask.materialize(device)
     try:
-        stages = attend(q, k, v, keep, scale=scale, fill=fill, dropout=dropout, seed=seed)
+        stages = attend(q, k, v, keep, scale=scale, fill=fill, dropout=dropout, seed=seed, like=like, unmasked=unmasked)
     except torch.OutOfMemoryError:  # the guard above reads free memory, which others may take meanwhile
         raise MaskError(
             f"{device} ran out of memory for the attention stages ({' x '.join(map(str, cells))} cells each): "

@@ -6,11 +6,11 @@ from typing import Annotated
 
 import typer
 
-from maskcli.attention import FILLS, STAGES
+from maskcli.attention import FILLS, LIKES, STAGES
 from maskcli.commands.app import app, done, make_console
 from maskcli.commands.inputs import InputOptions, mask_and_inputs
 from maskcli.commands.options import (
-    Expr, BatchIndex, Dropout, FigurePng, Fill, Head, Precision, StagesJson, StagesOpt, examples,
+    Expr, BatchIndex, Dropout, DropoutSeed, FigurePng, Fill, Head, Like, Precision, StagesJson, StagesOpt, examples,
     input_options, mask_options,
 )
 from maskcli.commands.show import check_choice
@@ -35,7 +35,10 @@ def parse_stages(text: str) -> tuple[str, ...]:
         "maskcli attend causal --len 4",
         "maskcli attend \"document(0,0,1,1) & window(2)\" --fill multiply",
         "maskcli attend padding --lengths 3,0 --fill min --png stages.png",
-        "maskcli attend causal --seed 789 --d-out 2 --stages weights --x "
+        "maskcli attend padding --lengths 3,0 --like sdpa --stages weights",
+        "maskcli attend causal --like tutorial --seed 789 --d-out 2 --stages unmasked,weights --x "
+        "\"[[0.43,0.15,0.89],[0.55,0.87,0.66],[0.57,0.85,0.64],[0.22,0.58,0.33],[0.77,0.25,0.10],[0.05,0.80,0.55]]\"",
+        "maskcli attend causal --like tutorial --seed 789 --d-out 2 --stages weights --dropout 0.5 --dropout-seed 123 --x "
         "\"[[0.43,0.15,0.89],[0.55,0.87,0.66],[0.57,0.85,0.64],[0.22,0.58,0.33],[0.77,0.25,0.10],[0.05,0.80,0.55]]\"",
     ),
 )
@@ -43,8 +46,10 @@ def parse_stages(text: str) -> tuple[str, ...]:
 @input_options(head_dim=8)
 def attend(
     kind: Expr = None,
-    fill: Fill = "-inf",
+    like: Like = None,
+    fill: Fill = None,
     dropout: Dropout = 0.0,
+    dropout_seed: DropoutSeed = None,
     stages: StagesOpt = "scores,masked,weights,output",
     batch_index: BatchIndex = None,
     head: Head = None,
@@ -57,11 +62,20 @@ def attend(
 ) -> None:
     """Run scaled dot-product attention through a mask and show every stage.
 
-    scores = Q Kᵀ, scaled = scores / sqrt(D), masked (see --fill), weights = softmax(masked), output = weights V. Under the tables, findings in plain words: rows that see no key (NaN or uniform weights), rows whose weights do not sum to 1, queries that see later keys, a fill value the dtype cannot hold.
+    scores = Q Kᵀ, scaled = scores / sqrt(D), masked (see --like and --fill), weights = softmax(masked), output = weights V. --like reproduces a library's own arithmetic, so its numbers match to the last digit on the same machine. Under the tables, findings in plain words: rows that see no key (NaN or uniform weights), rows whose weights do not sum to 1, queries that see later keys, a fill value the dtype cannot hold.
     """
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
 
+    if like is not None and fill is not None:
+        raise MaskError(f"--like {like} sets how masked scores are hidden; --fill {fill} does too: give one of them")
+    if like is not None:
+        check_choice(like, LIKES, "--like")
+    fill = fill or "-inf"
     check_choice(fill, FILLS, "--fill")
+    if like == "mha" and dropout > 0:
+        raise MaskError("--like mha drops weights inside SDPA, where they cannot be shown: use --like mha-weights with --dropout")
+    if dropout_seed is not None and not 0 <= dropout_seed < 2**63:
+        raise MaskError(f"--dropout-seed must be 0 to {2**63 - 1} (a 64-bit seed), got {dropout_seed}")
     names = list(parse_stages(stages))
     if png is not None and not png.strip():
         raise MaskError("--png is empty: give a file name")
@@ -73,7 +87,10 @@ def attend(
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "attend_" + built.slug) if png is not None else None
     from maskcli.attention.run import run_attention
 
-    run = run_attention(built, qkv, torch_device, torch_dtype, scale=inputs.scale, fill=fill, dropout=dropout, seed=inputs.seed)
+    run = run_attention(
+        built, qkv, torch_device, torch_dtype, scale=inputs.scale, fill=fill, dropout=dropout,
+        seed=inputs.seed if dropout_seed is None else dropout_seed, like=like, unmasked="unmasked" in names or json_,
+    )
 
     from maskcli.render import stages as report
 

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from maskcli.attention.pipelines import LIKE
 from maskcli.attention.stages import Stages
 from maskcli.files import json_number
 from maskcli.mask import Mask
@@ -62,14 +63,6 @@ def selection_note(shape, pairs, what: str, chosen: bool) -> str | None:
     return f"{what} show {shown} of {total} (batch, head) pairs (B={shape[0]}, H={shape[1]}): choose with --batch-index and --head"
 
 
-FILL_WORDS = {
-    "-inf": "masked_fill -inf",
-    "min": "masked_fill finfo.min",
-    "-1e9": "masked_fill -1e9",
-    "multiply": "softmax, then multiply by the mask and renormalise",
-}
-
-
 def run_header(mask: Mask, stages: Stages, device: torch.device, source: str) -> str:
     batch, heads, q_len, k_len = stages.keep.shape
     dtype = str(stages.scores.dtype).removeprefix("torch.")
@@ -77,23 +70,45 @@ def run_header(mask: Mask, stages: Stages, device: torch.device, source: str) ->
     return (
         f"attend {mask.title} · shape (B={batch}, H={heads}, Lq={q_len}, Lk={k_len}, "
         f"D={stages.output.shape[-1]})" + ("" if mask.frame.is_plain() else f" · {mask.frame.describe()}") + "\n"
-        f"device {device} · dtype {dtype} · scale {stages.scale:.6g} · fill: {FILL_WORDS[stages.fill]}{extra}\n"
+        f"device {device} · dtype {dtype} · scale {stages.scale:.6g} · {_how(stages)}{extra}\n"
         f"inputs: {source}\n"
         f"cells marked {MASKED_MARK} are masked"
     )
 
 
+def _how(stages: Stages) -> str:
+    how = stages.pipeline
+    return f"like {how.name}: {how.who}" if how.name in LIKE else f"fill: {how.who}"
+
+
 def stage_formula(name: str, stages: Stages) -> str:
     """What a stage is, in one line: `weights = softmax(masked)`."""
+    how = stages.pipeline
+    value = "finfo.min" if how.fill == "min" else how.fill
     if name == "scaled":
-        return f"scaled = scores × {stages.scale:.6g}"
+        return {
+            "divide": f"scaled = scores / √{stages.output.shape[-1]}",
+            "split": f"scaled = (Q × √{stages.scale:.6g}) (K × √{stages.scale:.6g})ᵀ",
+            "query": f"scaled = (Q × {stages.scale:.6g}) Kᵀ",
+        }.get(how.scale_by, f"scaled = scores × {stages.scale:.6g}")
+    if name == "unmasked":
+        return "unmasked = softmax(scaled), no mask at all (to compare with the weights)"
     if name == "masked":
-        if stages.fill == "multiply":
+        if how.fill == "multiply":
             return "masked = scaled (--fill multiply masks after the softmax)"
-        return f"masked = scaled, masked cells (×) set to {'finfo.min' if stages.fill == 'min' else stages.fill}"
+        if how.apply == "add":
+            return f"masked = scaled + mask (0 where kept, {value} where masked ×)"
+        return f"masked = scaled, masked cells (×) set to {value}"
     if name == "weights":
-        formula = "softmax(scaled) × mask, renormalised" if stages.fill == "multiply" else "softmax(masked)"
-        return f"weights = {formula}" + (f", then dropout {stages.dropout}" if stages.dropout else "")
+        formula = {
+            "safe": "safe_softmax(masked) (0 on rows that see no key)",
+            "float32": f"softmax(masked) in float32, cast to {str(stages.weights.dtype).removeprefix('torch.')}",
+        }.get(how.softmax, "softmax(masked)")
+        if how.fill == "multiply":
+            formula = "softmax(scaled) × mask, renormalised"
+        return f"weights = {formula}" + (f", then nn.Dropout({stages.dropout})" if stages.dropout else "")
+    if name == "output" and how.output == "sdpa":
+        return "output = F.scaled_dot_product_attention(Q, K, V, -inf mask)"
     return {"scores": "scores = Q Kᵀ", "output": "output = weights V"}[name]
 
 
@@ -207,6 +222,7 @@ def stages_json(mask: Mask, stages: Stages, device: torch.device, findings: list
         "dtype": str(stages.scores.dtype).removeprefix("torch."),
         "scale": stages.scale,
         "fill": stages.fill,
+        "like": stages.pipeline.name if stages.pipeline.name in LIKE else None,
         "dropout": stages.dropout,
         "mask": stages.keep.cpu().to(torch.uint8).tolist(),
         "stages": {name: _json_nested(stages.stage(name)) for name in names},
@@ -239,5 +255,6 @@ def stages_figure(mask: Mask, stages: Stages, names: list[str], pairs, device: t
                 row.append(Panel(prefix + name, keep, row_labels, col_labels, values=values, before_mask=before, show_leaks=name == "weights"))
         grid.append(row)
     dtype = str(stages.scores.dtype).removeprefix("torch.")
-    title = f"attend {mask.title} · {device} {dtype} · fill {stages.fill}"
+    how = f"like {stages.pipeline.name}" if stages.pipeline.name in LIKE else f"fill {stages.fill}"
+    title = f"attend {mask.title} · {device} {dtype} · {how}"
     return heatmap_figure(grid, title, None)
