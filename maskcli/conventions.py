@@ -71,11 +71,12 @@ def bytes_per_cell(convention: str, dtype: str = "float32") -> int:
 
 def cell_texts(convention: str, dtype: str = "float32") -> tuple[str, str]:
     """How a visible and a masked cell print in `convention`: (visible, masked)."""
-    if convention == "min":
-        return "0", f"{FLOAT_MIN[dtype]:.2g}"
+    if convention == "min":  # whole, as finfo prints it: -65504, not -6.6e+04; the wider ones in short
+        low = FLOAT_MIN[dtype]
+        return "0", f"{low:.0f}" if abs(low) < 1e6 else f"{low:.2g}"
     return {
         "keep": ("1", "0"),
-        "block": ("False", "True"),
+        "block": ("0", "1"),
         "additive": ("0", "-inf"),
         "int": ("1", "0"),
     }[convention]
@@ -86,5 +87,7 @@ def describe(convention: str, dtype: str = "float32") -> str:
     visible, masked = cell_texts(convention, dtype)
     if convention == "keep":
         return "keep (bool, 1 = True = may attend, 0 = masked)"
+    if convention == "block":
+        return "block (bool, 1 = True = masked, 0 = may attend)"
     dtype_note = f" {dtype}" if convention in ("additive", "min") else ""
     return f"{convention}{dtype_note} ({visible} = may attend, {masked} = masked)"

@@ -150,4 +150,4 @@ def write_array(array, path: Path) -> None:
                 return [nested(x) for x in item]
             return json_number(item) if isinstance(item, float) else item
 
-        atomic_write(path, lambda temp: Path(temp).write_text(json.dumps(nested(array.tolist()))))
+        atomic_write(path, lambda temp: Path(temp).write_text(json.dumps(nested(array.tolist())) + "\n"))

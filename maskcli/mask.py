@@ -310,9 +310,9 @@ def _padding(options: MaskOptions) -> tuple[tuple[int, ...] | None, np.ndarray |
                 raise MaskError(f"--lengths values must be 0 or more, got {value} in {options.lengths!r}")
     if options.ids is not None:
         rows = parse_rows(options.ids, "--ids", "1,2,3,0;4,5,0,0")
-        widths = sorted({len(row) for row in rows})
-        if len(widths) > 1:
-            raise MaskError(f"token id rows in {options.ids!r} have different lengths {widths}: pad every row to the same length with the pad id")
+        widths = [len(row) for row in rows]  # in row order, so the message reads against what was typed
+        if len(set(widths)) > 1:
+            raise MaskError(f"--ids {options.ids!r}: the batch rows have {', '.join(map(str, widths))} tokens, in that order: pad every row to the same length with the pad id")
         ids = np.asarray(rows, dtype=np.int64)
     return lengths, ids
 

@@ -236,3 +236,9 @@ def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
 def test_help_ends_with_examples():
     result = ok(["convert", "--help"])
     assert "maskcli convert mha_mask.pt --to keep --out sdpa_mask.pt" in " ".join(result.stdout.split())
+
+
+def test_json_ends_with_a_newline(tmp_path):
+    torch.save(torch.tril(torch.ones(2, 2, dtype=torch.bool)), tmp_path / "m.pt")
+    ok(["convert", str(tmp_path / "m.pt"), "--to", "int", "--out", str(tmp_path / "m.json")])
+    assert (tmp_path / "m.json").read_text() == "[[1, 0], [1, 1]]\n"

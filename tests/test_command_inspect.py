@@ -427,14 +427,14 @@ def test_text_report_then_the_mask_like_show(tmp_path):
     assert "convention: block — read as block (True = masked)" in text
     assert "structure: causal — rebuild it with: maskcli show causal --len 3 --offset 2" in text
     assert "findings: none" in text
-    assert lines[-3:] == ["2 False False False True True", "3 False False False False True", "4 False False False False False"]
+    assert lines[-3:] == ["2 0 0 0 1 1", "3 0 0 0 0 1", "4 0 0 0 0 0"]
 
 
 def test_text_report_with_tokens_and_findings(tmp_path):
     torch.save(torch.zeros(3, 3).masked_fill(~torch.ones(3, 3, dtype=torch.bool).tril(), torch.finfo(torch.float16).min), tmp_path / "m.pt")
     lines = [" ".join(line.split()) for line in ok(["inspect", tmp_path / "m.pt", "--tokens", "the cat sat"]).stdout.splitlines()]
     assert "convention: min — float 0 / finfo(float16).min, added to the scores (Hugging Face eager style)" in " ".join(lines)
-    assert lines[-4:] == ["q \\ kv the cat sat", "0 the 0 -6.6e+04 -6.6e+04", "1 cat 0 0 -6.6e+04", "2 sat 0 0 0"]
+    assert lines[-4:] == ["q \\ kv the cat sat", "0 the 0 -65504 -65504", "1 cat 0 0 -65504", "2 sat 0 0 0"]
 
 
 def test_png_is_the_mask(tmp_path):

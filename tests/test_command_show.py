@@ -122,10 +122,10 @@ def test_padding_from_ids():
 
 @pytest.mark.parametrize("convention, dtype, visible, masked, described", [
     ("keep", "float32", "1", "0", "keep (bool, 1 = True = may attend, 0 = masked)"),
-    ("block", "float32", "False", "True", "block (False = may attend, True = masked)"),
+    ("block", "float32", "0", "1", "block (bool, 1 = True = masked, 0 = may attend)"),
     ("additive", "float32", "0", "-inf", "additive float32 (0 = may attend, -inf = masked)"),
     ("min", "float32", "0", "-3.4e+38", "min float32 (0 = may attend, -3.4e+38 = masked)"),
-    ("min", "float16", "0", "-6.6e+04", "min float16 (0 = may attend, -6.6e+04 = masked)"),
+    ("min", "float16", "0", "-65504", "min float16 (0 = may attend, -65504 = masked)"),
     ("min", "bfloat16", "0", "-3.4e+38", "min bfloat16 (0 = may attend, -3.4e+38 = masked)"),
     ("int", "float32", "1", "0", "int (1 = may attend, 0 = masked)"),
 ])
@@ -262,7 +262,7 @@ def test_density_map_per_batch_row():
 @given(case=cases(), heads=st.integers(1, 2), shown_as=st.sampled_from(["keep", "block", "int"]))
 def test_json_of_random_expressions_equals_the_definitions(case, heads, shown_as):
     tree, options, frame, valid = case
-    args = ["show", ref.text(tree), "--heads", heads, "--as", shown_as, "--json"]  # --json is keep whatever --as says
+    args = ["show", ref.text(tree), "--heads", heads, "--as", shown_as, "--json"]  # --json writes the --as convention
     flags = {"length": "--len", "offset": "--offset", "kv_start": "--kv-start", "kv_len": "--kv-len", "align": "--align",
              "lengths": "--lengths", "ids": "--ids"}
     for key, flag in flags.items():
@@ -272,8 +272,10 @@ def test_json_of_random_expressions_equals_the_definitions(case, heads, shown_as
     batch = got["shape"][0]
     expected = expected_cells(tree, options, frame, valid, batch)
     assert got["shape"] == [batch, heads, frame[1], frame[3]]
-    assert (got["q_offset"], got["kv_offset"], got["convention"]) == (frame[0], frame[2], "keep")
-    assert np.array_equal(np.array(got["mask"]), np.repeat(expected[:, None], heads, axis=1).astype(int))
+    assert (got["q_offset"], got["kv_offset"], got["convention"]) == (frame[0], frame[2], shown_as)
+    cells = np.array(got["mask"], dtype=object)
+    keep = {"block": cells == 0, "additive": cells == 0.0, "min": cells == 0.0}.get(shown_as, cells == 1)
+    assert np.array_equal(keep.astype(bool), np.repeat(expected[:, None], heads, axis=1))
 
 
 def test_json_names_the_expression_its_kinds_and_their_params():
@@ -353,10 +355,12 @@ def test_additive_save_is_what_nn_transformer_builds(tmp_path):
     assert torch.equal(torch.load(tmp_path / "m.pt", weights_only=True)[0, 0], torch.nn.Transformer.generate_square_subsequent_mask(4))
 
 
-def test_save_with_json_writes_the_file_and_prints_keep(tmp_path):
+def test_save_with_json_writes_the_file_and_prints_the_same_convention(tmp_path):
     path = tmp_path / "m.npy"
     got = json.loads(ok(["show", "window", "--len", "3", "--window", "2", "--as", "block", "--save", path, "--json"]).stdout)
-    assert got["mask"] == [[[[1, 0, 0], [1, 1, 0], [0, 1, 1]]]]
+    assert got["convention"] == "block" and got["mask"] == [[[[0, 1, 1], [0, 0, 1], [1, 0, 0]]]]
+    additive = json.loads(ok(["show", "causal", "--len", "2", "--as", "additive", "--json"]).stdout)
+    assert additive["mask"] == [[[[0.0, "-inf"], [0.0, 0.0]]]] and additive["dtype"] == "float32"
     assert np.load(path).tolist() == [[[[False, True, True], [False, False, True], [True, False, False]]]]
 
 
@@ -683,3 +687,19 @@ def test_bad_own_masks_are_one_line(args, says, tmp_path, monkeypatch):
     result = invoke(["show", *args])
     assert result.exit_code == 2 and says in result.stderr and result.stderr.count("\n") == 1
     assert table_rows(ok(["show", "--mask", "all.pt", "--from", "keep"]).stdout) == ["0 1 1 1", "1 1 1 1", "2 1 1 1"]
+
+
+def test_triu_shown_as_keep_says_where_the_raw_matrix_is():
+    shown = ok(["show", "triu", "--len", "3"]).stdout.splitlines()
+    assert shown[2] == "the raw torch.triu matrix (1 = masked) is what --as block shows"
+    assert [line.split() for line in shown[-3:]] == [["0", "1", "0", "0"], ["1", "1", "1", "0"], ["2", "1", "1", "1"]]
+    raw = ok(["show", "triu", "--len", "3", "--as", "block"]).stdout.splitlines()
+    assert "raw torch.triu" not in "\n".join(raw)
+    assert [line.split() for line in raw[-3:]] == [["0", "0", "1", "1"], ["1", "0", "0", "1"], ["2", "0", "0", "0"]]
+    assert "raw torch.triu" not in ok(["show", "tril", "--len", "3"]).stdout
+
+
+def test_ids_rows_of_different_lengths_are_named_in_the_order_typed():
+    result = invoke(["show", "causal", "--ids", "1,2;3"])
+    assert result.exit_code == 2
+    assert "--ids '1,2;3': the batch rows have 2, 1 tokens, in that order" in result.stderr

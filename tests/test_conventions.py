@@ -52,8 +52,8 @@ def test_min_fill_is_the_lowest_finite_value_of_the_dtype(dtype):
 
 
 def test_cell_texts_and_descriptions():
-    assert cell_texts("block") == ("False", "True")
-    assert cell_texts("min", "float16") == ("0", "-6.6e+04")
+    assert cell_texts("block") == ("0", "1") and describe("block") == "block (bool, 1 = True = masked, 0 = may attend)"
+    assert cell_texts("min", "float16") == ("0", "-65504")
     assert describe("keep") == "keep (bool, 1 = True = may attend, 0 = masked)"
     assert describe("additive", "bfloat16") == "additive bfloat16 (0 = may attend, -inf = masked)"
 

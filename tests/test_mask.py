@@ -208,7 +208,7 @@ def test_sizes_come_from_the_data_when_len_is_not_given():
         ("padding", {"lengths": "2,x"}, "'x' at position 1 of '2,x' is not an integer"),
         ("padding", {"lengths": "2;3"}, "one length per batch row"),
         ("padding", {"ids": "1,2,0", "length": 4}, "--ids rows have 3 tokens but the sequence has 4 positions"),
-        ("padding", {"ids": "1,2;3"}, "different lengths [1, 2]"),
+        ("padding", {"ids": "1,2;3"}, "the batch rows have 2, 1 tokens, in that order"),
         ("padding", {"ids": "1,2", "lengths": "2"}, "either --lengths or --ids, not both"),
         ("causal", {"heads": 0}, "--heads must be at least 1"),
         ("prefix(9)", {"length": 4}, "the prefix of 9 is longer than the sequence (4 tokens)"),

@@ -22,6 +22,24 @@ from maskcli import __version__
 from maskcli.errors import MaskError
 
 UsageError = _click_exceptions.UsageError
+
+
+def _no_placeholder_for_flags() -> None:
+    """Help lists a flag (--json, --summary) with no value placeholder: newer typer writes <bool> there,
+    as if the flag took a value."""
+    option = getattr(typer.core, "TyperOption", None)
+    shown = getattr(option, "display_type_rich", None)
+    if shown is None or getattr(shown, "maskcli", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) else shown(self, ctx)
+
+    display_type_rich.maskcli = True
+    option.display_type_rich = display_type_rich
+
+
+_no_placeholder_for_flags()
 NoArgsIsHelpError = getattr(_click_exceptions, "NoArgsIsHelpError", ())
 
 
@@ -167,7 +185,7 @@ app = typer.Typer(
     "exact density maps or heatmaps, and run attention through them.",
     epilog="Examples: maskcli show causal --len 6 · maskcli show \"document(0,0,1,1) & window(2)\" · maskcli kinds",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
 )
@@ -181,6 +199,6 @@ def version_callback(value: bool) -> None:
 
 @app.callback()
 def root(
-    version: Annotated[bool, typer.Option("--version", callback=version_callback, is_eager=True, help="Print the version and exit.")] = False,
+    version: Annotated[bool, typer.Option("--version", "-V", callback=version_callback, is_eager=True, help="Print the version and exit.")] = False,
 ) -> None:
     """See and check attention masks."""

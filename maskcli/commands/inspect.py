@@ -120,7 +120,7 @@ def _shown_convention(analysis) -> tuple[str, str, str | None]:
         for name in DTYPES:
             if convention.sentinel == torch.finfo(torch_dtype(name)).min:
                 return "min", name, None
-    return "keep", "float32", "shown as keep (1 = may attend, 0 = masked): maskcli draws no column in the file's own values"
+    return "keep", "float32", "shown as keep (1 = may attend, 0 = masked): the file's own values are not one of the conventions maskcli draws"
 
 
 def _print_report(analysis, report: dict, mask) -> None:

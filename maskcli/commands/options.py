@@ -38,7 +38,7 @@ Tokens = Annotated[str | None, typer.Option("--tokens", help="Words that label t
 As = Annotated[str, typer.Option("--as", help="Convention shown and saved: " + "; ".join(f"{k} = {v}" for k, v in CONVENTIONS.items()) + ".", rich_help_panel=OUTPUT_PANEL)]
 Dtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype for the additive and min conventions: {', '.join(DTYPES)} (default float32).", rich_help_panel=OUTPUT_PANEL)]
 Png = Annotated[str | None, typer.Option("--png", help="Write a heatmap; the extension picks the format: .png, .svg or .pdf (a directory: a .png named after the mask).", rich_help_panel=OUTPUT_PANEL)]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON object: expression, kinds with their params, shape, q_offset, kv_offset, convention and the mask as nested 0/1 lists (1 = may attend).", rich_help_panel=OUTPUT_PANEL)]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object: expression, kinds with their params, shape, q_offset, kv_offset, convention and the mask as nested lists in the --as convention (keep: 0/1, 1 = may attend; additive: 0 and \"-inf\").", rich_help_panel=OUTPUT_PANEL)]
 Save = Annotated[str | None, typer.Option("--save", help="Save the mask tensor in the --as convention; .pt or .npy by extension (a directory: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 
 

@@ -127,7 +127,7 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
     from maskcli.render.masks import mask_json, mask_views
 
     if json_out:
-        typer.echo(mask_json(mask))
+        typer.echo(mask_json(mask, convention, dtype_name))
         return
 
     console, map_width = wide_console()

@@ -25,10 +25,10 @@ def rows_text(rows) -> str:
 
 
 def _array(rows, where: str) -> np.ndarray:
-    widths = sorted({len(row) for row in rows})
-    if len(widths) > 1:
-        raise MaskError(f"{where}: the rows have different lengths {widths}: give every batch row one value per position")
-    if widths == [0]:
+    widths = [len(row) for row in rows]
+    if len(set(widths)) > 1:
+        raise MaskError(f"{where}: the batch rows have {', '.join(map(str, widths))} values, in that order: give every batch row one value per position")
+    if set(widths) == {0}:
         raise MaskError(f"{where}: no values: give comma-separated integers such as 0,0,1,1")
     try:
         array = np.asarray(rows, dtype=np.int64).reshape(len(rows), -1)

@@ -27,7 +27,19 @@ def shape_text(mask: Mask) -> str:
 
 def header(mask: Mask, convention: str, dtype: str) -> str:
     where = "" if mask.frame.is_plain() else f" · {mask.frame.describe()}"
-    return f"{mask.title} · {shape_text(mask)}{where}\nconvention: {describe(convention, dtype)}"
+    text = f"{mask.title} · {shape_text(mask)}{where}\nconvention: {describe(convention, dtype)}"
+    if convention != "block" and _reads_triu_as_block(mask):
+        # triu's 1-cells are the masked ones, so shown as keep it looks like tril
+        text += "\nthe raw torch.triu matrix (1 = masked) is what --as block shows"
+    return text
+
+
+def _reads_triu_as_block(mask: Mask) -> bool:
+    from maskcli import terms
+
+    return mask.tree is not None and any(
+        term.kind.name == "triu" and term.values.get("means") == "block" for term in terms.terms(mask.tree)
+    )
 
 
 def head_groups(mask: Mask, batch: int) -> list[list[int]]:
@@ -142,11 +154,20 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
     return views
 
 
-def mask_json(mask: Mask) -> str:
-    """One JSON object; `mask` is nested [B][H][Lq][Lk] lists of 0/1, 1 = may attend."""
+def mask_json(mask: Mask, convention: str = "keep", dtype: str = "float32") -> str:
+    """One JSON object; `mask` is nested [B][H][Lq][Lk] lists in `convention`: keep and int 0/1 (1 = may attend),
+    block 0/1 (1 = masked), additive 0 / "-inf", min 0 / finfo(dtype).min."""
+    from maskcli.conventions import FLOAT_MIN
+
     check_dense_fits(mask.shape, 12, "as JSON", fix="use a smaller --len, or --summary --json for exact counts at any length")
-    dense = np.broadcast_to(mask.dense(), mask.shape).astype(np.uint8)
-    data = {**mask.json(), "name": mask.slug, "convention": "keep", "mask": dense.tolist()}
+    keep = np.broadcast_to(mask.dense(), mask.shape)
+    data = {**mask.json(), "name": mask.slug, "convention": convention}
+    if convention in ("keep", "int", "block"):
+        data["mask"] = (keep if convention != "block" else ~keep).astype(np.uint8).tolist()
+    else:
+        data["dtype"] = dtype
+        masked = "-inf" if convention == "additive" else FLOAT_MIN[dtype]  # JSON has no -inf: the house spells it
+        data["mask"] = np.where(keep, np.array(0.0, dtype=object), np.array(masked, dtype=object)).tolist()
     return json.dumps(data)
 
 
