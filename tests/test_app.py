@@ -44,3 +44,37 @@ def test_a_warning_is_not_followed_by_an_error_about_the_same_input():
     assert result.stderr.count("\n") == 1 and "warning" not in result.stderr
     result = runner.invoke(app, ["show", "causal", "--len", "2", "--dtype", "float16"])
     assert result.exit_code == 0 and "maskcli: warning: --dtype float16 is ignored" in result.stderr
+
+
+NARROW = [
+    ["show", "causal", "--len", "20"],
+    ["show", "window", "--len", "1048576", "--window", "128"],
+    ["show", "document(0,0,1,1,1,2)", "--tokens", "the cat sat on the mat"],
+    ["chunk", "0,0,1,1,1,1,2,2,2,3,4,4"],
+    ["blocks", "document(sizes=[300,500,224]) & window(128)", "--block", "64"],
+    ["diff", "window(4)", "window(5)", "--len", "12"],
+    ["attend", "causal", "--len", "6"],
+    ["verify", "causal", "--len", "6", "--repeat", "1"],
+    ["kinds"],
+    ["inspect", "[[1,0,0],[1,1,0],[1,1,1]]"],
+    ["show", "--help"],
+]
+
+
+def test_every_command_reads_at_60_columns():
+    for args in NARROW:
+        result = runner.invoke(app, args, env={"COLUMNS": "60", "MASKCLI_DEVICE": "cpu"})
+        assert result.exit_code in (0, 1), (args, result.output)
+        wide = [line for line in result.stdout.splitlines() if len(line) > 60]
+        assert not wide, (args, wide)
+
+
+def test_at_60_columns_a_20_key_mask_is_still_a_table_and_verify_keeps_its_numbers():
+    import re
+
+    shown = runner.invoke(app, ["show", "causal", "--len", "20"], env={"COLUMNS": "60"}).stdout.splitlines()
+    assert shown[3].split() == ["q", "\\", "kv", *"0123456789" * 2]  # the ones digits under the tens line
+    assert shown[4].split() == ["0", "1"] + ["0"] * 19 and shown[-1].split() == ["19"] + ["1"] * 20
+    verify = runner.invoke(app, ["verify", "causal", "--len", "6", "--repeat", "1"], env={"COLUMNS": "60", "MASKCLI_DEVICE": "cpu"})
+    assert "…" not in verify.stdout
+    assert len(re.findall(r"\d\.\d\de-\d\d", verify.stdout)) >= 3  # every max |diff| whole

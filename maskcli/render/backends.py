@@ -16,20 +16,28 @@ def _diff_text(max_diff: float | None, atol: float) -> Text:
 
 def backends_table(results, atol: float, title: str) -> Table:
     """One row per backend; refusal and error reasons become numbered notes in the caption."""
+    from rich import box
+
     notes = [f"max |diff| is against maskcli's float64 reference on rows that see a key; tolerance {atol:g}"]
-    table = Table(title=title, title_justify="left", caption_justify="left")
-    table.add_column("backend", style="bold", no_wrap=True)
-    table.add_column("result", no_wrap=True)
-    table.add_column("max |diff|", justify="right")
-    table.add_column("fully masked rows", justify="center")
-    table.add_column("time / call", justify="right")
+    rows = []
     for result in results:
         if result.status == "ok":
             status = Text("agrees", style="green") if result.agrees(atol) else Text("DISAGREES", style="bold red")
-            seconds = "-" if result.seconds is None else f"{result.seconds * 1e3:.3f} ms"
-            table.add_row(result.name, status, _diff_text(result.max_diff, atol), result.masked_rows, seconds)
+            seconds = "-" if result.seconds is None else f"{result.seconds * 1e3:.3g}"
+            rows.append((result.name, status, _diff_text(result.max_diff, atol), result.masked_rows, seconds))
         else:
             notes.append(f"[{len(notes)}] {result.name}: {result.reason}")
-            table.add_row(result.name, Text(f"{result.status} [{len(notes) - 1}]", style="yellow"), "-", "-", "-")
+            rows.append((result.name, Text(f"{result.status} [{len(notes) - 1}]", style="yellow"), "-", "-", "-"))
+    # numbers are never cut short: their columns are as wide as their longest value, and the
+    # words (backend names, headers) wrap between words when the terminal is narrow
+    widths = [max(len(str(row[i])) for row in rows) if rows else 1 for i in range(5)]
+    table = Table(title=title, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("backend", style="bold", overflow="fold")
+    table.add_column("result", width=max(widths[1], 6))
+    table.add_column("max |diff|", justify="right", width=max(widths[2], 6))
+    table.add_column("fully masked rows", justify="center", width=max(widths[3], 6))
+    table.add_column("ms / call", justify="right", width=max(widths[4], 4))
+    for row in rows:
+        table.add_row(*row)
     table.caption = "\n".join(notes)
     return table

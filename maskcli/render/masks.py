@@ -109,7 +109,17 @@ def _table_labels(mask: Mask, texts, console):
     for word_width, word_columns, note in choices:
         rows, cols = axis_labels(mask, word_width, word_columns)
         if fits(console, mask_table([[True] * f.k_len] * f.q_len, None, rows, cols, texts)):
-            return rows, cols, note
+            return rows, cols, note, False
+    if max(map(len, texts)) == 1:  # one character a cell: pack the columns, key positions written downwards
+        words = mask.tokens is not None
+        for word_width, note in ((None, "--tokens label the rows: the columns are key positions"),
+                                 (10, "--tokens cut to 10 characters and label the rows only, to fit"),
+                                 (0, "--tokens not shown: the words do not fit the width")):
+            rows, cols = axis_labels(mask, word_width, word_columns=False)
+            if fits(console, mask_table([[True] * f.k_len] * f.q_len, None, rows, cols, texts, compact=True)):
+                return rows, cols, note if words else "", True
+            if not words:
+                break
     return None
 
 
@@ -128,11 +138,11 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
     texts = cell_texts(convention, dtype)
     label_width = len(str(mask.frame.q_end - 1)) + 1
     # every cell takes at least two columns: decide before building labels for a long mask
-    labels = _table_labels(mask, texts, console) if 2 * k_len + label_width <= console.width and q_len <= TABLE_MAX_ROWS else None
+    labels = _table_labels(mask, texts, console) if 2 * k_len + label_width + 1 <= console.width and q_len <= TABLE_MAX_ROWS else None
     maybe_table = labels is not None
     views: list = [Text(header(mask, convention, dtype), style="bold")]
     if maybe_table:
-        row_labels, col_labels, note = labels
+        row_labels, col_labels, note, compact = labels
         if note:
             views.append(Text(note, style="dim"))
     elif mask.tokens is not None:
@@ -143,7 +153,7 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
             if title:  # its own line: a table title would wrap to the table's width
                 views.append(Text(title, style="bold"))
             if maybe_table:
-                table = mask_table(mask.cells(b, group[0]).tolist(), None, row_labels, col_labels, texts)
+                table = mask_table(mask.cells(b, group[0]).tolist(), None, row_labels, col_labels, texts, compact=compact)
                 if fits(console, table):
                     views.append(table)
                     continue

@@ -21,9 +21,17 @@ def grid_table(
     caption: str | None = None,
     corner: str = "q \\ kv",
     justify: str = "center",
+    compact: bool = False,
 ) -> Table:
-    """A queries x keys table; `cell(i, j)` gives each cell's styled text."""
-    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=None)
+    """A queries x keys table; `cell(i, j)` gives each cell's styled text.
+
+    `compact` packs single-character cells two columns apart, with each key position written
+    down its column (tens above ones), so that a 20-key mask reads at 60 columns.
+    """
+    if compact:
+        col_labels = stacked(col_labels)
+    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=None,
+                  padding=(0, 1, 0, 0) if compact else (0, 1))
     table.add_column(corner, justify="left", style="bold", no_wrap=True)
     for label in col_labels:
         table.add_column(label, justify=justify, no_wrap=True, header_style="bold")
@@ -39,11 +47,18 @@ def mask_table(
     col_labels: Sequence[str],
     texts: tuple[str, str],
     caption: str | None = None,
+    compact: bool = False,
 ) -> Table:
     """One 2-D mask: visible and masked cells differ by symbol and by colour."""
     visible = Text(texts[0], style=VISIBLE_STYLE)
     masked = Text(texts[1], style=MASKED_STYLE)
-    return grid_table(title, row_labels, col_labels, lambda i, j: visible if keep[i][j] else masked, caption)
+    return grid_table(title, row_labels, col_labels, lambda i, j: visible if keep[i][j] else masked, caption, compact=compact)
+
+
+def stacked(labels: Sequence[str]) -> list[str]:
+    """Labels written down their columns, right-aligned: ['9', '10'] -> [' \n9', '1\n0']."""
+    height = max((len(label) for label in labels), default=1)
+    return ["\n".join(label.rjust(height)) for label in labels]
 
 
 def fits(console: Console, renderable, width: int | None = None) -> bool:
