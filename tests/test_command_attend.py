@@ -584,7 +584,8 @@ def test_png_masked_cells_that_still_carry_weight_are_red_and_named(tmp_path):
             assert np.abs(pixel(image, row1, j - 0.35, i - 0.35) - np.array(LEAK_RGB)).max() <= 2, (i, j)
             assert np.abs(pixel(image, row0, j - 0.35, i - 0.35) - np.array(LEAK_RGB)).max() > 60, (i, j)
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
-    assert legend == ["masked (× in small panels)", "masked, yet weighted (a row that sees no key)"]
+    assert legend[:2] == ["grey: masked, this query may not look at this key (×)", "masked, yet weighted (a row that sees no key)"]
+    assert legend[2].startswith("padding")  # batch row 1 is all padding: the marks say so
 
 
 def test_png_with_fill_min_writes_no_warnings(tmp_path):
@@ -743,3 +744,21 @@ def test_attend_through_a_mask_file_with_given_inputs_equals_sdpa(tmp_path):
     expected = torch.nn.functional.scaled_dot_product_attention(q[None, None], k[None, None], v[None, None], attn_mask=keep)
     torch.testing.assert_close(torch.tensor(data["stages"]["output"], dtype=torch.float32)[0, 0], expected[0, 0])
     assert data["mask"] == [[keep.int().tolist()]]
+
+
+def test_png_weights_share_one_fixed_0_to_1_scale(tmp_path):
+    # two batch rows (padding lengths 4,2): every weights panel colours a weight w as viridis(w), whatever
+    # the panel's own range, so a dark cell means a small weight everywhere
+    import matplotlib
+
+    image, figure, run, pairs = figure_cells(tmp_path, ["padding", "--lengths", "4,2"], ["weights"])
+    viridis = matplotlib.colormaps["viridis"]
+    weights = run.stages.weights
+    for ax, (b, h) in zip(figure.axes, pairs):
+        for i in range(4):
+            for j in range(4 if b == 0 else 2):
+                expected = np.round(np.array(viridis(float(weights[b, h, i, j]))[:3]) * 255)
+                assert np.abs(pixel(image, ax, j - 0.35, i - 0.35) - expected).max() <= 3, (b, i, j)
+    # one colour bar for both panels, labelled, from 0 to 1
+    bars = [ax for ax in figure.axes if ax.get_label() == "<colorbar>"]
+    assert len(bars) == 1 and bars[0].get_ylim() == (0.0, 1.0) and bars[0].get_ylabel().startswith("weight")

@@ -35,6 +35,9 @@ class Panel:
     x_label: str = "key position (kv)"
     before_mask: bool = False  # values exist under masked cells too (scores): show them, hatched over
     show_leaks: bool = False  # weights: a masked cell with a nonzero weight is drawn in LEAK_RGB, with its value
+    scale: tuple[float, float] | None = None  # the colour scale's (low, high); None: this panel's own values
+    shared: str | None = None  # panels with the same key share one colour bar, labelled with the key
+    marks: object | None = None  # Structure: labels, boundaries, cached keys, padding and the diagonal to draw
 
     def leaks(self) -> np.ndarray:
         """Bool [Lq, Lk]: masked cells whose value is finite and not zero, where show_leaks asks for them."""
@@ -84,7 +87,8 @@ def _draw(ax, panel: Panel) -> object | None:
         # an output panel (queries x head dims) is tall and thin: let it fill its box
         aspect = "equal" if max(q_len, k_len) <= 4 * min(q_len, k_len) else "auto"
         if values.count():
-            image = ax.imshow(values, cmap=cmap, interpolation="nearest", aspect=aspect)
+            low, high = panel.scale if panel.scale is not None else (None, None)
+            image = ax.imshow(values, cmap=cmap, interpolation="nearest", aspect=aspect, vmin=low, vmax=high)
         else:  # nothing on the value scale: no colour bar to mislead
             ax.imshow(np.zeros((q_len, k_len, 3)) + _rgb(MASKED_RGB), interpolation="nearest", aspect=aspect)
         overlay = np.zeros((q_len, k_len, 4))
@@ -95,7 +99,10 @@ def _draw(ax, panel: Panel) -> object | None:
         if overlay[..., 3].any():
             ax.imshow(overlay, interpolation="nearest", aspect=aspect)
         if q_len <= VALUES_UP_TO and k_len <= VALUES_UP_TO:
-            low, high = (values.min(), values.max()) if values.count() else (0.0, 1.0)
+            if panel.scale is not None:
+                low, high = panel.scale
+            else:
+                low, high = (values.min(), values.max()) if values.count() else (0.0, 1.0)
             for i in range(q_len):
                 for j in range(k_len):
                     value = panel.values[i, j]
@@ -119,6 +126,10 @@ def _draw(ax, panel: Panel) -> object | None:
         _ticks(ax, panel.col_labels, "x")
     if panel.row_labels is not None:
         _ticks(ax, panel.row_labels, "y")
+    if panel.marks is not None:
+        from maskcli.render.structure import draw_marks
+
+        draw_marks(ax, panel.marks, absolute=panel.extent is not None)
     ax.set_xlabel(panel.x_label)
     ax.set_ylabel("query position (q)")
     ax.set_title(panel.title, fontsize=10)
@@ -146,8 +157,11 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels):
     columns = [max(row[c].keep.shape[1] for row in grid if c < len(row)) for c in range(n_cols)]
     widths = [max(3.2, min(columns[c], 4 * max(q_len, k_len)) * cell + 1.6) for c in range(n_cols)]
     height = max(2.6, q_len * cell + 1.6)
-    figure = Figure(figsize=(sum(widths), height * n_rows + 0.8), layout="constrained")
+    marked = any(panel.marks is not None for row in grid for panel in row)
+    # room for the legend's longest entry (and a title of a few words a line) beside a small panel
+    figure = Figure(figsize=(max(sum(widths), 5.6 if marked else 0), height * n_rows + (1.4 if marked else 0.8)), layout="constrained")
     axes = figure.subplots(n_rows, n_cols, squeeze=False, width_ratios=widths)
+    shared: dict[str, tuple[object, list]] = {}  # key -> (an image on the shared scale, the axes that use it)
     for r, row in enumerate(grid):
         for c in range(n_cols):
             ax = axes[r][c]
@@ -155,11 +169,24 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels):
                 ax.set_visible(False)
                 continue
             image = _draw(ax, row[c])
-            if image is not None:
+            if image is None:
+                continue
+            if row[c].shared is None:
                 figure.colorbar(image, ax=ax, shrink=0.8)
-    figure.suptitle(title, fontsize=11)
+            else:
+                found = shared.setdefault(row[c].shared, (image, []))
+                found[1].append(ax)
+    for label, (image, group) in shared.items():  # one bar for every panel on that scale, beside the last of them
+        bar = figure.colorbar(image, ax=group, shrink=0.8, location="right")
+        bar.set_label(label.split("#")[0], fontsize=9)
+    import textwrap
+
+    per_line = max(30, int(figure.get_figwidth() * 11))  # characters of an 11-point title across the figure
+    figure.suptitle("\n".join(textwrap.fill(line, per_line) for line in title.split("\n")), fontsize=11)
     if legend_labels is None:
-        handles = [mpatches.Patch(facecolor=_rgb(MASKED_RGB), edgecolor="black", label="masked (× in small panels)")]
+        handles = [mpatches.Patch(facecolor=_rgb(MASKED_RGB), edgecolor="black", label="grey: masked, this query may not look at this key (×)")]
+        if any(panel.before_mask for row in grid for panel in row):
+            handles.append(mpatches.Patch(facecolor=_rgb(MASKED_RGB), alpha=0.65, edgecolor="black", label="faded: a score the mask will hide"))
         if any(panel.leaks().any() for row in grid for panel in row):
             handles.append(mpatches.Patch(facecolor=_rgb(LEAK_RGB), edgecolor="black", label="masked, yet weighted (a row that sees no key)"))
     elif isinstance(legend_labels, list):
@@ -169,8 +196,29 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels):
             mpatches.Patch(facecolor=_rgb(VISIBLE_RGB), edgecolor="black", label=legend_labels[0]),
             mpatches.Patch(facecolor=_rgb(MASKED_RGB), edgecolor="black", label=legend_labels[1]),
         ]
-    figure.legend(handles=handles, loc="outside lower center", ncols=len(handles) if len(handles) > 2 else 2, frameon=False, fontsize=9)
+    handles += _mark_handles([panel.marks for row in grid for panel in row if panel.marks is not None])
+    fit = max(1, int(figure.get_figwidth() // 4.2))  # legend entries side by side, as many as the figure is wide for
+    figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), fit, 3), frameon=False, fontsize=9)
     return figure
+
+
+def _mark_handles(found: list) -> list:
+    """Legend entries for the structure marks drawn on any panel."""
+    if not found:
+        return []
+    import matplotlib.patches as mpatches
+    from matplotlib.lines import Line2D
+
+    from maskcli.render.structure import legend_entries
+
+    handles = []
+    for label, style in legend_entries(found):
+        if style.get("hatch"):
+            handles.append(mpatches.Patch(facecolor="white", hatch="///", edgecolor=(0.35, 0.35, 0.35), label=label))
+        else:
+            linestyle = "--" if style.get("dashed") else ":" if style.get("dotted") else "-"
+            handles.append(Line2D([0], [0], color=style["line"], linestyle=linestyle, linewidth=2, label=label))
+    return handles
 
 
 def save_figure(figure, path: Path) -> None:

@@ -13,6 +13,7 @@ import numpy as np
 from maskcli.conventions import cell_texts, describe
 from maskcli.counting import block_shares, how_counted
 from maskcli.mask import Mask
+from maskcli.text import shortened
 from maskcli.memory import check_dense_fits
 
 FIGURE_MAX_CELLS = 512  # per side; a longer mask is drawn as the share of visible cells per block
@@ -65,6 +66,8 @@ def panel_title(mask: Mask, batch: int, group: list[int]) -> str:
         parts.append(f"batch {batch}")
         if mask.frame.lengths is not None:
             parts[-1] += f" (length {mask.frame.lengths[batch]})"
+        elif mask.frame.ids is not None:
+            parts[-1] += f" (ids {shortened(','.join(map(str, mask.frame.ids[batch].tolist())), 40)})"
     if mask.shape[1] > 1:
         parts.append(f"head {group[0]}" if len(group) == 1 else f"heads {_ranges(group)} (identical)")
     return ", ".join(parts)
@@ -184,6 +187,7 @@ def mask_json(mask: Mask, convention: str = "keep", dtype: str = "float32") -> s
 def mask_figure(mask: Mask):
     """One panel per batch row (and distinct head); long masks show the exact visible share per block."""
     from maskcli.render.heatmaps import Panel, heatmap_figure
+    from maskcli.render.structure import structure
 
     batch, _, q_len, k_len = mask.shape
     rows = max(1, -(-q_len // FIGURE_MAX_CELLS))
@@ -194,11 +198,11 @@ def mask_figure(mask: Mask):
         for group in head_groups(mask, b):
             title = panel_title(mask, b, group)
             if rows == 1 and cols == 1:
-                panels.append(Panel(title, mask.cells(b, group[0]), *axis_labels(mask)))
+                panels.append(Panel(title, mask.cells(b, group[0]), *axis_labels(mask), marks=structure(mask, b)))
                 continue
             share = block_shares(mask, b, group[0], rows, cols)
             title = (title + "\n" if title else "") + f"one pixel = {rows:,} queries x {cols:,} keys (shade = share visible, {how_counted(mask)})"
-            panels.append(Panel(title, share, None, None, extent=(f.k_start, f.k_end, f.q_end, f.q_start)))
+            panels.append(Panel(title, share, None, None, extent=(f.k_start, f.k_end, f.q_end, f.q_start), marks=structure(mask, b)))
     where = "" if f.is_plain() else f", {f.describe()}"
     figure_title = f"{mask.title}\n{shape_text(mask)}{where}, keep convention"
     return heatmap_figure([panels], figure_title, ("may attend (True)", "masked (False)"))

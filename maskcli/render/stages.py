@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
+
 import torch
 
 from maskcli.attention.pipelines import LIKE
@@ -231,28 +233,50 @@ def stages_json(mask: Mask, stages: Stages, device: torch.device, findings: list
     return json.dumps(data)
 
 
+SCORE_STAGES = ("scores", "scaled", "masked")
+
+
+def _finite(values, keep, everywhere: bool):
+    """The finite values a panel colours: every cell before the mask, the visible ones after it."""
+    shown = np.isfinite(values) & (True if everywhere else keep)
+    return values[shown]
+
+
 def stages_figure(mask: Mask, stages: Stages, names: list[str], pairs, device: torch.device):
     """Rows = (batch, head) pairs, columns = stages; masked cells grey, off the value scale."""
-    import numpy as np
-
     from maskcli.render.masks import axis_labels
     from maskcli.render.heatmaps import Panel, heatmap_figure
 
+    from maskcli.render.structure import structure
+
     row_labels, col_labels = axis_labels(mask)
     batch, heads = stages.keep.shape[:2]
+    # weights on one 0-1 scale for every panel (a dark cell is a small weight, not small for its panel);
+    # dropout's kept weights are scaled up by 1/(1-p), so the scale then reaches the largest of them
+    weights = [stages.stage(name)[b, h] for name in names if name in ("weights", "unmasked") for b, h in pairs]
+    top = max([1.0] + [float(w[torch.isfinite(w)].max()) for w in weights if bool(torch.isfinite(w).any())])
     grid = []
-    for b, h in pairs:
+    for r, (b, h) in enumerate(pairs):
         keep = stages.keep[b, h].cpu().numpy()
         prefix = f"b{b} h{h}: " if batch * heads > 1 else ""
+        marks = structure(mask, b)
+        values_of = {name: stages.stage(name)[b, h].detach().to("cpu", torch.float64).numpy() for name in names}
+        scores = [_finite(values_of[n], keep, n in ("scores", "scaled") or stages.fill == "multiply") for n in names if n in SCORE_STAGES]
+        scores = np.concatenate(scores) if scores else np.zeros(0)
+        score_scale = (float(scores.min()), float(scores.max())) if scores.size and scores.min() < scores.max() else None
         row = []
         for name in names:
-            values = stages.stage(name)[b, h].detach().to("cpu", torch.float64).numpy()
+            values = values_of[name]
             if name == "output":
                 dims = [f"d{j}" for j in range(values.shape[-1])]
                 row.append(Panel(prefix + name, np.ones(values.shape, dtype=bool), row_labels, dims, values=values, x_label="dimension"))
+            elif name in ("weights", "unmasked"):
+                row.append(Panel(prefix + name, keep if name == "weights" else np.ones_like(keep), row_labels, col_labels, values=values,
+                                 show_leaks=name == "weights", scale=(0.0, top), shared="weight (0 = none, 1 = all of it)", marks=marks))
             else:
                 before = name in ("scores", "scaled") or (name == "masked" and stages.fill == "multiply")
-                row.append(Panel(prefix + name, keep, row_labels, col_labels, values=values, before_mask=before, show_leaks=name == "weights"))
+                row.append(Panel(prefix + name, keep, row_labels, col_labels, values=values, before_mask=before,
+                                 scale=score_scale, shared=f"score, b{b} h{h}#{r}" if score_scale else None, marks=marks))
         grid.append(row)
     dtype = str(stages.scores.dtype).removeprefix("torch.")
     how = f"like {stages.pipeline.name}" if stages.pipeline.name in LIKE else f"fill {stages.fill}"

@@ -1,0 +1,165 @@
+"""The structure that makes a mask, for figures and tables: label segments (chunk, document, segment,
+block ids and Llama 4 chunks) with their boundaries, the cached keys before the queries, padded keys
+and queries, and the diagonal (a query at its own position, bottom-right aligned).
+
+Everything is on absolute positions and computed per segment, not per cell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from maskcli.mask import Mask
+
+LABELLED = {"chunk": "chunk", "document": "doc", "segment": "seg", "blocks": "block"}
+MARK_RGB = (0.1, 0.1, 0.1)  # boundaries: near black, drawn over both mask colours
+CACHE_RGB = (0.85, 0.45, 0.0)  # the cache line: orange, off the mask and value colours
+DIAGONAL_RGB = (0.45, 0.0, 0.55)  # purple, off the mask and value colours
+MOST_SEGMENTS = 64
+PAD_BAND = {"facecolor": "white", "hatch": "////", "edgecolor": (0.3, 0.3, 0.3), "linewidth": 0.8}  # more boundaries than this would hide the mask itself
+
+
+@dataclass(frozen=True)
+class Structure:
+    q_start: int
+    q_end: int
+    k_start: int
+    k_end: int
+    word: str | None = None  # "doc", "chunk", ...: what the segments are
+    segments: tuple[tuple[int, int, int], ...] = ()  # (start, end, label) over absolute positions
+    pad_keys: tuple[tuple[int, int], ...] = ()  # [start, end) runs of padded key positions
+    pad_queries: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def cached(self) -> bool:
+        """Keys before the first query are already in the KV cache."""
+        return self.q_start > self.k_start
+
+    def label_of(self, position: int) -> int | None:
+        for start, end, label in self.segments:
+            if start <= position < end:
+                return label
+        return None
+
+
+def structure(mask: Mask, batch: int) -> Structure:
+    """The structure of batch row `batch` of `mask` (a tensor or a mask_mod has none but its positions)."""
+    f = mask.frame
+    word, segments = _segments(mask, batch, f)
+    pad_keys: tuple = ()
+    pad_queries: tuple = ()
+    if f.key_valid is not None:
+        valid = f.key_valid[batch if f.key_valid.shape[0] > 1 else 0]
+        pad_keys = _runs(~valid[f.k_start : f.k_end], f.k_start)
+        pad_queries = _runs(~valid[f.q_start : f.q_end], f.q_start)
+    return Structure(f.q_start, f.q_end, f.k_start, f.k_end, word, segments, pad_keys, pad_queries)
+
+
+def _segments(mask: Mask, batch: int, f) -> tuple[str | None, tuple]:
+    if mask.tree is None:
+        return None, ()
+    from maskcli import terms
+
+    for term in terms.terms(mask.tree):
+        word = LABELLED.get(term.kind.name)
+        if word is not None:
+            labels = term.values["labels"].array
+            row = labels[batch if labels.shape[0] > 1 else 0][: f.n]
+            return word, _label_runs(row)
+        if term.kind.name == "local":
+            size = term.values["chunk_size"]
+            starts = range(0, f.n, size)
+            if len(starts) <= MOST_SEGMENTS:
+                return "chunk", tuple((s, min(s + size, f.n), i) for i, s in enumerate(starts))
+    return None, ()
+
+
+def _label_runs(row: np.ndarray) -> tuple[tuple[int, int, int], ...]:
+    """(start, end, label) for each run of equal labels: computed from the change points, not per token."""
+    if row.size == 0:
+        return ()
+    change = np.flatnonzero(row[1:] != row[:-1]) + 1
+    if change.size + 1 > MOST_SEGMENTS:
+        return ()
+    starts = np.concatenate(([0], change))
+    ends = np.concatenate((change, [row.size]))
+    return tuple((int(s), int(e), int(row[s])) for s, e in zip(starts, ends))
+
+
+def _runs(flags: np.ndarray, offset: int) -> tuple[tuple[int, int], ...]:
+    if not flags.any():
+        return ()
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], flags.astype(np.int8), [0]))))
+    return tuple((int(a) + offset, int(b) + offset) for a, b in zip(edges[::2], edges[1::2]))
+
+
+def draw_marks(ax, s: Structure, absolute: bool = False) -> None:
+    """Boundaries and labels of segments, the cache line, padding hatched, and the diagonal, on a mask panel.
+
+    Cell (i, j) is centred at (j, i); `absolute` panels are drawn on positions instead (long masks).
+    """
+    x0 = 0 if absolute else s.k_start  # key position at x = 0 - 0.5 ...
+    y0 = 0 if absolute else s.q_start
+    half = 0 if absolute else 0.5
+
+    def kx(position):  # the left edge of key `position`
+        return position - x0 - half
+
+    def qy(position):  # the top edge of query `position`
+        return position - y0 - half
+
+    left, right, top, bottom = kx(s.k_start), kx(s.k_end), qy(s.q_start), qy(s.q_end)
+    # padding: a hatched band outside the cells, along the keys (below) and the queries (left of the tick
+    # labels would crowd them: right), so that the cells keep their colours
+    for start, end in s.pad_keys:
+        ax.axvspan(kx(start), kx(end), ymin=-0.035, ymax=-0.005, clip_on=False, **PAD_BAND)
+    for start, end in s.pad_queries:
+        ax.axhspan(qy(end), qy(start), xmin=1.005, xmax=1.035, clip_on=False, **PAD_BAND)
+    boundaries = sorted({start for start, _, _ in s.segments[1:]})
+    for position in boundaries:
+        if s.k_start < position < s.k_end:
+            ax.axvline(kx(position), color=MARK_RGB, linewidth=1.6)
+        if s.q_start < position < s.q_end:
+            ax.axhline(qy(position), color=MARK_RGB, linewidth=1.6)
+    if s.cached:
+        ax.axvline(kx(s.q_start), color=CACHE_RGB, linewidth=1.5, linestyle="--")
+    # the diagonal: each query's own position (bottom-right aligned: absolute positions line up), drawn as
+    # the staircase along the right edge of each (q, q) cell, so that no cell's colour is hidden under it
+    first, last = max(s.q_start, s.k_start), min(s.q_end, s.k_end)
+    if first < last:
+        if absolute:
+            xs, ys = [kx(first), kx(last)], [qy(first), qy(last)]
+        else:
+            steps = np.arange(first, last + 1)
+            xs = np.repeat(kx(steps + 1), 2)[:-1]
+            ys = np.repeat(qy(steps), 2)[1:]
+        ax.plot(xs, ys, color=DIAGONAL_RGB, linewidth=1.2, linestyle=(0, (2, 1.5)))
+    ax.set_xlim(left, right)
+    ax.set_ylim(bottom, top)
+    if s.segments:
+        centres = [((max(a, s.k_start) + min(b, s.k_end)) / 2, label) for a, b, label in s.segments if b > s.k_start and a < s.k_end]
+        top_axis = ax.secondary_xaxis("top")
+        top_axis.set_xticks([kx(c) for c, _ in centres], [str(label) for _, label in centres], fontsize=7)
+        top_axis.tick_params(length=0, pad=1)
+        top_axis.set_xlabel(f"{s.word} of each key", fontsize=8)
+        rows = [((max(a, s.q_start) + min(b, s.q_end)) / 2, label) for a, b, label in s.segments if b > s.q_start and a < s.q_end]
+        right_axis = ax.secondary_yaxis("right")
+        right_axis.set_yticks([qy(c) for c, _ in rows], [str(label) for _, label in rows], fontsize=7)
+        right_axis.tick_params(length=0, pad=8 if s.pad_queries else 1)
+
+
+def legend_entries(found: list[Structure]) -> list[tuple[str, dict]]:
+    """(label, style) for what `draw_marks` drew on any panel: the legend explains only what is there."""
+    entries = []
+    words = sorted({s.word for s in found if s.segments})
+    if words:
+        entries.append((f"{' / '.join(words)} boundary (labels on the top and right edges)", {"line": MARK_RGB}))
+    if any(s.cached for s in found):
+        entries.append(("cached keys | new keys (--offset)", {"line": CACHE_RGB, "dashed": True}))
+    if any(s.pad_keys or s.pad_queries for s in found):
+        entries.append(("padding (a hatched band beside its keys and queries)", {"hatch": True}))
+    if any(max(s.q_start, s.k_start) < min(s.q_end, s.k_end) for s in found):
+        entries.append(("diagonal: right of this edge, later keys", {"line": DIAGONAL_RGB, "dotted": True}))
+    return entries
