@@ -11,7 +11,7 @@ import numpy as np
 
 from maskcli.mask import Mask
 
-TILE_CELLS = 1 << 24  # cells per band when counting cell by cell
+TILE_CELLS = 1 << 22  # cells per band when counting cell by cell: a predicate's int64 temporaries stay near 100 MB
 
 
 def edges(length: int, block: int, start: int = 0) -> np.ndarray:
@@ -30,7 +30,9 @@ def block_counts(mask: Mask, b: int, h: int, row_block: int, key_block: int, pro
         return mask.intervals().block_counts(b, f.q_len, row_block, key_block)
     n_rows, n_cols = -(-f.q_len // row_block), -(-f.k_len // key_block)
     out = np.zeros((n_rows, n_cols), dtype=np.int64)
-    band = max(row_block, (TILE_CELLS // max(1, f.k_len)) // row_block * row_block)  # whole blocks of rows
+    # a band of at most TILE_CELLS cells, whatever the block: a block of rows may span several bands,
+    # each adding its part, so memory stays bounded as the mask grows
+    band = max(1, TILE_CELLS // max(1, f.k_len))
     key_edges = edges(f.k_len, key_block)
     for lo in range(0, f.q_len, band):
         hi = min(f.q_len, lo + band)

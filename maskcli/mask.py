@@ -12,6 +12,7 @@ A dense tensor (from a file) is a Mask too, with `keep` set and no expression.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -100,6 +101,7 @@ class Mask:
     def slug(self) -> str:
         """A file-name form of the name: causal_and_window_3."""
         words = self.text.replace("&", " and ").replace("|", " or ").replace("~", " not ")
+        words = re.sub(r"(?<![\w)])-(?=\d)", " minus ", words)  # tril(-1) is not tril(1): tril_minus_1
         slug = "".join(c if c.isalnum() else "_" for c in words)
         slug = "_".join(part for part in slug.split("_") if part)[:80]
         return slug or "mask"

@@ -99,6 +99,17 @@ def test_label_kinds_equal_their_definition():
         assert built.dense()[:, 0].tolist() == ref.dense(("kind", name, {"labels": labels}), q0=0, lq=6, k0=0, lk=6, batch=2)
 
 
+def test_many_image_blocks_keep_few_intervals():
+    # Gemma 3 with many images: -1 (no block) comes back between every two blocks, yet each row has
+    # at most one block's run of keys, so the intervals stay exact (not the cell-by-cell fallback)
+    ids = ([-1] * 2 + [0] * 3) * 1 + sum(([-1] * 2 + [i] * 3 for i in range(1, 40)), [])
+    text = ",".join(map(str, ids))
+    built = build(f"causal | blocks({text})")
+    assert built.exact, built.why_not_exact
+    expected = ref.dense(("or", [("kind", "causal", {}), ("kind", "blocks", {"labels": [ids]})]), q0=0, lq=len(ids), k0=0, lk=len(ids))
+    assert built.dense()[:, 0].tolist() == expected
+
+
 def test_recognition_reads_parameters_that_rebuild_the_kind():
     """Each kind's candidates, read off its own cells, include parameters that rebuild it."""
     for text, length in (("window(3)", 8), ("prefix(3)", 8), ("local(3)", 9), ("chunk(0,0,1,1,2)", 5), ("tril(1)", 5), ("triu(2, means=keep)", 5)):

@@ -433,3 +433,8 @@ def test_a_sliding_window_behind_a_sliding_cache_is_reproduced():
     function = hf_and(hf_causal, hf_sliding_window_overlay(4))
     expected = hf_mask(function, 1, torch.arange(10, 13), 16, 0)
     assert torch.equal(build("window(4)", offset=10, length=3, kv_len=16).materialize(), expected)
+
+
+def test_default_file_names_tell_negative_numbers_apart():
+    names = {text: build(text, MaskOptions()).slug for text in ("tril(1)", "tril(-1)", "causal & window(3)", "~triu(1)")}
+    assert names == {"tril(1)": "tril_1", "tril(-1)": "tril_minus_1", "causal & window(3)": "causal_and_window_3", "~triu(1)": "not_triu_1"}

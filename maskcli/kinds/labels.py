@@ -17,11 +17,13 @@ def _labels_param(help_text: str) -> Param:
     return Param("labels", "labels", help_text, "--chunks", metavar="LABELS", sizes=True)
 
 
-def same_label(labels: np.ndarray, frame, what: str) -> Intervals:
+def same_label(labels: np.ndarray, frame, what: str, skip_negative: bool = False) -> Intervals:
     """Per (batch row, query): the runs of keys that carry the query's label, as intervals.
 
     The runs of each label are found once and gathered per query, so the work is O(n)
     whatever the length; a label that comes back in more than MAX_PER_ROW runs is NotFew.
+    `skip_negative` leaves out labels below 0 (block ids' -1, "no block"): their queries get no
+    interval here, however often they come back.
     """
     q = frame.q_positions()
     starts, ends = [], []
@@ -30,16 +32,18 @@ def same_label(labels: np.ndarray, frame, what: str) -> Intervals:
         run_start = np.concatenate([[0], change])
         run_end = np.concatenate([change, [len(row)]])
         values, run_value = np.unique(row[run_start], return_inverse=True)
-        counts = np.bincount(run_value, minlength=len(values))
-        if counts.max() > MAX_PER_ROW:
+        kept = row[run_start] >= 0 if skip_negative else np.ones(len(run_start), dtype=bool)
+        counts = np.bincount(run_value[kept], minlength=len(values))
+        if counts.max(initial=0) > MAX_PER_ROW:
             value = int(values[counts.argmax()])
             raise NotFew(f"{what}: label {value} comes back in {int(counts.max())} separate runs")
-        order = np.argsort(run_value, kind="stable")  # runs grouped by label, in position order
-        rank = np.arange(len(order)) - np.repeat(np.cumsum(counts) - counts, counts)
-        table_s = np.full((len(values), counts.max()), frame.k_end, dtype=np.int64)
-        table_e = np.full((len(values), counts.max()), frame.k_end, dtype=np.int64)
-        table_s[run_value[order], rank] = run_start[order]
-        table_e[run_value[order], rank] = run_end[order]
+        ranked = np.flatnonzero(kept)[np.argsort(run_value[kept], kind="stable")]  # kept runs grouped by label, in position order
+        rank = np.arange(len(ranked)) - np.repeat(np.cumsum(counts) - counts, counts)
+        width = max(int(counts.max(initial=0)), 1)
+        table_s = np.full((len(values), width), frame.k_end, dtype=np.int64)
+        table_e = np.full((len(values), width), frame.k_end, dtype=np.int64)
+        table_s[run_value[ranked], rank] = run_start[ranked]
+        table_e[run_value[ranked], rank] = run_end[ranked]
         value_at = np.repeat(run_value, run_end - run_start)
         starts.append(table_s[value_at[q]])
         ends.append(table_e[value_at[q]])
@@ -60,7 +64,7 @@ def _document_intervals(p, frame):
 
 def _blocks_intervals(p, frame):
     ids = p["labels"].array
-    same = same_label(ids, frame, "block ids")
+    same = same_label(ids, frame, "block ids", skip_negative=True)
     in_block = (ids[:, frame.q_start : frame.q_end] >= 0)[:, :, None]  # (R, Lq, 1): -1 is no block
     return Intervals.of(np.where(in_block, same.starts, frame.k_end), np.where(in_block, same.ends, frame.k_end), frame.k_start, frame.k_end)
 
