@@ -63,7 +63,7 @@ WORDS = {
 
 def option_values(option) -> st.SearchStrategy:
     opt = max(option.opts, key=len)
-    annotation = getattr(option.type_descriptor, "annotation", str)
+    annotation = _annotation(option)
     if opt in WORDS:
         pool = WORDS[opt]
     elif opt in ("--png", "--save", "--out"):
@@ -77,6 +77,15 @@ def option_values(option) -> st.SearchStrategy:
     else:
         pool = LABELS + FILES
     return st.one_of(st.sampled_from(pool), st.text(max_size=6)).map(str)
+
+
+def _annotation(option) -> type:
+    """The Python type an option takes, from typer's descriptor (0.29+) or click's parameter type."""
+    descriptor = getattr(option, "type_descriptor", None)
+    if descriptor is not None:
+        return getattr(descriptor, "annotation", str)
+    kind = getattr(getattr(option, "type", None), "name", "")
+    return {"integer": int, "float": float}.get(kind, str)
 
 
 def positionals(name: str) -> st.SearchStrategy:
