@@ -427,7 +427,7 @@ def test_text_report_then_the_mask_like_show(tmp_path):
     assert "convention: block — read as block (True = masked)" in text
     assert "structure: causal — rebuild it with: maskcli show causal --len 3 --offset 2" in text
     assert "findings: none" in text
-    assert lines[-3:] == ["2 0 0 0 1 1", "3 0 0 0 0 1", "4 0 0 0 0 0"]
+    assert lines[-3:] == ["2 0 0 ║ 0 1 1", "3 0 0 ║ 0 0 1", "4 0 0 ║ 0 0 0"]  # keys 0-1 are cached
 
 
 def test_text_report_with_tokens_and_findings(tmp_path):

@@ -40,9 +40,28 @@ def lines(text):
     return [" ".join(line.split()) for line in text.splitlines() if line.strip()]
 
 
+MARKS = {"│", "║", "┼", "pad"}
+
+
 def table_rows(text):
-    """The body rows of every table in the output (lines that start with a query position)."""
-    return [line for line in lines(text) if re.match(r"-?\d+ ", line) and "one character" not in line]
+    """The body rows of every table in the output (lines that start with a query position), cells only:
+    the structure marks (label line above the keys, label column, rules, padding tags) taken out;
+    test_structure_marks_in_tables checks those."""
+    out, tagged = [], False
+    all_lines = lines(text)
+    for i, line in enumerate(all_lines):
+        if line.startswith("q \\ kv"):
+            tagged = len(line.split()) > 3 and line.split()[3] in ("doc", "chunk", "seg", "block")
+            continue
+        if i + 1 < len(all_lines) and all_lines[i + 1].startswith("q \\ kv"):
+            continue  # the labels above the key positions
+        if set(line.split()) <= {"─", "┼"} or not re.match(r"-?\d+ ", line) or "one character" in line:
+            continue
+        words = [word for word in line.split() if word not in MARKS]
+        if tagged:
+            del words[1]
+        out.append(" ".join(words))
+    return out
 
 
 # --- the table ----------------------------------------------------------------------
@@ -96,7 +115,7 @@ def test_prefill_rows_are_absolute_query_positions():
 def test_a_sliding_cache_labels_its_key_columns_by_absolute_position():
     result = ok(["show", "window", "--window", "3", "--offset", "9", "--len", "1", "--kv-start", "6"])
     assert lines(result.stdout)[0] == "window(3) · shape (B=1, H=1, Lq=1, Lk=4) · queries 9 · keys 6-9"
-    assert "q \\ kv 6 7 8 9" in lines(result.stdout)
+    assert "q \\ kv 6 7 8 ║ 9" in lines(result.stdout)  # keys 6-8 are in the cache, 9 is the new one
     assert table_rows(result.stdout) == ["9 0 1 1 1"]
 
 
@@ -142,7 +161,7 @@ def test_tokens_label_both_axes_by_absolute_position():
     assert "q \\ kv Your journey starts" in lines(result.stdout)
     assert table_rows(result.stdout) == ["0 Your 1 0 0", "1 journey 1 1 0", "2 starts 1 1 1"]
     prefill = ok(["show", "prefill", "--offset", "2", "--len", "2", "--tokens", "a b c d"])
-    assert "q \\ kv a b c d" in lines(prefill.stdout)
+    assert "q \\ kv a b ║ c d" in lines(prefill.stdout)  # a and b are in the cache
     assert table_rows(prefill.stdout) == ["2 c 1 1 1 0", "3 d 1 1 1 1"]
 
 
@@ -703,3 +722,26 @@ def test_ids_rows_of_different_lengths_are_named_in_the_order_typed():
     result = invoke(["show", "causal", "--ids", "1,2;3"])
     assert result.exit_code == 2
     assert "--ids '1,2;3': the batch rows have 2, 1 tokens, in that order" in result.stderr
+
+
+def test_structure_marks_in_tables():
+    docs = lines(ok(["show", "document(0,0,0,1,1,2,2,2) & window(3)", "--offset", "2", "--len", "6"]).stdout)
+    assert docs[2].startswith("│ ─ doc boundaries (labels above the keys and beside the queries) · ║ cached keys | new keys")
+    assert docs[3:] == [
+        "0 0 ║ 0 │ 1 1 │ 2 2 2",  # each key's document
+        "q \\ kv doc 0 1 ║ 2 │ 3 4 │ 5 6 7",  # the cache ends before query 2: ║; documents change at 3 and 5: │
+        "2 0 1 1 ║ 1 │ 0 0 │ 0 0 0",
+        "─ ─ ┼ ─ ┼ ─ ─ ┼ ─ ─ ─",
+        "3 1 0 0 ║ 0 │ 1 0 │ 0 0 0",
+        "4 1 0 0 ║ 0 │ 1 1 │ 0 0 0",
+        "─ ─ ┼ ─ ┼ ─ ─ ┼ ─ ─ ─",
+        "5 2 0 0 ║ 0 │ 0 0 │ 1 0 0",
+        "6 2 0 0 ║ 0 │ 0 0 │ 1 1 0",
+        "7 2 0 0 ║ 0 │ 0 0 │ 1 1 1",
+    ]
+    padded = lines(ok(["show", "causal", "--ids", "0,0,5,6;7,8,9,0"]).stdout)
+    assert padded[2] == "p / pad: padding · underlined: the diagonal (a query at its own position)"
+    assert padded[3:10] == ["batch 0 (ids 0,0,5,6)", "p p", "q \\ kv 0 1 2 3", "0 pad 0 0 0 0", "1 pad 0 0 0 0", "2 0 0 1 0", "3 0 0 1 1"]
+    assert padded[10:] == ["batch 1 (ids 7,8,9,0)", "p", "q \\ kv 0 1 2 3", "0 1 0 0 0", "1 1 1 0 0", "2 1 1 1 0", "3 pad 1 1 1 0"]
+    plain = lines(ok(["show", "causal", "--len", "3"]).stdout)
+    assert plain[2:] == ["q \\ kv 0 1 2", "0 1 0 0", "1 1 1 0", "2 1 1 1"]  # nothing to mark: the table as it was

@@ -96,7 +96,7 @@ def axis_labels(mask: Mask, word_width: int | None = None, word_columns: bool = 
     return rows, words[f.k_start : f.k_end] if word_columns else keys
 
 
-def _table_labels(mask: Mask, texts, console):
+def _table_labels(mask: Mask, texts, console, marks=None):
     """The fullest labels whose table fits the console: words on both axes, on the rows only, cut short,
     or none; and a note of what was given up."""
     from maskcli.render.tables import fits, mask_table
@@ -111,7 +111,7 @@ def _table_labels(mask: Mask, texts, console):
     f = mask.frame
     for word_width, word_columns, note in choices:
         rows, cols = axis_labels(mask, word_width, word_columns)
-        if fits(console, mask_table([[True] * f.k_len] * f.q_len, None, rows, cols, texts)):
+        if fits(console, mask_table([[True] * f.k_len] * f.q_len, None, rows, cols, texts, marks=marks)):
             return rows, cols, note, False
     if max(map(len, texts)) == 1:  # one character a cell: pack the columns, key positions written downwards
         words = mask.tokens is not None
@@ -119,7 +119,7 @@ def _table_labels(mask: Mask, texts, console):
                                  (10, "--tokens cut to 10 characters and label the rows only, to fit"),
                                  (0, "--tokens not shown: the words do not fit the width")):
             rows, cols = axis_labels(mask, word_width, word_columns=False)
-            if fits(console, mask_table([[True] * f.k_len] * f.q_len, None, rows, cols, texts, compact=True)):
+            if fits(console, mask_table([[True] * f.k_len] * f.q_len, None, rows, cols, texts, compact=True, marks=marks)):
                 return rows, cols, note if words else "", True
             if not words:
                 break
@@ -137,17 +137,24 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
     from maskcli.render.density import MAX_LINES, choose_blocks, density_text
     from maskcli.render.tables import fits, mask_table
 
+    from maskcli.render.structure import structure, table_marks
+
     batch, _, q_len, k_len = mask.shape
     texts = cell_texts(convention, dtype)
     label_width = len(str(mask.frame.q_end - 1)) + 1
-    # every cell takes at least two columns: decide before building labels for a long mask
-    labels = _table_labels(mask, texts, console) if 2 * k_len + label_width + 1 <= console.width and q_len <= TABLE_MAX_ROWS else None
+    # every cell takes at least two columns: decide before building labels (or marks) for a long mask
+    small = 2 * k_len + label_width + 1 <= console.width and q_len <= TABLE_MAX_ROWS
+    marks = [table_marks(structure(mask, b)) for b in range(batch)] if small else None
+    labels = _table_labels(mask, texts, console, marks[0]) if small else None
     maybe_table = labels is not None
     views: list = [Text(header(mask, convention, dtype), style="bold")]
     if maybe_table:
         row_labels, col_labels, note, compact = labels
         if note:
             views.append(Text(note, style="dim"))
+        legend = max((m.legend() for m in marks), key=len)
+        if legend:
+            views.append(Text(legend, style="dim"))
     elif mask.tokens is not None:
         views.append(Text("--tokens not shown: a density map has no room for words", style="dim"))
     for b in range(batch):
@@ -156,7 +163,7 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
             if title:  # its own line: a table title would wrap to the table's width
                 views.append(Text(title, style="bold"))
             if maybe_table:
-                table = mask_table(mask.cells(b, group[0]).tolist(), None, row_labels, col_labels, texts, compact=compact)
+                table = mask_table(mask.cells(b, group[0]).tolist(), None, row_labels, col_labels, texts, compact=compact, marks=marks[b])
                 if fits(console, table):
                     views.append(table)
                     continue

@@ -150,6 +150,51 @@ def draw_marks(ax, s: Structure, absolute: bool = False) -> None:
         right_axis.tick_params(length=0, pad=8 if s.pad_queries else 1)
 
 
+@dataclass(frozen=True)
+class TableMarks:
+    """Structure for a table of cells: what each key column and query row is labelled with, where rules go."""
+
+    word: str | None  # "doc", "chunk", ...: the labels' header
+    key_tops: tuple[str, ...] | None  # a line above the key positions: each key's label, "p" on padding
+    row_tags: tuple[str, ...] | None  # each query row's label, "pad" on padding
+    col_breaks: dict  # key column index -> the rule before it: "│" a label boundary, "║" the cache's end
+    row_breaks: frozenset  # query row indices a rule goes above
+    diagonal: tuple[int | None, ...]  # per query row, the column of its own position (None: not among the keys)
+
+    def legend(self) -> str:
+        parts = []
+        if "│" in self.col_breaks.values() or self.row_breaks:
+            parts.append(f"│ ─ {self.word} boundaries (labels above the keys and beside the queries)")
+        if "║" in self.col_breaks.values():
+            parts.append("║ cached keys | new keys")
+        if self.key_tops and "p" in self.key_tops or self.row_tags and "pad" in self.row_tags:
+            parts.append("p / pad: padding")
+        if parts and any(d is not None for d in self.diagonal):  # on its own, the underline needs no words
+            parts.append("underlined: the diagonal (a query at its own position)")
+        return " · ".join(parts)
+
+
+def table_marks(s: Structure) -> TableMarks:
+    """Labels, rules, padding and the diagonal of `s`, for a table of its queries x keys."""
+    keys, queries = range(s.k_start, s.k_end), range(s.q_start, s.q_end)
+    pad_keys = {k for a, b in s.pad_keys for k in range(a, b)}  # a table is small: positions one by one
+    pad_queries = {q for a, b in s.pad_queries for q in range(a, b)}
+    labelled = bool(s.segments)
+    key_tops = None
+    if labelled or pad_keys:
+        key_tops = tuple("p" if k in pad_keys else str(s.label_of(k)) if labelled else "" for k in keys)
+    row_tags = None
+    if labelled or pad_queries:
+        row_tags = tuple("pad" if q in pad_queries else str(s.label_of(q)) if labelled else "" for q in queries)
+    starts = {start for start, _, _ in s.segments[1:]}
+    col_breaks = {k - s.k_start: "│" for k in keys if k in starts and k != s.k_start}
+    if s.cached:
+        col_breaks[s.q_start - s.k_start] = "║"
+    row_breaks = frozenset(q - s.q_start for q in queries if q in starts and q != s.q_start)
+    diagonal = tuple(q - s.k_start if s.k_start <= q < s.k_end else None for q in queries)
+    return TableMarks(s.word if labelled else None, key_tops, row_tags, col_breaks, row_breaks, diagonal)
+
+
 def legend_entries(found: list[Structure]) -> list[tuple[str, dict]]:
     """(label, style) for what `draw_marks` drew on any panel: the legend explains only what is there."""
     entries = []

@@ -22,21 +22,49 @@ def grid_table(
     corner: str = "q \\ kv",
     justify: str = "center",
     compact: bool = False,
+    marks=None,
 ) -> Table:
     """A queries x keys table; `cell(i, j)` gives each cell's styled text.
 
     `compact` packs single-character cells two columns apart, with each key position written
-    down its column (tens above ones), so that a 20-key mask reads at 60 columns.
+    down its column (tens above ones), so that a 20-key mask reads at 60 columns. `marks`
+    (structure.TableMarks) adds each key's label above its position, each query's beside it, and
+    rules at label boundaries and at the cache's end.
     """
     if compact:
         col_labels = stacked(col_labels)
+    tops = marks.key_tops if marks is not None else None
+    if tops is not None:
+        col_labels = [f"{top}\n{label}" for top, label in zip(tops, col_labels)]
+    breaks = marks.col_breaks if marks is not None else {}
     table = Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=None,
                   padding=(0, 1, 0, 0) if compact else (0, 1))
-    table.add_column(corner, justify="left", style="bold", no_wrap=True)
-    for label in col_labels:
+    depth = max((label.count("\n") for label in col_labels), default=0) + 1
+    table.add_column(corner if tops is None else "\n" * (depth - 1) + corner, justify="left", style="bold", no_wrap=True)
+    tags = marks.row_tags if marks is not None else None
+    if tags is not None:
+        table.add_column("\n" * (depth - 1) + (marks.word or ""), justify="left", style="dim", no_wrap=True)
+    for j, label in enumerate(col_labels):
+        if j in breaks:
+            table.add_column("\n".join(breaks[j] * depth), justify="center", no_wrap=True, style="dim")
         table.add_column(label, justify=justify, no_wrap=True, header_style="bold")
     for i, label in enumerate(row_labels):
-        table.add_row(label, *(cell(i, j) for j in range(len(col_labels))))
+        if marks is not None and i in marks.row_breaks:
+            cells = []
+            for j in range(len(col_labels)):
+                if j in breaks:
+                    cells.append(Text("┼", style="dim"))
+                cells.append(Text("─", style="dim"))
+            table.add_row("", *([""] if tags is not None else []), *cells)
+        row = []
+        for j in range(len(col_labels)):
+            if j in breaks:
+                row.append(Text(breaks[j], style="dim"))
+            shown = cell(i, j)
+            if marks is not None and marks.diagonal[i] == j:
+                shown = Text(shown.plain, style=f"{shown.style} underline")
+            row.append(shown)
+        table.add_row(label, *([tags[i]] if tags is not None else []), *row)
     return table
 
 
@@ -48,11 +76,12 @@ def mask_table(
     texts: tuple[str, str],
     caption: str | None = None,
     compact: bool = False,
+    marks=None,
 ) -> Table:
     """One 2-D mask: visible and masked cells differ by symbol and by colour."""
     visible = Text(texts[0], style=VISIBLE_STYLE)
     masked = Text(texts[1], style=MASKED_STYLE)
-    return grid_table(title, row_labels, col_labels, lambda i, j: visible if keep[i][j] else masked, caption, compact=compact)
+    return grid_table(title, row_labels, col_labels, lambda i, j: visible if keep[i][j] else masked, caption, compact=compact, marks=marks)
 
 
 def stacked(labels: Sequence[str]) -> list[str]:
