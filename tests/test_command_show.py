@@ -726,7 +726,7 @@ def test_ids_rows_of_different_lengths_are_named_in_the_order_typed():
 
 def test_structure_marks_in_tables():
     docs = lines(ok(["show", "document(0,0,0,1,1,2,2,2) & window(3)", "--offset", "2", "--len", "6"]).stdout)
-    assert docs[2].startswith("│ ─ doc boundaries (labels above the keys and beside the queries) · ║ cached keys | new keys")
+    assert docs[2].startswith("│ ─ doc boundaries (labels above the keys, beside the queries) · ║ cached keys | new keys")
     assert docs[3:] == [
         "0 0 ║ 0 │ 1 1 │ 2 2 2",  # each key's document
         "q \\ kv doc 0 1 ║ 2 │ 3 4 │ 5 6 7",  # the cache ends before query 2: ║; documents change at 3 and 5: │
@@ -740,7 +740,7 @@ def test_structure_marks_in_tables():
         "7 2 0 0 ║ 0 │ 0 0 │ 1 1 1",
     ]
     padded = lines(ok(["show", "causal", "--ids", "0,0,5,6;7,8,9,0"]).stdout)
-    assert padded[2] == "p / pad: padding · underlined: the diagonal (a query at its own position)"
+    assert padded[2] == "p / pad: padding · underlined: the diagonal"
     assert padded[3:10] == ["batch 0 (ids 0,0,5,6)", "p p", "q \\ kv 0 1 2 3", "0 pad 0 0 0 0", "1 pad 0 0 0 0", "2 0 0 1 0", "3 0 0 1 1"]
     assert padded[10:] == ["batch 1 (ids 7,8,9,0)", "p", "q \\ kv 0 1 2 3", "0 1 0 0 0", "1 1 1 0 0", "2 1 1 1 0", "3 pad 1 1 1 0"]
     plain = lines(ok(["show", "causal", "--len", "3"]).stdout)

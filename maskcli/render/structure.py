@@ -164,13 +164,13 @@ class TableMarks:
     def legend(self) -> str:
         parts = []
         if "│" in self.col_breaks.values() or self.row_breaks:
-            parts.append(f"│ ─ {self.word} boundaries (labels above the keys and beside the queries)")
+            parts.append(f"│ ─ {self.word} boundaries (labels above the keys, beside the queries)")
         if "║" in self.col_breaks.values():
             parts.append("║ cached keys | new keys")
         if self.key_tops and "p" in self.key_tops or self.row_tags and "pad" in self.row_tags:
             parts.append("p / pad: padding")
         if parts and any(d is not None for d in self.diagonal):  # on its own, the underline needs no words
-            parts.append("underlined: the diagonal (a query at its own position)")
+            parts.append("underlined: the diagonal")
         return " · ".join(parts)
 
 
