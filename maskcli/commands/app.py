@@ -22,24 +22,6 @@ from maskcli import __version__
 from maskcli.errors import MaskError
 
 UsageError = _click_exceptions.UsageError
-
-
-def _no_placeholder_for_flags() -> None:
-    """Help lists a flag (--json, --summary) with no value placeholder: newer typer writes <bool> there,
-    as if the flag took a value."""
-    option = getattr(typer.core, "TyperOption", None)
-    shown = getattr(option, "display_type_rich", None)
-    if shown is None or getattr(shown, "maskcli", False):
-        return
-
-    def display_type_rich(self, ctx):
-        return None if getattr(self, "is_flag", False) else shown(self, ctx)
-
-    display_type_rich.maskcli = True
-    option.display_type_rich = display_type_rich
-
-
-_no_placeholder_for_flags()
 NoArgsIsHelpError = getattr(_click_exceptions, "NoArgsIsHelpError", ())
 
 
