@@ -762,3 +762,14 @@ def test_png_weights_share_one_fixed_0_to_1_scale(tmp_path):
     # one colour bar for both panels, labelled, from 0 to 1
     bars = [ax for ax in figure.axes if ax.get_label() == "<colorbar>"]
     assert len(bars) == 1 and bars[0].get_ylim() == (0.0, 1.0) and bars[0].get_ylabel().startswith("weight")
+
+
+def test_png_panels_of_a_row_line_up_their_query_rows(tmp_path):
+    # a 40-token run: the output panel (queries x head dims) is tall and thin beside square key panels;
+    # query row i must sit at the same height in every panel of the row
+    image, figure, run, pairs = figure_cells(tmp_path, ["causal", "--len", 40], ["scores", "weights", "output"])
+    panels = [ax for ax in figure.axes if ax.get_title() in ("scores", "weights", "output")]
+    assert len(panels) == 3
+    for row in (0, 20, 39):
+        heights = [ax.transData.transform((0, row))[1] for ax in panels]
+        assert max(heights) - min(heights) <= 1.0, heights

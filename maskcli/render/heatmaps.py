@@ -84,8 +84,9 @@ def _draw(ax, panel: Panel) -> object | None:
         # hidden cells become NaN, not just masked: a fill like finfo.min would overflow the colour scaling
         values = np.ma.masked_invalid(np.where(hidden, np.nan, panel.values))
         cmap = matplotlib.colormaps["viridis"].with_extremes(bad=_rgb(MASKED_RGB))
-        # an output panel (queries x head dims) is tall and thin: let it fill its box
-        aspect = "equal" if max(q_len, k_len) <= 4 * min(q_len, k_len) else "auto"
+        # value panels fill their boxes: a row of panels (keys, and an output's head dims) then shares one
+        # height, so query rows line up across it; the figure's widths keep the cells near square
+        aspect = "auto"
         if values.count():
             low, high = panel.scale if panel.scale is not None else (None, None)
             image = ax.imshow(values, cmap=cmap, interpolation="nearest", aspect=aspect, vmin=low, vmax=high)
