@@ -45,6 +45,9 @@ def test_padding_cache_and_local_chunks():
     local = structure(build("local(3)", MaskOptions(length=8)), 0)
     assert local.segments == ((0, 3, 0), (3, 6, 1), (6, 8, 2))
     assert structure(build("window(2)", MaskOptions(length=4)), 0).segments == ()
+    # Llama 4 with left padding: the chunks count from each row's first real token
+    left = build("local(3)", MaskOptions(ids="0,0,5,6,7,8,9,4;1,2,3,4,5,6,7,8"))
+    assert structure(left, 0).segments == ((2, 5, 0), (5, 8, 1)) and structure(left, 1).segments == ((0, 3, 0), (3, 6, 1), (6, 8, 2))
 
 
 def rendered(expression, **options):

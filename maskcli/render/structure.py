@@ -68,9 +68,10 @@ def _segments(mask: Mask, batch: int, f) -> tuple[str | None, tuple]:
             labels = term.values["labels"].array
             row = labels[batch if labels.shape[0] > 1 else 0][: f.n]
             return word, _label_runs(row)
-        if term.kind.name == "local":
+        if term.kind.name == "local":  # chunks count from the row's first real token, as the kind does
             size = term.values["chunk_size"]
-            starts = range(0, f.n, size)
+            pad = int(f.left_padding()[batch if f.batch > 1 else 0]) if f.padded else 0
+            starts = range(pad, f.n, size)
             if len(starts) <= MOST_SEGMENTS:
                 return "chunk", tuple((s, min(s + size, f.n), i) for i, s in enumerate(starts))
     return None, ()
