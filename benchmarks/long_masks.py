@@ -38,11 +38,25 @@ KINDS = [
     (f"chunk(sizes=[{SIZES}])", []),
     (f"document(sizes=[{SIZES}]) & window(4096)", []),
     (f"segment(sizes=[{SIZES}])", []),
-    (f"causal | blocks(sizes=[{SIZES}])".replace("blocks(sizes", "segment(sizes"), []),
+    ('causal | blocks("{ids}")', []),  # 256 images of 1,024 tokens between text (Gemma 3), ids from a file
     ("tril(-5)", []),
     ("triu(1)", []),
     ("causal", ["--lengths", f"{N},{N // 2}"]),
+    ("tree(-1,0,0,1,1,2,3,3)", ["--offset", str(N - 8)]),  # a draft tree behind a 1M-token cache
 ]
+
+
+def image_ids(folder: str) -> str:
+    """A .npy of block ids: 256 images of 1,024 tokens, -1 (text) between them, over 1,048,576 positions."""
+    import numpy as np
+
+    ids = np.full(N, -1, dtype=np.int64)
+    for image in range(256):
+        start = image * 4096 + 1024
+        ids[start : start + 1024] = image
+    path = os.path.join(folder, "image_ids.npy")
+    np.save(path, ids)
+    return path
 
 
 def run(args: list[str], env=None) -> tuple[float, int]:
@@ -75,8 +89,12 @@ def main() -> None:
     base, base_memory = measure([sys.executable, "-c", "import numpy"], args.runs)
     print(f"reference python -c 'import numpy': {base:.3f} s, {mib(base_memory)}; {args.runs} runs each, median wall, peak RSS")
     print(f"{'show at 1,048,576 tokens':58s} {'summary':>8s} {'map':>8s} {'peak':>11s}  vs reference")
+    import tempfile
+
+    folder = tempfile.mkdtemp()
     for text, extra in KINDS[:3] if args.quick else KINDS:
-        length = [] if "sizes" in text else ["--len", str(N)]
+        text = text.replace("{ids}", image_ids(folder)) if "{ids}" in text else text
+        length = [] if "sizes" in text or "ids" in text or "tree" in text else ["--len", str(N)]
         summary, summary_memory = measure([*maskcli, "show", text, *length, *extra, "--summary"], args.runs, env)
         mapped, map_memory = measure([*maskcli, "show", text, *length, *extra], args.runs, env)
         worst, memory = max(summary, mapped), max(summary_memory, map_memory)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +67,7 @@ def test_every_figure_is_drawn_by_its_command(page, command, tmp_path):
     assert (tmp_path / Path(target).name).stat().st_size > 1000
 
 
-@pytest.mark.skipif(shutil.which("mkdocs") is None, reason="the docs extra is not installed")
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="the docs extra is not installed")
 def test_the_site_builds_strict(tmp_path):
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
