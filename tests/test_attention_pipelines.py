@@ -35,7 +35,7 @@ def test_tutorial_is_masked_fill_then_softmax_of_the_divided_scores():
     assert torch.equal(stages.output.nan_to_num(7.0), (weights @ v).nan_to_num(7.0))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_sdpa_is_the_math_backend(dtype):
     q, k, v, keep = inputs(dtype=dtype)
     stages = attend(q, k, v, keep, like="sdpa")

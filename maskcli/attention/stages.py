@@ -79,6 +79,12 @@ def attend(
     if fill not in FILLS:
         raise ValueError(f"unknown fill {fill!r}; known: {', '.join(FILLS)}")
     how = pipeline(like, fill)
+    if like == "sdpa" and q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
+        # SDPA's math backend on the CPU computes half precision in float32 and casts the result back
+        wide = attend(q.float(), k.float(), v.float(), keep, scale=scale, fill=fill, dropout=dropout, seed=seed, like=like, unmasked=unmasked)
+        narrow = {name: getattr(wide, name).to(q.dtype) for name in ("scores", "scaled", "masked", "weights", "output")}
+        return Stages(**narrow, keep=wide.keep, scale=wide.scale, pipeline=wide.pipeline, dropout=dropout,
+                      unmasked=None if wide.unmasked is None else wide.unmasked.to(q.dtype))
     head_dim = q.shape[-1]
     given_scale = scale
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale

@@ -208,7 +208,12 @@ def mask_figure(mask: Mask):
                 panels.append(Panel(title, mask.cells(b, group[0]), *axis_labels(mask), marks=structure(mask, b)))
                 continue
             share = block_shares(mask, b, group[0], rows, cols)
-            title = (title + "\n" if title else "") + f"one pixel = {rows:,} queries x {cols:,} keys (shade = share visible, {how_counted(mask)})"
+            # a pixel with any visible cell is never drawn as empty: shares above 0 start a third of the way to blue
+            share = np.where(share > 0, 0.3 + 0.7 * share, 0.0)
+            title = (title + "\n" if title else "") + (
+                f"one pixel = {rows:,} queries x {cols:,} keys\n(shade = share visible, any visible cell at least light blue;\n"
+                f"{how_counted(mask)})"
+            )
             panels.append(Panel(title, share, None, None, extent=(f.k_start, f.k_end, f.q_end, f.q_start), marks=structure(mask, b)))
     where = "" if f.is_plain() else f", {f.describe()}"
     figure_title = f"{mask.title}\n{shape_text(mask)}{where}, keep convention"

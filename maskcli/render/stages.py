@@ -165,7 +165,7 @@ def value_table(title: str, values: torch.Tensor, keep: torch.Tensor | None, row
     if rows < n_rows:
         table.add_row("⋮", *(["⋮"] * len(columns)))
     # title and note on lines of their own: a table narrower than them would fold them
-    parts = [Text(title, style="italic", overflow="ellipsis", no_wrap=True), table]
+    parts = [Text(title, style="italic"), table]  # the title wraps between words: the batch row it names stays readable
     cut = []
     if len(columns) < n_cols:
         cut.append(f"{axis} 0-{len(columns) - 1} of {n_cols}")

@@ -129,13 +129,10 @@ def draw_marks(ax, s: Structure, absolute: bool = False) -> None:
     # the diagonal: each query's own position (bottom-right aligned: absolute positions line up), drawn as
     # the staircase along the right edge of each (q, q) cell, so that no cell's colour is hidden under it
     first, last = max(s.q_start, s.k_start), min(s.q_end, s.k_end)
-    if first < last:
-        if absolute:
-            xs, ys = [kx(first), kx(last)], [qy(first), qy(last)]
-        else:
-            steps = np.arange(first, last + 1)
-            xs = np.repeat(kx(steps + 1), 2)[:-1]
-            ys = np.repeat(qy(steps), 2)[1:]
+    if first < last and not absolute:  # on a long mask's pixels a line would hide the band it runs along
+        steps = np.arange(first, last + 1)
+        xs = np.repeat(kx(steps + 1), 2)[:-1]
+        ys = np.repeat(qy(steps), 2)[1:]
         ax.plot(xs, ys, color=DIAGONAL_RGB, linewidth=1.2, linestyle=(0, (2, 1.5)))
     ax.set_xlim(left, right)
     ax.set_ylim(bottom, top)
