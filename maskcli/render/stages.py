@@ -255,6 +255,8 @@ def stages_figure(mask: Mask, stages: Stages, names: list[str], pairs, device: t
     # dropout's kept weights are scaled up by 1/(1-p), so the scale then reaches the largest of them
     weights = [stages.stage(name)[b, h] for name in names if name in ("weights", "unmasked") for b, h in pairs]
     top = max([1.0] + [float(w[torch.isfinite(w)].max()) for w in weights if bool(torch.isfinite(w).any())])
+    weight_label = "weight (0 = none, 1 = all of it)" if not stages.dropout else (
+        f"weight after dropout {stages.dropout} (kept ones scaled by 1/(1-p))")
     grid = []
     for r, (b, h) in enumerate(pairs):
         keep = stages.keep[b, h].cpu().numpy()
@@ -272,7 +274,7 @@ def stages_figure(mask: Mask, stages: Stages, names: list[str], pairs, device: t
                 row.append(Panel(prefix + name, np.ones(values.shape, dtype=bool), row_labels, dims, values=values, x_label="dimension"))
             elif name in ("weights", "unmasked"):
                 row.append(Panel(prefix + name, keep if name == "weights" else np.ones_like(keep), row_labels, col_labels, values=values,
-                                 show_leaks=name == "weights", scale=(0.0, top), shared="weight (0 = none, 1 = all of it)", marks=marks))
+                                 show_leaks=name == "weights", scale=(0.0, top), shared=weight_label, marks=marks))
             else:
                 before = name in ("scores", "scaled") or (name == "masked" and stages.fill == "multiply")
                 row.append(Panel(prefix + name, keep, row_labels, col_labels, values=values, before_mask=before,
@@ -280,5 +282,5 @@ def stages_figure(mask: Mask, stages: Stages, names: list[str], pairs, device: t
         grid.append(row)
     dtype = str(stages.scores.dtype).removeprefix("torch.")
     how = f"like {stages.pipeline.name}" if stages.pipeline.name in LIKE else f"fill {stages.fill}"
-    title = f"attend {mask.title} · {device} {dtype} · {how}"
+    title = f"attend {mask.title} · {device} {dtype} · {how}" + (f" · dropout {stages.dropout}" if stages.dropout else "")
     return heatmap_figure(grid, title, None)
