@@ -52,7 +52,7 @@ def load(spec: str, args: str | None = None) -> tuple[str, object, str]:
         values = _literals(args)
         try:
             function = function(*values)
-        except Exception as error:
+        except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
             raise MaskError(f"--mask-mod-args {args!r}: {name}{tuple(values)!r} failed: {_where(error, origin)}") from None
         if not callable(function):
             raise MaskError(f"--mask-mod-args {args!r}: {name}(...) returned a {type(function).__name__}, not a mask_mod")
@@ -77,7 +77,7 @@ def _module(where: str, spec: str):
         sys.modules[module_name] = module
         try:
             loader.loader.exec_module(module)
-        except Exception as error:
+        except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
             del sys.modules[module_name]
             raise MaskError(f"--mask-mod {spec!r}: loading {where} failed: {_where(error, str(path.resolve()))}") from None
         return module
@@ -85,7 +85,7 @@ def _module(where: str, spec: str):
         sys.path.insert(0, os.getcwd())  # package.module:NAME finds the user's package here, as `python -m` would
     try:
         return importlib.import_module(where)
-    except Exception as error:
+    except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
         raise MaskError(f"--mask-mod {spec!r}: cannot import {where}: {type(error).__name__}: {error}") from None
 
 
@@ -155,13 +155,15 @@ def call(name: str, function, origin: str, b, h, q_idx, kv_idx):
 
     try:
         out = function(b, h, q_idx, kv_idx)
-    except Exception as error:
+    except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
         if _needs_scalars(error) and q_idx.dim() == 4:
             out = _vmapped(name, function, origin, b, h, q_idx, kv_idx)
         else:
             raise MaskError(f"your mask_mod {name} raised {_where(error, origin)}") from None
     if not isinstance(out, torch.Tensor):
         raise MaskError(f"your mask_mod {name} returned a {type(out).__name__}; a mask_mod returns a bool tensor, like kv_idx <= q_idx")
+    if out.device.type == "meta" or out.layout != torch.strided:
+        raise MaskError(f"your mask_mod {name} returned a {out.device.type if out.device.type == 'meta' else out.layout} tensor; a mask_mod returns a plain bool tensor, like kv_idx <= q_idx")
     if out.dtype != torch.bool:
         raise MaskError(
             f"your mask_mod {name} returned {str(out.dtype).removeprefix('torch.')} values; a mask_mod returns bool "
@@ -194,5 +196,5 @@ def _vmapped(name, function, origin, b, h, q_idx, kv_idx):
         inner = vmap(inner, in_dims=tuple(in_dims))
     try:
         return inner(b.flatten(), h.flatten(), q_idx.flatten(), kv_idx.flatten())
-    except Exception as error:
+    except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
         raise MaskError(f"your mask_mod {name} raised {_where(error, origin)}") from None

@@ -47,8 +47,11 @@ def plant(folder):
         "def raises(b, h, q, kv):\n    raise ValueError('boom')\n\n"
         "def floats(b, h, q, kv):\n    return (q >= kv).float()\n\n"
         "def shape(b, h, q, kv):\n    import torch\n    return torch.ones(3, dtype=torch.bool)\n\n"
+        "def exits(b, h, q, kv):\n    import sys\n    sys.exit(0)\n\n"
         "def factory(w):\n    return lambda b, h, q, kv: (q - kv < w) & (q >= kv)\n"
     )
+    np.save(folder / "u64.npy", np.array([0, 0, 2**64 - 1, 2**64 - 1], dtype=np.uint64))  # would wrap to -1
+    (folder / "big.txt").write_text("0 1000000000000000000000000000000\n")
     (folder / "syntax.py").write_text("def broken(:\n")
     (folder / "dir.pt").mkdir()
     os.symlink("loop.pt", folder / "loop.pt")

@@ -105,6 +105,12 @@ CASES = [
     (["show", "--mask-mod", "mod.py:factory", "--mask-mod-args", "__import__('os')", "--len", "4"], "__import__"),
     (["show", "--mask-mod", "fifo.py:f", "--len", "4"], "fifo.py"),
     (["blocks", "--mask-mod", "mod.py:raises", "--len", "64"], "mod.py"),
+    (["diff", "mod.py:exits", "causal", "--len", "4"], "SystemExit"),  # never exit 0, "equal"
+    (["chunk", "u64.npy"], "too large"),
+    (["show", "blocks", "--block-ids", "u64.npy"], "too large"),
+    (["chunk", "big.txt"], "too large"),
+    (["show", "--mask", "good.npy", "--from", "sideways"], "'sideways'"),
+    (["diff", "causal", "good.npy", "--from", "KEEP"], "'KEEP'"),
     # writing: unknown suffixes, directories, unwritable places, empty names
     (["show", "causal", "--save", "out.txt"], "'.txt'"),
     (["show", "causal", "--png", "out.gif"], "'.gif'"),
@@ -291,6 +297,20 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
     assert process.returncode == 130, (process.returncode, err)
     assert err.strip() == "maskcli: interrupted" and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["slow.py", "started"]  # no out.npy, no temporary file
+
+
+def test_a_kill_while_writing_leaves_no_file(tmp_path):
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "maskcli", "show", "causal", "--len", "30000", "--save", "big.npy"],
+                               cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while not any(p.name.startswith(".big") for p in tmp_path.iterdir()) and time.time() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+    assert process.returncode in (143, 0)
+    assert [p.name for p in tmp_path.iterdir()] in ([], ["big.npy"])  # whole, or nothing: never a temporary file
 
 
 def test_an_ascii_terminal_gets_question_marks_not_a_traceback():

@@ -17,11 +17,20 @@ def main() -> None:
             stream.reconfigure(errors="replace")
         except (AttributeError, ValueError):
             pass
+    import signal
+
+    def stop(number, frame):  # a kill or a closed terminal ends like Ctrl-C: files being written are removed
+        raise SystemExit(128 + number)
+
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), stop)
     try:
         app()
     except SystemExit as done:
         try:
-            sys.stdout.flush()  # here, not at exit: a reader that went away (| head) is a quiet stop
+            if sys.stdout is not None:  # None when maskcli was started with stdout closed (>&-)
+                sys.stdout.flush()  # here, not at exit: a reader that went away (| head) is a quiet stop
         except BrokenPipeError:
             quiet_stdout()
             raise SystemExit(141) from None

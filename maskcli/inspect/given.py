@@ -22,6 +22,8 @@ def mask_from_file(path: str, key: str | None, from_: str | None, options: MaskO
     from maskcli.inspect.polarity import Convention, classify, sdpa_view, to_keep
 
     tensor, label = load_mask(path, key, "--mask")
+    if from_ is not None and from_ not in ("keep", "block"):
+        raise MaskError(f"unknown --from convention {from_!r}: choose keep or block")
     convention = classify(tensor) if from_ is None else Convention(from_, "values", "given with --from")
     if from_ is not None and tensor.is_floating_point() and bool(((tensor != 0) & (tensor != 1)).any()):
         raise MaskError(f"--from is for bool and 0/1 masks; {label} holds other values ({classify(tensor).note})")

@@ -140,6 +140,8 @@ def from_file(path: str, where: str) -> Labels:
             array = array.numpy()
     except MaskError:
         raise
+    except OverflowError:
+        raise MaskError(f"{where}: a label is too large (at most ±{INT64_LIMIT:,})") from None
     except (OSError, ValueError, TypeError, json.JSONDecodeError, RuntimeError) as error:
         raise MaskError(f"{where}: cannot read labels from it ({' '.join(str(error).split())[:160]})") from None
     if array.ndim == 1:
@@ -151,6 +153,8 @@ def from_file(path: str, where: str) -> Labels:
             array = array.astype(np.int64)
         else:
             raise MaskError(f"{where}: labels must be integers, got {array.dtype}")
+    if array.dtype.kind == "u" and array.max() > INT64_LIMIT:  # uint64 past int64 would wrap to negative labels
+        raise MaskError(f"{where}: a label is too large (at most ±{INT64_LIMIT:,})")
     array = array.astype(np.int64)
     if np.abs(array).max() > INT64_LIMIT:
         raise MaskError(f"{where}: a label is too large (at most ±{INT64_LIMIT:,})")
