@@ -55,12 +55,10 @@ def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOption
     from maskcli.inspect.given import build_any
 
     check_input_options(o)
-    if all(t is None for t in (o.q, o.k, o.v, o.x)) and options.mask_file is None and options.mask_mod is None:
-        early = build_any(expression, options)  # refuse bad mask options and impossible sizes before importing torch
-        _check_fits_before_torch(
-            o, early, early.batch if early.batch > 1 else 1 if o.batch is None else o.batch,
-            o.default_head_dim if o.head_dim is None else o.head_dim,
-        )
+    head_dim = o.default_head_dim if o.head_dim is None else o.head_dim
+    checked_early = all(t is None for t in (o.q, o.k, o.v, o.x)) and options.mask_file is None and options.mask_mod is None
+    if checked_early:  # refuse bad mask options and impossible sizes before importing torch
+        _check_fits_before_torch(o, build_any(expression, options), head_dim)
 
     from maskcli.attention.inputs import check_fits, load_given, make_qkv, resolve_device, resolve_dtype
 
@@ -75,14 +73,12 @@ def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOption
         warn(message)
     if mask.batch > 1 and o.batch is not None and o.batch != mask.batch:
         raise MaskError(f"--batch {o.batch} does not match the {mask.batch} batch rows of the mask (--lengths/--ids or labels): drop --batch")
-    batch = mask.batch if mask.batch > 1 else 1 if o.batch is None else o.batch
-    head_dim = o.default_head_dim if o.head_dim is None else o.head_dim
-    if given is None:
-        _check_fits_before_torch(o, mask, batch, head_dim)
-    elif given.x is not None:
+    if given is None and not checked_early:
+        _check_fits_before_torch(o, mask, head_dim)
+    elif given is not None and given.x is not None:
         _check_projections_fit(given.x, o)
     qkv = make_qkv(
-        given, seed=o.seed, batch=batch, heads=options.heads, head_dim=head_dim, d_out=o.d_out, qkv_bias=o.qkv_bias,
+        given, seed=o.seed, batch=_batch(mask, o), heads=options.heads, head_dim=head_dim, d_out=o.d_out, qkv_bias=o.qkv_bias,
         q_len=mask.frame.q_len, k_len=mask.frame.k_len,
     )
     if given is not None:
@@ -92,11 +88,17 @@ def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOption
     return mask, qkv, torch_device, torch_dtype
 
 
-def _check_fits_before_torch(o: InputOptions, mask, batch: int, head_dim: int) -> None:
+def _batch(mask, o: InputOptions) -> int:
+    """Batch rows of random inputs: the mask's own (padding, labels), else --batch, else 1."""
+    return mask.batch if mask.batch > 1 else 1 if o.batch is None else o.batch
+
+
+def _check_fits_before_torch(o: InputOptions, mask, head_dim: int) -> None:
     """Refuse random inputs (and, on the cpu, stages) that cannot be allocated: O(1), before torch is imported."""
     from maskcli.conventions import FLOAT_BYTES
     from maskcli.memory import ATTENTION_FIX, attention_bytes, attention_what, check_bytes_fit
 
+    batch = _batch(mask, o)
     if head_dim < 1 or batch < 1:
         raise MaskError(f"--head-dim and --batch must be at least 1, got {head_dim} and {batch}")
     cells = (batch, mask.heads, mask.frame.q_len, mask.frame.k_len)

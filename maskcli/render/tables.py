@@ -48,23 +48,22 @@ def grid_table(
         if j in breaks:
             table.add_column("\n".join(breaks[j] * depth), justify="center", no_wrap=True, style="dim")
         table.add_column(label, justify=justify, no_wrap=True, header_style="bold")
+    def ruled(cells, rule=None):  # the cells of a row, with the rule column before each boundary
+        out = []
+        for j, shown in enumerate(cells):
+            if j in breaks:
+                out.append(Text(rule or breaks[j], style="dim"))
+            out.append(shown)
+        return out
+
     for i, label in enumerate(row_labels):
         if marks is not None and i in marks.row_breaks:
-            cells = []
-            for j in range(len(col_labels)):
-                if j in breaks:
-                    cells.append(Text("┼", style="dim"))
-                cells.append(Text("─", style="dim"))
-            table.add_row("", *([""] if tags is not None else []), *cells)
-        row = []
-        for j in range(len(col_labels)):
-            if j in breaks:
-                row.append(Text(breaks[j], style="dim"))
-            shown = cell(i, j)
-            if marks is not None and marks.diagonal[i] == j:
-                shown = Text(shown.plain, style=f"{shown.style} underline")
-            row.append(shown)
-        table.add_row(label, *([tags[i]] if tags is not None else []), *row)
+            table.add_row("", *([""] if tags is not None else []), *ruled([Text("─", style="dim")] * len(col_labels), "┼"))
+        cells = [cell(i, j) for j in range(len(col_labels))]
+        if marks is not None and marks.diagonal[i] is not None:
+            shown = cells[marks.diagonal[i]]
+            cells[marks.diagonal[i]] = Text(shown.plain, style=f"{shown.style} underline")
+        table.add_row(label, *([tags[i]] if tags is not None else []), *ruled(cells))
     return table
 
 
