@@ -189,8 +189,9 @@ def _from_numpy(path: Path, where: str) -> dict[str, torch.Tensor]:
         if array.dtype.kind not in "biuf":
             label = f" {name!r}" if name else ""
             raise MaskError(f"{where}{label}: numpy dtype {array.dtype} cannot be a tensor of numbers")
-        # torch takes native byte order only; a big-endian array ('>f4') is swapped here
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("=")))
+        # torch takes native byte order only; a big-endian array ('>f4') is swapped here. np.asarray, not
+        # np.ascontiguousarray, which makes a 0-d array 1-d and so would read a single number as a mask of one cell
+        tensors[name] = torch.from_numpy(np.asarray(array, dtype=array.dtype.newbyteorder("="), order="C"))
     return tensors
 
 

@@ -40,7 +40,7 @@ def kind_keeps(name, p, b, q, kv, ctx) -> bool:
     if name == "sink":
         return kv < p["sink"]
     if name == "local":
-        pad = ctx["left_pad"][b]
+        pad = _row(ctx["left_pad"], b)
         return (q - pad) // p["chunk_size"] == (kv - pad) // p["chunk_size"] and kv <= q
     if name in ("chunk", "document", "segment", "blocks"):
         labels = _row(p["labels"], b)
@@ -55,7 +55,7 @@ def kind_keeps(name, p, b, q, kv, ctx) -> bool:
         q0 = ctx["q0"]
         return kv < q0 or (kv - q0) in ancestors_or_self(p["parents"], q - q0)
     if name == "padding":
-        return ctx["valid"][b][kv]
+        return _row(ctx["valid"], b)[kv]
     raise ValueError(name)
 
 
@@ -76,7 +76,7 @@ def dense(tree, *, q0, lq, k0, lk, batch=1, valid=None, ids_valid_left_pad=None)
     ctx = {"q0": q0, "valid": valid, "left_pad": left_pad}
     return [
         [
-            [keeps(tree, b, q, kv, ctx) and (valid is None or bool(valid[b][kv])) for kv in range(k0, k0 + lk)]
+            [keeps(tree, b, q, kv, ctx) and (valid is None or bool(_row(valid, b)[kv])) for kv in range(k0, k0 + lk)]
             for q in range(q0, q0 + lq)
         ]
         for b in range(batch)

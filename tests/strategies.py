@@ -73,13 +73,14 @@ def cases(draw):
     n = max(q0 + lq, k0 + lk)
     batch = draw(st.integers(1, 2))
     padding = draw(st.sampled_from(["none", "lengths", "ids"]))
+    pad_rows = draw(st.sampled_from([1, batch]))  # one --ids/--lengths row may serve every label row
     valid = None
     if padding == "lengths":
-        lengths = draw(st.lists(st.integers(0, n), min_size=batch, max_size=batch))
+        lengths = draw(st.lists(st.integers(0, n), min_size=pad_rows, max_size=pad_rows))
         options["lengths"] = ",".join(map(str, lengths))
         valid = [[kv < length for kv in range(n)] for length in lengths]
     elif padding == "ids":
-        ids = draw(st.lists(st.lists(st.sampled_from([0, 7, 8]), min_size=n, max_size=n), min_size=batch, max_size=batch))
+        ids = draw(st.lists(st.lists(st.sampled_from([0, 7, 8]), min_size=n, max_size=n), min_size=pad_rows, max_size=pad_rows))
         options["ids"] = ";".join(",".join(map(str, row)) for row in ids)
         valid = [[token != 0 for token in row] for row in ids]
     else:

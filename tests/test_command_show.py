@@ -323,6 +323,13 @@ def test_json_is_one_object_and_carries_tokens():
     assert got["tokens"] == ["hello", "world"] and got["mask"] == [[[[1, 0], [1, 1]]]]
 
 
+def test_one_lengths_or_ids_row_serves_every_label_row_and_is_named_in_each_title():
+    result = ok(["show", "document(0,0,1,1;0,1,1,1)", "--lengths", "3"])
+    assert "batch 0 (length 3)" in result.stdout and "batch 1 (length 3)" in result.stdout
+    assert "batch 1 (length 3): visible 6 of 16" in ok(["show", "document(0,0,1,1;0,1,1,1)", "--lengths", "3", "--summary"]).stdout
+    assert "batch 1 (ids 1,2,3,0)" in ok(["show", "document(0,0,1,1;0,1,1,1)", "--ids", "1,2,3,0"]).stdout
+
+
 # --- saved tensors and figures named after the mask ---------------------------------------------
 
 

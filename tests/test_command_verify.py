@@ -143,6 +143,8 @@ def test_cli_bad_input_is_one_line(args, quoted):
     ["local(3)", "--ids", "0,0,5,6,7,8,9,1"],
     ["window(3)", "--offset", "6", "--len", "2", "--kv-start", "3"],
     ["tree(-1,0,0,1)", "--offset", "3"],
+    ["document(0,0,1,1;0,1,1,1) & local(2)", "--ids", "0,1,2,3", "--pad-id", "0"],  # one ids row, two label rows
+    ["document(0,0,1,1;0,1,1,1)", "--lengths", "3"],
 ])
 def test_expressions_agree_across_every_kernel_that_runs(args):
     result = runner.invoke(app, ["verify", *args, "--json", "--repeat", "1"])

@@ -75,6 +75,8 @@ CASES = [
     (["attend", "causal", "--x", "meta.pt"], "meta.pt"),
     (["attend", "causal", "--q", "meta3.pt", "--k", "meta3.pt", "--v", "meta3.pt"], "meta3.pt"),
     (["inspect", "meta.pt"], "meta.pt"),
+    (["inspect", "scalar.npy"], "'scalar.npy' is a single number"),
+    (["show", "--mask", "scalar.npy"], "'scalar.npy' is a single number"),
     (["show", "--mask", "meta.pt"], "meta.pt"),
     (["inspect", "negative.safetensors"], "negative.safetensors"),
     (["inspect", "beyond.safetensors"], "beyond.safetensors"),

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from maskcli.attention.stages import attend
@@ -121,6 +122,8 @@ def split_padding(mask: Mask):
     if not f.padded:
         return None, mask
     valid = f.key_valid[:, f.k_start : f.k_end]
+    if valid.shape[0] != mask.batch:  # one --ids/--lengths row beside several label rows
+        valid = np.repeat(valid, mask.batch, axis=0)
     parts = terms(mask.expression)
     if len(parts) == 1 and parts[0].kind.name == "padding":
         return valid, None

@@ -78,6 +78,8 @@ def _local_predicate(p, frame, device):
 
     size = p["chunk_size"]
     pad = torch.as_tensor(frame.left_padding(), device=device)
+    if len(pad) == 1:
+        pad = pad[0]  # one --ids row serves every batch row of the other terms: pad[b] is then pad
     if not bool(pad.any()):
 
         def chunked_causal(b, h, q_idx, kv_idx):
@@ -86,7 +88,7 @@ def _local_predicate(p, frame, device):
         return chunked_causal
 
     def chunked_causal_left_padded(b, h, q_idx, kv_idx):
-        start = pad[b]  # chunks count from each batch row's first real token (Hugging Face's chunked_overlay)
+        start = pad if pad.dim() == 0 else pad[b]  # chunks count from each batch row's first real token (Hugging Face's chunked_overlay)
         return ((kv_idx - start) // size == (q_idx - start) // size) & (kv_idx <= q_idx)
 
     return chunked_causal_left_padded

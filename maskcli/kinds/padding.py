@@ -42,6 +42,12 @@ def _predicate(p, frame, device):
     import torch
 
     valid = torch.as_tensor(frame.key_valid, device=device)
+    if valid.shape[0] == 1:  # one --ids/--lengths row serves every batch row of the other terms
+
+        def padding_shared(b, h, q_idx, kv_idx):
+            return valid[0, kv_idx.clamp(0, valid.shape[-1] - 1)] & (q_idx >= 0)
+
+        return padding_shared
 
     def padding(b, h, q_idx, kv_idx):
         return valid[b, kv_idx.clamp(0, valid.shape[-1] - 1)] & (q_idx >= 0)

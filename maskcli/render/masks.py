@@ -64,10 +64,11 @@ def panel_title(mask: Mask, batch: int, group: list[int]) -> str:
     parts = []
     if mask.shape[0] > 1:
         parts.append(f"batch {batch}")
+        row = batch if batch < mask.frame.batch else 0  # one --ids/--lengths row serves every label row
         if mask.frame.lengths is not None:
-            parts[-1] += f" (length {mask.frame.lengths[batch]})"
+            parts[-1] += f" (length {mask.frame.lengths[row]})"
         elif mask.frame.ids is not None:
-            parts[-1] += f" (ids {shortened(','.join(map(str, mask.frame.ids[batch].tolist())), 40)})"
+            parts[-1] += f" (ids {shortened(','.join(map(str, mask.frame.ids[row].tolist())), 40)})"
     if mask.shape[1] > 1:
         parts.append(f"head {group[0]}" if len(group) == 1 else f"heads {_ranges(group)} (identical)")
     return ", ".join(parts)

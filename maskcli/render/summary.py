@@ -35,7 +35,8 @@ def summary_text(summary: Summary) -> str:
     for row in summary.rows:
         prefix = ""
         if mask.batch > 1:
-            length = f" (length {mask.frame.lengths[row.batch]})" if mask.frame.lengths is not None else ""
+            lengths = mask.frame.lengths
+            length = f" (length {lengths[row.batch if row.batch < len(lengths) else 0]})" if lengths is not None else ""
             prefix = f"batch {row.batch}{length}: "
             lines.append(f"{prefix}visible {row.visible:,} of {row.total:,} per head ({_share(row.visible, row.total)})")
             prefix = "  "
