@@ -12,6 +12,7 @@ counts and maps go cell by cell.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -51,7 +52,8 @@ def load(spec: str, args: str | None = None) -> tuple[str, object, str]:
     if args is not None:
         values = _literals(args)
         try:
-            function = function(*values)
+            with _user_code():
+                function = function(*values)
         except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
             raise MaskError(f"--mask-mod-args {args!r}: {name}{tuple(values)!r} failed: {_where(error, origin)}") from None
         if not callable(function):
@@ -76,7 +78,8 @@ def _module(where: str, spec: str):
         module = importlib.util.module_from_spec(loader)
         sys.modules[module_name] = module
         try:
-            loader.loader.exec_module(module)
+            with _user_code():
+                loader.loader.exec_module(module)
         except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
             del sys.modules[module_name]
             raise MaskError(f"--mask-mod {spec!r}: loading {where} failed: {_where(error, str(path.resolve()))}") from None
@@ -84,9 +87,15 @@ def _module(where: str, spec: str):
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # package.module:NAME finds the user's package here, as `python -m` would
     try:
-        return importlib.import_module(where)
+        with _user_code():
+            return importlib.import_module(where)
     except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
         raise MaskError(f"--mask-mod {spec!r}: cannot import {where}: {type(error).__name__}: {error}") from None
+
+
+def _user_code():
+    """While the user's code runs, its print() goes to stderr: stdout carries maskcli's --json or table alone."""
+    return contextlib.redirect_stdout(sys.stderr)
 
 
 def _literals(text: str) -> tuple:
@@ -153,13 +162,14 @@ def call(name: str, function, origin: str, b, h, q_idx, kv_idx):
     """The user's function on broadcast index tensors (or through vmap, as create_mask calls it), checked."""
     import torch
 
-    try:
-        out = function(b, h, q_idx, kv_idx)
-    except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
-        if _needs_scalars(error) and q_idx.dim() == 4:
-            out = _vmapped(name, function, origin, b, h, q_idx, kv_idx)
-        else:
-            raise MaskError(f"your mask_mod {name} raised {_where(error, origin)}") from None
+    with _user_code():
+        try:
+            out = function(b, h, q_idx, kv_idx)
+        except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
+            if _needs_scalars(error) and q_idx.dim() == 4:
+                out = _vmapped(name, function, origin, b, h, q_idx, kv_idx)
+            else:
+                raise MaskError(f"your mask_mod {name} raised {_where(error, origin)}") from None
     if not isinstance(out, torch.Tensor):
         raise MaskError(f"your mask_mod {name} returned a {type(out).__name__}; a mask_mod returns a bool tensor, like kv_idx <= q_idx")
     if out.device.type == "meta" or out.layout != torch.strided:

@@ -95,3 +95,26 @@ def test_user_code_runs_only_behind_the_flag(tmp_path):
     assert not marker.exists()
     build_any(None, MaskOptions(length=3, mask_mod=f"{tmp_path}/side.py:m"))
     assert marker.exists()
+
+
+def test_a_mask_mods_print_goes_to_stderr_and_leaves_json_whole(tmp_path, monkeypatch):
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "noisy.py").write_text(
+        "print('loading')\n"
+        "def noisy(b, h, q, kv):\n    print('called')\n    return kv <= q\n\n"
+        "def factory(w):\n    print('factory', w)\n    return lambda b, h, q, kv: (q - kv < w) & (kv <= q)\n"
+    )
+    for command, args, said in (
+        (["show"], ["--mask-mod", "noisy.py:noisy"], "called"),
+        (["blocks", "--block", "2"], ["--mask-mod", "noisy.py:factory", "--mask-mod-args", "2"], "factory 2"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "maskcli", *command, *args, "--len", "3", "--json"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        json.loads(done.stdout)  # stdout is the object alone
+        assert "loading" in done.stderr and said in done.stderr
