@@ -58,8 +58,10 @@ def load_tensors(source: str, flag: str, json_floats: torch.dtype | None = None)
     if suffix not in SUFFIXES:
         raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; use one of {', '.join(SUFFIXES)} or inline JSON")
     try:
-        if path.stat().st_size == 0:
+        size = path.stat().st_size
+        if size == 0:
             raise MaskError(f"{where}: the file is empty")
+        _check_fits(size, suffix, where)
         if suffix in (".pt", ".pth"):
             return _from_pt(path, where)
         if suffix in (".npy", ".npz"):
@@ -69,6 +71,18 @@ def load_tensors(source: str, flag: str, json_floats: torch.dtype | None = None)
         return _from_json(_parse_json(path.read_text(errors="replace"), where), where, json_floats)
     except OSError as error:  # unreadable (permissions, a vanished file): one line, not a traceback
         raise MaskError(f"{where}: cannot read it ({error.strerror or error})") from None
+
+
+JSON_BYTES_PER_CHARACTER = 16  # a JSON number of 2-3 characters becomes a Python int or float (24-32 bytes) in a list
+
+
+def _check_fits(size: int, suffix: str, where: str) -> None:
+    """Refuse, before reading a byte, a file whose tensors cannot fit in the memory this process has left."""
+    from maskcli.memory import check_bytes_fit
+
+    needed = size * JSON_BYTES_PER_CHARACTER if suffix == ".json" else size
+    how = "to read its text into numbers" if suffix == ".json" else "to load"
+    check_bytes_fit(needed, f"{where} ({size:,} bytes on disk)", how, fix="slice the tensor you need into a smaller file first (like mask[0, 0]), or run where there is more memory")
 
 
 def load_tensor(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import sys
+
 from typer.testing import CliRunner
 
 from maskcli import __version__
@@ -78,3 +81,11 @@ def test_at_60_columns_a_20_key_mask_is_still_a_table_and_verify_keeps_its_numbe
     verify = runner.invoke(app, ["verify", "causal", "--len", "6", "--repeat", "1"], env={"COLUMNS": "60", "MASKCLI_DEVICE": "cpu"})
     assert "…" not in verify.stdout
     assert len(re.findall(r"\d\.\d\de-\d\d", verify.stdout)) >= 3  # every max |diff| whole
+
+
+def test_json_longer_than_one_write_comes_out_whole(monkeypatch):
+    # one write(2) of 2 GiB or more is cut short by the kernel; echo writes in slices (here 7 characters)
+    monkeypatch.setattr(sys.modules["maskcli.commands.app"], "ECHO_SLICE", 7)
+    result = runner.invoke(app, ["show", "causal", "--len", "9", "--json"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.endswith("}\n") and json.loads(result.stdout)["mask"][0][0][8] == [1] * 9

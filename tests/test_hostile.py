@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hostile_files import LONG, plant
 from typer.testing import CliRunner
@@ -358,6 +359,26 @@ def test_an_address_space_limit_is_respected_before_allocating(tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "would need" in result.stderr and "Traceback" not in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_too_large_to_work_on_is_refused_up_front_naming_it(tmp_path):
+    import resource
+
+    # 120M cells (a sparse file): loads in 120 MB, but inspecting or converting it needs about 1.3 GB more
+    np.lib.format.open_memmap(tmp_path / "huge.npy", mode="w+", dtype=bool, shape=(10_000, 12_000)).flush()
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (int(1.5 * 2**30), int(1.5 * 2**30)))
+
+    for args, doing in ((["inspect", "huge.npy"], "to inspect"), (["convert", "huge.npy", "--to", "int", "--out", "out.npy"], "to convert")):
+        result = subprocess.run(
+            [sys.executable, "-m", "maskcli", *args], cwd=tmp_path, capture_output=True, text=True, preexec_fn=limit, timeout=120,
+        )
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+        assert "'huge.npy' (10000 x 12000 cells) would need" in result.stderr and doing in result.stderr
+        assert "--len" not in result.stderr and "slice" in result.stderr
+    assert [path.name for path in tmp_path.iterdir()] == ["huge.npy"]
 
 
 def test_impossible_sizes_are_refused_without_building_anything():

@@ -64,18 +64,28 @@ class MaskcliGroup(TyperGroup):
             quiet_stdout()  # the reader went away (| head): stop quietly, as a killed pipe writer does
             code = 141
         except MemoryError:
-            fail("ran out of memory: use a smaller --len (or fewer batch rows, heads or a larger --block)")
+            fail(f"ran out of memory: {_smaller(sys.argv[1:] if args is None else list(args))}")
         except OSError as error:
             fail(f"{error.strerror or error}{': ' + repr(error.filename) if error.filename else ''}")
         except RecursionError:
             fail("the input is nested too deeply to read: give a flat list or a file")
         except Exception as error:
             if "can't allocate memory" in str(error) or type(error).__name__ == "OutOfMemoryError":
-                fail("ran out of memory: use a smaller --len (or fewer batch rows, heads, a smaller --head-dim or --dtype)")
+                fail(f"ran out of memory: {_smaller(sys.argv[1:] if args is None else list(args))}")
             fail(f"unexpected {type(error).__name__}: {' '.join(str(error).split())[:300]} (a maskcli bug: please report the command)")
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _smaller(args: list[str]) -> str:
+    """How to ask for less, for the command that ran out of memory."""
+    command = next((arg for arg in args if not arg.startswith("-")), "")
+    if command in ("inspect", "convert") or "--mask" in args:
+        return "the mask file is too large to work on here: slice the part you need into a smaller file first (like mask[0, 0])"
+    if command in ("attend", "verify"):
+        return "use a smaller --len (or fewer batch rows or heads, a smaller --head-dim or --dtype)"
+    return "use a smaller --len (or fewer batch rows or heads, or a larger --block)"
 
 
 def _usage_message(error, args: list[str]) -> str:
@@ -152,6 +162,23 @@ def check_write(path, size: int, flag: str) -> None:
     check_disk(path, size, flag)
     if size >= LARGE_WRITE:
         warn(f"{flag} writes {format_bytes(size)} to {str(path)!r}; this takes a while (Ctrl-C stops it and leaves no file)", now=True)
+
+
+ECHO_SLICE = 1 << 24  # characters per write
+
+
+def echo(text: str) -> None:
+    """`text` and a newline on stdout, in slices: one write of 2 GiB or more is cut short by the kernel, and
+    typer.echo would lose the rest of a huge --json without a word."""
+    step = ECHO_SLICE
+    if len(text) <= step:
+        typer.echo(text)
+        return
+    out = sys.stdout
+    for start in range(0, len(text), step):
+        out.write(text[start : start + step])
+    out.write("\n")
+    out.flush()
 
 
 def done(message: str) -> None:

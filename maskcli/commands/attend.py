@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from maskcli.attention import FILLS, LIKES, STAGES
-from maskcli.commands.app import app, done, make_console
+from maskcli.commands.app import app, done, echo, make_console
 from maskcli.commands.inputs import InputOptions, mask_and_inputs
 from maskcli.commands.options import (
     Expr, BatchIndex, Dropout, DropoutSeed, FigurePng, Fill, Head, Like, Precision, StagesJson, StagesOpt, examples,
@@ -107,7 +107,7 @@ def attend(
         note = report.selection_note(shape, pairs, "the figure's rows", chosen)
         done(f"wrote {png_path}" + (f" ({note})" if note else ""))
     if json_:
-        typer.echo(report.stages_json(run.mask, run.stages, run.device, run.findings, list(STAGES)))
+        echo(report.stages_json(run.mask, run.stages, run.device, run.findings, list(STAGES)))
         return
 
     console = make_console()

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, check_write, done, make_console
+from maskcli.commands.app import app, check_write, done, echo, make_console
 from maskcli.commands.options import Expr, examples, mask_options
 from maskcli.errors import MaskError
 from maskcli.mask import MaskOptions
@@ -85,7 +85,7 @@ def blocks(
         save_figure(render.blocks_figure(found), png_path)
         done(f"wrote {png_path}")
     if json_:
-        typer.echo(render.blocks_json(found))
+        echo(render.blocks_json(found))
         return
     from rich.text import Text
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, done
+from maskcli.commands.app import app, done, echo
 from maskcli.commands.options import examples, mask_options
 from maskcli.errors import MaskError
 from maskcli.mask import Mask, MaskOptions
@@ -128,7 +128,7 @@ def diff(
         save_figure(render.diff_figure(difference), png_path)
         done(f"wrote {png_path}")
     if json_:
-        typer.echo(render.diff_json(difference))
+        echo(render.diff_json(difference))
     else:
         from maskcli.commands.show import wide_console
 

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, check_write, done, make_console, warn
+from maskcli.commands.app import app, check_write, done, echo, make_console, warn
 from maskcli.commands.options import InspectHeads, KeyOpt, Png, ReportJson, Tokens, examples
 from maskcli.commands.show import check_choice
 from maskcli.conventions import CONVENTIONS, DTYPES
@@ -64,6 +64,7 @@ def inspect(
     from maskcli.inspect.load import load_mask
 
     tensor, label = load_mask(file, key)
+    _check_room(tensor, label, 11 + tensor.element_size(), "to inspect")
     analysis = analyse(tensor, heads, _convention(tensor, from_, label) if from_ is not None else None)
     mask = _display_mask(analysis, file if key is None else f"{file} [{key}]", tokens)
     if png_path is not None:
@@ -76,7 +77,7 @@ def inspect(
     if json_:
         import json
 
-        typer.echo(json.dumps(report))
+        echo(json.dumps(report))
         return
     _print_report(analysis, report, mask)
 
@@ -204,6 +205,8 @@ def convert(
     from maskcli.inspect.polarity import to_keep
 
     tensor, label = load_mask(file, key)
+    out_bytes = {"keep": 1, "block": 1, "int": 8}.get(to) or {"float16": 2, "bfloat16": 2, "float64": 8}.get(dtype, 4)
+    _check_room(tensor, label, 5 + out_bytes, f"to convert to {to}")
     convention = _convention(tensor, from_, label)
     if convention.name == "bias":
         raise MaskError(f"{label} is not a mask but an additive bias ({convention.note}): nothing to convert")
@@ -214,6 +217,16 @@ def convert(
     write_array(result, out_path)
     described = f"{convention.name}" + (", 1 = masked" if convention.name == "int" and convention.ones_mean == "masked" else "")
     done(f"wrote {out_path}: {described} -> {to}{' ' + dtype if to in ('additive', 'min') else ''}, shape {list(result.shape)}")
+
+
+def _check_room(tensor, label: str, bytes_per_cell: int, doing: str) -> None:
+    """Refuse up front a loaded mask too large to work on in the memory left (measured: the peak per cell)."""
+    from maskcli.memory import check_bytes_fit
+
+    check_bytes_fit(
+        tensor.numel() * bytes_per_cell, f"{label} ({' x '.join(map(str, tensor.shape))} cells)", doing,
+        fix="slice the part you need into a smaller file first (like mask[0, 0] or mask[..., :4096, :4096]), or run where there is more memory",
+    )
 
 
 def _convention(tensor, from_: str | None, label: str):

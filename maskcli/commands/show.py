@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, check_write, done, make_console, warn
+from maskcli.commands.app import app, check_write, done, echo, make_console, warn
 from maskcli.commands.options import Expr, Output, escape, examples, mask_options, output_options
 from maskcli.conventions import CONVENTIONS, DTYPES
 from maskcli.errors import MaskError
@@ -122,12 +122,12 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
         grid = parse_grid(output.grid) if output.grid is not None else DEFAULT_GRID
         with progress("counting") as update:
             summary = summarise(mask, grid, update)
-        typer.echo(summary_json(summary) if json_out else summary_text(summary))
+        echo(summary_json(summary) if json_out else summary_text(summary))
         return
     from maskcli.render.masks import mask_json, mask_views
 
     if json_out:
-        typer.echo(mask_json(mask, convention, dtype_name))
+        echo(mask_json(mask, convention, dtype_name))
         return
 
     console, map_width = wide_console()

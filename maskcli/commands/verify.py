@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, make_console
+from maskcli.commands.app import app, echo, make_console
 from maskcli.commands.inputs import InputOptions, mask_and_inputs
 from maskcli.commands.options import Expr, Atol, Repeat, Strict, VerifyJson, examples, input_options, mask_options
 from maskcli.errors import MaskError
@@ -51,7 +51,7 @@ def verify(
     results = verify_core.verify(built, *tensors, scale=inputs.scale, atol=tolerance, repeat=repeat)
     dtype_name = str(torch_dtype).removeprefix("torch.")
     if json_:
-        typer.echo(verify_core.results_json(results, built, tensors[0], tolerance))
+        echo(verify_core.results_json(results, built, tensors[0], tolerance))
     else:
 
         from maskcli.attention.findings import mask_findings
