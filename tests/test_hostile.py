@@ -7,6 +7,7 @@ holds exactly those files afterwards (no partial output, no stray temporary file
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -379,6 +380,39 @@ def test_a_file_too_large_to_work_on_is_refused_up_front_naming_it(tmp_path):
         assert "'huge.npy' (10000 x 12000 cells) would need" in result.stderr and doing in result.stderr
         assert "--len" not in result.stderr and "slice" in result.stderr
     assert [path.name for path in tmp_path.iterdir()] == ["huge.npy"]
+
+
+REFUSED_BEFORE_TORCH = [
+    ["attend", "causal", "--len", str(2**40)],
+    ["attend", "causal", "--len", "4000", "--dropout", "0.5", "--batch", "4000"],  # the stages with dropout, device auto
+    ["verify", "causal", "--len", "30000", "--batch", "400"],
+    ["blocks", "causal", "--len", "100", "--block", "1", "--heads", str(2**40), "--save", "b.pt"],
+    ["show", "causal", "--len", str(2**40), "--save", "big.pt"],
+]
+
+
+def test_impossible_sizes_are_refused_before_torch_is_imported(tmp_path):
+    # importing torch alone takes longer than the second a refusal may take
+    script = (
+        "import sys, json\n"
+        "from maskcli.commands import app\n"
+        "def run(args):\n"
+        "    try:\n"
+        "        return app(args, standalone_mode=False)\n"
+        "    except SystemExit as stop:\n"
+        "        return stop.code\n"
+        "codes = [run(args) for args in json.loads(sys.argv[1])]\n"
+        "print(json.dumps([codes, 'torch' in sys.modules]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(REFUSED_BEFORE_TORCH)], cwd=tmp_path, capture_output=True, text=True,
+        timeout=120, env={**os.environ, "MASKCLI_DEVICE": "auto"},
+    )
+    codes, imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert codes == [2] * len(REFUSED_BEFORE_TORCH), done.stderr
+    assert done.stderr.count("would") == len(REFUSED_BEFORE_TORCH), done.stderr
+    assert not imported
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_impossible_sizes_are_refused_without_building_anything():

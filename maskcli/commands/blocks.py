@@ -74,6 +74,12 @@ def blocks(
             f"--json would list {built.batch * built.heads * n_q * n_kv:,} block indices: save them with --save blocks.pt, "
             "or use a larger --block"
         )
+    if save_path is not None:  # the four int32 tensors at the mask's B and H, refused before any block is counted
+        from maskcli.memory import check_bytes_fit
+
+        save_bytes = 2 * 4 * built.batch * built.heads * n_q * (1 + n_kv)
+        check_write(save_path, save_bytes, "--save")
+        check_bytes_fit(save_bytes, f"--save {str(save_path)!r} ({built.batch} x {built.heads} x {n_q} x {n_kv} block indices)", "to write", fix="use a larger --block, or fewer --heads")
     with progress("counting blocks") as update:
         found = layout(built, q_block, kv_block, update)
     if save_path is not None:
@@ -106,7 +112,6 @@ def _save(found, path) -> None:
     from maskcli.files import atomic_write
 
     arrays = found.arrays()
-    check_write(path, sum(a.size * 4 for a in arrays.values()), "--save")
     data = {name: torch.from_numpy(value.copy()) for name, value in arrays.items()}  # a copy: the arrays may be read-only views
     data["BLOCK_SIZE"] = (found.q_block, found.kv_block)
     data["seq_lengths"] = (found.mask.frame.q_len, found.mask.frame.k_len)

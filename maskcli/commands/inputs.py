@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from maskcli.commands.app import warn
@@ -50,7 +51,7 @@ def check_input_options(o: InputOptions) -> None:
         warn("--x is ignored: --q/--k/--v take precedence")
 
 
-def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOptions):
+def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOptions, dropout: float = 0.0):
     """The Mask and Q/K/V for attend and verify: given inputs decide the length unless --len or the data does."""
     from maskcli.inspect.given import build_any
 
@@ -58,7 +59,7 @@ def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOption
     head_dim = o.default_head_dim if o.head_dim is None else o.head_dim
     checked_early = all(t is None for t in (o.q, o.k, o.v, o.x)) and options.mask_file is None and options.mask_mod is None
     if checked_early:  # refuse bad mask options and impossible sizes before importing torch
-        _check_fits_before_torch(o, build_any(expression, options), head_dim)
+        _check_fits_before_torch(o, build_any(expression, options), head_dim, dropout)
 
     from maskcli.attention.inputs import check_fits, load_given, make_qkv, resolve_device, resolve_dtype
 
@@ -74,7 +75,7 @@ def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOption
     if mask.batch > 1 and o.batch is not None and o.batch != mask.batch:
         raise MaskError(f"--batch {o.batch} does not match the {mask.batch} batch rows of the mask (--lengths/--ids or labels): drop --batch")
     if given is None and not checked_early:
-        _check_fits_before_torch(o, mask, head_dim)
+        _check_fits_before_torch(o, mask, head_dim, dropout)
     elif given is not None and given.x is not None:
         _check_projections_fit(given.x, o)
     qkv = make_qkv(
@@ -93,7 +94,7 @@ def _batch(mask, o: InputOptions) -> int:
     return mask.batch if mask.batch > 1 else 1 if o.batch is None else o.batch
 
 
-def _check_fits_before_torch(o: InputOptions, mask, head_dim: int) -> None:
+def _check_fits_before_torch(o: InputOptions, mask, head_dim: int, dropout: float) -> None:
     """Refuse random inputs (and, on the cpu, stages) that cannot be allocated: O(1), before torch is imported."""
     from maskcli.conventions import FLOAT_BYTES
     from maskcli.memory import ATTENTION_FIX, attention_bytes, attention_what, check_bytes_fit
@@ -104,10 +105,21 @@ def _check_fits_before_torch(o: InputOptions, mask, head_dim: int) -> None:
     cells = (batch, mask.heads, mask.frame.q_len, mask.frame.k_len)
     needed = 4 * batch * mask.heads * (mask.frame.q_len + 2 * mask.frame.k_len) * head_dim  # random Q, K, V: float32, on the host
     how = "for the random inputs"
-    if o.device == "cpu" and o.dtype in FLOAT_BYTES:
-        needed += attention_bytes(cells, head_dim, FLOAT_BYTES[o.dtype])
+    if _computes_on_cpu(o.device) and o.dtype in FLOAT_BYTES:
+        needed += attention_bytes(cells, head_dim, FLOAT_BYTES[o.dtype], dropout)
         how = "for the random inputs and attention stages"
     check_bytes_fit(needed, attention_what(cells, head_dim), how, fix=ATTENTION_FIX)
+
+
+def _computes_on_cpu(device: str) -> bool:
+    """--device cpu, or auto on a machine with no GPU driver (no CUDA or ROCm device files, not a Mac): known
+    without importing torch, so the stages' memory is checked up front there too."""
+    import os
+
+    if device == "cpu":
+        return True
+    gpu_files = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version", "/dev/kfd", "/dev/dxg")
+    return device == "auto" and sys.platform.startswith("linux") and not any(os.path.exists(path) for path in gpu_files)
 
 
 def _check_projections_fit(x, o: InputOptions) -> None:
