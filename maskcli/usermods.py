@@ -94,7 +94,11 @@ def _module(where: str, spec: str):
 
 
 def _user_code():
-    """While the user's code runs, its print() goes to stderr: stdout carries maskcli's --json or table alone."""
+    """While the user's code runs, its print() goes to stderr: stdout carries maskcli's --json or table alone.
+    Not while torch.compile traces a mask_mod (flex_attention does), which cannot trace redirect_stdout."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.compiler.is_compiling():
+        return contextlib.nullcontext()
     return contextlib.redirect_stdout(sys.stderr)
 
 

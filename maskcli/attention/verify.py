@@ -8,9 +8,11 @@ unmasked row, the mean of V, or something else.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -140,7 +142,8 @@ def _flex(p: Problem) -> torch.Tensor:
         warnings.simplefilter("ignore")  # "called without torch.compile": we want the plain semantics
         try:
             block_mask = create_block_mask(p.mask.local_mask_mod(p.q.device), batch, heads, q_len, k_len, device=p.q.device)
-            return flex_attention(p.q, p.k, p.v, block_mask=block_mask, scale=p.scale)
+            with contextlib.redirect_stdout(sys.stderr):  # a mask_mod's print() as flex_attention traces it
+                return flex_attention(p.q, p.k, p.v, block_mask=block_mask, scale=p.scale)
         except (RuntimeError, NotImplementedError, ValueError, AssertionError) as error:
             raise Refused(" ".join(str(error).split())[:300] or type(error).__name__) from None
 
