@@ -9,9 +9,65 @@ from __future__ import annotations
 
 import numpy as np
 
+from maskcli.errors import MaskError
 from maskcli.mask import Mask
 
 TILE_CELLS = 1 << 22  # cells per band when counting cell by cell: a predicate's int64 temporaries stay near 100 MB
+# Past this many cells a predicate is not counted cell by cell: about a minute's work at the ~130M cells/s that
+# labels' predicates reach on one core (benchmarks/long_masks.py), hours at 1M tokens. Refused up front instead.
+CELL_BY_CELL_LIMIT = 1 << 33
+PATIENCE_S = 120.0  # a slower predicate (a user's mask_mod) is refused once its first bands say it would take longer
+PACE_AFTER_S = 0.5  # the pace is judged after this long
+
+
+def check_cell_by_cell(masks: tuple[Mask, ...], planes: int = 1) -> None:
+    """Refuse, in O(1) and before torch is imported, counting `planes` planes of predicate cells past the limit."""
+    slow = [m for m in masks if m.keep is None and not m.exact]
+    if not slow:
+        return
+    f = masks[0].frame
+    cells = planes * f.q_len * f.k_len
+    if cells > CELL_BY_CELL_LIMIT:
+        side = int((CELL_BY_CELL_LIMIT // planes) ** 0.5)
+        raise MaskError(
+            f"{slow[0].title}: {slow[0].why_not_exact}, so its keys are not a few intervals per query and it would be "
+            f"counted cell by cell: {cells:,} cells, past the {CELL_BY_CELL_LIMIT:,} (about a minute) maskcli counts "
+            f"that way: use a shorter mask (about {side:,} queries x {side:,} keys fits)"
+        )
+
+
+def bands(masks: tuple[Mask, ...], total_rows: int, progress=None, done_before: int = 0, total: int | None = None, align: int = 1):
+    """(lo, hi) query bands of about TILE_CELLS cells (a multiple of `align` rows) over `total_rows` rows, for
+    counting cell by cell.
+
+    Calls progress(done, total) after each band, and, where a predicate is slow, refuses the work
+    once its first bands say that the whole would take longer than PATIENCE_S.
+    """
+    import time
+
+    f = masks[0].frame
+    band = max(align, TILE_CELLS // max(1, f.k_len) // align * align)
+    total = total_rows if total is None else total
+    watching = any(m.keep is None and not m.exact for m in masks)  # a predicate, counted cell by cell
+    start = first = None
+    for lo in range(0, total_rows, band):
+        hi = min(total_rows, lo + band)
+        yield lo, hi
+        done = done_before + hi
+        if watching and start is None:  # the pace is timed from the second band: the first pays for imports
+            start, first = time.monotonic(), hi
+        elif watching:
+            elapsed = time.monotonic() - start
+            if elapsed >= PACE_AFTER_S:
+                watching = False
+                expected = elapsed * (total - done_before - first) / max(1, hi - first)
+                if expected > PATIENCE_S:
+                    raise MaskError(
+                        f"{masks[0].title}: counting it cell by cell would take about {expected / 60:.0f} minutes here "
+                        f"({f.q_len:,} x {f.k_len:,} cells through its predicate): use a shorter mask"
+                    )
+        if progress is not None:
+            progress(done, total)
 
 
 def edges(length: int, block: int, start: int = 0) -> np.ndarray:
@@ -28,20 +84,17 @@ def block_counts(mask: Mask, b: int, h: int, row_block: int, key_block: int, pro
     f = mask.frame
     if mask.exact:
         return mask.intervals().block_counts(b, f.q_len, row_block, key_block)
+    check_cell_by_cell((mask,))
     n_rows, n_cols = -(-f.q_len // row_block), -(-f.k_len // key_block)
     out = np.zeros((n_rows, n_cols), dtype=np.int64)
     # a band of at most TILE_CELLS cells, whatever the block: a block of rows may span several bands,
     # each adding its part, so memory stays bounded as the mask grows
-    band = max(1, TILE_CELLS // max(1, f.k_len))
     key_edges = edges(f.k_len, key_block)
-    for lo in range(0, f.q_len, band):
-        hi = min(f.q_len, lo + band)
+    for lo, hi in bands((mask,), f.q_len, progress):
         cells = mask.cells(b, h, lo, hi)
         per_key_block = np.add.reduceat(cells, key_edges[:-1], axis=1, dtype=np.int64)
         rows_of = np.arange(lo, hi) // row_block
         out[rows_of[0] : rows_of[-1] + 1] += np.add.reduceat(per_key_block, np.flatnonzero(np.r_[True, np.diff(rows_of) > 0]), axis=0)
-        if progress is not None:
-            progress(hi, f.q_len)
     return out
 
 

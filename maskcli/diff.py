@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from maskcli.counting import TILE_CELLS
+from maskcli.counting import bands, check_cell_by_cell
 from maskcli.errors import MaskError
 from maskcli.intervals import Intervals
 from maskcli.mask import Mask
@@ -106,14 +106,13 @@ def compare(a: Mask, b: Mask, first: int = FIRST_ROWS, progress=None) -> Differe
     f = a.frame
     only_a = only_b = both = 0
     rows: list[RowDifference] = []
-    band = max(1, TILE_CELLS // max(1, f.k_len))
+    check_cell_by_cell((a, b), batch * heads_apart)
     total = batch * heads_apart * f.q_len
     done = 0
     for bi in range(batch):
         for h in range(heads_apart):
             weight = heads if heads_apart == 1 else 1
-            for lo in range(0, f.q_len, band):
-                hi = min(f.q_len, lo + band)
+            for lo, hi in bands((a, b), f.q_len, progress, done, total):
                 ca, cb = a.cells(min(bi, a.batch - 1), h, lo, hi), b.cells(min(bi, b.batch - 1), h, lo, hi)
                 oa, ob = ca & ~cb, cb & ~ca
                 only_a += int(oa.sum()) * weight
@@ -122,9 +121,7 @@ def compare(a: Mask, b: Mask, first: int = FIRST_ROWS, progress=None) -> Differe
                 for i in np.flatnonzero((oa | ob).any(axis=1))[: max(0, first - len(rows))]:
                     rows.append(RowDifference(bi, h, f.q_start + lo + int(i), runs(ca[i], f.k_start), runs(cb[i], f.k_start),
                                               runs(oa[i], f.k_start), runs(ob[i], f.k_start)))
-                done += hi - lo
-                if progress is not None:
-                    progress(done, total)
+            done += f.q_len
     return Difference(a, b, only_a, only_b, both, rows, exact_intervals=False)
 
 
@@ -171,16 +168,12 @@ def block_counts(difference: Difference, b: int, h: int, rows: int, cols: int, p
         f = a.frame
         return {name: intervals.block_counts(b, f.q_len, rows, cols) for name, intervals in parts.items()}
     f = a.frame
-    out = {}
-    for name, value in (("both", 1), ("only_a", 2), ("only_b", 3)):
-        grid = np.zeros((-(-f.q_len // rows), -(-f.k_len // cols)), dtype=np.int64)
-        band = max(rows, (TILE_CELLS // max(1, f.k_len)) // rows * rows)
-        for lo in range(0, f.q_len, band):
-            hi = min(f.q_len, lo + band)
-            cells = categories(difference, b, h, lo, hi) == value
-            part = from_tensor(cells[None, None], "part", 0, 0)
-            grid[lo // rows : lo // rows + -(-(hi - lo) // rows)] += count(part, 0, 0, rows, cols)
-        out[name] = grid
-        if progress is not None:
-            progress(value, 3)
+    check_cell_by_cell((a, bm))
+    names = {"both": 1, "only_a": 2, "only_b": 3}
+    out = {name: np.zeros((-(-f.q_len // rows), -(-f.k_len // cols)), dtype=np.int64) for name in names}
+    for lo, hi in bands((a, bm), f.q_len, progress, align=rows):  # each band's categories once, for all three
+        found = categories(difference, b, h, lo, hi)
+        for name, value in names.items():
+            part = from_tensor((found == value)[None, None], "part", 0, 0)
+            out[name][lo // rows : lo // rows + -(-(hi - lo) // rows)] += count(part, 0, 0, rows, cols)
     return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from maskcli.counting import TILE_CELLS, block_counts, how_counted
+from maskcli.counting import bands, block_counts, check_cell_by_cell, how_counted
 from maskcli.mask import Mask
 
 DEFAULT_GRID = (32, 64)
@@ -79,13 +79,10 @@ def row_counts(mask: Mask, b: int, progress=None) -> np.ndarray:
     if mask.exact:
         counts = mask.intervals().counts()
         return np.broadcast_to(counts[b if counts.shape[0] > 1 else 0], (f.q_len,))
+    check_cell_by_cell((mask,))
     out = np.empty(f.q_len, dtype=np.int64)
-    band = max(1, TILE_CELLS // max(1, f.k_len))
-    for lo in range(0, f.q_len, band):
-        hi = min(f.q_len, lo + band)
+    for lo, hi in bands((mask,), f.q_len, progress):
         out[lo:hi] = mask.cells(b, 0, lo, hi).sum(axis=1)
-        if progress is not None:
-            progress(hi, f.q_len)
     return out
 
 

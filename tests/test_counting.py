@@ -57,3 +57,38 @@ def test_a_million_token_window_band_is_never_drawn_empty():
     diagonal = [shares[i, 2 * i] for i in range(32)]
     assert all(share > 0 for share in diagonal)
     assert shares[5, 20] == 0
+
+
+def test_counting_cell_by_cell_past_the_limit_is_refused_up_front_by_every_path(tmp_path, monkeypatch):
+    import time
+
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    np.save(tmp_path / "alternating.npy", np.arange(1_000_000) % 2)  # 500,000 runs per label: not few intervals
+    monkeypatch.chdir(tmp_path)
+    start = time.perf_counter()
+    for args in (["show", 'segment("alternating.npy")', "--summary"], ["show", 'segment("alternating.npy")'],
+                 ["blocks", 'segment("alternating.npy")'], ["diff", 'segment("alternating.npy")', "causal"],
+                 ["diff", 'segment("alternating.npy")', "causal", "--png", "d.png"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert "label 0 comes back in 500000 separate runs" in result.stderr and "1,000,000,000,000 cells" in result.stderr
+        assert result.stderr.count("\n") == 1
+    assert time.perf_counter() - start < 10  # nothing of 10^12 cells was counted
+    assert [p.name for p in tmp_path.iterdir()] == ["alternating.npy"]
+
+
+def test_a_slow_predicate_is_refused_once_its_pace_is_known(tmp_path, monkeypatch):
+    from maskcli import counting
+    from maskcli.errors import MaskError
+
+    monkeypatch.setattr(counting, "TILE_CELLS", 64)  # many small bands
+    monkeypatch.setattr(counting, "PATIENCE_S", 0.0)
+    monkeypatch.setattr(counting, "PACE_AFTER_S", 0.0)
+    mask = build("chunk(" + ",".join(str(v) for v in [1, 0] * 200) + ")")  # labels go down: cell by cell
+    with pytest.raises(MaskError, match="counting it cell by cell would take about"):
+        block_counts(mask, 0, 0, 8, 8)
+    monkeypatch.setattr(counting, "PATIENCE_S", 1e9)
+    assert block_counts(mask, 0, 0, 8, 8).sum() == mask.dense().sum()

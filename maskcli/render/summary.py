@@ -40,7 +40,7 @@ def summary_text(summary: Summary) -> str:
             prefix = f"batch {row.batch}{length}: "
             lines.append(f"{prefix}visible {row.visible:,} of {row.total:,} per head ({_share(row.visible, row.total)})")
             prefix = "  "
-        median = f"{row.keys_median:g}"
+        median = f"{row.keys_median:,g}"
         lines.append(f"{prefix}keys per query row: min {row.keys_min:,} · median {median} · max {row.keys_max:,}")
         lines.append(f"{prefix}rows that see no key: {_empty(row)}")
     lines.append(
