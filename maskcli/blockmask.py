@@ -39,7 +39,7 @@ class Blocks:
     kv_indices: np.ndarray
     full_kv_num_blocks: np.ndarray
     full_kv_indices: np.ndarray
-    sets: list | None = None  # per (batch, head): (touched, full) block intervals, where the mask's intervals are few
+    sets: tuple | None = None  # (touched, full) block intervals per batch row, where the mask's intervals are few
 
     @property
     def n_q(self) -> int:
@@ -66,9 +66,9 @@ class Blocks:
         """int8 (n_q, n_kv): EMPTY, PARTIAL or FULL per block."""
         h = h if self.kv_num_blocks.shape[1] > 1 else 0
         if self.sets is not None:
-            touched, full = self.sets[b * self.kv_num_blocks.shape[1] + h]
-            out = touched.dense(0, 0, self.n_q).view(np.int8)  # 1 where touched: PARTIAL unless full
-            out += full.dense(0, 0, self.n_q).view(np.int8)
+            touched, full = self.sets
+            out = touched.dense(b, 0, self.n_q).view(np.int8)  # 1 where touched: PARTIAL unless full
+            out += full.dense(b, 0, self.n_q).view(np.int8)
             return out
         out = np.zeros((self.n_q, self.n_kv), dtype=np.int8)
         rows = np.arange(self.n_q)[:, None]
@@ -96,30 +96,31 @@ def layout(mask: Mask, q_block: int = DEFAULT_BLOCK, kv_block: int = DEFAULT_BLO
     heads = 1 if mask.keep is None or mask.keep.shape[1] == 1 else mask.shape[1]
     check_dense_fits((mask.batch, heads, n_q, n_kv), 4 * 2 + 2, "for the block indices", what="a block mask of",
                      fix="use a larger --block, or a shorter mask")
+    if mask.exact:  # every batch row at once (heads are one: a mask with intervals has no per-head tensor)
+        touched, full = mask.intervals().block_sets(f.q_len, q_block, kv_block)
+        partial = touched & ~full
+        planes = (touched.starts.shape[0], 1, n_q)
+        arrays = {
+            "kv_num_blocks": partial.counts().reshape(planes), "kv_indices": ordered(partial, n_kv).reshape(planes + (n_kv,)),
+            "full_kv_num_blocks": full.counts().reshape(planes), "full_kv_indices": ordered(full, n_kv).reshape(planes + (n_kv,)),
+        }
+        # one stored row serves every batch row: a broadcast view, as a mask of one plane stays a view
+        stacked = {name: np.broadcast_to(value.astype(np.int32, copy=False), (mask.batch,) + value.shape[1:]) for name, value in arrays.items()}
+        return Blocks(mask, q_block, kv_block, **stacked, sets=(touched, full))
     parts: dict[str, list] = {"kv_num_blocks": [], "kv_indices": [], "full_kv_num_blocks": [], "full_kv_indices": []}
-    sets = [] if mask.exact else None
     for b in range(mask.batch):
         for h in range(heads):
-            if mask.exact:
-                touched, full = mask.intervals().block_sets(b, f.q_len, q_block, kv_block)
-                sets.append((touched, full))
-                partial = touched & ~full
-                rows = {
-                    "kv_num_blocks": partial.counts()[0], "kv_indices": ordered(partial, n_kv),
-                    "full_kv_num_blocks": full.counts()[0], "full_kv_indices": ordered(full, n_kv),
-                }
-            else:
-                counts = block_counts(mask, b, h, q_block, kv_block, progress)
-                is_full = counts == q_block * kv_block  # a block cut short by the end is padded with hidden cells
-                is_partial = (counts > 0) & ~is_full
-                rows = {
-                    "kv_num_blocks": is_partial.sum(1), "kv_indices": np.argsort(~is_partial, axis=1, kind="stable"),
-                    "full_kv_num_blocks": is_full.sum(1), "full_kv_indices": np.argsort(~is_full, axis=1, kind="stable"),
-                }
+            counts = block_counts(mask, b, h, q_block, kv_block, progress)
+            is_full = counts == q_block * kv_block  # a block cut short by the end is padded with hidden cells
+            is_partial = (counts > 0) & ~is_full
+            rows = {
+                "kv_num_blocks": is_partial.sum(1), "kv_indices": np.argsort(~is_partial, axis=1, kind="stable"),
+                "full_kv_num_blocks": is_full.sum(1), "full_kv_indices": np.argsort(~is_full, axis=1, kind="stable"),
+            }
             for name, value in rows.items():
                 parts[name].append(np.asarray(value, dtype=np.int32))
     if mask.batch * heads == 1:  # one (batch, head): a view, not a copy of the largest arrays
         stacked = {name: values[0][None, None] for name, values in parts.items()}
     else:
         stacked = {name: np.stack(values).reshape((mask.batch, heads) + values[0].shape) for name, values in parts.items()}
-    return Blocks(mask, q_block, kv_block, **stacked, sets=sets)
+    return Blocks(mask, q_block, kv_block, **stacked)

@@ -86,8 +86,14 @@ class Intervals:
             raise ValueError(f"intervals over keys [{self.k_start}, {self.k_end}) and [{other.k_start}, {other.k_end}) do not combine")
 
     def counts(self) -> np.ndarray:
-        """Visible keys per row, int64 (B, Lq) as stored (broadcast dimensions stay 1)."""
-        return (self.ends - self.starts).sum(-1)
+        """Visible keys per row, int64 (B, Lq) as stored (broadcast dimensions stay 1); computed once, read-only
+        (a summary asks once per batch row)."""
+        cached = self.__dict__.get("_counts")
+        if cached is None:
+            cached = (self.ends - self.starts).sum(-1)
+            cached.flags.writeable = False
+            self.__dict__["_counts"] = cached
+        return cached
 
     def rows(self, batch: int, q_lo: int, q_hi: int) -> Intervals:
         """Rows q_lo..q_hi-1 (local indices) of one batch row, as (1, n, K) intervals."""
@@ -157,45 +163,51 @@ class Intervals:
         return out
 
 
-    def block_sets(self, batch: int, q_len: int, q_block: int, kv_block: int) -> tuple[Intervals, Intervals]:
+    def block_sets(self, q_len: int, q_block: int, kv_block: int) -> tuple[Intervals, Intervals]:
         """Per block of q_block query rows, the key blocks any row sees some of, and those every row sees whole.
 
         Both are intervals over key-block indices [0, ceil(Lk / kv_block)), one row per query
-        block, as FlexAttention's block mask counts them: the sequence is padded with hidden
-        cells to whole blocks, so a block cut short by the end of the queries or keys is
-        never full.
+        block and one plane per stored batch row (B, ceil(Lq / q_block), K), as FlexAttention's
+        block mask counts them: the sequence is padded with hidden cells to whole blocks, so a
+        block cut short by the end of the queries or keys is never full. Every batch row at
+        once: 60,000 padded rows are one pass, not a Python loop.
         """
         n_q = -(-q_len // q_block)
         n_kv = -(-(self.k_end - self.k_start) // kv_block)
-        part = self.rows(batch, 0, q_len)
-        s = part.starts[0] - self.k_start
-        e = part.ends[0] - self.k_start
+        starts = np.broadcast_to(self.starts, (self.starts.shape[0], q_len, self.per_row))
+        ends = np.broadcast_to(self.ends, starts.shape)
+        s, e = starts - self.k_start, ends - self.k_start
+        batch = s.shape[0]
         real = s < e
-        pad = n_q * q_block - q_len  # the padding rows see nothing
-        touched_s = np.pad(np.where(real, s // kv_block, n_kv), [(0, pad), (0, 0)], constant_values=n_kv)
-        touched_e = np.pad(np.where(real, (e - 1) // kv_block + 1, n_kv), [(0, pad), (0, 0)], constant_values=n_kv)
-        width = touched_s.shape[1] * q_block
-        touched = Intervals.of(touched_s.reshape(1, n_q, width), touched_e.reshape(1, n_q, width), 0, n_kv)
+        pad = [(0, 0), (0, n_q * q_block - q_len), (0, 0)]  # the padding rows see nothing
+        touched_s = np.pad(np.where(real, s // kv_block, n_kv), pad, constant_values=n_kv)
+        touched_e = np.pad(np.where(real, (e - 1) // kv_block + 1, n_kv), pad, constant_values=n_kv)
+        width = touched_s.shape[2] * q_block
+        touched = Intervals.of(touched_s.reshape(batch, n_q, width), touched_e.reshape(batch, n_q, width), 0, n_kv)
         whole = Intervals.of(
-            np.pad(-(-s // kv_block), [(0, pad), (0, 0)], constant_values=n_kv)[None],
-            np.pad(np.where(real, e // kv_block, 0), [(0, pad), (0, 0)], constant_values=n_kv)[None],
+            np.pad(-(-s // kv_block), pad, constant_values=n_kv),
+            np.pad(np.where(real, e // kv_block, 0), pad, constant_values=n_kv),
             0, n_kv,
         )
         gaps = ~whole  # per row: the blocks it does not see whole; their union per query block is what is not full
         k = gaps.per_row
-        joined = Intervals.of(gaps.starts.reshape(1, n_q, q_block * k), gaps.ends.reshape(1, n_q, q_block * k), 0, n_kv)
+        joined = Intervals.of(gaps.starts.reshape(batch, n_q, q_block * k), gaps.ends.reshape(batch, n_q, q_block * k), 0, n_kv)
         return touched, ~joined
 
 
 def ordered(intervals: Intervals, n: int) -> np.ndarray:
-    """int32 (rows, n): per row, the indices inside the intervals ascending, then the others ascending.
+    """int32 (rows, n), or (B, rows, n) for B > 1 batch rows: per row, the indices inside the intervals ascending, then the others ascending.
 
     What FlexAttention's kv_indices hold (a stable descending argsort of a 0/1 row). A row
     is a few runs of consecutive indices, index = position + shift with the shift constant
     on each run: the shifts go in at the runs' first positions and a running sum spreads
     them, so the work is one pass over the output.
     """
-    rows = intervals.starts.shape[1]
+    planes, rows = intervals.starts.shape[:2]
+    if planes > 1:  # every batch row as one long run of rows
+        flat = Intervals(intervals.starts.reshape(1, planes * rows, -1), intervals.ends.reshape(1, planes * rows, -1),
+                         intervals.k_start, intervals.k_end)
+        return ordered(flat, n).reshape(planes, rows, n)
     outside = ~intervals
     starts = np.concatenate([intervals.starts[0], outside.starts[0]], axis=1)
     lengths = np.concatenate([intervals.ends[0] - intervals.starts[0], outside.ends[0] - outside.starts[0]], axis=1)

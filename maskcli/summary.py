@@ -35,7 +35,7 @@ class Summary:
     mask: Mask
     rows: list[RowStats]
     how: str
-    grid: list[np.ndarray]  # visible cells per grid block, one (R, C) per batch row
+    grid: list[np.ndarray] | None  # visible cells per grid block, one (R, C) per batch row (None: not asked for)
     grid_blocks: tuple[int, int]  # queries x keys per grid block
 
     @property
@@ -69,7 +69,7 @@ class Summary:
                 "dense_per_head_dim": 4 * self.total,
                 "note": "4·D per visible cell: Q Kᵀ and weights·V, 2·D each, over every batch row and head",
             },
-            "grid": {"queries_per_block": rb, "keys_per_block": cb, "visible": [g.tolist() for g in self.grid]},
+            **({} if self.grid is None else {"grid": {"queries_per_block": rb, "keys_per_block": cb, "visible": [g.tolist() for g in self.grid]}}),
         }
 
 
@@ -94,17 +94,26 @@ def spans(flags: np.ndarray, start: int, most: int = MAX_SPANS) -> list[tuple[in
     return [(int(start + a), int(start + z)) for a, z in zip(firsts, lasts)]
 
 
-def summarise(mask: Mask, grid: tuple[int, int] = DEFAULT_GRID, progress=None) -> Summary:
+def summarise(mask: Mask, grid: tuple[int, int] = DEFAULT_GRID, progress=None, with_grid: bool = True) -> Summary:
+    """Counts per batch row (and the density grid, which only --json shows, where `with_grid`)."""
     f = mask.frame
     rb, cb = -(-f.q_len // grid[0]), -(-f.k_len // grid[1])
-    rows, grids = [], []
+    if mask.exact:  # every batch row's statistics in one pass over the (B, Lq) counts
+        counts = np.broadcast_to(mask.intervals().counts(), (mask.batch, f.q_len))
+        stats = zip(counts.sum(1), counts.min(1), np.median(counts, axis=1), counts.max(1), (counts == 0).sum(1))
+    else:
+        stats = None
+    rows = []
     for b in range(mask.batch):
-        counts = row_counts(mask, b, progress)
-        empty = counts == 0
+        if stats is None:
+            counts_b = row_counts(mask, b, progress)
+            visible, low, middle, high, empty = counts_b.sum(), counts_b.min(), np.median(counts_b), counts_b.max(), (counts_b == 0).sum()
+        else:
+            visible, low, middle, high, empty = next(stats)
         rows.append(RowStats(
-            batch=b, visible=int(counts.sum()), total=f.q_len * f.k_len,
-            keys_min=int(counts.min()), keys_median=float(np.median(counts)), keys_max=int(counts.max()),
-            empty_rows=int(empty.sum()), empty_spans=spans(empty, f.q_start),
+            batch=b, visible=int(visible), total=f.q_len * f.k_len, keys_min=int(low), keys_median=float(middle),
+            keys_max=int(high), empty_rows=int(empty),
+            empty_spans=spans((counts_b if stats is None else counts[b]) == 0, f.q_start) if empty else [],
         ))
-        grids.append(block_counts(mask, b, 0, rb, cb, progress))
+    grids = [block_counts(mask, b, 0, rb, cb, progress) for b in range(mask.batch)] if with_grid else None
     return Summary(mask, rows, how_counted(mask), grids, (rb, cb))

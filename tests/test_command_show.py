@@ -330,6 +330,22 @@ def test_one_lengths_or_ids_row_serves_every_label_row_and_is_named_in_each_titl
     assert "batch 1 (ids 1,2,3,0)" in ok(["show", "document(0,0,1,1;0,1,1,1)", "--ids", "1,2,3,0"]).stdout
 
 
+def test_many_batch_rows_show_the_first_panels_and_say_what_is_left_out(tmp_path):
+    from maskcli.mask import build
+    from maskcli.render.masks import mask_figure
+
+    lengths = ",".join(str(i % 3 + 1) for i in range(100))
+    result = ok(["show", "causal", "--lengths", lengths])
+    assert result.stdout.count("\nbatch ") == 24 and "batch 23 (length 3)" in result.stdout and "batch 24" not in result.stdout
+    assert result.stdout.rstrip().endswith(
+        "24 panels shown; batch rows 24-99 not shown: --summary counts every one, --json or --save has every cell"
+    )
+    assert "batch 99 (length 1): visible 3 of 9" in ok(["show", "causal", "--lengths", lengths, "--summary"]).stdout
+    figure = mask_figure(build("causal", lengths=lengths))
+    assert len([ax for ax in figure.axes if ax.get_images()]) == 8
+    assert figure.get_suptitle().endswith("8 panels shown; batch rows 8-99 not shown")
+
+
 # --- saved tensors and figures named after the mask ---------------------------------------------
 
 

@@ -121,7 +121,7 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
 
         grid = parse_grid(output.grid) if output.grid is not None else DEFAULT_GRID
         with progress("counting") as update:
-            summary = summarise(mask, grid, update)
+            summary = summarise(mask, grid, update, with_grid=json_out)
         echo(summary_json(summary) if json_out else summary_text(summary))
         return
     from maskcli.render.masks import mask_json, mask_views

@@ -19,6 +19,8 @@ from maskcli.memory import check_dense_fits
 FIGURE_MAX_CELLS = 512  # per side; a longer mask is drawn as the share of visible cells per block
 TABLE_MAX_ROWS = 256  # a taller mask is a density map even when it is narrow
 HEAD_COMPARE_CELLS = 1 << 22
+MAX_PANELS = 24  # a terminal shows this many batch rows and heads; --summary and --json cover every one
+FIGURE_MAX_PANELS = 8  # a figure's panels stand in one row
 
 
 def shape_text(mask: Mask) -> str:
@@ -58,6 +60,19 @@ def head_groups(mask: Mask, batch: int) -> list[list[int]]:
         else:
             groups.append([h])
     return groups
+
+
+def panels_shown(mask: Mask, most: int) -> tuple[list[tuple[int, list[int]]], str | None]:
+    """The first `most` (batch row, head group) panels, and a note naming what is left out (None: nothing)."""
+    shown: list[tuple[int, list[int]]] = []
+    for b in range(mask.batch):
+        for group in head_groups(mask, b):
+            if len(shown) == most:
+                left = f"batch rows {b}-{mask.batch - 1}" if b < mask.batch - 1 else f"batch row {b}"
+                partly = f" (from head {group[0]})" if group[0] > 0 else ""
+                return shown, f"{most} panels shown; {left}{partly} not shown"
+            shown.append((b, group))
+    return shown, None
 
 
 def panel_title(mask: Mask, batch: int, group: list[int]) -> str:
@@ -143,9 +158,11 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
     batch, _, q_len, k_len = mask.shape
     texts = cell_texts(convention, dtype)
     label_width = len(str(mask.frame.q_end - 1)) + 1
+    shown, left_out = panels_shown(mask, MAX_PANELS)
+    rows_shown = shown[-1][0] + 1
     # every cell takes at least two columns: decide before building labels (or marks) for a long mask
     small = 2 * k_len + label_width + 1 <= console.width and q_len <= TABLE_MAX_ROWS
-    marks = [table_marks(structure(mask, b)) for b in range(batch)] if small else None
+    marks = [table_marks(structure(mask, b)) for b in range(rows_shown)] if small else None
     labels = _table_labels(mask, texts, console, marks[0]) if small else None
     maybe_table = labels is not None
     views: list = [Text(header(mask, convention, dtype), style="bold")]
@@ -158,20 +175,21 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
             views.append(Text(legend, style="dim"))
     elif mask.tokens is not None:
         views.append(Text("--tokens not shown: a density map has no room for words", style="dim"))
-    for b in range(batch):
-        for group in head_groups(mask, b):
-            title = panel_title(mask, b, group)
-            if title:  # its own line: a table title would wrap to the table's width
-                views.append(Text(title, style="bold"))
-            if maybe_table:
-                table = mask_table(mask.cells(b, group[0]).tolist(), None, row_labels, col_labels, texts, compact=compact, marks=marks[b])
-                if fits(console, table):
-                    views.append(table)
-                    continue
-            lines = max(8, console.height - 6) if console.is_terminal else MAX_LINES
-            blocks = choose_blocks(q_len, k_len, (map_width or console.width) - label_width - 2, lines)
-            shares = block_shares(mask, b, group[0], blocks.rows, blocks.cols, progress)
-            views.append(density_text(shares, blocks, q_len, k_len, mask.q_offset, mask.kv_offset, how_counted(mask)))
+    for b, group in shown:
+        title = panel_title(mask, b, group)
+        if title:  # its own line: a table title would wrap to the table's width
+            views.append(Text(title, style="bold"))
+        if maybe_table:
+            table = mask_table(mask.cells(b, group[0]).tolist(), None, row_labels, col_labels, texts, compact=compact, marks=marks[b])
+            if fits(console, table):
+                views.append(table)
+                continue
+        lines = max(8, console.height - 6) if console.is_terminal else MAX_LINES
+        blocks = choose_blocks(q_len, k_len, (map_width or console.width) - label_width - 2, lines)
+        shares = block_shares(mask, b, group[0], blocks.rows, blocks.cols, progress)
+        views.append(density_text(shares, blocks, q_len, k_len, mask.q_offset, mask.kv_offset, how_counted(mask)))
+    if left_out:
+        views.append(Text(f"{left_out}: --summary counts every one, --json or --save has every cell", style="dim"))
     return views
 
 
@@ -202,20 +220,20 @@ def mask_figure(mask: Mask):
     cols = max(1, -(-k_len // FIGURE_MAX_CELLS))
     f = mask.frame
     panels = []
-    for b in range(batch):
-        for group in head_groups(mask, b):
-            title = panel_title(mask, b, group)
-            if rows == 1 and cols == 1:
-                panels.append(Panel(title, mask.cells(b, group[0]), *axis_labels(mask), marks=structure(mask, b)))
-                continue
-            share = block_shares(mask, b, group[0], rows, cols)
-            # a pixel with any visible cell is never drawn as empty: shares above 0 start a third of the way to blue
-            share = np.where(share > 0, 0.3 + 0.7 * share, 0.0)
-            title = (title + "\n" if title else "") + (
-                f"one pixel = {rows:,} queries x {cols:,} keys\n(shade = share visible, any visible cell at least light blue;\n"
-                f"{how_counted(mask)})"
-            )
-            panels.append(Panel(title, share, None, None, extent=(f.k_start, f.k_end, f.q_end, f.q_start), marks=structure(mask, b)))
+    shown, left_out = panels_shown(mask, FIGURE_MAX_PANELS)
+    for b, group in shown:
+        title = panel_title(mask, b, group)
+        if rows == 1 and cols == 1:
+            panels.append(Panel(title, mask.cells(b, group[0]), *axis_labels(mask), marks=structure(mask, b)))
+            continue
+        share = block_shares(mask, b, group[0], rows, cols)
+        # a pixel with any visible cell is never drawn as empty: shares above 0 start a third of the way to blue
+        share = np.where(share > 0, 0.3 + 0.7 * share, 0.0)
+        title = (title + "\n" if title else "") + (
+            f"one pixel = {rows:,} queries x {cols:,} keys\n(shade = share visible, any visible cell at least light blue;\n"
+            f"{how_counted(mask)})"
+        )
+        panels.append(Panel(title, share, None, None, extent=(f.k_start, f.k_end, f.q_end, f.q_start), marks=structure(mask, b)))
     where = "" if f.is_plain() else f", {f.describe()}"
-    figure_title = f"{mask.title}\n{shape_text(mask)}{where}, keep convention"
+    figure_title = f"{mask.title}\n{shape_text(mask)}{where}, keep convention" + (f"\n{left_out}" if left_out else "")
     return heatmap_figure([panels], figure_title, ("may attend (True)", "masked (False)"))
