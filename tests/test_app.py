@@ -35,6 +35,21 @@ def test_shell_completion_is_offered_and_completes_commands():
     assert "show" in result.stdout.split()
 
 
+def test_completion_for_a_named_shell_installs_that_shell(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    result = runner.invoke(app, ["--install-completion", "fish"])
+    assert result.exit_code == 0 and result.stdout.startswith("fish completion installed in ")
+    script = tmp_path / ".config" / "fish" / "completions" / "maskcli.fish"
+    assert "_MASKCLI_COMPLETE" in script.read_text() and not (tmp_path / ".bashrc").exists()
+    assert runner.invoke(app, ["--show-completion", "zsh"]).stdout.startswith("#compdef maskcli")
+    refused = runner.invoke(app, ["--install-completion", "tcsh"])
+    assert refused.exit_code == 2 and refused.stderr == (
+        "maskcli: error: --install-completion 'tcsh': not a shell maskcli completes; "
+        "give one of bash, zsh, fish, powershell, pwsh, or none for the shell you are in\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".config"]
+
+
 def test_a_mistyped_command_gets_a_suggestion_on_one_line():
     result = runner.invoke(app, ["shwo", "causal"])
     assert result.exit_code == 2

@@ -44,11 +44,22 @@ class MaskcliGroup(TyperGroup):
         except BrokenPipeError:
             raise _PipeClosed() from None
 
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:  # typer's words say nothing of naming a shell, which maskcli takes
+            if "--install-completion" in param.opts:
+                param.help = "Install completion for your shell, or the one named after it: bash, zsh, fish, powershell or pwsh."
+            elif "--show-completion" in param.opts:
+                param.help = "Print the completion script for your shell (or the one named after it), to install it yourself."
+        return params
+
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         _pending.clear()
         try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-            flush_warnings()
+            code = _completion_for(sys.argv[1:] if args is None else list(args))
+            if code is None:
+                code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+                flush_warnings()
         except NoArgsIsHelpError as error:
             typer.echo(error.ctx.get_help())
             code = 0
@@ -76,6 +87,28 @@ class MaskcliGroup(TyperGroup):
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
+
+
+SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
+
+
+def _completion_for(args: list[str]) -> int | None:
+    """--install-completion SHELL or --show-completion SHELL for a named shell (typer takes no value and would
+    silently install for the shell it detects); None where neither is given with a value."""
+    if len(args) != 2 or args[0] not in ("--install-completion", "--show-completion"):
+        return None
+    flag, shell = args
+    if shell not in SHELLS:
+        raise MaskError(f"{flag} {shell!r}: not a shell maskcli completes; give one of {', '.join(SHELLS)}, or none for the shell you are in")
+    from typer._completion_shared import get_completion_script, install
+
+    if flag == "--show-completion":
+        typer.echo(get_completion_script(prog_name="maskcli", complete_var="_MASKCLI_COMPLETE", shell=shell))
+        return 0
+    shell, path = install(shell=shell, prog_name="maskcli", complete_var="_MASKCLI_COMPLETE")
+    typer.echo(f"{shell} completion installed in {path}")
+    typer.echo("Completion will take effect once you restart the terminal")
+    return 0
 
 
 def _smaller(args: list[str]) -> str:
