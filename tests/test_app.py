@@ -96,6 +96,9 @@ def test_at_60_columns_a_20_key_mask_is_still_a_table_and_verify_keeps_its_numbe
     verify = runner.invoke(app, ["verify", "causal", "--len", "6", "--repeat", "1"], env={"COLUMNS": "60", "MASKCLI_DEVICE": "cpu"})
     assert "…" not in verify.stdout
     assert len(re.findall(r"\d\.\d\de-\d\d", verify.stdout)) >= 3  # every max |diff| whole
+    assert " nn.MultiheadAttention " in verify.stdout  # the name whole, not broken across two lines
+    for command in ("show", "attend", "verify", "blocks", "inspect", "convert", "diff", "kinds", "chunk"):
+        assert "…" not in runner.invoke(app, [command, "--help"], env={"COLUMNS": "60"}).stdout, command
 
 
 def test_json_longer_than_one_write_comes_out_whole(monkeypatch):

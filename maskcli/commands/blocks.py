@@ -14,7 +14,7 @@ from maskcli.mask import MaskOptions
 BlockOpt = Annotated[str, typer.Option("--block", help="Block size: 128 (FlexAttention's BLOCK_SIZE), or Q,KV for unequal query and key blocks like 128,64.")]
 BlocksPng = Annotated[str | None, typer.Option("--png", help="Write a figure of full, partial and empty blocks: .png, .svg or .pdf (a directory: named after the mask).")]
 BlocksJson = Annotated[bool, typer.Option("--json", help="Print counts, sparsity and kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices exactly as create_block_mask makes them.")]
-BlocksSave = Annotated[str | None, typer.Option("--save", help="Save the four tensors with BLOCK_SIZE and seq_lengths to a .pt file: BlockMask.from_kv_blocks(**torch.load(path)) rebuilds the BlockMask.")]
+BlocksSave = Annotated[str | None, typer.Option("--save", help="Save the four tensors, BLOCK_SIZE and seq_lengths to a .pt file; give what torch.load reads to BlockMask.from_kv_blocks to rebuild the BlockMask.")]
 
 
 def parse_block(text: str) -> tuple[int, int]:

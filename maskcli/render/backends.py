@@ -31,7 +31,7 @@ def backends_table(results, atol: float, title: str) -> Table:
     # numbers are never cut short: their columns are as wide as their longest value, and the
     # words (backend names, headers) wrap between words when the terminal is narrow
     widths = [max(len(str(row[i])) for row in rows) if rows else 1 for i in range(5)]
-    table = Table(title=title, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(title=title, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     table.add_column("backend", style="bold", overflow="fold")
     table.add_column("result", width=max(widths[1], 6))
     table.add_column("max |diff|", justify="right", width=max(widths[2], 6))
