@@ -154,3 +154,20 @@ def test_bad_input_is_one_line(args, says, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = diff(*args)
     assert result.exit_code == 2 and says in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_tokens_label_the_diff_table_or_are_said_to_be_left_out():
+    result = runner.invoke(app, ["diff", "causal", "window(3)", "--len", "4", "--tokens", "alpha beta gamma delta"])
+    assert result.exit_code == 1
+    assert " q \\ kv   alpha  beta  gamma  delta " in result.stdout and " 3 delta    A     1      1      1   " in result.stdout
+    narrow = runner.invoke(app, ["diff", "causal", "window(3)", "--len", "4", "--tokens", "alphabetical betamax gammaray deltaforce"],
+                           env={"COLUMNS": "30"})
+    assert " 0 alphabetical  1  ·  ·  · " in narrow.stdout  # the rows keep the words, the columns positions
+    long = runner.invoke(app, ["diff", "causal", "window(3)", "--len", "600", "--tokens", " ".join(["w"] * 600)])
+    assert "--tokens not shown: a density map has no room for words" in long.stdout
+
+
+def test_a_piped_diff_map_is_as_wide_as_shows():
+    result = runner.invoke(app, ["diff", "causal", "window(3)", "--len", "600"])  # CliRunner: not a terminal
+    rows = [line for line in result.stdout.splitlines() if line[:3].strip().isdigit()]
+    assert rows and max(map(len, rows)) <= 80

@@ -132,8 +132,8 @@ def diff(
     else:
         from maskcli.commands.show import wide_console
 
-        console, _ = wide_console()
-        for view in render.views(difference, console):
+        console, map_width = wide_console()
+        for view in render.views(difference, console, map_width=map_width):
             console.print(view)
     if not difference.equal:
         raise typer.Exit(1)

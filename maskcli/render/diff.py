@@ -28,8 +28,9 @@ def header(difference: Difference) -> str:
     )
 
 
-def views(difference: Difference, console, progress=None) -> list:
-    """Header and words, then per batch row a table (small) or an exact map (large) of the categories."""
+def views(difference: Difference, console, progress=None, map_width: int | None = None) -> list:
+    """Header and words, then per batch row a table (small) or an exact map (large, `map_width` wide where
+    given, else the console's) of the categories."""
     out: list = [Text(header(difference), style="bold")]
     if difference.rows:
         shown = row_words(difference)
@@ -39,11 +40,23 @@ def views(difference: Difference, console, progress=None) -> list:
     f = a.frame
     rows_labels, cols_labels = axis_labels(a, 0)
     label_width = max(map(len, rows_labels)) if f.q_len <= 256 else len(str(f.q_end - 1))
+    small = f.q_len <= 256 and label_width + 2 + 3 * f.k_len <= console.width
+    if small and a.tokens is not None:  # the words on both axes where they fit, else on the rows
+        from maskcli.render.tables import fits, grid_table
+
+        for labels in (axis_labels(a), axis_labels(a, word_columns=False), None):
+            if labels is None:
+                out.append(Text("--tokens not shown: the words do not fit this width", style="dim"))
+            elif fits(console, grid_table(None, *labels, lambda i, j: Text("·"))):
+                rows_labels, cols_labels = labels
+                break
+    elif a.tokens is not None:
+        out.append(Text("--tokens not shown: a density map has no room for words", style="dim"))
     batch = max(a.batch, difference.b.batch)
     for b in range(batch):
         if batch > 1:
             out.append(Text(f"batch {b}", style="bold"))
-        if f.q_len <= 256 and label_width + 2 + 3 * f.k_len <= console.width:
+        if small:
             from maskcli.render.tables import grid_table
 
             cells = categories(difference, b, 0, 0, f.q_len)
@@ -52,7 +65,7 @@ def views(difference: Difference, console, progress=None) -> list:
             out.append(Text(LEGEND, style="dim"))
             continue
         lines = max(8, console.height - 8) if console.is_terminal else 48
-        blocks = choose_blocks(f.q_len, f.k_len, console.width - label_width - 2, lines)
+        blocks = choose_blocks(f.q_len, f.k_len, (map_width or console.width) - label_width - 2, lines)
         grids = block_counts(difference, b, 0, blocks.rows, blocks.cols, progress)
         sizes = np.diff(np.minimum(np.arange(0, f.q_len + blocks.rows, blocks.rows), f.q_len))[: grids["both"].shape[0], None] * \
             np.diff(np.minimum(np.arange(0, f.k_len + blocks.cols, blocks.cols), f.k_len))[None, : grids["both"].shape[1]]
