@@ -98,3 +98,30 @@ def test_padding_is_a_band_beside_the_cells_and_leaves_them_their_colour():
         assert np.abs(rgb - np.array(colour)).max() <= 2
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
     assert any(t.startswith("padding") for t in legend)
+
+
+def _legend_texts(figure):
+    return [text.get_text() for legend in figure.legends for text in legend.get_texts()]
+
+
+def test_the_legend_names_the_diagonal_only_where_it_is_drawn():
+    assert any(t.startswith("diagonal") for t in _legend_texts(mask_figure(build("window(3)", length=8))))
+    long = mask_figure(build("window(100)", length=2000))  # pixels of 4 x 4 cells: no diagonal line on them
+    assert not any(t.startswith("diagonal") for t in _legend_texts(long))
+
+
+def test_inspect_names_the_file_and_its_convention_in_the_figure(tmp_path, monkeypatch):
+    import torch
+    from typer.testing import CliRunner
+
+    import maskcli.render.heatmaps as heatmaps
+    from maskcli.commands import app
+
+    saved = []
+    monkeypatch.setattr(heatmaps, "save_figure", lambda figure, path: saved.append(figure))
+    keep = torch.tril(torch.ones(6, 6, dtype=torch.bool))
+    monkeypatch.chdir(tmp_path)
+    torch.save(torch.zeros(6, 6).masked_fill(~keep, float("-inf")), "add.pt")
+    result = CliRunner().invoke(app, ["inspect", "add.pt", "--png", "m.png"])
+    assert result.exit_code == 0, result.output
+    assert saved[0].get_suptitle().splitlines()[0] == "add.pt: additive mask, drawn as keep (it is causal)"

@@ -71,7 +71,10 @@ def inspect(
         from maskcli.render.heatmaps import save_figure
         from maskcli.render.masks import mask_figure
 
-        save_figure(mask_figure(mask), png_path)
+        source = file if key is None else f"{file} [{key}]"
+        name = analysis.structure.mask.title if analysis.structure.mask is not None else None
+        drawn = f"{source}: {analysis.convention.name} mask, drawn as keep" + (f" (it is {name})" if name else "")
+        save_figure(mask_figure(mask, drawn), png_path)
         done(f"wrote {png_path}")
     report = analysis.report(file)
     if json_:

@@ -197,14 +197,15 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels):
             mpatches.Patch(facecolor=_rgb(VISIBLE_RGB), edgecolor="black", label=legend_labels[0]),
             mpatches.Patch(facecolor=_rgb(MASKED_RGB), edgecolor="black", label=legend_labels[1]),
         ]
-    handles += _mark_handles([panel.marks for row in grid for panel in row if panel.marks is not None])
+    with_marks = [panel for row in grid for panel in row if panel.marks is not None]
+    handles += _mark_handles([panel.marks for panel in with_marks], [panel.extent is not None for panel in with_marks])
     fit = max(1, int(figure.get_figwidth() // 4.2))  # legend entries side by side, as many as the figure is wide for
     figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), fit, 3), frameon=False, fontsize=9)
     return figure
 
 
-def _mark_handles(found: list) -> list:
-    """Legend entries for the structure marks drawn on any panel."""
+def _mark_handles(found: list, absolute: list[bool]) -> list:
+    """Legend entries for the structure marks drawn on any panel (`absolute`: drawn on a long mask's pixels)."""
     if not found:
         return []
     import matplotlib.patches as mpatches
@@ -213,7 +214,7 @@ def _mark_handles(found: list) -> list:
     from maskcli.render.structure import legend_entries
 
     handles = []
-    for label, style in legend_entries(found):
+    for label, style in legend_entries(found, absolute):
         if style.get("hatch"):
             handles.append(mpatches.Patch(facecolor="white", hatch="///", edgecolor=(0.35, 0.35, 0.35), label=label))
         else:

@@ -210,8 +210,9 @@ def mask_json(mask: Mask, convention: str = "keep", dtype: str = "float32") -> s
     return json.dumps(data)
 
 
-def mask_figure(mask: Mask):
-    """One panel per batch row (and distinct head); long masks show the exact visible share per block."""
+def mask_figure(mask: Mask, name: str | None = None):
+    """One panel per batch row (and distinct head); long masks show the exact visible share per block.
+    `name` replaces the title's first line (the mask's name), as inspect names the file it read."""
     from maskcli.render.heatmaps import Panel, heatmap_figure
     from maskcli.render.structure import structure
 
@@ -235,5 +236,5 @@ def mask_figure(mask: Mask):
         )
         panels.append(Panel(title, share, None, None, extent=(f.k_start, f.k_end, f.q_end, f.q_start), marks=structure(mask, b)))
     where = "" if f.is_plain() else f", {f.describe()}"
-    figure_title = f"{mask.title}\n{shape_text(mask)}{where}, keep convention" + (f"\n{left_out}" if left_out else "")
+    figure_title = f"{name or mask.title}\n{shape_text(mask)}{where}, keep convention" + (f"\n{left_out}" if left_out else "")
     return heatmap_figure([panels], figure_title, ("may attend (True)", "masked (False)"))

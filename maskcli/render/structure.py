@@ -193,8 +193,10 @@ def table_marks(s: Structure) -> TableMarks:
     return TableMarks(s.word if labelled else None, key_tops, row_tags, col_breaks, row_breaks, diagonal)
 
 
-def legend_entries(found: list[Structure]) -> list[tuple[str, dict]]:
-    """(label, style) for what `draw_marks` drew on any panel: the legend explains only what is there."""
+def legend_entries(found: list[Structure], absolute: list[bool] | None = None) -> list[tuple[str, dict]]:
+    """(label, style) for what `draw_marks` drew on any panel: the legend explains only what is there
+    (`absolute[i]`: panel i is a long mask's pixels, where no diagonal is drawn)."""
+    absolute = [False] * len(found) if absolute is None else absolute
     entries = []
     words = sorted({s.word for s in found if s.segments})
     if words:
@@ -203,6 +205,6 @@ def legend_entries(found: list[Structure]) -> list[tuple[str, dict]]:
         entries.append(("cached keys | new keys (--offset)", {"line": CACHE_RGB, "dashed": True}))
     if any(s.pad_keys or s.pad_queries for s in found):
         entries.append(("padding (a hatched band beside its keys and queries)", {"hatch": True}))
-    if any(max(s.q_start, s.k_start) < min(s.q_end, s.k_end) for s in found):
+    if any(max(s.q_start, s.k_start) < min(s.q_end, s.k_end) and not far for s, far in zip(found, absolute)):
         entries.append(("diagonal: right of this edge, later keys", {"line": DIAGONAL_RGB, "dotted": True}))
     return entries
