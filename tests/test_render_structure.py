@@ -125,3 +125,19 @@ def test_inspect_names_the_file_and_its_convention_in_the_figure(tmp_path, monke
     result = CliRunner().invoke(app, ["inspect", "add.pt", "--png", "m.png"])
     assert result.exit_code == 0, result.output
     assert saved[0].get_suptitle().splitlines()[0] == "add.pt: additive mask, drawn as keep (it is causal)"
+
+
+@pytest.mark.parametrize("length", [12, 2000])
+def test_a_padding_band_stays_thin_and_clear_of_the_tick_labels(length):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    figure = mask_figure(build("causal", length=length, lengths=f"{length * 3 // 4},{length}"))
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    ax = figure.axes[0]
+    bands = [patch.get_window_extent(renderer) for patch in ax.patches if patch.get_hatch()]
+    below = [band for band in bands if band.y1 <= ax.get_window_extent(renderer).y0 + 1]  # along the keys
+    assert below and all(band.height <= 8 * figure.dpi / 72 for band in below)  # about 6 points, whatever the size
+    labels = [label.get_window_extent(renderer) for label in ax.get_xticklabels() if label.get_text()]
+    assert labels and max(label.y1 for label in labels) < min(band.y0 for band in below)  # no label under the band

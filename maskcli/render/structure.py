@@ -96,6 +96,9 @@ def _runs(flags: np.ndarray, offset: int) -> tuple[tuple[int, int], ...]:
     return tuple((int(a) + offset, int(b) + offset) for a, b in zip(edges[::2], edges[1::2]))
 
 
+BAND_PTS = 6  # thickness of a padding band, in points
+
+
 def draw_marks(ax, s: Structure, absolute: bool = False) -> None:
     """Boundaries and labels of segments, the cache line, padding hatched, and the diagonal, on a mask panel.
 
@@ -113,11 +116,16 @@ def draw_marks(ax, s: Structure, absolute: bool = False) -> None:
 
     left, right, top, bottom = kx(s.k_start), kx(s.k_end), qy(s.q_start), qy(s.q_end)
     # padding: a hatched band outside the cells, along the keys (below) and the queries (left of the tick
-    # labels would crowd them: right), so that the cells keep their colours
+    # labels would crowd them: right), so that the cells keep their colours; BAND_PTS thick whatever the
+    # panel's size, with the tick labels moved out past it (a share of a tall panel covered them)
+    figure, box = ax.figure, ax.get_position()
+    tall, wide = max(1.0, box.height * figure.get_figheight() * 72), max(1.0, box.width * figure.get_figwidth() * 72)
+    if s.pad_keys:
+        ax.tick_params(axis="x", pad=BAND_PTS + 4)
     for start, end in s.pad_keys:
-        ax.axvspan(kx(start), kx(end), ymin=-0.035, ymax=-0.005, clip_on=False, **PAD_BAND)
+        ax.axvspan(kx(start), kx(end), ymin=-(BAND_PTS + 1) / tall, ymax=-1 / tall, clip_on=False, **PAD_BAND)
     for start, end in s.pad_queries:
-        ax.axhspan(qy(end), qy(start), xmin=1.005, xmax=1.035, clip_on=False, **PAD_BAND)
+        ax.axhspan(qy(end), qy(start), xmin=1 + 1 / wide, xmax=1 + (BAND_PTS + 1) / wide, clip_on=False, **PAD_BAND)
     boundaries = sorted({start for start, _, _ in s.segments[1:]})
     for position in boundaries:
         if s.k_start < position < s.k_end:
@@ -145,7 +153,7 @@ def draw_marks(ax, s: Structure, absolute: bool = False) -> None:
         rows = [((max(a, s.q_start) + min(b, s.q_end)) / 2, label) for a, b, label in s.segments if b > s.q_start and a < s.q_end]
         right_axis = ax.secondary_yaxis("right")
         right_axis.set_yticks([qy(c) for c, _ in rows], [str(label) for _, label in rows], fontsize=7)
-        right_axis.tick_params(length=0, pad=8 if s.pad_queries else 1)
+        right_axis.tick_params(length=0, pad=BAND_PTS + 3 if s.pad_queries else 1)
 
 
 @dataclass(frozen=True)
