@@ -153,7 +153,7 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
     from maskcli.render.density import MAX_LINES, choose_blocks, density_text
     from maskcli.render.tables import fits, mask_table
 
-    from maskcli.render.structure import structure, table_marks
+    from maskcli.render.structure import aligned, structure, table_marks
 
     batch, _, q_len, k_len = mask.shape
     texts = cell_texts(convention, dtype)
@@ -162,7 +162,7 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
     rows_shown = shown[-1][0] + 1
     # every cell takes at least two columns: decide before building labels (or marks) for a long mask
     small = 2 * k_len + label_width + 1 <= console.width and q_len <= TABLE_MAX_ROWS
-    marks = [table_marks(structure(mask, b)) for b in range(rows_shown)] if small else None
+    marks = aligned([table_marks(structure(mask, b)) for b in range(rows_shown)]) if small else None
     labels = _table_labels(mask, texts, console, marks[0]) if small else None
     maybe_table = labels is not None
     views: list = [Text(header(mask, convention, dtype), style="bold")]

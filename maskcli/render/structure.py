@@ -166,6 +166,7 @@ class TableMarks:
     col_breaks: dict  # key column index -> the rule before it: "│" a label boundary, "║" the cache's end
     row_breaks: frozenset  # query row indices a rule goes above
     diagonal: tuple[int | None, ...]  # per query row, the column of its own position (None: not among the keys)
+    keys: int = 0  # key columns
 
     def legend(self) -> str:
         parts = []
@@ -173,11 +174,30 @@ class TableMarks:
             parts.append(f"│ ─ {self.word} boundaries (labels above the keys, beside the queries)")
         if "║" in self.col_breaks.values():
             parts.append("║ cached keys | new keys")
-        if self.key_tops and "p" in self.key_tops or self.row_tags and "pad" in self.row_tags:
+        if self.key_tops and "p" in self.key_tops or self.row_tags and any(tag.strip() == "pad" for tag in self.row_tags):
             parts.append("p / pad: padding")
         if parts and any(d is not None for d in self.diagonal):  # on its own, the underline needs no words
             parts.append("underlined: the diagonal")
         return " · ".join(parts)
+
+
+def aligned(marks: list[TableMarks]) -> list[TableMarks]:
+    """The tables' marks with the same label column and line in every one, so that the batch rows' tables
+    start their columns at the same place (a row without padding gets blank tags)."""
+    import dataclasses
+
+    tags = [m.row_tags for m in marks if m.row_tags is not None]
+    width = max((len(tag) for row in tags for tag in row), default=0)
+    tops = any(m.key_tops is not None for m in marks)
+    return [
+        dataclasses.replace(
+            m,
+            # each tag as wide as the widest: the label column is then as wide in every table
+            row_tags=tuple(tag.ljust(width) for tag in m.row_tags or ("",) * len(m.diagonal)) if tags else None,
+            key_tops=m.key_tops if m.key_tops is not None or not tops else ("",) * m.keys,
+        )
+        for m in marks
+    ]
 
 
 def table_marks(s: Structure) -> TableMarks:
@@ -198,7 +218,7 @@ def table_marks(s: Structure) -> TableMarks:
         col_breaks[s.q_start - s.k_start] = "║"
     row_breaks = frozenset(q - s.q_start for q in queries if q in starts and q != s.q_start)
     diagonal = tuple(q - s.k_start if s.k_start <= q < s.k_end else None for q in queries)
-    return TableMarks(s.word if labelled else None, key_tops, row_tags, col_breaks, row_breaks, diagonal)
+    return TableMarks(s.word if labelled else None, key_tops, row_tags, col_breaks, row_breaks, diagonal, len(keys))
 
 
 def legend_entries(found: list[Structure], absolute: list[bool] | None = None) -> list[tuple[str, dict]]:
