@@ -62,12 +62,12 @@ def map_text(symbols: np.ndarray, rows_per: int, keys_per: int, q_len: int, q_of
     return text
 
 
+def cell_block(rows: int, cols: int) -> str:
+    """'1 query x 8 keys': what one character or pixel of a map stands for."""
+    return f"{rows:,} {'query' if rows == 1 else 'queries'} x {cols:,} {'key' if cols == 1 else 'keys'}"
+
+
 def density_text(shares, blocks: Blocks, q_len: int, k_len: int, q_offset: int = 0, k_offset: int = 0, how: str = "exact") -> Text:
     """The density map of exact visible shares per block; `how` says how they were counted."""
-    noun_q = "query" if blocks.rows == 1 else "queries"
-    noun_k = "key" if blocks.cols == 1 else "keys"
-    caption = (
-        f"rows: query position, ruler: key position; one character = {blocks.rows:,} {noun_q} x "
-        f"{blocks.cols:,} {noun_k} ({how})\n" + LEGEND
-    )
+    caption = f"rows: query position, ruler: key position; one character = {cell_block(blocks.rows, blocks.cols)} ({how})\n" + LEGEND
     return map_text(shade(np.asarray(shares)), blocks.rows, blocks.cols, q_len, q_offset, k_offset, caption)

@@ -8,7 +8,7 @@ import numpy as np
 from rich.text import Text
 
 from maskcli.diff import Difference, block_counts, categories, row_words
-from maskcli.render.density import choose_blocks, map_text, shade
+from maskcli.render.density import cell_block, choose_blocks, map_text, shade
 from maskcli.render.masks import axis_labels, shape_text
 
 CELL = {0: ("·", "dim"), 1: ("1", "green"), 2: ("A", "bold red"), 3: ("B", "bold blue")}
@@ -72,7 +72,7 @@ def views(difference: Difference, console, progress=None, map_width: int | None 
         symbols = shade(grids["both"] / sizes)
         symbols = np.where(grids["only_a"] > 0, "A", symbols)
         symbols = np.where(grids["only_b"] > 0, np.where(grids["only_a"] > 0, "X", "B"), symbols)
-        caption = f"rows: query position, ruler: key position; one character = {blocks.rows:,} queries x {blocks.cols:,} keys ({difference.how})\n{MAP_LEGEND}"
+        caption = f"rows: query position, ruler: key position; one character = {cell_block(blocks.rows, blocks.cols)} ({difference.how})\n{MAP_LEGEND}"
         out.append(map_text(symbols, blocks.rows, blocks.cols, f.q_len, f.q_start, f.k_start, caption))
     return out
 

@@ -213,6 +213,7 @@ def mask_json(mask: Mask, convention: str = "keep", dtype: str = "float32") -> s
 def mask_figure(mask: Mask, name: str | None = None):
     """One panel per batch row (and distinct head); long masks show the exact visible share per block.
     `name` replaces the title's first line (the mask's name), as inspect names the file it read."""
+    from maskcli.render.density import cell_block
     from maskcli.render.heatmaps import Panel, heatmap_figure
     from maskcli.render.structure import structure
 
@@ -231,7 +232,7 @@ def mask_figure(mask: Mask, name: str | None = None):
         # a pixel with any visible cell is never drawn as empty: shares above 0 start a third of the way to blue
         share = np.where(share > 0, 0.3 + 0.7 * share, 0.0)
         title = (title + "\n" if title else "") + (
-            f"one pixel = {rows:,} queries x {cols:,} keys\n(shade = share visible, any visible cell at least light blue;\n"
+            f"one pixel = {cell_block(rows, cols)}\n(shade = share visible, any visible cell at least light blue;\n"
             f"{how_counted(mask)})"
         )
         panels.append(Panel(title, share, None, None, extent=(f.k_start, f.k_end, f.q_end, f.q_start), marks=structure(mask, b)))
