@@ -117,6 +117,7 @@ def _table_labels(mask: Mask, texts, console, marks=None):
     or none; and a note of what was given up."""
     from maskcli.render.tables import fits, mask_table
 
+    texts = (max(texts, key=len),) * 2  # measured with every cell at the wider of the two texts
     choices = [(None, True, "")]
     if mask.tokens is not None:
         choices += [
@@ -164,12 +165,18 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
     small = 2 * k_len + label_width + 1 <= console.width and q_len <= TABLE_MAX_ROWS
     marks = aligned([table_marks(structure(mask, b)) for b in range(rows_shown)]) if small else None
     labels = _table_labels(mask, texts, console, marks[0]) if small else None
+    shorter = None
+    if small and labels is None and max(map(len, texts)) > 1:  # wide values (-3.4e+38): a table of 1 and 0 still fits
+        shorter = f"cells shown as 1 / 0 (1 = may attend): {texts[0]} / {texts[1]} do not fit {console.width} columns"
+        texts = ("1", "0")
+        labels = _table_labels(mask, texts, console, marks[0])
     maybe_table = labels is not None
     views: list = [Text(header(mask, convention, dtype), style="bold")]
     if maybe_table:
         row_labels, col_labels, note, compact = labels
-        if note:
-            views.append(Text(note, style="dim"))
+        for line in (shorter, note):
+            if line:
+                views.append(Text(line, style="dim"))
         legend = max((m.legend() for m in marks), key=len)
         if legend:
             views.append(Text(legend, style="dim"))
