@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from maskcli import __version__
@@ -115,3 +116,27 @@ def test_json_longer_than_one_write_comes_out_whole(monkeypatch):
     result = runner.invoke(app, ["show", "causal", "--len", "9", "--json"])
     assert result.exit_code == 0, result.output
     assert result.stdout.endswith("}\n") and json.loads(result.stdout)["mask"][0][0][8] == [1] * 9
+
+
+def _help_examples():
+    import typer.main
+
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        lines = (command.epilog or "").split("\n\n")[1:]
+        yield name, [line.split("  # ")[0] for line in lines if line.startswith("maskcli ")]
+
+
+@pytest.mark.parametrize("name, lines", list(_help_examples()), ids=[name for name, _ in _help_examples()])
+def test_every_help_example_runs_as_written(tmp_path, monkeypatch, name, lines):
+    import shlex
+
+    monkeypatch.chdir(tmp_path)  # an example may write a file a later one reads
+    assert lines, f"{name} --help has no example"
+    import torch
+
+    for line in lines:
+        if "--device cuda" in line and not torch.cuda.is_available():
+            continue  # shown for a GPU; run where there is one
+        result = runner.invoke(app, shlex.split(line)[1:], env={"MASKCLI_DEVICE": "cpu"})
+        assert result.exit_code in ((0, 1) if name == "diff" else (0,)), (line, result.output)

@@ -37,9 +37,9 @@ def parse_stages(text: str) -> tuple[str, ...]:
         "maskcli attend padding --lengths 3,0 --fill min --png stages.png",
         "maskcli attend padding --lengths 3,0 --like sdpa --stages weights",
         "maskcli attend causal --like tutorial --seed 789 --d-out 2 --stages unmasked,weights --x "
-        "\"[[0.43,0.15,0.89],[0.55,0.87,0.66],[0.57,0.85,0.64],[0.22,0.58,0.33],[0.77,0.25,0.10],[0.05,0.80,0.55]]\"",
+        "\"[[0.43,0.15,0.89], [0.55,0.87,0.66], [0.57,0.85,0.64], [0.22,0.58,0.33], [0.77,0.25,0.10], [0.05,0.80,0.55]]\"",
         "maskcli attend causal --like tutorial --seed 789 --d-out 2 --stages weights --dropout 0.5 --dropout-seed 123 --x "
-        "\"[[0.43,0.15,0.89],[0.55,0.87,0.66],[0.57,0.85,0.64],[0.22,0.58,0.33],[0.77,0.25,0.10],[0.05,0.80,0.55]]\"",
+        "\"[[0.43,0.15,0.89], [0.55,0.87,0.66], [0.57,0.85,0.64], [0.22,0.58,0.33], [0.77,0.25,0.10], [0.05,0.80,0.55]]\"",
     ),
 )
 @mask_options()
