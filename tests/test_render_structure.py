@@ -141,3 +141,31 @@ def test_a_padding_band_stays_thin_and_clear_of_the_tick_labels(length):
     assert below and all(band.height <= 8 * figure.dpi / 72 for band in below)  # about 6 points, whatever the size
     labels = [label.get_window_extent(renderer) for label in ax.get_xticklabels() if label.get_text()]
     assert labels and max(label.y1 for label in labels) < min(band.y0 for band in below)  # no label under the band
+
+
+def _pixels(figure):
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    buffer.seek(0)
+    return mpimg.imread(buffer)
+
+
+def test_blocks_and_diff_figures_draw_the_label_boundaries():
+    from maskcli.blockmask import layout
+    from maskcli.diff import compare
+    from maskcli.render.blocks import blocks_figure
+    from maskcli.render.diff import diff_figure
+
+    mask = build("document(sizes=[300,500,224])")
+    figure = blocks_figure(layout(mask, 64, 64))
+    image, ax = _pixels(figure), figure.axes[0]
+    # positions on the axes: the documents start at keys 300 and 800 (and queries 300 and 800)
+    for y in (150, 600, 950):
+        assert near(image, ax, 300, y, MARK_RGB) and near(image, ax, 800, y, MARK_RGB)
+        assert not near(image, ax, 550, y, MARK_RGB)
+    assert near(image, ax, 150, 300, MARK_RGB) and near(image, ax, 950, 800, MARK_RGB)
+    assert any(t.startswith("doc boundary") for t in _legend_texts(figure))
+    figure = diff_figure(compare(build("document(0,0,0,1,1,1,1,1) & window(3)"), build("document(0,0,0,1,1,1,1,1)")))
+    image, ax = _pixels(figure), figure.axes[0]
+    assert near(image, ax, 3, 1.5, MARK_RGB) and near(image, ax, 1.5, 3, MARK_RGB) and not near(image, ax, 5.5, 1.5, MARK_RGB)
+    assert any(t.startswith("doc boundary") for t in _legend_texts(figure))

@@ -84,11 +84,14 @@ def blocks_json(blocks: Blocks) -> str:
 def blocks_figure(blocks: Blocks):
     """One panel per batch row: full, partial and empty blocks (a pixel over many blocks shows their mix)."""
     from maskcli.render.heatmaps import FIGURE_COLOURS, Panel, heatmap_figure
+    from maskcli.render.masks import FIGURE_MAX_PANELS
+    from maskcli.render.structure import structure
 
     f, mask = blocks.mask.frame, blocks.mask
     step_q, step_kv = max(1, -(-blocks.n_q // 512)), max(1, -(-blocks.n_kv // 512))
     panels = []
-    for b in range(mask.batch):
+    shown = min(mask.batch, FIGURE_MAX_PANELS)
+    for b in range(shown):
         categories = blocks.categories(b)
         values = np.add.reduceat(np.add.reduceat(categories.astype(np.float64) / 2, np.arange(0, blocks.n_q, step_q), axis=0),
                                  np.arange(0, blocks.n_kv, step_kv), axis=1)
@@ -96,7 +99,10 @@ def blocks_figure(blocks: Blocks):
                                 np.arange(0, blocks.n_kv, step_kv), axis=1)
         title = (f"batch {b}: " if mask.batch > 1 else "") + counts_line(blocks, b)
         extent = (f.k_start, f.k_start + blocks.n_kv * blocks.kv_block, f.q_start + blocks.n_q * blocks.q_block, f.q_start)
-        panels.append(Panel(title, values / sizes, None, None, extent=extent))
+        # the mask's own structure (label boundaries, the cache's end, padding) over its blocks
+        panels.append(Panel(title, values / sizes, None, None, extent=extent, marks=structure(mask, b)))
     title = f"blocks of {mask.title} · {blocks.q_block} x {blocks.kv_block}\n{shape_text(mask)}, sparsity {blocks.sparsity():.2f}%"
+    if shown < mask.batch:
+        title += f"\n{shown} panels shown; batch rows {shown}-{mask.batch - 1} not shown"
     legend = [(FIGURE_COLOURS["visible"], "full block"), (FIGURE_COLOURS["partial"], "partial block"), (FIGURE_COLOURS["masked"], "empty block")]
     return heatmap_figure([panels], title, legend)

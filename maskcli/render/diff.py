@@ -102,14 +102,18 @@ def diff_figure(difference: Difference):
     """One panel per batch row: both (blue), only A (red), only B (green), neither (grey); long masks per block."""
     from matplotlib.figure import Figure
 
-    from maskcli.render.heatmaps import LEAK_RGB, MASKED_RGB, VISIBLE_RGB
+    from maskcli.render.heatmaps import LEAK_RGB, MASKED_RGB, VISIBLE_RGB, _mark_handles
+    from maskcli.render.masks import FIGURE_MAX_PANELS
+    from maskcli.render.structure import draw_marks, structure
 
     a = difference.a
     f = a.frame
-    batch = max(a.batch, difference.b.batch)
+    every = max(a.batch, difference.b.batch)
+    batch = min(every, FIGURE_MAX_PANELS)
     rows, cols = max(1, -(-f.q_len // 512)), max(1, -(-f.k_len // 512))
     figure = Figure(figsize=(5.2 * batch, 5.6), layout="constrained")
     axes = figure.subplots(1, batch, squeeze=False)[0]
+    marks = []
     colours = {name: np.array(rgb) / 255 for name, rgb in (("masked", MASKED_RGB), ("visible", VISIBLE_RGB), ("a", LEAK_RGB), ("b", ONLY_B_RGB), ("x", BOTH_KINDS_RGB))}
     for b, ax in enumerate(axes):
         grids = block_counts(difference, b, 0, rows, cols)
@@ -121,6 +125,10 @@ def diff_figure(difference: Difference):
         image[grids["only_b"] > 0] = colours["b"]
         image[(grids["only_a"] > 0) & (grids["only_b"] > 0)] = colours["x"]
         ax.imshow(image, interpolation="nearest", extent=(f.k_start, f.k_end, f.q_end, f.q_start), aspect="equal")
+        # the structure of the side that has labels (A's where both do): where the differences fall
+        side = a if structure(a, min(b, a.batch - 1)).segments or not structure(difference.b, min(b, difference.b.batch - 1)).segments else difference.b
+        marks.append(structure(side, min(b, side.batch - 1)))
+        draw_marks(ax, marks[-1], absolute=True)
         ax.set_xlabel("key position (kv)")
         ax.set_ylabel("query position (q)")
         if batch > 1:
@@ -129,7 +137,14 @@ def diff_figure(difference: Difference):
 
     handles = [mpatches.Patch(facecolor=colours[key], edgecolor="black", label=label) for key, label in
                (("visible", "both allow"), ("a", "only A allows"), ("b", "only B allows"), ("masked", "neither"))]
-    figure.legend(handles=handles, loc="outside lower center", ncols=4, frameon=False, fontsize=9)
+    handles += _mark_handles(marks, [True] * len(marks))
+    fit = 4 if len(handles) == 4 else max(1, int(figure.get_figwidth() // 2.6))  # as many side by side as fit
+    figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), fit), frameon=False, fontsize=9)
     per = "" if rows == cols == 1 else f" · one pixel = {rows} x {cols} cells (a difference anywhere in it colours it)"
-    figure.suptitle(f"A: {a.title}\nB: {difference.b.title}\n{difference.only_a:,} cells only A allows, {difference.only_b:,} only B{per}", fontsize=10)
+    left_out = f"\n{batch} panels shown; batch rows {batch}-{every - 1} not shown" if batch < every else ""
+    import textwrap
+
+    per_line = max(30, int(figure.get_figwidth() * 11))  # characters of a 10-point title across the figure
+    title = f"A: {a.title}\nB: {difference.b.title}\n{difference.only_a:,} cells only A allows, {difference.only_b:,} only B{per}{left_out}"
+    figure.suptitle("\n".join(textwrap.fill(line, per_line) for line in title.split("\n")), fontsize=10)
     return figure
