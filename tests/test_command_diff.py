@@ -171,3 +171,11 @@ def test_a_piped_diff_map_is_as_wide_as_shows():
     result = runner.invoke(app, ["diff", "causal", "window(3)", "--len", "600"])  # CliRunner: not a terminal
     rows = [line for line in result.stdout.splitlines() if line[:3].strip().isdigit()]
     assert rows and max(map(len, rows)) <= 80
+
+
+def test_many_batch_rows_show_24_tables_and_say_what_is_left_out():
+    lengths = ",".join(str(i % 3 + 1) for i in range(100))
+    result = runner.invoke(app, ["diff", "causal", "padding", "--lengths", lengths])
+    assert result.exit_code == 1
+    assert result.stdout.count("\nbatch ") == 24 and "batch 24" not in result.stdout
+    assert result.stdout.rstrip().endswith("24 batch rows shown; batch rows 24-99 not shown: --json counts every one")

@@ -52,8 +52,13 @@ def views(difference: Difference, console, progress=None, map_width: int | None 
                 break
     elif a.tokens is not None:
         out.append(Text("--tokens not shown: a density map has no room for words", style="dim"))
+    from maskcli.render.masks import MAX_PANELS
+
     batch = max(a.batch, difference.b.batch)
     for b in range(batch):
+        if b == MAX_PANELS:
+            out.append(Text(f"{MAX_PANELS} batch rows shown; batch rows {b}-{batch - 1} not shown: --json counts every one", style="dim"))
+            break
         if batch > 1:
             out.append(Text(f"batch {b}", style="bold"))
         if small:
