@@ -179,3 +179,13 @@ def test_many_batch_rows_show_24_tables_and_say_what_is_left_out():
     assert result.exit_code == 1
     assert result.stdout.count("\nbatch ") == 24 and "batch 24" not in result.stdout
     assert result.stdout.rstrip().endswith("24 batch rows shown; batch rows 24-99 not shown: --json counts every one")
+
+
+def test_the_diff_table_carries_the_structure_marks():
+    result = runner.invoke(app, ["diff", "document(0,0,0,1,1,1,1,1) & window(3)", "document(0,0,0,1,1,1,1,1)"])
+    lines = result.stdout.splitlines()
+    assert "              0  0  0  │  1  1  1  1  1 " in lines and " 7       1    ·  ·  ·  │  B  B  1  1  1 " in lines
+    assert "              ─  ─  ─  ┼  ─  ─  ─  ─  ─ " in lines
+    assert lines[-1].endswith("· │ ─ doc boundaries (labels above the keys, beside the queries) · underlined: the diagonal")
+    cached = runner.invoke(app, ["diff", "causal", "window(2)", "--offset", "3", "--len", "3"]).stdout
+    assert " 5       A  A  A  ║  A  1  1 " in cached.splitlines()

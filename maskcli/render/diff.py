@@ -62,12 +62,18 @@ def views(difference: Difference, console, progress=None, map_width: int | None 
         if batch > 1:
             out.append(Text(f"batch {b}", style="bold"))
         if small:
-            from maskcli.render.tables import grid_table
+            from maskcli.render.structure import structure, table_marks
+            from maskcli.render.tables import fits, grid_table
 
             cells = categories(difference, b, 0, 0, f.q_len)
             styled = {value: Text(symbol, style=style) for value, (symbol, style) in CELL.items()}
-            out.append(grid_table(None, rows_labels, cols_labels, lambda i, j: styled[int(cells[i, j])]))
-            out.append(Text(LEGEND, style="dim"))
+            side = _labelled_side(difference, b)
+            marks = table_marks(structure(side, min(b, side.batch - 1)))
+            table = grid_table(None, rows_labels, cols_labels, lambda i, j: styled[int(cells[i, j])], marks=marks)
+            if not fits(console, table):  # the label column and rules need room too
+                marks, table = None, grid_table(None, rows_labels, cols_labels, lambda i, j: styled[int(cells[i, j])])
+            out.append(table)
+            out.append(Text(LEGEND + (f" · {marks.legend()}" if marks is not None and marks.legend() else ""), style="dim"))
             continue
         lines = max(8, console.height - 8) if console.is_terminal else 48
         blocks = choose_blocks(f.q_len, f.k_len, (map_width or console.width) - label_width - 2, lines)
@@ -103,6 +109,16 @@ def diff_json(difference: Difference) -> str:
     })
 
 
+def _labelled_side(difference: Difference, b: int):
+    """The side whose structure to draw: A's, unless only B has labels."""
+    from maskcli.render.structure import structure
+
+    a, other = difference.a, difference.b
+    if structure(a, min(b, a.batch - 1)).segments or not structure(other, min(b, other.batch - 1)).segments:
+        return a
+    return other
+
+
 def diff_figure(difference: Difference):
     """One panel per batch row: both (blue), only A (red), only B (green), neither (grey); long masks per block."""
     from matplotlib.figure import Figure
@@ -130,8 +146,7 @@ def diff_figure(difference: Difference):
         image[grids["only_b"] > 0] = colours["b"]
         image[(grids["only_a"] > 0) & (grids["only_b"] > 0)] = colours["x"]
         ax.imshow(image, interpolation="nearest", extent=(f.k_start, f.k_end, f.q_end, f.q_start), aspect="equal")
-        # the structure of the side that has labels (A's where both do): where the differences fall
-        side = a if structure(a, min(b, a.batch - 1)).segments or not structure(difference.b, min(b, difference.b.batch - 1)).segments else difference.b
+        side = _labelled_side(difference, b)  # where the differences fall against the documents, chunks, ...
         marks.append(structure(side, min(b, side.batch - 1)))
         draw_marks(ax, marks[-1], absolute=True)
         ax.set_xlabel("key position (kv)")
