@@ -218,7 +218,7 @@ class _Parser:
             raise self.fail(f"each name once, not {name.text} again", "give each parameter once")
         self.take("=")
         if self.take("["):
-            rows = self.ints()
+            rows = self.ints(bracketed=True)
             if not self.take("]"):
                 raise self.fail("']' to close the list", "write lists like [3,5]")
             return name.text, Ints(rows, bracketed=True)
@@ -230,15 +230,15 @@ class _Parser:
             return name.text, Text(self.take(kind="name").text, quoted=False)
         raise self.fail(f"a value after {name.text}=", f"write it like {name.text}=3 or {name.text}=[3,5]")
 
-    def ints(self) -> tuple[tuple[int, ...], ...]:
+    def ints(self, bracketed: bool = False) -> tuple[tuple[int, ...], ...]:
         rows: list[list[int]] = [[]]
         while True:
             token = self.take(kind="int")
             if token is None:
                 raise self.fail("an integer")
             rows[-1].append(int(token.text))
-            if self.token.kind == "op" and self.token.text == "," and self.tokens[self.i + 1].kind == "int":
-                self.i += 1
+            if self.token.kind == "op" and self.token.text == "," and (bracketed or self.tokens[self.i + 1].kind == "int"):
+                self.i += 1  # inside [...] a comma is always followed by the next integer: point at what is not one
             elif self.take(";"):
                 rows.append([])
             else:

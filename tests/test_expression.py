@@ -83,6 +83,8 @@ def test_precedence_and_flattening():
         ("causal $ window", 8, "unexpected character '$'"),
         ("window(3) window(4)", 11, "expected '&', '|' or the end"),
         ("document(sizes=[3,5)", 20, "expected ']' to close the list"),
+        ("document(sizes=[3,x])", 19, "expected an integer, found 'x'"),
+        ("document(sizes=[3,])", 19, "expected an integer, found ']'"),
         ("~", 2, "found the end"),
         ("(causal", 8, "expected ')'"),
         ("tril(means=)", 12, "a value after means="),
