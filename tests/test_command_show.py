@@ -330,6 +330,16 @@ def test_one_lengths_or_ids_row_serves_every_label_row_and_is_named_in_each_titl
     assert "batch 1 (ids 1,2,3,0)" in ok(["show", "document(0,0,1,1;0,1,1,1)", "--ids", "1,2,3,0"]).stdout
 
 
+def test_tokens_are_shown_as_written_never_as_markup_or_maths(tmp_path):
+    words = "[/] [red]x[/red] $\\frac$"
+    result = ok(["show", "causal", "--tokens", words, "--png", str(tmp_path / "m.png")])
+    lines = result.stdout.splitlines()
+    assert lines[2].split() == ["q", "\\", "kv", "[/]", "[red]x[/red]", "$\\frac$"] and lines[5].split()[:2] == ["2", "$\\frac$"]
+    assert (tmp_path / "m.png").stat().st_size > 0
+    attend = runner.invoke(app, ["attend", "causal", "--tokens", words, "--stages", "weights", "--png", str(tmp_path / "a.png")])
+    assert attend.exit_code == 0 and "[red]x[/red]" in attend.stdout, attend.output
+
+
 def test_every_batch_rows_table_starts_its_columns_at_the_same_place():
     lines = ok(["show", "padding", "--lengths", "4,2"]).stdout.splitlines()
     headers = [line for line in lines if line.startswith(" q \\ kv")]

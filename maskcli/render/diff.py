@@ -123,10 +123,11 @@ def diff_figure(difference: Difference):
     """One panel per batch row: both (blue), only A (red), only B (green), neither (grey); long masks per block."""
     from matplotlib.figure import Figure
 
-    from maskcli.render.heatmaps import LEAK_RGB, MASKED_RGB, VISIBLE_RGB, _mark_handles
+    from maskcli.render.heatmaps import LEAK_RGB, MASKED_RGB, VISIBLE_RGB, _mark_handles, setup_matplotlib
     from maskcli.render.masks import FIGURE_MAX_PANELS
     from maskcli.render.structure import draw_marks, structure
 
+    setup_matplotlib()
     a = difference.a
     f = a.frame
     every = max(a.batch, difference.b.batch)

@@ -137,6 +137,14 @@ def _draw(ax, panel: Panel) -> object | None:
     return image
 
 
+def setup_matplotlib() -> None:
+    """The Agg backend, and text drawn as written: a word like $x$ from --tokens is not TeX maths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False
+
+
 def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels):
     """A figure with one axes per panel (rows x columns of the grid), a title and a legend.
 
@@ -144,9 +152,7 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels):
     panels) names only the masked colour, which lies off every value colour map; a list
     of (rgb, label) names those colours.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
+    setup_matplotlib()
     import matplotlib.patches as mpatches
     from matplotlib.figure import Figure
 

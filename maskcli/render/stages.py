@@ -157,11 +157,11 @@ def value_table(title: str, values: torch.Tensor, keep: torch.Tensor | None, row
     table = Table(box=None)
     table.add_column(corner, justify="left", style="bold", no_wrap=True)
     for label, _ in columns:
-        table.add_column(label, justify="right", no_wrap=True, header_style="bold")
+        table.add_column(Text(label), justify="right", no_wrap=True, header_style="bold")  # a word like [/] is no markup
     if len(columns) < n_cols:
         table.add_column(MORE, no_wrap=True)
     for i in range(rows):
-        table.add_row(row_labels[i], *(cells[i] for _, cells in columns), *([MORE] if len(columns) < n_cols else []))
+        table.add_row(Text(row_labels[i]), *(cells[i] for _, cells in columns), *([MORE] if len(columns) < n_cols else []))
     if rows < n_rows:
         table.add_row("⋮", *(["⋮"] * len(columns)))
     # title and note on lines of their own: a table narrower than them would fold them

@@ -47,7 +47,7 @@ def grid_table(
     for j, label in enumerate(col_labels):
         if j in breaks:
             table.add_column("\n".join(breaks[j] * depth), justify="center", no_wrap=True, style="dim")
-        table.add_column(label, justify=justify, no_wrap=True, header_style="bold")
+        table.add_column(Text(label), justify=justify, no_wrap=True, header_style="bold")  # Text: a word like [/] is no markup
     def ruled(cells, rule=None):  # the cells of a row, with the rule column before each boundary
         out = []
         for j, shown in enumerate(cells):
@@ -63,7 +63,7 @@ def grid_table(
         if marks is not None and marks.diagonal[i] is not None:
             shown = cells[marks.diagonal[i]]
             cells[marks.diagonal[i]] = Text(shown.plain, style=f"{shown.style} underline")
-        table.add_row(label, *([tags[i]] if tags is not None else []), *ruled(cells))
+        table.add_row(Text(label), *([tags[i]] if tags is not None else []), *ruled(cells))
     return table
 
 
