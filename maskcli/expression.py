@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from maskcli.errors import MaskError
+from maskcli.text import shortened
 
 # --- syntax ------------------------------------------------------------------------------
 
@@ -134,7 +135,13 @@ def _tokens(text: str) -> list[_Token]:
 
 
 def _error(text: str, at: int, problem: str, fix: str) -> MaskError:
-    return MaskError(f"mask expression {text!r}: {problem} at character {at + 1} ({text[:at]}>>{text[at:]}); {fix}")
+    """One line that quotes the expression (its 40 characters either side of a long one's bad spot) and points."""
+    if len(text) <= 120:
+        return MaskError(f"mask expression {text!r}: {problem} at character {at + 1} ({text[:at]}>>{text[at:]}); {fix}")
+    before, after = text[max(0, at - 40) : at], text[at : at + 40]
+    where = f"{'...' if at > 40 else ''}{before}>>{after}{'...' if at + 40 < len(text) else ''}"
+    problem = problem if len(problem) <= 120 else problem[:100] + "...'"
+    return MaskError(f"mask expression of {len(text):,} characters: {problem} at character {at + 1} ({where}); {fix}")
 
 
 class _Parser:
@@ -236,6 +243,9 @@ class _Parser:
             token = self.take(kind="int")
             if token is None:
                 raise self.fail("an integer")
+            if len(token.text.lstrip("+-")) > 30:  # far past int64; int() refuses text past 4,300 digits
+                self.i -= 1
+                raise self.fail("an integer of at most 19 digits", "no mask parameter is that large")
             rows[-1].append(int(token.text))
             if self.token.kind == "op" and self.token.text == "," and (bracketed or self.tokens[self.i + 1].kind == "int"):
                 self.i += 1  # inside [...] a comma is always followed by the next integer: point at what is not one
@@ -252,7 +262,14 @@ def parse(text: str):
     if not text.strip():
         raise MaskError("the mask expression is empty: give a kind such as causal, or an expression such as \"causal & window(3)\"")
     parser = _Parser(text)
-    tree = parser.expression()
+    try:
+        tree = parser.expression()
+    except RecursionError:
+        depth = max(text.count("("), text.count("~"))
+        raise MaskError(
+            f"the mask expression {shortened(text, 60)!r} nests about {depth:,} levels deep, more than maskcli reads: "
+            "write it flatter (~~x is x; a & (b & c) is a & b & c)"
+        ) from None
     if parser.token.kind != "end":
         raise parser.fail("'&', '|' or the end", "join kinds with & or |")
     return tree

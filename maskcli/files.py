@@ -52,6 +52,10 @@ def check_output_path(path: str, suffixes: tuple[str, ...], flag: str, name: str
     out = Path(path)
     if not path.strip():
         raise MaskError(f"{flag} is empty: give a file name")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 reach Python as lone surrogates, which no write takes
+        raise MaskError(f"{flag} {path!r}: the name is not valid UTF-8 (the terminal's encoding?): give a UTF-8 file name") from None
     if name is not None and state(out) == "dir":
         out = out / (name + suffixes[0])
     suffix = out.suffix.lower()

@@ -149,6 +149,15 @@ CASES = [
     (["diff", "causal"], "B"),
     (["kinds", "--json", "extra"], "extra"),
     (["nosuchcommand"], "nosuchcommand"),
+    # text far past what Python converts to int (4,300 digits), deep nesting, and huge names: short lines
+    (["show", f"window({'9' * 4301})"], "at most 19 digits"),
+    (["show", f"document({'9' * 4301},1)"], "at most 19 digits"),
+    (["show", "padding", "--lengths", "9" * 4301], "is too large"),
+    (["show", "causal", "--ids", "1,2," + "9" * 4301], "is too large"),
+    (["show", "~" * 3000 + "causal"], "nests about 3,000 levels deep"),
+    (["show", "(" * 3000 + "causal" + ")" * 3000], "nests about 3,000 levels deep"),
+    (["show", "a" * 100_000], "unknown mask kind 'aaaa"),
+    (["show", "causal", "--len", "4", "--png", "o\udcff.png"], "o\\udcff.png"),
 ]
 
 
@@ -162,6 +171,7 @@ def test_hostile_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypat
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("maskcli: error: "), result.stderr
+    assert len(lines[0]) <= 1000, lines[0][:200]  # a 100,000-character input is quoted in part
     assert quoted in lines[0], (quoted, lines[0])
     assert "Traceback" not in result.output and result.stdout == ""
     assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception

@@ -13,6 +13,7 @@ import pkgutil
 from pathlib import Path
 
 from maskcli.errors import MaskError
+from maskcli.text import shortened
 from maskcli.kinds.base import Kind, Param
 
 _NOT_KINDS = {"base", "values", "registry"}
@@ -48,7 +49,7 @@ def get(name: str, where: str | None = None) -> Kind:
         return kind
     close = difflib.get_close_matches(name, list(_by_name()), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]}? " if close else ""
-    raise MaskError(f"unknown mask kind {name!r}{' in ' + where if where else ''}: {hint}the kinds are {', '.join(names())} (maskcli kinds explains each)")
+    raise MaskError(f"unknown mask kind {shortened(name, 60)!r}{' in ' + where if where else ''}: {hint}the kinds are {', '.join(names())} (maskcli kinds explains each)")
 
 
 def flags() -> dict[str, list[tuple[Kind, Param]]]:

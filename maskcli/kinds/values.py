@@ -87,6 +87,10 @@ def parse_rows(text: str, where: str, example: str = "0,0,1,1") -> list[np.ndarr
             raise MaskError(f"{where}: a value in {text[:80]!r} is too large (at most ±{INT64_LIMIT:,})") from None
         except ValueError:
             pass
+        long = next((item for item in items if _INT.match(item) and len(item.strip().lstrip("+-")) > 19), None)
+        if long is not None:  # past int64 (and past Python's 4,300-digit limit on converting text)
+            shown = long.strip() if len(long.strip()) <= 40 else long.strip()[:20] + "..." + long.strip()[-8:]
+            raise MaskError(f"{where}: {shown!r} is too large (at most ±{INT64_LIMIT:,})")
         position, item = next((i, item) for i, item in enumerate(items) if not _INT.match(item))
         offset = sum(len(r.split(",")) for r in text.split(";")[:number])
         shown = item.strip() or "(nothing)"
