@@ -128,3 +128,16 @@ def test_recognition_reads_parameters_that_rebuild_the_kind():
             full = {p.name: params.get(p.name, p.default) for p in kind.params}
             rebuilt.append(Term(kind, tuple((p.name, full[p.name]) for p in kind.params)).text())
         assert any(np.array_equal(build(candidate, length=length).dense(), built.dense()) for candidate in rebuilt), (text, rebuilt)
+
+
+def test_a_tree_whose_ancestor_lines_are_many_runs_is_drawn_from_a_dense_table():
+    from torch.nn.attention.flex_attention import create_mask
+
+    from maskcli.mask import build
+
+    parents = [-1, -1] + [i - 2 for i in range(2, 140)]  # two interleaved chains: 70 runs per line
+    mask = build("tree(" + ",".join(map(str, parents)) + ")", offset=3)
+    assert not mask.exact
+    expected = [[k < 3 or k - 3 in ref.ancestors_or_self(parents, q) for k in range(143)] for q in range(140)]
+    assert mask.dense()[0, 0].tolist() == expected
+    assert create_mask(mask.mask_mod, 1, 1, 140, 143, device="cpu")[0, 0].tolist() == expected

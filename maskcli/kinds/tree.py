@@ -52,12 +52,40 @@ def _intervals(p, frame):
     return prefix | drafted
 
 
+DENSE_DRAFT = 1 << 13  # a tree whose ancestor lines are not a few runs is a dense table up to this many drafts
+
+
+def ancestor_table(parents: np.ndarray) -> np.ndarray:
+    """bool (n, n): row i is True at draft i and its ancestors (a parent comes before its child)."""
+    n = len(parents)
+    table = np.zeros((n, n), dtype=bool)
+    for i, parent in enumerate(parents.tolist()):  # bounded by DENSE_DRAFT; only for trees of many runs
+        if parent >= 0:
+            table[i] = table[parent]
+        table[i, i] = True
+    return table
+
+
 def _predicate(p, frame, device):
     import torch
 
-    runs = ancestor_runs(_parents(p))
+    parents = _parents(p)
+    first, count = frame.q_start, len(parents)
+    try:
+        runs = ancestor_runs(parents)
+    except NotFew as reason:
+        if count > DENSE_DRAFT:
+            raise MaskError(f"{reason}, and with {count:,} draft tokens (more than {DENSE_DRAFT:,}) maskcli cannot draw it") from None
+        table = torch.as_tensor(ancestor_table(parents), device=device)
+
+        def tree_dense(b, h, q_idx, kv_idx):
+            token = (q_idx - first).clamp(0, count - 1)
+            draft = kv_idx - first
+            own_line = table[token, draft.clamp(0, count - 1)] & (draft >= 0) & (draft < count)
+            return (kv_idx < first) | own_line
+
+        return tree_dense
     starts, ends = (torch.as_tensor(a, device=device) for a in runs)
-    first, count = frame.q_start, len(_parents(p))
 
     def tree(b, h, q_idx, kv_idx):
         token = (q_idx - first).clamp(0, count - 1)  # clamped: kernels may call past the last block's end
