@@ -50,6 +50,8 @@ def plant(folder):
         "def exits(b, h, q, kv):\n    import sys\n    sys.exit(0)\n\n"
         "def factory(w):\n    return lambda b, h, q, kv: (q - kv < w) & (q >= kv)\n"
     )
+    (folder / "empty_labels.npy").write_bytes(b"")
+    (folder / "system.pt").write_bytes(pickle.dumps(os.system))  # a pickled function as a labels file
     np.save(folder / "scalar.npy", np.array(True))  # 0-d: a single number, not a mask of one cell
     np.save(folder / "u64.npy", np.array([0, 0, 2**64 - 1, 2**64 - 1], dtype=np.uint64))  # would wrap to -1
     (folder / "big.txt").write_text("0 1000000000000000000000000000000\n")

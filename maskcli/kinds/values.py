@@ -127,6 +127,8 @@ def from_file(path: str, where: str) -> Labels:
     if state(file) == "missing":
         raise MaskError(f"{where}: no such file {path!r}")
     readable_file(path, f"{where}: {path!r}")
+    if file.stat().st_size == 0:
+        raise MaskError(f"{where}: the file is empty: give labels, one integer per position")
     try:
         if suffix == ".npy":
             array = np.load(file, allow_pickle=False)
@@ -135,18 +137,21 @@ def from_file(path: str, where: str) -> Labels:
         elif suffix == ".txt":
             lines = [line for line in file.read_text().splitlines() if line.strip()]
             array = np.asarray([np.array(re.split(r"[\s,]+", line.strip()), dtype=np.int64) for line in lines])
-        else:
-            import torch
+        else:  # through the house loader: weights_only, pickled code refused in one line, no torch warnings
+            from maskcli.tensorfile import load_tensors
 
-            array = torch.load(file, map_location="cpu", weights_only=True)
-            if not isinstance(array, torch.Tensor):
-                raise MaskError(f"{where}: the .pt file holds a {type(array).__name__}, not one tensor of labels")
-            array = array.numpy()
+            try:
+                tensors = load_tensors(path, "\0")
+            except MaskError as error:  # it names the file as FLAG 'path': say `where` instead
+                raise MaskError(str(error).replace(f"\0 {path!r}", where)) from None
+            if len(tensors) != 1:
+                raise MaskError(f"{where}: the .pt file holds {len(tensors)} tensors; save one tensor of labels")
+            array = next(iter(tensors.values())).numpy()
     except MaskError:
         raise
     except OverflowError:
         raise MaskError(f"{where}: a label is too large (at most ±{INT64_LIMIT:,})") from None
-    except (OSError, ValueError, TypeError, json.JSONDecodeError, RuntimeError) as error:
+    except (OSError, ValueError, TypeError, json.JSONDecodeError, RuntimeError, EOFError) as error:
         raise MaskError(f"{where}: cannot read labels from it ({' '.join(str(error).split())[:160]})") from None
     if array.ndim == 1:
         array = array[None, :]
