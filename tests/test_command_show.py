@@ -330,6 +330,15 @@ def test_one_lengths_or_ids_row_serves_every_label_row_and_is_named_in_each_titl
     assert "batch 1 (ids 1,2,3,0)" in ok(["show", "document(0,0,1,1;0,1,1,1)", "--ids", "1,2,3,0"]).stdout
 
 
+def test_a_billion_identical_heads_are_one_panel_at_once():
+    import time
+
+    start = time.perf_counter()
+    result = ok(["show", "causal", "--len", "4", "--heads", str(10**9)])
+    assert "heads 0-999999999 (identical)" in result.stdout and result.stdout.rstrip().endswith(" 3       1  1  1  1")
+    assert time.perf_counter() - start < 10  # no list of a billion heads
+
+
 def test_tokens_are_shown_as_written_never_as_markup_or_maths(tmp_path):
     words = "[/] [red]x[/red] $\\frac$"
     result = ok(["show", "causal", "--tokens", words, "--png", str(tmp_path / "m.png")])

@@ -45,11 +45,12 @@ def _reads_triu_as_block(mask: Mask) -> bool:
     )
 
 
-def head_groups(mask: Mask, batch: int) -> list[list[int]]:
-    """Heads with identical masks, grouped; an expression ignores h, so all heads are one group."""
+def head_groups(mask: Mask, batch: int) -> list:
+    """Heads with identical masks, grouped; an expression ignores h, so all heads are one group (a range:
+    --heads 1000000000 is one group, not a list of a billion)."""
     heads = mask.shape[1]
     if heads == 1 or mask.keep is None or mask.keep.shape[1] == 1 or mask.shape[2] * mask.shape[3] * heads > HEAD_COMPARE_CELLS:
-        return [list(range(heads))]
+        return [range(heads)]
     keep = mask.keep[batch if mask.keep.shape[0] > 1 else 0]
     groups: list[list[int]] = []
     for h in range(heads):
@@ -89,7 +90,9 @@ def panel_title(mask: Mask, batch: int, group: list[int]) -> str:
     return ", ".join(parts)
 
 
-def _ranges(values: list[int]) -> str:
+def _ranges(values) -> str:
+    if isinstance(values, range) and len(values) > 2:
+        return f"{values[0]}-{values[-1]}"
     if values == list(range(values[0], values[-1] + 1)) and len(values) > 2:
         return f"{values[0]}-{values[-1]}"
     return ",".join(map(str, values))
