@@ -624,3 +624,17 @@ def test_a_mask_nothing_rebuilds_is_said_to_be_closest_to_a_kind_and_where_it_di
     }
     text = " ".join(ok(["inspect", tmp_path / "bug.pt"]).stdout.split())
     assert "closest: maskcli show causal --len 8, 1 cell apart" in text
+
+
+def test_a_long_key_padding_row_is_read_in_linear_time(tmp_path):
+    import time
+
+    np.save(tmp_path / "row.npy", np.arange(100_000) < 70_000)  # [S]: one row of keys, shared by every query
+    np.save(tmp_path / "alternate.npy", np.arange(100_000) % 2 == 0)
+    start = time.perf_counter()
+    result = runner.invoke(app, ["inspect", str(tmp_path / "row.npy")])
+    assert result.exit_code == 0, result.output
+    assert "structure: padding — rebuild it with: maskcli show padding --len 100000" in result.stdout  # --lengths 70000 follows
+    result = runner.invoke(app, ["inspect", str(tmp_path / "alternate.npy")])
+    assert result.exit_code == 0 and "--ids" in result.stdout, result.output
+    assert time.perf_counter() - start < 30  # a square of 10^10 cells was built to compare one row against

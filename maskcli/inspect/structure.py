@@ -60,6 +60,9 @@ def fully_masked_rows(keep: torch.Tensor) -> torch.Tensor:
     return ~keep.any(dim=-1)
 
 
+REBUILD_CELLS = 1 << 24  # cells of a candidate built cell by cell to compare with a key padding row
+
+
 def _rebuild(expression: str, options: dict, keep: np.ndarray) -> Mask | None:
     """The Mask when `expression` with `options` is exactly `keep` (B, H, Lq, Lk); a row of size 1 compares by broadcasting."""
     try:
@@ -72,9 +75,23 @@ def _rebuild(expression: str, options: dict, keep: np.ndarray) -> Mask | None:
         return None
     if f.q_len != q_len and q_len != 1:
         return None
-    cells = built.dense()  # (B', 1, Lq', Lk)
     if q_len == 1 and f.q_len != 1:  # a [B, 1, 1, S] row stands for every query, so every built row must be it
+        if built.exact and f.k_start == 0:  # on intervals: O(S) for a key padding row of any length
+            from maskcli.intervals import NotFew
+            from maskcli.kinds.padding import key_runs
+
+            try:
+                wanted = key_runs(keep.reshape(batch, k_len), f)
+            except NotFew:
+                return None
+            got = built.intervals()
+            apart = int((got & ~wanted).counts().sum()) + int((wanted & ~got).counts().sum())
+            return built if apart == 0 else None
+        if f.q_len * k_len > REBUILD_CELLS:  # a square of S x S cells to compare one row against: not tried
+            return None
+        cells = built.dense()
         return built if bool((cells == keep).all()) else None
+    cells = built.dense()  # (B', 1, Lq', Lk)
     return built if np.array_equal(np.broadcast_to(cells, keep.shape), keep) else None
 
 
