@@ -20,36 +20,43 @@ def _labels_param(help_text: str) -> Param:
 def same_label(labels: np.ndarray, frame, what: str, skip_negative: bool = False) -> Intervals:
     """Per (batch row, query): the runs of keys that carry the query's label, as intervals.
 
-    The runs of each label are found once and gathered per query, so the work is O(n)
-    whatever the length; a label that comes back in more than MAX_PER_ROW runs is NotFew.
+    The runs of each label are found once and gathered per query, so the work is O(n) per batch row,
+    over every row at once, whatever the length; a label that comes back in more than MAX_PER_ROW runs is NotFew.
     `skip_negative` leaves out labels below 0 (block ids' -1, "no block"): their queries get no
     interval here, however often they come back.
     """
     q = frame.q_positions()
-    starts, ends = [], []
-    for row in labels:  # one pass per batch row of labels, vectorised along the sequence
-        change = np.flatnonzero(row[1:] != row[:-1]) + 1
-        run_start = np.concatenate([[0], change])
-        run_end = np.concatenate([change, [len(row)]])
-        values, run_value = np.unique(row[run_start], return_inverse=True)
-        kept = row[run_start] >= 0 if skip_negative else np.ones(len(run_start), dtype=bool)
-        counts = np.bincount(run_value[kept], minlength=len(values))
-        if counts.max(initial=0) > MAX_PER_ROW:
-            value = int(values[counts.argmax()])
-            raise NotFew(f"{what}: label {value} comes back in {int(counts.max())} separate runs")
-        ranked = np.flatnonzero(kept)[np.argsort(run_value[kept], kind="stable")]  # kept runs grouped by label, in position order
-        rank = np.arange(len(ranked)) - np.repeat(np.cumsum(counts) - counts, counts)
-        width = max(int(counts.max(initial=0)), 1)
-        table_s = np.full((len(values), width), frame.k_end, dtype=np.int64)
-        table_e = np.full((len(values), width), frame.k_end, dtype=np.int64)
-        table_s[run_value[ranked], rank] = run_start[ranked]
-        table_e[run_value[ranked], rank] = run_end[ranked]
-        value_at = np.repeat(run_value, run_end - run_start)
-        starts.append(table_s[value_at[q]])
-        ends.append(table_e[value_at[q]])
-    width = max(s.shape[1] for s in starts)
-    starts = np.stack([np.pad(s, [(0, 0), (0, width - s.shape[1])], constant_values=frame.k_end) for s in starts])
-    ends = np.stack([np.pad(e, [(0, 0), (0, width - e.shape[1])], constant_values=frame.k_end) for e in ends])
+    rows, n = labels.shape
+    flat = labels.reshape(-1)
+    # runs over every batch row at once (a row's first position always starts a run): 1M rows are one pass
+    new_run = np.ones(flat.shape, dtype=bool)
+    new_run[1:] = flat[1:] != flat[:-1]
+    new_run[::n] = True
+    run_start = np.flatnonzero(new_run)
+    run_end = np.append(run_start[1:], flat.size)
+    run_row, run_label = run_start // n, flat[run_start]
+    # a group is one label in one batch row; groups are numbered in (row, label) order
+    order = np.lexsort((run_label, run_row))
+    first_of_group = np.ones(len(order), dtype=bool)
+    first_of_group[1:] = (run_row[order][1:] != run_row[order][:-1]) | (run_label[order][1:] != run_label[order][:-1])
+    group = np.empty(len(order), dtype=np.int64)
+    group[order] = np.cumsum(first_of_group) - 1
+    n_groups = int(first_of_group.sum())
+    kept = run_label >= 0 if skip_negative else np.ones(len(run_start), dtype=bool)
+    counts = np.bincount(group[kept], minlength=n_groups)
+    if counts.max(initial=0) > MAX_PER_ROW:
+        worst = np.flatnonzero(kept & (group == counts.argmax()))[0]
+        raise NotFew(f"{what}: label {int(run_label[worst])} comes back in {int(counts.max())} separate runs")
+    ranked = np.flatnonzero(kept)[np.argsort(group[kept], kind="stable")]  # kept runs grouped, in position order
+    rank = np.arange(len(ranked)) - np.repeat(np.cumsum(counts) - counts, counts)
+    width = max(int(counts.max(initial=0)), 1)
+    table_s = np.full((n_groups, width), frame.k_end, dtype=np.int64)
+    table_e = np.full((n_groups, width), frame.k_end, dtype=np.int64)
+    local = run_start - run_row * n
+    table_s[group[ranked], rank] = local[ranked]
+    table_e[group[ranked], rank] = local[ranked] + (run_end - run_start)[ranked]
+    group_at = np.repeat(group, run_end - run_start).reshape(rows, n)[:, q]  # (R, Lq): each query's group
+    starts, ends = table_s[group_at], table_e[group_at]
     return Intervals.of(starts, ends, frame.k_start, frame.k_end)
 
 
