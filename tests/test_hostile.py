@@ -401,6 +401,12 @@ REFUSED_BEFORE_TORCH = [
     ["verify", "causal", "--len", "30000", "--batch", "400"],
     ["blocks", "causal", "--len", "100", "--block", "1", "--heads", str(2**40), "--save", "b.pt"],
     ["show", "causal", "--len", str(2**40), "--save", "big.pt"],
+    ["attend", "causal", "--dtype", "int8"],
+    ["attend", "causal", "--device", "tpu"],
+    ["verify", "causal", "--device", "cuda:x"],
+    ["attend", "causal", "--png", "a.bmp"],
+    ["attend", "causal", "--png", "nodir/a.png"],
+    ["attend", "causal", "--q", "q.npy"],
 ]
 
 
@@ -423,7 +429,7 @@ def test_impossible_sizes_are_refused_before_torch_is_imported(tmp_path):
     )
     codes, imported = json.loads(done.stdout.strip().splitlines()[-1])
     assert codes == [2] * len(REFUSED_BEFORE_TORCH), done.stderr
-    assert done.stderr.count("would") == len(REFUSED_BEFORE_TORCH), done.stderr
+    assert done.stderr.count("maskcli: error: ") == len(REFUSED_BEFORE_TORCH), done.stderr
     assert not imported
     assert list(tmp_path.iterdir()) == []
 

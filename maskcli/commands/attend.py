@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -83,6 +84,8 @@ def attend(
         raise MaskError(f"--dropout must be at least 0 and below 1, got {dropout}")
     if not 0 <= precision <= 12:
         raise MaskError(f"--precision must be 0 to 12 decimals, got {precision}")
+    if png is not None and not Path(png).is_dir():  # its suffix and folder, before torch is imported
+        check_output_path(png, FIGURE_SUFFIXES, "--png")
     built, qkv, torch_device, torch_dtype = mask_and_inputs(kind, mask, inputs, dropout)
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "attend_" + built.slug) if png is not None else None
     from maskcli.attention.run import run_attention

@@ -33,8 +33,21 @@ def check_input_options(o: InputOptions) -> None:
     """Refuse a seed torch cannot take, a bad scale, and input options that the inputs in use would silently ignore."""
     import math
 
+    import re
+
+    from maskcli.conventions import DTYPES
+
     if not 0 <= o.seed < 2**63:
         raise MaskError(f"--seed must be 0 to {2**63 - 1} (a 64-bit seed), got {o.seed}")
+    # names checked before torch is imported (whether a device is there is torch's to say)
+    if o.dtype not in DTYPES:
+        raise MaskError(f"unknown --dtype {o.dtype!r}: choose one of {', '.join(DTYPES)}")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", o.device):
+        raise MaskError(f"unknown --device {o.device!r}: use auto, cpu, cuda, cuda:N or mps")
+    given = {"--q": o.q, "--k": o.k, "--v": o.v}
+    missing = [flag for flag, value in given.items() if value is None]
+    if 0 < len(missing) < 3:
+        raise MaskError(f"give all of --q, --k and --v (missing {', '.join(missing)}), or use --x or random inputs")
     if o.scale is not None and not 0 < o.scale < math.inf:
         raise MaskError(f"--scale must be a positive finite number, got {o.scale}")
     given_qkv = any(t is not None for t in (o.q, o.k, o.v))
