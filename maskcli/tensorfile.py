@@ -18,7 +18,7 @@ import torch
 from maskcli.errors import MaskError
 from maskcli.text import shortened
 
-SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors", ".json")
+from maskcli.files import checked_source, is_inline  # noqa: F401 - is_inline is read from here too
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -34,10 +34,6 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def is_inline(text: str) -> bool:
-    return text.lstrip().startswith(("[", "{"))
-
-
 def load_tensors(source: str, flag: str, json_floats: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every tensor in a file (or inline JSON) by name; a lone tensor is named ''.
 
@@ -46,21 +42,9 @@ def load_tensors(source: str, flag: str, json_floats: torch.dtype | None = None)
     if is_inline(source):
         where = f"{flag} {shortened(source, 60)!r} (inline JSON)"
         return _from_json(_parse_json(source, where), where, json_floats)
-    from maskcli.files import readable_file, state
-
-    path = Path(source)
-    where = f"{flag} {source!r}"
+    path, where, size = checked_source(source, flag)
     suffix = path.suffix.lower()
-    if state(path) == "missing":
-        unknown = f", and {suffix!r} is not a file type maskcli reads" if suffix and suffix not in SUFFIXES else ""
-        raise MaskError(f"{where}: no such file{unknown} (give a {', '.join(SUFFIXES)} file, or inline JSON like '[[1, 0], [1, 1]]')")
-    readable_file(source, where)
-    if suffix not in SUFFIXES:
-        raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; use one of {', '.join(SUFFIXES)} or inline JSON")
     try:
-        size = path.stat().st_size
-        if size == 0:
-            raise MaskError(f"{where}: the file is empty")
         _check_fits(size, suffix, where)
         if suffix in (".pt", ".pth"):
             return _from_pt(path, where)
@@ -213,6 +197,8 @@ def _from_safetensors(path: Path, where: str) -> dict[str, torch.Tensor]:
     data = path.read_bytes()
     try:
         (header_len,) = struct.unpack("<Q", data[:8])
+        if 8 + header_len > len(data):
+            raise MaskError(f"{where}: not a readable .safetensors file (damaged: its header says it is {header_len:,} bytes long, but the file has {len(data):,})")
         header = json.loads(data[8 : 8 + header_len])
         base = 8 + header_len
         tensors = {}

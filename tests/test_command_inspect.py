@@ -638,3 +638,11 @@ def test_a_long_key_padding_row_is_read_in_linear_time(tmp_path):
     result = runner.invoke(app, ["inspect", str(tmp_path / "alternate.npy")])
     assert result.exit_code == 0 and "--ids" in result.stdout, result.output
     assert time.perf_counter() - start < 30  # a square of 10^10 cells was built to compare one row against
+
+
+def test_a_file_whose_name_starts_with_a_bracket_is_a_file_not_inline_json(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    np.save("[red]k.npy", np.tril(np.ones((3, 3), dtype=bool)))
+    result = runner.invoke(app, ["inspect", "[red]k.npy"])
+    assert result.exit_code == 0 and result.stdout.startswith("[red]k.npy: bool [3, 3]"), result.output
+    assert runner.invoke(app, ["inspect", "[[1, 0], [1, 1]]"]).stdout.startswith("[[1, 0], [1, 1]]: int64 [2, 2]")

@@ -60,6 +60,7 @@ def inspect(
         check_choice(from_, ("keep", "block"), "--from convention")
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
 
+    _check_source(file)
     from maskcli.inspect.analysis import analyse
     from maskcli.inspect.load import load_mask
 
@@ -202,6 +203,7 @@ def convert(
     if out_path.suffix.lower() == ".npy" and dtype == "bfloat16":
         raise MaskError("--out .npy cannot hold bfloat16 (numpy has no such dtype): write .pt or .json, or pick another --dtype")
 
+    _check_source(file)
     from maskcli.conventions import to_convention
     from maskcli.files import write_array
     from maskcli.inspect.load import load_mask
@@ -220,6 +222,14 @@ def convert(
     write_array(result, out_path)
     described = f"{convention.name}" + (", 1 = masked" if convention.name == "int" and convention.ones_mean == "masked" else "")
     done(f"wrote {out_path}: {described} -> {to}{' ' + dtype if to in ('additive', 'min') else ''}, shape {list(result.shape)}")
+
+
+def _check_source(file: str) -> None:
+    """A missing, unreadable, empty or unknown file is refused before torch is imported."""
+    from maskcli.files import checked_source, is_inline
+
+    if not is_inline(file):
+        checked_source(file, "FILE")
 
 
 def _check_room(tensor, label: str, bytes_per_cell: int, doing: str) -> None:
