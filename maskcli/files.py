@@ -154,7 +154,10 @@ def check_disk(path: Path, size: int, flag: str) -> None:
 
     from maskcli.memory import format_bytes
 
-    free = shutil.disk_usage(path.parent if str(path.parent) else ".").free
+    usage = shutil.disk_usage(path.parent if str(path.parent) else ".")
+    free = usage.free
+    if usage.total == 0:  # /proc, /sys: a file system of no blocks, where no file can be written
+        raise MaskError(f"{flag} {str(path)!r}: {str(path.parent)!r} is not a place files can be written (a virtual file system): write elsewhere")
     if size > free:
         raise MaskError(
             f"{flag} {str(path)!r} would write {format_bytes(size)} but the disk there has {format_bytes(free)} free: "

@@ -350,6 +350,8 @@ def _with_padding(frame: Frame, lengths, ids, pad_id: int) -> Frame:
         valid = np.arange(n)[None, :] < np.asarray(lengths)[:, None]
         return replace(frame, key_valid=valid, lengths=lengths)
     if ids is not None:
+        if abs(pad_id) > 1 << 62:  # as every id is checked: past it no id can be the pad id
+            raise MaskError(f"--pad-id {pad_id} is too large (at most ±{1 << 62:,}, as every id is)")
         if ids.shape[1] != n:
             raise MaskError(
                 f"--ids rows have {ids.shape[1]} tokens but the sequence has {n} positions ({frame.describe()}): "

@@ -127,13 +127,14 @@ def _usage_message(error, args: list[str]) -> str:
     message = getattr(error, "message", None)
     if param is None or not message or not getattr(param, "opts", None) or type(error).__name__ != "BadParameter":
         return error.format_message()
+    found = None  # the last time the option is given: click keeps the last value, so that is the bad one
     for index, arg in enumerate(args):
         for opt in param.opts:
             if arg == opt and index + 1 < len(args):
-                return f"{opt} {args[index + 1]!r}: {message}"
-            if arg.startswith(opt + "=") and opt.startswith("--"):
-                return f"{opt} {arg[len(opt) + 1:]!r}: {message}"
-    return error.format_message()
+                found = f"{opt} {args[index + 1]!r}: {message}"
+            elif arg.startswith(opt + "=") and opt.startswith("--"):
+                found = f"{opt} {arg[len(opt) + 1:]!r}: {message}"
+    return found or error.format_message()
 
 
 def make_console(**options):
