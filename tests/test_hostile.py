@@ -448,3 +448,20 @@ def test_impossible_sizes_are_refused_without_building_anything():
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and "would need" in result.stderr, result.output
     assert time.perf_counter() - start < 10  # O(1): nothing of 2**40 cells is touched
+
+
+def test_a_closed_stdout_is_one_line_not_lost_output(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "maskcli", "show", "causal", "--len", "4"], stderr=subprocess.PIPE, text=True, timeout=60,
+        preexec_fn=lambda: os.close(1), cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stderr == "maskcli: error: stdout is closed, so nothing maskcli prints can be seen: send it to a file or /dev/null instead\n"
+
+
+def test_diff_names_a_bad_file_by_its_side(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    np.save("good.npy", np.tril(np.ones((4, 4), dtype=bool)))
+    (tmp_path / "trunc.npy").write_bytes((tmp_path / "good.npy").read_bytes()[:90])
+    result = runner.invoke(app, ["diff", "good.npy", "trunc.npy"])
+    assert result.exit_code == 2 and result.stderr.startswith("maskcli: error: B 'trunc.npy': not a readable numpy file")

@@ -55,6 +55,8 @@ class MaskcliGroup(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         _pending.clear()
+        if sys.stdout is None:  # started with stdout closed (>&-): every table and --json would vanish
+            fail("stdout is closed, so nothing maskcli prints can be seen: send it to a file or /dev/null instead")
         try:
             code = _completion_for(sys.argv[1:] if args is None else list(args))
             if code is None:

@@ -33,7 +33,7 @@ def _side(text: str, options: MaskOptions, kinds: dict, label: str) -> Mask:
 
         if state(Path(text)) == "missing":
             raise MaskError(f"{label} {text!r}: no such file (give a mask file, an expression, or FILE.py:NAME)")
-        return mask_from_file(text, options.key, options.from_, options)
+        return mask_from_file(text, options.key, options.from_, options, label)
     return build(text, options, kinds=kinds)
 
 

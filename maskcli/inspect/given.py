@@ -16,12 +16,13 @@ from maskcli.mask import Mask, MaskOptions, build, from_tensor
 TENSOR_SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors", ".json")
 
 
-def mask_from_file(path: str, key: str | None, from_: str | None, options: MaskOptions) -> Mask:
-    """The keep mask in a tensor file, as (B, H, Lq, Lk), named by the file and the convention it was read in."""
+def mask_from_file(path: str, key: str | None, from_: str | None, options: MaskOptions, flag: str = "--mask") -> Mask:
+    """The keep mask in a tensor file, as (B, H, Lq, Lk), named by the file and the convention it was read in
+    (`flag` names where it was given: --mask, or diff's A or B)."""
     from maskcli.inspect.load import load_mask
     from maskcli.inspect.polarity import Convention, classify, sdpa_view, to_keep
 
-    tensor, label = load_mask(path, key, "--mask")
+    tensor, label = load_mask(path, key, flag)
     if from_ is not None and from_ not in ("keep", "block"):
         raise MaskError(f"unknown --from convention {from_!r}: choose keep or block")
     convention = classify(tensor) if from_ is None else Convention(from_, "values", "given with --from")
