@@ -43,7 +43,7 @@ def readable_file(source: str, where: str) -> Path:
     raise MaskError(f"{where}: cannot open it ({found})")
 
 
-TENSOR_SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors", ".json")
+READ_SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors", ".json")  # tensor files maskcli reads
 
 
 def is_inline(text: str) -> bool:
@@ -63,11 +63,11 @@ def checked_source(source: str, flag: str) -> tuple[Path, str, int]:
     where = f"{flag} {source!r}"
     suffix = path.suffix.lower()
     if state(path) == "missing":
-        unknown = f", and {suffix!r} is not a file type maskcli reads" if suffix and suffix not in TENSOR_SUFFIXES else ""
-        raise MaskError(f"{where}: no such file{unknown} (give a {', '.join(TENSOR_SUFFIXES)} file, or inline JSON like '[[1, 0], [1, 1]]')")
+        unknown = f", and {suffix!r} is not a file type maskcli reads" if suffix and suffix not in READ_SUFFIXES else ""
+        raise MaskError(f"{where}: no such file{unknown} (give a {', '.join(READ_SUFFIXES)} file, or inline JSON like '[[1, 0], [1, 1]]')")
     readable_file(source, where)
-    if suffix not in TENSOR_SUFFIXES:
-        raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; use one of {', '.join(TENSOR_SUFFIXES)} or inline JSON")
+    if suffix not in READ_SUFFIXES:
+        raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; use one of {', '.join(READ_SUFFIXES)} or inline JSON")
     try:
         size = path.stat().st_size
     except OSError as error:

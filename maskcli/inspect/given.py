@@ -11,9 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.errors import MaskError
+from maskcli.files import READ_SUFFIXES as TENSOR_SUFFIXES  # noqa: F401 - the files maskcli reads, named here too
 from maskcli.mask import Mask, MaskOptions, build, from_tensor
-
-TENSOR_SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors", ".json")
 
 
 def mask_from_file(path: str, key: str | None, from_: str | None, options: MaskOptions, flag: str = "--mask") -> Mask:
