@@ -86,7 +86,7 @@ def test_flags_take_inline_values_or_a_file(tmp_path):
         ("l.json", "[0.5, 1]", "labels must be integers"),
         ("l.json", "{", "cannot read labels"),
         ("l.json", "[[[1]]]", "got shape [1, 1, 1]"),
-        ("l.txt", "0 a 1", "cannot read labels"),
+        ("l.txt", "0 a 1", "'a' is not an integer"),
         ("l.csv", "0,1", "unknown file type '.csv'"),
     ],
 )
@@ -94,3 +94,12 @@ def test_bad_label_files_say_why(tmp_path, name, content, says):
     (tmp_path / name).write_text(content)
     with pytest.raises(MaskError, match=re.escape(says)):
         from_file(str(tmp_path / name), "document(...)")
+
+
+def test_a_txt_file_takes_a_line_or_a_semicolon_per_batch_row(tmp_path):
+    from maskcli.kinds.values import from_file
+
+    (tmp_path / "rows.txt").write_text("0,0,1,1;0,1,1,1\n")
+    (tmp_path / "lines.txt").write_text("0 0 1 1\n0 1 1 1\n")
+    for name in ("rows.txt", "lines.txt"):
+        assert from_file(str(tmp_path / name), "--chunks").array.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1]]

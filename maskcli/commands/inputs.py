@@ -102,6 +102,9 @@ def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOption
     return mask, qkv, torch_device, torch_dtype
 
 
+MAX_HEAD_DIM = 1 << 16  # random Q, K, V of a larger head size are gigabytes a token and say nothing more
+
+
 def _batch(mask, o: InputOptions) -> int:
     """Batch rows of random inputs: the mask's own (padding, labels), else --batch, else 1."""
     return mask.batch if mask.batch > 1 else 1 if o.batch is None else o.batch
@@ -115,6 +118,8 @@ def _check_fits_before_torch(o: InputOptions, mask, head_dim: int, dropout: floa
     batch = _batch(mask, o)
     if head_dim < 1 or batch < 1:
         raise MaskError(f"--head-dim and --batch must be at least 1, got {head_dim} and {batch}")
+    if head_dim > MAX_HEAD_DIM:
+        raise MaskError(f"--head-dim {head_dim:,} is past the {MAX_HEAD_DIM:,} maskcli draws (models use 64 to 256): give a smaller one")
     cells = (batch, mask.heads, mask.frame.q_len, mask.frame.k_len)
     needed = 4 * batch * mask.heads * (mask.frame.q_len + 2 * mask.frame.k_len) * head_dim  # random Q, K, V: float32, on the host
     how = "for the random inputs"

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from maskcli.errors import MaskError
+from maskcli.text import shortened
 from maskcli.kinds.base import Labels
 
 FILE_SUFFIXES = (".npy", ".json", ".txt", ".pt")
@@ -135,8 +136,15 @@ def from_file(path: str, where: str) -> Labels:
         elif suffix == ".json":
             array = np.asarray(json.loads(file.read_text()))
         elif suffix == ".txt":
-            lines = [line for line in file.read_text().splitlines() if line.strip()]
-            array = np.asarray([np.array(re.split(r"[\s,]+", line.strip()), dtype=np.int64) for line in lines])
+            # a line per batch row, or ';' between rows as inline labels write them
+            lines = [line for line in re.split(r"[\n;]", file.read_text()) if line.strip()]
+            rows = [re.split(r"[\s,]+", line.strip()) for line in lines]
+            bad = next((item for row in rows for item in row if not re.fullmatch(r"[+-]?\d+", item)), None)
+            if bad is not None:
+                raise MaskError(f"{where}: {shortened(bad, 40)!r} is not an integer: write integers separated by commas or spaces, a line (or ';') per batch row")
+            if any(len(item.lstrip("+-")) > 19 for row in rows for item in row):
+                raise MaskError(f"{where}: a label is too large (at most ±{INT64_LIMIT:,})")
+            array = np.asarray([np.array(row, dtype=np.int64) for row in rows])
         else:  # through the house loader: weights_only, pickled code refused in one line, no torch warnings
             from maskcli.tensorfile import load_tensors
 
