@@ -38,10 +38,10 @@ def _side(text: str, options: MaskOptions, kinds: dict, label: str) -> Mask:
 
 
 def _is_file(text: str) -> bool:
-    from maskcli.inspect.given import TENSOR_SUFFIXES
+    from maskcli.files import READ_SUFFIXES
     from maskcli.usermods import looks_like_spec
 
-    return not looks_like_spec(text) and Path(text).suffix.lower() in TENSOR_SUFFIXES and not text.lstrip().startswith(("[", "{"))
+    return not looks_like_spec(text) and Path(text).suffix.lower() in READ_SUFFIXES and not text.lstrip().startswith(("[", "{"))
 
 
 def _for_a_file(options: MaskOptions) -> MaskOptions:

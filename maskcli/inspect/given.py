@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.errors import MaskError
-from maskcli.files import READ_SUFFIXES as TENSOR_SUFFIXES  # noqa: F401 - the files maskcli reads, named here too
 from maskcli.mask import Mask, MaskOptions, build, from_tensor
 
 
