@@ -98,22 +98,17 @@ def summarise(mask: Mask, grid: tuple[int, int] = DEFAULT_GRID, progress=None, w
     """Counts per batch row (and the density grid, which only --json shows, where `with_grid`)."""
     f = mask.frame
     rb, cb = -(-f.q_len // grid[0]), -(-f.k_len // grid[1])
-    if mask.exact:  # every batch row's statistics in one pass over the (B, Lq) counts
+    exact = mask.exact
+    if exact:  # every batch row's statistics in one pass over the (B, Lq) counts (exact in float64: below 2^53)
         counts = np.broadcast_to(mask.intervals().counts(), (mask.batch, f.q_len))
-        stats = zip(counts.sum(1), counts.min(1), np.median(counts, axis=1), counts.max(1), (counts == 0).sum(1))
-    else:
-        stats = None
+        table = np.stack([counts.sum(1), counts.min(1), np.median(counts, axis=1), counts.max(1), (counts == 0).sum(1)], axis=1)
     rows = []
     for b in range(mask.batch):
-        if stats is None:
-            counts_b = row_counts(mask, b, progress)
-            visible, low, middle, high, empty = counts_b.sum(), counts_b.min(), np.median(counts_b), counts_b.max(), (counts_b == 0).sum()
-        else:
-            visible, low, middle, high, empty = next(stats)
+        row = counts[b] if exact else row_counts(mask, b, progress)
+        visible, low, middle, high, empty = table[b] if exact else (row.sum(), row.min(), np.median(row), row.max(), (row == 0).sum())
         rows.append(RowStats(
             batch=b, visible=int(visible), total=f.q_len * f.k_len, keys_min=int(low), keys_median=float(middle),
-            keys_max=int(high), empty_rows=int(empty),
-            empty_spans=spans((counts_b if stats is None else counts[b]) == 0, f.q_start) if empty else [],
+            keys_max=int(high), empty_rows=int(empty), empty_spans=spans(row == 0, f.q_start) if empty else [],
         ))
     grids = [block_counts(mask, b, 0, rb, cb, progress) for b in range(mask.batch)] if with_grid else None
     return Summary(mask, rows, how_counted(mask), grids, (rb, cb))

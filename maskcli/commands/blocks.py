@@ -95,7 +95,7 @@ def blocks(
         return
     from rich.text import Text
 
-    from maskcli.render.masks import MAX_PANELS
+    from maskcli.render.masks import MAX_PANELS, rows_left_out
 
     console = make_console(highlight=False)
     console.print(Text(render.header(found), style="bold"))
@@ -104,7 +104,7 @@ def blocks(
     for index in range(built.batch * heads):
         b, h = divmod(index, heads)
         if index == MAX_PANELS:
-            rest = f"batch rows {b}-{built.batch - 1}" if h == 0 else f"from batch row {b}, head {h}, on"
+            rest = rows_left_out(b, built.batch) if h == 0 else f"from batch row {b}, head {h}, on"
             console.print(Text(f"{MAX_PANELS} maps shown; {rest} not shown: --json or --save has every block", style="dim"))
             break
         where = ", ".join(p for p in (f"batch {b}" if built.batch > 1 else "", f"head {h}" if heads > 1 else "") if p)

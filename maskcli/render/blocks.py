@@ -84,7 +84,7 @@ def blocks_json(blocks: Blocks) -> str:
 def blocks_figure(blocks: Blocks):
     """One panel per batch row: full, partial and empty blocks (a pixel over many blocks shows their mix)."""
     from maskcli.render.heatmaps import FIGURE_COLOURS, Panel, heatmap_figure
-    from maskcli.render.masks import FIGURE_MAX_PANELS
+    from maskcli.render.masks import FIGURE_MAX_PANELS, rows_left_out
     from maskcli.render.structure import structure
 
     f, mask = blocks.mask.frame, blocks.mask
@@ -103,6 +103,6 @@ def blocks_figure(blocks: Blocks):
         panels.append(Panel(title, values / sizes, None, None, extent=extent, marks=structure(mask, b)))
     title = f"blocks of {mask.title} · {blocks.q_block} x {blocks.kv_block}\n{shape_text(mask)}, sparsity {blocks.sparsity():.2f}%"
     if shown < mask.batch:
-        title += f"\n{shown} panels shown; batch rows {shown}-{mask.batch - 1} not shown"
+        title += f"\n{shown} panels shown; {rows_left_out(shown, mask.batch)} not shown"
     legend = [(FIGURE_COLOURS["visible"], "full block"), (FIGURE_COLOURS["partial"], "partial block"), (FIGURE_COLOURS["masked"], "empty block")]
     return heatmap_figure([panels], title, legend)

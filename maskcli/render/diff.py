@@ -52,23 +52,22 @@ def views(difference: Difference, console, progress=None, map_width: int | None 
                 break
     elif a.tokens is not None:
         out.append(Text("--tokens not shown: a density map has no room for words", style="dim"))
-    from maskcli.render.masks import MAX_PANELS
+    from maskcli.render.masks import MAX_PANELS, rows_left_out
 
     batch = max(a.batch, difference.b.batch)
     for b in range(batch):
         if b == MAX_PANELS:
-            out.append(Text(f"{MAX_PANELS} batch rows shown; batch rows {b}-{batch - 1} not shown: --json counts every one", style="dim"))
+            out.append(Text(f"{MAX_PANELS} batch rows shown; {rows_left_out(b, batch)} not shown: --json counts every one", style="dim"))
             break
         if batch > 1:
             out.append(Text(f"batch {b}", style="bold"))
         if small:
-            from maskcli.render.structure import structure, table_marks
+            from maskcli.render.structure import table_marks
             from maskcli.render.tables import fits, grid_table
 
             cells = categories(difference, b, 0, 0, f.q_len)
             styled = {value: Text(symbol, style=style) for value, (symbol, style) in CELL.items()}
-            side = _labelled_side(difference, b)
-            marks = table_marks(structure(side, min(b, side.batch - 1)))
+            marks = table_marks(_labelled_structure(difference, b))
             table = grid_table(None, rows_labels, cols_labels, lambda i, j: styled[int(cells[i, j])], marks=marks)
             if not fits(console, table):  # the label column and rules need room too
                 marks, table = None, grid_table(None, rows_labels, cols_labels, lambda i, j: styled[int(cells[i, j])])
@@ -109,23 +108,25 @@ def diff_json(difference: Difference) -> str:
     })
 
 
-def _labelled_side(difference: Difference, b: int):
-    """The side whose structure to draw: A's, unless only B has labels."""
+def _labelled_structure(difference: Difference, b: int):
+    """The structure to draw for batch row b: A's, unless only B has labels."""
     from maskcli.render.structure import structure
 
     a, other = difference.a, difference.b
-    if structure(a, min(b, a.batch - 1)).segments or not structure(other, min(b, other.batch - 1)).segments:
-        return a
-    return other
+    mine = structure(a, min(b, a.batch - 1))
+    if mine.segments:
+        return mine
+    theirs = structure(other, min(b, other.batch - 1))
+    return theirs if theirs.segments else mine
 
 
 def diff_figure(difference: Difference):
     """One panel per batch row: both (blue), only A (red), only B (green), neither (grey); long masks per block."""
     from matplotlib.figure import Figure
 
-    from maskcli.render.heatmaps import LEAK_RGB, MASKED_RGB, VISIBLE_RGB, _mark_handles, setup_matplotlib
-    from maskcli.render.masks import FIGURE_MAX_PANELS
-    from maskcli.render.structure import draw_marks, structure
+    from maskcli.render.heatmaps import LEAK_RGB, MASKED_RGB, VISIBLE_RGB, mark_handles, setup_matplotlib, wrapped_title
+    from maskcli.render.masks import FIGURE_MAX_PANELS, rows_left_out
+    from maskcli.render.structure import draw_marks
 
     setup_matplotlib()
     a = difference.a
@@ -147,8 +148,7 @@ def diff_figure(difference: Difference):
         image[grids["only_b"] > 0] = colours["b"]
         image[(grids["only_a"] > 0) & (grids["only_b"] > 0)] = colours["x"]
         ax.imshow(image, interpolation="nearest", extent=(f.k_start, f.k_end, f.q_end, f.q_start), aspect="equal")
-        side = _labelled_side(difference, b)  # where the differences fall against the documents, chunks, ...
-        marks.append(structure(side, min(b, side.batch - 1)))
+        marks.append(_labelled_structure(difference, b))  # where the differences fall against the documents, ...
         draw_marks(ax, marks[-1], absolute=True)
         ax.set_xlabel("key position (kv)")
         ax.set_ylabel("query position (q)")
@@ -158,14 +158,11 @@ def diff_figure(difference: Difference):
 
     handles = [mpatches.Patch(facecolor=colours[key], edgecolor="black", label=label) for key, label in
                (("visible", "both allow"), ("a", "only A allows"), ("b", "only B allows"), ("masked", "neither"))]
-    handles += _mark_handles(marks, [True] * len(marks))
+    handles += mark_handles(marks, [True] * len(marks))
     fit = 4 if len(handles) == 4 else max(1, int(figure.get_figwidth() // 2.6))  # as many side by side as fit
     figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), fit), frameon=False, fontsize=9)
     per = "" if rows == cols == 1 else f" · one pixel = {rows} x {cols} cells (a difference anywhere in it colours it)"
-    left_out = f"\n{batch} panels shown; batch rows {batch}-{every - 1} not shown" if batch < every else ""
-    import textwrap
-
-    per_line = max(30, int(figure.get_figwidth() * 11))  # characters of a 10-point title across the figure
+    left_out = f"\n{batch} panels shown; {rows_left_out(batch, every)} not shown" if batch < every else ""
     title = f"A: {a.title}\nB: {difference.b.title}\n{difference.only_a:,} cells only A allows, {difference.only_b:,} only B{per}{left_out}"
-    figure.suptitle("\n".join(textwrap.fill(line, per_line) for line in title.split("\n")), fontsize=10)
+    wrapped_title(figure, title, 10)
     return figure

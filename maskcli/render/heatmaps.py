@@ -186,10 +186,7 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels):
     for label, (image, group) in shared.items():  # one bar for every panel on that scale, beside the last of them
         bar = figure.colorbar(image, ax=group, shrink=0.8, location="right")
         bar.set_label(label.split("#")[0], fontsize=9)
-    import textwrap
-
-    per_line = max(30, int(figure.get_figwidth() * 11))  # characters of an 11-point title across the figure
-    figure.suptitle("\n".join(textwrap.fill(line, per_line) for line in title.split("\n")), fontsize=11)
+    wrapped_title(figure, title, 11)
     if legend_labels is None:
         handles = [mpatches.Patch(facecolor=_rgb(MASKED_RGB), edgecolor="black", label="grey: masked, this query may not look at this key (×)")]
         if any(panel.before_mask for row in grid for panel in row):
@@ -204,13 +201,21 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels):
             mpatches.Patch(facecolor=_rgb(MASKED_RGB), edgecolor="black", label=legend_labels[1]),
         ]
     with_marks = [panel for row in grid for panel in row if panel.marks is not None]
-    handles += _mark_handles([panel.marks for panel in with_marks], [panel.extent is not None for panel in with_marks])
+    handles += mark_handles([panel.marks for panel in with_marks], [panel.extent is not None for panel in with_marks])
     fit = max(1, int(figure.get_figwidth() // 4.2))  # legend entries side by side, as many as the figure is wide for
     figure.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), fit, 3), frameon=False, fontsize=9)
     return figure
 
 
-def _mark_handles(found: list, absolute: list[bool]) -> list:
+def wrapped_title(figure, title: str, size: int) -> None:
+    """The figure's title, each line wrapped to the figure's width (a long expression is never cut off)."""
+    import textwrap
+
+    per_line = max(30, int(figure.get_figwidth() * 11))  # characters of a title line across the figure
+    figure.suptitle("\n".join(textwrap.fill(line, per_line) for line in title.split("\n")), fontsize=size)
+
+
+def mark_handles(found: list, absolute: list[bool]) -> list:
     """Legend entries for the structure marks drawn on any panel (`absolute`: drawn on a long mask's pixels)."""
     if not found:
         return []

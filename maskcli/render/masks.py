@@ -63,15 +63,19 @@ def head_groups(mask: Mask, batch: int) -> list:
     return groups
 
 
+def rows_left_out(first: int, total: int) -> str:
+    """'batch rows 24-99' (or 'batch row 99'): what a view that stops at row `first` leaves out."""
+    return f"batch rows {first}-{total - 1}" if first < total - 1 else f"batch row {first}"
+
+
 def panels_shown(mask: Mask, most: int) -> tuple[list[tuple[int, list[int]]], str | None]:
     """The first `most` (batch row, head group) panels, and a note naming what is left out (None: nothing)."""
     shown: list[tuple[int, list[int]]] = []
     for b in range(mask.batch):
         for group in head_groups(mask, b):
             if len(shown) == most:
-                left = f"batch rows {b}-{mask.batch - 1}" if b < mask.batch - 1 else f"batch row {b}"
                 partly = f" (from head {group[0]})" if group[0] > 0 else ""
-                return shown, f"{most} panels shown; {left}{partly} not shown"
+                return shown, f"{most} panels shown; {rows_left_out(b, mask.batch)}{partly} not shown"
             shown.append((b, group))
     return shown, None
 
