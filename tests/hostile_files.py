@@ -56,6 +56,8 @@ def plant(folder):
     np.save(folder / "u64.npy", np.array([0, 0, 2**64 - 1, 2**64 - 1], dtype=np.uint64))  # would wrap to -1
     (folder / "big.txt").write_text("0 1000000000000000000000000000000\n")
     (folder / "syntax.py").write_text("def broken(:\n")
+    # imported, it leaves a file behind: no command may import it unless --mask-mod names it
+    (folder / "evilmod.py").write_text("open('imported', 'w').close()\ndef f(b, h, q, kv):\n    return kv <= q\n")
     (folder / "dir.pt").mkdir()
     os.symlink("loop.pt", folder / "loop.pt")
     if hasattr(os, "mkfifo"):

@@ -122,12 +122,13 @@ def test_a_mask_mod_from_a_package_in_the_working_folder(tmp_path, monkeypatch):
     (tmp_path / "mymasks" / "__init__.py").write_text("")
     (tmp_path / "mymasks" / "gym.py").write_text(Path(GYM).read_text())
     monkeypatch.chdir(tmp_path)
-    assert diff("mymasks.gym:causal_mask", "causal", "--len", 5).exit_code == 0
+    assert diff("mymasks.gym:causal_mask", "causal", "--len", 5, "--mask-mod", "mymasks.gym:causal_mask").exit_code == 0
 
 
 def test_a_mask_mod_on_either_side(tmp_path):
-    assert diff(f"{GYM}:causal_mask", "causal", "--len", 5).exit_code == 0
-    data = as_json("window(3)", f"{GYM}:generate_sliding_window", "--mask-mod-args", 3, "--len", 7)
+    assert diff(f"{GYM}:causal_mask", "causal", "--len", 5, "--mask-mod", f"{GYM}:causal_mask").exit_code == 0
+    assert diff("causal", "causal_mask", "--len", 5, "--mask-mod", f"{GYM}:causal_mask").exit_code == 0
+    data = as_json("window(3)", "generate_sliding_window", "--mask-mod", f"{GYM}:generate_sliding_window", "--mask-mod-args", 3, "--len", 7)
     assert data["b"]["expression"] == "generate_sliding_window" and data["only_b"] == 4  # its window 3 is maskcli's window(4)
     both = as_json("causal_mask & ~window(2)", "causal", "--mask-mod", f"{GYM}:causal_mask", "--len", 5)
     assert both["only_b"] == 5 + 4  # the diagonal and the one before it
@@ -149,11 +150,18 @@ def test_maps_and_figures(tmp_path):
     (["causal", "missing.pt"], "no such file"),
     (["causal", "document(0,1,1)", "--len", "5"], "have 3 entries but the mask covers positions 0-4"),
     (["windw(3)", "causal"], "did you mean window?"),
+    (["causal", "evilmod:f"], "B 'evilmod:f' looks like a mask_mod: loading one runs its code, so only --mask-mod loads it: "
+                              "give --mask-mod evilmod:f and write B as f"),
+    (["this:f", "causal"], "give --mask-mod this:f and write A as f"),
+    (["causal", "evilmod:f", "--mask-mod", "other.py:g"], "B 'evilmod:f' names a mask_mod that --mask-mod 'other.py:g' does not load"),
+    (["causal", "window(2)", "--mask-mod-args", "3"], "--mask-mod-args is for --mask-mod"),
 ])
 def test_bad_input_is_one_line(args, says, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "evilmod.py").write_text("open('ran', 'w').close()\nf = lambda b, h, q, kv: kv <= q\n")
     result = diff(*args)
     assert result.exit_code == 2 and says in result.stderr and result.stderr.count("\n") == 1
+    assert not (tmp_path / "ran").exists()  # a side is never imported without --mask-mod
 
 
 def test_tokens_label_the_diff_table_or_are_said_to_be_left_out():

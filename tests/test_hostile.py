@@ -168,6 +168,10 @@ CASES = [
     (["show", "(" * 3000 + "causal" + ")" * 3000], "nests about 3,000 levels deep"),
     (["show", "a" * 100_000], "unknown mask kind 'aaaa"),
     (["show", "causal", "--len", "4", "--png", "o\udcff.png"], "o\\udcff.png"),
+    # a module reference loads code only behind --mask-mod (evilmod.py leaves a file if imported)
+    (["diff", "causal", "evilmod:f"], "give --mask-mod evilmod:f and write B as f"),
+    (["diff", "evilmod.py:f", "causal", "--len", "4"], "give --mask-mod evilmod.py:f and write A as f"),
+    (["diff", "causal", "this:f"], "'this:f'"),
 ]
 
 
@@ -186,6 +190,24 @@ def test_hostile_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypat
     assert "Traceback" not in result.output and result.stdout == ""
     assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
     assert set(tmp_path.rglob("*")) == before  # no partial file, no temporary file, nothing the exploit made
+
+
+NAMING_A_MODULE = [
+    [command, *where]
+    for command in ("show", "blocks", "attend", "verify")
+    for where in (["evilmod:f"], ["evilmod.py:f"], ["--mask", "evilmod:f"], ["causal", "--tokens", "evilmod:f"])
+] + [["chunk", "evilmod:f"], ["inspect", "evilmod:f"], ["inspect", "evilmod.py:f"], ["convert", "evilmod:f", "--to", "block", "--out", "o.pt"],
+     ["diff", "evilmod:f", "evilmod.py:f"], ["show", "causal", "--ids", "evilmod:f"], ["show", "causal", "--lengths", "evilmod.py"],
+     ["show", "causal", "--mask-mod-args", "evilmod:f"], ["kinds", "evilmod:f"]]
+
+
+@pytest.mark.parametrize("args", NAMING_A_MODULE, ids=" ".join)
+def test_no_command_imports_a_module_without_mask_mod(tmp_path, monkeypatch, args):
+    plant(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, args)  # refused, or read as words (--tokens)
+    assert result.exit_code in (0, 2) and "Traceback" not in result.output, (result.exit_code, result.output)
+    assert not (tmp_path / "imported").exists() and "evilmod" not in sys.modules
 
 
 def test_the_table_is_large_and_covers_every_command():

@@ -15,19 +15,16 @@ from maskcli.mask import Mask, MaskOptions
 
 SIDE_HELP = (
     "A mask expression (\"window(4096)\"), a mask tensor file (.pt, .npy, .npz, .safetensors, .json, in any convention), "
-    "or your mask_mod as FILE.py:NAME (this runs your code)."
+    "or the NAME of your mask_mod loaded with --mask-mod FILE.py:NAME (only that flag runs your code)."
 )
 DiffPng = Annotated[str | None, typer.Option("--png", help="Write a figure coloured by category: .png, .svg or .pdf.")]
 DiffJson = Annotated[bool, typer.Option("--json", help="Print the counts, the first rows that differ (with intervals and in words) as one JSON object.")]
 
 
 def _side(text: str, options: MaskOptions, kinds: dict, label: str) -> Mask:
-    from maskcli.inspect.given import build_any, mask_from_file
+    from maskcli.inspect.given import mask_from_file
     from maskcli.mask import build
-    from maskcli.usermods import looks_like_spec
 
-    if looks_like_spec(text):
-        return build_any(None, replace(options, mask_mod=text, mask_mod_args=options.mask_mod_args))
     if _is_file(text):
         from maskcli.files import state
 
@@ -35,6 +32,23 @@ def _side(text: str, options: MaskOptions, kinds: dict, label: str) -> Mask:
             raise MaskError(f"{label} {text!r}: no such file (give a mask file, an expression, or FILE.py:NAME)")
         return mask_from_file(text, options.key, options.from_, options, label)
     return build(text, options, kinds=kinds)
+
+
+def _named_mask_mod(text: str, label: str, given: str | None) -> str:
+    """A side written FILE.py:NAME or module:NAME stands for the mask_mod NAME only when --mask-mod loads that very
+    spec: importing it runs code, and only the flag that says so may (`diff causal this:f` must import nothing)."""
+    from maskcli.usermods import SPEC, looks_like_spec
+
+    if not looks_like_spec(text):
+        return text
+    name = SPEC.match(text)["name"]
+    if given is not None and given.strip() == text.strip():
+        return name
+    if given is not None:
+        raise MaskError(f"{label} {text!r} names a mask_mod that --mask-mod {given!r} does not load: diff loads one mask_mod, "
+                        f"so give it with --mask-mod and write the other side as an expression or a tensor file")
+    raise MaskError(f"{label} {text!r} looks like a mask_mod: loading one runs its code, so only --mask-mod loads it: "
+                    f"give --mask-mod {text} and write {label} as {name}")
 
 
 def _is_file(text: str) -> bool:
@@ -83,9 +97,11 @@ def diff(
         raise MaskError("--png is empty: give a file name")
     from maskcli.inspect.given import user_kinds
 
-    kinds = user_kinds(mask.mask_mod, mask.mask_mod_args) if mask.mask_mod is not None else {}
-    options = replace(mask, mask_mod=None, mask_mod_args=None if mask.mask_mod is not None else mask.mask_mod_args)
     texts = {"A": a, "B": b}
+    for label, text in texts.items():
+        texts[label] = _named_mask_mod(text, label, mask.mask_mod)
+    kinds = user_kinds(mask.mask_mod, mask.mask_mod_args)
+    options = replace(mask, mask_mod=None, mask_mod_args=None)
     is_file = {label: _is_file(text) for label, text in texts.items()}
     # a tensor's shape says its own positions: the position, padding and kind options are the expressions'
     sides: dict[str, Mask] = {label: _side(texts[label], _for_a_file(options), kinds, label) for label in texts if is_file[label]}
