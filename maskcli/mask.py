@@ -133,6 +133,16 @@ class Mask:
         return self._intervals[0] is not None
 
     @property
+    def heads_differ(self) -> bool:
+        """True where heads may hold different masks (a file's own heads, a mask_mod that reads h): counts go
+        head by head; else every head is head 0's."""
+        if self.heads == 1:
+            return False
+        if self.keep is not None:
+            return self.keep.shape[1] > 1
+        return self.tree is not None and any(term.kind.per_head for term in terms.terms(self.tree))
+
+    @property
     def why_not_exact(self) -> str | None:
         return self._intervals[1]
 
@@ -183,7 +193,7 @@ class Mask:
             return found.dense(b, q_lo, q_hi)
         import torch
 
-        keep = self.materialize(q_range=range(q_lo, q_hi), batch_rows=range(b, b + 1))
+        keep = self.materialize(q_range=range(q_lo, q_hi), batch_rows=range(b, b + 1), heads=range(h, h + 1))
         return keep[0, 0].cpu().numpy() if isinstance(keep, torch.Tensor) else keep
 
     def dense(self) -> np.ndarray:
@@ -193,8 +203,9 @@ class Mask:
         check_dense_fits((self.batch, 1, *self.shape[2:]), 1, "as a bool array")
         return np.stack([self.cells(b)[None] for b in range(self.batch)])
 
-    def materialize(self, device="cpu", q_range: range | None = None, batch_rows: range | None = None):
-        """Bool torch tensor (B, H, Lq, Lk) from the predicate, one broadcast call (a view where it broadcasts)."""
+    def materialize(self, device="cpu", q_range: range | None = None, batch_rows: range | None = None, heads: range | None = None):
+        """Bool torch tensor (B, H, Lq, Lk) from the predicate, one broadcast call (a view where it broadcasts);
+        `q_range`, `batch_rows` and `heads` pick a part."""
         import torch
 
         device = torch.device(device)
@@ -202,18 +213,20 @@ class Mask:
             device = torch.device("cuda", torch.cuda.current_device())
         batch_rows = range(self.batch) if batch_rows is None else batch_rows
         q_range = range(self.frame.q_len) if q_range is None else q_range
+        heads = range(self.heads) if heads is None else heads
         if self.keep is not None:
             keep = torch.as_tensor(self.keep, device=device)
             keep = keep[batch_rows.start : batch_rows.stop] if keep.shape[0] > 1 else keep
-            return torch.broadcast_to(keep[:, :, q_range.start : q_range.stop], (len(batch_rows), self.heads, len(q_range), self.frame.k_len))
+            keep = keep[:, heads.start : heads.stop] if keep.shape[1] > 1 else keep
+            return torch.broadcast_to(keep[:, :, q_range.start : q_range.stop], (len(batch_rows), len(heads), len(q_range), self.frame.k_len))
         mod = _cached_predicate(self, device)
         f = self.frame
         b = index_tensor(range(batch_rows.start, batch_rows.stop), 0, device)
-        h = index_tensor(range(self.heads), 1, device)
+        h = index_tensor(heads, 1, device)
         q = index_tensor(range(f.q_start + q_range.start, f.q_start + q_range.stop), 2, device)
         kv = index_tensor(range(f.k_start, f.k_end), 3, device)
         keep = torch.as_tensor(mod(b, h, q, kv), device=device)
-        return torch.broadcast_to(keep, (len(batch_rows), self.heads, len(q_range), f.k_len))
+        return torch.broadcast_to(keep, (len(batch_rows), len(heads), len(q_range), f.k_len))
 
     def json(self) -> dict:
         """What names and places the mask, JSON-ready (no cells)."""

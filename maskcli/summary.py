@@ -20,14 +20,16 @@ MAX_SPANS = 8
 
 @dataclass(frozen=True)
 class RowStats:
+    """One batch row, over every one of its heads: a (head, query) pair is one query row."""
+
     batch: int
-    visible: int  # visible cells of this batch row (one head)
+    visible: int  # visible cells of this batch row, every head
     total: int
-    keys_min: int
+    keys_min: int  # keys per query row, over every head's query rows
     keys_median: float
     keys_max: int
-    empty_rows: int
-    empty_spans: list[tuple[int, int]]  # absolute query positions, first..last, up to MAX_SPANS
+    empty_rows: int  # (head, query) rows that see no key
+    empty_spans: list[tuple[int, int]]  # query positions that see no key in some head: first..last, up to MAX_SPANS
 
 
 @dataclass(frozen=True)
@@ -35,13 +37,13 @@ class Summary:
     mask: Mask
     rows: list[RowStats]
     how: str
-    grid: list[np.ndarray] | None  # visible cells per grid block, one (R, C) per batch row (None: not asked for)
+    grid: list[np.ndarray] | None  # visible cells per grid block, every head, one (R, C) per batch row (None: not asked for)
     grid_blocks: tuple[int, int]  # queries x keys per grid block
 
     @property
     def visible(self) -> int:
         """Visible cells of the whole mask: every batch row and head."""
-        return sum(r.visible for r in self.rows) * self.mask.heads
+        return sum(r.visible for r in self.rows)
 
     @property
     def total(self) -> int:
@@ -56,6 +58,8 @@ class Summary:
             "total_cells": self.total,
             "share": self.visible / self.total,
             "counted": self.how,
+            "cells_counted": f"every head (H={self.mask.heads}): in visible_cells, in each of batch_rows and in the grid; "
+            "row_keys and empty_rows are over every (head, query) row",
             "batch_rows": [
                 {
                     "batch": r.batch, "visible_cells": r.visible, "total_cells": r.total, "share": r.visible / r.total,
@@ -73,8 +77,8 @@ class Summary:
         }
 
 
-def row_counts(mask: Mask, b: int, progress=None) -> np.ndarray:
-    """Visible keys per query row of batch row b, int64 (Lq,)."""
+def row_counts(mask: Mask, b: int, h: int = 0, progress=None) -> np.ndarray:
+    """Visible keys per query row of batch row b, head h, int64 (Lq,)."""
     f = mask.frame
     if mask.exact:
         counts = mask.intervals().counts()
@@ -82,7 +86,7 @@ def row_counts(mask: Mask, b: int, progress=None) -> np.ndarray:
     check_cell_by_cell((mask,))
     out = np.empty(f.q_len, dtype=np.int64)
     for lo, hi in bands((mask,), f.q_len, progress):
-        out[lo:hi] = mask.cells(b, 0, lo, hi).sum(axis=1)
+        out[lo:hi] = mask.cells(b, h, lo, hi).sum(axis=1)
     return out
 
 
@@ -95,20 +99,28 @@ def spans(flags: np.ndarray, start: int, most: int = MAX_SPANS) -> list[tuple[in
 
 
 def summarise(mask: Mask, grid: tuple[int, int] = DEFAULT_GRID, progress=None, with_grid: bool = True) -> Summary:
-    """Counts per batch row (and the density grid, which only --json shows, where `with_grid`)."""
+    """Counts per batch row over every head (and the density grid, which only --json shows, where `with_grid`).
+
+    Where every head holds head 0's mask, head 0 is counted and the cell counts are multiplied by the heads."""
     f = mask.frame
     rb, cb = -(-f.q_len // grid[0]), -(-f.k_len // grid[1])
+    heads = range(mask.heads) if mask.heads_differ else range(1)
+    copies = 1 if mask.heads_differ else mask.heads
     exact = mask.exact
     if exact:  # every batch row's statistics in one pass over the (B, Lq) counts (exact in float64: below 2^53)
         counts = np.broadcast_to(mask.intervals().counts(), (mask.batch, f.q_len))
         table = np.stack([counts.sum(1), counts.min(1), np.median(counts, axis=1), counts.max(1), (counts == 0).sum(1)], axis=1)
     rows = []
     for b in range(mask.batch):
-        row = counts[b] if exact else row_counts(mask, b, progress)
-        visible, low, middle, high, empty = table[b] if exact else (row.sum(), row.min(), np.median(row), row.max(), (row == 0).sum())
+        per_head = counts[b][None] if exact else np.stack([row_counts(mask, b, h, progress) for h in heads])
+        visible, low, middle, high, empty = table[b] if exact else (
+            per_head.sum(), per_head.min(), np.median(per_head), per_head.max(), (per_head == 0).sum())
         rows.append(RowStats(
-            batch=b, visible=int(visible), total=f.q_len * f.k_len, keys_min=int(low), keys_median=float(middle),
-            keys_max=int(high), empty_rows=int(empty), empty_spans=spans(row == 0, f.q_start) if empty else [],
+            batch=b, visible=int(visible) * copies, total=mask.heads * f.q_len * f.k_len, keys_min=int(low),
+            keys_median=float(middle), keys_max=int(high), empty_rows=int(empty) * copies,
+            empty_spans=spans((per_head == 0).any(0), f.q_start) if empty else [],
         ))
-    grids = [block_counts(mask, b, 0, rb, cb, progress) for b in range(mask.batch)] if with_grid else None
+    grids = None
+    if with_grid:
+        grids = [sum(block_counts(mask, b, h, rb, cb, progress) for h in heads) * copies for b in range(mask.batch)]
     return Summary(mask, rows, how_counted(mask), grids, (rb, cb))

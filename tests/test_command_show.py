@@ -611,10 +611,10 @@ def test_summary_in_words():
     assert lines(out) == [
         "document(0,0,1,1,1) · lengths 5,2 · shape (B=2, H=1, Lq=5, Lk=5)",
         "visible cells: 12 of 50 (24.00%) · exact, from key intervals",
-        "batch 0 (length 5): visible 9 of 25 per head (36.00%)",
+        "batch 0 (length 5): visible 9 of 25 (36.00%)",
         "keys per query row: min 1 · median 2 · max 3",
         "rows that see no key: none",
-        "batch 1 (length 2): visible 3 of 25 per head (12.00%)",
+        "batch 1 (length 2): visible 3 of 25 (12.00%)",
         "keys per query row: min 0 · median 0 · max 2",
         "rows that see no key: 3 (2-4)",
         "attention FLOPs: 4·D per visible cell = 48·D, 24.00% of dense (200·D) for head size D",
@@ -628,8 +628,9 @@ def test_summary_json_counts_a_million_token_mask_exactly():
     assert got["visible_cells"] == 2 * per_head and got["total_cells"] == 2 * n * n
     assert got["batch_rows"][0]["row_keys"] == {"min": 1, "median": 4096.0, "max": 4096}
     assert got["flops"]["per_head_dim"] == 4 * got["visible_cells"]
+    assert got["batch_rows"][0]["visible_cells"] == 2 * per_head  # every head, as the top level counts
     grid = np.array(got["grid"]["visible"][0])
-    assert grid.shape == (4, 8) and grid.sum() == per_head
+    assert grid.shape == (4, 8) and grid.sum() == 2 * per_head
     assert (got["grid"]["queries_per_block"], got["grid"]["keys_per_block"]) == (n // 4, n // 8)
 
 

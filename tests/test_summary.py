@@ -21,12 +21,12 @@ def test_counts_equal_the_dense_definitions(case):
     assert summary.visible == int(cells.sum()) * built.heads and summary.total == cells.size * built.heads
     for row, plane in zip(summary.rows, cells):
         keys = plane.sum(axis=1)
-        assert (row.visible, row.keys_min, row.keys_max, row.keys_median) == (int(plane.sum()), keys.min(), keys.max(), float(np.median(keys)))
-        assert row.empty_rows == int((keys == 0).sum())
+        assert (row.visible, row.keys_min, row.keys_max, row.keys_median) == (int(plane.sum()) * built.heads, keys.min(), keys.max(), float(np.median(keys)))
+        assert row.empty_rows == int((keys == 0).sum()) * built.heads
     rb, cb = summary.grid_blocks
     for grid, plane in zip(summary.grid, cells):
         expected = np.add.reduceat(np.add.reduceat(plane.astype(int), np.arange(0, plane.shape[0], rb), 0), np.arange(0, plane.shape[1], cb), 1)
-        assert np.array_equal(grid, expected)
+        assert np.array_equal(grid, expected * built.heads)
 
 
 def test_closed_forms_at_a_million_tokens():
@@ -55,3 +55,28 @@ def test_cell_by_cell_counting_reports_progress():
     labels = ",".join(str(v) for v in [0, 2, 1] * 300)
     summary = summarise(build(f"chunk({labels})"), progress=lambda done, total: seen.append((done, total)))
     assert "cell by cell" in summary.how and seen and seen[-1][0] == seen[-1][1] == 900
+
+
+def test_heads_that_differ_are_counted_head_by_head_and_every_count_covers_every_head(tmp_path):
+    from maskcli.mask import from_tensor
+
+    keep = np.zeros((2, 3, 4, 5), dtype=bool)  # head h of batch row b sees the first b + h + 1 keys; head 2 of row 0 sees none
+    for b in range(2):
+        for h in range(3):
+            keep[b, h, :, : b + h + 1] = True
+    keep[0, 2] = False
+    summary = summarise(from_tensor(keep, "heads"), (2, 5))
+    assert summary.visible == int(keep.sum()) and summary.total == keep.size
+    assert [r.visible for r in summary.rows] == [int(keep[b].sum()) for b in range(2)]
+    assert sum(r.visible for r in summary.rows) == summary.json()["visible_cells"]
+    keys = keep.sum(-1)  # (B, H, Lq)
+    assert [(r.keys_min, r.keys_max, r.keys_median) for r in summary.rows] == [(keys[b].min(), keys[b].max(), float(np.median(keys[b]))) for b in range(2)]
+    assert [r.empty_rows for r in summary.rows] == [4, 0] and summary.rows[0].empty_spans == [(0, 3)]
+    for b in range(2):
+        assert np.array_equal(summary.grid[b], keep[b].reshape(3, 2, 2, 5, 1).sum(axis=(0, 2, 4)))
+    # a mask_mod that reads h: counted head by head, cell by cell
+    (tmp_path / "mine.py").write_text("def mine(b, h, q, kv):\n    return kv <= h\n")
+    from maskcli.inspect.given import build_any
+
+    mod = summarise(build_any(None, MaskOptions(mask_mod=str(tmp_path / "mine.py") + ":mine", heads=3, length=6)))
+    assert mod.visible == 6 * (1 + 2 + 3) and mod.rows[0].keys_min == 1 and mod.rows[0].keys_max == 3

@@ -38,11 +38,13 @@ def summary_text(summary: Summary) -> str:
             lengths = mask.frame.lengths
             length = f" (length {lengths[row.batch if row.batch < len(lengths) else 0]})" if lengths is not None else ""
             prefix = f"batch {row.batch}{length}: "
-            lines.append(f"{prefix}visible {row.visible:,} of {row.total:,} per head ({_share(row.visible, row.total)})")
+            over = f" over its {mask.heads:,} heads" if mask.heads > 1 else ""
+            lines.append(f"{prefix}visible {row.visible:,} of {row.total:,}{over} ({_share(row.visible, row.total)})")
             prefix = "  "
         median = f"{row.keys_median:,g}"
-        lines.append(f"{prefix}keys per query row: min {row.keys_min:,} · median {median} · max {row.keys_max:,}")
-        lines.append(f"{prefix}rows that see no key: {_empty(row)}")
+        each = " (every head's)" if mask.heads > 1 else ""
+        lines.append(f"{prefix}keys per query row{each}: min {row.keys_min:,} · median {median} · max {row.keys_max:,}")
+        lines.append(f"{prefix}rows that see no key{each}: {_empty(row)}")
     lines.append(
         f"attention FLOPs: 4·D per visible cell = {4 * summary.visible:,}·D, {_share(summary.visible, summary.total)} of dense "
         f"({4 * summary.total:,}·D) for head size D"
