@@ -7,3 +7,9 @@ class MaskError(ValueError):
     Only the CLI turns it into a line on stderr and exit status 2; library callers
     catch it like any ValueError.
     """
+
+
+class Stopped(SystemExit):
+    """A kill or a closed terminal (SIGTERM, SIGHUP), raised from the signal handler so that files being
+    written are removed on the way out; exit status 128 + the signal's number. Never a user's code's fault:
+    code that catches what a user's function raises lets this one through."""

@@ -22,7 +22,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from maskcli.errors import MaskError
+from maskcli.errors import MaskError, Stopped
 from maskcli.intervals import NotFew
 from maskcli.kinds.base import Kind
 
@@ -54,7 +54,8 @@ def load(spec: str, args: str | None = None) -> tuple[str, object, str]:
         try:
             with _user_code():
                 function = function(*values)
-        except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
+        except BaseException as error:  # any exception out of the user's code, sys.exit too, is one line naming it
+            _let_through(error)
             raise MaskError(f"--mask-mod-args {args!r}: {name}{tuple(values)!r} failed: {_where(error, origin)}") from None
         if not callable(function):
             raise MaskError(f"--mask-mod-args {args!r}: {name}(...) returned a {type(function).__name__}, not a mask_mod")
@@ -80,7 +81,8 @@ def _module(where: str, spec: str):
         try:
             with _user_code():
                 loader.loader.exec_module(module)
-        except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
+        except BaseException as error:  # any exception out of the user's code, sys.exit too, is one line naming it
+            _let_through(error)
             del sys.modules[module_name]
             raise MaskError(f"--mask-mod {spec!r}: loading {where} failed: {_where(error, str(path.resolve()))}") from None
         return module
@@ -89,8 +91,15 @@ def _module(where: str, spec: str):
     try:
         with _user_code():
             return importlib.import_module(where)
-    except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
-        raise MaskError(f"--mask-mod {spec!r}: cannot import {where}: {type(error).__name__}: {error}") from None
+    except BaseException as error:  # any exception out of the user's code, sys.exit too, is one line naming it
+        _let_through(error)
+        raise MaskError(f"--mask-mod {spec!r}: cannot import {where}: {_where(error, None)}") from None
+
+
+def _let_through(error: BaseException) -> None:
+    """Ctrl-C and a kill are the user's wish to stop, not their function failing: they go on up."""
+    if isinstance(error, (KeyboardInterrupt, Stopped)):
+        raise error
 
 
 def _user_code():
@@ -128,9 +137,15 @@ def _origin(function, fallback: str) -> str:
         return fallback
 
 
-def _where(error: BaseException, origin: str) -> str:
-    """'ValueError: ... (masks.py line 7)': the last line of the user's own file in the traceback."""
-    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if str(Path(frame.filename).resolve()) == origin]
+def _where(error: BaseException, origin: str | None) -> str:
+    """'ValueError: ... (masks.py line 7)': the last line of the user's own file in the traceback (`origin`; None
+    for a module found by import: the last line of any file outside maskcli and Python's import machinery)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if origin is not None:
+        frames = [frame for frame in frames if str(Path(frame.filename).resolve()) == origin]
+    else:
+        ours = str(Path(__file__).resolve().parent)
+        frames = [frame for frame in frames if not frame.filename.startswith("<") and not str(Path(frame.filename).resolve()).startswith(ours)]
     place = f" ({Path(frames[-1].filename).name} line {frames[-1].lineno})" if frames else ""
     message = " ".join(str(error).split())[:200]
     return f"{type(error).__name__}: {message}{place}"
@@ -159,6 +174,7 @@ def kind(name: str, function, origin: str) -> Kind:
         intervals=intervals,
         predicate=predicate,
         rank=100,
+        per_head=True,
     )
 
 
@@ -169,7 +185,8 @@ def call(name: str, function, origin: str, b, h, q_idx, kv_idx):
     with _user_code():
         try:
             out = function(b, h, q_idx, kv_idx)
-        except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
+        except BaseException as error:  # any exception out of the user's code, sys.exit too, is one line naming it
+            _let_through(error)
             if _needs_scalars(error) and q_idx.dim() == 4:
                 out = _vmapped(name, function, origin, b, h, q_idx, kv_idx)
             else:
@@ -210,5 +227,6 @@ def _vmapped(name, function, origin, b, h, q_idx, kv_idx):
         inner = vmap(inner, in_dims=tuple(in_dims))
     try:
         return inner(b.flatten(), h.flatten(), q_idx.flatten(), kv_idx.flatten())
-    except (Exception, SystemExit, GeneratorExit) as error:  # the user's code: sys.exit in it is an error too
+    except BaseException as error:  # any exception out of the user's code, sys.exit too, is one line naming it
+        _let_through(error)
         raise MaskError(f"your mask_mod {name} raised {_where(error, origin)}") from None

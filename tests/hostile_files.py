@@ -48,7 +48,9 @@ def plant(folder):
         "def floats(b, h, q, kv):\n    return (q >= kv).float()\n\n"
         "def shape(b, h, q, kv):\n    import torch\n    return torch.ones(3, dtype=torch.bool)\n\n"
         "def exits(b, h, q, kv):\n    import sys\n    sys.exit(0)\n\n"
-        "def factory(w):\n    return lambda b, h, q, kv: (q - kv < w) & (q >= kv)\n"
+        "def factory(w):\n    return lambda b, h, q, kv: (q - kv < w) & (q >= kv)\n\n"
+        "class Halt(BaseException):\n    pass\n\n"
+        "def halts(b, h, q, kv):\n    raise Halt('stop here')\n"
     )
     (folder / "empty_labels.npy").write_bytes(b"")
     (folder / "system.pt").write_bytes(pickle.dumps(os.system))  # a pickled function as a labels file

@@ -119,7 +119,7 @@ CASES = [
     (["show", "--mask-mod", "mod.py:factory", "--mask-mod-args", "__import__('os')", "--len", "4"], "__import__"),
     (["show", "--mask-mod", "fifo.py:f", "--len", "4"], "fifo.py"),
     (["blocks", "--mask-mod", "mod.py:raises", "--len", "64"], "mod.py"),
-    (["diff", "mod.py:exits", "causal", "--len", "4"], "SystemExit"),  # never exit 0, "equal"
+    (["diff", "exits", "causal", "--mask-mod", "mod.py:exits", "--len", "4"], "SystemExit"),  # never exit 0, "equal"
     (["chunk", "u64.npy"], "too large"),
     (["show", "blocks", "--block-ids", "u64.npy"], "too large"),
     (["chunk", "big.txt"], "too large"),
@@ -168,6 +168,11 @@ CASES = [
     (["show", "(" * 3000 + "causal" + ")" * 3000], "nests about 3,000 levels deep"),
     (["show", "a" * 100_000], "unknown mask kind 'aaaa"),
     (["show", "causal", "--len", "4", "--png", "o\udcff.png"], "o\\udcff.png"),
+    # any exception out of a user's code, of any class, is one line naming their file and line
+    (["show", "--mask-mod", "mod.py:halts", "--len", "3"], "your mask_mod halts raised Halt: stop here (mod.py line 22)"),
+    (["diff", "halts", "causal", "--mask-mod", "mod.py:halts", "--len", "3"], "raised Halt: stop here (mod.py line 22)"),
+    (["attend", "causal", "--fill", ""], "unknown --fill ''"),
+    (["show", "causal", "--as", "min", "--dtype", ""], "unknown --dtype ''"),
     # a module reference loads code only behind --mask-mod (evilmod.py leaves a file if imported)
     (["diff", "causal", "evilmod:f"], "give --mask-mod evilmod:f and write B as f"),
     (["diff", "evilmod.py:f", "causal", "--len", "4"], "give --mask-mod evilmod.py:f and write A as f"),
@@ -489,3 +494,79 @@ def test_diff_names_a_bad_file_by_its_side(tmp_path, monkeypatch):
     (tmp_path / "trunc.npy").write_bytes((tmp_path / "good.npy").read_bytes()[:90])
     result = runner.invoke(app, ["diff", "good.npy", "trunc.npy"])
     assert result.exit_code == 2 and result.stderr.startswith("maskcli: error: B 'trunc.npy': not a readable numpy file")
+
+
+# --- exit statuses that say what happened ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [["show", "causal", "--len", "4"], ["blocks", "causal", "--len", "300"],
+                                  ["diff", "causal", "window(2)", "--len", "4"], ["kinds"], ["--help"], ["show", "--help"]])
+def test_a_zero_or_tiny_width_draws_at_the_least_width(args):
+    for columns in ("0", "1"):
+        result = runner.invoke(app, args, env={"COLUMNS": columns})
+        assert result.exit_code in (0, 1) and result.stderr == "", result.output  # diff: 1, they differ
+        lines = result.stdout.splitlines()
+        assert len(lines) >= 3 and max(map(len, lines)) <= 40 and max(map(len, lines)) >= 30, result.stdout
+
+
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+@pytest.mark.parametrize("args", [["show", "causal", "--len", "600", "--json"], ["show", "causal", "--len", "600", "--summary", "--json", "--grid", "600,600"],
+                                  ["blocks", "causal", "--len", "8000", "--block", "16", "--json"]])
+def test_json_cut_short_by_its_reader_stops_with_141_as_a_table_does(args, unbuffered):
+    process = subprocess.Popen([sys.executable, "-m", "maskcli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "MASKCLI_DEVICE": "cpu", "PYTHONUNBUFFERED": unbuffered})
+    process.stdout.read(10)  # | head -c 10: the output is far larger than the pipe holds
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    process.wait(timeout=60)
+    assert process.returncode == 141 and err == "", (process.returncode, err)
+    table = subprocess.Popen([sys.executable, "-m", "maskcli", "show", "causal", "--len", "600"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "4000", "PYTHONUNBUFFERED": unbuffered})
+    table.stdout.read(10)
+    table.stdout.close()
+    assert table.wait(timeout=60) in (0, 141) and table.stderr.read() == b""
+
+
+def test_help_cut_short_by_its_reader_stops_with_141():
+    process = subprocess.Popen([sys.executable, "-m", "maskcli", "attend", "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "COLUMNS": "60"})
+    process.stdout.readline()
+    process.stdout.close()
+    assert process.wait(timeout=60) in (0, 141) and process.stderr.read() == b""  # rich's own handler exited 1
+
+
+def test_an_error_that_cannot_be_written_still_exits_2(tmp_path):
+    with open("/dev/full", "w") as full:
+        for args in (["show", "causal", "--len", "-1"], ["show", "causal", "--len", "3", "--png", "nodir/x.png"]):
+            result = subprocess.run([sys.executable, "-m", "maskcli", *args], stdout=subprocess.DEVNULL, stderr=full, cwd=tmp_path, timeout=60)
+            assert result.returncode == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_kill_while_a_mask_mod_runs_exits_143_not_blaming_it(tmp_path):
+    import time
+
+    (tmp_path / "slow.py").write_text(
+        "import pathlib, time\n"
+        "def slow(b, h, q, kv):\n    pathlib.Path('started').touch()\n    time.sleep(60)\n    return q >= kv\n"
+    )
+    process = subprocess.Popen([sys.executable, "-m", "maskcli", "show", "--mask-mod", "slow.py:slow", "--len", "4", "--save", "out.npy"],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (tmp_path / "started").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 143 and err == "", (process.returncode, err)  # it said "raised SystemExit: 143", exit 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slow.py", "started"]
+
+
+def test_a_dtype_that_does_not_apply_is_a_warning_in_convert_as_in_show(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plant(tmp_path)
+    result = runner.invoke(app, ["convert", "good.pt", "--to", "keep", "--dtype", "bfloat16", "--out", "x.npy"])
+    assert result.exit_code == 0, result.output
+    assert "maskcli: warning: --dtype bfloat16 is for --to additive or min; --to keep is written as bool" in result.stderr
+    assert np.load("x.npy").dtype == bool
+    shown = runner.invoke(app, ["show", "causal", "--len", "3", "--dtype", "bfloat16", "--save", "y.npy"])
+    assert shown.exit_code == 0 and "--dtype bfloat16 is ignored" in shown.stderr

@@ -19,8 +19,10 @@ def main() -> None:
             pass
     import signal
 
+    from maskcli.errors import Stopped
+
     def stop(number, frame):  # a kill or a closed terminal ends like Ctrl-C: files being written are removed
-        raise SystemExit(128 + number)
+        raise Stopped(128 + number)
 
     for name in ("SIGTERM", "SIGHUP"):
         if hasattr(signal, name):

@@ -55,6 +55,10 @@ class MaskcliGroup(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         _pending.clear()
+        _floor_columns()
+        from rich.console import Console
+
+        Console.on_broken_pipe = _pipe_closed
         if sys.stdout is None:  # started with stdout closed (>&-): every table and --json would vanish
             fail("stdout is closed, so nothing maskcli prints can be seen: send it to a file or /dev/null instead")
         try:
@@ -89,6 +93,18 @@ class MaskcliGroup(TyperGroup):
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
+
+
+MIN_COLUMNS = 40  # narrower than this, a table, a map or help has no room: it is drawn this wide
+
+
+def _floor_columns() -> None:
+    """COLUMNS=0 (or 1) drew nothing, or one character a line, and exited 0: take it as MIN_COLUMNS."""
+    import os
+
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) < MIN_COLUMNS:
+        os.environ["COLUMNS"] = str(MIN_COLUMNS)
 
 
 SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
@@ -140,25 +156,31 @@ def _usage_message(error, args: list[str]) -> str:
 
 
 def make_console(**options):
-    """A rich Console for a command's view: a reader that goes away (| head) stops maskcli quietly with
-    status 141, as it stops other tools, where rich's own handler would exit 1 (diff's "they differ")."""
+    """A rich Console for a command's view, on stdout with whole writes (WholeWrites)."""
     from rich.console import Console
 
-    class PipeConsole(Console):
-        def on_broken_pipe(self) -> None:
-            self.quiet = True
-            raise BrokenPipeError()
+    options.setdefault("file", WholeWrites(sys.stdout))
+    return Console(**options)
 
-    return PipeConsole(**options)
+
+def _pipe_closed(console) -> None:
+    """rich's handler for a reader that went away (| head) exits 1, which diff's caller reads as "they differ":
+    every console, help's too, raises instead, and maskcli stops quietly with status 141 as other tools do."""
+    console.quiet = True
+    raise BrokenPipeError()
 
 
 def quiet_stdout() -> None:
     """Point stdout at /dev/null, so that Python's last flush at exit finds no closed pipe."""
+    _quiet(sys.stdout)
+
+
+def _quiet(stream) -> None:
     import os
 
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, stream.fileno())
     except (OSError, ValueError, AttributeError):
         pass
 
@@ -166,7 +188,10 @@ def quiet_stdout() -> None:
 def fail(message: str) -> None:
     _pending.clear()  # a warning about input that is then refused would be a second line about the same thing
     one_line = " ".join(message.splitlines())  # a quoted value (a repr, say) may hold line breaks
-    typer.echo(f"maskcli: error: {one_line}", err=True)
+    try:
+        typer.echo(f"maskcli: error: {one_line}", err=True)
+    except (OSError, ValueError):  # stderr full or closed (2>/dev/full): the status still says what happened
+        _quiet(sys.stderr)
     sys.exit(2)
 
 
@@ -200,21 +225,48 @@ def check_write(path, size: int, flag: str) -> None:
         warn(f"{flag} writes {format_bytes(size)} to {str(path)!r}; this takes a while (Ctrl-C stops it and leaves no file)", now=True)
 
 
-ECHO_SLICE = 1 << 24  # characters per write
+ECHO_SLICE = 1 << 24  # bytes per write
 
 
 def echo(text: str) -> None:
-    """`text` and a newline on stdout, in slices: one write of 2 GiB or more is cut short by the kernel, and
-    typer.echo would lose the rest of a huge --json without a word."""
-    step = ECHO_SLICE
-    if len(text) <= step:
-        typer.echo(text)
+    """`text` and a newline on stdout, every byte of it or an error (see write_all)."""
+    write_all(sys.stdout, text + "\n")
+
+
+def write_all(out, text: str) -> None:
+    """Write `text` to the text stream `out` whole, or raise: one write of 2 GiB or more is cut short by the
+    kernel, and under `python -u` (PYTHONUNBUFFERED) a short write to a pipe whose reader left (| head -c 10)
+    was dropped without a word and exit 0, where the next write would have said the pipe is closed (141)."""
+    binary = getattr(out, "buffer", None)
+    if binary is None:  # a stream with no bytes beneath it (a StringIO): it takes all it is given
+        out.write(text)
+        out.flush()
         return
-    out = sys.stdout
-    for start in range(0, len(text), step):
-        out.write(text[start : start + step])
-    out.write("\n")
-    out.flush()
+    out.flush()  # what was printed before goes first
+    data = memoryview(text.encode(out.encoding or "utf-8", out.errors or "strict"))
+    while data:
+        written = binary.write(data[:ECHO_SLICE])
+        if written is None:  # a non-blocking stdout that is full: wait for room
+            import select
+
+            select.select([], [binary], [])
+            continue
+        data = data[written:]  # a short write is followed by another, which says why it was short
+    binary.flush()
+
+
+class WholeWrites:
+    """A text stream whose writes are whole or raise (write_all), for rich's console; the rest is the stream's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        write_all(self._stream, text)
+        return len(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 def done(message: str) -> None:

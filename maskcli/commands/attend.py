@@ -71,7 +71,7 @@ def attend(
         raise MaskError(f"--like {like} sets how masked scores are hidden; --fill {fill} does too: give one of them")
     if like is not None:
         check_choice(like, LIKES, "--like")
-    fill = fill or "-inf"
+    fill = "-inf" if fill is None else fill  # an empty --fill is refused, not taken as the default
     check_choice(fill, FILLS, "--fill")
     if like == "mha" and dropout > 0:
         raise MaskError("--like mha drops weights inside SDPA, where they cannot be shown: use --like mha-weights with --dropout")

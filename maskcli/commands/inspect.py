@@ -200,7 +200,7 @@ def convert(
         check_choice(from_, ("keep", "block"), "--from convention")
     out_path = check_output_path(out, OUT_SUFFIXES, "--out")
     dtype = dtype or "float32"
-    if out_path.suffix.lower() == ".npy" and dtype == "bfloat16":
+    if out_path.suffix.lower() == ".npy" and dtype == "bfloat16" and to in ("additive", "min"):  # else it is ignored, as said
         raise MaskError("--out .npy cannot hold bfloat16 (numpy has no such dtype): write .pt or .json, or pick another --dtype")
 
     _check_source(file)

@@ -86,7 +86,7 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
 
     check_choice(convention, CONVENTIONS, "--as convention")
     given_dtype = dtype_name is not None
-    dtype_name = check_choice(dtype_name or "float32", DTYPES, "--dtype")
+    dtype_name = check_choice("float32" if dtype_name is None else dtype_name, DTYPES, "--dtype")
     if given_dtype and convention not in ("additive", "min"):
         warn(f"--dtype {dtype_name} is ignored: it is for --as additive and --as min, and --as {convention} has a dtype of its own")
     for flag, value in (("--png", png), ("--save", save)):

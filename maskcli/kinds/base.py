@@ -129,6 +129,7 @@ class Kind:
     options: str = ""  # extra command-line options in the example (`--len 8`)
     aliases: tuple[str, ...] = field(default=())
     frame_data: bool = False  # reads the frame's batch data (padding), not only positions
+    per_head: bool = False  # may differ from head to head (a user's mask_mod reads h); built-in kinds do not
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)
