@@ -93,7 +93,7 @@ def layout(mask: Mask, q_block: int = DEFAULT_BLOCK, kv_block: int = DEFAULT_BLO
     """The blocks of `mask`: from its intervals where they are few, else from exact counts per block."""
     f = mask.frame
     n_q, n_kv = -(-f.q_len // q_block), -(-f.k_len // kv_block)
-    heads = 1 if mask.keep is None or mask.keep.shape[1] == 1 else mask.shape[1]
+    heads = mask.heads if mask.heads_differ else 1  # a file's own heads, a mask_mod that reads h
     check_dense_fits((mask.batch, heads, n_q, n_kv), 4 * 2 + 2, "for the block indices", what="a block mask of",
                      fix="use a larger --block, or a shorter mask")
     if mask.exact:  # every batch row at once (heads are one: a mask with intervals has no per-head tensor)

@@ -124,3 +124,12 @@ def test_blocks_of_a_mask_file_and_a_mask_mod_equal_create_block_mask(tmp_path):
     gym = os.path.join(os.path.dirname(__file__), "data", "gym_masks.py")
     data = json.loads(ok(["--mask-mod", f"{gym}:packed_causal", "--len", 8, "--block", 2, "--json"]).stdout)
     assert data["kv_num_blocks"] == create_block_mask(build("document(sizes=[3,5])").mask_mod, 1, 1, 8, 8, device="cpu", BLOCK_SIZE=2).kv_num_blocks.tolist()
+
+
+def test_a_mask_mod_that_reads_the_head_gets_each_heads_blocks(tmp_path):
+    (tmp_path / "heads.py").write_text("def by_head(b, h, q, kv):\n    return (kv <= q) & (q - kv <= 4 * h)\n")
+    data = json.loads(ok(["--mask-mod", f"{tmp_path / 'heads.py'}:by_head", "--len", 16, "--heads", 3, "--block", 4, "--json"]).stdout)
+    flex = create_block_mask(lambda b, h, q, kv: (kv <= q) & (q - kv <= 4 * h), 1, 3, 16, 16, device="cpu", BLOCK_SIZE=4)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert data[name] == getattr(flex, name).tolist(), name
+    assert [entry["head"] for entry in data["counts"]] == [0, 1, 2] and data["counts_cover"] == "one batch row and head each"

@@ -7,13 +7,15 @@ asked for (and those only on success). MASKCLI_FUZZ_EXAMPLES sets the examples p
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import typer.main
 from hostile_files import LONG, plant
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -161,3 +163,64 @@ def test_any_command_line_ends_cleanly(folder, name):
             assert all(str(p) in named or str(p.parent) in named for p in made), (line, made, named)
 
     run()
+
+
+# --- cross-checks: the counts of --summary --json and blocks --json against the full mask of the same line -------
+
+ANY_LENGTH = ["causal", "full", "window(3)", "prefix(2)", "sink(1)", "local(3)", "tril(-1)", "triu(1)", "causal & window(2)",
+              "causal | sink(2)", "~causal", "causal & ~sink(1)", "window(2) | prefix(3)"]
+
+
+@st.composite
+def placed_masks(draw) -> list[str]:
+    """An expression with its positions, heads and padding, as a command line's tail."""
+    length = draw(st.integers(1, 24))
+    labels = ",".join(str(v) for v in draw(st.lists(st.integers(-1, 3), min_size=length, max_size=length)))
+    labelled = [f"document({labels.replace('-1', '0')})", f"chunk({labels.replace('-1', '0')})", f"blocks({labels})",
+                f"causal | blocks({labels})", f"segment({labels.replace('-1', '2')}) & window(4)"]
+    line = [draw(st.sampled_from(ANY_LENGTH + labelled)), "--len", str(length), "--heads", str(draw(st.integers(1, 3)))]
+    if draw(st.booleans()):
+        line += ["--lengths", ",".join(str(draw(st.integers(0, length))) for _ in range(draw(st.integers(1, 3))))]
+    if draw(st.booleans()):
+        line += ["--offset", str(draw(st.integers(0, 6)))]
+    return line
+
+
+def _json(args):
+    result = runner.invoke(app, args, env={"MASKCLI_DEVICE": "cpu"})
+    assume(result.exit_code != 2 or args[0] != "show" or "--summary" in args)  # a line refused as a whole (prefix(3) at 1 token)
+    assert result.exit_code == 0, (args, result.output)
+    return json.loads(result.stdout)
+
+
+@settings(max_examples=max(EXAMPLES, 20), deadline=None, derandomize=os.environ.get("CI") == "true",
+          suppress_health_check=[HealthCheck.too_slow])
+@given(line=placed_masks(), grid=st.tuples(st.integers(1, 5), st.integers(1, 5)), block=st.integers(1, 9))
+def test_summary_and_blocks_json_count_what_the_full_mask_holds(line, grid, block):
+    cells = np.array(_json(["show", *line, "--json"])["mask"], dtype=bool)  # (B, H, Lq, Lk): every head
+    batch, heads, q_len, k_len = cells.shape
+    summary = _json(["show", *line, "--summary", "--json", "--grid", f"{grid[0]},{grid[1]}"])
+    assert summary["visible_cells"] == cells.sum() and summary["total_cells"] == cells.size
+    rb, cb = -(-q_len // grid[0]), -(-k_len // grid[1])
+    for b, row in enumerate(summary["batch_rows"]):
+        keys = cells[b].sum(-1)  # (H, Lq)
+        assert (row["visible_cells"], row["total_cells"]) == (cells[b].sum(), cells[b].size)
+        assert row["row_keys"] == {"min": keys.min(), "median": float(np.median(keys)), "max": keys.max()}
+        assert row["empty_rows"] == (keys == 0).sum()
+        per_block = np.add.reduceat(np.add.reduceat(cells[b].sum(0), np.arange(0, q_len, rb), 0), np.arange(0, k_len, cb), 1)
+        assert np.array_equal(np.array(summary["grid"]["visible"][b]), per_block)
+    found = _json(["blocks", *line, "--block", str(block), "--json"])
+    n_q, n_kv = -(-q_len // block), -(-k_len // block)
+    padded = np.zeros((batch, heads, n_q * block, n_kv * block), dtype=bool)  # create_block_mask pads with hidden cells
+    padded[:, :, :q_len, :k_len] = cells
+    per = padded.reshape(batch, heads, n_q, block, n_kv, block).sum(axis=(3, 5))
+    full, partial = per == block * block, (per > 0) & (per < block * block)
+    assert np.array_equal(np.array(found["full_kv_num_blocks"]), full.sum(-1))
+    assert np.array_equal(np.array(found["kv_num_blocks"]), partial.sum(-1))
+    for name, chosen in (("kv_indices", partial), ("full_kv_indices", full)):
+        indices = np.array(found[name])
+        for b, h, qb in np.ndindex(batch, heads, n_q):
+            assert list(indices[b, h, qb, : chosen[b, h, qb].sum()]) == list(np.flatnonzero(chosen[b, h, qb]))
+    for entry in found["counts"]:
+        b, h = entry["batch"], entry["head"]
+        assert (entry["full"], entry["partial"]) == (full[b, h].sum(), partial[b, h].sum())

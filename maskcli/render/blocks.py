@@ -77,6 +77,8 @@ def blocks_json(blocks: Blocks) -> str:
             dict(zip(("batch", "head", "full", "partial", "empty"), (b, h, *blocks.counts(b, h))))
             for b in range(mask.batch) for h in range(blocks.kv_num_blocks.shape[1])
         ],
+        "counts_cover": "one batch row and head each" if blocks.kv_num_blocks.shape[1] == mask.heads else
+        f"one batch row each, in head 0, which stands for all {mask.heads:,} heads: they hold the same mask",
         **{name: value.tolist() for name, value in arrays.items()},
     })
 
