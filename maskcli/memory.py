@@ -59,23 +59,47 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
-def _cgroup_left() -> int | None:
-    """The memory limit of this process's cgroup (v2, else v1) less what the cgroup uses; None when unlimited."""
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+def _cgroup_left(proc_cgroup: str = "/proc/self/cgroup", mount: str = "/sys/fs/cgroup") -> int | None:
+    """The least that this process's cgroup and each cgroup above it leave under their memory limits (v2, else
+    v1); None when none is limited. The process's own cgroup is read from /proc/self/cgroup: the files at the
+    mount's top are the root cgroup's, which outside a container holds no limit of this process."""
+    try:
+        with open(proc_cgroup) as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        lines = []
+    v2 = next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), None)
+    v1 = next((line.split(":", 2)[2] for line in lines if "memory" in line.split(":", 2)[1].split(",")), None) if lines else None
+    for base, path, limit_name, usage_name in (
+        (mount, v2, "memory.max", "memory.current"),
+        (os.path.join(mount, "memory"), v1, "memory.limit_in_bytes", "memory.usage_in_bytes"),
     ):
-        try:
-            with open(limit_file) as handle:
-                limit = handle.read().strip()
-            with open(usage_file) as handle:
-                usage = int(handle.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or not limit.isdigit() or int(limit) >= 2**60:  # v1 writes a huge number for no limit
-            return None
-        return int(limit) - usage
+        left = [room for folder in _cgroup_folders(base, path) if (room := _room(folder, limit_name, usage_name)) is not None]
+        found = any(os.path.exists(os.path.join(folder, usage_name)) for folder in _cgroup_folders(base, path))
+        if found:
+            return min(left) if left else None
     return None
+
+
+def _cgroup_folders(base: str, path: str | None) -> list[str]:
+    """The folder of cgroup `path` under `base` and those of its ancestors, deepest first (the top alone when
+    the path is unknown, or not mounted here, as in a container that mounts its own cgroup at the top)."""
+    parts = [part for part in (path or "").split("/") if part]
+    folders = [os.path.join(base, *parts[:depth]) for depth in range(len(parts), 0, -1)]
+    return [folder for folder in folders if os.path.isdir(folder)] + [base]
+
+
+def _room(folder: str, limit_name: str, usage_name: str) -> int | None:
+    try:
+        with open(os.path.join(folder, limit_name)) as handle:
+            limit = handle.read().strip()
+        with open(os.path.join(folder, usage_name)) as handle:
+            usage = int(handle.read().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or not limit.isdigit() or int(limit) >= 2**60:  # v1 writes a huge number for no limit
+        return None
+    return int(limit) - usage
 
 
 def format_bytes(count: float) -> str:

@@ -22,3 +22,37 @@ def test_check_dense_fits_names_the_shape_the_need_and_the_fix(monkeypatch):
         "the dense mask 2 x 3 x 4 x 5 would need 120 bytes (120 bytes) as a bool tensor, but only 100 bytes is free: use less"
     )
     memory.check_dense_fits((2, 5, 10), 1, "fits")
+
+
+def _cgroup_tree(tmp_path, lines, files):
+    tmp_path.mkdir(parents=True)
+    (tmp_path / "cgroup").write_text("\n".join(lines) + "\n")
+    for name, text in files.items():
+        path = tmp_path / "fs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return str(tmp_path / "cgroup"), str(tmp_path / "fs")
+
+
+def test_cgroup_limits_are_read_where_this_process_is_and_above_it(tmp_path):
+    from maskcli.memory import _cgroup_left
+
+    # v1: the root holds no limit; this process's cgroup 2 GiB (1 used), its parent 8 GiB (7.5 used): 0.5 GiB left
+    proc, mount = _cgroup_tree(tmp_path / "v1", ["4:memory:/jobs/mine", "0::/"], {
+        "memory/memory.limit_in_bytes": str(2**63 - 4096), "memory/memory.usage_in_bytes": str(50 * 2**30),
+        "memory/jobs/memory.limit_in_bytes": str(8 * 2**30), "memory/jobs/memory.usage_in_bytes": str(int(7.5 * 2**30)),
+        "memory/jobs/mine/memory.limit_in_bytes": str(2 * 2**30), "memory/jobs/mine/memory.usage_in_bytes": str(2**30),
+    })
+    assert _cgroup_left(proc, mount) == 2**29
+    # v2: the process's own folder
+    proc, mount = _cgroup_tree(tmp_path / "v2", ["0::/user.slice/app"], {
+        "memory.current": str(9 * 2**30),  # the root: no memory.max
+        "user.slice/memory.max": "max", "user.slice/memory.current": str(3 * 2**30),
+        "user.slice/app/memory.max": str(4 * 2**30), "user.slice/app/memory.current": str(2**30),
+    })
+    assert _cgroup_left(proc, mount) == 3 * 2**30
+    # a container that mounts its own cgroup at the top: the path is not there, the top's files are its own
+    proc, mount = _cgroup_tree(tmp_path / "box", ["0::/kubepods/pod1"], {"memory.max": str(2**30), "memory.current": str(2**28)})
+    assert _cgroup_left(proc, mount) == 2**30 - 2**28
+    proc, mount = _cgroup_tree(tmp_path / "none", ["0::/"], {"memory.max": "max", "memory.current": "5"})
+    assert _cgroup_left(proc, mount) is None
