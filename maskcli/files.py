@@ -132,11 +132,25 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     except MaskError:
         raise
     except Exception as error:  # torch.save reports a full disk as a RuntimeError
+        cause = _os_error_behind(error)  # matplotlib's PDF writer hides a full disk behind an AttributeError of its own
+        if cause is not None:
+            raise MaskError(f"cannot write {str(path)!r}: {cause.strerror or cause}") from None
         reason = " ".join(str(error).split())[:200]
         raise MaskError(f"cannot write {str(path)!r}: {type(error).__name__}: {reason} (is the disk full?)") from None
     finally:
         if os.path.exists(temp):
             os.unlink(temp)
+
+
+def _os_error_behind(error: BaseException) -> OSError | None:
+    """The OSError that `error` was raised while handling (or from), if any: what really went wrong."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def json_number(value: float):

@@ -172,6 +172,9 @@ class Intervals:
         block cut short by the end of the queries or keys is never full. Every batch row at
         once: 60,000 padded rows are one pass, not a Python loop.
         """
+        if q_block > q_len:  # one query block, padded with hidden rows: none full, and the padding is never built
+            touched, whole = self.block_sets(q_len, q_len, kv_block)
+            return touched, whole & ~touched
         n_q = -(-q_len // q_block)
         n_kv = -(-(self.k_end - self.k_start) // kv_block)
         starts = np.broadcast_to(self.starts, (self.starts.shape[0], q_len, self.per_row))

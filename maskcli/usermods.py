@@ -113,10 +113,16 @@ def _user_code():
 
 def _literals(text: str) -> tuple:
     """'4' or '4, \"a\"' -> (4,) or (4, 'a'): Python literals only, never evaluated code."""
+    from maskcli.text import shortened
+
+    quoted = repr(shortened(text, 60))
     try:
         value = ast.literal_eval(f"({text},)")
-    except (ValueError, SyntaxError):
-        raise MaskError(f"--mask-mod-args {text!r}: give Python literals separated by commas, like 4 or 4, 128") from None
+    except (MemoryError, RecursionError, SyntaxError, ValueError, TypeError) as error:
+        if isinstance(error, (MemoryError, RecursionError)) or "nested" in str(error):  # the parser's own limits
+            raise MaskError(f"--mask-mod-args {quoted} nests too deeply to read: give flat literals, like 4 or 4, 128") from None
+        why = "an integer of more than 4,300 digits" if "digits" in str(error) else "not Python literals separated by commas"
+        raise MaskError(f"--mask-mod-args {quoted} is {why}: give literals like 4 or 4, 128") from None
     return tuple(value)
 
 

@@ -172,6 +172,8 @@ CASES = [
     (["show", "--mask-mod", "mod.py:halts", "--len", "3"], "your mask_mod halts raised Halt: stop here (mod.py line 22)"),
     (["diff", "halts", "causal", "--mask-mod", "mod.py:halts", "--len", "3"], "raised Halt: stop here (mod.py line 22)"),
     (["attend", "causal", "--fill", ""], "unknown --fill ''"),
+    (["show", "--mask-mod", "mod.py:factory", "--mask-mod-args", "[" * 3000 + "]" * 3000], "nests too deeply to read: give flat literals"),
+    (["show", "--mask-mod", "mod.py:factory", "--mask-mod-args", "9" * 5001], "is an integer of more than 4,300 digits"),
     (["show", "causal", "--as", "min", "--dtype", ""], "unknown --dtype ''"),
     # a module reference loads code only behind --mask-mod (evilmod.py leaves a file if imported)
     (["diff", "causal", "evilmod:f"], "give --mask-mod evilmod:f and write B as f"),
@@ -313,7 +315,10 @@ def test_a_real_small_disk_keeps_every_write_whole_or_absent(tmp_path):
                      ["show", "causal", "--len", "300", "--png", str(disk / "a.png")]):
             result = runner.invoke(app, args)
             assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
-        assert sorted(p.name for p in disk.iterdir()) == ["fill"]
+        (disk / "more").write_bytes(b"\0" * 20 * 1024)  # a PDF fills the rest midway: matplotlib said 'Stream' has no 'pos'
+        result = runner.invoke(app, ["show", "causal", "--len", "300", "--png", str(disk / "a.pdf")])
+        assert result.exit_code == 2 and result.stderr.endswith("No space left on device\n"), result.stderr
+        assert sorted(p.name for p in disk.iterdir()) == ["fill", "more"]
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
 
@@ -559,6 +564,23 @@ def test_a_kill_while_a_mask_mod_runs_exits_143_not_blaming_it(tmp_path):
     out, err = process.communicate(timeout=60)
     assert process.returncode == 143 and err == "", (process.returncode, err)  # it said "raised SystemExit: 143", exit 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["slow.py", "started"]
+
+
+def test_a_block_far_longer_than_the_mask_is_one_padded_block_not_out_of_memory():
+    result = runner.invoke(app, ["blocks", "causal", "--len", "8", "--block", str(10**12), "--json"])
+    assert result.exit_code == 0, result.output  # it advised "a larger --block"
+    found = json.loads(result.stdout)
+    assert (found["kv_num_blocks"], found["full_kv_num_blocks"]) == ([[[1]]], [[[0]]])  # as create_block_mask pads it
+
+
+def test_a_refusal_comes_before_any_announcement_of_a_long_write(tmp_path, monkeypatch):
+    from maskcli import memory
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: 2**30)  # room for less than the 2 GB written
+    result = runner.invoke(app, ["blocks", "causal", "--len", "252800", "--block", "16", "--save", "b.pt"])
+    assert result.exit_code == 2 and result.stderr.startswith("maskcli: error: ") and "warning" not in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_dtype_that_does_not_apply_is_a_warning_in_convert_as_in_show(tmp_path, monkeypatch):

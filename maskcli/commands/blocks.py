@@ -78,8 +78,8 @@ def blocks(
         from maskcli.memory import check_bytes_fit
 
         save_bytes = 2 * 4 * built.batch * built.heads * n_q * (1 + n_kv)
-        check_write(save_path, save_bytes, "--save")
         check_bytes_fit(save_bytes, f"--save {str(save_path)!r} ({built.batch} x {built.heads} x {n_q} x {n_kv} block indices)", "to write", fix="use a larger --block, or fewer --heads")
+        check_write(save_path, save_bytes, "--save")  # after every refusal: it may announce a long write
     with progress("counting blocks") as update:
         found = layout(built, q_block, kv_block, update)
     if save_path is not None:
