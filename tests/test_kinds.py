@@ -23,6 +23,7 @@ def test_every_kind_of_the_design_is_registered_once():
     assert set(names()) == KIND_NAMES
     assert len(names()) == len(set(names()))
     assert get("prefill") is get("causal")  # a name kept for causal behind an offset
+    assert get("bidirectional") is get("full")  # Hugging Face's name (bidirectional_mask_function)
 
 
 def test_the_registry_reads_every_kind_module():
