@@ -122,7 +122,7 @@ def _kind_options() -> list[tuple[str, object, object, str]]:
             text = f"{kinds}: labels from segment sizes, like 3,5 (0,0,0,1,1,1,1,1)."
         else:
             text = f"{kinds}: {param.help}"
-            defaults = {kind.name: p.default for kind, p in readers if not p.required}
+            defaults = {kind.name: p.default for kind, p in readers if not p.required and p.default is not None}
             if defaults:
                 text += " (default " + ", ".join(f"{v} for {k}" for k, v in defaults.items()) + ")"
             text += "."
