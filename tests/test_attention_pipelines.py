@@ -69,6 +69,23 @@ def test_hf_eager_is_eager_attention_forward(dtype):
         assert torch.allclose(row, torch.full_like(row, 1 / keep.shape[-1]), atol=1e-2)  # uniform where no key is seen
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_hf_eager_is_the_installed_transformers(dtype):
+    """Where transformers is installed (it is not a dependency): its own eager_mask and eager_attention_forward."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    eager_attention_forward = pytest.importorskip("transformers.models.llama.modeling_llama").eager_attention_forward
+    q, k, v, keep = inputs(dtype=dtype, q_len=5, k_len=5)
+    keep = keep & torch.ones(5, 5, dtype=torch.bool).tril()
+    mask = mu.eager_mask(batch_size=2, q_length=5, kv_length=5, mask_function=lambda b, h, i, j: keep[b, 0, i, j], dtype=dtype)
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups = 1
+    output, weights = eager_attention_forward(module, q, k, v, mask, scaling=q.shape[-1] ** -0.5)
+    stages = attend(q, k, v, keep, like="hf-eager")
+    assert torch.equal(stages.weights.nan_to_num(7.0), weights.nan_to_num(7.0))
+    assert torch.equal(stages.output.transpose(1, 2).nan_to_num(7.0), output.nan_to_num(7.0))
+    assert bool(torch.isnan(weights[1, :, 1]).all()) == (dtype == torch.float64)
+
+
 def mha_with_identity_projections(embed: int, heads: int) -> torch.nn.MultiheadAttention:
     mha = torch.nn.MultiheadAttention(embed, heads, bias=False, batch_first=True)
     with torch.no_grad():

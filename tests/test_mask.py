@@ -541,6 +541,30 @@ def test_packed_chunks_at_a_million_tokens_are_intervals():
     assert np.array_equal(counts[0], within % chunk + 1)
 
 
+def test_gemma3_sliding_and_llama4_packed_masks_are_the_installed_transformers():
+    """Where transformers is installed (it is not a dependency): its own mask functions, not a copy of them."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    config_class = pytest.importorskip("transformers").Llama4TextConfig
+    block_ids = torch.tensor([[-1, -1, 0, 0, 0, 0, -1, 1, 1, -1], [0, 0, 0, -1, -1, -1, -1, -1, 1, 1]])
+    ids = ";".join(",".join(map(str, row)) for row in block_ids.tolist())
+    for window in (1, 2, 5):
+        function = mu.and_masks(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(block_ids)), mu.sliding_window_overlay(window))
+        for offset, length in ((0, 10), (6, 4)):
+            expected = mu.sdpa_mask(batch_size=2, q_length=length, kv_length=10, q_offset=offset, kv_offset=0, mask_function=function,
+                                    allow_is_causal_skip=False, use_vmap=True)
+            got = build(f"(causal | blocks({ids})) & lookback({window})", offset=offset or None, length=length)
+            assert torch.equal(got.materialize().expand_as(expected), expected)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    labels = ";".join(",".join(map(str, row)) for row in mu.find_packed_sequence_indices(position_ids).tolist())
+    for chunk_size in (1, 2, 3, 8):
+        config = config_class(attention_chunk_size=chunk_size, hidden_size=8, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
+                              num_hidden_layers=1, vocab_size=10, intermediate_size=8, intermediate_size_mlp=8)
+        config._attn_implementation = "sdpa"
+        expected = mu.create_chunked_causal_mask(config=config, inputs_embeds=torch.zeros(2, 14, 8), attention_mask=None, cache=None,
+                                                 position_ids=position_ids)
+        assert torch.equal(build(f"document({labels}) & local({chunk_size})").materialize(), expected)
+
+
 def test_a_sliding_window_behind_a_sliding_cache_is_reproduced():
     """Mistral decoding at position 20 with a 4096-style window of 5, its cache holding only the last 5 keys."""
     window, position = 5, 20
