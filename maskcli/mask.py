@@ -336,8 +336,9 @@ def _sequence(tree, ids, tokens) -> list[tuple[str, int]]:
     """What says how long the sequence is: (what, count) for labels, --ids and --tokens."""
     found = []
     for term in terms.terms(tree):
-        if term.kind.sequence is not None:
-            found.append((f"the labels of {term.text()[:60]}", term.kind.sequence(term.values)))
+        count = term.kind.sequence(term.values) if term.kind.sequence is not None else None
+        if count is not None:  # a kind whose labels are optional (local's documents) may fix no length
+            found.append((f"the labels of {term.text()[:60]}", count))
     if ids is not None:
         found.append(("--ids rows", ids.shape[1]))
     if tokens is not None:

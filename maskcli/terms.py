@@ -28,6 +28,7 @@ class Term:
     kind: Kind
     params: tuple[tuple[str, object], ...]
     at: int = field(default=0, compare=False)
+    inherited: tuple[str, ...] = field(default=(), compare=False)  # parameters taken from the expression, not written
 
     @property
     def values(self) -> dict:
@@ -41,8 +42,13 @@ class Term:
         parts = []
         for i, param in enumerate(self.kind.params):
             value = values[param.name]
+            if param.name in self.inherited:
+                continue  # written once, where the expression gives it; parsing the text again takes it the same way
             if isinstance(value, Labels):
-                parts.append(value.text if i == 0 or value.form != "inline" else f"{param.name}=[{value.text}]")
+                if i == 0 or value.form == "sizes":
+                    parts.append(value.text)  # 0,0,1,1 / "labels.npy" / sizes=[3,5]
+                else:
+                    parts.append(f"{param.name}={value.text}" if value.form == "file" else f"{param.name}=[{value.text}]")
             elif i == 0:
                 parts.append(str(value))
             elif value != param.default:
@@ -88,7 +94,39 @@ def resolve(tree, flags: dict[str, object], source: str, extra: dict[str, Kind] 
             values[param.name] = param.check(value, where if call.called else f"{param.flag} {value}")
         return Term(kind, tuple((p.name, values[p.name]) for p in kind.params), at=call.at)
 
-    return ex.transform(tree, bind), used
+    return _documents_inherited(ex.transform(tree, bind), source), used
+
+
+def _documents_inherited(tree, source: str):
+    """Give each documents parameter left out (local's) the expression's document labels, where it has one set.
+
+    So `document(0,0,0,1,1) & local(2)` restarts its chunks at each document, as Hugging Face's packed
+    sequences do; two different sets of document labels leave it to the user to say which.
+    """
+    wanting = [t for t in ex.leaves(tree) if isinstance(t, Term) and any(p.documents and t.values[p.name] is None for p in t.kind.params)]
+    if not wanting:
+        return tree
+    given = [t for t in ex.leaves(tree) if isinstance(t, Term) and t.kind.documents]
+    found = list(dict.fromkeys(t.values["labels"] for t in given))
+    if not found:
+        return tree
+    if len(found) > 1:
+        named = " and ".join(shortened(t.text(), 40) for t in given[:2])
+        first = wanting[0]
+        raise MaskError(
+            f"{shortened(first.text(), 40)} in {shortened(source, 80)!r}: the expression has different document labels "
+            f"({named}), so which documents restart its chunks is not clear: give them, like "
+            f"{first.kind.name}({first.values[first.kind.params[0].name]}, documents=[0,0,1,1])"
+        )
+
+    def inherit(term: Term) -> Term:
+        names = tuple(p.name for p in term.kind.params if p.documents and term.values[p.name] is None)
+        if not names:
+            return term
+        params = tuple((name, found[0] if name in names else value) for name, value in term.params)
+        return Term(term.kind, params, at=term.at, inherited=names)
+
+    return ex.transform(tree, inherit)
 
 
 def _from_call(kind: Kind, call: ex.Call, where: str) -> dict:

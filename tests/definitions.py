@@ -39,9 +39,21 @@ def kind_keeps(name, p, b, q, kv, ctx) -> bool:
         return kv <= q or kv < p["prefix"]
     if name == "sink":
         return kv < p["sink"]
+    if name == "lookback":
+        return kv > q - p["window"]  # Hugging Face's sliding_window_overlay: no kv <= q
     if name == "local":
         pad = _row(ctx["left_pad"], b)
-        return (q - pad) // p["chunk_size"] == (kv - pad) // p["chunk_size"] and kv <= q
+        if p.get("documents") is None:
+            return (q - pad) // p["chunk_size"] == (kv - pad) // p["chunk_size"] and kv <= q
+        # packed documents: positions restart at 0 in each run of equal labels (Hugging Face's position_ids),
+        # counted from the first real token where the row is left-padded; chunk = position // C in one document
+        labels = _row(p["documents"], b)
+
+        def chunk(i):
+            start = max(pad, max(j for j in range(i + 1) if j == 0 or labels[j] != labels[j - 1]))
+            return start, (i - start) // p["chunk_size"]
+
+        return chunk(q) == chunk(kv) and kv <= q
     if name in ("chunk", "document", "segment", "blocks"):
         labels = _row(p["labels"], b)
         if name == "chunk":
@@ -70,8 +82,44 @@ def keeps(tree, b, q, kv, ctx) -> bool:
     return kind_keeps(tree[1], tree[2], b, q, kv, ctx)
 
 
+def leaves(tree):
+    if tree[0] in ("and", "or"):
+        return [leaf for t in tree[1] for leaf in leaves(t)]
+    if tree[0] == "not":
+        return leaves(tree[1])
+    return [tree]
+
+
+def document_labels(tree) -> list:
+    """The distinct label sets of the document and segment kinds of a tree."""
+    found = []
+    for _, name, p in leaves(tree):
+        if name in ("document", "segment") and p["labels"] not in found:
+            found.append(p["labels"])
+    return found
+
+
+def with_documents(tree):
+    """local without documents takes the tree's document (or segment) labels, where it has exactly one set."""
+    found = document_labels(tree)
+    if len(found) != 1:
+        return tree
+
+    def give(t):
+        if t[0] in ("and", "or"):
+            return (t[0], [give(item) for item in t[1]])
+        if t[0] == "not":
+            return ("not", give(t[1]))
+        if t[1] == "local" and t[2].get("documents") is None:
+            return ("kind", "local", {**t[2], "documents": found[0]})
+        return t
+
+    return give(tree)
+
+
 def dense(tree, *, q0, lq, k0, lk, batch=1, valid=None, ids_valid_left_pad=None):
     """Nested lists [B][Lq][Lk] of bool by a double loop (and key padding, when `valid` is given)."""
+    tree = with_documents(tree)
     left_pad = ids_valid_left_pad if ids_valid_left_pad is not None else [0] * batch
     ctx = {"q0": q0, "valid": valid, "left_pad": left_pad}
     return [
@@ -109,6 +157,8 @@ def text(tree) -> str:
     for key, value in p.items():
         if key in ("labels", "parents"):
             parts.insert(0, ";".join(",".join(map(str, row)) for row in (value if key == "labels" else [value])))
+        elif key == "documents":
+            parts.append("documents=[" + ";".join(",".join(map(str, row)) for row in value) + "]")
         elif key in ("window", "prefix", "sink", "chunk_size", "diagonal"):
             parts.insert(0, str(value))
         else:

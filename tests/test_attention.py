@@ -326,6 +326,23 @@ def test_minus_1e9_in_float16_becomes_minus_inf_and_is_found():
     assert [f.code for f in run_findings(clean, about("causal"))] == ["fill-overflow"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_hf_eager_rows_that_see_no_key_per_dtype(dtype):
+    # + finfo(dtype).min, softmax in float32: float64's min is -inf there, the others' are finite
+    spec = from_flags("padding", lengths="3,0")
+    keep = spec.materialize()
+    stages = attend(*qkv_for(spec, dtype=dtype), keep, like="hf-eager")
+    assert bool((stages.masked[1] == torch.finfo(dtype).min).all())  # the bias is the dtype's own min, not an overflow
+    [finding] = run_findings(stages, about("padding"))
+    assert finding.code == "fully-masked"
+    if dtype == torch.float64:
+        assert bool(torch.isnan(stages.weights[1]).all())
+        assert "NaN, because finfo(float64).min is -inf in the float32 softmax" in finding.message
+    else:
+        assert torch.equal(stages.weights[1], torch.full_like(stages.weights[1], 1 / 3))  # 1/3 as the dtype holds it
+        assert "uniform (1/3 on every key)" in finding.message
+
+
 # --- findings -------------------------------------------------------------------------------
 
 

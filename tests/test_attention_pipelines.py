@@ -45,23 +45,45 @@ def test_sdpa_is_the_math_backend(dtype):
     assert (stages.weights[1, :, 1] == 0).all() and (stages.output[1, :, 1] == 0).all()  # _safe_softmax: zeros
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_hf_eager_is_eager_attention_forward(dtype):
-    q, k, v, keep = inputs(dtype=dtype)
+    q, k, v, keep = inputs(dtype=dtype)  # query 1 of the last batch row sees no key
     stages = attend(q, k, v, keep, like="hf-eager")
 
-    # Hugging Face's eager_attention_forward, as its models write it
+    # Hugging Face's eager_mask (masking_utils) and eager_attention_forward, as its models write them
     scaling = q.shape[-1] ** -0.5
-    attention_mask = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+    attention_mask = torch.where(keep, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
     attn_weights = torch.matmul(q, k.transpose(2, 3)) * scaling
     attn_weights = attn_weights + attention_mask
     attn_weights = torch.nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
     attn_output = torch.matmul(attn_weights, v)
 
-    assert torch.equal(stages.weights, attn_weights)
-    assert torch.equal(stages.output, attn_output)
+    assert torch.equal(stages.masked, torch.matmul(q, k.transpose(2, 3)) * scaling + attention_mask)
+    assert torch.equal(stages.weights.nan_to_num(7.0), attn_weights.nan_to_num(7.0))
+    assert torch.equal(stages.output.nan_to_num(7.0), attn_output.nan_to_num(7.0))
     row = stages.weights[1, 0, 1].float()
-    assert torch.allclose(row, torch.full_like(row, 1 / keep.shape[-1]), atol=1e-2)  # uniform where no key is seen
+    if dtype == torch.float64:  # finfo(float64).min is -inf in float32: the row has no finite score
+        assert torch.isnan(row).all() and torch.isnan(stages.output[1, :, 1]).all()
+        assert not torch.isnan(stages.weights[0]).any()
+    else:
+        assert torch.allclose(row, torch.full_like(row, 1 / keep.shape[-1]), atol=1e-2)  # uniform where no key is seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_hf_eager_is_the_installed_transformers(dtype):
+    """Where transformers is installed (it is not a dependency): its own eager_mask and eager_attention_forward."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    eager_attention_forward = pytest.importorskip("transformers.models.llama.modeling_llama").eager_attention_forward
+    q, k, v, keep = inputs(dtype=dtype, q_len=5, k_len=5)
+    keep = keep & torch.ones(5, 5, dtype=torch.bool).tril()
+    mask = mu.eager_mask(batch_size=2, q_length=5, kv_length=5, mask_function=lambda b, h, i, j: keep[b, 0, i, j], dtype=dtype)
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups = 1
+    output, weights = eager_attention_forward(module, q, k, v, mask, scaling=q.shape[-1] ** -0.5)
+    stages = attend(q, k, v, keep, like="hf-eager")
+    assert torch.equal(stages.weights.nan_to_num(7.0), weights.nan_to_num(7.0))
+    assert torch.equal(stages.output.transpose(1, 2).nan_to_num(7.0), output.nan_to_num(7.0))
+    assert bool(torch.isnan(weights[1, :, 1]).all()) == (dtype == torch.float64)
 
 
 def mha_with_identity_projections(embed: int, heads: int) -> torch.nn.MultiheadAttention:

@@ -407,6 +407,23 @@ def test_json_uniform_rows_under_min_and_minus_1e9():
         assert "uniform" in data["findings"][0]["message"]
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+def test_hf_eager_fully_masked_rows_per_dtype(dtype):
+    # Hugging Face adds finfo(dtype).min and takes the softmax in float32: finite there except float64's
+    data = attend_json(["causal", "--ids", "0,0,5,6", "--like", "hf-eager", "--dtype", dtype])
+    masked = tensor(data["stages"]["masked"])[0, 0]
+    assert masked[0].tolist() == [torch.finfo(getattr(torch, dtype)).min] * 4
+    weights = tensor(data["stages"]["weights"])[0, 0, :2]
+    [finding] = data["findings"]
+    assert finding["code"] == "fully-masked" and finding["message"].startswith("query rows 0-1 see no key")
+    if dtype == "float64":
+        assert torch.isnan(weights).all()
+        assert "finfo(float64).min is -inf in the float32 softmax" in finding["message"]
+    else:
+        assert torch.equal(weights, torch.full((2, 4), 0.25, dtype=torch.float64))
+        assert "uniform (1/4 on every key)" in finding["message"]
+
+
 def test_json_float16_minus_1e9_overflow_is_reported():
     data = attend_json(["padding", "--lengths", "3,0", "--fill", "-1e9", "--dtype", "float16"])
     assert data["dtype"] == "float16"

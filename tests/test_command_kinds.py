@@ -24,7 +24,7 @@ def test_json_lists_every_kind_with_its_parameters():
     data = json.loads(ok(["kinds", "--json"]).stdout)
     assert [k["name"] for k in data] == [kind.name for kind in all_kinds()]
     assert {k["name"] for k in data} == {
-        "full", "causal", "tril", "triu", "window", "prefix", "sink", "local", "chunk", "document", "segment", "blocks", "tree", "padding",
+        "full", "causal", "tril", "triu", "window", "lookback", "prefix", "sink", "local", "chunk", "document", "segment", "blocks", "tree", "padding",
     }
     window = next(k for k in data if k["name"] == "window")
     assert window == {
@@ -39,6 +39,7 @@ def test_json_lists_every_kind_with_its_parameters():
     tril = next(k for k in data if k["name"] == "tril")
     assert [(p["name"], p["default"], p["choices"]) for p in tril["params"]] == [("diagonal", 0, None), ("means", "keep", ["keep", "block"])]
     assert next(k for k in data if k["name"] == "causal")["aliases"] == ["prefill"]
+    assert next(k for k in data if k["name"] == "full")["aliases"] == ["bidirectional"]
 
 
 @pytest.mark.parametrize("kind", [k.name for k in all_kinds()])
@@ -57,5 +58,13 @@ def test_the_list_reads_at_60_columns():
         assert kind.signature in text
     flat = " ".join(text.split())
     assert "window(W) keeps q - W < kv <= q" in flat and "W --window keys each query sees: itself and the W-1 before it" in flat
-    assert "also: prefill" in flat and "a document label per position; or sizes=[3,5] / --sizes 3,5" in flat
+    assert "also: prefill" in flat and "also: bidirectional" in flat and "a document label per position; or sizes=[3,5] / --sizes 3,5" in flat
     assert 'example: maskcli show "causal | blocks(-1,-1,0,0,0,-1)"' in flat
+
+
+def test_aliases_build_their_kind_and_help_names_them():
+    bidirectional = ok(["show", "bidirectional", "--len", "3", "--json"]).stdout
+    assert json.loads(bidirectional)["expression"] == "full"
+    assert json.loads(bidirectional)["mask"] == [[[[True] * 3] * 3]]  # every query sees every key
+    flat = " ".join(ok(["show", "--help"], env={"COLUMNS": "200"}).stdout.split())
+    assert "Kinds: full (or bidirectional), causal (or prefill), window(W)," in flat

@@ -179,6 +179,11 @@ CASES = [
     (["diff", "causal", "evilmod:f"], "give --mask-mod evilmod:f and write B as f"),
     (["diff", "evilmod.py:f", "causal", "--len", "4"], "give --mask-mod evilmod.py:f and write A as f"),
     (["diff", "causal", "this:f"], "'this:f'"),
+    # issue 18, item 9: the kinds that follow Hugging Face refuse what they cannot mean
+    (["show", "document(0,0,1,1) & segment(0,1,1,1) & local(2)"], "different document labels"),
+    (["show", "local(2, documents=[0,0,1])", "--len", "4"], "local(2, documents=[0,0,1])"),
+    (["show", f"lookback({BIG})", "--len", "4"], BIG),
+    (["show", "lookback(0)", "--len", "4"], "lookback(0)"),
 ]
 
 
@@ -215,6 +220,50 @@ def test_no_command_imports_a_module_without_mask_mod(tmp_path, monkeypatch, arg
     result = runner.invoke(app, args)  # refused, or read as words (--tokens)
     assert result.exit_code in (0, 2) and "Traceback" not in result.output, (result.exit_code, result.output)
     assert not (tmp_path / "imported").exists() and "evilmod" not in sys.modules
+# issue 18, item 9: command lines where maskcli differed from Hugging Face (or failed); each now runs and says
+FIDELITY = [
+    (["attend", "causal", "--len", "4", "--like", "hf-eager", "--dtype", "float64"], "weights = softmax(masked) in float32, cast to float64"),
+    (["attend", "causal", "--ids", "0,0,5,6", "--like", "hf-eager", "--dtype", "float64", "--stages", "weights"],
+     "query rows 0-1 see no key: the weights and outputs there are NaN, because finfo(float64).min is -inf in the float32 softmax"),
+    (["attend", "causal", "--ids", "0,0,5,6", "--like", "hf-eager", "--dtype", "float32", "--stages", "weights"],
+     "query rows 0-1 see no key: the fill min makes the weights there uniform"),
+    (["show", "bidirectional", "--len", "3"], "full · shape (B=1, H=1, Lq=3, Lk=3)"),
+    (["kinds"], "full keeps always (also: bidirectional)"),
+]
+
+
+@pytest.mark.parametrize("args, says", FIDELITY, ids=[" ".join(a)[:80] for a, _ in FIDELITY])
+def test_the_fidelity_command_lines_run_and_say_what_happens(args, says):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert says in " ".join(result.stdout.split())
+
+
+def hf_gemma3_sliding(ids, window):
+    """and_masks(or_masks(causal, blockwise_overlay(ids)), sliding_window_overlay(window)), as a double loop."""
+    return lambda q, kv: (kv <= q or ids[q] == ids[kv] >= 0) and kv > q - window
+
+
+def hf_llama4_packed(position_ids, chunk_size):
+    """create_chunked_causal_mask on packed position_ids: the chunked causal mask at the positions, same sequence only."""
+    sequence = [sum(1 for j in range(1, i + 1) if position_ids[j] != position_ids[j - 1] + 1) for i in range(len(position_ids))]
+    return lambda q, kv: (position_ids[kv] <= position_ids[q] and position_ids[kv] // chunk_size == position_ids[q] // chunk_size
+                          and sequence[q] == sequence[kv])
+
+
+FIDELITY_MASKS = [
+    ("(causal | blocks(-1,0,0,0,-1,1,1)) & lookback(2)", 7, hf_gemma3_sliding([-1, 0, 0, 0, -1, 1, 1], 2)),
+    ("document(0,0,0,1,1,1,1,1) & local(2)", 8, hf_llama4_packed([0, 1, 2, 0, 1, 2, 3, 4], 2)),
+    ("document(sizes=[3,6]) & local(4)", 9, hf_llama4_packed([0, 1, 2, 0, 1, 2, 3, 4, 5], 4)),
+    ("bidirectional", 4, lambda q, kv: True),
+]
+
+
+@pytest.mark.parametrize("expression, length, hf", FIDELITY_MASKS, ids=[e for e, _, _ in FIDELITY_MASKS])
+def test_the_fidelity_masks_are_hugging_faces(expression, length, hf):
+    result = runner.invoke(app, ["show", expression, "--len", str(length), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["mask"] == [[[[hf(q, kv) for kv in range(length)] for q in range(length)]]]
 
 
 def test_the_table_is_large_and_covers_every_command():

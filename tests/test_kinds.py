@@ -16,13 +16,14 @@ from maskcli.kinds import all_kinds, flags, get, names
 from maskcli.kinds.base import Profile
 from maskcli.mask import MaskOptions, build
 
-KIND_NAMES = {"full", "causal", "tril", "triu", "window", "prefix", "sink", "local", "chunk", "document", "segment", "blocks", "tree", "padding"}
+KIND_NAMES = {"full", "causal", "tril", "triu", "window", "lookback", "prefix", "sink", "local", "chunk", "document", "segment", "blocks", "tree", "padding"}
 
 
 def test_every_kind_of_the_design_is_registered_once():
     assert set(names()) == KIND_NAMES
     assert len(names()) == len(set(names()))
     assert get("prefill") is get("causal")  # a name kept for causal behind an offset
+    assert get("bidirectional") is get("full")  # Hugging Face's name (bidirectional_mask_function)
 
 
 def test_the_registry_reads_every_kind_module():
@@ -73,6 +74,8 @@ CASES = [
     ("full", {}, 5),
     ("causal", {}, 5),
     ("window(2)", {"window": 2}, 6),
+    ("lookback(2)", {"window": 2}, 6),
+    ("lookback(4)", {"window": 4}, 6),
     ("prefix(3)", {"prefix": 3}, 6),
     ("sink(2)", {"sink": 2}, 6),
     ("local(3)", {"chunk_size": 3}, 7),
@@ -97,6 +100,27 @@ def test_label_kinds_equal_their_definition():
         built = build(f"{name}(0,0,1,1,1,2;0,1,1,2,2,2)")
         assert built.batch == 2
         assert built.dense()[:, 0].tolist() == ref.dense(("kind", name, {"labels": labels}), q0=0, lq=6, k0=0, lk=6, batch=2)
+
+
+@pytest.mark.parametrize("offset", [0, 4])
+def test_local_with_documents_equals_its_definition(offset):
+    labels = [[0, 0, 0, 0, 0, 1, 1, 1, 1, 2], [0, 0, 1, 1, 1, 1, 1, 1, 1, 1]]
+    text = ";".join(",".join(map(str, row)) for row in labels)
+    for size in (1, 2, 3, 4):
+        built = build(f"local({size}, documents=[{text}])", length=10 - offset, offset=offset or None)
+        assert built.batch == 2 and built.exact
+        expected = ref.dense(("kind", "local", {"chunk_size": size, "documents": labels}), q0=offset, lq=10 - offset, k0=0, lk=10, batch=2)
+        assert built.dense()[:, 0].tolist() == expected
+        assert built.materialize().numpy()[:, 0].tolist() == expected
+
+
+def test_lookback_and_local_documents_check_their_parameters():
+    with pytest.raises(MaskError, match=r"lookback\(0\): window must be at least 1"):
+        build("lookback(0)", length=4)
+    with pytest.raises(MaskError, match="have 3 entries but the mask covers positions 0-3"):
+        build("local(2, documents=[0,0,1])", length=4)
+    with pytest.raises(MaskError, match="batch rows do not agree"):
+        build("local(2, documents=[0,0,1,1;0,1,1,1;1,1,1,1])", lengths="4,4")
 
 
 def test_many_image_blocks_keep_few_intervals():

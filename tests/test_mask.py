@@ -127,7 +127,7 @@ def test_bare_kinds_take_their_parameters_from_flags():
 @pytest.mark.parametrize(
     ("text", "options", "says"),
     [
-        ("causal", {"params": {"--window": 3}}, "--window 3 does not apply to 'causal': it is for window"),
+        ("causal", {"params": {"--window": 3}}, "--window 3 does not apply to 'causal': it is for lookback, window"),
         ("window(4)", {"params": {"--window": 3}}, "--window 3 does not apply: window(4) in the expression gives its own"),
         ("window", {}, "window needs --window W"),
         ("window(0)", {}, "window(0): window must be at least 1"),
@@ -418,6 +418,151 @@ def test_gemma3_image_blocks_over_causal_text_are_reproduced():
     block_ids = torch.tensor([[-1, -1, 0, 0, 0, -1, 1, 1, -1]])
     expected = hf_mask(hf_or(hf_causal, hf_blockwise_overlay(block_ids)), 1, torch.arange(9), 9, 0)
     assert torch.equal(build("causal | blocks(-1,-1,0,0,0,-1,1,1,-1)").materialize(), expected)
+
+
+def test_gemma3_sliding_layers_with_image_tokens_are_reproduced():
+    """and_masks(or_masks(causal, blockwise_overlay), sliding_window_overlay): the window is not causal there."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    block_ids = torch.tensor([[-1, -1, 0, 0, 0, 0, -1, 1, 1, -1], [0, 0, 0, -1, -1, -1, -1, -1, 1, 1]])
+    ids = ";".join(",".join(map(str, row)) for row in block_ids.tolist())
+    for window in (1, 2, 3, 12):
+        function = hf_and(hf_or(hf_causal, hf_blockwise_overlay(block_ids)), hf_sliding_window_overlay(window))
+        for cache_position, offset in ((torch.arange(10), None), (torch.arange(4, 10), 4)):
+            expected = hf_mask(function, 2, cache_position, 10, 0)
+            built = build(f"(causal | blocks({ids})) & lookback({window})", offset=offset, length=len(cache_position))
+            assert built.exact
+            assert torch.equal(built.materialize(), expected)  # the predicate
+            assert np.array_equal(built.dense(), expected.numpy())  # the intervals
+    # & window(W) instead drops the image's later keys: query 3 no longer sees keys 4, 5 of its image
+    expected = hf_mask(hf_and(hf_or(hf_causal, hf_blockwise_overlay(block_ids)), hf_sliding_window_overlay(2)), 2, torch.arange(10), 10, 0)
+    causal_window = build(f"(causal | blocks({ids})) & window(2)").materialize()
+    assert bool(expected[0, 0, 3, 4]) and not bool(causal_window[0, 0, 3, 4])
+
+
+@pytest.mark.parametrize("window", [1, 3, 5])
+def test_lookback_is_the_sliding_window_overlay_by_a_double_loop_and_flex_create_mask(window):
+    from torch.nn.attention.flex_attention import create_mask
+
+    for offset, kv_start, kv_len in ((0, 0, None), (4, 2, None), (0, 0, 9)):
+        built = build(f"lookback({window})", length=6, offset=offset or None, kv_start=kv_start or None, kv_len=kv_len)
+        f = built.frame
+        loop = [[kv > q - window for kv in range(f.k_start, f.k_end)] for q in range(f.q_start, f.q_end)]
+        assert built.dense()[0, 0].tolist() == loop
+        assert built.intervals().counts().sum() == sum(map(sum, loop))
+
+        def overlay(b, h, q_idx, kv_idx):  # Hugging Face's sliding_window_overlay on FlexAttention's local indices
+            return kv_idx + f.k_start > q_idx + f.q_start - window
+
+        flex = create_mask(overlay, 1, 1, f.q_len, f.k_len, device="cpu")
+        assert torch.equal(flex, built.materialize())
+        assert torch.equal(create_mask(built.mask_mod, 1, 1, f.q_len, f.k_len, device="cpu"), flex)
+
+
+def hf_packed(function, position_ids):
+    """create_causal_mask's packed path: the mask function at the position_ids (remap_positions_for_packed_sequence),
+    and-ed with the same-sequence mask of find_packed_sequence_indices."""
+    first = position_ids[:, :1] - 1
+    sequence = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+    def inner(b, h, q, kv):
+        same = sequence[b, q] == sequence[b, kv]
+        return function(b, h, position_ids[b, q], position_ids[b, kv]) & same
+
+    return inner, sequence
+
+
+def test_llama4_packed_chunks_restart_at_each_document():
+    """Hugging Face's create_chunked_causal_mask for packed sequences (position_ids that restart, no attention_mask)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    for chunk_size in (1, 2, 3, 4, 16):
+        function, sequence = hf_packed(hf_and(hf_causal, hf_chunked_overlay(chunk_size, torch.zeros(2, dtype=torch.long))), position_ids)
+        expected = hf_mask(function, 2, torch.arange(14), 14, 0)
+        labels = ";".join(",".join(map(str, row)) for row in sequence.tolist())
+        for text in (f"document({labels}) & local({chunk_size})", f"local({chunk_size}, documents=[{labels}])"):
+            built = build(text)
+            assert built.exact
+            assert torch.equal(built.materialize(), expected), text
+            assert np.array_equal(built.dense(), expected.numpy()), text
+            flex = create_mask(built.mask_mod, 2, 1, 14, 14, device="cpu")
+            assert torch.equal(flex, expected), text
+        # before: chunks counted from position 0 of the row, so query 6 (position 1 of document 1) saw nothing of it
+        unpacked = build(f"document({labels}) & local({chunk_size}, documents=[{','.join(['0'] * 14)}])").materialize()
+        assert torch.equal(unpacked, hf_mask(hf_and(hf_causal, hf_chunked_overlay(chunk_size, torch.zeros(2, dtype=torch.long)),
+                                                    lambda b, h, q, kv: sequence[b, q] == sequence[b, kv]), 2, torch.arange(14), 14, 0))
+        if chunk_size in (2, 3, 4):
+            assert not torch.equal(unpacked, expected)
+
+
+def test_packed_chunks_behind_a_cache_and_with_left_padding_follow_the_definition():
+    labels = [[0, 0, 0, 0, 1, 1, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]]
+    text = ";".join(",".join(map(str, row)) for row in labels)
+    ids = "0,0,5,5,5,5,5,5,5,5;5,5,5,5,5,5,5,5,5,5"
+    for options in ({}, {"offset": 6, "length": 4}, {"ids": ids}, {"ids": ids, "offset": 3, "length": 7}):
+        built = build(f"document({text}) & local(3)", MaskOptions(**options))
+        f = built.frame
+        valid = None if "ids" not in options else [[t != "0" for t in row.split(",")] for row in ids.split(";")]
+        left = [ref.left_padding(row) for row in valid] if valid else [0, 0]
+        tree = ("and", [("kind", "document", {"labels": labels}), ("kind", "local", {"chunk_size": 3})])
+        expected = ref.dense(tree, q0=f.q_start, lq=f.q_len, k0=f.k_start, lk=f.k_len, batch=2, valid=valid, ids_valid_left_pad=left)
+        assert built.dense()[:, 0].tolist() == expected
+        assert built.materialize().numpy()[:, 0].tolist() == expected
+
+
+def test_local_takes_the_expressions_one_set_of_document_labels():
+    built = build("document(0,0,0,1,1,1) & local(2)")
+    assert built.json()["expression"] == "document(0,0,0,1,1,1) & local(2)"  # the name stays as written
+    assert built.json()["kinds"][1]["params"] == {"chunk_size": 2, "documents": [0, 0, 0, 1, 1, 1]}
+    same = build("document(0,0,0,1,1,1) & segment(0,0,0,1,1,1) & local(2)")
+    assert same.dense().tolist() == built.dense().tolist()
+    with pytest.raises(MaskError, match=r"different document labels .*documents=\[0,0,1,1\]"):
+        build("document(0,0,0,1,1,1) & segment(0,0,1,1,1,1) & local(2)")
+    # written out, it prints and parses back; labels from a file too
+    explicit = build("local(2, documents=[0,0,0,1,1,1])")
+    assert explicit.json()["expression"] == "local(2, documents=[0,0,0,1,1,1])"
+    assert explicit.dense().tolist() == built.dense().tolist()
+    assert build(explicit.json()["expression"]).dense().tolist() == built.dense().tolist()
+    flags = build("local", params={"--chunk-size": 2, "--documents": "0,0,0,1,1,1"})  # a bare local, from its flags
+    assert flags.dense().tolist() == built.dense().tolist()
+
+
+def test_packed_chunks_at_a_million_tokens_are_intervals():
+    import time
+
+    sizes, chunk = [300_001, 8_191, 691_808], 8192
+    start = time.perf_counter()
+    built = build(f"document(sizes=[{','.join(map(str, sizes))}]) & local({chunk})")
+    counts = built.intervals().counts()
+    assert built.exact and time.perf_counter() - start < 20
+    # each query sees its chunk so far: (position in its document mod C) + 1 keys
+    within = np.concatenate([np.arange(size) for size in sizes])
+    assert np.array_equal(counts[0], within % chunk + 1)
+
+
+def test_gemma3_sliding_and_llama4_packed_masks_are_the_installed_transformers():
+    """Where transformers is installed (it is not a dependency): its own mask functions, not a copy of them."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    config_class = pytest.importorskip("transformers").Llama4TextConfig
+    block_ids = torch.tensor([[-1, -1, 0, 0, 0, 0, -1, 1, 1, -1], [0, 0, 0, -1, -1, -1, -1, -1, 1, 1]])
+    ids = ";".join(",".join(map(str, row)) for row in block_ids.tolist())
+    for window in (1, 2, 5):
+        function = mu.and_masks(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(block_ids)), mu.sliding_window_overlay(window))
+        for offset, length in ((0, 10), (6, 4)):
+            expected = mu.sdpa_mask(batch_size=2, q_length=length, kv_length=10, q_offset=offset, kv_offset=0, mask_function=function,
+                                    allow_is_causal_skip=False, use_vmap=True)
+            got = build(f"(causal | blocks({ids})) & lookback({window})", offset=offset or None, length=length)
+            assert torch.equal(got.materialize().expand_as(expected), expected)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    labels = ";".join(",".join(map(str, row)) for row in mu.find_packed_sequence_indices(position_ids).tolist())
+    for chunk_size in (1, 2, 3, 8):
+        config = config_class(attention_chunk_size=chunk_size, hidden_size=8, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
+                              num_hidden_layers=1, vocab_size=10, intermediate_size=8, intermediate_size_mlp=8)
+        config._attn_implementation = "sdpa"
+        expected = mu.create_chunked_causal_mask(config=config, inputs_embeds=torch.zeros(2, 14, 8), attention_mask=None, cache=None,
+                                                 position_ids=position_ids)
+        assert torch.equal(build(f"document({labels}) & local({chunk_size})").materialize(), expected)
 
 
 def test_a_sliding_window_behind_a_sliding_cache_is_reproduced():

@@ -48,6 +48,9 @@ def test_padding_cache_and_local_chunks():
     # Llama 4 with left padding: the chunks count from each row's first real token
     left = build("local(3)", MaskOptions(ids="0,0,5,6,7,8,9,4;1,2,3,4,5,6,7,8"))
     assert structure(left, 0).segments == ((2, 5, 0), (5, 8, 1)) and structure(left, 1).segments == ((0, 3, 0), (3, 6, 1), (6, 8, 2))
+    # packed documents: the chunks start again at each document (runs of equal labels)
+    packed = structure(build("local(2, documents=[0,0,0,0,0,1,1,1])", MaskOptions()), 0)
+    assert packed.segments == ((0, 2, 0), (2, 4, 1), (4, 5, 2), (5, 7, 3), (7, 8, 4))
 
 
 def rendered(expression, **options):

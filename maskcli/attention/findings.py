@@ -148,11 +148,17 @@ def _empty_row_findings(stages: Stages, keep: torch.Tensor, empty: torch.Tensor,
     zero_rows = (stages.weights == 0).all(dim=-1).cpu()
     uniform_rows = ((stages.weights.float() - 1.0 / keep.shape[-1]).abs() <= 1e-3).all(dim=-1).cpu()
     findings = []
+    dtype = stages.scaled.dtype
     for b, h, rows in _rows_by_slice(empty, q_offset):
         # a mask that broadcasts over batch or heads is looked at once, through the first of them
         at = (b if keep.shape[0] > 1 else 0, h if keep.shape[1] > 1 else 0, [row - q_offset for row in rows])
         if bool(nan_rows[at].all()):
             effect = "the weights and outputs there are NaN (softmax of a row with no finite score, or 0/0)"
+            if _min_is_infinite_in_softmax(stages):
+                effect = (
+                    f"the weights and outputs there are NaN, because finfo({_name(dtype)}).min is -inf in the float32 "
+                    "softmax (Hugging Face's eager attention gives the same)"
+                )
         elif bool(zero_rows[at].all()) and stages.pipeline.softmax == "safe":
             effect = "the weights and outputs there are 0 (a safe softmax, as SDPA's math backend gives)"
         elif bool(uniform_rows[at].all()) and stages.dropout == 0:
@@ -164,6 +170,12 @@ def _empty_row_findings(stages: Stages, keep: torch.Tensor, empty: torch.Tensor,
             effect = "the weights there are whatever the fill left"
         findings.append(Finding("fully-masked", f"{_rows(rows, 'see')} no key{_where(b, h, keep.shape)}: {effect}"))
     return findings
+
+
+def _min_is_infinite_in_softmax(stages: Stages) -> bool:
+    """A finfo(dtype).min fill that the float32 softmax reads as -inf (float64's, under --like hf-eager)."""
+    dtype = stages.scaled.dtype
+    return stages.fill == "min" and stages.pipeline.softmax == "float32" and torch.finfo(dtype).min < torch.finfo(torch.float32).min
 
 
 def _non_finite_findings(stages: Stages, keep: torch.Tensor, q_offset: int) -> tuple[torch.Tensor, list[Finding]]:

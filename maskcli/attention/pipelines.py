@@ -31,7 +31,7 @@ LIKE = {
     ),
     "hf-eager": Pipeline(
         "hf-eager", "Hugging Face eager attention: (Q Kᵀ) × s + a finfo(dtype).min mask, softmax in float32 cast back; "
-        "uniform weights on rows that see no key", "min", "add", "multiply", "float32",
+        "rows that see no key get uniform weights, or NaN in float64 (its min is -inf in float32)", "min", "add", "multiply", "float32",
     ),
     "mha": Pipeline(
         "mha", "nn.MultiheadAttention with need_weights=False: it calls SDPA with a -inf mask (the output is SDPA's own; "

@@ -132,7 +132,8 @@ def _scaled(q, k, scores, scale_by: str, factor: float) -> torch.Tensor:
 
 def _added(q, k, keep, value: float, scaled, scale_by: str, factor: float) -> torch.Tensor:
     """scaled + an additive mask (0 kept, `value` masked); for nn.MultiheadAttention in its own baddbmm."""
-    bias = torch.where(keep, 0.0, value).to(scaled.dtype)
+    # built in the scores' dtype, as Hugging Face's eager_mask builds it: finfo(float64).min does not fit a float32 bias
+    bias = torch.where(keep, torch.zeros((), dtype=scaled.dtype, device=scaled.device), value)
     if scale_by == "query":
         batch, heads, q_len, k_len = scaled.shape
         q_scaled = (q * factor).reshape(batch * heads, q_len, -1)

@@ -77,7 +77,7 @@ def kinds(
         for param in kind.params:
             body.append(f"{param.metavar} ", style="bold")
             body.append(f"{param.flag}  ", style="green")
-            default = "" if param.required else f" (default {param.default})"
+            default = "" if param.required or param.default is None else f" (default {param.default})"  # None: its help says
             sizes = "; or sizes=[3,5] / --sizes 3,5" if param.sizes else ""
             body.append(f"{param.help}{default}{sizes}\n")
         body.append("example: ", style="dim")

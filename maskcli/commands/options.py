@@ -60,7 +60,7 @@ Device = Annotated[str, typer.Option("--device", help="Where to compute: auto (c
 ComputeDtype = Annotated[str, typer.Option("--dtype", help=f"Compute dtype of every stage: {', '.join(DTYPES)}.", rich_help_panel=COMPUTE_PANEL)]
 Scale = Annotated[float | None, typer.Option("--scale", help="Multiply the scores by this instead of 1/sqrt(D) (as SDPA's scale does).", rich_help_panel=COMPUTE_PANEL)]
 Fill = Annotated[str | None, typer.Option("--fill", help="Fine control of how masked scores are hidden, scores × scale then softmax: -inf (masked_fill; NaN on rows that see no key), min (finfo(dtype).min: uniform weights there), -1e9 (older tutorials; -inf in float16), multiply (softmax first, then zero masked weights and renormalise). Default -inf.", show_default=False, rich_help_panel=COMPUTE_PANEL)]
-Like = Annotated[str | None, typer.Option("--like", help="Reproduce a reference pipeline cell for cell: tutorial (masked_fill(mask == 0, -inf), softmax(masked / √D): NaN on rows that see no key); sdpa (PyTorch's SDPA, its math backend: 0 on rows that see no key); hf-eager (Hugging Face eager attention: + finfo(dtype).min, softmax in float32: uniform weights there); mha (nn.MultiheadAttention, need_weights=False: the output is SDPA's); mha-weights (nn.MultiheadAttention, need_weights=True, per head: NaN there).", show_default=False, rich_help_panel=COMPUTE_PANEL)]
+Like = Annotated[str | None, typer.Option("--like", help="Reproduce a reference pipeline cell for cell: tutorial (masked_fill(mask == 0, -inf), softmax(masked / √D): NaN on rows that see no key); sdpa (PyTorch's SDPA, its math backend: 0 on rows that see no key); hf-eager (Hugging Face eager attention: + finfo(dtype).min, softmax in float32: uniform weights there, NaN in float64, whose min is -inf in float32); mha (nn.MultiheadAttention, need_weights=False: the output is SDPA's); mha-weights (nn.MultiheadAttention, need_weights=True, per head: NaN there).", show_default=False, rich_help_panel=COMPUTE_PANEL)]
 Dropout = Annotated[float, typer.Option("--dropout", help="Dropout on the weights as nn.Dropout(p) draws it after torch.manual_seed with --dropout-seed; 0 to turn it off.", rich_help_panel=COMPUTE_PANEL)]
 DropoutSeed = Annotated[int | None, typer.Option("--dropout-seed", help="The torch.manual_seed before the dropout (default --seed). The LLMs-from-scratch tutorial uses --seed 789 for the weights and --dropout-seed 123.", parser=integer, show_default=False, rich_help_panel=COMPUTE_PANEL)]
 StagesOpt = Annotated[str, typer.Option("--stages", help="Stages to show, comma-separated: scores, scaled, unmasked (softmax with no mask, to compare), masked, weights, output.", show_default="scores, masked, weights, output", rich_help_panel=DISPLAY_PANEL)]
@@ -122,7 +122,7 @@ def _kind_options() -> list[tuple[str, object, object, str]]:
             text = f"{kinds}: labels from segment sizes, like 3,5 (0,0,0,1,1,1,1,1)."
         else:
             text = f"{kinds}: {param.help}"
-            defaults = {kind.name: p.default for kind, p in readers if not p.required}
+            defaults = {kind.name: p.default for kind, p in readers if not p.required and p.default is not None}
             if defaults:
                 text += " (default " + ", ".join(f"{v} for {k}" for k, v in defaults.items()) + ")"
             text += "."

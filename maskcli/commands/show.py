@@ -23,7 +23,9 @@ def kinds_help() -> str:
     """The kinds in one paragraph, from the registry (for a command's help)."""
     from maskcli.kinds import all_kinds
 
-    signatures = ", ".join(escape(kind.signature) for kind in all_kinds())
+    signatures = ", ".join(
+        escape(kind.signature) + (f" (or {', '.join(kind.aliases)})" if kind.aliases else "") for kind in all_kinds()
+    )
     return (
         f"Kinds: {signatures}. Combine them with & (both allow), | (either allows), ~ (not) and parentheses; "
         "a bare name takes its parameters from the options below. maskcli kinds explains each."

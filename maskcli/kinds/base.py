@@ -39,6 +39,7 @@ class Param:
     choices: tuple[str, ...] = ()
     metavar: str = "N"
     sizes: bool = False  # a labels parameter that may also be given as segment sizes: sizes=[3,5], --sizes 3,5
+    documents: bool = False  # a labels parameter that, left out, takes the expression's document labels (Kind.documents)
 
     @property
     def required(self) -> bool:
@@ -130,6 +131,7 @@ class Kind:
     aliases: tuple[str, ...] = field(default=())
     frame_data: bool = False  # reads the frame's batch data (padding), not only positions
     per_head: bool = False  # may differ from head to head (a user's mask_mod reads h); built-in kinds do not
+    documents: bool = False  # its labels mark documents (document, segment): what a Param.documents takes
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)

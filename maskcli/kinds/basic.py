@@ -104,6 +104,7 @@ KINDS = (
         predicate=_full_predicate,
         rank=0,
         recognise=lambda profile: iter([{}]),
+        aliases=("bidirectional",),  # Hugging Face's name (bidirectional_mask_function, create_bidirectional_mask)
     ),
     Kind(
         name="causal",

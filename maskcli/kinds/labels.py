@@ -60,6 +60,14 @@ def same_label(labels: np.ndarray, frame, what: str, skip_negative: bool = False
     return Intervals.of(starts, ends, frame.k_start, frame.k_end)
 
 
+def run_starts(labels: np.ndarray) -> np.ndarray:
+    """int64 (R, n): where each position's run of equal labels starts (a document of packed sequences)."""
+    rows, n = labels.shape
+    new_run = np.ones(labels.shape, dtype=bool)
+    new_run[:, 1:] = labels[:, 1:] != labels[:, :-1]
+    return np.maximum.accumulate(np.where(new_run, np.arange(n, dtype=np.int64), 0), axis=1)
+
+
 def _segment_intervals(p, frame):
     return same_label(p["labels"].array, frame, "segment labels")
 
@@ -88,14 +96,20 @@ def _chunk_intervals(p, frame):
     return Intervals.of(np.int64(0), ends[:, :, None], frame.k_start, frame.k_end)
 
 
-def _label_table(p, device):
+def position_table(array: np.ndarray, device):
+    """A (R, n) table of values per position on the device; one row is shared by every batch row."""
     import torch
 
-    table = torch.as_tensor(p["labels"].array, device=device)
+    table = torch.as_tensor(array, device=device)
     return table[0] if table.shape[0] == 1 else table
 
 
-def _at(table, b, index):
+def _label_table(p, device):
+    return position_table(p["labels"].array, device)
+
+
+def at_position(table, b, index):
+    """The table's value at each index (of batch row b where it has a row per batch row)."""
     # clamped: a FlexAttention kernel may call a mask_mod on the padding past the last block's end
     index = index.clamp(0, table.shape[-1] - 1)
     return table[index] if table.dim() == 1 else table[b, index]
@@ -105,7 +119,7 @@ def _chunk_predicate(p, frame, device):
     labels = _label_table(p, device)
 
     def chunk(b, h, q_idx, kv_idx):
-        return _at(labels, b, kv_idx) <= _at(labels, b, q_idx)
+        return at_position(labels, b, kv_idx) <= at_position(labels, b, q_idx)
 
     return chunk
 
@@ -114,7 +128,7 @@ def _document_predicate(p, frame, device):
     labels = _label_table(p, device)
 
     def document(b, h, q_idx, kv_idx):
-        return (_at(labels, b, kv_idx) == _at(labels, b, q_idx)) & (kv_idx <= q_idx)
+        return (at_position(labels, b, kv_idx) == at_position(labels, b, q_idx)) & (kv_idx <= q_idx)
 
     return document
 
@@ -123,7 +137,7 @@ def _segment_predicate(p, frame, device):
     labels = _label_table(p, device)
 
     def segment(b, h, q_idx, kv_idx):
-        return _at(labels, b, kv_idx) == _at(labels, b, q_idx)
+        return at_position(labels, b, kv_idx) == at_position(labels, b, q_idx)
 
     return segment
 
@@ -132,8 +146,8 @@ def _blocks_predicate(p, frame, device):
     ids = _label_table(p, device)
 
     def blocks(b, h, q_idx, kv_idx):
-        block = _at(ids, b, q_idx)
-        return (_at(ids, b, kv_idx) == block) & (block >= 0)
+        block = at_position(ids, b, q_idx)
+        return (at_position(ids, b, kv_idx) == block) & (block >= 0)
 
     return blocks
 
@@ -213,6 +227,7 @@ KINDS = (
         rank=11,
         recognise=_document_candidates,
         sequence=_sequence,
+        documents=True,
         causal=True,
     ),
     Kind(
@@ -226,6 +241,7 @@ KINDS = (
         rank=12,
         recognise=_document_candidates,
         sequence=_sequence,
+        documents=True,
     ),
     Kind(
         name="blocks",

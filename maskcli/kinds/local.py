@@ -1,4 +1,4 @@
-"""Kinds that look a fixed distance back or to a fixed place: window, prefix, sink, local."""
+"""Kinds that look a fixed distance back or to a fixed place: window, lookback, prefix, sink, local."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.kinds.base import Kind, Param, Profile, column, one_interval
+from maskcli.kinds.labels import at_position, position_table, run_starts
 
 
 def _window_intervals(p, frame):
@@ -28,6 +29,20 @@ def _window_candidates(profile: Profile):
         width = int((profile.q - profile.first)[rows].max()) + 1  # the widest look-back, itself included
         if width >= 1:
             yield {"window": width}
+
+
+def _lookback_intervals(p, frame):
+    q = column(frame.q_positions())
+    return one_interval(frame, q - p["window"] + 1, frame.k_end)
+
+
+def _lookback_predicate(p, frame, device):
+    window = p["window"]
+
+    def sliding_window_overlay(b, h, q_idx, kv_idx):
+        return kv_idx > q_idx - window  # no kv <= q: Hugging Face's overlay, and-ed onto a causal | blocks mask
+
+    return sliding_window_overlay
 
 
 def _prefix_intervals(p, frame):
@@ -66,17 +81,37 @@ def _sink_candidates(profile: Profile):
         yield {"sink": int(profile.last[0]) + 1}
 
 
-def _local_intervals(p, frame):
+def chunk_starts(p, frame, positions: np.ndarray) -> np.ndarray:
+    """int64 (R, len(positions)): where the chunk of each position starts, per batch row.
+
+    Chunks of C positions count from each row's first real token (Hugging Face's chunked_overlay
+    with left padding) and, with documents, from each document's start: Hugging Face's packed
+    sequences evaluate the chunked mask at position_ids that restart at 0 in each document.
+    """
     size = p["chunk_size"]
-    pad = frame.left_padding().reshape(-1, 1, 1)
-    q = column(frame.q_positions())
-    return one_interval(frame, pad + size * np.floor_divide(q - pad, size), q + 1)
+    start = frame.left_padding().reshape(-1, 1)  # (B, 1)
+    if p["documents"] is not None:
+        start = np.maximum(run_starts(p["documents"].array)[:, positions], start)  # (R, L): labels cover 0..n-1
+    return start + size * np.floor_divide(positions - start, size)
+
+
+def _local_intervals(p, frame):
+    q = frame.q_positions()
+    return one_interval(frame, chunk_starts(p, frame, q)[:, :, None], column(q + 1))
 
 
 def _local_predicate(p, frame, device):
     import torch
 
     size = p["chunk_size"]
+    if p["documents"] is not None:
+        starts = position_table(chunk_starts(p, frame, np.arange(frame.n, dtype=np.int64)), device)
+
+        def chunked_causal_per_document(b, h, q_idx, kv_idx):
+            return (at_position(starts, b, kv_idx) == at_position(starts, b, q_idx)) & (kv_idx <= q_idx)
+
+        return chunked_causal_per_document
+
     pad = torch.as_tensor(frame.left_padding(), device=device)
     if len(pad) == 1:
         pad = pad[0]  # one --ids row serves every batch row of the other terms: pad[b] is then pad
@@ -124,6 +159,17 @@ KINDS = (
         causal=True,
     ),
     Kind(
+        name="lookback",
+        meaning="the sliding window without its causal edge (Hugging Face's sliding_window_overlay): keys less than W "
+        "back and every later one; Gemma 3's sliding layers with images are (causal | blocks(...)) & lookback(W)",
+        keep="q - W < kv",
+        params=(Param("window", "int", "how far back each query sees: itself and the W-1 keys before it, as in window(W) (Hugging Face's sliding_window)", "--window", minimum=1, metavar="W"),),
+        example="(causal | blocks(-1,0,0,0,-1,-1)) & lookback(2)",
+        intervals=_lookback_intervals,
+        predicate=_lookback_predicate,
+        rank=6,  # its cells are triu(1 - W, means=keep), which inspect names: nothing more to recognise
+    ),
+    Kind(
         name="prefix",
         meaning="prefix-LM: the first P tokens see each other both ways, the rest is causal",
         keep="kv <= q or kv < P",
@@ -149,14 +195,21 @@ KINDS = (
     ),
     Kind(
         name="local",
-        meaning="chunked attention (Llama 4): causal inside fixed chunks of C positions; with --ids, chunks start at each row's first real token",
-        keep="(q - pad) // C == (kv - pad) // C and kv <= q",
-        params=(Param("chunk_size", "int", "positions per chunk (attention_chunk_size)", "--chunk-size", minimum=1, metavar="C"),),
-        example="local(4)",
+        meaning="chunked attention (Llama 4): causal inside chunks of C positions, which start again at each row's "
+        "first real token (--ids) and at each document of the expression's document labels (packed sequences)",
+        keep="kv <= q, in q's chunk: C positions from the row's first real token or the document's start",
+        params=(
+            Param("chunk_size", "int", "positions per chunk (attention_chunk_size)", "--chunk-size", minimum=1, metavar="C"),
+            Param("documents", "labels", "a document label per position: chunks also start at each document, as Hugging "
+                  "Face's packed sequences restart their positions (default: the expression's document or segment labels)",
+                  "--documents", default=None, metavar="LABELS", documents=True),
+        ),
+        example="document(0,0,0,0,0,1,1,1) & local(2)",
         intervals=_local_intervals,
         predicate=_local_predicate,
         rank=5,
         recognise=_local_candidates,
+        sequence=lambda p: None if p["documents"] is None else p["documents"].length,
         causal=True,
         frame_data=True,
     ),

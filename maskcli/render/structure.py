@@ -68,12 +68,14 @@ def _segments(mask: Mask, batch: int, f) -> tuple[str | None, tuple]:
             labels = term.values["labels"].array
             row = labels[batch if labels.shape[0] > 1 else 0][: f.n]
             return word, _label_runs(row)
-        if term.kind.name == "local":  # chunks count from the row's first real token, as the kind does
-            size = term.values["chunk_size"]
-            pad = int(f.left_padding()[batch if f.batch > 1 else 0]) if f.padded else 0
-            starts = range(pad, f.n, size)
-            if len(starts) <= MOST_SEGMENTS:
-                return "chunk", tuple((s, min(s + size, f.n), i) for i, s in enumerate(starts))
+        if term.kind.name == "local":  # chunks from the row's first real token and each document, as the kind counts them
+            from maskcli.kinds.local import chunk_starts
+
+            starts = chunk_starts(term.values, f, np.arange(f.n, dtype=np.int64))
+            pad = int(f.left_padding()[batch if f.batch > 1 else 0])
+            runs = _label_runs(starts[batch if starts.shape[0] > 1 else 0][pad:])
+            if runs:
+                return "chunk", tuple((pad + s, pad + e, i) for i, (s, e, _) in enumerate(runs))
     return None, ()
 
 
