@@ -92,6 +92,8 @@ def check_output_path(path: str, suffixes: tuple[str, ...], flag: str, name: str
         raise MaskError(f"{flag} {path!r}: the name is not valid UTF-8 (the terminal's encoding?): give a UTF-8 file name") from None
     if name is not None and state(out) == "dir":
         out = out / (name + suffixes[0])
+    elif path.endswith(("/", os.sep)) and state(out) != "dir":  # meant as a folder: say it is not there
+        raise MaskError(f"{flag} {path!r}: folder {path.rstrip('/' + os.sep) or path!r} does not exist; create it first, or give a file name")
     suffix = out.suffix.lower()
     if suffix not in suffixes:
         raise MaskError(

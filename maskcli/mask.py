@@ -12,8 +12,10 @@ A dense tensor (from a file) is a Mask too, with `keep` set and no expression.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -24,7 +26,7 @@ from maskcli.errors import MaskError
 from maskcli.intervals import Intervals, NotFew
 from maskcli.kinds import get as get_kind
 from maskcli.kinds.base import Labels
-from maskcli.kinds.values import parse_rows
+from maskcli.kinds.values import from_file, is_file_value, parse_rows
 from maskcli.memory import check_dense_fits
 from maskcli.positions import Frame
 from maskcli.text import shortened
@@ -43,6 +45,7 @@ class MaskOptions:
     lengths: str | None = None
     ids: str | None = None
     pad_id: int = 0
+    pad: str | None = None  # --pad: left or right, where --lengths puts the padding (default right)
     tokens: str | None = None
     params: dict = field(default_factory=dict)  # kind parameter flags: {"--window": 3, "--chunks": "0,0,1,1"}
     mask_file: str | None = None  # --mask: a tensor instead of an expression
@@ -87,7 +90,7 @@ class Mask:
         """'lengths 4,2' or 'ids 5,6,0;7,0,0 (pad 0)': the key padding the flags added, in words."""
         f = self.frame
         if f.lengths is not None:
-            return "lengths " + ",".join(map(str, f.lengths))
+            return "lengths " + ",".join(map(str, f.lengths)) + (" (left-padded)" if f.pad_side == "left" else "")
         if f.ids is not None:
             return "ids " + ";".join(",".join(map(str, row)) for row in f.ids.tolist()) + f" (pad {f.pad_id})"
         return ""
@@ -244,6 +247,7 @@ class Mask:
         f = self.frame
         if f.lengths is not None:
             data["lengths"] = list(f.lengths)
+            data["padding_side"] = f.pad_side
         if f.ids is not None:
             data["ids"] = f.ids.tolist()
             data["pad_id"] = f.pad_id
@@ -285,9 +289,7 @@ def build(expression: str, options: MaskOptions | None = None, default_length: i
     resolved, used = terms.resolve(tree, options.params, expression, kinds)
     terms.check_flags_used(resolved, options.params, used, expression)
     lengths, ids = _padding(options)
-    tokens = tuple(options.tokens.split()) if options.tokens is not None else None
-    if tokens == ():
-        raise MaskError(f"--tokens {options.tokens!r} has no words: give one word per position")
+    tokens = _tokens(options.tokens) if options.tokens is not None else None
     sequence = _sequence(resolved, ids, tokens)
     queries = [term.kind.queries(term.values) for term in terms.terms(resolved) if term.kind.queries]
     q_start, q_len, k_start, k_len = pos.resolve(
@@ -296,7 +298,7 @@ def build(expression: str, options: MaskOptions | None = None, default_length: i
         default=default_length or pos.DEFAULT_LEN,
     )
     frame = Frame(q_start, q_len, k_start, k_len)
-    frame = _with_padding(frame, lengths, ids, options.pad_id)
+    frame = _with_padding(frame, lengths, ids, options.pad_id, _pad_side(options))
     warnings: list[str] = []
     for what, count in sequence:
         pos.data_length(what, count, frame)
@@ -316,20 +318,68 @@ def _padding(options: MaskOptions) -> tuple[tuple[int, ...] | None, np.ndarray |
         raise MaskError("give either --lengths or --ids, not both")
     lengths = ids = None
     if options.lengths is not None:
-        rows = parse_rows(options.lengths, "--lengths", "4,2")
+        if is_file_value(options.lengths):
+            rows = [row for row in from_file(options.lengths, f"--lengths {options.lengths!r}").array]
+        else:
+            rows = parse_rows(options.lengths, "--lengths", "4,2")
         if len(rows) > 1:
-            raise MaskError(f"--lengths {options.lengths!r}: one length per batch row, comma-separated (like 4,2); ';' is for --ids")
+            raise MaskError(f"--lengths {shortened(options.lengths, 60)!r}: one length per batch row, in one row (like 4,2); ';' or lines are for --ids")
         lengths = tuple(rows[0].tolist())
         for value in lengths:
             if value < 0:
-                raise MaskError(f"--lengths values must be 0 or more, got {value} in {options.lengths!r}")
+                raise MaskError(f"--lengths values must be 0 or more, got {value} in {shortened(options.lengths, 60)!r}")
     if options.ids is not None:
+        if is_file_value(options.ids):
+            return lengths, from_file(options.ids, f"--ids {options.ids!r}").array
         rows = parse_rows(options.ids, "--ids", "1,2,3,0;4,5,0,0")
         widths = [len(row) for row in rows]  # in row order, so the message reads against what was typed
         if len(set(widths)) > 1:
-            raise MaskError(f"--ids {options.ids!r}: the batch rows have {', '.join(map(str, widths))} tokens, in that order: pad every row to the same length with the pad id")
+            raise MaskError(f"--ids {shortened(options.ids, 60)!r}: the batch rows have {', '.join(map(str, widths[:8]))}{', ...' if len(widths) > 8 else ''} tokens, in that order: pad every row to the same length with the pad id")
         ids = np.asarray(rows, dtype=np.int64)
     return lengths, ids
+
+
+def _pad_side(options: MaskOptions) -> str:
+    if options.pad is None:
+        return "right"
+    if options.pad not in ("left", "right"):
+        raise MaskError(f"unknown --pad {options.pad!r}: choose left or right (Hugging Face's padding_side)")
+    if options.lengths is None:
+        raise MaskError(f"--pad {options.pad} says where --lengths puts the padding: give --lengths too"
+                        + (" (--ids shows the padding where it is)" if options.ids is not None else ""))
+    return options.pad
+
+
+def _tokens(text: str) -> tuple[str, ...]:
+    """--tokens: the words, or a file of them (.txt: words separated by white space; .json: a list; .npy or .pt:
+    token ids, shown as numbers)."""
+    if is_file_value(text) and len(text.split()) == 1:
+        path = Path(text)
+        where = f"--tokens {text!r}"
+        if path.suffix.lower() in (".txt", ".json"):
+            from maskcli.files import readable_file, state
+
+            if state(path) == "missing":
+                raise MaskError(f"{where}: no such file (to label a position with that word, give more than one word)")
+            readable_file(text, where)
+            try:
+                content = path.read_text()
+                words = content.split() if path.suffix.lower() == ".txt" else json.loads(content)
+            except (OSError, UnicodeDecodeError, ValueError) as error:
+                raise MaskError(f"{where}: cannot read words from it ({' '.join(str(error).split())[:120]})") from None
+            if not isinstance(words, list) or not all(isinstance(word, (str, int)) and not isinstance(word, bool) for word in words):
+                raise MaskError(f"{where}: a .json of tokens is one list of words or ids, like [\"Your\", \"journey\"]")
+            words = [str(word) for word in words]
+        else:
+            array = from_file(text, where).array
+            if array.shape[0] != 1:
+                raise MaskError(f"{where}: the file holds {array.shape[0]} rows of token ids; --tokens labels one row")
+            words = [str(value) for value in array[0].tolist()]
+    else:
+        words = text.split()
+    if not words:
+        raise MaskError(f"--tokens {shortened(text, 60)!r} has no words: give one word per position")
+    return tuple(words)
 
 
 def _sequence(tree, ids, tokens) -> list[tuple[str, int]]:
@@ -351,7 +401,7 @@ def _longest(lengths) -> tuple[str, int] | None:
     return ("the longest of --lengths", max(lengths)) if lengths else None
 
 
-def _with_padding(frame: Frame, lengths, ids, pad_id: int) -> Frame:
+def _with_padding(frame: Frame, lengths, ids, pad_id: int, pad_side: str = "right") -> Frame:
     n = frame.n
     if lengths is not None:
         for value in lengths:
@@ -362,7 +412,9 @@ def _with_padding(frame: Frame, lengths, ids, pad_id: int) -> Frame:
                 )
         check_dense_fits((len(lengths), n), 1, "for the key padding", fix="use fewer batch rows or a shorter sequence")
         valid = np.arange(n)[None, :] < np.asarray(lengths)[:, None]
-        return replace(frame, key_valid=valid, lengths=lengths)
+        if pad_side == "left":
+            valid = valid[:, ::-1].copy()
+        return replace(frame, key_valid=valid, lengths=lengths, pad_side=pad_side)
     if ids is not None:
         if abs(pad_id) > 1 << 62:  # as every id is checked: past it no id can be the pad id
             raise MaskError(f"--pad-id {pad_id} is too large (at most ±{1 << 62:,}, as every id is)")

@@ -32,6 +32,7 @@ class Frame:
     lengths: tuple[int, ...] | None = None  # --lengths as given
     ids: np.ndarray | None = None  # int64 (B, n): --ids as given
     pad_id: int | None = None
+    pad_side: str = "right"  # where --lengths puts the padding (--pad): right, or left as Hugging Face's padding_side
 
     @property
     def q_end(self) -> int:
@@ -60,7 +61,7 @@ class Frame:
         As Hugging Face counts them for chunked attention: positions where the running
         count of real tokens is still 0.
         """
-        if self.ids is None:
+        if self.ids is None and self.pad_side == "right":
             return np.zeros(self.batch, dtype=np.int64)
         return (np.cumsum(self.key_valid, axis=1) == 0).sum(axis=1).astype(np.int64)
 

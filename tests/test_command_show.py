@@ -795,3 +795,71 @@ def test_structure_marks_in_tables():
     assert padded[10:] == ["batch 1 (ids 7,8,9,0)", "p", "q \\ kv 0 1 2 3", "0 1 0 0 0", "1 1 1 0 0", "2 1 1 1 0", "3 pad 1 1 1 0"]
     plain = lines(ok(["show", "causal", "--len", "3"]).stdout)
     assert plain[2:] == ["q \\ kv 0 1 2", "0 1 0 0", "1 1 1 0", "2 1 1 1"]  # nothing to mark: the table as it was
+
+
+# --- padding side, and files for --lengths, --ids and --tokens -----------------------------------------------
+
+
+def _cells(args):
+    return np.array(json.loads(ok(["show", *args, "--json"]).stdout)["mask"], dtype=bool)
+
+
+@pytest.mark.parametrize("expression, keep", [
+    ("causal", lambda q, kv, first: kv <= q),
+    ("window(3)", lambda q, kv, first: q - 3 < kv <= q),
+    ("local(2)", lambda q, kv, first: kv <= q and (q - first) // 2 == (kv - first) // 2),  # chunks from the first real token
+])
+def test_pad_left_puts_the_padding_before_the_last_length_keys(expression, keep):
+    n, lengths = 7, [3, 7, 0]
+    got = _cells([expression, "--lengths", ",".join(map(str, lengths)), "--pad", "left"])
+    for b, length in enumerate(lengths):
+        first = n - length  # Hugging Face's padding_side="left": the real tokens are the last `length`
+        expected = [[kv >= first and keep(q, kv, first) for kv in range(n)] for q in range(n)]
+        assert got[b, 0].tolist() == expected, b
+    ids = ";".join(",".join("0" if i < n - length else "1" for i in range(n)) for length in lengths)
+    assert np.array_equal(got, _cells([expression, "--ids", ids]))  # the same as the left padding --ids shows
+    right = _cells([expression, "--lengths", ",".join(map(str, lengths)), "--pad", "right"])
+    assert np.array_equal(right, _cells([expression, "--lengths", ",".join(map(str, lengths))]))
+    out = ok(["show", expression, "--lengths", "3,7,0", "--pad", "left", "--summary", "--json"]).stdout
+    assert json.loads(out)["padding_side"] == "left" and json.loads(out)["visible_cells"] == int(got.sum())
+
+
+def test_lengths_ids_and_tokens_come_from_files_as_labels_do(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    np.save("lengths.npy", np.array([3, 5]))
+    (tmp_path / "lengths.json").write_text("[3, 5]")
+    (tmp_path / "lengths.txt").write_text("3 5\n")
+    torch.save(torch.tensor([3, 5]), tmp_path / "lengths.pt")
+    inline = _cells(["causal", "--lengths", "3,5"])
+    for name in ("lengths.npy", "lengths.json", "lengths.txt", "lengths.pt"):
+        assert np.array_equal(_cells(["causal", "--lengths", name]), inline), name
+    ids = np.array([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    np.save("ids.npy", ids)
+    (tmp_path / "ids.txt").write_text("0 0 5 6 7\n1 2 3 4 5\n")
+    inline = _cells(["causal", "--ids", "0,0,5,6,7;1,2,3,4,5"])
+    assert np.array_equal(_cells(["causal", "--ids", "ids.npy"]), inline) and np.array_equal(_cells(["causal", "--ids", "ids.txt"]), inline)
+    (tmp_path / "words.txt").write_text("Your journey\nstarts with one step\n")
+    (tmp_path / "words.json").write_text('["Your", "journey", "starts", "with", "one", "step"]')
+    for name in ("words.txt", "words.json"):
+        data = json.loads(ok(["show", "causal", "--tokens", name, "--json"]).stdout)
+        assert data["tokens"] == ["Your", "journey", "starts", "with", "one", "step"] and data["shape"] == [1, 1, 6, 6]
+    assert " 1 journey   1" in ok(["show", "causal", "--tokens", "words.txt"]).stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["causal", "--pad", "left"], "--pad left says where --lengths puts the padding: give --lengths too"),
+    (["causal", "--pad", "up", "--lengths", "2"], "unknown --pad 'up': choose left or right"),
+    (["causal", "--pad", "left", "--ids", "0,1"], "(--ids shows the padding where it is)"),
+    (["causal", "--tokens", "missing.txt"], "--tokens 'missing.txt': no such file"),
+    (["causal", "--lengths", "missing.npy"], "--lengths 'missing.npy': no such file"),
+    (["causal", "--ids", "ids2.txt", "--len", "2"], "--ids 'ids2.txt': 'x' is not an integer"),
+    (["causal", "--save", "nodir/"], "--save 'nodir/': folder 'nodir' does not exist; create it first, or give a file name"),
+    (["causal", "--png", "nodir/"], "--png 'nodir/': folder 'nodir' does not exist"),
+    (["causal", "--save", "nodir/m.npy"], "directory 'nodir' does not exist; create it first"),
+])
+def test_bad_padding_and_files_are_one_line(args, says, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ids2.txt").write_text("0 x\n")
+    result = invoke(["show", *args])
+    assert result.exit_code == 2 and says in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ids2.txt"]

@@ -34,7 +34,7 @@ KIND_PANEL = "Kind parameters (for a bare kind name)"
 OWN_PANEL = "Your own mask"
 OUTPUT_PANEL = "Output"
 
-Tokens = Annotated[str | None, typer.Option("--tokens", help="Words that label the axes, one per position of the sequence: \"Your journey starts with one step\" (without --len they give the length).", rich_help_panel=OUTPUT_PANEL)]
+Tokens = Annotated[str | None, typer.Option("--tokens", help="Words that label the axes, one per position of the sequence: \"Your journey starts with one step\" (without --len they give the length), or a .txt (words), .json (a list) or .npy/.pt (token ids) file of them.", rich_help_panel=OUTPUT_PANEL)]
 As = Annotated[str, typer.Option("--as", help="Convention shown and saved: " + "; ".join(f"{k} = {v}" for k, v in CONVENTIONS.items()) + ".", rich_help_panel=OUTPUT_PANEL)]
 Dtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype for the additive and min conventions: {', '.join(DTYPES)} (default float32).", rich_help_panel=OUTPUT_PANEL)]
 Png = Annotated[str | None, typer.Option("--png", help="Write a heatmap; the extension picks the format: .png, .svg or .pdf (a directory: a .png named after the mask).", rich_help_panel=OUTPUT_PANEL)]
@@ -99,8 +99,9 @@ def _position_options(heads: int) -> list[tuple[str, object, object]]:
         ("m_kv_len", Annotated[int | None, typer.Option("--kv-len", help="Number of keys (a static cache longer than the sequence, or N memory keys of cross-attention); the queries then start at the first key unless --offset or --align say otherwise.", parser=integer, rich_help_panel=POSITION_PANEL)], None),
         ("m_align", Annotated[str | None, typer.Option("--align", help="With --kv-len: top-left (query 0 faces key 0, SDPA's is_causal) or bottom-right (the last query on the last key, FlashAttention's causal).", rich_help_panel=POSITION_PANEL)], None),
         ("m_heads", Annotated[int, typer.Option("--heads", help="Number of attention heads (the H in B, H, Lq, Lk).", parser=integer, rich_help_panel=MASK_PANEL)], heads),
-        ("m_lengths", Annotated[str | None, typer.Option("--lengths", help="Valid length per batch row, like 4,2: keys at or past it are padding. And-ed with any expression.", rich_help_panel=MASK_PANEL)], None),
-        ("m_ids", Annotated[str | None, typer.Option("--ids", help="Token ids per batch row, ';' between rows, like '5,6,7,0;0,8,9,1': ids equal to --pad-id are padding (left padding too).", rich_help_panel=MASK_PANEL)], None),
+        ("m_lengths", Annotated[str | None, typer.Option("--lengths", help="Valid length per batch row, like 4,2 (or a .npy/.json/.txt/.pt file): keys at or past it are padding, or before the last LENGTH keys with --pad left. And-ed with any expression.", rich_help_panel=MASK_PANEL)], None),
+        ("m_pad", Annotated[str | None, typer.Option("--pad", help="Where --lengths puts the padding: right (default) or left, as Hugging Face's padding_side.", rich_help_panel=MASK_PANEL)], None),
+        ("m_ids", Annotated[str | None, typer.Option("--ids", help="Token ids per batch row, ';' between rows, like '5,6,7,0;0,8,9,1' (or a .npy/.json/.txt/.pt file, a row per batch row): ids equal to --pad-id are padding (left padding too).", rich_help_panel=MASK_PANEL)], None),
         ("m_pad_id", Annotated[int, typer.Option("--pad-id", help="The padding token id for --ids.", parser=integer, rich_help_panel=MASK_PANEL)], 0),
         ("m_mask_file", Annotated[str | None, typer.Option("--mask", help="A mask tensor instead of an expression: .pt (loaded with weights_only=True), .npy, .npz, .safetensors or .json, in any convention and any shape that broadcasts to (B, H, Lq, Lk).", rich_help_panel=OWN_PANEL)], None),
         ("m_key", Annotated[str | None, typer.Option("--key", help="With --mask: the tensor's name in a .npz, .safetensors, .pt dict or JSON object.", rich_help_panel=OWN_PANEL)], None),
@@ -180,7 +181,7 @@ def mask_options(*, heads: int = 1, tokens: bool = True, kind_params: bool = Tru
         return MaskOptions(
             length=given["m_length"], offset=given["m_offset"], kv_start=given["m_kv_start"],
             kv_len=given["m_kv_len"], align=given["m_align"], heads=given["m_heads"],
-            lengths=given["m_lengths"], ids=given["m_ids"], pad_id=given["m_pad_id"],
+            lengths=given["m_lengths"], ids=given["m_ids"], pad_id=given["m_pad_id"], pad=given["m_pad"],
             tokens=given.get("m_tokens"),
             params={flag_of[name]: given[name] for name in flag_of if given[name] is not None},
             mask_file=given["m_mask_file"], key=given["m_key"], from_=given["m_from"],

@@ -34,6 +34,8 @@ def key_runs(valid: np.ndarray, frame, what: str = "the padding") -> Intervals:
 def _intervals(p, frame):
     if frame.lengths is not None:
         lengths = np.asarray(frame.lengths, dtype=np.int64).reshape(-1, 1, 1)
+        if frame.pad_side == "left":  # the real tokens are the last `length` positions
+            return Intervals.of(frame.n - lengths, np.int64(frame.n), frame.k_start, frame.k_end)
         return Intervals.of(np.int64(0), lengths, frame.k_start, frame.k_end)
     return key_runs(frame.key_valid, frame)
 
@@ -63,8 +65,8 @@ def _check(p, frame, where):
 KINDS = (
     Kind(
         name="padding",
-        meaning="key padding per batch row: keys at or past --lengths, or whose --ids are --pad-id, are hidden",
-        keep="kv < length[b] (or ids[b, kv] != pad_id)",
+        meaning="key padding per batch row: keys at or past --lengths (before them with --pad left), or whose --ids are --pad-id, are hidden",
+        keep="kv < length[b] (n - length[b] <= kv with --pad left; or ids[b, kv] != pad_id)",
         params=(),
         example="padding",
         options="--lengths 4,2",

@@ -102,11 +102,16 @@ def parse_rows(text: str, where: str, example: str = "0,0,1,1") -> list[np.ndarr
 def from_flag(text: str, flag: str, sizes: bool = False) -> Labels:
     """A flag's value: inline integers, or a file path (by its suffix)."""
     where = f"{flag} {text!r}"
-    if Path(text).suffix.lower() in FILE_SUFFIXES and not _looks_inline(text):
+    if is_file_value(text):
         labels = from_file(text, where)
         return _sizes_of(labels, where) if sizes else labels
     rows = parse_rows(text, where, "3,5" if sizes else "0,0,1,1")
     return from_sizes(rows, where) if sizes else inline(rows, where)
+
+
+def is_file_value(text: str) -> bool:
+    """A flag's value that names a labels file (by its suffix), not inline integers."""
+    return Path(text).suffix.lower() in FILE_SUFFIXES and not _looks_inline(text)
 
 
 def _looks_inline(text: str) -> bool:
