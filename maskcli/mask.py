@@ -53,6 +53,8 @@ class MaskOptions:
     from_: str | None = None  # --from: the tensor's convention, where its values do not say
     mask_mod: str | None = None  # --mask-mod FILE.py:NAME: the user's own predicate
     mask_mod_args: str | None = None  # --mask-mod-args: arguments for a mask_mod factory
+    rows: str | None = None  # --rows A:B: the query positions to view (a region of the whole mask)
+    keys: str | None = None  # --keys C:D: the key positions to view
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +70,24 @@ class Mask:
     tokens: tuple[str, ...] | None = None
     keep: np.ndarray | None = None  # a tensor's cells, bool (B, H, Lq, Lk)
     warnings: tuple[str, ...] = ()
+    whole: Frame | None = None  # where `frame` is a region (--rows/--keys): the frame the kinds were built on
+
+    def crop(self, rows: tuple[int | None, int | None] = (None, None), keys: tuple[int | None, int | None] = (None, None)) -> Mask:
+        """A view of queries rows[0]..rows[1]-1 and keys keys[0]..keys[1]-1 (absolute positions; None: to the
+        edge): the same mask, labels and padding kept from the whole, shown over a region."""
+        f = self.frame
+        (q_lo, q_hi), (k_lo, k_hi) = (_bounds(rows, f.q_start, f.q_end, "--rows", "queries"),
+                                      _bounds(keys, f.k_start, f.k_end, "--keys", "keys"))
+        view = replace(f, q_start=q_lo, q_len=q_hi - q_lo, k_start=k_lo, k_len=k_hi - k_lo)
+        if self.keep is not None:
+            keep = self.keep[:, :, q_lo - f.q_start : q_hi - f.q_start, k_lo - f.k_start : k_hi - f.k_start]
+            return replace(self, frame=view, keep=keep)
+        return replace(self, frame=view, whole=self.whole or f)
+
+    @property
+    def region_text(self) -> str:
+        """'a region of queries 0-4095 · keys 0-4095' where the mask is viewed over a part of itself."""
+        return f"a region of {self.whole.describe()}" if self.whole is not None else ""
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -98,7 +118,8 @@ class Mask:
     @property
     def title(self) -> str:
         """The name with the key padding, `causal · lengths 4,2`, shortened for headers (JSON has it whole)."""
-        return shortened(self.text) + (f" · {shortened(self.padding_text, 60)}" if self.padding_text else "")
+        return (shortened(self.text) + (f" · {shortened(self.padding_text, 60)}" if self.padding_text else "")
+                + (f" · {self.region_text}" if self.whole is not None else ""))
 
     @property
     def slug(self) -> str:
@@ -119,7 +140,9 @@ class Mask:
             fix="use a smaller --len: maskcli keeps a few integers per query row",
         )
         try:
-            return terms.intervals(self.tree, self.frame), None
+            if self.whole is None:
+                return terms.intervals(self.tree, self.frame), None
+            return _region(terms.intervals(self.tree, self.whole), self.whole, self.frame), None
         except NotFew as reason:
             return None, str(reason)
 
@@ -158,7 +181,7 @@ class Mask:
         """mask_mod(b, h, q, kv) on absolute positions (torch)."""
         if self.tree is None:
             raise ValueError("a tensor mask has no predicate of its own; use mask_mod")
-        return terms.predicate(self.tree, self.frame, device)
+        return terms.predicate(self.tree, self.whole or self.frame, device)
 
     def local_mask_mod(self, device="cpu"):
         """A FlexAttention mask_mod on local indices: it adds the query and key offsets itself."""
@@ -245,6 +268,9 @@ class Mask:
             "kv_offset": self.frame.k_start,
         }
         f = self.frame
+        if self.whole is not None:
+            data["region"] = {"rows": [f.q_start, f.q_end], "keys": [f.k_start, f.k_end],
+                              "of": {"rows": [self.whole.q_start, self.whole.q_end], "keys": [self.whole.k_start, self.whole.k_end]}}
         if f.lengths is not None:
             data["lengths"] = list(f.lengths)
             data["padding_side"] = f.pad_side
@@ -254,6 +280,38 @@ class Mask:
         if self.tokens is not None:
             data["tokens"] = list(self.tokens)
         return data
+
+
+def _region(found: Intervals, whole: Frame, view: Frame) -> Intervals:
+    """The intervals of the whole mask, on the rows and keys of a region of it."""
+    starts, ends = found.starts, found.ends
+    if starts.shape[1] > 1:
+        lo, hi = view.q_start - whole.q_start, view.q_end - whole.q_start
+        starts, ends = starts[:, lo:hi], ends[:, lo:hi]
+    return Intervals.of(starts, ends, view.k_start, view.k_end)
+
+
+def _bounds(given: tuple[int | None, int | None], low: int, high: int, flag: str, what: str) -> tuple[int, int]:
+    start = low if given[0] is None else given[0]
+    end = high if given[1] is None else given[1]
+    if not low <= start < end <= high:
+        shown = f"{'' if given[0] is None else given[0]}:{'' if given[1] is None else given[1]}"
+        raise MaskError(f"{flag} {shown} is outside the {what} {low}-{high - 1} of this mask (or empty): give A:B with "
+                        f"{low} <= A < B <= {high}, either side left open")
+    return start, end
+
+
+def parse_region(text: str | None, flag: str) -> tuple[int | None, int | None]:
+    """'A:B', 'A:' or ':B' -> (A, B) with None for an open side (absolute positions)."""
+    if text is None:
+        return (None, None)
+    parts = text.split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        return tuple(int(part) if part.strip() else None for part in parts)  # type: ignore[return-value]
+    except ValueError:
+        raise MaskError(f"{flag} {shortened(text, 40)!r} is not a range: give A:B (absolute positions, B not included), like 200:216, 4000: or :64") from None
 
 
 @functools.lru_cache(maxsize=8)

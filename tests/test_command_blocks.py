@@ -133,3 +133,11 @@ def test_a_mask_mod_that_reads_the_head_gets_each_heads_blocks(tmp_path):
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
         assert data[name] == getattr(flex, name).tolist(), name
     assert [entry["head"] for entry in data["counts"]] == [0, 1, 2] and data["counts_cover"] == "one batch row and head each"
+
+
+def test_the_blocks_of_a_region_are_those_of_its_cells():
+    data = json.loads(ok(["document(sizes=[40,24]) & window(12)", "--rows", "32:48", "--keys", "16:48", "--block", 8, "--json"]).stdout)
+    keep = build("document(sizes=[40,24]) & window(12)").dense()[0, 0, 32:48, 16:48]
+    flex = create_block_mask(lambda b, h, q, kv: torch.as_tensor(keep)[q, kv], 1, 1, 16, 32, device="cpu", BLOCK_SIZE=8)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert data[name] == getattr(flex, name).tolist(), name

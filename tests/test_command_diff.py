@@ -197,3 +197,9 @@ def test_the_diff_table_carries_the_structure_marks():
     assert lines[-1].endswith("· │ ─ doc boundaries (labels above the keys, beside the queries) · underlined: the diagonal")
     cached = runner.invoke(app, ["diff", "causal", "window(2)", "--offset", "3", "--len", "3"]).stdout
     assert " 5       A  A  A  ║  A  1  1 " in cached.splitlines()
+
+
+def test_a_region_compares_the_same_part_of_both():
+    data = as_json("window(100)", "window(101)", "--len", 5000, "--rows", "1000:1010", "--keys", "850:1010")
+    assert (data["only_a"], data["only_b"]) == (0, 10)  # key q-100 of each of the 10 rows
+    assert diff("window(100)", "window(101)", "--len", 5000, "--rows", "10:20").exit_code == 0  # equal there

@@ -863,3 +863,53 @@ def test_bad_padding_and_files_are_one_line(args, says, tmp_path, monkeypatch):
     result = invoke(["show", *args])
     assert result.exit_code == 2 and says in result.stderr and result.stderr.count("\n") == 1, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ids2.txt"]
+
+
+# --- regions ---------------------------------------------------------------------------------------------
+
+
+def test_a_region_shows_its_part_with_the_whole_masks_labels_and_cache_edge():
+    out = ok(["show", "document(sizes=[300,212]) & window(128)", "--rows", "298:302", "--keys", "295:303"]).stdout
+    assert lines(out)[:2] == [
+        "document(sizes=[300,212]) & window(128) · a region of queries 0-511 · keys 0-511 · shape (B=1, H=1, Lq=4, Lk=8) · queries 298-301 · keys 295-302",
+        "convention: keep (bool, 1 = True = may attend, 0 = masked)",
+    ]
+    assert " 299     0     1    1    1    1    1   │   0    0    0" in out  # the doc boundary at 300, from the whole mask
+    assert "║" not in out  # no cache: the whole mask's queries start at key 0
+    cached = ok(["show", "window(4)", "--offset", "10", "--len", "3", "--keys", "8:"]).stdout
+    assert " 10      1  1  ║  1   0   0" in cached  # the cache edge is where the whole mask's queries start
+
+
+def test_a_regions_json_and_summary_are_the_slice_of_the_whole(tmp_path):
+    args = ["document(0,0,0,1,1,1,1,2,2)", "--lengths", "9,6"]
+    whole = np.array(json.loads(ok(["show", *args, "--json"]).stdout)["mask"], dtype=bool)
+    data = json.loads(ok(["show", *args, "--rows", "2:7", "--keys", ":5", "--json"]).stdout)
+    assert np.array_equal(np.array(data["mask"], dtype=bool), whole[:, :, 2:7, :5])
+    assert data["region"] == {"rows": [2, 7], "keys": [0, 5], "of": {"rows": [0, 9], "keys": [0, 9]}}
+    summary = json.loads(ok(["show", *args, "--rows", "2:7", "--keys", ":5", "--summary", "--json"]).stdout)
+    assert summary["visible_cells"] == int(whole[:, :, 2:7, :5].sum())
+    chunk = json.loads(ok(["chunk", "0,0,1,1,2,2", "--rows", "4:", "--json"]).stdout)
+    assert chunk["mask"] == [[[[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]]]  # label 2 sees every label up to 2
+    png = tmp_path / "region.png"
+    ok(["show", "window(4096)", "--len", "1048576", "--rows", "500000:500016", "--keys", "495000:500016", "--png", png])
+    assert png.stat().st_size > 0
+
+
+def test_a_region_of_a_million_tokens_costs_its_own_cells():
+    import time
+
+    start = time.perf_counter()
+    out = ok(["show", "document(sizes=[300000,748576]) & window(4096)", "--rows", "299998:300002", "--keys", "299996:300002"]).stdout
+    assert " 299999  0      1       1       1       1     │    0       0" in out
+    assert " 300000  1      0       0       0       0     │    1       0" in out
+    assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize("args, says", [
+    (["causal", "--rows", "5:3"], "--rows 5:3 is outside the queries 0-7 of this mask (or empty): give A:B with 0 <= A < B <= 8"),
+    (["causal", "--keys", "x"], "--keys 'x' is not a range: give A:B"),
+    (["causal", "--offset", "4", "--len", "2", "--rows", ":4"], "--rows :4 is outside the queries 4-5"),
+])
+def test_a_bad_region_is_one_line(args, says):
+    result = invoke(["show", *args])
+    assert result.exit_code == 2 and says in result.stderr and result.stderr.count("\n") == 1, result.stderr

@@ -8,6 +8,8 @@ mask_mod must agree too.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -583,3 +585,54 @@ def test_a_sliding_window_behind_a_sliding_cache_is_reproduced():
 def test_default_file_names_tell_negative_numbers_apart():
     names = {text: build(text, MaskOptions()).slug for text in ("tril(1)", "tril(-1)", "causal & window(3)", "~triu(1)")}
     assert names == {"tril(1)": "tril_1", "tril(-1)": "tril_minus_1", "causal & window(3)": "causal_and_window_3", "~triu(1)": "not_triu_1"}
+
+
+# --- regions: a view of part of the whole mask -----------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=cases(), cut=st.tuples(st.integers(0, 8), st.integers(0, 8), st.integers(0, 8), st.integers(0, 8)))
+def test_a_region_holds_the_cells_of_the_whole_mask_there(case, cut):
+    from maskcli.summary import summarise
+
+    tree, options, frame, valid = case
+    whole = build(ref.text(tree), MaskOptions(**options))
+    cells = expected_cells(tree, options, frame, valid, whole.batch)  # the double loop over absolute positions
+    q0, lq, k0, lk = frame
+    q_lo, q_hi = sorted((q0 + cut[0] % lq, q0 + cut[1] % lq))
+    k_lo, k_hi = sorted((k0 + cut[2] % lk, k0 + cut[3] % lk))
+    q_hi, k_hi = q_hi + 1, k_hi + 1
+    view = whole.crop((q_lo, q_hi), (k_lo, k_hi))
+    part = cells[:, q_lo - q0 : q_hi - q0, k_lo - k0 : k_hi - k0]
+    assert view.shape == (whole.batch, whole.heads, q_hi - q_lo, k_hi - k_lo)
+    assert np.array_equal(np.broadcast_to(view.dense()[:, 0], part.shape), part)
+    assert np.array_equal(view.materialize().numpy()[:, 0], part)  # the predicate, at the region's positions
+    assert summarise(view, (2, 3)).visible == int(part.sum()) * whole.heads
+    if whole.exact:
+        counts = np.broadcast_to(view.intervals().counts(), (whole.batch, q_hi - q_lo))
+        assert view.exact and np.array_equal(counts, part.sum(-1))
+
+
+def test_a_region_of_a_million_token_mask_is_exact_and_costs_its_own_rows():
+    import time
+
+    start = time.perf_counter()
+    whole = build("document(sizes=[300000,748576]) & window(4096)")
+    view = whole.crop((299_990, 300_010), (295_000, 300_005))
+    cells = view.dense()[0, 0]
+    assert cells.shape == (20, 5005)
+    q = np.arange(299_990, 300_010)[:, None]
+    kv = np.arange(295_000, 300_005)[None, :]
+    same = (q < 300_000) == (kv < 300_000)
+    assert np.array_equal(cells, same & (kv <= q) & (q - kv < 4096))
+    assert time.perf_counter() - start < 20
+
+
+@pytest.mark.parametrize("rows, keys, says", [
+    ((5, 3), (None, None), "--rows 5:3 is outside the queries 0-7 of this mask (or empty): give A:B with 0 <= A < B <= 8"),
+    ((None, 9), (None, None), "--rows :9 is outside the queries 0-7"),
+    ((None, None), (-1, None), "--keys -1: is outside the keys 0-7"),
+])
+def test_a_region_outside_the_mask_names_the_valid_range(rows, keys, says):
+    with pytest.raises(MaskError, match=re.escape(says)):
+        build("causal", length=8).crop(rows, keys)

@@ -38,7 +38,7 @@ def parse_block(text: str) -> tuple[int, int]:
         "maskcli blocks \"causal | blocks(-1,-1,0,0,0,-1)\" --block 2 --json",
     ),
 )
-@mask_options()
+@mask_options(regions=True)
 def blocks(
     kind: Expr = None,
     block: BlockOpt = "128",

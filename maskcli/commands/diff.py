@@ -76,7 +76,7 @@ def _positions_given(options: MaskOptions) -> bool:
         "maskcli diff \"window(4095)\" \"window(4096)\" --len 1048576",
     ),
 )
-@mask_options()
+@mask_options(regions=True)
 def diff(
     a: Annotated[str, typer.Argument(help="A: " + SIDE_HELP, show_default=False, metavar="A")],
     b: Annotated[str, typer.Argument(help="B: " + SIDE_HELP, show_default=False, metavar="B")],
@@ -129,7 +129,9 @@ def diff(
                     break
                 except MaskError:
                     continue
-    sides = {label: sides[label] for label in texts}
+    from maskcli.inspect.given import region
+
+    sides = {label: region(sides[label], mask) for label in texts}  # the same region of each
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "diff") if png is not None else None
 
     from maskcli.commands.progress import progress

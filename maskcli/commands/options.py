@@ -166,15 +166,21 @@ def extend(func, name: str, added: list[tuple[str, object, object]], pack):
     return command
 
 
-def mask_options(*, heads: int = 1, tokens: bool = True, kind_params: bool = True):
+Rows = Annotated[str | None, typer.Option("--rows", help="View the query positions A:B only (absolute, B not included; either side open, like 4000: or :64): a region of the whole mask, its labels and padding kept.", rich_help_panel=POSITION_PANEL)]
+Keys = Annotated[str | None, typer.Option("--keys", help="View the key positions C:D only, as --rows does the queries.", rich_help_panel=POSITION_PANEL)]
+
+
+def mask_options(*, heads: int = 1, tokens: bool = True, kind_params: bool = True, regions: bool = False):
     """Decorate a command that builds a mask: its signature gains every mask option, declared here once,
-    and the function receives them as one `mask: MaskOptions` argument."""
+    and the function receives them as one `mask: MaskOptions` argument (`regions`: --rows and --keys too)."""
     from maskcli.mask import MaskOptions
 
     kind_options = _kind_options() if kind_params else []
     added = list(_position_options(heads)) + [(name, annotation, default) for name, annotation, default, _ in kind_options]
     if tokens:
         added.append(("m_tokens", Tokens, None))
+    if regions:
+        added += [("m_rows", Rows, None), ("m_keys", Keys, None)]
     flag_of = {name: flag for name, _, _, flag in kind_options}
 
     def pack(given: dict) -> MaskOptions:
@@ -186,6 +192,7 @@ def mask_options(*, heads: int = 1, tokens: bool = True, kind_params: bool = Tru
             params={flag_of[name]: given[name] for name in flag_of if given[name] is not None},
             mask_file=given["m_mask_file"], key=given["m_key"], from_=given["m_from"],
             mask_mod=given["m_mask_mod"], mask_mod_args=given["m_mask_mod_args"],
+            rows=given.get("m_rows"), keys=given.get("m_keys"),
         )
 
     return lambda func: extend(func, "mask", added, pack)

@@ -43,7 +43,7 @@ def kinds_help() -> str:
         "maskcli show padding --lengths 4,2",
     ),
 )
-@mask_options()
+@mask_options(regions=True)
 @output_options
 def show(
     kind: Expr = None,
@@ -66,7 +66,7 @@ show.__doc__ = (show.__doc__ or "") + "\n\n" + kinds_help()
         "maskcli chunk \"0,0,1,1;0,1,1,2\"  # one row of labels per batch row",
     ),
 )
-@mask_options(kind_params=False)
+@mask_options(kind_params=False, regions=True)
 @output_options
 def chunk(
     labels: Annotated[str, typer.Argument(help="Comma-separated chunk label per position, like 0,0,1,1,2 (';' between batch rows), or a .npy/.json/.txt/.pt file.", show_default=False)],

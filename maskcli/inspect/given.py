@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.errors import MaskError
-from maskcli.mask import Mask, MaskOptions, build, from_tensor
+from maskcli.mask import Mask, MaskOptions, build, from_tensor, parse_region
 
 
 def mask_from_file(path: str, key: str | None, from_: str | None, options: MaskOptions, flag: str = "--mask") -> Mask:
@@ -65,7 +65,19 @@ def user_kinds(spec: str | None, args: str | None) -> dict:
 
 
 def build_any(expression: str | None, options: MaskOptions, default_length: int | None = None) -> Mask:
-    """The mask an expression, a --mask file or a --mask-mod describes (an expression may use the mask_mod's name)."""
+    """The mask an expression, a --mask file or a --mask-mod describes (an expression may use the mask_mod's name),
+    viewed over the region --rows and --keys give."""
+    return region(_build_any(expression, options, default_length), options)
+
+
+def region(mask: Mask, options: MaskOptions) -> Mask:
+    """The mask, or the region of it that --rows and --keys give."""
+    if options.rows is None and options.keys is None:
+        return mask
+    return mask.crop(parse_region(options.rows, "--rows"), parse_region(options.keys, "--keys"))
+
+
+def _build_any(expression: str | None, options: MaskOptions, default_length: int | None = None) -> Mask:
     kinds = user_kinds(options.mask_mod, options.mask_mod_args)
     if options.mask_file is not None:
         if expression is not None:

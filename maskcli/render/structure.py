@@ -31,11 +31,17 @@ class Structure:
     segments: tuple[tuple[int, int, int], ...] = ()  # (start, end, label) over absolute positions
     pad_keys: tuple[tuple[int, int], ...] = ()  # [start, end) runs of padded key positions
     pad_queries: tuple[tuple[int, int], ...] = ()
+    first_query: int | None = None  # the whole mask's first query, where a region shows part of it
+
+    @property
+    def cache_edge(self) -> int:
+        """The first key that is not in the KV cache: the (whole mask's) first query."""
+        return self.q_start if self.first_query is None else self.first_query
 
     @property
     def cached(self) -> bool:
-        """Keys before the first query are already in the KV cache."""
-        return self.q_start > self.k_start
+        """Keys before the first query are already in the KV cache (and the edge falls inside the keys shown)."""
+        return self.k_start < self.cache_edge < self.k_end or (self.first_query is None and self.q_start > self.k_start)
 
     def label_of(self, position: int) -> int | None:
         for start, end, label in self.segments:
@@ -54,7 +60,8 @@ def structure(mask: Mask, batch: int) -> Structure:
         valid = f.key_valid[batch if f.key_valid.shape[0] > 1 else 0]
         pad_keys = _runs(~valid[f.k_start : f.k_end], f.k_start)
         pad_queries = _runs(~valid[f.q_start : f.q_end], f.q_start)
-    return Structure(f.q_start, f.q_end, f.k_start, f.k_end, word, segments, pad_keys, pad_queries)
+    first = mask.whole.q_start if mask.whole is not None else None
+    return Structure(f.q_start, f.q_end, f.k_start, f.k_end, word, segments, pad_keys, pad_queries, first)
 
 
 def _segments(mask: Mask, batch: int, f) -> tuple[str | None, tuple]:
@@ -135,7 +142,7 @@ def draw_marks(ax, s: Structure, absolute: bool = False) -> None:
         if s.q_start < position < s.q_end:
             ax.axhline(qy(position), color=MARK_RGB, linewidth=1.6)
     if s.cached:
-        ax.axvline(kx(s.q_start), color=CACHE_RGB, linewidth=1.5, linestyle="--")
+        ax.axvline(kx(s.cache_edge), color=CACHE_RGB, linewidth=1.5, linestyle="--")
     # the diagonal: each query's own position (bottom-right aligned: absolute positions line up), drawn as
     # the staircase along the right edge of each (q, q) cell, so that no cell's colour is hidden under it
     first, last = max(s.q_start, s.k_start), min(s.q_end, s.k_end)
@@ -217,7 +224,7 @@ def table_marks(s: Structure) -> TableMarks:
     starts = {start for start, _, _ in s.segments[1:]}
     col_breaks = {k - s.k_start: "│" for k in keys if k in starts and k != s.k_start}
     if s.cached:
-        col_breaks[s.q_start - s.k_start] = "║"
+        col_breaks[s.cache_edge - s.k_start] = "║"
     row_breaks = frozenset(q - s.q_start for q in queries if q in starts and q != s.q_start)
     diagonal = tuple(q - s.k_start if s.k_start <= q < s.k_end else None for q in queries)
     return TableMarks(s.word if labelled else None, key_tops, row_tags, col_breaks, row_breaks, diagonal, len(keys))
