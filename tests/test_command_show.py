@@ -198,8 +198,11 @@ def map_of(stdout):
     text = " ".join(stdout.split())
     found = re.search(r"one character = ([\d,]+) quer(?:y|ies) x ([\d,]+) keys?", text)
     rows, cols = (int(found[i].replace(",", "")) for i in (1, 2))
-    body = [line.split() for line in stdout.splitlines() if re.fullmatch(r"\s*\d+ [█▓░·]+", line)]
+    body = [[line.split()[0].rstrip("─"), line.split()[-1]] for line in stdout.splitlines() if MAP_ROW.fullmatch(line)]
     return rows, cols, body
+
+
+MAP_ROW = re.compile(r"\s*\d+─? +[█▓░·]+")  # a label, ─ where a label boundary starts in its rows, the characters
 
 
 @pytest.mark.parametrize("args, tree, q_len, offset", [
@@ -230,12 +233,13 @@ def test_wide_mask_is_an_exact_density_map(args, tree, q_len, offset):
 def check_ruler(stdout, cols, first_key=0):
     """Every number on the key ruler stands over the column whose first key it names, apart from its neighbours."""
     out = stdout.splitlines()
-    first = next(i for i, line in enumerate(out) if re.fullmatch(r"\s*\d+ [█▓░·]+", line))
-    start = len(out[first]) - len(out[first].lstrip()) + len(out[first].split()[0]) + 1  # where the map's cells begin
-    marks = list(re.finditer(r"\d+", out[first - 1]))
+    first = next(i for i, line in enumerate(out) if MAP_ROW.fullmatch(line))
+    start = len(out[first]) - len(out[first].split()[-1])  # where the map's cells begin
+    ruler = out[first - 1] if re.search(r"\d", out[first - 1]) else out[first - 2]  # above the line of boundaries, if any
+    marks = list(re.finditer(r"\d+", ruler))
     assert marks and int(marks[0][0]) == first_key and marks[0].start() == start
     for mark in marks:
-        assert int(mark[0]) == first_key + (mark.start() - start) * cols, out[first - 1]
+        assert int(mark[0]) == first_key + (mark.start() - start) * cols, ruler
     assert all(b.start() > a.end() for a, b in zip(marks, marks[1:]))
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -44,3 +47,52 @@ def test_the_legend_names_the_block_size_and_how_it_was_counted():
     text = density_text(np.array([[1.0, 0.2]]), Blocks(20972, 20972), 20972, 41944, how="exact, from key intervals").plain
     assert "one character = 20,972 queries x 20,972 keys (exact, from key intervals)" in text
     assert text.splitlines()[1].split() == ["0", "█░"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 200), st.integers(1, 10**7), st.integers(20, 300), st.integers(5, 100))
+def test_a_mask_whose_rows_fit_gets_a_line_per_query(q_len, k_len, width, lines):
+    blocks = choose_blocks(q_len, k_len, width, lines)
+    assert (blocks.rows == 1) == (q_len <= lines)
+
+
+def _map(expression, columns="80", **options):
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    args = ["show", expression] + [part for flag, value in options.items() for part in (f"--{flag.replace('_', '-')}", str(value))]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": columns})
+    assert result.exit_code == 0, result.output
+    return result.stdout.splitlines()
+
+
+def test_a_decode_chunk_behind_a_long_cache_has_a_line_per_query_and_the_cache_edge():
+    out = _map("window(4096)", offset=1000, len=16)
+    rows = [line for line in out if line[:5].strip().isdigit() and "█" in line]
+    assert [int(line.split()[0]) for line in rows] == list(range(1000, 1016))  # it was one line for all 16
+    ruler = next(i for i, line in enumerate(out) if line.split()[:1] == ["0"])
+    edge = out[ruler + 1]  # under the ruler: ║ over the column of key 1000, where the new keys start
+    cols = 14  # 1016 keys in 73 characters
+    start = len(rows[0]) - len(rows[0].split()[-1])
+    assert edge.strip() == "║" and edge.index("║") == start + 1000 // cols
+    assert "║ cached keys | new keys · underlined: the diagonal" in out
+
+
+@pytest.mark.parametrize("columns", ["60", "120"])
+def test_document_boundaries_are_on_the_ruler_and_beside_the_rows(columns):
+    n, sizes = 1 << 20, [300_000, 400_000, 348_576]
+    out = _map(f"document(sizes=[{','.join(map(str, sizes))}]) & window(4096)", columns)
+    rows = [line for line in out if re.fullmatch(r"\s*\d+─? +[█▓░·]+", line)]
+    per = int(rows[1].split()[0]) - int(rows[0].split()[0])  # queries a line
+    start = len(rows[0]) - len(rows[0].split()[-1])
+    found = re.search(r"one character = [\d,]+ queries x ([\d,]+) keys", " ".join(" ".join(out).split()))
+    cols = int(found[1].replace(",", ""))
+    boundaries = [300_000, 700_000]
+    ruler = next(i for i, line in enumerate(out) if line.split()[:1] == ["0"])
+    marks = [m.start() for m in re.finditer("│", out[ruler + 1])]
+    assert marks == [start + b // cols for b in boundaries]
+    marked = [int(line.split()[0].rstrip("─")) for line in rows if line.split()[0].endswith("─")]
+    assert marked == [b // per * per for b in boundaries]  # the line whose block holds the first query of a document
+    assert all(len(line) <= int(columns) for line in out)
+    assert any(line.startswith("│ ─ doc boundaries") for line in out)

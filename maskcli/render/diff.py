@@ -83,7 +83,10 @@ def views(difference: Difference, console, progress=None, map_width: int | None 
         symbols = np.where(grids["only_a"] > 0, "A", symbols)
         symbols = np.where(grids["only_b"] > 0, np.where(grids["only_a"] > 0, "X", "B"), symbols)
         caption = f"rows: query position, ruler: key position; one character = {cell_block(blocks.rows, blocks.cols)} ({difference.how})\n{MAP_LEGEND}"
-        out.append(map_text(symbols, blocks.rows, blocks.cols, f.q_len, f.q_start, f.k_start, caption))
+        from maskcli.render.structure import map_marks
+
+        marks = map_marks(_labelled_structure(difference, b), blocks.rows, blocks.cols)
+        out.append(map_text(symbols, blocks.rows, blocks.cols, f.q_len, f.q_start, f.k_start, caption, marks))
     return out
 
 

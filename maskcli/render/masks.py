@@ -161,7 +161,7 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
     from maskcli.render.density import MAX_LINES, choose_blocks, density_text
     from maskcli.render.tables import fits, mask_table
 
-    from maskcli.render.structure import aligned, structure, table_marks
+    from maskcli.render.structure import aligned, map_marks, structure, table_marks
 
     batch, _, q_len, k_len = mask.shape
     texts = cell_texts(convention, dtype)
@@ -201,7 +201,8 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
         lines = max(8, console.height - 6) if console.is_terminal else MAX_LINES
         blocks = choose_blocks(q_len, k_len, (map_width or console.width) - label_width - 2, lines)
         shares = block_shares(mask, b, group[0], blocks.rows, blocks.cols, progress)
-        views.append(density_text(shares, blocks, q_len, k_len, mask.q_offset, mask.kv_offset, how_counted(mask)))
+        marks = map_marks(structure(mask, b), blocks.rows, blocks.cols)
+        views.append(density_text(shares, blocks, q_len, k_len, mask.q_offset, mask.kv_offset, how_counted(mask), marks))
     if left_out:
         views.append(Text(f"{left_out}: --summary counts every one, --json or --save has every cell", style="dim"))
     return views

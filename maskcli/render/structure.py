@@ -230,6 +230,33 @@ def table_marks(s: Structure) -> TableMarks:
     return TableMarks(s.word if labelled else None, key_tops, row_tags, col_breaks, row_breaks, diagonal, len(keys))
 
 
+def map_marks(s: Structure, rows_per: int, keys_per: int):
+    """The structure of `s` on a terminal map whose characters are blocks of rows_per queries x keys_per keys:
+    label boundaries and the cache edge under the ruler, label starts beside the rows, and (one query a line)
+    the diagonal. O(boundaries), never per position."""
+    from maskcli.render.density import MapMarks
+
+    starts = np.array([start for start, _, _ in s.segments[1:]], dtype=np.int64)
+    keys = starts[(starts > s.k_start) & (starts < s.k_end)]
+    key_breaks = {int(col): "│" for col in np.unique((keys - s.k_start) // keys_per)}
+    if s.cached:
+        key_breaks[(s.cache_edge - s.k_start) // keys_per] = "║"
+    queries = starts[(starts > s.q_start) & (starts < s.q_end)]
+    row_breaks = frozenset(int(row) for row in np.unique((queries - s.q_start) // rows_per))
+    diagonal: tuple = ()
+    if rows_per == 1:
+        q = np.arange(s.q_start, s.q_end)
+        diagonal = tuple(int((p - s.k_start) // keys_per) if s.k_start <= p < s.k_end else None for p in q)
+    parts = []
+    if "│" in key_breaks.values() or row_breaks:
+        parts.append(f"│ ─ {s.word} boundaries")
+    if "║" in key_breaks.values():
+        parts.append("║ cached keys | new keys")
+    if parts and any(d is not None for d in diagonal):
+        parts.append("underlined: the diagonal")
+    return MapMarks(key_breaks, row_breaks, diagonal, " · ".join(parts))
+
+
 def legend_entries(found: list[Structure], absolute: list[bool] | None = None) -> list[tuple[str, dict]]:
     """(label, style) for what `draw_marks` drew on any panel: the legend explains only what is there
     (`absolute[i]`: panel i is a long mask's pixels, where no diagonal is drawn)."""
