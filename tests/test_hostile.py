@@ -194,6 +194,27 @@ def test_the_table_is_large_and_covers_every_command():
     assert {"show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds"} <= commands
 
 
+# --- slow corners: exact and quick where the math allows, else refused up front -----------------------------
+
+
+def chain(n: int) -> str:
+    return " & ".join(["window(3)"] * n)
+
+
+MILLION = 1 << 20
+FINISH = [  # the exact command lines of issue 18; the expected counts from closed forms written here
+    (["show", chain(1_000), "--len", str(MILLION), "--summary"], f"visible cells: {3 * MILLION - 3:,} of {MILLION**2:,}"),
+    (["show", chain(10_000), "--len", str(MILLION), "--summary"], f"visible cells: {3 * MILLION - 3:,} of {MILLION**2:,}"),
+]
+
+
+@pytest.mark.parametrize("args, says", FINISH, ids=[" ".join(a)[:60] + f" ({len(' '.join(a)):,} chars)" for a, _ in FINISH])
+def test_slow_corners_finish_exactly(args, says):
+    result = maskcli(*args, timeout=300)  # a hang guard, not a timing: they take about a second here
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-500:]
+    assert says in result.stdout, result.stdout[:500]
+
+
 # --- a full disk, and other failures while writing ---------------------------------------------------
 
 

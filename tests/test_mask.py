@@ -36,6 +36,40 @@ def test_random_expressions_equal_the_definitions(case):
         assert np.array_equal(counts, expected.sum(-1))
 
 
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cases(), st.integers(0, 4))
+def test_repeated_and_absorbed_terms_are_the_same_mask(case, form):
+    """maskcli folds repeats before it evaluates (A & A, A | (A & B), ~~A): the cells stay the definitions'."""
+    tree, options, frame, valid = case
+    other = ("kind", "window", {"window": 2})
+    repeated = [
+        ("and", [tree, tree, tree]),
+        ("or", [tree, ("and", [tree, other])]),
+        ("and", [tree, ("or", [other, tree])]),
+        ("not", ("not", tree)),
+        ("and", [("or", [tree, tree]), ("and", [tree, tree])]),
+    ][form]
+    built = build(ref.text(repeated), MaskOptions(**options))
+    expected = expected_cells(tree, options, frame, valid, built.batch)
+    assert np.array_equal(np.broadcast_to(built.dense()[:, 0], expected.shape), expected)
+    assert np.array_equal(built.materialize().numpy()[:, 0], expected)
+
+
+def test_a_chain_of_one_term_is_evaluated_once(monkeypatch):
+    from maskcli.intervals import Intervals
+
+    combined = []
+    for operator in ("__and__", "__or__"):
+        real = getattr(Intervals, operator)
+        monkeypatch.setattr(Intervals, operator, lambda a, b, real=real: combined.append(1) or real(a, b))
+    n = 1 << 20
+    built = build(" & ".join(["window(3)"] * 10_000), length=n)
+    counts = built.intervals().counts()[0]
+    assert combined == []  # no pass over the rows per term
+    assert counts[:3].tolist() == [1, 2, 3] and (counts[2:] == 3).all() and counts.shape == (n,)
+    assert built.text == " & ".join(["window(3)"] * 10_000)  # the name stays as written
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_flex_create_mask_with_the_exported_mask_mod_agrees(case):
