@@ -95,6 +95,10 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
     from maskcli.inspect.given import build_any
 
     mask = build_any(expression, options)
+    if json_out and not output.summary:  # before any file is written: --json of the cells is refused whole or printed whole
+        from maskcli.render.masks import check_mask_json
+
+        check_mask_json(mask)
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", mask.slug) if png is not None else None
     save_path = check_output_path(save, TENSOR_SUFFIXES, "--save", mask.slug) if save is not None else None
     if save_path is not None and save_path.suffix.lower() == ".npy" and dtype_name == "bfloat16" and convention in ("additive", "min"):
