@@ -110,10 +110,12 @@ class Mask:
     def _intervals(self):
         if self.tree is None:
             return None, "a tensor's cells are read as they are"
-        # a few int64 arrays of (B, Lq, K) live at once while intervals combine
+        # a few int64 arrays of (B, Lq, K) live at once while intervals combine; checked before labels from
+        # sizes are made (kinds.base.Labels), so a 10^9-token document is refused here in O(1)
+        sized = any(term.kind.sequence is not None for term in terms.terms(self.tree))
         check_dense_fits(
             (self.batch, self.frame.q_len), 8 * 2 * 6, "for its key intervals", what="a mask of",
-            fix="use a smaller --len: maskcli keeps a few integers per query row",
+            fix=f"use {'fewer positions in its labels' if sized else 'a smaller --len'}: maskcli keeps a few integers per query row",
         )
         try:
             return terms.intervals(self.tree, self.frame), None

@@ -216,6 +216,19 @@ def test_slow_corners_finish_exactly(args, says):
     assert says in result.stdout, result.stdout[:500]
 
 
+def test_a_billion_token_document_is_refused_before_anything_is_made():
+    import resource
+
+    def limit():  # 12 GiB: room for the 8 GB of labels it used to make before the guard, not for its 89 GiB of rows
+        resource.setrlimit(resource.RLIMIT_AS, (12 << 30, 12 << 30))
+
+    result = maskcli("show", "document(sizes=[1000000000])", "--summary", preexec_fn=limit, timeout=300)
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(
+        "maskcli: error: a mask of 1 x 1000000000 would need 89.4 GiB (96,000,000,000 bytes) for its key intervals"
+    ) and result.stderr.rstrip().endswith("use fewer positions in its labels: maskcli keeps a few integers per query row")
+
+
 # --- a full disk, and other failures while writing ---------------------------------------------------
 
 

@@ -384,6 +384,22 @@ def test_intervals_of_an_impossible_length_are_refused_up_front():
         build("causal", length=10**12).exact
 
 
+def test_a_billion_token_document_is_refused_before_its_labels_are_made(monkeypatch):
+    from maskcli import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: 32 << 30)  # room for the labels, not the rows
+    built = build("document(sizes=[1000000000])")
+    assert built.shape == (1, 1, 10**9, 10**9)
+    with pytest.raises(MaskError) as error:
+        built.exact
+    assert str(error.value) == (
+        "a mask of 1 x 1000000000 would need 89.4 GiB (96,000,000,000 bytes) for its key intervals, but only 32.0 GiB "
+        "is free: use fewer positions in its labels: maskcli keeps a few integers per query row"
+    )
+    labels = built.tree.values["labels"]
+    assert "array" not in labels.__dict__  # nothing of 10^9 positions was made
+
+
 # --- Hugging Face style masks, written here the way masking_utils writes them ----------------------
 
 
