@@ -138,6 +138,20 @@ class Mask:
     def why_not_exact(self) -> str | None:
         return self._intervals[1]
 
+    @functools.cached_property
+    def counted(self):
+        """Where the intervals are not few but the mask is one kind that counts its keys itself (Kind.counts),
+        with the flags' key padding: that kind's counts (keys_below(b, positions)); else None."""
+        if self.tree is None or self.exact:
+            return None
+        tree = ex.simplified(self.tree)
+        items = tree.items if isinstance(tree, ex.And) else (tree,)
+        padding = [item for item in items if isinstance(item, terms.Term) and item.kind.name == "padding"]
+        rest = [item for item in items if item not in padding]
+        if len(rest) != 1 or not isinstance(rest[0], terms.Term) or rest[0].kind.counts is None:
+            return None
+        return rest[0].kind.counts(rest[0].values, self.frame, self.frame.key_valid if padding else None)
+
     @property
     def causal(self) -> bool:
         """No query sees a later key by construction (a causal kind and-ed in)."""

@@ -142,21 +142,16 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
 
 
 def empty_rows(mask: Mask) -> str | None:
-    """'2 query rows see no key (3-4 of batch row 1)'; from the intervals, or from the cells up to a few million."""
-    import numpy as np
-
-    from maskcli.summary import spans
+    """'2 query rows see no key (3-4 of batch row 1)'; from the intervals or a kind's own counts, else from the
+    cells up to a few million."""
+    from maskcli.summary import row_counts, spans
 
     f = mask.frame
-    if not mask.exact and mask.batch * f.q_len * f.k_len > 1 << 24:
+    if not mask.exact and mask.counted is None and mask.batch * f.q_len * f.k_len > 1 << 24:
         return None
     count, parts = 0, []
     for b in range(mask.batch):
-        if mask.exact:
-            counts = mask.intervals().counts()
-            seen = np.broadcast_to(counts[b if counts.shape[0] > 1 else 0], (f.q_len,)) > 0
-        else:
-            seen = mask.cells(b).any(axis=1)
+        seen = row_counts(mask, b) > 0
         if not seen.all():
             count += int((~seen).sum())
             runs = spans(~seen, f.q_start, 5)

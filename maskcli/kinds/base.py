@@ -144,6 +144,9 @@ class Kind:
     options: str = ""  # extra command-line options in the example (`--len 8`)
     aliases: tuple[str, ...] = field(default=())
     frame_data: bool = False  # reads the frame's batch data (padding), not only positions
+    # exact visible keys per query row without intervals or cells, for a kind whose intervals may not be few:
+    # counts(params, frame, key_valid or None) -> an object with keys_below(b, ascending positions) (kinds/labels.py)
+    counts: Callable[[dict, Frame, Any], Any] | None = None
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)
