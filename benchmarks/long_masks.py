@@ -9,6 +9,8 @@ the ratio to a reference measured in the same run:
   blocks EXPR --block 128 at 1,048,576 tokens
       targets: <= 3 s wall, <= 1.5 GiB; beside eager create_block_mask at 16,384 tokens
       on the same mask (time per block, and its peak memory)
+  show "window(3) & window(3) & ..." --summary, 1,000 and 10,000 terms at 1,048,576 tokens
+      against a single window(3) in the same run (repeats are folded once: the ratio stays near 1)
   exact counting cell by cell (labels that go down), 8,192 tokens
       cells per second, beside create_mask(mask_mod, ...).sum() on the same predicate
 
@@ -101,6 +103,14 @@ def main() -> None:
         verdict = "OK" if worst <= 2 and memory <= 2**30 else "OVER"
         shown = (text if len(text) < 44 else text[:30] + "..." + text[-10:]) + (" " + " ".join(extra)[:12] if extra else "")
         print(f"{shown:58s} {summary:7.2f}s {mapped:7.2f}s {mib(memory)}  x{worst / base:4.1f} time {verdict}")
+
+    print()
+    single, _ = measure([*maskcli, "show", "window(3)", "--len", str(N), "--summary"], args.runs, env)
+    for terms in (1_000, 10_000):
+        chain = " & ".join(["window(3)"] * terms)
+        chained, _ = measure([*maskcli, "show", chain, "--len", str(N), "--summary"], args.runs, env)
+        print(f"window(3) & ... {terms:,} terms at 1,048,576 tokens, --summary: {chained:.2f} s; "
+              f"window(3) alone {single:.2f} s; ratio {chained / single:.2f}")
 
     print()
     text = f"document(sizes=[{SIZES}]) & window(4096)"

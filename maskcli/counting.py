@@ -16,6 +16,9 @@ TILE_CELLS = 1 << 22  # cells per band when counting cell by cell: a predicate's
 # Past this many cells a predicate is not counted cell by cell: about a minute's work at the ~130M cells/s that
 # labels' predicates reach on one core (benchmarks/long_masks.py), hours at 1M tokens. Refused up front instead.
 CELL_BY_CELL_LIMIT = 1 << 33
+# A kind that counts its own keys (Kind.counts) answers per key edge in O(Lq): past this many query rows x edges
+# (a fine block grid at 1M tokens) the blocks are counted cell by cell instead, under the limit above
+COUNTED_LIMIT = 1 << 28
 PATIENCE_S = 120.0  # a slower predicate (a user's mask_mod) is refused once its first bands say it would take longer
 PACE_AFTER_S = 0.5  # the pace is judged after this long
 
@@ -84,8 +87,18 @@ def block_counts(mask: Mask, b: int, h: int, row_block: int, key_block: int, pro
     f = mask.frame
     if mask.exact:
         return mask.intervals().block_counts(b, f.q_len, row_block, key_block)
-    check_cell_by_cell((mask,))
     n_rows, n_cols = -(-f.q_len // row_block), -(-f.k_len // key_block)
+    if mask.counted is not None and (n_cols + 1) * f.q_len <= COUNTED_LIMIT:
+        # a block's cells are its rows' keys before its right edge less those before its left edge
+        out = np.zeros((n_rows, n_cols), dtype=np.int64)
+        row_starts = edges(f.q_len, row_block)[:-1]
+        previous = None
+        for j, below in enumerate(mask.counted.keys_below(b, edges(f.k_len, key_block, f.k_start))):
+            if previous is not None:
+                out[:, j - 1] = np.add.reduceat(below - previous, row_starts)
+            previous = below
+        return out
+    check_cell_by_cell((mask,))
     out = np.zeros((n_rows, n_cols), dtype=np.int64)
     # a band of at most TILE_CELLS cells, whatever the block: a block of rows may span several bands,
     # each adding its part, so memory stays bounded as the mask grows
@@ -109,4 +122,6 @@ def how_counted(mask: Mask) -> str:
     """Which exact path counted the cells, in words."""
     if mask.exact:
         return "exact, from key intervals"
+    if mask.counted is not None:
+        return f"exact, from running counts per label ({mask.why_not_exact})"
     return f"exact, cell by cell ({mask.why_not_exact})"

@@ -117,9 +117,8 @@ class _Token:
 def _tokens(text: str) -> list[_Token]:
     tokens = []
     position = 0
-    while position < len(text):
-        if text[position:].strip() == "":
-            break
+    stop = len(text.rstrip())  # once: trailing blanks end the tokens (a test per token would be quadratic)
+    while position < stop:
         match = _TOKEN.match(text, position)
         if match is None:
             at = position + len(text[position:]) - len(text[position:].lstrip())
@@ -315,6 +314,28 @@ def print_tree(node, leaf=call_text) -> str:
 def _wrapped(node, leaf, kinds) -> str:
     text = print_tree(node, leaf)
     return f"({text})" if isinstance(node, kinds) else text
+
+
+def simplified(node):
+    """The same mask with repeats folded: A & A is A, A | A is A, ~~A is A, A & (A | B) is A, A | (A & B) is A.
+
+    Nested & and | are flattened and each keeps its items in first-seen order. Evaluating a
+    tree passes over every query row once per item, so a chain of 10,000 copies of one term
+    is one pass after this, not 10,000. Leaves are compared by value (calls and terms are
+    hashable); different leaves such as window(3) & window(5) stay as they are.
+    """
+    if isinstance(node, Not):
+        inner = simplified(node.item)
+        return inner.item if isinstance(inner, Not) else Not(inner)
+    if not isinstance(node, (And, Or)):
+        return node
+    join, dual = (both, Or) if isinstance(node, And) else (either, And)
+    flat = join(*(simplified(item) for item in node.items)).items
+    distinct = list(dict.fromkeys(flat))
+    present = set(distinct)
+    # absorption: (A | B) beside A in an And adds nothing; (A & B) beside A in an Or neither
+    kept = [item for item in distinct if not (isinstance(item, dual) and any(part in present for part in item.items))]
+    return kept[0] if len(kept) == 1 else type(node)(tuple(kept))
 
 
 def leaves(node) -> list:

@@ -12,10 +12,8 @@ A dense tensor (from a file) is a Mask too, with `keep` set and no expression.
 from __future__ import annotations
 
 import functools
-import json
 import re
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 
@@ -26,9 +24,11 @@ from maskcli.errors import MaskError
 from maskcli.intervals import Intervals, NotFew
 from maskcli.kinds import get as get_kind
 from maskcli.kinds.base import Labels
-from maskcli.kinds.values import from_file, is_file_value, parse_rows
 from maskcli.memory import check_dense_fits
 from maskcli.positions import Frame
+from maskcli.batchdata import longest, pad_side, padding, with_padding
+from maskcli.batchdata import tokens as words
+from maskcli.regions import bounds, parse_region, region  # noqa: F401  (parse_region: for the commands)
 from maskcli.text import shortened
 
 
@@ -76,8 +76,8 @@ class Mask:
         """A view of queries rows[0]..rows[1]-1 and keys keys[0]..keys[1]-1 (absolute positions; None: to the
         edge): the same mask, labels and padding kept from the whole, shown over a region."""
         f = self.frame
-        (q_lo, q_hi), (k_lo, k_hi) = (_bounds(rows, f.q_start, f.q_end, "--rows", "queries"),
-                                      _bounds(keys, f.k_start, f.k_end, "--keys", "keys"))
+        (q_lo, q_hi), (k_lo, k_hi) = (bounds(rows, f.q_start, f.q_end, "--rows", "queries"),
+                                      bounds(keys, f.k_start, f.k_end, "--keys", "keys"))
         view = replace(f, q_start=q_lo, q_len=q_hi - q_lo, k_start=k_lo, k_len=k_hi - k_lo)
         if self.keep is not None:
             keep = self.keep[:, :, q_lo - f.q_start : q_hi - f.q_start, k_lo - f.k_start : k_hi - f.k_start]
@@ -134,15 +134,17 @@ class Mask:
     def _intervals(self):
         if self.tree is None:
             return None, "a tensor's cells are read as they are"
-        # a few int64 arrays of (B, Lq, K) live at once while intervals combine
+        # a few int64 arrays of (B, Lq, K) live at once while intervals combine; checked before labels from
+        # sizes are made (kinds.base.Labels), so a 10^9-token document is refused here in O(1)
+        sized = any(term.kind.sequence is not None for term in terms.terms(self.tree))
         check_dense_fits(
             (self.batch, self.frame.q_len), 8 * 2 * 6, "for its key intervals", what="a mask of",
-            fix="use a smaller --len: maskcli keeps a few integers per query row",
+            fix=f"use {'fewer positions in its labels' if sized else 'a smaller --len'}: maskcli keeps a few integers per query row",
         )
         try:
             if self.whole is None:
                 return terms.intervals(self.tree, self.frame), None
-            return _region(terms.intervals(self.tree, self.whole), self.whole, self.frame), None
+            return region(terms.intervals(self.tree, self.whole), self.whole, self.frame), None
         except NotFew as reason:
             return None, str(reason)
 
@@ -171,6 +173,20 @@ class Mask:
     @property
     def why_not_exact(self) -> str | None:
         return self._intervals[1]
+
+    @functools.cached_property
+    def counted(self):
+        """Where the intervals are not few but the mask is one kind that counts its keys itself (Kind.counts),
+        with the flags' key padding: that kind's counts (keys_below(b, positions)); else None."""
+        if self.tree is None or self.exact:
+            return None
+        tree = ex.simplified(self.tree)
+        items = tree.items if isinstance(tree, ex.And) else (tree,)
+        padding = [item for item in items if isinstance(item, terms.Term) and item.kind.name == "padding"]
+        rest = [item for item in items if item not in padding]
+        if len(rest) != 1 or not isinstance(rest[0], terms.Term) or rest[0].kind.counts is None:
+            return None
+        return rest[0].kind.counts(rest[0].values, self.frame, self.frame.key_valid if padding else None)
 
     @property
     def causal(self) -> bool:
@@ -282,38 +298,6 @@ class Mask:
         return data
 
 
-def _region(found: Intervals, whole: Frame, view: Frame) -> Intervals:
-    """The intervals of the whole mask, on the rows and keys of a region of it."""
-    starts, ends = found.starts, found.ends
-    if starts.shape[1] > 1:
-        lo, hi = view.q_start - whole.q_start, view.q_end - whole.q_start
-        starts, ends = starts[:, lo:hi], ends[:, lo:hi]
-    return Intervals.of(starts, ends, view.k_start, view.k_end)
-
-
-def _bounds(given: tuple[int | None, int | None], low: int, high: int, flag: str, what: str) -> tuple[int, int]:
-    start = low if given[0] is None else given[0]
-    end = high if given[1] is None else given[1]
-    if not low <= start < end <= high:
-        shown = f"{'' if given[0] is None else given[0]}:{'' if given[1] is None else given[1]}"
-        raise MaskError(f"{flag} {shown} is outside the {what} {low}-{high - 1} of this mask (or empty): give A:B with "
-                        f"{low} <= A < B <= {high}, either side left open")
-    return start, end
-
-
-def parse_region(text: str | None, flag: str) -> tuple[int | None, int | None]:
-    """'A:B', 'A:' or ':B' -> (A, B) with None for an open side (absolute positions)."""
-    if text is None:
-        return (None, None)
-    parts = text.split(":")
-    try:
-        if len(parts) != 2:
-            raise ValueError
-        return tuple(int(part) if part.strip() else None for part in parts)  # type: ignore[return-value]
-    except ValueError:
-        raise MaskError(f"{flag} {shortened(text, 40)!r} is not a range: give A:B (absolute positions, B not included), like 200:216, 4000: or :64") from None
-
-
 @functools.lru_cache(maxsize=8)
 def _cached_predicate(mask: Mask, device):
     return mask.predicate(device)
@@ -346,17 +330,17 @@ def build(expression: str, options: MaskOptions | None = None, default_length: i
     tree = ex.parse(expression)
     resolved, used = terms.resolve(tree, options.params, expression, kinds)
     terms.check_flags_used(resolved, options.params, used, expression)
-    lengths, ids = _padding(options)
-    tokens = _tokens(options.tokens) if options.tokens is not None else None
+    lengths, ids = padding(options)
+    tokens = words(options.tokens) if options.tokens is not None else None
     sequence = _sequence(resolved, ids, tokens)
     queries = [term.kind.queries(term.values) for term in terms.terms(resolved) if term.kind.queries]
     q_start, q_len, k_start, k_len = pos.resolve(
         length=options.length, offset=options.offset, kv_start=options.kv_start, kv_len=options.kv_len,
-        align=options.align, sequence=sequence[0] if sequence else _longest(lengths), queries=queries[0] if queries else None,
+        align=options.align, sequence=sequence[0] if sequence else longest(lengths), queries=queries[0] if queries else None,
         default=default_length or pos.DEFAULT_LEN,
     )
     frame = Frame(q_start, q_len, k_start, k_len)
-    frame = _with_padding(frame, lengths, ids, options.pad_id, _pad_side(options))
+    frame = with_padding(frame, lengths, ids, options.pad_id, pad_side(options))
     warnings: list[str] = []
     for what, count in sequence:
         pos.data_length(what, count, frame)
@@ -371,75 +355,6 @@ def build(expression: str, options: MaskOptions | None = None, default_length: i
     return Mask(terms.text(resolved), frame, batch, options.heads, tree, resolved, tokens, None, tuple(warnings))
 
 
-def _padding(options: MaskOptions) -> tuple[tuple[int, ...] | None, np.ndarray | None]:
-    if options.lengths is not None and options.ids is not None:
-        raise MaskError("give either --lengths or --ids, not both")
-    lengths = ids = None
-    if options.lengths is not None:
-        if is_file_value(options.lengths):
-            rows = [row for row in from_file(options.lengths, f"--lengths {options.lengths!r}").array]
-        else:
-            rows = parse_rows(options.lengths, "--lengths", "4,2")
-        if len(rows) > 1:
-            raise MaskError(f"--lengths {shortened(options.lengths, 60)!r}: one length per batch row, in one row (like 4,2); ';' or lines are for --ids")
-        lengths = tuple(rows[0].tolist())
-        for value in lengths:
-            if value < 0:
-                raise MaskError(f"--lengths values must be 0 or more, got {value} in {shortened(options.lengths, 60)!r}")
-    if options.ids is not None:
-        if is_file_value(options.ids):
-            return lengths, from_file(options.ids, f"--ids {options.ids!r}").array
-        rows = parse_rows(options.ids, "--ids", "1,2,3,0;4,5,0,0")
-        widths = [len(row) for row in rows]  # in row order, so the message reads against what was typed
-        if len(set(widths)) > 1:
-            raise MaskError(f"--ids {shortened(options.ids, 60)!r}: the batch rows have {', '.join(map(str, widths[:8]))}{', ...' if len(widths) > 8 else ''} tokens, in that order: pad every row to the same length with the pad id")
-        ids = np.asarray(rows, dtype=np.int64)
-    return lengths, ids
-
-
-def _pad_side(options: MaskOptions) -> str:
-    if options.pad is None:
-        return "right"
-    if options.pad not in ("left", "right"):
-        raise MaskError(f"unknown --pad {options.pad!r}: choose left or right (Hugging Face's padding_side)")
-    if options.lengths is None:
-        raise MaskError(f"--pad {options.pad} says where --lengths puts the padding: give --lengths too"
-                        + (" (--ids shows the padding where it is)" if options.ids is not None else ""))
-    return options.pad
-
-
-def _tokens(text: str) -> tuple[str, ...]:
-    """--tokens: the words, or a file of them (.txt: words separated by white space; .json: a list; .npy or .pt:
-    token ids, shown as numbers)."""
-    if is_file_value(text) and len(text.split()) == 1:
-        path = Path(text)
-        where = f"--tokens {text!r}"
-        if path.suffix.lower() in (".txt", ".json"):
-            from maskcli.files import readable_file, state
-
-            if state(path) == "missing":
-                raise MaskError(f"{where}: no such file (to label a position with that word, give more than one word)")
-            readable_file(text, where)
-            try:
-                content = path.read_text()
-                words = content.split() if path.suffix.lower() == ".txt" else json.loads(content)
-            except (OSError, UnicodeDecodeError, ValueError) as error:
-                raise MaskError(f"{where}: cannot read words from it ({' '.join(str(error).split())[:120]})") from None
-            if not isinstance(words, list) or not all(isinstance(word, (str, int)) and not isinstance(word, bool) for word in words):
-                raise MaskError(f"{where}: a .json of tokens is one list of words or ids, like [\"Your\", \"journey\"]")
-            words = [str(word) for word in words]
-        else:
-            array = from_file(text, where).array
-            if array.shape[0] != 1:
-                raise MaskError(f"{where}: the file holds {array.shape[0]} rows of token ids; --tokens labels one row")
-            words = [str(value) for value in array[0].tolist()]
-    else:
-        words = text.split()
-    if not words:
-        raise MaskError(f"--tokens {shortened(text, 60)!r} has no words: give one word per position")
-    return tuple(words)
-
-
 def _sequence(tree, ids, tokens) -> list[tuple[str, int]]:
     """What says how long the sequence is: (what, count) for labels, --ids and --tokens."""
     found = []
@@ -452,37 +367,6 @@ def _sequence(tree, ids, tokens) -> list[tuple[str, int]]:
     if tokens is not None:
         found.append((f"--tokens {shortened(' '.join(tokens), 60)!r}", len(tokens)))
     return found
-
-
-def _longest(lengths) -> tuple[str, int] | None:
-    """Without --len or labels, the longest of --lengths is the sequence (padded to it)."""
-    return ("the longest of --lengths", max(lengths)) if lengths else None
-
-
-def _with_padding(frame: Frame, lengths, ids, pad_id: int, pad_side: str = "right") -> Frame:
-    n = frame.n
-    if lengths is not None:
-        for value in lengths:
-            if value > n:
-                raise MaskError(
-                    f"length {value} in --lengths is larger than the sequence ({n} positions, {frame.describe()}): "
-                    "raise --len or shorten the length"
-                )
-        check_dense_fits((len(lengths), n), 1, "for the key padding", fix="use fewer batch rows or a shorter sequence")
-        valid = np.arange(n)[None, :] < np.asarray(lengths)[:, None]
-        if pad_side == "left":
-            valid = valid[:, ::-1].copy()
-        return replace(frame, key_valid=valid, lengths=lengths, pad_side=pad_side)
-    if ids is not None:
-        if abs(pad_id) > 1 << 62:  # as every id is checked: past it no id can be the pad id
-            raise MaskError(f"--pad-id {pad_id} is too large (at most ±{1 << 62:,}, as every id is)")
-        if ids.shape[1] != n:
-            raise MaskError(
-                f"--ids rows have {ids.shape[1]} tokens but the sequence has {n} positions ({frame.describe()}): "
-                "give one id per position"
-            )
-        return replace(frame, key_valid=ids != pad_id, ids=ids, pad_id=pad_id)
-    return frame
 
 
 def _batch(tree, frame: Frame) -> int:

@@ -83,6 +83,8 @@ def row_counts(mask: Mask, b: int, h: int = 0, progress=None) -> np.ndarray:
     if mask.exact:
         counts = mask.intervals().counts()
         return np.broadcast_to(counts[b if counts.shape[0] > 1 else 0], (f.q_len,))
+    if mask.counted is not None:
+        return next(mask.counted.keys_below(b, [f.k_end]))
     check_cell_by_cell((mask,))
     out = np.empty(f.q_len, dtype=np.int64)
     for lo, hi in bands((mask,), f.q_len, progress):

@@ -84,9 +84,10 @@ def resolve(tree, flags: dict[str, object], source: str, extra: dict[str, Kind] 
     """
     used: list[str] = []
     extra = extra or {}
+    quoted = repr(shortened(source, 200))  # once: a chain of 10,000 calls is not quoted 10,000 times
 
     def bind(call: ex.Call) -> Term:
-        kind = extra.get(call.name) or get_kind(call.name, where=repr(source) if source != call.name else None)
+        kind = extra.get(call.name) or get_kind(call.name, where=quoted if source != call.name else None)
         where = shortened(ex.call_text(call), 60)
         values = _from_call(kind, call, where) if call.called else _from_flags(kind, flags, used)
         for param in kind.params:
@@ -213,20 +214,29 @@ def check_flags_used(tree, flags: dict, used: list[str], source: str) -> None:
 
 
 def intervals(tree, frame: Frame) -> Intervals:
-    """Per-row key intervals of the whole tree (may raise intervals.NotFew)."""
+    """Per-row key intervals of the whole tree (may raise intervals.NotFew), repeated terms folded first
+    (expression.simplified): each pass of a term is over every query row."""
+    return _intervals(ex.simplified(tree), frame)
+
+
+def _intervals(tree, frame: Frame) -> Intervals:
     if isinstance(tree, ex.And):
-        return functools.reduce(lambda a, b: a & b, (intervals(item, frame) for item in tree.items))
+        return functools.reduce(lambda a, b: a & b, (_intervals(item, frame) for item in tree.items))
     if isinstance(tree, ex.Or):
-        return functools.reduce(lambda a, b: a | b, (intervals(item, frame) for item in tree.items))
+        return functools.reduce(lambda a, b: a | b, (_intervals(item, frame) for item in tree.items))
     if isinstance(tree, ex.Not):
-        return ~intervals(tree.item, frame)
+        return ~_intervals(tree.item, frame)
     return tree.kind.intervals(tree.values, frame)
 
 
 def predicate(tree, frame: Frame, device):
-    """mask_mod(b, h, q, kv) on absolute positions for the whole tree (torch)."""
+    """mask_mod(b, h, q, kv) on absolute positions for the whole tree (torch), repeated terms folded first."""
+    return _predicate(ex.simplified(tree), frame, device)
+
+
+def _predicate(tree, frame: Frame, device):
     if isinstance(tree, ex.And):
-        parts = [predicate(item, frame, device) for item in tree.items]
+        parts = [_predicate(item, frame, device) for item in tree.items]
 
         def and_mask(b, h, q_idx, kv_idx):
             result = parts[0](b, h, q_idx, kv_idx)
@@ -236,7 +246,7 @@ def predicate(tree, frame: Frame, device):
 
         return and_mask
     if isinstance(tree, ex.Or):
-        parts = [predicate(item, frame, device) for item in tree.items]
+        parts = [_predicate(item, frame, device) for item in tree.items]
 
         def or_mask(b, h, q_idx, kv_idx):
             result = parts[0](b, h, q_idx, kv_idx)
@@ -246,7 +256,7 @@ def predicate(tree, frame: Frame, device):
 
         return or_mask
     if isinstance(tree, ex.Not):
-        inner = predicate(tree.item, frame, device)
+        inner = _predicate(tree.item, frame, device)
 
         def not_mask(b, h, q_idx, kv_idx):
             return ~inner(b, h, q_idx, kv_idx)

@@ -2,7 +2,7 @@
 
     base      errors text memory positions intervals conventions files tensorfile
     kinds     kinds/*                      (each kind defined once)
-    model     expression terms mask counting summary blockmask diff usermods
+    model     expression terms mask batchdata regions counting summary blockmask diff usermods
     engines   attention/* inspect/*        (torch; they do not import each other)
     render    render/*                     (rich, matplotlib)
     commands  commands/*                   (typer; the only place that prints an error and exits)
@@ -20,7 +20,7 @@ LAYERS = {
     "base": 0, "kinds": 1, "model": 2, "attention": 3, "inspect": 3, "render": 4, "commands": 5,
 }
 BASE = {"errors", "text", "memory", "positions", "intervals", "conventions", "files", "tensorfile", "__init__", "__main__"}
-MODEL = {"expression", "terms", "mask", "counting", "summary", "blockmask", "diff", "usermods"}
+MODEL = {"expression", "terms", "mask", "batchdata", "regions", "counting", "summary", "blockmask", "diff", "usermods"}
 MAX_LINES = 400
 
 

@@ -647,6 +647,24 @@ def test_grid_needs_summary_json_and_json_of_a_huge_mask_points_to_summary():
     assert huge.exit_code == 2 and "--summary --json for exact counts at any length" in huge.stderr
 
 
+def test_json_cells_past_what_json_prints_are_refused_before_any_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    most = 1 << 22  # 2,048 x 2,048 cells: printed whole (about 12 MB)
+    whole = ok(["show", "causal", "--len", 2048, "--json"])
+    cells = np.array(json.loads(whole.stdout)["mask"], dtype=bool)
+    assert cells.size == most and np.array_equal(cells[0, 0], np.tril(np.ones((2048, 2048), dtype=bool)))
+    for args, count in ((["--len", 2049], 2049**2), (["--len", 1024, "--heads", 5], 5 * 1024**2), (["--len", 20000], 20000**2)):
+        result = invoke(["show", "causal", *args, "--json", "--save", "m.npy", "--png", "m.png"])
+        assert result.exit_code == 2 and result.stdout == "", result.output
+        assert result.stderr == (
+            f"maskcli: error: --json would list {count:,} mask cells, past the {most:,} it prints: use a smaller --len, "
+            "or --summary --json for exact counts at any length (--save writes the cells to a .npy or .pt file)\n"
+        )
+    assert list(tmp_path.iterdir()) == []
+    summary = ok(["show", "causal", "--len", 20000, "--summary", "--json"])  # counts have no such limit
+    assert json.loads(summary.stdout)["visible_cells"] == 20000 * 20001 // 2
+
+
 def test_the_progress_bar_appears_only_after_a_second(monkeypatch):
     from maskcli.commands import progress as module
 

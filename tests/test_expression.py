@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from maskcli.errors import MaskError
-from maskcli.expression import And, Call, Ints, Not, Or, Text, both, either, leaves, parse, print_tree
+from maskcli.expression import And, Call, Ints, Not, Or, Text, both, either, leaves, parse, print_tree, simplified
 
 names = st.sampled_from(["causal", "window", "document", "tril", "x", "my_kind2"])
 ints = st.integers(-(10**12), 10**12)
@@ -114,3 +114,72 @@ def test_any_text_parses_or_is_one_mask_error(text):
         parse(text)
     except MaskError as error:
         assert "\n" not in str(error)
+
+
+# --- folding repeats: the same Boolean function of the leaves, fewer items ----------------------------------
+
+few_leaves = st.sampled_from([Call("a"), Call("b"), Call("c"), Call("window", Ints(((3,),)), called=True)])
+repeating_trees = st.recursive(
+    few_leaves,
+    lambda inner: st.one_of(
+        inner.map(Not),
+        st.lists(inner, min_size=2, max_size=4).map(lambda items: both(*items)),
+        st.lists(inner, min_size=2, max_size=4).map(lambda items: either(*items)),
+    ),
+    max_leaves=12,
+)
+
+
+def truth(tree, value: dict) -> bool:
+    """The tree's value when each leaf has the truth value `value[leaf]` (an independent evaluator)."""
+    if isinstance(tree, And):
+        return all(truth(item, value) for item in tree.items)
+    if isinstance(tree, Or):
+        return any(truth(item, value) for item in tree.items)
+    if isinstance(tree, Not):
+        return not truth(tree.item, value)
+    return value[tree]
+
+
+@settings(max_examples=400, deadline=None)
+@given(repeating_trees)
+def test_folding_repeats_keeps_the_boolean_function_of_every_leaf(tree):
+    import itertools
+
+    folded = simplified(tree)
+    names = list(dict.fromkeys(leaves(tree)))
+    for bits in itertools.product([False, True], repeat=len(names)):
+        value = dict(zip(names, bits))
+        assert truth(folded, value) == truth(tree, value), (print_tree(tree), print_tree(folded), bits)
+    assert len(leaves(folded)) <= len(leaves(tree))
+    assert simplified(folded) == folded
+    assert parse(print_tree(folded)) == folded  # still a tree the grammar prints and reads back
+
+
+@pytest.mark.parametrize(
+    ("text", "folded"),
+    [
+        ("a & a & a", "a"),
+        ("a | a", "a"),
+        ("~~a", "a"),
+        ("a & (a | b)", "a"),
+        ("a | b & a", "a"),
+        ("a & b & a & (c | b)", "a & b"),
+        ("(a & b) & (b & a)", "a & b"),
+        ("window(3) & window(5) & window(3)", "window(3) & window(5)"),  # different leaves stay
+        ("~(a & a) | ~a", "~a"),
+    ],
+)
+def test_folding_examples(text, folded):
+    assert print_tree(simplified(parse(text))) == folded
+
+
+@pytest.mark.parametrize("join", [" & ", " | ", " & ~"])
+def test_a_chain_of_ten_thousand_terms_parses_without_recursing_per_term(join):
+    text = join.join(["window(3)"] * 10_000)
+    tree = parse(text)
+    assert len(leaves(tree)) == 10_000
+    assert isinstance(tree, And if "&" in join else Or) and len(tree.items) == 10_000
+    assert print_tree(tree) == text
+    expected = "window(3) & ~window(3)" if "~" in join else "window(3)"
+    assert print_tree(simplified(tree)) == expected

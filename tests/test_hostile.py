@@ -66,6 +66,7 @@ CASES = [
     (["show", "padding", "--lengths", str(10**12), "--json"], "would need"),
     (["show", "causal", "--len", str(2**40), "--json"], "would need"),
     (["show", "causal", "--len", str(2**40), "--save", "big.pt"], "would need"),
+    (["show", "causal", "--len", "20000", "--json"], "--json would list 400,000,000 mask cells"),  # was minutes of printing
     (["chunk", "0,0,1", "--len", str(2**40), "--save", "big.npy"], "chunk(0,0,1)"),
     # files: missing, not files, damaged, hostile
     (["inspect", LONG + ".pt"], "aaaa"),
@@ -272,6 +273,43 @@ def test_the_table_is_large_and_covers_every_command():
     assert {"show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds"} <= commands
 
 
+# --- slow corners: exact and quick where the math allows, else refused up front -----------------------------
+
+
+def chain(n: int) -> str:
+    return " & ".join(["window(3)"] * n)
+
+
+MILLION = 1 << 20
+FINISH = [  # the exact command lines of issue 18; the expected counts from closed forms written here
+    (["show", chain(1_000), "--len", str(MILLION), "--summary"], f"visible cells: {3 * MILLION - 3:,} of {MILLION**2:,}"),
+    (["show", chain(10_000), "--len", str(MILLION), "--summary"], f"visible cells: {3 * MILLION - 3:,} of {MILLION**2:,}"),
+    # 50,000 document ids cycling through 7 values: query q sees the q // 7 + 1 keys of its id up to itself
+    (["show", f"document({','.join(str(i % 7) for i in range(50_000))})", "--summary"],
+     f"visible cells: {sum(q // 7 + 1 for q in range(50_000)):,} of {50_000**2:,} (7.14%) · exact, from running counts per label"),
+]
+
+
+@pytest.mark.parametrize("args, says", FINISH, ids=[" ".join(a)[:60] + f" ({len(' '.join(a)):,} chars)" for a, _ in FINISH])
+def test_slow_corners_finish_exactly(args, says):
+    result = maskcli(*args, timeout=300)  # a hang guard, not a timing: they take about a second here
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-500:]
+    assert says in result.stdout, result.stdout[:500]
+
+
+def test_a_billion_token_document_is_refused_before_anything_is_made():
+    import resource
+
+    def limit():  # 12 GiB: room for the 8 GB of labels it used to make before the guard, not for its 89 GiB of rows
+        resource.setrlimit(resource.RLIMIT_AS, (12 << 30, 12 << 30))
+
+    result = maskcli("show", "document(sizes=[1000000000])", "--summary", preexec_fn=limit, timeout=300)
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(
+        "maskcli: error: a mask of 1 x 1000000000 would need 89.4 GiB (96,000,000,000 bytes) for its key intervals"
+    ) and result.stderr.rstrip().endswith("use fewer positions in its labels: maskcli keeps a few integers per query row")
+
+
 # --- a full disk, and other failures while writing ---------------------------------------------------
 
 
@@ -426,7 +464,7 @@ def test_an_ascii_terminal_gets_question_marks_not_a_traceback():
 
 def test_a_closed_pipe_stops_quietly():
     process = subprocess.Popen(
-        [sys.executable, "-m", "maskcli", "show", "causal", "--len", "3000", "--json"],
+        [sys.executable, "-m", "maskcli", "show", "causal", "--len", "2000", "--json"],  # 4M cells, the most --json prints
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "MASKCLI_DEVICE": "cpu"},
     )
     process.stdout.read(10)

@@ -8,6 +8,8 @@ import shlex
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import definitions as ref
 import maskcli.kinds as package
@@ -121,6 +123,39 @@ def test_lookback_and_local_documents_check_their_parameters():
         build("local(2, documents=[0,0,1])", length=4)
     with pytest.raises(MaskError, match="batch rows do not agree"):
         build("local(2, documents=[0,0,1,1;0,1,1,1;1,1,1,1])", lengths="4,4")
+@st.composite
+def label_counts_cases(draw):
+    """A same-label kind, labels (rows x n), where the queries and keys sit, key padding, and positions to count below."""
+    name = draw(st.sampled_from(["document", "segment", "blocks"]))
+    n = draw(st.integers(1, 12))
+    rows = draw(st.integers(1, 2))
+    labels = draw(st.lists(st.lists(st.integers(-1 if name == "blocks" else 0, 2), min_size=n, max_size=n), min_size=rows, max_size=rows))
+    q_start, k_start = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))
+    q_len, k_len = (n - q_start, n - k_start) if draw(st.booleans()) else (draw(st.integers(1, n - q_start)), n - k_start)
+    valid = draw(st.one_of(st.none(), st.lists(st.lists(st.booleans(), min_size=n, max_size=n), min_size=1, max_size=rows)))
+    below = sorted(draw(st.lists(st.integers(k_start, k_start + k_len), min_size=1, max_size=5)))
+    return name, labels, (q_start, q_len, k_start, k_len), valid, below
+
+
+@settings(max_examples=300, deadline=None)
+@given(label_counts_cases())
+def test_same_label_kinds_count_their_keys_as_the_definition_does(case):
+    from maskcli.kinds.base import Labels
+    from maskcli.positions import Frame
+
+    name, labels, (q0, lq, k0, lk), valid, below = case
+    frame = Frame(q0, lq, k0, lk)
+    array = np.array(labels, dtype=np.int64)
+    counts = get(name).counts({"labels": Labels(array, "inline", "")}, frame, None if valid is None else np.array(valid))
+    for b in range(max(len(labels), len(valid or [0]))):
+        got = list(counts.keys_below(b, below))
+        for x, row in zip(below, got):
+            expected = [
+                sum(ref.kind_keeps(name, {"labels": labels}, b, q, kv, {}) and (valid is None or ref._row(valid, b)[kv])
+                    for kv in range(k0, x))
+                for q in range(q0, q0 + lq)
+            ]
+            assert row.tolist() == expected, (b, x)
 
 
 def test_many_image_blocks_keep_few_intervals():

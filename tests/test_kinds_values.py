@@ -66,6 +66,14 @@ def test_sizes_give_one_label_per_segment(rows):
     assert labels.text == "sizes=[" + ";".join(",".join(map(str, r)) for r in rows) + "]"
 
 
+def test_labels_from_sizes_are_made_on_first_use():
+    labels = from_sizes([[10**9]], "sizes")  # 8 GB of labels, were they made now
+    assert (labels.rows, labels.length) == (1, 10**9) and "array" not in labels.__dict__
+    small = from_sizes([[2, 1], [1, 2]], "sizes")
+    assert (small.rows, small.length) == (2, 3) and small.array.tolist() == [[0, 0, 1], [0, 1, 1]]
+    assert small == from_sizes([[2, 1], [1, 2]], "again") and small != from_sizes([[1, 2], [2, 1]], "sizes")
+
+
 def test_sizes_must_cover_the_same_positions_and_be_positive():
     with pytest.raises(MaskError, match="add up to different lengths"):
         from_sizes([[1, 2], [2, 2]], "sizes")

@@ -38,6 +38,40 @@ def test_random_expressions_equal_the_definitions(case):
         assert np.array_equal(counts, expected.sum(-1))
 
 
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cases(), st.integers(0, 4))
+def test_repeated_and_absorbed_terms_are_the_same_mask(case, form):
+    """maskcli folds repeats before it evaluates (A & A, A | (A & B), ~~A): the cells stay the definitions'."""
+    tree, options, frame, valid = case
+    other = ("kind", "window", {"window": 2})
+    repeated = [
+        ("and", [tree, tree, tree]),
+        ("or", [tree, ("and", [tree, other])]),
+        ("and", [tree, ("or", [other, tree])]),
+        ("not", ("not", tree)),
+        ("and", [("or", [tree, tree]), ("and", [tree, tree])]),
+    ][form]
+    built = build(ref.text(repeated), MaskOptions(**options))
+    expected = expected_cells(tree, options, frame, valid, built.batch)
+    assert np.array_equal(np.broadcast_to(built.dense()[:, 0], expected.shape), expected)
+    assert np.array_equal(built.materialize().numpy()[:, 0], expected)
+
+
+def test_a_chain_of_one_term_is_evaluated_once(monkeypatch):
+    from maskcli.intervals import Intervals
+
+    combined = []
+    for operator in ("__and__", "__or__"):
+        real = getattr(Intervals, operator)
+        monkeypatch.setattr(Intervals, operator, lambda a, b, real=real: combined.append(1) or real(a, b))
+    n = 1 << 20
+    built = build(" & ".join(["window(3)"] * 10_000), length=n)
+    counts = built.intervals().counts()[0]
+    assert combined == []  # no pass over the rows per term
+    assert counts[:3].tolist() == [1, 2, 3] and (counts[2:] == 3).all() and counts.shape == (n,)
+    assert built.text == " & ".join(["window(3)"] * 10_000)  # the name stays as written
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(cases())
 def test_flex_create_mask_with_the_exported_mask_mod_agrees(case):
@@ -350,6 +384,22 @@ def test_a_mask_is_immutable_and_its_dense_form_is_guarded(monkeypatch):
 def test_intervals_of_an_impossible_length_are_refused_up_front():
     with pytest.raises(MaskError, match="for its key intervals"):
         build("causal", length=10**12).exact
+
+
+def test_a_billion_token_document_is_refused_before_its_labels_are_made(monkeypatch):
+    from maskcli import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda device=None: 32 << 30)  # room for the labels, not the rows
+    built = build("document(sizes=[1000000000])")
+    assert built.shape == (1, 1, 10**9, 10**9)
+    with pytest.raises(MaskError) as error:
+        built.exact
+    assert str(error.value) == (
+        "a mask of 1 x 1000000000 would need 89.4 GiB (96,000,000,000 bytes) for its key intervals, but only 32.0 GiB "
+        "is free: use fewer positions in its labels: maskcli keeps a few integers per query row"
+    )
+    labels = built.tree.values["labels"]
+    assert "array" not in labels.__dict__  # nothing of 10^9 positions was made
 
 
 # --- Hugging Face style masks, written here the way masking_utils writes them ----------------------

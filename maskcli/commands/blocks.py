@@ -66,14 +66,12 @@ def blocks(
     from maskcli.blockmask import layout
     from maskcli.commands.progress import progress
     from maskcli.render import blocks as render
+    from maskcli.render import check_json_size
 
     f = built.frame
     n_q, n_kv = -(-f.q_len // q_block), -(-f.k_len // kv_block)
-    if json_ and built.batch * built.heads * n_q * n_kv > render.JSON_MAX_INDICES:
-        raise MaskError(
-            f"--json would list {built.batch * built.heads * n_q * n_kv:,} block indices: save them with --save blocks.pt, "
-            "or use a larger --block"
-        )
+    if json_:
+        check_json_size(built.batch * built.heads * n_q * n_kv, "block indices", "save them with --save blocks.pt, or use a larger --block")
     if save_path is not None:  # the four int32 tensors at the mask's B and H, refused before any block is counted
         from maskcli.memory import check_bytes_fit
 

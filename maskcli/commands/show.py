@@ -97,6 +97,10 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
     from maskcli.inspect.given import build_any
 
     mask = build_any(expression, options)
+    if json_out and not output.summary:  # before any file is written: --json of the cells is refused whole or printed whole
+        from maskcli.render.masks import check_mask_json
+
+        check_mask_json(mask)
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", mask.slug) if png is not None else None
     save_path = check_output_path(save, TENSOR_SUFFIXES, "--save", mask.slug) if save is not None else None
     if save_path is not None and save_path.suffix.lower() == ".npy" and dtype_name == "bfloat16" and convention in ("additive", "min"):
@@ -140,21 +144,16 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
 
 
 def empty_rows(mask: Mask) -> str | None:
-    """'2 query rows see no key (3-4 of batch row 1)'; from the intervals, or from the cells up to a few million."""
-    import numpy as np
-
-    from maskcli.summary import spans
+    """'2 query rows see no key (3-4 of batch row 1)'; from the intervals or a kind's own counts, else from the
+    cells up to a few million."""
+    from maskcli.summary import row_counts, spans
 
     f = mask.frame
-    if not mask.exact and mask.batch * f.q_len * f.k_len > 1 << 24:
+    if not mask.exact and mask.counted is None and mask.batch * f.q_len * f.k_len > 1 << 24:
         return None
     count, parts = 0, []
     for b in range(mask.batch):
-        if mask.exact:
-            counts = mask.intervals().counts()
-            seen = np.broadcast_to(counts[b if counts.shape[0] > 1 else 0], (f.q_len,)) > 0
-        else:
-            seen = mask.cells(b).any(axis=1)
+        seen = row_counts(mask, b) > 0
         if not seen.all():
             count += int((~seen).sum())
             runs = spans(~seen, f.q_start, 5)

@@ -9,6 +9,7 @@ registry collects every module of this package, so adding a kind is one module.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,16 +67,30 @@ class Param:
 
 @dataclass(frozen=True, eq=False)
 class Labels:
-    """Integer labels per absolute position, one row or one per batch row, and how they were written."""
+    """Integer labels per absolute position, one row or one per batch row, and how they were written.
 
-    array: np.ndarray  # int64 (R, n)
+    `made` is the array, or what makes it on first use of `array`: labels from segment sizes
+    are two numbers until a view needs them, so the mask's memory guards, which read only the
+    shape, refuse `document(sizes=[1000000000])` before 8 GB of labels exist.
+    """
+
+    made: np.ndarray | Callable[[], np.ndarray]  # int64 (R, n), or a function that returns it
     form: str  # "inline", "sizes" or "file"
     text: str  # as it prints inside the call: 0,0,1,1 / sizes=[3,5] / "labels.npy"
+    shape: tuple[int, int] | None = None  # (R, n); read off the array where not given
+
+    def __post_init__(self):
+        if self.shape is None:
+            object.__setattr__(self, "shape", tuple(self.made.shape))
+
+    @functools.cached_property
+    def array(self) -> np.ndarray:
+        return self.made() if callable(self.made) else self.made
 
     def __eq__(self, other) -> bool:
         return (
-            isinstance(other, Labels) and (self.form, self.text) == (other.form, other.text)
-            and self.array.shape == other.array.shape and bool(np.array_equal(self.array, other.array))
+            isinstance(other, Labels) and (self.form, self.text, self.shape) == (other.form, other.text, other.shape)
+            and bool(np.array_equal(self.array, other.array))
         )
 
     def __hash__(self) -> int:
@@ -83,11 +98,11 @@ class Labels:
 
     @property
     def rows(self) -> int:
-        return self.array.shape[0]
+        return self.shape[0]
 
     @property
     def length(self) -> int:
-        return self.array.shape[1]
+        return self.shape[1]
 
     def as_json(self):
         rows = self.array.tolist()
@@ -132,6 +147,9 @@ class Kind:
     frame_data: bool = False  # reads the frame's batch data (padding), not only positions
     per_head: bool = False  # may differ from head to head (a user's mask_mod reads h); built-in kinds do not
     documents: bool = False  # its labels mark documents (document, segment): what a Param.documents takes
+    # exact visible keys per query row without intervals or cells, for a kind whose intervals may not be few:
+    # counts(params, frame, key_valid or None) -> an object with keys_below(b, ascending positions) (kinds/labels.py)
+    counts: Callable[[dict, Frame, Any], Any] | None = None
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)

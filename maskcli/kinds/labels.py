@@ -68,6 +68,62 @@ def run_starts(labels: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(np.where(new_run, np.arange(n, dtype=np.int64), 0), axis=1)
 
 
+class LabelCounts:
+    """Exact visible keys per query row of a same-label kind (document, segment, blocks), from running counts per label.
+
+    Labels that come back in thousands of runs (document ids cycling through 7 values) have
+    intervals that are not few, yet what a query sees before key position x is only how many
+    keys of its label come before x (and before the query itself, where causal): a count per
+    label kept as x grows. That is O(n log n) per batch row once, then O(Lq) per position
+    asked, with no cells. `valid` is the key padding of --lengths/--ids (bool (V, n)) or None.
+    """
+
+    def __init__(self, labels: np.ndarray, frame, valid, causal: bool, skip_negative: bool = False):
+        self.labels, self.frame, self.valid = labels, frame, valid
+        self.causal, self.skip_negative = causal, skip_negative
+        self._rows: dict[int, tuple] = {}
+
+    def _row(self, b: int) -> tuple:
+        if b not in self._rows:
+            f = self.frame
+            labels = self.labels[b if self.labels.shape[0] > 1 else 0]
+            weight = np.zeros(labels.shape[0], dtype=np.int64)  # 1 for a key that counts: in the keys, and real
+            weight[f.k_start : f.k_end] = 1
+            if self.valid is not None:
+                weight &= self.valid[b if self.valid.shape[0] > 1 else 0]
+            groups, group = np.unique(labels, return_inverse=True)
+            q = f.q_positions()
+            through = None
+            if self.causal:  # keys of its label at or before each position, by a running sum within each label
+                order = np.argsort(group, kind="stable")
+                running = np.cumsum(weight[order])
+                first = np.r_[True, group[order][1:] != group[order][:-1]]
+                before = (running - weight[order])[first]
+                within = np.empty_like(running)
+                within[order] = running - before[group[order]]
+                through = within[q]
+            seen = labels[q] >= 0 if self.skip_negative else None
+            self._rows[b] = (group, weight, group[q], through, seen, len(groups))
+        return self._rows[b]
+
+    def keys_below(self, b: int, positions):
+        """For ascending key positions, yield int64 (Lq,): per query row of batch row b, its visible keys before each."""
+        group, weight, group_q, through, seen, count = self._row(b)
+        q = self.frame.q_positions()
+        so_far = np.zeros(count, dtype=np.int64)  # per label: the keys that count before `done`
+        done = 0
+        for x in positions:
+            x = int(min(max(x, 0), len(group)))
+            np.add.at(so_far, group[done:x], weight[done:x])
+            done = max(done, x)
+            out = so_far[group_q]
+            if through is not None:  # a query before x sees its label's keys up to itself only
+                out = np.where(q < x, through, out)
+            if seen is not None:
+                out = np.where(seen, out, 0)
+            yield out
+
+
 def _segment_intervals(p, frame):
     return same_label(p["labels"].array, frame, "segment labels")
 
@@ -153,6 +209,8 @@ def _blocks_predicate(p, frame, device):
 
 
 def _chunk_check(p, frame, where):
+    if p["labels"].form == "sizes":  # 0,0,1,1,2,...: never down (and not built before the mask's memory guard)
+        return []
     labels = p["labels"].array
     down = labels[:, 1:] < labels[:, :-1]
     if down.any():
@@ -224,6 +282,7 @@ KINDS = (
         example="document(0,0,0,1,1)",
         intervals=_document_intervals,
         predicate=_document_predicate,
+        counts=lambda p, frame, valid: LabelCounts(p["labels"].array, frame, valid, causal=True),
         rank=11,
         recognise=_document_candidates,
         sequence=_sequence,
@@ -238,6 +297,7 @@ KINDS = (
         example="segment(0,0,1,1)",
         intervals=_segment_intervals,
         predicate=_segment_predicate,
+        counts=lambda p, frame, valid: LabelCounts(p["labels"].array, frame, valid, causal=False),
         rank=12,
         recognise=_document_candidates,
         sequence=_sequence,
@@ -251,6 +311,7 @@ KINDS = (
         example="causal | blocks(-1,-1,0,0,0,-1)",
         intervals=_blocks_intervals,
         predicate=_blocks_predicate,
+        counts=lambda p, frame, valid: LabelCounts(p["labels"].array, frame, valid, causal=False, skip_negative=True),
         rank=13,
         recognise=_blocks_candidates,
         sequence=_sequence,

@@ -65,8 +65,11 @@ def from_sizes(rows, where: str) -> Labels:
     from maskcli.memory import check_dense_fits
 
     check_dense_fits((len(sizes), totals[0]), 8, "", fix="use fewer or smaller sizes", what="labels")
-    labels = np.stack([np.repeat(np.arange(len(row), dtype=np.int64), row) for row in sizes])
-    return Labels(labels, "sizes", "sizes=[" + rows_text(rows) + "]")
+
+    def labels() -> np.ndarray:  # on first use: the mask's guards read the shape first (see Labels)
+        return np.stack([np.repeat(np.arange(len(row), dtype=np.int64), row) for row in sizes])
+
+    return Labels(labels, "sizes", "sizes=[" + rows_text(rows) + "]", shape=(len(sizes), totals[0]))
 
 
 def parse_rows(text: str, where: str, example: str = "0,0,1,1") -> list[np.ndarray]:

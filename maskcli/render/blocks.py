@@ -14,7 +14,6 @@ from maskcli.render.masks import shape_text
 SYMBOLS = {FULL: "█", PARTIAL: "▒", EMPTY: "·"}
 MIXED = "▓"  # a character over several blocks, full and empty but none partial
 LEGEND = "█ full  ▒ partial (some cells masked)  · empty"
-JSON_MAX_INDICES = 1 << 22  # block indices past this are saved (--save), not printed
 
 
 def header(blocks: Blocks) -> str:

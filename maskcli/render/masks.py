@@ -7,6 +7,7 @@ commands print or save them. Nothing here imports torch.
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from maskcli.counting import block_shares, how_counted
 from maskcli.mask import Mask
 from maskcli.text import shortened
 from maskcli.memory import check_dense_fits
+from maskcli.render import check_json_size
 
 FIGURE_MAX_CELLS = 512  # per side; a longer mask is drawn as the share of visible cells per block
 TABLE_MAX_ROWS = 256  # a taller mask is a density map even when it is narrow
@@ -208,12 +210,21 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
     return views
 
 
+JSON_FIX = "use a smaller --len, or --summary --json for exact counts at any length"
+
+
+def check_mask_json(mask: Mask) -> None:
+    """Refuse the cells of `mask` as JSON that would not fit in memory, or that are more than --json prints."""
+    check_dense_fits(mask.shape, 12, "as JSON", fix=JSON_FIX)
+    check_json_size(math.prod(mask.shape), "mask cells", JSON_FIX + " (--save writes the cells to a .npy or .pt file)")
+
+
 def mask_json(mask: Mask, convention: str = "keep", dtype: str = "float32") -> str:
     """One JSON object; `mask` is nested [B][H][Lq][Lk] lists in `convention`: keep and int 0/1 (1 = may attend),
     block 0/1 (1 = masked), additive 0 / "-inf", min 0 / finfo(dtype).min."""
     from maskcli.conventions import FLOAT_MIN
 
-    check_dense_fits(mask.shape, 12, "as JSON", fix="use a smaller --len, or --summary --json for exact counts at any length")
+    check_mask_json(mask)
     keep = np.broadcast_to(mask.dense(), mask.shape)
     data = {**mask.json(), "name": mask.slug, "convention": convention}
     if convention in ("keep", "int", "block"):
