@@ -134,13 +134,15 @@ def _tokens(text: str) -> list[_Token]:
 
 
 def _error(text: str, at: int, problem: str, fix: str) -> MaskError:
-    """One line that quotes the expression (its 40 characters either side of a long one's bad spot) and points."""
+    """One line that quotes the expression (its 40 characters either side of a long one's bad spot) and says where,
+    with a pointer for a caret line under it (a terminal gets it)."""
     if len(text) <= 120:
-        return MaskError(f"mask expression {text!r}: {problem} at character {at + 1} ({text[:at]}>>{text[at:]}); {fix}")
-    before, after = text[max(0, at - 40) : at], text[at : at + 40]
-    where = f"{'...' if at > 40 else ''}{before}>>{after}{'...' if at + 40 < len(text) else ''}"
+        return MaskError(f"mask expression {text!r}: {problem} at character {at + 1}; {fix}", pointer=(text, at))
+    lead = "..." if at > 40 else ""
+    where = f"{lead}{text[max(0, at - 40) : at + 40]}{'...' if at + 40 < len(text) else ''}"
     problem = problem if len(problem) <= 120 else problem[:100] + "...'"
-    return MaskError(f"mask expression of {len(text):,} characters: {problem} at character {at + 1} ({where}); {fix}")
+    return MaskError(f"mask expression of {len(text):,} characters: {problem} at character {at + 1} ({where!r}); {fix}",
+                     pointer=(where, len(lead) + min(at, 40)))
 
 
 class _Parser:

@@ -140,3 +140,31 @@ def test_every_help_example_runs_as_written(tmp_path, monkeypatch, name, lines):
             continue  # shown for a GPU; run where there is one
         result = runner.invoke(app, shlex.split(line)[1:], env={"MASKCLI_DEVICE": "cpu"})
         assert result.exit_code in ((0, 1) if name == "diff" else (0,)), (line, result.output)
+
+
+def test_a_parse_error_on_a_terminal_gets_a_caret_under_the_text_and_one_line_elsewhere():
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    main, child = pty.openpty()
+    done = subprocess.run([sys.executable, "-m", "maskcli", "show", "causal & & window(3)"], stdout=subprocess.DEVNULL, stderr=child,
+                          timeout=60)
+    os.close(child)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(main)
+    lines = seen.decode().replace("\r", "").splitlines()
+    assert done.returncode == 2
+    assert lines[0].startswith("maskcli: error: mask expression 'causal & & window(3)': expected a kind name")
+    assert lines[1:] == ["  causal & & window(3)", "           ^"]  # under the second &, character 10
+    piped = subprocess.run([sys.executable, "-m", "maskcli", "show", "causal & & window(3)"], capture_output=True, text=True, timeout=60)
+    assert piped.stderr.count("\n") == 1 and ">>" not in piped.stderr

@@ -488,7 +488,7 @@ BAD = [
     (["show", "prefix", "--len", "4", "--prefix", "5"], ["prefix of 5", "4 tokens"]),
     (["show", "banana", "--save", "m.pt"], ["'banana'", "the kinds are full, causal"]),
     (["show", "windw(3)"], ["'windw'", "did you mean window?"]),
-    (["show", "causal & & window(3)", "--png", "m.png"], ["at character 10", "causal & >>& window(3)"]),
+    (["show", "causal & & window(3)", "--png", "m.png"], ["at character 10; "]),
     (["show", "causal & (window(3)"], ["expected ')'"]),
     (["show", "causal", "--png", "missing/m.png"], ["'missing'"]),
     (["show", "causal", "--save", "missing/deeper/m.pt"], ["'missing/deeper'"]),

@@ -73,7 +73,7 @@ class MaskcliGroup(TyperGroup):
             command = error.ctx.command_path if error.ctx else "maskcli"
             fail(f"{_usage_message(error, sys.argv[1:] if args is None else list(args)).rstrip('.')} (see '{command} --help')")
         except MaskError as error:
-            fail(str(error))
+            fail(str(error), error.pointer)
         except (_Interrupted, KeyboardInterrupt):
             typer.echo("maskcli: interrupted", err=True)
             code = 130
@@ -185,11 +185,15 @@ def _quiet(stream) -> None:
         pass
 
 
-def fail(message: str) -> None:
+def fail(message: str, pointer: tuple[str, int] | None = None) -> None:
+    """The error as one line on stderr, exit status 2; on a terminal, a caret under the text `pointer` names."""
     _pending.clear()  # a warning about input that is then refused would be a second line about the same thing
     one_line = " ".join(message.splitlines())  # a quoted value (a repr, say) may hold line breaks
     try:
         typer.echo(f"maskcli: error: {one_line}", err=True)
+        if pointer is not None and sys.stderr.isatty():
+            text, at = pointer
+            typer.echo(f"  {text}\n  {' ' * at}^", err=True)
     except (OSError, ValueError):  # stderr full or closed (2>/dev/full): the status still says what happened
         _quiet(sys.stderr)
     sys.exit(2)

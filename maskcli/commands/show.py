@@ -130,10 +130,14 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
             summary = summarise(mask, grid, update, with_grid=json_out)
         echo(summary_json(summary) if json_out else summary_text(summary))
         return
-    from maskcli.render.masks import mask_json, mask_views
+    from maskcli.render.masks import TABLE_MAX_ROWS, mask_json, mask_views
 
     if json_out:
         echo(mask_json(mask, convention, dtype_name))
+        return
+    if png_path is not None and max(mask.frame.q_len, mask.frame.k_len) > TABLE_MAX_ROWS:
+        done(f"the terminal map is left out beside --png for a mask of {mask.frame.q_len:,} x {mask.frame.k_len:,}: "
+             "the figure has it; run without --png to print the map too")
         return
 
     console, map_width = wide_console()

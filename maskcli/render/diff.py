@@ -12,8 +12,8 @@ from maskcli.render.density import cell_block, choose_blocks, map_text, shade
 from maskcli.render.masks import axis_labels, shape_text
 
 CELL = {0: ("·", "dim"), 1: ("1", "green"), 2: ("A", "bold red"), 3: ("B", "bold blue")}
-LEGEND = "1 both allow  A only A allows  B only B allows  · neither"
-MAP_LEGEND = "A only A allows some  B only B allows some  X both kinds of difference; else how much both allow: █ all  ▓ over half  ░ some  · none"
+LEGEND = "A = only in A  B = only in B  1 = in both  · = in neither"
+MAP_LEGEND = "A = some cells only in A  B = some only in B  X = both; else the share in both: █ all  ▓ over half  ░ some  · none"
 ONLY_B_RGB = (44, 160, 44)  # green
 BOTH_KINDS_RGB = (148, 103, 189)  # purple
 

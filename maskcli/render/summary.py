@@ -41,7 +41,7 @@ def summary_text(summary: Summary) -> str:
             over = f" over its {mask.heads:,} heads" if mask.heads > 1 else ""
             lines.append(f"{prefix}visible {row.visible:,} of {row.total:,}{over} ({_share(row.visible, row.total)})")
             prefix = "  "
-        median = f"{row.keys_median:,g}"
+        median = f"{int(row.keys_median):,}" if row.keys_median == int(row.keys_median) else f"{row.keys_median:,.1f}"
         each = " (every head's)" if mask.heads > 1 else ""
         lines.append(f"{prefix}keys per query row{each}: min {row.keys_min:,} · median {median} · max {row.keys_max:,}")
         lines.append(f"{prefix}rows that see no key{each}: {_empty(row)}")
