@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -9,6 +10,11 @@ from maskcli.errors import MaskError
 
 ATTENTION_FIX = "use a smaller --len, fewer --heads or --batch, a smaller --head-dim, or a smaller --dtype"
 DENSITY_FIX = "use a smaller --len, or show it without --json/--save/--png to get a density map"
+# (limit, usage) of the memory cgroup: v2, else v1
+CGROUP_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
 
 
 def available_memory(device=None) -> int | None:
@@ -61,21 +67,40 @@ def _status_kib(field: str) -> int | None:
 
 def _cgroup_left() -> int | None:
     """The memory limit of this process's cgroup (v2, else v1) less what the cgroup uses; None when unlimited."""
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
+    found = _cgroup_limit()
+    if found is None:
+        return None
+    limit, usage_file = found
+    try:
+        return limit - _read_int(usage_file)
+    except (OSError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _cgroup_limit() -> tuple[int, str] | None:
+    """This process's cgroup memory limit and the file that holds the cgroup's usage; None when unlimited.
+
+    Read once per process: a limit is set when the container starts, and opening the cgroup
+    files on every guarded call cost more than the attention of a small mask
+    (benchmarks/attend.py at L=64). The usage is read afresh on every call.
+    """
+    for limit_file, usage_file in CGROUP_FILES:
         try:
             with open(limit_file) as handle:
                 limit = handle.read().strip()
-            with open(usage_file) as handle:
-                usage = int(handle.read().strip())
+            _read_int(usage_file)
         except (OSError, ValueError):
             continue
         if limit == "max" or not limit.isdigit() or int(limit) >= 2**60:  # v1 writes a huge number for no limit
             return None
-        return int(limit) - usage
+        return int(limit), usage_file
     return None
+
+
+def _read_int(path: str) -> int:
+    with open(path) as handle:
+        return int(handle.read().strip())
 
 
 def format_bytes(count: float) -> str:
