@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 
 from maskcli.errors import MaskError
 
@@ -116,10 +117,14 @@ def check_dense_fits(shape: tuple[int, ...], bytes_per_cell: float, how: str, de
     check_bytes_fit(math.prod(shape) * bytes_per_cell, f"{what} {' x '.join(map(str, shape))}", how, device, fix)
 
 
-def check_bytes_fit(needed: float, what: str, how: str, device=None, fix: str = DENSITY_FIX) -> None:
-    """Refuse `needed` bytes that would not fit in what `device` (the host by default) has left for this process."""
+def check_bytes_fit(needed: float, what: str | Callable[[], str], how: str, device=None, fix: str = DENSITY_FIX) -> None:
+    """Refuse `needed` bytes that would not fit in what `device` (the host by default) has left for this process.
+
+    `what` may be a function, called only to word a refusal (attend checks on every call).
+    """
     free = available_memory(device)
     if free is not None and needed > free:
+        what = what() if callable(what) else what
         where = f" on {device}" if device is not None and getattr(device, "type", "cpu") != "cpu" else ""
         raise MaskError(
             f"{what} would need {format_bytes(needed)} ({needed:,.0f} bytes) {how}, "
