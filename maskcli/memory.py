@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from collections.abc import Callable
 
 from maskcli.errors import MaskError
 
@@ -61,8 +63,25 @@ def _status_kib(field: str) -> int | None:
 
 def _cgroup_left(proc_cgroup: str = "/proc/self/cgroup", mount: str = "/sys/fs/cgroup") -> int | None:
     """The least that this process's cgroup and each cgroup above it leave under their memory limits (v2, else
-    v1); None when none is limited. The process's own cgroup is read from /proc/self/cgroup: the files at the
-    mount's top are the root cgroup's, which outside a container holds no limit of this process."""
+    v1); None when none is limited. The usage is read afresh on every call; the limits once (_cgroup_limits)."""
+    rooms = []
+    for limit, usage_file in _cgroup_limits(proc_cgroup, mount):
+        try:
+            rooms.append(limit - _read_int(usage_file))
+        except (OSError, ValueError):
+            continue
+    return min(rooms) if rooms else None
+
+
+@functools.lru_cache(maxsize=4)
+def _cgroup_limits(proc_cgroup: str, mount: str) -> tuple[tuple[int, str], ...]:
+    """(limit, usage file) of this process's cgroup and of each above it that sets a memory limit (v2, else v1).
+
+    The process's own cgroup is read from /proc/self/cgroup: the files at the mount's top are the
+    root cgroup's, which outside a container holds no limit of this process. Read once per process:
+    a limit is set when the container starts, and opening the cgroup files on every guarded call
+    cost more than the attention of a small mask (benchmarks/attend.py at L=64).
+    """
     try:
         with open(proc_cgroup) as handle:
             lines = handle.read().splitlines()
@@ -74,11 +93,22 @@ def _cgroup_left(proc_cgroup: str = "/proc/self/cgroup", mount: str = "/sys/fs/c
         (mount, v2, "memory.max", "memory.current"),
         (os.path.join(mount, "memory"), v1, "memory.limit_in_bytes", "memory.usage_in_bytes"),
     ):
-        left = [room for folder in _cgroup_folders(base, path) if (room := _room(folder, limit_name, usage_name)) is not None]
-        found = any(os.path.exists(os.path.join(folder, usage_name)) for folder in _cgroup_folders(base, path))
-        if found:
-            return min(left) if left else None
-    return None
+        folders = _cgroup_folders(base, path)
+        if not any(os.path.exists(os.path.join(folder, usage_name)) for folder in folders):
+            continue  # this version is not mounted here
+        limits = []
+        for folder in folders:
+            try:
+                with open(os.path.join(folder, limit_name)) as handle:
+                    limit = handle.read().strip()
+                usage_file = os.path.join(folder, usage_name)
+                _read_int(usage_file)
+            except (OSError, ValueError):
+                continue
+            if limit != "max" and limit.isdigit() and int(limit) < 2**60:  # v1 writes a huge number for no limit
+                limits.append((int(limit), usage_file))
+        return tuple(limits)
+    return ()
 
 
 def _cgroup_folders(base: str, path: str | None) -> list[str]:
@@ -89,17 +119,9 @@ def _cgroup_folders(base: str, path: str | None) -> list[str]:
     return [folder for folder in folders if os.path.isdir(folder)] + [base]
 
 
-def _room(folder: str, limit_name: str, usage_name: str) -> int | None:
-    try:
-        with open(os.path.join(folder, limit_name)) as handle:
-            limit = handle.read().strip()
-        with open(os.path.join(folder, usage_name)) as handle:
-            usage = int(handle.read().strip())
-    except (OSError, ValueError):
-        return None
-    if limit == "max" or not limit.isdigit() or int(limit) >= 2**60:  # v1 writes a huge number for no limit
-        return None
-    return int(limit) - usage
+def _read_int(path: str) -> int:
+    with open(path) as handle:
+        return int(handle.read().strip())
 
 
 def format_bytes(count: float) -> str:
@@ -115,10 +137,14 @@ def check_dense_fits(shape: tuple[int, ...], bytes_per_cell: float, how: str, de
     check_bytes_fit(math.prod(shape) * bytes_per_cell, f"{what} {' x '.join(map(str, shape))}", how, device, fix)
 
 
-def check_bytes_fit(needed: float, what: str, how: str, device=None, fix: str = DENSITY_FIX) -> None:
-    """Refuse `needed` bytes that would not fit in what `device` (the host by default) has left for this process."""
+def check_bytes_fit(needed: float, what: str | Callable[[], str], how: str, device=None, fix: str = DENSITY_FIX) -> None:
+    """Refuse `needed` bytes that would not fit in what `device` (the host by default) has left for this process.
+
+    `what` may be a function, called only to word a refusal (attend checks on every call).
+    """
     free = available_memory(device)
     if free is not None and needed > free:
+        what = what() if callable(what) else what
         where = f" on {device}" if device is not None and getattr(device, "type", "cpu") != "cpu" else ""
         raise MaskError(
             f"{what} would need {format_bytes(needed)} ({needed:,.0f} bytes) {how}, "

@@ -56,3 +56,23 @@ def test_cgroup_limits_are_read_where_this_process_is_and_above_it(tmp_path):
     assert _cgroup_left(proc, mount) == 2**30 - 2**28
     proc, mount = _cgroup_tree(tmp_path / "none", ["0::/"], {"memory.max": "max", "memory.current": "5"})
     assert _cgroup_left(proc, mount) is None
+
+
+def test_the_cgroup_limit_is_read_once_and_its_usage_on_every_call(tmp_path):
+    proc, mount = _cgroup_tree(tmp_path / "v1", ["4:memory:/job"], {
+        "memory/memory.usage_in_bytes": "1", "memory/job/memory.limit_in_bytes": "1000000", "memory/job/memory.usage_in_bytes": "250000",
+    })
+    usage, limit = tmp_path / "v1/fs/memory/job/memory.usage_in_bytes", tmp_path / "v1/fs/memory/job/memory.limit_in_bytes"
+    try:
+        assert memory._cgroup_left(proc, mount) == 750_000
+        usage.write_text("600000\n")
+        assert memory._cgroup_left(proc, mount) == 400_000  # the usage moves with the cgroup
+        limit.write_text("2000000\n")
+        assert memory._cgroup_left(proc, mount) == 400_000  # the limit is the process's, read once
+        memory._cgroup_limits.cache_clear()
+        assert memory._cgroup_left(proc, mount) == 1_400_000
+        limit.write_text("9223372036854771712\n")  # v1's way of writing no limit
+        memory._cgroup_limits.cache_clear()
+        assert memory._cgroup_left(proc, mount) is None
+    finally:
+        memory._cgroup_limits.cache_clear()

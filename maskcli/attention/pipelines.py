@@ -51,8 +51,11 @@ FILL_WHO = {
 }
 
 
+FILLED = {fill: Pipeline(fill, who, fill) for fill, who in FILL_WHO.items()}  # made once: attend asks on every call
+
+
 def pipeline(like: str | None, fill: str = "-inf") -> Pipeline:
     """The --like pipeline, or the one --fill builds (scores × scale, masked_fill or multiply, softmax)."""
     if like is not None:
         return LIKE[like]
-    return Pipeline(fill, FILL_WHO[fill], fill)
+    return FILLED[fill]

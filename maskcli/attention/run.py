@@ -28,7 +28,7 @@ def check_attention_fits(
 ) -> None:
     """Refuse a run whose stages would not fit on `device`, before any of them is allocated."""
     check_bytes_fit(
-        attention_bytes(cells, head_dim, torch.finfo(dtype).bits // 8, dropout), attention_what(cells, head_dim),
+        attention_bytes(cells, head_dim, dtype.itemsize, dropout), lambda: attention_what(cells, head_dim),
         "for the attention stages", device, fix=ATTENTION_FIX,
     )
 
