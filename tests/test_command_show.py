@@ -618,9 +618,11 @@ def test_summary_in_words():
         "batch 0 (length 5): visible 9 of 25 (36.00%)",
         "keys per query row: min 1 · median 2 · max 3",
         "rows that see no key: none",
+        "documents: 2, starting at 0, 2",
         "batch 1 (length 2): visible 3 of 25 (12.00%)",
         "keys per query row: min 0 · median 0 · max 2",
         "rows that see no key: 3 (2-4)",
+        "documents: 2, starting at 0, 2",
         "attention FLOPs: 4·D per visible cell = 48·D, 24.00% of dense (200·D) for head size D",
     ]
 
@@ -935,3 +937,15 @@ def test_a_region_of_a_million_tokens_costs_its_own_cells():
 def test_a_bad_region_is_one_line(args, says):
     result = invoke(["show", *args])
     assert result.exit_code == 2 and says in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_summary_counts_documents_and_blocks_and_says_where_they_start():
+    sizes = [3000] * 11 + [1000]
+    out = ok(["show", f"document(sizes=[{','.join(map(str, sizes))}]) & window(64)", "--summary"]).stdout
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    assert f"documents: 12, starting at {', '.join(f'{s:,}' for s in starts[:8])} and 4 more" in lines(out)
+    data = json.loads(ok(["show", "causal | blocks(-1,0,0,-1,1,1,-1)", "--summary", "--json"]).stdout)
+    assert data["batch_rows"][0]["blocks"] == {"count": 2, "starts": [1, 4]}  # runs of ids >= 0
+    many = ",".join(str(i % 7) for i in range(5000))  # 5,000 one-token documents: every start listed up to 1,024
+    data = json.loads(ok(["show", f"document({many})", "--summary", "--json"]).stdout)["batch_rows"][0]["documents"]
+    assert data["count"] == 5000 and data["starts"] == list(range(1024)) and data["starts_listed"] == 1024

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from maskcli.render.masks import shape_text
 from maskcli.summary import Summary
 
@@ -23,6 +25,40 @@ def _empty(row) -> str:
     listed = sum(z - a + 1 for a, z in row.empty_spans)
     more = f" and {row.empty_rows - listed:,} more" if row.empty_rows > listed else ""
     return f"{row.empty_rows:,} ({shown}{more})"
+
+
+NAMES = {"chunk": "chunks", "document": "documents", "segment": "segments", "blocks": "blocks"}
+MOST_STARTS = 8  # starts named in words (--json lists up to JSON_STARTS)
+JSON_STARTS = 1024
+
+
+def segments(mask, batch: int) -> tuple[str, int, list[int]] | None:
+    """('documents', count, starts) of batch row `batch`: the runs of the first labelled kind in the expression
+    (for blocks, the runs of ids >= 0), found from the change points in O(n), however many there are."""
+    if mask.tree is None:
+        return None
+    from maskcli import terms
+
+    term = next((t for t in terms.terms(mask.tree) if t.kind.name in NAMES), None)
+    if term is None:
+        return None
+    labels = term.values["labels"].array
+    row = labels[batch if labels.shape[0] > 1 else 0]
+    change = np.flatnonzero(row[1:] != row[:-1]) + 1
+    starts = np.concatenate(([0], change)) if row.size else np.zeros(0, dtype=np.int64)
+    if term.kind.name == "blocks":
+        starts = starts[row[starts] >= 0]
+    return NAMES[term.kind.name], int(starts.size), starts[:JSON_STARTS].tolist()
+
+
+def _segments_line(mask, batch: int) -> str | None:
+    found = segments(mask, batch)
+    if found is None:
+        return None
+    name, count, starts = found
+    shown = ", ".join(f"{start:,}" for start in starts[:MOST_STARTS])
+    more = f" and {count - MOST_STARTS:,} more" if count > MOST_STARTS else ""
+    return f"{name}: {count:,}" + (f", starting at {shown}{more}" if count else "")
 
 
 def summary_text(summary: Summary) -> str:
@@ -45,6 +81,9 @@ def summary_text(summary: Summary) -> str:
         each = " (every head's)" if mask.heads > 1 else ""
         lines.append(f"{prefix}keys per query row{each}: min {row.keys_min:,} · median {median} · max {row.keys_max:,}")
         lines.append(f"{prefix}rows that see no key{each}: {_empty(row)}")
+        found = _segments_line(mask, row.batch)
+        if found:
+            lines.append(f"{prefix}{found}")
     lines.append(
         f"attention FLOPs: 4·D per visible cell = {4 * summary.visible:,}·D, {_share(summary.visible, summary.total)} of dense "
         f"({4 * summary.total:,}·D) for head size D"
@@ -53,4 +92,10 @@ def summary_text(summary: Summary) -> str:
 
 
 def summary_json(summary: Summary) -> str:
-    return json.dumps(summary.json())
+    data = summary.json()
+    for row in data["batch_rows"]:
+        found = segments(summary.mask, row["batch"])
+        if found is not None:
+            name, count, starts = found
+            row[name] = {"count": count, "starts": starts, **({"starts_listed": len(starts)} if count > len(starts) else {})}
+    return json.dumps(data)
