@@ -123,7 +123,7 @@ def _help_examples():
 
     group = typer.main.get_command(app)
     for name, command in group.commands.items():
-        lines = (command.epilog or "").split("\n\n")[1:]
+        lines = (command.epilog or "").split("\n")[1:]
         yield name, [line.split("  # ")[0] for line in lines if line.startswith("maskcli ")]
 
 

@@ -544,13 +544,17 @@ def test_help_lists_every_kind_ends_with_examples_and_says_how_window_counts():
 
     text = " ".join(ok(["show", "--help"], env={"COLUMNS": "200"}).stdout.replace("│", " ").split())
     assert "maskcli show causal --len 6" in text and 'maskcli show "document(0,0,0,1,1,1) & window(2)"' in text
-    assert "itself and the W-1 before it (Hugging Face's count; FlashAttention window_size=(W-1, 0))" in text
     for kind in all_kinds():
         assert kind.signature in text
-    assert "maskcli kinds explains each" in text
-    for flag in ("--window", "--prefix", "--sink", "--chunk-size", "--chunks", "--sizes", "--block-ids", "--parents",
-                 "--diagonal", "--means", "--offset", "--kv-start", "--kv-len", "--align"):
+    assert "maskcli kinds explains each" in text and "A bare kind takes its parameters from flags (--window 3; maskcli kinds lists them)" in text
+    for flag in ("--offset", "--kv-start", "--kv-len", "--align", "--rows", "--keys"):
         assert flag in text
+    # the kind-parameter flags are folded out of help (an expression carries its parameters): kinds lists them
+    kinds = " ".join(ok(["kinds"], env={"COLUMNS": "200"}).stdout.split())
+    assert "itself and the W-1 before it (Hugging Face's count; FlashAttention window_size=(W-1, 0))" in kinds
+    for flag in ("--window", "--prefix", "--sink", "--chunk-size", "--chunks", "--sizes", "--block-ids", "--parents", "--diagonal", "--means"):
+        assert flag in kinds and f"{flag} " not in text.split("Examples:")[0].replace("(--window 3;", "")
+    assert ok(["show", "window", "--window", "2", "--len", "3", "--json"]).stdout.count("1") >= 5  # still taken
     assert "maskcli chunk 0,0,1,1,1,1,2,2,2,3,4,4" in " ".join(ok(["chunk", "--help"]).stdout.split())
 
 

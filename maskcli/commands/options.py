@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.conventions import CONVENTIONS, DTYPES
+from maskcli.conventions import DTYPES
 
 
 def integer(value: str) -> int:
@@ -25,7 +25,7 @@ def escape(text: str) -> str:
 
 def examples(*commands: str) -> str:
     """A command's epilog: one runnable example a line, so each can be copied whole."""
-    return "\n\n".join(["Examples:" if len(commands) > 1 else "Example:", *commands])
+    return "\n".join(["Examples:" if len(commands) > 1 else "Example:", *commands])
 
 
 MASK_PANEL = "Mask options"
@@ -34,12 +34,12 @@ KIND_PANEL = "Kind parameters (for a bare kind name)"
 OWN_PANEL = "Your own mask"
 OUTPUT_PANEL = "Output"
 
-Tokens = Annotated[str | None, typer.Option("--tokens", help="Words that label the axes, one per position of the sequence: \"Your journey starts with one step\" (without --len they give the length), or a .txt (words), .json (a list) or .npy/.pt (token ids) file of them.", rich_help_panel=OUTPUT_PANEL)]
-As = Annotated[str, typer.Option("--as", help="Convention shown and saved: " + "; ".join(f"{k} = {v}" for k, v in CONVENTIONS.items()) + ".", rich_help_panel=OUTPUT_PANEL)]
-Dtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype for the additive and min conventions: {', '.join(DTYPES)} (default float32).", rich_help_panel=OUTPUT_PANEL)]
-Png = Annotated[str | None, typer.Option("--png", help="Write a heatmap; the extension picks the format: .png, .svg or .pdf (a directory: a .png named after the mask).", rich_help_panel=OUTPUT_PANEL)]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON object: expression, kinds with their params, shape, q_offset, kv_offset, convention and the mask as nested lists in the --as convention (keep: 0/1, 1 = may attend; additive: 0 and \"-inf\").", rich_help_panel=OUTPUT_PANEL)]
-Save = Annotated[str | None, typer.Option("--save", help="Save the mask tensor in the --as convention; .pt or .npy by extension (a directory: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
+Tokens = Annotated[str | None, typer.Option("--tokens", help="Words on the axes, one per position, like \"Your journey starts\" (they give the length without --len); or a .txt, .json, .npy or .pt file of them.", rich_help_panel=OUTPUT_PANEL)]
+As = Annotated[str, typer.Option("--as", help="Convention shown and saved: keep (True = may attend: SDPA, create_mask), block (True = masked: nn.MultiheadAttention), additive (0 / -inf), min (0 / finfo(dtype).min: Hugging Face eager), int (1 / 0: torch.tril(ones)).", rich_help_panel=OUTPUT_PANEL)]
+Dtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype of --as additive and min: {', '.join(DTYPES)} (default float32).", rich_help_panel=OUTPUT_PANEL)]
+Png = Annotated[str | None, typer.Option("--png", help="Write a heatmap: .png, .svg or .pdf (a folder: a .png named after the mask).", rich_help_panel=OUTPUT_PANEL)]
+Json = Annotated[bool, typer.Option("--json", help="Print the mask as one JSON object: its expression, shape, offsets and cells as [B][H][Lq][Lk] lists in the --as convention.", rich_help_panel=OUTPUT_PANEL)]
+Save = Annotated[str | None, typer.Option("--save", help="Save the mask tensor in the --as convention: .pt or .npy (a folder: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 
 
 
@@ -81,9 +81,8 @@ ReportJson = Annotated[bool, typer.Option("--json", help="Print the report as on
 # --- the mask options: declared once, read by every command that builds a mask ---------------
 
 KIND_ARGUMENT_HELP = (
-    "A kind or an expression of kinds: causal, window(3), \"document(0,0,1,1) & window(2)\", "
-    "\"causal | blocks(-1,0,0,-1)\", \"~triu(1)\". maskcli kinds lists every kind. Left out with --mask, "
-    "or with --mask-mod alone."
+    "A kind or an expression of kinds: causal, window(3), \"document(0,0,1,1) & window(2)\". A bare kind takes its "
+    "parameters from flags (--window 3; maskcli kinds lists them). Left out with --mask, or with --mask-mod alone."
 )
 
 
@@ -93,21 +92,21 @@ Expr = Annotated[str | None, typer.Argument(help=KIND_ARGUMENT_HELP, show_defaul
 def _position_options(heads: int) -> list[tuple[str, object, object]]:
     """(python name, annotation, default) of the options every mask takes."""
     return [
-        ("m_length", Annotated[int | None, typer.Option("--len", "-n", help="Number of queries (default 8, or what labels, --ids or --tokens cover after --offset).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
-        ("m_offset", Annotated[int | None, typer.Option("--offset", "--prev", help="Tokens already in the KV cache: the queries sit at positions P..P+Lq-1 over keys 0..P+Lq-1 (a prefill; --len 1 is a decode step).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
-        ("m_kv_start", Annotated[int | None, typer.Option("--kv-start", help="First key position kept (a sliding cache that dropped its first S keys).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
-        ("m_kv_len", Annotated[int | None, typer.Option("--kv-len", help="Number of keys (a static cache longer than the sequence, or N memory keys of cross-attention); the queries then start at the first key unless --offset or --align say otherwise.", parser=integer, rich_help_panel=POSITION_PANEL)], None),
-        ("m_align", Annotated[str | None, typer.Option("--align", help="With --kv-len: top-left (query 0 faces key 0, SDPA's is_causal) or bottom-right (the last query on the last key, FlashAttention's causal).", rich_help_panel=POSITION_PANEL)], None),
+        ("m_length", Annotated[int | None, typer.Option("--len", "-n", help="Number of queries (default 8, or what labels, --ids or --tokens cover).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
+        ("m_offset", Annotated[int | None, typer.Option("--offset", "--prev", help="Tokens already in the KV cache: the queries sit at P..P+Lq-1 (a prefill; --len 1 is a decode step).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
+        ("m_kv_start", Annotated[int | None, typer.Option("--kv-start", help="First key position kept (a sliding cache that dropped its first keys).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
+        ("m_kv_len", Annotated[int | None, typer.Option("--kv-len", help="Number of keys (a static cache, or cross-attention memory); --align says where the queries face them.", parser=integer, rich_help_panel=POSITION_PANEL)], None),
+        ("m_align", Annotated[str | None, typer.Option("--align", help="With --kv-len: top-left (SDPA's is_causal) or bottom-right (FlashAttention's causal: last query on last key).", rich_help_panel=POSITION_PANEL)], None),
         ("m_heads", Annotated[int, typer.Option("--heads", help="Number of attention heads (the H in B, H, Lq, Lk).", parser=integer, rich_help_panel=MASK_PANEL)], heads),
-        ("m_lengths", Annotated[str | None, typer.Option("--lengths", help="Valid length per batch row, like 4,2 (or a .npy/.json/.txt/.pt file): keys at or past it are padding, or before the last LENGTH keys with --pad left. And-ed with any expression.", rich_help_panel=MASK_PANEL)], None),
-        ("m_pad", Annotated[str | None, typer.Option("--pad", help="Where --lengths puts the padding: right (default) or left, as Hugging Face's padding_side.", rich_help_panel=MASK_PANEL)], None),
-        ("m_ids", Annotated[str | None, typer.Option("--ids", help="Token ids per batch row, ';' between rows, like '5,6,7,0;0,8,9,1' (or a .npy/.json/.txt/.pt file, a row per batch row): ids equal to --pad-id are padding (left padding too).", rich_help_panel=MASK_PANEL)], None),
+        ("m_lengths", Annotated[str | None, typer.Option("--lengths", help="Valid length per batch row, like 4,2, or a file: keys past it are padding (see --pad); and-ed with the mask.", rich_help_panel=MASK_PANEL)], None),
+        ("m_pad", Annotated[str | None, typer.Option("--pad", help="right (default) or left: where --lengths puts the padding, as Hugging Face's padding_side.", rich_help_panel=MASK_PANEL)], None),
+        ("m_ids", Annotated[str | None, typer.Option("--ids", help="Token ids per batch row, like '5,6,7,0;0,8,9,1', or a file: ids equal to --pad-id are padding, left or right.", rich_help_panel=MASK_PANEL)], None),
         ("m_pad_id", Annotated[int, typer.Option("--pad-id", help="The padding token id for --ids.", parser=integer, rich_help_panel=MASK_PANEL)], 0),
-        ("m_mask_file", Annotated[str | None, typer.Option("--mask", help="A mask tensor instead of an expression: .pt (loaded with weights_only=True), .npy, .npz, .safetensors or .json, in any convention and any shape that broadcasts to (B, H, Lq, Lk).", rich_help_panel=OWN_PANEL)], None),
-        ("m_key", Annotated[str | None, typer.Option("--key", help="With --mask: the tensor's name in a .npz, .safetensors, .pt dict or JSON object.", rich_help_panel=OWN_PANEL)], None),
-        ("m_from", Annotated[str | None, typer.Option("--from", help="With --mask: keep or block, where a bool or 0/1 tensor's structure does not tell which way round it is.", rich_help_panel=OWN_PANEL)], None),
-        ("m_mask_mod", Annotated[str | None, typer.Option("--mask-mod", help="Your own FlexAttention mask_mod(b, h, q_idx, kv_idx), as FILE.py:NAME or package.module:NAME. This RUNS YOUR CODE: only this flag loads it. It gets local indices, as FlexAttention passes them; its NAME can stand in the expression, like \"mine & ~causal\".", rich_help_panel=OWN_PANEL)], None),
-        ("m_mask_mod_args", Annotated[str | None, typer.Option("--mask-mod-args", help="Arguments for a --mask-mod factory, as Python literals: --mask-mod gym.py:sliding --mask-mod-args 4.", rich_help_panel=OWN_PANEL)], None),
+        ("m_mask_file", Annotated[str | None, typer.Option("--mask", help="A mask tensor file instead of an expression (.pt with weights_only=True, .npy, .npz, .safetensors, .json), any convention.", rich_help_panel=OWN_PANEL)], None),
+        ("m_key", Annotated[str | None, typer.Option("--key", help="With --mask: which tensor of the file (.npz, .safetensors, a .pt dict, a JSON object).", rich_help_panel=OWN_PANEL)], None),
+        ("m_from", Annotated[str | None, typer.Option("--from", help="With --mask: keep or block, where a bool or 0/1 tensor's structure does not tell.", rich_help_panel=OWN_PANEL)], None),
+        ("m_mask_mod", Annotated[str | None, typer.Option("--mask-mod", help="Your FlexAttention mask_mod(b, h, q_idx, kv_idx) as FILE.py:NAME or module:NAME. RUNS YOUR CODE: only this flag loads it.", rich_help_panel=OWN_PANEL)], None),
+        ("m_mask_mod_args", Annotated[str | None, typer.Option("--mask-mod-args", help="Arguments for a --mask-mod factory, as Python literals, like 4 or 4, 128.", rich_help_panel=OWN_PANEL)], None),
     ]
 
 
@@ -130,7 +129,8 @@ def _kind_options() -> list[tuple[str, object, object, str]]:
         is_int = param.type == "int" and flag != "--sizes"
         annotation = Annotated[
             int | None if is_int else str | None,
-            typer.Option(flag, help=escape(text), rich_help_panel=KIND_PANEL, **({"parser": integer} if is_int else {})),
+            # accepted, and listed by `maskcli kinds`: help folds them away, since an expression carries its parameters
+            typer.Option(flag, help=escape(text), rich_help_panel=KIND_PANEL, hidden=True, **({"parser": integer} if is_int else {})),
         ]
         options.append(("m_" + flag.lstrip("-").replace("-", "_"), annotation, None, flag))
     return options
@@ -166,8 +166,8 @@ def extend(func, name: str, added: list[tuple[str, object, object]], pack):
     return command
 
 
-Rows = Annotated[str | None, typer.Option("--rows", help="View the query positions A:B only (absolute, B not included; either side open, like 4000: or :64): a region of the whole mask, its labels and padding kept.", rich_help_panel=POSITION_PANEL)]
-Keys = Annotated[str | None, typer.Option("--keys", help="View the key positions C:D only, as --rows does the queries.", rich_help_panel=POSITION_PANEL)]
+Rows = Annotated[str | None, typer.Option("--rows", help="View the queries A:B only (absolute positions, B excluded, a side may be open: 4000: or :64), labels and padding kept.", rich_help_panel=POSITION_PANEL)]
+Keys = Annotated[str | None, typer.Option("--keys", help="View the keys C:D only, as --rows does the queries.", rich_help_panel=POSITION_PANEL)]
 
 
 def mask_options(*, heads: int = 1, tokens: bool = True, kind_params: bool = True, regions: bool = False):
@@ -229,8 +229,8 @@ class Output:
     grid: str | None
 
 
-Summary = Annotated[bool, typer.Option("--summary", help="Print statistics instead of the cells: visible cells, keys per query row, rows that see no key, attention FLOPs against dense; exact at any length.", rich_help_panel=OUTPUT_PANEL)]
-Grid = Annotated[str | None, typer.Option("--grid", help="With --summary --json: the size R,C of the exact density grid (default 32,64).", rich_help_panel=OUTPUT_PANEL)]
+Summary = Annotated[bool, typer.Option("--summary", help="Print exact statistics instead of the cells: visible cells, keys per query row, empty rows, documents, FLOPs.", rich_help_panel=OUTPUT_PANEL)]
+Grid = Annotated[str | None, typer.Option("--grid", help="With --summary --json: the R,C of the exact density grid (default 32,64).", rich_help_panel=OUTPUT_PANEL)]
 
 
 def output_options(func):
@@ -238,3 +238,4 @@ def output_options(func):
     added = [("o_as", As, "keep"), ("o_dtype", Dtype, None), ("o_png", Png, None), ("o_json", Json, False), ("o_save", Save, None),
              ("o_summary", Summary, False), ("o_grid", Grid, None)]
     return extend(func, "output", added, lambda given: Output(*given.values()))
+

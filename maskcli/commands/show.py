@@ -27,8 +27,8 @@ def kinds_help() -> str:
         escape(kind.signature) + (f" (or {', '.join(kind.aliases)})" if kind.aliases else "") for kind in all_kinds()
     )
     return (
-        f"Kinds: {signatures}. Combine them with & (both allow), | (either allows), ~ (not) and parentheses; "
-        "a bare name takes its parameters from the options below. maskcli kinds explains each."
+        f"Kinds: {signatures}. Combine them with & (both allow), | (either allows), ~ (not) and parentheses. "
+        "maskcli kinds explains each."
     )
 
 
