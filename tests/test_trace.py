@@ -1,0 +1,211 @@
+"""maskcli.trace: each API's captured mask against an independent reference (SDPA's own output, nn.MultiheadAttention's
+weights, FlexAttention's create_mask, a double loop), and the program's results untouched."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import maskcli
+
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+
+
+def window_keep(q_len: int, k_len: int, width: int) -> np.ndarray:
+    """Queries at the end of the keys, each sees itself and the width-1 keys before it: a double loop."""
+    out = np.zeros((q_len, k_len), dtype=bool)
+    for i in range(q_len):
+        q = k_len - q_len + i
+        for k in range(k_len):
+            out[i, k] = q - width < k <= q
+    return out
+
+
+def qkv(b, h, lq, lk, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, lq, d, generator=g), torch.randn(b, h, lk, d, generator=g), torch.randn(b, h, lk, d, generator=g))
+
+
+def test_sdpa_bool_float_and_is_causal_with_fewer_queries_than_keys():
+    q, k, v = qkv(2, 3, 3, 7)
+    wanted = window_keep(3, 7, 4)
+    additive = torch.zeros(3, 7).masked_fill(~torch.from_numpy(wanted), float("-inf"))
+    with maskcli.trace() as t:
+        out_bool = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(wanted))
+        out_float = F.scaled_dot_product_attention(q, k, v, attn_mask=additive)
+        out_causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert [c.api for c in t.calls] == ["sdpa"] * 3 and all(c.shape == (2, 3, 3, 7) for c in t.calls)
+    assert np.array_equal(t.calls[0].keep()[1, 2], wanted) and np.array_equal(t.calls[1].keep()[0, 0], wanted)
+    assert t.calls[0].mask == t.calls[1].mask and len(t.masks) == 2  # one mask, given as bool and as float: stored once
+    # is_causal is SDPA's top-left mask: the captured mask handed back to SDPA gives the same output
+    replay = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(np.ascontiguousarray(t.calls[2].keep())))
+    assert torch.allclose(replay, out_causal, atol=1e-6) and t.calls[2].details["is_causal"] is True
+    assert np.array_equal(t.calls[2].keep()[0, 0], np.tril(np.ones((3, 7), dtype=bool)))
+    untraced = (F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(wanted)), F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert torch.equal(out_bool, untraced[0]) and torch.equal(out_causal, untraced[1]) and torch.equal(out_float, out_bool)
+
+
+def test_a_key_padding_mask_broadcast_over_queries_is_captured_at_the_kernels_shape():
+    q, k, v = qkv(2, 2, 4, 4)
+    padding = torch.tensor([[True, True, True, False], [True, True, False, False]])[:, None, None, :]
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=padding)
+    keep = t.calls[0].keep()
+    assert keep.shape == (2, 2, 4, 4)
+    for b, h, i, j in np.ndindex(keep.shape):
+        assert keep[b, h, i, j] == bool(padding[b, 0, 0, j])
+
+
+def test_mha_merges_attn_mask_and_key_padding_mask_as_multihead_attention_does():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    block = torch.ones(5, 5, dtype=torch.bool).triu(1)  # MHA's polarity: True = masked
+    padding = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    with maskcli.trace() as t:
+        _, weights = mha(x, x, x, attn_mask=block, key_padding_mask=padding, average_attn_weights=False)
+    (call,) = t.calls
+    assert call.api == "mha" and call.where == "MultiheadAttention" and call.shape == (2, 2, 5, 5)
+    keep = call.keep()
+    for b, h, i, j in np.ndindex(keep.shape):
+        assert keep[b, h, i, j] == (not block[i, j] and not padding[b, j])
+        assert keep[b, h, i, j] == bool(weights[b, h, i, j] > 0)  # what MHA really weighted
+
+
+def test_mha_with_bias_k_and_a_3d_per_head_mask():
+    torch.manual_seed(1)
+    mha = nn.MultiheadAttention(4, 2, add_bias_kv=True).eval()
+    x = torch.randn(3, 2, 4)  # (L, N, E)
+    per_head = torch.rand(2 * 2, 3, 3) > 0.5
+    per_head[:, :, 0] = False  # every query sees key 0
+    with maskcli.trace() as t:
+        _, weights = mha(x, x, x, attn_mask=per_head, average_attn_weights=False)
+    keep = t.calls[0].keep()
+    assert keep.shape == (2, 2, 3, 4)  # bias_k adds a key every query sees
+    assert np.array_equal(keep, (weights > 0).numpy())
+    assert np.array_equal(keep[..., :3], ~per_head.reshape(2, 2, 3, 3).numpy()) and keep[..., 3].all()
+
+
+def test_flex_attention_mask_is_its_mask_mod_over_the_block_mask_without_l_by_l_cells():
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+
+    docs = torch.tensor([0] * 70 + [1] * 60 + [2] * 70)
+
+    def doc_window(b, h, q_idx, kv_idx):
+        return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx) & (q_idx - kv_idx < 50 + 20 * h)
+
+    q, k, v = qkv(1, 2, 200, 200)
+    block_mask = create_block_mask(doc_window, 1, 2, 200, 200, device="cpu", BLOCK_SIZE=64)
+    with maskcli.trace() as t:
+        out = flex_attention(q, k, v, block_mask=block_mask)
+        flex_attention(q, k, v)  # no block mask: nothing masked
+    first, second = t.calls
+    assert first.api == "flex" and first.stored["form"] == "intervals" and first.stored["planes"] == [1, 2]
+    assert np.array_equal(first.keep(), create_mask(doc_window, 1, 2, 200, 200, device="cpu").numpy())
+    assert second.keep().all()
+    assert torch.equal(out, flex_attention(q, k, v, block_mask=block_mask))
+
+
+def test_a_long_flex_mask_is_read_block_by_block_as_intervals():
+    """32,768 tokens of window(1000): a BlockMask made from its blocks (no L x L tensor anywhere), read as one
+    interval per row, equal to the window's double-loop definition row by row."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from maskcli.trace.flex import block_intervals
+
+    length, size, width = 32768, 128, 1000
+    n = length // size
+
+    def window(b, h, q, kv):
+        return (q >= kv) & (q - kv < width)
+
+    partial = np.full((1, 1, n, n), 0, dtype=np.int32)
+    full = np.full((1, 1, n, n), 0, dtype=np.int32)
+    partial_n = np.zeros((1, 1, n), dtype=np.int32)
+    full_n = np.zeros((1, 1, n), dtype=np.int32)
+    for i in range(n):  # the diagonal block and the window's far edge are partial, the blocks between are full
+        p = [j for j in (i - 8, i - 7, i) if j >= 0]
+        f = [j for j in range(i - 6, i) if j >= 0]
+        partial[0, 0, i, : len(p)], partial_n[0, 0, i] = p, len(p)
+        full[0, 0, i, : len(f)], full_n[0, 0, i] = f, len(f)
+    block_mask = BlockMask.from_kv_blocks(torch.from_numpy(partial_n), torch.from_numpy(partial), torch.from_numpy(full_n),
+                                          torch.from_numpy(full), BLOCK_SIZE=size, mask_mod=window)
+    found, planes = block_intervals(block_mask, length, length)
+    assert planes == (1, 1) and found.per_row == 1
+    rows = np.arange(length)
+    assert np.array_equal(found.starts[0, :, 0], np.maximum(0, rows - width + 1)) and np.array_equal(found.ends[0, :, 0], rows + 1)
+    for q in (0, 5, 999, 1000, 20001, length - 1):  # a double loop on a few rows
+        keys = [k for k in range(length) if q - width < k <= q]
+        assert found.row(0, q) == [(keys[0], keys[-1] + 1)] and found.counts()[0, q] == len(keys)
+
+
+def test_a_masked_fill_softmax_reads_the_mask_off_the_scores():
+    scores = torch.randn(2, 4, 4)
+    block = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    hf = torch.randn(1, 2, 3, 3) + torch.zeros(3, 3).masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    with maskcli.trace() as t:
+        weights = scores.masked_fill(block, float("-inf")).softmax(dim=-1)
+        F.softmax(hf, dim=-1)
+        torch.softmax(torch.randn(5, 3), dim=-1)  # 2-D: not attention
+    assert [c.api for c in t.calls] == ["softmax", "softmax"]
+    assert np.array_equal(t.calls[0].keep()[:, 0], np.broadcast_to(~block.numpy(), (2, 4, 4)))
+    assert np.array_equal(t.calls[0].keep()[:, 0], (weights > 0).numpy())
+    assert t.calls[0].details["fill"] == "-inf" and t.calls[1].details["fill"] == "min"
+    assert np.array_equal(t.calls[1].keep()[0, 1], np.tril(np.ones((3, 3), dtype=bool)))
+
+
+class Layer(nn.Module):
+    def forward(self, x, cache):
+        cache.append(x)
+        keys = torch.cat(cache, dim=2)
+        return F.scaled_dot_product_attention(x, keys, keys, is_causal=x.shape[2] > 1)
+
+
+class Decoder(nn.Module):
+    def __init__(self, layers=3):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(layers))
+
+    def forward(self, x, caches):
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cache)
+        return x
+
+
+def test_a_decoding_loop_with_a_kv_cache_gives_steps_per_module():
+    model = Decoder()
+    caches = [[] for _ in model.layers]
+    with maskcli.trace() as t:
+        x = model(torch.randn(1, 2, 4, 8), caches)
+        for _ in range(2):
+            x = model(x[:, :, -1:], caches)
+    assert [(c.where, c.step, c.shape[2:]) for c in t.calls[:3]] == [(f"layers.{i}", 0, (4, 4)) for i in range(3)]
+    assert [(c.where, c.step, c.shape[2:]) for c in t.calls[-3:]] == [(f"layers.{i}", 2, (1, 6)) for i in range(3)]
+    assert np.array_equal(t.calls[0].keep()[0, 0], np.tril(np.ones((4, 4), dtype=bool)))
+    assert t.calls[-1].keep().all()  # a decode step's one query sees every cached key
+    assert len(t.masks) == 3  # prefill, decode 1, decode 2: each stored once for three layers
+
+
+def test_past_max_bytes_a_call_keeps_its_shape_and_counts_only():
+    keep = torch.from_numpy(window_keep(64, 64, 5))
+    q, k, v = qkv(1, 1, 64, 64)
+    with maskcli.trace(max_bytes=100) as t:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    stored = t.calls[0].stored
+    assert stored["form"] == "stats" and stored["kept"] == int(keep.sum()) and stored["shape"] == [1, 1, 64, 64]
+    with pytest.raises(maskcli.MaskError, match="max-bytes"):
+        t.calls[0].keep()
+
+
+def test_a_call_maskcli_cannot_read_is_noted_and_the_program_goes_on():
+    q, k, v = qkv(1, 1, 2, 2)
+    with maskcli.trace() as t:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(2, 2, dtype=torch.bool), is_causal=False)
+        with pytest.raises(RuntimeError):  # SDPA itself refuses a mask with is_causal; the error is the program's own
+            F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 3, dtype=torch.bool))
+    assert out.shape == (1, 1, 2, 8) and len(t.calls) == 2
