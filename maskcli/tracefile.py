@@ -107,7 +107,7 @@ def save(path, calls: list[dict], masks: dict[str, dict]) -> None:
     import torch
 
     def plain(stored: dict) -> dict:
-        return {key: torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value for key, value in stored.items()}
+        return {key: torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value for key, value in stored.items()}
 
     torch.save({"format": FORMAT, "calls": calls, "masks": {key: plain(value) for key, value in masks.items()}}, path)
 
@@ -161,3 +161,18 @@ def select(data: dict, selector: str, path: str) -> dict:
 def keep_of(call: dict, data: dict) -> np.ndarray:
     """The call's keep mask, bool (b, h, Lq, Lk) with b and h each 1 or the call's own."""
     return dense(data["masks"][call["mask"]])
+
+
+def traced_keep(text: str) -> tuple[np.ndarray, str] | None:
+    """(keep (B, H, Lq, Lk), label) of the call 'TRACE.pt:SELECTOR' names; None where `text` is no such name
+    (an existing file of that name, or no trace file before the colon)."""
+    import os
+
+    spec = split_spec(text)
+    if spec is None or os.path.exists(text) or not os.path.isfile(spec[0]):
+        return None
+    path, selector = spec
+    data = load(path)
+    call = select(data, selector, path)
+    keep = np.ascontiguousarray(np.broadcast_to(keep_of(call, data), call["shape"]))
+    return keep, f"{path}:{selector} (call {call['index']}, {call['where']} step {call['step']}, {call['api']})"

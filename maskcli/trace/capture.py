@@ -110,6 +110,18 @@ class Trace:
         self._patched: list = []
         self._mode = _Mode(self)
 
+    def groups(self) -> list:
+        """The calls grouped by mask, API and shape, each named, with findings (maskcli.trace.report.Group)."""
+        from maskcli.trace.report import group
+
+        return group(self.calls)
+
+    def report(self) -> str:
+        """The grouped report as plain text, one line per group and one per finding."""
+        from maskcli.trace.report import text
+
+        return text(self.groups(), len(self.calls))
+
     # --- entering and leaving -----------------------------------------------------------------
 
     def __enter__(self) -> Trace:

@@ -1,0 +1,73 @@
+"""--expect PATTERN=EXPR: every call whose module path matches is compared with the expression at its positions."""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+import numpy as np
+
+from maskcli.errors import MaskError
+from maskcli.testing import against
+from maskcli.text import spans
+
+
+def parse(values: list[str]) -> list[tuple[str, str]]:
+    """(pattern, expression) pairs; a bad one is a one-line error before the program runs."""
+    from maskcli.expression import parse as parse_expression
+
+    pairs = []
+    for value in values:
+        pattern, equals, expression = value.partition("=")
+        if not equals or not pattern.strip() or not expression.strip():
+            raise MaskError(f"--expect {value!r}: give PATTERN=EXPR, like \"layers.*.self_attn=causal\" (PATTERN matches module paths as a shell does)")
+        try:
+            parse_expression(expression)
+        except MaskError as error:
+            raise MaskError(f"--expect {value!r}: {error}") from None
+        pairs.append((pattern.strip(), expression.strip()))
+    return pairs
+
+
+def found_padding(keep: np.ndarray) -> dict:
+    """Key padding read off the mask: per batch row, the keys no query of that row sees but a query of another row
+    does (rows padded differently, as a batch is); {} where there is one batch row or none differ."""
+    seen = keep.any(axis=(1, 2))  # (B, Lk)
+    if seen.shape[0] < 2:
+        return {}
+    padded = ~seen & seen.any(axis=0, keepdims=True)
+    if not padded.any():
+        return {}
+    valid = ~padded
+    return {"ids": ";".join(",".join("1" if v else "0" for v in row) for row in valid.tolist()), "pad_id": 0}
+
+
+def check(calls: list, expectations: list[tuple[str, str]]) -> list[str]:
+    """One line per call that differs (and per pattern that matched nothing); empty when every expectation holds."""
+    lines = []
+    for pattern, expression in expectations:
+        matched = [call for call in calls if fnmatchcase(call.where, pattern)]
+        if not matched:
+            known = ", ".join(sorted({call.where for call in calls})[:6]) or "no calls at all"
+            lines.append(f"--expect {pattern}={expression}: no call matches {pattern!r} (calls came from {known})")
+            continue
+        for call in matched:
+            where = f"call {call.index} ({call.where} step {call.step}, {call.api})"
+            try:
+                keep = call.keep()
+                padding = found_padding(keep)
+                difference = against(keep, expression, f"call {call.index}", **padding)
+            except MaskError as error:
+                lines.append(f"--expect {pattern}={expression}: {where}: cannot compare: {error}")
+                continue
+            if not difference.equal:
+                from maskcli.diff import row_words
+
+                rows = row_words(difference, "the call", expression)[:3]
+                pad = " with the padding found in the mask" if padding else ""
+                lines.append(f"--expect {pattern}={expression}: {where} differs from {expression}{pad}: {'; '.join(rows)}")
+    return lines
+
+
+def summary(calls: list, expectations, failures: list[str]) -> str:
+    matched = sorted({call.index for pattern, _ in expectations for call in calls if fnmatchcase(call.where, pattern)})
+    return f"--expect: {len(failures)} failed; {len(matched)} calls checked ({spans(matched[:100])})" if matched else ""

@@ -1,0 +1,234 @@
+"""`maskcli trace`: programs written here run as python runs them; their masks are checked against references
+computed here (a double loop, torch.tril), grouped, named, saved, read back and checked with --expect."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+
+runner = CliRunner()
+
+LAYERS = """
+import sys
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def window(length, width):
+    q = torch.arange(length)[:, None]
+    k = torch.arange(length)[None, :]
+    return (k <= q) & (q - k < width)
+
+
+class Attention(nn.Module):
+    def forward(self, x, mask):
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = Attention()
+
+    def forward(self, x, mask):
+        return self.self_attn(x, mask)
+
+
+class Model(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
+
+    def forward(self, x, length, width, odd):
+        shared = window(length, width)
+        for number, layer in enumerate(self.layers):
+            x = layer(x, window(length, width + 1) if number == odd else shared)
+        return x
+"""
+
+
+def write(tmp_path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def trace(*args, **kwargs):
+    return runner.invoke(app, ["trace", *map(str, args)], **kwargs)
+
+
+def window_reference(q_len: int, k_len: int, width: int) -> list:
+    """Queries at the end of the keys, each seeing itself and width - 1 keys before it: a double loop."""
+    return [[int(k_len - q_len + i - width < k <= k_len - q_len + i) for k in range(k_len)] for i in range(q_len)]
+
+
+@pytest.fixture
+def layers(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return write(tmp_path, "layers.py", LAYERS + """
+import argparse
+parser = argparse.ArgumentParser()
+parser.add_argument("--len", type=int, default=5)
+parser.add_argument("--window", type=int, default=2)
+parser.add_argument("--layers", type=int, default=6)
+parser.add_argument("--odd", type=int, default=3)
+parser.add_argument("-x", action="store_true")
+args = parser.parse_args()
+out = Model(args.layers)(torch.randn(1, 2, args.len, 4), args.len, args.window, args.odd)
+print("len", args.len, "x", args.x, "shape", list(out.shape))
+""")
+
+
+def test_arguments_after_the_script_are_the_programs_and_its_stdout_is_untouched(layers):
+    result = trace(layers, "--len", "3", "-x")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "len 3 x True shape [1, 2, 3, 4]\n"
+    assert "6 attention calls in 2 groups" in result.stderr
+
+
+def test_masks_repeated_across_layers_form_one_row_named_by_the_recogniser(layers):
+    result = trace(layers, "--len", "5", "--window", "2", env={"COLUMNS": "120"})
+    rows = [line.split() for line in result.stderr.splitlines() if line.strip()[:1].isdigit()]
+    assert rows == [
+        ["0", "layers.{0-2,", "4-5}.self_attn", "×5", "sdpa", "prefill", "(1,2,5,5)", "window(2)"],
+        ["1", "layers.3.self_attn", "sdpa", "prefill", "(1,2,5,5)", "window(3)"],
+    ]
+
+
+def test_json_gives_every_call_and_save_reads_back_as_a_mask(layers, tmp_path):
+    result = trace("--json", "t.json", "--save", "t.pt", layers, "--len", "5", "--window", "3")
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert [call["where"] for call in data["calls"]] == [f"layers.{i}.self_attn" for i in range(6)]
+    assert [call["group"] for call in data["calls"]] == [0, 0, 0, 1, 0, 0]
+    assert all(call["shape"] == [1, 2, 5, 5] and call["api"] == "sdpa" and call["dtype"] == "float32" for call in data["calls"])
+    assert data["groups"][1]["expression"] == "window(4)" and data["exit_status"] == 0
+    for spec, width in (("t.pt:3", 4), ("t.pt:layers.5.self_attn@0", 3)):
+        shown = runner.invoke(app, ["show", "--mask", spec, "--json"])
+        assert shown.exit_code == 0, shown.output
+        assert json.loads(shown.stdout)["mask"][0][0] == window_reference(5, 5, width)
+    diff = runner.invoke(app, ["diff", "t.pt:0", "window(3)"])
+    assert diff.exit_code == 0, diff.output
+    bad = runner.invoke(app, ["show", "--mask", "t.pt:layers.9.self_attn@0"])
+    assert bad.exit_code == 2 and "no call of 'layers.9.self_attn' at step 0" in bad.stderr
+
+
+def test_expect_holds_with_exit_0_and_fails_with_exit_1_naming_the_first_differing_cells(layers):
+    good = trace("--expect", "layers.[0-2].self_attn=window(2)", "--expect", "*=causal & window(3)", layers, "--odd", "9")
+    assert good.exit_code == 1  # every layer is window(2), not window(3)
+    assert "--expect *=causal & window(3): call 0 (layers.0.self_attn step 0, sdpa) differs from causal & window(3): " \
+           "row 2: the call sees 1-2, causal & window(3) sees 0-2: the call hides key 0" in " ".join(good.stderr.split())
+    assert "layers.[0-2]" not in good.stderr
+    held = trace("--expect", "layers.*.self_attn=window(2)", layers, "--odd", "9")
+    assert held.exit_code == 0 and "every call matched holds" in held.stderr
+    odd = trace("--expect", "layers.*.self_attn=window(2)", layers)
+    assert odd.exit_code == 1 and odd.stderr.count("differs from window(2)") == 1 and "call 3 (layers.3.self_attn" in odd.stderr
+    none = trace("--expect", "decoder.*=causal", layers)
+    assert none.exit_code == 1 and "no call matches 'decoder.*'" in none.stderr
+
+
+def test_a_bad_expect_or_api_is_one_line_and_the_program_does_not_run(layers):
+    for args, message in ((["--expect", "layers.*"], "give PATTERN=EXPR"), (["--expect", "x=window("], "--expect 'x=window('"),
+                          (["--api", "sdpa,flash"], "choose from sdpa, flex, mha, softmax")):
+        result = trace(*args, layers)
+        assert result.exit_code == 2 and result.stdout == "" and message in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("ending, status, stderr", [
+    ("raise ValueError('boom')", 1, "ValueError: boom"),
+    ("sys.exit(3)", 3, ""),
+    ("sys.exit('bye')", 1, "bye"),
+    ("sys.exit(0)", 0, ""),
+])
+def test_the_programs_exit_status_is_kept_and_the_trace_up_to_it_reported(tmp_path, monkeypatch, ending, status, stderr):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "ends.py", f"""
+        import sys
+        import torch
+        import torch.nn.functional as F
+        q = torch.randn(1, 1, 3, 4)
+        print("before")
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        {ending}
+        print("never")
+    """)
+    result = trace(script)
+    assert result.exit_code == status and result.stdout == "before\n"
+    assert stderr in result.stderr and "1 attention call in 1 group" in result.stderr
+    if status == 1 and "raise" in ending:
+        assert result.stderr.startswith("Traceback (most recent call last):\n  File ") and "runpy" not in result.stderr
+        assert "maskcli" not in result.stderr.split("ValueError: boom")[0]
+
+
+def test_a_module_runs_with_m_and_its_arguments(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "tiny_mod.py", LAYERS + """
+print(sys.argv[1:], __name__)
+Model(2)(torch.randn(1, 1, 4, 4), 4, 2, 5)
+""")
+    result = trace("-m", "tiny_mod", "a", "--b")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "['a', '--b'] __main__\n" and "2 attention calls in 1 group" in result.stderr
+    missing = trace("-m", "no_such_module_here")
+    assert missing.exit_code == 2 and "no such module" in missing.stderr
+
+
+def test_mha_and_softmax_and_api_picks_which(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "both.py", """
+        import torch
+        import torch.nn as nn
+        torch.manual_seed(0)
+        mha = nn.MultiheadAttention(4, 1, batch_first=True)
+        x = torch.randn(2, 3, 4)
+        mha(x, x, x, key_padding_mask=torch.tensor([[False, False, False], [False, True, True]]))
+        scores = torch.randn(1, 3, 3).masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), float("-inf"))
+        scores[0, 0, 0] = float("-inf")
+        scores.softmax(-1)
+    """)
+    result = trace("--json", "all.json", script, env={"COLUMNS": "120"})
+    data = json.loads((tmp_path / "all.json").read_text())
+    assert [c["api"] for c in data["calls"]] == ["mha", "softmax"] and data["calls"][0]["where"] == "MultiheadAttention"
+    assert data["groups"][0]["name"] == "padding (lengths 3,1)"
+    assert "query row 0 sees no key at all: NaN weights there (softmax of all -inf)" in " ".join(result.stderr.split())
+    only = trace("--api", "mha", "--json", "mha.json", script)
+    assert only.exit_code == 0 and [c["api"] for c in json.loads((tmp_path / "mha.json").read_text())["calls"]] == ["mha"]
+
+
+def test_is_causal_with_fewer_queries_than_keys_is_named_top_left_with_a_finding(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "cache.py", """
+        import torch
+        import torch.nn.functional as F
+        F.scaled_dot_product_attention(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), is_causal=True)
+    """)
+    result = trace("--save", "c.pt", script, env={"COLUMNS": "120"})
+    text = " ".join(result.stderr.split())
+    assert "causal (queries top-left)" in text and "top-left-causal: is_causal with 2 queries and 5 keys is aligned top-left" in text
+    shown = runner.invoke(app, ["show", "--mask", "c.pt:0", "--json"])
+    assert json.loads(shown.stdout)["mask"][0][0] == np.tril(np.ones((2, 5), dtype=int)).tolist()
+
+
+def test_past_max_bytes_a_call_keeps_its_shape_and_counts(layers, tmp_path):
+    result = trace("--max-bytes", "0", "--save", "s.pt", layers, "--len", "4", env={"COLUMNS": "120"})
+    assert result.exit_code == 0
+    kept = 2 * sum(map(sum, window_reference(4, 4, 2)))  # two heads
+    assert f"not kept (past --max-bytes 0): {kept} cells attended" in " ".join(result.stderr.split())
+    shown = runner.invoke(app, ["show", "--mask", "s.pt:0"])
+    assert shown.exit_code == 2 and "larger --max-bytes" in shown.stderr
+
+
+@pytest.mark.parametrize("columns", ["60", "120"])
+def test_the_report_reads_at_60_and_120_columns(layers, columns):
+    result = trace(layers, "--odd", "1", env={"COLUMNS": columns})
+    lines = result.stderr.splitlines()
+    assert lines and all(len(line) <= int(columns) for line in lines), [line for line in lines if len(line) > int(columns)]
+    assert "window(2)" in result.stderr and "window(3)" in result.stderr
