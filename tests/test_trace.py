@@ -209,3 +209,41 @@ def test_a_call_maskcli_cannot_read_is_noted_and_the_program_goes_on():
         with pytest.raises(RuntimeError):  # SDPA itself refuses a mask with is_causal; the error is the program's own
             F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 3, dtype=torch.bool))
     assert out.shape == (1, 1, 2, 8) and len(t.calls) == 2
+
+
+def test_report_groups_the_calls_and_names_each_mask():
+    model = Decoder(layers=4)
+    caches = [[] for _ in model.layers]
+    with maskcli.trace() as t:
+        x = model(torch.randn(1, 2, 4, 8), caches)
+        model(x[:, :, -1:], caches)
+    assert t.report().splitlines() == [
+        "8 attention calls in 2 groups",
+        "0. layers.{0-3} · sdpa · prefill · (1, 2, 4, 4) · causal",
+        "1. layers.{0-3} · sdpa · decode 1 · (1, 2, 1, 5) · causal",
+    ]
+
+
+def test_assert_mask_passes_on_the_same_mask_and_names_the_first_differing_cells_otherwise():
+    from maskcli.testing import assert_mask
+
+    q, k, v = qkv(2, 1, 3, 6)
+    padding = torch.tensor([[True] * 6, [False, False, True, True, True, True]])  # batch row 1: two pad keys on the left
+    keep = torch.from_numpy(window_keep(3, 6, 3))[None, None] & padding[:, None, None, :]
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    assert_mask(t.calls[0], "window(3)", ids="1,1,1,1,1,1;0,0,1,1,1,1")
+    assert_mask(keep[0, 0], "window(3)")  # a bool tensor, its queries placed at the end of its keys
+    with pytest.raises(AssertionError, match=r"row 3: the mask sees 1-3, window\(4\) sees 0-3: the mask hides key 0"):
+        assert_mask(keep[0, 0], "window(4)")
+    with pytest.raises(AssertionError, match=r"batch 1 row 3: the mask sees 2-3, causal sees 0-3"):
+        assert_mask(t.calls[0], "causal")
+
+
+def test_import_maskcli_and_its_trace_package_load_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, maskcli; maskcli.trace; maskcli.testing; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr

@@ -76,11 +76,9 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.compiler.is_dynamo_compiling():  # inside a compiled region: nothing of ours may run there
-            return func(*args, **kwargs)
-        reader = self.trace.readers.get(func)
-        if reader is not None and not self.trace.busy:
-            self.trace.capture(reader, args, kwargs)
+        reader = self.trace.readers.get(func)  # the hot path: one lookup per torch call
+        if reader is not None and not self.trace.busy and not torch.compiler.is_dynamo_compiling():
+            self.trace.capture(reader, args, kwargs)  # (inside a compiled region nothing of ours may run)
         return func(*args, **kwargs)
 
 
