@@ -247,3 +247,25 @@ def test_import_maskcli_and_its_trace_package_load_no_torch():
     code = "import sys, maskcli; maskcli.trace; maskcli.testing; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_multihead_attention_and_transformer_encoder_keep_their_fast_paths_and_results():
+    """An active mode would send them down their slow paths (other rounding, no nested tensors): traced, each
+    computes exactly what it computes untraced, and its mask is still captured."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        untraced = (mha(x, x, x, need_weights=False, key_padding_mask=padding)[0], encoder(x, src_key_padding_mask=padding))
+        with maskcli.trace() as t:
+            traced = (mha(x, x, x, need_weights=False, key_padding_mask=padding)[0], encoder(x, src_key_padding_mask=padding))
+    assert torch.equal(untraced[0], traced[0]) and torch.equal(untraced[1], traced[1])
+    assert [(c.api, c.where) for c in t.calls] == [("mha", "MultiheadAttention"), ("mha", "layers.0.self_attn"), ("mha", "layers.1.self_attn")]
+    for call in t.calls:
+        keep = call.keep()
+        for b, h, i, j in np.ndindex(keep.shape):
+            assert keep[b, h, i, j] == (not padding[b, j])

@@ -77,7 +77,7 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         reader = self.trace.readers.get(func)  # the hot path: one lookup per torch call
-        if reader is not None and not self.trace.busy and not torch.compiler.is_dynamo_compiling():
+        if reader is not None and not self.trace.busy and not self.trace.within and not torch.compiler.is_dynamo_compiling():
             self.trace.capture(reader, args, kwargs)  # (inside a compiled region nothing of ours may run)
         return func(*args, **kwargs)
 
@@ -106,7 +106,9 @@ class Trace:
         self._cache: dict = {}
         self._handles: list = []
         self._patched: list = []
-        self._mode = _Mode(self)
+        self.within = 0  # inside a module recorded from its arguments (modules.py): its inner calls are not new ones
+        self.mode = _Mode(self)
+        self._unwrap: list = []
 
     def groups(self) -> list:
         """The calls grouped by mask, API and shape, each named, with findings (maskcli.trace.report.Group)."""
@@ -129,13 +131,21 @@ class Trace:
                          nn_module.register_module_forward_hook(self._post, always_call=True)]
         if "flex" in self.apis:
             self._patch_flex()
-        self._mode.__enter__()
+        if "mha" in self.apis:
+            from maskcli.trace.modules import wrap
+
+            self._unwrap = wrap(self)
+        self.mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._mode.__exit__(*exc)
+        self.mode.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
+        from maskcli.trace.modules import unwrap
+
+        unwrap(self._unwrap)
+        self._unwrap = []
         self._unpatch_flex()
         self._cache.clear()
         self._stack.clear()
@@ -225,10 +235,12 @@ class Trace:
                         return
                     key = self._store(seen)
             except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
-                api = {readers.sdpa: "sdpa", readers.mha: "mha", readers.softmax: "softmax"}.get(reader, "flex")
+                api = getattr(reader, "api", "?")
                 self._add(Call(len(self.calls), where, api, self._step(where), (0, 0, 0, 0), (), (), (), "", "", None,
                                {"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, self))
                 return
+            if seen.child:
+                where = f"{where}.{seen.child}" if where else seen.child
             self._add(Call(len(self.calls), where, seen.api, self._step(where), tuple(int(x) for x in seen.shape), seen.q, seen.k,
                            seen.v, seen.dtype, seen.device, key, seen.details, self))
         finally:

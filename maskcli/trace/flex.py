@@ -36,6 +36,9 @@ def flex(args: tuple, kwargs: dict) -> Seen:
     return seen
 
 
+flex.api = "flex"
+
+
 def block_intervals(block_mask, q_len: int, k_len: int) -> tuple[Intervals, tuple[int, int]]:
     """Key intervals (b*h, Lq, K) of the cells the BlockMask's kernel attends, and (b, h) as the BlockMask holds them."""
     q_block, kv_block = (int(x) for x in block_mask.BLOCK_SIZE)

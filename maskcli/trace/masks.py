@@ -36,6 +36,7 @@ class Seen:
     planes: tuple[int, int] = (1, 1)  # (b, h) of the intervals: 1 where every batch row or head is the same
     details: dict = field(default_factory=dict)
     sources: tuple = ()  # the mask tensors the call was given: the same ones again are the same mask
+    child: str | None = None  # the submodule that attends, where the call was read at its parent (an encoder layer)
 
 
 def _four(lead: tuple[int, ...]) -> tuple[int, int]:
@@ -167,3 +168,6 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     seen = Seen("softmax", shape, tuple(x.shape), (), (), _dtype(x), str(x.device), details=details)
     seen.keep = (~masked).reshape(shape)
     return seen
+
+
+sdpa.api, mha.api, softmax.api = "sdpa", "mha", "softmax"  # named on a call maskcli could not read
