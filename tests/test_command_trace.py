@@ -232,3 +232,18 @@ def test_the_report_reads_at_60_and_120_columns(layers, columns):
     lines = result.stderr.splitlines()
     assert lines and all(len(line) <= int(columns) for line in lines), [line for line in lines if len(line) > int(columns)]
     assert "window(2)" in result.stderr and "window(3)" in result.stderr
+
+
+def test_inspect_and_blocks_read_a_traced_call(layers):
+    assert trace("--save", "b.pt", layers, "--len", "6", "--window", "3").exit_code == 0
+    inspected = runner.invoke(app, ["inspect", "b.pt:layers.3.self_attn@0", "--json"])
+    assert inspected.exit_code == 0, inspected.output
+    report = json.loads(inspected.stdout)
+    assert report["structure"] == "window(4)" and report["convention"] == "keep"
+    blocks = runner.invoke(app, ["blocks", "--mask", "b.pt:0", "--block", "2", "--json"])
+    assert blocks.exit_code == 0, blocks.output
+    reference = np.array(window_reference(6, 6, 3))
+    tiles = [reference[i : i + 2, j : j + 2] for i in range(0, 6, 2) for j in range(0, 6, 2)]  # 2 x 2 blocks, by hand
+    wanted = {"full": sum(t.all() for t in tiles), "partial": sum(t.any() and not t.all() for t in tiles), "empty": sum(not t.any() for t in tiles)}
+    counts = json.loads(blocks.stdout)["counts"][0]
+    assert {name: counts[name] for name in wanted} == wanted
