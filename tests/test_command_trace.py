@@ -247,3 +247,22 @@ def test_inspect_and_blocks_read_a_traced_call(layers):
     wanted = {"full": sum(t.all() for t in tiles), "partial": sum(t.any() and not t.all() for t in tiles), "empty": sum(not t.any() for t in tiles)}
     counts = json.loads(blocks.stdout)["counts"][0]
     assert {name: counts[name] for name in wanted} == wanted
+
+
+def test_a_decoder_with_left_padding_and_a_kv_cache_step_by_step(tmp_path, monkeypatch):
+    from maskcli.tracefile import keep_of, load
+
+    monkeypatch.chdir(tmp_path)
+    result = trace("--save", "d.pt", "-m", "maskcli.trace.demo", "--len", "6", "--window", "3", "--steps", "2", env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.stderr.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert [row[4:7] for row in rows[1:]] == [["decode", "1", "(2,2,1,7)"], ["decode", "2", "(2,2,1,8)"]]
+    assert [row[-1] for row in rows[1:]] == ["window(3)", "window(3)"] and rows[0][4] == "prefill"
+    assert "query rows 0-1 of batch row 1 see no key at all" in " ".join(result.stderr.split())
+    data = load("d.pt")
+    for call in data["calls"]:
+        keep = np.broadcast_to(keep_of(call, data), call["shape"])
+        batch, heads, q_len, k_len = call["shape"]
+        for b, h, i, k in np.ndindex(keep.shape):  # batch row 1's first two tokens are padding; queries at the end
+            position = k_len - q_len + i
+            assert keep[b, h, i, k] == (position - 3 < k <= position and not (b == 1 and k < 2)), (call["index"], b, i, k)

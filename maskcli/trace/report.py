@@ -107,6 +107,10 @@ def _named(calls: list) -> Group:
         if structure.expression is not None:
             name = structure.expression + _placed(structure.options, q_len, k_len)
             group = Group(calls, name, structure.expression)
+            if structure.kind == "padding" and q_len == 1:  # a decode step read as key padding: a window says more
+                window = _decode_window(keep4.numpy())
+                if window is not None:
+                    group = Group(calls, window, window.split(" ")[0])
         else:
             closest = structure.closest
             near = f"; closest {closest['expression']}, {closest['cells_apart']} cells apart" if closest else ""
@@ -125,6 +129,23 @@ def _named(calls: list) -> Group:
             f"last {k_len - q_len} keys are seen by no query until the last rows; a decoder with a cache means "
             f"bottom-right (causal --offset {k_len - q_len}): pass that mask instead of is_causal")))
     return group
+
+
+def _decode_window(keep: np.ndarray) -> str | None:
+    """'window(W)' (with the padding that differs between batch rows) where it rebuilds a one-query mask exactly."""
+    from maskcli.errors import MaskError
+    from maskcli.testing import against
+    from maskcli.trace.expect import found_padding
+
+    width = int(keep.sum(axis=-1).max())
+    if width < 1 or width == keep.shape[-1]:
+        return None  # every key: the causal decode step, which the recogniser names itself
+    padding = found_padding(keep)
+    try:
+        equal = against(keep, f"window({width})", **padding).equal
+    except MaskError:
+        return None
+    return f"window({width})" + (f" (key padding {padding['ids']})" if padding else "") if equal else None
 
 
 def _placed(options: dict, q_len: int, k_len: int) -> str:
@@ -161,13 +182,18 @@ def _what_api_does(call) -> str:
 def _empty_rows(call, stored: dict, structure) -> list[Finding]:
     if stored["form"] == "stats":
         return [Finding("fully-masked", f"{stored['empty_rows']:,} query rows see no key at all: {_what_api_does(call)}")] if stored["empty_rows"] else []
-    counts = tracefile.counts(stored)  # (b, h, Lq)
-    empty = (counts == 0).any(axis=(0, 1))
+    empty = (tracefile.counts(stored) == 0).any(axis=1)  # (b, Lq): over the heads
     if not empty.any():
         return []
-    rows = np.flatnonzero(empty).tolist()
-    who = f"query row {rows[0]} sees" if len(rows) == 1 else f"query rows {spans(rows[:200])} see"
-    return [Finding("fully-masked", f"{who} no key at all: {_what_api_does(call)}")]
+    parts = []
+    for batch in np.flatnonzero(empty.any(axis=1)).tolist()[:8]:
+        rows = np.flatnonzero(empty[batch]).tolist()
+        where = f" of batch row {batch}" if empty.shape[0] > 1 else ""
+        parts.append((f"query row {rows[0]}" if len(rows) == 1 else f"query rows {spans(rows[:200])}") + where)
+    more = int(empty.any(axis=1).sum()) - len(parts)
+    who = "; ".join(parts) + (f"; and {more} more batch rows" if more > 0 else "")
+    verb = "sees" if len(parts) == 1 and parts[0].startswith("query row ") and not parts[0].startswith("query rows") else "see"
+    return [Finding("fully-masked", f"{who} {verb} no key at all: {_what_api_does(call)}")]
 
 
 MEANT_LATER = (None, "tril", "triu")  # kinds that mean later keys (full, segment, blocks, ...) are not flagged
