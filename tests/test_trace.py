@@ -269,3 +269,28 @@ def test_multihead_attention_and_transformer_encoder_keep_their_fast_paths_and_r
         keep = call.keep()
         for b, h, i, j in np.ndindex(keep.shape):
             assert keep[b, h, i, j] == (not padding[b, j])
+
+
+def test_a_keep_mask_handed_to_multihead_attention_is_said_to_look_flipped():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(4, 1).eval()
+    x = torch.randn(4, 1, 4)
+    keep = torch.ones(4, 4, dtype=torch.bool).tril()  # SDPA's polarity; MHA reads True as masked
+    with maskcli.trace() as t:
+        mha(x, x, x, attn_mask=keep)
+    assert np.array_equal(t.calls[0].keep()[0, 0], np.triu(np.ones((4, 4), dtype=bool), 1))  # what MHA applied
+    (group,) = t.groups()
+    codes = {finding.code: finding.message for finding in group.findings}
+    assert codes["polarity"].startswith("read the other way round it is causal") and "MHA reads a bool mask as True = masked" in codes["polarity"]
+    assert codes["fully-masked"].startswith("query row 3 sees no key at all: NaN there")
+    assert codes["sees-later"].startswith("query rows 0-2 see later keys")
+
+
+def test_where_and_step_words():
+    from maskcli.trace.report import step_text, where_text
+
+    paths = [f"model.layers.{i}.self_attn" for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)] + ["model.vision.attn", "model.layers.5.self_attn"]
+    assert where_text(paths) == "model.layers.{0-10}.self_attn, model.vision.attn"
+    assert where_text(paths[:10]) == "model.layers.{0-4, 6-10}.self_attn"
+    assert where_text(["demo.py:12"]) == "demo.py:12"
+    assert (step_text([0], 7), step_text([0], 1), step_text([1, 2, 3], 1), step_text([0, 1], 7)) == ("prefill", "step 0", "decode 1-3", "steps 0-1")

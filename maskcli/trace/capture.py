@@ -149,6 +149,7 @@ class Trace:
         self._unpatch_flex()
         self._cache.clear()
         self._stack.clear()
+        self._names.clear()  # the program's modules are its own again once the trace ends
 
     def _patch_flex(self) -> None:
         """flex_attention's own code object is swapped for one that calls ours first: every name bound to the

@@ -115,9 +115,10 @@ def _named(calls: list) -> Group:
             closest = structure.closest
             near = f"; closest {closest['expression']}, {closest['cells_apart']} cells apart" if closest else ""
             group = Group(calls, f"no expression rebuilds it{near}", None)
+        if structure.kind in MEANT_LATER:  # nothing, or a raw tril/triu: is it a known mask read the wrong way round?
             flipped = recognise(~keep4)
-            if flipped.expression is not None:
-                group.findings.append(Finding("polarity", _polarity(first, flipped.expression)))
+            if flipped.expression is not None and flipped.kind not in MEANT_LATER:
+                group.findings.append(Finding("polarity", _polarity(first, flipped.expression + _placed(flipped.options, q_len, k_len))))
     elif first.details.get("is_causal") and "mask_dtype" not in first.details:
         group = Group(calls, "causal, top-left (is_causal)", None)
     else:
