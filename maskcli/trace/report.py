@@ -115,6 +115,8 @@ def _named(calls: list) -> Group:
             closest = structure.closest
             near = f"; closest {closest['expression']}, {closest['cells_apart']} cells apart" if closest else ""
             group = Group(calls, f"no expression rebuilds it{near}", None)
+            if closest and closest.get("rows"):
+                group.findings.append(Finding("closest", f"against {closest['expression']}: {'; '.join(closest['rows'][:2])}"))
         if structure.kind in MEANT_LATER:  # nothing, or a raw tril/triu: is it a known mask read the wrong way round?
             flipped = recognise(~keep4)
             if flipped.expression is not None and flipped.kind not in MEANT_LATER:
