@@ -294,3 +294,11 @@ def test_where_and_step_words():
     assert where_text(paths[:10]) == "model.layers.{0-4, 6-10}.self_attn"
     assert where_text(["demo.py:12"]) == "demo.py:12"
     assert (step_text([0], 7), step_text([0], 1), step_text([1, 2, 3], 1), step_text([0, 1], 7)) == ("prefill", "step 0", "decode 1-3", "steps 0-1")
+
+
+def test_calls_without_values_inside_vmap_or_on_meta_are_left_alone():
+    with maskcli.trace() as t:
+        batched = torch.vmap(lambda x: x.softmax(-1))(torch.zeros(3, 2, 4, 4))
+        q = torch.randn(1, 1, 4, 8, device="meta")
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert t.calls == [] and torch.equal(batched, torch.full((3, 2, 4, 4), 0.25))

@@ -226,6 +226,9 @@ class Trace:
 
     def capture(self, reader, args, kwargs) -> None:
         """Record one call; whatever goes wrong here is noted on the call and never reaches the program."""
+        first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+        if first is not None and not _has_values(first):
+            return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real
         self.busy = True
         try:
             where = self.where()
@@ -295,6 +298,12 @@ class Trace:
         self.masks.setdefault(key, stored)
         self.bytes += size
         return key
+
+
+def _has_values(tensor: torch.Tensor) -> bool:
+    if tensor.device.type == "meta" or torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+        return False
+    return type(tensor).__name__ != "FakeTensor"
 
 
 _HOOK, _ORIGINAL = "_maskcli_trace_hook", "_maskcli_trace_original"
