@@ -302,3 +302,22 @@ def test_calls_without_values_inside_vmap_or_on_meta_are_left_alone():
         q = torch.randn(1, 1, 4, 8, device="meta")
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert t.calls == [] and torch.equal(batched, torch.full((3, 2, 4, 4), 0.25))
+
+
+def test_a_large_bool_mask_is_read_band_by_band_into_intervals_and_many_runs_into_bits(monkeypatch):
+    import maskcli.trace.store as store
+
+    monkeypatch.setattr(store, "BAND", 64)  # bands of a few rows: the band edges are crossed many times
+    length = 40
+    q = torch.randn(1, 1, length, 4)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    stripes = torch.zeros(2, 1, length, 4 * 70, dtype=torch.bool)
+    stripes[..., ::2] = True  # 140 runs a row: more than a few
+    stripes[1, 0, 5, :] = False
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, q, q, attn_mask=causal)
+        F.scaled_dot_product_attention(q.expand(2, 1, -1, -1), torch.randn(2, 1, 280, 4), torch.randn(2, 1, 280, 4), attn_mask=stripes)
+    first, second = t.calls
+    assert first.stored["form"] == "intervals" and first.stored["starts"].shape == (1, length, 1)
+    assert np.array_equal(first.keep()[0, 0], np.tril(np.ones((length, length), dtype=bool)))
+    assert second.stored["form"] == "bits" and np.array_equal(second.keep(), stripes.numpy())

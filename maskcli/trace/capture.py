@@ -268,30 +268,26 @@ class Trace:
             found = self._cache.get(cache_key)
             if found is not None:
                 return found[0]
+        from maskcli.trace.store import stored_form
+
         keep = _collapse(seen.keep)
-        factor = (seen.shape[0] // keep.shape[0]) * (seen.shape[1] // keep.shape[1])
-        if keep.numel() > self.max_bytes - self.bytes:
-            stored = tracefile.stats_only(seen.shape, int(keep.sum()) * factor, int((~keep.any(-1)).sum()) * factor,
-                                          f"past --max-bytes {self.max_bytes}")
-        else:
-            stored = tracefile.from_dense(np.ascontiguousarray(keep.cpu().numpy()), seen.shape)
-        key = self._keep(stored, seen.shape, kept=int(keep.sum()) * factor, empty=int((~keep.any(-1)).sum()) * factor)
+        stored = stored_form(keep, seen.shape, self.max_bytes - self.bytes, self.max_bytes)
+        key = self._keep(stored, seen.shape)
         if cache_key is not None:
             if len(self._cache) >= CACHE:
                 self._cache.clear()
             self._cache[cache_key] = (key, seen.sources)  # the tensors are held so that their ids stay theirs
         return key
 
-    def _keep(self, stored: dict, shape, kept: int | None = None, empty: int | None = None) -> str:
+    def _keep(self, stored: dict, shape) -> str:
         key = tracefile.digest(stored)
         if key in self.masks:
             return key
         size = tracefile.nbytes(stored)
         if size and self.bytes + size > self.max_bytes:
-            if kept is None:
-                found = tracefile.counts(stored)
-                factor = (shape[0] * shape[1]) // (found.shape[0] * found.shape[1])
-                kept, empty = int(found.sum()) * factor, int((found == 0).sum()) * factor
+            found = tracefile.counts(stored)
+            factor = (shape[0] * shape[1]) // (found.shape[0] * found.shape[1])
+            kept, empty = int(found.sum()) * factor, int((found == 0).sum()) * factor
             stored = tracefile.stats_only(shape, kept, empty, f"past --max-bytes {self.max_bytes}")
             key = tracefile.digest(stored)
             size = 0
