@@ -18,7 +18,11 @@ from maskcli.mask import Mask, MaskOptions, build, from_tensor
 def keep_array(mask_or_call) -> np.ndarray:
     """Bool (B, H, Lq, Lk), True = may attend, from a traced call, a Mask, or a bool keep tensor/array of 2 to 4 dimensions."""
     if hasattr(mask_or_call, "keep") and callable(mask_or_call.keep):
-        return np.asarray(mask_or_call.keep())
+        keep = np.asarray(mask_or_call.keep())
+        for dim in (0, 1):  # batch rows or heads that repeat (a broadcast view) are compared once
+            if keep.shape[dim] > 1 and keep.strides[dim] == 0:
+                keep = keep[:1] if dim == 0 else keep[:, :1]
+        return keep
     if isinstance(mask_or_call, Mask):
         return mask_or_call.dense()
     array = np.asarray(mask_or_call.detach().cpu() if hasattr(mask_or_call, "detach") else mask_or_call)

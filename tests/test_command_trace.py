@@ -125,6 +125,7 @@ def test_expect_holds_with_exit_0_and_fails_with_exit_1_naming_the_first_differi
     assert good.exit_code == 1  # every layer is window(2), not window(3)
     assert "--expect *=causal & window(3): call 0 (layers.0.self_attn step 0, sdpa) differs from causal & window(3): " \
            "row 2: the call sees 1-2, causal & window(3) sees 0-2: the call hides key 0" in " ".join(good.stderr.split())
+    assert "--expect *=causal & window(3): 5 more calls differ: 1-5" in " ".join(good.stderr.split())
     assert "layers.[0-2]" not in good.stderr
     held = trace("--expect", "layers.*.self_attn=window(2)", layers, "--odd", "9")
     assert held.exit_code == 0 and "every call matched holds" in held.stderr

@@ -42,32 +42,36 @@ def found_padding(keep: np.ndarray) -> dict:
 
 
 def check(calls: list, expectations: list[tuple[str, str]]) -> list[str]:
-    """One line per call that differs (and per pattern that matched nothing); empty when every expectation holds."""
+    """Lines on what differs: for each expectation its first differing call with its first differing rows, then the
+    other differing calls by index (and a pattern that matched nothing); empty when every expectation holds."""
+    from maskcli.diff import row_words
+    from maskcli.testing import keep_array
+
     lines = []
     for pattern, expression in expectations:
+        head = f"--expect {pattern}={expression}"
         matched = [call for call in calls if fnmatchcase(call.where, pattern)]
         if not matched:
             known = ", ".join(sorted({call.where for call in calls})[:6]) or "no calls at all"
-            lines.append(f"--expect {pattern}={expression}: no call matches {pattern!r} (calls came from {known})")
+            lines.append(f"{head}: no call matches {pattern!r} (calls came from {known})")
             continue
+        differing = []
         for call in matched:
             where = f"call {call.index} ({call.where} step {call.step}, {call.api})"
             try:
-                keep = call.keep()
+                keep = keep_array(call)
                 padding = found_padding(keep)
                 difference = against(keep, expression, f"call {call.index}", **padding)
             except MaskError as error:
-                lines.append(f"--expect {pattern}={expression}: {where}: cannot compare: {error}")
+                lines.append(f"{head}: {where}: cannot compare: {error}")
                 continue
-            if not difference.equal:
-                from maskcli.diff import row_words
-
-                rows = row_words(difference, "the call", expression)[:3]
+            if difference.equal:
+                continue
+            differing.append(call.index)
+            if len(differing) == 1:
                 pad = " with the padding found in the mask" if padding else ""
-                lines.append(f"--expect {pattern}={expression}: {where} differs from {expression}{pad}: {'; '.join(rows)}")
+                rows = row_words(difference, "the call", expression)[:2]
+                lines.append(f"{head}: {where} differs from {expression}{pad}: {'; '.join(rows)}")
+        if len(differing) > 1:
+            lines.append(f"{head}: {len(differing) - 1} more calls differ: {spans(differing[1:])}")
     return lines
-
-
-def summary(calls: list, expectations, failures: list[str]) -> str:
-    matched = sorted({call.index for pattern, _ in expectations for call in calls if fnmatchcase(call.where, pattern)})
-    return f"--expect: {len(failures)} failed; {len(matched)} calls checked ({spans(matched[:100])})" if matched else ""
