@@ -267,3 +267,22 @@ def test_a_decoder_with_left_padding_and_a_kv_cache_step_by_step(tmp_path, monke
         for b, h, i, k in np.ndindex(keep.shape):  # batch row 1's first two tokens are padding; queries at the end
             position = k_len - q_len + i
             assert keep[b, h, i, k] == (position - 3 < k <= position and not (b == 1 and k < 2)), (call["index"], b, i, k)
+
+
+def test_files_are_written_where_maskcli_started_even_if_the_program_changes_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    script = write(tmp_path, "moves.py", """
+        import os
+        import torch
+        import torch.nn.functional as F
+        os.chdir("elsewhere")
+        q = torch.randn(1, 1, 2, 4)
+        F.scaled_dot_product_attention(q, q, q)
+    """)
+    result = trace("--save", "here.pt", "--json", "here.json", script)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "here.pt").is_file() and (tmp_path / "here.json").is_file()
+    assert not (tmp_path / "elsewhere" / "here.pt").exists()
+    folder = trace("--save", "elsewhere", script)
+    assert folder.exit_code == 2 and "is a folder" in folder.stderr and folder.stdout == ""

@@ -321,3 +321,14 @@ def test_a_large_bool_mask_is_read_band_by_band_into_intervals_and_many_runs_int
     assert first.stored["form"] == "intervals" and first.stored["starts"].shape == (1, length, 1)
     assert np.array_equal(first.keep()[0, 0], np.tril(np.ones((length, length), dtype=bool)))
     assert second.stored["form"] == "bits" and np.array_equal(second.keep(), stripes.numpy())
+
+
+def test_sdpa_with_grouped_query_attention_records_the_query_heads():
+    q = torch.randn(1, 4, 3, 8)
+    k = v = torch.randn(1, 2, 3, 8)
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.5)
+    (call,) = t.calls
+    assert call.shape == (1, 4, 3, 3) and call.k == (1, 2, 3, 8)
+    assert call.details["enable_gqa"] is True and call.details["scale"] == 0.5
+    assert np.array_equal(call.keep()[0, 3], np.tril(np.ones((3, 3), dtype=bool)))

@@ -54,8 +54,12 @@ def trace(
     if max_bytes < 0:
         raise MaskError(f"--max-bytes {max_bytes}: give 0 or more bytes")
     expectations = parse_expect(expect or [])
+    # the program may change the working folder: the files are named where maskcli was started
+    targets = {flag: os.path.abspath(path) for flag, path in (("--save", save), ("--json", json_path)) if path is not None}
     for flag, path, suffix in (("--save", save, ".pt"), ("--json", json_path, ".json")):
         if path is not None:
+            if os.path.isdir(path):
+                raise MaskError(f"{flag} {path!r} is a folder: give a file name ending in {suffix}")
             if not path.lower().endswith(suffix):
                 raise MaskError(f"{flag} {path!r}: give a {suffix} file name")
             folder = os.path.dirname(os.path.abspath(path))
@@ -68,10 +72,10 @@ def trace(
     tracer = Trace(apis, max_bytes)
     with tracer:
         status = run_program(script, module, program_args)
-    _report(tracer, f"-m {module}" if module else os.path.basename(script), status, expectations, json_path, save)
+    _report(tracer, f"-m {module}" if module else os.path.basename(script), status, expectations, json_path, save, targets)
 
 
-def _report(tracer, program: str, status: int, expectations, json_path: str | None, save: str | None) -> None:
+def _report(tracer, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict) -> None:
     import json
 
     from maskcli.render.trace import views
@@ -89,14 +93,14 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
         numbers = {call.index: number for number, group in enumerate(groups) for call in group.calls}
         data = {"program": program, "exit_status": status, "calls": [{**call.json(), "group": numbers[call.index]} for call in tracer.calls],
                 "groups": [group.json() for group in groups], "expect": failures}
-        with open(json_path, "w", encoding="utf-8") as out:
+        with open(targets["--json"], "w", encoding="utf-8") as out:
             json.dump(data, out, indent=1, default=str)
         done(f"wrote {json_path}")
     if save is not None:
         from maskcli.tracefile import save as save_trace
 
         used = {call.mask for call in tracer.calls if call.mask is not None}
-        save_trace(save, [call.json() for call in tracer.calls], {key: value for key, value in tracer.masks.items() if key in used})
+        save_trace(targets["--save"], [call.json() for call in tracer.calls], {key: value for key, value in tracer.masks.items() if key in used})
         done(f"wrote {save}")
     if status:
         raise typer.Exit(status)
