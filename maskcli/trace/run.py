@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import sys
@@ -35,7 +36,7 @@ def check_program(script: str | None, module: str | None) -> None:
 
 def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     """The program's exit status: 0, its sys.exit code, or 1 after an exception (its traceback on stderr)."""
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_argv, saved_path, saved_folder = sys.argv[:], sys.path[:], os.getcwd()
     try:
         if module is not None:
             sys.argv = [module, *args]
@@ -62,6 +63,8 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         return 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+        with contextlib.suppress(OSError):  # the program may have moved (os.chdir): maskcli's own work is where it began
+            os.chdir(saved_folder)
         sys.stdout.flush()
 
 
