@@ -98,14 +98,13 @@ class Trace:
         if "mha" in self.apis:
             self.readers[F.multi_head_attention_forward] = readers.mha
         if "softmax" in self.apis:
-            for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax, torch.nn.functional.softmax):
+            for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
                 self.readers[func] = readers.softmax
         self._names: dict[int, tuple[torch.nn.Module, str]] = {}
         self._stack: list[torch.nn.Module] = []
         self._steps: Counter = Counter()
         self._cache: dict = {}
         self._handles: list = []
-        self._patched: list = []
         self.within = 0  # inside a module recorded from its arguments (modules.py): its inner calls are not new ones
         self.mode = _Mode(self)
         self._unwrap: list = []
@@ -240,18 +239,15 @@ class Trace:
                     key = self._store(seen)
             except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
                 api = getattr(reader, "api", "?")
-                self._add(Call(len(self.calls), where, api, self._step(where), (0, 0, 0, 0), (), (), (), "", "", None,
+                self.calls.append(Call(len(self.calls), where, api, self._step(where), (0, 0, 0, 0), (), (), (), "", "", None,
                                {"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, self))
                 return
             if seen.child:
                 where = f"{where}.{seen.child}" if where else seen.child
-            self._add(Call(len(self.calls), where, seen.api, self._step(where), tuple(int(x) for x in seen.shape), seen.q, seen.k,
+            self.calls.append(Call(len(self.calls), where, seen.api, self._step(where), tuple(int(x) for x in seen.shape), seen.q, seen.k,
                            seen.v, seen.dtype, seen.device, key, seen.details, self))
         finally:
             self.busy = False
-
-    def _add(self, call: Call) -> None:
-        self.calls.append(call)
 
     def _step(self, where: str) -> int:
         step = self._steps[where]
