@@ -3,6 +3,7 @@ weights, FlexAttention's create_mask, a double loop), and the program's results 
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import numpy as np
@@ -332,3 +333,26 @@ def test_sdpa_with_grouped_query_attention_records_the_query_heads():
     assert call.shape == (1, 4, 3, 3) and call.k == (1, 2, 3, 8)
     assert call.details["enable_gqa"] is True and call.details["scale"] == 0.5
     assert np.array_equal(call.keep()[0, 3], np.tril(np.ones((3, 3), dtype=bool)))
+
+
+def test_pytorchs_own_transformer_every_attention_with_its_mask():
+    torch.manual_seed(0)
+    model = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32, batch_first=True).eval()
+    src, tgt = torch.randn(2, 5, 16), torch.randn(2, 4, 16)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    causal = nn.Transformer.generate_square_subsequent_mask(4)
+    run = functools.partial(model, src, tgt, tgt_mask=causal, src_key_padding_mask=padding, memory_key_padding_mask=padding, tgt_is_causal=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        untraced = run()
+        with maskcli.trace() as t:
+            traced = run()
+    assert torch.equal(untraced, traced)
+    wheres = [c.where for c in t.calls]
+    assert wheres == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn", "decoder.layers.0.self_attn",
+                      "decoder.layers.0.multihead_attn", "decoder.layers.1.self_attn", "decoder.layers.1.multihead_attn"]
+    for call in t.calls:
+        keep = call.keep()
+        for b, h, i, j in np.ndindex(keep.shape):
+            wanted = j <= i if call.where.endswith("decoder.layers.0.self_attn") or call.where.endswith("decoder.layers.1.self_attn") else not padding[b, j]
+            assert keep[b, h, i, j] == wanted, (call.where, b, h, i, j)
