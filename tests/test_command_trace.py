@@ -286,3 +286,46 @@ def test_files_are_written_where_maskcli_started_even_if_the_program_changes_fol
     assert not (tmp_path / "elsewhere" / "here.pt").exists()
     folder = trace("--save", "elsewhere", script)
     assert folder.exit_code == 2 and "is a folder" in folder.stderr and folder.stdout == ""
+
+
+TUTORIAL = """
+import torch
+import torch.nn as nn
+
+
+class MultiHeadAttention(nn.Module):  # as in the LLMs-from-scratch tutorial
+    def __init__(self, d_in, d_out, context_length, num_heads):
+        super().__init__()
+        self.d_out, self.num_heads, self.head_dim = d_out, num_heads, d_out // num_heads
+        self.W_query = nn.Linear(d_in, d_out, bias=False)
+        self.W_key = nn.Linear(d_in, d_out, bias=False)
+        self.W_value = nn.Linear(d_in, d_out, bias=False)
+        self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
+
+    def forward(self, x):
+        b, num_tokens, d_in = x.shape
+        split = lambda t: t.view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        queries, keys, values = split(self.W_query(x)), split(self.W_key(x)), split(self.W_value(x))
+        attn_scores = queries @ keys.transpose(2, 3)
+        mask_bool = self.mask.bool()[:num_tokens, :num_tokens]
+        attn_scores.masked_fill_(mask_bool, -torch.inf)
+        attn_weights = torch.softmax(attn_scores / keys.shape[-1] ** 0.5, dim=-1)
+        return (attn_weights @ values).transpose(1, 2).reshape(b, num_tokens, self.d_out)
+
+
+torch.manual_seed(123)
+blocks = nn.Sequential(*(MultiHeadAttention(4, 4, 8, 2) for _ in range(3)))
+print(blocks(torch.randn(2, 6, 4)).shape)
+"""
+
+
+def test_a_tutorials_masked_fill_attention_holds_to_causal_and_not_to_a_window(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "tutorial.py", TUTORIAL)
+    held = trace("--expect", "*=causal", "--save", "tut.pt", script)
+    assert held.exit_code == 0 and held.stdout == "torch.Size([2, 6, 4])\n"
+    assert "{0-2} ×3  softmax  prefill  (2,2,6,6)  causal" in held.stderr
+    shown = runner.invoke(app, ["show", "--mask", "tut.pt:2", "--json"])
+    assert json.loads(shown.stdout)["mask"][1][1] == np.tril(np.ones((6, 6), dtype=int)).tolist()
+    failed = trace("--expect", "1=window(2)", script)
+    assert failed.exit_code == 1 and "call 1 (1 step 0, softmax) differs from window(2)" in " ".join(failed.stderr.split())

@@ -48,7 +48,7 @@ def where_text(paths: list[str]) -> str:
     order: list[str] = []
     for path in dict.fromkeys(paths):
         match = None
-        for match in re.finditer(r"(?<=\.)\d+(?=\.|$)", path):
+        for match in re.finditer(r"(?:(?<=\.)|^)\d+(?=\.|$)", path):  # the last number that is a whole part
             pass
         if match is None:
             key, number = path, None
