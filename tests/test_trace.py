@@ -356,3 +356,15 @@ def test_pytorchs_own_transformer_every_attention_with_its_mask():
         for b, h, i, j in np.ndindex(keep.shape):
             wanted = j <= i if call.where.endswith("decoder.layers.0.self_attn") or call.where.endswith("decoder.layers.1.self_attn") else not padding[b, j]
             assert keep[b, h, i, j] == wanted, (call.where, b, h, i, j)
+
+
+def test_a_float_mask_that_adds_a_bias_is_read_where_it_masks_and_said_to_be_a_bias():
+    q, k, v = qkv(1, 2, 4, 4)
+    positions = torch.arange(4)
+    alibi = -(positions[:, None] - positions[None, :]).abs().float() * 0.5  # ALiBi-style slopes, no masked cell ...
+    alibi = alibi.masked_fill(positions[None, :] > positions[:, None], float("-inf"))  # ... but causal
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=alibi)
+    assert np.array_equal(t.calls[0].keep()[0, 0], np.tril(np.ones((4, 4), dtype=bool))) and t.calls[0].details["bias"]
+    (group,) = t.groups()
+    assert group.expression == "causal" and [f.code for f in group.findings] == ["bias"]

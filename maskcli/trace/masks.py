@@ -66,9 +66,15 @@ def everything(q_len: int, k_len: int) -> Intervals:
     return Intervals.of(np.zeros((1, 1, 1), np.int64), np.full((1, 1, 1), k_len, np.int64), 0, k_len)
 
 
-def _keep(mask: torch.Tensor) -> torch.Tensor:
-    """Keep form of an SDPA-style mask: bool True = attend; a float mask adds, so -inf (or at most -1e4) masks."""
-    return mask if mask.dtype == torch.bool else to_keep(mask.detach(), "additive")
+def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
+    """Keep form of an SDPA-style mask: bool True = attend; a float mask adds, so -inf (or at most -1e4) masks.
+    A float mask that also adds other values (ALiBi, relative positions) is noted in `details` as a bias."""
+    if mask.dtype == torch.bool:
+        return mask
+    keep = to_keep(mask.detach(), "additive")
+    if details is not None and bool((keep & (mask.detach() != 0)).any()):
+        details["bias"] = True
+    return keep
 
 
 def _dtype(tensor: torch.Tensor) -> str:
@@ -91,7 +97,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
     if mask is not None:
         details["mask_dtype"] = _dtype(mask)
-        seen.keep = _as_4d(_keep(mask), q_len, k_len)
+        seen.keep = _as_4d(_keep(mask, details), q_len, k_len)
         seen.sources = (mask,)
     elif is_causal:
         seen.intervals = top_left_causal(q_len, k_len)

@@ -126,6 +126,10 @@ def _named(calls: list) -> Group:
     else:
         group = Group(calls, f"not named: {q_len:,} x {k_len:,} cells are too many to rebuild", None)
     group.findings[:0] = _empty_rows(first, stored, structure) + _later(first, stored, structure)
+    if first.details.get("bias"):
+        group.findings.append(Finding("bias", (
+            "the float attn_mask also adds values other than 0 and a fill (a bias: ALiBi, relative positions): "
+            "the mask shown is its cells at -inf or at most -1e4; the rest of what it adds is not shown")))
     if first.details.get("is_causal") and first.api == "sdpa" and q_len < k_len and "mask_dtype" not in first.details:
         group.findings.append(Finding("top-left-causal", (
             f"is_causal with {q_len} queries and {k_len} keys is aligned top-left: query row i sees keys 0..i, so the "
