@@ -368,3 +368,19 @@ def test_a_float_mask_that_adds_a_bias_is_read_where_it_masks_and_said_to_be_a_b
     assert np.array_equal(t.calls[0].keep()[0, 0], np.tril(np.ones((4, 4), dtype=bool))) and t.calls[0].details["bias"]
     (group,) = t.groups()
     assert group.expression == "causal" and [f.code for f in group.findings] == ["bias"]
+
+
+def test_long_masks_are_named_on_their_intervals(monkeypatch):
+    import maskcli.trace.report as report
+
+    monkeypatch.setattr(report, "NAME_CELLS", 16)  # every mask here counts as too long to rebuild cell by cell
+    q, k, v = qkv(1, 1, 6, 9)
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)  # top-left
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(window_keep(6, 9, 4)))
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(window_keep(6, 9, 9)))
+        F.scaled_dot_product_attention(q, k, v)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(window_keep(6, 9, 4) & (np.arange(9) != 7)))
+    names = [group.name for group in t.groups()]
+    assert names[:4] == ["causal (queries top-left)", "window(4)", "causal", "full"]
+    assert names[4].startswith("not named")

@@ -121,10 +121,13 @@ def _named(calls: list) -> Group:
             flipped = recognise(~keep4)
             if flipped.expression is not None and flipped.kind not in MEANT_LATER:
                 group.findings.append(Finding("polarity", _polarity(first, flipped.expression + _placed(flipped.options, q_len, k_len))))
-    elif first.details.get("is_causal") and "mask_dtype" not in first.details:
-        group = Group(calls, "causal, top-left (is_causal)", None)
     else:
-        group = Group(calls, f"not named: {q_len:,} x {k_len:,} cells are too many to rebuild", None)
+        named = _name_on_intervals(stored, q_len, k_len)
+        if named is not None:
+            group = Group(calls, named[0] + named[1], named[0])
+        else:
+            group = Group(calls, f"not named: {q_len:,} x {k_len:,} cells are too many to rebuild cell by cell, "
+                                 "and it is none of full, causal, a window", None)
     group.findings[:0] = _empty_rows(first, stored, structure) + _later(first, stored, structure)
     if first.details.get("bias"):
         group.findings.append(Finding("bias", (
@@ -136,6 +139,31 @@ def _named(calls: list) -> Group:
             f"last {k_len - q_len} keys are seen by no query until the last rows; a decoder with a cache means "
             f"bottom-right (causal --offset {k_len - q_len}): pass that mask instead of is_causal")))
     return group
+
+
+def _name_on_intervals(stored: dict, q_len: int, k_len: int) -> tuple[str, str] | None:
+    """(expression, placement words) of a long mask the same for every batch row and head, compared on key
+    intervals (O(L), exact): full, causal or window(W) with the queries at the end of the keys, or causal top-left."""
+    from maskcli.errors import MaskError
+    from maskcli.mask import MaskOptions, build
+
+    found = tracefile.intervals(stored)
+    if found is None or stored["planes"] != [1, 1] or q_len > k_len:
+        return None
+    width = int(found.counts().max())
+    end = MaskOptions(length=q_len, offset=(k_len - q_len) or None)
+    top_left = MaskOptions(length=q_len, kv_len=k_len)
+    for expression, options, words in (("full", end, ""), ("causal", end, ""), (f"window({width})", end, ""),
+                                       ("causal", top_left, " (queries top-left)")):
+        try:
+            built = build(expression, options).intervals()
+        except MaskError:
+            continue
+        if (built.k_start, built.k_end) != (0, k_len):
+            continue
+        if int((found & ~built).counts().sum()) == 0 and int((built & ~found).counts().sum()) == 0:
+            return expression, words
+    return None
 
 
 def _decode_window(keep: np.ndarray) -> str | None:
