@@ -285,7 +285,10 @@ def test_files_are_written_where_maskcli_started_even_if_the_program_changes_fol
     assert (tmp_path / "here.pt").is_file() and (tmp_path / "here.json").is_file()
     assert not (tmp_path / "elsewhere" / "here.pt").exists()
     folder = trace("--save", "elsewhere", script)
-    assert folder.exit_code == 2 and "is a folder" in folder.stderr and folder.stdout == ""
+    assert folder.exit_code == 2 and "unknown extension '(none)'; use one of .pt" in folder.stderr and folder.stdout == ""
+    (tmp_path / "elsewhere.pt").mkdir()
+    directory = trace("--save", "elsewhere.pt", script)
+    assert directory.exit_code == 2 and "is a directory" in directory.stderr and directory.stdout == ""
 
 
 TUTORIAL = """

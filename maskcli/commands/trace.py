@@ -54,17 +54,11 @@ def trace(
     if max_bytes < 0:
         raise MaskError(f"--max-bytes {max_bytes}: give 0 or more bytes")
     expectations = parse_expect(expect or [])
-    # the program may change the working folder: the files are named where maskcli was started
-    targets = {flag: os.path.abspath(path) for flag, path in (("--save", save), ("--json", json_path)) if path is not None}
-    for flag, path, suffix in (("--save", save, ".pt"), ("--json", json_path, ".json")):
-        if path is not None:
-            if os.path.isdir(path):
-                raise MaskError(f"{flag} {path!r} is a folder: give a file name ending in {suffix}")
-            if not path.lower().endswith(suffix):
-                raise MaskError(f"{flag} {path!r}: give a {suffix} file name")
-            folder = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(folder):
-                raise MaskError(f"{flag} {path!r}: no folder {folder!r} to write it in")
+    from maskcli.files import check_output_path
+
+    # checked before the program runs, and made absolute: the program may change the working folder
+    targets = {flag: check_output_path(path, (suffix,), flag).absolute()
+               for flag, path, suffix in (("--save", save, ".pt"), ("--json", json_path, ".json")) if path is not None}
 
     from maskcli.trace.capture import Trace
     from maskcli.trace.run import run_program
@@ -78,6 +72,7 @@ def trace(
 def _report(tracer, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict) -> None:
     import json
 
+    from maskcli.files import atomic_write
     from maskcli.render.trace import views
     from maskcli.trace.expect import check
 
@@ -93,14 +88,19 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
         numbers = {call.index: number for number, group in enumerate(groups) for call in group.calls}
         data = {"program": program, "exit_status": status, "calls": [{**call.json(), "group": numbers[call.index]} for call in tracer.calls],
                 "groups": [group.json() for group in groups], "expect": failures}
-        with open(targets["--json"], "w", encoding="utf-8") as out:
-            json.dump(data, out, indent=1, default=str)
+
+        def write_json(path: str) -> None:
+            with open(path, "w", encoding="utf-8") as out:
+                json.dump(data, out, indent=1, default=str)
+
+        atomic_write(targets["--json"], write_json)
         done(f"wrote {json_path}")
     if save is not None:
         from maskcli.tracefile import save as save_trace
 
         used = {call.mask for call in tracer.calls if call.mask is not None}
-        save_trace(targets["--save"], [call.json() for call in tracer.calls], {key: value for key, value in tracer.masks.items() if key in used})
+        masks = {key: value for key, value in tracer.masks.items() if key in used}
+        atomic_write(targets["--save"], lambda path: save_trace(path, [call.json() for call in tracer.calls], masks))
         done(f"wrote {save}")
     if status:
         raise typer.Exit(status)
