@@ -22,6 +22,18 @@ from maskcli.intervals import Intervals, NotFew
 FORMAT = "maskcli-trace-1"
 
 
+def by_row(row: np.ndarray, start: np.ndarray, end: np.ndarray, rows: int, fill: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of shape (rows, K) from runs listed by row (`row` ascending), padded with [fill, fill)."""
+    counts = np.bincount(row, minlength=rows)
+    width = max(1, int(counts.max(initial=0)))
+    rank = np.arange(len(row)) - np.repeat(np.cumsum(counts) - counts, counts)  # each run's place in its row
+    starts = np.full((rows, width), fill, dtype=np.int64)
+    ends = np.full((rows, width), fill, dtype=np.int64)
+    starts[row, rank] = start
+    ends[row, rank] = end
+    return starts, ends
+
+
 def from_intervals(intervals: Intervals, shape: tuple[int, ...], planes: tuple[int, int]) -> dict:
     """A stored mask from intervals over keys [0, Lk) whose (B, Lq) rows are b*h planes (Lq may be 1: it broadcasts)."""
     q_len = shape[2]

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from maskcli.intervals import Intervals
+from maskcli.tracefile import by_row
 from maskcli.trace.masks import Seen, _dtype, _four, everything
 
 FLEX_NAMES = ("query", "key", "value", "score_mod", "block_mask", "scale", "enable_gqa", "return_lse", "kernel_options")
@@ -80,13 +81,8 @@ def block_intervals(block_mask, q_len: int, k_len: int) -> tuple[Intervals, tupl
     row, start, end = (np.concatenate(x).astype(np.int64) for x in (rows, starts, ends))
     order = np.argsort(row, kind="stable")
     row, start, end = row[order], start[order], end[order]
-    counts = np.bincount(row, minlength=planes * q_len)
-    width = max(1, int(counts.max()))
-    rank = np.arange(len(row)) - np.repeat(np.cumsum(counts) - counts, counts)
-    s_out = np.full((planes * q_len, width), k_len, dtype=np.int64)
-    e_out = np.full((planes * q_len, width), k_len, dtype=np.int64)
-    s_out[row, rank] = start
-    e_out[row, rank] = end
+    s_out, e_out = by_row(row, start, end, planes * q_len, k_len)
+    width = s_out.shape[1]
     found = Intervals.of(s_out.reshape(planes, q_len, width), e_out.reshape(planes, q_len, width), 0, k_len)
     return found, (planes_b, planes_h)
 

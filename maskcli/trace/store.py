@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from maskcli import tracefile
+from maskcli.tracefile import by_row
 from maskcli.intervals import MAX_PER_ROW, Intervals
 
 BAND = 1 << 24  # cells of one band of rows
@@ -44,26 +45,18 @@ def _runs(planes: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
     """starts, ends (P, Lq, K) of each row's runs of True; None where a row has more than MAX_PER_ROW."""
     count, q_len, k_len = planes.shape
     per_band = max(1, BAND // (k_len + 2))
-    parts = []
-    width = 1
+    rows, starts, ends = [], [], []
     for p in range(count):
         for lo in range(0, q_len, per_band):
             band = F.pad(planes[p, lo : lo + per_band].to(torch.int8), (1, 1))
             edges = torch.diff(band, dim=1)
             rising = edges == 1
-            counts = rising.sum(dim=1)
-            most = int(counts.max())
-            if most > MAX_PER_ROW:
+            if int(rising.sum(dim=1).max()) > MAX_PER_ROW:
                 return None
-            row, begin = rising.nonzero(as_tuple=True)
+            row, begin = rising.nonzero(as_tuple=True)  # row-major: ascending rows, each row's runs in order
             _, finish = (edges == -1).nonzero(as_tuple=True)
-            parts.append((p, lo, band.shape[0], counts.cpu().numpy(), begin.cpu().numpy(), finish.cpu().numpy()))
-            width = max(width, most)
-    starts = np.full((count, q_len, width), k_len, dtype=np.int64)
-    ends = np.full((count, q_len, width), k_len, dtype=np.int64)
-    for p, lo, n, counts, begin, finish in parts:  # one pass per band, vectorised over its runs
-        row = np.repeat(np.arange(n), counts)
-        rank = np.arange(len(row)) - np.repeat(np.cumsum(counts) - counts, counts)
-        starts[p, lo + row, rank] = begin
-        ends[p, lo + row, rank] = finish
-    return starts, ends
+            rows.append(row.cpu().numpy() + p * q_len + lo)
+            starts.append(begin.cpu().numpy())
+            ends.append(finish.cpu().numpy())
+    s_out, e_out = by_row(*(np.concatenate(x).astype(np.int64) for x in (rows, starts, ends)), count * q_len, k_len)
+    return s_out.reshape(count, q_len, -1), e_out.reshape(count, q_len, -1)
