@@ -384,3 +384,14 @@ def test_long_masks_are_named_on_their_intervals(monkeypatch):
     names = [group.name for group in t.groups()]
     assert names[:4] == ["causal (queries top-left)", "window(4)", "causal", "full"]
     assert names[4].startswith("not named")
+
+
+def test_with_mha_left_out_multihead_attention_still_keeps_its_fast_path():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        untraced = mha(x, x, x, need_weights=False)[0]
+        with maskcli.trace(apis=("sdpa",)) as t:
+            traced = mha(x, x, x, need_weights=False)[0]
+    assert torch.equal(untraced, traced) and t.calls == []

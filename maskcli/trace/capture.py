@@ -130,10 +130,9 @@ class Trace:
                          nn_module.register_module_forward_hook(self._post, always_call=True)]
         if "flex" in self.apis:
             self._patch_flex()
-        if "mha" in self.apis:
-            from maskcli.trace.modules import wrap
+        from maskcli.trace.modules import wrap
 
-            self._unwrap = wrap(self)
+        self._unwrap = wrap(self, record="mha" in self.apis)  # always: the mode must not take their fast paths away
         self.mode.__enter__()
         return self
 

@@ -76,10 +76,23 @@ def paused(mode):
         yield
 
 
-def wrap(trace) -> list:
-    """Wrap each class's forward for `trace`; the (class, original forward) pairs to put back."""
+def wrap(trace, record: bool = True) -> list:
+    """Wrap each class's forward for `trace` (recording their calls where `record`); the (class, original forward)
+    pairs to put back."""
+
+    def run(module, args, kwargs, original, reader):
+        if reader is not None and not trace.busy and trace.within == 0 and not torch.compiler.is_dynamo_compiling():
+            trace.capture(reader, (module, *args), kwargs)
+        trace.within += reader is not None  # the MHA inside an encoder layer is the layer's call, not another
+        try:
+            with paused(trace.mode):
+                return original(module, *args, **kwargs)
+        finally:
+            trace.within -= reader is not None
+
     undo = []
     for cls, reader in WRAPPED:
+        reader = reader if record else None
         original = cls.__dict__["forward"]
 
         def forward(module, *args, _original=original, _reader=reader, **kwargs):
@@ -88,20 +101,10 @@ def wrap(trace) -> list:
                 bound.apply_defaults()
                 _ENCODERS.append(bound.arguments)
             try:
-                return _run(module, args, kwargs, _original, _reader)
+                return run(module, args, kwargs, _original, _reader)
             finally:
                 if isinstance(module, nn.TransformerEncoder):
                     _ENCODERS.pop()
-
-        def _run(module, args, kwargs, _original, _reader):
-            if _reader is not None and not trace.busy and trace.within == 0 and not torch.compiler.is_dynamo_compiling():
-                trace.capture(_reader, (module, *args), kwargs)
-            trace.within += _reader is not None
-            try:
-                with paused(trace.mode):
-                    return _original(module, *args, **kwargs)
-            finally:
-                trace.within -= _reader is not None
 
         functools.update_wrapper(forward, original)
         cls.forward = forward
