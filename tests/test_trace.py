@@ -395,3 +395,22 @@ def test_with_mha_left_out_multihead_attention_still_keeps_its_fast_path():
         with maskcli.trace(apis=("sdpa",)) as t:
             traced = mha(x, x, x, need_weights=False)[0]
     assert torch.equal(untraced, traced) and t.calls == []
+
+
+def test_a_compiled_model_runs_traced_and_computes_the_same():
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            q = self.proj(x)
+            return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    torch.manual_seed(0)
+    compiled = torch.compile(Attention(), backend="eager")
+    x = torch.randn(1, 2, 4, 8)
+    untraced = compiled(x)
+    with maskcli.trace():  # the module hooks run inside dynamo's trace of forward: they must not break it
+        traced = compiled(x)
+    assert torch.equal(untraced, traced)

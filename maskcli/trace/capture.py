@@ -190,11 +190,15 @@ class Trace:
     # --- where a call comes from --------------------------------------------------------------
 
     def _pre(self, module, args) -> None:
+        if torch.compiler.is_dynamo_compiling():  # a compiled region runs without us (its calls are not recorded)
+            return
         if id(module) not in self._names:
             self._name(module)
         self._stack.append(module)
 
     def _post(self, module, args, output) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            return
         for i in range(len(self._stack) - 1, -1, -1):  # the innermost entry of it (an exception may have left others)
             if self._stack[i] is module:
                 del self._stack[i:]
