@@ -332,3 +332,69 @@ def test_a_tutorials_masked_fill_attention_holds_to_causal_and_not_to_a_window(t
     assert json.loads(shown.stdout)["mask"][1][1] == np.tril(np.ones((6, 6), dtype=int)).tolist()
     failed = trace("--expect", "1=window(2)", script)
     assert failed.exit_code == 1 and "call 1 (1 step 0, softmax) differs from window(2)" in " ".join(failed.stderr.split())
+
+
+HF_EAGER = """
+import torch
+import torch.nn as nn
+
+
+class EagerAttention(nn.Module):  # Hugging Face's eager path: scores + a min-filled mask, softmax in float32
+    def forward(self, q, k, v, mask):
+        scores = q @ k.transpose(2, 3) * q.shape[-1] ** -0.5 + mask
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return weights @ v
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"self_attn": EagerAttention()}) for _ in range(2))
+
+    def forward(self, x, mask, cache):
+        for number, layer in enumerate(self.layers):
+            cache[number] = torch.cat([cache[number], x], dim=2) if cache[number] is not None else x
+            x = layer["self_attn"](x, cache[number], cache[number], mask)
+        return x
+
+
+def min_mask(real, queries):  # bottom-right causal and the key padding, filled with finfo.min where masked
+    keys = real.shape[1]
+    q = torch.arange(keys - queries, keys)[:, None]
+    keep = (torch.arange(keys)[None, :] <= q)[None, None] & real[:, None, None, :]
+    return torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+
+
+torch.manual_seed(0)
+model, cache = Model(), [None, None]
+real = torch.tensor([[True] * 5, [False, False, True, True, True]])  # batch row 1 is left padded
+x = model(torch.randn(2, 1, 5, 4), min_mask(real, 5), cache)
+for _ in range(2):
+    real = torch.cat([real, torch.ones(2, 1, dtype=torch.bool)], dim=1)
+    x = model(x[:, :, -1:], min_mask(real, 1), cache)
+"""
+
+
+def test_a_hugging_face_style_eager_model_with_left_padding_step_by_step(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "eager.py", HF_EAGER)
+    result = trace("--json", "e.json", "--save", "e.pt", "--expect", "layers.*.self_attn=causal", script, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "e.json").read_text())
+    assert [(c["where"], c["step"], c["shape"]) for c in data["calls"]] == [
+        ("layers.0.self_attn", 0, [2, 1, 5, 5]), ("layers.1.self_attn", 0, [2, 1, 5, 5]),
+        ("layers.0.self_attn", 1, [2, 1, 1, 6]), ("layers.1.self_attn", 1, [2, 1, 1, 6]),
+        ("layers.0.self_attn", 2, [2, 1, 1, 7]), ("layers.1.self_attn", 2, [2, 1, 1, 7]),
+    ]
+    assert all(c["api"] == "softmax" and c["details"]["fill"] == "min" for c in data["calls"])
+    text = " ".join(result.stderr.split())
+    assert "query rows 0-1 of batch row 1 see no key at all: uniform weights over every key there, masked ones included" in text
+    assert "every call matched holds" in text
+    from maskcli.tracefile import keep_of, load
+
+    saved = load("e.pt")
+    for call in saved["calls"]:  # a double loop: queries at the end, causal, batch row 1's first two keys padding
+        keep = np.broadcast_to(keep_of(call, saved), call["shape"])
+        _, _, q_len, k_len = call["shape"]
+        for b, h, i, k in np.ndindex(keep.shape):
+            assert keep[b, h, i, k] == (k <= k_len - q_len + i and not (b == 1 and k < 2))
