@@ -390,6 +390,9 @@ def test_a_hugging_face_style_eager_model_with_left_padding_step_by_step(tmp_pat
     text = " ".join(result.stderr.split())
     assert "query rows 0-1 of batch row 1 see no key at all: uniform weights over every key there, masked ones included" in text
     assert "every call matched holds" in text
+    assert [group["name"] for group in data["groups"]] == [
+        "causal (key padding 1,1,1,1,1;0,0,1,1,1)", "causal (key padding 1,1,1,1,1,1;0,0,1,1,1,1)",
+        "causal (key padding 1,1,1,1,1,1,1;0,0,1,1,1,1,1)"]
     from maskcli.tracefile import keep_of, load
 
     saved = load("e.pt")

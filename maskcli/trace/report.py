@@ -107,10 +107,9 @@ def _named(calls: list) -> Group:
         if structure.expression is not None:
             name = structure.expression + _placed(structure.options, q_len, k_len)
             group = Group(calls, name, structure.expression)
-            if structure.kind == "padding" and q_len == 1:  # a decode step read as key padding: a window says more
-                window = _decode_window(keep4.numpy())
-                if window is not None:
-                    group = Group(calls, window, window.split(" ")[0])
+            if structure.kind == "padding" and q_len == 1:  # a decode step read as key padding: a window says more,
+                window = _decode_window(keep4.numpy())  # and one query at the last position sees what causal lets it
+                group = Group(calls, window, window.split(" ")[0]) if window else Group(calls, "causal" + name.removeprefix("padding"), "causal")
         else:
             closest = structure.closest
             near = f"; closest {closest['expression']}, {closest['cells_apart']} cells apart" if closest else ""
