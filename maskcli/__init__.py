@@ -7,6 +7,10 @@ The public API is imported lazily so that `maskcli --help` never loads torch:
     m.intervals()          # exact key intervals per query row (numpy)
     m.mask_mod             # hand it to torch.nn.attention.flex_attention.create_block_mask
     m.dense()              # bool (B, H, Lq, Lk), True = may attend
+
+    with maskcli.trace() as t:   # every attention call of the code inside, with its mask
+        model(x)
+    t.calls[0].keep(); print(t.report())
 """
 
 __version__ = "0.2.0"
@@ -20,6 +24,8 @@ _EXPORTS = {
     "Intervals": "maskcli.intervals",
     "kinds": "maskcli.kinds",
     "to_convention": "maskcli.conventions",
+    "trace": "maskcli.trace",
+    "testing": "maskcli.testing",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -30,5 +36,5 @@ def __getattr__(name: str):
         import importlib
 
         module = importlib.import_module(_EXPORTS[name])
-        return module if name == "kinds" else getattr(module, name)
+        return module if name in ("kinds", "trace", "testing") else getattr(module, name)
     raise AttributeError(f"module 'maskcli' has no attribute {name!r}")

@@ -98,7 +98,7 @@ def test_at_60_columns_a_20_key_mask_is_still_a_table_and_verify_keeps_its_numbe
     assert "…" not in verify.stdout
     assert len(re.findall(r"\d\.\d\de-\d\d", verify.stdout)) >= 3  # every max |diff| whole
     assert " nn.MultiheadAttention " in verify.stdout  # the name whole, not broken across two lines
-    for command in ("show", "attend", "verify", "blocks", "inspect", "convert", "diff", "kinds", "chunk"):
+    for command in ("show", "attend", "verify", "blocks", "inspect", "convert", "diff", "kinds", "chunk", "trace"):
         assert "…" not in runner.invoke(app, [command, "--help"], env={"COLUMNS": "60"}).stdout, command
 
 

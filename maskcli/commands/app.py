@@ -156,10 +156,10 @@ def _usage_message(error, args: list[str]) -> str:
 
 
 def make_console(**options):
-    """A rich Console for a command's view, on stdout with whole writes (WholeWrites)."""
+    """A rich Console for a command's view, on stdout (stderr with stderr=True) with whole writes (WholeWrites)."""
     from rich.console import Console
 
-    options.setdefault("file", WholeWrites(sys.stdout))
+    options.setdefault("file", WholeWrites(sys.stderr if options.pop("stderr", False) else sys.stdout))
     return Console(**options)
 
 

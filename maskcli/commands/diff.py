@@ -28,7 +28,10 @@ def _side(text: str, options: MaskOptions, kinds: dict, label: str) -> Mask:
     if _is_file(text):
         from maskcli.files import state
 
-        if state(Path(text)) == "missing":
+        from maskcli.tracefile import split_spec
+
+        spec = split_spec(text)
+        if state(Path(spec[0] if spec and not Path(text).exists() else text)) == "missing":
             raise MaskError(f"{label} {text!r}: no such file (give a mask file, an expression, or FILE.py:NAME)")
         return mask_from_file(text, options.key, options.from_, options, label)
     return build(text, options, kinds=kinds)
@@ -55,6 +58,10 @@ def _is_file(text: str) -> bool:
     from maskcli.files import READ_SUFFIXES
     from maskcli.usermods import looks_like_spec
 
+    from maskcli.tracefile import split_spec
+
+    if split_spec(text) is not None and not Path(text).exists():  # TRACE.pt:7, a call of a maskcli trace --save
+        return True
     return not looks_like_spec(text) and Path(text).suffix.lower() in READ_SUFFIXES and not text.lstrip().startswith(("[", "{"))
 
 

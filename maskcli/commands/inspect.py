@@ -60,13 +60,28 @@ def inspect(
         check_choice(from_, ("keep", "block"), "--from convention")
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
 
-    _check_source(file)
+    from maskcli.tracefile import traced_keep
+
+    traced = traced_keep(file)  # TRACE.pt:7, a call maskcli trace --save wrote: in keep form already
+    if traced is None:
+        _check_source(file)
     from maskcli.inspect.analysis import analyse
     from maskcli.inspect.load import load_mask
 
-    tensor, label = load_mask(file, key)
+    if traced is not None:
+        import torch
+
+        from maskcli.inspect.polarity import Convention
+
+        if key is not None or from_ is not None:
+            raise MaskError(f"--key and --from do not apply to {file!r}: a traced call's mask is in keep form already")
+        tensor, label = torch.from_numpy(traced[0]), traced[1]
+        given = Convention("keep", "values", "a call captured by maskcli trace, in keep form (True = may attend)")
+    else:
+        tensor, label = load_mask(file, key)
+        given = _convention(tensor, from_, label) if from_ is not None else None
     _check_room(tensor, label, 11 + tensor.element_size(), "to inspect")
-    analysis = analyse(tensor, heads, _convention(tensor, from_, label) if from_ is not None else None)
+    analysis = analyse(tensor, heads, given)
     mask = _display_mask(analysis, file if key is None else f"{file} [{key}]", tokens)
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure

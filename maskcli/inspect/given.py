@@ -17,6 +17,15 @@ from maskcli.mask import Mask, MaskOptions, build, from_tensor, parse_region
 def mask_from_file(path: str, key: str | None, from_: str | None, options: MaskOptions, flag: str = "--mask") -> Mask:
     """The keep mask in a tensor file, as (B, H, Lq, Lk), named by the file and the convention it was read in
     (`flag` names where it was given: --mask, or diff's A or B)."""
+    from maskcli.tracefile import traced_keep
+
+    traced = traced_keep(path)
+    if traced is not None:  # TRACE.pt:7 or TRACE.pt:layers.5.self_attn@2, written by maskcli trace --save
+        for option, value in (("--key", key), ("--from", from_)):
+            if value is not None:
+                raise MaskError(f"{option} does not apply to {path!r}: a traced call's mask is already in keep form; drop {option}")
+        keep, label = traced
+        return _placed(keep, label, path, options)
     from maskcli.inspect.load import load_mask
     from maskcli.inspect.polarity import Convention, classify, sdpa_view, to_keep
 
@@ -31,6 +40,12 @@ def mask_from_file(path: str, key: str | None, from_: str | None, options: MaskO
     if not convention.sure and from_ is None:
         raise MaskError(f"cannot tell whether {label} is keep or block ({convention.note}): say which with --from keep or --from block")
     keep = sdpa_view(to_keep(tensor, convention)).numpy()
+    described = f"{convention.name}" + (", 1 = masked" if convention.name == "int" and convention.ones_mean == "masked" else "")
+    return _placed(keep, f"{label} (read as {described})", path, options)
+
+
+def _placed(keep: np.ndarray, text: str, path: str, options: MaskOptions) -> Mask:
+    """A Mask over a file's keep cells (B, H, Lq, Lk), its queries at the end of its keys unless --offset says where."""
     _, heads, q_len, k_len = keep.shape
     if options.heads != 1 and heads not in (1, options.heads):
         raise MaskError(f"{label} has {heads} heads but --heads is {options.heads}: give --heads {heads}, or drop it")
@@ -45,8 +60,7 @@ def mask_from_file(path: str, key: str | None, from_: str | None, options: MaskO
         raise MaskError(f"{flag} does not apply to --mask {path!r}: it is for a bare kind in an expression")
     q_start = options.offset if options.offset is not None else max(0, k_len - q_len)  # a cache puts the queries last
     k_start = options.kv_start or 0
-    described = f"{convention.name}" + (", 1 = masked" if convention.name == "int" and convention.ones_mean == "masked" else "")
-    return from_tensor(np.ascontiguousarray(keep), f"{label} (read as {described})", q_start, k_start)
+    return from_tensor(np.ascontiguousarray(keep), text, q_start, k_start)
 
 
 def user_kinds(spec: str | None, args: str | None) -> dict:

@@ -1,0 +1,31 @@
+"""The trace report as rich renderables: one row per group of calls with the same mask, then each group's findings."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.table import Table
+from rich.text import Text
+
+
+def views(groups: list, calls: int, program: str, status: int, expected: list | None = None) -> list:
+    """A title line, the table of groups, the findings under their group's number, and the --expect results."""
+    head = Text(f"maskcli trace {program}: {calls} attention call{'s' if calls != 1 else ''}"
+                f"{f' in {len(groups)} group' + ('s' if len(groups) != 1 else '') if groups else ''}"
+                + (f"; the program exited with status {status}" if status else ""), style="bold")
+    out: list = [head]
+    if groups:
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+        for name, options in (("#", {"justify": "right"}), ("calls", {}), ("api", {}), ("step", {}), ("shape", {}), ("mask", {})):
+            table.add_column(name, overflow="fold", **options)
+        for number, group in enumerate(groups):
+            first = group.first
+            shape = "(" + ",".join(map(str, first.shape)) + ")"
+            table.add_row(str(number), Text(f"{group.where} ×{len(group.calls)}" if len(group.calls) > 1 else group.where),
+                          first.api, group.steps, shape, Text(group.name, style="green" if group.expression else "yellow"))
+        out.append(table)
+    for number, group in enumerate(groups):
+        for finding in group.findings:
+            out.append(Text(f"{number}: {finding.code}: {finding.message}", style="red" if finding.code in ("fully-masked", "sees-later", "polarity") else ""))
+    for line in expected or []:
+        out.append(Text(line, style="red"))
+    return out

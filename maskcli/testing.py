@@ -1,0 +1,59 @@
+"""For your own test suite: `assert_mask(mask_or_call, "window(4096)")` fails naming the first cells that differ.
+
+    with maskcli.trace() as t:
+        model(input_ids)
+    assert_mask(t.calls[0], "causal & window(4096)")          # queries placed at the end of the keys
+    assert_mask(keep_tensor, "causal", lengths="4,2")          # MaskOptions fields place and pad the expression
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.diff import Difference, compare, row_words
+from maskcli.errors import MaskError
+from maskcli.mask import Mask, MaskOptions, build, from_tensor
+
+
+def keep_array(mask_or_call) -> np.ndarray:
+    """Bool (B, H, Lq, Lk), True = may attend, from a traced call, a Mask, or a bool keep tensor/array of 2 to 4 dimensions."""
+    if hasattr(mask_or_call, "keep") and callable(mask_or_call.keep):
+        keep = np.asarray(mask_or_call.keep())
+        for dim in (0, 1):  # batch rows or heads that repeat (a broadcast view) are compared once
+            if keep.shape[dim] > 1 and keep.strides[dim] == 0:
+                keep = keep[:1] if dim == 0 else keep[:, :1]
+        return keep
+    if isinstance(mask_or_call, Mask):
+        return mask_or_call.dense()
+    array = np.asarray(mask_or_call.detach().cpu() if hasattr(mask_or_call, "detach") else mask_or_call)
+    if array.dtype != bool:
+        raise MaskError(f"assert_mask takes a bool keep mask (True = may attend), a traced call or a Mask; got dtype {array.dtype}")
+    if not 2 <= array.ndim <= 4:
+        raise MaskError(f"a mask has 2 to 4 dimensions (Lq, Lk) .. (B, H, Lq, Lk); got shape {list(array.shape)}")
+    return array.reshape((1,) * (4 - array.ndim) + array.shape)
+
+
+def against(keep: np.ndarray, expression: str, label: str = "the mask", **positions) -> Difference:
+    """`keep` (B, H, Lq, Lk) compared with `expression` placed at its positions: the queries at the end of the keys
+    unless `positions` (MaskOptions fields: offset, kv_start, lengths, ids, ...) say otherwise."""
+    batch, heads, q_len, k_len = keep.shape
+    if q_len > k_len and "offset" not in positions:
+        raise MaskError(f"{label} has more queries ({q_len}) than keys ({k_len}): give offset= to place them")
+    offset = positions.pop("offset", k_len - q_len)
+    options = MaskOptions(**{"length": q_len, "offset": offset or None, "heads": heads,
+                             "kv_len": None if offset + q_len == k_len else k_len, **positions})
+    expected = build(expression, options)
+    captured = from_tensor(np.ascontiguousarray(keep), label, expected.frame.q_start, expected.frame.k_start)
+    return compare(captured, expected)
+
+
+def assert_mask(mask_or_call, expression: str, **positions) -> None:
+    """Raise AssertionError naming the first rows and keys where the mask and the expression differ."""
+    keep = keep_array(mask_or_call)
+    difference = against(keep, expression, **positions)
+    if not difference.equal:
+        lines = row_words(difference, "the mask", expression)
+        raise AssertionError(
+            f"the mask is not {expression}: {difference.only_a} cells only the mask allows, {difference.only_b} only "
+            f"{expression} allows; " + "; ".join(lines)
+        )

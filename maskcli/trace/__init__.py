@@ -1,0 +1,21 @@
+"""Capture the masks a running program hands to its attention calls: `with maskcli.trace() as t: model(x)`.
+
+The package itself is callable, so `maskcli.trace()` works whether or not a submodule has
+been imported (which binds maskcli.trace to this package); it imports torch only when called.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+
+class _CallablePackage(types.ModuleType):
+    def __call__(self, apis=("sdpa", "flex", "mha", "softmax"), max_bytes: int | None = None):
+        """A Trace to use as a context manager: `with maskcli.trace() as t:`; then t.calls and t.report()."""
+        from maskcli.trace.capture import DEFAULT_MAX_BYTES, Trace
+
+        return Trace(apis, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

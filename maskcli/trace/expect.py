@@ -1,0 +1,77 @@
+"""--expect PATTERN=EXPR: every call whose module path matches is compared with the expression at its positions."""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+import numpy as np
+
+from maskcli.errors import MaskError
+from maskcli.testing import against
+from maskcli.text import spans
+
+
+def parse(values: list[str]) -> list[tuple[str, str]]:
+    """(pattern, expression) pairs; a bad one is a one-line error before the program runs."""
+    from maskcli.expression import parse as parse_expression
+
+    pairs = []
+    for value in values:
+        pattern, equals, expression = value.partition("=")
+        if not equals or not pattern.strip() or not expression.strip():
+            raise MaskError(f"--expect {value!r}: give PATTERN=EXPR, like \"layers.*.self_attn=causal\" (PATTERN matches module paths as a shell does)")
+        try:
+            parse_expression(expression)
+        except MaskError as error:
+            raise MaskError(f"--expect {value!r}: {error}") from None
+        pairs.append((pattern.strip(), expression.strip()))
+    return pairs
+
+
+def found_padding(keep: np.ndarray) -> dict:
+    """Key padding read off the mask: per batch row, the keys no query of that row sees but a query of another row
+    does (rows padded differently, as a batch is); {} where there is one batch row or none differ."""
+    seen = keep.any(axis=(1, 2))  # (B, Lk)
+    if seen.shape[0] < 2:
+        return {}
+    padded = ~seen & seen.any(axis=0, keepdims=True)
+    if not padded.any():
+        return {}
+    valid = ~padded
+    return {"ids": ";".join(",".join("1" if v else "0" for v in row) for row in valid.tolist()), "pad_id": 0}
+
+
+def check(calls: list, expectations: list[tuple[str, str]]) -> list[str]:
+    """Lines on what differs: for each expectation its first differing call with its first differing rows, then the
+    other differing calls by index (and a pattern that matched nothing); empty when every expectation holds."""
+    from maskcli.diff import row_words
+    from maskcli.testing import keep_array
+
+    lines = []
+    for pattern, expression in expectations:
+        head = f"--expect {pattern}={expression}"
+        matched = [call for call in calls if fnmatchcase(call.where, pattern)]
+        if not matched:
+            known = ", ".join(sorted({call.where for call in calls})[:6]) or "no calls at all"
+            lines.append(f"{head}: no call matches {pattern!r} (calls came from {known})")
+            continue
+        differing = []
+        for call in matched:
+            where = f"call {call.index} ({call.where} step {call.step}, {call.api})"
+            try:
+                keep = keep_array(call)
+                padding = found_padding(keep)
+                difference = against(keep, expression, f"call {call.index}", **padding)
+            except MaskError as error:
+                lines.append(f"{head}: {where}: cannot compare: {error}")
+                continue
+            if difference.equal:
+                continue
+            differing.append(call.index)
+            if len(differing) == 1:
+                pad = " with the padding found in the mask" if padding else ""
+                rows = row_words(difference, "the call", expression)[:2]
+                lines.append(f"{head}: {where} differs from {expression}{pad}: {'; '.join(rows)}")
+        if len(differing) > 1:
+            lines.append(f"{head}: {len(differing) - 1} more calls differ: {spans(differing[1:])}")
+    return lines

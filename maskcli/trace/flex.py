@@ -1,0 +1,128 @@
+"""The mask a FlexAttention call applies, read from its BlockMask as key intervals, never as L x L cells.
+
+A kernel attends a cell when its block is listed full, or listed partial and the
+mask_mod allows the cell; unlisted blocks are masked. So only the partial blocks' cells
+are evaluated (a band of one query block by its partial key blocks at a time) and each
+row's intervals are the full blocks' ranges joined with the runs the mask_mod allows:
+a causal mask of 1M tokens evaluates its diagonal blocks only. (The unfused CPU path
+evaluates the mask_mod on every cell; for a BlockMask made by create_block_mask the two agree.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from maskcli.intervals import Intervals
+from maskcli.tracefile import by_row
+from maskcli.trace.masks import Seen, _dtype, _four, everything
+
+FLEX_NAMES = ("query", "key", "value", "score_mod", "block_mask", "scale", "enable_gqa", "return_lse", "kernel_options")
+
+
+def flex(args: tuple, kwargs: dict) -> Seen:
+    given = dict(zip(FLEX_NAMES, args)) | kwargs
+    q, k, v = given["query"], given["key"], given["value"]
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    block_mask = given.get("block_mask")
+    details = {"score_mod": given.get("score_mod") is not None, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False))}
+    seen = Seen("flex", (*_four(tuple(q.shape[:-2])), q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape),
+                _dtype(q), str(q.device), details=details)
+    if block_mask is None:
+        seen.intervals = everything(q_len, k_len)
+        return seen
+    details["mask_mod"] = getattr(block_mask.mask_mod, "__name__", type(block_mask.mask_mod).__name__)
+    details["block_size"] = list(block_mask.BLOCK_SIZE)
+    seen.intervals, seen.planes = block_intervals(block_mask, q_len, k_len)
+    return seen
+
+
+flex.api = "flex"
+
+
+def block_intervals(block_mask, q_len: int, k_len: int) -> tuple[Intervals, tuple[int, int]]:
+    """Key intervals (b*h, Lq, K) of the cells the BlockMask's kernel attends, and (b, h) as the BlockMask holds them."""
+    q_block, kv_block = (int(x) for x in block_mask.BLOCK_SIZE)
+    partial_n = block_mask.kv_num_blocks.cpu().numpy()
+    partial_i = block_mask.kv_indices.cpu().numpy()
+    full_n = block_mask.full_kv_num_blocks.cpu().numpy() if block_mask.full_kv_num_blocks is not None else None
+    full_i = block_mask.full_kv_indices.cpu().numpy() if block_mask.full_kv_indices is not None else None
+    planes_b, planes_h = partial_n.shape[:2]
+    device = block_mask.kv_indices.device
+    rows, starts, ends = [], [], []
+    plane = 0
+    for b in range(planes_b):
+        for h in range(planes_h):
+            for i in range(-(-q_len // q_block)):
+                lo, hi = i * q_block, min(q_len, (i + 1) * q_block)
+                offset = plane * q_len
+                if full_n is not None and i < full_n.shape[2]:
+                    for first, last in _ranges(full_i[b, h, i, : full_n[b, h, i]]):  # whole blocks: every row sees each
+                        rows.append(np.arange(lo, hi) + offset)
+                        starts.append(np.full(hi - lo, first * kv_block))
+                        ends.append(np.full(hi - lo, min(k_len, last * kv_block)))
+                if i >= partial_n.shape[2]:
+                    continue
+                blocks = np.sort(partial_i[b, h, i, : partial_n[b, h, i]])
+                if len(blocks) == 0:
+                    continue
+                cols = np.concatenate([np.arange(j * kv_block, min(k_len, (j + 1) * kv_block)) for j in blocks.tolist()])
+                if len(cols) == 0:
+                    continue
+                cells = _evaluate(block_mask.mask_mod, b, h, np.arange(lo, hi), cols, device)
+                r, s, e = _runs(cells, cols)
+                rows.append(r + lo + offset)
+                starts.append(s)
+                ends.append(e)
+            plane += 1
+    planes = planes_b * planes_h
+    if not rows:
+        return Intervals.of(np.full((planes, 1, 1), k_len), np.full((planes, 1, 1), k_len), 0, k_len), (planes_b, planes_h)
+    row, start, end = (np.concatenate(x).astype(np.int64) for x in (rows, starts, ends))
+    order = np.argsort(row, kind="stable")
+    row, start, end = row[order], start[order], end[order]
+    s_out, e_out = by_row(row, start, end, planes * q_len, k_len)
+    width = s_out.shape[1]
+    found = Intervals.of(s_out.reshape(planes, q_len, width), e_out.reshape(planes, q_len, width), 0, k_len)
+    return found, (planes_b, planes_h)
+
+
+def _ranges(blocks: np.ndarray) -> list[tuple[int, int]]:
+    """[first, last) runs of consecutive block indices: the full blocks of a causal row are one range, not thousands."""
+    j = np.sort(blocks.astype(np.int64))
+    if len(j) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(j) != 1)
+    firsts = np.concatenate([j[:1], j[breaks + 1]])
+    lasts = np.concatenate([j[breaks], j[-1:]]) + 1
+    return list(zip(firsts.tolist(), lasts.tolist()))
+
+
+def _evaluate(mask_mod, b: int, h: int, q_rows: np.ndarray, cols: np.ndarray, device) -> np.ndarray:
+    """Bool (rows, cols): the mask_mod on local indices, called once on broadcast index tensors as maskcli calls
+    a mask_mod; one that cannot take them (Python control flow on values) goes through torch.vmap as create_mask does."""
+    bt = torch.tensor(b, device=device)
+    ht = torch.tensor(h, device=device)
+    qt = torch.as_tensor(q_rows, device=device).view(-1, 1)
+    kt = torch.as_tensor(cols, device=device).view(1, -1)
+    with torch.no_grad():
+        try:
+            out = torch.as_tensor(mask_mod(bt, ht, qt, kt), device=device)
+            out = torch.broadcast_to(out, (len(q_rows), len(cols)))
+        except Exception:
+            inner = torch.vmap(lambda q, kv: mask_mod(bt, ht, q, kv), in_dims=(None, 0))
+            out = torch.vmap(inner, in_dims=(0, None))(qt.view(-1), kt.view(-1))
+    return out.bool().cpu().numpy()
+
+
+def _runs(cells: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, start, end) of each run of allowed cells; a run also breaks where the columns jump (between blocks)."""
+    jump = np.ones(len(cols) + 1, dtype=bool)
+    jump[1:-1] = np.diff(cols) != 1
+    padded = np.zeros((cells.shape[0], cells.shape[1] + 2), dtype=bool)
+    padded[:, 1:-1] = cells
+    begins = padded[:, 1:-1] & (~padded[:, :-2] | jump[None, :-1])
+    finish = padded[:, 1:-1] & (~padded[:, 2:] | jump[None, 1:])
+    r, c = np.nonzero(begins)
+    _, c_end = np.nonzero(finish)
+    return r, cols[c], cols[c_end] + 1

@@ -1,0 +1,179 @@
+"""The mask each attention API applies, read from the arguments of one call, in keep form.
+
+Each reader returns a Seen: the (B, H, Lq, Lk) shape the kernel applies after
+broadcasting, the q/k/v shapes, what else the call said (is_causal, scale, ...) and the
+mask either as a bool torch tensor of 4 dimensions that broadcasts to that shape, or as
+key intervals (is_causal, no mask, FlexAttention's blocks), so that no L x L tensor is made
+where the program made none.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from maskcli.inspect.polarity import to_keep
+from maskcli.intervals import Intervals
+
+
+@dataclass
+class Seen:
+    api: str
+    shape: tuple[int, int, int, int]
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+    v: tuple[int, ...]
+    dtype: str
+    device: str
+    keep: torch.Tensor | None = None  # bool, 4-D, broadcasts to `shape`
+    intervals: Intervals | None = None  # or: (b*h, Lq, K) key intervals over [0, Lk) (Lq may be 1: it broadcasts)
+    planes: tuple[int, int] = (1, 1)  # (b, h) of the intervals: 1 where every batch row or head is the same
+    details: dict = field(default_factory=dict)
+    sources: tuple = ()  # the mask tensors the call was given: the same ones again are the same mask
+    child: str | None = None  # the submodule that attends, where the call was read at its parent (an encoder layer)
+
+
+def _four(lead: tuple[int, ...]) -> tuple[int, int]:
+    """(B, H) from the batch dimensions in front of (L, E): missing ones are 1, extra leading ones fold into B."""
+    lead = tuple(lead)
+    if len(lead) < 2:
+        lead = (1,) * (2 - len(lead)) + lead
+    return math.prod(lead[:-1]), lead[-1]
+
+
+def _as_4d(tensor: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
+    """A mask of any rank viewed as 4-D, its last two dimensions expanded to (Lq, Lk) (a view)."""
+    if tensor.dim() < 4:
+        tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
+    elif tensor.dim() > 4:
+        tensor = tensor.reshape((-1,) + tuple(tensor.shape[-3:]))
+    return tensor.expand(tensor.shape[0], tensor.shape[1], q_len, k_len)
+
+
+def top_left_causal(q_len: int, k_len: int) -> Intervals:
+    """SDPA's is_causal: query row i sees keys 0..i (torch.tril of an Lq x Lk matrix, aligned top-left)."""
+    ends = np.minimum(np.arange(1, q_len + 1, dtype=np.int64), k_len)
+    return Intervals.of(np.zeros((1, q_len, 1), np.int64), ends.reshape(1, q_len, 1), 0, k_len)
+
+
+def everything(q_len: int, k_len: int) -> Intervals:
+    return Intervals.of(np.zeros((1, 1, 1), np.int64), np.full((1, 1, 1), k_len, np.int64), 0, k_len)
+
+
+def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
+    """Keep form of an SDPA-style mask: bool True = attend; a float mask adds, so -inf (or at most -1e4) masks.
+    A float mask that also adds other values (ALiBi, relative positions) is noted in `details` as a bias."""
+    if mask.dtype == torch.bool:
+        return mask
+    keep = to_keep(mask.detach(), "additive")
+    if details is not None and bool((keep & (mask.detach() != 0)).any()):
+        details["bias"] = True
+    return keep
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def sdpa(args: tuple, kwargs: dict) -> Seen:
+    given = dict(zip(SDPA_NAMES, args)) | kwargs
+    q, k, v = given["query"], given["key"], given["value"]
+    mask, is_causal = given.get("attn_mask"), bool(given.get("is_causal", False))
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    lead = tuple(q.shape[:-2])
+    if mask is not None and mask.dim() > 2:
+        lead = tuple(torch.broadcast_shapes(lead, tuple(mask.shape[:-2])))
+    details = {"is_causal": is_causal, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False)),
+               "dropout_p": float(given.get("dropout_p", 0.0) or 0.0)}
+    seen = Seen("sdpa", (*_four(lead), q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
+    if mask is not None:
+        details["mask_dtype"] = _dtype(mask)
+        seen.keep = _as_4d(_keep(mask, details), q_len, k_len)
+        seen.sources = (mask,)
+    elif is_causal:
+        seen.intervals = top_left_causal(q_len, k_len)
+    else:
+        seen.intervals = everything(q_len, k_len)
+    return seen
+
+
+@functools.cache
+def _mha_signature() -> inspect.Signature:
+    return inspect.signature(F.multi_head_attention_forward)
+
+
+def mha(args: tuple, kwargs: dict) -> Seen:
+    """F.multi_head_attention_forward (what nn.MultiheadAttention calls): attn_mask and key_padding_mask merged as it
+    merges them (either one masks a cell; block polarity for bool, additive for float), with the key bias_k and
+    add_zero_attn add; is_causal replaces the mask only where MHA hands it to SDPA (no key_padding_mask, no weights)."""
+    bound = _mha_signature().bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    q, k, v = a["query"], a["key"], a["value"]
+    batched = q.dim() == 3
+    q_len, batch = q.shape[0], (q.shape[1] if batched else 1)
+    heads = int(a["num_heads"])
+    k_len = a["static_k"].shape[1] if a["static_k"] is not None else k.shape[0]
+    extra = int(a["bias_k"] is not None) + int(bool(a["add_zero_attn"]))
+    k_len += extra
+    attn_mask, padding = a["attn_mask"], a["key_padding_mask"]
+    need_weights = bool(a["need_weights"])
+    details = {"need_weights": need_weights, "is_causal": bool(a["is_causal"]), "num_heads": heads,
+               "dropout_p": float(a["dropout_p"] or 0.0) if a["training"] else 0.0}
+    seen = Seen("mha", (batch, heads, q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
+    if a["is_causal"] and padding is None and not need_weights:
+        seen.intervals = top_left_causal(q_len, k_len)
+        return seen
+    keep = torch.ones((1, 1, q_len, k_len), dtype=torch.bool, device=q.device)
+    if attn_mask is not None:  # bool: True = masked (MHA's polarity); float: added to the scores
+        details["attn_mask_dtype"] = _dtype(attn_mask)
+        own = ~attn_mask if attn_mask.dtype == torch.bool else to_keep(attn_mask.detach(), "additive")
+        own = own.reshape(batch, heads, q_len, -1) if own.dim() == 3 else own.reshape(1, 1, q_len, -1)
+        keep = _allow_extra(own, extra)
+    if padding is not None:  # (N, S), or (S) unbatched: True = a padding key
+        details["key_padding_mask_dtype"] = _dtype(padding)
+        own = ~padding if padding.dtype == torch.bool else to_keep(padding.detach(), "additive")
+        keep = keep & _allow_extra(own.reshape(batch, 1, 1, -1), extra)
+    if attn_mask is None and padding is None:
+        seen.intervals = everything(q_len, k_len)
+    else:
+        seen.keep = keep
+        seen.sources = tuple(x for x in (attn_mask, padding) if x is not None)
+    return seen
+
+
+def _allow_extra(keep: torch.Tensor, extra: int) -> torch.Tensor:
+    """MHA pads its masks with allowed columns for bias_k and add_zero_attn's keys."""
+    if not extra:
+        return keep
+    return torch.cat([keep, torch.ones(keep.shape[:-1] + (extra,), dtype=torch.bool, device=keep.device)], -1)
+
+
+def softmax(args: tuple, kwargs: dict) -> Seen | None:
+    """A softmax over the last dimension of a 3-D or 4-D tensor: the scores of eager attention, masked where -inf
+    or the dtype's lowest value (masked_fill and Hugging Face's eager path). None for any other softmax."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4) or not x.is_floating_point() or dim not in (-1, x.dim() - 1):
+        return None
+    scores = x.detach()
+    masked = (scores == float("-inf")) | (scores == torch.finfo(scores.dtype).min)
+    fill = "-inf" if bool((scores == float("-inf")).any()) else "min" if bool(masked.any()) else None
+    q_len, k_len = x.shape[-2:]
+    shape = (x.shape[0], x.shape[1], q_len, k_len) if x.dim() == 4 else (x.shape[0], 1, q_len, k_len)
+    details = {"fill": fill}
+    seen = Seen("softmax", shape, tuple(x.shape), (), (), _dtype(x), str(x.device), details=details)
+    seen.keep = (~masked).reshape(shape)
+    return seen
+
+
+sdpa.api, mha.api, softmax.api = "sdpa", "mha", "softmax"  # named on a call maskcli could not read

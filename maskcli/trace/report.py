@@ -1,0 +1,265 @@
+"""A trace in a screen: calls whose masks are the same grouped into one row, each group's mask named by inspect's
+recogniser, and what is wrong with it for the API that applied it."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from maskcli import tracefile
+from maskcli.text import Finding, spans
+
+NAME_CELLS = 1 << 22  # masks up to this many cells (b*h*Lq*Lk as stored) are named by rebuilding them
+
+
+@dataclass
+class Group:
+    calls: list  # of Call
+    name: str  # the expression that rebuilds the mask, with what places it, or why there is none
+    expression: str | None
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def first(self):
+        return self.calls[0]
+
+    @property
+    def where(self) -> str:
+        return where_text([call.where for call in self.calls])
+
+    @property
+    def steps(self) -> str:
+        return step_text(sorted({call.step for call in self.calls}), self.first.shape[2])
+
+    def json(self) -> dict:
+        first = self.first
+        return {"where": self.where, "api": first.api, "steps": self.steps, "shape": list(first.shape), "mask": first.mask,
+                "expression": self.expression, "name": self.name, "calls": [call.index for call in self.calls],
+                "findings": [{"code": f.code, "message": f.message} for f in self.findings]}
+
+
+def where_text(paths: list[str]) -> str:
+    """'layers.{0-4, 6-10}.self_attn': paths that differ only in one number, said once."""
+    families: dict[str, list[int]] = defaultdict(list)
+    order: list[str] = []
+    for path in dict.fromkeys(paths):
+        match = None
+        for match in re.finditer(r"(?:(?<=\.)|^)\d+(?=\.|$)", path):  # the last number that is a whole part
+            pass
+        if match is None:
+            key, number = path, None
+        else:
+            key = path[: match.start()] + "{}" + path[match.end():]
+            number = int(match.group())
+        if key not in families:
+            order.append(key)
+        if number is not None:
+            families[key].append(number)
+    parts = []
+    for key in order:
+        numbers = sorted(families[key])
+        if not numbers:
+            parts.append(key)
+        elif len(numbers) == 1:
+            parts.append(key.replace("{}", str(numbers[0])))
+        else:
+            parts.append(key.replace("{}", "{" + spans(numbers) + "}"))
+    return ", ".join(parts)
+
+
+def step_text(steps: list[int], q_len: int) -> str:
+    if steps == [0]:
+        return "prefill" if q_len > 1 else "step 0"
+    if q_len == 1 and steps[0] > 0:
+        return f"decode {spans(steps)}"
+    return f"steps {spans(steps)}"
+
+
+def group(calls: list) -> list[Group]:
+    """Calls with the same mask, API and shape form one group, in the order of their first call."""
+    found: dict[tuple, list] = {}
+    for call in calls:
+        key = (call.mask, call.api, call.shape, call.details.get("error"))
+        found.setdefault(key, []).append(call)
+    return [_named(members) for members in found.values()]
+
+
+def _named(calls: list) -> Group:
+    first = calls[0]
+    stored = first.stored
+    if stored is None:
+        return Group(calls, f"not read: {first.details.get('error')}", None)
+    if stored["form"] == "stats":
+        return Group(calls, f"not kept ({stored['why']}): {stored['kept']:,} cells attended", None,
+                     _empty_rows(first, stored, None))
+    b, h = stored["planes"]
+    q_len, k_len = first.shape[2:]
+    structure = None
+    if b * h * q_len * k_len <= NAME_CELLS:
+        from maskcli.inspect.structure import recognise
+
+        keep4 = torch.from_numpy(tracefile.dense(stored))
+        structure = recognise(keep4, nearest=True)
+        if structure.expression is not None:
+            name = structure.expression + _placed(structure.options, q_len, k_len)
+            group = Group(calls, name, structure.expression)
+            if structure.kind == "padding" and q_len == 1:  # a decode step read as key padding: a window says more,
+                window = _decode_window(keep4.numpy())  # and one query at the last position sees what causal lets it
+                group = Group(calls, window, window.split(" ")[0]) if window else Group(calls, "causal" + name.removeprefix("padding"), "causal")
+        else:
+            closest = structure.closest
+            near = f"; closest {closest['expression']}, {closest['cells_apart']} cells apart" if closest else ""
+            group = Group(calls, f"no expression rebuilds it{near}", None)
+            if closest and closest.get("rows"):
+                group.findings.append(Finding("closest", f"against {closest['expression']}: {'; '.join(closest['rows'][:2])}"))
+        if structure.kind in MEANT_LATER:  # nothing, or a raw tril/triu: is it a known mask read the wrong way round?
+            flipped = recognise(~keep4)
+            if flipped.expression is not None and flipped.kind not in MEANT_LATER:
+                group.findings.append(Finding("polarity", _polarity(first, flipped.expression + _placed(flipped.options, q_len, k_len))))
+    else:
+        named = _name_on_intervals(stored, q_len, k_len)
+        if named is not None:
+            group = Group(calls, named[0] + named[1], named[0])
+        else:
+            group = Group(calls, f"not named: {q_len:,} x {k_len:,} cells are too many to rebuild cell by cell, "
+                                 "and it is none of full, causal, a window", None)
+    group.findings[:0] = _empty_rows(first, stored, structure) + _later(first, stored, structure)
+    if first.details.get("bias"):
+        group.findings.append(Finding("bias", (
+            "the float attn_mask also adds values other than 0 and a fill (a bias: ALiBi, relative positions): "
+            "the mask shown is its cells at -inf or at most -1e4; the rest of what it adds is not shown")))
+    if first.details.get("is_causal") and first.api == "sdpa" and q_len < k_len and "mask_dtype" not in first.details:
+        group.findings.append(Finding("top-left-causal", (
+            f"is_causal with {q_len} queries and {k_len} keys is aligned top-left: query row i sees keys 0..i, so the "
+            f"last {k_len - q_len} keys are seen by no query until the last rows; a decoder with a cache means "
+            f"bottom-right (causal --offset {k_len - q_len}): pass that mask instead of is_causal")))
+    return group
+
+
+def _name_on_intervals(stored: dict, q_len: int, k_len: int) -> tuple[str, str] | None:
+    """(expression, placement words) of a long mask the same for every batch row and head, compared on key
+    intervals (O(L), exact): full, causal or window(W) with the queries at the end of the keys, or causal top-left."""
+    from maskcli.errors import MaskError
+    from maskcli.mask import MaskOptions, build
+
+    found = tracefile.intervals(stored)
+    if found is None or stored["planes"] != [1, 1] or q_len > k_len:
+        return None
+    width = int(found.counts().max())
+    end = MaskOptions(length=q_len, offset=(k_len - q_len) or None)
+    top_left = MaskOptions(length=q_len, kv_len=k_len)
+    for expression, options, words in (("full", end, ""), ("causal", end, ""), (f"window({width})", end, ""),
+                                       ("causal", top_left, " (queries top-left)")):
+        try:
+            built = build(expression, options).intervals()
+        except MaskError:
+            continue
+        if (built.k_start, built.k_end) != (0, k_len):
+            continue
+        if int((found & ~built).counts().sum()) == 0 and int((built & ~found).counts().sum()) == 0:
+            return expression, words
+    return None
+
+
+def _decode_window(keep: np.ndarray) -> str | None:
+    """'window(W)' (with the padding that differs between batch rows) where it rebuilds a one-query mask exactly."""
+    from maskcli.errors import MaskError
+    from maskcli.testing import against
+    from maskcli.trace.expect import found_padding
+
+    width = int(keep.sum(axis=-1).max())
+    if width < 1 or width == keep.shape[-1]:
+        return None  # every key: the causal decode step, which the recogniser names itself
+    padding = found_padding(keep)
+    try:
+        equal = against(keep, f"window({width})", **padding).equal
+    except MaskError:
+        return None
+    return f"window({width})" + (f" (key padding {padding['ids']})" if padding else "") if equal else None
+
+
+def _placed(options: dict, q_len: int, k_len: int) -> str:
+    words = []
+    if "kv_len" in options and "offset" not in options and q_len != k_len:
+        words.append("queries top-left")
+    if "lengths" in options:
+        words.append(f"lengths {options['lengths']}")
+    if "ids" in options:
+        words.append(f"key padding {options['ids']}")
+    if options.get("heads", 1) > 1:
+        pass  # the shape says the heads
+    return f" ({'; '.join(words)})" if words else ""
+
+
+def _polarity(call, expression: str) -> str:
+    meaning = {"mha": "MHA reads a bool mask as True = masked", "sdpa": "SDPA reads a bool mask as True = may attend"}.get(call.api, "")
+    return (f"read the other way round it is {expression}: a mask in the wrong polarity?"
+            + (f" ({meaning})" if meaning else ""))
+
+
+def _what_api_does(call) -> str:
+    api, details = call.api, call.details
+    if api == "softmax":
+        return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf"
+                else "uniform weights over every key there, masked ones included (a finite fill)")
+    if api == "mha" and details.get("need_weights"):
+        return "NaN there (MHA with need_weights=True runs its own softmax)"
+    if api == "flex":
+        return "0 output there (FlexAttention gives rows with no key 0)"
+    return "0 output there (SDPA gives rows with no key 0)"
+
+
+def _empty_rows(call, stored: dict, structure) -> list[Finding]:
+    if stored["form"] == "stats":
+        return [Finding("fully-masked", f"{stored['empty_rows']:,} query rows see no key at all: {_what_api_does(call)}")] if stored["empty_rows"] else []
+    empty = (tracefile.counts(stored) == 0).any(axis=1)  # (b, Lq): over the heads
+    if not empty.any():
+        return []
+    parts = []
+    for batch in np.flatnonzero(empty.any(axis=1)).tolist()[:8]:
+        rows = np.flatnonzero(empty[batch]).tolist()
+        where = f" of batch row {batch}" if empty.shape[0] > 1 else ""
+        parts.append((f"query row {rows[0]}" if len(rows) == 1 else f"query rows {spans(rows[:200])}") + where)
+    more = int(empty.any(axis=1).sum()) - len(parts)
+    who = "; ".join(parts) + (f"; and {more} more batch rows" if more > 0 else "")
+    verb = "sees" if len(parts) == 1 and parts[0].startswith("query row ") and not parts[0].startswith("query rows") else "see"
+    return [Finding("fully-masked", f"{who} {verb} no key at all: {_what_api_does(call)}")]
+
+
+MEANT_LATER = (None, "tril", "triu")  # kinds that mean later keys (full, segment, blocks, ...) are not flagged
+
+
+def _later(call, stored: dict, structure) -> list[Finding]:
+    """A query that sees a key after its own position, the queries placed at the end of the keys."""
+    if structure is not None and structure.expression is not None and structure.kind not in MEANT_LATER:
+        return []
+    q_len, k_len = call.shape[2:]
+    own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
+    if stored["form"] == "intervals":
+        found = tracefile.intervals(stored)
+        real = found.starts < found.ends
+        last = np.where(real, found.ends - 1, -1).max(axis=-1)  # (b*h, Lq)
+        rows = np.flatnonzero((last > own[None, :]).any(axis=0))
+    else:
+        cells = tracefile.dense(stored)
+        later = cells & (np.arange(k_len)[None, :] > own[:, None])
+        rows = np.flatnonzero(later.any(axis=(0, 1, 3)))
+    if len(rows) == 0:
+        return []
+    shown = spans(rows[:200].tolist())
+    return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys): "
+                    "a causal mask with an off-by-one, or one read the wrong way round?")]
+
+
+def text(groups: list[Group], calls: int) -> str:
+    """The report as plain lines (Trace.report())."""
+    lines = [f"{calls} attention call{'s' if calls != 1 else ''} in {len(groups)} group{'s' if len(groups) != 1 else ''}"]
+    for number, g in enumerate(groups):
+        shape = "(" + ", ".join(map(str, g.first.shape)) + ")"
+        lines.append(f"{number}. {g.where} · {g.first.api} · {g.steps} · {shape} · {g.name}")
+        lines += [f"   {f.code}: {f.message}" for f in g.findings]
+    return "\n".join(lines)

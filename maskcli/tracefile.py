@@ -1,0 +1,190 @@
+"""Captured masks as maskcli stores them, and the trace file (`maskcli trace --save`) that reads back as a mask.
+
+A stored mask is a plain dict (the file is loaded with weights_only=True, so it holds only
+tensors, numbers, strings, lists and dicts). `shape` is the (B, H, Lq, Lk) the kernel
+applied; `planes` is (b, h) as stored, each 1 where every batch row or head is the same.
+Its form is "intervals" (per-row key intervals, `starts`/`ends` of (b*h, Lq, K), few per
+row), "bits" (np.packbits of the rows, where the intervals are not few) or "stats" (past
+--max-bytes: the shape and the counts only). Equal masks get equal stored forms, so the
+digest of that form names a mask once however many calls use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+import numpy as np
+
+from maskcli.errors import MaskError
+from maskcli.intervals import Intervals, NotFew
+
+FORMAT = "maskcli-trace-1"
+
+
+def by_row(row: np.ndarray, start: np.ndarray, end: np.ndarray, rows: int, fill: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of shape (rows, K) from runs listed by row (`row` ascending), padded with [fill, fill)."""
+    counts = np.bincount(row, minlength=rows)
+    width = max(1, int(counts.max(initial=0)))
+    rank = np.arange(len(row)) - np.repeat(np.cumsum(counts) - counts, counts)  # each run's place in its row
+    starts = np.full((rows, width), fill, dtype=np.int64)
+    ends = np.full((rows, width), fill, dtype=np.int64)
+    starts[row, rank] = start
+    ends[row, rank] = end
+    return starts, ends
+
+
+def from_intervals(intervals: Intervals, shape: tuple[int, ...], planes: tuple[int, int]) -> dict:
+    """A stored mask from intervals over keys [0, Lk) whose (B, Lq) rows are b*h planes (Lq may be 1: it broadcasts)."""
+    q_len = shape[2]
+    starts = np.ascontiguousarray(np.broadcast_to(intervals.starts, (intervals.starts.shape[0], q_len, intervals.per_row)))
+    ends = np.ascontiguousarray(np.broadcast_to(intervals.ends, starts.shape))
+    return {"form": "intervals", "shape": [int(x) for x in shape], "planes": [int(x) for x in planes], "starts": starts, "ends": ends}
+
+
+def from_dense(keep: np.ndarray, shape: tuple[int, ...]) -> dict:
+    """A stored mask from a bool (b, h, Lq, Lk) keep array (b, h each 1 or the full size): intervals where few, else bits."""
+    b, h, q_len, k_len = keep.shape
+    rows = keep.reshape(b * h * q_len, k_len)
+    try:
+        from maskcli.kinds.padding import key_runs
+
+        runs = key_runs(rows, SimpleNamespace(k_start=0, k_end=k_len), "the captured mask")
+    except NotFew:
+        packed = np.packbits(keep, axis=-1)
+        return {"form": "bits", "shape": [int(x) for x in shape], "planes": [b, h], "bits": packed}
+    k = runs.per_row
+    stored = Intervals(runs.starts.reshape(b * h, q_len, k), runs.ends.reshape(b * h, q_len, k), 0, k_len)
+    return from_intervals(stored, shape, (b, h))
+
+
+def stats_only(shape: tuple[int, ...], kept: int, empty_rows: int, why: str) -> dict:
+    return {"form": "stats", "shape": [int(x) for x in shape], "planes": [1, 1], "kept": int(kept), "empty_rows": int(empty_rows), "why": why}
+
+
+def digest(stored: dict) -> str:
+    """What names a stored mask: its form, planes, shape and content (two calls of the same mask share it)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((stored["form"], stored["planes"], stored["shape"][2:])).encode())
+    for name in ("starts", "ends", "bits"):
+        if name in stored:
+            h.update(np.ascontiguousarray(stored[name]).tobytes())
+    if stored["form"] == "stats":
+        h.update(repr((stored["shape"], stored["kept"], stored["empty_rows"])).encode())
+    return h.hexdigest()
+
+
+def nbytes(stored: dict) -> int:
+    return sum(stored[name].nbytes for name in ("starts", "ends", "bits") if name in stored)
+
+
+def intervals(stored: dict) -> Intervals | None:
+    """The stored mask's intervals as (b*h, Lq, K) planes; None where it is kept as bits or stats."""
+    if stored["form"] != "intervals":
+        return None
+    return Intervals(np.asarray(stored["starts"]), np.asarray(stored["ends"]), 0, stored["shape"][3])
+
+
+def counts(stored: dict) -> np.ndarray | None:
+    """Keys seen per row, int64 (b, h, Lq); None for stats."""
+    b, h = stored["planes"]
+    q_len, k_len = stored["shape"][2:]
+    if stored["form"] == "intervals":
+        return intervals(stored).counts().reshape(b, h, q_len)
+    if stored["form"] == "bits":
+        return dense(stored).sum(axis=-1)
+    return None
+
+
+def dense(stored: dict) -> np.ndarray:
+    """Bool (b, h, Lq, Lk) as stored (dimensions of size 1 broadcast to the call's shape)."""
+    b, h = stored["planes"]
+    q_len, k_len = stored["shape"][2:]
+    if stored["form"] == "bits":
+        return np.unpackbits(np.asarray(stored["bits"]), axis=-1, count=k_len).astype(bool)
+    if stored["form"] == "stats":
+        raise MaskError(f"the mask of this call was not kept ({stored['why']}): trace again with a larger --max-bytes")
+    from maskcli.memory import check_dense_fits
+
+    check_dense_fits((b * h, q_len, k_len), 1, "as a bool array")
+    found = intervals(stored)
+    return np.stack([found.dense(plane, 0, q_len) for plane in range(b * h)]).reshape(b, h, q_len, k_len)
+
+
+# --- the file -----------------------------------------------------------------------------------
+
+
+def save(path, calls: list[dict], masks: dict[str, dict]) -> None:
+    """One .pt file of plain tensors, lists and dicts: every call, and each distinct mask once."""
+    import torch
+
+    def plain(stored: dict) -> dict:
+        return {key: torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value for key, value in stored.items()}
+
+    torch.save({"format": FORMAT, "calls": calls, "masks": {key: plain(value) for key, value in masks.items()}}, path)
+
+
+def load(path: str) -> dict:
+    """A trace file read with weights_only=True; a file that is not one is one line."""
+    import pickle
+
+    import torch
+
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
+        raise MaskError(f"{path!r} is not a trace file maskcli can read ({' '.join(str(error).split())[:160]})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise MaskError(f"{path!r} is a .pt file but not a maskcli trace (write one with maskcli trace --save {path})")
+    for stored in data["masks"].values():
+        for key, value in list(stored.items()):
+            if isinstance(value, torch.Tensor):
+                stored[key] = value.numpy()
+    return data
+
+
+def split_spec(text: str) -> tuple[str, str] | None:
+    """('TRACE.pt', '7') for 'TRACE.pt:7' or 'TRACE.pt:layers.5.self_attn@2'; None where it is not that form."""
+    path, colon, selector = text.rpartition(":")
+    if not colon or not path.lower().endswith(".pt") or not selector or "/" in selector:
+        return None
+    return path, selector
+
+
+def select(data: dict, selector: str, path: str) -> dict:
+    """The call a selector names: its index, or WHERE@STEP."""
+    calls = data["calls"]
+    if selector.isdigit():
+        index = int(selector)
+        if index >= len(calls):
+            raise MaskError(f"{path}:{selector}: the trace has {len(calls)} calls, numbered 0 to {len(calls) - 1}")
+        return calls[index]
+    where, at, step = selector.rpartition("@")
+    if not at or not step.isdigit():
+        raise MaskError(f"{path}:{selector!r}: name a call by its index (like {path}:7) or as MODULE_PATH@STEP (like {path}:layers.5.self_attn@2)")
+    for call in calls:
+        if call["where"] == where and call["step"] == int(step):
+            return call
+    known = sorted({call["where"] for call in calls})
+    shown = ", ".join(known[:6]) + (", ..." if len(known) > 6 else "")
+    raise MaskError(f"{path}:{selector}: no call of {where!r} at step {step}; the trace has calls of {shown or 'nothing'}")
+
+
+def keep_of(call: dict, data: dict) -> np.ndarray:
+    """The call's keep mask, bool (b, h, Lq, Lk) with b and h each 1 or the call's own."""
+    return dense(data["masks"][call["mask"]])
+
+
+def traced_keep(text: str) -> tuple[np.ndarray, str] | None:
+    """(keep (B, H, Lq, Lk), label) of the call 'TRACE.pt:SELECTOR' names; None where `text` is no such name
+    (an existing file of that name, or no trace file before the colon)."""
+    import os
+
+    spec = split_spec(text)
+    if spec is None or os.path.exists(text) or not os.path.isfile(spec[0]):
+        return None
+    path, selector = spec
+    data = load(path)
+    call = select(data, selector, path)
+    keep = np.ascontiguousarray(np.broadcast_to(keep_of(call, data), call["shape"]))
+    return keep, f"{path}:{selector} (call {call['index']}, {call['where']} step {call['step']}, {call['api']})"

@@ -1,0 +1,403 @@
+"""`maskcli trace`: programs written here run as python runs them; their masks are checked against references
+computed here (a double loop, torch.tril), grouped, named, saved, read back and checked with --expect."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+
+runner = CliRunner()
+
+LAYERS = """
+import sys
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def window(length, width):
+    q = torch.arange(length)[:, None]
+    k = torch.arange(length)[None, :]
+    return (k <= q) & (q - k < width)
+
+
+class Attention(nn.Module):
+    def forward(self, x, mask):
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = Attention()
+
+    def forward(self, x, mask):
+        return self.self_attn(x, mask)
+
+
+class Model(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
+
+    def forward(self, x, length, width, odd):
+        shared = window(length, width)
+        for number, layer in enumerate(self.layers):
+            x = layer(x, window(length, width + 1) if number == odd else shared)
+        return x
+"""
+
+
+def write(tmp_path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def trace(*args, **kwargs):
+    return runner.invoke(app, ["trace", *map(str, args)], **kwargs)
+
+
+def window_reference(q_len: int, k_len: int, width: int) -> list:
+    """Queries at the end of the keys, each seeing itself and width - 1 keys before it: a double loop."""
+    return [[int(k_len - q_len + i - width < k <= k_len - q_len + i) for k in range(k_len)] for i in range(q_len)]
+
+
+@pytest.fixture
+def layers(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return write(tmp_path, "layers.py", LAYERS + """
+import argparse
+parser = argparse.ArgumentParser()
+parser.add_argument("--len", type=int, default=5)
+parser.add_argument("--window", type=int, default=2)
+parser.add_argument("--layers", type=int, default=6)
+parser.add_argument("--odd", type=int, default=3)
+parser.add_argument("-x", action="store_true")
+args = parser.parse_args()
+out = Model(args.layers)(torch.randn(1, 2, args.len, 4), args.len, args.window, args.odd)
+print("len", args.len, "x", args.x, "shape", list(out.shape))
+""")
+
+
+def test_arguments_after_the_script_are_the_programs_and_its_stdout_is_untouched(layers):
+    result = trace(layers, "--len", "3", "-x")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "len 3 x True shape [1, 2, 3, 4]\n"
+    assert "6 attention calls in 2 groups" in result.stderr
+
+
+def test_masks_repeated_across_layers_form_one_row_named_by_the_recogniser(layers):
+    result = trace(layers, "--len", "5", "--window", "2", env={"COLUMNS": "120"})
+    rows = [line.split() for line in result.stderr.splitlines() if line.strip()[:1].isdigit()]
+    assert rows == [
+        ["0", "layers.{0-2,", "4-5}.self_attn", "×5", "sdpa", "prefill", "(1,2,5,5)", "window(2)"],
+        ["1", "layers.3.self_attn", "sdpa", "prefill", "(1,2,5,5)", "window(3)"],
+    ]
+
+
+def test_json_gives_every_call_and_save_reads_back_as_a_mask(layers, tmp_path):
+    result = trace("--json", "t.json", "--save", "t.pt", layers, "--len", "5", "--window", "3")
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert [call["where"] for call in data["calls"]] == [f"layers.{i}.self_attn" for i in range(6)]
+    assert [call["group"] for call in data["calls"]] == [0, 0, 0, 1, 0, 0]
+    assert all(call["shape"] == [1, 2, 5, 5] and call["api"] == "sdpa" and call["dtype"] == "float32" for call in data["calls"])
+    assert data["groups"][1]["expression"] == "window(4)" and data["exit_status"] == 0
+    for spec, width in (("t.pt:3", 4), ("t.pt:layers.5.self_attn@0", 3)):
+        shown = runner.invoke(app, ["show", "--mask", spec, "--json"])
+        assert shown.exit_code == 0, shown.output
+        assert json.loads(shown.stdout)["mask"][0][0] == window_reference(5, 5, width)
+    diff = runner.invoke(app, ["diff", "t.pt:0", "window(3)"])
+    assert diff.exit_code == 0, diff.output
+    bad = runner.invoke(app, ["show", "--mask", "t.pt:layers.9.self_attn@0"])
+    assert bad.exit_code == 2 and "no call of 'layers.9.self_attn' at step 0" in bad.stderr
+
+
+def test_expect_holds_with_exit_0_and_fails_with_exit_1_naming_the_first_differing_cells(layers):
+    good = trace("--expect", "layers.[0-2].self_attn=window(2)", "--expect", "*=causal & window(3)", layers, "--odd", "9")
+    assert good.exit_code == 1  # every layer is window(2), not window(3)
+    assert "--expect *=causal & window(3): call 0 (layers.0.self_attn step 0, sdpa) differs from causal & window(3): " \
+           "row 2: the call sees 1-2, causal & window(3) sees 0-2: the call hides key 0" in " ".join(good.stderr.split())
+    assert "--expect *=causal & window(3): 5 more calls differ: 1-5" in " ".join(good.stderr.split())
+    assert "layers.[0-2]" not in good.stderr
+    held = trace("--expect", "layers.*.self_attn=window(2)", layers, "--odd", "9")
+    assert held.exit_code == 0 and "every call matched holds" in held.stderr
+    odd = trace("--expect", "layers.*.self_attn=window(2)", layers)
+    assert odd.exit_code == 1 and odd.stderr.count("differs from window(2)") == 1 and "call 3 (layers.3.self_attn" in odd.stderr
+    none = trace("--expect", "decoder.*=causal", layers)
+    assert none.exit_code == 1 and "no call matches 'decoder.*'" in none.stderr
+
+
+def test_a_bad_expect_or_api_is_one_line_and_the_program_does_not_run(layers):
+    for args, message in ((["--expect", "layers.*"], "give PATTERN=EXPR"), (["--expect", "x=window("], "--expect 'x=window('"),
+                          (["--api", "sdpa,flash"], "choose from sdpa, flex, mha, softmax")):
+        result = trace(*args, layers)
+        assert result.exit_code == 2 and result.stdout == "" and message in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("ending, status, stderr", [
+    ("raise ValueError('boom')", 1, "ValueError: boom"),
+    ("sys.exit(3)", 3, ""),
+    ("sys.exit('bye')", 1, "bye"),
+    ("sys.exit(0)", 0, ""),
+])
+def test_the_programs_exit_status_is_kept_and_the_trace_up_to_it_reported(tmp_path, monkeypatch, ending, status, stderr):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "ends.py", f"""
+        import sys
+        import torch
+        import torch.nn.functional as F
+        q = torch.randn(1, 1, 3, 4)
+        print("before")
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        {ending}
+        print("never")
+    """)
+    result = trace(script)
+    assert result.exit_code == status and result.stdout == "before\n"
+    assert stderr in result.stderr and "1 attention call in 1 group" in result.stderr
+    if status == 1 and "raise" in ending:
+        assert result.stderr.startswith("Traceback (most recent call last):\n  File ") and "runpy" not in result.stderr
+        assert "maskcli" not in result.stderr.split("ValueError: boom")[0]
+
+
+def test_a_module_runs_with_m_and_its_arguments(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "tiny_mod.py", LAYERS + """
+print(sys.argv[1:], __name__)
+Model(2)(torch.randn(1, 1, 4, 4), 4, 2, 5)
+""")
+    result = trace("-m", "tiny_mod", "a", "--b")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "['a', '--b'] __main__\n" and "2 attention calls in 1 group" in result.stderr
+    missing = trace("-m", "no_such_module_here")
+    assert missing.exit_code == 2 and "no such module" in missing.stderr
+
+
+def test_mha_and_softmax_and_api_picks_which(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "both.py", """
+        import torch
+        import torch.nn as nn
+        torch.manual_seed(0)
+        mha = nn.MultiheadAttention(4, 1, batch_first=True)
+        x = torch.randn(2, 3, 4)
+        mha(x, x, x, key_padding_mask=torch.tensor([[False, False, False], [False, True, True]]))
+        scores = torch.randn(1, 3, 3).masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), float("-inf"))
+        scores[0, 0, 0] = float("-inf")
+        scores.softmax(-1)
+    """)
+    result = trace("--json", "all.json", script, env={"COLUMNS": "120"})
+    data = json.loads((tmp_path / "all.json").read_text())
+    assert [c["api"] for c in data["calls"]] == ["mha", "softmax"] and data["calls"][0]["where"] == "MultiheadAttention"
+    assert data["groups"][0]["name"] == "padding (lengths 3,1)"
+    assert "query row 0 sees no key at all: NaN weights there (softmax of all -inf)" in " ".join(result.stderr.split())
+    only = trace("--api", "mha", "--json", "mha.json", script)
+    assert only.exit_code == 0 and [c["api"] for c in json.loads((tmp_path / "mha.json").read_text())["calls"]] == ["mha"]
+
+
+def test_is_causal_with_fewer_queries_than_keys_is_named_top_left_with_a_finding(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "cache.py", """
+        import torch
+        import torch.nn.functional as F
+        F.scaled_dot_product_attention(torch.randn(1, 1, 2, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), is_causal=True)
+    """)
+    result = trace("--save", "c.pt", script, env={"COLUMNS": "120"})
+    text = " ".join(result.stderr.split())
+    assert "causal (queries top-left)" in text and "top-left-causal: is_causal with 2 queries and 5 keys is aligned top-left" in text
+    shown = runner.invoke(app, ["show", "--mask", "c.pt:0", "--json"])
+    assert json.loads(shown.stdout)["mask"][0][0] == np.tril(np.ones((2, 5), dtype=int)).tolist()
+
+
+def test_past_max_bytes_a_call_keeps_its_shape_and_counts(layers, tmp_path):
+    result = trace("--max-bytes", "0", "--save", "s.pt", layers, "--len", "4", env={"COLUMNS": "120"})
+    assert result.exit_code == 0
+    kept = 2 * sum(map(sum, window_reference(4, 4, 2)))  # two heads
+    assert f"not kept (past --max-bytes 0): {kept} cells attended" in " ".join(result.stderr.split())
+    shown = runner.invoke(app, ["show", "--mask", "s.pt:0"])
+    assert shown.exit_code == 2 and "larger --max-bytes" in shown.stderr
+
+
+@pytest.mark.parametrize("columns", ["60", "120"])
+def test_the_report_reads_at_60_and_120_columns(layers, columns):
+    result = trace(layers, "--odd", "1", env={"COLUMNS": columns})
+    lines = result.stderr.splitlines()
+    assert lines and all(len(line) <= int(columns) for line in lines), [line for line in lines if len(line) > int(columns)]
+    assert "window(2)" in result.stderr and "window(3)" in result.stderr
+
+
+def test_inspect_and_blocks_read_a_traced_call(layers):
+    assert trace("--save", "b.pt", layers, "--len", "6", "--window", "3").exit_code == 0
+    inspected = runner.invoke(app, ["inspect", "b.pt:layers.3.self_attn@0", "--json"])
+    assert inspected.exit_code == 0, inspected.output
+    report = json.loads(inspected.stdout)
+    assert report["structure"] == "window(4)" and report["convention"] == "keep"
+    blocks = runner.invoke(app, ["blocks", "--mask", "b.pt:0", "--block", "2", "--json"])
+    assert blocks.exit_code == 0, blocks.output
+    reference = np.array(window_reference(6, 6, 3))
+    tiles = [reference[i : i + 2, j : j + 2] for i in range(0, 6, 2) for j in range(0, 6, 2)]  # 2 x 2 blocks, by hand
+    wanted = {"full": sum(t.all() for t in tiles), "partial": sum(t.any() and not t.all() for t in tiles), "empty": sum(not t.any() for t in tiles)}
+    counts = json.loads(blocks.stdout)["counts"][0]
+    assert {name: counts[name] for name in wanted} == wanted
+
+
+def test_a_decoder_with_left_padding_and_a_kv_cache_step_by_step(tmp_path, monkeypatch):
+    from maskcli.tracefile import keep_of, load
+
+    monkeypatch.chdir(tmp_path)
+    result = trace("--save", "d.pt", "-m", "maskcli.trace.demo", "--len", "6", "--window", "3", "--steps", "2", env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.stderr.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert [row[4:7] for row in rows[1:]] == [["decode", "1", "(2,2,1,7)"], ["decode", "2", "(2,2,1,8)"]]
+    assert [row[-1] for row in rows[1:]] == ["window(3)", "window(3)"] and rows[0][4] == "prefill"
+    assert "query rows 0-1 of batch row 1 see no key at all" in " ".join(result.stderr.split())
+    data = load("d.pt")
+    for call in data["calls"]:
+        keep = np.broadcast_to(keep_of(call, data), call["shape"])
+        batch, heads, q_len, k_len = call["shape"]
+        for b, h, i, k in np.ndindex(keep.shape):  # batch row 1's first two tokens are padding; queries at the end
+            position = k_len - q_len + i
+            assert keep[b, h, i, k] == (position - 3 < k <= position and not (b == 1 and k < 2)), (call["index"], b, i, k)
+
+
+def test_files_are_written_where_maskcli_started_even_if_the_program_changes_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    script = write(tmp_path, "moves.py", """
+        import os
+        import torch
+        import torch.nn.functional as F
+        os.chdir("elsewhere")
+        q = torch.randn(1, 1, 2, 4)
+        F.scaled_dot_product_attention(q, q, q)
+    """)
+    result = trace("--save", "here.pt", "--json", "here.json", script)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "here.pt").is_file() and (tmp_path / "here.json").is_file()
+    assert not (tmp_path / "elsewhere" / "here.pt").exists()
+    folder = trace("--save", "elsewhere", script)
+    assert folder.exit_code == 2 and "unknown extension '(none)'; use one of .pt" in folder.stderr and folder.stdout == ""
+    (tmp_path / "elsewhere.pt").mkdir()
+    directory = trace("--save", "elsewhere.pt", script)
+    assert directory.exit_code == 2 and "is a directory" in directory.stderr and directory.stdout == ""
+
+
+TUTORIAL = """
+import torch
+import torch.nn as nn
+
+
+class MultiHeadAttention(nn.Module):  # as in the LLMs-from-scratch tutorial
+    def __init__(self, d_in, d_out, context_length, num_heads):
+        super().__init__()
+        self.d_out, self.num_heads, self.head_dim = d_out, num_heads, d_out // num_heads
+        self.W_query = nn.Linear(d_in, d_out, bias=False)
+        self.W_key = nn.Linear(d_in, d_out, bias=False)
+        self.W_value = nn.Linear(d_in, d_out, bias=False)
+        self.register_buffer("mask", torch.triu(torch.ones(context_length, context_length), diagonal=1))
+
+    def forward(self, x):
+        b, num_tokens, d_in = x.shape
+        split = lambda t: t.view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        queries, keys, values = split(self.W_query(x)), split(self.W_key(x)), split(self.W_value(x))
+        attn_scores = queries @ keys.transpose(2, 3)
+        mask_bool = self.mask.bool()[:num_tokens, :num_tokens]
+        attn_scores.masked_fill_(mask_bool, -torch.inf)
+        attn_weights = torch.softmax(attn_scores / keys.shape[-1] ** 0.5, dim=-1)
+        return (attn_weights @ values).transpose(1, 2).reshape(b, num_tokens, self.d_out)
+
+
+torch.manual_seed(123)
+blocks = nn.Sequential(*(MultiHeadAttention(4, 4, 8, 2) for _ in range(3)))
+print(blocks(torch.randn(2, 6, 4)).shape)
+"""
+
+
+def test_a_tutorials_masked_fill_attention_holds_to_causal_and_not_to_a_window(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "tutorial.py", TUTORIAL)
+    held = trace("--expect", "*=causal", "--save", "tut.pt", script)
+    assert held.exit_code == 0 and held.stdout == "torch.Size([2, 6, 4])\n"
+    assert "{0-2} ×3  softmax  prefill  (2,2,6,6)  causal" in held.stderr
+    shown = runner.invoke(app, ["show", "--mask", "tut.pt:2", "--json"])
+    assert json.loads(shown.stdout)["mask"][1][1] == np.tril(np.ones((6, 6), dtype=int)).tolist()
+    failed = trace("--expect", "1=window(2)", script)
+    assert failed.exit_code == 1 and "call 1 (1 step 0, softmax) differs from window(2)" in " ".join(failed.stderr.split())
+
+
+HF_EAGER = """
+import torch
+import torch.nn as nn
+
+
+class EagerAttention(nn.Module):  # Hugging Face's eager path: scores + a min-filled mask, softmax in float32
+    def forward(self, q, k, v, mask):
+        scores = q @ k.transpose(2, 3) * q.shape[-1] ** -0.5 + mask
+        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return weights @ v
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"self_attn": EagerAttention()}) for _ in range(2))
+
+    def forward(self, x, mask, cache):
+        for number, layer in enumerate(self.layers):
+            cache[number] = torch.cat([cache[number], x], dim=2) if cache[number] is not None else x
+            x = layer["self_attn"](x, cache[number], cache[number], mask)
+        return x
+
+
+def min_mask(real, queries):  # bottom-right causal and the key padding, filled with finfo.min where masked
+    keys = real.shape[1]
+    q = torch.arange(keys - queries, keys)[:, None]
+    keep = (torch.arange(keys)[None, :] <= q)[None, None] & real[:, None, None, :]
+    return torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+
+
+torch.manual_seed(0)
+model, cache = Model(), [None, None]
+real = torch.tensor([[True] * 5, [False, False, True, True, True]])  # batch row 1 is left padded
+x = model(torch.randn(2, 1, 5, 4), min_mask(real, 5), cache)
+for _ in range(2):
+    real = torch.cat([real, torch.ones(2, 1, dtype=torch.bool)], dim=1)
+    x = model(x[:, :, -1:], min_mask(real, 1), cache)
+"""
+
+
+def test_a_hugging_face_style_eager_model_with_left_padding_step_by_step(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "eager.py", HF_EAGER)
+    result = trace("--json", "e.json", "--save", "e.pt", "--expect", "layers.*.self_attn=causal", script, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "e.json").read_text())
+    assert [(c["where"], c["step"], c["shape"]) for c in data["calls"]] == [
+        ("layers.0.self_attn", 0, [2, 1, 5, 5]), ("layers.1.self_attn", 0, [2, 1, 5, 5]),
+        ("layers.0.self_attn", 1, [2, 1, 1, 6]), ("layers.1.self_attn", 1, [2, 1, 1, 6]),
+        ("layers.0.self_attn", 2, [2, 1, 1, 7]), ("layers.1.self_attn", 2, [2, 1, 1, 7]),
+    ]
+    assert all(c["api"] == "softmax" and c["details"]["fill"] == "min" for c in data["calls"])
+    text = " ".join(result.stderr.split())
+    assert "query rows 0-1 of batch row 1 see no key at all: uniform weights over every key there, masked ones included" in text
+    assert "every call matched holds" in text
+    assert [group["name"] for group in data["groups"]] == [
+        "causal (key padding 1,1,1,1,1;0,0,1,1,1)", "causal (key padding 1,1,1,1,1,1;0,0,1,1,1,1)",
+        "causal (key padding 1,1,1,1,1,1,1;0,0,1,1,1,1,1)"]
+    from maskcli.tracefile import keep_of, load
+
+    saved = load("e.pt")
+    for call in saved["calls"]:  # a double loop: queries at the end, causal, batch row 1's first two keys padding
+        keep = np.broadcast_to(keep_of(call, saved), call["shape"])
+        _, _, q_len, k_len = call["shape"]
+        for b, h, i, k in np.ndindex(keep.shape):
+            assert keep[b, h, i, k] == (k <= k_len - q_len + i and not (b == 1 and k < 2))

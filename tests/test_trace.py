@@ -1,0 +1,416 @@
+"""maskcli.trace: each API's captured mask against an independent reference (SDPA's own output, nn.MultiheadAttention's
+weights, FlexAttention's create_mask, a double loop), and the program's results untouched."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import maskcli
+
+warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+
+
+def window_keep(q_len: int, k_len: int, width: int) -> np.ndarray:
+    """Queries at the end of the keys, each sees itself and the width-1 keys before it: a double loop."""
+    out = np.zeros((q_len, k_len), dtype=bool)
+    for i in range(q_len):
+        q = k_len - q_len + i
+        for k in range(k_len):
+            out[i, k] = q - width < k <= q
+    return out
+
+
+def qkv(b, h, lq, lk, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, lq, d, generator=g), torch.randn(b, h, lk, d, generator=g), torch.randn(b, h, lk, d, generator=g))
+
+
+def test_sdpa_bool_float_and_is_causal_with_fewer_queries_than_keys():
+    q, k, v = qkv(2, 3, 3, 7)
+    wanted = window_keep(3, 7, 4)
+    additive = torch.zeros(3, 7).masked_fill(~torch.from_numpy(wanted), float("-inf"))
+    with maskcli.trace() as t:
+        out_bool = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(wanted))
+        out_float = F.scaled_dot_product_attention(q, k, v, attn_mask=additive)
+        out_causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert [c.api for c in t.calls] == ["sdpa"] * 3 and all(c.shape == (2, 3, 3, 7) for c in t.calls)
+    assert np.array_equal(t.calls[0].keep()[1, 2], wanted) and np.array_equal(t.calls[1].keep()[0, 0], wanted)
+    assert t.calls[0].mask == t.calls[1].mask and len(t.masks) == 2  # one mask, given as bool and as float: stored once
+    # is_causal is SDPA's top-left mask: the captured mask handed back to SDPA gives the same output
+    replay = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(np.ascontiguousarray(t.calls[2].keep())))
+    assert torch.allclose(replay, out_causal, atol=1e-6) and t.calls[2].details["is_causal"] is True
+    assert np.array_equal(t.calls[2].keep()[0, 0], np.tril(np.ones((3, 7), dtype=bool)))
+    untraced = (F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(wanted)), F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert torch.equal(out_bool, untraced[0]) and torch.equal(out_causal, untraced[1]) and torch.equal(out_float, out_bool)
+
+
+def test_a_key_padding_mask_broadcast_over_queries_is_captured_at_the_kernels_shape():
+    q, k, v = qkv(2, 2, 4, 4)
+    padding = torch.tensor([[True, True, True, False], [True, True, False, False]])[:, None, None, :]
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=padding)
+    keep = t.calls[0].keep()
+    assert keep.shape == (2, 2, 4, 4)
+    for b, h, i, j in np.ndindex(keep.shape):
+        assert keep[b, h, i, j] == bool(padding[b, 0, 0, j])
+
+
+def test_mha_merges_attn_mask_and_key_padding_mask_as_multihead_attention_does():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    block = torch.ones(5, 5, dtype=torch.bool).triu(1)  # MHA's polarity: True = masked
+    padding = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    with maskcli.trace() as t:
+        _, weights = mha(x, x, x, attn_mask=block, key_padding_mask=padding, average_attn_weights=False)
+    (call,) = t.calls
+    assert call.api == "mha" and call.where == "MultiheadAttention" and call.shape == (2, 2, 5, 5)
+    keep = call.keep()
+    for b, h, i, j in np.ndindex(keep.shape):
+        assert keep[b, h, i, j] == (not block[i, j] and not padding[b, j])
+        assert keep[b, h, i, j] == bool(weights[b, h, i, j] > 0)  # what MHA really weighted
+
+
+def test_mha_with_bias_k_and_a_3d_per_head_mask():
+    torch.manual_seed(1)
+    mha = nn.MultiheadAttention(4, 2, add_bias_kv=True).eval()
+    x = torch.randn(3, 2, 4)  # (L, N, E)
+    per_head = torch.rand(2 * 2, 3, 3) > 0.5
+    per_head[:, :, 0] = False  # every query sees key 0
+    with maskcli.trace() as t:
+        _, weights = mha(x, x, x, attn_mask=per_head, average_attn_weights=False)
+    keep = t.calls[0].keep()
+    assert keep.shape == (2, 2, 3, 4)  # bias_k adds a key every query sees
+    assert np.array_equal(keep, (weights > 0).numpy())
+    assert np.array_equal(keep[..., :3], ~per_head.reshape(2, 2, 3, 3).numpy()) and keep[..., 3].all()
+
+
+def test_flex_attention_mask_is_its_mask_mod_over_the_block_mask_without_l_by_l_cells():
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+
+    docs = torch.tensor([0] * 70 + [1] * 60 + [2] * 70)
+
+    def doc_window(b, h, q_idx, kv_idx):
+        return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx) & (q_idx - kv_idx < 50 + 20 * h)
+
+    q, k, v = qkv(1, 2, 200, 200)
+    block_mask = create_block_mask(doc_window, 1, 2, 200, 200, device="cpu", BLOCK_SIZE=64)
+    with maskcli.trace() as t:
+        out = flex_attention(q, k, v, block_mask=block_mask)
+        flex_attention(q, k, v)  # no block mask: nothing masked
+    first, second = t.calls
+    assert first.api == "flex" and first.stored["form"] == "intervals" and first.stored["planes"] == [1, 2]
+    assert np.array_equal(first.keep(), create_mask(doc_window, 1, 2, 200, 200, device="cpu").numpy())
+    assert second.keep().all()
+    assert torch.equal(out, flex_attention(q, k, v, block_mask=block_mask))
+
+
+def test_a_long_flex_mask_is_read_block_by_block_as_intervals():
+    """32,768 tokens of window(1000): a BlockMask made from its blocks (no L x L tensor anywhere), read as one
+    interval per row, equal to the window's double-loop definition row by row."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from maskcli.trace.flex import block_intervals
+
+    length, size, width = 32768, 128, 1000
+    n = length // size
+
+    def window(b, h, q, kv):
+        return (q >= kv) & (q - kv < width)
+
+    partial = np.full((1, 1, n, n), 0, dtype=np.int32)
+    full = np.full((1, 1, n, n), 0, dtype=np.int32)
+    partial_n = np.zeros((1, 1, n), dtype=np.int32)
+    full_n = np.zeros((1, 1, n), dtype=np.int32)
+    for i in range(n):  # the diagonal block and the window's far edge are partial, the blocks between are full
+        p = [j for j in (i - 8, i - 7, i) if j >= 0]
+        f = [j for j in range(i - 6, i) if j >= 0]
+        partial[0, 0, i, : len(p)], partial_n[0, 0, i] = p, len(p)
+        full[0, 0, i, : len(f)], full_n[0, 0, i] = f, len(f)
+    block_mask = BlockMask.from_kv_blocks(torch.from_numpy(partial_n), torch.from_numpy(partial), torch.from_numpy(full_n),
+                                          torch.from_numpy(full), BLOCK_SIZE=size, mask_mod=window)
+    found, planes = block_intervals(block_mask, length, length)
+    assert planes == (1, 1) and found.per_row == 1
+    rows = np.arange(length)
+    assert np.array_equal(found.starts[0, :, 0], np.maximum(0, rows - width + 1)) and np.array_equal(found.ends[0, :, 0], rows + 1)
+    for q in (0, 5, 999, 1000, 20001, length - 1):  # a double loop on a few rows
+        keys = [k for k in range(length) if q - width < k <= q]
+        assert found.row(0, q) == [(keys[0], keys[-1] + 1)] and found.counts()[0, q] == len(keys)
+
+
+def test_a_masked_fill_softmax_reads_the_mask_off_the_scores():
+    scores = torch.randn(2, 4, 4)
+    block = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    hf = torch.randn(1, 2, 3, 3) + torch.zeros(3, 3).masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    with maskcli.trace() as t:
+        weights = scores.masked_fill(block, float("-inf")).softmax(dim=-1)
+        F.softmax(hf, dim=-1)
+        torch.softmax(torch.randn(5, 3), dim=-1)  # 2-D: not attention
+    assert [c.api for c in t.calls] == ["softmax", "softmax"]
+    assert np.array_equal(t.calls[0].keep()[:, 0], np.broadcast_to(~block.numpy(), (2, 4, 4)))
+    assert np.array_equal(t.calls[0].keep()[:, 0], (weights > 0).numpy())
+    assert t.calls[0].details["fill"] == "-inf" and t.calls[1].details["fill"] == "min"
+    assert np.array_equal(t.calls[1].keep()[0, 1], np.tril(np.ones((3, 3), dtype=bool)))
+
+
+class Layer(nn.Module):
+    def forward(self, x, cache):
+        cache.append(x)
+        keys = torch.cat(cache, dim=2)
+        return F.scaled_dot_product_attention(x, keys, keys, is_causal=x.shape[2] > 1)
+
+
+class Decoder(nn.Module):
+    def __init__(self, layers=3):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(layers))
+
+    def forward(self, x, caches):
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cache)
+        return x
+
+
+def test_a_decoding_loop_with_a_kv_cache_gives_steps_per_module():
+    model = Decoder()
+    caches = [[] for _ in model.layers]
+    with maskcli.trace() as t:
+        x = model(torch.randn(1, 2, 4, 8), caches)
+        for _ in range(2):
+            x = model(x[:, :, -1:], caches)
+    assert [(c.where, c.step, c.shape[2:]) for c in t.calls[:3]] == [(f"layers.{i}", 0, (4, 4)) for i in range(3)]
+    assert [(c.where, c.step, c.shape[2:]) for c in t.calls[-3:]] == [(f"layers.{i}", 2, (1, 6)) for i in range(3)]
+    assert np.array_equal(t.calls[0].keep()[0, 0], np.tril(np.ones((4, 4), dtype=bool)))
+    assert t.calls[-1].keep().all()  # a decode step's one query sees every cached key
+    assert len(t.masks) == 3  # prefill, decode 1, decode 2: each stored once for three layers
+
+
+def test_past_max_bytes_a_call_keeps_its_shape_and_counts_only():
+    keep = torch.from_numpy(window_keep(64, 64, 5))
+    q, k, v = qkv(1, 1, 64, 64)
+    with maskcli.trace(max_bytes=100) as t:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    stored = t.calls[0].stored
+    assert stored["form"] == "stats" and stored["kept"] == int(keep.sum()) and stored["shape"] == [1, 1, 64, 64]
+    with pytest.raises(maskcli.MaskError, match="max-bytes"):
+        t.calls[0].keep()
+
+
+def test_a_call_maskcli_cannot_read_is_noted_and_the_program_goes_on():
+    q, k, v = qkv(1, 1, 2, 2)
+    with maskcli.trace() as t:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(2, 2, dtype=torch.bool), is_causal=False)
+        with pytest.raises(RuntimeError):  # SDPA itself refuses a mask with is_causal; the error is the program's own
+            F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 3, dtype=torch.bool))
+    assert out.shape == (1, 1, 2, 8) and len(t.calls) == 2
+
+
+def test_report_groups_the_calls_and_names_each_mask():
+    model = Decoder(layers=4)
+    caches = [[] for _ in model.layers]
+    with maskcli.trace() as t:
+        x = model(torch.randn(1, 2, 4, 8), caches)
+        model(x[:, :, -1:], caches)
+    assert t.report().splitlines() == [
+        "8 attention calls in 2 groups",
+        "0. layers.{0-3} · sdpa · prefill · (1, 2, 4, 4) · causal",
+        "1. layers.{0-3} · sdpa · decode 1 · (1, 2, 1, 5) · causal",
+    ]
+
+
+def test_assert_mask_passes_on_the_same_mask_and_names_the_first_differing_cells_otherwise():
+    from maskcli.testing import assert_mask
+
+    q, k, v = qkv(2, 1, 3, 6)
+    padding = torch.tensor([[True] * 6, [False, False, True, True, True, True]])  # batch row 1: two pad keys on the left
+    keep = torch.from_numpy(window_keep(3, 6, 3))[None, None] & padding[:, None, None, :]
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    assert_mask(t.calls[0], "window(3)", ids="1,1,1,1,1,1;0,0,1,1,1,1")
+    assert_mask(keep[0, 0], "window(3)")  # a bool tensor, its queries placed at the end of its keys
+    with pytest.raises(AssertionError, match=r"row 3: the mask sees 1-3, window\(4\) sees 0-3: the mask hides key 0"):
+        assert_mask(keep[0, 0], "window(4)")
+    with pytest.raises(AssertionError, match=r"batch 1 row 3: the mask sees 2-3, causal sees 0-3"):
+        assert_mask(t.calls[0], "causal")
+
+
+def test_import_maskcli_and_its_trace_package_load_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, maskcli; maskcli.trace; maskcli.testing; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_multihead_attention_and_transformer_encoder_keep_their_fast_paths_and_results():
+    """An active mode would send them down their slow paths (other rounding, no nested tensors): traced, each
+    computes exactly what it computes untraced, and its mask is still captured."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        untraced = (mha(x, x, x, need_weights=False, key_padding_mask=padding)[0], encoder(x, src_key_padding_mask=padding))
+        with maskcli.trace() as t:
+            traced = (mha(x, x, x, need_weights=False, key_padding_mask=padding)[0], encoder(x, src_key_padding_mask=padding))
+    assert torch.equal(untraced[0], traced[0]) and torch.equal(untraced[1], traced[1])
+    assert [(c.api, c.where) for c in t.calls] == [("mha", "MultiheadAttention"), ("mha", "layers.0.self_attn"), ("mha", "layers.1.self_attn")]
+    for call in t.calls:
+        keep = call.keep()
+        for b, h, i, j in np.ndindex(keep.shape):
+            assert keep[b, h, i, j] == (not padding[b, j])
+
+
+def test_a_keep_mask_handed_to_multihead_attention_is_said_to_look_flipped():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(4, 1).eval()
+    x = torch.randn(4, 1, 4)
+    keep = torch.ones(4, 4, dtype=torch.bool).tril()  # SDPA's polarity; MHA reads True as masked
+    with maskcli.trace() as t:
+        mha(x, x, x, attn_mask=keep)
+    assert np.array_equal(t.calls[0].keep()[0, 0], np.triu(np.ones((4, 4), dtype=bool), 1))  # what MHA applied
+    (group,) = t.groups()
+    codes = {finding.code: finding.message for finding in group.findings}
+    assert codes["polarity"].startswith("read the other way round it is causal") and "MHA reads a bool mask as True = masked" in codes["polarity"]
+    assert codes["fully-masked"].startswith("query row 3 sees no key at all: NaN there")
+    assert codes["sees-later"].startswith("query rows 0-2 see later keys")
+
+
+def test_where_and_step_words():
+    from maskcli.trace.report import step_text, where_text
+
+    paths = [f"model.layers.{i}.self_attn" for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)] + ["model.vision.attn", "model.layers.5.self_attn"]
+    assert where_text(paths) == "model.layers.{0-10}.self_attn, model.vision.attn"
+    assert where_text(paths[:10]) == "model.layers.{0-4, 6-10}.self_attn"
+    assert where_text(["demo.py:12"]) == "demo.py:12" and where_text(["0", "1", "2", "3.attn"]) == "{0-2}, 3.attn"
+    assert (step_text([0], 7), step_text([0], 1), step_text([1, 2, 3], 1), step_text([0, 1], 7)) == ("prefill", "step 0", "decode 1-3", "steps 0-1")
+
+
+def test_calls_without_values_inside_vmap_or_on_meta_are_left_alone():
+    with maskcli.trace() as t:
+        batched = torch.vmap(lambda x: x.softmax(-1))(torch.zeros(3, 2, 4, 4))
+        q = torch.randn(1, 1, 4, 8, device="meta")
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert t.calls == [] and torch.equal(batched, torch.full((3, 2, 4, 4), 0.25))
+
+
+def test_a_large_bool_mask_is_read_band_by_band_into_intervals_and_many_runs_into_bits(monkeypatch):
+    import maskcli.trace.store as store
+
+    monkeypatch.setattr(store, "BAND", 64)  # bands of a few rows: the band edges are crossed many times
+    length = 40
+    q = torch.randn(1, 1, length, 4)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    stripes = torch.zeros(2, 1, length, 4 * 70, dtype=torch.bool)
+    stripes[..., ::2] = True  # 140 runs a row: more than a few
+    stripes[1, 0, 5, :] = False
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, q, q, attn_mask=causal)
+        F.scaled_dot_product_attention(q.expand(2, 1, -1, -1), torch.randn(2, 1, 280, 4), torch.randn(2, 1, 280, 4), attn_mask=stripes)
+    first, second = t.calls
+    assert first.stored["form"] == "intervals" and first.stored["starts"].shape == (1, length, 1)
+    assert np.array_equal(first.keep()[0, 0], np.tril(np.ones((length, length), dtype=bool)))
+    assert second.stored["form"] == "bits" and np.array_equal(second.keep(), stripes.numpy())
+
+
+def test_sdpa_with_grouped_query_attention_records_the_query_heads():
+    q = torch.randn(1, 4, 3, 8)
+    k = v = torch.randn(1, 2, 3, 8)
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.5)
+    (call,) = t.calls
+    assert call.shape == (1, 4, 3, 3) and call.k == (1, 2, 3, 8)
+    assert call.details["enable_gqa"] is True and call.details["scale"] == 0.5
+    assert np.array_equal(call.keep()[0, 3], np.tril(np.ones((3, 3), dtype=bool)))
+
+
+def test_pytorchs_own_transformer_every_attention_with_its_mask():
+    torch.manual_seed(0)
+    model = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32, batch_first=True).eval()
+    src, tgt = torch.randn(2, 5, 16), torch.randn(2, 4, 16)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    causal = nn.Transformer.generate_square_subsequent_mask(4)
+    run = functools.partial(model, src, tgt, tgt_mask=causal, src_key_padding_mask=padding, memory_key_padding_mask=padding, tgt_is_causal=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        untraced = run()
+        with maskcli.trace() as t:
+            traced = run()
+    assert torch.equal(untraced, traced)
+    wheres = [c.where for c in t.calls]
+    assert wheres == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn", "decoder.layers.0.self_attn",
+                      "decoder.layers.0.multihead_attn", "decoder.layers.1.self_attn", "decoder.layers.1.multihead_attn"]
+    for call in t.calls:
+        keep = call.keep()
+        for b, h, i, j in np.ndindex(keep.shape):
+            wanted = j <= i if call.where.endswith("decoder.layers.0.self_attn") or call.where.endswith("decoder.layers.1.self_attn") else not padding[b, j]
+            assert keep[b, h, i, j] == wanted, (call.where, b, h, i, j)
+
+
+def test_a_float_mask_that_adds_a_bias_is_read_where_it_masks_and_said_to_be_a_bias():
+    q, k, v = qkv(1, 2, 4, 4)
+    positions = torch.arange(4)
+    alibi = -(positions[:, None] - positions[None, :]).abs().float() * 0.5  # ALiBi-style slopes, no masked cell ...
+    alibi = alibi.masked_fill(positions[None, :] > positions[:, None], float("-inf"))  # ... but causal
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=alibi)
+    assert np.array_equal(t.calls[0].keep()[0, 0], np.tril(np.ones((4, 4), dtype=bool))) and t.calls[0].details["bias"]
+    (group,) = t.groups()
+    assert group.expression == "causal" and [f.code for f in group.findings] == ["bias"]
+
+
+def test_long_masks_are_named_on_their_intervals(monkeypatch):
+    import maskcli.trace.report as report
+
+    monkeypatch.setattr(report, "NAME_CELLS", 16)  # every mask here counts as too long to rebuild cell by cell
+    q, k, v = qkv(1, 1, 6, 9)
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)  # top-left
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(window_keep(6, 9, 4)))
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(window_keep(6, 9, 9)))
+        F.scaled_dot_product_attention(q, k, v)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(window_keep(6, 9, 4) & (np.arange(9) != 7)))
+    names = [group.name for group in t.groups()]
+    assert names[:4] == ["causal (queries top-left)", "window(4)", "causal", "full"]
+    assert names[4].startswith("not named")
+
+
+def test_with_mha_left_out_multihead_attention_still_keeps_its_fast_path():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        untraced = mha(x, x, x, need_weights=False)[0]
+        with maskcli.trace(apis=("sdpa",)) as t:
+            traced = mha(x, x, x, need_weights=False)[0]
+    assert torch.equal(untraced, traced) and t.calls == []
+
+
+def test_a_compiled_model_runs_traced_and_computes_the_same():
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            q = self.proj(x)
+            return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    torch.manual_seed(0)
+    compiled = torch.compile(Attention(), backend="eager")
+    x = torch.randn(1, 2, 4, 8)
+    untraced = compiled(x)
+    with maskcli.trace():  # the module hooks run inside dynamo's trace of forward: they must not break it
+        traced = compiled(x)
+    assert torch.equal(untraced, traced)
