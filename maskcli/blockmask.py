@@ -77,6 +77,22 @@ class Blocks:
             out[np.broadcast_to(rows, chosen.shape)[chosen], indices[b, h][chosen]] = value
         return out
 
+    def block_mask_arrays(self) -> dict[str, np.ndarray]:
+        """All eight BlockMask tensors at the mask's (B, H): the kv side, and the q side that the backward pass
+        reads, so that BlockMask(**these, ...) needs no transposing (from_kv_blocks took minutes at 1M tokens
+        making them). One plane serves every batch row and head where the stored arrays are one plane."""
+        batch, heads = self.mask.shape[:2]
+        out = self.arrays()
+        for prefix, num, indices in (("", self.kv_num_blocks, self.kv_indices), ("full_", self.full_kv_num_blocks, self.full_kv_indices)):
+            planes = (1, 1) if _one_plane(num) else num.shape[:2]
+            q_num, q_indices = transposed(
+                np.ascontiguousarray(num[: planes[0], : planes[1]]).reshape(-1, self.n_q),
+                np.ascontiguousarray(indices[: planes[0], : planes[1]]).reshape(-1, self.n_q, self.n_kv), self.n_q, self.n_kv,
+            )
+            out[f"{prefix}q_num_blocks"] = np.broadcast_to(q_num.reshape(planes + (self.n_kv,)), (batch, heads, self.n_kv))
+            out[f"{prefix}q_indices"] = np.broadcast_to(q_indices.reshape(planes + (self.n_kv, self.n_q)), (batch, heads, self.n_kv, self.n_q))
+        return out
+
     def arrays(self) -> dict[str, np.ndarray]:
         """The four BlockMask arrays at the mask's full (B, H), as create_block_mask(mask_mod, B, H, ...) gives them."""
         batch, heads = self.mask.shape[:2]
@@ -87,6 +103,28 @@ class Blocks:
                 ("full_kv_num_blocks", self.full_kv_num_blocks), ("full_kv_indices", self.full_kv_indices),
             )
         }
+
+
+def _one_plane(array: np.ndarray) -> bool:
+    """Every stored (batch row, head) plane is one and the same: one head, and one batch row or a broadcast view of one."""
+    return array.shape[1] == 1 and (array.shape[0] == 1 or array.strides[0] == 0)
+
+
+def transposed(num: np.ndarray, indices: np.ndarray, n_q: int, n_kv: int) -> tuple[np.ndarray, np.ndarray]:
+    """The q side of one block kind, as BlockMask keeps it for the backward pass: per key block, how many query
+    blocks hold it and which (those first, ascending, then the rest), as FlexAttention's _transpose_ordered gives
+    them. `num` (P, n_q) and `indices` (P, n_q, n_kv) over the stored planes; int32 out, (P, n_kv) and (P, n_kv, n_q)."""
+    planes = num.shape[0]
+    q_num = np.empty((planes, n_kv), dtype=np.int32)
+    q_indices = np.empty((planes, n_kv, n_q), dtype=np.int32)
+    for p in range(planes):  # a few planes (batch rows x distinct heads); each one vectorised
+        dense = np.zeros((n_kv, n_q), dtype=bool)  # transposed: one row per key block
+        chosen = np.arange(n_kv)[None, :] < num[p][:, None]
+        rows = np.broadcast_to(np.arange(n_q)[:, None], chosen.shape)[chosen]
+        dense[indices[p][chosen], rows] = True
+        q_num[p] = dense.sum(1)
+        q_indices[p] = np.argsort(~dense, axis=1, kind="stable")
+    return q_num, q_indices
 
 
 def layout(mask: Mask, q_block: int = DEFAULT_BLOCK, kv_block: int = DEFAULT_BLOCK, progress=None) -> Blocks:

@@ -62,14 +62,25 @@ def test_json_is_what_create_block_mask_makes(args, block):
     assert data["expression"] == built.text
 
 
-def test_save_rebuilds_the_block_mask_with_from_kv_blocks(tmp_path):
+@pytest.mark.parametrize("args, batch, heads", [
+    (["document(sizes=[300,212]) & window(64)"], None, None),
+    (["causal", "--len", "512", "--lengths", "512,300", "--heads", "2"], 2, 2),
+])
+def test_save_rebuilds_the_block_mask_with_both_sides_as_create_block_mask_makes_them(tmp_path, args, batch, heads):
     path = tmp_path / "blocks.pt"
-    result = ok(["document(sizes=[300,212]) & window(64)", "--block", 32, "--save", path])
-    assert f"wrote {path}" in result.stderr and "from_kv_blocks" in result.stderr
-    rebuilt = BlockMask.from_kv_blocks(**torch.load(path, weights_only=True))
-    built = build("document(sizes=[300,212]) & window(64)")
-    flex = create_block_mask(built.mask_mod, None, None, 512, 512, device="cpu", BLOCK_SIZE=32)
-    assert torch.equal(rebuilt.to_dense(), flex.to_dense()) and rebuilt.seq_lengths == (512, 512)
+    result = ok([*args, "--block", 32, "--save", path])
+    assert f"wrote {path} (BlockMask(**torch.load(" in result.stderr
+    data = torch.load(path, weights_only=True)
+    rebuilt = BlockMask(**data)
+    built = build(args[0], **({"length": 512, "lengths": "512,300", "heads": 2} if batch else {}))
+    flex = create_block_mask(built.mask_mod, batch, heads, 512, 512, device="cpu", BLOCK_SIZE=32)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(rebuilt, name), getattr(flex, name).expand_as(getattr(rebuilt, name))), name
+    assert torch.equal(rebuilt.to_dense(), flex.to_dense().expand_as(rebuilt.to_dense())) and rebuilt.seq_lengths == (512, 512)
+    from_kv = BlockMask.from_kv_blocks(*(data[k] for k in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")),
+                                       BLOCK_SIZE=data["BLOCK_SIZE"], seq_lengths=data["seq_lengths"])
+    assert torch.equal(from_kv.q_indices, rebuilt.q_indices)  # the q side is what from_kv_blocks would compute
     assert [p.name for p in tmp_path.iterdir()] == ["blocks.pt"]
 
 

@@ -95,9 +95,10 @@ def test_malformed_text_points_at_the_character(text, at, says):
         parse(text)
     message = str(error.value)
     assert says in message
-    assert f"at character {at} " in message
+    assert f"at character {at};" in message or f"at character {at} (" in message
     assert repr(text) in message
-    assert "\n" not in message
+    assert "\n" not in message and ">>" not in message
+    assert error.value.pointer == (text, at - 1)  # drawn as a caret under the text on a terminal
 
 
 def test_empty_and_huge_expressions_are_refused():

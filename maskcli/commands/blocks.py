@@ -14,7 +14,7 @@ from maskcli.mask import MaskOptions
 BlockOpt = Annotated[str, typer.Option("--block", help="Block size: 128 (FlexAttention's BLOCK_SIZE), or Q,KV for unequal query and key blocks like 128,64.")]
 BlocksPng = Annotated[str | None, typer.Option("--png", help="Write a figure of full, partial and empty blocks: .png, .svg or .pdf (a directory: named after the mask).")]
 BlocksJson = Annotated[bool, typer.Option("--json", help="Print counts, sparsity and kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices exactly as create_block_mask makes them.")]
-BlocksSave = Annotated[str | None, typer.Option("--save", help="Save the four tensors, BLOCK_SIZE and seq_lengths to a .pt file; give what torch.load reads to BlockMask.from_kv_blocks to rebuild the BlockMask.")]
+BlocksSave = Annotated[str | None, typer.Option("--save", help="Save the BlockMask's tensors (kv and q sides), BLOCK_SIZE and seq_lengths to a .pt file: BlockMask(**torch.load(FILE, weights_only=True)) rebuilds it in seconds, even at 1M tokens.")]
 
 
 def parse_block(text: str) -> tuple[int, int]:
@@ -50,7 +50,7 @@ def blocks(
 ) -> None:
     """Show which FlexAttention blocks of a mask are full, partial or empty, exactly, at any length.
 
-    The blocks are what create_block_mask makes (the sequence padded to whole blocks, so a block cut short by the end is never full), counted from the mask's key intervals without building its cells: a 1M-token mask takes seconds. --save writes the four BlockMask tensors for BlockMask.from_kv_blocks.
+    The blocks are what create_block_mask makes (the sequence padded to whole blocks, so a block cut short by the end is never full), counted from the mask's key intervals without building its cells: a 1M-token mask takes seconds. --save writes every BlockMask tensor, so that BlockMask(**torch.load(FILE, weights_only=True)) rebuilds it without transposing.
     """
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
 
@@ -75,14 +75,14 @@ def blocks(
     if save_path is not None:  # the four int32 tensors at the mask's B and H, refused before any block is counted
         from maskcli.memory import check_bytes_fit
 
-        save_bytes = 2 * 4 * built.batch * built.heads * n_q * (1 + n_kv)
+        save_bytes = 4 * 4 * built.batch * built.heads * n_q * (1 + n_kv)  # kv and q sides, partial and full, int32
         check_bytes_fit(save_bytes, f"--save {str(save_path)!r} ({built.batch} x {built.heads} x {n_q} x {n_kv} block indices)", "to write", fix="use a larger --block, or fewer --heads")
         check_write(save_path, save_bytes, "--save")  # after every refusal: it may announce a long write
     with progress("counting blocks") as update:
         found = layout(built, q_block, kv_block, update)
     if save_path is not None:
         _save(found, save_path)
-        done(f"wrote {save_path} (BlockMask.from_kv_blocks(**torch.load({str(save_path)!r}, weights_only=True)))")
+        done(f"wrote {save_path} (BlockMask(**torch.load({str(save_path)!r}, weights_only=True)))")
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure
 
@@ -111,12 +111,12 @@ def blocks(
 
 
 def _save(found, path) -> None:
-    """The four BlockMask tensors (int32, at the mask's B and H) with BLOCK_SIZE and seq_lengths, written whole."""
+    """Every BlockMask tensor (int32, at the mask's B and H) with BLOCK_SIZE and seq_lengths, written whole."""
     import torch
 
     from maskcli.files import atomic_write
 
-    arrays = found.arrays()
+    arrays = found.block_mask_arrays()
     data = {name: torch.from_numpy(value.copy()) for name, value in arrays.items()}  # a copy: the arrays may be read-only views
     data["BLOCK_SIZE"] = (found.q_block, found.kv_block)
     data["seq_lengths"] = (found.mask.frame.q_len, found.mask.frame.k_len)
