@@ -15,7 +15,7 @@ from maskcli.intervals import Intervals
 from maskcli.mask import build
 from maskcli.pack import boundaries as bd
 from maskcli.pack.fields import Batch
-from maskcli.pack.paths import Path, documents, every_path, with_padding_runs
+from maskcli.pack.paths import Path, documents, every_path
 from maskcli.positions import Frame
 from maskcli.text import Finding
 
@@ -65,10 +65,18 @@ def check(batch: Batch, eos: int | None = None, reference: str | None = None) ->
     keys = key_runs(real, frame, "the tokens")
     segment = None
     if ref is not None:
-        text, options = documents("segment", with_padding_runs(ref.starts, pad), None)
+        text, options = documents("segment", ref.starts, None)  # padding is cut by `keys` and `real` below
         segment = build(text, options).intervals()
-    intervals = {p.name: p.intervals() for p in paths if p.applies}
-    checks = [_path_check(p, intervals.get(p.name), segment, keys, real) for p in paths]
+    intervals: dict[str, Intervals] = {}
+    for p in paths:
+        if p.applies:
+            twin = next((q for q in paths if q.name in intervals and _same(q, p)), None)
+            intervals[p.name] = intervals[twin.name] if twin else p.intervals()
+    checks: list[PathCheck] = []
+    for p in paths:
+        twin = next((c for c in checks if c.path.applies and p.applies and _same(c.path, p)), None)
+        checks.append(PathCheck(p, twin.cross_cells, twin.first_cross, twin.pad_cells) if twin else
+                      _path_check(p, intervals.get(p.name), segment, keys, real))
     differences = _differences([p for p in paths if p.applies], intervals, real)
     findings: list[Finding] = []
     notes = list(batch.notes)
@@ -106,37 +114,59 @@ def _counted(intervals: Intervals, real: np.ndarray) -> np.ndarray:
 
 
 def _path_check(path: Path, iv: Intervals | None, segment: Intervals | None, keys: Intervals, real: np.ndarray) -> PathCheck:
+    """Cells that see padding, |iv| - |iv & keys|, and cells that see another document, |iv & keys| - |iv & keys & segment|:
+    intersections only, each a pass over the rows; the few rows named are cut out and complemented alone."""
     if iv is None:
         return PathCheck(path, None, [], 0)
-    pad_cells = int(_counted(iv & ~keys, real).sum())
+    on_keys = iv & keys
+    seen = _counted(on_keys, real)
+    pad_cells = int(_counted(iv, real).sum()) - int(seen.sum())
     if segment is None:
         return PathCheck(path, None, [], pad_cells)
-    leak = iv & ~segment & keys
-    counts = _counted(leak, real)
+    counts = seen - _counted(on_keys & segment, real)
     first = []
     for r, q in zip(*np.nonzero(counts)):
         if len(first) == FIRST:
             break
-        first.append((int(r), int(q), leak.row(int(r), int(q))[0][0]))
+        r, q = int(r), int(q)
+        first.append((r, q, (on_keys.rows(r, q, q + 1) & ~segment.rows(r, q, q + 1)).row(0, 0)[0][0]))
     return PathCheck(path, int(counts.sum()), first, pad_cells)
 
 
+def _same(a: Path, b: Path) -> bool:
+    """The same expression and options build the same mask: no need to compare it cell by cell."""
+    return a.expression is not None and (a.expression, a.options) == (b.expression, b.options)
+
+
 def _differences(paths: list[Path], intervals: dict[str, Intervals], real: np.ndarray) -> list[Difference]:
-    out = []
+    """Each pair once; only-A cells are |A| - |A & B|, and the first rows that differ are cut out and compared alone."""
+    out: list[Difference] = []
+    done: dict[tuple[int, int], Difference] = {}
+    alike = [next(i for i, q in enumerate(paths) if q is p or _same(q, p)) for p in paths]  # each path's first twin
     for i, a in enumerate(paths):
-        for b in paths[i + 1 :]:
+        for j in range(i + 1, len(paths)):
+            b = paths[j]
+            key = (alike[i], alike[j])
+            if key in done:
+                d = done[key]
+                out.append(Difference(_named(a), _named(b), d.only_a, d.only_b, d.both, d.rows))
+                continue
             ia, ib = intervals[a.name], intervals[b.name]
-            only_a, only_b = ia & ~ib, ib & ~ia
-            ca, cb = _counted(only_a, real), _counted(only_b, real)
+            count_a, count_b = _counted(ia, real), _counted(ib, real)
+            if key[0] == key[1]:
+                out.append(Difference(_named(a), _named(b), 0, 0, int(count_a.sum()), []))
+                continue
+            both = _counted(ia & ib, real)
+            ca, cb = count_a - both, count_b - both
             rows = []
             for r, q in zip(*np.nonzero(ca + cb)):
                 if len(rows) == FIRST:
                     break
                 r, q = int(r), int(q)
-                rows.append(RowDifference(r, 0, q, ia.row(r, q), ib.row(r, q), only_a.row(r, q), only_b.row(r, q)))
-            both = int(_counted(ia & ib, real).sum())
-            named_a, named_b = _named(a), _named(b)
-            out.append(Difference(named_a, named_b, int(ca.sum()), int(cb.sum()), both, rows))
+                ra, rb = ia.rows(r, q, q + 1), ib.rows(r, q, q + 1)
+                rows.append(RowDifference(r, 0, q, ra.row(0, 0), rb.row(0, 0), (ra & ~rb).row(0, 0), (rb & ~ra).row(0, 0)))
+            done[key] = Difference(_named(a), _named(b), int(ca.sum()), int(cb.sum()), int(both.sum()), rows)
+            out.append(done[key])
     return out
 
 

@@ -17,6 +17,7 @@ Each mask is built with maskcli.mask.build from its expression and options, so i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,7 +122,13 @@ def documents(kind: str, starts: np.ndarray, pad: np.ndarray | None) -> tuple[st
 
 
 def _built(name: str, reads: str, text: str, options: MaskOptions, notes: list[str]) -> Path:
-    return Path(name, reads, text, options, build(text, options), notes)
+    return Path(name, reads, text, options, _build(text, options.length, options.lengths, options.ids), notes)
+
+
+@functools.lru_cache(maxsize=4)
+def _build(text: str, length: int, lengths: str | None, ids: str | None) -> Mask:
+    """One Mask per expression and padding: paths that read the same field share it (and its intervals)."""
+    return build(text, MaskOptions(length=length, lengths=lengths, ids=ids, pad_id=0))
 
 
 def _causal(name: str, reads: str, pad, length: int, notes: list[str]) -> Path:
@@ -221,4 +228,5 @@ def eos(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
 
 def every_path(batch: Batch, fields: list[bd.Boundaries]) -> list[Path]:
     by_name = {b.name: b for b in fields}
+    _build.cache_clear()  # shared within one check, never across batches
     return [build_path(batch, by_name) for build_path in (hf_sdpa, hf_flash, varlen, eos)]
