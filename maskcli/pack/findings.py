@@ -89,13 +89,15 @@ def check(batch: Batch, eos: int | None = None, reference: str | None = None) ->
         where = "; ".join(f"row {r} position {c}: {d.reference if says else d.field} starts a document, "
                           f"{d.field if says else d.reference} does not" for r, c, says in d.first)
         findings.append(Finding("fields-disagree", f"{d.field} and {d.reference} disagree at {d.count} token{'s' * (d.count != 1)}: {where}"))
-    for c in checks:
+    for group in _twins(checks):
+        c, names = group[0], " and ".join(x.path.name for x in group)
+        verb = "let" if len(group) > 1 else "lets"
         if c.cross_cells:
             r, q, k = c.first_cross[0]
-            findings.append(Finding("cross-document", f"{c.path.name} lets tokens see another document in {c.cross_cells:,} cells "
+            findings.append(Finding("cross-document", f"{names} {verb} tokens see another document in {c.cross_cells:,} cells "
                                     f"(first: row {r}, query {q} sees key {k}) — documents as {ref.name} says"))
         if c.pad_cells:
-            findings.append(Finding("sees-padding", f"{c.path.name} lets real tokens see padding in {c.pad_cells:,} cells"))
+            findings.append(Finding("sees-padding", f"{names} {verb} real tokens see padding in {c.pad_cells:,} cells"))
     findings += _rope(batch, ref, pad)
     labels, label_notes = _labels(batch, ref, pad)
     findings += labels
@@ -131,6 +133,20 @@ def _path_check(path: Path, iv: Intervals | None, segment: Intervals | None, key
         r, q = int(r), int(q)
         first.append((r, q, (on_keys.rows(r, q, q + 1) & ~segment.rows(r, q, q + 1)).row(0, 0)[0][0]))
     return PathCheck(path, int(counts.sum()), first, pad_cells)
+
+
+def _twins(checks: list[PathCheck]) -> list[list[PathCheck]]:
+    """The applicable paths grouped where they build the same mask (said once, naming them all)."""
+    groups: list[list[PathCheck]] = []
+    for c in checks:
+        if not c.path.applies:
+            continue
+        group = next((g for g in groups if _same(g[0].path, c.path)), None)
+        if group is None:
+            groups.append([c])
+        else:
+            group.append(c)
+    return groups
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -217,10 +233,10 @@ def _labels(batch: Batch, ref: bd.Boundaries | None, pad: np.ndarray) -> tuple[l
     at = np.zeros(starts.shape, dtype=bool)
     if shifted:  # labels[i] is token i+1: the last token of a document must not predict the next one
         at[:, :-1] = starts[:, 1:]
-        where = "the last token of each document (labels are already shifted)"
+        where = "the last token of each document, as labels already shifted take it"
     else:
         at = starts
-        where = "the first token of each document (the model shifts labels)"
+        where = "the first token of each document, as the model shifts labels"
     total = int(at.sum())
     wrong = at & (labels != IGNORE)
     count = int(wrong.sum())
@@ -230,7 +246,7 @@ def _labels(batch: Batch, ref: bd.Boundaries | None, pad: np.ndarray) -> tuple[l
     shown = ", ".join(f"row {r} position {c}" for r, c in zip(rows[:FIRST], cols[:FIRST]))
     if count < total:
         findings.append(Finding("labels-across", f"labels are {IGNORE} at {total - count} of {total} document boundaries but not at "
-                                f"{count} ({where}): {shown}; the loss there predicts the next document's first token"))
+                                f"{count} (at {where}): {shown}; the loss there predicts the next document's first token"))
         return findings, []
     return findings, [f"labels are never {IGNORE} at {where}: the loss predicts each next document's first token "
                       "(DataCollatorWithFlattening writes -100 there)"]

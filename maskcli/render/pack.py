@@ -84,8 +84,14 @@ def views(report: Report, source: str) -> list:
         out.append(Text("paths: only one applies", style="dim"))
     elif not unequal:
         out.append(Text("paths: all agree (exact, from key intervals, on real tokens)", style="green"))
+    said: dict[tuple, str] = {}
     for d in unequal:
         a, b = d.a.text.split(":")[0], d.b.text.split(":")[0]
+        same = (d.only_a, d.only_b, tuple((r.batch, r.query, tuple(r.a), tuple(r.b)) for r in d.rows))
+        if same in said:  # a path that builds the same mask as one already compared
+            out.append(Text(f"{a} and {b} disagree the same way as {said[same]}", style="yellow"))
+            continue
+        said[same] = f"{a} and {b}"
         lines = [f"{a} and {b} disagree: only {a} allows {d.only_a:,} cells, only {b} {d.only_b:,}"]
         lines += [f"  {line}" for line in row_words(d, a, b)]
         out.append(Text("\n".join(lines), style="yellow"))
