@@ -34,7 +34,7 @@ def test_position_ids_beside_an_attention_mask_at_120_columns():
     assert result.exit_code == 1
     lines = [line.rstrip() for line in result.stdout.splitlines()]
     for expected in (
-        "the options: B=1 rows × L=5 tokens",
+        "the batch given as options: B=1 rows × L=5 tokens",
         "documents as cu_seqlens says",
         "cu_seqlens       0     0, 3              none      reference",
         "position_ids     0     0, 3              —         yes",

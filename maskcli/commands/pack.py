@@ -36,9 +36,8 @@ Labels = _field("--labels", "labels: -100 where the loss skips a token.")
 @app.command(
     epilog=examples(
         "maskcli pack --position-ids 0,1,2,0,1 --cu-seqlens 0,3,5",
-        "maskcli pack batch.pt --eos-id 2",
-        "maskcli pack batch.safetensors --field position_ids=pos --png pack.png",
-        "maskcli pack batch.npz --json",
+        "maskcli pack --input-ids 5,6,2,7,2 --position-ids 0,1,2,0,1 --eos-id 2 --png pack.png",
+        "maskcli pack --position-ids 0,1,2,0,1 --labels=-100,6,2,-100,2 --json",
     ),
 )
 def pack(
@@ -82,7 +81,7 @@ def pack(
     from maskcli.pack.findings import check
 
     report = check(read(batch, given, field or []), eos_id, reference)
-    source = batch if batch is not None else "the options"
+    source = batch if batch is not None else "the batch given as options"
     from maskcli.render import pack as render
 
     if png_path is not None:

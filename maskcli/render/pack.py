@@ -39,6 +39,7 @@ def _run_text(runs: list[tuple[int, int]]) -> str:
 def header(report: Report, source: str) -> str:
     b = report.batch
     names = ", ".join(b.where(name) for name in b.fields) + (", attention_mask (4-D)" if b.keep_4d is not None else "")
+    names += ", position_ids (mRoPE, 3 rows)" if b.mrope is not None and "position_ids" not in b.fields else ""
     ref = f"documents as {report.reference.name} says" if report.reference is not None else "no field says where documents are"
     return f"{source}: B={b.rows} rows × L={b.length:,} tokens\nfields: {names}\n{ref}"
 
@@ -62,7 +63,7 @@ def views(report: Report, source: str) -> list:
             fields.add_row(bound.name if row == 0 else "", str(row), starts, pad, agrees if row == 0 else "")
     if report.batch.rows > TABLE_ROWS:
         fields.caption = f"rows {TABLE_ROWS}-{report.batch.rows - 1} not listed: --json has every row"
-    out.append(fields)
+    out.append(fields if report.fields else Text("document boundaries: no field marks any"))
     paths = Table(title="attention paths", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for name in ("path", "reads", "cross-doc cells", "sees padding"):
         paths.add_column(name, overflow="fold", style="bold" if name == "path" else None)
