@@ -146,6 +146,8 @@ def every_field(batch: Batch, eos: int | None) -> list[Boundaries]:
     if eos is not None:
         if "input_ids" not in f:
             raise MaskError(f"--eos-id {eos}: the batch has no input_ids to find the EOS tokens in")
+        if abs(eos) > 1 << 62:
+            raise MaskError(f"--eos-id {eos} is too large to be a token id (at most ±{1 << 62:,})")
         found["eos"] = from_eos(f["input_ids"], eos)
     return [found[name] for name in REFERENCE_ORDER if name in found]
 

@@ -145,6 +145,8 @@ def _from_option(name: str, text: str) -> np.ndarray:
     if name in CUMULATIVE + SCALARS:
         if len(rows) > 1:
             raise MaskError(f"{flag} {shortened(text, 60)!r}: one list over the flattened batch, without ';'")
+        if name in SCALARS and rows[0].size != 1:
+            raise MaskError(f"{flag} {shortened(text, 60)!r}: one number, the longest document's length (like 5)")
         return rows[0] if name in CUMULATIVE else rows[0].reshape(())
     widths = {len(row) for row in rows}
     if len(widths) > 1:
