@@ -37,10 +37,11 @@ BATCHES = {
     # transformers' DataCollatorWithFlattening(return_flash_attn_kwargs=True): every field agrees
     "flattened": {"input_ids": [_IDS], "position_ids": [_RESTART], "labels": [_LABELS], "cu_seq_lens_q": _CU,
                   "cu_seq_lens_k": _CU, "max_length_q": 5, "max_length_k": 5},
-    # the same batch with an all-ones attention_mask passed beside it, and one boundary's label left in
-    "with_attention_mask": {"input_ids": [_IDS], "position_ids": [_RESTART], "attention_mask": [[1] * 12],
-                            "labels": [[t if i not in (0, 7) else -100 for i, t in enumerate(_IDS)]], "cu_seq_lens_q": _CU,
-                            "cu_seq_lens_k": _CU, "max_length_q": 5, "max_length_k": 5},
+    # the same batch padded to 16 tokens with an attention_mask passed beside it, and one boundary's label left in
+    "with_attention_mask": {"input_ids": [_IDS + [0] * 4], "position_ids": [_RESTART + [0] * 4],
+                            "attention_mask": [[1] * 12 + [0] * 4],
+                            "labels": [[t if i not in (0, 7) else -100 for i, t in enumerate(_IDS)] + [-100] * 4],
+                            "cu_seq_lens_q": _CU, "cu_seq_lens_k": _CU, "max_length_q": 5, "max_length_k": 5},
     # a collator that writes flash_attn's cu_seqlens, and position_ids that count on across samples
     "cu_seqlens_only": {"input_ids": [_IDS], "position_ids": [list(range(12))], "cu_seqlens": _CU},
     # two chat samples; every turn ends with EOS (2), so an EOS-keyed document mask splits the turns

@@ -30,20 +30,21 @@ def as_json(*args):
 
 
 def test_position_ids_beside_an_attention_mask_at_120_columns():
-    result = pack("--position-ids", "0,1,2,0,1", "--attention-mask", "1,1,1,1,1", "--cu-seqlens", "0,3,5")
+    result = pack("--position-ids", "0,1,2,0,1,0", "--attention-mask", "1,1,1,1,1,0", "--cu-seqlens", "0,3,5")
     assert result.exit_code == 1
     lines = [line.rstrip() for line in result.stdout.splitlines()]
     for expected in (
-        "the batch given as options: B=1 rows × L=5 tokens",
+        "the batch given as options: B=1 rows × L=6 tokens",
         "documents as cu_seqlens says",
-        "cu_seqlens       0     0, 3              none      reference",
+        "cu_seqlens       0     0, 3              5         reference",
         "position_ids     0     0, 3              —         yes",
-        "attention_mask   0     —                 none      padding only",
+        "attention_mask   0     —                 5         padding only",
         "hf-sdpa    attention_mask (2-D)   6                 0",
+        "hf-flash   attention_mask (2-D)   6                 0",
         "varlen     cu_seqlens             0                 0",
         "eos        no --eos-id            does not apply",
-        "  hf-sdpa: maskcli show causal --len 5",
-        '  varlen: maskcli show "document(sizes=[3,2])"',
+        "  hf-sdpa: maskcli show causal --len 6 --lengths 5",
+        '  varlen: maskcli show "document(sizes=[3,2,1])" --lengths 5',
         "hf-sdpa and varlen disagree: only hf-sdpa allows 6 cells, only varlen 0",
         "  row 3: hf-sdpa sees 0-3, varlen sees 3: varlen hides keys 0-2",
     ):
@@ -54,12 +55,13 @@ def test_position_ids_beside_an_attention_mask_at_120_columns():
 
 
 def test_the_same_report_reads_at_60_columns():
-    result = pack("--position-ids", "0,1,2,0,1", "--attention-mask", "1,1,1,1,1", "--cu-seqlens", "0,3,5", columns=60)
+    result = pack("--position-ids", "0,1,2,0,1,0", "--attention-mask", "1,1,1,1,1,0", "--cu-seqlens", "0,3,5", columns=60)
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     assert all(len(line) <= 60 for line in lines), [line for line in lines if len(line) > 60]
     text = " ".join(" ".join(lines).split())
-    for expected in ("documents as cu_seqlens says", "hf-sdpa: maskcli show causal --len 5", "varlen: maskcli show \"document(sizes=[3,2])\"",
+    for expected in ("documents as cu_seqlens says", "hf-sdpa: maskcli show causal --len 6 --lengths 5",
+                     "varlen: maskcli show \"document(sizes=[3,2,1])\" --lengths 5",
                      "hf-sdpa and varlen disagree", "hf-sdpa and hf-flash let tokens see another document in 6 cells"):
         assert expected in text, expected
     assert "cu_seqlens       0     0, 3" in result.stdout
@@ -109,7 +111,7 @@ def test_field_maps_another_key(tmp_path):
     path = tmp_path / "batch.pt"
     torch.save({"pos": torch.tensor([[0, 1, 0, 1]]), "boundaries": torch.tensor([0, 2, 4])}, path)
     data = as_json(path, "--field", "position_ids=pos", "--field", "cu_seqlens=boundaries")
-    assert data["ok"] and data["batch"]["fields"]["position_ids"]["key"] == "pos"
+    assert data["ok"] and data["batch"]["fields"]["position_ids"]["key"] == "pos via --field"
 
 
 def test_png_draws_each_path_with_its_cells(tmp_path):

@@ -88,14 +88,48 @@ def test_both_disagreeing_names_the_position_and_rope_running_on():
     assert not report.ok
 
 
-def test_attention_mask_with_packed_position_ids_contaminates_both_hf_paths():
-    report = run(position_ids="0,1,2,0,1", attention_mask="1,1,1,1,1")
-    causal = expected([0] * 5, [1] * 5)
+def test_attention_mask_with_padding_beside_packed_position_ids_contaminates_both_hf_paths():
+    report = run(position_ids="0,1,2,0,1,0", attention_mask="1,1,1,1,1,0")
+    real = [1, 1, 1, 1, 1, 0]
+    causal = expected([0] * 6, real)
     for name in ("hf-sdpa", "hf-flash"):
-        same_on_real_rows(cells(report, name), causal, [1] * 5)
+        same_on_real_rows(cells(report, name), causal, real)
     assert report.paths_agree and not report.ok  # they agree with each other, and both leak
-    assert [c.cross_cells for c in report.checks[:2]] == [6, 6]
+    assert [c.cross_cells for c in report.checks[:2]] == [6, 6] == [leak_count(causal, [0, 0, 0, 1, 1, 2], real)] * 2
     assert any("flash_attention_2 unpads" in note for note in report.notes)
+
+
+def test_an_all_ones_attention_mask_is_dropped_by_flash_attention_2_not_by_sdpa():
+    report = run(position_ids="0,1,2,0,1", attention_mask="1,1,1,1,1")
+    same_on_real_rows(cells(report, "hf-sdpa"), expected([0] * 5, [1] * 5), [1] * 5)
+    same_on_real_rows(cells(report, "hf-flash"), expected([0, 0, 0, 1, 1], [1] * 5), [1] * 5)
+    assert not report.paths_agree
+    assert any("drops it for flash_attention_2" in note for note in report.notes)
+
+
+def test_flash_attention_kwargs_under_another_spelling_are_not_read_by_transformers():
+    cu = np.array([0, 3, 5])
+    raw = {"position_ids": np.arange(5)[None], "cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": np.array(3), "max_seqlen_k": np.array(3)}
+    report = check(read_dict(raw))
+    same_on_real_rows(cells(report, "hf-flash"), expected([0] * 5, [1] * 5), [1] * 5)
+    same_on_real_rows(cells(report, "varlen"), expected([0, 0, 0, 1, 1], [1] * 5), [1] * 5)
+    assert any("cu_seqlens_q is not read: transformers takes it only as cu_seq_lens_q" in note for note in report.notes)
+    maps = ["cu_seq_lens_q=cu_seqlens_q", "cu_seq_lens_k=cu_seqlens_k", "max_length_q=max_seqlen_q", "max_length_k=max_seqlen_k"]
+    said = check(read_dict(raw, maps))  # --field says the model gets them under HF's names
+    same_on_real_rows(cells(said, "hf-flash"), expected([0, 0, 0, 1, 1], [1] * 5), [1] * 5)
+
+
+def read_dict(raw, maps=()):
+    """A batch as a file would give it: the keys as written, read under their aliases."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "batch.pt"
+        torch.save({k: torch.as_tensor(v) for k, v in raw.items()}, path)
+        return read(str(path), {}, list(maps))
 
 
 def test_mrope_positions_are_not_packing():

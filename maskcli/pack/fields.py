@@ -55,6 +55,11 @@ class Batch:
     def has(self, name: str) -> bool:
         return name in self.fields
 
+    def spelled(self, name: str) -> bool:
+        """The field is under its own name (HF's kwargs), or the user said what it is (an option, --field)."""
+        source = self.sources.get(name, name)
+        return source == name or source.startswith("--") or source.endswith("via --field")
+
     def where(self, name: str) -> str:
         """'position_ids' or 'position_ids (from key "pos")': how a field is named in messages."""
         source = self.sources.get(name, name)
@@ -119,7 +124,7 @@ def read(path: str | None, given: dict[str, str], maps: list[str]) -> Batch:
             name = named.get(key) or (canonical(key) if key not in named.values() else None)
             if name is None or (name in raw and key not in named):
                 continue
-            raw[name], sources[name] = tensor, key
+            raw[name], sources[name] = tensor, (f"{key} via --field" if key in named else key)
         if not raw:
             raise MaskError(f"BATCH {path!r} holds {', '.join(map(repr, tensors))}, none of them a field maskcli reads "
                             f"({', '.join(ALIASES)}); map one with --field NAME=KEY")

@@ -5,9 +5,10 @@ The paths, as their code reads a batch (transformers 4.5x-5.x, flash-attn 2, Tra
 - hf-sdpa: transformers' create_causal_mask for sdpa, eager and flex_attention. A 4-D attention_mask is
   used as given; a 2-D one gives causal & padding, and then position_ids are NOT read; with no
   attention_mask, position_ids that do not go up by 1 start a document (find_packed_sequence_indices).
-- hf-flash: transformers' flash_attention_2 (_flash_attention_forward). A 2-D attention_mask unpads each
-  row into one sequence (position_ids and cu_seq_lens_* ignored); else cu_seq_lens_q/k with
-  max_length_q/k (all four); else, for one batch row, position_ids equal to their minimum start documents.
+- hf-flash: transformers' flash_attention_2 (_flash_attention_forward). A 2-D attention_mask with padding
+  unpads each row into one sequence (position_ids and cu_seq_lens_* ignored; an all-ones mask is dropped
+  first, by flash_attention_mask); else cu_seq_lens_q/k with max_length_q/k (all four); else, for one
+  batch row, position_ids equal to their minimum start documents.
 - varlen: flash_attn_varlen_func (or TransformerEngine's THD layout) called on the batch's cu_seqlens.
 - eos: a document mask keyed on an EOS id (torchtitan's flex document mask, attention-gym): a document
   ends at each EOS token, whatever the other fields say.
@@ -181,19 +182,24 @@ def hf_flash(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
         return Path("hf-flash", "attention_mask (4-D)", None, None, None, ["does not apply: flash_attention_2 takes no 4-D mask"])
     notes = []
     varlen = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-    if "attention_mask" in f:
+    if "attention_mask" in f and (f["attention_mask"] == 0).any():
         ignored = [name for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k") if name in f]
         if ignored and ("position_ids" not in ignored or _restarts(f["position_ids"]) or len(ignored) > 1):
-            notes.append(f"{' and '.join(ignored)} ignored: with an attention_mask, flash_attention_2 unpads each row into one "
-                         "sequence, so packed samples see each other")
+            notes.append(f"{' and '.join(ignored)} ignored: with an attention_mask that holds padding, flash_attention_2 unpads "
+                         "each row into one sequence, so packed samples see each other")
         return _causal("hf-flash", "attention_mask (2-D)", fields["attention_mask"].pad, length, notes)
-    given = [name for name in varlen if name in f]
+    if "attention_mask" in f:
+        notes.append("the attention_mask holds no padding, so transformers drops it for flash_attention_2 (flash_attention_mask)")
+    for name in varlen:
+        if name in f and not batch.spelled(name):
+            notes.append(f"{batch.sources[name]} is not read: transformers takes it only as {name} (--field {name}={batch.sources[name]} says it is)")
+    given = [name for name in varlen if name in f and batch.spelled(name)]
     if len(given) == len(varlen):
         b = fields["cu_seq_lens_q"]
         text, options = documents("document", b.starts, b.pad)
         return _built("hf-flash", "cu_seq_lens_q/k, max_length_q/k", text, options, notes)
     if given:
-        notes.append(f"{', '.join(given)} given but not {', '.join(n for n in varlen if n not in f)}: "
+        notes.append(f"{', '.join(given)} given but not {', '.join(n for n in varlen if n not in given)}: "
                      "flash_attention_2 reads them only when all four are passed")
     if "cu_seqlens" in f:
         notes.append("cu_seqlens is not read: transformers' flash_attention_2 takes cu_seq_lens_q and cu_seq_lens_k")

@@ -36,6 +36,11 @@ def _run_text(runs: list[tuple[int, int]]) -> str:
     return text + (f", … ({len(runs)} runs)" if len(runs) > 6 else "")
 
 
+def _starts(report: Report, bound, row: int) -> np.ndarray:
+    """Where a field starts documents on tokens that no field calls padding (a padded position_id of 0 starts none)."""
+    return np.flatnonzero(bound.starts[row] & ~report.pad[row])
+
+
 def header(report: Report, source: str) -> str:
     b = report.batch
     names = ", ".join(b.where(name) for name in b.fields) + (", attention_mask (4-D)" if b.keep_4d is not None else "")
@@ -59,7 +64,7 @@ def views(report: Report, source: str) -> list:
             f"no: {differs[bound.name].count:,} tokens" if bound.name in differs else "yes")
         for row in range(min(report.batch.rows, TABLE_ROWS)):
             pad = _run_text(_runs(bound.pad[row])) if bound.pad is not None else "—"
-            starts = _list(bound.start_positions(row)) if bound.documents else "—"
+            starts = _list(_starts(report, bound, row)) if bound.documents else "—"
             fields.add_row(bound.name if row == 0 else "", str(row), starts, pad, agrees if row == 0 else "")
     if report.batch.rows > TABLE_ROWS:
         fields.caption = f"rows {TABLE_ROWS}-{report.batch.rows - 1} not listed: --json has every row"
@@ -115,7 +120,7 @@ def pack_json(report: Report, source: str) -> str:
         "reference": report.reference.name if report.reference is not None else None,
         "boundaries": [
             {"field": x.name, "how": x.how, "documents": x.documents,
-             "rows": [{"starts": x.start_positions(r).tolist(), "padding": _runs(x.pad[r]) if x.pad is not None else None} for r in range(b.rows)]}
+             "rows": [{"starts": _starts(report, x, r).tolist(), "padding": _runs(x.pad[r]) if x.pad is not None else None} for r in range(b.rows)]}
             for x in report.fields
         ],
         "fields_agree": not report.disagreements,
