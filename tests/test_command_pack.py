@@ -154,3 +154,37 @@ def test_field_without_a_batch_file_and_bad_maps(tmp_path):
     assert result.exit_code == 2 and "'nonsense' is not a field maskcli reads" in result.stderr
     result = runner.invoke(app, ["pack", str(path)])
     assert result.exit_code == 2 and "none of them a field maskcli reads" in result.stderr
+
+
+def test_batches_from_transformers_own_collator(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    features = [{"input_ids": [5, 6, 7, 2], "labels": [5, 6, 7, 2]}, {"input_ids": [8, 2], "labels": [8, 2]},
+                {"input_ids": [3, 4, 9, 2], "labels": [3, 4, 9, 2]}]
+    for options in ({}, {"return_flash_attn_kwargs": True}, {"return_flash_attn_kwargs": True, "return_seq_idx": True}):
+        batch = dict(transformers.DataCollatorWithFlattening(return_tensors="pt", **options)(features))
+        path = tmp_path / "batch.pt"
+        torch.save(batch, path)  # max_length_q/k are Python ints in it: read as numbers
+        data = as_json(path, "--eos-id", 2)
+        assert data["ok"], data["findings"]
+        (cu, _), _ = prepare_fa_kwargs_from_position_ids(batch["position_ids"])
+        paths = {p["name"]: p for p in data["paths"]}
+        assert paths["hf-flash"]["expression"] == f"document(sizes=[{','.join(map(str, cu.diff().tolist()))}])"
+    # each known disagreement, introduced into the collator's batch, exits 1 and is named
+    broken = {
+        "padding and its attention_mask": {**batch, "input_ids": torch.cat([batch["input_ids"], torch.zeros(1, 2, dtype=torch.int64)], 1),
+                                           "position_ids": torch.cat([batch["position_ids"], torch.zeros(1, 2, dtype=torch.int64)], 1),
+                                           "labels": torch.cat([batch["labels"], torch.full((1, 2), -100)], 1),
+                                           "seq_idx": torch.cat([batch["seq_idx"], torch.full((1, 2), -1, dtype=batch["seq_idx"].dtype)], 1),
+                                           "attention_mask": torch.tensor([[1] * 10 + [0, 0]])},
+        "position_ids that count on": {**batch, "position_ids": torch.arange(10)[None]},
+        "a label across a boundary": {**batch, "labels": torch.tensor([[-100, 6, 7, 2, 8, 2, -100, 4, 9, 2]])},
+        "max_length too small": {**batch, "max_length_q": 2, "max_length_k": 2},
+    }
+    codes = {"padding and its attention_mask": "cross-document", "position_ids that count on": "rope-continues",
+             "a label across a boundary": "labels-across", "max_length too small": "max-length"}
+    for name, fields in broken.items():
+        torch.save(fields, path)
+        data = as_json(path)
+        assert not data["ok"] and codes[name] in {f["code"] for f in data["findings"]}, (name, data["findings"])

@@ -114,7 +114,7 @@ def read(path: str | None, given: dict[str, str], maps: list[str]) -> Batch:
     if path is not None:
         from maskcli.tensorfile import load_tensors
 
-        tensors = load_tensors(path, "BATCH")
+        tensors = load_tensors(path, "BATCH", numbers=True)
         if not tensors or set(tensors) == {""}:
             raise MaskError(f"BATCH {path!r} holds one unnamed tensor; save a dict of named tensors (input_ids, position_ids, cu_seqlens, ...)")
         missing = [key for key in named if key not in tensors]
