@@ -213,7 +213,8 @@ def hf_flash(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
             return _built("hf-flash", "position_ids (equal to their minimum)", text, options, notes)
         if batch.rows > 1 and _restarts(positions):
             notes.append("position_ids restart but are not read: flash_attention_2 reads packed position_ids only for one batch row")
-    return _causal("hf-flash", "nothing", None, length, notes)
+    dropped = " (the all-ones attention_mask is dropped)" if "attention_mask" in f else ""
+    return _causal("hf-flash", "nothing" + dropped, None, length, notes)
 
 
 def varlen(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
