@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from maskcli.errors import MaskError
 from maskcli.pack.fields import read
@@ -314,3 +316,35 @@ def test_a_real_collator_batch_matches_transformers_own_mask():
     tensors["attention_mask"] = torch.ones(1, 9, dtype=torch.int64)
     broken = check(_shaped(dict(tensors), {k: k for k in tensors}))
     assert not broken.ok and not broken.paths_agree
+
+
+@st.composite
+def packed_batches(draw):
+    """Rows of the same length cut into documents at random; position_ids restart and cu_seqlens count over the
+    flattened batch, as a padding-free collator writes them."""
+    rows = draw(st.integers(1, 3))
+    length = draw(st.integers(1, 12))
+    cuts = [sorted(draw(st.sets(st.integers(1, length - 1), max_size=4))) if length > 1 else [] for _ in range(rows)]
+    return length, [[0, *row] for row in cuts]
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=packed_batches())
+def test_paths_on_any_packed_batch_equal_a_double_loop(batch):
+    length, starts = batch
+    docs = np.array([[sum(1 for s in row if s <= p) - 1 for p in range(length)] for row in starts])
+    positions = np.array([[p - max(s for s in row if s <= p) for p in range(length)] for row in starts])
+    cu = [r * length + s for r, row in enumerate(starts) for s in row] + [len(starts) * length]
+    text = ";".join(",".join(map(str, row)) for row in positions)
+    report = run(position_ids=text, cu_seqlens=",".join(map(str, cu)))
+    real = np.ones(docs.shape)
+    want = expected(docs, real)
+    same_on_real_rows(cells(report, "hf-sdpa"), want, real)
+    same_on_real_rows(cells(report, "varlen"), want, real)
+    packed = len(starts) == 1
+    flash = want if packed else expected(np.zeros(docs.shape, dtype=int), real)
+    same_on_real_rows(cells(report, "hf-flash"), flash, real)
+    assert not report.disagreements
+    flash_check = next(c for c in report.checks if c.path.name == "hf-flash")
+    assert flash_check.cross_cells == leak_count(flash, docs, real)
+    assert report.ok == (packed or all(len(row) == 1 for row in starts))
