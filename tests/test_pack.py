@@ -137,9 +137,9 @@ def read_dict(raw, maps=()):
 def test_mrope_positions_are_not_packing():
     t = [0, 1, 2, 2, 2, 3, 0, 1]  # an image's tokens share a time position, then a second sample restarts
     positions = np.array([[t], [[0, 1, 2, 2, 3, 3, 0, 1]], [[0, 1, 2, 3, 2, 3, 0, 1]]])
-    from maskcli.pack.fields import _shaped
+    from maskcli.pack.fields import from_arrays
 
-    batch = _shaped({"position_ids": positions}, {"position_ids": "position_ids"})
+    batch = from_arrays({"position_ids": positions}, {"position_ids": "position_ids"})
     report = check(batch)
     assert batch.mrope is not None and "position_ids" not in batch.fields
     same_on_real_rows(cells(report, "hf-sdpa"), expected([0] * 8, [1] * 8), [1] * 8)
@@ -149,19 +149,19 @@ def test_mrope_positions_are_not_packing():
 
 
 def test_mrope_that_never_restarts_gives_no_boundaries():
-    from maskcli.pack.fields import _shaped
+    from maskcli.pack.fields import from_arrays
 
     positions = np.array([[[0, 1, 1, 1, 2]], [[0, 1, 1, 2, 2]], [[0, 1, 2, 1, 2]]])
-    report = check(_shaped({"position_ids": positions}, {"position_ids": "position_ids"}))
+    report = check(from_arrays({"position_ids": positions}, {"position_ids": "position_ids"}))
     assert report.fields == [] and report.reference is None and report.ok
 
 
 def test_four_row_mrope_reads_the_text_row():
-    from maskcli.pack.fields import _shaped
+    from maskcli.pack.fields import from_arrays
 
     text = [0, 1, 2, 0, 1]
     positions = np.array([[text], [text], [text], [text]])
-    report = check(_shaped({"position_ids": positions}, {"position_ids": "position_ids"}))
+    report = check(from_arrays({"position_ids": positions}, {"position_ids": "position_ids"}))
     same_on_real_rows(cells(report, "hf-sdpa"), expected([0, 0, 0, 1, 1], [1] * 5), [1] * 5)
 
 
@@ -261,10 +261,10 @@ def test_four_d_mask_in_any_convention_is_read_and_rebuilt():
     docs, real = [0, 0, 1, 1, 1], [1] * 5
     keep = expected(docs, real)[:, None]
     for tensor in (keep, ~keep, np.where(keep, 0.0, float("-inf")).astype(np.float32)):
-        from maskcli.pack.fields import _shaped
+        from maskcli.pack.fields import from_arrays
         import torch
 
-        batch = _shaped({"attention_mask": torch.as_tensor(tensor)}, {"attention_mask": "attention_mask"})
+        batch = from_arrays({"attention_mask": torch.as_tensor(tensor)}, {"attention_mask": "attention_mask"})
         report = check(batch)
         sdpa = report.checks[0].path
         assert sdpa.reads == "attention_mask (4-D)" and sdpa.expression == "document(sizes=[2,3])"
@@ -299,12 +299,12 @@ def test_a_real_collator_batch_matches_transformers_own_mask():
     import torch
     from transformers.masking_utils import and_masks, causal_mask_function, find_packed_sequence_indices, packed_sequence_mask_function, sdpa_mask
 
-    from maskcli.pack.fields import _shaped
+    from maskcli.pack.fields import from_arrays
 
     features = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}, {"input_ids": [3, 4, 1, 2], "labels": [3, 4, 1, 2]}]
     collated = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True, return_tensors="pt")(features)
     tensors = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in collated.items()}
-    batch = _shaped(dict(tensors), {k: k for k in tensors})
+    batch = from_arrays(dict(tensors), {k: k for k in tensors})
     report = check(batch)
     assert report.ok, report.findings
     packed = find_packed_sequence_indices(tensors["position_ids"])
@@ -314,7 +314,7 @@ def test_a_real_collator_batch_matches_transformers_own_mask():
     same_on_real_rows(cells(report, "varlen"), expected([0, 0, 0, 1, 1, 2, 2, 2, 2], [1] * 9), [1] * 9)
     # the known failure: an attention_mask passed beside the packed position_ids
     tensors["attention_mask"] = torch.ones(1, 9, dtype=torch.int64)
-    broken = check(_shaped(dict(tensors), {k: k for k in tensors}))
+    broken = check(from_arrays(dict(tensors), {k: k for k in tensors}))
     assert not broken.ok and not broken.paths_agree
 
 

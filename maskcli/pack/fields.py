@@ -132,7 +132,7 @@ def read(path: str | None, given: dict[str, str], maps: list[str]) -> Batch:
         raw[name], sources[name] = _from_option(name, text), "--" + name.replace("_", "-")
     if not raw:
         raise MaskError("no batch: give a BATCH file, or fields as options like --position-ids 0,1,2,0,1 or --cu-seqlens 0,3,5")
-    return _shaped(raw, sources)
+    return from_arrays(raw, sources)
 
 
 def _from_option(name: str, text: str) -> np.ndarray:
@@ -159,7 +159,8 @@ def _from_option(name: str, text: str) -> np.ndarray:
     return np.stack(rows)
 
 
-def _shaped(raw: dict, sources: dict[str, str]) -> Batch:
+def from_arrays(raw: dict, sources: dict[str, str]) -> Batch:
+    """A Batch from tensors or arrays under their canonical names (`sources`: where each came from, for messages)."""
     arrays = {name: _numbers(value, sources[name]) if name != "attention_mask" else value for name, value in raw.items()}
     notes: list[str] = []
     mrope = None

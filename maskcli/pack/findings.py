@@ -54,6 +54,9 @@ class Report:
 
 
 def check(batch: Batch, eos: int | None = None, reference: str | None = None) -> Report:
+    """The whole check: each field's boundaries, each path's mask, cells across documents and onto padding, the
+    paths compared pair by pair, and the findings (`eos`: the --eos-id; `reference`: the field that says where
+    the documents are)."""
     fields = bd.every_field(batch, eos)
     ref = bd.reference(fields, reference)
     pad = bd.padding(fields, batch.rows, batch.length)
