@@ -348,3 +348,23 @@ def test_paths_on_any_packed_batch_equal_a_double_loop(batch):
     flash_check = next(c for c in report.checks if c.path.name == "hf-flash")
     assert flash_check.cross_cells == leak_count(flash, docs, real)
     assert report.ok == (packed or all(len(row) == 1 for row in starts))
+
+
+def test_a_2d_attention_mask_in_the_additive_convention():
+    import torch
+
+    from maskcli.pack.fields import from_arrays
+
+    mask = torch.tensor([[0.0, 0.0, torch.finfo(torch.float32).min], [0.0, float("-inf"), float("-inf")]])
+    report = check(from_arrays({"attention_mask": mask}, {"attention_mask": "attention_mask"}))
+    assert report.pad.tolist() == [[False, False, True], [False, True, True]]
+
+
+def test_options_need_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from maskcli.pack.fields import read; from maskcli.pack.findings import check; "
+            "check(read(None, {'position_ids': '0,1,0', 'attention_mask': '1,1,0'}, [])); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

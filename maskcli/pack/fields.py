@@ -89,9 +89,9 @@ def parse_field_maps(maps: list[str]) -> dict[str, str]:
 
 def _numbers(tensor, where: str) -> np.ndarray:
     """A torch tensor (or array) as numpy int64, refusing floats that are not whole numbers."""
-    import torch
+    if _is_torch(tensor):
+        import torch
 
-    if isinstance(tensor, torch.Tensor):
         if tensor.is_complex():
             raise MaskError(f"{where} holds complex numbers; give integers")
         array = tensor.detach().cpu().to(torch.float64 if tensor.is_floating_point() else torch.int64).numpy()
@@ -203,21 +203,27 @@ def from_arrays(raw: dict, sources: dict[str, str]) -> Batch:
     return Batch(rows, length, arrays, sources, keep_4d, convention, mrope, notes)
 
 
+def _is_torch(value) -> bool:
+    """A torch tensor, told without importing torch (options and .npz batches need only numpy)."""
+    return type(value).__module__.startswith("torch")
+
+
 def _attention_mask(value, where: str):
     """(2-D int64 mask or None, 4-D keep or None, the 4-D mask's convention)."""
-    import torch
+    if (value.dim() if _is_torch(value) else np.ndim(value)) in (1, 2):
+        array = value.detach().cpu().double().numpy() if _is_torch(value) and value.is_floating_point() else value
+        if not _is_torch(array) and np.asarray(array).dtype.kind == "f" and (np.asarray(array) < 0).any():
+            from maskcli.inspect.polarity import SENTINEL_AT_MOST  # additive 0 / -inf (or finfo.min): 0 is real
 
-    tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
-    if tensor.dim() in (1, 2):
-        if tensor.is_floating_point() and bool((tensor < 0).any()):  # additive 0 / -inf (or finfo.min): 0 is real
-            from maskcli.inspect.polarity import SENTINEL_AT_MOST
-
-            tensor = torch.isfinite(tensor) & (tensor > SENTINEL_AT_MOST)
-        array = _numbers(tensor, where)
+            array = np.isfinite(array) & (np.asarray(array) > SENTINEL_AT_MOST)
+        array = _numbers(array, where)
         array = array[None, :] if array.ndim == 1 else array
         if array.min(initial=0) < 0:
             raise MaskError(f"{where}: a 2-D attention_mask holds 1 (or a document id) for real tokens and 0 for padding; it holds {int(array.min())}")
         return array, None, None
+    import torch
+
+    tensor = value if _is_torch(value) else torch.as_tensor(np.asarray(value))
     if tensor.dim() != 4:
         raise MaskError(f"{where} has shape {list(tensor.shape)}: attention_mask is 2-D (B, L) or 4-D (B, 1, L, L)")
     from maskcli.inspect.load import check_maskable
