@@ -95,7 +95,7 @@ def pack(
         from maskcli.commands.app import make_console
 
         console = make_console()
-        for view in render.views(report, source):
+        for view in render.views(report, source, console.width):
             console.print(view)
     if not report.ok:
         raise typer.Exit(1)

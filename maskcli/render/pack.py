@@ -49,7 +49,8 @@ def header(report: Report, source: str) -> str:
     return f"{source}: B={b.rows} rows × L={b.length:,} tokens\nfields: {names}\n{ref}"
 
 
-def views(report: Report, source: str) -> list:
+def views(report: Report, source: str, width: int = 120) -> list:
+    """The report as rich renderables; under 100 columns each row lists its first few document starts only."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -64,7 +65,7 @@ def views(report: Report, source: str) -> list:
             f"no: {differs[bound.name].count:,} tokens" if bound.name in differs else "yes")
         for row in range(min(report.batch.rows, TABLE_ROWS)):
             pad = _run_text(_runs(bound.pad[row])) if bound.pad is not None else "—"
-            starts = _list(_starts(report, bound, row)) if bound.documents else "—"
+            starts = _list(_starts(report, bound, row), SHOWN_STARTS if width >= 100 else 4) if bound.documents else "—"
             fields.add_row(bound.name if row == 0 else "", str(row), starts, pad, agrees if row == 0 else "")
     if report.batch.rows > TABLE_ROWS:
         fields.caption = f"rows {TABLE_ROWS}-{report.batch.rows - 1} not listed: --json has every row"
