@@ -102,10 +102,18 @@ def padding_options(pad: np.ndarray | None, length: int) -> dict:
     """MaskOptions fields for key padding: --lengths where each row's padding is at its end, else --ids (1 = token, pad 0)."""
     if pad is None or not pad.any():
         return {}
+    return dict(_padding_text(np.packbits(pad, axis=1).tobytes(), pad.shape))
+
+
+@functools.lru_cache(maxsize=2)
+def _padding_text(packed: bytes, shape: tuple[int, int]) -> tuple:
+    """Written once per padding: --ids of 1M tokens is a long text to write and to read back."""
+    rows, length = shape
+    pad = np.unpackbits(np.frombuffer(packed, dtype=np.uint8).reshape(rows, -1), axis=1, count=length).astype(bool)
     real = (~pad).sum(axis=1)
     if np.array_equal(pad, np.arange(length)[None, :] >= real[:, None]):
-        return {"lengths": ",".join(map(str, real.tolist()))}
-    return {"ids": rows_text((~pad).astype(np.int64)), "pad_id": 0}
+        return (("lengths", ",".join(map(str, real.tolist()))),)
+    return (("ids", rows_text((~pad).astype(np.int64))), ("pad_id", 0))
 
 
 def documents(kind: str, starts: np.ndarray, pad: np.ndarray | None) -> tuple[str, MaskOptions]:
@@ -236,4 +244,5 @@ def eos(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
 def every_path(batch: Batch, fields: list[bd.Boundaries]) -> list[Path]:
     by_name = {b.name: b for b in fields}
     _build.cache_clear()  # shared within one check, never across batches
+    _padding_text.cache_clear()
     return [build_path(batch, by_name) for build_path in (hf_sdpa, hf_flash, varlen, eos)]
