@@ -6,7 +6,8 @@
 A page documents a command with a ```console block whose first line is `$ maskcli ...`; the rest
 of the block is what the command prints (stdout, at 100 columns). A figure is an HTML comment
 `<!-- figure: maskcli ... --png docs/img/NAME.png -->` before its image. reference.md holds each
-command's --help between `<!-- help: CMD -->` markers. tests/test_docs.py runs --check.
+command's --help between `<!-- help: CMD -->` markers. The small packed batches that docs/pack.md
+checks are written here too (docs/batches/*.json, BATCHES below). tests/test_docs.py runs --check.
 """
 
 from __future__ import annotations
@@ -24,7 +25,56 @@ COLUMNS = "100"
 CONSOLE = re.compile(r"```console\n(\$ maskcli [^\n]*(?:\\\n[^\n]*)*)\n(.*?)```", re.S)
 FIGURE = re.compile(r"<!-- figure: (maskcli [^>]*?) -->")
 HELP = re.compile(r"<!-- help: (\w+) -->\n```text\n(.*?)```", re.S)
-COMMANDS = ("show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds", "trace")
+COMMANDS = ("show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds", "trace", "pack")
+BATCH_DIR = DOCS / "batches"
+_SAMPLES = [[101, 7, 8, 2], [101, 9, 2], [101, 5, 6, 7, 2]]  # three tokenised samples, 2 = EOS
+_IDS = [t for sample in _SAMPLES for t in sample]
+_RESTART = [i for sample in _SAMPLES for i in range(len(sample))]
+_LABELS = [t if i else -100 for sample in _SAMPLES for i, t in enumerate(sample)]  # -100 at each sample's first token
+_CU = [0, 4, 7, 12]
+# Each batch as its collator would write it; the failures are the ones users report.
+BATCHES = {
+    # transformers' DataCollatorWithFlattening(return_flash_attn_kwargs=True): every field agrees
+    "flattened": {"input_ids": [_IDS], "position_ids": [_RESTART], "labels": [_LABELS], "cu_seq_lens_q": _CU,
+                  "cu_seq_lens_k": _CU, "max_length_q": 5, "max_length_k": 5},
+    # the same batch padded to 16 tokens with an attention_mask passed beside it, and one boundary's label left in
+    "with_attention_mask": {"input_ids": [_IDS + [0] * 4], "position_ids": [_RESTART + [0] * 4],
+                            "attention_mask": [[1] * 12 + [0] * 4],
+                            "labels": [[t if i not in (0, 7) else -100 for i, t in enumerate(_IDS)] + [-100] * 4],
+                            "cu_seq_lens_q": _CU, "cu_seq_lens_k": _CU, "max_length_q": 5, "max_length_k": 5},
+    # a collator that writes flash_attn's cu_seqlens, and position_ids that count on across samples
+    "cu_seqlens_only": {"input_ids": [_IDS], "position_ids": [list(range(12))], "cu_seqlens": _CU},
+    # two chat samples; every turn ends with EOS (2), so an EOS-keyed document mask splits the turns
+    "chat": {"input_ids": [[101, 5, 2, 6, 7, 2, 101, 8, 2, 9, 2]], "position_ids": [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]]},
+    # Qwen2-VL-style mRoPE position_ids (3, B, L): an image's tokens share a time position (not packing),
+    # and a second sample restarts them (packing, which HF does not read from mRoPE positions)
+    "mrope": {"input_ids": [[101, 5, 900, 900, 900, 900, 6, 2, 101, 7, 2]],
+              "position_ids": [[[0, 1, 2, 2, 2, 2, 4, 5, 0, 1, 2]], [[0, 1, 2, 2, 3, 3, 4, 5, 0, 1, 2]],
+                               [[0, 1, 2, 3, 2, 3, 4, 5, 0, 1, 2]]]},
+    # TransformerEngine THD layout: documents of 3 and 2 tokens, each padded to 4 (padding between samples)
+    "padded": {"input_ids": [[101, 7, 2, 0, 101, 2, 0, 0]], "attention_mask": [[1, 1, 1, 0, 1, 1, 0, 0]],
+               "cu_seqlens": [0, 3, 5], "cu_seqlens_padded": [0, 4, 8]},
+}
+
+
+def batch_text(fields: dict) -> str:
+    import json
+
+    return "{\n" + ",\n".join(f"  {json.dumps(name)}: {json.dumps(value)}" for name, value in fields.items()) + "\n}\n"
+
+
+def stale_batches(write: bool) -> list[str]:
+    """The batch files that differ from BATCHES (written afresh where `write`)."""
+    stale = []
+    for name, fields in BATCHES.items():
+        path = BATCH_DIR / f"{name}.json"
+        text = batch_text(fields)
+        if not path.is_file() or path.read_text() != text:
+            stale.append(f"batches/{path.name}")
+            if write:
+                BATCH_DIR.mkdir(exist_ok=True)
+                path.write_text(text)
+    return stale
 
 
 def pages() -> list[Path]:
@@ -90,7 +140,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="say what is out of date; write nothing")
     check = parser.parse_args().check
-    stale = []
+    stale = stale_batches(write=not check)
     for page in pages():
         text = page.read_text()
         new = refreshed_reference(refreshed_page(text))

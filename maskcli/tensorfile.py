@@ -34,10 +34,11 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def load_tensors(source: str, flag: str, json_floats: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def load_tensors(source: str, flag: str, json_floats: torch.dtype | None = None, numbers: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor in a file (or inline JSON) by name; a lone tensor is named ''.
 
-    JSON carries no dtype: its floats become `json_floats`, or torch's default dtype.
+    JSON carries no dtype: its floats become `json_floats`, or torch's default dtype. `numbers`: a .pt dict's
+    plain ints and lists of ints are tensors too (a collator's max_length_q is a Python int).
     """
     if is_inline(source):
         where = f"{flag} {shortened(source, 60)!r} (inline JSON)"
@@ -47,7 +48,7 @@ def load_tensors(source: str, flag: str, json_floats: torch.dtype | None = None)
     try:
         _check_fits(size, suffix, where)
         if suffix in (".pt", ".pth"):
-            return _from_pt(path, where)
+            return _from_pt(path, where, numbers)
         if suffix in (".npy", ".npz"):
             return _from_numpy(path, where)
         if suffix == ".safetensors":
@@ -132,7 +133,7 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _from_pt(path: Path, where: str) -> dict[str, torch.Tensor]:
+def _from_pt(path: Path, where: str, numbers: bool = False) -> dict[str, torch.Tensor]:
     import pickle
     import warnings
 
@@ -153,12 +154,24 @@ def _from_pt(path: Path, where: str) -> dict[str, torch.Tensor]:
         raise MaskError(f"{where}: not a readable .pt file ({type(error).__name__}: {str(error)[:160]})") from None
     if isinstance(data, torch.Tensor):
         return {"": data}
+    if numbers and isinstance(data, dict):
+        data = {k: _as_tensor(v) for k, v in data.items()}
     if isinstance(data, dict) and data and all(isinstance(v, torch.Tensor) for v in data.values()):
         return {str(k): v for k, v in data.items()}
     if isinstance(data, dict) and data:
         odd = next(k for k, v in data.items() if not isinstance(v, torch.Tensor))
         raise MaskError(f"{where}: entry {odd!r} of the dict is {type(data[odd]).__name__} {_short(data[odd])}, not a tensor; save only tensors")
     raise MaskError(f"{where}: holds {type(data).__name__} {_short(data)}, not a tensor or a dict of tensors")
+
+
+def _as_tensor(value):
+    """A plain int or a (nested) list of ints as a tensor; anything else as it is."""
+    if isinstance(value, bool) or not isinstance(value, (int, list)):
+        return value
+    try:
+        return torch.tensor(value, dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return value
 
 
 def _from_numpy(path: Path, where: str) -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@
     model     expression terms mask batchdata regions counting summary blockmask diff usermods tracefile testing
     engines   attention/* inspect/*        (torch; they do not import each other)
     capture   trace/*                      (torch; names captured masks with inspect, checks them with diff)
+    checks    pack/*                       (a packed batch: reads tensors as inspect does, builds masks)
     render    render/*                     (rich, matplotlib)
     commands  commands/*                   (typer; the only place that prints an error and exits)
 """
@@ -18,7 +19,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "maskcli"
 LAYERS = {
-    "base": 0, "kinds": 1, "model": 2, "attention": 3, "inspect": 3, "trace": 3.5, "render": 4, "commands": 5,
+    "base": 0, "kinds": 1, "model": 2, "attention": 3, "inspect": 3, "trace": 3.5, "pack": 3.5, "render": 4, "commands": 5,
 }
 BASE = {"errors", "text", "memory", "positions", "intervals", "conventions", "files", "tensorfile", "__init__", "__main__"}
 MODEL = {"expression", "terms", "mask", "batchdata", "regions", "counting", "summary", "blockmask", "diff", "usermods", "tracefile", "testing"}
@@ -37,7 +38,7 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "base"
-    if parts[1] in ("kinds", "attention", "inspect", "trace", "render", "commands"):
+    if parts[1] in ("kinds", "attention", "inspect", "trace", "pack", "render", "commands"):
         return parts[1]
     return "model" if parts[1] in MODEL else "base"
 
@@ -100,7 +101,7 @@ def test_no_circle_of_imports():
 @pytest.mark.parametrize("heavy", ["typer", "rich", "matplotlib", "click"])
 def test_the_core_knows_nothing_of_the_command_line_or_the_screen(heavy):
     for module, path in modules().items():
-        if layer(module) in ("base", "kinds", "model", "attention", "inspect", "trace"):
+        if layer(module) in ("base", "kinds", "model", "attention", "inspect", "trace", "pack"):
             assert not any(name == heavy or name.startswith(heavy + ".") for name in imports(path)), module
 
 

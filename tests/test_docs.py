@@ -72,3 +72,7 @@ def test_the_site_builds_strict(tmp_path):
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_packed_batches_the_docs_check_are_current():
+    assert generate.stale_batches(write=False) == [], "docs/batches is out of date: run python docs/generate.py"

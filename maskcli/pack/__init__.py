@@ -1,0 +1,10 @@
+"""Checking a packed batch: the document boundaries each field implies, the mask each attention path builds
+from them, and what leaks across documents.
+
+    fields.py      reading a batch (a file or options) under the names HF, TRL, torchtitan and TE use
+    boundaries.py  document starts and padding per field, per batch row, and where fields disagree
+    paths.py       which field each attention path reads, and its mask as a maskcli expression
+    findings.py    cross-document cells, RoPE that runs on, labels, lengths, padding; the whole report
+
+Everything is O(tokens) numpy on intervals; only a 4-D attention_mask the user gave has L x L cells.
+"""

@@ -1,0 +1,248 @@
+"""Which field each attention path reads, and the mask it builds from it, as a maskcli expression.
+
+The paths, as their code reads a batch (transformers 4.5x-5.x, flash-attn 2, TransformerEngine, torchtitan):
+
+- hf-sdpa: transformers' create_causal_mask for sdpa, eager and flex_attention. A 4-D attention_mask is
+  used as given; a 2-D one gives causal & padding, and then position_ids are NOT read; with no
+  attention_mask, position_ids that do not go up by 1 start a document (find_packed_sequence_indices).
+- hf-flash: transformers' flash_attention_2 (_flash_attention_forward). A 2-D attention_mask with padding
+  unpads each row into one sequence (position_ids and cu_seq_lens_* ignored; an all-ones mask is dropped
+  first, by flash_attention_mask); else cu_seq_lens_q/k with max_length_q/k (all four); else, for one
+  batch row, position_ids equal to their minimum start documents.
+- varlen: flash_attn_varlen_func (or TransformerEngine's THD layout) called on the batch's cu_seqlens.
+- eos: a document mask keyed on an EOS id (torchtitan's flex document mask, attention-gym): a document
+  ends at each EOS token, whatever the other fields say.
+
+Each mask is built with maskcli.mask.build from its expression and options, so it is exact on intervals.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from maskcli.intervals import Intervals
+from maskcli.kinds.values import rows_text
+from maskcli.mask import Mask, MaskOptions, build, from_tensor
+from maskcli.pack import boundaries as bd
+from maskcli.pack.fields import Batch
+
+TITLES = {
+    "hf-sdpa": "transformers sdpa / eager / flex_attention",
+    "hf-flash": "transformers flash_attention_2",
+    "varlen": "flash_attn_varlen_func with cu_seqlens",
+    "eos": "document mask on the EOS id",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Path:
+    """One attention path: the field it reads and the mask that results (None: the path does not apply)."""
+
+    name: str
+    reads: str  # the field, in words: "position_ids", "attention_mask (2-D)", "nothing"
+    expression: str | None  # the maskcli expression (with `options` for its padding)
+    options: MaskOptions | None
+    mask: Mask | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        return TITLES[self.name]
+
+    @property
+    def applies(self) -> bool:
+        return self.mask is not None
+
+    def intervals(self) -> Intervals:
+        """Exact key intervals per (batch row, query); a 4-D mask's cells are read into runs."""
+        if self.mask.tree is not None:
+            return self.mask.intervals()
+        from maskcli.kinds.padding import key_runs
+
+        keep = self.mask.keep[:, 0]
+        rows, length = keep.shape[0], keep.shape[1]
+        found = key_runs(keep.reshape(rows * length, -1), self.mask.frame, "the 4-D attention_mask")
+        return Intervals(found.starts.reshape(rows, length, -1), found.ends.reshape(rows, length, -1), 0, length)
+
+    def command(self) -> str | None:
+        """The maskcli command that shows this mask (None where it is a tensor)."""
+        if self.expression is None or self.options is None:
+            return None
+        from maskcli.text import shell_quote
+
+        words = ["maskcli", "show", shell_quote(self.expression)]
+        o = self.options
+        if o.length is not None and not _fixes_length(self.expression):
+            words += ["--len", str(o.length)]
+        if o.lengths is not None:
+            words += ["--lengths", o.lengths]
+        if o.ids is not None:
+            words += ["--ids", shell_quote(o.ids), "--pad-id", "0"]
+        return " ".join(words)
+
+
+def _fixes_length(expression: str) -> bool:
+    return "sizes=" in expression
+
+
+def with_padding_runs(starts: np.ndarray, pad: np.ndarray) -> np.ndarray:
+    """Starts with each padding run, and the token after it, starting a document: padding is nobody's document."""
+    out = starts.copy()
+    edge = np.zeros(pad.shape, dtype=bool)
+    edge[:, 1:] = pad[:, 1:] != pad[:, :-1]
+    out |= edge
+    out[:, 0] = True
+    return out
+
+
+def padding_options(pad: np.ndarray | None, length: int) -> dict:
+    """MaskOptions fields for key padding: --lengths where each row's padding is at its end, else --ids (1 = token, pad 0)."""
+    if pad is None or not pad.any():
+        return {}
+    return dict(_padding_text(np.packbits(pad, axis=1).tobytes(), pad.shape))
+
+
+@functools.lru_cache(maxsize=2)
+def _padding_text(packed: bytes, shape: tuple[int, int]) -> tuple:
+    """Written once per padding: --ids of 1M tokens is a long text to write and to read back."""
+    rows, length = shape
+    pad = np.unpackbits(np.frombuffer(packed, dtype=np.uint8).reshape(rows, -1), axis=1, count=length).astype(bool)
+    real = (~pad).sum(axis=1)
+    if np.array_equal(pad, np.arange(length)[None, :] >= real[:, None]):
+        return (("lengths", ",".join(map(str, real.tolist()))),)
+    return (("ids", rows_text((~pad).astype(np.int64))), ("pad_id", 0))
+
+
+def documents(kind: str, starts: np.ndarray, pad: np.ndarray | None) -> tuple[str, MaskOptions]:
+    """`document(sizes=[...])` (or `causal` where each row is one document) and its padding options."""
+    length = starts.shape[1]
+    if pad is not None:
+        starts = with_padding_runs(starts, pad)
+    if starts[:, 1:].any():
+        positions = [np.flatnonzero(row) for row in starts]
+        sizes = [np.diff(np.append(p, length)) for p in positions]
+        text = f"{kind}(sizes=[{rows_text(sizes)}])"
+    else:
+        text = "causal" if kind == "document" else "full"
+    return text, MaskOptions(length=length, **padding_options(pad, length))
+
+
+def _built(name: str, reads: str, text: str, options: MaskOptions, notes: list[str]) -> Path:
+    return Path(name, reads, text, options, _build(text, options.length, options.lengths, options.ids), notes)
+
+
+@functools.lru_cache(maxsize=4)
+def _build(text: str, length: int, lengths: str | None, ids: str | None) -> Mask:
+    """One Mask per expression and padding: paths that read the same field share it (and its intervals)."""
+    return build(text, MaskOptions(length=length, lengths=lengths, ids=ids, pad_id=0))
+
+
+def _causal(name: str, reads: str, pad, length: int, notes: list[str]) -> Path:
+    options = MaskOptions(length=length, **padding_options(pad, length))
+    return _built(name, reads, "causal", options, notes)
+
+
+def _packed(positions: np.ndarray) -> bool:
+    """HF's _is_packed_sequence: position_ids that are not one run counting up from their minimum."""
+    flat = positions.reshape(-1)
+    return bool(np.any(flat != np.arange(flat.size) + flat.min()))
+
+
+def hf_sdpa(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
+    f, length = batch.fields, batch.length
+    if batch.keep_4d is not None:
+        keep = np.ascontiguousarray(np.broadcast_to(batch.keep_4d, (batch.rows, 1, length, length)))
+        mask = from_tensor(keep, "the 4-D attention_mask")
+        b = fields["attention_mask"]
+        text, options = documents("document", b.starts, b.pad)
+        rebuilt = build(text, options)
+        from maskcli.diff import compare
+
+        if compare(rebuilt, mask, first=0).equal:
+            return Path("hf-sdpa", "attention_mask (4-D)", text, options, rebuilt, ["the 4-D mask is used as given; this expression rebuilds it exactly"])
+        return Path("hf-sdpa", "attention_mask (4-D)", None, None, mask, ["the 4-D mask is used as given; no document expression rebuilds it"])
+    notes = []
+    if "attention_mask" in f:
+        if "position_ids" in f and _restarts(f["position_ids"]):
+            notes.append("position_ids restart but are not read: transformers builds a packed-sequence mask from "
+                         "position_ids only when no attention_mask is passed")
+        if f["attention_mask"].max(initial=0) > 1:
+            notes.append("the document ids in attention_mask are read as 1 (a token): only their 0s mask")
+        return _causal("hf-sdpa", "attention_mask (2-D)", fields["attention_mask"].pad, length, notes)
+    if "position_ids" in f:
+        text, options = documents("document", fields["position_ids"].starts, None)
+        return _built("hf-sdpa", "position_ids", text, options, notes)
+    if batch.mrope is not None:
+        notes.append("mRoPE position_ids (3, B, L) are not read for packing: the mask is causal")
+    return _causal("hf-sdpa", "nothing (no attention_mask, no position_ids)", None, length, notes)
+
+
+def _restarts(positions: np.ndarray) -> bool:
+    return bool((np.diff(positions, axis=1) != 1).any())
+
+
+def hf_flash(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
+    f, length = batch.fields, batch.length
+    if batch.keep_4d is not None:
+        return Path("hf-flash", "attention_mask (4-D)", None, None, None, ["does not apply: flash_attention_2 takes no 4-D mask"])
+    notes = []
+    varlen = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    if "attention_mask" in f and (f["attention_mask"] == 0).any():
+        ignored = [name for name in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k") if name in f]
+        if ignored and ("position_ids" not in ignored or _restarts(f["position_ids"]) or len(ignored) > 1):
+            notes.append(f"{' and '.join(ignored)} ignored: with an attention_mask that holds padding, flash_attention_2 unpads "
+                         "each row into one sequence, so packed samples see each other")
+        return _causal("hf-flash", "attention_mask (2-D)", fields["attention_mask"].pad, length, notes)
+    if "attention_mask" in f:
+        notes.append("the attention_mask holds no padding, so transformers drops it for flash_attention_2 (flash_attention_mask)")
+    for name in varlen:
+        if name in f and not batch.spelled(name):
+            notes.append(f"{batch.sources[name]} is not read: transformers takes it only as {name} (--field {name}={batch.sources[name]} says it is)")
+    given = [name for name in varlen if name in f and batch.spelled(name)]
+    if len(given) == len(varlen):
+        b = fields["cu_seq_lens_q"]
+        text, options = documents("document", b.starts, b.pad)
+        return _built("hf-flash", "cu_seq_lens_q/k, max_length_q/k", text, options, notes)
+    if given:
+        notes.append(f"{', '.join(given)} given but not {', '.join(n for n in varlen if n not in given)}: "
+                     "flash_attention_2 reads them only when all four are passed")
+    if "cu_seqlens" in f:
+        notes.append("cu_seqlens is not read: transformers' flash_attention_2 takes cu_seq_lens_q and cu_seq_lens_k")
+    if "position_ids" in f:
+        positions = f["position_ids"]
+        if batch.rows == 1 and _packed(positions):
+            flat = positions.reshape(-1)
+            starts = (flat == flat.min()).reshape(positions.shape)
+            starts[:, 0] = True
+            text, options = documents("document", starts, None)
+            return _built("hf-flash", "position_ids (equal to their minimum)", text, options, notes)
+        if batch.rows > 1 and _restarts(positions):
+            notes.append("position_ids restart but are not read: flash_attention_2 reads packed position_ids only for one batch row")
+    dropped = " (the all-ones attention_mask is dropped)" if "attention_mask" in f else ""
+    return _causal("hf-flash", "nothing" + dropped, None, length, notes)
+
+
+def varlen(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
+    for name in ("cu_seqlens_padded", "cu_seqlens", "cu_seq_lens_q"):
+        if name in fields:
+            b = fields[name]
+            text, options = documents("document", b.starts, b.pad)
+            return _built("varlen", name if name != "cu_seqlens_padded" else "cu_seqlens_padded with cu_seqlens", text, options, list(b.notes))
+    return Path("varlen", "no cu_seqlens", None, None, None, ["does not apply: the batch has no cu_seqlens"])
+
+
+def eos(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
+    if "eos" not in fields:
+        return Path("eos", "no --eos-id", None, None, None, ["does not apply: give --eos-id to check a document mask keyed on EOS"])
+    text, options = documents("document", fields["eos"].starts, None)
+    return _built("eos", "input_ids", text, options, [])
+
+
+def every_path(batch: Batch, fields: list[bd.Boundaries]) -> list[Path]:
+    by_name = {b.name: b for b in fields}
+    _build.cache_clear()  # shared within one check, never across batches
+    _padding_text.cache_clear()
+    return [build_path(batch, by_name) for build_path in (hf_sdpa, hf_flash, varlen, eos)]

@@ -1,0 +1,190 @@
+"""`maskcli pack` through the command line: the report at 60 and 120 columns, --json, --png read back, the
+batch files each library writes, and the exit status (0 agree, 1 disagree or a finding, 2 bad input)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+from test_attention_inputs import write_safetensors
+from test_render_heatmaps import cells, heatmap_boxes
+
+runner = CliRunner()
+
+
+def pack(*args, columns=120):
+    return runner.invoke(app, ["pack", *map(str, args)], env={"COLUMNS": str(columns)})
+
+
+def as_json(*args):
+    result = pack(*args, "--json")
+    assert result.exit_code in (0, 1), result.output
+    data = json.loads(result.stdout)
+    assert result.exit_code == (0 if data["ok"] else 1)
+    return data
+
+
+def test_position_ids_beside_an_attention_mask_at_120_columns():
+    result = pack("--position-ids", "0,1,2,0,1,0", "--attention-mask", "1,1,1,1,1,0", "--cu-seqlens", "0,3,5")
+    assert result.exit_code == 1
+    lines = [line.rstrip() for line in result.stdout.splitlines()]
+    for expected in (
+        "the batch given as options: B=1 rows × L=6 tokens",
+        "documents as cu_seqlens says",
+        "cu_seqlens       0     0, 3              5         reference",
+        "position_ids     0     0, 3              —         yes",
+        "attention_mask   0     —                 5         padding only",
+        "hf-sdpa    attention_mask (2-D)   6                 0",
+        "hf-flash   attention_mask (2-D)   6                 0",
+        "varlen     cu_seqlens             0                 0",
+        "eos        no --eos-id            does not apply",
+        "  hf-sdpa: maskcli show causal --len 6 --lengths 5",
+        '  varlen: maskcli show "document(sizes=[3,2,1])" --lengths 5',
+        "hf-sdpa and varlen disagree: only hf-sdpa allows 6 cells, only varlen 0",
+        "  row 3: hf-sdpa sees 0-3, varlen sees 3: varlen hides keys 0-2",
+    ):
+        assert expected in lines, expected
+    assert "hf-flash and varlen disagree the same way as hf-sdpa and varlen" in lines
+    assert "• hf-sdpa and hf-flash let tokens see another document in 6 cells (first: row 0, query 3 sees key 0) — documents as" in lines
+    assert all(len(line) <= 120 for line in lines)
+
+
+def test_the_same_report_reads_at_60_columns():
+    result = pack("--position-ids", "0,1,2,0,1,0", "--attention-mask", "1,1,1,1,1,0", "--cu-seqlens", "0,3,5", columns=60)
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= 60 for line in lines), [line for line in lines if len(line) > 60]
+    text = " ".join(" ".join(lines).split())
+    for expected in ("documents as cu_seqlens says", "hf-sdpa: maskcli show causal --len 6 --lengths 5",
+                     "varlen: maskcli show \"document(sizes=[3,2,1])\" --lengths 5",
+                     "hf-sdpa and varlen disagree", "hf-sdpa and hf-flash let tokens see another document in 6 cells"):
+        assert expected in text, expected
+    assert "cu_seqlens       0     0, 3" in result.stdout
+
+
+def test_agreeing_fields_exit_0():
+    result = pack("--position-ids", "0,1,2,0,1", "--cu-seqlens", "0,3,5")
+    assert result.exit_code == 0, result.output
+    assert "paths: all agree (exact, from key intervals, on real tokens)" in result.stdout
+    assert "findings: none" in result.stdout
+
+
+def test_json_lists_fields_paths_and_findings():
+    data = as_json("--position-ids", "0,1,2,3,4", "--cu-seqlens", "0,3,5")
+    assert data["reference"] == "cu_seqlens" and not data["fields_agree"] and not data["paths_agree"]
+    assert data["disagreements"] == [{"field": "position_ids", "reference": "cu_seqlens", "count": 1,
+                                      "first": [{"row": 0, "position": 3, "reference_starts": True}]}]
+    assert [b["rows"][0]["starts"] for b in data["boundaries"]] == [[0, 3], [0]]
+    paths = {p["name"]: p for p in data["paths"]}
+    assert paths["varlen"]["expression"] == "document(sizes=[3,2])" and paths["varlen"]["cross_document_cells"] == 0
+    assert paths["hf-sdpa"]["reads"] == "position_ids" and paths["hf-sdpa"]["cross_document_cells"] == 6
+    assert paths["eos"]["applies"] is False
+    assert {f["code"] for f in data["findings"]} == {"fields-disagree", "cross-document", "rope-continues"}
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors", ".npz", ".json"])
+def test_batch_files(tmp_path, suffix):
+    fields = {"input_ids": [[5, 6, 2, 7, 2]], "position_ids": [[0, 1, 2, 0, 1]], "cu_seq_lens_q": [0, 3, 5], "cu_seq_lens_k": [0, 3, 5],
+              "max_length_q": 3, "max_length_k": 3, "labels": [[-100, 6, 2, -100, 2]]}
+    path = tmp_path / f"batch{suffix}"
+    tensors = {k: torch.tensor(v) for k, v in fields.items()}
+    if suffix == ".pt":
+        torch.save(tensors, path)
+    elif suffix == ".safetensors":
+        write_safetensors(path, tensors, dtype="I64")
+    elif suffix == ".npz":
+        np.savez(path, **{k: np.asarray(v) for k, v in fields.items()})
+    else:
+        path.write_text(json.dumps(fields))
+    data = as_json(path, "--eos-id", 2)
+    assert data["ok"] and data["batch"]["fields"]["cu_seq_lens_q"] == {"key": "cu_seq_lens_q", "shape": [3]}
+    assert {p["name"]: p["reads"] for p in data["paths"]} == {
+        "hf-sdpa": "position_ids", "hf-flash": "cu_seq_lens_q/k, max_length_q/k", "varlen": "cu_seq_lens_q", "eos": "input_ids"}
+
+
+def test_field_maps_another_key(tmp_path):
+    path = tmp_path / "batch.pt"
+    torch.save({"pos": torch.tensor([[0, 1, 0, 1]]), "boundaries": torch.tensor([0, 2, 4])}, path)
+    data = as_json(path, "--field", "position_ids=pos", "--field", "cu_seqlens=boundaries")
+    assert data["ok"] and data["batch"]["fields"]["position_ids"]["key"] == "pos via --field"
+
+
+def test_png_draws_each_path_with_its_cells(tmp_path):
+    out = tmp_path / "pack.png"
+    result = pack("--attention-mask", "1,1,1,1,1,1", "--cu-seqlens", "0,3,6", "--png", out)
+    assert result.exit_code == 1 and f"wrote {out}" in result.stderr
+    import matplotlib.image as mpimg
+
+    rgb = (mpimg.imread(out)[..., :3] * 255).round().astype(int)
+    boxes = heatmap_boxes(rgb)
+    assert len(boxes) == 3  # hf-sdpa, hf-flash, varlen
+    causal = np.tril(np.ones((6, 6), dtype=int))
+    documents = np.array([[int(k <= q and (q < 3) == (k < 3)) for k in range(6)] for q in range(6)])
+    got = [cells(rgb, box, 6, 6) for box in boxes]
+    assert (got[0] == causal).all() and (got[1] == causal).all() and (got[2] == documents).all()
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--cu-seqlens", "0,3,2"], "--cu-seqlens: cumulative lengths go down at entry 2 (3 then 2)"),
+    (["--position-ids", "0,1,x"], "'x' at position 2"),
+    ([], "no batch: give a BATCH file"),
+    (["missing.pt"], "missing.pt"),
+    (["--position-ids", "0,1", "--reference", "seq_idx"], "--reference 'seq_idx': the batch has no such field"),
+    (["--position-ids", "0,1", "--eos-id", "2"], "--eos-id 2: the batch has no input_ids"),
+    (["--position-ids", "0,1", "--png", "out.gif"], "--png"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
+    result = runner.invoke(app, ["pack", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("maskcli: error: ") and result.stderr.count("\n") == 1
+    assert says in result.stderr
+    assert result.stdout == ""
+
+
+def test_field_without_a_batch_file_and_bad_maps(tmp_path):
+    assert "give the file too" in runner.invoke(app, ["pack", "--position-ids", "0,1", "--field", "labels=y"]).stderr
+    path = tmp_path / "b.pt"
+    torch.save({"pos": torch.tensor([0, 1])}, path)
+    result = runner.invoke(app, ["pack", str(path), "--field", "nonsense=pos"])
+    assert result.exit_code == 2 and "'nonsense' is not a field maskcli reads" in result.stderr
+    result = runner.invoke(app, ["pack", str(path)])
+    assert result.exit_code == 2 and "none of them a field maskcli reads" in result.stderr
+
+
+def test_batches_from_transformers_own_collator(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    features = [{"input_ids": [5, 6, 7, 2], "labels": [5, 6, 7, 2]}, {"input_ids": [8, 2], "labels": [8, 2]},
+                {"input_ids": [3, 4, 9, 2], "labels": [3, 4, 9, 2]}]
+    for options in ({}, {"return_flash_attn_kwargs": True}, {"return_flash_attn_kwargs": True, "return_seq_idx": True}):
+        batch = dict(transformers.DataCollatorWithFlattening(return_tensors="pt", **options)(features))
+        path = tmp_path / "batch.pt"
+        torch.save(batch, path)  # max_length_q/k are Python ints in it: read as numbers
+        data = as_json(path, "--eos-id", 2)
+        assert data["ok"], data["findings"]
+        (cu, _), _ = prepare_fa_kwargs_from_position_ids(batch["position_ids"])
+        paths = {p["name"]: p for p in data["paths"]}
+        assert paths["hf-flash"]["expression"] == f"document(sizes=[{','.join(map(str, cu.diff().tolist()))}])"
+    # each known disagreement, introduced into the collator's batch, exits 1 and is named
+    broken = {
+        "padding and its attention_mask": {**batch, "input_ids": torch.cat([batch["input_ids"], torch.zeros(1, 2, dtype=torch.int64)], 1),
+                                           "position_ids": torch.cat([batch["position_ids"], torch.zeros(1, 2, dtype=torch.int64)], 1),
+                                           "labels": torch.cat([batch["labels"], torch.full((1, 2), -100)], 1),
+                                           "seq_idx": torch.cat([batch["seq_idx"], torch.full((1, 2), -1, dtype=batch["seq_idx"].dtype)], 1),
+                                           "attention_mask": torch.tensor([[1] * 10 + [0, 0]])},
+        "position_ids that count on": {**batch, "position_ids": torch.arange(10)[None]},
+        "a label across a boundary": {**batch, "labels": torch.tensor([[-100, 6, 7, 2, 8, 2, -100, 4, 9, 2]])},
+        "max_length too small": {**batch, "max_length_q": 2, "max_length_k": 2},
+    }
+    codes = {"padding and its attention_mask": "cross-document", "position_ids that count on": "rope-continues",
+             "a label across a boundary": "labels-across", "max_length too small": "max-length"}
+    for name, fields in broken.items():
+        torch.save(fields, path)
+        data = as_json(path)
+        assert not data["ok"] and codes[name] in {f["code"] for f in data["findings"]}, (name, data["findings"])
