@@ -3,6 +3,7 @@
     base      errors text memory positions intervals conventions files tensorfile
     kinds     kinds/*                      (each kind defined once)
     model     expression terms mask counting summary blockmask diff usermods
+    formats   formats/*                    (kernel formats: views of the model, read back by inspect)
     engines   attention/* inspect/*        (torch; they do not import each other)
     render    render/*                     (rich, matplotlib)
     commands  commands/*                   (typer; the only place that prints an error and exits)
@@ -17,7 +18,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "maskcli"
 LAYERS = {
-    "base": 0, "kinds": 1, "model": 2, "attention": 3, "inspect": 3, "render": 4, "commands": 5,
+    "base": 0, "kinds": 1, "model": 2, "formats": 2.5, "attention": 3, "inspect": 3, "render": 4, "commands": 5,
 }
 BASE = {"errors", "text", "memory", "positions", "intervals", "conventions", "files", "tensorfile", "__init__", "__main__"}
 MODEL = {"expression", "terms", "mask", "counting", "summary", "blockmask", "diff", "usermods"}
@@ -36,7 +37,7 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "base"
-    if parts[1] in ("kinds", "attention", "inspect", "render", "commands"):
+    if parts[1] in ("kinds", "formats", "attention", "inspect", "render", "commands"):
         return parts[1]
     return "model" if parts[1] in MODEL else "base"
 

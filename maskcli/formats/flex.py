@@ -1,0 +1,66 @@
+"""FlexAttention: a BlockMask (four block-index tensors) and, for its partial blocks, the mask_mod.
+
+Documented rule (torch.nn.attention.flex_attention): BlockMask.from_kv_blocks(kv_num_blocks,
+kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE, mask_mod, seq_lengths) builds
+what create_block_mask(mask_mod, B, H, Lq, Lk) makes; flex_attention computes full blocks
+without calling mask_mod and applies mask_mod to every cell of a partial block, so the
+BlockMask alone holds a mask only when none of its blocks is partial. mask_mod gets local
+indices. The four tensors come from maskcli/blockmask.py, from the intervals.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.blockmask import DEFAULT_BLOCK, layout
+from maskcli.formats.base import CannotHold, Export
+
+NAME = "flex"
+
+
+def build_call(mask) -> str | None:
+    """A maskcli.build(...) call that makes this mask again (its mask_mod), or None for a file's or a user's mask."""
+    from maskcli.terms import terms
+
+    if mask.expression is None or any(term.kind.rank >= 100 for term in terms(mask.expression)):
+        return None
+    f = mask.frame
+    args = [repr(mask.text), f"length={f.q_len}", f"offset={f.q_start}", f"kv_start={f.k_start}", f"kv_len={f.k_len}"]
+    if f.lengths is not None:
+        args.append(f"lengths={','.join(map(str, f.lengths))!r}")
+    if f.ids is not None:
+        args.append(f"ids={mask.padding_text.split(' ', 1)[1].rsplit(' (pad', 1)[0]!r}, pad_id={f.pad_id}")
+    if mask.heads > 1:
+        args.append(f"heads={mask.heads}")
+    return f"build({', '.join(args)})"
+
+
+def to(mask, block: int = DEFAULT_BLOCK) -> Export:
+    found = layout(mask, block, block)
+    arrays = {name: np.array(value) for name, value in found.arrays().items()}  # a copy: the arrays may be read-only broadcast views
+    partial = int(found.kv_num_blocks.sum())
+    f = mask.frame
+    code = ["import torch", "from torch.nn.attention.flex_attention import BlockMask, flex_attention"]
+    notes = []
+    if partial == 0:
+        mask_mod = ""
+        notes.append("every block is full or empty: the BlockMask alone holds the mask (no mask_mod)")
+    else:
+        call = build_call(mask)
+        if call is not None:
+            code.append(f"from maskcli import build")
+            code.append(f"mask_mod = {call}.mask_mod")
+        else:
+            if not mask.exact and mask.keep is None:
+                raise CannotHold(f"flex needs a mask_mod for {partial} partial blocks, and {mask.title} is your own mask_mod: pass it to create_block_mask yourself")
+            arrays["keep"] = mask.dense()
+            b = "b" if arrays["keep"].shape[0] > 1 else "0"
+            h = "h" if arrays["keep"].shape[1] > 1 else "0"
+            code.append("keep = <keep>")
+            code.append(f"def mask_mod(b, h, q_idx, kv_idx):\n    return keep[{b}, {h}, q_idx, kv_idx]")
+        mask_mod = ", mask_mod=mask_mod"
+        notes.append(f"{partial} partial blocks: flex_attention calls mask_mod on their cells, so the BlockMask needs it")
+    code.append("block_mask = BlockMask.from_kv_blocks(<kv_num_blocks>, <kv_indices>, <full_kv_num_blocks>, <full_kv_indices>,")
+    code.append(f"                                     BLOCK_SIZE=({block}, {block}){mask_mod}, seq_lengths=({f.q_len}, {f.k_len}))")
+    code.append("out = flex_attention(q, k, v, block_mask=block_mask)  # q: (B, H, Lq, D), k and v: (B, H, Lk, D)")
+    return Export(code, arrays, notes)

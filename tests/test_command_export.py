@@ -1,0 +1,139 @@
+"""`maskcli export` through Typer's CliRunner: the printed call, --save in three file types, refusals, --compare."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+from maskcli.mask import build
+
+runner = CliRunner()
+
+
+def export(*args, **kwargs):
+    return runner.invoke(app, ["export", *map(str, args)], **kwargs)
+
+
+def ok(*args):
+    result = export(*args)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_flash_attn_call_with_its_arguments_written_in():
+    out = ok("document(sizes=[3,5]) & window(2)", "--for", "flash-attn").stdout
+    assert out.splitlines() == [
+        "# flash-attn: document(sizes=[3,5]) & window(2) · shape (1, 1, 8, 8)",
+        "import torch",
+        "cu_seqlens_q = torch.tensor([0, 3, 8], dtype=torch.int32, device=\"cuda\")",
+        "cu_seqlens_k = torch.tensor([0, 3, 8], dtype=torch.int32, device=\"cuda\")",
+        "from flash_attn import flash_attn_varlen_func",
+        "# q: (total_q, nheads, headdim), k and v: (total_k, nheads_k, headdim), the sequences packed one after another",
+        "out = flash_attn_varlen_func(",
+        "    q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,",
+        "    max_seqlen_q=5, max_seqlen_k=5,",
+        "    causal=True, window_size=(1, 0),",
+        ")",
+        "# window_size=(left, right) counts keys beside the diagonal: a window of W keys is (W-1, 0); here (1, 0)",
+    ]
+
+
+def test_the_printed_sdpa_call_runs_and_is_the_mask(tmp_path):
+    path = tmp_path / "m.pt"
+    result = ok("causal | blocks(-1,-1,0,0,0,-1)", "--for", "sdpa", "--save", path)
+    code = result.stdout
+    assert f"t = torch.load({str(path)!r}, weights_only=True)" in code
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(3))
+    scope = {"q": q, "k": k, "v": v}
+    exec(code, scope)  # the call as printed
+    keep = torch.tensor([[j <= i or (2 <= i <= 4 and 2 <= j <= 4) for j in range(6)] for i in range(6)])
+    scores = (q @ k.transpose(-1, -2) / 2).masked_fill(~keep, float("-inf"))
+    assert torch.allclose(scope["out"], torch.softmax(scores, -1) @ v, atol=1e-6)
+
+
+def test_is_causal_only_where_it_is_top_left():
+    assert "is_causal=True" in ok("causal", "--len", 5, "--for", "sdpa").stdout
+    behind = ok("causal", "--len", 2, "--offset", 3, "--for", "sdpa").stdout
+    assert "attn_mask=causal_lower_right(2, 5)" in behind and "is_causal=True would be top-left" in behind
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors", ".npz"])
+def test_save_writes_the_tensors_in_each_file_type(tmp_path, suffix):
+    path = tmp_path / f"mask{suffix}"
+    result = ok("document(sizes=[3,5]) & window(2)", "--for", "flashmask", "--save", path)
+    assert f"wrote {path}" in result.stderr
+    if suffix == ".pt":
+        data = torch.load(path, weights_only=True)
+    elif suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        data = load_file(path)
+    else:
+        data = {key: torch.from_numpy(value) for key, value in np.load(path).items()}
+    rows = data["startend_row_indices"]
+    assert rows.dtype == torch.int32 and rows.shape == (1, 1, 8, 1)
+    # a causal document with a window of 2: column j is hidden from row min(j + 2, end of its document) on
+    assert rows[0, 0, :, 0].tolist() == [min(j + 2, 3 if j < 3 else 8) for j in range(8)]
+    assert bool(data["causal"])
+
+
+def test_a_format_that_cannot_hold_the_mask_says_why_and_what_would(tmp_path):
+    path = tmp_path / "x.pt"
+    result = export("causal | blocks(-1,-1,0,0,0,-1)", "--for", "flash-attn", "--save", path)
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "maskcli: error: flash-attn varlen cannot express causal | blocks(-1,-1,0,0,0,-1): the rows' right edges are not one "
+        "window around the diagonal: use --for flex or magi, or a dense --for sdpa mask\n"
+    )
+    assert not path.exists() and result.stdout == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["causal"], "give --for LIBRARY (sdpa, mha, hf, flex, flash-attn, flashinfer, flashmask, magi, xformers), or --compare"),
+    (["causal", "--for", "cudnn"], "--for 'cudnn' is not a format: choose one of sdpa, mha, hf, flex, flash-attn, flashinfer, flashmask, magi, xformers"),
+    (["causal", "--for", "sdpa", "--save", "x.txt"], "--save 'x.txt': unknown extension '.txt'; use one of .pt, .safetensors, .npz"),
+    (["window(3)", "--len", 6, "--offset", 2, "--for", "flashmask"], "flashmask holds square self-attention masks"),
+])
+def test_bad_input_is_one_line(args, message):
+    result = export(*args)
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"maskcli: error: {message}") and result.stderr.count("\n") == 1
+
+
+def test_a_mask_file_exports_too(tmp_path):
+    path = tmp_path / "keep.pt"
+    torch.save(torch.tril(torch.ones(6, 6, dtype=torch.bool)), path)
+    out = ok("--mask", path, "--for", "flash-attn").stdout
+    assert "causal=True, window_size=(-1, 0)" in out
+
+
+def test_compare_lists_every_format_with_its_bytes():
+    result = ok("document(sizes=[300,500,224]) & window(128)", "--compare")
+    lines = [" ".join(line.replace("│", " ").split()) for line in result.stdout.splitlines()]
+    assert "dense bool (sdpa, mha) 1.0 MiB yes" in lines
+    assert "additive float32 (hf) 4.0 MiB yes" in lines
+    assert "additive bfloat16 2.0 MiB yes" in lines
+    assert any(line.startswith("cu_seqlens (flash-attn, 32 bytes yes") for line in lines)
+    assert any(line.startswith("FlashMask startend_row_indices 4.0 KiB yes") for line in lines)
+    blocks = 4 * 8 * (2 + 2 * 8)  # 8 x 8 blocks of 128: two counts and two index rows per query block, int32
+    assert any(line.startswith(f"BlockMask at 128 {blocks} bytes with its mask_mod") for line in lines)
+
+
+def test_compare_at_a_million_tokens_is_arithmetic_for_the_dense_formats():
+    result = ok("document(sizes=[300000,700000]) & window(4096)", "--len", 1_000_000, "--compare")
+    lines = [" ".join(line.replace("│", " ").split()) for line in result.stdout.splitlines()]
+    assert "dense bool (sdpa, mha) 931.3 GiB yes" in lines
+    assert any(line.startswith("FlashMask startend_row_indices 3.8 MiB yes") for line in lines)
+
+
+def test_a_million_token_export_writes_o_of_l_tensors(tmp_path):
+    path = tmp_path / "fm.pt"
+    ok("document(sizes=[300000,700000]) & window(4096)", "--len", 1_000_000, "--for", "flashmask", "--save", path)
+    rows = torch.load(path, weights_only=True)["startend_row_indices"]
+    assert rows.shape == (1, 1, 1_000_000, 1)
+    j = torch.arange(1_000_000)
+    assert torch.equal(rows[0, 0, :, 0].long(), torch.minimum(j + 4096, torch.where(j < 300000, 300000, 1_000_000)))
