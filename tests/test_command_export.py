@@ -137,3 +137,71 @@ def test_a_million_token_export_writes_o_of_l_tensors(tmp_path):
     assert rows.shape == (1, 1, 1_000_000, 1)
     j = torch.arange(1_000_000)
     assert torch.equal(rows[0, 0, :, 0].long(), torch.minimum(j + 4096, torch.where(j < 300000, 300000, 1_000_000)))
+
+
+# --- --from FORMAT: the kernel's tensors back into a mask every command takes -------------------------
+
+
+def diff(*args):
+    return runner.invoke(app, ["diff", *map(str, args)])
+
+
+ROUND_TRIPS = [
+    ("flash-attn", "document(sizes=[3,5,4]) & window(2)", []), ("flash-attn", "segment(sizes=[2,6])", []),
+    ("flash-attn", "window(3)", ["--len", 4, "--offset", 5]), ("flashmask", "causal | blocks(-1,-1,0,0,0,-1,1,1)", []),
+    ("flashmask", "prefix(3)", ["--len", 8]), ("flashmask", "causal", ["--len", 6, "--lengths", "6,3"]),
+    ("magi", "causal & (window(2) | sink(1))", ["--len", 9]), ("magi", "causal | blocks(0,0,-1,1,1,1)", []),
+    ("magi", "window(3)", ["--len", 4, "--offset", 5]), ("flex", "segment(sizes=[128,256])", []),
+    ("flex", "document(sizes=[128,256]) | ~causal", []),
+]
+
+
+@pytest.mark.parametrize("fmt, expr, flags", ROUND_TRIPS)
+def test_export_then_from_is_the_same_mask(tmp_path, fmt, expr, flags):
+    path = tmp_path / "m.pt"
+    ok(expr, *flags, "--for", fmt, "--save", path)
+    result = diff(expr, path, "--from", fmt, *flags)
+    assert result.exit_code == 0, result.output
+
+
+def test_a_hand_made_cu_seqlens_file_with_causal_and_a_window(tmp_path):
+    path = tmp_path / "seqlens.pt"
+    torch.save({"cu_seqlens": torch.tensor([0, 3, 8], dtype=torch.int32)}, path)
+    import json
+
+    result = runner.invoke(app, ["show", "--mask", str(path), "--from", "cu_seqlens", "--causal", "--window", 2, "--json"])
+    assert result.exit_code == 0, result.output
+    cells = json.loads(result.stdout)["mask"]
+    docs = [0, 0, 0, 1, 1, 1, 1, 1]
+    # a causal window of 2 keys inside each sequence: the flash rule with window_size=(1, 0)
+    assert cells == [[[[int(docs[q] == docs[k] and q - 1 <= k <= q) for k in range(8)] for q in range(8)]]]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--from", "cudnn"], "unknown --from 'cudnn': choose keep or block (a tensor's convention), or a format: flex, flash-attn, flashmask, magi"),
+    (["--causal"], "--causal is for --from flash-attn or flashmask: give --from too, or drop --causal"),
+    (["--from", "magi", "--causal"], "--causal is for --from flash-attn or flashmask; magi files say their own mask types"),
+    (["--from", "flashmask"], "--from flashmask: the file has no tensor 'startend_row_indices' (it has cu_seqlens): save it with maskcli export --save"),
+])
+def test_from_a_format_refuses_what_does_not_fit(tmp_path, args, message):
+    path = tmp_path / "seqlens.pt"
+    torch.save({"cu_seqlens": torch.tensor([0, 3, 8], dtype=torch.int32)}, path)
+    result = runner.invoke(app, ["show", "--mask", str(path), *map(str, args)])
+    assert result.exit_code == 2
+    assert result.stderr == f"maskcli: error: {message}\n"
+
+
+def test_a_block_mask_with_partial_blocks_is_not_read_as_exact(tmp_path):
+    path = tmp_path / "b.pt"
+    ok("causal", "--len", 256, "--for", "flex", "--save", path)
+    result = runner.invoke(app, ["show", "--mask", str(path), "--from", "flex", "--summary"])
+    assert result.exit_code == 2
+    assert "the BlockMask has 2 partial blocks, whose cells only its mask_mod knows" in result.stderr
+
+
+def test_a_million_token_round_trip_through_flashmask(tmp_path):
+    path = tmp_path / "fm.pt"
+    expr = "document(sizes=[300000,700000]) & window(4096)"
+    ok(expr, "--len", 1_000_000, "--for", "flashmask", "--save", path)
+    result = diff(expr, path, "--from", "flashmask", "--len", 1_000_000)
+    assert result.exit_code == 0, result.output

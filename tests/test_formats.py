@@ -464,3 +464,57 @@ def test_a_million_token_document_and_window_mask_in_the_o_of_l_formats():
     ranges = magi.to(m).tensors
     assert ranges["attn_type_map"].tolist() == [1, 3, 1, 3]
     assert ranges["q_ranges"].tolist() == [[0, 4096], [4096, 300000], [300000, 304096], [304096, 1_000_000]]
+
+
+# --- reading the formats back (--from) against the same documented rules ----------------------------
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_flash_attn_read_is_the_documented_rule(seed):
+    g = np.random.default_rng(seed)
+    q_lens = g.integers(1, 6, size=g.integers(1, 4))
+    k_lens = q_lens if seed % 2 else q_lens + g.integers(0, 3, size=q_lens.size)
+    causal = bool(g.integers(0, 2))
+    window = (int(g.integers(-1, 4)), -1 if causal else int(g.integers(-1, 3)))
+    tensors = {"cu_seqlens_q": flash_attn.cu_seqlens(q_lens), "cu_seqlens_k": flash_attn.cu_seqlens(k_lens),
+               "causal": np.array(causal), "window_size": np.array(window)}
+    m = flash_attn.read({k: torch.from_numpy(v) for k, v in tensors.items()}, {})
+    want = flash_reference(tensors["cu_seqlens_q"].tolist(), tensors["cu_seqlens_k"].tolist(), causal, window)
+    assert np.array_equal(m.dense()[0, 0], want)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_flashmask_read_is_paddles_reference(seed):
+    g = np.random.default_rng(seed)
+    length, causal = int(g.integers(2, 10)), bool(seed % 2)
+    bounds = [1, 2][seed % 4 // 2] if causal else [2, 4][seed % 4 // 2]
+    j = np.arange(length)
+    lts = j + g.integers(0, length, size=length)
+    columns = [np.minimum(lts, length)]
+    if bounds >= 2 and causal or bounds == 4:
+        columns.append(np.minimum(columns[0] + g.integers(0, length, size=length), length))
+    if not causal:
+        ute = j - g.integers(0, length, size=length)
+        if bounds == 4:
+            uts = np.maximum(ute - g.integers(0, length, size=length), 0)
+            columns += [np.minimum(uts, j), np.clip(ute, 0, j)]
+        else:
+            columns.append(np.clip(ute, 0, j))
+    indices = np.stack(columns, -1)[None, None].astype(np.int32)
+    m = flashmask.read({"startend_row_indices": torch.from_numpy(indices), "causal": torch.tensor(causal)}, {})
+    assert np.array_equal(m.dense()[:, 0], flashmask_reference(indices, causal))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_magi_read_is_the_documented_rule(seed):
+    g = np.random.default_rng(seed)
+    total_q, total_k, n = int(g.integers(2, 10)), int(g.integers(2, 10)), int(g.integers(1, 5))
+    qs = g.integers(0, total_q, size=n)
+    ks = g.integers(0, total_k, size=n)
+    q_ranges = np.stack([qs, qs + g.integers(1, total_q - qs + 1)], -1)
+    k_ranges = np.stack([ks, ks + g.integers(1, total_k - ks + 1)], -1)
+    types = g.integers(0, 4, size=n)
+    tensors = {"q_ranges": q_ranges, "k_ranges": k_ranges, "attn_type_map": types,
+               "total_seqlen_q": np.array(total_q), "total_seqlen_k": np.array(total_k)}
+    m = magi.read({k: torch.from_numpy(np.asarray(v)) for k, v in tensors.items()}, {})
+    assert np.array_equal(m.dense()[0, 0], magi_reference(q_ranges, k_ranges, types, total_q, total_k))

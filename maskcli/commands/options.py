@@ -104,7 +104,8 @@ def _position_options(heads: int) -> list[tuple[str, object, object]]:
         ("m_pad_id", Annotated[int, typer.Option("--pad-id", help="The padding token id for --ids.", parser=integer, rich_help_panel=MASK_PANEL)], 0),
         ("m_mask_file", Annotated[str | None, typer.Option("--mask", help="A mask tensor instead of an expression: .pt (loaded with weights_only=True), .npy, .npz, .safetensors or .json, in any convention and any shape that broadcasts to (B, H, Lq, Lk).", rich_help_panel=OWN_PANEL)], None),
         ("m_key", Annotated[str | None, typer.Option("--key", help="With --mask: the tensor's name in a .npz, .safetensors, .pt dict or JSON object.", rich_help_panel=OWN_PANEL)], None),
-        ("m_from", Annotated[str | None, typer.Option("--from", help="With --mask: keep or block, where a bool or 0/1 tensor's structure does not tell which way round it is.", rich_help_panel=OWN_PANEL)], None),
+        ("m_from", Annotated[str | None, typer.Option("--from", help="With --mask: keep or block, where a bool or 0/1 tensor's structure does not tell which way round it is; or the kernel format the file holds (as maskcli export --save writes it): flash-attn (cu_seqlens, with --causal and --window W), flashmask (startend_row_indices), magi (q_ranges, k_ranges, attn_type_map), flex (a BlockMask's four tensors, exact where no block is partial).", rich_help_panel=OWN_PANEL)], None),
+        ("m_causal", Annotated[bool, typer.Option("--causal", help="With --mask FILE --from flash-attn or flashmask: the kernel's causal=True, where the file does not say.", rich_help_panel=OWN_PANEL)], False),
         ("m_mask_mod", Annotated[str | None, typer.Option("--mask-mod", help="Your own FlexAttention mask_mod(b, h, q_idx, kv_idx), as FILE.py:NAME or package.module:NAME. This RUNS YOUR CODE: only this flag loads it. It gets local indices, as FlexAttention passes them; its NAME can stand in the expression, like \"mine & ~causal\".", rich_help_panel=OWN_PANEL)], None),
         ("m_mask_mod_args", Annotated[str | None, typer.Option("--mask-mod-args", help="Arguments for a --mask-mod factory, as Python literals: --mask-mod gym.py:sliding --mask-mod-args 4.", rich_help_panel=OWN_PANEL)], None),
     ]
@@ -183,7 +184,7 @@ def mask_options(*, heads: int = 1, tokens: bool = True, kind_params: bool = Tru
             lengths=given["m_lengths"], ids=given["m_ids"], pad_id=given["m_pad_id"],
             tokens=given.get("m_tokens"),
             params={flag_of[name]: given[name] for name in flag_of if given[name] is not None},
-            mask_file=given["m_mask_file"], key=given["m_key"], from_=given["m_from"],
+            mask_file=given["m_mask_file"], key=given["m_key"], from_=given["m_from"], causal=given["m_causal"],
             mask_mod=given["m_mask_mod"], mask_mod_args=given["m_mask_mod_args"],
         )
 

@@ -159,8 +159,10 @@ def rows_of(intervals: list[tuple[np.ndarray, np.ndarray, np.ndarray]], rows: in
     return Intervals.of(out_s[None], out_e[None], k_start, k_end)
 
 
-def mask_of(intervals: Intervals, frame: Frame, batch: int, name: str) -> Mask:
-    """A Mask whose cells are the given intervals (read back from a kernel format), exact at any length."""
+def mask_of(intervals: Intervals, q_len: int, k_len: int, batch: int, name: str) -> Mask:
+    """A Mask whose cells are the given intervals over keys 0..k_len-1 (read back from a kernel format), exact at
+    any length; its queries sit at the end of its keys, as a tensor file's do."""
+    frame = Frame(max(0, k_len - q_len), q_len, 0, k_len)
     from maskcli.kinds.base import Kind
     from maskcli.terms import Term
 
@@ -196,3 +198,13 @@ def saved(tensors: dict, name: str, what: str, required: bool = True):
             return None
         raise MaskError(f"{what}: the file has no tensor {name!r} (it has {', '.join(sorted(tensors)) or 'none'}): save it with maskcli export --save")
     return np.asarray(tensors[name].cpu().numpy() if hasattr(tensors[name], "cpu") else tensors[name]).astype(np.int64)
+
+
+def scalar(tensors: dict, name: str, what: str):
+    """One number of a file read with --from (saved as a 0-d or 1-element tensor), or None where absent."""
+    value = saved(tensors, name, what, required=False)
+    if value is None:
+        return None
+    if value.size != 1:
+        raise MaskError(f"{what}: {name} must be one number, got shape {list(value.shape)}")
+    return int(value.ravel()[0])

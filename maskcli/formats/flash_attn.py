@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.formats.base import Export, mask_of, saved
+from maskcli.formats.base import Export, mask_of, saved, scalar
 from maskcli.formats.segments import band_rows, sequences
 from maskcli.intervals import Intervals
-from maskcli.positions import Frame
 
 NAME = "flash-attn"
 
@@ -28,8 +27,9 @@ def cu_seqlens(lengths: np.ndarray) -> np.ndarray:
 
 def to(mask) -> Export:
     found = sequences(mask, "flash-attn varlen")
-    tensors = {"cu_seqlens_q": cu_seqlens(found.q_lens), "cu_seqlens_k": cu_seqlens(found.k_lens)}
     window = (found.left, found.right)
+    tensors = {"cu_seqlens_q": cu_seqlens(found.q_lens), "cu_seqlens_k": cu_seqlens(found.k_lens),
+               "causal": np.array(found.causal), "window_size": np.array(window, dtype=np.int64)}  # the last two for --from
     code = [
         "from flash_attn import flash_attn_varlen_func",
         "# q: (total_q, nheads, headdim), k and v: (total_k, nheads_k, headdim), the sequences packed one after another",
@@ -67,14 +67,14 @@ def read(tensors: dict, flags: dict):
     total_q, total_k = int(cq[-1]), int(ck[-1])
     intervals = Intervals.of(s[None, :, None], e[None, :, None], 0, total_k)
     name = f"flash-attn({cq.size - 1} sequences, causal={causal}, window_size=({left}, {right}))"
-    return mask_of(intervals, Frame(0, total_q, 0, total_k), 1, name)
+    return mask_of(intervals, total_q, total_k, 1, name)
 
 
 def _band(tensors: dict, flags: dict) -> tuple[bool, tuple[int, int]]:
-    causal = bool(saved(tensors, "causal", "", required=False)) if "causal" in tensors else None
+    causal = bool(scalar(tensors, "causal", "--from flash-attn")) if "causal" in tensors else None
     if flags.get("causal"):
         causal = True
-    window = tuple(int(v) for v in saved(tensors, "window_size", "", required=False).ravel()) if "window_size" in tensors else None
+    window = tuple(int(v) for v in saved(tensors, "window_size", "--from flash-attn").ravel()) if "window_size" in tensors else None
     if flags.get("window") is not None:
         w = flags["window"]
         given = (w - 1, 0 if causal else -1)

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.formats.base import CannotHold, Export, mask_of, plain_rows, saved, transpose
+from maskcli.formats.base import CannotHold, Export, mask_of, plain_rows, saved, scalar, transpose
 from maskcli.intervals import Intervals
-from maskcli.positions import Frame
 
 NAME = "flashmask"
 
@@ -78,7 +77,7 @@ def read(tensors: dict, flags: dict):
     """startend_row_indices (B, H, L, 1|2|4) and causal (file or --causal) back to row intervals."""
     what = "--from flashmask"
     indices = saved(tensors, "startend_row_indices", what)
-    causal = bool(saved(tensors, "causal", what, required=False)) if "causal" in tensors else bool(flags.get("causal"))
+    causal = bool(scalar(tensors, "causal", what)) if "causal" in tensors else bool(flags.get("causal"))
     from maskcli.errors import MaskError
 
     if indices.ndim != 4 or indices.shape[-1] not in (1, 2, 4) or (indices.shape[-1] == 4 and causal) or (indices.shape[-1] == 1 and not causal):
@@ -86,6 +85,8 @@ def read(tensors: dict, flags: dict):
     if indices.shape[1] > 1 and not (indices == indices[:, :1]).all():
         raise MaskError(f"{what}: its {indices.shape[1]} heads differ; maskcli reads one mask for every head: save one head")
     batch, _, length, n = indices.shape
+    if indices.min() < 0 or indices.max() > length:
+        raise MaskError(f"{what}: row indices must lie in 0..{length} (the sequence length); found {int(indices.min())}..{int(indices.max())}")
     j = np.arange(length, dtype=np.int64)
     planes = []
     for b in range(batch):
@@ -106,4 +107,4 @@ def read(tensors: dict, flags: dict):
         return np.concatenate([a, np.full(a.shape[:2] + (width - a.shape[2],), length, dtype=np.int64)], -1)
 
     intervals = Intervals(np.concatenate([pad(p.starts) for p in planes]), np.concatenate([pad(p.ends) for p in planes]), 0, length)
-    return mask_of(intervals, Frame(0, length, 0, length), batch, f"flashmask({n} bounds, causal={causal})")
+    return mask_of(intervals, length, length, batch, f"flashmask({n} bounds, causal={causal})")

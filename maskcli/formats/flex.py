@@ -63,4 +63,41 @@ def to(mask, block: int = DEFAULT_BLOCK) -> Export:
     code.append("block_mask = BlockMask.from_kv_blocks(<kv_num_blocks>, <kv_indices>, <full_kv_num_blocks>, <full_kv_indices>,")
     code.append(f"                                     BLOCK_SIZE=({block}, {block}){mask_mod}, seq_lengths=({f.q_len}, {f.k_len}))")
     code.append("out = flex_attention(q, k, v, block_mask=block_mask)  # q: (B, H, Lq, D), k and v: (B, H, Lk, D)")
+    arrays["block_size"] = np.array([block, block], dtype=np.int64)  # for --from flex
+    arrays["seq_lengths"] = np.array([f.q_len, f.k_len], dtype=np.int64)
     return Export(code, arrays, notes)
+
+
+def read(tensors: dict, flags: dict):
+    """A BlockMask's four tensors (with block_size and seq_lengths) back to a mask: exact only where every
+    block is full or empty, since a partial block's cells are known only to its mask_mod."""
+    from maskcli.errors import MaskError
+    from maskcli.formats.base import mask_of, rows_of, saved
+    from maskcli.intervals import Intervals
+
+    what = "--from flex"
+    num, full_num, full_idx = (saved(tensors, name, what) for name in ("kv_num_blocks", "full_kv_num_blocks", "full_kv_indices"))
+    q_block, kv_block = (int(x) for x in np.broadcast_to(saved(tensors, "block_size", what), (2,)))
+    q_len, k_len = (int(x) for x in saved(tensors, "seq_lengths", what))
+    if full_idx.ndim != 4 or num.shape != full_num.shape or full_num.shape != full_idx.shape[:3]:
+        raise MaskError(f"{what}: full_kv_indices must be (B, H, n_q, n_kv) and the counts (B, H, n_q); got {list(full_idx.shape)} and {list(full_num.shape)}")
+    if int(num.sum()):
+        raise MaskError(f"{what}: the BlockMask has {int(num.sum()):,} partial blocks, whose cells only its mask_mod knows; maskcli reads a "
+                        "BlockMask exactly only when every block is full or empty: give the mask itself (an expression, or --mask with a dense tensor)")
+    if full_idx.shape[1] > 1 and not ((full_num == full_num[:, :1]).all() and (full_idx == full_idx[:, :1]).all()):
+        raise MaskError(f"{what}: its {full_idx.shape[1]} heads differ; maskcli reads one mask for every head: save one head")
+    batch, _, n_q, n_kv = full_idx.shape
+    planes = []
+    for b in range(batch):
+        chosen = np.arange(n_kv)[None, :] < full_num[b, 0][:, None]
+        rows = np.broadcast_to(np.arange(n_q)[:, None], chosen.shape)[chosen]
+        blocks = full_idx[b, 0][chosen]
+        per_block = rows_of([(rows, blocks * kv_block, np.minimum((blocks + 1) * kv_block, k_len))], n_q, 0, k_len)
+        planes.append(Intervals.of(np.repeat(per_block.starts, q_block, axis=1)[:, :q_len], np.repeat(per_block.ends, q_block, axis=1)[:, :q_len], 0, k_len))
+    width = max(p.per_row for p in planes)
+
+    def pad(a):
+        return np.concatenate([a, np.full(a.shape[:2] + (width - a.shape[2],), k_len, dtype=np.int64)], -1)
+
+    intervals = Intervals(np.concatenate([pad(p.starts) for p in planes]), np.concatenate([pad(p.ends) for p in planes]), 0, k_len)
+    return mask_of(intervals, q_len, k_len, batch, f"flex BlockMask({batch} x {n_q} x {n_kv} blocks of {q_block} x {kv_block})")

@@ -15,8 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.errors import MaskError
-from maskcli.formats.base import Export, mask_of, plain_rows, rows_of, saved
-from maskcli.positions import Frame
+from maskcli.formats.base import Export, mask_of, plain_rows, rows_of, saved, scalar
 
 NAME = "magi"
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3
@@ -92,8 +91,10 @@ def read(tensors: dict, flags: dict):
         raise MaskError(f"{what}: q_ranges and k_ranges must be (N, 2) and attn_type_map (N,); got {list(q_ranges.shape)}, {list(k_ranges.shape)}, {list(types.shape)}")
     if n and (not np.isin(types, (0, 1, 2, 3)).all() or (q_ranges[:, 1] < q_ranges[:, 0]).any() or (k_ranges[:, 1] < k_ranges[:, 0]).any() or q_ranges.min() < 0 or k_ranges.min() < 0):
         raise MaskError(f"{what}: ranges must be [start, end) with 0 <= start <= end, and attn_type_map 0, 1, 2 or 3")
-    total = [saved(tensors, name, what, required=False) for name in ("total_seqlen_q", "total_seqlen_k")]
-    q_len = int(total[0]) if total[0] is not None else int(q_ranges[:, 1].max(initial=0))
-    k_len = int(total[1]) if total[1] is not None else int(k_ranges[:, 1].max(initial=0))
+    total = [scalar(tensors, name, what) for name in ("total_seqlen_q", "total_seqlen_k")]
+    q_len = total[0] if total[0] is not None else int(q_ranges[:, 1].max(initial=0))
+    k_len = total[1] if total[1] is not None else int(k_ranges[:, 1].max(initial=0))
+    if n and (q_ranges[:, 1].max() > q_len or k_ranges[:, 1].max() > k_len):
+        raise MaskError(f"{what}: a range ends past total_seqlen_q {q_len} or total_seqlen_k {k_len}")
     intervals = rows_of([keys_of(q_ranges, k_ranges, types)], q_len, 0, k_len)
-    return mask_of(intervals, Frame(0, q_len, 0, k_len), 1, f"magi({n} slices)")
+    return mask_of(intervals, q_len, k_len, 1, f"magi({n} slices)")

@@ -19,7 +19,7 @@ def formats() -> dict[str, Format]:
             Format("mha", "torch.nn.MultiheadAttention", "any mask (dense bool, True = masked) with key_padding_mask", mha.to, dense=True),
             Format("hf", "transformers (4-D custom mask)", "any mask (dense float, finfo.min = masked), position_ids per document", hf.to, dense=True),
             Format("flex", "torch.nn.attention.flex_attention", "any mask: a BlockMask, with the mask_mod for partial blocks",
-                   flex.to, read=None, aliases=("blockmask",)),
+                   flex.to, read=flex.read, aliases=("blockmask",)),
             Format("flash-attn", "flash_attn (varlen)", "packed sequences with one causal / window band", flash_attn.to, read=flash_attn.read,
                    aliases=("cu_seqlens", "flash_attn")),
             Format("flashinfer", "flashinfer (ragged prefill)", "packed sequences with causal / window_left, else a bit-packed custom mask", flashinfer.to),
