@@ -153,6 +153,7 @@ ROUND_TRIPS = [
     ("magi", "causal & (window(2) | sink(1))", ["--len", 9]), ("magi", "causal | blocks(0,0,-1,1,1,1)", []),
     ("magi", "window(3)", ["--len", 4, "--offset", 5]), ("flex", "segment(sizes=[128,256])", []),
     ("flex", "document(sizes=[128,256]) | ~causal", []),
+    ("flash-attn", "window(3)", ["--len", 2, "--offset", 4, "--ids", "0,0,5,6,7,8;1,2,3,4,5,6"]),
 ]
 
 

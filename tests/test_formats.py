@@ -115,6 +115,37 @@ def test_flash_attn_is_the_mask_by_the_documented_rule(expr, flags):
     assert np.array_equal(got, packed(expr, flags)), (expr, flags, window)
 
 
+def kvcache_reference(seqlens, leftpad, q_len, causal, window) -> np.ndarray:
+    """flash_attn_with_kvcache's documented rule: row b's keys are cache slots [cache_leftpad[b], cache_seqlens[b]);
+    causal and window_size are aligned bottom-right, so query i faces slot i + cache_seqlens[b] - q_len."""
+    left, right = window
+    right = 0 if causal else right
+    out = np.zeros((len(seqlens), q_len, max(seqlens)), dtype=bool)
+    for b, (n, pad) in enumerate(zip(seqlens, leftpad)):
+        for i in range(q_len):
+            diag = i + n - q_len
+            for j in range(pad, n):
+                out[b, i, j] = (left < 0 or j >= diag - left) and (right < 0 or j <= diag + right)
+    return out
+
+
+@pytest.mark.parametrize("expr, ids", [("causal", "0,0,5,6,7,8;1,2,3,4,5,6"), ("window(2)", "0,3,4,5,6,7;0,0,0,1,2,3"),
+                                       ("causal & ~window(2)", "0,1,2,3,4,5;0,0,2,3,4,5")])
+def test_flash_attn_behind_a_left_padded_cache_is_the_kvcache_rule(expr, ids):
+    m = build(expr, length=2, offset=4, ids=ids)
+    try:
+        result = flash_attn.to(m)
+    except CannotHold:
+        assert expr.startswith("causal & ~")  # keys before the window and none after: no band
+        return
+    t = result.tensors
+    code = "\n".join(result.code)
+    assert "flash_attn_with_kvcache" in code
+    window = tuple(t["window_size"].tolist())
+    got = kvcache_reference(t["cache_seqlens"].tolist(), t["cache_leftpad"].tolist(), int(t["seqlen_q"]), "causal=True" in code, window)
+    assert np.array_equal(got, m.dense()[:, 0])
+
+
 def test_an_hf_window_of_w_keys_is_window_size_w_minus_1():
     code = "\n".join(flash_attn.to(build("window(128)", length=300)).code)
     assert "causal=True, window_size=(127, 0)" in code

@@ -28,6 +28,8 @@ def cu_seqlens(lengths: np.ndarray) -> np.ndarray:
 def to(mask) -> Export:
     found = sequences(mask, "flash-attn varlen")
     window = (found.left, found.right)
+    if found.cache:
+        return _kvcache(mask, found)
     tensors = {"cu_seqlens_q": cu_seqlens(found.q_lens), "cu_seqlens_k": cu_seqlens(found.k_lens),
                "causal": np.array(found.causal), "window_size": np.array(window, dtype=np.int64)}  # the last two for --from
     code = [
@@ -47,9 +49,30 @@ def to(mask) -> Export:
     return Export(code, tensors, notes)
 
 
+def _kvcache(mask, found) -> Export:
+    """Queries behind a left-padded cache, one batch row each: flash_attn_with_kvcache with cache_leftpad."""
+    f = mask.frame
+    window = (found.left, found.right)
+    tensors = {"cache_seqlens": np.full(mask.batch, f.k_len, dtype=np.int32), "cache_leftpad": (found.k_lo - f.k_start).astype(np.int32),
+               "seqlen_q": np.array(f.q_len), "causal": np.array(found.causal), "window_size": np.array(window, dtype=np.int64)}
+    code = [
+        "from flash_attn import flash_attn_with_kvcache",
+        f"# q: (B, {f.q_len}, nheads, headdim); k_cache, v_cache: (B, {f.k_len}, nheads_k, headdim), row b's keys from cache_leftpad[b] on",
+        "out = flash_attn_with_kvcache(",
+        "    q, k_cache, v_cache, cache_seqlens=<cache_seqlens>, cache_leftpad=<cache_leftpad>,",
+        f"    causal={found.causal}, window_size={window},",
+        ")",
+    ]
+    notes = [f"window_size=(left, right) counts keys beside the diagonal: a window of W keys is (W-1, 0); here {window}",
+             "cache_leftpad: the left padding of each row's cache; causal and window align the last query with key cache_seqlens - 1"]
+    return Export(code, tensors, notes)
+
+
 def read(tensors: dict, flags: dict):
     """cu_seqlens_q/_k (or cu_seqlens), causal and window_size from the file or the flags: a packed mask."""
     what = "--from flash-attn"
+    if "cache_seqlens" in tensors:
+        return _read_kvcache(tensors, flags)
     one = saved(tensors, "cu_seqlens", what, required=False)
     cq = saved(tensors, "cu_seqlens_q", what, required=one is None)
     cq = one if cq is None else cq
@@ -68,6 +91,26 @@ def read(tensors: dict, flags: dict):
     intervals = Intervals.of(s[None, :, None], e[None, :, None], 0, total_k)
     name = f"flash-attn({cq.size - 1} sequences, causal={causal}, window_size=({left}, {right}))"
     return mask_of(intervals, total_q, total_k, 1, name)
+
+
+def _read_kvcache(tensors: dict, flags: dict):
+    """cache_seqlens, cache_leftpad and seqlen_q: one row of queries per batch row, at the end of its cache."""
+    what = "--from flash-attn"
+    seqlens = saved(tensors, "cache_seqlens", what)
+    leftpad = saved(tensors, "cache_leftpad", what, required=False)
+    leftpad = np.zeros_like(seqlens) if leftpad is None else leftpad
+    q_len = scalar(tensors, "seqlen_q", what)
+    if q_len is None:
+        raise _bad("a cache_seqlens file needs seqlen_q, the number of queries per batch row")
+    if seqlens.ndim != 1 or leftpad.shape != seqlens.shape or (leftpad < 0).any() or (leftpad > seqlens).any():
+        raise _bad(f"cache_seqlens and cache_leftpad must be one number per batch row with 0 <= leftpad <= seqlens; got {seqlens.tolist()[:8]} and {leftpad.tolist()[:8]}")
+    causal, (left, right) = _band(tensors, flags)
+    right = 0 if causal else right
+    batch, k_len = seqlens.size, int(seqlens.max())
+    s, e = band_rows(np.full(batch, q_len), seqlens - leftpad, left, right, leftpad)
+    intervals = Intervals.of(s.reshape(batch, q_len, 1), e.reshape(batch, q_len, 1), 0, k_len)
+    name = f"flash-attn kvcache({batch} rows, causal={causal}, window_size=({left}, {right}))"
+    return mask_of(intervals, q_len, k_len, batch, name)
 
 
 def _band(tensors: dict, flags: dict) -> tuple[bool, tuple[int, int]]:

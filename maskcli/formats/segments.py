@@ -39,6 +39,7 @@ class Sequences:
     left: int  # keys before the diagonal, -1: any
     right: int  # keys after the diagonal, -1: any
     dropped_rows: int  # padding query rows that no sequence holds (unpad_input drops them)
+    cache: bool = False  # one sequence per batch row behind a left-padded KV cache (flash_attn_with_kvcache)
 
     @property
     def q_lens(self) -> np.ndarray:
@@ -79,12 +80,18 @@ def sequences(mask: Mask, what: str) -> Sequences:
         raise CannotHold(f"{what} cannot express {mask.title}: some query rows see {starts.shape[2]} separate runs of keys, and its sequences give each row one: {ELSEWHERE}")
     s, e = starts[..., 0], ends[..., 0]
     square = f.q_start == f.k_start and f.q_len == f.k_len
-    if f.padded and not square:
-        raise CannotHold(f"{what} cannot express padding when queries and keys are not the same positions ({f.describe()}): use --for sdpa")
+    cache = f.padded and not square
     parts = []
     dropped = 0
     for b in range(mask.batch):
         lo, hi = f.q_start, f.q_end
+        if cache:  # queries behind a cache: each batch row's keys must be one run that ends with the cache (left padding)
+            real = np.flatnonzero(f.key_valid[b, f.k_start:f.k_end])
+            if real.size == 0 or real[-1] != f.k_len - 1 or real.size != f.k_len - real[0] or not f.key_valid[b, f.q_start:f.q_end].all():
+                raise CannotHold(f"{what} cannot express batch row {b} behind a cache: its real keys must be one run ending at the last key "
+                                 f"(left padding, cache_leftpad) and every query real ({f.describe()}): use --for sdpa")
+            parts.append((b, [lo], [hi], [f.k_start + int(real[0])], [f.k_end]))
+            continue
         if f.padded:
             valid = f.key_valid[b, f.q_start:f.q_end]
             real = np.flatnonzero(valid)
@@ -114,7 +121,7 @@ def sequences(mask: Mask, what: str) -> Sequences:
     seen = rows_s < rows_e
     left = _constant(q + shift - rows_s, seen & (rows_s > k_lo[seq]), what, mask, "left")
     right = _constant(rows_e - 1 - q - shift, seen & (rows_e < k_hi[seq]), what, mask, "right")
-    found = Sequences(batch, q_lo, q_hi, k_lo, k_hi, left, right, dropped)
+    found = Sequences(batch, q_lo, q_hi, k_lo, k_hi, left, right, dropped, cache)
     want_s, want_e = band_rows(q_lens, k_lens, left, right, k_lo)
     empty_want = want_s >= want_e
     if not (np.array_equal(np.where(seen, rows_s, 0), np.where(empty_want, 0, want_s)) and
