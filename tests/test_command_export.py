@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from maskcli.commands import app
@@ -206,3 +207,20 @@ def test_a_million_token_round_trip_through_flashmask(tmp_path):
     ok(expr, "--len", 1_000_000, "--for", "flashmask", "--save", path)
     result = diff(expr, path, "--from", "flashmask", "--len", 1_000_000)
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("args", [["--mask-mod", "tests/data/gym_masks.py:causal_mask", "--len", 6], ["--mask", "KEEP"]])
+def test_flex_for_your_own_mask_reads_its_cells_and_runs(tmp_path, monkeypatch, args):
+    from pathlib import Path
+
+    args = [str(tmp_path / "keep.pt") if a == "KEEP" else a for a in args]
+    torch.save(torch.tril(torch.ones(6, 6, dtype=torch.bool)), tmp_path / "keep.pt")
+    args = [str(Path(__file__).parent.parent / a) if str(a).startswith("tests/") else a for a in args]
+    path = tmp_path / "flex.pt"
+    code = ok(*args, "--for", "flex", "--save", path).stdout
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 6, 8, generator=g) for _ in range(3))
+    scope = {"q": q, "k": k, "v": v}
+    exec(code, scope)  # as printed: the BlockMask, its mask_mod reading the saved cells, flex_attention
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(scope["out"], want, atol=1e-5)

@@ -549,3 +549,80 @@ def test_magi_read_is_the_documented_rule(seed):
                "total_seqlen_q": np.array(total_q), "total_seqlen_k": np.array(total_k)}
     m = magi.read({k: torch.from_numpy(np.asarray(v)) for k, v in tensors.items()}, {})
     assert np.array_equal(m.dense()[0, 0], magi_reference(q_ranges, k_ranges, types, total_q, total_k))
+
+
+# --- random expressions (tests/strategies.py): every format either holds the mask exactly or refuses ---------
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+import definitions as ref  # noqa: E402
+from maskcli.errors import MaskError  # noqa: E402
+from strategies import cases, expected_cells  # noqa: E402
+
+
+def built_case(case):
+    tree, options, frame, valid = case
+    try:
+        m = build(ref.text(tree), **{key: value for key, value in options.items() if value is not None})
+    except MaskError:
+        return None, None
+    return m, expected_cells(tree, options, frame, valid, m.batch)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=cases())
+def test_random_masks_in_magi_and_flashmask_are_the_reference_cells_or_refused(case):
+    m, cells = built_case(case)
+    if m is None or not m.exact:
+        return
+    batch, lq, lk = cells.shape
+    t = magi.to(m).tensors
+    packed_cells = np.zeros((batch * lq, batch * lk), dtype=bool)
+    for b in range(batch):
+        packed_cells[b * lq:(b + 1) * lq, b * lk:(b + 1) * lk] = cells[b]
+    assert np.array_equal(magi_reference(t["q_ranges"], t["k_ranges"], t["attn_type_map"], batch * lq, batch * lk), packed_cells)
+    back = magi.read({k: torch.from_numpy(np.asarray(v)) for k, v in t.items()}, {})
+    assert np.array_equal(back.dense()[0, 0], packed_cells)
+    try:
+        fm = flashmask.to(m).tensors
+    except CannotHold as why:
+        assert "square" in str(why) or "separate runs" in str(why) or "not few" in str(why), why
+        return
+    assert np.array_equal(flashmask_reference(fm["startend_row_indices"], bool(fm["causal"])), cells)
+    back = flashmask.read({k: torch.from_numpy(np.asarray(v)) for k, v in fm.items()}, {})
+    assert np.array_equal(back.dense()[:, 0], cells)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=cases())
+def test_random_masks_in_flash_attn_are_the_reference_cells_or_refused(case):
+    m, cells = built_case(case)
+    if m is None or not m.exact:
+        return
+    try:
+        result = flash_attn.to(m)
+    except CannotHold as why:
+        assert "cannot express" in str(why), why
+        return
+    t = result.tensors
+    code = "\n".join(result.code)
+    window = tuple(t["window_size"].tolist())
+    if "cache_seqlens" in t:
+        got = kvcache_reference(t["cache_seqlens"].tolist(), t["cache_leftpad"].tolist(), int(t["seqlen_q"]), "causal=True" in code, window)
+        assert np.array_equal(got, cells)
+        return
+    got = flash_reference(t["cu_seqlens_q"].tolist(), t["cu_seqlens_k"].tolist(), "causal=True" in code, window)
+    f = m.frame
+    if not f.padded:
+        assert np.array_equal(got, cells[0])
+        return
+    at = 0
+    for b in range(m.batch):  # each batch row's real tokens, packed: the rows of padding queries are left out
+        real = np.flatnonzero(f.key_valid[b, f.q_start:f.q_end])
+        if real.size == 0:
+            continue
+        block = cells[b][np.ix_(real, real + f.q_start - f.k_start)]
+        assert np.array_equal(got[at:at + real.size, at:at + real.size], block)
+        assert not got[at:at + real.size].sum() - block.sum()  # nothing outside its own sequence
+        at += real.size

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.blockmask import DEFAULT_BLOCK, layout
-from maskcli.formats.base import CannotHold, Export
+from maskcli.formats.base import Export
 
 NAME = "flex"
 
@@ -51,21 +51,19 @@ def to(mask, block: int = DEFAULT_BLOCK) -> Export:
             code.append(f"from maskcli import build")
             code.append(f"mask_mod = {call}.mask_mod")
         else:
-            if not mask.exact and mask.keep is None:
-                raise CannotHold(f"flex needs a mask_mod for {partial} partial blocks, and {mask.title} is your own mask_mod: pass it to create_block_mask yourself")
-            arrays["keep"] = mask.dense()
+            arrays["keep"] = mask.dense()  # a file's cells, or a user's mask_mod evaluated: the mask_mod reads them
             b = "b" if arrays["keep"].shape[0] > 1 else "0"
             h = "h" if arrays["keep"].shape[1] > 1 else "0"
-            code.append("keep = <keep>")
+            code.append("keep = <keep>.to(q.device)")
             code.append(f"def mask_mod(b, h, q_idx, kv_idx):\n    return keep[{b}, {h}, q_idx, kv_idx]")
         mask_mod = ", mask_mod=mask_mod"
         notes.append(f"{partial} partial blocks: flex_attention calls mask_mod on their cells, so the BlockMask needs it")
     code.append("block_mask = BlockMask.from_kv_blocks(<kv_num_blocks>, <kv_indices>, <full_kv_num_blocks>, <full_kv_indices>,")
-    code.append(f"                                     BLOCK_SIZE=({block}, {block}){mask_mod}, seq_lengths=({f.q_len}, {f.k_len}))")
+    code.append(f"                                     BLOCK_SIZE=({block}, {block}){mask_mod}, seq_lengths=({f.q_len}, {f.k_len})).to(q.device)")
     code.append("out = flex_attention(q, k, v, block_mask=block_mask)  # q: (B, H, Lq, D), k and v: (B, H, Lk, D)")
     arrays["block_size"] = np.array([block, block], dtype=np.int64)  # for --from flex
     arrays["seq_lengths"] = np.array([f.q_len, f.k_len], dtype=np.int64)
-    return Export(code, arrays, notes)
+    return Export(code, arrays, notes, device="cpu")  # .to(q.device) moves them where q is
 
 
 def read(tensors: dict, flags: dict):
