@@ -40,9 +40,7 @@ def export(
 ) -> None:
     """Print the call that applies a mask in an attention library, with its arguments filled in.
 
-    Each format is built from the mask's exact key intervals: cu_seqlens, FlashMask column indices and
-    Magi ranges are O(L), so a 1M-token mask takes seconds; SDPA, MHA and Hugging Face masks are dense
-    (Lq x Lk) by nature. Where a format cannot hold the mask it says why and what would, and exits 2.
+    Each format is built from the mask's exact key intervals: cu_seqlens, FlashMask column indices and Magi ranges are O(L), so a 1M-token mask takes seconds; SDPA, MHA and Hugging Face masks are dense (Lq x Lk) by nature. Where a format cannot hold the mask it says why and what would, and exits 2. --mask FILE --from FORMAT reads a format's tensors back.
     """
     from maskcli.files import check_output_path
     from maskcli.inspect.given import build_any

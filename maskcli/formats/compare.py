@@ -21,7 +21,7 @@ class Cost:
 
 
 def costs(mask: Mask) -> list[Cost]:
-    from maskcli.formats import flash_attn, flashmask, magi, segments
+    from maskcli.formats import flashmask, magi, segments
 
     batch, _, q_len, k_len = mask.shape
     heads = mask.heads if mask.heads_differ else 1
@@ -47,7 +47,6 @@ def costs(mask: Mask) -> list[Cost]:
     rows.append(attempt("cu_seqlens (flash-attn, flashinfer, xformers)", seqlens))
     rows.append(attempt("FlashMask startend_row_indices", lambda: flashmask.bounds(mask)[0].nbytes))
     rows.append(attempt("MagiAttention ranges", lambda: sum(a.nbytes for a in magi.slices(mask))))
-    del flash_attn
     return rows
 
 

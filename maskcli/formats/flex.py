@@ -48,7 +48,7 @@ def to(mask, block: int = DEFAULT_BLOCK) -> Export:
     else:
         call = build_call(mask)
         if call is not None:
-            code.append(f"from maskcli import build")
+            code.append("from maskcli import build")
             code.append(f"mask_mod = {call}.mask_mod")
         else:
             arrays["keep"] = mask.dense()  # a file's cells, or a user's mask_mod evaluated: the mask_mod reads them

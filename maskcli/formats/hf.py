@@ -30,7 +30,8 @@ def position_ids(mask) -> np.ndarray | None:
         return None
     labels = next(value for _, value in found[0].params if hasattr(value, "array")).array
     q = mask.frame.q_positions()
-    return (q[None, :] - run_starts(labels)[:, q]).astype(np.int64)
+    positions = (q[None, :] - run_starts(labels)[:, q]).astype(np.int64)
+    return np.ascontiguousarray(np.broadcast_to(positions, (mask.batch, q.size)))
 
 
 def to(mask) -> Export:

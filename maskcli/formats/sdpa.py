@@ -54,7 +54,7 @@ def to(mask) -> Export:
     if shape == "bottom-right":
         return Export(head + ["from torch.nn.attention.bias import causal_lower_right",
                               call.format(f"attn_mask=causal_lower_right({f.q_len}, {f.k_len})")], {},
-                      [f"is_causal=True would be top-left (query 0 on key 0) and hide keys this mask shows; causal_lower_right aligns the last query with the last key"],
+                      ["is_causal=True would be top-left (query 0 on key 0) and hide keys this mask shows; causal_lower_right aligns the last query with the last key"],
                       device="cpu")
     keep = dense(mask)
     notes = ["bool attn_mask: True = may attend (the opposite of nn.MultiheadAttention's)"]

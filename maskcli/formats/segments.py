@@ -85,15 +85,16 @@ def sequences(mask: Mask, what: str) -> Sequences:
     dropped = 0
     for b in range(mask.batch):
         lo, hi = f.q_start, f.q_end
+        valid_keys = f.key_valid[b if f.key_valid.shape[0] > 1 else 0] if f.padded else None  # one padding row may serve every batch row
         if cache:  # queries behind a cache: each batch row's keys must be one run that ends with the cache (left padding)
-            real = np.flatnonzero(f.key_valid[b, f.k_start:f.k_end])
-            if real.size == 0 or real[-1] != f.k_len - 1 or real.size != f.k_len - real[0] or not f.key_valid[b, f.q_start:f.q_end].all():
+            real = np.flatnonzero(valid_keys[f.k_start:f.k_end])
+            if real.size == 0 or real[-1] != f.k_len - 1 or real.size != f.k_len - real[0] or not valid_keys[f.q_start:f.q_end].all():
                 raise CannotHold(f"{what} cannot express batch row {b} behind a cache: its real keys must be one run ending at the last key "
                                  f"(left padding, cache_leftpad) and every query real ({f.describe()}): use --for sdpa")
             parts.append((b, [lo], [hi], [f.k_start + int(real[0])], [f.k_end]))
             continue
         if f.padded:
-            valid = f.key_valid[b, f.q_start:f.q_end]
+            valid = valid_keys[f.q_start:f.q_end]
             real = np.flatnonzero(valid)
             if real.size == 0:
                 continue
