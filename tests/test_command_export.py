@@ -224,3 +224,12 @@ def test_flex_for_your_own_mask_reads_its_cells_and_runs(tmp_path, monkeypatch, 
     exec(code, scope)  # as printed: the BlockMask, its mask_mod reading the saved cells, flex_attention
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.allclose(scope["out"], want, atol=1e-5)
+
+
+def test_a_blocks_save_file_reads_back_with_from_flex(tmp_path):
+    path = tmp_path / "blocks.pt"
+    made = runner.invoke(app, ["blocks", "segment(sizes=[128,256])", "--save", str(path)])
+    assert made.exit_code == 0, made.output
+    result = diff("segment(sizes=[128,256])", path, "--from", "flex")
+    assert result.exit_code == 0, result.output
+    assert diff("causal", path, "--from", "flex").exit_code == 1

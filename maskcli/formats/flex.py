@@ -66,6 +66,32 @@ def to(mask, block: int = DEFAULT_BLOCK) -> Export:
     return Export(code, arrays, notes, device="cpu")  # .to(q.device) moves them where q is
 
 
+def load(path: str, flag: str) -> dict:
+    """A .pt of BlockMask tensors, as `maskcli blocks --save` writes it too: BLOCK_SIZE and seq_lengths may be
+    tuples of ints (what BlockMask.from_kv_blocks takes), read as block_size and seq_lengths."""
+    import torch
+
+    from maskcli.errors import MaskError
+    from maskcli.files import checked_source
+
+    source, where, _ = checked_source(path, flag)
+    try:
+        data = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as error:  # refused pickles, truncated files: one line
+        raise MaskError(f"{where}: not a readable .pt file of BlockMask tensors ({type(error).__name__}: {str(error).splitlines()[0][:160]})") from None
+    if not isinstance(data, dict):
+        raise MaskError(f"{where}: holds {type(data).__name__}, not a dict of BlockMask tensors: save it with maskcli export --for flex --save")
+    out = {}
+    for key, value in data.items():
+        name = {"BLOCK_SIZE": "block_size"}.get(str(key), str(key))
+        if isinstance(value, (tuple, list, int)) and all(isinstance(v, int) for v in (value if isinstance(value, (tuple, list)) else [value])):
+            value = torch.tensor(value)
+        if not isinstance(value, torch.Tensor):
+            raise MaskError(f"{where}: entry {key!r} is {type(value).__name__}, not a tensor or whole numbers")
+        out[name] = value
+    return out
+
+
 def read(tensors: dict, flags: dict):
     """A BlockMask's four tensors (with block_size and seq_lengths) back to a mask: exact only where every
     block is full or empty, since a partial block's cells are known only to its mask_mod."""

@@ -72,7 +72,13 @@ def _from_format(path: str, from_: str, options: MaskOptions, flag: str) -> Mask
         raise MaskError(f"{extra[0]} does not apply to --from {fmt.name}: it is for a bare kind in an expression")
     if options.causal and fmt.name not in ("flash-attn", "flashmask"):
         raise MaskError(f"--causal is for --from flash-attn or flashmask; {fmt.name} files say their own mask types")
-    found = fmt.read(load_tensors(path, flag), {"causal": options.causal, "window": window})
+    if fmt.name == "flex" and path.lower().endswith(".pt"):  # maskcli blocks --save keeps BLOCK_SIZE as a tuple
+        from maskcli.formats.flex import load
+
+        tensors = load(path, flag)
+    else:
+        tensors = load_tensors(path, flag)
+    found = fmt.read(tensors, {"causal": options.causal, "window": window})
     if options.offset is not None:  # where the queries sit; the keys are the file's 0..Lk-1
         from dataclasses import replace
 
