@@ -233,3 +233,15 @@ def test_a_blocks_save_file_reads_back_with_from_flex(tmp_path):
     result = diff("segment(sizes=[128,256])", path, "--from", "flex")
     assert result.exit_code == 0, result.output
     assert diff("causal", path, "--from", "flex").exit_code == 1
+
+
+@pytest.mark.parametrize("tensors, fmt", [
+    ({"cu_seqlens": torch.tensor([0, 10**13])}, "flash-attn"),
+    ({"q_ranges": torch.tensor([[0, 10**13]]), "k_ranges": torch.tensor([[0, 5]]), "attn_type_map": torch.tensor([1])}, "magi"),
+])
+def test_a_file_that_describes_too_many_rows_is_refused_before_memory_runs_out(tmp_path, tensors, fmt):
+    path = tmp_path / "huge.pt"
+    torch.save(tensors, path)
+    result = runner.invoke(app, ["show", "--mask", str(path), "--from", fmt, "--summary"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"maskcli: error: --from {fmt}: a mask of 10000000000000 would need 436.6 TiB")

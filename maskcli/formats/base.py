@@ -208,3 +208,11 @@ def scalar(tensors: dict, name: str, what: str):
     if value.size != 1:
         raise MaskError(f"{what}: {name} must be one number, got shape {list(value.shape)}")
     return int(value.ravel()[0])
+
+
+def check_rows(rows: int, what: str) -> None:
+    """Refuse a file whose numbers describe more query rows than memory holds a few integers for."""
+    from maskcli.memory import check_dense_fits
+
+    check_dense_fits((max(int(rows), 0),), 8 * 6, "for its key intervals", what=f"{what}: a mask of",
+                     fix="check the file's lengths: maskcli keeps a few integers per query row")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.formats.base import Export, mask_of, saved, scalar
+from maskcli.formats.base import Export, check_rows, mask_of, saved, scalar
 from maskcli.formats.segments import band_rows, sequences
 from maskcli.intervals import Intervals
 
@@ -83,6 +83,7 @@ def read(tensors: dict, flags: dict):
             raise _bad(f"{name} must be 0 then rising totals, like [0, 3, 8]; got {c[:8].tolist()}")
     if cq.size != ck.size:
         raise _bad(f"cu_seqlens_q has {cq.size - 1} sequences and cu_seqlens_k {ck.size - 1}: give one length per sequence in each")
+    check_rows(int(cq[-1]), what)
     causal, window = _band(tensors, flags)
     left, right = window
     right = 0 if causal else right
@@ -104,6 +105,9 @@ def _read_kvcache(tensors: dict, flags: dict):
         raise _bad("a cache_seqlens file needs seqlen_q, the number of queries per batch row")
     if seqlens.ndim != 1 or leftpad.shape != seqlens.shape or (leftpad < 0).any() or (leftpad > seqlens).any():
         raise _bad(f"cache_seqlens and cache_leftpad must be one number per batch row with 0 <= leftpad <= seqlens; got {seqlens.tolist()[:8]} and {leftpad.tolist()[:8]}")
+    if q_len < 1:
+        raise _bad(f"seqlen_q must be 1 or more, got {q_len}")
+    check_rows(seqlens.size * q_len, what)
     causal, (left, right) = _band(tensors, flags)
     right = 0 if causal else right
     batch, k_len = seqlens.size, int(seqlens.max())

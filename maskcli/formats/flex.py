@@ -96,7 +96,7 @@ def read(tensors: dict, flags: dict):
     """A BlockMask's four tensors (with block_size and seq_lengths) back to a mask: exact only where every
     block is full or empty, since a partial block's cells are known only to its mask_mod."""
     from maskcli.errors import MaskError
-    from maskcli.formats.base import mask_of, rows_of, saved
+    from maskcli.formats.base import check_rows, mask_of, rows_of, saved
     from maskcli.intervals import Intervals
 
     what = "--from flex"
@@ -111,6 +111,11 @@ def read(tensors: dict, flags: dict):
     if full_idx.shape[1] > 1 and not ((full_num == full_num[:, :1]).all() and (full_idx == full_idx[:, :1]).all()):
         raise MaskError(f"{what}: its {full_idx.shape[1]} heads differ; maskcli reads one mask for every head: save one head")
     batch, _, n_q, n_kv = full_idx.shape
+    if min(q_block, kv_block) < 1 or min(q_len, k_len) < 1 or n_q != -(-q_len // q_block) or n_kv != -(-k_len // kv_block):
+        raise MaskError(f"{what}: {n_q} x {n_kv} blocks of {q_block} x {kv_block} do not cover seq_lengths ({q_len}, {k_len}): save the BlockMask with its block_size and seq_lengths")
+    if ((full_num < 0) | (full_num > n_kv)).any() or ((full_idx < 0) | (full_idx >= n_kv)).any():
+        raise MaskError(f"{what}: block counts and indices must lie in 0..{n_kv} and 0..{n_kv - 1}")
+    check_rows(batch * q_len, what)
     planes = []
     for b in range(batch):
         chosen = np.arange(n_kv)[None, :] < full_num[b, 0][:, None]

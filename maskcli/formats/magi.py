@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.errors import MaskError
-from maskcli.formats.base import Export, mask_of, plain_rows, rows_of, saved, scalar
+from maskcli.formats.base import Export, check_rows, mask_of, plain_rows, rows_of, saved, scalar
 
 NAME = "magi"
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3
@@ -96,5 +96,6 @@ def read(tensors: dict, flags: dict):
     k_len = total[1] if total[1] is not None else int(k_ranges[:, 1].max(initial=0))
     if n and (q_ranges[:, 1].max() > q_len or k_ranges[:, 1].max() > k_len):
         raise MaskError(f"{what}: a range ends past total_seqlen_q {q_len} or total_seqlen_k {k_len}")
+    check_rows(max(q_len, int((q_ranges[:, 1] - q_ranges[:, 0]).sum())), what)
     intervals = rows_of([keys_of(q_ranges, k_ranges, types)], q_len, 0, k_len)
     return mask_of(intervals, q_len, k_len, 1, f"magi({n} slices)")
