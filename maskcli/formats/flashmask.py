@@ -99,7 +99,10 @@ def read(tensors: dict, flags: dict):
             uts, ute = (x[:, 2], x[:, 3]) if n == 4 else (np.zeros(length, dtype=np.int64), x[:, 1])
         hidden = Intervals.of(np.stack([lts, uts], -1)[None], np.stack([lte, ute], -1)[None], 0, length)
         seen = ~hidden
-        rows = transpose(seen.starts[0], seen.ends[0], 0, length)  # the columns' rows turned back into the rows' keys
+        try:
+            rows = transpose(seen.starts[0], seen.ends[0], 0, length)  # the columns' rows turned back into the rows' keys
+        except CannotHold as why:
+            raise MaskError(f"{what}: its query rows would not be few key intervals ({why}); maskcli reads such masks only as dense tensors") from None
         planes.append(Intervals(rows[0][None], rows[1][None], 0, length))
     width = max(p.per_row for p in planes)
 
