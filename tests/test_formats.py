@@ -403,7 +403,9 @@ def test_sdpa_runs_the_mask(expr, flags):
     assert torch.allclose(out[seen], reference_attention(q, k, v, keep)[seen], atol=1e-5), expr
 
 
-@pytest.mark.parametrize("expr, flags", band_masks(8) + ragged_masks(8) + [("causal", {"length": 5, "lengths": "5,3", "heads": 2})])
+@pytest.mark.parametrize("expr, flags", band_masks(8) + ragged_masks(8) + [
+    ("causal", {"length": 5, "lengths": "5,3", "heads": 2}), ("document(0,0,1,1;0,1,1,1)", {"heads": 2}),  # rows differ: (B * heads, Lq, Lk)
+])
 def test_mha_runs_the_inverted_masks(expr, flags):
     m = build(expr, **flags)
     result = mha.to(m)
