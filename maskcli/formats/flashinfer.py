@@ -17,7 +17,7 @@ import numpy as np
 
 from maskcli.formats.base import CannotHold, Export
 from maskcli.formats.flash_attn import cu_seqlens
-from maskcli.formats.segments import sequences
+from maskcli.formats.segments import ELSEWHERE, sequences
 from maskcli.memory import check_dense_fits
 
 NAME = "flashinfer"
@@ -62,7 +62,8 @@ def _custom(mask, why: str) -> Export:
         "packed_mask_indptr": cu_seqlens(np.array([p.size for p in packed])),
     }
     code = _plan("custom_mask=<custom_mask>")
-    notes = [f"no causal/window_left band holds it ({why.split(': ', 1)[-1]}): a custom mask, True = attend, "
+    reason = why.split(": ", 1)[-1].removesuffix(": " + ELSEWHERE)
+    notes = [f"no causal/window_left band holds it ({reason}): a custom mask, True = attend, "
              f"which plan() bit-packs to {tensors['packed_custom_mask'].size:,} bytes (saved as packed_custom_mask)",
              "packing is little-endian: bit i of byte n is cell 8n+i of a request's flattened (qo_len, kv_len) keep matrix"]
     return Export(code, tensors, notes)
