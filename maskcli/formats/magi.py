@@ -1,7 +1,7 @@
 """MagiAttention: the mask as slices, each a query range, a key range and a mask type.
 
-Documented rule (MagiAttention magi_attn_flex_func / AttnMaskType): q_ranges and k_ranges
-are (N, 2) int32 [start, end) ranges of the packed query and key tokens; attn_type_map (N,)
+Documented rule (MagiAttention's flex_flash_attn_func, the kernel its distributed API calls,
+and AttnMaskType): q_ranges and k_ranges are (N, 2) int32 [start, end) ranges of the packed query and key tokens; attn_type_map (N,)
 is 0 FULL, 1 CAUSAL, 2 INVCAUSAL, 3 BICAUSAL. Inside a slice of lq queries and lk keys
 (local i, j): FULL keeps all; CAUSAL keeps j <= i + lk - lq (bottom-right aligned);
 INVCAUSAL keeps j >= i (top-left aligned); BICAUSAL keeps both. The mask is the union of
@@ -19,7 +19,6 @@ from maskcli.formats.base import Export, check_rows, mask_of, plain_rows, rows_o
 
 NAME = "magi"
 FULL, CAUSAL, INVCAUSAL, BICAUSAL = 0, 1, 2, 3
-TYPE_OF_STEP = {(0, 0): FULL, (0, 1): CAUSAL, (1, 0): INVCAUSAL, (1, 1): BICAUSAL}
 
 
 def slices(mask) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -59,10 +58,10 @@ def to(mask) -> Export:
     q_ranges, k_ranges, types = slices(mask)
     f = mask.frame
     code = [
-        "from magi_attention.api import magi_attn_flex_func  # or flex_flash_attn_func with the same ranges",
-        "out, _ = magi_attn_flex_func(q, k, v, q_ranges=<q_ranges>, k_ranges=<k_ranges>, attn_type_map=<attn_type_map>,",
-        f"                             max_seqlen_q={int((q_ranges[:, 1] - q_ranges[:, 0]).max(initial=0))}, max_seqlen_k={int((k_ranges[:, 1] - k_ranges[:, 0]).max(initial=0))})"
-        f"  # q: ({mask.batch * f.q_len}, H, D), k and v: ({mask.batch * f.k_len}, H, D)",
+        "from magi_attention.functional import flex_flash_attn_func",
+        "out, lse = flex_flash_attn_func(q, k, v, q_ranges=<q_ranges>, k_ranges=<k_ranges>,",
+        f"                                max_seqlen_q={int((q_ranges[:, 1] - q_ranges[:, 0]).max(initial=0))}, max_seqlen_k={int((k_ranges[:, 1] - k_ranges[:, 0]).max(initial=0))},"
+        f" attn_type_map=<attn_type_map>)  # q: ({mask.batch * f.q_len}, H, D), k and v: ({mask.batch * f.k_len}, H, D)",
     ]
     notes = [f"{len(types)} slices; attn_type_map 0 full, 1 causal (bottom-right aligned), 2 inv-causal (top-left), 3 bi-causal"]
     tensors = {"q_ranges": q_ranges, "k_ranges": k_ranges, "attn_type_map": types,
