@@ -245,3 +245,16 @@ def test_a_file_that_describes_too_many_rows_is_refused_before_memory_runs_out(t
     result = runner.invoke(app, ["show", "--mask", str(path), "--from", fmt, "--summary"])
     assert result.exit_code == 2
     assert result.stderr.startswith(f"maskcli: error: --from {fmt}: a mask of 10000000000000 would need 436.6 TiB")
+
+
+def test_heads_apply_to_a_mask_read_from_a_format(tmp_path):
+    import json
+
+    path = tmp_path / "m.pt"
+    ok("segment(sizes=[2,3])", "--for", "magi", "--save", path)
+    shown = runner.invoke(app, ["show", "--mask", str(path), "--from", "magi", "--heads", 2, "--json"])
+    assert shown.exit_code == 0, shown.output
+    data = json.loads(shown.stdout)
+    assert data["shape"] == [1, 2, 5, 5]
+    block = [[int((q < 2) == (k < 2)) for k in range(5)] for q in range(5)]
+    assert data["mask"] == [[block, block]]

@@ -79,11 +79,11 @@ def _from_format(path: str, from_: str, options: MaskOptions, flag: str) -> Mask
     else:
         tensors = load_tensors(path, flag)
     found = fmt.read(tensors, {"causal": options.causal, "window": window})
-    if options.offset is not None:  # where the queries sit; the keys are the file's 0..Lk-1
-        from dataclasses import replace
+    from dataclasses import replace
 
+    if options.offset is not None:  # where the queries sit; the keys are the file's 0..Lk-1
         found = replace(found, frame=replace(found.frame, q_start=options.offset))
-    return found
+    return replace(found, heads=options.heads)  # every head the same mask
 
 
 def user_kinds(spec: str | None, args: str | None) -> dict:
