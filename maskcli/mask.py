@@ -50,7 +50,8 @@ class MaskOptions:
     params: dict = field(default_factory=dict)  # kind parameter flags: {"--window": 3, "--chunks": "0,0,1,1"}
     mask_file: str | None = None  # --mask: a tensor instead of an expression
     key: str | None = None  # --key: which tensor of the file
-    from_: str | None = None  # --from: the tensor's convention, where its values do not say
+    from_: str | None = None  # --from: the tensor's convention, where its values do not say, or a kernel format
+    causal: bool = False  # --causal: with --from flash-attn or flashmask, where the file does not say
     mask_mod: str | None = None  # --mask-mod FILE.py:NAME: the user's own predicate
     mask_mod_args: str | None = None  # --mask-mod-args: arguments for a mask_mod factory
     rows: str | None = None  # --rows A:B: the query positions to view (a region of the whole mask)

@@ -3,6 +3,7 @@
     base      errors text memory positions intervals conventions files tensorfile
     kinds     kinds/*                      (each kind defined once)
     model     expression terms mask batchdata regions counting summary blockmask diff usermods tracefile testing
+    formats   formats/*                    (kernel formats: views of the model, read back by inspect)
     engines   attention/* inspect/*        (torch; they do not import each other)
     capture   trace/*                      (torch; names captured masks with inspect, checks them with diff)
     checks    pack/*                       (a packed batch: reads tensors as inspect does, builds masks)
@@ -19,7 +20,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "maskcli"
 LAYERS = {
-    "base": 0, "kinds": 1, "model": 2, "attention": 3, "inspect": 3, "trace": 3.5, "pack": 3.5, "render": 4, "commands": 5,
+    "base": 0, "kinds": 1, "model": 2, "formats": 2.5, "attention": 3, "inspect": 3, "trace": 3.5, "pack": 3.5, "render": 4, "commands": 5,
 }
 BASE = {"errors", "text", "memory", "positions", "intervals", "conventions", "files", "tensorfile", "__init__", "__main__"}
 MODEL = {"expression", "terms", "mask", "batchdata", "regions", "counting", "summary", "blockmask", "diff", "usermods", "tracefile", "testing"}
@@ -38,7 +39,7 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "base"
-    if parts[1] in ("kinds", "attention", "inspect", "trace", "pack", "render", "commands"):
+    if parts[1] in ("kinds", "formats", "attention", "inspect", "trace", "pack", "render", "commands"):
         return parts[1]
     return "model" if parts[1] in MODEL else "base"
 

@@ -38,14 +38,15 @@ EXPRESSIONS = [
 FILES = ["good.pt", "good.npy", "missing.pt", "meta.pt", "evil.pt", "pickle.pt", "negative.safetensors",
          "beyond.safetensors", "deep.json", "bad.json", "empty.npy", "dir.pt", "loop.pt", "fifo.pt", "/dev/zero",
          LONG + ".pt", "q.pt", "[[1,0],[1,1]]", "[[true]]", "[]", "nan"]
-OUTPUTS = ["out.png", "out.svg", "out.pdf", "out.npy", "out.NPY", "out.pt", "out.json", "out.gif", "", "missing/out.png",
+OUTPUTS = ["out.png", "out.svg", "out.pdf", "out.npy", "out.NPY", "out.pt", "out.json", "out.gif", "out.npz", "out.safetensors", "", "missing/out.png",
            "dir.pt", "good.npy/x.png", LONG + ".png", "fifo.pt", "."]
 LABELS = ["0,0,1,1", "0,1;1,1", "1,x", ",", ";", "", "3,2", "0", "-1,-1", "4,2", "5,6,7,0;0,8,9,1", "1,2;3", "0,10**30"]
 WORDS = {
     "--align": ["top-left", "bottom-right", "middle", ""],
     "--as": ["keep", "block", "additive", "min", "int", "sideways"],
     "--to": ["keep", "block", "additive", "min", "int", "sideways"],
-    "--from": ["keep", "block", "int", "sideways"],
+    "--from": ["keep", "block", "int", "sideways", "flash-attn", "cu_seqlens", "flashmask", "magi", "flex"],
+    "--for": ["sdpa", "mha", "hf", "flex", "flash-attn", "flashinfer", "flashmask", "magi", "xformers", "cudnn", ""],
     "--dtype": ["float32", "float16", "bfloat16", "float64", "bogus"],
     "--means": ["keep", "block", "sideways"],
     "--fill": ["-inf", "min", "-1e9", "multiply", "zero"],
@@ -91,7 +92,7 @@ def _annotation(option) -> type:
 
 
 def positionals(name: str) -> st.SearchStrategy:
-    if name in ("show", "attend", "verify", "blocks"):
+    if name in ("show", "attend", "verify", "blocks", "export"):
         return st.lists(st.sampled_from(EXPRESSIONS), max_size=1)
     if name == "chunk":
         return st.lists(st.sampled_from(LABELS), max_size=1)

@@ -104,7 +104,8 @@ def _position_options(heads: int) -> list[tuple[str, object, object]]:
         ("m_pad_id", Annotated[int, typer.Option("--pad-id", help="The padding token id for --ids.", parser=integer, rich_help_panel=MASK_PANEL)], 0),
         ("m_mask_file", Annotated[str | None, typer.Option("--mask", help="A mask tensor file instead of an expression (.pt with weights_only=True, .npy, .npz, .safetensors, .json), any convention; or a call maskcli trace --save wrote: TRACE.pt:7 or TRACE.pt:PATH@STEP.", rich_help_panel=OWN_PANEL)], None),
         ("m_key", Annotated[str | None, typer.Option("--key", help="With --mask: which tensor of the file (.npz, .safetensors, a .pt dict, a JSON object).", rich_help_panel=OWN_PANEL)], None),
-        ("m_from", Annotated[str | None, typer.Option("--from", help="With --mask: keep or block, where a bool or 0/1 tensor's structure does not tell.", rich_help_panel=OWN_PANEL)], None),
+        ("m_from", Annotated[str | None, typer.Option("--from", help="With --mask: keep or block, where a bool or 0/1 tensor's structure does not tell; or the kernel format the file holds, as maskcli export --save writes it: flash-attn, flashmask, magi or flex.", rich_help_panel=OWN_PANEL)], None),
+        ("m_causal", Annotated[bool, typer.Option("--causal", help="With --mask FILE --from flash-attn or flashmask: the kernel's causal=True, where the file does not say.", rich_help_panel=OWN_PANEL)], False),
         ("m_mask_mod", Annotated[str | None, typer.Option("--mask-mod", help="Your FlexAttention mask_mod(b, h, q_idx, kv_idx) as FILE.py:NAME or module:NAME. RUNS YOUR CODE: only this flag loads it.", rich_help_panel=OWN_PANEL)], None),
         ("m_mask_mod_args", Annotated[str | None, typer.Option("--mask-mod-args", help="Arguments for a --mask-mod factory, as Python literals, like 4 or 4, 128.", rich_help_panel=OWN_PANEL)], None),
     ]
@@ -190,7 +191,7 @@ def mask_options(*, heads: int = 1, tokens: bool = True, kind_params: bool = Tru
             lengths=given["m_lengths"], ids=given["m_ids"], pad_id=given["m_pad_id"], pad=given["m_pad"],
             tokens=given.get("m_tokens"),
             params={flag_of[name]: given[name] for name in flag_of if given[name] is not None},
-            mask_file=given["m_mask_file"], key=given["m_key"], from_=given["m_from"],
+            mask_file=given["m_mask_file"], key=given["m_key"], from_=given["m_from"], causal=given["m_causal"],
             mask_mod=given["m_mask_mod"], mask_mod_args=given["m_mask_mod_args"],
             rows=given.get("m_rows"), keys=given.get("m_keys"),
         )

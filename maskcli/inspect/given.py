@@ -29,9 +29,11 @@ def mask_from_file(path: str, key: str | None, from_: str | None, options: MaskO
     from maskcli.inspect.load import load_mask
     from maskcli.inspect.polarity import Convention, classify, sdpa_view, to_keep
 
-    tensor, label = load_mask(path, key, flag)
     if from_ is not None and from_ not in ("keep", "block"):
-        raise MaskError(f"unknown --from convention {from_!r}: choose keep or block")
+        return _from_format(path, from_, options, flag)
+    if options.causal:
+        raise MaskError("--causal is for --from flash-attn or flashmask: give --from too, or drop --causal")
+    tensor, label = load_mask(path, key, flag)
     convention = classify(tensor) if from_ is None else Convention(from_, "values", "given with --from")
     if from_ is not None and tensor.is_floating_point() and bool(((tensor != 0) & (tensor != 1)).any()):
         raise MaskError(f"--from is for bool and 0/1 masks; {label} holds other values ({classify(tensor).note})")
@@ -61,6 +63,41 @@ def _placed(keep: np.ndarray, text: str, path: str, options: MaskOptions) -> Mas
     q_start = options.offset if options.offset is not None else max(0, k_len - q_len)  # a cache puts the queries last
     k_start = options.kv_start or 0
     return from_tensor(np.ascontiguousarray(keep), text, q_start, k_start)
+
+
+def _from_format(path: str, from_: str, options: MaskOptions, flag: str) -> Mask:
+    """The mask a kernel format's tensors describe (maskcli export --save writes them), exact at any length."""
+    from maskcli.formats.registry import get, readable
+    from maskcli.tensorfile import load_tensors
+
+    try:
+        fmt = get(from_, "--from")
+    except MaskError:
+        fmt = None
+    if fmt is None or fmt.read is None:
+        raise MaskError(f"unknown --from {from_!r}: choose keep or block (a tensor's convention), or a format: {', '.join(readable())}")
+    window = options.params.get("--window")
+    for name, value in (("--len", options.length), ("--kv-start", options.kv_start), ("--kv-len", options.kv_len),
+                        ("--lengths", options.lengths), ("--ids", options.ids), ("--key", options.key)):
+        if value is not None:
+            raise MaskError(f"{name} does not apply to --from {fmt.name}: the file says the sizes; drop {name}")
+    extra = [flag_ for flag_ in options.params if flag_ != "--window" or fmt.name != "flash-attn"]
+    if extra:
+        raise MaskError(f"{extra[0]} does not apply to --from {fmt.name}: it is for a bare kind in an expression")
+    if options.causal and fmt.name not in ("flash-attn", "flashmask"):
+        raise MaskError(f"--causal is for --from flash-attn or flashmask; {fmt.name} files say their own mask types")
+    if fmt.name == "flex" and path.lower().endswith(".pt"):  # maskcli blocks --save keeps BLOCK_SIZE as a tuple
+        from maskcli.formats.flex import load
+
+        tensors = load(path, flag)
+    else:
+        tensors = load_tensors(path, flag)
+    found = fmt.read(tensors, {"causal": options.causal, "window": window})
+    from dataclasses import replace
+
+    if options.offset is not None:  # where the queries sit; the keys are the file's 0..Lk-1
+        found = replace(found, frame=replace(found.frame, q_start=options.offset))
+    return replace(found, heads=options.heads)  # every head the same mask
 
 
 def user_kinds(spec: str | None, args: str | None) -> dict:

@@ -1,0 +1,132 @@
+"""FlexAttention: a BlockMask (four block-index tensors) and, for its partial blocks, the mask_mod.
+
+Documented rule (torch.nn.attention.flex_attention): BlockMask.from_kv_blocks(kv_num_blocks,
+kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE, mask_mod, seq_lengths) builds
+what create_block_mask(mask_mod, B, H, Lq, Lk) makes; flex_attention computes full blocks
+without calling mask_mod and applies mask_mod to every cell of a partial block, so the
+BlockMask alone holds a mask only when none of its blocks is partial. mask_mod gets local
+indices. The four tensors come from maskcli/blockmask.py, from the intervals.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.blockmask import DEFAULT_BLOCK, layout
+from maskcli.formats.base import Export
+
+NAME = "flex"
+
+
+def build_call(mask) -> str | None:
+    """A maskcli.build(...) call that makes this mask again (its mask_mod), or None for a file's or a user's mask."""
+    from maskcli.terms import terms
+
+    if mask.expression is None or any(term.kind.rank >= 100 for term in terms(mask.expression)):
+        return None
+    f = mask.frame
+    args = [repr(mask.text), f"length={f.q_len}", f"offset={f.q_start}", f"kv_start={f.k_start}", f"kv_len={f.k_len}"]
+    if f.lengths is not None:
+        args.append(f"lengths={','.join(map(str, f.lengths))!r}")
+    if f.ids is not None:
+        args.append(f"ids={mask.padding_text.split(' ', 1)[1].rsplit(' (pad', 1)[0]!r}, pad_id={f.pad_id}")
+    if mask.heads > 1:
+        args.append(f"heads={mask.heads}")
+    return f"build({', '.join(args)})"
+
+
+def to(mask, block: int = DEFAULT_BLOCK) -> Export:
+    found = layout(mask, block, block)
+    arrays = {name: np.array(value) for name, value in found.arrays().items()}  # a copy: the arrays may be read-only broadcast views
+    partial = int(found.kv_num_blocks.sum())
+    f = mask.frame
+    code = ["import torch", "from torch.nn.attention.flex_attention import BlockMask, flex_attention"]
+    notes = []
+    if partial == 0:
+        mask_mod = ""
+        notes.append("every block is full or empty: the BlockMask alone holds the mask (no mask_mod)")
+    else:
+        call = build_call(mask)
+        if call is not None:
+            code.append("from maskcli import build")
+            code.append(f"mask_mod = {call}.mask_mod")
+        else:
+            arrays["keep"] = mask.dense()  # a file's cells, or a user's mask_mod evaluated: the mask_mod reads them
+            b = "b" if arrays["keep"].shape[0] > 1 else "0"
+            h = "h" if arrays["keep"].shape[1] > 1 else "0"
+            code.append("keep = <keep>.to(q.device)")
+            code.append(f"def mask_mod(b, h, q_idx, kv_idx):\n    return keep[{b}, {h}, q_idx, kv_idx]")
+        mask_mod = ", mask_mod=mask_mod"
+        notes.append(f"{partial} partial blocks: flex_attention calls mask_mod on their cells, so the BlockMask needs it")
+    code.append("block_mask = BlockMask.from_kv_blocks(<kv_num_blocks>, <kv_indices>, <full_kv_num_blocks>, <full_kv_indices>,")
+    code.append(f"                                     BLOCK_SIZE=({block}, {block}){mask_mod}, seq_lengths=({f.q_len}, {f.k_len})).to(q.device)")
+    code.append("out = flex_attention(q, k, v, block_mask=block_mask)  # q: (B, H, Lq, D), k and v: (B, H, Lk, D)")
+    arrays["block_size"] = np.array([block, block], dtype=np.int64)  # for --from flex
+    arrays["seq_lengths"] = np.array([f.q_len, f.k_len], dtype=np.int64)
+    return Export(code, arrays, notes, device="cpu")  # .to(q.device) moves them where q is
+
+
+def load(path: str, flag: str) -> dict:
+    """A .pt of BlockMask tensors, as `maskcli blocks --save` writes it too: BLOCK_SIZE and seq_lengths may be
+    tuples of ints (what BlockMask.from_kv_blocks takes), read as block_size and seq_lengths."""
+    import torch
+
+    from maskcli.errors import MaskError
+    from maskcli.files import checked_source
+
+    source, where, _ = checked_source(path, flag)
+    try:
+        data = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as error:  # refused pickles, truncated files: one line
+        raise MaskError(f"{where}: not a readable .pt file of BlockMask tensors ({type(error).__name__}: {str(error).splitlines()[0][:160]})") from None
+    if not isinstance(data, dict):
+        raise MaskError(f"{where}: holds {type(data).__name__}, not a dict of BlockMask tensors: save it with maskcli export --for flex --save")
+    out = {}
+    for key, value in data.items():
+        name = {"BLOCK_SIZE": "block_size"}.get(str(key), str(key))
+        if isinstance(value, (tuple, list, int)) and all(isinstance(v, int) for v in (value if isinstance(value, (tuple, list)) else [value])):
+            value = torch.tensor(value)
+        if not isinstance(value, torch.Tensor):
+            raise MaskError(f"{where}: entry {key!r} is {type(value).__name__}, not a tensor or whole numbers")
+        out[name] = value
+    return out
+
+
+def read(tensors: dict, flags: dict):
+    """A BlockMask's four tensors (with block_size and seq_lengths) back to a mask: exact only where every
+    block is full or empty, since a partial block's cells are known only to its mask_mod."""
+    from maskcli.errors import MaskError
+    from maskcli.formats.base import check_rows, mask_of, rows_of, saved
+    from maskcli.intervals import Intervals
+
+    what = "--from flex"
+    num, full_num, full_idx = (saved(tensors, name, what) for name in ("kv_num_blocks", "full_kv_num_blocks", "full_kv_indices"))
+    q_block, kv_block = (int(x) for x in np.broadcast_to(saved(tensors, "block_size", what), (2,)))
+    q_len, k_len = (int(x) for x in saved(tensors, "seq_lengths", what))
+    if full_idx.ndim != 4 or num.shape != full_num.shape or full_num.shape != full_idx.shape[:3]:
+        raise MaskError(f"{what}: full_kv_indices must be (B, H, n_q, n_kv) and the counts (B, H, n_q); got {list(full_idx.shape)} and {list(full_num.shape)}")
+    if int(num.sum()):
+        raise MaskError(f"{what}: the BlockMask has {int(num.sum()):,} partial blocks, whose cells only its mask_mod knows; maskcli reads a "
+                        "BlockMask exactly only when every block is full or empty: give the mask itself (an expression, or --mask with a dense tensor)")
+    if full_idx.shape[1] > 1 and not ((full_num == full_num[:, :1]).all() and (full_idx == full_idx[:, :1]).all()):
+        raise MaskError(f"{what}: its {full_idx.shape[1]} heads differ; maskcli reads one mask for every head: save one head")
+    batch, _, n_q, n_kv = full_idx.shape
+    if min(q_block, kv_block) < 1 or min(q_len, k_len) < 1 or n_q != -(-q_len // q_block) or n_kv != -(-k_len // kv_block):
+        raise MaskError(f"{what}: {n_q} x {n_kv} blocks of {q_block} x {kv_block} do not cover seq_lengths ({q_len}, {k_len}): save the BlockMask with its block_size and seq_lengths")
+    if ((full_num < 0) | (full_num > n_kv)).any() or ((full_idx < 0) | (full_idx >= n_kv)).any():
+        raise MaskError(f"{what}: block counts and indices must lie in 0..{n_kv} and 0..{n_kv - 1}")
+    check_rows(batch * q_len, what)
+    planes = []
+    for b in range(batch):
+        chosen = np.arange(n_kv)[None, :] < full_num[b, 0][:, None]
+        rows = np.broadcast_to(np.arange(n_q)[:, None], chosen.shape)[chosen]
+        blocks = full_idx[b, 0][chosen]
+        per_block = rows_of([(rows, blocks * kv_block, np.minimum((blocks + 1) * kv_block, k_len))], n_q, 0, k_len)
+        planes.append(Intervals.of(np.repeat(per_block.starts, q_block, axis=1)[:, :q_len], np.repeat(per_block.ends, q_block, axis=1)[:, :q_len], 0, k_len))
+    width = max(p.per_row for p in planes)
+
+    def pad(a):
+        return np.concatenate([a, np.full(a.shape[:2] + (width - a.shape[2],), k_len, dtype=np.int64)], -1)
+
+    intervals = Intervals(np.concatenate([pad(p.starts) for p in planes]), np.concatenate([pad(p.ends) for p in planes]), 0, k_len)
+    return mask_of(intervals, q_len, k_len, batch, f"flex BlockMask({batch} x {n_q} x {n_kv} blocks of {q_block} x {kv_block})")
