@@ -65,7 +65,7 @@ def test_a_module_path_loads_too(monkeypatch):
     ("needs_three", None, "needs_three takes 3 arguments, not a mask_mod's four"),
     ("generate_sliding_window", None, "takes 1 argument, not a mask_mod's four (b, h, q_idx, kv_idx): if it makes one, give its arguments with --mask-mod-args"),
     ("generate_sliding_window", "1, 2", "failed: TypeError"),
-    ("generate_sliding_window", "import os", "give Python literals"),
+    ("generate_sliding_window", "import os", "is not Python literals separated by commas"),
     ("nothing_here", None, "has no 'nothing_here'"),
 ])
 def test_bad_mask_mods_are_one_line_naming_what_is_wrong(name, args, says):
