@@ -21,7 +21,7 @@ LAYERS = {
     "base": 0, "kinds": 1, "model": 2, "attention": 3, "inspect": 3, "trace": 3.5, "render": 4, "commands": 5,
 }
 BASE = {"errors", "text", "memory", "positions", "intervals", "conventions", "files", "tensorfile", "__init__", "__main__"}
-MODEL = {"expression", "terms", "mask", "batchdata", "regions", "counting", "summary", "blockmask", "diff", "usermods", "tracefile", "testing"}
+MODEL = {"expression", "terms", "mask", "why", "batchdata", "regions", "counting", "summary", "blockmask", "diff", "usermods", "tracefile", "testing"}
 MAX_LINES = 400
 
 
