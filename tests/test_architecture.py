@@ -6,6 +6,7 @@
     engines   attention/* inspect/*        (torch; they do not import each other)
     capture   trace/*                      (torch; names captured masks with inspect, checks them with diff)
     render    render/*                     (rich, matplotlib)
+    api       api                          (the Python face: build() from Python values, views and notebook display)
     commands  commands/*                   (typer; the only place that prints an error and exits)
 """
 
@@ -18,7 +19,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "maskcli"
 LAYERS = {
-    "base": 0, "kinds": 1, "model": 2, "attention": 3, "inspect": 3, "trace": 3.5, "render": 4, "commands": 5,
+    "base": 0, "kinds": 1, "model": 2, "attention": 3, "inspect": 3, "trace": 3.5, "render": 4, "api": 4.5, "commands": 5,
 }
 BASE = {"errors", "text", "memory", "positions", "intervals", "conventions", "files", "tensorfile", "__init__", "__main__"}
 MODEL = {"expression", "terms", "mask", "why", "batchdata", "regions", "counting", "summary", "blockmask", "diff", "usermods", "tracefile", "testing"}
@@ -37,6 +38,8 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "base"
+    if parts[1] == "api":
+        return "api"
     if parts[1] in ("kinds", "attention", "inspect", "trace", "render", "commands"):
         return parts[1]
     return "model" if parts[1] in MODEL else "base"
@@ -110,7 +113,7 @@ def test_only_commands_import_typer_and_only_commands_and_render_import_rich():
         if "typer" in names:
             assert layer(module) == "commands", module
         if "rich" in names:
-            assert layer(module) in ("commands", "render"), module
+            assert layer(module) in ("commands", "render", "api"), module
 
 
 def test_torch_is_imported_at_module_level_only_where_torch_is_the_point():
