@@ -73,7 +73,7 @@ def parse_cell(text: str, mask: Mask, flag: str = "--why") -> list[tuple[int, in
     b_text, q, kv = match.group(1), int(match.group(2)), int(match.group(3))
     for value, low, high, what in ((q, f.q_start, f.q_end, "queries"), (kv, f.k_start, f.k_end, "keys")):
         if not low <= value < high:
-            region = f" (the region {mask.frame.describe()} of it)" if mask.whole is not None else ""
+            region = " (the region --rows/--keys view)" if mask.whole is not None else ""
             raise MaskError(f"{flag} {text.strip()}: {value} is outside the {what} {low}-{high - 1} of this mask{region}: {valid}")
     if b_text is None:
         return [(b, q, kv) for b in range(min(mask.batch, MAX_ROWS))]

@@ -156,6 +156,29 @@ def test_a_tensor_says_what_the_cell_is_and_why_there_is_no_tree(tmp_path):
     assert data["why"][0]["keep"] is False and data["why"][0]["tree"] is None
 
 
+def test_heads_of_a_tensor_and_a_users_mask_mod(tmp_path, monkeypatch):
+    keep = np.ones((1, 2, 4, 4), dtype=bool)
+    keep[0, 1] = np.tril(keep[0, 1])
+    np.save(tmp_path / "h.npy", keep)
+    out = ok(["show", "--mask", tmp_path / "h.npy", "--why", "1,3"])
+    assert ": kept in head 0 (heads: 0 kept, 1 masked)\n" in out
+    (tmp_path / "mods.py").write_text("def stripes(b, h, q_idx, kv_idx):\n    return (q_idx - kv_idx) % 2 == 0\n")
+    monkeypatch.chdir(tmp_path)
+    out = ok(["show", "causal & stripes", "--mask-mod", "mods.py:stripes", "--len", "6", "--offset", "2", "--why", "7,3"])
+    assert "  └─ stripes: your mask_mod stripes(b=0, h=0, q_idx=5, kv_idx=3) returned True -> kept\n" in out
+    cells = json.loads(ok(["show", "causal & stripes", "--mask-mod", "mods.py:stripes", "--len", "6", "--offset", "2", "--json"]))["mask"]
+    assert cells[0][0][5][3] == 1 and cells[0][0][5][2] == 0
+
+
+def test_a_region_keeps_the_whole_masks_positions():
+    out = ok(["show", "tree(-1,0,0,1)", "--offset", "4", "--rows", "6:8", "--keys", "4:8", "--why", "7,5"])
+    assert "tree(-1,0,0,1): q 7 is draft 3, its line (itself <- ancestors) 3 <- 1 <- 0; kv 5 is draft 1, on it -> kept" in out
+    assert out.endswith("positions: queries 4-7 · keys 0-7 · 4 tokens before the queries (--offset) · viewed over queries 6-7 · keys 4-7\n")
+    assert refused(["show", "window(3)", "--len", "100", "--rows", "10:20", "--why", "5,3"]) == (
+        "maskcli: error: --why 5,3: 5 is outside the queries 10-19 of this mask (the region --rows/--keys view): "
+        "give Q,KV (absolute positions, queries 10-19, keys 0-99)")
+
+
 def test_chunk_takes_why():
     out = ok(["chunk", "0,0,1,1", "--why", "1,2"])
     assert "chunk(0,0,1,1): label 0 at q 1, label 1 at kv 2: 1 > 0 -> masked" in out
