@@ -63,7 +63,7 @@ def tokens(text) -> tuple[str, ...]:
     """--tokens: the words (a list of them from Python), or a file of them (.txt: words separated by white space; .json: a list; .npy or .pt:
     token ids, shown as numbers)."""
     if not isinstance(text, str):
-        words = [str(word) for word in text]
+        words = [str(word) for word in (text.tolist() if hasattr(text, "tolist") else text)]  # a tensor of ids: numbers
     elif is_file_value(text) and len(text.split()) == 1:
         path = Path(text)
         where = f"--tokens {text!r}"

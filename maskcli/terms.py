@@ -204,7 +204,7 @@ def _labels_given(value, flag: str, sizes: bool = False):
 
 def _number(value):
     """numpy's and torch's integers are whole numbers too (Param.check refuses what is not one)."""
-    if hasattr(value, "item") and getattr(value, "ndim", getattr(value, "dim", lambda: 1)()) == 0:
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
         value = value.item()
     return value
 

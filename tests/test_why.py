@@ -210,6 +210,12 @@ def test_bad_cells_are_one_line_naming_the_valid_range(args, message):
     assert refused(args) == message
 
 
+def test_every_built_in_kind_says_why_in_its_own_words():
+    from maskcli.kinds import all_kinds
+
+    assert [kind.name for kind in all_kinds() if kind.why is None] == []
+
+
 def test_a_million_tokens_is_one_cell_of_work():
     """No intervals or cells of the whole mask are made: each kind answers from its definition at the cell."""
     mask = build("document(sizes=[600000,448576]) & window(4096) & local(8192)", MaskOptions(lengths="1048576,1000000"))

@@ -54,9 +54,9 @@ def why_text(mask: Mask, answers: list[Why], label: str = "", positions: bool = 
     out = []
     for why in answers:
         heads = ""
-        if why.heads:
-            heads = " (heads: " + ", ".join(f"{h} {verdict(keep)}" for h, keep in enumerate(why.heads[:16])) + (", ..." if len(why.heads) > 16 else "") + ")"
-            heads = heads.replace(f" (heads:", " in head 0 (heads:")
+        if why.heads:  # a tensor whose heads differ at this cell
+            listed = ", ".join(f"{h} {verdict(keep)}" for h, keep in enumerate(why.heads[:16])) + (", ..." if len(why.heads) > 16 else "")
+            heads = f" in head 0 (heads: {listed})"
         out.append(f"{label}{where_text(mask, why)} of {shortened(mask.text, 80)}: {verdict(why.keep)}{heads}")
         out += _lines(why.tree, "  ") if why.tree is not None else [f"  {why.note}"]
     if positions:
