@@ -7,6 +7,8 @@ The public API is imported lazily so that `maskcli --help` never loads torch:
     m.intervals()          # exact key intervals per query row (numpy)
     m.mask_mod             # hand it to torch.nn.attention.flex_attention.create_block_mask
     m.dense()              # bool (B, H, Lq, Lk), True = may attend
+    m.table(); m.figure(); m.summary(); m.why(4, 2); m.diff(other)   # views (a notebook shows m itself)
+    build("causal", lengths=[5, 3]); build("document", sizes=[300, 212]); build("chunk", chunks=np.array(...))
 
     with maskcli.trace() as t:   # every attention call of the code inside, with its mask
         model(x)
@@ -19,7 +21,7 @@ _EXPORTS = {
     "MaskError": "maskcli.errors",
     "Mask": "maskcli.mask",
     "MaskOptions": "maskcli.mask",
-    "build": "maskcli.mask",
+    "build": "maskcli.api",
     "parse": "maskcli.expression",
     "Intervals": "maskcli.intervals",
     "kinds": "maskcli.kinds",

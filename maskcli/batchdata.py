@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from maskcli.errors import MaskError
-from maskcli.kinds.values import from_file, is_file_value, parse_rows
+from maskcli.kinds.values import as_array, from_file, is_file_value, parse_rows
 from maskcli.memory import check_dense_fits
 from maskcli.positions import Frame
 from maskcli.text import shortened
@@ -23,17 +23,21 @@ def padding(options) -> tuple[tuple[int, ...] | None, np.ndarray | None]:
         raise MaskError("give either --lengths or --ids, not both")
     lengths = ids = None
     if options.lengths is not None:
-        if is_file_value(options.lengths):
+        if not isinstance(options.lengths, str):  # build(lengths=[5, 3]): a list, an array, a tensor
+            rows = list(as_array(options.lengths, "lengths="))
+        elif is_file_value(options.lengths):
             rows = [row for row in from_file(options.lengths, f"--lengths {options.lengths!r}").array]
         else:
             rows = parse_rows(options.lengths, "--lengths", "4,2")
         if len(rows) > 1:
-            raise MaskError(f"--lengths {shortened(options.lengths, 60)!r}: one length per batch row, in one row (like 4,2); ';' or lines are for --ids")
+            raise MaskError(f"--lengths {shortened(str(options.lengths), 60)!r}: one length per batch row, in one row (like 4,2); ';' or lines are for --ids")
         lengths = tuple(rows[0].tolist())
         for value in lengths:
             if value < 0:
-                raise MaskError(f"--lengths values must be 0 or more, got {value} in {shortened(options.lengths, 60)!r}")
+                raise MaskError(f"--lengths values must be 0 or more, got {value} in {shortened(str(options.lengths), 60)!r}")
     if options.ids is not None:
+        if not isinstance(options.ids, str):
+            return lengths, as_array(options.ids, "ids=")
         if is_file_value(options.ids):
             return lengths, from_file(options.ids, f"--ids {options.ids!r}").array
         rows = parse_rows(options.ids, "--ids", "1,2,3,0;4,5,0,0")
@@ -55,10 +59,12 @@ def pad_side(options) -> str:
     return options.pad
 
 
-def tokens(text: str) -> tuple[str, ...]:
-    """--tokens: the words, or a file of them (.txt: words separated by white space; .json: a list; .npy or .pt:
+def tokens(text) -> tuple[str, ...]:
+    """--tokens: the words (a list of them from Python), or a file of them (.txt: words separated by white space; .json: a list; .npy or .pt:
     token ids, shown as numbers)."""
-    if is_file_value(text) and len(text.split()) == 1:
+    if not isinstance(text, str):
+        words = [str(word) for word in (text.tolist() if hasattr(text, "tolist") else text)]  # a tensor of ids: numbers
+    elif is_file_value(text) and len(text.split()) == 1:
         path = Path(text)
         where = f"--tokens {text!r}"
         if path.suffix.lower() in (".txt", ".json"):
@@ -83,7 +89,7 @@ def tokens(text: str) -> tuple[str, ...]:
     else:
         words = text.split()
     if not words:
-        raise MaskError(f"--tokens {shortened(text, 60)!r} has no words: give one word per position")
+        raise MaskError(f"--tokens {shortened(str(text), 60)!r} has no words: give one word per position")
     return tuple(words)
 
 

@@ -34,7 +34,11 @@ from maskcli.text import shortened
 
 @dataclass(frozen=True)
 class MaskOptions:
-    """What the command line says about a mask besides its expression; None = not given."""
+    """What the command line says about a mask besides its expression; None = not given.
+
+    From Python, lengths, ids, tokens and the labels in `params` may be lists, numpy arrays or tensors as well as
+    the command line's text (maskcli.build takes the kind parameters by name: build("document", sizes=[3, 5])).
+    """
 
     length: int | None = None
     offset: int | None = None

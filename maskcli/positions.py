@@ -65,6 +65,14 @@ class Frame:
             return np.zeros(self.batch, dtype=np.int64)
         return (np.cumsum(self.key_valid, axis=1) == 0).sum(axis=1).astype(np.int64)
 
+    def first_real(self, b: int) -> int:
+        """left_padding() of batch row b alone (one row of --ids or --lengths serves every batch row)."""
+        if self.ids is None and self.pad_side == "right":
+            return 0
+        valid = self.key_valid[b if self.key_valid.shape[0] > 1 else 0]
+        first = int(np.argmax(valid))
+        return first if valid[first] else len(valid)
+
     def q_positions(self) -> np.ndarray:
         return np.arange(self.q_start, self.q_end, dtype=np.int64)
 

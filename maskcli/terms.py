@@ -180,10 +180,10 @@ def _from_flags(kind: Kind, flags: dict, used: list[str]) -> dict:
         if value is not None and sizes is not None:
             raise MaskError(f"give {param.flag} or --sizes, not both: both say the {param.name} of {kind.name}")
         if sizes is not None:
-            values[param.name] = label_values.from_flag(sizes, "--sizes", sizes=True)
+            values[param.name] = _labels_given(sizes, "--sizes", sizes=True)
             used.append("--sizes")
         elif value is not None:
-            values[param.name] = label_values.from_flag(value, param.flag) if param.type == "labels" else value
+            values[param.name] = _labels_given(value, param.flag) if param.type == "labels" else _number(value)
             used.append(param.flag)
         elif param.default is not REQUIRED:
             values[param.name] = param.default
@@ -193,6 +193,20 @@ def _from_flags(kind: Kind, flags: dict, used: list[str]) -> dict:
                 f"or write it in the expression like {kind.example}"
             )
     return values
+
+
+def _labels_given(value, flag: str, sizes: bool = False):
+    """A flag's text (inline or a file), or a Python value given to build(): a list, an array, a tensor."""
+    if isinstance(value, str):
+        return label_values.from_flag(value, flag, sizes=sizes)
+    return label_values.from_python(value, f"{flag.lstrip('-').replace('-', '_')}=", sizes=sizes)
+
+
+def _number(value):
+    """numpy's and torch's integers are whole numbers too (Param.check refuses what is not one)."""
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()
+    return value
 
 
 def check_flags_used(tree, flags: dict, used: list[str], source: str) -> None:

@@ -116,6 +116,11 @@ def test_json_gives_every_call_and_save_reads_back_as_a_mask(layers, tmp_path):
         assert json.loads(shown.stdout)["mask"][0][0] == window_reference(5, 5, width)
     diff = runner.invoke(app, ["diff", "t.pt:0", "window(3)"])
     assert diff.exit_code == 0, diff.output
+    for cell, kept in (("4,1", "kept"), ("4,0", "masked")):  # a traced call is a tensor: its cell, and why no tree
+        why = runner.invoke(app, ["show", "--mask", "t.pt:3", "--why", cell])
+        assert why.stdout.startswith(f"query 4, key {cell[-1]} of t.pt:3") and f": {kept}\n  the cell of t.pt:3" in why.stdout, why.output
+    why = runner.invoke(app, ["diff", "t.pt:3", "window(3)", "--why", "4,1"])
+    assert why.exit_code == 1 and "A keeps it, B masks it" in why.stdout and "window(3): 4 - 1 = 3 >= 3 -> masked" in why.stdout
     bad = runner.invoke(app, ["show", "--mask", "t.pt:layers.9.self_attn@0"])
     assert bad.exit_code == 2 and "no call of 'layers.9.self_attn' at step 0" in bad.stderr
 

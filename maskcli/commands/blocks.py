@@ -91,23 +91,10 @@ def blocks(
     if json_:
         echo(render.blocks_json(found))
         return
-    from rich.text import Text
-
-    from maskcli.render.masks import MAX_PANELS, rows_left_out
-
     console = make_console(highlight=False)
-    console.print(Text(render.header(found), style="bold"))
     lines = max(8, console.height - 8) if console.is_terminal else 48
-    heads = found.kv_num_blocks.shape[1]
-    for index in range(built.batch * heads):
-        b, h = divmod(index, heads)
-        if index == MAX_PANELS:
-            rest = rows_left_out(b, built.batch) if h == 0 else f"from batch row {b}, head {h}, on"
-            console.print(Text(f"{MAX_PANELS} maps shown; {rest} not shown: --json or --save has every block", style="dim"))
-            break
-        where = ", ".join(p for p in (f"batch {b}" if built.batch > 1 else "", f"head {h}" if heads > 1 else "") if p)
-        console.print(Text((where + ": " if where else "") + render.counts_line(found, b, h), style="bold"))
-        console.print(render.block_map(found, b, h, console.width, lines))
+    for view in render.views(found, console.width, lines):
+        console.print(view)
 
 
 def _save(found, path) -> None:

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from maskcli.commands.app import app, done, echo
-from maskcli.commands.options import examples, mask_options
+from maskcli.commands.options import Why, examples, mask_options
 from maskcli.errors import MaskError
 from maskcli.mask import Mask, MaskOptions
 
@@ -71,6 +71,23 @@ def _for_a_file(options: MaskOptions) -> MaskOptions:
     return replace(options, length=None, kv_len=None, align=None, lengths=None, ids=None, tokens=None, params={})
 
 
+def _explain(sides: dict[str, Mask], cell: str, png: str | None, json_: bool) -> None:
+    """--why: the cell in A and in B, each side's tree; exit status 1 where the cell differs."""
+    from maskcli.diff import check_comparable
+    from maskcli.render.why import diff_why_dumps, diff_why_text
+    from maskcli.why import explain, parse_cell
+
+    if png is not None:
+        raise MaskError(f"--why {cell} explains one cell and --png draws them all: give one of them")
+    a, b = sides["A"], sides["B"]
+    check_comparable(a, b)
+    cells = parse_cell(cell, a if a.batch >= b.batch else b)
+    answers = {label: [explain(side, min(i, side.batch - 1), q, kv) for i, q, kv in cells] for label, side in sides.items()}
+    echo(diff_why_dumps(a, b, answers["A"], answers["B"]) if json_ else diff_why_text(a, b, answers["A"], answers["B"]))
+    if any(x.keep != y.keep for x, y in zip(answers["A"], answers["B"])):
+        raise typer.Exit(1)
+
+
 def _positions_given(options: MaskOptions) -> bool:
     return any(value is not None for value in (options.length, options.offset, options.kv_start, options.kv_len, options.align))
 
@@ -81,6 +98,7 @@ def _positions_given(options: MaskOptions) -> bool:
         "maskcli show \"window(4096)\" --len 8192 --offset 100 --as min --save hf_mask.pt  # a mask to compare",
         "maskcli diff \"window(4096)\" hf_mask.pt",
         "maskcli diff \"window(4095)\" \"window(4096)\" --len 1048576",
+        "maskcli diff \"document(0,0,1,1)\" causal --why 2,1",
     ),
 )
 @mask_options(regions=True)
@@ -89,12 +107,13 @@ def diff(
     b: Annotated[str, typer.Argument(help="B: " + SIDE_HELP, show_default=False, metavar="B")],
     png: DiffPng = None,
     json_: DiffJson = False,
+    why: Why = None,
     *,
     mask: MaskOptions,
 ) -> None:
     """Compare two masks: the cells only A allows, only B allows, and both, and the first rows that differ, in words.
 
-    Exit status 0 when they are equal and 1 when they differ, so a test suite can call it. Two expressions are compared on their key intervals, exactly at any length; a tensor or a mask_mod cell by cell. A tensor's shape sets the positions of an expression beside it (its queries at the end of its keys) unless --len/--offset say otherwise.
+    Exit status 0 when they are equal and 1 when they differ, so a test suite can call it (with --why, the one cell: each side's tree there, exit status 1 where the cell differs). Two expressions are compared on their key intervals, exactly at any length; a tensor or a mask_mod cell by cell. A tensor's shape sets the positions of an expression beside it (its queries at the end of its keys) unless --len/--offset say otherwise.
     """
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
 
@@ -139,6 +158,9 @@ def diff(
     from maskcli.inspect.given import region
 
     sides = {label: region(sides[label], mask) for label in texts}  # the same region of each
+    if why is not None:
+        _explain(sides, why, png, json_)
+        return
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "diff") if png is not None else None
 
     from maskcli.commands.progress import progress

@@ -228,15 +228,19 @@ class Output:
     save: str | None
     summary: bool
     grid: str | None
+    why: str | None = None
 
 
 Summary = Annotated[bool, typer.Option("--summary", help="Print exact statistics instead of the cells: visible cells, keys per query row, empty rows, documents, FLOPs.", rich_help_panel=OUTPUT_PANEL)]
 Grid = Annotated[str | None, typer.Option("--grid", help="With --summary --json: the R,C of the exact density grid (default 32,64).", rich_help_panel=OUTPUT_PANEL)]
 
 
+Why = Annotated[str | None, typer.Option("--why", help="Explain one cell: Q,KV (absolute positions; B,Q,KV for one batch row) -- the expression's tree at that cell, each kind's reason, and how &, |, ~ decide; with --json as JSON.", metavar="Q,KV", rich_help_panel=OUTPUT_PANEL)]
+
+
 def output_options(func):
     """The output options of show and chunk, declared once and given to the command as `output: Output`."""
     added = [("o_as", As, "keep"), ("o_dtype", Dtype, None), ("o_png", Png, None), ("o_json", Json, False), ("o_save", Save, None),
-             ("o_summary", Summary, False), ("o_grid", Grid, None)]
+             ("o_summary", Summary, False), ("o_grid", Grid, None), ("o_why", Why, None)]
     return extend(func, "output", added, lambda given: Output(*given.values()))
 

@@ -41,6 +41,7 @@ def kinds_help() -> str:
         "maskcli show prefill --offset 3 --len 2 --as additive",
         "maskcli show window --len 8 --window 3 --kv-start 2",
         "maskcli show padding --lengths 4,2",
+        "maskcli show \"document(sizes=[300,212]) & window(128)\" --why 400,300",
     ),
 )
 @mask_options(regions=True)
@@ -97,7 +98,10 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
     from maskcli.inspect.given import build_any
 
     mask = build_any(expression, options)
-    if json_out and not output.summary:  # before any file is written: --json of the cells is refused whole or printed whole
+    if output.why is not None and output.summary:
+        raise MaskError(f"--why {output.why} explains one cell and --summary counts them all: give one of them")
+    answers = explain_cells(mask, output.why) if output.why is not None else None
+    if json_out and not output.summary and answers is None:  # before any file is written: --json of the cells is refused whole or printed whole
         from maskcli.render.masks import check_mask_json
 
         check_mask_json(mask)
@@ -107,7 +111,7 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
         raise MaskError("--save .npy cannot hold bfloat16 (numpy has no such dtype): save as .pt or pick another --dtype")
     for message in mask.warnings:
         warn(message)
-    empty = empty_rows(mask)
+    empty = empty_rows(mask) if answers is None else None  # O(L) counts: --why stays one cell's work
     if empty:
         warn(f"{empty}: softmax over nothing is NaN with an -inf fill (maskcli attend shows what each fill makes of it)")
     if save_path is not None:
@@ -130,6 +134,11 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
             summary = summarise(mask, grid, update, with_grid=json_out)
         echo(summary_json(summary) if json_out else summary_text(summary))
         return
+    if answers is not None:
+        from maskcli.render.why import why_dumps, why_text
+
+        echo(why_dumps(mask, answers) if json_out else why_text(mask, answers))
+        return
     from maskcli.render.masks import TABLE_MAX_ROWS, mask_json, mask_views
 
     if json_out:
@@ -145,6 +154,13 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
         views = mask_views(mask, convention, dtype_name, console, update, map_width)
     for view in views:
         console.print(view)
+
+
+def explain_cells(mask: Mask, cell: str) -> list:
+    """--why Q,KV: each asked cell of `mask` and why (checked before any file is written)."""
+    from maskcli.why import explain, parse_cell
+
+    return [explain(mask, b, q, kv) for b, q, kv in parse_cell(cell, mask)]
 
 
 def empty_rows(mask: Mask) -> str | None:

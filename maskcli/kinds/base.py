@@ -2,6 +2,7 @@
 
     predicate(params, frame, device) -> mask_mod(b, h, q, kv) -> bool tensor   # absolute q, kv (torch)
     intervals(params, frame) -> Intervals                                      # numpy, O(L)
+    why(params, frame, b, q, kv) -> (keep, reason in words)                    # one cell, plain ints (--why)
 
 A kind module defines its kinds with `Kind(...)` in a module-level tuple `KINDS`; the
 registry collects every module of this package, so adding a kind is one module.
@@ -150,6 +151,9 @@ class Kind:
     # exact visible keys per query row without intervals or cells, for a kind whose intervals may not be few:
     # counts(params, frame, key_valid or None) -> an object with keys_below(b, ascending positions) (kinds/labels.py)
     counts: Callable[[dict, Frame, Any], Any] | None = None
+    # one cell in words: why(params, frame, b, q, kv) -> (keep, "400 - 300 = 100 < 128"), on absolute positions,
+    # without intervals or cells of the whole mask (None: a user's mask_mod, whose predicate is asked instead)
+    why: Callable[[dict, Frame, int, int, int], tuple[bool, str]] | None = None
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)
@@ -161,6 +165,11 @@ class Kind:
             return self.name
         parts = [p.metavar if i == 0 else f"{p.name}={p.metavar}" for i, p in enumerate(self.params)]
         return f"{self.name}({', '.join(parts)})"
+
+
+def row_of(table: np.ndarray, b: int) -> np.ndarray:
+    """Batch row b of a (R, n) table that has one row per batch row, or one row for all."""
+    return table[b if table.shape[0] > 1 else 0]
 
 
 def column(values) -> np.ndarray:

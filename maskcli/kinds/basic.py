@@ -66,6 +66,38 @@ def _triu_predicate(p, frame, device):
     return triu
 
 
+def later(q: int, kv: int) -> str:
+    return f"kv {kv} > q {q}: a later key"
+
+
+def _full_why(p, frame, b, q, kv):
+    return True, "every query sees every key"
+
+
+def _causal_why(p, frame, b, q, kv):
+    return (True, f"kv {kv} <= q {q}") if kv <= q else (False, later(q, kv))
+
+
+def _read(ones: bool, matrix: str, means: str) -> tuple[bool, str]:
+    """A cell of a raw torch.tril/triu matrix, read as keep (1 = may attend) or block (1 = masked)."""
+    cell = f"a {1 if ones else 0}-cell of {matrix}, read as {means}"
+    return (ones if means == "keep" else not ones), cell + (" (1 = masked)" if means == "block" else "")
+
+
+def _tril_why(p, frame, b, q, kv):
+    d = p["diagonal"]
+    ones = kv - q <= d
+    keep, cell = _read(ones, f"torch.tril(ones, {d})", p["means"])
+    return keep, f"kv - q = {kv - q} {'<=' if ones else '>'} {d}: {cell}"
+
+
+def _triu_why(p, frame, b, q, kv):
+    d = p["diagonal"]
+    ones = kv - q >= d
+    keep, cell = _read(ones, f"torch.triu(ones, {d})", p["means"])
+    return keep, f"kv - q = {kv - q} {'>=' if ones else '<'} {d}: {cell}"
+
+
 def _diagonals(profile: Profile):
     """tril/triu candidates: which diagonal bounds the visible cells, for the cells the tensor marks.
 
@@ -102,6 +134,7 @@ KINDS = (
         example="full",
         intervals=_full_intervals,
         predicate=_full_predicate,
+        why=_full_why,
         rank=0,
         recognise=lambda profile: iter([{}]),
         aliases=("bidirectional",),  # Hugging Face's name (bidirectional_mask_function, create_bidirectional_mask)
@@ -114,6 +147,7 @@ KINDS = (
         example="causal",
         intervals=_causal_intervals,
         predicate=_causal_predicate,
+        why=_causal_why,
         rank=1,
         recognise=_causal_candidates,
         causal=True,
@@ -130,6 +164,7 @@ KINDS = (
         example="tril(-1)",
         intervals=_tril_intervals,
         predicate=_tril_predicate,
+        why=_tril_why,
         rank=20,
         recognise=_tril_candidates,
     ),
@@ -144,6 +179,7 @@ KINDS = (
         example="triu(1)",
         intervals=_triu_intervals,
         predicate=_triu_predicate,
+        why=_triu_why,
         rank=21,
         recognise=_triu_candidates,
     ),

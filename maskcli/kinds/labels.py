@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
-from maskcli.kinds.base import Kind, Labels, Param, Profile, column, one_interval
+from maskcli.kinds.base import Kind, Labels, Param, Profile, column, one_interval, row_of
 from maskcli.kinds.values import inline
 
 
@@ -66,6 +66,52 @@ def run_starts(labels: np.ndarray) -> np.ndarray:
     new_run = np.ones(labels.shape, dtype=bool)
     new_run[:, 1:] = labels[:, 1:] != labels[:, :-1]
     return np.maximum.accumulate(np.where(new_run, np.arange(n, dtype=np.int64), 0), axis=1)
+
+
+def run_start(row: np.ndarray, i: int) -> int:
+    """Where the run of equal labels that holds position i starts (one row): read back in doubling steps, so the
+    work is the run's length, not the sequence's."""
+    step, end = 64, i
+    while end > 0:
+        begin = max(0, end - step)
+        other = np.flatnonzero(row[begin:end] != row[i])
+        if len(other):
+            return begin + int(other[-1]) + 1
+        end, step = begin, 2 * step
+    return 0
+
+
+def _labels_at(p, b, q, kv) -> tuple[int, int]:
+    row = row_of(p["labels"].array, b)
+    return int(row[q]), int(row[kv])
+
+
+def _chunk_why(p, frame, b, q, kv):
+    at_q, at_kv = _labels_at(p, b, q, kv)
+    return (at_kv <= at_q), f"label {at_q} at q {q}, label {at_kv} at kv {kv}: {at_kv} {'<=' if at_kv <= at_q else '>'} {at_q}"
+
+
+def _document_why(p, frame, b, q, kv):
+    at_q, at_kv = _labels_at(p, b, q, kv)
+    if at_q != at_kv:
+        return False, f"label {at_q} at q {q}, label {at_kv} at kv {kv}: another document"
+    return (kv <= q), f"label {at_q} at q {q} and kv {kv}, " + ("kv <= q" if kv <= q else "but kv > q: a later key")
+
+
+def _segment_why(p, frame, b, q, kv):
+    at_q, at_kv = _labels_at(p, b, q, kv)
+    if at_q != at_kv:
+        return False, f"label {at_q} at q {q}, label {at_kv} at kv {kv}: another segment"
+    return True, f"label {at_q} at q {q} and kv {kv}: one segment, seen both ways"
+
+
+def _blocks_why(p, frame, b, q, kv):
+    at_q, at_kv = _labels_at(p, b, q, kv)
+    if at_q < 0:
+        return False, f"id {at_q} at q {q}: no block"
+    if at_q != at_kv:
+        return False, f"block {at_q} at q {q}, {'no block' if at_kv < 0 else f'block {at_kv}'} at kv {kv}"
+    return True, f"block {at_q} at q {q} and kv {kv}: one block, seen both ways"
 
 
 class LabelCounts:
@@ -269,6 +315,7 @@ KINDS = (
         example="chunk(0,0,1,1,2)",
         intervals=_chunk_intervals,
         predicate=_chunk_predicate,
+        why=_chunk_why,
         rank=10,
         recognise=_chunk_candidates,
         check=_chunk_check,
@@ -283,6 +330,7 @@ KINDS = (
         intervals=_document_intervals,
         predicate=_document_predicate,
         counts=lambda p, frame, valid: LabelCounts(p["labels"].array, frame, valid, causal=True),
+        why=_document_why,
         rank=11,
         recognise=_document_candidates,
         sequence=_sequence,
@@ -298,6 +346,7 @@ KINDS = (
         intervals=_segment_intervals,
         predicate=_segment_predicate,
         counts=lambda p, frame, valid: LabelCounts(p["labels"].array, frame, valid, causal=False),
+        why=_segment_why,
         rank=12,
         recognise=_document_candidates,
         sequence=_sequence,
@@ -312,6 +361,7 @@ KINDS = (
         intervals=_blocks_intervals,
         predicate=_blocks_predicate,
         counts=lambda p, frame, valid: LabelCounts(p["labels"].array, frame, valid, causal=False, skip_negative=True),
+        why=_blocks_why,
         rank=13,
         recognise=_blocks_candidates,
         sequence=_sequence,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.errors import MaskError
-from maskcli.kinds.base import Kind, Param, Profile, column, one_interval
-from maskcli.kinds.labels import at_position, position_table, run_starts
+from maskcli.kinds.base import Kind, Param, Profile, column, one_interval, row_of
+from maskcli.kinds.basic import later
+from maskcli.kinds.labels import at_position, position_table, run_start, run_starts
 
 
 def _window_intervals(p, frame):
@@ -21,6 +22,13 @@ def _window_predicate(p, frame, device):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
 
     return sliding_window
+
+
+def _window_why(p, frame, b, q, kv):
+    w = p["window"]
+    if kv > q:
+        return False, later(q, kv)
+    return (q - kv < w), f"{q} - {kv} = {q - kv} {'<' if q - kv < w else '>='} {w}"
 
 
 def _window_candidates(profile: Profile):
@@ -43,6 +51,24 @@ def _lookback_predicate(p, frame, device):
         return kv_idx > q_idx - window  # no kv <= q: Hugging Face's overlay, and-ed onto a causal | blocks mask
 
     return sliding_window_overlay
+
+
+def _lookback_why(p, frame, b, q, kv):
+    w = p["window"]
+    edge = " (no causal edge: a later key is kept)" if kv > q else ""
+    return (q - kv < w), f"{q} - {kv} = {q - kv} {'<' if q - kv < w else '>='} {w}{edge}"
+
+
+def _prefix_why(p, frame, b, q, kv):
+    size = p["prefix"]
+    if kv < size:
+        return True, f"kv {kv} < {size}: in the prefix, seen both ways"
+    return (kv <= q), f"kv {kv} >= {size}, past the prefix; " + (f"kv {kv} <= q {q}" if kv <= q else later(q, kv))
+
+
+def _sink_why(p, frame, b, q, kv):
+    size = p["sink"]
+    return (kv < size), f"kv {kv} {'<' if kv < size else '>='} {size}: {'one' if kv < size else 'not one'} of the first {size} keys"
 
 
 def _prefix_intervals(p, frame):
@@ -93,6 +119,23 @@ def chunk_starts(p, frame, positions: np.ndarray) -> np.ndarray:
     if p["documents"] is not None:
         start = np.maximum(run_starts(p["documents"].array)[:, positions], start)  # (R, L): labels cover 0..n-1
     return start + size * np.floor_divide(positions - start, size)
+
+
+def _local_why(p, frame, b, q, kv):
+    size = p["chunk_size"]
+    first = frame.first_real(b)
+    documents = row_of(p["documents"].array, b) if p["documents"] is not None else None
+
+    def chunk(i: int) -> int:
+        start = first if documents is None else max(first, run_start(documents, i))
+        return start + size * ((i - start) // size)
+
+    counted = "each document's start" if documents is not None else f"{'the first real token ' if first else 'position '}{first}"
+    qc, kc = chunk(q), chunk(kv)
+    where = f"chunks of {size} from {counted}: q {q} in the chunk from {qc}, kv {kv} in the chunk from {kc}"
+    if qc != kc:
+        return False, where
+    return (kv <= q), where + ("" if kv <= q else "; " + later(q, kv))
 
 
 def _local_intervals(p, frame):
@@ -154,6 +197,7 @@ KINDS = (
         example="window(3)",
         intervals=_window_intervals,
         predicate=_window_predicate,
+        why=_window_why,
         rank=2,
         recognise=_window_candidates,
         causal=True,
@@ -167,6 +211,7 @@ KINDS = (
         example="(causal | blocks(-1,0,0,0,-1,-1)) & lookback(2)",
         intervals=_lookback_intervals,
         predicate=_lookback_predicate,
+        why=_lookback_why,
         rank=6,  # its cells are triu(1 - W, means=keep), which inspect names: nothing more to recognise
     ),
     Kind(
@@ -177,6 +222,7 @@ KINDS = (
         example="prefix(3)",
         intervals=_prefix_intervals,
         predicate=_prefix_predicate,
+        why=_prefix_why,
         rank=3,
         recognise=_prefix_candidates,
         check=_prefix_check,
@@ -189,6 +235,7 @@ KINDS = (
         example="causal & (window(3) | sink(1))",
         intervals=_sink_intervals,
         predicate=_sink_predicate,
+        why=_sink_why,
         rank=4,
         recognise=_sink_candidates,
         check=_sink_check,
@@ -207,6 +254,7 @@ KINDS = (
         example="document(0,0,0,0,0,1,1,1) & local(2)",
         intervals=_local_intervals,
         predicate=_local_predicate,
+        why=_local_why,
         rank=5,
         recognise=_local_candidates,
         sequence=lambda p: None if p["documents"] is None else p["documents"].length,

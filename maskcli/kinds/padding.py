@@ -57,6 +57,22 @@ def _predicate(p, frame, device):
     return padding
 
 
+def _why(p, frame, b, q, kv):
+    real = bool(frame.key_valid[b if frame.key_valid.shape[0] > 1 else 0, kv])
+    row = b if frame.batch > 1 else 0
+    if frame.lengths is not None:
+        length = frame.lengths[row]
+        if frame.pad_side == "left":
+            first = frame.n - length
+            return real, (f"batch row {b} has length {length}, padded left (real keys {first}-{frame.n - 1}): "
+                          f"kv {kv} {'>=' if real else '<'} {first}" + ("" if real else ", a pad key"))
+        return real, f"batch row {b} has length {length}: kv {kv} {'<' if real else '>='} {length}" + ("" if real else ", a pad key")
+    token = int(frame.ids[row, kv])
+    if real:
+        return True, f"ids[{b}][{kv}] = {token}, not the pad id {frame.pad_id}"
+    return False, f"ids[{b}][{kv}] = {token}, the pad id: a pad key"
+
+
 def _check(p, frame, where):
     if not frame.padded:
         raise MaskError(f"{where} needs --lengths (like 4,2) or --ids (like '1,2,3,0;4,5,0,0' with --pad-id 0)")
@@ -72,6 +88,7 @@ KINDS = (
         options="--lengths 4,2",
         intervals=_intervals,
         predicate=_predicate,
+        why=_why,
         rank=40,
         check=_check,
         frame_data=True,

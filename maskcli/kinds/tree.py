@@ -96,6 +96,21 @@ def _predicate(p, frame, device):
     return tree
 
 
+def _why(p, frame, b, q, kv):
+    first, parents = frame.q_start, _parents(p)
+    if kv < first:
+        return True, f"kv {kv} < {first}: in the cached prefix"
+    token, draft = q - first, kv - first
+    line = [token]
+    while parents[line[-1]] >= 0 and len(line) <= len(parents):  # a parent comes before its child: this ends
+        line.append(int(parents[line[-1]]))
+    shown = " <- ".join(map(str, line[:8])) + (" <- ..." if len(line) > 8 else "")
+    where = f"q {q} is draft {token}, its line (itself <- ancestors) {shown}"
+    if draft >= len(parents):
+        return False, f"{where}; kv {kv} is past the drafts"
+    return (draft in line), f"{where}; kv {kv} is draft {draft}, {'on' if draft in line else 'not on'} it"
+
+
 def _check(p, frame, where):
     parents = _parents(p)
     if p["parents"].rows != 1:
@@ -123,6 +138,7 @@ KINDS = (
         options="--offset 4",
         intervals=_intervals,
         predicate=_predicate,
+        why=_why,
         rank=30,
         check=_check,
         queries=lambda p: p["parents"].length,

@@ -169,6 +169,11 @@ def from_file(path: str, where: str) -> Labels:
         raise MaskError(f"{where}: a label is too large (at most ±{INT64_LIMIT:,})") from None
     except (OSError, ValueError, TypeError, json.JSONDecodeError, RuntimeError, EOFError) as error:
         raise MaskError(f"{where}: cannot read labels from it ({' '.join(str(error).split())[:160]})") from None
+    return Labels(checked(array, where), "file", json.dumps(path))
+
+
+def checked(array: np.ndarray, where: str) -> np.ndarray:
+    """Integer labels as a contiguous int64 (R, n) array: one row, or one per batch row."""
     if array.ndim == 1:
         array = array[None, :]
     if array.ndim != 2 or array.size == 0:
@@ -183,4 +188,27 @@ def from_file(path: str, where: str) -> Labels:
     array = array.astype(np.int64)
     if np.abs(array).max() > INT64_LIMIT:
         raise MaskError(f"{where}: a label is too large (at most ±{INT64_LIMIT:,})")
-    return Labels(np.ascontiguousarray(array), "file", json.dumps(path))
+    return np.ascontiguousarray(array)
+
+
+def as_array(value, where: str) -> np.ndarray:
+    """A Python value -- a list (a list of rows), a numpy array or a torch tensor on any device -- as int64 (R, n)."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, read without importing torch here
+        value = value.detach().cpu().numpy()
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
+        array = None
+    if array is None or array.dtype == object or array.dtype.kind not in "iubf":
+        raise MaskError(f"{where}: give integers, as a list, a list of rows (one per batch row, all as long), "
+                        f"a numpy array or a tensor; got {shortened(repr(value), 60)}")
+    return checked(array, where)
+
+
+def from_python(value, where: str, sizes: bool = False) -> Labels:
+    """Labels from a Python value (see as_array); `sizes`: segment sizes, whose rows may hold different counts."""
+    if sizes:
+        nested = isinstance(value, (list, tuple)) and value and not np.isscalar(value[0])
+        return from_sizes([as_array(row, where)[0] for row in value] if nested else as_array(value, where).tolist(), where)
+    array = as_array(value, where)
+    return Labels(array, "inline", rows_text(array))

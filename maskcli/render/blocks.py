@@ -63,6 +63,26 @@ def block_map(blocks: Blocks, b: int, h: int, width: int, lines: int):
     return map_text(chars, per.rows * blocks.q_block, per.cols * blocks.kv_block, f.q_len, f.q_start, f.k_start, caption)
 
 
+def views(found: Blocks, width: int, lines: int) -> list:
+    """Rich renderables: the header, then per batch row and head its counts and block map (up to MAX_PANELS)."""
+    from rich.text import Text
+
+    from maskcli.render.masks import MAX_PANELS, rows_left_out
+
+    out: list = [Text(header(found), style="bold")]
+    batch, heads = found.mask.batch, found.kv_num_blocks.shape[1]
+    for index in range(batch * heads):
+        b, h = divmod(index, heads)
+        if index == MAX_PANELS:
+            rest = rows_left_out(b, batch) if h == 0 else f"from batch row {b}, head {h}, on"
+            out.append(Text(f"{MAX_PANELS} maps shown; {rest} not shown: --json or --save has every block", style="dim"))
+            break
+        where = ", ".join(p for p in (f"batch {b}" if batch > 1 else "", f"head {h}" if heads > 1 else "") if p)
+        out.append(Text((where + ": " if where else "") + counts_line(found, b, h), style="bold"))
+        out.append(block_map(found, b, h, width, lines))
+    return out
+
+
 def blocks_json(blocks: Blocks) -> str:
     mask = blocks.mask
     arrays = blocks.arrays()
