@@ -164,3 +164,10 @@ def test_a_mask_mod_and_a_mask_file_agree_across_kernels(tmp_path):
         ran = [row for row in json.loads(result.stdout)["backends"] if row["status"] == "ok"]
         assert {"flex_attention", "nn.MultiheadAttention", "sdpa math"} <= {row["backend"] for row in ran}
         assert all(row["agrees"] for row in ran)
+
+
+def test_the_header_uses_the_terminals_width_not_the_tables():
+    result = runner.invoke(app, ["verify", "causal", "--len", "8"], env={"COLUMNS": "150", "MASKCLI_DEVICE": "cpu"})
+    assert result.exit_code == 0, result.output
+    first = result.stdout.splitlines()[0]
+    assert first.startswith("verify causal · shape (B=1, H=2, Lq=8, Lk=8, D=16) · cpu float32 · inputs: random")  # one line at 150

@@ -14,7 +14,7 @@ def _diff_text(max_diff: float | None, atol: float) -> Text:
     return Text(f"{max_diff:.2e}", style="green" if max_diff <= atol else "bold red")
 
 
-def backends_table(results, atol: float, title: str) -> Table:
+def backends_table(results, atol: float, title: str | None = None) -> Table:
     """One row per backend; refusal and error reasons become numbered notes in the caption."""
     from rich import box
 
