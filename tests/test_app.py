@@ -168,3 +168,18 @@ def test_a_parse_error_on_a_terminal_gets_a_caret_under_the_text_and_one_line_el
     assert lines[1:] == ["  causal & & window(3)", "           ^"]  # under the second &, character 10
     piped = subprocess.run([sys.executable, "-m", "maskcli", "show", "causal & & window(3)"], capture_output=True, text=True, timeout=60)
     assert piped.stderr.count("\n") == 1 and ">>" not in piped.stderr
+
+
+@pytest.mark.parametrize("words, expected", [
+    ("maskcli show causal --as bl", ["block"]),
+    ("maskcli show win", ["window"]),
+    ("maskcli show lo", ["local", "lookback"]),
+    ("maskcli attend causal --like hf", ["hf-eager"]),
+    ("maskcli attend causal --fill m", ["min", "multiply"]),
+    ("maskcli attend causal --device c", ["cpu", "cuda"]),
+    ("maskcli show causal --pad l", ["left"]),
+])
+def test_option_values_and_kind_names_complete(words, expected):
+    result = runner.invoke(app, [], env={"_MASKCLI_COMPLETE": "complete_bash", "COMP_WORDS": words,
+                                         "COMP_CWORD": str(len(words.split()) - 1)}, prog_name="maskcli")
+    assert sorted(result.stdout.split()) == expected, result.output

@@ -7,7 +7,25 @@ from typing import Annotated
 
 import typer
 
-from maskcli.conventions import DTYPES
+from maskcli.attention import FILLS, LIKES
+from maskcli.conventions import CONVENTIONS, DTYPES
+
+
+def completes(*values: str):
+    """Shell completion of an option's value from its choices (typer calls it with what is typed so far)."""
+
+    def complete(incomplete: str) -> list[str]:
+        return [value for value in values if value.startswith(incomplete)]
+
+    return complete
+
+
+def complete_kinds(incomplete: str) -> list[str]:
+    """Kind names for EXPR: the last word typed, completed (an expression goes on after & or |)."""
+    from maskcli.kinds import names
+
+    head, _, word = incomplete.rpartition(" ")
+    return [f"{head} {name}".lstrip() for name in (*names(), "bidirectional", "prefill") if name.startswith(word)]
 
 
 def integer(value: str) -> int:
@@ -35,8 +53,8 @@ OWN_PANEL = "Your own mask"
 OUTPUT_PANEL = "Output"
 
 Tokens = Annotated[str | None, typer.Option("--tokens", help="Words on the axes, one per position, like \"Your journey starts\" (they give the length without --len); or a .txt, .json, .npy or .pt file of them.", rich_help_panel=OUTPUT_PANEL)]
-As = Annotated[str, typer.Option("--as", help="Convention shown and saved: keep (True = may attend: SDPA, create_mask), block (True = masked: nn.MultiheadAttention), additive (0 / -inf), min (0 / finfo(dtype).min: Hugging Face eager), int (1 / 0: torch.tril(ones)).", rich_help_panel=OUTPUT_PANEL)]
-Dtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype of --as additive and min: {', '.join(DTYPES)} (default float32).", rich_help_panel=OUTPUT_PANEL)]
+As = Annotated[str, typer.Option("--as", help="Convention shown and saved: keep (True = may attend: SDPA, create_mask), block (True = masked: nn.MultiheadAttention), additive (0 / -inf), min (0 / finfo(dtype).min: Hugging Face eager), int (1 / 0: torch.tril(ones)).", autocompletion=completes(*CONVENTIONS), rich_help_panel=OUTPUT_PANEL)]
+Dtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype of --as additive and min: {', '.join(DTYPES)} (default float32).", autocompletion=completes(*DTYPES), rich_help_panel=OUTPUT_PANEL)]
 Png = Annotated[str | None, typer.Option("--png", help="Write a heatmap: .png, .svg or .pdf (a folder: a .png named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 Json = Annotated[bool, typer.Option("--json", help="Print the mask as one JSON object: its expression, shape, offsets and cells as [B][H][Lq][Lk] lists in the --as convention.", rich_help_panel=OUTPUT_PANEL)]
 Save = Annotated[str | None, typer.Option("--save", help="Save the mask tensor in the --as convention: .pt or .npy (a folder: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
@@ -56,11 +74,11 @@ Batch = Annotated[int | None, typer.Option("--batch", help="Batch size of random
 HeadDim = Annotated[int | None, typer.Option("--head-dim", help="Head size D of random inputs (default 8 for attend, 16 for verify).", parser=integer, rich_help_panel=INPUT_PANEL)]
 DOut = Annotated[int | None, typer.Option("--d-out", help="--x: output size of the projections (default d_in); split over --heads.", parser=integer, rich_help_panel=INPUT_PANEL)]
 QkvBias = Annotated[bool, typer.Option("--qkv-bias", help="--x: give the projections a bias (nn.Linear(bias=True)).", rich_help_panel=INPUT_PANEL)]
-Device = Annotated[str, typer.Option("--device", help="Where to compute: auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.", envvar="MASKCLI_DEVICE", rich_help_panel=COMPUTE_PANEL)]
-ComputeDtype = Annotated[str, typer.Option("--dtype", help=f"Compute dtype of every stage: {', '.join(DTYPES)}.", rich_help_panel=COMPUTE_PANEL)]
+Device = Annotated[str, typer.Option("--device", help="Where to compute: auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.", envvar="MASKCLI_DEVICE", autocompletion=completes("auto", "cpu", "cuda", "mps"), rich_help_panel=COMPUTE_PANEL)]
+ComputeDtype = Annotated[str, typer.Option("--dtype", help=f"Compute dtype of every stage: {', '.join(DTYPES)}.", autocompletion=completes(*DTYPES), rich_help_panel=COMPUTE_PANEL)]
 Scale = Annotated[float | None, typer.Option("--scale", help="Multiply the scores by this instead of 1/sqrt(D) (as SDPA's scale does).", rich_help_panel=COMPUTE_PANEL)]
-Fill = Annotated[str | None, typer.Option("--fill", help="Fine control of how masked scores are hidden, scores × scale then softmax: -inf (masked_fill; NaN on rows that see no key), min (finfo(dtype).min: uniform weights there), -1e9 (older tutorials; -inf in float16), multiply (softmax first, then zero masked weights and renormalise). Default -inf.", show_default=False, rich_help_panel=COMPUTE_PANEL)]
-Like = Annotated[str | None, typer.Option("--like", help="Reproduce a reference pipeline cell for cell: tutorial (masked_fill(mask == 0, -inf), softmax(masked / √D): NaN on rows that see no key); sdpa (PyTorch's SDPA, its math backend: 0 on rows that see no key); hf-eager (Hugging Face eager attention: + finfo(dtype).min, softmax in float32: uniform weights there, NaN in float64, whose min is -inf in float32); mha (nn.MultiheadAttention, need_weights=False: the output is SDPA's); mha-weights (nn.MultiheadAttention, need_weights=True, per head: NaN there).", show_default=False, rich_help_panel=COMPUTE_PANEL)]
+Fill = Annotated[str | None, typer.Option("--fill", help="Fine control of how masked scores are hidden, scores × scale then softmax: -inf (masked_fill; NaN on rows that see no key), min (finfo(dtype).min: uniform weights there), -1e9 (older tutorials; -inf in float16), multiply (softmax first, then zero masked weights and renormalise). Default -inf.", show_default=False, autocompletion=completes(*FILLS), rich_help_panel=COMPUTE_PANEL)]
+Like = Annotated[str | None, typer.Option("--like", help="Reproduce a reference pipeline cell for cell: tutorial (masked_fill(mask == 0, -inf), softmax(masked / √D): NaN on rows that see no key); sdpa (PyTorch's SDPA, its math backend: 0 on rows that see no key); hf-eager (Hugging Face eager attention: + finfo(dtype).min, softmax in float32: uniform weights there, NaN in float64, whose min is -inf in float32); mha (nn.MultiheadAttention, need_weights=False: the output is SDPA's); mha-weights (nn.MultiheadAttention, need_weights=True, per head: NaN there).", show_default=False, autocompletion=completes(*LIKES), rich_help_panel=COMPUTE_PANEL)]
 Dropout = Annotated[float, typer.Option("--dropout", help="Dropout on the weights as nn.Dropout(p) draws it after torch.manual_seed with --dropout-seed; 0 to turn it off.", rich_help_panel=COMPUTE_PANEL)]
 DropoutSeed = Annotated[int | None, typer.Option("--dropout-seed", help="The torch.manual_seed before the dropout (default --seed). The LLMs-from-scratch tutorial uses --seed 789 for the weights and --dropout-seed 123.", parser=integer, show_default=False, rich_help_panel=COMPUTE_PANEL)]
 StagesOpt = Annotated[str, typer.Option("--stages", help="Stages to show, comma-separated: scores, scaled, unmasked (softmax with no mask, to compare), masked, weights, output.", show_default="scores, masked, weights, output", rich_help_panel=DISPLAY_PANEL)]
@@ -86,7 +104,7 @@ KIND_ARGUMENT_HELP = (
 )
 
 
-Expr = Annotated[str | None, typer.Argument(help=KIND_ARGUMENT_HELP, show_default=False, metavar="EXPR")]
+Expr = Annotated[str | None, typer.Argument(help=KIND_ARGUMENT_HELP, show_default=False, metavar="EXPR", autocompletion=complete_kinds)]
 
 
 def _position_options(heads: int) -> list[tuple[str, object, object]]:
@@ -96,10 +114,10 @@ def _position_options(heads: int) -> list[tuple[str, object, object]]:
         ("m_offset", Annotated[int | None, typer.Option("--offset", "--prev", help="Tokens already in the KV cache: the queries sit at P..P+Lq-1 (a prefill; --len 1 is a decode step).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
         ("m_kv_start", Annotated[int | None, typer.Option("--kv-start", help="First key position kept (a sliding cache that dropped its first keys).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
         ("m_kv_len", Annotated[int | None, typer.Option("--kv-len", help="Number of keys (a static cache, or cross-attention memory); --align says where the queries face them.", parser=integer, rich_help_panel=POSITION_PANEL)], None),
-        ("m_align", Annotated[str | None, typer.Option("--align", help="With --kv-len: top-left (SDPA's is_causal) or bottom-right (FlashAttention's causal: last query on last key).", rich_help_panel=POSITION_PANEL)], None),
+        ("m_align", Annotated[str | None, typer.Option("--align", help="With --kv-len: top-left (SDPA's is_causal) or bottom-right (FlashAttention's causal: last query on last key).", autocompletion=completes("top-left", "bottom-right"), rich_help_panel=POSITION_PANEL)], None),
         ("m_heads", Annotated[int, typer.Option("--heads", help="Number of attention heads (the H in B, H, Lq, Lk).", parser=integer, rich_help_panel=MASK_PANEL)], heads),
         ("m_lengths", Annotated[str | None, typer.Option("--lengths", help="Valid length per batch row, like 4,2, or a file: keys past it are padding (see --pad); and-ed with the mask.", rich_help_panel=MASK_PANEL)], None),
-        ("m_pad", Annotated[str | None, typer.Option("--pad", help="right (default) or left: where --lengths puts the padding, as Hugging Face's padding_side.", rich_help_panel=MASK_PANEL)], None),
+        ("m_pad", Annotated[str | None, typer.Option("--pad", help="right (default) or left: where --lengths puts the padding, as Hugging Face's padding_side.", autocompletion=completes("right", "left"), rich_help_panel=MASK_PANEL)], None),
         ("m_ids", Annotated[str | None, typer.Option("--ids", help="Token ids per batch row, like '5,6,7,0;0,8,9,1', or a file: ids equal to --pad-id are padding, left or right.", rich_help_panel=MASK_PANEL)], None),
         ("m_pad_id", Annotated[int, typer.Option("--pad-id", help="The padding token id for --ids.", parser=integer, rich_help_panel=MASK_PANEL)], 0),
         ("m_mask_file", Annotated[str | None, typer.Option("--mask", help="A mask tensor file instead of an expression (.pt with weights_only=True, .npy, .npz, .safetensors, .json), any convention; or a call maskcli trace --save wrote: TRACE.pt:7 or TRACE.pt:PATH@STEP.", rich_help_panel=OWN_PANEL)], None),
