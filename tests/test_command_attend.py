@@ -790,3 +790,24 @@ def test_png_panels_of_a_row_line_up_their_query_rows(tmp_path):
     for row in (0, 20, 39):
         heights = [ax.transData.transform((0, row))[1] for ax in panels]
         assert max(heights) - min(heights) <= 1.0, heights
+
+
+def _floats(nested):
+    return np.array(nested, dtype=object).astype(str).astype(float)  # "-inf", "nan" as JSON spells them
+
+
+@pytest.mark.parametrize("extra", [[], ["--dropout", "0.5"], ["--lengths", "40,30", "--like", "hf-eager"]])
+def test_a_region_is_the_whole_runs_stages_there(extra):
+    args = ["attend", "document(sizes=[24,16]) & window(6)", "--json", *extra]
+    whole = json.loads(runner.invoke(app, args, env={"MASKCLI_DEVICE": "cpu"}).stdout)
+    result = runner.invoke(app, [*args, "--rows", "20:28", "--keys", "18:"], env={"MASKCLI_DEVICE": "cpu"})
+    assert result.exit_code == 0, result.output
+    part = json.loads(result.stdout)
+    for stage in ("scores", "masked", "weights"):  # the softmax is over every key; the region only shows some
+        expected = _floats(whole["stages"][stage] if "stages" in whole else whole[stage])[:, :, 20:28, 18:]
+        got = _floats(part["stages"][stage] if "stages" in part else part[stage])
+        # only the rows asked for are computed: a BLAS may sum a slice's dot products in another order
+        assert np.allclose(got, expected, rtol=1e-5, atol=1e-6, equal_nan=True), stage
+    out = runner.invoke(app, ["attend", "causal", "--len", "8", "--rows", "6:", "--keys", ":3", "--stages", "weights"],
+                        env={"MASKCLI_DEVICE": "cpu", "COLUMNS": "100"}).stdout
+    assert " q \\ kv " in out and "\n 6 " in out and "\n 5 " not in out and " 3 " not in out.split("weights =")[1].splitlines()[1]

@@ -43,7 +43,7 @@ def parse_stages(text: str) -> tuple[str, ...]:
         "\"[[0.43,0.15,0.89], [0.55,0.87,0.66], [0.57,0.85,0.64], [0.22,0.58,0.33], [0.77,0.25,0.10], [0.05,0.80,0.55]]\"",
     ),
 )
-@mask_options()
+@mask_options(regions=True)
 @input_options(head_dim=8)
 def attend(
     kind: Expr = None,
@@ -86,14 +86,26 @@ def attend(
         raise MaskError(f"--precision must be 0 to 12 decimals, got {precision}")
     if png is not None and not Path(png).is_dir():  # its suffix and folder, before torch is imported
         check_output_path(png, FIGURE_SUFFIXES, "--png")
-    built, qkv, torch_device, torch_dtype = mask_and_inputs(kind, mask, inputs, dropout)
+    from dataclasses import replace
+
+    from maskcli.mask import parse_region
+
+    rows, keys = parse_region(mask.rows, "--rows"), parse_region(mask.keys, "--keys")
+    built, qkv, torch_device, torch_dtype = mask_and_inputs(kind, replace(mask, rows=None, keys=None), inputs, dropout)
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "attend_" + built.slug) if png is not None else None
     from maskcli.attention.run import run_attention
 
+    whole = built
+    if rows != (None, None) and dropout == 0:  # only the rows asked for (dropout draws for every row, so not then)
+        built = built.crop(rows)
+        start = built.frame.q_start - whole.frame.q_start
+        qkv = replace(qkv, q=qkv.q[:, :, start : start + built.frame.q_len])
     run = run_attention(
         built, qkv, torch_device, torch_dtype, scale=inputs.scale, fill=fill, dropout=dropout,
         seed=inputs.seed if dropout_seed is None else dropout_seed, like=like, unmasked="unmasked" in names or json_,
     )
+    if (rows, keys) != ((None, None), (None, None)):
+        run = _region(run, rows if built is whole else (None, None), keys)
 
     from maskcli.render import stages as report
 
@@ -122,3 +134,17 @@ def attend(
     for view in report.stage_tables(run.mask, run.stages, names, pairs, precision, width=console.width):
         console.print(view)
     console.print(report.findings_text(run.findings))
+
+
+def _region(run, rows, keys):
+    """The run viewed over --rows and --keys: every stage's cells there (the weights stay those of every key)."""
+    from dataclasses import replace
+
+    f = run.mask.frame
+    view = run.mask.crop(rows, keys)
+    q = slice(view.frame.q_start - f.q_start, view.frame.q_end - f.q_start)
+    k = slice(view.frame.k_start - f.k_start, view.frame.k_end - f.k_start)
+    s = run.stages
+    cells = {name: getattr(s, name)[:, :, q, k] for name in ("scores", "scaled", "masked", "weights", "keep")}
+    unmasked = None if s.unmasked is None else s.unmasked[:, :, q, k]
+    return replace(run, mask=view, stages=replace(s, **cells, output=s.output[:, :, q], unmasked=unmasked))
