@@ -152,3 +152,19 @@ def test_the_blocks_of_a_region_are_those_of_its_cells():
     flex = create_block_mask(lambda b, h, q, kv: torch.as_tensor(keep)[q, kv], 1, 1, 16, 32, device="cpu", BLOCK_SIZE=8)
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
         assert data[name] == getattr(flex, name).tolist(), name
+
+
+def test_summary_counts_the_blocks_and_their_rows_without_the_indices():
+    args = ["document(sizes=[300,212]) & window(64)", "--block", 32]
+    data = json.loads(ok([*args, "--summary", "--json"]).stdout)
+    flex = create_block_mask(build("document(sizes=[300,212]) & window(64)").mask_mod, None, None, 512, 512, device="cpu", BLOCK_SIZE=32)
+    full, partial = flex.full_kv_num_blocks[0, 0].numpy(), flex.kv_num_blocks[0, 0].numpy()
+    plane = data["planes"][0]
+    assert (plane["full"], plane["partial"], plane["empty"]) == (int(full.sum()), int(partial.sum()), 16 * 16 - int(full.sum() + partial.sum()))
+    assert plane["per_query_block_row"]["full"] == {"min": int(full.min()), "median": float(np.median(full)), "max": int(full.max())}
+    assert plane["per_query_block_row"]["computed"]["max"] == int((full + partial).max())
+    assert "kv_indices" not in data and data["sparsity"] == pytest.approx(flex.sparsity())
+    text = ok([*args, "--summary"]).stdout
+    assert f"full {int(full.sum())} " in text and "blocks per query-block row: full" in text
+    long = json.loads(ok(["causal", "--len", 1 << 20, "--summary", "--json"]).stdout)  # --json alone is refused here
+    assert long["planes"][0]["full"] == 8191 * 8192 // 2 and long["planes"][0]["partial"] == 8192

@@ -45,6 +45,7 @@ def blocks(
     png: BlocksPng = None,
     json_: BlocksJson = False,
     save: BlocksSave = None,
+    summary: Annotated[bool, typer.Option("--summary", help="Print counts, sparsity and blocks per query-block row instead of the map (with --json: as JSON, without the index tensors), at any length.")] = False,
     *,
     mask: MaskOptions,
 ) -> None:
@@ -70,8 +71,8 @@ def blocks(
 
     f = built.frame
     n_q, n_kv = -(-f.q_len // q_block), -(-f.k_len // kv_block)
-    if json_:
-        check_json_size(built.batch * built.heads * n_q * n_kv, "block indices", "save them with --save blocks.pt, or use a larger --block")
+    if json_ and not summary:
+        check_json_size(built.batch * built.heads * n_q * n_kv, "block indices", "add --summary for the counts alone, save them with --save blocks.pt, or use a larger --block")
     if save_path is not None:  # the four int32 tensors at the mask's B and H, refused before any block is counted
         from maskcli.memory import check_bytes_fit
 
@@ -88,6 +89,9 @@ def blocks(
 
         save_figure(render.blocks_figure(found), png_path)
         done(f"wrote {png_path}")
+    if summary:
+        echo(render.summary_json(found) if json_ else render.summary_text(found))
+        return
     if json_:
         echo(render.blocks_json(found))
         return

@@ -32,6 +32,55 @@ def counts_line(blocks: Blocks, b: int, h: int = 0) -> str:
     return f"full {full:,} ({full / total:.2%}) · partial {partial:,} ({partial / total:.2%}) · empty {empty:,} ({empty / total:.2%})"
 
 
+def _planes(blocks: Blocks):
+    """(b, h) of each distinct plane: every head where they differ, else head 0 for all."""
+    heads = blocks.kv_num_blocks.shape[1]
+    return [(b, h) for b in range(blocks.mask.batch) for h in range(heads)]
+
+
+def _row_stats(blocks: Blocks, b: int, h: int) -> dict:
+    """Blocks per query-block row (full, partial, computed), O(query blocks)."""
+    full, partial = blocks.full_kv_num_blocks[b, h], blocks.kv_num_blocks[b, h]
+    both = full + partial
+    stats = {name: {"min": int(v.min()), "median": float(np.median(v)), "max": int(v.max())} for name, v in
+             (("full", full), ("partial", partial), ("computed", both))}
+    stats["rows_with_no_block"] = int((both == 0).sum())
+    return stats
+
+
+def summary_json(blocks: Blocks) -> str:
+    """Counts, sparsity and per-row statistics: no index tensors, so any length fits."""
+    mask = blocks.mask
+    return json.dumps({
+        **mask.json(),
+        "block_size": [blocks.q_block, blocks.kv_block],
+        "seq_lengths": [mask.frame.q_len, mask.frame.k_len],
+        "num_blocks": [blocks.n_q, blocks.n_kv],
+        "sparsity": blocks.sparsity(),
+        "planes": [
+            {"batch": b, "head": h, **dict(zip(("full", "partial", "empty"), blocks.counts(b, h))), "per_query_block_row": _row_stats(blocks, b, h)}
+            for b, h in _planes(blocks)
+        ],
+        "planes_cover": "one batch row and head each" if blocks.kv_num_blocks.shape[1] == mask.heads else
+        f"one batch row each, in head 0, which stands for all {mask.heads:,} heads: they hold the same mask",
+    })
+
+
+def summary_text(blocks: Blocks) -> str:
+    lines = [header(blocks)]
+    planes = _planes(blocks)
+    for b, h in planes[:24]:
+        where = ", ".join(p for p in (f"batch {b}" if blocks.mask.batch > 1 else "", f"head {h}" if blocks.kv_num_blocks.shape[1] > 1 else "") if p)
+        prefix = f"{where}: " if where else ""
+        stats = _row_stats(blocks, b, h)
+        per = " · ".join(f"{name} {s['min']:,}-{s['max']:,} (median {s['median']:,g})" for name, s in stats.items() if name != "rows_with_no_block")
+        lines.append(f"{prefix}{counts_line(blocks, b, h)}")
+        lines.append(f"{'  ' if prefix else ''}blocks per query-block row: {per}; rows with no block: {stats['rows_with_no_block']:,}")
+    if len(planes) > 24:
+        lines.append(f"24 of {len(planes):,} batch rows and heads shown: --summary --json has every one")
+    return "\n".join(lines)
+
+
 def symbols(categories: np.ndarray, rows: int, cols: int) -> np.ndarray:
     """One character per rows x cols blocks: █ all full, · all empty, ▒ any partial, ▓ full and empty."""
     n_q, n_kv = categories.shape
