@@ -48,21 +48,35 @@ def _row_stats(blocks: Blocks, b: int, h: int) -> dict:
     return stats
 
 
-def summary_json(blocks: Blocks) -> str:
-    """Counts, sparsity and per-row statistics: no index tensors, so any length fits."""
+def _described(blocks: Blocks) -> dict:
+    """What names the mask and its blocks, JSON-ready: the head of blocks --json and --summary --json."""
     mask = blocks.mask
-    return json.dumps({
+    return {
         **mask.json(),
         "block_size": [blocks.q_block, blocks.kv_block],
         "seq_lengths": [mask.frame.q_len, mask.frame.k_len],
         "num_blocks": [blocks.n_q, blocks.n_kv],
         "sparsity": blocks.sparsity(),
+    }
+
+
+def _cover(blocks: Blocks) -> str:
+    """What one entry of the per-(batch, head) counts stands for."""
+    heads = blocks.mask.heads
+    if blocks.kv_num_blocks.shape[1] == heads:
+        return "one batch row and head each"
+    return f"one batch row each, in head 0, which stands for all {heads:,} heads: they hold the same mask"
+
+
+def summary_json(blocks: Blocks) -> str:
+    """Counts, sparsity and per-row statistics: no index tensors, so any length fits."""
+    return json.dumps({
+        **_described(blocks),
         "planes": [
             {"batch": b, "head": h, **dict(zip(("full", "partial", "empty"), blocks.counts(b, h))), "per_query_block_row": _row_stats(blocks, b, h)}
             for b, h in _planes(blocks)
         ],
-        "planes_cover": "one batch row and head each" if blocks.kv_num_blocks.shape[1] == mask.heads else
-        f"one batch row each, in head 0, which stands for all {mask.heads:,} heads: they hold the same mask",
+        "planes_cover": _cover(blocks),
     })
 
 
@@ -133,20 +147,11 @@ def views(found: Blocks, width: int, lines: int) -> list:
 
 
 def blocks_json(blocks: Blocks) -> str:
-    mask = blocks.mask
     arrays = blocks.arrays()
     return json.dumps({
-        **mask.json(),
-        "block_size": [blocks.q_block, blocks.kv_block],
-        "seq_lengths": [mask.frame.q_len, mask.frame.k_len],
-        "num_blocks": [blocks.n_q, blocks.n_kv],
-        "sparsity": blocks.sparsity(),
-        "counts": [
-            dict(zip(("batch", "head", "full", "partial", "empty"), (b, h, *blocks.counts(b, h))))
-            for b in range(mask.batch) for h in range(blocks.kv_num_blocks.shape[1])
-        ],
-        "counts_cover": "one batch row and head each" if blocks.kv_num_blocks.shape[1] == mask.heads else
-        f"one batch row each, in head 0, which stands for all {mask.heads:,} heads: they hold the same mask",
+        **_described(blocks),
+        "counts": [dict(zip(("batch", "head", "full", "partial", "empty"), (b, h, *blocks.counts(b, h)))) for b, h in _planes(blocks)],
+        "counts_cover": _cover(blocks),
         **{name: value.tolist() for name, value in arrays.items()},
     })
 
