@@ -11,13 +11,13 @@ is easy to write). Machines here are shared and noisy: read the ratios, not one 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import tracemalloc
 
 import numpy as np
 
 from maskcli.mask import build
+from timing import timed  # noqa: E402  (benchmarks/timing.py, beside this script)
 
 N = 1 << 20
 W = 4096
@@ -51,14 +51,6 @@ CASES = [
     (f"causal | blocks(sizes=[{SIZES}])".replace("blocks(sizes", "segment(sizes"), {}, None),
 ]
 
-
-def timed(fn, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def peak(fn) -> int:

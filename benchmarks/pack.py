@@ -13,7 +13,6 @@ Machines here are shared and noisy: read the ratios (medians), not one time.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from maskcli.kinds.values import rows_text
 from maskcli.mask import MaskOptions, build
 from maskcli.pack.fields import read
 from maskcli.pack.findings import check
+from timing import timed  # noqa: E402  (benchmarks/timing.py, beside this script)
 
 
 def batch(rows: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -42,14 +42,6 @@ def batch(rows: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
         sizes.append(row)
     return {"position_ids": positions, "cu_seqlens": np.asarray(cu), "input_ids": rng.integers(3, 50000, (rows, length)), "sizes": sizes}
 
-
-def timed(fn, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def save(path: Path, fields: dict[str, np.ndarray]) -> None:

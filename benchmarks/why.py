@@ -11,11 +11,10 @@ whole mask's intervals to one explain() (how much --why saves). Machines here ar
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 from maskcli.mask import MaskOptions, build
 from maskcli.why import explain
+from timing import timed  # noqa: E402  (benchmarks/timing.py, beside this script)
 
 N = 1 << 20
 CASES = [
@@ -29,14 +28,6 @@ CASES = [
     ("document(sizes=[600000,448576]) & local(8192)", {}, "document(sizes=[4,4]) & local(2)", {}, (1040000, 1039000), (7, 6)),
 ]
 
-
-def timed(function, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
