@@ -208,3 +208,27 @@ def write_array(array, path: Path) -> None:
             return json_number(item) if isinstance(item, float) else item
 
         atomic_write(path, lambda temp: Path(temp).write_text(json.dumps(nested(array.tolist())) + "\n"))
+
+
+SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32", "int16": "I16",
+                      "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def write_safetensors(arrays: dict, path: str) -> None:
+    """numpy arrays as a .safetensors file: an 8-byte little-endian header length, a JSON header naming each
+    tensor's dtype, shape and byte offsets (padded with spaces to 8 bytes), then the raw little-endian bytes."""
+    import json
+    import struct
+
+    header, offset, parts = {}, 0, []
+    for name, array in arrays.items():
+        raw = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(array.dtype)], "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
+        parts.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(text)) + text)
+        for raw in parts:
+            handle.write(raw)

@@ -22,8 +22,9 @@ def bounds(given: tuple[int | None, int | None], low: int, high: int, flag: str,
     end = high if given[1] is None else given[1]
     if not low <= start < end <= high:
         shown = f"{'' if given[0] is None else given[0]}:{'' if given[1] is None else given[1]}"
+        further = " (--len, --offset and --kv-len say how far the mask reaches)" if max(start, end) > high else ""
         raise MaskError(f"{flag} {shown} is outside the {what} {low}-{high - 1} of this mask (or empty): give A:B with "
-                        f"{low} <= A < B <= {high}, either side left open")
+                        f"{low} <= A < B <= {high}, either side left open{further}")
     return start, end
 
 

@@ -258,3 +258,20 @@ def test_heads_apply_to_a_mask_read_from_a_format(tmp_path):
     assert data["shape"] == [1, 2, 5, 5]
     block = [[int((q < 2) == (k < 2)) for k in range(5)] for q in range(5)]
     assert data["mask"] == [[block, block]]
+
+
+def test_safetensors_are_written_without_the_safetensors_package(tmp_path, monkeypatch):
+    import sys
+
+    import numpy as np
+
+    from maskcli.files import write_safetensors
+    from maskcli.tensorfile import load_tensors
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # not installed: maskcli writes the format itself
+    arrays = {"m": np.tril(np.ones((3, 4), dtype=bool)), "i": np.arange(5, dtype=np.int32), "f": np.array([[0.0, -np.inf]], dtype=np.float32)}
+    write_safetensors(arrays, str(tmp_path / "a.safetensors"))
+    back = load_tensors(str(tmp_path / "a.safetensors"), "FILE")
+    assert all(np.array_equal(back[name].numpy(), value) for name, value in arrays.items())
+    result = CliRunner().invoke(app, ["export", "document(sizes=[3,5]) & window(2)", "--for", "hf", "--save", str(tmp_path / "e.safetensors")])
+    assert result.exit_code == 0 and "Warning" not in result.output, result.output

@@ -106,24 +106,25 @@ def _save(tensors: dict, path) -> None:
     from maskcli.files import atomic_write
 
     arrays = {key: np.ascontiguousarray(value) for key, value in tensors.items()}
+    arrays = {key: value if value.flags.writeable else value.copy() for key, value in arrays.items()}  # torch warns of read-only ones
     check_write(path, sum(a.nbytes for a in arrays.values()), "--save")
     suffix = path.suffix.lower()
     if suffix == ".npz":
         def write(temp):
             with open(temp, "wb") as handle:
                 np.savez(handle, **arrays)
+    elif suffix == ".safetensors":  # written here, as it is read here: no package needed for it
+        from maskcli.files import write_safetensors
+
+        def write(temp):
+            write_safetensors(arrays, temp)
     else:
         import torch
 
         data = {key: torch.from_numpy(value) for key, value in arrays.items()}
-        if suffix == ".safetensors":
-            from safetensors.torch import save_file
 
-            def write(temp):
-                save_file(data, temp)
-        else:
-            def write(temp):
-                torch.save(data, temp)
+        def write(temp):
+            torch.save(data, temp)
     atomic_write(path, write)
 
 

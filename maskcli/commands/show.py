@@ -168,6 +168,10 @@ def empty_rows(mask: Mask) -> str | None:
     cells up to a few million."""
     from maskcli.summary import row_counts, spans
 
+    if mask.whole is not None:  # a region: a row sees what it sees among every key, not only those shown
+        from dataclasses import replace
+
+        mask = replace(mask, frame=replace(mask.frame, k_start=mask.whole.k_start, k_len=mask.whole.k_len))
     f = mask.frame
     if not mask.exact and mask.counted is None and mask.batch * f.q_len * f.k_len > 1 << 24:
         return None

@@ -22,7 +22,8 @@ def header(blocks: Blocks) -> str:
     return (
         f"blocks of {mask.title} · {shape_text(mask)}{where}\n"
         f"block {blocks.q_block} x {blocks.kv_block} (queries x keys): {blocks.n_q:,} x {blocks.n_kv:,} blocks\n"
-        f"sparsity {blocks.sparsity():.2f}% (BlockMask.sparsity(): the share of cells in blocks FlexAttention skips)"
+        f"sparsity {blocks.sparsity():.2f}% (BlockMask.sparsity(): the share of cells in blocks FlexAttention skips"
+        + ("; below 0 where the blocks, padded past the sequence, hold more cells than the mask" if blocks.sparsity() < 0 else "") + ")"
     )
 
 

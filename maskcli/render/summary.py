@@ -80,7 +80,8 @@ def summary_text(summary: Summary) -> str:
         median = f"{int(row.keys_median):,}" if row.keys_median == int(row.keys_median) else f"{row.keys_median:,.1f}"
         each = " (every head's)" if mask.heads > 1 else ""
         lines.append(f"{prefix}keys per query row{each}: min {row.keys_min:,} · median {median} · max {row.keys_max:,}")
-        lines.append(f"{prefix}rows that see no key{each}: {_empty(row)}")
+        what = "rows that see none of the region's keys" if mask.whole is not None else "rows that see no key"
+        lines.append(f"{prefix}{what}{each}: {_empty(row)}")
         found = _segments_line(mask, row.batch)
         if found:
             lines.append(f"{prefix}{found}")
