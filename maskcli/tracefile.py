@@ -144,9 +144,13 @@ def load(path: str) -> dict:
 
 
 def split_spec(text: str) -> tuple[str, str] | None:
-    """('TRACE.pt', '7') for 'TRACE.pt:7' or 'TRACE.pt:layers.5.self_attn@2'; None where it is not that form."""
-    path, colon, selector = text.rpartition(":")
-    if not colon or not path.lower().endswith(".pt") or not selector or "/" in selector:
+    """('TRACE.pt', '7') for 'TRACE.pt:7', 'TRACE.pt:layers.5.self_attn@2' or 'TRACE.pt:script.py:9' (a call named
+    by the file and line it came from has a colon of its own); None where it is not that form."""
+    at = text.lower().find(".pt:")
+    if at < 0:
+        return None
+    path, selector = text[: at + 3], text[at + 4 :]
+    if not selector or "/" in selector:
         return None
     return path, selector
 
@@ -160,6 +164,13 @@ def select(data: dict, selector: str, path: str) -> dict:
             raise MaskError(f"{path}:{selector}: the trace has {len(calls)} calls, numbered 0 to {len(calls) - 1}")
         return calls[index]
     where, at, step = selector.rpartition("@")
+    if not at:  # WHERE alone: its one call
+        found = [call for call in calls if call["where"] == selector]
+        if len(found) == 1:
+            return found[0]
+        if found:
+            steps = ", ".join(str(call["step"]) for call in found[:8])
+            raise MaskError(f"{path}:{selector}: {selector} made {len(found)} calls (steps {steps}): name one as {path}:{selector}@STEP")
     if not at or not step.isdigit():
         raise MaskError(f"{path}:{selector!r}: name a call by its index (like {path}:7) or as MODULE_PATH@STEP (like {path}:layers.5.self_attn@2)")
     for call in calls:
