@@ -275,3 +275,10 @@ def test_safetensors_are_written_without_the_safetensors_package(tmp_path, monke
     assert all(np.array_equal(back[name].numpy(), value) for name, value in arrays.items())
     result = CliRunner().invoke(app, ["export", "document(sizes=[3,5]) & window(2)", "--for", "hf", "--save", str(tmp_path / "e.safetensors")])
     assert result.exit_code == 0 and "Warning" not in result.output, result.output
+
+
+def test_a_saved_kernel_format_read_without_from_says_which_from(tmp_path):
+    path = tmp_path / "fa.pt"
+    assert CliRunner().invoke(app, ["export", "document(sizes=[3,5]) & window(2)", "--for", "flash-attn", "--save", str(path)]).exit_code == 0
+    result = CliRunner().invoke(app, ["show", "--mask", str(path)])
+    assert result.exit_code == 2 and result.stderr.endswith("as maskcli export --save writes them: read it with --from flash-attn\n")

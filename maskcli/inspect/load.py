@@ -69,7 +69,18 @@ def load_mask(source: str, key: str | None = None, flag: str = "FILE") -> tuple[
     elif not tensors:
         raise MaskError(f"{label} holds no tensors")
     else:
+        kernel = _kernel_format(tensors)
+        if kernel is not None:
+            raise MaskError(f"{label} holds {kernel}'s tensors ({names}), as maskcli export --save writes them: read it with --from {kernel}")
         raise MaskError(f"{label} holds several tensors ({names}): choose one with --key")
     return check_maskable(tensor, label), label
+
+
+KERNEL_TENSORS = {"flash-attn": "cu_seqlens_q", "flashmask": "startend_row_indices", "magi": "q_ranges", "flex": "kv_num_blocks"}
+
+
+def _kernel_format(tensors: dict) -> str | None:
+    """The kernel format (as --from names it) whose telltale tensor the file holds, if any."""
+    return next((name for name, tensor in KERNEL_TENSORS.items() if tensor in tensors), None)
 
 
