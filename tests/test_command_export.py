@@ -282,3 +282,8 @@ def test_a_saved_kernel_format_read_without_from_says_which_from(tmp_path):
     assert CliRunner().invoke(app, ["export", "document(sizes=[3,5]) & window(2)", "--for", "flash-attn", "--save", str(path)]).exit_code == 0
     result = CliRunner().invoke(app, ["show", "--mask", str(path)])
     assert result.exit_code == 2 and result.stderr.endswith("as maskcli export --save writes them: read it with --from flash-attn\n")
+
+
+def test_a_dense_format_too_long_to_fit_points_to_the_compact_ones():
+    result = CliRunner().invoke(app, ["export", "document(sizes=[300000,748576]) & window(4096)", "--for", "sdpa"])
+    assert result.exit_code == 2 and result.stderr.rstrip().endswith("export it to a compact format (--for flash-attn, flashmask, magi or flex)")

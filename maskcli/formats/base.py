@@ -216,3 +216,16 @@ def check_rows(rows: int, what: str) -> None:
 
     check_dense_fits((max(int(rows), 0),), 8 * 6, "for its key intervals", what=f"{what}: a mask of",
                      fix="check the file's lengths: maskcli keeps a few integers per query row")
+
+
+COMPACT_FIX = "a dense mask this long does not fit here: export it to a compact format (--for flash-attn, flashmask, magi or flex)"
+
+
+def dense_cells(mask, bytes_per_cell: float, name: str) -> np.ndarray:
+    """The mask's keep cells (B, H', Lq, Lk) for a dense format, refused up front where they cannot fit, with the
+    formats that hold a long mask in O(L) as the way out."""
+    from maskcli.memory import check_dense_fits
+
+    heads = mask.heads if mask.heads_differ else 1
+    check_dense_fits((mask.batch, heads, mask.frame.q_len, mask.frame.k_len), bytes_per_cell + 1, f"as {name}'s dense mask", fix=COMPACT_FIX)
+    return mask.dense()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.formats.base import Export
+from maskcli.formats.base import Export, dense_cells
 
 NAME = "hf"
 
@@ -35,7 +35,8 @@ def position_ids(mask) -> np.ndarray | None:
 
 
 def to(mask) -> Export:
-    keep = mask.dense()[:, :1] if not mask.heads_differ else mask.dense()
+    keep = dense_cells(mask, 4, "Hugging Face")
+    keep = keep[:, :1] if not mask.heads_differ else keep
     keep = np.broadcast_to(keep, (mask.batch,) + keep.shape[1:])
     tensors = {"attention_mask": np.where(keep, np.float32(0), np.finfo(np.float32).min).astype(np.float32)}
     args = "attention_mask=<attention_mask>.clamp(min=torch.finfo(model.dtype).min).to(model.dtype)"

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.formats.base import Export
+from maskcli.formats.base import Export, dense_cells
 
 NAME = "mha"
 
 
 def to(mask) -> Export:
-    keep = mask.dense()  # (B, H', Lq, Lk)
+    keep = dense_cells(mask, 1, "nn.MultiheadAttention")  # (B, H', Lq, Lk)
     batch, heads = keep.shape[:2]
     tensors = {}
     args = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.formats.base import Export
+from maskcli.formats.base import Export, dense_cells
 
 NAME = "sdpa"
 
@@ -38,7 +38,7 @@ def shape_of(mask) -> str:
 
 def dense(mask) -> np.ndarray:
     """The keep cells, (Lq, Lk) where batch rows and heads are one, else (B, H', Lq, Lk)."""
-    keep = mask.dense()
+    keep = dense_cells(mask, 1, "SDPA")
     return keep[0, 0] if keep.shape[:2] == (1, 1) else keep
 
 
