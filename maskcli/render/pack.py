@@ -179,7 +179,7 @@ def pack_figure(report: Report, source: str):
                 continue
             title = f"{c.path.name} · reads {c.path.reads}" + (f"\nbatch row {row}" if b.rows > 1 else "")
             if c.cross_cells:
-                title += f"\n{c.cross_cells:,} cross-document cells"
+                title += f"\n{c.cross_cells:,} cross-document cells" + (" in the whole batch" if b.rows > 1 else "")
             if per == 1:
                 labels_axis = [str(i) for i in range(length)]
                 panels.append(Panel(title, c.path.mask.cells(row), labels_axis, labels_axis, marks=marks))
