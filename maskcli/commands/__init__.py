@@ -4,7 +4,7 @@ from maskcli.commands import show  # noqa: F401, I001  (each import registers it
 from maskcli.commands import blocks, diff  # noqa: F401
 from maskcli.commands import attend, verify  # noqa: F401
 from maskcli.commands import inspect, kinds  # noqa: F401
-from maskcli.commands import trace  # noqa: F401
+from maskcli.commands import trace, model  # noqa: F401
 from maskcli.commands.app import app
 
 

@@ -1,0 +1,145 @@
+"""A tiny model built from its config and run on a padded batch (a prefill, then decode steps), traced with
+maskcli's capture: each attention call's mask with its layer, that layer's type and the step.
+
+generate (greedy, every new token fed back) makes the steps as the family's own code makes them: its
+cache, its position ids under left padding, its masks. `new_tokens` decode steps are `new_tokens + 1`
+generated tokens: the last one is never fed back.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from maskcli.errors import MaskError
+from maskcli.hf import require
+from maskcli.hf.families import MOST_PARAMETERS, layer_types
+
+ATTN = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}
+CACHES = {"dynamic": "dynamic", "static": "static", "sliding": "sliding_window"}
+LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+@dataclass
+class Prompt:
+    ids: torch.Tensor  # (B, L) int64
+    attention_mask: torch.Tensor  # (B, L) int64, 1 = a real token
+    pad_id: int
+    side: str
+
+
+@dataclass
+class ModelRun:
+    name: str
+    config: object
+    types: list[str]  # per layer
+    prompt: Prompt
+    steps: list[str]  # the name of each step: prefill (or its chunks), decode 1, ...
+    trace: object  # maskcli.trace.capture.Trace
+    calls: list  # the attention calls of the layers, each with .layer, .layer_type, .step_name set in details
+    other: list  # calls outside the numbered layers
+    timings: dict = field(default_factory=dict)
+    generated: list = field(default_factory=list)
+
+
+def prompt(lengths: tuple[int, ...] | None, ids: np.ndarray | None, pad_id: int, side: str, vocab: int) -> Prompt:
+    """The batch: --lengths made into ids (distinct tokens, none the pad id) padded on `side`, or --ids as given."""
+    if ids is None:
+        lengths = lengths or (5, 3)
+        if min(lengths) < 1:
+            raise MaskError(f"--lengths {','.join(map(str, lengths))}: every batch row needs 1 token or more")
+        width = max(lengths)
+        rows = []
+        for b, length in enumerate(lengths):
+            tokens = [t for t in range(1 + 7 * b, 10_000) if t % vocab != pad_id][:length]
+            real = [t % vocab for t in tokens]
+            pads = [pad_id] * (width - length)
+            rows.append(pads + real if side == "left" else real + pads)
+        ids = np.asarray(rows, dtype=np.int64)
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise MaskError("--ids: give one row of token ids per batch row, like 5,6,7;0,8,9")
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise MaskError(f"--ids: the tiny model's vocabulary is 0..{vocab - 1}: give ids in it (the pad id is {pad_id})")
+    real = ids != pad_id
+    if not real.any(axis=1).all():
+        raise MaskError(f"--ids: a batch row is all padding (pad id {pad_id}): give it a token")
+    return Prompt(torch.from_numpy(ids), torch.from_numpy(real.astype(np.int64)), pad_id, side)
+
+
+def build(config, attn: str, name: str):
+    """The model, random weights, eval mode; refused when it does not shrink (counted on the meta device first)."""
+    transformers = require()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with torch.device("meta"):
+                shell = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTN[attn])
+            count = sum(p.numel() for p in shell.parameters())
+            if count > MOST_PARAMETERS:
+                raise MaskError(f"{name} does not shrink to a tiny model: {count:,} parameters after setting the sizes maskcli "
+                                "knows (its config names other sizes); try a config.json with small sizes")
+            torch.manual_seed(0)
+            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTN[attn]).eval()
+        except MaskError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the family's own code refused this config: one line saying why
+            raise MaskError(f"{name} cannot be built tiny with --attn {attn}: {type(error).__name__}: "
+                            f"{' '.join(str(error).split())[:200]}") from None
+
+
+def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = "sdpa", cache: str = "dynamic",
+        prefill_chunk: int | None = None) -> ModelRun:
+    """Build, then generate under maskcli's trace; the calls sorted into layers, layer types and steps."""
+    from maskcli.trace.capture import Trace
+
+    if new_tokens < 0:
+        raise MaskError(f"--new-tokens {new_tokens}: give 0 or more decode steps")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise MaskError(f"--prefill-chunk {prefill_chunk}: give 1 or more tokens")
+    config.pad_token_id = the_prompt.pad_id
+    started = time.perf_counter()
+    model = build(config, attn, name)
+    built = time.perf_counter()
+    options = dict(max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False,
+                   pad_token_id=the_prompt.pad_id, cache_implementation=CACHES[cache])
+    if prefill_chunk is not None:
+        options["prefill_chunk_size"] = prefill_chunk
+    tracer = Trace(("sdpa", "flex", "softmax"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with tracer, torch.no_grad():
+                out = model.generate(the_prompt.ids, attention_mask=the_prompt.attention_mask, **options)
+        except Exception as error:  # noqa: BLE001 - the family's code refused this run: one line saying why
+            raise MaskError(f"{name} cannot run --attn {attn} --cache {cache}"
+                            f"{f' --prefill-chunk {prefill_chunk}' if prefill_chunk else ''}: {type(error).__name__}: "
+                            f"{' '.join(str(error).split())[:200]}") from None
+    ran = time.perf_counter()
+    types = layer_types(config)
+    calls, other = [], []
+    for call in tracer.calls:
+        found = LAYER.findall(call.where)
+        layer = int(found[-1]) if found else None
+        if layer is None or layer >= len(types):
+            other.append(call)
+            continue
+        call.details["layer"], call.details["layer_type"] = layer, types[layer]
+        calls.append(call)
+    steps = step_names(max((call.step for call in calls), default=-1) + 1, the_prompt.ids.shape[1], prefill_chunk)
+    for call in calls:
+        call.details["step_name"] = steps[call.step] if call.step < len(steps) else f"step {call.step}"
+    generated = out[:, the_prompt.ids.shape[1]:].tolist()
+    return ModelRun(name, config, types, the_prompt, steps, tracer, calls, other,
+                    {"build_s": built - started, "run_s": ran - built}, generated)
+
+
+def step_names(count: int, prompt_len: int, prefill_chunk: int | None) -> list[str]:
+    chunks = 1 if not prefill_chunk else -(-prompt_len // prefill_chunk)
+    names = ["prefill"] if chunks == 1 else [f"prefill {i + 1}/{chunks}" for i in range(chunks)]
+    return (names + [f"decode {i + 1}" for i in range(max(0, count - chunks))])[:max(count, 0)]
