@@ -113,6 +113,8 @@ def pattern(types: list[str]) -> str:
         else:
             runs.append([kind, 1])
     text = ", ".join(kind + (f" x{count}" if count > 1 else "") for kind, count in runs)
+    if period == 1:
+        return f"{text} (every layer)"
     if period < len(types):
         text += f" (repeats every {period} of {len(types)} layers)"
     return text

@@ -8,6 +8,7 @@ generated tokens: the last one is never fed back.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 import warnings
@@ -111,15 +112,20 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
     if prefill_chunk is not None:
         options["prefill_chunk_size"] = prefill_chunk
     tracer = Trace(("sdpa", "flex", "softmax"))
+    logging = require().utils.logging
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()  # its advice (right padding, cache kinds) is for real generation, not this look
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            with tracer, torch.no_grad():
+            with tracer, torch.no_grad(), _flex_uncompiled(attn == "flex"):
                 out = model.generate(the_prompt.ids, attention_mask=the_prompt.attention_mask, **options)
         except Exception as error:  # noqa: BLE001 - the family's code refused this run: one line saying why
             raise MaskError(f"{name} cannot run --attn {attn} --cache {cache}"
                             f"{f' --prefill-chunk {prefill_chunk}' if prefill_chunk else ''}: {type(error).__name__}: "
                             f"{' '.join(str(error).split())[:200]}") from None
+        finally:
+            logging.set_verbosity(level)
     ran = time.perf_counter()
     types = layer_types(config)
     calls, other = [], []
@@ -131,12 +137,36 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
             continue
         call.details["layer"], call.details["layer_type"] = layer, types[layer]
         calls.append(call)
+    if not calls:
+        raise MaskError(f"{name} --attn {attn}: no attention call of its layers was captured "
+                        f"({len(tracer.calls)} calls elsewhere): maskcli cannot see this family's attention")
     steps = step_names(max((call.step for call in calls), default=-1) + 1, the_prompt.ids.shape[1], prefill_chunk)
     for call in calls:
         call.details["step_name"] = steps[call.step] if call.step < len(steps) else f"step {call.step}"
     generated = out[:, the_prompt.ids.shape[1]:].tolist()
     return ModelRun(name, config, types, the_prompt, steps, tracer, calls, other,
                     {"build_s": built - started, "run_s": ran - built}, generated)
+
+
+@contextlib.contextmanager
+def _flex_uncompiled(active: bool):
+    """transformers runs flex_attention under torch.compile, where no capture can see it: while traced, its
+    flex path calls flex_attention itself (the same mask, the block mask it built, run eagerly)."""
+    if not active:
+        yield
+        return
+    import transformers.integrations.flex_attention as hf_flex
+    from torch.nn.attention import flex_attention as torch_flex
+
+    def uncompiled(query, key, value, training=False, **kwargs):
+        return torch_flex.flex_attention(query, key, value, **kwargs)
+
+    original = hf_flex.compile_friendly_flex_attention
+    hf_flex.compile_friendly_flex_attention = uncompiled
+    try:
+        yield
+    finally:
+        hf_flex.compile_friendly_flex_attention = original
 
 
 def step_names(count: int, prompt_len: int, prefill_chunk: int | None) -> list[str]:
