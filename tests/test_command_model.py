@@ -126,3 +126,11 @@ def test_a_config_json_and_list(tmp_path):
     assert listed.exit_code == 0
     lines = {line.split()[0]: line for line in listed.stdout.splitlines() if line.strip()}
     assert "sliding_window 4096" in lines["mistral"] and "Gemma3TextConfig" in lines["gemma3_text"]
+
+
+def test_prefill_chunk_steps_and_the_check_against_one_pass():
+    result = model("gemma3_text", "--window", 3, "--lengths", "6,4", "--new-tokens", 1, "--prefill-chunk", 3)
+    assert result.exit_code == 0, result.output
+    assert [row[:2] for row in rows(result.stdout)] == [["prefill", "1/2"], ["prefill", "2/2"], ["decode", "1"]]
+    assert rows(result.stdout)[1][2:] == ["#1", "window(3)", "3x5", "#2", "causal", "3x6"]  # 2 cached keys + 3 new
+    assert "--prefill-chunk 3: in every layer the 2 chunks' masks put together equal the single-pass prefill mask" in result.stdout

@@ -137,3 +137,56 @@ def test_listing_names_families_with_what_shapes_their_masks():
     assert found["mistral"].shapes.startswith("sliding_window 4096")
     assert "attention_chunk_size 8192" in found["llama4_text"].shapes
     assert found["llama"].shapes == "causal (no window, chunks or layer types)"
+
+
+def test_chunked_prefill_put_together_is_the_one_pass_mask_and_hf_rule():
+    from maskcli.hf.chunks import assembled
+
+    config = families.tiny(families.load("gemma3_text"), window=3, name="gemma3_text")
+    batch = prompt((7, 4), None, 0, "left", 128)
+    result = run("gemma3_text", config, batch, new_tokens=1, prefill_chunk=3)
+    assert result.steps == ["prefill 1/3", "prefill 2/3", "prefill 3/3", "decode 1"]
+    assert result.chunk_holds and result.chunk_check == [
+        "--prefill-chunk 3: in every layer the 3 chunks' masks put together equal the single-pass prefill mask"]
+    valid = batch.attention_mask.numpy().astype(bool)
+    for layer, window in ((0, 3), (5, None)):  # a sliding layer and the full one, against the double loop
+        calls = sorted((c for c in result.calls if c.details["layer"] == layer and c.step < 3), key=lambda c: c.step)
+        together = assembled(calls, 7)
+        want = reference(valid, list(range(7)), list(range(7)), window)
+        assert all((together[:, h] == want).all() for h in range(together.shape[1]))
+
+
+def test_chunks_that_differ_from_one_pass_name_the_first_cell():
+    from types import SimpleNamespace
+
+    from maskcli.hf.chunks import check
+
+    def call(keep, step):
+        keep = np.asarray(keep, dtype=bool)[None, None]
+        return SimpleNamespace(shape=keep.shape, keep=lambda: keep, step=step, details={"layer": 0})
+
+    causal = np.tril(np.ones((4, 4), dtype=bool))
+    first = causal[:2, :2]
+    second = causal[2:, :].copy()
+    second[1, 0] = False  # query 3 loses key 0 in the second chunk
+    lines, holds = check([call(first, 0), call(second, 1)], [call(causal, 0)], ["full_attention"], 4, 2, 2)
+    assert not holds and lines == ["--prefill-chunk 2: layer 0 (full_attention): the chunks put together differ from the "
+                                   "single-pass prefill in 1 cells, first at batch row 0, head 0, query 3, key 0: the chunks "
+                                   "mask it, one pass lets it attend"]
+    lines, holds = check([call(first, 0), call(causal[2:, :], 1)], [call(causal, 0)], ["full_attention"], 4, 2, 2)
+    assert holds
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_static_cache_gives_every_slot_and_masks_the_ones_not_yet_filled(attn):
+    config = families.tiny(families.load("llama"), name="llama")
+    batch = prompt((4, 2), None, 0, "left", 128)
+    result = run("llama", config, batch, new_tokens=2, attn=attn, cache="static")
+    valid = np.concatenate([batch.attention_mask.numpy().astype(bool), np.ones((2, 3), dtype=bool)], axis=1)
+    for call in result.calls:
+        q_len, k_len = call.shape[2:]
+        start = 0 if call.step == 0 else 4 + call.step - 1
+        assert k_len == 4 + 2  # the static cache's slots: the prompt and the tokens fed back
+        want = reference(valid, list(range(start, start + q_len)), list(range(k_len)))
+        got = np.broadcast_to(call.keep(), call.shape)
+        assert all((got[:, h] == want).all() for h in range(call.shape[1])), (call.step, got[:, 0].astype(int))

@@ -32,7 +32,7 @@ def model(
     cache: Annotated[str, typer.Option("--cache", help="The KV cache generate uses: dynamic, static, or sliding (cache_implementation sliding_window).")] = "dynamic",
     window: ConfigWindow = None,
     chunk_size: ConfigChunkSize = None,
-    prefill_chunk: Annotated[int | None, typer.Option("--prefill-chunk", help="Prefill the prompt in chunks of this many tokens (generate's prefill_chunk_size); each chunk is a step.", parser=integer, show_default=False)] = None,
+    prefill_chunk: Annotated[int | None, typer.Option("--prefill-chunk", help="Prefill the prompt in chunks of this many tokens (generate's prefill_chunk_size); each chunk is a step, and each layer's chunk masks laid on absolute positions must equal its mask from one pass (--cache dynamic): exit status 1 naming the first cell where not.", parser=integer, show_default=False)] = None,
     expect: Annotated[list[str] | None, typer.Option("--expect", help="LAYERTYPE=EXPR, repeatable: every call of the layers of that type (a shell pattern over layer types, like sliding_attention, or module paths) must be EXPR with its queries at the end of its keys and the padding read off the mask; exit status 1 where one is not.", show_default=False)] = None,
     png: Annotated[str | None, typer.Option("--png", help="Write a figure of each layer type's mask at each step, per batch row: .png, .svg or .pdf.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print every call, group and table cell as one JSON object instead of the table.")] = False,
@@ -149,5 +149,5 @@ def _show(result, expectations, json_out: bool, targets: dict) -> None:
         masks = {key: value for key, value in tracer.masks.items() if key in used}
         atomic_write(targets["--save"], lambda path: save_trace(path, [call.json() for call in tracer.calls], masks))
         done(f"wrote {targets['--save']}")
-    if failures:
+    if failures or not result.chunk_holds:
         raise typer.Exit(1)

@@ -46,6 +46,8 @@ class ModelRun:
     other: list  # calls outside the numbered layers
     timings: dict = field(default_factory=dict)
     generated: list = field(default_factory=list)
+    chunk_check: list = field(default_factory=list)  # --prefill-chunk: lines on the chunks against one pass
+    chunk_holds: bool = True
 
 
 def prompt(lengths: tuple[int, ...] | None, ids: np.ndarray | None, pad_id: int, side: str, vocab: int) -> Prompt:
@@ -96,9 +98,8 @@ def build(config, attn: str, name: str):
 
 def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = "sdpa", cache: str = "dynamic",
         prefill_chunk: int | None = None) -> ModelRun:
-    """Build, then generate under maskcli's trace; the calls sorted into layers, layer types and steps."""
-    from maskcli.trace.capture import Trace
-
+    """Build, then generate under maskcli's trace; the calls sorted into layers, layer types and steps. With
+    `prefill_chunk`, the prompt is prefilled once more in one pass and each layer's chunks checked against it."""
     if new_tokens < 0:
         raise MaskError(f"--new-tokens {new_tokens}: give 0 or more decode steps")
     if prefill_chunk is not None and prefill_chunk < 1:
@@ -111,6 +112,36 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
                    pad_token_id=the_prompt.pad_id, cache_implementation=CACHES[cache])
     if prefill_chunk is not None:
         options["prefill_chunk_size"] = prefill_chunk
+    tracer = _generate(model, the_prompt, options, attn, cache, name, prefill_chunk)
+    ran = time.perf_counter()
+    calls, other = _sorted(tracer, config)
+    if not calls:
+        raise MaskError(f"{name} --attn {attn}: no attention call of its layers was captured "
+                        f"({len(tracer.calls)} calls elsewhere): maskcli cannot see this family's attention")
+    steps = step_names(max((call.step for call in calls), default=-1) + 1, the_prompt.ids.shape[1], prefill_chunk)
+    for call in calls:
+        call.details["step_name"] = steps[call.step] if call.step < len(steps) else f"step {call.step}"
+    generated = tracer.out[:, the_prompt.ids.shape[1]:].tolist()
+    result = ModelRun(name, config, layer_types(config), the_prompt, steps, tracer, calls, other,
+                      {"build_s": built - started, "run_s": ran - built}, generated)
+    if prefill_chunk is not None and cache != "dynamic":
+        result.chunk_check = [f"--prefill-chunk {prefill_chunk}: the chunks are checked against one pass with --cache dynamic "
+                              f"only (a {cache} cache's keys are its slots, not the last positions)"]
+    elif prefill_chunk is not None:
+        from maskcli.hf.chunks import check
+
+        single = {key: value for key, value in options.items() if key != "prefill_chunk_size"}
+        single.update(max_new_tokens=1, min_new_tokens=1)
+        one_pass, _ = _sorted(_generate(model, the_prompt, single, attn, cache, name, None), config)
+        chunks = -(-the_prompt.ids.shape[1] // prefill_chunk)
+        result.chunk_check, result.chunk_holds = check(calls, one_pass, result.types, the_prompt.ids.shape[1], chunks, prefill_chunk)
+    return result
+
+
+def _generate(model, the_prompt: Prompt, options: dict, attn: str, cache: str, name: str, prefill_chunk: int | None):
+    """generate under a Trace; the Trace, with the generated ids as .out."""
+    from maskcli.trace.capture import Trace
+
     tracer = Trace(("sdpa", "flex", "softmax"))
     logging = require().utils.logging
     level = logging.get_verbosity()
@@ -126,7 +157,12 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
                             f"{' '.join(str(error).split())[:200]}") from None
         finally:
             logging.set_verbosity(level)
-    ran = time.perf_counter()
+    tracer.out = out
+    return tracer
+
+
+def _sorted(tracer, config) -> tuple[list, list]:
+    """The calls of the numbered layers (each given its layer and layer type), and the others."""
     types = layer_types(config)
     calls, other = [], []
     for call in tracer.calls:
@@ -137,15 +173,7 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
             continue
         call.details["layer"], call.details["layer_type"] = layer, types[layer]
         calls.append(call)
-    if not calls:
-        raise MaskError(f"{name} --attn {attn}: no attention call of its layers was captured "
-                        f"({len(tracer.calls)} calls elsewhere): maskcli cannot see this family's attention")
-    steps = step_names(max((call.step for call in calls), default=-1) + 1, the_prompt.ids.shape[1], prefill_chunk)
-    for call in calls:
-        call.details["step_name"] = steps[call.step] if call.step < len(steps) else f"step {call.step}"
-    generated = out[:, the_prompt.ids.shape[1]:].tolist()
-    return ModelRun(name, config, types, the_prompt, steps, tracer, calls, other,
-                    {"build_s": built - started, "run_s": ran - built}, generated)
+    return calls, other
 
 
 @contextlib.contextmanager

@@ -51,6 +51,8 @@ def views(view, failures: list[str], held: list[str]) -> list:
     if run.other:
         out.append(Text(f"{len(run.other)} attention calls outside the numbered layers (in --json): "
                         + ", ".join(sorted({call.where for call in run.other})[:4])))
+    for line in run.chunk_check:
+        out.append(Text(line, style="" if run.chunk_holds else "red"))
     for line in failures:
         out.append(Text(line, style="red"))
     for line in held:
