@@ -24,7 +24,7 @@ COLUMNS = "100"
 CONSOLE = re.compile(r"```console\n(\$ maskcli [^\n]*(?:\\\n[^\n]*)*)\n(.*?)```", re.S)
 FIGURE = re.compile(r"<!-- figure: (maskcli [^>]*?) -->")
 HELP = re.compile(r"<!-- help: (\w+) -->\n```text\n(.*?)```", re.S)
-COMMANDS = ("show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds", "trace")
+COMMANDS = ("show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds", "trace", "model")
 
 
 def pages() -> list[Path]:

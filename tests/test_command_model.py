@@ -134,3 +134,15 @@ def test_prefill_chunk_steps_and_the_check_against_one_pass():
     assert [row[:2] for row in rows(result.stdout)] == [["prefill", "1/2"], ["prefill", "2/2"], ["decode", "1"]]
     assert rows(result.stdout)[1][2:] == ["#1", "window(3)", "3x5", "#2", "causal", "3x6"]  # 2 cached keys + 3 new
     assert "--prefill-chunk 3: in every layer the 2 chunks' masks put together equal the single-pass prefill mask" in result.stdout
+
+
+def test_the_readme_example_prints_what_the_readme_shows():
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"```text\n\$ (maskcli model [^\n]*)\n(.*?)```", readme, re.S)
+    result = model(*shlex.split(block.group(1))[2:], columns=100)
+    assert result.exit_code == 0, result.output
+    assert [line.rstrip() for line in result.stdout.splitlines()] == block.group(2).rstrip("\n").splitlines()

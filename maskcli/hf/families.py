@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from maskcli.errors import MaskError
 from maskcli.hf import require
 
-# attribute -> tiny value, set where the config has the attribute and it is not None
+# attribute -> tiny value, set where the config has the attribute (None included: head_dim None is hidden / heads)
 SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
-         "vocab_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
-         "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2}
+         "vocab_size": 128}
+# set only where not None: None says the family has no experts
+EXPERTS = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
+           "n_routed_experts": 4, "num_experts_per_tok": 2}
 # query and key heads equal: with fewer key heads, SDPA's decode folds the query heads into the query axis
 MOST_PARAMETERS = 3_000_000
 SHAPERS = ("sliding_window", "use_sliding_window", "attention_chunk_size", "cache_implementation")
@@ -152,7 +154,8 @@ def tiny(config, window: int | None = None, chunk_size: int | None = None, name:
     types = layer_types(config)
     firsts = [types.index(kind) for kind in dict.fromkeys(types)]
     layers = max(2, max(firsts, default=0) + 1)
-    changes = {key: value for key, value in SIZES.items() if getattr(config, key, None) is not None}
+    changes = {key: value for key, value in SIZES.items() if hasattr(config, key)}
+    changes |= {key: value for key, value in EXPERTS.items() if getattr(config, key, None) is not None}
     changes["num_hidden_layers"] = layers
     if getattr(config, "layer_types", None):
         changes["layer_types"] = list(config.layer_types[:layers])
