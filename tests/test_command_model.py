@@ -89,6 +89,17 @@ def test_json_has_every_call_and_save_is_a_trace_show_reads(tmp_path, monkeypatc
     assert json.loads(shown.stdout)["mask"] == want
 
 
+def test_a_sliding_cache_keeps_the_window_and_the_full_layers_get_every_slot():
+    result = model("gemma3_text", "--window", 3, "--lengths", "6,4", "--new-tokens", 1, "--cache", "sliding", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    shapes = {(c["details"]["layer_type"], c["step"]): c["shape"][2:] for c in data["calls"]}
+    assert shapes[("sliding_attention", 0)] == [6, 6] and shapes[("sliding_attention", 1)] == [1, 3]
+    assert shapes[("full_attention", 0)][1] == shapes[("full_attention", 1)][1] >= 7  # the static slots
+    names = {(cell["layer_type"], cell["step"]): cell["cells"][0]["name"].split(" ")[0] for cell in data["table"]}
+    assert names[("sliding_attention", "prefill")] == "window(3)" and names[("full_attention", "decode 1")] == "causal"
+
+
 def test_png_draws_each_layer_type_at_each_step(tmp_path):
     import matplotlib.image
 
@@ -108,12 +119,15 @@ def test_png_draws_each_layer_type_at_each_step(tmp_path):
     (["llama", "--expect", "full_attention"], "give PATTERN=EXPR"),
     (["llama", "--ids", "1,2;3"], "pad every row to the same length"),
     ([], "give a model family or a config.json"),
+    (["gemma2"], "gemma2 cannot be built tiny with --attn sdpa: ValueError: Gemma2ForCausalLM does not support"),
 ])
 def test_bad_input_is_one_line(args, says):
     result = model(*args)
     assert result.exit_code == 2 and result.stdout == ""
     (line,) = result.stderr.splitlines()
     assert line.startswith("maskcli: error: ") and says in line
+    if args == ["gemma2"]:
+        assert line.endswith("; try --attn eager") and model("gemma2", "--attn", "eager", "--new-tokens", 0).exit_code == 0
 
 
 def test_a_config_json_and_list(tmp_path):

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from maskcli.errors import MaskError
-from maskcli.hf import require
+from maskcli.hf import quiet, reason, require
 
 # attribute -> tiny value, set where the config has the attribute (None included: head_dim None is hidden / heads)
 SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
@@ -51,14 +51,15 @@ def default_config(name: str):
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
         raise MaskError(f"unknown model family {name!r}{hint}: maskcli model --list lists the families transformers "
                         f"{transformers.__version__} builds as a causal LM, or give a local config.json")
-    return text_config(transformers.AutoConfig.for_model(name), name)
+    with quiet():
+        return text_config(transformers.AutoConfig.for_model(name), name)
 
 
 def text_config(config, name: str):
     try:
         return config.get_text_config() if hasattr(config, "get_text_config") else config
     except ValueError as error:
-        raise MaskError(f"{name}: no one text config to build ({' '.join(str(error).split())[:160]})") from None
+        raise MaskError(f"{name}: no one text config to build ({reason(error)})") from None
 
 
 def file_config(path: str):
@@ -73,9 +74,10 @@ def file_config(path: str):
         raise MaskError(f"{path!r} has no \"model_type\": give a model's config.json (its model_type names the family)")
     kind = values.pop("model_type")
     try:
-        config = transformers.AutoConfig.for_model(kind, **values)
-    except ValueError as error:
-        raise MaskError(f"{path!r}: model_type {kind!r}: {' '.join(str(error).split())[:200]}") from None
+        with quiet():
+            config = transformers.AutoConfig.for_model(kind, **values)
+    except Exception as error:  # noqa: BLE001 - the config class refused the file's values: one line saying why
+        raise MaskError(f"{path!r}: model_type {kind!r}: {reason(error)}") from None
     return text_config(config, kind)
 
 
@@ -142,7 +144,7 @@ def listing() -> list[Family]:
         try:
             config = default_config(name)
         except Exception as error:  # noqa: BLE001 - a family whose config cannot even be made says why, and the list goes on
-            found.append(Family(name, "?", f"its config class fails: {type(error).__name__}: {' '.join(str(error).split())[:120]}"))
+            found.append(Family(name, "?", f"its config class fails: {reason(error)}"))
             continue
         found.append(Family(name, type(config).__name__, shapes(config)))
     return found
@@ -171,7 +173,8 @@ def tiny(config, window: int | None = None, chunk_size: int | None = None, name:
     changes["pad_token_id"] = pad if isinstance(pad, int) and 0 <= pad < SIZES["vocab_size"] else 0
     for key, value in changes.items():
         try:
-            setattr(config, key, value)
-        except (AttributeError, TypeError, ValueError) as error:
-            raise MaskError(f"{name} cannot be made tiny: setting {key} fails ({' '.join(str(error).split())[:160]})") from None
+            with quiet():
+                setattr(config, key, value)
+        except Exception as error:  # noqa: BLE001 - a config that refuses a size: one line saying which
+            raise MaskError(f"{name} cannot be made tiny: setting {key} fails ({reason(error)})") from None
     return config

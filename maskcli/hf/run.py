@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from maskcli.errors import MaskError
-from maskcli.hf import require
+from maskcli.hf import quiet, reason, require
 from maskcli.hf.families import MOST_PARAMETERS, layer_types
 
 ATTN = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}
@@ -78,8 +77,7 @@ def prompt(lengths: tuple[int, ...] | None, ids: np.ndarray | None, pad_id: int,
 def build(config, attn: str, name: str):
     """The model, random weights, eval mode; refused when it does not shrink (counted on the meta device first)."""
     transformers = require()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet():
         try:
             with torch.device("meta"):
                 shell = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTN[attn])
@@ -92,8 +90,8 @@ def build(config, attn: str, name: str):
         except MaskError:
             raise
         except Exception as error:  # noqa: BLE001 - the family's own code refused this config: one line saying why
-            raise MaskError(f"{name} cannot be built tiny with --attn {attn}: {type(error).__name__}: "
-                            f"{' '.join(str(error).split())[:200]}") from None
+            hint = "; try --attn eager" if attn != "eager" else ""
+            raise MaskError(f"{name} cannot be built tiny with --attn {attn}: {reason(error)}{hint}") from None
 
 
 def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = "sdpa", cache: str = "dynamic",
@@ -121,6 +119,7 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
     steps = step_names(max((call.step for call in calls), default=-1) + 1, the_prompt.ids.shape[1], prefill_chunk)
     for call in calls:
         call.details["step_name"] = steps[call.step] if call.step < len(steps) else f"step {call.step}"
+        call.details.update(positions(call, the_prompt.ids.shape[1], prefill_chunk, cache))
     generated = tracer.out[:, the_prompt.ids.shape[1]:].tolist()
     result = ModelRun(name, config, layer_types(config), the_prompt, steps, tracer, calls, other,
                       {"build_s": built - started, "run_s": ran - built}, generated)
@@ -143,20 +142,13 @@ def _generate(model, the_prompt: Prompt, options: dict, attn: str, cache: str, n
     from maskcli.trace.capture import Trace
 
     tracer = Trace(("sdpa", "flex", "softmax"))
-    logging = require().utils.logging
-    level = logging.get_verbosity()
-    logging.set_verbosity_error()  # its advice (right padding, cache kinds) is for real generation, not this look
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet():
         try:
             with tracer, torch.no_grad(), _flex_uncompiled(attn == "flex"):
                 out = model.generate(the_prompt.ids, attention_mask=the_prompt.attention_mask, **options)
         except Exception as error:  # noqa: BLE001 - the family's code refused this run: one line saying why
             raise MaskError(f"{name} cannot run --attn {attn} --cache {cache}"
-                            f"{f' --prefill-chunk {prefill_chunk}' if prefill_chunk else ''}: {type(error).__name__}: "
-                            f"{' '.join(str(error).split())[:200]}") from None
-        finally:
-            logging.set_verbosity(level)
+                            f"{f' --prefill-chunk {prefill_chunk}' if prefill_chunk else ''}: {reason(error)}") from None
     tracer.out = out
     return tracer
 
@@ -195,6 +187,24 @@ def _flex_uncompiled(active: bool):
         yield
     finally:
         hf_flex.compile_friendly_flex_attention = original
+
+
+def positions(call, prompt_len: int, prefill_chunk: int | None, cache: str) -> dict:
+    """The call's query positions [start, end), and its keys' where the cache says them: a dynamic cache returns the
+    last Lk positions up to the last query, a static one its slots from position 0 (its sliding layers' slots are a
+    ring, left unsaid)."""
+    q_len, k_len = call.shape[2:]
+    chunks = 1 if not prefill_chunk else -(-prompt_len // prefill_chunk)
+    if call.step < chunks:
+        start = call.step * prefill_chunk if prefill_chunk else 0
+    else:
+        start = prompt_len + call.step - chunks
+    found = {"queries": [start, start + q_len]}
+    if cache == "dynamic":
+        found["keys"] = [start + q_len - k_len, start + q_len]
+    elif call.details["layer_type"] == "full_attention":
+        found["keys"] = [0, k_len]
+    return found
 
 
 def step_names(count: int, prompt_len: int, prefill_chunk: int | None) -> list[str]:

@@ -61,14 +61,14 @@ def views(view, failures: list[str], held: list[str]) -> list:
 
 
 def model_figure(view):
-    """Rows: each layer type (its first layer) for each batch row; columns: the steps. Queries sit at the end of the
-    keys the cache returned (as trace names them); hatched keys are padding, the orange line the cache edge."""
-    from maskcli.render.heatmaps import Panel, heatmap_figure
-    from maskcli.render.structure import Structure, _runs
-    from maskcli.trace.expect import found_padding
+    """Rows: each layer type (its first layer) for each batch row; columns: the steps. Cells sit on absolute positions
+    (the run's, from its cache kind); hatched keys and queries are padding, the orange line the cache edge."""
+    from maskcli.render.heatmaps import heatmap_figure
 
     run = view.run
     batch = run.prompt.ids.shape[0]
+    steps = len(run.steps)
+    valid = np.concatenate([run.prompt.attention_mask.numpy().astype(bool), np.ones((batch, steps), dtype=bool)], axis=1)
     grid = []
     for kind in view.types:
         first_layer = view.layers[kind][0]
@@ -80,20 +80,30 @@ def model_figure(view):
                 if call is None or call.stored is None or call.stored["form"] == "stats":
                     continue
                 keep = np.asarray(call.keep())
-                q_len, k_len = keep.shape[2:]
-                padding = found_padding(keep)
-                pad_keys: tuple = ()
-                if padding:
-                    valid = np.array([c == "1" for c in padding["ids"].split(";")[b].split(",")])
-                    pad_keys = _runs(~valid, 0)
-                marks = Structure(k_len - q_len, k_len, 0, k_len, pad_keys=pad_keys)
-                number = next(n for n, g in enumerate(view.groups) if call in g.calls)
-                title = f"{kind} · {step_name}\nbatch row {b} · #{number} {view.groups[number].expression or '?'}"
-                row.append(Panel(title, keep[b, 0], [str(i) for i in range(k_len - q_len, k_len)],
-                                 [str(i) for i in range(k_len)], marks=marks))
+                row.append(_panel(call, keep, b, valid[b], f"{kind} · {step_name}\nbatch row {b}", view))
             if row:
                 grid.append(row)
-    title = (f"maskcli model {run.name}: each layer type's mask at each step (keys as the cache returned them, "
-             "queries at their end)")
+    title = (f"maskcli model {run.name}: each layer type's first layer at each step, on absolute positions "
+             "(keys as the cache returned them; a static cache's sliding slots by slot)")
     return heatmap_figure(grid, title, ("may attend (True)", "masked (False)"))
 
+
+def _panel(call, keep: np.ndarray, b: int, valid: np.ndarray, title: str, view):
+    """One call's mask for batch row b, on absolute positions where the cache says where its keys sit."""
+    from maskcli.render.heatmaps import Panel
+    from maskcli.render.structure import Structure, _runs
+
+    q_len, k_len = keep.shape[2:]
+    q0, q1 = call.details["queries"]
+    number = next(n for n, g in enumerate(view.groups) if call in g.calls)
+    title = f"{title} · #{number} {view.groups[number].expression or '?'}"
+    if "keys" in call.details:
+        k0, k1 = call.details["keys"]
+        valid = np.concatenate([valid, np.ones(max(0, k1 - len(valid)), dtype=bool)])  # static slots not yet filled
+        marks = Structure(q0, q1, k0, k1, pad_keys=_runs(~valid[k0:k1], k0), pad_queries=_runs(~valid[q0:q1], q0))
+        keys = [str(i) for i in range(k0, k1)]
+    else:  # slots of a ring: no positions to draw on, so no cache line or diagonal either
+        marks = None
+        keys = [f"slot {i}" for i in range(k_len)]
+    return Panel(title, keep[b, 0], [str(i) for i in range(q0, q1)], keys, marks=marks,
+                 x_label="key position (kv)" if marks is not None else "cache slot")
