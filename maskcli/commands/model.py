@@ -17,7 +17,8 @@ from maskcli.errors import MaskError
         "maskcli model gemma3_text --window 3 --lengths 5,3 --new-tokens 2",
         "maskcli model mistral --window 3 --attn eager --expect \"sliding_attention=window(3)\"",
         "maskcli model llama4_text --chunk-size 4 --lengths 6,4 --png llama4.png",
-        "maskcli model ./config.json --save run.pt && maskcli show --mask run.pt:model.layers.0.self_attn@1",
+        "maskcli model gemma3_text --window 3 --prefill-chunk 2 --save run.pt",
+        "maskcli show --mask run.pt:model.layers.0.self_attn@1",
     ),
 )
 def model(
@@ -28,15 +29,15 @@ def model(
     pad: Annotated[str, typer.Option("--pad", help="left or right: where --lengths puts the padding (Hugging Face's padding_side).")] = "left",
     pad_id: Annotated[int | None, typer.Option("--pad-id", help="The padding token id (default the config's pad_token_id where it is inside the tiny vocabulary, else 0).", parser=integer, show_default=False)] = None,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Decode steps after the prefill, each feeding back the token generate picked (greedy).", parser=integer)] = 2,
-    attn: Annotated[str, typer.Option("--attn", help="attn_implementation: sdpa, eager or flex (flex_attention).")] = "sdpa",
-    cache: Annotated[str, typer.Option("--cache", help="The KV cache generate uses: dynamic, static, or sliding (cache_implementation sliding_window).")] = "dynamic",
+    attn: Annotated[str, typer.Option("--attn", help="How the layers attend (the attention implementation): sdpa, eager or flex (FlexAttention).")] = "sdpa",
+    cache: Annotated[str, typer.Option("--cache", help="The KV cache generate uses: dynamic, static, or sliding (its sliding_window cache).")] = "dynamic",
     window: ConfigWindow = None,
     chunk_size: ConfigChunkSize = None,
     prefill_chunk: Annotated[int | None, typer.Option("--prefill-chunk", help="Prefill the prompt in chunks of this many tokens (generate's prefill_chunk_size); each chunk is a step, and each layer's chunk masks laid on absolute positions must equal its mask from one pass (--cache dynamic): exit status 1 naming the first cell where not.", parser=integer, show_default=False)] = None,
     expect: Annotated[list[str] | None, typer.Option("--expect", help="LAYERTYPE=EXPR, repeatable: every call of the layers of that type (a shell pattern over layer types, like sliding_attention, or module paths) must be EXPR with its queries at the end of its keys and the padding read off the mask; exit status 1 where one is not.", show_default=False)] = None,
     png: Annotated[str | None, typer.Option("--png", help="Write a figure of each layer type's mask at each step, per batch row: .png, .svg or .pdf.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print every call, group and table cell as one JSON object instead of the table.")] = False,
-    save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to a trace file that show, diff and inspect read: --mask RUN.pt:7 or RUN.pt:model.layers.5.self_attn@2.", show_default=False)] = None,
+    save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to a trace file that show, diff and inspect read: --mask RUN.pt:7 (call 7) or RUN.pt:PATH@STEP (a module path and step, as --json lists them).", show_default=False)] = None,
 ) -> None:
     """Build a family's model tiny from its config (random weights, offline), run a padded prompt and decode steps, and show the mask each layer type's attention gets at each step.
 

@@ -23,6 +23,8 @@ from maskcli.hf.families import MOST_PARAMETERS, layer_types
 ATTN = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}
 CACHES = {"dynamic": "dynamic", "static": "static", "sliding": "sliding_window"}
 LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+MOST_TOKENS = 512  # a prompt row, and the decode steps: a tiny model on a CPU shows its masks well before this
+MOST_ROWS = 16
 
 
 @dataclass
@@ -51,10 +53,13 @@ class ModelRun:
 
 def prompt(lengths: tuple[int, ...] | None, ids: np.ndarray | None, pad_id: int, side: str, vocab: int) -> Prompt:
     """The batch: --lengths made into ids (distinct tokens, none the pad id) padded on `side`, or --ids as given."""
+    if not 0 <= pad_id < vocab:
+        raise MaskError(f"--pad-id {pad_id}: the tiny model's vocabulary is 0..{vocab - 1}: give a pad id in it")
     if ids is None:
         lengths = lengths or (5, 3)
-        if min(lengths) < 1:
-            raise MaskError(f"--lengths {','.join(map(str, lengths))}: every batch row needs 1 token or more")
+        if min(lengths) < 1 or max(lengths) > MOST_TOKENS or len(lengths) > MOST_ROWS:
+            raise MaskError(f"--lengths {','.join(map(str, lengths))[:60]}: give 1 to {MOST_ROWS} batch rows of 1 to "
+                            f"{MOST_TOKENS} tokens each")
         width = max(lengths)
         rows = []
         for b, length in enumerate(lengths):
@@ -66,6 +71,8 @@ def prompt(lengths: tuple[int, ...] | None, ids: np.ndarray | None, pad_id: int,
     ids = np.asarray(ids, dtype=np.int64)
     if ids.ndim != 2 or ids.shape[1] == 0:
         raise MaskError("--ids: give one row of token ids per batch row, like 5,6,7;0,8,9")
+    if ids.shape[0] > MOST_ROWS or ids.shape[1] > MOST_TOKENS:
+        raise MaskError(f"--ids: give 1 to {MOST_ROWS} batch rows of 1 to {MOST_TOKENS} tokens each")
     if ids.min() < 0 or ids.max() >= vocab:
         raise MaskError(f"--ids: the tiny model's vocabulary is 0..{vocab - 1}: give ids in it (the pad id is {pad_id})")
     real = ids != pad_id
@@ -98,8 +105,8 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
         prefill_chunk: int | None = None) -> ModelRun:
     """Build, then generate under maskcli's trace; the calls sorted into layers, layer types and steps. With
     `prefill_chunk`, the prompt is prefilled once more in one pass and each layer's chunks checked against it."""
-    if new_tokens < 0:
-        raise MaskError(f"--new-tokens {new_tokens}: give 0 or more decode steps")
+    if not 0 <= new_tokens <= MOST_TOKENS:
+        raise MaskError(f"--new-tokens {new_tokens}: give 0 to {MOST_TOKENS} decode steps")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise MaskError(f"--prefill-chunk {prefill_chunk}: give 1 or more tokens")
     config.pad_token_id = the_prompt.pad_id
