@@ -75,6 +75,10 @@ def test_expect_by_layer_type_holds_with_exit_0_and_fails_with_exit_1():
     held = model("gemma3_text", "--window", 3, "--attn", "eager", "--expect", "sliding_attention=window(3)", "--expect", "full*=causal")
     assert held.exit_code == 0, held.output
     assert "--expect: every call matched holds (2 expectations)" in held.stdout
+    # a static cache: the prefill's queries face every slot, the ones not yet filled after them
+    static = model("llama", "--cache", "static", "--expect", "full_attention=causal")
+    assert static.exit_code == 0 and "(queries top-left; key padding" in static.stdout, static.output
+    assert model("llama", "--cache", "static", "--expect", "full_attention=window(2)").exit_code == 1
     wrong = model("mistral", "--window", 3, "--new-tokens", 1, "--expect", "sliding_attention=window(2)")
     assert wrong.exit_code == 1
     text = " ".join(wrong.stdout.split())

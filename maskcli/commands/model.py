@@ -34,7 +34,7 @@ def model(
     window: ConfigWindow = None,
     chunk_size: ConfigChunkSize = None,
     prefill_chunk: Annotated[int | None, typer.Option("--prefill-chunk", help="Prefill the prompt in chunks of this many tokens (generate's prefill_chunk_size); each chunk is a step, and each layer's chunk masks laid on absolute positions must equal its mask from one pass (--cache dynamic): exit status 1 naming the first cell where not.", parser=integer, show_default=False)] = None,
-    expect: Annotated[list[str] | None, typer.Option("--expect", help="LAYERTYPE=EXPR, repeatable: every call of the layers of that type (a shell pattern over layer types, like sliding_attention, or module paths) must be EXPR with its queries at the end of its keys and the padding read off the mask; exit status 1 where one is not.", show_default=False)] = None,
+    expect: Annotated[list[str] | None, typer.Option("--expect", help="LAYERTYPE=EXPR, repeatable: every call of the layers of that type (a shell pattern over layer types, like sliding_attention, or module paths) must be EXPR with its queries at the end of its keys (at their positions in a static cache's slots) and the padding read off the mask; exit status 1 where one is not.", show_default=False)] = None,
     png: Annotated[str | None, typer.Option("--png", help="Write a figure of each layer type's mask at each step, per batch row: .png, .svg or .pdf.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print every call, group and table cell as one JSON object instead of the table.")] = False,
     save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to a trace file that show, diff and inspect read: --mask RUN.pt:7 (call 7) or RUN.pt:PATH@STEP (a module path and step, as --json lists them).", show_default=False)] = None,
@@ -118,6 +118,15 @@ def _list() -> None:
     make_console().print(table)
 
 
+def _placed(call) -> dict:
+    """Queries placed among the keys where the cache says so and they are not at the keys' end (a static cache's
+    slots not yet filled lie after them); the keys counted from the first one, as --expect's padding is."""
+    keys, queries = call.details.get("keys"), call.details["queries"]
+    if keys is None or keys[1] == queries[1]:
+        return {}
+    return {"offset": queries[0] - keys[0], "kv_len": keys[1] - keys[0]}
+
+
 def _show(result, expectations, json_out: bool, targets: dict) -> None:
     import json
 
@@ -126,7 +135,7 @@ def _show(result, expectations, json_out: bool, targets: dict) -> None:
     from maskcli.trace.expect import check
 
     view = make_view(result)
-    failures = check(result.calls, expectations, lambda call: (call.details["layer_type"], call.where)) if expectations else []
+    failures = check(result.calls, expectations, lambda call: (call.details["layer_type"], call.where), _placed) if expectations else []
     held = [f"--expect: every call matched holds ({len(expectations)} expectation{'s' if len(expectations) != 1 else ''})"] if expectations and not failures else []
     if json_out:
         echo(json.dumps(view.json(failures), default=str))
