@@ -137,6 +137,8 @@ def test_png_draws_each_layer_type_at_each_step(tmp_path):
     (["llama", "--expect", "full_attention"], "give PATTERN=EXPR"),
     (["llama", "--ids", "1,2;3"], "pad every row to the same length"),
     ([], "give a model family or a config.json"),
+    (["--try"], "--try goes with --list"),
+    (["gemma4_text"], "gemma4_text cannot be made tiny: AmbiguousGlobalPerLayerAttributeError"),
     (["gemma2"], "gemma2 cannot be built tiny with --attn sdpa: ValueError: Gemma2ForCausalLM does not support"),
 ])
 def test_bad_input_is_one_line(args, says):

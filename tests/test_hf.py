@@ -190,3 +190,11 @@ def test_a_static_cache_gives_every_slot_and_masks_the_ones_not_yet_filled(attn)
         want = reference(valid, list(range(start, start + q_len)), list(range(k_len)))
         got = np.broadcast_to(call.keep(), call.shape)
         assert all((got[:, h] == want).all() for h in range(call.shape[1])), (call.step, got[:, 0].astype(int))
+
+
+def test_tryout_says_whether_a_family_runs_tiny_or_why_not():
+    from maskcli.hf.run import tryout
+
+    assert tryout("llama") == "runs" and tryout("gemma2") == "runs (eager only)"
+    assert tryout("gemma4_text").startswith("cannot be made tiny: AmbiguousGlobalPerLayerAttributeError")
+    assert tryout("bart").startswith("does not shrink to a tiny model: ")

@@ -24,6 +24,7 @@ from maskcli.errors import MaskError
 def model(
     source: Annotated[str | None, typer.Argument(help="A model family (its model_type, like llama, mistral, gemma3_text; maskcli model --list lists them) or a local config.json. Never downloads anything.", show_default=False, metavar="FAMILY|CONFIG.json")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the families this transformers builds as a causal LM, with what shapes their masks (read from their config classes).")] = False,
+    try_: Annotated[bool, typer.Option("--try", help="With --list: build each family tiny and run a padded prefill and a decode step, and say whether it runs (sdpa and eager, or eager only) or why not. Takes a while (about 20 s for 200 families).")] = False,
     lengths: Annotated[str | None, typer.Option("--lengths", help="Prompt length per batch row, like 5,3 (default), padded to the longest on --pad's side.", show_default=False)] = None,
     ids: Annotated[str | None, typer.Option("--ids", help="The prompt's token ids per batch row, like '5,6,7;0,8,9' (--pad-id marks padding), instead of --lengths.", show_default=False)] = None,
     pad: Annotated[str, typer.Option("--pad", help="left or right: where --lengths puts the padding (Hugging Face's padding_side).")] = "left",
@@ -46,8 +47,10 @@ def model(
     from maskcli.hf import require
 
     require()
+    if try_ and not list_:
+        raise MaskError("--try goes with --list: maskcli model --list --try")
     if list_:
-        _list()
+        _list(try_)
         return
     if source is None:
         raise MaskError("give a model family or a config.json: maskcli model llama (maskcli model --list lists the families)")
@@ -100,7 +103,7 @@ def _batch(lengths: str | None, ids: str | None):
     return None, None
 
 
-def _list() -> None:
+def _list(try_: bool) -> None:
     from rich import box
     from rich.table import Table
 
@@ -111,10 +114,13 @@ def _list() -> None:
     found = listing()
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
                   title=f"{len(found)} families transformers {transformers.__version__} builds as a causal LM")
-    for column in ("family", "config class", "what shapes its masks (class defaults)"):
+    columns = ("family", "config class", "what shapes its masks (class defaults)") + (("built tiny",) if try_ else ())
+    for column in columns:
         table.add_column(column, overflow="fold")
+    if try_:
+        from maskcli.hf.run import tryout
     for family in found:
-        table.add_row(family.name, family.config_class, family.shapes)
+        table.add_row(family.name, family.config_class, family.shapes, *((tryout(family.name),) if try_ else ()))
     make_console().print(table)
 
 

@@ -51,8 +51,12 @@ def default_config(name: str):
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
         raise MaskError(f"unknown model family {name!r}{hint}: maskcli model --list lists the families transformers "
                         f"{transformers.__version__} builds as a causal LM, or give a local config.json")
-    with quiet():
-        return text_config(transformers.AutoConfig.for_model(name), name)
+    try:
+        with quiet():
+            config = transformers.AutoConfig.for_model(name)
+    except Exception as error:  # noqa: BLE001 - the family's own config class refuses its defaults: one line saying why
+        raise MaskError(f"{name}: its config class fails with its own defaults: {reason(error)}") from None
+    return text_config(config, name)
 
 
 def text_config(config, name: str):
@@ -153,6 +157,15 @@ def listing() -> list[Family]:
 def tiny(config, window: int | None = None, chunk_size: int | None = None, name: str = "the model"):
     """The config shrunk to a tiny width, keeping what shapes masks: the first layers up to one of each layer type,
     the sliding window and chunk size (or --window, --chunk-size), and a pad id inside the tiny vocabulary."""
+    try:
+        return _tiny(config, window, chunk_size, name)
+    except MaskError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a config whose sizes are per layer (or otherwise its own): say so
+        raise MaskError(f"{name} cannot be made tiny: {reason(error)}") from None
+
+
+def _tiny(config, window: int | None, chunk_size: int | None, name: str):
     types = layer_types(config)
     firsts = [types.index(kind) for kind in dict.fromkeys(types)]
     layers = max(2, max(firsts, default=0) + 1)

@@ -214,6 +214,24 @@ def positions(call, prompt_len: int, prefill_chunk: int | None, cache: str) -> d
     return found
 
 
+def tryout(name: str) -> str:
+    """'runs' where the family builds tiny and runs a padded prefill and a decode step (eager, which every family
+    has; sdpa too where it runs), else why not, in one clause."""
+    from maskcli.hf.families import default_config, tiny
+
+    try:
+        config = tiny(default_config(name), name=name)
+        batch = prompt((3, 2), None, config.pad_token_id, "left", 128)
+        run(name, config, batch, new_tokens=1, attn="eager")
+    except MaskError as error:
+        return str(error).removeprefix(name).lstrip(": ")
+    try:
+        run(name, config, batch, new_tokens=1, attn="sdpa")
+    except MaskError:
+        return "runs (eager only)"
+    return "runs"
+
+
 def step_names(count: int, prompt_len: int, prefill_chunk: int | None) -> list[str]:
     chunks = 1 if not prefill_chunk else -(-prompt_len // prefill_chunk)
     names = ["prefill"] if chunks == 1 else [f"prefill {i + 1}/{chunks}" for i in range(chunks)]
