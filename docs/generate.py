@@ -47,7 +47,7 @@ def run(command: str, cwd: Path | None = None) -> tuple[int, str]:
     before = os.getcwd()
     os.chdir(cwd or ROOT)
     try:
-        result = CliRunner().invoke(app, _args(command), env={"COLUMNS": COLUMNS, "MASKCLI_DEVICE": "cpu", "NO_COLOR": "1"},
+        result = CliRunner().invoke(app, _args(command), env={"COLUMNS": COLUMNS, "MASKCLI_DEVICE": "cpu", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"},
                                     prog_name="maskcli")
     finally:
         os.chdir(before)
