@@ -183,3 +183,16 @@ def test_the_readme_example_prints_what_the_readme_shows():
     result = model(*shlex.split(block.group(1))[2:], columns=100)
     assert result.exit_code == 0, result.output
     assert [line.rstrip() for line in result.stdout.splitlines()] == block.group(2).rstrip("\n").splitlines()
+
+
+@needs_hf
+@pytest.mark.parametrize("args", [
+    # docs/gallery.md, Llama 4 chunked attention: maskcli show "local(3)" --ids "0,0,5,6,7,8,9,4;1,2,3,4,5,6,7,8"
+    ["llama4_text", "--chunk-size", 3, "--ids", "0,0,5,6,7,8,9,4;1,2,3,4,5,6,7,8", "--expect", "chunked_attention=local(3)"],
+    # docs/gallery.md, Mistral's sliding window behind a cache: window(4), 3 queries after 5 prefilled tokens
+    ["mistral", "--window", 4, "--lengths", 8, "--prefill-chunk", 5, "--expect", "sliding_attention=window(4)"],
+])
+def test_the_gallerys_model_family_entries_are_what_the_families_build(args):
+    result = model(*args, "--new-tokens", 1)
+    assert result.exit_code == 0, result.output
+    assert "--expect: every call matched holds (1 expectation)" in result.stdout
