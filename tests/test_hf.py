@@ -102,6 +102,8 @@ def test_right_padding_and_ids():
     assert batch.attention_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
     given = prompt(None, np.array([[0, 5, 6], [7, 8, 9]]), 0, "left", 128)
     assert given.attention_mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+    assert given.side == "left" and prompt(None, np.array([[5, 0], [7, 8]]), 0, "left", 128).side == "right"
+    assert prompt(None, np.array([[0, 5, 0]]), 0, "left", 128).side == "mixed"
     result = run("llama", config, given, new_tokens=1, attn="eager")
     assert check_against_reference(result) == 4
     with pytest.raises(MaskError, match="vocabulary is 0..127"):

@@ -55,6 +55,7 @@ def prompt(lengths: tuple[int, ...] | None, ids: np.ndarray | None, pad_id: int,
     """The batch: --lengths made into ids (distinct tokens, none the pad id) padded on `side`, or --ids as given."""
     if not 0 <= pad_id < vocab:
         raise MaskError(f"--pad-id {pad_id}: the tiny model's vocabulary is 0..{vocab - 1}: give a pad id in it")
+    given = ids is not None
     if ids is None:
         lengths = lengths or (5, 3)
         if min(lengths) < 1 or max(lengths) > MOST_TOKENS or len(lengths) > MOST_ROWS:
@@ -78,6 +79,10 @@ def prompt(lengths: tuple[int, ...] | None, ids: np.ndarray | None, pad_id: int,
     real = ids != pad_id
     if not real.any(axis=1).all():
         raise MaskError(f"--ids: a batch row is all padding (pad id {pad_id}): give it a token")
+    if given:  # the padding is where the pad ids are: say which side that is
+        before = [(~row[: int(np.argmax(row))]).any() for row in real]
+        after = [(~row[int(np.argmax(row)):]).any() for row in real]
+        side = "no" if not any(before) and not any(after) else "left" if not any(after) else "right" if not any(before) else "mixed"
     return Prompt(torch.from_numpy(ids), torch.from_numpy(real.astype(np.int64)), pad_id, side)
 
 
