@@ -25,7 +25,7 @@ COLUMNS = "100"
 CONSOLE = re.compile(r"```console\n(\$ maskcli [^\n]*(?:\\\n[^\n]*)*)\n(.*?)```", re.S)
 FIGURE = re.compile(r"<!-- figure: (maskcli [^>]*?) -->")
 HELP = re.compile(r"<!-- help: (\w+) -->\n```text\n(.*?)```", re.S)
-COMMANDS = ("show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds", "trace", "pack", "export")
+COMMANDS = ("show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds", "trace", "pack", "export", "model")
 BATCH_DIR = DOCS / "batches"
 _SAMPLES = [[101, 7, 8, 2], [101, 9, 2], [101, 5, 6, 7, 2]]  # three tokenised samples, 2 = EOS
 _IDS = [t for sample in _SAMPLES for t in sample]
@@ -97,7 +97,7 @@ def run(command: str, cwd: Path | None = None) -> tuple[int, str]:
     before = os.getcwd()
     os.chdir(cwd or ROOT)
     try:
-        result = CliRunner().invoke(app, _args(command), env={"COLUMNS": COLUMNS, "MASKCLI_DEVICE": "cpu", "NO_COLOR": "1"},
+        result = CliRunner().invoke(app, _args(command), env={"COLUMNS": COLUMNS, "MASKCLI_DEVICE": "cpu", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"},
                                     prog_name="maskcli")
     finally:
         os.chdir(before)

@@ -7,6 +7,7 @@
     engines   attention/* inspect/*        (torch; they do not import each other)
     capture   trace/*                      (torch; names captured masks with inspect, checks them with diff)
     checks    pack/*                       (a packed batch: reads tensors as inspect does, builds masks)
+    families  hf/*                         (torch, transformers: tiny models run under trace's capture)
     render    render/*                     (rich, matplotlib)
     api       api                          (the Python face: build() from Python values, views and notebook display)
     commands  commands/*                   (typer; the only place that prints an error and exits)
@@ -21,7 +22,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "maskcli"
 LAYERS = {
-    "base": 0, "kinds": 1, "model": 2, "formats": 2.5, "attention": 3, "inspect": 3, "trace": 3.5, "pack": 3.5, "render": 4, "api": 4.5, "commands": 5,
+    "base": 0, "kinds": 1, "model": 2, "formats": 2.5, "attention": 3, "inspect": 3, "trace": 3.5, "pack": 3.5, "hf": 3.7, "render": 4, "api": 4.5, "commands": 5,
 }
 BASE = {"errors", "text", "memory", "positions", "intervals", "conventions", "files", "tensorfile", "__init__", "__main__"}
 MODEL = {"expression", "terms", "mask", "why", "batchdata", "regions", "counting", "summary", "blockmask", "diff", "usermods", "tracefile", "testing"}
@@ -42,7 +43,7 @@ def layer(module: str) -> str:
         return "base"
     if parts[1] == "api":
         return "api"
-    if parts[1] in ("kinds", "formats", "attention", "inspect", "trace", "pack", "render", "commands"):
+    if parts[1] in ("kinds", "formats", "attention", "inspect", "trace", "pack", "hf", "render", "commands"):
         return parts[1]
     return "model" if parts[1] in MODEL else "base"
 
@@ -105,7 +106,7 @@ def test_no_circle_of_imports():
 @pytest.mark.parametrize("heavy", ["typer", "rich", "matplotlib", "click"])
 def test_the_core_knows_nothing_of_the_command_line_or_the_screen(heavy):
     for module, path in modules().items():
-        if layer(module) in ("base", "kinds", "model", "attention", "inspect", "trace", "pack"):
+        if layer(module) in ("base", "kinds", "model", "attention", "inspect", "trace", "pack", "hf"):
             assert not any(name == heavy or name.startswith(heavy + ".") for name in imports(path)), module
 
 
@@ -124,7 +125,18 @@ def test_torch_is_imported_at_module_level_only_where_torch_is_the_point():
         top |= {node.module for node in ast.parse(path.read_text()).body if isinstance(node, ast.ImportFrom) and node.module}
         if "torch" in top or any(name.startswith("torch.") for name in top):
             # render.stages draws attention's tensors, and only attend imports it
-            assert layer(module) in ("attention", "inspect", "trace") or module in ("maskcli.tensorfile", "maskcli.render.stages"), module
+            assert layer(module) in ("attention", "inspect", "trace", "hf") or module in ("maskcli.tensorfile", "maskcli.render.stages"), module
+
+
+def test_transformers_is_imported_only_by_hf_and_inside_the_model_command():
+    for module, path in modules().items():
+        tree = ast.parse(path.read_text())
+        top = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+        top |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+        anywhere = imports(path)
+        if any(name.split(".")[0] == "transformers" for name in anywhere):
+            assert layer(module) == "hf" or module == "maskcli.commands.model", module
+        assert not any(name.split(".")[0] == "transformers" for name in top), module  # never at import time
 
 
 def test_no_module_is_over_400_lines():

@@ -29,6 +29,8 @@ def test_the_site_has_its_pages_and_enough_examples():
 
 @pytest.mark.parametrize("page, command, documented", BLOCKS, ids=[f"{p}: {c[:60]}" for p, c, _ in BLOCKS])
 def test_every_documented_output_is_what_the_command_prints(page, command, documented):
+    if command.startswith("maskcli model "):
+        pytest.importorskip("transformers", reason="maskcli model's outputs need the hf extra")
     code, output = generate.run(command)
     assert code in (0, 1), output
     assert output.rstrip("\n") == documented.rstrip("\n"), f"{page} is out of date: run python docs/generate.py"

@@ -59,6 +59,10 @@ WORDS = {
     "--mask-mod": ["mod.py:factory", "mod.py:raises", "mod.py:floats", "mod.py:shape", "mod.py:nothing", "syntax.py:broken",
                    "missing.py:f", "os:system", "nomodule"],
     "--mask-mod-args": ["2", "__import__('os')", "(", "2, 3"],
+    "--attn": ["sdpa", "eager", "flash", ""],
+    "--cache": ["dynamic", "static", "sliding", "paged"],
+    "--pad": ["left", "right", "middle"],
+    "--expect": ["*=causal", "full_attention=window(2)", "x", "=causal", "a=window("],
     "--mask": FILES,
     "--q": FILES, "--k": FILES, "--v": FILES, "--x": FILES + ["[[1,2],[3,4],[5,6],[7,8]]"],
 }
@@ -100,6 +104,8 @@ def positionals(name: str) -> st.SearchStrategy:
         return st.lists(st.sampled_from(EXPRESSIONS + FILES), max_size=2)
     if name in ("inspect", "convert", "pack"):
         return st.lists(st.sampled_from(FILES), max_size=1)
+    if name == "model":  # a family runs only where transformers is installed; the rest is refused either way
+        return st.lists(st.sampled_from(["llama", "mistral", "lama", "bad.json", "missing.json", "good.npy", ""]), max_size=1)
     return st.just([])
 
 
@@ -133,7 +139,8 @@ def folder(tmp_path_factory):
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_any_command_line_ends_cleanly(folder, name):
     documented_one = {"diff": lambda line: True, "pack": lambda line: True,  # pack: 1 = paths disagree or a finding
-                      "verify": lambda line: "--strict" in line}.get(name, lambda line: False)
+                      "verify": lambda line: "--strict" in line,
+                      "model": lambda line: "--expect" in line or "--prefill-chunk" in line}.get(name, lambda line: False)
     planted = {p.relative_to(folder) for p in folder.rglob("*")}
     cwd = Path.cwd()
 

@@ -41,18 +41,20 @@ def found_padding(keep: np.ndarray) -> dict:
     return {"ids": ";".join(",".join("1" if v else "0" for v in row) for row in valid.tolist()), "pad_id": 0}
 
 
-def check(calls: list, expectations: list[tuple[str, str]]) -> list[str]:
+def check(calls: list, expectations: list[tuple[str, str]], names=lambda call: (call.where,), placed=lambda call: {}) -> list[str]:
     """Lines on what differs: for each expectation its first differing call with its first differing rows, then the
-    other differing calls by index (and a pattern that matched nothing); empty when every expectation holds."""
+    other differing calls by index (and a pattern that matched nothing); empty when every expectation holds.
+    A pattern matches a call where it matches any of `names(call)` (its module path; `model` adds its layer type);
+    `placed(call)` may place its queries among its keys (offset=, kv_len=) where they are not at the keys' end."""
     from maskcli.diff import row_words
     from maskcli.testing import keep_array
 
     lines = []
     for pattern, expression in expectations:
         head = f"--expect {pattern}={expression}"
-        matched = [call for call in calls if fnmatchcase(call.where, pattern)]
+        matched = [call for call in calls if any(fnmatchcase(name, pattern) for name in names(call))]
         if not matched:
-            known = ", ".join(sorted({call.where for call in calls})[:6]) or "no calls at all"
+            known = ", ".join(sorted({name for call in calls for name in names(call)})[:6]) or "no calls at all"
             lines.append(f"{head}: no call matches {pattern!r} (calls came from {known})")
             continue
         differing = []
@@ -61,7 +63,7 @@ def check(calls: list, expectations: list[tuple[str, str]]) -> list[str]:
             try:
                 keep = keep_array(call)
                 padding = found_padding(keep)
-                difference = against(keep, expression, f"call {call.index}", **padding)
+                difference = against(keep, expression, f"call {call.index}", **padding, **placed(call))
             except MaskError as error:
                 lines.append(f"{head}: {where}: cannot compare: {error}")
                 continue

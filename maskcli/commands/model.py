@@ -1,0 +1,169 @@
+"""`maskcli model FAMILY|CONFIG.json`: the masks a Hugging Face family builds, per layer type and step (needs transformers)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from maskcli.commands.app import app, done, echo, make_console
+from maskcli.commands.options import ConfigChunkSize, ConfigWindow, examples, integer
+from maskcli.errors import MaskError
+
+
+@app.command(
+    epilog=examples(
+        "maskcli model --list",
+        "maskcli model gemma3_text --window 3 --lengths 5,3 --new-tokens 2",
+        "maskcli model mistral --window 3 --attn eager --expect \"sliding_attention=window(3)\"",
+        "maskcli model llama4_text --chunk-size 4 --lengths 6,4 --png llama4.png",
+        "maskcli model gemma3_text --window 3 --prefill-chunk 2 --save run.pt",
+        "maskcli show --mask run.pt:model.layers.0.self_attn@1",
+    ),
+)
+def model(
+    source: Annotated[str | None, typer.Argument(help="A model family (its model_type, like llama, mistral, gemma3_text; maskcli model --list lists them) or a local config.json. Never downloads anything.", show_default=False, metavar="FAMILY|CONFIG.json")] = None,
+    list_: Annotated[bool, typer.Option("--list", help="List the families this transformers builds as a causal LM, with what shapes their masks (read from their config classes).")] = False,
+    try_: Annotated[bool, typer.Option("--try", help="With --list: build each family tiny and run a padded prefill and a decode step, and say whether it runs (sdpa and eager, or eager only) or why not. Takes a while (about 20 s for 200 families).")] = False,
+    lengths: Annotated[str | None, typer.Option("--lengths", help="Prompt length per batch row, like 5,3 (default), padded to the longest on --pad's side.", show_default=False)] = None,
+    ids: Annotated[str | None, typer.Option("--ids", help="The prompt's token ids per batch row, like '5,6,7;0,8,9' (--pad-id marks padding), instead of --lengths.", show_default=False)] = None,
+    pad: Annotated[str, typer.Option("--pad", help="left or right: where --lengths puts the padding (Hugging Face's padding_side).")] = "left",
+    pad_id: Annotated[int | None, typer.Option("--pad-id", help="The padding token id (default the config's pad_token_id where it is inside the tiny vocabulary, else 0).", parser=integer, show_default=False)] = None,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Decode steps after the prefill, each feeding back the token generate picked (greedy).", parser=integer)] = 2,
+    attn: Annotated[str, typer.Option("--attn", help="How the layers attend (the attention implementation): sdpa, eager or flex (FlexAttention).")] = "sdpa",
+    cache: Annotated[str, typer.Option("--cache", help="The KV cache generate uses: dynamic, static, or sliding (its sliding_window cache).")] = "dynamic",
+    window: ConfigWindow = None,
+    chunk_size: ConfigChunkSize = None,
+    prefill_chunk: Annotated[int | None, typer.Option("--prefill-chunk", help="Prefill the prompt in chunks of this many tokens (generate's prefill_chunk_size); each chunk is a step, and each layer's chunk masks laid on absolute positions must equal its mask from one pass (--cache dynamic): exit status 1 naming the first cell where not.", parser=integer, show_default=False)] = None,
+    expect: Annotated[list[str] | None, typer.Option("--expect", help="LAYERTYPE=EXPR, repeatable: every call of the layers of that type (a shell pattern over layer types, like sliding_attention, or module paths) must be EXPR with its queries at the end of its keys (at their positions in a static cache's slots) and the padding read off the mask; exit status 1 where one is not.", show_default=False)] = None,
+    png: Annotated[str | None, typer.Option("--png", help="Write a figure of each layer type's mask at each step, per batch row: .png, .svg or .pdf.", show_default=False)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print every call, group and table cell as one JSON object instead of the table.")] = False,
+    save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to a trace file that show, diff and inspect read: --mask RUN.pt:7 (call 7) or RUN.pt:PATH@STEP (a module path and step, as --json lists them).", show_default=False)] = None,
+) -> None:
+    """Build a family's model tiny from its config (random weights, offline), run a padded prompt and decode steps, and show the mask each layer type's attention gets at each step.
+
+    Sizes shrink to a tiny width; what shapes masks stays: the sliding window, the layer types and their pattern (the first layers, up to one of each type), the chunk size, the cache, the padding side. The masks are captured as maskcli trace captures them and named by the same recogniser; calls with the same mask form one group (#N).
+    """
+    from maskcli.hf import require
+
+    require()
+    if try_ and not list_:
+        raise MaskError("--try goes with --list: maskcli model --list --try")
+    if list_:
+        _list(try_)
+        return
+    if source is None:
+        raise MaskError("give a model family or a config.json: maskcli model llama (maskcli model --list lists the families)")
+    from maskcli.hf.run import ATTN, CACHES
+
+    if attn not in ATTN:
+        raise MaskError(f"--attn {attn!r}: choose sdpa, eager or flex")
+    if cache not in CACHES:
+        raise MaskError(f"--cache {cache!r}: choose dynamic, static or sliding")
+    if pad not in ("left", "right"):
+        raise MaskError(f"--pad {pad!r}: choose left or right (Hugging Face's padding_side)")
+    if lengths is not None and ids is not None:
+        raise MaskError("give either --lengths or --ids, not both")
+    from maskcli.trace.expect import parse as parse_expect
+
+    expectations = parse_expect(expect or [])
+    from maskcli.files import check_output_path
+
+    targets = {flag: check_output_path(path, suffixes, flag) for flag, path, suffixes in
+               (("--save", save, (".pt",)), ("--png", png, (".png", ".svg", ".pdf"))) if path is not None}
+    parsed_lengths, parsed_ids = _batch(lengths, ids)
+
+    from maskcli.hf.families import SIZES, load, tiny
+    from maskcli.hf.run import prompt, run
+
+    config = load(source)
+    name = source if not source.lower().endswith(".json") else f"{source} ({getattr(config, 'model_type', '?')})"
+    config = tiny(config, window, chunk_size, name)
+    the_pad = pad_id if pad_id is not None else config.pad_token_id
+    the_prompt = prompt(parsed_lengths, parsed_ids, the_pad, pad, SIZES["vocab_size"])
+    result = run(name, config, the_prompt, new_tokens, attn, cache, prefill_chunk)
+    _show(result, expectations, json_out, targets)
+
+
+def _batch(lengths: str | None, ids: str | None):
+    from maskcli.kinds.values import parse_rows
+
+    if ids is not None:
+        import numpy as np
+
+        rows = parse_rows(ids, "--ids", "5,6,7;0,8,9")
+        if len({len(row) for row in rows}) > 1:
+            raise MaskError(f"--ids {ids!r}: the batch rows have {', '.join(str(len(row)) for row in rows)} tokens: pad every row to the same length with the pad id")
+        return None, np.asarray(rows, dtype=np.int64)
+    if lengths is not None:
+        rows = parse_rows(lengths, "--lengths", "5,3")
+        if len(rows) > 1:
+            raise MaskError(f"--lengths {lengths!r}: one length per batch row, in one row (like 5,3)")
+        return tuple(int(x) for x in rows[0]), None
+    return None, None
+
+
+def _list(try_: bool) -> None:
+    from rich import box
+    from rich.table import Table
+
+    from maskcli.hf.families import listing
+
+    import transformers
+
+    found = listing()
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                  title=f"{len(found)} families transformers {transformers.__version__} builds as a causal LM")
+    columns = ("family", "config class", "what shapes its masks (class defaults)") + (("built tiny",) if try_ else ())
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    if try_:
+        from maskcli.hf.run import tryout
+    for family in found:
+        table.add_row(family.name, family.config_class, family.shapes, *((tryout(family.name),) if try_ else ()))
+    make_console().print(table)
+
+
+def _placed(call) -> dict:
+    """Queries placed among the keys where the cache says so and they are not at the keys' end (a static cache's
+    slots not yet filled lie after them); the keys counted from the first one, as --expect's padding is."""
+    keys, queries = call.details.get("keys"), call.details["queries"]
+    if keys is None or keys[1] == queries[1]:
+        return {}
+    return {"offset": queries[0] - keys[0], "kv_len": keys[1] - keys[0]}
+
+
+def _show(result, expectations, json_out: bool, targets: dict) -> None:
+    import json
+
+    from maskcli.files import atomic_write
+    from maskcli.hf.report import view as make_view
+    from maskcli.trace.expect import check
+
+    view = make_view(result)
+    failures = check(result.calls, expectations, lambda call: (call.details["layer_type"], call.where), _placed) if expectations else []
+    held = [f"--expect: every call matched holds ({len(expectations)} expectation{'s' if len(expectations) != 1 else ''})"] if expectations and not failures else []
+    if json_out:
+        echo(json.dumps(view.json(failures), default=str))
+    else:
+        from maskcli.render.model import views
+
+        console = make_console()
+        for item in views(view, failures, held):
+            console.print(item)
+    if "--png" in targets:
+        from maskcli.render.heatmaps import save_figure
+        from maskcli.render.model import model_figure
+
+        save_figure(model_figure(view), targets["--png"])
+        done(f"wrote {targets['--png']}")
+    if "--save" in targets:
+        from maskcli.tracefile import save as save_trace
+
+        tracer = result.trace
+        used = {call.mask for call in tracer.calls if call.mask is not None}
+        masks = {key: value for key, value in tracer.masks.items() if key in used}
+        atomic_write(targets["--save"], lambda path: save_trace(path, [call.json() for call in tracer.calls], masks))
+        done(f"wrote {targets['--save']}")
+    if failures or not result.chunk_holds:
+        raise typer.Exit(1)

@@ -1,0 +1,193 @@
+"""Families from their config classes: which build a causal LM, what in their config shapes masks, and the
+config shrunk to a tiny width that keeps it (sliding window, layer types and their pattern, chunk size, pad id).
+
+Sizes are set by the names transformers' configs use for them; a family whose sizes go by other names stays
+large, and is refused (by its parameter count on the meta device) rather than built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from maskcli.errors import MaskError
+from maskcli.hf import quiet, reason, require
+
+# attribute -> tiny value, set where the config has the attribute (None included: head_dim None is hidden / heads)
+SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+         "vocab_size": 128}
+# set only where not None: None says the family has no experts
+EXPERTS = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
+           "n_routed_experts": 4, "num_experts_per_tok": 2}
+# query and key heads equal: with fewer key heads, SDPA's decode folds the query heads into the query axis
+MOST_PARAMETERS = 3_000_000
+SHAPERS = ("sliding_window", "use_sliding_window", "attention_chunk_size", "cache_implementation")
+
+
+@dataclass
+class Family:
+    name: str  # the model_type: llama, gemma3_text, ...
+    config_class: str
+    shapes: str  # what shapes its masks, in words: "sliding_window 4096; layer_types sliding_attention x5, full_attention"
+
+
+def names() -> list[str]:
+    """The model types this transformers maps to a causal-LM class, decoder-only ones (no encoder-decoder)."""
+    require()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(name for name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if name in CONFIG_MAPPING_NAMES)
+
+
+def default_config(name: str):
+    """The family's config with its class defaults (its text config where it has one)."""
+    transformers = require()
+    if name not in names():
+        from difflib import get_close_matches
+
+        near = get_close_matches(name, names(), n=3)
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise MaskError(f"unknown model family {name!r}{hint}: maskcli model --list lists the families transformers "
+                        f"{transformers.__version__} builds as a causal LM, or give a local config.json")
+    try:
+        with quiet():
+            config = transformers.AutoConfig.for_model(name)
+    except Exception as error:  # noqa: BLE001 - the family's own config class refuses its defaults: one line saying why
+        raise MaskError(f"{name}: its config class fails with its own defaults: {reason(error)}") from None
+    return text_config(config, name)
+
+
+def text_config(config, name: str):
+    try:
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+    except ValueError as error:
+        raise MaskError(f"{name}: no one text config to build ({reason(error)})") from None
+
+
+def file_config(path: str):
+    """A local config.json (never a download): its model_type's config class with the file's values."""
+    transformers = require()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            values = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise MaskError(f"cannot read {path!r} as a config.json: {error}") from None
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        raise MaskError(f"{path!r} has no \"model_type\": give a model's config.json (its model_type names the family)")
+    kind = values.pop("model_type")
+    try:
+        with quiet():
+            config = transformers.AutoConfig.for_model(kind, **values)
+    except Exception as error:  # noqa: BLE001 - the config class refused the file's values: one line saying why
+        raise MaskError(f"{path!r}: model_type {kind!r}: {reason(error)}") from None
+    return text_config(config, kind)
+
+
+def load(source: str):
+    """A family name or a local .json file, as the config it names (class defaults, or the file's values)."""
+    if source.lower().endswith(".json") or os.sep in source:
+        if not os.path.isfile(source):
+            raise MaskError(f"no such config file {source!r}: give a local config.json, or a family name (maskcli model --list)")
+        return file_config(source)
+    return default_config(source)
+
+
+def layer_types(config) -> list[str]:
+    """Each layer's attention kind: the config's layer_types, else what its sliding window or chunk size makes every layer."""
+    found = getattr(config, "layer_types", None)
+    count = getattr(config, "num_hidden_layers", None) or 0
+    if found:
+        return list(found)
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
+        kind = "sliding_attention"
+    elif getattr(config, "attention_chunk_size", None):
+        kind = "chunked_attention"
+    else:
+        kind = "full_attention"
+    return [kind] * count
+
+
+def pattern(types: list[str]) -> str:
+    """'sliding_attention x5, full_attention (repeats every 6 of 26 layers)': the shortest period of the layer types."""
+    if not types:
+        return ""
+    period = next(p for p in range(1, len(types) + 1) if all(types[i] == types[i % p] for i in range(len(types))))
+    runs: list[list] = []
+    for kind in types[:period]:
+        if runs and runs[-1][0] == kind:
+            runs[-1][1] += 1
+        else:
+            runs.append([kind, 1])
+    text = ", ".join(kind + (f" x{count}" if count > 1 else "") for kind, count in runs)
+    if period == 1:
+        return f"{text} (every layer)"
+    if period < len(types):
+        text += f" (repeats every {period} of {len(types)} layers)"
+    return text
+
+
+def shapes(config) -> str:
+    """What in the config shapes its masks, in words."""
+    parts = []
+    for name in SHAPERS:
+        value = getattr(config, name, None)
+        if value is not None and not (name == "use_sliding_window" and getattr(config, "sliding_window", None) is None):
+            parts.append(f"{name} {value}")
+    types = layer_types(config)
+    if len(set(types)) > 1 or (types and types[0] != "full_attention"):
+        parts.append(f"layer_types {pattern(types)}")
+    return "; ".join(parts) or "causal (no window, chunks or layer types)"
+
+
+def listing() -> list[Family]:
+    """Every family that builds a causal LM, with what shapes its masks (read from its config class's defaults)."""
+    found = []
+    for name in names():
+        try:
+            config = default_config(name)
+        except Exception as error:  # noqa: BLE001 - a family whose config cannot even be made says why, and the list goes on
+            found.append(Family(name, "?", f"its config class fails: {reason(error)}"))
+            continue
+        found.append(Family(name, type(config).__name__, shapes(config)))
+    return found
+
+
+def tiny(config, window: int | None = None, chunk_size: int | None = None, name: str = "the model"):
+    """The config shrunk to a tiny width, keeping what shapes masks: the first layers up to one of each layer type,
+    the sliding window and chunk size (or --window, --chunk-size), and a pad id inside the tiny vocabulary."""
+    try:
+        return _tiny(config, window, chunk_size, name)
+    except MaskError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a config whose sizes are per layer (or otherwise its own): say so
+        raise MaskError(f"{name} cannot be made tiny: {reason(error)}") from None
+
+
+def _tiny(config, window: int | None, chunk_size: int | None, name: str):
+    types = layer_types(config)
+    firsts = [types.index(kind) for kind in dict.fromkeys(types)]
+    layers = max(2, max(firsts, default=0) + 1)
+    changes = {key: value for key, value in SIZES.items() if hasattr(config, key)}
+    changes |= {key: value for key, value in EXPERTS.items() if getattr(config, key, None) is not None}
+    changes["num_hidden_layers"] = layers
+    if getattr(config, "layer_types", None):
+        changes["layer_types"] = list(config.layer_types[:layers])
+    for flag, attribute, value in (("--window", "sliding_window", window), ("--chunk-size", "attention_chunk_size", chunk_size)):
+        if value is None:
+            continue
+        if value < 1:
+            raise MaskError(f"{flag} {value}: give 1 or more tokens")
+        if not hasattr(config, attribute):
+            raise MaskError(f"{flag} {value}: {name} has no {attribute} in its config, so {flag} would change nothing")
+        changes[attribute] = value
+    pad = getattr(config, "pad_token_id", None)
+    changes["pad_token_id"] = pad if isinstance(pad, int) and 0 <= pad < SIZES["vocab_size"] else 0
+    for key, value in changes.items():
+        try:
+            with quiet():
+                setattr(config, key, value)
+        except Exception as error:  # noqa: BLE001 - a config that refuses a size: one line saying which
+            raise MaskError(f"{name} cannot be made tiny: setting {key} fails ({reason(error)})") from None
+    return config

@@ -1,0 +1,243 @@
+"""A tiny model built from its config and run on a padded batch (a prefill, then decode steps), traced with
+maskcli's capture: each attention call's mask with its layer, that layer's type and the step.
+
+generate (greedy, every new token fed back) makes the steps as the family's own code makes them: its
+cache, its position ids under left padding, its masks. `new_tokens` decode steps are `new_tokens + 1`
+generated tokens: the last one is never fed back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from maskcli.errors import MaskError
+from maskcli.hf import quiet, reason, require
+from maskcli.hf.families import MOST_PARAMETERS, layer_types
+
+ATTN = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}
+CACHES = {"dynamic": "dynamic", "static": "static", "sliding": "sliding_window"}
+LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+MOST_TOKENS = 512  # a prompt row, and the decode steps: a tiny model on a CPU shows its masks well before this
+MOST_ROWS = 16
+
+
+@dataclass
+class Prompt:
+    ids: torch.Tensor  # (B, L) int64
+    attention_mask: torch.Tensor  # (B, L) int64, 1 = a real token
+    pad_id: int
+    side: str
+
+
+@dataclass
+class ModelRun:
+    name: str
+    config: object
+    types: list[str]  # per layer
+    prompt: Prompt
+    steps: list[str]  # the name of each step: prefill (or its chunks), decode 1, ...
+    trace: object  # maskcli.trace.capture.Trace
+    calls: list  # the attention calls of the layers, each with .layer, .layer_type, .step_name set in details
+    other: list  # calls outside the numbered layers
+    timings: dict = field(default_factory=dict)
+    generated: list = field(default_factory=list)
+    chunk_check: list = field(default_factory=list)  # --prefill-chunk: lines on the chunks against one pass
+    chunk_holds: bool = True
+
+
+def prompt(lengths: tuple[int, ...] | None, ids: np.ndarray | None, pad_id: int, side: str, vocab: int) -> Prompt:
+    """The batch: --lengths made into ids (distinct tokens, none the pad id) padded on `side`, or --ids as given."""
+    if not 0 <= pad_id < vocab:
+        raise MaskError(f"--pad-id {pad_id}: the tiny model's vocabulary is 0..{vocab - 1}: give a pad id in it")
+    given = ids is not None
+    if ids is None:
+        lengths = lengths or (5, 3)
+        if min(lengths) < 1 or max(lengths) > MOST_TOKENS or len(lengths) > MOST_ROWS:
+            raise MaskError(f"--lengths {','.join(map(str, lengths))[:60]}: give 1 to {MOST_ROWS} batch rows of 1 to "
+                            f"{MOST_TOKENS} tokens each")
+        width = max(lengths)
+        rows = []
+        for b, length in enumerate(lengths):
+            tokens = [t for t in range(1 + 7 * b, 10_000) if t % vocab != pad_id][:length]
+            real = [t % vocab for t in tokens]
+            pads = [pad_id] * (width - length)
+            rows.append(pads + real if side == "left" else real + pads)
+        ids = np.asarray(rows, dtype=np.int64)
+    ids = np.asarray(ids, dtype=np.int64)
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise MaskError("--ids: give one row of token ids per batch row, like 5,6,7;0,8,9")
+    if ids.shape[0] > MOST_ROWS or ids.shape[1] > MOST_TOKENS:
+        raise MaskError(f"--ids: give 1 to {MOST_ROWS} batch rows of 1 to {MOST_TOKENS} tokens each")
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise MaskError(f"--ids: the tiny model's vocabulary is 0..{vocab - 1}: give ids in it (the pad id is {pad_id})")
+    real = ids != pad_id
+    if not real.any(axis=1).all():
+        raise MaskError(f"--ids: a batch row is all padding (pad id {pad_id}): give it a token")
+    if given:  # the padding is where the pad ids are: say which side that is
+        before = [(~row[: int(np.argmax(row))]).any() for row in real]
+        after = [(~row[int(np.argmax(row)):]).any() for row in real]
+        side = "no" if not any(before) and not any(after) else "left" if not any(after) else "right" if not any(before) else "mixed"
+    return Prompt(torch.from_numpy(ids), torch.from_numpy(real.astype(np.int64)), pad_id, side)
+
+
+def build(config, attn: str, name: str):
+    """The model, random weights, eval mode; refused when it does not shrink (counted on the meta device first)."""
+    transformers = require()
+    with quiet():
+        try:
+            with torch.device("meta"):
+                shell = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTN[attn])
+            count = sum(p.numel() for p in shell.parameters())
+            if count > MOST_PARAMETERS:
+                raise MaskError(f"{name} does not shrink to a tiny model: {count:,} parameters after setting the sizes maskcli "
+                                "knows (its config names other sizes); try a config.json with small sizes")
+            torch.manual_seed(0)
+            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTN[attn]).eval()
+        except MaskError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the family's own code refused this config: one line saying why
+            hint = "; try --attn eager" if attn != "eager" else ""
+            raise MaskError(f"{name} cannot be built tiny with --attn {attn}: {reason(error)}{hint}") from None
+
+
+def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = "sdpa", cache: str = "dynamic",
+        prefill_chunk: int | None = None) -> ModelRun:
+    """Build, then generate under maskcli's trace; the calls sorted into layers, layer types and steps. With
+    `prefill_chunk`, the prompt is prefilled once more in one pass and each layer's chunks checked against it."""
+    if not 0 <= new_tokens <= MOST_TOKENS:
+        raise MaskError(f"--new-tokens {new_tokens}: give 0 to {MOST_TOKENS} decode steps")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise MaskError(f"--prefill-chunk {prefill_chunk}: give 1 or more tokens")
+    config.pad_token_id = the_prompt.pad_id
+    started = time.perf_counter()
+    model = build(config, attn, name)
+    built = time.perf_counter()
+    options = dict(max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, do_sample=False,
+                   pad_token_id=the_prompt.pad_id, cache_implementation=CACHES[cache])
+    if prefill_chunk is not None:
+        options["prefill_chunk_size"] = prefill_chunk
+    tracer = _generate(model, the_prompt, options, attn, cache, name, prefill_chunk)
+    ran = time.perf_counter()
+    calls, other = _sorted(tracer, config)
+    if not calls:
+        raise MaskError(f"{name} --attn {attn}: no attention call of its layers was captured "
+                        f"({len(tracer.calls)} calls elsewhere): maskcli cannot see this family's attention")
+    steps = step_names(max((call.step for call in calls), default=-1) + 1, the_prompt.ids.shape[1], prefill_chunk)
+    for call in calls:
+        call.details["step_name"] = steps[call.step] if call.step < len(steps) else f"step {call.step}"
+        call.details.update(positions(call, the_prompt.ids.shape[1], prefill_chunk, cache))
+    generated = tracer.out[:, the_prompt.ids.shape[1]:].tolist()
+    result = ModelRun(name, config, layer_types(config), the_prompt, steps, tracer, calls, other,
+                      {"build_s": built - started, "run_s": ran - built}, generated)
+    if prefill_chunk is not None and cache != "dynamic":
+        result.chunk_check = [f"--prefill-chunk {prefill_chunk}: the chunks are checked against one pass with --cache dynamic "
+                              f"only (a {cache} cache's keys are its slots, not the last positions)"]
+    elif prefill_chunk is not None:
+        from maskcli.hf.chunks import check
+
+        single = {key: value for key, value in options.items() if key != "prefill_chunk_size"}
+        single.update(max_new_tokens=1, min_new_tokens=1)
+        one_pass, _ = _sorted(_generate(model, the_prompt, single, attn, cache, name, None), config)
+        chunks = -(-the_prompt.ids.shape[1] // prefill_chunk)
+        result.chunk_check, result.chunk_holds = check(calls, one_pass, result.types, the_prompt.ids.shape[1], chunks, prefill_chunk)
+    return result
+
+
+def _generate(model, the_prompt: Prompt, options: dict, attn: str, cache: str, name: str, prefill_chunk: int | None):
+    """generate under a Trace; the Trace, with the generated ids as .out."""
+    from maskcli.trace.capture import Trace
+
+    tracer = Trace(("sdpa", "flex", "softmax"))
+    with quiet():
+        try:
+            with tracer, torch.no_grad(), _flex_uncompiled(attn == "flex"):
+                out = model.generate(the_prompt.ids, attention_mask=the_prompt.attention_mask, **options)
+        except Exception as error:  # noqa: BLE001 - the family's code refused this run: one line saying why
+            raise MaskError(f"{name} cannot run --attn {attn} --cache {cache}"
+                            f"{f' --prefill-chunk {prefill_chunk}' if prefill_chunk else ''}: {reason(error)}") from None
+    tracer.out = out
+    return tracer
+
+
+def _sorted(tracer, config) -> tuple[list, list]:
+    """The calls of the numbered layers (each given its layer and layer type), and the others."""
+    types = layer_types(config)
+    calls, other = [], []
+    for call in tracer.calls:
+        found = LAYER.findall(call.where)
+        layer = int(found[-1]) if found else None
+        if layer is None or layer >= len(types):
+            other.append(call)
+            continue
+        call.details["layer"], call.details["layer_type"] = layer, types[layer]
+        calls.append(call)
+    return calls, other
+
+
+@contextlib.contextmanager
+def _flex_uncompiled(active: bool):
+    """transformers runs flex_attention under torch.compile, where no capture can see it: while traced, its
+    flex path calls flex_attention itself (the same mask, the block mask it built, run eagerly)."""
+    if not active:
+        yield
+        return
+    import transformers.integrations.flex_attention as hf_flex
+    from torch.nn.attention import flex_attention as torch_flex
+
+    def uncompiled(query, key, value, training=False, **kwargs):
+        return torch_flex.flex_attention(query, key, value, **kwargs)
+
+    original = hf_flex.compile_friendly_flex_attention
+    hf_flex.compile_friendly_flex_attention = uncompiled
+    try:
+        yield
+    finally:
+        hf_flex.compile_friendly_flex_attention = original
+
+
+def positions(call, prompt_len: int, prefill_chunk: int | None, cache: str) -> dict:
+    """The call's query positions [start, end), and its keys' where the cache says them: a dynamic cache returns the
+    last Lk positions up to the last query, a static one its slots from position 0 (its sliding layers' slots are a
+    ring, left unsaid)."""
+    q_len, k_len = call.shape[2:]
+    chunks = 1 if not prefill_chunk else -(-prompt_len // prefill_chunk)
+    if call.step < chunks:
+        start = call.step * prefill_chunk if prefill_chunk else 0
+    else:
+        start = prompt_len + call.step - chunks
+    found = {"queries": [start, start + q_len]}
+    if cache == "dynamic":
+        found["keys"] = [start + q_len - k_len, start + q_len]
+    elif call.details["layer_type"] == "full_attention":
+        found["keys"] = [0, k_len]
+    return found
+
+
+def tryout(name: str) -> str:
+    """'runs' where the family builds tiny and runs a padded prefill and a decode step (eager, which every family
+    has; sdpa too where it runs), else why not, in one clause."""
+    from maskcli.hf.families import default_config, tiny
+
+    try:
+        config = tiny(default_config(name), name=name)
+        batch = prompt((3, 2), None, config.pad_token_id, "left", 128)
+        run(name, config, batch, new_tokens=1, attn="eager")
+    except MaskError as error:
+        return str(error).removeprefix(name).lstrip(": ")
+    try:
+        run(name, config, batch, new_tokens=1, attn="sdpa")
+    except MaskError:
+        return "runs (eager only)"
+    return "runs"
+
+
+def step_names(count: int, prompt_len: int, prefill_chunk: int | None) -> list[str]:
+    chunks = 1 if not prefill_chunk else -(-prompt_len // prefill_chunk)
+    names = ["prefill"] if chunks == 1 else [f"prefill {i + 1}/{chunks}" for i in range(chunks)]
+    return (names + [f"decode {i + 1}" for i in range(max(0, count - chunks))])[:max(count, 0)]

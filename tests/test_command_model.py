@@ -1,0 +1,198 @@
+"""`maskcli model`: the table at 60 and 120 columns, --expect, --json, --save read back by show, --png, one-line
+refusals, and the command without transformers. The masks are checked against a double loop in tests/test_hf.py;
+here against the same rule on the saved trace."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+runner = CliRunner()
+
+
+def model(*args, columns: int = 120):
+    return runner.invoke(app, ["model", *map(str, args)], env={"COLUMNS": str(columns), "NO_COLOR": "1"})
+
+
+def rows(text: str) -> list[list[str]]:
+    return [line.split() for line in text.splitlines() if line.split()[:1] in (["prefill"], ["decode"])]
+
+
+def test_without_transformers_the_command_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    result = model("llama")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == 'maskcli: error: maskcli model needs transformers: pip install "maskcli[hf]"\n'
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    code = ("import sys\nfrom maskcli.commands import main\nsys.argv = ['maskcli', 'model', '--help']\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n"
+            "print('LOADED', [m for m in ('torch', 'transformers') if m in sys.modules], file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "LOADED []" in result.stderr and "FAMILY|CONFIG.json" in result.stdout, result.stderr[-500:]
+
+
+def _installed() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_hf = pytest.mark.skipif(not _installed(), reason="maskcli model needs the hf extra (transformers)")
+
+
+@needs_hf
+def test_the_table_names_each_layer_types_mask_at_each_step_at_120_and_60_columns():
+    wide = model("gemma3_text", "--window", 3, "--lengths", "5,3", "--new-tokens", 2)
+    assert wide.exit_code == 0, wide.output
+    lines = wide.stdout.splitlines()
+    assert lines[0] == "maskcli model gemma3_text: Gemma3TextConfig, 6 layers, 18 attention calls in 5 groups"
+    assert lines[1] == "masks shaped by: sliding_window 3; layer_types sliding_attention x5, full_attention"
+    assert lines[2] == "ids 1,2,3,4,5;0,0,8,9,10 (pad id 0, left padding); 3 steps"
+    assert rows(wide.stdout) == [["prefill", "#0", "window(3)", "5x5", "#1", "causal", "5x5"],
+                                 ["decode", "1", "#2", "causal", "1x3", "#3", "causal", "1x6"],
+                                 ["decode", "2", "#2", "causal", "1x3", "#4", "causal", "1x7"]]
+    assert "#0 window(3) (key padding 1,1,1,1,1;0,0,1,1,1) · sdpa (2,2,5,5) · model.layers.{0-4}.self_attn" in wide.stdout
+    narrow = model("gemma3_text", "--window", 3, "--lengths", "5,3", "--new-tokens", 2, columns=60)
+    assert narrow.exit_code == 0 and max(map(len, narrow.stdout.splitlines())) <= 60
+    assert rows(narrow.stdout) == rows(wide.stdout)
+
+
+@needs_hf
+def test_expect_by_layer_type_holds_with_exit_0_and_fails_with_exit_1():
+    held = model("gemma3_text", "--window", 3, "--attn", "eager", "--expect", "sliding_attention=window(3)", "--expect", "full*=causal")
+    assert held.exit_code == 0, held.output
+    assert "--expect: every call matched holds (2 expectations)" in held.stdout
+    # a static cache: the prefill's queries face every slot, the ones not yet filled after them
+    static = model("llama", "--cache", "static", "--expect", "full_attention=causal")
+    assert static.exit_code == 0 and "(queries top-left; key padding" in static.stdout, static.output
+    assert model("llama", "--cache", "static", "--expect", "full_attention=window(2)").exit_code == 1
+    wrong = model("mistral", "--window", 3, "--new-tokens", 1, "--expect", "sliding_attention=window(2)")
+    assert wrong.exit_code == 1
+    text = " ".join(wrong.stdout.split())
+    assert ("--expect sliding_attention=window(2): call 0 (model.layers.0.self_attn step 0, sdpa) differs from window(2) "
+            "with the padding found in the mask: batch 0 row 2: the call sees 0-2, window(2) sees 1-2") in text
+    assert "3 more calls differ: 1-3" in text
+
+
+@needs_hf
+def test_json_has_every_call_and_save_is_a_trace_show_reads(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = model("llama", "--lengths", "2,4", "--pad", "right", "--new-tokens", 1, "--json", "--save", "run.pt")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["ids"] == [[1, 2, 0, 0], [8, 9, 10, 11]] and data["steps"] == ["prefill", "decode 1"]
+    assert [(c["where"], c["step"], c["details"]["layer_type"]) for c in data["calls"]] == [
+        (f"model.layers.{layer}.self_attn", step, "full_attention") for step in (0, 1) for layer in (0, 1)]
+    shown = runner.invoke(app, ["show", "--mask", "run.pt:model.layers.1.self_attn@1", "--json"])
+    assert shown.exit_code == 0, shown.output
+    # decode 1: the query at position 4 sees the real keys up to itself; right padding leaves 2-3 of row 0 unseen
+    valid = [[1, 1, 0, 0, 1], [1, 1, 1, 1, 1]]
+    want = [[[[int(k <= 4 and valid[b][k]) for k in range(5)]]] * 2 for b in range(2)]  # 2 heads
+    assert json.loads(shown.stdout)["mask"] == want
+
+
+@needs_hf
+def test_a_sliding_cache_keeps_the_window_and_the_full_layers_get_every_slot():
+    result = model("gemma3_text", "--window", 3, "--lengths", "6,4", "--new-tokens", 1, "--cache", "sliding", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    shapes = {(c["details"]["layer_type"], c["step"]): c["shape"][2:] for c in data["calls"]}
+    assert shapes[("sliding_attention", 0)] == [6, 6] and shapes[("sliding_attention", 1)] == [1, 3]
+    assert shapes[("full_attention", 0)][1] == shapes[("full_attention", 1)][1] >= 7  # the static slots
+    names = {(cell["layer_type"], cell["step"]): cell["cells"][0]["name"].split(" ")[0] for cell in data["table"]}
+    assert names[("sliding_attention", "prefill")] == "window(3)" and names[("full_attention", "decode 1")] == "causal"
+
+
+@needs_hf
+def test_png_draws_each_layer_type_at_each_step(tmp_path):
+    import matplotlib.image
+
+    result = model("mistral", "--window", 2, "--new-tokens", 1, "--png", tmp_path / "m.png")
+    assert result.exit_code == 0 and "wrote" in result.stderr
+    pixels = matplotlib.image.imread(tmp_path / "m.png")
+    blue = np.all(np.abs(pixels[..., :3] - np.array([31, 119, 180]) / 255) < 0.02, axis=-1)
+    assert blue.sum() > 1000  # visible cells drawn in the figure's keep colour
+
+
+@needs_hf
+@pytest.mark.parametrize("args, says", [
+    (["llama", "--attn", "flash"], "--attn 'flash': choose sdpa, eager or flex"),
+    (["llama", "--cache", "paged"], "--cache 'paged': choose dynamic, static or sliding"),
+    (["llama", "--window", "3"], "llama has no sliding_window in its config"),
+    (["lama"], "unknown model family 'lama'"),
+    (["llama", "--lengths", "3", "--ids", "1,2"], "either --lengths or --ids"),
+    (["llama", "--expect", "full_attention"], "give PATTERN=EXPR"),
+    (["llama", "--ids", "1,2;3"], "pad every row to the same length"),
+    ([], "give a model family or a config.json"),
+    (["--try"], "--try goes with --list"),
+    (["gemma4_text"], "gemma4_text cannot be made tiny: AmbiguousGlobalPerLayerAttributeError"),
+    (["gemma2"], "gemma2 cannot be built tiny with --attn sdpa: ValueError: Gemma2ForCausalLM does not support"),
+])
+def test_bad_input_is_one_line(args, says):
+    result = model(*args)
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("maskcli: error: ") and says in line
+    if args == ["gemma2"]:
+        assert line.endswith("; try --attn eager") and model("gemma2", "--attn", "eager", "--new-tokens", 0).exit_code == 0
+
+
+@needs_hf
+def test_a_config_json_and_list(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 2, "max_window_layers": 0}))
+    result = model(path, "--new-tokens", 1)
+    assert result.exit_code == 0, result.output
+    assert rows(result.stdout)[0][:3] == ["prefill", "#0", "window(2)"]
+    listed = model("--list")
+    assert listed.exit_code == 0
+    lines = {line.split()[0]: line for line in listed.stdout.splitlines() if line.strip()}
+    assert "sliding_window 4096" in lines["mistral"] and "Gemma3TextConfig" in lines["gemma3_text"]
+
+
+@needs_hf
+def test_prefill_chunk_steps_and_the_check_against_one_pass():
+    result = model("gemma3_text", "--window", 3, "--lengths", "6,4", "--new-tokens", 1, "--prefill-chunk", 3)
+    assert result.exit_code == 0, result.output
+    assert [row[:2] for row in rows(result.stdout)] == [["prefill", "1/2"], ["prefill", "2/2"], ["decode", "1"]]
+    assert rows(result.stdout)[1][2:] == ["#1", "window(3)", "3x5", "#2", "causal", "3x6"]  # 2 cached keys + 3 new
+    assert "--prefill-chunk 3: in every layer the 2 chunks' masks put together equal the single-pass prefill mask" in result.stdout
+
+
+@needs_hf
+def test_the_readme_example_prints_what_the_readme_shows():
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"```text\n\$ (maskcli model [^\n]*)\n(.*?)```", readme, re.S)
+    result = model(*shlex.split(block.group(1))[2:], columns=100)
+    assert result.exit_code == 0, result.output
+    assert [line.rstrip() for line in result.stdout.splitlines()] == block.group(2).rstrip("\n").splitlines()
+
+
+@needs_hf
+@pytest.mark.parametrize("args", [
+    # docs/gallery.md, Llama 4 chunked attention: maskcli show "local(3)" --ids "0,0,5,6,7,8,9,4;1,2,3,4,5,6,7,8"
+    ["llama4_text", "--chunk-size", 3, "--ids", "0,0,5,6,7,8,9,4;1,2,3,4,5,6,7,8", "--expect", "chunked_attention=local(3)"],
+    # docs/gallery.md, Mistral's sliding window behind a cache: window(4), 3 queries after 5 prefilled tokens
+    ["mistral", "--window", 4, "--lengths", 8, "--prefill-chunk", 5, "--expect", "sliding_attention=window(4)"],
+])
+def test_the_gallerys_model_family_entries_are_what_the_families_build(args):
+    result = model(*args, "--new-tokens", 1)
+    assert result.exit_code == 0, result.output
+    assert "--expect: every call matched holds (1 expectation)" in result.stdout

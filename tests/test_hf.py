@@ -1,0 +1,202 @@
+"""maskcli.hf: families from config classes, shrunk keeping what shapes masks, run and traced; each captured mask
+against Hugging Face's documented mask rule computed here (a double loop over absolute positions)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing here may download: configs come from classes or a local file
+transformers = pytest.importorskip("transformers", reason="maskcli model needs the hf extra (transformers)")
+
+from maskcli.errors import MaskError  # noqa: E402
+from maskcli.hf import families  # noqa: E402
+from maskcli.hf.run import prompt, run  # noqa: E402
+
+
+def reference(valid: np.ndarray, q_pos: list[int], k_pos: list[int], window: int | None = None, chunk: int | None = None) -> np.ndarray:
+    """HF's rule on absolute (padded) positions, a double loop: causal, no padding key, a sliding window of W keys
+    including itself, Llama 4 chunks counted from each row's first real token. Bool (B, Lq, Lk)."""
+    batch = valid.shape[0]
+    out = np.zeros((batch, len(q_pos), len(k_pos)), dtype=bool)
+    for b in range(batch):
+        first = int(np.argmax(valid[b]))
+        for i, q in enumerate(q_pos):
+            for j, k in enumerate(k_pos):
+                keep = k <= q and valid[b, k]
+                if window is not None:
+                    keep = keep and q - k < window
+                if chunk is not None:
+                    keep = keep and (q - first) // chunk == (k - first) // chunk
+                out[b, i, j] = keep
+    return out
+
+
+def check_against_reference(result, window: int | None = None, chunk: int | None = None) -> int:
+    """Every captured call against the reference: queries are the step's positions, keys the last Lk positions
+    so far (what a dynamic cache returns); the number of calls checked."""
+    ids = result.prompt.attention_mask.numpy().astype(bool)
+    steps = len(result.steps)
+    valid = np.concatenate([ids, np.ones((ids.shape[0], steps), dtype=bool)], axis=1)
+    prompt_len = ids.shape[1]
+    checked = 0
+    for call in result.calls:
+        total = prompt_len + call.step
+        q_len, k_len = call.shape[2:]
+        assert q_len == (prompt_len if call.step == 0 else 1)
+        kind = call.details["layer_type"]
+        if kind == "full_attention":
+            assert k_len == total
+        q_pos = list(range(total - q_len, total))
+        k_pos = list(range(total - k_len, total))
+        want = reference(valid, q_pos, k_pos, window if kind == "sliding_attention" else None,
+                         chunk if kind == "chunked_attention" else None)
+        got = np.broadcast_to(call.keep(), call.shape)
+        for h in range(call.shape[1]):
+            assert (got[:, h] == want).all(), (call.where, call.step, kind, got[:, h].astype(int), want.astype(int))
+        checked += 1
+    return checked
+
+
+FAMILIES = [  # (family, window, chunk size, layers, layer types in the tiny model)
+    ("llama", None, None, 2, {"full_attention"}),
+    ("mistral", 3, None, 2, {"sliding_attention"}),
+    ("gemma3_text", 3, None, 6, {"sliding_attention", "full_attention"}),
+    ("qwen3", None, None, 2, {"full_attention"}),
+]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family, window, chunk, layers, types", FAMILIES)
+def test_each_captured_mask_is_hf_rule_on_absolute_positions(family, window, chunk, layers, types, attn):
+    config = families.tiny(families.load(family), window=window, chunk_size=chunk, name=family)
+    assert config.num_hidden_layers == layers and set(families.layer_types(config)) == types
+    batch = prompt((5, 3), None, config.pad_token_id, "left", 128)
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]
+    result = run(family, config, batch, new_tokens=2, attn=attn)
+    assert result.steps == ["prefill", "decode 1", "decode 2"]
+    assert {call.api for call in result.calls} == {"softmax" if attn == "eager" else "sdpa"}
+    assert check_against_reference(result, window, chunk) == 3 * layers
+
+
+def test_flex_attention_is_captured_though_transformers_compiles_it():
+    config = families.tiny(families.load("gemma3_text"), window=2, name="gemma3_text")
+    result = run("gemma3_text", config, prompt((4, 2), None, 0, "left", 128), new_tokens=1, attn="flex")
+    assert {call.api for call in result.calls} == {"flex"}
+    assert check_against_reference(result, window=2) == 12
+
+
+def test_llama4_chunked_layers_count_chunks_from_the_first_real_token():
+    config = families.tiny(families.load("llama4_text"), chunk_size=2, name="llama4_text")
+    assert families.layer_types(config) == ["chunked_attention"] * 3 + ["full_attention"]
+    result = run("llama4_text", config, prompt((5, 3), None, config.pad_token_id, "left", 128), new_tokens=1, attn="eager")
+    assert check_against_reference(result, chunk=2) == 8
+
+
+def test_right_padding_and_ids():
+    config = families.tiny(families.load("llama"), name="llama")
+    batch = prompt((2, 4), None, 0, "right", 128)
+    assert batch.attention_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    given = prompt(None, np.array([[0, 5, 6], [7, 8, 9]]), 0, "left", 128)
+    assert given.attention_mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+    assert given.side == "left" and prompt(None, np.array([[5, 0], [7, 8]]), 0, "left", 128).side == "right"
+    assert prompt(None, np.array([[0, 5, 0]]), 0, "left", 128).side == "mixed"
+    result = run("llama", config, given, new_tokens=1, attn="eager")
+    assert check_against_reference(result) == 4
+    with pytest.raises(MaskError, match="vocabulary is 0..127"):
+        prompt(None, np.array([[1, 200]]), 0, "left", 128)
+
+
+def test_the_layer_pattern_is_read_from_the_config_class_and_kept_when_shrunk():
+    gemma3 = families.load("gemma3_text")
+    assert families.pattern(families.layer_types(gemma3)) == "sliding_attention x5, full_attention (repeats every 6 of 26 layers)"
+    assert families.shapes(gemma3).startswith("sliding_window 4096; layer_types sliding_attention x5, full_attention")
+    assert families.layer_types(families.load("mistral"))[:2] == ["sliding_attention"] * 2  # a window and no layer_types
+    tiny = families.tiny(families.load("gemma3_text"), name="gemma3_text")
+    assert tiny.sliding_window == 4096 and tiny.hidden_size == 32 and tiny.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert families.tiny(families.load("llama4_text"), chunk_size=4).attention_chunk_size == 4
+
+
+def test_a_local_config_json_and_bad_sources_are_one_line(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "mistral", "sliding_window": 2, "num_hidden_layers": 7}))
+    config = families.load(str(path))
+    assert type(config).__name__ == "MistralConfig" and config.sliding_window == 2 and config.num_hidden_layers == 7
+    (tmp_path / "bad.json").write_text(json.dumps({"hidden_size": 8}))
+    for source, message in ((str(tmp_path / "bad.json"), "no \"model_type\""), (str(tmp_path / "none.json"), "no such config file"),
+                            ("lama", "unknown model family 'lama' (did you mean llama"),):
+        with pytest.raises(MaskError, match=message.replace("(", r"\(")):
+            families.load(source)
+    with pytest.raises(MaskError, match="llama has no sliding_window"):
+        families.tiny(families.load("llama"), window=3, name="llama")
+
+
+def test_listing_names_families_with_what_shapes_their_masks():
+    found = {family.name: family for family in families.listing()}
+    assert found["mistral"].shapes.startswith("sliding_window 4096")
+    assert "attention_chunk_size 8192" in found["llama4_text"].shapes
+    assert found["llama"].shapes == "causal (no window, chunks or layer types)"
+
+
+def test_chunked_prefill_put_together_is_the_one_pass_mask_and_hf_rule():
+    from maskcli.hf.chunks import assembled
+
+    config = families.tiny(families.load("gemma3_text"), window=3, name="gemma3_text")
+    batch = prompt((7, 4), None, 0, "left", 128)
+    result = run("gemma3_text", config, batch, new_tokens=1, prefill_chunk=3)
+    assert result.steps == ["prefill 1/3", "prefill 2/3", "prefill 3/3", "decode 1"]
+    assert result.chunk_holds and result.chunk_check == [
+        "--prefill-chunk 3: in every layer the 3 chunks' masks put together equal the single-pass prefill mask"]
+    valid = batch.attention_mask.numpy().astype(bool)
+    for layer, window in ((0, 3), (5, None)):  # a sliding layer and the full one, against the double loop
+        calls = sorted((c for c in result.calls if c.details["layer"] == layer and c.step < 3), key=lambda c: c.step)
+        together = assembled(calls, 7)
+        want = reference(valid, list(range(7)), list(range(7)), window)
+        assert all((together[:, h] == want).all() for h in range(together.shape[1]))
+
+
+def test_chunks_that_differ_from_one_pass_name_the_first_cell():
+    from types import SimpleNamespace
+
+    from maskcli.hf.chunks import check
+
+    def call(keep, step):
+        keep = np.asarray(keep, dtype=bool)[None, None]
+        return SimpleNamespace(shape=keep.shape, keep=lambda: keep, step=step, details={"layer": 0})
+
+    causal = np.tril(np.ones((4, 4), dtype=bool))
+    first = causal[:2, :2]
+    second = causal[2:, :].copy()
+    second[1, 0] = False  # query 3 loses key 0 in the second chunk
+    lines, holds = check([call(first, 0), call(second, 1)], [call(causal, 0)], ["full_attention"], 4, 2, 2)
+    assert not holds and lines == ["--prefill-chunk 2: layer 0 (full_attention): the chunks put together differ from the "
+                                   "single-pass prefill in 1 cells, first at batch row 0, head 0, query 3, key 0: the chunks "
+                                   "mask it, one pass lets it attend"]
+    lines, holds = check([call(first, 0), call(causal[2:, :], 1)], [call(causal, 0)], ["full_attention"], 4, 2, 2)
+    assert holds
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_static_cache_gives_every_slot_and_masks_the_ones_not_yet_filled(attn):
+    config = families.tiny(families.load("llama"), name="llama")
+    batch = prompt((4, 2), None, 0, "left", 128)
+    result = run("llama", config, batch, new_tokens=2, attn=attn, cache="static")
+    valid = np.concatenate([batch.attention_mask.numpy().astype(bool), np.ones((2, 3), dtype=bool)], axis=1)
+    for call in result.calls:
+        q_len, k_len = call.shape[2:]
+        start = 0 if call.step == 0 else 4 + call.step - 1
+        assert k_len == 4 + 2  # the static cache's slots: the prompt and the tokens fed back
+        want = reference(valid, list(range(start, start + q_len)), list(range(k_len)))
+        got = np.broadcast_to(call.keep(), call.shape)
+        assert all((got[:, h] == want).all() for h in range(call.shape[1])), (call.step, got[:, 0].astype(int))
+
+
+def test_tryout_says_whether_a_family_runs_tiny_or_why_not():
+    from maskcli.hf.run import tryout
+
+    assert tryout("llama") == "runs" and tryout("gemma2") == "runs (eager only)"
+    assert tryout("gemma4_text").startswith("cannot be made tiny: AmbiguousGlobalPerLayerAttributeError")
+    assert tryout("bart").startswith("does not shrink to a tiny model: ")
