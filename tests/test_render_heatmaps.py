@@ -192,3 +192,29 @@ def test_an_unexpected_failure_while_writing_leaves_no_file(tmp_path, monkeypatc
     result = runner.invoke(app, ["show", "causal", "--len", "4", "--png", str(tmp_path / "m.svg")])
     assert result.exit_code != 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_short_wide_mask_fills_its_panel_and_positions_read_as_round_numbers(tmp_path):
+    from matplotlib import image as mpimg
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    path = tmp_path / "prefill.png"
+    assert CliRunner().invoke(app, ["show", "window(4096)", "--offset", "1000", "--len", "16", "--png", str(path)]).exit_code == 0
+    pixels = mpimg.imread(path)[..., :3]
+    blue = np.all(np.abs(pixels - np.array([31, 119, 180]) / 255) < 0.06, axis=-1)  # the visible cells' colour
+    rows = np.flatnonzero(blue.any(axis=1))
+    assert rows.size > 100  # 16 queries drawn over 100+ pixel rows (equal aspect drew them about 10 pixels tall)
+    figure = mask_figure_for("document(sizes=[300000,748576]) & window(4096)")
+    labels = [t.get_text() for t in figure.axes[0].get_xticklabels()]
+    assert "300k" in labels and not any("e" in label for label in labels)  # no 1e6 offset
+
+
+def mask_figure_for(expression):
+    from maskcli.mask import build
+    from maskcli.render.masks import mask_figure
+
+    figure = mask_figure(build(expression))
+    figure.canvas.draw()
+    return figure

@@ -46,6 +46,27 @@ class Panel:
         return ~self.keep.astype(bool) & np.isfinite(self.values) & (self.values != 0)
 
 
+WIDE = 8  # keys per query past which a mask panel fills its box instead of keeping square cells
+
+
+def _span(panel: Panel, axis: int) -> float:
+    """Positions a mask panel covers: rows (axis 0) or keys (axis 1), from its extent where it has one."""
+    if panel.extent is None:
+        return panel.keep.shape[axis]
+    left, right, bottom, top = panel.extent
+    return abs(bottom - top) if axis == 0 else abs(right - left)
+
+
+def _position(value: float) -> str:
+    """A tick's position, short: 950, 12.5k, 200k, 1.05M."""
+    value = round(value)
+    if abs(value) < 10_000:
+        return f"{value}"
+    if abs(value) < 1_000_000:
+        return f"{value / 1000:.4g}k"
+    return f"{value / 1_000_000:.4g}M"
+
+
 def _rgb(colour: tuple[int, int, int]) -> tuple[float, float, float]:
     return tuple(c / 255 for c in colour)
 
@@ -76,7 +97,16 @@ def _draw(ax, panel: Panel) -> object | None:
     if panel.values is None:
         # 0 and 1 land exactly on the two colours; a summarised long mask shades between them.
         cmap = mcolors.LinearSegmentedColormap.from_list("mask", [_rgb(MASKED_RGB), _rgb(VISIBLE_RGB)])
-        ax.imshow(panel.keep.astype(np.float32), cmap=cmap, vmin=0, vmax=1, interpolation="nearest", aspect="equal", extent=panel.extent)
+        # a short, wide mask (a prefill chunk behind a long cache) fills its box: at equal aspect each row would be
+        # a pixel tall
+        aspect = "equal" if _span(panel, 1) <= WIDE * _span(panel, 0) else "auto"
+        ax.imshow(panel.keep.astype(np.float32), cmap=cmap, vmin=0, vmax=1, interpolation="nearest", aspect=aspect, extent=panel.extent)
+        if panel.extent is not None:  # positions as round numbers: 200k, 1M, not a 1e6 offset
+            from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+            for axis in (ax.xaxis, ax.yaxis):
+                axis.set_major_locator(MaxNLocator(nbins=8, integer=True, min_n_ticks=2))
+                axis.set_major_formatter(FuncFormatter(lambda value, _: _position(value)))
     else:
         finite = np.isfinite(panel.values)
         leaks = panel.leaks()
