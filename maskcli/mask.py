@@ -28,7 +28,7 @@ from maskcli.memory import check_dense_fits
 from maskcli.positions import Frame
 from maskcli.batchdata import longest, pad_side, padding, with_padding
 from maskcli.batchdata import tokens as words
-from maskcli.regions import bounds, parse_region, region  # noqa: F401  (parse_region: for the commands)
+from maskcli.regions import bounds, parse_region, region_intervals  # noqa: F401  (parse_region: for the commands)
 from maskcli.text import shortened
 
 
@@ -149,7 +149,7 @@ class Mask:
         try:
             if self.whole is None:
                 return terms.intervals(self.tree, self.frame), None
-            return region(terms.intervals(self.tree, self.whole), self.whole, self.frame), None
+            return region_intervals(terms.intervals(self.tree, self.whole), self.whole, self.frame), None
         except NotFew as reason:
             return None, str(reason)
 

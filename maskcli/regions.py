@@ -8,7 +8,7 @@ from maskcli.positions import Frame
 from maskcli.text import shortened
 
 
-def region(found: Intervals, whole: Frame, view: Frame) -> Intervals:
+def region_intervals(found: Intervals, whole: Frame, view: Frame) -> Intervals:
     """The intervals of the whole mask, on the rows and keys of a region of it."""
     starts, ends = found.starts, found.ends
     if starts.shape[1] > 1:

@@ -18,20 +18,10 @@ import torch
 from maskcli.errors import MaskError
 from maskcli.text import shortened
 
-from maskcli.files import checked_source, is_inline  # noqa: F401 - is_inline is read from here too
+from maskcli.files import SAFETENSORS_DTYPES, checked_source, is_inline  # noqa: F401 - is_inline is read from here too
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+# the codes safetensors writes, by numpy's dtype names (files.py writes them), and bfloat16, which numpy lacks
+_SAFETENSORS_DTYPES = {code: getattr(torch, name) for name, code in SAFETENSORS_DTYPES.items()} | {"BF16": torch.bfloat16}
 
 
 def load_tensors(source: str, flag: str, json_floats: torch.dtype | None = None, numbers: bool = False) -> dict[str, torch.Tensor]:

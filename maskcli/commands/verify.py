@@ -68,6 +68,6 @@ def verify(
 
         console = make_console()
         console.print(Text(title))  # at the terminal's width: the table is only as wide as its columns
-        console.print(backends_table(results, tolerance, None))
+        console.print(backends_table(results, tolerance))
     if strict and not all(r.agrees(tolerance) for r in results):
         raise typer.Exit(1)

@@ -14,7 +14,7 @@ def _diff_text(max_diff: float | None, atol: float) -> Text:
     return Text(f"{max_diff:.2e}", style="green" if max_diff <= atol else "bold red")
 
 
-def backends_table(results, atol: float, title: str | None = None) -> Table:
+def backends_table(results, atol: float) -> Table:
     """One row per backend; refusal and error reasons become numbered notes in the caption."""
     from rich import box
 
@@ -33,7 +33,7 @@ def backends_table(results, atol: float, title: str | None = None) -> Table:
     # numbers are never cut short: their columns are as wide as their longest value, and the
     # words (backend names, headers) wrap between words when the terminal is narrow
     widths = [max(len(str(row[i])) for row in rows) if rows else 1 for i in range(5)]
-    table = Table(title=title, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table = Table(caption_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     table.add_column("backend", style="bold", overflow="fold")
     table.add_column("result", width=max(widths[1], 6))
     table.add_column("max |diff|", justify="right", width=max(widths[2], 6))

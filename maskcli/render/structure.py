@@ -86,15 +86,19 @@ def _segments(mask: Mask, batch: int, f) -> tuple[str | None, tuple]:
     return None, ()
 
 
+def run_starts(row: np.ndarray) -> np.ndarray:
+    """Where each run of equal labels in `row` starts (none for an empty row), from the change points."""
+    if row.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(([0], np.flatnonzero(row[1:] != row[:-1]) + 1))
+
+
 def _label_runs(row: np.ndarray) -> tuple[tuple[int, int, int], ...]:
     """(start, end, label) for each run of equal labels: computed from the change points, not per token."""
-    if row.size == 0:
+    starts = run_starts(row)
+    if starts.size == 0 or starts.size > MOST_SEGMENTS:
         return ()
-    change = np.flatnonzero(row[1:] != row[:-1]) + 1
-    if change.size + 1 > MOST_SEGMENTS:
-        return ()
-    starts = np.concatenate(([0], change))
-    ends = np.concatenate((change, [row.size]))
+    ends = np.concatenate((starts[1:], [row.size]))
     return tuple((int(s), int(e), int(row[s])) for s, e in zip(starts, ends))
 
 

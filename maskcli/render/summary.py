@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
-
 from maskcli.render.masks import shape_text
 from maskcli.summary import Summary
 
@@ -44,8 +42,9 @@ def segments(mask, batch: int) -> tuple[str, int, list[int]] | None:
         return None
     labels = term.values["labels"].array
     row = labels[batch if labels.shape[0] > 1 else 0]
-    change = np.flatnonzero(row[1:] != row[:-1]) + 1
-    starts = np.concatenate(([0], change)) if row.size else np.zeros(0, dtype=np.int64)
+    from maskcli.render.structure import run_starts
+
+    starts = run_starts(row)
     if term.kind.name == "blocks":
         starts = starts[row[starts] >= 0]
     return NAMES[term.kind.name], int(starts.size), starts[:JSON_STARTS].tolist()
