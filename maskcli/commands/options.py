@@ -57,7 +57,7 @@ As = Annotated[str, typer.Option("--as", help="Convention shown and saved: keep 
 Dtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype of --as additive and min: {', '.join(DTYPES)} (default float32).", autocompletion=completes(*DTYPES), rich_help_panel=OUTPUT_PANEL)]
 Png = Annotated[str | None, typer.Option("--png", help="Write a heatmap: .png, .svg or .pdf (a folder: a .png named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 Json = Annotated[bool, typer.Option("--json", help="Print the mask as one JSON object: its expression, shape, offsets and cells as [B][H][Lq][Lk] lists in the --as convention.", rich_help_panel=OUTPUT_PANEL)]
-Html = Annotated[str | None, typer.Option("--html", help="Write one self-contained HTML page for any browser: hover a cell for its value and its --why; a mask zooms down to single cells (a folder: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
+Html = Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML page: zoom to single cells, hover a cell for its value and --why (a folder: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 Save = Annotated[str | None, typer.Option("--save", help="Save the mask tensor in the --as convention: .pt or .npy (a folder: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 
 

@@ -76,7 +76,7 @@ function attendPage() {
     head.push(verdict(A.keep[pair][q][k]));
     for (const P of panels) if (P.name !== "output") head.push(`${P.name} ${shown(A.values[P.name][pair][q][k])}`);
     const answer = explainCell(M, Math.min(b, F.batch - 1), absQ, kv, () => Boolean(A.keep[pair][q][k]), "");
-    setInfo(head, answer ? answer.lines.concat([M.positions]).join("\n") : NO_WHY);
+    setInfo(head, answer ? answer.lines.concat([M.positions]).join("\n") : M.unexplained);
   }
   draw();
   show(0, 0);

@@ -240,7 +240,6 @@ function cellHeader(M, b, q, kv) {
   if (M.tokens && q < M.tokens.length && kv < M.tokens.length) lines.push(`"${M.tokens[q]}" at q · "${M.tokens[kv]}" at kv`);
   return lines;
 }
-const NO_WHY = "this mask calls your mask_mod, which the page cannot run: maskcli show ... --why Q,KV explains the cell";
 
 function setInfo(lines, why) {
   document.getElementById("cell").textContent = lines.join("\n");
@@ -277,13 +276,13 @@ function maskPage() {
       const answer = explainCell(M, b, q, kv, keepOf(0), "");
       const keep = answer ? answer.keep : keptAt(M, b, q, kv);
       head.push(verdict(keep) + (blocks ? " · " + blockText(M, b, lq, lk) : ""));
-      setInfo(head, answer ? answer.lines.concat([M.positions]).join("\n") : NO_WHY);
+      setInfo(head, answer ? answer.lines.concat([M.positions]).join("\n") : M.unexplained);
       return;
     }
     const sides = masks.map((S, i) => explainCell(S, Math.min(b, S.frame.batch - 1), q, kv, keepOf(i), i ? "B: " : "A: "));
     const a = keptAt(masks[0], Math.min(b, masks[0].frame.batch - 1), q, kv), bb = keptAt(masks[1], Math.min(b, masks[1].frame.batch - 1), q, kv);
     head.push(a && bb ? "both" : a ? "only in A" : bb ? "only in B" : "neither");
-    if (sides.some((s) => s === null)) { setInfo(head, NO_WHY); return; }
+    if (sides.some((s) => s === null)) { setInfo(head, masks.map((S) => S.unexplained).filter(Boolean).join("\n")); return; }
     const cell = whereText(M, b, q, kv), out = [];
     out.push(a === bb ? `the cell ${cell} is the same in A and B: ${verdict(a)}`
       : `the cell ${cell} differs: A ${a ? "keeps" : "masks"} it, B ${bb ? "keeps" : "masks"} it`);
@@ -299,7 +298,7 @@ function maskPage() {
     window.maskcliViewer = viewer;
     viewer.draw();
   };
-  batchSelect(Math.min(F.batch, M.rows.length), (value) => { b = value; const old = viewer; build(); if (old) { viewer.x0 = old.x0; viewer.y0 = old.y0; viewer.sx = old.sx; viewer.sy = old.sy; viewer.draw(); } });
+  batchSelect(Math.max(...masks.map((S) => Math.min(S.frame.batch, S.rows.length))), (value) => { b = value; const old = viewer; build(); if (old) { viewer.x0 = old.x0; viewer.y0 = old.y0; viewer.sx = old.sx; viewer.sy = old.sy; viewer.draw(); } });
   build();
 }
 

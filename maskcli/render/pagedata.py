@@ -175,6 +175,17 @@ def hover_labels(mask: Mask) -> dict | None:
     return None
 
 
+def unexplained(mask: Mask, tree) -> str | None:
+    """Why the page cannot give --why's answer for this mask, or None where it can (its text then agrees with --why)."""
+    if mask.tree is not None and tree is None:
+        return ("this mask calls your mask_mod, which the page cannot run: "
+                "maskcli show ... --why Q,KV (with the same --mask-mod) explains the cell")
+    if mask.tree is None and mask.keep.shape[1] > 1:
+        return ("this tensor's heads differ and the page draws head 0: "
+                "maskcli show --mask FILE --why Q,KV gives the cell of every head")
+    return None
+
+
 def mask_data(mask: Mask) -> dict:
     """Everything one mask contributes to a page: rows per batch row, structure, explainer and hover data."""
     b_rows = list(range(min(mask.batch, MAX_BATCH)))
@@ -186,7 +197,7 @@ def mask_data(mask: Mask) -> dict:
     return {
         "text": mask.text, "text80": shortened(mask.text, 80), "title": mask.title, "frame": frame_data(mask),
         "rows": rows, "how": found[0][1], "structure": [structure_data(mask, b) for b in b_rows],
-        "tree": tree, "explained": tree is not None or mask.tree is None,
+        "tree": tree, "unexplained": unexplained(mask, tree),
         "note": None if mask.tree is not None else tensor_note(mask),
         "positions": positions_text(mask), "labels": hover_labels(mask), "tokens": tokens,
     }

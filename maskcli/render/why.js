@@ -201,7 +201,7 @@ function whereText(M, b, q, kv) {
 // One mask's answer at (b, q, kv) in absolute positions: {keep, lines} (lines as why_text prints, without positions);
 // `keepOf` gives the cell of a tensor, which has no tree. null where the page cannot explain (a mask_mod).
 function explainCell(M, b, q, kv, keepOf, label) {
-  if (!M.explained) return null;
+  if (M.unexplained) return null;
   if (M.tree === null) {
     const keep = keepOf(b, q, kv);
     return {keep: keep, lines: [`${label}${whereText(M, b, q, kv)} of ${M.text80}: ${verdict(keep)}`, `  ${M.note}`]};
