@@ -320,3 +320,35 @@ def test_a_tensor_is_drawn_from_its_cells_and_its_why_says_it_has_no_tree(tab):
             assert close(shown[int(y), int(x)], VISIBLE_RGB if keep[0, 0, q, kv] else MASKED_RGB), (q, kv)
     _, why = hover(tab, *cell_centre(0, 5, 6, 6))
     assert why == why_text(mask, [explain(mask, 0, 0, 5)])
+
+
+def test_a_short_wide_mask_zooms_along_its_keys(tab):
+    load(tab, html.mask_page(build("window(4096)", MaskOptions(length=1, offset=8191))))  # one decode step
+    tab.focus("#mask")
+    for _ in range(3):
+        tab.keyboard.press("+")
+    sx, sy = tab.evaluate("[window.maskcliViewer.sx, window.maskcliViewer.sy]")
+    assert sx == pytest.approx(8 * SIDE / 8192) and sy == SIDE
+    assert tab.inner_text("#cell").splitlines()[0] == "q 8191 · kv 4096 · q_idx 0 · kv_idx 4096"  # the key at the centre
+
+
+def test_a_mask_mod_is_drawn_from_its_cells_and_hover_says_the_page_cannot_run_it(tab, tmp_path):
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    path = tmp_path / "mod.html"
+    gym = os.path.join(os.path.dirname(__file__), "data", "gym_masks.py")
+    result = CliRunner().invoke(app, ["show", "causal_mask & window(3)", "--mask-mod", f"{gym}:causal_mask", "--len", "6",
+                                      "--tokens", "a b c d e f", "--html", str(path)])
+    assert result.exit_code == 0, result.output
+    load(tab, path.read_text())
+    want = np.array(ref.dense(("kind", "window", {"window": 3}), q0=0, lq=6, k0=0, lk=6)[0])
+    shown = pixels(tab)
+    for q in range(6):
+        for kv in range(6):
+            x, y = cell_centre(q, kv, 6, 6)
+            assert close(shown[int(y), int(x)], VISIBLE_RGB if want[q, kv] else MASKED_RGB), (q, kv)
+    cell, why = hover(tab, *cell_centre(4, 2, 6, 6))
+    assert cell.splitlines() == ["q 4 · kv 2", '"e" at q · "c" at kv', "kept"]
+    assert why.startswith("this mask calls your mask_mod, which the page cannot run")

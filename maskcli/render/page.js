@@ -83,13 +83,13 @@ Viewer.prototype.reset = function () {
 Viewer.prototype.setView = function (q0, k0, rows, keys) { // local cells q0.., k0.. fill the canvas
   this.y0 = q0; this.x0 = k0; this.sy = this.canvas.height / rows; this.sx = this.canvas.width / keys; this.draw();
 };
+// Each axis zooms between its whole length and MAX_PX pixels a cell (a short, wide mask zooms along its keys alone).
 Viewer.prototype.zoom = function (factor, px, py) {
-  const fit = Math.min(this.canvas.width / this.lk, this.canvas.height / this.lq);
-  const limit = Math.max(MAX_PX, fit);
-  const f = Math.min(factor, limit / Math.max(this.sx, this.sy));
-  const g = Math.max(f, Math.min(this.canvas.width / this.lk / this.sx, this.canvas.height / this.lq / this.sy));
+  const fitX = this.canvas.width / this.lk, fitY = this.canvas.height / this.lq;
   const cx = this.x0 + px / this.sx, cy = this.y0 + py / this.sy;
-  this.sx *= g; this.sy *= g; this.x0 = cx - px / this.sx; this.y0 = cy - py / this.sy;
+  this.sx = Math.min(Math.max(fitX, MAX_PX), Math.max(fitX, this.sx * factor));
+  this.sy = Math.min(Math.max(fitY, MAX_PX), Math.max(fitY, this.sy * factor));
+  this.x0 = cx - px / this.sx; this.y0 = cy - py / this.sy;
   this.draw();
 };
 Viewer.prototype.key = function (ev) {
