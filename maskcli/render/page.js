@@ -308,7 +308,10 @@ function blockText(M, b, lq, lk) {
   const q0 = i * B.q, q1 = Math.min(F.lq, q0 + B.q), k0 = j * B.kv + F.vk0, k1 = Math.min(F.lk, j * B.kv + B.kv) + F.vk0;
   const rows = maskRows(M, b), S = new Float64Array(rows.k), E = new Float64Array(rows.k);
   let kept = 0;
-  for (let q = q0; q < q1; q++) {
+  if (rows.stride > 1) { // sampled rows: count the block's cells from the expression, where they are few
+    if (!M.tree || (q1 - q0) * (k1 - k0) > EVAL_CELLS) return `block (${i}, ${j}) (its rows are sampled here: maskcli blocks counts it)`;
+    for (let q = q0; q < q1; q++) for (let k = k0; k < k1; k++) kept += keepAt(M, b, q + F.vq0, k) ? 1 : 0;
+  } else for (let q = q0; q < q1; q++) {
     const m = rows.row(q, S, E);
     for (let t = 0; t < m; t++) kept += Math.max(0, Math.min(E[t], k1) - Math.max(S[t], k0));
   }

@@ -30,12 +30,6 @@ function runStartAt(table, b, i) {
   return row.at[runIndex(row.at, i)];
 }
 
-function shortened(text, limit) {
-  if (text.length <= limit) return text;
-  const tail = Math.max(10, Math.floor(limit / 5));
-  return `${text.slice(0, limit - tail - 5)} ... ${text.slice(text.length - tail)}`;
-}
-
 const later = (q, kv) => `kv ${kv} > q ${q}: a later key`;
 
 function firstReal(F, b) {
