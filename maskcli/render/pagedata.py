@@ -87,9 +87,13 @@ def mask_rows(mask: Mask, b: int) -> tuple[dict, str]:
     return {"stride": 1, **row_runs(starts, ends)}, how
 
 
+def _numbers(rows: list[dict]) -> int:
+    return sum(run["n"] * (1 + 4 * run["k"]) for run in rows)
+
+
 def sampled(rows: list[dict], mask: Mask, b_rows: list[int]) -> list[dict]:
     """Where the runs pass BUDGET, every s-th query row instead (the page says at what zoom exactness stops)."""
-    total = sum(run["n"] * (1 + 4 * run["k"]) for run in rows)
+    total = _numbers(rows)
     if total <= BUDGET:
         return rows
     stride = -(-total // BUDGET)
@@ -190,10 +194,14 @@ def mask_data(mask: Mask) -> dict:
     """Everything one mask contributes to a page: rows per batch row, structure, explainer and hover data."""
     b_rows = list(range(min(mask.batch, MAX_BATCH)))
     found = [mask_rows(mask, b) for b in b_rows]
-    rows = sampled([run for run, _ in found], mask, b_rows) if mask.exact else [run for run, _ in found]
+    rows = [run for run, _ in found]
+    if mask.exact:
+        rows = sampled(rows, mask, b_rows)
+    elif _numbers(rows) > BUDGET:  # a tensor's rows cannot be sampled exactly from the expression: refuse, whole
+        raise MaskError(f"--html: the cells of {shortened(mask.text, 60)!r} take {_numbers(rows):,} numbers as runs of "
+                        f"key intervals, past the {BUDGET:,} a page holds: view a region with --rows/--keys")
     tree = why_tree(mask.tree) if mask.tree is not None else None
-    f = mask.frame
-    tokens = list(mask.tokens[: f.q_end if f.n <= MAX_TOKENS else 0]) if mask.tokens is not None and (mask.whole or f).n <= MAX_TOKENS else None
+    tokens = list(mask.tokens) if mask.tokens is not None and len(mask.tokens) <= MAX_TOKENS else None  # by absolute position
     return {
         "text": mask.text, "text80": shortened(mask.text, 80), "title": mask.title, "frame": frame_data(mask),
         "rows": rows, "how": found[0][1], "structure": [structure_data(mask, b) for b in b_rows],
