@@ -179,6 +179,24 @@ def test_diff_page_colours_and_names_each_category(tab):
         assert why == diff_why_text(a, b, [explain(a, 0, q, kv)], [explain(b, 0, q, kv)])
 
 
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(cases(), st.data())
+def test_diff_hover_agrees_with_diff_why_for_random_masks(tab, case, data):
+    tree_a, options, frame, valid = case
+    tree_b = data.draw(st.sampled_from([("and", [tree_a, ("kind", "causal", {})]), ("or", [tree_a, ("kind", "window", {"window": 2})]),
+                                        ("not", tree_a), ("kind", "causal", {})]))
+    a, b = build(ref.text(tree_a), MaskOptions(**options)), build(ref.text(tree_b), MaskOptions(**options))
+    load(tab, html.diff_page(a, b))
+    q0, lq, k0, lk = frame
+    q, kv = data.draw(st.integers(q0, q0 + lq - 1)), data.draw(st.integers(k0, k0 + lk - 1))
+    cell, why = hover(tab, *cell_centre(q - q0, kv - k0, lq, lk))
+    in_a = expected_cells(tree_a, options, frame, valid, a.batch)[0, q - q0, kv - k0]
+    in_b = expected_cells(tree_b, options, frame, valid, b.batch)[0, q - q0, kv - k0]
+    assert cell.splitlines()[-1] == {(1, 1): "both", (1, 0): "only in A", (0, 1): "only in B", (0, 0): "neither"}[(int(in_a), int(in_b))]
+    assert why == diff_why_text(a, b, [explain(a, 0, q, kv)], [explain(b, 0, q, kv)])
+
+
 def test_blocks_page_says_full_partial_or_empty_as_create_block_mask_counts(tab):
     tree, n, size = ("and", [("kind", "causal", {}), ("kind", "window", {"window": 6})]), 20, 6
     mask = build(ref.text(tree), MaskOptions(length=n))
