@@ -27,8 +27,10 @@ from maskcli.render.why import diff_why_text, why_text
 from maskcli.why import explain
 from strategies import cases, expected_cells
 
-CHROMIUM = next((path for path in (os.environ.get("MASKCLI_CHROMIUM"), shutil.which("chromium"), "/usr/bin/chromium",
-                                   shutil.which("chromium-browser"), shutil.which("google-chrome")) if path and os.path.exists(path)), None)
+# MASKCLI_CHROMIUM names the browser (a path that does not exist skips the tests); else the system's chromium
+CANDIDATES = [os.environ["MASKCLI_CHROMIUM"]] if "MASKCLI_CHROMIUM" in os.environ else [
+    shutil.which("chromium"), "/usr/bin/chromium", shutil.which("chromium-browser"), shutil.which("google-chrome")]
+CHROMIUM = next((path for path in CANDIDATES if path and os.path.exists(path)), None)
 SIDE = 720  # the page's canvas, in pixels
 
 
