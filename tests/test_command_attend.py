@@ -822,3 +822,12 @@ def test_html_embeds_the_stages_it_shows(tmp_path):
     assert result.exit_code == 0 and f"wrote {path}" in result.stderr
     page = path.read_text()
     assert '"page":"attend"' in page and '"names":["masked","weights"]' in page
+
+
+def test_html_past_what_a_page_holds_is_refused_before_any_file_is_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(["causal", "--len", 600, "--png", "a.png", "--html", "a.html"])
+    assert result.exit_code == 2 and result.stderr == (
+        "maskcli: error: --html would embed 1,444,800 stage values, past the 1,048,576 a page holds: "
+        "choose fewer with --batch-index/--head/--stages, or view --rows/--keys\n")
+    assert list(tmp_path.iterdir()) == []

@@ -986,7 +986,7 @@ def test_html_onto_a_folder_is_named_after_the_mask_and_a_million_tokens_stay_sm
 def test_html_of_a_tensor_too_scattered_for_a_page_is_refused_whole(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     np.save("scattered.npy", np.random.default_rng(0).random((3000, 3000)) < 0.5)  # about 750 runs in every row
-    result = invoke(["show", "--mask", "scattered.npy", "--from", "keep", "--html", "m.html"])
+    result = invoke(["show", "--mask", "scattered.npy", "--from", "keep", "--html", "m.html", "--png", "m.png", "--save", "m.pt"])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1
     assert result.stderr.startswith("maskcli: error: --html: the cells of \"'scattered.npy' (read as keep)\" take ")
     assert "past the 3,000,000 a page holds: view a region with --rows/--keys" in result.stderr

@@ -119,6 +119,11 @@ def attend(
     for flag, index, size, what in (("--batch-index", batch_index, shape[0], "batch rows"), ("--head", head, shape[1], "heads")):
         if index is not None and not 0 <= index < size:
             raise MaskError(f"{flag} {index} is outside this run's {what} 0-{size - 1} ({what[0].upper()}={size}): pick one of them")
+    if html_path is not None:  # made before any file is written: a page it refuses leaves none behind
+        from maskcli.render.html import attend_page
+
+        page_pairs = report.selection(shape, batch_index, head, limit=FIGURE_ROWS)
+        page = attend_page(run, names, page_pairs)
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure
 
@@ -127,11 +132,10 @@ def attend(
         note = report.selection_note(shape, pairs, "the figure's rows", chosen)
         done(f"wrote {png_path}" + (f" ({note})" if note else ""))
     if html_path is not None:
-        from maskcli.render.html import attend_page, save_page
+        from maskcli.render.html import save_page
 
-        pairs = report.selection(shape, batch_index, head, limit=FIGURE_ROWS)
-        save_page(attend_page(run, names, pairs), html_path)
-        note = report.selection_note(shape, pairs, "the page", chosen)
+        save_page(page, html_path)
+        note = report.selection_note(shape, page_pairs, "the page", chosen)
         done(f"wrote {html_path}" + (f" ({note})" if note else ""))
     if json_:
         echo(report.stages_json(run.mask, run.stages, run.device, run.findings, list(STAGES)))

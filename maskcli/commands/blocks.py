@@ -81,6 +81,10 @@ def blocks(
         save_bytes = 4 * 4 * built.batch * built.heads * n_q * (1 + n_kv)  # kv and q sides, partial and full, int32
         check_bytes_fit(save_bytes, f"--save {str(save_path)!r} ({built.batch} x {built.heads} x {n_q} x {n_kv} block indices)", "to write", fix="use a larger --block, or fewer --heads")
         check_write(save_path, save_bytes, "--save")  # after every refusal: it may announce a long write
+    if html_path is not None:  # made before any file is written: a page it refuses leaves none behind
+        from maskcli.render.html import blocks_page
+
+        page = blocks_page(built, q_block, kv_block)
     with progress("counting blocks") as update:
         found = layout(built, q_block, kv_block, update)
     if save_path is not None:
@@ -92,9 +96,9 @@ def blocks(
         save_figure(render.blocks_figure(found), png_path)
         done(f"wrote {png_path}")
     if html_path is not None:
-        from maskcli.render.html import blocks_page, save_page
+        from maskcli.render.html import save_page
 
-        save_page(blocks_page(built, q_block, kv_block), html_path)
+        save_page(page, html_path)
         done(f"wrote {html_path}")
     if summary:
         echo(render.summary_json(found) if json_ else render.summary_text(found))

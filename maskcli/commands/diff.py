@@ -173,15 +173,19 @@ def diff(
 
     with progress("comparing") as update:
         difference = compare(sides["A"], sides["B"], progress=update)
+    if html_path is not None:  # made before any file is written: a page it refuses leaves none behind
+        from maskcli.render.html import diff_page
+
+        page = diff_page(sides["A"], sides["B"])
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure
 
         save_figure(render.diff_figure(difference), png_path)
         done(f"wrote {png_path}")
     if html_path is not None:
-        from maskcli.render.html import diff_page, save_page
+        from maskcli.render.html import save_page
 
-        save_page(diff_page(sides["A"], sides["B"]), html_path)
+        save_page(page, html_path)
         done(f"wrote {html_path}")
     if json_:
         echo(render.diff_json(difference))

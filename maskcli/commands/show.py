@@ -110,6 +110,10 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
     html_path = check_output_path(output.html, (".html",), "--html", mask.slug) if output.html is not None else None
     if save_path is not None and save_path.suffix.lower() == ".npy" and dtype_name == "bfloat16" and convention in ("additive", "min"):
         raise MaskError("--save .npy cannot hold bfloat16 (numpy has no such dtype): save as .pt or pick another --dtype")
+    if html_path is not None:  # made before any file is written: a page it refuses leaves none behind
+        from maskcli.render.html import mask_page
+
+        page = mask_page(mask)
     for message in mask.warnings:
         warn(message)
     empty = empty_rows(mask) if answers is None else None  # O(L) counts: --why stays one cell's work
@@ -125,9 +129,9 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
         save_figure(mask_figure(mask), png_path)
         done(f"wrote {png_path}")
     if html_path is not None:
-        from maskcli.render.html import mask_page, save_page
+        from maskcli.render.html import save_page
 
-        save_page(mask_page(mask), html_path)
+        save_page(page, html_path)
         done(f"wrote {html_path}")
     from maskcli.commands.progress import progress
 
