@@ -384,3 +384,23 @@ def test_a_mask_mod_is_drawn_from_its_cells_and_hover_says_the_page_cannot_run_i
     cell, why = hover(tab, *cell_centre(4, 2, 6, 6))
     assert cell.splitlines() == ["q 4 · kv 2", '"e" at q · "c" at kv', "kept"]
     assert why.startswith("this mask calls your mask_mod, which the page cannot run")
+
+
+def test_the_worst_rows_at_a_million_tokens_stay_under_20_mb_and_exact_at_cells(tab):
+    import maskcli
+
+    mask = maskcli.build("document & window(4096)", sizes=[2] * (1 << 19))  # 524,288 two-token documents
+    path = load(tab, html.mask_page(mask), "worst.html")
+    assert path.stat().st_size < 20 << 20
+    assert "NOT exact at this zoom" in tab.text_content("#status")
+    tab.evaluate("window.maskcliViewer.setView(777770, 777760, 20, 20)")
+    assert "exact: drawn cell by cell from the expression" in tab.text_content("#status")
+    shown = pixels(tab)
+    for i in range(20):
+        for j in range(20):
+            q, kv = 777770 + i, 777760 + j
+            x, y = cell_centre(i, j, 20, 20)
+            assert close(shown[int(y), int(x)], VISIBLE_RGB if q // 2 == kv // 2 and kv <= q else MASKED_RGB), (q, kv)
+    cell, why = hover(tab, *cell_centre(5, 14, 20, 20))
+    assert cell.splitlines()[1] == "doc 388887 at q · doc 388887 at kv"
+    assert why == why_text(mask, [explain(mask, 0, 777775, 777774)])

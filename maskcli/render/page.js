@@ -233,10 +233,18 @@ function hatchPattern(ctx) {
   return ctx.createPattern(tile, "repeat");
 }
 
+function leaves(node) {
+  return node.op === undefined ? [node] : node.items.flatMap(leaves);
+}
+function hoverLabels(M) { // the labels hover names: embedded, or a leaf's of the explainer's tree
+  if (!M.labels) return null;
+  return M.labels.runs || leaves(M.tree)[M.labels.leaf].p[M.labels.param].runs;
+}
 function cellHeader(M, b, q, kv) {
   const F = M.frame, lines = [`q ${q} · kv ${kv}` + (F.batch > 1 ? ` · batch row ${b}` : "") +
     (q - F.vq0 !== q || kv - F.vk0 !== kv ? ` · q_idx ${q - F.vq0} · kv_idx ${kv - F.vk0}` : "")];
-  if (M.labels) lines.push(`${M.labels.word} ${labelAt(M.labels.runs, b, q)} at q · ${M.labels.word} ${labelAt(M.labels.runs, b, kv)} at kv`);
+  const table = hoverLabels(M);
+  if (table) lines.push(`${M.labels.word} ${labelAt(table, b, q)} at q · ${M.labels.word} ${labelAt(table, b, kv)} at kv`);
   if (M.tokens && q < M.tokens.length && kv < M.tokens.length) lines.push(`"${M.tokens[q]}" at q · "${M.tokens[kv]}" at kv`);
   return lines;
 }

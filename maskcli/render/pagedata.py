@@ -91,12 +91,12 @@ def _numbers(rows: list[dict]) -> int:
     return sum(run["n"] * (1 + 4 * run["k"]) for run in rows)
 
 
-def sampled(rows: list[dict], mask: Mask, b_rows: list[int]) -> list[dict]:
-    """Where the runs pass BUDGET, every s-th query row instead (the page says at what zoom exactness stops)."""
+def sampled(rows: list[dict], mask: Mask, b_rows: list[int], budget: int) -> list[dict]:
+    """Where the runs pass the budget, every s-th query row instead (the page says at what zoom exactness stops)."""
     total = _numbers(rows)
-    if total <= BUDGET:
+    if total <= budget:
         return rows
-    stride = -(-total // BUDGET)
+    stride = -(-total // budget)
     found = mask.intervals()
     out = []
     for b in b_rows:
@@ -165,18 +165,28 @@ def structure_data(mask: Mask, b: int) -> dict:
             "padQueries": [list(x) for x in s.pad_queries], "cache": s.cache_edge if s.cached else None}
 
 
-def hover_labels(mask: Mask) -> dict | None:
-    """The labels hover names at q and kv: those of the first labelled kind (document, chunk, ...), as runs."""
+def hover_labels(mask: Mask, tree) -> dict | None:
+    """The labels hover names at q and kv: those of the first labelled kind (document, chunk, ...). Where the
+    explainer's tree holds them, the page reads them there (leaf i, parameter p), so they are embedded once."""
     from maskcli.render.structure import LABELLED
 
     if mask.tree is None:
         return None
-    for term in terms.terms(mask.tree):
+    for i, term in enumerate(terms.terms(mask.tree)):
         for name, value in term.values.items():
             if isinstance(value, Labels) and term.kind.name in (*LABELLED, "local"):
                 word = LABELLED.get(term.kind.name, "doc")
-                return {"word": word, "runs": label_runs(value.array)}
+                return {"word": word, "leaf": i, "param": name} if tree is not None else {"word": word, "runs": label_runs(value.array)}
     return None
+
+
+def label_numbers(mask: Mask) -> int:
+    """Numbers the labels, ids and padding take as runs in the page: two for each run of equal values."""
+    arrays = [value.array for term in terms.terms(mask.tree) for value in term.values.values()
+              if isinstance(value, Labels)] if mask.tree is not None else []
+    whole = mask.whole or mask.frame
+    arrays += [array for array in (whole.key_valid, whole.ids) if array is not None]
+    return sum(2 * (a.shape[0] + int(np.count_nonzero(a[:, 1:] != a[:, :-1]))) for a in arrays)
 
 
 def unexplained(mask: Mask, tree) -> str | None:
@@ -195,9 +205,13 @@ def mask_data(mask: Mask) -> dict:
     b_rows = list(range(min(mask.batch, MAX_BATCH)))
     found = [mask_rows(mask, b) for b in b_rows]
     rows = [run for run, _ in found]
+    labels = label_numbers(mask)
+    if labels > BUDGET // 2:
+        raise MaskError(f"--html: the labels, ids and padding of {shortened(mask.text, 60)!r} change {labels // 2:,} times, "
+                        f"past the {BUDGET // 4:,} a page holds: view a region with --rows/--keys")
     if mask.exact:
-        rows = sampled(rows, mask, b_rows)
-    elif _numbers(rows) > BUDGET:  # a tensor's rows cannot be sampled exactly from the expression: refuse, whole
+        rows = sampled(rows, mask, b_rows, BUDGET - labels)
+    elif _numbers(rows) + labels > BUDGET:  # a tensor's rows cannot be sampled exactly from the expression: refuse, whole
         raise MaskError(f"--html: the cells of {shortened(mask.text, 60)!r} take {_numbers(rows):,} numbers as runs of "
                         f"key intervals, past the {BUDGET:,} a page holds: view a region with --rows/--keys")
     tree = why_tree(mask.tree) if mask.tree is not None else None
@@ -207,5 +221,5 @@ def mask_data(mask: Mask) -> dict:
         "rows": rows, "how": found[0][1], "structure": [structure_data(mask, b) for b in b_rows],
         "tree": tree, "unexplained": unexplained(mask, tree),
         "note": None if mask.tree is not None else tensor_note(mask),
-        "positions": positions_text(mask), "labels": hover_labels(mask), "tokens": tokens,
+        "positions": positions_text(mask), "labels": hover_labels(mask, tree), "tokens": tokens,
     }
