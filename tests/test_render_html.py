@@ -404,3 +404,15 @@ def test_the_worst_rows_at_a_million_tokens_stay_under_20_mb_and_exact_at_cells(
     cell, why = hover(tab, *cell_centre(5, 14, 20, 20))
     assert cell.splitlines()[1] == "doc 388887 at q · doc 388887 at kv"
     assert why == why_text(mask, [explain(mask, 0, 777775, 777774)])
+
+
+def test_labels_that_change_too_often_for_a_page_are_refused_in_one_line():
+    import maskcli
+    from maskcli.errors import MaskError
+
+    mask = maskcli.build("document", sizes=[1] * (1 << 20))  # a document per token: 1,048,576 label runs
+    with pytest.raises(MaskError) as refused:
+        html.mask_page(mask)
+    message = str(refused.value)
+    assert message.startswith("--html: the labels, ids and padding of 'document(sizes=[1,1,1,") and "\n" not in message
+    assert message.endswith("make 1,048,576 runs of equal values, past the 750,000 a page holds: view a region with --rows/--keys")

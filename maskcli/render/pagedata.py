@@ -207,8 +207,8 @@ def mask_data(mask: Mask) -> dict:
     rows = [run for run, _ in found]
     labels = label_numbers(mask)
     if labels > BUDGET // 2:
-        raise MaskError(f"--html: the labels, ids and padding of {shortened(mask.text, 60)!r} change {labels // 2:,} times, "
-                        f"past the {BUDGET // 4:,} a page holds: view a region with --rows/--keys")
+        raise MaskError(f"--html: the labels, ids and padding of {shortened(mask.text, 60)!r} make {labels // 2:,} runs of equal "
+                        f"values, past the {BUDGET // 4:,} a page holds: view a region with --rows/--keys")
     if mask.exact:
         rows = sampled(rows, mask, b_rows, BUDGET - labels)
     elif _numbers(rows) + labels > BUDGET:  # a tensor's rows cannot be sampled exactly from the expression: refuse, whole
