@@ -133,7 +133,7 @@ def test_a_cache_offset_places_the_cells_and_marks_the_cache_edge(tab):
     assert why == why_text(mask, [explain(mask, 0, 5, 2)])
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                                   HealthCheck.function_scoped_fixture])
 @given(cases(), st.data())
 def test_hover_shows_the_cell_and_the_same_why_as_the_command_line(tab, case, data):
