@@ -3,7 +3,7 @@
 Pages are loaded from files; the mouse moves through the DevTools protocol; the text shown on hover and the pixels
 drawn (a screenshot read back with matplotlib.image) are checked against masks computed here by double loops over
 absolute positions (tests/definitions.py) and against `maskcli show --why` for the same cell. One browser serves the
-module. Timings are not asserted here (benchmarks/html.py measures them).
+module. Timings are not asserted here (benchmarks/page.py measures them).
 """
 
 from __future__ import annotations
