@@ -314,6 +314,8 @@ def test_dark_mode_draws_masked_cells_dark_and_keeps_the_kept_colour(tab):
     assert close(shown[SIDE // 8, SIDE * 7 // 8], html.DARK["masked"]) and close(shown[SIDE * 7 // 8, SIDE // 8], VISIBLE_RGB)
     background = tab.evaluate("getComputedStyle(document.body).backgroundColor")
     assert background == "rgb(24, 24, 27)"
+    legend = tab.evaluate("getComputedStyle(document.querySelector('.swatch.masked')).backgroundColor")
+    assert legend == "rgb({}, {}, {})".format(*html.DARK["masked"])
 
 
 def test_rows_past_the_budget_are_sampled_and_the_page_says_where_exactness_stops(tab, monkeypatch):

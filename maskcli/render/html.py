@@ -40,7 +40,10 @@ def _asset(name: str) -> str:
 
 
 def _legend(page: str) -> str:
-    swatch = '<span class="swatch" style="background: rgb({},{},{})"></span>{}'.format
+    def swatch(r, g, b, text):  # the masked grey follows the page's light or dark colours (page.css)
+        kind = " masked" if (r, g, b) == MASKED_RGB else ""
+        return f'<span class="swatch{kind}" style="background: rgb({r},{g},{b})"></span>{text}'
+
     if page == "diff":
         items = [(VISIBLE_RGB, "in both"), (LEAK_RGB, "only in A"), (ONLY_B_RGB, "only in B"), (MASKED_RGB, "in neither")]
     elif page == "attend":
