@@ -89,11 +89,15 @@ def explain(mask: Mask, b: int, q: int, kv: int) -> Why:
     if mask.tree is None:
         keep = mask.keep[b if mask.keep.shape[0] > 1 else 0, :, q_idx, kv_idx]
         heads = tuple(bool(v) for v in keep) if len(set(keep.tolist())) > 1 else ()
-        note = (f"the cell of {mask.text}, read as it is: a tensor has no expression, so there is no tree of kinds "
-                "to explain it (maskcli inspect names the kinds that make such a tensor)")
-        return Why(b, q, kv, bool(keep[0]), None, q_idx, kv_idx, note, heads)
+        return Why(b, q, kv, bool(keep[0]), None, q_idx, kv_idx, tensor_note(mask), heads)
     node = _node(mask.tree, mask.whole or mask.frame, b, q, kv)
     return Why(b, q, kv, node.keep, node, q_idx, kv_idx)
+
+
+def tensor_note(mask: Mask) -> str:
+    """What --why says of a tensor's cell: there is no tree to explain it."""
+    return (f"the cell of {mask.text}, read as it is: a tensor has no expression, so there is no tree of kinds "
+            "to explain it (maskcli inspect names the kinds that make such a tensor)")
 
 
 def _node(tree, frame, b: int, q: int, kv: int) -> Node:

@@ -333,6 +333,9 @@ def test_devices_that_are_not_here_list_the_available_ones():
         (["--batch", "2", "--x", json.dumps(TUTORIAL_X[:3])], ["--batch 2 is for random inputs, and --x set the batch size"]),
         (["--batch", "3", "--lengths", "3,1"], ["--batch 3 does not match the 2 batch rows of the mask (--lengths/--ids or labels): drop --batch"]),
         (["--png", ""], ["--png is empty: give a file name"]),
+        (["--html", ""], ["--html is empty: give a file name"]),
+        (["--html", "out.htm"], ["--html 'out.htm': unknown extension '.htm'; use one of .html"]),
+        (["--html", "nodir/a.html"], ["--html 'nodir/a.html': directory 'nodir' does not exist"]),
         (["--seed", str(2**64)], [f"--seed must be 0 to {2**63 - 1}", str(2**64)]),
         (["--seed", "-1"], ["--seed must be 0 to"]),
         (["--scale", "inf"], ["--scale must be a positive finite number, got inf"]),
@@ -811,3 +814,20 @@ def test_a_region_is_the_whole_runs_stages_there(extra):
     out = runner.invoke(app, ["attend", "causal", "--len", "8", "--rows", "6:", "--keys", ":3", "--stages", "weights"],
                         env={"MASKCLI_DEVICE": "cpu", "COLUMNS": "100"}).stdout
     assert " q \\ kv " in out and "\n 6 " in out and "\n 5 " not in out and " 3 " not in out.split("weights =")[1].splitlines()[1]
+
+
+def test_html_embeds_the_stages_it_shows(tmp_path):
+    path = tmp_path / "a.html"
+    result = invoke(["causal", "--len", 3, "--stages", "masked,weights", "--html", path])
+    assert result.exit_code == 0 and f"wrote {path}" in result.stderr
+    page = path.read_text()
+    assert '"page":"attend"' in page and '"names":["masked","weights"]' in page
+
+
+def test_html_past_what_a_page_holds_is_refused_before_any_file_is_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(["causal", "--len", 600, "--png", "a.png", "--html", "a.html"])
+    assert result.exit_code == 2 and result.stderr == (
+        "maskcli: error: --html would embed 1,444,800 stage values, past the 1,048,576 a page holds: "
+        "choose fewer with --batch-index/--head/--stages, or view --rows/--keys\n")
+    assert list(tmp_path.iterdir()) == []

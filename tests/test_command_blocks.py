@@ -168,3 +168,17 @@ def test_summary_counts_the_blocks_and_their_rows_without_the_indices():
     assert f"full {int(full.sum())} " in text and "blocks per query-block row: full" in text
     long = json.loads(ok(["causal", "--len", 1 << 20, "--summary", "--json"]).stdout)  # --json alone is refused here
     assert long["planes"][0]["full"] == 8191 * 8192 // 2 and long["planes"][0]["partial"] == 8192
+
+
+def test_html_writes_the_page_with_the_block_sizes(tmp_path):
+    result = ok(["document(sizes=[300,500,224]) & window(128)", "--block", "64,32", "--html", tmp_path, "--summary"])
+    path = tmp_path / "blocks_document_sizes_300_500_224_and_window_128.html"
+    assert f"wrote {path}" in result.stderr
+    assert '"blocks":{"q":64,"kv":32}' in path.read_text()
+
+
+def test_bad_html_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(["causal", "--html", "nodir/b.html"])
+    assert result.exit_code == 2 and result.stderr == "maskcli: error: --html 'nodir/b.html': directory 'nodir' does not exist; create it first\n"
+    assert list(tmp_path.iterdir()) == []

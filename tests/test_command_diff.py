@@ -203,3 +203,24 @@ def test_a_region_compares_the_same_part_of_both():
     data = as_json("window(100)", "window(101)", "--len", 5000, "--rows", "1000:1010", "--keys", "850:1010")
     assert (data["only_a"], data["only_b"]) == (0, 10)  # key q-100 of each of the 10 rows
     assert diff("window(100)", "window(101)", "--len", 5000, "--rows", "10:20").exit_code == 0  # equal there
+
+
+def test_html_writes_the_page_of_categories_and_keeps_the_exit_status(tmp_path):
+    path = tmp_path / "d.html"
+    result = diff("document(0,0,1,1)", "causal", "--html", path)
+    assert result.exit_code == 1 and f"wrote {path}" in result.stderr
+    page = path.read_text()
+    assert '"page":"diff"' in page and "only in A" in page
+    assert diff("causal", "causal", "--html", tmp_path).exit_code == 0 and (tmp_path / "diff.html").exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--html", "d.txt"], "--html 'd.txt': unknown extension '.txt'; use one of .html"),
+    (["--html", "d.html", "--why", "2,1"], "--why 2,1 explains one cell and --html draws them all: give one of them"),
+    (["--html", ""], "--html is empty: give a file name"),
+])
+def test_bad_html_is_one_line_and_writes_nothing(args, says, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = diff("document(0,0,1,1)", "causal", *args)
+    assert result.exit_code == 2 and result.stderr == f"maskcli: error: {says}\n"
+    assert list(tmp_path.iterdir()) == []

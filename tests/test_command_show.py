@@ -493,6 +493,10 @@ BAD = [
     (["show", "causal", "--png", "missing/m.png"], ["'missing'"]),
     (["show", "causal", "--save", "missing/deeper/m.pt"], ["'missing/deeper'"]),
     (["show", "causal", "--png", "m.gif"], ["'.gif'", ".png, .svg, .pdf"]),
+    (["show", "causal", "--html", "m.png"], ["--html 'm.png'", "'.png'", "use one of .html"]),
+    (["show", "causal", "--html", "missing/m.html"], ["--html 'missing/m.html'", "directory 'missing' does not exist"]),
+    (["show", "causal", "--html", ""], ["--html is empty: give a file name"]),
+    (["show", "causal", "--html", "m.html", "--why", "9,0"], ["--why 9,0", "outside the queries 0-7"]),
     (["show", "causal", "--save", "m.txt"], ["'.txt'", ".pt, .npy"]),
     (["chunk", "0,1", "--save", "m"], ["'m'", ".pt, .npy"]),
     (["show", "causal", "--len", "3000000", "--json"], [f"({3_000_000**2 * 12:,} bytes)"]),
@@ -883,6 +887,7 @@ def test_lengths_ids_and_tokens_come_from_files_as_labels_do(tmp_path, monkeypat
     (["causal", "--ids", "ids2.txt", "--len", "2"], "--ids 'ids2.txt': 'x' is not an integer"),
     (["causal", "--save", "nodir/"], "--save 'nodir/': folder 'nodir' does not exist; create it first, or give a file name"),
     (["causal", "--png", "nodir/"], "--png 'nodir/': folder 'nodir' does not exist"),
+    (["causal", "--html", "nodir/"], "--html 'nodir/': folder 'nodir' does not exist; create it first, or give a file name"),
     (["causal", "--save", "nodir/m.npy"], "directory 'nodir' does not exist; create it first"),
 ])
 def test_bad_padding_and_files_are_one_line(args, says, tmp_path, monkeypatch):
@@ -953,3 +958,36 @@ def test_summary_counts_documents_and_blocks_and_says_where_they_start():
     many = ",".join(str(i % 7) for i in range(5000))  # 5,000 one-token documents: every start listed up to 1,024
     data = json.loads(ok(["show", f"document({many})", "--summary", "--json"]).stdout)["batch_rows"][0]["documents"]
     assert data["count"] == 5000 and data["starts"] == list(range(1024)) and data["starts_listed"] == 1024
+
+
+# --- --html (the page itself is checked in a browser: tests/test_render_html.py) --------------------------
+
+
+def test_html_writes_one_self_contained_page_and_still_prints_the_table(tmp_path):
+    path = tmp_path / "m.html"
+    result = ok(["show", "document(0,0,1,1) & window(2)", "--html", path])
+    assert result.stderr == f"wrote {path}\n"
+    assert lines(result.stdout)[-1] == "3 1 0 0 │ 1 1"
+    page = path.read_text()
+    assert page.startswith("<!DOCTYPE html>") and '"page":"show"' in page
+    assert "http://" not in page and "https://" not in page and "<script src" not in page and "<link" not in page
+    data = json.loads(re.search(r'<script type="application/json" id="mask-data">(.*?)</script>', page, re.S).group(1))
+    assert data["masks"][0]["text"] == "document(0,0,1,1) & window(2)" and data["masks"][0]["frame"]["lq"] == 4
+
+
+def test_html_onto_a_folder_is_named_after_the_mask_and_a_million_tokens_stay_small(tmp_path):
+    result = ok(["show", "document(sizes=[300000,400000,348576]) & window(4096)", "--html", tmp_path])
+    path = tmp_path / "document_sizes_300000_400000_348576_and_window_4096.html"
+    assert f"wrote {path}" in result.stderr
+    assert "the terminal map is left out beside --html for a mask of 1,048,576 x 1,048,576" in result.stderr
+    assert path.stat().st_size < 1 << 20  # a few runs of affine rows, not a million rows
+
+
+def test_html_of_a_tensor_too_scattered_for_a_page_is_refused_whole(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    np.save("scattered.npy", np.random.default_rng(0).random((3000, 3000)) < 0.5)  # about 750 runs in every row
+    result = invoke(["show", "--mask", "scattered.npy", "--from", "keep", "--html", "m.html", "--png", "m.png", "--save", "m.pt"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("maskcli: error: --html: the cells of \"'scattered.npy' (read as keep)\" take ")
+    assert "past the 3,000,000 a page holds: view a region with --rows/--keys" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scattered.npy"]

@@ -11,7 +11,7 @@ from maskcli.attention import FILLS, LIKES, STAGES
 from maskcli.commands.app import app, done, echo, make_console
 from maskcli.commands.inputs import InputOptions, mask_and_inputs
 from maskcli.commands.options import (
-    Expr, BatchIndex, Dropout, DropoutSeed, FigurePng, Fill, Head, Like, Precision, StagesJson, StagesOpt, examples,
+    Expr, BatchIndex, Dropout, DropoutSeed, FigurePng, Fill, Head, Html, Like, Precision, StagesJson, StagesOpt, examples,
     input_options, mask_options,
 )
 from maskcli.commands.show import check_choice
@@ -57,6 +57,7 @@ def attend(
     precision: Precision = 4,
     png: FigurePng = None,
     json_: StagesJson = False,
+    html: Html = None,
     *,
     mask: MaskOptions,
     inputs: InputOptions,
@@ -78,14 +79,17 @@ def attend(
     if dropout_seed is not None and not 0 <= dropout_seed < 2**63:
         raise MaskError(f"--dropout-seed must be 0 to {2**63 - 1} (a 64-bit seed), got {dropout_seed}")
     names = list(parse_stages(stages))
-    if png is not None and not png.strip():
-        raise MaskError("--png is empty: give a file name")
+    for flag, value in (("--png", png), ("--html", html)):
+        if value is not None and not value.strip():
+            raise MaskError(f"{flag} is empty: give a file name")
     if not 0 <= dropout < 1:
         raise MaskError(f"--dropout must be at least 0 and below 1, got {dropout}")
     if not 0 <= precision <= 12:
         raise MaskError(f"--precision must be 0 to 12 decimals, got {precision}")
     if png is not None and not Path(png).is_dir():  # its suffix and folder, before torch is imported
         check_output_path(png, FIGURE_SUFFIXES, "--png")
+    if html is not None and not Path(html).is_dir():
+        check_output_path(html, (".html",), "--html")
     from dataclasses import replace
 
     from maskcli.mask import parse_region
@@ -93,6 +97,7 @@ def attend(
     rows, keys = parse_region(mask.rows, "--rows"), parse_region(mask.keys, "--keys")
     built, qkv, torch_device, torch_dtype = mask_and_inputs(kind, replace(mask, rows=None, keys=None), inputs, dropout)
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "attend_" + built.slug) if png is not None else None
+    html_path = check_output_path(html, (".html",), "--html", "attend_" + built.slug) if html is not None else None
     from maskcli.attention.run import run_attention
 
     whole = built
@@ -114,6 +119,11 @@ def attend(
     for flag, index, size, what in (("--batch-index", batch_index, shape[0], "batch rows"), ("--head", head, shape[1], "heads")):
         if index is not None and not 0 <= index < size:
             raise MaskError(f"{flag} {index} is outside this run's {what} 0-{size - 1} ({what[0].upper()}={size}): pick one of them")
+    if html_path is not None:  # made before any file is written: a page it refuses leaves none behind
+        from maskcli.render.html import attend_page
+
+        page_pairs = report.selection(shape, batch_index, head, limit=FIGURE_ROWS)
+        page = attend_page(run, names, page_pairs)
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure
 
@@ -121,6 +131,12 @@ def attend(
         save_figure(report.stages_figure(run.mask, run.stages, names, pairs, run.device), png_path)
         note = report.selection_note(shape, pairs, "the figure's rows", chosen)
         done(f"wrote {png_path}" + (f" ({note})" if note else ""))
+    if html_path is not None:
+        from maskcli.render.html import save_page
+
+        save_page(page, html_path)
+        note = report.selection_note(shape, page_pairs, "the page", chosen)
+        done(f"wrote {html_path}" + (f" ({note})" if note else ""))
     if json_:
         echo(report.stages_json(run.mask, run.stages, run.device, run.findings, list(STAGES)))
         return

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from maskcli.commands.app import app, check_write, done, echo, make_console
-from maskcli.commands.options import Expr, examples, mask_options
+from maskcli.commands.options import Expr, Html, examples, mask_options
 from maskcli.errors import MaskError
 from maskcli.mask import MaskOptions
 
@@ -46,6 +46,7 @@ def blocks(
     json_: BlocksJson = False,
     save: BlocksSave = None,
     summary: Annotated[bool, typer.Option("--summary", help="Print counts, sparsity and blocks per query-block row instead of the map (with --json: as JSON, without the index tensors), at any length.")] = False,
+    html: Html = None,
     *,
     mask: MaskOptions,
 ) -> None:
@@ -56,12 +57,13 @@ def blocks(
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
 
     q_block, kv_block = parse_block(block)
-    for flag, value in (("--png", png), ("--save", save)):
+    for flag, value in (("--png", png), ("--save", save), ("--html", html)):
         if value is not None and not value.strip():
             raise MaskError(f"{flag} is empty: give a file name")
     from maskcli.inspect.given import build_any
 
     built = build_any(kind, mask)
+    html_path = check_output_path(html, (".html",), "--html", "blocks_" + built.slug) if html is not None else None
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "blocks_" + built.slug) if png is not None else None
     save_path = check_output_path(save, (".pt",), "--save", "blocks_" + built.slug) if save is not None else None
     from maskcli.blockmask import layout
@@ -79,6 +81,10 @@ def blocks(
         save_bytes = 4 * 4 * built.batch * built.heads * n_q * (1 + n_kv)  # kv and q sides, partial and full, int32
         check_bytes_fit(save_bytes, f"--save {str(save_path)!r} ({built.batch} x {built.heads} x {n_q} x {n_kv} block indices)", "to write", fix="use a larger --block, or fewer --heads")
         check_write(save_path, save_bytes, "--save")  # after every refusal: it may announce a long write
+    if html_path is not None:  # made before any file is written: a page it refuses leaves none behind
+        from maskcli.render.html import blocks_page
+
+        page = blocks_page(built, q_block, kv_block)
     with progress("counting blocks") as update:
         found = layout(built, q_block, kv_block, update)
     if save_path is not None:
@@ -89,6 +95,11 @@ def blocks(
 
         save_figure(render.blocks_figure(found), png_path)
         done(f"wrote {png_path}")
+    if html_path is not None:
+        from maskcli.render.html import save_page
+
+        save_page(page, html_path)
+        done(f"wrote {html_path}")
     if summary:
         echo(render.summary_json(found) if json_ else render.summary_text(found))
         return

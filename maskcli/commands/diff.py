@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from maskcli.commands.app import app, done, echo
-from maskcli.commands.options import Why, examples, mask_options
+from maskcli.commands.options import Html, Why, examples, mask_options
 from maskcli.errors import MaskError
 from maskcli.mask import Mask, MaskOptions
 
@@ -71,14 +71,15 @@ def _for_a_file(options: MaskOptions) -> MaskOptions:
     return replace(options, length=None, kv_len=None, align=None, lengths=None, ids=None, tokens=None, params={})
 
 
-def _explain(sides: dict[str, Mask], cell: str, png: str | None, json_: bool) -> None:
+def _explain(sides: dict[str, Mask], cell: str, png: str | None, json_: bool, html: str | None = None) -> None:
     """--why: the cell in A and in B, each side's tree; exit status 1 where the cell differs."""
     from maskcli.diff import check_comparable
     from maskcli.render.why import diff_why_dumps, diff_why_text
     from maskcli.why import explain, parse_cell
 
-    if png is not None:
-        raise MaskError(f"--why {cell} explains one cell and --png draws them all: give one of them")
+    for flag, value in (("--png", png), ("--html", html)):
+        if value is not None:
+            raise MaskError(f"--why {cell} explains one cell and {flag} draws them all: give one of them")
     a, b = sides["A"], sides["B"]
     check_comparable(a, b)
     cells = parse_cell(cell, a if a.batch >= b.batch else b)
@@ -108,6 +109,7 @@ def diff(
     png: DiffPng = None,
     json_: DiffJson = False,
     why: Why = None,
+    html: Html = None,
     *,
     mask: MaskOptions,
 ) -> None:
@@ -119,8 +121,9 @@ def diff(
 
     if mask.mask_file is not None:
         raise MaskError("diff takes its masks as A and B: give the file as one of them instead of --mask")
-    if png is not None and not png.strip():
-        raise MaskError("--png is empty: give a file name")
+    for flag, value in (("--png", png), ("--html", html)):
+        if value is not None and not value.strip():
+            raise MaskError(f"{flag} is empty: give a file name")
     from maskcli.inspect.given import user_kinds
 
     texts = {"A": a, "B": b}
@@ -159,9 +162,10 @@ def diff(
 
     sides = {label: region(sides[label], mask) for label in texts}  # the same region of each
     if why is not None:
-        _explain(sides, why, png, json_)
+        _explain(sides, why, png, json_, html)
         return
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "diff") if png is not None else None
+    html_path = check_output_path(html, (".html",), "--html", "diff") if html is not None else None
 
     from maskcli.commands.progress import progress
     from maskcli.diff import compare
@@ -169,11 +173,20 @@ def diff(
 
     with progress("comparing") as update:
         difference = compare(sides["A"], sides["B"], progress=update)
+    if html_path is not None:  # made before any file is written: a page it refuses leaves none behind
+        from maskcli.render.html import diff_page
+
+        page = diff_page(sides["A"], sides["B"])
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure
 
         save_figure(render.diff_figure(difference), png_path)
         done(f"wrote {png_path}")
+    if html_path is not None:
+        from maskcli.render.html import save_page
+
+        save_page(page, html_path)
+        done(f"wrote {html_path}")
     if json_:
         echo(render.diff_json(difference))
     else:

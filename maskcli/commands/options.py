@@ -57,6 +57,7 @@ As = Annotated[str, typer.Option("--as", help="Convention shown and saved: keep 
 Dtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype of --as additive and min: {', '.join(DTYPES)} (default float32).", autocompletion=completes(*DTYPES), rich_help_panel=OUTPUT_PANEL)]
 Png = Annotated[str | None, typer.Option("--png", help="Write a heatmap: .png, .svg or .pdf (a folder: a .png named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 Json = Annotated[bool, typer.Option("--json", help="Print the mask as one JSON object: its expression, shape, offsets and cells as [B][H][Lq][Lk] lists in the --as convention.", rich_help_panel=OUTPUT_PANEL)]
+Html = Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML page: zoom to single cells, hover a cell for its value and --why (a folder: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 Save = Annotated[str | None, typer.Option("--save", help="Save the mask tensor in the --as convention: .pt or .npy (a folder: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 
 
@@ -250,6 +251,7 @@ class Output:
     summary: bool
     grid: str | None
     why: str | None = None
+    html: str | None = None
 
 
 Summary = Annotated[bool, typer.Option("--summary", help="Print exact statistics instead of the cells: visible cells, keys per query row, empty rows, documents, FLOPs.", rich_help_panel=OUTPUT_PANEL)]
@@ -262,6 +264,6 @@ Why = Annotated[str | None, typer.Option("--why", help="Explain one cell: Q,KV (
 def output_options(func):
     """The output options of show and chunk, declared once and given to the command as `output: Output`."""
     added = [("o_as", As, "keep"), ("o_dtype", Dtype, None), ("o_png", Png, None), ("o_json", Json, False), ("o_save", Save, None),
-             ("o_summary", Summary, False), ("o_grid", Grid, None), ("o_why", Why, None)]
+             ("o_summary", Summary, False), ("o_grid", Grid, None), ("o_why", Why, None), ("o_html", Html, None)]
     return extend(func, "output", added, lambda given: Output(*given.values()))
 

@@ -92,7 +92,7 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
     dtype_name = check_choice("float32" if dtype_name is None else dtype_name, DTYPES, "--dtype")
     if given_dtype and convention not in ("additive", "min"):
         warn(f"--dtype {dtype_name} is ignored: it is for --as additive and --as min, and --as {convention} has a dtype of its own")
-    for flag, value in (("--png", png), ("--save", save)):
+    for flag, value in (("--png", png), ("--save", save), ("--html", output.html)):
         if value is not None and not value.strip():
             raise MaskError(f"{flag} is empty: give a file name")
     from maskcli.inspect.given import build_any
@@ -107,8 +107,13 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
         check_mask_json(mask)
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", mask.slug) if png is not None else None
     save_path = check_output_path(save, TENSOR_SUFFIXES, "--save", mask.slug) if save is not None else None
+    html_path = check_output_path(output.html, (".html",), "--html", mask.slug) if output.html is not None else None
     if save_path is not None and save_path.suffix.lower() == ".npy" and dtype_name == "bfloat16" and convention in ("additive", "min"):
         raise MaskError("--save .npy cannot hold bfloat16 (numpy has no such dtype): save as .pt or pick another --dtype")
+    if html_path is not None:  # made before any file is written: a page it refuses leaves none behind
+        from maskcli.render.html import mask_page
+
+        page = mask_page(mask)
     for message in mask.warnings:
         warn(message)
     empty = empty_rows(mask) if answers is None else None  # O(L) counts: --why stays one cell's work
@@ -123,6 +128,11 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
 
         save_figure(mask_figure(mask), png_path)
         done(f"wrote {png_path}")
+    if html_path is not None:
+        from maskcli.render.html import save_page
+
+        save_page(page, html_path)
+        done(f"wrote {html_path}")
     from maskcli.commands.progress import progress
 
     if output.summary:
@@ -144,9 +154,10 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
     if json_out:
         echo(mask_json(mask, convention, dtype_name))
         return
-    if png_path is not None and max(mask.frame.q_len, mask.frame.k_len) > TABLE_MAX_ROWS:
-        done(f"the terminal map is left out beside --png for a mask of {mask.frame.q_len:,} x {mask.frame.k_len:,}: "
-             "the figure has it; run without --png to print the map too")
+    beside = "--png" if png_path is not None else "--html" if html_path is not None else None
+    if beside is not None and max(mask.frame.q_len, mask.frame.k_len) > TABLE_MAX_ROWS:
+        done(f"the terminal map is left out beside {beside} for a mask of {mask.frame.q_len:,} x {mask.frame.k_len:,}: "
+             f"the {'figure' if beside == '--png' else 'page'} has it; run without {beside} to print the map too")
         return
 
     console, map_width = wide_console()

@@ -30,7 +30,7 @@ def number(value: float, precision: int) -> str:
     return f"{value:.{precision}f}"
 
 
-def _json_nested(tensor: torch.Tensor):
+def json_nested(tensor: torch.Tensor):
     values = tensor.detach().to("cpu", torch.float64).tolist()  # converted on the host: no float64 copy on the device
 
     def convert(item):
@@ -227,7 +227,7 @@ def stages_json(mask: Mask, stages: Stages, device: torch.device, findings: list
         "like": stages.pipeline.name if stages.pipeline.name in LIKE else None,
         "dropout": stages.dropout,
         "mask": stages.keep.cpu().to(torch.uint8).tolist(),
-        "stages": {name: _json_nested(stages.stage(name)) for name in names},
+        "stages": {name: json_nested(stages.stage(name)) for name in names},
         "findings": [{"code": f.code, "message": f.message} for f in findings],
     }
     return json.dumps(data)

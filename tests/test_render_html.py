@@ -1,0 +1,420 @@
+"""The --html pages in a real browser: the system's chromium, driven by Playwright (never a downloaded browser).
+
+Pages are loaded from files; the mouse moves through the DevTools protocol; the text shown on hover and the pixels
+drawn (a screenshot read back with matplotlib.image) are checked against masks computed here by double loops over
+absolute positions (tests/definitions.py) and against `maskcli show --why` for the same cell. One browser serves the
+module. Timings are not asserted here (benchmarks/page.py measures them).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import definitions as ref
+from maskcli.mask import MaskOptions, build, from_tensor
+from maskcli.render import html, pagedata
+from maskcli.render.heatmaps import LEAK_RGB, MASKED_RGB, VISIBLE_RGB
+from maskcli.render.diff import ONLY_B_RGB
+from maskcli.render.why import diff_why_text, why_text
+from maskcli.why import explain
+from strategies import cases, expected_cells
+
+# MASKCLI_CHROMIUM names the browser (a path that does not exist skips the tests); else the system's chromium
+CANDIDATES = [os.environ["MASKCLI_CHROMIUM"]] if "MASKCLI_CHROMIUM" in os.environ else [
+    shutil.which("chromium"), "/usr/bin/chromium", shutil.which("chromium-browser"), shutil.which("google-chrome")]
+CHROMIUM = next((path for path in CANDIDATES if path and os.path.exists(path)), None)
+SIDE = 720  # the page's canvas, in pixels
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        pytest.skip("no chromium found (apt-get install chromium, or set MASKCLI_CHROMIUM): the browser tests need one")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    with sync_api.sync_playwright() as driver:
+        launched = driver.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield launched
+        launched.close()
+
+
+@pytest.fixture(scope="module")
+def tab(browser, tmp_path_factory):
+    """One tab for the module, with every request it makes recorded."""
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page.requests, page.errors = [], []
+    page.on("request", lambda request: page.requests.append(request.url))
+    page.on("pageerror", lambda error: page.errors.append(str(error)))
+    page.folder = tmp_path_factory.mktemp("pages")
+    yield page
+    page.close()
+
+
+def load(tab, text: str, name: str = "page.html", scheme: str = "light"):
+    path = tab.folder / name
+    path.write_text(text, encoding="utf-8")
+    tab.emulate_media(color_scheme=scheme)
+    tab.requests.clear()
+    tab.goto(path.as_uri())
+    tab.wait_for_function("window.__maskcliFirstDraw !== undefined")
+    assert tab.errors == []
+    assert tab.requests == [path.as_uri()]  # the page itself, and nothing from the network
+    return path
+
+
+def box(tab, selector="#mask"):
+    """The canvas's drawing area on the screen: left, top, width, height."""
+    return tab.evaluate("(s) => { const c = document.querySelector(s), r = c.getBoundingClientRect();"
+                        " return [r.left + c.clientLeft, r.top + c.clientTop, c.width, c.height]; }", selector)
+
+
+def pixels(tab, selector="#mask") -> np.ndarray:
+    """The canvas as the screen shows it: (H, W, 3) ints 0-255, from a screenshot read back by matplotlib."""
+    import matplotlib.image as mpimg
+
+    left, top, width, height = box(tab, selector)
+    shot = tab.screenshot(clip={"x": left, "y": top, "width": width, "height": height})
+    return np.round(mpimg.imread(io.BytesIO(shot), format="png")[..., :3] * 255).astype(int)
+
+
+def hover(tab, x: float, y: float, selector="#mask"):
+    left, top, _, _ = box(tab, selector)
+    tab.mouse.move(left + x, top + y)
+    return tab.inner_text("#cell"), tab.text_content("#why")
+
+
+def cell_centre(q_local: int, kv_local: int, lq: int, lk: int) -> tuple[float, float]:
+    return (kv_local + 0.5) * SIDE / lk, (q_local + 0.5) * SIDE / lq
+
+
+def close(found, want, tolerance=2) -> bool:
+    return bool(np.all(np.abs(np.asarray(found) - np.asarray(want)) <= tolerance))
+
+
+def reference(tree, lq, q0=0, k0=0, lk=None):
+    return np.array(ref.dense(tree, q0=q0, lq=lq, k0=k0, lk=lk or lq)[0])
+
+
+DOC_WINDOW = ("and", [("kind", "document", {"labels": [[0] * 5 + [1] * 4 + [2] * 3]}), ("kind", "window", {"window": 3})])
+CAUSAL_BLOCKS = ("or", [("kind", "causal", {}), ("kind", "blocks", {"labels": [[-1, -1, 0, 0, 0, -1, 1, 1, -1, -1]]})])
+SINKS = ("and", [("kind", "causal", {}), ("or", [("kind", "window", {"window": 3}), ("kind", "sink", {"sink": 2})])])
+
+
+@pytest.mark.parametrize("tree, lq", [(DOC_WINDOW, 12), (CAUSAL_BLOCKS, 10), (SINKS, 16)])
+def test_every_cell_is_drawn_in_the_colour_of_the_definition(tab, tree, lq):
+    load(tab, html.mask_page(build(ref.text(tree), MaskOptions(length=lq))))
+    shown, want = pixels(tab), reference(tree, lq)
+    for q in range(lq):
+        for kv in range(lq):
+            x, y = cell_centre(q, kv, lq, lq)
+            assert close(shown[int(y), int(x)], VISIBLE_RGB if want[q, kv] else MASKED_RGB), (q, kv, shown[int(y), int(x)])
+
+
+def test_a_cache_offset_places_the_cells_and_marks_the_cache_edge(tab):
+    mask = build("window(3)", MaskOptions(length=4, offset=4))  # queries 4-7, keys 0-7
+    load(tab, html.mask_page(mask))
+    shown = pixels(tab)
+    want = np.array(ref.dense(("kind", "window", {"window": 3}), q0=4, lq=4, k0=0, lk=8)[0])
+    for q in range(4):
+        for kv in range(8):
+            x, y = cell_centre(q, kv, 4, 8)
+            assert close(shown[int(y), int(x)], VISIBLE_RGB if want[q, kv] else MASKED_RGB), (q, kv)
+    edge = shown[SIDE // 2, SIDE // 2 - 1 : SIDE // 2 + 1]  # key 4 starts mid-canvas: the cache line, orange
+    assert any(close(pixel, (217, 115, 0), 12) for pixel in edge), edge
+    cell, why = hover(tab, *cell_centre(1, 2, 4, 8))
+    assert cell.splitlines()[0] == "q 5 · kv 2 · q_idx 1 · kv_idx 2" and cell.splitlines()[-1] == "masked"
+    assert why == why_text(mask, [explain(mask, 0, 5, 2)])
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(cases(), st.data())
+def test_hover_shows_the_cell_and_the_same_why_as_the_command_line(tab, case, data):
+    tree, options, frame, valid = case
+    mask = build(ref.text(tree), MaskOptions(**options))
+    expected = expected_cells(tree, options, frame, valid, mask.batch)
+    q0, lq, k0, lk = frame
+    load(tab, html.mask_page(mask))
+    b = data.draw(st.integers(0, mask.batch - 1))
+    if mask.batch > 1:
+        tab.select_option("#batch", str(b))
+    q, kv = data.draw(st.integers(q0, q0 + lq - 1)), data.draw(st.integers(k0, k0 + lk - 1))
+    cell, why = hover(tab, *cell_centre(q - q0, kv - k0, lq, lk))
+    first = cell.splitlines()[0]
+    assert first.startswith(f"q {q} · kv {kv}") and (f"batch row {b}" in first) == (mask.batch > 1)
+    assert cell.splitlines()[-1] == ("kept" if expected[b, q - q0, kv - k0] else "masked")
+    assert why == why_text(mask, [explain(mask, b, q, kv)])
+    shown = pixels(tab)
+    x, y = cell_centre(q - q0, kv - k0, lq, lk)
+    if not valid or (all(_valid_at(valid, b, kv) for kv in range(k0, k0 + lk)) and _valid_at(valid, b, q)):  # no hatching there
+        assert close(shown[int(y), int(x)], VISIBLE_RGB if expected[b, q - q0, kv - k0] else MASKED_RGB)
+
+
+def _valid_at(valid, b, position):
+    row = valid[b] if len(valid) > 1 else valid[0]
+    return position >= len(row) or row[position]
+
+
+def test_diff_page_colours_and_names_each_category(tab):
+    a_tree, b_tree, n = ("kind", "document", {"labels": [[0, 0, 0, 1, 1, 1, 1, 2]]}), ("kind", "window", {"window": 3}), 8
+    a, b = build(ref.text(a_tree), MaskOptions(length=n)), build(ref.text(b_tree), MaskOptions(length=n))
+    load(tab, html.diff_page(a, b))
+    in_a, in_b = reference(a_tree, n), reference(b_tree, n)
+    shown = pixels(tab)
+    colours = {(True, True): VISIBLE_RGB, (True, False): LEAK_RGB, (False, True): ONLY_B_RGB, (False, False): MASKED_RGB}
+    words = {(True, True): "both", (True, False): "only in A", (False, True): "only in B", (False, False): "neither"}
+    for q in range(n):
+        for kv in range(n):
+            x, y = cell_centre(q, kv, n, n)
+            key = (bool(in_a[q, kv]), bool(in_b[q, kv]))
+            assert close(shown[int(y), int(x)], colours[key]), (q, kv)
+    for q, kv in ((3, 1), (7, 6), (2, 0), (5, 0)):
+        cell, why = hover(tab, *cell_centre(q, kv, n, n))
+        assert cell.splitlines()[-1] == words[(bool(in_a[q, kv]), bool(in_b[q, kv]))]
+        assert why == diff_why_text(a, b, [explain(a, 0, q, kv)], [explain(b, 0, q, kv)])
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(cases(), st.data())
+def test_diff_hover_agrees_with_diff_why_for_random_masks(tab, case, data):
+    tree_a, options, frame, valid = case
+    tree_b = data.draw(st.sampled_from([("and", [tree_a, ("kind", "causal", {})]), ("or", [tree_a, ("kind", "window", {"window": 2})]),
+                                        ("not", tree_a), ("kind", "causal", {})]))
+    a, b = build(ref.text(tree_a), MaskOptions(**options)), build(ref.text(tree_b), MaskOptions(**options))
+    load(tab, html.diff_page(a, b))
+    q0, lq, k0, lk = frame
+    q, kv = data.draw(st.integers(q0, q0 + lq - 1)), data.draw(st.integers(k0, k0 + lk - 1))
+    cell, why = hover(tab, *cell_centre(q - q0, kv - k0, lq, lk))
+    in_a = expected_cells(tree_a, options, frame, valid, a.batch)[0, q - q0, kv - k0]
+    in_b = expected_cells(tree_b, options, frame, valid, b.batch)[0, q - q0, kv - k0]
+    assert cell.splitlines()[-1] == {(1, 1): "both", (1, 0): "only in A", (0, 1): "only in B", (0, 0): "neither"}[(int(in_a), int(in_b))]
+    assert why == diff_why_text(a, b, [explain(a, 0, q, kv)], [explain(b, 0, q, kv)])
+
+
+def test_blocks_page_says_full_partial_or_empty_as_create_block_mask_counts(tab):
+    tree, n, size = ("and", [("kind", "causal", {}), ("kind", "window", {"window": 6})]), 20, 6
+    mask = build(ref.text(tree), MaskOptions(length=n))
+    load(tab, html.blocks_page(mask, size, size))
+    keep = reference(tree, n)
+    padded = np.zeros((24, 24), dtype=bool)  # create_block_mask pads to whole blocks: a cut block is never full
+    padded[:n, :n] = keep
+    for q, kv in ((0, 0), (7, 3), (10, 9), (19, 18), (19, 0), (13, 12)):
+        i, j = q // size, kv // size
+        block = padded[i * size : (i + 1) * size, j * size : (j + 1) * size]
+        cut = (i + 1) * size > n or (j + 1) * size > n
+        want = "empty" if not block.any() else "full" if block.all() and not cut else "partial"
+        cell, _ = hover(tab, *cell_centre(q, kv, n, n))
+        assert cell.splitlines()[-1] == f"{'kept' if keep[q, kv] else 'masked'} · block ({i}, {j}): {want}"
+    shown = pixels(tab)
+    line = shown[int(6 * SIDE / n), 5]  # the grid line under the first row of blocks
+    assert not close(line, MASKED_RGB, 8) and not close(line, VISIBLE_RGB, 8)
+
+
+def test_attend_page_shows_every_stage_with_values_and_why(tab):
+    import torch
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    q = [[0.4, -0.1], [0.3, 0.9], [-0.5, 0.2], [0.1, 0.1]]
+    k = [[0.2, 0.7], [-0.3, 0.4], [0.8, -0.6], [0.5, 0.5]]
+    v = [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5], [2.0, -1.0]]
+    path = tab.folder / "attend.html"
+    result = CliRunner().invoke(app, ["attend", "document(0,0,1,1) & window(2)", "--q", json.dumps(q), "--k", json.dumps(k),
+                                      "--v", json.dumps(v), "--html", str(path)])
+    assert result.exit_code == 0, result.output
+    tab.emulate_media(color_scheme="light")
+    tab.goto(path.as_uri())
+    tab.wait_for_function("window.__maskcliFirstDraw !== undefined")
+    keep = torch.tensor(reference(DOC_WINDOW_4, 4))
+    scores = torch.tensor(q) @ torch.tensor(k).T / (2 ** 0.5)
+    weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    mask = build("document(0,0,1,1) & window(2)", MaskOptions(length=4))
+    _, _, width, height = box(tab, "#stage-weights")
+    shown = pixels(tab, "#stage-masked")
+    for i in range(4):
+        for j in range(4):
+            x, y = (j + 0.5) * width / 4, (i + 0.5) * height / 4
+            cell, why = hover(tab, x, y, "#stage-weights")
+            lines = dict(line.split(" ", 1) for line in cell.splitlines()[2:] if line.split(" ", 1)[0] in ("scores", "weights"))
+            assert float(lines["weights"]) == pytest.approx(float(weights[i, j]), abs=1e-5)
+            assert float(lines["scores"]) == pytest.approx(float(scores[i, j] * 2 ** 0.5), abs=1e-5)
+            assert why == why_text(mask, [explain(mask, 0, i, j)])
+            masked_pixel = shown[int(y), int(x)]
+            assert close(masked_pixel, MASKED_RGB) == (not bool(keep[i, j])), (i, j, masked_pixel)
+    tab.focus("#stage-masked")  # the keyboard walks the cells from the last one read
+    tab.keyboard.press("ArrowUp")
+    tab.keyboard.press("ArrowLeft")
+    assert tab.inner_text("#cell").splitlines()[1:3] == ["q 2 · kv 2", "doc 1 at q · doc 1 at kv"]
+
+
+DOC_WINDOW_4 = ("and", [("kind", "document", {"labels": [[0, 0, 1, 1]]}), ("kind", "window", {"window": 2})])
+MILLION = "document(sizes=[300000,400000,348576]) & window(4096)"
+
+
+def _million_reference(q: int, kv: int) -> bool:
+    label = lambda i: 0 if i < 300000 else 1 if i < 700000 else 2  # noqa: E731
+    return label(q) == label(kv) and q - 4096 < kv <= q
+
+
+def test_a_million_tokens_zooms_to_single_cells_exactly_in_a_small_file(tab):
+    mask = build(MILLION)
+    path = load(tab, html.mask_page(mask), "million.html")
+    assert path.stat().st_size < 20 << 20
+    # single cells around the second document boundary: 40 rows x 80 keys, each cell 18 x 9 pixels
+    tab.evaluate("window.maskcliViewer.setView(699980, 695920, 40, 80)")
+    shown = pixels(tab)
+    for i in range(40):
+        for j in range(80):
+            x, y = cell_centre(i, j, 40, 80)
+            want = _million_reference(699980 + i, 695920 + j)
+            assert close(shown[int(y), int(x)], VISIBLE_RGB if want else MASKED_RGB), (699980 + i, 695920 + j)
+    cell, why = hover(tab, *cell_centre(25, 70, 40, 80))
+    assert cell.splitlines()[:2] == ["q 700005 · kv 695990", "doc 2 at q · doc 1 at kv"]
+    assert why == why_text(mask, [explain(mask, 0, 700005, 695990)])
+    assert "exact" in tab.text_content("#status")
+    # two keys and two queries a pixel: each pixel's colour is the exact share of its four cells kept
+    tab.evaluate("window.maskcliViewer.setView(303000, 300000, 1440, 1440)")
+    shown = pixels(tab)
+    for py in range(3, SIDE, 37):  # off the boundary line at key 300000 (pixel column 0)
+        for px in range(3, SIDE, 41):
+            share = np.mean([_million_reference(303000 + 2 * py + a, 300000 + 2 * px + c) for a in (0, 1) for c in (0, 1)])
+            want = np.round(np.array(MASKED_RGB) + (np.array(VISIBLE_RGB) - np.array(MASKED_RGB)) * share)
+            assert close(shown[py, px], want, 1), (py, px, share)
+
+
+def test_the_keyboard_pans_zooms_and_resets_and_reads_the_centre_cell(tab):
+    mask = build("causal", MaskOptions(length=64))
+    load(tab, html.mask_page(mask))
+    tab.focus("#mask")
+    view = "[window.maskcliViewer.x0, window.maskcliViewer.y0, window.maskcliViewer.sx]"
+    assert tab.evaluate(view) == [0, 0, SIDE / 64]
+    tab.keyboard.press("+")
+    x0, y0, sx = tab.evaluate(view)
+    assert sx == 2 * SIDE / 64 and (x0, y0) == (16, 16)
+    assert tab.inner_text("#cell").splitlines()[0] == "q 32 · kv 32"
+    tab.keyboard.press("ArrowRight")
+    tab.keyboard.press("ArrowDown")
+    assert tab.evaluate(view)[:2] == [20, 20]
+    tab.keyboard.press("0")
+    assert tab.evaluate(view) == [0, 0, SIDE / 64]
+
+
+def test_dark_mode_draws_masked_cells_dark_and_keeps_the_kept_colour(tab):
+    load(tab, html.mask_page(build("causal", MaskOptions(length=4))), scheme="dark")
+    shown = pixels(tab)
+    assert close(shown[SIDE // 8, SIDE * 7 // 8], html.DARK["masked"]) and close(shown[SIDE * 7 // 8, SIDE // 8], VISIBLE_RGB)
+    background = tab.evaluate("getComputedStyle(document.body).backgroundColor")
+    assert background == "rgb(24, 24, 27)"
+    legend = tab.evaluate("getComputedStyle(document.querySelector('.swatch.masked')).backgroundColor")
+    assert legend == "rgb({}, {}, {})".format(*html.DARK["masked"])
+
+
+def test_rows_past_the_budget_are_sampled_and_the_page_says_where_exactness_stops(tab, monkeypatch):
+    tree = ("kind", "local", {"chunk_size": 2})  # rows alternate [2i, 2i+1), [2i, 2i+2): no run of affine rows
+    mask = build(ref.text(tree), MaskOptions(length=3000))
+    monkeypatch.setattr(pagedata, "BUDGET", 5_000)
+    load(tab, html.mask_page(mask), "sampled.html")
+    assert "NOT exact at this zoom" in tab.text_content("#status")
+    tab.evaluate("window.maskcliViewer.setView(1000, 1500, 60, 60)")
+    assert "exact: drawn cell by cell" in tab.text_content("#status")
+    shown = pixels(tab)
+    want = np.array(ref.dense(tree, q0=1000, lq=60, k0=1500, lk=60)[0])
+    for i in range(60):
+        for j in range(60):
+            x, y = cell_centre(i, j, 60, 60)
+            assert close(shown[int(y), int(x)], VISIBLE_RGB if want[i, j] else MASKED_RGB), (i, j)
+    load(tab, html.blocks_page(mask, 16, 16), "sampled_blocks.html")  # blocks of sampled rows: counted cell by cell
+    tab.evaluate("window.maskcliViewer.setView(1000, 1000, 60, 60)")
+    for q, kv in ((1010, 1009), (1010, 1030), (1040, 1020)):
+        i, j = q // 16, kv // 16
+        block = np.array(ref.dense(tree, q0=16 * i, lq=16, k0=16 * j, lk=16)[0])
+        word = "empty" if not block.any() else "full" if block.all() else "partial"
+        cell, _ = hover(tab, *cell_centre(q - 1000, kv - 1000, 60, 60))
+        assert cell.splitlines()[-1].endswith(f"block ({i}, {j}): {word}")
+
+
+def test_a_tensor_is_drawn_from_its_cells_and_its_why_says_it_has_no_tree(tab):
+    keep = np.tril(np.ones((6, 6), dtype=bool), -1)[None, None]
+    keep[0, 0, 0, 5] = True
+    mask = from_tensor(keep, "given.npy")
+    load(tab, html.mask_page(mask))
+    shown = pixels(tab)
+    for q in range(6):
+        for kv in range(6):
+            x, y = cell_centre(q, kv, 6, 6)
+            assert close(shown[int(y), int(x)], VISIBLE_RGB if keep[0, 0, q, kv] else MASKED_RGB), (q, kv)
+    _, why = hover(tab, *cell_centre(0, 5, 6, 6))
+    assert why == why_text(mask, [explain(mask, 0, 0, 5)])
+
+
+def test_a_short_wide_mask_zooms_along_its_keys(tab):
+    load(tab, html.mask_page(build("window(4096)", MaskOptions(length=1, offset=8191))))  # one decode step
+    tab.focus("#mask")
+    for _ in range(3):
+        tab.keyboard.press("+")
+    sx, sy = tab.evaluate("[window.maskcliViewer.sx, window.maskcliViewer.sy]")
+    assert sx == pytest.approx(8 * SIDE / 8192) and sy == SIDE
+    assert tab.inner_text("#cell").splitlines()[0] == "q 8191 · kv 4096 · q_idx 0 · kv_idx 4096"  # the key at the centre
+
+
+def test_a_mask_mod_is_drawn_from_its_cells_and_hover_says_the_page_cannot_run_it(tab, tmp_path):
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    path = tmp_path / "mod.html"
+    gym = os.path.join(os.path.dirname(__file__), "data", "gym_masks.py")
+    result = CliRunner().invoke(app, ["show", "causal_mask & window(3)", "--mask-mod", f"{gym}:causal_mask", "--len", "6",
+                                      "--tokens", "a b c d e f", "--html", str(path)])
+    assert result.exit_code == 0, result.output
+    load(tab, path.read_text())
+    want = np.array(ref.dense(("kind", "window", {"window": 3}), q0=0, lq=6, k0=0, lk=6)[0])
+    shown = pixels(tab)
+    for q in range(6):
+        for kv in range(6):
+            x, y = cell_centre(q, kv, 6, 6)
+            assert close(shown[int(y), int(x)], VISIBLE_RGB if want[q, kv] else MASKED_RGB), (q, kv)
+    cell, why = hover(tab, *cell_centre(4, 2, 6, 6))
+    assert cell.splitlines() == ["q 4 · kv 2", '"e" at q · "c" at kv', "kept"]
+    assert why.startswith("this mask calls your mask_mod, which the page cannot run")
+
+
+def test_the_worst_rows_at_a_million_tokens_stay_under_20_mb_and_exact_at_cells(tab):
+    import maskcli
+
+    mask = maskcli.build("document & window(4096)", sizes=[2] * (1 << 19))  # 524,288 two-token documents
+    path = load(tab, html.mask_page(mask), "worst.html")
+    assert path.stat().st_size < 20 << 20
+    assert "NOT exact at this zoom" in tab.text_content("#status")
+    tab.evaluate("window.maskcliViewer.setView(777770, 777760, 20, 20)")
+    assert "exact: drawn cell by cell from the expression" in tab.text_content("#status")
+    shown = pixels(tab)
+    for i in range(20):
+        for j in range(20):
+            q, kv = 777770 + i, 777760 + j
+            x, y = cell_centre(i, j, 20, 20)
+            assert close(shown[int(y), int(x)], VISIBLE_RGB if q // 2 == kv // 2 and kv <= q else MASKED_RGB), (q, kv)
+    cell, why = hover(tab, *cell_centre(5, 14, 20, 20))
+    assert cell.splitlines()[1] == "doc 388887 at q · doc 388887 at kv"
+    assert why == why_text(mask, [explain(mask, 0, 777775, 777774)])
+
+
+def test_labels_that_change_too_often_for_a_page_are_refused_in_one_line():
+    import maskcli
+    from maskcli.errors import MaskError
+
+    mask = maskcli.build("document", sizes=[1] * (1 << 20))  # a document per token: 1,048,576 label runs
+    with pytest.raises(MaskError) as refused:
+        html.mask_page(mask)
+    message = str(refused.value)
+    assert message.startswith("--html: the labels, ids and padding of 'document(sizes=[1,1,1,") and "\n" not in message
+    assert message.endswith("make 1,048,576 runs of equal values, past the 750,000 a page holds: view a region with --rows/--keys")
