@@ -6,7 +6,7 @@
 A page documents a command with a ```console block whose first line is `$ maskcli ...`; the rest
 of the block is what the command prints (stdout, at 100 columns). A figure is an HTML comment
 `<!-- figure: maskcli ... --png docs/img/NAME.png -->` before its image. reference.md holds each
-command's --help between `<!-- help: CMD -->` markers. The small packed batches that docs/pack.md
+command's --help-all between `<!-- help: CMD -->` markers. The small packed batches that docs/pack.md
 checks are written here too (docs/batches/*.json, BATCHES below). tests/test_docs.py runs --check.
 """
 
@@ -127,7 +127,8 @@ def refreshed_page(text: str) -> str:
 
 
 def help_text(command: str) -> str:
-    code, output = run(f"maskcli {command} --help")
+    """--help-all: the reference lists every option, the ones --help leaves out too."""
+    code, output = run(f"maskcli {command} --help-all")
     assert code == 0, output
     return output
 

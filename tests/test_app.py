@@ -23,6 +23,30 @@ def test_help_shows_no_value_placeholder_on_flags():
     assert "<int" in show  # options that take a value keep theirs (<int> or <integer>, by typer's version)
 
 
+def _commands():
+    import typer.main
+
+    return typer.main.get_command(app).commands
+
+
+@pytest.mark.parametrize("name", sorted(_commands()))
+def test_every_commands_help_fits_60_lines_at_120_columns_and_help_all_shows_the_rest(name):
+    import re
+
+    shown = runner.invoke(app, [name, "--help"], env={"COLUMNS": "120"})
+    assert shown.exit_code == 0 and len(shown.stdout.splitlines()) <= 60, (name, len(shown.stdout.splitlines()))
+    every = runner.invoke(app, [name, "--help-all"], env={"COLUMNS": "120"})
+    assert every.exit_code == 0 and "Usage:" in every.stdout
+    flags = {opt for param in _commands()[name].params if not param.hidden for opt in param.opts if opt.startswith("--")}
+    in_help, in_all = set(re.findall(r"--[a-z][a-z0-9-]*", shown.stdout)), set(re.findall(r"--[a-z][a-z0-9-]*", every.stdout))
+    assert flags <= in_all, (name, flags - in_all)
+    assert flags <= in_help, (name, flags - in_help)  # a folded option is still named, on --help-all's line
+    folded = re.search(r"--help-all\s+Also show ([^.]*)\.", " ".join(line.strip("│ ") for line in shown.stdout.splitlines()))
+    if name == "attend":
+        assert folded and "--kv-start" in folded.group(1) and "--dropout-seed" in folded.group(1)
+        assert "│ --dropout-seed " in every.stdout and "│ --dropout-seed " not in shown.stdout  # its own row only in --help-all
+
+
 def test_version_long_and_short():
     for flag in ("--version", "-V"):
         result = runner.invoke(app, [flag])

@@ -43,6 +43,20 @@ def test_the_reference_is_every_commands_help():
     assert generate.refreshed_reference(text) == text, "docs/reference.md is out of date: run python docs/generate.py"
 
 
+def test_the_reference_lists_every_option_help_leaves_out():
+    import typer.main
+
+    from maskcli.commands import app
+
+    text = (ROOT / "docs" / "reference.md").read_text()
+    for name, command in typer.main.get_command(app).commands.items():
+        section = text.split(f"<!-- help: {name} -->")[1].split("<!-- help:")[0]
+        for param in command.params:
+            if not param.hidden:  # (the kind-parameter flags are hidden, and listed by maskcli kinds)
+                for opt in (o for o in param.opts if o.startswith("-")):
+                    assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", section), (name, opt)
+
+
 def test_every_command_and_kind_is_documented():
     from maskcli.commands import app
     from maskcli.kinds import names

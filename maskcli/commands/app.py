@@ -11,6 +11,7 @@ import sys
 from typing import Annotated
 
 import typer
+import typer.core
 from typer.core import TyperGroup
 
 try:  # newer typer carries its own copy of click, with its own exception classes
@@ -279,7 +280,53 @@ def done(message: str) -> None:
     typer.echo(message, err=True)
 
 
-app = typer.Typer(
+class MaskcliCommand(typer.core.TyperCommand):
+    """A command whose --help leaves out the less used options (FOLDED), which --help-all shows with the rest."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        folded = [p for p in params if _is_folded(self.name, p)]
+        flags = ", ".join(p.opts[-1] if p.opts[-1].startswith("--") else p.opts[0] for p in folded)
+        help_all = typer.core.TyperOption(  # every command takes it; listed where it shows more than --help
+            param_decls=["--help-all"], is_flag=True, expose_value=False, is_eager=True, callback=_print_help_all,
+            help=f"Also show {flags}.", hidden=not folded,
+        )
+        return [*params, help_all]
+
+    def format_help(self, ctx, formatter):
+        shown = ctx.meta.get("maskcli.help_all", False)
+        folded = [p for p in self.params if _is_folded(self.name, p)]
+        for param in folded:
+            param.hidden = not shown
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            for param in folded:
+                param.hidden = False
+
+
+def _is_folded(command: str | None, param) -> bool:
+    from maskcli.commands.options import FOLDED
+
+    return param.name in FOLDED or f"{command}.{param.name}" in FOLDED
+
+
+def _print_help_all(ctx, param, value) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    ctx.meta["maskcli.help_all"] = True
+    typer.echo(ctx.get_help(), color=ctx.color)
+    ctx.exit()
+
+
+class MaskcliTyper(typer.Typer):
+    """Commands are MaskcliCommands (folded help) unless a command names its own class."""
+
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or MaskcliCommand, **kwargs)
+
+
+app = MaskcliTyper(
     cls=MaskcliGroup,
     name="maskcli",
     help="See and check attention masks: build them from kinds and expressions, show them as tables, "
