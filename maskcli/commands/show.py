@@ -188,15 +188,18 @@ def empty_rows(mask: Mask) -> str | None:
     return f"{count:,} query row{'s see' if count > 1 else ' sees'} no key ({'; '.join(parts)})"
 
 
+PIPED_TABLE_WIDTH = 512  # piped output keeps a table whole up to this many columns (some 250 one-digit cells)
+
+
 def wide_console():
     """A console for a view, and the width a map takes: piped output (no terminal, no COLUMNS) keeps
-    tables whole at their natural width, and draws maps 80 columns wide."""
+    tables whole up to PIPED_TABLE_WIDTH columns, and draws maps (and their words) 80 columns wide."""
     import os
 
     console = make_console()
     if console.is_terminal or os.environ.get("COLUMNS"):
         return console, None
-    return make_console(width=1 << 12), console.width
+    return make_console(width=PIPED_TABLE_WIDTH), console.width
 
 
 def parse_grid(text: str) -> tuple[int, int]:
