@@ -89,6 +89,19 @@ def test_a_warning_is_not_followed_by_an_error_about_the_same_input():
     assert result.exit_code == 0 and "maskcli: warning: --dtype float16 is ignored" in result.stderr
 
 
+def test_a_warning_wraps_under_its_text_at_60_columns_and_is_one_line_piped():
+    args = ["show", "tril(-1)", "--len", "3"]
+    assert runner.invoke(app, args, env={"COLUMNS": "60"}).stderr == (
+        "maskcli: warning: 1 query row sees no key (0): softmax over\n"
+        "                  nothing is NaN with an -inf fill (maskcli\n"
+        "                  attend shows what each fill makes of it)\n"
+    )
+    assert runner.invoke(app, args, env={"COLUMNS": None}).stderr == (
+        "maskcli: warning: 1 query row sees no key (0): softmax over nothing is NaN with an -inf fill "
+        "(maskcli attend shows what each fill makes of it)\n"
+    )
+
+
 NARROW = [
     ["show", "causal", "--len", "20"],
     ["show", "window", "--len", "1048576", "--window", "128"],

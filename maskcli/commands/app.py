@@ -7,6 +7,7 @@ loads neither.
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Annotated
 
@@ -213,8 +214,42 @@ def warn(message: str, now: bool = False) -> None:
 
 def flush_warnings() -> None:
     for message in _pending:
-        typer.echo(f"maskcli: warning: {message}", err=True)
+        typer.echo(wrapped(f"maskcli: warning: {message}", sys.stderr), err=True, nl=False)
     _pending.clear()
+
+
+_LEAD = re.compile(r"maskcli: warning: |[ │├└─•]*(?:[AB]: )?")  # what a line's wrapped lines stand under
+
+
+def wrapped(text: str, stream) -> str:
+    """`text` wrapped for `stream` with a newline at the end: on a terminal (or under COLUMNS) each line is broken at
+    its width, with its further lines under the line's text (after its indent, tree branches, bullet, or
+    `maskcli: warning: `) rather than at column 0 where the terminal would put them; piped, it is left as it is."""
+    import os
+
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit():
+        width = int(columns)
+    elif getattr(stream, "isatty", lambda: False)():
+        import shutil
+
+        width = shutil.get_terminal_size().columns
+    else:
+        return text + "\n"
+    import io
+
+    from rich.console import Console
+
+    from maskcli.render import hanging
+
+    console = Console(file=io.StringIO(), width=width, no_color=True, highlight=False, emoji=False, markup=False)
+    for line in text.split("\n"):
+        lead = _LEAD.match(line).group(0)
+        if len(line) <= width or len(lead) > width // 2:  # a lead that wide would leave too narrow a column
+            console.out(line, highlight=False)
+        else:
+            console.print(hanging(lead, line[len(lead):]))
+    return "".join(line.rstrip() + "\n" for line in console.file.getvalue().splitlines())
 
 
 LARGE_WRITE = 1 << 30  # bytes past which a write is announced before it starts

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, check_write, done, echo, make_console, warn
+from maskcli.commands.app import app, check_write, done, echo, make_console, warn, wrapped
 from maskcli.commands.options import Expr, Output, escape, examples, mask_options, output_options
 from maskcli.conventions import CONVENTIONS, DTYPES
 from maskcli.errors import MaskError
@@ -137,7 +138,7 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
     if answers is not None:
         from maskcli.render.why import why_dumps, why_text
 
-        echo(why_dumps(mask, answers) if json_out else why_text(mask, answers))
+        echo(why_dumps(mask, answers) if json_out else wrapped(why_text(mask, answers), sys.stdout).rstrip("\n"))
         return
     from maskcli.render.masks import TABLE_MAX_ROWS, mask_json, mask_views
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from maskcli.diff import row_words
 from maskcli.pack.findings import Report
-from maskcli.text import shortened
+from maskcli.render import hanging
 
 SHOWN_STARTS = 12  # document starts listed per row in the table (--json lists every one)
 TABLE_ROWS = 8  # batch rows listed per field in the table
@@ -83,9 +83,14 @@ def views(report: Report, source: str, width: int = 120) -> list:
         paths.add_row(p.name, p.reads, Text(cross, style="red" if c.cross_cells else None),
                       Text(f"{c.pad_cells:,}", style="red" if c.pad_cells else None))
         command = p.command()
-        masks.append(f"{p.name}: " + (shortened(command, 160) if command else "the 4-D attention_mask as given (no expression rebuilds it)"))
+        if command is None:
+            command = "the 4-D attention_mask as given (no expression rebuilds it)"
+        elif len(command) > LONGEST_COMMAND:  # whole or not at all: a command cut short would not run
+            command = f"a command of {len(command):,} characters (its --ids lists every token), left out here and in --json"
+        masks.append(hanging(f"  {p.name}: ", Text(command)))
     out.append(paths)
-    out.append(Text("the mask each path builds:\n" + "\n".join(f"  {line}" for line in masks)))
+    out.append(Text("the mask each path builds:"))
+    out += masks
     unequal = [d for d in report.differences if not d.equal]
     if not report.differences:
         out.append(Text("paths: only one applies", style="dim"))
@@ -99,15 +104,14 @@ def views(report: Report, source: str, width: int = 120) -> list:
             out.append(Text(f"{a} and {b} disagree the same way as {said[same]}", style="yellow"))
             continue
         said[same] = f"{a} and {b}"
-        lines = [f"{a} and {b} disagree: only {a} allows {d.only_a:,} cells, only {b} {d.only_b:,}"]
-        lines += [f"  {line}" for line in row_words(d, a, b)]
-        out.append(Text("\n".join(lines), style="yellow"))
+        out.append(Text(f"{a} and {b} disagree: only {a} allows {d.only_a:,} cells, only {b} {d.only_b:,}", style="yellow"))
+        out += [hanging("  ", Text(line), style="yellow") for line in row_words(d, a, b)]
     if report.findings:
-        out.append(Text("findings:\n" + "\n".join(f"• {f.message}" for f in report.findings), style="red"))
+        out += [Text("findings:", style="red"), *(hanging("• ", Text(f.message), style="red") for f in report.findings)]
     else:
         out.append(Text("findings: none", style="green"))
     if report.notes:
-        out.append(Text("notes:\n" + "\n".join(f"• {n}" for n in report.notes), style="dim"))
+        out += [Text("notes:", style="dim"), *(hanging("• ", Text(n), style="dim") for n in report.notes)]
     return out
 
 
