@@ -223,6 +223,28 @@ def test_is_causal_with_fewer_queries_than_keys_is_named_top_left_with_a_finding
     assert json.loads(shown.stdout)["mask"][0][0] == np.tril(np.ones((2, 5), dtype=int)).tolist()
 
 
+def test_a_one_query_is_causal_call_is_named_top_left_not_a_decode_step_with_padding(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "step.py", """
+        import torch
+        import torch.nn.functional as F
+        F.scaled_dot_product_attention(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), is_causal=True)
+    """)
+    result = trace("--save", "s.pt", script, env={"COLUMNS": "200"})
+    text = " ".join(result.stderr.split())
+    assert "causal (queries top-left)" in text and "lengths 1" not in text
+    assert ("top-left-causal: is_causal with 1 query and 5 keys is aligned top-left: its one query sees key 0 only, so the "
+            "last 4 keys are seen by no query; a decoder with a cache means bottom-right (causal --offset 4)") in text
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)  # what SDPA's is_causal keeps
+    keep = torch.tensor([[[[True, False, False, False, False]]]])
+    assert torch.allclose(F.scaled_dot_product_attention(q, k, v, is_causal=True), F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+    shown = runner.invoke(app, ["show", "--mask", "s.pt:0", "--json"])
+    assert json.loads(shown.stdout)["mask"][0][0] == keep[0, 0].int().tolist()
+
+
 def test_past_max_bytes_a_call_keeps_its_shape_and_counts(layers, tmp_path):
     result = trace("--max-bytes", "0", "--save", "s.pt", layers, "--len", "4", env={"COLUMNS": "120"})
     assert result.exit_code == 0
