@@ -245,6 +245,30 @@ def test_a_one_query_is_causal_call_is_named_top_left_not_a_decode_step_with_pad
     assert json.loads(shown.stdout)["mask"][0][0] == keep[0, 0].int().tolist()
 
 
+def test_a_flex_document_mask_of_40_documents_is_summarised_in_the_report_and_whole_in_json(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sizes = [4 + (i * 5) % 7 for i in range(40)]
+    script = write(tmp_path, "docs.py", f"""
+        import warnings
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        warnings.simplefilter("ignore")
+        doc = torch.repeat_interleave(torch.arange(40), torch.tensor({sizes}))
+        def mask_mod(b, h, q, kv):
+            return (doc[q] == doc[kv]) & (kv <= q)
+        L = {sum(sizes)}
+        x = torch.randn(1, 1, L, 8)
+        flex_attention(x, x, x, block_mask=create_block_mask(mask_mod, 1, 1, L, L, device="cpu"))
+    """)
+    result = trace("--json", "t.json", script, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stderr.split())
+    assert "document(sizes=[" + ",".join(map(str, sizes[:6])) + ",...], 40 documents)" in text
+    assert "document(0,0,0" not in text
+    labels = [d for d, size in enumerate(sizes) for _ in range(size)]  # every label, in --json
+    assert json.load(open("t.json"))["groups"][0]["expression"] == "document(" + ",".join(map(str, labels)) + ")"
+
+
 def test_past_max_bytes_a_call_keeps_its_shape_and_counts(layers, tmp_path):
     result = trace("--max-bytes", "0", "--save", "s.pt", layers, "--len", "4", env={"COLUMNS": "120"})
     assert result.exit_code == 0

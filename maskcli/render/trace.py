@@ -21,11 +21,19 @@ def views(groups: list, calls: int, program: str, status: int, expected: list | 
             first = group.first
             shape = "(" + ",".join(map(str, first.shape)) + ")"
             table.add_row(str(number), Text(f"{group.where} ×{len(group.calls)}" if len(group.calls) > 1 else group.where),
-                          first.api, group.steps, shape, Text(group.name, style="green" if group.expression else "yellow"))
+                          first.api, group.steps, shape, Text(_brief(group.name, group.expression), style="green" if group.expression else "yellow"))
         out.append(table)
     for number, group in enumerate(groups):
         for finding in group.findings:
-            out.append(Text(f"{number}: {finding.code}: {finding.message}", style="red" if finding.code in ("fully-masked", "sees-later", "polarity") else ""))
+            out.append(Text(f"{number}: {finding.code}: {_brief(finding.message, group.expression)}", style="red" if finding.code in ("fully-masked", "sees-later", "polarity") else ""))
     for line in expected or []:
         out.append(Text(line, style="red"))
     return out
+
+
+def _brief(text: str, expression: str | None) -> str:
+    """`text` with the group's expression in brief (a document mask's 1,000 labels as its sizes and count);
+    --json keeps every label."""
+    from maskcli.expression import brief
+
+    return text if expression is None else text.replace(expression, brief(expression))
