@@ -260,7 +260,7 @@ def mask_figure(mask: Mask, name: str | None = None):
     """One panel per batch row (and distinct head); long masks show the exact visible share per block.
     `name` replaces the title's first line (the mask's name), as inspect names the file it read."""
     from maskcli.render.density import cell_block
-    from maskcli.render.heatmaps import Panel, heatmap_figure
+    from maskcli.render.heatmaps import Panel, heatmap_figure, position_extent
     from maskcli.render.structure import structure
 
     batch, _, q_len, k_len = mask.shape
@@ -282,7 +282,7 @@ def mask_figure(mask: Mask, name: str | None = None):
             f"one pixel = {cell_block(rows, cols)}\n(shade = share visible, any visible cell at least light blue;\n"
             f"{how_counted(mask)})"
         )
-        panels.append(Panel(title, share, None, None, extent=(f.k_start, f.k_end, f.q_end, f.q_start), marks=structure(mask, b)))
+        panels.append(Panel(title, share, None, None, extent=position_extent(f.k_start, f.k_end, f.q_start, f.q_end), marks=structure(mask, b)))
     where = "" if f.is_plain() else f", {f.describe()}"
     figure_title = f"{name or mask.title}\n{shape_text(mask)}{where}, keep convention" + (f"\n{left_out}" if left_out else "")
     return heatmap_figure([panels], figure_title, ("may attend (True)", "masked (False)"))

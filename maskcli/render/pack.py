@@ -165,7 +165,7 @@ def _path_json(c) -> dict:
 def pack_figure(report: Report, source: str):
     """One panel per (batch row, applicable path), with the reference's document boundaries and the padding."""
     from maskcli.counting import block_shares
-    from maskcli.render.heatmaps import Panel, heatmap_figure
+    from maskcli.render.heatmaps import Panel, heatmap_figure, position_extent
     from maskcli.render.masks import FIGURE_MAX_CELLS
     from maskcli.render.structure import Structure, _label_runs, _runs as pad_runs
 
@@ -190,7 +190,7 @@ def pack_figure(report: Report, source: str):
             else:
                 share = block_shares(c.path.mask, row, 0, per, per)
                 share = np.where(share > 0, 0.3 + 0.7 * share, 0.0)
-                panels.append(Panel(title, share, None, None, extent=(0, length, length, 0), marks=marks))
+                panels.append(Panel(title, share, None, None, extent=position_extent(0, length, 0, length), marks=marks))
         grid.append(panels)
     ref = f"boundaries: documents as {report.reference.name} says" if report.reference is not None else "no field marks documents"
     title = f"{source}: each attention path's mask\n{ref}" + (f"; rows {FIGURE_ROWS}-{b.rows - 1} not drawn" if b.rows > FIGURE_ROWS else "")
