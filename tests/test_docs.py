@@ -76,7 +76,10 @@ def test_every_figure_is_drawn_by_its_command(page, command, tmp_path):
     args = shlex.split(command)
     target = args[args.index("--png") + 1]
     assert (ROOT / target).is_file(), f"{target} is missing: run python docs/generate.py"
-    assert f"]({Path(target).relative_to('docs').as_posix()})" in (ROOT / "docs" / page).read_text()
+    text = (ROOT / "docs" / page).read_text()
+    assert f"]({Path(target).relative_to('docs').as_posix()})" in text
+    shown = generate.figure_command(command)  # its command as text under the image, the folder left out
+    assert f"]({Path(target).relative_to('docs').as_posix()})\n\n`{shown}`\n" in text and "docs/img" not in shown
     args[args.index("--png") + 1] = str(tmp_path / Path(target).name)
     code, output = generate.run(shlex.join(args))
     assert code == 0, output
