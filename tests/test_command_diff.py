@@ -203,3 +203,11 @@ def test_a_region_compares_the_same_part_of_both():
     data = as_json("window(100)", "window(101)", "--len", 5000, "--rows", "1000:1010", "--keys", "850:1010")
     assert (data["only_a"], data["only_b"]) == (0, 10)  # key q-100 of each of the 10 rows
     assert diff("window(100)", "window(101)", "--len", 5000, "--rows", "10:20").exit_code == 0  # equal there
+
+
+def test_piped_a_diff_of_1000_keys_is_a_map_and_words_80_columns_wide():
+    out = runner.invoke(app, ["diff", "window(4)", "window(5)", "--len", "1000"], env={"COLUMNS": None}).stdout
+    assert max(map(len, out.splitlines())) <= 80
+    text = " ".join(out.split())
+    assert "rows: query position, ruler: key position; one character = 28 queries x 14 keys (exact, from key intervals)" in text
+    assert "only A allows 0 cells · only B allows 996 · both allow 3,994" in text  # 996 = 1000 - 4 rows that see key q-4

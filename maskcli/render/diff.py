@@ -87,6 +87,10 @@ def views(difference: Difference, console, progress=None, map_width: int | None 
 
         marks = map_marks(_labelled_structure(difference, b), blocks.rows, blocks.cols)
         out.append(map_text(symbols, blocks.rows, blocks.cols, f.q_len, f.q_start, f.k_start, caption, marks))
+    if map_width is not None and not small:  # piped maps: their words wrapped as wide as the maps, not 512 columns
+        from rich.constrain import Constrain
+
+        out = [Constrain(view, map_width) for view in out]
     return out
 
 
