@@ -302,48 +302,6 @@ def call_text(call: Call) -> str:
     return f"{call.name}({', '.join(parts)})"
 
 
-PARTS = {"document": "documents", "segment": "segments", "chunk": "chunks", "local": "documents", "blocks": "blocks"}
-
-
-def brief(text: str, most: int = 12) -> str:
-    """`text` with each list of more than `most` integers summarised, for a report's line:
-    document(0,0,0,1,1,...) -> document(sizes=[3,2,...], 40 documents). The text itself is the mask's name
-    (--json keeps it whole); this is only for reading. Text that does not parse is returned as it is."""
-    try:
-        tree = parse(text)
-    except MaskError:
-        return text
-
-    def leaf(call) -> str:
-        if not isinstance(call, Call) or not call.called:
-            return call_text(call) if isinstance(call, Call) else str(call)
-        parts = []
-        for name, value in ((None, call.positional), *call.keywords):
-            if value is None:
-                continue
-            shown = _brief_ints(call.name, name, value, most) if isinstance(value, Ints) else value_text(value)
-            parts.append(shown if name is None else f"{name}={shown}")
-        return f"{call.name}({', '.join(parts)})"
-
-    return print_tree(tree, leaf)
-
-
-def _brief_ints(kind: str, keyword: str | None, value: Ints, most: int) -> str:
-    values = [v for row in value.rows for v in row]
-    if len(values) <= most:
-        return value_text(value)
-    part = PARTS.get(kind)
-    if keyword == "sizes" and len(value.rows) == 1:
-        return f"[{','.join(map(str, values[:6]))},...], {len(values):,} {part or 'sizes'}"
-    if part is not None and len(value.rows) == 1 and keyword is None:  # labels: their runs, as sizes
-        starts = [0] + [i for i in range(1, len(values)) if values[i] != values[i - 1]]
-        runs = [b - a for a, b in zip(starts, starts[1:] + [len(values)])]
-        if len(set(values[i] for i in starts)) == len(starts):  # each label one run: the sizes say it all
-            return f"sizes=[{','.join(map(str, runs[:6]))}{',...' if len(runs) > 6 else ''}], {len(runs):,} {part}"
-    rows = f" in {len(value.rows)} rows" if len(value.rows) > 1 else ""
-    return f"{','.join(map(str, values[:6]))},..., {len(values):,} values{rows}"
-
-
 def print_tree(node, leaf=call_text) -> str:
     """Canonical text with the fewest parentheses; `leaf` prints a call (or a resolved term)."""
     if isinstance(node, Or):

@@ -8,6 +8,8 @@ import textwrap
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from maskcli.commands import app
@@ -452,3 +454,18 @@ def test_a_hugging_face_style_eager_model_with_left_padding_step_by_step(tmp_pat
         _, _, q_len, k_len = call["shape"]
         for b, h, i, k in np.ndindex(keep.shape):
             assert keep[b, h, i, k] == (k <= k_len - q_len + i and not (b == 1 and k < 2))
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=30), st.integers(0, 3))
+def test_brief_names_long_labels_by_their_runs_and_leaves_short_ones(sizes, extra):
+    from maskcli.render.trace import brief
+
+    labels = ",".join(str(d) for d, size in enumerate(sizes) for _ in range(size))
+    text = f"causal & document({labels}) & window({extra + 1})"
+    if sum(sizes) <= 12:
+        assert brief(text) == text
+    else:
+        more = ",..." if len(sizes) > 6 else ""
+        expected = f"document(sizes=[{','.join(map(str, sizes[:6]))}{more}], {len(sizes)} documents)"
+        assert brief(text) == f"causal & {expected} & window({extra + 1})"
+    assert brief("not ( an expression") == "not ( an expression"

@@ -185,17 +185,3 @@ def test_a_chain_of_ten_thousand_terms_parses_without_recursing_per_term(join):
     expected = "window(3) & ~window(3)" if "~" in join else "window(3)"
     assert print_tree(simplified(tree)) == expected
 
-
-@given(st.lists(st.integers(1, 9), min_size=1, max_size=30), st.integers(0, 3))
-def test_brief_names_long_labels_by_their_runs_and_leaves_short_ones(sizes, extra):
-    from maskcli.expression import brief
-
-    labels = ",".join(str(d) for d, size in enumerate(sizes) for _ in range(size))
-    text = f"causal & document({labels}) & window({extra + 1})"
-    if sum(sizes) <= 12:
-        assert brief(text) == text
-    else:
-        more = ",..." if len(sizes) > 6 else ""
-        expected = f"document(sizes=[{','.join(map(str, sizes[:6]))}{more}], {len(sizes)} documents)"
-        assert brief(text) == f"causal & {expected} & window({extra + 1})"
-    assert brief("not ( an expression") == "not ( an expression"

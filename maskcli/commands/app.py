@@ -7,7 +7,6 @@ loads neither.
 
 from __future__ import annotations
 
-import re
 import sys
 from typing import Annotated
 
@@ -22,6 +21,7 @@ except ImportError:  # pragma: no cover - older typer raises click's
 
 from maskcli import __version__
 from maskcli.errors import MaskError
+from maskcli.render import wrapped
 
 UsageError = _click_exceptions.UsageError
 NoArgsIsHelpError = getattr(_click_exceptions, "NoArgsIsHelpError", ())
@@ -218,40 +218,6 @@ def flush_warnings() -> None:
     _pending.clear()
 
 
-_LEAD = re.compile(r"maskcli: warning: |[ │├└─•]*(?:[AB]: )?")  # what a line's wrapped lines stand under
-
-
-def wrapped(text: str, stream) -> str:
-    """`text` wrapped for `stream` with a newline at the end: on a terminal (or under COLUMNS) each line is broken at
-    its width, with its further lines under the line's text (after its indent, tree branches, bullet, or
-    `maskcli: warning: `) rather than at column 0 where the terminal would put them; piped, it is left as it is."""
-    import os
-
-    columns = os.environ.get("COLUMNS", "").strip()
-    if columns.isdigit():
-        width = int(columns)
-    elif getattr(stream, "isatty", lambda: False)():
-        import shutil
-
-        width = shutil.get_terminal_size().columns
-    else:
-        return text + "\n"
-    import io
-
-    from rich.console import Console
-
-    from maskcli.render import hanging
-
-    console = Console(file=io.StringIO(), width=width, no_color=True, highlight=False, emoji=False, markup=False)
-    for line in text.split("\n"):
-        lead = _LEAD.match(line).group(0)
-        if len(line) <= width or len(lead) > width // 2:  # a lead that wide would leave too narrow a column
-            console.out(line, highlight=False)
-        else:
-            console.print(hanging(lead, line[len(lead):]))
-    return "".join(line.rstrip() + "\n" for line in console.file.getvalue().splitlines())
-
-
 LARGE_WRITE = 1 << 30  # bytes past which a write is announced before it starts
 
 
@@ -315,6 +281,15 @@ def done(message: str) -> None:
     typer.echo(message, err=True)
 
 
+# Options --help leaves out, so that it fits a screen (--help-all and docs/reference.md show them): python parameter
+# names (commands/options.py) for every command, COMMAND.NAME for one. --help still names each on --help-all's line.
+FOLDED = frozenset({
+    "m_kv_start", "m_align", "m_pad_id", "m_key", "m_from", "m_causal", "m_mask_mod_args",
+    "i_batch", "i_head_dim", "i_d_out", "i_qkv_bias", "i_scale",
+    "attend.dropout_seed", "attend.precision", "attend.batch_index", "attend.head",
+})
+
+
 class MaskcliCommand(typer.core.TyperCommand):
     """A command whose --help leaves out the less used options (FOLDED), which --help-all shows with the rest."""
 
@@ -341,8 +316,6 @@ class MaskcliCommand(typer.core.TyperCommand):
 
 
 def _is_folded(command: str | None, param) -> bool:
-    from maskcli.commands.options import FOLDED
-
     return param.name in FOLDED or f"{command}.{param.name}" in FOLDED
 
 

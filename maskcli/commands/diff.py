@@ -9,9 +9,10 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, done, echo, wrapped
+from maskcli.commands.app import app, done, echo
 from maskcli.commands.options import Why, examples, mask_options
 from maskcli.errors import MaskError
+from maskcli.render import wrapped
 from maskcli.mask import Mask, MaskOptions
 
 SIDE_HELP = (

@@ -46,14 +46,6 @@ def examples(*commands: str) -> str:
     return "\n".join(["Examples:" if len(commands) > 1 else "Example:", *commands])
 
 
-# Options --help leaves out (--help-all and docs/reference.md show them): python parameter names for every
-# command, COMMAND.NAME for one command. Each is still named on --help-all's own line in --help.
-FOLDED = frozenset({
-    "m_kv_start", "m_align", "m_pad_id", "m_key", "m_from", "m_causal", "m_mask_mod_args",
-    "i_batch", "i_head_dim", "i_d_out", "i_qkv_bias", "i_scale",
-    "attend.dropout_seed", "attend.precision", "attend.batch_index", "attend.head",
-})
-
 MASK_PANEL = "Mask options"
 POSITION_PANEL = MASK_PANEL  # positions, padding and heads: one panel, so that help fits a screen
 KIND_PANEL = "Kind parameters (for a bare kind name)"

@@ -7,10 +7,11 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, check_write, done, echo, make_console, warn, wrapped
+from maskcli.commands.app import app, check_write, done, echo, make_console, warn
 from maskcli.commands.options import Expr, Output, escape, examples, mask_options, output_options
 from maskcli.conventions import CONVENTIONS, DTYPES
 from maskcli.errors import MaskError
+from maskcli.render import wrapped
 from maskcli.mask import Mask, MaskOptions
 
 
