@@ -4,9 +4,10 @@
     python docs/generate.py --check    # exit 1 and name what is out of date, write nothing
 
 A page documents a command with a ```console block whose first line is `$ maskcli ...`; the rest
-of the block is what the command prints (stdout, at 100 columns). A figure is an HTML comment
-`<!-- figure: maskcli ... --png docs/img/NAME.png -->` before its image. reference.md holds each
-command's --help between `<!-- help: CMD -->` markers. The small packed batches that docs/pack.md
+of the block is what the command prints (stdout, COLUMNS wide: the site's code width). A figure is an
+HTML comment `<!-- figure: maskcli ... --png docs/img/NAME.png -->` before its image, and the command
+is written under the image as text. reference.md holds each command's --help-all between
+`<!-- help: CMD -->` markers. The small packed batches that docs/pack.md
 checks are written here too (docs/batches/*.json, BATCHES below). tests/test_docs.py runs --check.
 """
 
@@ -21,9 +22,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-COLUMNS = "100"
+# The site's code blocks hold 80 columns without scrolling sideways: mkdocs-material caps its grid at 61rem,
+# less two 12.1rem sidebars and 1.2rem margins leaves 34.4rem; a code block's text (0.8rem x 0.85 = 0.68rem Roboto
+# Mono, 0.6em a character, so 0.408rem) sits inside 0.8rem of padding a side: 32.8 / 0.408 = 80 characters. All in
+# rem, so it holds at every font size the theme picks for wide screens.
+COLUMNS = "80"
 CONSOLE = re.compile(r"```console\n(\$ maskcli [^\n]*(?:\\\n[^\n]*)*)\n(.*?)```", re.S)
 FIGURE = re.compile(r"<!-- figure: (maskcli [^>]*?) -->")
+# a figure's image, then (generated) its command as text: a blank line and the command in backquotes
+CAPTIONED = re.compile(r"(<!-- figure: (maskcli [^>]*?) -->\n!\[[^\]\n]*\]\([^)\n]*\)\n)(?:\n`maskcli [^`\n]*`\n)?")
 HELP = re.compile(r"<!-- help: (\w+) -->\n```text\n(.*?)```", re.S)
 COMMANDS = ("show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds", "trace", "pack", "export", "model")
 BATCH_DIR = DOCS / "batches"
@@ -89,7 +96,7 @@ def _args(command: str) -> list[str]:
 
 
 def run(command: str, cwd: Path | None = None) -> tuple[int, str]:
-    """The command's exit status and stdout, run in-process as a user's terminal at 100 columns would show it."""
+    """The command's exit status and stdout, run in-process as a user's terminal at COLUMNS would show it."""
     from typer.testing import CliRunner
 
     from maskcli.commands import app
@@ -113,8 +120,22 @@ def figures(text: str) -> list[str]:
     return [match.group(1) for match in FIGURE.finditer(text)]
 
 
+def figure_command(command: str) -> str:
+    """A figure's command as a reader would run it: the image named without the docs' folder."""
+    args = shlex.split(command)
+    at = args.index("--png") + 1
+    args[at] = Path(args[at]).name
+    return shlex.join(args)
+
+
+def captioned(text: str) -> str:
+    """The page with each figure's command as text under its image (the comment above it is invisible)."""
+    return CAPTIONED.sub(lambda m: f"{m.group(1)}\n`{figure_command(m.group(2))}`\n", text)
+
+
 def refreshed_page(text: str) -> str:
-    """The page with every console block's output as the command prints it now."""
+    """The page with every console block's output as the command prints it now, and each figure's command under it."""
+    text = captioned(text)
 
     def replace(match: re.Match) -> str:
         command = match.group(1).removeprefix("$ ")
@@ -127,7 +148,8 @@ def refreshed_page(text: str) -> str:
 
 
 def help_text(command: str) -> str:
-    code, output = run(f"maskcli {command} --help")
+    """--help-all: the reference lists every option, the ones --help leaves out too."""
+    code, output = run(f"maskcli {command} --help-all")
     assert code == 0, output
     return output
 

@@ -23,6 +23,30 @@ def test_help_shows_no_value_placeholder_on_flags():
     assert "<int" in show  # options that take a value keep theirs (<int> or <integer>, by typer's version)
 
 
+def _commands():
+    import typer.main
+
+    return typer.main.get_command(app).commands
+
+
+@pytest.mark.parametrize("name", sorted(_commands()))
+def test_every_commands_help_fits_60_lines_at_120_columns_and_help_all_shows_the_rest(name):
+    import re
+
+    shown = runner.invoke(app, [name, "--help"], env={"COLUMNS": "120"})
+    assert shown.exit_code == 0 and len(shown.stdout.splitlines()) <= 60, (name, len(shown.stdout.splitlines()))
+    every = runner.invoke(app, [name, "--help-all"], env={"COLUMNS": "120"})
+    assert every.exit_code == 0 and "Usage:" in every.stdout
+    flags = {opt for param in _commands()[name].params if not param.hidden for opt in param.opts if opt.startswith("--")}
+    in_help, in_all = set(re.findall(r"--[a-z][a-z0-9-]*", shown.stdout)), set(re.findall(r"--[a-z][a-z0-9-]*", every.stdout))
+    assert flags <= in_all, (name, flags - in_all)
+    assert flags <= in_help, (name, flags - in_help)  # a folded option is still named, on --help-all's line
+    folded = re.search(r"--help-all\s+Also show ([^.]*)\.", " ".join(line.strip("│ ") for line in shown.stdout.splitlines()))
+    if name == "attend":
+        assert folded and "--kv-start" in folded.group(1) and "--dropout-seed" in folded.group(1)
+        assert "│ --dropout-seed " in every.stdout and "│ --dropout-seed " not in shown.stdout  # its own row only in --help-all
+
+
 def test_version_long_and_short():
     for flag in ("--version", "-V"):
         result = runner.invoke(app, [flag])
@@ -63,6 +87,19 @@ def test_a_warning_is_not_followed_by_an_error_about_the_same_input():
     assert result.stderr.count("\n") == 1 and "warning" not in result.stderr
     result = runner.invoke(app, ["show", "causal", "--len", "2", "--dtype", "float16"])
     assert result.exit_code == 0 and "maskcli: warning: --dtype float16 is ignored" in result.stderr
+
+
+def test_a_warning_wraps_under_its_text_at_60_columns_and_is_one_line_piped():
+    args = ["show", "tril(-1)", "--len", "3"]
+    assert runner.invoke(app, args, env={"COLUMNS": "60"}).stderr == (
+        "maskcli: warning: 1 query row sees no key (0): softmax over\n"
+        "                  nothing is NaN with an -inf fill (maskcli\n"
+        "                  attend shows what each fill makes of it)\n"
+    )
+    assert runner.invoke(app, args, env={"COLUMNS": None}).stderr == (
+        "maskcli: warning: 1 query row sees no key (0): softmax over nothing is NaN with an -inf fill "
+        "(maskcli attend shows what each fill makes of it)\n"
+    )
 
 
 NARROW = [

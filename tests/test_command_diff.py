@@ -224,3 +224,11 @@ def test_bad_html_is_one_line_and_writes_nothing(args, says, tmp_path, monkeypat
     result = diff("document(0,0,1,1)", "causal", *args)
     assert result.exit_code == 2 and result.stderr == f"maskcli: error: {says}\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_piped_a_diff_of_1000_keys_is_a_map_and_words_80_columns_wide():
+    out = runner.invoke(app, ["diff", "window(4)", "window(5)", "--len", "1000"], env={"COLUMNS": None}).stdout
+    assert max(map(len, out.splitlines())) <= 80
+    text = " ".join(out.split())
+    assert "rows: query position, ruler: key position; one character = 28 queries x 14 keys (exact, from key intervals)" in text
+    assert "only A allows 0 cells · only B allows 996 · both allow 3,994" in text  # 996 = 1000 - 4 rows that see key q-4

@@ -67,6 +67,23 @@ def test_the_same_report_reads_at_60_columns():
     assert "cu_seqlens       0     0, 3" in result.stdout
 
 
+@pytest.mark.parametrize("columns", [60, 120])
+def test_a_long_suggested_command_is_printed_whole_and_findings_wrap_under_their_bullet(columns):
+    sizes = [2 + d % 3 for d in range(120)]
+    positions = ",".join(str(i) for size in sizes for i in range(size))
+    result = pack("--position-ids", positions, "--labels", ",".join(["5"] * sum(sizes)), columns=columns)
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= columns for line in lines)
+    builds = result.stdout.split("the mask each path builds:")[1].split("paths:")[0]
+    assert "..." not in builds and "…" not in builds
+    command = 'maskcli show "document(sizes=[' + ",".join(map(str, sizes)) + '])"'  # 300 characters: was cut to 160
+    start = next(i for i, line in enumerate(lines) if line.startswith("  hf-sdpa: "))
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith(" " * len("  hf-sdpa: ")))  # under the command
+    assert end - start >= 3 and "".join("".join(lines[start:end]).split()) == "hf-sdpa:" + "".join(command.split())
+    bullet = next(i for i, line in enumerate(lines) if line.startswith("• labels are never -100"))
+    assert lines[bullet + 1].startswith("  ") and not lines[bullet + 1].startswith("   ")
+
+
 def test_agreeing_fields_exit_0():
     result = pack("--position-ids", "0,1,2,0,1", "--cu-seqlens", "0,3,5")
     assert result.exit_code == 0, result.output

@@ -550,7 +550,7 @@ def test_help_lists_every_kind_ends_with_examples_and_says_how_window_counts():
     assert "maskcli show causal --len 6" in text and 'maskcli show "document(0,0,0,1,1,1) & window(2)"' in text
     for kind in all_kinds():
         assert kind.signature in text
-    assert "maskcli kinds explains each" in text and "A bare kind takes its parameters from flags (--window 3; maskcli kinds lists them)" in text
+    assert "maskcli kinds explains each" in text and "a bare kind takes flags (--window 3; maskcli kinds lists them)" in text
     for flag in ("--offset", "--kv-start", "--kv-len", "--align", "--rows", "--keys"):
         assert flag in text
     # the kind-parameter flags are folded out of help (an expression carries its parameters): kinds lists them
@@ -716,6 +716,26 @@ def test_piped_output_keeps_a_table_whole_at_its_own_width():
     env = {key: value for key, value in os.environ.items() if key != "COLUMNS"}
     result = subprocess.run([sys.executable, "-m", "maskcli", "show", "causal", "--len", "30"], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0 and table_rows(result.stdout)[-1] == "29 " + " ".join(["1"] * 30)
+
+
+def test_piped_output_draws_a_mask_of_1000_keys_as_an_80_column_map_and_says_how_to_get_the_cells():
+    out = ok(["show", "causal", "--offset", 996, "--len", 4], env={"COLUMNS": None}).stdout  # piped, no COLUMNS
+    assert max(map(len, out.splitlines())) <= 80  # was one 4,000-character line per query
+    rows, cols, body = map_of(out)
+    assert (rows, cols) == (1, 14)
+    for q, (label, chars) in zip(range(996, 1000), body, strict=True):
+        shares = [sum(kv <= q for kv in range(k, min(k + cols, 1000))) / len(range(k, min(k + cols, 1000))) for k in range(0, 1000, cols)]
+        assert (label, chars) == (str(q), "".join("█" if s == 1 else "▓" if s > 0.5 else "░" if s > 0 else "·" for s in shares))
+    assert " ".join(out.split()).endswith(
+        "a density map, not the cells: 1,000 keys do not fit a table 512 columns wide: --keys A:B shows some of them "
+        "as one, --json or --save has every cell")
+    part = ok(["show", "causal", "--offset", 996, "--len", 4, "--keys", "990:"], env={"COLUMNS": None}).stdout
+    assert table_rows(part) == [f"{q} " + " ".join("1" if kv <= q else "0" for kv in range(990, 1000)) for q in range(996, 1000)]
+    tall = ok(["show", "causal", "--len", 2000], env={"COLUMNS": None}).stdout
+    assert " ".join(tall.split()).endswith(
+        "a density map, not the cells: 2,000 queries are more than a table shows: --rows A:B with --keys C:D shows some "
+        "of them as one, --json or --save has every cell")
+    assert "not the cells" not in ok(["show", "causal", "--len", 2000], env={"COLUMNS": "100"}).stdout  # a terminal's map
 
 
 def test_words_too_wide_for_the_columns_label_the_rows():

@@ -8,6 +8,8 @@ import textwrap
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from maskcli.commands import app
@@ -223,6 +225,52 @@ def test_is_causal_with_fewer_queries_than_keys_is_named_top_left_with_a_finding
     assert json.loads(shown.stdout)["mask"][0][0] == np.tril(np.ones((2, 5), dtype=int)).tolist()
 
 
+def test_a_one_query_is_causal_call_is_named_top_left_not_a_decode_step_with_padding(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "step.py", """
+        import torch
+        import torch.nn.functional as F
+        F.scaled_dot_product_attention(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), is_causal=True)
+    """)
+    result = trace("--save", "s.pt", script, env={"COLUMNS": "200"})
+    text = " ".join(result.stderr.split())
+    assert "causal (queries top-left)" in text and "lengths 1" not in text
+    assert ("top-left-causal: is_causal with 1 query and 5 keys is aligned top-left: its one query sees key 0 only, so the "
+            "last 4 keys are seen by no query; a decoder with a cache means bottom-right (causal --offset 4)") in text
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = torch.randn(1, 1, 1, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)  # what SDPA's is_causal keeps
+    keep = torch.tensor([[[[True, False, False, False, False]]]])
+    assert torch.allclose(F.scaled_dot_product_attention(q, k, v, is_causal=True), F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+    shown = runner.invoke(app, ["show", "--mask", "s.pt:0", "--json"])
+    assert json.loads(shown.stdout)["mask"][0][0] == keep[0, 0].int().tolist()
+
+
+def test_a_flex_document_mask_of_40_documents_is_summarised_in_the_report_and_whole_in_json(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sizes = [4 + (i * 5) % 7 for i in range(40)]
+    script = write(tmp_path, "docs.py", f"""
+        import warnings
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        warnings.simplefilter("ignore")
+        doc = torch.repeat_interleave(torch.arange(40), torch.tensor({sizes}))
+        def mask_mod(b, h, q, kv):
+            return (doc[q] == doc[kv]) & (kv <= q)
+        L = {sum(sizes)}
+        x = torch.randn(1, 1, L, 8)
+        flex_attention(x, x, x, block_mask=create_block_mask(mask_mod, 1, 1, L, L, device="cpu"))
+    """)
+    result = trace("--json", "t.json", script, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stderr.split())
+    assert "document(sizes=[" + ",".join(map(str, sizes[:6])) + ",...], 40 documents)" in text
+    assert "document(0,0,0" not in text
+    labels = [d for d, size in enumerate(sizes) for _ in range(size)]  # every label, in --json
+    assert json.load(open("t.json"))["groups"][0]["expression"] == "document(" + ",".join(map(str, labels)) + ")"
+
+
 def test_past_max_bytes_a_call_keeps_its_shape_and_counts(layers, tmp_path):
     result = trace("--max-bytes", "0", "--save", "s.pt", layers, "--len", "4", env={"COLUMNS": "120"})
     assert result.exit_code == 0
@@ -406,3 +454,18 @@ def test_a_hugging_face_style_eager_model_with_left_padding_step_by_step(tmp_pat
         _, _, q_len, k_len = call["shape"]
         for b, h, i, k in np.ndindex(keep.shape):
             assert keep[b, h, i, k] == (k <= k_len - q_len + i and not (b == 1 and k < 2))
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=30), st.integers(0, 3))
+def test_brief_names_long_labels_by_their_runs_and_leaves_short_ones(sizes, extra):
+    from maskcli.render.trace import brief
+
+    labels = ",".join(str(d) for d, size in enumerate(sizes) for _ in range(size))
+    text = f"causal & document({labels}) & window({extra + 1})"
+    if sum(sizes) <= 12:
+        assert brief(text) == text
+    else:
+        more = ",..." if len(sizes) > 6 else ""
+        expected = f"document(sizes=[{','.join(map(str, sizes[:6]))}{more}], {len(sizes)} documents)"
+        assert brief(text) == f"causal & {expected} & window({extra + 1})"
+    assert brief("not ( an expression") == "not ( an expression"

@@ -43,6 +43,20 @@ def test_the_reference_is_every_commands_help():
     assert generate.refreshed_reference(text) == text, "docs/reference.md is out of date: run python docs/generate.py"
 
 
+def test_the_reference_lists_every_option_help_leaves_out():
+    import typer.main
+
+    from maskcli.commands import app
+
+    text = (ROOT / "docs" / "reference.md").read_text()
+    for name, command in typer.main.get_command(app).commands.items():
+        section = text.split(f"<!-- help: {name} -->")[1].split("<!-- help:")[0]
+        for param in command.params:
+            if not param.hidden:  # (the kind-parameter flags are hidden, and listed by maskcli kinds)
+                for opt in (o for o in param.opts if o.startswith("-")):
+                    assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", section), (name, opt)
+
+
 def test_every_command_and_kind_is_documented():
     from maskcli.commands import app
     from maskcli.kinds import names
@@ -62,7 +76,10 @@ def test_every_figure_is_drawn_by_its_command(page, command, tmp_path):
     args = shlex.split(command)
     target = args[args.index("--png") + 1]
     assert (ROOT / target).is_file(), f"{target} is missing: run python docs/generate.py"
-    assert f"]({Path(target).relative_to('docs').as_posix()})" in (ROOT / "docs" / page).read_text()
+    text = (ROOT / "docs" / page).read_text()
+    assert f"]({Path(target).relative_to('docs').as_posix()})" in text
+    shown = generate.figure_command(command)  # its command as text under the image, the folder left out
+    assert f"]({Path(target).relative_to('docs').as_posix()})\n\n`{shown}`\n" in text and "docs/img" not in shown
     args[args.index("--png") + 1] = str(tmp_path / Path(target).name)
     code, output = generate.run(shlex.join(args))
     assert code == 0, output

@@ -184,3 +184,4 @@ def test_a_chain_of_ten_thousand_terms_parses_without_recursing_per_term(join):
     assert print_tree(tree) == text
     expected = "window(3) & ~window(3)" if "~" in join else "window(3)"
     assert print_tree(simplified(tree)) == expected
+

@@ -208,7 +208,7 @@ def test_a_short_wide_mask_fills_its_panel_and_positions_read_as_round_numbers(t
     assert rows.size > 100  # 16 queries drawn over 100+ pixel rows (equal aspect drew them about 10 pixels tall)
     figure = mask_figure_for("document(sizes=[300000,748576]) & window(4096)")
     labels = [t.get_text() for t in figure.axes[0].get_xticklabels()]
-    assert "300k" in labels and not any("e" in label for label in labels)  # no 1e6 offset
+    assert "200k" in labels and not any("e" in label for label in labels)  # no 1e6 offset
 
 
 def mask_figure_for(expression):
@@ -218,3 +218,54 @@ def mask_figure_for(expression):
     figure = mask_figure(build(expression))
     figure.canvas.draw()
     return figure
+
+
+def _value(label: str) -> int:
+    """A tick label read back as a position: 950, 12.5k, 1.05M (never an offset like 1e6)."""
+    scale = {"k": 1_000, "M": 1_000_000}.get(label[-1:], 1)
+    return round(float(label.rstrip("kM")) * scale)
+
+
+def _ticks_on_cells(figure, k_start, k_len, q_start, q_len):
+    """Each tick's (axis, label, where it stands as a share of the image, where the centre of that position's cell is)."""
+    figure.canvas.draw()
+    ax = figure.axes[0]
+    box = ax.images[0].get_window_extent()
+    found = []
+    for ticks, start, length, lo, size, index in ((ax.get_xticks(), k_start, k_len, box.x0, box.width, 0),
+                                                  (ax.get_yticks(), q_start, q_len, box.y1, -box.height, 1)):
+        labels = [t.get_text() for t in (ax.get_xticklabels() if index == 0 else ax.get_yticklabels())]
+        for tick, label in zip(ticks, labels):
+            where = ax.transData.transform((tick, tick))[index]
+            if label and (where - lo) / size >= 0 and (where - lo) / size <= 1:
+                found.append(("xy"[index], label, (where - lo) / size, (_value(label) - start + 0.5) / length))
+    assert ax.xaxis.get_offset_text().get_text() == "" and ax.yaxis.get_offset_text().get_text() == ""
+    return found
+
+
+@pytest.mark.parametrize("args, k_start, k_len, q_start, q_len", [
+    (["causal", "--len", "6"], 0, 6, 0, 6),  # small: tick k at the centre of column k
+    (["window(3)", "--offset", "1000", "--len", "4", "--kv-start", "970"], 970, 34, 1000, 4),  # behind a cache
+    (["causal", "--offset", "996", "--len", "4", "--kv-start", "900"], 900, 100, 996, 4),
+    (["document(sizes=[300000,748576]) & window(4096)"], 0, 1048576, 0, 1048576),  # a pixel per 2,048 positions
+])
+def test_ticks_stand_at_the_centres_of_their_positions_cells_with_round_labels(args, k_start, k_len, q_start, q_len):
+    from maskcli.mask import MaskOptions, build
+    from maskcli.render.masks import mask_figure
+
+    flags = dict(zip(args[1::2], args[2::2]))
+    options = MaskOptions(length=int(flags["--len"]) if "--len" in flags else None,
+                          offset=int(flags["--offset"]) if "--offset" in flags else None,
+                          kv_start=int(flags["--kv-start"]) if "--kv-start" in flags else None)
+    found = _ticks_on_cells(mask_figure(build(args[0], options)), k_start, k_len, q_start, q_len)
+    cell = 1 / min(k_len, 512)  # a cell, or a pixel block of a long mask
+    for _, label, at, centre in found:
+        assert abs(at - centre) < cell / 10, (label, at, centre)  # at the centre of that position's cell
+        assert "e" not in label
+    for axis, length in (("x", k_len), ("y", q_len)):
+        values = [_value(label) for a, label, _, _ in found if a == axis]
+        steps = {b - a for a, b in zip(values, values[1:])}
+        assert len(values) >= min(length, 4) and len(steps) == 1, (axis, values)
+        step = steps.pop()  # one round step: 1, 2 or 5 times a power of ten, and every label a multiple of it
+        assert step // 10 ** (len(str(step)) - 1) in (1, 2, 5) and step % 10 ** (len(str(step)) - 1) == 0, values
+        assert all(value % step == 0 for value in values), values

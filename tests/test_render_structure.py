@@ -170,5 +170,6 @@ def test_blocks_and_diff_figures_draw_the_label_boundaries():
     assert any(t.startswith("doc boundary") for t in _legend_texts(figure))
     figure = diff_figure(compare(build("document(0,0,0,1,1,1,1,1) & window(3)"), build("document(0,0,0,1,1,1,1,1)")))
     image, ax = _pixels(figure), figure.axes[0]
-    assert near(image, ax, 3, 1.5, MARK_RGB) and near(image, ax, 1.5, 3, MARK_RGB) and not near(image, ax, 5.5, 1.5, MARK_RGB)
+    # drawn on positions, each cell centred on its position (as a table's column k): key 3 starts at x = 2.5
+    assert near(image, ax, 2.5, 1, MARK_RGB) and near(image, ax, 1, 2.5, MARK_RGB) and not near(image, ax, 5, 1, MARK_RGB)
     assert any(t.startswith("doc boundary") for t in _legend_texts(figure))

@@ -103,6 +103,25 @@ def test_show_why_in_words():
     )
 
 
+def test_why_lines_wrap_under_their_own_text_at_60_columns_and_stay_whole_when_piped():
+    args = ["show", "document(sizes=[300,212]) & window(128)", "--why", "400,300"]
+    narrow = runner.invoke(app, args, env={"COLUMNS": "60"})
+    assert narrow.exit_code == 0 and narrow.stdout == (
+        "query 400, key 300 of document(sizes=[300,212]) &\n"
+        "window(128): kept\n"
+        "  & -> kept: all 2 parts keep it\n"
+        "  ├─ document(sizes=[300,212]): label 1 at q 400 and kv 300,\n"
+        "     kv <= q -> kept\n"  # under the kind, not at column 0 where the terminal would put it
+        "  └─ window(128): 400 - 300 = 100 < 128 -> kept\n"
+        "positions: queries 0-511 · keys 0-511\n"
+    )
+    piped = runner.invoke(app, args, env={"COLUMNS": None})
+    assert "  ├─ document(sizes=[300,212]): label 1 at q 400 and kv 300, kv <= q -> kept\n" in piped.stdout
+    diff = runner.invoke(app, ["diff", "document(sizes=[300,212]) & window(128)", "window(100)", "--why", "400,300"], env={"COLUMNS": "60"})
+    assert "A: query 400, key 300 of document(sizes=[300,212]) &\n   window(128): kept\n" in diff.stdout
+    assert all(len(line) <= 60 for line in narrow.stdout.splitlines() + diff.stdout.splitlines())
+
+
 def test_or_not_and_positions_in_words():
     out = ok(["show", "causal & (window(3) | sink(1)) & ~tril(-5)", "--why", "9,0", "--offset", "4", "--len", "6"])
     assert out == (

@@ -11,6 +11,7 @@ import sys
 from typing import Annotated
 
 import typer
+import typer.core
 from typer.core import TyperGroup
 
 try:  # newer typer carries its own copy of click, with its own exception classes
@@ -20,6 +21,7 @@ except ImportError:  # pragma: no cover - older typer raises click's
 
 from maskcli import __version__
 from maskcli.errors import MaskError
+from maskcli.render import wrapped
 
 UsageError = _click_exceptions.UsageError
 NoArgsIsHelpError = getattr(_click_exceptions, "NoArgsIsHelpError", ())
@@ -212,7 +214,7 @@ def warn(message: str, now: bool = False) -> None:
 
 def flush_warnings() -> None:
     for message in _pending:
-        typer.echo(f"maskcli: warning: {message}", err=True)
+        typer.echo(wrapped(f"maskcli: warning: {message}", sys.stderr), err=True, nl=False)
     _pending.clear()
 
 
@@ -279,7 +281,60 @@ def done(message: str) -> None:
     typer.echo(message, err=True)
 
 
-app = typer.Typer(
+# Options --help leaves out, so that it fits a screen (--help-all and docs/reference.md show them): python parameter
+# names (commands/options.py) for every command, COMMAND.NAME for one. --help still names each on --help-all's line.
+FOLDED = frozenset({
+    "m_kv_start", "m_align", "m_pad_id", "m_key", "m_from", "m_causal", "m_mask_mod_args",
+    "i_batch", "i_head_dim", "i_d_out", "i_qkv_bias", "i_scale",
+    "attend.dropout_seed", "attend.precision", "attend.batch_index", "attend.head",
+})
+
+
+class MaskcliCommand(typer.core.TyperCommand):
+    """A command whose --help leaves out the less used options (FOLDED), which --help-all shows with the rest."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        folded = [p for p in params if _is_folded(self.name, p)]
+        flags = ", ".join(p.opts[-1] if p.opts[-1].startswith("--") else p.opts[0] for p in folded)
+        help_all = typer.core.TyperOption(  # every command takes it; listed where it shows more than --help
+            param_decls=["--help-all"], is_flag=True, expose_value=False, is_eager=True, callback=_print_help_all,
+            help=f"Also show {flags}.", hidden=not folded,
+        )
+        return [*params, help_all]
+
+    def format_help(self, ctx, formatter):
+        shown = ctx.meta.get("maskcli.help_all", False)
+        folded = [p for p in self.params if _is_folded(self.name, p)]
+        for param in folded:
+            param.hidden = not shown
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            for param in folded:
+                param.hidden = False
+
+
+def _is_folded(command: str | None, param) -> bool:
+    return param.name in FOLDED or f"{command}.{param.name}" in FOLDED
+
+
+def _print_help_all(ctx, param, value) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    ctx.meta["maskcli.help_all"] = True
+    typer.echo(ctx.get_help(), color=ctx.color)
+    ctx.exit()
+
+
+class MaskcliTyper(typer.Typer):
+    """Commands are MaskcliCommands (folded help) unless a command names its own class."""
+
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or MaskcliCommand, **kwargs)
+
+
+app = MaskcliTyper(
     cls=MaskcliGroup,
     name="maskcli",
     help="See and check attention masks: build them from kinds and expressions, show them as tables, "

@@ -64,7 +64,7 @@ def attend(
 ) -> None:
     """Run scaled dot-product attention through a mask and show every stage.
 
-    scores = Q Kᵀ, scaled = scores / sqrt(D), masked (see --like and --fill), weights = softmax(masked), output = weights V. --like reproduces a library's own arithmetic, so its numbers match to the last digit on the same machine. Under the tables, findings in plain words: rows that see no key (NaN or uniform weights), rows whose weights do not sum to 1, queries that see later keys, a fill value the dtype cannot hold.
+    scores = Q Kᵀ, scaled, masked (--like, --fill), weights = softmax(masked), output = weights V; then findings.
     """
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -11,6 +12,7 @@ import typer
 from maskcli.commands.app import app, done, echo
 from maskcli.commands.options import Html, Why, examples, mask_options
 from maskcli.errors import MaskError
+from maskcli.render import wrapped
 from maskcli.mask import Mask, MaskOptions
 
 SIDE_HELP = (
@@ -84,7 +86,7 @@ def _explain(sides: dict[str, Mask], cell: str, png: str | None, json_: bool, ht
     check_comparable(a, b)
     cells = parse_cell(cell, a if a.batch >= b.batch else b)
     answers = {label: [explain(side, min(i, side.batch - 1), q, kv) for i, q, kv in cells] for label, side in sides.items()}
-    echo(diff_why_dumps(a, b, answers["A"], answers["B"]) if json_ else diff_why_text(a, b, answers["A"], answers["B"]))
+    echo(diff_why_dumps(a, b, answers["A"], answers["B"]) if json_ else wrapped(diff_why_text(a, b, answers["A"], answers["B"]), sys.stdout).rstrip("\n"))
     if any(x.keep != y.keep for x, y in zip(answers["A"], answers["B"])):
         raise typer.Exit(1)
 

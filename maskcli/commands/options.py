@@ -47,47 +47,47 @@ def examples(*commands: str) -> str:
 
 
 MASK_PANEL = "Mask options"
-POSITION_PANEL = "Positions"
+POSITION_PANEL = MASK_PANEL  # positions, padding and heads: one panel, so that help fits a screen
 KIND_PANEL = "Kind parameters (for a bare kind name)"
-OWN_PANEL = "Your own mask"
+OWN_PANEL = MASK_PANEL
 OUTPUT_PANEL = "Output"
 
-Tokens = Annotated[str | None, typer.Option("--tokens", help="Words on the axes, one per position, like \"Your journey starts\" (they give the length without --len); or a .txt, .json, .npy or .pt file of them.", rich_help_panel=OUTPUT_PANEL)]
-As = Annotated[str, typer.Option("--as", help="Convention shown and saved: keep (True = may attend: SDPA, create_mask), block (True = masked: nn.MultiheadAttention), additive (0 / -inf), min (0 / finfo(dtype).min: Hugging Face eager), int (1 / 0: torch.tril(ones)).", autocompletion=completes(*CONVENTIONS), rich_help_panel=OUTPUT_PANEL)]
+Tokens = Annotated[str | None, typer.Option("--tokens", help="Words on the axes, one per position (\"the cat sat\" or a .txt/.json/.npy/.pt file).", rich_help_panel=OUTPUT_PANEL)]
+As = Annotated[str, typer.Option("--as", help="Convention shown and saved: keep (the default; True = may attend: SDPA, create_mask), block (True = masked: nn.MultiheadAttention), additive (0 / -inf), min (0 / finfo.min: HF eager), int (1 / 0).", show_default=False, autocompletion=completes(*CONVENTIONS), rich_help_panel=OUTPUT_PANEL)]
 Dtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype of --as additive and min: {', '.join(DTYPES)} (default float32).", autocompletion=completes(*DTYPES), rich_help_panel=OUTPUT_PANEL)]
 Png = Annotated[str | None, typer.Option("--png", help="Write a heatmap: .png, .svg or .pdf (a folder: a .png named after the mask).", rich_help_panel=OUTPUT_PANEL)]
-Json = Annotated[bool, typer.Option("--json", help="Print the mask as one JSON object: its expression, shape, offsets and cells as [B][H][Lq][Lk] lists in the --as convention.", rich_help_panel=OUTPUT_PANEL)]
-Html = Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML page: zoom to single cells, hover a cell for its value and --why (a folder: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
+Json = Annotated[bool, typer.Option("--json", help="Print the mask as JSON: expression, shape, offsets, cells as [B][H][Lq][Lk] lists (--as).", rich_help_panel=OUTPUT_PANEL)]
+Html = Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML page: zoom to any cell, hover for its value and --why.", rich_help_panel=OUTPUT_PANEL)]
 Save = Annotated[str | None, typer.Option("--save", help="Save the mask tensor in the --as convention: .pt or .npy (a folder: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 
 
 
-INPUT_PANEL = "Inputs"
-COMPUTE_PANEL = "Computation"
-DISPLAY_PANEL = "Display"
+INPUT_PANEL = "Inputs and computation"
+COMPUTE_PANEL = INPUT_PANEL
+DISPLAY_PANEL = OUTPUT_PANEL  # one panel, as the views and files a command gives are one choice
 
-QFile = Annotated[str | None, typer.Option("--q", help="Queries: a .pt/.npy/.safetensors/.json file (tensor 'q') or inline JSON; shape [L, D], [B, L, D] or [B, H, L, D]. Needs --k and --v too.", rich_help_panel=INPUT_PANEL)]
+QFile = Annotated[str | None, typer.Option("--q", help="Queries [L, D] .. [B, H, L, D]: a .pt/.npy/.safetensors/.json file (tensor q) or JSON.", rich_help_panel=INPUT_PANEL)]
 KFile = Annotated[str | None, typer.Option("--k", help="Keys, like --q (tensor 'k').", rich_help_panel=INPUT_PANEL)]
 VFile = Annotated[str | None, typer.Option("--v", help="Values, like --q (tensor 'v').", rich_help_panel=INPUT_PANEL)]
-XFile = Annotated[str | None, typer.Option("--x", help="Embeddings [L, d_in] or [B, L, d_in] (file or inline JSON like \"[[0.43, 0.15, 0.89], ...]\"), projected as tutorial code does: torch.manual_seed(--seed), then nn.Linear(d_in, d_out) for query, key and value in that order.", rich_help_panel=INPUT_PANEL)]
-Seed = Annotated[int, typer.Option("--seed", help="Seed for random inputs, for the --x projections and for --dropout.", parser=integer, rich_help_panel=INPUT_PANEL)]
+XFile = Annotated[str | None, typer.Option("--x", help="Embeddings [(B,) L, d_in], projected as tutorials do: manual_seed(--seed), nn.Linear.", rich_help_panel=INPUT_PANEL)]
+Seed = Annotated[int, typer.Option("--seed", help="Seed for random inputs, the --x projections and --dropout.", parser=integer, rich_help_panel=INPUT_PANEL)]
 Batch = Annotated[int | None, typer.Option("--batch", help="Batch size of random inputs (default 1; padding masks set it from --lengths/--ids).", parser=integer, rich_help_panel=INPUT_PANEL)]
 HeadDim = Annotated[int | None, typer.Option("--head-dim", help="Head size D of random inputs (default 8 for attend, 16 for verify).", parser=integer, rich_help_panel=INPUT_PANEL)]
 DOut = Annotated[int | None, typer.Option("--d-out", help="--x: output size of the projections (default d_in); split over --heads.", parser=integer, rich_help_panel=INPUT_PANEL)]
 QkvBias = Annotated[bool, typer.Option("--qkv-bias", help="--x: give the projections a bias (nn.Linear(bias=True)).", rich_help_panel=INPUT_PANEL)]
-Device = Annotated[str, typer.Option("--device", help="Where to compute: auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.", envvar="MASKCLI_DEVICE", autocompletion=completes("auto", "cpu", "cuda", "mps"), rich_help_panel=COMPUTE_PANEL)]
-ComputeDtype = Annotated[str, typer.Option("--dtype", help=f"Compute dtype of every stage: {', '.join(DTYPES)}.", autocompletion=completes(*DTYPES), rich_help_panel=COMPUTE_PANEL)]
+Device = Annotated[str, typer.Option("--device", help="auto (cuda, mps, then cpu), cpu, cuda, cuda:N or mps (default auto or $MASKCLI_DEVICE).", envvar="MASKCLI_DEVICE", show_envvar=False, show_default=False, autocompletion=completes("auto", "cpu", "cuda", "mps"), rich_help_panel=COMPUTE_PANEL)]
+ComputeDtype = Annotated[str, typer.Option("--dtype", help=f"Compute dtype of every stage: {', '.join(DTYPES)}.", show_default=False, autocompletion=completes(*DTYPES), rich_help_panel=COMPUTE_PANEL)]
 Scale = Annotated[float | None, typer.Option("--scale", help="Multiply the scores by this instead of 1/sqrt(D) (as SDPA's scale does).", rich_help_panel=COMPUTE_PANEL)]
-Fill = Annotated[str | None, typer.Option("--fill", help="Fine control of how masked scores are hidden, scores × scale then softmax: -inf (masked_fill; NaN on rows that see no key), min (finfo(dtype).min: uniform weights there), -1e9 (older tutorials; -inf in float16), multiply (softmax first, then zero masked weights and renormalise). Default -inf.", show_default=False, autocompletion=completes(*FILLS), rich_help_panel=COMPUTE_PANEL)]
-Like = Annotated[str | None, typer.Option("--like", help="Reproduce a reference pipeline cell for cell: tutorial (masked_fill(mask == 0, -inf), softmax(masked / √D): NaN on rows that see no key); sdpa (PyTorch's SDPA, its math backend: 0 on rows that see no key); hf-eager (Hugging Face eager attention: + finfo(dtype).min, softmax in float32: uniform weights there, NaN in float64, whose min is -inf in float32); mha (nn.MultiheadAttention, need_weights=False: the output is SDPA's); mha-weights (nn.MultiheadAttention, need_weights=True, per head: NaN there).", show_default=False, autocompletion=completes(*LIKES), rich_help_panel=COMPUTE_PANEL)]
-Dropout = Annotated[float, typer.Option("--dropout", help="Dropout on the weights as nn.Dropout(p) draws it after torch.manual_seed with --dropout-seed; 0 to turn it off.", rich_help_panel=COMPUTE_PANEL)]
+Fill = Annotated[str | None, typer.Option("--fill", help="-inf (default; NaN on empty rows), min (uniform there), -1e9, multiply (after softmax).", show_default=False, autocompletion=completes(*FILLS), rich_help_panel=COMPUTE_PANEL)]
+Like = Annotated[str | None, typer.Option("--like", help="Match tutorial (empty rows: NaN), sdpa (0), hf-eager (uniform), mha, mha-weights.", show_default=False, autocompletion=completes(*LIKES), rich_help_panel=COMPUTE_PANEL)]
+Dropout = Annotated[float, typer.Option("--dropout", help="Dropout on the weights, as nn.Dropout(p) after manual_seed of --dropout-seed.", show_default=False, rich_help_panel=COMPUTE_PANEL)]
 DropoutSeed = Annotated[int | None, typer.Option("--dropout-seed", help="The torch.manual_seed before the dropout (default --seed). The LLMs-from-scratch tutorial uses --seed 789 for the weights and --dropout-seed 123.", parser=integer, show_default=False, rich_help_panel=COMPUTE_PANEL)]
-StagesOpt = Annotated[str, typer.Option("--stages", help="Stages to show, comma-separated: scores, scaled, unmasked (softmax with no mask, to compare), masked, weights, output.", show_default="scores, masked, weights, output", rich_help_panel=DISPLAY_PANEL)]
-BatchIndex = Annotated[int | None, typer.Option("--batch-index", help="Show this batch row only (default: up to 4 (batch, head) pairs in the tables and 8 in --png, head 0 of every batch row first).", parser=integer, rich_help_panel=DISPLAY_PANEL)]
+StagesOpt = Annotated[str, typer.Option("--stages", help="Stages to show (default scores,masked,weights,output; also scaled, and unmasked: no mask).", show_default=False, rich_help_panel=DISPLAY_PANEL)]
+BatchIndex = Annotated[int | None, typer.Option("--batch-index", help="Show this batch row only (default: up to 4 (batch, head) pairs in tables, 8 in --png).", parser=integer, rich_help_panel=DISPLAY_PANEL)]
 Head = Annotated[int | None, typer.Option("--head", help="Show this head only (default: as for --batch-index).", parser=integer, rich_help_panel=DISPLAY_PANEL)]
 Precision = Annotated[int, typer.Option("--precision", help="Decimals in the tables.", parser=integer, rich_help_panel=DISPLAY_PANEL)]
 FigurePng = Annotated[str | None, typer.Option("--png", help="Write a figure: rows = heads, columns = stages; .png, .svg or .pdf.", rich_help_panel=DISPLAY_PANEL)]
-StagesJson = Annotated[bool, typer.Option("--json", help="Print every stage as nested lists (non-finite values as \"nan\", \"inf\", \"-inf\"), with the mask and findings.", rich_help_panel=DISPLAY_PANEL)]
+StagesJson = Annotated[bool, typer.Option("--json", help="Print every stage as nested lists (\"nan\", \"inf\", \"-inf\" as strings) and findings.", rich_help_panel=DISPLAY_PANEL)]
 Atol = Annotated[float | None, typer.Option("--atol", help="Agreement tolerance on max |diff| (default by dtype: float32 1e-5, float16 5e-3, bfloat16 3e-2, float64 1e-10).", rich_help_panel=COMPUTE_PANEL)]
 Repeat = Annotated[int, typer.Option("--repeat", help="Timed calls per backend (the median is shown), after one warm-up call.", parser=integer, rich_help_panel=COMPUTE_PANEL)]
 Strict = Annotated[bool, typer.Option("--strict", help="Exit with status 1 when any backend that ran disagrees beyond --atol.", rich_help_panel=DISPLAY_PANEL)]
@@ -103,8 +103,8 @@ ReportJson = Annotated[bool, typer.Option("--json", help="Print the report as on
 # --- the mask options: declared once, read by every command that builds a mask ---------------
 
 KIND_ARGUMENT_HELP = (
-    "A kind or an expression of kinds: causal, window(3), \"document(0,0,1,1) & window(2)\". A bare kind takes its "
-    "parameters from flags (--window 3; maskcli kinds lists them). Left out with --mask, or with --mask-mod alone."
+    "A kind or an expression: causal, window(3), \"document(0,0,1,1) & window(2)\"; a bare kind takes flags (--window 3; "
+    "maskcli kinds lists them). Left out with --mask or --mask-mod."
 )
 
 
@@ -115,20 +115,20 @@ def _position_options(heads: int) -> list[tuple[str, object, object]]:
     """(python name, annotation, default) of the options every mask takes."""
     return [
         ("m_length", Annotated[int | None, typer.Option("--len", "-n", help="Number of queries (default 8, or what labels, --ids or --tokens cover).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
-        ("m_offset", Annotated[int | None, typer.Option("--offset", "--prev", help="Tokens already in the KV cache: the queries sit at P..P+Lq-1 (a prefill; --len 1 is a decode step).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
+        ("m_offset", Annotated[int | None, typer.Option("--offset", "--prev", help="Tokens already in the KV cache: queries sit at P..P+Lq-1 (--len 1: decode).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
         ("m_kv_start", Annotated[int | None, typer.Option("--kv-start", help="First key position kept (a sliding cache that dropped its first keys).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
-        ("m_kv_len", Annotated[int | None, typer.Option("--kv-len", help="Number of keys (a static cache, or cross-attention memory); --align says where the queries face them.", parser=integer, rich_help_panel=POSITION_PANEL)], None),
+        ("m_kv_len", Annotated[int | None, typer.Option("--kv-len", help="Number of keys: a static cache or cross-attention memory (see --align).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
         ("m_align", Annotated[str | None, typer.Option("--align", help="With --kv-len: top-left (SDPA's is_causal) or bottom-right (FlashAttention's causal: last query on last key).", autocompletion=completes("top-left", "bottom-right"), rich_help_panel=POSITION_PANEL)], None),
         ("m_heads", Annotated[int, typer.Option("--heads", help="Number of attention heads (the H in B, H, Lq, Lk).", parser=integer, rich_help_panel=MASK_PANEL)], heads),
-        ("m_lengths", Annotated[str | None, typer.Option("--lengths", help="Valid length per batch row, like 4,2, or a file: keys past it are padding (see --pad); and-ed with the mask.", rich_help_panel=MASK_PANEL)], None),
-        ("m_pad", Annotated[str | None, typer.Option("--pad", help="right (default) or left: where --lengths puts the padding, as Hugging Face's padding_side.", autocompletion=completes("right", "left"), rich_help_panel=MASK_PANEL)], None),
-        ("m_ids", Annotated[str | None, typer.Option("--ids", help="Token ids per batch row, like '5,6,7,0;0,8,9,1', or a file: ids equal to --pad-id are padding, left or right.", rich_help_panel=MASK_PANEL)], None),
+        ("m_lengths", Annotated[str | None, typer.Option("--lengths", help="Valid length per batch row, like 4,2, or a file; keys past it are padding.", rich_help_panel=MASK_PANEL)], None),
+        ("m_pad", Annotated[str | None, typer.Option("--pad", help="right (default) or left: where --lengths puts the padding (HF's padding_side).", autocompletion=completes("right", "left"), rich_help_panel=MASK_PANEL)], None),
+        ("m_ids", Annotated[str | None, typer.Option("--ids", help="Token ids per batch row ('5,6,7,0;0,8,9,1' or a file); --pad-id marks padding.", rich_help_panel=MASK_PANEL)], None),
         ("m_pad_id", Annotated[int, typer.Option("--pad-id", help="The padding token id for --ids.", parser=integer, rich_help_panel=MASK_PANEL)], 0),
-        ("m_mask_file", Annotated[str | None, typer.Option("--mask", help="A mask tensor file instead of an expression (.pt with weights_only=True, .npy, .npz, .safetensors, .json), any convention; or a call maskcli trace --save wrote: TRACE.pt:7 or TRACE.pt:PATH@STEP.", rich_help_panel=OWN_PANEL)], None),
+        ("m_mask_file", Annotated[str | None, typer.Option("--mask", help="A mask file (.pt .npy .npz .safetensors .json, any convention) or TRACE.pt:N.", rich_help_panel=OWN_PANEL)], None),
         ("m_key", Annotated[str | None, typer.Option("--key", help="With --mask: which tensor of the file (.npz, .safetensors, a .pt dict, a JSON object).", rich_help_panel=OWN_PANEL)], None),
         ("m_from", Annotated[str | None, typer.Option("--from", help="With --mask: keep or block, where a bool or 0/1 tensor's structure does not tell; or the kernel format the file holds, as maskcli export --save writes it: flash-attn, flashmask, magi or flex.", rich_help_panel=OWN_PANEL)], None),
         ("m_causal", Annotated[bool, typer.Option("--causal", help="With --mask FILE --from flash-attn or flashmask: the kernel's causal=True, where the file does not say.", rich_help_panel=OWN_PANEL)], False),
-        ("m_mask_mod", Annotated[str | None, typer.Option("--mask-mod", help="Your FlexAttention mask_mod(b, h, q_idx, kv_idx) as FILE.py:NAME or module:NAME. RUNS YOUR CODE: only this flag loads it.", rich_help_panel=OWN_PANEL)], None),
+        ("m_mask_mod", Annotated[str | None, typer.Option("--mask-mod", help="A FlexAttention mask_mod: FILE.py:NAME or module:NAME. RUNS YOUR CODE.", rich_help_panel=OWN_PANEL)], None),
         ("m_mask_mod_args", Annotated[str | None, typer.Option("--mask-mod-args", help="Arguments for a --mask-mod factory, as Python literals, like 4 or 4, 128.", rich_help_panel=OWN_PANEL)], None),
     ]
 
@@ -189,7 +189,7 @@ def extend(func, name: str, added: list[tuple[str, object, object]], pack):
     return command
 
 
-Rows = Annotated[str | None, typer.Option("--rows", help="View the queries A:B only (absolute positions, B excluded, a side may be open: 4000: or :64), labels and padding kept.", rich_help_panel=POSITION_PANEL)]
+Rows = Annotated[str | None, typer.Option("--rows", help="View queries A:B only (absolute, B excluded; 4000: or :64 leave a side open).", rich_help_panel=POSITION_PANEL)]
 Keys = Annotated[str | None, typer.Option("--keys", help="View the keys C:D only, as --rows does the queries.", rich_help_panel=POSITION_PANEL)]
 
 
@@ -254,7 +254,7 @@ class Output:
     html: str | None = None
 
 
-Summary = Annotated[bool, typer.Option("--summary", help="Print exact statistics instead of the cells: visible cells, keys per query row, empty rows, documents, FLOPs.", rich_help_panel=OUTPUT_PANEL)]
+Summary = Annotated[bool, typer.Option("--summary", help="Print exact statistics instead of cells: visible cells, keys per row, empty rows, documents.", rich_help_panel=OUTPUT_PANEL)]
 Grid = Annotated[str | None, typer.Option("--grid", help="With --summary --json: the R,C of the exact density grid (default 32,64).", rich_help_panel=OUTPUT_PANEL)]
 
 

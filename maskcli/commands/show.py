@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -10,6 +11,7 @@ from maskcli.commands.app import app, check_write, done, echo, make_console, war
 from maskcli.commands.options import Expr, Output, escape, examples, mask_options, output_options
 from maskcli.conventions import CONVENTIONS, DTYPES
 from maskcli.errors import MaskError
+from maskcli.render import wrapped
 from maskcli.mask import Mask, MaskOptions
 
 
@@ -147,7 +149,7 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
     if answers is not None:
         from maskcli.render.why import why_dumps, why_text
 
-        echo(why_dumps(mask, answers) if json_out else why_text(mask, answers))
+        echo(why_dumps(mask, answers) if json_out else wrapped(why_text(mask, answers), sys.stdout).rstrip("\n"))
         return
     from maskcli.render.masks import TABLE_MAX_ROWS, mask_json, mask_views
 
@@ -199,15 +201,18 @@ def empty_rows(mask: Mask) -> str | None:
     return f"{count:,} query row{'s see' if count > 1 else ' sees'} no key ({'; '.join(parts)})"
 
 
+PIPED_TABLE_WIDTH = 512  # piped output keeps a table whole up to this many columns (some 250 one-digit cells)
+
+
 def wide_console():
     """A console for a view, and the width a map takes: piped output (no terminal, no COLUMNS) keeps
-    tables whole at their natural width, and draws maps 80 columns wide."""
+    tables whole up to PIPED_TABLE_WIDTH columns, and draws maps (and their words) 80 columns wide."""
     import os
 
     console = make_console()
     if console.is_terminal or os.environ.get("COLUMNS"):
         return console, None
-    return make_console(width=1 << 12), console.width
+    return make_console(width=PIPED_TABLE_WIDTH), console.width
 
 
 def parse_grid(text: str) -> tuple[int, int]:

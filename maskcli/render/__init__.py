@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from maskcli.errors import MaskError
 
 JSON_MAX_VALUES = 1 << 22  # numbers --json prints at most (a few seconds, about 12 MB); past it, a file or counts
@@ -11,3 +13,48 @@ def check_json_size(count: int, what: str, fix: str) -> None:
     """Refuse --json that would list more than JSON_MAX_VALUES `what`, up front: before anything is built or written."""
     if count > JSON_MAX_VALUES:
         raise MaskError(f"--json would list {count:,} {what}, past the {JSON_MAX_VALUES:,} it prints: {fix}")
+
+
+def hanging(lead: str, text, style: str | None = None):
+    """A rich renderable of `lead` then `text`, whose wrapped lines stand under the text, not under `lead`; a word
+    longer than the line (a command's expression) is broken, never cut short."""
+    from rich.table import Table
+
+    grid = Table.grid()
+    grid.style = style or ""
+    grid.add_column(no_wrap=True)
+    grid.add_column(overflow="fold")
+    grid.add_row(lead, text)
+    return grid
+
+
+_LEAD = re.compile(r"maskcli: warning: |[ │├└─•]*(?:[AB]: )?")  # what a line's wrapped lines stand under
+
+
+def wrapped(text: str, stream) -> str:
+    """`text` wrapped for `stream` with a newline at the end: on a terminal (or under COLUMNS) each line is broken at
+    its width, with its further lines under the line's text (after its indent, tree branches, bullet, or
+    `maskcli: warning: `) rather than at column 0 where the terminal would put them; piped, it is left as it is."""
+    import os
+
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit():
+        width = int(columns)
+    elif getattr(stream, "isatty", lambda: False)():
+        import shutil
+
+        width = shutil.get_terminal_size().columns
+    else:
+        return text + "\n"
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=width, no_color=True, highlight=False, emoji=False, markup=False)
+    for line in text.split("\n"):
+        lead = _LEAD.match(line).group(0)
+        if len(line) <= width or len(lead) > width // 2:  # a lead that wide would leave too narrow a column
+            console.out(line, highlight=False)
+        else:
+            console.print(hanging(lead, line[len(lead):]))
+    return "".join(line.rstrip() + "\n" for line in console.file.getvalue().splitlines())

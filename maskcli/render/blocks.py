@@ -159,7 +159,7 @@ def blocks_json(blocks: Blocks) -> str:
 
 def blocks_figure(blocks: Blocks):
     """One panel per batch row: full, partial and empty blocks (a pixel over many blocks shows their mix)."""
-    from maskcli.render.heatmaps import FIGURE_COLOURS, Panel, heatmap_figure
+    from maskcli.render.heatmaps import FIGURE_COLOURS, Panel, heatmap_figure, position_extent
     from maskcli.render.masks import FIGURE_MAX_PANELS, rows_left_out
     from maskcli.render.structure import structure
 
@@ -174,7 +174,7 @@ def blocks_figure(blocks: Blocks):
         sizes = np.add.reduceat(np.add.reduceat(np.ones_like(categories, dtype=np.float64), np.arange(0, blocks.n_q, step_q), axis=0),
                                 np.arange(0, blocks.n_kv, step_kv), axis=1)
         title = (f"batch {b}: " if mask.batch > 1 else "") + counts_line(blocks, b)
-        extent = (f.k_start, f.k_start + blocks.n_kv * blocks.kv_block, f.q_start + blocks.n_q * blocks.q_block, f.q_start)
+        extent = position_extent(f.k_start, f.k_start + blocks.n_kv * blocks.kv_block, f.q_start, f.q_start + blocks.n_q * blocks.q_block)
         # the mask's own structure (label boundaries, the cache's end, padding) over its blocks
         panels.append(Panel(title, values / sizes, None, None, extent=extent, marks=structure(mask, b)))
     title = f"blocks of {mask.title} · {blocks.q_block} x {blocks.kv_block}\n{shape_text(mask)}, sparsity {blocks.sparsity():.2f}%"

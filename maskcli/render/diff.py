@@ -87,6 +87,10 @@ def views(difference: Difference, console, progress=None, map_width: int | None 
 
         marks = map_marks(_labelled_structure(difference, b), blocks.rows, blocks.cols)
         out.append(map_text(symbols, blocks.rows, blocks.cols, f.q_len, f.q_start, f.k_start, caption, marks))
+    if map_width is not None and not small:  # piped maps: their words wrapped as wide as the maps, not 512 columns
+        from rich.constrain import Constrain
+
+        out = [Constrain(view, map_width) for view in out]
     return out
 
 
@@ -127,7 +131,7 @@ def diff_figure(difference: Difference):
     """One panel per batch row: both (blue), only A (red), only B (green), neither (grey); long masks per block."""
     from matplotlib.figure import Figure
 
-    from maskcli.render.heatmaps import LEAK_RGB, MASKED_RGB, VISIBLE_RGB, mark_handles, setup_matplotlib, wrapped_title
+    from maskcli.render.heatmaps import LEAK_RGB, MASKED_RGB, VISIBLE_RGB, mark_handles, position_extent, position_ticks, setup_matplotlib, wrapped_title
     from maskcli.render.masks import FIGURE_MAX_PANELS, rows_left_out
     from maskcli.render.structure import draw_marks
 
@@ -150,7 +154,8 @@ def diff_figure(difference: Difference):
         image[grids["only_a"] > 0] = colours["a"]
         image[grids["only_b"] > 0] = colours["b"]
         image[(grids["only_a"] > 0) & (grids["only_b"] > 0)] = colours["x"]
-        ax.imshow(image, interpolation="nearest", extent=(f.k_start, f.k_end, f.q_end, f.q_start), aspect="equal")
+        ax.imshow(image, interpolation="nearest", extent=position_extent(f.k_start, f.k_end, f.q_start, f.q_end), aspect="equal")
+        position_ticks(ax)
         marks.append(_labelled_structure(difference, b))  # where the differences fall against the documents, ...
         draw_marks(ax, marks[-1], absolute=True)
         ax.set_xlabel("key position (kv)")

@@ -67,25 +67,56 @@ def _position(value: float) -> str:
     return f"{value / 1_000_000:.4g}M"
 
 
+ROUND_STEPS = [1, 2, 5, 10]  # tick steps: 200k, 400k (matplotlib's default steps also give 150k, 250k)
+
+
+def position_extent(k_start: int, k_end: int, q_start: int, q_end: int) -> tuple[float, float, float, float]:
+    """imshow's extent for a panel drawn on positions: each position's cell centred on the position itself, as
+    column k of a small panel is centred on k, so that a tick labelled 200k stands at key 200,000's centre."""
+    return (k_start - 0.5, k_end - 0.5, q_end - 0.5, q_start - 0.5)
+
+
+def position_ticks(ax) -> None:
+    """Ticks of a panel drawn on positions (position_extent): round positions as 200k, 1.05M, never a 1e6 offset."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(nbins=8, integer=True, min_n_ticks=2, steps=ROUND_STEPS))
+        axis.set_major_formatter(FuncFormatter(lambda value, _: _position(value)))
+
+
 def _rgb(colour: tuple[int, int, int]) -> tuple[float, float, float]:
     return tuple(c / 255 for c in colour)
 
 
-def _ticks(ax, labels: Sequence[str], axis: str) -> None:
-    count = len(labels)
-    if count > 48:  # long axes: a few round positions, as matplotlib would choose them
-        from matplotlib.ticker import FuncFormatter, MaxNLocator
+def _round_positions(first: int, count: int) -> list[int]:
+    """Round positions among first .. first + count - 1 to put ticks at: every one up to 24, else multiples of a
+    step (1, 2, 5 times a power of ten, as matplotlib picks them), so an axis behind a cache reads 1000, 1010."""
+    if count <= 24:
+        return list(range(first, first + count))
+    from matplotlib.ticker import MaxNLocator
 
-        target = ax.xaxis if axis == "x" else ax.yaxis
-        target.set_major_locator(MaxNLocator(nbins=8, integer=True))
-        target.set_major_formatter(FuncFormatter(lambda value, _: labels[int(value)] if 0 <= int(value) < count else ""))
-        return
-    step = max(1, -(-count // 24))
-    positions = list(range(0, count, step))
-    if axis == "x":
-        ax.set_xticks(positions, [labels[i] for i in positions], rotation=90 if step == 1 and max(map(len, labels)) > 2 else 0)
+    values = MaxNLocator(nbins=8 if count > 48 else 24, integer=True, steps=ROUND_STEPS).tick_values(first, first + count - 1)
+    return [int(v) for v in values if first <= v < first + count]
+
+
+def _ticks(ax, labels: Sequence[str], axis: str) -> None:
+    """Ticks at the centres of cells (column i is centred on i): at round positions where the labels are the
+    consecutive positions, else (words) at every cell, or every few cells where they would crowd."""
+    count = len(labels)
+    stripped = [label.strip() for label in labels]
+    if all(label.lstrip("-").isdigit() for label in stripped) and int(stripped[-1]) - int(stripped[0]) == count - 1:
+        first = int(stripped[0])
+        indices = [p - first for p in _round_positions(first, count)]
+        names = [_position(first + i) for i in indices]
     else:
-        ax.set_yticks(positions, [labels[i] for i in positions])
+        step = max(1, -(-count // 24))
+        indices = list(range(0, count, step))
+        names = [labels[i] for i in indices]
+    if axis == "x":
+        ax.set_xticks(indices, names, rotation=90 if len(indices) == count and count > 1 and max(map(len, names)) > 2 else 0)
+    else:
+        ax.set_yticks(indices, names)
 
 
 def _draw(ax, panel: Panel) -> object | None:
@@ -101,12 +132,8 @@ def _draw(ax, panel: Panel) -> object | None:
         # a pixel tall
         aspect = "equal" if _span(panel, 1) <= WIDE * _span(panel, 0) else "auto"
         ax.imshow(panel.keep.astype(np.float32), cmap=cmap, vmin=0, vmax=1, interpolation="nearest", aspect=aspect, extent=panel.extent)
-        if panel.extent is not None:  # positions as round numbers: 200k, 1M, not a 1e6 offset
-            from matplotlib.ticker import FuncFormatter, MaxNLocator
-
-            for axis in (ax.xaxis, ax.yaxis):
-                axis.set_major_locator(MaxNLocator(nbins=8, integer=True, min_n_ticks=2))
-                axis.set_major_formatter(FuncFormatter(lambda value, _: _position(value)))
+        if panel.extent is not None:
+            position_ticks(ax)
     else:
         finite = np.isfinite(panel.values)
         leaks = panel.leaks()

@@ -16,7 +16,7 @@ from maskcli.counting import block_shares, how_counted
 from maskcli.mask import Mask
 from maskcli.text import shortened
 from maskcli.memory import check_dense_fits
-from maskcli.render import check_json_size
+from maskcli.render import JSON_MAX_VALUES, check_json_size
 
 FIGURE_MAX_CELLS = 512  # per side; a longer mask is drawn as the share of visible cells per block
 TABLE_MAX_ROWS = 256  # a taller mask is a density map even when it is narrow
@@ -191,6 +191,7 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
             views.append(Text(legend, style="dim"))
     elif mask.tokens is not None:
         views.append(Text("--tokens not shown: a density map has no room for words", style="dim"))
+    tabled = False
     for b, group in shown:
         title = panel_title(mask, b, group)
         if title:  # its own line: a table title would wrap to the table's width
@@ -199,6 +200,7 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
             table = mask_table(mask.cells(b, group[0]).tolist(), None, row_labels, col_labels, texts, compact=compact, marks=marks[b])
             if fits(console, table):
                 views.append(table)
+                tabled = True
                 continue
         lines = max(8, console.height - 6) if console.is_terminal else MAX_LINES
         blocks = choose_blocks(q_len, k_len, (map_width or console.width) - label_width - 2, lines)
@@ -207,7 +209,25 @@ def mask_views(mask: Mask, convention: str, dtype: str, console, progress=None, 
         views.append(density_text(shares, blocks, q_len, k_len, mask.q_offset, mask.kv_offset, how_counted(mask), marks))
     if left_out:
         views.append(Text(f"{left_out}: --summary counts every one, --json or --save has every cell", style="dim"))
+    if map_width is not None and not tabled:
+        return piped_map(views, map_width, mask, console.width)
     return views
+
+
+def piped_map(views: list, map_width: int, mask: Mask, table_width: int) -> list:
+    """Piped maps as a terminal of `map_width` columns shows them (words wrapped there too), then a line
+    saying how to get the cells, which did not fit a table `table_width` columns wide."""
+    from rich.constrain import Constrain
+    from rich.text import Text
+
+    f = mask.frame
+    cells = "--json or --save has every cell" if math.prod(mask.shape) <= JSON_MAX_VALUES else "--summary counts them exactly"
+    if f.q_len <= TABLE_MAX_ROWS:
+        why = f"{f.k_len:,} keys do not fit a table {table_width} columns wide: --keys A:B shows some of them as one"
+    else:
+        why = f"{f.q_len:,} queries are more than a table shows: --rows A:B with --keys C:D shows some of them as one"
+    views = [*views, Text(f"a density map, not the cells: {why}, {cells}", style="dim")]
+    return [Constrain(view, map_width) for view in views]
 
 
 JSON_FIX = "use a smaller --len, or --summary --json for exact counts at any length"
@@ -240,7 +260,7 @@ def mask_figure(mask: Mask, name: str | None = None):
     """One panel per batch row (and distinct head); long masks show the exact visible share per block.
     `name` replaces the title's first line (the mask's name), as inspect names the file it read."""
     from maskcli.render.density import cell_block
-    from maskcli.render.heatmaps import Panel, heatmap_figure
+    from maskcli.render.heatmaps import Panel, heatmap_figure, position_extent
     from maskcli.render.structure import structure
 
     batch, _, q_len, k_len = mask.shape
@@ -249,6 +269,7 @@ def mask_figure(mask: Mask, name: str | None = None):
     f = mask.frame
     panels = []
     shown, left_out = panels_shown(mask, FIGURE_MAX_PANELS)
+    tabled = False
     for b, group in shown:
         title = panel_title(mask, b, group)
         if rows == 1 and cols == 1:
@@ -261,7 +282,7 @@ def mask_figure(mask: Mask, name: str | None = None):
             f"one pixel = {cell_block(rows, cols)}\n(shade = share visible, any visible cell at least light blue;\n"
             f"{how_counted(mask)})"
         )
-        panels.append(Panel(title, share, None, None, extent=(f.k_start, f.k_end, f.q_end, f.q_start), marks=structure(mask, b)))
+        panels.append(Panel(title, share, None, None, extent=position_extent(f.k_start, f.k_end, f.q_start, f.q_end), marks=structure(mask, b)))
     where = "" if f.is_plain() else f", {f.describe()}"
     figure_title = f"{name or mask.title}\n{shape_text(mask)}{where}, keep convention" + (f"\n{left_out}" if left_out else "")
     return heatmap_figure([panels], figure_title, ("may attend (True)", "masked (False)"))

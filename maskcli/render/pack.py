@@ -8,7 +8,7 @@ import numpy as np
 
 from maskcli.diff import row_words
 from maskcli.pack.findings import Report
-from maskcli.text import shortened
+from maskcli.render import hanging
 
 SHOWN_STARTS = 12  # document starts listed per row in the table (--json lists every one)
 TABLE_ROWS = 8  # batch rows listed per field in the table
@@ -83,9 +83,14 @@ def views(report: Report, source: str, width: int = 120) -> list:
         paths.add_row(p.name, p.reads, Text(cross, style="red" if c.cross_cells else None),
                       Text(f"{c.pad_cells:,}", style="red" if c.pad_cells else None))
         command = p.command()
-        masks.append(f"{p.name}: " + (shortened(command, 160) if command else "the 4-D attention_mask as given (no expression rebuilds it)"))
+        if command is None:
+            command = "the 4-D attention_mask as given (no expression rebuilds it)"
+        elif len(command) > LONGEST_COMMAND:  # whole or not at all: a command cut short would not run
+            command = f"a command of {len(command):,} characters (its --ids lists every token), left out here and in --json"
+        masks.append(hanging(f"  {p.name}: ", Text(command)))
     out.append(paths)
-    out.append(Text("the mask each path builds:\n" + "\n".join(f"  {line}" for line in masks)))
+    out.append(Text("the mask each path builds:"))
+    out += masks
     unequal = [d for d in report.differences if not d.equal]
     if not report.differences:
         out.append(Text("paths: only one applies", style="dim"))
@@ -99,15 +104,14 @@ def views(report: Report, source: str, width: int = 120) -> list:
             out.append(Text(f"{a} and {b} disagree the same way as {said[same]}", style="yellow"))
             continue
         said[same] = f"{a} and {b}"
-        lines = [f"{a} and {b} disagree: only {a} allows {d.only_a:,} cells, only {b} {d.only_b:,}"]
-        lines += [f"  {line}" for line in row_words(d, a, b)]
-        out.append(Text("\n".join(lines), style="yellow"))
+        out.append(Text(f"{a} and {b} disagree: only {a} allows {d.only_a:,} cells, only {b} {d.only_b:,}", style="yellow"))
+        out += [hanging("  ", Text(line), style="yellow") for line in row_words(d, a, b)]
     if report.findings:
-        out.append(Text("findings:\n" + "\n".join(f"• {f.message}" for f in report.findings), style="red"))
+        out += [Text("findings:", style="red"), *(hanging("• ", Text(f.message), style="red") for f in report.findings)]
     else:
         out.append(Text("findings: none", style="green"))
     if report.notes:
-        out.append(Text("notes:\n" + "\n".join(f"• {n}" for n in report.notes), style="dim"))
+        out += [Text("notes:", style="dim"), *(hanging("• ", Text(n), style="dim") for n in report.notes)]
     return out
 
 
@@ -161,7 +165,7 @@ def _path_json(c) -> dict:
 def pack_figure(report: Report, source: str):
     """One panel per (batch row, applicable path), with the reference's document boundaries and the padding."""
     from maskcli.counting import block_shares
-    from maskcli.render.heatmaps import Panel, heatmap_figure
+    from maskcli.render.heatmaps import Panel, heatmap_figure, position_extent
     from maskcli.render.masks import FIGURE_MAX_CELLS
     from maskcli.render.structure import Structure, _label_runs, _runs as pad_runs
 
@@ -186,7 +190,7 @@ def pack_figure(report: Report, source: str):
             else:
                 share = block_shares(c.path.mask, row, 0, per, per)
                 share = np.where(share > 0, 0.3 + 0.7 * share, 0.0)
-                panels.append(Panel(title, share, None, None, extent=(0, length, length, 0), marks=marks))
+                panels.append(Panel(title, share, None, None, extent=position_extent(0, length, 0, length), marks=marks))
         grid.append(panels)
     ref = f"boundaries: documents as {report.reference.name} says" if report.reference is not None else "no field marks documents"
     title = f"{source}: each attention path's mask\n{ref}" + (f"; rows {FIGURE_ROWS}-{b.rows - 1} not drawn" if b.rows > FIGURE_ROWS else "")

@@ -117,9 +117,9 @@ def draw_marks(ax, s: Structure, absolute: bool = False) -> None:
 
     Cell (i, j) is centred at (j, i); `absolute` panels are drawn on positions instead (long masks).
     """
-    x0 = 0 if absolute else s.k_start  # key position at x = 0 - 0.5 ...
+    x0 = 0 if absolute else s.k_start  # cell j is centred at x = j: key position x0 + j (position_extent)
     y0 = 0 if absolute else s.q_start
-    half = 0 if absolute else 0.5
+    half = 0.5
 
     def kx(position):  # the left edge of key `position`
         return position - x0 - half

@@ -6,6 +6,11 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from maskcli.errors import MaskError
+from maskcli.expression import Call, Ints, call_text, parse, print_tree, value_text
+from maskcli.expression import Text as Word
+from maskcli.render import hanging
+
 
 def views(groups: list, calls: int, program: str, status: int, expected: list | None = None) -> list:
     """A title line, the table of groups, the findings under their group's number, and the --expect results."""
@@ -21,11 +26,60 @@ def views(groups: list, calls: int, program: str, status: int, expected: list | 
             first = group.first
             shape = "(" + ",".join(map(str, first.shape)) + ")"
             table.add_row(str(number), Text(f"{group.where} ×{len(group.calls)}" if len(group.calls) > 1 else group.where),
-                          first.api, group.steps, shape, Text(group.name, style="green" if group.expression else "yellow"))
+                          first.api, group.steps, shape, Text(_brief(group.name, group.expression), style="green" if group.expression else "yellow"))
         out.append(table)
     for number, group in enumerate(groups):
         for finding in group.findings:
-            out.append(Text(f"{number}: {finding.code}: {finding.message}", style="red" if finding.code in ("fully-masked", "sees-later", "polarity") else ""))
+            style = "red" if finding.code in ("fully-masked", "sees-later", "polarity") else ""
+            out.append(hanging(f"{number}: ", Text(f"{finding.code}: {_brief(finding.message, group.expression)}"), style=style))
     for line in expected or []:
         out.append(Text(line, style="red"))
     return out
+
+
+def _brief(text: str, expression: str | None) -> str:
+    """`text` with the group's expression in brief (a document mask's 1,000 labels as its sizes and count);
+    --json keeps every label."""
+    return text if expression is None else text.replace(expression, brief(expression))
+
+
+PARTS = {"document": "documents", "segment": "segments", "chunk": "chunks", "local": "documents", "blocks": "blocks"}
+
+
+def brief(text: str, most: int = 12) -> str:
+    """`text` with each list of more than `most` integers summarised, for a report's line:
+    document(0,0,0,1,1,...) -> document(sizes=[3,2,...], 40 documents). The text itself is the mask's name
+    (--json keeps it whole); this is only for reading. Text that does not parse is returned as it is."""
+    try:
+        tree = parse(text)
+    except MaskError:
+        return text
+
+    def leaf(call) -> str:
+        if not isinstance(call, Call) or not call.called:
+            return call_text(call) if isinstance(call, Call) else str(call)
+        parts = []
+        for name, value in ((None, call.positional), *call.keywords):
+            if value is None:
+                continue
+            shown = value_text(value) if isinstance(value, Word) else _brief_ints(call.name, name, value, most)
+            parts.append(shown if name is None else f"{name}={shown}")
+        return f"{call.name}({', '.join(parts)})"
+
+    return print_tree(tree, leaf)
+
+
+def _brief_ints(kind: str, keyword: str | None, value: Ints, most: int) -> str:
+    values = [v for row in value.rows for v in row]
+    if len(values) <= most:
+        return value_text(value)
+    part = PARTS.get(kind)
+    if keyword == "sizes" and len(value.rows) == 1:
+        return f"[{','.join(map(str, values[:6]))},...], {len(values):,} {part or 'sizes'}"
+    if part is not None and len(value.rows) == 1 and keyword is None:  # labels: their runs, as sizes
+        starts = [0] + [i for i in range(1, len(values)) if values[i] != values[i - 1]]
+        runs = [b - a for a, b in zip(starts, starts[1:] + [len(values)])]
+        if len(set(values[i] for i in starts)) == len(starts):  # each label one run: the sizes say it all
+            return f"sizes=[{','.join(map(str, runs[:6]))}{',...' if len(runs) > 6 else ''}], {len(runs):,} {part}"
+    rows = f" in {len(value.rows)} rows" if len(value.rows) > 1 else ""
+    return f"{','.join(map(str, values[:6]))},..., {len(values):,} values{rows}"

@@ -107,7 +107,9 @@ def _named(calls: list) -> Group:
         if structure.expression is not None:
             name = structure.expression + _placed(structure.options, q_len, k_len)
             group = Group(calls, name, structure.expression)
-            if structure.kind == "padding" and q_len == 1:  # a decode step read as key padding: a window says more,
+            if _top_left_is_causal(first, q_len, k_len):  # one row of is_causal: its query 0 sees key 0 only,
+                group = Group(calls, "causal (queries top-left)", "causal")  # which is no decode step's mask
+            elif structure.kind == "padding" and q_len == 1:  # a decode step read as key padding: a window says more,
                 window = _decode_window(keep4.numpy())  # and one query at the last position sees what causal lets it
                 group = Group(calls, window, window.split(" ")[0]) if window else Group(calls, "causal" + name.removeprefix("padding"), "causal")
         else:
@@ -132,12 +134,18 @@ def _named(calls: list) -> Group:
         group.findings.append(Finding("bias", (
             "the float attn_mask also adds values other than 0 and a fill (a bias: ALiBi, relative positions): "
             "the mask shown is its cells at -inf or at most -1e4; the rest of what it adds is not shown")))
-    if first.details.get("is_causal") and first.api == "sdpa" and q_len < k_len and "mask_dtype" not in first.details:
+    if _top_left_is_causal(first, q_len, k_len):
+        sees = ("its one query sees key 0 only, so the last {} keys are seen by no query" if q_len == 1 else
+                "query row i sees keys 0..i, so the last {} keys are seen by no query until the last rows").format(k_len - q_len)
         group.findings.append(Finding("top-left-causal", (
-            f"is_causal with {q_len} queries and {k_len} keys is aligned top-left: query row i sees keys 0..i, so the "
-            f"last {k_len - q_len} keys are seen by no query until the last rows; a decoder with a cache means "
-            f"bottom-right (causal --offset {k_len - q_len}): pass that mask instead of is_causal")))
+            f"is_causal with {q_len} quer{'y' if q_len == 1 else 'ies'} and {k_len} keys is aligned top-left: {sees}; "
+            f"a decoder with a cache means bottom-right (causal --offset {k_len - q_len}): pass that mask instead of is_causal")))
     return group
+
+
+def _top_left_is_causal(call, q_len: int, k_len: int) -> bool:
+    """An SDPA call whose mask is its is_causal alone, with fewer queries than keys: aligned top-left (torch.tril)."""
+    return bool(call.details.get("is_causal")) and call.api == "sdpa" and q_len < k_len and "mask_dtype" not in call.details
 
 
 def _name_on_intervals(stored: dict, q_len: int, k_len: int) -> tuple[str, str] | None:
