@@ -210,6 +210,10 @@ def _what_api_does(call) -> str:
         return "NaN there (MHA with need_weights=True runs its own softmax)"
     if api == "flex":
         return "0 output there (FlexAttention gives rows with no key 0)"
+    if api == "flash":
+        return "0 output there (FlashAttention gives rows with no key 0)"
+    if api == "hf":
+        return "what there depends on the function HF called (FlashAttention gives 0)"
     return "0 output there (SDPA gives rows with no key 0)"
 
 
@@ -237,6 +241,8 @@ def _later(call, stored: dict, structure) -> list[Finding]:
     """A query that sees a key after its own position, the queries placed at the end of the keys."""
     if structure is not None and structure.expression is not None and structure.kind not in MEANT_LATER:
         return []
+    if call.api in ("flash", "hf") and not call.details.get("causal"):
+        return []  # not causal: the later keys in its window are the ones it asked for
     q_len, k_len = call.shape[2:]
     own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
     if stored["form"] == "intervals":
