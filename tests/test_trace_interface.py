@@ -1,0 +1,174 @@
+"""maskcli.trace.interface: Hugging Face's AttentionInterface calls seen while tracing, on tiny random-weight models
+built from config classes (no download); each mask against a double loop over positions written here."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers)")
+
+import maskcli  # noqa: E402
+from maskcli.hf import families, quiet  # noqa: E402
+
+
+def model(family: str, attn: str, window: int | None = None):
+    config = families.tiny(families.load(family), window=window, name=family)
+    torch.manual_seed(0)
+    with quiet():
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+def documents_keep(labels: list[int], window: int | None = None) -> np.ndarray:
+    """Same document, causal, and (with a window) at most window - 1 keys back: a double loop."""
+    n = len(labels)
+    keep = np.zeros((n, n), dtype=bool)
+    for q in range(n):
+        for k in range(n):
+            keep[q, k] = labels[q] == labels[k] and k <= q and (window is None or q - k < window)
+    return keep
+
+
+def test_mistral_under_sdpa_its_calls_carry_layer_and_sliding_window_and_are_not_recorded_twice():
+    mistral = model("mistral", "sdpa", window=3)
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    with torch.no_grad():
+        untraced = mistral(ids, attention_mask=mask).logits
+        with maskcli.trace() as t:
+            traced = mistral(ids, attention_mask=mask).logits
+    assert torch.equal(untraced, traced)
+    assert [c.api for c in t.calls] == ["sdpa", "sdpa"]  # the interface calls are these: one record a layer
+    for layer, call in enumerate(t.calls):
+        hf = call.details["hf"]
+        assert call.where == f"model.layers.{layer}.self_attn"
+        assert (hf["attn_implementation"], hf["layer_idx"], hf["sliding_window"], hf["attention_mask"]) == ("sdpa", layer, 3, [2, 1, 6, 6])
+        keep = call.keep()
+        for b in range(2):
+            for q in range(6):
+                for k in range(6):
+                    assert keep[b, 0, q, k] == (k <= q and q - k < 3 and bool(mask[b, k])), (b, q, k)
+
+
+def test_a_packed_batch_with_position_ids_and_no_attention_mask():
+    """HF reads packed documents off position_ids only without a cache (a training setup): traced, both show."""
+    mistral = model("mistral", "sdpa", window=3)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2]])
+    labels = [0, 0, 0, 0, 1, 1, 2, 2, 2]
+    ids = torch.arange(1, 10)[None]
+    with torch.no_grad(), maskcli.trace() as t:
+        mistral(ids, position_ids=positions, use_cache=False)
+        mistral(ids, position_ids=positions)  # with the cache generate would make: the documents are not read
+    packed, cached = t.calls[:2], t.calls[2:]
+    for call in t.calls:
+        assert call.api == "sdpa" and call.details["hf"]["position_ids"] == positions.tolist()
+    assert all(np.array_equal(call.keep()[0, 0], documents_keep(labels, window=3)) for call in packed)
+    assert all(np.array_equal(call.keep()[0, 0], documents_keep([0] * 9, window=3)) for call in cached)
+    with torch.no_grad(), maskcli.trace(apis=("hf",)) as alone:  # HF's view alone: the mask it handed SDPA, the same
+        mistral(ids, position_ids=positions, use_cache=False)
+    assert [c.api for c in alone.calls] == ["hf", "hf"] and alone.calls[0].details["implicit"] == "the attention_mask given"
+    assert all(np.array_equal(c.keep()[0, 0], documents_keep(labels, window=3)) for c in alone.calls)
+
+
+def attend_documents(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A registered attention function of its own: ignores attention_mask, attends within the documents that
+    cu_seq_lens_q/k give, causal, one head and one document at a time (2-D scores: no kernel maskcli sees)."""
+    cu = kwargs["cu_seq_lens_q"].tolist()
+    groups = query.shape[1] // key.shape[1]
+    out = torch.zeros_like(query)
+    for h in range(query.shape[1]):
+        for start, end in zip(cu[:-1], cu[1:]):
+            q, k, v = query[0, h, start:end], key[0, h // groups, start:end], value[0, h // groups, start:end]
+            scores = (q @ k.T) * scaling
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+            out[0, h, start:end] = torch.softmax(scores, dim=-1) @ v
+    return out.transpose(1, 2).contiguous(), None
+
+
+def test_a_registered_attention_function_is_recorded_with_the_mask_its_cu_seq_lens_mean():
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("maskcli_test_documents", attend_documents)
+    try:
+        llama = model("llama", "maskcli_test_documents")
+        cu = torch.tensor([0, 3, 7, 9], dtype=torch.int32)
+        packed = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4, max_length_k=4)
+        ids = torch.arange(1, 10)[None]
+        with torch.no_grad():
+            untraced = llama(ids, **packed).logits
+            with maskcli.trace() as t:
+                traced = llama(ids, **packed).logits
+    finally:
+        AttentionInterface._global_mapping.pop("maskcli_test_documents", None)
+    assert torch.equal(untraced, traced)
+    assert [c.api for c in t.calls] == ["hf", "hf"]
+    want = documents_keep([0, 0, 0, 1, 1, 1, 1, 2, 2])
+    for layer, call in enumerate(t.calls):
+        hf = call.details["hf"]
+        assert call.where == f"model.layers.{layer}.self_attn" and hf["layer_idx"] == layer
+        assert hf["attn_implementation"] == "maskcli_test_documents" and hf["cu_seq_lens_q"] == [0, 3, 7, 9]
+        assert call.details["implicit"] == "cu_seq_lens_q/k" and call.shape == (1, 2, 9, 9)
+        assert np.array_equal(call.keep()[0, 1], want)
+    (group,) = t.groups()
+    assert group.name == "document(0,0,0,1,1,1,1,2,2)"
+
+
+def test_a_two_d_padding_mask_is_read_as_hf_flash_path_unpads_it():
+    """The mask HF's flash path applies for a 2-D padding mask: each row's real queries and keys one sequence,
+    bottom-right aligned, a window of W keys; a double loop over each row's real positions."""
+    from maskcli.trace.interface import read
+
+    valid = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [1, 0, 1, 1, 0, 1, 1]], dtype=torch.bool)
+
+    class Module:
+        is_causal = True
+        layer_idx = 4
+
+    for q_len in (7, 3, 1):
+        q = torch.zeros(3, 2, q_len, 4)
+        k = torch.zeros(3, 2, 7, 4)
+        seen = read((Module(), q, k, k, valid), {"sliding_window": 3, "_hf": {}})
+        got = seen.intervals
+        for b in range(3):
+            keys = [j for j in range(7) if valid[b, j]]
+            rows = valid[b] if q_len == 7 else torch.ones(1, dtype=torch.bool) if q_len == 1 else valid[b, -q_len:]
+            queries = [i for i in range(q_len) if rows[i]]
+            for i in range(q_len):
+                want = set()
+                if i in queries:
+                    r = queries.index(i) + len(keys) - len(queries)  # bottom-right among the real ones
+                    want = {keys[j] for j in range(len(keys)) if r - 3 < j <= r}
+                cells = {j for s, e in got.row(b, i) for j in range(s, e)}
+                assert cells == want, (q_len, b, i, cells, want)
+
+
+def test_after_the_trace_the_interface_is_hugging_faces_own_again():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    before = (AttentionInterface.__dict__.get("__getitem__"), AttentionInterface.__dict__.get("get_interface"))
+    with maskcli.trace():
+        assert getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_maskcli_interface", False)
+    assert (AttentionInterface.__dict__.get("__getitem__"), AttentionInterface.__dict__.get("get_interface")) == before
+    assert not getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_maskcli_interface", False)
+
+
+def test_position_ids_restarting_are_documents_as_hfs_flash_path_reads_them_and_a_window_cuts_each():
+    from maskcli.trace.interface import read
+
+    class Module:
+        is_causal = True
+
+    q = torch.zeros(1, 2, 9, 4)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2]])
+    seen = read((Module(), q, q, q, None), {"position_ids": positions, "sliding_window": 2, "_hf": {}})
+    assert seen.details["implicit"] == "position_ids restarting at their lowest value"
+    got = np.stack([seen.intervals.dense(0, 0, 9)])[0]
+    assert np.array_equal(got, documents_keep([0, 0, 0, 0, 1, 1, 2, 2, 2], window=2))
+    two_rows = torch.zeros(2, 2, 9, 4)  # more than one batch row: HF's flash path does not read them as packed
+    seen = read((Module(), two_rows, two_rows, two_rows, None), {"position_ids": positions.expand(2, -1), "is_causal": True, "_hf": {}})
+    assert seen.details["implicit"] == "is_causal and sliding_window"
+    assert np.array_equal(seen.intervals.dense(0, 0, 9), documents_keep([0] * 9))
