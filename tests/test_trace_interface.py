@@ -172,3 +172,24 @@ def test_position_ids_restarting_are_documents_as_hfs_flash_path_reads_them_and_
     seen = read((Module(), two_rows, two_rows, two_rows, None), {"position_ids": positions.expand(2, -1), "is_causal": True, "_hf": {}})
     assert seen.details["implicit"] == "is_causal and sliding_window"
     assert np.array_equal(seen.intervals.dense(0, 0, 9), documents_keep([0] * 9))
+
+
+def test_a_block_mask_handed_to_the_interface_is_read_block_by_block():
+    """HF's flex path compiles flex_attention, where no capture runs: the interface call is then the record, its
+    BlockMask read as the kernel applies it (against FlexAttention's own create_mask)."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    from maskcli.trace.interface import read
+
+    lengths = torch.tensor([5, 3])
+
+    def padded_causal(b, h, q, kv):
+        return (kv <= q) & (kv >= 8 - lengths[b])
+
+    block_mask = create_block_mask(padded_causal, 2, 1, 8, 8, device="cpu", BLOCK_SIZE=4)
+    q = torch.zeros(2, 2, 8, 4)
+    seen = read((object(), q, q, q, block_mask), {"_hf": {"attn_implementation": "flex_attention"}})
+    want = create_mask(padded_causal, 2, 1, 8, 8, device="cpu").numpy()
+    for b in range(2):
+        assert np.array_equal(seen.intervals.dense(b, 0, 8), want[b, 0])
+    assert seen.details["implicit"] == "the BlockMask given"

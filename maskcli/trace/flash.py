@@ -60,13 +60,10 @@ def aligned(nq: np.ndarray, nk: np.ndarray, causal: bool, left: int, right: int)
 
 
 def window(given: dict, k_len: int) -> tuple[int, int]:
-    """(left, right) from window_size (or window_size_left/right), a bound of k_len or more read as none."""
+    """(left, right) from window_size (or window_size_left/right), -1 for none, a bound of k_len or more read as none."""
     size = given.get("window_size")
-    if size is not None:
-        left, right = (int(x) for x in size)
-    else:
-        left, right = given.get("window_size_left"), given.get("window_size_right")
-        left, right = (-1 if left is None else int(left)), (-1 if right is None else int(right))
+    left, right = size if size is not None else (given.get("window_size_left"), given.get("window_size_right"))
+    left, right = (-1 if left is None else int(left)), (-1 if right is None else int(right))  # None: FlashAttention 4's none
     return (-1 if left >= k_len else left), (-1 if right >= k_len else right)
 
 

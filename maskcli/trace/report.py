@@ -213,7 +213,12 @@ def _what_api_does(call) -> str:
     if api == "flash":
         return "0 output there (FlashAttention gives rows with no key 0)"
     if api == "hf":
-        return "what there depends on the function HF called (FlashAttention gives 0)"
+        used = details.get("hf", {}).get("attn_implementation") or "?"
+        if used.startswith(("flash", "flex", "sdpa")):
+            return f"0 output there ({used} gives rows with no key 0)"
+        if used == "eager":
+            return "uniform weights over every key there (HF's eager adds the dtype's lowest value)"
+        return f"what there depends on the attention function {used!r}"
     return "0 output there (SDPA gives rows with no key 0)"
 
 
