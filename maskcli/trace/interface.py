@@ -76,7 +76,11 @@ def _wrapper(trace, function, name):
     def interface(*args, **kwargs):
         if not trace.active or trace.busy or trace.within or torch.compiler.is_dynamo_compiling():
             return function(*args, **kwargs)
-        frame = {"hf": details(name, args, kwargs), "seen": 0}
+        try:
+            told = details(name, args, kwargs)
+        except Exception as error:  # noqa: BLE001 - tensors without values (export, meta): the call is the program's
+            told = {"attn_implementation": name, "error": f"{type(error).__name__}: {str(error)[:120]}"}
+        frame = {"hf": told, "seen": 0}
         trace.interfaces.append(frame)
         try:
             return function(*args, **kwargs)
@@ -91,8 +95,7 @@ def _wrapper(trace, function, name):
 
 def _given(args: tuple, kwargs: dict) -> dict:
     """The interface's arguments by name: (module, query, key, value, attention_mask) first, as HF passes them."""
-    given = dict(zip(("module", "query", "key", "value", "attention_mask"), args)) | kwargs
-    return given
+    return dict(zip(("module", "query", "key", "value", "attention_mask"), args)) | kwargs
 
 
 def details(name: str, args: tuple, kwargs: dict) -> dict:
