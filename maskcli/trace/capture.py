@@ -143,10 +143,13 @@ class Trace:
 
         self._unwrap = wrap(self, record="mha" in self.apis)  # always: the mode must not take their fast paths away
         self._watch = Watch(self._wanted).__enter__()
-        for name, module in list(sys.modules.items()):  # what the program imported already; the watch sees the rest
-            found = self._wanted(name) if module is not None else None
+        loaded = [name for name in ("transformers.modeling_utils", *flash.MODULES) if name in sys.modules]
+        if "flash_attn" in loaded:  # its submodules too (not a walk of every module loaded: thousands, with transformers)
+            loaded += [name for name in list(sys.modules) if name.startswith("flash_attn.")]
+        for name in loaded:  # what the program imported already; the watch sees what it imports later
+            found = self._wanted(name) if sys.modules.get(name) is not None else None
             if found is not None:
-                found(module)
+                found(sys.modules[name])
         self.active = True
         self.mode.__enter__()
         return self
