@@ -271,3 +271,18 @@ def test_while_swapped_the_functions_keep_their_signatures_and_api_flash_can_be_
     with maskcli.trace():
         assert inspect.signature(flash_attn.flash_attn_varlen_func) == before  # HF reads them to choose its arguments
     assert inspect.signature(flash_attn.flash_attn_varlen_func) == before
+
+
+def test_a_long_varlen_call_is_named_by_its_documents_on_intervals(flash_attn, monkeypatch):
+    import maskcli.trace.report as report
+
+    monkeypatch.setattr(report, "NAME_CELLS", 16)  # every mask here counts as too long to rebuild cell by cell
+    cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    q = randn(10, 1, 8)
+    with maskcli.trace() as t:
+        flash_attn.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5, causal=True)
+        flash_attn.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5, causal=True, window_size=(1, 0))
+        flash_attn.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5, causal=False)  # segments: no document(...) rebuilds it
+    names = [group.name for group in t.groups()]
+    assert names[:2] == ["document(sizes=[3,5,2])", "document(sizes=[3,5,2]) & window(2)"]
+    assert names[2].startswith("not named")
