@@ -193,3 +193,25 @@ def test_a_block_mask_handed_to_the_interface_is_read_block_by_block():
     for b in range(2):
         assert np.array_equal(seen.intervals.dense(b, 0, 8), want[b, 0])
     assert seen.details["implicit"] == "the BlockMask given"
+
+
+@pytest.mark.parametrize("attn, kernel", [("sdpa", "sdpa"), ("eager", "softmax")])
+def test_generating_with_hf_alone_records_the_masks_the_kernels_apply(attn, kernel):
+    """Left padding, a sliding window, two decode steps: the interface's own records (apis hf alone) hold the same
+    masks as the kernel calls (apis sdpa, or the eager softmax, alone), call for call."""
+    mistral = model("mistral", attn, window=3)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1] * 5])
+    options = dict(attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    runs = {}
+    for apis in (("hf",), (kernel,)):
+        with quiet(), torch.no_grad(), maskcli.trace(apis=apis) as t:
+            runs[apis[0]] = mistral.generate(ids, **options)
+        runs[apis] = t.calls
+    assert torch.equal(runs["hf"], runs[kernel])
+    hf, kernels = runs[("hf",)], runs[(kernel,)]
+    assert [c.api for c in hf] == ["hf"] * 6 and [c.api for c in kernels] == [kernel] * 6
+    for ours, theirs in zip(hf, kernels):
+        assert (ours.where, ours.step) == (theirs.where, theirs.step) and "hf" not in theirs.details  # (hf left out)
+        assert ours.where == f"model.layers.{ours.details['hf']['layer_idx']}.self_attn"
+        assert np.array_equal(np.broadcast_to(ours.keep(), ours.shape)[:, 0], np.broadcast_to(theirs.keep(), theirs.shape)[:, 0])

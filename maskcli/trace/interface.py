@@ -128,8 +128,8 @@ def read(args: tuple, kwargs: dict) -> Seen:
         seen.intervals, seen.planes = block_intervals(mask, q_len, k_len)
         details_["implicit"] = "the BlockMask given"
         return seen
-    if mask is not None and mask.dim() == 4:
-        seen.keep = _as_4d(_keep(mask, details_), q_len, k_len)
+    if mask is not None and mask.dim() == 4:  # cut to the keys given, as HF's sdpa and eager paths cut it
+        seen.keep = _as_4d(_keep(mask[..., :k_len], details_), q_len, k_len)
         seen.sources = (mask,)
         details_["implicit"] = "the attention_mask given"
         return seen
