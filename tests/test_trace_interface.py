@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 
 import maskcli  # noqa: E402
 from maskcli.hf import families, quiet  # noqa: E402
+from test_trace_flash import flash_attn  # noqa: E402,F401 (the stand-in flash_attn package, a fixture)
 
 
 def model(family: str, attn: str, window: int | None = None):
@@ -151,9 +152,9 @@ def test_after_the_trace_the_interface_is_hugging_faces_own_again():
 
     before = (AttentionInterface.__dict__.get("__getitem__"), AttentionInterface.__dict__.get("get_interface"))
     with maskcli.trace():
-        assert getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_maskcli_interface", False)
+        assert getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_maskcli_interface", ())
     assert (AttentionInterface.__dict__.get("__getitem__"), AttentionInterface.__dict__.get("get_interface")) == before
-    assert not getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_maskcli_interface", False)
+    assert not getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_maskcli_interface", ())
 
 
 def test_position_ids_restarting_are_documents_as_hfs_flash_path_reads_them_and_a_window_cuts_each():
@@ -215,3 +216,71 @@ def test_generating_with_hf_alone_records_the_masks_the_kernels_apply(attn, kern
         assert (ours.where, ours.step) == (theirs.where, theirs.step) and "hf" not in theirs.details  # (hf left out)
         assert ours.where == f"model.layers.{ours.details['hf']['layer_idx']}.self_attn"
         assert np.array_equal(np.broadcast_to(ours.keep(), ours.shape)[:, 0], np.broadcast_to(theirs.keep(), theirs.shape)[:, 0])
+
+
+@pytest.fixture
+def hf_flash(flash_attn, monkeypatch):
+    """HF's own flash path (flash_attention_forward, _flash_attention_forward) running the stand-in flash_attn of
+    test_trace_flash, under the implementation name "flash_standin" (flash_attn proper needs CUDA)."""
+    import transformers.modeling_flash_attention_utils as utils
+    from transformers import AttentionInterface
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    def lazy(implementation, *args, **kwargs):  # HF reads the functions' signatures here: while traced too
+        functions = (flash_attn.flash_attn_func, flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache)
+        process = tuple(utils._lazy_define_process_function(f) for f in functions[1:])
+        return (*functions, utils._pad_input, utils._unpad_input), process
+
+    import transformers.modeling_utils
+
+    monkeypatch.setattr(utils, "lazy_import_flash_attention", lazy)
+    monkeypatch.setattr(transformers.modeling_utils, "lazy_import_flash_attention", lazy)  # (its import at build)
+    AttentionInterface.register("flash_standin", flash_attention_forward)
+    AttentionMaskInterface.register("flash_standin", flash_attention_mask)
+    yield model("mistral", "flash_standin", window=3)
+    AttentionInterface._global_mapping.pop("flash_standin", None)
+    AttentionMaskInterface._global_mapping.pop("flash_standin", None)
+
+
+def test_hfs_flash_path_its_flash_calls_are_annotated_and_mean_what_hf_alone_reads(hf_flash):
+    """What interface.read makes of HF's arguments (apis hf alone) against the flash_attn calls HF's own code makes
+    of them (apis flash): the same cells, for a packed batch (position_ids), a plain batch, and a left-padded
+    batch generating (unpadded by HF: compared real query by real key)."""
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2]])
+    ids = torch.arange(1, 10)[None]
+    for run in (lambda: hf_flash(ids, position_ids=positions, use_cache=False), lambda: hf_flash(ids.expand(2, -1))):
+        with torch.no_grad(), maskcli.trace(apis=("flash", "hf")) as flash, maskcli.trace(apis=("hf",)) as alone:
+            run()
+        assert [c.api for c in flash.calls] == ["flash", "flash"] and [c.api for c in alone.calls] == ["hf", "hf"]
+        for ours, theirs in zip(alone.calls, flash.calls):
+            assert theirs.details["hf"]["layer_idx"] == ours.details["hf"]["layer_idx"] and theirs.details["hf"]["sliding_window"] == 3
+            assert ours.shape == theirs.shape and np.array_equal(np.broadcast_to(ours.keep(), ours.shape), np.broadcast_to(theirs.keep(), theirs.shape))
+    assert flash.calls[0].details["function"] == "flash_attn_func"
+    assert alone.calls[0].details["implicit"] == "is_causal and sliding_window"
+
+    padded = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    options = dict(attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    outputs = {}
+    for apis in (("flash", "hf"), ("hf",)):
+        with quiet(), torch.no_grad(), maskcli.trace(apis=apis) as t:
+            outputs[apis] = (hf_flash.generate(padded, **options), t.calls)
+    (out_flash, flash_calls), (out_alone, alone_calls) = outputs.values()
+    assert torch.equal(out_flash, out_alone) and len(flash_calls) == len(alone_calls) == 6
+    # the prefill unpadded into flash_attn_varlen_func; decode steps whose window holds no padding key get no mask
+    assert [c.details["function"] for c in flash_calls] == ["flash_attn_varlen_func"] * 2 + ["flash_attn_func"] * 4
+    for ours, theirs in zip(alone_calls, flash_calls):
+        keep = np.broadcast_to(ours.keep(), ours.shape)[:, 0]
+        if theirs.details["function"] == "flash_attn_func":
+            assert ours.details["implicit"] == "is_causal and sliding_window" and ours.shape == theirs.shape
+            assert np.array_equal(keep, np.broadcast_to(theirs.keep(), theirs.shape)[:, 0])
+            continue
+        assert ours.details["implicit"] == "the 2-D padding mask, unpadded"
+        packed = theirs.keep()[0, 0]
+        cu_q, cu_k = theirs.details["cu_seqlens_q"], theirs.details["cu_seqlens_k"]
+        real = mask.bool().numpy()
+        for b in range(2):
+            rows = keys = np.flatnonzero(real[b])
+            assert np.array_equal(keep[b][np.ix_(rows, keys)], packed[cu_q[b]:cu_q[b + 1], cu_k[b]:cu_k[b + 1]])
+            assert keep[b].sum() == packed[cu_q[b]:cu_q[b + 1]].sum()  # nothing on padding rows or keys

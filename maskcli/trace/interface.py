@@ -43,7 +43,7 @@ def patch(trace, modeling_utils) -> list:
     wrapped: dict[int, tuple] = {}
 
     def wrap(function, name):
-        if getattr(function, "_maskcli_interface", False) or not callable(function):
+        if trace in getattr(function, "_maskcli_interface", ()) or not callable(function):  # (another trace's: wrapped again)
             return function
         found = wrapped.get(id(function))
         if found is None:
@@ -89,7 +89,7 @@ def _wrapper(trace, function, name):
             if not frame["seen"]:
                 trace.capture(read, args, {**kwargs, "_hf": frame["hf"]})
 
-    interface._maskcli_interface = True
+    interface._maskcli_interface = (*getattr(function, "_maskcli_interface", ()), trace)  # the traces it goes through
     return interface
 
 
