@@ -286,3 +286,52 @@ def test_a_long_varlen_call_is_named_by_its_documents_on_intervals(flash_attn, m
     names = [group.name for group in t.groups()]
     assert names[:2] == ["document(sizes=[3,5,2])", "document(sizes=[3,5,2]) & window(2)"]
     assert names[2].startswith("not named")
+
+
+from hypothesis import assume, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=150, deadline=None)
+@given(nq=st.integers(1, 9), nk=st.integers(1, 9), causal=st.booleans(), left=st.integers(-1, 10), right=st.integers(-1, 10))
+def test_the_intervals_of_any_batched_call_are_the_documented_mask(nq, nk, causal, left, right):
+    """Every shape, causal or not, every window: the intervals against the docstrings' rule, a double loop (the
+    kernel reads a bound of Lk or more as none, which the rule agrees with except for a right bound of Lk or more
+    with more queries than that: left out)."""
+    assume(not (right >= nk and right < nq - 1))
+    from maskcli.trace.flash import read
+
+    q, k = torch.zeros(1, nq, 1, 4), torch.zeros(1, nk, 1, 4)
+    seen = read("flash_attn_func", {"q": q, "k": k, "v": k, "causal": causal, "window_size": (left, right)})
+    got = seen.intervals.dense(0, 0, nq)
+    for i in range(nq):
+        at = i + nk - nq
+        for j in range(nk):
+            want = not (causal and j > at) and not (left >= 0 and j < at - left) and not (right >= 0 and j > at + right)
+            assert got[i, j] == want, (i, j)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), causal=st.booleans(), left=st.integers(-1, 4), right=st.integers(-1, 4))
+def test_varlen_intervals_are_each_sequences_own_mask_and_nothing_across(data, causal, left, right):
+    from maskcli.trace.flash import read
+
+    pairs = data.draw(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=4))
+    cu_q = np.concatenate([[0], np.cumsum([p[0] for p in pairs])])
+    cu_k = np.concatenate([[0], np.cumsum([p[1] for p in pairs])])
+    total_q, total_k = int(cu_q[-1]) + 1, int(cu_k[-1])  # one row past the sequences: it sees nothing
+    assume(total_k > 0)
+    max_k = max(p[1] for p in pairs)
+    assume(not (right >= max_k and any(right < nq - 1 for nq, _ in pairs)))
+    seen = read("flash_attn_varlen_func", {"q": torch.zeros(total_q, 1, 4), "k": torch.zeros(total_k, 1, 4), "v": torch.zeros(total_k, 1, 4),
+                                           "cu_seqlens_q": torch.tensor(cu_q), "cu_seqlens_k": torch.tensor(cu_k),
+                                           "max_seqlen_q": 5, "max_seqlen_k": max_k, "causal": causal, "window_size": (left, right)})
+    got = seen.intervals.dense(0, 0, total_q)
+    want = np.zeros((total_q, total_k), dtype=bool)
+    for s, (nq, nk) in enumerate(pairs):
+        for i in range(nq):
+            at = i + nk - nq
+            for j in range(nk):
+                want[cu_q[s] + i, cu_k[s] + j] = (not (causal and j > at) and not (left >= 0 and j < at - left)
+                                                  and not (right >= 0 and j > at + right))
+    assert np.array_equal(got, want)

@@ -284,3 +284,39 @@ def test_hfs_flash_path_its_flash_calls_are_annotated_and_mean_what_hf_alone_rea
             rows = keys = np.flatnonzero(real[b])
             assert np.array_equal(keep[b][np.ix_(rows, keys)], packed[cu_q[b]:cu_q[b + 1], cu_k[b]:cu_k[b + 1]])
             assert keep[b].sum() == packed[cu_q[b]:cu_q[b + 1]].sum()  # nothing on padding rows or keys
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), causal=st.booleans(), window=st.one_of(st.none(), st.integers(1, 6)))
+def test_any_two_d_padding_mask_unpadded_is_each_rows_real_positions_bottom_right(data, causal, window):
+    """Padding anywhere (left, right, holes), any number of queries: the intervals against HF's unpadding rule as a
+    double loop over each batch row's real queries and keys."""
+    from maskcli.trace.interface import read
+
+    k_len = data.draw(st.integers(1, 8))
+    valid = np.array(data.draw(st.lists(st.lists(st.booleans(), min_size=k_len, max_size=k_len), min_size=1, max_size=3)))
+    q_len = data.draw(st.sampled_from(sorted({1, k_len, max(1, k_len // 2)})))
+    batch = len(valid)
+
+    class Module:
+        is_causal = causal
+
+    q, k = torch.zeros(batch, 1, q_len, 4), torch.zeros(batch, 1, k_len, 4)
+    seen = read((Module(), q, k, k, torch.from_numpy(valid)), {"sliding_window": window, "_hf": {}})
+    left, right = (window - 1, window - 1) if window is not None and k_len > window else (-1, -1)
+    for b in range(batch):
+        keys = [j for j in range(k_len) if valid[b, j]]
+        rows = valid[b] if q_len == k_len else np.ones(1, bool) if q_len == 1 else valid[b, -q_len:]
+        queries = [i for i in range(q_len) if rows[i]]
+        got = seen.intervals.dense(b, 0, q_len)
+        for i in range(q_len):
+            for j in range(k_len):
+                want = False
+                if i in queries and j in keys:
+                    r, c = queries.index(i) + len(keys) - len(queries), keys.index(j)
+                    want = not (causal and c > r) and not (left >= 0 and c < r - left) and not (right >= 0 and not causal and c > r + right)
+                assert got[i, j] == want, (b, i, j)
