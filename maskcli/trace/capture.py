@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from maskcli import tracefile
 import maskcli.trace.masks as readers
 import maskcli.trace.flash as flash
+import maskcli.trace.interface as interface
 from maskcli.trace.flex import flex as read_flex
 from maskcli.trace.patch import Watch, swap
 
@@ -143,7 +144,7 @@ class Trace:
 
         self._unwrap = wrap(self, record="mha" in self.apis)  # always: the mode must not take their fast paths away
         self._watch = Watch(self._wanted).__enter__()
-        loaded = [name for name in ("transformers.modeling_utils", *flash.MODULES) if name in sys.modules]
+        loaded = [name for name in (interface.MODULE, *flash.MODULES) if name in sys.modules]
         if "flash_attn" in loaded:  # its submodules too (not a walk of every module loaded: thousands, with transformers)
             loaded += [name for name in list(sys.modules) if name.startswith("flash_attn.")]
         for name in loaded:  # what the program imported already; the watch sees what it imports later
@@ -181,7 +182,7 @@ class Trace:
         """What to do once module `name` is loaded: swap flash_attn's functions, or patch HF's AttentionInterface."""
         if "flash" in self.apis and flash.watched(name):
             return self._patch_flash
-        if "hf" in self.apis and name == "transformers.modeling_utils":
+        if "hf" in self.apis and name == interface.MODULE:
             return self._patch_hf
         return None
 
@@ -200,10 +201,8 @@ class Trace:
                 self._undo.append(undo)
 
     def _patch_hf(self, module) -> None:
-        from maskcli.trace.interface import patch, unpatch
-
-        undo = patch(self, module)
-        self._undo.append(lambda: unpatch(undo))
+        undo = interface.patch(self, module)
+        self._undo.append(lambda: interface.unpatch(undo))
 
     def _hook(self, reader, original, inner: bool = True):
         """The function a swapped one runs: the call recorded, then the original run as called; with `inner`, the
