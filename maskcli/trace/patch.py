@@ -54,7 +54,8 @@ def swap(function, make_hook: Callable) -> Callable[[], None] | None:
         function.__signature__ = inspect.signature(original)
     code = function.__code__
     names[name], names[name + "_original"] = make_hook(original), original
-    function.__code__ = _shim.__code__.replace(co_names=(name,), co_name=code.co_name, co_qualname=code.co_qualname)
+    names_of = {"co_name": code.co_name} | ({"co_qualname": code.co_qualname} if hasattr(code, "co_qualname") else {})  # (3.11+)
+    function.__code__ = _shim.__code__.replace(co_names=(name,), **names_of)  # tracebacks still name the function
 
     def undo() -> None:
         function.__code__ = code
