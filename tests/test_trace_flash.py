@@ -335,3 +335,22 @@ def test_varlen_intervals_are_each_sequences_own_mask_and_nothing_across(data, c
                 want[cu_q[s] + i, cu_k[s] + j] = (not (causal and j > at) and not (left >= 0 and j < at - left)
                                                   and not (right >= 0 and j > at + right))
     assert np.array_equal(got, want)
+
+
+def test_seqused_q_and_k_cut_each_sequence_to_its_first_positions():
+    """FlashAttention 3's varlen: a sequence's slot in cu_seqlens, of which it uses seqused_q queries and seqused_k
+    keys (the rest of the slot is neither attended nor attending)."""
+    from maskcli.trace.flash import read
+
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    used_q, used_k = torch.tensor([3, 6], dtype=torch.int32), torch.tensor([2, 5], dtype=torch.int32)
+    seen = read("flash_attn_varlen_func", {"q": torch.zeros(10, 1, 4), "k": torch.zeros(10, 1, 4), "v": torch.zeros(10, 1, 4),
+                                           "cu_seqlens_q": cu, "cu_seqlens_k": cu, "seqused_q": used_q, "seqused_k": used_k,
+                                           "max_seqlen_q": 6, "max_seqlen_k": 6, "causal": True})
+    want = np.zeros((10, 10), dtype=bool)
+    for s in range(2):
+        nq, nk = int(used_q[s]), int(used_k[s])
+        for i in range(nq):
+            for j in range(nk):
+                want[int(cu[s]) + i, int(cu[s]) + j] = j <= i + nk - nq
+    assert np.array_equal(seen.intervals.dense(0, 0, 10), want) and seen.details["seqused_k"] == [2, 5]
