@@ -176,7 +176,9 @@ class Trace:
         """flex_attention's own code swapped for a shim that records the call first (patch.swap)."""
         import torch.nn.attention.flex_attention as flex_module
 
-        self._undo.append(swap(flex_module.flex_attention, lambda original: self._hook(read_flex, original)))
+        undo = swap(flex_module.flex_attention, lambda original: self._hook(read_flex, original))
+        if undo is not None:  # (not a plain function in some torch: then its calls go unseen, as compiled ones do)
+            self._undo.append(undo)
 
     def _wanted(self, name: str):
         """What to do once module `name` is loaded: swap flash_attn's functions, or patch HF's AttentionInterface."""
