@@ -144,7 +144,7 @@ def test_expect_holds_with_exit_0_and_fails_with_exit_1_naming_the_first_differi
 
 def test_a_bad_expect_or_api_is_one_line_and_the_program_does_not_run(layers):
     for args, message in ((["--expect", "layers.*"], "give PATTERN=EXPR"), (["--expect", "x=window("], "--expect 'x=window('"),
-                          (["--api", "sdpa,flash"], "choose from sdpa, flex, mha, softmax")):
+                          (["--api", "sdpa,flashy"], "choose from sdpa, flex, mha, softmax, flash, hf")):
         result = trace(*args, layers)
         assert result.exit_code == 2 and result.stdout == "" and message in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
@@ -469,3 +469,51 @@ def test_brief_names_long_labels_by_their_runs_and_leaves_short_ones(sizes, extr
         expected = f"document(sizes=[{','.join(map(str, sizes[:6]))}{more}], {len(sizes)} documents)"
         assert brief(text) == f"causal & {expected} & window({extra + 1})"
     assert brief("not ( an expression") == "not ( an expression"
+
+
+def test_api_completes_the_last_name_after_a_comma():
+    from maskcli.commands.trace import complete_apis
+
+    assert complete_apis("") == ["sdpa", "flex", "mha", "softmax", "flash", "hf"]
+    assert complete_apis("sdpa,f") == ["sdpa,flex", "sdpa,flash"] and complete_apis("flash,h") == ["flash,hf"]
+    assert complete_apis("flex,fl") == ["flex,flash"]  # a name already given is not offered again
+
+
+def test_a_hugging_face_model_with_a_registered_attention_function_is_reported_per_layer(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    script = write(tmp_path, "packed.py", """
+        import torch
+        from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+
+        def own(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+            out = torch.zeros_like(query)  # attention one document at a time, on 2-D scores
+            cu = kwargs["cu_seq_lens_q"].tolist()
+            for h in range(query.shape[1]):
+                for a, b in zip(cu[:-1], cu[1:]):
+                    scores = (query[0, h, a:b] @ key[0, h, a:b].T) * scaling
+                    scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+                    out[0, h, a:b] = torch.softmax(scores, -1) @ value[0, h, a:b]
+            return out.transpose(1, 2), None
+
+
+        AttentionInterface.register("own_documents", own)
+        config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=32)
+        model = LlamaForCausalLM(config).eval()
+        model.set_attn_implementation("own_documents")
+        cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+        with torch.no_grad():
+            model(torch.arange(1, 6)[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=3, max_length_k=3)
+        print("ran")
+    """)
+    result = trace("--json", "run.json", script, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "ran\n"
+    assert "0  model.layers.{0-2}.self_attn ×3  hf   prefill  (1,2,5,5)  document(0,0,1,1,1)" in result.stderr
+    calls = json.loads((tmp_path / "run.json").read_text())["calls"]
+    assert [(c["api"], c["details"]["hf"]["layer_idx"], c["details"]["hf"]["attn_implementation"]) for c in calls] == [
+        ("hf", 0, "own_documents"), ("hf", 1, "own_documents"), ("hf", 2, "own_documents")]
+    assert calls[0]["details"]["implicit"] == "cu_seq_lens_q/k" and calls[0]["details"]["hf"]["cu_seq_lens_k"] == [0, 2, 5]

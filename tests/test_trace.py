@@ -414,3 +414,18 @@ def test_a_compiled_model_runs_traced_and_computes_the_same():
     with maskcli.trace():  # the module hooks run inside dynamo's trace of forward: they must not break it
         traced = compiled(x)
     assert torch.equal(untraced, traced)
+
+
+def test_a_trace_inside_a_trace_records_flex_calls_until_it_ends_and_then_the_outer_one_does():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = qkv(1, 1, 4, 4)
+    before = flex_attention(q, k, v)
+    with maskcli.trace() as outer:
+        with maskcli.trace() as inner:
+            flex_attention(q, k, v)
+        flex_attention(q, k, v)
+    after = flex_attention(q, k, v)
+    assert [c.api for c in inner.calls] == ["flex"] and [c.api for c in outer.calls] == ["flex"]
+    assert flex_attention.__code__.co_name == "flex_attention" and "_maskcli" not in " ".join(flex_attention.__code__.co_names)
+    assert torch.equal(after, before)

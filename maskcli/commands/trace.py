@@ -10,7 +10,13 @@ from maskcli.commands.app import app, done, make_console
 from maskcli.commands.options import examples, integer
 from maskcli.errors import MaskError
 
-APIS = ("sdpa", "flex", "mha", "softmax")
+APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf")  # maskcli.trace.capture.APIS, without importing torch for --help
+
+
+def complete_apis(incomplete: str) -> list[str]:
+    """--api's names: the last one typed after a comma, completed."""
+    head, comma, word = incomplete.rpartition(",")
+    return [head + comma + name for name in APIS if name.startswith(word) and name not in head.split(",")]
 
 
 @app.command(
@@ -27,7 +33,7 @@ def trace(
     ctx: typer.Context,
     script: Annotated[str | None, typer.Argument(help="The Python script to run, followed by its own arguments (passed as they are). THIS RUNS THE PROGRAM, in this process, as python would.", show_default=False, metavar="SCRIPT.py [ARGS]...")] = None,
     module: Annotated[str | None, typer.Option("-m", "--module", help="Run a module as python -m does, instead of a script; the words after it are its arguments.", show_default=False)] = None,
-    api: Annotated[str, typer.Option("--api", help="Which calls to record, comma-separated: sdpa (scaled dot product attention), flex (flex_attention), mha (nn.MultiheadAttention and its functional form), softmax (a softmax over the last dimension of 3-D/4-D scores, masked where -inf or the dtype's lowest value).")] = ",".join(APIS),
+    api: Annotated[str, typer.Option("--api", help="Which calls to record, comma-separated: sdpa (scaled dot product attention), flex (flex_attention), mha (nn.MultiheadAttention and its functional form), softmax (a softmax over the last dimension of 3-D/4-D scores, masked where -inf or the dtype's lowest value), flash (flash_attn's functions, where the program imports flash_attn: the mask their causal, window_size and cu_seqlens / cache_seqlens mean, bottom-right aligned), hf (Hugging Face's AttentionInterface, where the program imports transformers: each call's layer_idx, sliding_window, position_ids, cu_seq_lens_q/k noted on the kernel call it makes, or recorded as api hf with the mask its arguments mean where no kernel call is seen).", show_default="all of them", autocompletion=complete_apis)] = ",".join(APIS),
     max_bytes: Annotated[int, typer.Option("--max-bytes", help="Bytes of distinct masks kept; past it a call keeps its shape and counts only, and says so.", parser=integer)] = 256 << 20,
     json_path: Annotated[str | None, typer.Option("--json", help="Write every call (where, api, step, shapes, dtype, device, its mask's id) and every group, named, with findings, as JSON to this file (stdout stays the program's).", show_default=False)] = None,
     save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to one .pt file that other commands read as a mask: --mask TRACE.pt:7 (call 7) or TRACE.pt:PATH@STEP (like layers.5.self_attn@2: that module's third call).", show_default=False)] = None,

@@ -11,11 +11,12 @@ import types
 
 
 class _CallablePackage(types.ModuleType):
-    def __call__(self, apis=("sdpa", "flex", "mha", "softmax"), max_bytes: int | None = None):
-        """A Trace to use as a context manager: `with maskcli.trace() as t:`; then t.calls and t.report()."""
-        from maskcli.trace.capture import DEFAULT_MAX_BYTES, Trace
+    def __call__(self, apis=None, max_bytes: int | None = None):
+        """A Trace to use as a context manager: `with maskcli.trace() as t:`; then t.calls and t.report(). `apis`:
+        which of sdpa, flex, mha, softmax, flash, hf to record (all by default)."""
+        from maskcli.trace.capture import APIS, DEFAULT_MAX_BYTES, Trace
 
-        return Trace(apis, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
+        return Trace(APIS if apis is None else apis, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
 
 
 sys.modules[__name__].__class__ = _CallablePackage

@@ -5,7 +5,10 @@ functional form, a softmax over scores) it reads the mask before calling the fun
 exactly as it was called, and returns its result untouched. FlexAttention runs its
 operator under torch.compile even in eager mode, where a mode's Python cannot run, so
 `flex_attention` is wrapped instead: in torch's module and wherever a loaded module holds
-it. Module hooks keep the stack of modules being run, which names where a call came from.
+it (patch.py swaps its code); flash_attn's functions are swapped the same way, and Hugging
+Face's AttentionInterface lookups return wrapped functions (interface.py), when the program
+has imported them or as soon as it does. Module hooks keep the stack of modules being run,
+which names where a call came from.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from torch.overrides import TorchFunctionMode
 
 from maskcli import tracefile
 import maskcli.trace.masks as readers
+import maskcli.trace.flash as flash
+import maskcli.trace.interface as interface
 from maskcli.trace.flex import flex as read_flex
+from maskcli.trace.patch import Watch, swap
 
-APIS = ("sdpa", "flex", "mha", "softmax")
+APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf")
 DEFAULT_MAX_BYTES = 256 << 20
 CACHE = 256  # masks remembered by the tensor they were read from (a model hands one mask to every layer)
 
@@ -108,6 +114,10 @@ class Trace:
         self.within = 0  # inside a module recorded from its arguments (modules.py): its inner calls are not new ones
         self.mode = _Mode(self)
         self._unwrap: list = []
+        self._undo: list = []  # what puts swapped functions and patched classes back, in the order done
+        self._swapped: set[int] = set()
+        self.interfaces: list[dict] = []  # the Hugging Face interface calls running (interface.py), innermost last
+        self.active = False
 
     def groups(self) -> list:
         """The calls grouped by mask, API and shape, each named, with findings (maskcli.trace.report.Group)."""
@@ -133,6 +143,15 @@ class Trace:
         from maskcli.trace.modules import wrap
 
         self._unwrap = wrap(self, record="mha" in self.apis)  # always: the mode must not take their fast paths away
+        self._watch = Watch(self._wanted).__enter__()
+        loaded = [name for name in (interface.MODULE, *flash.MODULES) if name in sys.modules]
+        if "flash_attn" in loaded:  # its submodules too (not a walk of every module loaded: thousands, with transformers)
+            loaded += [name for name in list(sys.modules) if name.startswith("flash_attn.")]
+        for name in loaded:  # what the program imported already; the watch sees what it imports later
+            found = self._wanted(name) if sys.modules.get(name) is not None else None
+            if found is not None:
+                found(sys.modules[name])
+        self.active = True
         self.mode.__enter__()
         return self
 
@@ -144,48 +163,64 @@ class Trace:
 
         unwrap(self._unwrap)
         self._unwrap = []
-        self._unpatch_flex()
+        self._watch.__exit__()
+        self.active = False
+        while self._undo:
+            self._undo.pop()()
+        self._swapped.clear()
         self._cache.clear()
         self._stack.clear()
         self._names.clear()  # the program's modules are its own again once the trace ends
 
     def _patch_flex(self) -> None:
-        """flex_attention's own code object is swapped for one that calls ours first: every name bound to the
-        function (a module's import, a local variable, an attribute) reaches it; __exit__ puts the code back."""
-        import types
-
+        """flex_attention's own code swapped for a shim that records the call first (patch.swap)."""
         import torch.nn.attention.flex_attention as flex_module
 
-        function = flex_module.flex_attention
-        names = function.__globals__
-        if function.__code__ is not _shim.__code__:
-            names[_ORIGINAL] = types.FunctionType(function.__code__, names, function.__name__, function.__defaults__, function.__closure__)
-            names[_ORIGINAL].__kwdefaults__ = function.__kwdefaults__
-            self._flex = (function, function.__code__, names.get(_HOOK))
-            function.__code__ = _shim.__code__
-        else:  # a trace inside a trace: this one records until it ends
-            self._flex = (function, None, names.get(_HOOK))
-        original = names[_ORIGINAL]
+        undo = swap(flex_module.flex_attention, lambda original: self._hook(read_flex, original))
+        if undo is not None:  # (not a plain function in some torch: then its calls go unseen, as compiled ones do)
+            self._undo.append(undo)
+
+    def _wanted(self, name: str):
+        """What to do once module `name` is loaded: swap flash_attn's functions, or patch HF's AttentionInterface."""
+        if "flash" in self.apis and flash.watched(name):
+            return self._patch_flash
+        if "hf" in self.apis and name == interface.MODULE:
+            return self._patch_hf
+        return None
+
+    def _patch_flash(self, module) -> None:
+        import inspect
+        import types
+
+        for name in flash.FUNCTIONS:
+            function = getattr(module, name, None)
+            if not isinstance(function, types.FunctionType) or id(function) in self._swapped:
+                continue  # (flash_attn re-exports its interface module's functions: each is swapped once)
+            read = flash.reader(name, inspect.signature(function))
+            undo = swap(function, lambda original, read=read: self._hook(read, original))
+            if undo is not None:
+                self._swapped.add(id(function))
+                self._undo.append(undo)
+
+    def _patch_hf(self, module) -> None:
+        undo = interface.patch(self, module)
+        self._undo.append(lambda: interface.unpatch(undo))
+
+    def _hook(self, reader, original, inner: bool = True):
+        """The function a swapped one runs: the call recorded, then the original run as called; with `inner`, the
+        attention calls it makes itself (a stand-in's softmax) are its own, not new ones."""
 
         def hook(*args, **kwargs):
-            if not torch.compiler.is_dynamo_compiling() and not self.busy:
-                self.capture(read_flex, args, kwargs)
-            return original(*args, **kwargs)
+            if torch.compiler.is_dynamo_compiling() or self.busy or self.within:
+                return original(*args, **kwargs)
+            self.capture(reader, args, kwargs)
+            self.within += inner
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.within -= inner
 
-        names[_HOOK] = hook
-
-    def _unpatch_flex(self) -> None:
-        if not hasattr(self, "_flex"):
-            return
-        function, code, previous = self._flex
-        names = function.__globals__
-        if code is not None:
-            function.__code__ = code
-            names.pop(_ORIGINAL, None)
-            names.pop(_HOOK, None)
-        else:
-            names[_HOOK] = previous
-        del self._flex
+        return hook
 
     # --- where a call comes from --------------------------------------------------------------
 
@@ -242,15 +277,22 @@ class Trace:
                     key = self._store(seen)
             except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
                 api = getattr(reader, "api", "?")
-                self.calls.append(Call(len(self.calls), where, api, self._step(where), (0, 0, 0, 0), (), (), (), "", "", None,
-                               {"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, self))
+                self._append(Call(len(self.calls), where, api, self._step(where), (0, 0, 0, 0), (), (), (), "", "", None,
+                             {"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, self))
                 return
             if seen.child:
                 where = f"{where}.{seen.child}" if where else seen.child
-            self.calls.append(Call(len(self.calls), where, seen.api, self._step(where), tuple(int(x) for x in seen.shape), seen.q, seen.k,
-                           seen.v, seen.dtype, seen.device, key, seen.details, self))
+            self._append(Call(len(self.calls), where, seen.api, self._step(where), tuple(int(x) for x in seen.shape), seen.q, seen.k,
+                         seen.v, seen.dtype, seen.device, key, seen.details, self))
         finally:
             self.busy = False
+
+    def _append(self, call: Call) -> None:
+        """A call made inside a Hugging Face interface call carries what HF told that call (and is what it did)."""
+        if self.interfaces:
+            call.details["hf"] = self.interfaces[-1]["hf"]
+            self.interfaces[-1]["seen"] += 1
+        self.calls.append(call)
 
     def _step(self, where: str) -> int:
         step = self._steps[where]
@@ -299,14 +341,6 @@ def _has_values(tensor: torch.Tensor) -> bool:
     if tensor.device.type == "meta" or torch._C._functorch.is_functorch_wrapped_tensor(tensor):
         return False
     return type(tensor).__name__ != "FakeTensor"
-
-
-_HOOK, _ORIGINAL = "_maskcli_trace_hook", "_maskcli_trace_original"
-
-
-def _shim(*args, **kwargs):
-    """The code flex_attention runs while traced; its globals are flex_attention's module, where the hook is set."""
-    return _maskcli_trace_hook(*args, **kwargs)  # noqa: F821 (a global of torch's flex_attention module while tracing)
 
 
 def _first_frame_outside() -> str:

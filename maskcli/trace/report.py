@@ -123,7 +123,7 @@ def _named(calls: list) -> Group:
             if flipped.expression is not None and flipped.kind not in MEANT_LATER:
                 group.findings.append(Finding("polarity", _polarity(first, flipped.expression + _placed(flipped.options, q_len, k_len))))
     else:
-        named = _name_on_intervals(stored, q_len, k_len)
+        named = _name_on_intervals(stored, q_len, k_len, _documents(first))
         if named is not None:
             group = Group(calls, named[0] + named[1], named[0])
         else:
@@ -148,9 +148,21 @@ def _top_left_is_causal(call, q_len: int, k_len: int) -> bool:
     return bool(call.details.get("is_causal")) and call.api == "sdpa" and q_len < k_len and "mask_dtype" not in call.details
 
 
-def _name_on_intervals(stored: dict, q_len: int, k_len: int) -> tuple[str, str] | None:
+def _documents(call) -> str | None:
+    """'document(sizes=[...])' where the call packed sequences that are the same for queries and keys (flash_attn's
+    cu_seqlens, HF's cu_seq_lens; kept in the details where they are few) and cover every position."""
+    found = call.details
+    cu_q, cu_k = found.get("cu_seqlens_q", found.get("cu_seq_lens_q")), found.get("cu_seqlens_k", found.get("cu_seq_lens_k"))
+    if not isinstance(cu_q, list) or cu_q != cu_k or len(cu_q) < 2 or cu_q[0] != 0 or cu_q[-1] != call.shape[2]:
+        return None
+    sizes = np.diff(cu_q)
+    return f"document(sizes=[{','.join(map(str, sizes.tolist()))}])" if (sizes > 0).all() else None
+
+
+def _name_on_intervals(stored: dict, q_len: int, k_len: int, documents: str | None = None) -> tuple[str, str] | None:
     """(expression, placement words) of a long mask the same for every batch row and head, compared on key
-    intervals (O(L), exact): full, causal or window(W) with the queries at the end of the keys, or causal top-left."""
+    intervals (O(L), exact): full, causal or window(W) with the queries at the end of the keys, causal top-left,
+    or the call's own packed documents (and a window in them)."""
     from maskcli.errors import MaskError
     from maskcli.mask import MaskOptions, build
 
@@ -160,8 +172,10 @@ def _name_on_intervals(stored: dict, q_len: int, k_len: int) -> tuple[str, str] 
     width = int(found.counts().max())
     end = MaskOptions(length=q_len, offset=(k_len - q_len) or None)
     top_left = MaskOptions(length=q_len, kv_len=k_len)
-    for expression, options, words in (("full", end, ""), ("causal", end, ""), (f"window({width})", end, ""),
-                                       ("causal", top_left, " (queries top-left)")):
+    candidates = [("full", end, ""), ("causal", end, ""), (f"window({width})", end, ""), ("causal", top_left, " (queries top-left)")]
+    if documents is not None:
+        candidates += [(documents, end, ""), (f"{documents} & window({width})", end, "")]
+    for expression, options, words in candidates:
         try:
             built = build(expression, options).intervals()
         except MaskError:
@@ -218,6 +232,15 @@ def _what_api_does(call) -> str:
         return "NaN there (MHA with need_weights=True runs its own softmax)"
     if api == "flex":
         return "0 output there (FlexAttention gives rows with no key 0)"
+    if api == "flash":
+        return "0 output there (FlashAttention gives rows with no key 0)"
+    if api == "hf":
+        used = details.get("hf", {}).get("attn_implementation") or "?"
+        if used.startswith(("flash", "flex", "sdpa")):
+            return f"0 output there ({used} gives rows with no key 0)"
+        if used == "eager":
+            return "uniform weights over every key there (HF's eager adds the dtype's lowest value)"
+        return f"what there depends on the attention function {used!r}"
     return "0 output there (SDPA gives rows with no key 0)"
 
 
@@ -245,6 +268,8 @@ def _later(call, stored: dict, structure) -> list[Finding]:
     """A query that sees a key after its own position, the queries placed at the end of the keys."""
     if structure is not None and structure.expression is not None and structure.kind not in MEANT_LATER:
         return []
+    if call.api in ("flash", "hf") and not call.details.get("causal"):
+        return []  # not causal: the later keys in its window are the ones it asked for
     q_len, k_len = call.shape[2:]
     own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
     if stored["form"] == "intervals":
