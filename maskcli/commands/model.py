@@ -165,5 +165,5 @@ def _show(result, expectations, json_out: bool, targets: dict) -> None:
         masks = {key: value for key, value in tracer.masks.items() if key in used}
         atomic_write(targets["--save"], lambda path: save_trace(path, [call.json() for call in tracer.calls], masks))
         done(f"wrote {targets['--save']}")
-    if failures or not result.chunk_holds:
+    if failures or not result.chunk_holds or not result.cache_holds:
         raise typer.Exit(1)
