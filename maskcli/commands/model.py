@@ -18,6 +18,7 @@ from maskcli.errors import MaskError
         "maskcli model mistral --window 3 --attn eager --expect \"sliding_attention=window(3)\"",
         "maskcli model llama4_text --chunk-size 4 --lengths 6,4 --png llama4.png",
         "maskcli model gemma3_text --window 3 --prefill-chunk 2 --save run.pt",
+        "maskcli model mistral --window 3 --lengths 7,4 --cache static --prefill-chunk 4",
         "maskcli show --mask run.pt:model.layers.0.self_attn@1",
     ),
 )
@@ -34,7 +35,7 @@ def model(
     cache: Annotated[str, typer.Option("--cache", help="The KV cache generate uses: dynamic, static, or sliding (its sliding_window cache).")] = "dynamic",
     window: ConfigWindow = None,
     chunk_size: ConfigChunkSize = None,
-    prefill_chunk: Annotated[int | None, typer.Option("--prefill-chunk", help="Prefill the prompt in chunks of this many tokens (generate's prefill_chunk_size); each chunk is a step, and each layer's chunk masks laid on absolute positions must equal its mask from one pass (--cache dynamic): exit status 1 naming the first cell where not.", parser=integer, show_default=False)] = None,
+    prefill_chunk: Annotated[int | None, typer.Option("--prefill-chunk", help="Prefill the prompt in chunks of this many tokens (generate's prefill_chunk_size); each chunk is a step, and each layer's chunk masks laid on absolute positions (where its cache's slots hold its keys, with any --cache) must equal its mask from one pass: exit status 1 naming the first cell where not.", parser=integer, show_default=False)] = None,
     expect: Annotated[list[str] | None, typer.Option("--expect", help="LAYERTYPE=EXPR, repeatable: every call of the layers of that type (a shell pattern over layer types, like sliding_attention, or module paths) must be EXPR with its queries at the end of its keys (at their positions in a static cache's slots) and the padding read off the mask; exit status 1 where one is not.", show_default=False)] = None,
     png: Annotated[str | None, typer.Option("--png", help="Write a figure of each layer type's mask at each step, per batch row: .png, .svg or .pdf.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print every call, group and table cell as one JSON object instead of the table.")] = False,
@@ -43,6 +44,8 @@ def model(
     """Build a family's model tiny from its config (random weights, offline), run a padded prompt and decode steps, and show the mask each layer type's attention gets at each step.
 
     Sizes shrink to a tiny width; what shapes masks stays: the sliding window, the layer types and their pattern (the first layers, up to one of each type), the chunk size, the cache, the padding side. The masks are captured as maskcli trace captures them and named by the same recogniser; calls with the same mask form one group (#N).
+
+    Every run checks each step's mask against the keys its layer's cache returned: as wide, and each key column on the position the cache's slot holds (read off the keys; a static cache's sliding layers shift their slots). Where not, the first cell (layer, step, query, key) is named and the exit status is 1, as for --expect and --prefill-chunk; 0 when every check holds, 2 for bad input.
     """
     from maskcli.hf import require
 

@@ -42,8 +42,7 @@ def check(calls: list, updates: list, step_names: list[str]) -> tuple[list[str],
     holds = not differ
     compared = len(calls) - sum(1 for c in calls if c.details["layer"] in unseen)
     if holds:
-        lines.append(f"cache: at every step each layer's mask is as wide as the keys its cache returned, its key columns "
-                     f"on the positions the cache's slots hold ({compared} calls)")
+        lines.append(f"cache: each step's mask is as wide as the keys its cache returned, on their positions ({compared} calls)")
     if unseen:
         lines.append(f"cache: layer{'s' if len(unseen) > 1 else ''} {spans(sorted(unseen))}: no cache call seen for some "
                      "step (a cache of the family's own?): not compared there")
