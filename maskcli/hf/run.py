@@ -127,7 +127,8 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
         options["prefill_chunk_size"] = prefill_chunk
     tracer = _generate(model, the_prompt, options, attn, cache, name, prefill_chunk)
     ran = time.perf_counter()
-    calls, other = _placed(tracer, config, the_prompt.ids.shape[1], prefill_chunk)
+    sinks = any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules())
+    calls, other = _placed(tracer, config, the_prompt.ids.shape[1], prefill_chunk, sinks)
     if not calls:
         raise MaskError(f"{name} --attn {attn}: no attention call of its layers was captured "
                         f"({len(tracer.calls)} calls elsewhere): maskcli cannot see this family's attention")
@@ -146,18 +147,24 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
 
         single = {key: value for key, value in options.items() if key != "prefill_chunk_size"}
         single.update(max_new_tokens=1, min_new_tokens=1)
-        one_pass, _ = _placed(_generate(model, the_prompt, single, attn, cache, name, None), config, the_prompt.ids.shape[1], None)
+        one_pass, _ = _placed(_generate(model, the_prompt, single, attn, cache, name, None), config, the_prompt.ids.shape[1],
+                              None, sinks)
         chunks = -(-the_prompt.ids.shape[1] // prefill_chunk)
         result.chunk_check, result.chunk_holds = check(calls, one_pass, result.types, the_prompt.ids.shape[1], chunks, prefill_chunk)
     return result
 
 
-def _placed(tracer, config, prompt_len: int, prefill_chunk: int | None) -> tuple[list, list]:
-    """The layers' calls (as _sorted gives them), each with its query positions and its keys' from its cache."""
+def _placed(tracer, config, prompt_len: int, prefill_chunk: int | None, sinks: bool) -> tuple[list, list]:
+    """The layers' calls (as _sorted gives them), each with its query positions and its keys' from its cache.
+    With `sinks` (GPT-OSS's learned sink logits), a softmax one column wider than its cache's keys has the sink
+    as its last column ("sink_column"): not a key, so not placed on a position."""
     calls, other = _sorted(tracer, config)
     by_call = {(u.layer, u.step): u for u in tracer.updates}
     for call in calls:
-        call.details.update(positions(call, prompt_len, prefill_chunk, by_call.get((call.details["layer"], call.step))))
+        update = by_call.get((call.details["layer"], call.step))
+        if sinks and update is not None and call.api == "softmax" and call.shape[3] == len(update.slots) + 1:
+            call.details["sink_column"] = True
+        call.details.update(positions(call, prompt_len, prefill_chunk, update))
     return calls, other
 
 
@@ -220,8 +227,9 @@ def _flex_uncompiled(active: bool):
 def positions(call, prompt_len: int, prefill_chunk: int | None, update) -> dict:
     """The call's query positions [start, end), and its keys' as its cache's slots hold them (maskcli.hf.cache): [k0, k1)
     where the slots are in order (a static cache's slots not yet written count on after the last one), else the
-    position of each slot ("slots", -1 for none), the slots being a ring."""
+    position of each slot ("slots", -1 for none), the slots being a ring. A sink column is none of them."""
     q_len, k_len = call.shape[2:]
+    k_len -= bool(call.details.get("sink_column"))
     chunks = 1 if not prefill_chunk else -(-prompt_len // prefill_chunk)
     if call.step < chunks:
         start = call.step * prefill_chunk if prefill_chunk else 0

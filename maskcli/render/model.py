@@ -95,10 +95,12 @@ def _panel(call, keep: np.ndarray, b: int, valid: np.ndarray, title: str, view):
     from maskcli.render.heatmaps import Panel
     from maskcli.render.structure import Structure, _runs
 
-    q_len, k_len = keep.shape[2:]
     q0, q1 = call.details["queries"]
     number = next(n for n, g in enumerate(view.groups) if call in g.calls)
     title = f"{title} · #{number} {view.groups[number].expression or '?'}"
+    if call.details.get("sink_column"):  # GPT-OSS's sink logit is the softmax's last column, on no key position
+        keep = keep[..., :-1]
+        title += " (sink column left out)"
     if "keys" in call.details:
         k0, k1 = call.details["keys"]
         valid = np.concatenate([valid, np.ones(max(0, k1 - len(valid)), dtype=bool)])  # static slots not yet filled
