@@ -51,7 +51,7 @@ class Watch:
     def __init__(self, pause=None):
         self.updates: list[Update] = []
         self._pause = pause  # a context manager factory: the trace's mode off the stack while our own torch ops run
-        self._kept: dict = {}  # (id(cache), layer) -> keys fed so far, (B, H, T, D)
+        self._kept: dict = {}  # (id(cache), layer) -> (room for the keys fed so far, (B, H, >=T, D); T)
         self._sizes: dict = {}  # (id(cache), sliding or None) -> the latest (kv_length, kv_offset)
         self._steps: dict = {}
         self._held: list = []  # the caches, so that their ids stay theirs while watched
@@ -95,11 +95,18 @@ class Watch:
             if not any(c is cache for c in self._held):
                 self._held.append(cache)
             where = (id(cache), layer_idx)
-            kept = self._kept.get(where)
-            if kept is None or kept.shape[2] != seen or kept.shape[:2] != new_keys.shape[:2]:
-                kept = new_keys.new_zeros(new_keys.shape[:2] + (seen, new_keys.shape[3]))  # fed before we watched: unknown
-            kept = torch.cat([kept, new_keys.detach().clone()], dim=2)
-            self._kept[where] = kept
+            buffer, length = self._kept.get(where, (None, 0))
+            new = new_keys.shape[2]
+            if buffer is None or length != seen or buffer.shape[:2] != new_keys.shape[:2] or buffer.shape[3] != new_keys.shape[3]:
+                buffer, length = None, seen  # keys fed before we watched (or another cache's): unknown, zeros
+            if buffer is None or buffer.shape[2] < seen + new:  # room doubles: copying every kept key at each step is O(L^2)
+                grown = new_keys.new_zeros(new_keys.shape[:2] + (max(2 * (seen + new), 16), new_keys.shape[3]))
+                if buffer is not None:
+                    grown[:, :, :length] = buffer[:, :, :length]
+                buffer = grown
+            buffer[:, :, seen:seen + new] = new_keys.detach()
+            self._kept[where] = (buffer, seen + new)
+            kept = buffer[:, :, :seen + new]
             step = self._steps.get(where, 0)
             self._steps[where] = step + 1
             layer = cache.layers[layer_idx]
