@@ -252,6 +252,36 @@ def test_sliding_layers_behind_every_cache_are_on_absolute_positions(family, att
     assert result.chunk_holds
 
 
+def test_the_chunk_check_fails_exactly_where_chunks_change_what_the_model_computes():
+    """Against an independent witness: generate's logits with and without --prefill-chunk, on a model whose later
+    layer reads every position of the earlier one. (In transformers 5.24 they differ under flex with a static
+    cache: the flex mask reads the static layer's query offset, its cumulative_length tensor, after the layer's
+    update has added the chunk in place.)"""
+    import torch
+
+    from maskcli.hf import quiet
+    from maskcli.hf.run import _flex_uncompiled, build
+
+    config = families.tiny(families.load("llama"), name="llama")
+    batch = prompt((7, 4), None, 0, "left", 128)
+    for attn, cache in (("flex", "static"), ("flex", "dynamic")):
+        result = run("llama", config, batch, new_tokens=1, attn=attn, cache=cache, prefill_chunk=4)
+        model = build(config, attn, "llama")
+        logits = []
+        for chunk in ({}, {"prefill_chunk_size": 4}):
+            with quiet(), torch.no_grad(), _flex_uncompiled(attn == "flex"):
+                out = model.generate(batch.ids, attention_mask=batch.attention_mask, max_new_tokens=2, min_new_tokens=2,
+                                     do_sample=False, pad_token_id=0, cache_implementation=cache, output_logits=True,
+                                     return_dict_in_generate=True, **chunk)
+            logits.append(torch.stack(out.logits))
+        same = torch.allclose(logits[0], logits[1], atol=1e-5)
+        assert result.chunk_holds == same, (attn, cache, result.chunk_check)
+        if not same:
+            assert result.chunk_check[0].startswith("--prefill-chunk 4: layer 0 (full_attention): the chunks put together "
+                                                    "differ from the single-pass prefill")
+            assert "query 0, key 1: the chunks let it attend, one pass masks it" in result.chunk_check[0]
+
+
 def test_the_cache_check_names_the_first_cell_where_a_mask_and_its_keys_disagree():
     from types import SimpleNamespace
 
