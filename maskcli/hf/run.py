@@ -241,7 +241,7 @@ def positions(call, prompt_len: int, prefill_chunk: int | None, update) -> dict:
     elif update.in_order():
         first = update.first()
         found["keys"] = [first, first + k_len]
-        if start - first not in (k_len - q_len, 0):  # a static cache's empty slots after the queries: say where they sit
+        if start - first != k_len - q_len:  # a static cache's empty slots after the queries: say where they sit
             found["q_start"] = start - first
     else:
         found["slots"] = update.slots[:k_len].tolist()

@@ -193,14 +193,17 @@ def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "att
     head_option = {"heads": heads} if heads > 1 else {}
     keep = keep_np[:, :1]
     seen = keep[:, 0].any(axis=1)  # (B, Lk): keys that some query sees
-    padding = _padding_options(seen) if not bool(seen.all()) else None
     ref = keep[int(seen.sum(axis=1).argmax()), 0]  # the batch row with the most keys in use
     at_end = k_len - q_len
     base = {"length": q_len, **({"offset": at_end} if at_end else {})}
     placements = [(base, at_end)] + ([({"length": q_len, "kv_len": k_len}, 0)] if at_end else [])
-    if q_start is not None and q_start not in (at_end, 0) and 0 < q_start <= at_end:
-        base = {"length": q_len, "offset": q_start, "kv_len": k_len}
-        placements.insert(0, (base, q_start))
+    placed = q_start is not None and 0 <= q_start < at_end
+    if placed:  # the program says where the queries sit: that placement first, and the keys after them are later
+        base = {"length": q_len, "kv_len": k_len, **({"offset": q_start} if q_start else {})}
+        placements = [(base, q_start)] + [p for p in placements if p[1] != q_start]
+        seen = seen.copy()
+        seen[:, q_start + q_len:] = True  # keys no query sees for being later are not padding
+    padding = _padding_options(seen) if not bool(seen.all()) else None
 
     def found(kind: str, expression: str, options: dict, reading: str = "mask", note: str = "") -> Structure | None:
         options = {**options, **head_option}
@@ -217,7 +220,7 @@ def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "att
 
     if q_len == 1 and k_len > 1:
         decode = found("causal", "causal", {**base, **(padding or {})})
-        if padding is not None:
+        if padding is not None and not placed:
             row = found("padding", "padding", {"length": k_len, **padding}, "key padding row",
                         "the query dimension is 1, so this one row of keys applies to every query")
             if row is not None:
