@@ -117,6 +117,31 @@ def test_a_sliding_cache_keeps_the_window_and_the_full_layers_get_every_slot():
 
 
 @needs_hf
+def test_each_mask_is_checked_against_its_caches_keys_and_a_disagreement_exits_1(monkeypatch):
+    args = ("mistral", "--window", 3, "--lengths", "7,4", "--new-tokens", 2, "--cache", "static", "--prefill-chunk", 4)
+    held = model(*args, "--json")
+    assert held.exit_code == 0, held.output
+    data = json.loads(held.stdout)
+    assert data["cache"] == {"lines": ["cache: each step's mask is as wide as the keys its cache returned, on their "
+                                       "positions (8 calls)"], "holds": True, "first": None}
+    # the sliding layers' keys where the static cache's shifted slots hold them: W-1 kept keys before each chunk's queries
+    keys = {(c["step"], c["details"]["layer"]): (c["details"]["queries"], c["details"]["keys"]) for c in data["calls"]}
+    assert [keys[(step, 0)] for step in range(4)] == [([0, 4], [0, 4]), ([4, 7], [2, 7]), ([7, 8], [5, 8]), ([8, 9], [6, 9])]
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    original = StaticSlidingWindowLayer.get_mask_sizes
+    monkeypatch.setattr(StaticSlidingWindowLayer, "get_mask_sizes",  # a runtime whose mask forgets the cache dropped keys
+                        lambda self, query_length: (original(self, query_length)[0], 0))
+    wrong = model(*args)
+    assert wrong.exit_code == 1
+    text = " ".join(wrong.stdout.split())
+    assert ("cache: layer 0 (sliding_attention) at prefill 2/2: the mask's key column 0 is position 0 (kv_offset 0), the "
+            "cache's slot 0 holds position 2; first cell: query 4, key column 0") in text
+    first = json.loads(model(*args, "--json").stdout)["cache"]["first"]
+    assert (first["layer"], first["step"], first["query"], first["key"]) == (0, "prefill 2/2", 4, 0)
+
+
+@needs_hf
 def test_png_draws_each_layer_type_at_each_step(tmp_path):
     import matplotlib.image
 

@@ -163,19 +163,20 @@ def test_chunks_that_differ_from_one_pass_name_the_first_cell():
 
     from maskcli.hf.chunks import check
 
-    def call(keep, step):
+    def call(keep, step, queries):
         keep = np.asarray(keep, dtype=bool)[None, None]
-        return SimpleNamespace(shape=keep.shape, keep=lambda: keep, step=step, details={"layer": 0})
+        return SimpleNamespace(shape=keep.shape, keep=lambda: keep, step=step,
+                               details={"layer": 0, "queries": queries, "keys": [queries[1] - keep.shape[3], queries[1]]})
 
     causal = np.tril(np.ones((4, 4), dtype=bool))
     first = causal[:2, :2]
     second = causal[2:, :].copy()
     second[1, 0] = False  # query 3 loses key 0 in the second chunk
-    lines, holds = check([call(first, 0), call(second, 1)], [call(causal, 0)], ["full_attention"], 4, 2, 2)
+    lines, holds = check([call(first, 0, [0, 2]), call(second, 1, [2, 4])], [call(causal, 0, [0, 4])], ["full_attention"], 4, 2, 2)
     assert not holds and lines == ["--prefill-chunk 2: layer 0 (full_attention): the chunks put together differ from the "
                                    "single-pass prefill in 1 cells, first at batch row 0, head 0, query 3, key 0: the chunks "
                                    "mask it, one pass lets it attend"]
-    lines, holds = check([call(first, 0), call(causal[2:, :], 1)], [call(causal, 0)], ["full_attention"], 4, 2, 2)
+    lines, holds = check([call(first, 0, [0, 2]), call(causal[2:, :], 1, [2, 4])], [call(causal, 0, [0, 4])], ["full_attention"], 4, 2, 2)
     assert holds
 
 
@@ -192,6 +193,155 @@ def test_a_static_cache_gives_every_slot_and_masks_the_ones_not_yet_filled(attn)
         want = reference(valid, list(range(start, start + q_len)), list(range(k_len)))
         got = np.broadcast_to(call.keep(), call.shape)
         assert all((got[:, h] == want).all() for h in range(call.shape[1])), (call.step, got[:, 0].astype(int))
+
+
+def expected_keys(kind: str, cache: str, seen: int, new: int, window: int, slots: int) -> list[int]:
+    """Where transformers 5's caches put a layer's keys (cache_utils' docstrings, written out here): a dynamic cache
+    returns every key so far, its sliding layers the last window-1 before the new ones; a static cache ("sliding" is
+    one too) its slots from position 0, its sliding layers (StaticSlidingWindowLayer) window slots from 0 until they
+    fill, then the last window-1 before the new ones, shifted (rolled) rather than a ring."""
+    if kind != "sliding_attention":
+        return [0, seen + new] if cache == "dynamic" else [0, slots]
+    if cache == "dynamic" or seen >= window or seen + new > window:
+        return [max(seen - window + 1, 0), seen + new]
+    return [0, window]
+
+
+def masking_utils_reference(valid: np.ndarray, q_pos: list[int], k_pos: list[int], window: int | None) -> np.ndarray:
+    """The same cells from masking_utils' own mask functions, evaluated at each absolute (q, kv) pair."""
+    import torch
+    from transformers import masking_utils as mu
+
+    rule = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+    rule = mu.and_masks(rule, mu.padding_mask_function(torch.from_numpy(valid)))
+    return np.array([[[bool(rule(torch.tensor(b), 0, torch.tensor(q), torch.tensor(k))) for k in k_pos] for q in q_pos]
+                     for b in range(valid.shape[0])])
+
+
+@pytest.mark.parametrize("family, attn", [("mistral", "sdpa"), ("gemma3_text", "sdpa"), ("gpt_oss", "eager")])
+@pytest.mark.parametrize("cache", ["static", "sliding", "dynamic"])
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_sliding_layers_behind_every_cache_are_on_absolute_positions(family, attn, cache, chunk):
+    window, lengths, new = 3, (7, 4), 3
+    config = families.tiny(families.load(family), window=window, name=family)
+    batch = prompt(lengths, None, 0, "left", 128)
+    result = run(family, config, batch, new_tokens=new, attn=attn, cache=cache, prefill_chunk=chunk)
+    total = 7 + new + 1
+    valid = np.concatenate([batch.attention_mask.numpy().astype(bool), np.ones((2, total), dtype=bool)], axis=1)
+    types = set()
+    for call in result.calls:
+        kind = call.details["layer_type"]
+        q0, q1 = call.details["queries"]
+        sink = family == "gpt_oss"  # its eager softmax has each head's sink logit as a last column, on no key
+        assert call.details.get("sink_column", False) == sink
+        k_len = call.shape[3] - sink
+        want_keys = expected_keys(kind, cache, q0, q1 - q0, window, total - 1)
+        if cache != "dynamic" and kind != "sliding_attention" and q1 - q0 > 1 and "mask_dtype" not in call.details:
+            want_keys = [0, k_len]  # SDPA's is_causal path: an unpadded prefill cuts the empty slots off
+        assert call.details["keys"] == want_keys, (kind, call.step, call.details)
+        q_pos, k_pos = list(range(q0, q1)), list(range(*want_keys))
+        want = reference(valid, q_pos, k_pos, window if kind == "sliding_attention" else None)
+        assert (want == masking_utils_reference(valid, q_pos, k_pos, window if kind == "sliding_attention" else None)).all()
+        got = np.broadcast_to(call.keep(), call.shape)[..., :k_len]
+        assert all((got[:, h] == want).all() for h in range(call.shape[1])), (kind, call.step, got[:, 0].astype(int))
+        types.add(kind)
+    assert "sliding_attention" in types
+    assert result.cache_holds and result.cache_first is None and len(result.calls) == len(result.types) * len(result.steps)
+    assert result.cache_check == [f"cache: each step's mask is as wide as the keys its cache returned, on their positions "
+                                  f"({len(result.calls)} calls)"]
+    assert result.chunk_holds
+
+
+def test_the_chunk_check_fails_exactly_where_chunks_change_what_the_model_computes():
+    """Against an independent witness: generate's logits with and without --prefill-chunk, on a model whose later
+    layer reads every position of the earlier one. (In transformers 5.24 they differ under flex with a static
+    cache: the flex mask reads the static layer's query offset, its cumulative_length tensor, after the layer's
+    update has added the chunk in place.)"""
+    import torch
+
+    from maskcli.hf import quiet
+    from maskcli.hf.run import _flex_uncompiled, build
+
+    config = families.tiny(families.load("llama"), name="llama")
+    batch = prompt((7, 4), None, 0, "left", 128)
+    for attn, cache in (("flex", "static"), ("flex", "dynamic")):
+        result = run("llama", config, batch, new_tokens=1, attn=attn, cache=cache, prefill_chunk=4)
+        model = build(config, attn, "llama")
+        logits = []
+        for chunk in ({}, {"prefill_chunk_size": 4}):
+            with quiet(), torch.no_grad(), _flex_uncompiled(attn == "flex"):
+                out = model.generate(batch.ids, attention_mask=batch.attention_mask, max_new_tokens=2, min_new_tokens=2,
+                                     do_sample=False, pad_token_id=0, cache_implementation=cache, output_logits=True,
+                                     return_dict_in_generate=True, **chunk)
+            logits.append(torch.stack(out.logits))
+        same = torch.allclose(logits[0], logits[1], atol=1e-5)
+        assert result.chunk_holds == same, (attn, cache, result.chunk_check)
+        if not same:
+            assert result.chunk_check[0].startswith("--prefill-chunk 4: layer 0 (full_attention): the chunks put together "
+                                                    "differ from the single-pass prefill")
+            assert "query 0, key 1: the chunks let it attend, one pass masks it" in result.chunk_check[0]
+
+
+def test_the_cache_check_names_the_first_cell_where_a_mask_and_its_keys_disagree():
+    from types import SimpleNamespace
+
+    from maskcli.hf.cache import Update
+    from maskcli.hf.widths import check, order_notes
+
+    def call(keep, step, queries, index=0):
+        keep = np.asarray(keep, dtype=bool)[None, None]
+        return SimpleNamespace(shape=keep.shape, keep=lambda: keep, step=step, index=index, stored={"form": "bits"},
+                               details={"layer": 0, "layer_type": "sliding_attention", "queries": queries})
+
+    window = np.array([[0, 1, 1]])  # query 5 sees keys 4-5 of columns 3-5
+    ok = Update(0, 1, 5, 1, np.array([3, 4, 5]), (3, 3), True)
+    assert check([call(window, 1, [5, 6])], [ok], ["prefill", "decode 1"])[1]
+    shifted = Update(0, 1, 5, 1, np.array([3, 4, 5]), (3, 2), True)  # the mask thinks its keys start at 2
+    lines, holds, first = check([call(window, 1, [5, 6])], [shifted], ["prefill", "decode 1"])
+    assert not holds and first == {"layer": 0, "layer_type": "sliding_attention", "step": "decode 1", "query": 5, "key": 0,
+                                   "call": 0, "why": first["why"]}
+    assert lines[0] == ("cache: layer 0 (sliding_attention) at decode 1: the mask's key column 0 is position 2 (kv_offset 2), "
+                        "the cache's slot 0 holds position 3; first cell: query 5, key column 0")
+    narrow = Update(0, 1, 5, 1, np.array([3, 4]), (3, 3), True)
+    lines, holds, first = check([call(window, 1, [5, 6])], [narrow], ["prefill", "decode 1"])
+    assert (first["query"], first["key"]) == (5, 2) and "the mask has 3 key columns, the cache returned 2 keys" in lines[0]
+    empty = Update(0, 0, 0, 2, np.array([0, 1, -1]), (3, 0), False)  # a static slot not yet written, attended
+    lines, holds, first = check([call([[1, 0, 0], [1, 1, 1]], 0, [0, 2])], [empty], ["prefill"])
+    assert (first["query"], first["key"]) == (1, 2) and "holds no key yet" in lines[0]
+    ring = Update(0, 1, 5, 1, np.array([6, 4, 5]), (4, 3), True)
+    assert order_notes([call(window, 1, [6, 7])], [ring], ["prefill", "decode 1"]) == [
+        "cache: layer 0 (sliding_attention) at decode 1: its slots are not in position order (slot 0: 6, slot 1: 4, slot 2: 5)"]
+
+
+def test_slot_positions_are_read_off_the_keys_in_order_static_or_a_ring():
+    import torch
+
+    from maskcli.hf.cache import slot_positions
+
+    kept = torch.randn(2, 2, 9, 4)
+    assert slot_positions(kept[:, :, 5:], kept).tolist() == [5, 6, 7, 8]  # the last keys (dynamic, shifted)
+    static = torch.cat([kept[:, :, :9], torch.zeros(2, 2, 3, 4)], dim=2)
+    assert slot_positions(static, kept).tolist() == list(range(9)) + [-1] * 3  # slots from 0, three not written
+    ring = kept[:, :, [7, 8, 4, 5, 6]]
+    assert slot_positions(ring, kept).tolist() == [7, 8, 4, 5, 6]
+
+
+def test_a_mask_built_on_the_wrong_positions_fails_the_cache_check(monkeypatch):
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    original = DynamicSlidingWindowLayer.get_mask_sizes
+
+    def off_by_one(self, query_length):  # a runtime bug: the mask's keys start one position late once the window fills
+        length, offset = original(self, query_length)
+        return length, offset + 1 if offset else offset
+
+    monkeypatch.setattr(DynamicSlidingWindowLayer, "get_mask_sizes", off_by_one)
+    config = families.tiny(families.load("mistral"), window=3, name="mistral")
+    result = run("mistral", config, prompt((5, 3), None, 0, "left", 128), new_tokens=2, attn="eager")
+    assert not result.cache_holds
+    assert result.cache_first == {"layer": 0, "layer_type": "sliding_attention", "step": "decode 1", "query": 5, "key": 0,
+                                  "call": result.cache_first["call"],
+                                  "why": "the mask's key column 0 is position 4 (kv_offset 4), the cache's slot 0 holds position 3"}
 
 
 def test_tryout_says_whether_a_family_runs_tiny_or_why_not():

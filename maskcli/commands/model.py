@@ -18,23 +18,24 @@ from maskcli.errors import MaskError
         "maskcli model mistral --window 3 --attn eager --expect \"sliding_attention=window(3)\"",
         "maskcli model llama4_text --chunk-size 4 --lengths 6,4 --png llama4.png",
         "maskcli model gemma3_text --window 3 --prefill-chunk 2 --save run.pt",
+        "maskcli model mistral --window 3 --lengths 7,4 --cache static --prefill-chunk 4",
         "maskcli show --mask run.pt:model.layers.0.self_attn@1",
     ),
 )
 def model(
     source: Annotated[str | None, typer.Argument(help="A model family (its model_type, like llama, mistral, gemma3_text; maskcli model --list lists them) or a local config.json. Never downloads anything.", show_default=False, metavar="FAMILY|CONFIG.json")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the families this transformers builds as a causal LM, with what shapes their masks (read from their config classes).")] = False,
-    try_: Annotated[bool, typer.Option("--try", help="With --list: build each family tiny, run a padded prefill and a decode step, say whether it runs (sdpa and eager, or eager only) or why not (about 20 s for 200 families).")] = False,
+    try_: Annotated[bool, typer.Option("--try", help="With --list: build each family tiny and say whether a padded prefill and decode step run (sdpa and eager, or eager only) or why not.")] = False,
     lengths: Annotated[str | None, typer.Option("--lengths", help="Prompt length per batch row, like 5,3 (default), padded to the longest on --pad's side.", show_default=False)] = None,
     ids: Annotated[str | None, typer.Option("--ids", help="The prompt's token ids per batch row, like '5,6,7;0,8,9' (--pad-id marks padding), instead of --lengths.", show_default=False)] = None,
-    pad: Annotated[str, typer.Option("--pad", help="left (the default) or right: where --lengths puts the padding (Hugging Face's padding_side).", show_default=False)] = "left",
+    pad: Annotated[str, typer.Option("--pad", help="left (the default) or right: where --lengths pads (HF's padding_side).", show_default=False)] = "left",
     pad_id: Annotated[int | None, typer.Option("--pad-id", help="The padding token id (default the config's pad_token_id where it is inside the tiny vocabulary, else 0).", parser=integer, show_default=False)] = None,
-    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Decode steps after the prefill (default 2), each feeding back the token generate picked (greedy).", parser=integer, show_default=False)] = 2,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Decode steps after the prefill (default 2), each feeding back generate's greedy pick.", parser=integer, show_default=False)] = 2,
     attn: Annotated[str, typer.Option("--attn", help="The attention implementation: sdpa (the default), eager or flex (FlexAttention).", show_default=False)] = "sdpa",
     cache: Annotated[str, typer.Option("--cache", help="The KV cache generate uses: dynamic (the default), static, or sliding (its sliding_window cache).", show_default=False)] = "dynamic",
     window: ConfigWindow = None,
     chunk_size: ConfigChunkSize = None,
-    prefill_chunk: Annotated[int | None, typer.Option("--prefill-chunk", help="Prefill in chunks of N tokens (generate's prefill_chunk_size), a step each; their masks must equal one pass's (else exit status 1).", parser=integer, show_default=False)] = None,
+    prefill_chunk: Annotated[int | None, typer.Option("--prefill-chunk", help="Prefill in chunks of N tokens (generate's prefill_chunk_size), a step each; on absolute positions their masks must equal one pass's (else exit status 1).", parser=integer, show_default=False)] = None,
     expect: Annotated[list[str] | None, typer.Option("--expect", help="LAYERTYPE=EXPR, repeatable: every call of those layers (a shell pattern over layer types or module paths) must be EXPR, padding read off the mask; else exit status 1.", show_default=False)] = None,
     png: Annotated[str | None, typer.Option("--png", help="Write a figure of each layer type's mask at each step, per batch row: .png, .svg or .pdf.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print every call, group and table cell as one JSON object instead of the table.")] = False,
@@ -43,6 +44,8 @@ def model(
     """Build a family's model tiny from its config (random weights, offline), run a padded prompt and decode steps, and show the mask each layer type's attention gets at each step.
 
     Sizes shrink to a tiny width; what shapes masks stays: the sliding window, the layer types and their pattern (the first layers, up to one of each type), the chunk size, the cache, the padding side. The masks are captured as maskcli trace captures them and named by the same recogniser; calls with the same mask form one group (#N).
+
+    Every run checks each step's mask against the keys its layer's cache returned (as wide, each key column on the position its slot holds): exit status 1 naming the first cell where not, as for --expect and --prefill-chunk.
     """
     from maskcli.hf import require
 
@@ -165,5 +168,5 @@ def _show(result, expectations, json_out: bool, targets: dict) -> None:
         masks = {key: value for key, value in tracer.masks.items() if key in used}
         atomic_write(targets["--save"], lambda path: save_trace(path, [call.json() for call in tracer.calls], masks))
         done(f"wrote {targets['--save']}")
-    if failures or not result.chunk_holds:
+    if failures or not result.chunk_holds or not result.cache_holds:
         raise typer.Exit(1)

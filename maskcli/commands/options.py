@@ -93,8 +93,8 @@ Repeat = Annotated[int, typer.Option("--repeat", help="Timed calls per backend (
 Strict = Annotated[bool, typer.Option("--strict", help="Exit with status 1 when any backend that ran disagrees beyond --atol.", rich_help_panel=DISPLAY_PANEL)]
 VerifyJson = Annotated[bool, typer.Option("--json", help="Print the table as one JSON object.", rich_help_panel=DISPLAY_PANEL)]
 # maskcli model: a family's config values, not kind parameters (those are declared once, from the registry, below)
-ConfigWindow = Annotated[int | None, typer.Option("--window", help="Set the family's sliding_window (keys a sliding layer sees, itself included) instead of its config's.", parser=integer, show_default=False)]
-ConfigChunkSize = Annotated[int | None, typer.Option("--chunk-size", help="Set the family's attention_chunk_size (Llama 4's chunked layers) instead of its config's.", parser=integer, show_default=False)]
+ConfigWindow = Annotated[int | None, typer.Option("--window", help="Set the sliding_window (keys a sliding layer sees, itself included) instead of the config's.", parser=integer, show_default=False)]
+ConfigChunkSize = Annotated[int | None, typer.Option("--chunk-size", help="Set attention_chunk_size (Llama 4's chunked layers) instead of the config's.", parser=integer, show_default=False)]
 KeyOpt = Annotated[str | None, typer.Option("--key", help="The tensor's name in a .npz, .safetensors, .pt dict or JSON object.")]
 InspectHeads = Annotated[int | None, typer.Option("--heads", help="Your model's head count, to check a 3-D mask against it.", parser=integer)]
 ReportJson = Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")]

@@ -1,9 +1,10 @@
 """Chunked prefill checked: each layer's chunk masks, laid on absolute positions, put together against the mask
 the same layer gets when the prompt is prefilled in one pass; the first cell where they differ is named.
 
-A chunk's queries follow the chunks before it; its keys are the last Lk positions up to its last query (what a
-dynamic cache returns: everything so far, or a sliding layer's last keys). Keys a cache no longer returns are
-masked in the assembled mask, as attention cannot see them.
+Each call's queries and keys sit where its cache put them (details "queries", and "keys" or a ring's "slots",
+from maskcli.hf.run.positions): a dynamic cache returns everything so far or a sliding layer's last keys, a
+static one its slots from 0. Keys a cache no longer returns are masked in the assembled mask, as attention
+cannot see them; slots past the prompt (a static cache's, not yet written) are left out of both.
 """
 
 from __future__ import annotations
@@ -11,17 +12,34 @@ from __future__ import annotations
 import numpy as np
 
 
+def key_positions(call) -> np.ndarray:
+    """The absolute position of each of the call's key columns (-1 for a slot that holds none, and a sink column)."""
+    sink = [-1] if call.details.get("sink_column") else []  # GPT-OSS's sink logit, last: on no position
+    if "slots" in call.details:
+        return np.asarray(call.details["slots"] + sink, dtype=np.int64)
+    k0, k1 = call.details["keys"]
+    return np.concatenate([np.arange(k0, k1), sink]).astype(np.int64)
+
+
+def on_positions(call, prompt_len: int) -> np.ndarray:
+    """Bool (B, H, Lq, P): the call's mask with its key columns moved to their positions in the prompt."""
+    q0, q1 = call.details["queries"]
+    keep = np.broadcast_to(call.keep(), call.shape)
+    out = np.zeros(call.shape[:2] + (q1 - q0, prompt_len), dtype=bool)
+    where = key_positions(call)
+    inside = (where >= 0) & (where < prompt_len)
+    out[..., where[inside]] = keep[..., np.flatnonzero(inside)]
+    return out
+
+
 def assembled(calls: list, prompt_len: int) -> np.ndarray:
     """Bool (B, H, P, P): the prefill chunks' masks of one layer (their calls in step order) on absolute positions."""
     first = calls[0]
     batch, heads = first.shape[:2]
     out = np.zeros((batch, heads, prompt_len, prompt_len), dtype=bool)
-    start = 0
     for call in calls:
-        q_len, k_len = call.shape[2:]
-        end = start + q_len
-        out[:, :, start:end, end - k_len:end] = np.broadcast_to(call.keep(), call.shape)
-        start = end
+        q0, q1 = call.details["queries"]
+        out[:, :, q0:q1] = on_positions(call, prompt_len)
     return out
 
 
@@ -36,7 +54,7 @@ def check(chunked: list, single: list, types: list[str], prompt_len: int, chunks
                          f"{len(whole)} in one pass: not compared")
             continue
         together = assembled(mine, prompt_len)
-        one = np.broadcast_to(whole[0].keep(), whole[0].shape)
+        one = on_positions(whole[0], prompt_len)
         if together.shape != one.shape:
             lines.append(f"--prefill-chunk {size}: layer {layer} ({kind}): the chunks cover {together.shape[2:]} "
                          f"positions, the single pass {one.shape[2:]}: not compared")

@@ -36,7 +36,8 @@ class View:
                 "calls": [{**call.json(), "group": numbers[call.index]} for call in run.calls],
                 "groups": [group.json() for group in self.groups],
                 "other_calls": [call.json() for call in run.other], "expect": failures,
-                "prefill_chunks": {"lines": run.chunk_check, "holds": run.chunk_holds}, "timings": run.timings}
+                "prefill_chunks": {"lines": run.chunk_check, "holds": run.chunk_holds},
+                "cache": {"lines": run.cache_check, "holds": run.cache_holds, "first": run.cache_first}, "timings": run.timings}
 
     def _numbers(self) -> dict:
         return {call.index: number for number, group in enumerate(self.groups) for call in group.calls}

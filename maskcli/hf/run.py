@@ -49,6 +49,9 @@ class ModelRun:
     generated: list = field(default_factory=list)
     chunk_check: list = field(default_factory=list)  # --prefill-chunk: lines on the chunks against one pass
     chunk_holds: bool = True
+    cache_check: list = field(default_factory=list)  # each mask against the keys its cache returned (maskcli.hf.widths)
+    cache_holds: bool = True
+    cache_first: dict | None = None  # the first cell where a mask and its cache's keys disagree
 
 
 def prompt(lengths: tuple[int, ...] | None, ids: np.ndarray | None, pad_id: int, side: str, vocab: int) -> Prompt:
@@ -124,44 +127,64 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
         options["prefill_chunk_size"] = prefill_chunk
     tracer = _generate(model, the_prompt, options, attn, cache, name, prefill_chunk)
     ran = time.perf_counter()
-    calls, other = _sorted(tracer, config)
+    sinks = any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules())
+    calls, other = _placed(tracer, config, the_prompt.ids.shape[1], prefill_chunk, sinks)
     if not calls:
         raise MaskError(f"{name} --attn {attn}: no attention call of its layers was captured "
                         f"({len(tracer.calls)} calls elsewhere): maskcli cannot see this family's attention")
     steps = step_names(max((call.step for call in calls), default=-1) + 1, the_prompt.ids.shape[1], prefill_chunk)
     for call in calls:
         call.details["step_name"] = steps[call.step] if call.step < len(steps) else f"step {call.step}"
-        call.details.update(positions(call, the_prompt.ids.shape[1], prefill_chunk, cache))
     generated = tracer.out[:, the_prompt.ids.shape[1]:].tolist()
     result = ModelRun(name, config, layer_types(config), the_prompt, steps, tracer, calls, other,
                       {"build_s": built - started, "run_s": ran - built}, generated)
-    if prefill_chunk is not None and cache != "dynamic":
-        result.chunk_check = [f"--prefill-chunk {prefill_chunk}: the chunks are checked against one pass with --cache dynamic "
-                              f"only (a {cache} cache's keys are its slots, not the last positions)"]
-    elif prefill_chunk is not None:
+    from maskcli.hf import widths
+
+    result.cache_check, result.cache_holds, result.cache_first = widths.check(calls, tracer.updates, steps)
+    result.cache_check += widths.order_notes(calls, tracer.updates, steps)
+    if prefill_chunk is not None:
         from maskcli.hf.chunks import check
 
         single = {key: value for key, value in options.items() if key != "prefill_chunk_size"}
         single.update(max_new_tokens=1, min_new_tokens=1)
-        one_pass, _ = _sorted(_generate(model, the_prompt, single, attn, cache, name, None), config)
+        one_pass, _ = _placed(_generate(model, the_prompt, single, attn, cache, name, None), config, the_prompt.ids.shape[1],
+                              None, sinks)
         chunks = -(-the_prompt.ids.shape[1] // prefill_chunk)
         result.chunk_check, result.chunk_holds = check(calls, one_pass, result.types, the_prompt.ids.shape[1], chunks, prefill_chunk)
     return result
+
+
+def _placed(tracer, config, prompt_len: int, prefill_chunk: int | None, sinks: bool) -> tuple[list, list]:
+    """The layers' calls (as _sorted gives them), each with its query positions and its keys' from its cache.
+    With `sinks` (GPT-OSS's learned sink logits), a softmax one column wider than its cache's keys has the sink
+    as its last column ("sink_column"): not a key, so not placed on a position."""
+    calls, other = _sorted(tracer, config)
+    by_call = {(u.layer, u.step): u for u in tracer.updates}
+    for call in calls:
+        update = by_call.get((call.details["layer"], call.step))
+        if sinks and update is not None and call.api == "softmax" and call.shape[3] == len(update.slots) + 1:
+            call.details["sink_column"] = True
+        call.details.update(positions(call, prompt_len, prefill_chunk, update))
+    return calls, other
 
 
 def _generate(model, the_prompt: Prompt, options: dict, attn: str, cache: str, name: str, prefill_chunk: int | None):
     """generate under a Trace; the Trace, with the generated ids as .out."""
     from maskcli.trace.capture import Trace
 
+    from maskcli.hf.cache import Watch
+    from maskcli.trace.modules import paused
+
     tracer = Trace(("sdpa", "flex", "softmax"))
+    watch = Watch(lambda: paused(tracer.mode))
     with quiet():
         try:
-            with tracer, torch.no_grad(), _flex_uncompiled(attn == "flex"):
+            with tracer, watch, torch.no_grad(), _flex_uncompiled(attn == "flex"):
                 out = model.generate(the_prompt.ids, attention_mask=the_prompt.attention_mask, **options)
         except Exception as error:  # noqa: BLE001 - the family's code refused this run: one line saying why
             raise MaskError(f"{name} cannot run --attn {attn} --cache {cache}"
                             f"{f' --prefill-chunk {prefill_chunk}' if prefill_chunk else ''}: {reason(error)}") from None
-    tracer.out = out
+    tracer.out, tracer.updates = out, watch.updates
     return tracer
 
 
@@ -201,21 +224,27 @@ def _flex_uncompiled(active: bool):
         hf_flex.compile_friendly_flex_attention = original
 
 
-def positions(call, prompt_len: int, prefill_chunk: int | None, cache: str) -> dict:
-    """The call's query positions [start, end), and its keys' where the cache says them: a dynamic cache returns the
-    last Lk positions up to the last query, a static one its slots from position 0 (its sliding layers' slots are a
-    ring, left unsaid)."""
+def positions(call, prompt_len: int, prefill_chunk: int | None, update) -> dict:
+    """The call's query positions [start, end), and its keys' as its cache's slots hold them (maskcli.hf.cache): [k0, k1)
+    where the slots are in order (a static cache's slots not yet written count on after the last one), else the
+    position of each slot ("slots", -1 for none), the slots being a ring. A sink column is none of them."""
     q_len, k_len = call.shape[2:]
+    k_len -= bool(call.details.get("sink_column"))
     chunks = 1 if not prefill_chunk else -(-prompt_len // prefill_chunk)
     if call.step < chunks:
         start = call.step * prefill_chunk if prefill_chunk else 0
     else:
         start = prompt_len + call.step - chunks
     found = {"queries": [start, start + q_len]}
-    if cache == "dynamic":
+    if update is None:  # no cache seen: the keys are the last Lk positions, as a cache that keeps them all returns
         found["keys"] = [start + q_len - k_len, start + q_len]
-    elif call.details["layer_type"] == "full_attention":
-        found["keys"] = [0, k_len]
+    elif update.in_order():
+        first = update.first()
+        found["keys"] = [first, first + k_len]
+        if start - first != k_len - q_len:  # a static cache's empty slots after the queries: say where they sit
+            found["q_start"] = start - first
+    else:
+        found["slots"] = update.slots[:k_len].tolist()
     return found
 
 

@@ -167,7 +167,8 @@ def closest(keep: np.ndarray, ref: np.ndarray, placements, marked: str) -> dict 
             "rows": row_words(difference, "the tensor", expression)}
 
 
-def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "attend", nearest: bool = False) -> Structure:
+def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "attend", nearest: bool = False,
+              q_start: int | None = None) -> Structure:
     """The expression (and options) whose mask is exactly this keep mask (B, H, Lq, Lk), or expression None.
 
     The queries are taken to sit at the end of the keys (bottom-right, as a cache puts them).
@@ -175,6 +176,8 @@ def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "att
     reading is used when the (Lq, Lk) reading matches nothing and the tensor is not square.
     `marked`: what the file's True/1/nonzero cells mean, "attend" or "masked" (picks tril or triu).
     `nearest`: where nothing rebuilds it, find the closest kind and where it differs.
+    `q_start`: the key column the first query sits at, where the program says so (a static cache's slots not yet
+    written lie after the queries): that placement is tried first.
     """
     keep_np = keep4.cpu().numpy()
     batch, heads, q_len, k_len = keep_np.shape
@@ -190,11 +193,17 @@ def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "att
     head_option = {"heads": heads} if heads > 1 else {}
     keep = keep_np[:, :1]
     seen = keep[:, 0].any(axis=1)  # (B, Lk): keys that some query sees
-    padding = _padding_options(seen) if not bool(seen.all()) else None
     ref = keep[int(seen.sum(axis=1).argmax()), 0]  # the batch row with the most keys in use
-    q_start = k_len - q_len
-    base = {"length": q_len, **({"offset": q_start} if q_start else {})}
-    placements = [(base, q_start)] + ([({"length": q_len, "kv_len": k_len}, 0)] if q_start else [])
+    at_end = k_len - q_len
+    base = {"length": q_len, **({"offset": at_end} if at_end else {})}
+    placements = [(base, at_end)] + ([({"length": q_len, "kv_len": k_len}, 0)] if at_end else [])
+    placed = q_start is not None and 0 <= q_start < at_end
+    if placed:  # the program says where the queries sit: that placement first, and the keys after them are later
+        base = {"length": q_len, "kv_len": k_len, **({"offset": q_start} if q_start else {})}
+        placements = [(base, q_start)] + [p for p in placements if p[1] != q_start]
+        seen = seen.copy()
+        seen[:, q_start + q_len:] = True  # keys no query sees for being later are not padding
+    padding = _padding_options(seen) if not bool(seen.all()) else None
 
     def found(kind: str, expression: str, options: dict, reading: str = "mask", note: str = "") -> Structure | None:
         options = {**options, **head_option}
@@ -211,7 +220,7 @@ def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "att
 
     if q_len == 1 and k_len > 1:
         decode = found("causal", "causal", {**base, **(padding or {})})
-        if padding is not None:
+        if padding is not None and not placed:
             row = found("padding", "padding", {"length": k_len, **padding}, "key padding row",
                         "the query dimension is 1, so this one row of keys applies to every query")
             if row is not None:

@@ -53,6 +53,8 @@ def views(view, failures: list[str], held: list[str]) -> list:
                         + ", ".join(sorted({call.where for call in run.other})[:4])))
     for line in run.chunk_check:
         out.append(Text(line, style="" if run.chunk_holds else "red"))
+    for line in run.cache_check:
+        out.append(Text(line, style="" if run.cache_holds else "red"))
     for line in failures:
         out.append(Text(line, style="red"))
     for line in held:
@@ -84,7 +86,7 @@ def model_figure(view):
             if row:
                 grid.append(row)
     title = (f"maskcli model {run.name}: each layer type's first layer at each step, on absolute positions "
-             "(keys as the cache returned them; a static cache's sliding slots by slot)")
+             "(keys where the cache's slots hold them)")
     return heatmap_figure(grid, title, ("may attend (True)", "masked (False)"))
 
 
@@ -93,17 +95,19 @@ def _panel(call, keep: np.ndarray, b: int, valid: np.ndarray, title: str, view):
     from maskcli.render.heatmaps import Panel
     from maskcli.render.structure import Structure, _runs
 
-    q_len, k_len = keep.shape[2:]
     q0, q1 = call.details["queries"]
     number = next(n for n, g in enumerate(view.groups) if call in g.calls)
     title = f"{title} · #{number} {view.groups[number].expression or '?'}"
+    if call.details.get("sink_column"):  # GPT-OSS's sink logit is the softmax's last column, on no key position
+        keep = keep[..., :-1]
+        title += " (sink column left out)"
     if "keys" in call.details:
         k0, k1 = call.details["keys"]
         valid = np.concatenate([valid, np.ones(max(0, k1 - len(valid)), dtype=bool)])  # static slots not yet filled
         marks = Structure(q0, q1, k0, k1, pad_keys=_runs(~valid[k0:k1], k0), pad_queries=_runs(~valid[q0:q1], q0))
         keys = [str(i) for i in range(k0, k1)]
-    else:  # slots of a ring: no positions to draw on, so no cache line or diagonal either
+    else:  # slots of a ring, not in position order: each slot named by the position it holds, no marks drawn
         marks = None
-        keys = [f"slot {i}" for i in range(k_len)]
+        keys = [f"{p}" if p >= 0 else "-" for p in call.details["slots"]]
     return Panel(title, keep[b, 0], [str(i) for i in range(q0, q1)], keys, marks=marks,
-                 x_label="key position (kv)" if marks is not None else "cache slot")
+                 x_label="key position (kv)" if marks is not None else "key position each cache slot holds, in slot order")

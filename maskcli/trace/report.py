@@ -83,7 +83,7 @@ def group(calls: list) -> list[Group]:
     """Calls with the same mask, API and shape form one group, in the order of their first call."""
     found: dict[tuple, list] = {}
     for call in calls:
-        key = (call.mask, call.api, call.shape, call.details.get("error"))
+        key = (call.mask, call.api, call.shape, call.details.get("error"), call.details.get("q_start"))
         found.setdefault(key, []).append(call)
     return [_named(members) for members in found.values()]
 
@@ -103,7 +103,7 @@ def _named(calls: list) -> Group:
         from maskcli.inspect.structure import recognise
 
         keep4 = torch.from_numpy(tracefile.dense(stored))
-        structure = recognise(keep4, nearest=True)
+        structure = recognise(keep4, nearest=True, q_start=first.details.get("q_start"))
         if structure.expression is not None:
             name = structure.expression + _placed(structure.options, q_len, k_len)
             group = Group(calls, name, structure.expression)
@@ -208,6 +208,8 @@ def _placed(options: dict, q_len: int, k_len: int) -> str:
     words = []
     if "kv_len" in options and "offset" not in options and q_len != k_len:
         words.append("queries top-left")
+    elif "kv_len" in options and options["offset"] != k_len - q_len:
+        words.append(f"queries at key {options['offset']} of {k_len}")
     if "lengths" in options:
         words.append(f"lengths {options['lengths']}")
     if "ids" in options:
