@@ -15,7 +15,7 @@ function attendPage() {
   const A = DATA.stages, M = DATA.masks[0], F = M.frame, C = DATA.colours, holder = document.getElementById("panels");
   let pair = 0, cursor = [0, 0];
   document.getElementById("viewer-bar").hidden = true;
-  document.getElementById("mask").hidden = true;
+  document.getElementById("plot").hidden = true;
   const select = document.getElementById("batch");
   if (A.pairs.length > 1) {
     select.previousSibling.textContent = "batch row, head ";

@@ -78,12 +78,17 @@ def page(data: dict, title: str, subtitle: str) -> str:
 <section class="view">
 <div class="bar" id="viewer-bar"><label>batch row <select id="batch"></select></label>
 <span class="keys">drag or arrow keys pan · wheel or +/- zoom · 0 resets · hover (or pan to the centre) to read a cell</span></div>
-<canvas id="mask" width="720" height="720" tabindex="0" aria-label="the mask: arrow keys pan, + and - zoom, 0 resets; the cell at the centre is described beside it"></canvas>
+<div class="plot" id="plot">
+<div class="axis-name" id="name-k">key</div><div class="axis-name" id="name-q">query</div>
+<div class="ruler" id="ruler-k" aria-hidden="true"></div><div class="ruler" id="ruler-q" aria-hidden="true"></div>
+<canvas id="mask" width="480" height="480" tabindex="0" aria-label="the mask: arrow keys pan, + and - zoom, 0 resets; the cell at the centre is described beside it"></canvas>
+<div class="ruler" id="marks-k"></div>
+</div>
 <div id="panels"></div>
-<p id="status" aria-live="polite"></p>
-<p class="legend">{_legend(data["page"])}</p>
 </section>
-<aside><pre id="cell" aria-live="polite"></pre><pre id="why"></pre></aside>
+<aside><div class="scroll"><pre id="cell" aria-live="polite"></pre><pre id="why"></pre>
+<p id="status" aria-live="polite"></p>
+<p class="legend">{_legend(data["page"])}</p></div></aside>
 </main>
 <script type="application/json" id="mask-data">{payload}</script>
 <script>
