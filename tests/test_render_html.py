@@ -430,3 +430,130 @@ def test_labels_that_change_too_often_for_a_page_are_refused_in_one_line():
     message = str(refused.value)
     assert message.startswith("--html: the labels, ids and padding of 'document(sizes=[1,1,1,") and "\n" not in message
     assert message.endswith("make 1,048,576 runs of equal values, past the 750,000 a page holds: view a region with --rows/--keys")
+
+
+# --- layout and rulers -----------------------------------------------------------------------------------------------
+
+def until(tab, expression: str, seconds: float = 10):
+    """Poll the page (its CSP forbids the eval that wait_for_function polls with) until the expression holds."""
+    import time
+
+    end = time.monotonic() + seconds
+    while not tab.evaluate(expression):
+        assert time.monotonic() < end, expression
+        time.sleep(0.05)
+
+
+def ticks(tab, ruler: str) -> tuple[int, list[int], list[str], list[float]]:
+    """A ruler's step, its tick positions and labels, and each tick's offset along the canvas in pixels."""
+    return tab.evaluate("""(id) => { const el = document.getElementById(id), ts = [...el.querySelectorAll('.tick')];
+        const side = id === 'ruler-k' ? 'left' : 'top';
+        return [Number(el.dataset.step), ts.map((t) => Number(t.dataset.pos)), ts.map((t) => t.textContent),
+                ts.map((t) => parseFloat(t.style[side]))]; }""", ruler)
+
+
+def round_label(t: int, step: int) -> str:
+    """How a ruler names a position: 200k and 1M where the step is in thousands, else the number."""
+    if t == 0 or step % 1000:
+        return str(t)
+    return f"{t // 10 ** 6}M" if t % 10 ** 6 == 0 else f"{t // 1000}k"
+
+
+def check_ruler(tab, ruler: str, first: int, last: int, pixels_per_cell: float, min_gap: float):
+    """The ruler's ticks are every multiple of a round step among the positions first..last in view, each at its
+    cell's centre, named as round_label names it, no closer than min_gap pixels."""
+    step, at, labels, offsets = ticks(tab, ruler)
+    digits = len(str(step)) - 1
+    assert step // 10 ** digits in (1, 2, 5) and step % 10 ** digits == 0, step
+    assert at == [t for t in range(-(-first // step) * step, last + 1, step)], (first, last, step, at)
+    assert labels == [round_label(t, step) for t in at]
+    assert offsets == pytest.approx([(t - first + 0.5) * pixels_per_cell for t in at], abs=0.01)
+    assert step * pixels_per_cell >= min_gap and len(at) >= 3 or last - first < 3 * step
+    return step, at, offsets
+
+
+def test_rulers_name_absolute_positions_at_round_steps_and_follow_the_view(tab):
+    mask = build(MILLION)
+    load(tab, html.mask_page(mask), "rulers.html")
+    width, height = tab.size
+    step, at, _ = check_ruler(tab, "ruler-k", 0, 1048575, width / 1048576, 40)
+    assert step in (100000, 200000) and ticks(tab, "ruler-k")[2][:2] == ["0", f"{step // 1000}k"]
+    check_ruler(tab, "ruler-q", 0, 1048575, height / 1048576, 20)
+    # a region of 40 queries x 80 keys: its positions, computed here from the view asked for
+    tab.evaluate("window.maskcliViewer.setView(699980, 695920, 40, 80)")
+    check_ruler(tab, "ruler-k", 695920, 695999, width / 80, 40)
+    check_ruler(tab, "ruler-q", 699980, 700019, height / 40, 20)
+    # zoomed by the wheel somewhere: hovering at a key tick and a query tick reads that very cell, kept as defined
+    tab.evaluate("window.maskcliViewer.setView(699800, 695800, 600, 600)")
+    left, top, _, _ = box(tab)
+    tab.mouse.move(left + width * 0.3, top + height * 0.6)
+    for _ in range(8):
+        tab.mouse.wheel(0, -100)
+    until(tab, "window.maskcliViewer.sx > 5")
+    _, keys, _, xs = ticks(tab, "ruler-k")
+    _, queries, _, ys = ticks(tab, "ruler-q")
+    for kv, x in list(zip(keys, xs))[:3]:
+        for q, y in list(zip(queries, ys))[:3]:
+            cell, why = hover(tab, x, y)
+            assert cell.splitlines()[0] == f"q {q} · kv {kv}"
+            assert cell.splitlines()[-1] == ("kept" if _million_reference(q, kv) else "masked")
+            assert why == why_text(mask, [explain(mask, 0, q, kv)])
+
+
+def test_rulers_of_a_decode_step_and_a_prefill_behind_a_cache_read_their_absolute_positions(tab):
+    load(tab, html.mask_page(build("window(4096)", MaskOptions(length=1, offset=1000))), "decode.html")
+    width, height = tab.size
+    assert height >= 32 and ticks(tab, "ruler-q")[1:3] == [[1000], ["1000"]]
+    check_ruler(tab, "ruler-k", 0, 1000, width / 1001, 40)
+    load(tab, html.mask_page(build("window(4096)", MaskOptions(length=16, offset=100000))), "prefill.html")
+    width, height = tab.size
+    assert height / 16 >= 30  # rows tall enough to hover (32 px where the window has room)
+    assert check_ruler(tab, "ruler-q", 100000, 100015, height / 16, 20)[0] == 1
+    check_ruler(tab, "ruler-k", 0, 100015, width / 100016, 40)
+    assert tab.text_content("#marks-k .cache") == "KV cache | new keys"
+
+
+PAGES = {  # page kinds at their hardest shapes for the layout
+    "show, a million tokens": lambda: html.mask_page(build(MILLION)),
+    "show, a prefill of 16 behind 100k": lambda: html.mask_page(build("window(4096)", MaskOptions(length=16, offset=100000))),
+    "show, a decode step": lambda: html.mask_page(build("window(4096)", MaskOptions(length=1, offset=1000))),
+    "diff": lambda: html.diff_page(build("window(4095)", MaskOptions(length=65536)), build("window(4096)", MaskOptions(length=65536))),
+    "blocks": lambda: html.blocks_page(build("document(sizes=[300,500,224]) & window(128)"), 64, 64),
+}
+
+
+@pytest.mark.parametrize("kind", PAGES)
+def test_the_map_and_its_hover_panel_fit_the_window_without_scrolling(tab, kind):
+    load(tab, PAGES[kind](), "fit.html")
+    width, height = tab.size
+    lq, lk = tab.evaluate("[window.maskcliViewer.lq, window.maskcliViewer.lk]")
+    hover(tab, width * 0.7, height * 0.6)
+    rects = tab.evaluate("""() => Object.fromEntries(['#mask', 'aside .scroll', '#cell', '#why', '#ruler-k', '#ruler-q']
+        .map((s) => { const r = document.querySelector(s).getBoundingClientRect(); return [s, [r.left, r.top, r.right, r.bottom]]; }))""")
+    scroll = tab.evaluate("[document.documentElement.scrollHeight, document.documentElement.scrollWidth]")
+    assert scroll[0] <= VIEWPORT["height"] and scroll[1] <= VIEWPORT["width"], scroll  # nothing below the fold
+    for name, (left, top, right, bottom) in rects.items():
+        assert 0 <= left and right <= VIEWPORT["width"] and 0 <= top and bottom <= VIEWPORT["height"], (name, rects[name])
+    assert rects["aside .scroll"][0] >= rects["#mask"][2]  # the panel beside the map: hover text in sight
+    if lk / lq > 4:  # a short, wide mask fills the width it has, with rows tall enough to hover
+        assert height / lq >= 30 and width >= 540, (width, height)
+    else:
+        assert width == height or lk != lq
+    assert min(width, height) >= 480 or lq * 32 <= height
+
+
+def test_the_map_follows_the_window_and_puts_the_panel_below_on_a_narrow_one(tab):
+    load(tab, html.mask_page(build("causal", MaskOptions(length=4096))), "resize.html")
+    small = tab.size
+    try:
+        tab.set_viewport_size({"width": 1400, "height": 900})
+        until(tab, f"document.getElementById('mask').width > {small[0]}")
+        wide = size(tab)
+        assert wide[0] == wide[1] and tab.evaluate("document.documentElement.scrollHeight") <= 900
+        tab.set_viewport_size({"width": 600, "height": 800})
+        until(tab, "document.getElementById('mask').width < 600")
+        canvas, panel = tab.evaluate("""() => ['#mask', 'aside .scroll'].map((s) => {
+            const r = document.querySelector(s).getBoundingClientRect(); return [r.right, r.top, r.bottom]; })""")
+        assert canvas[0] <= 600 and panel[1] >= canvas[2]  # below the map, within the width
+    finally:
+        tab.set_viewport_size(VIEWPORT)
