@@ -557,3 +557,14 @@ def test_the_map_follows_the_window_and_puts_the_panel_below_on_a_narrow_one(tab
         assert canvas[0] <= 600 and panel[1] >= canvas[2]  # below the map, within the width
     finally:
         tab.set_viewport_size(VIEWPORT)
+
+
+def test_a_diff_of_one_key_per_row_shows_at_the_whole_mask_zoom(tab):
+    a, b = build("window(4095)", MaskOptions(length=65536)), build("window(4096)", MaskOptions(length=65536))
+    load(tab, html.diff_page(a, b), "one_key.html")  # over 100 keys a pixel: each row differs in one cell, only in B
+    assert "differing cells shown as at least half" in tab.text_content("#status")
+    shown = pixels(tab).reshape(-1, 3)
+    nearest = np.argmin([np.abs(shown - np.array(rgb)).sum(axis=1) for rgb in (VISIBLE_RGB, MASKED_RGB, LEAK_RGB, ONLY_B_RGB)], axis=0)
+    width, height = tab.size
+    assert np.count_nonzero(nearest == 3) >= min(width, height) // 2  # along the band's edge, about a pixel a row
+    assert np.count_nonzero(nearest == 2) == 0  # window(4095) keeps nothing window(4096) masks
