@@ -258,6 +258,13 @@ def test_attend_page_shows_every_stage_with_values_and_why(tab):
             assert why == why_text(mask, [explain(mask, 0, i, j)])
             masked_pixel = shown[int(y), int(x)]
             assert close(masked_pixel, MASKED_RGB) == (not bool(keep[i, j])), (i, j, masked_pixel)
+    assert tab.evaluate("document.documentElement.scrollHeight") <= VIEWPORT["height"]  # every stage and the panel in sight
+    for name in ("scores", "weights", "output"):  # rulers: a tick per query and key (value dimension) at its centre
+        step_k, at_k, _, x_k = ticks(tab, f"ruler-k-{name}")
+        step_q, at_q, _, y_q = ticks(tab, f"ruler-q-{name}")
+        columns = 2 if name == "output" else 4
+        assert step_q == 1 and at_q == [0, 1, 2, 3] and y_q == pytest.approx([(i + 0.5) * height / 4 for i in range(4)])
+        assert at_k == list(range(0, columns, step_k)) and x_k == pytest.approx([(j + 0.5) * width / 4 for j in at_k])
     tab.focus("#stage-masked")  # the keyboard walks the cells from the last one read
     tab.keyboard.press("ArrowUp")
     tab.keyboard.press("ArrowLeft")
@@ -447,7 +454,7 @@ def until(tab, expression: str, seconds: float = 10):
 def ticks(tab, ruler: str) -> tuple[int, list[int], list[str], list[float]]:
     """A ruler's step, its tick positions and labels, and each tick's offset along the canvas in pixels."""
     return tab.evaluate("""(id) => { const el = document.getElementById(id), ts = [...el.querySelectorAll('.tick')];
-        const side = id === 'ruler-k' ? 'left' : 'top';
+        const side = el.classList.contains('k') ? 'left' : 'top';
         return [Number(el.dataset.step), ts.map((t) => Number(t.dataset.pos)), ts.map((t) => t.textContent),
                 ts.map((t) => parseFloat(t.style[side]))]; }""", ruler)
 

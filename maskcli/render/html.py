@@ -80,7 +80,7 @@ def page(data: dict, title: str, subtitle: str) -> str:
 <span class="keys">drag or arrow keys pan · wheel or +/- zoom · 0 resets · hover (or pan to the centre) to read a cell</span></div>
 <div class="plot" id="plot">
 <div class="axis-name" id="name-k">key</div><div class="axis-name" id="name-q">query</div>
-<div class="ruler" id="ruler-k" aria-hidden="true"></div><div class="ruler" id="ruler-q" aria-hidden="true"></div>
+<div class="ruler k" id="ruler-k" aria-hidden="true"></div><div class="ruler q" id="ruler-q" aria-hidden="true"></div>
 <canvas id="mask" width="480" height="480" tabindex="0" aria-label="the mask: arrow keys pan, + and - zoom, 0 resets; the cell at the centre is described beside it"></canvas>
 <div class="ruler" id="marks-k"></div>
 </div>

@@ -64,6 +64,13 @@ function addInterval(acc, full, X, s, e) {
   if (z > a + 1) { full[a + 1] += 1; full[z] -= 1; }
 }
 
+// The hover panel beside the map scrolls within the window's height (below a narrow window's map, it need not).
+function fitPanel() {
+  const panel = document.querySelector("aside .scroll"), bottom = parseFloat(getComputedStyle(document.body).paddingBottom) + 4;
+  const room = window.innerHeight - panel.getBoundingClientRect().top - window.scrollY - bottom;
+  panel.style.maxHeight = window.innerWidth < NARROW ? "" : `${Math.max(160, room)}px`;
+}
+
 // The canvas's size in pixels for lq x lk cells: the room the window leaves beside the hover panel and below the
 // header (so that the map and the panel need no scrolling), square cells; where that leaves over half the room
 // empty across a short (narrow) mask, its rows (columns) are stretched to MIN_CELL pixels, up to the room there is.
@@ -71,8 +78,7 @@ function fitCanvas(canvas, lq, lk) {
   const main = document.querySelector("main"), side = canvas.getBoundingClientRect().left - main.getBoundingClientRect().left;
   const rem = parseFloat(getComputedStyle(document.documentElement).fontSize), narrow = window.innerWidth < NARROW;
   const aside = narrow ? 0 : 19.25 * rem, bottom = parseFloat(getComputedStyle(document.body).paddingBottom) + 4; // page.css: 18rem + gap
-  const panel = document.querySelector("aside .scroll");
-  panel.style.maxHeight = narrow ? "" : `${Math.max(160, window.innerHeight - panel.getBoundingClientRect().top - window.scrollY - bottom)}px`;
+  fitPanel();
   const roomW = Math.max(120, main.clientWidth - side - aside - 4); // less the canvas's border
   const strip = document.getElementById("marks-k").offsetHeight;
   let roomH = Math.max(120, window.innerHeight - (canvas.getBoundingClientRect().top + window.scrollY) - strip - bottom - 2);
@@ -91,7 +97,7 @@ function tickText(t, step) { // 200k, 1M where the step is in thousands (million
 }
 function ruler(el, first, count, origin, scale, length, vertical) {
   const chars = String(first + count - 1).length;
-  const minPx = vertical ? 22 : Math.max(34, 7 * chars + 14);
+  const minPx = vertical ? 22 : Math.max(26, 7 * chars + 14);
   let step = 0;
   for (let p = 1; !step; p *= 10) step = [p, 2 * p, 5 * p].find((m) => m * scale >= minPx) || 0;
   const lo = first + Math.max(0, Math.floor(origin)), hi = first + Math.min(count, Math.ceil(origin + length / scale)) - 1;
