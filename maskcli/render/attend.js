@@ -60,14 +60,18 @@ function attendPage() {
     const P = {name: name, canvas: canvas, size: 0, cols: cols, keys: keys, queries: queries};
     return P;
   });
-  function layout() {
-    const size = cellSize();
+  function apply(size) {
     for (const P of panels) {
       P.size = size; P.canvas.width = P.cols * size; P.canvas.height = A.lq * size;
       // rulers: absolute query and key positions (the output's columns: value dimensions from 0)
       ruler(P.keys, P.name === "output" ? 0 : F.vk0, P.cols, 0, size, P.canvas.width, false);
       ruler(P.queries, F.vq0, A.lq, 0, size, P.canvas.height, true);
     }
+  }
+  function layout() { // the estimate, then smaller while the panels wrap past the window (captions can be wider)
+    let size = cellSize();
+    apply(size);
+    while (size > 4 && holder.getBoundingClientRect().bottom + window.scrollY > window.innerHeight - 16) apply(size = Math.max(4, Math.floor(size * 0.85)));
     fitPanel();
   }
 
