@@ -330,6 +330,8 @@ def test_dark_mode_draws_masked_cells_dark_and_keeps_the_kept_colour(tab):
     shown = pixels(tab)
     width, height = tab.size
     assert close(shown[height // 8, width * 7 // 8], html.DARK["masked"]) and close(shown[height * 7 // 8, width // 8], VISIBLE_RGB)
+    line = shown[height // 8, round(width / 2)]  # between keys 1 and 2 of row 0, both masked: a faint line at big cells
+    assert line.sum() > np.sum(html.DARK["masked"]) + 15 and not close(line, (235, 235, 235), 40)  # not a boundary
     background = tab.evaluate("getComputedStyle(document.body).backgroundColor")
     assert background == "rgb(24, 24, 27)"
     legend = tab.evaluate("getComputedStyle(document.querySelector('.swatch.masked')).backgroundColor")

@@ -30,9 +30,10 @@ def _rgb(unit) -> list[int]:
 COLOURS = {
     "visible": list(VISIBLE_RGB), "masked": list(MASKED_RGB), "onlyA": list(LEAK_RGB), "onlyB": list(ONLY_B_RGB),
     "outside": [255, 255, 255], "mark": "rgb({},{},{})".format(*_rgb(MARK_RGB)), "cache": "rgb({},{},{})".format(*_rgb(CACHE_RGB)),
-    "grid": "rgba(0, 0, 0, 0.35)",
+    "grid": "rgba(0, 0, 0, 0.35)", "cells": "rgba(0, 0, 0, 0.13)",
 }
-DARK = {"masked": [58, 58, 62], "outside": [24, 24, 27], "mark": "rgb(235,235,235)", "grid": "rgba(255, 255, 255, 0.35)"}
+DARK = {"masked": [58, 58, 62], "outside": [24, 24, 27], "mark": "rgb(235,235,235)", "grid": "rgba(255, 255, 255, 0.35)",
+        "cells": "rgba(255, 255, 255, 0.12)"}
 
 
 def _asset(name: str) -> str:

@@ -274,6 +274,7 @@ function drawMarks(v, S, F, extra) {
   ctx.fillStyle = v.hatch;
   for (const [a, b] of S.padKeys) ctx.fillRect(x(a), 0, x(b) - x(a), H);
   for (const [a, b] of S.padQueries) ctx.fillRect(0, y(a), W, y(b) - y(a));
+  cellLines(v, W, H);
   ctx.strokeStyle = DATA.colours.mark; ctx.lineWidth = 2;
   ctx.beginPath();
   for (const [start] of S.segments.slice(1)) {
@@ -291,6 +292,21 @@ function drawMarks(v, S, F, extra) {
   if (extra) extra(ctx, x, y, W, H);
   ctx.restore();
 }
+// Faint lines between cells, where cells are CELL_LINES pixels or more: a run of cells of one colour reads as cells.
+const CELL_LINES = 12;
+function cellLines(v, W, H) {
+  const ctx = v.ctx;
+  ctx.strokeStyle = DATA.colours.cells; ctx.lineWidth = 1;
+  ctx.beginPath();
+  if (v.sx >= CELL_LINES) for (let k = Math.max(1, Math.ceil(v.x0)); k < Math.min(v.lk, v.x0 + W / v.sx); k++) {
+    const px = Math.round((k - v.x0) * v.sx) + 0.5; ctx.moveTo(px, 0); ctx.lineTo(px, H);
+  }
+  if (v.sy >= CELL_LINES) for (let q = Math.max(1, Math.ceil(v.y0)); q < Math.min(v.lq, v.y0 + H / v.sy); q++) {
+    const py = Math.round((q - v.y0) * v.sy) + 0.5; ctx.moveTo(0, py); ctx.lineTo(W, py);
+  }
+  ctx.stroke();
+}
+
 // Under the map, off its cells: each segment's name across its keys in view, and where the KV cache ends.
 function markStrip(S, x, W) {
   const strip = document.getElementById("marks-k"), items = [];
