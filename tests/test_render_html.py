@@ -493,14 +493,21 @@ def test_rulers_name_absolute_positions_at_round_steps_and_follow_the_view(tab):
     check_ruler(tab, "ruler-k", 695920, 695999, width / 80, 40)
     check_ruler(tab, "ruler-q", 699980, 700019, height / 40, 20)
     # zoomed by the wheel somewhere: hovering at a key tick and a query tick reads that very cell, kept as defined
-    tab.evaluate("window.maskcliViewer.setView(699800, 695800, 600, 600)")
+    tab.evaluate("window.maskcliViewer.setView(699800, 695800, 601, 601)")  # cells of 510/601 px: the pointer is inside one
     left, top, _, _ = box(tab)
-    tab.mouse.move(left + width * 0.3, top + height * 0.6)
+    px, py = int(width * 0.3), int(height * 0.6)
+    tab.mouse.move(left + px, top + py)
     for _ in range(8):
         tab.mouse.wheel(0, -100)
     until(tab, "window.maskcliViewer.sx > 5")
     _, keys, _, xs = ticks(tab, "ruler-k")
     _, queries, _, ys = ticks(tab, "ruler-q")
+    # the wheel zooms about the pointer: the panel names the cell under it, where the rulers place it (at cells' centres)
+    under = [at[0] + (pointer - offset[0]) * (at[1] - at[0]) / (offset[1] - offset[0])
+             for at, offset, pointer in ((keys, xs, px), (queries, ys, py))]
+    assert all(abs(p % 1 - 0.5) > 0.05 for p in under), under  # off the cells' edges
+    kv, q = (int(np.floor(p + 0.5)) for p in under)
+    assert tab.inner_text("#cell").splitlines()[0] == f"q {q} · kv {kv}", under
     for kv, x in list(zip(keys, xs))[:3]:
         for q, y in list(zip(queries, ys))[:3]:
             cell, why = hover(tab, x, y)
