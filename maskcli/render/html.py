@@ -52,7 +52,7 @@ def _legend(page: str) -> str:
     else:
         items = [(VISIBLE_RGB, "kept (may attend)"), (MASKED_RGB, "masked")]
     marks = "" if page == "attend" else (" · lines: label boundaries · hatched: padding · orange dashes: the KV cache edge"
-                                          + (" · grey lines: blocks" if page == "blocks" else ""))
+                                          + (" · grey dashes: blocks" if page == "blocks" else ""))
     return " ".join(swatch(*rgb, html.escape(text)) for rgb, text in items) + html.escape(marks)
 
 

@@ -379,7 +379,7 @@ function maskPage() {
   const blocks = DATA.blocks;
   const grid = blocks ? (ctx, x, y, W, H) => {
     if (blocks.kv * viewer.sx < 4 || blocks.q * viewer.sy < 4) return;
-    ctx.strokeStyle = C.grid; ctx.lineWidth = 1; ctx.setLineDash([]); ctx.beginPath();
+    ctx.strokeStyle = C.grid; ctx.lineWidth = 1; ctx.setLineDash([4, 3]); ctx.beginPath(); // dashed: not a label boundary
     const k0 = Math.ceil(viewer.x0 / blocks.kv), q0 = Math.ceil(viewer.y0 / blocks.q);
     for (let k = k0 * blocks.kv; k < Math.min(F.lk, viewer.x0 + W / viewer.sx); k += blocks.kv) { const px = Math.round(x(k + F.vk0)) + 0.5; ctx.moveTo(px, 0); ctx.lineTo(px, H); }
     for (let q = q0 * blocks.q; q < Math.min(F.lq, viewer.y0 + H / viewer.sy); q += blocks.q) { const py = Math.round(y(q + F.vq0)) + 0.5; ctx.moveTo(0, py); ctx.lineTo(W, py); }
