@@ -1,12 +1,13 @@
 """Size and load time of --html pages at long lengths, in the system's chromium (Playwright, no browser download).
 
-    python benchmarks/page.py [--runs 5] [--chromium /usr/bin/chromium]
+    python benchmarks/page.py [--runs 5] [--chromium /usr/bin/chromium] [--window 1500x1100]
 
 For each mask it builds the page (Python: build + intervals + runs + HTML, median seconds), writes it, and loads it
 in headless chromium `--runs` times, reading the time from navigation start to the page's first drawn frame
 (window.__maskcliFirstDraw, set after the canvas is painted; it includes parsing the data and one exact pass over
 every row at the whole-mask zoom). As a reference measured in the same run, it loads a blank page of the same size
 (the same bytes in an HTML comment, no script), so the ratio says what the drawing costs beyond reading the file.
+The page sizes its canvas to the window (--window), so the drawing's cost grows with the window's area.
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--chromium", default="/usr/bin/chromium")
+    parser.add_argument("--window", default="1500x1100", help="the browser window, WIDTHxHEIGHT (the canvas fits it)")
     args = parser.parse_args()
+    width, height = (int(side) for side in args.window.split("x"))
     from playwright.sync_api import sync_playwright
 
     folder = Path(tempfile.mkdtemp())
     with sync_playwright() as driver:
         browser = driver.chromium.launch(executable_path=args.chromium, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page = browser.new_page(viewport={"width": width, "height": height})
         print(f"{'mask':58} {'file MB':>8} {'build s':>8} {'first draw ms':>14} {'blank ms':>9} {'ratio':>6}")
         for text, options in MASKS:
             builds = []

@@ -31,7 +31,7 @@ from strategies import cases, expected_cells
 CANDIDATES = [os.environ["MASKCLI_CHROMIUM"]] if "MASKCLI_CHROMIUM" in os.environ else [
     shutil.which("chromium"), "/usr/bin/chromium", shutil.which("chromium-browser"), shutil.which("google-chrome")]
 CHROMIUM = next((path for path in CANDIDATES if path and os.path.exists(path)), None)
-SIDE = 720  # the page's canvas, in pixels
+VIEWPORT = {"width": 1000, "height": 700}  # a laptop's browser window: the page must fit it
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def browser():
 @pytest.fixture(scope="module")
 def tab(browser, tmp_path_factory):
     """One tab for the module, with every request it makes recorded."""
-    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page = browser.new_page(viewport=VIEWPORT)
     page.requests, page.errors = [], []
     page.on("request", lambda request: page.requests.append(request.url))
     page.on("pageerror", lambda error: page.errors.append(str(error)))
@@ -66,6 +66,7 @@ def load(tab, text: str, name: str = "page.html", scheme: str = "light"):
     tab.wait_for_function("window.__maskcliFirstDraw !== undefined")
     assert tab.errors == []
     assert tab.requests == [path.as_uri()]  # the page itself, and nothing from the network
+    tab.size = size(tab)
     return path
 
 
@@ -90,8 +91,14 @@ def hover(tab, x: float, y: float, selector="#mask"):
     return tab.inner_text("#cell"), tab.text_content("#why")
 
 
-def cell_centre(q_local: int, kv_local: int, lq: int, lk: int) -> tuple[float, float]:
-    return (kv_local + 0.5) * SIDE / lk, (q_local + 0.5) * SIDE / lq
+def size(tab) -> tuple[int, int]:
+    """The canvas's width and height in pixels (the page sizes it to the window)."""
+    return tuple(tab.evaluate("[document.getElementById('mask').width, document.getElementById('mask').height]"))
+
+
+def cell_centre(tab, q_local: int, kv_local: int, lq: int, lk: int) -> tuple[float, float]:
+    width, height = tab.size
+    return (kv_local + 0.5) * width / lk, (q_local + 0.5) * height / lq
 
 
 def close(found, want, tolerance=2) -> bool:
@@ -113,7 +120,7 @@ def test_every_cell_is_drawn_in_the_colour_of_the_definition(tab, tree, lq):
     shown, want = pixels(tab), reference(tree, lq)
     for q in range(lq):
         for kv in range(lq):
-            x, y = cell_centre(q, kv, lq, lq)
+            x, y = cell_centre(tab, q, kv, lq, lq)
             assert close(shown[int(y), int(x)], VISIBLE_RGB if want[q, kv] else MASKED_RGB), (q, kv, shown[int(y), int(x)])
 
 
@@ -124,11 +131,12 @@ def test_a_cache_offset_places_the_cells_and_marks_the_cache_edge(tab):
     want = np.array(ref.dense(("kind", "window", {"window": 3}), q0=4, lq=4, k0=0, lk=8)[0])
     for q in range(4):
         for kv in range(8):
-            x, y = cell_centre(q, kv, 4, 8)
+            x, y = cell_centre(tab, q, kv, 4, 8)
             assert close(shown[int(y), int(x)], VISIBLE_RGB if want[q, kv] else MASKED_RGB), (q, kv)
-    edge = shown[SIDE // 2, SIDE // 2 - 1 : SIDE // 2 + 1]  # key 4 starts mid-canvas: the cache line, orange
+    width = tab.size[0]
+    edge = shown[2, width // 2 - 1 : width // 2 + 1]  # key 4 starts mid-canvas: the cache line, orange (its first dash)
     assert any(close(pixel, (217, 115, 0), 12) for pixel in edge), edge
-    cell, why = hover(tab, *cell_centre(1, 2, 4, 8))
+    cell, why = hover(tab, *cell_centre(tab, 1, 2, 4, 8))
     assert cell.splitlines()[0] == "q 5 · kv 2 · q_idx 1 · kv_idx 2" and cell.splitlines()[-1] == "masked"
     assert why == why_text(mask, [explain(mask, 0, 5, 2)])
 
@@ -146,13 +154,13 @@ def test_hover_shows_the_cell_and_the_same_why_as_the_command_line(tab, case, da
     if mask.batch > 1:
         tab.select_option("#batch", str(b))
     q, kv = data.draw(st.integers(q0, q0 + lq - 1)), data.draw(st.integers(k0, k0 + lk - 1))
-    cell, why = hover(tab, *cell_centre(q - q0, kv - k0, lq, lk))
+    cell, why = hover(tab, *cell_centre(tab, q - q0, kv - k0, lq, lk))
     first = cell.splitlines()[0]
     assert first.startswith(f"q {q} · kv {kv}") and (f"batch row {b}" in first) == (mask.batch > 1)
     assert cell.splitlines()[-1] == ("kept" if expected[b, q - q0, kv - k0] else "masked")
     assert why == why_text(mask, [explain(mask, b, q, kv)])
     shown = pixels(tab)
-    x, y = cell_centre(q - q0, kv - k0, lq, lk)
+    x, y = cell_centre(tab, q - q0, kv - k0, lq, lk)
     if not valid or (all(_valid_at(valid, b, kv) for kv in range(k0, k0 + lk)) and _valid_at(valid, b, q)):  # no hatching there
         assert close(shown[int(y), int(x)], VISIBLE_RGB if expected[b, q - q0, kv - k0] else MASKED_RGB)
 
@@ -172,11 +180,11 @@ def test_diff_page_colours_and_names_each_category(tab):
     words = {(True, True): "both", (True, False): "only in A", (False, True): "only in B", (False, False): "neither"}
     for q in range(n):
         for kv in range(n):
-            x, y = cell_centre(q, kv, n, n)
+            x, y = cell_centre(tab, q, kv, n, n)
             key = (bool(in_a[q, kv]), bool(in_b[q, kv]))
             assert close(shown[int(y), int(x)], colours[key]), (q, kv)
     for q, kv in ((3, 1), (7, 6), (2, 0), (5, 0)):
-        cell, why = hover(tab, *cell_centre(q, kv, n, n))
+        cell, why = hover(tab, *cell_centre(tab, q, kv, n, n))
         assert cell.splitlines()[-1] == words[(bool(in_a[q, kv]), bool(in_b[q, kv]))]
         assert why == diff_why_text(a, b, [explain(a, 0, q, kv)], [explain(b, 0, q, kv)])
 
@@ -192,7 +200,7 @@ def test_diff_hover_agrees_with_diff_why_for_random_masks(tab, case, data):
     load(tab, html.diff_page(a, b))
     q0, lq, k0, lk = frame
     q, kv = data.draw(st.integers(q0, q0 + lq - 1)), data.draw(st.integers(k0, k0 + lk - 1))
-    cell, why = hover(tab, *cell_centre(q - q0, kv - k0, lq, lk))
+    cell, why = hover(tab, *cell_centre(tab, q - q0, kv - k0, lq, lk))
     in_a = expected_cells(tree_a, options, frame, valid, a.batch)[0, q - q0, kv - k0]
     in_b = expected_cells(tree_b, options, frame, valid, b.batch)[0, q - q0, kv - k0]
     assert cell.splitlines()[-1] == {(1, 1): "both", (1, 0): "only in A", (0, 1): "only in B", (0, 0): "neither"}[(int(in_a), int(in_b))]
@@ -211,11 +219,12 @@ def test_blocks_page_says_full_partial_or_empty_as_create_block_mask_counts(tab)
         block = padded[i * size : (i + 1) * size, j * size : (j + 1) * size]
         cut = (i + 1) * size > n or (j + 1) * size > n
         want = "empty" if not block.any() else "full" if block.all() and not cut else "partial"
-        cell, _ = hover(tab, *cell_centre(q, kv, n, n))
+        cell, _ = hover(tab, *cell_centre(tab, q, kv, n, n))
         assert cell.splitlines()[-1] == f"{'kept' if keep[q, kv] else 'masked'} · block ({i}, {j}): {want}"
     shown = pixels(tab)
-    line = shown[int(6 * SIDE / n), 5]  # the grid line under the first row of blocks
-    assert not close(line, MASKED_RGB, 8) and not close(line, VISIBLE_RGB, 8)
+    line = shown[int(6 * tab.size[1] / n), 1:9]  # the grid line under the first row of blocks, dashed, over masked kv 0
+    dark = line.sum(axis=1) < 0.7 * sum(MASKED_RGB)  # html.COLOURS["grid"]: black at 0.35 (over the faint cell line)
+    assert dark.any() and not dark.all(), line  # dashes and gaps
 
 
 def test_attend_page_shows_every_stage_with_values_and_why(tab):
@@ -250,6 +259,13 @@ def test_attend_page_shows_every_stage_with_values_and_why(tab):
             assert why == why_text(mask, [explain(mask, 0, i, j)])
             masked_pixel = shown[int(y), int(x)]
             assert close(masked_pixel, MASKED_RGB) == (not bool(keep[i, j])), (i, j, masked_pixel)
+    assert tab.evaluate("document.documentElement.scrollHeight") <= VIEWPORT["height"]  # every stage and the panel in sight
+    for name in ("scores", "weights", "output"):  # rulers: a tick per query and key (value dimension) at its centre
+        step_k, at_k, _, x_k = ticks(tab, f"ruler-k-{name}")
+        step_q, at_q, _, y_q = ticks(tab, f"ruler-q-{name}")
+        columns = 2 if name == "output" else 4
+        assert step_q == 1 and at_q == [0, 1, 2, 3] and y_q == pytest.approx([(i + 0.5) * height / 4 for i in range(4)])
+        assert at_k == list(range(0, columns, step_k)) and x_k == pytest.approx([(j + 0.5) * width / 4 for j in at_k])
     tab.focus("#stage-masked")  # the keyboard walks the cells from the last one read
     tab.keyboard.press("ArrowUp")
     tab.keyboard.press("ArrowLeft")
@@ -274,18 +290,19 @@ def test_a_million_tokens_zooms_to_single_cells_exactly_in_a_small_file(tab):
     shown = pixels(tab)
     for i in range(40):
         for j in range(80):
-            x, y = cell_centre(i, j, 40, 80)
+            x, y = cell_centre(tab, i, j, 40, 80)
             want = _million_reference(699980 + i, 695920 + j)
             assert close(shown[int(y), int(x)], VISIBLE_RGB if want else MASKED_RGB), (699980 + i, 695920 + j)
-    cell, why = hover(tab, *cell_centre(25, 70, 40, 80))
+    cell, why = hover(tab, *cell_centre(tab, 25, 70, 40, 80))
     assert cell.splitlines()[:2] == ["q 700005 · kv 695990", "doc 2 at q · doc 1 at kv"]
     assert why == why_text(mask, [explain(mask, 0, 700005, 695990)])
     assert "exact" in tab.text_content("#status")
     # two keys and two queries a pixel: each pixel's colour is the exact share of its four cells kept
-    tab.evaluate("window.maskcliViewer.setView(303000, 300000, 1440, 1440)")
+    width, height = tab.size
+    tab.evaluate(f"window.maskcliViewer.setView(303000, 300000, {2 * height}, {2 * width})")
     shown = pixels(tab)
-    for py in range(3, SIDE, 37):  # off the boundary line at key 300000 (pixel column 0)
-        for px in range(3, SIDE, 41):
+    for py in range(3, height, 37):  # off the boundary line at key 300000 (pixel column 0)
+        for px in range(3, width, 41):
             share = np.mean([_million_reference(303000 + 2 * py + a, 300000 + 2 * px + c) for a in (0, 1) for c in (0, 1)])
             want = np.round(np.array(MASKED_RGB) + (np.array(VISIBLE_RGB) - np.array(MASKED_RGB)) * share)
             assert close(shown[py, px], want, 1), (py, px, share)
@@ -296,22 +313,26 @@ def test_the_keyboard_pans_zooms_and_resets_and_reads_the_centre_cell(tab):
     load(tab, html.mask_page(mask))
     tab.focus("#mask")
     view = "[window.maskcliViewer.x0, window.maskcliViewer.y0, window.maskcliViewer.sx]"
-    assert tab.evaluate(view) == [0, 0, SIDE / 64]
+    side = tab.size[0]
+    assert tab.size[1] == side and tab.evaluate(view) == [0, 0, side / 64]
     tab.keyboard.press("+")
     x0, y0, sx = tab.evaluate(view)
-    assert sx == 2 * SIDE / 64 and (x0, y0) == (16, 16)
+    assert sx == 2 * side / 64 and (x0, y0) == (16, 16)
     assert tab.inner_text("#cell").splitlines()[0] == "q 32 · kv 32"
     tab.keyboard.press("ArrowRight")
     tab.keyboard.press("ArrowDown")
     assert tab.evaluate(view)[:2] == [20, 20]
     tab.keyboard.press("0")
-    assert tab.evaluate(view) == [0, 0, SIDE / 64]
+    assert tab.evaluate(view) == [0, 0, side / 64]
 
 
 def test_dark_mode_draws_masked_cells_dark_and_keeps_the_kept_colour(tab):
     load(tab, html.mask_page(build("causal", MaskOptions(length=4))), scheme="dark")
     shown = pixels(tab)
-    assert close(shown[SIDE // 8, SIDE * 7 // 8], html.DARK["masked"]) and close(shown[SIDE * 7 // 8, SIDE // 8], VISIBLE_RGB)
+    width, height = tab.size
+    assert close(shown[height // 8, width * 7 // 8], html.DARK["masked"]) and close(shown[height * 7 // 8, width // 8], VISIBLE_RGB)
+    line = shown[height // 8, round(width / 2)]  # between keys 1 and 2 of row 0, both masked: a faint line at big cells
+    assert line.sum() > np.sum(html.DARK["masked"]) + 15 and not close(line, (235, 235, 235), 40)  # not a boundary
     background = tab.evaluate("getComputedStyle(document.body).backgroundColor")
     assert background == "rgb(24, 24, 27)"
     legend = tab.evaluate("getComputedStyle(document.querySelector('.swatch.masked')).backgroundColor")
@@ -330,7 +351,7 @@ def test_rows_past_the_budget_are_sampled_and_the_page_says_where_exactness_stop
     want = np.array(ref.dense(tree, q0=1000, lq=60, k0=1500, lk=60)[0])
     for i in range(60):
         for j in range(60):
-            x, y = cell_centre(i, j, 60, 60)
+            x, y = cell_centre(tab, i, j, 60, 60)
             assert close(shown[int(y), int(x)], VISIBLE_RGB if want[i, j] else MASKED_RGB), (i, j)
     load(tab, html.blocks_page(mask, 16, 16), "sampled_blocks.html")  # blocks of sampled rows: counted cell by cell
     tab.evaluate("window.maskcliViewer.setView(1000, 1000, 60, 60)")
@@ -338,7 +359,7 @@ def test_rows_past_the_budget_are_sampled_and_the_page_says_where_exactness_stop
         i, j = q // 16, kv // 16
         block = np.array(ref.dense(tree, q0=16 * i, lq=16, k0=16 * j, lk=16)[0])
         word = "empty" if not block.any() else "full" if block.all() else "partial"
-        cell, _ = hover(tab, *cell_centre(q - 1000, kv - 1000, 60, 60))
+        cell, _ = hover(tab, *cell_centre(tab, q - 1000, kv - 1000, 60, 60))
         assert cell.splitlines()[-1].endswith(f"block ({i}, {j}): {word}")
 
 
@@ -350,9 +371,9 @@ def test_a_tensor_is_drawn_from_its_cells_and_its_why_says_it_has_no_tree(tab):
     shown = pixels(tab)
     for q in range(6):
         for kv in range(6):
-            x, y = cell_centre(q, kv, 6, 6)
+            x, y = cell_centre(tab, q, kv, 6, 6)
             assert close(shown[int(y), int(x)], VISIBLE_RGB if keep[0, 0, q, kv] else MASKED_RGB), (q, kv)
-    _, why = hover(tab, *cell_centre(0, 5, 6, 6))
+    _, why = hover(tab, *cell_centre(tab, 0, 5, 6, 6))
     assert why == why_text(mask, [explain(mask, 0, 0, 5)])
 
 
@@ -362,7 +383,8 @@ def test_a_short_wide_mask_zooms_along_its_keys(tab):
     for _ in range(3):
         tab.keyboard.press("+")
     sx, sy = tab.evaluate("[window.maskcliViewer.sx, window.maskcliViewer.sy]")
-    assert sx == pytest.approx(8 * SIDE / 8192) and sy == SIDE
+    width, height = tab.size
+    assert sx == pytest.approx(8 * width / 8192) and sy == height
     assert tab.inner_text("#cell").splitlines()[0] == "q 8191 · kv 4096 · q_idx 0 · kv_idx 4096"  # the key at the centre
 
 
@@ -381,9 +403,9 @@ def test_a_mask_mod_is_drawn_from_its_cells_and_hover_says_the_page_cannot_run_i
     shown = pixels(tab)
     for q in range(6):
         for kv in range(6):
-            x, y = cell_centre(q, kv, 6, 6)
+            x, y = cell_centre(tab, q, kv, 6, 6)
             assert close(shown[int(y), int(x)], VISIBLE_RGB if want[q, kv] else MASKED_RGB), (q, kv)
-    cell, why = hover(tab, *cell_centre(4, 2, 6, 6))
+    cell, why = hover(tab, *cell_centre(tab, 4, 2, 6, 6))
     assert cell.splitlines() == ["q 4 · kv 2", '"e" at q · "c" at kv', "kept"]
     assert why.startswith("this mask calls your mask_mod, which the page cannot run")
 
@@ -401,9 +423,9 @@ def test_the_worst_rows_at_a_million_tokens_stay_under_20_mb_and_exact_at_cells(
     for i in range(20):
         for j in range(20):
             q, kv = 777770 + i, 777760 + j
-            x, y = cell_centre(i, j, 20, 20)
+            x, y = cell_centre(tab, i, j, 20, 20)
             assert close(shown[int(y), int(x)], VISIBLE_RGB if q // 2 == kv // 2 and kv <= q else MASKED_RGB), (q, kv)
-    cell, why = hover(tab, *cell_centre(5, 14, 20, 20))
+    cell, why = hover(tab, *cell_centre(tab, 5, 14, 20, 20))
     assert cell.splitlines()[1] == "doc 388887 at q · doc 388887 at kv"
     assert why == why_text(mask, [explain(mask, 0, 777775, 777774)])
 
@@ -418,3 +440,148 @@ def test_labels_that_change_too_often_for_a_page_are_refused_in_one_line():
     message = str(refused.value)
     assert message.startswith("--html: the labels, ids and padding of 'document(sizes=[1,1,1,") and "\n" not in message
     assert message.endswith("make 1,048,576 runs of equal values, past the 750,000 a page holds: view a region with --rows/--keys")
+
+
+# --- layout and rulers -----------------------------------------------------------------------------------------------
+
+def until(tab, expression: str, seconds: float = 10):
+    """Poll the page (its CSP forbids the eval that wait_for_function polls with) until the expression holds."""
+    import time
+
+    end = time.monotonic() + seconds
+    while not tab.evaluate(expression):
+        assert time.monotonic() < end, expression
+        time.sleep(0.05)
+
+
+def ticks(tab, ruler: str) -> tuple[int, list[int], list[str], list[float]]:
+    """A ruler's step, its tick positions and labels, and each tick's offset along the canvas in pixels."""
+    return tab.evaluate("""(id) => { const el = document.getElementById(id), ts = [...el.querySelectorAll('.tick')];
+        const side = el.classList.contains('k') ? 'left' : 'top';
+        return [Number(el.dataset.step), ts.map((t) => Number(t.dataset.pos)), ts.map((t) => t.textContent),
+                ts.map((t) => parseFloat(t.style[side]))]; }""", ruler)
+
+
+def round_label(t: int, step: int) -> str:
+    """How a ruler names a position: 200k and 1M where the step is in thousands, else the number."""
+    if t == 0 or step % 1000:
+        return str(t)
+    return f"{t // 10 ** 6}M" if t % 10 ** 6 == 0 else f"{t // 1000}k"
+
+
+def check_ruler(tab, ruler: str, first: int, last: int, pixels_per_cell: float, min_gap: float):
+    """The ruler's ticks are every multiple of a round step among the positions first..last in view, each at its
+    cell's centre, named as round_label names it, no closer than min_gap pixels."""
+    step, at, labels, offsets = ticks(tab, ruler)
+    digits = len(str(step)) - 1
+    assert step // 10 ** digits in (1, 2, 5) and step % 10 ** digits == 0, step
+    assert at == [t for t in range(-(-first // step) * step, last + 1, step)], (first, last, step, at)
+    assert labels == [round_label(t, step) for t in at]
+    assert offsets == pytest.approx([(t - first + 0.5) * pixels_per_cell for t in at], abs=0.01)
+    assert step * pixels_per_cell >= min_gap and len(at) >= 3 or last - first < 3 * step
+    return step, at, offsets
+
+
+def test_rulers_name_absolute_positions_at_round_steps_and_follow_the_view(tab):
+    mask = build(MILLION)
+    load(tab, html.mask_page(mask), "rulers.html")
+    width, height = tab.size
+    step, at, _ = check_ruler(tab, "ruler-k", 0, 1048575, width / 1048576, 40)
+    assert step in (100000, 200000) and ticks(tab, "ruler-k")[2][:2] == ["0", f"{step // 1000}k"]
+    check_ruler(tab, "ruler-q", 0, 1048575, height / 1048576, 20)
+    # a region of 40 queries x 80 keys: its positions, computed here from the view asked for
+    tab.evaluate("window.maskcliViewer.setView(699980, 695920, 40, 80)")
+    check_ruler(tab, "ruler-k", 695920, 695999, width / 80, 40)
+    check_ruler(tab, "ruler-q", 699980, 700019, height / 40, 20)
+    # zoomed by the wheel somewhere: hovering at a key tick and a query tick reads that very cell, kept as defined
+    tab.evaluate("window.maskcliViewer.setView(699800, 695800, 601, 601)")  # cells of 510/601 px: the pointer is inside one
+    left, top, _, _ = box(tab)
+    px, py = int(width * 0.3), int(height * 0.6)
+    tab.mouse.move(left + px, top + py)
+    for _ in range(8):
+        tab.mouse.wheel(0, -100)
+    until(tab, "window.maskcliViewer.sx > 5")
+    _, keys, _, xs = ticks(tab, "ruler-k")
+    _, queries, _, ys = ticks(tab, "ruler-q")
+    # the wheel zooms about the pointer: the panel names the cell under it, where the rulers place it (at cells' centres)
+    under = [at[0] + (pointer - offset[0]) * (at[1] - at[0]) / (offset[1] - offset[0])
+             for at, offset, pointer in ((keys, xs, px), (queries, ys, py))]
+    assert all(abs(p % 1 - 0.5) > 0.05 for p in under), under  # off the cells' edges
+    kv, q = (int(np.floor(p + 0.5)) for p in under)
+    assert tab.inner_text("#cell").splitlines()[0] == f"q {q} · kv {kv}", under
+    for kv, x in list(zip(keys, xs))[:3]:
+        for q, y in list(zip(queries, ys))[:3]:
+            cell, why = hover(tab, x, y)
+            assert cell.splitlines()[0] == f"q {q} · kv {kv}"
+            assert cell.splitlines()[-1] == ("kept" if _million_reference(q, kv) else "masked")
+            assert why == why_text(mask, [explain(mask, 0, q, kv)])
+
+
+def test_rulers_of_a_decode_step_and_a_prefill_behind_a_cache_read_their_absolute_positions(tab):
+    load(tab, html.mask_page(build("window(4096)", MaskOptions(length=1, offset=1000))), "decode.html")
+    width, height = tab.size
+    assert height >= 32 and ticks(tab, "ruler-q")[1:3] == [[1000], ["1000"]]
+    check_ruler(tab, "ruler-k", 0, 1000, width / 1001, 40)
+    load(tab, html.mask_page(build("window(4096)", MaskOptions(length=16, offset=100000))), "prefill.html")
+    width, height = tab.size
+    assert height / 16 >= 30  # rows tall enough to hover (32 px where the window has room)
+    assert check_ruler(tab, "ruler-q", 100000, 100015, height / 16, 20)[0] == 1
+    check_ruler(tab, "ruler-k", 0, 100015, width / 100016, 40)
+    assert tab.text_content("#marks-k .cache") == "KV cache | new keys"
+
+
+PAGES = {  # page kinds at their hardest shapes for the layout
+    "show, a million tokens": lambda: html.mask_page(build(MILLION)),
+    "show, a prefill of 16 behind 100k": lambda: html.mask_page(build("window(4096)", MaskOptions(length=16, offset=100000))),
+    "show, a decode step": lambda: html.mask_page(build("window(4096)", MaskOptions(length=1, offset=1000))),
+    "diff": lambda: html.diff_page(build("window(4095)", MaskOptions(length=65536)), build("window(4096)", MaskOptions(length=65536))),
+    "blocks": lambda: html.blocks_page(build("document(sizes=[300,500,224]) & window(128)"), 64, 64),
+}
+
+
+@pytest.mark.parametrize("kind", PAGES)
+def test_the_map_and_its_hover_panel_fit_the_window_without_scrolling(tab, kind):
+    load(tab, PAGES[kind](), "fit.html")
+    width, height = tab.size
+    lq, lk = tab.evaluate("[window.maskcliViewer.lq, window.maskcliViewer.lk]")
+    hover(tab, width * 0.7, height * 0.6)
+    rects = tab.evaluate("""() => Object.fromEntries(['#mask', 'aside .scroll', '#cell', '#why', '#ruler-k', '#ruler-q']
+        .map((s) => { const r = document.querySelector(s).getBoundingClientRect(); return [s, [r.left, r.top, r.right, r.bottom]]; }))""")
+    scroll = tab.evaluate("[document.documentElement.scrollHeight, document.documentElement.scrollWidth]")
+    assert scroll[0] <= VIEWPORT["height"] and scroll[1] <= VIEWPORT["width"], scroll  # nothing below the fold
+    for name, (left, top, right, bottom) in rects.items():
+        assert 0 <= left and right <= VIEWPORT["width"] and 0 <= top and bottom <= VIEWPORT["height"], (name, rects[name])
+    assert rects["aside .scroll"][0] >= rects["#mask"][2]  # the panel beside the map: hover text in sight
+    if lk / lq > 4:  # a short, wide mask fills the width it has, with rows tall enough to hover
+        assert height / lq >= 30 and width >= 540, (width, height)
+    else:
+        assert width == height or lk != lq
+    assert min(width, height) >= 480 or lq * 32 <= height
+
+
+def test_the_map_follows_the_window_and_puts_the_panel_below_on_a_narrow_one(tab):
+    load(tab, html.mask_page(build("causal", MaskOptions(length=4096))), "resize.html")
+    small = tab.size
+    try:
+        tab.set_viewport_size({"width": 1400, "height": 900})
+        until(tab, f"document.getElementById('mask').width > {small[0]}")
+        wide = size(tab)
+        assert wide[0] == wide[1] and tab.evaluate("document.documentElement.scrollHeight") <= 900
+        tab.set_viewport_size({"width": 600, "height": 800})
+        until(tab, "document.getElementById('mask').width < 600")
+        canvas, panel = tab.evaluate("""() => ['#mask', 'aside .scroll'].map((s) => {
+            const r = document.querySelector(s).getBoundingClientRect(); return [r.right, r.top, r.bottom]; })""")
+        assert canvas[0] <= 600 and panel[1] >= canvas[2]  # below the map, within the width
+    finally:
+        tab.set_viewport_size(VIEWPORT)
+
+
+def test_a_diff_of_one_key_per_row_shows_at_the_whole_mask_zoom(tab):
+    a, b = build("window(4095)", MaskOptions(length=65536)), build("window(4096)", MaskOptions(length=65536))
+    load(tab, html.diff_page(a, b), "one_key.html")  # over 100 keys a pixel: each row differs in one cell, only in B
+    assert "differing cells shown as at least half" in tab.text_content("#status")
+    shown = pixels(tab).reshape(-1, 3)
+    nearest = np.argmin([np.abs(shown - np.array(rgb)).sum(axis=1) for rgb in (VISIBLE_RGB, MASKED_RGB, LEAK_RGB, ONLY_B_RGB)], axis=0)
+    width, height = tab.size
+    assert np.count_nonzero(nearest == 3) >= min(width, height) // 2  # along the band's edge, about a pixel a row
+    assert np.count_nonzero(nearest == 2) == 0  # window(4095) keeps nothing window(4096) masks

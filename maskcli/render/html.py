@@ -30,9 +30,10 @@ def _rgb(unit) -> list[int]:
 COLOURS = {
     "visible": list(VISIBLE_RGB), "masked": list(MASKED_RGB), "onlyA": list(LEAK_RGB), "onlyB": list(ONLY_B_RGB),
     "outside": [255, 255, 255], "mark": "rgb({},{},{})".format(*_rgb(MARK_RGB)), "cache": "rgb({},{},{})".format(*_rgb(CACHE_RGB)),
-    "grid": "rgba(0, 0, 0, 0.35)",
+    "grid": "rgba(0, 0, 0, 0.35)", "cells": "rgba(0, 0, 0, 0.13)",
 }
-DARK = {"masked": [58, 58, 62], "outside": [24, 24, 27], "mark": "rgb(235,235,235)", "grid": "rgba(255, 255, 255, 0.35)"}
+DARK = {"masked": [58, 58, 62], "outside": [24, 24, 27], "mark": "rgb(235,235,235)", "grid": "rgba(255, 255, 255, 0.35)",
+        "cells": "rgba(255, 255, 255, 0.12)"}
 
 
 def _asset(name: str) -> str:
@@ -51,7 +52,7 @@ def _legend(page: str) -> str:
     else:
         items = [(VISIBLE_RGB, "kept (may attend)"), (MASKED_RGB, "masked")]
     marks = "" if page == "attend" else (" · lines: label boundaries · hatched: padding · orange dashes: the KV cache edge"
-                                          + (" · grey lines: blocks" if page == "blocks" else ""))
+                                          + (" · grey dashes: blocks" if page == "blocks" else ""))
     return " ".join(swatch(*rgb, html.escape(text)) for rgb, text in items) + html.escape(marks)
 
 
@@ -78,12 +79,17 @@ def page(data: dict, title: str, subtitle: str) -> str:
 <section class="view">
 <div class="bar" id="viewer-bar"><label>batch row <select id="batch"></select></label>
 <span class="keys">drag or arrow keys pan · wheel or +/- zoom · 0 resets · hover (or pan to the centre) to read a cell</span></div>
-<canvas id="mask" width="720" height="720" tabindex="0" aria-label="the mask: arrow keys pan, + and - zoom, 0 resets; the cell at the centre is described beside it"></canvas>
+<div class="plot" id="plot">
+<div class="axis-name" id="name-k">key</div><div class="axis-name" id="name-q">query</div>
+<div class="ruler k" id="ruler-k" aria-hidden="true"></div><div class="ruler q" id="ruler-q" aria-hidden="true"></div>
+<canvas id="mask" width="480" height="480" tabindex="0" aria-label="the mask: arrow keys pan, + and - zoom, 0 resets; the cell at the centre is described beside it"></canvas>
+<div class="ruler" id="marks-k"></div>
+</div>
 <div id="panels"></div>
-<p id="status" aria-live="polite"></p>
-<p class="legend">{_legend(data["page"])}</p>
 </section>
-<aside><pre id="cell" aria-live="polite"></pre><pre id="why"></pre></aside>
+<aside><div class="scroll"><pre id="cell" aria-live="polite"></pre><pre id="why"></pre>
+<p id="status" aria-live="polite"></p>
+<p class="legend">{_legend(data["page"])}</p></div></aside>
 </main>
 <script type="application/json" id="mask-data">{payload}</script>
 <script>

@@ -6,6 +6,8 @@
 const DATA = JSON.parse(document.getElementById("mask-data").textContent);
 const EVAL_CELLS = 512 * 512; // a view of at most this many cells is drawn cell by cell where rows were sampled
 const MAX_PX = 64; // the deepest zoom: one cell this many pixels wide
+const MIN_CELL = 32; // a short or narrow mask's rows (columns) are drawn at least this tall (wide), to hover
+const NARROW = 760; // below this window width the hover panel goes under the map (page.css's media query)
 
 function Rows(r) {
   this.n = r.n; this.k = r.k; this.stride = r.stride;
@@ -62,9 +64,60 @@ function addInterval(acc, full, X, s, e) {
   if (z > a + 1) { full[a + 1] += 1; full[z] -= 1; }
 }
 
+// The hover panel beside the map scrolls within the window's height (below a narrow window's map, it need not).
+function fitPanel() {
+  const panel = document.querySelector("aside .scroll"), bottom = parseFloat(getComputedStyle(document.body).paddingBottom) + 4;
+  const room = window.innerHeight - panel.getBoundingClientRect().top - window.scrollY - bottom;
+  panel.style.maxHeight = window.innerWidth < NARROW ? "" : `${Math.max(160, room)}px`;
+}
+
+// The canvas's size in pixels for lq x lk cells: the room the window leaves beside the hover panel and below the
+// header (so that the map and the panel need no scrolling), square cells; where that leaves over half the room
+// empty across a short (narrow) mask, its rows (columns) are stretched to MIN_CELL pixels, up to the room there is.
+function fitCanvas(canvas, lq, lk) {
+  const main = document.querySelector("main"), side = canvas.getBoundingClientRect().left - main.getBoundingClientRect().left;
+  const rem = parseFloat(getComputedStyle(document.documentElement).fontSize), narrow = window.innerWidth < NARROW;
+  const aside = narrow ? 0 : 19.25 * rem, bottom = parseFloat(getComputedStyle(document.body).paddingBottom) + 4; // page.css: 18rem + gap
+  fitPanel();
+  const roomW = Math.max(120, main.clientWidth - side - aside - 4); // less the canvas's border
+  const strip = document.getElementById("marks-k").offsetHeight;
+  let roomH = Math.max(120, window.innerHeight - (canvas.getBoundingClientRect().top + window.scrollY) - strip - bottom - 2);
+  if (narrow) roomH = Math.min(roomH, Math.round(window.innerHeight * 0.6)); // leave the panel below in sight
+  const s = Math.min(roomW / lk, roomH / lq, MAX_PX), W = lk * s, H = lq * s;
+  return [Math.round(W < roomW / 2 ? Math.max(W, Math.min(roomW, lk * MIN_CELL)) : W),
+          Math.round(H < roomH / 2 ? Math.max(H, Math.min(roomH, lq * MIN_CELL)) : H)];
+}
+
+// A ruler's ticks: absolute positions at round steps (1, 2, 5 x 10^k) at least minPx apart, each at its cell's centre,
+// as DOM elements (data-pos: the position; the ruler's data-step: the step), so that they read back exactly.
+function tickText(t, step) { // 200k, 1M where the step is in thousands (millions), else the whole number
+  if (step % 1000 === 0 && t !== 0 && t % 1e6 === 0) return `${t / 1e6}M`;
+  if (step % 1000 === 0 && t !== 0) return `${t / 1000}k`;
+  return String(t);
+}
+function ruler(el, first, count, origin, scale, length, vertical) {
+  const chars = String(first + count - 1).length;
+  const minPx = vertical ? 22 : Math.max(26, 7 * chars + 14);
+  let step = 0;
+  for (let p = 1; !step; p *= 10) step = [p, 2 * p, 5 * p].find((m) => m * scale >= minPx) || 0;
+  const lo = first + Math.max(0, Math.floor(origin)), hi = first + Math.min(count, Math.ceil(origin + length / scale)) - 1;
+  const ticks = [];
+  for (let t = Math.ceil(lo / step) * step; t <= hi; t += step) {
+    const at = (t - first + 0.5 - origin) * scale;
+    if (at < -0.5 || at > length + 0.5) continue;
+    const tick = document.createElement("span");
+    tick.className = "tick"; tick.dataset.pos = String(t); tick.textContent = tickText(t, step);
+    tick.style[vertical ? "top" : "left"] = `${at}px`;
+    ticks.push(tick);
+  }
+  el.dataset.step = String(step);
+  el.replaceChildren(...ticks);
+}
+
 function Viewer(canvas, lq, lk, layers, colour, overlay, onCell) {
   this.canvas = canvas; this.ctx = canvas.getContext("2d"); this.lq = lq; this.lk = lk;
   this.layers = layers; this.colour = colour; this.overlay = overlay; this.onCell = onCell;
+  [canvas.width, canvas.height] = fitCanvas(canvas, lq, lk);
   this.reset();
   const v = this;
   canvas.addEventListener("mousemove", (ev) => v.hover(ev.offsetX, ev.offsetY));
@@ -77,18 +130,28 @@ function Viewer(canvas, lq, lk, layers, colour, overlay, onCell) {
   });
   canvas.addEventListener("keydown", (ev) => v.key(ev));
 }
+// Size the canvas to the window; the cells in view stay in view (the whole mask, if that is what was shown).
+Viewer.prototype.fit = function () {
+  const [W, H] = fitCanvas(this.canvas, this.lq, this.lk), oldW = this.canvas.width, oldH = this.canvas.height;
+  const whole = this.x0 === 0 && this.y0 === 0 && this.sx === oldW / this.lk && this.sy === oldH / this.lq;
+  if (W === oldW && H === oldH) return;
+  this.canvas.width = W; this.canvas.height = H;
+  if (whole) this.reset(); else { this.sx *= W / oldW; this.sy *= H / oldH; }
+};
 Viewer.prototype.reset = function () {
   this.x0 = 0; this.y0 = 0; this.sx = this.canvas.width / this.lk; this.sy = this.canvas.height / this.lq;
 };
 Viewer.prototype.setView = function (q0, k0, rows, keys) { // local cells q0.., k0.. fill the canvas
   this.y0 = q0; this.x0 = k0; this.sy = this.canvas.height / rows; this.sx = this.canvas.width / keys; this.draw();
 };
-// Each axis zooms between its whole length and MAX_PX pixels a cell (a short, wide mask zooms along its keys alone).
+// Each axis zooms between its whole length and MAX_PX pixels a cell; a short, wide mask (its rows MIN_CELL pixels or
+// more, its keys less) zooms along its keys alone, and a narrow, tall one along its queries.
 Viewer.prototype.zoom = function (factor, px, py) {
   const fitX = this.canvas.width / this.lk, fitY = this.canvas.height / this.lq;
+  const wide = fitY >= MIN_CELL && fitX < MIN_CELL, tall = fitX >= MIN_CELL && fitY < MIN_CELL;
   const cx = this.x0 + px / this.sx, cy = this.y0 + py / this.sy;
-  this.sx = Math.min(Math.max(fitX, MAX_PX), Math.max(fitX, this.sx * factor));
-  this.sy = Math.min(Math.max(fitY, MAX_PX), Math.max(fitY, this.sy * factor));
+  this.sx = Math.min(tall ? fitX : Math.max(fitX, MAX_PX), Math.max(fitX, this.sx * factor));
+  this.sy = Math.min(wide ? fitY : Math.max(fitY, MAX_PX), Math.max(fitY, this.sy * factor));
   this.x0 = cx - px / this.sx; this.y0 = cy - py / this.sy;
   this.draw();
 };
@@ -135,6 +198,9 @@ Viewer.prototype.draw = function () {
   }
   this.ctx.putImageData(img, 0, 0);
   this.overlay(this);
+  const F = DATA.masks[0].frame;
+  ruler(document.getElementById("ruler-k"), F.vk0, this.lk, this.x0, this.sx, W, false);
+  ruler(document.getElementById("ruler-q"), F.vq0, this.lq, this.y0, this.sy, H, true);
   if (window.__maskcliFirstDraw === undefined) window.__maskcliFirstDraw = performance.now();
   document.getElementById("status").textContent = this.status(cells);
 };
@@ -142,7 +208,7 @@ Viewer.prototype.status = function (cells) {
   const q0 = Math.max(0, Math.floor(this.y0)), k0 = Math.max(0, Math.floor(this.x0));
   const q1 = Math.min(this.lq, Math.ceil(this.y0 + this.canvas.height / this.sy)), k1 = Math.min(this.lk, Math.ceil(this.x0 + this.canvas.width / this.sx));
   const F = DATA.masks[0].frame;
-  const scale = this.sx >= 1 && this.sy >= 1 ? `one cell = ${this.sx.toPrecision(3)} px` : `one pixel = ${(1 / Math.min(this.sx, 1)).toPrecision(4)} keys x ${(1 / Math.min(this.sy, 1)).toPrecision(4)} queries (colour: the exact share kept)`;
+  const scale = this.sx >= 1 && this.sy >= 1 ? `one cell = ${this.sx.toPrecision(3)} px` : `one pixel = ${(1 / Math.min(this.sx, 1)).toPrecision(4)} keys x ${(1 / Math.min(this.sy, 1)).toPrecision(4)} queries (colour: ${DATA.page === "diff" ? "the exact shares, a pixel's differing cells shown as at least half of it" : "the exact share kept"})`;
   let text = `queries ${F.vq0 + q0}-${F.vq0 + q1 - 1} · keys ${F.vk0 + k0}-${F.vk0 + k1 - 1} · ${scale}`;
   const stride = DATA.masks[0].rows[0].stride;
   if (stride > 1) {
@@ -199,7 +265,8 @@ function mix(parts, total) { // colours weighted by their counts of cells
   return out.map(Math.round);
 }
 
-// The structure marks, as the figures draw them: label boundaries, padded keys and queries, the cache edge.
+// The structure marks, as the figures draw them: label boundaries, padded keys and queries, the cache edge, in lines
+// two pixels wide (they read over a pixel of a million cells as over one cell), named in the strip under the map.
 function drawMarks(v, S, F, extra) {
   const ctx = v.ctx, W = v.canvas.width, H = v.canvas.height;
   const x = (key) => (key - F.vk0 - v.x0) * v.sx, y = (query) => (query - F.vq0 - v.y0) * v.sy;
@@ -207,10 +274,11 @@ function drawMarks(v, S, F, extra) {
   ctx.fillStyle = v.hatch;
   for (const [a, b] of S.padKeys) ctx.fillRect(x(a), 0, x(b) - x(a), H);
   for (const [a, b] of S.padQueries) ctx.fillRect(0, y(a), W, y(b) - y(a));
-  ctx.strokeStyle = DATA.colours.mark; ctx.lineWidth = 1;
+  cellLines(v, W, H);
+  ctx.strokeStyle = DATA.colours.mark; ctx.lineWidth = 2;
   ctx.beginPath();
   for (const [start] of S.segments.slice(1)) {
-    const px = Math.round(x(start)) + 0.5, py = Math.round(y(start)) + 0.5;
+    const px = Math.round(x(start)), py = Math.round(y(start));
     if (px > 0 && px < W) { ctx.moveTo(px, 0); ctx.lineTo(px, H); }
     if (py > 0 && py < H) { ctx.moveTo(0, py); ctx.lineTo(W, py); }
   }
@@ -220,8 +288,43 @@ function drawMarks(v, S, F, extra) {
     const px = Math.round(x(S.cache));
     ctx.beginPath(); ctx.moveTo(px, 0); ctx.lineTo(px, H); ctx.stroke();
   }
+  markStrip(S, x, W);
   if (extra) extra(ctx, x, y, W, H);
   ctx.restore();
+}
+// Faint lines between cells, where cells are CELL_LINES pixels or more: a run of cells of one colour reads as cells.
+const CELL_LINES = 12;
+function cellLines(v, W, H) {
+  const ctx = v.ctx;
+  ctx.strokeStyle = DATA.colours.cells; ctx.lineWidth = 1;
+  ctx.beginPath();
+  if (v.sx >= CELL_LINES) for (let k = Math.max(1, Math.ceil(v.x0)); k < Math.min(v.lk, v.x0 + W / v.sx); k++) {
+    const px = Math.round((k - v.x0) * v.sx) + 0.5; ctx.moveTo(px, 0); ctx.lineTo(px, H);
+  }
+  if (v.sy >= CELL_LINES) for (let q = Math.max(1, Math.ceil(v.y0)); q < Math.min(v.lq, v.y0 + H / v.sy); q++) {
+    const py = Math.round((q - v.y0) * v.sy) + 0.5; ctx.moveTo(0, py); ctx.lineTo(W, py);
+  }
+  ctx.stroke();
+}
+
+// Under the map, off its cells: each segment's name across its keys in view, and where the KV cache ends.
+function markStrip(S, x, W) {
+  const strip = document.getElementById("marks-k"), items = [];
+  const add = (text, left, className) => {
+    const item = document.createElement("span");
+    item.className = className; item.textContent = text; item.style.left = `${left}px`;
+    items.push(item);
+  };
+  if (S.word) for (const [start, end, label] of S.segments) {
+    const left = Math.max(x(start), 0), right = Math.min(x(end), W), text = `${S.word} ${label}`;
+    if (right - left >= 7 * text.length + 8) add(text, (left + right) / 2, "segment"); // no room: hover names it
+  }
+  if (S.cache !== null && x(S.cache) >= 0 && x(S.cache) <= W) add("KV cache | new keys", x(S.cache), "cache");
+  strip.replaceChildren(...items);
+  for (const item of items) { // centred on its place, kept within the map's width
+    const half = item.offsetWidth / 2, at = parseFloat(item.style.left);
+    item.style.left = `${Math.min(Math.max(at, half), Math.max(half, W - half))}px`;
+  }
 }
 
 function hatchPattern(ctx) {
@@ -266,13 +369,17 @@ function maskPage() {
   const canvas = document.getElementById("mask");
   let b = 0, viewer = null;
   const keepOf = (i) => (bb, q, kv) => keptAt(masks[i], bb, q, kv);
-  const colour = diff
-    ? (c, total) => mix([[C.visible, c[2]], [C.onlyA, c[0] - c[2]], [C.onlyB, c[1] - c[2]], [C.masked, total - c[0] - c[1] + c[2]]], total)
-    : (c, total) => mix([[C.visible, c[0]], [C.masked, total - c[0]]], total);
+  const colour = diff ? (c, total) => {
+    const onlyA = c[0] - c[2], onlyB = c[1] - c[2], differ = onlyA + onlyB, same = total - differ;
+    // a pixel where fewer than half its cells differ shows its differences as half of it: one differing cell in a
+    // pixel of thousands (window(4095) against window(4096)) is what diff is for, and an exact share would hide it
+    const d = differ > 0 && 2 * differ < total ? total / 2 / differ : 1, r = d === 1 ? 1 : total / 2 / same;
+    return mix([[C.visible, c[2] * r], [C.onlyA, onlyA * d], [C.onlyB, onlyB * d], [C.masked, (total - c[0] - c[1] + c[2]) * r]], total);
+  } : (c, total) => mix([[C.visible, c[0]], [C.masked, total - c[0]]], total);
   const blocks = DATA.blocks;
   const grid = blocks ? (ctx, x, y, W, H) => {
     if (blocks.kv * viewer.sx < 4 || blocks.q * viewer.sy < 4) return;
-    ctx.strokeStyle = C.grid; ctx.lineWidth = 1; ctx.setLineDash([]); ctx.beginPath();
+    ctx.strokeStyle = C.grid; ctx.lineWidth = 1; ctx.setLineDash([4, 3]); ctx.beginPath(); // dashed: not a label boundary
     const k0 = Math.ceil(viewer.x0 / blocks.kv), q0 = Math.ceil(viewer.y0 / blocks.q);
     for (let k = k0 * blocks.kv; k < Math.min(F.lk, viewer.x0 + W / viewer.sx); k += blocks.kv) { const px = Math.round(x(k + F.vk0)) + 0.5; ctx.moveTo(px, 0); ctx.lineTo(px, H); }
     for (let q = q0 * blocks.q; q < Math.min(F.lq, viewer.y0 + H / viewer.sy); q += blocks.q) { const py = Math.round(y(q + F.vq0)) + 0.5; ctx.moveTo(0, py); ctx.lineTo(W, py); }
@@ -299,15 +406,15 @@ function maskPage() {
     else out.push("A " + masks[0].positions, "B " + masks[1].positions);
     setInfo(head, out.join("\n"));
   };
-  const build = () => {
-    const layers = layersOf(masks, b, diff);
-    viewer = new Viewer(canvas, F.lq, F.lk, layers, colour, (v) => drawMarks(v, M.structure[Math.min(b, M.structure.length - 1)], F, grid), onCell);
-    viewer.hatch = hatchPattern(viewer.ctx);
-    window.maskcliViewer = viewer;
-    viewer.draw();
-  };
-  batchSelect(Math.max(...masks.map((S) => Math.min(S.frame.batch, S.rows.length))), (value) => { b = value; const old = viewer; build(); if (old) { viewer.x0 = old.x0; viewer.y0 = old.y0; viewer.sx = old.sx; viewer.sy = old.sy; viewer.draw(); } });
-  build();
+  const overlay = (v) => drawMarks(v, M.structure[Math.min(b, M.structure.length - 1)], F, grid);
+  viewer = new Viewer(canvas, F.lq, F.lk, layersOf(masks, b, diff), colour, overlay, onCell);
+  viewer.hatch = hatchPattern(viewer.ctx);
+  window.maskcliViewer = viewer;
+  batchSelect(Math.max(...masks.map((S) => Math.min(S.frame.batch, S.rows.length))), (value) => {
+    b = value; viewer.layers = layersOf(masks, b, diff); viewer.draw();
+  });
+  window.addEventListener("resize", () => { viewer.fit(); viewer.draw(); });
+  viewer.draw();
 }
 
 // A block of FlexAttention's block view (local, padded to whole blocks): full, partial or empty, from the intervals.
