@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from typer.testing import CliRunner
 
 import definitions as ref
+import maskfiles
 from maskcli.commands import app
 from strategies import cases, expected_cells
 
@@ -203,3 +204,12 @@ def test_a_region_compares_the_same_part_of_both():
     data = as_json("window(100)", "window(101)", "--len", 5000, "--rows", "1000:1010", "--keys", "850:1010")
     assert (data["only_a"], data["only_b"]) == (0, 10)  # key q-100 of each of the 10 rows
     assert diff("window(100)", "window(101)", "--len", 5000, "--rows", "10:20").exit_code == 0  # equal there
+
+
+def test_mask_files_are_compared_without_importing_torch(tmp_path):
+    names = list(maskfiles.write(tmp_path).values())  # the same mask in five conventions
+    commands = ([["diff", name, maskfiles.EXPRESSION] for name in names] + [["diff", names[0], name] for name in names[1:]]
+                + [["diff", names[-1], "causal", "--json"]])
+    ran = maskfiles.torch_after_each(commands, tmp_path)
+    assert [code for _, code, _ in ran] == [0] * (len(commands) - 1) + [1]  # each is the expression; none is causal
+    assert not any(loaded for *_, loaded in ran), [args for args, _, loaded in ran if loaded][:1]

@@ -13,6 +13,7 @@ from maskcli.attention.pipelines import LIKE
 from maskcli.attention.stages import Stages
 from maskcli.files import json_number
 from maskcli.mask import Mask
+from maskcli.render.tables import findings_text  # noqa: F401 - attend prints it from here
 from maskcli.text import Finding
 
 MASKED_MARK = "×"
@@ -195,22 +196,6 @@ def stage_tables(mask: Mask, stages: Stages, names: list[str], pairs, precision:
             else:
                 tables.append(value_table(title, values, keep, row_labels, col_labels, precision, width))
     return tables
-
-
-def findings_text(findings: list[Finding]):
-    """The findings as a bulleted list whose wrapped lines keep their indent."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    if not findings:
-        return Text("findings: none (every query sees at least one key; every weight row sums to 1)", style="green")
-    bullets = Table.grid(padding=(0, 1))
-    bullets.add_column(no_wrap=True)
-    bullets.add_column(style="yellow")
-    for finding in findings:
-        bullets.add_row("  •", finding.message)
-    return Group(Text("findings:", style="bold yellow"), bullets)
 
 
 def stages_json(mask: Mask, stages: Stages, device: torch.device, findings: list[Finding], names: list[str]) -> str:

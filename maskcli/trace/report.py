@@ -8,7 +8,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from maskcli import tracefile
 from maskcli.text import Finding, spans
@@ -102,13 +101,13 @@ def _named(calls: list) -> Group:
     if b * h * q_len * k_len <= NAME_CELLS:
         from maskcli.inspect.structure import recognise
 
-        keep4 = torch.from_numpy(tracefile.dense(stored))
+        keep4 = tracefile.dense(stored)
         structure = recognise(keep4, nearest=True)
         if structure.expression is not None:
             name = structure.expression + _placed(structure.options, q_len, k_len)
             group = Group(calls, name, structure.expression)
             if structure.kind == "padding" and q_len == 1:  # a decode step read as key padding: a window says more,
-                window = _decode_window(keep4.numpy())  # and one query at the last position sees what causal lets it
+                window = _decode_window(keep4)  # and one query at the last position sees what causal lets it
                 group = Group(calls, window, window.split(" ")[0]) if window else Group(calls, "causal" + name.removeprefix("padding"), "causal")
         else:
             closest = structure.closest
