@@ -1,6 +1,7 @@
 """`maskcli inspect` and `maskcli convert`: say what a mask tensor is, and write it in another convention.
 
-torch, rich and matplotlib are imported inside the commands, so `maskcli --help` loads none of them.
+rich and matplotlib are imported inside the commands, so `maskcli --help` loads neither; torch only for a .pt file
+(in or out) and for a bfloat16 result.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from maskcli.attention.pipelines import LIKE
 from maskcli.attention.stages import Stages
 from maskcli.files import json_number
 from maskcli.mask import Mask
-from maskcli.render.tables import findings_text  # noqa: F401 - attend prints it from here
 from maskcli.text import Finding
 
 MASKED_MARK = "×"
