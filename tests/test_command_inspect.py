@@ -675,3 +675,12 @@ def test_each_file_type_reads_as_the_same_tensor_saved_as_pt(tmp_path, label):
     assert found["convention"] == conventions[label] and found["convention_sure"]
     if label == "safetensors bf16":
         assert found["sentinel"] == torch.finfo(torch.bfloat16).min
+
+
+def test_a_numpy_dtype_torch_lacks_is_refused_by_name(tmp_path):
+    np.save(tmp_path / "long.npy", np.zeros((2, 2), dtype=np.longdouble))
+    result = runner.invoke(app, ["inspect", str(tmp_path / "long.npy")])
+    assert result.exit_code == 2 and result.stderr == (
+        f"maskcli: error: '{tmp_path / 'long.npy'}' has dtype {np.dtype(np.longdouble).name}, which cannot be a mask here: "
+        "use bool, an integer type or float16/bfloat16/float32/float64\n"
+    )
