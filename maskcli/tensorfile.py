@@ -161,7 +161,7 @@ def _from_json(data, where: str, floats: str = "float32") -> dict[str, np.ndarra
         except (TypeError, ValueError, OverflowError) as error:  # rows of different lengths
             raise MaskError(f"{where}{label}: not a rectangular nested list of numbers ({str(error).splitlines()[0]})") from None
         if array.dtype.kind not in "biuf":  # text, null, objects
-            raise MaskError(f"{where}{label}: not a rectangular nested list of numbers ({_short(next(_not_numbers(numbers), None))} is not a number)")
+            raise MaskError(f"{where}{label}: not a rectangular nested list of numbers ({shortened(json.dumps(next(_not_numbers(numbers), None)), 40)} is not a number)")
         if array.dtype.kind == "f":
             with np.errstate(over="ignore"):  # a double past float32's range is inf there, as torch.tensor makes it
                 array = array.astype(floats)
