@@ -158,8 +158,8 @@ def _from_json(data, where: str, floats: str = "float32") -> dict[str, np.ndarra
         numbers = _numbers(value)
         try:
             array = np.array(numbers)
-        except (TypeError, ValueError, OverflowError) as error:  # rows of different lengths
-            raise MaskError(f"{where}{label}: not a rectangular nested list of numbers ({str(error).splitlines()[0]})") from None
+        except ValueError:  # numpy's "inhomogeneous shape": rows of different lengths, or a list beside a number
+            raise MaskError(f"{where}{label}: not a rectangular nested list of numbers (its rows differ in length or depth)") from None
         if array.dtype.kind not in "biuf":  # text, null, objects
             raise MaskError(f"{where}{label}: not a rectangular nested list of numbers ({shortened(json.dumps(next(_not_numbers(numbers), None)), 40)} is not a number)")
         if array.dtype.kind == "f":

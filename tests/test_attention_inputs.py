@@ -150,7 +150,8 @@ def test_json_is_read_by_numpy_as_torch_tensor_makes_it():
         assert dtype_name(array) == str(expected.dtype).removeprefix("torch.") and array.tolist() == expected.tolist(), text
     assert read_tensors("[[0.1]]", "FILE", json_floats="float64")[""].tolist() == [[0.1]]
     for text, says in (('[[1, null]]', "null is not a number"), (f"[[1, {2 ** 63}]]", f"{2 ** 63} does not fit int64"), (f"[[{-2 ** 63 - 1}]]", f"{-2 ** 63 - 1} does not fit int64"),
-                       ('[[{"a": 1}]]', '{"a": 1} is not a number'), ('[[1, "x"]]', '"x" is not a number')):
+                       ('[[{"a": 1}]]', '{"a": 1} is not a number'), ('[[1, "x"]]', '"x" is not a number'),
+                       ("[[1, 2], [3]]", "its rows differ in length or depth")):
         with pytest.raises(MaskError, match=re.escape(f"not a rectangular nested list of numbers ({says})")):
             read_tensors(text, "FILE")
 
