@@ -32,6 +32,18 @@ FLOAT_MIN = {
 FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
+def rounded(value: float, dtype: str) -> float:
+    """`value` as a float `dtype` holds it, as torch casts a Python float: to float32, then to the nearest
+    (ties to even) float16 or bfloat16; past the largest finite value by half a step it is inf. Without torch."""
+    with np.errstate(over="ignore"):
+        single = np.float32(value)
+        if dtype != "bfloat16":
+            return float(single.astype(dtype))
+    bits = int(single.view(np.uint32))
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16) & 0xFFFFFFFF  # bfloat16: float32's top half, rounded
+    return float(np.uint32(bits).view(np.float32))
+
+
 def torch_dtype(name: str):
     import torch
 

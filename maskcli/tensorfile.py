@@ -4,6 +4,11 @@ Loading never runs code from the file: .pt goes through `torch.load(weights_only
 .npy/.npz through `numpy.load(allow_pickle=False)`, and .safetensors is parsed here
 (an 8-byte header length, a JSON header, raw little-endian bytes), so no extra
 dependency is needed for it.
+
+Every file but .pt is read into numpy arrays without importing torch (`read_tensors`);
+`load_tensors` is the torch view of the same reading, for code that computes with torch.
+numpy has no bfloat16: such a tensor is widened to float32 (exactly: bfloat16 is float32's
+top 16 bits) with the dtype BFLOAT16, whose metadata keeps the name that `dtype_name` says.
 """
 
 from __future__ import annotations
@@ -13,22 +18,63 @@ import math
 import struct
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.text import shortened
 
 from maskcli.files import SAFETENSORS_DTYPES, checked_source, is_inline  # noqa: F401 - is_inline is read from here too
 
-# the codes safetensors writes, by numpy's dtype names (files.py writes them), and bfloat16, which numpy lacks
-_SAFETENSORS_DTYPES = {code: getattr(torch, name) for name, code in SAFETENSORS_DTYPES.items()} | {"BF16": torch.bfloat16}
+BFLOAT16 = np.dtype(np.float32, metadata={"name": "bfloat16"})  # a bfloat16 tensor's values, widened exactly
+# the codes safetensors writes, by numpy's dtype names (files.py writes them), and bfloat16
+_SAFETENSORS_DTYPES = {code: np.dtype(name) for name, code in SAFETENSORS_DTYPES.items()} | {"BF16": BFLOAT16}
 
 
-def load_tensors(source: str, flag: str, json_floats: torch.dtype | None = None, numbers: bool = False) -> dict[str, torch.Tensor]:
+def dtype_name(values) -> str:
+    """The dtype as torch names it (bool, int64, bfloat16, ...), of a numpy array (a widened bfloat16 one too) or a tensor."""
+    if isinstance(values, np.ndarray):
+        return (values.dtype.metadata or {}).get("name", values.dtype.name)
+    return str(values.dtype).removeprefix("torch.")
+
+
+def as_array(values) -> np.ndarray:
+    """A numpy array as it is; a torch tensor (a .pt file's) as a numpy array on the host, bfloat16 widened to BFLOAT16."""
+    if isinstance(values, np.ndarray):
+        return values
+    values = values.detach().cpu()
+    if dtype_name(values) == "bfloat16":
+        return values.float().numpy().view(BFLOAT16)
+    return values.numpy()
+
+
+def as_tensor(values):
+    """A numpy array as a torch tensor (a BFLOAT16 one as bfloat16 again); a tensor as it is."""
+    import torch
+
+    if isinstance(values, torch.Tensor):
+        return values
+    tensor = torch.from_numpy(values)
+    return tensor.to(torch.bfloat16) if dtype_name(values) == "bfloat16" else tensor
+
+
+def load_tensors(source: str, flag: str, json_floats=None, numbers: bool = False) -> dict:
+    """Every tensor in a file (or inline JSON) by name, as torch tensors; a lone tensor is named ''.
+
+    JSON carries no dtype: its floats become `json_floats` (a torch dtype), or torch's default dtype. `numbers`:
+    a .pt dict's plain ints and lists of ints are tensors too (a collator's max_length_q is a Python int).
+    """
+    import torch
+
+    floats = str(json_floats or torch.get_default_dtype()).removeprefix("torch.")
+    return {name: as_tensor(value) for name, value in read_tensors(source, flag, floats, numbers).items()}
+
+
+def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: bool = False) -> dict:
     """Every tensor in a file (or inline JSON) by name; a lone tensor is named ''.
 
-    JSON carries no dtype: its floats become `json_floats`, or torch's default dtype. `numbers`: a .pt dict's
-    plain ints and lists of ints are tensors too (a collator's max_length_q is a Python int).
+    numpy arrays, read without torch, from every file but .pt, whose tensors come as torch.load gives them (the
+    caller converts them at its edge). JSON's floats become `json_floats` (a numpy dtype name); `numbers`: see
+    load_tensors.
     """
     if is_inline(source):
         where = f"{flag} {shortened(source, 60)!r} (inline JSON)"
@@ -60,9 +106,7 @@ def _check_fits(size: int, suffix: str, where: str) -> None:
     check_bytes_fit(needed, f"{where} ({size:,} bytes on disk)", how, fix="slice the tensor you need into a smaller file first (like mask[0, 0]), or run where there is more memory")
 
 
-def load_tensor(
-    source: str, flag: str, names: tuple[str, ...] = (), others: tuple[str, ...] = (), json_floats: torch.dtype | None = None
-) -> torch.Tensor:
+def load_tensor(source: str, flag: str, names: tuple[str, ...] = (), others: tuple[str, ...] = (), json_floats=None):
     """The first of `names` that `source` holds, else its one tensor, unless that one is named in `others`."""
     tensors = load_tensors(source, flag, json_floats)
     for name in names:
@@ -80,8 +124,14 @@ def load_tensor(
 
 
 def _parse_json(text: str, where: str):
+    def integer(digits: str) -> int:  # numpy would make a wider one uint64, float64 or an object, not an error
+        value = int(digits)
+        if not -(1 << 63) <= value < 1 << 63:
+            raise MaskError(f"{where}: not a rectangular nested list of numbers ({shortened(digits, 40)} does not fit int64)")
+        return value
+
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=integer)
     except json.JSONDecodeError as error:
         raise MaskError(f"{where}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
     except RecursionError:
@@ -100,22 +150,32 @@ def _numbers(value):
     return value
 
 
-def _from_json(data, where: str, floats: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def _from_json(data, where: str, floats: str = "float32") -> dict[str, np.ndarray]:
     items = data.items() if isinstance(data, dict) else [("", data)]
-    tensors = {}
+    arrays = {}
     for name, value in items:
+        label = f" {name!r}" if name else ""
+        numbers = _numbers(value)
         try:
-            numbers = _numbers(value)
-            tensor = torch.tensor(numbers)
-            if floats is not None and tensor.is_floating_point():
-                tensor = torch.tensor(numbers, dtype=floats)  # parsed again: a double read as float32 has lost digits
-            tensors[name] = tensor
-        except (TypeError, ValueError, RuntimeError) as error:
-            label = f" {name!r}" if name else ""
-            raise MaskError(
-                f"{where}{label}: not a rectangular nested list of numbers ({str(error).splitlines()[0]})"
-            ) from None
-    return tensors
+            array = np.array(numbers)
+        except ValueError:  # numpy's "inhomogeneous shape": rows of different lengths, or a list beside a number
+            raise MaskError(f"{where}{label}: not a rectangular nested list of numbers (its rows differ in length or depth)") from None
+        if array.dtype.kind not in "biuf":  # text, null, objects
+            raise MaskError(f"{where}{label}: not a rectangular nested list of numbers ({shortened(json.dumps(next(_not_numbers(numbers), None)), 40)} is not a number)")
+        if array.dtype.kind == "f":
+            with np.errstate(over="ignore"):  # a double past float32's range is inf there, as torch.tensor makes it
+                array = array.astype(floats)
+        arrays[name] = array
+    return arrays
+
+
+def _not_numbers(value):
+    """The leaves of nested lists that are not numbers."""
+    if isinstance(value, list):
+        for item in value:
+            yield from _not_numbers(item)
+    elif not isinstance(value, (bool, int, float)):
+        yield value
 
 
 def _short(value) -> str:
@@ -123,9 +183,11 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _from_pt(path: Path, where: str, numbers: bool = False) -> dict[str, torch.Tensor]:
+def _from_pt(path: Path, where: str, numbers: bool = False) -> dict:
     import pickle
     import warnings
+
+    import torch
 
     try:
         with warnings.catch_warnings():
@@ -156,6 +218,8 @@ def _from_pt(path: Path, where: str, numbers: bool = False) -> dict[str, torch.T
 
 def _as_tensor(value):
     """A plain int or a (nested) list of ints as a tensor; anything else as it is."""
+    import torch
+
     if isinstance(value, bool) or not isinstance(value, (int, list)):
         return value
     try:
@@ -164,9 +228,7 @@ def _as_tensor(value):
         return value
 
 
-def _from_numpy(path: Path, where: str) -> dict[str, torch.Tensor]:
-    import numpy as np
-
+def _from_numpy(path: Path, where: str) -> dict[str, np.ndarray]:
     with path.open("rb") as file:
         head = file.read(6)
     # np.load takes anything without the .npy/.npz signature for a pickle, and would call garbage "objects"
@@ -185,18 +247,17 @@ def _from_numpy(path: Path, where: str) -> dict[str, torch.Tensor]:
         raise MaskError(f"{where}: not a readable numpy file ({str(error)[:160]})") from None
     except Exception as error:
         raise MaskError(f"{where}: not a readable numpy file ({type(error).__name__}: {str(error)[:160]})") from None
-    tensors = {}
     for name, array in arrays.items():
         if array.dtype.kind not in "biuf":
             label = f" {name!r}" if name else ""
             raise MaskError(f"{where}{label}: numpy dtype {array.dtype} cannot be a tensor of numbers")
         # torch takes native byte order only; a big-endian array ('>f4') is swapped here. np.asarray, not
         # np.ascontiguousarray, which makes a 0-d array 1-d and so would read a single number as a mask of one cell
-        tensors[name] = torch.from_numpy(np.asarray(array, dtype=array.dtype.newbyteorder("="), order="C"))
-    return tensors
+        arrays[name] = np.asarray(array, dtype=array.dtype.newbyteorder("="), order="C")
+    return arrays
 
 
-def _from_safetensors(path: Path, where: str) -> dict[str, torch.Tensor]:
+def _from_safetensors(path: Path, where: str) -> dict[str, np.ndarray]:
     data = path.read_bytes()
     try:
         (header_len,) = struct.unpack("<Q", data[:8])
@@ -215,15 +276,18 @@ def _from_safetensors(path: Path, where: str) -> dict[str, torch.Tensor]:
             shape = info["shape"]
             if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
                 raise MaskError(f"{where}: tensor {name!r} has shape {_short(shape)}; a shape is a list of sizes of 0 or more")
-            size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            size = math.prod(shape) * (2 if dtype is BFLOAT16 else dtype.itemsize)
             if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= len(data) - base and end - start == size):
                 raise MaskError(
                     f"{where}: tensor {name!r} has data_offsets {_short(info['data_offsets'])}, which do not hold its "
                     f"{size:,} bytes inside the file's {len(data) - base:,}: the file is damaged"
                 )
-            raw = bytearray(data[base + start : base + end])
-            tensor = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-            tensors[name] = tensor.reshape(shape)
+            raw = bytearray(data[base + start : base + end])  # a copy that can be written, as torch wants
+            if dtype is BFLOAT16:  # bfloat16 is float32's top 16 bits
+                array = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(BFLOAT16)
+            else:
+                array = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype.newbyteorder("="), copy=False)
+            tensors[name] = array.reshape(shape)
         return tensors
     except MaskError:
         raise

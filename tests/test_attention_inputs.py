@@ -23,7 +23,7 @@ from maskcli.attention.inputs import (
     resolve_device,
     resolve_dtype,
 )
-from maskcli.tensorfile import load_tensor, load_tensors
+from maskcli.tensorfile import dtype_name, load_tensor, load_tensors, read_tensors
 
 TUTORIAL_X = [
     [0.43, 0.15, 0.89],
@@ -127,6 +127,33 @@ def test_safetensors_other_dtypes_and_big_endian_numpy(tmp_path):
     big = tmp_path / "big.npy"
     np.save(big, tensor.numpy().astype(">f4"))
     assert load_tensor(str(big), "--q").tolist() == tensor.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8, torch.bool])
+def test_safetensors_are_read_by_numpy_as_torch_reads_them(tmp_path, dtype):
+    values = torch.tensor([[0.0, -3.3895313892515355e38, 1.0], [-1e9, 0.5, 7.0]]).to(dtype)
+    raw = values.contiguous().view(torch.uint8).numpy().tobytes()  # torch's own bytes (little-endian here)
+    code = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL"}[dtype]
+    header = json.dumps({"m": {"dtype": code, "shape": [2, 3], "data_offsets": [0, len(raw)]}}).encode()
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + raw)
+    array = read_tensors(str(tmp_path / "m.safetensors"), "FILE")["m"]
+    assert isinstance(array, np.ndarray) and dtype_name(array) == str(dtype).removeprefix("torch.")
+    assert array.tolist() == values.float().tolist() if dtype == torch.bfloat16 else array.tolist() == values.tolist()
+    loaded = load_tensors(str(tmp_path / "m.safetensors"), "FILE")["m"]  # the torch view: bfloat16 again, bit for bit
+    assert loaded.dtype == dtype and torch.equal(loaded.view(torch.uint8), values.view(torch.uint8))
+
+
+def test_json_is_read_by_numpy_as_torch_tensor_makes_it():
+    for text in ("[[1, 0], [1, 1]]", "[[true, false]]", "[[0.1, -1e39]]", "[[true, 0.5], [1, 0]]", "[7.5, 1]", "[]"):
+        (array,) = read_tensors(text, "FILE").values()
+        expected = torch.tensor(json.loads(text))
+        assert dtype_name(array) == str(expected.dtype).removeprefix("torch.") and array.tolist() == expected.tolist(), text
+    assert read_tensors("[[0.1]]", "FILE", json_floats="float64")[""].tolist() == [[0.1]]
+    for text, says in (('[[1, null]]', "null is not a number"), (f"[[1, {2 ** 63}]]", f"{2 ** 63} does not fit int64"), (f"[[{-2 ** 63 - 1}]]", f"{-2 ** 63 - 1} does not fit int64"),
+                       ('[[{"a": 1}]]', '{"a": 1} is not a number'), ('[[1, "x"]]', '"x" is not a number'),
+                       ("[[1, 2], [3]]", "its rows differ in length or depth")):
+        with pytest.raises(MaskError, match=re.escape(f"not a rectangular nested list of numbers ({says})")):
+            read_tensors(text, "FILE")
 
 
 def test_json_spellings_of_non_finite_values_load():

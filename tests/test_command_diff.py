@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from typer.testing import CliRunner
 
 import definitions as ref
+import maskfiles
 from maskcli.commands import app
 from strategies import cases, expected_cells
 
@@ -232,3 +233,12 @@ def test_piped_a_diff_of_1000_keys_is_a_map_and_words_80_columns_wide():
     text = " ".join(out.split())
     assert "rows: query position, ruler: key position; one character = 28 queries x 14 keys (exact, from key intervals)" in text
     assert "only A allows 0 cells · only B allows 996 · both allow 3,994" in text  # 996 = 1000 - 4 rows that see key q-4
+
+
+def test_mask_files_are_compared_without_importing_torch(tmp_path):
+    names = list(maskfiles.write(tmp_path).values())  # the same mask in five conventions
+    commands = ([["diff", name, maskfiles.EXPRESSION] for name in names] + [["diff", names[0], name] for name in names[1:]]
+                + [["diff", names[-1], "causal", "--json"]])
+    ran = maskfiles.torch_after_each(commands, tmp_path)
+    assert [code for _, code, _ in ran] == [0] * (len(commands) - 1) + [1]  # each is the expression; none is causal
+    assert not any(loaded for *_, loaded in ran), [args for args, _, loaded in ran if loaded][:1]

@@ -646,3 +646,41 @@ def test_a_file_whose_name_starts_with_a_bracket_is_a_file_not_inline_json(tmp_p
     result = runner.invoke(app, ["inspect", "[red]k.npy"])
     assert result.exit_code == 0 and result.stdout.startswith("[red]k.npy: bool [3, 3]"), result.output
     assert runner.invoke(app, ["inspect", "[[1, 0], [1, 1]]"]).stdout.startswith("[[1, 0], [1, 1]]: int64 [2, 2]")
+
+
+# --- .npy, .npz, .safetensors and .json without torch ---------------------------------------------
+
+import maskfiles  # noqa: E402
+
+
+def test_npy_npz_safetensors_and_json_are_inspected_without_importing_torch(tmp_path):
+    names = list(maskfiles.write(tmp_path).values())
+    torch.save(torch.from_numpy(maskfiles.reference()), tmp_path / "keep.pt")
+    commands = [["inspect", name, *extra] for name in names for extra in ([], ["--json"])] + [["inspect", "keep.pt"]]
+    ran = maskfiles.torch_after_each(commands, tmp_path)
+    assert [code for _, code, _ in ran] == [0] * len(commands)
+    # the last, a .pt file, needs torch: the check can see it
+    assert [loaded for *_, loaded in ran] == [False] * (len(commands) - 1) + [True]
+
+
+@pytest.mark.parametrize("label", list(maskfiles.tensors()))
+def test_each_file_type_reads_as_the_same_tensor_saved_as_pt(tmp_path, label):
+    name, tensor = maskfiles.tensors()[label]
+    maskfiles.write(tmp_path)
+    torch.save(tensor, tmp_path / "same.pt")
+    found, expected = report(tmp_path / name), report(tmp_path / "same.pt")
+    assert found.pop("file") != expected.pop("file") and found == expected
+    assert found["dtype"] == str(tensor.dtype).removeprefix("torch.") and found["structure"] == "window(3)"
+    conventions = {"npy": "keep", "npz": "int", "safetensors bf16": "min", "safetensors f16": "additive", "json": "block"}
+    assert found["convention"] == conventions[label] and found["convention_sure"]
+    if label == "safetensors bf16":
+        assert found["sentinel"] == torch.finfo(torch.bfloat16).min
+
+
+def test_a_numpy_dtype_torch_lacks_is_refused_by_name(tmp_path):
+    np.save(tmp_path / "long.npy", np.zeros((2, 2), dtype=np.longdouble))
+    result = runner.invoke(app, ["inspect", str(tmp_path / "long.npy")])
+    assert result.exit_code == 2 and result.stderr == (
+        f"maskcli: error: '{tmp_path / 'long.npy'}' has dtype {np.dtype(np.longdouble).name}, which cannot be a mask here: "
+        "use bool, an integer type or float16/bfloat16/float32/float64\n"
+    )

@@ -608,6 +608,24 @@ def test_figures_and_npy_need_no_torch(tmp_path):
         assert "torch" not in names, args
 
 
+def test_mask_files_are_shown_without_importing_torch(tmp_path):
+    import maskfiles
+
+    names = list(maskfiles.write(tmp_path).values())
+    commands = [["show", "--mask", name, *extra] for name in names for extra in ([], ["--json"], ["--summary"])]
+    ran = maskfiles.torch_after_each(commands, tmp_path)
+    assert [code for _, code, _ in ran] == [0] * len(commands)
+    assert not any(loaded for *_, loaded in ran), [args for args, _, loaded in ran if loaded][:1]
+
+
+def test_mask_files_show_the_cells_they_hold(tmp_path):
+    import maskfiles
+
+    for label, name in maskfiles.write(tmp_path).items():
+        data = json.loads(ok(["show", "--mask", str(tmp_path / name), "--json"]).stdout)
+        assert np.array_equal(np.array(data["mask"], dtype=bool)[0, 0], maskfiles.reference()), label
+
+
 @pytest.mark.parametrize("command", ["show", "chunk", "attend", "verify", "inspect", "convert", "kinds"])
 def test_every_option_has_its_own_name(command):
     """Shared options reach each command under the names the user types, never the Python ones."""

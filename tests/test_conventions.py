@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maskcli.conventions import DTYPES, FLOAT_MIN, bytes_per_cell, cell_texts, describe, to_convention
+from maskcli.conventions import DTYPES, FLOAT_MIN, bytes_per_cell, cell_texts, describe, rounded, to_convention
 from maskcli.mask import build
 
 keep_arrays = st.integers(1, 6).flatmap(
@@ -80,3 +80,19 @@ def test_conventions_mean_the_same_to_pytorch_attention():
         mha.out_proj.weight.copy_(torch.eye(4))
     out, _ = mha(q[:, 0], k[:, 0], v[:, 0], attn_mask=to_convention(keep, "block")[:, 0], need_weights=False)
     torch.testing.assert_close(out, want[:, 0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.one_of(
+    st.floats(-3.5e38, -3.3e38), st.floats(-66000.0, -65000.0), st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([-65504.0, -65519.99, -65520.0, FLOAT_MIN["bfloat16"], FLOAT_MIN["float32"], -1e9, -1e4]),
+))
+def test_rounded_casts_as_torch_does(value):
+    for dtype in ("float16", "bfloat16", "float32"):
+        expected = torch.tensor(value, dtype=torch.float64).to(getattr(torch, dtype)).item()
+        assert rounded(value, dtype) == expected, (value, dtype)
+
+
+def test_float_minimums_are_torchs():
+    for dtype in DTYPES:
+        assert FLOAT_MIN[dtype] == torch.finfo(getattr(torch, dtype)).min

@@ -149,7 +149,9 @@ def attend(
         console.print(note, style="dim", highlight=False)
     for view in report.stage_tables(run.mask, run.stages, names, pairs, precision, width=console.width):
         console.print(view)
-    console.print(report.findings_text(run.findings))
+    from maskcli.render.tables import findings_text
+
+    console.print(findings_text(run.findings))
 
 
 def _region(run, rows, keys):

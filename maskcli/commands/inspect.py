@@ -1,6 +1,7 @@
 """`maskcli inspect` and `maskcli convert`: say what a mask tensor is, and write it in another convention.
 
-torch, rich and matplotlib are imported inside the commands, so `maskcli --help` loads none of them.
+rich and matplotlib are imported inside the commands, so `maskcli --help` loads neither; torch only for a .pt file
+(in or out) and for a bfloat16 result.
 """
 
 from __future__ import annotations
@@ -69,19 +70,17 @@ def inspect(
     from maskcli.inspect.load import load_mask
 
     if traced is not None:
-        import torch
-
         from maskcli.inspect.polarity import Convention
 
         if key is not None or from_ is not None:
             raise MaskError(f"--key and --from do not apply to {file!r}: a traced call's mask is in keep form already")
-        tensor, label = torch.from_numpy(traced[0]), traced[1]
+        values, label = traced
         given = Convention("keep", "values", "a call captured by maskcli trace, in keep form (True = may attend)")
     else:
-        tensor, label = load_mask(file, key)
-        given = _convention(tensor, from_, label) if from_ is not None else None
-    _check_room(tensor, label, 11 + tensor.element_size(), "to inspect")
-    analysis = analyse(tensor, heads, given)
+        values, label = load_mask(file, key)  # numpy: only a .pt file imports torch
+        given = _convention(values, from_, label) if from_ is not None else None
+    _check_room(values, label, 11 + values.itemsize, "to inspect")
+    analysis = analyse(values, heads, given)
     mask = _display_mask(analysis, file if key is None else f"{file} [{key}]", tokens)
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure
@@ -103,9 +102,11 @@ def inspect(
 
 def _display_mask(analysis, source: str, tokens: str | None):
     """A Mask over the dense keep tensor, named by the expression that rebuilds it (or by the file)."""
+    import numpy as np
+
     from maskcli.mask import from_tensor
 
-    dense = analysis.keep4.contiguous().numpy()
+    dense = np.ascontiguousarray(analysis.keep4)
     _, _, q_len, k_len = dense.shape
     parsed = None
     if tokens is not None:
@@ -123,13 +124,11 @@ def _display_mask(analysis, source: str, tokens: str | None):
 
 def _shown_convention(analysis) -> tuple[str, str, str | None]:
     """The convention and dtype to draw the cells in: the file's own where maskcli can write its values."""
-    import torch
-
-    from maskcli.conventions import torch_dtype
-    from maskcli.inspect.load import dtype_name
+    from maskcli.conventions import FLOAT_MIN
+    from maskcli.tensorfile import dtype_name
 
     convention = analysis.convention
-    own_dtype = dtype_name(analysis.tensor.dtype)
+    own_dtype = dtype_name(analysis.tensor)
     if convention.name in ("keep", "block"):
         return convention.name, "float32", None
     if convention.name == "int" and convention.ones_mean == "attend":
@@ -138,7 +137,7 @@ def _shown_convention(analysis) -> tuple[str, str, str | None]:
         return "additive", own_dtype if own_dtype in DTYPES else "float32", None
     if convention.name == "min":
         for name in DTYPES:
-            if convention.sentinel == torch.finfo(torch_dtype(name)).min:
+            if convention.sentinel == FLOAT_MIN[name]:
                 return "min", name, None
     return "keep", "float32", "shown as keep (1 = may attend, 0 = masked): the file's own values are not one of the conventions maskcli draws"
 
@@ -147,7 +146,7 @@ def _print_report(analysis, report: dict, mask) -> None:
     from rich.text import Text
 
     from maskcli.render.masks import mask_views
-    from maskcli.render.stages import findings_text
+    from maskcli.render.tables import findings_text
 
     console = make_console(highlight=False)
     convention, structure = analysis.convention, analysis.structure
@@ -224,15 +223,15 @@ def convert(
     from maskcli.inspect.load import load_mask
     from maskcli.inspect.polarity import to_keep
 
-    tensor, label = load_mask(file, key)
+    values, label = load_mask(file, key)
     out_bytes = {"keep": 1, "block": 1, "int": 8}.get(to) or {"float16": 2, "bfloat16": 2, "float64": 8}.get(dtype, 4)
-    _check_room(tensor, label, 5 + out_bytes, f"to convert to {to}")
-    convention = _convention(tensor, from_, label)
+    _check_room(values, label, 5 + out_bytes, f"to convert to {to}")
+    convention = _convention(values, from_, label)
     if convention.name == "bias":
         raise MaskError(f"{label} is not a mask but an additive bias ({convention.note}): nothing to convert")
     elif not convention.sure:
         raise MaskError(f"cannot tell whether {label} is keep or block ({convention.note}): say which with --from keep or --from block")
-    result = to_convention(to_keep(tensor, convention), to, dtype)
+    result = to_convention(to_keep(values, convention), to, dtype)
     check_write(out_path, result.numel() * result.element_size() if hasattr(result, "numel") else result.nbytes, "--out")
     write_array(result, out_path)
     described = f"{convention.name}" + (", 1 = masked" if convention.name == "int" and convention.ones_mean == "masked" else "")
@@ -247,21 +246,21 @@ def _check_source(file: str) -> None:
         checked_source(file, "FILE")
 
 
-def _check_room(tensor, label: str, bytes_per_cell: int, doing: str) -> None:
+def _check_room(values, label: str, bytes_per_cell: int, doing: str) -> None:
     """Refuse up front a loaded mask too large to work on in the memory left (measured: the peak per cell)."""
     from maskcli.memory import check_bytes_fit
 
     check_bytes_fit(
-        tensor.numel() * bytes_per_cell, f"{label} ({' x '.join(map(str, tensor.shape))} cells)", doing,
+        values.size * bytes_per_cell, f"{label} ({' x '.join(map(str, values.shape))} cells)", doing,
         fix="slice the part you need into a smaller file first (like mask[0, 0] or mask[..., :4096, :4096]), or run where there is more memory",
     )
 
 
-def _convention(tensor, from_: str | None, label: str):
+def _convention(values, from_: str | None, label: str):
     """The tensor's convention as its values say, or as --from says for a bool or 0/1 mask."""
     from maskcli.inspect.polarity import Convention, classify
 
-    convention = classify(tensor)
+    convention = classify(values)
     if from_ is None:
         return convention
     if convention.name not in ("keep", "block", "int"):

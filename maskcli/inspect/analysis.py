@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
+import numpy as np
 
 from maskcli.inspect.apis import api_fits, broadcast_text
 from maskcli.inspect.findings import findings
-from maskcli.inspect.load import dtype_name
+from maskcli.inspect.load import check_maskable
 from maskcli.inspect.polarity import Convention, classify, marks, sdpa_view, to_keep
 from maskcli.inspect.structure import Structure, recognise
+from maskcli.tensorfile import dtype_name
 
 
 @dataclass(frozen=True)
 class Analysis:
-    tensor: torch.Tensor
+    tensor: np.ndarray  # the file's values (bfloat16 widened: tensorfile.BFLOAT16)
     convention: Convention
-    keep4: torch.Tensor  # bool (B, H, Lq, Lk) as shown: SDPA's view, or [B, 1, 1, S] for a key padding reading
+    keep4: np.ndarray  # bool (B, H, Lq, Lk) as shown: SDPA's view, or [B, 1, 1, S] for a key padding reading
     structure: Structure
     findings: list
     apis: list
@@ -37,7 +38,7 @@ class Analysis:
         structure = self.structure
         return {
             "file": source,
-            "dtype": dtype_name(self.tensor.dtype),
+            "dtype": dtype_name(self.tensor),
             "shape": list(self.tensor.shape),
             "broadcast": self.broadcast,
             "as_4d": list(sdpa_view(self.tensor).shape),
@@ -60,12 +61,15 @@ class Analysis:
         }
 
 
-def analyse(tensor: torch.Tensor, heads: int | None = None, convention: Convention | None = None) -> Analysis:
-    """Classify, recognise and find what is wrong, in one go; `convention` overrides the classification."""
+def analyse(tensor, heads: int | None = None, convention: Convention | None = None) -> Analysis:
+    """Classify, recognise and find what is wrong, in one go; `convention` overrides the classification.
+
+    `tensor`: a numpy array as inspect.load gives it, or a torch tensor, checked and converted here."""
+    tensor = check_maskable(tensor, "the tensor")
     convention = convention or classify(tensor)
     keep = to_keep(tensor, convention)
     keep4 = sdpa_view(keep)
-    structure = recognise(keep4, key_padding=tensor.dim() == 2, marked=marks(convention), nearest=True)
+    structure = recognise(keep4, key_padding=tensor.ndim == 2, marked=marks(convention), nearest=True)
     key_padding = structure.reading == "key padding [B, S]"
     if key_padding:
         keep4 = keep[:, None, None, :]

@@ -2,26 +2,26 @@
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from maskcli.inspect.polarity import Convention, marks
 
 # --- shapes as SDPA and nn.MultiheadAttention read them ------------------------------
 
 
-def broadcast_text(tensor: torch.Tensor) -> str:
+def broadcast_text(tensor: np.ndarray) -> str:
     """How the shape broadcasts to (B, H, Lq, Lk), in words."""
     shape = list(tensor.shape)
-    if tensor.dim() == 1:
+    if tensor.ndim == 1:
         return (
             f"[S={shape[0]}]: SDPA broadcasts it to (1, 1, 1, {shape[0]}), one row of keys shared by every batch row, "
             "head and query (a key padding row)"
         )
-    if tensor.dim() == 2:
+    if tensor.ndim == 2:
         return f"[Lq={shape[0]}, Lk={shape[1]}] broadcasts over batch and heads to (1, 1, {shape[0]}, {shape[1]})" + (
             f"; as a key padding mask it is [B={shape[0]}, S={shape[1]}]" if shape[0] != shape[1] else ""
         )
-    if tensor.dim() == 3:
+    if tensor.ndim == 3:
         n = shape[0]
         return (
             f"[{n}, Lq={shape[1]}, Lk={shape[2]}]: SDPA broadcasts its first dimension as {n} heads "
@@ -37,16 +37,16 @@ def broadcast_text(tensor: torch.Tensor) -> str:
 # --- which APIs take it as is --------------------------------------------------------
 
 
-def _as_bool(expr: str, tensor: torch.Tensor, convention: Convention, want: str) -> str:
-    """Python for `expr` as a bool mask where True means `want` ("attend" or "masked")."""
+def _as_bool(expr: str, tensor: np.ndarray, convention: Convention, want: str) -> str:
+    """Python (torch) for `expr` as a bool mask where True means `want` ("attend" or "masked")."""
     if marks(convention) == want:
-        return expr if tensor.dtype == torch.bool else f"{expr}.bool()"
-    return f"~{expr}" if tensor.dtype == torch.bool else f"({expr} == 0)"
+        return expr if tensor.dtype == bool else f"{expr}.bool()"
+    return f"~{expr}" if tensor.dtype == bool else f"({expr} == 0)"
 
 
-def api_fits(tensor: torch.Tensor, convention: Convention, key_padding: bool = False) -> list[str]:
+def api_fits(tensor: np.ndarray, convention: Convention, key_padding: bool = False) -> list[str]:
     """For SDPA attn_mask, nn.MultiheadAttention attn_mask and key_padding_mask: yes as is, or the expression to pass instead."""
-    name, dims, shape = convention.name, tensor.dim(), tensor.shape
+    name, dims, shape = convention.name, tensor.ndim, tensor.shape
     floats = name in ("additive", "min", "bias")
     fits = []
 
@@ -61,7 +61,7 @@ def api_fits(tensor: torch.Tensor, convention: Convention, key_padding: bool = F
         sdpa += f"yes, as is (added to the scores; in the query's dtype){heads_note}"
     elif name == "block":
         sdpa += "no, SDPA reads True as attend; pass ~mask"
-    elif tensor.is_floating_point():
+    elif tensor.dtype.kind == "f":
         sdpa += f"no, a float mask is added to the scores, so 0/1 masks nothing; pass {_as_bool('mask', tensor, convention, 'attend')}"
     else:
         sdpa += f"no, it takes bool or float; pass {_as_bool('mask', tensor, convention, 'attend')}"

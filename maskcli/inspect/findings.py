@@ -3,11 +3,12 @@ fills that overflow in float16/bfloat16, a 3-D mask whose first dimension is the
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
-from maskcli.inspect.load import dtype_name
+from maskcli.conventions import FLOAT_MIN, rounded
 from maskcli.inspect.polarity import Convention, sdpa_view, to_keep
 from maskcli.inspect.structure import Structure, fully_masked_rows
+from maskcli.tensorfile import dtype_name
 from maskcli.text import Finding, spans
 
 
@@ -18,22 +19,22 @@ def _where(b: int, h: int, shape) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def findings(tensor: torch.Tensor, convention: Convention, keep4: torch.Tensor, structure: Structure,
+def findings(tensor: np.ndarray, convention: Convention, keep4: np.ndarray, structure: Structure,
              heads: int | None = None, q_offset: int = 0) -> list[Finding]:
     """Rows that see nothing, later keys a kind does not mean, fills that overflow, a 3-D heads trap, and more."""
     result: list[Finding] = []
     q_len, k_len = keep4.shape[-2:]
     empty = fully_masked_rows(keep4)  # (B, H, Lq)
     if structure.reading == "key padding [B, S]":
-        batch_rows = empty[:, 0, 0].nonzero().flatten().tolist()
+        batch_rows = np.flatnonzero(empty[:, 0, 0]).tolist()
         if batch_rows:
             who = f"batch row {batch_rows[0]} hides" if len(batch_rows) == 1 else f"batch rows {spans(batch_rows)} hide"
             result.append(Finding("fully-masked", f"{who} every key: a length-0 sequence, whose queries see no key at all"))
     else:
-        for b, h in torch.nonzero(empty.any(dim=-1)).tolist():
-            if h > 0 and torch.equal(empty[b, h], empty[b, 0]):
+        for b, h in np.argwhere(empty.any(axis=-1)).tolist():
+            if h > 0 and np.array_equal(empty[b, h], empty[b, 0]):
                 continue  # the same rows as head 0: said once
-            rows = [q_offset + i for i in torch.nonzero(empty[b, h]).flatten().tolist()]
+            rows = [q_offset + i for i in np.flatnonzero(empty[b, h]).tolist()]
             who = f"query row {rows[0]} sees" if len(rows) == 1 else f"query rows {spans(rows)} see"
             result.append(Finding(
                 "fully-masked",
@@ -43,12 +44,12 @@ def findings(tensor: torch.Tensor, convention: Convention, keep4: torch.Tensor, 
     # later keys are worth a word unless a kind that means them rebuilds the mask (tril/triu mean them only by accident)
     if structure.reading == "mask" and structure.kind in (None, "tril", "triu"):
         offset = k_len - q_len
-        later = torch.triu(keep4, diagonal=offset + 1)
-        any_later = later.any(dim=-1).any(dim=(0, 1))  # (Lq,)
-        rows = any_later.nonzero().flatten().tolist()
+        later = np.triu(keep4, k=offset + 1)  # on the last two axes
+        any_later = later.any(axis=-1).any(axis=(0, 1))  # (Lq,)
+        rows = np.flatnonzero(any_later).tolist()
         if rows:
-            b, h = (int(x) for x in later[..., rows[0], :].any(dim=-1).nonzero()[0])
-            keys = later[b, h, rows[0]].nonzero().flatten().tolist()
+            b, h = (int(x) for x in np.argwhere(later[..., rows[0], :].any(axis=-1))[0])
+            keys = np.flatnonzero(later[b, h, rows[0]]).tolist()
             where = _where(b, h, keep4.shape).strip(" ()")
             example = f"query {q_offset + rows[0]} sees key{'s' if len(keys) > 1 else ''} {spans(keys)}" + (f" in {where}" if where else "")
             shown = [q_offset + r for r in rows]
@@ -67,7 +68,7 @@ def findings(tensor: torch.Tensor, convention: Convention, keep4: torch.Tensor, 
     top_left = structure.kind == "causal" and structure.mask is not None and structure.mask.q_offset == 0
     if structure.kind is None or structure.reading == "key padding [B, S]" or top_left:
         as_matrix = sdpa_view(to_keep(tensor, convention))  # (Lq, Lk) as SDPA reads it, whatever the reading above
-        if 1 < q_len < k_len and torch.equal(as_matrix, torch.ones(q_len, k_len, dtype=torch.bool).tril().expand_as(as_matrix)):
+        if 1 < q_len < k_len and np.array_equal(as_matrix, np.broadcast_to(np.tri(q_len, k_len, dtype=bool), as_matrix.shape)):
             result.append(Finding(
                 "top-left-causal",
                 ("read as an (Lq, Lk) mask instead, it is " if structure.reading == "key padding [B, S]" else "")
@@ -77,16 +78,15 @@ def findings(tensor: torch.Tensor, convention: Convention, keep4: torch.Tensor, 
             ))
     if convention.sentinel is not None:  # the lowest finite fill (-inf needs no check: it is -inf in every dtype)
         lowest = convention.sentinel
-        for dtype in (torch.float16, torch.bfloat16):
-            if tensor.dtype == dtype or lowest >= torch.finfo(dtype).min:
+        for dtype in ("float16", "bfloat16"):
+            if dtype_name(tensor) == dtype or lowest >= FLOAT_MIN[dtype]:
                 continue
-            cast = torch.tensor(lowest, dtype=torch.float64).to(dtype).item()
-            if cast == float("-inf"):
+            if rounded(lowest, dtype) == float("-inf"):
                 result.append(Finding(
                     "sentinel-overflow",
-                    f"the fill value {lowest:.6g} does not fit {dtype_name(dtype)} (lowest {torch.finfo(dtype).min:.6g}): "
-                    f"cast to {dtype_name(dtype)} it becomes -inf, so a fully masked row gives NaN "
-                    f"(maskcli convert --to min --dtype {dtype_name(dtype)} writes finfo({dtype_name(dtype)}).min)",
+                    f"the fill value {lowest:.6g} does not fit {dtype} (lowest {FLOAT_MIN[dtype]:.6g}): "
+                    f"cast to {dtype} it becomes -inf, so a fully masked row gives NaN "
+                    f"(maskcli convert --to min --dtype {dtype} writes finfo({dtype}).min)",
                 ))
     if convention.name == "int" and convention.ones_mean == "masked":
         result.append(Finding(
@@ -95,20 +95,20 @@ def findings(tensor: torch.Tensor, convention: Convention, keep4: torch.Tensor, 
             "masked_fill(mask == 0, -inf) applies it backwards",
         ))
     if heads is not None:
-        if tensor.dim() == 3 and tensor.shape[0] == heads and heads > 1:
+        if tensor.ndim == 3 and tensor.shape[0] == heads and heads > 1:
             result.append(Finding(
                 "3d-heads",
                 f"the 3-D mask's first dimension is {heads}, the head count: SDPA applies it per head, but "
                 f"nn.MultiheadAttention expects batch x heads there and gives each head the wrong mask once batch > 1 "
                 f"(repeat it: mask.repeat(B, 1, 1) for a batch of B)",
             ))
-        elif tensor.dim() == 3 and tensor.shape[0] not in (1, heads):
+        elif tensor.ndim == 3 and tensor.shape[0] not in (1, heads):
             result.append(Finding(
                 "3d-shape",
                 f"the 3-D mask's first dimension is {tensor.shape[0]}: SDPA needs 1 or the head count {heads} there; "
                 f"nn.MultiheadAttention needs batch x heads = {heads} x B",
             ))
-        elif tensor.dim() == 4 and tensor.shape[1] not in (1, heads):
+        elif tensor.ndim == 4 and tensor.shape[1] not in (1, heads):
             result.append(Finding(
                 "heads-mismatch",
                 f"the mask has {tensor.shape[1]} heads (dimension 1) but the model has {heads}: it broadcasts only when they are equal or it is 1",

@@ -33,15 +33,15 @@ def mask_from_file(path: str, key: str | None, from_: str | None, options: MaskO
         return _from_format(path, from_, options, flag)
     if options.causal:
         raise MaskError("--causal is for --from flash-attn or flashmask: give --from too, or drop --causal")
-    tensor, label = load_mask(path, key, flag)
-    convention = classify(tensor) if from_ is None else Convention(from_, "values", "given with --from")
-    if from_ is not None and tensor.is_floating_point() and bool(((tensor != 0) & (tensor != 1)).any()):
-        raise MaskError(f"--from is for bool and 0/1 masks; {label} holds other values ({classify(tensor).note})")
+    values, label = load_mask(path, key, flag)  # numpy: only a .pt file imports torch
+    convention = classify(values) if from_ is None else Convention(from_, "values", "given with --from")
+    if from_ is not None and values.dtype.kind == "f" and bool(((values != 0) & (values != 1)).any()):
+        raise MaskError(f"--from is for bool and 0/1 masks; {label} holds other values ({classify(values).note})")
     if convention.name == "bias":
         raise MaskError(f"{label} is not a mask but an additive bias ({convention.note})")
     if not convention.sure and from_ is None:
         raise MaskError(f"cannot tell whether {label} is keep or block ({convention.note}): say which with --from keep or --from block")
-    keep = sdpa_view(to_keep(tensor, convention)).numpy()
+    keep = sdpa_view(to_keep(values, convention))
     described = f"{convention.name}" + (", 1 = masked" if convention.name == "int" and convention.ones_mean == "masked" else "")
     return _placed(keep, f"{label} (read as {described})", path, options)
 
@@ -50,7 +50,7 @@ def _placed(keep: np.ndarray, text: str, path: str, options: MaskOptions) -> Mas
     """A Mask over a file's keep cells (B, H, Lq, Lk), its queries at the end of its keys unless --offset says where."""
     _, heads, q_len, k_len = keep.shape
     if options.heads != 1 and heads not in (1, options.heads):
-        raise MaskError(f"{label} has {heads} heads but --heads is {options.heads}: give --heads {heads}, or drop it")
+        raise MaskError(f"--mask {path!r} has {heads} heads but --heads is {options.heads}: give --heads {heads}, or drop it")
     if options.heads > heads:
         keep = np.broadcast_to(keep, (keep.shape[0], options.heads, q_len, k_len))
     for flag, value in (("--len", options.length), ("--kv-len", options.kv_len), ("--align", options.align), ("--lengths", options.lengths),

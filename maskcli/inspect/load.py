@@ -2,60 +2,65 @@
 
 from __future__ import annotations
 
-import torch
+import math
+
+import numpy as np
 
 from maskcli.errors import MaskError
+from maskcli.tensorfile import as_array, dtype_name
 
-MASK_DTYPES = (
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-)
-WIDE_UNSIGNED = tuple(getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+MASK_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+WIDE_UNSIGNED = ("uint16", "uint32", "uint64")  # masks only where they hold 0 and 1
 
 
 # --- loading and refusing -----------------------------------------------------------
 
 
-def check_maskable(tensor: torch.Tensor, where: str) -> torch.Tensor:
-    """The tensor as a plain CPU tensor of a mask dtype, or a one-line MaskError saying why it cannot be a mask."""
-    if tensor.is_complex():
-        raise MaskError(f"{where} holds complex numbers ({dtype_name(tensor.dtype)}), which cannot be a mask")
-    if tensor.is_quantized:
-        raise MaskError(f"{where} is a quantized tensor ({dtype_name(tensor.dtype)}); a mask is bool, 0/1 or float")
-    if tensor.device.type == "meta":
+def check_maskable(values, where: str) -> np.ndarray:
+    """The values as a numpy array of a mask dtype, or a one-line MaskError saying why they cannot be a mask.
+
+    numpy arrays come from every file but .pt; a torch tensor (a .pt file's) is checked for what only torch
+    has (quantized, meta, sparse) and converted here, its edge. bfloat16 comes back widened (tensorfile.BFLOAT16).
+    """
+    name = dtype_name(values)
+    if name.startswith("complex"):
+        raise MaskError(f"{where} holds complex numbers ({name}), which cannot be a mask")
+    torch_in = not isinstance(values, np.ndarray)
+    if torch_in and values.is_quantized:
+        raise MaskError(f"{where} is a quantized tensor ({name}); a mask is bool, 0/1 or float")
+    if torch_in and values.device.type == "meta":
         raise MaskError(f"{where} is a meta tensor: it has a shape but no values")
-    if tensor.dim() > 4:
-        raise MaskError(f"{where} has {tensor.dim()} dimensions {list(tensor.shape)}: a mask has at most 4 (B, H, Lq, Lk)")
-    if tensor.dim() == 0:
-        raise MaskError(f"{where} is a single number ({tensor.item()}), not a mask: a mask has shape (Lq, Lk) up to (B, H, Lq, Lk)")
-    if tensor.numel() == 0:
-        raise MaskError(f"{where} is empty (shape {list(tensor.shape)})")
-    if tensor.layout != torch.strided:
+    shape = list(values.shape)
+    if len(shape) > 4:
+        raise MaskError(f"{where} has {len(shape)} dimensions {shape}: a mask has at most 4 (B, H, Lq, Lk)")
+    if not shape:
+        raise MaskError(f"{where} is a single number ({values.item()}), not a mask: a mask has shape (Lq, Lk) up to (B, H, Lq, Lk)")
+    if math.prod(shape) == 0:
+        raise MaskError(f"{where} is empty (shape {shape})")
+    if torch_in and str(values.layout) != "torch.strided":
         try:
-            tensor = tensor.to_dense()
+            values = values.to_dense()
         except Exception as error:  # some layouts have no dense form for some dtypes
-            raise MaskError(f"{where} is a {tensor.layout} tensor that cannot be made dense ({str(error).splitlines()[0][:120]})") from None
-    if tensor.dtype in WIDE_UNSIGNED:
-        if int(tensor.to(torch.float64).max()) > 1:  # only 0/1 matter; larger values are refused below anyway
-            raise MaskError(f"{where} ({dtype_name(tensor.dtype)}) holds values above 1; a mask is bool, 0/1 or float")
-        tensor = tensor.to(torch.int64)
-    if tensor.dtype not in MASK_DTYPES:
+            raise MaskError(f"{where} is a {values.layout} tensor that cannot be made dense ({str(error).splitlines()[0][:120]})") from None
+    if name not in MASK_DTYPES + WIDE_UNSIGNED:
         raise MaskError(
-            f"{where} has dtype {dtype_name(tensor.dtype)}, which cannot be a mask here: "
+            f"{where} has dtype {name}, which cannot be a mask here: "
             "use bool, an integer type or float16/bfloat16/float32/float64"
         )
-    return tensor.detach().cpu()
+    values = as_array(values)
+    if name in WIDE_UNSIGNED:
+        if int(values.max()) > 1:  # only 0/1 matter; larger values are refused by classify anyway
+            raise MaskError(f"{where} ({name}) holds values above 1; a mask is bool, 0/1 or float")
+        values = values.astype(np.int64)
+    return values
 
 
-def load_mask(source: str, key: str | None = None, flag: str = "FILE") -> tuple[torch.Tensor, str]:
-    """The one tensor in `source` (the one named `key` where there are several), checked to be maskable, and its label."""
-    from maskcli.tensorfile import is_inline, load_tensors
+def load_mask(source: str, key: str | None = None, flag: str = "FILE") -> tuple[np.ndarray, str]:
+    """The one tensor in `source` (the one named `key` where there are several) as a numpy array checked to be
+    maskable, and its label; only a .pt file imports torch."""
+    from maskcli.tensorfile import is_inline, read_tensors
 
-    tensors = load_tensors(source, flag)
+    tensors = read_tensors(source, flag)
     label = "the inline JSON" if is_inline(source) else repr(source)
     names = ", ".join(repr(k) for k in tensors if k)
     if key is not None:

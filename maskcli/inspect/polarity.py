@@ -1,5 +1,6 @@
 """A tensor's convention (keep, block, additive, min, int, or a bias), read from its values,
-and a bool (or 0/1) tensor's polarity, read from its structure.
+and a bool (or 0/1) tensor's polarity, read from its structure; on numpy arrays (a .pt file's tensor is
+converted where it is loaded, inspect.load.check_maskable).
 
 A query normally sees its own position, so the cells (q, q + Lk - Lq) -- the diagonal,
 bottom-right aligned -- tell keep from block; key padding shows as whole columns hidden,
@@ -11,19 +12,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import math
 
+import numpy as np
+
+from maskcli.conventions import FLOAT_MIN
 from maskcli.errors import MaskError
-from maskcli.inspect.load import dtype_name
 from maskcli.inspect.structure import fully_masked_rows, recognise
+from maskcli.tensorfile import dtype_name
 
 SENTINEL_AT_MOST = -1e4  # a finite fill at most this negative masks (BERT's -10000.0 ... finfo.min)
 STRUCTURE_CELLS = 1 << 24  # above this many cells, polarity is told from the diagonal alone
 
 
-def sdpa_view(tensor: torch.Tensor) -> torch.Tensor:
+def sdpa_view(values: np.ndarray) -> np.ndarray:
     """The (B, H, Lq, Lk) view that SDPA's broadcasting gives: leading dimensions of size 1 are added."""
-    return tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
+    return values.reshape((1,) * (4 - values.ndim) + tuple(values.shape))
 
 # --- conventions ---------------------------------------------------------------------
 
@@ -47,61 +51,61 @@ class Convention:
         return self.how in ("values", "structure")
 
 
-def _sentinel_name(value: float, dtype: torch.dtype) -> str:
-    for candidate in (dtype, torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        if candidate.is_floating_point and value == torch.finfo(candidate).min:
-            return f"finfo({dtype_name(candidate)}).min"
+def _sentinel_name(value: float, dtype: str) -> str:
+    for candidate in (dtype, "float32", "float16", "bfloat16", "float64"):
+        if value == FLOAT_MIN.get(candidate):
+            return f"finfo({candidate}).min"
     return f"{value:g}"
 
 
-def classify(tensor: torch.Tensor) -> Convention:
+def classify(tensor: np.ndarray) -> Convention:
     """The tensor's convention from its dtype and values; a bool or 0/1 tensor's polarity from its structure."""
-    if tensor.dtype == torch.bool:
+    if tensor.dtype == bool:
         meaning, how, why = _polarity(tensor)
         if meaning is None:
             return Convention("keep", how, why)
         name = "keep" if meaning == "attend" else "block"
         return Convention(name, how, f"read as {name} (True = {'may attend' if name == 'keep' else 'masked'}): {why}")
-    if not tensor.is_floating_point():
+    if tensor.dtype.kind != "f":
         zero_one = (tensor == 0) | (tensor == 1)
         if not bool(zero_one.all()):
-            values = torch.unique(tensor[~zero_one])  # only the offending values: small, and this is an error path
+            values = np.unique(tensor[~zero_one])  # only the offending values: small, and this is an error path
             shown = ", ".join(map(str, values[:6].tolist())) + (", ..." if len(values) > 6 else "")
             raise MaskError(
                 f"integer values {{{shown}}} are not a 0/1 mask (masks are bool, 0/1 or float); "
                 "chunk or document labels go to maskcli show chunk/document --chunks"
             )
         return _zero_one(tensor, "integer")
-    # Everything below is a few passes over the values: no sort (torch.unique) of a large mask.
-    nan = torch.isnan(tensor)
+    # Everything below is a few passes over the values: no sort (np.unique) of a large mask.
+    nan = np.isnan(tensor)
     if bool(nan.any()):
         raise MaskError(
             f"the mask holds NaN in {int(nan.sum())} cells; a float mask is 0 where attending "
             "and -inf or a large negative number where masked"
         )
-    if bool((tensor == float("inf")).any()):
+    if bool((tensor == math.inf).any()):
         raise MaskError("the mask holds +inf, which makes softmax NaN; a float mask is 0 where attending and -inf or a large negative number where masked")
-    masked = tensor[tensor != 0].to(torch.float64)
+    masked = tensor[tensor != 0].astype(np.float64)
     if len(masked) == 0:
         return Convention("additive", "values", "every value is 0: an additive mask that masks nothing (read as 0/1, everything would be masked)")
     if bool((masked == 1).all()):
         return _zero_one(tensor, "float")
     if bool((masked <= SENTINEL_AT_MOST).all()):
-        finite = masked[torch.isfinite(masked)]
+        finite = masked[np.isfinite(masked)]
         if len(finite) == 0:
             return Convention("additive", "values", "float 0 / -inf, added to the scores")
         if len(finite) == len(masked) and bool((finite == finite[0]).all()):
             sentinel = float(finite[0])
             return Convention(
                 "min", "values",
-                f"float 0 / {_sentinel_name(sentinel, tensor.dtype)}, added to the scores (Hugging Face eager style)", sentinel,
+                f"float 0 / {_sentinel_name(sentinel, dtype_name(tensor))}, added to the scores (Hugging Face eager style)", sentinel,
             )
-        fills = ", ".join(f"{v:g}" for v in torch.unique(masked)[:4].tolist())
+        fills = ", ".join(f"{v:g}" for v in np.unique(masked)[:4].tolist())
         return Convention(
             "additive", "values", f"float 0 and several fills ({fills}): all mask, since each is -inf or at most {SENTINEL_AT_MOST:g}",
             float(finite.min()),
         )
-    finite = masked[torch.isfinite(masked)]
+    finite = masked[np.isfinite(masked)]
     lo, hi = float(finite.min()), float(max(finite.max(), 0))
     return Convention(
         "bias", "values",
@@ -111,7 +115,7 @@ def classify(tensor: torch.Tensor) -> Convention:
     )
 
 
-def _zero_one(tensor: torch.Tensor, what: str) -> Convention:
+def _zero_one(tensor: np.ndarray, what: str) -> Convention:
     """0/1 numbers: 1 = attend (torch.tril(torch.ones(L, L))) unless the structure says 1 = masked (triu(ones, 1))."""
     if bool((tensor == 0).any()) and bool((tensor == 1).any()):
         meaning, how, why = _polarity(tensor != 0)
@@ -123,7 +127,7 @@ def _zero_one(tensor: torch.Tensor, what: str) -> Convention:
     return Convention("int", "values", f"{what} 0/1, 1 = attend (torch.tril(torch.ones(L, L)) style)")
 
 
-def _polarity(ones: torch.Tensor) -> tuple[str | None, str, str]:
+def _polarity(ones: np.ndarray) -> tuple[str | None, str, str]:
     """Whether True (or 1) means attend or masked here, how that was told, and why."""
     x = sdpa_view(ones)
     if bool(x.all()) or not bool(x.any()):
@@ -133,12 +137,12 @@ def _polarity(ones: torch.Tensor) -> tuple[str | None, str, str]:
             f"read as block {'everything' if value else 'nothing'}"
         )
     q_len, k_len = x.shape[-2:]
-    if x.numel() <= STRUCTURE_CELLS:
+    if x.size <= STRUCTURE_CELLS:
         # Each reading scores 2 for a maskcli kind, 1 for a raw tril/triu, 0 for none, and 1 less
         # when some query would see no key. A clear winner decides.
         readings = []
         for meaning, keep in (("attend", x), ("masked", ~x)):
-            structure = recognise(keep, key_padding=ones.dim() == 2, marked=meaning)
+            structure = recognise(keep, key_padding=ones.ndim == 2, marked=meaning)
             empty = bool(fully_masked_rows(keep).any())
             score = (0 if structure.kind is None else 1 if structure.kind in ("tril", "triu") else 2) - empty
             readings.append((score, meaning, structure, empty))
@@ -151,13 +155,13 @@ def _polarity(ones: torch.Tensor) -> tuple[str | None, str, str]:
     # The diagonal cells (q, q + Lk - Lq), leaving out columns that are the same for every query (padding-like).
     # Where Lq != Lk the top-left diagonal (q, q) is asked too: if the two disagree, the alignment is in
     # question (causal_upper_left against lower_right), not the polarity, and key 0 decides.
-    constant = x.all(dim=-2) | ~x.any(dim=-2)  # (B, H, Lk)
+    constant = x.all(axis=-2) | ~x.any(axis=-2)  # (B, H, Lk)
     shares = []
     for offset in dict.fromkeys((k_len - q_len, 0)):
-        diagonal = torch.diagonal(x, offset=offset, dim1=-2, dim2=-1)
-        columns = torch.arange(diagonal.shape[-1]) + max(offset, 0)
+        diagonal = np.diagonal(x, offset=offset, axis1=-2, axis2=-1)
+        columns = np.arange(diagonal.shape[-1]) + max(offset, 0)
         informative = diagonal[~constant[..., columns]]
-        shares.append(informative.float().mean().item() if informative.numel() else 0.5)
+        shares.append(float(informative.mean()) if informative.size else 0.5)
     share = shares[0]
     if share != 0.5 and all((other > 0.5) == (share > 0.5) and other != 0.5 for other in shares[1:]):
         meaning = "attend" if share > 0.5 else "masked"
@@ -165,7 +169,7 @@ def _polarity(ones: torch.Tensor) -> tuple[str | None, str, str]:
         return meaning, "structure" if seen >= 0.9 else "guess", (
             f"{seen:.0%} of the queries see their own position (cell q, q + Lk - Lq) read this way, as queries normally do"
         )
-    first = x[..., 0].float().mean().item()
+    first = float(x[..., 0].mean())
     if first != 0.5:
         meaning = "attend" if first > 0.5 else "masked"
         return meaning, "guess", "the diagonal does not tell; key 0 is visible read this way, and key 0 is rarely padding"
@@ -179,7 +183,7 @@ def marks(convention: Convention) -> str:
     return "masked"
 
 
-def to_keep(tensor: torch.Tensor, convention: Convention | str) -> torch.Tensor:
+def to_keep(tensor: np.ndarray, convention: Convention | str) -> np.ndarray:
     """The bool keep mask (True = may attend) that `tensor` means in `convention`.
 
     As a name, "keep" and "block" also apply to 0/1 numbers (nonzero = attend, nonzero = masked).
@@ -188,11 +192,20 @@ def to_keep(tensor: torch.Tensor, convention: Convention | str) -> torch.Tensor:
         convention = Convention(convention, "values", "")
     name = convention.name
     if name == "keep" or (name == "int" and convention.ones_mean == "attend"):
-        return tensor if tensor.dtype == torch.bool else tensor != 0
+        return tensor if tensor.dtype == bool else tensor != 0
     if name == "block" or name == "int":
-        return ~tensor if tensor.dtype == torch.bool else tensor == 0
+        return ~tensor if tensor.dtype == bool else tensor == 0
     if name in ("additive", "min", "bias"):
-        return torch.isfinite(tensor) & (tensor > SENTINEL_AT_MOST)
+        return additive_keep(tensor)
     raise ValueError(f"unknown convention {name!r}")
+
+
+def additive_keep(scores_mask):
+    """Where a float mask added to the scores lets a query attend: finite and above SENTINEL_AT_MOST.
+
+    Comparisons only, so it reads numpy arrays and torch tensors alike (trace's captured masks, on their device);
+    NaN fails both and is masked, as isfinite would have it.
+    """
+    return (scores_mask > SENTINEL_AT_MOST) & (scores_mask < math.inf)
 
 

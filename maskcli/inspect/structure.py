@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-import torch
 
 from maskcli.errors import MaskError
 from maskcli.kinds import all_kinds
@@ -55,9 +54,9 @@ def command_for(expression: str, options: dict) -> str:
     return " ".join(parts)
 
 
-def fully_masked_rows(keep: torch.Tensor) -> torch.Tensor:
+def fully_masked_rows(keep: np.ndarray) -> np.ndarray:
     """Bool (B, H, Lq): rows that see no key at all."""
-    return ~keep.any(dim=-1)
+    return ~keep.any(axis=-1)
 
 
 REBUILD_CELLS = 1 << 24  # cells of a candidate built cell by cell to compare with a key padding row
@@ -167,7 +166,7 @@ def closest(keep: np.ndarray, ref: np.ndarray, placements, marked: str) -> dict 
             "rows": row_words(difference, "the tensor", expression)}
 
 
-def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "attend", nearest: bool = False,
+def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "attend", nearest: bool = False,
               q_start: int | None = None) -> Structure:
     """The expression (and options) whose mask is exactly this keep mask (B, H, Lq, Lk), or expression None.
 
@@ -179,9 +178,8 @@ def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "att
     `q_start`: the key column the first query sits at, where the program says so (a static cache's slots not yet
     written lie after the queries): that placement is tried first.
     """
-    keep_np = keep4.cpu().numpy()
-    batch, heads, q_len, k_len = keep_np.shape
-    if heads > 1 and not bool((keep_np == keep_np[:, :1]).all()):
+    batch, heads, q_len, k_len = keep4.shape
+    if heads > 1 and not bool((keep4 == keep4[:, :1]).all()):
         per_head = []
         for h in range(min(heads, 8)):
             found = recognise(keep4[:, h : h + 1], marked=marked)
@@ -191,7 +189,7 @@ def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "att
     if q_len > k_len:
         return Structure(None, note=f"more queries ({q_len}) than keys ({k_len}): maskcli puts the queries among the keys")
     head_option = {"heads": heads} if heads > 1 else {}
-    keep = keep_np[:, :1]
+    keep = keep4[:, :1]
     seen = keep[:, 0].any(axis=1)  # (B, Lk): keys that some query sees
     ref = keep[int(seen.sum(axis=1).argmax()), 0]  # the batch row with the most keys in use
     at_end = k_len - q_len
@@ -207,12 +205,12 @@ def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "att
 
     def found(kind: str, expression: str, options: dict, reading: str = "mask", note: str = "") -> Structure | None:
         options = {**options, **head_option}
-        built = _rebuild(expression, options, keep_np)
+        built = _rebuild(expression, options, keep4)
         if built is None:
             return None
         if "length" in options and "offset" not in options and "kv_len" not in options:
             shorter = {key: value for key, value in options.items() if key != "length"}
-            if _rebuild(expression, shorter, keep_np) is not None:  # the data says the length: say no more
+            if _rebuild(expression, shorter, keep4) is not None:  # the data says the length: say no more
                 options = shorter
         if batch > 1 and built.batch == 1:
             note = (note + " " if note else "") + f"(the file repeats it for each of its {batch} batch rows)"
@@ -244,7 +242,7 @@ def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "att
                 if structure is not None:
                     return structure
     if key_padding and heads == 1 and batch == 1 and q_len != k_len:  # a square one is (L, L): B == S would be a coincidence
-        rows = keep_np[0, 0]  # read as [B, S]: each row is one batch item's keys
+        rows = keep4[0, 0]  # read as [B, S]: each row is one batch item's keys
         options = _padding_options(rows)
         if "lengths" not in options or max(map(int, options["lengths"].split(","))) != k_len:
             options = {"length": k_len, **options}  # else the longest length says it
@@ -252,4 +250,4 @@ def recognise(keep4: torch.Tensor, key_padding: bool = False, marked: str = "att
         if built.frame.k_len == k_len and np.array_equal(built.dense()[:, 0, 0], rows):
             return Structure("padding", options, built, command_for("padding", options), "key padding [B, S]",
                              f"read as a key padding mask: {q_len} batch rows of {k_len} keys", kind="padding")
-    return Structure(None, note="no maskcli kind rebuilds it exactly", closest=closest(keep_np, ref, placements, marked) if nearest else None)
+    return Structure(None, note="no maskcli kind rebuilds it exactly", closest=closest(keep4, ref, placements, marked) if nearest else None)

@@ -221,21 +221,19 @@ def _attention_mask(value, where: str):
         if array.min(initial=0) < 0:
             raise MaskError(f"{where}: a 2-D attention_mask holds 1 (or a document id) for real tokens and 0 for padding; it holds {int(array.min())}")
         return array, None, None
-    import torch
-
-    tensor = value if _is_torch(value) else torch.as_tensor(np.asarray(value))
-    if tensor.dim() != 4:
-        raise MaskError(f"{where} has shape {list(tensor.shape)}: attention_mask is 2-D (B, L) or 4-D (B, 1, L, L)")
+    value = value if _is_torch(value) else np.asarray(value)
+    if len(value.shape) != 4:
+        raise MaskError(f"{where} has shape {list(value.shape)}: attention_mask is 2-D (B, L) or 4-D (B, 1, L, L)")
     from maskcli.inspect.load import check_maskable
     from maskcli.inspect.polarity import classify, to_keep
 
-    tensor = check_maskable(tensor, where)
-    convention = classify(tensor)
+    values = check_maskable(value, where)  # numpy from here on
+    convention = classify(values)
     if convention.name == "bias" or not convention.sure:
         raise MaskError(f"{where}: cannot read the 4-D attention_mask as a mask ({convention.note}); save it as bool, True = may attend")
-    if tensor.shape[-1] != tensor.shape[-2]:
-        raise MaskError(f"{where} has shape {list(tensor.shape)}: a packed batch's 4-D mask is (B, 1, L, L), queries and keys the same tokens")
-    keep = to_keep(tensor, convention).numpy()[:, :1]
+    if values.shape[-1] != values.shape[-2]:
+        raise MaskError(f"{where} has shape {list(values.shape)}: a packed batch's 4-D mask is (B, 1, L, L), queries and keys the same tokens")
+    keep = to_keep(values, convention)[:, :1]
     return None, np.ascontiguousarray(keep), convention.note
 
 

@@ -197,22 +197,6 @@ def stage_tables(mask: Mask, stages: Stages, names: list[str], pairs, precision:
     return tables
 
 
-def findings_text(findings: list[Finding]):
-    """The findings as a bulleted list whose wrapped lines keep their indent."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    if not findings:
-        return Text("findings: none (every query sees at least one key; every weight row sums to 1)", style="green")
-    bullets = Table.grid(padding=(0, 1))
-    bullets.add_column(no_wrap=True)
-    bullets.add_column(style="yellow")
-    for finding in findings:
-        bullets.add_row("  •", finding.message)
-    return Group(Text("findings:", style="bold yellow"), bullets)
-
-
 def stages_json(mask: Mask, stages: Stages, device: torch.device, findings: list[Finding], names: list[str]) -> str:
     data = {
         **mask.json(),

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
+
+from maskcli.text import Finding
 
 VISIBLE_STYLE = "bold green"
 MASKED_STYLE = "red dim"
@@ -97,3 +99,15 @@ def fits(console: Console, renderable, width: int | None = None) -> bool:
     """
     natural = Measurement.get(console, console.options.update(max_width=1 << 20), renderable).maximum
     return natural <= (console.width if width is None else width)
+
+
+def findings_text(findings: list[Finding]):
+    """The findings as a bulleted list whose wrapped lines keep their indent."""
+    if not findings:
+        return Text("findings: none (every query sees at least one key; every weight row sums to 1)", style="green")
+    bullets = Table.grid(padding=(0, 1))
+    bullets.add_column(no_wrap=True)
+    bullets.add_column(style="yellow")
+    for finding in findings:
+        bullets.add_row("  •", finding.message)
+    return Group(Text("findings:", style="bold yellow"), bullets)

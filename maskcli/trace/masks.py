@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from maskcli.inspect.polarity import to_keep
+from maskcli.inspect.polarity import additive_keep
 from maskcli.intervals import Intervals
 
 
@@ -71,7 +71,7 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
     A float mask that also adds other values (ALiBi, relative positions) is noted in `details` as a bias."""
     if mask.dtype == torch.bool:
         return mask
-    keep = to_keep(mask.detach(), "additive")
+    keep = additive_keep(mask.detach())
     if details is not None and bool((keep & (mask.detach() != 0)).any()):
         details["bias"] = True
     return keep
@@ -136,12 +136,12 @@ def mha(args: tuple, kwargs: dict) -> Seen:
     keep = torch.ones((1, 1, q_len, k_len), dtype=torch.bool, device=q.device)
     if attn_mask is not None:  # bool: True = masked (MHA's polarity); float: added to the scores
         details["attn_mask_dtype"] = _dtype(attn_mask)
-        own = ~attn_mask if attn_mask.dtype == torch.bool else to_keep(attn_mask.detach(), "additive")
+        own = ~attn_mask if attn_mask.dtype == torch.bool else additive_keep(attn_mask.detach())
         own = own.reshape(batch, heads, q_len, -1) if own.dim() == 3 else own.reshape(1, 1, q_len, -1)
         keep = _allow_extra(own, extra)
     if padding is not None:  # (N, S), or (S) unbatched: True = a padding key
         details["key_padding_mask_dtype"] = _dtype(padding)
-        own = ~padding if padding.dtype == torch.bool else to_keep(padding.detach(), "additive")
+        own = ~padding if padding.dtype == torch.bool else additive_keep(padding.detach())
         keep = keep & _allow_extra(own.reshape(batch, 1, 1, -1), extra)
     if attn_mask is None and padding is None:
         seen.intervals = everything(q_len, k_len)

@@ -8,7 +8,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from maskcli import tracefile
 from maskcli.text import Finding, spans
@@ -102,7 +101,7 @@ def _named(calls: list) -> Group:
     if b * h * q_len * k_len <= NAME_CELLS:
         from maskcli.inspect.structure import recognise
 
-        keep4 = torch.from_numpy(tracefile.dense(stored))
+        keep4 = tracefile.dense(stored)
         structure = recognise(keep4, nearest=True, q_start=first.details.get("q_start"))
         if structure.expression is not None:
             name = structure.expression + _placed(structure.options, q_len, k_len)
@@ -110,7 +109,7 @@ def _named(calls: list) -> Group:
             if _top_left_is_causal(first, q_len, k_len):  # one row of is_causal: its query 0 sees key 0 only,
                 group = Group(calls, "causal (queries top-left)", "causal")  # which is no decode step's mask
             elif structure.kind == "padding" and q_len == 1:  # a decode step read as key padding: a window says more,
-                window = _decode_window(keep4.numpy())  # and one query at the last position sees what causal lets it
+                window = _decode_window(keep4)  # and one query at the last position sees what causal lets it
                 group = Group(calls, window, window.split(" ")[0]) if window else Group(calls, "causal" + name.removeprefix("padding"), "causal")
         else:
             closest = structure.closest
