@@ -517,3 +517,34 @@ def test_a_hugging_face_model_with_a_registered_attention_function_is_reported_p
     assert [(c["api"], c["details"]["hf"]["layer_idx"], c["details"]["hf"]["attn_implementation"]) for c in calls] == [
         ("hf", 0, "own_documents"), ("hf", 1, "own_documents"), ("hf", 2, "own_documents")]
     assert calls[0]["details"]["implicit"] == "cu_seq_lens_q/k" and calls[0]["details"]["hf"]["cu_seq_lens_k"] == [0, 2, 5]
+
+
+def test_a_gqa_decode_under_hfs_sdpa_saves_one_query_at_its_position_and_holds_to_causal(tmp_path, monkeypatch):
+    """HF's sdpa packs one query's heads as query rows (pack_gqa): the call is saved as the model computed it, one
+    query at the last key, and show reads it back there (a double loop from the padding and positions)."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    script = write(tmp_path, "gqa.py", """
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=1, vocab_size=32, pad_token_id=0)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+        model.set_attn_implementation("sdpa")
+        ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+        with torch.no_grad():
+            model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                           pad_token_id=0)
+    """)
+    result = trace("--save", "run.pt", "--expect", "*=causal", script, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert "--expect: every call matched holds (1 expectation)" in result.stderr
+    shown = runner.invoke(app, ["show", "--mask", "run.pt:1", "--json"])  # the decode step: 6 keys
+    assert shown.exit_code == 0, shown.output
+    cells = json.loads(shown.stdout)["mask"]
+    valid = [[0, 0, 1, 1, 1, 1], [1] * 6]
+    want = [[[[int(valid[b][k] and k <= 5) for k in range(6)]] for _ in range(4)] for b in range(2)]
+    assert cells == want

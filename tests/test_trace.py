@@ -335,6 +335,24 @@ def test_sdpa_with_grouped_query_attention_records_the_query_heads():
     assert np.array_equal(call.keep()[0, 3], np.tril(np.ones((3, 3), dtype=bool)))
 
 
+def test_one_mask_row_broadcast_over_query_rows_claims_no_query_sees_a_later_key():
+    """HF's pack_gqa seen without the hf interface: 4 heads of one query as 4 query rows of one key/value head, the
+    mask (B, 1, 1, Lk) broadcast over them. No row order there, so no sees-later finding; SDPA's output is the same."""
+    q, k, v = qkv(2, 1, 4, 3)
+    valid = torch.tensor([[False, True, True], [True, True, True]])
+    mask = valid[:, None, None, :]
+    with maskcli.trace(apis=("sdpa",)) as t:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    (call,) = t.calls
+    keep = np.broadcast_to(call.keep(), call.shape)
+    for b in range(2):
+        for row in range(4):
+            assert [bool(x) for x in keep[b, 0, row]] == [bool(valid[b, key]) for key in range(3)]
+    (group,) = t.groups()
+    assert [f.code for f in group.findings] == [] and call.details["mask_rows"] == 1
+
+
 def test_pytorchs_own_transformer_every_attention_with_its_mask():
     torch.manual_seed(0)
     model = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32, batch_first=True).eval()

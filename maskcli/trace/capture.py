@@ -274,6 +274,8 @@ class Trace:
                     seen = reader(args, kwargs)
                     if seen is None:
                         return
+                    if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
+                        interface.unpack_gqa(seen, self.interfaces[-1])
                     key = self._store(seen)
             except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
                 api = getattr(reader, "api", "?")

@@ -97,6 +97,8 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
     if mask is not None:
         details["mask_dtype"] = _dtype(mask)
+        if q_len > 1 and (mask.dim() < 2 or mask.shape[-2] == 1):  # one row for every query: no query's own position
+            details["mask_rows"] = 1
         seen.keep = _as_4d(_keep(mask, details), q_len, k_len)
         seen.sources = (mask,)
     elif is_causal:

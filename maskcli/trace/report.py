@@ -272,6 +272,8 @@ def _later(call, stored: dict, structure) -> list[Finding]:
         return []
     if call.api in ("flash", "hf") and not call.details.get("causal"):
         return []  # not causal: the later keys in its window are the ones it asked for
+    if call.details.get("mask_rows") == 1:
+        return []  # one mask row broadcast to every query (a key padding mask, or GQA heads packed as rows): no query order
     q_len, k_len = call.shape[2:]
     own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
     if stored["form"] == "intervals":
