@@ -160,6 +160,52 @@ def test_a_masked_fill_softmax_reads_the_mask_off_the_scores():
     assert np.array_equal(t.calls[1].keep()[0, 1], np.tril(np.ones((3, 3), dtype=bool)))
 
 
+@pytest.mark.parametrize("dtype, fill", [(torch.float32, -1e9), (torch.float16, -1e4), (torch.bfloat16, -1e9)])
+def test_a_finite_fill_is_read_as_masked_and_a_row_filled_everywhere_gets_uniform_weights(dtype, fill):
+    """The Annotated Transformer's scores.masked_fill(mask == 0, -1e9): the cells at the fill are masked (their weight
+    exactly 0 in every dtype), and a row filled everywhere gets uniform weights, which the finding says."""
+    g = torch.Generator().manual_seed(1)
+    scores = (torch.randn(2, 2, 4, 4, generator=g) * 4).to(dtype)
+    lengths = [4, 0]  # batch row 1: every key padding
+    mask = torch.tensor([[int(k < n) for k in range(4)] for n in lengths])[:, None, None, :] * torch.tril(torch.ones(4, 4))
+    with maskcli.trace() as t:
+        weights = scores.masked_fill(mask == 0, fill).softmax(dim=-1)
+    (call,) = t.calls
+    keep = np.broadcast_to(call.keep(), call.shape)
+    for b in range(2):
+        for q in range(4):
+            for k in range(4):
+                assert keep[b, 1, q, k] == (k <= q and k < lengths[b])
+    assert np.array_equal(keep[0], (weights[0] > 0).numpy())  # where it is a mask, exactly what softmax did
+    assert torch.equal(weights[1].float(), torch.full((2, 4, 4), 0.25))  # filled everywhere: uniform, not NaN
+    assert call.details["fill"] == "finite" and call.details["fill_value"] == float(torch.tensor(fill, dtype=dtype))
+    (group,) = t.groups()
+    codes = {f.code: f.message for f in group.findings}
+    assert codes["fully-masked"].startswith("query rows 0-3 of batch row 1 see no key at all: uniform weights")
+    assert "a row filled everywhere gets uniform weights over every key" in codes["finite-fill"]
+
+
+def test_an_additive_mask_in_the_scores_is_a_bias_read_where_its_weight_is_exactly_0():
+    """BERT's (1 - mask) * -10000 added to the scores: no one constant, so no fill; read where softmax gives weight
+    exactly 0, and a batch row whose every key it lowers attends to all of them (softmax is shift-invariant)."""
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(3, 2, 4, 4, generator=g)
+    lengths = [4, 2, 0]
+    valid = torch.tensor([[float(k < n) for k in range(4)] for n in lengths])
+    with maskcli.trace() as t:
+        weights = (scores + (1.0 - valid[:, None, None, :]) * -10000.0).softmax(-1)
+    (call,) = t.calls
+    keep = np.broadcast_to(call.keep(), call.shape)
+    for b in range(3):
+        for k in range(4):
+            assert keep[b, :, :, k].all() == (k < lengths[b] or lengths[b] == 0)
+            assert not keep[b, :, :, k].any() == (k >= lengths[b] > 0)
+    assert np.array_equal(keep, (weights > 0).numpy())
+    assert call.details["additive"] is True and "fill_value" not in call.details
+    (group,) = t.groups()
+    assert [f.code for f in group.findings] == ["additive"]
+
+
 class Layer(nn.Module):
     def forward(self, x, cache):
         cache.append(x)

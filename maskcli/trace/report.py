@@ -83,7 +83,7 @@ def group(calls: list) -> list[Group]:
     """Calls with the same mask, API and shape form one group, in the order of their first call."""
     found: dict[tuple, list] = {}
     for call in calls:
-        key = (call.mask, call.api, call.shape, call.details.get("error"), call.details.get("q_start"))
+        key = (call.mask, call.api, call.shape, *(call.details.get(name) for name in ("error", "q_start", "fill_value", "additive")))
         found.setdefault(key, []).append(call)
     return [_named(members) for members in found.values()]
 
@@ -134,6 +134,7 @@ def _named(calls: list) -> Group:
         group.findings.append(Finding("bias", (
             "the float attn_mask also adds values other than 0 and a fill (a bias: ALiBi, relative positions): "
             "the mask shown is its cells at -inf or at most -1e4; the rest of what it adds is not shown")))
+    group.findings += _fills(first.details)
     if _top_left_is_causal(first, q_len, k_len):
         sees = ("its one query sees key 0 only, so the last {} keys are seen by no query" if q_len == 1 else
                 "query row i sees keys 0..i, so the last {} keys are seen by no query until the last rows").format(k_len - q_len)
@@ -141,6 +142,23 @@ def _named(calls: list) -> Group:
             f"is_causal with {q_len} quer{'y' if q_len == 1 else 'ies'} and {k_len} keys is aligned top-left: {sees}; "
             f"a decoder with a cache means bottom-right (causal --offset {k_len - q_len}): pass that mask instead of is_causal")))
     return group
+
+
+def _fills(details: dict) -> list[Finding]:
+    """What a softmax's finite fill, or an additive mask in its scores, makes of the mask read (masks._finite_fill)."""
+    found = []
+    if details.get("fill_value") is not None:
+        v = f"{details['fill_value']:g}"
+        found.append(Finding("finite-fill", (
+            f"the scores are filled with {v} where masked (a finite fill, as masked_fill(mask == 0, {v})): beside any "
+            "ordinary score such a cell gets softmax weight exactly 0, so it is read as masked; but a row filled "
+            "everywhere gets uniform weights over every key (softmax of equal values), not NaN and not nothing")))
+    if details.get("additive"):
+        found.append(Finding("additive", (
+            "the scores hold values at most -1e4 that are not one constant: an additive mask added to the scores "
+            "(BERT's (1 - mask) * -10000 + score), a bias rather than a fill; read as masked where softmax gives "
+            "the cell weight exactly 0: a row it lowers everywhere is shifted as a whole and attends to every key")))
+    return found
 
 
 def _top_left_is_causal(call, q_len: int, k_len: int) -> bool:
