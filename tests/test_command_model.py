@@ -152,6 +152,23 @@ def test_png_draws_each_layer_type_at_each_step(tmp_path):
     assert blue.sum() > 1000  # visible cells drawn in the figure's keep colour
 
 
+@pytest.mark.parametrize("expect, says", [
+    ("full*=windo(3)", "--expect 'full*=windo(3)': unknown mask kind 'windo' in 'windo(3)': did you mean window?"),
+    ("x=window(0)", "--expect 'x=window(0)': window(0): window must be at least 1"),
+])
+def test_a_bad_expect_expression_is_one_line_before_the_model_is_built(monkeypatch, expect, says):
+    import maskcli.hf.families as families
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was built before --expect was checked")
+
+    monkeypatch.setattr(families, "load", load)
+    result = model("llama", "--expect", expect)
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"maskcli: error: {says}")
+
+
 @needs_hf
 @pytest.mark.parametrize("args, says", [
     (["llama", "--attn", "flash"], "--attn 'flash': choose sdpa, eager or flex"),

@@ -144,6 +144,10 @@ def test_expect_holds_with_exit_0_and_fails_with_exit_1_naming_the_first_differi
 
 def test_a_bad_expect_or_api_is_one_line_and_the_program_does_not_run(layers):
     for args, message in ((["--expect", "layers.*"], "give PATTERN=EXPR"), (["--expect", "x=window("], "--expect 'x=window('"),
+                          (["--expect", "*=windo(3)"], "--expect '*=windo(3)': unknown mask kind 'windo' in 'windo(3)': did you mean window?"),
+                          (["--expect", "*=causal", "--expect", "x=windo(3)"], "--expect 'x=windo(3)': unknown mask kind 'windo'"),
+                          (["--expect", "*=window(0)"], "--expect '*=window(0)': window(0): window must be at least 1"),
+                          (["--expect", "*=window"], "--expect '*=window': window needs --window W"),
                           (["--api", "sdpa,flashy"], "choose from sdpa, flex, mha, softmax, flash, hf")):
         result = trace(*args, layers)
         assert result.exit_code == 2 and result.stdout == "" and message in result.stderr
