@@ -193,6 +193,29 @@ Model(2)(torch.randn(1, 1, 4, 4), 4, 2, 5)
     assert missing.exit_code == 2 and "no such module" in missing.stderr
 
 
+def test_api_flash_or_hf_named_for_a_program_that_never_imports_them_says_so(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    for name in [name for name in sys.modules if name == "flash_attn" or name.startswith(("flash_attn.", "transformers"))]:
+        monkeypatch.setitem(sys.modules, name, None)  # (this process may hold them: as if never imported)
+    script = write(tmp_path, "plain.py", """
+        import torch
+        import torch.nn.functional as F
+        x = torch.randn(1, 1, 3, 4)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        print("ran")
+    """)
+    result = trace("--api", "flash,hf,sdpa", "--json", "run.json", script, env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and result.stdout == "ran\n", result.output
+    lines = ["--api flash: the program never imported flash_attn, so --api flash recorded nothing",
+             "--api hf: the program never imported transformers, so --api hf recorded nothing"]
+    assert all(line in result.stderr.splitlines() for line in lines), result.stderr
+    assert json.loads((tmp_path / "run.json").read_text())["not_imported"] == lines
+    default = trace(script, env={"COLUMNS": "200"})  # every API by default: no word on those the program does not use
+    assert default.exit_code == 0 and "never imported" not in default.stderr
+
+
 def test_mha_and_softmax_and_api_picks_which(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     script = write(tmp_path, "both.py", """

@@ -72,10 +72,14 @@ def trace(
     tracer = Trace(apis, max_bytes)
     with tracer:
         status = run_program(script, module, program_args)
-    _report(tracer, f"-m {module}" if module else os.path.basename(script), status, expectations, json_path, save, targets)
+    named = apis if api != ",".join(APIS) else ()  # the APIs the user asked for by name
+    unseen = [f"--api {name}: the program never imported {module_name}, so --api {name} recorded nothing"
+              for name, module_name in (("flash", "flash_attn"), ("hf", "transformers")) if name in named and name not in tracer.patched]
+    _report(tracer, f"-m {module}" if module else os.path.basename(script), status, expectations, json_path, save, targets, unseen)
 
 
-def _report(tracer, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict) -> None:
+def _report(tracer, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict,
+            unseen: list[str]) -> None:
     import json
 
     from maskcli.files import atomic_write
@@ -88,12 +92,12 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
     console = make_console(stderr=True)
     for view in views(groups, len(tracer.calls), program, status, failures):
         console.print(view)
-    for line in held:
+    for line in unseen + held:
         console.print(line)
     if json_path is not None:
         numbers = {call.index: number for number, group in enumerate(groups) for call in group.calls}
         data = {"program": program, "exit_status": status, "calls": [{**call.json(), "group": numbers[call.index]} for call in tracer.calls],
-                "groups": [group.json() for group in groups], "expect": failures}
+                "groups": [group.json() for group in groups], "expect": failures, "not_imported": unseen}
 
         def write_json(path: str) -> None:
             with open(path, "w", encoding="utf-8") as out:

@@ -117,6 +117,7 @@ class Trace:
         self._undo: list = []  # what puts swapped functions and patched classes back, in the order done
         self._swapped: set[int] = set()
         self.interfaces: list[dict] = []  # the Hugging Face interface calls running (interface.py), innermost last
+        self.patched: set[str] = set()  # "flash", "hf": the APIs whose modules the program imported (so were patched)
         self.active = False
 
     def groups(self) -> list:
@@ -196,6 +197,7 @@ class Trace:
             function = getattr(module, name, None)
             if not isinstance(function, types.FunctionType) or id(function) in self._swapped:
                 continue  # (flash_attn re-exports its interface module's functions: each is swapped once)
+            self.patched.add("flash")
             read = flash.reader(name, inspect.signature(function))
             undo = swap(function, lambda original, read=read: self._hook(read, original))
             if undo is not None:
@@ -203,6 +205,7 @@ class Trace:
                 self._undo.append(undo)
 
     def _patch_hf(self, module) -> None:
+        self.patched.add("hf")
         undo = interface.patch(self, module)
         self._undo.append(lambda: interface.unpatch(undo))
 
