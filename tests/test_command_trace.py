@@ -193,6 +193,13 @@ Model(2)(torch.randn(1, 1, 4, 4), 4, 2, 5)
     assert missing.exit_code == 2 and "no such module" in missing.stderr
 
 
+def test_json_or_save_given_the_script_says_they_take_a_file_name(layers):
+    for flag, suffix in (("--json", "json"), ("--save", "pt")):
+        result = trace(flag, layers)
+        assert result.exit_code == 2 and result.stdout == ""
+        assert result.stderr == f"maskcli: error: {flag} takes a file name: maskcli trace {flag} run.{suffix} {layers}\n"
+
+
 def test_api_flash_or_hf_named_for_a_program_that_never_imports_them_says_so(tmp_path, monkeypatch):
     import sys
 

@@ -52,6 +52,9 @@ def trace(
     if module is not None and script is not None:
         program_args.insert(0, script)
         script = None
+    for flag, value, suffix in (("--json", json_path, "json"), ("--save", save, "pt")):
+        if script is None and module is None and value is not None and value.endswith(".py"):  # taken for a flag, as in show
+            raise MaskError(f"{flag} takes a file name: maskcli trace {flag} run.{suffix} {value}")
     check_program(script, module)
     apis = tuple(part.strip() for part in api.split(",") if part.strip())
     unknown = [name for name in apis if name not in APIS]
