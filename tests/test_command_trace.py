@@ -130,7 +130,7 @@ def test_json_gives_every_call_and_save_reads_back_as_a_mask(layers, tmp_path):
 def test_expect_holds_with_exit_0_and_fails_with_exit_1_naming_the_first_differing_cells(layers):
     good = trace("--expect", "layers.[0-2].self_attn=window(2)", "--expect", "*=causal & window(3)", layers, "--odd", "9")
     assert good.exit_code == 1  # every layer is window(2), not window(3)
-    assert "--expect *=causal & window(3): call 0 (layers.0.self_attn step 0, sdpa) differs from causal & window(3): " \
+    assert "--expect *=causal & window(3): call 0 (layers.0.self_attn prefill, sdpa) differs from causal & window(3): " \
            "row 2: the call sees 1-2, causal & window(3) sees 0-2: the call hides key 0" in " ".join(good.stderr.split())
     assert "--expect *=causal & window(3): 5 more calls differ: 1-5" in " ".join(good.stderr.split())
     assert "layers.[0-2]" not in good.stderr
@@ -356,6 +356,35 @@ def test_a_decoder_with_left_padding_and_a_kv_cache_step_by_step(tmp_path, monke
             assert keep[b, h, i, k] == (position - 3 < k <= position and not (b == 1 and k < 2)), (call["index"], b, i, k)
 
 
+def test_steps_read_the_same_in_the_report_json_and_expect(tmp_path, monkeypatch):
+    """prefill, then decode N for each one-query call after it: in the table, in --json's calls and groups, and in
+    --expect's lines; a module's second call of several queries is step 1, not steps 1."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "twice.py", """
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        class Attention(nn.Module):
+            def forward(self, q, k):
+                return F.scaled_dot_product_attention(q, k, k)
+
+        attention = Attention()
+        attention(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))  # prefill: 4 queries, no mask (full)
+        attention(torch.randn(1, 1, 1, 8), torch.randn(1, 1, 5, 8))  # decode 1: one query
+        attention(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))  # a second full-length call: step 2
+    """)
+    result = trace("--json", "run.json", "--expect", "*=causal", script, env={"COLUMNS": "120"})
+    assert result.exit_code == 1, result.output
+    rows = [line.split() for line in result.stderr.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert [row[-5:] for row in rows] == [["prefill,", "step", "2", "(1,1,4,4)", "full"], ["sdpa", "decode", "1", "(1,1,1,5)", "causal"]]
+    data = json.loads((tmp_path / "run.json").read_text())
+    assert [c["step_label"] for c in data["calls"]] == ["prefill", "decode 1", "step 2"]
+    assert [g["steps"] for g in data["groups"]] == ["prefill, step 2", "decode 1"]
+    said = " ".join(result.stderr.split())
+    assert "--expect *=causal: call 0 (Attention prefill, sdpa) differs from causal" in said
+
+
 def test_files_are_written_where_maskcli_started_even_if_the_program_changes_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "elsewhere").mkdir()
@@ -418,7 +447,7 @@ def test_a_tutorials_masked_fill_attention_holds_to_causal_and_not_to_a_window(t
     shown = runner.invoke(app, ["show", "--mask", "tut.pt:2", "--json"])
     assert json.loads(shown.stdout)["mask"][1][1] == np.tril(np.ones((6, 6), dtype=int)).tolist()
     failed = trace("--expect", "1=window(2)", script)
-    assert failed.exit_code == 1 and "call 1 (1 step 0, softmax) differs from window(2)" in " ".join(failed.stderr.split())
+    assert failed.exit_code == 1 and "call 1 (1 prefill, softmax) differs from window(2)" in " ".join(failed.stderr.split())
 
 
 HF_EAGER = """

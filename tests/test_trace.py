@@ -340,7 +340,10 @@ def test_where_and_step_words():
     assert where_text(paths) == "model.layers.{0-10}.self_attn, model.vision.attn"
     assert where_text(paths[:10]) == "model.layers.{0-4, 6-10}.self_attn"
     assert where_text(["demo.py:12"]) == "demo.py:12" and where_text(["0", "1", "2", "3.attn"]) == "{0-2}, 3.attn"
-    assert (step_text([0], 7), step_text([0], 1), step_text([1, 2, 3], 1), step_text([0, 1], 7)) == ("prefill", "step 0", "decode 1-3", "steps 0-1")
+    cases = {((0,), 7): "prefill", ((0,), 1): "step 0", ((1, 2, 3), 1): "decode 1-3", ((1,), 1): "decode 1",
+             ((0, 1), 7): "prefill, step 1", ((1,), 7): "step 1", ((1, 2, 4), 7): "steps 1-2, 4",
+             ((0, 1, 2), 1): "step 0, decode 1-2", ((0, 2, 3), 7): "prefill, steps 2-3"}
+    assert {case: step_text(list(case[0]), case[1]) for case in cases} == cases
 
 
 def test_calls_without_values_inside_vmap_or_on_meta_are_left_alone():

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from maskcli import tracefile
+from maskcli.text import step_label
 import maskcli.trace.masks as readers
 import maskcli.trace.flash as flash
 import maskcli.trace.interface as interface
@@ -62,7 +63,8 @@ class Call:
         return np.broadcast_to(tracefile.dense(self.stored), self.shape)
 
     def json(self) -> dict:
-        return {"index": self.index, "where": self.where, "api": self.api, "step": self.step, "shape": list(self.shape),
+        return {"index": self.index, "where": self.where, "api": self.api, "step": self.step,
+                "step_label": self.details.get("step_name") or step_label(self.step, self.shape[2]), "shape": list(self.shape),
                 "q": list(self.q), "k": list(self.k), "v": list(self.v), "dtype": self.dtype, "device": self.device,
                 "mask": self.mask, "details": dict(self.details)}
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.testing import against
-from maskcli.text import spans
+from maskcli.text import spans, step_label
 
 
 def parse(values: list[str]) -> list[tuple[str, str]]:
@@ -61,7 +61,8 @@ def check(calls: list, expectations: list[tuple[str, str]], names=lambda call: (
             continue
         differing = []
         for call in matched:
-            where = f"call {call.index} ({call.where} step {call.step}, {call.api})"
+            step = call.details.get("step_name") or step_label(call.step, call.shape[2])  # (model names its own)
+            where = f"call {call.index} ({call.where} {step}, {call.api})"
             try:
                 keep = keep_array(call)
                 padding = found_padding(keep)

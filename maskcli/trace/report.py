@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from maskcli import tracefile
-from maskcli.text import Finding, spans
+from maskcli.text import Finding, spans, step_text  # noqa: F401 (step_text: the group's words)
 
 NAME_CELLS = 1 << 22  # masks up to this many cells (b*h*Lq*Lk as stored) are named by rebuilding them
 
@@ -69,14 +69,6 @@ def where_text(paths: list[str]) -> str:
         else:
             parts.append(key.replace("{}", "{" + spans(numbers) + "}"))
     return ", ".join(parts)
-
-
-def step_text(steps: list[int], q_len: int) -> str:
-    if steps == [0]:
-        return "prefill" if q_len > 1 else "step 0"
-    if q_len == 1 and steps[0] > 0:
-        return f"decode {spans(steps)}"
-    return f"steps {spans(steps)}"
 
 
 def group(calls: list) -> list[Group]:
