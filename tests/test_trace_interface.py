@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers)")
@@ -264,6 +265,57 @@ def test_gqa_decode_steps_packed_by_hfs_sdpa_are_recorded_as_one_query_of_every_
     from maskcli.trace.expect import check
 
     assert check(t.calls, [("*", want)]) == []
+
+
+def drops_everything(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A registered attention function that ignores what HF asked: no mask, no is_causal (full attention)."""
+    return F.scaled_dot_product_attention(query, key, value, scale=scaling).transpose(1, 2), None
+
+
+def drops_the_window(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal, but the sliding_window HF passed is dropped."""
+    return F.scaled_dot_product_attention(query, key, value, scale=scaling, is_causal=True).transpose(1, 2), None
+
+
+def keeps_both(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+    """Causal and the window, as HF asked (a bool mask built here)."""
+    n = query.shape[2]
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    mask = (k <= q) & ((q - k < sliding_window) if sliding_window else True)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling).transpose(1, 2), None
+
+
+@pytest.mark.parametrize("function, width, kind, codes", [
+    (drops_everything, None, "full", ["hf-not-causal"]),
+    (drops_everything, 3, "full", ["hf-not-causal", "hf-not-windowed"]),
+    (drops_the_window, 3, "causal", ["hf-not-windowed"]),
+    (keeps_both, 3, "window", []),
+    (keeps_both, None, "causal", []),
+])
+def test_a_registered_function_that_drops_is_causal_or_the_window_hf_asked_for_is_said_to(function, width, kind, codes):
+    """HF hands the function no mask (no padding) and asks for causal (its module's is_causal) and, for Mistral, a
+    sliding window: what the kernel applied (a double loop here) and the findings on what it dropped."""
+    name = f"maskcli_test_{function.__name__}"
+    transformers.AttentionInterface.register(name, function)
+    family = "mistral" if width else "llama"
+    config = families.tiny(families.load(family), window=width, name=family)
+    torch.manual_seed(0)
+    with quiet():
+        built = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name).eval()
+    with torch.no_grad(), maskcli.trace() as t:
+        built(torch.arange(1, 7)[None])
+    assert t.calls and all(call.api == "sdpa" and call.details["hf"]["attention_mask"] is None for call in t.calls)
+    want = np.array([[{"full": True, "causal": k <= q, "window": k <= q and q - k < 3}[kind] for k in range(6)] for q in range(6)])
+    for call in t.calls:
+        assert np.array_equal(np.broadcast_to(call.keep(), call.shape)[0, 0], want)
+    (group,) = t.groups()
+    said = {f.code: f.message for f in group.findings}
+    assert [code for code in said if code.startswith("hf-")] == codes
+    if "hf-not-causal" in codes:
+        assert said["hf-not-causal"] == ("HF asked for a causal mask (its module's is_causal is True) but the kernel "
+                                         "applied full: queries see later keys")
+    if "hf-not-windowed" in codes:
+        assert said["hf-not-windowed"].startswith("HF asked for sliding_window=3 but the kernel applied ")
 
 
 @pytest.fixture

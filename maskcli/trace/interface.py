@@ -142,6 +142,8 @@ def details(name: str, args: tuple, kwargs: dict) -> dict:
         value = given.get(key)
         if value is not None:
             found[key] = short(value) if isinstance(value, torch.Tensor) else value
+    if "is_causal" not in found and isinstance(getattr(given.get("module"), "is_causal", None), bool):
+        found["module_is_causal"] = given["module"].is_causal  # (what HF's own functions fall back to)
     mask = given.get("attention_mask")
     found["attention_mask"] = None if mask is None else type(mask).__name__ if not isinstance(mask, torch.Tensor) else list(mask.shape)
     return found
