@@ -334,7 +334,8 @@ def test_a_keep_mask_handed_to_multihead_attention_is_said_to_look_flipped():
 
 
 def test_where_and_step_words():
-    from maskcli.trace.report import step_text, where_text
+    from maskcli.text import step_text
+    from maskcli.trace.report import where_text
 
     paths = [f"model.layers.{i}.self_attn" for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)] + ["model.vision.attn", "model.layers.5.self_attn"]
     assert where_text(paths) == "model.layers.{0-10}.self_attn, model.vision.attn"

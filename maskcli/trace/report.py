@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from maskcli import tracefile
-from maskcli.text import Finding, spans, step_text  # noqa: F401 (step_text: the group's words)
+from maskcli.text import Finding, spans, step_text
 
 NAME_CELLS = 1 << 22  # masks up to this many cells (b*h*Lq*Lk as stored) are named by rebuilding them
 
