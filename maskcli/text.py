@@ -45,3 +45,20 @@ def shortened(text: str, limit: int = 100) -> str:
         return text
     tail = max(10, limit // 5)
     return f"{text[: limit - tail - 5]} ... {text[-tail:]}"
+
+
+def step_label(step: int, q_len: int) -> str:
+    """A module's call number in words: 'prefill' (its first call, of several queries), 'decode N' (a one-query call
+    after the first), else 'step N'; N is the number TRACE.pt:PATH@N selects."""
+    if step == 0 and q_len > 1:
+        return "prefill"
+    return f"decode {step}" if q_len == 1 and step > 0 else f"step {step}"
+
+
+def step_text(steps: list[int], q_len: int) -> str:
+    """The calls of a group in the words of step_label: 'prefill', 'decode 1-3', 'prefill, steps 1-2', 'step 0, decode 1'."""
+    words = ["prefill"] if q_len > 1 and 0 in steps else ["step 0"] if 0 in steps else []
+    rest = [step for step in steps if step > 0]
+    if rest:
+        words.append(("decode " if q_len == 1 else "step " if len(rest) == 1 else "steps ") + spans(rest))
+    return ", ".join(words)

@@ -198,4 +198,7 @@ def traced_keep(text: str) -> tuple[np.ndarray, str] | None:
     data = load(path)
     call = select(data, selector, path)
     keep = np.ascontiguousarray(np.broadcast_to(keep_of(call, data), call["shape"]))
-    return keep, f"{path}:{selector} (call {call['index']}, {call['where']} step {call['step']}, {call['api']})"
+    from maskcli.text import step_label
+
+    step = call.get("details", {}).get("step_name") or step_label(call["step"], call["shape"][2])
+    return keep, f"{path}:{selector} (call {call['index']}, {call['where']} {step}, {call['api']})"

@@ -82,7 +82,7 @@ def test_expect_by_layer_type_holds_with_exit_0_and_fails_with_exit_1():
     wrong = model("mistral", "--window", 3, "--new-tokens", 1, "--expect", "sliding_attention=window(2)")
     assert wrong.exit_code == 1
     text = " ".join(wrong.stdout.split())
-    assert ("--expect sliding_attention=window(2): call 0 (model.layers.0.self_attn step 0, sdpa) differs from window(2) "
+    assert ("--expect sliding_attention=window(2): call 0 (model.layers.0.self_attn prefill, sdpa) differs from window(2) "
             "with the padding found in the mask: batch 0 row 2: the call sees 0-2, window(2) sees 1-2") in text
     assert "3 more calls differ: 1-3" in text
 
@@ -150,6 +150,23 @@ def test_png_draws_each_layer_type_at_each_step(tmp_path):
     pixels = matplotlib.image.imread(tmp_path / "m.png")
     blue = np.all(np.abs(pixels[..., :3] - np.array([31, 119, 180]) / 255) < 0.02, axis=-1)
     assert blue.sum() > 1000  # visible cells drawn in the figure's keep colour
+
+
+@pytest.mark.parametrize("expect, says", [
+    ("full*=windo(3)", "--expect 'full*=windo(3)': unknown mask kind 'windo' in 'windo(3)': did you mean window?"),
+    ("x=window(0)", "--expect 'x=window(0)': window(0): window must be at least 1"),
+])
+def test_a_bad_expect_expression_is_one_line_before_the_model_is_built(monkeypatch, expect, says):
+    import maskcli.hf.families as families
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was built before --expect was checked")
+
+    monkeypatch.setattr(families, "load", load)
+    result = model("llama", "--expect", expect)
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"maskcli: error: {says}")
 
 
 @needs_hf

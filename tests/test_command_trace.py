@@ -130,7 +130,7 @@ def test_json_gives_every_call_and_save_reads_back_as_a_mask(layers, tmp_path):
 def test_expect_holds_with_exit_0_and_fails_with_exit_1_naming_the_first_differing_cells(layers):
     good = trace("--expect", "layers.[0-2].self_attn=window(2)", "--expect", "*=causal & window(3)", layers, "--odd", "9")
     assert good.exit_code == 1  # every layer is window(2), not window(3)
-    assert "--expect *=causal & window(3): call 0 (layers.0.self_attn step 0, sdpa) differs from causal & window(3): " \
+    assert "--expect *=causal & window(3): call 0 (layers.0.self_attn prefill, sdpa) differs from causal & window(3): " \
            "row 2: the call sees 1-2, causal & window(3) sees 0-2: the call hides key 0" in " ".join(good.stderr.split())
     assert "--expect *=causal & window(3): 5 more calls differ: 1-5" in " ".join(good.stderr.split())
     assert "layers.[0-2]" not in good.stderr
@@ -144,6 +144,10 @@ def test_expect_holds_with_exit_0_and_fails_with_exit_1_naming_the_first_differi
 
 def test_a_bad_expect_or_api_is_one_line_and_the_program_does_not_run(layers):
     for args, message in ((["--expect", "layers.*"], "give PATTERN=EXPR"), (["--expect", "x=window("], "--expect 'x=window('"),
+                          (["--expect", "*=windo(3)"], "--expect '*=windo(3)': unknown mask kind 'windo' in 'windo(3)': did you mean window?"),
+                          (["--expect", "*=causal", "--expect", "x=windo(3)"], "--expect 'x=windo(3)': unknown mask kind 'windo'"),
+                          (["--expect", "*=window(0)"], "--expect '*=window(0)': window(0): window must be at least 1"),
+                          (["--expect", "*=window"], "--expect '*=window': window needs --window W"),
                           (["--api", "sdpa,flashy"], "choose from sdpa, flex, mha, softmax, flash, hf")):
         result = trace(*args, layers)
         assert result.exit_code == 2 and result.stdout == "" and message in result.stderr
@@ -187,6 +191,36 @@ Model(2)(torch.randn(1, 1, 4, 4), 4, 2, 5)
     assert result.stdout == "['a', '--b'] __main__\n" and "2 attention calls in 1 group" in result.stderr
     missing = trace("-m", "no_such_module_here")
     assert missing.exit_code == 2 and "no such module" in missing.stderr
+
+
+def test_json_or_save_given_the_script_says_they_take_a_file_name(layers):
+    for flag, suffix in (("--json", "json"), ("--save", "pt")):
+        result = trace(flag, layers)
+        assert result.exit_code == 2 and result.stdout == ""
+        assert result.stderr == f"maskcli: error: {flag} takes a file name: maskcli trace {flag} run.{suffix} {layers}\n"
+
+
+def test_api_flash_or_hf_named_for_a_program_that_never_imports_them_says_so(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    for name in [name for name in sys.modules if name == "flash_attn" or name.startswith(("flash_attn.", "transformers"))]:
+        monkeypatch.setitem(sys.modules, name, None)  # (this process may hold them: as if never imported)
+    script = write(tmp_path, "plain.py", """
+        import torch
+        import torch.nn.functional as F
+        x = torch.randn(1, 1, 3, 4)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        print("ran")
+    """)
+    result = trace("--api", "flash,hf,sdpa", "--json", "run.json", script, env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and result.stdout == "ran\n", result.output
+    lines = ["--api flash: the program never imported flash_attn, so --api flash recorded nothing",
+             "--api hf: the program never imported transformers, so --api hf recorded nothing"]
+    assert all(line in result.stderr.splitlines() for line in lines), result.stderr
+    assert json.loads((tmp_path / "run.json").read_text())["not_imported"] == lines
+    default = trace(script, env={"COLUMNS": "200"})  # every API by default: no word on those the program does not use
+    assert default.exit_code == 0 and "never imported" not in default.stderr
 
 
 def test_mha_and_softmax_and_api_picks_which(tmp_path, monkeypatch):
@@ -322,6 +356,35 @@ def test_a_decoder_with_left_padding_and_a_kv_cache_step_by_step(tmp_path, monke
             assert keep[b, h, i, k] == (position - 3 < k <= position and not (b == 1 and k < 2)), (call["index"], b, i, k)
 
 
+def test_steps_read_the_same_in_the_report_json_and_expect(tmp_path, monkeypatch):
+    """prefill, then decode N for each one-query call after it: in the table, in --json's calls and groups, and in
+    --expect's lines; a module's second call of several queries is step 1, not steps 1."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "twice.py", """
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        class Attention(nn.Module):
+            def forward(self, q, k):
+                return F.scaled_dot_product_attention(q, k, k)
+
+        attention = Attention()
+        attention(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))  # prefill: 4 queries, no mask (full)
+        attention(torch.randn(1, 1, 1, 8), torch.randn(1, 1, 5, 8))  # decode 1: one query
+        attention(torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))  # a second full-length call: step 2
+    """)
+    result = trace("--json", "run.json", "--expect", "*=causal", script, env={"COLUMNS": "120"})
+    assert result.exit_code == 1, result.output
+    rows = [line.split() for line in result.stderr.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert [row[-5:] for row in rows] == [["prefill,", "step", "2", "(1,1,4,4)", "full"], ["sdpa", "decode", "1", "(1,1,1,5)", "causal"]]
+    data = json.loads((tmp_path / "run.json").read_text())
+    assert [c["step_label"] for c in data["calls"]] == ["prefill", "decode 1", "step 2"]
+    assert [g["steps"] for g in data["groups"]] == ["prefill, step 2", "decode 1"]
+    said = " ".join(result.stderr.split())
+    assert "--expect *=causal: call 0 (Attention prefill, sdpa) differs from causal" in said
+
+
 def test_files_are_written_where_maskcli_started_even_if_the_program_changes_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "elsewhere").mkdir()
@@ -384,7 +447,7 @@ def test_a_tutorials_masked_fill_attention_holds_to_causal_and_not_to_a_window(t
     shown = runner.invoke(app, ["show", "--mask", "tut.pt:2", "--json"])
     assert json.loads(shown.stdout)["mask"][1][1] == np.tril(np.ones((6, 6), dtype=int)).tolist()
     failed = trace("--expect", "1=window(2)", script)
-    assert failed.exit_code == 1 and "call 1 (1 step 0, softmax) differs from window(2)" in " ".join(failed.stderr.split())
+    assert failed.exit_code == 1 and "call 1 (1 prefill, softmax) differs from window(2)" in " ".join(failed.stderr.split())
 
 
 HF_EAGER = """
@@ -517,3 +580,34 @@ def test_a_hugging_face_model_with_a_registered_attention_function_is_reported_p
     assert [(c["api"], c["details"]["hf"]["layer_idx"], c["details"]["hf"]["attn_implementation"]) for c in calls] == [
         ("hf", 0, "own_documents"), ("hf", 1, "own_documents"), ("hf", 2, "own_documents")]
     assert calls[0]["details"]["implicit"] == "cu_seq_lens_q/k" and calls[0]["details"]["hf"]["cu_seq_lens_k"] == [0, 2, 5]
+
+
+def test_a_gqa_decode_under_hfs_sdpa_saves_one_query_at_its_position_and_holds_to_causal(tmp_path, monkeypatch):
+    """HF's sdpa packs one query's heads as query rows (pack_gqa): the call is saved as the model computed it, one
+    query at the last key, and show reads it back there (a double loop from the padding and positions)."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    script = write(tmp_path, "gqa.py", """
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=1, vocab_size=32, pad_token_id=0)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+        model.set_attn_implementation("sdpa")
+        ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+        with torch.no_grad():
+            model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                           pad_token_id=0)
+    """)
+    result = trace("--save", "run.pt", "--expect", "*=causal", script, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert "--expect: every call matched holds (1 expectation)" in result.stderr
+    shown = runner.invoke(app, ["show", "--mask", "run.pt:1", "--json"])  # the decode step: 6 keys
+    assert shown.exit_code == 0, shown.output
+    cells = json.loads(shown.stdout)["mask"]
+    valid = [[0, 0, 1, 1, 1, 1], [1] * 6]
+    want = [[[[int(valid[b][k] and k <= 5) for k in range(6)]] for _ in range(4)] for b in range(2)]
+    assert cells == want

@@ -160,6 +160,52 @@ def test_a_masked_fill_softmax_reads_the_mask_off_the_scores():
     assert np.array_equal(t.calls[1].keep()[0, 1], np.tril(np.ones((3, 3), dtype=bool)))
 
 
+@pytest.mark.parametrize("dtype, fill", [(torch.float32, -1e9), (torch.float16, -1e4), (torch.bfloat16, -1e9)])
+def test_a_finite_fill_is_read_as_masked_and_a_row_filled_everywhere_gets_uniform_weights(dtype, fill):
+    """The Annotated Transformer's scores.masked_fill(mask == 0, -1e9): the cells at the fill are masked (their weight
+    exactly 0 in every dtype), and a row filled everywhere gets uniform weights, which the finding says."""
+    g = torch.Generator().manual_seed(1)
+    scores = (torch.randn(2, 2, 4, 4, generator=g) * 4).to(dtype)
+    lengths = [4, 0]  # batch row 1: every key padding
+    mask = torch.tensor([[int(k < n) for k in range(4)] for n in lengths])[:, None, None, :] * torch.tril(torch.ones(4, 4))
+    with maskcli.trace() as t:
+        weights = scores.masked_fill(mask == 0, fill).softmax(dim=-1)
+    (call,) = t.calls
+    keep = np.broadcast_to(call.keep(), call.shape)
+    for b in range(2):
+        for q in range(4):
+            for k in range(4):
+                assert keep[b, 1, q, k] == (k <= q and k < lengths[b])
+    assert np.array_equal(keep[0], (weights[0] > 0).numpy())  # where it is a mask, exactly what softmax did
+    assert torch.equal(weights[1].float(), torch.full((2, 4, 4), 0.25))  # filled everywhere: uniform, not NaN
+    assert call.details["fill"] == "finite" and call.details["fill_value"] == float(torch.tensor(fill, dtype=dtype))
+    (group,) = t.groups()
+    codes = {f.code: f.message for f in group.findings}
+    assert codes["fully-masked"].startswith("query rows 0-3 of batch row 1 see no key at all: uniform weights")
+    assert "a row filled everywhere gets uniform weights over every key" in codes["finite-fill"]
+
+
+def test_an_additive_mask_in_the_scores_is_a_bias_read_where_its_weight_is_exactly_0():
+    """BERT's (1 - mask) * -10000 added to the scores: no one constant, so no fill; read where softmax gives weight
+    exactly 0, and a batch row whose every key it lowers attends to all of them (softmax is shift-invariant)."""
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(3, 2, 4, 4, generator=g)
+    lengths = [4, 2, 0]
+    valid = torch.tensor([[float(k < n) for k in range(4)] for n in lengths])
+    with maskcli.trace() as t:
+        weights = (scores + (1.0 - valid[:, None, None, :]) * -10000.0).softmax(-1)
+    (call,) = t.calls
+    keep = np.broadcast_to(call.keep(), call.shape)
+    for b in range(3):
+        for k in range(4):
+            assert keep[b, :, :, k].all() == (k < lengths[b] or lengths[b] == 0)
+            assert not keep[b, :, :, k].any() == (k >= lengths[b] > 0)
+    assert np.array_equal(keep, (weights > 0).numpy())
+    assert call.details["additive"] is True and "fill_value" not in call.details
+    (group,) = t.groups()
+    assert [f.code for f in group.findings] == ["additive"]
+
+
 class Layer(nn.Module):
     def forward(self, x, cache):
         cache.append(x)
@@ -288,13 +334,17 @@ def test_a_keep_mask_handed_to_multihead_attention_is_said_to_look_flipped():
 
 
 def test_where_and_step_words():
-    from maskcli.trace.report import step_text, where_text
+    from maskcli.text import step_text
+    from maskcli.trace.report import where_text
 
     paths = [f"model.layers.{i}.self_attn" for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)] + ["model.vision.attn", "model.layers.5.self_attn"]
     assert where_text(paths) == "model.layers.{0-10}.self_attn, model.vision.attn"
     assert where_text(paths[:10]) == "model.layers.{0-4, 6-10}.self_attn"
     assert where_text(["demo.py:12"]) == "demo.py:12" and where_text(["0", "1", "2", "3.attn"]) == "{0-2}, 3.attn"
-    assert (step_text([0], 7), step_text([0], 1), step_text([1, 2, 3], 1), step_text([0, 1], 7)) == ("prefill", "step 0", "decode 1-3", "steps 0-1")
+    cases = {((0,), 7): "prefill", ((0,), 1): "step 0", ((1, 2, 3), 1): "decode 1-3", ((1,), 1): "decode 1",
+             ((0, 1), 7): "prefill, step 1", ((1,), 7): "step 1", ((1, 2, 4), 7): "steps 1-2, 4",
+             ((0, 1, 2), 1): "step 0, decode 1-2", ((0, 2, 3), 7): "prefill, steps 2-3"}
+    assert {case: step_text(list(case[0]), case[1]) for case in cases} == cases
 
 
 def test_calls_without_values_inside_vmap_or_on_meta_are_left_alone():
@@ -333,6 +383,24 @@ def test_sdpa_with_grouped_query_attention_records_the_query_heads():
     assert call.shape == (1, 4, 3, 3) and call.k == (1, 2, 3, 8)
     assert call.details["enable_gqa"] is True and call.details["scale"] == 0.5
     assert np.array_equal(call.keep()[0, 3], np.tril(np.ones((3, 3), dtype=bool)))
+
+
+def test_one_mask_row_broadcast_over_query_rows_claims_no_query_sees_a_later_key():
+    """HF's pack_gqa seen without the hf interface: 4 heads of one query as 4 query rows of one key/value head, the
+    mask (B, 1, 1, Lk) broadcast over them. No row order there, so no sees-later finding; SDPA's output is the same."""
+    q, k, v = qkv(2, 1, 4, 3)
+    valid = torch.tensor([[False, True, True], [True, True, True]])
+    mask = valid[:, None, None, :]
+    with maskcli.trace(apis=("sdpa",)) as t:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    (call,) = t.calls
+    keep = np.broadcast_to(call.keep(), call.shape)
+    for b in range(2):
+        for row in range(4):
+            assert [bool(x) for x in keep[b, 0, row]] == [bool(valid[b, key]) for key in range(3)]
+    (group,) = t.groups()
+    assert [f.code for f in group.findings] == [] and call.details["mask_rows"] == 1
 
 
 def test_pytorchs_own_transformer_every_attention_with_its_mask():

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers)")
@@ -17,8 +18,10 @@ from maskcli.hf import families, quiet  # noqa: E402
 from test_trace_flash import flash_attn  # noqa: E402,F401 (the stand-in flash_attn package, a fixture)
 
 
-def model(family: str, attn: str, window: int | None = None):
+def model(family: str, attn: str, window: int | None = None, heads: tuple[int, int] | None = None):
     config = families.tiny(families.load(family), window=window, name=family)
+    if heads is not None:  # (query heads, key/value heads)
+        config.num_attention_heads, config.num_key_value_heads = heads
     torch.manual_seed(0)
     with quiet():
         return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
@@ -216,6 +219,103 @@ def test_generating_with_hf_alone_records_the_masks_the_kernels_apply(attn, kern
         assert (ours.where, ours.step) == (theirs.where, theirs.step) and "hf" not in theirs.details  # (hf left out)
         assert ours.where == f"model.layers.{ours.details['hf']['layer_idx']}.self_attn"
         assert np.array_equal(np.broadcast_to(ours.keep(), ours.shape)[:, 0], np.broadcast_to(theirs.keep(), theirs.shape)[:, 0])
+
+
+def padded_keep(valid: list[int], q_len: int, window: int | None = None) -> np.ndarray:
+    """One batch row's mask from its padding and positions: the queries are the last q_len keys; each sees the real
+    keys up to itself (and, with a window, fewer than window positions back): a double loop."""
+    k_len = len(valid)
+    keep = np.zeros((q_len, k_len), dtype=bool)
+    for i in range(q_len):
+        q = k_len - q_len + i
+        for k in range(k_len):
+            keep[i, k] = bool(valid[k]) and k <= q and (window is None or q - k < window)
+    return keep
+
+
+@pytest.mark.parametrize("family, window", [("llama", None), ("mistral", 3)])
+def test_gqa_decode_steps_packed_by_hfs_sdpa_are_recorded_as_one_query_of_every_head(family, window):
+    """HF's sdpa packs one query's n_rep heads as n_rep query rows of one key/value head (pack_gqa): recorded as the
+    model computed it, (B, H, 1, Lk), its one query at the last key; the mask a double loop from padding and positions."""
+    gqa = model(family, "sdpa", window=window, heads=(4, 1))
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    valid = [[0, 0, 1, 1, 1], [1] * 5]
+    options = dict(attention_mask=torch.tensor(valid), max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+    with quiet(), torch.no_grad():
+        untraced = gqa.generate(ids, **options)
+        with maskcli.trace() as t:
+            traced = gqa.generate(ids, **options)
+    assert torch.equal(untraced, traced) and len(t.calls) == 4
+    for call in t.calls:
+        step = call.step
+        q_len = 5 if step == 0 else 1
+        row_valid = [v + [1] * step for v in valid]  # the tokens generated are real
+        if window is not None and step:  # the sliding cache holds the last `window` positions
+            row_valid = [v[-window:] for v in row_valid]
+        k_len = len(row_valid[0])
+        assert call.shape == (2, 4, q_len, k_len) and call.q[:3] == (2, 4, q_len)
+        keep = np.broadcast_to(call.keep(), call.shape)
+        for b in range(2):
+            want = padded_keep(row_valid[b], q_len, window if not step else None)
+            for h in range(4):
+                assert np.array_equal(keep[b, h], want), (call.index, b, h)
+        if step:
+            assert call.details["pack_gqa"]["kernel_q"][1:3] == [1, 4] and call.details["pack_gqa"]["num_key_value_groups"] == 4
+    want = "window(3)" if window else "causal"
+    from maskcli.trace.expect import check
+
+    assert check(t.calls, [("*", want)]) == []
+
+
+def drops_everything(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A registered attention function that ignores what HF asked: no mask, no is_causal (full attention)."""
+    return F.scaled_dot_product_attention(query, key, value, scale=scaling).transpose(1, 2), None
+
+
+def drops_the_window(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal, but the sliding_window HF passed is dropped."""
+    return F.scaled_dot_product_attention(query, key, value, scale=scaling, is_causal=True).transpose(1, 2), None
+
+
+def keeps_both(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+    """Causal and the window, as HF asked (a bool mask built here)."""
+    n = query.shape[2]
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    mask = (k <= q) & ((q - k < sliding_window) if sliding_window else True)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling).transpose(1, 2), None
+
+
+@pytest.mark.parametrize("function, width, kind, codes", [
+    (drops_everything, None, "full", ["hf-not-causal"]),
+    (drops_everything, 3, "full", ["hf-not-causal", "hf-not-windowed"]),
+    (drops_the_window, 3, "causal", ["hf-not-windowed"]),
+    (keeps_both, 3, "window", []),
+    (keeps_both, None, "causal", []),
+])
+def test_a_registered_function_that_drops_is_causal_or_the_window_hf_asked_for_is_said_to(function, width, kind, codes):
+    """HF hands the function no mask (no padding) and asks for causal (its module's is_causal) and, for Mistral, a
+    sliding window: what the kernel applied (a double loop here) and the findings on what it dropped."""
+    name = f"maskcli_test_{function.__name__}"
+    transformers.AttentionInterface.register(name, function)
+    family = "mistral" if width else "llama"
+    config = families.tiny(families.load(family), window=width, name=family)
+    torch.manual_seed(0)
+    with quiet():
+        built = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name).eval()
+    with torch.no_grad(), maskcli.trace() as t:
+        built(torch.arange(1, 7)[None])
+    assert t.calls and all(call.api == "sdpa" and call.details["hf"]["attention_mask"] is None for call in t.calls)
+    want = np.array([[{"full": True, "causal": k <= q, "window": k <= q and q - k < 3}[kind] for k in range(6)] for q in range(6)])
+    for call in t.calls:
+        assert np.array_equal(np.broadcast_to(call.keep(), call.shape)[0, 0], want)
+    (group,) = t.groups()
+    said = {f.code: f.message for f in group.findings}
+    assert [code for code in said if code.startswith("hf-")] == codes
+    if "hf-not-causal" in codes:
+        assert said["hf-not-causal"] == ("HF asked for a causal mask (its module's is_causal is True) but the kernel "
+                                         "applied full: queries see later keys")
+    if "hf-not-windowed" in codes:
+        assert said["hf-not-windowed"].startswith("HF asked for sliding_window=3 but the kernel applied ")
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ def trace(
     ctx: typer.Context,
     script: Annotated[str | None, typer.Argument(help="The Python script to run, followed by its own arguments (passed as they are). THIS RUNS THE PROGRAM, in this process, as python would.", show_default=False, metavar="SCRIPT.py [ARGS]...")] = None,
     module: Annotated[str | None, typer.Option("-m", "--module", help="Run a module as python -m does, instead of a script; the words after it are its arguments.", show_default=False)] = None,
-    api: Annotated[str, typer.Option("--api", help="Which calls to record, comma-separated: sdpa (scaled dot product attention), flex (flex_attention), mha (nn.MultiheadAttention and its functional form), softmax (a softmax over the last dimension of 3-D/4-D scores, masked where -inf or the dtype's lowest value), flash (flash_attn's functions, where the program imports flash_attn: the mask their causal, window_size and cu_seqlens / cache_seqlens mean, bottom-right aligned), hf (Hugging Face's AttentionInterface, where the program imports transformers: each call's layer_idx, sliding_window, position_ids, cu_seq_lens_q/k noted on the kernel call it makes, or recorded as api hf with the mask its arguments mean where no kernel call is seen).", show_default="all of them", autocompletion=complete_apis)] = ",".join(APIS),
+    api: Annotated[str, typer.Option("--api", help="Which calls to record, comma-separated: sdpa (scaled dot product attention), flex (flex_attention), mha (nn.MultiheadAttention and its functional form), softmax (a softmax over the last dimension of 3-D/4-D scores, masked where -inf, the dtype's lowest value, or one finite fill at most -1e4 such as masked_fill's -1e9), flash (flash_attn's functions, where the program imports flash_attn: the mask their causal, window_size and cu_seqlens / cache_seqlens mean, bottom-right aligned), hf (Hugging Face's AttentionInterface, where the program imports transformers: each call's layer_idx, sliding_window, position_ids, cu_seq_lens_q/k noted on the kernel call it makes, or recorded as api hf with the mask its arguments mean where no kernel call is seen).", show_default="all of them", autocompletion=complete_apis)] = ",".join(APIS),
     max_bytes: Annotated[int, typer.Option("--max-bytes", help="Bytes of distinct masks kept; past it a call keeps its shape and counts only, and says so.", parser=integer)] = 256 << 20,
     json_path: Annotated[str | None, typer.Option("--json", help="Write every call (where, api, step, shapes, dtype, device, its mask's id) and every group, named, with findings, as JSON to this file (stdout stays the program's).", show_default=False)] = None,
     save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to one .pt file that other commands read as a mask: --mask TRACE.pt:7 (call 7) or TRACE.pt:PATH@STEP (like layers.5.self_attn@2: that module's third call).", show_default=False)] = None,
@@ -41,7 +41,7 @@ def trace(
 ) -> None:
     """Run a Python program and record the mask of every attention call it makes, grouped and named.
 
-    The program runs in this process as `python SCRIPT.py ARGS` (or `python -m MODULE ARGS`) would: its own sys.argv and __main__, its stdout untouched, its exit status kept (a program that raises prints its traceback and exits 1). The report goes to stderr: calls whose masks are the same form one row, named as a maskcli expression with findings (rows that see no key and what the API makes of them, queries that see later keys, is_causal aligned top-left). maskcli's options come before the program.
+    The program runs in this process as `python SCRIPT.py ARGS` (or `python -m MODULE ARGS`) would: its own sys.argv and __main__, its stdout untouched, its exit status kept (a program that raises prints its traceback and exits 1). The report goes to stderr: calls whose masks are the same form one row, named as a maskcli expression with findings (rows that see no key and what the API makes of them, queries that see later keys, is_causal aligned top-left, a finite fill, is_causal or a sliding_window Hugging Face asked for that the kernel did not apply). maskcli's options come before the program.
     """
     import os
 
@@ -52,6 +52,9 @@ def trace(
     if module is not None and script is not None:
         program_args.insert(0, script)
         script = None
+    for flag, value, suffix in (("--json", json_path, "json"), ("--save", save, "pt")):
+        if script is None and module is None and value is not None and value.endswith(".py"):  # taken for a flag, as in show
+            raise MaskError(f"{flag} takes a file name: maskcli trace {flag} run.{suffix} {value}")
     check_program(script, module)
     apis = tuple(part.strip() for part in api.split(",") if part.strip())
     unknown = [name for name in apis if name not in APIS]
@@ -72,10 +75,14 @@ def trace(
     tracer = Trace(apis, max_bytes)
     with tracer:
         status = run_program(script, module, program_args)
-    _report(tracer, f"-m {module}" if module else os.path.basename(script), status, expectations, json_path, save, targets)
+    named = apis if api != ",".join(APIS) else ()  # the APIs the user asked for by name
+    unseen = [f"--api {name}: the program never imported {module_name}, so --api {name} recorded nothing"
+              for name, module_name in (("flash", "flash_attn"), ("hf", "transformers")) if name in named and name not in tracer.patched]
+    _report(tracer, f"-m {module}" if module else os.path.basename(script), status, expectations, json_path, save, targets, unseen)
 
 
-def _report(tracer, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict) -> None:
+def _report(tracer, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict,
+            unseen: list[str]) -> None:
     import json
 
     from maskcli.files import atomic_write
@@ -88,12 +95,12 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
     console = make_console(stderr=True)
     for view in views(groups, len(tracer.calls), program, status, failures):
         console.print(view)
-    for line in held:
+    for line in unseen + held:
         console.print(line)
     if json_path is not None:
         numbers = {call.index: number for number, group in enumerate(groups) for call in group.calls}
         data = {"program": program, "exit_status": status, "calls": [{**call.json(), "group": numbers[call.index]} for call in tracer.calls],
-                "groups": [group.json() for group in groups], "expect": failures}
+                "groups": [group.json() for group in groups], "expect": failures, "not_imported": unseen}
 
         def write_json(path: str) -> None:
             with open(path, "w", encoding="utf-8") as out:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from maskcli import tracefile
+from maskcli.text import step_label
 import maskcli.trace.masks as readers
 import maskcli.trace.flash as flash
 import maskcli.trace.interface as interface
@@ -62,7 +63,8 @@ class Call:
         return np.broadcast_to(tracefile.dense(self.stored), self.shape)
 
     def json(self) -> dict:
-        return {"index": self.index, "where": self.where, "api": self.api, "step": self.step, "shape": list(self.shape),
+        return {"index": self.index, "where": self.where, "api": self.api, "step": self.step,
+                "step_label": self.details.get("step_name") or step_label(self.step, self.shape[2]), "shape": list(self.shape),
                 "q": list(self.q), "k": list(self.k), "v": list(self.v), "dtype": self.dtype, "device": self.device,
                 "mask": self.mask, "details": dict(self.details)}
 
@@ -117,6 +119,7 @@ class Trace:
         self._undo: list = []  # what puts swapped functions and patched classes back, in the order done
         self._swapped: set[int] = set()
         self.interfaces: list[dict] = []  # the Hugging Face interface calls running (interface.py), innermost last
+        self.patched: set[str] = set()  # "flash", "hf": the APIs whose modules the program imported (so were patched)
         self.active = False
 
     def groups(self) -> list:
@@ -196,6 +199,7 @@ class Trace:
             function = getattr(module, name, None)
             if not isinstance(function, types.FunctionType) or id(function) in self._swapped:
                 continue  # (flash_attn re-exports its interface module's functions: each is swapped once)
+            self.patched.add("flash")
             read = flash.reader(name, inspect.signature(function))
             undo = swap(function, lambda original, read=read: self._hook(read, original))
             if undo is not None:
@@ -203,6 +207,7 @@ class Trace:
                 self._undo.append(undo)
 
     def _patch_hf(self, module) -> None:
+        self.patched.add("hf")
         undo = interface.patch(self, module)
         self._undo.append(lambda: interface.unpatch(undo))
 
@@ -274,6 +279,8 @@ class Trace:
                     seen = reader(args, kwargs)
                     if seen is None:
                         return
+                    if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
+                        interface.unpack_gqa(seen, self.interfaces[-1])
                     key = self._store(seen)
             except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
                 api = getattr(reader, "api", "?")

@@ -8,12 +8,14 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.testing import against
-from maskcli.text import spans
+from maskcli.text import spans, step_label
 
 
 def parse(values: list[str]) -> list[tuple[str, str]]:
-    """(pattern, expression) pairs; a bad one is a one-line error before the program runs."""
+    """(pattern, expression) pairs; a bad one (its syntax, a kind's name or parameters) is a one-line error before the
+    program runs, as `trace` and `model` both check them."""
     from maskcli.expression import parse as parse_expression
+    from maskcli.terms import resolve
 
     pairs = []
     for value in values:
@@ -21,7 +23,7 @@ def parse(values: list[str]) -> list[tuple[str, str]]:
         if not equals or not pattern.strip() or not expression.strip():
             raise MaskError(f"--expect {value!r}: give PATTERN=EXPR, like \"layers.*.self_attn=causal\" (PATTERN matches module paths as a shell does)")
         try:
-            parse_expression(expression)
+            resolve(parse_expression(expression), {}, expression.strip())  # no flags here: a bare window needs (W)
         except MaskError as error:
             raise MaskError(f"--expect {value!r}: {error}") from None
         pairs.append((pattern.strip(), expression.strip()))
@@ -59,7 +61,8 @@ def check(calls: list, expectations: list[tuple[str, str]], names=lambda call: (
             continue
         differing = []
         for call in matched:
-            where = f"call {call.index} ({call.where} step {call.step}, {call.api})"
+            step = call.details.get("step_name") or step_label(call.step, call.shape[2])  # (model names its own)
+            where = f"call {call.index} ({call.where} {step}, {call.api})"
             try:
                 keep = keep_array(call)
                 padding = found_padding(keep)

@@ -80,7 +80,10 @@ def _wrapper(trace, function, name):
             told = details(name, args, kwargs)
         except Exception as error:  # noqa: BLE001 - tensors without values (export, meta): the call is the program's
             told = {"attn_implementation": name, "error": f"{type(error).__name__}: {str(error)[:120]}"}
-        frame = {"hf": told, "seen": 0}
+        given = _given(args, kwargs)
+        query, module = given.get("query"), given.get("module")
+        frame = {"hf": told, "seen": 0, "query": tuple(query.shape) if isinstance(query, torch.Tensor) else None,
+                 "groups": getattr(module, "num_key_value_groups", 1)}
         trace.interfaces.append(frame)
         try:
             return function(*args, **kwargs)
@@ -91,6 +94,39 @@ def _wrapper(trace, function, name):
 
     interface._maskcli_interface = (*getattr(function, "_maskcli_interface", ()), trace)  # the traces it goes through
     return interface
+
+
+def unpack_gqa(seen: Seen, frame: dict) -> None:
+    """An SDPA call HF's sdpa made with pack_gqa, read back as the model computed it: one query of H heads, (B, H, 1, Lk).
+
+    For one query and n_rep = num_key_value_groups > 1, HF reshapes the query (B, H, 1, D) to (B, H_kv, n_rep, D)
+    and passes the mask as is (B, 1, 1, Lk: its one row broadcasts over the n_rep rows), or reshaped the same way
+    where it has H heads. The kernel's n_rep "query rows" are heads of one query, at the last position."""
+    query, groups = frame.get("query"), frame.get("groups")
+    if not isinstance(groups, int) or groups < 2 or query is None or len(query) != 4 or query[2] != 1:
+        return
+    batch, heads = query[0], query[1]
+    if seen.details.get("enable_gqa") or len(seen.q) != 4 or seen.q[1:3] != (heads // groups, groups) or heads % groups:
+        return  # not packed: repeat_kv or enable_gqa kept the query as it was
+    b, h, rows, k_len = seen.shape
+    if seen.keep is not None:
+        keep = seen.keep
+        if keep.shape[1] == 1 and bool((keep == keep[:, :, :1]).all()):  # one mask row for every head
+            seen.keep = keep[:, :, :1]
+        elif keep.shape[1] == h:  # a mask per head, packed as the query was
+            seen.keep = keep.reshape(keep.shape[0], h * rows, 1, k_len)
+        else:
+            return
+    elif seen.intervals is not None:
+        found, (pb, ph) = seen.intervals, seen.planes
+        if found.starts.shape[1] != 1:
+            if ph != h:
+                return
+            seen.intervals = Intervals.of(found.starts.reshape(pb * ph * rows, 1, -1), found.ends.reshape(pb * ph * rows, 1, -1),
+                                          found.k_start, found.k_end)
+            seen.planes = (pb, ph * rows)
+    seen.details["pack_gqa"] = {"kernel_q": list(seen.q), "num_key_value_groups": groups}
+    seen.shape, seen.q = (b, h * rows, 1, k_len), tuple(query)
 
 
 def _given(args: tuple, kwargs: dict) -> dict:
@@ -106,6 +142,8 @@ def details(name: str, args: tuple, kwargs: dict) -> dict:
         value = given.get(key)
         if value is not None:
             found[key] = short(value) if isinstance(value, torch.Tensor) else value
+    if "is_causal" not in found and isinstance(getattr(given.get("module"), "is_causal", None), bool):
+        found["module_is_causal"] = given["module"].is_causal  # (what HF's own functions fall back to)
     mask = given.get("attention_mask")
     found["attention_mask"] = None if mask is None else type(mask).__name__ if not isinstance(mask, torch.Tensor) else list(mask.shape)
     return found

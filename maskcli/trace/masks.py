@@ -97,6 +97,8 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
     if mask is not None:
         details["mask_dtype"] = _dtype(mask)
+        if q_len > 1 and (mask.dim() < 2 or mask.shape[-2] == 1):  # one row for every query: no query's own position
+            details["mask_rows"] = 1
         seen.keep = _as_4d(_keep(mask, details), q_len, k_len)
         seen.sources = (mask,)
     elif is_causal:
@@ -160,20 +162,44 @@ def _allow_extra(keep: torch.Tensor, extra: int) -> torch.Tensor:
 
 def softmax(args: tuple, kwargs: dict) -> Seen | None:
     """A softmax over the last dimension of a 3-D or 4-D tensor: the scores of eager attention, masked where -inf
-    or the dtype's lowest value (masked_fill and Hugging Face's eager path). None for any other softmax."""
+    or the dtype's lowest value (masked_fill and Hugging Face's eager path), or a finite fill (_finite_fill).
+    None for any other softmax."""
     x = args[0] if args else kwargs.get("input", kwargs.get("self"))
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4) or not x.is_floating_point() or dim not in (-1, x.dim() - 1):
         return None
     scores = x.detach()
-    masked = (scores == float("-inf")) | (scores == torch.finfo(scores.dtype).min)
+    lowest = torch.finfo(scores.dtype).min
+    masked = (scores == float("-inf")) | (scores == lowest)
     fill = "-inf" if bool((scores == float("-inf")).any()) else "min" if bool(masked.any()) else None
     q_len, k_len = x.shape[-2:]
     shape = (x.shape[0], x.shape[1], q_len, k_len) if x.dim() == 4 else (x.shape[0], 1, q_len, k_len)
     details = {"fill": fill}
+    masked = masked | _finite_fill(scores, lowest, details)
     seen = Seen("softmax", shape, tuple(x.shape), (), (), _dtype(x), str(x.device), details=details)
     seen.keep = (~masked).reshape(shape)
     return seen
+
+
+FILL_AT_MOST = -1e4  # exp(v - s) is exactly 0 once v - s < -103.3 in float32 and bfloat16 (the smallest subnormal,
+# 1.4e-45, is e^-103.3) and < -17.3 in float16: so v <= -1e4 gets weight 0 beside any score above -9896, any ordinary one
+
+
+def _finite_fill(scores: torch.Tensor, lowest: float, details: dict) -> torch.Tensor:
+    """The cells a finite fill masks (masked_fill(mask == 0, -1e9), the Annotated Transformer's): values at most -1e4
+    (not -inf, not the dtype's lowest) that are all one exact constant are a fill, and the cells equal to it masked.
+    Several such values are an additive mask added to the scores (BERT's (1 - mask) * -10000 + score): no cell equals
+    a fill, so the cells are read as masked where softmax gives them weight exactly 0, as the program computes."""
+    low = (scores <= FILL_AT_MOST) & (scores != lowest) & torch.isfinite(scores)
+    if not bool(low.any()):
+        return low
+    values = scores[low]
+    if bool((values == values[0]).all()):
+        details["fill_value"] = float(values[0])
+        details["fill"] = details["fill"] or "finite"
+        return low
+    details["additive"] = True  # (-10000 + a score may sit just above -1e4: every cell's weight decides)
+    return torch.softmax(scores, dim=-1) == 0
 
 
 sdpa.api, mha.api, softmax.api = "sdpa", "mha", "softmax"  # named on a call maskcli could not read

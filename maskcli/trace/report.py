@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maskcli import tracefile
-from maskcli.text import Finding, spans
+from maskcli.text import Finding, spans, step_text
 
 NAME_CELLS = 1 << 22  # masks up to this many cells (b*h*Lq*Lk as stored) are named by rebuilding them
 
@@ -70,19 +70,11 @@ def where_text(paths: list[str]) -> str:
     return ", ".join(parts)
 
 
-def step_text(steps: list[int], q_len: int) -> str:
-    if steps == [0]:
-        return "prefill" if q_len > 1 else "step 0"
-    if q_len == 1 and steps[0] > 0:
-        return f"decode {spans(steps)}"
-    return f"steps {spans(steps)}"
-
-
 def group(calls: list) -> list[Group]:
     """Calls with the same mask, API and shape form one group, in the order of their first call."""
     found: dict[tuple, list] = {}
     for call in calls:
-        key = (call.mask, call.api, call.shape, call.details.get("error"), call.details.get("q_start"))
+        key = (call.mask, call.api, call.shape, *(call.details.get(name) for name in ("error", "q_start", "fill_value", "additive")))
         found.setdefault(key, []).append(call)
     return [_named(members) for members in found.values()]
 
@@ -133,6 +125,7 @@ def _named(calls: list) -> Group:
         group.findings.append(Finding("bias", (
             "the float attn_mask also adds values other than 0 and a fill (a bias: ALiBi, relative positions): "
             "the mask shown is its cells at -inf or at most -1e4; the rest of what it adds is not shown")))
+    group.findings += _fills(first.details) + _asked(first, stored, group.name)
     if _top_left_is_causal(first, q_len, k_len):
         sees = ("its one query sees key 0 only, so the last {} keys are seen by no query" if q_len == 1 else
                 "query row i sees keys 0..i, so the last {} keys are seen by no query until the last rows").format(k_len - q_len)
@@ -140,6 +133,23 @@ def _named(calls: list) -> Group:
             f"is_causal with {q_len} quer{'y' if q_len == 1 else 'ies'} and {k_len} keys is aligned top-left: {sees}; "
             f"a decoder with a cache means bottom-right (causal --offset {k_len - q_len}): pass that mask instead of is_causal")))
     return group
+
+
+def _fills(details: dict) -> list[Finding]:
+    """What a softmax's finite fill, or an additive mask in its scores, makes of the mask read (masks._finite_fill)."""
+    found = []
+    if details.get("fill_value") is not None:
+        v = f"{details['fill_value']:g}"
+        found.append(Finding("finite-fill", (
+            f"the scores are filled with {v} where masked (a finite fill, as masked_fill(mask == 0, {v})): beside any "
+            "ordinary score such a cell gets softmax weight exactly 0, so it is read as masked; but a row filled "
+            "everywhere gets uniform weights over every key (softmax of equal values), not NaN and not nothing")))
+    if details.get("additive"):
+        found.append(Finding("additive", (
+            "the scores hold values at most -1e4 that are not one constant: an additive mask added to the scores "
+            "(BERT's (1 - mask) * -10000 + score), a bias rather than a fill; read as masked where softmax gives "
+            "the cell weight exactly 0: a row it lowers everywhere is shifted as a whole and attends to every key")))
+    return found
 
 
 def _top_left_is_causal(call, q_len: int, k_len: int) -> bool:
@@ -265,28 +275,60 @@ def _empty_rows(call, stored: dict, structure) -> list[Finding]:
 MEANT_LATER = (None, "tril", "triu")  # kinds that mean later keys (full, segment, blocks, ...) are not flagged
 
 
+def _reach(stored: dict, q_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first, last) key each query row sees, (b*h, Lq); Lk and -1 where a row sees none."""
+    if stored["form"] == "intervals":
+        found = tracefile.intervals(stored)
+        real = found.starts < found.ends
+        first = np.where(real, found.starts, found.k_end).min(axis=-1)
+        last = np.where(real, found.ends - 1, -1).max(axis=-1)
+    else:
+        cells = tracefile.dense(stored)
+        cells = cells.reshape(-1, *cells.shape[2:])
+        k_len, seen = cells.shape[-1], cells.any(axis=-1)
+        first = np.where(seen, cells.argmax(axis=-1), k_len)
+        last = np.where(seen, k_len - 1 - cells[..., ::-1].argmax(axis=-1), -1)
+    return np.broadcast_to(first, (first.shape[0], q_len)), np.broadcast_to(last, (last.shape[0], q_len))
+
+
 def _later(call, stored: dict, structure) -> list[Finding]:
     """A query that sees a key after its own position, the queries placed at the end of the keys."""
     if structure is not None and structure.expression is not None and structure.kind not in MEANT_LATER:
         return []
     if call.api in ("flash", "hf") and not call.details.get("causal"):
         return []  # not causal: the later keys in its window are the ones it asked for
+    if call.details.get("mask_rows") == 1:
+        return []  # one mask row broadcast to every query (a key padding mask, or GQA heads packed as rows): no query order
     q_len, k_len = call.shape[2:]
     own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
-    if stored["form"] == "intervals":
-        found = tracefile.intervals(stored)
-        real = found.starts < found.ends
-        last = np.where(real, found.ends - 1, -1).max(axis=-1)  # (b*h, Lq)
-        rows = np.flatnonzero((last > own[None, :]).any(axis=0))
-    else:
-        cells = tracefile.dense(stored)
-        later = cells & (np.arange(k_len)[None, :] > own[:, None])
-        rows = np.flatnonzero(later.any(axis=(0, 1, 3)))
+    rows = np.flatnonzero((_reach(stored, q_len)[1] > own[None, :]).any(axis=0))
     if len(rows) == 0:
         return []
     shown = spans(rows[:200].tolist())
     return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys): "
                     "a causal mask with an off-by-one, or one read the wrong way round?")]
+
+
+def _asked(call, stored: dict, name: str) -> list[Finding]:
+    """What HF asked of a kernel call it gave no mask (is_causal, sliding_window) that the kernel did not apply: an
+    attention function that drops them (a registered one of the user's) attends where the model must not.
+    The queries placed at the end of the keys: the latest they can sit, so a later key is one for any placement."""
+    hf = call.details.get("hf")
+    if call.api == "hf" or not isinstance(hf, dict) or "error" in hf or hf.get("attention_mask") is not None:
+        return []  # (a mask given is HF's word on the cells; the interface's own record is what its arguments mean)
+    q_len, k_len = call.shape[2:]
+    first, last = _reach(stored, q_len)
+    found = []
+    causal = hf.get("is_causal", hf.get("module_is_causal"))
+    if causal and (last > k_len - q_len + np.arange(q_len)[None, :]).any():
+        said = "is_causal=True" if "is_causal" in hf else "its module's is_causal is True"
+        found.append(Finding("hf-not-causal", f"HF asked for a causal mask ({said}) but the kernel applied {name}: "
+                                              "queries see later keys"))
+    window = hf.get("sliding_window")
+    if isinstance(window, int) and window > 0 and ((last >= 0) & (last - first >= window)).any():
+        found.append(Finding("hf-not-windowed", f"HF asked for sliding_window={window} but the kernel applied {name}: "
+                                                f"queries see keys {window} or more positions apart, outside the window"))
+    return found
 
 
 def text(groups: list[Group], calls: int) -> str:
