@@ -232,3 +232,25 @@ def test_piped_a_diff_of_1000_keys_is_a_map_and_words_80_columns_wide():
     text = " ".join(out.split())
     assert "rows: query position, ruler: key position; one character = 28 queries x 14 keys (exact, from key intervals)" in text
     assert "only A allows 0 cells · only B allows 996 · both allow 3,994" in text  # 996 = 1000 - 4 rows that see key q-4
+
+
+def test_two_files_of_different_shapes_are_told_what_applies_to_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.save(torch.tril(torch.ones(6, 6, dtype=torch.bool)), "a.pt")
+    torch.save(torch.tril(torch.ones(4, 4, dtype=torch.bool)), "b.pt")
+    result = runner.invoke(app, ["diff", "a.pt", "b.pt"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == (
+        "maskcli: error: A and B do not cover the same cells: A has queries 0-5 · keys 0-5, B has queries 0-3 · keys 0-3: "
+        "each file's shape is its own and no option changes it: compare the cells both cover with --rows 0:4 --keys 0:4, "
+        "or compare masks of the same shape (two calls of the same size)\n"
+    )
+    assert "--len" not in result.stderr
+    shared = runner.invoke(app, ["diff", "a.pt", "b.pt", "--rows", "0:4", "--keys", "0:4"])  # the advice works
+    assert shared.exit_code == 0 and "equal" in shared.stdout
+    one = runner.invoke(app, ["diff", "a.pt", "causal", "--len", "4"])
+    assert one.exit_code == 2 and one.stderr.endswith(
+        "the file's shape fixes its positions: leave out --len, --offset, --kv-start and --kv-len (the expression then "
+        "takes the file's), or compare the cells both cover with --rows 0:4 --keys 0:4\n"
+    )
+    assert runner.invoke(app, ["diff", "a.pt", "causal"]).exit_code == 0  # left out, the expression follows the file
