@@ -185,7 +185,20 @@ def test_a_config_json_and_list(tmp_path):
     listed = model("--list")
     assert listed.exit_code == 0
     lines = {line.split()[0]: line for line in listed.stdout.splitlines() if line.strip()}
-    assert "sliding_window 4096" in lines["mistral"] and "Gemma3TextConfig" in lines["gemma3_text"]
+    assert "sliding_window 4096" in lines["mistral"] and "sliding_window 4096; layer_types" in lines["gemma3_text"]
+
+
+@needs_hf
+def test_list_is_a_compact_table_a_family_a_line_where_it_fits():
+    listed = runner.invoke(app, ["model", "--list"], env={"COLUMNS": "120"})
+    assert listed.exit_code == 0
+    body = listed.stdout.splitlines()[4:]  # after the title, a blank line, the header and its rule
+    families = [line for line in body if line.strip() and not line.startswith("  ")]
+    assert all(len(line) <= 120 for line in body)
+    assert len(body) <= 1.25 * len(families), (len(body), len(families))  # was 1.6 lines a family (328 for 196)
+    lines = {line.split()[0]: line.rstrip() for line in families}
+    assert lines["llama"].split(None, 1)[1] == "causal (no window, chunks or layer types)"
+    assert lines["mistral"].split(None, 1)[1] == "sliding_window 4096; layer_types sliding_attention (every layer)"
 
 
 @needs_hf
