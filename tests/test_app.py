@@ -141,7 +141,7 @@ def test_at_60_columns_a_20_key_mask_is_still_a_table_and_verify_keeps_its_numbe
 
 def test_at_60_columns_wide_values_become_a_table_of_1_and_0_not_a_map():
     lines = runner.invoke(app, ["show", "causal", "--len", "12", "--as", "additive"], env={"COLUMNS": "60"}).stdout.splitlines()
-    assert lines[2:4] == ["cells shown as 1 / 0 (1 = may attend): 0 / -inf do not fit ", "60 columns"]
+    assert lines[2:4] == ["cells shown as 1 / 0 (1 = may attend): 0 / -inf do not fit", "60 columns"]
     assert lines[5].split() == ["0", "1"] + ["0"] * 11 and lines[-1].split() == ["11"] + ["1"] * 12
     wide = runner.invoke(app, ["show", "causal", "--len", "4", "--as", "additive"], env={"COLUMNS": "120"}).stdout
     assert "-inf" in wide and "cells shown as" not in wide
@@ -274,3 +274,13 @@ def test_long_examples_break_at_an_option_and_put_their_comment_above():
     assert trace[1:3] == ["# arguments after the program are the program's", "maskcli trace -m maskcli.trace.demo --len 8 --steps 1"]
     wide = _example_rows(runner.invoke(app, ["trace", "--help"], env={"COLUMNS": "120"}).stdout)
     assert "maskcli trace -m maskcli.trace.demo --len 8 --steps 1  # arguments after the program are the program's" in wide
+
+
+def test_piped_tables_keep_no_trailing_spaces():
+    for args in (["show", "causal", "--len", "3"], ["kinds"], ["diff", "causal", "window(2)", "--len", "4"], ["blocks", "causal", "--len", "256"]):
+        result = runner.invoke(app, args, env={"COLUMNS": "120"})
+        assert result.exit_code in (0, 1), (args, result.output)
+        assert [line for line in result.stdout.splitlines() if line != line.rstrip()] == [], args
+    assert runner.invoke(app, ["show", "causal", "--len", "3"]).stdout.splitlines()[2:] == [
+        " q \\ kv  0  1  2", " 0       1  0  0", " 1       1  1  0", " 2       1  1  1",
+    ]

@@ -356,8 +356,8 @@ def test_tokens_are_shown_as_written_never_as_markup_or_maths(tmp_path):
 def test_every_batch_rows_table_starts_its_columns_at_the_same_place():
     lines = ok(["show", "padding", "--lengths", "4,2"]).stdout.splitlines()
     headers = [line for line in lines if line.startswith(" q \\ kv")]
-    assert headers == [" q \\ kv       0  1  2  3 "] * 2  # batch 0 has no padding, yet keeps the tag column
-    assert " 0            1  1  1  1 " in lines and " 2       pad  1  1  0  0 " in lines
+    assert headers == [" q \\ kv       0  1  2  3"] * 2  # batch 0 has no padding, yet keeps the tag column
+    assert " 0            1  1  1  1" in lines and " 2       pad  1  1  0  0" in lines
 
 
 def test_many_batch_rows_show_the_first_panels_and_say_what_is_left_out(tmp_path):

@@ -7,6 +7,7 @@ loads neither.
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Annotated
 
@@ -233,6 +234,7 @@ def check_write(path, size: int, flag: str) -> None:
 
 
 ECHO_SLICE = 1 << 24  # bytes per write
+_TRAILING = re.compile(r"[ \t]+\n")  # spaces at the end of a line
 
 
 def echo(text: str) -> None:
@@ -263,12 +265,18 @@ def write_all(out, text: str) -> None:
 
 
 class WholeWrites:
-    """A text stream whose writes are whole or raise (write_all), for rich's console; the rest is the stream's."""
+    """A text stream whose writes are whole or raise (write_all), for rich's console; the rest is the stream's.
+
+    Piped, each line loses the spaces rich pads it with to the table's or the terminal's width (a file or a
+    `diff` of two outputs would carry them); on a terminal they are left, where they may hold a background."""
 
     def __init__(self, stream):
         self._stream = stream
 
     def write(self, text: str) -> int:
+        isatty = getattr(self._stream, "isatty", None)
+        if not (isatty and isatty()):
+            text = _TRAILING.sub("\n", text)
         write_all(self._stream, text)
         return len(text)
 
