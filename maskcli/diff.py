@@ -78,13 +78,14 @@ def row_words(difference: Difference, a: str = "A", b: str = "B") -> list[str]:
     return lines
 
 
-def check_comparable(a: Mask, b: Mask) -> None:
+SAME_POSITIONS = "give both the same --len, --offset, --kv-start and --kv-len (a tensor's shape says its own)"
+
+
+def check_comparable(a: Mask, b: Mask, advice: str = SAME_POSITIONS) -> None:
+    """Refuse masks over different cells; `advice` says how to make them the same (it depends on where they came from)."""
     fa, fb = a.frame, b.frame
     if (fa.q_start, fa.q_len, fa.k_start, fa.k_len) != (fb.q_start, fb.q_len, fb.k_start, fb.k_len):
-        raise MaskError(
-            f"A and B do not cover the same cells: A has {fa.describe()}, B has {fb.describe()}: "
-            "give both the same --len, --offset, --kv-start and --kv-len (a tensor's shape says its own)"
-        )
+        raise MaskError(f"A and B do not cover the same cells: A has {fa.describe()}, B has {fb.describe()}: {advice}")
     for axis, x, y in (("batch rows", a.batch, b.batch), ("heads", a.heads, b.heads)):
         if x != y and 1 not in (x, y):
             raise MaskError(f"A has {x} {axis} and B has {y}: each must be 1 or the same")
@@ -96,8 +97,8 @@ def runs(row: np.ndarray, start: int) -> list[tuple[int, int]]:
     return [(int(start + s), int(start + e)) for s, e in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1))]
 
 
-def compare(a: Mask, b: Mask, first: int = FIRST_ROWS, progress=None) -> Difference:
-    check_comparable(a, b)
+def compare(a: Mask, b: Mask, first: int = FIRST_ROWS, progress=None, advice: str = SAME_POSITIONS) -> Difference:
+    check_comparable(a, b, advice)
     batch = max(a.batch, b.batch)
     heads_apart = max(a.keep.shape[1] if a.keep is not None else 1, b.keep.shape[1] if b.keep is not None else 1)
     heads = max(a.heads, b.heads)

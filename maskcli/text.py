@@ -1,4 +1,4 @@
-"""Small helpers that put numbers into words, and the Finding that findings are made of."""
+"""Small helpers that put numbers into words, help examples into lines, and the Finding that findings are made of."""
 
 from __future__ import annotations
 
@@ -62,3 +62,49 @@ def step_text(steps: list[int], q_len: int) -> str:
     if rest:
         words.append(("decode " if q_len == 1 else "step " if len(rest) == 1 else "steps ") + spans(rest))
     return ", ".join(words)
+
+
+CONTINUED = "    "  # the indent of a wrapped example's further lines
+
+
+def wrap_example(line: str, width: int) -> list[str]:
+    """An example (`maskcli ...  # comment`) as lines of at most `width` characters, as a shell script writes it:
+    a comment too long to follow the command goes on its own `# ` lines above it, and the command breaks at
+    spaces (outside quotes where it can) with ` \\` at the end of each line and its further lines indented.
+
+    A word longer than a line is left whole (the terminal folds it)."""
+    command, _, comment = line.partition("  # ")
+    if len(line) <= width or not line.startswith("maskcli "):
+        return [line]
+    lines = [f"# {text}" for text in _fill(comment.split(), width - 2)] if comment else []
+    limit = width - len(CONTINUED) - 2
+    pieces, quote, piece = [], None, ""
+    for word in command.split(" "):  # a quoted argument is one piece, unless it alone is longer than a line
+        if quote is not None and piece and len(piece) + 1 + len(word) > limit:
+            pieces.append(piece)
+            piece = ""
+        piece = f"{piece} {word}" if piece else word
+        for char in word:
+            quote = None if char == quote else char if quote is None and char in "\"'" else quote
+        if quote is None:
+            pieces.append(piece)
+            piece = ""
+    pieces += [piece] if piece else []
+    for at in range(len(pieces) - 2, -1, -1):  # an option stays on the line of its value, where both fit
+        joined = f"{pieces[at]} {pieces[at + 1]}"
+        if pieces[at].startswith("-") and not pieces[at + 1].startswith("-") and len(joined) <= limit:
+            pieces[at:at + 2] = [joined]
+    rows = _fill(pieces, limit, first=width - 2)
+    return lines + [("" if at == 0 else CONTINUED) + row + (" \\" if at < len(rows) - 1 else "") for at, row in enumerate(rows)]
+
+
+def _fill(words: list[str], width: int, first: int | None = None) -> list[str]:
+    """`words` joined by spaces into lines of at most `width` characters (`first` for the first line)."""
+    rows: list[str] = []
+    for word in words:
+        limit = width if rows[1:] or first is None else first
+        if rows and len(rows[-1]) + 1 + len(word) <= limit:
+            rows[-1] += " " + word
+        else:
+            rows.append(word)
+    return rows

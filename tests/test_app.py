@@ -141,7 +141,7 @@ def test_at_60_columns_a_20_key_mask_is_still_a_table_and_verify_keeps_its_numbe
 
 def test_at_60_columns_wide_values_become_a_table_of_1_and_0_not_a_map():
     lines = runner.invoke(app, ["show", "causal", "--len", "12", "--as", "additive"], env={"COLUMNS": "60"}).stdout.splitlines()
-    assert lines[2:4] == ["cells shown as 1 / 0 (1 = may attend): 0 / -inf do not fit ", "60 columns"]
+    assert lines[2:4] == ["cells shown as 1 / 0 (1 = may attend): 0 / -inf do not fit", "60 columns"]
     assert lines[5].split() == ["0", "1"] + ["0"] * 11 and lines[-1].split() == ["11"] + ["1"] * 12
     wide = runner.invoke(app, ["show", "causal", "--len", "4", "--as", "additive"], env={"COLUMNS": "120"}).stdout
     assert "-inf" in wide and "cells shown as" not in wide
@@ -222,3 +222,65 @@ def test_option_values_and_kind_names_complete(words, expected):
     result = runner.invoke(app, [], env={"_MASKCLI_COMPLETE": "complete_bash", "COMP_WORDS": words,
                                          "COMP_CWORD": str(len(words.split()) - 1)}, prog_name="maskcli")
     assert sorted(result.stdout.split()) == expected, result.output
+
+
+KIND_FLAGS = "--window, --prefix, --sink, --chunk-size, --documents, --chunks, --sizes, --block-ids, --diagonal, --means, --parents"
+
+
+@pytest.mark.parametrize("name", ["show", "blocks", "diff", "attend", "verify", "export"])
+def test_kind_parameter_flags_are_named_on_help_all_line_and_shown_in_their_panel_by_help_all(name):
+    shown = runner.invoke(app, [name, "--help"], env={"COLUMNS": "120"}).stdout
+    every = runner.invoke(app, [name, "--help-all"], env={"COLUMNS": "120"}).stdout
+    line = " ".join(row.strip("│ ") for row in shown.splitlines())
+    assert f"the kind parameters {KIND_FLAGS}." in line
+    assert "Kind parameters (for a bare kind name)" in every and "Kind parameters" not in shown
+    for flag in KIND_FLAGS.split(", "):
+        assert f"│ {flag} " in every and f"│ {flag} " not in shown, (name, flag)
+    assert "│ --window            <integer>  window, lookback: keys each query sees" in every
+    assert "Kind parameters" not in runner.invoke(app, ["chunk", "--help-all"], env={"COLUMNS": "120"}).stdout  # labels only
+
+
+def _example_rows(text: str) -> list[str]:
+    rows = text.splitlines()
+    start = next(at for at, row in enumerate(rows) if row.strip() in ("Example:", "Examples:"))
+    return [row[1:].rstrip() for row in rows[start + 1:] if row.strip()]  # typer pads the epilog by one column
+
+
+@pytest.mark.parametrize("name", sorted(_commands()))
+def test_a_wrapped_example_continues_visibly_at_60_columns(name):
+    command = _commands()[name]
+    rows = _example_rows(runner.invoke(app, [name, "--help"], env={"COLUMNS": "60"}).stdout)
+    for at, row in enumerate(rows):
+        assert len(row) <= 58, (name, row)
+        if row.startswith("    "):
+            assert rows[at - 1].endswith(" \\"), (name, rows[at - 1], row)  # the shell's continuation
+        else:
+            assert row.startswith(("maskcli ", "# ")), (name, row)
+        if row.endswith(" \\"):
+            assert rows[at + 1].startswith("    "), (name, row)
+    # joined back, the lines are the examples as written, each comment before its command
+    joined = " ".join(rows).replace(" \\     ", " ").replace(" \\ ", " ")
+    written = []
+    for line in command.epilog.split("\n")[1:]:
+        text, _, comment = line.partition("  # ")
+        written += ([f"# {comment}", text] if comment and len(line) > 58 else [line])
+    assert " ".join(joined.split()) == " ".join(" ".join(written).split()), name
+
+
+def test_long_examples_break_at_an_option_and_put_their_comment_above():
+    model = _example_rows(runner.invoke(app, ["model", "--help"], env={"COLUMNS": "60"}).stdout)
+    assert model[1:3] == ["maskcli model gemma3_text --window 3 --lengths 5,3 \\", "    --new-tokens 2"]
+    trace = _example_rows(runner.invoke(app, ["trace", "--help"], env={"COLUMNS": "60"}).stdout)
+    assert trace[1:3] == ["# arguments after the program are the program's", "maskcli trace -m maskcli.trace.demo --len 8 --steps 1"]
+    wide = _example_rows(runner.invoke(app, ["trace", "--help"], env={"COLUMNS": "120"}).stdout)
+    assert "maskcli trace -m maskcli.trace.demo --len 8 --steps 1  # arguments after the program are the program's" in wide
+
+
+def test_piped_tables_keep_no_trailing_spaces():
+    for args in (["show", "causal", "--len", "3"], ["kinds"], ["diff", "causal", "window(2)", "--len", "4"], ["blocks", "causal", "--len", "256"]):
+        result = runner.invoke(app, args, env={"COLUMNS": "120"})
+        assert result.exit_code in (0, 1), (args, result.output)
+        assert [line for line in result.stdout.splitlines() if line != line.rstrip()] == [], args
+    assert runner.invoke(app, ["show", "causal", "--len", "3"]).stdout.splitlines()[2:] == [
+        " q \\ kv  0  1  2", " 0       1  0  0", " 1       1  1  0", " 2       1  1  1",
+    ]

@@ -99,7 +99,7 @@ def test_tutorial_tables_digit_for_digit_with_dropout_like_the_book():
     assert rounded(dropped["stages"]["weights"][0][0]) == TUTORIAL_DROPOUT
     table = invoke([*tutorial, "--dropout", 0.5, "--dropout-seed", 123, "--stages", "weights"])
     assert "weights = softmax(masked), then nn.Dropout(0.5)" in table.stdout
-    assert " 4        0.0000   0.3966   0.0000   0.3775   0.0000  0.0000× " in table.stdout
+    assert " 4        0.0000   0.3966   0.0000   0.3775   0.0000  0.0000×\n" in table.stdout
 
 
 def test_like_and_fill_together_and_mha_dropout_are_refused():

@@ -168,10 +168,10 @@ def test_bad_input_is_one_line(args, says, tmp_path, monkeypatch):
 def test_tokens_label_the_diff_table_or_are_said_to_be_left_out():
     result = runner.invoke(app, ["diff", "causal", "window(3)", "--len", "4", "--tokens", "alpha beta gamma delta"])
     assert result.exit_code == 1
-    assert " q \\ kv   alpha  beta  gamma  delta " in result.stdout and " 3 delta    A     1      1      1   " in result.stdout
+    assert " q \\ kv   alpha  beta  gamma  delta\n" in result.stdout and " 3 delta    A     1      1      1\n" in result.stdout
     narrow = runner.invoke(app, ["diff", "causal", "window(3)", "--len", "4", "--tokens", "alphabetical betamax gammaray deltaforce"],
                            env={"COLUMNS": "30"})
-    assert " 0 alphabetical  1  ·  ·  · " in narrow.stdout  # the rows keep the words, the columns positions
+    assert " 0 alphabetical  1  ·  ·  ·\n" in narrow.stdout  # the rows keep the words, the columns positions
     long = runner.invoke(app, ["diff", "causal", "window(3)", "--len", "600", "--tokens", " ".join(["w"] * 600)])
     assert "--tokens not shown: a density map has no room for words" in long.stdout
 
@@ -193,11 +193,11 @@ def test_many_batch_rows_show_24_tables_and_say_what_is_left_out():
 def test_the_diff_table_carries_the_structure_marks():
     result = runner.invoke(app, ["diff", "document(0,0,0,1,1,1,1,1) & window(3)", "document(0,0,0,1,1,1,1,1)"])
     lines = result.stdout.splitlines()
-    assert "              0  0  0  │  1  1  1  1  1 " in lines and " 7       1    ·  ·  ·  │  B  B  1  1  1 " in lines
-    assert "              ─  ─  ─  ┼  ─  ─  ─  ─  ─ " in lines
+    assert "              0  0  0  │  1  1  1  1  1" in lines and " 7       1    ·  ·  ·  │  B  B  1  1  1" in lines
+    assert "              ─  ─  ─  ┼  ─  ─  ─  ─  ─" in lines
     assert lines[-1].endswith("· │ ─ doc boundaries (labels above the keys, beside the queries) · underlined: the diagonal")
     cached = runner.invoke(app, ["diff", "causal", "window(2)", "--offset", "3", "--len", "3"]).stdout
-    assert " 5       A  A  A  ║  A  1  1 " in cached.splitlines()
+    assert " 5       A  A  A  ║  A  1  1" in cached.splitlines()
 
 
 def test_a_region_compares_the_same_part_of_both():
@@ -242,3 +242,25 @@ def test_mask_files_are_compared_without_importing_torch(tmp_path):
     ran = maskfiles.torch_after_each(commands, tmp_path)
     assert [code for _, code, _ in ran] == [0] * (len(commands) - 1) + [1]  # each is the expression; none is causal
     assert not any(loaded for *_, loaded in ran), [args for args, _, loaded in ran if loaded][:1]
+
+
+def test_two_files_of_different_shapes_are_told_what_applies_to_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.save(torch.tril(torch.ones(6, 6, dtype=torch.bool)), "a.pt")
+    torch.save(torch.tril(torch.ones(4, 4, dtype=torch.bool)), "b.pt")
+    result = runner.invoke(app, ["diff", "a.pt", "b.pt"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == (
+        "maskcli: error: A and B do not cover the same cells: A has queries 0-5 · keys 0-5, B has queries 0-3 · keys 0-3: "
+        "each file's shape is its own and no option changes it: compare the cells both cover with --rows 0:4 --keys 0:4, "
+        "or compare masks of the same shape (two calls of the same size)\n"
+    )
+    assert "--len" not in result.stderr
+    shared = runner.invoke(app, ["diff", "a.pt", "b.pt", "--rows", "0:4", "--keys", "0:4"])  # the advice works
+    assert shared.exit_code == 0 and "equal" in shared.stdout
+    one = runner.invoke(app, ["diff", "a.pt", "causal", "--len", "4"])
+    assert one.exit_code == 2 and one.stderr.endswith(
+        "the file's shape fixes its positions: leave out --len, --offset, --kv-start and --kv-len (the expression then "
+        "takes the file's), or compare the cells both cover with --rows 0:4 --keys 0:4\n"
+    )
+    assert runner.invoke(app, ["diff", "a.pt", "causal"]).exit_code == 0  # left out, the expression follows the file

@@ -202,7 +202,20 @@ def test_a_config_json_and_list(tmp_path):
     listed = model("--list")
     assert listed.exit_code == 0
     lines = {line.split()[0]: line for line in listed.stdout.splitlines() if line.strip()}
-    assert "sliding_window 4096" in lines["mistral"] and "Gemma3TextConfig" in lines["gemma3_text"]
+    assert "sliding_window 4096" in lines["mistral"] and "sliding_window 4096; layer_types" in lines["gemma3_text"]
+
+
+@needs_hf
+def test_list_is_a_compact_table_a_family_a_line_where_it_fits():
+    listed = runner.invoke(app, ["model", "--list"], env={"COLUMNS": "120"})
+    assert listed.exit_code == 0
+    body = listed.stdout.splitlines()[4:]  # after the title, a blank line, the header and its rule
+    families = [line for line in body if line.strip() and not line.startswith("  ")]
+    assert all(len(line) <= 120 for line in body)
+    assert len(body) <= 1.25 * len(families), (len(body), len(families))  # was 1.6 lines a family (328 for 196)
+    lines = {line.split()[0]: line.rstrip() for line in families}
+    assert lines["llama"].split(None, 1)[1] == "causal (no window, chunks or layer types)"
+    assert lines["mistral"].split(None, 1)[1] == "sliding_window 4096; layer_types sliding_attention (every layer)"
 
 
 @needs_hf
@@ -238,3 +251,26 @@ def test_the_gallerys_model_family_entries_are_what_the_families_build(args):
     result = model(*args, "--new-tokens", 1)
     assert result.exit_code == 0, result.output
     assert "--expect: every call matched holds (1 expectation)" in result.stdout
+
+
+@needs_hf
+def test_png_legend_names_the_cache_not_offset_and_no_label_meets_a_title(tmp_path, monkeypatch):
+    import maskcli.render.heatmaps as heatmaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    figures = []
+    monkeypatch.setattr(heatmaps, "save_figure", lambda figure, path: figures.append(figure))
+    result = model("llama", "--png", tmp_path / "out.png")
+    assert result.exit_code == 0, result.output
+    figure = figures[0]
+    assert [text.get_text() for text in figure.legends[0].get_texts()] == [
+        "may attend (True)", "masked (False)", "cached keys | new keys (the model's KV cache)",
+        "padding (a hatched band beside its keys and queries)", "diagonal: right of this edge, later keys",
+    ]
+    FigureCanvasAgg(figure).draw()
+    renderer = figure.canvas.get_renderer()
+    texts = [figure._suptitle] + [t for ax in figure.axes if ax.get_title() for t in (ax.title, ax.xaxis.label)]
+    assert sum("key position (kv)" == t.get_text() for t in texts) == 6  # 2 batch rows x prefill and 2 decode steps
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    meeting = [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:] if box.overlaps(other)]
+    assert meeting == []

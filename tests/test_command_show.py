@@ -356,8 +356,8 @@ def test_tokens_are_shown_as_written_never_as_markup_or_maths(tmp_path):
 def test_every_batch_rows_table_starts_its_columns_at_the_same_place():
     lines = ok(["show", "padding", "--lengths", "4,2"]).stdout.splitlines()
     headers = [line for line in lines if line.startswith(" q \\ kv")]
-    assert headers == [" q \\ kv       0  1  2  3 "] * 2  # batch 0 has no padding, yet keeps the tag column
-    assert " 0            1  1  1  1 " in lines and " 2       pad  1  1  0  0 " in lines
+    assert headers == [" q \\ kv       0  1  2  3"] * 2  # batch 0 has no padding, yet keeps the tag column
+    assert " 0            1  1  1  1" in lines and " 2       pad  1  1  0  0" in lines
 
 
 def test_many_batch_rows_show_the_first_panels_and_say_what_is_left_out(tmp_path):
@@ -1029,3 +1029,19 @@ def test_html_of_a_tensor_too_scattered_for_a_page_is_refused_whole(tmp_path, mo
     assert result.stderr.startswith("maskcli: error: --html: the cells of \"'scattered.npy' (read as keep)\" take ")
     assert "past the 3,000,000 a page holds: view a region with --rows/--keys" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["scattered.npy"]
+
+
+def test_chunk_names_its_labels_argument_in_errors_not_chunks_flag():
+    result = runner.invoke(app, ["chunk", "0,1,a"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == "maskcli: error: chunk labels '0,1,a': 'a' at position 2 of '0,1,a' is not an integer (write them like 0,0,1,1)\n"
+    flag = runner.invoke(app, ["show", "chunk", "--chunks", "0,1,a"])  # given as the flag, the flag is named
+    assert flag.stderr.startswith("maskcli: error: --chunks '0,1,a': 'a' at position 2")
+
+
+def test_a_parameter_below_its_minimum_reads_without_nested_parentheses():
+    result = runner.invoke(app, ["show", "window(-2)"])
+    assert result.exit_code == 2 and result.stderr == (
+        "maskcli: error: window(-2): window must be at least 1, got -2; window = keys each query sees: itself and the "
+        "W-1 before it (Hugging Face's count; FlashAttention window_size=(W-1, 0))\n"
+    )

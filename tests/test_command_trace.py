@@ -134,6 +134,8 @@ def test_expect_holds_with_exit_0_and_fails_with_exit_1_naming_the_first_differi
            "row 2: the call sees 1-2, causal & window(3) sees 0-2: the call hides key 0" in " ".join(good.stderr.split())
     assert "--expect *=causal & window(3): 5 more calls differ: 1-5" in " ".join(good.stderr.split())
     assert "layers.[0-2]" not in good.stderr
+    two = trace("--expect", "layers.[0-1].self_attn=causal & window(3)", layers, "--odd", "9")
+    assert two.exit_code == 1 and "1 more call differs: 1" in " ".join(two.stderr.split())
     held = trace("--expect", "layers.*.self_attn=window(2)", layers, "--odd", "9")
     assert held.exit_code == 0 and "every call matched holds" in held.stderr
     odd = trace("--expect", "layers.*.self_attn=window(2)", layers)

@@ -112,8 +112,11 @@ def test_right_padding_and_ids():
 
 def test_the_layer_pattern_is_read_from_the_config_class_and_kept_when_shrunk():
     gemma3 = families.load("gemma3_text")
-    assert families.pattern(families.layer_types(gemma3)) == "sliding_attention x5, full_attention (repeats every 6 of 26 layers)"
-    assert families.shapes(gemma3).startswith("sliding_window 4096; layer_types sliding_attention x5, full_attention")
+    assert families.pattern(families.layer_types(gemma3)) == "(sliding_attention x5, full_attention) x4, sliding_attention x2 (26 layers)"
+    assert families.shapes(gemma3).startswith("sliding_window 4096; layer_types (sliding_attention x5, full_attention) x4")
+    assert families.pattern(["a", "b", "a", "b", "a", "b", "c"]) == "(a, b) x3, c (7 layers)"
+    assert families.pattern(["a", "b", "c", "b", "c", "b", "c"]) == "a, (b, c) x3 (7 layers)"
+    assert families.pattern(["a"] * 4) == "a (every layer)" and families.pattern(["a", "b"]) == "a, b"
     assert families.layer_types(families.load("mistral"))[:2] == ["sliding_attention"] * 2  # a window and no layer_types
     tiny = families.tiny(families.load("gemma3_text"), name="gemma3_text")
     assert tiny.sliding_window == 4096 and tiny.hidden_size == 32 and tiny.layer_types == ["sliding_attention"] * 5 + ["full_attention"]

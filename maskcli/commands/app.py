@@ -7,6 +7,7 @@ loads neither.
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Annotated
 
@@ -22,6 +23,7 @@ except ImportError:  # pragma: no cover - older typer raises click's
 from maskcli import __version__
 from maskcli.errors import MaskError
 from maskcli.render import wrapped
+from maskcli.text import wrap_example
 
 UsageError = _click_exceptions.UsageError
 NoArgsIsHelpError = getattr(_click_exceptions, "NoArgsIsHelpError", ())
@@ -232,6 +234,7 @@ def check_write(path, size: int, flag: str) -> None:
 
 
 ECHO_SLICE = 1 << 24  # bytes per write
+_TRAILING = re.compile(r"[ \t]+\n")  # spaces at the end of a line
 
 
 def echo(text: str) -> None:
@@ -262,12 +265,18 @@ def write_all(out, text: str) -> None:
 
 
 class WholeWrites:
-    """A text stream whose writes are whole or raise (write_all), for rich's console; the rest is the stream's."""
+    """A text stream whose writes are whole or raise (write_all), for rich's console; the rest is the stream's.
+
+    Piped, each line loses the spaces rich pads it with to the table's or the terminal's width (a file or a
+    `diff` of two outputs would carry them); on a terminal they are left, where they may hold a background."""
 
     def __init__(self, stream):
         self._stream = stream
 
     def write(self, text: str) -> int:
+        isatty = getattr(self._stream, "isatty", None)
+        if not (isatty and isatty()):
+            text = _TRAILING.sub("\n", text)
         write_all(self._stream, text)
         return len(text)
 
@@ -282,12 +291,15 @@ def done(message: str) -> None:
 
 
 # Options --help leaves out, so that it fits a screen (--help-all and docs/reference.md show them): python parameter
-# names (commands/options.py) for every command, COMMAND.NAME for one. --help still names each on --help-all's line.
+# names (commands/options.py) for every command, COMMAND.NAME for one, and every option in FOLDED_PANELS.
+# --help still names each on --help-all's line.
 FOLDED = frozenset({
     "m_kv_start", "m_align", "m_pad_id", "m_key", "m_from", "m_causal", "m_mask_mod_args",
     "i_batch", "i_head_dim", "i_d_out", "i_qkv_bias", "i_scale",
-    "attend.dropout_seed", "attend.precision", "attend.batch_index", "attend.head",
+    "attend.dropout", "attend.dropout_seed", "attend.precision", "attend.batch_index", "attend.head",
 })
+KIND_PANEL = "Kind parameters (for a bare kind name)"  # commands/options.py declares the kind parameter flags in it
+FOLDED_PANELS = frozenset({KIND_PANEL})  # a bare kind's parameters: an expression carries them, window(3)
 
 
 class MaskcliCommand(typer.core.TyperCommand):
@@ -296,10 +308,12 @@ class MaskcliCommand(typer.core.TyperCommand):
     def get_params(self, ctx):
         params = super().get_params(ctx)
         folded = [p for p in params if _is_folded(self.name, p)]
-        flags = ", ".join(p.opts[-1] if p.opts[-1].startswith("--") else p.opts[0] for p in folded)
+        options = _flags([p for p in folded if p.rich_help_panel not in FOLDED_PANELS])
+        kinds = _flags([p for p in folded if p.rich_help_panel in FOLDED_PANELS])
+        shown = ", ".join(filter(None, [options, kinds and f"the kind parameters {kinds}"]))
         help_all = typer.core.TyperOption(  # every command takes it; listed where it shows more than --help
             param_decls=["--help-all"], is_flag=True, expose_value=False, is_eager=True, callback=_print_help_all,
-            help=f"Also show {flags}.", hidden=not folded,
+            help=f"Also show {shown}.", hidden=not folded,
         )
         return [*params, help_all]
 
@@ -308,15 +322,27 @@ class MaskcliCommand(typer.core.TyperCommand):
         folded = [p for p in self.params if _is_folded(self.name, p)]
         for param in folded:
             param.hidden = not shown
+        epilog = self.epilog
+        if epilog:  # rich would fold a long example at any space, and its pieces would read as separate commands
+            from typer.rich_utils import _get_rich_console
+
+            width = _get_rich_console().width - 2  # the epilog's padding
+            self.epilog = "\n".join(row for line in epilog.split("\n") for row in wrap_example(line, width))
         try:
             return super().format_help(ctx, formatter)
         finally:
+            self.epilog = epilog
             for param in folded:
                 param.hidden = False
 
 
 def _is_folded(command: str | None, param) -> bool:
-    return param.name in FOLDED or f"{command}.{param.name}" in FOLDED
+    return param.name in FOLDED or f"{command}.{param.name}" in FOLDED or getattr(param, "rich_help_panel", None) in FOLDED_PANELS
+
+
+def _flags(params) -> str:
+    """The long flag of each option (its first where it has none), comma-separated."""
+    return ", ".join(p.opts[-1] if p.opts[-1].startswith("--") else p.opts[0] for p in params)
 
 
 def _print_help_all(ctx, param, value) -> None:

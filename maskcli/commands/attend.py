@@ -32,6 +32,7 @@ def parse_stages(text: str) -> tuple[str, ...]:
 
 
 @app.command(
+    short_help="Run scaled dot-product attention through a mask and show every stage.",  # the stages: in --help
     epilog=examples(
         "maskcli attend causal --len 4",
         "maskcli attend \"document(0,0,1,1) & window(2)\" --fill multiply",
@@ -62,10 +63,8 @@ def attend(
     mask: MaskOptions,
     inputs: InputOptions,
 ) -> None:
-    """Run scaled dot-product attention through a mask and show every stage.
-
-    scores = Q Kᵀ, scaled, masked (--like, --fill), weights = softmax(masked), output = weights V; then findings.
-    """
+    """Run scaled dot-product attention through a mask and show every stage: scores = Q Kᵀ, scaled, masked (--like,
+    --fill), weights = softmax(masked), output = weights V; then findings."""
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
 
     if like is not None and fill is not None:

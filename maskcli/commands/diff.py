@@ -56,6 +56,21 @@ def _named_mask_mod(text: str, label: str, given: str | None) -> str:
                     f"give --mask-mod {text} and write {label} as {name}")
 
 
+def _advice(is_file: dict[str, bool], fa, fb) -> str:
+    """How to give two masks the same cells, where they differ: options move an expression, not a file."""
+    from maskcli.diff import SAME_POSITIONS
+
+    rows, keys = (max(fa.q_start, fb.q_start), min(fa.q_end, fb.q_end)), (max(fa.k_start, fb.k_start), min(fa.k_end, fb.k_end))
+    shared = (f"compare the cells both cover with --rows {rows[0]}:{rows[1]} --keys {keys[0]}:{keys[1]}"
+              if rows[0] < rows[1] and keys[0] < keys[1] else "they share no cell")
+    if all(is_file.values()):
+        return f"each file's shape is its own and no option changes it: {shared}, or compare masks of the same shape (two calls of the same size)"
+    if any(is_file.values()):
+        return (f"the file's shape fixes its positions: leave out --len, --offset, --kv-start and --kv-len (the expression "
+                f"then takes the file's), or {shared}")
+    return SAME_POSITIONS
+
+
 def _is_file(text: str) -> bool:
     from maskcli.files import READ_SUFFIXES
     from maskcli.usermods import looks_like_spec
@@ -174,7 +189,7 @@ def diff(
     from maskcli.render import diff as render
 
     with progress("comparing") as update:
-        difference = compare(sides["A"], sides["B"], progress=update)
+        difference = compare(sides["A"], sides["B"], progress=update, advice=_advice(is_file, sides["A"].frame, sides["B"].frame))
     if html_path is not None:  # made before any file is written: a page it refuses leaves none behind
         from maskcli.render.html import diff_page
 

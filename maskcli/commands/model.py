@@ -117,13 +117,14 @@ def _list(try_: bool) -> None:
     found = listing()
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
                   title=f"{len(found)} families transformers {transformers.__version__} builds as a causal LM")
-    columns = ("family", "config class", "what shapes its masks (class defaults)") + (("built tiny",) if try_ else ())
-    for column in columns:
-        table.add_column(column, overflow="fold")
+    # the config class is the family's name in CamelCase (model FAMILY names it): a row a line needs its width
+    table.add_column("family", no_wrap=True)
+    for column in ("what shapes its masks (class defaults)",) + (("built tiny",) if try_ else ()):
+        table.add_column(column, overflow="fold", ratio=1)
     if try_:
         from maskcli.hf.run import tryout
     for family in found:
-        table.add_row(family.name, family.config_class, family.shapes, *((tryout(family.name),) if try_ else ()))
+        table.add_row(family.name, family.shapes, *((tryout(family.name),) if try_ else ()))
     make_console().print(table)
 
 

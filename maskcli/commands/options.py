@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from maskcli.attention import FILLS, LIKES
+from maskcli.commands.app import KIND_PANEL
 from maskcli.conventions import CONVENTIONS, DTYPES
 
 
@@ -48,7 +49,6 @@ def examples(*commands: str) -> str:
 
 MASK_PANEL = "Mask options"
 POSITION_PANEL = MASK_PANEL  # positions, padding and heads: one panel, so that help fits a screen
-KIND_PANEL = "Kind parameters (for a bare kind name)"
 OWN_PANEL = MASK_PANEL
 OUTPUT_PANEL = "Output"
 
@@ -152,8 +152,8 @@ def _kind_options() -> list[tuple[str, object, object, str]]:
         is_int = param.type == "int" and flag != "--sizes"
         annotation = Annotated[
             int | None if is_int else str | None,
-            # accepted, and listed by `maskcli kinds`: help folds them away, since an expression carries its parameters
-            typer.Option(flag, help=escape(text), rich_help_panel=KIND_PANEL, hidden=True, **({"parser": integer} if is_int else {})),
+            # --help folds the panel away (app.py FOLDED), since an expression carries its parameters; --help-all shows it
+            typer.Option(flag, help=escape(text), rich_help_panel=KIND_PANEL, **({"parser": integer} if is_int else {})),
         ]
         options.append(("m_" + flag.lstrip("-").replace("-", "_"), annotation, None, flag))
     return options

@@ -78,7 +78,13 @@ def chunk(
     output: Output,
 ) -> None:
     """Show the chunk mask of per-token labels: a token sees its own chunk and every earlier one (label\\[kv] <= label\\[q])."""
-    present("chunk", MaskOptions(**{**mask.__dict__, "params": {"--chunks": labels}}), output)
+    try:
+        present("chunk", MaskOptions(**{**mask.__dict__, "params": {"--chunks": labels}}), output)
+    except MaskError as error:  # the labels were given as the argument, not as --chunks: name what the user gave
+        message = str(error)
+        if message.startswith("--chunks "):
+            raise MaskError("chunk labels " + message[len("--chunks "):], error.pointer) from None
+        raise
 
 
 def present(expression: str | None, options: MaskOptions, output: Output) -> None:

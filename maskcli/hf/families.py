@@ -110,22 +110,41 @@ def layer_types(config) -> list[str]:
 
 
 def pattern(types: list[str]) -> str:
-    """'sliding_attention x5, full_attention (repeats every 6 of 26 layers)': the shortest period of the layer types."""
+    """'(sliding_attention x5, full_attention) x4, sliding_attention x2 (26 layers)': the layer types as runs, a
+    repeated group of runs written once (and the layers counted, where a group makes that a sum to work out)."""
     if not types:
         return ""
-    period = next(p for p in range(1, len(types) + 1) if all(types[i] == types[i % p] for i in range(len(types))))
     runs: list[list] = []
-    for kind in types[:period]:
+    for kind in types:
         if runs and runs[-1][0] == kind:
             runs[-1][1] += 1
         else:
             runs.append([kind, 1])
-    text = ", ".join(kind + (f" x{count}" if count > 1 else "") for kind, count in runs)
-    if period == 1:
-        return f"{text} (every layer)"
-    if period < len(types):
-        text += f" (repeats every {period} of {len(types)} layers)"
-    return text
+    if len(runs) == 1:
+        return f"{types[0]} (every layer)"
+    groups = _grouped([kind + (f" x{count}" if count > 1 else "") for kind, count in runs])
+    return ", ".join(groups) + (f" ({len(types)} layers)" if any(g.startswith("(") for g in groups) else "")  # runs count them
+
+
+def _grouped(items: list[str]) -> list[str]:
+    """Runs of a repeated group as one: a, b, a, b, a, b, c -> (a, b) x3, c (so that --list keeps a row a line)."""
+    out, at = [], 0
+    while at < len(items):
+        best = (1, 1)  # (group size, repeats): the group that covers most, the shortest of those
+        for size in range(1, (len(items) - at) // 2 + 1):
+            group, repeats = items[at:at + size], 1
+            while items[at + repeats * size:at + (repeats + 1) * size] == group:
+                repeats += 1
+            if repeats > 1 and size * repeats > best[0] * best[1]:
+                best = (size, repeats)
+        size, repeats = best
+        if repeats == 1:
+            out.append(items[at])
+        else:
+            group = ", ".join(items[at:at + size])
+            out.append(f"({group}) x{repeats}" if size > 1 else f"{group} x{repeats}")
+        at += size * repeats
+    return out
 
 
 def shapes(config) -> str:

@@ -53,7 +53,7 @@ class Param:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise MaskError(f"{where}: {self.name} must be a whole number, got {value!r}")
             if self.minimum is not None and value < self.minimum:
-                raise MaskError(f"{where}: {self.name} must be at least {self.minimum} ({self.help}), got {value}")
+                raise MaskError(f"{where}: {self.name} must be at least {self.minimum}, got {value}; {self.name} = {self.help}")  # help may hold parentheses
             if abs(value) > 1 << 40:
                 raise MaskError(f"{where}: {self.name} {value} is too large (at most {1 << 40:,} in size)")
             return value

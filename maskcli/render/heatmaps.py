@@ -225,6 +225,8 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels):
     # room for the legend's longest entry (and a title of a few words a line) beside a small panel
     figure = Figure(figsize=(max(sum(widths), 5.6 if marked else 0), height * n_rows + (1.4 if marked else 0.8)), layout="constrained")
     axes = figure.subplots(n_rows, n_cols, squeeze=False, width_ratios=widths)
+    if n_rows > 1:  # the layout makes room for a panel's labels before its equal aspect moves it inside its box, so
+        figure.get_layout_engine().set(h_pad=0.15, hspace=0.06)  # one row's axis label could meet the next row's title
     shared: dict[str, tuple[object, list]] = {}  # key -> (an image on the shared scale, the axes that use it)
     for r, row in enumerate(grid):
         for c in range(n_cols):

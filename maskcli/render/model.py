@@ -104,7 +104,8 @@ def _panel(call, keep: np.ndarray, b: int, valid: np.ndarray, title: str, view):
     if "keys" in call.details:
         k0, k1 = call.details["keys"]
         valid = np.concatenate([valid, np.ones(max(0, k1 - len(valid)), dtype=bool)])  # static slots not yet filled
-        marks = Structure(q0, q1, k0, k1, pad_keys=_runs(~valid[k0:k1], k0), pad_queries=_runs(~valid[q0:q1], q0))
+        marks = Structure(q0, q1, k0, k1, pad_keys=_runs(~valid[k0:k1], k0), pad_queries=_runs(~valid[q0:q1], q0),
+                          edge_by="the model's KV cache")
         keys = [str(i) for i in range(k0, k1)]
     else:  # slots of a ring, not in position order: each slot named by the position it holds, no marks drawn
         marks = None

@@ -32,6 +32,7 @@ class Structure:
     pad_keys: tuple[tuple[int, int], ...] = ()  # [start, end) runs of padded key positions
     pad_queries: tuple[tuple[int, int], ...] = ()
     first_query: int | None = None  # the whole mask's first query, where a region shows part of it
+    edge_by: str = "--offset"  # what put the cache edge there, for the legend (maskcli model: the cache itself)
 
     @property
     def cache_edge(self) -> int:
@@ -269,8 +270,9 @@ def legend_entries(found: list[Structure], absolute: list[bool] | None = None) -
     words = sorted({s.word for s in found if s.segments})
     if words:
         entries.append((f"{' / '.join(words)} boundary (labels on the top and right edges)", {"line": MARK_RGB}))
-    if any(s.cached for s in found):
-        entries.append(("cached keys | new keys (--offset)", {"line": CACHE_RGB, "dashed": True}))
+    cached = sorted({s.edge_by for s in found if s.cached})
+    if cached:
+        entries.append((f"cached keys | new keys ({' / '.join(cached)})", {"line": CACHE_RGB, "dashed": True}))
     if any(s.pad_keys or s.pad_queries for s in found):
         entries.append(("padding (a hatched band beside its keys and queries)", {"hatch": True}))
     if any(max(s.q_start, s.k_start) < min(s.q_end, s.k_end) and not far for s, far in zip(found, absolute)):

@@ -78,5 +78,6 @@ def check(calls: list, expectations: list[tuple[str, str]], names=lambda call: (
                 rows = row_words(difference, "the call", expression)[:2]
                 lines.append(f"{head}: {where} differs from {expression}{pad}: {'; '.join(rows)}")
         if len(differing) > 1:
-            lines.append(f"{head}: {len(differing) - 1} more calls differ: {spans(differing[1:])}")
+            more = len(differing) - 1
+            lines.append(f"{head}: {more} more {'call differs' if more == 1 else 'calls differ'}: {spans(differing[1:])}")
     return lines
