@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from maskcli import tracefile
 from maskcli.text import step_label
 import maskcli.trace.masks as readers
+from maskcli.trace.masks import Operands
 import maskcli.trace.flash as flash
 import maskcli.trace.interface as interface
 from maskcli.trace.flex import flex as read_flex
@@ -37,20 +38,13 @@ CACHE = 256  # masks remembered by the tensor they were read from (a model hands
 
 
 @dataclass
-class Call:
+class Call(Operands):
     """One attention call: where it came from, what it computed on, and its mask (a key into Trace.masks)."""
 
-    index: int
-    where: str
-    api: str
-    step: int
-    shape: tuple[int, int, int, int]
-    q: tuple[int, ...]
-    k: tuple[int, ...]
-    v: tuple[int, ...]
-    dtype: str
-    device: str
-    mask: str | None
+    index: int = 0
+    where: str = ""
+    step: int = 0
+    mask: str | None = None
     details: dict = field(default_factory=dict)
     trace: object = field(default=None, repr=False, compare=False)
 
@@ -284,13 +278,13 @@ class Trace:
                     key = self._store(seen)
             except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
                 api = getattr(reader, "api", "?")
-                self._append(Call(len(self.calls), where, api, self._step(where), (0, 0, 0, 0), (), (), (), "", "", None,
-                             {"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, self))
+                self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self.calls), where=where, step=self._step(where),
+                                  details={"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, trace=self))
                 return
             if seen.child:
                 where = f"{where}.{seen.child}" if where else seen.child
-            self._append(Call(len(self.calls), where, seen.api, self._step(where), tuple(int(x) for x in seen.shape), seen.q, seen.k,
-                         seen.v, seen.dtype, seen.device, key, seen.details, self))
+            self._append(Call(**{**seen.operands(), "shape": tuple(int(x) for x in seen.shape)}, index=len(self.calls), where=where,
+                              step=self._step(where), mask=key, details=seen.details, trace=self))
         finally:
             self.busy = False
 

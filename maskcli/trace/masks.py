@@ -23,7 +23,9 @@ from maskcli.intervals import Intervals
 
 
 @dataclass
-class Seen:
+class Operands:
+    """What an attention call computed on: its API, the (B, H, Lq, Lk) its mask applies at, q/k/v shapes, dtype, device."""
+
     api: str
     shape: tuple[int, int, int, int]
     q: tuple[int, ...]
@@ -31,6 +33,16 @@ class Seen:
     v: tuple[int, ...]
     dtype: str
     device: str
+
+    def operands(self) -> dict:
+        """These fields by name, to make another record of the same call."""
+        return {name: getattr(self, name) for name in Operands.__dataclass_fields__}
+
+
+@dataclass
+class Seen(Operands):
+    """A call as a reader saw it: its operands and its mask (a keep tensor or key intervals)."""
+
     keep: torch.Tensor | None = None  # bool, 4-D, broadcasts to `shape`
     intervals: Intervals | None = None  # or: (b*h, Lq, K) key intervals over [0, Lk) (Lq may be 1: it broadcasts)
     planes: tuple[int, int] = (1, 1)  # (b, h) of the intervals: 1 where every batch row or head is the same
