@@ -71,7 +71,7 @@ def test_the_same_report_reads_at_60_columns():
 def test_a_long_suggested_command_is_printed_whole_and_findings_wrap_under_their_bullet(columns):
     sizes = [2 + d % 3 for d in range(120)]
     positions = ",".join(str(i) for size in sizes for i in range(size))
-    result = pack("--position-ids", positions, "--labels", ",".join(["5"] * sum(sizes)), columns=columns)
+    result = pack("--position-ids", positions, "--labels", ",".join(["5"] * sum(sizes)), "--use-cache", "no", columns=columns)
     lines = result.stdout.splitlines()
     assert all(len(line) <= columns for line in lines)
     builds = result.stdout.split("the mask each path builds:")[1].split("paths:")[0]
@@ -85,14 +85,15 @@ def test_a_long_suggested_command_is_printed_whole_and_findings_wrap_under_their
 
 
 def test_agreeing_fields_exit_0():
-    result = pack("--position-ids", "0,1,2,0,1", "--cu-seqlens", "0,3,5")
+    result = pack("--position-ids", "0,1,2,0,1", "--cu-seqlens", "0,3,5", "--use-cache", "no")
     assert result.exit_code == 0, result.output
     assert "paths: all agree (exact, from key intervals, on real tokens)" in result.stdout
     assert "findings: none" in result.stdout
 
 
 def test_json_lists_fields_paths_and_findings():
-    data = as_json("--position-ids", "0,1,2,3,4", "--cu-seqlens", "0,3,5")
+    data = as_json("--position-ids", "0,1,2,3,4", "--cu-seqlens", "0,3,5", "--use-cache", "no")
+    assert data["use_cache"] == {"value": False, "from": "--use-cache no"}
     assert data["reference"] == "cu_seqlens" and not data["fields_agree"] and not data["paths_agree"]
     assert data["disagreements"] == [{"field": "position_ids", "reference": "cu_seqlens", "count": 1,
                                       "first": [{"row": 0, "position": 3, "reference_starts": True}]}]
@@ -118,7 +119,7 @@ def test_batch_files(tmp_path, suffix):
         np.savez(path, **{k: np.asarray(v) for k, v in fields.items()})
     else:
         path.write_text(json.dumps(fields))
-    data = as_json(path, "--eos-id", 2)
+    data = as_json(path, "--eos-id", 2, "--use-cache", "no")
     assert data["ok"] and data["batch"]["fields"]["cu_seq_lens_q"] == {"key": "cu_seq_lens_q", "shape": [3]}
     assert {p["name"]: p["reads"] for p in data["paths"]} == {
         "hf-sdpa": "position_ids", "hf-flash": "cu_seq_lens_q/k, max_length_q/k", "varlen": "cu_seq_lens_q", "eos": "input_ids"}
@@ -127,7 +128,7 @@ def test_batch_files(tmp_path, suffix):
 def test_field_maps_another_key(tmp_path):
     path = tmp_path / "batch.pt"
     torch.save({"pos": torch.tensor([[0, 1, 0, 1]]), "boundaries": torch.tensor([0, 2, 4])}, path)
-    data = as_json(path, "--field", "position_ids=pos", "--field", "cu_seqlens=boundaries")
+    data = as_json(path, "--field", "position_ids=pos", "--field", "cu_seqlens=boundaries", "--use-cache", "no")
     assert data["ok"] and data["batch"]["fields"]["position_ids"]["key"] == "pos via --field"
 
 
@@ -183,7 +184,7 @@ def test_batches_from_transformers_own_collator(tmp_path):
         batch = dict(transformers.DataCollatorWithFlattening(return_tensors="pt", **options)(features))
         path = tmp_path / "batch.pt"
         torch.save(batch, path)  # max_length_q/k are Python ints in it: read as numbers
-        data = as_json(path, "--eos-id", 2)
+        data = as_json(path, "--eos-id", 2, "--use-cache", "no")  # as transformers' Trainer runs the model
         assert data["ok"], data["findings"]
         (cu, _), _ = prepare_fa_kwargs_from_position_ids(batch["position_ids"])
         paths = {p["name"]: p for p in data["paths"]}
@@ -203,5 +204,84 @@ def test_batches_from_transformers_own_collator(tmp_path):
              "a label across a boundary": "labels-across", "max_length too small": "max-length"}
     for name, fields in broken.items():
         torch.save(fields, path)
-        data = as_json(path)
+        data = as_json(path, "--use-cache", "no")
         assert not data["ok"] and codes[name] in {f["code"] for f in data["findings"]}, (name, data["findings"])
+
+
+# Three samples of 4, 3 and 5 tokens, as DataCollatorWithFlattening flattens them; their documents, token by token.
+SAMPLES = [[5, 6, 7, 2], [8, 9, 2], [3, 4, 9, 1, 2]]
+DOCS = np.array([d for d, sample in enumerate(SAMPLES) for _ in sample])
+
+
+def leaked(keep: np.ndarray) -> int:
+    """Cells of a (L, L) keep mask where a query sees a key of another document: written here, not maskcli's count."""
+    return int((keep & (DOCS[:, None] != DOCS[None, :])).sum())
+
+
+def applied_masks(model, batch, monkeypatch) -> list[np.ndarray]:
+    """Each attention call's (L, L) mask as the kernel got it: sdpa's attn_mask / is_causal, eager's weights > 0."""
+    import transformers.integrations.sdpa_attention as sdpa_module
+
+    seen = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        length = query.shape[-2]
+        if attn_mask is None:
+            keep = torch.ones(length, length, dtype=torch.bool)
+            seen.append((keep.tril() if is_causal else keep).numpy())
+        else:
+            mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask > torch.finfo(attn_mask.dtype).min
+            seen.append(mask.expand(1, 1, length, length)[0, 0].numpy())
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    # transformers/integrations/sdpa_attention.py:182 calls torch.nn.functional.scaled_dot_product_attention by name
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    assert sdpa_module.torch.nn.functional.scaled_dot_product_attention is recording
+    out = model(**batch, output_attentions=model.config._attn_implementation == "eager")
+    if model.config._attn_implementation == "eager":
+        seen = [(weights[0] > 0).all(0).numpy() for weights in out.attentions]  # every head: softmax is 0 only where masked
+    return seen
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_use_cache_as_the_config_says_decides_whether_sdpa_and_eager_read_packed_position_ids(tmp_path, monkeypatch, attn):
+    """transformers 5.24: LlamaConfig.use_cache defaults to True (models/llama/configuration_llama.py:73); the model's
+    forward, given no use_cache, takes the config's (utils/generic.py:1130, merge_with_config_defaults) and makes a
+    DynamicCache (models/llama/modeling_llama.py:374-375); masking_utils.py:865 reads position_ids for the packed
+    mask only when `cache is None`. So a model in train mode, called as most training loops call it, gets plain
+    causal from DataCollatorWithFlattening's own batch, and maskcli must count that leak; Trainer sets
+    use_cache=False (trainer.py:646, TrainingArguments.use_cache False at training_args.py:971), and then none."""
+    transformers = pytest.importorskip("transformers")
+    batch = transformers.DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": s, "labels": s} for s in SAMPLES])
+    torch.save(dict(batch), tmp_path / "batch.pt")
+    counts = {}
+    for use_cache in (True, False):
+        config = transformers.LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                          num_key_value_heads=2, head_dim=8, use_cache=use_cache, attn_implementation=attn)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).train()  # random weights, never a download
+        masks = applied_masks(model, batch, monkeypatch)
+        assert len(masks) == 1
+        config.save_pretrained(tmp_path / str(use_cache))  # use_cache=True is the default, left out of the file
+        data = as_json(tmp_path / "batch.pt", "--config", tmp_path / str(use_cache) / "config.json")
+        sdpa = next(p for p in data["paths"] if p["name"] == "hf-sdpa")
+        assert data["use_cache"]["value"] is use_cache
+        assert sdpa["cross_document_cells"] == leaked(masks[0]), (use_cache, sdpa)
+        assert data["ok"] is not use_cache
+        counts[use_cache] = sdpa["cross_document_cells"]
+    assert counts == {True: 3 * 4 + 5 * 7, False: 0}
+    assert as_json(tmp_path / "batch.pt")["use_cache"] == {"value": True, "from": "the default of LlamaConfig and most configs"}
+    assert as_json(tmp_path / "batch.pt", "--config", "llama", "--use-cache", "no")["ok"]  # --use-cache over the config
+
+
+def test_use_cache_is_read_from_a_config_file_without_transformers_where_it_sets_it(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "use_cache": false}')
+    data = as_json("--position-ids", "0,1,2,0,1", "--config", tmp_path / "config.json")
+    assert data["use_cache"] == {"value": False, "from": f"{tmp_path / 'config.json'} sets it"} and data["ok"]
+    result = pack("--position-ids", "0,1,2,0,1", "--use-cache", "maybe")
+    assert result.exit_code == 2 and result.stderr.startswith("maskcli: error: --use-cache 'maybe': say yes or no")
+    result = pack("--position-ids", "0,1,2,0,1")
+    assert result.exit_code == 1
+    assert "hf-sdpa nothing (use_cache=True) 6 0" in [" ".join(line.split()) for line in result.stdout.splitlines()]
+    assert "transformers: use_cache=True (the default of LlamaConfig and most configs)" in result.stdout

@@ -11,6 +11,9 @@ from hypothesis import strategies as st
 from maskcli.errors import MaskError
 from maskcli.pack.fields import read
 from maskcli.pack.findings import check
+from maskcli.pack.paths import Model
+
+NO_CACHE = Model(False, "use_cache=False, as transformers' Trainer runs the model")
 
 
 def expected(docs, real, causal=True):
@@ -36,8 +39,9 @@ def same_on_real_rows(got, want, real):
         assert np.array_equal(got[min(b, got.shape[0] - 1)][real[b]], want[b][real[b]]), b
 
 
-def run(eos=None, reference=None, **given):
-    return check(read(None, {k: str(v) for k, v in given.items()}, []), eos, reference)
+def run(eos=None, reference=None, model=NO_CACHE, **given):
+    """The check on fields given as option text; the model runs without a cache unless `model` says (see test_use_cache_*)."""
+    return check(read(None, {k: str(v) for k, v in given.items()}, []), eos, reference, model)
 
 
 def codes(report):
@@ -161,7 +165,7 @@ def test_four_row_mrope_reads_the_text_row():
 
     text = [0, 1, 2, 0, 1]
     positions = np.array([[text], [text], [text], [text]])
-    report = check(from_arrays({"position_ids": positions}, {"position_ids": "position_ids"}))
+    report = check(from_arrays({"position_ids": positions}, {"position_ids": "position_ids"}), model=NO_CACHE)
     same_on_real_rows(cells(report, "hf-sdpa"), expected([0, 0, 0, 1, 1], [1] * 5), [1] * 5)
 
 
@@ -305,7 +309,7 @@ def test_a_real_collator_batch_matches_transformers_own_mask():
     collated = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True, return_tensors="pt")(features)
     tensors = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in collated.items()}
     batch = from_arrays(dict(tensors), {k: k for k in tensors})
-    report = check(batch)
+    report = check(batch, model=NO_CACHE)
     assert report.ok, report.findings
     packed = find_packed_sequence_indices(tensors["position_ids"])
     theirs = sdpa_mask(batch_size=1, q_length=9, kv_length=9, mask_function=and_masks(causal_mask_function, packed_sequence_mask_function(packed)),
@@ -314,7 +318,7 @@ def test_a_real_collator_batch_matches_transformers_own_mask():
     same_on_real_rows(cells(report, "varlen"), expected([0, 0, 0, 1, 1, 2, 2, 2, 2], [1] * 9), [1] * 9)
     # the known failure: an attention_mask passed beside the packed position_ids
     tensors["attention_mask"] = torch.ones(1, 9, dtype=torch.int64)
-    broken = check(from_arrays(dict(tensors), {k: k for k in tensors}))
+    broken = check(from_arrays(dict(tensors), {k: k for k in tensors}), model=NO_CACHE)
     assert not broken.ok and not broken.paths_agree
 
 

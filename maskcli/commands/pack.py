@@ -59,6 +59,8 @@ def pack(
     labels: Labels = None,
     field: Annotated[list[str] | None, typer.Option("--field", help="NAME=KEY: read the file's KEY as the field NAME (like position_ids=pos); repeat for several.", show_default=False)] = None,
     eos_id: Annotated[int | None, typer.Option("--eos-id", help="Check a document mask keyed on this EOS token id (torchtitan's flex document mask): a document ends at each EOS.", parser=integer, show_default=False)] = None,
+    use_cache: Annotated[str | None, typer.Option("--use-cache", help="yes or no: how the transformers model runs (default: the --config's use_cache, else yes, as LlamaConfig and most configs set it; transformers' Trainer sets no). With a cache, sdpa/eager/flex read no position_ids: plain causal.", show_default=False, metavar="yes|no")] = None,
+    config: Annotated[str | None, typer.Option("--config", help="The model's config.json, or a family (llama, mistral, ...): its use_cache says how the model runs (needs transformers where the file does not set it).", show_default=False, metavar="FAMILY|CONFIG.json")] = None,
     reference: Annotated[str | None, typer.Option("--reference", help="The field that says where the documents are (default: cu_seq_lens_q, cu_seqlens_padded, cu_seqlens, cu_seq_lens_k, seq_idx, position_ids, attention_mask, the first the batch has).", show_default=False)] = None,
     png: Annotated[str | None, typer.Option("--png", help="Write a figure of each path's mask per batch row, with the documents' boundaries and padding: .png, .svg or .pdf.", show_default=False)] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
@@ -80,7 +82,8 @@ def pack(
     from maskcli.pack.fields import read
     from maskcli.pack.findings import check
 
-    report = check(read(batch, given, field or []), eos_id, reference)
+    model = _model(use_cache, config)
+    report = check(read(batch, given, field or []), eos_id, reference, model)
     source = batch if batch is not None else "the batch given as options"
     from maskcli.render import pack as render
 
@@ -99,3 +102,19 @@ def pack(
             console.print(view)
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _model(use_cache: str | None, config: str | None):
+    """How the transformers model runs: --use-cache, else the --config's use_cache, else transformers' default (yes)."""
+    from maskcli.pack.paths import Model
+
+    if use_cache is not None:
+        answer = {"yes": True, "true": True, "1": True, "no": False, "false": False, "0": False}.get(use_cache.strip().lower())
+        if answer is None:
+            raise MaskError(f"--use-cache {use_cache!r}: say yes or no (yes: the model makes a cache, as transformers' configs default to)")
+        return Model(answer, f"--use-cache {'yes' if answer else 'no'}")
+    if config is not None:
+        from maskcli.hf.families import use_cache_of
+
+        return Model(*use_cache_of(config))
+    return Model()

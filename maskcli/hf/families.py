@@ -94,6 +94,23 @@ def load(source: str):
     return default_config(source)
 
 
+def use_cache_of(source: str) -> tuple[bool, str]:
+    """use_cache as a model of this config runs with (the forward's default, merge_with_config_defaults), and where
+    it was read: a config.json's own value (no transformers needed), else the config class's default."""
+    if source.lower().endswith(".json") and os.path.isfile(source):
+        try:
+            with open(source, encoding="utf-8") as handle:
+                values = json.load(handle)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise MaskError(f"cannot read {source!r} as a config.json: {error}") from None
+        if isinstance(values, dict) and isinstance(values.get("use_cache"), bool):
+            return values["use_cache"], f"{source} sets it"
+    config = load(source)
+    # no use_cache at all: the forward's use_cache stays None, so no cache is made
+    value = bool(getattr(config, "use_cache", None))
+    return value, f"{type(config).__name__}'s default" + (f"; {source} does not set it" if source.lower().endswith(".json") else "")
+
+
 def layer_types(config) -> list[str]:
     """Each layer's attention kind: the config's layer_types, else what its sliding window or chunk size makes every layer."""
     found = getattr(config, "layer_types", None)

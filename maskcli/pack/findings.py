@@ -15,7 +15,7 @@ from maskcli.intervals import Intervals
 from maskcli.mask import build
 from maskcli.pack import boundaries as bd
 from maskcli.pack.fields import Batch
-from maskcli.pack.paths import Path, documents, every_path
+from maskcli.pack.paths import Model, Path, documents, every_path
 from maskcli.positions import Frame
 from maskcli.text import Finding
 
@@ -42,6 +42,7 @@ class Report:
     differences: list[Difference]  # between applicable paths, each pair once (real query rows only)
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    model: Model = field(default_factory=Model)
 
     @property
     def paths_agree(self) -> bool:
@@ -53,14 +54,15 @@ class Report:
         return self.paths_agree and not self.findings
 
 
-def check(batch: Batch, eos: int | None = None, reference: str | None = None) -> Report:
+def check(batch: Batch, eos: int | None = None, reference: str | None = None, model: Model | None = None) -> Report:
     """The whole check: each field's boundaries, each path's mask, cells across documents and onto padding, the
     paths compared pair by pair, and the findings (`eos`: the --eos-id; `reference`: the field that says where
-    the documents are)."""
+    the documents are; `model`: how the transformers model is called, use_cache=True unless said)."""
+    model = model if model is not None else Model()
     fields = bd.every_field(batch, eos)
     ref = bd.reference(fields, reference)
     pad = bd.padding(fields, batch.rows, batch.length)
-    paths = every_path(batch, fields)
+    paths = every_path(batch, fields, model)
     frame = Frame(0, batch.length, 0, batch.length)
     real = ~pad
     from maskcli.kinds.padding import key_runs
@@ -110,7 +112,7 @@ def check(batch: Batch, eos: int | None = None, reference: str | None = None) ->
     findings += lengths
     notes += length_notes
     notes += _padding_notes(pad, checks)
-    return Report(batch, fields, ref, pad, disagreements, checks, differences, findings, notes)
+    return Report(batch, fields, ref, pad, disagreements, checks, differences, findings, notes, model)
 
 
 def _counted(intervals: Intervals, real: np.ndarray) -> np.ndarray:

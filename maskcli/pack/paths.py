@@ -4,7 +4,9 @@ The paths, as their code reads a batch (transformers 4.5x-5.x, flash-attn 2, Tra
 
 - hf-sdpa: transformers' create_causal_mask for sdpa, eager and flex_attention. A 4-D attention_mask is
   used as given; a 2-D one gives causal & padding, and then position_ids are NOT read; with no
-  attention_mask, position_ids that do not go up by 1 start a document (find_packed_sequence_indices).
+  attention_mask and no cache, position_ids that do not go up by 1 start a document
+  (find_packed_sequence_indices). With use_cache=True (the configs' default) the model makes a DynamicCache
+  before it builds the mask, and a mask with a cache reads no position_ids: plain causal.
 - hf-flash: transformers' flash_attention_2 (_flash_attention_forward). A 2-D attention_mask with padding
   unpads each row into one sequence (position_ids and cu_seq_lens_* ignored; an all-ones mask is dropped
   first, by flash_attention_mask); else cu_seq_lens_q/k with max_length_q/k (all four); else, for one
@@ -35,6 +37,24 @@ TITLES = {
     "varlen": "flash_attn_varlen_func with cu_seqlens",
     "eos": "document mask on the EOS id",
 }
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the transformers model is called with, as far as it shapes the mask: use_cache, and where that was read."""
+
+    use_cache: bool = True
+    said_by: str = "the default of LlamaConfig and most configs"
+
+    @property
+    def text(self) -> str:
+        return f"use_cache={self.use_cache} ({self.said_by})"
+
+
+# where transformers 5.x decides it (site-packages/transformers/...): with a cache, no packed mask
+CACHE_RULE = ("with use_cache=True the model makes a DynamicCache, and transformers builds the packed-sequence mask "
+              "from position_ids only with no cache; --use-cache no if the model runs with use_cache=False (as "
+              "transformers' Trainer sets it by default)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,7 +171,7 @@ def _packed(positions: np.ndarray) -> bool:
     return bool(np.any(flat != np.arange(flat.size) + flat.min()))
 
 
-def hf_sdpa(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
+def hf_sdpa(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Path:
     f, length = batch.fields, batch.length
     if batch.keep_4d is not None:
         keep = np.ascontiguousarray(np.broadcast_to(batch.keep_4d, (batch.rows, 1, length, length)))
@@ -172,6 +192,10 @@ def hf_sdpa(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
         if f["attention_mask"].max(initial=0) > 1:
             notes.append("the document ids in attention_mask are read as 1 (a token): only their 0s mask")
         return _causal("hf-sdpa", "attention_mask (2-D)", fields["attention_mask"].pad, length, notes)
+    if "position_ids" in f and model.use_cache:
+        if _restarts(f["position_ids"]):
+            notes.append("position_ids restart but are not read: " + CACHE_RULE)
+        return _causal("hf-sdpa", "nothing (use_cache=True)", None, length, notes)
     if "position_ids" in f:
         text, options = documents("document", fields["position_ids"].starts, None)
         return _built("hf-sdpa", "position_ids", text, options, notes)
@@ -184,7 +208,7 @@ def _restarts(positions: np.ndarray) -> bool:
     return bool((np.diff(positions, axis=1) != 1).any())
 
 
-def hf_flash(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
+def hf_flash(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Path:
     f, length = batch.fields, batch.length
     if batch.keep_4d is not None:
         return Path("hf-flash", "attention_mask (4-D)", None, None, None, ["does not apply: flash_attention_2 takes no 4-D mask"])
@@ -225,7 +249,7 @@ def hf_flash(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
     return _causal("hf-flash", "nothing" + dropped, None, length, notes)
 
 
-def varlen(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
+def varlen(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Path:
     for name in ("cu_seqlens_padded", "cu_seqlens", "cu_seq_lens_q"):
         if name in fields:
             b = fields[name]
@@ -234,15 +258,15 @@ def varlen(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
     return Path("varlen", "no cu_seqlens", None, None, None, ["does not apply: the batch has no cu_seqlens"])
 
 
-def eos(batch: Batch, fields: dict[str, bd.Boundaries]) -> Path:
+def eos(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Path:
     if "eos" not in fields:
         return Path("eos", "no --eos-id", None, None, None, ["does not apply: give --eos-id to check a document mask keyed on EOS"])
     text, options = documents("document", fields["eos"].starts, None)
     return _built("eos", "input_ids", text, options, [])
 
 
-def every_path(batch: Batch, fields: list[bd.Boundaries]) -> list[Path]:
+def every_path(batch: Batch, fields: list[bd.Boundaries], model: Model) -> list[Path]:
     by_name = {b.name: b for b in fields}
     _build.cache_clear()  # shared within one check, never across batches
     _padding_text.cache_clear()
-    return [build_path(batch, by_name) for build_path in (hf_sdpa, hf_flash, varlen, eos)]
+    return [build_path(batch, by_name, model) for build_path in (hf_sdpa, hf_flash, varlen, eos)]

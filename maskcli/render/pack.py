@@ -46,7 +46,7 @@ def header(report: Report, source: str) -> str:
     names = ", ".join(b.where(name) for name in b.fields) + (", attention_mask (4-D)" if b.keep_4d is not None else "")
     names += ", position_ids (mRoPE, 3 rows)" if b.mrope is not None and "position_ids" not in b.fields else ""
     ref = f"documents as {report.reference.name} says" if report.reference is not None else "no field says where documents are"
-    return f"{source}: B={b.rows} rows × L={b.length:,} tokens\nfields: {names}\n{ref}"
+    return f"{source}: B={b.rows} rows × L={b.length:,} tokens\nfields: {names}\n{ref}\ntransformers: {report.model.text}"
 
 
 def views(report: Report, source: str, width: int = 120) -> list:
@@ -123,6 +123,7 @@ def pack_json(report: Report, source: str) -> str:
     data = {
         "batch": {"source": source, "rows": b.rows, "length": b.length, "tokens": b.tokens, "fields": fields},
         "reference": report.reference.name if report.reference is not None else None,
+        "use_cache": {"value": report.model.use_cache, "from": report.model.said_by},
         "boundaries": [
             {"field": x.name, "how": x.how, "documents": x.documents,
              "rows": [{"starts": _starts(report, x, r).tolist(), "padding": _runs(x.pad[r]) if x.pad is not None else None} for r in range(b.rows)]}
