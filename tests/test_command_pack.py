@@ -285,3 +285,13 @@ def test_use_cache_is_read_from_a_config_file_without_transformers_where_it_sets
     assert result.exit_code == 1
     assert "hf-sdpa nothing (use_cache=True) 6 0" in [" ".join(line.split()) for line in result.stdout.splitlines()]
     assert "transformers: use_cache=True (the default of LlamaConfig and most configs)" in result.stdout
+
+
+def test_the_report_says_which_fields_outvoted_the_one_off_by_one():
+    result = pack("--position-ids", "0,1,2,3,0,1,2,0,1,2,3,4", "--cu-seq-lens-q", "0,3,7,12", "--cu-seq-lens-k", "0,4,7,12",
+                  "--max-length-q", "5", "--max-length-k", "5", "--use-cache", "no")
+    assert result.exit_code == 1
+    lines = [" ".join(line.split()) for line in result.stdout.splitlines()]
+    assert "documents as cu_seq_lens_k and position_ids say (the majority; cu_seq_lens_q disagrees)" in lines
+    assert "cu_seq_lens_q 0 0, 3, 7 none no: 2 tokens" in lines and "cu_seq_lens_k 0 0, 4, 7 none reference" in lines
+    assert "hf-sdpa position_ids 0 0" in lines and "varlen cu_seq_lens_q 3 0" in lines

@@ -372,3 +372,22 @@ def test_options_need_no_torch():
             "check(read(None, {'position_ids': '0,1,0', 'attention_mask': '1,1,0'}, [])); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_a_field_off_by_one_is_outvoted_and_each_path_is_counted_against_the_documents_the_others_agree_on():
+    # DataCollatorWithFlattening's batch for samples of 4, 3 and 5 tokens, with cu_seq_lens_q's first boundary one early
+    docs, real = [0] * 4 + [1] * 3 + [2] * 5, [1] * 12
+    report = run(position_ids="0,1,2,3,0,1,2,0,1,2,3,4", cu_seq_lens_q="0,3,7,12", cu_seq_lens_k="0,4,7,12", max_length_q=5, max_length_k=5)
+    assert report.reference.name == "cu_seq_lens_k" and report.majority == ["cu_seq_lens_k", "position_ids"]
+    leaks = {c.path.name: c.cross_cells for c in report.checks if c.path.applies}
+    assert leaks == {name: leak_count(cells(report, name), docs, real) for name in leaks}  # the double loop on the real documents
+    assert leaks == {"hf-sdpa": 0, "hf-flash": 3, "varlen": 3}
+    outvoted = [f.message for f in report.findings if f.code == "fields-disagree"]
+    assert len(outvoted) == 1 and outvoted[0].startswith("cu_seq_lens_q disagrees with the majority of the fields (cu_seq_lens_k and position_ids agree) at 2 tokens")
+    # --reference still decides where it is given; and two fields that disagree have no majority: the order decides
+    chosen = run(reference="cu_seq_lens_q", position_ids="0,1,2,3,0,1,2,0,1,2,3,4", cu_seq_lens_q="0,3,7,12", cu_seq_lens_k="0,4,7,12")
+    assert chosen.reference.name == "cu_seq_lens_q" and chosen.majority == []
+    assert {c.path.name: c.cross_cells for c in chosen.checks if c.path.applies}["hf-sdpa"] == 3
+    tie = run(position_ids="0,1,2,3,0,1,2,0,1,2,3,4", cu_seqlens="0,3,7,12")
+    assert tie.reference.name == "cu_seqlens" and tie.majority == []
+    assert [f.message.split(":")[0] for f in tie.findings if f.code == "fields-disagree"] == ["position_ids and cu_seqlens disagree at 2 tokens"]

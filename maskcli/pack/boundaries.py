@@ -152,15 +152,41 @@ def every_field(batch: Batch, eos: int | None) -> list[Boundaries]:
     return [found[name] for name in REFERENCE_ORDER if name in found]
 
 
-def reference(fields: list[Boundaries], chosen: str | None = None) -> Boundaries | None:
-    """The field that says where the documents are: `chosen`, else the first in REFERENCE_ORDER that has documents."""
+def reference(fields: list[Boundaries], chosen: str | None = None, pad: np.ndarray | None = None) -> Boundaries | None:
+    """The field that says where the documents are: `chosen`; else the first (in REFERENCE_ORDER) of the fields that
+    more than half of the voting fields agree with (one field off by one is outvoted, not believed); else the first
+    in REFERENCE_ORDER that has documents. `pad`: tokens where the fields' starts are not compared."""
     if chosen is not None:
         for b in fields:
             if b.name == chosen:
                 return b
         have = ", ".join(b.name for b in fields) or "none"
         raise MaskError(f"--reference {chosen!r}: the batch has no such field; the fields with boundaries are {have}")
-    return next((b for b in fields if b.documents), None)
+    group = majority(fields, pad)
+    return group[0] if group else next((b for b in fields if b.documents), None)
+
+
+def voters(fields: list[Boundaries]) -> list[Boundaries]:
+    """The fields that say where the batch's documents are (EOS is a mask to check, not a say on the batch)."""
+    return [b for b in fields if b.documents and b.name != "eos"]
+
+
+def majority(fields: list[Boundaries], pad: np.ndarray | None = None) -> list[Boundaries]:
+    """The fields that agree with each other, where they are more than half of the voters (none: no majority)."""
+    groups: list[list[Boundaries]] = []
+    for b in voters(fields):
+        group = next((g for g in groups if same_starts(g[0], b, pad)), None)
+        if group is None:
+            groups.append([b])
+        else:
+            group.append(b)
+    best = max(groups, key=len, default=[])
+    return best if 2 * len(best) > len(voters(fields)) else []
+
+
+def same_starts(a: Boundaries, b: Boundaries, pad: np.ndarray | None) -> bool:
+    differ = a.starts ^ b.starts
+    return not (differ & ~pad if pad is not None else differ).any()
 
 
 def padding(fields: list[Boundaries], rows: int, length: int) -> np.ndarray:

@@ -43,6 +43,8 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     model: Model = field(default_factory=Model)
+    majority: list[str] = field(default_factory=list)  # the fields that outvoted another to give the reference
+
 
     @property
     def paths_agree(self) -> bool:
@@ -60,8 +62,8 @@ def check(batch: Batch, eos: int | None = None, reference: str | None = None, mo
     the documents are; `model`: how the transformers model is called, use_cache=True unless said)."""
     model = model if model is not None else Model()
     fields = bd.every_field(batch, eos)
-    ref = bd.reference(fields, reference)
     pad = bd.padding(fields, batch.rows, batch.length)
+    ref = bd.reference(fields, reference, pad)
     paths = every_path(batch, fields, model)
     frame = Frame(0, batch.length, 0, batch.length)
     real = ~pad
@@ -90,10 +92,7 @@ def check(batch: Batch, eos: int | None = None, reference: str | None = None, mo
     for p in paths:
         notes += [f"{p.name}: {note}" for note in p.notes if p.applies]
     disagreements = bd.disagreements(fields, ref, pad)
-    for d in disagreements:
-        where = "; ".join(f"row {r} position {c}: {d.reference if says else d.field} starts a document, "
-                          f"{d.field if says else d.reference} does not" for r, c, says in d.first)
-        findings.append(Finding("fields-disagree", f"{d.field} and {d.reference} disagree at {d.count} token{'s' * (d.count != 1)}: {where}"))
+    findings += _disagreeing(fields, ref, pad, disagreements, reference is not None)
     for group in _twins(checks):
         c, names = group[0], " and ".join(x.path.name for x in group)
         verb = "let" if len(group) > 1 else "lets"
@@ -112,7 +111,27 @@ def check(batch: Batch, eos: int | None = None, reference: str | None = None, mo
     findings += lengths
     notes += length_notes
     notes += _padding_notes(pad, checks)
-    return Report(batch, fields, ref, pad, disagreements, checks, differences, findings, notes, model)
+    group = [b.name for b in bd.majority(fields, pad)] if reference is None else []
+    outvoted = len(group) > 1 and any(b.name not in group for b in bd.voters(fields))
+    return Report(batch, fields, ref, pad, disagreements, checks, differences, findings, notes, model, group if outvoted else [])
+
+
+def _disagreeing(fields: list[bd.Boundaries], ref: bd.Boundaries | None, pad: np.ndarray, disagreements: list[bd.Disagreement],
+                 chosen: bool) -> list[Finding]:
+    """Each field that disagrees with the reference, named as outvoted where the reference is the majority's."""
+    group = [] if chosen else bd.majority(fields, pad)
+    out = []
+    for d in disagreements:
+        where = "; ".join(f"row {r} position {c}: {d.reference if says else d.field} starts a document, "
+                          f"{d.field if says else d.reference} does not" for r, c, says in d.first)
+        tokens = f"{d.count} token{'s' * (d.count != 1)}"
+        if len(group) > 1 and ref in group and d.field in {b.name for b in bd.voters(fields)}:
+            names = " and ".join(b.name for b in group)
+            out.append(Finding("fields-disagree", f"{d.field} disagrees with the majority of the fields ({names} agree) at {tokens}: "
+                               f"{where}; each path's leak is counted against the majority's documents"))
+        else:
+            out.append(Finding("fields-disagree", f"{d.field} and {d.reference} disagree at {tokens}: {where}"))
+    return out
 
 
 def _counted(intervals: Intervals, real: np.ndarray) -> np.ndarray:

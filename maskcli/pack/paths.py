@@ -228,6 +228,9 @@ def hf_flash(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Pa
     given = [name for name in varlen if name in f and batch.spelled(name)]
     if len(given) == len(varlen):
         b = fields["cu_seq_lens_q"]
+        if not np.array_equal(f["cu_seq_lens_q"], f["cu_seq_lens_k"]):
+            notes.append("cu_seq_lens_q and cu_seq_lens_k differ: flash_attn_varlen_func pairs query document i with key document i "
+                         "(causal from the bottom right); this mask follows cu_seq_lens_q's documents, which is exact only where they agree")
         text, options = documents("document", b.starts, b.pad)
         return _built("hf-flash", "cu_seq_lens_q/k, max_length_q/k", text, options, notes)
     if given:

@@ -46,6 +46,9 @@ def header(report: Report, source: str) -> str:
     names = ", ".join(b.where(name) for name in b.fields) + (", attention_mask (4-D)" if b.keep_4d is not None else "")
     names += ", position_ids (mRoPE, 3 rows)" if b.mrope is not None and "position_ids" not in b.fields else ""
     ref = f"documents as {report.reference.name} says" if report.reference is not None else "no field says where documents are"
+    if report.majority:
+        others = [x.name for x in report.fields if x.documents and x.name not in report.majority and x.name != "eos"]
+        ref = f"documents as {' and '.join(report.majority)} say (the majority; {' and '.join(others)} disagree{'s' * (len(others) == 1)})"
     return f"{source}: B={b.rows} rows × L={b.length:,} tokens\nfields: {names}\n{ref}\ntransformers: {report.model.text}"
 
 
