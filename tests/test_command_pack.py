@@ -295,3 +295,19 @@ def test_the_report_says_which_fields_outvoted_the_one_off_by_one():
     assert "documents as cu_seq_lens_k and position_ids say (the majority; cu_seq_lens_q disagrees)" in lines
     assert "cu_seq_lens_q 0 0, 3, 7 none no: 2 tokens" in lines and "cu_seq_lens_k 0 0, 4, 7 none reference" in lines
     assert "hf-sdpa position_ids 0 0" in lines and "varlen cu_seq_lens_q 3 0" in lines
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_a_full_stdout_is_one_line_and_exit_2_as_for_every_command(tmp_path, extra):
+    import os
+    import subprocess
+    import sys
+
+    # Python's own flush at exit would fail with status 120 and a traceback-like message: the write fails inside the command
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "maskcli", "pack", "--position-ids", "0,1,2,0,1", *extra], stdout=full,
+                                stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ, "COLUMNS": "80"}, timeout=120)
+        shown = subprocess.run([sys.executable, "-m", "maskcli", "show", "causal", "--len", "4"], stdout=full, stderr=subprocess.PIPE,
+                               text=True, cwd=tmp_path, timeout=120)
+    assert (result.returncode, result.stderr) == (2, "maskcli: error: No space left on device\n")
+    assert (shown.returncode, shown.stderr) == (result.returncode, result.stderr)  # what show says, pack says
