@@ -391,3 +391,44 @@ def test_a_field_off_by_one_is_outvoted_and_each_path_is_counted_against_the_doc
     tie = run(position_ids="0,1,2,3,0,1,2,0,1,2,3,4", cu_seqlens="0,3,7,12")
     assert tie.reference.name == "cu_seqlens" and tie.majority == []
     assert [f.message.split(":")[0] for f in tie.findings if f.code == "fields-disagree"] == ["position_ids and cu_seqlens disagree at 2 tokens"]
+
+
+def test_a_batch_too_large_to_check_is_refused_before_anything_per_token_is_made(monkeypatch):
+    import tracemalloc
+
+    import maskcli.memory
+    from maskcli.pack.fields import BYTES_PER_TOKEN
+
+    monkeypatch.setattr(maskcli.memory, "available_memory", lambda device=None: 1 << 30)  # 1 GiB free, on any machine
+    tracemalloc.start()  # numpy reports its buffers to tracemalloc: a per-token array of 1e9 tokens would be 1 GB and more
+    try:
+        with pytest.raises(MaskError, match=r"checking a batch of 1 x 1,000,000,000 tokens \(--cu-seqlens ends at 1,000,000,000\) "
+                                            r"would need 238\.4 GiB .* but only 1\.0 GiB is free"):
+            run(cu_seqlens="0,1000000000")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    # within the room: not refused (the same test, at the size that fits 1 GiB and one token more)
+    from maskcli.pack.fields import _check_fits
+
+    fits = (1 << 30) // BYTES_PER_TOKEN
+    _check_fits(1, fits, {"cu_seqlens": np.array([0, fits])}, {"cu_seqlens": "--cu-seqlens"})
+    with pytest.raises(MaskError):
+        _check_fits(1, fits + 1, {"cu_seqlens": np.array([0, fits + 1])}, {"cu_seqlens": "--cu-seqlens"})
+
+
+def test_the_refusal_holds_under_a_real_address_space_limit():
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 31, 1 << 31))  # 2 GiB: the check of 1e9 tokens would die for memory
+
+    result = subprocess.run([sys.executable, "-m", "maskcli", "pack", "--cu-seqlens", "0,1000000000"], capture_output=True, text=True,
+                            preexec_fn=limit, env=os.environ, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("maskcli: error: checking a batch of 1 x 1,000,000,000 tokens") and "would need 238.4 GiB" in result.stderr
+    assert result.stderr.count("\n") == 1  # refused before the work, not "ran out of memory" after it
