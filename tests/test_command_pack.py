@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from maskcli.commands import app
 from test_attention_inputs import write_safetensors
-from test_render_heatmaps import cells, heatmap_boxes
+from test_render_heatmaps import cells, heatmap_boxes, is_colour
 
 runner = CliRunner()
 
@@ -132,19 +132,32 @@ def test_field_maps_another_key(tmp_path):
     assert data["ok"] and data["batch"]["fields"]["position_ids"]["key"] == "pos via --field"
 
 
+CROSS = (214, 39, 40)  # the colour pack's figure draws a leaking cell in (written here: the test reads it back)
+
+
+def panels(path, length: int) -> list[np.ndarray]:
+    """Each (length x length) panel's cells read back from the PNG: 1 the visible colour, 0 the masked one, 2 the
+    leak colour, -1 none of them."""
+    import matplotlib.image as mpimg
+
+    rgb = (mpimg.imread(path)[..., :3] * 255).round().astype(int)
+    leak = is_colour(rgb, CROSS)
+    plain = np.where(leak[..., None], np.array([224, 224, 224]), rgb)  # the boxes are found on the two mask colours
+    as_visible = np.where(leak[..., None], np.array([31, 119, 180]), 0)  # the leak colour alone, read as "visible"
+    return [np.where(cells(as_visible, box, length, length) == 1, 2, cells(rgb, box, length, length)) for box in heatmap_boxes(plain)]
+
+
 def test_png_draws_each_path_with_its_cells(tmp_path):
     out = tmp_path / "pack.png"
     result = pack("--attention-mask", "1,1,1,1,1,1", "--cu-seqlens", "0,3,6", "--png", out)
     assert result.exit_code == 1 and f"wrote {out}" in result.stderr
-    import matplotlib.image as mpimg
-
-    rgb = (mpimg.imread(out)[..., :3] * 255).round().astype(int)
-    boxes = heatmap_boxes(rgb)
-    assert len(boxes) == 3  # hf-sdpa, hf-flash, varlen
+    got = panels(out, 6)
+    assert len(got) == 3  # hf-sdpa, hf-flash, varlen
+    docs = np.array([0, 0, 0, 1, 1, 1])
     causal = np.tril(np.ones((6, 6), dtype=int))
-    documents = np.array([[int(k <= q and (q < 3) == (k < 3)) for k in range(6)] for q in range(6)])
-    got = [cells(rgb, box, 6, 6) for box in boxes]
-    assert (got[0] == causal).all() and (got[1] == causal).all() and (got[2] == documents).all()
+    documents = np.array([[int(k <= q and docs[q] == docs[k]) for k in range(6)] for q in range(6)])
+    leaking = np.array([[int(k <= q and docs[q] != docs[k]) for k in range(6)] for q in range(6)])  # a double loop
+    assert (got[0] == causal + leaking).all() and (got[1] == causal + leaking).all() and (got[2] == documents).all()
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -311,3 +324,69 @@ def test_a_full_stdout_is_one_line_and_exit_2_as_for_every_command(tmp_path, ext
                                text=True, cwd=tmp_path, timeout=120)
     assert (result.returncode, result.stderr) == (2, "maskcli: error: No space left on device\n")
     assert (shown.returncode, shown.stderr) == (result.returncode, result.stderr)  # what show says, pack says
+
+
+def test_png_draws_the_leak_colour_exactly_on_the_leaking_cells_with_its_legend_entry(tmp_path):
+    # DataCollatorWithFlattening's batch of 4, 3 and 5 tokens, run with a cache: sdpa's causal mask leaks, flash's does not
+    docs = np.array([0] * 4 + [1] * 3 + [2] * 5)
+    positions = ",".join(str(i) for size in (4, 3, 5) for i in range(size))
+    args = ("--position-ids", positions, "--cu-seq-lens-q", "0,4,7,12", "--cu-seq-lens-k", "0,4,7,12", "--max-length-q", "5", "--max-length-k", "5")
+    result = pack(*args, "--png", tmp_path / "leak.png")
+    assert result.exit_code == 1
+    sdpa, flash, varlen = panels(tmp_path / "leak.png", 12)
+    leaking = np.array([[int(k <= q and docs[q] != docs[k]) for k in range(12)] for q in range(12)])
+    documents = np.array([[int(k <= q and docs[q] == docs[k]) for k in range(12)] for q in range(12)])
+    assert (sdpa == documents + 2 * leaking).all() and (flash == documents).all() and (varlen == documents).all()
+    import matplotlib.image as mpimg
+
+    rgb = (mpimg.imread(tmp_path / "leak.png")[..., :3] * 255).round().astype(int)
+    below = rgb[int(rgb.shape[0] * 0.9):]  # the legend, under the panels
+    assert is_colour(below, CROSS).sum() > 50  # its swatch
+    assert pack(*args, "--use-cache", "no", "--png", tmp_path / "none.png").exit_code == 0
+    clean = (mpimg.imread(tmp_path / "none.png")[..., :3] * 255).round().astype(int)
+    assert not is_colour(clean, CROSS).any()  # nothing leaks: no cell and no legend entry in that colour
+
+
+def test_document_labels_never_collide_and_narrow_documents_lose_theirs():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from maskcli.pack.fields import read
+    from maskcli.pack.findings import check
+    from maskcli.render.pack import pack_figure
+
+    sizes = [1, 2, 1, 12, 3, 1, 1, 12, 2, 1, 12, 12]
+    positions = ",".join(str(i) for size in sizes for i in range(size))
+    figure = pack_figure(check(read(None, {"position_ids": positions}, [])), "batch")
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    labelled = 0
+    for ax in figure.axes:
+        for edge in ax.child_axes:  # the top and right edges' document labels
+            texts = [t for t in edge.xaxis.get_ticklabels() + edge.yaxis.get_ticklabels() if t.get_text()]
+            boxes = sorted((t.get_window_extent(renderer) for t in texts), key=lambda b: (b.x0, -b.y0))
+            assert all(not a.overlaps(b) for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in texts]
+            assert all(t.get_fontsize() >= 9 for t in texts)
+            assert 4 <= len(texts) < len(sizes)  # the wide documents keep their labels, some narrow ones lost theirs
+            assert {"3", "7", "10", "11"} <= {t.get_text() for t in texts}  # the 12-token documents
+            labelled += 1
+    assert labelled == 4  # top and right edges of both panels
+
+
+def test_a_long_batch_marks_each_block_that_holds_a_leaking_cell():
+    from maskcli.pack.fields import read
+    from maskcli.pack.findings import check
+    from maskcli.render.masks import FIGURE_MAX_CELLS
+    from maskcli.render.pack import cross_cells
+
+    sizes = [300, 7, 500, 293, 100]  # 1,200 tokens: drawn in blocks of 3 x 3
+    docs = np.repeat(np.arange(len(sizes)), sizes)
+    report = check(read(None, {"position_ids": ",".join(str(i) for size in sizes for i in range(size))}, []))
+    sdpa = next(c for c in report.checks if c.path.name == "hf-sdpa")
+    per = -(-docs.size // FIGURE_MAX_CELLS)
+    got = cross_cells(report, sdpa, 0, per)
+    q, k = np.arange(docs.size)[:, None], np.arange(docs.size)[None, :]
+    leaking = (k <= q) & (docs[:, None] != docs[None, :])  # causal, across documents: numpy, not maskcli
+    blocks = -(-docs.size // per)
+    padded = np.zeros((blocks * per, blocks * per), dtype=bool)
+    padded[: docs.size, : docs.size] = leaking
+    assert per == 3 and np.array_equal(got, padded.reshape(blocks, per, blocks, per).any(axis=(1, 3)))
+    assert int(leaking.sum()) == sdpa.cross_cells

@@ -12,6 +12,7 @@ import numpy as np
 VISIBLE_RGB = (31, 119, 180)  # matplotlib's tab:blue
 MASKED_RGB = (224, 224, 224)  # light grey, off any value colour map
 LEAK_RGB = (214, 39, 40)  # red, off viridis too: a masked cell that still carries weight
+CROSS_RGB = LEAK_RGB  # on mask panels (which draw no weights): a visible cell that should not be, as pack counts them
 # a block view's partial block is drawn half way between the two mask colours, where the mask colour map puts 0.5
 FIGURE_COLOURS = {
     "visible": VISIBLE_RGB,
@@ -38,6 +39,7 @@ class Panel:
     scale: tuple[float, float] | None = None  # the colour scale's (low, high); None: this panel's own values
     shared: str | None = None  # panels with the same key share one colour bar, labelled with the key
     marks: object | None = None  # Structure: labels, boundaries, cached keys, padding and the diagonal to draw
+    cross: np.ndarray | None = None  # bool like keep: cells to draw in CROSS_RGB (pack: a token sees another document)
 
     def leaks(self) -> np.ndarray:
         """Bool [Lq, Lk]: masked cells whose value is finite and not zero, where show_leaks asks for them."""
@@ -132,6 +134,10 @@ def _draw(ax, panel: Panel) -> object | None:
         # a pixel tall
         aspect = "equal" if _span(panel, 1) <= WIDE * _span(panel, 0) else "auto"
         ax.imshow(panel.keep.astype(np.float32), cmap=cmap, vmin=0, vmax=1, interpolation="nearest", aspect=aspect, extent=panel.extent)
+        if panel.cross is not None and panel.cross.any():
+            overlay = np.zeros((*panel.cross.shape, 4))
+            overlay[panel.cross] = (*_rgb(CROSS_RGB), 1.0)
+            ax.imshow(overlay, interpolation="nearest", aspect=aspect, extent=panel.extent)
         if panel.extent is not None:
             position_ticks(ax)
     else:

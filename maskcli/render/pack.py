@@ -167,9 +167,11 @@ def _path_json(c) -> dict:
 
 
 def pack_figure(report: Report, source: str):
-    """One panel per (batch row, applicable path), with the reference's document boundaries and the padding."""
+    """One panel per (batch row, applicable path), with the reference's document boundaries and the padding; the
+    cells where a real token sees a real token of another document are drawn in CROSS_RGB (per block on a long
+    batch: a block with any such cell)."""
     from maskcli.counting import block_shares
-    from maskcli.render.heatmaps import Panel, heatmap_figure, position_extent
+    from maskcli.render.heatmaps import CROSS_RGB, MASKED_RGB, VISIBLE_RGB, Panel, heatmap_figure, position_extent
     from maskcli.render.masks import FIGURE_MAX_CELLS
     from maskcli.render.structure import Structure, _label_runs, _runs as pad_runs
 
@@ -178,6 +180,7 @@ def pack_figure(report: Report, source: str):
     per = max(1, -(-length // FIGURE_MAX_CELLS))
     labels = report.reference.labels() if report.reference is not None else None
     grid = []
+    crossed = False
     for row in range(min(b.rows, FIGURE_ROWS)):
         marks = Structure(0, length, 0, length, "doc" if labels is not None else None,
                           _label_runs(labels[row]) if labels is not None else (), pad_runs(report.pad[row], 0), pad_runs(report.pad[row], 0))
@@ -188,14 +191,41 @@ def pack_figure(report: Report, source: str):
             title = f"{c.path.name} · reads {c.path.reads}" + (f"\nbatch row {row}" if b.rows > 1 else "")
             if c.cross_cells:
                 title += f"\n{c.cross_cells:,} cross-document cells" + (" in the whole batch" if b.rows > 1 else "")
+            cross = cross_cells(report, c, row, per)
+            crossed |= cross is not None and bool(cross.any())
             if per == 1:
                 labels_axis = [str(i) for i in range(length)]
-                panels.append(Panel(title, c.path.mask.cells(row), labels_axis, labels_axis, marks=marks))
+                panels.append(Panel(title, c.path.mask.cells(row), labels_axis, labels_axis, marks=marks, cross=cross))
             else:
                 share = block_shares(c.path.mask, row, 0, per, per)
                 share = np.where(share > 0, 0.3 + 0.7 * share, 0.0)
-                panels.append(Panel(title, share, None, None, extent=position_extent(0, length, 0, length), marks=marks))
+                panels.append(Panel(title, share, None, None, extent=position_extent(0, length, 0, length), marks=marks, cross=cross))
         grid.append(panels)
     ref = f"boundaries: documents as {report.reference.name} says" if report.reference is not None else "no field marks documents"
     title = f"{source}: each attention path's mask\n{ref}" + (f"; rows {FIGURE_ROWS}-{b.rows - 1} not drawn" if b.rows > FIGURE_ROWS else "")
-    return heatmap_figure(grid, title, ("may attend (True)", "masked (False)"))
+    legend = [(VISIBLE_RGB, "may attend (True)"), (MASKED_RGB, "masked (False)")]
+    if crossed:
+        legend.append((CROSS_RGB, "may attend, across documents (a leak)" + ("; a block with any such cell" if per > 1 else "")))
+    return heatmap_figure(grid, title, legend)
+
+
+def cross_cells(report: Report, c, row: int, per: int) -> np.ndarray | None:
+    """Bool cells (or blocks of per x per) where path `c` lets a real query see a real key of another document (as the
+    reference says), for batch row `row`; None where nothing leaks or it cannot be told per block."""
+    if not c.cross_cells or report.reference is None:
+        return None
+    labels, real = report.reference.labels()[row], ~report.pad[row]
+    if per == 1:
+        keep = c.path.mask.cells(row).astype(bool)
+        return keep & (labels[:, None] != labels[None, :]) & real[:, None] & real[None, :]
+    if c.path.expression is None or report.pad[row].any():
+        return None  # padded query rows would have to be cut out of each block: no highlight rather than a wrong one
+    from dataclasses import replace
+
+    from maskcli.counting import block_shares
+    from maskcli.mask import build
+    from maskcli.pack.paths import documents
+
+    segment, _ = documents("segment", report.reference.starts, None)
+    options = replace(c.path.options, length=report.batch.length)
+    return block_shares(build(f"({c.path.expression}) & ~{segment}", options), row, 0, per, per) > 0

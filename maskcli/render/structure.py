@@ -160,14 +160,33 @@ def draw_marks(ax, s: Structure, absolute: bool = False) -> None:
     ax.set_ylim(bottom, top)
     if s.segments:
         centres = [((max(a, s.k_start) + min(b, s.k_end)) / 2, label) for a, b, label in s.segments if b > s.k_start and a < s.k_end]
+        centres = spaced(centres, wide / max(1, s.k_end - s.k_start), across=True)
         top_axis = ax.secondary_xaxis("top")
-        top_axis.set_xticks([kx(c) for c, _ in centres], [str(label) for _, label in centres], fontsize=7)
+        top_axis.set_xticks([kx(c) for c, _ in centres], [str(label) for _, label in centres], fontsize=LABEL_PTS)
         top_axis.tick_params(length=0, pad=1)
         top_axis.set_xlabel(f"{s.word} of each key", fontsize=8)
         rows = [((max(a, s.q_start) + min(b, s.q_end)) / 2, label) for a, b, label in s.segments if b > s.q_start and a < s.q_end]
+        rows = spaced(rows, tall / max(1, s.q_end - s.q_start), across=False)
         right_axis = ax.secondary_yaxis("right")
-        right_axis.set_yticks([qy(c) for c, _ in rows], [str(label) for _, label in rows], fontsize=7)
-        right_axis.tick_params(length=0, pad=BAND_PTS + 3 if s.pad_queries else 1)
+        right_axis.set_yticks([qy(c) for c, _ in rows], [str(label) for _, label in rows], fontsize=LABEL_PTS)
+        right_axis.tick_params(length=0, pad=BAND_PTS + 4 if s.pad_queries else 3)
+
+
+LABEL_PTS = 10  # segment labels' font size
+
+
+def spaced(centres: list[tuple[float, int]], points_per_position: float, across: bool) -> list[tuple[float, int]]:
+    """The labels that fit without meeting the one kept before (narrow segments lose theirs): `across`, a label
+    takes its text's width (about 0.6 em a digit), else one line's height, with 3 points between."""
+    kept: list[tuple[float, int]] = []
+    for centre, label in centres:
+        size = (0.6 * LABEL_PTS * len(str(label)) if across else LABEL_PTS) + 3
+        if kept:
+            last_size = (0.6 * LABEL_PTS * len(str(kept[-1][1])) if across else LABEL_PTS) + 3
+            if (centre - kept[-1][0]) * points_per_position < (size + last_size) / 2:
+                continue
+        kept.append((centre, label))
+    return kept
 
 
 @dataclass(frozen=True)
