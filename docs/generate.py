@@ -49,6 +49,9 @@ BATCHES = {
                             "attention_mask": [[1] * 12 + [0] * 4],
                             "labels": [[t if i not in (0, 7) else -100 for i, t in enumerate(_IDS)] + [-100] * 4],
                             "cu_seq_lens_q": _CU, "cu_seq_lens_k": _CU, "max_length_q": 5, "max_length_k": 5},
+    # the flattened batch with cu_seq_lens_q's first boundary one token early: cu_seq_lens_k and position_ids outvote it
+    "off_by_one": {"input_ids": [_IDS], "position_ids": [_RESTART], "labels": [_LABELS], "cu_seq_lens_q": [0, 3, 7, 12],
+                   "cu_seq_lens_k": _CU, "max_length_q": 5, "max_length_k": 5},
     # a collator that writes flash_attn's cu_seqlens, and position_ids that count on across samples
     "cu_seqlens_only": {"input_ids": [_IDS], "position_ids": [list(range(12))], "cu_seqlens": _CU},
     # two chat samples; every turn ends with EOS (2), so an EOS-keyed document mask splits the turns

@@ -82,7 +82,7 @@ def test_every_figure_is_drawn_by_its_command(page, command, tmp_path):
     assert f"]({Path(target).relative_to('docs').as_posix()})\n\n`{shown}`\n" in text and "docs/img" not in shown
     args[args.index("--png") + 1] = str(tmp_path / Path(target).name)
     code, output = generate.run(shlex.join(args))
-    assert code == 0, output
+    assert code in ((0, 1) if args[1] == "pack" else (0,)), output  # pack's 1: what the figure shows leaks
     assert (tmp_path / Path(target).name).stat().st_size > 1000
 
 

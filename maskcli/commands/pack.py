@@ -35,9 +35,9 @@ Labels = _field("--labels", "labels: -100 where the loss skips a token.")
 
 @app.command(
     epilog=examples(
-        "maskcli pack --position-ids 0,1,2,0,1 --cu-seqlens 0,3,5",
-        "maskcli pack --input-ids 5,6,2,7,2 --position-ids 0,1,2,0,1 --eos-id 2 --png pack.png",
-        "maskcli pack --position-ids 0,1,2,0,1 --labels=-100,6,2,-100,2 --json",
+        "maskcli pack --position-ids 0,1,2,0,1 --cu-seqlens 0,3,5 --use-cache no",
+        "maskcli pack --input-ids 5,6,2,7,2 --position-ids 0,1,2,0,1 --eos-id 2 --use-cache no --png pack.png",
+        "maskcli pack --position-ids 0,1,2,0,1 --labels=-100,6,2,-100,2 --use-cache no --json",
     ),
 )
 def pack(
@@ -59,15 +59,15 @@ def pack(
     labels: Labels = None,
     field: Annotated[list[str] | None, typer.Option("--field", help="NAME=KEY: read the file's KEY as the field NAME (like position_ids=pos); repeat for several.", show_default=False)] = None,
     eos_id: Annotated[int | None, typer.Option("--eos-id", help="Check a document mask keyed on this EOS token id (torchtitan's flex document mask): a document ends at each EOS.", parser=integer, show_default=False)] = None,
-    use_cache: Annotated[str | None, typer.Option("--use-cache", help="yes or no: how the transformers model runs (default: the --config's use_cache, else yes, as LlamaConfig and most configs set it; transformers' Trainer sets no). With a cache, sdpa/eager/flex read no position_ids: plain causal.", show_default=False, metavar="yes|no")] = None,
-    config: Annotated[str | None, typer.Option("--config", help="The model's config.json, or a family (llama, mistral, ...): its use_cache says how the model runs (needs transformers where the file does not set it).", show_default=False, metavar="FAMILY|CONFIG.json")] = None,
-    reference: Annotated[str | None, typer.Option("--reference", help="The field that says where the documents are (default: cu_seq_lens_q, cu_seqlens_padded, cu_seqlens, cu_seq_lens_k, seq_idx, position_ids, attention_mask, the first the batch has).", show_default=False)] = None,
+    use_cache: Annotated[str | None, typer.Option("--use-cache", help="yes: the model makes a cache, and sdpa/eager/flex read no position_ids (default: --config's, else yes as most configs; Trainer: no).", show_default=False, metavar="yes|no")] = None,
+    config: Annotated[str | None, typer.Option("--config", help="The model's config.json, or its family (llama, ...), for its use_cache.", show_default=False, metavar="FAMILY|CONFIG.json")] = None,
+    reference: Annotated[str | None, typer.Option("--reference", help="The field that says where the documents are (default: the one most fields agree with, else the first of cu_seq_lens_q, cu_seqlens, position_ids, ...).", show_default=False)] = None,
     png: Annotated[str | None, typer.Option("--png", help="Write a figure of each path's mask per batch row, with the documents' boundaries and padding: .png, .svg or .pdf.", show_default=False)] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
     """Check a packed batch: the document boundaries each field implies, side by side, which field each attention path reads and the mask that results, and what leaks across documents.
 
-    The paths: transformers' sdpa/eager/flex_attention (a 4-D attention_mask as given; a 2-D one gives causal & padding and position_ids are then not read; else position_ids restarts), transformers' flash_attention_2 (an attention_mask with padding unpads each row into one sequence; else cu_seq_lens_q/k with max_length_q/k; else position_ids for one batch row), flash_attn_varlen_func on cu_seqlens, and with --eos-id a document mask keyed on EOS. Each mask is a maskcli expression, compared exactly on key intervals over the real tokens, in O(tokens). Findings: cells where a token sees another document, position_ids that do not restart at a boundary (RoPE runs on), labels not -100 at a boundary, lengths that do not add up, padding a path lets tokens see. Exit status 0 when the paths agree and nothing is found, 1 otherwise.
+    The paths: transformers' sdpa/eager/flex_attention (a 4-D attention_mask as given; a 2-D one gives causal & padding and position_ids are then not read; else, with no cache, position_ids restarts), transformers' flash_attention_2 (an attention_mask with padding unpads each row into one sequence; else cu_seq_lens_q/k with max_length_q/k; else position_ids for one batch row), flash_attn_varlen_func on cu_seqlens, and with --eos-id a document mask keyed on EOS. Each mask is a maskcli expression, compared exactly on key intervals over the real tokens, in O(tokens). Findings: cells where a token sees another document, position_ids that do not restart at a boundary (RoPE runs on), labels not -100 at a boundary, lengths that do not add up, padding a path lets tokens see. Exit status 0 when the paths agree and nothing is found, 1 otherwise.
     """
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
 
