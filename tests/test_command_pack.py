@@ -390,3 +390,10 @@ def test_a_long_batch_marks_each_block_that_holds_a_leaking_cell():
     padded[: docs.size, : docs.size] = leaking
     assert per == 3 and np.array_equal(got, padded.reshape(blocks, per, blocks, per).any(axis=(1, 3)))
     assert int(leaking.sum()) == sdpa.cross_cells
+
+
+def test_json_names_the_majority_that_outvoted_a_field():
+    data = as_json("--position-ids", "0,1,2,3,0,1,2,0,1,2,3,4", "--cu-seq-lens-q", "0,3,7,12", "--cu-seq-lens-k", "0,4,7,12", "--use-cache", "no")
+    assert data["reference"] == "cu_seq_lens_k" and data["majority"] == ["cu_seq_lens_k", "position_ids"]
+    assert {p["name"]: p["cross_document_cells"] for p in data["paths"] if p["applies"]} == {"hf-sdpa": 0, "hf-flash": 0, "varlen": 3}
+    assert as_json("--position-ids", "0,1,2,0,1", "--cu-seqlens", "0,3,5", "--use-cache", "no")["majority"] == []  # all agree: no vote

@@ -127,6 +127,7 @@ def pack_json(report: Report, source: str) -> str:
         "batch": {"source": source, "rows": b.rows, "length": b.length, "tokens": b.tokens, "fields": fields},
         "reference": report.reference.name if report.reference is not None else None,
         "use_cache": {"value": report.model.use_cache, "from": report.model.said_by},
+        "majority": report.majority,  # the fields that outvoted another to say where the documents are (else [])
         "boundaries": [
             {"field": x.name, "how": x.how, "documents": x.documents,
              "rows": [{"starts": _starts(report, x, r).tolist(), "padding": _runs(x.pad[r]) if x.pad is not None else None} for r in range(b.rows)]}
