@@ -15,7 +15,7 @@ from maskcli.commands.options import KIND_ARGUMENT_HELP, examples, integer, mask
 from maskcli.errors import MaskError
 from maskcli.mask import MaskOptions
 
-LayoutOpt = Annotated[str, typer.Option("--layout", help="contiguous, headtail (PyTorch's _HeadTailLoadBalancer), per-document (TransformerEngine's THD split), striped or striped:W, ulysses (heads split, every rank sees every token), or a FILE of indices: a permutation as a load balancer returns it, or one list per rank (.json .npy .pt .txt).", show_default=False)]
+LayoutOpt = Annotated[str, typer.Option("--layout", help="contiguous, headtail (PyTorch's _HeadTailLoadBalancer), per-document (TransformerEngine's THD split), striped or striped:W, ulysses (heads split, every rank sees every token), or a FILE of indices: a permutation as a load balancer returns it, or one list per rank (.json .npy .pt .txt). Default headtail.", show_default=False)]
 
 
 @app.command(
@@ -29,7 +29,7 @@ LayoutOpt = Annotated[str, typer.Option("--layout", help="contiguous, headtail (
 @mask_options(many_masks=True, tokens=False)
 def shard(
     expressions: Annotated[list[str] | None, typer.Argument(help=KIND_ARGUMENT_HELP + " Several: one mask per layer type, split the same way.", show_default=False, metavar="EXPR...")] = None,
-    ranks: Annotated[int, typer.Option("--ranks", help="Context-parallel ranks N.", parser=integer, show_default=False)] = 2,
+    ranks: Annotated[int, typer.Option("--ranks", help="Context-parallel ranks N (default 2).", parser=integer, show_default=False)] = 2,
     layout: LayoutOpt = "headtail",
     docs: Annotated[str | None, typer.Option("--docs", help="Document sizes for --layout per-document, like 3000,5000 (default: the mask's document(...) labels).", show_default=False)] = None,
     model: Annotated[str | None, typer.Option("--model", help="Take one mask per layer type from a Hugging Face family's config (needs transformers): full is causal, sliding causal & window(W), chunked local(C); an EXPR is and-ed into each.", show_default=False)] = None,
