@@ -163,20 +163,25 @@ def report_json(report: Report) -> str:
     return json.dumps(data)
 
 
+FIGURE_STEPS = 3  # ring-step panels drawn, one per mask (layer type)
+
+
 def figure(report: Report):
-    """Three panels: the token -> rank strip, each rank's work against the mean, and the first mask's ring steps."""
+    """The token -> rank strip, each rank's work against the mean, and each mask's ring steps (up to FIGURE_STEPS)."""
     from maskcli.render.heatmaps import FIGURE_COLOURS, setup_matplotlib, wrapped_title
 
     setup_matplotlib()
+    import matplotlib.patches as mpatches
     from matplotlib import colormaps
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     layout = report.layout
     n = layout.ranks
-    first = report.splits[0][1]
-    steps = first.steps()
-    fig = Figure(figsize=(11, 7.2), layout="constrained")
-    axes = fig.subplot_mosaic([["strip", "strip"], ["work", "steps"]], height_ratios=[1, 4])
+    stepped = [(label, split) for label, split in report.splits if split.steps() is not None][:FIGURE_STEPS]
+    panels = ["work"] + [f"steps{i}" for i in range(len(stepped))] if stepped else ["work", "none"]
+    fig = Figure(figsize=(4.2 * len(panels) + 1.4, 6.8), layout="constrained")
+    axes = fig.subplot_mosaic([["strip"] * len(panels), panels], height_ratios=[1, 4])
     spans = min(2048, layout.length)
     edges = np.linspace(0, layout.length, spans + 1).round().astype(np.int64)
     owner = layout.owner()[edges[:-1]]
@@ -191,24 +196,26 @@ def figure(report: Report):
     for index, (label, split) in enumerate(report.splits):
         ax.bar(np.arange(n) + index * width - 0.4 + width / 2, split.ratios(), width, label=f"{label}: imbalance {split.imbalance:.3f}")
     ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("rank")
     ax.set_ylabel("work / mean")
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title("each rank's attention work against the mean", fontsize=10)
-    ax = axes["steps"]
-    if steps is not None:
-        rgb = np.array([FIGURE_COLOURS["masked"], FIGURE_COLOURS["partial"], FIGURE_COLOURS["visible"]], dtype=np.float64) / 255
-        ax.imshow(rgb[steps], interpolation="nearest", aspect="auto", extent=(-0.5, n - 0.5, n - 0.5, -0.5))
+    rgb = np.array([FIGURE_COLOURS["masked"], FIGURE_COLOURS["partial"], FIGURE_COLOURS["visible"]], dtype=np.float64) / 255
+    for index, (label, split) in enumerate(stepped):
+        ax = axes[f"steps{index}"]
+        ax.imshow(rgb[split.steps()], interpolation="nearest", aspect="auto", extent=(-0.5, n - 0.5, n - 0.5, -0.5))
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("ring step i (keys of rank (r - i) mod N)")
         ax.set_ylabel("rank r")
-        ax.set_title(f"ring steps of {report.splits[0][0]}", fontsize=10)
-        import matplotlib.patches as mpatches
-
-        ax.legend(handles=[mpatches.Patch(facecolor=rgb[v], edgecolor="black", label=text) for v, text in
-                           ((FULL, "full block"), (PARTIAL, "partial block"), (EMPTY, "empty: the rank may skip the step"))],
-                  loc="upper center", bbox_to_anchor=(0.5, -0.12), ncols=3, fontsize=8, frameon=False)
+        ax.set_title(f"ring steps of {label}", fontsize=10)
+    if not stepped:
+        axes["none"].set_axis_off()
+        axes["none"].text(0.5, 0.5, "ulysses: no ring steps", ha="center", va="center")
     else:
-        ax.set_axis_off()
-        ax.text(0.5, 0.5, "ulysses: no ring steps", ha="center", va="center")
+        fig.legend(handles=[mpatches.Patch(facecolor=rgb[v], edgecolor="black", label=text) for v, text in
+                            ((FULL, "full block"), (PARTIAL, "partial block"), (EMPTY, "empty: the rank may skip the step"))],
+                   loc="outside lower center", ncols=3, fontsize=9, frameon=False)
     wrapped_title(fig, header(report), 11)
     return fig
