@@ -156,3 +156,21 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert result.exit_code == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_mask_files_one_per_layer_type_with_docs(tmp_path):
+    # two layer types' masks as files (a full layer and a sliding one), split per document by --docs
+    q = np.arange(12)[:, None]
+    k = np.arange(12)[None, :]
+    full, sliding = k <= q, (k <= q) & (k > q - 3)
+    for name, cells in (("full", full), ("sliding", sliding)):
+        torch.save(torch.from_numpy(cells), tmp_path / f"{name}.pt")
+    data = json.loads(ok(["--mask", tmp_path / "full.pt", "--mask", tmp_path / "sliding.pt", "--ranks", 2,
+                          "--layout", "per-document", "--docs", "4,8", "--json"]))
+    # documents 0..3 and 4..11 in chunks of 1 and 2: rank 0 holds 0, 3, 4, 5, 10, 11
+    rank0 = [0, 3, 4, 5, 10, 11]
+    for mask, cells in zip(data["masks"], (full, sliding)):
+        expected = [int(cells[rank0].sum()), int(cells.sum() - cells[rank0].sum())]
+        assert mask["cells"] == expected, mask["label"]
+    assert [m["label"] for m in data["masks"]] == [str(tmp_path / "full.pt"), str(tmp_path / "sliding.pt")]
+    assert data["cu_seqlens"]["te"]["cu_seqlens_on_rank"] == [[0, 2, 6], [0, 2, 6]]

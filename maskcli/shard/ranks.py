@@ -16,6 +16,7 @@ from maskcli.intervals import Intervals
 from maskcli.mask import Mask, MaskOptions
 from maskcli.shard.checks import Finding, rank_part
 from maskcli.shard.layouts import Layout
+from maskcli.shard.work import intervals_of
 
 
 def cells_at(intervals: Intervals, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -61,7 +62,7 @@ def check(mask: Mask, layout: Layout, paths: list[str]) -> list[Finding]:
     """Each rank's captured part against the global mask: a finding per rank whose part differs."""
     if len(paths) != layout.ranks:
         raise MaskError(f"--rank-mask given {len(paths)} times but --ranks is {layout.ranks}: give one file per rank, in rank order")
-    intervals = mask.intervals()
+    intervals = intervals_of(mask)
     gathered = layout.indices()
     keys = np.where(gathered < layout.length, gathered, -1)
     local_keys = np.where(np.arange(keys.size) < layout.length, np.arange(keys.size), -1)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from maskcli.errors import MaskError
+from maskcli.intervals import Intervals
 from maskcli.mask import Mask
 from maskcli.shard.layouts import Layout
 
@@ -78,9 +79,29 @@ class Split:
         return cats[r, (r - np.arange(self.ranks)[None, :]) % self.ranks]
 
 
-def row_counts(mask: Mask) -> np.ndarray:
-    """Visible keys per query row, int64 (Lq,), exactly (batch row 0)."""
-    return np.broadcast_to(mask.intervals().counts()[0], (mask.frame.q_len,)).astype(np.int64)
+def intervals_of(mask: Mask) -> Intervals:
+    """The mask's key intervals: its own where they are few, else those of a file's cells (already dense in
+    memory: each row's runs, vectorised over the whole tensor)."""
+    if mask.exact:
+        return mask.intervals()
+    keep = mask.keep[0, 0]
+    rows, keys = keep.shape
+    steps = np.diff(np.pad(keep, ((0, 0), (1, 1))).astype(np.int8), axis=1)
+    row_s, col_s = np.nonzero(steps == 1)
+    row_e, col_e = np.nonzero(steps == -1)
+    counts = np.bincount(row_s, minlength=rows)
+    width = max(1, int(counts.max(initial=0)))
+    rank = np.arange(row_s.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    starts = np.full((rows, width), keys, dtype=np.int64)
+    ends = np.full((rows, width), keys, dtype=np.int64)
+    starts[row_s, rank] = col_s
+    ends[row_e, rank] = col_e
+    return Intervals.of(starts[None], ends[None], 0, keys)
+
+
+def row_counts(intervals: Intervals, rows: int) -> np.ndarray:
+    """Visible keys per query row, int64 (rows,), exactly (batch row 0)."""
+    return np.broadcast_to(intervals.counts()[0], (rows,)).astype(np.int64)
 
 
 def check_shardable(mask: Mask) -> None:
@@ -91,8 +112,10 @@ def check_shardable(mask: Mask) -> None:
                         f"and keys {f.k_start}..{f.k_end - 1}: drop --offset, --kv-start and --kv-len")
     if mask.batch > 1:
         raise MaskError(f"{mask.title} has {mask.batch} batch rows: shard splits one sequence; give one row (a packed batch is one row of documents)")
-    if not mask.exact:
+    if not mask.exact and mask.keep is None:
         raise MaskError(f"{mask.title}: {mask.why_not_exact}, so its keys are not a few intervals per row and shard cannot split it exactly")
+    if mask.keep is not None and mask.keep.shape[1] > 1:
+        raise MaskError(f"{mask.title} holds {mask.keep.shape[1]} heads: context parallelism splits tokens the same way for every head; give one head's mask")
 
 
 def split(mask: Mask, layout: Layout, head_dim: int = 128) -> Split:
@@ -100,17 +123,18 @@ def split(mask: Mask, layout: Layout, head_dim: int = 128) -> Split:
     check_shardable(mask)
     if layout.length != mask.frame.q_len:
         raise MaskError(f"the layout covers {layout.length:,} tokens but the mask has {mask.frame.q_len:,}: give --len {layout.length}")
-    counts = row_counts(mask)
+    intervals = intervals_of(mask)
+    counts = row_counts(intervals, mask.frame.q_len)
     prefix = np.concatenate([[0], np.cumsum(counts)])
     real = layout.real
     per_piece = prefix[layout.start[real] + layout.size[real]] - prefix[layout.start[real]]
     cells = np.bincount(layout.rank[real], weights=per_piece, minlength=layout.ranks)
     cells = np.rint(cells).astype(np.int64)
-    grid = None if layout.heads is not None else ring_grid(mask, layout)
+    grid = None if layout.heads is not None else ring_grid(intervals, layout)
     return Split(mask, layout, cells, grid, head_dim)
 
 
-def ring_grid(mask: Mask, layout: Layout) -> np.ndarray:
+def ring_grid(intervals: Intervals, layout: Layout) -> np.ndarray:
     """int64 (N, N): cells of rank r's query rows against rank s's keys.
 
     For a row interval [a, b), the keys rank s holds in it are C_s(b) - C_s(a), C_s(x) the positions below x
@@ -135,10 +159,9 @@ def ring_grid(mask: Mask, layout: Layout) -> np.ndarray:
     before = np.cumsum(before, axis=0) - before  # keys each rank holds before piece j
     per_period = before[-1] + np.bincount(own[-1:], weights=size[-1:], minlength=n) if edge.size else np.zeros(n)
 
-    intervals = mask.intervals()
     row_owner = layout.owner()
     out = np.zeros((n, n), dtype=np.float64)
-    rows = mask.frame.q_len
+    rows = layout.length
     band = max(1, (1 << 21) // max(1, intervals.per_row))
     for lo in range(0, rows, band):  # bands bound the memory of the interval ends at 1M rows
         hi = min(rows, lo + band)
