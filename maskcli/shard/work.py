@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from maskcli.errors import MaskError
+from maskcli.formats.base import rows_of
 from maskcli.intervals import Intervals
 from maskcli.mask import Mask
 from maskcli.shard.layouts import Layout
@@ -88,15 +89,8 @@ def intervals_of(mask: Mask) -> Intervals:
     rows, keys = keep.shape
     steps = np.diff(np.pad(keep, ((0, 0), (1, 1))).astype(np.int8), axis=1)
     row_s, col_s = np.nonzero(steps == 1)
-    row_e, col_e = np.nonzero(steps == -1)
-    counts = np.bincount(row_s, minlength=rows)
-    width = max(1, int(counts.max(initial=0)))
-    rank = np.arange(row_s.size) - np.repeat(np.cumsum(counts) - counts, counts)
-    starts = np.full((rows, width), keys, dtype=np.int64)
-    ends = np.full((rows, width), keys, dtype=np.int64)
-    starts[row_s, rank] = col_s
-    ends[row_e, rank] = col_e
-    return Intervals.of(starts[None], ends[None], 0, keys)
+    _, col_e = np.nonzero(steps == -1)  # row-major: each row's ends in the order of its starts
+    return rows_of([(row_s, col_s, col_e)], rows, 0, keys)
 
 
 def row_counts(intervals: Intervals, rows: int) -> np.ndarray:
