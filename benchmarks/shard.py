@@ -18,7 +18,7 @@ from maskcli.mask import build
 from maskcli.shard.plan import analyse
 from timing import timed  # noqa: E402  (benchmarks/timing.py, beside this script)
 
-LAYOUTS = ("contiguous", "headtail", "per-document", "striped", "striped:128", "ulysses")
+LAYOUTS = ("contiguous", "headtail", "per-document", "striped", "striped:128", "ulysses", "ptrr")
 BUDGET_S, BUDGET_MB = 2.0, 500
 
 

@@ -127,3 +127,19 @@ def test_read_file_errors_quote_the_file(tmp_path, content, message):
         layouts.read_file(str(path), 4, 2)
     with pytest.raises(MaskError, match="no such file"):
         layouts.read_file(str(tmp_path / "none.json"), 4, 2)
+
+
+@pytest.mark.parametrize("expr, ranks", [("document(sizes=[64,192,128,128]) & window(100)", 2), ("causal | sink(8)", 4)])
+def test_ptrr_is_pytorchs_ptrr_balancer_on_the_masks_blocks(expr, ranks):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from maskcli import build
+    from maskcli.shard.plan import make_layout
+
+    mask = build(expr, length=512)
+    block_mask = create_block_mask(mask.mask_mod, 1, 1, 512, 512, device="cpu", BLOCK_SIZE=64)
+    torch_order = _PTRRLoadBalancer(block_mask, ranks)._generate_indices()[0].numpy()
+    found = make_layout("ptrr:64", 512, ranks, 1, None, mask)
+    assert found.indices().tolist() == torch_order.tolist()
+    with pytest.raises(MaskError, match="do not divide among 3 ranks"):
+        make_layout("ptrr:64", 512, 3, 1, None, mask)

@@ -141,3 +141,14 @@ def test_any_permutation_splits_exactly(expr, ranks, seed):
 
     dense = work.split(from_tensor(cells[None, None], "file"), layout)
     assert dense.grid.tolist() == grid.tolist() and dense.cells.tolist() == found.cells.tolist()
+
+
+@pytest.mark.parametrize("expr, length, block", [("document(sizes=[100,300,124]) & window(37) | sink(5)", 524, 16),
+                                                 ("causal & ~window(20)", 300, 32), ("local(50)", 256, 64)])
+def test_touched_blocks_are_create_block_masks_computed_blocks(expr, length, block):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask = build(expr, length=length)
+    flex = create_block_mask(mask.mask_mod, 1, 1, length, length, device="cpu", BLOCK_SIZE=block)
+    computed = (flex.kv_num_blocks + flex.full_kv_num_blocks)[0, 0].tolist()
+    assert work.touched_blocks(mask.intervals(), length, block).tolist() == computed

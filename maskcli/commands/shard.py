@@ -15,7 +15,7 @@ from maskcli.commands.options import KIND_ARGUMENT_HELP, examples, integer, mask
 from maskcli.errors import MaskError
 from maskcli.mask import MaskOptions
 
-LayoutOpt = Annotated[str, typer.Option("--layout", help="contiguous, headtail (PyTorch's _HeadTailLoadBalancer), per-document (TransformerEngine's THD split), striped or striped:W, ulysses (heads split, every rank sees every token), or a FILE of indices: a permutation as a load balancer returns it, or one list per rank (.json .npy .pt .txt). Default headtail.", show_default=False)]
+LayoutOpt = Annotated[str, typer.Option("--layout", help="contiguous, headtail (PyTorch's _HeadTailLoadBalancer), per-document (TransformerEngine's THD split), striped or striped:W, ulysses (heads split, every rank sees every token), ptrr or ptrr:BLOCK (PyTorch's _PTRRLoadBalancer on the mask's blocks), or a FILE of indices: a permutation as a balancer returns it, or one list per rank (.json .npy .pt .txt). Default headtail.", show_default=False)]
 
 
 @app.command(

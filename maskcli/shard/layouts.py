@@ -13,6 +13,7 @@ pieces (rank, start, size), grouped by rank ascending and each rank's in its loc
                   PyTorch's _PerDocumentHeadTailLoadBalancer draws, _load_balancer.py:222-242)
     striped       stripes of W tokens dealt round-robin: stripe k on rank k mod N (Striped Attention)
     ulysses       the sequence split as contiguous, then all-to-all: every rank sees every token for its heads
+    ptrr          query blocks dealt by their work (PyTorch's _PTRRLoadBalancer, _load_balancer.py:312-467)
     FILE          a permutation (PyTorch's rearrange indices, sharded into N equal parts as
                   _context_parallel_buffers does, _attention.py:1151-1155) or one index list per rank
 
@@ -27,7 +28,7 @@ import numpy as np
 
 from maskcli.errors import MaskError
 
-NAMES = ("contiguous", "headtail", "per-document", "striped", "ulysses")
+NAMES = ("contiguous", "headtail", "per-document", "striped", "ulysses", "ptrr")
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,6 +157,30 @@ def ulysses(length: int, ranks: int, heads: int) -> Layout:
     found = contiguous(length, ranks)
     per = ", ".join(sorted({str(h) for h in split}))
     return Layout("ulysses", ranks, length, found.rank, found.start, found.size, heads=split, note=f"{per} of {heads} heads a rank")
+
+
+def ptrr(block_work: np.ndarray, length: int, ranks: int, block: int) -> Layout:
+    """PyTorch's processing-time round-robin: query blocks sorted by the key blocks they compute (descending,
+    stable), dealt to the ranks in rows of N, every other row reversed, each rank's blocks then ascending
+    (ptrr_scheduling, _load_balancer.py:349-366; the blocks as index runs, :458-461). `block_work`: the
+    computed (partial + full) key blocks of each query block."""
+    blocks = block_work.size
+    if blocks % ranks:
+        raise MaskError(f"--layout ptrr: {blocks:,} query blocks of {block} do not divide among {ranks} ranks (PyTorch's "
+                        f"ptrr_scheduling requires it): give a length that makes a multiple of {ranks} blocks, or another --ranks")
+    order = np.argsort(-np.asarray(block_work), kind="stable")  # torch.sort(descending=True, stable=True)
+    reversed_rows = order.reshape(-1, ranks)[:, ::-1].reshape(-1)
+    dealt = np.where(np.arange(blocks) // ranks % 2 == 0, order, reversed_rows)
+    groups = np.sort(dealt.reshape(-1, ranks).T, axis=1)  # (ranks, blocks / ranks)
+    lo = groups.reshape(-1) * block
+    real = np.clip(length - lo, 0, block)
+    rank = np.repeat(np.arange(ranks), blocks // ranks)
+    ranks_ = np.stack([rank, rank], -1).reshape(-1)
+    starts = np.stack([lo, np.full(lo.shape, -1)], -1).reshape(-1)
+    sizes = np.stack([real, block - real], -1).reshape(-1)
+    keep = sizes > 0
+    return Layout("ptrr", ranks, length, ranks_[keep].astype(np.int64), starts[keep].astype(np.int64), sizes[keep].astype(np.int64),
+                  note=f"{blocks:,} blocks of {block} dealt by their work")
 
 
 def from_indices(per_rank: list[np.ndarray], length: int, name: str) -> Layout:

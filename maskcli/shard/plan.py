@@ -12,6 +12,8 @@ from maskcli.mask import Mask
 from maskcli.shard import checks, layouts, ranks, work
 from maskcli.shard.layouts import Layout
 
+PTRR_BLOCK = 128  # FlexAttention's default block size, which _PTRRLoadBalancer reads off the BlockMask
+
 
 @dataclass(frozen=True)
 class Report:
@@ -53,19 +55,24 @@ def parse_sizes(text: str) -> np.ndarray:
     return sizes
 
 
-def make_layout(spec: str, length: int, n: int, heads: int, docs: np.ndarray | None) -> Layout:
-    """The layout --layout names: contiguous, headtail, per-document, striped[:W], ulysses, or a file of indices."""
+def make_layout(spec: str, length: int, n: int, heads: int, docs: np.ndarray | None, mask: Mask | None = None) -> Layout:
+    """The layout --layout names: contiguous, headtail, per-document, striped[:W], ulysses, ptrr[:BLOCK] (from the
+    mask's blocks), or a file of indices."""
     if n < 1:
         raise MaskError(f"--ranks {n}: give at least 1 rank")
     name, _, arg = spec.partition(":")
-    if name == "striped":
+    if name in ("striped", "ptrr"):
         try:
-            width = int(arg) if arg else 1
+            width = int(arg) if arg else (1 if name == "striped" else PTRR_BLOCK)
         except ValueError:
-            raise MaskError(f"--layout {spec!r}: the stripe width is a whole number, like striped:128") from None
-        return layouts.striped(length, n, width)
+            raise MaskError(f"--layout {spec!r}: the {'stripe width' if name == 'striped' else 'block size'} is a whole number, like {name}:128") from None
+        if width < 1:
+            raise MaskError(f"--layout {spec!r}: the {'stripe width' if name == 'striped' else 'block size'} must be at least 1, like {name}:128")
+        if name == "striped":
+            return layouts.striped(length, n, width)
+        return layouts.ptrr(work.touched_blocks(work.intervals_of(mask), length, width), length, n, width)
     if arg and name in layouts.NAMES:
-        raise MaskError(f"--layout {spec!r}: only striped takes a width (striped:W)")
+        raise MaskError(f"--layout {spec!r}: only striped and ptrr take a size (striped:W, ptrr:BLOCK)")
     if name == "contiguous":
         return layouts.contiguous(length, n)
     if name in ("headtail", "head-tail"):
@@ -91,7 +98,7 @@ def analyse(masks: list[tuple[str, Mask]], spec: str, n: int, head_dim: int = 12
             raise MaskError(f"the masks cover {first.frame.q_len:,} and {mask.frame.q_len:,} tokens: one layout splits one sequence; give them one --len")
     length = first.frame.q_len
     docs = docs if docs is not None else document_sizes(first)
-    layout = make_layout(spec, length, n, first.heads, docs)
+    layout = make_layout(spec, length, n, first.heads, docs, first)
     found = checks.coverage(layout) + checks.padding(layout)
     splits = [(label, work.split(mask, layout, head_dim)) for label, mask in masks]
     for label, split in splits:

@@ -93,6 +93,29 @@ def intervals_of(mask: Mask) -> Intervals:
     return rows_of([(row_s, col_s, col_e)], rows, 0, keys)
 
 
+def touched_blocks(intervals: Intervals, length: int, block: int) -> np.ndarray:
+    """Per query block of `block` rows, the key blocks its rows see some of (FlexAttention's partial + full
+    kv_num_blocks): int64 (ceil(length / block),), exactly.
+
+    Each row interval becomes a range of key blocks; a query block's count is the size of the union of its rows'
+    ranges. All ranges are sorted once, each block's shifted past the last's (so that a running maximum of the
+    ends never carries from one block into the next), and each range adds what lies past the ends before it."""
+    n_q = -(-length // block)
+    s = np.broadcast_to(intervals.starts[0], (length, intervals.per_row))
+    e = np.broadcast_to(intervals.ends[0], s.shape)
+    real = s < e
+    shift = np.broadcast_to((np.arange(length) // block)[:, None], s.shape)[real]
+    span = -(-(intervals.k_end - intervals.k_start) // block) + 1
+    lo = (s[real] - intervals.k_start) // block + shift * span
+    hi = (e[real] - 1 - intervals.k_start) // block + 1 + shift * span
+    order = np.argsort(lo, kind="stable")
+    lo, hi, shift = lo[order], hi[order], shift[order]
+    reach = np.maximum.accumulate(hi)
+    before = np.concatenate([[np.iinfo(np.int64).min], reach[:-1]])
+    new = np.clip(hi - np.maximum(lo, before), 0, None)
+    return np.bincount(shift, weights=new, minlength=n_q).astype(np.int64)
+
+
 def row_counts(intervals: Intervals, rows: int) -> np.ndarray:
     """Visible keys per query row, int64 (rows,), exactly (batch row 0)."""
     return np.broadcast_to(intervals.counts()[0], (rows,)).astype(np.int64)
