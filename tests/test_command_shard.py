@@ -174,3 +174,24 @@ def test_mask_files_one_per_layer_type_with_docs(tmp_path):
         assert mask["cells"] == expected, mask["label"]
     assert [m["label"] for m in data["masks"]] == [str(tmp_path / "full.pt"), str(tmp_path / "sliding.pt")]
     assert data["cu_seqlens"]["te"]["cu_seqlens_on_rank"] == [[0, 2, 6], [0, 2, 6]]
+
+
+def test_model_without_transformers_is_one_line(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    result = invoke(["--model", "llama", "--len", 64])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ('maskcli: error: --model reads a family\'s config with transformers, which is not installed: '
+                                     'pip install "maskcli[hf]"')
+
+
+def test_heads_multiply_the_work_and_ulysses_splits_them():
+    out = ok(["causal", "--len", 16, "--ranks", 4, "--heads", 6, "--layout", "ulysses"], 60)
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    total = 16 * 17 // 2
+    # 6 heads over 4 ranks: 2, 1, 1, 2 (np.linspace rounded); every rank all the cells for its heads
+    rows = [line for line in lines if line[:1].isdigit() and line.split()[0] in "0123"]
+    assert [row.split()[2] for row in rows] == [str(total * h) for h in (2, 1, 1, 2)]
+    assert "rank tokens cells x heads FLOPs x mean" in lines
+    assert "ulysses: no ring steps; every rank attends over all tokens" in " ".join(lines)

@@ -74,9 +74,10 @@ def _masks(expressions: list[str], options: MaskOptions, model: str | None, buil
     files = list(options.mask_file or [])
     one = replace(options, mask_file=None)
     if model is not None:
-        from maskcli.hf import require
-
-        require()
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise MaskError('--model reads a family\'s config with transformers, which is not installed: pip install "maskcli[hf]"') from None
         from maskcli.hf.layers import expressions as layer_expressions
 
         if files or len(expressions) > 1:

@@ -57,7 +57,9 @@ def table(report: Report, split: Split, first: bool):
     steps = split.steps()
     te = report.te if first else None
     grid = Table(box=None, pad_edge=False, show_edge=False)
-    for name, shown in (("rank", True), ("tokens", True), ("pad", padded), ("cells", True), ("FLOPs", True), ("x mean", True),
+    # the work: visible cells, times the heads a rank computes them for where there are several
+    cells = "cells x heads" if split.mask.heads > 1 or layout.heads is not None else "cells"
+    for name, shown in (("rank", True), ("tokens", True), ("pad", padded), (cells, True), ("FLOPs", True), ("x mean", True),
                         ("skip", steps is not None)):
         if shown:
             grid.add_column(name, justify="right")
@@ -93,7 +95,8 @@ def step_grid(split: Split, width: int, caption: bool = True) -> str:
 def header(report: Report) -> str:
     layout = report.layout
     names = " · ".join(split.mask.title for _, split in report.splits)
-    return f"shard {names}\n{layout.length:,} tokens over {layout.ranks} ranks · --layout {layout.name} ({layout.note})"
+    tokens = f"{layout.length:,} token{'s' if layout.length != 1 else ''}"
+    return f"shard {names}\n{tokens} over {layout.ranks} rank{'s' if layout.ranks != 1 else ''} · --layout {layout.name} ({layout.note})"
 
 
 def imbalance_lines(report: Report) -> list[str]:
