@@ -3,7 +3,7 @@
 The per-rank masks here are made as a context-parallel run makes them: PyTorch's _create_cp_block_mask reads the
 mask_mod at (indices[local row of rank r's shard], indices[kv]) (_context_parallel/_attention.py:1250-1283);
 the buggy ones skip that mapping, or pass is_causal=True (which PyTorch's ring attention requires with load
-balancing, _attention.py:416-417) instead of the layer's window.
+balancing, _context_parallel/_attention.py:405-406) instead of the layer's window.
 """
 
 from __future__ import annotations
@@ -125,3 +125,19 @@ def test_a_part_that_sees_an_extra_key_is_wrong(tmp_path, layout):
     cells[5, 9] = True
     found = ranks.check(build("causal", length=16), layout, rank_files(tmp_path, cells, layout))
     assert [(f.code, f.cell) for f in found] == [("shard-extra-key", (5, 9))]
+
+
+def test_uneven_ranks_are_suspicious():
+    assert codes(checks.uneven(layouts.from_indices([[0, 1, 2], [3]], 4, "file"))) == [("shard-uneven", 0)]
+    assert checks.uneven(layouts.headtail(30, 4)) == []  # padded: every rank 8 slots
+
+
+def test_a_real_query_that_sees_a_padding_slot_is_wrong(tmp_path):
+    # 6 tokens over 2 x 2 chunks of 2: rank 0 holds 0, 1 and the padding slots 6, 7 (gathered columns 2, 3)
+    expr, layout = "causal", layouts.headtail(6, 2)
+    paths = rank_files(tmp_path, dense(expr, 6), layout)
+    part = torch.load(paths[1])
+    part[0, 2] = True  # rank 1's first row (position 2) sees column 2: a padding slot
+    torch.save(part, paths[1])
+    found = ranks.check(build(expr, length=6), layout, paths)
+    assert [(f.code, f.rank) for f in found] == [("shard-padding-seen", 1)]

@@ -70,6 +70,18 @@ def padding(layout: Layout) -> list[Finding]:
                     f"{pads:,} padding slot{'s' if pads > 1 else ''} added ({layout.note}); they hold no real token, and no real query may see them")]
 
 
+def uneven(layout: Layout) -> list[Finding]:
+    """Ranks holding different numbers of slots: ring attention passes key/value buffers of one shape from rank
+    to rank (PyTorch's _templated_ring_attention reshapes what arrives to its own key's shape, _context_parallel/_attention.py:433)."""
+    slots = layout.slots()
+    if slots.min() == slots.max():
+        return []
+    big, small = int(slots.argmax()), int(slots.argmin())
+    return [Finding("shard-uneven", "suspicious",
+                    f"rank {big} holds {slots[big]:,} slots and rank {small} {slots[small]:,}: ring attention passes equal-size "
+                    f"key/value buffers between ranks; pad every rank to {slots[big]:,}", big)]
+
+
 def imbalance(split: Split, limit: float = IMBALANCE, label: str = "") -> list[Finding]:
     """The slowest rank's work against the mean, where it is past `limit`."""
     ratios = split.ratios()

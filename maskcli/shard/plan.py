@@ -99,7 +99,7 @@ def analyse(masks: list[tuple[str, Mask]], spec: str, n: int, head_dim: int = 12
     length = first.frame.q_len
     docs = docs if docs is not None else document_sizes(first)
     layout = make_layout(spec, length, n, first.heads, docs, first)
-    found = checks.coverage(layout) + checks.padding(layout)
+    found = checks.coverage(layout) + checks.uneven(layout) + checks.padding(layout)
     splits = [(label, work.split(mask, layout, head_dim)) for label, mask in masks]
     for label, split in splits:
         found += checks.imbalance(split, label=label if len(splits) > 1 else "")
