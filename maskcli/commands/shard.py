@@ -74,9 +74,11 @@ def _masks(expressions: list[str], options: MaskOptions, model: str | None, buil
     files = list(options.mask_file or [])
     one = replace(options, mask_file=None)
     if model is not None:
+        from maskcli.hf import require
+
         try:
-            import transformers  # noqa: F401
-        except ImportError:
+            require()
+        except MaskError:
             raise MaskError('--model reads a family\'s config with transformers, which is not installed: pip install "maskcli[hf]"') from None
         from maskcli.hf.layers import expressions as layer_expressions
 
