@@ -83,6 +83,7 @@ def test_tail_padding_that_drops_a_real_key_is_named(tmp_path):
     found = ranks.check(build(expr, length=30), layout, rank_files(tmp_path, cells, layout))
     assert [f.code for f in found] == ["shard-dropped-key"]
     assert found[0].cell == (28, 28) and found[0].rank == 0
+    assert "(and every key from 28 to 29, the last: padding or truncation cut the tail)" in found[0].message
 
 
 def test_a_layout_that_truncates_the_tail_drops_real_tokens():

@@ -124,9 +124,15 @@ def rank_part(global_cells: np.ndarray, rank_cells: np.ndarray, rows: np.ndarray
         return [Finding("shard-padding-seen", "wrong",
                         f"rank {r}'s query {q} sees a padding slot (column {j}): padding must stay hidden from real queries", r, (q, k))]
     if global_cells[i, j]:
+        # the tail: keys k.. to the last real position are hidden from every row of the rank (padding or truncation cut them)
+        real_keys = keys >= 0
+        last = int(keys[real_keys].max())
+        cut = real_keys & (keys >= k)
+        tail = not (rank_cells[real_rows][:, cut]).any() and (global_cells[real_rows][:, cut]).any(axis=0).all()
         return [Finding("shard-dropped-key", "wrong",
                         f"rank {r}'s part hides key {k} from query {q}, which {text} lets it see"
-                        f"{' (the tail: padding cut a real key)' if keys.max() == k else ''}", r, (q, k))]
+                        + (f" (and every key from {k} to {last}, the last: padding or truncation cut the tail)" if tail else ""),
+                        r, (q, k))]
     return [Finding("shard-extra-key", "wrong", f"rank {r}'s part lets query {q} see key {k}, which {text} hides", r, (q, k))]
 
 
