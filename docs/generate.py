@@ -8,7 +8,8 @@ of the block is what the command prints (stdout, COLUMNS wide: the site's code w
 HTML comment `<!-- figure: maskcli ... --png docs/img/NAME.png -->` before its image, and the command
 is written under the image as text. reference.md holds each command's --help-all between
 `<!-- help: CMD -->` markers. The small packed batches that docs/pack.md
-checks are written here too (docs/batches/*.json, BATCHES below). tests/test_docs.py runs --check.
+checks are written here too (docs/batches/*.json, BATCHES below), and the index files and rank masks that
+docs/shard.md reads (docs/shard/*.json, shard_files below). tests/test_docs.py runs --check.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ FIGURE = re.compile(r"<!-- figure: (maskcli [^>]*?) -->")
 # a figure's image, then (generated) its command as text: a blank line and the command in backquotes
 CAPTIONED = re.compile(r"(<!-- figure: (maskcli [^>]*?) -->\n!\[[^\]\n]*\]\([^)\n]*\)\n)(?:\n`maskcli [^`\n]*`\n)?")
 HELP = re.compile(r"<!-- help: (\w+) -->\n```text\n(.*?)```", re.S)
-COMMANDS = ("show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds", "trace", "pack", "export", "model")
+COMMANDS = ("show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds", "trace", "pack", "export", "model", "shard")
 BATCH_DIR = DOCS / "batches"
 _SAMPLES = [[101, 7, 8, 2], [101, 9, 2], [101, 5, 6, 7, 2]]  # three tokenised samples, 2 = EOS
 _IDS = [t for sample in _SAMPLES for t in sample]
@@ -65,6 +66,42 @@ BATCHES = {
     "padded": {"input_ids": [[101, 7, 2, 0, 101, 2, 0, 0]], "attention_mask": [[1, 1, 1, 0, 1, 1, 0, 0]],
                "cu_seqlens": [0, 3, 5], "cu_seqlens_padded": [0, 4, 8]},
 }
+
+
+def shard_files() -> dict[str, object]:
+    """The small files docs/shard.md reads (docs/shard/*.json): index lists as a balancer writes them, and the
+    per-rank masks a run captures, each reproducing one mistake. Rank r of a 2-rank head-tail split of 8 tokens
+    holds positions [0, 1, 6, 7] or [2, 3, 4, 5]; a rank's mask is its rows x every slot in the gathered order
+    0, 1, 6, 7, 2, 3, 4, 5 (PyTorch's _create_cp_block_mask convention)."""
+    from torch.distributed.tensor.experimental._attention import _PerDocumentHeadTailLoadBalancer
+
+    gathered = [0, 1, 6, 7, 2, 3, 4, 5]
+    held = [[0, 1, 6, 7], [2, 3, 4, 5]]
+    return {
+        # PyTorch's per-document balancer's indices for documents of 16, 16 and 96 tokens over 2 ranks
+        "torch_per_document.json": _PerDocumentHeadTailLoadBalancer([[16, 16, 96]], 2, "cpu")._generate_indices()[0].tolist(),
+        # 10 tokens cut to 8 so that they split into 2 x 2 chunks: positions 8 and 9 on no rank
+        "cut.json": [[0, 1, 6, 7], [2, 3, 4, 5]],
+        # causal built on each rank's local indices (row i as position i), not through the layout's indices
+        **{f"local_rank{r}.json": [[k <= q for k in range(8)] for q in range(4)] for r in range(2)},
+        # is_causal=True where the layer is window(3): plain causal on global positions
+        **{f"causal_rank{r}.json": [[gathered[k] <= q for k in range(8)] for q in held[r]] for r in range(2)},
+    }
+
+
+def stale_shard_files(write: bool) -> list[str]:
+    import json
+
+    stale = []
+    for name, value in shard_files().items():
+        path = DOCS / "shard" / name
+        text = json.dumps(value) + "\n"
+        if not path.is_file() or path.read_text() != text:
+            stale.append(f"shard/{name}")
+            if write:
+                path.parent.mkdir(exist_ok=True)
+                path.write_text(text)
+    return stale
 
 
 def batch_text(fields: dict) -> str:
@@ -165,7 +202,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="say what is out of date; write nothing")
     check = parser.parse_args().check
-    stale = stale_batches(write=not check)
+    stale = stale_batches(write=not check) + stale_shard_files(write=not check)
     for page in pages():
         text = page.read_text()
         new = refreshed_reference(refreshed_page(text))

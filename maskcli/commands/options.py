@@ -111,8 +111,9 @@ KIND_ARGUMENT_HELP = (
 Expr = Annotated[str | None, typer.Argument(help=KIND_ARGUMENT_HELP, show_default=False, metavar="EXPR", autocompletion=complete_kinds)]
 
 
-def _position_options(heads: int) -> list[tuple[str, object, object]]:
-    """(python name, annotation, default) of the options every mask takes."""
+def _position_options(heads: int, many_masks: bool = False) -> list[tuple[str, object, object]]:
+    """(python name, annotation, default) of the options every mask takes (`many_masks`: --mask repeatable, a list)."""
+    mask_file = list[str] | None if many_masks else str | None
     return [
         ("m_length", Annotated[int | None, typer.Option("--len", "-n", help="Number of queries (default 8, or what labels, --ids or --tokens cover).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
         ("m_offset", Annotated[int | None, typer.Option("--offset", "--prev", help="Tokens already in the KV cache: queries sit at P..P+Lq-1 (--len 1: decode).", parser=integer, rich_help_panel=POSITION_PANEL)], None),
@@ -124,7 +125,7 @@ def _position_options(heads: int) -> list[tuple[str, object, object]]:
         ("m_pad", Annotated[str | None, typer.Option("--pad", help="right (default) or left: where --lengths puts the padding (HF's padding_side).", autocompletion=completes("right", "left"), rich_help_panel=MASK_PANEL)], None),
         ("m_ids", Annotated[str | None, typer.Option("--ids", help="Token ids per batch row ('5,6,7,0;0,8,9,1' or a file); --pad-id marks padding.", rich_help_panel=MASK_PANEL)], None),
         ("m_pad_id", Annotated[int, typer.Option("--pad-id", help="The padding token id for --ids.", parser=integer, rich_help_panel=MASK_PANEL)], 0),
-        ("m_mask_file", Annotated[str | None, typer.Option("--mask", help="A mask file (.pt .npy .npz .safetensors .json, any convention) or TRACE.pt:N.", rich_help_panel=OWN_PANEL)], None),
+        ("m_mask_file", Annotated[mask_file, typer.Option("--mask", help="A mask file (.pt .npy .npz .safetensors .json, any convention) or TRACE.pt:N" + ("; repeat for one mask per layer type." if many_masks else "."), rich_help_panel=OWN_PANEL)], None),
         ("m_key", Annotated[str | None, typer.Option("--key", help="With --mask: which tensor of the file (.npz, .safetensors, a .pt dict, a JSON object).", rich_help_panel=OWN_PANEL)], None),
         ("m_from", Annotated[str | None, typer.Option("--from", help="With --mask: keep or block, where a bool or 0/1 tensor's structure does not tell; or the kernel format the file holds, as maskcli export --save writes it: flash-attn, flashmask, magi or flex.", rich_help_panel=OWN_PANEL)], None),
         ("m_causal", Annotated[bool, typer.Option("--causal", help="With --mask FILE --from flash-attn or flashmask: the kernel's causal=True, where the file does not say.", rich_help_panel=OWN_PANEL)], False),
@@ -193,13 +194,14 @@ Rows = Annotated[str | None, typer.Option("--rows", help="View queries A:B only 
 Keys = Annotated[str | None, typer.Option("--keys", help="View the keys C:D only, as --rows does the queries.", rich_help_panel=POSITION_PANEL)]
 
 
-def mask_options(*, heads: int = 1, tokens: bool = True, kind_params: bool = True, regions: bool = False):
+def mask_options(*, heads: int = 1, tokens: bool = True, kind_params: bool = True, regions: bool = False, many_masks: bool = False):
     """Decorate a command that builds a mask: its signature gains every mask option, declared here once,
-    and the function receives them as one `mask: MaskOptions` argument (`regions`: --rows and --keys too)."""
+    and the function receives them as one `mask: MaskOptions` argument (`regions`: --rows and --keys too;
+    `many_masks`: --mask repeatable, its mask_file a list of files)."""
     from maskcli.mask import MaskOptions
 
     kind_options = _kind_options() if kind_params else []
-    added = list(_position_options(heads)) + [(name, annotation, default) for name, annotation, default, _ in kind_options]
+    added = list(_position_options(heads, many_masks)) + [(name, annotation, default) for name, annotation, default, _ in kind_options]
     if tokens:
         added.append(("m_tokens", Tokens, None))
     if regions:

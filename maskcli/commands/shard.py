@@ -1,0 +1,94 @@
+"""`maskcli shard`: how a mask is split across context-parallel ranks, each rank's work, and whether the parts add up.
+
+Exit status 0 when the ranks' parts add up to the global mask, 1 when a check finds they do not, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Annotated
+
+import typer
+
+from maskcli.commands.app import app, done, echo, make_console
+from maskcli.commands.options import KIND_ARGUMENT_HELP, examples, integer, mask_options
+from maskcli.errors import MaskError
+from maskcli.mask import MaskOptions
+
+LayoutOpt = Annotated[str, typer.Option("--layout", help="contiguous, headtail (PyTorch's _HeadTailLoadBalancer), per-document (TransformerEngine's THD split), striped or striped:W, ulysses (heads split, every rank sees every token), ptrr or ptrr:BLOCK (PyTorch's _PTRRLoadBalancer on the mask's blocks), or a FILE of indices: a permutation as a balancer returns it, or one list per rank (.json .npy .pt .txt). Default headtail.", show_default=False)]
+
+
+@app.command(
+    epilog=examples(
+        "maskcli shard causal --len 4096 --ranks 8 --layout contiguous",
+        "maskcli shard \"document(sizes=[3000,5000,192]) & window(512)\" --ranks 4 --layout per-document",
+        "maskcli shard causal \"causal & window(1024)\" --len 65536 --ranks 8 --layout headtail --png shard.png",
+        "maskcli shard causal --len 1048576 --ranks 64 --layout striped:128 --json",
+    ),
+)
+@mask_options(many_masks=True, tokens=False)
+def shard(
+    expressions: Annotated[list[str] | None, typer.Argument(help=KIND_ARGUMENT_HELP + " Several: one mask per layer type, split the same way.", show_default=False, metavar="EXPR...")] = None,
+    ranks: Annotated[int, typer.Option("--ranks", help="Context-parallel ranks N (default 2).", parser=integer, show_default=False)] = 2,
+    layout: LayoutOpt = "headtail",
+    docs: Annotated[str | None, typer.Option("--docs", help="Document sizes for --layout per-document, like 3000,5000 (default: the mask's document(...) labels).", show_default=False)] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Take one mask per layer type from a Hugging Face family's config (needs transformers): full is causal, sliding causal & window(W), chunked local(C); an EXPR is and-ed into each.", show_default=False)] = None,
+    rank_mask: Annotated[list[str] | None, typer.Option("--rank-mask", help="A rank's captured mask (its slots x every slot in the gathered order), once per rank in rank order: each checked against the global mask under --layout.", show_default=False)] = None,
+    head_dim: Annotated[int, typer.Option("--head-dim", help="Head size for the FLOPs (4 x head_dim x visible cells x heads).", parser=integer)] = 128,
+    png: Annotated[str | None, typer.Option("--png", help="Write a figure: the token -> rank strip, each rank's work, the ring steps: .png, .svg or .pdf.", show_default=False)] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print the layout, each mask's per-rank cells, FLOPs, ratios, ring-step grid, cu_seqlens and findings as JSON.")] = False,
+    *,
+    mask: MaskOptions,
+) -> None:
+    """Split a mask across context-parallel ranks: each rank's tokens, visible cells, FLOPs and ratio to the mean, the imbalance, each ring step's block, and the local cu_seqlens, exactly at any length.
+
+    Checks, exit status 1 when wrong: every real token on exactly one rank (nothing dropped by padding or truncation), and with --rank-mask each rank's captured part equal to the global mask on global positions (a part built on local indices, or replaced by is_causal, is named). Imbalance past 1.25 is reported, not an error.
+    """
+    from maskcli.files import FIGURE_SUFFIXES, check_output_path
+    from maskcli.inspect.given import build_any
+    from maskcli.shard.plan import analyse, parse_sizes
+
+    png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
+    masks = _masks(expressions or [], mask, model, build_any)
+    with_docs = parse_sizes(docs) if docs is not None else None
+    report = analyse(masks, layout, ranks, head_dim, rank_mask, with_docs)
+    from maskcli.render import shard as render
+
+    if png_path is not None:
+        from maskcli.render.heatmaps import save_figure
+
+        save_figure(render.figure(report), png_path)
+        done(f"wrote {png_path}")
+    if json_:
+        echo(render.report_json(report))
+    else:
+        console = make_console(highlight=False)
+        for view in render.views(report, console.width):
+            console.print(view)
+    if report.wrong:
+        raise typer.Exit(1)
+
+
+def _masks(expressions: list[str], options: MaskOptions, model: str | None, build_any) -> list[tuple[str, object]]:
+    """(label, Mask) per layer type: the EXPRs, the --mask files, or --model's layer types (and-ed with one EXPR)."""
+    files = list(options.mask_file or [])
+    one = replace(options, mask_file=None)
+    if model is not None:
+        from maskcli.hf import require
+
+        try:
+            require()
+        except MaskError:
+            raise MaskError('--model reads a family\'s config with transformers, which is not installed: pip install "maskcli[hf]"') from None
+        from maskcli.hf.layers import expressions as layer_expressions
+
+        if files or len(expressions) > 1:
+            raise MaskError("--model gives one mask per layer type: add at most one EXPR (and-ed into each, like a document(...) mask), and no --mask")
+        found, _ = layer_expressions(model)
+        extra = f"({expressions[0]}) & " if expressions else ""
+        return [(kind, build_any(extra + text, one)) for kind, text in found.items()]
+    if not expressions and not files:
+        raise MaskError("give a mask: an expression like \"causal & window(4096)\", --mask FILE, or --model FAMILY")
+    masks = [(text, build_any(text, one)) for text in expressions]
+    masks += [(path, build_any(None, replace(options, mask_file=path))) for path in files]
+    return masks

@@ -1,0 +1,197 @@
+"""`maskcli shard` through Typer's CliRunner: the table at 60 and 120 columns, JSON against double loops and
+PyTorch's ring schedule, the figure's pixels, exit status 1 on a wrong split, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+
+runner = CliRunner()
+
+
+def invoke(args, columns: int = 120):
+    return runner.invoke(app, ["shard", *map(str, args)], env={"COLUMNS": str(columns)})
+
+
+def ok(args, columns: int = 120):
+    result = invoke(args, columns)
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def causal_cells(lo: int, hi: int) -> int:
+    return sum(q + 1 for q in range(lo, hi))
+
+
+@pytest.mark.parametrize("columns", [60, 120])
+def test_causal_over_contiguous_ranks_at_60_and_120_columns(columns):
+    out = ok(["causal", "--len", 32, "--ranks", 4, "--layout", "contiguous", "--head-dim", 8], columns)
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    assert max(len(line) for line in out.splitlines()) <= columns
+    assert lines[0] == "shard causal"
+    assert "00000000111111112222222233333333" in lines  # one character a position: 32 fit both widths
+    rows = [line for line in lines if line[:1].isdigit() and line.endswith("/4")]
+    mean = causal_cells(0, 32) / 4
+    expected = []
+    for r in range(4):
+        cells = causal_cells(8 * r, 8 * (r + 1))
+        flops = 4 * 8 * cells  # 4 x head_dim x cells: QK^T and PV, two FLOPs a multiply-add
+        expected.append(f"{r} 8 {cells} {flops / 1000:.3g}k {cells / mean:.3f} {3 - r}/4")
+    assert rows == expected
+    worst = causal_cells(24, 32) / mean
+    assert f"imbalance (max / mean work) {worst:.3f}: rank 3 does the most, rank 0 the least" in " ".join(lines)
+    assert f"suspicious: shard-imbalance: rank 3 does {worst:.2f}x the mean work" in " ".join(lines)
+    assert lines[-1] == "the ranks' parts add up to the global mask exactly"
+
+
+def test_ring_steps_in_json_follow_pytorchs_schedule_without_load_balancing():
+    # without load balancing PyTorch's ring skips step i of rank r when the source rank (r - i) mod N is later,
+    # runs it causal at i = 0 and whole otherwise (_is_causal_behavior, _context_parallel/_attention.py:83-100)
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    data = json.loads(ok(["causal", "--len", 64, "--ranks", 4, "--layout", "contiguous", "--json"]))
+    steps = data["masks"][0]["steps"]
+    named = {cp._CausalBehavior.SKIP: "empty", cp._CausalBehavior.IS_CAUSAL: "partial", cp._CausalBehavior.NOT_IS_CAUSAL: "full"}
+    old = cp._cp_options.enable_load_balance
+    cp._cp_options.enable_load_balance = False
+    try:
+        expected = [[named[cp._is_causal_behavior(r, 4, i, True)] for i in range(4)] for r in range(4)]
+    finally:
+        cp._cp_options.enable_load_balance = old
+    assert steps == expected
+
+
+def test_json_cells_and_grid_equal_a_double_loop_over_positions():
+    data = json.loads(ok(["document(sizes=[7,9,8]) & window(3)", "--ranks", 2, "--layout", "per-document", "--json"]))
+    labels = [0] * 7 + [1] * 9 + [2] * 8
+    owner = {}
+    # documents padded to 8, 12, 8 (multiples of 2 x 2) in chunks of 2, 3, 2: rank 0 takes the first and last
+    # chunk of each (the last of documents 0 and 1 partly or wholly padding)
+    rank0 = [0, 1, 6, 7, 8, 9, 16, 17, 22, 23]
+    for r, held in enumerate([rank0, [p for p in range(24) if p not in rank0]]):
+        for p in held:
+            owner[p] = r
+    grid = np.zeros((2, 2), dtype=int)
+    for q in range(24):
+        for k in range(24):
+            if labels[q] == labels[k] and q - 3 < k <= q:
+                grid[owner[q], owner[k]] += 1
+    mask = data["masks"][0]
+    assert mask["grid"] == grid.tolist()
+    assert mask["cells"] == grid.sum(1).tolist()
+    assert mask["imbalance"] == pytest.approx(grid.sum(1).max() / grid.sum(1).mean())
+    assert data["layout"]["tokens"] == [10, 14] and data["layout"]["slots"] == [14, 14]
+    # TransformerEngine: cu_seqlens_padded = [0, 8, 20, 28], divided by cp_size 2
+    assert data["cu_seqlens"]["te"]["cu_seqlens_padded_local"] == [0, 4, 10, 14]
+    assert data["findings"][0]["code"] == "shard-padding"
+
+
+def test_png_draws_the_strip_work_and_ring_steps(tmp_path):
+    from PIL import Image
+
+    from maskcli.render.heatmaps import FIGURE_COLOURS
+
+    path = tmp_path / "shard.png"
+    result = invoke(["causal", "--len", 64, "--ranks", 4, "--layout", "contiguous", "--png", path])
+    assert result.exit_code == 0, result.output
+    pixels = np.asarray(Image.open(path).convert("RGB")).reshape(-1, 3)
+    colours = {tuple(p) for p in pixels}
+    for name in ("visible", "partial", "masked"):  # full, partial and empty ring steps all drawn
+        assert tuple(FIGURE_COLOURS[name]) in colours, name
+    from matplotlib import colormaps
+
+    ranks = colormaps["viridis"].resampled(4)
+    for r in range(4):  # every rank's colour in the strip
+        rgb = tuple(int(round(255 * c)) for c in ranks(r)[:3])
+        assert min(np.abs(pixels - rgb).sum(1)) <= 3, r
+
+
+def test_rank_masks_on_local_indices_exit_1_naming_the_rank(tmp_path):
+    paths = []
+    for r, rows in enumerate([[0, 1, 6, 7], [2, 3, 4, 5]]):  # headtail over 8 tokens, 2 ranks
+        part = torch.tensor([[k <= q for k in range(8)] for q in range(len(rows))])  # causal on local row indices
+        paths += ["--rank-mask", str(tmp_path / f"rank{r}.pt")]
+        torch.save(part, tmp_path / f"rank{r}.pt")
+    result = invoke(["causal", "--len", 8, "--ranks", 2, "--layout", "headtail", *paths])
+    assert result.exit_code == 1, result.output
+    out = " ".join(result.stdout.split())
+    assert "wrong: shard-local-indices: rank 0's mask uses local indices: its row 2 is position 6" in out
+    assert "the ranks' parts add up" not in out
+
+
+def test_a_truncating_index_file_exits_1(tmp_path):
+    path = tmp_path / "order.json"
+    path.write_text(json.dumps([[0, 1, 2], [3, 4, 5]]))
+    result = invoke(["causal", "--len", 8, "--ranks", 2, "--layout", path])
+    assert result.exit_code == 1
+    assert "wrong: shard-dropped-token: 2 real tokens on no rank, the first at position 6" in " ".join(result.stdout.split())
+
+
+def test_layer_types_from_a_model_config():
+    pytest.importorskip("transformers")
+    out = ok(["--model", "gemma3_text", "--len", 16384, "--ranks", 4, "--layout", "headtail"])
+    lines = out.splitlines()
+    assert lines[0] == "shard causal & window(4096) · causal"  # gemma3_text's defaults: sliding_window 4096
+    assert "sliding_attention:" in lines and "full_attention:" in lines
+    assert "imbalance (max / mean work) 1.000: every rank does the same work" in lines  # head-tail balances full layers
+
+
+@pytest.mark.parametrize("args, message", [
+    (["causal", "--layout", "zigzag"], "--layout 'zigzag': no such file"),
+    (["causal", "--ranks", 0], "--ranks 0: give at least 1 rank"),
+    (["causal", "--layout", "per-document"], "--layout per-document needs the documents"),
+    (["causal", "--layout", "striped:x"], "the stripe width is a whole number"),
+    (["causal", "--offset", 2], "drop --offset"),
+    (["causal", "--layout", "ulysses", "--ranks", 4], "--heads 1 is fewer than --ranks 4"),
+    ([], "give a mask"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = invoke(args)
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_mask_files_one_per_layer_type_with_docs(tmp_path):
+    # two layer types' masks as files (a full layer and a sliding one), split per document by --docs
+    q = np.arange(12)[:, None]
+    k = np.arange(12)[None, :]
+    full, sliding = k <= q, (k <= q) & (k > q - 3)
+    for name, cells in (("full", full), ("sliding", sliding)):
+        torch.save(torch.from_numpy(cells), tmp_path / f"{name}.pt")
+    data = json.loads(ok(["--mask", tmp_path / "full.pt", "--mask", tmp_path / "sliding.pt", "--ranks", 2,
+                          "--layout", "per-document", "--docs", "4,8", "--json"]))
+    # documents 0..3 and 4..11 in chunks of 1 and 2: rank 0 holds 0, 3, 4, 5, 10, 11
+    rank0 = [0, 3, 4, 5, 10, 11]
+    for mask, cells in zip(data["masks"], (full, sliding)):
+        expected = [int(cells[rank0].sum()), int(cells.sum() - cells[rank0].sum())]
+        assert mask["cells"] == expected, mask["label"]
+    assert [m["label"] for m in data["masks"]] == [str(tmp_path / "full.pt"), str(tmp_path / "sliding.pt")]
+    assert data["cu_seqlens"]["te"]["cu_seqlens_on_rank"] == [[0, 2, 6], [0, 2, 6]]
+
+
+def test_model_without_transformers_is_one_line(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    result = invoke(["--model", "llama", "--len", 64])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ('maskcli: error: --model reads a family\'s config with transformers, which is not installed: '
+                                     'pip install "maskcli[hf]"')
+
+
+def test_heads_multiply_the_work_and_ulysses_splits_them():
+    out = ok(["causal", "--len", 16, "--ranks", 4, "--heads", 6, "--layout", "ulysses"], 60)
+    lines = [" ".join(line.split()) for line in out.splitlines()]
+    total = 16 * 17 // 2
+    # 6 heads over 4 ranks: 2, 1, 1, 2 (np.linspace rounded); every rank all the cells for its heads
+    rows = [line for line in lines if line[:1].isdigit() and line.split()[0] in "0123"]
+    assert [row.split()[2] for row in rows] == [str(total * h) for h in (2, 1, 1, 2)]
+    assert "rank tokens cells x heads FLOPs x mean" in lines
+    assert "ulysses: no ring steps; every rank attends over all tokens" in " ".join(lines)

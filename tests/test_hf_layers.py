@@ -1,0 +1,43 @@
+"""maskcli.hf.layers: each layer type's expression against transformers' own mask functions (masking_utils),
+read cell by cell on small configs written as config.json files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from maskcli import build
+
+transformers = pytest.importorskip("transformers")
+from transformers import masking_utils  # noqa: E402
+
+from maskcli.hf.layers import expressions  # noqa: E402
+
+
+def cells_of(function, length: int) -> list[list[bool]]:
+    b = h = torch.tensor(0)
+    return [[bool(function(b, h, torch.tensor(q), torch.tensor(k))) for k in range(length)] for q in range(length)]
+
+
+def test_gemma3_sliding_and_full_layers(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gemma3_text", "sliding_window": 3, "num_hidden_layers": 3,
+                                "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}))
+    found, skipped = expressions(str(path))
+    assert list(found) == ["sliding_attention", "full_attention"] and skipped == []
+    # masking_utils.py: sliding_window_causal_mask_function (line 132) and causal_mask_function
+    references = {"sliding_attention": masking_utils.sliding_window_causal_mask_function(3),
+                  "full_attention": masking_utils.causal_mask_function}
+    for kind, expr in found.items():
+        assert build(expr, length=9).dense()[0, 0].tolist() == cells_of(references[kind], 9), kind
+
+
+def test_llama4_chunked_layers(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama4_text", "attention_chunk_size": 4, "num_hidden_layers": 2,
+                                "layer_types": ["chunked_attention", "full_attention"]}))
+    found, _ = expressions(str(path))
+    reference = masking_utils.chunked_causal_mask_function(4, torch.tensor([0]))  # masking_utils.py:159, no left padding
+    assert build(found["chunked_attention"], length=10).dense()[0, 0].tolist() == cells_of(reference, 10)
