@@ -287,3 +287,42 @@ def test_a_saved_kernel_format_read_without_from_says_which_from(tmp_path):
 def test_a_dense_format_too_long_to_fit_points_to_the_compact_ones():
     result = CliRunner().invoke(app, ["export", "document(sizes=[300000,748576]) & window(4096)", "--for", "sdpa"])
     assert result.exit_code == 2 and result.stderr.rstrip().endswith("export it to a compact format (--for flash-attn, flashmask, magi or flex)")
+
+
+def left_padded_reference(kind: str, length: int, lengths: list[int]) -> torch.Tensor:
+    """(B, 1, L, L) keep cells by a double loop over absolute positions: left padding, then causal or local(3).
+
+    local(C) with left padding counts chunks from each row's first real token, as transformers'
+    masking_utils.chunked_overlay does (transformers 5.24, masking_utils.py:102-111:
+    (kv_idx - left_padding[b]) // chunk_size == (q_idx - left_padding[b]) // chunk_size)."""
+    keep = torch.zeros(len(lengths), 1, length, length, dtype=torch.bool)
+    for b, real in enumerate(lengths):
+        pad = length - real
+        for q in range(length):
+            for kv in range(length):
+                seen = kv <= q and kv >= pad
+                if kind == "local(3)":
+                    seen = seen and (q - pad) // 3 == (kv - pad) // 3
+                keep[b, 0, q, kv] = seen
+    return keep
+
+
+@pytest.mark.parametrize("kind, length, lengths", [("causal", 4, [4, 2]), ("local(3)", 6, [6, 4])])
+def test_flex_keeps_left_padding_in_the_printed_build(tmp_path, kind, length, lengths):
+    """issue 28.1: the printed build(...) carries pad='left', so its mask_mod is the mask (it padded on the right)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    path = tmp_path / "flex.pt"
+    code = ok(kind, "--len", length, "--lengths", ",".join(map(str, lengths)), "--pad", "left", "--for", "flex", "--save", path).stdout
+    assert "pad='left'" in code
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(len(lengths), 1, length, 8, generator=g) for _ in range(3))
+    scope = {"q": q, "k": k, "v": v}
+    exec(code, scope)  # as printed: build(...).mask_mod, the BlockMask, flex_attention
+    printed = create_mask(scope["mask_mod"], len(lengths), 1, length, length, device="cpu")
+    want = left_padded_reference(kind, length, lengths)
+    own = torch.from_numpy(build(kind, length=length, lengths=",".join(map(str, lengths)), pad="left").dense())
+    assert torch.equal(printed, want) and torch.equal(own, want)
+    seen = want.any(-1)[..., None].expand_as(q)
+    scores = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~want, float("-inf"))
+    assert torch.allclose(scope["out"][seen], (torch.softmax(scores, -1) @ v)[seen], atol=1e-5)
