@@ -1,0 +1,264 @@
+"""Every format's printed call, run as printed (issue 28.5): the torch formats executed here; for the GPU libraries, the
+real package where it imports, else a stand-in whose classes and functions take exactly the arguments the library's
+source gives them (cited beside each), so that a wrong keyword raises TypeError here as it does there."""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+
+runner = CliRunner()
+
+
+def printed(*args) -> str:
+    result = runner.invoke(app, ["export", *map(str, args)])
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def real_keys(b: int, lo: int, hi: int, valid) -> list[int]:
+    """Positions lo..hi-1 that are real tokens of batch row b (all of them without padding)."""
+    return [p for p in range(lo, hi) if valid is None or valid[b][p]]
+
+
+def packed_reference(keep, q_range, k_range, valid, packed: bool) -> torch.Tensor:
+    """What a varlen kernel sees: each batch row's real queries and keys, packed one after another (B = 1); cells
+    across batch rows are masked. keep(b, q, kv) on absolute positions."""
+    batch = 1 if valid is None else len(valid)
+    if not packed:
+        return torch.tensor([[[keep(b, q, kv) for kv in range(*k_range)] for q in range(*q_range)] for b in range(batch)])
+    rows = [(b, q) for b in range(batch) for q in real_keys(b, *q_range, valid)]
+    cols = [(b, kv) for b in range(batch) for kv in real_keys(b, *k_range, valid)]
+    return torch.tensor([[[bq == bk and keep(bq, q, kv) for bk, kv in cols] for bq, q in rows]])
+
+
+# --- xformers: the stand-in ------------------------------------------------------------------------
+# Each class below takes the constructor and methods of xformers 0.0.35's xformers/ops/fmha/attn_bias.py (the wheel's
+# source; later commits re-export the same classes from mslk.attention.fmha.attn_bias) and keeps cells by its
+# docstring's rule, written here as a loop: _materialize_causal_mask (line 114) keeps j <= i + shift and, with a
+# window, j >= i + shift - window_size + 1, shift = Lk - Lq from the bottom right, 0 top-left.
+
+
+def _causal(nq, nk, bottom_right, window=None):
+    shift = nk - nq if bottom_right else 0
+    return [[j <= i + shift and (window is None or j >= i + shift - window + 1) for j in range(nk)] for i in range(nq)]
+
+
+class LowerTriangularMask:  # line 142; __init__(self, device=None), line 153
+    def __init__(self, device=None):
+        pass
+
+    def keep(self, nq, nk):
+        return _causal(nq, nk, False)
+
+
+@dataclass
+class LocalAttentionFromBottomRightMask:  # line 175: fields window_left, window_right (line 218-219), each >= 0
+    window_left: int
+    window_right: int
+
+    def __post_init__(self):
+        if self.window_left < 0 or self.window_right < 0:
+            raise ValueError("Invalid window value")
+
+    def keep(self, nq, nk):  # materialize, line 235: triu(shift - window_left), tril(shift + window_right)
+        return [[-self.window_left <= j - i - (nk - nq) <= self.window_right for j in range(nk)] for i in range(nq)]
+
+
+class LowerTriangularFromBottomRightMask:  # line 261, no constructor arguments
+    def keep(self, nq, nk):
+        return _causal(nq, nk, True)
+
+    def make_local_attention(self, window_size):  # line 297
+        return LowerTriangularFromBottomRightLocalAttentionMask(window_size)
+
+
+@dataclass
+class LowerTriangularFromBottomRightLocalAttentionMask(LowerTriangularFromBottomRightMask):  # line 308: one field, _window_size
+    _window_size: int
+
+    def __post_init__(self):
+        if self._window_size <= 0:
+            raise ValueError("Expected `window_size > 0`")
+
+    def keep(self, nq, nk):
+        return _causal(nq, nk, True, self._window_size)
+
+
+@dataclass
+class BlockDiagonalMask:  # line 752: q_seqinfo, k_seqinfo, _batch_sizes (the seqinfos held here as lists of lengths)
+    q_seqinfo: list
+    k_seqinfo: list
+    _batch_sizes: object = None
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen, kv_seqlen=None, *, device=None):  # line 849
+        assert kv_seqlen is None or len(q_seqlen) == len(kv_seqlen)
+        return cls(q_seqinfo=list(q_seqlen), k_seqinfo=list(q_seqlen if kv_seqlen is None else kv_seqlen))
+
+    def make_local_attention(self, window_size):  # line 970: top-left, causal inside each block
+        return BlockDiagonalCausalLocalAttentionMask(q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo, _window_size=window_size)
+
+    def make_local_attention_from_bottomright(self, window_size):  # line 981
+        return BlockDiagonalCausalLocalAttentionFromBottomRightMask(q_seqinfo=self.q_seqinfo, k_seqinfo=self.k_seqinfo, _window_size=window_size)
+
+    def block(self, nq, nk):
+        return [[True] * nk for _ in range(nq)]
+
+    def keep(self, nq, nk):
+        assert (nq, nk) == (sum(self.q_seqinfo), sum(self.k_seqinfo))  # materialize's asserts, line 803-810
+        out = [[False] * nk for _ in range(nq)]
+        q0 = k0 = 0
+        for lq, lk in zip(self.q_seqinfo, self.k_seqinfo):
+            for i, row in enumerate(self.block(lq, lk)):
+                out[q0 + i][k0:k0 + lk] = row
+            q0, k0 = q0 + lq, k0 + lk
+        return out
+
+
+class BlockDiagonalCausalMask(BlockDiagonalMask):  # line 993: LowerTriangularMask inside each block
+    def block(self, nq, nk):
+        return _causal(nq, nk, False)
+
+
+class BlockDiagonalCausalFromBottomRightMask(BlockDiagonalMask):  # line 1025
+    def __post_init__(self):  # line 1048: every block needs num_keys >= num_queries
+        if any(k < q for q, k in zip(self.q_seqinfo, self.k_seqinfo)):
+            raise ValueError("Expected `num_keys >= num_queries`")
+
+    def block(self, nq, nk):
+        return _causal(nq, nk, True)
+
+
+@dataclass
+class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalCausalMask):  # line 1852: _window_size: int = 0
+    _window_size: int = 0
+
+    def __post_init__(self):  # line 1877: a positive window reaching a key from every query
+        if self._window_size <= 0 or any(q - self._window_size >= k for q, k in zip(self.q_seqinfo, self.k_seqinfo)):
+            raise RuntimeError("No keys are attended")
+
+    def block(self, nq, nk):
+        return _causal(nq, nk, False, self._window_size)
+
+
+@dataclass
+class BlockDiagonalCausalLocalAttentionFromBottomRightMask(BlockDiagonalCausalFromBottomRightMask):  # line 1915
+    _window_size: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self._window_size <= 0:
+            raise ValueError("Expected `window_size > 0`")
+
+    def block(self, nq, nk):
+        return _causal(nq, nk, True, self._window_size)
+
+
+STANDIN = [LowerTriangularMask, LocalAttentionFromBottomRightMask, LowerTriangularFromBottomRightMask,
+           LowerTriangularFromBottomRightLocalAttentionMask, BlockDiagonalMask, BlockDiagonalCausalMask,
+           BlockDiagonalCausalFromBottomRightMask, BlockDiagonalCausalLocalAttentionMask, BlockDiagonalCausalLocalAttentionFromBottomRightMask]
+
+
+def standin_keep(bias, nq, nk) -> torch.Tensor:
+    return torch.ones(nq, nk, dtype=torch.bool) if bias is None else torch.tensor(bias.keep(nq, nk))
+
+
+def real_keep(bias, nq, nk) -> torch.Tensor:
+    return torch.ones(nq, nk, dtype=torch.bool) if bias is None else bias.materialize((nq, nk)) == 0
+
+
+def run_xformers(code: str, q, k, v, monkeypatch, real: bool):
+    """Run the printed call with xformers.ops.memory_efficient_attention computing attention from the bias's cells
+    (the GPU kernel is not here); returns the output and the (Lq, Lk) cells the bias keeps."""
+    seen = {}
+    if real:
+        attn_bias = pytest.importorskip("xformers.ops.fmha.attn_bias", reason="xformers is not installed")
+        keep_of = real_keep
+    else:
+        attn_bias = types.ModuleType("xformers.ops.fmha.attn_bias")
+        for cls in STANDIN:
+            setattr(attn_bias, cls.__name__, cls)
+        keep_of = standin_keep
+
+    def memory_efficient_attention(query, key, value, attn_bias=None, p=0.0, scale=None, *, op=None, output_dtype=None):
+        # the signature of xformers 0.0.35's xformers/ops/fmha/__init__.py:199; q, k, v: (B, M, H, K)
+        keep = keep_of(attn_bias, query.shape[1], key.shape[1])
+        seen["keep"] = keep
+        scores = torch.einsum("bqhd,bkhd->bhqk", query, key) / query.shape[-1] ** 0.5
+        weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), -1).nan_to_num(0.0)
+        return torch.einsum("bhqk,bkhd->bqhd", weights, value)
+
+    package, ops, fmha = (types.ModuleType(name) for name in ("xformers", "xformers.ops", "xformers.ops.fmha"))
+    ops.memory_efficient_attention, ops.fmha, fmha.attn_bias, package.ops = memory_efficient_attention, fmha, attn_bias, ops
+    for name, module in (("xformers", package), ("xformers.ops", ops), ("xformers.ops.fmha", fmha), ("xformers.ops.fmha.attn_bias", attn_bias)):
+        monkeypatch.setitem(sys.modules, name, module)
+    scope = {"q": q, "k": k, "v": v}
+    exec(code, scope)  # as printed
+    return scope["out"], seen["keep"]
+
+
+def pad_rows(ids: str) -> list[list[bool]]:
+    return [[int(x) != 0 for x in row.split(",")] for row in ids.split(";")]
+
+
+XFORMERS = [  # (flags, the bias it must print, keep(b, q, kv) on absolute positions, query and key positions, padding, packed)
+    (["document(sizes=[3,5]) & window(2)"], "BlockDiagonalCausalMask.from_seqlens([3, 5]).make_local_attention(2)",
+     lambda b, q, kv: (q < 3) == (kv < 3) and q - 2 < kv <= q, (0, 8), (0, 8), None, True),
+    (["window(3)", "--len", 6], "LowerTriangularFromBottomRightMask().make_local_attention(3)",
+     lambda b, q, kv: q - 3 < kv <= q, (0, 6), (0, 6), None, False),
+    (["window(3)", "--len", 2, "--offset", 4], "LowerTriangularFromBottomRightMask().make_local_attention(3)",
+     lambda b, q, kv: q - 3 < kv <= q, (4, 6), (0, 6), None, False),
+    (["causal", "--len", 4, "--kv-len", 6, "--align", "top-left"], "LowerTriangularMask()",  # was refused
+     lambda b, q, kv: kv <= q, (0, 4), (0, 6), None, False),
+    (["window(3)", "--len", 4, "--kv-len", 6, "--align", "top-left"], "BlockDiagonalMask.from_seqlens([4], [6]).make_local_attention(3)",
+     lambda b, q, kv: q - 3 < kv <= q, (0, 4), (0, 6), None, True),
+    (["window(3)", "--len", 1, "--offset", 5, "--ids", "0,0,5,6,7,8;1,2,3,4,5,6"],  # was refused
+     "BlockDiagonalCausalFromBottomRightMask.from_seqlens([1, 1], [4, 6]).make_local_attention_from_bottomright(3)",
+     lambda b, q, kv: q - 3 < kv <= q, (5, 6), (0, 6), "0,0,5,6,7,8;1,2,3,4,5,6", True),
+    (["causal", "--len", 1, "--offset", 5, "--ids", "0,0,5,6,7,8"],  # printed LowerTriangularFromBottomRightMask(): the pads were seen
+     "BlockDiagonalMask.from_seqlens([1], [4])", lambda b, q, kv: kv <= q, (5, 6), (0, 6), "0,0,5,6,7,8", True),
+    (["causal", "--len", 4, "--lengths", "4,2", "--pad", "left"], "BlockDiagonalCausalMask.from_seqlens([4, 2])",
+     lambda b, q, kv: kv <= q, (0, 4), (0, 4), "1,1,1,1;0,0,1,1", True),
+    (["segment(sizes=[2,3])"], "BlockDiagonalMask.from_seqlens([2, 3])", lambda b, q, kv: (q < 2) == (kv < 2), (0, 5), (0, 5), None, True),
+    (["tril(2)", "--len", 5], "LocalAttentionFromBottomRightMask(window_left=5, window_right=2)",
+     lambda b, q, kv: kv <= q + 2, (0, 5), (0, 5), None, False),
+    (["full", "--len", 3], "attn_bias=None", lambda b, q, kv: True, (0, 3), (0, 3), None, False),
+]
+
+
+@pytest.mark.parametrize("real", [False, True], ids=["standin", "xformers"])
+@pytest.mark.parametrize("flags, bias, keep, q_range, k_range, ids, packed", XFORMERS, ids=[" ".join(map(str, c[0])) for c in XFORMERS])
+def test_the_printed_xformers_call_runs_and_is_the_mask(monkeypatch, real, flags, bias, keep, q_range, k_range, ids, packed):
+    code = printed(*flags, "--for", "xformers")
+    assert bias in code
+    valid = None if ids is None else pad_rows(ids)
+    want = packed_reference(keep, q_range, k_range, valid, packed)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(want.shape[0], want.shape[1], 2, 4, generator=g)
+    k, v = (torch.randn(want.shape[0], want.shape[2], 2, 4, generator=g) for _ in range(2))
+    out, cells = run_xformers(code, q, k, v, monkeypatch, real)
+    assert torch.equal(cells.expand_as(want), want)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 2
+    expected = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores.masked_fill(~want[:, None], float("-inf")), -1).nan_to_num(0.0), v)
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_a_wrong_keyword_raises_in_the_standin_as_in_xformers(monkeypatch):
+    """The stand-in is strict: what issue 28.2 found printed (window_size= on from_seqlens) fails here too."""
+    q = k = v = torch.zeros(1, 8, 1, 4)
+    with pytest.raises(TypeError):
+        run_xformers("import xformers.ops as xops\nfrom xformers.ops.fmha.attn_bias import BlockDiagonalCausalLocalAttentionMask\n"
+                     "out = xops.memory_efficient_attention(q, k, v, attn_bias=BlockDiagonalCausalLocalAttentionMask.from_seqlens([3, 5], window_size=2))",
+                     q, k, v, monkeypatch, real=False)
+    with pytest.raises(TypeError):
+        run_xformers("from xformers.ops.fmha.attn_bias import LowerTriangularFromBottomRightLocalAttentionMask\n"
+                     "out = LowerTriangularFromBottomRightLocalAttentionMask(window_size=3)", q, k, v, monkeypatch, real=False)
