@@ -262,3 +262,54 @@ def test_a_wrong_keyword_raises_in_the_standin_as_in_xformers(monkeypatch):
     with pytest.raises(TypeError):
         run_xformers("from xformers.ops.fmha.attn_bias import LowerTriangularFromBottomRightLocalAttentionMask\n"
                      "out = LowerTriangularFromBottomRightLocalAttentionMask(window_size=3)", q, k, v, monkeypatch, real=False)
+
+
+# --- Hugging Face: a tiny random-weight Llama, run as printed ----------------------------------------
+
+
+def tiny_llama():
+    transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+HF = [  # (flags, keep(b, q, kv) of the new queries on absolute positions, offset, total length, ids)
+    (["window(3)", "--len", 2, "--offset", 5], lambda b, q, kv: q - 3 < kv <= q, 5, 7, None),
+    (["causal", "--len", 1, "--offset", 5, "--ids", "0,0,5,6,7,8;1,2,3,4,5,6"], lambda b, q, kv: kv <= q, 5, 6, "0,0,5,6,7,8;1,2,3,4,5,6"),
+    (["document(sizes=[2,3])"], lambda b, q, kv: (q < 2) == (kv < 2) and kv <= q, 0, 5, None),
+]
+
+
+@pytest.mark.parametrize("flags, keep, offset, total, ids", HF, ids=[" ".join(map(str, c[0])) for c in HF])
+def test_the_printed_hf_call_runs_on_a_llama(tmp_path, flags, keep, offset, total, ids):
+    """issue 28.4: behind a cache the call prints the cache its 4-D mask counts (it printed none: a size error). The
+    reference runs the whole sequence at once with a 4-D mask written by a loop: the cached rows causal (what the
+    fill call's model mask is) and the padding masked, the new rows by the rule; transformers 5.24 uses a 4-D mask
+    as given (masking_utils.py:817-819, _preprocess_mask_arguments returns it as-is)."""
+    model = tiny_llama()
+    path = tmp_path / "hf.pt"
+    code = printed(*flags, "--for", "hf", "--save", path)
+    valid = [[True] * total] if ids is None else pad_rows(ids)
+    batch = len(valid)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 32, (batch, total), generator=g)
+    scope = {"model": model, "input_ids": tokens[:, offset:], "past_ids": tokens[:, :offset]}
+    with torch.no_grad():
+        exec(code, scope)  # as printed
+        if "position_ids" in code:  # documents: positions restart in each (2 then 3 tokens)
+            positions = torch.tensor([[0, 1, 0, 1, 2]])
+        else:
+            positions = torch.arange(total)[None]
+        cells = torch.tensor([[[[valid[b][kv] and (keep(b, q, kv) if q >= offset else kv <= q) for kv in range(total)] for q in range(total)]]
+                              for b in range(batch)])
+        whole = model(tokens, attention_mask=torch.where(cells, 0.0, torch.finfo(torch.float32).min), position_ids=positions)
+    assert torch.allclose(scope["out"].logits, whole.logits[:, offset:], atol=1e-5)
+
+
+def test_an_hf_mask_on_keys_a_model_does_not_hold_is_refused():
+    result = runner.invoke(app, ["export", "causal", "--len", "2", "--kv-len", "5", "--for", "hf"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("maskcli: error: a Hugging Face model's keys are the tokens before its queries and the queries themselves "
+                                     "(0-1), and this mask's are keys 0-4: drop --kv-start and --kv-len, or use --for sdpa")

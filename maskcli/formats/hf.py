@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.formats.base import Export, dense_cells
+from maskcli.formats.base import CannotHold, Export, dense_cells
 
 NAME = "hf"
 
@@ -35,6 +35,10 @@ def position_ids(mask) -> np.ndarray | None:
 
 
 def to(mask) -> Export:
+    f = mask.frame
+    if f.k_start != 0 or f.k_end != f.q_end:
+        raise CannotHold(f"a Hugging Face model's keys are the tokens before its queries and the queries themselves (0-{f.q_end - 1}), "
+                         f"and this mask's are {f.describe().split(' · ')[1]}: drop --kv-start and --kv-len, or use --for sdpa")
     keep = dense_cells(mask, 4, "Hugging Face")
     keep = keep[:, :1] if not mask.heads_differ else keep
     keep = np.broadcast_to(keep, (mask.batch,) + keep.shape[1:])
@@ -44,9 +48,25 @@ def to(mask) -> Export:
     if positions is not None:
         tensors["position_ids"] = positions
         args += ", position_ids=<position_ids>"
-    code = ["import torch", f"out = model(input_ids, {args})  # input_ids: (B, Lq)"]
     notes = ["4-D mask: 0 = attend, finfo(dtype).min = masked, added to the scores (eager); cast it to the model's dtype",
              "float32's min is -inf in bfloat16 and float16: clamp to the model dtype's min before casting, as the call does"]
     if positions is not None:
         notes.append("position_ids restart at 0 in each document: without them packed documents get the positions of one long sequence")
+    if f.q_start == 0:
+        return Export(["import torch", f"out = model(input_ids, {args})  # input_ids: (B, {f.q_len})"], tensors, notes, device="cpu")
+    # Behind a cache the 4-D mask covers the cached keys and the new ones: transformers 5.24 takes a 4-D mask as it is
+    # (masking_utils._preprocess_mask_arguments), so the model must hold exactly the cached keys it counts.
+    fill = ""
+    if f.padded:
+        tensors["past_attention_mask"] = np.ascontiguousarray(np.broadcast_to(f.key_valid[:, :f.q_start], (mask.batch, f.q_start))).astype(np.int64)
+        fill = ", attention_mask=<past_attention_mask>"
+    code = ["import torch", "from transformers import DynamicCache",
+            "cache = DynamicCache()  # every layer keeps all its keys, as the mask counts them",
+            f"model(past_ids{fill}, cache=cache)  # past_ids: (B, {f.q_start}), the tokens already in the cache: it now holds their keys",
+            f"out = model(input_ids, {args}, cache=cache)  # input_ids: (B, {f.q_len})"]
+    notes += [f"the mask's last dimension is the {f.q_start} cached keys and the {f.q_len} new ones: the model needs that cache "
+              "(a 4-D mask is used as given, with no cache it fails on sizes)",
+              "DynamicCache() without a config: DynamicCache(config=...) gives a sliding-window model's layers a window that "
+              "holds fewer keys than the mask has",
+              "cache= is transformers 5.24's keyword; past_key_values= is its deprecated name (removed in 5.40), the one older releases take"]
     return Export(code, tensors, notes, device="cpu")
