@@ -28,6 +28,7 @@ def test_flash_attn_call_with_its_arguments_written_in():
     out = ok("document(sizes=[3,5]) & window(2)", "--for", "flash-attn").stdout
     assert out.splitlines() == [
         "# flash-attn: document(sizes=[3,5]) & window(2) · shape (1, 1, 8, 8)",
+        "# written for flash_attn 2.8.3",
         "import torch",
         "cu_seqlens_q = torch.tensor([0, 3, 8], dtype=torch.int32, device=\"cuda\")",
         "cu_seqlens_k = torch.tensor([0, 3, 8], dtype=torch.int32, device=\"cuda\")",

@@ -4,6 +4,7 @@ source gives them (cited beside each), so that a wrong keyword raises TypeError 
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 from dataclasses import dataclass
@@ -313,3 +314,29 @@ def test_an_hf_mask_on_keys_a_model_does_not_hold_is_refused():
     assert result.exit_code == 2
     assert result.stderr.strip() == ("maskcli: error: a Hugging Face model's keys are the tokens before its queries and the queries themselves "
                                      "(0-1), and this mask's are keys 0-4: drop --kv-start and --kv-len, or use --for sdpa")
+
+
+# --- which release each call is written for --------------------------------------------------------
+
+
+def test_each_call_names_the_release_it_is_written_for_and_the_docs_list_the_same():
+    """issue 28.3: the output and docs/export.md's table say, per format, which library version the call is for."""
+    from pathlib import Path
+
+    from maskcli.formats.registry import formats
+
+    table = {}
+    page = (Path(__file__).parent.parent / "docs" / "export.md").read_text()
+    for names, version in re.findall(r"^\| ([a-z, -]+) \| ([A-Za-z_]+ [\d.]+)", page, re.M):
+        table.update({name.strip(): version for name in names.split(",")})
+    for fmt in formats().values():
+        assert table[fmt.name] == fmt.version
+        assert printed("document(sizes=[3,5])", "--for", fmt.name).splitlines()[1] == f"# written for {fmt.version}"
+
+
+def test_magi_call_has_no_max_seqlen_k():
+    """MagiAttention 1.1.1's flex_flash_attn_func has no max_seqlen_k (functional/flex_flash_attn.py:1059-1088); 1.0.4
+    dropped both max_seqlen arguments, 1.1.0 brought back an optional max_seqlen_q: the call passes neither."""
+    code = printed("document(sizes=[3,5]) & window(2)", "--for", "magi")
+    assert "out, meta = flex_flash_attn_func(q, k, v, q_ranges=t['q_ranges'], k_ranges=t['k_ranges'], attn_type_map=attn_type_map)" in code
+    assert "max_seqlen" not in code
