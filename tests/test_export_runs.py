@@ -340,3 +340,201 @@ def test_magi_call_has_no_max_seqlen_k():
     code = printed("document(sizes=[3,5]) & window(2)", "--for", "magi")
     assert "out, meta = flex_flash_attn_func(q, k, v, q_ranges=t['q_ranges'], k_ranges=t['k_ranges'], attn_type_map=attn_type_map)" in code
     assert "max_seqlen" not in code
+
+
+# --- flash_attn, flashinfer, paddle's flashmask, MagiAttention: run against their signatures ---------------------
+# Each signature is copied from the release the format names (Format.version), file and line beside it. The printed
+# code runs with these stubs in place of the package: a wrong keyword, a missing argument or a wrong import fails as
+# it would there. Where the package imports here, the stub's parameters are checked against the real function too.
+
+SIGNATURES = {
+    # flash_attn 2.8.3.post1, flash_attn/flash_attn_interface.py:1370
+    ("flash_attn", "flash_attn_varlen_func"): "def f(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, "
+    "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, "
+    "block_table=None): pass",
+    # flash_attn 2.8.3.post1, flash_attn/flash_attn_interface.py:1464
+    ("flash_attn", "flash_attn_with_kvcache"): "def f(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None, "
+    "cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
+    "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False): pass",
+    # flashinfer 0.6.17, flashinfer/prefill.py:3040 (BatchPrefillWithRaggedKVCacheWrapper.__init__)
+    ("flashinfer", "BatchPrefillWithRaggedKVCacheWrapper.__init__"): "def f(self, float_workspace_buffer, kv_layout='NHD', use_cuda_graph=False, "
+    "qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend='auto', jit_args=None, jit_kwargs=None): pass",
+    # flashinfer 0.6.17, flashinfer/prefill.py:3198 (.plan)
+    ("flashinfer", "BatchPrefillWithRaggedKVCacheWrapper.plan"): "def f(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, "
+    "head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False, pos_encoding_mode='NONE', use_fp16_qk_reduction=False, "
+    "window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None, q_data_type='float16', kv_data_type=None, "
+    "o_data_type=None, non_blocking=True, prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0, max_item_len_ptr=None, "
+    "fixed_split_size=None, disable_split_kv=False, seq_lens=None, seq_lens_q=None, max_token_per_sequence=None, max_sequence_kv=None, "
+    "v_indptr=None, o_indptr=None): pass",
+    # flashinfer 0.6.17, flashinfer/prefill.py:3738 (.run)
+    ("flashinfer", "BatchPrefillWithRaggedKVCacheWrapper.run"): "def f(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, "
+    "o_scale=None, out=None, lse=None, return_lse=False, enable_pdl=None, kv_cache_sf=None): pass",
+    # paddlepaddle 3.3.1, python/paddle/nn/functional/flash_attention.py:1228
+    ("paddle.nn.functional.flash_attention", "flashmask_attention"): "def f(query, key, value, startend_row_indices=None, *, dropout=0.0, "
+    "causal=False, window_size=None, return_softmax_lse=False, return_seed_offset=False, fixed_seed_offset=None, rng_name='', "
+    "training=True, name=None, softmax_scale=None, block_mask=None): pass",
+    # paddlepaddle 3.3.1, python/paddle/tensor/creation.py:1073
+    ("paddle", "to_tensor"): "def f(data, dtype=None, place=None, stop_gradient=True): pass",
+    # MagiAttention 1.1.1, magi_attention/functional/flex_flash_attn.py:1059
+    ("magi_attention.functional", "flex_flash_attn_func"): "def f(q, k, v, q_ranges=None, k_ranges=None, attn_type_map=None, *, "
+    "index_attn_indices=None, q_block_size=1, k_block_size=1, sink=None, sink_layout='sh', softmax_scale=None, softcap=0.0, "
+    "deterministic=False, sm_margin=0, disable_fwd_atomic_reduction=False, disable_bwd_dkv_atomic_reduction=False, ref_block_size=None, "
+    "max_seqlen_q=None, auto_range_merge=False, swap_ab=False, pack_gqa=False, cat_gqa=False, sparse_load=False, index_attn=False, "
+    "swap_bwd_qk_loop=False, return_max_logits=False): pass",
+}
+
+
+def signature_of(module: str, name: str):
+    import inspect
+
+    scope = {}
+    exec(SIGNATURES[module, name], scope)
+    return inspect.signature(scope["f"])
+
+
+def stub(module: str, name: str, calls: list, result=None):
+    """A function that binds its arguments to the library's signature (TypeError as there), records them, returns result."""
+    signature = signature_of(module, name)
+
+    def call(*args, **kwargs):
+        calls.append((name, signature.bind(*args, **kwargs).arguments))
+        return result() if callable(result) else result
+
+    return call
+
+
+def standin_packages(calls: list) -> dict:
+    """Modules named as the printed code imports them, each function a stub of its release's signature."""
+    out = {}
+
+    def module(name, **attrs):
+        found = out.setdefault(name, types.ModuleType(name))
+        for key, value in attrs.items():
+            setattr(found, key, value)
+        return found
+
+    module("flash_attn", **{n: stub("flash_attn", n, calls, "out") for n in ("flash_attn_varlen_func", "flash_attn_with_kvcache")})
+
+    class BatchPrefillWithRaggedKVCacheWrapper:
+        def __init__(self, *args, **kwargs):
+            stub("flashinfer", "BatchPrefillWithRaggedKVCacheWrapper.__init__", calls)(self, *args, **kwargs)
+
+        def plan(self, *args, **kwargs):
+            stub("flashinfer", "BatchPrefillWithRaggedKVCacheWrapper.plan", calls)(self, *args, **kwargs)
+
+        def run(self, *args, **kwargs):
+            return stub("flashinfer", "BatchPrefillWithRaggedKVCacheWrapper.run", calls, "out")(self, *args, **kwargs)
+
+    module("flashinfer", BatchPrefillWithRaggedKVCacheWrapper=BatchPrefillWithRaggedKVCacheWrapper)
+    flash = module("paddle.nn.functional.flash_attention", flashmask_attention=stub("paddle.nn.functional.flash_attention", "flashmask_attention", calls, "out"))
+    functional = module("paddle.nn.functional", flash_attention=flash)
+    module("paddle", to_tensor=stub("paddle", "to_tensor", calls, "paddle tensor"), nn=module("paddle.nn", functional=functional))
+    module("magi_attention", functional=module("magi_attention.functional",
+                                               flex_flash_attn_func=stub("magi_attention.functional", "flex_flash_attn_func", calls, ("out", "meta"))))
+    return out
+
+
+@pytest.mark.parametrize("module, name", sorted(SIGNATURES))
+def test_a_signature_copied_here_is_the_installed_one(module, name):
+    """Where the library installs, the copy above must be its signature (else the copy is all there is)."""
+    import importlib
+    import inspect
+
+    found = importlib.import_module(module) if importlib.util.find_spec(module.split(".")[0]) else None
+    if found is None:
+        pytest.skip(f"{module.split('.')[0]} is not installed: checked against the signature copied from its source")
+    for part in name.split("."):
+        found = getattr(found, part)
+    assert list(inspect.signature(found).parameters) == list(signature_of(module, name).parameters)
+
+
+GPU_CALLS = [  # (format, flags, the functions the call must reach, in order)
+    ("flash-attn", ["document(sizes=[3,5]) & window(2)"], ["flash_attn_varlen_func"]),
+    ("flash-attn", ["window(3)", "--len", 1, "--offset", 5, "--ids", "0,0,5,6,7,8;1,2,3,4,5,6"], ["flash_attn_with_kvcache"]),
+    ("flashinfer", ["document(sizes=[3,5]) & window(2)"], ["BatchPrefillWithRaggedKVCacheWrapper.__init__", "BatchPrefillWithRaggedKVCacheWrapper.plan",
+                                                         "BatchPrefillWithRaggedKVCacheWrapper.run"]),
+    ("flashinfer", ["causal | blocks(-1,-1,0,0,0,-1)"], ["BatchPrefillWithRaggedKVCacheWrapper.__init__", "BatchPrefillWithRaggedKVCacheWrapper.plan",
+                                                       "BatchPrefillWithRaggedKVCacheWrapper.run"]),
+    ("flashmask", ["causal | blocks(-1,-1,0,0,0,-1)"], ["to_tensor", "flashmask_attention"]),
+    ("flashmask", ["document(sizes=[3,5])"], ["to_tensor", "flashmask_attention"]),
+    ("magi", ["document(sizes=[3,5]) & window(2)"], ["flex_flash_attn_func"]),
+    ("magi", ["window(3)", "--len", 4, "--offset", 5], ["flex_flash_attn_func"]),
+]
+
+
+@pytest.mark.parametrize("fmt, flags, reached", GPU_CALLS, ids=[f"{c[0]} {' '.join(map(str, c[1]))}" for c in GPU_CALLS])
+def test_the_printed_gpu_call_binds_to_its_library_signature(tmp_path, monkeypatch, fmt, flags, reached):
+    """issue 28.5: the printed call run as printed with stubs of its release's functions (no GPU here: "cuda" is read
+    as "cpu"); every argument it passes must bind, and every tensor handed over is the saved one."""
+    calls = []
+    for name, module in standin_packages(calls).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    path = tmp_path / "m.pt"
+    code = printed(*flags, "--for", fmt, "--save", path).replace('"cuda"', '"cpu"')
+    scope = {"q": "q", "k": "k", "v": "v", "k_cache": "k_cache", "v_cache": "v_cache", "num_qo_heads": 2, "num_kv_heads": 1, "head_dim": 8}
+    exec(code, scope)  # as printed
+    assert [name for name, _ in calls] == reached
+    saved = torch.load(path, weights_only=True)
+    for _, arguments in calls:
+        for key, value in arguments.items():
+            if isinstance(value, torch.Tensor) and key in saved:
+                assert torch.equal(value, saved[key]), key
+    assert scope["out"] == "out"
+
+
+# --- torch formats: sdpa, mha, flex executed here ---------------------------------------------------------------
+
+TORCH = [  # (flags, keep(b, q, kv) on absolute positions, query positions, key positions, real tokens per batch row)
+    (["causal", "--len", 5], lambda b, q, kv: kv <= q, (0, 5), (0, 5), None),
+    (["causal", "--len", 2, "--offset", 3], lambda b, q, kv: kv <= q, (3, 5), (0, 5), None),
+    (["causal", "--len", 3, "--offset", 2, "--kv-start", 1], lambda b, q, kv: kv <= q, (2, 5), (1, 5), None),
+    (["window(2)", "--len", 4, "--lengths", "4,2", "--pad", "left"], lambda b, q, kv: q - 2 < kv <= q, (0, 4), (0, 4), "1,1,1,1;0,0,1,1"),
+    (["causal", "--len", 4, "--ids", "1,2,3,0;1,2,0,0"], lambda b, q, kv: kv <= q, (0, 4), (0, 4), "1,2,3,0;1,2,0,0"),
+    (["document(sizes=[2,3])"], lambda b, q, kv: (q < 2) == (kv < 2) and kv <= q, (0, 5), (0, 5), None),
+]
+
+
+def torch_reference(keep, q_range, k_range, ids) -> torch.Tensor:
+    valid = None if ids is None else pad_rows(ids)
+    batch = 1 if valid is None else len(valid)
+    return torch.tensor([[[[(valid is None or valid[b][kv]) and keep(b, q, kv) for kv in range(*k_range)] for q in range(*q_range)]]
+                         for b in range(batch)])
+
+
+def attention(q, k, v, keep):
+    scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~keep, float("-inf"))
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ v
+
+
+# flex_attention on the CPU takes about a second a call: it runs the cases the other tests leave (behind a cache that
+# dropped its first keys, ids padding); test_command_export runs it on left padding, test_formats on packed documents
+RUNS = [(fmt, *case) for case in TORCH for fmt in ("sdpa", "mha", "flex") if fmt != "flex" or {"--kv-start", "--ids"} & set(case[0])]
+
+
+@pytest.mark.parametrize("fmt, flags, keep, q_range, k_range, ids", RUNS, ids=[f"{c[0]} {' '.join(map(str, c[1]))}" for c in RUNS])
+def test_the_printed_torch_call_runs_and_is_the_mask(tmp_path, fmt, flags, keep, q_range, k_range, ids):
+    """The printed call executed as printed (with --save where it reads tensors), its output against attention under a
+    mask written by a loop over absolute positions (rows that see no key left out: NaN or 0 by backend)."""
+    want = torch_reference(keep, q_range, k_range, ids)
+    batch, _, lq, lk = want.shape
+    path = tmp_path / "m.pt"
+    result = runner.invoke(app, ["export", *map(str, flags), "--for", fmt, "--save", str(path)])
+    if result.exit_code == 2 and "needs no tensors" in result.stderr:
+        result = runner.invoke(app, ["export", *map(str, flags), "--for", fmt])
+    assert result.exit_code == 0, result.output
+    g = torch.Generator().manual_seed(0)
+    seen = want.any(-1)  # (B, 1, Lq)
+    if fmt == "mha":
+        torch.manual_seed(0)
+        query, key = torch.randn(batch, lq, 8, generator=g), torch.randn(batch, lk, 8, generator=g)
+        scope = {"embed_dim": 8, "query": query, "key": key, "value": key}
+        exec(result.stdout, scope)
+        with torch.no_grad():  # the same module, given the loop's mask as one (B * heads, Lq, Lk) block mask, True = masked
+            expected, _ = scope["mha"](query, key, key, attn_mask=~want[:, 0])
+        assert torch.allclose(scope["out"][seen[:, 0]], expected[seen[:, 0]], atol=1e-5)
+        return
+    q = torch.randn(batch, 1, lq, 8, generator=g)
+    k, v = (torch.randn(batch, 1, lk, 8, generator=g) for _ in range(2))
+    scope = {"q": q, "k": k, "v": v}
+    exec(result.stdout, scope)  # as printed
+    assert torch.allclose(scope["out"][seen], attention(q, k, v, want)[seen], atol=1e-5)
