@@ -268,9 +268,13 @@ def test_a_wrong_keyword_raises_in_the_standin_as_in_xformers(monkeypatch):
 # --- Hugging Face: a tiny random-weight Llama, run as printed ----------------------------------------
 
 
-def tiny_llama():
+def tiny_model(family: str):
+    """A random-weight model built from its config (no download): Llama (rotary positions, which only differences of
+    positions reach) or GPT-2 (learned absolute positions, which position_ids change)."""
     transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
     torch.manual_seed(0)
+    if family == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=64)).eval()
     config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                                       num_key_value_heads=1, max_position_embeddings=64)
     return transformers.LlamaForCausalLM(config).eval()
@@ -280,16 +284,35 @@ HF = [  # (flags, keep(b, q, kv) of the new queries on absolute positions, offse
     (["window(3)", "--len", 2, "--offset", 5], lambda b, q, kv: q - 3 < kv <= q, 5, 7, None),
     (["causal", "--len", 1, "--offset", 5, "--ids", "0,0,5,6,7,8;1,2,3,4,5,6"], lambda b, q, kv: kv <= q, 5, 6, "0,0,5,6,7,8;1,2,3,4,5,6"),
     (["document(sizes=[2,3])"], lambda b, q, kv: (q < 2) == (kv < 2) and kv <= q, 0, 5, None),
+    (["causal", "--len", 4, "--lengths", "4,2", "--pad", "left"], lambda b, q, kv: kv <= q, 0, 4, "1,1,1,1;0,0,1,1"),
 ]
 
 
+def rotary_positions(valid: list[list[bool]], documents: list[int] | None) -> torch.Tensor:
+    """Each token's position, by a loop: its place in its document, or the real tokens before it in its row (0 at a
+    pad), as generate() makes them (transformers 5.24, generation/utils.py:919-921)."""
+    out = []
+    for row in valid:
+        at, seen, label = [], 0, None
+        for p, real in enumerate(row):
+            if documents is not None:
+                seen = 0 if documents[p] != label else seen
+                label = documents[p]
+            at.append(seen if real else 0)
+            seen += real
+        out.append(at)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("flags, keep, offset, total, ids", HF, ids=[" ".join(map(str, c[0])) for c in HF])
-def test_the_printed_hf_call_runs_on_a_llama(tmp_path, flags, keep, offset, total, ids):
+def test_the_printed_hf_call_runs_on_a_tiny_model(tmp_path, family, flags, keep, offset, total, ids):
     """issue 28.4: behind a cache the call prints the cache its 4-D mask counts (it printed none: a size error). The
-    reference runs the whole sequence at once with a 4-D mask written by a loop: the cached rows causal (what the
-    fill call's model mask is) and the padding masked, the new rows by the rule; transformers 5.24 uses a 4-D mask
-    as given (masking_utils.py:817-819, _preprocess_mask_arguments returns it as-is)."""
-    model = tiny_llama()
+    reference runs the whole sequence at once with a 4-D mask and positions written by loops: the cached rows causal
+    (what the fill call's model mask is) and the padding masked, the new rows by the rule; transformers 5.24 uses a
+    4-D mask as given (masking_utils.py:817-819, _preprocess_mask_arguments returns it as-is). Left-padded rows get
+    the positions generate() gives them (they started late)."""
+    model = tiny_model(family)
     path = tmp_path / "hf.pt"
     code = printed(*flags, "--for", "hf", "--save", path)
     valid = [[True] * total] if ids is None else pad_rows(ids)
@@ -299,10 +322,7 @@ def test_the_printed_hf_call_runs_on_a_llama(tmp_path, flags, keep, offset, tota
     scope = {"model": model, "input_ids": tokens[:, offset:], "past_ids": tokens[:, :offset]}
     with torch.no_grad():
         exec(code, scope)  # as printed
-        if "position_ids" in code:  # documents: positions restart in each (2 then 3 tokens)
-            positions = torch.tensor([[0, 1, 0, 1, 2]])
-        else:
-            positions = torch.arange(total)[None]
+        positions = rotary_positions(valid, [0, 0, 1, 1, 1] if "document" in flags[0] else None)
         cells = torch.tensor([[[[valid[b][kv] and (keep(b, q, kv) if q >= offset else kv <= q) for kv in range(total)] for q in range(total)]]
                               for b in range(batch)])
         whole = model(tokens, attention_mask=torch.where(cells, 0.0, torch.finfo(torch.float32).min), position_ids=positions)

@@ -449,6 +449,24 @@ def test_flex_block_mask_and_mask_mod_run_the_mask(expr, flags, block):
     assert torch.allclose(out[seen], reference_attention(q, k, v, keep)[seen], atol=1e-5)
 
 
+def test_flex_build_call_keeps_ids_heads_and_a_region():
+    """The printed build(...) carries ids, heads and a --rows/--keys region: its mask_mod, evaluated by FlexAttention's
+    create_mask, is local(3) with ids padding over queries 2-3 and keys 1-4, by a loop (chunks counted from each
+    row's first real token, as transformers' chunked_overlay counts them, masking_utils.py:102-111)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from maskcli import build as rebuild
+
+    m = rebuild("local(3)", length=6, rows="2:4", keys="1:5", ids="1,2,3,4,5,6;0,0,3,4,5,6", heads=2)
+    call = flex.build_call(m)
+    assert "rows='2:4', keys='1:5'" in call and "heads=2" in call
+    pads = [0, 2]
+    want = torch.tensor([[[[kv >= pads[b] and kv <= q and (q - pads[b]) // 3 == (kv - pads[b]) // 3 for kv in range(1, 5)] for q in range(2, 4)]]
+                         for b in range(2)])
+    printed = create_mask(eval(call, {"build": rebuild}).mask_mod, 2, 2, 2, 4, device="cpu")
+    assert torch.equal(printed, want.expand(2, 2, 2, 4))
+
+
 def test_flex_without_partial_blocks_needs_no_mask_mod():
     result = flex.to(build("segment(sizes=[16,32])"), 16)
     assert "mask_mod" not in "\n".join(result.code).split("from_kv_blocks")[1]

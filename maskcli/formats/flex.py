@@ -54,10 +54,16 @@ def same_place(a, b) -> bool:
 def build_call(mask) -> str | None:
     """A maskcli.build(...) call that makes this mask again (its mask_mod), checked by building it; None where it
     would not (a file's or a user's mask: the mask_mod then reads the cells)."""
-    from maskcli.api import build
+    from maskcli.mask import build
 
     args = build_arguments(mask)
-    if args is None or not same_place(build(mask.text, **args), mask):
+    if args is None:
+        return None
+    rebuilt = build(mask.text, **{key: value for key, value in args.items() if key not in ("rows", "keys")})
+    if mask.whole is not None:  # as maskcli.build cuts a --rows/--keys region out of the whole
+        f = mask.frame
+        rebuilt = rebuilt.crop((f.q_start, f.q_end), (f.k_start, f.k_end))
+    if not same_place(rebuilt, mask):
         return None
     return f"build({', '.join([repr(mask.text)] + [f'{key}={value!r}' for key, value in args.items()])})"
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.formats.base import CannotHold, Export, plain_rows
-from maskcli.formats.segments import NO_LIMIT, sequences
+from maskcli.formats.segments import NO_LIMIT, left_out, sequences
 
 NAME = "xformers"
 VERSION = "xformers 0.0.35"
@@ -90,11 +90,7 @@ def _packed(mask, found, left: int, right: int) -> Export:
         method = "" if left == NO_LIMIT else f".make_local_attention{'' if square else '_from_bottomright'}({left + 1})"
         if left != NO_LIMIT:
             notes.append(_window_note(left + 1))
-    if found.dropped_rows:
-        notes.append(f"{found.dropped_rows} padding query rows are left out: pack only the real tokens")
-    if found.cache and bool(np.any(found.k_lo > mask.frame.k_start)):
-        notes.append("each batch row's padding keys are left out: pack only its real keys")
-    return _export(name, f"{name}.from_seqlens({args}){method}", PACKED, notes, tensors)
+    return _export(name, f"{name}.from_seqlens({args}){method}", PACKED, notes + left_out(found, mask), tensors)
 
 
 def _top_left(mask) -> Export | None:
