@@ -310,8 +310,8 @@ def test_a_causal_document_is_one_causal_slice_each():
 @pytest.mark.parametrize("expr, flags", band_masks(30))
 def test_xformers_bias_is_the_mask_by_its_documented_rule(expr, flags, monkeypatch):
     """The printed call run with a stand-in of xformers 0.0.35's attn_bias classes (their signatures and documented
-    rule: tests/test_export_runs.py), its cells compared with maskcli's, packed as the kernel sees them."""
-    from test_export_runs import run_xformers
+    rule: tests/test_export_gpu_calls.py), its cells compared with maskcli's, packed as the kernel sees them."""
+    from test_export_gpu_calls import run_xformers
 
     m = build(expr, **flags)
     try:
