@@ -61,6 +61,8 @@ def test_is_causal_only_where_it_is_top_left():
     assert "is_causal=True" in ok("causal", "--len", 5, "--for", "sdpa").stdout
     behind = ok("causal", "--len", 2, "--offset", 3, "--for", "sdpa").stdout
     assert "attn_mask=causal_lower_right(2, 5)" in behind and "is_causal=True would be top-left" in behind
+    fewer = ok("causal", "--len", 4, "--kv-len", 6, "--for", "sdpa").stdout  # query i faces key i: is_causal's own alignment
+    assert "is_causal=True)" in fewer and "exactly this mask, with 4 queries and 6 keys too" in fewer
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors", ".npz"])

@@ -127,6 +127,8 @@ TORCH = [  # (flags, keep(b, q, kv) on absolute positions, query positions, key 
     (["causal", "--len", 5], lambda b, q, kv: kv <= q, (0, 5), (0, 5), None),
     (["causal", "--len", 2, "--offset", 3], lambda b, q, kv: kv <= q, (3, 5), (0, 5), None),
     (["causal", "--len", 3, "--offset", 2, "--kv-start", 1], lambda b, q, kv: kv <= q, (2, 5), (1, 5), None),
+    (["causal", "--len", 4, "--kv-len", 6], lambda b, q, kv: kv <= q, (0, 4), (0, 6), None),  # sdpa: is_causal, top-left
+    (["causal", "--len", 6, "--kv-len", 4], lambda b, q, kv: kv <= q, (0, 6), (0, 4), None),
     (["window(2)", "--len", 4, "--lengths", "4,2", "--pad", "left"], lambda b, q, kv: q - 2 < kv <= q, (0, 4), (0, 4), "1,1,1,1;0,0,1,1"),
     (["causal", "--len", 4, "--ids", "1,2,3,0;1,2,0,0"], lambda b, q, kv: kv <= q, (0, 4), (0, 4), "1,2,3,0;1,2,0,0"),
     (["document(sizes=[2,3])"], lambda b, q, kv: (q < 2) == (kv < 2) and kv <= q, (0, 5), (0, 5), None),
