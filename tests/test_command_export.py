@@ -28,6 +28,7 @@ def test_flash_attn_call_with_its_arguments_written_in():
     out = ok("document(sizes=[3,5]) & window(2)", "--for", "flash-attn").stdout
     assert out.splitlines() == [
         "# flash-attn: document(sizes=[3,5]) & window(2) · shape (1, 1, 8, 8)",
+        "# written for flash_attn 2.8.3",
         "import torch",
         "cu_seqlens_q = torch.tensor([0, 3, 8], dtype=torch.int32, device=\"cuda\")",
         "cu_seqlens_k = torch.tensor([0, 3, 8], dtype=torch.int32, device=\"cuda\")",
@@ -60,6 +61,8 @@ def test_is_causal_only_where_it_is_top_left():
     assert "is_causal=True" in ok("causal", "--len", 5, "--for", "sdpa").stdout
     behind = ok("causal", "--len", 2, "--offset", 3, "--for", "sdpa").stdout
     assert "attn_mask=causal_lower_right(2, 5)" in behind and "is_causal=True would be top-left" in behind
+    fewer = ok("causal", "--len", 4, "--kv-len", 6, "--for", "sdpa").stdout  # query i faces key i: is_causal's own alignment
+    assert "is_causal=True)" in fewer and "exactly this mask, with 4 queries and 6 keys too" in fewer
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors", ".npz"])
@@ -287,3 +290,42 @@ def test_a_saved_kernel_format_read_without_from_says_which_from(tmp_path):
 def test_a_dense_format_too_long_to_fit_points_to_the_compact_ones():
     result = CliRunner().invoke(app, ["export", "document(sizes=[300000,748576]) & window(4096)", "--for", "sdpa"])
     assert result.exit_code == 2 and result.stderr.rstrip().endswith("export it to a compact format (--for flash-attn, flashmask, magi or flex)")
+
+
+def left_padded_reference(kind: str, length: int, lengths: list[int]) -> torch.Tensor:
+    """(B, 1, L, L) keep cells by a double loop over absolute positions: left padding, then causal or local(3).
+
+    local(C) with left padding counts chunks from each row's first real token, as transformers'
+    masking_utils.chunked_overlay does (transformers 5.24, masking_utils.py:102-111:
+    (kv_idx - left_padding[b]) // chunk_size == (q_idx - left_padding[b]) // chunk_size)."""
+    keep = torch.zeros(len(lengths), 1, length, length, dtype=torch.bool)
+    for b, real in enumerate(lengths):
+        pad = length - real
+        for q in range(length):
+            for kv in range(length):
+                seen = kv <= q and kv >= pad
+                if kind == "local(3)":
+                    seen = seen and (q - pad) // 3 == (kv - pad) // 3
+                keep[b, 0, q, kv] = seen
+    return keep
+
+
+@pytest.mark.parametrize("kind, length, lengths", [("causal", 4, [4, 2]), ("local(3)", 6, [6, 4])])
+def test_flex_keeps_left_padding_in_the_printed_build(tmp_path, kind, length, lengths):
+    """issue 28.1: the printed build(...) carries pad='left', so its mask_mod is the mask (it padded on the right)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    path = tmp_path / "flex.pt"
+    code = ok(kind, "--len", length, "--lengths", ",".join(map(str, lengths)), "--pad", "left", "--for", "flex", "--save", path).stdout
+    assert "pad='left'" in code
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(len(lengths), 1, length, 8, generator=g) for _ in range(3))
+    scope = {"q": q, "k": k, "v": v}
+    exec(code, scope)  # as printed: build(...).mask_mod, the BlockMask, flex_attention
+    printed = create_mask(scope["mask_mod"], len(lengths), 1, length, length, device="cpu")
+    want = left_padded_reference(kind, length, lengths)
+    own = torch.from_numpy(build(kind, length=length, lengths=",".join(map(str, lengths)), pad="left").dense())
+    assert torch.equal(printed, want) and torch.equal(own, want)
+    seen = want.any(-1)[..., None].expand_as(q)
+    scores = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~want, float("-inf"))
+    assert torch.allclose(scope["out"][seen], (torch.softmax(scores, -1) @ v)[seen], atol=1e-5)

@@ -307,58 +307,28 @@ def test_a_causal_document_is_one_causal_slice_each():
 # --- xformers ----------------------------------------------------------------------------------
 
 
-def xformers_reference(code: str, lq: int, lk: int) -> np.ndarray:
-    """Materialise the xformers attn_bias named in the call by its documented rule (attn_bias.py:
-    _materialize_causal_mask: tril(diagonal=shift) then triu(diagonal=shift - window_size + 1), shift =
-    Lk - Lq from the bottom right, 0 top-left; BlockDiagonal*: the same inside each block, nothing across)."""
-    bias = re.search(r"attn_bias=(.*?)\)  #", code).group(1) + ")"
-    if bias == "None)":
-        return np.ones((lq, lk), dtype=bool)
-
-    def one(name, nq, nk, window=None, window_right=None):
-        i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
-        shift = nk - nq if "BottomRight" in name else 0
-        if name.startswith("LocalAttentionFromBottomRight"):
-            return (j - i >= shift - window) & (j - i <= shift + window_right)
-        if name in ("BlockDiagonalMask",):
-            return np.ones((nq, nk), dtype=bool)
-        keep = j - i <= shift
-        if window is not None:
-            keep &= j - i >= shift - window + 1
-        return keep
-
-    name = bias.split("(")[0].split(".")[0]
-    window = re.search(r"window_size=(\d+)", bias)
-    window = int(window.group(1)) if window else None
-    if name.startswith("BlockDiagonal"):
-        lists = [list(map(int, re.findall(r"\d+", x))) for x in re.findall(r"\[[\d, ]*\]", bias)]
-        q_lens, k_lens = lists[0], lists[1] if len(lists) > 1 else lists[0]
-        out = np.zeros((sum(q_lens), sum(k_lens)), dtype=bool)
-        cq, ck = np.cumsum([0] + q_lens), np.cumsum([0] + k_lens)
-        for n in range(len(q_lens)):
-            out[cq[n]:cq[n + 1], ck[n]:ck[n + 1]] = one(name, q_lens[n], k_lens[n], window)
-        return out
-    if name.startswith("LocalAttentionFromBottomRight"):
-        left, right = map(int, re.search(r"window_left=(\d+), window_right=(\d+)", bias).groups())
-        return one(name, lq, lk, left, right)
-    return one(name, lq, lk, window)
-
-
 @pytest.mark.parametrize("expr, flags", band_masks(30))
-def test_xformers_bias_is_the_mask_by_its_documented_rule(expr, flags):
+def test_xformers_bias_is_the_mask_by_its_documented_rule(expr, flags, monkeypatch):
+    """The printed call run with a stand-in of xformers 0.0.35's attn_bias classes (their signatures and documented
+    rule: tests/test_export_gpu_calls.py), its cells compared with maskcli's, packed as the kernel sees them."""
+    from test_export_gpu_calls import run_xformers
+
     m = build(expr, **flags)
     try:
         result = xformers.to(m)
     except CannotHold as why:
-        assert "window past the diagonal" in str(why) or "keys after the diagonal" in str(why)
+        assert "window past the diagonal" in str(why)
         return
-    expected = packed(expr, flags)
-    assert np.array_equal(xformers_reference("\n".join(result.code), *expected.shape), expected), expr
+    expected = torch.from_numpy(packed(expr, flags))
+    q = torch.randn(1, expected.shape[0], 1, 4)
+    k = v = torch.randn(1, expected.shape[1], 1, 4)
+    _, cells = run_xformers("\n".join(result.code), q, k, v, monkeypatch, real=False)
+    assert torch.equal(cells, expected), expr
 
 
 def test_xformers_window_counts_the_query_itself():
     code = "\n".join(xformers.to(build("document(sizes=[3,5]) & window(2)")).code)
-    assert "BlockDiagonalCausalLocalAttentionMask.from_seqlens([3, 5], window_size=2)" in code
+    assert "BlockDiagonalCausalMask.from_seqlens([3, 5]).make_local_attention(2)" in code
 
 
 # --- SDPA, MHA, Hugging Face and flex: run by torch ------------------------------------------------
@@ -477,6 +447,24 @@ def test_flex_block_mask_and_mask_mod_run_the_mask(expr, flags, block):
     keep = m.dense()
     seen = seen_rows(keep)[..., None] & torch.ones_like(out, dtype=torch.bool)
     assert torch.allclose(out[seen], reference_attention(q, k, v, keep)[seen], atol=1e-5)
+
+
+def test_flex_build_call_keeps_ids_heads_and_a_region():
+    """The printed build(...) carries ids, heads and a --rows/--keys region: its mask_mod, evaluated by FlexAttention's
+    create_mask, is local(3) with ids padding over queries 2-3 and keys 1-4, by a loop (chunks counted from each
+    row's first real token, as transformers' chunked_overlay counts them, masking_utils.py:102-111)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from maskcli import build as rebuild
+
+    m = rebuild("local(3)", length=6, rows="2:4", keys="1:5", ids="1,2,3,4,5,6;0,0,3,4,5,6", heads=2)
+    call = flex.build_call(m)
+    assert "rows='2:4', keys='1:5'" in call and "heads=2" in call
+    pads = [0, 2]
+    want = torch.tensor([[[[kv >= pads[b] and kv <= q and (q - pads[b]) // 3 == (kv - pads[b]) // 3 for kv in range(1, 5)] for q in range(2, 4)]]
+                         for b in range(2)])
+    printed = create_mask(eval(call, {"build": rebuild}).mask_mod, 2, 2, 2, 4, device="cpu")
+    assert torch.equal(printed, want.expand(2, 2, 2, 4))
 
 
 def test_flex_without_partial_blocks_needs_no_mask_mod():

@@ -62,16 +62,17 @@ def export(
         if not result.tensors:
             raise MaskError(f"--save: {fmt.name} needs no tensors for {built.title}; the call above is all of it")
         _save(result.tensors, save_path)
-    echo(render(result, built, fmt.name, save_path))
+    echo(render(result, built, fmt, save_path))
     if save_path is not None:
         done(f"wrote {save_path} ({', '.join(result.tensors)})")
 
 
-def render(result, built, name: str, save_path) -> str:
+def render(result, built, fmt, save_path) -> str:
     """The call as Python text: small tensors written inline, others read from the --save file."""
     import numpy as np
 
-    lines = [f"# {name}: {built.title} · shape {tuple(built.shape)}", "import torch"]
+    name = fmt.name
+    lines = [f"# {name}: {built.title} · shape {tuple(built.shape)}", f"# written for {fmt.version}", "import torch"]
     device = "" if result.device == "cpu" else f", device=\"{result.device}\""
     big = [key for key, value in result.tensors.items() if value.size > INLINE or value.ndim > 1]
     code = "\n".join(result.code)

@@ -46,6 +46,7 @@ class Format:
     read: Callable[[dict, dict], Mask] | None = None  # (tensors, flags) -> Mask, for --mask FILE --from NAME
     aliases: tuple[str, ...] = ()
     dense: bool = False  # an L x L tensor is the format itself
+    version: str = ""  # the library release whose signatures the printed call is written for (and checked against)
 
 
 def plain_rows(mask: Mask, what: str) -> tuple[np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from maskcli.formats.base import CannotHold, Export
 from maskcli.formats.flash_attn import cu_seqlens
-from maskcli.formats.segments import ELSEWHERE, sequences
+from maskcli.formats.segments import ELSEWHERE, left_out, sequences
 from maskcli.memory import check_dense_fits
 
 NAME = "flashinfer"
@@ -32,9 +32,7 @@ def to(mask) -> Export:
         return _custom(mask, f"keys after the diagonal ({found.right}) are no window_left")
     tensors = {"qo_indptr": cu_seqlens(found.q_lens), "kv_indptr": cu_seqlens(found.k_lens)}
     code = _plan(f"causal={found.causal}, window_left={found.left}")
-    notes = [f"window_left counts keys before the diagonal: a window of W keys is W-1; here {found.left}"]
-    if found.dropped_rows:
-        notes.append(f"{found.dropped_rows} padding query rows are left out: their outputs are not computed")
+    notes = [f"window_left counts keys before the diagonal: a window of W keys is W-1; here {found.left}"] + left_out(found, mask)
     return Export(code, tensors, notes)
 
 

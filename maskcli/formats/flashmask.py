@@ -1,6 +1,8 @@
 """FlashMask (PaddlePaddle flashmask_attention): per key column, the query rows it hides, as startend_row_indices.
 
-Documented rule (paddle.nn.functional.flashmask_attention; its test reference
+Documented rule (paddle.nn.functional.flashmask_attention, the call written for paddlepaddle 3.3.1:
+python/paddle/nn/functional/flash_attention.py:1228, query, key, value, startend_row_indices, then keyword-only
+causal and others, all paddle Tensors; its test reference
 flashmask_to_densemask): startend_row_indices is int32 (B, H, Lk, bounds). For key column j:
   causal=True,  bounds 1: [LTS]             rows >= LTS are masked, and rows < j (causal);
   causal=True,  bounds 2: [LTS, LTE]        rows in [LTS, LTE) are masked, and rows < j;
@@ -67,10 +69,11 @@ def to(mask) -> Export:
     code = [
         "import paddle",
         "from paddle.nn.functional.flash_attention import flashmask_attention",
-        f"out = flashmask_attention(q, k, v, startend_row_indices=<startend_row_indices>, causal={causal})  # q, k, v: (B, L, H, D)",
+        "startend_row_indices = paddle.to_tensor(<startend_row_indices>.numpy(), dtype=\"int32\")  # a paddle tensor, on paddle's device",
+        f"out = flashmask_attention(q, k, v, startend_row_indices=startend_row_indices, causal={causal})  # q, k, v: paddle tensors (B, L, H, D)",
     ]
     notes = [f"startend_row_indices (B, 1, L, {indices.shape[-1]}) = {names} per key column: the query rows it hides, [start, end)"]
-    return Export(code, {"startend_row_indices": indices, "causal": np.array(causal)}, notes)
+    return Export(code, {"startend_row_indices": indices, "causal": np.array(causal)}, notes, device="cpu")  # read by torch, handed to paddle
 
 
 def read(tensors: dict, flags: dict):

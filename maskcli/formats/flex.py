@@ -18,21 +18,54 @@ from maskcli.formats.base import Export
 NAME = "flex"
 
 
-def build_call(mask) -> str | None:
-    """A maskcli.build(...) call that makes this mask again (its mask_mod), or None for a file's or a user's mask."""
+def build_arguments(mask) -> dict | None:
+    """The keywords of a maskcli.build(...) call that makes this mask again, as Python literals; None for a file's
+    or a user's mask. Every option that shapes the mask is here: positions, key padding (lengths and the side it
+    is on, or ids), heads, and the region a --rows/--keys view cuts out of the whole."""
     from maskcli.terms import terms
 
     if mask.expression is None or any(term.kind.rank >= 100 for term in terms(mask.expression)):
         return None
-    f = mask.frame
-    args = [repr(mask.text), f"length={f.q_len}", f"offset={f.q_start}", f"kv_start={f.k_start}", f"kv_len={f.k_len}"]
-    if f.lengths is not None:
-        args.append(f"lengths={','.join(map(str, f.lengths))!r}")
-    if f.ids is not None:
-        args.append(f"ids={mask.padding_text.split(' ', 1)[1].rsplit(' (pad', 1)[0]!r}, pad_id={f.pad_id}")
+    whole = mask.whole or mask.frame
+    args = {"length": whole.q_len, "offset": whole.q_start, "kv_start": whole.k_start, "kv_len": whole.k_len}
+    if whole.lengths is not None:
+        args["lengths"] = ",".join(map(str, whole.lengths))
+        if whole.pad_side != "right":
+            args["pad"] = whole.pad_side
+    if whole.ids is not None:
+        args["ids"] = ";".join(",".join(map(str, row)) for row in whole.ids.tolist())
+        args["pad_id"] = whole.pad_id
     if mask.heads > 1:
-        args.append(f"heads={mask.heads}")
-    return f"build({', '.join(args)})"
+        args["heads"] = mask.heads
+    if mask.whole is not None:
+        f = mask.frame
+        args["rows"], args["keys"] = f"{f.q_start}:{f.q_end}", f"{f.k_start}:{f.k_end}"
+    return args
+
+
+def same_place(a, b) -> bool:
+    """Whether two masks of one expression sit on the same positions with the same key padding (so the same cells)."""
+    fa, fb = a.frame, b.frame
+    positions = (fa.q_start, fa.q_len, fa.k_start, fa.k_len) == (fb.q_start, fb.q_len, fb.k_start, fb.k_len)
+    valid = (fa.key_valid is None) == (fb.key_valid is None) and (fa.key_valid is None or np.array_equal(fa.key_valid, fb.key_valid))
+    return a.text == b.text and positions and valid and (a.batch, a.heads) == (b.batch, b.heads) and (a.whole is None) == (b.whole is None)
+
+
+def build_call(mask) -> str | None:
+    """A maskcli.build(...) call that makes this mask again (its mask_mod), checked by building it; None where it
+    would not (a file's or a user's mask: the mask_mod then reads the cells)."""
+    from maskcli.mask import build
+
+    args = build_arguments(mask)
+    if args is None:
+        return None
+    rebuilt = build(mask.text, **{key: value for key, value in args.items() if key not in ("rows", "keys")})
+    if mask.whole is not None:  # as maskcli.build cuts a --rows/--keys region out of the whole
+        f = mask.frame
+        rebuilt = rebuilt.crop((f.q_start, f.q_end), (f.k_start, f.k_end))
+    if not same_place(rebuilt, mask):
+        return None
+    return f"build({', '.join([repr(mask.text)] + [f'{key}={value!r}' for key, value in args.items()])})"
 
 
 def to(mask, block: int = DEFAULT_BLOCK) -> Export:

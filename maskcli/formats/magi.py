@@ -1,7 +1,11 @@
 """MagiAttention: the mask as slices, each a query range, a key range and a mask type.
 
 Documented rule (MagiAttention's flex_flash_attn_func, the kernel its distributed API calls,
-and AttnMaskType): q_ranges and k_ranges are (N, 2) int32 [start, end) ranges of the packed query and key tokens; attn_type_map (N,)
+and AttnMaskType; the call is written for MagiAttention 1.1.1, magi_attention/functional/flex_flash_attn.py:1059:
+q, k, v, q_ranges, k_ranges, attn_type_map, then keyword-only options, returning (out, AttnForwardMeta) whose .lse
+is the log-sum-exp; 1.0.4 and 1.0.5 take the same arguments and return (out, lse); 1.0.3 and earlier require
+max_seqlen_q and max_seqlen_k, which 1.0.4 dropped and 1.1.0 brought back only max_seqlen_q, optional):
+q_ranges and k_ranges are (N, 2) int32 [start, end) ranges of the packed query and key tokens; attn_type_map (N,)
 is 0 FULL, 1 CAUSAL, 2 INVCAUSAL, 3 BICAUSAL. Inside a slice of lq queries and lk keys
 (local i, j): FULL keeps all; CAUSAL keeps j <= i + lk - lq (bottom-right aligned);
 INVCAUSAL keeps j >= i (top-left aligned); BICAUSAL keeps both. The mask is the union of
@@ -59,9 +63,8 @@ def to(mask) -> Export:
     f = mask.frame
     code = [
         "from magi_attention.functional import flex_flash_attn_func",
-        "out, lse = flex_flash_attn_func(q, k, v, q_ranges=<q_ranges>, k_ranges=<k_ranges>,",
-        f"                                max_seqlen_q={int((q_ranges[:, 1] - q_ranges[:, 0]).max(initial=0))}, max_seqlen_k={int((k_ranges[:, 1] - k_ranges[:, 0]).max(initial=0))},"
-        f" attn_type_map=<attn_type_map>)  # q: ({mask.batch * f.q_len}, H, D), k and v: ({mask.batch * f.k_len}, H, D)",
+        "out, meta = flex_flash_attn_func(q, k, v, q_ranges=<q_ranges>, k_ranges=<k_ranges>, attn_type_map=<attn_type_map>)"
+        f"  # q: ({mask.batch * f.q_len}, H, D), k and v: ({mask.batch * f.k_len}, H, D)",
     ]
     notes = [f"{len(types)} slices; attn_type_map 0 full, 1 causal (bottom-right aligned), 2 inv-causal (top-left), 3 bi-causal"]
     tensors = {"q_ranges": q_ranges, "k_ranges": k_ranges, "attn_type_map": types,

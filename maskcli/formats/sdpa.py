@@ -3,8 +3,9 @@
 Documented rule (PyTorch SDPA docs): a boolean attn_mask "indicates whether the element
 should take part in attention" (True = attend), broadcast to (B, H, Lq, Lk); a float mask is
 added to the scores. is_causal=True is the top-left causal mask: query i sees keys j <= i
-whatever Lk is, so it is only this mask when Lq == Lk and query 0 faces key 0; the
-bottom-right one (a decode step behind a cache) is torch.nn.attention.bias.causal_lower_right.
+whatever Lk is ("the upper left causal bias ... when the mask is a non-square matrix", torch 2.13's
+docstring), so it is this mask wherever query i faces key i; the bottom-right one (a decode step behind a cache)
+is torch.nn.attention.bias.causal_lower_right.
 A row that sees no key gives NaN or 0 by backend.
 """
 
@@ -49,8 +50,9 @@ def to(mask) -> Export:
     head = ["import torch", "import torch.nn.functional as F"]
     if shape == "full":
         return Export(head + [call.format("attn_mask=None")], {}, ["every query sees every key: no mask"], device="cpu")
-    if shape == "top-left" and f.q_len == f.k_len:
-        return Export(head + [call.format("is_causal=True")], {}, ["is_causal=True is top-left aligned: exactly this mask, since Lq == Lk"], device="cpu")
+    if shape == "top-left":
+        why = "since Lq == Lk" if f.q_len == f.k_len else f"with {f.q_len} queries and {f.k_len} keys too (torch's CausalBias upper left)"
+        return Export(head + [call.format("is_causal=True")], {}, [f"is_causal=True is top-left aligned: exactly this mask, {why}"], device="cpu")
     if shape == "bottom-right":
         return Export(head + ["from torch.nn.attention.bias import causal_lower_right",
                               call.format(f"attn_mask=causal_lower_right({f.q_len}, {f.k_len})")], {},

@@ -131,6 +131,17 @@ def sequences(mask: Mask, what: str) -> Sequences:
     return found
 
 
+def left_out(found: Sequences, mask: Mask) -> list[str]:
+    """Notes on the padding a packed layout leaves out: query rows (as unpad_input drops them) and, behind a
+    left-padded cache, each row's padding keys."""
+    notes = []
+    if found.dropped_rows:
+        notes.append(f"{found.dropped_rows} padding query rows are left out: pack only the real tokens")
+    if found.cache and bool(np.any(found.k_lo > mask.frame.k_start)):
+        notes.append("each batch row's padding keys are left out: pack only its real keys")
+    return notes
+
+
 def _gather(a: np.ndarray, batch: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Rows lo..hi-1 of batch row b for each (b, lo, hi), concatenated, without a Python loop per sequence."""
     lens = hi - lo
