@@ -13,9 +13,8 @@ which names where a call came from.
 
 from __future__ import annotations
 
-import os
 import sys
-from collections import Counter
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +30,7 @@ import maskcli.trace.flash as flash
 import maskcli.trace.interface as interface
 from maskcli.trace.flex import flex as read_flex
 from maskcli.trace.patch import Watch, swap
+from maskcli.trace.sites import Sites
 
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf")
 DEFAULT_MAX_BYTES = 256 << 20
@@ -93,7 +93,7 @@ class Trace:
         self.calls: list[Call] = []
         self.masks: dict[str, dict] = {}
         self.bytes = 0
-        self.busy = False
+        self._local = threading.local()  # busy and within: each thread the program runs has its own
         self.readers = {}
         if "sdpa" in self.apis:
             self.readers[F.scaled_dot_product_attention] = readers.sdpa
@@ -102,12 +102,9 @@ class Trace:
         if "softmax" in self.apis:
             for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
                 self.readers[func] = readers.softmax
-        self._names: dict[int, tuple[torch.nn.Module, str]] = {}
-        self._stack: list[torch.nn.Module] = []
-        self._steps: Counter = Counter()
+        self.sites = Sites()
         self._cache: dict = {}
         self._handles: list = []
-        self.within = 0  # inside a module recorded from its arguments (modules.py): its inner calls are not new ones
         self.mode = _Mode(self)
         self._unwrap: list = []
         self._undo: list = []  # what puts swapped functions and patched classes back, in the order done
@@ -115,6 +112,25 @@ class Trace:
         self.interfaces: list[dict] = []  # the Hugging Face interface calls running (interface.py), innermost last
         self.patched: set[str] = set()  # "flash", "hf": the APIs whose modules the program imported (so were patched)
         self.active = False
+
+    @property
+    def busy(self) -> bool:
+        """Recording a call now (what maskcli itself runs then is not the program's)."""
+        return getattr(self._local, "busy", False)
+
+    @busy.setter
+    def busy(self, value: bool) -> None:
+        self._local.busy = value
+
+    @property
+    def within(self) -> int:
+        """Inside a call recorded already (a module read from its arguments, a swapped function): its inner calls
+        are not new ones."""
+        return getattr(self._local, "within", 0)
+
+    @within.setter
+    def within(self, value: int) -> None:
+        self._local.within = value
 
     def groups(self) -> list:
         """The calls grouped by mask, API and shape, each named, with findings (maskcli.trace.report.Group)."""
@@ -166,8 +182,7 @@ class Trace:
             self._undo.pop()()
         self._swapped.clear()
         self._cache.clear()
-        self._stack.clear()
-        self._names.clear()  # the program's modules are its own again once the trace ends
+        self.sites.clear()
 
     def _patch_flex(self) -> None:
         """flex_attention's own code swapped for a shim that records the call first (patch.swap)."""
@@ -224,39 +239,12 @@ class Trace:
     # --- where a call comes from --------------------------------------------------------------
 
     def _pre(self, module, args) -> None:
-        if torch.compiler.is_dynamo_compiling():  # a compiled region runs without us (its calls are not recorded)
-            return
-        if id(module) not in self._names:
-            self._name(module)
-        self._stack.append(module)
+        if not torch.compiler.is_dynamo_compiling():  # a compiled region runs without us (its calls are not recorded)
+            self.sites.enter(module)
 
     def _post(self, module, args, output) -> None:
-        if torch.compiler.is_dynamo_compiling():
-            return
-        for i in range(len(self._stack) - 1, -1, -1):  # the innermost entry of it (an exception may have left others)
-            if self._stack[i] is module:
-                del self._stack[i:]
-                break
-
-    def _name(self, module) -> None:
-        """Name `module` and everything under it: by its path in the outermost module running, else as a new root."""
-        for outer in self._stack:
-            for name, inner in outer.named_modules():
-                if inner is module:
-                    base = self._names[id(outer)][1]
-                    prefix = f"{base}." if base else ""
-                    for sub, child in module.named_modules(prefix=prefix + name):
-                        self._names.setdefault(id(child), (child, sub))
-                    return
-        for name, child in module.named_modules():
-            self._names.setdefault(id(child), (child, name))
-
-    def where(self) -> str:
-        if self._stack:
-            module = self._stack[-1]
-            name = self._names.get(id(module), (module, ""))[1]
-            return name or type(module).__name__
-        return _first_frame_outside()
+        if not torch.compiler.is_dynamo_compiling():
+            self.sites.leave(module)
 
     # --- recording ----------------------------------------------------------------------------
 
@@ -267,7 +255,7 @@ class Trace:
             return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real
         self.busy = True
         try:
-            where = self.where()
+            site, where = self.sites.current()
             try:
                 with torch.no_grad():
                     seen = reader(args, kwargs)
@@ -278,13 +266,13 @@ class Trace:
                     key = self._store(seen)
             except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
                 api = getattr(reader, "api", "?")
-                self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self.calls), where=where, step=self._step(where),
+                self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self.calls), where=where, step=self.sites.step(site),
                                   details={"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, trace=self))
                 return
             if seen.child:
-                where = f"{where}.{seen.child}" if where else seen.child
+                site, where = self.sites.current(seen.child)
             self._append(Call(**{**seen.operands(), "shape": tuple(int(x) for x in seen.shape)}, index=len(self.calls), where=where,
-                              step=self._step(where), mask=key, details=seen.details, trace=self))
+                              step=self.sites.step(site), mask=key, details=seen.details, trace=self))
         finally:
             self.busy = False
 
@@ -294,11 +282,6 @@ class Trace:
             call.details["hf"] = self.interfaces[-1]["hf"]
             self.interfaces[-1]["seen"] += 1
         self.calls.append(call)
-
-    def _step(self, where: str) -> int:
-        step = self._steps[where]
-        self._steps[where] += 1
-        return step
 
     def _store(self, seen) -> str:
         if seen.intervals is not None:
@@ -343,19 +326,3 @@ def _has_values(tensor: torch.Tensor) -> bool:
         return False
     return type(tensor).__name__ != "FakeTensor"
 
-
-def _first_frame_outside() -> str:
-    """file:line of the innermost frame that is neither torch's nor maskcli's."""
-    torch_dir = os.path.dirname(torch.__file__)
-    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith((torch_dir, own)) and not name.startswith("<frozen"):
-            try:
-                shown = os.path.relpath(name)
-            except ValueError:
-                shown = name
-            return f"{shown if not shown.startswith('..') else os.path.basename(name)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
