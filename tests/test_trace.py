@@ -497,3 +497,59 @@ def test_a_trace_inside_a_trace_records_flex_calls_until_it_ends_and_then_the_ou
     assert [c.api for c in inner.calls] == ["flex"] and [c.api for c in outer.calls] == ["flex"]
     assert flex_attention.__code__.co_name == "flex_attention" and "_maskcli" not in " ".join(flex_attention.__code__.co_names)
     assert torch.equal(after, before)
+
+
+def _mha_with(mha: nn.MultiheadAttention, x: torch.Tensor, keep: np.ndarray) -> torch.Tensor:
+    """nn.MultiheadAttention's output for batch-first self-attention recomputed with the mask `keep` through SDPA."""
+    batch, length, embed = x.shape
+    heads = mha.num_heads
+    q, k, v = (t.view(batch, length, heads, embed // heads).transpose(1, 2)
+               for t in F.linear(x, mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(np.ascontiguousarray(keep)))
+    return mha.out_proj(out.transpose(1, 2).reshape(batch, length, embed))
+
+
+def test_multihead_attentions_fast_path_applies_attn_mask_and_ignores_is_causal_its_slow_path_the_reverse():
+    """torch/nn/modules/activation.py (torch 2.13): the fast path (eval, no grad, batch_first, self-attention; lines
+    1326-1447) merges attn_mask and key_padding_mask (merge_masks, 1524) and never reads is_causal; the slow path hands
+    is_causal to F.multi_head_attention_forward, which drops attn_mask for SDPA's is_causal where there is no key
+    padding and no weights (torch/nn/functional.py, 6817-6820). Each path's recorded mask recomputes its output."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    band = ~torch.from_numpy(window_keep(5, 5, 2))  # MHA's polarity: True = masked; a window, not causal
+    causal = np.tril(np.ones((5, 5), dtype=bool))
+    for grad, wanted in ((False, window_keep(5, 5, 2)), (True, causal)):
+        with torch.set_grad_enabled(grad), maskcli.trace() as t:
+            out = mha(x, x, x, attn_mask=band, is_causal=True, need_weights=False)[0]
+        (call,) = t.calls
+        assert np.array_equal(call.keep()[0, 0], wanted) and call.details.get("path") == (None if grad else "fast")
+        with torch.no_grad():
+            assert torch.allclose(out, _mha_with(mha, x, call.keep()), atol=1e-5)
+    with torch.no_grad(), maskcli.trace() as t:  # is_causal with no mask: the slow path refuses it, the fast path
+        out = mha(x, x, x, is_causal=True, need_weights=False)[0]  # applies no mask at all
+    with torch.no_grad():
+        assert torch.allclose(out, _mha_with(mha, x, np.ones((2, 2, 5, 5), dtype=bool)), atol=1e-5)
+    assert t.calls[0].keep().all() and "no mask was applied" in t.calls[0].details["ignored_is_causal"]
+    (group,) = t.groups()
+    assert [f.code for f in group.findings] == ["ignored-is-causal"]
+
+
+def test_an_encoder_layers_fast_path_ignores_is_causal_with_no_mask_and_its_slow_path_reads_it():
+    """torch/nn/modules/transformer.py (torch 2.13), TransformerEncoderLayer.forward: the fast path (836-938) hands
+    src_mask merged with the key padding to torch._transformer_encoder_layer_fwd, is_causal unread; the slow path's
+    self_attn gets is_causal (_sa_block, 955-963), and MHA's slow path then applies causal in place of src_mask."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    band = ~torch.from_numpy(window_keep(5, 5, 2))
+    for grad, mask, wanted, where in ((False, None, np.ones((5, 5), dtype=bool), "self_attn"),
+                                      (False, band, window_keep(5, 5, 2), "self_attn"),
+                                      (True, band, np.tril(np.ones((5, 5), dtype=bool)), "self_attn")):
+        with torch.set_grad_enabled(grad), maskcli.trace() as t:
+            out = layer(x, src_mask=mask, is_causal=True)
+        (call,) = t.calls
+        assert call.where == where and np.array_equal(call.keep()[0, 0], wanted), (grad, mask is None)
+        with torch.set_grad_enabled(grad):  # the layer given the recorded mask (block polarity), no hint: same output
+            again = layer(x, src_mask=torch.from_numpy(~np.ascontiguousarray(call.keep()[0, 0])))
+        assert torch.allclose(out, again, atol=1e-5), (grad, mask is None)

@@ -126,6 +126,10 @@ def _named(calls: list) -> Group:
             "the float attn_mask also adds values other than 0 and a fill (a bias: ALiBi, relative positions): "
             "the mask shown is its cells at -inf or at most -1e4; the rest of what it adds is not shown")))
     group.findings += _fills(first.details) + _asked(first, stored, group.name)
+    if first.details.get("ignored_is_causal"):  # (modules.py: what the fast path applied)
+        group.findings.append(Finding("ignored-is-causal", (
+            f"is_causal=True was ignored: the module's fast path (eval, no grad) never reads it; "
+            f"{first.details['ignored_is_causal']}")))
     if _top_left_is_causal(first, q_len, k_len):
         sees = ("its one query sees key 0 only, so the last {} keys are seen by no query" if q_len == 1 else
                 "query row i sees keys 0..i, so the last {} keys are seen by no query until the last rows").format(k_len - q_len)
