@@ -635,3 +635,30 @@ def test_the_annotated_transformers_encoder_and_decoder_are_apart_in_expect_and_
         assert json.loads(shown.stdout)["mask"][0][0] == [[int(j <= i) for j in range(step + 1)] for i in range(step + 1)]
     encoder = runner.invoke(app, ["show", "--mask", "a.pt:encoder.layers.1.self_attn", "--json"])  # one call: no @STEP
     assert json.loads(encoder.stdout)["mask"][0][0] == [[int(j < 6) for j in range(8)] for _ in range(8)]
+
+
+def test_calls_made_in_the_programs_threads_are_reported_and_its_threads_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "threads.py", """
+        import threading
+        import torch
+        import torch.nn.functional as F
+
+        def attend(length):
+            q = torch.randn(1, 1, length, 4)
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+        workers = [threading.Thread(target=attend, args=(n,), name=f"worker-{n}") for n in (3, 4, 5)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        attend(2)
+    """)
+    result = trace("--json", "t.json", script, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert "4 attention calls in 4 groups" in result.stderr
+    assert "3 threads the program started traced as well: worker-3, worker-4, worker-5" in result.stderr
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert sorted(call["details"].get("thread", "main") for call in data["calls"]) == ["main", "worker-3", "worker-4", "worker-5"]
+    assert data["notes"] == ["3 threads the program started traced as well: worker-3, worker-4, worker-5"]

@@ -95,12 +95,14 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
     console = make_console(stderr=True)
     for view in views(groups, len(tracer.calls), program, status, failures):
         console.print(view)
-    for line in unseen + held:
+    notes = tracer.notes()  # threads traced, and what was not: threads running before, child processes
+    for line in unseen + notes + held:
         console.print(line)
     if json_path is not None:
         numbers = {call.index: number for number, group in enumerate(groups) for call in group.calls}
         data = {"program": program, "exit_status": status, "calls": [{**call.json(), "group": numbers[call.index]} for call in tracer.calls],
-                "groups": [group.json() for group in groups], "expect": failures, "not_imported": unseen}
+                "groups": [group.json() for group in groups], "expect": failures, "not_imported": unseen,
+                "notes": notes}
 
         def write_json(path: str) -> None:
             with open(path, "w", encoding="utf-8") as out:

@@ -31,6 +31,7 @@ import maskcli.trace.interface as interface
 from maskcli.trace.flex import flex as read_flex
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.sites import Sites
+from maskcli.trace.threads import Threads
 
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf")
 DEFAULT_MAX_BYTES = 256 << 20
@@ -79,7 +80,7 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         reader = self.trace.readers.get(func)  # the hot path: one lookup per torch call
-        if reader is not None and not self.trace.busy and not self.trace.within and not torch.compiler.is_dynamo_compiling():
+        if reader is not None and self.trace.active and not self.trace.busy and not self.trace.within and not torch.compiler.is_dynamo_compiling():
             self.trace.capture(reader, args, kwargs)  # (inside a compiled region nothing of ours may run)
         return func(*args, **kwargs)
 
@@ -93,7 +94,8 @@ class Trace:
         self.calls: list[Call] = []
         self.masks: dict[str, dict] = {}
         self.bytes = 0
-        self._local = threading.local()  # busy and within: each thread the program runs has its own
+        self._local = threading.local()  # busy, within, interfaces: each thread the program runs has its own
+        self._lock = threading.RLock()
         self.readers = {}
         if "sdpa" in self.apis:
             self.readers[F.scaled_dot_product_attention] = readers.sdpa
@@ -109,9 +111,9 @@ class Trace:
         self._unwrap: list = []
         self._undo: list = []  # what puts swapped functions and patched classes back, in the order done
         self._swapped: set[int] = set()
-        self.interfaces: list[dict] = []  # the Hugging Face interface calls running (interface.py), innermost last
         self.patched: set[str] = set()  # "flash", "hf": the APIs whose modules the program imported (so were patched)
         self.active = False
+        self.threads = None
 
     @property
     def busy(self) -> bool:
@@ -132,6 +134,14 @@ class Trace:
     def within(self, value: int) -> None:
         self._local.within = value
 
+    @property
+    def interfaces(self) -> list[dict]:
+        """The Hugging Face interface calls running in this thread (interface.py), innermost last."""
+        found = getattr(self._local, "interfaces", None)
+        if found is None:
+            found = self._local.interfaces = []
+        return found
+
     def groups(self) -> list:
         """The calls grouped by mask, API and shape, each named, with findings (maskcli.trace.report.Group)."""
         from maskcli.trace.report import group
@@ -142,7 +152,11 @@ class Trace:
         """The grouped report as plain text, one line per group and one per finding."""
         from maskcli.trace.report import text
 
-        return text(self.groups(), len(self.calls))
+        return "\n".join([text(self.groups(), len(self.calls)), *self.notes()])
+
+    def notes(self) -> list[str]:
+        """What the trace could not see, or saw beyond the main thread: threads, child processes."""
+        return self.threads.notes() if self.threads is not None else []
 
     # --- entering and leaving -----------------------------------------------------------------
 
@@ -166,9 +180,11 @@ class Trace:
                 found(sys.modules[name])
         self.active = True
         self.mode.__enter__()
+        self.threads = Threads(lambda: _Mode(self) if self.active else None).__enter__()  # (a mode is per thread)
         return self
 
     def __exit__(self, *exc) -> None:
+        self.threads.__exit__()
         self.mode.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
@@ -255,29 +271,35 @@ class Trace:
             return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real
         self.busy = True
         try:
-            site, where = self.sites.current()
-            try:
-                with torch.no_grad():
-                    seen = reader(args, kwargs)
-                    if seen is None:
-                        return
-                    if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
-                        interface.unpack_gqa(seen, self.interfaces[-1])
-                    key = self._store(seen)
-            except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
-                api = getattr(reader, "api", "?")
-                self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self.calls), where=where, step=self.sites.step(site),
-                                  details={"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, trace=self))
-                return
-            if seen.child:
-                site, where = self.sites.current(seen.child)
-            self._append(Call(**{**seen.operands(), "shape": tuple(int(x) for x in seen.shape)}, index=len(self.calls), where=where,
-                              step=self.sites.step(site), mask=key, details=seen.details, trace=self))
+            with self._lock:  # (threads of the program record one at a time: indexes, steps and the store stay whole)
+                self._record(reader, args, kwargs)
         finally:
             self.busy = False
 
+    def _record(self, reader, args, kwargs) -> None:
+        site, where = self.sites.current()
+        try:
+            with torch.no_grad():
+                seen = reader(args, kwargs)
+                if seen is None:
+                    return
+                if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
+                    interface.unpack_gqa(seen, self.interfaces[-1])
+                key = self._store(seen)
+        except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
+            api = getattr(reader, "api", "?")
+            self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self.calls), where=where, step=self.sites.step(site),
+                              details={"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, trace=self))
+            return
+        if seen.child:
+            site, where = self.sites.current(seen.child)
+        self._append(Call(**{**seen.operands(), "shape": tuple(int(x) for x in seen.shape)}, index=len(self.calls), where=where,
+                          step=self.sites.step(site), mask=key, details=seen.details, trace=self))
+
     def _append(self, call: Call) -> None:
         """A call made inside a Hugging Face interface call carries what HF told that call (and is what it did)."""
+        if threading.current_thread() is not threading.main_thread():
+            call.details["thread"] = threading.current_thread().name
         if self.interfaces:
             call.details["hf"] = self.interfaces[-1]["hf"]
             self.interfaces[-1]["seen"] += 1
