@@ -553,3 +553,20 @@ def test_an_encoder_layers_fast_path_ignores_is_causal_with_no_mask_and_its_slow
         with torch.set_grad_enabled(grad):  # the layer given the recorded mask (block polarity), no hint: same output
             again = layer(x, src_mask=torch.from_numpy(~np.ascontiguousarray(call.keep()[0, 0])))
         assert torch.allclose(out, again, atol=1e-5), (grad, mask is None)
+
+
+def test_a_softmax_is_attention_when_its_input_came_from_q_at_k_transposed_or_its_shape_says_so():
+    """maskcli.trace.scores: logits from a projection (a 2-D weight) are no scores, whatever their shape; a 3-D
+    cross-attention score of 2 queries and 5 keys made by bmm or einsum is, through scaling and masked_fill."""
+    torch.manual_seed(0)
+    head = nn.Linear(8, 11)
+    x, q, k = torch.randn(2, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 5, 8)
+    block = torch.tensor([False, False, False, True, True])
+    with maskcli.trace() as t:
+        torch.softmax(head(x), dim=-1)  # (B, T, vocab)
+        torch.softmax(x @ head.weight.T, dim=-1)  # tied weights written with @: one operand is 2-D
+        (torch.bmm(q, k.transpose(1, 2)) / 8 ** 0.5).masked_fill(block, float("-inf")).softmax(-1)
+        torch.einsum("bqd,bkd->bqk", q, k).softmax(-1)
+        torch.softmax(torch.randn(2, 4, 4), dim=-1)  # made by hand, square: its shape says so
+    assert [c.shape for c in t.calls] == [(6, 1, 2, 5), (6, 1, 2, 5), (2, 1, 4, 4)]
+    assert np.array_equal(t.calls[0].keep()[0, 0], np.broadcast_to(~block.numpy(), (2, 5)))

@@ -81,3 +81,34 @@ def test_two_instances_of_one_module_class_are_two_call_sites_each_with_its_step
         pair[0](x, x, x)
         pair[1](x, x, x)  # no variable holds either: the later one is numbered
     assert [(c.where, c.step) for c in t.calls] == [("MultiheadAttention", 0), ("MultiheadAttention#2", 0)]
+
+
+def _causal(call) -> bool:
+    q_len, k_len = call.shape[2:]
+    return np.array_equal(np.broadcast_to(call.keep(), call.shape)[0, 0], np.tril(np.ones((q_len, k_len), dtype=bool)))
+
+
+def test_mingpts_softmax_over_logits_is_no_attention_call():
+    """minGPT's CausalSelfAttention softmaxes q @ kᵀ; a user's F.softmax(logits) over (B, T, vocab) is not attention:
+    2 layers x 3 forwards (scoring the prompt, then 2 generated tokens) make 6 calls, no more."""
+    import mingpt
+
+    with maskcli.trace() as t:
+        mingpt.main()
+    assert [(c.where, c.step, c.shape) for c in t.calls] == [
+        (f"transformer.h.{n}.attn", step, (1, 2, length, length)) for step, length in enumerate((5, 5, 6)) for n in range(2)]
+    assert all(c.api == "softmax" and _causal(c) for c in t.calls)
+
+
+def test_nanogpts_flash_and_slow_paths_are_seen_alike_and_compute_alike():
+    import nanogpt
+
+    found = {}
+    for flash in (True, False):
+        with maskcli.trace() as t:
+            tokens = nanogpt.sample(flash=flash)
+        found[flash] = tokens
+        assert [(c.where, c.step, c.shape[2]) for c in t.calls] == [
+            (f"transformer.h.{n}.attn", step, 3 + step) for step in range(3) for n in range(2)]
+        assert all(c.api == ("sdpa" if flash else "softmax") and _causal(c) for c in t.calls)
+    assert torch.equal(found[True], found[False]) and torch.equal(found[True], nanogpt.sample())  # untraced alike

@@ -30,6 +30,7 @@ import maskcli.trace.flash as flash
 import maskcli.trace.interface as interface
 from maskcli.trace.flex import flex as read_flex
 from maskcli.trace.patch import Watch, swap
+from maskcli.trace.scores import Scores
 from maskcli.trace.sites import Sites
 from maskcli.trace.threads import Threads
 
@@ -79,10 +80,15 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        reader = self.trace.readers.get(func)  # the hot path: one lookup per torch call
-        if reader is not None and self.trace.active and not self.trace.busy and not self.trace.within and not torch.compiler.is_dynamo_compiling():
-            self.trace.capture(reader, args, kwargs)  # (inside a compiled region nothing of ours may run)
-        return func(*args, **kwargs)
+        trace = self.trace
+        reader = trace.readers.get(func)  # the hot path: one lookup per torch call
+        if reader is not None and trace.active and not trace.busy and not trace.within and not torch.compiler.is_dynamo_compiling():
+            if reader is not readers.softmax or trace.scores.attention(readers.softmax_input(args, kwargs)):
+                trace.capture(reader, args, kwargs)  # (inside a compiled region nothing of ours may run)
+        out = func(*args, **kwargs)
+        if trace.scores is not None:
+            trace.scores.after(func, args, kwargs, out)
+        return out
 
 
 class Trace:
@@ -101,9 +107,11 @@ class Trace:
             self.readers[F.scaled_dot_product_attention] = readers.sdpa
         if "mha" in self.apis:
             self.readers[F.multi_head_attention_forward] = readers.mha
+        self.scores = None  # the tensors that are q @ kᵀ scores (scores.py): a softmax over logits is no attention call
         if "softmax" in self.apis:
             for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
                 self.readers[func] = readers.softmax
+            self.scores = Scores()
         self.sites = Sites()
         self._cache: dict = {}
         self._handles: list = []
