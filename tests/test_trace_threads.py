@@ -34,8 +34,14 @@ def test_calls_in_threads_the_program_starts_are_all_seen_with_their_masks():
             thread.start()
         for thread in threads:
             thread.join()
+        together = threading.Barrier(2)  # both tasks at once: two workers, whatever the scheduler does
+
+        def paired(length):
+            together.wait(10)
+            return attend(length)
+
         with ThreadPoolExecutor(2, thread_name_prefix="pool") as pool:
-            list(pool.map(attend, [8, 9]))
+            list(pool.map(paired, [8, 9]))
         worker = Worker(name="subclass")
         worker.start()
         worker.join()
@@ -47,7 +53,9 @@ def test_calls_in_threads_the_program_starts_are_all_seen_with_their_masks():
     assert threads_of[2] is None and threads_of[3] == "worker-3" and threads_of[7] == "subclass"
     assert threads_of[8].startswith("pool") and threads_of[9].startswith("pool")
     (note,) = t.notes()
-    assert note.startswith("6 threads the program started traced as well: worker-3, worker-4, worker-5, ")
+    head, names = note.split(": ")
+    assert head == "6 threads the program started made attention calls, traced as well"
+    assert sorted(names.split(", ")) == ["pool_0", "pool_1", "subclass", "worker-3", "worker-4", "worker-5"]
     assert attend(3).shape == (1, 2, 3, 4) and threading.Thread._bootstrap_inner.__name__ == "_bootstrap_inner"
 
 

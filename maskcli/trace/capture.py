@@ -27,6 +27,7 @@ from maskcli.text import step_label
 import maskcli.trace.masks as readers
 from maskcli.trace.masks import Operands
 import maskcli.trace.flash as flash
+import maskcli.trace.compiled as compiled
 import maskcli.trace.interface as interface
 from maskcli.trace.flex import flex as read_flex
 from maskcli.trace.patch import Watch, swap
@@ -122,6 +123,7 @@ class Trace:
         self.patched: set[str] = set()  # "flash", "hf": the APIs whose modules the program imported (so were patched)
         self.active = False
         self.threads = None
+        self.compiled = compiled.Compiled()  # the calls of torch.compile'd code, whose attention is not seen
 
     @property
     def busy(self) -> bool:
@@ -163,8 +165,8 @@ class Trace:
         return "\n".join([text(self.groups(), len(self.calls)), *self.notes()])
 
     def notes(self) -> list[str]:
-        """What the trace could not see, or saw beyond the main thread: threads, child processes."""
-        return self.threads.notes() if self.threads is not None else []
+        """What the trace could not see, or saw beyond the main thread: threads, child processes, compiled code."""
+        return (self.threads.notes(self.calls) if self.threads is not None else []) + self.compiled.notes()
 
     # --- entering and leaving -----------------------------------------------------------------
 
@@ -179,7 +181,7 @@ class Trace:
 
         self._unwrap = wrap(self, record="mha" in self.apis)  # always: the mode must not take their fast paths away
         self._watch = Watch(self._wanted).__enter__()
-        loaded = [name for name in (interface.MODULE, *flash.MODULES) if name in sys.modules]
+        loaded = [name for name in (interface.MODULE, *flash.MODULES, compiled.MODULE) if name in sys.modules]
         if "flash_attn" in loaded:  # its submodules too (not a walk of every module loaded: thousands, with transformers)
             loaded += [name for name in list(sys.modules) if name.startswith("flash_attn.")]
         for name in loaded:  # what the program imported already; the watch sees what it imports later
@@ -222,7 +224,14 @@ class Trace:
             return self._patch_flash
         if "hf" in self.apis and name == interface.MODULE:
             return self._patch_hf
+        if name == compiled.MODULE:
+            return self._patch_compiled
         return None
+
+    def _patch_compiled(self, module) -> None:
+        undo = self.compiled.patch(module)
+        if undo is not None:
+            self._undo.append(undo)
 
     def _patch_flash(self, module) -> None:
         import inspect
@@ -308,6 +317,9 @@ class Trace:
         """A call made inside a Hugging Face interface call carries what HF told that call (and is what it did)."""
         if threading.current_thread() is not threading.main_thread():
             call.details["thread"] = threading.current_thread().name
+        if self.compiled.inside():
+            call.details["compiled"] = True
+            self.compiled.seen += 1
         if self.interfaces:
             call.details["hf"] = self.interfaces[-1]["hf"]
             self.interfaces[-1]["seen"] += 1

@@ -4,7 +4,9 @@ A TorchFunctionMode is on one thread's stack only, so a thread the program start
 run its attention calls unseen. While tracing, every thread started runs inside a mode of
 its own (threading.Thread._bootstrap_inner, which threading, concurrent.futures'
 ThreadPoolExecutor and every Thread subclass go through before run()). Threads already
-running when the trace began cannot be entered: they are named. Child processes
+running when the trace began cannot be entered: they are named (not daemon threads: those
+are libraries' helpers, such as the progress monitor torch.compile starts, far more often
+than a program's workers, which threading and ThreadPoolExecutor start as non-daemon). Child processes
 (multiprocessing, ProcessPoolExecutor, os.fork) run in memory of their own, where nothing
 of this trace reaches: they are counted and named, as not traced.
 """
@@ -33,7 +35,6 @@ class Threads:
 
     def __init__(self, make_mode):
         self.make_mode = make_mode
-        self.traced: list[str] = []  # names of the threads the program started, traced
         self.before: list[str] = []  # names of the threads running when the trace began, not traced
         self.processes: list[str] = []
         self._undo: list = []
@@ -41,7 +42,7 @@ class Threads:
 
     def __enter__(self) -> Threads:
         current = threading.current_thread()
-        self.before = [t.name for t in threading.enumerate() if t is not current and t.is_alive()]
+        self.before = [t.name for t in threading.enumerate() if t is not current and t.is_alive() and not t.daemon]
         bootstrap = threading.Thread._bootstrap_inner
         watch = self
 
@@ -49,8 +50,6 @@ class Threads:
             mode = watch.make_mode()
             if mode is None:  # the trace has ended
                 return bootstrap(thread)
-            with watch._lock:
-                watch.traced.append(thread.name)
             mode.__enter__()
             try:
                 return bootstrap(thread)
@@ -84,11 +83,13 @@ class Threads:
         while self._undo:
             self._undo.pop()()
 
-    def notes(self) -> list[str]:
-        """What the report says of them: threads traced, threads and processes not."""
+    def notes(self, calls: list) -> list[str]:
+        """What the report says of them: the threads started that made attention `calls` (traced), threads and
+        processes not traced. (Threads that made none are not named: a library's helper thread is nothing to see.)"""
         found = []
-        if self.traced:
-            found.append(f"{_count(len(self.traced), 'thread')} the program started traced as well: {_names(self.traced)}")
+        made = list(dict.fromkeys(call.details["thread"] for call in calls if "thread" in call.details))
+        if made:
+            found.append(f"{_count(len(made), 'thread')} the program started made attention calls, traced as well: {_names(made)}")
         if self.before:
             found.append(f"{_count(len(self.before), 'thread')} running before the trace began not traced (their calls "
                          f"are not in this report): {_names(self.before)}")
