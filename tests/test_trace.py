@@ -570,3 +570,39 @@ def test_a_softmax_is_attention_when_its_input_came_from_q_at_k_transposed_or_it
         torch.softmax(torch.randn(2, 4, 4), dim=-1)  # made by hand, square: its shape says so
     assert [c.shape for c in t.calls] == [(6, 1, 2, 5), (6, 1, 2, 5), (2, 1, 4, 4)]
     assert np.array_equal(t.calls[0].keep()[0, 0], np.broadcast_to(~block.numpy(), (2, 5)))
+
+
+def test_flex_attention_masked_by_its_score_mod_is_recorded_as_the_kernel_masks():
+    """A score_mod's -inf cells are masked as the BlockMask's are: read on the index grid in bands, checked against
+    FlexAttention's own create_mask of the score_mod (torch/nn/attention/flex_attention.py 1735-1739: -inf cells
+    are False) and against the kernel's output, recomputed with SDPA and the recorded mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+
+    def per_head(score, b, h, q_idx, kv_idx):  # head 0 causal, head 1 a window of 2 keys
+        return torch.where((q_idx >= kv_idx) & ((h == 0) | (q_idx - kv_idx < 2)), score, -float("inf"))
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx >= kv_idx, score - (q_idx - kv_idx) * 0.5, -float("inf"))
+
+    def clip(score, b, h, q_idx, kv_idx):  # masks by the score's value: no mask of positions
+        return torch.where(score > 0.5, score, -float("inf"))
+
+    q, k, v = qkv(2, 2, 6, 6)
+    near = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() < 4, 1, 1, 6, 6, device="cpu", BLOCK_SIZE=2)
+    with maskcli.trace() as t:
+        outs = [flex_attention(q, k, v, score_mod=per_head), flex_attention(q, k, v, score_mod=per_head, block_mask=near),
+                flex_attention(q, k, v, score_mod=alibi), flex_attention(q, k, v, score_mod=clip)]
+    wanted = create_mask(per_head, 2, 2, 6, 6, device="cpu").numpy()
+    near_cells = create_mask(near.mask_mod, 1, 1, 6, 6, device="cpu").numpy()
+    assert np.array_equal(np.broadcast_to(t.calls[0].keep(), (2, 2, 6, 6)), wanted)
+    assert np.array_equal(np.broadcast_to(t.calls[1].keep(), (2, 2, 6, 6)), wanted & near_cells)
+    for call, out in zip(t.calls[:2], outs):
+        replay = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(np.ascontiguousarray(np.broadcast_to(call.keep(), (2, 2, 6, 6)))))
+        assert torch.allclose(out, replay, atol=1e-5)
+    assert np.array_equal(t.calls[2].keep()[0, 0], np.tril(np.ones((6, 6), dtype=bool)))
+    assert t.calls[3].details["score_mod_read"] == "not read: which cells it sets to -inf depends on the score's value"
+    codes = [[(f.code, f.message) for f in g.findings] for g in t.groups()]
+    assert codes[2] == [("score-mod", "the score_mod alibi also adds a bias where it does not mask: the mask shown is "
+                                      "the cells it sets to -inf")]
+    assert codes[3] == [("score-mod", "the score_mod clip was not read: which cells it sets to -inf depends on the "
+                                      "score's value: the mask shown leaves out any cell it masks (sets to -inf)")]

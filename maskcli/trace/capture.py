@@ -123,7 +123,8 @@ class Trace:
         self.patched: set[str] = set()  # "flash", "hf": the APIs whose modules the program imported (so were patched)
         self.active = False
         self.threads = None
-        self.compiled = compiled.Compiled()  # the calls of torch.compile'd code, whose attention is not seen
+        self.compiled = compiled.Compiled(lambda: self.within > 0)  # calls of torch.compile'd code, whose attention
+        # is not seen (but for what a recorded call runs itself: flex_attention compiles its operator even in eager)
 
     @property
     def busy(self) -> bool:

@@ -29,7 +29,8 @@ MODULE = "torch._dynamo.eval_frame"  # patched once the program has imported it 
 class Compiled:
     """Once patched, .runs counts each compiled function's calls (by name)."""
 
-    def __init__(self):
+    def __init__(self, skip=lambda: False):
+        self.skip = skip  # True while the compiled code running is a recorded call's own (flex_attention's operator)
         self.runs: Counter = Counter()
         self.seen = 0  # attention calls recorded inside compiled code (a backend that runs its graph in Python)
         self._local = threading.local()
@@ -43,7 +44,7 @@ class Compiled:
         original = getattr(eval_frame, "_maybe_set_eval_frame", None)
         if not callable(original):
             return None
-        runs, local = self.runs, self._local
+        runs, local, skip = self.runs, self._local, self.skip
 
         def _maybe_set_eval_frame(callback, *args, **kwargs):
             caller = sys._getframe(1)
@@ -51,7 +52,7 @@ class Compiled:
                 frames = local.__dict__.setdefault("frames", set())
                 if id(caller) in frames:
                     frames.discard(id(caller))
-                elif callback is not None and callback is not False:
+                elif callback is not None and callback is not False and not skip():
                     frames.add(id(caller))
                     runs[_name(caller.f_locals.get("fn"))] += 1
             return original(callback, *args, **kwargs)
