@@ -41,7 +41,7 @@ def trace(
 ) -> None:
     """Run a Python program and record the mask of every attention call it makes, grouped and named.
 
-    The program runs in this process as `python SCRIPT.py ARGS` (or `python -m MODULE ARGS`) would: its own sys.argv and __main__, its stdout untouched, its exit status kept (a program that raises prints its traceback and exits 1). The report goes to stderr: calls whose masks are the same form one row, named as a maskcli expression with findings (rows that see no key and what the API makes of them, queries that see later keys, is_causal aligned top-left, a finite fill, is_causal or a sliding_window Hugging Face asked for that the kernel did not apply). maskcli's options come before the program.
+    The program runs in this process as `python SCRIPT.py ARGS` (or `python -m MODULE ARGS`) would: its own sys.argv and __main__, its stdout untouched, its exit status kept (a program that raises prints its traceback and exits 1). The report goes to stderr: calls whose masks are the same form one row, named as a maskcli expression with findings (rows that see no key and what the API makes of them, queries that see later keys, is_causal aligned top-left, a finite fill, is_causal or a sliding_window Hugging Face asked for that the kernel did not apply, an is_causal a fast path ignored), then what it could not see: threads running before it, child processes, torch.compile'd code (TORCHDYNAMO_DISABLE=1 runs that eagerly, traced). maskcli's options come before the program.
     """
     import os
 
