@@ -112,3 +112,23 @@ def test_nanogpts_flash_and_slow_paths_are_seen_alike_and_compute_alike():
             (f"transformer.h.{n}.attn", step, 3 + step) for step in range(3) for n in range(2)]
         assert all(c.api == ("sdpa" if flash else "softmax") and _causal(c) for c in t.calls)
     assert torch.equal(found[True], found[False]) and torch.equal(found[True], nanogpt.sample())  # untraced alike
+
+
+def test_nn_transformer_told_tgt_is_causal_with_no_mask_attends_to_every_key_on_its_fast_path():
+    """nn.Transformer hands tgt_is_causal to its decoder layers' self_attn; in eval with no grad, batch first, that
+    nn.MultiheadAttention takes its fast path (torch/nn/modules/activation.py 1398-1447, torch 2.13), which never
+    reads is_causal: with no tgt_mask the decoder attends to later tokens. The trace records no mask and says why."""
+    torch.manual_seed(0)
+    model = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=32,
+                           batch_first=True).eval()
+    src, tgt = torch.randn(2, 5, 16), torch.randn(2, 4, 16)
+    with torch.no_grad():
+        with maskcli.trace() as t:
+            out = model(src, tgt, tgt_is_causal=True)
+        unmasked = model(src, tgt)
+        causal = model(src, tgt, tgt_mask=nn.Transformer.generate_square_subsequent_mask(4), tgt_is_causal=True)
+    assert torch.allclose(out, unmasked, atol=1e-6) and not torch.allclose(out, causal, atol=1e-3)  # the hint did nothing
+    assert [c.where for c in t.calls] == ["encoder.layers.0.self_attn", "decoder.layers.0.self_attn", "decoder.layers.0.multihead_attn"]
+    assert all(c.keep().all() for c in t.calls)
+    (finding,) = t.groups()[1].findings
+    assert finding.code == "ignored-is-causal" and "no mask was applied" in finding.message
