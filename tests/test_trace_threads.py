@@ -75,6 +75,7 @@ def test_a_thread_running_before_the_trace_is_named_as_not_traced():
     early.join()
     assert t.calls == []  # its call is not seen: the note says why
     assert t.notes() == ["1 thread running before the trace began not traced (their calls are not in this report): started-early"]
+    assert t.report() == "0 attention calls in 0 groups\n" + t.notes()[0]
 
 
 def work() -> None:
