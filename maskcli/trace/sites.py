@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 
-FRAMES = 64  # frames searched for a module's owner
+FRAMES = 64  # frames of the program searched for a module's owner
 
 
 class Sites:
@@ -132,17 +132,14 @@ def _path(outer, module) -> str | None:
 def _modules_in_frames():
     """The nn.Modules the frames of the program hold in their variables (innermost frame first), each once."""
     skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    frame, seen = sys._getframe(1), set()
-    for _ in range(FRAMES):
-        if frame is None:
-            return
-        if frame.f_code.co_filename.startswith(skip):  # torch's and maskcli's own frames hold none of the program's
-            frame = frame.f_back
-            continue
-        for name, value in list(frame.f_locals.items()):
-            if isinstance(value, torch.nn.Module) and id(value) not in seen:
-                seen.add(id(value))
-                yield name, value
+    frame, seen, searched = sys._getframe(1), set(), 0
+    while frame is not None and searched < FRAMES:
+        if not frame.f_code.co_filename.startswith(skip):  # torch's and maskcli's own frames hold none of the program's
+            searched += 1
+            for name, value in list(frame.f_locals.items()):
+                if isinstance(value, torch.nn.Module) and id(value) not in seen:
+                    seen.add(id(value))
+                    yield name, value
         frame = frame.f_back
 
 
