@@ -613,3 +613,53 @@ def test_a_gqa_decode_under_hfs_sdpa_saves_one_query_at_its_position_and_holds_t
     valid = [[0, 0, 1, 1, 1, 1], [1] * 6]
     want = [[[[int(valid[b][k] and k <= 5) for k in range(6)]] for _ in range(4)] for b in range(2)]
     assert cells == want
+
+
+def test_the_annotated_transformers_encoder_and_decoder_are_apart_in_expect_and_in_the_saved_trace(tmp_path, monkeypatch):
+    """greedy_decode calls model.encode and model.decode on their own: --expect patterns and TRACE.pt:PATH@STEP name
+    the decoder's layers (causal, one step per decoded token) apart from the encoder's (the source's padding)."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    script = os.path.join(os.path.dirname(__file__), "programs", "annotated_transformer.py")
+    result = trace("--expect", "decoder.layers.*.self_attn=causal", "--save", "a.pt", script)
+    assert result.exit_code == 0, result.output
+    assert "--expect: every call matched holds (1 expectation)" in result.stderr
+    wrong = trace("--expect", "*.self_attn=causal", script)  # the encoder's self-attention is not causal
+    said = " ".join(wrong.stderr.split())
+    assert wrong.exit_code == 1 and "call 0 (encoder.layers.0.self_attn prefill, softmax) differs from causal" in said
+    assert "--expect *.self_attn=causal: 1 more call differs: 1" in said  # call 1, encoder.layers.1; no decoder call
+    for step in range(3):
+        shown = runner.invoke(app, ["show", "--mask", f"a.pt:decoder.layers.0.self_attn@{step}", "--json"])
+        assert shown.exit_code == 0, shown.output
+        assert json.loads(shown.stdout)["mask"][0][0] == [[int(j <= i) for j in range(step + 1)] for i in range(step + 1)]
+    encoder = runner.invoke(app, ["show", "--mask", "a.pt:encoder.layers.1.self_attn", "--json"])  # one call: no @STEP
+    assert json.loads(encoder.stdout)["mask"][0][0] == [[int(j < 6) for j in range(8)] for _ in range(8)]
+
+
+def test_calls_made_in_the_programs_threads_are_reported_and_its_threads_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "threads.py", """
+        import threading
+        import torch
+        import torch.nn.functional as F
+
+        def attend(length):
+            q = torch.randn(1, 1, length, 4)
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+        workers = [threading.Thread(target=attend, args=(n,), name=f"worker-{n}") for n in (3, 4, 5)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        attend(2)
+    """)
+    result = trace("--json", "t.json", script, env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert "4 attention calls in 4 groups" in result.stderr
+    assert "3 threads the program started made attention calls, traced as well: worker-" in result.stderr
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert sorted(call["details"].get("thread", "main") for call in data["calls"]) == ["main", "worker-3", "worker-4", "worker-5"]
+    (note,) = data["notes"]
+    assert sorted(note.split(": ")[1].split(", ")) == ["worker-3", "worker-4", "worker-5"]

@@ -497,3 +497,112 @@ def test_a_trace_inside_a_trace_records_flex_calls_until_it_ends_and_then_the_ou
     assert [c.api for c in inner.calls] == ["flex"] and [c.api for c in outer.calls] == ["flex"]
     assert flex_attention.__code__.co_name == "flex_attention" and "_maskcli" not in " ".join(flex_attention.__code__.co_names)
     assert torch.equal(after, before)
+
+
+def _mha_with(mha: nn.MultiheadAttention, x: torch.Tensor, keep: np.ndarray) -> torch.Tensor:
+    """nn.MultiheadAttention's output for batch-first self-attention recomputed with the mask `keep` through SDPA."""
+    batch, length, embed = x.shape
+    heads = mha.num_heads
+    q, k, v = (t.view(batch, length, heads, embed // heads).transpose(1, 2)
+               for t in F.linear(x, mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(np.ascontiguousarray(keep)))
+    return mha.out_proj(out.transpose(1, 2).reshape(batch, length, embed))
+
+
+def test_multihead_attentions_fast_path_applies_attn_mask_and_ignores_is_causal_its_slow_path_the_reverse():
+    """torch/nn/modules/activation.py (torch 2.13): the fast path (eval, no grad, batch_first, self-attention; lines
+    1326-1447) merges attn_mask and key_padding_mask (merge_masks, 1524) and never reads is_causal; the slow path hands
+    is_causal to F.multi_head_attention_forward, which drops attn_mask for SDPA's is_causal where there is no key
+    padding and no weights (torch/nn/functional.py, 6817-6820). Each path's recorded mask recomputes its output."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    band = ~torch.from_numpy(window_keep(5, 5, 2))  # MHA's polarity: True = masked; a window, not causal
+    causal = np.tril(np.ones((5, 5), dtype=bool))
+    for grad, wanted in ((False, window_keep(5, 5, 2)), (True, causal)):
+        with torch.set_grad_enabled(grad), maskcli.trace() as t:
+            out = mha(x, x, x, attn_mask=band, is_causal=True, need_weights=False)[0]
+        (call,) = t.calls
+        assert np.array_equal(call.keep()[0, 0], wanted) and call.details.get("path") == (None if grad else "fast")
+        with torch.no_grad():
+            assert torch.allclose(out, _mha_with(mha, x, call.keep()), atol=1e-5)
+    with torch.no_grad(), maskcli.trace() as t:  # is_causal with no mask: the slow path refuses it, the fast path
+        out = mha(x, x, x, is_causal=True, need_weights=False)[0]  # applies no mask at all
+    with torch.no_grad():
+        assert torch.allclose(out, _mha_with(mha, x, np.ones((2, 2, 5, 5), dtype=bool)), atol=1e-5)
+    assert t.calls[0].keep().all() and "no mask was applied" in t.calls[0].details["ignored_is_causal"]
+    (group,) = t.groups()
+    assert [f.code for f in group.findings] == ["ignored-is-causal"]
+
+
+def test_an_encoder_layers_fast_path_ignores_is_causal_with_no_mask_and_its_slow_path_reads_it():
+    """torch/nn/modules/transformer.py (torch 2.13), TransformerEncoderLayer.forward: the fast path (836-938) hands
+    src_mask merged with the key padding to torch._transformer_encoder_layer_fwd, is_causal unread; the slow path's
+    self_attn gets is_causal (_sa_block, 955-963), and MHA's slow path then applies causal in place of src_mask."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    band = ~torch.from_numpy(window_keep(5, 5, 2))
+    for grad, mask, wanted, where in ((False, None, np.ones((5, 5), dtype=bool), "self_attn"),
+                                      (False, band, window_keep(5, 5, 2), "self_attn"),
+                                      (True, band, np.tril(np.ones((5, 5), dtype=bool)), "self_attn")):
+        with torch.set_grad_enabled(grad), maskcli.trace() as t:
+            out = layer(x, src_mask=mask, is_causal=True)
+        (call,) = t.calls
+        assert call.where == where and np.array_equal(call.keep()[0, 0], wanted), (grad, mask is None)
+        with torch.set_grad_enabled(grad):  # the layer given the recorded mask (block polarity), no hint: same output
+            again = layer(x, src_mask=torch.from_numpy(~np.ascontiguousarray(call.keep()[0, 0])))
+        assert torch.allclose(out, again, atol=1e-5), (grad, mask is None)
+
+
+def test_a_softmax_is_attention_when_its_input_came_from_q_at_k_transposed_or_its_shape_says_so():
+    """maskcli.trace.scores: logits from a projection (a 2-D weight) are no scores, whatever their shape; a 3-D
+    cross-attention score of 2 queries and 5 keys made by bmm or einsum is, through scaling and masked_fill."""
+    torch.manual_seed(0)
+    head = nn.Linear(8, 11)
+    x, q, k = torch.randn(2, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 5, 8)
+    block = torch.tensor([False, False, False, True, True])
+    with maskcli.trace() as t:
+        torch.softmax(head(x), dim=-1)  # (B, T, vocab)
+        torch.softmax(x @ head.weight.T, dim=-1)  # tied weights written with @: one operand is 2-D
+        (torch.bmm(q, k.transpose(1, 2)) / 8 ** 0.5).masked_fill(block, float("-inf")).softmax(-1)
+        torch.einsum("bqd,bkd->bqk", q, k).softmax(-1)
+        torch.softmax(torch.randn(2, 4, 4), dim=-1)  # made by hand, square: its shape says so
+    assert [c.shape for c in t.calls] == [(6, 1, 2, 5), (6, 1, 2, 5), (2, 1, 4, 4)]
+    assert np.array_equal(t.calls[0].keep()[0, 0], np.broadcast_to(~block.numpy(), (2, 5)))
+
+
+def test_flex_attention_masked_by_its_score_mod_is_recorded_as_the_kernel_masks():
+    """A score_mod's -inf cells are masked as the BlockMask's are: read on the index grid in bands, checked against
+    FlexAttention's own create_mask of the score_mod (torch/nn/attention/flex_attention.py 1735-1739: -inf cells
+    are False) and against the kernel's output, recomputed with SDPA and the recorded mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+
+    def per_head(score, b, h, q_idx, kv_idx):  # head 0 causal, head 1 a window of 2 keys
+        return torch.where((q_idx >= kv_idx) & ((h == 0) | (q_idx - kv_idx < 2)), score, -float("inf"))
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx >= kv_idx, score - (q_idx - kv_idx) * 0.5, -float("inf"))
+
+    def clip(score, b, h, q_idx, kv_idx):  # masks by the score's value: no mask of positions
+        return torch.where(score > 0.5, score, -float("inf"))
+
+    q, k, v = qkv(2, 2, 6, 6)
+    near = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() < 4, 1, 1, 6, 6, device="cpu", BLOCK_SIZE=2)
+    with maskcli.trace() as t:
+        outs = [flex_attention(q, k, v, score_mod=per_head), flex_attention(q, k, v, score_mod=per_head, block_mask=near),
+                flex_attention(q, k, v, score_mod=alibi), flex_attention(q, k, v, score_mod=clip)]
+    wanted = create_mask(per_head, 2, 2, 6, 6, device="cpu").numpy()
+    near_cells = create_mask(near.mask_mod, 1, 1, 6, 6, device="cpu").numpy()
+    assert np.array_equal(np.broadcast_to(t.calls[0].keep(), (2, 2, 6, 6)), wanted)
+    assert np.array_equal(np.broadcast_to(t.calls[1].keep(), (2, 2, 6, 6)), wanted & near_cells)
+    for call, out in zip(t.calls[:2], outs):
+        replay = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(np.ascontiguousarray(np.broadcast_to(call.keep(), (2, 2, 6, 6)))))
+        assert torch.allclose(out, replay, atol=1e-5)
+    assert np.array_equal(t.calls[2].keep()[0, 0], np.tril(np.ones((6, 6), dtype=bool)))
+    assert t.calls[3].details["score_mod_read"] == "not read: which cells it sets to -inf depends on the score's value"
+    codes = [[(f.code, f.message) for f in g.findings] for g in t.groups()]
+    assert codes[2] == [("score-mod", "the score_mod alibi also adds a bias where it does not mask: the mask shown is "
+                                      "the cells it sets to -inf")]
+    assert codes[3] == [("score-mod", "the score_mod clip was not read: which cells it sets to -inf depends on the "
+                                      "score's value: the mask shown leaves out any cell it masks (sets to -inf)")]

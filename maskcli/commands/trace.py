@@ -41,7 +41,7 @@ def trace(
 ) -> None:
     """Run a Python program and record the mask of every attention call it makes, grouped and named.
 
-    The program runs in this process as `python SCRIPT.py ARGS` (or `python -m MODULE ARGS`) would: its own sys.argv and __main__, its stdout untouched, its exit status kept (a program that raises prints its traceback and exits 1). The report goes to stderr: calls whose masks are the same form one row, named as a maskcli expression with findings (rows that see no key and what the API makes of them, queries that see later keys, is_causal aligned top-left, a finite fill, is_causal or a sliding_window Hugging Face asked for that the kernel did not apply). maskcli's options come before the program.
+    The program runs in this process as `python SCRIPT.py ARGS` (or `python -m MODULE ARGS`) would: its own sys.argv and __main__, its stdout untouched, its exit status kept (a program that raises prints its traceback and exits 1). The report goes to stderr: calls whose masks are the same form one row, named as a maskcli expression with findings (rows that see no key and what the API makes of them, queries that see later keys, is_causal aligned top-left, a finite fill, is_causal or a sliding_window Hugging Face asked for that the kernel did not apply, an is_causal a fast path ignored), then what it could not see: threads running before it, child processes, torch.compile'd code (TORCHDYNAMO_DISABLE=1 runs that eagerly, traced). maskcli's options come before the program.
     """
     import os
 
@@ -95,12 +95,14 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
     console = make_console(stderr=True)
     for view in views(groups, len(tracer.calls), program, status, failures):
         console.print(view)
-    for line in unseen + held:
+    notes = tracer.notes()  # threads traced, and what was not: threads running before, child processes
+    for line in unseen + notes + held:
         console.print(line)
     if json_path is not None:
         numbers = {call.index: number for number, group in enumerate(groups) for call in group.calls}
         data = {"program": program, "exit_status": status, "calls": [{**call.json(), "group": numbers[call.index]} for call in tracer.calls],
-                "groups": [group.json() for group in groups], "expect": failures, "not_imported": unseen}
+                "groups": [group.json() for group in groups], "expect": failures, "not_imported": unseen,
+                "notes": notes}
 
         def write_json(path: str) -> None:
             with open(path, "w", encoding="utf-8") as out:

@@ -13,9 +13,8 @@ which names where a call came from.
 
 from __future__ import annotations
 
-import os
 import sys
-from collections import Counter
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,9 +27,13 @@ from maskcli.text import step_label
 import maskcli.trace.masks as readers
 from maskcli.trace.masks import Operands
 import maskcli.trace.flash as flash
+import maskcli.trace.compiled as compiled
 import maskcli.trace.interface as interface
 from maskcli.trace.flex import flex as read_flex
 from maskcli.trace.patch import Watch, swap
+from maskcli.trace.scores import Scores
+from maskcli.trace.sites import Sites
+from maskcli.trace.threads import Threads
 
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf")
 DEFAULT_MAX_BYTES = 256 << 20
@@ -78,10 +81,15 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        reader = self.trace.readers.get(func)  # the hot path: one lookup per torch call
-        if reader is not None and not self.trace.busy and not self.trace.within and not torch.compiler.is_dynamo_compiling():
-            self.trace.capture(reader, args, kwargs)  # (inside a compiled region nothing of ours may run)
-        return func(*args, **kwargs)
+        trace = self.trace
+        reader = trace.readers.get(func)  # the hot path: one lookup per torch call
+        if reader is not None and trace.active and not trace.busy and not trace.within and not torch.compiler.is_dynamo_compiling():
+            if reader is not readers.softmax or trace.scores.attention(readers.softmax_input(args, kwargs)):
+                trace.capture(reader, args, kwargs)  # (inside a compiled region nothing of ours may run)
+        out = func(*args, **kwargs)
+        if trace.scores is not None:
+            trace.scores.after(func, args, kwargs, out)
+        return out
 
 
 class Trace:
@@ -93,28 +101,57 @@ class Trace:
         self.calls: list[Call] = []
         self.masks: dict[str, dict] = {}
         self.bytes = 0
-        self.busy = False
+        self._local = threading.local()  # busy, within, interfaces: each thread the program runs has its own
+        self._lock = threading.RLock()
         self.readers = {}
         if "sdpa" in self.apis:
             self.readers[F.scaled_dot_product_attention] = readers.sdpa
         if "mha" in self.apis:
             self.readers[F.multi_head_attention_forward] = readers.mha
+        self.scores = None  # the tensors that are q @ kᵀ scores (scores.py): a softmax over logits is no attention call
         if "softmax" in self.apis:
             for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
                 self.readers[func] = readers.softmax
-        self._names: dict[int, tuple[torch.nn.Module, str]] = {}
-        self._stack: list[torch.nn.Module] = []
-        self._steps: Counter = Counter()
+            self.scores = Scores()
+        self.sites = Sites()
         self._cache: dict = {}
         self._handles: list = []
-        self.within = 0  # inside a module recorded from its arguments (modules.py): its inner calls are not new ones
         self.mode = _Mode(self)
         self._unwrap: list = []
         self._undo: list = []  # what puts swapped functions and patched classes back, in the order done
         self._swapped: set[int] = set()
-        self.interfaces: list[dict] = []  # the Hugging Face interface calls running (interface.py), innermost last
         self.patched: set[str] = set()  # "flash", "hf": the APIs whose modules the program imported (so were patched)
         self.active = False
+        self.threads = None
+        self.compiled = compiled.Compiled(lambda: self.within > 0)  # calls of torch.compile'd code, whose attention
+        # is not seen (but for what a recorded call runs itself: flex_attention compiles its operator even in eager)
+
+    @property
+    def busy(self) -> bool:
+        """Recording a call now (what maskcli itself runs then is not the program's)."""
+        return getattr(self._local, "busy", False)
+
+    @busy.setter
+    def busy(self, value: bool) -> None:
+        self._local.busy = value
+
+    @property
+    def within(self) -> int:
+        """Inside a call recorded already (a module read from its arguments, a swapped function): its inner calls
+        are not new ones."""
+        return getattr(self._local, "within", 0)
+
+    @within.setter
+    def within(self, value: int) -> None:
+        self._local.within = value
+
+    @property
+    def interfaces(self) -> list[dict]:
+        """The Hugging Face interface calls running in this thread (interface.py), innermost last."""
+        found = getattr(self._local, "interfaces", None)
+        if found is None:
+            found = self._local.interfaces = []
+        return found
 
     def groups(self) -> list:
         """The calls grouped by mask, API and shape, each named, with findings (maskcli.trace.report.Group)."""
@@ -126,7 +163,11 @@ class Trace:
         """The grouped report as plain text, one line per group and one per finding."""
         from maskcli.trace.report import text
 
-        return text(self.groups(), len(self.calls))
+        return "\n".join([text(self.groups(), len(self.calls)), *self.notes()])
+
+    def notes(self) -> list[str]:
+        """What the trace could not see, or saw beyond the main thread: threads, child processes, compiled code."""
+        return (self.threads.notes(self.calls) if self.threads is not None else []) + self.compiled.notes()
 
     # --- entering and leaving -----------------------------------------------------------------
 
@@ -141,7 +182,7 @@ class Trace:
 
         self._unwrap = wrap(self, record="mha" in self.apis)  # always: the mode must not take their fast paths away
         self._watch = Watch(self._wanted).__enter__()
-        loaded = [name for name in (interface.MODULE, *flash.MODULES) if name in sys.modules]
+        loaded = [name for name in (interface.MODULE, *flash.MODULES, compiled.MODULE) if name in sys.modules]
         if "flash_attn" in loaded:  # its submodules too (not a walk of every module loaded: thousands, with transformers)
             loaded += [name for name in list(sys.modules) if name.startswith("flash_attn.")]
         for name in loaded:  # what the program imported already; the watch sees what it imports later
@@ -150,9 +191,11 @@ class Trace:
                 found(sys.modules[name])
         self.active = True
         self.mode.__enter__()
+        self.threads = Threads(lambda: _Mode(self) if self.active else None).__enter__()  # (a mode is per thread)
         return self
 
     def __exit__(self, *exc) -> None:
+        self.threads.__exit__()
         self.mode.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
@@ -166,8 +209,7 @@ class Trace:
             self._undo.pop()()
         self._swapped.clear()
         self._cache.clear()
-        self._stack.clear()
-        self._names.clear()  # the program's modules are its own again once the trace ends
+        self.sites.clear()
 
     def _patch_flex(self) -> None:
         """flex_attention's own code swapped for a shim that records the call first (patch.swap)."""
@@ -183,7 +225,14 @@ class Trace:
             return self._patch_flash
         if "hf" in self.apis and name == interface.MODULE:
             return self._patch_hf
+        if name == compiled.MODULE:
+            return self._patch_compiled
         return None
+
+    def _patch_compiled(self, module) -> None:
+        undo = self.compiled.patch(module)
+        if undo is not None:
+            self._undo.append(undo)
 
     def _patch_flash(self, module) -> None:
         import inspect
@@ -224,39 +273,12 @@ class Trace:
     # --- where a call comes from --------------------------------------------------------------
 
     def _pre(self, module, args) -> None:
-        if torch.compiler.is_dynamo_compiling():  # a compiled region runs without us (its calls are not recorded)
-            return
-        if id(module) not in self._names:
-            self._name(module)
-        self._stack.append(module)
+        if not torch.compiler.is_dynamo_compiling():  # a compiled region runs without us (its calls are not recorded)
+            self.sites.enter(module)
 
     def _post(self, module, args, output) -> None:
-        if torch.compiler.is_dynamo_compiling():
-            return
-        for i in range(len(self._stack) - 1, -1, -1):  # the innermost entry of it (an exception may have left others)
-            if self._stack[i] is module:
-                del self._stack[i:]
-                break
-
-    def _name(self, module) -> None:
-        """Name `module` and everything under it: by its path in the outermost module running, else as a new root."""
-        for outer in self._stack:
-            for name, inner in outer.named_modules():
-                if inner is module:
-                    base = self._names[id(outer)][1]
-                    prefix = f"{base}." if base else ""
-                    for sub, child in module.named_modules(prefix=prefix + name):
-                        self._names.setdefault(id(child), (child, sub))
-                    return
-        for name, child in module.named_modules():
-            self._names.setdefault(id(child), (child, name))
-
-    def where(self) -> str:
-        if self._stack:
-            module = self._stack[-1]
-            name = self._names.get(id(module), (module, ""))[1]
-            return name or type(module).__name__
-        return _first_frame_outside()
+        if not torch.compiler.is_dynamo_compiling():
+            self.sites.leave(module)
 
     # --- recording ----------------------------------------------------------------------------
 
@@ -267,38 +289,42 @@ class Trace:
             return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real
         self.busy = True
         try:
-            where = self.where()
-            try:
-                with torch.no_grad():
-                    seen = reader(args, kwargs)
-                    if seen is None:
-                        return
-                    if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
-                        interface.unpack_gqa(seen, self.interfaces[-1])
-                    key = self._store(seen)
-            except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
-                api = getattr(reader, "api", "?")
-                self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self.calls), where=where, step=self._step(where),
-                                  details={"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, trace=self))
-                return
-            if seen.child:
-                where = f"{where}.{seen.child}" if where else seen.child
-            self._append(Call(**{**seen.operands(), "shape": tuple(int(x) for x in seen.shape)}, index=len(self.calls), where=where,
-                              step=self._step(where), mask=key, details=seen.details, trace=self))
+            with self._lock:  # (threads of the program record one at a time: indexes, steps and the store stay whole)
+                self._record(reader, args, kwargs)
         finally:
             self.busy = False
 
+    def _record(self, reader, args, kwargs) -> None:
+        site, where = self.sites.current()
+        try:
+            with torch.no_grad():
+                seen = reader(args, kwargs)
+                if seen is None:
+                    return
+                if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
+                    interface.unpack_gqa(seen, self.interfaces[-1])
+                key = self._store(seen)
+        except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
+            api = getattr(reader, "api", "?")
+            self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self.calls), where=where, step=self.sites.step(site),
+                              details={"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, trace=self))
+            return
+        if seen.child:
+            site, where = self.sites.current(seen.child)
+        self._append(Call(**{**seen.operands(), "shape": tuple(int(x) for x in seen.shape)}, index=len(self.calls), where=where,
+                          step=self.sites.step(site), mask=key, details=seen.details, trace=self))
+
     def _append(self, call: Call) -> None:
         """A call made inside a Hugging Face interface call carries what HF told that call (and is what it did)."""
+        if threading.current_thread() is not threading.main_thread():
+            call.details["thread"] = threading.current_thread().name
+        if self.compiled.inside():
+            call.details["compiled"] = True
+            self.compiled.seen += 1
         if self.interfaces:
             call.details["hf"] = self.interfaces[-1]["hf"]
             self.interfaces[-1]["seen"] += 1
         self.calls.append(call)
-
-    def _step(self, where: str) -> int:
-        step = self._steps[where]
-        self._steps[where] += 1
-        return step
 
     def _store(self, seen) -> str:
         if seen.intervals is not None:
@@ -343,19 +369,3 @@ def _has_values(tensor: torch.Tensor) -> bool:
         return False
     return type(tensor).__name__ != "FakeTensor"
 
-
-def _first_frame_outside() -> str:
-    """file:line of the innermost frame that is neither torch's nor maskcli's."""
-    torch_dir = os.path.dirname(torch.__file__)
-    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith((torch_dir, own)) and not name.startswith("<frozen"):
-            try:
-                shown = os.path.relpath(name)
-            except ValueError:
-                shown = name
-            return f"{shown if not shown.startswith('..') else os.path.basename(name)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"

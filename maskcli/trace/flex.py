@@ -25,19 +25,89 @@ def flex(args: tuple, kwargs: dict) -> Seen:
     q, k, v = given["query"], given["key"], given["value"]
     q_len, k_len = q.shape[-2], k.shape[-2]
     block_mask = given.get("block_mask")
-    details = {"score_mod": given.get("score_mod") is not None, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False))}
+    score_mod = given.get("score_mod")
+    details = {"score_mod": score_mod is not None, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False))}
     seen = Seen("flex", (*_four(tuple(q.shape[:-2])), q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape),
                 _dtype(q), str(q.device), details=details)
     if block_mask is None:
         seen.intervals = everything(q_len, k_len)
-        return seen
-    details["mask_mod"] = getattr(block_mask.mask_mod, "__name__", type(block_mask.mask_mod).__name__)
-    details["block_size"] = list(block_mask.BLOCK_SIZE)
-    seen.intervals, seen.planes = block_intervals(block_mask, q_len, k_len)
+    else:
+        details["mask_mod"] = getattr(block_mask.mask_mod, "__name__", type(block_mask.mask_mod).__name__)
+        details["block_size"] = list(block_mask.BLOCK_SIZE)
+        seen.intervals, seen.planes = block_intervals(block_mask, q_len, k_len)
+    if score_mod is not None:
+        details["score_mod_name"] = getattr(score_mod, "__name__", type(score_mod).__name__)
+        found, planes, details["score_mod_read"] = score_masking(score_mod, *seen.shape, q.device)
+        if found is not None:
+            target = (max(planes[0], seen.planes[0]), max(planes[1], seen.planes[1]))
+            seen.intervals = _spread(seen.intervals, seen.planes, target) & _spread(found, planes, target)
+            seen.planes = target
     return seen
 
 
 flex.api = "flex"
+
+SCORE_BAND = 1 << 22  # cells of the score_mod's grid evaluated at once
+SCORE_LIMIT = 1 << 26  # cells past which the score_mod is not evaluated (and the report says its masking was not read)
+
+
+def score_masking(score_mod, batch: int, heads: int, q_len: int, k_len: int, device):
+    """(intervals, (b, h), what was read) of the cells a score_mod sets to -inf, which the kernel then masks.
+
+    The score_mod runs on the index grid a band of query rows at a time (never L x L at once), vmapped as
+    create_mask vmaps it (torch/nn/attention/flex_attention.py, create_mask, lines 1735-1739 of torch 2.13), with
+    two probe scores, 0 and 1: a cell at -inf for both is masked; a mask that differs between the probes depends on
+    the score's value and is not read (None); values other than the probe where not masked are a bias, said."""
+    cells = batch * heads * q_len * k_len
+    if cells > SCORE_LIMIT:
+        return None, None, f"not read: {cells:,} cells are past the {SCORE_LIMIT:,} maskcli evaluates a score_mod on"
+    try:
+        from torch.nn.attention.flex_attention import _vmap_for_bhqkv
+
+        run = _vmap_for_bhqkv(score_mod, prefix=(0,))
+    except ImportError:  # (another torch: called on broadcast indices, as maskcli calls a mask_mod)
+        run = lambda score, b, h, m, n: score_mod(score, b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), m.view(1, 1, -1, 1), n.view(1, 1, 1, -1))  # noqa: E731
+    b, h, n = (torch.arange(x, device=device) for x in (batch, heads, k_len))
+    rows = max(1, SCORE_BAND // (batch * heads * k_len))
+    cols = np.arange(k_len)
+    runs, bias, same_b, same_h = [], False, True, True  # runs: (plane, row, start, end) of each band
+    try:
+        with torch.no_grad():
+            for lo in range(0, q_len, rows):
+                m = torch.arange(lo, min(q_len, lo + rows), device=device)
+                outs = [torch.broadcast_to(run(torch.full((batch, heads, len(m), k_len), probe, device=device), b, h, m, n),
+                                           (batch, heads, len(m), k_len)) for probe in (0.0, 1.0)]
+                masked = torch.isneginf(outs[0])
+                if not torch.equal(masked, torch.isneginf(outs[1])):
+                    return None, None, "not read: which cells it sets to -inf depends on the score's value"
+                bias = bias or any(bool(((out != probe) & ~masked).any()) for out, probe in zip(outs, (0.0, 1.0)))
+                keep = (~masked).cpu().numpy()
+                same_b = same_b and bool((keep == keep[:1]).all())
+                same_h = same_h and bool((keep == keep[:, :1]).all())
+                for plane, cells in enumerate(keep.reshape(batch * heads, len(m), k_len)):
+                    r, s, e = _runs(cells, cols)
+                    runs.append((np.full(len(r), plane), r + lo, s, e))
+    except Exception as error:  # noqa: BLE001 - a score_mod maskcli cannot run on index tensors: said, not raised
+        return None, None, f"not read: it could not run on index tensors ({type(error).__name__}: {str(error)[:80]})"
+    planes = (1 if same_b else batch, 1 if same_h else heads)
+    plane, row, start, end = (np.concatenate([part[i] for part in runs]).astype(np.int64) for i in range(4))
+    pb, ph = plane // heads, plane % heads
+    chosen = (pb < planes[0]) & (ph < planes[1])
+    flat = (pb * planes[1] + ph)[chosen] * q_len + row[chosen]
+    order = np.argsort(flat, kind="stable")
+    count = planes[0] * planes[1]
+    s_out, e_out = by_row(flat[order], start[chosen][order], end[chosen][order], count * q_len, k_len)
+    intervals = Intervals.of(s_out.reshape(count, q_len, -1), e_out.reshape(count, q_len, -1), 0, k_len)
+    return intervals, planes, "read: its -inf cells, and it adds a bias elsewhere" if bias else "read: its -inf cells"
+
+
+def _spread(intervals: Intervals, planes: tuple[int, int], target: tuple[int, int]) -> Intervals:
+    """Intervals of (b, h) planes repeated to the `target` planes (each 1 or the target's own)."""
+    if tuple(planes) == tuple(target):
+        return intervals
+    def grow(x):
+        return np.broadcast_to(x.reshape(planes[0], planes[1], *x.shape[1:]), (*target, *x.shape[1:])).reshape(-1, *x.shape[1:])
+    return Intervals.of(grow(intervals.starts), grow(intervals.ends), intervals.k_start, intervals.k_end)
 
 
 def block_intervals(block_mask, q_len: int, k_len: int) -> tuple[Intervals, tuple[int, int]]:

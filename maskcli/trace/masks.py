@@ -172,11 +172,15 @@ def _allow_extra(keep: torch.Tensor, extra: int) -> torch.Tensor:
     return torch.cat([keep, torch.ones(keep.shape[:-1] + (extra,), dtype=torch.bool, device=keep.device)], -1)
 
 
+def softmax_input(args: tuple, kwargs: dict):
+    return args[0] if args else kwargs.get("input", kwargs.get("self"))
+
+
 def softmax(args: tuple, kwargs: dict) -> Seen | None:
     """A softmax over the last dimension of a 3-D or 4-D tensor: the scores of eager attention, masked where -inf
     or the dtype's lowest value (masked_fill and Hugging Face's eager path), or a finite fill (_finite_fill).
     None for any other softmax."""
-    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    x = softmax_input(args, kwargs)
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4) or not x.is_floating_point() or dim not in (-1, x.dim() - 1):
         return None

@@ -1,11 +1,15 @@
-"""nn.MultiheadAttention and nn.TransformerEncoder(Layer) recorded from their own arguments, run with the mode paused.
+"""nn.MultiheadAttention and nn.TransformerEncoder(Layer) run with the mode paused, each call recorded as the path it took.
 
 These modules take a fused fast path (torch._native_multi_head_attention, nested tensors)
 only where no argument "has a torch function", and an active TorchFunctionMode makes every
 tensor have one: traced under the mode they would take the slow path and compute slightly
 different numbers (and nested-tensor zeros at padding would differ). So while tracing, their
-forward is wrapped at the class: the call is recorded from its arguments, merged as MHA
-merges them, and the original forward runs with maskcli's mode popped off the stack.
+forward is wrapped at the class and the original forward runs with maskcli's mode popped off
+the stack. The two paths apply different masks for the same arguments: the slow path hands
+is_causal to F.multi_head_attention_forward, which drops attn_mask for SDPA's causal mask
+where there is no key padding and no weights; the fast paths merge attn_mask and the key
+padding and never read is_causal (with no attn_mask: no mask at all). So the call is read
+after it ran, from what the path it took was given.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from maskcli.trace.masks import mha as read_functional
 
@@ -36,17 +42,23 @@ def _as_functional(module: nn.MultiheadAttention, query, key, value, **masks) ->
     return (), kwargs
 
 
-def read_mha(args: tuple, kwargs: dict):
+def read_fast_mha(args: tuple, kwargs: dict):
+    """nn.MultiheadAttention's fast path (torch._native_multi_head_attention): attn_mask and key_padding_mask merged by
+    merge_masks, is_causal never read (torch/nn/modules/activation.py, MultiheadAttention.forward, lines 1427-1447 of
+    torch 2.13)."""
     module, *rest = args
     bound = _signature(type(module)).bind(module, *rest, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
-    return read_functional(*_as_functional(module, a["query"], a["key"], a["value"], key_padding_mask=a["key_padding_mask"],
-                                           need_weights=a["need_weights"], attn_mask=a["attn_mask"], is_causal=a["is_causal"]))
+    seen = read_functional(*_as_functional(module, a["query"], a["key"], a["value"], key_padding_mask=a["key_padding_mask"],
+                                           need_weights=a["need_weights"], attn_mask=a["attn_mask"], is_causal=False))
+    return _fast(seen, a["is_causal"], a["attn_mask"])
 
 
-def read_encoder_layer(args: tuple, kwargs: dict):
-    """The layer's self-attention: src against itself with src_mask and src_key_padding_mask, no weights."""
+def read_fast_encoder_layer(args: tuple, kwargs: dict):
+    """nn.TransformerEncoderLayer's fast path (torch._transformer_encoder_layer_fwd): src against itself with src_mask
+    and src_key_padding_mask merged by merge_masks, is_causal never read (torch/nn/modules/transformer.py,
+    TransformerEncoderLayer.forward, lines 913-938 of torch 2.13)."""
     module, *rest = args
     bound = _signature(type(module)).bind(module, *rest, **kwargs)
     bound.apply_defaults()
@@ -54,16 +66,32 @@ def read_encoder_layer(args: tuple, kwargs: dict):
     src, padding, mask, is_causal = a["src"], a["src_key_padding_mask"], a["src_mask"], a["is_causal"]
     if src.is_nested and _ENCODERS:  # the encoder packed its padded input into a nested tensor: read its padding
         outer = _ENCODERS[-1]
-        src, padding, mask, is_causal = outer["src"], outer["src_key_padding_mask"], outer["mask"], outer["is_causal"]
+        src, padding, mask = outer["src"], outer["src_key_padding_mask"], outer["mask"]
     seen = read_functional(*_as_functional(module.self_attn, src, src, src, key_padding_mask=padding,
-                                           need_weights=False, attn_mask=mask, is_causal=bool(is_causal)))
+                                           need_weights=False, attn_mask=mask, is_causal=False))
     seen.child = "self_attn"
+    return _fast(seen, is_causal, mask)
+
+
+def _fast(seen, is_causal, mask):
+    """The fast path noted on the call, and is_causal=True that it ignored where the mask it applied is not causal."""
+    seen.details["path"] = "fast"
+    seen.details["is_causal"] = bool(is_causal)
+    if is_causal:
+        q_len, k_len = seen.shape[2:]
+        if mask is None:
+            seen.details["ignored_is_causal"] = ("no mask was given, so no mask was applied: every query sees every key "
+                                                 "(the slow path, in training or with grad, refuses is_causal without a mask)")
+        elif seen.keep is not None and not bool((seen.keep == torch.ones(q_len, k_len, dtype=torch.bool, device=seen.keep.device).tril()).all()):
+            seen.details["ignored_is_causal"] = ("the mask given, which is not causal, was applied (the slow path, in "
+                                                 "training or with grad, applies causal in its place)")
     return seen
 
 
-read_mha.api = read_encoder_layer.api = "mha"
+read_fast_mha.api = read_fast_encoder_layer.api = "mha"
 _ENCODERS: list[dict] = []  # the arguments of the nn.TransformerEncoder calls running, innermost last
-WRAPPED = ((nn.MultiheadAttention, read_mha), (nn.TransformerEncoderLayer, read_encoder_layer), (nn.TransformerEncoder, None))
+_LOCAL = threading.local()  # per thread: the F.multi_head_attention_forward calls seen while an MHA forward runs
+WRAPPED = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
 
 @contextlib.contextmanager
@@ -77,41 +105,83 @@ def paused(mode):
 
 
 def wrap(trace, record: bool = True) -> list:
-    """Wrap each class's forward for `trace` (recording their calls where `record`); the (class, original forward)
-    pairs to put back."""
+    """Wrap each class's forward for `trace` (recording their calls where `record`); what puts them back.
 
-    def run(module, args, kwargs, original, reader):
-        if reader is not None and not trace.busy and trace.within == 0 and not torch.compiler.is_dynamo_compiling():
-            trace.capture(reader, (module, *args), kwargs)
-        trace.within += reader is not None  # the MHA inside an encoder layer is the layer's call, not another
+    Which path a module takes is seen, not guessed: its slow path calls F.multi_head_attention_forward (swapped here to
+    note its arguments, read then exactly as given), its fast path does not; an encoder layer whose self_attn never ran
+    took its fast path. Each is recorded as that path computes it."""
+    from maskcli.trace.patch import swap
+
+    def note_slow(original):
+        def hook(*args, **kwargs):
+            notes = getattr(_LOCAL, "notes", None)
+            if notes is not None:
+                notes.append((args, kwargs))
+                _LOCAL.notes = None  # only the module's own call, not one its functional form makes inside
+            return original(*args, **kwargs)
+
+        return hook
+
+    def recording() -> bool:
+        return record and not trace.busy and trace.within == 0 and not torch.compiler.is_dynamo_compiling()
+
+    def forward_mha(module, args, kwargs, original):
+        if not recording():
+            with paused(trace.mode):
+                return original(module, *args, **kwargs)
+        _LOCAL.attention = getattr(_LOCAL, "attention", 0) + 1  # (an encoder layer's self_attn ran: its slow path)
+        notes, saved = [], getattr(_LOCAL, "notes", None)
+        _LOCAL.notes = notes
+        trace.within += 1
+        try:
+            with paused(trace.mode):
+                out = original(module, *args, **kwargs)
+        finally:
+            trace.within -= 1
+            _LOCAL.notes = saved
+        if notes:
+            trace.capture(read_functional, *notes[0])
+        else:
+            trace.capture(read_fast_mha, (module, *args), kwargs)
+        return out
+
+    def forward_layer(module, args, kwargs, original):
+        if not recording():
+            with paused(trace.mode):
+                return original(module, *args, **kwargs)
+        before = getattr(_LOCAL, "attention", 0)
+        with paused(trace.mode):
+            out = original(module, *args, **kwargs)
+        if getattr(_LOCAL, "attention", 0) == before:  # its self_attn never ran: the fused fast path did the layer
+            trace.capture(read_fast_encoder_layer, (module, *args), kwargs)
+        return out
+
+    def forward_encoder(module, args, kwargs, original):
+        bound = _signature(type(module)).bind(module, *args, **kwargs)  # its layers may get a nested tensor: keep
+        bound.apply_defaults()  # what it was given
+        _ENCODERS.append(bound.arguments)
         try:
             with paused(trace.mode):
                 return original(module, *args, **kwargs)
         finally:
-            trace.within -= reader is not None
+            _ENCODERS.pop()
 
     undo = []
-    for cls, reader in WRAPPED:
-        reader = reader if record else None
+    for cls, run in zip(WRAPPED, (forward_mha, forward_layer, forward_encoder)):
         original = cls.__dict__["forward"]
 
-        def forward(module, *args, _original=original, _reader=reader, **kwargs):
-            if isinstance(module, nn.TransformerEncoder):  # its layers may get a nested tensor: keep what it was given
-                bound = _signature(type(module)).bind(module, *args, **kwargs)
-                bound.apply_defaults()
-                _ENCODERS.append(bound.arguments)
-            try:
-                return run(module, args, kwargs, _original, _reader)
-            finally:
-                if isinstance(module, nn.TransformerEncoder):
-                    _ENCODERS.pop()
+        def forward(module, *args, _original=original, _run=run, **kwargs):
+            return _run(module, args, kwargs, _original)
 
         functools.update_wrapper(forward, original)
         cls.forward = forward
-        undo.append((cls, original))
+        undo.append(lambda cls=cls, original=original: setattr(cls, "forward", original))
+    swapped = swap(F.multi_head_attention_forward, note_slow)
+    if swapped is not None:
+        undo.append(swapped)
     return undo
 
 
 def unwrap(undo: list) -> None:
-    for cls, original in undo:
-        cls.forward = original
+    for put_back in reversed(undo):
+        put_back()

@@ -74,7 +74,7 @@ def group(calls: list) -> list[Group]:
     """Calls with the same mask, API and shape form one group, in the order of their first call."""
     found: dict[tuple, list] = {}
     for call in calls:
-        key = (call.mask, call.api, call.shape, *(call.details.get(name) for name in ("error", "q_start", "fill_value", "additive")))
+        key = (call.mask, call.api, call.shape, *(call.details.get(name) for name in ("error", "q_start", "fill_value", "additive", "score_mod_read")))
         found.setdefault(key, []).append(call)
     return [_named(members) for members in found.values()]
 
@@ -126,6 +126,17 @@ def _named(calls: list) -> Group:
             "the float attn_mask also adds values other than 0 and a fill (a bias: ALiBi, relative positions): "
             "the mask shown is its cells at -inf or at most -1e4; the rest of what it adds is not shown")))
     group.findings += _fills(first.details) + _asked(first, stored, group.name)
+    read = first.details.get("score_mod_read")
+    if read and read != "read: its -inf cells":  # (flex.py: a score_mod's masking is read off its -inf cells)
+        name = first.details.get("score_mod_name", "?")
+        group.findings.append(Finding("score-mod", (
+            f"the score_mod {name} also adds a bias where it does not mask: the mask shown is the cells it sets to -inf"
+            if read.startswith("read") else f"the score_mod {name} was {read}: the mask shown leaves out any cell it "
+            "masks (sets to -inf)")))
+    if first.details.get("ignored_is_causal"):  # (modules.py: what the fast path applied)
+        group.findings.append(Finding("ignored-is-causal", (
+            f"is_causal=True was ignored: the module's fast path (eval, no grad) never reads it; "
+            f"{first.details['ignored_is_causal']}")))
     if _top_left_is_causal(first, q_len, k_len):
         sees = ("its one query sees key 0 only, so the last {} keys are seen by no query" if q_len == 1 else
                 "query row i sees keys 0..i, so the last {} keys are seen by no query until the last rows").format(k_len - q_len)

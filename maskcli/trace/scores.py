@@ -1,0 +1,70 @@
+"""Which softmax is attention: the one over scores that came from q @ kᵀ, or whose shape says so.
+
+A model's last softmax is over its logits (B, T, vocab), which is no attention call
+(minGPT's generate, a sampling loop). So while tracing, the outputs of matmul, bmm,
+baddbmm and einsum of two batched operands (q @ kᵀ: both at least 3-D, where a
+projection's weight is 2-D) are remembered by identity, and so is every tensor computed
+from one of them that keeps its last two dimensions (the scaling, masked_fill, an added
+mask or bias, a cast): a softmax over one of those is attention. A softmax over a tensor
+maskcli saw no matmul make (scores built by hand, or made before the trace began) is
+attention where its shape says so: 4-D (B, H, Lq, Lk), or 3-D with as many queries as keys.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
+           torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum}
+KEEP = 256  # remembered tensors before the dead ones are let go
+
+
+class Scores:
+    """The tensors that are attention scores, by identity (a weak reference each: nothing is kept alive)."""
+
+    def __init__(self):
+        self._found: dict[int, weakref.ref] = {}
+
+    def after(self, func, args: tuple, kwargs: dict, out) -> None:
+        """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
+        if not isinstance(out, torch.Tensor) or out.dim() < 3:
+            return
+        if func in MATMULS:
+            operands = args[1:] if func is torch.einsum else args
+            if func is torch.einsum and len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+                operands = operands[0]
+            if func in (torch.baddbmm, torch.Tensor.baddbmm):
+                operands = operands[1:3]  # (input, batch1, batch2): the product is batch1 @ batch2
+            if sum(isinstance(x, torch.Tensor) and x.dim() >= 3 for x in operands) >= 2:
+                self._note(out)
+            return
+        if not self._found:
+            return
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, torch.Tensor) and self.has(x) and tuple(x.shape[-2:]) == tuple(out.shape[-2:]):
+                self._note(out)
+                return
+
+    def has(self, tensor: torch.Tensor) -> bool:
+        found = self._found.get(id(tensor))
+        return found is not None and found() is tensor
+
+    def attention(self, x: torch.Tensor) -> bool:
+        """A softmax over `x` (its last dimension) is an attention call."""
+        if not isinstance(x, torch.Tensor):
+            return False
+        if self.has(x):
+            return True
+        return x.dim() == 4 or (x.dim() == 3 and x.shape[-1] == x.shape[-2])
+
+    def _note(self, tensor: torch.Tensor) -> None:
+        if len(self._found) >= KEEP:
+            self._found = {key: ref for key, ref in self._found.items() if ref() is not None}
+            if len(self._found) >= KEEP:
+                self._found.clear()
+        try:
+            self._found[id(tensor)] = weakref.ref(tensor)
+        except TypeError:  # (a tensor subclass without weak references: not remembered)
+            pass

@@ -1,0 +1,181 @@
+"""Where an attention call comes from: its call site and its step.
+
+A call site is one module instance (or, where no module runs, the program's file:line);
+its steps are the repeated calls of that site. A module is named by its path from the
+outermost module holding it: the outermost module running, else the outermost module the
+program's frames hold that contains it (`model.encoder(...)` called on its own, as
+nn.Transformer users and the Annotated Transformer's `model.encode` do, is `encoder`, its
+layers `encoder.layers.0.self_attn`, never the decoder's `layers.0.self_attn`). Two
+modules that would get one name (two instances of one class, each called on its own) are
+told apart: the later one by the name the program holds it by, else `Class#N`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections import Counter
+
+import torch
+
+FRAMES = 64  # frames of the program searched for a module's owner
+
+
+class Sites:
+    """Module names, the stack of modules running (one per thread), and each call site's count of calls."""
+
+    def __init__(self):
+        self._local = threading.local()
+        self._names: dict[int, tuple[torch.nn.Module, str]] = {}  # id -> (module, path): the module held, so its id stays
+        self._taken: dict[str, int] = {}  # shown name -> id of the module that has it
+        self._steps: Counter = Counter()
+
+    @property
+    def stack(self) -> list:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def enter(self, module) -> None:
+        if id(module) not in self._names:
+            self._name(module)
+        self.stack.append(module)
+
+    def leave(self, module) -> None:
+        stack = self.stack
+        for i in range(len(stack) - 1, -1, -1):  # the innermost entry of it (an exception may have left others)
+            if stack[i] is module:
+                del stack[i:]
+                break
+
+    def clear(self) -> None:
+        self.stack.clear()
+        self._names.clear()  # the program's modules are its own again once the trace ends
+        self._taken.clear()
+
+    def current(self, child: str | None = None) -> tuple[tuple, str]:
+        """(site key, where) of a call made now; `child`: the submodule of the running one that attends."""
+        stack = self.stack
+        if not stack:
+            where = first_frame_outside()
+            return ("line", where), where
+        module = stack[-1]
+        inner = getattr(module, child, None) if child else None
+        if isinstance(inner, torch.nn.Module):
+            if id(inner) not in self._names:
+                self._name(inner)
+            module = inner
+        where = self.shown(module)
+        if child and inner is None:
+            where = f"{where}.{child}"
+        return ("module", id(module), child if inner is None else None), where
+
+    def shown(self, module) -> str:
+        return self._names.get(id(module), (module, ""))[1] or type(module).__name__
+
+    def step(self, key: tuple) -> int:
+        step = self._steps[key]
+        self._steps[key] += 1
+        return step
+
+    # --- naming -------------------------------------------------------------------------------
+
+    def _name(self, module) -> None:
+        """Name `module` and everything under it by its path in the outermost module that holds it."""
+        owner = None
+        for outer in self.stack:  # a running module that holds it
+            path = _path(outer, module)
+            if path is not None:
+                owner = (outer, path)
+                break
+        if owner is None:
+            owner = _owner(module)  # else one the program's frames hold
+        if owner is None:
+            self._root(module)
+            return
+        outer, path = owner
+        if id(outer) not in self._names:
+            self._root(outer)
+        base = self._names[id(outer)][1]
+        self._tree(module, f"{base}.{path}" if base else path)
+
+    def _root(self, root) -> None:
+        """A module no other one holds: named from itself, with a prefix where one of its names is taken already."""
+        names = [(child, sub) for sub, child in root.named_modules() if id(child) not in self._names]
+        if any(self._taken.get(sub or type(child).__name__, id(child)) != id(child) for child, sub in names):
+            label = _variable(root)
+            if label is None or label in self._taken:
+                count = 2
+                while f"{type(root).__name__}#{count}" in self._taken:
+                    count += 1
+                label = f"{type(root).__name__}#{count}"
+            self._tree(root, label)
+        else:
+            self._tree(root, "")
+
+    def _tree(self, module, prefix: str) -> None:
+        for sub, child in module.named_modules(prefix=prefix):
+            if id(child) not in self._names:
+                self._names[id(child)] = (child, sub)
+                self._taken.setdefault(sub or type(child).__name__, id(child))
+
+
+def _path(outer, module) -> str | None:
+    for name, inner in outer.named_modules():
+        if inner is module:
+            return name
+    return None
+
+
+def _modules_in_frames():
+    """The nn.Modules the frames of the program hold in their variables (innermost frame first), each once."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    frame, seen, searched = sys._getframe(1), set(), 0
+    while frame is not None and searched < FRAMES:
+        if not frame.f_code.co_filename.startswith(skip):  # torch's and maskcli's own frames hold none of the program's
+            searched += 1
+            for name, value in list(frame.f_locals.items()):
+                if isinstance(value, torch.nn.Module) and id(value) not in seen:
+                    seen.add(id(value))
+                    yield name, value
+        frame = frame.f_back
+
+
+def _owner(module) -> tuple[torch.nn.Module, str] | None:
+    """(holder, path) of the outermost module in the program's frames that holds `module` (a compiled module's
+    wrapper left out: its `_orig_mod` is torch.compile's, not the program's)."""
+    best = None
+    for _, candidate in _modules_in_frames():
+        if candidate is module or type(candidate).__name__ == "OptimizedModule":
+            continue
+        path = _path(candidate, module)
+        if path and (best is None or path.count(".") > best[1].count(".")):
+            best = (candidate, path)
+    return best
+
+
+def _variable(module) -> str | None:
+    """The name of the innermost variable of the program that holds `module` (how the program calls it)."""
+    for name, value in _modules_in_frames():
+        if value is module and name.isidentifier() and name != "self":
+            return name
+    return None
+
+
+def first_frame_outside() -> str:
+    """file:line of the innermost frame that is neither torch's nor maskcli's."""
+    torch_dir = os.path.dirname(torch.__file__)
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith((torch_dir, own)) and not name.startswith("<frozen"):
+            try:
+                shown = os.path.relpath(name)
+            except ValueError:
+                shown = name
+            return f"{shown if not shown.startswith('..') else os.path.basename(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"

@@ -1,0 +1,108 @@
+"""The threads and processes a traced program starts: each thread traced as the main one is, each process counted.
+
+A TorchFunctionMode is on one thread's stack only, so a thread the program starts would
+run its attention calls unseen. While tracing, every thread started runs inside a mode of
+its own (threading.Thread._bootstrap_inner, which threading, concurrent.futures'
+ThreadPoolExecutor and every Thread subclass go through before run()). Threads already
+running when the trace began cannot be entered: they are named (not daemon threads: those
+are libraries' helpers, such as the progress monitor torch.compile starts, far more often
+than a program's workers, which threading and ThreadPoolExecutor start as non-daemon). Child processes
+(multiprocessing, ProcessPoolExecutor, os.fork) run in memory of their own, where nothing
+of this trace reaches: they are counted and named, as not traced.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+_ACTIVE: list = []  # the Threads of the traces running (os.register_at_fork cannot be undone: it asks this list)
+_FORKING = threading.local()  # inside multiprocessing's start(): its fork is the process counted there
+
+
+def _forked() -> None:
+    if not getattr(_FORKING, "on", False):
+        for watch in _ACTIVE:
+            watch.processes.append("os.fork()")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_forked)
+
+
+class Threads:
+    """While entered: threads started get a mode from `make_mode()`; processes started are noted in .processes."""
+
+    def __init__(self, make_mode):
+        self.make_mode = make_mode
+        self.before: list[str] = []  # names of the threads running when the trace began, not traced
+        self.processes: list[str] = []
+        self._undo: list = []
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Threads:
+        current = threading.current_thread()
+        self.before = [t.name for t in threading.enumerate() if t is not current and t.is_alive() and not t.daemon]
+        bootstrap = threading.Thread._bootstrap_inner
+        watch = self
+
+        def _bootstrap_inner(thread):
+            mode = watch.make_mode()
+            if mode is None:  # the trace has ended
+                return bootstrap(thread)
+            mode.__enter__()
+            try:
+                return bootstrap(thread)
+            finally:
+                mode.__exit__(None, None, None)
+
+        threading.Thread._bootstrap_inner = _bootstrap_inner
+        self._undo.append(lambda: setattr(threading.Thread, "_bootstrap_inner", bootstrap))
+        import multiprocessing.process
+
+        start = multiprocessing.process.BaseProcess.start
+
+        def start_(process):
+            with watch._lock:
+                target = getattr(getattr(process, "_target", None), "__qualname__", None)
+                watch.processes.append(f"{process.name} ({target})" if target else process.name)
+            _FORKING.on = True
+            try:
+                return start(process)
+            finally:
+                _FORKING.on = False
+
+        multiprocessing.process.BaseProcess.start = start_
+        self._undo.append(lambda: setattr(multiprocessing.process.BaseProcess, "start", start))
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        while self._undo:
+            self._undo.pop()()
+
+    def notes(self, calls: list) -> list[str]:
+        """What the report says of them: the threads started that made attention `calls` (traced), threads and
+        processes not traced. (Threads that made none are not named: a library's helper thread is nothing to see.)"""
+        found = []
+        made = list(dict.fromkeys(call.details["thread"] for call in calls if "thread" in call.details))
+        if made:
+            found.append(f"{_count(len(made), 'thread')} the program started made attention calls, traced as well: {_names(made)}")
+        if self.before:
+            found.append(f"{_count(len(self.before), 'thread')} running before the trace began not traced (their calls "
+                         f"are not in this report): {_names(self.before)}")
+        if self.processes:
+            found.append(f"{_count(len(self.processes), 'child process', 'child processes')} not traced (they run in "
+                         f"memory of their own; trace the code they run on its own): {_names(self.processes)}")
+        return found
+
+
+def _count(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:6])
+    return shown + (f" and {len(names) - 6} more" if len(names) > 6 else "")

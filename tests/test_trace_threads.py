@@ -1,0 +1,96 @@
+"""maskcli.trace.threads: attention calls made in the threads a program starts are traced as the main thread's are;
+threads running before the trace and child processes are named as not traced."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import maskcli
+
+
+def attend(length: int) -> torch.Tensor:
+    q = torch.randn(1, 2, length, 4)
+    return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+class Worker(threading.Thread):  # a subclass with its own run(), as many programs write threads
+    def run(self):
+        attend(7)
+
+
+def test_calls_in_threads_the_program_starts_are_all_seen_with_their_masks():
+    """A TorchFunctionMode is per thread (torch/overrides.py, _push_mode on the thread's mode stack): three threads,
+    two pool workers, a Thread subclass and the main thread each call SDPA once; every call is seen."""
+    with maskcli.trace() as t:
+        threads = [threading.Thread(target=attend, args=(n,), name=f"worker-{n}") for n in (3, 4, 5)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        together = threading.Barrier(2)  # both tasks at once: two workers, whatever the scheduler does
+
+        def paired(length):
+            together.wait(10)
+            return attend(length)
+
+        with ThreadPoolExecutor(2, thread_name_prefix="pool") as pool:
+            list(pool.map(paired, [8, 9]))
+        worker = Worker(name="subclass")
+        worker.start()
+        worker.join()
+        attend(2)
+    assert sorted(c.shape[2] for c in t.calls) == [2, 3, 4, 5, 7, 8, 9]
+    for call in t.calls:
+        assert np.array_equal(call.keep()[0, 0], np.tril(np.ones((call.shape[2],) * 2, dtype=bool)))
+    threads_of = {c.shape[2]: c.details.get("thread") for c in t.calls}
+    assert threads_of[2] is None and threads_of[3] == "worker-3" and threads_of[7] == "subclass"
+    assert threads_of[8].startswith("pool") and threads_of[9].startswith("pool")
+    (note,) = t.notes()
+    head, names = note.split(": ")
+    assert head == "6 threads the program started made attention calls, traced as well"
+    assert sorted(names.split(", ")) == ["pool_0", "pool_1", "subclass", "worker-3", "worker-4", "worker-5"]
+    assert attend(3).shape == (1, 2, 3, 4) and threading.Thread._bootstrap_inner.__name__ == "_bootstrap_inner"
+
+
+def test_a_thread_running_before_the_trace_is_named_as_not_traced():
+    go, done = threading.Event(), threading.Event()
+
+    def waiting():
+        go.wait(10)
+        attend(4)
+        done.set()
+
+    early = threading.Thread(target=waiting, name="started-early")
+    early.start()
+    with maskcli.trace() as t:
+        go.set()
+        done.wait(10)
+    early.join()
+    assert t.calls == []  # its call is not seen: the note says why
+    assert t.notes() == ["1 thread running before the trace began not traced (their calls are not in this report): started-early"]
+    assert t.report() == "0 attention calls in 0 groups\n" + t.notes()[0]
+
+
+def work() -> None:
+    """A child's work (no torch: GNU OpenMP's threads do not survive a fork of a process that used them)."""
+
+
+def test_child_processes_are_counted_and_named_as_not_traced():
+    with maskcli.trace() as t:
+        child = multiprocessing.get_context("fork").Process(target=work, name="forked")
+        child.start()
+        child.join()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+    assert child.exitcode == 0 and t.calls == []
+    assert t.notes() == ["2 child processes not traced (they run in memory of their own; trace the code they run on its own): "
+                         "forked (work), os.fork()"]
