@@ -236,6 +236,8 @@ def _polarity(call, expression: str) -> str:
 
 def _what_api_does(call) -> str:
     api, details = call.api, call.details
+    if api == "softmax" and details.get("sink_column"):  # GPT-OSS: the row's unmasked sink logit takes all its weight
+        return "0 output there (the sink logit, left out, takes the softmax's whole weight)"
     if api == "softmax":
         return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf"
                 else "uniform weights over every key there, masked ones included (a finite fill)")
