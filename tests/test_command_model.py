@@ -64,7 +64,7 @@ def test_the_table_names_each_layer_types_mask_at_each_step_at_120_and_60_column
     assert rows(wide.stdout) == [["prefill", "#0", "window(3)", "5x5", "#1", "causal", "5x5"],
                                  ["decode", "1", "#2", "causal", "1x3", "#3", "causal", "1x6"],
                                  ["decode", "2", "#2", "causal", "1x3", "#4", "causal", "1x7"]]
-    assert "#0 window(3) (key padding 1,1,1,1,1;0,0,1,1,1) · sdpa (2,2,5,5) · model.layers.{0-4}.self_attn" in wide.stdout
+    assert "#0 window(3) (--lengths 5,3 --pad left) · sdpa (2,2,5,5) · model.layers.{0-4}.self_attn" in wide.stdout
     narrow = model("gemma3_text", "--window", 3, "--lengths", "5,3", "--new-tokens", 2, columns=60)
     assert narrow.exit_code == 0 and max(map(len, narrow.stdout.splitlines())) <= 60
     assert rows(narrow.stdout) == rows(wide.stdout)
@@ -77,7 +77,7 @@ def test_expect_by_layer_type_holds_with_exit_0_and_fails_with_exit_1():
     assert "--expect: every call matched holds (2 expectations)" in held.stdout
     # a static cache: the prefill's queries face every slot, the ones not yet filled after them
     static = model("llama", "--cache", "static", "--expect", "full_attention=causal")
-    assert static.exit_code == 0 and "(queries top-left; key padding" in static.stdout, static.output
+    assert static.exit_code == 0 and "causal (--kv-len 7 --lengths 7,5 --pad left) · sdpa (2,2,5,7)" in static.stdout, static.output
     assert model("llama", "--cache", "static", "--expect", "full_attention=window(2)").exit_code == 1
     wrong = model("mistral", "--window", 3, "--new-tokens", 1, "--expect", "sliding_attention=window(2)")
     assert wrong.exit_code == 1
@@ -225,7 +225,7 @@ def test_gpt_oss_sink_logit_is_no_key_in_the_text_as_in_the_figure():
                                    ["decode", "1", "#2", "causal", "1x3", "#3", "causal", "1x7"],
                                    ["decode", "2", "#2", "causal", "1x3", "#4", "causal", "1x8"]]
     assert "sees-later" not in result.stdout and "no expression" not in result.stdout
-    assert "#0 window(3) (key padding 1,1,1,1,1,1;0,0,0,1,1,1) · softmax (2,2,6,6) (the sink logit's column 6 left out)" in result.stdout
+    assert "#0 window(3) (--lengths 6,3 --pad left) · softmax (2,2,6,6) (the sink logit's column 6 left out)" in result.stdout
     # a padding query sees only the sink: softmax gives it the whole weight, the keys none, so the output is 0
     assert "query rows 0-2 of batch row 1 see no key at all: 0 output there (the sink logit" in result.stdout
 
