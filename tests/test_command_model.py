@@ -83,7 +83,7 @@ def test_expect_by_layer_type_holds_with_exit_0_and_fails_with_exit_1():
     assert wrong.exit_code == 1
     text = " ".join(wrong.stdout.split())
     assert ("--expect sliding_attention=window(2): call 0 (model.layers.0.self_attn prefill, sdpa) differs from window(2) "
-            "with the padding found in the mask: batch 0 row 2: the call sees 0-2, window(2) sees 1-2") in text
+            "with the padding found (--lengths 5,3 --pad left): batch 0 row 2: the call sees 0-2, window(2) sees 1-2") in text
     assert "3 more calls differ: 1-3" in text
 
 
