@@ -617,3 +617,27 @@ def test_a_gqa_decode_under_hfs_sdpa_saves_one_query_at_its_position_and_holds_t
     valid = [[0, 0, 1, 1, 1, 1], [1] * 6]
     want = [[[[int(valid[b][k] and k <= 5) for k in range(6)]] for _ in range(4)] for b in range(2)]
     assert cells == want
+
+
+def test_inspect_of_a_traced_mha_call_reads_its_padding_from_key_padding_mask(tmp_path, monkeypatch):
+    """An inverted tril (MHA reads True = masked) with batch row 1's keys 4-5 padded by key_padding_mask: inspect of
+    the saved call names that padding, as trace does, not key 0 (which no query sees for the inversion)."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "inverted.py", """
+        import torch
+        import torch.nn as nn
+        torch.manual_seed(0)
+        mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        x = torch.randn(2, 6, 8)
+        mha(x, x, x, attn_mask=torch.tril(torch.ones(6, 6, dtype=torch.bool)),
+            key_padding_mask=torch.tensor([[False] * 6, [False] * 4 + [True] * 2]))
+    """)
+    assert trace("--save", "i.pt", script).exit_code == 0
+    inspected = runner.invoke(app, ["inspect", "i.pt:0", "--json"])
+    command = json.loads(inspected.stdout)["command"]
+    assert command == 'maskcli show "triu(1, means=keep)" --lengths 6,4 --heads 2'
+    shown = runner.invoke(app, ["show", "triu(1, means=keep)", "--lengths", "6,4", "--json"])
+    keep = np.zeros((2, 6, 6), dtype=bool)  # a double loop: strictly later keys, batch row 1's keys 4-5 padding
+    for b, i, k in np.ndindex(2, 6, 6):
+        keep[b, i, k] = k > i and not (b == 1 and k >= 4)
+    assert np.array_equal(np.asarray(json.loads(shown.stdout)["mask"], dtype=bool)[:, 0], keep)
