@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from maskcli.text import shell_quote
 
-ORDER = ("length", "offset", "kv_start", "kv_len", "align", "lengths", "pad", "ids", "pad_id")
-FLAGS = {"length": "--len", "offset": "--offset", "kv_start": "--kv-start", "kv_len": "--kv-len", "align": "--align",
-         "lengths": "--lengths", "pad": "--pad", "ids": "--ids", "pad_id": "--pad-id"}
+ORDER = ("length", "offset", "kv_start", "kv_len", "align", "lengths", "pad", "ids", "pad_id")  # (not heads: the shape's)
 
 
 def flags(options: dict, q_len: int, k_len: int) -> str:
     """' (--lengths 5,2 --pad left)': the flags in MaskOptions fields `options` beyond what the shape says; '' for none."""
+    from maskcli.inspect.structure import FLAGS
+
     at_end = k_len - q_len
     offset = options.get("offset", 0 if "kv_len" in options else at_end)
     placed_at_end = offset == at_end and options.get("kv_len", k_len) == k_len
