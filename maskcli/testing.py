@@ -4,6 +4,11 @@
         model(input_ids)
     assert_mask(t.calls[0], "causal & window(4096)")          # queries placed at the end of the keys
     assert_mask(keep_tensor, "causal", lengths="4,2")          # MaskOptions fields place and pad the expression
+
+The padding is found by one rule, the one `maskcli trace --expect` and trace's names use (maskcli.keypadding):
+lengths= or ids= where given; else the call's own key-padding argument (nn.MultiheadAttention's
+key_padding_mask); else the keys that no query of a batch row sees while a query of another row does. To say
+there is none, give full lengths (lengths="6,6").
 """
 
 from __future__ import annotations
@@ -47,13 +52,24 @@ def against(keep: np.ndarray, expression: str, label: str = "the mask", **positi
     return compare(captured, expected)
 
 
+def padding(keep: np.ndarray, mask_or_call, positions: dict) -> dict:
+    """The key padding to place the expression with, by maskcli.keypadding's rule: {} where `positions` give it."""
+    from maskcli.keypadding import of
+
+    details = getattr(mask_or_call, "details", None)
+    given = details.get("key_padding") if isinstance(details, dict) else None
+    return of(keep, given, positions)
+
+
 def assert_mask(mask_or_call, expression: str, **positions) -> None:
     """Raise AssertionError naming the first rows and keys where the mask and the expression differ."""
     keep = keep_array(mask_or_call)
-    difference = against(keep, expression, **positions)
+    found = padding(keep, mask_or_call, positions)
+    difference = against(keep, expression, **found, **positions)
     if not difference.equal:
         lines = row_words(difference, "the mask", expression)
+        pad = f" with the padding found ({', '.join(f'{k}={v!r}' for k, v in found.items())})" if found else ""
         raise AssertionError(
-            f"the mask is not {expression}: {difference.only_a} cells only the mask allows, {difference.only_b} only "
+            f"the mask is not {expression}{pad}: {difference.only_a} cells only the mask allows, {difference.only_b} only "
             f"{expression} allows; " + "; ".join(lines)
         )

@@ -186,6 +186,16 @@ def keep_of(call: dict, data: dict) -> np.ndarray:
     return dense(data["masks"][call["mask"]])
 
 
+def traced_details(text: str) -> dict:
+    """The details of the call 'TRACE.pt:SELECTOR' names (its key_padding argument, ...); {} where it names none."""
+    import os
+
+    spec = split_spec(text)
+    if spec is None or os.path.exists(text) or not os.path.isfile(spec[0]):
+        return {}
+    return dict(select(load(spec[0]), spec[1], spec[0]).get("details", {}))
+
+
 def traced_keep(text: str) -> tuple[np.ndarray, str] | None:
     """(keep (B, H, Lq, Lk), label) of the call 'TRACE.pt:SELECTOR' names; None where `text` is no such name
     (an existing file of that name, or no trace file before the colon)."""

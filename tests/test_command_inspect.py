@@ -223,7 +223,7 @@ def test_hugging_face_sdpa_mask_left_padding_with_a_kv_cache(tmp_path):
     torch.save(keep, tmp_path / "sdpa.pt")
     found = report(tmp_path / "sdpa.pt")
     assert found["convention"] == "keep" and found["structure"] == "causal"
-    assert found["command"] == 'maskcli show causal --len 2 --offset 4 --ids "1,1,1,1,1,1;0,0,1,1,1,1" --pad-id 0'
+    assert found["command"] == "maskcli show causal --len 2 --offset 4 --lengths 6,4 --pad left"  # (keys a suffix: left)
     assert torch.equal(dense(found["command"]), keep)
 
 

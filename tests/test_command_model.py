@@ -64,7 +64,7 @@ def test_the_table_names_each_layer_types_mask_at_each_step_at_120_and_60_column
     assert rows(wide.stdout) == [["prefill", "#0", "window(3)", "5x5", "#1", "causal", "5x5"],
                                  ["decode", "1", "#2", "causal", "1x3", "#3", "causal", "1x6"],
                                  ["decode", "2", "#2", "causal", "1x3", "#4", "causal", "1x7"]]
-    assert "#0 window(3) (key padding 1,1,1,1,1;0,0,1,1,1) · sdpa (2,2,5,5) · model.layers.{0-4}.self_attn" in wide.stdout
+    assert "#0 window(3) (--lengths 5,3 --pad left) · sdpa (2,2,5,5) · model.layers.{0-4}.self_attn" in wide.stdout
     narrow = model("gemma3_text", "--window", 3, "--lengths", "5,3", "--new-tokens", 2, columns=60)
     assert narrow.exit_code == 0 and max(map(len, narrow.stdout.splitlines())) <= 60
     assert rows(narrow.stdout) == rows(wide.stdout)
@@ -77,13 +77,13 @@ def test_expect_by_layer_type_holds_with_exit_0_and_fails_with_exit_1():
     assert "--expect: every call matched holds (2 expectations)" in held.stdout
     # a static cache: the prefill's queries face every slot, the ones not yet filled after them
     static = model("llama", "--cache", "static", "--expect", "full_attention=causal")
-    assert static.exit_code == 0 and "(queries top-left; key padding" in static.stdout, static.output
+    assert static.exit_code == 0 and "causal (--kv-len 7 --lengths 7,5 --pad left) · sdpa (2,2,5,7)" in static.stdout, static.output
     assert model("llama", "--cache", "static", "--expect", "full_attention=window(2)").exit_code == 1
     wrong = model("mistral", "--window", 3, "--new-tokens", 1, "--expect", "sliding_attention=window(2)")
     assert wrong.exit_code == 1
     text = " ".join(wrong.stdout.split())
     assert ("--expect sliding_attention=window(2): call 0 (model.layers.0.self_attn prefill, sdpa) differs from window(2) "
-            "with the padding found in the mask: batch 0 row 2: the call sees 0-2, window(2) sees 1-2") in text
+            "with the padding found (--lengths 5,3 --pad left): batch 0 row 2: the call sees 0-2, window(2) sees 1-2") in text
     assert "3 more calls differ: 1-3" in text
 
 
@@ -181,7 +181,7 @@ def test_a_bad_expect_expression_is_one_line_before_the_model_is_built(monkeypat
     ([], "give a model family or a config.json"),
     (["--try"], "--try goes with --list"),
     (["gemma4_text"], "gemma4_text cannot be made tiny: AmbiguousGlobalPerLayerAttributeError"),
-    (["gemma2"], "gemma2 cannot be built tiny with --attn sdpa: ValueError: Gemma2ForCausalLM does not support"),
+    (["gemma2"], "gemma2 has no --attn sdpa in transformers "),
 ])
 def test_bad_input_is_one_line(args, says):
     result = model(*args)
@@ -189,7 +189,45 @@ def test_bad_input_is_one_line(args, says):
     (line,) = result.stderr.splitlines()
     assert line.startswith("maskcli: error: ") and says in line
     if args == ["gemma2"]:
-        assert line.endswith("; try --attn eager") and model("gemma2", "--attn", "eager", "--new-tokens", 0).exit_code == 0
+        assert line.endswith("(Gemma2ForCausalLM._supports_sdpa is False): try --attn eager or flex")
+        assert model("gemma2", "--attn", "eager", "--new-tokens", 0).exit_code == 0
+
+
+@needs_hf
+@pytest.mark.parametrize("family, attn, flag, choices", [("gpt_oss", "sdpa", "GptOssForCausalLM._supports_sdpa", "eager or flex"),
+                                                         ("gpt2", "flex", "GPT2LMHeadModel._supports_flex_attn", "eager or sdpa")])
+def test_an_attention_the_family_lacks_is_refused_before_the_model_is_built(monkeypatch, family, attn, flag, choices):
+    """transformers refuses them itself, after building: modeling_utils.py's PreTrainedModel._sdpa_can_dispatch and
+    _flex_attn_can_dispatch raise ValueError where the class's _supports_sdpa / _supports_flex_attn is False
+    (gpt_oss: modeling_gpt_oss.py:380, `_supports_sdpa = False`)."""
+    import maskcli.hf.run as hf_run
+
+    def build(*args, **kwargs):
+        raise AssertionError("the model was built before --attn was checked")
+
+    monkeypatch.setattr(hf_run, "build", build)
+    result = model(family, "--attn", attn)
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"maskcli: error: {family} has no --attn {attn} in transformers ")
+    assert line.endswith(f"({flag} is False): try --attn {choices}")
+
+
+@needs_hf
+def test_gpt_oss_sink_logit_is_no_key_in_the_text_as_in_the_figure():
+    """GPT-OSS's eager attention softmaxes torch.cat([attn_weights, sinks], dim=-1)
+    (transformers/models/gpt_oss/modeling_gpt_oss.py:244): its last column is the sink logit, never masked, on no
+    key. Read as a key it made every mask 'no expression rebuilds it' and 'sees later keys'; left out, the masks are
+    the window and causal masks of the other families, as wide as the cache's keys (7 cached at decode 1)."""
+    result = model("gpt_oss", "--attn", "eager", "--window", 3, "--lengths", "6,3", "--new-tokens", 2)
+    assert result.exit_code == 0, result.output
+    assert rows(result.stdout) == [["prefill", "#0", "window(3)", "6x6", "#1", "causal", "6x6"],
+                                   ["decode", "1", "#2", "causal", "1x3", "#3", "causal", "1x7"],
+                                   ["decode", "2", "#2", "causal", "1x3", "#4", "causal", "1x8"]]
+    assert "sees-later" not in result.stdout and "no expression" not in result.stdout
+    assert "#0 window(3) (--lengths 6,3 --pad left) · softmax (2,2,6,6) (the sink logit's column 6 left out)" in result.stdout
+    # a padding query sees only the sink: softmax gives it the whole weight, the keys none, so the output is 0
+    assert "query rows 0-2 of batch row 1 see no key at all: 0 output there (the sink logit" in result.stdout
 
 
 @needs_hf

@@ -241,7 +241,7 @@ def test_mha_and_softmax_and_api_picks_which(tmp_path, monkeypatch):
     result = trace("--json", "all.json", script, env={"COLUMNS": "120"})
     data = json.loads((tmp_path / "all.json").read_text())
     assert [c["api"] for c in data["calls"]] == ["mha", "softmax"] and data["calls"][0]["where"] == "MultiheadAttention"
-    assert data["groups"][0]["name"] == "padding (lengths 3,1)"
+    assert data["groups"][0]["name"] == "padding (--lengths 3,1)"
     assert "query row 0 sees no key at all: NaN weights there (softmax of all -inf)" in " ".join(result.stderr.split())
     only = trace("--api", "mha", "--json", "mha.json", script)
     assert only.exit_code == 0 and [c["api"] for c in json.loads((tmp_path / "mha.json").read_text())["calls"]] == ["mha"]
@@ -256,7 +256,7 @@ def test_is_causal_with_fewer_queries_than_keys_is_named_top_left_with_a_finding
     """)
     result = trace("--save", "c.pt", script, env={"COLUMNS": "120"})
     text = " ".join(result.stderr.split())
-    assert "causal (queries top-left)" in text and "top-left-causal: is_causal with 2 queries and 5 keys is aligned top-left" in text
+    assert "causal (--kv-len 5)" in text and "top-left-causal: is_causal with 2 queries and 5 keys is aligned top-left" in text
     shown = runner.invoke(app, ["show", "--mask", "c.pt:0", "--json"])
     assert json.loads(shown.stdout)["mask"][0][0] == np.tril(np.ones((2, 5), dtype=int)).tolist()
 
@@ -270,7 +270,7 @@ def test_a_one_query_is_causal_call_is_named_top_left_not_a_decode_step_with_pad
     """)
     result = trace("--save", "s.pt", script, env={"COLUMNS": "200"})
     text = " ".join(result.stderr.split())
-    assert "causal (queries top-left)" in text and "lengths 1" not in text
+    assert "causal (--kv-len 5)" in text and "lengths 1" not in text
     assert ("top-left-causal: is_causal with 1 query and 5 keys is aligned top-left: its one query sees key 0 only, so the "
             "last 4 keys are seen by no query; a decoder with a cache means bottom-right (causal --offset 4)") in text
     import torch
@@ -509,8 +509,7 @@ def test_a_hugging_face_style_eager_model_with_left_padding_step_by_step(tmp_pat
     assert "query rows 0-1 of batch row 1 see no key at all: uniform weights over every key there, masked ones included" in text
     assert "every call matched holds" in text
     assert [group["name"] for group in data["groups"]] == [
-        "causal (key padding 1,1,1,1,1;0,0,1,1,1)", "causal (key padding 1,1,1,1,1,1;0,0,1,1,1,1)",
-        "causal (key padding 1,1,1,1,1,1,1;0,0,1,1,1,1,1)"]
+        "causal (--lengths 5,3 --pad left)", "causal (--lengths 6,4 --pad left)", "causal (--lengths 7,5 --pad left)"]
     from maskcli.tracefile import keep_of, load
 
     saved = load("e.pt")
@@ -529,9 +528,14 @@ def test_brief_names_long_labels_by_their_runs_and_leaves_short_ones(sizes, extr
     text = f"causal & document({labels}) & window({extra + 1})"
     if sum(sizes) <= 12:
         assert brief(text) == text
+    elif len(sizes) <= 12:  # every size shown: a name that pastes back, the same mask as the labels
+        from maskcli.mask import MaskOptions, build
+
+        assert brief(text) == f"causal & document(sizes=[{','.join(map(str, sizes))}]) & window({extra + 1})"
+        options = MaskOptions(length=sum(sizes))
+        assert np.array_equal(build(brief(text), options).dense(), build(text, options).dense())
     else:
-        more = ",..." if len(sizes) > 6 else ""
-        expected = f"document(sizes=[{','.join(map(str, sizes[:6]))}{more}], {len(sizes)} documents)"
+        expected = f"document(sizes=[{','.join(map(str, sizes[:6]))},...], {len(sizes)} documents)"
         assert brief(text) == f"causal & {expected} & window({extra + 1})"
     assert brief("not ( an expression") == "not ( an expression"
 
@@ -663,3 +667,27 @@ def test_calls_made_in_the_programs_threads_are_reported_and_its_threads_named(t
     assert sorted(call["details"].get("thread", "main") for call in data["calls"]) == ["main", "worker-3", "worker-4", "worker-5"]
     (note,) = data["notes"]
     assert sorted(note.split(": ")[1].split(", ")) == ["worker-3", "worker-4", "worker-5"]
+
+
+def test_inspect_of_a_traced_mha_call_reads_its_padding_from_key_padding_mask(tmp_path, monkeypatch):
+    """An inverted tril (MHA reads True = masked) with batch row 1's keys 4-5 padded by key_padding_mask: inspect of
+    the saved call names that padding, as trace does, not key 0 (which no query sees for the inversion)."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "inverted.py", """
+        import torch
+        import torch.nn as nn
+        torch.manual_seed(0)
+        mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        x = torch.randn(2, 6, 8)
+        mha(x, x, x, attn_mask=torch.tril(torch.ones(6, 6, dtype=torch.bool)),
+            key_padding_mask=torch.tensor([[False] * 6, [False] * 4 + [True] * 2]))
+    """)
+    assert trace("--save", "i.pt", script).exit_code == 0
+    inspected = runner.invoke(app, ["inspect", "i.pt:0", "--json"])
+    command = json.loads(inspected.stdout)["command"]
+    assert command == 'maskcli show "triu(1, means=keep)" --lengths 6,4 --heads 2'
+    shown = runner.invoke(app, ["show", "triu(1, means=keep)", "--lengths", "6,4", "--json"])
+    keep = np.zeros((2, 6, 6), dtype=bool)  # a double loop: strictly later keys, batch row 1's keys 4-5 padding
+    for b, i, k in np.ndindex(2, 6, 6):
+        keep[b, i, k] = k > i and not (b == 1 and k >= 4)
+    assert np.array_equal(np.asarray(json.loads(shown.stdout)["mask"], dtype=bool)[:, 0], keep)

@@ -280,10 +280,17 @@ def test_assert_mask_passes_on_the_same_mask_and_names_the_first_differing_cells
     with maskcli.trace() as t:
         F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     assert_mask(t.calls[0], "window(3)", ids="1,1,1,1,1,1;0,0,1,1,1,1")
+    # no ids given: the padding is read off the mask, by --expect's rule (maskcli.keypadding): batch row 1's key 1,
+    # which batch row 0 sees (key 0 no row sees, so nothing says it is padding)
+    assert_mask(t.calls[0], "window(3)")
+    with pytest.raises(AssertionError, match=r"the mask is not window\(3\): 0 cells only the mask allows, 1 only window\(3\) allows; batch 1 row 3: "
+                                             r"the mask sees 2-3, window\(3\) sees 1-3: the mask hides key 1$"):
+        assert_mask(t.calls[0], "window(3)", lengths="6,6")  # full lengths: no padding at all
     assert_mask(keep[0, 0], "window(3)")  # a bool tensor, its queries placed at the end of its keys
     with pytest.raises(AssertionError, match=r"row 3: the mask sees 1-3, window\(4\) sees 0-3: the mask hides key 0"):
         assert_mask(keep[0, 0], "window(4)")
-    with pytest.raises(AssertionError, match=r"batch 1 row 3: the mask sees 2-3, causal sees 0-3"):
+    with pytest.raises(AssertionError, match=r"the mask is not causal with the padding found \(ids='1,1,1,1,1,1;1,0,1,1,1,1', pad_id=0\).*"
+                                             r"batch 1 row 3: the mask sees 2-3, causal sees 0, 2-3"):
         assert_mask(t.calls[0], "causal")
 
 
@@ -450,7 +457,7 @@ def test_long_masks_are_named_on_their_intervals(monkeypatch):
         F.scaled_dot_product_attention(q, k, v)
         F.scaled_dot_product_attention(q, k, v, attn_mask=torch.from_numpy(window_keep(6, 9, 4) & (np.arange(9) != 7)))
     names = [group.name for group in t.groups()]
-    assert names[:4] == ["causal (queries top-left)", "window(4)", "causal", "full"]
+    assert names[:4] == ["causal (--kv-len 9)", "window(4)", "causal", "full"]  # (--kv-len alone: queries top-left)
     assert names[4].startswith("not named")
 
 

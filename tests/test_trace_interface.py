@@ -420,3 +420,20 @@ def test_any_two_d_padding_mask_unpadded_is_each_rows_real_positions_bottom_righ
                     r, c = queries.index(i) + len(keys) - len(queries), keys.index(j)
                     want = not (causal and c > r) and not (left >= 0 and c < r - left) and not (right >= 0 and not causal and c > r + right)
                 assert got[i, j] == want, (b, i, j)
+
+
+def test_gpt_oss_eager_sink_logit_is_left_out_of_the_softmax_it_joins():
+    """GPT-OSS's eager attention softmaxes torch.cat([attn_weights, sinks], dim=-1)
+    (transformers/models/gpt_oss/modeling_gpt_oss.py:244, eager_attention_forward) and drops the sink after
+    (`probs[..., :-1]`): the recorded mask is the keys' columns alone. The reference: the weights the model itself
+    returns (output_attentions), non-zero exactly where a query attends (HF's eager fill gets weight exactly 0)."""
+    gpt = model("gpt_oss", "eager", window=3)
+    ids = torch.tensor([[1, 2, 3, 4, 5], [0, 0, 8, 9, 10]])
+    with quiet(), torch.no_grad(), maskcli.trace() as t:
+        out = gpt(ids, attention_mask=(ids != 0).long(), output_attentions=True)
+    calls = [call for call in t.calls if call.api == "softmax" and "self_attn" in call.where]
+    assert len(calls) == 2 and all(call.shape[2:] == (5, 5) and call.details["sink_column"] == 5 for call in calls)
+    for call, weights in zip(calls, out.attentions):
+        assert np.array_equal(call.keep(), weights.numpy() > 0)
+    assert [group.name for group in t.groups() if "self_attn" in group.where] == [
+        "window(3) (--lengths 5,3 --pad left)", "causal (--lengths 5,3 --pad left)"]

@@ -80,7 +80,10 @@ def inspect(
         values, label = load_mask(file, key)  # numpy: only a .pt file imports torch
         given = _convention(values, from_, label) if from_ is not None else None
     _check_room(values, label, 11 + values.itemsize, "to inspect")
-    analysis = analyse(values, heads, given)
+    from maskcli.tracefile import traced_details
+
+    padding = traced_details(file).get("key_padding") if traced is not None else None  # MHA's key_padding_mask
+    analysis = analyse(values, heads, given, padding)
     mask = _display_mask(analysis, file if key is None else f"{file} [{key}]", tokens)
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure

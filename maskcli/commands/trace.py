@@ -37,7 +37,7 @@ def trace(
     max_bytes: Annotated[int, typer.Option("--max-bytes", help="Bytes of distinct masks kept; past it a call keeps its shape and counts only, and says so.", parser=integer)] = 256 << 20,
     json_path: Annotated[str | None, typer.Option("--json", help="Write every call (where, api, step, shapes, dtype, device, its mask's id) and every group, named, with findings, as JSON to this file (stdout stays the program's).", show_default=False)] = None,
     save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to one .pt file that other commands read as a mask: --mask TRACE.pt:7 (call 7) or TRACE.pt:PATH@STEP (like layers.5.self_attn@2: that module's third call).", show_default=False)] = None,
-    expect: Annotated[list[str] | None, typer.Option("--expect", help="PATTERN=EXPR, repeatable: every call whose module path matches PATTERN (as a shell matches, like layers.*.self_attn) must be EXPR with its queries at the end of its keys (the padding that differs between batch rows is read off the mask); exit status 1 where one is not.", show_default=False)] = None,
+    expect: Annotated[list[str] | None, typer.Option("--expect", help="PATTERN=EXPR, repeatable: every call whose module path matches PATTERN (as a shell matches, like layers.*.self_attn) must be EXPR with its queries at the end of its keys (padding: the call's key_padding_mask where it has one, else the keys no query of a batch row sees while one of another row does, as assert_mask finds it); exit status 1 where one is not.", show_default=False)] = None,
 ) -> None:
     """Run a Python program and record the mask of every attention call it makes, grouped and named.
 

@@ -13,12 +13,11 @@ import numpy as np
 
 
 def key_positions(call) -> np.ndarray:
-    """The absolute position of each of the call's key columns (-1 for a slot that holds none, and a sink column)."""
-    sink = [-1] if call.details.get("sink_column") else []  # GPT-OSS's sink logit, last: on no position
+    """The absolute position of each of the call's key columns (-1 for a slot that holds none)."""
     if "slots" in call.details:
-        return np.asarray(call.details["slots"] + sink, dtype=np.int64)
+        return np.asarray(call.details["slots"], dtype=np.int64)
     k0, k1 = call.details["keys"]
-    return np.concatenate([np.arange(k0, k1), sink]).astype(np.int64)
+    return np.arange(k0, k1, dtype=np.int64)
 
 
 def on_positions(call, prompt_len: int) -> np.ndarray:

@@ -89,6 +89,28 @@ def prompt(lengths: tuple[int, ...] | None, ids: np.ndarray | None, pad_id: int,
     return Prompt(torch.from_numpy(ids), torch.from_numpy(real.astype(np.int64)), pad_id, side)
 
 
+SUPPORTS = {"sdpa": "_supports_sdpa", "flex": "_supports_flex_attn"}  # eager: every family has it
+
+
+def check_attn(config, attn: str, name: str) -> None:
+    """Refuse an attention implementation the family's model class does not support, before anything is built:
+    the class flags transformers itself checks (modeling_utils.py, PreTrainedModel._sdpa_can_dispatch and
+    _flex_attn_can_dispatch raise ValueError where _supports_sdpa / _supports_flex_attn is False)."""
+    flag = SUPPORTS.get(attn)
+    if flag is None:
+        return
+    mapping = require().AutoModelForCausalLM._model_mapping
+    try:
+        cls = mapping[type(config)]
+    except (KeyError, ValueError):
+        return  # (not a causal LM: build says so, with transformers' own words)
+    if not getattr(cls, flag, True):
+        others = [other for other, other_flag in SUPPORTS.items() if getattr(cls, other_flag, False)]
+        choices = " or ".join(["eager", *others])
+        raise MaskError(f"{name} has no --attn {attn} in transformers {require().__version__} ({cls.__name__}.{flag} is "
+                        f"False): try --attn {choices}")
+
+
 def build(config, attn: str, name: str):
     """The model, random weights, eval mode; refused when it does not shrink (counted on the meta device first)."""
     transformers = require()
@@ -117,6 +139,7 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
         raise MaskError(f"--new-tokens {new_tokens}: give 0 to {MOST_TOKENS} decode steps")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise MaskError(f"--prefill-chunk {prefill_chunk}: give 1 or more tokens")
+    check_attn(config, attn, name)
     config.pad_token_id = the_prompt.pad_id
     started = time.perf_counter()
     model = build(config, attn, name)
@@ -157,15 +180,36 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
 def _placed(tracer, config, prompt_len: int, prefill_chunk: int | None, sinks: bool) -> tuple[list, list]:
     """The layers' calls (as _sorted gives them), each with its query positions and its keys' from its cache.
     With `sinks` (GPT-OSS's learned sink logits), a softmax one column wider than its cache's keys has the sink
-    as its last column ("sink_column"): not a key, so not placed on a position."""
+    as its last column: not a key, so the call keeps its mask without it (_leave_out_sink), once, for every view."""
     calls, other = _sorted(tracer, config)
     by_call = {(u.layer, u.step): u for u in tracer.updates}
     for call in calls:
         update = by_call.get((call.details["layer"], call.step))
         if sinks and update is not None and call.api == "softmax" and call.shape[3] == len(update.slots) + 1:
-            call.details["sink_column"] = True
+            _leave_out_sink(call)
         call.details.update(positions(call, prompt_len, prefill_chunk, update))
+    used = {call.mask for call in tracer.calls}
+    for key in [key for key in tracer.masks if key not in used]:  # (the masks read with the sink column)
+        del tracer.masks[key]
     return calls, other
+
+
+def _leave_out_sink(call) -> None:
+    """The call's mask and shape made its keys' alone: GPT-OSS's eager attention softmaxes
+    torch.cat([attn_weights, sinks], dim=-1) (transformers/models/gpt_oss/modeling_gpt_oss.py, eager_attention_forward),
+    so its last column is each head's learned sink logit, on no key position, never masked.
+    details["sink_column"] is the index of the column left out (the softmax was one wider)."""
+    from maskcli import tracefile
+    from maskcli.trace.store import stored_form
+
+    stored, trace = call.stored, call.trace
+    if stored is None or stored["form"] == "stats":
+        return  # (not kept: nothing to cut; a tiny model's masks are always kept)
+    shape = (*call.shape[:3], call.shape[3] - 1)
+    keep = torch.from_numpy(np.ascontiguousarray(tracefile.dense(stored)[..., :-1]))
+    call.mask = trace._keep(stored_form(keep, shape, trace.max_bytes - trace.bytes, trace.max_bytes), shape)
+    call.shape = shape
+    call.details["sink_column"] = shape[3]
 
 
 def _generate(model, the_prompt: Prompt, options: dict, attn: str, cache: str, name: str, prefill_chunk: int | None):
@@ -227,9 +271,8 @@ def _flex_uncompiled(active: bool):
 def positions(call, prompt_len: int, prefill_chunk: int | None, update) -> dict:
     """The call's query positions [start, end), and its keys' as its cache's slots hold them (maskcli.hf.cache): [k0, k1)
     where the slots are in order (a static cache's slots not yet written count on after the last one), else the
-    position of each slot ("slots", -1 for none), the slots being a ring. A sink column is none of them."""
+    position of each slot ("slots", -1 for none), the slots being a ring."""
     q_len, k_len = call.shape[2:]
-    k_len -= bool(call.details.get("sink_column"))
     chunks = 1 if not prefill_chunk else -(-prompt_len // prefill_chunk)
     if call.step < chunks:
         start = call.step * prefill_chunk if prefill_chunk else 0

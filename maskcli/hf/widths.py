@@ -52,8 +52,6 @@ def check(calls: list, updates: list, step_names: list[str]) -> tuple[list[str],
 def _first_cell(call, update) -> tuple[int, int, str] | None:
     """(query position, key column, why) of the first cell where the mask and the cache's keys disagree, or None."""
     keep = call.keep()  # (B, H, Lq, Lk)
-    if call.details.get("sink_column"):  # GPT-OSS's sink logit: a column of the softmax that is no key
-        keep = keep[..., :-1]
     q_len, k_len = keep.shape[2:]
     q0 = call.details["queries"][0]
     slots = update.slots

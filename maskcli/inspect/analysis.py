@@ -61,15 +61,16 @@ class Analysis:
         }
 
 
-def analyse(tensor, heads: int | None = None, convention: Convention | None = None) -> Analysis:
+def analyse(tensor, heads: int | None = None, convention: Convention | None = None, padding: dict | None = None) -> Analysis:
     """Classify, recognise and find what is wrong, in one go; `convention` overrides the classification.
 
-    `tensor`: a numpy array as inspect.load gives it, or a torch tensor, checked and converted here."""
+    `tensor`: a numpy array as inspect.load gives it, or a torch tensor, checked and converted here.
+    `padding`: a traced call's key padding argument (maskcli.keypadding fields), where its API had one."""
     tensor = check_maskable(tensor, "the tensor")
     convention = convention or classify(tensor)
     keep = to_keep(tensor, convention)
     keep4 = sdpa_view(keep)
-    structure = recognise(keep4, key_padding=tensor.ndim == 2, marked=marks(convention), nearest=True)
+    structure = recognise(keep4, key_padding=tensor.ndim == 2, marked=marks(convention), nearest=True, padding=padding)
     key_padding = structure.reading == "key padding [B, S]"
     if key_padding:
         keep4 = keep[:, None, None, :]

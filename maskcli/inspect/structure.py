@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from maskcli.errors import MaskError
+from maskcli.keypadding import options as _padding_options
 from maskcli.kinds import all_kinds
 from maskcli.kinds.base import Profile
 from maskcli.mask import Mask, MaskOptions
@@ -22,7 +23,7 @@ from maskcli.text import shell_quote
 
 FLAGS = {
     "length": "--len", "offset": "--offset", "kv_start": "--kv-start", "kv_len": "--kv-len", "align": "--align",
-    "heads": "--heads", "lengths": "--lengths", "ids": "--ids", "pad_id": "--pad-id",
+    "heads": "--heads", "lengths": "--lengths", "pad": "--pad", "ids": "--ids", "pad_id": "--pad-id",
 }
 MAX_LABELS = 4096  # label kinds are read off masks up to this long; longer labels make no useful command
 
@@ -94,16 +95,6 @@ def _rebuild(expression: str, options: dict, keep: np.ndarray) -> Mask | None:
     return built if np.array_equal(np.broadcast_to(cells, keep.shape), keep) else None
 
 
-def _padding_options(seen: np.ndarray) -> dict:
-    """--lengths where each batch row's visible keys are a prefix, else --ids (1 = real key, 0 = padding)."""
-    lengths = seen.sum(axis=1)
-    prefix = np.arange(seen.shape[1])[None, :] < lengths[:, None]
-    if np.array_equal(prefix, seen):
-        return {"lengths": ",".join(map(str, lengths.tolist()))}
-    rows = ";".join(",".join("1" if v else "0" for v in row) for row in seen.tolist())
-    return {"ids": rows, "pad_id": 0}
-
-
 def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile:
     """What the kinds read candidates from: first and last visible key per row, in absolute positions."""
     q_len, k_len = ref.shape
@@ -167,7 +158,7 @@ def closest(keep: np.ndarray, ref: np.ndarray, placements, marked: str) -> dict 
 
 
 def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "attend", nearest: bool = False,
-              q_start: int | None = None) -> Structure:
+              q_start: int | None = None, padding: dict | None = None) -> Structure:
     """The expression (and options) whose mask is exactly this keep mask (B, H, Lq, Lk), or expression None.
 
     The queries are taken to sit at the end of the keys (bottom-right, as a cache puts them).
@@ -177,6 +168,8 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     `nearest`: where nothing rebuilds it, find the closest kind and where it differs.
     `q_start`: the key column the first query sits at, where the program says so (a static cache's slots not yet
     written lie after the queries): that placement is tried first.
+    `padding`: the key padding the call's own key-padding argument gave (maskcli.keypadding fields; {} for none),
+    where it had one: then that is the padding, not keys that no query sees (an inverted mask's first key).
     """
     batch, heads, q_len, k_len = keep4.shape
     if heads > 1 and not bool((keep4 == keep4[:, :1]).all()):
@@ -201,7 +194,10 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         placements = [(base, q_start)] + [p for p in placements if p[1] != q_start]
         seen = seen.copy()
         seen[:, q_start + q_len:] = True  # keys no query sees for being later are not padding
-    padding = _padding_options(seen) if not bool(seen.all()) else None
+    if padding is not None:
+        padding = padding or None
+    else:
+        padding = _padding_options(seen) if not bool(seen.all()) else None
 
     def found(kind: str, expression: str, options: dict, reading: str = "mask", note: str = "") -> Structure | None:
         options = {**options, **head_option}

@@ -45,7 +45,8 @@ def views(view, failures: list[str], held: list[str]) -> list:
     for number, group in enumerate(view.groups):
         first = group.first
         shape = "(" + ",".join(map(str, first.shape)) + ")"
-        out.append(Text(f"#{number} {group.name} · {first.api} {shape} · {group.where}"))
+        sink = f" (the sink logit's column {first.details['sink_column']} left out)" if first.details.get("sink_column") else ""
+        out.append(Text(f"#{number} {group.name} · {first.api} {shape}{sink} · {group.where}"))
         for finding in group.findings:
             out.append(Text(f"   {finding.code}: {finding.message}", style="red" if finding.code in ("sees-later", "polarity") else ""))
     if run.other:
@@ -98,8 +99,7 @@ def _panel(call, keep: np.ndarray, b: int, valid: np.ndarray, title: str, view):
     q0, q1 = call.details["queries"]
     number = next(n for n, g in enumerate(view.groups) if call in g.calls)
     title = f"{title} · #{number} {view.groups[number].expression or '?'}"
-    if call.details.get("sink_column"):  # GPT-OSS's sink logit is the softmax's last column, on no key position
-        keep = keep[..., :-1]
+    if call.details.get("sink_column"):  # GPT-OSS's sink logit, the softmax's last column, left out (hf.run._leave_out_sink)
         title += " (sink column left out)"
     if "keys" in call.details:
         k0, k1 = call.details["keys"]

@@ -48,7 +48,8 @@ PARTS = {"document": "documents", "segment": "segments", "chunk": "chunks", "loc
 
 def brief(text: str, most: int = 12) -> str:
     """`text` with each list of more than `most` integers summarised, for a report's line:
-    document(0,0,0,1,1,...) -> document(sizes=[3,2,...], 40 documents). The text itself is the mask's name
+    document(0,0,0,1,1,...) -> document(sizes=[3,2,...], 40 documents); up to `most` documents their sizes in full,
+    document(sizes=[90,110,56]), which is the same mask and pastes back. The text itself is the mask's name
     (--json keeps it whole); this is only for reading. Text that does not parse is returned as it is."""
     try:
         tree = parse(text)
@@ -79,7 +80,9 @@ def _brief_ints(kind: str, keyword: str | None, value: Ints, most: int) -> str:
     if part is not None and len(value.rows) == 1 and keyword is None:  # labels: their runs, as sizes
         starts = [0] + [i for i in range(1, len(values)) if values[i] != values[i - 1]]
         runs = [b - a for a, b in zip(starts, starts[1:] + [len(values)])]
-        if len(set(values[i] for i in starts)) == len(starts):  # each label one run: the sizes say it all
-            return f"sizes=[{','.join(map(str, runs[:6]))}{',...' if len(runs) > 6 else ''}], {len(runs):,} {part}"
+        if len(set(values[i] for i in starts)) == len(starts) and len(runs) <= most:  # the sizes say it all, as
+            return f"sizes=[{','.join(map(str, runs))}]"  # a name that pastes back: document(sizes=[90,110,56])
+        if len(set(values[i] for i in starts)) == len(starts):  # each label one run: the first sizes, and how many
+            return f"sizes=[{','.join(map(str, runs[:6]))},...], {len(runs):,} {part}"
     rows = f" in {len(value.rows)} rows" if len(value.rows) > 1 else ""
     return f"{','.join(map(str, values[:6]))},..., {len(values):,} values{rows}"

@@ -303,6 +303,8 @@ class Trace:
                     return
                 if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                     interface.unpack_gqa(seen, self.interfaces[-1])
+                elif self.interfaces and seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS)
+                    interface.leave_out_sink(seen, self.interfaces[-1])
                 key = self._store(seen)
         except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-import numpy as np
-
 from maskcli.errors import MaskError
 from maskcli.testing import against
 from maskcli.text import spans, step_label
+from maskcli.trace.names import flags
 
 
 def parse(values: list[str]) -> list[tuple[str, str]]:
@@ -30,26 +29,13 @@ def parse(values: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def found_padding(keep: np.ndarray) -> dict:
-    """Key padding read off the mask: per batch row, the keys no query of that row sees but a query of another row
-    does (rows padded differently, as a batch is); {} where there is one batch row or none differ."""
-    seen = keep.any(axis=(1, 2))  # (B, Lk)
-    if seen.shape[0] < 2:
-        return {}
-    padded = ~seen & seen.any(axis=0, keepdims=True)
-    if not padded.any():
-        return {}
-    valid = ~padded
-    return {"ids": ";".join(",".join("1" if v else "0" for v in row) for row in valid.tolist()), "pad_id": 0}
-
-
 def check(calls: list, expectations: list[tuple[str, str]], names=lambda call: (call.where,), placed=lambda call: {}) -> list[str]:
     """Lines on what differs: for each expectation its first differing call with its first differing rows, then the
     other differing calls by index (and a pattern that matched nothing); empty when every expectation holds.
     A pattern matches a call where it matches any of `names(call)` (its module path; `model` adds its layer type);
     `placed(call)` may place its queries among its keys (offset=, kv_len=) where they are not at the keys' end."""
     from maskcli.diff import row_words
-    from maskcli.testing import keep_array
+    from maskcli.testing import keep_array, padding as found_padding
 
     lines = []
     for pattern, expression in expectations:
@@ -65,7 +51,7 @@ def check(calls: list, expectations: list[tuple[str, str]], names=lambda call: (
             where = f"call {call.index} ({call.where} {step}, {call.api})"
             try:
                 keep = keep_array(call)
-                padding = found_padding(keep)
+                padding = found_padding(keep, call, {})  # (maskcli.keypadding's rule, as assert_mask's)
                 difference = against(keep, expression, f"call {call.index}", **padding, **placed(call))
             except MaskError as error:
                 lines.append(f"{head}: {where}: cannot compare: {error}")
@@ -74,7 +60,7 @@ def check(calls: list, expectations: list[tuple[str, str]], names=lambda call: (
                 continue
             differing.append(call.index)
             if len(differing) == 1:
-                pad = " with the padding found in the mask" if padding else ""
+                pad = f" with the padding found{flags(padding, *call.shape[2:])}" if padding else ""
                 rows = row_words(difference, "the call", expression)[:2]
                 lines.append(f"{head}: {where} differs from {expression}{pad}: {'; '.join(rows)}")
         if len(differing) > 1:

@@ -81,9 +81,10 @@ def _wrapper(trace, function, name):
         except Exception as error:  # noqa: BLE001 - tensors without values (export, meta): the call is the program's
             told = {"attn_implementation": name, "error": f"{type(error).__name__}: {str(error)[:120]}"}
         given = _given(args, kwargs)
-        query, module = given.get("query"), given.get("module")
+        query, module, key = given.get("query"), given.get("module"), given.get("key")
         frame = {"hf": told, "seen": 0, "query": tuple(query.shape) if isinstance(query, torch.Tensor) else None,
-                 "groups": getattr(module, "num_key_value_groups", 1)}
+                 "groups": getattr(module, "num_key_value_groups", 1),
+                 "sink_keys": key.shape[-2] if isinstance(getattr(module, "sinks", None), torch.Tensor) and isinstance(key, torch.Tensor) else None}
         trace.interfaces.append(frame)
         try:
             return function(*args, **kwargs)
@@ -127,6 +128,20 @@ def unpack_gqa(seen: Seen, frame: dict) -> None:
             seen.planes = (pb, ph * rows)
     seen.details["pack_gqa"] = {"kernel_q": list(seen.q), "num_key_value_groups": groups}
     seen.shape, seen.q = (b, h * rows, 1, k_len), tuple(query)
+
+
+def leave_out_sink(seen: Seen, frame: dict) -> None:
+    """A softmax one column wider than the keys of a module with learned sinks, read as its keys alone.
+
+    GPT-OSS's eager attention softmaxes torch.cat([attn_weights, sinks], dim=-1)
+    (transformers/models/gpt_oss/modeling_gpt_oss.py, eager_attention_forward): the last column is each head's sink
+    logit, on no key position and never masked. details["sink_column"] is the index of the column left out."""
+    k_len = frame.get("sink_keys")
+    if k_len is None or seen.keep is None or seen.shape[3] != k_len + 1:
+        return
+    seen.keep = seen.keep[..., :k_len]
+    seen.shape = (*seen.shape[:3], k_len)
+    seen.details["sink_column"] = k_len
 
 
 def _given(args: tuple, kwargs: dict) -> dict:

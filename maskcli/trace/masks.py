@@ -142,7 +142,8 @@ def mha(args: tuple, kwargs: dict) -> Seen:
     attn_mask, padding = a["attn_mask"], a["key_padding_mask"]
     need_weights = bool(a["need_weights"])
     details = {"need_weights": need_weights, "is_causal": bool(a["is_causal"]), "num_heads": heads,
-               "dropout_p": float(a["dropout_p"] or 0.0) if a["training"] else 0.0}
+               "dropout_p": float(a["dropout_p"] or 0.0) if a["training"] else 0.0,
+               "key_padding": {}}  # MHA has a key-padding argument: the padding is what it says (maskcli.keypadding)
     seen = Seen("mha", (batch, heads, q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
     if a["is_causal"] and padding is None and not need_weights:
         seen.intervals = top_left_causal(q_len, k_len)
@@ -157,12 +158,21 @@ def mha(args: tuple, kwargs: dict) -> Seen:
         details["key_padding_mask_dtype"] = _dtype(padding)
         own = ~padding if padding.dtype == torch.bool else additive_keep(padding.detach())
         keep = keep & _allow_extra(own.reshape(batch, 1, 1, -1), extra)
+        details["key_padding"] = _key_padding(_allow_extra(own.reshape(batch, 1, 1, -1), extra))
     if attn_mask is None and padding is None:
         seen.intervals = everything(q_len, k_len)
     else:
         seen.keep = keep
         seen.sources = tuple(x for x in (attn_mask, padding) if x is not None)
     return seen
+
+
+def _key_padding(real: torch.Tensor) -> dict:
+    """The flags (--lengths, --pad left, --ids) of a key padding mask's real keys, (B, 1, 1, Lk); {} where none is padding."""
+    from maskcli.keypadding import options
+
+    real = real.reshape(real.shape[0], -1).cpu().numpy()
+    return {} if real.all() else options(real)
 
 
 def _allow_extra(keep: torch.Tensor, extra: int) -> torch.Tensor:

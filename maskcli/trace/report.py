@@ -11,6 +11,7 @@ import numpy as np
 
 from maskcli import tracefile
 from maskcli.text import Finding, spans, step_text
+from maskcli.trace.names import PADDING, also_documents, flags, flipped_keep
 
 NAME_CELLS = 1 << 22  # masks up to this many cells (b*h*Lq*Lk as stored) are named by rebuilding them
 
@@ -94,25 +95,30 @@ def _named(calls: list) -> Group:
         from maskcli.inspect.structure import recognise
 
         keep4 = tracefile.dense(stored)
-        structure = recognise(keep4, nearest=True, q_start=first.details.get("q_start"))
+        given = first.details.get("key_padding")  # the call's key-padding argument, where its API has one
+        structure = recognise(keep4, nearest=True, q_start=first.details.get("q_start"), padding=given)
         if structure.expression is not None:
-            name = structure.expression + _placed(structure.options, q_len, k_len)
+            name = structure.expression + flags(structure.options, q_len, k_len)
             group = Group(calls, name, structure.expression)
             if _top_left_is_causal(first, q_len, k_len):  # one row of is_causal: its query 0 sees key 0 only,
-                group = Group(calls, "causal (queries top-left)", "causal")  # which is no decode step's mask
+                group = Group(calls, "causal" + flags({"kv_len": k_len}, q_len, k_len), "causal")  # no decode step's mask
             elif structure.kind == "padding" and q_len == 1:  # a decode step read as key padding: a window says more,
-                window = _decode_window(keep4)  # and one query at the last position sees what causal lets it
-                group = Group(calls, window, window.split(" ")[0]) if window else Group(calls, "causal" + name.removeprefix("padding"), "causal")
+                window = _decode_window(keep4, given)  # and one query at the last position sees what causal lets it
+                padded = {key: value for key, value in structure.options.items() if key in PADDING}
+                group = Group(calls, window, window.split(" ")[0]) if window else Group(calls, "causal" + flags(padded, q_len, k_len), "causal")
         else:
             closest = structure.closest
             near = f"; closest {closest['expression']}, {closest['cells_apart']} cells apart" if closest else ""
             group = Group(calls, f"no expression rebuilds it{near}", None)
             if closest and closest.get("rows"):
                 group.findings.append(Finding("closest", f"against {closest['expression']}: {'; '.join(closest['rows'][:2])}"))
+        same = also_documents(structure, keep4, q_len, k_len)
+        if same is not None:
+            group.findings.append(Finding("same-as", f"{structure.expression} is also {same}: the same cells"))
         if structure.kind in MEANT_LATER:  # nothing, or a raw tril/triu: is it a known mask read the wrong way round?
-            flipped = recognise(~keep4)
+            flipped = recognise(flipped_keep(keep4, given), padding=given)  # (the padding is not what is flipped)
             if flipped.expression is not None and flipped.kind not in MEANT_LATER:
-                group.findings.append(Finding("polarity", _polarity(first, flipped.expression + _placed(flipped.options, q_len, k_len))))
+                group.findings.append(Finding("polarity", _polarity(first, flipped.expression + flags(flipped.options, q_len, k_len))))
     else:
         named = _name_on_intervals(stored, q_len, k_len, _documents(first))
         if named is not None:
@@ -192,7 +198,7 @@ def _name_on_intervals(stored: dict, q_len: int, k_len: int, documents: str | No
     width = int(found.counts().max())
     end = MaskOptions(length=q_len, offset=(k_len - q_len) or None)
     top_left = MaskOptions(length=q_len, kv_len=k_len)
-    candidates = [("full", end, ""), ("causal", end, ""), (f"window({width})", end, ""), ("causal", top_left, " (queries top-left)")]
+    candidates = [("full", end, ""), ("causal", end, ""), (f"window({width})", end, ""), ("causal", top_left, flags({"kv_len": k_len}, q_len, k_len))]
     if documents is not None:
         candidates += [(documents, end, ""), (f"{documents} & window({width})", end, "")]
     for expression, options, words in candidates:
@@ -207,36 +213,21 @@ def _name_on_intervals(stored: dict, q_len: int, k_len: int, documents: str | No
     return None
 
 
-def _decode_window(keep: np.ndarray) -> str | None:
-    """'window(W)' (with the padding that differs between batch rows) where it rebuilds a one-query mask exactly."""
+def _decode_window(keep: np.ndarray, given: dict | None) -> str | None:
+    """'window(W)' (with the call's key padding, maskcli.keypadding's rule) where it rebuilds a one-query mask exactly."""
     from maskcli.errors import MaskError
+    from maskcli.keypadding import of
     from maskcli.testing import against
-    from maskcli.trace.expect import found_padding
 
     width = int(keep.sum(axis=-1).max())
     if width < 1 or width == keep.shape[-1]:
         return None  # every key: the causal decode step, which the recogniser names itself
-    padding = found_padding(keep)
+    padding = of(keep, given)
     try:
         equal = against(keep, f"window({width})", **padding).equal
     except MaskError:
         return None
-    return f"window({width})" + (f" (key padding {padding['ids']})" if padding else "") if equal else None
-
-
-def _placed(options: dict, q_len: int, k_len: int) -> str:
-    words = []
-    if "kv_len" in options and "offset" not in options and q_len != k_len:
-        words.append("queries top-left")
-    elif "kv_len" in options and options["offset"] != k_len - q_len:
-        words.append(f"queries at key {options['offset']} of {k_len}")
-    if "lengths" in options:
-        words.append(f"lengths {options['lengths']}")
-    if "ids" in options:
-        words.append(f"key padding {options['ids']}")
-    if options.get("heads", 1) > 1:
-        pass  # the shape says the heads
-    return f" ({'; '.join(words)})" if words else ""
+    return f"window({width})" + flags(padding, *keep.shape[2:]) if equal else None
 
 
 def _polarity(call, expression: str) -> str:
@@ -247,6 +238,8 @@ def _polarity(call, expression: str) -> str:
 
 def _what_api_does(call) -> str:
     api, details = call.api, call.details
+    if api == "softmax" and details.get("sink_column"):  # GPT-OSS: the row's unmasked sink logit takes all its weight
+        return "0 output there (the sink logit, left out, takes the softmax's whole weight)"
     if api == "softmax":
         return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf"
                 else "uniform weights over every key there, masked ones included (a finite fill)")
