@@ -1,0 +1,135 @@
+"""Batch metadata built the way each engine's own code builds it, from one description of the requests.
+
+A request is (computed, new, pages): `computed` tokens already cached, `new` scheduled this step, and the
+physical page of each logical block of its computed + new keys. Each builder follows the engine's source:
+
+- vLLM: vllm/v1/worker/gpu_model_runner.py `_prepare_inputs` (query_start_loc = cumsum of scheduled tokens,
+  seq_lens = num_computed_tokens + scheduled, positions = computed + arange) and vllm/v1/worker/block_table.py
+  `compute_slot_mapping` (slot = block_table[req, pos // block_size] * block_size + pos % block_size); the block
+  table is zero-filled past a request's blocks (block 0 is BlockPool's null_block).
+- SGLang: python/sglang/srt/managers/schedule_batch.py `prepare_for_extend` (extend_lens = seq_lens - prefix_lens,
+  req_to_token[req_pool_idx, prefix_len:seq_len] = out_cache_loc, positions = prefix + arange); a paged allocator
+  (mem_cache/allocator.py PagedTokenToKVPoolAllocator) gives a page's slots page * page_size + offset.
+- flash-attn: flash_attn_with_kvcache / flash_attn_varlen_func's cu_seqlens_q, seqused_k, block_table, page_block_size.
+- FlashInfer: the paged-KV layout of docs (flashinfer/prefill.py BatchPrefillWithPagedKVCacheWrapper.plan):
+  kv_indptr over pages, kv_last_page_len = (kv_len - 1) % page_size + 1.
+- TensorRT-LLM: tensorrt_llm/_torch/attention_backend/trtllm.py TrtllmAttentionMetadata.prepare
+  (kv_lens = num_cached_tokens_per_seq + seq_lens; seq_lens are new tokens); kv_cache_block_offsets (pools, R, 2, blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Req:
+    computed: int
+    new: int
+    pages: list[int] = field(default_factory=list)
+
+    @property
+    def seq(self) -> int:
+        return self.computed + self.new
+
+
+def allocate(reqs: list[Req], ps: int, first: int = 1, shared: int = 0) -> list[Req]:
+    """Give each request fresh pages from `first` on; the first `shared` blocks of a later request are request 0's
+    where they are full and cached (vLLM's prefix cache shares only full blocks)."""
+    page = first
+    for i, r in enumerate(reqs):
+        blocks = -(-r.seq // ps)
+        r.pages = []
+        for b in range(blocks):
+            if i > 0 and b < shared and (b + 1) * ps <= r.computed:  # only full, cached blocks are shared
+                r.pages.append(reqs[0].pages[b])
+            else:
+                r.pages.append(page)
+                page += 1
+    return reqs
+
+
+def _positions(reqs):
+    return np.concatenate([np.arange(r.computed, r.seq) for r in reqs]) if reqs else np.zeros(0, np.int64)
+
+
+def _table(reqs, width=None, pad=0):
+    width = width or max(len(r.pages) for r in reqs)
+    table = np.full((len(reqs), width), pad, np.int64)
+    for i, r in enumerate(reqs):
+        table[i, : len(r.pages)] = r.pages
+    return table
+
+
+def _slots(reqs, ps):
+    table = _table(reqs)
+    pos = _positions(reqs)
+    req = np.repeat(np.arange(len(reqs)), [r.new for r in reqs])
+    return table[req, pos // ps] * ps + pos % ps
+
+
+def _cumulative(values):
+    return np.concatenate([[0], np.cumsum(values)]).astype(np.int64)
+
+
+def vllm(reqs, ps, **extra):
+    return dict(query_start_loc=_cumulative([r.new for r in reqs]), seq_lens=np.array([r.seq for r in reqs]),
+                num_computed_tokens_cpu=np.array([r.computed for r in reqs]), block_table_tensor=_table(reqs),
+                slot_mapping=_slots(reqs, ps), block_size=ps, positions=_positions(reqs), causal=1, **extra)
+
+
+def sglang(reqs, ps, **extra):
+    width = max(-(-r.seq // ps) for r in reqs) * ps
+    pool = np.zeros((len(reqs) + 2, width), np.int64)
+    rows = np.arange(len(reqs))[::-1] + 1  # pool rows are not in batch order
+    for i, r in enumerate(reqs):
+        pos = np.arange(r.seq)
+        pool[rows[i], : r.seq] = np.array(r.pages)[pos // ps] * ps + pos % ps
+    out = np.concatenate([pool[rows[i], r.computed:r.seq] for i, r in enumerate(reqs)])
+    return dict(seq_lens=np.array([r.seq for r in reqs]), extend_prefix_lens=np.array([r.computed for r in reqs]),
+                extend_seq_lens=np.array([r.new for r in reqs]), req_to_token=pool, req_pool_indices=rows, out_cache_loc=out,
+                page_size=ps, positions=_positions(reqs), **extra)
+
+
+def flash_attn(reqs, ps, **extra):
+    return dict(cu_seqlens_q=_cumulative([r.new for r in reqs]), seqused_k=np.array([r.seq for r in reqs]),
+                block_table=_table(reqs), page_block_size=ps, causal=1, **extra)
+
+
+def flashinfer(reqs, ps, **extra):
+    return dict(qo_indptr=_cumulative([r.new for r in reqs]), paged_kv_indptr=_cumulative([len(r.pages) for r in reqs]),
+                paged_kv_indices=np.concatenate([r.pages for r in reqs]), paged_kv_last_page_len=np.array([(r.seq - 1) % ps + 1 for r in reqs]),
+                page_size=ps, causal=1, **extra)
+
+
+def trtllm(reqs, ps, **extra):
+    table = _table(reqs)
+    return dict(seq_lens=np.array([r.new for r in reqs]), num_cached_tokens_per_seq=np.array([r.computed for r in reqs]),
+                kv_cache_block_offsets=np.stack([table, table], 1)[None], tokens_per_block=ps, **extra)
+
+
+BUILDERS = {"vllm": vllm, "sglang": sglang, "flash_attn": flash_attn, "flashinfer": flashinfer, "trtllm": trtllm}
+WINDOW = {"vllm": lambda w: {"sliding_window": w}, "sglang": lambda w: {"sliding_window_size": w - 1},
+          "flash_attn": lambda w: {"window_size": np.array([w - 1, 0])}, "flashinfer": lambda w: {"window_left": w - 1},
+          "trtllm": lambda w: {"attention_window_size": w}}
+
+
+def ancestors(parents) -> np.ndarray:
+    """bool (n, n): node i sees j where j is i or an ancestor (a double loop up the parent chain)."""
+    n = len(parents)
+    out = np.zeros((n, n), bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            out[i, j] = True
+            j = parents[j]
+    return out
+
+
+def depths(parents) -> list[int]:
+    out = []
+    for i, p in enumerate(parents):
+        out.append(0 if p < 0 else out[p] + 1)
+    return out

@@ -1,0 +1,226 @@
+"""maskcli.serve: each engine's batch metadata read into masks and pages, checked against a double loop over
+absolute positions, and each bug of issue 30 reported once with nothing on the correct batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from maskcli.errors import MaskError
+from maskcli.serve.checks import check
+from maskcli.serve.engines import from_tensors
+from serve_builders import BUILDERS, WINDOW, Req, allocate, ancestors, depths, flashinfer, sglang, trtllm, vllm
+
+ENGINES = sorted(BUILDERS)
+
+
+def reference(q_len: int, seq: int, window=None, chunk=None, causal=True) -> np.ndarray:
+    """The kernel's keep matrix by a double loop: query i at position seq - q_len + i (bottom-right, as
+    flash_attn and FlashInfer align causal), key j at position j; window W keeps W keys including self
+    (flash_attn window_size=(W-1, 0), FlashInfer j >= i + kv_len - qo_len - window_left); chunk C keeps
+    the query's own C-aligned chunk (vLLM's chunked-local attention)."""
+    out = np.zeros((q_len, seq), bool)
+    for i in range(q_len):
+        q = seq - q_len + i
+        for j in range(seq):
+            keep = j <= q or not causal
+            if window is not None:
+                keep = keep and j > q - window
+            if chunk is not None:
+                keep = keep and j // chunk == q // chunk
+            out[i, j] = keep
+    return out
+
+
+def masks_of(batch):
+    return [batch.mask(r) for r in range(batch.requests)]
+
+
+def codes(tensors):
+    return [f.code for f in check(from_tensors(tensors, "batch"))]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_random_batches_name_the_mask_a_double_loop_gives(engine):
+    rng = np.random.default_rng(30)
+    for _ in range(100):
+        ps = int(rng.choice([1, 2, 4, 16]))
+        reqs = allocate([Req(int(rng.integers(0, 13)), int(rng.integers(1, 6))) for _ in range(int(rng.integers(1, 5)))], ps)
+        window = int(rng.integers(1, 8)) if rng.random() < 0.4 else None
+        chunk = int(rng.choice([2, 4, 8])) if engine == "vllm" and window is None and rng.random() < 0.3 else None
+        extra = WINDOW[engine](window) if window else {}
+        if chunk:
+            extra["attention_chunk_size"] = chunk
+        batch = from_tensors(BUILDERS[engine](reqs, ps, **extra), "batch")
+        assert batch.engine == engine
+        for r, req in enumerate(reqs):
+            mask = batch.mask(r)
+            assert (mask.frame.q_start, mask.frame.q_len, mask.frame.k_len) == (req.computed, req.new, req.seq)
+            want = reference(req.new, req.seq, window, chunk)
+            got = mask.intervals().dense(0, 0, req.new)
+            assert (got != want).sum() == 0, (engine, r, batch.expression(r))
+        assert check(batch) == [], (engine, [f.message for f in check(batch)])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_plain_batch_and_prefix_hit_are_quiet_and_name_causal_behind_the_cache(engine):
+    plain = allocate([Req(0, 5), Req(0, 3)], 4)
+    batch = from_tensors(BUILDERS[engine](plain, 4), "batch")
+    assert [batch.expression(r) for r in range(2)] == ["causal", "causal"]
+    assert check(batch) == []
+    hit = allocate([Req(8, 2), Req(8, 5)], 4, shared=2)  # prefix caching: request 1 reuses request 0's two full pages
+    batch = from_tensors(BUILDERS[engine](hit, 4), "batch")
+    assert batch.mask(1).frame.q_start == 8 and batch.request_pages(1)[:2].tolist() == hit[0].pages[:2]
+    assert check(batch) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_chunked_prefill_over_three_steps_is_one_causal_pass(engine):
+    """A 10-token prompt scheduled 4 + 4 + 2: each step's file is quiet, and the union of the three steps' rows is
+    torch.tril over the whole prompt."""
+    import torch
+
+    pages = [3, 7, 5]
+    rows = []
+    for computed, new in ((0, 4), (4, 4), (8, 2)):
+        req = Req(computed, new, pages[: -(-(computed + new) // 4)])
+        batch = from_tensors(BUILDERS[engine]([req], 4), "batch")
+        assert check(batch) == []
+        cells = batch.mask(0).intervals().dense(0, 0, new, 0, 10)
+        rows.append(cells)
+    assert np.array_equal(np.concatenate(rows), torch.tril(torch.ones(10, 10, dtype=torch.bool)).numpy())
+
+
+def test_a_sliding_window_layer_over_reused_pages():
+    """vLLM's SlidingWindowManager frees blocks that left the window and puts the null block in their place; another
+    request may then get the freed page. Correct: the old request's table says null there. Bug: it still lists the page
+    that request 1 writes this step."""
+    old = Req(12, 1, [1, 2, 3, 4])  # window 4: position 12 reads keys 9..12, blocks 2 and 3
+    new = Req(0, 4, [5])
+    old.pages[:2] = [0, 0]  # the null block
+    new.pages = [1]  # the freed page 1, reused
+    assert codes(vllm([old, new], 4, sliding_window=4)) == []
+    assert "null-page" in codes(vllm([old, new], 4))  # a full layer reading the same table reads the null block
+    old.pages[:2] = [1, 2]
+    assert codes(vllm([old, new], 4, sliding_window=4)) == []  # page 1 is out of the window: not read, not shared
+    old.pages = [0, 0, 1, 4]  # page 1 still listed inside the window while request 1 writes it
+    found = check(from_tensors(vllm([old, new], 4, sliding_window=4), "batch"))
+    assert [f.code for f in found] == ["shared-page-partial", "shared-page-written"] or "shared-page-written" in [f.code for f in found]
+
+
+def test_cascade_equals_plain_attention_and_its_bugs():
+    """vLLM's FlashAttention cascade: cu_prefix_query_lens = [0, tokens], prefix_kv_lens = [common_prefix_len],
+    suffix_kv_lens = seq_lens - common_prefix_len (vllm/v1/attention/backends/flash_attn.py build)."""
+    reqs = allocate([Req(9, 2), Req(10, 3)], 4, shared=2)
+
+    def cascade(c, reqs=reqs):
+        seq = np.array([r.seq for r in reqs])
+        return vllm(reqs, 4, common_prefix_len=c, cu_prefix_query_lens=[0, sum(r.new for r in reqs)], prefix_kv_lens=[c],
+                    suffix_kv_lens=seq - c)
+
+    batch = from_tensors(cascade(8), "batch")
+    assert batch.expression(0) == "prefix(8)"
+    for r, req in enumerate(reqs):  # the cascade's mask equals plain causal attention
+        assert np.array_equal(batch.mask(r).intervals().dense(0, 0, req.new), reference(req.new, req.seq))
+    assert check(batch) == []
+    late = allocate([Req(3, 6), Req(10, 3)], 4, shared=2)  # the common prefix runs over request 0's new tokens 3..7
+    found = check(from_tensors(cascade(8, late), "batch"))
+    assert ("cascade-sees-later", 0, (3, 4)) in [(f.code, f.request, f.cell) for f in found]
+    other = allocate([Req(9, 2), Req(10, 3)], 4, shared=1)
+    assert codes(cascade(8, other)) == ["cascade-pages"]
+    assert codes(cascade(6)) == ["cascade-partial-page"]
+
+
+def test_vllm_bugs_are_each_reported_once():
+    reqs = allocate([Req(8, 3), Req(0, 4)], 4)
+    good = vllm(reqs, 4)
+    assert codes(good) == []
+    full = dict(good, query_start_loc=np.array([0, 11, 15]))  # cu_seqlens_q from full lengths
+    assert codes(full) == ["seq-len", "query-count"]
+    forgot = dict(good, seq_lens=np.array([3, 4]))  # a prefix hit whose new queries never see the cached prefix
+    found = check(from_tensors(forgot, "batch"))
+    assert found[0].code == "seq-len" and found[0].cell == (8, 1)
+    slots = good["slot_mapping"].copy()
+    slots[:3] = reqs[0].pages[2] + np.arange(3)  # block index used as a slot: wrong units
+    assert codes(dict(good, slot_mapping=slots)) == ["slot-mapping"]
+    table = good["block_table_tensor"].copy()
+    table[0, 1] = 0
+    assert codes(dict(good, block_table_tensor=table)) == ["null-page"]
+    table = good["block_table_tensor"].copy()
+    table[1, 0] = table[0, 0]  # request 1 reads request 0's page, while its slot mapping writes its own
+    assert codes(dict(good, block_table_tensor=table)) == ["slot-mapping"]
+    reqs[1].pages[0] = reqs[0].pages[0]  # the allocator hands out a page still in use: written by 1, read by 0
+    assert codes(vllm(reqs, 4)) == ["shared-page-written"]
+
+
+def test_a_zero_key_chunk_only_at_batch_above_one():
+    reqs = allocate([Req(0, 3), Req(0, 2)], 4)
+    bad = dict(vllm(reqs, 4), seq_lens=np.array([3, 0]), num_computed_tokens_cpu=np.array([0, -2]))
+    assert codes(bad)[0] == "no-keys"
+
+
+@pytest.mark.parametrize("engine", ["flashinfer", "sglang", "trtllm"])
+def test_a_speculative_tree_is_named_and_checked(engine):
+    parents = [-1, 0, 0, 1, 2]
+    prefix = 6
+    tree = Req(prefix, len(parents))
+    plain = Req(3, 1)
+    reqs = allocate([plain, tree], 4)
+    keep = np.concatenate([np.ones((5, prefix), bool), ancestors(parents)], 1)
+    positions = np.concatenate([[3], prefix + np.array(depths(parents))])
+
+    def build(cells, positions=positions):
+        if engine == "trtllm":
+            words = np.zeros((1, 5, 1), np.int64)
+            for i in range(5):  # bit j of node i's first int32 word: node i sees draft j
+                words[0, i, 0] = sum(1 << j for j in range(5) if cells[i, prefix + j])
+            return trtllm(reqs, 4, num_contexts=1, spec_decoding_packed_mask=words.astype(np.int32),
+                          spec_decoding_position_offsets=(positions[1:] - prefix)[None])
+        flat = np.concatenate([reference(1, 4).ravel(), cells.ravel()])
+        builder = flashinfer if engine == "flashinfer" else sglang
+        out = builder(reqs, 4, custom_mask=flat)
+        if engine == "sglang":
+            out["positions"] = positions
+        return out
+
+    batch = from_tensors(build(keep), "batch")
+    assert batch.expression(1) == "tree(-1,0,0,1,2)"
+    assert np.array_equal(batch.mask(1).intervals().dense(0, 0, 5), keep)
+    assert check(batch) == []
+    sibling = keep.copy()
+    sibling[3, prefix + 2] = True  # node 3 sees node 2, its parent's sibling
+    found = check(from_tensors(build(sibling), "batch"))
+    assert [(f.code, f.cell) for f in found] == [("tree-mask", (prefix + 3, prefix + 2))]
+    if engine != "flashinfer":
+        flat = positions.copy()
+        flat[1:] = prefix + np.arange(5)  # positions as a chain, not prefix + depth
+        found = check(from_tensors(build(keep, flat), "batch"))
+        assert [(f.code, f.cell) for f in found] == [("positions", (prefix + 2, prefix + 1))]
+
+
+def test_flashinfer_packed_mask_round_trips_with_export():
+    """`maskcli export --for flashinfer` packs a tree's custom mask (formats/flashinfer.py); serve reads it back."""
+    from maskcli.formats.flashinfer import to
+    from maskcli.mask import build
+
+    mask = build("tree(-1,0,1,0,3)", offset=4)
+    tensors = to(mask).tensors
+    assert "packed_custom_mask" in tensors
+    given = {k: v for k, v in tensors.items() if k != "custom_mask"} | {"causal": 1}
+    batch = from_tensors(given, "export")
+    assert batch.expression(0) == "tree(-1,0,1,0,3)"
+    assert np.array_equal(batch.mask(0).intervals().dense(0, 0, 5), mask.cells(0))
+
+
+def test_flashinfer_last_page_fill_out_of_range():
+    reqs = allocate([Req(5, 2)], 4)
+    bad = dict(flashinfer(reqs, 4), paged_kv_last_page_len=np.array([0]))
+    assert codes(bad)[-1] == "last-page-fill"
+
+
+def test_a_file_that_mixes_engines_or_names_none_is_refused():
+    tensors = dict(vllm(allocate([Req(0, 2)], 4), 4), extend_prefix_lens=[0])
+    with pytest.raises(MaskError, match=r"mixes the names of 2 engines: vllm \(query_start_loc, num_computed_tokens_cpu\); sglang"):
+        from_tensors(tensors, "mixed.pt")
+    with pytest.raises(MaskError, match="none of them an engine's batch metadata names"):
+        from_tensors({"input_ids": [1, 2]}, "x.pt")
