@@ -15,14 +15,14 @@ from maskcli.commands.options import examples
 
 @app.command(
     epilog=examples(
-        "maskcli serve tests/data/serve/vllm_prefix_hit.json",
-        "maskcli serve tests/data/serve/flashinfer_tree.json --json",
-        "maskcli serve tests/data/serve/vllm_prefix_hit.json --png serve.png",
+        'maskcli serve \'{"cu_seqlens_q":[0,1],"seqused_k":[9],"causal":1}\' --json',
+        'maskcli export "tree(-1,0,0,1)" --offset 4 --for flashinfer --save tree.pt',
+        "maskcli serve tree.pt --png serve.png",
     ),
 )
 def serve(
     file: Annotated[str, typer.Argument(
-        help="One batch's attention metadata: a .pt (loaded with weights_only=True), .safetensors, .npz or .json file of named "
+        help="One batch's attention metadata (or the same as inline JSON): a .pt (loaded with weights_only=True), .safetensors, .npz or .json file of named "
              "tensors under one engine's names: vLLM's CommonAttentionMetadata (query_start_loc, seq_lens, num_computed_tokens, "
              "block_table_tensor, slot_mapping, block_size), SGLang's ForwardBatch (extend_prefix_lens, extend_seq_lens, seq_lens, "
              "req_to_token, out_cache_loc), flash-attn's (cu_seqlens_q, seqused_k, block_table, cache_leftpad, window_size), "
@@ -44,23 +44,26 @@ def serve(
     from maskcli.serve.engines import by_name, read
     from maskcli.serve.pagemap import page_map
 
+    from maskcli.files import is_inline
+
     batch = read(file)
     title = by_name(batch.engine).TITLE
+    source = "inline JSON" if is_inline(file) else file
     findings = check(batch)
     pages = page_map(batch)
     rows = render.request_rows(batch, pages)
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure
 
-        save_figure(render.serve_figure(batch, pages, file, title), png_path)
+        save_figure(render.serve_figure(batch, pages, source, title), png_path)
         done(f"wrote {png_path}")
     if json_:
-        echo(render.serve_json(batch, rows, findings, file, title))
+        echo(render.serve_json(batch, rows, findings, source, title))
     else:
         from maskcli.commands.app import make_console
 
         console = make_console()
-        for view in render.views(batch, rows, findings, file, title, console.width):
+        for view in render.views(batch, rows, findings, source, title, console.width):
             console.print(view)
     if any(f.severity == "wrong" for f in findings):
         raise typer.Exit(1)

@@ -27,7 +27,7 @@ def _ids(values, most: int = SHOWN_PAGES) -> str:
 
 def header(b: ServeBatch, source: str, title: str) -> str:
     pages = f"pages of {b.page_size} tokens, {np.unique(b.pages).size:,} distinct" if b.page_size else "no page table (contiguous keys)"
-    layer = ("causal" if b.causal else "bidirectional") + (f", window {b.window}" if b.window else "") + (f", chunks of {b.chunk}" if b.chunk else "")
+    layer = ("custom masks (draft trees)" if b.trees else "causal" if b.causal else "bidirectional") + (f", window {b.window}" if b.window else "") + (f", chunks of {b.chunk}" if b.chunk else "")
     return (f"{source}: {title}\n{b.requests} request{'s' if b.requests != 1 else ''}, {int(b.q_indptr[-1]):,} new tokens, "
             f"{pages}; {layer}")
 
@@ -91,17 +91,16 @@ def serve_json(b: ServeBatch, rows: list[dict], findings, source: str, title: st
     })
 
 
-PAGE_COLOURS = {"read": (0.24, 0.45, 0.75), "shared": (0.93, 0.55, 0.15), "null": (0.35, 0.35, 0.35), "written": (0.2, 0.65, 0.3),
-                "unread": (0.85, 0.85, 0.85)}
+PAGE_COLOURS = {"read": (0.55, 0.45, 0.75), "shared": (0.93, 0.55, 0.15), "null": (0.35, 0.35, 0.35), "written": (0.2, 0.65, 0.3),
+                "unread": (0.96, 0.96, 0.96)}
 
 
 def serve_figure(b: ServeBatch, m: PageMap, source: str, title: str):
     """Per request (up to FIGURE_REQUESTS): its mask over absolute positions, and beside it its pages by kind."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
 
-    from maskcli.render.heatmaps import setup_matplotlib
+    from maskcli.render.heatmaps import MASKED_RGB, VISIBLE_RGB, setup_matplotlib
     from maskcli.render.masks import FIGURE_MAX_CELLS
 
     setup_matplotlib()
@@ -117,13 +116,14 @@ def serve_figure(b: ServeBatch, m: PageMap, source: str, title: str):
             per_q, per_k = max(1, -(-q_len // FIGURE_MAX_CELLS)), max(1, -(-seq // FIGURE_MAX_CELLS))
             share = mask.intervals().block_counts(0, q_len, per_q, per_k).astype(float)
             share /= np.diff(np.minimum(np.arange(0, q_len + per_q, per_q), q_len))[:, None] * np.diff(np.minimum(np.arange(0, seq + per_k, per_k), seq))[None, :]
-            ax.imshow(share, cmap="Blues", vmin=0, vmax=1, aspect="auto", interpolation="nearest", extent=(-0.5, seq - 0.5, q0 + q_len - 0.5, q0 - 0.5))
+            rgb = (np.array(MASKED_RGB) + share[..., None] * (np.array(VISIBLE_RGB) - np.array(MASKED_RGB))) / 255
+            ax.imshow(rgb, aspect="auto", interpolation="nearest", extent=(-0.5, seq - 0.5, q0 + q_len - 0.5, q0 - 0.5))
         ax.set_title(f"request {r}: {b.expression(r) or 'no mask'} · queries {_span(max(q0, 0), q0 + q_len)}", fontsize=9, loc="left")
         ax.set_ylabel("query", fontsize=8)
         ax.set_xlabel("key position", fontsize=8)
         ax.tick_params(labelsize=7)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        _integer_ticks(ax.xaxis, 0, seq)
+        _integer_ticks(ax.yaxis, max(q0, 0), q0 + q_len)
         strip = figure.add_subplot(grid[r, 1])
         at = slice(bounds[r], bounds[r + 1])
         kinds = np.full(bounds[r + 1] - bounds[r], "read", dtype=object)
@@ -137,10 +137,17 @@ def serve_figure(b: ServeBatch, m: PageMap, source: str, title: str):
         strip.set_title(f"pages: {_ids(b.pages[at], 4)}", fontsize=9, loc="left")
         strip.set_xlabel("logical block", fontsize=8)
         strip.tick_params(labelsize=7)
-        strip.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _integer_ticks(strip.xaxis, 0, max(len(kinds), 1))
     handles = [Patch(color=c, label=k) for k, c in PAGE_COLOURS.items()]
     figure.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
     more = f" (requests {shown}-{b.requests - 1} not drawn)" if b.requests > shown else ""
     figure.suptitle(f"{source}: {title}{more}", fontsize=10)
     figure.tight_layout(rect=(0, 0.04, 1, 0.97))
     return figure
+
+
+def _integer_ticks(axis, lo: int, hi: int) -> None:
+    """Every position where there are a few, else whole numbers only."""
+    from matplotlib.ticker import FixedLocator, MaxNLocator
+
+    axis.set_major_locator(FixedLocator(range(lo, hi)) if hi - lo <= 12 else MaxNLocator(integer=True))
