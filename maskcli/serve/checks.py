@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from maskcli.serve.batch import ServeBatch
-from maskcli.serve.pagemap import page_map, read_range
+from maskcli.serve.pagemap import distinct, page_map, read_range
 
 SEVERITIES = ("wrong", "suspicious", "note")
 
@@ -114,8 +114,8 @@ def _shared(b: ServeBatch, m) -> list[Finding]:
     ps = b.page_size
     real = m.read & ~m.null
     owner, column = m.owner, m.column
-    pairs = np.unique(np.stack([b.pages[real], owner[real]]), axis=1) if real.any() else np.zeros((2, 0), np.int64)
-    if real.sum() > pairs.shape[1]:  # one request listing one page at two logical blocks
+    key = b.pages[real] * max(b.requests, 1) + owner[real]
+    if distinct(key).size < key.size:  # one request listing one page at two logical blocks
         order = np.lexsort((column[real], owner[real], b.pages[real]))
         p, o, c = b.pages[real][order], owner[real][order], column[real][order]
         i = _first((p[1:] == p[:-1]) & (o[1:] == o[:-1]))
