@@ -133,3 +133,24 @@ def depths(parents) -> list[int]:
     for i, p in enumerate(parents):
         out.append(0 if p < 0 else out[p] + 1)
     return out
+
+
+def vllm_local(reqs, ps, chunk):
+    """vLLM's make_local_attention_virtual_batches (vllm/v1/attention/backends/utils.py): each request's queries cut at
+    multiples of attn_chunk_size; a virtual batch's keys run from its chunk's start to its last query; its block table
+    row is the request's blocks from chunk_start // block_size."""
+    q_lens, k_lens, rows = [], [], []
+    for r in reqs:
+        pos = np.arange(r.computed, r.seq)
+        for c in np.unique(pos // chunk):
+            mine = pos[pos // chunk == c]
+            start = int(c) * chunk
+            q_lens.append(mine.size)
+            k_lens.append(int(mine[-1]) + 1 - start)
+            rows.append(r.pages[start // ps:])
+    width = max(map(len, rows))
+    table = np.zeros((len(rows), width), np.int64)
+    for i, row in enumerate(rows):
+        table[i, : len(row)] = row
+    return dict(vllm(reqs, ps), attention_chunk_size=chunk, local_query_start_loc=_cumulative(q_lens),
+                local_seqused_k=np.array(k_lens), local_block_table=table)

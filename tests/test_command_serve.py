@@ -140,3 +140,21 @@ def test_png_shows_each_request_mask_and_its_pages(tmp_path):
         for block, kind in enumerate(kinds):
             want = np.array(render.PAGE_COLOURS[kind]) * 255
             assert np.abs(colour(strip, block, 0) - want).max() <= 3, (r, block, kind)
+
+
+def test_three_step_files_are_one_pass(tmp_path):
+    paths = []
+    for k, (computed, new) in enumerate(((0, 4), (4, 4), (8, 2))):
+        req = Req(computed, new, [3, 7, 5][: -(-(computed + new) // 4)])
+        paths.append(save(vllm([req], 4), tmp_path / f"step{k}.json"))
+    result = serve(*paths)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert "the 3 steps together" in lines and lines[-1] == "no findings: the lengths, pages, writes and masks agree"
+    data = json.loads(serve(*paths, "--json").stdout)
+    assert [s["requests"][0]["queries"] for s in data["steps"]] == [[0, 4], [4, 8], [8, 10]] and data["ok"]
+    paths[1] = save(vllm([Req(5, 3, [3, 7])], 4), tmp_path / "gap.json")
+    result = serve(*paths, "--json")
+    assert result.exit_code == 1 and [f["code"] for f in json.loads(result.stdout)["findings"]] == ["steps-positions"]
+    result = serve(*paths, "--png", tmp_path / "x.png")
+    assert result.exit_code == 2 and "--png draws one step, and 3 FILEs were given" in result.stderr

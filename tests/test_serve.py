@@ -224,3 +224,56 @@ def test_a_file_that_mixes_engines_or_names_none_is_refused():
         from_tensors(tensors, "mixed.pt")
     with pytest.raises(MaskError, match="none of them an engine's batch metadata names"):
         from_tensors({"input_ids": [1, 2]}, "x.pt")
+
+
+def test_vllm_chunked_local_virtual_batches_together_equal_local():
+    from serve_builders import vllm_local
+
+    reqs = allocate([Req(2, 4), Req(5, 10), Req(6, 3)], 2)  # q_seqlens [4, 10, 3] over chunks of 4
+    good = vllm_local(reqs, 2, 4)
+    batch = from_tensors(good, "batch")
+    assert len(good["local_seqused_k"]) == 7 and check(batch) == []
+    for r, req in enumerate(reqs):
+        assert batch.expression(r) == "local(4)"
+        assert np.array_equal(batch.mask(r).intervals().dense(0, 0, req.new), reference(req.new, req.seq, chunk=4))
+    keys = good["local_seqused_k"].copy()
+    keys[1] += 2  # request 0's second chunk also sees the end of its first
+    found = check(from_tensors(dict(good, local_seqused_k=keys), "batch"))
+    assert [(f.code, f.request, f.cell) for f in found] == [("local-keys", 0, (4, 2))]
+    keys = good["local_seqused_k"].copy()
+    keys[3] = 0  # a chunk with queries and no keys
+    assert codes(dict(good, local_seqused_k=keys)) == ["local-keys"]
+    table = good["local_block_table"].copy()
+    table[2] = np.array(reqs[1].pages[: table.shape[1]])  # not offset to its chunk's blocks
+    assert codes(dict(good, local_block_table=table)) == ["local-pages"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_chunked_prefill_steps_together_are_one_pass_and_their_bugs(engine):
+    from maskcli.serve.steps import steps
+
+    pages = [3, 7, 5]
+
+    def step(computed, new, pages=pages, **extra):
+        return from_tensors(BUILDERS[engine]([Req(computed, new, pages[: -(-(computed + new) // 4)])], 4, **extra), "step")
+
+    assert steps([step(0, 4), step(4, 4), step(8, 2)]) == []
+    found = steps([step(0, 4), step(5, 3), step(8, 2)])  # step 2 scheduled from the wrong computed count
+    assert [(f.code, f.cell) for f in found] == [("steps-positions", (5, 4))]
+    found = steps([step(0, 4), step(4, 4), step(8, 2, pages=[3, 9, 5])])  # step 3 reads block 1 off another page
+    assert [(f.code, f.cell) for f in found] == [("steps-pages", (8, 4))]
+
+
+def test_steps_match_requests_by_request_ids():
+    from maskcli.serve.steps import steps
+
+    one = from_tensors(vllm(allocate([Req(0, 4), Req(0, 2)], 4), 4, request_ids=[7, 9]), "s1")
+    reqs = allocate([Req(0, 3), Req(4, 2)], 4, first=20)
+    reqs[1].pages[0] = one.request_pages(0)[0]
+    two = from_tensors(vllm(reqs, 4, request_ids=[11, 7]), "s2")  # a new request joined; request 7 is second now
+    assert steps([one, two]) == []
+    with pytest.raises(MaskError, match="name a request twice"):
+        from_tensors(vllm(allocate([Req(0, 4), Req(0, 2)], 4), 4, request_ids=[7, 7]), "s")
+    three = from_tensors(vllm(allocate([Req(0, 4)], 4), 4), "s3")
+    with pytest.raises(MaskError, match="step 2 has 1 requests and step 1 2: add request_ids"):
+        steps([from_tensors(vllm(allocate([Req(0, 4), Req(0, 2)], 4), 4), "s"), three])

@@ -21,14 +21,14 @@ from maskcli.commands.options import examples
     ),
 )
 def serve(
-    file: Annotated[str, typer.Argument(
-        help="One batch's attention metadata (or the same as inline JSON): a .pt (loaded with weights_only=True), .safetensors, .npz or .json file of named "
+    files: Annotated[list[str], typer.Argument(
+        help="One batch's attention metadata (several: one request's steps in order, chunked prefill or prefix hits, matched by request_ids or by index) (or the same as inline JSON): a .pt (loaded with weights_only=True), .safetensors, .npz or .json file of named "
              "tensors under one engine's names: vLLM's CommonAttentionMetadata (query_start_loc, seq_lens, num_computed_tokens, "
              "block_table_tensor, slot_mapping, block_size), SGLang's ForwardBatch (extend_prefix_lens, extend_seq_lens, seq_lens, "
              "req_to_token, out_cache_loc), flash-attn's (cu_seqlens_q, seqused_k, block_table, cache_leftpad, window_size), "
              "FlashInfer's plan() (qo_indptr, kv_indptr, kv_indices, kv_last_page_len, window_left, custom_mask) or "
              "TensorRT-LLM's (seq_lens, num_cached_tokens_per_seq, kv_cache_block_offsets, spec_decoding_packed_mask).",
-        show_default=False, metavar="FILE")],
+        show_default=False, metavar="FILE...")],
     png: Annotated[str | None, typer.Option("--png", help="Write a figure of each request's mask and its pages (shared, null, written): .png, .svg or .pdf.", show_default=False)] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object: every request's positions, mask, pages, and the findings.")] = False,
 ) -> None:
@@ -36,34 +36,49 @@ def serve(
 
     Engines keep no mask tensor: a request's queries are its new tokens, at positions seq_len - new .. seq_len - 1 (the kernels align the last query with the last key), its keys are positions 0 .. seq_len - 1 read through its page table, and its mask is a maskcli expression: causal, window(W), local(C), prefix(P) for a cascade's shared prefix, tree(parents) for a draft tree. Findings (exit status 1): seq_len not computed + new, offsets that count more than the new tokens, requests with queries and no keys, tables too short, a last page's fill out of 1..page_size, a null page where keys are read, a page shared between requests that is partly filled or written this step, new tokens written off their own page, a cascade that is not plain attention, tree nodes that see more or less than their ancestors or sit off prefix + depth.
     """
-    from maskcli.files import FIGURE_SUFFIXES, check_output_path
+    from maskcli.errors import MaskError
+    from maskcli.files import FIGURE_SUFFIXES, check_output_path, is_inline
 
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
+    if png_path is not None and len(files) > 1:
+        raise MaskError(f"--png draws one step, and {len(files)} FILEs were given: give one FILE with --png")
     from maskcli.render import serve as render
     from maskcli.serve.checks import check
     from maskcli.serve.engines import by_name, read
     from maskcli.serve.pagemap import page_map
+    from maskcli.serve.steps import steps
 
-    from maskcli.files import is_inline
-
-    batch = read(file)
-    title = by_name(batch.engine).TITLE
-    source = "inline JSON" if is_inline(file) else file
-    findings = check(batch)
-    pages = page_map(batch)
-    rows = render.request_rows(batch, pages)
-    if png_path is not None:
-        from maskcli.render.heatmaps import save_figure
-
-        save_figure(render.serve_figure(batch, pages, source, title), png_path)
-        done(f"wrote {png_path}")
-    if json_:
-        echo(render.serve_json(batch, rows, findings, source, title))
-    else:
+    batches = [read(file) for file in files]
+    across = steps(batches) if len(batches) > 1 else []
+    reports, wrong = [], bool(across)
+    console = None
+    if not json_:
         from maskcli.commands.app import make_console
 
         console = make_console()
-        for view in render.views(batch, rows, findings, source, title, console.width):
+    for file, batch in zip(files, batches):
+        title = by_name(batch.engine).TITLE
+        source = "inline JSON" if is_inline(file) else file
+        findings = check(batch)
+        wrong |= any(f.severity == "wrong" for f in findings)
+        rows = render.request_rows(batch, page_map(batch))
+        if png_path is not None:
+            from maskcli.render.heatmaps import save_figure
+
+            save_figure(render.serve_figure(batch, page_map(batch), source, title), png_path)
+            done(f"wrote {png_path}")
+        if json_:
+            reports.append(render.serve_dict(batch, rows, findings, source, title))
+        else:
+            for view in render.views(batch, rows, findings, source, title, console.width):
+                console.print(view)
+    if json_:
+        echo(render.steps_json(reports, across))
+    elif len(batches) > 1:
+        from rich.text import Text
+
+        console.print(Text(f"the {len(batches)} steps together", style="bold"))
+        for view in render.findings_text(across):
             console.print(view)
-    if any(f.severity == "wrong" for f in findings):
+    if wrong:
         raise typer.Exit(1)

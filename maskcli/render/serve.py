@@ -77,20 +77,35 @@ def views(b: ServeBatch, rows: list[dict], findings, source: str, title: str, wi
         out.append(Text(f"requests {TABLE_REQUESTS}-{b.requests - 1} not listed (--json lists every one)"))
     for note in b.notes:
         out.append(Text(f"note: {note}"))
-    if findings:
-        for f in findings:
-            where = f" (request {f.request}" + (f", query {f.cell[0]} key {f.cell[1]}" if f.cell else "") + ")" if f.request is not None else ""
-            out.append(Text(f"• {f.severity} {f.code}{where}: {f.message}", style="red" if f.severity == "wrong" else "yellow"))
-    else:
-        out.append(Text("no findings: the lengths, pages, writes and masks agree", style="green"))
-    return out
+    return out + findings_text(findings)
 
 
-def serve_json(b: ServeBatch, rows: list[dict], findings, source: str, title: str) -> str:
-    return json.dumps({
+def serve_dict(b: ServeBatch, rows: list[dict], findings, source: str, title: str) -> dict:
+    return {
         "source": source, "engine": b.engine, "names": title, "page_size": b.page_size, "causal": b.causal, "window": b.window,
         "chunk": b.chunk, "requests": rows, "findings": [f.json() for f in findings], "ok": not any(f.severity == "wrong" for f in findings),
-    })
+    }
+
+
+def steps_json(reports: list[dict], findings) -> str:
+    """One report per step file, and what the steps together say."""
+    if len(reports) == 1:
+        return json.dumps(reports[0])
+    ok = all(r["ok"] for r in reports) and not any(f.severity == "wrong" for f in findings)
+    return json.dumps({"steps": reports, "findings": [f.json() for f in findings], "ok": ok})
+
+
+def findings_text(findings) -> list:
+    """Each finding as a line (red for wrong), or the line that says there are none."""
+    from rich.text import Text
+
+    if not findings:
+        return [Text("no findings: the lengths, pages, writes and masks agree", style="green")]
+    out = []
+    for f in findings:
+        where = f" (request {f.request}" + (f", query {f.cell[0]} key {f.cell[1]}" if f.cell else "") + ")" if f.request is not None else ""
+        out.append(Text(f"• {f.severity} {f.code}{where}: {f.message}", style="red" if f.severity == "wrong" else "yellow"))
+    return out
 
 
 PAGE_COLOURS = {"read": (0.55, 0.45, 0.75), "shared": (0.93, 0.55, 0.15), "null": (0.35, 0.35, 0.35), "written": (0.2, 0.65, 0.3),

@@ -59,6 +59,7 @@ class ServeBatch:
     cascade: Cascade | None = None
     local: Local | None = None
     trees: dict[int, np.ndarray] = field(default_factory=dict)  # request -> bool (q_len, seq_len) custom mask
+    request_ids: np.ndarray | None = None  # (R,) which request is which across step files
     positions: np.ndarray | None = None  # (N,) each query token's position as the engine states it
     notes: tuple[str, ...] = ()
 

@@ -41,7 +41,7 @@ def _tokens_agree(b: ServeBatch) -> bool:
     return b.tokens is None or int(b.q_indptr[-1]) == b.tokens
 
 
-def _first_position(b: ServeBatch) -> np.ndarray:
+def first_positions(b: ServeBatch) -> np.ndarray:
     """Each request's first new token's position: as the cache says where it says, else as the kernel aligns it."""
     return b.computed if b.computed is not None else b.q_start
 
@@ -146,7 +146,7 @@ def _writes(b: ServeBatch) -> list[Finding]:
     slots = b.write_slots[:n]
     token_req = np.repeat(np.arange(b.requests), b.q_lens)[: slots.size]
     index = np.arange(slots.size) - b.q_indptr[token_req]
-    position = _first_position(b)[token_req] + index
+    position = first_positions(b)[token_req] + index
     col = (b.starts[token_req] + position) // ps
     have = col < np.diff(b.page_indptr)[token_req]
     expected = np.full(slots.size, -1, np.int64)
@@ -198,6 +198,51 @@ def cascade(b: ServeBatch) -> list[Finding]:
     return out
 
 
+def local(b: ServeBatch) -> list[Finding]:
+    """vLLM's chunked-local virtual batches (one per request and chunk, each bottom-right causal over its chunk's keys
+    so far, reading the chunk's own blocks) together equal local(C) over the real batch."""
+    v = b.local
+    if v is None or b.chunk is None:
+        return []
+    C, ps = b.chunk, b.page_size
+    if int(v.q_indptr[-1]) != int(b.q_indptr[-1]):
+        return [Finding("local-lengths", "wrong", None, None, f"local_query_start_loc counts {int(v.q_indptr[-1])} query tokens, "
+                        f"query_start_loc {int(b.q_indptr[-1])}: the virtual batches must split the same tokens")]
+    first = v.q_indptr[:-1]
+    owner = np.searchsorted(b.q_indptr, first, side="right") - 1
+    n = np.diff(v.q_indptr)
+    p0 = b.q_start[owner] + first - b.q_indptr[owner]
+    p1 = p0 + n - 1
+    i = _first((v.q_indptr[1:] > b.q_indptr[owner + 1]) | (p1 // C != p0 // C))
+    if i is not None:
+        return [Finding("local-crosses-chunk", "wrong", int(owner[i]), (int(p1[i]), int(p1[i])), f"virtual batch {i} holds "
+                        f"request {int(owner[i])}'s queries {int(p0[i])}..{int(p1[i])}, across a chunk of {C} (or a request) "
+                        f"boundary: each virtual batch is one request's one chunk")]
+    chunk_start = p0 // C * C
+    given_start = p1 + 1 - v.seq_lens[: len(n)]
+    i = _first(given_start != chunk_start)
+    if i is not None:
+        r, q = int(owner[i]), int(p0[i])
+        cell = (q, int(given_start[i])) if given_start[i] < chunk_start[i] else (q, int(chunk_start[i]))
+        how = "sees keys before its chunk" if given_start[i] < chunk_start[i] else "misses the start of its chunk"
+        return [Finding("local-keys", "wrong", r, cell, f"virtual batch {i} (request {r}, queries {q}..{int(p1[i])}) has "
+                        f"local_seqused_k {int(v.seq_lens[i])}, so it {how} {int(chunk_start[i])}..: local({C}) needs "
+                        f"{int(p1[i] + 1 - chunk_start[i])}")]
+    out = []
+    if ps and v.tables.size:
+        for i in range(len(n)):  # one comparison of a chunk's blocks per virtual batch
+            r, lo = int(owner[i]), int(b.starts[owner[i]] + chunk_start[i]) // ps
+            blocks = -(-int(v.seq_lens[i]) // ps)
+            want, got = b.request_pages(r)[lo:lo + blocks], v.tables[i, :blocks]
+            if want.size == got.size and not np.array_equal(want, got):
+                j = int(np.flatnonzero(want != got)[0])
+                key = int(chunk_start[i]) + j * ps
+                out.append(Finding("local-pages", "wrong", r, (int(p0[i]), key), f"virtual batch {i}'s block {j} is page "
+                                   f"{int(got[j])}, but request {r}'s keys {key}.. are on page {int(want[j])}"))
+                break
+    return out
+
+
 def trees(b: ServeBatch) -> list[Finding]:
     """Each draft node sees the prefix, its ancestors and itself, and sits at position prefix + depth."""
     from maskcli.serve.trees import read_tree
@@ -224,9 +269,9 @@ def trees(b: ServeBatch) -> list[Finding]:
         return out
     token_req = np.repeat(np.arange(b.requests), b.q_lens)
     n = min(token_req.size, b.positions.size)
-    expected = _first_position(b)[token_req] + (np.arange(token_req.size) - b.q_indptr[token_req])
+    expected = first_positions(b)[token_req] + (np.arange(token_req.size) - b.q_indptr[token_req])
     for r, depth in depth_at.items():
-        expected[b.q_indptr[r]:b.q_indptr[r + 1]] = _first_position(b)[r] + depth
+        expected[b.q_indptr[r]:b.q_indptr[r + 1]] = first_positions(b)[r] + depth
     t = _first(b.positions[:n] != expected[:n])
     if t is not None:
         r = int(token_req[t])
@@ -237,7 +282,7 @@ def trees(b: ServeBatch) -> list[Finding]:
     return out
 
 
-RULES = (lengths, pages, cascade, trees)
+RULES = (lengths, pages, cascade, local, trees)
 
 
 def check(b: ServeBatch) -> list[Finding]:

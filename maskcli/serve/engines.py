@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
+
 from maskcli.errors import MaskError
 from maskcli.serve import flash_attn, flashinfer, sglang, trtllm, vllm
 from maskcli.serve.batch import ServeBatch
 from maskcli.serve.fields import Fields, as_numbers
 
 ENGINES = (vllm, sglang, flash_attn, flashinfer, trtllm)
+SHARED = ("request_ids",)  # read under every engine's names: which request is which across step files
 
 
 def by_name(name: str):
@@ -44,5 +49,10 @@ def read(source: str) -> ServeBatch:
 def from_tensors(tensors: dict, source: str) -> ServeBatch:
     """The batch in named tensors, arrays, lists or numbers (as a file holds them); `source` names it in messages."""
     engine = detect(tensors.keys(), source)
-    arrays = {key: as_numbers(value, f"{source!r}: {key}") for key, value in tensors.items() if key in engine.READS}
-    return engine.load(Fields(arrays, source, engine.TITLE))
+    arrays = {key: as_numbers(value, f"{source!r}: {key}") for key, value in tensors.items() if key in engine.READS + SHARED}
+    fields = Fields(arrays, source, engine.TITLE)
+    batch = engine.load(fields)
+    ids = fields.per_request(fields.vector("request_ids"), batch.requests, "request_ids")
+    if ids is not None and np.unique(ids).size != ids.size:
+        raise MaskError(f"{source!r}: request_ids {ids[:8].tolist()} name a request twice; give each request its own id")
+    return batch if ids is None else replace(batch, request_ids=ids)
