@@ -70,6 +70,8 @@ def serve(
         if json_:
             reports.append(render.serve_dict(batch, rows, findings, source, title))
         else:
+            if len(batches) > 1 and file != files[0]:
+                console.print()
             for view in render.views(batch, rows, findings, source, title, console.width):
                 console.print(view)
     if json_:
@@ -77,6 +79,7 @@ def serve(
     elif len(batches) > 1:
         from rich.text import Text
 
+        console.print()
         console.print(Text(f"the {len(batches)} steps together", style="bold"))
         for view in render.findings_text(across):
             console.print(view)

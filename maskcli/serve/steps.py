@@ -45,9 +45,11 @@ def _follow(before, after, rid: int, start: int) -> list[Finding]:
     (k0, b0, i0), (k1, b1, i1) = before, after
     end = int(first_positions(b0)[i0] + b0.q_lens[i0])
     if start != end:
-        how = f"skips positions {end}..{start - 1}" if start > end else f"repeats positions {start}..{end - 1}"
+        lo, hi = (end, int(start) - 1) if start > end else (int(start), end - 1)
+        span = f"position {lo}" if lo == hi else f"positions {lo}..{hi}"
+        how = f"skips {span}" if start > end else f"computes {span} again"
         return [Finding("steps-positions", "wrong", rid, (int(start), int(min(start, end))), f"request {rid}'s step {k1 + 1} starts at "
-                        f"position {int(start)}, step {k0 + 1} ended before {end}: it {how}, so the steps are not one pass")]
+                        f"position {int(start)}, step {k0 + 1} ended at {end - 1}: it {how}, so the steps are not one pass")]
     ps = b1.page_size
     if not ps or ps != b0.page_size:
         return []
