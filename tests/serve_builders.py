@@ -154,3 +154,34 @@ def vllm_local(reqs, ps, chunk):
         table[i, : len(row)] = row
     return dict(vllm(reqs, ps), attention_chunk_size=chunk, local_query_start_loc=_cumulative(q_lens),
                 local_seqused_k=np.array(k_lens), local_block_table=table)
+
+
+def causal_cells(q_len: int, seq: int) -> np.ndarray:
+    """Bottom-right causal (q_len, seq) by a double loop: query i at position seq - q_len + i sees keys up to it."""
+    return np.array([[j <= seq - q_len + i for j in range(seq)] for i in range(q_len)], bool).reshape(q_len, seq)
+
+
+def with_tree(engine, reqs, ps, parents, cells=None, positions=None):
+    """The batch with its last request a draft tree verify (its new tokens are the tree's nodes): FlashInfer's and
+    SGLang's flattened custom_mask over every request (the others causal), TensorRT-LLM's spec_decoding_packed_mask
+    (bit j of node i's int32 word j // 32: node i sees draft j) with the tree a generation request after the contexts."""
+    tree = reqs[-1]
+    n = len(parents)
+    if cells is None:
+        cells = np.concatenate([np.ones((n, tree.computed), bool), ancestors(parents)], 1)
+    if positions is None:
+        positions = np.array(depths(parents)) + tree.computed
+    if engine == "trtllm":
+        words = np.zeros((1, n, -(-n // 32)), np.int64)
+        for i in range(n):
+            for j in range(n):
+                if cells[i, tree.computed + j]:
+                    words[0, i, j // 32] |= 1 << (j % 32)
+        words = np.where(words >= 1 << 31, words - (1 << 32), words)  # as the int32 words are stored
+        return trtllm(reqs, ps, num_contexts=len(reqs) - 1, spec_decoding_packed_mask=words.astype(np.int32),
+                      spec_decoding_position_offsets=(positions - tree.computed)[None])
+    flat = np.concatenate([causal_cells(r.new, r.seq).ravel() for r in reqs[:-1]] + [cells.ravel()])
+    out = (flashinfer if engine == "flashinfer" else sglang)(reqs, ps, custom_mask=flat.astype(np.int64))
+    if engine == "sglang":
+        out["positions"] = np.concatenate([out["positions"][: -n], positions])
+    return out

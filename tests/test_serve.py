@@ -9,9 +9,10 @@ import pytest
 from maskcli.errors import MaskError
 from maskcli.serve.checks import check
 from maskcli.serve.engines import from_tensors
-from serve_builders import BUILDERS, WINDOW, Req, allocate, ancestors, depths, flashinfer, sglang, trtllm, vllm
+from serve_builders import BUILDERS, WINDOW, Req, allocate, ancestors, flashinfer, vllm, with_tree
 
 ENGINES = sorted(BUILDERS)
+TREE_ENGINES = ("flashinfer", "sglang", "trtllm")  # the layouts with a draft tree's mask
 
 
 def reference(q_len: int, seq: int, window=None, chunk=None, causal=True) -> np.ndarray:
@@ -159,43 +160,43 @@ def test_a_zero_key_chunk_only_at_batch_above_one():
     assert codes(bad)[0] == "no-keys"
 
 
-@pytest.mark.parametrize("engine", ["flashinfer", "sglang", "trtllm"])
+@pytest.mark.parametrize("engine", TREE_ENGINES)
 def test_a_speculative_tree_is_named_and_checked(engine):
     parents = [-1, 0, 0, 1, 2]
     prefix = 6
-    tree = Req(prefix, len(parents))
-    plain = Req(3, 1)
-    reqs = allocate([plain, tree], 4)
+    reqs = allocate([Req(3, 1), Req(prefix, len(parents))], 4)
     keep = np.concatenate([np.ones((5, prefix), bool), ancestors(parents)], 1)
-    positions = np.concatenate([[3], prefix + np.array(depths(parents))])
-
-    def build(cells, positions=positions):
-        if engine == "trtllm":
-            words = np.zeros((1, 5, 1), np.int64)
-            for i in range(5):  # bit j of node i's first int32 word: node i sees draft j
-                words[0, i, 0] = sum(1 << j for j in range(5) if cells[i, prefix + j])
-            return trtllm(reqs, 4, num_contexts=1, spec_decoding_packed_mask=words.astype(np.int32),
-                          spec_decoding_position_offsets=(positions[1:] - prefix)[None])
-        flat = np.concatenate([reference(1, 4).ravel(), cells.ravel()])
-        builder = flashinfer if engine == "flashinfer" else sglang
-        out = builder(reqs, 4, custom_mask=flat)
-        if engine == "sglang":
-            out["positions"] = positions
-        return out
-
-    batch = from_tensors(build(keep), "batch")
+    batch = from_tensors(with_tree(engine, reqs, 4, parents), "batch")
     assert batch.expression(1) == "tree(-1,0,0,1,2)"
     assert np.array_equal(batch.mask(1).intervals().dense(0, 0, 5), keep)
     assert check(batch) == []
     sibling = keep.copy()
     sibling[3, prefix + 2] = True  # node 3 sees node 2, its parent's sibling
-    found = check(from_tensors(build(sibling), "batch"))
+    found = check(from_tensors(with_tree(engine, reqs, 4, parents, cells=sibling), "batch"))
     assert [(f.code, f.cell) for f in found] == [("tree-mask", (prefix + 3, prefix + 2))]
-    if engine != "flashinfer":
-        flat = positions.copy()
-        flat[1:] = prefix + np.arange(5)  # positions as a chain, not prefix + depth
-        found = check(from_tensors(build(keep, flat), "batch"))
+    if engine != "flashinfer":  # FlashInfer's plan() takes no positions
+        chain = prefix + np.arange(5)  # positions as a chain, not prefix + depth
+        found = check(from_tensors(with_tree(engine, reqs, 4, parents, positions=chain), "batch"))
         assert [(f.code, f.cell) for f in found] == [("positions", (prefix + 2, prefix + 1))]
+
+
+@pytest.mark.parametrize("engine", TREE_ENGINES)
+def test_random_draft_trees_name_the_mask_a_double_loop_gives(engine):
+    rng = np.random.default_rng(31)
+    for _ in range(100):
+        ps = int(rng.choice([1, 4, 16]))
+        n = int(rng.integers(1, 40))
+        parents = [-1] + [int(rng.integers(-1, i)) if rng.random() < 0.2 else int(rng.integers(0, i)) for i in range(1, n)]
+        reqs = allocate([Req(int(rng.integers(0, 9)), int(rng.integers(1, 4))) for _ in range(int(rng.integers(0, 3)))]
+                        + [Req(int(rng.integers(0, 20)), n)], ps)
+        batch = from_tensors(with_tree(engine, reqs, ps, parents), "batch")
+        tree = reqs[-1]
+        want = np.concatenate([np.ones((n, tree.computed), bool), ancestors(parents)], 1)
+        got = batch.mask(batch.requests - 1).intervals().dense(0, 0, n)
+        assert (got != want).sum() == 0, (engine, parents)
+        for r, req in enumerate(reqs[:-1]):
+            assert (batch.mask(r).intervals().dense(0, 0, req.new) != reference(req.new, req.seq)).sum() == 0
+        assert check(batch) == [], [f.message for f in check(batch)]
 
 
 def test_flashinfer_packed_mask_round_trips_with_export():
@@ -277,3 +278,28 @@ def test_steps_match_requests_by_request_ids():
     three = from_tensors(vllm(allocate([Req(0, 4)], 4), 4), "s3")
     with pytest.raises(MaskError, match="step 2 has 1 requests and step 1 2: add request_ids"):
         steps([from_tensors(vllm(allocate([Req(0, 4), Req(0, 2)], 4), 4), "s"), three])
+
+
+def test_flash_attn_cache_leftpad_starts_the_keys_later():
+    """flash_attn_with_kvcache's cache_leftpad (flash_attn/flash_attn_interface.py): a request's keys are the columns
+    cache_leftpad .. cache_seqlens - 1, the last query aligned with the last of them."""
+    from serve_builders import flash_attn
+
+    reqs = allocate([Req(4, 2), Req(3, 1)], 4)  # request 0's 6 keys sit at columns 2..7
+    reqs[0].pages = [9, 8]
+    tensors = dict(flash_attn(reqs, 4), seqused_k=np.array([8, 4]), cache_leftpad=np.array([2, 0]))
+    batch = from_tensors(tensors, "batch")
+    assert batch.frame(0) == (4, 2, 6) and batch.expression(0) == "causal"
+    assert np.array_equal(batch.mask(0).intervals().dense(0, 0, 2), reference(2, 6))
+    assert check(batch) == []
+
+
+def test_an_sglang_decode_batch_has_one_new_token_per_request():
+    from serve_builders import sglang
+
+    reqs = allocate([Req(5, 1), Req(9, 1)], 1)
+    tensors = {k: v for k, v in sglang(reqs, 1).items() if not k.startswith("extend_")}
+    batch = from_tensors(tensors, "batch")
+    assert batch.q_lens.tolist() == [1, 1] and [batch.frame(r)[0] for r in range(2)] == [5, 9]
+    assert batch.notes == ("no extend_seq_lens: read as a decode batch, one new token per request",)
+    assert check(batch) == []
