@@ -158,3 +158,20 @@ def test_three_step_files_are_one_pass(tmp_path):
     assert result.exit_code == 1 and [f["code"] for f in json.loads(result.stdout)["findings"]] == ["steps-positions"]
     result = serve(*paths, "--png", tmp_path / "x.png")
     assert result.exit_code == 2 and "--png draws one step, and 3 FILEs were given" in result.stderr
+
+
+@pytest.mark.parametrize("given, said", [
+    ('{"query_start_loc":[0,2],"seq_lens":[-3]}', "seq_lens is -3 for request 0; lengths are 0 or more"),
+    ('{"query_start_loc":[0,2],"seq_lens":[5],"sliding_window":0}', "sliding_window 0 leaves no key"),
+    ('{"query_start_loc":[0,2.5],"seq_lens":[5]}', "query_start_loc holds values that are not whole numbers"),
+    ('{"query_start_loc":[1,2],"seq_lens":[5]}', "query_start_loc [1, 2] must start at 0"),
+    ('{"cu_seqlens_q":[0,2],"seqused_k":[4],"window_size":3}', "window_size [3] is a pair (left, right)"),
+    ('{"qo_indptr":[0,2],"kv_indptr":[0,1],"kv_indices":[3],"kv_last_page_len":[2],"page_size":4,"custom_mask":[1,1]}',
+     "custom_mask holds 2 cells; the requests' (qo_len x kv_len) masks need 4"),
+    ('{"seq_lens":[2],"num_cached_tokens_per_seq":[3],"spec_decoding_packed_mask":[[[3],[3]]]}', "no num_contexts"),
+    ('{"input_ids":[1,2]}', "none of them an engine's batch metadata names"),
+])
+def test_bad_metadata_is_one_line_that_says_what_to_fix(given, said):
+    result = serve(given)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("maskcli: error: ") and said in result.stderr and len(result.stderr.splitlines()) == 1

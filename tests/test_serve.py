@@ -155,9 +155,14 @@ def test_vllm_bugs_are_each_reported_once():
 
 
 def test_a_zero_key_chunk_only_at_batch_above_one():
+    """A second request's keys counted as 0 (seqused_k from a per-batch buffer not refilled past request 0)."""
+    from serve_builders import flash_attn
+
     reqs = allocate([Req(0, 3), Req(0, 2)], 4)
-    bad = dict(vllm(reqs, 4), seq_lens=np.array([3, 0]), num_computed_tokens_cpu=np.array([0, -2]))
-    assert codes(bad)[0] == "no-keys"
+    assert codes(flash_attn(reqs, 4)) == []
+    found = check(from_tensors(dict(flash_attn(reqs, 4), seqused_k=np.array([3, 0])), "batch"))
+    assert [(f.code, f.request) for f in found] == [("no-keys", 1)]
+    assert codes(dict(flash_attn(reqs, 4), seqused_k=np.array([3, 1]))) == ["more-queries-than-keys"]
 
 
 @pytest.mark.parametrize("engine", TREE_ENGINES)
@@ -303,3 +308,12 @@ def test_an_sglang_decode_batch_has_one_new_token_per_request():
     assert batch.q_lens.tolist() == [1, 1] and [batch.frame(r)[0] for r in range(2)] == [5, 9]
     assert batch.notes == ("no extend_seq_lens: read as a decode batch, one new token per request",)
     assert check(batch) == []
+
+
+def test_a_needed_block_that_is_no_page():
+    reqs = allocate([Req(5, 2)], 4)
+    tensors = vllm(reqs, 4)
+    tensors["block_table_tensor"] = np.array([[reqs[0].pages[0], -1]])
+    tensors["slot_mapping"] = np.array([-4 + 1, -4 + 2])  # as vLLM's compute_slot_mapping makes them from -1
+    found = check(from_tensors(tensors, "batch"))
+    assert [(f.code, f.request) for f in found][0] == ("bad-page", 0)

@@ -61,7 +61,7 @@ def views(b: ServeBatch, rows: list[dict], findings, source: str, title: str, wi
     for name in ("req", "queries", "keys", "mask"):
         masks.add_column(name, overflow="fold")
     for row in rows[:TABLE_REQUESTS]:
-        masks.add_row(str(row["request"]), _span(*row["queries"]), _span(*row["keys"]), row["expression"] or "none (more queries than keys)")
+        masks.add_row(str(row["request"]), _span(*row["queries"]), _span(*row["keys"]), row["expression"] or ("none (no keys)" if row["keys"][1] == 0 else "none (more queries than keys)"))
     out.append(masks)
     if b.page_size:
         pages = Table(title=f"page map (logical block → page of {b.page_size})", title_justify="left", box=box.SIMPLE_HEAD,

@@ -142,3 +142,15 @@ def table_rows(table: np.ndarray, needed: np.ndarray, where: str) -> tuple[np.nd
     take = np.minimum(needed, table.shape[1])
     keep = np.arange(table.shape[1])[None, :] < take[:, None]
     return cumulative(take), table[: len(needed)][keep[: len(needed)]], short
+
+
+def validate(b: ServeBatch, source: str) -> None:
+    """Refuse what no engine writes: negative lengths, a window or chunk under 1 (a wrong batch is a finding, not this)."""
+    for role, values in (("seq_lens", b.seq_lens), ("computed", b.computed), ("key_start", b.key_start)):
+        if values is not None and values.size and values.min() < 0:
+            r = int(np.argmin(values))
+            raise MaskError(f"{source!r}: {b.name(role)} is {int(values[r])} for request {r}; lengths are 0 or more")
+    for role, value in (("window", b.window), ("chunk", b.chunk)):
+        if value is not None and value < 1:
+            name = {"window": b.name("window"), "chunk": "attention_chunk_size"}[role]
+            raise MaskError(f"{source!r}: {name} {value} leaves no key; a {role} holds at least 1 token (leave it out for none)")

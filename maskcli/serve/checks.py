@@ -54,9 +54,9 @@ def lengths(b: ServeBatch) -> list[Finding]:
     if r is not None:
         out.append(Finding("no-keys", "wrong", r, None, f"request {r} has {int(q_lens[r])} queries and 0 keys ({b.name('seq_lens')} "
                            f"is 0): its rows are empty, the kernel writes zeros or NaN there"))
-    r = _first(q_lens > seq)
+    r = _first((q_lens > seq) & (seq > 0))
     if r is not None:
-        out.append(Finding("more-queries-than-keys", "wrong", r, (0, 0), f"request {r} has {int(q_lens[r])} new tokens but {int(seq[r])} keys: "
+        out.append(Finding("more-queries-than-keys", "wrong", r, None, f"request {r} has {int(q_lens[r])} new tokens but {int(seq[r])} keys: "
                            f"the keys include the new tokens, so {b.name('seq_lens')} must be at least {b.name('queries')}'s count"))
     if b.computed is not None:
         bad = b.computed + q_lens != seq
@@ -96,6 +96,11 @@ def pages(b: ServeBatch) -> list[Finding]:
     m = page_map(b)
     owner, column = m.owner, m.column
     first, _ = read_range(b)
+    i = _first(m.read & (b.pages < 0))
+    if i is not None:
+        r = int(owner[i])
+        out.append(Finding("bad-page", "wrong", r, None, f"request {r}'s logical block {int(column[i])} is page {int(b.pages[i])}, "
+                           f"which is no page: the keys there are read from outside the cache"))
     i = _first(m.read & m.null)
     if i is not None:
         r = int(owner[i])

@@ -8,7 +8,7 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.serve import flash_attn, flashinfer, sglang, trtllm, vllm
-from maskcli.serve.batch import ServeBatch
+from maskcli.serve.batch import ServeBatch, validate
 from maskcli.serve.fields import Fields, as_numbers
 
 ENGINES = (vllm, sglang, flash_attn, flashinfer, trtllm)
@@ -40,7 +40,10 @@ def read(source: str) -> ServeBatch:
     """The batch in a .pt, .safetensors, .npz or .json file of named tensors."""
     from maskcli.tensorfile import read_tensors
 
+    from maskcli.files import is_inline
+
     tensors = read_tensors(source, "FILE", numbers=True)
+    source = "inline JSON" if is_inline(source) else source
     if set(tensors) == {""}:
         raise MaskError(f"{source!r} holds one unnamed tensor; save a dict of the engine's named fields (query_start_loc, seq_lens, ...)")
     return from_tensors(tensors, source)
@@ -52,6 +55,7 @@ def from_tensors(tensors: dict, source: str) -> ServeBatch:
     arrays = {key: as_numbers(value, f"{source!r}: {key}") for key, value in tensors.items() if key in engine.READS + SHARED}
     fields = Fields(arrays, source, engine.TITLE)
     batch = engine.load(fields)
+    validate(batch, source)
     ids = fields.per_request(fields.vector("request_ids"), batch.requests, "request_ids")
     if ids is not None and np.unique(ids).size != ids.size:
         raise MaskError(f"{source!r}: request_ids {ids[:8].tolist()} name a request twice; give each request its own id")

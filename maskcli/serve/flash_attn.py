@@ -34,7 +34,7 @@ def load(f: Fields) -> ServeBatch:
     left = f.per_request(f.vector("cache_leftpad"), requests, "cache_leftpad")
     keys = seq_lens - (left if left is not None else 0)  # the kernel's keys run from cache_leftpad to cache_seqlens
     names = {"queries": "cu_seqlens_q", "seq_lens": f.key("seqused_k", "cache_seqlens", "cu_seqlens_k"), "table": "block_table",
-             "page_size": "page_block_size", "window": "window_size"}
+             "page_size": "page_block_size", "window": "window_size", "key_start": "cache_leftpad"}
     page_size, indptr, pages, short = 0, np.zeros(requests + 1, np.int64), np.zeros(0, np.int64), None
     if f.has("block_table"):
         page_size = f.page_size("page_block_size", "page_size")
