@@ -170,6 +170,7 @@ def test_three_step_files_are_one_pass(tmp_path):
      "custom_mask holds 2 cells; the requests' (qo_len x kv_len) masks need 4"),
     ('{"seq_lens":[2],"num_cached_tokens_per_seq":[3],"spec_decoding_packed_mask":[[[3],[3]]]}', "no num_contexts"),
     ('{"input_ids":[1,2]}', "none of them an engine's batch metadata names"),
+    ('{"seq_lens":[2],"extend_seq_lens":[2],"req_to_token":[[1,2],[3,4]]}', "req_to_token has 2 rows for 1 requests: save the pool with req_pool_indices"),
 ])
 def test_bad_metadata_is_one_line_that_says_what_to_fix(given, said):
     result = serve(given)

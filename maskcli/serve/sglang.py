@@ -47,6 +47,9 @@ def load(f: Fields) -> ServeBatch:
                 raise MaskError(f"{f.source!r}: req_pool_indices {pool[:8].tolist()} must name one req_to_token row per request "
                                 f"(0 to {rows.shape[0] - 1})")
             rows = rows[pool[:requests]]
+        elif rows.ndim == 2 and rows.shape[0] != requests:
+            raise MaskError(f"{f.source!r}: req_to_token has {rows.shape[0]} rows for {requests} requests: save the pool with "
+                            f"req_pool_indices, or only the requests' rows (req_to_token[req_pool_indices])")
         blocks = -(-seq_lens // page_size)
         firsts = rows[:, ::page_size] if rows.ndim == 2 else rows
         indptr, slots, short = table_rows(firsts, blocks, "req_to_token")
