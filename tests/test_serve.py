@@ -317,3 +317,65 @@ def test_a_needed_block_that_is_no_page():
     tensors["slot_mapping"] = np.array([-4 + 1, -4 + 2])  # as vLLM's compute_slot_mapping makes them from -1
     found = check(from_tensors(tensors, "batch"))
     assert [(f.code, f.request) for f in found][0] == ("bad-page", 0)
+
+
+def _flashinfer_dump(folder, tensors: dict, metadata: dict, function: str, signature: str):
+    """A call folder as flashinfer/api_logging.py writes it at FLASHINFER_LOGLEVEL=10: `_dump_function_inputs` saves
+    tensor arguments with torch.save under arg_{i} / kwarg_{name} (`_extract_tensors_and_metadata_common`) and appends
+    a metadata.jsonl record with function_name, function_signature and the other arguments as input_metadata."""
+    import json
+
+    import torch
+
+    folder.mkdir()
+    torch.save({k: torch.as_tensor(v) for k, v in tensors.items()}, folder / "inputs.pt")
+    record = {"function_name": function, "function_signature": signature, "input_metadata": metadata,
+              "execution_status": "inputs_saved"}
+    (folder / "metadata.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(dict(record, execution_status="completed")) + "\n")
+
+
+PREFILL_PLAN = ("(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor, "
+                "paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, page_size: int, "
+                "head_dim_vo: Optional[int] = None, custom_mask: Optional[torch.Tensor] = None, "
+                "packed_custom_mask: Optional[torch.Tensor] = None, causal: bool = False, pos_encoding_mode: str = 'NONE', "
+                "use_fp16_qk_reduction: bool = False, sm_scale: Optional[float] = None, window_left: int = -1, "
+                "logits_soft_cap: Optional[float] = None, q_data_type: Union[str, torch.dtype] = 'float16') -> None")
+
+
+@pytest.mark.parametrize("self_kept", [False, True])
+def test_a_flashinfer_api_logging_dump_of_plan_reads_as_its_arguments(tmp_path, self_kept):
+    from maskcli.serve.engines import read
+
+    reqs = allocate([Req(9, 3), Req(0, 5)], 4)
+    fields = flashinfer(reqs, 4)
+    at = 1 if self_kept else 0
+    tensors = {f"arg_{at + i}": fields[k] for i, k in enumerate(("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"))}
+    metadata = {f"arg_{at + 4}": 8, f"arg_{at + 5}": 2, f"arg_{at + 6}": 64, f"arg_{at + 7}": 4, "kwarg_causal": True, "kwarg_window_left": 5,
+                "kwarg_q_data_type": {"type": "torch.dtype", "value": "torch.bfloat16"}}
+    if self_kept:
+        metadata["arg_0"] = {"type": "BatchPrefillWithPagedKVCacheWrapper", "repr": "<wrapper>"}
+    _flashinfer_dump(tmp_path / "call", tensors, metadata, "BatchPrefillWithPagedKVCacheWrapper.plan", PREFILL_PLAN)
+    batch = read(str(tmp_path / "call"))
+    assert batch.engine == "flashinfer" and batch.window == 6 and batch.causal
+    assert [batch.frame(r) for r in range(2)] == [(9, 3, 12), (0, 5, 5)]
+    for r, req in enumerate(reqs):
+        assert np.array_equal(batch.mask(r).intervals().dense(0, 0, req.new), reference(req.new, req.seq, window=6))
+    assert check(batch) == []
+
+
+def test_a_flashinfer_dump_of_decode_plan_and_of_run(tmp_path):
+    from maskcli.serve.engines import read
+
+    reqs = allocate([Req(9, 1), Req(4, 1)], 4)
+    fields = flashinfer(reqs, 4)
+    signature = "(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int)"
+    tensors = {"arg_0": fields["paged_kv_indptr"], "arg_1": fields["paged_kv_indices"], "arg_2": fields["paged_kv_last_page_len"]}
+    _flashinfer_dump(tmp_path / "decode", tensors, {"arg_6": 4}, "BatchDecodeWithPagedKVCacheWrapper.plan", signature)
+    batch = read(str(tmp_path / "decode"))
+    assert [batch.frame(r) for r in range(2)] == [(9, 1, 10), (4, 1, 5)] and check(batch) == []
+    _flashinfer_dump(tmp_path / "run", {"arg_0": np.zeros(3)}, {}, "BatchDecodeWithPagedKVCacheWrapper.run", "(self, q)")
+    with pytest.raises(MaskError, match="is a dump of BatchDecodeWithPagedKVCacheWrapper.run; serve reads a wrapper's plan"):
+        read(str(tmp_path / "run"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MaskError, match="a folder without metadata.jsonl"):
+        read(str(tmp_path / "empty"))

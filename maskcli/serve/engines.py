@@ -37,11 +37,14 @@ def detect(keys, source: str):
 
 
 def read(source: str) -> ServeBatch:
-    """The batch in a .pt, .safetensors, .npz or .json file of named tensors."""
+    """The batch in a .pt, .safetensors, .npz or .json file of named tensors, or a FlashInfer API-logging call folder."""
     from maskcli.tensorfile import read_tensors
 
     from maskcli.files import is_inline
+    from maskcli.serve.flashinfer_dump import is_dump, read_dump
 
+    if not is_inline(source) and is_dump(source):
+        return from_tensors(read_dump(source), source)
     tensors = read_tensors(source, "FILE", numbers=True)
     source = "inline JSON" if is_inline(source) else source
     if set(tensors) == {""}:
