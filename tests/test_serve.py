@@ -379,3 +379,12 @@ def test_a_flashinfer_dump_of_decode_plan_and_of_run(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(MaskError, match="a folder without metadata.jsonl"):
         read(str(tmp_path / "empty"))
+
+
+def test_mrope_positions_are_not_read_as_one_position_per_token():
+    """Qwen2-VL's M-RoPE positions are (3, tokens): rotary positions per axis, which an image's tokens share."""
+    reqs = allocate([Req(4, 3)], 4)
+    tensors = vllm(reqs, 4)
+    tensors["positions"] = np.stack([tensors["positions"], tensors["positions"] - 1, tensors["positions"] + 2])
+    batch = from_tensors(tensors, "batch")
+    assert batch.positions is None and check(batch) == []

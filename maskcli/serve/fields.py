@@ -38,6 +38,13 @@ class Fields:
             raise MaskError(f"{self.source!r}: {key} has shape {list(array.shape)}; it is one value per request or token (1-D)")
         return array.astype(np.int64)
 
+    def positions(self) -> np.ndarray | None:
+        """Per-token positions; mRoPE's (3, N) rotary positions are not one position per token, and are not read."""
+        array = self.raw("positions")
+        if array is None or np.ndim(array) > 1 and np.shape(array)[0] != 1:
+            return None
+        return self.vector("positions")
+
     def scalar(self, *names: str, default=None):
         key = self.key(*names)
         if key is None:

@@ -61,7 +61,7 @@ def load(f: Fields) -> ServeBatch:
     return ServeBatch(
         NAME, cumulative(new), seq_lens, page_size, indptr, pages, names, computed=prefix, short_table=short,
         null_page=PADDING_SLOT // page_size, write_slots=f.vector("out_cache_loc"), tokens=None if not f.has("out_cache_loc") else f.vector("out_cache_loc").size,
-        window=None if window is None or window < 0 else window + 1, trees=trees, positions=f.vector("positions"), notes=notes,
+        window=None if window is None or window < 0 else window + 1, trees=trees, positions=f.positions(), notes=notes,
     )
 
 

@@ -56,5 +56,5 @@ def load(f: Fields) -> ServeBatch:
     return ServeBatch(
         NAME, q_indptr, seq_lens, page_size, indptr, pages, names, computed=computed, short_table=short, null_page=NULL_BLOCK,
         write_slots=slots, tokens=tokens, causal=f.flag("causal", default=True), window=f.scalar("sliding_window"),
-        chunk=f.scalar("attention_chunk_size"), cascade=cascade, local=local, positions=f.vector("positions"),
+        chunk=f.scalar("attention_chunk_size"), cascade=cascade, local=local, positions=f.positions(),
     )
