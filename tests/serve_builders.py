@@ -104,10 +104,17 @@ def flashinfer(reqs, ps, **extra):
                 page_size=ps, causal=1, **extra)
 
 
-def trtllm(reqs, ps, **extra):
-    table = _table(reqs)
+def trtllm(reqs, ps, layers=3, **extra):
+    """K offset = flat_index3(pool block, layer 0, field 0, layers, 2) = 2 * layers * block, V = K + 1
+    (cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp BlockManager::getKOrVBlockIndex and KVCacheManager::setOffsets)."""
+    k = _table(reqs) * 2 * layers
     return dict(seq_lens=np.array([r.new for r in reqs]), num_cached_tokens_per_seq=np.array([r.computed for r in reqs]),
-                kv_cache_block_offsets=np.stack([table, table], 1)[None], tokens_per_block=ps, **extra)
+                kv_cache_block_offsets=np.stack([k, k + 1], 1)[None], tokens_per_block=ps, **extra)
+
+
+def page_names(engine, pages):
+    """The pages as serve names them: TensorRT-LLM's by their K offset (2 x layers x block, trtllm above), others by id."""
+    return [p * 2 * 3 for p in pages] if engine == "trtllm" else list(pages)
 
 
 BUILDERS = {"vllm": vllm, "sglang": sglang, "flash_attn": flash_attn, "flashinfer": flashinfer, "trtllm": trtllm}
@@ -162,11 +169,14 @@ def causal_cells(q_len: int, seq: int) -> np.ndarray:
 
 
 def with_tree(engine, reqs, ps, parents, cells=None, positions=None):
-    """The batch with its last request a draft tree verify (its new tokens are the tree's nodes): FlashInfer's and
-    SGLang's flattened custom_mask over every request (the others causal), TensorRT-LLM's spec_decoding_packed_mask
-    (bit j of node i's int32 word j // 32: node i sees draft j) with the tree a generation request after the contexts."""
+    """The batch with its last request a draft tree verify (its new tokens are the tree's nodes): FlashInfer's
+    flattened custom_mask over every request (the others causal), TensorRT-LLM's spec_decoding_packed_mask (bit j of
+    node i's int32 word j // 32: node i sees draft j) with the tree a generation request after the contexts, SGLang's
+    target-verify batch (below)."""
     tree = reqs[-1]
     n = len(parents)
+    if engine == "sglang":
+        return sglang_verify(reqs, ps, parents, cells, positions)
     if cells is None:
         cells = np.concatenate([np.ones((n, tree.computed), bool), ancestors(parents)], 1)
     if positions is None:
@@ -181,7 +191,28 @@ def with_tree(engine, reqs, ps, parents, cells=None, positions=None):
         return trtllm(reqs, ps, num_contexts=len(reqs) - 1, spec_decoding_packed_mask=words.astype(np.int32),
                       spec_decoding_position_offsets=(positions - tree.computed)[None])
     flat = np.concatenate([causal_cells(r.new, r.seq).ravel() for r in reqs[:-1]] + [cells.ravel()])
-    out = (flashinfer if engine == "flashinfer" else sglang)(reqs, ps, custom_mask=flat.astype(np.int64))
-    if engine == "sglang":
-        out["positions"] = np.concatenate([out["positions"][: -n], positions])
+    return flashinfer(reqs, ps, custom_mask=flat.astype(np.int64))
+
+
+def sglang_verify(reqs, ps, parents, cells=None, positions=None):
+    """SGLang's EAGLE target-verify batch: every request verifies the same number n of drafts (the earlier ones a chain,
+    topk 1; `reqs` are changed in place to n new tokens and their pages reallocated), seq_lens WITHOUT the drafts and
+    custom_mask per request (n, seq_len + n) flattened (python/sglang/srt/speculative/eagle_utils.py:153-157 and
+    189-193 in sglang 0.5.23, build_tree_kernel_efficient's FULL_MASK; eagle_info.py:100-116 generate_attn_arg_prefill
+    widens the kernel's key lengths by draft_token_num; layers/attention/flashinfer_backend.py:1025-1030 plans
+    target_verify with forward_batch.seq_lens); positions are seq_lens + depth (eagle_utils.py:208-211)."""
+    n = len(parents)
+    for r in reqs[:-1]:
+        r.new = n
+    allocate(reqs, ps)
+    tree = reqs[-1]
+    if cells is None:
+        cells = np.concatenate([np.ones((n, tree.computed), bool), ancestors(parents)], 1)
+    if positions is None:
+        positions = np.array(depths(parents)) + tree.computed
+    out = sglang(reqs, ps)
+    del out["extend_seq_lens"], out["extend_prefix_lens"]
+    out["seq_lens"] = np.array([r.computed for r in reqs])
+    out["custom_mask"] = np.concatenate([causal_cells(n, r.seq).ravel() for r in reqs[:-1]] + [cells.ravel()])
+    out["positions"] = np.concatenate([out["positions"][: -n], positions])
     return out

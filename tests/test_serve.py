@@ -9,7 +9,7 @@ import pytest
 from maskcli.errors import MaskError
 from maskcli.serve.checks import check
 from maskcli.serve.engines import from_tensors
-from serve_builders import BUILDERS, WINDOW, Req, allocate, ancestors, flashinfer, vllm, with_tree
+from serve_builders import BUILDERS, WINDOW, Req, allocate, ancestors, flashinfer, page_names, vllm, with_tree
 
 ENGINES = sorted(BUILDERS)
 TREE_ENGINES = ("flashinfer", "sglang", "trtllm")  # the layouts with a draft tree's mask
@@ -71,7 +71,7 @@ def test_plain_batch_and_prefix_hit_are_quiet_and_name_causal_behind_the_cache(e
     assert check(batch) == []
     hit = allocate([Req(8, 2), Req(8, 5)], 4, shared=2)  # prefix caching: request 1 reuses request 0's two full pages
     batch = from_tensors(BUILDERS[engine](hit, 4), "batch")
-    assert batch.mask(1).frame.q_start == 8 and batch.request_pages(1)[:2].tolist() == hit[0].pages[:2]
+    assert batch.mask(1).frame.q_start == 8 and batch.request_pages(1)[:2].tolist() == page_names(engine, hit[0].pages[:2])
     assert check(batch) == []
 
 
@@ -388,3 +388,55 @@ def test_mrope_positions_are_not_read_as_one_position_per_token():
     tensors["positions"] = np.stack([tensors["positions"], tensors["positions"] - 1, tensors["positions"] + 2])
     batch = from_tensors(tensors, "batch")
     assert batch.positions is None and check(batch) == []
+
+
+def test_trtllm_reads_the_packed_mask_and_offsets_consecutively_from_num_contexts():
+    """TrtllmAttentionMetadata.update_spec_dec_param (tensorrt_llm/_torch/attention_backend/trtllm.py, case 3: "these
+    spec-dec params are accessed consecutively (without padding) in the attention Op, we need to write them
+    consecutively"); interface.py AttentionMetadata.update_spec_dec_param: num_contexts context requests occupy the
+    leading rows, generation rows start after them. Two generation requests of 3 and 5 nodes in a (4, 6, 1) buffer."""
+    from maskcli.serve.checks import check
+    from serve_builders import depths, trtllm
+
+    trees = [[-1, 0, 0], [-1, 0, 1, 1, 0]]
+    reqs = allocate([Req(4, 2), Req(6, 3), Req(9, 5)], 4)
+    buffer = np.zeros((4, 6, 1), np.int64)
+    flat = buffer.reshape(-1, 1)
+    offsets = np.zeros((4, 6), np.int64)
+    row = 0
+    for parents in trees:
+        for i in range(len(parents)):  # a double loop up the parent chain: bit j = node i sees node j
+            j = i
+            while j >= 0:
+                flat[row + i, 0] |= 1 << j
+                j = parents[j]
+        offsets.reshape(-1)[row:row + len(parents)] = depths(parents)
+        row += len(parents)
+    batch = from_tensors(trtllm(reqs, 4, num_contexts=1, spec_decoding_packed_mask=buffer.astype(np.int32),
+                                spec_decoding_position_offsets=offsets), "batch")
+    assert [batch.expression(r) for r in range(3)] == ["causal", "tree(-1,0,0)", "tree(-1,0,1,1,0)"]
+    for r, parents in ((1, trees[0]), (2, trees[1])):
+        want = np.concatenate([np.ones((len(parents), reqs[r].computed), bool), ancestors(parents)], 1)
+        assert np.array_equal(batch.mask(r).intervals().dense(0, 0, len(parents)), want)
+    assert check(batch) == []
+    padded = np.zeros_like(buffer)  # one buffer row per request, as if the op skipped padding: not how it reads them
+    padded[0, :3], padded[1, :5] = buffer.reshape(-1, 1)[:3], buffer.reshape(-1, 1)[3:8]
+    found = check(from_tensors(trtllm(reqs, 4, num_contexts=1, spec_decoding_packed_mask=padded.astype(np.int32)), "batch"))
+    assert [(f.code, f.request) for f in found][:1] == [("tree-mask", 2)]
+
+
+def test_sglang_verify_drafts_from_draft_token_num_mask_indptr_or_the_mask_size():
+    parents = [-1, 0, 0, 1]
+    base = with_tree("sglang", allocate([Req(5, 1), Req(7, 4)], 4), 4, parents)
+    n = len(parents)
+    seq = base["seq_lens"]
+    assert seq.tolist() == [5, 7]  # seq_lens without the drafts
+    for extra in ({}, {"draft_token_num": n}, {"mask_indptr": np.concatenate([[0], np.cumsum(n * (seq + n))])}):
+        batch = from_tensors(dict(base, **extra), "batch")
+        assert batch.q_lens.tolist() == [n, n] and batch.seq_lens.tolist() == [5 + n, 7 + n]
+        assert batch.expression(1) == "tree(-1,0,0,1)" and batch.expression(0) == "causal"
+    with pytest.raises(MaskError, match=r"custom_mask holds 79 cells, which is no number of drafts n per request"):
+        from_tensors(dict(base, custom_mask=base["custom_mask"][:-1]), "batch")
+    # seq_lens that already count the drafts (not how SGLang's verify batch holds them) are refused, not misread
+    with pytest.raises(MaskError, match="which is no number of drafts"):
+        from_tensors(dict(base, seq_lens=seq + n), "batch")
