@@ -176,3 +176,25 @@ def test_bad_metadata_is_one_line_that_says_what_to_fix(given, said):
     result = serve(given)
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.startswith("maskcli: error: ") and said in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+WINDOW_BATCH = '{"cu_seqlens_q":[0,2],"seqused_k":[9],"window_size":[3,0]}'  # flash-attn window_size=(3,0): 4 keys
+
+
+def test_expect_holds_or_names_the_request_and_first_wrong_cell():
+    result = serve(WINDOW_BATCH, "--expect", "*=window(4)")
+    assert result.exit_code == 0, result.output
+    assert "• note expect: --expect: every request matched holds (1 expectation)" in result.stdout
+    result = serve(WINDOW_BATCH, "--expect", "*=causal")
+    assert result.exit_code == 1, result.output
+    assert ("• wrong expect (request 0, query 7 key 0): --expect *=causal: request 0 (window(4)) differs: row 7: "
+            "request 0 sees 4-7, causal sees 0-7: request 0 hides keys 0-3") in " ".join(result.stdout.split("\n"))
+    data = json.loads(serve(WINDOW_BATCH, "--expect", "*=causal", "--json").stdout)
+    assert {"code": "expect", "severity": "wrong", "request": 0, "cell": [7, 0]}.items() <= data["findings"][-1].items()
+
+
+def test_a_bad_expect_is_one_line_and_status_2():
+    result = serve(WINDOW_BATCH, "--expect", "*=window")
+    assert result.exit_code == 2 and "--expect '*=window'" in result.stderr and "Traceback" not in result.output
+    result = serve(WINDOW_BATCH, "--expect", "causal")
+    assert result.exit_code == 2 and "give PATTERN=EXPR" in result.stderr

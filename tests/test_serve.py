@@ -440,3 +440,39 @@ def test_sglang_verify_drafts_from_draft_token_num_mask_indptr_or_the_mask_size(
     # seq_lens that already count the drafts (not how SGLang's verify batch holds them) are refused, not misread
     with pytest.raises(MaskError, match="which is no number of drafts"):
         from_tensors(dict(base, seq_lens=seq + n), "batch")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_expect_holds_where_a_double_loop_agrees_and_names_its_first_wrong_cell(engine):
+    """--expect compared with the reference double loop: window(W) holds on a window batch; window(W + 1) (the
+    off-by-one) names each request's first cell the double loop says differs, as (query position, key position)."""
+    from maskcli.serve.expect import expect
+
+    rng = np.random.default_rng(7)
+    for _ in range(10):
+        w = int(rng.integers(1, 9))
+        reqs = allocate([Req(int(rng.integers(0, 20)), int(rng.integers(1, 6))) for _ in range(int(rng.integers(1, 4)))], 4)
+        batch = from_tensors(BUILDERS[engine](reqs, 4, **WINDOW[engine](w)), "batch")
+        held = expect(batch, [("*", f"window({w})")])
+        assert [(f.code, f.severity) for f in held] == [("expect", "note")]
+        wrong = [r for r, req in enumerate(reqs) if (reference(req.new, req.seq, w) != reference(req.new, req.seq, w + 1)).any()]
+        found = expect(batch, [("*", f"window({w + 1})")])
+        if not wrong:
+            assert [f.severity for f in found] == ["note"]
+            continue
+        r = wrong[0]
+        req = reqs[r]
+        i, j = np.argwhere(reference(req.new, req.seq, w) != reference(req.new, req.seq, w + 1))[0]
+        assert [(f.severity, f.request, f.cell) for f in found] == [("wrong", r, (req.seq - req.new + i, j))]
+        assert (f"{len(wrong) - 1} more differ" in found[0].message) == (len(wrong) > 1)
+
+
+def test_expect_patterns_match_request_indexes_and_ids():
+    from maskcli.serve.expect import expect
+
+    batch = from_tensors(vllm(allocate([Req(0, 3), Req(4, 2)], 4), 4, request_ids=[7, 9]), "batch")
+    assert [f.severity for f in expect(batch, [("9", "causal"), ("0", "causal")])] == ["note"]
+    found = expect(batch, [("7", "full")])
+    assert [(f.request, f.cell) for f in found] == [(0, (0, 1))]  # query 0 sees key 1 under full, not under causal
+    found = expect(batch, [("12", "causal")])
+    assert [(f.severity, f.request) for f in found] == [("wrong", None)] and "no request matches '12'" in found[0].message

@@ -18,6 +18,7 @@ from maskcli.commands.options import examples
         'maskcli serve \'{"cu_seqlens_q":[0,1],"seqused_k":[9],"causal":1}\' --json',
         'maskcli export "tree(-1,0,0,1)" --offset 4 --for flashinfer --save tree.pt',
         "maskcli serve tree.pt --png serve.png",
+        'maskcli serve tree.pt --expect "*=tree(-1,0,0,1)"',
     ),
 )
 def serve(
@@ -32,6 +33,7 @@ def serve(
         show_default=False, metavar="FILE...")],
     png: Annotated[str | None, typer.Option("--png", help="Write a figure of each request's mask and its pages (shared, null, written): .png, .svg or .pdf.", show_default=False)] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object: every request's positions, mask, pages, and the findings.")] = False,
+    expect: Annotated[list[str] | None, typer.Option("--expect", help="PATTERN=EXPR, repeatable: every request whose index (or request_id) matches PATTERN (as a shell matches: * is every request) must be EXPR at its positions; exit status 1 naming the request and its first wrong cell where not.", show_default=False)] = None,
 ) -> None:
     """Show the masks a serving engine's batch metadata implies, per request, and its page map; check lengths, pages, writes, cascade and draft trees.
 
@@ -40,12 +42,16 @@ def serve(
     from maskcli.errors import MaskError
     from maskcli.files import FIGURE_SUFFIXES, check_output_path, is_inline
 
+    from maskcli.trace.expect import parse as parse_expect
+
+    expectations = parse_expect(expect or [])
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
     if png_path is not None and len(files) > 1:
         raise MaskError(f"--png draws one step, and {len(files)} FILEs were given: give one FILE with --png")
     from maskcli.render import serve as render
     from maskcli.serve.checks import check
     from maskcli.serve.engines import by_name, read
+    from maskcli.serve.expect import expect as expect_requests
     from maskcli.serve.pagemap import page_map
     from maskcli.serve.steps import steps
 
@@ -60,7 +66,7 @@ def serve(
     for file, batch in zip(files, batches):
         title = by_name(batch.engine).TITLE
         source = "inline JSON" if is_inline(file) else file
-        findings = check(batch)
+        findings = check(batch) + expect_requests(batch, expectations)
         wrong |= any(f.severity == "wrong" for f in findings)
         rows = render.request_rows(batch, page_map(batch))
         if png_path is not None:
