@@ -198,3 +198,27 @@ def test_a_bad_expect_is_one_line_and_status_2():
     assert result.exit_code == 2 and "--expect '*=window'" in result.stderr and "Traceback" not in result.output
     result = serve(WINDOW_BATCH, "--expect", "causal")
     assert result.exit_code == 2 and "give PATTERN=EXPR" in result.stderr
+
+
+def test_model_from_a_config_file(tmp_path):
+    pytest.importorskip("transformers", reason="serve --model reads configs with transformers (the hf extra)")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "mistral", "sliding_window": 4, "num_hidden_layers": 2}))
+    result = serve(WINDOW_BATCH, "--model", config, columns=300)
+    assert result.exit_code == 0, result.output
+    assert f"• note model: --model {config}: a sliding_attention layer's batch (sliding_window 4)" in " ".join(result.stdout.split("\n"))
+    batch = '{"cu_seqlens_q":[0,2],"seqused_k":[9],"window_size":[4,0]}'  # HF's W passed where flash-attn takes W - 1
+    result = serve(batch, "--model", config, columns=300)
+    assert result.exit_code == 1, result.output
+    assert ("• wrong model (request 0, query 7 key 3): --model " + str(config) + ": the batch's window_size gives window(5); "
+            f"{config}'s sliding_attention layers have sliding_window 4: off by one (one key more; HF's sliding_window 4 is "
+            "window_size=(3, 0) here).") in " ".join(result.stdout.split("\n"))
+
+
+def test_model_without_transformers_is_one_line(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    result = serve(WINDOW_BATCH, "--model", "llama")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == 'maskcli: error: serve --model needs transformers: pip install "maskcli[hf]"'

@@ -19,6 +19,7 @@ from maskcli.commands.options import examples
         'maskcli export "tree(-1,0,0,1)" --offset 4 --for flashinfer --save tree.pt',
         "maskcli serve tree.pt --png serve.png",
         'maskcli serve tree.pt --expect "*=tree(-1,0,0,1)"',
+        "maskcli serve tree.pt --model llama",
     ),
 )
 def serve(
@@ -33,6 +34,7 @@ def serve(
         show_default=False, metavar="FILE...")],
     png: Annotated[str | None, typer.Option("--png", help="Write a figure of each request's mask and its pages (shared, null, written): .png, .svg or .pdf.", show_default=False)] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object: every request's positions, mask, pages, and the findings.")] = False,
+    model: Annotated[str | None, typer.Option("--model", help="A model family (as maskcli model --list names them) or a local config.json: the batch's window or chunk must be one its layer types have (sliding_window, attention_chunk_size as transformers reads them), an off-by-one named as such. Needs transformers.", show_default=False)] = None,
     expect: Annotated[list[str] | None, typer.Option("--expect", help="PATTERN=EXPR, repeatable: every request whose index (or request_id) matches PATTERN (as a shell matches: * is every request) must be EXPR at its positions; exit status 1 naming the request and its first wrong cell where not.", show_default=False)] = None,
 ) -> None:
     """Show the masks a serving engine's batch metadata implies, per request, and its page map; check lengths, pages, writes, cascade and draft trees.
@@ -45,6 +47,14 @@ def serve(
     from maskcli.trace.expect import parse as parse_expect
 
     expectations = parse_expect(expect or [])
+    layers = None
+    if model is not None:
+        from maskcli.hf import require
+
+        require("serve --model")
+        from maskcli.hf.layers import layer_masks
+
+        layers = layer_masks(model)[0]
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
     if png_path is not None and len(files) > 1:
         raise MaskError(f"--png draws one step, and {len(files)} FILEs were given: give one FILE with --png")
@@ -67,6 +77,10 @@ def serve(
         title = by_name(batch.engine).TITLE
         source = "inline JSON" if is_inline(file) else file
         findings = check(batch) + expect_requests(batch, expectations)
+        if layers is not None:
+            from maskcli.serve.model import against_config
+
+            findings += against_config(batch, layers, model)
         wrong |= any(f.severity == "wrong" for f in findings)
         rows = render.request_rows(batch, page_map(batch))
         if png_path is not None:

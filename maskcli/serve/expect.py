@@ -31,26 +31,41 @@ def expect(b: ServeBatch, expectations: list[tuple[str, str]]) -> list[Finding]:
             known = "request indexes 0 to " + str(b.requests - 1) if b.requests else "no requests at all"
             out.append(Finding("expect", "wrong", None, None, f"{head}: no request matches {pattern!r} (the batch has {known})"))
             continue
-        differing, first = [], None
-        for r in matched:
-            found = _differs(b, r, expression, head)
-            if found is not None:
-                differing.append(r)
-                first = first or found
-        if first is not None:
-            more = f"; {len(differing) - 1} more differ: requests {spans(differing[1:])}" if len(differing) > 1 else ""
-            out.append(Finding(first.code, first.severity, first.request, first.cell, first.message + more))
+        found = first_difference(b, matched, expression, head)
+        if found is not None:
+            out.append(found)
     if expectations and not out:
         count = len(expectations)
         out.append(Finding("expect", "note", None, None, f"--expect: every request matched holds ({count} expectation{'s' * (count != 1)})"))
     return out
 
 
-def _differs(b: ServeBatch, r: int, expression: str, head: str) -> Finding | None:
+def first_difference(b: ServeBatch, requests: list[int], expression: str, head: str, code: str = "expect",
+                     actual: str | None = None) -> Finding | None:
+    """The first of `requests` whose mask (or the mask `actual` makes at its positions) is not `expression` at its
+    positions, as a finding (severity wrong) that counts the others; None where all hold."""
+    differing, first = [], None
+    for r in requests:
+        if code != "expect" and b.mask(r) is None:
+            continue  # a request with no mask is the length rules' finding; only --expect asks for every one
+        found = _differs(b, r, expression, head, actual)
+        if found is not None:
+            differing.append(r)
+            first = first or found
+    if first is None:
+        return None
+    more = f"; {len(differing) - 1} more differ: requests {spans(differing[1:])}" if len(differing) > 1 else ""
+    return Finding(code, first.severity, first.request, first.cell, first.message + more)
+
+
+def _differs(b: ServeBatch, r: int, expression: str, head: str, actual: str | None = None) -> Finding | None:
     from maskcli.diff import compare, row_words
     from maskcli.mask import build
 
     mask = b.mask(r)
+    if mask is not None and actual is not None:
+        q_start, q_len, seq_len = b.frame(r)
+        mask = build(actual, offset=q_start, length=q_len, kv_len=seq_len)
     if mask is None:
         q_start, q_len, seq_len = b.frame(r)
         if q_len == 0:
@@ -67,4 +82,4 @@ def _differs(b: ServeBatch, r: int, expression: str, head: str) -> Finding | Non
     row = difference.rows[0]
     key = min(start for start, _ in row.only_a + row.only_b)
     words = row_words(difference, f"request {r}", expression)[0]
-    return Finding("expect", "wrong", r, (row.query, key), f"{head}: request {r} ({b.expression(r)}) differs: {words}")
+    return Finding("expect", "wrong", r, (row.query, key), f"{head}: request {r} ({actual or b.expression(r)}) differs: {words}")
