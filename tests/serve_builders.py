@@ -14,7 +14,9 @@ physical page of each logical block of its computed + new keys. Each builder fol
 - FlashInfer: the paged-KV layout of docs (flashinfer/prefill.py BatchPrefillWithPagedKVCacheWrapper.plan):
   kv_indptr over pages, kv_last_page_len = (kv_len - 1) % page_size + 1.
 - TensorRT-LLM: tensorrt_llm/_torch/attention_backend/trtllm.py TrtllmAttentionMetadata.prepare
-  (kv_lens = num_cached_tokens_per_seq + seq_lens; seq_lens are new tokens); kv_cache_block_offsets (pools, R, 2, blocks).
+  (kv_lens = num_cached_tokens_per_seq + seq_lens; seq_lens are new tokens); kv_cache_block_offsets (pools, R, 2, blocks)
+  as trtllm() below says; spec-dec buffers as with_tree's docstring says. Cited by function and quoted comment, not
+  line: the repository (2.5 GB) could not be fetched whole here, only searched.
 """
 
 from __future__ import annotations
@@ -172,7 +174,10 @@ def with_tree(engine, reqs, ps, parents, cells=None, positions=None):
     """The batch with its last request a draft tree verify (its new tokens are the tree's nodes): FlashInfer's
     flattened custom_mask over every request (the others causal), TensorRT-LLM's spec_decoding_packed_mask (bit j of
     node i's int32 word j // 32: node i sees draft j) with the tree a generation request after the contexts, SGLang's
-    target-verify batch (below)."""
+    target-verify batch (below). TensorRT-LLM: interface.py AttentionMetadata.update_spec_dec_param's docstring
+    ("num_contexts ... context (prefill) requests in the mixed batch, occupying the leading rows"), and trtllm.py
+    TrtllmAttentionMetadata.update_spec_dec_param ("accessed consecutively (without padding) in the attention Op");
+    with one generation request the (1, n, words) buffer is also its consecutive rows."""
     tree = reqs[-1]
     n = len(parents)
     if engine == "sglang":
