@@ -33,7 +33,7 @@ FIGURE = re.compile(r"<!-- figure: (maskcli [^>]*?) -->")
 # a figure's image, then (generated) its command as text: a blank line and the command in backquotes
 CAPTIONED = re.compile(r"(<!-- figure: (maskcli [^>]*?) -->\n!\[[^\]\n]*\]\([^)\n]*\)\n)(?:\n`maskcli [^`\n]*`\n)?")
 HELP = re.compile(r"<!-- help: (\w+) -->\n```text\n(.*?)```", re.S)
-COMMANDS = ("show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds", "trace", "pack", "export", "model", "shard")
+COMMANDS = ("show", "chunk", "blocks", "diff", "attend", "verify", "inspect", "convert", "kinds", "trace", "pack", "export", "model", "serve", "shard")
 BATCH_DIR = DOCS / "batches"
 _SAMPLES = [[101, 7, 8, 2], [101, 9, 2], [101, 5, 6, 7, 2]]  # three tokenised samples, 2 = EOS
 _IDS = [t for sample in _SAMPLES for t in sample]

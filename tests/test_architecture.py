@@ -8,6 +8,7 @@
     capture   trace/*                      (torch; names captured masks with inspect, checks them with diff)
     checks    pack/*                       (a packed batch: reads tensors as inspect does, builds masks)
               shard/*                      (a sequence split across context-parallel ranks; reads rank files as inspect does)
+              serve/*                      (a serving engine's batch metadata: builds masks, checks pages)
     families  hf/*                         (torch, transformers: tiny models run under trace's capture)
     render    render/*                     (rich, matplotlib)
     api       api                          (the Python face: build() from Python values, views and notebook display)
@@ -23,7 +24,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "maskcli"
 LAYERS = {
-    "base": 0, "kinds": 1, "model": 2, "formats": 2.5, "attention": 3, "inspect": 3, "trace": 3.5, "pack": 3.5, "shard": 3.5, "hf": 3.7, "render": 4, "api": 4.5, "commands": 5,
+    "base": 0, "kinds": 1, "model": 2, "formats": 2.5, "attention": 3, "inspect": 3, "trace": 3.5, "pack": 3.5, "serve": 3.5, "shard": 3.5, "hf": 3.7, "render": 4, "api": 4.5, "commands": 5,
 }
 BASE = {"errors", "text", "memory", "positions", "intervals", "conventions", "files", "tensorfile", "__init__", "__main__"}
 MODEL = {"expression", "terms", "mask", "why", "batchdata", "regions", "counting", "summary", "blockmask", "diff", "usermods", "tracefile", "testing"}
@@ -44,7 +45,7 @@ def layer(module: str) -> str:
         return "base"
     if parts[1] == "api":
         return "api"
-    if parts[1] in ("kinds", "formats", "attention", "inspect", "trace", "pack", "shard", "hf", "render", "commands"):
+    if parts[1] in ("kinds", "formats", "attention", "inspect", "trace", "pack", "serve", "shard", "hf", "render", "commands"):
         return parts[1]
     return "model" if parts[1] in MODEL else "base"
 

@@ -1,5 +1,6 @@
 """maskcli.hf.layers: each layer type's expression against transformers' own mask functions (masking_utils),
-read cell by cell on small configs written as config.json files."""
+read cell by cell on small configs written as config.json files; each layer type's window or chunk (serve --model)
+against the config classes' own attributes."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import torch
 
 from maskcli import build
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="shard/serve --model read configs with transformers (the hf extra)")
 from transformers import masking_utils  # noqa: E402
 
-from maskcli.hf.layers import expressions  # noqa: E402
+from maskcli.hf.layers import expressions, layer_masks  # noqa: E402
 
 
 def cells_of(function, length: int) -> list[list[bool]]:
@@ -41,3 +42,26 @@ def test_llama4_chunked_layers(tmp_path):
     found, _ = expressions(str(path))
     reference = masking_utils.chunked_causal_mask_function(4, torch.tensor([0]))  # masking_utils.py:159, no left padding
     assert build(found["chunked_attention"], length=10).dense()[0, 0].tolist() == cells_of(reference, 10)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3_text", "llama4_text"])
+def test_layer_masks_are_the_config_classes_own(family):
+    config = transformers.AutoConfig.for_model(family)
+    config = config.get_text_config()
+    masks, types = layer_masks(family)
+    assert len(types) == config.num_hidden_layers
+    for kind in set(types):
+        if kind == "sliding_attention":
+            assert masks[kind] == ("window", config.sliding_window)
+        elif kind == "chunked_attention":
+            assert masks[kind] == ("chunk", config.attention_chunk_size)
+        else:
+            assert masks[kind] == ("full", None)
+
+
+def test_a_config_file_sets_the_window(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "mistral", "sliding_window": 6, "num_hidden_layers": 2}))
+    assert layer_masks(str(path)) == ({"sliding_attention": ("window", 6)}, ["sliding_attention"] * 2)
+    path.write_text(json.dumps({"model_type": "mistral", "sliding_window": None, "num_hidden_layers": 2}))
+    assert layer_masks(str(path))[0] == {"full_attention": ("full", None)}

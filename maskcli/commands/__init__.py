@@ -9,6 +9,7 @@ from maskcli.commands import pack  # noqa: F401
 from maskcli.commands import export  # noqa: F401
 from maskcli.commands import model  # noqa: F401
 from maskcli.commands import shard  # noqa: F401
+from maskcli.commands import serve  # noqa: F401
 from maskcli.commands.app import app
 
 

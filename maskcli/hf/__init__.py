@@ -11,12 +11,12 @@ from maskcli.errors import MaskError
 INSTALL = 'maskcli model needs transformers: pip install "maskcli[hf]"'
 
 
-def require():
-    """The transformers module, or the one line that says how to install it."""
+def require(who: str = "maskcli model"):
+    """The transformers module, or the one line that says how to install it (`who` needs it)."""
     try:
         import transformers
     except ImportError:
-        raise MaskError(INSTALL) from None
+        raise MaskError(INSTALL.replace("maskcli model", who)) from None
     return transformers
 
 

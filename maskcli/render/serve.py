@@ -1,0 +1,170 @@
+"""A serving batch as rich tables (readable from 60 columns), JSON, and a figure of each request's mask and pages."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from maskcli.serve.batch import ServeBatch
+from maskcli.serve.pagemap import PageMap
+
+TABLE_REQUESTS = 16  # requests listed in the tables (--json lists every one)
+FIGURE_REQUESTS = 6  # requests drawn
+SHOWN_PAGES = 6
+
+
+def _span(lo: int, hi: int) -> str:
+    return "none" if hi <= lo else (f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}")
+
+
+def _ids(values, most: int = SHOWN_PAGES) -> str:
+    values = [int(v) for v in values]
+    if not values:
+        return "none"
+    return ", ".join(map(str, values[:most])) + (f", … ({len(values)})" if len(values) > most else "")
+
+
+def header(b: ServeBatch, source: str, title: str) -> str:
+    from maskcli.serve.pagemap import page_map
+
+    pages = f"pages of {b.page_size} tokens, {page_map(b).distinct:,} distinct" if b.page_size else "no page table (contiguous keys)"
+    layer = ("custom masks (draft trees)" if b.trees else "causal" if b.causal else "bidirectional") + (f", window {b.window}" if b.window else "") + (f", chunks of {b.chunk}" if b.chunk else "")
+    return (f"{source}: {title}\n{b.requests} request{'s' if b.requests != 1 else ''}, {int(b.q_indptr[-1]):,} new tokens, "
+            f"{pages}; {layer}")
+
+
+def request_rows(b: ServeBatch, m: PageMap) -> list[dict]:
+    """Per request what the views show: positions, expression and its page map, as plain values."""
+    rows = []
+    bounds = np.searchsorted(m.owner, np.arange(b.requests + 1))
+    for r in range(b.requests):
+        q0, q_len, seq = b.frame(r)
+        at = slice(bounds[r], bounds[r + 1])
+        pages, fill = b.pages[at], m.fill[at]
+        rows.append({
+            "request": r, "queries": [max(q0, 0), q0 + q_len], "keys": [0, seq], "expression": b.expression(r),
+            "pages": pages.tolist(), "last_fill": int(fill[-1]) if fill.size else 0,
+            "shared": m.column[at][m.shared[at]].tolist(), "null": m.column[at][m.null[at]].tolist(),
+            "written": m.column[at][m.written[at]].tolist(), "unread": m.column[at][~m.read[at]].tolist(),
+        })
+    return rows
+
+
+def views(b: ServeBatch, rows: list[dict], findings, source: str, title: str, width: int = 120) -> list:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    out: list = [Text(header(b, source, title), style="bold")]
+    masks = Table(title="requests (absolute positions)", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for name in ("req", "queries", "keys", "mask"):
+        masks.add_column(name, overflow="fold")
+    for row in rows[:TABLE_REQUESTS]:
+        masks.add_row(str(row["request"]), _span(*row["queries"]), _span(*row["keys"]), row["expression"] or ("none (no keys)" if row["keys"][1] == 0 else "none (more queries than keys)"))
+    out.append(masks)
+    if b.page_size:
+        pages = Table(title=f"page map (logical block → page of {b.page_size})", title_justify="left", box=box.SIMPLE_HEAD,
+                      show_edge=False, pad_edge=False)
+        for name in ("req", "pages", "last", "shared", "null", "written"):
+            pages.add_column(name, overflow="fold")
+        for row in rows[:TABLE_REQUESTS]:
+            pages.add_row(str(row["request"]), _ids(row["pages"], SHOWN_PAGES if width >= 100 else 3), f"{row['last_fill']}/{b.page_size}",
+                          _ids(row["shared"], 3), _ids(row["null"], 3), _ids(row["written"], 3))
+        out.append(pages)
+        out.append(Text("shared, null, written: logical blocks" + (f"; blocks before the window are not read" if b.window else "")))
+    if b.requests > TABLE_REQUESTS:
+        out.append(Text(f"requests {TABLE_REQUESTS}-{b.requests - 1} not listed (--json lists every one)"))
+    for note in b.notes:
+        out.append(Text(f"note: {note}"))
+    return out + findings_text(findings)
+
+
+def serve_dict(b: ServeBatch, rows: list[dict], findings, source: str, title: str) -> dict:
+    return {
+        "source": source, "engine": b.engine, "names": title, "page_size": b.page_size, "causal": b.causal, "window": b.window,
+        "chunk": b.chunk, "requests": rows, "findings": [f.json() for f in findings], "ok": not any(f.severity == "wrong" for f in findings),
+    }
+
+
+def steps_json(reports: list[dict], findings) -> str:
+    """One report per step file, and what the steps together say."""
+    if len(reports) == 1:
+        return json.dumps(reports[0])
+    ok = all(r["ok"] for r in reports) and not any(f.severity == "wrong" for f in findings)
+    return json.dumps({"steps": reports, "findings": [f.json() for f in findings], "ok": ok})
+
+
+def findings_text(findings) -> list:
+    """Each finding as a line (red for wrong), or the line that says there are none."""
+    from rich.text import Text
+
+    if not findings:
+        return [Text("no findings: the lengths, pages, writes and masks agree", style="green")]
+    out = []
+    for f in findings:
+        where = f" (request {f.request}" + (f", query {f.cell[0]} key {f.cell[1]}" if f.cell else "") + ")" if f.request is not None else ""
+        out.append(Text(f"• {f.severity} {f.code}{where}: {f.message}", style="red" if f.severity == "wrong" else "yellow"))
+    return out
+
+
+PAGE_COLOURS = {"read": (0.55, 0.45, 0.75), "shared": (0.93, 0.55, 0.15), "null": (0.35, 0.35, 0.35), "written": (0.2, 0.65, 0.3),
+                "unread": (0.96, 0.96, 0.96)}
+
+
+def serve_figure(b: ServeBatch, m: PageMap, source: str, title: str):
+    """Per request (up to FIGURE_REQUESTS): its mask over absolute positions, and beside it its pages by kind."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    from maskcli.render.heatmaps import MASKED_RGB, VISIBLE_RGB, setup_matplotlib
+    from maskcli.render.masks import FIGURE_MAX_CELLS
+
+    setup_matplotlib()
+    shown = min(b.requests, FIGURE_REQUESTS)
+    figure = Figure(figsize=(10, 1.0 + 2.2 * shown))
+    grid = figure.add_gridspec(max(shown, 1), 2, width_ratios=(3, 2))
+    bounds = np.searchsorted(m.owner, np.arange(b.requests + 1))
+    for r in range(shown):
+        ax = figure.add_subplot(grid[r, 0])
+        mask = b.mask(r)
+        q0, q_len, seq = b.frame(r)
+        if mask is not None:
+            per_q, per_k = max(1, -(-q_len // FIGURE_MAX_CELLS)), max(1, -(-seq // FIGURE_MAX_CELLS))
+            share = mask.intervals().block_counts(0, q_len, per_q, per_k).astype(float)
+            share /= np.diff(np.minimum(np.arange(0, q_len + per_q, per_q), q_len))[:, None] * np.diff(np.minimum(np.arange(0, seq + per_k, per_k), seq))[None, :]
+            rgb = (np.array(MASKED_RGB) + share[..., None] * (np.array(VISIBLE_RGB) - np.array(MASKED_RGB))) / 255
+            ax.imshow(rgb, aspect="auto", interpolation="nearest", extent=(-0.5, seq - 0.5, q0 + q_len - 0.5, q0 - 0.5))
+        ax.set_title(f"request {r}: {b.expression(r) or 'no mask'} · queries {_span(max(q0, 0), q0 + q_len)}", fontsize=9, loc="left")
+        ax.set_ylabel("query", fontsize=8)
+        ax.set_xlabel("key position", fontsize=8)
+        ax.tick_params(labelsize=7)
+        _integer_ticks(ax.xaxis, 0, seq)
+        _integer_ticks(ax.yaxis, max(q0, 0), q0 + q_len)
+        strip = figure.add_subplot(grid[r, 1])
+        at = slice(bounds[r], bounds[r + 1])
+        kinds = np.full(bounds[r + 1] - bounds[r], "read", dtype=object)
+        kinds[~m.read[at]] = "unread"
+        kinds[m.written[at]] = "written"
+        kinds[m.shared[at]] = "shared"
+        kinds[m.null[at]] = "null"
+        colours = np.array([PAGE_COLOURS[k] for k in kinds] or [(1, 1, 1)])[None]
+        strip.imshow(colours, aspect="auto", interpolation="nearest")
+        strip.set_yticks([])
+        strip.set_title(f"pages: {_ids(b.pages[at], 4)}", fontsize=9, loc="left")
+        strip.set_xlabel("logical block", fontsize=8)
+        strip.tick_params(labelsize=7)
+        _integer_ticks(strip.xaxis, 0, max(len(kinds), 1))
+    handles = [Patch(color=c, label=k) for k, c in PAGE_COLOURS.items()]
+    figure.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    more = f" (requests {shown}-{b.requests - 1} not drawn)" if b.requests > shown else ""
+    figure.suptitle(f"{source}: {title}{more}", fontsize=10)
+    figure.tight_layout(rect=(0, 0.04, 1, 0.97))
+    return figure
+
+
+def _integer_ticks(axis, lo: int, hi: int) -> None:
+    """Every position where there are a few, else whole numbers only."""
+    from matplotlib.ticker import FixedLocator, MaxNLocator
+
+    axis.set_major_locator(FixedLocator(range(lo, hi)) if hi - lo <= 12 else MaxNLocator(integer=True))

@@ -1,0 +1,156 @@
+"""One step of a serving engine's batch, in the engine's own terms read into one neutral form.
+
+Engines keep no mask tensor: the mask is what their metadata implies. A request has `q_len`
+new tokens (its queries) and `seq_len` keys, read through its page table; the kernels align
+the last query with the last key (flash_attn's and FlashInfer's bottom-right causal), so the
+queries sit at absolute positions `seq_len - q_len .. seq_len - 1` and the keys at `0 .. seq_len - 1`.
+Pages are kept as one CSR list per request (logical block -> physical page), O(requests + pages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from maskcli.errors import MaskError
+
+
+@dataclass(frozen=True, eq=False)
+class Cascade:
+    """vLLM's cascade split: every query attends the first `prefix_len` keys (shared pages), then its own suffix."""
+
+    prefix_len: int
+    prefix_query: np.ndarray | None  # cu_prefix_query_lens: [0, all tokens]
+    prefix_kv: np.ndarray | None  # prefix_kv_lens: [prefix_len]
+    suffix_kv: np.ndarray | None  # suffix_kv_lens: seq_lens - prefix_len
+
+
+@dataclass(frozen=True, eq=False)
+class Local:
+    """vLLM's chunked-local virtual batches, beside the real batch they were made from."""
+
+    q_indptr: np.ndarray  # local_query_start_loc
+    seq_lens: np.ndarray  # local_seqused_k
+    tables: np.ndarray  # local_block_table (V, blocks)
+
+
+@dataclass(frozen=True, eq=False)
+class ServeBatch:
+    """A batch's attention metadata: per request its queries, keys, pages, writes and mask parameters."""
+
+    engine: str
+    q_indptr: np.ndarray  # (R+1,) where each request's queries start in q
+    seq_lens: np.ndarray  # (R,) keys the kernel reads per request
+    page_size: int
+    page_indptr: np.ndarray  # (R+1,) CSR over `pages`
+    pages: np.ndarray  # physical page of each logical block, from block 0, as many as the keys need
+    names: dict[str, str]  # role -> the engine's own field name (for messages)
+    computed: np.ndarray | None = None  # (R,) tokens cached before this step, where the engine states it
+    key_start: np.ndarray | None = None  # (R,) first key's column in the page table (flash_attn's cache_leftpad)
+    last_fill: np.ndarray | None = None  # (R,) keys in each request's last page, where the engine states it
+    short_table: np.ndarray | None = None  # (R,) bool: the table row had fewer blocks than the keys need
+    null_page: int | None = None  # the page id that stands for "no page" (vLLM's null block 0, SGLang's slot 0)
+    write_slots: np.ndarray | None = None  # (N,) the slot each new token is written to (page * page_size + offset)
+    tokens: int | None = None  # the query tokens q holds, where a per-token field says (slot_mapping, positions)
+    causal: bool = True
+    window: int | None = None  # W keys including self
+    chunk: int | None = None  # local(C)
+    cascade: Cascade | None = None
+    local: Local | None = None
+    trees: dict[int, np.ndarray] = field(default_factory=dict)  # request -> bool (q_len, seq_len) custom mask
+    request_ids: np.ndarray | None = None  # (R,) which request is which across step files
+    positions: np.ndarray | None = None  # (N,) each query token's position as the engine states it
+    notes: tuple[str, ...] = ()
+
+    @property
+    def requests(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def q_lens(self) -> np.ndarray:
+        return np.diff(self.q_indptr)
+
+    @property
+    def q_start(self) -> np.ndarray:
+        """Each request's first query position as the kernel aligns it (bottom-right): seq_len - q_len."""
+        return self.seq_lens - self.q_lens
+
+    @property
+    def starts(self) -> np.ndarray:
+        return self.key_start if self.key_start is not None else np.zeros(self.requests, np.int64)
+
+    def name(self, role: str) -> str:
+        return self.names.get(role, role)
+
+    def request_pages(self, r: int) -> np.ndarray:
+        return self.pages[self.page_indptr[r]:self.page_indptr[r + 1]]
+
+    def expression(self, r: int) -> str | None:
+        """The request's mask as a maskcli expression (its frame: `frame(r)`); None where no frame holds it."""
+        q_len, seq_len = int(self.q_lens[r]), int(self.seq_lens[r])
+        if q_len > seq_len or seq_len == 0:
+            return None
+        if r in self.trees:
+            from maskcli.serve.trees import read_tree
+
+            parents = read_tree(self.trees[r]).parents
+            if not np.array_equal(parents, np.arange(len(parents)) - 1):  # a chain is plain causal
+                return f"tree({','.join(map(str, parents.tolist()))})"
+        if self.cascade is not None:
+            return f"prefix({self.cascade.prefix_len})" + (f" & window({self.window})" if self.window else "")
+        if not self.causal:
+            return "full"
+        if self.chunk is not None:
+            return f"local({self.chunk})"
+        if self.window is not None:
+            return f"window({self.window})"
+        return "causal"
+
+    def frame(self, r: int) -> tuple[int, int, int]:
+        """(first query position, queries, keys) of request r."""
+        return int(self.q_start[r]), int(self.q_lens[r]), int(self.seq_lens[r])
+
+    def mask(self, r: int):
+        """The request's Mask, built from its expression by maskcli's kinds (None where no frame holds it)."""
+        text = self.expression(r)
+        if text is None:
+            return None
+        from maskcli.mask import build
+
+        q_start, q_len, seq_len = self.frame(r)
+        if q_len == 0:
+            return None
+        return build(text, offset=q_start, length=q_len, kv_len=seq_len)
+
+    def blocks(self) -> np.ndarray:
+        """(R,) blocks each request's keys need: ceil((first column + seq_len) / page_size)."""
+        return -(-(self.starts + self.seq_lens) // self.page_size)
+
+
+def cumulative(values: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+
+
+def table_rows(table: np.ndarray, needed: np.ndarray, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(indptr, pages, short) from a padded (R, blocks) table: each row's first `needed` entries, vectorised."""
+    if table.ndim != 2:
+        raise MaskError(f"{where} has shape {list(table.shape)}: a block table is (requests, blocks)")
+    if table.shape[0] < len(needed):
+        raise MaskError(f"{where} has {table.shape[0]} rows for {len(needed)} requests: give one row per request")
+    short = needed > table.shape[1]
+    take = np.minimum(needed, table.shape[1])
+    keep = np.arange(table.shape[1])[None, :] < take[:, None]
+    return cumulative(take), table[: len(needed)][keep[: len(needed)]], short
+
+
+def validate(b: ServeBatch, source: str) -> None:
+    """Refuse what no engine writes: negative lengths, a window or chunk under 1 (a wrong batch is a finding, not this)."""
+    for role, values in (("seq_lens", b.seq_lens), ("computed", b.computed), ("key_start", b.key_start)):
+        if values is not None and values.size and values.min() < 0:
+            r = int(np.argmin(values))
+            raise MaskError(f"{source!r}: {b.name(role)} is {int(values[r])} for request {r}; lengths are 0 or more")
+    for role, value in (("window", b.window), ("chunk", b.chunk)):
+        if value is not None and value < 1:
+            name = {"window": b.name("window"), "chunk": "attention_chunk_size"}[role]
+            raise MaskError(f"{source!r}: {name} {value} leaves no key; a {role} holds at least 1 token (leave it out for none)")

@@ -1,0 +1,65 @@
+"""The engine layouts serve reads, each a module with NAME, TITLE, MARKS (names only it uses), READS and load()."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from maskcli.errors import MaskError
+from maskcli.serve import flash_attn, flashinfer, sglang, trtllm, vllm
+from maskcli.serve.batch import ServeBatch, validate
+from maskcli.serve.fields import Fields, as_numbers
+
+ENGINES = (vllm, sglang, flash_attn, flashinfer, trtllm)
+SHARED = ("request_ids",)  # read under every engine's names: which request is which across step files
+
+
+def by_name(name: str):
+    for engine in ENGINES:
+        if engine.NAME == name:
+            return engine
+    raise MaskError(f"unknown engine {name!r}: choose one of {', '.join(e.NAME for e in ENGINES)}")
+
+
+def detect(keys, source: str):
+    """The one engine whose own names the file holds; a file with two engines' names is refused."""
+    found = [(engine, [k for k in engine.MARKS if k in keys]) for engine in ENGINES]
+    found = [(engine, marks) for engine, marks in found if marks]
+    if not found:
+        listed = ", ".join(f"{e.NAME}: {', '.join(e.MARKS[:3])}" for e in ENGINES)
+        raise MaskError(f"{source!r} holds {', '.join(sorted(keys)[:8]) or 'no tensors'}, none of them an engine's batch "
+                        f"metadata names ({listed}, ...)")
+    if len(found) > 1:
+        said = "; ".join(f"{e.NAME} ({', '.join(marks[:2])})" for e, marks in found)
+        raise MaskError(f"{source!r} mixes the names of {len(found)} engines: {said}; save one engine's fields per file")
+    return found[0][0]
+
+
+def read(source: str) -> ServeBatch:
+    """The batch in a .pt, .safetensors, .npz or .json file of named tensors, or a FlashInfer API-logging call folder."""
+    from maskcli.tensorfile import read_tensors
+
+    from maskcli.files import is_inline
+    from maskcli.serve.flashinfer_dump import is_dump, read_dump
+
+    if not is_inline(source) and is_dump(source):
+        return from_tensors(read_dump(source), source)
+    tensors = read_tensors(source, "FILE", numbers=True)
+    source = "inline JSON" if is_inline(source) else source
+    if set(tensors) == {""}:
+        raise MaskError(f"{source!r} holds one unnamed tensor; save a dict of the engine's named fields (query_start_loc, seq_lens, ...)")
+    return from_tensors(tensors, source)
+
+
+def from_tensors(tensors: dict, source: str) -> ServeBatch:
+    """The batch in named tensors, arrays, lists or numbers (as a file holds them); `source` names it in messages."""
+    engine = detect(tensors.keys(), source)
+    arrays = {key: as_numbers(value, f"{source!r}: {key}") for key, value in tensors.items() if key in engine.READS + SHARED}
+    fields = Fields(arrays, source, engine.TITLE)
+    batch = engine.load(fields)
+    validate(batch, source)
+    ids = fields.per_request(fields.vector("request_ids"), batch.requests, "request_ids")
+    if ids is not None and np.unique(ids).size != ids.size:
+        raise MaskError(f"{source!r}: request_ids {ids[:8].tolist()} name a request twice; give each request its own id")
+    return batch if ids is None else replace(batch, request_ids=ids)

@@ -1,0 +1,104 @@
+"""The named tensors of a batch file, read as the engines name them, with messages that quote those names."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.errors import MaskError
+
+
+class Fields:
+    """A file's tensors as int64 numpy arrays (bool masks kept bool), looked up by the engine's names."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], source: str, engine: str):
+        self.arrays, self.source, self.engine = arrays, source, engine
+
+    def key(self, *names: str) -> str | None:
+        return next((name for name in names if name in self.arrays), None)
+
+    def has(self, *names: str) -> bool:
+        return self.key(*names) is not None
+
+    def raw(self, *names: str) -> np.ndarray | None:
+        key = self.key(*names)
+        return None if key is None else self.arrays[key]
+
+    def vector(self, *names: str, required: bool = False, why: str = "") -> np.ndarray | None:
+        """A 1-D int64 field (a (1, N) one is read as N)."""
+        key = self.key(*names)
+        if key is None:
+            if required:
+                raise MaskError(f"{self.source!r} has {self.engine}'s names but no {' or '.join(names)}{': ' + why if why else ''}; "
+                                f"add it to the file")
+            return None
+        array = np.asarray(self.arrays[key])
+        if array.ndim == 2 and array.shape[0] == 1:
+            array = array[0]
+        if array.ndim != 1:
+            raise MaskError(f"{self.source!r}: {key} has shape {list(array.shape)}; it is one value per request or token (1-D)")
+        return array.astype(np.int64)
+
+    def positions(self) -> np.ndarray | None:
+        """Per-token positions; mRoPE's (3, N) rotary positions are not one position per token, and are not read."""
+        array = self.raw("positions")
+        if array is None or np.ndim(array) > 1 and np.shape(array)[0] != 1:
+            return None
+        return self.vector("positions")
+
+    def scalar(self, *names: str, default=None):
+        key = self.key(*names)
+        if key is None:
+            return default
+        array = np.asarray(self.arrays[key]).ravel()
+        if array.size != 1:
+            raise MaskError(f"{self.source!r}: {key} holds {array.size} values; it is one number")
+        return int(array[0])
+
+    def indptr(self, *names: str, required: bool = True) -> np.ndarray | None:
+        """A cumulative (N+1,) field: starts at 0, never goes down."""
+        values = self.vector(*names, required=required)
+        if values is None:
+            return None
+        key = self.key(*names)
+        if values.size < 1 or values[0] != 0:
+            raise MaskError(f"{self.source!r}: {key} {values[:8].tolist()} must start at 0 (cumulative, N+1 entries for N requests)")
+        down = np.flatnonzero(np.diff(values) < 0)
+        if down.size:
+            i = int(down[0])
+            raise MaskError(f"{self.source!r}: {key} goes down at entry {i + 1} ({int(values[i])} then {int(values[i + 1])}); "
+                            f"cumulative lengths never go down")
+        return values
+
+    def per_request(self, values: np.ndarray | None, requests: int, *names: str) -> np.ndarray | None:
+        if values is not None and values.size < requests:
+            raise MaskError(f"{self.source!r}: {self.key(*names)} has {values.size} entries for {requests} requests; give one per request")
+        return None if values is None else values[:requests]
+
+    def page_size(self, *names: str) -> int:
+        size = self.scalar(*names)
+        if size is None:
+            raise MaskError(f"{self.source!r} has a page table but no page size: add {names[0]} (tokens per page) to the file")
+        if size < 1:
+            raise MaskError(f"{self.source!r}: {self.key(*names)} {size} must be at least 1 (tokens per page)")
+        return size
+
+    def flag(self, *names: str, default: bool) -> bool:
+        value = self.scalar(*names)
+        return default if value is None else bool(value)
+
+
+def as_numbers(value, where: str) -> np.ndarray:
+    """A tensor, array or Python number as numpy: bool stays bool, whole floats become int64."""
+    if type(value).__module__.startswith("torch"):
+        value = value.detach().cpu()
+        value = value.numpy() if value.dtype.is_floating_point is False else value.double().numpy()
+    array = np.asarray(value)
+    if array.dtype.kind == "b":
+        return array
+    if array.dtype.kind == "f":
+        if not np.all(np.isfinite(array)) or not np.all(array == np.round(array)):
+            raise MaskError(f"{where} holds values that are not whole numbers; batch metadata is integers")
+        return array.astype(np.int64)
+    if array.dtype.kind not in "iu":
+        raise MaskError(f"{where} is not numbers ({array.dtype}); batch metadata is integers")
+    return array.astype(np.int64) if array.dtype != np.uint8 else array

@@ -1,0 +1,224 @@
+"""`maskcli serve` through the command line: the report at 60 and 120 columns, --json, --png read back pixel by
+pixel, the file kinds it reads, and the exit status (0 clean, 1 a wrong finding, 2 bad input)."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.image as mpimg
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+from maskcli.render.heatmaps import MASKED_RGB, VISIBLE_RGB
+from serve_builders import Req, allocate, vllm
+
+runner = CliRunner()
+PREFIX_HIT = "tests/data/serve/vllm_prefix_hit.json"
+TREE = "tests/data/serve/flashinfer_tree.json"
+
+
+def serve(*args, columns=120):
+    return runner.invoke(app, ["serve", *map(str, args)], env={"COLUMNS": str(columns)})
+
+
+def save(tensors, path):
+    path.write_text(json.dumps({k: np.asarray(v).tolist() for k, v in tensors.items()}))
+    return path
+
+
+def test_a_prefix_hit_at_120_columns():
+    result = serve(PREFIX_HIT)
+    assert result.exit_code == 0, result.output
+    lines = [line.rstrip() for line in result.stdout.splitlines()]
+    for expected in (
+        f"{PREFIX_HIT}: vLLM CommonAttentionMetadata",
+        "3 requests, 11 new tokens, pages of 16 tokens, 5 distinct; causal",
+        "0     32-35     0-35   causal",
+        "1     32        0-32   causal",
+        "2     0-5       0-5    causal",
+        "0     1, 2, 3   4/16   0, 1     none   2",
+        "1     1, 2, 4   1/16   0, 1     none   2",
+        "2     5         6/16   none     none   0",
+        "no findings: the lengths, pages, writes and masks agree",
+    ):
+        assert expected in lines, expected
+
+
+def test_the_report_reads_at_60_columns():
+    result = serve(TREE, columns=60)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= 60 for line in lines)
+    assert "1     6-10      0-10   tree(-1,0,0,1,2)" in [line.rstrip() for line in lines]
+
+
+def test_json_lists_every_request_and_finding(tmp_path):
+    reqs = allocate([Req(8, 3), Req(0, 4)], 4)
+    bad = dict(vllm(reqs, 4), query_start_loc=[0, 11, 15])  # cu_seqlens_q built from full lengths
+    result = serve(save(bad, tmp_path / "bad.json"), "--json")
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    assert data["engine"] == "vllm" and data["ok"] is False
+    assert [r["queries"] for r in data["requests"]] == [[0, 11], [0, 4]]
+    assert [f["code"] for f in data["findings"]] == ["seq-len", "query-count"]
+    assert data["findings"][0]["request"] == 0 and data["findings"][0]["cell"] == [8, 1]
+    assert data["findings"][1]["message"].startswith("query_start_loc counts 15 query tokens but slot_mapping has 7")
+
+
+def test_a_finding_is_printed_and_exits_1(tmp_path):
+    reqs = allocate([Req(8, 3), Req(0, 4)], 4)
+    reqs[1].pages[0] = reqs[0].pages[0]
+    result = serve(save(vllm(reqs, 4), tmp_path / "reuse.json"))
+    assert result.exit_code == 1
+    assert ("• wrong shared-page-written (request 0): page 1 is read by requests 0, 1 and written this step: one request's "
+            "new tokens overwrite keys another reads") in " ".join(result.stdout.split("\n"))
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".npz", ".safetensors"])
+def test_every_file_kind_reads_the_same(tmp_path, suffix):
+    import torch
+
+    reqs = allocate([Req(5, 2), Req(0, 3)], 4)
+    tensors = {k: torch.as_tensor(np.asarray(v)) for k, v in vllm(reqs, 4).items()}
+    path = tmp_path / f"batch{suffix}"
+    if suffix == ".pt":
+        torch.save(tensors, path)
+    elif suffix == ".npz":
+        np.savez(path, **{k: v.numpy() for k, v in tensors.items()})
+    else:
+        from safetensors.torch import save_file
+
+        save_file({k: v.reshape(-1) if v.dim() == 0 else v for k, v in tensors.items()}, str(path))
+    data = json.loads(serve(path, "--json").stdout)
+    assert [r["expression"] for r in data["requests"]] == ["causal", "causal"]
+    assert [r["queries"] for r in data["requests"]] == [[5, 7], [0, 3]]
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    mixed = dict(vllm(allocate([Req(0, 2)], 4), 4), extend_prefix_lens=[0])
+    result = serve(save(mixed, tmp_path / "mixed.json"))
+    assert result.exit_code == 2
+    assert result.stderr.startswith("maskcli: error: ")
+    assert "mixes the names of 2 engines: vllm (query_start_loc, num_computed_tokens_cpu); sglang (extend_prefix_lens)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = serve(save({"query_start_loc": [0, 2], "seq_lens": [2], "block_table_tensor": [[1]]}, tmp_path / "nosize.json"))
+    assert result.exit_code == 2 and "no page size: add block_size" in result.stderr
+
+
+def test_png_shows_each_request_mask_and_its_pages(tmp_path):
+    """Each request's panel, read back at its cells' centres, is the causal mask behind its cache; the page strip
+    colours its blocks (shared orange, written green)."""
+    from maskcli.render import serve as render
+    from maskcli.serve.engines import read
+    from maskcli.serve.pagemap import page_map
+
+    path = tmp_path / "serve.png"
+    result = serve(PREFIX_HIT, "--png", path)
+    assert result.exit_code == 0 and f"wrote {path}" in result.stderr
+    rgb = (mpimg.imread(path)[..., :3] * 255).round().astype(int)
+    batch = read(PREFIX_HIT)
+    figure = render.serve_figure(batch, page_map(batch), PREFIX_HIT, "t")
+    figure.set_dpi(100)
+    figure.canvas.draw()  # the same layout the command saved: positions of cells on the image
+    height = rgb.shape[0]
+    assert rgb.shape[:2] == (int(figure.get_figheight() * 100), int(figure.get_figwidth() * 100))
+
+    def colour(ax, x, y):
+        px, py = ax.transData.transform((x, y))
+        return rgb[int(height - py), int(px)]
+
+    for r in range(batch.requests):
+        ax, strip = figure.axes[2 * r], figure.axes[2 * r + 1]
+        q0, q_len, seq = batch.frame(r)
+        for q in range(q0, q0 + q_len):
+            for k in range(seq):
+                want = VISIBLE_RGB if k <= q else MASKED_RGB
+                assert np.abs(colour(ax, k, q) - want).max() <= 3, (r, q, k)
+        kinds = ["shared", "shared", "written"] if r < 2 else ["written"]
+        for block, kind in enumerate(kinds):
+            want = np.array(render.PAGE_COLOURS[kind]) * 255
+            assert np.abs(colour(strip, block, 0) - want).max() <= 3, (r, block, kind)
+
+
+def test_three_step_files_are_one_pass(tmp_path):
+    paths = []
+    for k, (computed, new) in enumerate(((0, 4), (4, 4), (8, 2))):
+        req = Req(computed, new, [3, 7, 5][: -(-(computed + new) // 4)])
+        paths.append(save(vllm([req], 4), tmp_path / f"step{k}.json"))
+    result = serve(*paths)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert "the 3 steps together" in lines and lines[-1] == "no findings: the lengths, pages, writes and masks agree"
+    data = json.loads(serve(*paths, "--json").stdout)
+    assert [s["requests"][0]["queries"] for s in data["steps"]] == [[0, 4], [4, 8], [8, 10]] and data["ok"]
+    paths[1] = save(vllm([Req(5, 3, [3, 7])], 4), tmp_path / "gap.json")
+    result = serve(*paths, "--json")
+    assert result.exit_code == 1 and [f["code"] for f in json.loads(result.stdout)["findings"]] == ["steps-positions"]
+    result = serve(*paths, "--png", tmp_path / "x.png")
+    assert result.exit_code == 2 and "--png draws one step, and 3 FILEs were given" in result.stderr
+
+
+@pytest.mark.parametrize("given, said", [
+    ('{"query_start_loc":[0,2],"seq_lens":[-3]}', "seq_lens is -3 for request 0; lengths are 0 or more"),
+    ('{"query_start_loc":[0,2],"seq_lens":[5],"sliding_window":0}', "sliding_window 0 leaves no key"),
+    ('{"query_start_loc":[0,2.5],"seq_lens":[5]}', "query_start_loc holds values that are not whole numbers"),
+    ('{"query_start_loc":[1,2],"seq_lens":[5]}', "query_start_loc [1, 2] must start at 0"),
+    ('{"cu_seqlens_q":[0,2],"seqused_k":[4],"window_size":3}', "window_size [3] is a pair (left, right)"),
+    ('{"qo_indptr":[0,2],"kv_indptr":[0,1],"kv_indices":[3],"kv_last_page_len":[2],"page_size":4,"custom_mask":[1,1]}',
+     "custom_mask holds 2 cells; the requests' (qo_len x kv_len) masks need 4"),
+    ('{"seq_lens":[2],"num_cached_tokens_per_seq":[3],"spec_decoding_packed_mask":[[[3],[3]]]}', "no num_contexts"),
+    ('{"input_ids":[1,2]}', "none of them an engine's batch metadata names"),
+    ('{"seq_lens":[2],"extend_seq_lens":[2],"req_to_token":[[1,2],[3,4]]}', "req_to_token has 2 rows for 1 requests: save the pool with req_pool_indices"),
+])
+def test_bad_metadata_is_one_line_that_says_what_to_fix(given, said):
+    result = serve(given)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("maskcli: error: ") and said in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+WINDOW_BATCH = '{"cu_seqlens_q":[0,2],"seqused_k":[9],"window_size":[3,0]}'  # flash-attn window_size=(3,0): 4 keys
+
+
+def test_expect_holds_or_names_the_request_and_first_wrong_cell():
+    result = serve(WINDOW_BATCH, "--expect", "*=window(4)")
+    assert result.exit_code == 0, result.output
+    assert "• note expect: --expect: every request matched holds (1 expectation)" in result.stdout
+    result = serve(WINDOW_BATCH, "--expect", "*=causal")
+    assert result.exit_code == 1, result.output
+    assert ("• wrong expect (request 0, query 7 key 0): --expect *=causal: request 0 (window(4)) differs: row 7: "
+            "request 0 sees 4-7, causal sees 0-7: request 0 hides keys 0-3") in " ".join(result.stdout.split("\n"))
+    data = json.loads(serve(WINDOW_BATCH, "--expect", "*=causal", "--json").stdout)
+    assert {"code": "expect", "severity": "wrong", "request": 0, "cell": [7, 0]}.items() <= data["findings"][-1].items()
+
+
+def test_a_bad_expect_is_one_line_and_status_2():
+    result = serve(WINDOW_BATCH, "--expect", "*=window")
+    assert result.exit_code == 2 and "--expect '*=window'" in result.stderr and "Traceback" not in result.output
+    result = serve(WINDOW_BATCH, "--expect", "causal")
+    assert result.exit_code == 2 and "give PATTERN=EXPR" in result.stderr
+
+
+def test_model_from_a_config_file(tmp_path):
+    pytest.importorskip("transformers", reason="serve --model reads configs with transformers (the hf extra)")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "mistral", "sliding_window": 4, "num_hidden_layers": 2}))
+    result = serve(WINDOW_BATCH, "--model", config, columns=300)
+    assert result.exit_code == 0, result.output
+    assert f"• note model: --model {config}: a sliding_attention layer's batch (sliding_window 4)" in " ".join(result.stdout.split("\n"))
+    batch = '{"cu_seqlens_q":[0,2],"seqused_k":[9],"window_size":[4,0]}'  # HF's W passed where flash-attn takes W - 1
+    result = serve(batch, "--model", config, columns=300)
+    assert result.exit_code == 1, result.output
+    assert ("• wrong model (request 0, query 7 key 3): --model " + str(config) + ": the batch's window_size gives window(5); "
+            f"{config}'s sliding_attention layers have sliding_window 4: off by one (one key more; HF's sliding_window 4 is "
+            "window_size=(3, 0) here).") in " ".join(result.stdout.split("\n"))
+
+
+def test_model_without_transformers_is_one_line(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    result = serve(WINDOW_BATCH, "--model", "llama")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == 'maskcli: error: serve --model needs transformers: pip install "maskcli[hf]"'

@@ -1,0 +1,522 @@
+"""maskcli.serve: each engine's batch metadata read into masks and pages, checked against a double loop over
+absolute positions, and each bug of issue 30 reported once with nothing on the correct batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from maskcli.errors import MaskError
+from maskcli.serve.checks import check
+from maskcli.serve.engines import from_tensors
+from serve_builders import BUILDERS, WINDOW, Req, allocate, ancestors, flashinfer, page_names, vllm, with_tree
+
+ENGINES = sorted(BUILDERS)
+TREE_ENGINES = ("flashinfer", "sglang", "trtllm")  # the layouts with a draft tree's mask
+
+
+def reference(q_len: int, seq: int, window=None, chunk=None, causal=True) -> np.ndarray:
+    """The kernel's keep matrix by a double loop: query i at position seq - q_len + i (bottom-right, as
+    flash_attn and FlashInfer align causal), key j at position j; window W keeps W keys including self
+    (flash_attn window_size=(W-1, 0), FlashInfer j >= i + kv_len - qo_len - window_left); chunk C keeps
+    the query's own C-aligned chunk (vLLM's chunked-local attention)."""
+    out = np.zeros((q_len, seq), bool)
+    for i in range(q_len):
+        q = seq - q_len + i
+        for j in range(seq):
+            keep = j <= q or not causal
+            if window is not None:
+                keep = keep and j > q - window
+            if chunk is not None:
+                keep = keep and j // chunk == q // chunk
+            out[i, j] = keep
+    return out
+
+
+def masks_of(batch):
+    return [batch.mask(r) for r in range(batch.requests)]
+
+
+def codes(tensors):
+    return [f.code for f in check(from_tensors(tensors, "batch"))]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_random_batches_name_the_mask_a_double_loop_gives(engine):
+    rng = np.random.default_rng(30)
+    for _ in range(100):
+        ps = int(rng.choice([1, 2, 4, 16]))
+        reqs = allocate([Req(int(rng.integers(0, 13)), int(rng.integers(1, 6))) for _ in range(int(rng.integers(1, 5)))], ps)
+        window = int(rng.integers(1, 8)) if rng.random() < 0.4 else None
+        chunk = int(rng.choice([2, 4, 8])) if engine == "vllm" and window is None and rng.random() < 0.3 else None
+        extra = WINDOW[engine](window) if window else {}
+        if chunk:
+            extra["attention_chunk_size"] = chunk
+        batch = from_tensors(BUILDERS[engine](reqs, ps, **extra), "batch")
+        assert batch.engine == engine
+        for r, req in enumerate(reqs):
+            mask = batch.mask(r)
+            assert (mask.frame.q_start, mask.frame.q_len, mask.frame.k_len) == (req.computed, req.new, req.seq)
+            want = reference(req.new, req.seq, window, chunk)
+            got = mask.intervals().dense(0, 0, req.new)
+            assert (got != want).sum() == 0, (engine, r, batch.expression(r))
+        assert check(batch) == [], (engine, [f.message for f in check(batch)])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_plain_batch_and_prefix_hit_are_quiet_and_name_causal_behind_the_cache(engine):
+    plain = allocate([Req(0, 5), Req(0, 3)], 4)
+    batch = from_tensors(BUILDERS[engine](plain, 4), "batch")
+    assert [batch.expression(r) for r in range(2)] == ["causal", "causal"]
+    assert check(batch) == []
+    hit = allocate([Req(8, 2), Req(8, 5)], 4, shared=2)  # prefix caching: request 1 reuses request 0's two full pages
+    batch = from_tensors(BUILDERS[engine](hit, 4), "batch")
+    assert batch.mask(1).frame.q_start == 8 and batch.request_pages(1)[:2].tolist() == page_names(engine, hit[0].pages[:2])
+    assert check(batch) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_chunked_prefill_over_three_steps_is_one_causal_pass(engine):
+    """A 10-token prompt scheduled 4 + 4 + 2: each step's file is quiet, and the union of the three steps' rows is
+    torch.tril over the whole prompt."""
+    import torch
+
+    pages = [3, 7, 5]
+    rows = []
+    for computed, new in ((0, 4), (4, 4), (8, 2)):
+        req = Req(computed, new, pages[: -(-(computed + new) // 4)])
+        batch = from_tensors(BUILDERS[engine]([req], 4), "batch")
+        assert check(batch) == []
+        cells = batch.mask(0).intervals().dense(0, 0, new, 0, 10)
+        rows.append(cells)
+    assert np.array_equal(np.concatenate(rows), torch.tril(torch.ones(10, 10, dtype=torch.bool)).numpy())
+
+
+def test_a_sliding_window_layer_over_reused_pages():
+    """vLLM's SlidingWindowManager frees blocks that left the window and puts the null block in their place; another
+    request may then get the freed page. Correct: the old request's table says null there. Bug: it still lists the page
+    that request 1 writes this step."""
+    old = Req(12, 1, [1, 2, 3, 4])  # window 4: position 12 reads keys 9..12, blocks 2 and 3
+    new = Req(0, 4, [5])
+    old.pages[:2] = [0, 0]  # the null block
+    new.pages = [1]  # the freed page 1, reused
+    assert codes(vllm([old, new], 4, sliding_window=4)) == []
+    assert "null-page" in codes(vllm([old, new], 4))  # a full layer reading the same table reads the null block
+    old.pages[:2] = [1, 2]
+    assert codes(vllm([old, new], 4, sliding_window=4)) == []  # page 1 is out of the window: not read, not shared
+    old.pages = [0, 0, 1, 4]  # page 1 still listed inside the window while request 1 writes it
+    found = check(from_tensors(vllm([old, new], 4, sliding_window=4), "batch"))
+    assert [f.code for f in found] == ["shared-page-partial", "shared-page-written"] or "shared-page-written" in [f.code for f in found]
+
+
+def test_cascade_equals_plain_attention_and_its_bugs():
+    """vLLM's FlashAttention cascade: cu_prefix_query_lens = [0, tokens], prefix_kv_lens = [common_prefix_len],
+    suffix_kv_lens = seq_lens - common_prefix_len (vllm/v1/attention/backends/flash_attn.py build)."""
+    reqs = allocate([Req(9, 2), Req(10, 3)], 4, shared=2)
+
+    def cascade(c, reqs=reqs):
+        seq = np.array([r.seq for r in reqs])
+        return vllm(reqs, 4, common_prefix_len=c, cu_prefix_query_lens=[0, sum(r.new for r in reqs)], prefix_kv_lens=[c],
+                    suffix_kv_lens=seq - c)
+
+    batch = from_tensors(cascade(8), "batch")
+    assert batch.expression(0) == "prefix(8)"
+    for r, req in enumerate(reqs):  # the cascade's mask equals plain causal attention
+        assert np.array_equal(batch.mask(r).intervals().dense(0, 0, req.new), reference(req.new, req.seq))
+    assert check(batch) == []
+    late = allocate([Req(3, 6), Req(10, 3)], 4, shared=2)  # the common prefix runs over request 0's new tokens 3..7
+    found = check(from_tensors(cascade(8, late), "batch"))
+    assert ("cascade-sees-later", 0, (3, 4)) in [(f.code, f.request, f.cell) for f in found]
+    other = allocate([Req(9, 2), Req(10, 3)], 4, shared=1)
+    assert codes(cascade(8, other)) == ["cascade-pages"]
+    assert codes(cascade(6)) == ["cascade-partial-page"]
+
+
+def test_vllm_bugs_are_each_reported_once():
+    reqs = allocate([Req(8, 3), Req(0, 4)], 4)
+    good = vllm(reqs, 4)
+    assert codes(good) == []
+    full = dict(good, query_start_loc=np.array([0, 11, 15]))  # cu_seqlens_q from full lengths
+    assert codes(full) == ["seq-len", "query-count"]
+    forgot = dict(good, seq_lens=np.array([3, 4]))  # a prefix hit whose new queries never see the cached prefix
+    found = check(from_tensors(forgot, "batch"))
+    assert found[0].code == "seq-len" and found[0].cell == (8, 1)
+    slots = good["slot_mapping"].copy()
+    slots[:3] = reqs[0].pages[2] + np.arange(3)  # block index used as a slot: wrong units
+    assert codes(dict(good, slot_mapping=slots)) == ["slot-mapping"]
+    table = good["block_table_tensor"].copy()
+    table[0, 1] = 0
+    assert codes(dict(good, block_table_tensor=table)) == ["null-page"]
+    table = good["block_table_tensor"].copy()
+    table[1, 0] = table[0, 0]  # request 1 reads request 0's page, while its slot mapping writes its own
+    assert codes(dict(good, block_table_tensor=table)) == ["slot-mapping"]
+    reqs[1].pages[0] = reqs[0].pages[0]  # the allocator hands out a page still in use: written by 1, read by 0
+    assert codes(vllm(reqs, 4)) == ["shared-page-written"]
+
+
+def test_a_zero_key_chunk_only_at_batch_above_one():
+    """A second request's keys counted as 0 (seqused_k from a per-batch buffer not refilled past request 0)."""
+    from serve_builders import flash_attn
+
+    reqs = allocate([Req(0, 3), Req(0, 2)], 4)
+    assert codes(flash_attn(reqs, 4)) == []
+    found = check(from_tensors(dict(flash_attn(reqs, 4), seqused_k=np.array([3, 0])), "batch"))
+    assert [(f.code, f.request) for f in found] == [("no-keys", 1)]
+    assert codes(dict(flash_attn(reqs, 4), seqused_k=np.array([3, 1]))) == ["more-queries-than-keys"]
+
+
+@pytest.mark.parametrize("engine", TREE_ENGINES)
+def test_a_speculative_tree_is_named_and_checked(engine):
+    parents = [-1, 0, 0, 1, 2]
+    prefix = 6
+    reqs = allocate([Req(3, 1), Req(prefix, len(parents))], 4)
+    keep = np.concatenate([np.ones((5, prefix), bool), ancestors(parents)], 1)
+    batch = from_tensors(with_tree(engine, reqs, 4, parents), "batch")
+    assert batch.expression(1) == "tree(-1,0,0,1,2)"
+    assert np.array_equal(batch.mask(1).intervals().dense(0, 0, 5), keep)
+    assert check(batch) == []
+    sibling = keep.copy()
+    sibling[3, prefix + 2] = True  # node 3 sees node 2, its parent's sibling
+    found = check(from_tensors(with_tree(engine, reqs, 4, parents, cells=sibling), "batch"))
+    assert [(f.code, f.cell) for f in found] == [("tree-mask", (prefix + 3, prefix + 2))]
+    if engine != "flashinfer":  # FlashInfer's plan() takes no positions
+        chain = prefix + np.arange(5)  # positions as a chain, not prefix + depth
+        found = check(from_tensors(with_tree(engine, reqs, 4, parents, positions=chain), "batch"))
+        assert [(f.code, f.cell) for f in found] == [("positions", (prefix + 2, prefix + 1))]
+
+
+@pytest.mark.parametrize("engine", TREE_ENGINES)
+def test_random_draft_trees_name_the_mask_a_double_loop_gives(engine):
+    rng = np.random.default_rng(31)
+    for _ in range(100):
+        ps = int(rng.choice([1, 4, 16]))
+        n = int(rng.integers(1, 40))
+        parents = [-1] + [int(rng.integers(-1, i)) if rng.random() < 0.2 else int(rng.integers(0, i)) for i in range(1, n)]
+        reqs = allocate([Req(int(rng.integers(0, 9)), int(rng.integers(1, 4))) for _ in range(int(rng.integers(0, 3)))]
+                        + [Req(int(rng.integers(0, 20)), n)], ps)
+        batch = from_tensors(with_tree(engine, reqs, ps, parents), "batch")
+        tree = reqs[-1]
+        want = np.concatenate([np.ones((n, tree.computed), bool), ancestors(parents)], 1)
+        got = batch.mask(batch.requests - 1).intervals().dense(0, 0, n)
+        assert (got != want).sum() == 0, (engine, parents)
+        for r, req in enumerate(reqs[:-1]):
+            assert (batch.mask(r).intervals().dense(0, 0, req.new) != reference(req.new, req.seq)).sum() == 0
+        assert check(batch) == [], [f.message for f in check(batch)]
+
+
+def test_flashinfer_packed_mask_round_trips_with_export():
+    """`maskcli export --for flashinfer` packs a tree's custom mask (formats/flashinfer.py); serve reads it back."""
+    from maskcli.formats.flashinfer import to
+    from maskcli.mask import build
+
+    mask = build("tree(-1,0,1,0,3)", offset=4)
+    tensors = to(mask).tensors
+    assert "packed_custom_mask" in tensors
+    given = {k: v for k, v in tensors.items() if k != "custom_mask"} | {"causal": 1}
+    batch = from_tensors(given, "export")
+    assert batch.expression(0) == "tree(-1,0,1,0,3)"
+    assert np.array_equal(batch.mask(0).intervals().dense(0, 0, 5), mask.cells(0))
+
+
+def test_flashinfer_last_page_fill_out_of_range():
+    reqs = allocate([Req(5, 2)], 4)
+    bad = dict(flashinfer(reqs, 4), paged_kv_last_page_len=np.array([0]))
+    assert codes(bad)[-1] == "last-page-fill"
+
+
+def test_a_file_that_mixes_engines_or_names_none_is_refused():
+    tensors = dict(vllm(allocate([Req(0, 2)], 4), 4), extend_prefix_lens=[0])
+    with pytest.raises(MaskError, match=r"mixes the names of 2 engines: vllm \(query_start_loc, num_computed_tokens_cpu\); sglang"):
+        from_tensors(tensors, "mixed.pt")
+    with pytest.raises(MaskError, match="none of them an engine's batch metadata names"):
+        from_tensors({"input_ids": [1, 2]}, "x.pt")
+
+
+def test_vllm_chunked_local_virtual_batches_together_equal_local():
+    from serve_builders import vllm_local
+
+    reqs = allocate([Req(2, 4), Req(5, 10), Req(6, 3)], 2)  # q_seqlens [4, 10, 3] over chunks of 4
+    good = vllm_local(reqs, 2, 4)
+    batch = from_tensors(good, "batch")
+    assert len(good["local_seqused_k"]) == 7 and check(batch) == []
+    for r, req in enumerate(reqs):
+        assert batch.expression(r) == "local(4)"
+        assert np.array_equal(batch.mask(r).intervals().dense(0, 0, req.new), reference(req.new, req.seq, chunk=4))
+    keys = good["local_seqused_k"].copy()
+    keys[1] += 2  # request 0's second chunk also sees the end of its first
+    found = check(from_tensors(dict(good, local_seqused_k=keys), "batch"))
+    assert [(f.code, f.request, f.cell) for f in found] == [("local-keys", 0, (4, 2))]
+    keys = good["local_seqused_k"].copy()
+    keys[3] = 0  # a chunk with queries and no keys
+    assert codes(dict(good, local_seqused_k=keys)) == ["local-keys"]
+    table = good["local_block_table"].copy()
+    table[2] = np.array(reqs[1].pages[: table.shape[1]])  # not offset to its chunk's blocks
+    assert codes(dict(good, local_block_table=table)) == ["local-pages"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_chunked_prefill_steps_together_are_one_pass_and_their_bugs(engine):
+    from maskcli.serve.steps import steps
+
+    pages = [3, 7, 5]
+
+    def step(computed, new, pages=pages, **extra):
+        return from_tensors(BUILDERS[engine]([Req(computed, new, pages[: -(-(computed + new) // 4)])], 4, **extra), "step")
+
+    assert steps([step(0, 4), step(4, 4), step(8, 2)]) == []
+    found = steps([step(0, 4), step(5, 3), step(8, 2)])  # step 2 scheduled from the wrong computed count
+    assert [(f.code, f.cell) for f in found] == [("steps-positions", (5, 4))]
+    found = steps([step(0, 4), step(4, 4), step(8, 2, pages=[3, 9, 5])])  # step 3 reads block 1 off another page
+    assert [(f.code, f.cell) for f in found] == [("steps-pages", (8, 4))]
+
+
+def test_steps_match_requests_by_request_ids():
+    from maskcli.serve.steps import steps
+
+    one = from_tensors(vllm(allocate([Req(0, 4), Req(0, 2)], 4), 4, request_ids=[7, 9]), "s1")
+    reqs = allocate([Req(0, 3), Req(4, 2)], 4, first=20)
+    reqs[1].pages[0] = one.request_pages(0)[0]
+    two = from_tensors(vllm(reqs, 4, request_ids=[11, 7]), "s2")  # a new request joined; request 7 is second now
+    assert steps([one, two]) == []
+    with pytest.raises(MaskError, match="name a request twice"):
+        from_tensors(vllm(allocate([Req(0, 4), Req(0, 2)], 4), 4, request_ids=[7, 7]), "s")
+    three = from_tensors(vllm(allocate([Req(0, 4)], 4), 4), "s3")
+    with pytest.raises(MaskError, match="step 2 has 1 requests and step 1 2: add request_ids"):
+        steps([from_tensors(vllm(allocate([Req(0, 4), Req(0, 2)], 4), 4), "s"), three])
+
+
+def test_flash_attn_cache_leftpad_starts_the_keys_later():
+    """flash_attn_with_kvcache's cache_leftpad (flash_attn/flash_attn_interface.py): a request's keys are the columns
+    cache_leftpad .. cache_seqlens - 1, the last query aligned with the last of them."""
+    from serve_builders import flash_attn
+
+    reqs = allocate([Req(4, 2), Req(3, 1)], 4)  # request 0's 6 keys sit at columns 2..7
+    reqs[0].pages = [9, 8]
+    tensors = dict(flash_attn(reqs, 4), seqused_k=np.array([8, 4]), cache_leftpad=np.array([2, 0]))
+    batch = from_tensors(tensors, "batch")
+    assert batch.frame(0) == (4, 2, 6) and batch.expression(0) == "causal"
+    assert np.array_equal(batch.mask(0).intervals().dense(0, 0, 2), reference(2, 6))
+    assert check(batch) == []
+
+
+def test_an_sglang_decode_batch_has_one_new_token_per_request():
+    from serve_builders import sglang
+
+    reqs = allocate([Req(5, 1), Req(9, 1)], 1)
+    tensors = {k: v for k, v in sglang(reqs, 1).items() if not k.startswith("extend_")}
+    batch = from_tensors(tensors, "batch")
+    assert batch.q_lens.tolist() == [1, 1] and [batch.frame(r)[0] for r in range(2)] == [5, 9]
+    assert batch.notes == ("no extend_seq_lens: read as a decode batch, one new token per request",)
+    assert check(batch) == []
+
+
+def test_a_needed_block_that_is_no_page():
+    reqs = allocate([Req(5, 2)], 4)
+    tensors = vllm(reqs, 4)
+    tensors["block_table_tensor"] = np.array([[reqs[0].pages[0], -1]])
+    tensors["slot_mapping"] = np.array([-4 + 1, -4 + 2])  # as vLLM's compute_slot_mapping makes them from -1
+    found = check(from_tensors(tensors, "batch"))
+    assert [(f.code, f.request) for f in found][0] == ("bad-page", 0)
+
+
+def _flashinfer_dump(folder, tensors: dict, metadata: dict, function: str, signature: str):
+    """A call folder as flashinfer/api_logging.py writes it at FLASHINFER_LOGLEVEL=10: `_dump_function_inputs` saves
+    tensor arguments with torch.save under arg_{i} / kwarg_{name} (`_extract_tensors_and_metadata_common`) and appends
+    a metadata.jsonl record with function_name, function_signature and the other arguments as input_metadata."""
+    import json
+
+    import torch
+
+    folder.mkdir()
+    torch.save({k: torch.as_tensor(v) for k, v in tensors.items()}, folder / "inputs.pt")
+    record = {"function_name": function, "function_signature": signature, "input_metadata": metadata,
+              "execution_status": "inputs_saved"}
+    (folder / "metadata.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(dict(record, execution_status="completed")) + "\n")
+
+
+PREFILL_PLAN = ("(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor, "
+                "paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, page_size: int, "
+                "head_dim_vo: Optional[int] = None, custom_mask: Optional[torch.Tensor] = None, "
+                "packed_custom_mask: Optional[torch.Tensor] = None, causal: bool = False, pos_encoding_mode: str = 'NONE', "
+                "use_fp16_qk_reduction: bool = False, sm_scale: Optional[float] = None, window_left: int = -1, "
+                "logits_soft_cap: Optional[float] = None, q_data_type: Union[str, torch.dtype] = 'float16') -> None")
+
+
+@pytest.mark.parametrize("self_kept", [False, True])
+def test_a_flashinfer_api_logging_dump_of_plan_reads_as_its_arguments(tmp_path, self_kept):
+    from maskcli.serve.engines import read
+
+    reqs = allocate([Req(9, 3), Req(0, 5)], 4)
+    fields = flashinfer(reqs, 4)
+    at = 1 if self_kept else 0
+    tensors = {f"arg_{at + i}": fields[k] for i, k in enumerate(("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"))}
+    metadata = {f"arg_{at + 4}": 8, f"arg_{at + 5}": 2, f"arg_{at + 6}": 64, f"arg_{at + 7}": 4, "kwarg_causal": True, "kwarg_window_left": 5,
+                "kwarg_q_data_type": {"type": "torch.dtype", "value": "torch.bfloat16"}}
+    if self_kept:
+        metadata["arg_0"] = {"type": "BatchPrefillWithPagedKVCacheWrapper", "repr": "<wrapper>"}
+    _flashinfer_dump(tmp_path / "call", tensors, metadata, "BatchPrefillWithPagedKVCacheWrapper.plan", PREFILL_PLAN)
+    batch = read(str(tmp_path / "call"))
+    assert batch.engine == "flashinfer" and batch.window == 6 and batch.causal
+    assert [batch.frame(r) for r in range(2)] == [(9, 3, 12), (0, 5, 5)]
+    for r, req in enumerate(reqs):
+        assert np.array_equal(batch.mask(r).intervals().dense(0, 0, req.new), reference(req.new, req.seq, window=6))
+    assert check(batch) == []
+
+
+def test_a_flashinfer_dump_of_decode_plan_and_of_run(tmp_path):
+    from maskcli.serve.engines import read
+
+    reqs = allocate([Req(9, 1), Req(4, 1)], 4)
+    fields = flashinfer(reqs, 4)
+    signature = "(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int)"
+    tensors = {"arg_0": fields["paged_kv_indptr"], "arg_1": fields["paged_kv_indices"], "arg_2": fields["paged_kv_last_page_len"]}
+    _flashinfer_dump(tmp_path / "decode", tensors, {"arg_6": 4}, "BatchDecodeWithPagedKVCacheWrapper.plan", signature)
+    batch = read(str(tmp_path / "decode"))
+    assert [batch.frame(r) for r in range(2)] == [(9, 1, 10), (4, 1, 5)] and check(batch) == []
+    _flashinfer_dump(tmp_path / "run", {"arg_0": np.zeros(3)}, {}, "BatchDecodeWithPagedKVCacheWrapper.run", "(self, q)")
+    with pytest.raises(MaskError, match="is a dump of BatchDecodeWithPagedKVCacheWrapper.run; serve reads a wrapper's plan"):
+        read(str(tmp_path / "run"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MaskError, match="a folder without metadata.jsonl"):
+        read(str(tmp_path / "empty"))
+
+
+def test_mrope_positions_are_not_read_as_one_position_per_token():
+    """Qwen2-VL's M-RoPE positions are (3, tokens): rotary positions per axis, which an image's tokens share."""
+    reqs = allocate([Req(4, 3)], 4)
+    tensors = vllm(reqs, 4)
+    tensors["positions"] = np.stack([tensors["positions"], tensors["positions"] - 1, tensors["positions"] + 2])
+    batch = from_tensors(tensors, "batch")
+    assert batch.positions is None and check(batch) == []
+
+
+def test_trtllm_reads_the_packed_mask_and_offsets_consecutively_from_num_contexts():
+    """TrtllmAttentionMetadata.update_spec_dec_param (tensorrt_llm/_torch/attention_backend/trtllm.py, case 3: "these
+    spec-dec params are accessed consecutively (without padding) in the attention Op, we need to write them
+    consecutively"); interface.py AttentionMetadata.update_spec_dec_param: num_contexts context requests occupy the
+    leading rows, generation rows start after them. Two generation requests of 3 and 5 nodes in a (4, 6, 1) buffer."""
+    from maskcli.serve.checks import check
+    from serve_builders import depths, trtllm
+
+    trees = [[-1, 0, 0], [-1, 0, 1, 1, 0]]
+    reqs = allocate([Req(4, 2), Req(6, 3), Req(9, 5)], 4)
+    buffer = np.zeros((4, 6, 1), np.int64)
+    flat = buffer.reshape(-1, 1)
+    offsets = np.zeros((4, 6), np.int64)
+    row = 0
+    for parents in trees:
+        for i in range(len(parents)):  # a double loop up the parent chain: bit j = node i sees node j
+            j = i
+            while j >= 0:
+                flat[row + i, 0] |= 1 << j
+                j = parents[j]
+        offsets.reshape(-1)[row:row + len(parents)] = depths(parents)
+        row += len(parents)
+    batch = from_tensors(trtllm(reqs, 4, num_contexts=1, spec_decoding_packed_mask=buffer.astype(np.int32),
+                                spec_decoding_position_offsets=offsets), "batch")
+    assert [batch.expression(r) for r in range(3)] == ["causal", "tree(-1,0,0)", "tree(-1,0,1,1,0)"]
+    for r, parents in ((1, trees[0]), (2, trees[1])):
+        want = np.concatenate([np.ones((len(parents), reqs[r].computed), bool), ancestors(parents)], 1)
+        assert np.array_equal(batch.mask(r).intervals().dense(0, 0, len(parents)), want)
+    assert check(batch) == []
+    padded = np.zeros_like(buffer)  # one buffer row per request, as if the op skipped padding: not how it reads them
+    padded[0, :3], padded[1, :5] = buffer.reshape(-1, 1)[:3], buffer.reshape(-1, 1)[3:8]
+    found = check(from_tensors(trtllm(reqs, 4, num_contexts=1, spec_decoding_packed_mask=padded.astype(np.int32)), "batch"))
+    assert [(f.code, f.request) for f in found][:1] == [("tree-mask", 2)]
+
+
+def test_sglang_verify_drafts_from_draft_token_num_mask_indptr_or_the_mask_size():
+    parents = [-1, 0, 0, 1]
+    base = with_tree("sglang", allocate([Req(5, 1), Req(7, 4)], 4), 4, parents)
+    n = len(parents)
+    seq = base["seq_lens"]
+    assert seq.tolist() == [5, 7]  # seq_lens without the drafts
+    for extra in ({}, {"draft_token_num": n}, {"mask_indptr": np.concatenate([[0], np.cumsum(n * (seq + n))])}):
+        batch = from_tensors(dict(base, **extra), "batch")
+        assert batch.q_lens.tolist() == [n, n] and batch.seq_lens.tolist() == [5 + n, 7 + n]
+        assert batch.expression(1) == "tree(-1,0,0,1)" and batch.expression(0) == "causal"
+    with pytest.raises(MaskError, match=r"custom_mask holds 79 cells, which is no number of drafts n per request"):
+        from_tensors(dict(base, custom_mask=base["custom_mask"][:-1]), "batch")
+    # seq_lens that already count the drafts (not how SGLang's verify batch holds them) are refused, not misread
+    with pytest.raises(MaskError, match="which is no number of drafts"):
+        from_tensors(dict(base, seq_lens=seq + n), "batch")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_expect_holds_where_a_double_loop_agrees_and_names_its_first_wrong_cell(engine):
+    """--expect compared with the reference double loop: window(W) holds on a window batch; window(W + 1) (the
+    off-by-one) names each request's first cell the double loop says differs, as (query position, key position)."""
+    from maskcli.serve.expect import expect
+
+    rng = np.random.default_rng(7)
+    for _ in range(10):
+        w = int(rng.integers(1, 9))
+        reqs = allocate([Req(int(rng.integers(0, 20)), int(rng.integers(1, 6))) for _ in range(int(rng.integers(1, 4)))], 4)
+        batch = from_tensors(BUILDERS[engine](reqs, 4, **WINDOW[engine](w)), "batch")
+        held = expect(batch, [("*", f"window({w})")])
+        assert [(f.code, f.severity) for f in held] == [("expect", "note")]
+        wrong = [r for r, req in enumerate(reqs) if (reference(req.new, req.seq, w) != reference(req.new, req.seq, w + 1)).any()]
+        found = expect(batch, [("*", f"window({w + 1})")])
+        if not wrong:
+            assert [f.severity for f in found] == ["note"]
+            continue
+        r = wrong[0]
+        req = reqs[r]
+        i, j = np.argwhere(reference(req.new, req.seq, w) != reference(req.new, req.seq, w + 1))[0]
+        assert [(f.severity, f.request, f.cell) for f in found] == [("wrong", r, (req.seq - req.new + i, j))]
+        assert (f"{len(wrong) - 1} more differ" in found[0].message) == (len(wrong) > 1)
+
+
+def test_expect_patterns_match_request_indexes_and_ids():
+    from maskcli.serve.expect import expect
+
+    batch = from_tensors(vllm(allocate([Req(0, 3), Req(4, 2)], 4), 4, request_ids=[7, 9]), "batch")
+    assert [f.severity for f in expect(batch, [("9", "causal"), ("0", "causal")])] == ["note"]
+    found = expect(batch, [("7", "full")])
+    assert [(f.request, f.cell) for f in found] == [(0, (0, 1))]  # query 0 sees key 1 under full, not under causal
+    found = expect(batch, [("12", "causal")])
+    assert [(f.severity, f.request) for f in found] == [("wrong", None)] and "no request matches '12'" in found[0].message
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_model_windows_match_and_the_off_by_one_is_named_with_its_first_cell(engine):
+    """The config's sliding_window W is window(W): transformers' masking_utils.py:97 sliding_window_overlay keeps
+    kv_idx > q_idx - sliding_window, and modeling_flash_attention_utils.py:692 passes flash-attn (W - 1, W - 1) with
+    causal. A batch built with W + 1 differs first where the double loop says; a batch too short to show it is
+    suspicious, not wrong."""
+    from maskcli.serve.model import SPELLED, against_config
+
+    layers = {"sliding_attention": ("window", 4), "full_attention": ("full", None)}
+    reqs = allocate([Req(3, 2), Req(9, 3)], 4)
+    found = against_config(from_tensors(BUILDERS[engine](reqs, 4, **WINDOW[engine](4)), "b"), layers, "m")
+    assert [(f.severity, f.message) for f in found] == [("note", "--model m: a sliding_attention layer's batch (sliding_window 4)")]
+    found = against_config(from_tensors(BUILDERS[engine](reqs, 4, **WINDOW[engine](5)), "b"), layers, "m")
+    differ = [r for r, q in enumerate(reqs) if (reference(q.new, q.seq, 5) != reference(q.new, q.seq, 4)).any()]
+    r = differ[0]
+    i, j = np.argwhere(reference(reqs[r].new, reqs[r].seq, 5) != reference(reqs[r].new, reqs[r].seq, 4))[0]
+    assert [(f.severity, f.request, f.cell) for f in found] == [("wrong", r, (reqs[r].seq - reqs[r].new + i, j))]
+    spelled = SPELLED[engine].format(w=4, left=3)
+    assert f"off by one (one key more; HF's sliding_window 4 is {spelled} here)" in found[0].message
+    short = allocate([Req(0, 3)], 4)  # 3 keys: window(5) and window(4) keep the same cells
+    found = against_config(from_tensors(BUILDERS[engine](short, 4, **WINDOW[engine](5)), "b"), layers, "m")
+    if engine != "trtllm":  # TensorRT-LLM's loader reads a window no request reaches as none
+        assert [f.severity for f in found] == ["suspicious"] and "off by one" in found[0].message
+
+
+def test_model_a_window_the_config_lacks_and_a_missing_window():
+    from maskcli.serve.model import against_config
+
+    reqs = allocate([Req(6, 2)], 4)
+    windowed = from_tensors(vllm(reqs, 4, sliding_window=4), "b")
+    found = against_config(windowed, {"full_attention": ("full", None)}, "llama")
+    assert [(f.severity, f.request, f.cell) for f in found] == [("wrong", 0, (6, 0))]  # causal sees keys 0-2 too
+    assert "has no such layer: its layers are full_attention" in found[0].message
+    plain = from_tensors(vllm(reqs, 4), "b")
+    found = against_config(plain, {"sliding_attention": ("window", 4)}, "mistral")
+    assert [(f.severity, f.request, f.cell) for f in found] == [("wrong", 0, (6, 0))]  # window(4) at 6 sees 3-6
+    found = against_config(from_tensors(vllm(allocate([Req(0, 3)], 4), 4), "b"), {"sliding_attention": ("window", 4)}, "mistral")
+    assert [f.severity for f in found] == ["note"]  # 3 keys: no window of 4 shows
+    chunked = from_tensors(vllm(reqs, 4, attention_chunk_size=4), "b")
+    assert [f.severity for f in against_config(chunked, {"chunked_attention": ("chunk", 4)}, "l4")] == ["note"]
+    found = against_config(chunked, {"chunked_attention": ("chunk", 8)}, "l4")
+    assert [(f.severity, f.request) for f in found] == [("wrong", 0)] and "attention_chunk_size 8" in found[0].message
