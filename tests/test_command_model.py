@@ -192,6 +192,19 @@ def test_bad_input_is_one_line(args, says):
         assert line.endswith("; try --attn eager") and model("gemma2", "--attn", "eager", "--new-tokens", 0).exit_code == 0
 
 
+@pytest.mark.parametrize("args, named", [
+    (["mistral", "--png", "out.pt", "--list", "--lengths", "Ò¸…", "--try"], "FAMILY 'mistral', --lengths, --png"),  # a fuzz case: 11 minutes before
+    (["--list", "--json"], "--json"),
+    (["--try", "--list", "--attn", "eager", "--new-tokens", "0"], "--new-tokens, --attn"),
+])
+def test_list_refuses_the_flags_it_would_ignore_before_building_anything(args, named, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # refused before transformers is needed, with or without it
+    result = model(*args)
+    assert result.exit_code == 2 and result.stdout == "" and not (tmp_path / "out.pt").exists()
+    assert result.stderr == f"maskcli: error: --list uses only --try, not {named}: drop them, or drop --list to run one family\n"
+
+
 @needs_hf
 def test_a_config_json_and_list(tmp_path):
     path = tmp_path / "config.json"
