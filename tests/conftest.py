@@ -38,7 +38,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--skipped-before") or config.cache is None:
+    if not config.getoption("--skipped-before") or getattr(config, "cache", None) is None:
         return
     before = config.cache.get(SKIPPED_KEY, [])
     def skipped(item) -> bool:
@@ -51,5 +51,5 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_sessionfinish(session):
     config = session.config
-    if config.cache is not None and not config.getoption("--skipped-before"):
+    if getattr(config, "cache", None) is not None and not config.getoption("--skipped-before"):
         config.cache.set(SKIPPED_KEY, sorted(_skipped))
