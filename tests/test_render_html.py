@@ -410,6 +410,39 @@ def test_a_mask_mod_is_drawn_from_its_cells_and_hover_says_the_page_cannot_run_i
     assert why.startswith("this mask calls your mask_mod, which the page cannot run")
 
 
+HOSTILE_TOKENS = ["<!--<script>", "</script><script>window.__pwned=1</script>", "a&amp;b<b>", "d"]
+
+
+def hostile_page(tmp_path):
+    """The page `show causal --tokens '<!--<script> ...' --html` writes: tokens that would end or re-open its script."""
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    path = tmp_path / "o.html"
+    result = CliRunner().invoke(app, ["show", "causal", "--tokens", " ".join(HOSTILE_TOKENS), "--html", str(path)])
+    assert result.exit_code == 0, result.output
+    return path.read_text(encoding="utf-8")
+
+
+def test_json_in_the_page_has_no_character_that_could_end_or_reopen_its_script(tmp_path):
+    text = hostile_page(tmp_path)
+    start = text.index('<script type="application/json" id="mask-data">') + len('<script type="application/json" id="mask-data">')
+    payload = text[start:text.index("</script>", start)]
+    assert not set("<>&\u2028\u2029") & set(payload)
+    assert json.dumps(json.loads(payload)).count("<!--<script>") == 1  # the \u escapes read back as the tokens
+    odd = {"s": "<!--<script></script>&\u2028\u2029"}
+    assert json.loads(html.script_json(odd)) == odd and not set("<>&\u2028\u2029") & set(html.script_json(odd))
+
+
+def test_tokens_that_look_like_html_render_as_text_and_run_nothing(tab, tmp_path):
+    load(tab, hostile_page(tmp_path))  # waits for the first draw, and no page error
+    assert tab.evaluate("window.__pwned") is None
+    assert close(pixels(tab)[int(cell_centre(tab, 1, 0, 4, 4)[1]), int(cell_centre(tab, 1, 0, 4, 4)[0])], VISIBLE_RGB)
+    cell, _ = hover(tab, *cell_centre(tab, 1, 0, 4, 4))
+    assert cell.splitlines()[1] == f'"{HOSTILE_TOKENS[1]}" at q · "{HOSTILE_TOKENS[0]}" at kv'
+
+
 def test_the_worst_rows_at_a_million_tokens_stay_under_20_mb_and_exact_at_cells(tab):
     import maskcli
 
