@@ -94,6 +94,7 @@ def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: 
         raise MaskError(f"{where}: cannot read it ({error.strerror or error})") from None
 
 
+SLICE_FIX = "slice the tensor you need into a smaller file first (like mask[0, 0]), or run where there is more memory"
 JSON_BYTES_PER_CHARACTER = 16  # a JSON number of 2-3 characters becomes a Python int or float (24-32 bytes) in a list
 
 
@@ -103,7 +104,7 @@ def _check_fits(size: int, suffix: str, where: str) -> None:
 
     needed = size * JSON_BYTES_PER_CHARACTER if suffix == ".json" else size
     how = "to read its text into numbers" if suffix == ".json" else "to load"
-    check_bytes_fit(needed, f"{where} ({size:,} bytes on disk)", how, fix="slice the tensor you need into a smaller file first (like mask[0, 0]), or run where there is more memory")
+    check_bytes_fit(needed, f"{where} ({size:,} bytes on disk)", how, fix=SLICE_FIX)
 
 
 def load_tensor(source: str, flag: str, names: tuple[str, ...] = (), others: tuple[str, ...] = (), json_floats=None):
@@ -234,6 +235,7 @@ def _from_numpy(path: Path, where: str) -> dict[str, np.ndarray]:
     # np.load takes anything without the .npy/.npz signature for a pickle, and would call garbage "objects"
     if not head.startswith((b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06", b"\x80")):
         raise MaskError(f"{where}: not a numpy file (it does not start with the .npy or .npz signature)")
+    _check_unpacked_fits(path, head, where)
     try:
         loaded = np.load(path, allow_pickle=False)
         if isinstance(loaded, np.ndarray):
@@ -255,6 +257,47 @@ def _from_numpy(path: Path, where: str) -> dict[str, np.ndarray]:
         # np.ascontiguousarray, which makes a 0-d array 1-d and so would read a single number as a mask of one cell
         arrays[name] = np.asarray(array, dtype=array.dtype.newbyteorder("="), order="C")
     return arrays
+
+
+def _npy_bytes(stream) -> int | None:
+    """The bytes the array of a .npy stream takes, read from its header alone; None where the header is unreadable."""
+    from numpy.lib import format as npy
+
+    try:
+        version = npy.read_magic(stream)
+        # numpy.lib.format: 1.0 has a 2-byte header length, 2.0 and 3.0 (utf-8 field names) a 4-byte one
+        read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+        shape, _, dtype = read(stream)
+        return math.prod(shape) * dtype.itemsize
+    except Exception:  # a damaged header: np.load says what is wrong with it
+        return None
+
+
+def _check_unpacked_fits(path: Path, head: bytes, where: str) -> None:
+    """Refuse a .npy or .npz whose arrays, as their headers declare them, would not fit in memory, before reading them.
+
+    An .npz is a zip: a few MB of compressed zeros can unpack to GBs, and np.load allocates what each header says.
+    Only the first bytes of each member are decompressed here.
+    """
+    import zipfile
+
+    from maskcli.memory import check_bytes_fit
+
+    sizes = []
+    if head.startswith(b"\x93NUMPY"):
+        with path.open("rb") as file:
+            sizes.append(_npy_bytes(file))
+    elif head.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                for member in archive.infolist():
+                    if member.filename.endswith(".npy"):
+                        with archive.open(member) as stream:
+                            sizes.append(_npy_bytes(stream))
+        except (zipfile.BadZipFile, OSError, RuntimeError, NotImplementedError, EOFError):
+            return  # np.load says what is wrong with the archive
+    needed = sum(size for size in sizes if size is not None)
+    check_bytes_fit(needed, f"{where} ({path.stat().st_size:,} bytes on disk, its arrays as their headers declare them)", "to load", fix=SLICE_FIX)
 
 
 def _from_safetensors(path: Path, where: str) -> dict[str, np.ndarray]:
