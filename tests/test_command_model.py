@@ -152,6 +152,7 @@ def test_png_draws_each_layer_type_at_each_step(tmp_path):
     assert blue.sum() > 1000  # visible cells drawn in the figure's keep colour
 
 
+@needs_hf
 @pytest.mark.parametrize("expect, says", [
     ("full*=windo(3)", "--expect 'full*=windo(3)': unknown mask kind 'windo' in 'windo(3)': did you mean window?"),
     ("x=window(0)", "--expect 'x=window(0)': window(0): window must be at least 1"),
