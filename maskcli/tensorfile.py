@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: 
     """
     if is_inline(source):
         where = f"{flag} {shortened(source, 60)!r} (inline JSON)"
-        return _from_json(_parse_json(source, where), where, json_floats)
+        return _read_json(source, where, json_floats)
     path, where, size = checked_source(source, flag)
     suffix = path.suffix.lower()
     try:
@@ -89,7 +90,7 @@ def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: 
             return _from_numpy(path, where)
         if suffix == ".safetensors":
             return _from_safetensors(path, where)
-        return _from_json(_parse_json(path.read_text(errors="replace"), where), where, json_floats)
+        return _read_json(path.read_text(errors="replace"), where, json_floats)
     except OSError as error:  # unreadable (permissions, a vanished file): one line, not a traceback
         raise MaskError(f"{where}: cannot read it ({error.strerror or error})") from None
 
@@ -124,6 +125,19 @@ def load_tensor(source: str, flag: str, names: tuple[str, ...] = (), others: tup
     raise MaskError(f"{flag} {source!r} holds {held}; expected {wanted}: save the tensor under that name, or alone in the file")
 
 
+def _read_json(text: str, where: str, floats: str) -> dict[str, np.ndarray]:
+    """A JSON tensor: a plain nested list of numbers parsed by numpy (jsonarrays), anything else through json."""
+    from maskcli.jsonarrays import dense_numbers
+
+    array = dense_numbers(text)
+    if array is None:
+        return _from_json(_parse_json(text, where), where, floats)
+    if array.dtype.kind == "f":
+        with np.errstate(over="ignore"):  # as _from_json: a double past float32's range is inf there
+            array = array.astype(floats)
+    return {"": array}
+
+
 def _parse_json(text: str, where: str):
     def integer(digits: str) -> int:  # numpy would make a wider one uint64, float64 or an object, not an error
         value = int(digits)
@@ -131,19 +145,39 @@ def _parse_json(text: str, where: str):
             raise MaskError(f"{where}: not a rectangular nested list of numbers ({shortened(digits, 40)} does not fit int64)")
         return value
 
+    # json's C scanner makes ints itself only where parse_int is int (CPython Modules/_json.c, _match_number_unicode):
+    # a Python callback per number made a 4096 x 4096 file take 20 s. Only a run of 19 digits can leave int64.
+    wide = _WIDE_INTEGER.search(text) is not None
+    fast = None if wide else _spelled_constants(text)
     try:
-        return json.loads(text, parse_int=integer)
+        if fast is not None:
+            try:
+                return json.loads(fast)
+            except json.JSONDecodeError:  # the spellings replaced where they were not values (a key "nan"): read as written
+                pass
+        return json.loads(text, parse_int=integer if wide else None)
     except json.JSONDecodeError as error:
         raise MaskError(f"{where}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
     except RecursionError:
         raise MaskError(f"{where}: JSON nested too deeply to be a tensor") from None
 
 
+_WIDE_INTEGER = re.compile(r"[0-9]{19}")
 _NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+# maskcli's JSON spells non-finite values as strings; json reads JavaScript's constants as floats itself
+_CONSTANTS = {'"-inf"': "-Infinity", '"inf"': "Infinity", '"nan"': "NaN"}
+
+
+def _spelled_constants(text: str) -> str:
+    """`text` with maskcli's "nan", "inf", "-inf" strings as the constants json reads as floats (str.replace: C speed)."""
+    for spelled, constant in _CONSTANTS.items():
+        if spelled in text:
+            text = text.replace(spelled, constant)
+    return text
 
 
 def _numbers(value):
-    """Nested lists with maskcli's JSON spelling of non-finite values ("nan", "inf", "-inf") as floats."""
+    """Nested lists with maskcli's JSON spelling of non-finite values ("nan", "inf", "-inf", any case) as floats."""
     if isinstance(value, list):
         return [_numbers(item) for item in value]
     if isinstance(value, str) and value.lower() in _NON_FINITE:
@@ -156,13 +190,15 @@ def _from_json(data, where: str, floats: str = "float32") -> dict[str, np.ndarra
     arrays = {}
     for name, value in items:
         label = f" {name!r}" if name else ""
-        numbers = _numbers(value)
         try:
-            array = np.array(numbers)
+            array = np.array(value)  # C speed where the values are numbers already (_parse_json made the usual constants)
+            if array.dtype.kind not in "biuf":  # other spellings ("-Inf"), text, null, objects: looked at one by one
+                value = _numbers(value)
+                array = np.array(value)
         except ValueError:  # numpy's "inhomogeneous shape": rows of different lengths, or a list beside a number
             raise MaskError(f"{where}{label}: not a rectangular nested list of numbers (its rows differ in length or depth)") from None
-        if array.dtype.kind not in "biuf":  # text, null, objects
-            raise MaskError(f"{where}{label}: not a rectangular nested list of numbers ({shortened(json.dumps(next(_not_numbers(numbers), None)), 40)} is not a number)")
+        if array.dtype.kind not in "biuf":
+            raise MaskError(f"{where}{label}: not a rectangular nested list of numbers ({shortened(json.dumps(next(_not_numbers(value), None)), 40)} is not a number)")
         if array.dtype.kind == "f":
             with np.errstate(over="ignore"):  # a double past float32's range is inf there, as torch.tensor makes it
                 array = array.astype(floats)
