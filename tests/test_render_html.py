@@ -297,15 +297,28 @@ def test_a_million_tokens_zooms_to_single_cells_exactly_in_a_small_file(tab):
     assert cell.splitlines()[:2] == ["q 700005 · kv 695990", "doc 2 at q · doc 1 at kv"]
     assert why == why_text(mask, [explain(mask, 0, 700005, 695990)])
     assert "exact" in tab.text_content("#status")
-    # two keys and two queries a pixel: each pixel's colour is the exact share of its four cells kept
+    # two keys and two queries a pixel: each pixel's colour is the share of its four cells kept, as the figures shade
+    # it (any kept cell at least light blue: 0.3 of the way, then the rest by share)
     width, height = tab.size
     tab.evaluate(f"window.maskcliViewer.setView(303000, 300000, {2 * height}, {2 * width})")
     shown = pixels(tab)
     for py in range(3, height, 37):  # off the boundary line at key 300000 (pixel column 0)
         for px in range(3, width, 41):
             share = np.mean([_million_reference(303000 + 2 * py + a, 300000 + 2 * px + c) for a in (0, 1) for c in (0, 1)])
-            want = np.round(np.array(MASKED_RGB) + (np.array(VISIBLE_RGB) - np.array(MASKED_RGB)) * share)
+            shade = 0.3 + 0.7 * share if share > 0 else 0.0
+            want = np.round(np.array(MASKED_RGB) + (np.array(VISIBLE_RGB) - np.array(MASKED_RGB)) * shade)
             assert close(shown[py, px], want, 1), (py, px, share)
+
+
+def test_a_sink_column_of_half_a_pixel_is_drawn_light_blue_at_least(tab):
+    # 4 keys of 4,096 on a canvas of about 500 pixels: half of the first pixel column, shaded as the figures shade it
+    load(tab, html.mask_page(build("causal & (window(1020) | sink(4))", MaskOptions(length=4096))))
+    shown, (width, height) = pixels(tab), tab.size
+    per_pixel = 4096 / width
+    for y in range(int(1100 / 4096 * height), height, 7):  # rows past the window's reach of the first keys
+        share = 4 / per_pixel  # the sink's keys, of the pixel's keys
+        want = np.round(np.array(MASKED_RGB) + (np.array(VISIBLE_RGB) - np.array(MASKED_RGB)) * (0.3 + 0.7 * share))
+        assert close(shown[y, 0], want, 3) and close(shown[y, 2], MASKED_RGB), (y, shown[y, 0])
 
 
 def test_the_keyboard_pans_zooms_and_resets_and_reads_the_centre_cell(tab):

@@ -134,6 +134,12 @@ def _draw(ax, panel: Panel) -> object | None:
         ax.imshow(panel.keep.astype(np.float32), cmap=cmap, vmin=0, vmax=1, interpolation="nearest", aspect=aspect, extent=panel.extent)
         if panel.extent is not None:
             position_ticks(ax)
+        if max(q_len, k_len) > GRID_LINES_UP_TO:
+            # cells of a pixel or two: the axes' frame, drawn over the image's edge, would hide the first and last
+            # rows and columns (a sink's column at 4,096 keys is 1.4 pixels wide); the grey of the masked cells
+            # already bounds the panel
+            for spine in ax.spines.values():
+                spine.set_visible(False)
     else:
         finite = np.isfinite(panel.values)
         leaks = panel.leaks()
