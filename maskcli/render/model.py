@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from maskcli.hf.report import layers_text
+from maskcli.render import hanging
 
 
 def views(view, failures: list[str], held: list[str]) -> list:
@@ -19,8 +20,8 @@ def views(view, failures: list[str], held: list[str]) -> list:
 
     out: list = [Text(f"maskcli model {run.name}: {type(run.config).__name__}, {len(run.types)} layers, "
                       f"{len(run.trace.calls)} attention calls in {len(view.groups)} groups", style="bold"),
-                 Text(f"masks shaped by: {shapes(run.config)}"),
-                 Text(f"ids {rows} (pad id {prompt.pad_id}, {prompt.side} padding); {len(run.steps)} steps")]
+                 hanging("masks shaped by: ", Text(shapes(run.config))),
+                 hanging("ids ", Text(f"{rows} (pad id {prompt.pad_id}, {prompt.side} padding); {len(run.steps)} steps"))]
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     table.add_column("step", overflow="fold")
     for kind in view.types:
@@ -45,21 +46,30 @@ def views(view, failures: list[str], held: list[str]) -> list:
     for number, group in enumerate(view.groups):
         first = group.first
         shape = "(" + ",".join(map(str, first.shape)) + ")"
-        out.append(Text(f"#{number} {group.name} · {first.api} {shape} · {group.where}"))
+        # wrapped lines stand under the text, not at column 0, at any width (60 columns break these lines)
+        out.append(hanging(f"#{number} ", Text(f"{group.name} · {first.api} {shape} · {group.where}")))
         for finding in group.findings:
-            out.append(Text(f"   {finding.code}: {finding.message}", style="red" if finding.code in ("sees-later", "polarity") else ""))
+            out.append(hanging("   ", Text(f"{finding.code}: {finding.message}"), style="red" if finding.code in ("sees-later", "polarity") else ""))
     if run.other:
         out.append(Text(f"{len(run.other)} attention calls outside the numbered layers (in --json): "
                         + ", ".join(sorted({call.where for call in run.other})[:4])))
     for line in run.chunk_check:
-        out.append(Text(line, style="" if run.chunk_holds else "red"))
+        out.append(_line(line, "" if run.chunk_holds else "red"))
     for line in run.cache_check:
-        out.append(Text(line, style="" if run.cache_holds else "red"))
+        out.append(_line(line, "" if run.cache_holds else "red"))
     for line in failures:
-        out.append(Text(line, style="red"))
+        out.append(_line(line, "red"))
     for line in held:
-        out.append(Text(line))
+        out.append(_line(line, ""))
     return out
+
+
+def _line(line: str, style: str):
+    """A check's line ('cache: ...'), its wrapped lines under the text after its label rather than at column 0."""
+    label, colon, rest = line.partition(": ")
+    if not colon or len(label) > 24:
+        return Text(line, style=style)
+    return hanging(label + colon, Text(rest), style=style)
 
 
 def model_figure(view):
