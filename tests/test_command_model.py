@@ -273,6 +273,27 @@ def test_the_gallerys_model_family_entries_are_what_the_families_build(args):
 
 
 @needs_hf
+def test_png_draws_every_one_query_decode_panel_one_cell_tall(tmp_path):
+    # llama4's chunked layers decode over 4 keys, its full layers over 7: at equal aspect the 4-key row was drawn
+    # nearly twice as tall as the 7-key one (issue 28, item 16)
+    import matplotlib.image
+
+    result = model("llama4_text", "--chunk-size", 4, "--lengths", "6,4", "--png", tmp_path / "l.png")
+    assert result.exit_code == 0, result.output
+    pixels = np.round(matplotlib.image.imread(tmp_path / "l.png")[..., :3] * 255).astype(int)
+    ours = np.zeros(pixels.shape[:2], dtype=bool)
+    for colour in ((31, 119, 180), (224, 224, 224)):  # the kept and masked colours (render/heatmaps.py)
+        ours |= np.abs(pixels - np.array(colour)).max(axis=-1) <= 3
+    tall = []
+    for x in (int(pixels.shape[1] * 0.45), int(pixels.shape[1] * 0.8)):  # through the decode 1 and decode 2 panels
+        column = np.concatenate(([False], ours[: int(pixels.shape[0] * 0.95), x], [False]))
+        starts, ends = np.flatnonzero(column[1:] & ~column[:-1]), np.flatnonzero(column[:-1] & ~column[1:])
+        tall += [int(e - s) + 1 for s, e in zip(starts, ends) if e - s > 8]
+    # 2 layer types x 2 batch rows x 2 steps, one height within the few pixels the layout rounds (before: 105 and 60)
+    assert len(tall) == 8 and max(tall) - min(tall) <= 5, tall
+
+
+@needs_hf
 def test_png_legend_names_the_cache_not_offset_and_no_label_meets_a_title(tmp_path, monkeypatch):
     import maskcli.render.heatmaps as heatmaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -241,6 +241,12 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels):
                 ax.set_visible(False)
                 continue
             image = _draw(ax, row[c])
+            panel_q, panel_k = row[c].keep.shape
+            if n_cols > 1 and row[c].values is None and row[c].extent is None and panel_q < panel_k:
+                # a decode step's row of a few keys beside a prefill: one cell tall as its column's cells are wide,
+                # whatever its own number of keys (at equal aspect, 4 keys drew a row twice as tall as 7 keys did)
+                ax.set_aspect("auto")
+                ax.set_box_aspect(max(panel_q / columns[c], 1 / (2 * WIDE)))
             if image is None:
                 continue
             if row[c].shared is None:

@@ -10,6 +10,7 @@ from rich.text import Text
 
 from maskcli.hf.report import layers_text
 from maskcli.render import hanging
+from maskcli.text import shortened
 
 
 def views(view, failures: list[str], held: list[str]) -> list:
@@ -107,7 +108,9 @@ def _panel(call, keep: np.ndarray, b: int, valid: np.ndarray, title: str, view):
 
     q0, q1 = call.details["queries"]
     number = next(n for n, g in enumerate(view.groups) if call in g.calls)
-    title = f"{title} · #{number} {view.groups[number].expression or '?'}"
+    group = view.groups[number]
+    # no expression rebuilds it: the recogniser's words for it, as the text report names the group, not '?'
+    title = f"{title} · #{number} {group.expression or shortened(group.name, 48)}"
     if call.details.get("sink_column"):  # GPT-OSS's sink logit is the softmax's last column, on no key position
         keep = keep[..., :-1]
         title += " (sink column left out)"
