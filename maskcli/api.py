@@ -18,7 +18,7 @@ from dataclasses import fields, replace
 from maskcli import blockmask, diff as diffs, mask as core, summary as summaries
 from maskcli.text import shortened
 
-WIDTH = 120  # columns of a table or map shown in a notebook or returned by table()
+WIDTH = 120  # columns of a table or map shown in a notebook, and of table() where no terminal says its width
 
 
 def build(expression: str | None = None, options: core.MaskOptions | None = None, **given) -> Mask:
@@ -64,12 +64,19 @@ def _html(views) -> str:
     return console.export_html(inline_styles=True, code_format="<pre style=\"font-family:monospace;line-height:1.2\">{code}</pre>")
 
 
-def _console():
+def _width(width: int | None) -> int:
+    """`width`, else the terminal's (COLUMNS, then the terminal itself, as the command line reads it), else WIDTH."""
+    import shutil
+
+    return width or shutil.get_terminal_size((WIDTH, 24)).columns
+
+
+def _console(width: int | None = None):
     import io
 
     from rich.console import Console
 
-    return Console(width=WIDTH, file=io.StringIO())
+    return Console(width=_width(width), file=io.StringIO())
 
 
 class Mask(core.Mask):
@@ -84,13 +91,16 @@ class Mask(core.Mask):
             parts.append(f"padding={shortened(self.padding_text, 60)!r}")
         return f"Mask({', '.join(parts)})"
 
-    def table(self, convention: str = "keep", dtype: str = "float32"):
-        """The terminal's view as a rich renderable: header, then a table per batch row (an exact density map when wide)."""
+    def table(self, convention: str = "keep", dtype: str = "float32", width: int | None = None):
+        """The terminal's view as a rich renderable: header, then a table per batch row (an exact density map when wide).
+
+        Sized for `width` columns, else for the terminal's width (COLUMNS), as `maskcli show` is.
+        """
         from rich.console import Group
 
         from maskcli.render.masks import mask_views
 
-        return Group(*mask_views(self, convention, dtype, _console()))
+        return Group(*mask_views(self, convention, dtype, _console(width)))
 
     def figure(self):
         """A matplotlib Figure: one heatmap per batch row (the exact visible share per block when long)."""
@@ -122,7 +132,7 @@ class Mask(core.Mask):
         return Blocks(**{f.name: getattr(found, f.name) for f in fields(found)})
 
     def _repr_html_(self) -> str:
-        return _html(self.table().renderables)
+        return _html(self.table(width=WIDTH).renderables)
 
 
 class Summary(summaries.Summary):
@@ -144,12 +154,13 @@ class Difference(diffs.Difference):
         verdict = "equal" if self.equal else f"only A allows {self.only_a:,} cells, only B {self.only_b:,}"
         return f"Difference({shortened(self.a.text, 60)!r}, {shortened(self.b.text, 60)!r}: {verdict})"
 
-    def table(self):
+    def table(self, width: int | None = None):
+        """As maskcli diff prints it, for `width` columns, else the terminal's."""
         from rich.console import Group
 
         from maskcli.render.diff import views
 
-        return Group(*views(self, _console()))
+        return Group(*views(self, _console(width)))
 
     def figure(self):
         from maskcli.render.diff import diff_figure
@@ -157,7 +168,7 @@ class Difference(diffs.Difference):
         return diff_figure(self)
 
     def _repr_html_(self) -> str:
-        return _html(self.table().renderables)
+        return _html(self.table(width=WIDTH).renderables)
 
 
 class Blocks(blockmask.Blocks):
@@ -168,12 +179,13 @@ class Blocks(blockmask.Blocks):
         return (f"Blocks({shortened(self.mask.text, 60)!r}, block=({self.q_block}, {self.kv_block}), "
                 f"full={full}, partial={partial}, empty={empty}, sparsity={self.sparsity():.2f}%)")
 
-    def table(self):
+    def table(self, width: int | None = None):
+        """As maskcli blocks prints it, for `width` columns, else the terminal's."""
         from rich.console import Group
 
         from maskcli.render.blocks import views
 
-        return Group(*views(self, WIDTH, 48))
+        return Group(*views(self, _width(width), 48))
 
     def figure(self):
         from maskcli.render.blocks import blocks_figure
@@ -181,18 +193,23 @@ class Blocks(blockmask.Blocks):
         return blocks_figure(self)
 
     def _repr_html_(self) -> str:
-        return _html(self.table().renderables)
+        return _html(self.table(width=WIDTH).renderables)
 
 
 class Why:
-    """The answer of mask.why(q, kv): .keep (per batch row), .json(), and the tree in words as its repr."""
+    """The answer of mask.why(q, kv): .keep, .json(), and the tree in words as its repr.
+
+    .keep is a bool where one cell was asked (a mask of one batch row, or why(q, kv, b=...)), else a list of bools,
+    one per batch row.
+    """
 
     def __init__(self, mask: core.Mask, answers: list):
         self.mask, self.answers = mask, answers
 
     @property
-    def keep(self) -> list[bool]:
-        return [answer.keep for answer in self.answers]
+    def keep(self) -> bool | list[bool]:
+        kept = [bool(answer.keep) for answer in self.answers]
+        return kept[0] if len(kept) == 1 else kept
 
     def json(self) -> dict:
         from maskcli.render.why import why_json

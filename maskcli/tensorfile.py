@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: 
     """
     if is_inline(source):
         where = f"{flag} {shortened(source, 60)!r} (inline JSON)"
-        return _from_json(_parse_json(source, where), where, json_floats)
+        return _read_json(source, where, json_floats)
     path, where, size = checked_source(source, flag)
     suffix = path.suffix.lower()
     try:
@@ -89,11 +90,12 @@ def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: 
             return _from_numpy(path, where)
         if suffix == ".safetensors":
             return _from_safetensors(path, where)
-        return _from_json(_parse_json(path.read_text(errors="replace"), where), where, json_floats)
+        return _read_json(path.read_text(errors="replace"), where, json_floats)
     except OSError as error:  # unreadable (permissions, a vanished file): one line, not a traceback
         raise MaskError(f"{where}: cannot read it ({error.strerror or error})") from None
 
 
+SLICE_FIX = "slice the tensor you need into a smaller file first (like mask[0, 0]), or run where there is more memory"
 JSON_BYTES_PER_CHARACTER = 16  # a JSON number of 2-3 characters becomes a Python int or float (24-32 bytes) in a list
 
 
@@ -103,7 +105,7 @@ def _check_fits(size: int, suffix: str, where: str) -> None:
 
     needed = size * JSON_BYTES_PER_CHARACTER if suffix == ".json" else size
     how = "to read its text into numbers" if suffix == ".json" else "to load"
-    check_bytes_fit(needed, f"{where} ({size:,} bytes on disk)", how, fix="slice the tensor you need into a smaller file first (like mask[0, 0]), or run where there is more memory")
+    check_bytes_fit(needed, f"{where} ({size:,} bytes on disk)", how, fix=SLICE_FIX)
 
 
 def load_tensor(source: str, flag: str, names: tuple[str, ...] = (), others: tuple[str, ...] = (), json_floats=None):
@@ -123,6 +125,19 @@ def load_tensor(source: str, flag: str, names: tuple[str, ...] = (), others: tup
     raise MaskError(f"{flag} {source!r} holds {held}; expected {wanted}: save the tensor under that name, or alone in the file")
 
 
+def _read_json(text: str, where: str, floats: str) -> dict[str, np.ndarray]:
+    """A JSON tensor: a plain nested list of numbers parsed by numpy (jsonarrays), anything else through json."""
+    from maskcli.jsonarrays import dense_numbers
+
+    array = dense_numbers(text)
+    if array is None:
+        return _from_json(_parse_json(text, where), where, floats)
+    if array.dtype.kind == "f":
+        with np.errstate(over="ignore"):  # as _from_json: a double past float32's range is inf there
+            array = array.astype(floats)
+    return {"": array}
+
+
 def _parse_json(text: str, where: str):
     def integer(digits: str) -> int:  # numpy would make a wider one uint64, float64 or an object, not an error
         value = int(digits)
@@ -130,19 +145,39 @@ def _parse_json(text: str, where: str):
             raise MaskError(f"{where}: not a rectangular nested list of numbers ({shortened(digits, 40)} does not fit int64)")
         return value
 
+    # json's C scanner makes ints itself only where parse_int is int (CPython Modules/_json.c, _match_number_unicode):
+    # a Python callback per number made a 4096 x 4096 file take 20 s. Only a run of 19 digits can leave int64.
+    wide = _WIDE_INTEGER.search(text) is not None
+    fast = None if wide else _spelled_constants(text)
     try:
-        return json.loads(text, parse_int=integer)
+        if fast is not None:
+            try:
+                return json.loads(fast)
+            except json.JSONDecodeError:  # the spellings replaced where they were not values (a key "nan"): read as written
+                pass
+        return json.loads(text, parse_int=integer if wide else None)
     except json.JSONDecodeError as error:
         raise MaskError(f"{where}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
     except RecursionError:
         raise MaskError(f"{where}: JSON nested too deeply to be a tensor") from None
 
 
+_WIDE_INTEGER = re.compile(r"[0-9]{19}")
 _NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+# maskcli's JSON spells non-finite values as strings; json reads JavaScript's constants as floats itself
+_CONSTANTS = {'"-inf"': "-Infinity", '"inf"': "Infinity", '"nan"': "NaN"}
+
+
+def _spelled_constants(text: str) -> str:
+    """`text` with maskcli's "nan", "inf", "-inf" strings as the constants json reads as floats (str.replace: C speed)."""
+    for spelled, constant in _CONSTANTS.items():
+        if spelled in text:
+            text = text.replace(spelled, constant)
+    return text
 
 
 def _numbers(value):
-    """Nested lists with maskcli's JSON spelling of non-finite values ("nan", "inf", "-inf") as floats."""
+    """Nested lists with maskcli's JSON spelling of non-finite values ("nan", "inf", "-inf", any case) as floats."""
     if isinstance(value, list):
         return [_numbers(item) for item in value]
     if isinstance(value, str) and value.lower() in _NON_FINITE:
@@ -155,13 +190,15 @@ def _from_json(data, where: str, floats: str = "float32") -> dict[str, np.ndarra
     arrays = {}
     for name, value in items:
         label = f" {name!r}" if name else ""
-        numbers = _numbers(value)
         try:
-            array = np.array(numbers)
+            array = np.array(value)  # C speed where the values are numbers already (_parse_json made the usual constants)
+            if array.dtype.kind not in "biuf":  # other spellings ("-Inf"), text, null, objects: looked at one by one
+                value = _numbers(value)
+                array = np.array(value)
         except ValueError:  # numpy's "inhomogeneous shape": rows of different lengths, or a list beside a number
             raise MaskError(f"{where}{label}: not a rectangular nested list of numbers (its rows differ in length or depth)") from None
-        if array.dtype.kind not in "biuf":  # text, null, objects
-            raise MaskError(f"{where}{label}: not a rectangular nested list of numbers ({shortened(json.dumps(next(_not_numbers(numbers), None)), 40)} is not a number)")
+        if array.dtype.kind not in "biuf":
+            raise MaskError(f"{where}{label}: not a rectangular nested list of numbers ({shortened(json.dumps(next(_not_numbers(value), None)), 40)} is not a number)")
         if array.dtype.kind == "f":
             with np.errstate(over="ignore"):  # a double past float32's range is inf there, as torch.tensor makes it
                 array = array.astype(floats)
@@ -234,6 +271,7 @@ def _from_numpy(path: Path, where: str) -> dict[str, np.ndarray]:
     # np.load takes anything without the .npy/.npz signature for a pickle, and would call garbage "objects"
     if not head.startswith((b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06", b"\x80")):
         raise MaskError(f"{where}: not a numpy file (it does not start with the .npy or .npz signature)")
+    _check_unpacked_fits(path, head, where)
     try:
         loaded = np.load(path, allow_pickle=False)
         if isinstance(loaded, np.ndarray):
@@ -255,6 +293,47 @@ def _from_numpy(path: Path, where: str) -> dict[str, np.ndarray]:
         # np.ascontiguousarray, which makes a 0-d array 1-d and so would read a single number as a mask of one cell
         arrays[name] = np.asarray(array, dtype=array.dtype.newbyteorder("="), order="C")
     return arrays
+
+
+def _npy_bytes(stream) -> int | None:
+    """The bytes the array of a .npy stream takes, read from its header alone; None where the header is unreadable."""
+    from numpy.lib import format as npy
+
+    try:
+        version = npy.read_magic(stream)
+        # numpy.lib.format: 1.0 has a 2-byte header length, 2.0 and 3.0 (utf-8 field names) a 4-byte one
+        read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+        shape, _, dtype = read(stream)
+        return math.prod(shape) * dtype.itemsize
+    except Exception:  # a damaged header: np.load says what is wrong with it
+        return None
+
+
+def _check_unpacked_fits(path: Path, head: bytes, where: str) -> None:
+    """Refuse a .npy or .npz whose arrays, as their headers declare them, would not fit in memory, before reading them.
+
+    An .npz is a zip: a few MB of compressed zeros can unpack to GBs, and np.load allocates what each header says.
+    Only the first bytes of each member are decompressed here.
+    """
+    import zipfile
+
+    from maskcli.memory import check_bytes_fit
+
+    sizes = []
+    if head.startswith(b"\x93NUMPY"):
+        with path.open("rb") as file:
+            sizes.append(_npy_bytes(file))
+    elif head.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                for member in archive.infolist():
+                    if member.filename.endswith(".npy"):
+                        with archive.open(member) as stream:
+                            sizes.append(_npy_bytes(stream))
+        except (zipfile.BadZipFile, OSError, RuntimeError, NotImplementedError, EOFError):
+            return  # np.load says what is wrong with the archive
+    needed = sum(size for size in sizes if size is not None)
+    check_bytes_fit(needed, f"{where} ({path.stat().st_size:,} bytes on disk, its arrays as their headers declare them)", "to load", fix=SLICE_FIX)
 
 
 def _from_safetensors(path: Path, where: str) -> dict[str, np.ndarray]:

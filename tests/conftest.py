@@ -11,3 +11,45 @@ def cpu_unless_marked_cuda(request, monkeypatch):
     computed on the CPU, so they pin it there (an explicit --device still wins)."""
     if request.node.get_closest_marker("cuda") is None:
         monkeypatch.setenv("MASKCLI_DEVICE", "cpu")
+
+
+
+# CI runs README's test command on a clean install first, then installs the hf extra and chromium and runs
+# again only what that first run skipped (`pytest --skipped-before`): the skipped tests' ids are kept in
+# pytest's cache (.pytest_cache) between the two runs.
+SKIPPED_KEY = "maskcli/skipped"
+_skipped: set[str] = set()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--skipped-before", action="store_true",
+                     help="run only the tests (and test files) the previous run skipped, e.g. after installing an extra")
+
+
+def pytest_collectreport(report):
+    """A test file that skips as a whole (pytest.importorskip at its top) is reported here, not per test."""
+    if report.skipped and report.nodeid:
+        _skipped.add(report.nodeid)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        _skipped.add(report.nodeid)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--skipped-before") or getattr(config, "cache", None) is None:
+        return
+    before = config.cache.get(SKIPPED_KEY, [])
+    def skipped(item) -> bool:
+        return item.nodeid in before or any(item.nodeid.startswith(one + "::") for one in before if "::" not in one)
+
+    before = set(before)
+    config.hook.pytest_deselected(items=[item for item in items if not skipped(item)])
+    items[:] = [item for item in items if skipped(item)]
+
+
+def pytest_sessionfinish(session):
+    config = session.config
+    if getattr(config, "cache", None) is not None and not config.getoption("--skipped-before"):
+        config.cache.set(SKIPPED_KEY, sorted(_skipped))

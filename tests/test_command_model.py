@@ -68,6 +68,11 @@ def test_the_table_names_each_layer_types_mask_at_each_step_at_120_and_60_column
     narrow = model("gemma3_text", "--window", 3, "--lengths", "5,3", "--new-tokens", 2, columns=60)
     assert narrow.exit_code == 0 and max(map(len, narrow.stdout.splitlines())) <= 60
     assert rows(narrow.stdout) == rows(wide.stdout)
+    # under the table, a wrapped line stands under its text, never at column 0: a group's line under '#N '
+    below = narrow.stdout.split("\n\n")[-1].splitlines()
+    assert below[:2] == ["#0 window(3) (key padding 1,1,1,1,1;0,0,1,1,1) · sdpa", "   (2,2,5,5) · model.layers.{0-4}.self_attn"]
+    assert all(line.startswith(("#", "   ", "cache: ", "       ")) for line in below), below
+    assert narrow.stdout.splitlines()[2] == "masks shaped by: sliding_window 3; layer_types"
 
 
 @needs_hf
@@ -152,6 +157,7 @@ def test_png_draws_each_layer_type_at_each_step(tmp_path):
     assert blue.sum() > 1000  # visible cells drawn in the figure's keep colour
 
 
+@needs_hf
 @pytest.mark.parametrize("expect, says", [
     ("full*=windo(3)", "--expect 'full*=windo(3)': unknown mask kind 'windo' in 'windo(3)': did you mean window?"),
     ("x=window(0)", "--expect 'x=window(0)': window(0): window must be at least 1"),
@@ -230,6 +236,19 @@ def test_gpt_oss_sink_logit_is_no_key_in_the_text_as_in_the_figure():
     assert "query rows 0-2 of batch row 1 see no key at all: 0 output there (the sink logit" in result.stdout
 
 
+@pytest.mark.parametrize("args, named", [
+    (["mistral", "--png", "out.pt", "--list", "--lengths", "Ò¸…", "--try"], "FAMILY 'mistral', --lengths, --png"),  # a fuzz case: 11 minutes before
+    (["--list", "--json"], "--json"),
+    (["--try", "--list", "--attn", "eager", "--new-tokens", "0"], "--new-tokens, --attn"),
+])
+def test_list_refuses_the_flags_it_would_ignore_before_building_anything(args, named, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # refused before transformers is needed, with or without it
+    result = model(*args)
+    assert result.exit_code == 2 and result.stdout == "" and not (tmp_path / "out.pt").exists()
+    assert result.stderr == f"maskcli: error: --list uses only --try, not {named}: drop them, or drop --list to run one family\n"
+
+
 @needs_hf
 def test_a_config_json_and_list(tmp_path):
     path = tmp_path / "config.json"
@@ -289,6 +308,27 @@ def test_the_gallerys_model_family_entries_are_what_the_families_build(args):
     result = model(*args, "--new-tokens", 1)
     assert result.exit_code == 0, result.output
     assert "--expect: every call matched holds (1 expectation)" in result.stdout
+
+
+@needs_hf
+def test_png_draws_every_one_query_decode_panel_one_cell_tall(tmp_path):
+    # llama4's chunked layers decode over 4 keys, its full layers over 7: at equal aspect the 4-key row was drawn
+    # nearly twice as tall as the 7-key one (issue 28, item 16)
+    import matplotlib.image
+
+    result = model("llama4_text", "--chunk-size", 4, "--lengths", "6,4", "--png", tmp_path / "l.png")
+    assert result.exit_code == 0, result.output
+    pixels = np.round(matplotlib.image.imread(tmp_path / "l.png")[..., :3] * 255).astype(int)
+    ours = np.zeros(pixels.shape[:2], dtype=bool)
+    for colour in ((31, 119, 180), (224, 224, 224)):  # the kept and masked colours (render/heatmaps.py)
+        ours |= np.abs(pixels - np.array(colour)).max(axis=-1) <= 3
+    tall = []
+    for x in (int(pixels.shape[1] * 0.45), int(pixels.shape[1] * 0.8)):  # through the decode 1 and decode 2 panels
+        column = np.concatenate(([False], ours[: int(pixels.shape[0] * 0.95), x], [False]))
+        starts, ends = np.flatnonzero(column[1:] & ~column[:-1]), np.flatnonzero(column[:-1] & ~column[1:])
+        tall += [int(e - s) + 1 for s, e in zip(starts, ends) if e - s > 8]
+    # 2 layer types x 2 batch rows x 2 steps, one height within the few pixels the layout rounds (before: 105 and 60)
+    assert len(tall) == 8 and max(tall) - min(tall) <= 5, tall
 
 
 @needs_hf

@@ -7,6 +7,7 @@ holds exactly those files afterwards (no partial output, no stray temporary file
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import signal
@@ -531,6 +532,33 @@ def test_a_file_too_large_to_work_on_is_refused_up_front_naming_it(tmp_path):
         assert "'huge.npy' (10000 x 12000 cells) would need" in result.stderr and doing in result.stderr
         assert "--len" not in result.stderr and "slice" in result.stderr
     assert [path.name for path in tmp_path.iterdir()] == ["huge.npy"]
+
+
+def test_a_zip_bomb_npz_is_refused_from_its_headers_before_unpacking(tmp_path):
+    import resource
+    import zipfile
+
+    # numpy.lib.format's own header writer; the member holds 1 kB where its header declares 65536 x 65536 bools
+    # (4.3 GB): np.load allocates what the header says (numpy/lib/_format_impl.py read_array: numpy.ndarray(count))
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "|b1", "fortran_order": False, "shape": (65536, 65536)})
+    with zipfile.ZipFile(tmp_path / "bomb.npz", "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("mask.npy", header.getvalue() + bytes(1000))
+    np.savez_compressed(tmp_path / "fine.npz", mask=np.tril(np.ones((3, 3), dtype=bool)))
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (int(1.5 * 2**30), int(1.5 * 2**30)))
+
+    def show(name):
+        return subprocess.run([sys.executable, "-m", "maskcli", "show", "--mask", name, "--json"], cwd=tmp_path,
+                              capture_output=True, text=True, preexec_fn=limit, timeout=120)
+
+    refused = show("bomb.npz")
+    assert refused.returncode == 2 and refused.stdout == "" and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("maskcli: error: --mask 'bomb.npz' (")
+    assert "bytes on disk, its arrays as their headers declare them) would need 4.0 GiB (4,294,967,296 bytes) to load" in refused.stderr
+    fine = show("fine.npz")
+    assert fine.returncode == 0 and json.loads(fine.stdout)["mask"] == [[np.tril(np.ones((3, 3), dtype=int)).tolist()]]
 
 
 REFUSED_BEFORE_TORCH = [

@@ -103,12 +103,35 @@ def test_table_and_summary_are_what_the_terminal_prints(monkeypatch):
     assert m.summary().visible == int(expected.sum())
 
 
+def test_why_keep_is_a_bool_for_one_cell_and_a_list_per_batch_row_otherwise():
+    padded = maskcli.build("causal", length=4, lengths=[4, 2])  # row 1's keys 2-3 are padding
+    assert padded.why(3, 3).keep == [True, False]
+    assert padded.why(3, 3, b=1).keep is False and padded.why(3, 1, b=1).keep is True
+
+
+def test_table_is_sized_for_the_terminal_as_show_is(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    for columns in (60, 120):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        long = maskcli.build("causal & (window(1020) | sink(4))", length=4096)
+        console = Console(width=columns, file=io.StringIO(), color_system=None)
+        console.print(long.table())
+        lines = console.file.getvalue().rstrip("\n").splitlines()
+        shown = CliRunner().invoke(app, ["show", "causal & (window(1020) | sink(4))", "--len", "4096"], env={"COLUMNS": str(columns)})
+        assert [line.rstrip() for line in lines] == shown.stdout.rstrip("\n").splitlines()
+        assert max(len(line.rstrip()) for line in lines) <= columns
+    assert len(maskcli.build("causal", length=4096).table(width=80).renderables) > 0
+
+
 def test_why_diff_and_blocks_against_the_cells():
     a = maskcli.build("causal & window(3)", length=12)
     b = maskcli.build("causal", length=12)
     tril = torch.tril(torch.ones(12, 12, dtype=torch.bool)).numpy()
     band = tril & ~torch.tril(torch.ones(12, 12, dtype=torch.bool), diagonal=-3).numpy()
-    assert a.why(5, 2).keep == [False] and a.why(5, 3).keep == [True]
+    assert a.why(5, 2).keep is False and a.why(5, 3).keep is True  # one cell asked: a bool
     assert "window(3): 5 - 2 = 3 >= 3 -> masked" in repr(a.why(5, 2))
     assert a.why(5, 3).json()["why"][0]["keep"] is True
     d = a.diff(b)

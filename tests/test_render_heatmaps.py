@@ -132,6 +132,25 @@ def test_a_long_mask_is_drawn_as_shares(tmp_path):
     assert is_colour(rgb[top + int(0.2 * h), left + int(0.8 * w)], MASKED_RGB)
 
 
+def test_a_sink_column_thinner_than_two_pixels_shows_at_the_panels_edge(tmp_path):
+    # 4,096 keys drawn as 512 blocks of 8: the sink's 4 keys are half of the first block column, 1.4 pixels wide, and
+    # the axes' frame was drawn over it (issue 28, item 15)
+    rgb = draw(["show", "causal & (window(1020) | sink(4))", "--len", 4096], tmp_path / "sink.png")
+    (box,) = heatmap_boxes(rgb)
+    top, bottom, left, right = box
+    edge = left - 1  # the column of pixels left of the grey and blue: half-kept blocks, shaded 0.3 + 0.7 x 0.5
+    want = np.round(np.array(MASKED_RGB) + (np.array(VISIBLE_RGB) - np.array(MASKED_RGB)) * (0.3 + 0.7 * 0.5))
+    rows = [y for y in range(top, bottom) if (y - top + 0.5) * 4096 / (bottom - top) > 1100  # past the window's reach,
+            and abs((y - top + 0.5) * 4096 / (bottom - top) % 1000 - 500) < 480]  # off the axis's ticks at 1000s
+    assert len(rows) > 400
+    for y in rows:
+        q = int((y - top + 0.5) * 4096 / (bottom - top))
+        kept = [k for k in range(8) if k <= q and (k < 4 or q - k < 1020)]  # the definition, on the block's 8 keys
+        # within a few levels: matplotlib resamples the 1.4-pixel blocks onto whole pixels
+        assert len(kept) == 4 and np.abs(rgb[y, edge] - want).max() <= 8, (y, q, rgb[y, edge])
+        assert is_colour(rgb[y, left + 2], MASKED_RGB) and rgb[y, edge - 1].min() > 200  # masked beside; no dark frame line
+
+
 @pytest.mark.parametrize("suffix, magic, tail", [
     (".png", b"\x89PNG\r\n\x1a\n", b"IEND\xaeB`\x82"),
     (".svg", b"<?xml", b"</svg>\n"),

@@ -297,15 +297,28 @@ def test_a_million_tokens_zooms_to_single_cells_exactly_in_a_small_file(tab):
     assert cell.splitlines()[:2] == ["q 700005 · kv 695990", "doc 2 at q · doc 1 at kv"]
     assert why == why_text(mask, [explain(mask, 0, 700005, 695990)])
     assert "exact" in tab.text_content("#status")
-    # two keys and two queries a pixel: each pixel's colour is the exact share of its four cells kept
+    # two keys and two queries a pixel: each pixel's colour is the share of its four cells kept, as the figures shade
+    # it (any kept cell at least light blue: 0.3 of the way, then the rest by share)
     width, height = tab.size
     tab.evaluate(f"window.maskcliViewer.setView(303000, 300000, {2 * height}, {2 * width})")
     shown = pixels(tab)
     for py in range(3, height, 37):  # off the boundary line at key 300000 (pixel column 0)
         for px in range(3, width, 41):
             share = np.mean([_million_reference(303000 + 2 * py + a, 300000 + 2 * px + c) for a in (0, 1) for c in (0, 1)])
-            want = np.round(np.array(MASKED_RGB) + (np.array(VISIBLE_RGB) - np.array(MASKED_RGB)) * share)
+            shade = 0.3 + 0.7 * share if share > 0 else 0.0
+            want = np.round(np.array(MASKED_RGB) + (np.array(VISIBLE_RGB) - np.array(MASKED_RGB)) * shade)
             assert close(shown[py, px], want, 1), (py, px, share)
+
+
+def test_a_sink_column_of_half_a_pixel_is_drawn_light_blue_at_least(tab):
+    # 4 keys of 4,096 on a canvas of about 500 pixels: half of the first pixel column, shaded as the figures shade it
+    load(tab, html.mask_page(build("causal & (window(1020) | sink(4))", MaskOptions(length=4096))))
+    shown, (width, height) = pixels(tab), tab.size
+    per_pixel = 4096 / width
+    for y in range(int(1100 / 4096 * height), height, 7):  # rows past the window's reach of the first keys
+        share = 4 / per_pixel  # the sink's keys, of the pixel's keys
+        want = np.round(np.array(MASKED_RGB) + (np.array(VISIBLE_RGB) - np.array(MASKED_RGB)) * (0.3 + 0.7 * share))
+        assert close(shown[y, 0], want, 3) and close(shown[y, 2], MASKED_RGB), (y, shown[y, 0])
 
 
 def test_the_keyboard_pans_zooms_and_resets_and_reads_the_centre_cell(tab):
@@ -408,6 +421,39 @@ def test_a_mask_mod_is_drawn_from_its_cells_and_hover_says_the_page_cannot_run_i
     cell, why = hover(tab, *cell_centre(tab, 4, 2, 6, 6))
     assert cell.splitlines() == ["q 4 · kv 2", '"e" at q · "c" at kv', "kept"]
     assert why.startswith("this mask calls your mask_mod, which the page cannot run")
+
+
+HOSTILE_TOKENS = ["<!--<script>", "</script><script>window.__pwned=1</script>", "a&amp;b<b>", "d"]
+
+
+def hostile_page(tmp_path):
+    """The page `show causal --tokens '<!--<script> ...' --html` writes: tokens that would end or re-open its script."""
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    path = tmp_path / "o.html"
+    result = CliRunner().invoke(app, ["show", "causal", "--tokens", " ".join(HOSTILE_TOKENS), "--html", str(path)])
+    assert result.exit_code == 0, result.output
+    return path.read_text(encoding="utf-8")
+
+
+def test_json_in_the_page_has_no_character_that_could_end_or_reopen_its_script(tmp_path):
+    text = hostile_page(tmp_path)
+    start = text.index('<script type="application/json" id="mask-data">') + len('<script type="application/json" id="mask-data">')
+    payload = text[start:text.index("</script>", start)]
+    assert not set("<>&\u2028\u2029") & set(payload)
+    assert json.dumps(json.loads(payload)).count("<!--<script>") == 1  # the \u escapes read back as the tokens
+    odd = {"s": "<!--<script></script>&\u2028\u2029"}
+    assert json.loads(html.script_json(odd)) == odd and not set("<>&\u2028\u2029") & set(html.script_json(odd))
+
+
+def test_tokens_that_look_like_html_render_as_text_and_run_nothing(tab, tmp_path):
+    load(tab, hostile_page(tmp_path))  # waits for the first draw, and no page error
+    assert tab.evaluate("window.__pwned") is None
+    assert close(pixels(tab)[int(cell_centre(tab, 1, 0, 4, 4)[1]), int(cell_centre(tab, 1, 0, 4, 4)[0])], VISIBLE_RGB)
+    cell, _ = hover(tab, *cell_centre(tab, 1, 0, 4, 4))
+    assert cell.splitlines()[1] == f'"{HOSTILE_TOKENS[1]}" at q · "{HOSTILE_TOKENS[0]}" at kv'
 
 
 def test_the_worst_rows_at_a_million_tokens_stay_under_20_mb_and_exact_at_cells(tab):

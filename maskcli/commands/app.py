@@ -318,6 +318,9 @@ class MaskcliCommand(typer.core.TyperCommand):
         return [*params, help_all]
 
     def format_help(self, ctx, formatter):
+        from maskcli.commands.helppanel import install
+
+        install()  # on a narrow terminal, each option's help under its name
         shown = ctx.meta.get("maskcli.help_all", False)
         folded = [p for p in self.params if _is_folded(self.name, p)]
         for param in folded:

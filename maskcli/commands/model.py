@@ -23,6 +23,7 @@ from maskcli.errors import MaskError
     ),
 )
 def model(
+    ctx: typer.Context,
     source: Annotated[str | None, typer.Argument(help="A model family (its model_type, like llama, mistral, gemma3_text; maskcli model --list lists them) or a local config.json. Never downloads anything.", show_default=False, metavar="FAMILY|CONFIG.json")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the families this transformers builds as a causal LM, with what shapes their masks (read from their config classes).")] = False,
     try_: Annotated[bool, typer.Option("--try", help="With --list: build each family tiny and say whether a padded prefill and decode step run (sdpa and eager, or eager only) or why not.")] = False,
@@ -47,6 +48,8 @@ def model(
 
     Every run checks each step's mask against the keys its layer's cache returned (as wide, each key column on the position its slot holds): exit status 1 naming the first cell where not, as for --expect and --prefill-chunk.
     """
+    if list_:
+        _only_try_with_list(ctx)
     from maskcli.hf import require
 
     require()
@@ -86,6 +89,16 @@ def model(
     the_prompt = prompt(parsed_lengths, parsed_ids, the_pad, pad, SIZES["vocab_size"])
     result = run(name, config, the_prompt, new_tokens, attn, cache, prefill_chunk)
     _show(result, expectations, json_out, targets)
+
+
+def _only_try_with_list(ctx: typer.Context) -> None:
+    """--list lists and --try builds every family: any other input given with them would be ignored, so say so."""
+    # by name: typer 0.28 vendors its own click (typer._click), whose ParameterSource is not click's
+    given = [param for param in ctx.command.params if param.name not in ("list_", "try_", "help", "help_all")
+             and getattr(ctx.get_parameter_source(param.name), "name", None) == "COMMANDLINE"]
+    if given:
+        named = [f"FAMILY {ctx.params[p.name]!r}" if p.name == "source" else p.opts[0] for p in given]
+        raise MaskError(f"--list uses only --try, not {', '.join(named)}: drop them, or drop --list to run one family")
 
 
 def _batch(lengths: str | None, ids: str | None):

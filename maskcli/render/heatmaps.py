@@ -140,6 +140,12 @@ def _draw(ax, panel: Panel) -> object | None:
             ax.imshow(overlay, interpolation="nearest", aspect=aspect, extent=panel.extent)
         if panel.extent is not None:
             position_ticks(ax)
+        if max(q_len, k_len) > GRID_LINES_UP_TO:
+            # cells of a pixel or two: the axes' frame, drawn over the image's edge, would hide the first and last
+            # rows and columns (a sink's column at 4,096 keys is 1.4 pixels wide); the grey of the masked cells
+            # already bounds the panel
+            for spine in ax.spines.values():
+                spine.set_visible(False)
     else:
         finite = np.isfinite(panel.values)
         leaks = panel.leaks()
@@ -241,6 +247,12 @@ def heatmap_figure(grid: Sequence[Sequence[Panel]], title: str, legend_labels):
                 ax.set_visible(False)
                 continue
             image = _draw(ax, row[c])
+            panel_q, panel_k = row[c].keep.shape
+            if n_cols > 1 and row[c].values is None and row[c].extent is None and panel_q < panel_k:
+                # a decode step's row of a few keys beside a prefill: one cell tall as its column's cells are wide,
+                # whatever its own number of keys (at equal aspect, 4 keys drew a row twice as tall as 7 keys did)
+                ax.set_aspect("auto")
+                ax.set_box_aspect(max(panel_q / columns[c], 1 / (2 * WIDE)))
             if image is None:
                 continue
             if row[c].shared is None:

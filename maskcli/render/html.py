@@ -56,11 +56,22 @@ def _legend(page: str) -> str:
     return " ".join(swatch(*rgb, html.escape(text)) for rgb, text in items) + html.escape(marks)
 
 
+# Inside <script> the HTML parser looks for `</script` and, after `<!--`, for `<script` (its "double escaped"
+# state, which a later `</script>` only leaves): neither may appear in the JSON of labels and tokens. JSON has
+# <, > and & only inside strings, where \u escapes read back the same; U+2028/9 end lines in older JavaScript.
+_SCRIPT_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def script_json(value) -> str:
+    """`value` as JSON text that can sit inside a <script> element: no character of it can end or change the element."""
+    return json.dumps(value, separators=(",", ":")).translate(_SCRIPT_SAFE)
+
+
 def page(data: dict, title: str, subtitle: str) -> str:
-    """The whole document: data as JSON in a script tag (`</` escaped so that no text ends it), then the script."""
+    """The whole document: data as JSON in a script tag (script_json: no text can end it), then the script."""
     data = {**data, "colours": COLOURS}
-    dark = json.dumps(DARK)
-    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    dark = script_json(DARK)
+    payload = script_json(data)
     script = "\n".join(_asset(name) for name in ("why.js", "attend.js", "page.js"))
     return f"""<!DOCTYPE html>
 <html lang="en">

@@ -9,6 +9,8 @@ from rich.table import Table
 from rich.text import Text
 
 from maskcli.hf.report import layers_text
+from maskcli.render import hanging
+from maskcli.text import shortened
 
 
 def views(view, failures: list[str], held: list[str]) -> list:
@@ -19,8 +21,8 @@ def views(view, failures: list[str], held: list[str]) -> list:
 
     out: list = [Text(f"maskcli model {run.name}: {type(run.config).__name__}, {len(run.types)} layers, "
                       f"{len(run.trace.calls)} attention calls in {len(view.groups)} groups", style="bold"),
-                 Text(f"masks shaped by: {shapes(run.config)}"),
-                 Text(f"ids {rows} (pad id {prompt.pad_id}, {prompt.side} padding); {len(run.steps)} steps")]
+                 hanging("masks shaped by: ", Text(shapes(run.config))),
+                 hanging("ids ", Text(f"{rows} (pad id {prompt.pad_id}, {prompt.side} padding); {len(run.steps)} steps"))]
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     table.add_column("step", overflow="fold")
     for kind in view.types:
@@ -46,21 +48,30 @@ def views(view, failures: list[str], held: list[str]) -> list:
         first = group.first
         shape = "(" + ",".join(map(str, first.shape)) + ")"
         sink = f" (the sink logit's column {first.details['sink_column']} left out)" if first.details.get("sink_column") else ""
-        out.append(Text(f"#{number} {group.name} · {first.api} {shape}{sink} · {group.where}"))
+        # wrapped lines stand under the text, not at column 0, at any width (60 columns break these lines)
+        out.append(hanging(f"#{number} ", Text(f"{group.name} · {first.api} {shape}{sink} · {group.where}")))
         for finding in group.findings:
-            out.append(Text(f"   {finding.code}: {finding.message}", style="red" if finding.code in ("sees-later", "polarity") else ""))
+            out.append(hanging("   ", Text(f"{finding.code}: {finding.message}"), style="red" if finding.code in ("sees-later", "polarity") else ""))
     if run.other:
         out.append(Text(f"{len(run.other)} attention calls outside the numbered layers (in --json): "
                         + ", ".join(sorted({call.where for call in run.other})[:4])))
     for line in run.chunk_check:
-        out.append(Text(line, style="" if run.chunk_holds else "red"))
+        out.append(_line(line, "" if run.chunk_holds else "red"))
     for line in run.cache_check:
-        out.append(Text(line, style="" if run.cache_holds else "red"))
+        out.append(_line(line, "" if run.cache_holds else "red"))
     for line in failures:
-        out.append(Text(line, style="red"))
+        out.append(_line(line, "red"))
     for line in held:
-        out.append(Text(line))
+        out.append(_line(line, ""))
     return out
+
+
+def _line(line: str, style: str):
+    """A check's line ('cache: ...'), its wrapped lines under the text after its label rather than at column 0."""
+    label, colon, rest = line.partition(": ")
+    if not colon or len(label) > 24:
+        return Text(line, style=style)
+    return hanging(label + colon, Text(rest), style=style)
 
 
 def model_figure(view):
@@ -98,7 +109,9 @@ def _panel(call, keep: np.ndarray, b: int, valid: np.ndarray, title: str, view):
 
     q0, q1 = call.details["queries"]
     number = next(n for n, g in enumerate(view.groups) if call in g.calls)
-    title = f"{title} · #{number} {view.groups[number].expression or '?'}"
+    group = view.groups[number]
+    # no expression rebuilds it: the recogniser's words for it, as the text report names the group, not '?'
+    title = f"{title} · #{number} {group.expression or shortened(group.name, 48)}"
     if call.details.get("sink_column"):  # GPT-OSS's sink logit, the softmax's last column, left out (hf.run._leave_out_sink)
         title += " (sink column left out)"
     if "keys" in call.details:

@@ -208,7 +208,7 @@ Viewer.prototype.status = function (cells) {
   const q0 = Math.max(0, Math.floor(this.y0)), k0 = Math.max(0, Math.floor(this.x0));
   const q1 = Math.min(this.lq, Math.ceil(this.y0 + this.canvas.height / this.sy)), k1 = Math.min(this.lk, Math.ceil(this.x0 + this.canvas.width / this.sx));
   const F = DATA.masks[0].frame;
-  const scale = this.sx >= 1 && this.sy >= 1 ? `one cell = ${this.sx.toPrecision(3)} px` : `one pixel = ${(1 / Math.min(this.sx, 1)).toPrecision(4)} keys x ${(1 / Math.min(this.sy, 1)).toPrecision(4)} queries (colour: ${DATA.page === "diff" ? "the exact shares, a pixel's differing cells shown as at least half of it" : "the exact share kept"})`;
+  const scale = this.sx >= 1 && this.sy >= 1 ? `one cell = ${this.sx.toPrecision(3)} px` : `one pixel = ${(1 / Math.min(this.sx, 1)).toPrecision(4)} keys x ${(1 / Math.min(this.sy, 1)).toPrecision(4)} queries (colour: ${DATA.page === "diff" ? "the exact shares, a pixel's differing cells shown as at least half of it" : "the share kept, any kept cell at least light blue"})`;
   let text = `queries ${F.vq0 + q0}-${F.vq0 + q1 - 1} · keys ${F.vk0 + k0}-${F.vk0 + k1 - 1} · ${scale}`;
   const stride = DATA.masks[0].rows[0].stride;
   if (stride > 1) {
@@ -375,7 +375,10 @@ function maskPage() {
     // pixel of thousands (window(4095) against window(4096)) is what diff is for, and an exact share would hide it
     const d = differ > 0 && 2 * differ < total ? total / 2 / differ : 1, r = d === 1 ? 1 : total / 2 / same;
     return mix([[C.visible, c[2] * r], [C.onlyA, onlyA * d], [C.onlyB, onlyB * d], [C.masked, (total - c[0] - c[1] + c[2]) * r]], total);
-  } : (c, total) => mix([[C.visible, c[0]], [C.masked, total - c[0]]], total);
+  } : (c, total) => { // as the figures shade it: a pixel with any kept cell is at least light blue, never the masked
+    const share = c[0] > 0 ? 0.3 + 0.7 * c[0] / total : 0; // grey (a sink's column of 4 keys in 4,096 stays seen)
+    return mix([[C.visible, share], [C.masked, 1 - share]], 1);
+  };
   const blocks = DATA.blocks;
   const grid = blocks ? (ctx, x, y, W, H) => {
     if (blocks.kv * viewer.sx < 4 || blocks.q * viewer.sy < 4) return;
