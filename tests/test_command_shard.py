@@ -152,6 +152,7 @@ def test_layer_types_from_a_model_config():
     ([], "give a mask"),
     (["causal", "--len", 4096, "--ranks", 1000000000], "--ranks 1000000000 is more than the mask's 4,096 tokens"),  # was killed for memory
     (["causal", "--len", 4096, "--ranks", 2048], "--ranks 2048: shard works out an N x N ring-step grid, so it takes at most 1,024"),
+    (["causal", "--rank-mask", "r0.pt"], "--rank-mask given once but --ranks is 2"),
     (["causal", "--head-dim", 0], "--head-dim 0: give the size of one attention head"),  # was 0 FLOPs, exit 0
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):

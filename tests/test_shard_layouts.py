@@ -158,3 +158,8 @@ def test_ptrr_is_pytorchs_ptrr_balancer_on_the_masks_blocks(expr, ranks):
     assert found.indices().tolist() == torch_order.tolist()
     with pytest.raises(MaskError, match="do not divide among 3 ranks"):
         make_layout("ptrr:64", 512, 3, 1, None, mask)
+
+
+def test_the_note_counts_one_slot_in_the_singular():
+    assert layouts.contiguous(8, 8).note == "1 slot a rank"  # it said "1 slots a rank"
+    assert layouts.contiguous(9, 8).note == "2 slots a rank"

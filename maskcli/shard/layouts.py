@@ -117,7 +117,7 @@ def _chunked(doc_starts: np.ndarray, doc_sizes: np.ndarray, ranks: int, parts: i
 
 def contiguous(length: int, ranks: int) -> Layout:
     per = -(-length // ranks)
-    return _chunked(np.array([0]), np.array([length]), ranks, ranks, "contiguous", f"{per:,} slots a rank")
+    return _chunked(np.array([0]), np.array([length]), ranks, ranks, "contiguous", f"{per:,} slot{'s' if per != 1 else ''} a rank")
 
 
 def headtail(length: int, ranks: int) -> Layout:
