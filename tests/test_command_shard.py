@@ -199,3 +199,16 @@ def test_heads_multiply_the_work_and_ulysses_splits_them():
     assert [row.split()[2] for row in rows] == [str(total * h) for h in (2, 1, 1, 2)]
     assert "rank tokens cells x heads FLOPs x mean" in lines
     assert "ulysses: no ring steps; every rank attends over all tokens" in " ".join(lines)
+
+
+def test_the_strip_caption_says_what_a_character_and_a_star_stand_for():
+    # it said "(* stripes)" over every strip, with or without a star, and not how many positions a character is
+    lines = ok(["causal", "--len", 32, "--ranks", 4, "--layout", "contiguous"]).splitlines()
+    assert lines[2] == "token -> rank, positions 0-31:"
+    lines = ok(["causal", "--len", 4096, "--ranks", 8, "--layout", "striped"], 120).splitlines()
+    width = 118  # the strip takes the console's width less 2
+    assert lines[2] == f"token -> rank, positions 0-4,095, a character ~{4096 / width:.0f} positions; * = several ranks in one character:"
+    assert lines[3] == "*" * width
+    lines = ok(["causal", "--len", 1024, "--ranks", 2, "--layout", "contiguous"], 66).splitlines()
+    assert lines[2] == "token -> rank, positions 0-1,023, a character = 16 positions:"
+    assert lines[3] == "0" * 32 + "1" * 32

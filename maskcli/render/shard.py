@@ -121,8 +121,12 @@ def views(report: Report, width: int) -> list:
     layout = report.layout
     out: list = [Text(header(report), style="bold")]
     if layout.ranks <= len(DIGITS):
-        out.append(Text(f"token -> rank, positions 0-{layout.length - 1:,} (* stripes):"))
-        out.append(Text(strip(layout, max(10, width - 2))))
+        line = strip(layout, max(10, width - 2))
+        per = layout.length / len(line)
+        scale = (f", a character = {per:,.0f} positions" if per == int(per) else f", a character ~{per:,.0f} positions") if per > 1 else ""
+        mixed = f"; {MIXED} = several ranks in one character" if MIXED in line else ""
+        out.append(Text(f"token -> rank, positions 0-{layout.length - 1:,}{scale}{mixed}:"))
+        out.append(Text(line))
     else:
         out.append(Text(f"token -> rank: {layout.ranks} ranks are more than a character each can name; --png draws the strip"))
     lines = imbalance_lines(report)
