@@ -212,3 +212,25 @@ def test_the_strip_caption_says_what_a_character_and_a_star_stand_for():
     lines = ok(["causal", "--len", 1024, "--ranks", 2, "--layout", "contiguous"], 66).splitlines()
     assert lines[2] == "token -> rank, positions 0-1,023, a character = 16 positions:"
     assert lines[3] == "0" * 32 + "1" * 32
+
+
+@pytest.mark.parametrize("exprs, layout", [(["causal"], "contiguous"), (["causal", "causal & window(16)"], "headtail")])
+def test_figure_legend_covers_no_bar_and_a_colour_bar_names_the_ranks(exprs, layout):
+    # the legend sat at the lower right, over the bars of the last ranks; the strip's colours had no key
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.patches import Rectangle
+
+    from maskcli import build
+    from maskcli.render import shard as render
+    from maskcli.shard.plan import analyse
+
+    report = analyse([(e, build(e, length=64)) for e in exprs], layout, 4)
+    fig = render.figure(report)
+    FigureCanvasAgg(fig).draw()
+    work = next(ax for ax in fig.axes if ax.get_ylabel() == "work / mean")
+    legend = work.get_legend().get_window_extent()
+    bars = [p.get_window_extent() for p in work.patches if isinstance(p, Rectangle) and p.get_height() > 0]
+    assert len(bars) == 4 * len(exprs)
+    assert not any(legend.overlaps(bar) for bar in bars)
+    key = next(ax for ax in fig.axes if ax.get_ylabel() == "rank")  # the colour bar beside the strip
+    assert [int(t) for t in key.get_yticks() if 0 <= t <= 3] == [0, 1, 2, 3]

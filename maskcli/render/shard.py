@@ -193,11 +193,15 @@ def figure(report: Report):
     edges = np.linspace(0, layout.length, spans + 1).round().astype(np.int64)
     owner = layout.owner()[edges[:-1]]
     colours = colormaps["viridis"].resampled(max(n, 2))
-    axes["strip"].imshow(owner[None, :], aspect="auto", cmap=colours, vmin=-0.5, vmax=n - 0.5, interpolation="nearest",
-                         extent=(0, layout.length, 0, 1))
+    image = axes["strip"].imshow(np.ma.masked_less(owner[None, :], 0), aspect="auto", cmap=colours, vmin=-0.5, vmax=n - 0.5,
+                                 interpolation="nearest", extent=(0, layout.length, 0, 1))
     axes["strip"].set_yticks([])
     axes["strip"].set_xlabel("position")
-    axes["strip"].set_title(f"token -> rank ({layout.name}: {layout.note}; colour = rank 0 .. {n - 1})", fontsize=10)
+    axes["strip"].set_title(f"token -> rank ({layout.name}: {layout.note})", fontsize=10)
+    bar = fig.colorbar(image, ax=axes["strip"], pad=0.01, aspect=8)  # which colour is which rank
+    bar.set_label("rank", fontsize=9)
+    bar.ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(n, 8)))
+    bar.ax.tick_params(labelsize=8)
     ax = axes["work"]
     width = 0.8 / len(report.splits)
     for index, (label, split) in enumerate(report.splits):
@@ -206,7 +210,10 @@ def figure(report: Report):
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("rank")
     ax.set_ylabel("work / mean")
-    ax.legend(fontsize=8, loc="lower right")
+    # the legend sits in headroom above the tallest bar, never over a bar (a row of text per mask)
+    top = max(float(split.ratios().max()) for _, split in report.splits)
+    ax.set_ylim(0, top * (1.12 + 0.09 * len(report.splits)))
+    ax.legend(fontsize=8, loc="upper left")
     ax.set_title("each rank's attention work against the mean", fontsize=10)
     rgb = np.array([FIGURE_COLOURS["masked"], FIGURE_COLOURS["partial"], FIGURE_COLOURS["visible"]], dtype=np.float64) / 255
     for index, (label, split) in enumerate(stepped):
