@@ -138,7 +138,8 @@ def test_layer_types_from_a_model_config():
     out = ok(["--model", "gemma3_text", "--len", 16384, "--ranks", 4, "--layout", "headtail"])
     lines = out.splitlines()
     assert lines[0] == "shard causal & window(4096) · causal"  # gemma3_text's defaults: sliding_window 4096
-    assert "sliding_attention:" in lines and "full_attention:" in lines
+    # each layer type's section names its mask (the sections said only "sliding_attention:")
+    assert "sliding_attention (causal & window(4096)):" in lines and "full_attention (causal):" in lines
     assert "imbalance (max / mean work) 1.000: every rank does the same work" in lines  # head-tail balances full layers
 
 

@@ -132,7 +132,8 @@ def views(report: Report, width: int) -> list:
     lines = imbalance_lines(report)
     for index, (label, split) in enumerate(report.splits):
         if len(report.splits) > 1:
-            out.append(Text(f"{label}:", style="bold"))
+            named = label if label == split.mask.title else f"{label} ({split.mask.title})"  # a layer type names its mask
+            out.append(Text(f"{named}:", style="bold"))
         out.append(table(report, split, index == 0))
         out.append(Text(lines[index]))
         if split.steps() is not None:
