@@ -146,6 +146,8 @@ def test_layer_types_from_a_model_config():
 @pytest.mark.parametrize("args, message", [
     (["causal", "--layout", "zigzag"], "--layout 'zigzag': no such file"),
     (["causal", "--ranks", 0], "--ranks 0: give at least 1 rank"),
+    (["causal", "--layout", "headtial"], "not a layout (contiguous, headtail, per-document, striped, ulysses, ptrr, striped:W, ptrr:BLOCK); did you mean headtail?"),
+    (["causal", "--layout", "stripped:128"], "did you mean striped?"),
     (["causal", "--layout", "per-document"], "--layout per-document needs the documents"),
     (["causal", "--layout", "striped:x"], "the stripe width is a whole number"),
     (["causal", "--offset", 2], "drop --offset"),

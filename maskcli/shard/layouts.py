@@ -254,7 +254,11 @@ def _load(path: str):
     import os
 
     if not os.path.isfile(path):
-        raise MaskError(f"--layout {path!r}: no such file, and not a layout ({', '.join(NAMES)}, striped:W)")
+        import difflib
+
+        close = difflib.get_close_matches(path.partition(":")[0], NAMES, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise MaskError(f"--layout {path!r}: no such file, and not a layout ({', '.join(NAMES)}, striped:W, ptrr:BLOCK){hint}")
     lower = path.lower()
     try:
         if lower.endswith(".json"):
