@@ -237,3 +237,17 @@ def test_figure_legend_covers_no_bar_and_a_colour_bar_names_the_ranks(exprs, lay
     assert not any(legend.overlaps(bar) for bar in bars)
     key = next(ax for ax in fig.axes if ax.get_ylabel() == "rank")  # the colour bar beside the strip
     assert [int(t) for t in key.get_yticks() if 0 <= t <= 3] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("columns", [60, 120])
+def test_te_cu_seqlens_are_never_cut_to_the_width(columns):
+    # at 60 columns the cu_seqlens (TE) column was cut to "0,750,20…"; TE's split of documents 3000, 5000, 190 over
+    # 4 ranks: each padded to a multiple of 8, chunks 375, 625, 24; rank r holds chunks r and 7-r of each
+    out = ok(["document(sizes=[3000,5000,190])", "--ranks", 4, "--layout", "per-document"], columns)
+    assert max(len(line) for line in out.splitlines()) <= columns
+    expected = {r: [0, 750, 2000, 2000 + min(24, 190 - 24 * r) + min(24, max(0, 190 - 24 * (7 - r)))] for r in range(4)}
+    assert expected[0][-1] == 2046  # 190 = 7 x 24 + 22: rank 0's tail chunk holds 22 real tokens
+    for r, cu in expected.items():
+        shown = ",".join(map(str, cu))
+        assert any(line.split() and line.split()[0] == str(r) and line.split()[-1] == shown for line in out.splitlines()), (r, out)
+    assert "…" not in out
