@@ -131,6 +131,9 @@ def test_a_truncating_index_file_exits_1(tmp_path):
     result = invoke(["causal", "--len", 8, "--ranks", 2, "--layout", path])
     assert result.exit_code == 1
     assert "wrong: shard-dropped-token: 2 real tokens on no rank, the first at position 6" in " ".join(result.stdout.split())
+    lines = result.stdout.splitlines()
+    at = lines.index("token -> rank, positions 0-7; ? = on no rank:")  # the ? had no caption
+    assert lines[at + 1] == "000111??"
 
 
 def test_layer_types_from_a_model_config():

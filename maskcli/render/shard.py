@@ -154,6 +154,7 @@ def views(report: Report, width: int) -> list:
         per = layout.length / len(line)
         scale = (f", a character = {per:,.0f} positions" if per == int(per) else f", a character ~{per:,.0f} positions") if per > 1 else ""
         mixed = f"; {MIXED} = several ranks in one character" if MIXED in line else ""
+        mixed += "; ? = on no rank" if "?" in line else ""
         out.append(Text(f"token -> rank, positions 0-{layout.length - 1:,}{scale}{mixed}:"))
         out.append(Text(line))
     else:
