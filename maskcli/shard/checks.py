@@ -95,7 +95,7 @@ def imbalance(split: Split, limit: float = IMBALANCE, label: str = "") -> list[F
     where = f"{label}: " if label else ""
     return [Finding(
         "shard-imbalance", "suspicious",
-        f"{where}rank {worst} does {ratios[worst]:.2f}x the mean work and rank {least} {ratios[least]:.2f}x under "
+        f"{where}rank {worst} does {ratios[worst]:.3f}x the mean work and rank {least} {ratios[least]:.3f}x under "
         f"--layout {split.layout.name}: every step waits for rank {worst}", worst)]
 
 
