@@ -46,7 +46,7 @@ def test_causal_over_contiguous_ranks_at_60_and_120_columns(columns):
     assert rows == expected
     worst = causal_cells(24, 32) / mean
     assert f"imbalance (max / mean work) {worst:.3f}: rank 3 does the most, rank 0 the least" in " ".join(lines)
-    assert f"suspicious: shard-imbalance: rank 3 does {worst:.2f}x the mean work" in " ".join(lines)
+    assert f"suspicious: shard-imbalance: rank 3 does {worst:.3f}x the mean work" in " ".join(lines)
     assert lines[-1] == "the ranks' parts add up to the global mask exactly"
 
 
@@ -131,6 +131,9 @@ def test_a_truncating_index_file_exits_1(tmp_path):
     result = invoke(["causal", "--len", 8, "--ranks", 2, "--layout", path])
     assert result.exit_code == 1
     assert "wrong: shard-dropped-token: 2 real tokens on no rank, the first at position 6" in " ".join(result.stdout.split())
+    lines = result.stdout.splitlines()
+    at = lines.index("token -> rank, positions 0-7; ? = on no rank:")  # the ? had no caption
+    assert lines[at + 1] == "000111??"
 
 
 def test_layer_types_from_a_model_config():
@@ -138,18 +141,25 @@ def test_layer_types_from_a_model_config():
     out = ok(["--model", "gemma3_text", "--len", 16384, "--ranks", 4, "--layout", "headtail"])
     lines = out.splitlines()
     assert lines[0] == "shard causal & window(4096) · causal"  # gemma3_text's defaults: sliding_window 4096
-    assert "sliding_attention:" in lines and "full_attention:" in lines
+    # each layer type's section names its mask (the sections said only "sliding_attention:")
+    assert "sliding_attention (causal & window(4096)):" in lines and "full_attention (causal):" in lines
     assert "imbalance (max / mean work) 1.000: every rank does the same work" in lines  # head-tail balances full layers
 
 
 @pytest.mark.parametrize("args, message", [
     (["causal", "--layout", "zigzag"], "--layout 'zigzag': no such file"),
     (["causal", "--ranks", 0], "--ranks 0: give at least 1 rank"),
+    (["causal", "--layout", "headtial"], "not a layout (contiguous, headtail, per-document, striped, ulysses, ptrr, striped:W, ptrr:BLOCK); did you mean headtail?"),
+    (["causal", "--layout", "stripped:128"], "did you mean striped?"),
     (["causal", "--layout", "per-document"], "--layout per-document needs the documents"),
     (["causal", "--layout", "striped:x"], "the stripe width is a whole number"),
     (["causal", "--offset", 2], "drop --offset"),
     (["causal", "--layout", "ulysses", "--ranks", 4], "--heads 1 is fewer than --ranks 4"),
     ([], "give a mask"),
+    (["causal", "--len", 4096, "--ranks", 1000000000], "--ranks 1000000000 is more than the mask's 4,096 tokens"),  # was killed for memory
+    (["causal", "--len", 4096, "--ranks", 2048], "--ranks 2048: shard works out an N x N ring-step grid, so it takes at most 1,024"),
+    (["causal", "--rank-mask", "r0.pt"], "--rank-mask given once but --ranks is 2"),
+    (["causal", "--head-dim", 0], "--head-dim 0: give the size of one attention head"),  # was 0 FLOPs, exit 0
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = invoke(args)
@@ -195,3 +205,61 @@ def test_heads_multiply_the_work_and_ulysses_splits_them():
     assert [row.split()[2] for row in rows] == [str(total * h) for h in (2, 1, 1, 2)]
     assert "rank tokens cells x heads FLOPs x mean" in lines
     assert "ulysses: no ring steps; every rank attends over all tokens" in " ".join(lines)
+
+
+def test_the_strip_caption_says_what_a_character_and_a_star_stand_for():
+    # it said "(* stripes)" over every strip, with or without a star, and not how many positions a character is
+    lines = ok(["causal", "--len", 32, "--ranks", 4, "--layout", "contiguous"]).splitlines()
+    assert lines[2] == "token -> rank, positions 0-31:"
+    lines = ok(["causal", "--len", 4096, "--ranks", 8, "--layout", "striped"], 120).splitlines()
+    width = 118  # the strip takes the console's width less 2
+    assert lines[2] == f"token -> rank, positions 0-4,095, a character ~{4096 / width:.0f} positions; * = several ranks in one character:"
+    assert lines[3] == "*" * width
+    lines = ok(["causal", "--len", 1024, "--ranks", 2, "--layout", "contiguous"], 66).splitlines()
+    assert lines[2] == "token -> rank, positions 0-1,023, a character = 16 positions:"
+    assert lines[3] == "0" * 32 + "1" * 32
+
+
+@pytest.mark.parametrize("exprs, layout", [(["causal"], "contiguous"), (["causal", "causal & window(16)"], "headtail")])
+def test_figure_legend_covers_no_bar_and_a_colour_bar_names_the_ranks(exprs, layout):
+    # the legend sat at the lower right, over the bars of the last ranks; the strip's colours had no key
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.patches import Rectangle
+
+    from maskcli import build
+    from maskcli.render import shard as render
+    from maskcli.shard.plan import analyse
+
+    report = analyse([(e, build(e, length=64)) for e in exprs], layout, 4)
+    fig = render.figure(report)
+    FigureCanvasAgg(fig).draw()
+    work = next(ax for ax in fig.axes if ax.get_ylabel() == "work / mean")
+    legend = work.get_legend().get_window_extent()
+    bars = [p.get_window_extent() for p in work.patches if isinstance(p, Rectangle) and p.get_height() > 0]
+    assert len(bars) == 4 * len(exprs)
+    assert not any(legend.overlaps(bar) for bar in bars)
+    key = next(ax for ax in fig.axes if ax.get_ylabel() == "rank")  # the colour bar beside the strip
+    assert [int(t) for t in key.get_yticks() if 0 <= t <= 3] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("columns", [60, 120])
+def test_te_cu_seqlens_are_never_cut_to_the_width(columns):
+    # at 60 columns the cu_seqlens (TE) column was cut to "0,750,20…"; TE's split of documents 3000, 5000, 190 over
+    # 4 ranks: each padded to a multiple of 8, chunks 375, 625, 24; rank r holds chunks r and 7-r of each
+    out = ok(["document(sizes=[3000,5000,190])", "--ranks", 4, "--layout", "per-document"], columns)
+    assert max(len(line) for line in out.splitlines()) <= columns
+    expected = {r: [0, 750, 2000, 2000 + min(24, 190 - 24 * r) + min(24, max(0, 190 - 24 * (7 - r)))] for r in range(4)}
+    assert expected[0][-1] == 2046  # 190 = 7 x 24 + 22: rank 0's tail chunk holds 22 real tokens
+    for r, cu in expected.items():
+        shown = ",".join(map(str, cu))
+        assert any(line.split() and line.split()[0] == str(r) and line.split()[-1] == shown for line in out.splitlines()), (r, out)
+    assert "…" not in out
+
+
+def test_the_imbalance_finding_gives_the_tables_ratio():
+    # contiguous causal over 8 ranks: rank 7's rows see 7 x 512 x 512 + 512 x 513 / 2 cells against a mean of
+    # 4096 x 4097 / 2 / 8, 1.8748: the table said 1.875 and the finding 1.87x before
+    out = " ".join(ok(["causal", "--len", 4096, "--ranks", 8, "--layout", "contiguous"]).split())
+    ratio = (7 * 512 * 512 + 512 * 513 / 2) / (4096 * 4097 / 2 / 8)
+    assert f"7 512 1,966,336 1.01G {ratio:.3f} 0/8" in out
+    assert f"rank 7 does {ratio:.3f}x the mean work" in out

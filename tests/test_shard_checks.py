@@ -93,7 +93,17 @@ def test_a_layout_that_truncates_the_tail_drops_real_tokens():
     assert codes(found) == [("shard-dropped-token", None)]
     assert "6 real tokens on no rank, the first at position 24 (the tail" in found[0].message
     twice = layouts.from_indices([[0, 1], [1, 2, 3]], 4, "twice")
-    assert codes(checks.coverage(twice)) == [("shard-duplicate-token", 0)]
+    found = checks.coverage(twice)
+    assert codes(found) == [("shard-duplicate-token", 0)]
+    assert "1 token held more than once, the first at position 1 (ranks 0, 1)" in found[0].message
+
+
+def test_a_token_repeated_within_one_rank_names_that_rank_not_more_than_one():
+    # a balancer's index file that writes token 6 twice on rank 0 and never token 5 (it said "on more than one rank (ranks 0)")
+    found = checks.coverage(layouts.from_indices([[0, 1, 6, 6], [2, 3, 4, 7]], 8, "file"))
+    assert codes(found) == [("shard-dropped-token", None), ("shard-duplicate-token", 0)]
+    assert "1 real token on no rank, the first at position 5:" in found[0].message
+    assert "1 token held more than once, the first at position 6 (2 times by rank 0)" in found[1].message
 
 
 def test_pytorchs_per_document_order_is_valid_but_imbalanced():
@@ -110,7 +120,7 @@ def test_pytorchs_per_document_order_is_valid_but_imbalanced():
     assert split.cells.tolist() == per_rank
     found = checks.imbalance(split)
     assert codes(found) == [("shard-imbalance", int(np.argmax(per_rank)))]
-    assert f"{max(per_rank) / np.mean(per_rank):.2f}x the mean" in found[0].message
+    assert f"{max(per_rank) / np.mean(per_rank):.3f}x the mean" in found[0].message
     # the same documents split as TransformerEngine (and the balancer's docstring) split them: balanced
     assert checks.imbalance(work.split(mask, layouts.per_document(docs, n))) == []
 

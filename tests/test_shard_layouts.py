@@ -129,6 +129,21 @@ def test_read_file_errors_quote_the_file(tmp_path, content, message):
         layouts.read_file(str(tmp_path / "none.json"), 4, 2)
 
 
+@pytest.mark.parametrize("name, write, message", [
+    ("garbage.pt", lambda p: p.write_bytes(b"not a tensor"), "cannot read --layout '.*garbage.pt': not a tensor file"),
+    ("ragged.json", lambda p: p.write_text("[1, 2, [3]]"), "holds list values, not index lists"),
+    ("empty.txt", lambda p: p.write_text(""), "is empty: give a permutation"),
+    ("text.pt", lambda p: __import__("torch").save("hello", p), "values, not index lists"),
+    ("one.json", lambda p: p.write_text(json.dumps({"0": [0, 1, 2, 3]})), "index lists for 1 rank but --ranks is 2"),
+])
+def test_unreadable_index_files_are_one_mask_error(tmp_path, name, write, message):
+    # each of these raised a bare UnpicklingError, ValueError, IndexError or AttributeError before
+    path = tmp_path / name
+    write(path)
+    with pytest.raises(MaskError, match=message):
+        layouts.read_file(str(path), 4, 2)
+
+
 @pytest.mark.parametrize("expr, ranks", [("document(sizes=[64,192,128,128]) & window(100)", 2), ("causal | sink(8)", 4)])
 def test_ptrr_is_pytorchs_ptrr_balancer_on_the_masks_blocks(expr, ranks):
     from torch.nn.attention.flex_attention import create_block_mask
@@ -143,3 +158,8 @@ def test_ptrr_is_pytorchs_ptrr_balancer_on_the_masks_blocks(expr, ranks):
     assert found.indices().tolist() == torch_order.tolist()
     with pytest.raises(MaskError, match="do not divide among 3 ranks"):
         make_layout("ptrr:64", 512, 3, 1, None, mask)
+
+
+def test_the_note_counts_one_slot_in_the_singular():
+    assert layouts.contiguous(8, 8).note == "1 slot a rank"  # it said "1 slots a rank"
+    assert layouts.contiguous(9, 8).note == "2 slots a rank"

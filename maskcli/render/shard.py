@@ -46,25 +46,54 @@ def _number(value: float) -> str:
     return f"{value:.0f}"
 
 
-def table(report: Report, split: Split, first: bool):
+def table(report: Report, split: Split, first: bool, width: int = 120) -> list:
     """Per rank: tokens, padding, the mask's cells, FLOPs, ratio to the mean, the ring steps it may skip, and (in the
-    first table) its cu_seqlens in TransformerEngine's convention."""
+    first table) its cu_seqlens in TransformerEngine's convention: a column where the table fits `width`, else
+    lines of their own below it (a column cut to the width would hide the numbers)."""
+    from rich.text import Text
+
+    rows = _rows(report, split, first)
+    te = report.te if first else None
+    if te is None:
+        return [_grid(rows, None)]
+    cells = [[rows[0][c]] + [row[c] for row in rows[1:]] for c in range(len(rows[0]))]
+    needed = sum(max(len(_plain(v)) for v in column) for column in cells) + 2 * (len(cells) - 1)
+    if needed <= width:
+        return [_grid(rows, "cu_seqlens (TE)")]
+    lines = ["cu_seqlens (TE) per rank:"] + [f"{r:>{len(str(len(te[1]) - 1))}} {_short(v)}" for r, v in enumerate(te[1])]
+    return [_grid([row[:-1] for row in rows], None), Text("\n".join(lines))]
+
+
+def _plain(value: str) -> str:
+    return value.replace("[bold red]", "").replace("[/]", "")
+
+
+def _grid(rows: list, last: str | None):
     from rich.table import Table
+
+    grid = Table(box=None, pad_edge=False, show_edge=False)
+    for name in rows[0][: len(rows[0]) - (last is not None)]:
+        grid.add_column(name, justify="right")
+    if last is not None:
+        grid.add_column(last)
+    for row in rows[1:]:
+        grid.add_row(*row)
+    return grid
+
+
+def _rows(report: Report, split: Split, first: bool) -> list[list[str]]:
+    """The header, then a row of strings per rank (the last column the TE cu_seqlens where the table has them)."""
 
     layout = report.layout
     tokens, slots = layout.tokens(), layout.slots()
     padded = bool((slots != tokens).any())
     steps = split.steps()
     te = report.te if first else None
-    grid = Table(box=None, pad_edge=False, show_edge=False)
     # the work: visible cells, times the heads a rank computes them for where there are several
     cells = "cells x heads" if split.mask.heads > 1 or layout.heads is not None else "cells"
-    for name, shown in (("rank", True), ("tokens", True), ("pad", padded), (cells, True), ("FLOPs", True), ("x mean", True),
-                        ("skip", steps is not None)):
-        if shown:
-            grid.add_column(name, justify="right")
-    if te is not None:
-        grid.add_column("cu_seqlens (TE)")
+    header = [name for name, shown in (("rank", True), ("tokens", True), ("pad", padded), (cells, True), ("FLOPs", True),
+                                       ("x mean", True), ("skip", steps is not None), ("cu_seqlens (TE)", te is not None)) if shown]
+    out = [header]
     ratios, work, flops = split.ratios(), split.work(), split.flops()
     worst = split.imbalance > 1.0 + 1e-9
     for r in range(layout.ranks):
@@ -75,8 +104,8 @@ def table(report: Report, split: Split, first: bool):
             row.append(f"{int((steps[r] == EMPTY).sum())}/{layout.ranks}")
         if te is not None:
             row.append(_short(te[1][r]))
-        grid.add_row(*row)
-    return grid
+        out.append(row)
+    return out
 
 
 def step_grid(split: Split, width: int, caption: bool = True) -> str:
@@ -121,15 +150,21 @@ def views(report: Report, width: int) -> list:
     layout = report.layout
     out: list = [Text(header(report), style="bold")]
     if layout.ranks <= len(DIGITS):
-        out.append(Text(f"token -> rank, positions 0-{layout.length - 1:,} (* stripes):"))
-        out.append(Text(strip(layout, max(10, width - 2))))
+        line = strip(layout, max(10, width - 2))
+        per = layout.length / len(line)
+        scale = (f", a character = {per:,.0f} positions" if per == int(per) else f", a character ~{per:,.0f} positions") if per > 1 else ""
+        mixed = f"; {MIXED} = several ranks in one character" if MIXED in line else ""
+        mixed += "; ? = on no rank" if "?" in line else ""
+        out.append(Text(f"token -> rank, positions 0-{layout.length - 1:,}{scale}{mixed}:"))
+        out.append(Text(line))
     else:
         out.append(Text(f"token -> rank: {layout.ranks} ranks are more than a character each can name; --png draws the strip"))
     lines = imbalance_lines(report)
     for index, (label, split) in enumerate(report.splits):
         if len(report.splits) > 1:
-            out.append(Text(f"{label}:", style="bold"))
-        out.append(table(report, split, index == 0))
+            named = label if label == split.mask.title else f"{label} ({split.mask.title})"  # a layer type names its mask
+            out.append(Text(f"{named}:", style="bold"))
+        out.extend(table(report, split, index == 0, width))
         out.append(Text(lines[index]))
         if split.steps() is not None:
             out.append(Text("ring steps:", style="bold"))
@@ -189,11 +224,15 @@ def figure(report: Report):
     edges = np.linspace(0, layout.length, spans + 1).round().astype(np.int64)
     owner = layout.owner()[edges[:-1]]
     colours = colormaps["viridis"].resampled(max(n, 2))
-    axes["strip"].imshow(owner[None, :], aspect="auto", cmap=colours, vmin=-0.5, vmax=n - 0.5, interpolation="nearest",
-                         extent=(0, layout.length, 0, 1))
+    image = axes["strip"].imshow(np.ma.masked_less(owner[None, :], 0), aspect="auto", cmap=colours, vmin=-0.5, vmax=n - 0.5,
+                                 interpolation="nearest", extent=(0, layout.length, 0, 1))
     axes["strip"].set_yticks([])
     axes["strip"].set_xlabel("position")
-    axes["strip"].set_title(f"token -> rank ({layout.name}: {layout.note}; colour = rank 0 .. {n - 1})", fontsize=10)
+    axes["strip"].set_title(f"token -> rank ({layout.name}: {layout.note})", fontsize=10)
+    bar = fig.colorbar(image, ax=axes["strip"], pad=0.01, aspect=8)  # which colour is which rank
+    bar.set_label("rank", fontsize=9)
+    bar.ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(n, 8)))
+    bar.ax.tick_params(labelsize=8)
     ax = axes["work"]
     width = 0.8 / len(report.splits)
     for index, (label, split) in enumerate(report.splits):
@@ -202,7 +241,10 @@ def figure(report: Report):
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("rank")
     ax.set_ylabel("work / mean")
-    ax.legend(fontsize=8, loc="lower right")
+    # the legend sits in headroom above the tallest bar, never over a bar (a row of text per mask)
+    top = max(float(split.ratios().max()) for _, split in report.splits)
+    ax.set_ylim(0, top * (1.12 + 0.09 * len(report.splits)))
+    ax.legend(fontsize=8, loc="upper left")
     ax.set_title("each rank's attention work against the mean", fontsize=10)
     rgb = np.array([FIGURE_COLOURS["masked"], FIGURE_COLOURS["partial"], FIGURE_COLOURS["visible"]], dtype=np.float64) / 255
     for index, (label, split) in enumerate(stepped):

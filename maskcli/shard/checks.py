@@ -53,11 +53,14 @@ def coverage(layout: Layout) -> list[Finding]:
     twice = np.flatnonzero(times > 1)
     if twice.size:
         first = int(twice[0])
-        holders = sorted({int(r) for r in rank[(start <= first) & (start + size > first)]})
+        held_by = [int(r) for r in rank[(start <= first) & (start + size > first)]]
+        holders = sorted(set(held_by))
+        who = (f"ranks {', '.join(map(str, holders))}" if len(holders) > 1
+               else f"{len(held_by)} times by rank {holders[0]}")  # a rank's index list that repeats a token
         found.append(Finding(
             "shard-duplicate-token", "wrong",
-            f"{twice.size:,} token{'s' if twice.size > 1 else ''} on more than one rank, the first at position {first} "
-            f"(ranks {', '.join(map(str, holders))}): its row is computed twice and its key seen twice", holders[0], (first, first)))
+            f"{twice.size:,} token{'s' if twice.size > 1 else ''} held more than once, the first at position {first} "
+            f"({who}): its row is computed twice and its key seen twice", holders[0], (first, first)))
     return found
 
 
@@ -92,7 +95,7 @@ def imbalance(split: Split, limit: float = IMBALANCE, label: str = "") -> list[F
     where = f"{label}: " if label else ""
     return [Finding(
         "shard-imbalance", "suspicious",
-        f"{where}rank {worst} does {ratios[worst]:.2f}x the mean work and rank {least} {ratios[least]:.2f}x under "
+        f"{where}rank {worst} does {ratios[worst]:.3f}x the mean work and rank {least} {ratios[least]:.3f}x under "
         f"--layout {split.layout.name}: every step waits for rank {worst}", worst)]
 
 

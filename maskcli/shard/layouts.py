@@ -117,7 +117,7 @@ def _chunked(doc_starts: np.ndarray, doc_sizes: np.ndarray, ranks: int, parts: i
 
 def contiguous(length: int, ranks: int) -> Layout:
     per = -(-length // ranks)
-    return _chunked(np.array([0]), np.array([length]), ranks, ranks, "contiguous", f"{per:,} slots a rank")
+    return _chunked(np.array([0]), np.array([length]), ranks, ranks, "contiguous", f"{per:,} slot{'s' if per != 1 else ''} a rank")
 
 
 def headtail(length: int, ranks: int) -> Layout:
@@ -208,15 +208,16 @@ def read_file(path: str, length: int, ranks: int) -> Layout:
     or one index list per rank ((N, L/N), a list of lists, or a dict rank -> list)."""
     values = _load(path)
     label = f"--layout {path!r}"
-    if isinstance(values, dict):
+    from_dict = isinstance(values, dict)  # a dict is always one list per rank, even of one rank
+    if from_dict:
         try:
             values = [values[k] for k in sorted(values, key=int)]
         except ValueError:
             raise MaskError(f"{label}: a dict must map rank numbers to index lists, like {{\"0\": [0, 7], \"1\": [1, 6]}}") from None
-    if isinstance(values, list) and values and all(isinstance(v, (list, np.ndarray)) for v in values) and len(values) != 1:
-        per_rank = [np.asarray(v) for v in values]
+    if isinstance(values, list) and values and all(isinstance(v, (list, np.ndarray)) for v in values) and (len(values) != 1 or from_dict):
+        per_rank = [_array(v, label) for v in values]
     else:
-        array = np.asarray(values)
+        array = _array(values, label)
         if array.ndim == 2 and array.shape[0] == 1:
             array = array[0]
         if array.ndim == 2:
@@ -229,11 +230,23 @@ def read_file(path: str, length: int, ranks: int) -> Layout:
         else:
             raise MaskError(f"{label} has shape {list(array.shape)}: give a permutation (L,) or (1, L), or one index list per rank (N, L/N)")
     if len(per_rank) != ranks:
-        raise MaskError(f"{label} has index lists for {len(per_rank)} ranks but --ranks is {ranks}: give --ranks {len(per_rank)}")
+        raise MaskError(f"{label} has index lists for {len(per_rank)} rank{'s' if len(per_rank) != 1 else ''} but --ranks is {ranks}: give --ranks {len(per_rank)}")
     for r, idx in enumerate(per_rank):
         if np.asarray(idx).dtype.kind not in "iu" and np.asarray(idx).size:
             raise MaskError(f"{label}: rank {r}'s indices are {np.asarray(idx).dtype}, not whole numbers")
     return from_indices(per_rank, length, path)
+
+
+def _array(values, label: str) -> np.ndarray:
+    """Numbers as an array, or the one-line error a ragged or non-numeric list deserves."""
+    try:
+        array = np.asarray(values)
+    except ValueError:
+        array = None
+    if array is None or array.dtype == object or array.dtype.kind not in "biuf":
+        raise MaskError(f"{label} holds {type(values).__name__ if array is None or array.dtype == object else array.dtype} values, not "
+                        "index lists: give a permutation [0, 7, 1, 6, ...] or one list of whole numbers per rank")
+    return array
 
 
 def _load(path: str):
@@ -241,7 +254,11 @@ def _load(path: str):
     import os
 
     if not os.path.isfile(path):
-        raise MaskError(f"--layout {path!r}: no such file, and not a layout ({', '.join(NAMES)}, striped:W)")
+        import difflib
+
+        close = difflib.get_close_matches(path.partition(":")[0], NAMES, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise MaskError(f"--layout {path!r}: no such file, and not a layout ({', '.join(NAMES)}, striped:W, ptrr:BLOCK){hint}")
     lower = path.lower()
     try:
         if lower.endswith(".json"):
@@ -256,12 +273,21 @@ def _load(path: str):
             if isinstance(data, dict):
                 return {k: v.numpy() if hasattr(v, "numpy") else v for k, v in data.items()}
             if isinstance(data, (list, tuple)):
-                return [v.numpy() if hasattr(v, "numpy") else np.asarray(v) for v in data]
-            return data.numpy()
+                return [v.numpy() if hasattr(v, "numpy") else v for v in data]
+            return data.numpy() if hasattr(data, "numpy") else data
         if lower.endswith(".txt"):
             with open(path, encoding="utf-8") as handle:
                 rows = [line.replace(",", " ").split() for line in handle if line.strip()]
+            if not rows:
+                raise MaskError(f"--layout {path!r} is empty: give a permutation (one line) or one line of indices per rank")
             return [np.array([int(v) for v in row]) for row in rows] if len(rows) > 1 else np.array([int(v) for v in rows[0]])
-    except (OSError, ValueError, RuntimeError) as error:
-        raise MaskError(f"cannot read --layout {path!r}: {' '.join(str(error).split())[:200]}") from None
+    except MaskError:
+        raise
+    except Exception as error:  # torch.load's UnpicklingError, a bad zip, a broken .npy: the file, not maskcli
+        import pickle
+
+        # torch's UnpicklingError is mostly advice to turn weights_only off, which maskcli never does
+        reason = ("not a tensor file torch.load(weights_only=True) reads" if isinstance(error, pickle.UnpicklingError)
+                  else " ".join(str(error).split())[:200])
+        raise MaskError(f"cannot read --layout {path!r}: {reason}") from None
     raise MaskError(f"--layout {path!r}: give a .json, .npy, .pt or .txt file of indices")

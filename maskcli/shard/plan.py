@@ -12,6 +12,7 @@ from maskcli.mask import Mask
 from maskcli.shard import checks, layouts, ranks, work
 from maskcli.shard.layouts import Layout
 
+MAX_RANKS = 1024  # the (N, N) grid and its table of counts stay small (8 MB a copy); real CP groups are far smaller
 PTRR_BLOCK = 128  # FlexAttention's default block size, which _PTRRLoadBalancer reads off the BlockMask
 
 
@@ -60,6 +61,10 @@ def make_layout(spec: str, length: int, n: int, heads: int, docs: np.ndarray | N
     mask's blocks), or a file of indices."""
     if n < 1:
         raise MaskError(f"--ranks {n}: give at least 1 rank")
+    if n > length:
+        raise MaskError(f"--ranks {n} is more than the mask's {length:,} tokens: give at most {length:,} ranks, or a longer --len")
+    if n > MAX_RANKS:
+        raise MaskError(f"--ranks {n}: shard works out an N x N ring-step grid, so it takes at most {MAX_RANKS:,} ranks")
     name, _, arg = spec.partition(":")
     if name in ("striped", "ptrr"):
         try:
@@ -91,6 +96,8 @@ def make_layout(spec: str, length: int, n: int, heads: int, docs: np.ndarray | N
 def analyse(masks: list[tuple[str, Mask]], spec: str, n: int, head_dim: int = 128, rank_masks: list[str] | None = None,
             docs: np.ndarray | None = None) -> Report:
     """Every mask (one per layer type) under one layout, with the checks."""
+    if head_dim < 1:
+        raise MaskError(f"--head-dim {head_dim}: give the size of one attention head, at least 1, like --head-dim 128")
     first = masks[0][1]
     for _, mask in masks:
         work.check_shardable(mask)

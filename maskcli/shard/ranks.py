@@ -61,7 +61,7 @@ def _one_plane(keep: np.ndarray, path: str) -> np.ndarray:
 def check(mask: Mask, layout: Layout, paths: list[str]) -> list[Finding]:
     """Each rank's captured part against the global mask: a finding per rank whose part differs."""
     if len(paths) != layout.ranks:
-        raise MaskError(f"--rank-mask given {len(paths)} times but --ranks is {layout.ranks}: give one file per rank, in rank order")
+        raise MaskError(f"--rank-mask given {len(paths) if len(paths) != 1 else 'once'}{' times' if len(paths) != 1 else ''} but --ranks is {layout.ranks}: give one file per rank, in rank order")
     intervals = intervals_of(mask)
     gathered = layout.indices()
     keys = np.where(gathered < layout.length, gathered, -1)
