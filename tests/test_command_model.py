@@ -70,7 +70,7 @@ def test_the_table_names_each_layer_types_mask_at_each_step_at_120_and_60_column
     assert rows(narrow.stdout) == rows(wide.stdout)
     # under the table, a wrapped line stands under its text, never at column 0: a group's line under '#N '
     below = narrow.stdout.split("\n\n")[-1].splitlines()
-    assert below[:2] == ["#0 window(3) (key padding 1,1,1,1,1;0,0,1,1,1) · sdpa", "   (2,2,5,5) · model.layers.{0-4}.self_attn"]
+    assert below[:2] == ["#0 window(3) (--lengths 5,3 --pad left) · sdpa (2,2,5,5) ·", "   model.layers.{0-4}.self_attn"]
     assert all(line.startswith(("#", "   ", "cache: ", "       ")) for line in below), below
     assert narrow.stdout.splitlines()[2] == "masks shaped by: sliding_window 3; layer_types"
 
