@@ -101,6 +101,8 @@ def test_a_format_that_cannot_hold_the_mask_says_why_and_what_would(tmp_path):
     (["causal", "--for", "cudnn"], "--for 'cudnn' is not a format: choose one of sdpa, mha, hf, flex, flash-attn, flashinfer, flashmask, magi, xformers"),
     (["causal", "--for", "sdpa", "--save", "x.txt"], "--save 'x.txt': unknown extension '.txt'; use one of .pt, .safetensors, .npz"),
     (["window(3)", "--len", 6, "--offset", 2, "--for", "flashmask"], "flashmask holds square self-attention masks"),
+    # refused, nothing is printed: the message must not point at a call "above"
+    (["causal", "--for", "xformers", "--save", "x.pt"], "--save: xformers needs no tensors for causal; drop --save: the call it prints is all of it"),
 ])
 def test_bad_input_is_one_line(args, message):
     result = export(*args)
