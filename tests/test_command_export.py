@@ -100,6 +100,8 @@ def test_a_format_that_cannot_hold_the_mask_says_why_and_what_would(tmp_path):
     (["causal", "--for", "cudnn"], "--for 'cudnn' is not a format: choose one of sdpa, mha, hf, flex, flash-attn, flashinfer, flashmask, magi, xformers"),
     (["causal", "--for", "sdpa", "--save", "x.txt"], "--save 'x.txt': unknown extension '.txt'; use one of .pt, .safetensors, .npz"),
     (["window(3)", "--len", 6, "--offset", 2, "--for", "flashmask"], "flashmask holds square self-attention masks"),
+    # refused, nothing is printed: the message must not point at a call "above"
+    (["causal", "--for", "xformers", "--save", "x.pt"], "--save: xformers needs no tensors for causal; drop --save: the call it prints is all of it"),
 ])
 def test_bad_input_is_one_line(args, message):
     result = export(*args)
@@ -328,3 +330,19 @@ def test_flex_keeps_left_padding_in_the_printed_build(tmp_path, kind, length, le
     seen = want.any(-1)[..., None].expand_as(q)
     scores = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~want, float("-inf"))
     assert torch.allclose(scope["out"][seen], (torch.softmax(scores, -1) @ v)[seen], atol=1e-5)
+
+
+@pytest.mark.parametrize("args, note", [
+    (["window(3)", "--len", 2, "--offset", 5], "# 1 partial block: flex_attention calls mask_mod on its cells, so the BlockMask needs it"),
+    (["causal", "--len", 256], "# 2 partial blocks: flex_attention calls mask_mod on their cells, so the BlockMask needs it"),
+])
+def test_flex_counts_its_partial_blocks_in_words(args, note):
+    """One 128-block holds all of a short mask (it printed "1 partial blocks"); causal over 256 tokens has two diagonal
+    blocks, partial, as create_block_mask's own count says."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    length = args[args.index("--len") + 1]
+    if args[0] == "causal":
+        block = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, length, length, device="cpu")
+        assert int(block.kv_num_blocks.sum()) == 2  # partial blocks, by FlexAttention's own build
+    assert note in ok(*args, "--for", "flex").stdout.splitlines()

@@ -397,3 +397,19 @@ def test_json_names_the_majority_that_outvoted_a_field():
     assert data["reference"] == "cu_seq_lens_k" and data["majority"] == ["cu_seq_lens_k", "position_ids"]
     assert {p["name"]: p["cross_document_cells"] for p in data["paths"] if p["applies"]} == {"hf-sdpa": 0, "hf-flash": 0, "varlen": 3}
     assert as_json("--position-ids", "0,1,2,0,1", "--cu-seqlens", "0,3,5", "--use-cache", "no")["majority"] == []  # all agree: no vote
+
+
+def test_flash_from_position_ids_that_do_not_start_at_their_minimum_leaves_the_first_tokens_out():
+    """position_ids 3,4,5,0,1 (the batch opens mid-document): transformers' flash_attention_2 builds cu_seq_lens from
+    the tokens whose position_ids equal their minimum (transformers 5.24, modeling_flash_attention_utils.py:507-513,
+    prepare_fa_kwargs_from_position_ids), so tokens 0-2 are in no sequence. pack drew them as one document and exited 0."""
+    transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    (cu, _), _ = prepare_fa_kwargs_from_position_ids(torch.tensor([[3, 4, 5, 0, 1]]))
+    assert cu.tolist() == [3, 5]  # the library's own answer: the sequences cover tokens 3-4 only
+    result = pack("--position-ids", "3,4,5,0,1", "--use-cache", "no")
+    assert result.exit_code == 1
+    assert ("• hf-flash leaves out tokens 0-2: flash_attention_2 starts a sequence only where position_ids equal their minimum (0),\n"
+            "  and the first one is at token 3, so their attention output is never computed") in result.stdout
+    assert pack("--position-ids", "0,1,2,0,1", "--use-cache", "no").exit_code == 0  # starting at the minimum: nothing left out

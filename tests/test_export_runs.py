@@ -88,6 +88,28 @@ def test_the_printed_hf_call_runs_on_a_tiny_model(tmp_path, family, flags, keep,
     assert torch.allclose(scope["out"].logits, whole.logits[:, offset:], atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_printed_hf_call_for_a_draft_tree_gives_each_node_its_own_path(tmp_path, family):
+    """A draft tree behind a cache: run as printed, each node's logits are those of decoding its own path (the cached
+    tokens, its ancestors, itself) as one plain causal sequence. Without the depth positions the call printed none:
+    siblings got different positions (rotary in Llama, learned in GPT-2) and node 2 read as if it were third."""
+    parents, offset = [-1, 0, 0, 1], 3
+    model = tiny_model(family)
+    path = tmp_path / "hf.pt"
+    code = printed(f"tree({','.join(map(str, parents))})", "--offset", offset, "--for", "hf", "--save", path)
+    tokens = torch.randint(0, 32, (1, offset + len(parents)), generator=torch.Generator().manual_seed(2))
+    scope = {"model": model, "input_ids": tokens[:, offset:], "past_ids": tokens[:, :offset]}
+    with torch.no_grad():
+        exec(code, scope)  # as printed
+        for node in range(len(parents)):
+            line = [node]
+            while parents[line[-1]] >= 0:  # up to the root, by the parents as written
+                line.append(parents[line[-1]])
+            sequence = torch.cat([tokens[:, :offset], tokens[:, [offset + i for i in reversed(line)]]], dim=1)
+            alone = model(sequence).logits[0, -1]
+            assert torch.allclose(scope["out"].logits[0, node], alone, atol=1e-5), node
+
+
 def test_an_hf_mask_on_keys_a_model_does_not_hold_is_refused():
     result = runner.invoke(app, ["export", "causal", "--len", "2", "--kv-len", "5", "--for", "hf"])
     assert result.exit_code == 2

@@ -60,7 +60,7 @@ def export(
     result = fmt.to(built)
     if save_path is not None:
         if not result.tensors:
-            raise MaskError(f"--save: {fmt.name} needs no tensors for {built.title}; the call above is all of it")
+            raise MaskError(f"--save: {fmt.name} needs no tensors for {built.title}; drop --save: the call it prints is all of it")
         _save(result.tensors, save_path)
     echo(render(result, built, fmt, save_path))
     if save_path is not None:

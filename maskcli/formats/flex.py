@@ -90,7 +90,8 @@ def to(mask, block: int = DEFAULT_BLOCK) -> Export:
             code.append("keep = <keep>.to(q.device)")
             code.append(f"def mask_mod(b, h, q_idx, kv_idx):\n    return keep[{b}, {h}, q_idx, kv_idx]")
         mask_mod = ", mask_mod=mask_mod"
-        notes.append(f"{partial} partial blocks: flex_attention calls mask_mod on their cells, so the BlockMask needs it")
+        notes.append(f"{partial} partial block{'s' if partial != 1 else ''}: flex_attention calls mask_mod on "
+                     f"{'their' if partial != 1 else 'its'} cells, so the BlockMask needs it")
     code.append("block_mask = BlockMask.from_kv_blocks(<kv_num_blocks>, <kv_indices>, <full_kv_num_blocks>, <full_kv_indices>,")
     code.append(f"                                     BLOCK_SIZE=({block}, {block}){mask_mod}, seq_lengths=({f.q_len}, {f.k_len})).to(q.device)")
     code.append("out = flex_attention(q, k, v, block_mask=block_mask)  # q: (B, H, Lq, D), k and v: (B, H, Lk, D)")

@@ -32,10 +32,23 @@ def positions(mask) -> np.ndarray | None:
         labels = next(value for _, value in found[0].params if hasattr(value, "array")).array
         p = np.arange(f.n)
         return np.ascontiguousarray(np.broadcast_to((p[None, :] - run_starts(labels)[:, p]).astype(np.int64), (mask.batch, f.n)))
-    if f.padded and bool(np.any(f.left_padding() > 0)):
+    left = f.padded and bool(np.any(f.left_padding() > 0))
+    if left:
         valid = np.broadcast_to(f.key_valid, (mask.batch, f.key_valid.shape[1]))[:, :f.n]
-        return np.where(valid, np.cumsum(valid, axis=1) - 1, 0).astype(np.int64)
-    return None
+        every = np.where(valid, np.cumsum(valid, axis=1) - 1, 0).astype(np.int64)
+    trees = [term for term in terms(tree) if term.kind.name == "tree"] if tree is not None else []
+    if trees:
+        # A draft token's position is the cached tokens' count plus its depth, as tree decoding passes it (siblings
+        # share one): so each node's output is its own path's, decoded one token at a time.
+        parents = trees[0].params[0][1].array[0]
+        depth = np.zeros(len(parents), dtype=np.int64)
+        for i, parent in enumerate(parents.tolist()):  # bounded by the tree kind's MAX_DRAFT
+            depth[i] = depth[parent] + 1 if parent >= 0 else 0
+        every = np.array(every, copy=True) if left else np.broadcast_to(np.arange(f.n, dtype=np.int64), (mask.batch, f.n)).copy()
+        before = every[:, f.q_start - 1:f.q_start] + 1 if f.q_start > 0 else np.zeros((mask.batch, 1), dtype=np.int64)
+        every[:, f.q_start:f.q_start + len(parents)] = before + depth[None, :]
+        return every
+    return every if left else None
 
 
 def to(mask) -> Export:
@@ -55,8 +68,11 @@ def to(mask) -> Export:
     notes = ["4-D mask: 0 = attend, finfo(dtype).min = masked, added to the scores (eager); cast it to the model's dtype",
              "float32's min is -inf in bfloat16 and float16: clamp to the model dtype's min before casting, as the call does"]
     if every is not None:
+        kinds = [term.kind for term in terms(mask.expression)] if mask.expression is not None else []
         notes.append("position_ids restart at 0 in each document: without them packed documents get the positions of one long sequence"
-                     if mask.expression is not None and any(term.kind.documents for term in terms(mask.expression)) else
+                     if any(kind.documents for kind in kinds) else
+                     "position_ids place each draft token at the cached tokens' count plus its depth in the tree (siblings share "
+                     "one): without them each node's output is not its own path's" if any(kind.name == "tree" for kind in kinds) else
                      "position_ids count real tokens only, as generate() makes them from the padding: without them left-padded rows start late")
     if f.q_start == 0:
         return Export(["import torch", f"out = model(input_ids, {args})  # input_ids: (B, {f.q_len})"], tensors, notes, device="cpu")

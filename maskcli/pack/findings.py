@@ -102,6 +102,7 @@ def check(batch: Batch, eos: int | None = None, reference: str | None = None, mo
                                     f"(first: row {r}, query {q} sees key {k}) — documents as {ref.name} says"))
         if c.pad_cells:
             findings.append(Finding("sees-padding", f"{names} {verb} real tokens see padding in {c.pad_cells:,} cells"))
+    findings += [Finding("left-out", problem) for p in paths if p.applies for problem in p.problems]
     findings += _rope(batch, ref, pad)
     labels, label_notes = _labels(batch, ref, pad)
     findings += labels

@@ -21,7 +21,7 @@ Each mask is built with maskcli.mask.build from its expression and options, so i
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -67,6 +67,7 @@ class Path:
     options: MaskOptions | None
     mask: Mask | None
     notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # findings about what the path does to the batch
 
     @property
     def title(self) -> str:
@@ -243,9 +244,18 @@ def hf_flash(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Pa
         if batch.rows == 1 and _packed(positions):
             flat = positions.reshape(-1)
             starts = (flat == flat.min()).reshape(positions.shape)
+            first = int(np.argmax(flat == flat.min()))
             starts[:, 0] = True
             text, options = documents("document", starts, None)
-            return _built("hf-flash", "position_ids (equal to their minimum)", text, options, notes)
+            path = _built("hf-flash", "position_ids (equal to their minimum)", text, options, notes)
+            if first == 0:
+                return path
+            # prepare_fa_kwargs_from_position_ids: cu_seq_lens_q = [indices where position_ids == min, total], so the
+            # tokens before the first minimum are in no sequence and flash_attn_varlen_func computes nothing for them.
+            return replace(path, problems=[
+                f"hf-flash leaves out token{'s' if first > 1 else ''} {'0' if first == 1 else f'0-{first - 1}'}: flash_attention_2 starts a "
+                f"sequence only where position_ids equal their minimum ({int(flat.min())}), and the first one is at token {first}, "
+                "so their attention output is never computed (start each document's position_ids at the same value)"])
         if batch.rows > 1 and _restarts(positions):
             notes.append("position_ids restart but are not read: flash_attention_2 reads packed position_ids only for one batch row")
     dropped = " (the all-ones attention_mask is dropped)" if "attention_mask" in f else ""
