@@ -9,6 +9,8 @@ from rich.table import Table
 from rich.text import Text
 
 from maskcli.hf.report import layers_text
+from maskcli.render.trace import STYLES
+from maskcli.checks.registry import severity
 
 
 def views(view, failures: list[str], held: list[str]) -> list:
@@ -47,7 +49,7 @@ def views(view, failures: list[str], held: list[str]) -> list:
         shape = "(" + ",".join(map(str, first.shape)) + ")"
         out.append(Text(f"#{number} {group.name} · {first.api} {shape} · {group.where}"))
         for finding in group.findings:
-            out.append(Text(f"   {finding.code}: {finding.message}", style="red" if finding.code in ("sees-later", "polarity") else ""))
+            out.append(Text(f"   {finding.code}: {finding.message}", style=STYLES[severity(finding)]))
     if run.other:
         out.append(Text(f"{len(run.other)} attention calls outside the numbered layers (in --json): "
                         + ", ".join(sorted({call.where for call in run.other})[:4])))

@@ -104,6 +104,8 @@ class Trace:
                 self.readers[func] = readers.softmax
         self._names: dict[int, tuple[torch.nn.Module, str]] = {}
         self._stack: list[torch.nn.Module] = []
+        self._opened: tuple | None = None  # the outermost module running, and the calls made before it began
+        self.tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
         self._steps: Counter = Counter()
         self._cache: dict = {}
         self._handles: list = []
@@ -117,10 +119,13 @@ class Trace:
         self.active = False
 
     def groups(self) -> list:
-        """The calls grouped by mask, API and shape, each named, with findings (maskcli.trace.report.Group)."""
+        """The calls grouped by mask, API and shape, each named, with findings (maskcli.trace.report.Group): those
+        made where a mask is named, and those of the rules that read the run (maskcli.checks)."""
+        from maskcli.checks.engine import apply
+        from maskcli.checks.context import Run
         from maskcli.trace.report import group
 
-        return group(self.calls)
+        return apply(group(self.calls), Run(self.calls, self.tops))
 
     def report(self) -> str:
         """The grouped report as plain text, one line per group and one per finding."""
@@ -134,7 +139,7 @@ class Trace:
         from torch.nn.modules import module as nn_module
 
         self._handles = [nn_module.register_module_forward_pre_hook(self._pre),
-                         nn_module.register_module_forward_hook(self._post, always_call=True)]
+                         nn_module.register_module_forward_hook(self._post, always_call=True, with_kwargs=True)]
         if "flex" in self.apis:
             self._patch_flex()
         from maskcli.trace.modules import wrap
@@ -228,15 +233,24 @@ class Trace:
             return
         if id(module) not in self._names:
             self._name(module)
+        if not self._stack:
+            self._opened = (module, len(self.calls))
         self._stack.append(module)
 
-    def _post(self, module, args, output) -> None:
+    def _post(self, module, args, kwargs, output) -> None:
         if torch.compiler.is_dynamo_compiling():
             return
         for i in range(len(self._stack) - 1, -1, -1):  # the innermost entry of it (an exception may have left others)
             if self._stack[i] is module:
                 del self._stack[i:]
                 break
+        opened = self._opened
+        if not self._stack and opened is not None and opened[0] is module:
+            self._opened = None
+            if len(self.calls) > opened[1]:  # an outermost call that made attention calls: what the checks read of it
+                from maskcli.trace.tops import top
+
+                self.tops.append(top(self.where_of(module), module, args, kwargs, opened[1], len(self.calls)))
 
     def _name(self, module) -> None:
         """Name `module` and everything under it: by its path in the outermost module running, else as a new root."""
@@ -250,6 +264,9 @@ class Trace:
                     return
         for name, child in module.named_modules():
             self._names.setdefault(id(child), (child, name))
+
+    def where_of(self, module) -> str:
+        return self._names.get(id(module), (module, ""))[1] or type(module).__name__
 
     def where(self) -> str:
         if self._stack:

@@ -86,6 +86,8 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
     keep = additive_keep(mask.detach())
     if details is not None and bool((keep & (mask.detach() != 0)).any()):
         details["bias"] = True
+        if bool(((mask == 0) | (mask == 1)).all()):  # a keep mask of 0s and 1s added as it is (checks/kernels.py)
+            details["zero_one"] = True
     return keep
 
 
