@@ -8,7 +8,10 @@ import pytest
 from checkbugs import check_bug
 from maskcli.checks.config import layer_kind
 
-pytest.importorskip("transformers")
+
+def test_a_models_own_config_without_transformers(tmp_path):
+    # ml-explore/mlx-lm#390: the window mask one key too wide, the window read from a plain torch model's config
+    check_bug(tmp_path, "window_mask_one_too_many", "window-off-by-one")
 
 BUGS = [
     ("hf_window_off_by_one", "window-off-by-one"),  # huggingface/transformers#39408: window_size=(W, W)
@@ -19,6 +22,7 @@ BUGS = [
 
 @pytest.mark.parametrize("name, code", BUGS)
 def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code):
+    pytest.importorskip("transformers")
     check_bug(tmp_path, name, code)
 
 
@@ -26,7 +30,8 @@ def test_layer_kinds_are_read_as_transformers_reads_them():
     """Qwen2's layer_types come from use_sliding_window and max_window_layers (transformers/models/qwen2/
     configuration_qwen2.py lines 87-91: sliding where i >= max_window_layers); a config without layer_types is
     sliding wherever sliding_window is set and use_sliding_window is not False."""
-    from transformers import MistralConfig, Qwen2Config
+    transformers = pytest.importorskip("transformers")
+    MistralConfig, Qwen2Config = transformers.MistralConfig, transformers.Qwen2Config
 
     qwen = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2)
     expected = ["sliding_attention" if i >= qwen.max_window_layers else "full_attention" for i in range(4)]

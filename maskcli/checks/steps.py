@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, queries
+from maskcli.checks.context import Run, columns_are_positions, first_cell, found_padding, keep, queries
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -89,9 +89,71 @@ def sites(run: Run) -> list:
     return found
 
 
+def _equal(cells, expression: str, **placed) -> bool:
+    from maskcli.errors import MaskError
+    from maskcli.testing import against
+
+    try:
+        return against(cells, expression, **placed).equal
+    except MaskError:
+        return False
+
+
+def alignment(run: Run) -> list:
+    """A decode step (not a site's first call) whose mask is causal aligned top-left, its queries at keys 0..Lq-1,
+    where the run places them after earlier keys: each query sees the first keys, not its own."""
+    found, done = [], set()
+    for call in run.calls:
+        q_len, k_len = call.shape[2:]
+        if call.step == 0 or q_len >= k_len or call.mask in done or call.stored is None:
+            continue
+        top = run.top(call)
+        own = queries(call, top)
+        if own[0] == 0 or not columns_are_positions(call, top):
+            continue
+        done.add(call.mask)
+        cells = keep(call)
+        if cells is not None and _equal(cells, "causal", offset=0, kv_len=k_len, **found_padding(cells)):
+            found.append((call, Finding("top-left-mask", (
+                f"at step {call.step} the mask is causal aligned top-left: query {int(own[0])} sees keys 0..0 only, "
+                f"not the {int(own[0])} keys before it (a mask sliced as mask[:Lq, :Lk]; bottom-right is "
+                f"mask[Lk - Lq:Lk, :Lk])"), expected=f"causal with the queries at {int(own[0])}..{int(own[-1])}",
+                source=f"{call.where}: {k_len - q_len} earlier keys", cell=(0, int(own[0]), 1))))
+    return found
+
+
+def causal_lost(run: Run) -> list:
+    """A call site whose mask is causal in one call of several queries and lets queries see later keys in another
+    (a prefill that skips the causal mask when a cache is attached). Batches with rows that see no key are left
+    alone: what padding rows see depends on the kernel."""
+    found = []
+    for where, calls in run.sites().items():
+        causal = None
+        for call in calls:
+            cells = keep(call)
+            q_len, k_len = call.shape[2:]
+            if cells is None or q_len < 2 or q_len != k_len or not cells.any(axis=-1).all():
+                continue
+            if causal is None and _equal(cells, "causal"):
+                causal = call
+                continue
+            later = np.triu(cells, k=1)
+            if causal is not None and later.any():
+                b, h, q, k = first_cell(later)
+                found.append((call, Finding("causal-lost", (
+                    f"step {causal.step} of {where} is causal, but at step {call.step} query {q} sees later key {k} "
+                    f"({int(later.sum())} such cells)"), expected="causal", source=f"{where} at step {causal.step}",
+                    cell=(b, q, k))))
+    return found
+
+
 RULES = (
     Rule("padding-lost", "wrong", "site", "key padding a call site masks at its first step and attends at a later one "
          "(left padding dropped at decode)", sites),
     Rule("window-lost", "wrong", "site", "a sliding window at a call site's first step that is gone at a later step",
          sites),
+    Rule("top-left-mask", "wrong", "site", "a decode step whose mask is causal aligned top-left (sliced as mask[:Lq, :Lk]): "
+         "its queries see the first keys, not their own", alignment),
+    Rule("causal-lost", "wrong", "site", "a call site causal in one call and seeing later keys in another (the causal "
+         "mask skipped when a cache is attached)", causal_lost),
 )

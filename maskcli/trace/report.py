@@ -238,7 +238,7 @@ def _polarity(call, expression: str) -> str:
 def _what_api_does(call) -> str:
     api, details = call.api, call.details
     if api == "softmax":
-        return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf"
+        return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf" and details.get("nan_rows", True)
                 else "uniform weights over every key there, masked ones included (a finite fill)")
     if api == "mha" and details.get("need_weights"):
         return "NaN there (MHA with need_weights=True runs its own softmax)"
