@@ -51,3 +51,8 @@ def test_the_trace_report_colours_a_finding_by_its_severity():
                             findings=[Finding("fully-masked", "a"), Finding("fully-masked", "b", "wrong"),
                                       Finding("sees-later", "c")])
     assert [view.style for view in views([group], 1, "p", 0)[2:]] == ["dim", "red", "yellow"]
+
+
+def test_the_docs_page_has_a_section_for_every_rule_written_in_checks():
+    page = (PACKAGE.parent / "docs" / "checks.md").read_text()
+    assert [r.code for r in all_rules() if callable(r.check) and f"**{r.code}**" not in page] == []

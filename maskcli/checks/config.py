@@ -44,7 +44,7 @@ def _equal(cells, expression: str, placed: dict) -> bool:
 def _placed(call, run: Run, cells) -> dict | None:
     """How the call's queries sit among its keys, and the padding read off the mask; None where not known."""
     top = run.top(call)
-    q_len, k_len = call.shape[2:]
+    q_len, k_len = cells.shape[-2:]
     if call.details.get("slots") is not None or q_len > k_len:
         return None
     placed = dict(found_padding(cells))

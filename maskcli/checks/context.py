@@ -57,6 +57,13 @@ class Run:
         return found
 
 
+def masked_somewhere(call) -> bool:
+    """False for a softmax that masked no cell: a router's or a classifier's as much as an attention's, so no rule
+    reads its last dimension as keys."""
+    found = call.details
+    return call.api != "softmax" or bool(found.get("fill") or found.get("fill_value") is not None or found.get("additive"))
+
+
 def layer(call) -> int | None:
     """The call's layer: what `model` placed, HF's layer_idx, else the last whole number of its module path."""
     if call.details.get("layer") is not None:
@@ -69,14 +76,16 @@ def layer(call) -> int | None:
 
 
 def keep(call) -> np.ndarray | None:
-    """Bool (b, h, Lq, Lk) as stored (batch rows or heads that repeat kept once); None where not kept or too big."""
+    """Bool (b, h, Lq, Lk) as stored (batch rows or heads that repeat kept once), without a sink column that `model`
+    marked; None where not kept or too big."""
     stored = call.stored
     if stored is None or stored.get("form") == "stats":
         return None
     b, h = stored["planes"]
     if b * h * call.shape[2] * call.shape[3] > DENSE_CELLS:
         return None
-    return tracefile.dense(stored)
+    cells = tracefile.dense(stored)
+    return cells[..., :-1] if call.details.get("sink_column") else cells  # GPT-OSS's sink logit is no key (model)
 
 
 def queries(call, top: Top | None) -> np.ndarray:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from maskcli.checks.context import Run
+from maskcli.checks.context import Run, masked_somewhere
 from maskcli.checks.registry import all_rules
 
 
 def findings(run: Run) -> list:
     """(call, Finding) of every rule written in this package that reads calls, sites or steps."""
+    run = Run([call for call in run.calls if masked_somewhere(call)], run.tops)
     found, done = [], set()
     for rule in all_rules():
         if callable(rule.check) and rule.reads in ("call", "site", "steps") and rule.check not in done:

@@ -257,7 +257,9 @@ def _what_api_does(call) -> str:
 
 
 def _empty_rows(call, stored: dict, structure) -> list[Finding]:
-    severity = "wrong" if "NaN" in _what_api_does(call) else "note"  # rows the kernel gives 0 are routine (left padding)
+    # rows the kernel gives 0 are routine (left padding); NaN out of a softmax of the program's own may be zeroed by
+    # the program after it (CPM-Ant's masked_fill(score, ~mask, 0)), which a trace does not see: suspicious there
+    severity = "note" if "NaN" not in _what_api_does(call) else "suspicious" if call.api == "softmax" else "wrong"
     if stored["form"] == "stats":
         return [Finding("fully-masked", f"{stored['empty_rows']:,} query rows see no key at all: {_what_api_does(call)}",
                         severity)] if stored["empty_rows"] else []
