@@ -12,6 +12,8 @@ BUGS = [
     ("decode_mask_sliced", "padding-ignored"),  # thu-nics/C2C#19: the mask sliced to one column at decode
     ("prefill_mask_ignores_padding", "padding-ignored"),  # ml-explore/mlx-lm#1906: a plain causal mask at prefill
     ("packed_positions_no_document_mask", "documents-leak"),  # huggingface/nanoVLM#204: positions reset, mask causal
+    ("packing_position_reset_only", "documents-leak"),  # DeepOpt-com/WrinkleFree-Monorepo#53: the same, RoPE only
+    ("chunked_mask_clobbers_documents", "documents-leak"),  # huggingface/transformers#37429: chunks over documents
 ]
 
 

@@ -16,6 +16,8 @@ BUGS = [
     ("mha_is_causal_need_weights", "hint-ignored"),
     # huggingface/transformers#542, #5295: a 0/1 mask added to the scores masks nothing
     ("bert_mask_not_extended", "ones-added"),
+    # pytorch/pytorch#27968: MHA's own softmax over a row whose keys are all padding is NaN
+    ("mha_empty_sequence_nan", "fully-masked"),
 ]
 
 
