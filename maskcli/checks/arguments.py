@@ -40,8 +40,9 @@ def padding(run: Run) -> list:
             continue
         rows, length = given.shape
         key = (call.mask, call.shape, given.tobytes(), tuple(queries(call, top)))
-        if key in done or call.shape[3] < length:
-            continue
+        static = "cache_position" in top.arguments and call.shape[3] > length  # a static cache's slots past the mask
+        if key in done or (call.shape[3] != length and not static):
+            continue  # (keys that are not the mask's tokens: a prompt prepended inside the model, CPM-Ant's)
         done.add(key)
         cells = _cells_by_row(call, rows)
         if cells is None:
