@@ -11,9 +11,8 @@ is left to the rules that can name it.
 
 from __future__ import annotations
 
-from maskcli.checks.context import Run, columns_are_positions, found_padding, keep, layer, queries
+from maskcli.checks.context import Run, columns_are_positions, equals, found_padding, keep, layer, queries
 from maskcli.checks.registry import Rule
-from maskcli.errors import MaskError
 from maskcli.text import Finding
 
 
@@ -30,15 +29,6 @@ def layer_kind(config, index: int | None) -> tuple[str, str] | None:
     if isinstance(getattr(config, "attention_chunk_size", None), int):
         return "chunked_attention", f"attention_chunk_size={config.attention_chunk_size}"
     return "full_attention", "no sliding_window, layer_types or attention_chunk_size"
-
-
-def _equal(cells, expression: str, placed: dict) -> bool:
-    from maskcli.testing import against
-
-    try:
-        return against(cells, expression, **placed).equal
-    except MaskError:
-        return False
 
 
 def _placed(call, run: Run, cells) -> dict | None:
@@ -77,11 +67,13 @@ def window(run: Run) -> list:
     found = []
     for call, config, index, (kind, field), cells, placed in _each_layer_call(run):
         size = getattr(config, "sliding_window", None)
-        if kind != "sliding_attention" or not isinstance(size, int) or size < 2 or _equal(cells, f"window({size})", placed):
+        if kind != "sliding_attention" or not isinstance(size, int) or size < 2:
+            continue
+        if equals(cells, f"window({size})", **placed):
             continue
         source = f"config.sliding_window={size} ({field})"
         for other in (size + 1, size - 1):
-            if _equal(cells, f"window({other})", placed):
+            if equals(cells, f"window({other})", **placed):
                 how = "wider" if other > size else "narrower"
                 found.append((call, Finding("window-off-by-one", (
                     f"layer {index} sees window({other}), one key {how} than its config's window({size}): an "
@@ -89,7 +81,7 @@ def window(run: Run) -> list:
                     expected=f"window({size})", source=source)))
                 break
         else:
-            if _equal(cells, "causal", placed):
+            if equals(cells, "causal", **placed):
                 found.append((call, Finding("window-missing", (
                     f"layer {index} is a sliding layer ({field}) but its mask is causal: queries see keys "
                     f"{size} or more positions back"), expected=f"window({size})", source=source)))
@@ -101,9 +93,9 @@ def full_layers(run: Run) -> list:
     found = []
     for call, config, index, (kind, field), cells, placed in _each_layer_call(run):
         size = getattr(config, "sliding_window", None)
-        if kind != "full_attention" or not isinstance(size, int) or size < 1 or _equal(cells, "causal", placed):
+        if kind != "full_attention" or not isinstance(size, int) or size < 1 or equals(cells, "causal", **placed):
             continue
-        if any(_equal(cells, f"window({w})", placed) for w in (size, size + 1, size - 1) if w >= 1):
+        if any(equals(cells, f"window({w})", **placed) for w in (size, size + 1, size - 1) if w >= 1):
             found.append((call, Finding("window-on-full-layer", (
                 f"layer {index} is a full-attention layer ({field}) but its mask is a sliding window of about "
                 f"{size} keys: the window applied to every layer, not by layer_types"), expected="causal", source=field)))
@@ -117,7 +109,7 @@ def chunks(run: Run) -> list:
         size = getattr(config, "attention_chunk_size", None)
         if kind != "chunked_attention" or not isinstance(size, int) or size < 1:
             continue
-        if not _equal(cells, f"local({size})", placed) and _equal(cells, "causal", placed):
+        if not equals(cells, f"local({size})", **placed) and equals(cells, "causal", **placed):
             found.append((call, Finding("chunks-missing", (
                 f"layer {index} is a chunked layer ({field}) but its mask is causal across chunks of {size}"),
                 expected=f"local({size})", source=f"config.attention_chunk_size={size}")))

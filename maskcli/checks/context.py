@@ -58,8 +58,8 @@ class Run:
 
 
 def masked_somewhere(call) -> bool:
-    """False for a softmax that masked no cell: a router's or a classifier's as much as an attention's, so no rule
-    reads its last dimension as keys."""
+    """False for a softmax that masked no cell: a router's or a classifier's as much as an attention's; the rules read
+    only the call sites that mask somewhere (an MoE router's softmax is over experts, not keys)."""
     found = call.details
     return call.api != "softmax" or bool(found.get("fill") or found.get("fill_value") is not None or found.get("additive"))
 
@@ -109,6 +109,18 @@ def columns_are_positions(call, top: Top | None) -> bool:
     if placed is not None:
         return placed[0] == 0
     return int(queries(call, top)[-1]) < call.shape[3]
+
+
+def equals(cells: np.ndarray, expression: str, **placed) -> bool:
+    """The cells are exactly `expression` placed as `placed` says (maskcli.testing.against); False where it cannot
+    be placed so."""
+    from maskcli.errors import MaskError
+    from maskcli.testing import against
+
+    try:
+        return against(cells, expression, **placed).equal
+    except MaskError:
+        return False
 
 
 def first_cell(cells: np.ndarray) -> tuple[int, ...]:

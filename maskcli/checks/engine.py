@@ -8,7 +8,8 @@ from maskcli.checks.registry import all_rules
 
 def findings(run: Run) -> list:
     """(call, Finding) of every rule written in this package that reads calls, sites or steps."""
-    run = Run([call for call in run.calls if masked_somewhere(call)], run.tops)
+    attending = {call.where for call in run.calls if masked_somewhere(call)}  # a site that masks once is attention
+    run = Run([call for call in run.calls if call.where in attending], run.tops)
     found, done = [], set()
     for rule in all_rules():
         if callable(rule.check) and rule.reads in ("call", "site", "steps") and rule.check not in done:

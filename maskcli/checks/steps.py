@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, columns_are_positions, first_cell, found_padding, keep, queries
+from maskcli.checks.context import Run, columns_are_positions, equals, first_cell, found_padding, keep, queries
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -89,16 +89,6 @@ def sites(run: Run) -> list:
     return found
 
 
-def _equal(cells, expression: str, **placed) -> bool:
-    from maskcli.errors import MaskError
-    from maskcli.testing import against
-
-    try:
-        return against(cells, expression, **placed).equal
-    except MaskError:
-        return False
-
-
 def alignment(run: Run) -> list:
     """A decode step (not a site's first call) whose mask is causal aligned top-left, its queries at keys 0..Lq-1,
     where the run places them after earlier keys: each query sees the first keys, not its own."""
@@ -113,7 +103,7 @@ def alignment(run: Run) -> list:
             continue
         done.add(call.mask)
         cells = keep(call)
-        if cells is not None and _equal(cells, "causal", offset=0, kv_len=k_len, **found_padding(cells)):
+        if cells is not None and equals(cells, "causal", offset=0, kv_len=k_len, **found_padding(cells)):
             found.append((call, Finding("top-left-mask", (
                 f"at step {call.step} the mask is causal aligned top-left: query {int(own[0])} sees keys 0..0 only, "
                 f"not the {int(own[0])} keys before it (a mask sliced as mask[:Lq, :Lk]; bottom-right is "
@@ -134,7 +124,7 @@ def causal_lost(run: Run) -> list:
             q_len, k_len = call.shape[2:]
             if cells is None or q_len < 2 or q_len != k_len or not cells.any(axis=-1).all():
                 continue
-            if causal is None and _equal(cells, "causal"):
+            if causal is None and equals(cells, "causal"):
                 causal = call
                 continue
             later = np.triu(cells, k=1)
