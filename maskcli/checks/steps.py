@@ -103,7 +103,9 @@ def alignment(run: Run) -> list:
             continue
         done.add(call.mask)
         cells = keep(call)
-        if cells is not None and equals(cells, "causal", offset=0, kv_len=k_len, **found_padding(cells)):
+        if cells is None or cells[..., np.arange(q_len), np.arange(q_len) + 1].any():
+            continue  # a query that sees the key after its row number: not top-left (most decode steps stop here)
+        if equals(cells, "causal", offset=0, kv_len=k_len, **found_padding(cells)):
             found.append((call, Finding("top-left-mask", (
                 f"at step {call.step} the mask is causal aligned top-left: query {int(own[0])} sees keys 0..0 only, "
                 f"not the {int(own[0])} keys before it (a mask sliced as mask[:Lq, :Lk]; bottom-right is "
@@ -120,9 +122,11 @@ def causal_lost(run: Run) -> list:
     for where, calls in run.sites().items():
         causal = None
         for call in calls:
-            cells = keep(call)
             q_len, k_len = call.shape[2:]
-            if cells is None or q_len < 2 or q_len != k_len or not cells.any(axis=-1).all():
+            if q_len < 2 or q_len != k_len:
+                continue
+            cells = keep(call)
+            if cells is None or not cells.any(axis=-1).all():
                 continue
             if causal is None and equals(cells, "causal"):
                 causal = call
