@@ -148,7 +148,8 @@ def run(command: str, cwd: Path | None = None) -> tuple[int, str]:
                                     prog_name="maskcli")
     finally:
         os.chdir(before)
-    return result.exit_code, "\n".join(line.rstrip() for line in result.stdout.splitlines())
+    shown = result.output if _args(command)[:1] == ["trace"] else result.stdout  # trace reports on stderr
+    return result.exit_code, "\n".join(line.rstrip() for line in shown.splitlines())
 
 
 def console_blocks(text: str) -> list[tuple[str, str]]:

@@ -7,8 +7,20 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Finding:
+    """What a rule found (maskcli.checks.registry declares each code's rule and its severity).
+
+    `severity` overrides the rule's own where one finding of a code is worse than another (a row that sees no key is a
+    note where the kernel gives 0, wrong where it gives NaN); `expected`, `source` and `cell` say what the mask should
+    have been, where that expectation came from (a config field, an argument, an earlier step, a kernel's rule) and
+    the first cell that differs.
+    """
+
     code: str  # short, stable: fully-masked, row-sum, sees-later, fill-overflow, non-finite
     message: str
+    severity: str | None = None
+    expected: str | None = None
+    source: str | None = None
+    cell: tuple | None = None  # (batch row, query, key) as absolute positions where known
 
 
 def spans(values: list[int]) -> str:

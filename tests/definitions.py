@@ -41,6 +41,8 @@ def kind_keeps(name, p, b, q, kv, ctx) -> bool:
         return kv < p["sink"]
     if name == "lookback":
         return kv > q - p["window"]  # Hugging Face's sliding_window_overlay: no kv <= q
+    if name == "band":
+        return abs(q - kv) < p["window"]
     if name == "local":
         pad = _row(ctx["left_pad"], b)
         if p.get("documents") is None:

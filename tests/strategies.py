@@ -42,14 +42,14 @@ def labels(n, rows, low, high):
 
 @st.composite
 def leaves(draw, n, lq, batch, padded):
-    names = ["full", "causal", "window", "lookback", "prefix", "sink", "local", "tril", "triu", "chunk", "document", "segment", "blocks", "tree"]
+    names = ["full", "causal", "window", "lookback", "band", "prefix", "sink", "local", "tril", "triu", "chunk", "document", "segment", "blocks", "tree"]
     if padded:
         names.append("padding")
     name = draw(st.sampled_from(names))
     rows = draw(st.sampled_from([1, batch]))
     if name in ("full", "causal", "padding"):
         return ("kind", name, {})
-    if name in ("window", "lookback"):
+    if name in ("window", "lookback", "band"):
         return ("kind", name, {"window": draw(st.integers(1, 5))})
     if name in ("prefix", "sink"):
         return ("kind", name, {name: draw(st.integers(1, n))})

@@ -24,7 +24,7 @@ def test_json_lists_every_kind_with_its_parameters():
     data = json.loads(ok(["kinds", "--json"]).stdout)
     assert [k["name"] for k in data] == [kind.name for kind in all_kinds()]
     assert {k["name"] for k in data} == {
-        "full", "causal", "tril", "triu", "window", "lookback", "prefix", "sink", "local", "chunk", "document", "segment", "blocks", "tree", "padding",
+        "full", "causal", "tril", "triu", "window", "lookback", "band", "prefix", "sink", "local", "chunk", "document", "segment", "blocks", "tree", "padding",
     }
     window = next(k for k in data if k["name"] == "window")
     assert window == {

@@ -18,7 +18,7 @@ from maskcli.kinds import all_kinds, flags, get, names
 from maskcli.kinds.base import Profile
 from maskcli.mask import MaskOptions, build
 
-KIND_NAMES = {"full", "causal", "tril", "triu", "window", "lookback", "prefix", "sink", "local", "chunk", "document", "segment", "blocks", "tree", "padding"}
+KIND_NAMES = {"full", "causal", "tril", "triu", "window", "lookback", "band", "prefix", "sink", "local", "chunk", "document", "segment", "blocks", "tree", "padding"}
 
 
 def test_every_kind_of_the_design_is_registered_once():
@@ -78,6 +78,7 @@ CASES = [
     ("window(2)", {"window": 2}, 6),
     ("lookback(2)", {"window": 2}, 6),
     ("lookback(4)", {"window": 4}, 6),
+    ("band(2)", {"window": 2}, 6),
     ("prefix(3)", {"prefix": 3}, 6),
     ("sink(2)", {"sink": 2}, 6),
     ("local(3)", {"chunk_size": 3}, 7),

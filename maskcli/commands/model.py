@@ -46,7 +46,7 @@ def model(
 
     Sizes shrink to a tiny width; what shapes masks stays: the sliding window, the layer types and their pattern (the first layers, up to one of each type), the chunk size, the cache, the padding side. The masks are captured as maskcli trace captures them and named by the same recogniser; calls with the same mask form one group (#N).
 
-    Every run checks each step's mask against the keys its layer's cache returned (as wide, each key column on the position its slot holds): exit status 1 naming the first cell where not, as for --expect and --prefill-chunk.
+    Every run checks each step's mask against the keys its layer's cache returned (as wide, each key column on the position its slot holds) and its config: exit 1 naming the first cell where not, as for --expect and --prefill-chunk.
     """
     if list_:
         _only_try_with_list(ctx)
@@ -182,5 +182,7 @@ def _show(result, expectations, json_out: bool, targets: dict) -> None:
         masks = {key: value for key, value in tracer.masks.items() if key in used}
         atomic_write(targets["--save"], lambda path: save_trace(path, [call.json() for call in tracer.calls], masks))
         done(f"wrote {targets['--save']}")
-    if failures or not result.chunk_holds or not result.cache_holds:
+    from maskcli.checks.registry import wrong
+
+    if failures or not result.chunk_holds or not result.cache_holds or any(wrong(g.findings) for g in view.groups):
         raise typer.Exit(1)

@@ -269,3 +269,4 @@ def output_options(func):
              ("o_summary", Summary, False), ("o_grid", Grid, None), ("o_why", Why, None), ("o_html", Html, None)]
     return extend(func, "output", added, lambda given: Output(*given.values()))
 
+Check = Annotated[bool, typer.Option("--check/--no-check", help="Exit status 1 where a finding is wrong: a mask differs from what the run itself states (the model's config, the forward call's attention_mask / position_ids / cache_position, the call's earlier steps, the kernel's rules). --no-check reports findings and keeps the program's status.")]

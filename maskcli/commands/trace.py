@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from maskcli.commands.app import app, done, make_console
-from maskcli.commands.options import examples, integer
+from maskcli.commands.options import Check, examples, integer
 from maskcli.errors import MaskError
 
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf")  # maskcli.trace.capture.APIS, without importing torch for --help
@@ -38,6 +38,7 @@ def trace(
     json_path: Annotated[str | None, typer.Option("--json", help="Write every call (where, api, step, shapes, dtype, device, its mask's id) and every group, named, with findings, as JSON to this file (stdout stays the program's).", show_default=False)] = None,
     save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to one .pt file that other commands read as a mask: --mask TRACE.pt:7 (call 7) or TRACE.pt:PATH@STEP (like layers.5.self_attn@2: that module's third call).", show_default=False)] = None,
     expect: Annotated[list[str] | None, typer.Option("--expect", help="PATTERN=EXPR, repeatable: every call whose module path matches PATTERN (as a shell matches, like layers.*.self_attn) must be EXPR with its queries at the end of its keys (padding: the call's key_padding_mask where it has one, else the keys no query of a batch row sees while one of another row does, as assert_mask finds it); exit status 1 where one is not.", show_default=False)] = None,
+    check_: Check = True,
 ) -> None:
     """Run a Python program and record the mask of every attention call it makes, grouped and named.
 
@@ -78,13 +79,15 @@ def trace(
     named = apis if api != ",".join(APIS) else ()  # the APIs the user asked for by name
     unseen = [f"--api {name}: the program never imported {module_name}, so --api {name} recorded nothing"
               for name, module_name in (("flash", "flash_attn"), ("hf", "transformers")) if name in named and name not in tracer.patched]
-    _report(tracer, f"-m {module}" if module else os.path.basename(script), status, expectations, json_path, save, targets, unseen)
+    _report(tracer, f"-m {module}" if module else os.path.basename(script), status, expectations, json_path, save, targets, unseen,
+            check_)
 
 
 def _report(tracer, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict,
-            unseen: list[str]) -> None:
+            unseen: list[str], check_: bool = True) -> None:
     import json
 
+    from maskcli.checks.registry import wrong
     from maskcli.files import atomic_write
     from maskcli.render.trace import views
     from maskcli.trace.expect import check
@@ -119,5 +122,5 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
         done(f"wrote {save}")
     if status:
         raise typer.Exit(status)
-    if failures:
+    if failures or (check_ and any(wrong(group.findings) for group in groups)):
         raise typer.Exit(1)

@@ -50,9 +50,11 @@ def shaping(config) -> dict:
 
 
 def view(run) -> View:
+    from maskcli.checks.context import Run
+    from maskcli.checks.engine import apply
     from maskcli.trace.report import group
 
-    groups = group(run.calls)
+    groups = apply(group(run.calls), Run(run.calls, getattr(run.trace, "tops", [])))
     numbers = {call.index: number for number, g in enumerate(groups) for call in g.calls}
     types = list(dict.fromkeys(run.types))
     layers = {kind: [i for i, t in enumerate(run.types) if t == kind] for kind in types}

@@ -11,6 +11,8 @@ from rich.text import Text
 from maskcli.hf.report import layers_text
 from maskcli.render import hanging
 from maskcli.text import shortened
+from maskcli.render.trace import STYLES
+from maskcli.checks.registry import severity
 
 
 def views(view, failures: list[str], held: list[str]) -> list:
@@ -51,7 +53,7 @@ def views(view, failures: list[str], held: list[str]) -> list:
         # wrapped lines stand under the text, not at column 0, at any width (60 columns break these lines)
         out.append(hanging(f"#{number} ", Text(f"{group.name} · {first.api} {shape}{sink} · {group.where}")))
         for finding in group.findings:
-            out.append(hanging("   ", Text(f"{finding.code}: {finding.message}"), style="red" if finding.code in ("sees-later", "polarity") else ""))
+            out.append(hanging("   ", Text(f"{finding.code}: {finding.message}"), style=STYLES[severity(finding)]))
     if run.other:
         out.append(Text(f"{len(run.other)} attention calls outside the numbered layers (in --json): "
                         + ", ".join(sorted({call.where for call in run.other})[:4])))

@@ -6,10 +6,14 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from maskcli.checks.registry import severity
 from maskcli.errors import MaskError
 from maskcli.expression import Call, Ints, call_text, parse, print_tree, value_text
 from maskcli.expression import Text as Word
 from maskcli.render import hanging
+
+
+STYLES = {"wrong": "red", "suspicious": "yellow", "note": "dim"}  # a finding is coloured by its severity, not its code
 
 
 def views(groups: list, calls: int, program: str, status: int, expected: list | None = None) -> list:
@@ -30,7 +34,7 @@ def views(groups: list, calls: int, program: str, status: int, expected: list | 
         out.append(table)
     for number, group in enumerate(groups):
         for finding in group.findings:
-            style = "red" if finding.code in ("fully-masked", "sees-later", "polarity") else ""
+            style = STYLES[severity(finding)]
             out.append(hanging(f"{number}: ", Text(f"{finding.code}: {_brief(finding.message, group.expression)}"), style=style))
     for line in expected or []:
         out.append(Text(line, style="red"))

@@ -114,6 +114,7 @@ class Trace:
                 self.readers[func] = readers.softmax
             self.scores = Scores()
         self.sites = Sites()
+        self.tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
         self._cache: dict = {}
         self._handles: list = []
         self.mode = _Mode(self)
@@ -154,10 +155,13 @@ class Trace:
         return found
 
     def groups(self) -> list:
-        """The calls grouped by mask, API and shape, each named, with findings (maskcli.trace.report.Group)."""
+        """The calls grouped by mask, API and shape, each named, with findings (maskcli.trace.report.Group): those
+        made where a mask is named, and those of the rules that read the run (maskcli.checks)."""
+        from maskcli.checks.engine import apply
+        from maskcli.checks.context import Run
         from maskcli.trace.report import group
 
-        return group(self.calls)
+        return apply(group(self.calls), Run(self.calls, self.tops))
 
     def report(self) -> str:
         """The grouped report as plain text, one line per group and one per finding."""
@@ -175,7 +179,7 @@ class Trace:
         from torch.nn.modules import module as nn_module
 
         self._handles = [nn_module.register_module_forward_pre_hook(self._pre),
-                         nn_module.register_module_forward_hook(self._post, always_call=True)]
+                         nn_module.register_module_forward_hook(self._post, always_call=True, with_kwargs=True)]
         if "flex" in self.apis:
             self._patch_flex()
         from maskcli.trace.modules import wrap
@@ -274,11 +278,21 @@ class Trace:
 
     def _pre(self, module, args) -> None:
         if not torch.compiler.is_dynamo_compiling():  # a compiled region runs without us (its calls are not recorded)
+            if not self.sites.stack:  # an outermost call begins: the calls made before it, for what the checks read
+                self._local.opened = (module, len(self.calls))
             self.sites.enter(module)
 
-    def _post(self, module, args, output) -> None:
-        if not torch.compiler.is_dynamo_compiling():
-            self.sites.leave(module)
+    def _post(self, module, args, kwargs, output) -> None:
+        if torch.compiler.is_dynamo_compiling():
+            return
+        self.sites.leave(module)
+        opened = getattr(self._local, "opened", None)
+        if not self.sites.stack and opened is not None and opened[0] is module:
+            self._local.opened = None
+            if len(self.calls) > opened[1]:  # an outermost call that made attention calls: what the checks read of it
+                from maskcli.trace.tops import top
+
+                self.tops.append(top(self.sites.shown(module), module, args, kwargs, opened[1], len(self.calls)))
 
     # --- recording ----------------------------------------------------------------------------
 

@@ -86,6 +86,8 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
     keep = additive_keep(mask.detach())
     if details is not None and bool((keep & (mask.detach() != 0)).any()):
         details["bias"] = True
+        if bool(((mask == 0) | (mask == 1)).all()):  # a keep mask of 0s and 1s added as it is (checks/kernels.py)
+            details["zero_one"] = True
     return keep
 
 
@@ -197,10 +199,13 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     scores = x.detach()
     lowest = torch.finfo(scores.dtype).min
     masked = (scores == float("-inf")) | (scores == lowest)
-    fill = "-inf" if bool((scores == float("-inf")).any()) else "min" if bool(masked.any()) else None
+    infinite = scores == float("-inf")
+    fill = "-inf" if bool(infinite.any()) else "min" if bool(masked.any()) else None
     q_len, k_len = x.shape[-2:]
     shape = (x.shape[0], x.shape[1], q_len, k_len) if x.dim() == 4 else (x.shape[0], 1, q_len, k_len)
     details = {"fill": fill}
+    if fill == "-inf":  # only a row -inf everywhere is NaN; one that also holds the lowest value is uniform
+        details["nan_rows"] = bool(infinite.all(dim=-1).any())
     masked = masked | _finite_fill(scores, lowest, details)
     seen = Seen("softmax", shape, tuple(x.shape), (), (), _dtype(x), str(x.device), details=details)
     seen.keep = (~masked).reshape(shape)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maskcli import tracefile
+from maskcli.checks.registry import as_json
 from maskcli.text import Finding, spans, step_text
 from maskcli.trace.names import PADDING, also_documents, flags, flipped_keep
 
@@ -39,7 +40,7 @@ class Group:
         first = self.first
         return {"where": self.where, "api": first.api, "steps": self.steps, "shape": list(first.shape), "mask": first.mask,
                 "expression": self.expression, "name": self.name, "calls": [call.index for call in self.calls],
-                "findings": [{"code": f.code, "message": f.message} for f in self.findings]}
+                "findings": [as_json(f) for f in self.findings]}
 
 
 def where_text(paths: list[str]) -> str:
@@ -241,7 +242,7 @@ def _what_api_does(call) -> str:
     if api == "softmax" and details.get("sink_column"):  # GPT-OSS: the row's unmasked sink logit takes all its weight
         return "0 output there (the sink logit, left out, takes the softmax's whole weight)"
     if api == "softmax":
-        return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf"
+        return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf" and details.get("nan_rows", True)
                 else "uniform weights over every key there, masked ones included (a finite fill)")
     if api == "mha" and details.get("need_weights"):
         return "NaN there (MHA with need_weights=True runs its own softmax)"
@@ -260,8 +261,12 @@ def _what_api_does(call) -> str:
 
 
 def _empty_rows(call, stored: dict, structure) -> list[Finding]:
+    # rows the kernel gives 0 are routine (left padding); NaN out of a softmax of the program's own may be zeroed by
+    # the program after it (CPM-Ant's masked_fill(score, ~mask, 0)), which a trace does not see: suspicious there
+    severity = "note" if "NaN" not in _what_api_does(call) else "suspicious" if call.api == "softmax" else "wrong"
     if stored["form"] == "stats":
-        return [Finding("fully-masked", f"{stored['empty_rows']:,} query rows see no key at all: {_what_api_does(call)}")] if stored["empty_rows"] else []
+        return [Finding("fully-masked", f"{stored['empty_rows']:,} query rows see no key at all: {_what_api_does(call)}",
+                        severity)] if stored["empty_rows"] else []
     empty = (tracefile.counts(stored) == 0).any(axis=1)  # (b, Lq): over the heads
     if not empty.any():
         return []
@@ -273,7 +278,7 @@ def _empty_rows(call, stored: dict, structure) -> list[Finding]:
     more = int(empty.any(axis=1).sum()) - len(parts)
     who = "; ".join(parts) + (f"; and {more} more batch rows" if more > 0 else "")
     verb = "sees" if len(parts) == 1 and parts[0].startswith("query row ") and not parts[0].startswith("query rows") else "see"
-    return [Finding("fully-masked", f"{who} {verb} no key at all: {_what_api_does(call)}")]
+    return [Finding("fully-masked", f"{who} {verb} no key at all: {_what_api_does(call)}", severity)]
 
 
 MEANT_LATER = (None, "tril", "triu")  # kinds that mean later keys (full, segment, blocks, ...) are not flagged
@@ -306,11 +311,22 @@ def _later(call, stored: dict, structure) -> list[Finding]:
     q_len, k_len = call.shape[2:]
     own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
     rows = np.flatnonzero((_reach(stored, q_len)[1] > own[None, :]).any(axis=0))
-    if len(rows) == 0:
+    if len(rows) == 0 or (structure is not None and structure.kind is None and _both_ways(stored, q_len, k_len)):
         return []
     shown = spans(rows[:200].tolist())
     return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys): "
                     "a causal mask with an off-by-one, or one read the wrong way round?")]
+
+
+def _both_ways(stored: dict, q_len: int, k_len: int) -> bool:
+    """Every later key a query sees sees that query back (bidirectional spans: image blocks, a symmetric window; the
+    queries at the end of the keys): a mask meant both ways there, which no expression named, not an off-by-one (a
+    causal mask one key off is tril(1), which the recogniser names)."""
+    if stored["form"] == "stats" or q_len != k_len:
+        return False
+    cells = tracefile.dense(stored)
+    later = np.triu(cells, k=1)
+    return not bool((later & ~np.swapaxes(cells, -1, -2)).any())
 
 
 def _asked(call, stored: dict, name: str) -> list[Finding]:

@@ -1,0 +1,128 @@
+"""What the mask should be, read from the model call's own arguments: its attention_mask and its position_ids.
+
+`attention_mask` (B, L), 1 = a real token, as Hugging Face models and BERT take it: no real query
+may see a padding key, at any step and in any layer the call reaches, prefill and decode alike
+(generate hands the whole mask, cached tokens included, to each step). `position_ids` that restart
+at 0 inside a row mark packed documents (transformers' find_packed_sequence_indices, masking_utils.py):
+no query may see another document's keys. Keys are read where the key columns are positions (a cache
+that keeps every key from position 0); an encoder-decoder's attention_mask is its encoder's, so it is
+left alone. The packed-batch rules of `pack` are declared here too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, queries
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+PACK = "maskcli.pack.findings"
+
+
+def _cells_by_row(call, rows: int):
+    """The call's keep cells (rows, Lq, Lk) over its heads, batch rows broadcast; None where they do not fit."""
+    cells = keep(call)
+    if cells is None or cells.shape[0] not in (1, rows) or call.shape[0] != rows:
+        return None
+    return np.broadcast_to(cells.any(axis=1), (rows, *cells.shape[2:]))
+
+
+def padding(run: Run) -> list:
+    """Real queries that see a key the model call's attention_mask marks as padding."""
+    found, done = [], set()
+    for call in run.calls:
+        top = run.top(call)
+        given = None if top is None else top.arguments.get("attention_mask")
+        if given is None or given.ndim != 2 or given.min() > 0 or given.max() > 1 or call.stored is None:
+            continue
+        if getattr(top.config, "is_encoder_decoder", False) or not columns_are_positions(call, top):
+            continue
+        rows, length = given.shape
+        key = (call.mask, call.shape, given.tobytes(), tuple(queries(call, top)))
+        static = "cache_position" in top.arguments and call.shape[3] > length  # a static cache's slots past the mask
+        if key in done or (call.shape[3] != length and not static):
+            continue  # (keys that are not the mask's tokens: a prompt prepended inside the model, CPM-Ant's)
+        done.add(key)
+        cells = _cells_by_row(call, rows)
+        if cells is None:
+            continue
+        own = queries(call, top)
+        inside = own < length
+        real_q = np.zeros((rows, len(own)), dtype=bool)
+        real_q[:, inside] = given[:, own[inside]] == 1
+        pad_k = given == 0  # (rows, L): keys past L are the cache's (cache.py)
+        bad = cells[:, :, :length] & real_q[:, :, None] & pad_k[:, None, :]
+        if bad.any():
+            b, q, k = first_cell(bad)
+            step = "a decode step" if call.shape[2] == 1 and call.step > 0 else f"step {call.step}"
+            found.append((call, Finding("padding-ignored", (
+                f"batch row {b}: query {int(own[q])} sees key {k}, which the attention_mask given to "
+                f"{top.where} marks as padding ({step}; {int(bad.sum())} such cells)"),
+                expected="the attention_mask's padding on every key", source=f"attention_mask of {top.where}",
+                cell=(b, int(own[q]), k))))
+    return found
+
+
+def document_starts(position_ids: np.ndarray, real: np.ndarray | None) -> np.ndarray:
+    """Int64 (B, L): each token's document number, a new one where the position restarts at 0 after a real token."""
+    restart = np.zeros(position_ids.shape, dtype=bool)
+    restart[:, 1:] = (position_ids[:, 1:] == 0) & (position_ids[:, :-1] >= 0)
+    if real is not None:
+        restart[:, 1:] &= (real[:, 1:] == 1) & (real[:, :-1] == 1)
+    return np.cumsum(restart, axis=1)
+
+
+def documents(run: Run) -> list:
+    """A query that sees another document's key, the documents marked by position_ids restarting at 0."""
+    found, done = [], set()
+    for call in run.calls:
+        top = run.top(call)
+        positions = None if top is None else top.arguments.get("position_ids")
+        if positions is None or positions.ndim != 2 or call.stored is None or call.shape[2] != call.shape[3]:
+            continue
+        real = top.arguments.get("attention_mask")
+        real = real if real is not None and real.shape == positions.shape else None
+        labels = document_starts(positions, real)
+        if not (labels[:, -1] > 0).any() or positions.shape[1] != call.shape[3] or queries(call, top)[0] != 0:
+            continue
+        key = (call.mask, call.shape, labels.tobytes())
+        if key in done:
+            continue
+        done.add(key)
+        rows = max(call.shape[0], labels.shape[0])
+        cells = _cells_by_row(call, rows)
+        if cells is None:
+            continue
+        labels = np.broadcast_to(labels, (rows, labels.shape[1]))
+        across = cells & (labels[:, :, None] != labels[:, None, :])
+        if real is not None:
+            across &= np.broadcast_to(real == 1, (rows, real.shape[1]))[:, None, :]
+        if across.any():
+            b, q, k = first_cell(across)
+            found.append((call, Finding("documents-leak", (
+                f"position_ids restart at 0 (packed documents) but query {q} of batch row {b} sees key {k} of "
+                f"another document ({int(across.sum())} such cells): the mask does not restart with them"),
+                expected="a document mask from the position_ids", source=f"position_ids of {top.where}",
+                cell=(b, q, k))))
+    return found
+
+
+RULES = (
+    Rule("padding-ignored", "wrong", "steps", "a padding key of the model call's attention_mask seen by a real query, "
+         "at prefill or at a decode step", padding),
+    Rule("documents-leak", "wrong", "steps", "packed documents (position_ids restarting at 0) whose mask lets a "
+         "query see another document", documents),
+    Rule("fields-disagree", "wrong", "batch", "two fields of a packed batch that place the documents differently",
+         f"{PACK}:check"),
+    Rule("cross-document", "wrong", "batch", "an attention path that lets tokens see another document", f"{PACK}:check"),
+    Rule("sees-padding", "wrong", "batch", "an attention path that lets real tokens see padding", f"{PACK}:check"),
+    Rule("rope-continues", "wrong", "batch", "position_ids that count on across a document boundary", f"{PACK}:_rope"),
+    Rule("labels-on-padding", "wrong", "batch", "labels that are not -100 on padding", f"{PACK}:_labels"),
+    Rule("labels-across", "wrong", "batch", "labels that predict the next document's first token at some boundaries",
+         f"{PACK}:_labels"),
+    Rule("lengths-sum", "wrong", "batch", "cu_seqlens that do not add up to the batch's tokens", f"{PACK}:_lengths"),
+    Rule("q-k-differ", "wrong", "batch", "cu_seq_lens_q and cu_seq_lens_k that differ in self-attention",
+         f"{PACK}:_lengths"),
+    Rule("max-length", "wrong", "batch", "max_length below the longest document", f"{PACK}:_lengths"),
+)

@@ -1,0 +1,131 @@
+"""What the rules read: the calls of a run, each with the model call that made it (its config and arguments).
+
+A trace records, besides each attention call, every call of an outermost module (a model's forward,
+once per generate step): the module's `config` where it has one, the 2-D arguments that say where
+tokens are (attention_mask, position_ids, cache_position, token_type_ids, cu_seq_lens_q/k) as small
+numpy arrays, and which attention calls it made ([first, end) of the call indices). The rules read
+these as transformers reads them; nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from maskcli import tracefile
+from maskcli.keypadding import read as found_padding  # noqa: F401 - key padding read off a mask: the one rule (maskcli.keypadding)
+
+DENSE_CELLS = 1 << 22  # masks checked cell by cell up to this many cells (b*h*Lq*Lk as stored)
+LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+@dataclass
+class Top:
+    """One call of an outermost module: its name, its config (or None), its arguments, the attention calls it made."""
+
+    where: str
+    config: object = None
+    arguments: dict = field(default_factory=dict)  # name -> np.ndarray (2-D int/bool tensors) or a short word
+    first: int = 0
+    end: int = 0
+
+
+@dataclass
+class Run:
+    calls: list  # of trace Calls: .index .where .step .api .shape .details .stored
+    tops: list[Top] = field(default_factory=list)
+
+    def top(self, call) -> Top | None:
+        """The innermost outermost-module call that made `call` (the last one that began before it)."""
+        found = None
+        for top in self.tops:
+            if top.first <= call.index < top.end:
+                found = top
+        return found
+
+    def config(self, call):
+        top = self.top(call)
+        return None if top is None else top.config
+
+    def sites(self) -> dict[str, list]:
+        """Each call site's calls in step order."""
+        found: dict[str, list] = {}
+        for call in self.calls:
+            if call.stored is not None:
+                found.setdefault(call.where, []).append(call)
+        return found
+
+
+def masked_somewhere(call) -> bool:
+    """False for a softmax that masked no cell: a router's or a classifier's as much as an attention's; the rules read
+    only the call sites that mask somewhere (an MoE router's softmax is over experts, not keys)."""
+    found = call.details
+    return call.api != "softmax" or bool(found.get("fill") or found.get("fill_value") is not None or found.get("additive"))
+
+
+def layer(call) -> int | None:
+    """The call's layer: what `model` placed, HF's layer_idx, else the last whole number of its module path."""
+    if call.details.get("layer") is not None:
+        return int(call.details["layer"])
+    hf = call.details.get("hf")
+    if isinstance(hf, dict) and isinstance(hf.get("layer_idx"), int):
+        return hf["layer_idx"]
+    found = LAYER.findall(call.where or "")
+    return int(found[-1]) if found else None
+
+
+def keep(call) -> np.ndarray | None:
+    """Bool (b, h, Lq, Lk) as stored (batch rows or heads that repeat kept once); None where not kept or too big.
+    (A GPT-OSS sink column is left out of the stored mask already: hf.run._leave_out_sink, trace.interface.)"""
+    stored = call.stored
+    if stored is None or stored.get("form") == "stats":
+        return None
+    b, h = stored["planes"]
+    if b * h * call.shape[2] * call.shape[3] > DENSE_CELLS:
+        return None
+    cells = tracefile.dense(stored)
+    return cells
+
+
+def queries(call, top: Top | None) -> np.ndarray:
+    """The absolute position of each query row: `model`'s placing, the model call's cache_position, else the end of
+    the keys (a cache that keeps every key, the key columns being positions)."""
+    q_len, k_len = call.shape[2:]
+    placed = call.details.get("queries")
+    if placed is not None:
+        return np.arange(placed[0], placed[1])
+    position = None if top is None else top.arguments.get("cache_position")
+    if isinstance(position, np.ndarray) and position.ndim == 1 and len(position) == q_len:
+        return position.astype(np.int64)
+    return np.arange(k_len - q_len, k_len)
+
+
+def columns_are_positions(call, top: Top | None) -> bool:
+    """Key column j is position j: a cache that keeps every key from position 0 (dynamic, static, or none)."""
+    if call.details.get("slots") is not None:
+        return False
+    placed = call.details.get("keys")
+    if placed is not None:
+        return placed[0] == 0
+    return int(queries(call, top)[-1]) < call.shape[3]
+
+
+def equals(cells: np.ndarray, expression: str, **placed) -> bool:
+    """The cells are exactly `expression` placed as `placed` says (maskcli.testing.against); False where it cannot
+    be placed so."""
+    from maskcli.errors import MaskError
+    from maskcli.testing import against
+
+    try:
+        return against(cells, expression, **placed).equal
+    except MaskError:
+        return False
+
+
+def first_cell(cells: np.ndarray) -> tuple[int, ...]:
+    """The first True of a bool array, as ints."""
+    return tuple(int(x) for x in np.argwhere(cells)[0])
+
+

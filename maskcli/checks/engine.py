@@ -1,0 +1,29 @@
+"""Running the rules that read a run, and putting each finding beside the group of calls it is about."""
+
+from __future__ import annotations
+
+from maskcli.checks.context import Run, masked_somewhere
+from maskcli.checks.registry import all_rules
+
+
+def findings(run: Run) -> list:
+    """(call, Finding) of every rule written in this package that reads calls, sites or steps."""
+    attending = {call.where for call in run.calls if masked_somewhere(call)}  # a site that masks once is attention
+    run = Run([call for call in run.calls if call.where in attending], run.tops)
+    found, done = [], set()
+    for rule in all_rules():
+        if callable(rule.check) and rule.reads in ("call", "site", "steps") and rule.check not in done:
+            done.add(rule.check)  # (one function may make the findings of several codes)
+            found += rule.check(run)
+    return found
+
+
+def apply(groups: list, run: Run) -> list:
+    """`groups` (trace's, each with .calls and .findings) with the findings of the rules added to the group of their
+    call, each said once per group."""
+    where = {call.index: group for group in groups for call in group.calls}
+    for call, finding in findings(run):
+        group = where.get(call.index)
+        if group is not None and all((f.code, f.message) != (finding.code, finding.message) for f in group.findings):
+            group.findings.append(finding)
+    return groups

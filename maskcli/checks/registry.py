@@ -1,0 +1,86 @@
+"""Every rule that finds a wrong mask, collected from the modules of this package as kinds and formats are.
+
+A rule declares its code (the stable word a finding carries), its severity, what it reads and
+what it catches. Severity is what a renderer colours by and what sets the exit status:
+
+- wrong: the mask differs from what the program itself states (its config, its arguments, an
+  earlier step of the same call site, the cache's written slots, the kernel's own rules);
+- suspicious: a shape that is often a bug but may be meant (no expectation says which);
+- note: routine structure worth a word (padding query rows that see no key and get 0 from the kernel).
+
+What a rule reads: one `call` (or one tensor a user gave), a call `site` across its steps, the
+`steps` of a whole run (calls with the model call that made them: its config and arguments), or a
+packed `batch` (pack). Rules whose findings are still made where they were first written (trace's
+report, inspect, attend, pack) name that function as their `check` ("module:function"), so that
+every rule is listed here while those modules move over.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from maskcli.text import Finding
+
+SEVERITIES = ("wrong", "suspicious", "note")
+READS = ("call", "site", "steps", "batch")
+MODULES = ("kernels", "config", "arguments", "steps", "cache")
+
+
+@dataclass(frozen=True)
+class Rule:
+    code: str
+    severity: str  # one of SEVERITIES: a finding may say a worse or milder one of itself (Finding.severity)
+    reads: str  # one of READS
+    catches: str  # the bug, in one line (docs, `maskcli checks`)
+    check: Callable | str  # a function of this package, or "module:function" where the finding is made today
+
+    def function(self) -> Callable:
+        if callable(self.check):
+            return self.check
+        module, _, name = self.check.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+@functools.cache
+def all_rules() -> tuple[Rule, ...]:
+    """Every rule, by module in MODULES' order; a code defined twice is a bug in maskcli."""
+    rules = [rule for name in MODULES for rule in importlib.import_module(f"maskcli.checks.{name}").RULES]
+    codes = [rule.code for rule in rules]
+    twice = sorted({code for code in codes if codes.count(code) > 1})
+    if twice:
+        raise RuntimeError(f"rules defined twice: {', '.join(twice)}")
+    return tuple(rules)
+
+
+@functools.cache
+def _by_code() -> dict[str, Rule]:
+    return {rule.code: rule for rule in all_rules()}
+
+
+def rule(code: str) -> Rule | None:
+    return _by_code().get(code)
+
+
+def severity(finding: Finding) -> str:
+    """The finding's own severity, else its rule's; a code no rule declares is suspicious."""
+    if finding.severity is not None:
+        return finding.severity
+    found = rule(finding.code)
+    return found.severity if found is not None else "suspicious"
+
+
+def wrong(findings) -> list[Finding]:
+    return [f for f in findings if severity(f) == "wrong"]
+
+
+def as_json(finding: Finding) -> dict:
+    """code, severity, message, and what was expected, from where, and the first differing cell where known."""
+    found = {"code": finding.code, "severity": severity(finding), "message": finding.message}
+    for name in ("expected", "source", "cell"):
+        value = getattr(finding, name)
+        if value is not None:
+            found[name] = list(value) if isinstance(value, tuple) else value
+    return found

@@ -1,0 +1,153 @@
+"""One call site from prefill to each decode step: what its first step shows must hold at the next ones.
+
+A call site's first call (the prefill) says, with no config needed, which keys are padding (keys no
+query of a batch row sees while another row's queries see them, as a padded batch is) and whether it
+is a sliding window (each row sees exactly the W keys up to its own, cut by the row's first key). A
+later step of the same site whose key columns are the same positions (the cache keeps every key, so
+it has at least as many) must keep both: a padding key seen at decode, or a query that sees more than
+W keys back, is the mask lost behind the cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, columns_are_positions, equals, first_cell, found_padding, keep, queries
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def _padded(cells: np.ndarray) -> np.ndarray | None:
+    """Bool (B, Lk): keys no query of a batch row sees while some query of another row does; None where none."""
+    seen = cells.any(axis=(1, 2))
+    if seen.shape[0] < 2:
+        return None
+    padded = ~seen & seen.any(axis=0, keepdims=True)
+    return padded if padded.any() else None
+
+
+def _window(cells: np.ndarray, own: np.ndarray) -> int | None:
+    """W where every batch row and head of the prefill is exactly a window of W keys up to each query (cut at the
+    row's first seen key) and the window cuts somewhere; else None."""
+    seen = cells.any(axis=-1)
+    if not seen.all():
+        return None
+    k_len = cells.shape[-1]
+    first = np.where(cells.any(axis=-1), cells.argmax(axis=-1), k_len)  # (B, H, Lq)
+    last = k_len - 1 - cells[..., ::-1].argmax(axis=-1)
+    count = cells.sum(axis=-1)
+    if not (last == own).all() or not (count == last - first + 1).all():
+        return None  # not one run ending at the query's own key
+    width = int(count.max())
+    start = first.min(axis=-1, keepdims=True)  # each row's first key (its padding's end)
+    if not (first == np.maximum(start, own - width + 1)).all() or (first == start).all():
+        return None  # not a window, or one that never cuts
+    return width
+
+
+def sites(run: Run) -> list:
+    found = []
+    for where, calls in run.sites().items():
+        head = calls[0]
+        top = run.top(head)
+        cells = keep(head)
+        if cells is None or len(calls) < 2 or not columns_are_positions(head, top) or head.shape[2] != head.shape[3]:
+            continue
+        padded = _padded(cells)
+        window = _window(cells, queries(head, top))
+        if padded is None and window is None:
+            continue
+        done = {head.mask}
+        for call in calls[1:]:
+            later_top = run.top(call)
+            if call.mask in done or call.shape[3] < head.shape[3] or not columns_are_positions(call, later_top):
+                continue
+            done.add(call.mask)
+            later = keep(call)
+            if later is None:
+                continue
+            own = queries(call, later_top)
+            if padded is not None and later.shape[0] in (1, padded.shape[0]):
+                width = padded.shape[1]
+                bad = later[..., :width] & padded[:, None, None, :]  # (one mask row for every batch row broadcasts)
+                if bad.any():
+                    b, h, q, k = first_cell(bad)
+                    found.append((call, Finding("padding-lost", (
+                        f"at step {call.step} query {int(own[q])} of batch row {b} sees key {k}, which no query of that "
+                        f"row saw at step 0 (its padding): the padding is lost behind the cache"),
+                        expected="the key padding of step 0", source=f"{where} at step 0", cell=(b, int(own[q]), k))))
+                    continue
+            if window is not None:
+                back = own[None, None, :] - np.where(later.any(axis=-1), later.argmax(axis=-1), own[None, None, :])
+                if (back >= window).any():
+                    b, h, q = first_cell(back >= window)
+                    found.append((call, Finding("window-lost", (
+                        f"step 0 of {where} is window({window}), but at step {call.step} query {int(own[q])} sees "
+                        f"{int(back[b, h, q]) + 1} keys back: the window is lost behind the cache"),
+                        expected=f"window({window})", source=f"{where} at step 0",
+                        cell=(b, int(own[q]), int(own[q] - back[b, h, q])))))
+    return found
+
+
+def alignment(run: Run) -> list:
+    """A decode step (not a site's first call) whose mask is causal aligned top-left, its queries at keys 0..Lq-1,
+    where the run places them after earlier keys: each query sees the first keys, not its own."""
+    found, done = [], set()
+    for call in run.calls:
+        q_len, k_len = call.shape[2:]
+        if call.step == 0 or q_len >= k_len or call.mask in done or call.stored is None:
+            continue
+        top = run.top(call)
+        own = queries(call, top)
+        if own[0] == 0 or not columns_are_positions(call, top):
+            continue
+        done.add(call.mask)
+        cells = keep(call)
+        if cells is None or cells[..., np.arange(q_len), np.arange(q_len) + 1].any():
+            continue  # a query that sees the key after its row number: not top-left (most decode steps stop here)
+        if equals(cells, "causal", offset=0, kv_len=k_len, **found_padding(cells)):
+            found.append((call, Finding("top-left-mask", (
+                f"at step {call.step} the mask is causal aligned top-left: query {int(own[0])} sees keys 0..0 only, "
+                f"not the {int(own[0])} keys before it (a mask sliced as mask[:Lq, :Lk]; bottom-right is "
+                f"mask[Lk - Lq:Lk, :Lk])"), expected=f"causal with the queries at {int(own[0])}..{int(own[-1])}",
+                source=f"{call.where}: {k_len - q_len} earlier keys", cell=(0, int(own[0]), 1))))
+    return found
+
+
+def causal_lost(run: Run) -> list:
+    """A call site whose mask is causal in one call of several queries and lets queries see later keys in another
+    (a prefill that skips the causal mask when a cache is attached). Batches with rows that see no key are left
+    alone: what padding rows see depends on the kernel."""
+    found = []
+    for where, calls in run.sites().items():
+        causal = None
+        for call in calls:
+            q_len, k_len = call.shape[2:]
+            if q_len < 2 or q_len != k_len:
+                continue
+            cells = keep(call)
+            if cells is None or not cells.any(axis=-1).all():
+                continue
+            if causal is None and equals(cells, "causal"):
+                causal = call
+                continue
+            later = np.triu(cells, k=1)
+            if causal is not None and later.any():
+                b, h, q, k = first_cell(later)
+                found.append((call, Finding("causal-lost", (
+                    f"step {causal.step} of {where} is causal, but at step {call.step} query {q} sees later key {k} "
+                    f"({int(later.sum())} such cells)"), expected="causal", source=f"{where} at step {causal.step}",
+                    cell=(b, q, k))))
+    return found
+
+
+RULES = (
+    Rule("padding-lost", "wrong", "site", "key padding a call site masks at its first step and attends at a later one "
+         "(left padding dropped at decode)", sites),
+    Rule("window-lost", "wrong", "site", "a sliding window at a call site's first step that is gone at a later step",
+         sites),
+    Rule("top-left-mask", "wrong", "site", "a decode step whose mask is causal aligned top-left (sliced as mask[:Lq, :Lk]): "
+         "its queries see the first keys, not their own", alignment),
+    Rule("causal-lost", "wrong", "site", "a call site causal in one call and seeing later keys in another (the causal "
+         "mask skipped when a cache is attached)", causal_lost),
+)

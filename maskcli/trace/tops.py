@@ -1,0 +1,47 @@
+"""The outermost module calls of a traced program (a model's forward, once per generate step), kept for the checks.
+
+Each keeps the module's `config` (a Hugging Face model's, or any module's attribute of that name), the arguments
+that say where tokens are, as small numpy arrays, and the range of attention calls it made
+(maskcli.checks.context.Top). Nothing the program computes changes: the arguments are read, never held.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import numpy as np
+import torch
+
+from maskcli.checks.context import Top
+
+ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
+             "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens")
+MOST = 1 << 20  # elements of one argument kept (a batch's 2-D ids; never a 4-D mask)
+
+
+@functools.cache
+def _signature(cls) -> inspect.Signature | None:
+    try:
+        return inspect.signature(cls.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int) -> Top:
+    """The Top of one outermost call: its config and the position arguments it was given (positional ones by name)."""
+    given = dict(kwargs)
+    signature = _signature(type(module))
+    if signature is not None and args:
+        names = [name for name in signature.parameters if name != "self"]
+        given.update({name: value for name, value in zip(names, args) if name not in given})
+    found = {}
+    for name in ARGUMENTS:
+        value = given.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() <= 2 and value.numel() <= MOST and value.device.type != "meta" \
+                and (value.dtype == torch.bool or not value.is_floating_point()):
+            found[name] = value.detach().cpu().numpy().astype(np.int64)
+    cache = given.get("past_key_values")
+    if cache is not None:
+        found["past_key_values"] = type(cache).__name__
+    return Top(where, getattr(module, "config", None), found, first, end)

@@ -1,0 +1,104 @@
+"""checks/engine.py: the rules over programs maskcli did not write, as their projects write them: PyTorch's
+nn.Transformer family, nanoGPT's attention, a tiny Hugging Face decoder generating from a left-padded batch. A
+correct program gets no wrong or suspicious finding (the full sweep over every family: benchmarks/false_alarms.py)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+
+runner = CliRunner()
+
+PROGRAMS = {
+    # torch/nn/modules/transformer.py: the encoder takes its nested-tensor fast path with a key padding mask
+    "encoder_padding": """
+        import torch, torch.nn as nn
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True)
+        encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=True).eval()
+        padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+        with torch.no_grad():
+            encoder(torch.randn(2, 5, 8), src_key_padding_mask=padding)
+    """,
+    # nn.Transformer: a causal target, the source's padding on the encoder and on the cross-attention's memory
+    "transformer_seq2seq": """
+        import torch, torch.nn as nn
+        torch.manual_seed(0)
+        model = nn.Transformer(d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=16,
+                               batch_first=True).eval()
+        src_padding = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+        tgt_mask = nn.Transformer.generate_square_subsequent_mask(4)
+        with torch.no_grad():
+            model(torch.randn(2, 6, 8), torch.randn(2, 4, 8), tgt_mask=tgt_mask, src_key_padding_mask=src_padding,
+                  memory_key_padding_mask=src_padding, tgt_is_causal=True)
+    """,
+    # nanoGPT's CausalSelfAttention, both paths (model.py: flash with is_causal=True, else the bias buffer)
+    "nanogpt": """
+        import math, torch, torch.nn as nn, torch.nn.functional as F
+        class CausalSelfAttention(nn.Module):
+            def __init__(self, n_embd=8, n_head=2, block_size=8, flash=True):
+                super().__init__()
+                self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+                self.n_head, self.n_embd, self.flash = n_head, n_embd, flash
+                self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+            def forward(self, x):
+                B, T, C = x.size()
+                q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+                k, q, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (k, q, v))
+                if self.flash:
+                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0, is_causal=True)
+                else:
+                    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+                    att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float('-inf'))
+                    y = F.softmax(att, dim=-1) @ v
+                return y.transpose(1, 2).contiguous().view(B, T, C)
+        torch.manual_seed(0)
+        x = torch.randn(2, 6, 8)
+        with torch.no_grad():
+            CausalSelfAttention(flash=True)(x)
+            CausalSelfAttention(flash=False)(x)
+    """,
+}
+
+
+def _alarms(tmp_path, name: str, source: str) -> tuple[int, list, str]:
+    script = tmp_path / f"{name}.py"
+    script.write_text(textwrap.dedent(source))
+    out = tmp_path / f"{name}.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    data = json.loads(out.read_text())
+    assert data["exit_status"] == 0 and data["calls"], result.output
+    alarms = [f for g in data["groups"] for f in g["findings"] if f["severity"] in ("wrong", "suspicious")]
+    return result.exit_code, alarms, result.output
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_no_alarm_on_correct_pytorch_programs(tmp_path, name):
+    status, alarms, report = _alarms(tmp_path, name, PROGRAMS[name])
+    assert (status, alarms) == (0, []), report
+
+
+def test_no_alarm_on_a_hugging_face_decoder_generating_from_a_left_padded_batch(tmp_path):
+    """Llama and Mistral (a sliding window) with a dynamic and a static cache (transformers' generate: the static
+    cache's queries at its start, cache_position placing them)."""
+    pytest.importorskip("transformers")
+    source = """
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+        torch.manual_seed(0)
+        for cls, cfg, extra in ((LlamaForCausalLM, LlamaConfig, {}), (MistralForCausalLM, MistralConfig, {"sliding_window": 3})):
+            config = cfg(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, pad_token_id=0, **extra)
+            model = cls(config).eval()
+            ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+            for cache in ("static", "dynamic"):
+                model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=3, do_sample=False,
+                               cache_implementation=cache, pad_token_id=0)
+    """
+    status, alarms, report = _alarms(tmp_path, "hf_generate", source)
+    assert (status, alarms) == (0, []), report

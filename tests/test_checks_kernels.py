@@ -1,0 +1,45 @@
+"""checks/kernels.py: the kernels' own rules, each on a reproduction of a published bug (its buggy and fixed code)."""
+
+from __future__ import annotations
+
+import pytest
+
+from checkbugs import check_bug, traced
+
+BUGS = [
+    # pytorch/pytorch#144858: is_causal=True at a decode step is top-left (torch/nn/functional.py
+    # scaled_dot_product_attention: attn_mask = torch.ones(L, S).tril(diagonal=0) where is_causal)
+    ("sdpa_is_causal_decode", "top-left-causal"),
+    # pytorch/pytorch#99282: MHA's is_causal is a hint; with need_weights it applies attn_mask (torch/nn/functional.py
+    # multi_head_attention_forward: is_causal is passed to SDPA only "if is_causal and key_padding_mask is None and
+    # not need_weights")
+    ("mha_is_causal_need_weights", "hint-ignored"),
+    # huggingface/transformers#542, #5295: a 0/1 mask added to the scores masks nothing
+    ("bert_mask_not_extended", "ones-added"),
+    # pytorch/pytorch#27968: MHA's own softmax over a row whose keys are all padding is NaN
+    ("mha_empty_sequence_nan", "fully-masked"),
+]
+
+
+@pytest.mark.parametrize("name, code", BUGS)
+def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code):
+    check_bug(tmp_path, name, code)
+
+
+def test_rows_a_softmax_turns_into_nan_are_suspicious_and_a_finite_fill_a_note(tmp_path):
+    """pytorch/pytorch#41508: a softmax of a row of -inf is NaN. The program may zero those rows after the softmax
+    (transformers/models/cpmant/modeling_cpmant.py masks the weights with 0 again), which a trace cannot see: so it
+    is suspicious, not wrong; the fix's finfo.min fill makes them uniform, a note."""
+    status, found, report = traced(tmp_path, "softmax_inf_padding_nan", fixed=False)
+    assert ("fully-masked", "suspicious") in [(f["code"], f["severity"]) for f in found] and status == 0, report
+    status, found, report = traced(tmp_path, "softmax_inf_padding_nan", fixed=True)
+    assert ("fully-masked", "note") in [(f["code"], f["severity"]) for f in found] and status == 0, report
+    assert not [f for f in found if f["severity"] != "note"], report
+
+
+def test_rows_that_see_no_key_are_a_note_where_the_kernel_gives_zero(tmp_path):
+    """The padding query rows of a left-padded batch under SDPA see no key: routine (SDPA's math backend gives 0
+    there, aten/src/ATen/native/transformers/attention.cpp _safe_softmax), a note, not a wrong finding."""
+    status, found, report = traced(tmp_path, "prefill_mask_ignores_padding", fixed=True)
+    assert status == 0
+    assert [(f["code"], f["severity"]) for f in found] == [("fully-masked", "note")], report

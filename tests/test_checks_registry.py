@@ -1,0 +1,58 @@
+"""checks/registry.py: every rule declared once with a severity and what it reads; every finding maskcli makes has a
+rule; a finding's own severity wins over its rule's; renderers colour by severity."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from maskcli.checks.registry import READS, SEVERITIES, all_rules, as_json, rule, severity, wrong
+from maskcli.text import Finding
+
+PACKAGE = Path(__file__).resolve().parent.parent / "maskcli"
+
+
+def test_every_rule_has_a_known_severity_and_reading_and_a_check_that_resolves():
+    rules = all_rules()
+    assert len({r.code for r in rules}) == len(rules)
+    for r in rules:
+        assert r.severity in SEVERITIES and r.reads in READS, r
+        assert callable(r.function()), r.code
+        assert r.catches and not r.catches.endswith("."), r.code
+
+
+def test_every_code_a_finding_is_made_with_is_a_rule():
+    """Read off the source: each Finding("code", ...) written anywhere in maskcli has its rule."""
+    made = set()
+    for path in PACKAGE.rglob("*.py"):
+        made |= set(re.findall(r'Finding\(\s*"([a-z0-9-]+)"', path.read_text()))
+    assert len(made) > 20
+    assert sorted(code for code in made if rule(code) is None) == []
+
+
+def test_a_finding_says_its_own_severity_else_its_rules():
+    assert severity(Finding("fully-masked", "x")) == "note"
+    assert severity(Finding("fully-masked", "x", "wrong")) == "wrong"
+    assert severity(Finding("top-left-causal", "x")) == "wrong"
+    assert severity(Finding("no-such-code", "x")) == "suspicious"
+    found = [Finding("fully-masked", "a"), Finding("padding-ignored", "b", cell=(0, 3, 1), source="attention_mask")]
+    assert [f.code for f in wrong(found)] == ["padding-ignored"]
+    assert as_json(found[1]) == {"code": "padding-ignored", "severity": "wrong", "message": "b", "source": "attention_mask",
+                                 "cell": [0, 3, 1]}
+
+
+def test_the_trace_report_colours_a_finding_by_its_severity():
+    from types import SimpleNamespace
+
+    from maskcli.render.trace import views
+
+    call = SimpleNamespace(shape=(1, 1, 2, 2), api="sdpa")
+    group = SimpleNamespace(first=call, calls=[call], where="attn", steps="prefill", name="causal", expression="causal",
+                            findings=[Finding("fully-masked", "a"), Finding("fully-masked", "b", "wrong"),
+                                      Finding("sees-later", "c")])
+    assert [view.style for view in views([group], 1, "p", 0)[2:]] == ["dim", "red", "yellow"]
+
+
+def test_the_docs_page_has_a_section_for_every_rule_written_in_checks():
+    page = (PACKAGE.parent / "docs" / "checks.md").read_text()
+    assert [r.code for r in all_rules() if callable(r.check) and f"**{r.code}**" not in page] == []
