@@ -251,7 +251,8 @@ def test_kind_parameter_flags_are_named_on_help_all_line_and_shown_in_their_pane
     assert "Kind parameters (for a bare kind name)" in every and "Kind parameters" not in shown
     for flag in KIND_FLAGS.split(", "):
         assert f"│ {flag} " in every and f"│ {flag} " not in shown, (name, flag)
-    assert "│ --window            <integer>  window, lookback: keys each query sees" in every
+    assert "│ --window            <integer>  window: keys each query sees: itself and the W-1 before it" in every
+    assert "band: keys each query sees on either side, itself included" in " ".join(row.strip("│ ") for row in every.splitlines())
     assert "Kind parameters" not in runner.invoke(app, ["chunk", "--help-all"], env={"COLUMNS": "120"}).stdout  # labels only
 
 

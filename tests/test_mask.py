@@ -163,7 +163,7 @@ def test_bare_kinds_take_their_parameters_from_flags():
 @pytest.mark.parametrize(
     ("text", "options", "says"),
     [
-        ("causal", {"params": {"--window": 3}}, "--window 3 does not apply to 'causal': it is for lookback, window"),
+        ("causal", {"params": {"--window": 3}}, "--window 3 does not apply to 'causal': it is for band, lookback, window"),
         ("window(4)", {"params": {"--window": 3}}, "--window 3 does not apply: window(4) in the expression gives its own"),
         ("window", {}, "window needs --window W"),
         ("window(0)", {}, "window(0): window must be at least 1"),

@@ -188,7 +188,7 @@ def test_inspect_and_pack_commands_paste_back(tmp_path):
     assert command == "maskcli show causal --len 2 --offset 4 --lengths 6,4 --pad left"
     assert np.array_equal(shown(shlex.split(command)[2:]), keep)
     # pack: each path's `maskcli show` line against a double loop over the documents cu_seqlens gives
-    packed = runner.invoke(app, ["pack", "--position-ids", "0,1,2,0,1,0", "--cu-seqlens", "0,3,5,6", "--json"])
+    packed = runner.invoke(app, ["pack", "--position-ids", "0,1,2,0,1,0", "--cu-seqlens", "0,3,5,6", "--use-cache", "no", "--json"])
     document = np.array([0, 0, 0, 1, 1, 2])
     reference = (document[:, None] == document[None, :]) & np.tri(6, dtype=bool)
     commands = [path["command"] for path in json.loads(packed.stdout)["paths"] if path.get("command")]

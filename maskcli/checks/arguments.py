@@ -125,4 +125,7 @@ RULES = (
     Rule("q-k-differ", "wrong", "batch", "cu_seq_lens_q and cu_seq_lens_k that differ in self-attention",
          f"{PACK}:_lengths"),
     Rule("max-length", "wrong", "batch", "max_length below the longest document", f"{PACK}:_lengths"),
+    Rule("left-out", "wrong", "batch", "tokens an attention path never computes (transformers' flash path takes the "
+         "documents from where position_ids equal their minimum, so tokens before the first such start get no output)",
+         f"{PACK}:check"),
 )

@@ -23,6 +23,8 @@ def hint_ignored(run: Run) -> list:
     for call in run.calls:
         if call.api != "mha" or not call.details.get("is_causal") or call.mask in done:
             continue
+        if call.details.get("ignored_is_causal"):  # said already, from the path the module took (ignored-is-causal)
+            continue
         done.add(call.mask)
         cells = keep(call)
         if cells is None:
@@ -64,6 +66,12 @@ RULES = (
          "where True = attend is read)", f"{REPORT}:_named"),
     Rule("top-left-causal", "wrong", "call", "is_causal with fewer queries than keys: SDPA aligns it top-left, so a "
          "decode step behind a cache sees key 0 only", f"{REPORT}:_named"),
+    Rule("ignored-is-causal", "wrong", "call", "is_causal=True that nn.MultiheadAttention's or an encoder layer's fast "
+         "path never reads: no mask, or a mask that is not causal, was applied", f"{REPORT}:_named"),
+    Rule("score-mod", "note", "call", "a flex score_mod that also adds a bias, or whose masking could not be read off "
+         "its -inf cells", f"{REPORT}:_named"),
+    Rule("same-as", "note", "call", "a mask two expressions name alike (local(C) and document(sizes=...)): the same "
+         "cells", f"{REPORT}:_named"),
     Rule("closest", "note", "call", "the expression nearest a mask nothing rebuilds, and where they differ", f"{REPORT}:_named"),
     Rule("bias", "note", "call", "a float mask that also adds a bias (ALiBi, relative positions)", f"{REPORT}:_named"),
     Rule("finite-fill", "note", "call", "scores filled with a finite value where masked: a row filled everywhere gets "

@@ -34,7 +34,10 @@ def _names(param, ctx) -> str:
 
     if isinstance(param, typer.core.TyperArgument):
         return param.metavar or (param.name or "").upper()
-    flags = ", ".join([*param.opts, *param.secondary_opts])
+    opts = [*param.opts, *param.secondary_opts]
+    if param.name == "help":  # click builds the help option's names from a set: their order changes run to run
+        opts.sort(key=len)
+    flags = ", ".join(opts)
     takes = "" if param.is_flag else param.make_metavar(ctx=ctx)
     return f"{flags} {takes}".rstrip()
 

@@ -144,8 +144,11 @@ def _kind_options() -> list[tuple[str, object, object, str]]:
         param = readers[0][1]
         if flag == "--sizes":
             text = f"{kinds}: labels from segment sizes, like 3,5 (0,0,0,1,1,1,1,1)."
-        else:
-            text = f"{kinds}: {param.help}"
+        else:  # kinds that read the flag alike share one text; one that reads it otherwise (band's W) says its own
+            meanings: dict[str, list[str]] = {}
+            for kind, p in readers:
+                meanings.setdefault(p.help, []).append(kind.name)
+            text = "; ".join(f"{', '.join(dict.fromkeys(names))}: {meaning}" for meaning, names in meanings.items())
             defaults = {kind.name: p.default for kind, p in readers if not p.required and p.default is not None}
             if defaults:
                 text += " (default " + ", ".join(f"{v} for {k}" for k, v in defaults.items()) + ")"
