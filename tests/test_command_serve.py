@@ -222,3 +222,31 @@ def test_model_without_transformers_is_one_line(monkeypatch):
     result = serve(WINDOW_BATCH, "--model", "llama")
     assert result.exit_code == 2
     assert result.stderr.strip() == 'maskcli: error: serve --model needs transformers: pip install "maskcli[hf]"'
+
+
+def test_png_without_a_page_table_draws_the_mask_across_and_explains_its_colours(tmp_path):
+    """flash-attn's contiguous keys have no pages: the mask takes the whole row (it drew a black empty strip beside it),
+    and the legend names the mask's colours, not page kinds that are not there."""
+    from maskcli.render import serve as render
+    from maskcli.serve.engines import from_tensors
+    from maskcli.serve.pagemap import page_map
+
+    tensors = {"cu_seqlens_q": [0, 2], "seqused_k": [6], "causal": 1}
+    path = tmp_path / "flat.png"
+    result = serve(json.dumps(tensors), "--png", path)
+    assert result.exit_code == 0, result.output
+    rgb = (mpimg.imread(path)[..., :3] * 255).round().astype(int)
+    batch = from_tensors(tensors, "t")
+    figure = render.serve_figure(batch, page_map(batch), "t", "t")
+    figure.set_dpi(100)
+    figure.canvas.draw()
+    (ax,) = figure.axes
+    box = ax.get_position()
+    assert box.x1 - box.x0 > 0.8
+    height = rgb.shape[0]
+    for q in (4, 5):
+        for k in range(6):
+            px, py = ax.transData.transform((k, q))
+            want = VISIBLE_RGB if k <= q else MASKED_RGB  # bottom-right causal: query 4 of 6 keys sees 0..4
+            assert np.abs(rgb[int(height - py), int(px)] - want).max() <= 3, (q, k)
+    assert [t.get_text() for t in figure.legends[0].get_texts()] == ["query sees key", "masked"]

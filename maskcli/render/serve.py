@@ -125,8 +125,9 @@ def serve_figure(b: ServeBatch, m: PageMap, source: str, title: str):
     figure = Figure(figsize=(10, 1.0 + 2.2 * shown))
     grid = figure.add_gridspec(max(shown, 1), 2, width_ratios=(3, 2))
     bounds = np.searchsorted(m.owner, np.arange(b.requests + 1))
+    paged = b.page_size > 0
     for r in range(shown):
-        ax = figure.add_subplot(grid[r, 0])
+        ax = figure.add_subplot(grid[r, 0] if paged else grid[r, :])  # no page table: no strip to draw
         mask = b.mask(r)
         q0, q_len, seq = b.frame(r)
         if mask is not None:
@@ -141,6 +142,8 @@ def serve_figure(b: ServeBatch, m: PageMap, source: str, title: str):
         ax.tick_params(labelsize=7)
         _integer_ticks(ax.xaxis, 0, seq)
         _integer_ticks(ax.yaxis, max(q0, 0), q0 + q_len)
+        if not paged:
+            continue
         strip = figure.add_subplot(grid[r, 1])
         at = slice(bounds[r], bounds[r + 1])
         kinds = np.full(bounds[r + 1] - bounds[r], "read", dtype=object)
@@ -155,10 +158,12 @@ def serve_figure(b: ServeBatch, m: PageMap, source: str, title: str):
         strip.set_xlabel("logical block", fontsize=8)
         strip.tick_params(labelsize=7)
         _integer_ticks(strip.xaxis, 0, max(len(kinds), 1))
-    handles = [Patch(color=c, label=k) for k, c in PAGE_COLOURS.items()]
-    figure.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    handles = [Patch(color=np.array(VISIBLE_RGB) / 255, label="query sees key"), Patch(color=np.array(MASKED_RGB) / 255, label="masked")]
+    if paged:
+        handles += [Patch(color=c, label=f"page {k}") for k, c in PAGE_COLOURS.items()]
+    figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     more = f" (requests {shown}-{b.requests - 1} not drawn)" if b.requests > shown else ""
-    figure.suptitle(f"{source}: {title}{more}", fontsize=10)
+    figure.suptitle(f"{source}: {title}{more}" + ("" if paged else " · no page table (contiguous keys)"), fontsize=10)
     figure.tight_layout(rect=(0, 0.04, 1, 0.97))
     return figure
 
