@@ -72,8 +72,9 @@ def test_a_finding_is_printed_and_exits_1(tmp_path):
     reqs[1].pages[0] = reqs[0].pages[0]
     result = serve(save(vllm(reqs, 4), tmp_path / "reuse.json"))
     assert result.exit_code == 1
-    assert ("• wrong shared-page-written (request 0): page 1 is read by requests 0, 1 and written this step: one request's "
-            "new tokens overwrite keys another reads") in " ".join(result.stdout.split("\n"))
+    # request 1 writes its positions 0..3 to slots 4..7 of page 1, which request 0 (queries 8..10) reads as keys 0..3
+    assert ("• wrong shared-page-written (request 0, query 8 key 0): request 1 writes its position 0 to slot 4 on page 1, "
+            "which request 0 reads as keys 0..3: request 0's key 0 is overwritten (page 1 is read by requests 0, 1)") in " ".join(result.stdout.split("\n"))
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".npz", ".safetensors"])

@@ -109,6 +109,23 @@ def test_a_sliding_window_layer_over_reused_pages():
     assert [f.code for f in found] == ["shared-page-partial", "shared-page-written"] or "shared-page-written" in [f.code for f in found]
 
 
+def test_a_shared_page_written_names_the_writer_and_the_first_key_it_overwrites_inside_the_window():
+    """Request 1 writes positions 0..3 on page 1, which request 0 (window 4, its query at 12) still lists as block 2,
+    keys 8..11: the first overwritten key it reads is the first inside 9..12, by the write's slot offset."""
+    old, new = Req(12, 1, [0, 0, 1, 4]), Req(0, 4, [1])
+    tensors = vllm([old, new], 4, sliding_window=4)
+    want = None
+    for t, slot in enumerate(tensors["slot_mapping"][1:]):  # request 1's tokens, in order
+        key = 2 * 4 + int(slot) % 4
+        if want is None and 12 - 4 < key <= 12:
+            want = (t, int(slot), key)
+    (found,) = [f for f in check(from_tensors(tensors, "batch")) if f.code == "shared-page-written"]
+    position, slot, key = want
+    assert found.request == 0 and found.cell == (12, key) == (12, 9)
+    assert found.message.startswith(f"request 1 writes its position {position} to slot {slot} on page 1, which request 0 "
+                                    f"reads as keys 8..11: request 0's key {key} is overwritten")
+
+
 def test_cascade_equals_plain_attention_and_its_bugs():
     """vLLM's FlashAttention cascade: cu_prefix_query_lens = [0, tokens], prefix_kv_lens = [common_prefix_len],
     suffix_kv_lens = seq_lens - common_prefix_len (vllm/v1/attention/backends/flash_attn.py build)."""
