@@ -251,3 +251,10 @@ def test_png_without_a_page_table_draws_the_mask_across_and_explains_its_colours
             want = VISIBLE_RGB if k <= q else MASKED_RGB  # bottom-right causal: query 4 of 6 keys sees 0..4
             assert np.abs(rgb[int(height - py), int(px)] - want).max() <= 3, (q, k)
     assert [t.get_text() for t in figure.legends[0].get_texts()] == ["query sees key", "masked"]
+
+
+def test_a_bad_expect_is_explained_in_requests_not_module_paths():
+    result = serve(PREFIX_HIT, "--expect", "causal")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip() == ('maskcli: error: --expect \'causal\': give PATTERN=EXPR, like "*=window(8)" (PATTERN '
+                                     "matches a request's index or request_id as a shell does)")
