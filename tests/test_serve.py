@@ -199,7 +199,9 @@ def test_a_speculative_tree_is_named_and_checked(engine):
     if engine != "flashinfer":  # FlashInfer's plan() takes no positions
         chain = prefix + np.arange(5)  # positions as a chain, not prefix + depth
         found = check(from_tensors(with_tree(engine, reqs, 4, parents, positions=chain), "batch"))
-        assert [(f.code, f.cell) for f in found] == [("positions", (prefix + 2, prefix + 1))]
+        # node 2 (row prefix + 2) at position prefix + 2, not prefix + 1: its distance to every key is off, from key 0
+        assert [(f.code, f.cell) for f in found] == [("positions", (prefix + 2, 0))]
+        assert "has position 8; its mask puts it at 7 (prefix + depth)" in found[0].message
 
 
 @pytest.mark.parametrize("engine", TREE_ENGINES)
@@ -537,3 +539,16 @@ def test_model_a_window_the_config_lacks_and_a_missing_window():
     assert [f.severity for f in against_config(chunked, {"chunked_attention": ("chunk", 4)}, "l4")] == ["note"]
     found = against_config(chunked, {"chunked_attention": ("chunk", 8)}, "l4")
     assert [(f.severity, f.request) for f in found] == [("wrong", 0)] and "attention_chunk_size 8" in found[0].message
+
+
+def test_a_wrong_position_names_its_row_and_the_first_key_it_sees():
+    """Token 1 of a request with 8 cached tokens sits at row 9; with a window of 4 it sees keys 6..9 (9 - 4 < k <= 9),
+    so its first wrongly rotated cell is key 6 (the cell was (stated position, expected), printed as query/key)."""
+    reqs = allocate([Req(8, 3)], 4)
+    tensors = vllm(reqs, 4, sliding_window=4)
+    tensors["positions"] = tensors["positions"].copy()
+    tensors["positions"][1] += 1
+    first_seen = next(k for k in range(11) if 9 - 4 < k <= 9)
+    (found,) = check(from_tensors(tensors, "batch"))
+    assert (found.code, found.request, found.cell) == ("positions", 0, (9, first_seen))
+    assert "has position 10; its mask puts it at 9" in found.message

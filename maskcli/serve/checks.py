@@ -314,7 +314,12 @@ def trees(b: ServeBatch) -> list[Finding]:
     if t is not None:
         r = int(token_req[t])
         role = f"draft node {t - int(b.q_indptr[r])} at depth {int(depth_at[r][t - b.q_indptr[r]])}" if r in depth_at else f"new token {t - int(b.q_indptr[r])}"
-        out.append(Finding("positions", "wrong", r, (int(b.positions[t]), int(expected[t])), f"token {t} (request {r}'s {role}) has "
+        row = t - int(b.q_indptr[r])
+        mask = b.mask(r)
+        seen = np.flatnonzero(mask.cells(0, 0, row, row + 1)[0]) if mask is not None else np.zeros(0, np.int64)
+        # the token's row (as the kernel aligns it) and the first key it sees: every key's distance to it is off
+        cell = (int(b.q_start[r]) + row, int(seen[0])) if seen.size else None
+        out.append(Finding("positions", "wrong", r, cell, f"token {t} (request {r}'s {role}) has "
                            f"position {int(b.positions[t])}; its mask puts it at {int(expected[t])}"
                            f"{' (prefix + depth)' if r in depth_at else ''}: RoPE would rotate it as another token"))
     return out
