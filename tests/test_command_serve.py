@@ -258,3 +258,13 @@ def test_a_bad_expect_is_explained_in_requests_not_module_paths():
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.strip() == ('maskcli: error: --expect \'causal\': give PATTERN=EXPR, like "*=window(8)" (PATTERN '
                                      "matches a request's index or request_id as a shell does)")
+
+
+def test_one_query_and_pages_of_one_token_read_in_the_singular():
+    """SGLang's default page_size is 1; a decode request has 1 query (the report said "1 queries", "pages of 1 tokens")."""
+    batch = {"seq_lens": [3, 0], "req_to_token": [[5, 6, 7], [0, 0, 0]], "out_cache_loc": [7, 1]}  # request 1: no keys
+    result = serve(json.dumps(batch))
+    assert result.exit_code == 1
+    text = " ".join(result.stdout.split())
+    assert "2 requests, 2 new tokens, pages of 1 token, 3 distinct; causal" in text
+    assert "• wrong no-keys (request 1): request 1 has 1 query and 0 keys (seq_lens is 0)" in text

@@ -28,7 +28,7 @@ def _ids(values, most: int = SHOWN_PAGES) -> str:
 def header(b: ServeBatch, source: str, title: str) -> str:
     from maskcli.serve.pagemap import page_map
 
-    pages = f"pages of {b.page_size} tokens, {page_map(b).distinct:,} distinct" if b.page_size else "no page table (contiguous keys)"
+    pages = f"pages of {b.page_size} token{'s' if b.page_size != 1 else ''}, {page_map(b).distinct:,} distinct" if b.page_size else "no page table (contiguous keys)"
     layer = ("custom masks (draft trees)" if b.trees else "causal" if b.causal else "bidirectional") + (f", window {b.window}" if b.window else "") + (f", chunks of {b.chunk}" if b.chunk else "")
     return (f"{source}: {title}\n{b.requests} request{'s' if b.requests != 1 else ''}, {int(b.q_indptr[-1]):,} new tokens, "
             f"{pages}; {layer}")

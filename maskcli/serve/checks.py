@@ -52,7 +52,7 @@ def lengths(b: ServeBatch) -> list[Finding]:
     q_lens, seq = b.q_lens, b.seq_lens
     r = _first((q_lens > 0) & (seq == 0))
     if r is not None:
-        out.append(Finding("no-keys", "wrong", r, None, f"request {r} has {int(q_lens[r])} queries and 0 keys ({b.name('seq_lens')} "
+        out.append(Finding("no-keys", "wrong", r, None, f"request {r} has {int(q_lens[r])} {'query' if q_lens[r] == 1 else 'queries'} and 0 keys ({b.name('seq_lens')} "
                            f"is 0): its rows are empty, the kernel writes zeros or NaN there"))
     r = _first((q_lens > seq) & (seq > 0))
     if r is not None:
