@@ -268,3 +268,18 @@ def test_one_query_and_pages_of_one_token_read_in_the_singular():
     text = " ".join(result.stdout.split())
     assert "2 requests, 2 new tokens, pages of 1 token, 3 distinct; causal" in text
     assert "• wrong no-keys (request 1): request 1 has 1 query and 0 keys (seq_lens is 0)" in text
+
+
+@pytest.mark.parametrize("tensors, name", [
+    ({"query_start_loc": [0, 1], "seq_lens": [3], "block_table_tensor": [1, 2], "block_size": 4}, "block_table_tensor"),
+    ({"cu_seqlens_q": [0, 1], "seqused_k": [3], "block_table": [1, 2], "page_block_size": 4}, "block_table"),
+    ({"seq_lens": [3], "req_to_token": [1, 2, 3], "out_cache_loc": [3]}, "req_to_token"),
+    ({"seq_lens": [1], "num_cached_tokens_per_seq": [2], "kv_cache_block_offsets": [0, 2], "tokens_per_block": 4},
+     "kv_cache_block_offsets"),
+])
+def test_a_flat_page_table_names_the_file_and_the_field(tmp_path, tensors, name):
+    path = save(tensors, tmp_path / "flat.json")
+    result = serve(path)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip().startswith(f"maskcli: error: '{path}': {name} has shape [")
+    assert result.stderr.strip().endswith("a block table is (requests, blocks)")
