@@ -283,3 +283,24 @@ def test_a_flat_page_table_names_the_file_and_the_field(tmp_path, tensors, name)
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.strip().startswith(f"maskcli: error: '{path}': {name} has shape [")
     assert result.stderr.strip().endswith("a block table is (requests, blocks)")
+
+
+def test_a_flashinfer_decode_plan_without_qo_indptr_is_one_query_per_request():
+    """BatchDecodeWithPagedKVCacheWrapper.plan(indptr, indices, last_page_len, ...) takes no qo_indptr (flashinfer/decode.py):
+    each request's one query is its last key, (pages - 1) * page_size + last_page_len - 1. The narrow table kept its
+    title on one line (it wrapped at the table's width)."""
+    batch = {"paged_kv_indptr": [0, 1, 3], "paged_kv_indices": [1, 2, 3], "paged_kv_last_page_len": [2, 4], "page_size": 4}
+    keys = [(1 - 1) * 4 + 2, (2 - 1) * 4 + 4]
+    result = serve(json.dumps(batch))
+    assert result.exit_code == 0, result.output
+    lines = [line.rstrip() for line in result.stdout.splitlines()]
+    assert "requests (absolute positions)" in lines
+    for r, n in enumerate(keys):
+        assert f"{r}      {n - 1}          0-{n - 1}    full" in lines
+    assert "note: no qo_indptr: read as a decode plan, one query per request" in lines
+
+
+def test_a_missing_field_names_the_engine_readably():
+    result = serve('{"query_start_loc":[0,1]}')
+    assert result.exit_code == 2 and result.stderr.strip() == (
+        "maskcli: error: 'inline JSON' holds vLLM CommonAttentionMetadata but no seq_lens or seq_lens_cpu; add it to the file")

@@ -57,15 +57,19 @@ def views(b: ServeBatch, rows: list[dict], findings, source: str, title: str, wi
     from rich.text import Text
 
     out: list = [Text(header(b, source, title), style="bold")]
-    masks = Table(title="requests (absolute positions)", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    title_masks = "requests (absolute positions)"
+    # a table's title wraps at the table's own width: keep it at least as wide as its title
+    masks = Table(title=title_masks, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  min_width=min(len(title_masks), width))
     for name in ("req", "queries", "keys", "mask"):
         masks.add_column(name, overflow="fold")
     for row in rows[:TABLE_REQUESTS]:
         masks.add_row(str(row["request"]), _span(*row["queries"]), _span(*row["keys"]), row["expression"] or ("none (no keys)" if row["keys"][1] == 0 else "none (more queries than keys)"))
     out.append(masks)
     if b.page_size:
-        pages = Table(title=f"page map (logical block → page of {b.page_size})", title_justify="left", box=box.SIMPLE_HEAD,
-                      show_edge=False, pad_edge=False)
+        title_pages = f"page map (logical block → page of {b.page_size})"
+        pages = Table(title=title_pages, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                      min_width=min(len(title_pages), width))
         for name in ("req", "pages", "last", "shared", "null", "written"):
             pages.add_column(name, overflow="fold")
         for row in rows[:TABLE_REQUESTS]:
