@@ -72,8 +72,9 @@ def test_a_finding_is_printed_and_exits_1(tmp_path):
     reqs[1].pages[0] = reqs[0].pages[0]
     result = serve(save(vllm(reqs, 4), tmp_path / "reuse.json"))
     assert result.exit_code == 1
-    assert ("• wrong shared-page-written (request 0): page 1 is read by requests 0, 1 and written this step: one request's "
-            "new tokens overwrite keys another reads") in " ".join(result.stdout.split("\n"))
+    # request 1 writes its positions 0..3 to slots 4..7 of page 1, which request 0 (queries 8..10) reads as keys 0..3
+    assert ("• wrong shared-page-written (request 0, query 8 key 0): request 1 writes its position 0 to slot 4 on page 1, "
+            "which request 0 reads as keys 0..3: request 0's key 0 is overwritten (page 1 is read by requests 0, 1)") in " ".join(result.stdout.split("\n"))
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".npz", ".safetensors"])
@@ -222,3 +223,84 @@ def test_model_without_transformers_is_one_line(monkeypatch):
     result = serve(WINDOW_BATCH, "--model", "llama")
     assert result.exit_code == 2
     assert result.stderr.strip() == 'maskcli: error: serve --model needs transformers: pip install "maskcli[hf]"'
+
+
+def test_png_without_a_page_table_draws_the_mask_across_and_explains_its_colours(tmp_path):
+    """flash-attn's contiguous keys have no pages: the mask takes the whole row (it drew a black empty strip beside it),
+    and the legend names the mask's colours, not page kinds that are not there."""
+    from maskcli.render import serve as render
+    from maskcli.serve.engines import from_tensors
+    from maskcli.serve.pagemap import page_map
+
+    tensors = {"cu_seqlens_q": [0, 2], "seqused_k": [6], "causal": 1}
+    path = tmp_path / "flat.png"
+    result = serve(json.dumps(tensors), "--png", path)
+    assert result.exit_code == 0, result.output
+    rgb = (mpimg.imread(path)[..., :3] * 255).round().astype(int)
+    batch = from_tensors(tensors, "t")
+    figure = render.serve_figure(batch, page_map(batch), "t", "t")
+    figure.set_dpi(100)
+    figure.canvas.draw()
+    (ax,) = figure.axes
+    box = ax.get_position()
+    assert box.x1 - box.x0 > 0.8
+    height = rgb.shape[0]
+    for q in (4, 5):
+        for k in range(6):
+            px, py = ax.transData.transform((k, q))
+            want = VISIBLE_RGB if k <= q else MASKED_RGB  # bottom-right causal: query 4 of 6 keys sees 0..4
+            assert np.abs(rgb[int(height - py), int(px)] - want).max() <= 3, (q, k)
+    assert [t.get_text() for t in figure.legends[0].get_texts()] == ["query sees key", "masked"]
+
+
+def test_a_bad_expect_is_explained_in_requests_not_module_paths():
+    result = serve(PREFIX_HIT, "--expect", "causal")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip() == ('maskcli: error: --expect \'causal\': give PATTERN=EXPR, like "*=window(8)" (PATTERN '
+                                     "matches a request's index or request_id as a shell does)")
+
+
+def test_one_query_and_pages_of_one_token_read_in_the_singular():
+    """SGLang's default page_size is 1; a decode request has 1 query (the report said "1 queries", "pages of 1 tokens")."""
+    batch = {"seq_lens": [3, 0], "req_to_token": [[5, 6, 7], [0, 0, 0]], "out_cache_loc": [7, 1]}  # request 1: no keys
+    result = serve(json.dumps(batch))
+    assert result.exit_code == 1
+    text = " ".join(result.stdout.split())
+    assert "2 requests, 2 new tokens, pages of 1 token, 3 distinct; causal" in text
+    assert "• wrong no-keys (request 1): request 1 has 1 query and 0 keys (seq_lens is 0)" in text
+
+
+@pytest.mark.parametrize("tensors, name", [
+    ({"query_start_loc": [0, 1], "seq_lens": [3], "block_table_tensor": [1, 2], "block_size": 4}, "block_table_tensor"),
+    ({"cu_seqlens_q": [0, 1], "seqused_k": [3], "block_table": [1, 2], "page_block_size": 4}, "block_table"),
+    ({"seq_lens": [3], "req_to_token": [1, 2, 3], "out_cache_loc": [3]}, "req_to_token"),
+    ({"seq_lens": [1], "num_cached_tokens_per_seq": [2], "kv_cache_block_offsets": [0, 2], "tokens_per_block": 4},
+     "kv_cache_block_offsets"),
+])
+def test_a_flat_page_table_names_the_file_and_the_field(tmp_path, tensors, name):
+    path = save(tensors, tmp_path / "flat.json")
+    result = serve(path)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip().startswith(f"maskcli: error: '{path}': {name} has shape [")
+    assert result.stderr.strip().endswith("a block table is (requests, blocks)")
+
+
+def test_a_flashinfer_decode_plan_without_qo_indptr_is_one_query_per_request():
+    """BatchDecodeWithPagedKVCacheWrapper.plan(indptr, indices, last_page_len, ...) takes no qo_indptr (flashinfer/decode.py):
+    each request's one query is its last key, (pages - 1) * page_size + last_page_len - 1. The narrow table kept its
+    title on one line (it wrapped at the table's width)."""
+    batch = {"paged_kv_indptr": [0, 1, 3], "paged_kv_indices": [1, 2, 3], "paged_kv_last_page_len": [2, 4], "page_size": 4}
+    keys = [(1 - 1) * 4 + 2, (2 - 1) * 4 + 4]
+    result = serve(json.dumps(batch))
+    assert result.exit_code == 0, result.output
+    lines = [line.rstrip() for line in result.stdout.splitlines()]
+    assert "requests (absolute positions)" in lines
+    for r, n in enumerate(keys):
+        assert f"{r}      {n - 1}          0-{n - 1}    full" in lines
+    assert "note: no qo_indptr: read as a decode plan, one query per request" in lines
+
+
+def test_a_missing_field_names_the_engine_readably():
+    result = serve('{"query_start_loc":[0,1]}')
+    assert result.exit_code == 2 and result.stderr.strip() == (
+        "maskcli: error: 'inline JSON' holds vLLM CommonAttentionMetadata but no seq_lens or seq_lens_cpu; add it to the file")

@@ -109,6 +109,23 @@ def test_a_sliding_window_layer_over_reused_pages():
     assert [f.code for f in found] == ["shared-page-partial", "shared-page-written"] or "shared-page-written" in [f.code for f in found]
 
 
+def test_a_shared_page_written_names_the_writer_and_the_first_key_it_overwrites_inside_the_window():
+    """Request 1 writes positions 0..3 on page 1, which request 0 (window 4, its query at 12) still lists as block 2,
+    keys 8..11: the first overwritten key it reads is the first inside 9..12, by the write's slot offset."""
+    old, new = Req(12, 1, [0, 0, 1, 4]), Req(0, 4, [1])
+    tensors = vllm([old, new], 4, sliding_window=4)
+    want = None
+    for t, slot in enumerate(tensors["slot_mapping"][1:]):  # request 1's tokens, in order
+        key = 2 * 4 + int(slot) % 4
+        if want is None and 12 - 4 < key <= 12:
+            want = (t, int(slot), key)
+    (found,) = [f for f in check(from_tensors(tensors, "batch")) if f.code == "shared-page-written"]
+    position, slot, key = want
+    assert found.request == 0 and found.cell == (12, key) == (12, 9)
+    assert found.message.startswith(f"request 1 writes its position {position} to slot {slot} on page 1, which request 0 "
+                                    f"reads as keys 8..11: request 0's key {key} is overwritten")
+
+
 def test_cascade_equals_plain_attention_and_its_bugs():
     """vLLM's FlashAttention cascade: cu_prefix_query_lens = [0, tokens], prefix_kv_lens = [common_prefix_len],
     suffix_kv_lens = seq_lens - common_prefix_len (vllm/v1/attention/backends/flash_attn.py build)."""
@@ -182,7 +199,9 @@ def test_a_speculative_tree_is_named_and_checked(engine):
     if engine != "flashinfer":  # FlashInfer's plan() takes no positions
         chain = prefix + np.arange(5)  # positions as a chain, not prefix + depth
         found = check(from_tensors(with_tree(engine, reqs, 4, parents, positions=chain), "batch"))
-        assert [(f.code, f.cell) for f in found] == [("positions", (prefix + 2, prefix + 1))]
+        # node 2 (row prefix + 2) at position prefix + 2, not prefix + 1: its distance to every key is off, from key 0
+        assert [(f.code, f.cell) for f in found] == [("positions", (prefix + 2, 0))]
+        assert "has position 8; its mask puts it at 7 (prefix + depth)" in found[0].message
 
 
 @pytest.mark.parametrize("engine", TREE_ENGINES)
@@ -520,3 +539,16 @@ def test_model_a_window_the_config_lacks_and_a_missing_window():
     assert [f.severity for f in against_config(chunked, {"chunked_attention": ("chunk", 4)}, "l4")] == ["note"]
     found = against_config(chunked, {"chunked_attention": ("chunk", 8)}, "l4")
     assert [(f.severity, f.request) for f in found] == [("wrong", 0)] and "attention_chunk_size 8" in found[0].message
+
+
+def test_a_wrong_position_names_its_row_and_the_first_key_it_sees():
+    """Token 1 of a request with 8 cached tokens sits at row 9; with a window of 4 it sees keys 6..9 (9 - 4 < k <= 9),
+    so its first wrongly rotated cell is key 6 (the cell was (stated position, expected), printed as query/key)."""
+    reqs = allocate([Req(8, 3)], 4)
+    tensors = vllm(reqs, 4, sliding_window=4)
+    tensors["positions"] = tensors["positions"].copy()
+    tensors["positions"][1] += 1
+    first_seen = next(k for k in range(11) if 9 - 4 < k <= 9)
+    (found,) = check(from_tensors(tensors, "batch"))
+    assert (found.code, found.request, found.cell) == ("positions", 0, (9, first_seen))
+    assert "has position 10; its mask puts it at 9" in found.message

@@ -46,7 +46,7 @@ def serve(
 
     from maskcli.trace.expect import parse as parse_expect
 
-    expectations = parse_expect(expect or [])
+    expectations = parse_expect(expect or [], "*=window(8)", "a request's index or request_id")
     layers = None
     if model is not None:
         from maskcli.hf import require

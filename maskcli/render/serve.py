@@ -28,7 +28,7 @@ def _ids(values, most: int = SHOWN_PAGES) -> str:
 def header(b: ServeBatch, source: str, title: str) -> str:
     from maskcli.serve.pagemap import page_map
 
-    pages = f"pages of {b.page_size} tokens, {page_map(b).distinct:,} distinct" if b.page_size else "no page table (contiguous keys)"
+    pages = f"pages of {b.page_size} token{'s' if b.page_size != 1 else ''}, {page_map(b).distinct:,} distinct" if b.page_size else "no page table (contiguous keys)"
     layer = ("custom masks (draft trees)" if b.trees else "causal" if b.causal else "bidirectional") + (f", window {b.window}" if b.window else "") + (f", chunks of {b.chunk}" if b.chunk else "")
     return (f"{source}: {title}\n{b.requests} request{'s' if b.requests != 1 else ''}, {int(b.q_indptr[-1]):,} new tokens, "
             f"{pages}; {layer}")
@@ -57,15 +57,19 @@ def views(b: ServeBatch, rows: list[dict], findings, source: str, title: str, wi
     from rich.text import Text
 
     out: list = [Text(header(b, source, title), style="bold")]
-    masks = Table(title="requests (absolute positions)", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    title_masks = "requests (absolute positions)"
+    # a table's title wraps at the table's own width: keep it at least as wide as its title
+    masks = Table(title=title_masks, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  min_width=min(len(title_masks), width))
     for name in ("req", "queries", "keys", "mask"):
         masks.add_column(name, overflow="fold")
     for row in rows[:TABLE_REQUESTS]:
         masks.add_row(str(row["request"]), _span(*row["queries"]), _span(*row["keys"]), row["expression"] or ("none (no keys)" if row["keys"][1] == 0 else "none (more queries than keys)"))
     out.append(masks)
     if b.page_size:
-        pages = Table(title=f"page map (logical block → page of {b.page_size})", title_justify="left", box=box.SIMPLE_HEAD,
-                      show_edge=False, pad_edge=False)
+        title_pages = f"page map (logical block → page of {b.page_size})"
+        pages = Table(title=title_pages, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                      min_width=min(len(title_pages), width))
         for name in ("req", "pages", "last", "shared", "null", "written"):
             pages.add_column(name, overflow="fold")
         for row in rows[:TABLE_REQUESTS]:
@@ -125,8 +129,9 @@ def serve_figure(b: ServeBatch, m: PageMap, source: str, title: str):
     figure = Figure(figsize=(10, 1.0 + 2.2 * shown))
     grid = figure.add_gridspec(max(shown, 1), 2, width_ratios=(3, 2))
     bounds = np.searchsorted(m.owner, np.arange(b.requests + 1))
+    paged = b.page_size > 0
     for r in range(shown):
-        ax = figure.add_subplot(grid[r, 0])
+        ax = figure.add_subplot(grid[r, 0] if paged else grid[r, :])  # no page table: no strip to draw
         mask = b.mask(r)
         q0, q_len, seq = b.frame(r)
         if mask is not None:
@@ -141,6 +146,8 @@ def serve_figure(b: ServeBatch, m: PageMap, source: str, title: str):
         ax.tick_params(labelsize=7)
         _integer_ticks(ax.xaxis, 0, seq)
         _integer_ticks(ax.yaxis, max(q0, 0), q0 + q_len)
+        if not paged:
+            continue
         strip = figure.add_subplot(grid[r, 1])
         at = slice(bounds[r], bounds[r + 1])
         kinds = np.full(bounds[r + 1] - bounds[r], "read", dtype=object)
@@ -155,10 +162,12 @@ def serve_figure(b: ServeBatch, m: PageMap, source: str, title: str):
         strip.set_xlabel("logical block", fontsize=8)
         strip.tick_params(labelsize=7)
         _integer_ticks(strip.xaxis, 0, max(len(kinds), 1))
-    handles = [Patch(color=c, label=k) for k, c in PAGE_COLOURS.items()]
-    figure.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    handles = [Patch(color=np.array(VISIBLE_RGB) / 255, label="query sees key"), Patch(color=np.array(MASKED_RGB) / 255, label="masked")]
+    if paged:
+        handles += [Patch(color=c, label=f"page {k}") for k, c in PAGE_COLOURS.items()]
+    figure.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     more = f" (requests {shown}-{b.requests - 1} not drawn)" if b.requests > shown else ""
-    figure.suptitle(f"{source}: {title}{more}", fontsize=10)
+    figure.suptitle(f"{source}: {title}{more}" + ("" if paged else " · no page table (contiguous keys)"), fontsize=10)
     figure.tight_layout(rect=(0, 0.04, 1, 0.97))
     return figure
 

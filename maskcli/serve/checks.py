@@ -52,7 +52,7 @@ def lengths(b: ServeBatch) -> list[Finding]:
     q_lens, seq = b.q_lens, b.seq_lens
     r = _first((q_lens > 0) & (seq == 0))
     if r is not None:
-        out.append(Finding("no-keys", "wrong", r, None, f"request {r} has {int(q_lens[r])} queries and 0 keys ({b.name('seq_lens')} "
+        out.append(Finding("no-keys", "wrong", r, None, f"request {r} has {int(q_lens[r])} {'query' if q_lens[r] == 1 else 'queries'} and 0 keys ({b.name('seq_lens')} "
                            f"is 0): its rows are empty, the kernel writes zeros or NaN there"))
     r = _first((q_lens > seq) & (seq > 0))
     if r is not None:
@@ -135,11 +135,44 @@ def _shared(b: ServeBatch, m) -> list[Finding]:
                            f"partial one is still being written"))
     i = _first(m.shared & m.written)
     if i is not None:
-        page = int(b.pages[i])
-        readers = sorted(set(owner[m.shared & (b.pages == page)].tolist()))
-        out.append(Finding("shared-page-written", "wrong", readers[0], None, f"page {page} is read by requests "
-                           f"{', '.join(map(str, readers))} and written this step: one request's new tokens overwrite keys another reads"))
+        out.append(_shared_written(b, m, int(b.pages[i])))
     return out
+
+
+def _writers(b: ServeBatch, m, page: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(requests, positions, slots) of the new tokens written on `page` this step, in token order."""
+    ps = b.page_size
+    if b.write_slots is not None:
+        t = np.flatnonzero((b.write_slots >= 0) & (b.write_slots // ps == page))
+        r = np.minimum(np.searchsorted(b.q_indptr, t, side="right") - 1, b.requests - 1)
+        return r, first_positions(b)[r] + t - b.q_indptr[r], b.write_slots[t]
+    # no slots: the kernel appends each request's new tokens at its positions (pagemap marks those blocks written)
+    new_from = (b.starts + np.maximum(b.q_start, 0))[m.owner]
+    j = np.flatnonzero((b.pages == page) & ((m.column + 1) * ps > new_from))
+    r = m.owner[j]
+    column = np.maximum(m.column[j] * ps, new_from[j])
+    return r, column - b.starts[r], page * ps + column % ps
+
+
+def _shared_written(b: ServeBatch, m, page: int) -> Finding:
+    """A shared page written this step, named by who writes where and which key of another request that overwrites."""
+    ps = b.page_size
+    on_page = m.read & (b.pages == page)
+    readers = sorted(set(m.owner[on_page].tolist()))
+    writers, positions, slots = _writers(b, m, page)
+    victim = next((r for r in readers if r != int(writers[0])), readers[0])
+    j = int(np.flatnonzero(on_page & (m.owner == victim))[0])
+    lo = int(m.column[j]) * ps - int(b.starts[victim])
+    keys = lo + slots % ps
+    first, _ = read_range(b)
+    seen = np.flatnonzero((keys >= first[victim] - b.starts[victim]) & (keys < b.seq_lens[victim]))
+    t = int(seen[0]) if seen.size else 0  # the first write onto a key the victim reads
+    key = int(keys[t])
+    query = max(int(b.q_start[victim]), key)
+    return Finding("shared-page-written", "wrong", victim, (query, key), f"request {int(writers[t])} writes its position "
+                   f"{int(positions[t])} to slot {int(slots[t])} on page {page}, which request {victim} reads as keys "
+                   f"{max(lo, 0)}..{lo + ps - 1}: request {victim}'s key {key} is overwritten (page {page} is read by requests "
+                   f"{', '.join(map(str, readers))})")
 
 
 def _writes(b: ServeBatch) -> list[Finding]:
@@ -281,7 +314,12 @@ def trees(b: ServeBatch) -> list[Finding]:
     if t is not None:
         r = int(token_req[t])
         role = f"draft node {t - int(b.q_indptr[r])} at depth {int(depth_at[r][t - b.q_indptr[r]])}" if r in depth_at else f"new token {t - int(b.q_indptr[r])}"
-        out.append(Finding("positions", "wrong", r, (int(b.positions[t]), int(expected[t])), f"token {t} (request {r}'s {role}) has "
+        row = t - int(b.q_indptr[r])
+        mask = b.mask(r)
+        seen = np.flatnonzero(mask.cells(0, 0, row, row + 1)[0]) if mask is not None else np.zeros(0, np.int64)
+        # the token's row (as the kernel aligns it) and the first key it sees: every key's distance to it is off
+        cell = (int(b.q_start[r]) + row, int(seen[0])) if seen.size else None
+        out.append(Finding("positions", "wrong", r, cell, f"token {t} (request {r}'s {role}) has "
                            f"position {int(b.positions[t])}; its mask puts it at {int(expected[t])}"
                            f"{' (prefix + depth)' if r in depth_at else ''}: RoPE would rotate it as another token"))
     return out

@@ -28,7 +28,7 @@ class Fields:
         key = self.key(*names)
         if key is None:
             if required:
-                raise MaskError(f"{self.source!r} has {self.engine}'s names but no {' or '.join(names)}{': ' + why if why else ''}; "
+                raise MaskError(f"{self.source!r} holds {self.engine} but no {' or '.join(names)}{': ' + why if why else ''}; "
                                 f"add it to the file")
             return None
         array = np.asarray(self.arrays[key])

@@ -38,7 +38,7 @@ def load(f: Fields) -> ServeBatch:
     page_size, indptr, pages, short = 0, np.zeros(requests + 1, np.int64), np.zeros(0, np.int64), None
     if f.has("block_table"):
         page_size = f.page_size("page_block_size", "page_size")
-        indptr, pages, short = table_rows(np.asarray(f.raw("block_table"), np.int64), -(-seq_lens // page_size), "block_table")
+        indptr, pages, short = table_rows(np.asarray(f.raw("block_table"), np.int64), -(-seq_lens // page_size), f"{f.source!r}: block_table")
     window = None
     causal = f.flag("causal", default=False)
     if f.has("window_size"):

@@ -26,9 +26,13 @@ READS = MARKS + ("page_size", "causal", "custom_mask", "mask_indptr")
 
 
 def load(f: Fields) -> ServeBatch:
-    q_indptr = f.indptr("qo_indptr")
-    requests = len(q_indptr) - 1
     kv_indptr = f.indptr("paged_kv_indptr", "kv_indptr")
+    q_indptr = f.indptr("qo_indptr", required=False)
+    notes = ()
+    if q_indptr is None:  # BatchDecodeWithPagedKVCacheWrapper.plan takes no qo_indptr: one query per request
+        q_indptr = np.arange(len(kv_indptr), dtype=np.int64)
+        notes = ("no qo_indptr: read as a decode plan, one query per request",)
+    requests = len(q_indptr) - 1
     if len(kv_indptr) != requests + 1:
         raise MaskError(f"{f.source!r}: {f.key('paged_kv_indptr', 'kv_indptr')} has {len(kv_indptr)} entries and qo_indptr "
                         f"{requests + 1}; both have one per request plus 1")
@@ -55,7 +59,8 @@ def load(f: Fields) -> ServeBatch:
         raise MaskError(f"{f.source!r}: window_left {window} without causal reaches keys after the query; serve reads windows "
                         f"of causal layers (causal=True)")
     return ServeBatch(NAME, q_indptr, seq_lens, page_size, kv_indptr, pages, names, causal=causal, last_fill=last_fill,
-                      window=None if window is None or window < 0 else window + 1, trees=_trees(f, np.diff(q_indptr), seq_lens))
+                      window=None if window is None or window < 0 else window + 1, trees=_trees(f, np.diff(q_indptr), seq_lens),
+                      notes=notes)
 
 
 def _trees(f: Fields, q_lens: np.ndarray, seq_lens: np.ndarray) -> dict[int, np.ndarray]:

@@ -66,7 +66,7 @@ def load(f: Fields) -> ServeBatch:
                             f"req_pool_indices, or only the requests' rows (req_to_token[req_pool_indices])")
         blocks = -(-seq_lens // page_size)
         firsts = rows[:, ::page_size] if rows.ndim == 2 else rows
-        indptr, slots, short = table_rows(firsts, blocks, "req_to_token")
+        indptr, slots, short = table_rows(firsts, blocks, f"{f.source!r}: req_to_token")
         pages = slots // page_size  # the slot of a page's first token, as a page
     window = f.scalar("sliding_window_size")
     return ServeBatch(

@@ -48,7 +48,7 @@ def load(f: Fields) -> ServeBatch:
                 raise MaskError(f"{f.source!r}: kv_cache_block_offsets has shape {list(offsets.shape)}; (R, 2, blocks) holds K and V offsets")
             offsets = offsets[:, 0]
         page_size = f.page_size("tokens_per_block")
-        indptr, pages, short = table_rows(offsets, -(-seq_lens // page_size), "kv_cache_block_offsets")
+        indptr, pages, short = table_rows(offsets, -(-seq_lens // page_size), f"{f.source!r}: kv_cache_block_offsets")
     trees, positions = {}, None
     if f.has("spec_decoding_packed_mask"):
         trees, positions = _trees(f, new, cached)

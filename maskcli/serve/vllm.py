@@ -38,7 +38,7 @@ def load(f: Fields) -> ServeBatch:
     table = f.raw("block_table_tensor")
     if table is not None:
         page_size = f.page_size("block_size")
-        indptr, pages, short = table_rows(np.asarray(table, np.int64), -(-seq_lens // page_size), "block_table_tensor")
+        indptr, pages, short = table_rows(np.asarray(table, np.int64), -(-seq_lens // page_size), f"{f.source!r}: block_table_tensor")
     slots = f.vector("slot_mapping")
     tokens = None
     if slots is not None:

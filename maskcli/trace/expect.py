@@ -10,7 +10,7 @@ from maskcli.text import spans, step_label
 from maskcli.trace.names import flags
 
 
-def parse(values: list[str]) -> list[tuple[str, str]]:
+def parse(values: list[str], example: str = "layers.*.self_attn=causal", matched: str = "module paths") -> list[tuple[str, str]]:
     """(pattern, expression) pairs; a bad one (its syntax, a kind's name or parameters) is a one-line error before the
     program runs, as `trace` and `model` both check them."""
     from maskcli.expression import parse as parse_expression
@@ -20,7 +20,7 @@ def parse(values: list[str]) -> list[tuple[str, str]]:
     for value in values:
         pattern, equals, expression = value.partition("=")
         if not equals or not pattern.strip() or not expression.strip():
-            raise MaskError(f"--expect {value!r}: give PATTERN=EXPR, like \"layers.*.self_attn=causal\" (PATTERN matches module paths as a shell does)")
+            raise MaskError(f"--expect {value!r}: give PATTERN=EXPR, like \"{example}\" (PATTERN matches {matched} as a shell does)")
         try:
             resolve(parse_expression(expression), {}, expression.strip())  # no flags here: a bare window needs (W)
         except MaskError as error:
