@@ -17,7 +17,6 @@ import numpy as np
 from maskcli import tracefile
 from maskcli.keypadding import read as found_padding  # noqa: F401 - key padding read off a mask: the one rule (maskcli.keypadding)
 
-_LINE_SITE = re.compile(r"(:\d+|^\?)$")  # trace.sites.first_frame_outside's file:line
 DENSE_CELLS = 1 << 22  # masks checked cell by cell up to this many cells (b*h*Lq*Lk as stored)
 LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
@@ -51,12 +50,10 @@ class Run:
         return None if top is None else top.config
 
     def sites(self) -> dict[str, list]:
-        """Each module call site's calls in step order. A site named by file:line (no module running) is left out: a
-        function there may be handed different masks on purpose (an encoder's and a decoder's), so its calls are no
-        steps of one mask."""
+        """Each call site's calls in step order."""
         found: dict[str, list] = {}
         for call in self.calls:
-            if call.stored is not None and not _LINE_SITE.search(call.where or "?"):
+            if call.stored is not None:
                 found.setdefault(call.where, []).append(call)
         return found
 

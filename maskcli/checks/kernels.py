@@ -23,8 +23,6 @@ def hint_ignored(run: Run) -> list:
     for call in run.calls:
         if call.api != "mha" or not call.details.get("is_causal") or call.mask in done:
             continue
-        if call.details.get("ignored_is_causal"):  # said already, from the path the module took (ignored-is-causal)
-            continue
         done.add(call.mask)
         cells = keep(call)
         if cells is None:
