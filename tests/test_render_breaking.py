@@ -46,17 +46,27 @@ def render(renderable, width: int) -> list[str]:
     return console.file.getvalue().splitlines()
 
 
-def test_a_table_keeps_tokens_whole_and_indents_its_wrapped_lines_or_gives_its_lines_where_it_cannot():
+def test_a_table_keeps_tokens_whole_and_indents_its_wrapped_lines_or_gives_its_lines_where_they_read_better():
     from rich.text import Text
+
+    from maskcli.render import hanging
 
     path = "language_model_decoder.transformer_layers.{0-1}.self_attention_block.attention_core"
     rows = [[Breaking(Text(path), indent=1), Breaking(Text("causal (--lengths 9,7,5,3,8)"), indent=1)]]
-    table = Fitted([("calls", {}), ("mask", {})], rows, [Text("the lines")])
-    lines = render(table, 60)
-    assert [line.rstrip() for line in lines[3:7]] == [  # written here: each piece ends at a '.', the next a cell in
-        " language_model_decoder.              causal (--lengths",
-        "  transformer_layers.{0-1}.            9,7,5,3,8)",
-        "  self_attention_block.",
-        "  attention_core"], lines
-    assert all(len(line) <= 60 for line in lines)
-    assert render(table, 30) == ["the lines"]  # 'language_model_decoder.' and '(--lengths' do not fit side by side
+    table = Fitted([("calls", {}), ("mask", {})], rows, [hanging("#0 ", Text(f"causal (--lengths 9,7,5,3,8) · {path}"))])
+    assert [line.rstrip() for line in render(table, 90)] == [  # written here: a piece ends at a '.', the next a cell in
+        "",
+        " calls                                                       mask",
+        " " + "─" * 88,
+        " language_model_decoder.transformer_layers.{0-1}.            causal (--lengths 9,7,5,3,8)",
+        "  self_attention_block.attention_core",
+        ""]
+    # at 60 the table's path would take four lines a row: the group's line says it in three, under its text
+    assert [line.rstrip() for line in render(table, 60)] == [
+        "#0 causal (--lengths 9,7,5,3,8) · language_model_decoder.",
+        "   transformer_layers.{0-1}.self_attention_block.",
+        "   attention_core"]
+    # at 30 'language_model_decoder.' and '(--lengths' do not fit side by side: the line, its tokens whole
+    assert [line.rstrip() for line in render(table, 30)] == [
+        "#0 causal (--lengths", "   9,7,5,3,8) ·", "   language_model_decoder.", "   transformer_layers.{0-1}.",
+        "   self_attention_block.", "   attention_core"]

@@ -86,7 +86,8 @@ class Breaking:
 
 class Fitted:
     """A table of Breaking cells whose columns are never narrower than their longest token (rich's own narrowing
-    ignores a column's minimum and cuts words): where those minimums do not fit the width, `lines` instead."""
+    ignores a column's minimum and cuts words); `lines` instead where those minimums do not fit the width, or where
+    the lines say it in fewer lines than the squeezed table's rows (a path wrapped over four lines a row reads worse)."""
 
     def __init__(self, columns: list[tuple[str, dict]], rows: list[list], lines: list):
         self.columns, self.rows, self.lines = columns, rows, lines
@@ -116,4 +117,8 @@ class Fitted:
             table.add_column(name, width=column_width, **column_options)
         for row in self.rows:
             table.add_row(*row)
-        yield table
+        body = len(console.render_lines(table, options, pad=False)) - 4  # less its edges' blank lines, header and rule
+        if body > sum(len(console.render_lines(line, options, pad=False)) for line in self.lines):
+            yield from self.lines
+        else:
+            yield table
