@@ -776,4 +776,4 @@ def test_a_long_module_path_and_padding_list_wrap_between_tokens_under_their_tex
     assert words(wide.stderr) - header - seen == Counter()  # every word of the unwrapped report, whole
     for line in lines:  # a wrapped line stands under its text: only a report line's own start is at column 0
         assert line == "" or re.match(r"maskcli trace |#\d+ |\d+: |--expect | +#? +calls| ─| \d+  |   ", line), line
-    assert len(lines) > len(wide.stderr.splitlines())  # it did wrap
+    assert any(line.startswith("   ") for line in lines)  # it did wrap

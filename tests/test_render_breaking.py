@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from maskcli.render.breaking import Breaking, Fitted, break_points, tokens
 
 
-def test_tokens_end_after_a_dot_a_comma_or_spaces_but_not_inside_a_number_or_an_ellipsis():
+def test_tokens_end_after_a_dot_a_comma_a_slash_or_spaces_but_not_inside_a_number_an_ellipsis_or_a_file_name():
     assert tokens("model.layers.{0-1}.self_attn ×2") == ["model.", "layers.", "{0-1}.", "self_attn ", "×2"]
     assert tokens("(--lengths 9,7,5) share 0.65 ...") == ["(--lengths ", "9,", "7,", "5) ", "share ", "0.65 ", "..."]
+    assert tokens("tests/bugs/decode.py:19 run.py") == ["tests/", "bugs/", "decode.py:19 ", "run.py"]  # a file name whole
 
 
 words = st.lists(st.text("ab_.,", min_size=1, max_size=14), min_size=1, max_size=12).map(" ".join)
@@ -54,14 +55,14 @@ def test_a_table_keeps_tokens_whole_and_indents_its_wrapped_lines_or_gives_its_l
     path = "language_model_decoder.transformer_layers.{0-1}.self_attention_block.attention_core"
     rows = [[Breaking(Text(path), indent=1), Breaking(Text("causal (--lengths 9,7,5,3,8)"), indent=1)]]
     table = Fitted([("calls", {}), ("mask", {})], rows, [hanging("#0 ", Text(f"causal (--lengths 9,7,5,3,8) · {path}"))])
-    assert [line.rstrip() for line in render(table, 90)] == [  # written here: a piece ends at a '.', the next a cell in
+    assert [line.rstrip() for line in render(table, 120)] == [  # written here: where each row fits its line, the table
         "",
-        " calls                                                       mask",
-        " " + "─" * 88,
-        " language_model_decoder.transformer_layers.{0-1}.            causal (--lengths 9,7,5,3,8)",
-        "  self_attention_block.attention_core",
+        f" {'calls':<{len(path)}}  mask",
+        " " + "─" * (len(path) + 2 + len("causal (--lengths 9,7,5,3,8)")),
+        f" {path}  causal (--lengths 9,7,5,3,8)",
         ""]
-    # at 60 the table's path would take four lines a row: the group's line says it in three, under its text
+    # at 60 the table's path would take four lines a row: the group's line says it in three, its pieces ending at a
+    # '.' and standing under its text
     assert [line.rstrip() for line in render(table, 60)] == [
         "#0 causal (--lengths 9,7,5,3,8) · language_model_decoder.",
         "   transformer_layers.{0-1}.self_attention_block.",

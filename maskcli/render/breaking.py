@@ -1,15 +1,22 @@
 """Text that wraps only between tokens: at spaces, and inside a word too long for its line after a `.` of a module
-path or a `,` of a list; its wrapped lines stand `indent` cells in, under the text."""
+path, a `/` of a file path or a `,` of a list; its wrapped lines stand `indent` cells in, under the text."""
 
 from __future__ import annotations
 
 import re
 
+_EXTENSION = re.compile(r"\w{1,5}(?::\d+)?(?![\w.])")  # what follows a file name's '.': py, py:19
+
+
 def tokens(text: str) -> list[str]:
-    """`text` cut where a line may break: after a run of spaces, a ',' or a '.' (not a decimal point's, not inside
-    '...'), each piece keeping the spaces after it."""
+    """`text` cut where a line may break: after a run of spaces, a ',', a '/' of a file path or a '.' of a module
+    path (not a decimal point's, not one inside '...', not a file name's before its extension: decode.py:19 stays
+    whole), each piece keeping the spaces after it."""
+    def after_dot(i: int) -> bool:
+        return not (text[i - 2:i - 1].isdigit() and text[i].isdigit()) and not _EXTENSION.match(text, i)
+
     cuts = [i for i in range(1, len(text)) if not text[i].isspace() and (text[i - 1].isspace() or (
-        text[i] not in ".," and (text[i - 1] == "," or (text[i - 1] == "." and not (text[i - 2:i - 1].isdigit() and text[i].isdigit())))))]
+        text[i] not in ".,/" and (text[i - 1] in ",/" or (text[i - 1] == "." and after_dot(i)))))]
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] if text else []
 
 
@@ -87,7 +94,7 @@ class Breaking:
 class Fitted:
     """A table of Breaking cells whose columns are never narrower than their longest token (rich's own narrowing
     ignores a column's minimum and cuts words); `lines` instead where those minimums do not fit the width, or where
-    the lines say it in fewer lines than the squeezed table's rows (a path wrapped over four lines a row reads worse)."""
+    a row of the table wraps and the lines say it in no more lines (a path wrapped over four lines a row reads worse)."""
 
     def __init__(self, columns: list[tuple[str, dict]], rows: list[list], lines: list):
         self.columns, self.rows, self.lines = columns, rows, lines
@@ -118,7 +125,7 @@ class Fitted:
         for row in self.rows:
             table.add_row(*row)
         body = len(console.render_lines(table, options, pad=False)) - 4  # less its edges' blank lines, header and rule
-        if body > sum(len(console.render_lines(line, options, pad=False)) for line in self.lines):
+        if body > len(self.rows) and body >= sum(len(console.render_lines(line, options, pad=False)) for line in self.lines):
             yield from self.lines
         else:
             yield table
