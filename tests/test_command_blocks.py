@@ -174,7 +174,7 @@ def test_html_writes_the_page_with_the_block_sizes(tmp_path):
     result = ok(["document(sizes=[300,500,224]) & window(128)", "--block", "64,32", "--html", tmp_path, "--summary"])
     path = tmp_path / "blocks_document_sizes_300_500_224_and_window_128.html"
     assert f"wrote {path}" in result.stderr
-    assert '"blocks":{"q":64,"kv":32}' in path.read_text()
+    assert '"blocks":{"q":64,"kv":32,"map":["' in path.read_text()  # and each block's category (test_render_html.py)
 
 
 def test_bad_html_is_one_line_and_writes_nothing(tmp_path, monkeypatch):

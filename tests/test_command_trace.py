@@ -4,6 +4,7 @@ computed here (a double loop, torch.tril), grouped, named, saved, read back and 
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import numpy as np
@@ -691,3 +692,88 @@ def test_inspect_of_a_traced_mha_call_reads_its_padding_from_key_padding_mask(tm
     for b, i, k in np.ndindex(2, 6, 6):
         keep[b, i, k] = k > i and not (b == 1 and k >= 4)
     assert np.array_equal(np.asarray(json.loads(shown.stdout)["mask"], dtype=bool)[:, 0], keep)
+
+
+DEEP = """
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Core(nn.Module):
+    def forward(self, x, mask):
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_core = Core()
+
+    def forward(self, x, mask):
+        return self.attention_core(x, mask)
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attention_block = SelfAttention()
+
+    def forward(self, x, mask):
+        return self.self_attention_block(x, mask)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.transformer_layers = nn.ModuleList(Layer() for _ in range(2))
+
+    def forward(self, x, mask):
+        for layer in self.transformer_layers:
+            x = layer(x, mask)
+        return x
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.language_model_decoder = Model()
+
+    def forward(self, x, mask):
+        return self.language_model_decoder(x, mask)
+
+
+q, k = torch.arange(9)[:, None], torch.arange(9)[None, :]
+lengths = torch.tensor([9, 7, 5, 3, 8])
+mask = (k <= q)[None, None] & (k[None, None] < lengths[:, None, None, None])
+Outer()(torch.randn(5, 2, 9, 4), mask)
+"""
+
+
+@pytest.mark.parametrize("columns", [60, 80, 120])
+def test_a_long_module_path_and_padding_list_wrap_between_tokens_under_their_text(tmp_path, monkeypatch, columns):
+    from collections import Counter
+
+    from maskcli.render.breaking import tokens
+
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "deep.py", DEEP)
+    result = trace("--expect", "*=window(2)", script, env={"COLUMNS": str(columns)})
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.splitlines()
+    assert all(len(line) <= columns for line in lines), [line for line in lines if len(line) > columns]
+
+    def words(text: str) -> Counter:  # every token (a path's part up to its '.', a list's number with its ',')
+        return Counter(t.strip() for line in text.splitlines() for t in tokens(line) if any(c.isalnum() for c in t))
+
+    # what the report must say whole, written here: the path, the padding (rows 1-4 shorter: 7,5,3,8 keys), the mask
+    path = "language_model_decoder.transformer_layers.{0-1}.self_attention_block.attention_core ×2"
+    expected = Counter(t.strip() for t in tokens(f"{path} causal (--lengths 9,7,5,3,8)"))
+    seen = words(result.stderr)
+    assert expected - seen == Counter(), expected - seen  # none split across lines, none lost
+    wide = trace("--expect", "*=window(2)", script, env={"COLUMNS": "400"})
+    header = Counter(["#", "calls", "api", "step", "shape", "mask", "0"])  # the table's; narrower, the group is '#0 '
+    assert words(wide.stderr) - header - seen == Counter()  # every word of the unwrapped report, whole
+    for line in lines:  # a wrapped line stands under its text: only a report line's own start is at column 0
+        assert line == "" or re.match(r"maskcli trace |#\d+ |\d+: |--expect | +#? +calls| ─| \d+  |   ", line), line
+    assert any(line.startswith("   ") for line in lines)  # it did wrap

@@ -227,6 +227,57 @@ def test_blocks_page_says_full_partial_or_empty_as_create_block_mask_counts(tab)
     assert dark.any() and not dark.all(), line  # dashes and gaps
 
 
+def page_data(text: str) -> dict:
+    start = text.index('<script type="application/json" id="mask-data">') + len('<script type="application/json" id="mask-data">')
+    return json.loads(text[start:text.index("</script>", start)])
+
+
+def block_categories(n: int, size: int, lengths: list[int]) -> list[str]:
+    """Per batch row, each block of a causal mask with key padding at `lengths` by a double loop, padded to whole
+    blocks as create_block_mask pads them: '0' every cell kept (full), '1' some (partial), '2' none (empty)."""
+    blocks = -(-n // size)
+    out = []
+    for length in lengths:
+        row = ""
+        for i, j in np.ndindex(blocks, blocks):
+            kept = [q < n and kv < n and kv <= q and kv < length
+                    for q in range(i * size, (i + 1) * size) for kv in range(j * size, (j + 1) * size)]
+            row += "0" if all(kept) else "1" if any(kept) else "2"
+        out.append(row)
+    return out
+
+
+def test_blocks_page_data_holds_each_blocks_category_per_batch_row_and_says_when_there_are_too_many(monkeypatch):
+    mask = build("causal", MaskOptions(length=11, lengths="11,4"))
+    data = page_data(html.blocks_page(mask, 3, 3))
+    assert data["blocks"]["map"] == block_categories(11, 3, [11, 4])
+    assert [rgb_of(c) for c in data["colours"]["blockTint"]] == [list(rgb) for rgb in html.BLOCK_TINTS]
+    monkeypatch.setattr(html, "MAX_PAGE_BLOCKS", 31)  # 2 batch rows x 4 x 4 blocks: past it
+    text = html.blocks_page(mask, 3, 3)
+    assert page_data(text)["blocks"]["map"] is None
+    assert "blocks not tinted: 32 blocks, past the 31 a page tints" in text
+
+
+def rgb_of(css: str) -> list[int]:
+    return [int(v) for v in css[css.index("(") + 1 : css.index(")")].split(",")]
+
+
+def test_blocks_page_tints_full_partial_and_empty_blocks_over_their_cells(tab):
+    n, size = 20, 5
+    mask = build("causal", MaskOptions(length=n))
+    load(tab, html.blocks_page(mask, size, size), "tinted_blocks.html")
+    categories = block_categories(n, size, [n])[0]
+    shown = pixels(tab)
+    alpha = html.BLOCK_ALPHA  # canvas source-over with globalAlpha: alpha x tint + (1 - alpha) x the cell below
+    for q, kv in ((7, 2), (3, 1), (1, 3), (2, 7), (12, 13)):  # full; partial (kept, masked); empty; partial
+        category = int(categories[(q // size) * (n // size) + kv // size])
+        cell = VISIBLE_RGB if kv <= q else MASKED_RGB
+        want = [round(alpha * t + (1 - alpha) * c) for t, c in zip(html.BLOCK_TINTS[category], cell)]
+        x, y = cell_centre(tab, q, kv, n, n)
+        assert close(shown[int(y), int(x)], want, 3), (q, kv, shown[int(y), int(x)], want)
+    assert "full" in tab.inner_text(".legend") and "partial" in tab.inner_text(".legend") and "empty" in tab.inner_text(".legend")
+
+
 def test_attend_page_shows_every_stage_with_values_and_why(tab):
     import torch
     from typer.testing import CliRunner

@@ -89,6 +89,7 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
 
     from maskcli.checks.registry import wrong
     from maskcli.files import atomic_write
+    from maskcli.render import labelled
     from maskcli.render.trace import views
     from maskcli.trace.expect import check
 
@@ -100,7 +101,7 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
         console.print(view)
     notes = tracer.notes()  # threads traced, and what was not: threads running before, child processes
     for line in unseen + notes + held:
-        console.print(line)
+        console.print(labelled(line))
     if json_path is not None:
         numbers = {call.index: number for number, group in enumerate(groups) for call in group.calls}
         data = {"program": program, "exit_status": status, "calls": [{**call.json(), "group": numbers[call.index]} for call in tracer.calls],

@@ -17,15 +17,31 @@ def check_json_size(count: int, what: str, fix: str) -> None:
 
 def hanging(lead: str, text, style: str | None = None):
     """A rich renderable of `lead` then `text`, whose wrapped lines stand under the text, not under `lead`; a word
-    longer than the line (a command's expression) is broken, never cut short."""
+    longer than the line (a command's expression, a module path) is broken after a '.' or ',' (Breaking), never cut
+    short."""
     from rich.table import Table
+
+    from maskcli.render.breaking import Breaking
 
     grid = Table.grid()
     grid.style = style or ""
     grid.add_column(no_wrap=True)
-    grid.add_column(overflow="fold")
-    grid.add_row(lead, text)
+    grid.add_column()
+    grid.add_row(lead, Breaking(text))
     return grid
+
+
+def labelled(line: str, style: str = ""):
+    """A report's line ('cache: ...'), its wrapped lines under the text after its label, or two cells in where its
+    label is long or it has none: never at column 0."""
+    from rich.text import Text
+
+    from maskcli.render.breaking import Breaking
+
+    label, colon, rest = line.partition(": ")
+    if not colon or len(label) > 24:
+        return Breaking(Text(line, style=style), indent=2)
+    return hanging(label + colon, Text(rest), style=style)
 
 
 _LEAD = re.compile(r"maskcli: warning: |[ │├└─•]*(?:[AB]: )?")  # what a line's wrapped lines stand under

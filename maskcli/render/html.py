@@ -14,6 +14,8 @@ import html
 import json
 from importlib import resources
 
+import numpy as np
+
 from maskcli.mask import Mask
 from maskcli.render.diff import ONLY_B_RGB
 from maskcli.render.heatmaps import LEAK_RGB, MASKED_RGB, VISIBLE_RGB
@@ -21,6 +23,11 @@ from maskcli.render.pagedata import mask_data
 from maskcli.render.structure import CACHE_RGB, MARK_RGB
 
 MAX_STAGE_CELLS = 1 << 20  # numbers of attend's stages a page embeds (attend is small-L: its tables are dense)
+MAX_PAGE_BLOCKS = 1 << 18  # blocks (over batch rows) whose category a blocks page embeds, one character each
+# the blocks page tints each block over its cells in the hues blocks' terminal map gives its symbols (render/blocks.py
+# STYLES: green █ full, yellow ▒ partial, red · empty): the figure's blue and grey are the cells' own colours here
+BLOCK_TINTS = ((44, 160, 44), (255, 190, 0), (214, 39, 40))  # full, partial, empty: the page data's '0', '1', '2'
+BLOCK_ALPHA = 0.35
 
 
 def _rgb(unit) -> list[int]:
@@ -31,6 +38,7 @@ COLOURS = {
     "visible": list(VISIBLE_RGB), "masked": list(MASKED_RGB), "onlyA": list(LEAK_RGB), "onlyB": list(ONLY_B_RGB),
     "outside": [255, 255, 255], "mark": "rgb({},{},{})".format(*_rgb(MARK_RGB)), "cache": "rgb({},{},{})".format(*_rgb(CACHE_RGB)),
     "grid": "rgba(0, 0, 0, 0.35)", "cells": "rgba(0, 0, 0, 0.13)",
+    "blockTint": ["rgb({},{},{})".format(*rgb) for rgb in BLOCK_TINTS], "blockAlpha": BLOCK_ALPHA,
 }
 DARK = {"masked": [58, 58, 62], "outside": [24, 24, 27], "mark": "rgb(235,235,235)", "grid": "rgba(255, 255, 255, 0.35)",
         "cells": "rgba(255, 255, 255, 0.12)"}
@@ -40,7 +48,8 @@ def _asset(name: str) -> str:
     return resources.files("maskcli.render").joinpath(name).read_text(encoding="utf-8")
 
 
-def _legend(page: str) -> str:
+def _legend(data: dict) -> str:
+    page = data["page"]
     def swatch(r, g, b, text):  # the masked grey follows the page's light or dark colours (page.css)
         kind = " masked" if (r, g, b) == MASKED_RGB else ""
         return f'<span class="swatch{kind}" style="background: rgb({r},{g},{b})"></span>{text}'
@@ -53,7 +62,14 @@ def _legend(page: str) -> str:
         items = [(VISIBLE_RGB, "kept (may attend)"), (MASKED_RGB, "masked")]
     marks = "" if page == "attend" else (" · lines: label boundaries · hatched: padding · orange dashes: the KV cache edge"
                                           + (" · grey dashes: blocks" if page == "blocks" else ""))
-    return " ".join(swatch(*rgb, html.escape(text)) for rgb, text in items) + html.escape(marks)
+    shown = " ".join(swatch(*rgb, html.escape(text)) for rgb, text in items) + html.escape(marks)
+    if page == "blocks":
+        blocks = data["blocks"]
+        tints = " ".join(f'<span class="swatch" style="background: rgb({r},{g},{b}); opacity: {BLOCK_ALPHA}"></span>{name}'
+                         for (r, g, b), name in zip(BLOCK_TINTS, ("full", "partial", "empty")))
+        shown += ("<br>blocks tinted over their cells: " + tints if blocks["map"] is not None
+                  else "<br>" + html.escape(blocks["untinted"]))
+    return shown
 
 
 # Inside <script> the HTML parser looks for `</script` and, after `<!--`, for `<script` (its "double escaped"
@@ -100,7 +116,7 @@ def page(data: dict, title: str, subtitle: str) -> str:
 </section>
 <aside><div class="scroll"><pre id="cell" aria-live="polite"></pre><pre id="why"></pre>
 <p id="status" aria-live="polite"></p>
-<p class="legend">{_legend(data["page"])}</p></div></aside>
+<p class="legend">{_legend(data)}</p></div></aside>
 </main>
 <script type="application/json" id="mask-data">{payload}</script>
 <script>
@@ -144,7 +160,25 @@ def blocks_page(mask: Mask, q_block: int, kv_block: int) -> str:
     """blocks' page: the mask with FlexAttention's block grid; hover says whether the block is full, partial or empty."""
     data = mask_data(mask)
     sub = _sub(mask, data["how"]) + f" · blocks of {q_block} queries x {kv_block} keys (padded to whole blocks, as create_block_mask)"
-    return page({"page": "blocks", "masks": [data], "blocks": {"q": q_block, "kv": kv_block}}, mask.title, sub)
+    return page({"page": "blocks", "masks": [data], "blocks": {"q": q_block, "kv": kv_block, **block_tints(mask, q_block, kv_block)}},
+                mask.title, sub)
+
+
+def block_tints(mask: Mask, q_block: int, kv_block: int) -> dict:
+    """The page's block categories: per batch row a string of n_q x n_kv characters, row by row, '0' full,
+    '1' partial, '2' empty (BLOCK_TINTS' order), from blockmask.layout as `blocks` counts them; past MAX_PAGE_BLOCKS,
+    none, and the words the legend says instead."""
+    from maskcli.blockmask import EMPTY, FULL, PARTIAL, layout
+
+    f = mask.frame
+    count = mask.batch * -(-f.q_len // q_block) * -(-f.k_len // kv_block)
+    if count > MAX_PAGE_BLOCKS:
+        return {"map": None, "untinted": f"blocks not tinted: {count:,} blocks, past the {MAX_PAGE_BLOCKS:,} a page tints "
+                                         "(a larger --block tints them; the PNG and the terminal map show every block)"}
+    found = layout(mask, q_block, kv_block)
+    order = np.zeros(3, dtype=np.uint8)
+    order[[FULL, PARTIAL, EMPTY]] = [0, 1, 2]
+    return {"map": [(order[found.categories(b)] + ord("0")).tobytes().decode("ascii") for b in range(mask.batch)]}
 
 
 def attend_page(run, names: list[str], pairs: list[tuple[int, int]]) -> str:

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from maskcli.hf.report import layers_text
-from maskcli.render import hanging
+from maskcli.render import hanging, labelled
 from maskcli.text import shortened
 from maskcli.render.trace import STYLES
 from maskcli.checks.registry import severity
@@ -58,22 +58,14 @@ def views(view, failures: list[str], held: list[str]) -> list:
         out.append(Text(f"{len(run.other)} attention calls outside the numbered layers (in --json): "
                         + ", ".join(sorted({call.where for call in run.other})[:4])))
     for line in run.chunk_check:
-        out.append(_line(line, "" if run.chunk_holds else "red"))
+        out.append(labelled(line, "" if run.chunk_holds else "red"))
     for line in run.cache_check:
-        out.append(_line(line, "" if run.cache_holds else "red"))
+        out.append(labelled(line, "" if run.cache_holds else "red"))
     for line in failures:
-        out.append(_line(line, "red"))
+        out.append(labelled(line, "red"))
     for line in held:
-        out.append(_line(line, ""))
+        out.append(labelled(line, ""))
     return out
-
-
-def _line(line: str, style: str):
-    """A check's line ('cache: ...'), its wrapped lines under the text after its label rather than at column 0."""
-    label, colon, rest = line.partition(": ")
-    if not colon or len(label) > 24:
-        return Text(line, style=style)
-    return hanging(label + colon, Text(rest), style=style)
 
 
 def model_figure(view):

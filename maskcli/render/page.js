@@ -381,6 +381,7 @@ function maskPage() {
   };
   const blocks = DATA.blocks;
   const grid = blocks ? (ctx, x, y, W, H) => {
+    if (blocks.map) tintBlocks(ctx, x, y, W, H, blocks, blocks.map[Math.min(b, blocks.map.length - 1)], viewer, F, C);
     if (blocks.kv * viewer.sx < 4 || blocks.q * viewer.sy < 4) return;
     ctx.strokeStyle = C.grid; ctx.lineWidth = 1; ctx.setLineDash([4, 3]); ctx.beginPath(); // dashed: not a label boundary
     const k0 = Math.ceil(viewer.x0 / blocks.kv), q0 = Math.ceil(viewer.y0 / blocks.q);
@@ -418,6 +419,28 @@ function maskPage() {
   });
   window.addEventListener("resize", () => { viewer.fit(); viewer.draw(); });
   viewer.draw();
+}
+
+// Each block on screen tinted by its category ('0' full, '1' partial, '2' empty: html.block_tints), one colour at a time.
+function tintBlocks(ctx, x, y, W, H, blocks, map, viewer, F, C) {
+  const nkv = Math.ceil(F.lk / blocks.kv), nq = Math.ceil(F.lq / blocks.q);
+  const j0 = Math.max(0, Math.floor(viewer.x0 / blocks.kv)), j1 = Math.min(nkv, Math.ceil((viewer.x0 + W / viewer.sx) / blocks.kv));
+  const i0 = Math.max(0, Math.floor(viewer.y0 / blocks.q)), i1 = Math.min(nq, Math.ceil((viewer.y0 + H / viewer.sy) / blocks.q));
+  ctx.save();
+  ctx.globalAlpha = C.blockAlpha; ctx.setLineDash([]);
+  for (let c = 0; c < 3; c++) {
+    ctx.fillStyle = C.blockTint[c];
+    const code = 48 + c;
+    for (let i = i0; i < i1; i++) {
+      const top = y(i * blocks.q + F.vq0), bottom = y(Math.min(F.lq, (i + 1) * blocks.q) + F.vq0);
+      for (let j = j0; j < j1; j++) {
+        if (map.charCodeAt(i * nkv + j) !== code) continue;
+        const left = x(j * blocks.kv + F.vk0);
+        ctx.fillRect(left, top, x(Math.min(F.lk, (j + 1) * blocks.kv) + F.vk0) - left, bottom - top);
+      }
+    }
+  }
+  ctx.restore();
 }
 
 // A block of FlexAttention's block view (local, padded to whole blocks): full, partial or empty, from the intervals.

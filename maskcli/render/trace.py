@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from rich import box
-from rich.table import Table
 from rich.text import Text
 
 from maskcli.checks.registry import severity
 from maskcli.errors import MaskError
 from maskcli.expression import Call, Ints, call_text, parse, print_tree, value_text
 from maskcli.expression import Text as Word
-from maskcli.render import hanging
+from maskcli.render import hanging, labelled
+from maskcli.render.breaking import Breaking, Fitted
 
 
 STYLES = {"wrong": "red", "suspicious": "yellow", "note": "dim"}  # a finding is coloured by its severity, not its code
@@ -18,26 +17,29 @@ STYLES = {"wrong": "red", "suspicious": "yellow", "note": "dim"}  # a finding is
 
 def views(groups: list, calls: int, program: str, status: int, expected: list | None = None) -> list:
     """A title line, the table of groups, the findings under their group's number, and the --expect results."""
-    head = Text(f"maskcli trace {program}: {calls} attention call{'s' if calls != 1 else ''}"
-                f"{f' in {len(groups)} group' + ('s' if len(groups) != 1 else '') if groups else ''}"
-                + (f"; the program exited with status {status}" if status else ""), style="bold")
+    head = hanging(f"maskcli trace {program}: ", Text(f"{calls} attention call{'s' if calls != 1 else ''}"
+                   f"{f' in {len(groups)} group' + ('s' if len(groups) != 1 else '') if groups else ''}"
+                   + (f"; the program exited with status {status}" if status else "")), style="bold")
     out: list = [head]
     if groups:
-        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-        for name, options in (("#", {"justify": "right"}), ("calls", {}), ("api", {}), ("step", {}), ("shape", {}), ("mask", {})):
-            table.add_column(name, overflow="fold", **options)
+        rows, lines = [], []
         for number, group in enumerate(groups):
             first = group.first
             shape = "(" + ",".join(map(str, first.shape)) + ")"
-            table.add_row(str(number), Text(f"{group.where} ×{len(group.calls)}" if len(group.calls) > 1 else group.where),
-                          first.api, group.steps, shape, Text(_brief(group.name, group.expression), style="green" if group.expression else "yellow"))
-        out.append(table)
+            where = f"{group.where} ×{len(group.calls)}" if len(group.calls) > 1 else group.where
+            mask = Text(_brief(group.name, group.expression), style="green" if group.expression else "yellow")
+            # each cell breaks between tokens (after a path's '.', a list's ','), its wrapped lines a cell in; where
+            # even that does not fit, each group is a line of its own as in model's report: no column loses a word
+            rows.append([Text(str(number)), *(Breaking(cell, indent=1) for cell in (Text(where), Text(first.api), Text(group.steps), Text(shape), mask))])
+            lines.append(hanging(f"#{number} ", Text.assemble(mask, f" · {first.api} {group.steps} {shape} · {where}")))
+        columns = [("#", {"justify": "right"}), ("calls", {}), ("api", {}), ("step", {}), ("shape", {}), ("mask", {})]
+        out.append(Fitted(columns, rows, lines))
     for number, group in enumerate(groups):
         for finding in group.findings:
             style = STYLES[severity(finding)]
             out.append(hanging(f"{number}: ", Text(f"{finding.code}: {_brief(finding.message, group.expression)}"), style=style))
     for line in expected or []:
-        out.append(Text(line, style="red"))
+        out.append(labelled(line, style="red"))
     return out
 
 
