@@ -542,6 +542,22 @@ def test_multihead_attentions_fast_path_applies_attn_mask_and_ignores_is_causal_
     assert [f.code for f in group.findings] == ["ignored-is-causal"]
 
 
+def test_is_causal_beside_a_causal_mask_with_padding_on_the_fast_path_is_not_called_ignored():
+    """A mask that is causal with padding rows (the fix of pytorch#99282, tests/data/bugs/mha_is_causal_need_weights.py)
+    is what is_causal hints: the fast path applying it ignores nothing (torch/nn/modules/activation.py, torch 2.13,
+    lines 1326-1447: the fast path never reads is_causal, and applies attn_mask merged by merge_masks)."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    padding = torch.arange(5)[None, :] >= torch.tensor([5, 3])[:, None]  # True = a padding key
+    mask = padding[:, None, :].expand(2, 5, 5).repeat_interleave(2, dim=0)
+    mask = mask | nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.bool)  # True = masked
+    with torch.no_grad(), maskcli.trace() as t:
+        mha(x, x, x, attn_mask=mask, is_causal=True)
+    assert t.calls[0].details.get("path") == "fast" and "ignored_is_causal" not in t.calls[0].details
+    assert np.array_equal(t.calls[0].keep()[1, 0], np.tril(np.ones((5, 5), dtype=bool)) & (np.arange(5) < 3))
+
+
 def test_an_encoder_layers_fast_path_ignores_is_causal_with_no_mask_and_its_slow_path_reads_it():
     """torch/nn/modules/transformer.py (torch 2.13), TransformerEncoderLayer.forward: the fast path (836-938) hands
     src_mask merged with the key padding to torch._transformer_encoder_layer_fwd, is_causal unread; the slow path's

@@ -82,9 +82,10 @@ def _fast(seen, is_causal, mask):
         if mask is None:
             seen.details["ignored_is_causal"] = ("no mask was given, so no mask was applied: every query sees every key "
                                                  "(the slow path, in training or with grad, refuses is_causal without a mask)")
-        elif seen.keep is not None and not bool((seen.keep == torch.ones(q_len, k_len, dtype=torch.bool, device=seen.keep.device).tril()).all()):
-            seen.details["ignored_is_causal"] = ("the mask given, which is not causal, was applied (the slow path, in "
-                                                 "training or with grad, applies causal in its place)")
+        elif seen.keep is not None and bool((seen.keep & ~torch.ones(q_len, k_len, dtype=torch.bool, device=seen.keep.device).tril()).any()):
+            # causal with padding (keys no query sees) is still causal: only a query that sees a later key breaks it
+            seen.details["ignored_is_causal"] = ("the mask given, which lets queries see later keys, was applied (the "
+                                                 "slow path, in training or with grad, applies causal in its place)")
     return seen
 
 
