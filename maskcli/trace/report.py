@@ -98,6 +98,10 @@ def _named(calls: list) -> Group:
         keep4 = tracefile.dense(stored)
         given = first.details.get("key_padding")  # the call's key-padding argument, where its API has one
         structure = recognise(keep4, nearest=True, q_start=first.details.get("q_start"), padding=given)
+        if structure.expression is None and given == {} and "key_padding_mask_dtype" not in first.details:
+            # MHA given no key_padding_mask: its padding may be in attn_mask (a (B * heads, L, S) causal | padding)
+            again = recognise(keep4, nearest=True, q_start=first.details.get("q_start"))
+            structure = again if again.expression is not None else structure
         if structure.expression is not None:
             name = structure.expression + flags(structure.options, q_len, k_len)
             group = Group(calls, name, structure.expression)
