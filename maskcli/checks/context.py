@@ -57,6 +57,15 @@ class Run:
                 found.setdefault(call.where, []).append(call)
         return found
 
+    def callers(self) -> dict[tuple, list]:
+        """Each call site's calls by the line that called it where it is a function's line (trace/sites.py): a helper
+        that the encoder and the decoder share is two, one full and one causal."""
+        found: dict[tuple, list] = {}
+        for call in self.calls:
+            if call.stored is not None:
+                found.setdefault((call.where, call.details.get("caller")), []).append(call)
+        return found
+
 
 def masked_somewhere(call) -> bool:
     """False for a softmax that masked no cell: a router's or a classifier's as much as an attention's; the rules read
