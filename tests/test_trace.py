@@ -542,6 +542,8 @@ def test_multihead_attentions_fast_path_applies_attn_mask_and_ignores_is_causal_
     (group,) = t.groups()
     assert [f.code for f in group.findings] == ["ignored-is-causal"]  # one finding: hint-ignored does not repeat it
     assert severity(group.findings[0]) == "wrong"  # the program said is_causal; every key was seen
+    finding = group.findings[0]
+    assert (finding.expected, finding.source, finding.cell) == ("causal", "is_causal=True", (0, 0, 1))
 
 
 def test_is_causal_beside_a_causal_mask_with_padding_on_the_fast_path_is_not_called_ignored():
