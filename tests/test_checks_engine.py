@@ -102,3 +102,16 @@ def test_no_alarm_on_a_hugging_face_decoder_generating_from_a_left_padded_batch(
     """
     status, alarms, report = _alarms(tmp_path, "hf_generate", source)
     assert (status, alarms) == (0, []), report
+
+
+def test_padding_the_model_call_marks_and_lost_at_decode_is_said_once_per_step(tmp_path):
+    """thu-nics/C2C#19 (tests/data/bugs/decode_mask_sliced.py): each decode step's query sees key 0, which the
+    attention_mask given to the model marks as padding: one finding per step, padding-ignored, that names the
+    argument, not a second padding-lost on the same cells. Without the model's argument, padding-lost still speaks."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "decode_mask_sliced", fixed=False)
+    codes = [f["code"] for f in found if f["code"].startswith("padding")]
+    assert status == 1 and codes == ["padding-ignored", "padding-ignored"], report
+    status, found, report = traced(tmp_path, "padding_mask_first_step_only", fixed=False)
+    assert [f["code"] for f in found if f["code"].startswith("padding")] == ["padding-lost", "padding-lost"], report

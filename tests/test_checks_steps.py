@@ -11,7 +11,7 @@ from maskcli.commands import app
 
 BUGS = [
     ("padding_mask_first_step_only", "padding-lost"),  # OpenNMT/OpenNMT-py#2532: the pad mask at the first step only
-    ("decode_mask_sliced", "padding-lost"),  # thu-nics/C2C#19: the mask sliced to one column at decode
+    # (thu-nics/C2C#19, decode_mask_sliced: padding-ignored says it, from the model call's attention_mask)
     ("decode_window_dropped", "window-lost"),  # pytorch/executorch#22285: every written slot visible at decode
     ("cached_mask_rows_top_left", "top-left-mask"),  # rasbt/LLMs-from-scratch#1048: mask[:Lq, :Lk] at decode
     ("cached_decode_is_causal_xtransformers", "top-left-mask"),  # lucidrains/x-transformers#187: is_causal with a cache
