@@ -51,19 +51,18 @@ class Run:
 
     def sites(self) -> dict[str, list]:
         """Each call site's calls in step order."""
-        found: dict[str, list] = {}
-        for call in self.calls:
-            if call.stored is not None:
-                found.setdefault(call.where, []).append(call)
-        return found
+        return self._by(lambda call: call.where)
 
     def callers(self) -> dict[tuple, list]:
         """Each call site's calls by the line that called it where it is a function's line (trace/sites.py): a helper
         that the encoder and the decoder share is two, one full and one causal."""
-        found: dict[tuple, list] = {}
+        return self._by(lambda call: (call.where, call.details.get("caller")))
+
+    def _by(self, key) -> dict:
+        found: dict = {}
         for call in self.calls:
             if call.stored is not None:
-                found.setdefault((call.where, call.details.get("caller")), []).append(call)
+                found.setdefault(key(call), []).append(call)
         return found
 
 
