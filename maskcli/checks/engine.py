@@ -15,10 +15,7 @@ def findings(run: Run) -> list:
         if callable(rule.check) and rule.reads in ("call", "site", "steps") and rule.check not in done:
             done.add(rule.check)  # (one function may make the findings of several codes)
             found += rule.check(run)
-    # a call that sees keys its own model call's attention_mask marks as padding (arguments.py) says that with its
-    # source: the same keys lost since step 0 (steps.py) would say it twice
-    ignored = {call.index for call, finding in found if finding.code == "padding-ignored"}
-    return [(call, finding) for call, finding in found if finding.code != "padding-lost" or call.index not in ignored]
+    return found
 
 
 def apply(groups: list, run: Run) -> list:
@@ -29,4 +26,7 @@ def apply(groups: list, run: Run) -> list:
         group = where.get(call.index)
         if group is not None and all((f.code, f.message) != (finding.code, finding.message) for f in group.findings):
             group.findings.append(finding)
+    for group in groups:  # calls that see keys their model call's attention_mask marks as padding (arguments.py) say
+        if any(f.code == "padding-ignored" for f in group.findings):  # it with its source: the same keys lost since
+            group.findings = [f for f in group.findings if f.code != "padding-lost"]  # step 0 (steps.py) say it twice
     return groups
