@@ -102,3 +102,41 @@ def test_no_alarm_on_a_hugging_face_decoder_generating_from_a_left_padded_batch(
     """
     status, alarms, report = _alarms(tmp_path, "hf_generate", source)
     assert (status, alarms) == (0, []), report
+
+
+def test_padding_the_model_call_marks_and_lost_at_decode_is_said_once_per_step(tmp_path):
+    """thu-nics/C2C#19 (tests/data/bugs/decode_mask_sliced.py): each decode step's query sees key 0, which the
+    attention_mask given to the model marks as padding: one finding per step, padding-ignored, that names the
+    argument, not a second padding-lost on the same cells. Without the model's argument, padding-lost still speaks."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "decode_mask_sliced", fixed=False)
+    codes = [f["code"] for f in found if f["code"].startswith("padding")]
+    assert status == 1 and codes == ["padding-ignored", "padding-ignored"], report
+    status, found, report = traced(tmp_path, "padding_mask_first_step_only", fixed=False)
+    assert [f["code"] for f in found if f["code"].startswith("padding")] == ["padding-lost", "padding-lost"], report
+
+
+def test_a_hugging_face_model_given_no_attention_mask_at_decode_is_said_once_per_group(tmp_path):
+    """The left padding dropped at decode inside the model (LlamaModel called with attention_mask=None once a token is
+    cached) while generate hands LlamaForCausalLM the padded attention_mask: padding-ignored, once for the decode
+    step's group of both layers, and no padding-lost beside it."""
+    pytest.importorskip("transformers")
+    source = """
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, pad_token_id=0)
+        model = LlamaForCausalLM(config).eval()
+        inner = model.model.forward
+        def forward(*args, **kwargs):
+            if kwargs["input_ids"].shape[1] == 1:
+                kwargs["attention_mask"] = None  # the bug: the padding dropped at decode
+            return inner(*args, **kwargs)
+        model.model.forward = forward
+        ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+        model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    """
+    status, alarms, report = _alarms(tmp_path, "hf_padding_dropped", source)
+    assert status == 1 and [f["code"] for f in alarms] == ["padding-ignored"], report

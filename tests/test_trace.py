@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import maskcli
+from maskcli.checks.registry import severity
 
 warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
@@ -539,7 +540,27 @@ def test_multihead_attentions_fast_path_applies_attn_mask_and_ignores_is_causal_
         assert torch.allclose(out, _mha_with(mha, x, np.ones((2, 2, 5, 5), dtype=bool)), atol=1e-5)
     assert t.calls[0].keep().all() and "no mask was applied" in t.calls[0].details["ignored_is_causal"]
     (group,) = t.groups()
-    assert [f.code for f in group.findings] == ["ignored-is-causal"]
+    assert [f.code for f in group.findings] == ["ignored-is-causal"]  # one finding: hint-ignored does not repeat it
+    assert severity(group.findings[0]) == "wrong"  # the program said is_causal; every key was seen
+    finding = group.findings[0]
+    assert (finding.expected, finding.source, finding.cell) == ("causal", "is_causal=True", (0, 0, 1))
+
+
+def test_is_causal_beside_a_causal_mask_with_padding_on_the_fast_path_is_not_called_ignored():
+    """A mask that is causal with padding rows (the fix of pytorch#99282, tests/data/bugs/mha_is_causal_need_weights.py)
+    is what is_causal hints: the fast path applying it ignores nothing (torch/nn/modules/activation.py, torch 2.13,
+    lines 1326-1447: the fast path never reads is_causal, and applies attn_mask merged by merge_masks)."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    padding = torch.arange(5)[None, :] >= torch.tensor([5, 3])[:, None]  # True = a padding key
+    mask = padding[:, None, :].expand(2, 5, 5).repeat_interleave(2, dim=0)
+    mask = mask | nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.bool)  # True = masked
+    with torch.no_grad(), maskcli.trace() as t:
+        mha(x, x, x, attn_mask=mask, is_causal=True)
+    assert t.calls[0].details.get("path") == "fast" and "ignored_is_causal" not in t.calls[0].details
+    assert [f.code for f in t.groups()[0].findings] == []  # nor does hint-ignored find a query seeing a later key
+    assert np.array_equal(t.calls[0].keep()[1, 0], np.tril(np.ones((5, 5), dtype=bool)) & (np.arange(5) < 3))
 
 
 def test_an_encoder_layers_fast_path_ignores_is_causal_with_no_mask_and_its_slow_path_reads_it():

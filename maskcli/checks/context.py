@@ -51,10 +51,18 @@ class Run:
 
     def sites(self) -> dict[str, list]:
         """Each call site's calls in step order."""
-        found: dict[str, list] = {}
+        return self._by(lambda call: call.where)
+
+    def callers(self) -> dict[tuple, list]:
+        """Each call site's calls by the line that called it where it is a function's line (trace/sites.py): a helper
+        that the encoder and the decoder share is two, one full and one causal."""
+        return self._by(lambda call: (call.where, call.details.get("caller")))
+
+    def _by(self, key) -> dict:
+        found: dict = {}
         for call in self.calls:
             if call.stored is not None:
-                found.setdefault(call.where, []).append(call)
+                found.setdefault(key(call), []).append(call)
         return found
 
 
@@ -77,10 +85,11 @@ def layer(call) -> int | None:
 
 
 def keep(call) -> np.ndarray | None:
-    """Bool (b, h, Lq, Lk) as stored (batch rows or heads that repeat kept once); None where not kept or too big.
+    """Bool (b, h, Lq, Lk) as stored (batch rows or heads that repeat kept once); None where not kept or too big, or
+    where it is not what the kernel masked (a score_mod maskcli could not read: trace/flex.py).
     (A GPT-OSS sink column is left out of the stored mask already: hf.run._leave_out_sink, trace.interface.)"""
     stored = call.stored
-    if stored is None or stored.get("form") == "stats":
+    if stored is None or stored.get("form") == "stats" or str(call.details.get("score_mod_read", "")).startswith("not"):
         return None
     b, h = stored["planes"]
     if b * h * call.shape[2] * call.shape[3] > DENSE_CELLS:

@@ -26,4 +26,7 @@ def apply(groups: list, run: Run) -> list:
         group = where.get(call.index)
         if group is not None and all((f.code, f.message) != (finding.code, finding.message) for f in group.findings):
             group.findings.append(finding)
+    for group in groups:  # calls that see keys their model call's attention_mask marks as padding (arguments.py) say
+        if any(f.code == "padding-ignored" for f in group.findings):  # it with its source: the same keys lost since
+            group.findings = [f for f in group.findings if f.code != "padding-lost"]  # step 0 (steps.py) say it twice
     return groups

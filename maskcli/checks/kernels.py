@@ -15,14 +15,18 @@ from maskcli.text import Finding
 REPORT, INSPECT, ATTEND = "maskcli.trace.report", "maskcli.inspect.findings", "maskcli.attention.findings"
 
 
+FAST = "on its fast path (eval, no grad) it never reads it:"
+SLOW = "with a key padding mask or need_weights"
+
+
 def hint_ignored(run: Run) -> list:
     """is_causal=True said to a kernel that applied a mask letting queries see later keys (MHA reads is_causal as a
     hint about attn_mask and applies attn_mask itself wherever it needs a mask: a key padding mask, need_weights;
     torch/nn/functional.py multi_head_attention_forward)."""
     found, done = [], set()
     for call in run.calls:
-        if call.api != "mha" or not call.details.get("is_causal") or call.mask in done:
-            continue
+        if call.api != "mha" or not call.details.get("is_causal") or call.mask in done or "ignored_is_causal" in call.details:
+            continue  # (the fast path's ignored-is-causal says it applied no mask at all)
         done.add(call.mask)
         cells = keep(call)
         if cells is None:
@@ -33,8 +37,9 @@ def hint_ignored(run: Run) -> list:
         if later.any():
             b, h, q, k = first_cell(later)
             found.append((call, Finding(
-                "hint-ignored", f"is_causal=True is only a hint to nn.MultiheadAttention: with a key padding mask or "
-                f"need_weights it applies attn_mask, and attn_mask lets query {int(own[q])} see later key {k}",
+                "hint-ignored", f"is_causal=True is only a hint to nn.MultiheadAttention: "
+                f"{FAST if call.details.get('path') == 'fast' else SLOW} it applies attn_mask, and attn_mask lets "
+                f"query {int(own[q])} see later key {k}",
                 expected="causal", source="is_causal=True", cell=(b, int(own[q]), k))))
     return found
 
@@ -79,6 +84,8 @@ RULES = (
          "apply", f"{REPORT}:_asked"),
     Rule("hf-not-windowed", "wrong", "call", "Hugging Face asked for a sliding window that the attention function did "
          "not apply", f"{REPORT}:_asked"),
+    Rule("ignored-is-causal", "wrong", "call", "is_causal=True on nn.MultiheadAttention's or an encoder layer's fast "
+         "path, which never reads it: no mask, or a mask that lets queries see later keys, applied", f"{REPORT}:_named"),
     Rule("hint-ignored", "wrong", "call", "is_causal=True beside a mask that lets queries see later keys: the kernel "
          "applied the mask", hint_ignored),
     Rule("ones-added", "wrong", "call", "a keep mask of 0s and 1s added to the scores as a float mask: nothing is "

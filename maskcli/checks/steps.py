@@ -119,7 +119,7 @@ def causal_lost(run: Run) -> list:
     (a prefill that skips the causal mask when a cache is attached). Batches with rows that see no key are left
     alone: what padding rows see depends on the kernel."""
     found = []
-    for where, calls in run.sites().items():
+    for (where, _), calls in run.callers().items():
         causal = None
         for call in calls:
             q_len, k_len = call.shape[2:]

@@ -310,6 +310,8 @@ class Trace:
 
     def _record(self, reader, args, kwargs) -> None:
         site, where = self.sites.current()
+        caller = site[2] if site[0] == "line" else None
+        site = site if caller is None else site[:2]  # steps count per function line, wherever it was called from
         try:
             with torch.no_grad():
                 seen = reader(args, kwargs)
@@ -327,6 +329,8 @@ class Trace:
             return
         if seen.child:
             site, where = self.sites.current(seen.child)
+        if caller is not None:  # the line that called the function attending (checks/steps.py's causal-lost)
+            seen.details["caller"] = caller
         self._append(Call(**{**seen.operands(), "shape": tuple(int(x) for x in seen.shape)}, index=len(self.calls), where=where,
                           step=self.sites.step(site), mask=key, details=seen.details, trace=self))
 

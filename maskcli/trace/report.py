@@ -98,6 +98,10 @@ def _named(calls: list) -> Group:
         keep4 = tracefile.dense(stored)
         given = first.details.get("key_padding")  # the call's key-padding argument, where its API has one
         structure = recognise(keep4, nearest=True, q_start=first.details.get("q_start"), padding=given)
+        if structure.expression is None and given == {} and "key_padding_mask_dtype" not in first.details:
+            # MHA given no key_padding_mask: its padding may be in attn_mask (a (B * heads, L, S) causal | padding)
+            again = recognise(keep4, nearest=True, q_start=first.details.get("q_start"))
+            structure = again if again.expression is not None else structure
         if structure.expression is not None:
             name = structure.expression + flags(structure.options, q_len, k_len)
             group = Group(calls, name, structure.expression)
@@ -140,10 +144,11 @@ def _named(calls: list) -> Group:
             f"the score_mod {name} also adds a bias where it does not mask: the mask shown is the cells it sets to -inf"
             if read.startswith("read") else f"the score_mod {name} was {read}: the mask shown leaves out any cell it "
             "masks (sets to -inf)")))
-    if first.details.get("ignored_is_causal"):  # (modules.py: what the fast path applied)
+    if first.details.get("ignored_is_causal"):  # (modules.py: the fast path given no mask applied none)
         group.findings.append(Finding("ignored-is-causal", (
             f"is_causal=True was ignored: the module's fast path (eval, no grad) never reads it; "
-            f"{first.details['ignored_is_causal']}")))
+            f"{first.details['ignored_is_causal']}"), expected="causal", source="is_causal=True",
+            cell=(0, 0, 1) if k_len > 1 else None))  # query 0 sees key 1, as every query sees every key
     if _top_left_is_causal(first, q_len, k_len):
         sees = ("its one query sees key 0 only, so the last {} keys are seen by no query" if q_len == 1 else
                 "query row i sees keys 0..i, so the last {} keys are seen by no query until the last rows").format(k_len - q_len)

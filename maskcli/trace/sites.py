@@ -58,9 +58,9 @@ class Sites:
     def current(self, child: str | None = None) -> tuple[tuple, str]:
         """(site key, where) of a call made now; `child`: the submodule of the running one that attends."""
         stack = self.stack
-        if not stack:
-            where = first_frame_outside()
-            return ("line", where), where
+        if not stack:  # a function's line, with the line that called it (checks/steps.py's causal-lost reads both)
+            where, caller = frames_outside(2)
+            return ("line", where, caller), where
         module = stack[-1]
         inner = getattr(module, child, None) if child else None
         if isinstance(inner, torch.nn.Module):
@@ -166,16 +166,21 @@ def _variable(module) -> str | None:
 
 def first_frame_outside() -> str:
     """file:line of the innermost frame that is neither torch's nor maskcli's."""
+    return frames_outside(1)[0]
+
+
+def frames_outside(count: int) -> list[str]:
+    """file:line of the `count` innermost frames that are neither torch's nor maskcli's ("?" past the outermost)."""
     torch_dir = os.path.dirname(torch.__file__)
     own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame = sys._getframe(1)
-    while frame is not None:
+    frame, found = sys._getframe(1), []
+    while frame is not None and len(found) < count:
         name = frame.f_code.co_filename
         if not name.startswith((torch_dir, own)) and not name.startswith("<frozen"):
             try:
                 shown = os.path.relpath(name)
             except ValueError:
                 shown = name
-            return f"{shown if not shown.startswith('..') else os.path.basename(name)}:{frame.f_lineno}"
+            found.append(f"{shown if not shown.startswith('..') else os.path.basename(name)}:{frame.f_lineno}")
         frame = frame.f_back
-    return "?"
+    return found + ["?"] * (count - len(found))
