@@ -69,8 +69,6 @@ RULES = (
          "where True = attend is read)", f"{REPORT}:_named"),
     Rule("top-left-causal", "wrong", "call", "is_causal with fewer queries than keys: SDPA aligns it top-left, so a "
          "decode step behind a cache sees key 0 only", f"{REPORT}:_named"),
-    Rule("ignored-is-causal", "wrong", "call", "is_causal=True that nn.MultiheadAttention's or an encoder layer's fast "
-         "path never reads: no mask, or a mask that is not causal, was applied", f"{REPORT}:_named"),
     Rule("score-mod", "note", "call", "a flex score_mod that also adds a bias, or whose masking could not be read off "
          "its -inf cells", f"{REPORT}:_named"),
     Rule("same-as", "note", "call", "a mask two expressions name alike (local(C) and document(sizes=...)): the same "

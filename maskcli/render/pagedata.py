@@ -141,7 +141,7 @@ def why_tree(node):
             "p": {name: _value(value) for name, value in node.values.items()}}
 
 
-EXPLAINED = {"full", "causal", "window", "prefix", "sink", "local", "lookback", "chunk", "document", "segment", "blocks",
+EXPLAINED = {"full", "causal", "window", "prefix", "sink", "local", "lookback", "band", "chunk", "document", "segment", "blocks",
              "tril", "triu", "tree", "padding"}  # the kinds page.js explains, each as its kind's why does
 
 

@@ -56,6 +56,10 @@ const KIND_WHY = {
     const d = q - kv, w = p.window, edge = kv > q ? " (no causal edge: a later key is kept)" : "";
     return [d < w, `${q} - ${kv} = ${d} ${d < w ? "<" : ">="} ${w}${edge}`];
   },
+  band: (p, F, b, q, kv) => {
+    const d = Math.abs(q - kv), w = p.window;
+    return [d < w, `|${q} - ${kv}| = ${d} ${d < w ? "<" : ">="} ${w}`];
+  },
   prefix: (p, F, b, q, kv) => {
     const size = p.prefix;
     if (kv < size) return [true, `kv ${kv} < ${size}: in the prefix, seen both ways`];
