@@ -264,3 +264,21 @@ def test_two_files_of_different_shapes_are_told_what_applies_to_files(tmp_path, 
         "takes the file's), or compare the cells both cover with --rows 0:4 --keys 0:4\n"
     )
     assert runner.invoke(app, ["diff", "a.pt", "causal"]).exit_code == 0  # left out, the expression follows the file
+
+
+@pytest.mark.parametrize("tree", [
+    ("and", [("kind", "document", {"labels": [[0, 0, 1, 1]]}), ("kind", "window", {"window": 2})]),
+    ("or", [("kind", "causal", {}), ("kind", "blocks", {"labels": [[-1, 0, 0, -1]]})]),
+    ("not", ("or", [("kind", "sink", {"sink": 1}), ("kind", "prefix", {"prefix": 2})])),
+    ("and", [("kind", "local", {"chunk_size": 2}), ("or", [("kind", "window", {"window": 3}), ("kind", "sink", {"sink": 1})])]),
+])
+def test_the_names_diff_prints_paste_back_into_show(tree):
+    """Issue 28 item 13: the `A:` line names its mask in words `maskcli show` takes, and they rebuild it: the cells of
+    the printed name equal a double loop over the expression as written (definitions.py). (diff names a file by its
+    path: only an expression has a name to paste.)"""
+    printed = diff(ref.text(tree), "causal", "--len", 4)
+    name = printed.stdout.splitlines()[0].removeprefix("A: ")
+    shown = runner.invoke(app, ["show", name, "--len", "4", "--json"])
+    assert shown.exit_code == 0, (name, shown.output)
+    cells = np.asarray(json.loads(shown.stdout)["mask"], dtype=bool)[0, 0]
+    assert np.array_equal(cells, np.array(ref.dense(tree, q0=0, lq=4, k0=0, lk=4))[0]), name
