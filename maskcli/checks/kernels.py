@@ -53,7 +53,7 @@ def ones_added(run: Run) -> list:
             continue
         done.add(call.mask)
         found.append((call, Finding(
-            "ones-added", f"the float attn_mask holds only 0 and 1: a keep mask cast to float is added to the scores, "
+            "ones-added", "the float attn_mask holds only 0 and 1: a keep mask cast to float is added to the scores, "
             "so it masks nothing (pass it as bool, or as (1 - mask) * finfo.min)", expected="an additive mask: 0 and -inf",
             source=f"{call.api}'s attn_mask, {call.details.get('mask_dtype')}")))
     return found

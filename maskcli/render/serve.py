@@ -76,7 +76,7 @@ def views(b: ServeBatch, rows: list[dict], findings, source: str, title: str, wi
             pages.add_row(str(row["request"]), _ids(row["pages"], SHOWN_PAGES if width >= 100 else 3), f"{row['last_fill']}/{b.page_size}",
                           _ids(row["shared"], 3), _ids(row["null"], 3), _ids(row["written"], 3))
         out.append(pages)
-        out.append(Text("shared, null, written: logical blocks" + (f"; blocks before the window are not read" if b.window else "")))
+        out.append(Text("shared, null, written: logical blocks" + ("; blocks before the window are not read" if b.window else "")))
     if b.requests > TABLE_REQUESTS:
         out.append(Text(f"requests {TABLE_REQUESTS}-{b.requests - 1} not listed (--json lists every one)"))
     for note in b.notes:

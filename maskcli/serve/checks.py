@@ -15,7 +15,6 @@ import numpy as np
 from maskcli.serve.batch import ServeBatch
 from maskcli.serve.pagemap import distinct, page_map, read_range
 
-SEVERITIES = ("wrong", "suspicious", "note")
 
 
 @dataclass(frozen=True)
