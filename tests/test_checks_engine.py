@@ -63,6 +63,34 @@ PROGRAMS = {
             CausalSelfAttention(flash=True)(x)
             CausalSelfAttention(flash=False)(x)
     """,
+    # one nn.TransformerEncoder called bidirectional with a key padding mask and causal with mask= and is_causal=True,
+    # in train and in eval (its fast path): each call is a pass of its own, not a decode step that lost its mask
+    "encoder_both_ways": """
+        import torch, torch.nn as nn
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True)
+        encoder = nn.TransformerEncoder(layer, num_layers=2)
+        x = torch.randn(3, 6, 8)
+        padding = torch.tensor([[False] * 6, [False] * 4 + [True] * 2, [False] * 2 + [True] * 4])
+        causal = nn.Transformer.generate_square_subsequent_mask(6)
+        for train in (True, False):
+            encoder.train(train)
+            with torch.set_grad_enabled(train):
+                encoder(x, src_key_padding_mask=padding)
+                encoder(x, mask=causal, is_causal=True)
+    """,
+    # nn.MultiheadAttention as its docs call it: need_weights both ways, a key padding mask, then a causal attn_mask
+    "mha_need_weights": """
+        import torch, torch.nn as nn
+        torch.manual_seed(0)
+        mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        x = torch.randn(2, 5, 8)
+        padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+        causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)
+        for need_weights in (True, False):
+            mha(x, x, x, key_padding_mask=padding, need_weights=need_weights)
+            mha(x, x, x, attn_mask=causal, is_causal=True, need_weights=need_weights)
+    """,
 }
 
 
@@ -101,6 +129,28 @@ def test_no_alarm_on_a_hugging_face_decoder_generating_from_a_left_padded_batch(
                                cache_implementation=cache, pad_token_id=0)
     """
     status, alarms, report = _alarms(tmp_path, "hf_generate", source)
+    assert (status, alarms) == (0, []), report
+
+
+def test_no_alarm_on_two_batches_generated_one_after_the_other_with_a_static_and_a_dynamic_cache(tmp_path):
+    """A left-padded batch, then an unpadded one, through generate: the second batch's decode steps are read against
+    its own prefill, not the first batch's padding (checks/steps.py sites). transformers 5.24 passes no cache_position
+    and hands a static cache's model call a 4-D mask over every slot (generation/utils.py); the queries sit at the
+    cache's start, as many as it holds (cache_utils.py StaticLayer.get_seq_length), not at the end of its slots."""
+    pytest.importorskip("transformers")
+    source = """
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, bos_token_id=1)
+        model = LlamaForCausalLM(config).eval()
+        for cache in ("dynamic", "static"):  # (a site's first call is read as step 0 by every rule: static second)
+            for ids in (torch.tensor([[0, 0, 1, 5, 6, 7], [1, 8, 9, 10, 11, 12]]), torch.tensor([[1, 3, 4], [1, 8, 9]])):
+                model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=3, do_sample=False,
+                               cache_implementation=cache, pad_token_id=0)
+    """
+    status, alarms, report = _alarms(tmp_path, "hf_two_batches", source)
     assert (status, alarms) == (0, []), report
 
 

@@ -99,8 +99,9 @@ def keep(call) -> np.ndarray | None:
 
 
 def queries(call, top: Top | None) -> np.ndarray:
-    """The absolute position of each query row: `model`'s placing, the model call's cache_position, else the end of
-    the keys (a cache that keeps every key, the key columns being positions)."""
+    """The absolute position of each query row: `model`'s placing, the model call's cache_position, the last tokens a
+    static cache holds (its slots past them unwritten), else the end of the keys (a cache that keeps every key, the
+    key columns being positions)."""
     q_len, k_len = call.shape[2:]
     placed = call.details.get("queries")
     if placed is not None:
@@ -108,6 +109,9 @@ def queries(call, top: Top | None) -> np.ndarray:
     position = None if top is None else top.arguments.get("cache_position")
     if isinstance(position, np.ndarray) and position.ndim == 1 and len(position) == q_len:
         return position.astype(np.int64)
+    held = None if top is None else top.arguments.get("cache_length")
+    if isinstance(held, int) and q_len <= held < k_len:  # a static cache's slots past the written ones (trace/tops.py)
+        return np.arange(held - q_len, held)
     return np.arange(k_len - q_len, k_len)
 
 

@@ -1,11 +1,13 @@
 """One call site from prefill to each decode step: what its first step shows must hold at the next ones.
 
-A call site's first call (the prefill) says, with no config needed, which keys are padding (keys no
-query of a batch row sees while another row's queries see them, as a padded batch is) and whether it
-is a sliding window (each row sees exactly the W keys up to its own, cut by the row's first key). A
-later step of the same site whose key columns are the same positions (the cache keeps every key, so
-it has at least as many) must keep both: a padding key seen at decode, or a query that sees more than
-W keys back, is the mask lost behind the cache.
+A call site's prefill (a call of as many queries as keys) says, with no config needed, which keys are
+padding (keys no query of a batch row sees while another row's queries see them, as a padded batch
+is) and whether it is a sliding window (each row sees exactly the W keys up to its own, cut by the
+row's first key). A decode step after it at the same site (fewer queries than keys) whose key columns
+are the same positions (the cache keeps every key, so it has at least as many) must keep both: a
+padding key seen at decode, or a query that sees more than W keys back, is the mask lost behind the
+cache. A later call of as many queries as keys is a pass of its own (the next batch, an encoder
+called again with another mask): its decode steps are read against it.
 """
 
 from __future__ import annotations
@@ -45,27 +47,35 @@ def _window(cells: np.ndarray, own: np.ndarray) -> int | None:
     return width
 
 
+def _prefill(call, top):
+    """(padded, window) a pass of as many queries as keys shows (each is None where it shows none); None where it
+    shows neither or cannot be read."""
+    cells = keep(call)
+    if cells is None or not columns_are_positions(call, top):
+        return None
+    padded, window = _padded(cells), _window(cells, queries(call, top))
+    return None if padded is None and window is None else (padded, window)
+
+
 def sites(run: Run) -> list:
+    """Each decode step (fewer queries than keys) against the latest pass of as many queries as keys before it at its
+    site (its prefill): a later full pass is a new sequence (another batch, an encoder called again with another
+    mask), not a step behind the cache."""
     found = []
     for where, calls in run.sites().items():
-        head = calls[0]
-        top = run.top(head)
-        cells = keep(head)
-        if cells is None or len(calls) < 2 or not columns_are_positions(head, top) or head.shape[2] != head.shape[3]:
-            continue
-        padded = _padded(cells)
-        window = _window(cells, queries(head, top))
-        if padded is None and window is None:
-            continue
-        done = {head.mask}
-        for call in calls[1:]:
+        head = shown = None
+        for call in calls:
             later_top = run.top(call)
-            if call.mask in done or call.shape[3] < head.shape[3] or not columns_are_positions(call, later_top):
+            if call.shape[2] == call.shape[3]:
+                head, shown, done = call, _prefill(call, later_top), {call.mask}
+                continue
+            if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not columns_are_positions(call, later_top):
                 continue
             done.add(call.mask)
             later = keep(call)
             if later is None:
                 continue
+            padded, window = shown
             own = queries(call, later_top)
             if padded is not None and later.shape[0] in (1, padded.shape[0]):
                 width = padded.shape[1]
@@ -74,17 +84,18 @@ def sites(run: Run) -> list:
                     b, h, q, k = first_cell(bad)
                     found.append((call, Finding("padding-lost", (
                         f"at step {call.step} query {int(own[q])} of batch row {b} sees key {k}, which no query of that "
-                        f"row saw at step 0 (its padding): the padding is lost behind the cache"),
-                        expected="the key padding of step 0", source=f"{where} at step 0", cell=(b, int(own[q]), k))))
+                        f"row saw at step {head.step} (its padding): the padding is lost behind the cache"),
+                        expected=f"the key padding of step {head.step}", source=f"{where} at step {head.step}",
+                        cell=(b, int(own[q]), k))))
                     continue
             if window is not None:
                 back = own[None, None, :] - np.where(later.any(axis=-1), later.argmax(axis=-1), own[None, None, :])
                 if (back >= window).any():
                     b, h, q = first_cell(back >= window)
                     found.append((call, Finding("window-lost", (
-                        f"step 0 of {where} is window({window}), but at step {call.step} query {int(own[q])} sees "
-                        f"{int(back[b, h, q]) + 1} keys back: the window is lost behind the cache"),
-                        expected=f"window({window})", source=f"{where} at step 0",
+                        f"step {head.step} of {where} is window({window}), but at step {call.step} query {int(own[q])} "
+                        f"sees {int(back[b, h, q]) + 1} keys back: the window is lost behind the cache"),
+                        expected=f"window({window})", source=f"{where} at step {head.step}",
                         cell=(b, int(own[q]), int(own[q] - back[b, h, q])))))
     return found
 
@@ -117,13 +128,17 @@ def alignment(run: Run) -> list:
 def causal_lost(run: Run) -> list:
     """A call site whose mask is causal in one call of several queries and lets queries see later keys in another
     (a prefill that skips the causal mask when a cache is attached). Batches with rows that see no key are left
-    alone: what padding rows see depends on the kernel."""
+    alone: what padding rows see depends on the kernel. nn.MultiheadAttention applies the masks its caller hands it,
+    and one module may be called causal and not (nn.TransformerEncoder with and without mask=): there a pass that
+    sees later keys is a finding only where decode steps follow it at the site (a prefill)."""
     found = []
     for (where, _), calls in run.callers().items():
         causal = None
-        for call in calls:
+        for n, call in enumerate(calls):
             q_len, k_len = call.shape[2:]
             if q_len < 2 or q_len != k_len:
+                continue
+            if call.api == "mha" and causal is not None and not _decode_follows(calls[n + 1:]):
                 continue
             cells = keep(call)
             if cells is None or not cells.any(axis=-1).all():
@@ -139,6 +154,11 @@ def causal_lost(run: Run) -> list:
                     f"({int(later.sum())} such cells)"), expected="causal", source=f"{where} at step {causal.step}",
                     cell=(b, q, k))))
     return found
+
+
+def _decode_follows(calls: list) -> bool:
+    """The next call of a site is a decode step (fewer queries than keys): the call before it was a prefill."""
+    return bool(calls) and calls[0].shape[2] < calls[0].shape[3]
 
 
 RULES = (

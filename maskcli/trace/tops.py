@@ -41,7 +41,24 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int) -> 
         if isinstance(value, torch.Tensor) and value.dim() <= 2 and value.numel() <= MOST and value.device.type != "meta" \
                 and (value.dtype == torch.bool or not value.is_floating_point()):
             found[name] = value.detach().cpu().numpy().astype(np.int64)
-    cache = given.get("past_key_values")
+    cache = given.get("cache", given.get("past_key_values"))  # (transformers 5.24's keyword; the older name)
     if cache is not None:
         found["past_key_values"] = type(cache).__name__
+        held = _held(cache)
+        if held is not None:
+            found["cache_length"] = held
     return Top(where, getattr(module, "config", None), found, first, end)
+
+
+def _held(cache) -> int | None:
+    """The tokens a Hugging Face cache holds once the call wrote its own (a static cache's written slots): transformers
+    5.24 passes no cache_position, and its generate hands a static cache's model call a 4-D mask over every slot
+    (cache_utils.py StaticLayer.get_seq_length, 502: cumulative_length, the positions written)."""
+    length = getattr(cache, "get_seq_length", None)
+    if not callable(length):
+        return None
+    try:
+        held = int(length())
+    except Exception:  # (a cache of the program's own whose method wants arguments: nothing read, nothing changed)
+        return None
+    return held if held >= 0 else None
