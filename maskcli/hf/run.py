@@ -195,21 +195,18 @@ def _placed(tracer, config, prompt_len: int, prefill_chunk: int | None, sinks: b
 
 
 def _leave_out_sink(call) -> None:
-    """The call's mask and shape made its keys' alone: GPT-OSS's eager attention softmaxes
-    torch.cat([attn_weights, sinks], dim=-1) (transformers/models/gpt_oss/modeling_gpt_oss.py, eager_attention_forward),
-    so its last column is each head's learned sink logit, on no key position, never masked.
-    details["sink_column"] is the index of the column left out (the softmax was one wider)."""
+    """The stored call's mask and shape made its keys' alone (trace.interface.without_sink: GPT-OSS's sink logit is
+    the softmax's last column), stored again; `model` traces no AttentionInterface, so this is read off the cache."""
     from maskcli import tracefile
+    from maskcli.trace.interface import without_sink
     from maskcli.trace.store import stored_form
 
     stored, trace = call.stored, call.trace
     if stored is None or stored["form"] == "stats":
         return  # (not kept: nothing to cut; a tiny model's masks are always kept)
-    shape = (*call.shape[:3], call.shape[3] - 1)
-    keep = torch.from_numpy(np.ascontiguousarray(tracefile.dense(stored)[..., :-1]))
-    call.mask = trace._keep(stored_form(keep, shape, trace.max_bytes - trace.bytes, trace.max_bytes), shape)
+    keep, shape = without_sink(torch.from_numpy(np.ascontiguousarray(tracefile.dense(stored))), call.shape, call.details)
+    call.mask = trace._keep(stored_form(keep.contiguous(), shape, trace.max_bytes - trace.bytes, trace.max_bytes), shape)
     call.shape = shape
-    call.details["sink_column"] = shape[3]
 
 
 def _generate(model, the_prompt: Prompt, options: dict, attn: str, cache: str, name: str, prefill_chunk: int | None):

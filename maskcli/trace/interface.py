@@ -131,17 +131,22 @@ def unpack_gqa(seen: Seen, frame: dict) -> None:
 
 
 def leave_out_sink(seen: Seen, frame: dict) -> None:
-    """A softmax one column wider than the keys of a module with learned sinks, read as its keys alone.
+    """A softmax one column wider than the keys of a module with learned sinks, read as its keys alone (without_sink)."""
+    k_len = frame.get("sink_keys")
+    if k_len is None or seen.keep is None or seen.shape[3] != k_len + 1:
+        return
+    seen.keep, seen.shape = without_sink(seen.keep, seen.shape, seen.details)
+
+
+def without_sink(keep: torch.Tensor, shape: tuple, details: dict) -> tuple[torch.Tensor, tuple]:
+    """(keep, shape) of a softmax's keys alone, its last column left out: the one rule for trace and `model`.
 
     GPT-OSS's eager attention softmaxes torch.cat([attn_weights, sinks], dim=-1)
     (transformers/models/gpt_oss/modeling_gpt_oss.py, eager_attention_forward): the last column is each head's sink
     logit, on no key position and never masked. details["sink_column"] is the index of the column left out."""
-    k_len = frame.get("sink_keys")
-    if k_len is None or seen.keep is None or seen.shape[3] != k_len + 1:
-        return
-    seen.keep = seen.keep[..., :k_len]
-    seen.shape = (*seen.shape[:3], k_len)
-    seen.details["sink_column"] = k_len
+    k_len = shape[3] - 1
+    details["sink_column"] = k_len
+    return keep[..., :k_len], (*shape[:3], k_len)
 
 
 def _given(args: tuple, kwargs: dict) -> dict:
