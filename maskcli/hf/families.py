@@ -66,14 +66,19 @@ def text_config(config, name: str):
         raise MaskError(f"{name}: no one text config to build ({reason(error)})") from None
 
 
+def _read_json(path: str):
+    """The file's JSON value; a file that is not JSON is a MaskError that quotes it."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise MaskError(f"cannot read {path!r} as a config.json: {error}") from None
+
+
 def file_config(path: str):
     """A local config.json (never a download): its model_type's config class with the file's values."""
     transformers = require()
-    try:
-        with open(path, encoding="utf-8") as handle:
-            values = json.load(handle)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise MaskError(f"cannot read {path!r} as a config.json: {error}") from None
+    values = _read_json(path)
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise MaskError(f"{path!r} has no \"model_type\": give a model's config.json (its model_type names the family)")
     kind = values.pop("model_type")
@@ -98,11 +103,7 @@ def use_cache_of(source: str) -> tuple[bool, str]:
     """use_cache as a model of this config runs with (the forward's default, merge_with_config_defaults), and where
     it was read: a config.json's own value (no transformers needed), else the config class's default."""
     if source.lower().endswith(".json") and os.path.isfile(source):
-        try:
-            with open(source, encoding="utf-8") as handle:
-                values = json.load(handle)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise MaskError(f"cannot read {source!r} as a config.json: {error}") from None
+        values = _read_json(source)
         if isinstance(values, dict) and isinstance(values.get("use_cache"), bool):
             return values["use_cache"], f"{source} sets it"
     config = load(source)

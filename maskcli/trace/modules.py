@@ -31,6 +31,13 @@ def _signature(cls) -> inspect.Signature:
     return inspect.signature(cls.forward)
 
 
+def _arguments(module, args: tuple, kwargs: dict) -> dict:
+    """The module's forward arguments by name, defaults filled in."""
+    bound = _signature(type(module)).bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
 def _as_functional(module: nn.MultiheadAttention, query, key, value, **masks) -> tuple[tuple, dict]:
     """The arguments F.multi_head_attention_forward gets from this module (its (L, N, E) layout), for the reader."""
     if module.batch_first and query.dim() == 3:
@@ -47,9 +54,7 @@ def read_fast_mha(args: tuple, kwargs: dict):
     merge_masks, is_causal never read (torch/nn/modules/activation.py, MultiheadAttention.forward, lines 1427-1447 of
     torch 2.13)."""
     module, *rest = args
-    bound = _signature(type(module)).bind(module, *rest, **kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
+    a = _arguments(module, rest, kwargs)
     seen = read_functional(*_as_functional(module, a["query"], a["key"], a["value"], key_padding_mask=a["key_padding_mask"],
                                            need_weights=a["need_weights"], attn_mask=a["attn_mask"], is_causal=False))
     return _fast(seen, a["is_causal"], a["attn_mask"])
@@ -60,9 +65,7 @@ def read_fast_encoder_layer(args: tuple, kwargs: dict):
     and src_key_padding_mask merged by merge_masks, is_causal never read (torch/nn/modules/transformer.py,
     TransformerEncoderLayer.forward, lines 913-938 of torch 2.13)."""
     module, *rest = args
-    bound = _signature(type(module)).bind(module, *rest, **kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
+    a = _arguments(module, rest, kwargs)
     src, padding, mask, is_causal = a["src"], a["src_key_padding_mask"], a["src_mask"], a["is_causal"]
     if src.is_nested and _ENCODERS:  # the encoder packed its padded input into a nested tensor: read its padding
         outer = _ENCODERS[-1]
@@ -154,9 +157,7 @@ def wrap(trace, record: bool = True) -> list:
         return out
 
     def forward_encoder(module, args, kwargs, original):
-        bound = _signature(type(module)).bind(module, *args, **kwargs)  # its layers may get a nested tensor: keep
-        bound.apply_defaults()  # what it was given
-        _ENCODERS.append(bound.arguments)
+        _ENCODERS.append(_arguments(module, args, kwargs))  # its layers may get a nested tensor: keep what it was given
         try:
             with paused(trace.mode):
                 return original(module, *args, **kwargs)
