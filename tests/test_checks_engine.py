@@ -145,10 +145,13 @@ def test_no_alarm_on_two_batches_generated_one_after_the_other_with_a_static_and
         config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, bos_token_id=1)
         model = LlamaForCausalLM(config).eval()
-        for cache in ("dynamic", "static"):  # (a site's first call is read as step 0 by every rule: static second)
-            for ids in (torch.tensor([[0, 0, 1, 5, 6, 7], [1, 8, 9, 10, 11, 12]]), torch.tensor([[1, 3, 4], [1, 8, 9]])):
-                model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=3, do_sample=False,
-                               cache_implementation=cache, pad_token_id=0)
+        padded = torch.tensor([[0, 0, 1, 5, 6, 7], [1, 8, 9, 10, 11, 12]])
+        swapped, short = padded.flip(0), torch.tensor([[1, 3, 4], [1, 8, 9]])
+        # (a site's first call is read as step 0 by every rule: the static cache's prefills come later)
+        for cache, ids in (("dynamic", padded), ("dynamic", short), ("static", padded), ("dynamic", swapped),
+                           ("static", padded)):
+            model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=3, do_sample=False,
+                           cache_implementation=cache, pad_token_id=0)
     """
     status, alarms, report = _alarms(tmp_path, "hf_two_batches", source)
     assert (status, alarms) == (0, []), report

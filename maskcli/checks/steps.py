@@ -1,13 +1,13 @@
 """One call site from prefill to each decode step: what its first step shows must hold at the next ones.
 
-A call site's prefill (a call of as many queries as keys) says, with no config needed, which keys are
-padding (keys no query of a batch row sees while another row's queries see them, as a padded batch
-is) and whether it is a sliding window (each row sees exactly the W keys up to its own, cut by the
-row's first key). A decode step after it at the same site (fewer queries than keys) whose key columns
-are the same positions (the cache keeps every key, so it has at least as many) must keep both: a
-padding key seen at decode, or a query that sees more than W keys back, is the mask lost behind the
-cache. A later call of as many queries as keys is a pass of its own (the next batch, an encoder
-called again with another mask): its decode steps are read against it.
+A call site's prefill (a call whose first query is at position 0) says, with no config needed, which
+keys are padding (keys no query of a batch row sees while another row's queries see them, as a padded
+batch is) and whether it is a sliding window (each row sees exactly the W keys up to its own, cut by
+the row's first key). A decode step after it at the same site whose key columns are the same
+positions (the cache keeps every key, so it has at least as many) must keep both: a padding key seen
+at decode, or a query that sees more than W keys back, is the mask lost behind the cache. A later
+prefill is a sequence of its own (the next batch, an encoder called again with another mask): the
+decode steps after it are read against it.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _window(cells: np.ndarray, own: np.ndarray) -> int | None:
 
 
 def _prefill(call, top):
-    """(padded, window) a pass of as many queries as keys shows (each is None where it shows none); None where it
+    """(padded, window) a prefill shows (each is None where it shows none); None where it
     shows neither or cannot be read."""
     cells = keep(call)
     if cells is None or not columns_are_positions(call, top):
@@ -58,15 +58,15 @@ def _prefill(call, top):
 
 
 def sites(run: Run) -> list:
-    """Each decode step (fewer queries than keys) against the latest pass of as many queries as keys before it at its
-    site (its prefill): a later full pass is a new sequence (another batch, an encoder called again with another
-    mask), not a step behind the cache."""
+    """Each decode step against the latest prefill (its first query at position 0) before it at its site: a later
+    prefill is a new sequence (another batch, an encoder called again with another mask), not a step behind the
+    cache."""
     found = []
     for where, calls in run.sites().items():
         head = shown = None
         for call in calls:
             later_top = run.top(call)
-            if call.shape[2] == call.shape[3]:
+            if queries(call, later_top)[:1].tolist() == [0]:  # a prefill (a static cache's too: its unwritten slots after)
                 head, shown, done = call, _prefill(call, later_top), {call.mask}
                 continue
             if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not columns_are_positions(call, later_top):
