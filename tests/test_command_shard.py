@@ -263,3 +263,22 @@ def test_the_imbalance_finding_gives_the_tables_ratio():
     ratio = (7 * 512 * 512 + 512 * 513 / 2) / (4096 * 4097 / 2 / 8)
     assert f"7 512 1,966,336 1.01G {ratio:.3f} 0/8" in out
     assert f"rank 7 does {ratio:.3f}x the mean work" in out
+
+
+@pytest.mark.parametrize("columns", [60, 120])
+def test_local_cu_seqlens_cut_each_ranks_tokens_where_the_document_changes(columns):
+    # contiguous over 4 ranks: rank r holds positions 2048r..2048r+2047; a varlen kernel on that rank needs a new
+    # sequence wherever the document changes (counted here token by token)
+    sizes = [3000, 5000, 192]
+    doc = [d for d, size in enumerate(sizes) for _ in range(size)]
+    out = ok([f"document(sizes=[{','.join(map(str, sizes))}])", "--ranks", 4, "--layout", "contiguous"], columns)
+    assert max(len(line) for line in out.splitlines()) <= columns and "cu_seqlens (local)" in out and "(TE)" not in out
+    for r in range(4):
+        mine = doc[2048 * r: 2048 * (r + 1)]
+        cu = [0] + [i for i in range(1, len(mine)) if mine[i] != mine[i - 1]] + [len(mine)]
+        assert any(line.split() and line.split()[0] == str(r) and line.split()[-1] == ",".join(map(str, cu))
+                   for line in out.splitlines()), (r, cu, out)
+
+
+def test_one_document_lists_no_local_cu_seqlens():
+    assert "cu_seqlens (local)" not in ok(["causal", "--len", 64, "--ranks", 4, "--layout", "contiguous"])

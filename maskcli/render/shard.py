@@ -48,51 +48,69 @@ def _number(value: float) -> str:
 
 def table(report: Report, split: Split, first: bool, width: int = 120) -> list:
     """Per rank: tokens, padding, the mask's cells, FLOPs, ratio to the mean, the ring steps it may skip, and (in the
-    first table) its cu_seqlens in TransformerEngine's convention: a column where the table fits `width`, else
-    lines of their own below it (a column cut to the width would hide the numbers)."""
+    first table) its cu_seqlens, in TransformerEngine's convention and on its own tokens in local order: columns where
+    the table fits `width`, else lines of their own below it (a column cut to the width would hide the numbers)."""
     from rich.text import Text
 
-    rows = _rows(report, split, first)
-    te = report.te if first else None
-    if te is None:
-        return [_grid(rows, None)]
-    cells = [[rows[0][c]] + [row[c] for row in rows[1:]] for c in range(len(rows[0]))]
+    rows = _rows(report, split)
+    extra = seqlens_columns(report) if first else []
+    for name, values in extra:
+        rows[0].append(name)
+        for r, row in enumerate(rows[1:]):
+            row.append(_short(values[r]))
+    if not extra:
+        return [_grid(rows, 0)]
+    cells = [[row[c] for row in rows] for c in range(len(rows[0]))]
     needed = sum(max(len(_plain(v)) for v in column) for column in cells) + 2 * (len(cells) - 1)
     if needed <= width:
-        return [_grid(rows, "cu_seqlens (TE)")]
-    lines = ["cu_seqlens (TE) per rank:"] + [f"{r:>{len(str(len(te[1]) - 1))}} {_short(v)}" for r, v in enumerate(te[1])]
-    return [_grid([row[:-1] for row in rows], None), Text("\n".join(lines))]
+        return [_grid(rows, len(extra))]
+    digits = len(str(report.layout.ranks - 1))
+    lines = [line for name, values in extra
+             for line in [f"{name} per rank:"] + [f"{r:>{digits}} {_short(v)}" for r, v in enumerate(values)]]
+    return [_grid([row[: len(row) - len(extra)] for row in rows], 0), Text("\n".join(lines))]
+
+
+def seqlens_columns(report: Report) -> list[tuple[str, list]]:
+    """The cu_seqlens the table lists: TransformerEngine's (head-tail and per-document layouts), and each rank's own
+    tokens cut where the document changes (a varlen kernel's cu_seqlens on that rank) where the mask has several
+    documents and they differ from TE's."""
+    out = []
+    if report.te is not None:
+        out.append(("cu_seqlens (TE)", report.te[1]))
+    local = report.local
+    several = any(v.size > 2 for v in local)
+    if several and (report.te is None or any(not np.array_equal(a, b) for a, b in zip(local, report.te[1]))):
+        out.append(("cu_seqlens (local)", local))
+    return out
 
 
 def _plain(value: str) -> str:
     return value.replace("[bold red]", "").replace("[/]", "")
 
 
-def _grid(rows: list, last: str | None):
+def _grid(rows: list, texts: int):
+    """A table of right-aligned numbers, its last `texts` columns (cu_seqlens lists) left-aligned."""
     from rich.table import Table
 
     grid = Table(box=None, pad_edge=False, show_edge=False)
-    for name in rows[0][: len(rows[0]) - (last is not None)]:
-        grid.add_column(name, justify="right")
-    if last is not None:
-        grid.add_column(last)
+    for index, name in enumerate(rows[0]):
+        grid.add_column(name, justify="left" if index >= len(rows[0]) - texts else "right")
     for row in rows[1:]:
         grid.add_row(*row)
     return grid
 
 
-def _rows(report: Report, split: Split, first: bool) -> list[list[str]]:
-    """The header, then a row of strings per rank (the last column the TE cu_seqlens where the table has them)."""
+def _rows(report: Report, split: Split) -> list[list[str]]:
+    """The header, then a row of strings per rank."""
 
     layout = report.layout
     tokens, slots = layout.tokens(), layout.slots()
     padded = bool((slots != tokens).any())
     steps = split.steps()
-    te = report.te if first else None
     # the work: visible cells, times the heads a rank computes them for where there are several
     cells = "cells x heads" if split.mask.heads > 1 or layout.heads is not None else "cells"
     header = [name for name, shown in (("rank", True), ("tokens", True), ("pad", padded), (cells, True), ("FLOPs", True),
-                                       ("x mean", True), ("skip", steps is not None), ("cu_seqlens (TE)", te is not None)) if shown]
+                                       ("x mean", True), ("skip", steps is not None)) if shown]
     out = [header]
     ratios, work, flops = split.ratios(), split.work(), split.flops()
     worst = split.imbalance > 1.0 + 1e-9
@@ -102,8 +120,6 @@ def _rows(report: Report, split: Split, first: bool) -> list[list[str]]:
         row += [f"{int(round(work[r])):,}", _number(flops[r]), f"[bold red]{ratio}[/]" if worst and ratios[r] == ratios.max() else ratio]
         if steps is not None:
             row.append(f"{int((steps[r] == EMPTY).sum())}/{layout.ranks}")
-        if te is not None:
-            row.append(_short(te[1][r]))
         out.append(row)
     return out
 
