@@ -35,7 +35,8 @@ def shard(
     model: Annotated[str | None, typer.Option("--model", help="Take one mask per layer type from a Hugging Face family's config (needs transformers): full is causal, sliding causal & window(W), chunked local(C); an EXPR is and-ed into each.", show_default=False)] = None,
     rank_mask: Annotated[list[str] | None, typer.Option("--rank-mask", help="A rank's captured mask (its slots x every slot in the gathered order), once per rank in rank order: each checked against the global mask under --layout.", show_default=False)] = None,
     head_dim: Annotated[int, typer.Option("--head-dim", help="Head size for the FLOPs (4 x head_dim x visible cells x heads).", parser=integer)] = 128,
-    png: Annotated[str | None, typer.Option("--png", help="Write a figure: the token -> rank strip, each rank's work, the ring steps: .png, .svg or .pdf.", show_default=False)] = None,
+    png: Annotated[str | None, typer.Option("--png", help="Write a figure (.png .svg .pdf): the strip, each rank's work, the ring steps.", show_default=False)] = None,
+    html: Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML page: the strip, tables, ring steps and findings.", show_default=False)] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the layout, each mask's per-rank cells, FLOPs, ratios, ring-step grid, cu_seqlens and findings as JSON.")] = False,
     *,
     mask: MaskOptions,
@@ -49,6 +50,7 @@ def shard(
     from maskcli.shard.plan import analyse, parse_sizes
 
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
+    html_path = check_output_path(html, (".html",), "--html") if html is not None else None
     masks = _masks(expressions or [], mask, model, build_any)
     with_docs = parse_sizes(docs) if docs is not None else None
     report = analyse(masks, layout, ranks, head_dim, rank_mask, with_docs)
@@ -59,6 +61,12 @@ def shard(
 
         save_figure(render.figure(report), png_path)
         done(f"wrote {png_path}")
+    if html_path is not None:
+        from maskcli.render.html import save_page
+        from maskcli.render.shardpage import shard_page
+
+        save_page(shard_page(report), html_path)
+        done(f"wrote {html_path}")
     if json_:
         echo(render.report_json(report))
     else:

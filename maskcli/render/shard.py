@@ -18,18 +18,24 @@ SHOWN_SEQLENS = 6  # cu_seqlens numbers a table cell lists (--json has every one
 NAMES = {EMPTY: "empty", PARTIAL: "partial", FULL: "full"}
 
 
-def strip(layout: Layout, width: int) -> str:
-    """One character per span of positions: the rank holding its middle (0-9a-zA-Z), * where the span holds two
-    or more changes of rank (stripes narrower than a character). From the runs, not per token."""
+def spans(layout: Layout, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The positions cut into `count` equal spans (at most one a position): their edges (count + 1), the rank holding
+    each span's middle (-1: none), and whether the span holds two or more changes of rank. From the runs, not per token."""
     n = layout.length
-    spans = min(width, n)
-    edges = np.linspace(0, n, spans + 1).round().astype(np.int64)
+    count = min(count, n)
+    edges = np.linspace(0, n, count + 1).round().astype(np.int64)
     owner = layout.owner()
     changes = np.flatnonzero(owner[1:] != owner[:-1]) + 1  # positions where the rank changes
     inside = np.searchsorted(changes, edges[1:], side="left") - np.searchsorted(changes, edges[:-1], side="right")
-    middle = owner[(edges[:-1] + edges[1:]) // 2]
+    return edges, owner[(edges[:-1] + edges[1:]) // 2], inside >= 2
+
+
+def strip(layout: Layout, width: int) -> str:
+    """One character per span of positions: the rank holding its middle (0-9a-zA-Z), * where the span holds two
+    or more changes of rank (stripes narrower than a character)."""
+    _, middle, mixed = spans(layout, width)
     chars = np.array(list(DIGITS[: layout.ranks]) + ["?"])
-    out = np.where(inside >= 2, MIXED, chars[np.where(middle >= 0, middle, layout.ranks)])
+    out = np.where(mixed, MIXED, chars[np.where(middle >= 0, middle, layout.ranks)])
     return "".join(out.tolist())
 
 
@@ -195,6 +201,11 @@ def views(report: Report, width: int) -> list:
 
 
 def report_json(report: Report) -> str:
+    return json.dumps(report_data(report))
+
+
+def report_data(report: Report) -> dict:
+    """The layout, each mask's per-rank cells, work, FLOPs, ratios, ring-step grid and steps, cu_seqlens, findings."""
     layout = report.layout
     data = {
         "layout": {"name": layout.name, "ranks": layout.ranks, "length": layout.length, "note": layout.note,
@@ -214,7 +225,7 @@ def report_json(report: Report) -> str:
             "grid": split.grid.tolist() if split.grid is not None else None,
             "steps": [[NAMES[int(v)] for v in row] for row in steps] if steps is not None else None,
         })
-    return json.dumps(data)
+    return data
 
 
 FIGURE_STEPS = 3  # ring-step panels drawn, one per mask (layer type)
