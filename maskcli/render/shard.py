@@ -7,7 +7,8 @@ import numpy as np
 
 from maskcli.blockmask import EMPTY, FULL, PARTIAL
 from maskcli.render.blocks import SYMBOLS, symbols
-from maskcli.shard.checks import Finding
+from maskcli.checks.registry import severity
+from maskcli.checks.shard import RankFinding
 from maskcli.shard.layouts import Layout
 from maskcli.shard.plan import Report
 from maskcli.shard.work import Split
@@ -161,8 +162,14 @@ def imbalance_lines(report: Report) -> list[str]:
     return out
 
 
-def finding_lines(findings: list[Finding]) -> list[str]:
-    return [f"{f.severity}: {f.code}: {f.message}" for f in findings]
+def finding_lines(findings: list[RankFinding]) -> list[str]:
+    return [f"{severity(f)}: {f.code}: {f.message}" for f in findings]
+
+
+def finding_json(finding: RankFinding) -> dict:
+    """code, severity (its rule's), message, and the rank and first (query, key) cell, null where there is none."""
+    return {"code": finding.code, "severity": severity(finding), "message": finding.message, "rank": finding.rank,
+            "cell": list(finding.cell) if finding.cell is not None else None}
 
 
 def views(report: Report, width: int) -> list:
@@ -194,8 +201,8 @@ def views(report: Report, width: int) -> list:
     if layout.heads is not None:
         out.append(Text("ulysses: no ring steps; every rank attends over all tokens for its heads after an all-to-all"))
     for line, finding in zip(finding_lines(report.findings), report.findings):
-        out.append(Text(line, style={"wrong": "bold red", "suspicious": "yellow"}.get(finding.severity, "")))
-    if not any(f.severity == "wrong" for f in report.findings):
+        out.append(Text(line, style={"wrong": "bold red", "suspicious": "yellow"}.get(severity(finding), "")))
+    if not report.wrong:
         out.append(Text("the ranks' parts add up to the global mask exactly", style="green"))
     return out
 
@@ -213,7 +220,7 @@ def report_data(report: Report) -> dict:
                    "heads": list(layout.heads) if layout.heads is not None else None},
         "masks": [],
         "cu_seqlens": {"local": [v.tolist() for v in report.local]},
-        "findings": [f.json() for f in report.findings],
+        "findings": [finding_json(f) for f in report.findings],
     }
     if report.te is not None:
         data["cu_seqlens"]["te"] = {"cu_seqlens_padded_local": report.te[0].tolist(), "cu_seqlens_on_rank": [v.tolist() for v in report.te[1]]}
