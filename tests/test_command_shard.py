@@ -282,3 +282,28 @@ def test_local_cu_seqlens_cut_each_ranks_tokens_where_the_document_changes(colum
 
 def test_one_document_lists_no_local_cu_seqlens():
     assert "cu_seqlens (local)" not in ok(["causal", "--len", 64, "--ranks", 4, "--layout", "contiguous"])
+
+
+def test_a_packed_batch_gives_the_documents(tmp_path):
+    # a batch as a collator writes it (position_ids restarting at each document, and its cu_seqlens), read as pack
+    # reads it: documents 3, 4 and 9, and-ed into each EXPR; contiguous over 2 ranks, the cells by a double loop
+    path = tmp_path / "batch.pt"
+    sizes = [3, 4, 9]
+    torch.save({"position_ids": torch.tensor([[p for s in sizes for p in range(s)]]), "cu_seqlens": torch.tensor([0, 3, 7, 16])}, path)
+    doc = [d for d, s in enumerate(sizes) for _ in range(s)]
+    data = json.loads(ok([path, "causal & window(2)", "--ranks", 2, "--layout", "contiguous", "--json"]))
+    assert [m["label"] for m in data["masks"]] == ["causal & window(2)"]
+    cells = [sum(doc[q] == doc[k] and 0 <= q - k < 2 for q in range(8 * r, 8 * r + 8) for k in range(16)) for r in range(2)]
+    assert data["masks"][0]["cells"] == cells
+    alone = json.loads(ok([path, "--ranks", 2, "--layout", "per-document", "--json"]))
+    assert alone["masks"][0]["expression"] == "document(sizes=[3,4,9])"
+
+
+def test_a_batch_with_padding_or_two_batches_is_one_line(tmp_path):
+    padded = tmp_path / "padded.json"
+    padded.write_text(json.dumps({"position_ids": [[0, 1, 2, 0, 1, 0]], "attention_mask": [[1, 1, 1, 1, 1, 0]]}))
+    result = invoke([padded, "--ranks", 2])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    assert f"BATCH {str(padded)!r} holds 1 padding token:" in result.output
+    result = invoke([padded, padded.with_name("padded.json"), "--ranks", 2])
+    assert result.exit_code == 2 and "give one BATCH file, not 2" in result.output

@@ -28,7 +28,7 @@ LayoutOpt = Annotated[str, typer.Option("--layout", help="contiguous, headtail (
 )
 @mask_options(many_masks=True, tokens=False)
 def shard(
-    expressions: Annotated[list[str] | None, typer.Argument(help=KIND_ARGUMENT_HELP + " Several: one mask per layer type, split the same way.", show_default=False, metavar="EXPR...")] = None,
+    expressions: Annotated[list[str] | None, typer.Argument(help=KIND_ARGUMENT_HELP + " Several: one mask per layer type, split the same way. A file: a packed BATCH, as pack reads it, its documents and-ed into each.", show_default=False, metavar="EXPR...")] = None,
     ranks: Annotated[int, typer.Option("--ranks", help="Context-parallel ranks N (default 2).", parser=integer, show_default=False)] = 2,
     layout: LayoutOpt = "headtail",
     docs: Annotated[str | None, typer.Option("--docs", help="Document sizes for --layout per-document, like 3000,5000 (default: the mask's document(...) labels).", show_default=False)] = None,
@@ -77,10 +77,34 @@ def shard(
         raise typer.Exit(1)
 
 
+def _batch(expressions: list[str]) -> tuple[list[str], str | None]:
+    """The EXPRs, less the one that names a file: a packed BATCH (as pack reads it), its documents as document(...)."""
+    import os
+
+    batches = [text for text in expressions if os.path.isfile(text)]
+    if not batches:
+        return expressions, None
+    if len(batches) > 1:
+        raise MaskError(f"give one BATCH file, not {len(batches)} ({', '.join(map(repr, batches))}): a layout splits one sequence")
+    from maskcli.pack.boundaries import document_sizes
+    from maskcli.pack.fields import read
+
+    sizes = document_sizes(read(batches[0], {}, []), f"BATCH {batches[0]!r}")
+    return [text for text in expressions if text != batches[0]], f"document(sizes=[{','.join(map(str, sizes.tolist()))}])"
+
+
 def _masks(expressions: list[str], options: MaskOptions, model: str | None, build_any) -> list[tuple[str, object]]:
-    """(label, Mask) per layer type: the EXPRs, the --mask files, or --model's layer types (and-ed with one EXPR)."""
+    """(label, Mask) per layer type: the EXPRs, the --mask files, or --model's layer types (and-ed with one EXPR); a
+    BATCH's documents are and-ed into each."""
     files = list(options.mask_file or [])
     one = replace(options, mask_file=None)
+    expressions, documents = _batch(expressions)
+    if documents is not None:
+        if files:
+            raise MaskError("a BATCH gives the documents of the EXPRs or --model's layer types: give no --mask with it")
+        if model is None:
+            return [(text, build_any(f"{documents} & ({text})", one)) for text in expressions] or [(documents, build_any(documents, one))]
+        expressions = [f"{documents} & ({expressions[0]})" if expressions else documents] + expressions[1:]
     if model is not None:
         from maskcli.hf import require
 
