@@ -307,3 +307,17 @@ def test_a_batch_with_padding_or_two_batches_is_one_line(tmp_path):
     assert f"BATCH {str(padded)!r} holds 1 padding token:" in result.output
     result = invoke([padded, padded.with_name("padded.json"), "--ranks", 2])
     assert result.exit_code == 2 and "give one BATCH file, not 2" in result.output
+
+
+def test_the_ring_steps_are_coloured_as_blocks_colours_its_map():
+    # contiguous causal over 2 ranks: rank 0 sees part of its own keys (step 0) and none of rank 1's (step 1), rank 1
+    # part of its own and all of rank 0's
+    from maskcli import build
+    from maskcli.render import shard as render
+    from maskcli.shard.plan import analyse
+
+    views = render.views(analyse([("causal", build("causal", length=8))], "contiguous", 2), 120)
+    grid = next(view for view in views if str(view).startswith("0 "))
+    assert str(grid).splitlines()[:2] == ["0 ▒·", "1 ▒█"]
+    styles = {str(grid)[span.start:span.end]: str(span.style) for span in grid.spans if "\n" not in str(grid)[span.start:span.end]}
+    assert {symbol: styles[symbol] for symbol in "▒·█"} == {"▒": "yellow", "·": "red dim", "█": "green"}

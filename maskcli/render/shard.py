@@ -144,6 +144,21 @@ def step_grid(split: Split, width: int, caption: bool = True) -> str:
     return "\n".join(lines + ([text] if caption else []))
 
 
+STEP_STYLES = {FULL: "green", PARTIAL: "yellow", EMPTY: "red dim"}  # as blocks' terminal map colours them (render/density.py)
+
+
+def coloured(grid: str):
+    """The ring-step grid (and its legend) as rich Text, each block's symbol in its colour."""
+    import re
+
+    from rich.text import Text
+
+    text = Text(grid)
+    for category, style in STEP_STYLES.items():
+        text.highlight_regex(re.escape(SYMBOLS[category]) + "+", style)
+    return text
+
+
 def header(report: Report) -> str:
     layout = report.layout
     names = " · ".join(split.mask.title for _, split in report.splits)
@@ -197,7 +212,7 @@ def views(report: Report, width: int) -> list:
         out.append(Text(lines[index]))
         if split.steps() is not None:
             out.append(Text("ring steps:", style="bold"))
-            out.append(Text(step_grid(split, width, caption=index == len(report.splits) - 1)))
+            out.append(coloured(step_grid(split, width, caption=index == len(report.splits) - 1)))
     if layout.heads is not None:
         out.append(Text("ulysses: no ring steps; every rank attends over all tokens for its heads after an all-to-all"))
     for line, finding in zip(finding_lines(report.findings), report.findings):
