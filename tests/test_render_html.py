@@ -92,8 +92,9 @@ def hover(tab, x: float, y: float, selector="#mask"):
 
 
 def size(tab) -> tuple[int, int]:
-    """The canvas's width and height in pixels (the page sizes it to the window)."""
-    return tuple(tab.evaluate("[document.getElementById('mask').width, document.getElementById('mask').height]"))
+    """The canvas's width and height in pixels (the page sizes it to the window); None on a page without it (shard's)."""
+    found = tab.evaluate("(() => { const c = document.getElementById('mask'); return c && [c.width, c.height]; })()")
+    return tuple(found) if found else None
 
 
 def cell_centre(tab, q_local: int, kv_local: int, lq: int, lk: int) -> tuple[float, float]:

@@ -25,8 +25,8 @@ from typing import Callable
 from maskcli.text import Finding
 
 SEVERITIES = ("wrong", "suspicious", "note")
-READS = ("call", "site", "steps", "batch")
-MODULES = ("kernels", "config", "arguments", "steps", "cache")
+READS = ("call", "site", "steps", "batch", "ranks")
+MODULES = ("kernels", "config", "arguments", "steps", "cache", "shard")
 
 
 @dataclass(frozen=True)
