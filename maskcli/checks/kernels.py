@@ -60,11 +60,6 @@ def ones_added(run: Run) -> list:
 
 
 RULES = (
-    Rule("fully-masked", "note", "call", "query rows that see no key: wrong where the kernel turns them into NaN, "
-         "suspicious where a softmax of the program's does (it may zero them after), a note where the kernel gives 0 (the "
-         "padding query rows of a left-padded batch)", f"{REPORT}:_empty_rows"),
-    Rule("sees-later", "suspicious", "call", "queries that see keys after their own position in a mask no kind names "
-         "(a causal mask off by one, or read the wrong way round)", f"{REPORT}:_later"),
     Rule("polarity", "suspicious", "call", "a mask that is a known one read the other way round (True = masked given "
          "where True = attend is read)", f"{REPORT}:_named"),
     Rule("top-left-causal", "wrong", "call", "is_causal with fewer queries than keys: SDPA aligns it top-left, so a "

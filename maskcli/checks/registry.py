@@ -10,9 +10,9 @@ what it catches. Severity is what a renderer colours by and what sets the exit s
 
 What a rule reads: one `call` (or one tensor a user gave), a call `site` across its steps, the
 `steps` of a whole run (calls with the model call that made them: its config and arguments), or a
-packed `batch` (pack). Rules whose findings are still made where they were first written (trace's
-report, inspect, attend, pack) name that function as their `check` ("module:function"), so that
-every rule is listed here while those modules move over.
+packed `batch` (pack). What its check is `given`: a trace's `run` (engine.py runs these over a
+trace), or what the command that calls it has in hand: a trace `group`'s call, stored mask and name
+(trace's report), a `tensor` a user gave (inspect), attention `stages` (attend), a packed `batch` (pack).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from maskcli.text import Finding
 
 SEVERITIES = ("wrong", "suspicious", "note")
 READS = ("call", "site", "steps", "batch")
-MODULES = ("kernels", "config", "arguments", "steps", "cache")
+GIVEN = ("run", "group", "tensor", "stages", "batch")
+MODULES = ("kernels", "config", "arguments", "steps", "cache", "rows")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Rule:
     reads: str  # one of READS
     catches: str  # the bug, in one line (docs, `maskcli checks`)
     check: Callable | str  # a function of this package, or "module:function" where the finding is made today
+    given: str = "run"  # one of GIVEN: what `check` is called with
 
     def function(self) -> Callable:
         if callable(self.check):

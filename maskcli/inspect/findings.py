@@ -5,65 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from maskcli.checks.rows import given_empty_rows, given_later
 from maskcli.conventions import FLOAT_MIN, rounded
 from maskcli.inspect.polarity import Convention, sdpa_view, to_keep
-from maskcli.inspect.structure import Structure, fully_masked_rows
+from maskcli.inspect.structure import Structure
 from maskcli.tensorfile import dtype_name
-from maskcli.text import Finding, spans
-
-
-def _where(b: int, h: int, shape) -> str:
-    parts = [f"batch {b}"] if shape[0] > 1 else []
-    if shape[1] > 1:
-        parts.append(f"head {h}")
-    return f" ({', '.join(parts)})" if parts else ""
+from maskcli.text import Finding
 
 
 def findings(tensor: np.ndarray, convention: Convention, keep4: np.ndarray, structure: Structure,
              heads: int | None = None, q_offset: int = 0) -> list[Finding]:
     """Rows that see nothing, later keys a kind does not mean, fills that overflow, a 3-D heads trap, and more."""
-    result: list[Finding] = []
-    q_len, k_len = keep4.shape[-2:]
-    empty = fully_masked_rows(keep4)  # (B, H, Lq)
-    if structure.reading == "key padding [B, S]":
-        batch_rows = np.flatnonzero(empty[:, 0, 0]).tolist()
-        if batch_rows:
-            who = f"batch row {batch_rows[0]} hides" if len(batch_rows) == 1 else f"batch rows {spans(batch_rows)} hide"
-            result.append(Finding("fully-masked", f"{who} every key: a length-0 sequence, whose queries see no key at all"))
-    else:
-        for b, h in np.argwhere(empty.any(axis=-1)).tolist():
-            if h > 0 and np.array_equal(empty[b, h], empty[b, 0]):
-                continue  # the same rows as head 0: said once
-            rows = [q_offset + i for i in np.flatnonzero(empty[b, h]).tolist()]
-            who = f"query row {rows[0]} sees" if len(rows) == 1 else f"query rows {spans(rows)} see"
-            result.append(Finding(
-                "fully-masked",
-                f"{who} no key at all{_where(b, h, keep4.shape)}: softmax over nothing, NaN with an -inf fill and "
-                "uniform weights over the masked keys with a finite one (maskcli verify shows what each backend does)",
-            ))
-    # later keys are worth a word unless a kind that means them rebuilds the mask (tril/triu mean them only by accident)
-    if structure.reading == "mask" and structure.kind in (None, "tril", "triu"):
-        offset = k_len - q_len
-        later = np.triu(keep4, k=offset + 1)  # on the last two axes
-        any_later = later.any(axis=-1).any(axis=(0, 1))  # (Lq,)
-        rows = np.flatnonzero(any_later).tolist()
-        if rows:
-            b, h = (int(x) for x in np.argwhere(later[..., rows[0], :].any(axis=-1))[0])
-            keys = np.flatnonzero(later[b, h, rows[0]]).tolist()
-            where = _where(b, h, keep4.shape).strip(" ()")
-            example = f"query {q_offset + rows[0]} sees key{'s' if len(keys) > 1 else ''} {spans(keys)}" + (f" in {where}" if where else "")
-            shown = [q_offset + r for r in rows]
-            who = f"query row {shown[0]} sees" if len(rows) == 1 else f"query rows {spans(shown)} see"
-            if structure.kind is not None:
-                message = (
-                    f"{who} later keys ({example}): {structure.expression} "
-                    "reaches past the diagonal, which a causal mask does not (an off-by-one?)"
-                )
-            elif len(rows) < q_len / 2:
-                message = f"{who} later keys while the others do not: an off-by-one in a causal mask? ({example})"
-            else:
-                message = f"{who} later keys ({example}): a bidirectional mask, or one read the wrong way round?"
-            result.append(Finding("sees-later", message))
+    result = given_empty_rows(keep4, structure.reading, q_offset) + given_later(keep4, structure, q_offset)
     q_len, k_len = sdpa_view(tensor).shape[-2:]
     top_left = structure.kind == "causal" and structure.mask is not None and structure.mask.q_offset == 0
     if structure.kind is None or structure.reading == "key padding [B, S]" or top_left:

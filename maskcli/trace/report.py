@@ -11,6 +11,7 @@ import numpy as np
 
 from maskcli import tracefile
 from maskcli.checks.registry import as_json
+from maskcli.checks.rows import MEANT_LATER, empty_rows, later, reach
 from maskcli.text import Finding, spans, step_text
 from maskcli.trace.names import PADDING, also_documents, flags, flipped_keep
 
@@ -88,7 +89,7 @@ def _named(calls: list) -> Group:
         return Group(calls, f"not read: {first.details.get('error')}", None)
     if stored["form"] == "stats":
         return Group(calls, f"not kept ({stored['why']}): {stored['kept']:,} cells attended", None,
-                     _empty_rows(first, stored, None))
+                     empty_rows(first, stored, None))
     b, h = stored["planes"]
     q_len, k_len = first.shape[2:]
     structure = None
@@ -131,7 +132,7 @@ def _named(calls: list) -> Group:
         else:
             group = Group(calls, f"not named: {q_len:,} x {k_len:,} cells are too many to rebuild cell by cell, "
                                  "and it is none of full, causal, a window", None)
-    group.findings[:0] = _empty_rows(first, stored, structure) + _later(first, stored, structure)
+    group.findings[:0] = empty_rows(first, stored, structure) + later(first, stored, structure)
     if first.details.get("bias"):
         group.findings.append(Finding("bias", (
             "the float attn_mask also adds values other than 0 and a fill (a bias: ALiBi, relative positions): "
@@ -242,98 +243,6 @@ def _polarity(call, expression: str) -> str:
             + (f" ({meaning})" if meaning else ""))
 
 
-def _what_api_does(call) -> str:
-    api, details = call.api, call.details
-    if api == "softmax" and details.get("sink_column"):  # GPT-OSS: the row's unmasked sink logit takes all its weight
-        return "0 output there (the sink logit, left out, takes the softmax's whole weight)"
-    if api == "softmax":
-        return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf" and details.get("nan_rows", True)
-                else "uniform weights over every key there, masked ones included (a finite fill)")
-    if api == "mha" and details.get("need_weights"):
-        return "NaN there (MHA with need_weights=True runs its own softmax)"
-    if api == "flex":
-        return "0 output there (FlexAttention gives rows with no key 0)"
-    if api == "flash":
-        return "0 output there (FlashAttention gives rows with no key 0)"
-    if api == "hf":
-        used = details.get("hf", {}).get("attn_implementation") or "?"
-        if used.startswith(("flash", "flex", "sdpa")):
-            return f"0 output there ({used} gives rows with no key 0)"
-        if used == "eager":
-            return "uniform weights over every key there (HF's eager adds the dtype's lowest value)"
-        return f"what there depends on the attention function {used!r}"
-    return "0 output there (SDPA gives rows with no key 0)"
-
-
-def _empty_rows(call, stored: dict, structure) -> list[Finding]:
-    # rows the kernel gives 0 are routine (left padding); NaN out of a softmax of the program's own may be zeroed by
-    # the program after it (CPM-Ant's masked_fill(score, ~mask, 0)), which a trace does not see: suspicious there
-    severity = "note" if "NaN" not in _what_api_does(call) else "suspicious" if call.api == "softmax" else "wrong"
-    if stored["form"] == "stats":
-        return [Finding("fully-masked", f"{stored['empty_rows']:,} query rows see no key at all: {_what_api_does(call)}",
-                        severity)] if stored["empty_rows"] else []
-    empty = (tracefile.counts(stored) == 0).any(axis=1)  # (b, Lq): over the heads
-    if not empty.any():
-        return []
-    parts = []
-    for batch in np.flatnonzero(empty.any(axis=1)).tolist()[:8]:
-        rows = np.flatnonzero(empty[batch]).tolist()
-        where = f" of batch row {batch}" if empty.shape[0] > 1 else ""
-        parts.append((f"query row {rows[0]}" if len(rows) == 1 else f"query rows {spans(rows[:200])}") + where)
-    more = int(empty.any(axis=1).sum()) - len(parts)
-    who = "; ".join(parts) + (f"; and {more} more batch rows" if more > 0 else "")
-    verb = "sees" if len(parts) == 1 and parts[0].startswith("query row ") and not parts[0].startswith("query rows") else "see"
-    return [Finding("fully-masked", f"{who} {verb} no key at all: {_what_api_does(call)}", severity)]
-
-
-MEANT_LATER = (None, "tril", "triu")  # kinds that mean later keys (full, segment, blocks, ...) are not flagged
-
-
-def _reach(stored: dict, q_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(first, last) key each query row sees, (b*h, Lq); Lk and -1 where a row sees none."""
-    if stored["form"] == "intervals":
-        found = tracefile.intervals(stored)
-        real = found.starts < found.ends
-        first = np.where(real, found.starts, found.k_end).min(axis=-1)
-        last = np.where(real, found.ends - 1, -1).max(axis=-1)
-    else:
-        cells = tracefile.dense(stored)
-        cells = cells.reshape(-1, *cells.shape[2:])
-        k_len, seen = cells.shape[-1], cells.any(axis=-1)
-        first = np.where(seen, cells.argmax(axis=-1), k_len)
-        last = np.where(seen, k_len - 1 - cells[..., ::-1].argmax(axis=-1), -1)
-    return np.broadcast_to(first, (first.shape[0], q_len)), np.broadcast_to(last, (last.shape[0], q_len))
-
-
-def _later(call, stored: dict, structure) -> list[Finding]:
-    """A query that sees a key after its own position, the queries placed at the end of the keys."""
-    if structure is not None and structure.expression is not None and structure.kind not in MEANT_LATER:
-        return []
-    if call.api in ("flash", "hf") and not call.details.get("causal"):
-        return []  # not causal: the later keys in its window are the ones it asked for
-    if call.details.get("mask_rows") == 1:
-        return []  # one mask row broadcast to every query (a key padding mask, or GQA heads packed as rows): no query order
-    q_len, k_len = call.shape[2:]
-    own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
-    rows = np.flatnonzero((_reach(stored, q_len)[1] > own[None, :]).any(axis=0))
-    if len(rows) == 0 or (structure is not None and structure.kind is None and _both_ways(stored, q_len, k_len)):
-        return []
-    shown = spans(rows[:200].tolist())
-    return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys): "
-                    "a causal mask with an off-by-one, or one read the wrong way round?")]
-
-
-def _both_ways(stored: dict, q_len: int, k_len: int) -> bool:
-    """Every later key a query sees sees that query back (bidirectional spans: image blocks, a symmetric window; the
-    queries at the end of the keys): a mask meant both ways there, which no expression named, not an off-by-one (a
-    causal mask one key off is tril(1), which the recogniser names)."""
-    if stored["form"] == "stats" or q_len != k_len:
-        return False
-    cells = tracefile.dense(stored)
-    later = np.triu(cells, k=1)
-    return not bool((later & ~np.swapaxes(cells, -1, -2)).any())
-
-
 def _asked(call, stored: dict, name: str) -> list[Finding]:
     """What HF asked of a kernel call it gave no mask (is_causal, sliding_window) that the kernel did not apply: an
     attention function that drops them (a registered one of the user's) attends where the model must not.
@@ -342,7 +251,7 @@ def _asked(call, stored: dict, name: str) -> list[Finding]:
     if call.api == "hf" or not isinstance(hf, dict) or "error" in hf or hf.get("attention_mask") is not None:
         return []  # (a mask given is HF's word on the cells; the interface's own record is what its arguments mean)
     q_len, k_len = call.shape[2:]
-    first, last = _reach(stored, q_len)
+    first, last = reach(stored, q_len)
     found = []
     causal = hf.get("is_causal", hf.get("module_is_causal"))
     if causal and (last > k_len - q_len + np.arange(q_len)[None, :]).any():
