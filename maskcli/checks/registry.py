@@ -27,7 +27,7 @@ from maskcli.text import Finding
 SEVERITIES = ("wrong", "suspicious", "note")
 READS = ("call", "site", "steps", "batch")
 GIVEN = ("run", "group", "tensor", "stages", "batch")
-MODULES = ("kernels", "config", "arguments", "steps", "cache", "rows", "fills", "named", "shapes", "stages")
+MODULES = ("kernels", "config", "arguments", "steps", "cache", "rows", "fills", "named", "shapes", "stages", "packing")
 
 
 @dataclass(frozen=True)
