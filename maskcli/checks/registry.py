@@ -36,14 +36,8 @@ class Rule:
     severity: str  # one of SEVERITIES: a finding may say a worse or milder one of itself (Finding.severity)
     reads: str  # one of READS
     catches: str  # the bug, in one line (docs, `maskcli checks`)
-    check: Callable | str  # a function of this package, or "module:function" where the finding is made today
+    check: Callable  # the function of this package that makes its findings (one function may make several codes)
     given: str = "run"  # one of GIVEN: what `check` is called with
-
-    def function(self) -> Callable:
-        if callable(self.check):
-            return self.check
-        module, _, name = self.check.partition(":")
-        return getattr(importlib.import_module(module), name)
 
 
 @functools.cache
