@@ -61,3 +61,19 @@ def test_the_docs_page_has_a_section_for_every_rule_that_reads_a_trace_run():
     page = (PACKAGE.parent / "docs" / "checks.md").read_text()
     assert [r.code for r in all_rules() if r.given == "run" and f"**{r.code}**" not in page] == []
 
+
+def test_inspect_and_attend_findings_are_coloured_by_their_severity():
+    """render/tables.py's findings_text: red for wrong, yellow for suspicious, dim for a note (ANSI SGR 31, 33, 2)."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from maskcli.render.tables import findings_text
+
+    out = StringIO()
+    console = Console(file=out, force_terminal=True, color_system="standard", width=120)
+    console.print(findings_text([Finding("sentinel-overflow", "first"), Finding("sees-later", "second"),
+                                 Finding("fully-masked", "third"), Finding("fully-masked", "fourth", "wrong")]))
+    lines = {word: line for line in out.getvalue().splitlines() for word in ("first", "second", "third", "fourth") if word in line}
+    assert [re.search(r"\x1b\[([0-9;]+)m" + word, lines[word]).group(1) for word in ("first", "second", "third", "fourth")] == \
+        ["31", "33", "2", "31"]
