@@ -13,6 +13,9 @@ What a rule reads: one `call` (or one tensor a user gave), a call `site` across 
 packed `batch` (pack). What its check is `given`: a trace's `run` (engine.py runs these over a
 trace), or what the command that calls it has in hand: a trace `group`'s call, stored mask and name
 (trace's report), a `tensor` a user gave (inspect), attention `stages` (attend), a packed `batch` (pack).
+A code that several commands find (fully-masked, sees-later, top-left-causal) is one rule, whose check is
+the trace report's; the functions that find it in a tensor or a run stand beside it (rows.py's
+given_*, kernels.py's given_top_left, stages.py).
 """
 
 from __future__ import annotations

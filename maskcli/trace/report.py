@@ -1,5 +1,5 @@
 """A trace in a screen: calls whose masks are the same grouped into one row, each group's mask named by inspect's
-recogniser, and what is wrong with it for the API that applied it."""
+recogniser, and what is wrong with it for the API that applied it (the rules of maskcli.checks that read a group)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maskcli import tracefile
-from maskcli.checks.registry import as_json
 from maskcli.checks.fills import bias, fills, score_mod
 from maskcli.checks.kernels import asked, ignored_is_causal, top_left, top_left_is_causal
 from maskcli.checks.named import closest as closest_rows
 from maskcli.checks.named import polarity, same_as
+from maskcli.checks.registry import as_json
 from maskcli.checks.rows import MEANT_LATER, empty_rows, later
 from maskcli.text import Finding, spans, step_text
 from maskcli.trace.names import PADDING, also_documents, flags, flipped_keep
