@@ -12,7 +12,7 @@ def findings(run: Run) -> list:
     run = Run([call for call in run.calls if call.where in attending], run.tops)
     found, done = [], set()
     for rule in all_rules():
-        if callable(rule.check) and rule.reads in ("call", "site", "steps") and rule.check not in done:
+        if rule.given == "run" and rule.check not in done:
             done.add(rule.check)  # (one function may make the findings of several codes)
             found += rule.check(run)
     return found

@@ -135,22 +135,22 @@ def rank_part(global_cells: np.ndarray, rank_cells: np.ndarray, rows: np.ndarray
 
 RULES = (
     Rule("shard-dropped-token", "wrong", "ranks", "real tokens on no rank (padding or truncation to a multiple of the "
-         "ranks cut them): rows nobody computes, keys nobody sees", coverage),
+         "ranks cut them): rows nobody computes, keys nobody sees", coverage, given="layout"),
     Rule("shard-duplicate-token", "wrong", "ranks", "a token held by two ranks, or twice by one: its row computed and "
-         "its key seen twice", coverage),
+         "its key seen twice", coverage, given="layout"),
     Rule("shard-padding", "note", "ranks", "padding slots a layout adds to make equal chunks (a multiple of 2 x ranks)",
-         padding),
+         padding, given="layout"),
     Rule("shard-uneven", "suspicious", "ranks", "ranks holding different numbers of slots, where ring attention passes "
-         "equal-size key/value buffers", uneven),
+         "equal-size key/value buffers", uneven, given="layout"),
     Rule("shard-imbalance", "suspicious", "ranks", "a valid split where the slowest rank does more than 1.25x the mean "
-         "work, so every step waits for it", imbalance),
+         "work, so every step waits for it", imbalance, given="split"),
     Rule("shard-local-indices", "wrong", "ranks", "a rank's mask built on local indices, not the global positions its "
-         "rows and keys hold", rank_part),
+         "rows and keys hold", rank_part, given="part"),
     Rule("shard-is-causal", "wrong", "ranks", "a rank's part plain causal where the layer's mask is not: is_causal=True "
-         "replaced a window or chunks under context parallelism", rank_part),
-    Rule("shard-padding-seen", "wrong", "ranks", "a real query of a rank's part that sees a padding slot", rank_part),
+         "replaced a window or chunks under context parallelism", rank_part, given="part"),
+    Rule("shard-padding-seen", "wrong", "ranks", "a real query of a rank's part that sees a padding slot", rank_part, given="part"),
     Rule("shard-dropped-key", "wrong", "ranks", "a rank's part that hides a key the global mask lets its query see (a "
-         "cut tail named as such)", rank_part),
+         "cut tail named as such)", rank_part, given="part"),
     Rule("shard-extra-key", "wrong", "ranks", "a rank's part that lets a query see a key the global mask hides",
-         rank_part),
+         rank_part, given="part"),
 )
