@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from checkbugs import check_bug, runner
 from maskcli import tracefile
 from maskcli.checks.context import Run, Top
-from maskcli.checks.spans import check, explained, one_span, runs
+from maskcli.checks.spans import FAMILIES, check, explained, one_span, runs
 from maskcli.commands import app
 
 BUGS = [
@@ -42,7 +42,8 @@ def test_block_ids_are_transformers_own(types):
     tensor = torch.from_numpy(types)
     assert (runs(types == 1) == gemma3.get_block_sequence_ids_for_mask(tensor).numpy()).all()
     assert (runs((types == 1) | (types == 2)) == gemma4.get_block_sequence_ids_for_mask(tensor, "cpu").numpy()).all()
-    assert (one_span(types == 0) == np.where(types == 0, 0, -1)).all()  # modeling_paligemma.py:243
+    assert (FAMILIES["paligemma"].spans(types) == np.where(types == 0, 0, -1)).all()  # modeling_paligemma.py:243
+    assert (FAMILIES["molmo2"].spans(types) == np.where(types == 1, 0, -1)).all()  # modeling_molmo2.py:862
 
 
 TYPES = np.array([[0, 0, 1, 1, 1, 0, 1, 1, 0], [0, 1, 1, 0, 0, 1, 1, 1, 0]])  # Gemma 3: 1 = an image token

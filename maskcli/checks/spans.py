@@ -7,12 +7,13 @@ function and before the padding the mask interface ands on):
 
 - gemma3: `token_type_ids == 1` are image tokens, one span per run of them: an image does not see a later
   image (models/gemma3/modeling_gemma3.py:671-679 get_block_sequence_ids_for_mask); every layer, the
-  sliding ones and-ed with `lookback(W)` after the or (:693-737 create_masks_for_vision_model);
+  sliding ones and-ed with `lookback(W)` after the or (:682-739 create_masks_for_vision_model);
 - gemma4 with `use_bidirectional_attention="vision"`: `mm_token_type_ids` 1 (image) or 2 (video), one
   span per run; sliding layers only, its full layers stay causal (models/gemma4/modeling_gemma4.py:2143-2215,
   2476);
 - paligemma: `token_type_ids == 0` (the image and the prompt) is one prefix span, the suffix (1) causal
-  (models/paligemma/modeling_paligemma.py:240-243).
+  (models/paligemma/modeling_paligemma.py:240-243);
+- molmo2: `mm_token_type_ids == 1`, every image and frame token in one span (models/molmo2/modeling_molmo2.py:860-862).
 
 Only the cells above the diagonal are judged (a key later than its query), on real queries and keys
 (the attention_mask's 1s): there the expectation is exactly "the same span" on every layer that gets the
@@ -36,7 +37,7 @@ from maskcli.checks.context import Run, columns_are_positions, first_cell, keep,
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
-LONGEST = 60  # an expected expression longer than this is printed with blocks(...) (--json carries it whole)
+LONGEST = 40  # an expected expression longer than this is printed with blocks(...) (--json carries it whole)
 TOWERS = ("vision_tower", "audio_tower", "vision_model", "audio_model")  # encoders inside the same model call
 
 
@@ -68,6 +69,7 @@ FAMILIES = {
     "gemma4": Family("mm_token_type_ids", lambda t: runs((t == 1) | (t == 2)), "image", "text", "sliding_attention",
                      lambda text: getattr(text, "use_bidirectional_attention", None) == "vision"),
     "paligemma": Family("token_type_ids", lambda t: one_span(t == 0), "prefix", "suffix", "all"),
+    "molmo2": Family("mm_token_type_ids", lambda t: one_span(t == 1), "image", "text", "all"),
 }
 
 
@@ -114,14 +116,6 @@ def _at(ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return found
 
 
-def expression(ids_row: np.ndarray, kind: str, window: int | None, spans: bool) -> str:
-    """What this layer's mask should be for one batch row, as a maskcli expression (padding aside)."""
-    text = f"causal | blocks({','.join(map(str, ids_row.tolist()))})" if spans else "causal"
-    if kind == "sliding_attention" and window:
-        return f"({text}) & lookback({window})" if spans else f"window({window})"
-    return text
-
-
 def _spanned(run: Run):
     """(call, its model call, family, block ids, query positions) for each call whose later keys the token types judge."""
     for call in run.calls:
@@ -145,66 +139,82 @@ def explained(run: Run) -> set[int]:
     return {call.index for call, *_ in _spanned(run)}
 
 
+@dataclass
+class _Layer:
+    """One attention call judged: its model call, family, block ids, query positions, layer type and whether it gets
+    the spans."""
+
+    call: object
+    top: object
+    family: Family
+    ids: np.ndarray
+    own: np.ndarray
+    kind: str
+    spans: bool
+    window: int | None
+
+    def expected(self, row: int) -> str:
+        """What this layer's mask should be for one batch row, as a maskcli expression (padding aside)."""
+        ids = _at(self.ids, np.arange(self.call.shape[3]))[row]
+        text = f"causal | blocks({','.join(map(str, ids.tolist()))})" if self.spans else "causal"
+        if self.kind == "sliding_attention" and self.window:
+            return f"({text}) & lookback({self.window})" if self.spans else f"window({self.window})"
+        return text
+
+    def name(self, block: int) -> str:
+        if block < 0:
+            return self.family.outside
+        return self.family.what if self.family.what == "prefix" else f"{self.family.what} {int(block)}"
+
+    def finding(self, code: str, bad: np.ndarray, said: Callable[[int, int, int], str]) -> tuple:
+        """The finding at the first True of `bad` (B, Lq, Lk): `said` words that cell, the message adds the rest."""
+        b, q, k = first_cell(bad)
+        expected, source = self.expected(b), f"{self.family.argument} of {self.top.where}"
+        index = layer(self.call)
+        where = f"layer {index}" if index is not None else self.call.where
+        shown = expected if len(expected) <= LONGEST else re.sub(r"blocks\([^)]*\)", "blocks(...)", expected)
+        message = f"{where}, row {b}: {said(b, q, k)} ({int(bad.sum())} cells); {self.family.argument} say {shown}"
+        return self.call, Finding(code, message, expected=expected, source=source, cell=(b, int(self.own[q]), k))
+
+
 def check(run: Run) -> list:
     """Each layer's cells above the diagonal against the spans its model call's token types make bidirectional."""
     found, done = [], set()
     for call, top, family, ids, own in _spanned(run):
-        index = layer(call)
-        kind = (layer_kind(_text_config(top.config), index) or ("full_attention", ""))[0]
+        text = _text_config(top.config)
+        kind = (layer_kind(text, layer(call)) or ("full_attention", ""))[0]
         key = (call.mask, call.shape, ids.tobytes(), own.tobytes(), kind)
         if key in done:
             continue
         done.add(key)
         cells = keep(call)
         if cells is not None and cells.shape[0] in (1, ids.shape[0]):
-            spans = family.layers == "all" or family.layers == kind
-            found += _judged(call, top, family, ids, own, kind, spans, index, cells)
+            window = getattr(text, "sliding_window", None)
+            spans = family.layers in ("all", kind)
+            found += _judged(_Layer(call, top, family, ids, own, kind, spans, window if isinstance(window, int) else None),
+                             cells)
     return found
 
 
-def _judged(call, top, family: Family, ids, own, kind: str, spans: bool, index, cells) -> list:
-    rows, k_len = ids.shape[0], call.shape[3]
-    keys = np.arange(k_len)
-    q_ids, k_ids = _at(ids, own), _at(ids, keys)
-    real = _real(top, ids, cells, int(max(k_len, own[-1] + 1)))
-    judged = (keys[None, :] > own[:, None])[None] & real[:, own][:, :, None] & real[:, :k_len][:, None, :]
-    same = (q_ids[:, :, None] == k_ids[:, None, :]) & (q_ids[:, :, None] >= 0) if spans else np.zeros_like(judged)
-    window = getattr(_text_config(top.config), "sliding_window", None)
+def _judged(at: _Layer, cells: np.ndarray) -> list:
+    keys, own = np.arange(at.call.shape[3]), at.own
+    q_ids, k_ids = _at(at.ids, own), _at(at.ids, keys)
+    real = _real(at.top, at.ids, cells, int(max(len(keys), own[-1] + 1)))
+    judged = (keys[None, :] > own[:, None])[None] & real[:, own][:, :, None] & real[:, :len(keys)][:, None, :]
+    same = (q_ids[:, :, None] == k_ids[:, None, :]) & (q_ids[:, :, None] >= 0) if at.spans else np.zeros_like(judged)
     reach = judged
-    if kind == "sliding_attention" and isinstance(window, int) and window > 0:
-        reach = judged & (keys[None, None, :] - own[None, :, None] < window)  # a symmetric window may cut the rest
-    seen_any = np.broadcast_to(cells.any(axis=1), judged.shape)
-    seen_all = np.broadcast_to(cells.all(axis=1), judged.shape)
-    where = f"layer {index}" if index is not None else call.where
-    source = f"{family.argument} of {top.where}"
-    results = []
-    leak = judged & seen_any & ~same
+    if at.kind == "sliding_attention" and at.window:
+        reach = judged & (keys[None, None, :] - own[None, :, None] < at.window)  # a symmetric window may cut the rest
+    leak = judged & np.broadcast_to(cells.any(axis=1), judged.shape) & ~same
+    missing = reach & same & ~np.broadcast_to(cells.all(axis=1), judged.shape)
+    found = []
     if leak.any():
-        b, q, k = first_cell(leak)
-        results.append(_finding("span-leak", call, family, ids, kind, window, spans, source, (b, q, k), own, q_ids, k_ids,
-                                f"{where}, row {b}: query {int(own[q])} ({_name(family, q_ids[b, q])}) sees later key "
-                                f"{k} ({_name(family, k_ids[b, k])})", int(leak.sum())))
-    missing = reach & same & ~seen_all
+        found.append(at.finding("span-leak", leak, lambda b, q, k: f"query {int(own[q])} ({at.name(q_ids[b, q])}) sees "
+                                f"later key {k} ({at.name(k_ids[b, k])})"))
     if missing.any():
-        b, q, k = first_cell(missing)
-        results.append(_finding("span-not-bidirectional", call, family, ids, kind, window, spans, source, (b, q, k), own,
-                                q_ids, k_ids, f"{where}, row {b}: query {int(own[q])} does not see later key {k} of its "
-                                f"own {_name(family, q_ids[b, q])}", int(missing.sum())))
-    return results
-
-
-def _name(family: Family, block: int) -> str:
-    if block < 0:
-        return family.outside
-    return family.what if family.what == "prefix" else f"{family.what} {int(block)}"
-
-
-def _finding(code, call, family, ids, kind, window, spans, source, cell, own, q_ids, k_ids, said, count) -> tuple:
-    b, q, k = cell
-    expected = expression(_at(ids, np.arange(call.shape[3]))[b], kind, window, spans)
-    shown = expected if len(expected) <= LONGEST else re.sub(r"blocks\([^)]*\)", "blocks(...)", expected)
-    message = f"{said}, {count} such cells; expected {shown} from {source}"
-    return call, Finding(code, message, expected=expected, source=source, cell=(b, int(own[q]), k))
+        found.append(at.finding("span-not-bidirectional", missing, lambda b, q, k: f"query {int(own[q])} does not see "
+                                f"later key {k} of its own {at.name(q_ids[b, q])}"))
+    return found
 
 
 RULES = (

@@ -2,7 +2,7 @@
 image's tokens not seeing each other. With a compileable cache (Gemma 3's default hybrid cache then, a static one
 here) generate builds the 4-D masks itself, by create_masks_for_generate; the generic one takes no token_type_ids,
 and Gemma3Model, handed a dict of masks, builds none. The fix gives Gemma3ForConditionalGeneration its own
-create_masks_for_generate that ors the image blocks on (models/gemma3/modeling_gemma3.py:1033-1059 today).
+create_masks_for_generate that ors the image blocks on (models/gemma3/modeling_gemma3.py:1031-1055 today).
 Written here as today's Gemma 3 (a tiny model from its config, random weights, one 4-token image) whose
 create_masks_for_generate is the generic one again."""
 
