@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from maskcli.checks.context import Run, masked_somewhere
 from maskcli.checks.registry import all_rules
+from maskcli.checks.spans import explained
 
 
 def findings(run: Run) -> list:
@@ -29,4 +30,8 @@ def apply(groups: list, run: Run) -> list:
     for group in groups:  # calls that see keys their model call's attention_mask marks as padding (arguments.py) say
         if any(f.code == "padding-ignored" for f in group.findings):  # it with its source: the same keys lost since
             group.findings = [f for f in group.findings if f.code != "padding-lost"]  # step 0 (steps.py) say it twice
+    judged = explained(run)  # later keys the model call's token types account for (spans.py): not a causal mask's slip
+    for group in groups:
+        if group.calls and all(call.index in judged for call in group.calls):
+            group.findings = [f for f in group.findings if f.code != "sees-later"]
     return groups

@@ -31,7 +31,7 @@ from maskcli.text import Finding
 SEVERITIES = ("wrong", "suspicious", "note")
 READS = ("call", "site", "steps", "batch", "ranks")
 GIVEN = ("run", "group", "tensor", "stages", "batch", "layout", "split", "part")
-MODULES = ("kernels", "config", "arguments", "steps", "cache", "rows", "fills", "named", "shapes", "stages", "packing", "shard")
+MODULES = ("kernels", "config", "arguments", "steps", "cache", "spans", "rows", "fills", "named", "shapes", "stages", "packing", "shard")
 
 
 @dataclass(frozen=True)
