@@ -109,6 +109,26 @@ def test_a_sliding_window_layer_over_reused_pages():
     assert [f.code for f in found] == ["shared-page-partial", "shared-page-written"] or "shared-page-written" in [f.code for f in found]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_each_engine_a_sliding_window_layer_over_reused_pages(engine):
+    """Window 4: request 0's query at 12 reads keys 9..12 (blocks 2, 3); the pages of its blocks 0 and 1 left the window
+    and went to request 1, which writes positions 0..3 on page 1 this step: quiet. Bug: block 2's page given away instead
+    (an allocator that frees by block count, not by the window's start): the first key it overwrites that request 0 still
+    reads is key 9 (slot 5 = page 1 * 4 + 1), not key 8, which is outside the window. Engines without a slot mapping
+    (flash-attn, FlashInfer, TensorRT-LLM) append the new tokens at their positions, so the same writes are implied."""
+    old, new = Req(12, 1, [1, 2, 3, 4]), Req(0, 4, [1])
+    assert codes(BUILDERS[engine]([old, new], 4, **WINDOW[engine](4))) == []
+    old.pages = [5, 6, 1, 4]
+    found = check(from_tensors(BUILDERS[engine]([old, new], 4, **WINDOW[engine](4)), "batch"))
+    assert [(f.code, f.request, f.cell) for f in found] == [("shared-page-written", 0, (12, 9))]
+    page = page_names(engine, [1])[0]  # slot = page * page_size + offset, the page as serve names it
+    assert f"request 1 writes its position 1 to slot {page * 4 + 1} on page {page}" in found[0].message
+    in_use = allocate([Req(8, 3), Req(0, 4)], 4)
+    in_use[1].pages[0] = in_use[0].pages[0]  # a full layer: the allocator hands out request 0's first page, still read
+    found = check(from_tensors(BUILDERS[engine](in_use, 4), "batch"))
+    assert [(f.code, f.request, f.cell) for f in found] == [("shared-page-written", 0, (8, 0))]
+
+
 def test_a_shared_page_written_names_the_writer_and_the_first_key_it_overwrites_inside_the_window():
     """Request 1 writes positions 0..3 on page 1, which request 0 (window 4, its query at 12) still lists as block 2,
     keys 8..11: the first overwritten key it reads is the first inside 9..12, by the write's slot offset."""

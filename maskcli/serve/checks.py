@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from maskcli.serve.batch import ServeBatch
+from maskcli.serve.batch import ServeBatch, cumulative
 from maskcli.serve.pagemap import distinct, page_map, read_range
 
 
@@ -148,8 +148,10 @@ def _writers(b: ServeBatch, m, page: int) -> tuple[np.ndarray, np.ndarray, np.nd
     # no slots: the kernel appends each request's new tokens at its positions (pagemap marks those blocks written)
     new_from = (b.starts + np.maximum(b.q_start, 0))[m.owner]
     j = np.flatnonzero((b.pages == page) & ((m.column + 1) * ps > new_from))
-    r = m.owner[j]
-    column = np.maximum(m.column[j] * ps, new_from[j])
+    lo = np.maximum(m.column[j] * ps, new_from[j])
+    count = np.maximum(np.minimum((m.column[j] + 1) * ps, (b.starts + b.seq_lens)[m.owner[j]]) - lo, 0)
+    r = np.repeat(m.owner[j], count)  # one entry per token written, at most page_size per block
+    column = np.repeat(lo, count) + np.arange(int(count.sum())) - np.repeat(cumulative(count)[:-1], count)
     return r, column - b.starts[r], page * ps + column % ps
 
 
