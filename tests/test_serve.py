@@ -402,6 +402,48 @@ def test_a_flashinfer_api_logging_dump_of_plan_reads_as_its_arguments(tmp_path, 
     assert check(batch) == []
 
 
+FLASHINFER_PLAN = """
+import sys, torch, flashinfer
+w = object.__new__(flashinfer.BatchPrefillWithPagedKVCacheWrapper)  # __init__ pins memory: it needs a GPU
+i = lambda values: torch.tensor(values, dtype=torch.int32)
+try:
+    w.plan(i({qo}), i({kv_indptr}), i({kv_indices}), i({last}), 8, 2, 64, 4, causal=True, window_left=5)
+except Exception as error:  # the plan itself needs a GPU; the dump is already on disk
+    print(type(error).__name__, file=sys.stderr)
+"""
+
+
+def test_a_dump_flashinfer_itself_writes_reads_as_the_plan_it_logged(tmp_path):
+    """The call folder written by FlashInfer's own API logging (flashinfer 0.7.2 api_logging.py: flashinfer_api's
+    wrapper calls _dump_function_inputs "BEFORE execution (crash-safe)", FLASHINFER_LOGLEVEL >= 10, into
+    FLASHINFER_DUMP_DIR), read as the plan() arguments that made it. Runs where flashinfer-python imports (it does on a
+    CPU-only machine; its plan() and kernels do not run there, so the plan is called on a wrapper whose __init__ was
+    skipped, after the dump)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from maskcli.serve.engines import read
+
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer-python is not installed (pip install flashinfer-python)")
+    reqs = allocate([Req(9, 3), Req(0, 5)], 4)
+    fields = flashinfer(reqs, 4)
+    script = FLASHINFER_PLAN.format(qo=fields["qo_indptr"].tolist(), kv_indptr=fields["paged_kv_indptr"].tolist(),
+                                    kv_indices=fields["paged_kv_indices"].tolist(), last=fields["paged_kv_last_page_len"].tolist())
+    env = dict(os.environ, FLASHINFER_LOGLEVEL="10", FLASHINFER_DUMP_DIR=str(tmp_path / "dumps"))
+    subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, check=True, capture_output=True, timeout=300)
+    (folder,) = (tmp_path / "dumps").glob("*BatchPrefillWithPagedKVCacheWrapper.plan_call*")
+    batch = read(str(folder))
+    assert batch.engine == "flashinfer" and batch.window == 6 and batch.causal and batch.page_size == 4
+    assert [batch.frame(r) for r in range(2)] == [(9, 3, 12), (0, 5, 5)]
+    for r, req in enumerate(reqs):
+        assert batch.request_pages(r).tolist() == req.pages
+        assert np.array_equal(batch.mask(r).intervals().dense(0, 0, req.new), reference(req.new, req.seq, window=6))
+    assert check(batch) == []
+
+
 def test_a_flashinfer_dump_of_decode_plan_and_of_run(tmp_path):
     from maskcli.serve.engines import read
 
