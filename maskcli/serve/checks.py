@@ -49,7 +49,8 @@ def lengths(b: ServeBatch) -> list[Finding]:
     """seq_len = computed + new; the query count is the new tokens q holds; no request with queries and no keys."""
     out = []
     q_lens, seq = b.q_lens, b.seq_lens
-    r = _first((q_lens > 0) & (seq == 0))
+    keyless = (q_lens > 0) & (seq == 0)
+    r = _first(keyless)
     if r is not None:
         out.append(Finding("no-keys", "wrong", r, None, f"request {r} has {int(q_lens[r])} {'query' if q_lens[r] == 1 else 'queries'} and 0 keys ({b.name('seq_lens')} "
                            f"is 0): its rows are empty, the kernel writes zeros or NaN there"))
@@ -58,7 +59,7 @@ def lengths(b: ServeBatch) -> list[Finding]:
         out.append(Finding("more-queries-than-keys", "wrong", r, None, f"request {r} has {int(q_lens[r])} new tokens but {int(seq[r])} keys: "
                            f"the keys include the new tokens, so {b.name('seq_lens')} must be at least {b.name('queries')}'s count"))
     if b.computed is not None:
-        bad = b.computed + q_lens != seq
+        bad = (b.computed + q_lens != seq) & ~keyless  # a request with no keys is no-keys' finding, once
         r = _first(bad)
         if r is not None:
             said, new, keys = int(b.computed[r]), int(q_lens[r]), int(seq[r])
