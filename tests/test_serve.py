@@ -187,6 +187,8 @@ def test_vllm_bugs_are_each_reported_once():
     table = good["block_table_tensor"].copy()
     table[1, 0] = table[0, 0]  # request 1 reads request 0's page, while its slot mapping writes its own
     assert codes(dict(good, block_table_tensor=table)) == ["slot-mapping"]
+    keyless = dict(good, seq_lens=np.array([11, 0]))  # request 1's key length 0 (a buffer not refilled past request 0)
+    assert codes(keyless) == ["no-keys"]  # once: not also seq-len (0 is not 0 + 4 new)
     reqs[1].pages[0] = reqs[0].pages[0]  # the allocator hands out a page still in use: written by 1, read by 0
     assert codes(vllm(reqs, 4)) == ["shared-page-written"]
 
