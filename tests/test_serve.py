@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from maskcli.checks.registry import severity
 from maskcli.errors import MaskError
 from maskcli.serve.checks import check
 from maskcli.serve.engines import from_tensors
@@ -581,16 +582,16 @@ def test_expect_holds_where_a_double_loop_agrees_and_names_its_first_wrong_cell(
         reqs = allocate([Req(int(rng.integers(0, 20)), int(rng.integers(1, 6))) for _ in range(int(rng.integers(1, 4)))], 4)
         batch = from_tensors(BUILDERS[engine](reqs, 4, **WINDOW[engine](w)), "batch")
         held = expect(batch, [("*", f"window({w})")])
-        assert [(f.code, f.severity) for f in held] == [("expect", "note")]
+        assert [(f.code, severity(f)) for f in held] == [("expect", "note")]
         wrong = [r for r, req in enumerate(reqs) if (reference(req.new, req.seq, w) != reference(req.new, req.seq, w + 1)).any()]
         found = expect(batch, [("*", f"window({w + 1})")])
         if not wrong:
-            assert [f.severity for f in found] == ["note"]
+            assert [severity(f) for f in found] == ["note"]
             continue
         r = wrong[0]
         req = reqs[r]
         i, j = np.argwhere(reference(req.new, req.seq, w) != reference(req.new, req.seq, w + 1))[0]
-        assert [(f.severity, f.request, f.cell) for f in found] == [("wrong", r, (req.seq - req.new + i, j))]
+        assert [(severity(f), f.request, f.cell) for f in found] == [("wrong", r, (req.seq - req.new + i, j))]
         assert (f"{len(wrong) - 1} more differ" in found[0].message) == (len(wrong) > 1)
 
 
@@ -598,11 +599,11 @@ def test_expect_patterns_match_request_indexes_and_ids():
     from maskcli.serve.expect import expect
 
     batch = from_tensors(vllm(allocate([Req(0, 3), Req(4, 2)], 4), 4, request_ids=[7, 9]), "batch")
-    assert [f.severity for f in expect(batch, [("9", "causal"), ("0", "causal")])] == ["note"]
+    assert [severity(f) for f in expect(batch, [("9", "causal"), ("0", "causal")])] == ["note"]
     found = expect(batch, [("7", "full")])
     assert [(f.request, f.cell) for f in found] == [(0, (0, 1))]  # query 0 sees key 1 under full, not under causal
     found = expect(batch, [("12", "causal")])
-    assert [(f.severity, f.request) for f in found] == [("wrong", None)] and "no request matches '12'" in found[0].message
+    assert [(severity(f), f.request) for f in found] == [("wrong", None)] and "no request matches '12'" in found[0].message
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -616,18 +617,18 @@ def test_model_windows_match_and_the_off_by_one_is_named_with_its_first_cell(eng
     layers = {"sliding_attention": ("window", 4), "full_attention": ("full", None)}
     reqs = allocate([Req(3, 2), Req(9, 3)], 4)
     found = against_config(from_tensors(BUILDERS[engine](reqs, 4, **WINDOW[engine](4)), "b"), layers, "m")
-    assert [(f.severity, f.message) for f in found] == [("note", "--model m: a sliding_attention layer's batch (sliding_window 4)")]
+    assert [(severity(f), f.message) for f in found] == [("note", "--model m: a sliding_attention layer's batch (sliding_window 4)")]
     found = against_config(from_tensors(BUILDERS[engine](reqs, 4, **WINDOW[engine](5)), "b"), layers, "m")
     differ = [r for r, q in enumerate(reqs) if (reference(q.new, q.seq, 5) != reference(q.new, q.seq, 4)).any()]
     r = differ[0]
     i, j = np.argwhere(reference(reqs[r].new, reqs[r].seq, 5) != reference(reqs[r].new, reqs[r].seq, 4))[0]
-    assert [(f.severity, f.request, f.cell) for f in found] == [("wrong", r, (reqs[r].seq - reqs[r].new + i, j))]
+    assert [(severity(f), f.request, f.cell) for f in found] == [("wrong", r, (reqs[r].seq - reqs[r].new + i, j))]
     spelled = SPELLED[engine].format(w=4, left=3)
     assert f"off by one (one key more; HF's sliding_window 4 is {spelled} here)" in found[0].message
     short = allocate([Req(0, 3)], 4)  # 3 keys: window(5) and window(4) keep the same cells
     found = against_config(from_tensors(BUILDERS[engine](short, 4, **WINDOW[engine](5)), "b"), layers, "m")
     if engine != "trtllm":  # TensorRT-LLM's loader reads a window no request reaches as none
-        assert [f.severity for f in found] == ["suspicious"] and "off by one" in found[0].message
+        assert [severity(f) for f in found] == ["suspicious"] and "off by one" in found[0].message
 
 
 def test_model_a_window_the_config_lacks_and_a_missing_window():
@@ -636,17 +637,17 @@ def test_model_a_window_the_config_lacks_and_a_missing_window():
     reqs = allocate([Req(6, 2)], 4)
     windowed = from_tensors(vllm(reqs, 4, sliding_window=4), "b")
     found = against_config(windowed, {"full_attention": ("full", None)}, "llama")
-    assert [(f.severity, f.request, f.cell) for f in found] == [("wrong", 0, (6, 0))]  # causal sees keys 0-2 too
+    assert [(severity(f), f.request, f.cell) for f in found] == [("wrong", 0, (6, 0))]  # causal sees keys 0-2 too
     assert "has no such layer: its layers are full_attention" in found[0].message
     plain = from_tensors(vllm(reqs, 4), "b")
     found = against_config(plain, {"sliding_attention": ("window", 4)}, "mistral")
-    assert [(f.severity, f.request, f.cell) for f in found] == [("wrong", 0, (6, 0))]  # window(4) at 6 sees 3-6
+    assert [(severity(f), f.request, f.cell) for f in found] == [("wrong", 0, (6, 0))]  # window(4) at 6 sees 3-6
     found = against_config(from_tensors(vllm(allocate([Req(0, 3)], 4), 4), "b"), {"sliding_attention": ("window", 4)}, "mistral")
-    assert [f.severity for f in found] == ["note"]  # 3 keys: no window of 4 shows
+    assert [severity(f) for f in found] == ["note"]  # 3 keys: no window of 4 shows
     chunked = from_tensors(vllm(reqs, 4, attention_chunk_size=4), "b")
-    assert [f.severity for f in against_config(chunked, {"chunked_attention": ("chunk", 4)}, "l4")] == ["note"]
+    assert [severity(f) for f in against_config(chunked, {"chunked_attention": ("chunk", 4)}, "l4")] == ["note"]
     found = against_config(chunked, {"chunked_attention": ("chunk", 8)}, "l4")
-    assert [(f.severity, f.request) for f in found] == [("wrong", 0)] and "attention_chunk_size 8" in found[0].message
+    assert [(severity(f), f.request) for f in found] == [("wrong", 0)] and "attention_chunk_size 8" in found[0].message
 
 
 def test_a_wrong_position_names_its_row_and_the_first_key_it_sees():

@@ -61,6 +61,7 @@ def serve(
     for flag, path in (("--png", png_path), ("--html", html_path)):
         if path is not None and len(files) > 1:
             raise MaskError(f"{flag} draws one step, and {len(files)} FILEs were given: give one FILE with {flag}")
+    from maskcli.checks import registry
     from maskcli.render import serve as render
     from maskcli.serve.checks import check
     from maskcli.serve.engines import by_name, read
@@ -84,7 +85,7 @@ def serve(
             from maskcli.serve.model import against_config
 
             findings += against_config(batch, layers, model)
-        wrong |= any(f.severity == "wrong" for f in findings)
+        wrong |= bool(registry.wrong(findings))
         rows = render.request_rows(batch, page_map(batch))
         if html_path is not None:  # the page is made whole before it is written: a refused one leaves no file
             from maskcli.render.html import save_page
