@@ -170,6 +170,26 @@ def test_cascade_equals_plain_attention_and_its_bugs():
     assert codes(cascade(6)) == ["cascade-partial-page"]
 
 
+def test_random_cascades_name_the_mask_a_double_loop_gives():
+    """100 random vLLM cascade batches: requests sharing their first pages (prefix caching), common_prefix_len whole
+    blocks no longer than any request's cached tokens (vllm/v1/worker/gpu_model_runner.py
+    _compute_cascade_attn_prefix_len rounds it down to block_size and to the shortest computed count); each
+    request's prefix(P) mask equals plain causal attention by a double loop, and nothing is reported."""
+    rng = np.random.default_rng(34)
+    for _ in range(100):
+        ps, blocks = int(rng.choice([1, 2, 4, 16])), int(rng.integers(1, 4))
+        prefix = blocks * ps
+        reqs = allocate([Req(prefix + int(rng.integers(0, 6)), int(rng.integers(1, 6))) for _ in range(int(rng.integers(2, 5)))],
+                        ps, shared=blocks)
+        seq = np.array([r.seq for r in reqs])
+        batch = from_tensors(vllm(reqs, ps, common_prefix_len=prefix, cu_prefix_query_lens=[0, sum(r.new for r in reqs)],
+                                  prefix_kv_lens=[prefix], suffix_kv_lens=seq - prefix), "batch")
+        assert check(batch) == [], [f.message for f in check(batch)]
+        for r, req in enumerate(reqs):
+            assert batch.expression(r) == f"prefix({prefix})"
+            assert (batch.mask(r).intervals().dense(0, 0, req.new) != reference(req.new, req.seq)).sum() == 0
+
+
 def test_vllm_bugs_are_each_reported_once():
     reqs = allocate([Req(8, 3), Req(0, 4)], 4)
     good = vllm(reqs, 4)
