@@ -62,9 +62,10 @@ def test_json_lists_every_request_and_finding(tmp_path):
     data = json.loads(result.stdout)
     assert data["engine"] == "vllm" and data["ok"] is False
     assert [r["queries"] for r in data["requests"]] == [[0, 11], [0, 4]]
-    assert [f["code"] for f in data["findings"]] == ["seq-len", "query-count"]
+    assert [f["code"] for f in data["findings"]] == ["seq-len"]  # one bug, one finding (it says the count too)
     assert data["findings"][0]["request"] == 0 and data["findings"][0]["cell"] == [8, 1]
-    assert data["findings"][1]["message"].startswith("query_start_loc counts 15 query tokens but slot_mapping has 7")
+    assert data["findings"][0]["message"].endswith("(1 request like this); query_start_loc counts 15 query tokens but "
+                                                   "slot_mapping has 7")
 
 
 def test_a_finding_is_printed_and_exits_1(tmp_path):

@@ -195,7 +195,9 @@ def test_vllm_bugs_are_each_reported_once():
     good = vllm(reqs, 4)
     assert codes(good) == []
     full = dict(good, query_start_loc=np.array([0, 11, 15]))  # cu_seqlens_q from full lengths
-    assert codes(full) == ["seq-len", "query-count"]
+    assert codes(full) == ["seq-len"]  # one bug: the finding also says the offsets count 15 tokens, q 7
+    short = dict(good, slot_mapping=good["slot_mapping"][:6])  # q holds 6 tokens, the offsets count 7
+    assert codes(short) == ["query-count"]
     forgot = dict(good, seq_lens=np.array([3, 4]))  # a prefix hit whose new queries never see the cached prefix
     found = check(from_tensors(forgot, "batch"))
     assert found[0].code == "seq-len" and found[0].cell == (8, 1)
@@ -212,6 +214,27 @@ def test_vllm_bugs_are_each_reported_once():
     assert codes(keyless) == ["no-keys"]  # once: not also seq-len (0 is not 0 + 4 new)
     reqs[1].pages[0] = reqs[0].pages[0]  # the allocator hands out a page still in use: written by 1, read by 0
     assert codes(vllm(reqs, 4)) == ["shared-page-written"]
+
+
+def test_sglang_bugs_are_each_reported_once():
+    """The same bugs in SGLang's names (schedule_batch.py prepare_for_extend: seq_lens = prefix + extend,
+    out_cache_loc the new tokens' slots, req_to_token rows the slots of every position)."""
+    from serve_builders import sglang
+
+    reqs = allocate([Req(8, 3), Req(0, 4)], 4)
+    good = sglang(reqs, 4)
+    assert codes(good) == []
+    found = check(from_tensors(dict(good, seq_lens=np.array([3, 4])), "batch"))  # the prefix hit's cache forgotten
+    assert [(f.code, f.cell) for f in found] == [("seq-len", (8, 1))]
+    assert codes(dict(good, extend_seq_lens=np.array([11, 4]))) == ["seq-len"]  # extend lengths from full lengths
+    assert codes(dict(good, seq_lens=np.array([11, 0]))) == ["no-keys"]
+    loc = good["out_cache_loc"].copy()
+    loc[:3] //= 4  # page ids written as slots: wrong units
+    assert codes(dict(good, out_cache_loc=loc)) == ["slot-mapping"]
+    pool = good["req_to_token"].copy()
+    pool[good["req_pool_indices"][0], 4:8] = 0  # request 0's block 1 read from the padding slot 0
+    found = check(from_tensors(dict(good, req_to_token=pool), "batch"))
+    assert [(f.code, f.request, f.cell) for f in found] == [("null-page", 0, (8, 4))]
 
 
 def test_a_zero_key_chunk_only_at_batch_above_one():

@@ -58,6 +58,9 @@ def lengths(b: ServeBatch) -> list[Finding]:
     if r is not None:
         out.append(Finding("more-queries-than-keys", f"request {r} has {int(q_lens[r])} new tokens but {int(seq[r])} keys: "
                            f"the keys include the new tokens, so {b.name('seq_lens')} must be at least {b.name('queries')}'s count", request=r))
+    counted = b.tokens is not None and int(b.q_indptr[-1]) != b.tokens
+    said_count = (f"{b.name('queries')} counts {int(b.q_indptr[-1])} query tokens but {b.name('writes')} has {b.tokens}"
+                  if counted else "")
     if b.computed is not None:
         bad = (b.computed + q_lens != seq) & ~keyless  # a request with no keys is no-keys' finding, once
         r = _first(bad)
@@ -68,11 +71,14 @@ def lengths(b: ServeBatch) -> list[Finding]:
             full = new == keys and said > 0
             why = (f"{b.name('queries')} counts request {r}'s full length {keys}, where q holds only its {keys - said} new tokens"
                    if full else f"{b.name('seq_lens')} {keys} is not {b.name('computed')} {said} + {new} new")
+            # offsets built from full lengths count each such request's cached tokens once more: one bug, one finding
+            explained = counted and bool(np.all((q_lens == seq)[bad])) and int(b.computed[bad].sum()) == int(b.q_indptr[-1]) - b.tokens
             out.append(Finding("seq-len", f"{why}: the kernel puts its first query at position {at}, "
-                               f"the cache says {said} ({int(bad.sum())} request{'s' if bad.sum() != 1 else ''} like this)", request=r, cell=cell))
-    if b.tokens is not None and int(b.q_indptr[-1]) != b.tokens:
-        out.append(Finding("query-count", f"{b.name('queries')} counts {int(b.q_indptr[-1])} query tokens but "
-                           f"{b.name('writes')} has {b.tokens}: q holds {b.tokens} new tokens, the offsets must count only those"))
+                               f"the cache says {said} ({int(bad.sum())} request{'s' if bad.sum() != 1 else ''} like this)"
+                               + (f"; {said_count}" if explained else ""), request=r, cell=cell))
+            counted = counted and not explained
+    if counted:
+        out.append(Finding("query-count", f"{said_count}: q holds {b.tokens} new tokens, the offsets must count only those"))
     return out
 
 
