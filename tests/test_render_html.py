@@ -721,4 +721,11 @@ def test_serve_page_draws_each_request_its_pages_and_opens_a_findings_cell(tab):
     assert tab.inner_text("#findings h2") == "findings (1)"
     tab.click("#findings li.wrong")
     assert tab.inner_text("#cell").splitlines()[0] == "q 12 · kv 9 · q_idx 0 · kv_idx 9"
+    keyless = from_tensors({"cu_seqlens_q": [0, 2, 3], "seqused_k": [0, 4], "causal": 1}, "flash.json")  # no page table
+    findings = [f.json() for f in check(keyless)]
+    load(tab, serve_page(keyless, request_rows(keyless, page_map(keyless)), findings, "flash.json", "flash-attn"), "keyless.html")
+    assert tab.evaluate("[...document.querySelectorAll('#request option')].map((o) => o.text)") == ["request 1: causal"]
+    assert tab.is_hidden("#pagemap")
+    tab.click("#findings li.wrong")  # no-keys, request 0: nothing to draw, and the panel says why
+    assert tab.is_hidden("#plot") and tab.text_content("#why") == "request 0 has no mask to draw: it has no keys"
     assert tab.errors == []
