@@ -113,7 +113,8 @@ def pages(b: ServeBatch) -> list[Finding]:
         key = max(int(column[i]) * ps, int(first[r])) - int(b.starts[r])
         kind = f"sliding-window layer (window {b.window}) reads it inside its window" if b.window else "full-attention layer reads it"
         out.append(Finding("null-page", f"request {r}'s logical block {int(column[i])} is the null page {b.null_page}, and its {kind}: "
-                           f"keys {key}..{min(key + ps, int(b.seq_lens[r])) - 1} read nothing that was written", request=r, cell=(int(b.q_start[r]) + max(0, key - int(b.q_start[r])), key)))
+                           f"keys {key}..{min(key + ps, int(b.seq_lens[r])) - 1} read nothing that was written",
+                           request=r, cell=(int(b.q_start[r]) + max(0, key - int(b.q_start[r])), key)))
     out += _shared(b, m)
     out += _writes(b)
     return out
@@ -203,7 +204,8 @@ def _writes(b: ServeBatch) -> list[Finding]:
     page = int(slots[t]) // ps
     whose = "another request's page" if page in set(np.delete(b.pages, np.arange(b.page_indptr[r], b.page_indptr[r + 1])).tolist()) else "not its slot"
     return [Finding("slot-mapping", f"token {t} (request {r}, position {int(position[t])}) is written to slot {int(slots[t])} ({whose}); its "
-                    f"{b.name('table')} puts position {int(position[t])} at slot {int(expected[t])}", request=r, cell=(int(position[t]), int(position[t])))]
+                    f"{b.name('table')} puts position {int(position[t])} at slot {int(expected[t])}",
+                    request=r, cell=(int(position[t]), int(position[t])))]
 
 
 def cascade(b: ServeBatch) -> list[Finding]:

@@ -49,7 +49,8 @@ def _follow(before, after, rid: int, start: int) -> list[Finding]:
         span = f"position {lo}" if lo == hi else f"positions {lo}..{hi}"
         how = f"skips {span}" if start > end else f"computes {span} again"
         return [Finding("steps-positions", f"request {rid}'s step {k1 + 1} starts at "
-                        f"position {int(start)}, step {k0 + 1} ended at {end - 1}: it {how}, so the steps are not one pass", request=rid, cell=(int(start), int(min(start, end))))]
+                        f"position {int(start)}, step {k0 + 1} ended at {end - 1}: it {how}, so the steps are not one pass",
+                        request=rid, cell=(int(start), int(min(start, end))))]
     ps = b1.page_size
     if not ps or ps != b0.page_size:
         return []
