@@ -137,7 +137,7 @@ def page(data: dict, title: str, subtitle: str) -> str:
 <p id="status" aria-live="polite"></p>
 <p class="legend">{_legend(data)}</p></div></aside>
 </main>"""
-    return document(title, subtitle, body, script_json({**data, "colours": COLOURS}), ("why.js", "attend.js", "page.js"))
+    return document(title, subtitle, body, script_json({**data, "colours": COLOURS}), ("why.js", "attend.js", "serve.js", "page.js"))
 
 
 def _sub(mask: Mask, how: str) -> str:
