@@ -1,5 +1,6 @@
 """checks/dtypes.py (with maskcli/trace/overflow.py, which marks what overflowed while the program ran): a finite fill
-that became -inf in the compute dtype, on reproductions of published bugs, and quiet where nothing overflowed."""
+that became -inf in the compute dtype, and a bool mask added to the scores, on reproductions of published bugs, and quiet
+where nothing overflowed."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from maskcli.checks.registry import severity
 BUGS = [
     ("opt_fp16_min_fill_overflow", "fill-became-inf"),  # huggingface/transformers#17433, fixed by #17437
     ("flax_fp16_bias_cast_inf", "fill-became-inf"),  # google/flax#982, fixed by #1414 / #1527
+    ("mmdet_bool_mask_added", "bool-added"),  # open-mmlab/mmdetection#12351
+    ("onnxscript_bool_mask_added", "bool-added"),  # microsoft/onnxscript#580, fixed by #656
 ]
 
 
@@ -74,3 +77,13 @@ def test_a_fill_that_was_minus_inf_already_is_no_overflow():
 
     found = traced(program)
     assert [f for f in found if f[0] == "fill-became-inf"] == [] and ("fully-masked", "suspicious") in [f[:2] for f in found]
+
+
+def test_a_bool_mask_used_as_a_fill_is_no_bool_added():
+    # masked_fill(~keep, -inf) reads the bool as a mask (torch/_tensor_docs.py masked_fill_): nothing is added
+    def program():
+        scores = torch.randn(1, 1, 4, 4)
+        keep = torch.ones(4, 4, dtype=torch.bool).tril()
+        torch.softmax(scores.masked_fill(~keep, float("-inf")) + torch.zeros(4, 4), dim=-1)
+
+    assert [f for f in traced(program) if f[0] == "bool-added"] == []

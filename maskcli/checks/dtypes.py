@@ -1,4 +1,4 @@
-"""Fills that overflow in the compute dtype: a finite fill that became -inf on its way to the attention call.
+"""A mask's values against the scores' dtype: a finite fill that became -inf, and a bool mask added as 0 and 1.
 
 The trace marks a call whose mask or scores came from a cast or a sum that turned finite values into
 -inf (maskcli.trace.overflow: -1e10 cast to float16, finfo.min + finfo.min, finfo(float16).min plus a score
@@ -7,6 +7,9 @@ a softmax over that row is NaN, and the NaN reaches every later token through th
 gives NaN (a softmax row of -inf only) the call is wrong. An overflow inside the mask itself (two masks
 added, a mask cast down) that makes no row NaN here is suspicious: the same mask is NaN under a plain
 softmax. An overflow in scores + mask that leaves every row a finite cell changes nothing and is not said.
+
+A bool mask added to the scores (the trace sees the sum: maskcli.trace.overflow) is promoted to 0 and 1: it
+masks nothing, whichever way round it was meant.
 """
 
 from __future__ import annotations
@@ -59,7 +62,26 @@ def overflowed(run: Run) -> list:
     return found
 
 
+def bool_added(run: Run) -> list:
+    """A bool mask added to the scores before a softmax: True counts as 1 (torch promotes bool to the scores' dtype,
+    aten's result_type), so no cell is masked and the kept ones (or the masked ones) get 1 more."""
+    found, done = [], set()
+    for call in run.calls:
+        added = call.details.get("bool_added")
+        if not added or added.get("line") in done:
+            continue
+        done.add(added.get("line"))
+        where = added.get("line", "?")
+        found.append((call, Finding("bool-added", (
+            f"a bool mask {tuple(added.get('shape', ()))} is added to the scores at {where}: it adds 0 and 1, so "
+            f"nothing is masked (make it 0 and -inf first: torch.where(keep, 0.0, float('-inf')))"), expected="an additive mask: 0 and -inf",
+            source=f"the sum at {where}")))
+    return found
+
+
 RULES = (
     Rule("fill-became-inf", "wrong", "call", "a finite fill (-1e10, finfo.min) cast or summed past the compute "
          "dtype's range into -inf, so a row masked everywhere gives NaN", overflowed),
+    Rule("bool-added", "wrong", "call", "a bool mask added to the scores: True counts as 1, nothing is masked",
+         bool_added),
 )

@@ -323,8 +323,8 @@ class Trace:
                 if seen is None:
                     return
                 overflowed = self.overflows.of(args, kwargs, seen.api)
-                if overflowed is not None:  # a fill that became -inf on its way here (checks/dtypes.py)
-                    seen.details["overflow"] = overflowed
+                if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
+                    seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
                 if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                     interface.unpack_gqa(seen, self.interfaces[-1])
                 elif self.interfaces and seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS)

@@ -9,6 +9,10 @@ runs (never the in-place ones: their operands are gone once they have run) and r
 scores.py does, every tensor where one made -inf out of finite values, and every tensor computed from one
 that keeps its last two dimensions (a view, the scores it is added to, a where). An attention call given one
 carries details["overflow"]: what overflowed, in which dtype, on which line of the program.
+
+The same watch sees a bool mask added to the scores (scores.py's): the bool counts as 0 and 1, so it masks
+nothing and adds 1 to the cells it keeps (or to those it meant to mask). A softmax over such scores carries
+details["bool_added"], with the line that added it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from maskcli.trace.sites import frames_outside
 SUMS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__, torch.sub, torch.Tensor.sub, torch.Tensor.__rsub__,
         torch.mul, torch.Tensor.mul, torch.Tensor.__rmul__}
 CASTS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type, torch.Tensor.type_as}
+ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__}
 WATCHED = SUMS | CASTS
 KEEP = 256  # remembered tensors before the dead ones are let go
 
@@ -78,6 +83,11 @@ class Overflows:
     def after(self, func, args: tuple, kwargs: dict, out, scores=None) -> None:
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not out.is_floating_point():
             return
+        if func in ADDS and scores is not None:  # a bool mask added to scores: True adds 1, nothing is masked
+            bools = [x for x in args if isinstance(x, torch.Tensor) and x.dtype == torch.bool and x.dim() >= 2]
+            if bools and any(isinstance(x, torch.Tensor) and scores.has(x) for x in args):
+                self._note(out, {"op": "bool", "line": frames_outside(1)[0], "shape": list(bools[0].shape)})
+                return
         if func in CASTS or func in SUMS:
             found = _overflowed(func, args, kwargs, out)
             if found is not None:
