@@ -81,8 +81,17 @@ class Overflows:
         return func in WATCHED or bool(self._found)
 
     def after(self, func, args: tuple, kwargs: dict, out, scores=None) -> None:
+        """Note `out` where `func` overflowed a fill, added a bool mask to scores, or computed it from a noted tensor.
+        Whatever goes wrong here is the watch's, never the program's: it is let go."""
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not out.is_floating_point():
             return
+        try:
+            with torch.no_grad():
+                self._after(func, args, kwargs, out, scores)
+        except Exception:  # (a tensor kind the checks cannot read: sparse, nested; the program runs on as it would)
+            pass
+
+    def _after(self, func, args: tuple, kwargs: dict, out: torch.Tensor, scores) -> None:
         if func in ADDS and scores is not None:  # a bool mask added to scores: True adds 1, nothing is masked
             bools = [x for x in args if isinstance(x, torch.Tensor) and x.dtype == torch.bool and x.dim() >= 2]
             if bools and any(isinstance(x, torch.Tensor) and scores.has(x) for x in args):
@@ -110,14 +119,21 @@ class Overflows:
         return found[1] if found is not None and found[0]() is tensor else None
 
     def of(self, args: tuple, kwargs: dict, api: str) -> dict | None:
-        """What overflowed in a tensor an attention call was given, if any did; for a softmax over it, the first
-        batch row and head whose query rows are -inf everywhere (NaN), as "rows": [b, h, [q, ...]]."""
+        """What overflowed in a tensor an attention call was given, if any did (or the bool mask added to it); for a
+        softmax over it, the first batch row and head whose query rows are -inf everywhere (NaN), as "rows": [b, h,
+        [q, ...]]. None where nothing did, or where the tensor cannot be read (the call is still recorded)."""
+        try:
+            return self._of(args, kwargs, api)
+        except Exception:
+            return None
+
+    def _of(self, args: tuple, kwargs: dict, api: str) -> dict | None:
         for x in (*args, *kwargs.values()):
             found = self.get(x)
             if found is None:
                 continue
             found = dict(found)
-            if api == "softmax" and x.dim() in (3, 4):
+            if api == "softmax" and x.dim() in (3, 4) and found["op"] != "bool":
                 empty = torch.isneginf(x.detach()).all(dim=-1).reshape(-1, x.shape[-2])  # (planes, Lq)
                 planes = torch.nonzero(empty.any(dim=-1)).flatten()
                 if len(planes):
