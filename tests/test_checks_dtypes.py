@@ -87,3 +87,23 @@ def test_a_bool_mask_used_as_a_fill_is_no_bool_added():
         torch.softmax(scores.masked_fill(~keep, float("-inf")) + torch.zeros(4, 4), dim=-1)
 
     assert [f for f in traced(program) if f[0] == "bool-added"] == []
+
+
+def test_the_watch_changes_nothing_the_program_computes():
+    # the same values, NaN where the program's own arithmetic makes NaN, with the watch on and off; a sparse tensor's
+    # sum (which the watch cannot read) runs as it would
+    def program():
+        scores = torch.randn(2, 1, 4, 4, dtype=torch.float16) * 30
+        mask = torch.full((4, 4), -1e10).to(torch.float16).triu(1)
+        mask[0] = float("-inf")
+        sparse = torch.eye(3).to_sparse() + torch.eye(3).to_sparse()
+        return torch.softmax(scores + mask, dim=-1), sparse.to_dense()
+
+    torch.manual_seed(0)
+    plain = program()
+    torch.manual_seed(0)
+    with maskcli.trace() as t:
+        watched = program()
+    for a, b in zip(plain, watched):
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+    assert t.calls and t.calls[0].details.get("overflow", {}).get("op") == "cast"
