@@ -86,6 +86,8 @@ def shard_files() -> dict[str, object]:
         **{f"local_rank{r}.json": [[k <= q for k in range(8)] for q in range(4)] for r in range(2)},
         # is_causal=True where the layer is window(3): plain causal on global positions
         **{f"causal_rank{r}.json": [[gathered[k] <= q for k in range(8)] for q in held[r]] for r in range(2)},
+        # a packed batch of documents of 3,000, 5,000 and 192 tokens, as a collator gives its cu_seqlens
+        "batch.json": {"cu_seqlens": [0, 3000, 8000, 8192]},
     }
 
 

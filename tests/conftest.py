@@ -13,6 +13,13 @@ def cpu_unless_marked_cuda(request, monkeypatch):
         monkeypatch.setenv("MASKCLI_DEVICE", "cpu")
 
 
+@pytest.fixture(autouse=True)
+def no_terminal_width(monkeypatch):
+    """Output under test is piped output: a COLUMNS the shell or a machine exports (80 on some) would wrap the
+    expected text; a test about width sets COLUMNS itself."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 
 # CI runs README's test command on a clean install first, then installs the hf extra and chromium and runs
 # again only what that first run skipped (`pytest --skipped-before`): the skipped tests' ids are kept in

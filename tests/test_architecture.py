@@ -4,7 +4,7 @@
     kinds     kinds/*                      (each kind defined once)
     model     expression terms mask batchdata regions counting summary blockmask diff usermods tracefile testing
     formats   formats/*                    (kernel formats: views of the model, read back by inspect)
-    checks    checks/*                     (the rules that find a wrong mask; numpy only, no torch)
+    checks    checks/*                     (the rules that find a wrong mask; numpy, torch only inside attend's)
     engines   attention/* inspect/*        (torch; they do not import each other)
     capture   trace/*                      (torch; names captured masks with inspect, checks them with diff)
     checks    pack/*                       (a packed batch: reads tensors as inspect does, builds masks)

@@ -6,29 +6,25 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from maskcli.checks.registry import READS, SEVERITIES, all_rules, as_json, rule, severity, wrong
+from maskcli.checks.registry import GIVEN, READS, SEVERITIES, all_rules, as_json, rule, severity, wrong
 from maskcli.text import Finding
 
 PACKAGE = Path(__file__).resolve().parent.parent / "maskcli"
 
 
-def test_every_rule_has_a_known_severity_and_reading_and_a_check_that_resolves():
+def test_every_rule_has_a_known_severity_and_reading_and_a_check_written_in_the_checks_package():
     rules = all_rules()
     assert len({r.code for r in rules}) == len(rules)
     for r in rules:
-        assert r.severity in SEVERITIES and r.reads in READS, r
-        assert callable(r.function()), r.code
+        assert r.severity in SEVERITIES and r.reads in READS and r.given in GIVEN, r
+        assert callable(r.check) and r.check.__module__.startswith("maskcli.checks."), r.code
         assert r.catches and not r.catches.endswith("."), r.code
 
 
 def test_every_code_a_finding_is_made_with_is_a_rule():
-    """Read off the source: each Finding("code", ...) written anywhere in maskcli has its rule. (serve's and shard's
-    rules still make findings of their own type, with their severity on each, in serve/checks.py and shard/checks.py:
-    they are not in the registry yet, and not read here.)"""
+    """Read off the source: each Finding("code", ...) written anywhere in maskcli has its rule."""
     made = set()
     for path in PACKAGE.rglob("*.py"):
-        if path.parent.name in ("serve", "shard"):
-            continue
         made |= set(re.findall(r'Finding\(\s*"([a-z0-9-]+)"', path.read_text()))
     assert len(made) > 20
     assert sorted(code for code in made if rule(code) is None) == []
@@ -57,6 +53,23 @@ def test_the_trace_report_colours_a_finding_by_its_severity():
     assert [view.style for view in views([group], 1, "p", 0)[2:]] == ["dim", "red", "yellow"]
 
 
-def test_the_docs_page_has_a_section_for_every_rule_written_in_checks():
+def test_the_docs_page_has_a_section_for_every_rule_that_reads_a_trace_run():
     page = (PACKAGE.parent / "docs" / "checks.md").read_text()
-    assert [r.code for r in all_rules() if callable(r.check) and f"**{r.code}**" not in page] == []
+    assert [r.code for r in all_rules() if r.given == "run" and f"**{r.code}**" not in page] == []
+
+
+def test_inspect_and_attend_findings_are_coloured_by_their_severity():
+    """render/tables.py's findings_text: red for wrong, yellow for suspicious, dim for a note (ANSI SGR 31, 33, 2)."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from maskcli.render.tables import findings_text
+
+    out = StringIO()
+    console = Console(file=out, force_terminal=True, color_system="standard", width=120)
+    console.print(findings_text([Finding("sentinel-overflow", "first"), Finding("sees-later", "second"),
+                                 Finding("fully-masked", "third"), Finding("fully-masked", "fourth", "wrong")]))
+    lines = {word: line for line in out.getvalue().splitlines() for word in ("first", "second", "third", "fourth") if word in line}
+    assert [re.search(r"\x1b\[([0-9;]+)m" + word, lines[word]).group(1) for word in ("first", "second", "third", "fourth")] == \
+        ["31", "33", "2", "31"]

@@ -47,7 +47,7 @@ def test_the_printed_sdpa_call_runs_and_is_the_mask(tmp_path):
     path = tmp_path / "m.pt"
     result = ok("causal | blocks(-1,-1,0,0,0,-1)", "--for", "sdpa", "--save", path)
     code = result.stdout
-    assert f"t = torch.load({str(path)!r}, weights_only=True)" in code
+    assert f"t = torch.load({str(path)!r}, weights_only=True, map_location=q.device)" in code  # where q is, cuda too
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 6, 4, generator=g) for _ in range(3))
     scope = {"q": q, "k": k, "v": v}

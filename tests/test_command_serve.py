@@ -62,9 +62,10 @@ def test_json_lists_every_request_and_finding(tmp_path):
     data = json.loads(result.stdout)
     assert data["engine"] == "vllm" and data["ok"] is False
     assert [r["queries"] for r in data["requests"]] == [[0, 11], [0, 4]]
-    assert [f["code"] for f in data["findings"]] == ["seq-len", "query-count"]
+    assert [f["code"] for f in data["findings"]] == ["seq-len"]  # one bug, one finding (it says the count too)
     assert data["findings"][0]["request"] == 0 and data["findings"][0]["cell"] == [8, 1]
-    assert data["findings"][1]["message"].startswith("query_start_loc counts 15 query tokens but slot_mapping has 7")
+    assert data["findings"][0]["message"].endswith("(1 request like this); query_start_loc counts 15 query tokens but "
+                                                   "slot_mapping has 7")
 
 
 def test_a_finding_is_printed_and_exits_1(tmp_path):
@@ -304,3 +305,71 @@ def test_a_missing_field_names_the_engine_readably():
     result = serve('{"query_start_loc":[0,1]}')
     assert result.exit_code == 2 and result.stderr.strip() == (
         "maskcli: error: 'inline JSON' holds vLLM CommonAttentionMetadata but no seq_lens or seq_lens_cpu; add it to the file")
+
+
+def page_json(path) -> dict:
+    """The JSON a page embeds (render/html.py page(): <script type="application/json" id="mask-data">)."""
+    text = path.read_text(encoding="utf-8")
+    start = text.index('id="mask-data">') + len('id="mask-data">')
+    return json.loads(text[start:text.index("</script>", start)])
+
+
+def page_cells(data: dict) -> np.ndarray:
+    """A page's mask as dense cells, decoded from its row runs (pagedata.row_runs: rows a..a'-1 of a run have
+    interval j at [s + ds * d, e + de * d), d rows into the run; arrays base64 little-endian int32 or float64)."""
+    import base64
+
+    def array(packed):
+        return np.frombuffer(base64.b64decode(packed["b"]), dtype="<i4" if packed["t"] == "i4" else "<f8").astype(np.int64)
+
+    frame, run = data["frame"], data["rows"][0]
+    assert run["stride"] == 1
+    a, k = array(run["a"]), run["k"]
+    s, e, ds, de = (array(run[name]).reshape(-1, k) for name in ("s", "e", "ds", "de"))
+    cells = np.zeros((frame["lq"], frame["lk"]), bool)
+    for q in range(frame["lq"]):
+        i = np.searchsorted(a, q, side="right") - 1
+        for j in range(k):
+            lo, hi = s[i, j] + ds[i, j] * (q - a[i]), e[i, j] + de[i, j] * (q - a[i])
+            cells[q, max(lo, frame["vk0"]) - frame["vk0"]:max(hi, frame["vk0"]) - frame["vk0"]] = True
+    return cells
+
+
+def test_html_page_embeds_each_requests_positions_mask_pages_and_findings(tmp_path):
+    """vLLM under a window of 4: request 0 at position 12 (keys 9..12 on blocks 2 and 3), request 1 new on page 1,
+    which request 0 still lists inside its window (block 2), and a third request with no keys. The page's JSON is
+    checked against what the requests were built from, its masks cell by cell against a double loop."""
+    old, new = Req(12, 1, [5, 6, 1, 4]), Req(0, 4, [1])
+    tensors = vllm([old, new, Req(0, 2, [7])], 4, sliding_window=4)
+    tensors["seq_lens"][2] = 0  # a request with queries and no keys
+    path = tmp_path / "batch.html"
+    result = serve(save(tensors, tmp_path / "batch.json"), "--html", path)
+    assert result.exit_code == 1 and f"wrote {path}" in result.stderr
+    data = page_json(path)
+    assert data["page"] == "serve"
+    serve_data = data["serve"]
+    requests = serve_data["requests"]
+    assert [(r["queries"], r["keys"], r["pages"]) for r in requests] == [([12, 13], [0, 13], [5, 6, 1, 4]), ([0, 4], [0, 4], [1]),
+                                                                         ([0, 0], [0, 0], [])]  # no keys: no positions
+    assert [r["expression"] for r in requests] == ["window(4)", "window(4)", None]
+    # blocks: request 0 reads 2 (keys 8..11, page 1, which request 1 writes) and 3, writes 3 (position 12); blocks 0, 1
+    # are before its window
+    assert (requests[0]["unread"], requests[0]["shared"], requests[0]["written"]) == ([0, 1], [2], [2, 3])
+    assert (requests[1]["shared"], requests[1]["written"], requests[1]["last_fill"]) == ([0], [0], 4)
+    assert serve_data["drawn"] == [0, 1] and serve_data["page_size"] == 4 and serve_data["null_page"] == 0
+    for r, (q0, q_len, seq) in enumerate(((12, 1, 13), (0, 4, 4))):
+        want = np.array([[q0 + i - 4 < k <= q0 + i for k in range(seq)] for i in range(q_len)])
+        assert (data["masks"][r]["frame"]["vq0"], data["masks"][r]["frame"]["lk"]) == (q0, seq)
+        assert np.array_equal(page_cells(data["masks"][r]), want), r
+    found = [(f["code"], f["severity"], f["request"], f["cell"]) for f in serve_data["findings"]]
+    assert found == [("no-keys", "wrong", 2, None), ("shared-page-written", "wrong", 0, [12, 9])]
+
+
+def test_html_refuses_a_bad_path_or_several_steps_in_one_line_and_leaves_no_file(tmp_path):
+    for given, said in ((tmp_path / "no" / "x.html", "directory"), (tmp_path / "x.png", "unknown extension '.png'; use one of .html")):
+        result = serve(PREFIX_HIT, "--html", given)
+        assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1 and said in result.stderr, result.stderr
+        assert not given.exists()
+    result = serve(PREFIX_HIT, PREFIX_HIT, "--html", tmp_path / "two.html")
+    assert result.exit_code == 2 and "--html draws one step, and 2 FILEs were given" in result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -263,3 +263,61 @@ def test_the_imbalance_finding_gives_the_tables_ratio():
     ratio = (7 * 512 * 512 + 512 * 513 / 2) / (4096 * 4097 / 2 / 8)
     assert f"7 512 1,966,336 1.01G {ratio:.3f} 0/8" in out
     assert f"rank 7 does {ratio:.3f}x the mean work" in out
+
+
+@pytest.mark.parametrize("columns", [60, 120])
+def test_local_cu_seqlens_cut_each_ranks_tokens_where_the_document_changes(columns):
+    # contiguous over 4 ranks: rank r holds positions 2048r..2048r+2047; a varlen kernel on that rank needs a new
+    # sequence wherever the document changes (counted here token by token)
+    sizes = [3000, 5000, 192]
+    doc = [d for d, size in enumerate(sizes) for _ in range(size)]
+    out = ok([f"document(sizes=[{','.join(map(str, sizes))}])", "--ranks", 4, "--layout", "contiguous"], columns)
+    assert max(len(line) for line in out.splitlines()) <= columns and "cu_seqlens (local)" in out and "(TE)" not in out
+    for r in range(4):
+        mine = doc[2048 * r: 2048 * (r + 1)]
+        cu = [0] + [i for i in range(1, len(mine)) if mine[i] != mine[i - 1]] + [len(mine)]
+        assert any(line.split() and line.split()[0] == str(r) and line.split()[-1] == ",".join(map(str, cu))
+                   for line in out.splitlines()), (r, cu, out)
+
+
+def test_one_document_lists_no_local_cu_seqlens():
+    assert "cu_seqlens (local)" not in ok(["causal", "--len", 64, "--ranks", 4, "--layout", "contiguous"])
+
+
+def test_a_packed_batch_gives_the_documents(tmp_path):
+    # a batch as a collator writes it (position_ids restarting at each document, and its cu_seqlens), read as pack
+    # reads it: documents 3, 4 and 9, and-ed into each EXPR; contiguous over 2 ranks, the cells by a double loop
+    path = tmp_path / "batch.pt"
+    sizes = [3, 4, 9]
+    torch.save({"position_ids": torch.tensor([[p for s in sizes for p in range(s)]]), "cu_seqlens": torch.tensor([0, 3, 7, 16])}, path)
+    doc = [d for d, s in enumerate(sizes) for _ in range(s)]
+    data = json.loads(ok([path, "causal & window(2)", "--ranks", 2, "--layout", "contiguous", "--json"]))
+    assert [m["label"] for m in data["masks"]] == ["causal & window(2)"]
+    cells = [sum(doc[q] == doc[k] and 0 <= q - k < 2 for q in range(8 * r, 8 * r + 8) for k in range(16)) for r in range(2)]
+    assert data["masks"][0]["cells"] == cells
+    alone = json.loads(ok([path, "--ranks", 2, "--layout", "per-document", "--json"]))
+    assert alone["masks"][0]["expression"] == "document(sizes=[3,4,9])"
+
+
+def test_a_batch_with_padding_or_two_batches_is_one_line(tmp_path):
+    padded = tmp_path / "padded.json"
+    padded.write_text(json.dumps({"position_ids": [[0, 1, 2, 0, 1, 0]], "attention_mask": [[1, 1, 1, 1, 1, 0]]}))
+    result = invoke([padded, "--ranks", 2])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    assert f"BATCH {str(padded)!r} holds 1 padding token:" in result.output
+    result = invoke([padded, padded.with_name("padded.json"), "--ranks", 2])
+    assert result.exit_code == 2 and "give one BATCH file, not 2" in result.output
+
+
+def test_the_ring_steps_are_coloured_as_blocks_colours_its_map():
+    # contiguous causal over 2 ranks: rank 0 sees part of its own keys (step 0) and none of rank 1's (step 1), rank 1
+    # part of its own and all of rank 0's
+    from maskcli import build
+    from maskcli.render import shard as render
+    from maskcli.shard.plan import analyse
+
+    views = render.views(analyse([("causal", build("causal", length=8))], "contiguous", 2), 120)
+    grid = next(view for view in views if str(view).startswith("0 "))
+    assert str(grid).splitlines()[:2] == ["0 ▒·", "1 ▒█"]
+    styles = {str(grid)[span.start:span.end]: str(span.style) for span in grid.spans if "\n" not in str(grid)[span.start:span.end]}
+    assert {symbol: styles[symbol] for symbol in "▒·█"} == {"▒": "yellow", "·": "red dim", "█": "green"}

@@ -92,8 +92,9 @@ def hover(tab, x: float, y: float, selector="#mask"):
 
 
 def size(tab) -> tuple[int, int]:
-    """The canvas's width and height in pixels (the page sizes it to the window)."""
-    return tuple(tab.evaluate("[document.getElementById('mask').width, document.getElementById('mask').height]"))
+    """The canvas's width and height in pixels (the page sizes it to the window); None on a page without it (shard's)."""
+    found = tab.evaluate("(() => { const c = document.getElementById('mask'); return c && [c.width, c.height]; })()")
+    return tuple(found) if found else None
 
 
 def cell_centre(tab, q_local: int, kv_local: int, lq: int, lk: int) -> tuple[float, float]:
@@ -682,3 +683,50 @@ def test_a_diff_of_one_key_per_row_shows_at_the_whole_mask_zoom(tab):
     width, height = tab.size
     assert np.count_nonzero(nearest == 3) >= min(width, height) // 2  # along the band's edge, about a pixel a row
     assert np.count_nonzero(nearest == 2) == 0  # window(4095) keeps nothing window(4096) masks
+
+
+def test_serve_page_draws_each_request_its_pages_and_opens_a_findings_cell(tab):
+    """serve's page (render/servepage.py, serve.js): request 0 of a vLLM window-4 batch (query 12, keys 9..12 seen) and,
+    chosen in the selector, request 1 (causal 0..3), each cell checked against a double loop; request 0's pages strip
+    coloured block by block as render/serve.py's figure colours them; hover on a block names its page and who shares
+    it; a click on the finding shows its cell."""
+    from maskcli.render.serve import PAGE_COLOURS, request_rows
+    from maskcli.render.servepage import serve_page
+    from maskcli.serve.checks import check
+    from maskcli.serve.engines import from_tensors
+    from maskcli.serve.pagemap import page_map
+    from serve_builders import Req, vllm
+
+    batch = from_tensors(vllm([Req(12, 1, [5, 6, 1, 4]), Req(0, 4, [1])], 4, sliding_window=4), "batch.json")
+    findings = [f.json() for f in check(batch)]
+    load(tab, serve_page(batch, request_rows(batch, page_map(batch)), findings, "batch.json", "vLLM"), "serve.html")
+    for r, (q0, lq, lk) in enumerate(((12, 1, 13), (0, 4, 4))):
+        if r:
+            tab.select_option("#request", "1")
+            tab.size = size(tab)
+        shown = pixels(tab)
+        for q in range(lq):
+            for kv in range(lk):
+                x, y = cell_centre(tab, q, kv, lq, lk)
+                keep = q0 + q - 4 < kv <= q0 + q
+                assert close(shown[int(y), int(x)], VISIBLE_RGB if keep else MASKED_RGB), (r, q, kv)
+    tab.click("#requests tbody tr[data-request='0']")
+    strip = pixels(tab, "#pages")
+    width = strip.shape[1]
+    for block, kind in enumerate(("unread", "unread", "shared", "written")):  # blocks 0, 1 before the window
+        x = int((block + 0.5) * width / 4)
+        assert close(strip[strip.shape[0] // 2, x], np.array(PAGE_COLOURS[kind]) * 255, 3), (block, kind)
+    cell, why = hover(tab, 2.5 * width / 4, 10, "#pages")
+    assert cell.splitlines() == ["request 0 · logical block 2 → page 1", "keys 8-11 · fill 4/4"]
+    assert why == "shared with another request: request 1 also reads page 1"
+    assert tab.inner_text("#findings h2") == "findings (1)"
+    tab.click("#findings li.wrong")
+    assert tab.inner_text("#cell").splitlines()[0] == "q 12 · kv 9 · q_idx 0 · kv_idx 9"
+    keyless = from_tensors({"cu_seqlens_q": [0, 2, 3], "seqused_k": [0, 4], "causal": 1}, "flash.json")  # no page table
+    findings = [f.json() for f in check(keyless)]
+    load(tab, serve_page(keyless, request_rows(keyless, page_map(keyless)), findings, "flash.json", "flash-attn"), "keyless.html")
+    assert tab.evaluate("[...document.querySelectorAll('#request option')].map((o) => o.text)") == ["request 1: causal"]
+    assert tab.is_hidden("#pagemap")
+    tab.click("#findings li.wrong")  # no-keys, request 0: nothing to draw, and the panel says why
+    assert tab.is_hidden("#plot") and tab.text_content("#why") == "request 0 has no mask to draw: it has no keys"
+    assert tab.errors == []

@@ -163,3 +163,27 @@ def test_ptrr_is_pytorchs_ptrr_balancer_on_the_masks_blocks(expr, ranks):
 def test_the_note_counts_one_slot_in_the_singular():
     assert layouts.contiguous(8, 8).note == "1 slot a rank"  # it said "1 slots a rank"
     assert layouts.contiguous(9, 8).note == "2 slots a rank"
+
+
+@pytest.mark.parametrize("length, ranks", [(16, 2), (48, 4), (64, 8)])
+def test_headtail_is_megatron_cores_per_rank_batch_split(monkeypatch, length, ranks):
+    """megatron-core's get_batch_on_this_cp_rank (megatron/core/utils.py:1994-2037, megatron-core 0.16.1) views each
+    tensor's sequence as 2 x cp_size chunks and keeps chunks cp_rank and 2 x cp_size - cp_rank - 1, in that order; an
+    attention_mask (b, 1, q, kv) is cut along its query rows (seq_dim 2) and keeps every key. It reads the CP size and
+    rank from parallel_state where no group is given, so they are set here; it needs no process group or GPU.
+    Optional: megatron-core is not a dependency (pip install megatron-core)."""
+    from maskcli import build
+    from maskcli.shard import work
+
+    utils = pytest.importorskip("megatron.core.utils", reason="megatron-core is not installed (pip install megatron-core)")
+    layout = layouts.headtail(length, ranks)
+    expr = "causal & window(5)"
+    cells = work.split(build(expr, length=length), layout).cells
+    q = torch.arange(length)
+    keep = (q[:, None] >= q[None, :]) & (q[:, None] - q[None, :] < 5)  # causal & window(5) by hand
+    for r in range(ranks):
+        monkeypatch.setattr(utils.parallel_state, "get_context_parallel_world_size", lambda: ranks)
+        monkeypatch.setattr(utils.parallel_state, "get_context_parallel_rank", lambda r=r: r)
+        batch = utils.get_batch_on_this_cp_rank({"tokens": q[None, :].clone(), "attention_mask": keep[None, None].clone()})
+        assert batch["tokens"][0].tolist() == layout.rank_indices(r).tolist()
+        assert int(batch["attention_mask"].sum()) == cells[r]  # rank r's rows, every key: its share of the work

@@ -6,7 +6,7 @@ may see a padding key, at any step and in any layer the call reaches, prefill an
 at 0 inside a row mark packed documents (transformers' find_packed_sequence_indices, masking_utils.py):
 no query may see another document's keys. Keys are read where the key columns are positions (a cache
 that keeps every key from position 0); an encoder-decoder's attention_mask is its encoder's, so it is
-left alone. The packed-batch rules of `pack` are declared here too.
+left alone. The packed-batch rules of `pack` are in packing.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import numpy as np
 from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, queries
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
-
-PACK = "maskcli.pack.findings"
 
 
 def _cells_by_row(call, rows: int):
@@ -113,19 +111,4 @@ RULES = (
          "at prefill or at a decode step", padding),
     Rule("documents-leak", "wrong", "steps", "packed documents (position_ids restarting at 0) whose mask lets a "
          "query see another document", documents),
-    Rule("fields-disagree", "wrong", "batch", "two fields of a packed batch that place the documents differently",
-         f"{PACK}:check"),
-    Rule("cross-document", "wrong", "batch", "an attention path that lets tokens see another document", f"{PACK}:check"),
-    Rule("sees-padding", "wrong", "batch", "an attention path that lets real tokens see padding", f"{PACK}:check"),
-    Rule("rope-continues", "wrong", "batch", "position_ids that count on across a document boundary", f"{PACK}:_rope"),
-    Rule("labels-on-padding", "wrong", "batch", "labels that are not -100 on padding", f"{PACK}:_labels"),
-    Rule("labels-across", "wrong", "batch", "labels that predict the next document's first token at some boundaries",
-         f"{PACK}:_labels"),
-    Rule("lengths-sum", "wrong", "batch", "cu_seqlens that do not add up to the batch's tokens", f"{PACK}:_lengths"),
-    Rule("q-k-differ", "wrong", "batch", "cu_seq_lens_q and cu_seq_lens_k that differ in self-attention",
-         f"{PACK}:_lengths"),
-    Rule("max-length", "wrong", "batch", "max_length below the longest document", f"{PACK}:_lengths"),
-    Rule("left-out", "wrong", "batch", "tokens an attention path never computes (transformers' flash path takes the "
-         "documents from where position_ids equal their minimum, so tokens before the first such start get no output)",
-         f"{PACK}:check"),
 )

@@ -70,7 +70,8 @@ def masked_somewhere(call) -> bool:
     """False for a softmax that masked no cell: a router's or a classifier's as much as an attention's; the rules read
     only the call sites that mask somewhere (an MoE router's softmax is over experts, not keys)."""
     found = call.details
-    return call.api != "softmax" or bool(found.get("fill") or found.get("fill_value") is not None or found.get("additive"))
+    return call.api != "softmax" or bool(found.get("fill") or found.get("fill_value") is not None or found.get("additive")
+                                         or found.get("bool_added"))  # (a bool mask added to the scores: dtypes.py)
 
 
 def layer(call) -> int | None:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from maskcli.checks.context import Run, masked_somewhere
+from maskcli.checks import config
 from maskcli.checks.registry import all_rules
+from maskcli.checks.spans import explained
+
+CONFIG = {rule.code for rule in config.RULES}
 
 
 def findings(run: Run) -> list:
@@ -12,7 +16,7 @@ def findings(run: Run) -> list:
     run = Run([call for call in run.calls if call.where in attending], run.tops)
     found, done = [], set()
     for rule in all_rules():
-        if callable(rule.check) and rule.reads in ("call", "site", "steps") and rule.check not in done:
+        if rule.given == "run" and rule.check not in done:
             done.add(rule.check)  # (one function may make the findings of several codes)
             found += rule.check(run)
     return found
@@ -26,7 +30,17 @@ def apply(groups: list, run: Run) -> list:
         group = where.get(call.index)
         if group is not None and all((f.code, f.message) != (finding.code, finding.message) for f in group.findings):
             group.findings.append(finding)
+    for group in groups:  # one bug reported once: a config rule's finding says what layer-differs (layers.py) would say
+        codes = {f.code for f in group.findings}
+        if codes & CONFIG:
+            group.findings = [f for f in group.findings if f.code != "layer-differs"]
+        if "fill-became-inf" in codes and any(f.code == "fill-became-inf" and f.severity is None for f in group.findings):
+            group.findings = [f for f in group.findings if f.code != "fully-masked"]  # (the NaN rows, said with their cause)
     for group in groups:  # calls that see keys their model call's attention_mask marks as padding (arguments.py) say
         if any(f.code == "padding-ignored" for f in group.findings):  # it with its source: the same keys lost since
             group.findings = [f for f in group.findings if f.code != "padding-lost"]  # step 0 (steps.py) say it twice
+    judged = explained(run)  # later keys the model call's token types account for (spans.py): not a causal mask's slip
+    for group in groups:
+        if group.calls and all(call.index in judged for call in group.calls):
+            group.findings = [f for f in group.findings if f.code != "sees-later"]
     return groups

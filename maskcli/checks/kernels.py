@@ -1,7 +1,8 @@
-"""The kernels' own rules: a hint the kernel reads its own way, a mask in the wrong polarity, fills, rows with no key.
+"""The kernels' own rules: is_causal aligned top-left, a hint a kernel reads its own way or never reads, what HF asked
+that the attention function dropped, a keep mask added to the scores.
 
-Most of these findings are made where a mask is read (trace's report, inspect, attend); they are
-declared here with their severity. The rules written here read the calls of a trace.
+hint_ignored and ones_added read the calls of a trace (a run); the others read one group of the trace's report
+(its first call, stored mask and name) or, top-left causal, a tensor a user gave (inspect).
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ import numpy as np
 
 from maskcli.checks.context import Run, first_cell, keep, queries
 from maskcli.checks.registry import Rule
+from maskcli.checks.rows import reach
 from maskcli.text import Finding
-
-REPORT, INSPECT, ATTEND = "maskcli.trace.report", "maskcli.inspect.findings", "maskcli.attention.findings"
 
 
 FAST = "on its fast path (eval, no grad) it never reads it:"
@@ -59,43 +59,83 @@ def ones_added(run: Run) -> list:
     return found
 
 
+def top_left_is_causal(call, q_len: int, k_len: int) -> bool:
+    """An SDPA call whose mask is its is_causal alone, with fewer queries than keys: aligned top-left (torch.tril)."""
+    return bool(call.details.get("is_causal")) and call.api == "sdpa" and q_len < k_len and "mask_dtype" not in call.details
+
+
+def top_left(call, q_len: int, k_len: int) -> list[Finding]:
+    """A trace group's is_causal with fewer queries than keys: its queries see the first keys, not the cached ones."""
+    if not top_left_is_causal(call, q_len, k_len):
+        return []
+    sees = ("its one query sees key 0 only, so the last {} keys are seen by no query" if q_len == 1 else
+            "query row i sees keys 0..i, so the last {} keys are seen by no query until the last rows").format(k_len - q_len)
+    return [Finding("top-left-causal", (
+        f"is_causal with {q_len} quer{'y' if q_len == 1 else 'ies'} and {k_len} keys is aligned top-left: {sees}; "
+        f"a decoder with a cache means bottom-right (causal --offset {k_len - q_len}): pass that mask instead of is_causal"))]
+
+
+def given_top_left(structure, as_sdpa: np.ndarray) -> list[Finding]:
+    """A tensor a user gave (inspect) that is causal aligned top-left as SDPA reads it (`as_sdpa`: its keep cells in
+    SDPA's (B, H, Lq, Lk) view, whatever reading the recogniser chose)."""
+    q_len, k_len = as_sdpa.shape[-2:]
+    placed_top_left = structure.kind == "causal" and structure.mask is not None and structure.mask.q_offset == 0
+    if not (structure.kind is None or structure.reading == "key padding [B, S]" or placed_top_left) or not 1 < q_len < k_len:
+        return []
+    if not np.array_equal(as_sdpa, np.broadcast_to(np.tri(q_len, k_len, dtype=bool), as_sdpa.shape)):
+        return []
+    return [Finding(
+        "top-left-causal",
+        ("read as an (Lq, Lk) mask instead, it is " if structure.reading == "key padding [B, S]" else "")
+        + f"causal aligned top-left (query row q sees keys 0..q, torch.tril of a {q_len}x{k_len} matrix, "
+        f"causal_upper_left, SDPA's is_causal=True): with {k_len - q_len} cached keys the new queries usually "
+        f"sit at the end; bottom-right is maskcli show causal --offset {k_len - q_len} --len {q_len}",
+    )]
+
+
+def ignored_is_causal(call, k_len: int) -> list[Finding]:
+    """is_causal=True on a module's fast path, which never reads it (trace/modules.py: it applied no mask)."""
+    if not call.details.get("ignored_is_causal"):
+        return []
+    return [Finding("ignored-is-causal", (
+        f"is_causal=True was ignored: the module's fast path (eval, no grad) never reads it; "
+        f"{call.details['ignored_is_causal']}"), expected="causal", source="is_causal=True",
+        cell=(0, 0, 1) if k_len > 1 else None)]  # query 0 sees key 1, as every query sees every key
+
+
+def asked(call, stored: dict, name: str) -> list[Finding]:
+    """What HF asked of a kernel call it gave no mask (is_causal, sliding_window) that the kernel did not apply: an
+    attention function that drops them (a registered one of the user's) attends where the model must not.
+    The queries placed at the end of the keys: the latest they can sit, so a later key is one for any placement."""
+    hf = call.details.get("hf")
+    if call.api == "hf" or not isinstance(hf, dict) or "error" in hf or hf.get("attention_mask") is not None:
+        return []  # (a mask given is HF's word on the cells; the interface's own record is what its arguments mean)
+    q_len, k_len = call.shape[2:]
+    first, last = reach(stored, q_len)
+    found = []
+    causal = hf.get("is_causal", hf.get("module_is_causal"))
+    if causal and (last > k_len - q_len + np.arange(q_len)[None, :]).any():
+        said = "is_causal=True" if "is_causal" in hf else "its module's is_causal is True"
+        found.append(Finding("hf-not-causal", f"HF asked for a causal mask ({said}) but the kernel applied {name}: "
+                                              "queries see later keys"))
+    window = hf.get("sliding_window")
+    if isinstance(window, int) and window > 0 and ((last >= 0) & (last - first >= window)).any():
+        found.append(Finding("hf-not-windowed", f"HF asked for sliding_window={window} but the kernel applied {name}: "
+                                                f"queries see keys {window} or more positions apart, outside the window"))
+    return found
+
+
 RULES = (
-    Rule("fully-masked", "note", "call", "query rows that see no key: wrong where the kernel turns them into NaN, "
-         "suspicious where a softmax of the program's does (it may zero them after), a note where the kernel gives 0 (the "
-         "padding query rows of a left-padded batch)", f"{REPORT}:_empty_rows"),
-    Rule("sees-later", "suspicious", "call", "queries that see keys after their own position in a mask no kind names "
-         "(a causal mask off by one, or read the wrong way round)", f"{REPORT}:_later"),
-    Rule("polarity", "suspicious", "call", "a mask that is a known one read the other way round (True = masked given "
-         "where True = attend is read)", f"{REPORT}:_named"),
     Rule("top-left-causal", "wrong", "call", "is_causal with fewer queries than keys: SDPA aligns it top-left, so a "
-         "decode step behind a cache sees key 0 only", f"{REPORT}:_named"),
-    Rule("score-mod", "note", "call", "a flex score_mod that also adds a bias, or whose masking could not be read off "
-         "its -inf cells", f"{REPORT}:_named"),
-    Rule("same-as", "note", "call", "a mask two expressions name alike (local(C) and document(sizes=...)): the same "
-         "cells", f"{REPORT}:_named"),
-    Rule("closest", "note", "call", "the expression nearest a mask nothing rebuilds, and where they differ", f"{REPORT}:_named"),
-    Rule("bias", "note", "call", "a float mask that also adds a bias (ALiBi, relative positions)", f"{REPORT}:_named"),
-    Rule("finite-fill", "note", "call", "scores filled with a finite value where masked: a row filled everywhere gets "
-         "uniform weights", f"{REPORT}:_fills"),
-    Rule("additive", "note", "call", "an additive mask added to the scores rather than a fill", f"{REPORT}:_fills"),
+         "decode step behind a cache sees key 0 only", top_left, "group"),
     Rule("hf-not-causal", "wrong", "call", "Hugging Face asked for a causal mask that the attention function did not "
-         "apply", f"{REPORT}:_asked"),
+         "apply", asked, "group"),
     Rule("hf-not-windowed", "wrong", "call", "Hugging Face asked for a sliding window that the attention function did "
-         "not apply", f"{REPORT}:_asked"),
+         "not apply", asked, "group"),
     Rule("ignored-is-causal", "wrong", "call", "is_causal=True on nn.MultiheadAttention's or an encoder layer's fast "
-         "path, which never reads it: no mask, or a mask that lets queries see later keys, applied", f"{REPORT}:_named"),
+         "path, which never reads it: no mask, or a mask that lets queries see later keys, applied", ignored_is_causal, "group"),
     Rule("hint-ignored", "wrong", "call", "is_causal=True beside a mask that lets queries see later keys: the kernel "
          "applied the mask", hint_ignored),
     Rule("ones-added", "wrong", "call", "a keep mask of 0s and 1s added to the scores as a float mask: nothing is "
          "masked", ones_added),
-    Rule("sentinel-overflow", "wrong", "call", "a fill value that is -inf in float16 or bfloat16, so a fully masked row "
-         "gives NaN", f"{INSPECT}:findings"),
-    Rule("ones-masked", "note", "call", "an integer mask whose 1s mark the masked cells", f"{INSPECT}:findings"),
-    Rule("3d-heads", "wrong", "call", "a 3-D mask of one plane per head, which nn.MultiheadAttention reads per batch "
-         "row and head", f"{INSPECT}:findings"),
-    Rule("3d-shape", "wrong", "call", "a 3-D mask whose first dimension neither SDPA nor MHA accepts", f"{INSPECT}:findings"),
-    Rule("heads-mismatch", "wrong", "call", "a 4-D mask whose heads do not broadcast to the model's", f"{INSPECT}:findings"),
-    Rule("fill-overflow", "wrong", "call", "a -1e9 fill that becomes -inf in the compute dtype", f"{ATTEND}:run_findings"),
-    Rule("non-finite", "wrong", "call", "scores that hold NaN or inf", f"{ATTEND}:run_findings"),
-    Rule("row-sum", "wrong", "call", "weight rows that do not sum to 1", f"{ATTEND}:run_findings"),
 )

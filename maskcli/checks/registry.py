@@ -9,10 +9,15 @@ what it catches. Severity is what a renderer colours by and what sets the exit s
 - note: routine structure worth a word (padding query rows that see no key and get 0 from the kernel).
 
 What a rule reads: one `call` (or one tensor a user gave), a call `site` across its steps, the
-`steps` of a whole run (calls with the model call that made them: its config and arguments), or a
-packed `batch` (pack). Rules whose findings are still made where they were first written (trace's
-report, inspect, attend, pack) name that function as their `check` ("module:function"), so that
-every rule is listed here while those modules move over.
+`steps` of a whole run (calls with the model call that made them: its config and arguments), a
+packed `batch` (pack), or the `ranks` of a context-parallel split (shard). What its check is `given`: a trace's `run` (engine.py runs these over a
+trace), or what the command that calls it has in hand: a trace `group`'s call, stored mask and name
+(trace's report), a `tensor` a user gave (inspect), attention `stages` (attend), a packed `batch` (pack), a shard
+`layout`, one mask's `split` over it, one rank's captured `part`, a serving engine's batch `metadata`
+or a request's steps across step files (`request-steps`).
+A code that several commands find (fully-masked, sees-later, top-left-causal) is one rule, whose check is
+the trace report's; the functions that find it in a tensor or a run stand beside it (rows.py's
+given_*, kernels.py's given_top_left, stages.py).
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from typing import Callable
 from maskcli.text import Finding
 
 SEVERITIES = ("wrong", "suspicious", "note")
-READS = ("call", "site", "steps", "batch")
-MODULES = ("kernels", "config", "arguments", "steps", "cache")
+READS = ("call", "site", "steps", "batch", "ranks")
+GIVEN = ("run", "group", "tensor", "stages", "batch", "layout", "split", "part", "metadata", "request-steps")
+MODULES = ("kernels", "config", "arguments", "steps", "cache", "spans", "layers", "dtypes", "rows", "fills", "named", "shapes", "stages", "packing",
+           "shard", "serve")
 
 
 @dataclass(frozen=True)
@@ -35,13 +42,8 @@ class Rule:
     severity: str  # one of SEVERITIES: a finding may say a worse or milder one of itself (Finding.severity)
     reads: str  # one of READS
     catches: str  # the bug, in one line (docs, `maskcli checks`)
-    check: Callable | str  # a function of this package, or "module:function" where the finding is made today
-
-    def function(self) -> Callable:
-        if callable(self.check):
-            return self.check
-        module, _, name = self.check.partition(":")
-        return getattr(importlib.import_module(module), name)
+    check: Callable  # the function of this package that makes its findings (one function may make several codes)
+    given: str = "run"  # one of GIVEN: what `check` is called with
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from maskcli.mask import MaskOptions
 BlockOpt = Annotated[str, typer.Option("--block", help="Block size: 128 (FlexAttention's BLOCK_SIZE), or Q,KV for unequal query and key blocks like 128,64.")]
 BlocksPng = Annotated[str | None, typer.Option("--png", help="Write a figure of full, partial and empty blocks: .png, .svg or .pdf (a directory: named after the mask).")]
 BlocksJson = Annotated[bool, typer.Option("--json", help="Print counts, sparsity and kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices exactly as create_block_mask makes them.")]
-BlocksSave = Annotated[str | None, typer.Option("--save", help="Save the BlockMask's tensors (kv and q sides), BLOCK_SIZE and seq_lengths to a .pt file: BlockMask(**torch.load(FILE, weights_only=True)) rebuilds it in seconds, even at 1M tokens.")]
+BlocksSave = Annotated[str | None, typer.Option("--save", help="Save the BlockMask's tensors (kv and q sides), BLOCK_SIZE and seq_lengths to a .pt file: BlockMask(**torch.load(FILE, weights_only=True), mask_mod=MASK_MOD) rebuilds it in seconds, even at 1M tokens (flex_attention calls mask_mod on partial blocks).")]
 
 
 def parse_block(text: str) -> tuple[int, int]:
@@ -52,7 +52,7 @@ def blocks(
 ) -> None:
     """Show which FlexAttention blocks of a mask are full, partial or empty, exactly, at any length.
 
-    The blocks are what create_block_mask makes (the sequence padded to whole blocks, so a block cut short by the end is never full), counted from the mask's key intervals without building its cells: a 1M-token mask takes seconds. --save writes every BlockMask tensor, so that BlockMask(**torch.load(FILE, weights_only=True)) rebuilds it without transposing.
+    The blocks are what create_block_mask makes (the sequence padded to whole blocks, so a block cut short by the end is never full), counted from the mask's key intervals without building its cells: a 1M-token mask takes seconds. --save writes every BlockMask tensor, so that BlockMask(**torch.load(FILE, weights_only=True), mask_mod=MASK_MOD) rebuilds it without transposing.
     """
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
 
@@ -89,7 +89,8 @@ def blocks(
         found = layout(built, q_block, kv_block, update)
     if save_path is not None:
         _save(found, save_path)
-        done(f"wrote {save_path} (BlockMask(**torch.load({str(save_path)!r}, weights_only=True)))")
+        done(f"wrote {save_path} (BlockMask(**torch.load({str(save_path)!r}, weights_only=True), mask_mod=MASK_MOD): "
+             "the mask_mod flex_attention calls on partial blocks)")
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure
 

@@ -73,7 +73,10 @@ def render(result, built, fmt, save_path) -> str:
 
     name = fmt.name
     lines = [f"# {name}: {built.title} · shape {tuple(built.shape)}", f"# written for {fmt.version}", "import torch"]
-    device = "" if result.device == "cpu" else f", device=\"{result.device}\""
+    # a literal device is quoted; an input's (q.device) is code: the tensors go where the user's inputs are
+    code_device = "." in result.device
+    at = None if result.device == "cpu" else (result.device if code_device else f'"{result.device}"')
+    device = "" if at is None else f", device={at}"
     big = [key for key, value in result.tensors.items() if value.size > INLINE or value.ndim > 1]
     code = "\n".join(result.code)
     if big:
@@ -81,13 +84,12 @@ def render(result, built, fmt, save_path) -> str:
         if save_path is None:
             lines.append(f"# the tensors: run this command again with --save {path}")
         suffix = path.rsplit(".", 1)[-1].lower()
-        where = "" if result.device == "cpu" else f", map_location=\"{result.device}\""
-        if suffix == "safetensors":
-            lines.append(f"from safetensors.torch import load_file\nt = load_file({path!r}{', device=' + repr(result.device) if device else ''})")
+        if suffix == "safetensors":  # load_file takes a device as a string
+            lines.append(f"from safetensors.torch import load_file\nt = load_file({path!r}{'' if at is None else f', device=str({at})' if code_device else f', device={at}'})")
         elif suffix == "npz":
-            lines.append(f"import numpy as np\nt = {{key: torch.from_numpy(value){'.to(' + repr(result.device) + ')' if device else ''} for key, value in np.load({path!r}).items()}}")
+            lines.append(f"import numpy as np\nt = {{key: torch.from_numpy(value){'' if at is None else f'.to({at})'} for key, value in np.load({path!r}).items()}}")
         else:
-            lines.append(f"t = torch.load({path!r}, weights_only=True{where})")
+            lines.append(f"t = torch.load({path!r}, weights_only=True{'' if at is None else f', map_location={at}'})")
     for key, value in result.tensors.items():
         if key in big:
             code = code.replace(f"<{key}>", f"t[{key!r}]")

@@ -17,7 +17,7 @@ from maskcli.commands.options import examples
     epilog=examples(
         'maskcli serve \'{"cu_seqlens_q":[0,1],"seqused_k":[9],"causal":1}\' --json',
         'maskcli export "tree(-1,0,0,1)" --offset 4 --for flashinfer --save tree.pt',
-        "maskcli serve tree.pt --png serve.png",
+        "maskcli serve tree.pt --png serve.png --html serve.html",
         'maskcli serve tree.pt --expect "*=tree(-1,0,0,1)"',
         "maskcli serve tree.pt --model llama",
     ),
@@ -33,6 +33,7 @@ def serve(
              "API-logging folder of a plan() call (FLASHINFER_LOGLEVEL=10).",
         show_default=False, metavar="FILE...")],
     png: Annotated[str | None, typer.Option("--png", help="Write a figure of each request's mask and its pages (shared, null, written): .png, .svg or .pdf.", show_default=False)] = None,
+    html: Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML page: per request its positions, its mask (zoom to any cell, hover for --why), its pages (shared, null, written) and the findings.", show_default=False)] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object: every request's positions, mask, pages, and the findings.")] = False,
     model: Annotated[str | None, typer.Option("--model", help="A model family (as maskcli model --list names them) or a local config.json: the batch's window or chunk must be one its layer types have (sliding_window, attention_chunk_size as transformers reads them), an off-by-one named as such. Needs transformers.", show_default=False)] = None,
     expect: Annotated[list[str] | None, typer.Option("--expect", help="PATTERN=EXPR, repeatable: every request whose index (or request_id) matches PATTERN (as a shell matches: * is every request) must be EXPR at its positions; exit status 1 naming the request and its first wrong cell where not.", show_default=False)] = None,
@@ -56,8 +57,11 @@ def serve(
 
         layers = layer_masks(model)[0]
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
-    if png_path is not None and len(files) > 1:
-        raise MaskError(f"--png draws one step, and {len(files)} FILEs were given: give one FILE with --png")
+    html_path = check_output_path(html, (".html",), "--html") if html is not None else None
+    for flag, path in (("--png", png_path), ("--html", html_path)):
+        if path is not None and len(files) > 1:
+            raise MaskError(f"{flag} draws one step, and {len(files)} FILEs were given: give one FILE with {flag}")
+    from maskcli.checks import registry
     from maskcli.render import serve as render
     from maskcli.serve.checks import check
     from maskcli.serve.engines import by_name, read
@@ -81,8 +85,14 @@ def serve(
             from maskcli.serve.model import against_config
 
             findings += against_config(batch, layers, model)
-        wrong |= any(f.severity == "wrong" for f in findings)
+        wrong |= bool(registry.wrong(findings))
         rows = render.request_rows(batch, page_map(batch))
+        if html_path is not None:  # the page is made whole before it is written: a refused one leaves no file
+            from maskcli.render.html import save_page
+            from maskcli.render.servepage import serve_page
+
+            save_page(serve_page(batch, rows, [f.json() for f in findings], source, title), html_path)
+            done(f"wrote {html_path}")
         if png_path is not None:
             from maskcli.render.heatmaps import save_figure
 

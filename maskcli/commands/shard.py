@@ -28,14 +28,15 @@ LayoutOpt = Annotated[str, typer.Option("--layout", help="contiguous, headtail (
 )
 @mask_options(many_masks=True, tokens=False)
 def shard(
-    expressions: Annotated[list[str] | None, typer.Argument(help=KIND_ARGUMENT_HELP + " Several: one mask per layer type, split the same way.", show_default=False, metavar="EXPR...")] = None,
+    expressions: Annotated[list[str] | None, typer.Argument(help=KIND_ARGUMENT_HELP + " Several: one mask per layer type, split the same way. A file: a packed BATCH, as pack reads it, its documents and-ed into each.", show_default=False, metavar="EXPR...")] = None,
     ranks: Annotated[int, typer.Option("--ranks", help="Context-parallel ranks N (default 2).", parser=integer, show_default=False)] = 2,
     layout: LayoutOpt = "headtail",
     docs: Annotated[str | None, typer.Option("--docs", help="Document sizes for --layout per-document, like 3000,5000 (default: the mask's document(...) labels).", show_default=False)] = None,
     model: Annotated[str | None, typer.Option("--model", help="Take one mask per layer type from a Hugging Face family's config (needs transformers): full is causal, sliding causal & window(W), chunked local(C); an EXPR is and-ed into each.", show_default=False)] = None,
     rank_mask: Annotated[list[str] | None, typer.Option("--rank-mask", help="A rank's captured mask (its slots x every slot in the gathered order), once per rank in rank order: each checked against the global mask under --layout.", show_default=False)] = None,
     head_dim: Annotated[int, typer.Option("--head-dim", help="Head size for the FLOPs (4 x head_dim x visible cells x heads).", parser=integer)] = 128,
-    png: Annotated[str | None, typer.Option("--png", help="Write a figure: the token -> rank strip, each rank's work, the ring steps: .png, .svg or .pdf.", show_default=False)] = None,
+    png: Annotated[str | None, typer.Option("--png", help="Write a figure (.png .svg .pdf): the strip, each rank's work, the ring steps.", show_default=False)] = None,
+    html: Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML page: the strip, tables, ring steps and findings.", show_default=False)] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the layout, each mask's per-rank cells, FLOPs, ratios, ring-step grid, cu_seqlens and findings as JSON.")] = False,
     *,
     mask: MaskOptions,
@@ -49,6 +50,7 @@ def shard(
     from maskcli.shard.plan import analyse, parse_sizes
 
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
+    html_path = check_output_path(html, (".html",), "--html") if html is not None else None
     masks = _masks(expressions or [], mask, model, build_any)
     with_docs = parse_sizes(docs) if docs is not None else None
     report = analyse(masks, layout, ranks, head_dim, rank_mask, with_docs)
@@ -59,6 +61,12 @@ def shard(
 
         save_figure(render.figure(report), png_path)
         done(f"wrote {png_path}")
+    if html_path is not None:
+        from maskcli.render.html import save_page
+        from maskcli.render.shardpage import shard_page
+
+        save_page(shard_page(report), html_path)
+        done(f"wrote {html_path}")
     if json_:
         echo(render.report_json(report))
     else:
@@ -69,10 +77,34 @@ def shard(
         raise typer.Exit(1)
 
 
+def _batch(expressions: list[str]) -> tuple[list[str], str | None]:
+    """The EXPRs, less the one that names a file: a packed BATCH (as pack reads it), its documents as document(...)."""
+    import os
+
+    batches = [text for text in expressions if os.path.isfile(text)]
+    if not batches:
+        return expressions, None
+    if len(batches) > 1:
+        raise MaskError(f"give one BATCH file, not {len(batches)} ({', '.join(map(repr, batches))}): a layout splits one sequence")
+    from maskcli.pack.boundaries import document_sizes
+    from maskcli.pack.fields import read
+
+    sizes = document_sizes(read(batches[0], {}, []), f"BATCH {batches[0]!r}")
+    return [text for text in expressions if text != batches[0]], f"document(sizes=[{','.join(map(str, sizes.tolist()))}])"
+
+
 def _masks(expressions: list[str], options: MaskOptions, model: str | None, build_any) -> list[tuple[str, object]]:
-    """(label, Mask) per layer type: the EXPRs, the --mask files, or --model's layer types (and-ed with one EXPR)."""
+    """(label, Mask) per layer type: the EXPRs, the --mask files, or --model's layer types (and-ed with one EXPR); a
+    BATCH's documents are and-ed into each."""
     files = list(options.mask_file or [])
     one = replace(options, mask_file=None)
+    expressions, documents = _batch(expressions)
+    if documents is not None:
+        if files:
+            raise MaskError("a BATCH gives the documents of the EXPRs or --model's layer types: give no --mask with it")
+        if model is None:
+            return [(text, build_any(f"{documents} & ({text})", one)) for text in expressions] or [(documents, build_any(documents, one))]
+        expressions = [f"{documents} & ({expressions[0]})" if expressions else documents] + expressions[1:]
     if model is not None:
         from maskcli.hf import require
 

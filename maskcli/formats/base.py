@@ -32,7 +32,9 @@ class Export:
     code: list[str]
     tensors: dict[str, np.ndarray]
     notes: list[str] = field(default_factory=list)
-    device: str = "cuda"  # where the kernel wants its tensors
+    # where the kernel wants its tensors: "cuda", "cpu", or an input's device ("q.device"): the call then runs on
+    # whatever device the user's tensors are on, as printed (SDPA refuses a mask on another device than q)
+    device: str = "cuda"
 
 
 @dataclass(frozen=True)

@@ -82,22 +82,22 @@ def to(mask, block: int = DEFAULT_BLOCK) -> Export:
         call = build_call(mask)
         if call is not None:
             code.append("from maskcli import build")
-            code.append(f"mask_mod = {call}.mask_mod")
+            code.append(f"mask_mod = {call}.local_mask_mod(q.device)  # on q's device: compiled flex_attention reads no CPU tensor")
         else:
             arrays["keep"] = mask.dense()  # a file's cells, or a user's mask_mod evaluated: the mask_mod reads them
             b = "b" if arrays["keep"].shape[0] > 1 else "0"
             h = "h" if arrays["keep"].shape[1] > 1 else "0"
-            code.append("keep = <keep>.to(q.device)")
+            code.append("keep = <keep>")
             code.append(f"def mask_mod(b, h, q_idx, kv_idx):\n    return keep[{b}, {h}, q_idx, kv_idx]")
         mask_mod = ", mask_mod=mask_mod"
         notes.append(f"{partial} partial block{'s' if partial != 1 else ''}: flex_attention calls mask_mod on "
                      f"{'their' if partial != 1 else 'its'} cells, so the BlockMask needs it")
     code.append("block_mask = BlockMask.from_kv_blocks(<kv_num_blocks>, <kv_indices>, <full_kv_num_blocks>, <full_kv_indices>,")
-    code.append(f"                                     BLOCK_SIZE=({block}, {block}){mask_mod}, seq_lengths=({f.q_len}, {f.k_len})).to(q.device)")
+    code.append(f"                                     BLOCK_SIZE=({block}, {block}){mask_mod}, seq_lengths=({f.q_len}, {f.k_len}))")
     code.append("out = flex_attention(q, k, v, block_mask=block_mask)  # q: (B, H, Lq, D), k and v: (B, H, Lk, D)")
     arrays["block_size"] = np.array([block, block], dtype=np.int64)  # for --from flex
     arrays["seq_lengths"] = np.array([f.q_len, f.k_len], dtype=np.int64)
-    return Export(code, arrays, notes, device="cpu")  # .to(q.device) moves them where q is
+    return Export(code, arrays, notes, device="q.device")
 
 
 def load(path: str, flag: str) -> dict:

@@ -75,7 +75,7 @@ def to(mask) -> Export:
                      "one): without them each node's output is not its own path's" if any(kind.name == "tree" for kind in kinds) else
                      "position_ids count real tokens only, as generate() makes them from the padding: without them left-padded rows start late")
     if f.q_start == 0:
-        return Export(["import torch", f"out = model(input_ids, {args})  # input_ids: (B, {f.q_len})"], tensors, notes, device="cpu")
+        return Export(["import torch", f"out = model(input_ids, {args})  # input_ids: (B, {f.q_len})"], tensors, notes, device="input_ids.device")
     # Behind a cache the 4-D mask covers the cached keys and the new ones: transformers 5.24 takes a 4-D mask as it is
     # (masking_utils._preprocess_mask_arguments), so the model must hold exactly the cached keys it counts.
     fill = ""
@@ -94,4 +94,4 @@ def to(mask) -> Export:
               "DynamicCache() without a config: DynamicCache(config=...) gives a sliding-window model's layers a window that "
               "holds fewer keys than the mask has",
               "cache= is transformers 5.24's keyword; past_key_values= is its deprecated name (removed in 5.40), the one older releases take"]
-    return Export(code, tensors, notes, device="cpu")
+    return Export(code, tensors, notes, device="input_ids.device")

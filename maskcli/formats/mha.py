@@ -32,11 +32,11 @@ def to(mask) -> Export:
         tensors["attn_mask"] = ~per_head
     args = ", ".join(f"{name}=<{name}>" for name in tensors)
     code = ["import torch",
-            f"mha = torch.nn.MultiheadAttention(embed_dim, num_heads={mask.heads}, batch_first=True)",
+            f"mha = torch.nn.MultiheadAttention(embed_dim, num_heads={mask.heads}, batch_first=True, device=query.device)",
             f"out, weights = mha(query, key, value, {args})  # query: (B, Lq, E), key and value: (B, Lk, E)"]
     notes = ["True = masked in both attn_mask and key_padding_mask (the opposite of SDPA's bool mask)"]
     if tensors["attn_mask"].ndim == 3:
         notes.append(f"attn_mask is (B * num_heads, Lq, Lk): batch rows differ beyond key padding; num_heads must be {mask.heads}")
     if not keep.any(-1).all():
         notes.append("some query rows see no key: MultiheadAttention gives NaN there")
-    return Export(code, tensors, notes, device="cpu")
+    return Export(code, tensors, notes, device="query.device")

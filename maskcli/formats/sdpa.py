@@ -49,17 +49,17 @@ def to(mask) -> Export:
     call = "out = F.scaled_dot_product_attention(q, k, v, {})  # q: (B, H, Lq, D), k and v: (B, H, Lk, D)"
     head = ["import torch", "import torch.nn.functional as F"]
     if shape == "full":
-        return Export(head + [call.format("attn_mask=None")], {}, ["every query sees every key: no mask"], device="cpu")
+        return Export(head + [call.format("attn_mask=None")], {}, ["every query sees every key: no mask"], device="q.device")
     if shape == "top-left":
         why = "since Lq == Lk" if f.q_len == f.k_len else f"with {f.q_len} queries and {f.k_len} keys too (torch's CausalBias upper left)"
-        return Export(head + [call.format("is_causal=True")], {}, [f"is_causal=True is top-left aligned: exactly this mask, {why}"], device="cpu")
+        return Export(head + [call.format("is_causal=True")], {}, [f"is_causal=True is top-left aligned: exactly this mask, {why}"], device="q.device")
     if shape == "bottom-right":
         return Export(head + ["from torch.nn.attention.bias import causal_lower_right",
                               call.format(f"attn_mask=causal_lower_right({f.q_len}, {f.k_len})")], {},
                       ["is_causal=True would be top-left (query 0 on key 0) and hide keys this mask shows; causal_lower_right aligns the last query with the last key"],
-                      device="cpu")
+                      device="q.device")
     keep = dense(mask)
     notes = ["bool attn_mask: True = may attend (the opposite of nn.MultiheadAttention's)"]
     if not keep.any(-1).all():
         notes.append("some query rows see no key: SDPA gives NaN there on some backends")
-    return Export(head + [call.format("attn_mask=<attn_mask>")], {"attn_mask": keep}, notes, device="cpu")
+    return Export(head + [call.format("attn_mask=<attn_mask>")], {"attn_mask": keep}, notes, device="q.device")

@@ -6,8 +6,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from maskcli.checks.fills import ones_masked, sentinel_overflow
+from maskcli.checks.kernels import given_top_left
+from maskcli.checks.rows import given_empty_rows, given_later
+from maskcli.checks.shapes import heads as heads_rule
 from maskcli.inspect.apis import api_fits, broadcast_text
-from maskcli.inspect.findings import findings
 from maskcli.inspect.load import check_maskable
 from maskcli.inspect.polarity import Convention, classify, marks, sdpa_view, to_keep
 from maskcli.inspect.structure import Structure, recognise
@@ -69,11 +72,14 @@ def analyse(tensor, heads: int | None = None, convention: Convention | None = No
     tensor = check_maskable(tensor, "the tensor")
     convention = convention or classify(tensor)
     keep = to_keep(tensor, convention)
-    keep4 = sdpa_view(keep)
+    keep4 = as_sdpa = sdpa_view(keep)
     structure = recognise(keep4, key_padding=tensor.ndim == 2, marked=marks(convention), nearest=True, padding=padding)
     key_padding = structure.reading == "key padding [B, S]"
     if key_padding:
         keep4 = keep[:, None, None, :]
     analysis = Analysis(tensor, convention, keep4, structure, [], api_fits(tensor, convention, key_padding), broadcast_text(tensor))
-    return replace(analysis, findings=findings(tensor, convention, keep4, structure, heads, analysis.q_offset))
+    q_offset = analysis.q_offset
+    found = given_empty_rows(keep4, structure.reading, q_offset) + given_later(keep4, structure, q_offset)
+    found += given_top_left(structure, as_sdpa) + sentinel_overflow(dtype_name(tensor), convention.sentinel)
+    return replace(analysis, findings=found + ones_masked(convention) + heads_rule(tensor.shape, heads))
 

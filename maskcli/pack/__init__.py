@@ -4,7 +4,8 @@ from them, and what leaks across documents.
     fields.py      reading a batch (a file or options) under the names HF, TRL, torchtitan and TE use
     boundaries.py  document starts and padding per field, per batch row, and where fields disagree
     paths.py       which field each attention path reads, and its mask as a maskcli expression
-    findings.py    cross-document cells, RoPE that runs on, labels, lengths, padding; the whole report
+    findings.py    each path's cells across documents and onto padding, the paths compared; the whole report
+                   (its findings are made by checks/packing.py's rules)
 
 Everything is O(tokens) numpy on intervals; only a 4-D attention_mask the user gave has L x L cells.
 """

@@ -222,3 +222,20 @@ def disagreements(fields: list[Boundaries], ref: Boundaries | None, pad: np.ndar
             first = [(int(r), int(c), bool(ref.starts[r, c])) for r, c in zip(rows[:FIRST], cols[:FIRST])]
             out.append(Disagreement(b.name, ref.name, count, first))
     return out
+
+
+def document_sizes(batch: Batch, where: str) -> np.ndarray:
+    """The sizes of a packed row's documents where its reference field places them (shard splits one sequence of
+    real tokens, and pads as its layout does, so a row with padding is refused rather than guessed at)."""
+    if batch.rows != 1:
+        raise MaskError(f"{where} has {batch.rows} batch rows: shard splits one sequence; give a packed batch of one row")
+    fields = every_field(batch, None)
+    pad = padding(fields, 1, batch.length)
+    if pad.any():
+        count = int(pad.sum())
+        raise MaskError(f"{where} holds {count:,} padding token{'s' if count != 1 else ''}: shard splits the real tokens and pads them as "
+                        "--layout does; give the batch without its padding (its cu_seqlens, not cu_seqlens_padded)")
+    ref = reference(fields, None, pad)
+    if ref is None:
+        raise MaskError(f"{where} does not say where its documents are: give position_ids, cu_seqlens or seq_idx in it")
+    return np.diff(np.r_[np.flatnonzero(ref.starts[0]), batch.length])

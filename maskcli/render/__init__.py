@@ -6,6 +6,7 @@ import re
 
 from maskcli.errors import MaskError
 
+STYLES = {"wrong": "red", "suspicious": "yellow", "note": "dim"}  # a finding is coloured by its severity, not its code
 JSON_MAX_VALUES = 1 << 22  # numbers --json prints at most (a few seconds, about 12 MB); past it, a file or counts
 
 

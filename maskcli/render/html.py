@@ -83,12 +83,11 @@ def script_json(value) -> str:
     return json.dumps(value, separators=(",", ":")).translate(_SCRIPT_SAFE)
 
 
-def page(data: dict, title: str, subtitle: str) -> str:
-    """The whole document: data as JSON in a script tag (script_json: no text can end it), then the script."""
-    data = {**data, "colours": COLOURS}
+def document(title: str, subtitle: str, body: str, payload: str, scripts: tuple[str, ...]) -> str:
+    """A whole page: the styles, `body`, the data as JSON in a script tag (script_json: no text can end it, and the
+    dark scheme's colours merged in before any script reads it), then the scripts (package assets), all inline."""
     dark = script_json(DARK)
-    payload = script_json(data)
-    script = "\n".join(_asset(name) for name in ("why.js", "attend.js", "page.js"))
+    script = "\n".join(_asset(name) for name in scripts)
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -102,22 +101,7 @@ def page(data: dict, title: str, subtitle: str) -> str:
 </head>
 <body>
 <header><h1>{html.escape(title)}</h1><p class="sub">{html.escape(subtitle)}</p></header>
-<main>
-<section class="view">
-<div class="bar" id="viewer-bar"><label>batch row <select id="batch"></select></label>
-<span class="keys">drag or arrow keys pan · wheel or +/- zoom · 0 resets · hover (or pan to the centre) to read a cell</span></div>
-<div class="plot" id="plot">
-<div class="axis-name" id="name-k">key</div><div class="axis-name" id="name-q">query</div>
-<div class="ruler k" id="ruler-k" aria-hidden="true"></div><div class="ruler q" id="ruler-q" aria-hidden="true"></div>
-<canvas id="mask" width="480" height="480" tabindex="0" aria-label="the mask: arrow keys pan, + and - zoom, 0 resets; the cell at the centre is described beside it"></canvas>
-<div class="ruler" id="marks-k"></div>
-</div>
-<div id="panels"></div>
-</section>
-<aside><div class="scroll"><pre id="cell" aria-live="polite"></pre><pre id="why"></pre>
-<p id="status" aria-live="polite"></p>
-<p class="legend">{_legend(data)}</p></div></aside>
-</main>
+{body}
 <script type="application/json" id="mask-data">{payload}</script>
 <script>
 if (window.matchMedia && window.matchMedia("(prefers-color-scheme: dark)").matches) {{
@@ -133,6 +117,27 @@ if (window.matchMedia && window.matchMedia("(prefers-color-scheme: dark)").match
 </body>
 </html>
 """
+
+
+def page(data: dict, title: str, subtitle: str) -> str:
+    """The viewer's page (show, diff, blocks, attend): the mask's canvas, rulers, panels and the hover aside."""
+    body = f"""<main>
+<section class="view">
+<div class="bar" id="viewer-bar"><label>batch row <select id="batch"></select></label>
+<span class="keys">drag or arrow keys pan · wheel or +/- zoom · 0 resets · hover (or pan to the centre) to read a cell</span></div>
+<div class="plot" id="plot">
+<div class="axis-name" id="name-k">key</div><div class="axis-name" id="name-q">query</div>
+<div class="ruler k" id="ruler-k" aria-hidden="true"></div><div class="ruler q" id="ruler-q" aria-hidden="true"></div>
+<canvas id="mask" width="480" height="480" tabindex="0" aria-label="the mask: arrow keys pan, + and - zoom, 0 resets; the cell at the centre is described beside it"></canvas>
+<div class="ruler" id="marks-k"></div>
+</div>
+<div id="panels"></div>
+</section>
+<aside><div class="scroll"><pre id="cell" aria-live="polite"></pre><pre id="why"></pre>
+<p id="status" aria-live="polite"></p>
+<p class="legend">{_legend(data)}</p></div></aside>
+</main>"""
+    return document(title, subtitle, body, script_json({**data, "colours": COLOURS}), ("why.js", "attend.js", "serve.js", "page.js"))
 
 
 def _sub(mask: Mask, how: str) -> str:

@@ -9,9 +9,8 @@ from rich.table import Table
 from rich.text import Text
 
 from maskcli.hf.report import layers_text
-from maskcli.render import hanging, labelled
+from maskcli.render import STYLES, hanging, labelled
 from maskcli.text import shortened
-from maskcli.render.trace import STYLES
 from maskcli.checks.registry import severity
 
 

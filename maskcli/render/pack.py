@@ -6,9 +6,10 @@ import json
 
 import numpy as np
 
+from maskcli.checks.registry import severity
 from maskcli.diff import row_words
 from maskcli.pack.findings import Report
-from maskcli.render import hanging
+from maskcli.render import STYLES, hanging
 
 SHOWN_STARTS = 12  # document starts listed per row in the table (--json lists every one)
 TABLE_ROWS = 8  # batch rows listed per field in the table
@@ -110,7 +111,7 @@ def views(report: Report, source: str, width: int = 120) -> list:
         out.append(Text(f"{a} and {b} disagree: only {a} allows {d.only_a:,} cells, only {b} {d.only_b:,}", style="yellow"))
         out += [hanging("  ", Text(line), style="yellow") for line in row_words(d, a, b)]
     if report.findings:
-        out += [Text("findings:", style="red"), *(hanging("• ", Text(f.message), style="red") for f in report.findings)]
+        out += [Text("findings:", style="red"), *(hanging("• ", Text(f.message), style=STYLES[severity(f)]) for f in report.findings)]
     else:
         out.append(Text("findings: none", style="green"))
     if report.notes:

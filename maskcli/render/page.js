@@ -417,7 +417,10 @@ function maskPage() {
   batchSelect(Math.max(...masks.map((S) => Math.min(S.frame.batch, S.rows.length))), (value) => {
     b = value; viewer.layers = layersOf(masks, b, diff); viewer.draw();
   });
-  window.addEventListener("resize", () => { viewer.fit(); viewer.draw(); });
+  if (!window.__maskcliResize) { // once: serve's page calls maskPage again for each request it shows
+    window.__maskcliResize = true;
+    window.addEventListener("resize", () => { window.maskcliViewer.fit(); window.maskcliViewer.draw(); });
+  }
   viewer.draw();
 }
 
@@ -460,4 +463,4 @@ function blockText(M, b, lq, lk) {
   return `block (${i}, ${j}): ${kept === 0 ? "empty" : whole ? "full" : "partial"}`;
 }
 
-if (DATA.page === "attend") attendPage(); else maskPage();
+if (DATA.page === "attend") attendPage(); else if (DATA.page === "serve") servePage(); else maskPage();

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 
+from maskcli.checks.registry import severity, wrong
 from maskcli.serve.batch import ServeBatch
 from maskcli.serve.pagemap import PageMap
 
@@ -87,7 +88,7 @@ def views(b: ServeBatch, rows: list[dict], findings, source: str, title: str, wi
 def serve_dict(b: ServeBatch, rows: list[dict], findings, source: str, title: str) -> dict:
     return {
         "source": source, "engine": b.engine, "names": title, "page_size": b.page_size, "causal": b.causal, "window": b.window,
-        "chunk": b.chunk, "requests": rows, "findings": [f.json() for f in findings], "ok": not any(f.severity == "wrong" for f in findings),
+        "chunk": b.chunk, "requests": rows, "findings": [f.json() for f in findings], "ok": not wrong(findings),
     }
 
 
@@ -95,7 +96,7 @@ def steps_json(reports: list[dict], findings) -> str:
     """One report per step file, and what the steps together say."""
     if len(reports) == 1:
         return json.dumps(reports[0])
-    ok = all(r["ok"] for r in reports) and not any(f.severity == "wrong" for f in findings)
+    ok = all(r["ok"] for r in reports) and not wrong(findings)
     return json.dumps({"steps": reports, "findings": [f.json() for f in findings], "ok": ok})
 
 
@@ -103,12 +104,15 @@ def findings_text(findings) -> list:
     """Each finding as a line (red for wrong), or the line that says there are none."""
     from rich.text import Text
 
+    from maskcli.render.trace import STYLES  # coloured by severity, as trace's findings are
+
     if not findings:
         return [Text("no findings: the lengths, pages, writes and masks agree", style="green")]
     out = []
     for f in findings:
         where = f" (request {f.request}" + (f", query {f.cell[0]} key {f.cell[1]}" if f.cell else "") + ")" if f.request is not None else ""
-        out.append(Text(f"• {f.severity} {f.code}{where}: {f.message}", style="red" if f.severity == "wrong" else "yellow"))
+        level = severity(f)
+        out.append(Text(f"• {level} {f.code}{where}: {f.message}", style=STYLES[level]))
     return out
 
 

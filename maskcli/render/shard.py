@@ -7,7 +7,8 @@ import numpy as np
 
 from maskcli.blockmask import EMPTY, FULL, PARTIAL
 from maskcli.render.blocks import SYMBOLS, symbols
-from maskcli.shard.checks import Finding
+from maskcli.checks.registry import severity
+from maskcli.checks.shard import RankFinding
 from maskcli.shard.layouts import Layout
 from maskcli.shard.plan import Report
 from maskcli.shard.work import Split
@@ -18,18 +19,24 @@ SHOWN_SEQLENS = 6  # cu_seqlens numbers a table cell lists (--json has every one
 NAMES = {EMPTY: "empty", PARTIAL: "partial", FULL: "full"}
 
 
-def strip(layout: Layout, width: int) -> str:
-    """One character per span of positions: the rank holding its middle (0-9a-zA-Z), * where the span holds two
-    or more changes of rank (stripes narrower than a character). From the runs, not per token."""
+def spans(layout: Layout, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The positions cut into `count` equal spans (at most one a position): their edges (count + 1), the rank holding
+    each span's middle (-1: none), and whether the span holds two or more changes of rank. From the runs, not per token."""
     n = layout.length
-    spans = min(width, n)
-    edges = np.linspace(0, n, spans + 1).round().astype(np.int64)
+    count = min(count, n)
+    edges = np.linspace(0, n, count + 1).round().astype(np.int64)
     owner = layout.owner()
     changes = np.flatnonzero(owner[1:] != owner[:-1]) + 1  # positions where the rank changes
     inside = np.searchsorted(changes, edges[1:], side="left") - np.searchsorted(changes, edges[:-1], side="right")
-    middle = owner[(edges[:-1] + edges[1:]) // 2]
+    return edges, owner[(edges[:-1] + edges[1:]) // 2], inside >= 2
+
+
+def strip(layout: Layout, width: int) -> str:
+    """One character per span of positions: the rank holding its middle (0-9a-zA-Z), * where the span holds two
+    or more changes of rank (stripes narrower than a character)."""
+    _, middle, mixed = spans(layout, width)
     chars = np.array(list(DIGITS[: layout.ranks]) + ["?"])
-    out = np.where(inside >= 2, MIXED, chars[np.where(middle >= 0, middle, layout.ranks)])
+    out = np.where(mixed, MIXED, chars[np.where(middle >= 0, middle, layout.ranks)])
     return "".join(out.tolist())
 
 
@@ -48,51 +55,69 @@ def _number(value: float) -> str:
 
 def table(report: Report, split: Split, first: bool, width: int = 120) -> list:
     """Per rank: tokens, padding, the mask's cells, FLOPs, ratio to the mean, the ring steps it may skip, and (in the
-    first table) its cu_seqlens in TransformerEngine's convention: a column where the table fits `width`, else
-    lines of their own below it (a column cut to the width would hide the numbers)."""
+    first table) its cu_seqlens, in TransformerEngine's convention and on its own tokens in local order: columns where
+    the table fits `width`, else lines of their own below it (a column cut to the width would hide the numbers)."""
     from rich.text import Text
 
-    rows = _rows(report, split, first)
-    te = report.te if first else None
-    if te is None:
-        return [_grid(rows, None)]
-    cells = [[rows[0][c]] + [row[c] for row in rows[1:]] for c in range(len(rows[0]))]
+    rows = _rows(report, split)
+    extra = seqlens_columns(report) if first else []
+    for name, values in extra:
+        rows[0].append(name)
+        for r, row in enumerate(rows[1:]):
+            row.append(_short(values[r]))
+    if not extra:
+        return [_grid(rows, 0)]
+    cells = [[row[c] for row in rows] for c in range(len(rows[0]))]
     needed = sum(max(len(_plain(v)) for v in column) for column in cells) + 2 * (len(cells) - 1)
     if needed <= width:
-        return [_grid(rows, "cu_seqlens (TE)")]
-    lines = ["cu_seqlens (TE) per rank:"] + [f"{r:>{len(str(len(te[1]) - 1))}} {_short(v)}" for r, v in enumerate(te[1])]
-    return [_grid([row[:-1] for row in rows], None), Text("\n".join(lines))]
+        return [_grid(rows, len(extra))]
+    digits = len(str(report.layout.ranks - 1))
+    lines = [line for name, values in extra
+             for line in [f"{name} per rank:"] + [f"{r:>{digits}} {_short(v)}" for r, v in enumerate(values)]]
+    return [_grid([row[: len(row) - len(extra)] for row in rows], 0), Text("\n".join(lines))]
+
+
+def seqlens_columns(report: Report) -> list[tuple[str, list]]:
+    """The cu_seqlens the table lists: TransformerEngine's (head-tail and per-document layouts), and each rank's own
+    tokens cut where the document changes (a varlen kernel's cu_seqlens on that rank) where the mask has several
+    documents and they differ from TE's."""
+    out = []
+    if report.te is not None:
+        out.append(("cu_seqlens (TE)", report.te[1]))
+    local = report.local
+    several = any(v.size > 2 for v in local)
+    if several and (report.te is None or any(not np.array_equal(a, b) for a, b in zip(local, report.te[1]))):
+        out.append(("cu_seqlens (local)", local))
+    return out
 
 
 def _plain(value: str) -> str:
     return value.replace("[bold red]", "").replace("[/]", "")
 
 
-def _grid(rows: list, last: str | None):
+def _grid(rows: list, texts: int):
+    """A table of right-aligned numbers, its last `texts` columns (cu_seqlens lists) left-aligned."""
     from rich.table import Table
 
     grid = Table(box=None, pad_edge=False, show_edge=False)
-    for name in rows[0][: len(rows[0]) - (last is not None)]:
-        grid.add_column(name, justify="right")
-    if last is not None:
-        grid.add_column(last)
+    for index, name in enumerate(rows[0]):
+        grid.add_column(name, justify="left" if index >= len(rows[0]) - texts else "right")
     for row in rows[1:]:
         grid.add_row(*row)
     return grid
 
 
-def _rows(report: Report, split: Split, first: bool) -> list[list[str]]:
-    """The header, then a row of strings per rank (the last column the TE cu_seqlens where the table has them)."""
+def _rows(report: Report, split: Split) -> list[list[str]]:
+    """The header, then a row of strings per rank."""
 
     layout = report.layout
     tokens, slots = layout.tokens(), layout.slots()
     padded = bool((slots != tokens).any())
     steps = split.steps()
-    te = report.te if first else None
     # the work: visible cells, times the heads a rank computes them for where there are several
     cells = "cells x heads" if split.mask.heads > 1 or layout.heads is not None else "cells"
     header = [name for name, shown in (("rank", True), ("tokens", True), ("pad", padded), (cells, True), ("FLOPs", True),
-                                       ("x mean", True), ("skip", steps is not None), ("cu_seqlens (TE)", te is not None)) if shown]
+                                       ("x mean", True), ("skip", steps is not None)) if shown]
     out = [header]
     ratios, work, flops = split.ratios(), split.work(), split.flops()
     worst = split.imbalance > 1.0 + 1e-9
@@ -102,8 +127,6 @@ def _rows(report: Report, split: Split, first: bool) -> list[list[str]]:
         row += [f"{int(round(work[r])):,}", _number(flops[r]), f"[bold red]{ratio}[/]" if worst and ratios[r] == ratios.max() else ratio]
         if steps is not None:
             row.append(f"{int((steps[r] == EMPTY).sum())}/{layout.ranks}")
-        if te is not None:
-            row.append(_short(te[1][r]))
         out.append(row)
     return out
 
@@ -119,6 +142,21 @@ def step_grid(split: Split, width: int, caption: bool = True) -> str:
     text = ("rows: rank; columns: ring step i (the keys of rank (r - i) mod N)"
                + (f", one character = {per} steps" if per > 1 else "") + f"\n{SYMBOLS[FULL]} full  {SYMBOLS[PARTIAL]} partial  {SYMBOLS[EMPTY]} empty (a step the rank may skip)")
     return "\n".join(lines + ([text] if caption else []))
+
+
+STEP_STYLES = {FULL: "green", PARTIAL: "yellow", EMPTY: "red dim"}  # as blocks' terminal map colours them (render/density.py)
+
+
+def coloured(grid: str):
+    """The ring-step grid (and its legend) as rich Text, each block's symbol in its colour."""
+    import re
+
+    from rich.text import Text
+
+    text = Text(grid)
+    for category, style in STEP_STYLES.items():
+        text.highlight_regex(re.escape(SYMBOLS[category]) + "+", style)
+    return text
 
 
 def header(report: Report) -> str:
@@ -139,8 +177,14 @@ def imbalance_lines(report: Report) -> list[str]:
     return out
 
 
-def finding_lines(findings: list[Finding]) -> list[str]:
-    return [f"{f.severity}: {f.code}: {f.message}" for f in findings]
+def finding_lines(findings: list[RankFinding]) -> list[str]:
+    return [f"{severity(f)}: {f.code}: {f.message}" for f in findings]
+
+
+def finding_json(finding: RankFinding) -> dict:
+    """code, severity (its rule's), message, and the rank and first (query, key) cell, null where there is none."""
+    return {"code": finding.code, "severity": severity(finding), "message": finding.message, "rank": finding.rank,
+            "cell": list(finding.cell) if finding.cell is not None else None}
 
 
 def views(report: Report, width: int) -> list:
@@ -168,17 +212,22 @@ def views(report: Report, width: int) -> list:
         out.append(Text(lines[index]))
         if split.steps() is not None:
             out.append(Text("ring steps:", style="bold"))
-            out.append(Text(step_grid(split, width, caption=index == len(report.splits) - 1)))
+            out.append(coloured(step_grid(split, width, caption=index == len(report.splits) - 1)))
     if layout.heads is not None:
         out.append(Text("ulysses: no ring steps; every rank attends over all tokens for its heads after an all-to-all"))
     for line, finding in zip(finding_lines(report.findings), report.findings):
-        out.append(Text(line, style={"wrong": "bold red", "suspicious": "yellow"}.get(finding.severity, "")))
-    if not any(f.severity == "wrong" for f in report.findings):
+        out.append(Text(line, style={"wrong": "bold red", "suspicious": "yellow"}.get(severity(finding), "")))
+    if not report.wrong:
         out.append(Text("the ranks' parts add up to the global mask exactly", style="green"))
     return out
 
 
 def report_json(report: Report) -> str:
+    return json.dumps(report_data(report))
+
+
+def report_data(report: Report) -> dict:
+    """The layout, each mask's per-rank cells, work, FLOPs, ratios, ring-step grid and steps, cu_seqlens, findings."""
     layout = report.layout
     data = {
         "layout": {"name": layout.name, "ranks": layout.ranks, "length": layout.length, "note": layout.note,
@@ -186,7 +235,7 @@ def report_json(report: Report) -> str:
                    "heads": list(layout.heads) if layout.heads is not None else None},
         "masks": [],
         "cu_seqlens": {"local": [v.tolist() for v in report.local]},
-        "findings": [f.json() for f in report.findings],
+        "findings": [finding_json(f) for f in report.findings],
     }
     if report.te is not None:
         data["cu_seqlens"]["te"] = {"cu_seqlens_padded_local": report.te[0].tolist(), "cu_seqlens_on_rank": [v.tolist() for v in report.te[1]]}
@@ -198,7 +247,7 @@ def report_json(report: Report) -> str:
             "grid": split.grid.tolist() if split.grid is not None else None,
             "steps": [[NAMES[int(v)] for v in row] for row in steps] if steps is not None else None,
         })
-    return json.dumps(data)
+    return data
 
 
 FIGURE_STEPS = 3  # ring-step panels drawn, one per mask (layer type)

@@ -9,6 +9,8 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from maskcli.checks.registry import severity
+from maskcli.render import STYLES
 from maskcli.text import Finding
 
 VISIBLE_STYLE = "bold green"
@@ -102,12 +104,12 @@ def fits(console: Console, renderable, width: int | None = None) -> bool:
 
 
 def findings_text(findings: list[Finding]):
-    """The findings as a bulleted list whose wrapped lines keep their indent."""
+    """The findings as a bulleted list whose wrapped lines keep their indent, each coloured by its severity."""
     if not findings:
         return Text("findings: none (every query sees at least one key; every weight row sums to 1)", style="green")
     bullets = Table.grid(padding=(0, 1))
     bullets.add_column(no_wrap=True)
-    bullets.add_column(style="yellow")
+    bullets.add_column()
     for finding in findings:
-        bullets.add_row("  •", finding.message)
+        bullets.add_row("  •", Text(finding.message, style=STYLES[severity(finding)]))
     return Group(Text("findings:", style="bold yellow"), bullets)

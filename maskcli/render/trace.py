@@ -8,11 +8,9 @@ from maskcli.checks.registry import severity
 from maskcli.errors import MaskError
 from maskcli.expression import Call, Ints, call_text, parse, print_tree, value_text
 from maskcli.expression import Text as Word
-from maskcli.render import hanging, labelled
+from maskcli.render import STYLES, hanging, labelled
 from maskcli.render.breaking import Breaking, Fitted
 
-
-STYLES = {"wrong": "red", "suspicious": "yellow", "note": "dim"}  # a finding is coloured by its severity, not its code
 
 
 def views(groups: list, calls: int, program: str, status: int, expected: list | None = None) -> list:

@@ -12,21 +12,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from maskcli.serve.batch import ServeBatch
+from maskcli import text
+from maskcli.checks.registry import severity
+from maskcli.serve.batch import ServeBatch, cumulative
 from maskcli.serve.pagemap import distinct, page_map, read_range
 
 
-
 @dataclass(frozen=True)
-class Finding:
-    code: str
-    severity: str  # wrong | suspicious | note
-    request: int | None
-    cell: tuple[int, int] | None  # (query position, key position), the first wrong cell
-    message: str
+class Finding(text.Finding):
+    """A finding about a serving batch: a maskcli.text.Finding (its rule in maskcli/checks/serve.py gives its severity
+    where it states none) that names its request; `cell` is (query position, key position), absolute, in that request."""
+
+    request: int | None = None
 
     def json(self) -> dict:
-        return {"code": self.code, "severity": self.severity, "request": self.request,
+        return {"code": self.code, "severity": severity(self), "request": self.request,
                 "cell": None if self.cell is None else list(self.cell), "message": self.message}
 
 
@@ -49,16 +49,20 @@ def lengths(b: ServeBatch) -> list[Finding]:
     """seq_len = computed + new; the query count is the new tokens q holds; no request with queries and no keys."""
     out = []
     q_lens, seq = b.q_lens, b.seq_lens
-    r = _first((q_lens > 0) & (seq == 0))
+    keyless = (q_lens > 0) & (seq == 0)
+    r = _first(keyless)
     if r is not None:
-        out.append(Finding("no-keys", "wrong", r, None, f"request {r} has {int(q_lens[r])} {'query' if q_lens[r] == 1 else 'queries'} and 0 keys ({b.name('seq_lens')} "
-                           f"is 0): its rows are empty, the kernel writes zeros or NaN there"))
+        out.append(Finding("no-keys", f"request {r} has {int(q_lens[r])} {'query' if q_lens[r] == 1 else 'queries'} and 0 keys ({b.name('seq_lens')} "
+                           f"is 0): its rows are empty, the kernel writes zeros or NaN there", request=r))
     r = _first((q_lens > seq) & (seq > 0))
     if r is not None:
-        out.append(Finding("more-queries-than-keys", "wrong", r, None, f"request {r} has {int(q_lens[r])} new tokens but {int(seq[r])} keys: "
-                           f"the keys include the new tokens, so {b.name('seq_lens')} must be at least {b.name('queries')}'s count"))
+        out.append(Finding("more-queries-than-keys", f"request {r} has {int(q_lens[r])} new tokens but {int(seq[r])} keys: "
+                           f"the keys include the new tokens, so {b.name('seq_lens')} must be at least {b.name('queries')}'s count", request=r))
+    counted = b.tokens is not None and int(b.q_indptr[-1]) != b.tokens
+    said_count = (f"{b.name('queries')} counts {int(b.q_indptr[-1])} query tokens but {b.name('writes')} has {b.tokens}"
+                  if counted else "")
     if b.computed is not None:
-        bad = b.computed + q_lens != seq
+        bad = (b.computed + q_lens != seq) & ~keyless  # a request with no keys is no-keys' finding, once
         r = _first(bad)
         if r is not None:
             said, new, keys = int(b.computed[r]), int(q_lens[r]), int(seq[r])
@@ -67,11 +71,14 @@ def lengths(b: ServeBatch) -> list[Finding]:
             full = new == keys and said > 0
             why = (f"{b.name('queries')} counts request {r}'s full length {keys}, where q holds only its {keys - said} new tokens"
                    if full else f"{b.name('seq_lens')} {keys} is not {b.name('computed')} {said} + {new} new")
-            out.append(Finding("seq-len", "wrong", r, cell, f"{why}: the kernel puts its first query at position {at}, "
-                               f"the cache says {said} ({int(bad.sum())} request{'s' if bad.sum() != 1 else ''} like this)"))
-    if b.tokens is not None and int(b.q_indptr[-1]) != b.tokens:
-        out.append(Finding("query-count", "wrong", None, None, f"{b.name('queries')} counts {int(b.q_indptr[-1])} query tokens but "
-                           f"{b.name('writes')} has {b.tokens}: q holds {b.tokens} new tokens, the offsets must count only those"))
+            # offsets built from full lengths count each such request's cached tokens once more: one bug, one finding
+            explained = counted and bool(np.all((q_lens == seq)[bad])) and int(b.computed[bad].sum()) == int(b.q_indptr[-1]) - b.tokens
+            out.append(Finding("seq-len", f"{why}: the kernel puts its first query at position {at}, "
+                               f"the cache says {said} ({int(bad.sum())} request{'s' if bad.sum() != 1 else ''} like this)"
+                               + (f"; {said_count}" if explained else ""), request=r, cell=cell))
+            counted = counted and not explained
+    if counted:
+        out.append(Finding("query-count", f"{said_count}: q holds {b.tokens} new tokens, the offsets must count only those"))
     return out
 
 
@@ -83,31 +90,31 @@ def pages(b: ServeBatch) -> list[Finding]:
     ps = b.page_size
     if b.short_table is not None and b.short_table.any():
         r = _first(b.short_table)
-        out.append(Finding("table-short", "wrong", r, None, f"request {r}'s {b.name('table')} row has fewer blocks than its "
-                           f"{int(b.seq_lens[r])} keys need ({-(-int(b.starts[r] + b.seq_lens[r]) // ps)} of {ps} tokens)"))
+        out.append(Finding("table-short", f"request {r}'s {b.name('table')} row has fewer blocks than its "
+                           f"{int(b.seq_lens[r])} keys need ({-(-int(b.starts[r] + b.seq_lens[r]) // ps)} of {ps} tokens)", request=r))
     if b.last_fill is not None:
         counts = np.diff(b.page_indptr)
         bad = (counts > 0) & ((b.last_fill < 1) | (b.last_fill > ps))
         r = _first(bad)
         if r is not None:
-            out.append(Finding("last-page-fill", "wrong", r, None, f"request {r}'s {b.name('last')} is {int(b.last_fill[r])}: a last "
-                               f"page holds 1 to {ps} tokens (page_size {ps})"))
+            out.append(Finding("last-page-fill", f"request {r}'s {b.name('last')} is {int(b.last_fill[r])}: a last "
+                               f"page holds 1 to {ps} tokens (page_size {ps})", request=r))
     m = page_map(b)
     owner, column = m.owner, m.column
     first, _ = read_range(b)
     i = _first(m.read & (b.pages < 0))
     if i is not None:
         r = int(owner[i])
-        out.append(Finding("bad-page", "wrong", r, None, f"request {r}'s logical block {int(column[i])} is page {int(b.pages[i])}, "
-                           f"which is no page: the keys there are read from outside the cache"))
+        out.append(Finding("bad-page", f"request {r}'s logical block {int(column[i])} is page {int(b.pages[i])}, "
+                           f"which is no page: the keys there are read from outside the cache", request=r))
     i = _first(m.read & m.null)
     if i is not None:
         r = int(owner[i])
         key = max(int(column[i]) * ps, int(first[r])) - int(b.starts[r])
         kind = f"sliding-window layer (window {b.window}) reads it inside its window" if b.window else "full-attention layer reads it"
-        out.append(Finding("null-page", "wrong", r, (int(b.q_start[r]) + max(0, key - int(b.q_start[r])), key),
-                           f"request {r}'s logical block {int(column[i])} is the null page {b.null_page}, and its {kind}: "
-                           f"keys {key}..{min(key + ps, int(b.seq_lens[r])) - 1} read nothing that was written"))
+        out.append(Finding("null-page", f"request {r}'s logical block {int(column[i])} is the null page {b.null_page}, and its {kind}: "
+                           f"keys {key}..{min(key + ps, int(b.seq_lens[r])) - 1} read nothing that was written",
+                           request=r, cell=(int(b.q_start[r]) + max(0, key - int(b.q_start[r])), key)))
     out += _shared(b, m)
     out += _writes(b)
     return out
@@ -123,15 +130,15 @@ def _shared(b: ServeBatch, m) -> list[Finding]:
         order = np.lexsort((column[real], owner[real], b.pages[real]))
         p, o, c = b.pages[real][order], owner[real][order], column[real][order]
         i = _first((p[1:] == p[:-1]) & (o[1:] == o[:-1]))
-        out.append(Finding("page-twice", "wrong", int(o[i]), None, f"request {int(o[i])} reads page {int(p[i])} as logical blocks "
-                           f"{int(c[i])} and {int(c[i + 1])}: two blocks of keys cannot live on one page"))
+        out.append(Finding("page-twice", f"request {int(o[i])} reads page {int(p[i])} as logical blocks "
+                           f"{int(c[i])} and {int(c[i + 1])}: two blocks of keys cannot live on one page", request=int(o[i])))
     i = _first(m.shared & (m.fill < ps))
     if i is not None:
         r, page = int(owner[i]), int(b.pages[i])
         others = sorted(set(owner[m.shared & (b.pages == page)].tolist()) - {r})
-        out.append(Finding("shared-page-partial", "wrong", r, None, f"page {page} is shared by requests {r} and {others[0]}, but it is "
+        out.append(Finding("shared-page-partial", f"page {page} is shared by requests {r} and {others[0]}, but it is "
                            f"request {r}'s partly filled last block ({int(m.fill[i])} of {ps}): only full pages are shared, a "
-                           f"partial one is still being written"))
+                           f"partial one is still being written", request=r))
     i = _first(m.shared & m.written)
     if i is not None:
         out.append(_shared_written(b, m, int(b.pages[i])))
@@ -148,8 +155,10 @@ def _writers(b: ServeBatch, m, page: int) -> tuple[np.ndarray, np.ndarray, np.nd
     # no slots: the kernel appends each request's new tokens at its positions (pagemap marks those blocks written)
     new_from = (b.starts + np.maximum(b.q_start, 0))[m.owner]
     j = np.flatnonzero((b.pages == page) & ((m.column + 1) * ps > new_from))
-    r = m.owner[j]
-    column = np.maximum(m.column[j] * ps, new_from[j])
+    lo = np.maximum(m.column[j] * ps, new_from[j])
+    count = np.maximum(np.minimum((m.column[j] + 1) * ps, (b.starts + b.seq_lens)[m.owner[j]]) - lo, 0)
+    r = np.repeat(m.owner[j], count)  # one entry per token written, at most page_size per block
+    column = np.repeat(lo, count) + np.arange(int(count.sum())) - np.repeat(cumulative(count)[:-1], count)
     return r, column - b.starts[r], page * ps + column % ps
 
 
@@ -168,10 +177,10 @@ def _shared_written(b: ServeBatch, m, page: int) -> Finding:
     t = int(seen[0]) if seen.size else 0  # the first write onto a key the victim reads
     key = int(keys[t])
     query = max(int(b.q_start[victim]), key)
-    return Finding("shared-page-written", "wrong", victim, (query, key), f"request {int(writers[t])} writes its position "
+    return Finding("shared-page-written", f"request {int(writers[t])} writes its position "
                    f"{int(positions[t])} to slot {int(slots[t])} on page {page}, which request {victim} reads as keys "
                    f"{max(lo, 0)}..{lo + ps - 1}: request {victim}'s key {key} is overwritten (page {page} is read by requests "
-                   f"{', '.join(map(str, readers))})")
+                   f"{', '.join(map(str, readers))})", request=victim, cell=(query, key))
 
 
 def _writes(b: ServeBatch) -> list[Finding]:
@@ -194,9 +203,9 @@ def _writes(b: ServeBatch) -> list[Finding]:
     r = int(token_req[t])
     page = int(slots[t]) // ps
     whose = "another request's page" if page in set(np.delete(b.pages, np.arange(b.page_indptr[r], b.page_indptr[r + 1])).tolist()) else "not its slot"
-    return [Finding("slot-mapping", "wrong", r, (int(position[t]), int(position[t])),
-                    f"token {t} (request {r}, position {int(position[t])}) is written to slot {int(slots[t])} ({whose}); its "
-                    f"{b.name('table')} puts position {int(position[t])} at slot {int(expected[t])}")]
+    return [Finding("slot-mapping", f"token {t} (request {r}, position {int(position[t])}) is written to slot {int(slots[t])} ({whose}); its "
+                    f"{b.name('table')} puts position {int(position[t])} at slot {int(expected[t])}",
+                    request=r, cell=(int(position[t]), int(position[t])))]
 
 
 def cascade(b: ServeBatch) -> list[Finding]:
@@ -210,17 +219,17 @@ def cascade(b: ServeBatch) -> list[Finding]:
     for name, got, want in (("cu_prefix_query_lens", c.prefix_query, [0, total]), ("prefix_kv_lens", c.prefix_kv, [C]),
                             ("suffix_kv_lens", c.suffix_kv, (b.seq_lens - C).tolist())):
         if got is not None and got.tolist() != list(want):
-            out.append(Finding("cascade-lengths", "wrong", None, None, f"{name} is {got[:6].tolist()}, cascade with common_prefix_len "
+            out.append(Finding("cascade-lengths", f"{name} is {got[:6].tolist()}, cascade with common_prefix_len "
                                f"{C} needs {list(want)[:6]}: the prefix and suffix passes would not cover each request's keys once"))
     if ps and C % ps:
-        out.append(Finding("cascade-partial-page", "wrong", None, None, f"common_prefix_len {C} is not whole pages of {ps}: the prefix "
+        out.append(Finding("cascade-partial-page", f"common_prefix_len {C} is not whole pages of {ps}: the prefix "
                            f"pass reads pages, so vLLM rounds it down to a multiple of block_size"))
     r = _first(b.q_start < C - 1)
     if r is not None:
         q = int(max(b.q_start[r], 0))
-        out.append(Finding("cascade-sees-later", "wrong", r, (q, q + 1), f"request {r}'s query at position {q} sees key {q + 1} of the "
+        out.append(Finding("cascade-sees-later", f"request {r}'s query at position {q} sees key {q + 1} of the "
                            f"shared prefix (0..{C - 1}), which the prefix pass shows every query without a causal mask: the "
-                           f"common prefix must end before each request's first new token"))
+                           f"common prefix must end before each request's first new token", request=r, cell=(q, q + 1)))
     if ps and b.requests > 1:
         blocks = -(-C // ps)
         lead = b.request_pages(0)[:blocks]
@@ -228,9 +237,9 @@ def cascade(b: ServeBatch) -> list[Finding]:
             own = b.request_pages(r)[:blocks]
             if own.size == lead.size and not np.array_equal(own, lead):
                 j = int(np.flatnonzero(own != lead)[0])
-                out.append(Finding("cascade-pages", "wrong", r, (int(b.q_start[r]), j * ps), f"the prefix pass reads request 0's "
+                out.append(Finding("cascade-pages", f"the prefix pass reads request 0's "
                                    f"pages; request {r}'s logical block {j} is page {int(own[j])}, not {int(lead[j])}: its keys "
-                                   f"{j * ps}..{min((j + 1) * ps, C) - 1} are another request's"))
+                                   f"{j * ps}..{min((j + 1) * ps, C) - 1} are another request's", request=r, cell=(int(b.q_start[r]), j * ps)))
                 break
     return out
 
@@ -243,7 +252,7 @@ def local(b: ServeBatch) -> list[Finding]:
         return []
     C, ps = b.chunk, b.page_size
     if int(v.q_indptr[-1]) != int(b.q_indptr[-1]):
-        return [Finding("local-lengths", "wrong", None, None, f"local_query_start_loc counts {int(v.q_indptr[-1])} query tokens, "
+        return [Finding("local-lengths", f"local_query_start_loc counts {int(v.q_indptr[-1])} query tokens, "
                         f"query_start_loc {int(b.q_indptr[-1])}: the virtual batches must split the same tokens")]
     first = v.q_indptr[:-1]
     owner = np.searchsorted(b.q_indptr, first, side="right") - 1
@@ -252,9 +261,9 @@ def local(b: ServeBatch) -> list[Finding]:
     p1 = p0 + n - 1
     i = _first((v.q_indptr[1:] > b.q_indptr[owner + 1]) | (p1 // C != p0 // C))
     if i is not None:
-        return [Finding("local-crosses-chunk", "wrong", int(owner[i]), (int(p1[i]), int(p1[i])), f"virtual batch {i} holds "
+        return [Finding("local-crosses-chunk", f"virtual batch {i} holds "
                         f"request {int(owner[i])}'s queries {int(p0[i])}..{int(p1[i])}, across a chunk of {C} (or a request) "
-                        f"boundary: each virtual batch is one request's one chunk")]
+                        f"boundary: each virtual batch is one request's one chunk", request=int(owner[i]), cell=(int(p1[i]), int(p1[i])))]
     chunk_start = p0 // C * C
     given_start = p1 + 1 - v.seq_lens[: len(n)]
     i = _first(given_start != chunk_start)
@@ -262,9 +271,9 @@ def local(b: ServeBatch) -> list[Finding]:
         r, q = int(owner[i]), int(p0[i])
         cell = (q, int(given_start[i])) if given_start[i] < chunk_start[i] else (q, int(chunk_start[i]))
         how = "sees keys before its chunk" if given_start[i] < chunk_start[i] else "misses the start of its chunk"
-        return [Finding("local-keys", "wrong", r, cell, f"virtual batch {i} (request {r}, queries {q}..{int(p1[i])}) has "
+        return [Finding("local-keys", f"virtual batch {i} (request {r}, queries {q}..{int(p1[i])}) has "
                         f"local_seqused_k {int(v.seq_lens[i])}, so it {how} {int(chunk_start[i])}..: local({C}) needs "
-                        f"{int(p1[i] + 1 - chunk_start[i])}")]
+                        f"{int(p1[i] + 1 - chunk_start[i])}", request=r, cell=cell)]
     out = []
     if ps and v.tables.size:
         for i in range(len(n)):  # one comparison of a chunk's blocks per virtual batch
@@ -274,8 +283,8 @@ def local(b: ServeBatch) -> list[Finding]:
             if want.size == got.size and not np.array_equal(want, got):
                 j = int(np.flatnonzero(want != got)[0])
                 key = int(chunk_start[i]) + j * ps
-                out.append(Finding("local-pages", "wrong", r, (int(p0[i]), key), f"virtual batch {i}'s block {j} is page "
-                                   f"{int(got[j])}, but request {r}'s keys {key}.. are on page {int(want[j])}"))
+                out.append(Finding("local-pages", f"virtual batch {i}'s block {j} is page "
+                                   f"{int(got[j])}, but request {r}'s keys {key}.. are on page {int(want[j])}", request=r, cell=(int(p0[i]), key)))
                 break
     return out
 
@@ -300,8 +309,8 @@ def trees(b: ServeBatch) -> list[Finding]:
                 what = f"sees draft {key - tree.prefix}, which is not its ancestor (its parent is {int(tree.parents[node])})"
             else:
                 what = f"does not see draft {key - tree.prefix}, its ancestor"
-            out.append(Finding("tree-mask", "wrong", r, (q, key), f"request {r}'s draft node {node} {what}: a tree node sees the "
-                               f"prefix, its ancestors and itself"))
+            out.append(Finding("tree-mask", f"request {r}'s draft node {node} {what}: a tree node sees the "
+                               f"prefix, its ancestors and itself", request=r, cell=(q, key)))
     if b.positions is None or not _tokens_agree(b):
         return out
     token_req = np.repeat(np.arange(b.requests), b.q_lens)
@@ -318,9 +327,9 @@ def trees(b: ServeBatch) -> list[Finding]:
         seen = np.flatnonzero(mask.cells(0, 0, row, row + 1)[0]) if mask is not None else np.zeros(0, np.int64)
         # the token's row (as the kernel aligns it) and the first key it sees: every key's distance to it is off
         cell = (int(b.q_start[r]) + row, int(seen[0])) if seen.size else None
-        out.append(Finding("positions", "wrong", r, cell, f"token {t} (request {r}'s {role}) has "
+        out.append(Finding("positions", f"token {t} (request {r}'s {role}) has "
                            f"position {int(b.positions[t])}; its mask puts it at {int(expected[t])}"
-                           f"{' (prefix + depth)' if r in depth_at else ''}: RoPE would rotate it as another token"))
+                           f"{' (prefix + depth)' if r in depth_at else ''}: RoPE would rotate it as another token", request=r, cell=cell))
     return out
 
 

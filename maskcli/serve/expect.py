@@ -29,14 +29,14 @@ def expect(b: ServeBatch, expectations: list[tuple[str, str]]) -> list[Finding]:
         matched = [r for r in range(b.requests) if any(fnmatchcase(name, pattern) for name in names(b, r))]
         if not matched:
             known = "request indexes 0 to " + str(b.requests - 1) if b.requests else "no requests at all"
-            out.append(Finding("expect", "wrong", None, None, f"{head}: no request matches {pattern!r} (the batch has {known})"))
+            out.append(Finding("expect", f"{head}: no request matches {pattern!r} (the batch has {known})"))
             continue
         found = first_difference(b, matched, expression, head)
         if found is not None:
             out.append(found)
     if expectations and not out:
         count = len(expectations)
-        out.append(Finding("expect", "note", None, None, f"--expect: every request matched holds ({count} expectation{'s' * (count != 1)})"))
+        out.append(Finding("expect", f"--expect: every request matched holds ({count} expectation{'s' * (count != 1)})", "note"))
     return out
 
 
@@ -55,7 +55,7 @@ def first_difference(b: ServeBatch, requests: list[int], expression: str, head: 
     if first is None:
         return None
     more = f"; {len(differing) - 1} more differ: requests {spans(differing[1:])}" if len(differing) > 1 else ""
-    return Finding(code, first.severity, first.request, first.cell, first.message + more)
+    return Finding(code, first.message + more, first.severity, request=first.request, cell=first.cell)
 
 
 def _differs(b: ServeBatch, r: int, expression: str, head: str, actual: str | None = None) -> Finding | None:
@@ -70,16 +70,16 @@ def _differs(b: ServeBatch, r: int, expression: str, head: str, actual: str | No
         q_start, q_len, seq_len = b.frame(r)
         if q_len == 0:
             return None  # no queries: nothing to hold
-        return Finding("expect", "wrong", r, None, f"{head}: request {r} has {q_len} queries and {seq_len} keys: no mask to compare")
+        return Finding("expect", f"{head}: request {r} has {q_len} queries and {seq_len} keys: no mask to compare", request=r)
     q_start, q_len, seq_len = b.frame(r)
     try:
         expected = build(expression, offset=q_start, length=q_len, kv_len=seq_len)
     except MaskError as error:
-        return Finding("expect", "wrong", r, None, f"{head}: request {r}: cannot build it there: {error}")
+        return Finding("expect", f"{head}: request {r}: cannot build it there: {error}", request=r)
     difference = compare(mask, expected, first=1)
     if difference.equal:
         return None
     row = difference.rows[0]
     key = min(start for start, _ in row.only_a + row.only_b)
     words = row_words(difference, f"request {r}", expression)[0]
-    return Finding("expect", "wrong", r, (row.query, key), f"{head}: request {r} ({actual or b.expression(r)}) differs: {words}")
+    return Finding("expect", f"{head}: request {r} ({actual or b.expression(r)}) differs: {words}", request=r, cell=(row.query, key))

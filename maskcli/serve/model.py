@@ -30,9 +30,9 @@ def against_config(b: ServeBatch, masks: dict[str, tuple[str, int | None]], mode
     else:
         have, options, word = None, {}, ""
     if have is None and full:
-        return [Finding("model", "note", None, None, f"--model {model}: a {', '.join(full)} layer's batch (no window, no chunk)")]
+        return [Finding("model", f"--model {model}: a {', '.join(full)} layer's batch (no window, no chunk)", "note")]
     if have in options:
-        return [Finding("model", "note", None, None, f"--model {model}: a {options[have]} layer's batch ({word} {have})")]
+        return [Finding("model", f"--model {model}: a {options[have]} layer's batch ({word} {have})", "note")]
     if options:
         want = min(options, key=lambda value: (abs(value - have), value))
         expression = f"local({want})" if b.chunk is not None else f"window({want})"
@@ -48,7 +48,7 @@ def against_config(b: ServeBatch, masks: dict[str, tuple[str, int | None]], mode
     else:
         layer_kind, (what, want) = next((k, v) for k, v in masks.items()) if masks else ("", ("", None))
         if want is None:
-            return [Finding("model", "note", None, None, f"--model {model}: no attention layer type to compare the batch with")]
+            return [Finding("model", f"--model {model}: no attention layer type to compare the batch with", "note")]
         expression = f"window({want})" if what == "window" else f"local({want})"
         said = f"the batch has no window or chunk, and every attention layer of {model} has one ({layer_kind}: {expression})"
     # the masks the parameters make, whatever else (a draft tree, a cascade) each request's mask holds
@@ -56,6 +56,6 @@ def against_config(b: ServeBatch, masks: dict[str, tuple[str, int | None]], mode
     found = first_difference(b, list(range(b.requests)), expression, "", code="model", actual=own)
     if found is None:  # the parameter differs and no mask here shows it (an engine may also drop a window no request reaches)
         severity = "note" if have is None else "suspicious"
-        return [Finding("model", severity, None, None, f"--model {model}: {said}; no request here is long enough for "
-                        f"the masks to differ{', a longer one will' if have is not None else ''}")]
-    return [Finding("model", "wrong", found.request, found.cell, f"--model {model}: {said}. {found.message.removeprefix(': ')}")]
+        return [Finding("model", f"--model {model}: {said}; no request here is long enough for "
+                        f"the masks to differ{', a longer one will' if have is not None else ''}", severity)]
+    return [Finding("model", f"--model {model}: {said}. {found.message.removeprefix(': ')}", request=found.request, cell=found.cell)]

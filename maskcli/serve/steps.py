@@ -48,8 +48,9 @@ def _follow(before, after, rid: int, start: int) -> list[Finding]:
         lo, hi = (end, int(start) - 1) if start > end else (int(start), end - 1)
         span = f"position {lo}" if lo == hi else f"positions {lo}..{hi}"
         how = f"skips {span}" if start > end else f"computes {span} again"
-        return [Finding("steps-positions", "wrong", rid, (int(start), int(min(start, end))), f"request {rid}'s step {k1 + 1} starts at "
-                        f"position {int(start)}, step {k0 + 1} ended at {end - 1}: it {how}, so the steps are not one pass")]
+        return [Finding("steps-positions", f"request {rid}'s step {k1 + 1} starts at "
+                        f"position {int(start)}, step {k0 + 1} ended at {end - 1}: it {how}, so the steps are not one pass",
+                        request=rid, cell=(int(start), int(min(start, end))))]
     ps = b1.page_size
     if not ps or ps != b0.page_size:
         return []
@@ -63,5 +64,5 @@ def _follow(before, after, rid: int, start: int) -> list[Finding]:
     if not hit.size:
         return []
     j = int(hit[0])
-    return [Finding("steps-pages", "wrong", rid, (int(start), j * ps), f"request {rid}'s step {k1 + 1} reads keys {j * ps}..{(j + 1) * ps - 1} "
-                    f"from page {int(now[j])}, but step {k0 + 1} wrote them on page {int(then[j])}")]
+    return [Finding("steps-pages", f"request {rid}'s step {k1 + 1} reads keys {j * ps}..{(j + 1) * ps - 1} "
+                    f"from page {int(now[j])}, but step {k0 + 1} wrote them on page {int(then[j])}", request=rid, cell=(int(start), j * ps))]

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from maskcli import terms
+from maskcli.checks import registry
+from maskcli.checks import shard as checks
 from maskcli.errors import MaskError
 from maskcli.mask import Mask
-from maskcli.shard import checks, layouts, ranks, work
+from maskcli.shard import layouts, ranks, work
 from maskcli.shard.layouts import Layout
 
 MAX_RANKS = 1024  # the (N, N) grid and its table of counts stay small (8 MB a copy); real CP groups are far smaller
@@ -24,11 +26,11 @@ class Report:
     splits: list  # [(label, Split)]: the layer type or the mask's name
     te: tuple | None  # (local cu_seqlens_padded, per-rank cu_seqlens) in TransformerEngine's convention
     local: list  # per-rank cu_seqlens on its own tokens, in local order
-    findings: list
+    findings: list  # checks.shard.RankFinding, each with its rank
 
     @property
     def wrong(self) -> bool:
-        return checks.wrong(self.findings)
+        return bool(registry.wrong(self.findings))
 
 
 def document_sizes(mask: Mask) -> np.ndarray | None:

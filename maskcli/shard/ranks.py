@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from maskcli.checks.shard import RankFinding, rank_part
 from maskcli.errors import MaskError
 from maskcli.intervals import Intervals
 from maskcli.mask import Mask, MaskOptions
-from maskcli.shard.checks import Finding, rank_part
 from maskcli.shard.layouts import Layout
 from maskcli.shard.work import intervals_of
 
@@ -58,7 +58,7 @@ def _one_plane(keep: np.ndarray, path: str) -> np.ndarray:
     return keep[0, 0]
 
 
-def check(mask: Mask, layout: Layout, paths: list[str]) -> list[Finding]:
+def check(mask: Mask, layout: Layout, paths: list[str]) -> list[RankFinding]:
     """Each rank's captured part against the global mask: a finding per rank whose part differs."""
     if len(paths) != layout.ranks:
         raise MaskError(f"--rank-mask given {len(paths) if len(paths) != 1 else 'once'}{' times' if len(paths) != 1 else ''} but --ranks is {layout.ranks}: give one file per rank, in rank order")
@@ -66,7 +66,7 @@ def check(mask: Mask, layout: Layout, paths: list[str]) -> list[Finding]:
     gathered = layout.indices()
     keys = np.where(gathered < layout.length, gathered, -1)
     local_keys = np.where(np.arange(keys.size) < layout.length, np.arange(keys.size), -1)
-    found: list[Finding] = []
+    found: list[RankFinding] = []
     for r, path in enumerate(paths):
         part = load_part(path)
         rows = layout.rank_indices(r)

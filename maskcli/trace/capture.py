@@ -31,6 +31,7 @@ import maskcli.trace.compiled as compiled
 import maskcli.trace.interface as interface
 from maskcli.trace.flex import flex as read_flex
 from maskcli.trace.patch import Watch, swap
+from maskcli.trace.overflow import Overflows
 from maskcli.trace.scores import Scores
 from maskcli.trace.sites import Sites
 from maskcli.trace.threads import Threads
@@ -87,6 +88,9 @@ class _Mode(TorchFunctionMode):
             if reader is not readers.softmax or trace.scores.attention(readers.softmax_input(args, kwargs)):
                 trace.capture(reader, args, kwargs)  # (inside a compiled region nothing of ours may run)
         out = func(*args, **kwargs)
+        if trace.overflows.wanted(func) and trace.active and not trace.busy and isinstance(out, torch.Tensor) \
+                and _has_values(out) and not torch.compiler.is_dynamo_compiling():
+            trace.overflows.after(func, args, kwargs, out, trace.scores)  # (fills that overflow to -inf: overflow.py)
         if trace.scores is not None:
             trace.scores.after(func, args, kwargs, out)
         return out
@@ -113,6 +117,7 @@ class Trace:
             for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
                 self.readers[func] = readers.softmax
             self.scores = Scores()
+        self.overflows = Overflows()
         self.sites = Sites()
         self.tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
         self._cache: dict = {}
@@ -317,6 +322,9 @@ class Trace:
                 seen = reader(args, kwargs)
                 if seen is None:
                     return
+                overflowed = self.overflows.of(args, kwargs, seen.api)
+                if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
+                    seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
                 if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                     interface.unpack_gqa(seen, self.interfaces[-1])
                 elif self.interfaces and seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS)

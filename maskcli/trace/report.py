@@ -1,5 +1,5 @@
 """A trace in a screen: calls whose masks are the same grouped into one row, each group's mask named by inspect's
-recogniser, and what is wrong with it for the API that applied it."""
+recogniser, and what is wrong with it for the API that applied it (the rules of maskcli.checks that read a group)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maskcli import tracefile
+from maskcli.checks.fills import bias, fills, score_mod
+from maskcli.checks.kernels import asked, ignored_is_causal, top_left, top_left_is_causal
+from maskcli.checks.named import closest as closest_rows
+from maskcli.checks.named import polarity, same_as
 from maskcli.checks.registry import as_json
+from maskcli.checks.rows import MEANT_LATER, empty_rows, later
 from maskcli.text import Finding, spans, step_text
 from maskcli.trace.names import PADDING, also_documents, flags, flipped_keep
 
@@ -88,7 +93,7 @@ def _named(calls: list) -> Group:
         return Group(calls, f"not read: {first.details.get('error')}", None)
     if stored["form"] == "stats":
         return Group(calls, f"not kept ({stored['why']}): {stored['kept']:,} cells attended", None,
-                     _empty_rows(first, stored, None))
+                     empty_rows(first, stored, None))
     b, h = stored["planes"]
     q_len, k_len = first.shape[2:]
     structure = None
@@ -105,7 +110,7 @@ def _named(calls: list) -> Group:
         if structure.expression is not None:
             name = structure.expression + flags(structure.options, q_len, k_len)
             group = Group(calls, name, structure.expression)
-            if _top_left_is_causal(first, q_len, k_len):  # one row of is_causal: its query 0 sees key 0 only,
+            if top_left_is_causal(first, q_len, k_len):  # one row of is_causal: its query 0 sees key 0 only,
                 group = Group(calls, "causal" + flags({"kv_len": k_len}, q_len, k_len), "causal")  # no decode step's mask
             elif structure.kind == "padding" and q_len == 1:  # a decode step read as key padding: a window says more,
                 window = _decode_window(keep4, given)  # and one query at the last position sees what causal lets it
@@ -115,15 +120,12 @@ def _named(calls: list) -> Group:
             closest = structure.closest
             near = f"; closest {closest['expression']}, {closest['cells_apart']} cells apart" if closest else ""
             group = Group(calls, f"no expression rebuilds it{near}", None)
-            if closest and closest.get("rows"):
-                group.findings.append(Finding("closest", f"against {closest['expression']}: {'; '.join(closest['rows'][:2])}"))
-        same = also_documents(structure, keep4, q_len, k_len)
-        if same is not None:
-            group.findings.append(Finding("same-as", f"{structure.expression} is also {same}: the same cells"))
+            group.findings += closest_rows(structure)
+        group.findings += same_as(structure, also_documents(structure, keep4, q_len, k_len))
         if structure.kind in MEANT_LATER:  # nothing, or a raw tril/triu: is it a known mask read the wrong way round?
             flipped = recognise(flipped_keep(keep4, given), padding=given)  # (the padding is not what is flipped)
-            if flipped.expression is not None and flipped.kind not in MEANT_LATER:
-                group.findings.append(Finding("polarity", _polarity(first, flipped.expression + flags(flipped.options, q_len, k_len))))
+            other = None if flipped.expression is None else flipped.expression + flags(flipped.options, q_len, k_len)
+            group.findings += polarity(first, flipped.kind, other)
     else:
         named = _name_on_intervals(stored, q_len, k_len, _documents(first))
         if named is not None:
@@ -131,53 +133,11 @@ def _named(calls: list) -> Group:
         else:
             group = Group(calls, f"not named: {q_len:,} x {k_len:,} cells are too many to rebuild cell by cell, "
                                  "and it is none of full, causal, a window", None)
-    group.findings[:0] = _empty_rows(first, stored, structure) + _later(first, stored, structure)
-    if first.details.get("bias"):
-        group.findings.append(Finding("bias", (
-            "the float attn_mask also adds values other than 0 and a fill (a bias: ALiBi, relative positions): "
-            "the mask shown is its cells at -inf or at most -1e4; the rest of what it adds is not shown")))
-    group.findings += _fills(first.details) + _asked(first, stored, group.name)
-    read = first.details.get("score_mod_read")
-    if read and read != "read: its -inf cells":  # (flex.py: a score_mod's masking is read off its -inf cells)
-        name = first.details.get("score_mod_name", "?")
-        group.findings.append(Finding("score-mod", (
-            f"the score_mod {name} also adds a bias where it does not mask: the mask shown is the cells it sets to -inf"
-            if read.startswith("read") else f"the score_mod {name} was {read}: the mask shown leaves out any cell it "
-            "masks (sets to -inf)")))
-    if first.details.get("ignored_is_causal"):  # (modules.py: the fast path given no mask applied none)
-        group.findings.append(Finding("ignored-is-causal", (
-            f"is_causal=True was ignored: the module's fast path (eval, no grad) never reads it; "
-            f"{first.details['ignored_is_causal']}"), expected="causal", source="is_causal=True",
-            cell=(0, 0, 1) if k_len > 1 else None))  # query 0 sees key 1, as every query sees every key
-    if _top_left_is_causal(first, q_len, k_len):
-        sees = ("its one query sees key 0 only, so the last {} keys are seen by no query" if q_len == 1 else
-                "query row i sees keys 0..i, so the last {} keys are seen by no query until the last rows").format(k_len - q_len)
-        group.findings.append(Finding("top-left-causal", (
-            f"is_causal with {q_len} quer{'y' if q_len == 1 else 'ies'} and {k_len} keys is aligned top-left: {sees}; "
-            f"a decoder with a cache means bottom-right (causal --offset {k_len - q_len}): pass that mask instead of is_causal")))
+    group.findings[:0] = empty_rows(first, stored, structure) + later(first, stored, structure)
+    details = first.details
+    group.findings += bias(details) + fills(details) + asked(first, stored, group.name) + score_mod(details)
+    group.findings += ignored_is_causal(first, k_len) + top_left(first, q_len, k_len)
     return group
-
-
-def _fills(details: dict) -> list[Finding]:
-    """What a softmax's finite fill, or an additive mask in its scores, makes of the mask read (masks._finite_fill)."""
-    found = []
-    if details.get("fill_value") is not None:
-        v = f"{details['fill_value']:g}"
-        found.append(Finding("finite-fill", (
-            f"the scores are filled with {v} where masked (a finite fill, as masked_fill(mask == 0, {v})): beside any "
-            "ordinary score such a cell gets softmax weight exactly 0, so it is read as masked; but a row filled "
-            "everywhere gets uniform weights over every key (softmax of equal values), not NaN and not nothing")))
-    if details.get("additive"):
-        found.append(Finding("additive", (
-            "the scores hold values at most -1e4 that are not one constant: an additive mask added to the scores "
-            "(BERT's (1 - mask) * -10000 + score), a bias rather than a fill; read as masked where softmax gives "
-            "the cell weight exactly 0: a row it lowers everywhere is shifted as a whole and attends to every key")))
-    return found
-
-
-def _top_left_is_causal(call, q_len: int, k_len: int) -> bool:
-    """An SDPA call whose mask is its is_causal alone, with fewer queries than keys: aligned top-left (torch.tril)."""
-    return bool(call.details.get("is_causal")) and call.api == "sdpa" and q_len < k_len and "mask_dtype" not in call.details
 
 
 def _documents(call) -> str | None:
@@ -234,126 +194,6 @@ def _decode_window(keep: np.ndarray, given: dict | None) -> str | None:
     except MaskError:
         return None
     return f"window({width})" + flags(padding, *keep.shape[2:]) if equal else None
-
-
-def _polarity(call, expression: str) -> str:
-    meaning = {"mha": "MHA reads a bool mask as True = masked", "sdpa": "SDPA reads a bool mask as True = may attend"}.get(call.api, "")
-    return (f"read the other way round it is {expression}: a mask in the wrong polarity?"
-            + (f" ({meaning})" if meaning else ""))
-
-
-def _what_api_does(call) -> str:
-    api, details = call.api, call.details
-    if api == "softmax" and details.get("sink_column"):  # GPT-OSS: the row's unmasked sink logit takes all its weight
-        return "0 output there (the sink logit, left out, takes the softmax's whole weight)"
-    if api == "softmax":
-        return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf" and details.get("nan_rows", True)
-                else "uniform weights over every key there, masked ones included (a finite fill)")
-    if api == "mha" and details.get("need_weights"):
-        return "NaN there (MHA with need_weights=True runs its own softmax)"
-    if api == "flex":
-        return "0 output there (FlexAttention gives rows with no key 0)"
-    if api == "flash":
-        return "0 output there (FlashAttention gives rows with no key 0)"
-    if api == "hf":
-        used = details.get("hf", {}).get("attn_implementation") or "?"
-        if used.startswith(("flash", "flex", "sdpa")):
-            return f"0 output there ({used} gives rows with no key 0)"
-        if used == "eager":
-            return "uniform weights over every key there (HF's eager adds the dtype's lowest value)"
-        return f"what there depends on the attention function {used!r}"
-    return "0 output there (SDPA gives rows with no key 0)"
-
-
-def _empty_rows(call, stored: dict, structure) -> list[Finding]:
-    # rows the kernel gives 0 are routine (left padding); NaN out of a softmax of the program's own may be zeroed by
-    # the program after it (CPM-Ant's masked_fill(score, ~mask, 0)), which a trace does not see: suspicious there
-    severity = "note" if "NaN" not in _what_api_does(call) else "suspicious" if call.api == "softmax" else "wrong"
-    if stored["form"] == "stats":
-        return [Finding("fully-masked", f"{stored['empty_rows']:,} query rows see no key at all: {_what_api_does(call)}",
-                        severity)] if stored["empty_rows"] else []
-    empty = (tracefile.counts(stored) == 0).any(axis=1)  # (b, Lq): over the heads
-    if not empty.any():
-        return []
-    parts = []
-    for batch in np.flatnonzero(empty.any(axis=1)).tolist()[:8]:
-        rows = np.flatnonzero(empty[batch]).tolist()
-        where = f" of batch row {batch}" if empty.shape[0] > 1 else ""
-        parts.append((f"query row {rows[0]}" if len(rows) == 1 else f"query rows {spans(rows[:200])}") + where)
-    more = int(empty.any(axis=1).sum()) - len(parts)
-    who = "; ".join(parts) + (f"; and {more} more batch rows" if more > 0 else "")
-    verb = "sees" if len(parts) == 1 and parts[0].startswith("query row ") and not parts[0].startswith("query rows") else "see"
-    return [Finding("fully-masked", f"{who} {verb} no key at all: {_what_api_does(call)}", severity)]
-
-
-MEANT_LATER = (None, "tril", "triu")  # kinds that mean later keys (full, segment, blocks, ...) are not flagged
-
-
-def _reach(stored: dict, q_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(first, last) key each query row sees, (b*h, Lq); Lk and -1 where a row sees none."""
-    if stored["form"] == "intervals":
-        found = tracefile.intervals(stored)
-        real = found.starts < found.ends
-        first = np.where(real, found.starts, found.k_end).min(axis=-1)
-        last = np.where(real, found.ends - 1, -1).max(axis=-1)
-    else:
-        cells = tracefile.dense(stored)
-        cells = cells.reshape(-1, *cells.shape[2:])
-        k_len, seen = cells.shape[-1], cells.any(axis=-1)
-        first = np.where(seen, cells.argmax(axis=-1), k_len)
-        last = np.where(seen, k_len - 1 - cells[..., ::-1].argmax(axis=-1), -1)
-    return np.broadcast_to(first, (first.shape[0], q_len)), np.broadcast_to(last, (last.shape[0], q_len))
-
-
-def _later(call, stored: dict, structure) -> list[Finding]:
-    """A query that sees a key after its own position, the queries placed at the end of the keys."""
-    if structure is not None and structure.expression is not None and structure.kind not in MEANT_LATER:
-        return []
-    if call.api in ("flash", "hf") and not call.details.get("causal"):
-        return []  # not causal: the later keys in its window are the ones it asked for
-    if call.details.get("mask_rows") == 1:
-        return []  # one mask row broadcast to every query (a key padding mask, or GQA heads packed as rows): no query order
-    q_len, k_len = call.shape[2:]
-    own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
-    rows = np.flatnonzero((_reach(stored, q_len)[1] > own[None, :]).any(axis=0))
-    if len(rows) == 0 or (structure is not None and structure.kind is None and _both_ways(stored, q_len, k_len)):
-        return []
-    shown = spans(rows[:200].tolist())
-    return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys): "
-                    "a causal mask with an off-by-one, or one read the wrong way round?")]
-
-
-def _both_ways(stored: dict, q_len: int, k_len: int) -> bool:
-    """Every later key a query sees sees that query back (bidirectional spans: image blocks, a symmetric window; the
-    queries at the end of the keys): a mask meant both ways there, which no expression named, not an off-by-one (a
-    causal mask one key off is tril(1), which the recogniser names)."""
-    if stored["form"] == "stats" or q_len != k_len:
-        return False
-    cells = tracefile.dense(stored)
-    later = np.triu(cells, k=1)
-    return not bool((later & ~np.swapaxes(cells, -1, -2)).any())
-
-
-def _asked(call, stored: dict, name: str) -> list[Finding]:
-    """What HF asked of a kernel call it gave no mask (is_causal, sliding_window) that the kernel did not apply: an
-    attention function that drops them (a registered one of the user's) attends where the model must not.
-    The queries placed at the end of the keys: the latest they can sit, so a later key is one for any placement."""
-    hf = call.details.get("hf")
-    if call.api == "hf" or not isinstance(hf, dict) or "error" in hf or hf.get("attention_mask") is not None:
-        return []  # (a mask given is HF's word on the cells; the interface's own record is what its arguments mean)
-    q_len, k_len = call.shape[2:]
-    first, last = _reach(stored, q_len)
-    found = []
-    causal = hf.get("is_causal", hf.get("module_is_causal"))
-    if causal and (last > k_len - q_len + np.arange(q_len)[None, :]).any():
-        said = "is_causal=True" if "is_causal" in hf else "its module's is_causal is True"
-        found.append(Finding("hf-not-causal", f"HF asked for a causal mask ({said}) but the kernel applied {name}: "
-                                              "queries see later keys"))
-    window = hf.get("sliding_window")
-    if isinstance(window, int) and window > 0 and ((last >= 0) & (last - first >= window)).any():
-        found.append(Finding("hf-not-windowed", f"HF asked for sliding_window={window} but the kernel applied {name}: "
-                                                f"queries see keys {window} or more positions apart, outside the window"))
-    return found
 
 
 def text(groups: list[Group], calls: int) -> str:

@@ -1,4 +1,4 @@
-"""maskcli.shard.checks and shard.ranks: each rule on the bug it names, and quiet on the correct split.
+"""maskcli.checks.shard and shard.ranks: each rule on the bug it names, and quiet on the correct split.
 
 The per-rank masks here are made as a context-parallel run makes them: PyTorch's _create_cp_block_mask reads the
 mask_mod at (indices[local row of rank r's shard], indices[kv]) (_context_parallel/_attention.py:1250-1283);
@@ -14,7 +14,9 @@ import torch
 from torch.distributed.tensor.experimental._attention import _PerDocumentHeadTailLoadBalancer
 
 from maskcli import build
-from maskcli.shard import checks, layouts, ranks, work
+from maskcli.checks import shard as checks
+from maskcli.checks.registry import rule, severity
+from maskcli.shard import layouts, ranks, work
 
 
 def dense(expr: str, length: int) -> np.ndarray:
@@ -64,7 +66,7 @@ def test_a_rank_mask_on_local_indices_is_named(tmp_path):
     found = ranks.check(build(expr, length=16), layout, rank_files(tmp_path, dense(expr, 16), layout, local=True))
     # rank 0 holds 0..3 and 12..15: on local indices its rows 4..7 read as positions 4..7, not 12..15
     assert codes(found) == [("shard-local-indices", 0), ("shard-local-indices", 1)]
-    assert found[0].cell == (12, 4) and found[0].severity == "wrong"
+    assert found[0].cell == (12, 4) and severity(found[0]) == "wrong"
 
 
 def test_is_causal_replacing_a_window_under_cp_is_named(tmp_path):
@@ -152,3 +154,28 @@ def test_a_real_query_that_sees_a_padding_slot_is_wrong(tmp_path):
     torch.save(part, paths[1])
     found = ranks.check(build(expr, length=6), layout, paths)
     assert [(f.code, f.rank) for f in found] == [("shard-padding-seen", 1)]
+
+
+def test_each_finding_takes_its_severity_from_its_rule_and_json_keeps_its_fields(tmp_path):
+    """Every finding here is a maskcli.text.Finding with no severity of its own: its rule in the registry says it
+    (wrong where the ranks compute another mask, suspicious where the split is valid but costly, a note for padding)."""
+    import json
+
+    from maskcli.render.shard import report_json
+    from maskcli.shard.plan import analyse
+    from maskcli.text import Finding
+
+    expected = {"shard-dropped-token": "wrong", "shard-duplicate-token": "wrong", "shard-padding": "note",
+                "shard-uneven": "suspicious", "shard-imbalance": "suspicious", "shard-local-indices": "wrong",
+                "shard-is-causal": "wrong", "shard-padding-seen": "wrong", "shard-dropped-key": "wrong", "shard-extra-key": "wrong"}
+    assert {code: rule(code).severity for code in expected} == expected
+    assert {rule(code).reads for code in expected} == {"ranks"}
+    made = (checks.coverage(layouts.from_indices([[0, 1, 1], [3, 4, 5]], 7, "file")) + checks.uneven(layouts.from_indices([[0, 1, 2], [3]], 4, "file"))
+            + checks.padding(layouts.headtail(30, 4)))
+    assert {f.code for f in made} == {"shard-dropped-token", "shard-duplicate-token", "shard-uneven", "shard-padding"}
+    assert all(isinstance(f, Finding) and f.severity is None and severity(f) == expected[f.code] for f in made)
+    cut = tmp_path / "cut.json"
+    cut.write_text(json.dumps([[0, 1, 6, 7], [2, 3, 4, 5]]))  # 10 tokens cut to 8
+    data = json.loads(report_json(analyse([("causal", build("causal", length=10))], str(cut), 2)))
+    assert data["findings"] == [{"code": "shard-dropped-token", "severity": "wrong", "message": data["findings"][0]["message"],
+                                 "rank": None, "cell": [8, 8]}]

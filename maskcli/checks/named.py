@@ -1,0 +1,42 @@
+"""What the recogniser named: a mask that is a known one read the other way round, two names for the same cells, and
+the nearest expression to a mask nothing rebuilds.
+
+The naming is the trace report's (it runs inspect's recogniser); these rules read what it found.
+"""
+
+from __future__ import annotations
+
+from maskcli.checks.registry import Rule
+from maskcli.checks.rows import MEANT_LATER
+from maskcli.text import Finding
+
+
+def closest(structure) -> list[Finding]:
+    """Where the expression nearest a mask that nothing rebuilds differs from it (its first rows)."""
+    near = structure.closest
+    if not near or not near.get("rows"):
+        return []
+    return [Finding("closest", f"against {near['expression']}: {'; '.join(near['rows'][:2])}")]
+
+
+def same_as(structure, same: str | None) -> list[Finding]:
+    """A mask the recogniser named that `same` (trace/names.py's also_documents) names too, cell for cell."""
+    return [Finding("same-as", f"{structure.expression} is also {same}: the same cells")] if same is not None else []
+
+
+def polarity(call, kind: str | None, named: str | None) -> list[Finding]:
+    """A mask that no kind names (or a raw tril/triu) whose other reading the recogniser names (`named`, of `kind`)."""
+    if named is None or kind in MEANT_LATER:
+        return []
+    meaning = {"mha": "MHA reads a bool mask as True = masked", "sdpa": "SDPA reads a bool mask as True = may attend"}.get(call.api, "")
+    return [Finding("polarity", f"read the other way round it is {named}: a mask in the wrong polarity?"
+                    + (f" ({meaning})" if meaning else ""))]
+
+
+RULES = (
+    Rule("polarity", "suspicious", "call", "a mask that is a known one read the other way round (True = masked given "
+         "where True = attend is read)", polarity, "group"),
+    Rule("same-as", "note", "call", "a mask two expressions name alike (local(C) and document(sizes=...)): the same "
+         "cells", same_as, "group"),
+    Rule("closest", "note", "call", "the expression nearest a mask nothing rebuilds, and where they differ", closest, "group"),
+)

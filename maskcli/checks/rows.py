@@ -1,0 +1,172 @@
+"""Rows: query rows that see no key, and queries that see keys after their own position.
+
+Each rule is written once per what it reads: a trace group's stored mask (trace's report), a tensor a user
+gave (inspect). Attention run through a mask on a device (attend) has its own in stages.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli import tracefile
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding, spans
+
+MEANT_LATER = (None, "tril", "triu")  # kinds that mean later keys (full, segment, blocks, ...) are not flagged
+
+
+def what_api_does(call) -> str:
+    """What the call's API makes of a query row that sees no key."""
+    api, details = call.api, call.details
+    if api == "softmax" and details.get("sink_column"):  # GPT-OSS: the row's unmasked sink logit takes all its weight
+        return "0 output there (the sink logit, left out, takes the softmax's whole weight)"
+    if api == "softmax":
+        return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf" and details.get("nan_rows", True)
+                else "uniform weights over every key there, masked ones included (a finite fill)")
+    if api == "mha" and details.get("need_weights"):
+        return "NaN there (MHA with need_weights=True runs its own softmax)"
+    if api == "flex":
+        return "0 output there (FlexAttention gives rows with no key 0)"
+    if api == "flash":
+        return "0 output there (FlashAttention gives rows with no key 0)"
+    if api == "hf":
+        used = details.get("hf", {}).get("attn_implementation") or "?"
+        if used.startswith(("flash", "flex", "sdpa")):
+            return f"0 output there ({used} gives rows with no key 0)"
+        if used == "eager":
+            return "uniform weights over every key there (HF's eager adds the dtype's lowest value)"
+        return f"what there depends on the attention function {used!r}"
+    return "0 output there (SDPA gives rows with no key 0)"
+
+
+def empty_rows(call, stored: dict, structure) -> list[Finding]:
+    """A trace group's query rows that see no key, with what its API makes of them."""
+    # rows the kernel gives 0 are routine (left padding); NaN out of a softmax of the program's own may be zeroed by
+    # the program after it (CPM-Ant's masked_fill(score, ~mask, 0)), which a trace does not see: suspicious there
+    severity = "note" if "NaN" not in what_api_does(call) else "suspicious" if call.api == "softmax" else "wrong"
+    if stored["form"] == "stats":
+        return [Finding("fully-masked", f"{stored['empty_rows']:,} query rows see no key at all: {what_api_does(call)}",
+                        severity)] if stored["empty_rows"] else []
+    empty = (tracefile.counts(stored) == 0).any(axis=1)  # (b, Lq): over the heads
+    if not empty.any():
+        return []
+    parts = []
+    for batch in np.flatnonzero(empty.any(axis=1)).tolist()[:8]:
+        rows = np.flatnonzero(empty[batch]).tolist()
+        where = f" of batch row {batch}" if empty.shape[0] > 1 else ""
+        parts.append((f"query row {rows[0]}" if len(rows) == 1 else f"query rows {spans(rows[:200])}") + where)
+    more = int(empty.any(axis=1).sum()) - len(parts)
+    who = "; ".join(parts) + (f"; and {more} more batch rows" if more > 0 else "")
+    verb = "sees" if len(parts) == 1 and parts[0].startswith("query row ") and not parts[0].startswith("query rows") else "see"
+    return [Finding("fully-masked", f"{who} {verb} no key at all: {what_api_does(call)}", severity)]
+
+
+def reach(stored: dict, q_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first, last) key each query row sees, (b*h, Lq); Lk and -1 where a row sees none."""
+    if stored["form"] == "intervals":
+        found = tracefile.intervals(stored)
+        real = found.starts < found.ends
+        first = np.where(real, found.starts, found.k_end).min(axis=-1)
+        last = np.where(real, found.ends - 1, -1).max(axis=-1)
+    else:
+        cells = tracefile.dense(stored)
+        cells = cells.reshape(-1, *cells.shape[2:])
+        k_len, seen = cells.shape[-1], cells.any(axis=-1)
+        first = np.where(seen, cells.argmax(axis=-1), k_len)
+        last = np.where(seen, k_len - 1 - cells[..., ::-1].argmax(axis=-1), -1)
+    return np.broadcast_to(first, (first.shape[0], q_len)), np.broadcast_to(last, (last.shape[0], q_len))
+
+
+def later(call, stored: dict, structure) -> list[Finding]:
+    """A query of a trace group that sees a key after its own position, the queries placed at the end of the keys."""
+    if structure is not None and structure.expression is not None and structure.kind not in MEANT_LATER:
+        return []
+    if call.api in ("flash", "hf") and not call.details.get("causal"):
+        return []  # not causal: the later keys in its window are the ones it asked for
+    if call.details.get("mask_rows") == 1:
+        return []  # one mask row broadcast to every query (a key padding mask, or GQA heads packed as rows): no query order
+    q_len, k_len = call.shape[2:]
+    own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
+    rows = np.flatnonzero((reach(stored, q_len)[1] > own[None, :]).any(axis=0))
+    if len(rows) == 0 or (structure is not None and structure.kind is None and _both_ways(stored, q_len, k_len)):
+        return []
+    shown = spans(rows[:200].tolist())
+    return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys): "
+                    "a causal mask with an off-by-one, or one read the wrong way round?")]
+
+
+def _both_ways(stored: dict, q_len: int, k_len: int) -> bool:
+    """Every later key a query sees sees that query back (bidirectional spans: image blocks, a symmetric window; the
+    queries at the end of the keys): a mask meant both ways there, which no expression named, not an off-by-one (a
+    causal mask one key off is tril(1), which the recogniser names)."""
+    if stored["form"] == "stats" or q_len != k_len:
+        return False
+    cells = tracefile.dense(stored)
+    later = np.triu(cells, k=1)
+    return not bool((later & ~np.swapaxes(cells, -1, -2)).any())
+
+
+def where(b: int, h: int, shape) -> str:
+    """' (batch 1, head 2)': which plane, where there are several."""
+    parts = [f"batch {b}"] if shape[0] > 1 else []
+    if shape[1] > 1:
+        parts.append(f"head {h}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def given_empty_rows(keep4: np.ndarray, reading: str, q_offset: int = 0) -> list[Finding]:
+    """Query rows of a tensor a user gave (inspect) that see no key; a key padding mask's batch rows that hide every key."""
+    empty = ~keep4.any(axis=-1)  # (B, H, Lq)
+    if reading == "key padding [B, S]":
+        batch_rows = np.flatnonzero(empty[:, 0, 0]).tolist()
+        if not batch_rows:
+            return []
+        who = f"batch row {batch_rows[0]} hides" if len(batch_rows) == 1 else f"batch rows {spans(batch_rows)} hide"
+        return [Finding("fully-masked", f"{who} every key: a length-0 sequence, whose queries see no key at all")]
+    found = []
+    for b, h in np.argwhere(empty.any(axis=-1)).tolist():
+        if h > 0 and np.array_equal(empty[b, h], empty[b, 0]):
+            continue  # the same rows as head 0: said once
+        rows = [q_offset + i for i in np.flatnonzero(empty[b, h]).tolist()]
+        who = f"query row {rows[0]} sees" if len(rows) == 1 else f"query rows {spans(rows)} see"
+        found.append(Finding(
+            "fully-masked",
+            f"{who} no key at all{where(b, h, keep4.shape)}: softmax over nothing, NaN with an -inf fill and "
+            "uniform weights over the masked keys with a finite one (maskcli verify shows what each backend does)",
+        ))
+    return found
+
+
+def given_later(keep4: np.ndarray, structure, q_offset: int = 0) -> list[Finding]:
+    """Queries of a tensor a user gave (inspect) that see later keys, where no kind that means them rebuilds it."""
+    # later keys are worth a word unless a kind that means them rebuilds the mask (tril/triu mean them only by accident)
+    if structure.reading != "mask" or structure.kind not in MEANT_LATER:
+        return []
+    q_len, k_len = keep4.shape[-2:]
+    later = np.triu(keep4, k=k_len - q_len + 1)  # on the last two axes
+    rows = np.flatnonzero(later.any(axis=-1).any(axis=(0, 1))).tolist()
+    if not rows:
+        return []
+    b, h = (int(x) for x in np.argwhere(later[..., rows[0], :].any(axis=-1))[0])
+    keys = np.flatnonzero(later[b, h, rows[0]]).tolist()
+    plane = where(b, h, keep4.shape).strip(" ()")
+    example = f"query {q_offset + rows[0]} sees key{'s' if len(keys) > 1 else ''} {spans(keys)}" + (f" in {plane}" if plane else "")
+    shown = [q_offset + r for r in rows]
+    who = f"query row {shown[0]} sees" if len(rows) == 1 else f"query rows {spans(shown)} see"
+    if structure.kind is not None:
+        message = (f"{who} later keys ({example}): {structure.expression} "
+                   "reaches past the diagonal, which a causal mask does not (an off-by-one?)")
+    elif len(rows) < q_len / 2:
+        message = f"{who} later keys while the others do not: an off-by-one in a causal mask? ({example})"
+    else:
+        message = f"{who} later keys ({example}): a bidirectional mask, or one read the wrong way round?"
+    return [Finding("sees-later", message)]
+
+
+RULES = (
+    Rule("fully-masked", "note", "call", "query rows that see no key: wrong where the kernel turns them into NaN, "
+         "suspicious where a softmax of the program's does (it may zero them after), a note where the kernel gives 0 (the "
+         "padding query rows of a left-padded batch)", empty_rows, "group"),
+    Rule("sees-later", "suspicious", "call", "queries that see keys after their own position in a mask no kind names "
+         "(a causal mask off by one, or read the wrong way round)", later, "group"),
+)

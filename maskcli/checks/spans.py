@@ -1,0 +1,226 @@
+"""Bidirectional spans given by the model call's token types: Gemma 3's images, PaliGemma's prefix, Gemma 4's vision.
+
+These families turn the token types they are called with into block ids (-1 outside every span) and or
+them onto the causal mask, so that the tokens of one span see each other both ways
+(transformers/masking_utils.py:114-128 blockwise_overlay, or-ed at :997-1000 after the causal mask
+function and before the padding the mask interface ands on):
+
+- gemma3: `token_type_ids == 1` are image tokens, one span per run of them: an image does not see a later
+  image (models/gemma3/modeling_gemma3.py:671-679 get_block_sequence_ids_for_mask); every layer, the
+  sliding ones and-ed with `lookback(W)` after the or (:682-739 create_masks_for_vision_model);
+- gemma4 with `use_bidirectional_attention="vision"`: `mm_token_type_ids` 1 (image) or 2 (video), one
+  span per run; sliding layers only, its full layers stay causal (models/gemma4/modeling_gemma4.py:2143-2215,
+  2476);
+- paligemma: `token_type_ids == 0` (the image and the prompt) is one prefix span, the suffix (1) causal
+  (models/paligemma/modeling_paligemma.py:240-243);
+- molmo2: `mm_token_type_ids == 1`, every image and frame token in one span (models/molmo2/modeling_molmo2.py:860-862).
+
+Only the cells above the diagonal are judged (a key later than its query), on real queries and keys
+(the attention_mask's 1s): there the expectation is exactly "the same span" on every layer that gets the
+spans (lookback(W) keeps every later key) and "nothing" on a causal one; a window, padding or the cache
+below the diagonal are other rules'. A span cell a sliding layer leaves out W or more keys ahead is left
+unjudged too (a symmetric window would cut it). Key columns must be positions and the token types must
+cover every query: at a decode step Gemma 3 gets no token types (its prepare_inputs_for_generation,
+modeling_gemma3.py:1016-1026), and a decode query's later keys are none anyway.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from maskcli.checks.config import layer_kind
+from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, layer, queries
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+LONGEST = 40  # an expected expression longer than this is printed with blocks(...) (--json carries it whole)
+TOWERS = ("vision_tower", "audio_tower", "vision_model", "audio_model")  # encoders inside the same model call
+
+
+def runs(is_span: np.ndarray) -> np.ndarray:
+    """Int64 (B, L) block ids: 0, 1, ... for each run of True along a row, -1 elsewhere (get_block_sequence_ids_for_mask)."""
+    before = np.zeros_like(is_span)
+    before[:, 1:] = is_span[:, :-1]
+    number = np.cumsum(is_span & ~before, axis=1) - 1
+    return np.where(is_span, number, -1).astype(np.int64)
+
+
+def one_span(is_span: np.ndarray) -> np.ndarray:
+    """Int64 (B, L) block ids: 0 where True, -1 elsewhere (PaliGemma's prefix: torch.where(token_type_ids == 0, 0, -1))."""
+    return np.where(is_span, 0, -1).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Family:
+    argument: str  # the model call's argument that marks the spans
+    spans: Callable[[np.ndarray], np.ndarray]  # its values (B, L) -> block ids (B, L), -1 outside every span
+    what: str  # a span's name in a message
+    outside: str  # a token outside every span
+    layers: str  # "all", or the one layer type that gets the spans
+    on: Callable = lambda text_config: True  # whether this config makes the spans bidirectional at all
+
+
+FAMILIES = {
+    "gemma3": Family("token_type_ids", lambda t: runs(t == 1), "image", "text", "all"),
+    "gemma4": Family("mm_token_type_ids", lambda t: runs((t == 1) | (t == 2)), "image", "text", "sliding_attention",
+                     lambda text: getattr(text, "use_bidirectional_attention", None) == "vision"),
+    "paligemma": Family("token_type_ids", lambda t: one_span(t == 0), "prefix", "suffix", "all"),
+    "molmo2": Family("mm_token_type_ids", lambda t: one_span(t == 1), "image", "text", "all"),
+}
+
+
+def _text_config(config):
+    found = getattr(config, "get_text_config", None)
+    return found() if callable(found) else config
+
+
+def _family(top) -> tuple[Family, np.ndarray] | None:
+    """The family and its block ids (B, L) for this model call, where it is one of FAMILIES and was given its argument."""
+    config = None if top is None else top.config
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is None or not family.on(_text_config(config)):
+        return None
+    given = top.arguments.get(family.argument)
+    if not isinstance(given, np.ndarray) or given.ndim != 2:
+        return None
+    return family, family.spans(given)
+
+
+def _real(top, ids: np.ndarray, cells: np.ndarray, length: int) -> np.ndarray:
+    """Bool (B, length): the positions the attention_mask marks real, inside the token types; where the model call was
+    handed no 2-D attention_mask (generate's 4-D masks for a static cache), the keys some query of the row sees (a
+    padding key no query sees, and a padding query is where its own key is)."""
+    rows = ids.shape[0]
+    real = np.zeros((rows, length), dtype=bool)
+    width = min(length, ids.shape[1])
+    given = top.arguments.get("attention_mask")
+    if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[0] in (1, rows):
+        width = min(width, given.shape[1])
+        real[:, :width] = np.broadcast_to(given[:, :width] == 1, (rows, width))
+    else:
+        seen = np.broadcast_to(cells.any(axis=(1, 2)), (rows, cells.shape[-1]))
+        width = min(width, seen.shape[1])
+        real[:, :width] = seen[:, :width]
+    return real
+
+
+def _at(ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """ids (B, L) read at positions, -1 past L (transformers pads block ids with -1: maybe_pad_block_sequence_ids)."""
+    inside = positions < ids.shape[1]
+    found = np.full((ids.shape[0], len(positions)), -1, dtype=np.int64)
+    found[:, inside] = ids[:, positions[inside]]
+    return found
+
+
+def _spanned(run: Run):
+    """(call, its model call, family, block ids, query positions) for each call whose later keys the token types judge."""
+    for call in run.calls:
+        top = run.top(call)
+        family = _family(top)
+        if family is None or call.stored is None or any(word in (call.where or "").split(".") for word in TOWERS):
+            continue
+        family, ids = family
+        rows, _, q_len, k_len = call.shape
+        if ids.shape[0] != rows or q_len > k_len or not columns_are_positions(call, top):
+            continue
+        own = queries(call, top)
+        if own[-1] < ids.shape[1]:  # token types that cover every query (a decode step given the new ones only: not)
+            yield call, top, family, ids, own
+
+
+def explained(run: Run) -> set[int]:
+    """The calls whose keys after their queries the token types account for (a span seen both ways, a later key
+    seen by a padding query): trace's sees-later suspicion is answered there, by the findings of this module or
+    their absence."""
+    return {call.index for call, *_ in _spanned(run)}
+
+
+@dataclass
+class _Layer:
+    """One attention call judged: its model call, family, block ids, query positions, layer type and whether it gets
+    the spans."""
+
+    call: object
+    top: object
+    family: Family
+    ids: np.ndarray
+    own: np.ndarray
+    kind: str
+    spans: bool
+    window: int | None
+
+    def expected(self, row: int) -> str:
+        """What this layer's mask should be for one batch row, as a maskcli expression (padding aside)."""
+        ids = _at(self.ids, np.arange(self.call.shape[3]))[row]
+        text = f"causal | blocks({','.join(map(str, ids.tolist()))})" if self.spans else "causal"
+        if self.kind == "sliding_attention" and self.window:
+            return f"({text}) & lookback({self.window})" if self.spans else f"window({self.window})"
+        return text
+
+    def name(self, block: int) -> str:
+        if block < 0:
+            return self.family.outside
+        return self.family.what if self.family.what == "prefix" else f"{self.family.what} {int(block)}"
+
+    def finding(self, code: str, bad: np.ndarray, said: Callable[[int, int, int], str]) -> tuple:
+        """The finding at the first True of `bad` (B, Lq, Lk): `said` words that cell, the message adds the rest."""
+        b, q, k = first_cell(bad)
+        expected, source = self.expected(b), f"{self.family.argument} of {self.top.where}"
+        index = layer(self.call)
+        where = f"layer {index}" if index is not None else self.call.where
+        shown = expected if len(expected) <= LONGEST else re.sub(r"blocks\([^)]*\)", "blocks(...)", expected)
+        message = f"{where}, row {b}: {said(b, q, k)} ({int(bad.sum())} cells); {self.family.argument} say {shown}"
+        return self.call, Finding(code, message, expected=expected, source=source, cell=(b, int(self.own[q]), k))
+
+
+def check(run: Run) -> list:
+    """Each layer's cells above the diagonal against the spans its model call's token types make bidirectional."""
+    found, done = [], set()
+    for call, top, family, ids, own in _spanned(run):
+        text = _text_config(top.config)
+        kind = (layer_kind(text, layer(call)) or ("full_attention", ""))[0]
+        key = (call.mask, call.shape, ids.tobytes(), own.tobytes(), kind)
+        if key in done:
+            continue
+        done.add(key)
+        cells = keep(call)
+        if cells is not None and cells.shape[0] in (1, ids.shape[0]):
+            window = getattr(text, "sliding_window", None)
+            spans = family.layers in ("all", kind)
+            found += _judged(_Layer(call, top, family, ids, own, kind, spans, window if isinstance(window, int) else None),
+                             cells)
+    return found
+
+
+def _judged(at: _Layer, cells: np.ndarray) -> list:
+    keys, own = np.arange(at.call.shape[3]), at.own
+    q_ids, k_ids = _at(at.ids, own), _at(at.ids, keys)
+    real = _real(at.top, at.ids, cells, int(max(len(keys), own[-1] + 1)))
+    judged = (keys[None, :] > own[:, None])[None] & real[:, own][:, :, None] & real[:, :len(keys)][:, None, :]
+    same = (q_ids[:, :, None] == k_ids[:, None, :]) & (q_ids[:, :, None] >= 0) if at.spans else np.zeros_like(judged)
+    reach = judged
+    if at.kind == "sliding_attention" and at.window:
+        reach = judged & (keys[None, None, :] - own[None, :, None] < at.window)  # a symmetric window may cut the rest
+    leak = judged & np.broadcast_to(cells.any(axis=1), judged.shape) & ~same
+    missing = reach & same & ~np.broadcast_to(cells.all(axis=1), judged.shape)
+    found = []
+    if leak.any():
+        found.append(at.finding("span-leak", leak, lambda b, q, k: f"query {int(own[q])} ({at.name(q_ids[b, q])}) sees "
+                                f"later key {k} ({at.name(k_ids[b, k])})"))
+    if missing.any():
+        found.append(at.finding("span-not-bidirectional", missing, lambda b, q, k: f"query {int(own[q])} does not see "
+                                f"later key {k} of its own {at.name(q_ids[b, q])}"))
+    return found
+
+
+RULES = (
+    Rule("span-leak", "wrong", "steps", "a query that sees a later key outside its own bidirectional span (an image "
+         "that sees the next image, a text or suffix token that sees ahead), the spans read from the model call's "
+         "token_type_ids / mm_token_type_ids", check),
+    Rule("span-not-bidirectional", "wrong", "steps", "a token of an image (Gemma 3, Gemma 4's sliding layers) or of "
+         "PaliGemma's prefix that does not see the later tokens of its own span", check),
+)

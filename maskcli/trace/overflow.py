@@ -1,0 +1,153 @@
+"""Fills that overflow to -inf while a traced program computes: a cast or a sum that turns finite values into -inf.
+
+A program fills masked scores with a finite value so that a row masked everywhere stays finite (uniform
+weights, not NaN): torch.finfo(dtype).min, -1e9, -1e10. Two ways turn it into -inf again: a cast to a
+narrower dtype (-1e10 or finfo(float32).min cast to float16, finfo(float32).min to bfloat16), and a sum
+past the dtype's range (finfo.min + finfo.min, a causal plane added to a padding plane; finfo(float16).min
+plus a score below -16). The trace watches the casts and the sums, subtractions and products the program
+runs (never the in-place ones: their operands are gone once they have run) and remembers, by identity as
+scores.py does, every tensor where one made -inf out of finite values, and every tensor computed from one
+that keeps its last two dimensions (a view, the scores it is added to, a where). An attention call given one
+carries details["overflow"]: what overflowed, in which dtype, on which line of the program.
+
+The same watch sees a bool mask added to the scores (scores.py's): the bool counts as 0 and 1, so it masks
+nothing and adds 1 to the cells it keeps (or to those it meant to mask). A softmax over such scores carries
+details["bool_added"], with the line that added it.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from maskcli.trace.sites import frames_outside
+
+SUMS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__, torch.sub, torch.Tensor.sub, torch.Tensor.__rsub__,
+        torch.mul, torch.Tensor.mul, torch.Tensor.__rmul__}
+CASTS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type, torch.Tensor.type_as}
+ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__}
+WATCHED = SUMS | CASTS
+KEEP = 256  # remembered tensors before the dead ones are let go
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _overflowed(func, args: tuple, kwargs: dict, out: torch.Tensor) -> dict | None:
+    """What a cast or a sum turned into -inf out of finite operands; None where it did not."""
+    if func in CASTS:
+        given = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if given is None or not given.is_floating_point() or given.dtype == out.dtype or \
+                torch.finfo(out.dtype).max >= torch.finfo(given.dtype).max:
+            return None  # (a cast that cannot overflow costs nothing to look at: most casts are these)
+        inf = torch.isneginf(out)
+        if not bool(inf.any()):
+            return None
+        over = inf & torch.isfinite(given)
+        if not bool(over.any()):
+            return None
+        value = float(given[over].min())
+        return {"op": "cast", "value": value, "from": _dtype(given), "dtype": _dtype(out)}
+    inf = torch.isneginf(out)
+    if not bool(inf.any()):
+        return None
+    finite = torch.ones((), dtype=torch.bool, device=out.device)
+    operands = []
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            finite = finite & torch.isfinite(x)
+            operands.append(x)
+        elif isinstance(x, (int, float)) and not math.isfinite(x):
+            return None  # (-inf given: nothing overflowed)
+    over = inf & finite
+    if not bool(over.any()):
+        return None
+    low = [float(x.detach().broadcast_to(out.shape)[over].min()) for x in operands if x.dim() and x.is_floating_point()]
+    name = {torch.mul: "product", torch.Tensor.mul: "product", torch.Tensor.__rmul__: "product"}.get(func, "sum")
+    return {"op": name, "value": min(low) if low else None, "dtype": _dtype(out)}
+
+
+class Overflows:
+    """The tensors that hold a fill overflowed to -inf, or were computed from one, by identity (weak references)."""
+
+    def __init__(self):
+        self._found: dict[int, tuple[weakref.ref, dict]] = {}
+
+    def wanted(self, func) -> bool:
+        """Whether `func`'s result is looked at: a cast, a sum, or any call while a tensor is remembered."""
+        return func in WATCHED or bool(self._found)
+
+    def after(self, func, args: tuple, kwargs: dict, out, scores=None) -> None:
+        """Note `out` where `func` overflowed a fill, added a bool mask to scores, or computed it from a noted tensor.
+        Whatever goes wrong here is the watch's, never the program's: it is let go."""
+        if not isinstance(out, torch.Tensor) or out.dim() < 2 or not out.is_floating_point():
+            return
+        try:
+            with torch.no_grad():
+                self._after(func, args, kwargs, out, scores)
+        except Exception:  # (a tensor kind the checks cannot read: sparse, nested; the program runs on as it would)
+            pass
+
+    def _after(self, func, args: tuple, kwargs: dict, out: torch.Tensor, scores) -> None:
+        if func in ADDS and scores is not None:  # a bool mask added to scores: True adds 1, nothing is masked
+            bools = [x for x in args if isinstance(x, torch.Tensor) and x.dtype == torch.bool and x.dim() >= 2]
+            if bools and any(isinstance(x, torch.Tensor) and scores.has(x) for x in args):
+                self._note(out, {"op": "bool", "line": frames_outside(1)[0], "shape": list(bools[0].shape)})
+                return
+        if func in CASTS or func in SUMS:
+            found = _overflowed(func, args, kwargs, out)
+            if found is not None:
+                found["line"] = frames_outside(1)[0]
+                found["scores"] = scores is not None and any(isinstance(x, torch.Tensor) and scores.has(x) for x in args)
+                self._note(out, found)
+                return
+        if not self._found:
+            return
+        for x in (*args, *kwargs.values()):
+            found = self.get(x)
+            if found is not None and tuple(x.shape[-2:]) == tuple(out.shape[-2:]):
+                self._note(out, found)
+                return
+
+    def get(self, tensor) -> dict | None:
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        found = self._found.get(id(tensor))
+        return found[1] if found is not None and found[0]() is tensor else None
+
+    def of(self, args: tuple, kwargs: dict, api: str) -> dict | None:
+        """What overflowed in a tensor an attention call was given, if any did (or the bool mask added to it); for a
+        softmax over it, the first batch row and head whose query rows are -inf everywhere (NaN), as "rows": [b, h,
+        [q, ...]]. None where nothing did, or where the tensor cannot be read (the call is still recorded)."""
+        try:
+            return self._of(args, kwargs, api)
+        except Exception:
+            return None
+
+    def _of(self, args: tuple, kwargs: dict, api: str) -> dict | None:
+        for x in (*args, *kwargs.values()):
+            found = self.get(x)
+            if found is None:
+                continue
+            found = dict(found)
+            if api == "softmax" and x.dim() in (3, 4) and found["op"] != "bool":
+                empty = torch.isneginf(x.detach()).all(dim=-1).reshape(-1, x.shape[-2])  # (planes, Lq)
+                planes = torch.nonzero(empty.any(dim=-1)).flatten()
+                if len(planes):
+                    plane, heads = int(planes[0]), (x.shape[1] if x.dim() == 4 else 1)
+                    found["rows"] = [plane // heads, plane % heads, torch.nonzero(empty[plane]).flatten().tolist()[:64]]
+            return found
+        return None
+
+    def _note(self, tensor: torch.Tensor, found: dict) -> None:
+        if len(self._found) >= KEEP:
+            self._found = {key: entry for key, entry in self._found.items() if entry[0]() is not None}
+            if len(self._found) >= KEEP:
+                self._found.clear()
+        try:
+            self._found[id(tensor)] = (weakref.ref(tensor), found)
+        except TypeError:  # (a tensor subclass without weak references: not remembered)
+            pass

@@ -1,0 +1,109 @@
+"""checks/dtypes.py (with maskcli/trace/overflow.py, which marks what overflowed while the program ran): a finite fill
+that became -inf in the compute dtype, and a bool mask added to the scores, on reproductions of published bugs, and quiet
+where nothing overflowed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import maskcli
+from checkbugs import check_bug
+from maskcli.checks.registry import severity
+
+BUGS = [
+    ("opt_fp16_min_fill_overflow", "fill-became-inf"),  # huggingface/transformers#17433, fixed by #17437
+    ("flax_fp16_bias_cast_inf", "fill-became-inf"),  # google/flax#982, fixed by #1414 / #1527
+    ("mmdet_bool_mask_added", "bool-added"),  # open-mmlab/mmdetection#12351
+    ("onnxscript_bool_mask_added", "bool-added"),  # microsoft/onnxscript#580, fixed by #656
+]
+
+
+@pytest.mark.parametrize("name, code", BUGS)
+def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code):
+    check_bug(tmp_path, name, code)
+
+
+def traced(program) -> list:
+    with maskcli.trace() as t, torch.no_grad():
+        program()
+    return [(f.code, severity(f), f.message) for group in t.groups() for f in group.findings]
+
+
+def test_the_values_that_overflow_are_the_ones_torch_rounds_to_inf():
+    # IEEE rounding as torch casts and adds (c10/util/Half.h, BFloat16.h: round to nearest even): the reference the
+    # trace's watch relies on, written here so that a torch that saturated instead would fail this test first
+    assert torch.tensor(-1e10).half() == float("-inf")
+    assert torch.tensor(torch.finfo(torch.float32).min).bfloat16() == float("-inf")
+    low = torch.tensor(torch.finfo(torch.float16).min, dtype=torch.float16)
+    assert low + torch.tensor(-15.0, dtype=torch.float16) == low  # under half an ulp (32): back to finfo.min
+    assert low + torch.tensor(-16.0, dtype=torch.float16) == float("-inf")  # a tie, to even: past the range
+
+
+def test_two_min_planes_summed_in_bfloat16_are_suspicious_under_sdpa():
+    """NVIDIA-NeMo/Automodel#2658: a causal plane and a padding plane of finfo(bfloat16).min added, -inf where both
+    mask. SDPA gives the rows of -inf only 0 (aten/src/ATen/native/transformers/attention.cpp _safe_softmax), so
+    nothing is NaN here: suspicious, with the line that summed them, and exit status 0."""
+    def program():
+        dtype, length = torch.bfloat16, 4
+        low = torch.finfo(dtype).min
+        causal = torch.full((length, length), low, dtype=dtype).triu(1)[None, None]
+        padding = (1 - torch.tensor([[1, 1, 1, 0]], dtype=dtype))[:, None, None, :] * low
+        q = torch.randn(1, 1, length, 4, dtype=dtype)
+        F.scaled_dot_product_attention(q, q, q, attn_mask=causal + padding)
+
+    found = [f for f in traced(program) if f[0] == "fill-became-inf"]
+    assert len(found) == 1 and found[0][1] == "suspicious", found
+    assert "+ another mask in bfloat16 became -inf" in found[0][2] and "torch.where" in found[0][2], found
+
+
+def test_a_min_fill_plus_scores_that_leaves_every_row_a_finite_cell_is_quiet():
+    # finfo(float16).min + a score below -16 is -inf in cells already masked; each row keeps its own key: no NaN
+    def program():
+        scores = -40 * torch.ones(1, 1, 3, 3, dtype=torch.float16)
+        mask = torch.full((3, 3), torch.finfo(torch.float16).min, dtype=torch.float16).triu(1)
+        torch.softmax(torch.matmul(scores, scores.transpose(-1, -2)) * -1 + mask, dim=-1)
+
+    assert [f for f in traced(program) if f[0] == "fill-became-inf"] == []
+
+
+def test_a_fill_that_was_minus_inf_already_is_no_overflow():
+    # masked_fill with -inf and a cast of -inf: nothing finite became -inf (the softmax's NaN rows are fully-masked's)
+    def program():
+        scores = torch.randn(1, 1, 3, 3)
+        mask = torch.tensor([[False] * 3, [True, False, False], [True, True, False]])[None, None]
+        torch.softmax(scores.masked_fill(~mask, float("-inf")).half().float(), dim=-1)
+
+    found = traced(program)
+    assert [f for f in found if f[0] == "fill-became-inf"] == [] and ("fully-masked", "suspicious") in [f[:2] for f in found]
+
+
+def test_a_bool_mask_used_as_a_fill_is_no_bool_added():
+    # masked_fill(~keep, -inf) reads the bool as a mask (torch/_tensor_docs.py masked_fill_): nothing is added
+    def program():
+        scores = torch.randn(1, 1, 4, 4)
+        keep = torch.ones(4, 4, dtype=torch.bool).tril()
+        torch.softmax(scores.masked_fill(~keep, float("-inf")) + torch.zeros(4, 4), dim=-1)
+
+    assert [f for f in traced(program) if f[0] == "bool-added"] == []
+
+
+def test_the_watch_changes_nothing_the_program_computes():
+    # the same values, NaN where the program's own arithmetic makes NaN, with the watch on and off; a sparse tensor's
+    # sum (which the watch cannot read) runs as it would
+    def program():
+        scores = torch.randn(2, 1, 4, 4, dtype=torch.float16) * 30
+        mask = torch.full((4, 4), -1e10).to(torch.float16).triu(1)
+        mask[0] = float("-inf")
+        sparse = torch.eye(3).to_sparse() + torch.eye(3).to_sparse()
+        return torch.softmax(scores + mask, dim=-1), sparse.to_dense()
+
+    torch.manual_seed(0)
+    plain = program()
+    torch.manual_seed(0)
+    with maskcli.trace() as t:
+        watched = program()
+    for a, b in zip(plain, watched):
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+    assert t.calls and t.calls[0].details.get("overflow", {}).get("op") == "cast"

@@ -1,0 +1,63 @@
+"""checks/rows.py: query rows that see no key, and queries that see later keys, each against a double loop over the
+cells written here."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from maskcli import tracefile
+from maskcli.checks.rows import empty_rows, given_empty_rows, given_later, later
+
+
+def cells(batch: int, q_len: int, k_len: int, keep) -> np.ndarray:
+    """(batch, 1, Lq, Lk) bool, cell by cell: keep(b, q, k) with the queries at the end of the keys."""
+    out = np.zeros((batch, 1, q_len, k_len), dtype=bool)
+    for b in range(batch):
+        for q in range(q_len):
+            for k in range(k_len):
+                out[b, 0, q, k] = keep(b, k_len - q_len + q, k)
+    return out
+
+
+def call(keep: np.ndarray, api: str = "sdpa", **details):
+    return SimpleNamespace(api=api, shape=keep.shape, details=details), tracefile.from_dense(keep, keep.shape)
+
+
+def later_rows(keep: np.ndarray) -> list[int]:
+    q_len, k_len = keep.shape[-2:]
+    return [q for q in range(q_len) if any(keep[..., q, k].any() for k in range(k_len) if k > k_len - q_len + q)]
+
+
+def test_a_causal_mask_one_key_off_sees_later_keys_and_a_symmetric_window_does_not():
+    off = cells(1, 6, 6, lambda b, q, k: k <= q + 1)
+    assert later_rows(off) == [0, 1, 2, 3, 4]
+    [found] = later(*call(off), None)
+    assert found.code == "sees-later" and found.message.startswith("query rows 0-4 see later keys")
+    both = cells(1, 6, 6, lambda b, q, k: abs(q - k) <= 1)  # every later key it sees sees it back: meant both ways
+    assert later_rows(both) and later(*call(both), SimpleNamespace(expression=None, kind=None)) == []
+    assert later(*call(cells(1, 2, 5, lambda b, q, k: k <= q)), None) == []  # causal at the end of the keys
+
+
+def test_rows_that_see_no_key_are_a_note_where_the_kernel_gives_zero_and_wrong_where_it_gives_nan():
+    padded = cells(2, 3, 3, lambda b, q, k: b == 0 and k <= q)  # batch row 1: a sequence of length 0
+    assert [b for b in range(2) if not padded[b].any(axis=-1).all()] == [1]
+    for api, details, severity in (("sdpa", {}, "note"), ("mha", {"need_weights": True}, "wrong"),
+                                   ("softmax", {"fill": "-inf"}, "suspicious"), ("softmax", {"fill": "min"}, "note")):
+        [found] = empty_rows(*call(padded, api, **details), None)
+        assert (found.code, found.severity) == ("fully-masked", severity), api
+        assert found.message.startswith("query rows 0-2 of batch row 1 see no key at all: "), api
+    assert empty_rows(*call(cells(1, 3, 3, lambda b, q, k: k <= q)), None) == []
+
+
+def test_a_tensor_a_user_gave_is_read_the_same_way():
+    mask = SimpleNamespace(reading="mask", kind=None, expression=None)
+    off = cells(1, 4, 4, lambda b, q, k: k <= q + 1 and q != 3)  # query 3 sees nothing; 0-2 see one later key
+    [empty] = given_empty_rows(off, "mask", q_offset=0)
+    assert empty.message.startswith("query row 3 sees no key at all")
+    [seen] = given_later(off, mask)
+    assert seen.message.startswith("query rows 0-2 see later keys (query 0 sees key 1)")
+    assert given_later(off, SimpleNamespace(reading="mask", kind="full", expression="full")) == []  # meant by its kind
+    [hides] = given_empty_rows(np.array([[True, True], [False, False]])[:, None, None, :], "key padding [B, S]")
+    assert hides.message.startswith("batch row 1 hides every key")

@@ -1,0 +1,99 @@
+"""checks/serve.py: every finding serve makes is a rule of the registry, its severity the rule's where it states none,
+coloured and counted by severity; and the rules no other serve test reaches, each on a bug and on the correct batch."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from maskcli.checks.registry import READS, SEVERITIES, all_rules, rule, severity, wrong
+from maskcli.serve.checks import Finding, check
+from maskcli.serve.engines import from_tensors
+from serve_builders import BUILDERS, Req, allocate, flashinfer, vllm, vllm_local
+
+SERVE = Path(__file__).resolve().parent.parent / "maskcli" / "serve"
+
+
+def codes(tensors):
+    return [f.code for f in check(from_tensors(tensors, "batch"))]
+
+
+def test_every_code_serve_makes_is_a_registered_rule_whose_check_resolves():
+    """Read off serve's source: Finding("code", ...) and first_difference(..., code="...")."""
+    made = set()
+    for path in SERVE.glob("*.py"):
+        made |= set(re.findall(r'Finding\(\s*"([a-z0-9-]+)"', path.read_text()))
+        made |= set(re.findall(r'code="([a-z0-9-]+)"', path.read_text()))
+    assert len(made) >= 25
+    assert sorted(code for code in made if rule(code) is None) == []
+    serve_rules = [r for r in all_rules() if r.check.__qualname__.startswith("maskcli.serve.")]
+    assert {r.code for r in serve_rules} == made
+    for r in serve_rules:  # each names a function of serve/ that exists (imported when the rule runs)
+        module, _, name = r.check.__qualname__.partition(":")
+        assert r.severity in SEVERITIES and r.reads in READS and callable(getattr(importlib.import_module(module), name)), r.code
+
+
+def test_a_serve_finding_is_a_text_finding_whose_severity_is_its_rules_unless_it_says_one():
+    from maskcli import text
+
+    found = Finding("no-keys", "m", request=1)
+    assert isinstance(found, text.Finding) and found.severity is None and severity(found) == "wrong"
+    note = Finding("expect", "every request matched holds", "note")
+    assert severity(note) == "note" and wrong([found, note]) == [found]
+    assert found.json() == {"code": "no-keys", "severity": "wrong", "request": 1, "cell": None, "message": "m"}
+    assert Finding("seq-len", "m", request=0, cell=(8, 1)).json()["cell"] == [8, 1]
+
+
+def test_serve_colours_a_finding_by_its_severity():
+    from maskcli.render.serve import findings_text
+
+    shown = findings_text([Finding("seq-len", "a", request=0), Finding("model", "b", "suspicious"), Finding("expect", "c", "note")])
+    assert [(line.plain.split(":")[0], line.style) for line in shown] == [
+        ("• wrong seq-len (request 0)", "red"), ("• suspicious model", "yellow"), ("• note expect", "dim")]
+
+
+@pytest.mark.parametrize("engine, table", [("vllm", "block_table_tensor"), ("flash_attn", "block_table"),
+                                           ("trtllm", "kv_cache_block_offsets")])
+def test_table_short(engine, table):
+    """Request 1 (9 keys, 3 blocks of 4) given a table of 2 blocks: a block table sized for another batch."""
+    reqs = allocate([Req(0, 3), Req(5, 4)], 4)
+    good = BUILDERS[engine](reqs, 4)
+    assert codes(good) == []
+    found = check(from_tensors(dict(good, **{table: good[table][..., :2]}), "batch"))
+    assert [(f.code, f.request) for f in found] == [("table-short", 1)]
+
+
+def test_page_twice():
+    reqs = allocate([Req(0, 3), Req(5, 4)], 4)
+    reqs[1].pages[2] = reqs[1].pages[0]  # block 2 on block 0's page: positions 8.. overwrite keys 0..
+    for build in (vllm, flashinfer):
+        assert [(f.code, f.request) for f in check(from_tensors(build(reqs, 4), "batch"))] == [("page-twice", 1)]
+
+
+def test_cascade_lengths():
+    """vLLM's FlashAttention cascade (vllm/v1/attention/backends/flash_attn.py build): cu_prefix_query_lens = [0,
+    num_actual_tokens], suffix_kv_lens = seq_lens - common_prefix_len."""
+    reqs = allocate([Req(9, 2), Req(10, 3)], 4, shared=2)
+    seq = np.array([r.seq for r in reqs])
+    good = vllm(reqs, 4, common_prefix_len=8, cu_prefix_query_lens=[0, 5], prefix_kv_lens=[8], suffix_kv_lens=seq - 8)
+    assert codes(good) == []
+    assert codes(dict(good, suffix_kv_lens=seq)) == ["cascade-lengths"]  # the suffix pass would read the prefix again
+    assert codes(dict(good, cu_prefix_query_lens=[0, 13])) == ["cascade-lengths"]  # full lengths, not the new tokens
+
+
+def test_local_lengths_and_a_virtual_batch_across_a_chunk():
+    reqs = allocate([Req(2, 4), Req(5, 10), Req(6, 3)], 2)
+    good = vllm_local(reqs, 2, 4)  # virtual batches of queries [2, 2, 3, 4, 3, 2, 1] over chunks of 4
+    assert codes(good) == []
+    starts = good["local_query_start_loc"].copy()
+    starts[-1] += 1
+    assert codes(dict(good, local_query_start_loc=starts)) == ["local-lengths"]
+    merged = dict(good, local_query_start_loc=np.delete(good["local_query_start_loc"], 3),  # batches 2 and 3 as one
+                  local_seqused_k=np.delete(good["local_seqused_k"], 2), local_block_table=np.delete(good["local_block_table"], 2, 0))
+    found = check(from_tensors(merged, "batch"))
+    assert [(f.code, f.request) for f in found] == [("local-crosses-chunk", 1)]
+    assert "request 1's queries 5..11, across a chunk of 4" in found[0].message

@@ -1,0 +1,210 @@
+"""checks/spans.py: bidirectional spans from the model call's token types (Gemma 3's images, PaliGemma's prefix,
+Gemma 4's vision on sliding layers), on reproductions of published bugs and on masks built by a double loop."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from checkbugs import check_bug, runner
+from maskcli import tracefile
+from maskcli.checks.context import Run, Top
+from maskcli.checks.spans import FAMILIES, check, explained, one_span, runs
+from maskcli.commands import app
+
+BUGS = [
+    ("gemma3_images_see_later_images", "span-leak"),  # huggingface/transformers#38053, fixed by #38080
+    ("paligemma_suffix_sees_ahead", "span-leak"),  # huggingface/transformers#30918, fixed by #30967
+    ("gemma3_generate_drops_image_spans", "span-not-bidirectional"),  # huggingface/transformers#39389
+]
+
+
+@pytest.mark.parametrize("name, code", BUGS)
+def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code):
+    pytest.importorskip("transformers")
+    check_bug(tmp_path, name, code)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=6, max_size=6), min_size=1, max_size=3))
+def test_block_ids_are_transformers_own(types):
+    """runs() numbers the spans as Gemma 3's and Gemma 4's get_block_sequence_ids_for_mask do
+    (models/gemma3/modeling_gemma3.py:671-679, models/gemma4/modeling_gemma4.py:2206-2215)."""
+    torch = pytest.importorskip("torch")
+    gemma3 = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
+    gemma4 = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
+    types = np.array(types)
+    tensor = torch.from_numpy(types)
+    assert (runs(types == 1) == gemma3.get_block_sequence_ids_for_mask(tensor).numpy()).all()
+    assert (runs((types == 1) | (types == 2)) == gemma4.get_block_sequence_ids_for_mask(tensor, "cpu").numpy()).all()
+    assert (FAMILIES["paligemma"].spans(types) == np.where(types == 0, 0, -1)).all()  # modeling_paligemma.py:243
+    assert (FAMILIES["molmo2"].spans(types) == np.where(types == 1, 0, -1)).all()  # modeling_molmo2.py:862
+
+
+TYPES = np.array([[0, 0, 1, 1, 1, 0, 1, 1, 0], [0, 1, 1, 0, 0, 1, 1, 1, 0]])  # Gemma 3: 1 = an image token
+REAL = np.array([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9])  # the first row left-padded by two
+IMAGE = [[-1, -1, 0, 0, 0, -1, 1, 1, -1], [-1, 0, 0, -1, -1, 1, 1, 1, -1]]  # each run of 1s its own image
+
+
+def reference(window: int | None = None, spans: bool = True, rows=IMAGE, real=REAL) -> np.ndarray:
+    """Bool (B, 1, L, L) as transformers builds Gemma 3's masks: (causal | same image) [& kv > q - W] & real key,
+    a double loop over positions (masking_utils.py:981-1000 or-s the blocks on before the padding is and-ed)."""
+    batch, length = len(rows), len(rows[0])
+    cells = np.zeros((batch, 1, length, length), dtype=bool)
+    for b in range(batch):
+        for q in range(length):
+            for k in range(length):
+                same = spans and rows[b][q] == rows[b][k] and rows[b][q] >= 0
+                cells[b, 0, q, k] = (k <= q or same) and (window is None or k > q - window) and real[b][k] == 1
+    return cells
+
+
+def call(cells: np.ndarray, index: int, layer: int, where: str = "model.language_model.layers.{}.self_attn"):
+    shape = (cells.shape[0], 2, *cells.shape[2:])
+    return SimpleNamespace(index=index, where=where.format(layer), step=0, api="sdpa", shape=shape, stored=tracefile.from_dense(cells, shape),
+                           mask=str(index), details={"layer": layer})
+
+
+def config(model_type: str = "gemma3", layer_types=("sliding_attention", "full_attention"), **text):
+    text_config = SimpleNamespace(layer_types=list(layer_types), sliding_window=3, **text)
+    return SimpleNamespace(model_type=model_type, get_text_config=lambda: text_config)
+
+
+def findings(cells_by_layer, model_type="gemma3", argument="token_type_ids", types=TYPES, real=REAL, **text):
+    calls = [call(cells, i, i) for i, cells in enumerate(cells_by_layer)]
+    top = Top("Gemma3ForConditionalGeneration", config(model_type, **text), {argument: types, "attention_mask": real},
+              0, len(calls))
+    return [(c.index, f) for c, f in check(Run(calls, [top]))]
+
+
+def test_quiet_on_the_masks_transformers_builds():
+    assert findings([reference(window=3), reference()]) == []
+
+
+def test_an_image_token_that_does_not_see_a_later_token_of_its_image():
+    cells = reference()
+    cells[0, 0, 3, 4] = False  # query 3 and key 4 are both image 0 of the first row
+    [(index, found)] = findings([reference(window=3), cells])
+    assert (index, found.code, found.cell) == (1, "span-not-bidirectional", (0, 3, 4))
+    assert found.expected == "causal | blocks(-1,-1,0,0,0,-1,1,1,-1)"
+    assert "layer 1, row 0: query 3 does not see later key 4 of its own image 0" in found.message
+
+
+def test_a_causal_mask_on_a_sliding_layer_is_judged_within_the_window_only():
+    """A span cell W or more keys ahead is not judged on a sliding layer (a symmetric window would cut it); the
+    ones within are: image 1 of row 1 is keys 5-7, so query 5 must see 6 and 7 (W = 3)."""
+    [(index, found)] = findings([reference(window=3, spans=False), reference()])
+    assert (index, found.code, found.cell) == (0, "span-not-bidirectional", (0, 2, 3))
+    assert found.expected.startswith("(causal | blocks(") and found.expected.endswith(") & lookback(3)")
+
+
+def test_an_image_that_sees_the_next_image_or_text_that_sees_ahead():
+    cells = reference()
+    cells[1, 0, 2, 5] = True  # row 1: image 0's last token sees image 1
+    [(_, found)] = findings([reference(window=3), cells])
+    assert (found.code, found.cell) == ("span-leak", (1, 2, 5))
+    assert "query 2 (image 0) sees later key 5 (image 1)" in found.message
+    cells = reference()
+    cells[0, 0, 5, 6] = True  # row 0: a text token sees the image after it
+    [(_, found)] = findings([reference(window=3), cells])
+    assert (found.code, found.cell) == ("span-leak", (0, 5, 6))
+    assert "query 5 (text) sees later key 6 (image 1)" in found.message
+
+
+def test_padding_is_not_judged_here():
+    """A padding key seen, or a padding query that sees ahead, is arguments.py's (padding-ignored), not a span's."""
+    cells = reference()
+    cells[0, 0, 0, :] = True  # a padding query of the left-padded row sees every key
+    cells[0, 0, 4, 0] = True  # a real query sees a padding key (earlier: not this rule's)
+    assert findings([reference(window=3), cells]) == []
+
+
+def test_gemma4_spans_only_its_sliding_layers():
+    """Gemma 4 with use_bidirectional_attention="vision" ors the spans onto its sliding layers only; its full layers
+    stay causal (models/gemma4/modeling_gemma4.py:2143-2200); without "vision" no layer has them (:2476)."""
+    good = [reference(window=3), reference(spans=False)]
+    assert findings(good, "gemma4", "mm_token_type_ids", use_bidirectional_attention="vision") == []
+    [(index, found)] = findings([reference(window=3), reference()], "gemma4", "mm_token_type_ids",
+                                use_bidirectional_attention="vision")
+    assert (index, found.code, found.expected) == (1, "span-leak", "causal")
+    assert findings([reference(window=3), reference()], "gemma4", "mm_token_type_ids") == []
+
+
+def test_paligemma_prefix_is_one_span():
+    """PaliGemma: token_type_ids 0 (the image and the prompt) see each other both ways, the suffix is causal
+    (models/paligemma/modeling_paligemma.py:240-243)."""
+    types = np.array([[0, 0, 0, 0, 1, 1, 1]])
+    prefix = one_span(types == 0).tolist()
+    real = np.ones((1, 7), dtype=np.int64)
+    good = reference(rows=prefix, real=real)
+    assert findings([good], "paligemma", types=types, real=real, layer_types=("full_attention",)) == []
+    full = np.ones_like(good)  # transformers#30918: every real token sees every real token
+    [(_, found)] = findings([full], "paligemma", types=types, real=real, layer_types=("full_attention",))
+    assert (found.code, found.cell) == ("span-leak", (0, 0, 4))
+    assert "query 0 (prefix) sees later key 4 (suffix)" in found.message
+
+
+def test_calls_the_token_types_do_not_place_are_left_alone():
+    """A vision tower's attention inside the same model call, and a decode step given only its new token's type
+    (which would read as position 0), are not judged; every language-model call of the prefill is."""
+    tower = call(np.ones((2, 1, 9, 9), dtype=bool), 0, 0, "model.vision_tower.encoder.layers.{}.self_attn")
+    decode = call(np.ones((2, 1, 1, 9), dtype=bool), 1, 1)
+    decode.details["queries"] = (9, 10)
+    language = call(reference(), 2, 1)
+    top = Top("Gemma3ForConditionalGeneration", config(), {"token_type_ids": TYPES, "attention_mask": REAL}, 0, 3)
+    run = Run([tower, decode, language], [top])
+    assert check(run) == [] and explained(run) == {2}
+
+
+GENERATE = '''
+import sys
+import torch
+from transformers import Gemma3Config, Gemma3ForConditionalGeneration, PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+IMAGE, PAD = 60, 0
+text = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=8, sliding_window=3, layer_types=["sliding_attention", "full_attention"])
+vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4)
+if sys.argv[1] == "gemma3":
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=IMAGE,
+                          boi_token_index=61, eoi_token_index=62, pad_token_id=PAD)
+    model = Gemma3ForConditionalGeneration
+    input_ids = torch.tensor([[PAD, 5, 61, *[IMAGE] * 4, 62, 6], [5, 6, 61, *[IMAGE] * 4, 62, 7]])
+    types = (input_ids == IMAGE).long()
+else:
+    text.pop("layer_types"); text.pop("sliding_window")
+    config = PaliGemmaConfig(text_config=text, vision_config={**vision, "projection_dim": 16}, image_token_index=IMAGE,
+                             projection_dim=16, pad_token_id=PAD)
+    model = PaliGemmaForConditionalGeneration
+    input_ids = torch.tensor([[PAD, PAD, *[IMAGE] * 4, 2, 5], [*[IMAGE] * 4, 2, 5, 6, 7]])
+    types = torch.zeros_like(input_ids)
+config._attn_implementation = sys.argv[2]
+torch.manual_seed(0)
+model = model(config).eval()
+with torch.no_grad():
+    model.generate(input_ids=input_ids, attention_mask=(input_ids != PAD).long(), token_type_ids=types,
+                   pixel_values=torch.randn(2, 3, 8, 8), max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+'''
+
+
+@pytest.mark.parametrize("family, attn", [("gemma3", "eager"), ("paligemma", "sdpa")])
+def test_no_false_alarm_on_a_left_padded_generate(tmp_path, family, attn):
+    """A correct Gemma 3 / PaliGemma with an image per row, left-padded, prefill and two decode steps: no wrong
+    finding, and no sees-later where the token types account for the later keys."""
+    pytest.importorskip("transformers")
+    script, out, saved = tmp_path / "generate.py", tmp_path / "t.json", tmp_path / "run.pt"
+    script.write_text(GENERATE)
+    result = runner.invoke(app, ["trace", "--json", str(out), "--save", str(saved), str(script), family, attn])
+    data = json.loads(out.read_text())
+    found = [f for group in data["groups"] for f in group["findings"]]
+    assert data["exit_status"] == 0 and result.exit_code == 0, result.output
+    assert [f for f in found if f["severity"] == "wrong" or f["code"] == "sees-later"] == [], result.output
+    trace = tracefile.load(str(saved))
+    prefill = [c for c in trace["calls"] if c["where"].startswith("model.language_model") and c["shape"][2] > 1]
+    later = [np.triu(tracefile.keep_of(c, trace)[1, 0], 1).any() for c in prefill]  # the unpadded row
+    assert prefill and all(later), result.output  # every layer's prefill has its span seen both ways, and was judged
