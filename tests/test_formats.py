@@ -439,7 +439,7 @@ def test_flex_block_mask_and_mask_mod_run_the_mask(expr, flags, block):
     if "mask_mod=mask_mod" in code:
         from maskcli import build as rebuild  # the call the export prints, run as printed
 
-        mask_mod = eval(re.search(r"mask_mod = (build\(.*\))\.mask_mod", code).group(1), {"build": rebuild}).mask_mod
+        mask_mod = eval(re.search(r"mask_mod = (build\(.*\))\.local_mask_mod\(q\.device\)", code).group(1), {"build": rebuild}).mask_mod
     block_mask = BlockMask.from_kv_blocks(t["kv_num_blocks"], t["kv_indices"], t["full_kv_num_blocks"], t["full_kv_indices"],
                                           BLOCK_SIZE=(block, block), mask_mod=mask_mod, seq_lengths=(m.frame.q_len, m.frame.k_len))
     q, k, v = inputs(m.batch, 1, m.frame.q_len, m.frame.k_len)
