@@ -2,8 +2,8 @@
 
 A trace records, besides each attention call, every call of an outermost module (a model's forward,
 once per generate step): the module's `config` where it has one, the 2-D arguments that say where
-tokens are (attention_mask, position_ids, cache_position, token_type_ids, cu_seq_lens_q/k) as small
-numpy arrays, and which attention calls it made ([first, end) of the call indices). The rules read
+tokens are (attention_mask, position_ids, cache_position, token_type_ids, cu_seq_lens_q/k, cu_seqlens,
+seq_idx) as small numpy arrays, and which attention calls it made ([first, end) of the call indices). The rules read
 these as transformers reads them; nothing here imports torch or transformers.
 """
 
@@ -99,15 +99,24 @@ def keep(call) -> np.ndarray | None:
 
 
 def queries(call, top: Top | None) -> np.ndarray:
-    """The absolute position of each query row: `model`'s placing, the model call's cache_position, else the end of
-    the keys (a cache that keeps every key, the key columns being positions)."""
+    """The absolute position of each query row: `model`'s placing, the model call's cache_position or input_pos, its
+    position_ids where every batch row counts up by 1 (the furthest row's: a left-padded row counts from its first
+    real token; transformers' generate passes position_ids alone), else the end of the keys (a cache that keeps
+    every key, the key columns being positions)."""
     q_len, k_len = call.shape[2:]
     placed = call.details.get("queries")
     if placed is not None:
         return np.arange(placed[0], placed[1])
-    position = None if top is None else top.arguments.get("cache_position")
-    if isinstance(position, np.ndarray) and position.ndim == 1 and len(position) == q_len:
-        return position.astype(np.int64)
+    arguments = {} if top is None else top.arguments
+    for name in ("cache_position", "input_pos", "position_ids"):
+        given = arguments.get(name)
+        if not isinstance(given, np.ndarray) or given.ndim > 2 or given.shape[-1] != q_len:
+            continue
+        rows = given.reshape(-1, q_len)
+        if name != "position_ids":
+            return rows[0].astype(np.int64)
+        if (np.diff(rows, axis=1) == 1).all():
+            return rows[int(rows[:, 0].argmax())].astype(np.int64)
     return np.arange(k_len - q_len, k_len)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from maskcli.checks.context import Run, masked_somewhere
-from maskcli.checks.registry import all_rules
+from maskcli.checks.registry import all_rules, severity
 
 
 def findings(run: Run) -> list:
@@ -29,4 +29,8 @@ def apply(groups: list, run: Run) -> list:
     for group in groups:  # calls that see keys their model call's attention_mask marks as padding (arguments.py) say
         if any(f.code == "padding-ignored" for f in group.findings):  # it with its source: the same keys lost since
             group.findings = [f for f in group.findings if f.code != "padding-lost"]  # step 0 (steps.py) say it twice
+        if any(f.code in ("varlen-leak", "varlen-disagree") for f in group.findings):  # documents given outright
+            group.findings = [f for f in group.findings if f.code != "documents-leak"]  # (varlen.py): not said again
+        if any(severity(f) == "wrong" for f in group.findings if f.code != "prefill-chunks-differ"):  # a chunk another
+            group.findings = [f for f in group.findings if f.code != "prefill-chunks-differ"]  # rule calls wrong: said once
     return groups

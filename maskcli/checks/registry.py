@@ -26,7 +26,7 @@ from maskcli.text import Finding
 
 SEVERITIES = ("wrong", "suspicious", "note")
 READS = ("call", "site", "steps", "batch")
-MODULES = ("kernels", "config", "arguments", "steps", "cache")
+MODULES = ("kernels", "config", "arguments", "steps", "cache", "varlen", "prefill")
 
 
 @dataclass(frozen=True)

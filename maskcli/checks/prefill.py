@@ -1,0 +1,148 @@
+"""Chunked prefill equals one pass: a prompt prefilled in chunks behind a growing cache, put back together.
+
+A call site's successive calls of several queries each, whose queries continue one sequence (each chunk's
+first query right after the last one's: the model call's cache_position / input_pos / position_ids where
+given, else the keys growing by exactly the chunk, as a cache that keeps them does), are one prompt
+prefilled in chunks, as `generate(prefill_chunk_size=...)`, vLLM and SGLang do. Laid on absolute positions
+(each key column where the cache put it: position j where the keys reach the chunk's end, else the most
+recent keys ending at its last query), their rows put together must be the mask one pass over the prompt
+gives: the config's layer kind (causal, window(sliding_window), local(attention_chunk_size)) where a
+config says it, else the first chunk's own shape carried on (causal, or the window it shows). A later chunk
+whose queries see later keys, or miss keys of earlier chunks that one pass lets them see, is wrong. Keys
+past a chunk's last query (a static cache's slots not yet written) are cache.py's; the first chunk is
+checked alone by the other rules, and a group another rule already calls wrong is not told twice
+(engine.py). `maskcli model --prefill-chunk` checks the same of a Hugging Face family (hf/chunks.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.config import layer_kind
+from maskcli.checks.context import DENSE_CELLS, Run, first_cell, found_padding, keep, layer, queries
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def key_positions(call, own: np.ndarray) -> np.ndarray | None:
+    """Each key column's absolute position: `model`'s placing, position j where the keys reach the last query (a cache
+    that keeps every key, or a static one), else the most recent keys ending there; None for a ring's slots."""
+    if call.details.get("slots") is not None:
+        return None
+    placed = call.details.get("keys")
+    if placed is not None:
+        return np.arange(placed[0], placed[1])
+    k_len, last = call.shape[3], int(own[-1])
+    return np.arange(k_len) if k_len > last else np.arange(last + 1 - k_len, last + 1)
+
+
+def runs(run: Run, calls: list) -> list[list]:
+    """The call site's prefill chunks: runs of at least two calls of several queries, (call, queries, keys) each, the
+    first from position 0, each continuing the one before it."""
+    found, current = [], []
+    for call in calls:
+        own = queries(call, run.top(call))
+        keys = key_positions(call, own) if call.shape[2] > 1 else None
+        continues = bool(current) and int(own[0]) == int(current[-1][1][-1]) + 1 and call.shape[:2] == current[-1][0].shape[:2]
+        if keys is not None and continues:
+            current.append((call, own, keys))
+            continue
+        if len(current) > 1:
+            found.append(current)
+        current = [(call, own, keys)] if keys is not None and own[0] == 0 else []
+    return found + ([current] if len(current) > 1 else [])
+
+
+def together(chunks: list) -> np.ndarray | None:
+    """Bool (B, P, P): the chunks' rows on absolute positions (over the heads), keys past each chunk's last query left
+    out; None where a chunk's mask is not kept or the prompt is too long to lay out cell by cell."""
+    prompt = int(chunks[-1][1][-1]) + 1
+    batch = chunks[0][0].shape[0]
+    if batch * prompt * prompt > DENSE_CELLS:
+        return None
+    out = np.zeros((batch, prompt, prompt), dtype=bool)
+    for call, own, keys in chunks:
+        cells = keep(call)
+        if cells is None:
+            return None
+        cells = np.broadcast_to(cells.any(axis=1), (batch, *cells.shape[2:]))
+        inside = (keys >= 0) & (keys <= own[-1])
+        rows = out[:, own[0]:own[-1] + 1]
+        rows[..., keys[inside]] = cells[..., np.flatnonzero(inside)]
+    return out
+
+
+def _built(expression: str, prompt: int, padding: dict) -> np.ndarray | None:
+    """Bool (B or 1, P, P) of `expression` over the prompt with the padding found; None where it does not build."""
+    from maskcli.errors import MaskError
+    from maskcli.mask import MaskOptions, build
+
+    try:
+        return build(expression, MaskOptions(length=prompt, **padding)).dense().any(axis=1)
+    except MaskError:
+        return None
+
+
+def _window(rows: np.ndarray) -> int | None:
+    """W, the most keys a row of positions 0.. sees, where a row past W sees W (a window that cuts: one pass would show
+    it); else None. Whether the rows are that window is for the comparison to say."""
+    count = rows.sum(axis=-1)
+    width = int(count.max(initial=0))
+    return width if width > 0 and (count[:, width:] == width).any() else None
+
+
+def expectation(first, chunks: list, union: np.ndarray, config) -> tuple[str, str] | None:
+    """(expression, where it comes from) of the one-pass mask: the config's layer kind, else the first chunk's shape."""
+    index = layer(first)
+    kind = layer_kind(config, index)
+    if kind is not None:
+        name, field = kind
+        expressions = {"full_attention": "causal", "sliding_attention": f"window({getattr(config, 'sliding_window', 0)})",
+                       "chunked_attention": f"local({getattr(config, 'attention_chunk_size', 0)})"}
+        return (expressions[name], f"config ({field})") if name in expressions else None
+    head = union[:, :len(chunks[0][1])]
+    width = _window(head)
+    return ("causal", "its first chunk") if width is None else (f"window({width})", "its first chunk")
+
+
+def chunked(run: Run) -> list:
+    """A prompt prefilled in chunks whose masks put together differ from one pass over it."""
+    found = []
+    for where, calls in run.sites().items():
+        for chunks in runs(run, calls):
+            union = together(chunks)
+            if union is None:
+                continue
+            first = chunks[0][0]
+            prompt, head = union.shape[-1], len(chunks[0][1])
+            padding = found_padding(union[:, None])
+            expected = expectation(first, chunks, union, run.config(first))
+            if expected is None:
+                continue
+            cells = _built(expected[0], prompt, padding)
+            if cells is None or (cells.shape[0] not in (1, union.shape[0])) or np.array_equal(np.broadcast_to(cells, union.shape), union):
+                continue
+            cells = np.broadcast_to(cells, union.shape)
+            if not np.array_equal(cells[:, :head], union[:, :head]):
+                continue  # the first chunk differs already: a rule that reads one call says it
+            if expected[1] == "its first chunk" and expected[0] == "causal":
+                width = _window(union)  # a window wider than the first chunk, kept across the chunks
+                if width is not None and (window := _built(f"window({width})", prompt, padding)) is not None \
+                        and np.array_equal(np.broadcast_to(window, union.shape), union):
+                    continue
+            b, q, k = first_cell(cells != union)
+            call, own, _ = next(chunk for chunk in chunks if chunk[1][0] <= q <= chunk[1][-1])
+            what = (f"sees key {k}, later than itself" if k > q else f"sees key {k}, which one pass masks") if union[b, q, k] \
+                else f"misses key {k}{' of an earlier chunk' if k < own[0] else ''}, which one pass lets it see"
+            found.append((call, Finding("prefill-chunks-differ", (
+                f"a {prompt}-token prompt prefilled in {len(chunks)} chunks: put together, the chunks' masks differ from "
+                f"one pass over it ({expected[0]}, from {expected[1]}) in {int((cells != union).sum())} cells; query {q} of "
+                f"batch row {b} {what} (the chunk at step {call.step})"),
+                expected=expected[0], source=f"one pass over the prompt; {expected[0]} from {expected[1]}", cell=(b, q, k))))
+    return found
+
+
+RULES = (
+    Rule("prefill-chunks-differ", "wrong", "site", "a prompt prefilled in chunks behind a cache whose masks put together "
+         "differ from one pass over it (a chunk that misses earlier chunks' keys or sees later ones)", chunked),
+)
