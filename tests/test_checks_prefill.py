@@ -13,6 +13,7 @@ from maskcli.commands import app
 BUGS = [
     ("chunked_prefill_mask_dropped", "prefill-chunks-differ"),  # lablup/mlxcel#891: the continuation's mask dropped
     ("chunked_prefill_ring_overflow", "prefill-chunks-differ"),  # pytorch/executorch#20346: a chunk overflows the ring
+    ("chunked_prefill_own_keys_only", "prefill-chunks-differ"),  # kekzl/imp#114: a chunk's own keys, not the cache's
 ]
 
 
@@ -28,7 +29,7 @@ def _first_difference(sees, expected, prompt: int) -> tuple[int, int]:
 def test_the_first_cell_is_where_the_chunks_part_from_one_pass(tmp_path):
     """mlxcel#891 with chunks of 4 over 12 tokens: a continuation chunk sees its whole chunk and the cache; one pass is
     causal. executorch#20346 with chunks of 8 into a cache of the last 8 keys, window 4: a query sees the keys still
-    cached within its window."""
+    cached within its window. imp#114, chunks of 4: a query sees its own chunk's keys up to itself."""
     _, found, _ = traced(tmp_path, "chunked_prefill_mask_dropped", fixed=False)
     def dropped(q, k):
         return k <= q if q < 4 else k < (q // 4 + 1) * 4
@@ -40,6 +41,11 @@ def test_the_first_cell_is_where_the_chunks_part_from_one_pass(tmp_path):
     [finding] = [f for f in found if f["code"] == "prefill-chunks-differ"]
     assert finding["expected"] == "window(4)"
     assert finding["cell"] == [0, *_first_difference(overflowed, lambda q, k: q - 4 < k <= q, 16)]
+    _, found, _ = traced(tmp_path, "chunked_prefill_own_keys_only", fixed=False)
+    def own(q, k):
+        return k // 4 == q // 4 and k <= q
+    [finding] = [f for f in found if f["code"] == "prefill-chunks-differ"]
+    assert finding["expected"] == "causal" and finding["cell"] == [0, *_first_difference(own, lambda q, k: k <= q, 12)]
 
 
 def test_a_chunked_prefill_aligned_top_left_is_said_once(tmp_path):

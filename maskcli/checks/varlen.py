@@ -95,9 +95,16 @@ def _cells(call, labels: np.ndarray):
     return cells, labels
 
 
+def _handed(run: Run) -> bool:
+    """Whether any model call of the run was given documents (most runs: none, and the rules stop here)."""
+    return any(name in top.arguments for top in run.tops for name in (*CUMULATIVE, "seq_idx"))
+
+
 def leaks(run: Run) -> list:
     """A query that sees another document's key, the documents given to the model call by cu_seq_lens or seq_idx."""
     found, done = [], set()
+    if not _handed(run):
+        return found
     for call in run.calls:
         top = run.top(call)
         if top is None or call.stored is None or _parted(top) is not None:
@@ -147,6 +154,8 @@ def _parted(top) -> tuple | None:
 def disagree(run: Run) -> list:
     """Two arguments of one model call that place its documents differently: cu_seq_lens, seq_idx, position_ids."""
     found, done = [], set()
+    if not _handed(run):
+        return found
     for call in run.calls:
         top = run.top(call)
         if top is None or id(top) in done or call.stored is None:
