@@ -102,3 +102,40 @@ def test_transformers_generate_in_prefill_chunks(tmp_path):
             # padding-ignored says, from the attention_mask: the same bug not told twice
             assert {f["expected"] for f in found if f["code"] == "prefill-chunks-differ"} == {"window(3)"}
             assert "padding-ignored" in {f["code"] for f in found}
+
+
+TREE = """
+import torch
+import torch.nn.functional as F
+
+def attend(q, k, mask):
+    return F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+
+torch.manual_seed(0)
+x = torch.randn(1, 2, 10, 8)
+attend(x[:, :, :6], x[:, :, :6], torch.ones(6, 6, dtype=torch.bool).tril())  # prefill
+parents = [-1, 0, 0, 1]  # a draft tree of 4 tokens after the 6 cached: 1 and 2 are siblings
+tree = torch.eye(4, dtype=torch.bool)
+for i, p in enumerate(parents):
+    while p >= 0:
+        tree[i, p], p = True, parents[p]
+keys = x[:, :, :10]
+mask = torch.cat([torch.ones(4, 6, dtype=torch.bool), tree], dim=1)
+attend(x[:, :, 6:], keys, mask)  # verification
+"""
+
+
+def test_a_speculative_trees_verification_after_prefill_is_not_a_chunk_bug(tmp_path):
+    """A draft tree verified behind the cache continues the prompt's positions, and its queries miss siblings inside
+    their own block: that is the tree's mask, not a chunk that lost earlier keys. Every query still sees every cached
+    key, which a dropped cache would not."""
+    script = tmp_path / "tree.py"
+    script.write_text(TREE)
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    found = [f for group in json.loads(out.read_text())["groups"] for f in group["findings"] if f["severity"] == "wrong"]
+    assert result.exit_code == 0 and found == [], result.output
+    script.write_text(TREE.replace("torch.ones(4, 6, dtype=torch.bool)", "torch.zeros(4, 6, dtype=torch.bool)"))
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    found = [f for group in json.loads(out.read_text())["groups"] for f in group["findings"] if f["severity"] == "wrong"]
+    assert result.exit_code == 1 and [(f["code"], f["cell"]) for f in found] == [("prefill-chunks-differ", [0, 6, 0])]

@@ -105,38 +105,62 @@ def expectation(first, chunks: list, union: np.ndarray, config) -> tuple[str, st
     return ("causal", "its first chunk") if width is None else (f"window({width})", "its first chunk")
 
 
+SPANS = ("token_type_ids", "mm_token_type_ids")  # image spans one pass sees both ways: a mask no kind here rebuilds
+
+
+def _differ(union: np.ndarray, cells: np.ndarray, chunks: list) -> np.ndarray:
+    """Bool (B, P, P): where the chunks put together part from one pass, leaving out keys a query misses inside its own
+    chunk (a speculative tree's verification step masks those, and no chunking bug does: it drops earlier chunks'
+    keys, or lets a chunk see later ones)."""
+    start = np.zeros(union.shape[-1], dtype=np.int64)
+    for _, own, _ in chunks:
+        start[own[0]:own[-1] + 1] = own[0]
+    inside = np.arange(union.shape[-1])[None, :] >= start[:, None]
+    return (cells != union) & ~(cells & ~union & inside)
+
+
+def _one_pass(run: Run, chunks: list, union: np.ndarray) -> tuple[str, str, np.ndarray] | None:
+    """(expression, where it comes from, its cells (B, P, P)) of the one-pass mask where the first chunk is that mask's
+    rows; None where it is not known, or the chunks put together are it (or, from the first chunk alone, a window
+    wider than it: a first chunk shorter than the window is causal)."""
+    first = chunks[0][0]
+    config = run.config(first)
+    tops = [top for top in (run.top(call) for call, _, _ in chunks) if top is not None]
+    if getattr(config, "is_encoder_decoder", False) or any(np.any(top.arguments.get(name, 0)) for top in tops for name in SPANS):
+        return None
+    expected = expectation(first, chunks, union, config)
+    padding = found_padding(union[:, None])
+    cells = None if expected is None else _built(expected[0], union.shape[-1], padding)
+    if cells is None or cells.shape[0] not in (1, union.shape[0]):
+        return None
+    cells = np.broadcast_to(cells, union.shape)
+    head = len(chunks[0][1])
+    if np.array_equal(cells, union) or not np.array_equal(cells[:, :head], union[:, :head]):
+        return None  # the same; or the first chunk differs already, which a rule that reads one call says
+    if expected == ("causal", "its first chunk") and (width := _window(union)) is not None:
+        window = _built(f"window({width})", union.shape[-1], padding)
+        if window is not None and np.array_equal(np.broadcast_to(window, union.shape), union):
+            return None
+    return (*expected, cells)
+
+
 def chunked(run: Run) -> list:
     """A prompt prefilled in chunks whose masks put together differ from one pass over it."""
     found = []
-    for where, calls in run.sites().items():
+    for calls in run.sites().values():
         for chunks in runs(run, calls):
             union = together(chunks)
-            if union is None:
+            expected = None if union is None else _one_pass(run, chunks, union)
+            differ = None if expected is None else _differ(union, expected[2], chunks)
+            if differ is None or not differ.any():
                 continue
-            first = chunks[0][0]
-            prompt, head = union.shape[-1], len(chunks[0][1])
-            padding = found_padding(union[:, None])
-            expected = expectation(first, chunks, union, run.config(first))
-            if expected is None:
-                continue
-            cells = _built(expected[0], prompt, padding)
-            if cells is None or (cells.shape[0] not in (1, union.shape[0])) or np.array_equal(np.broadcast_to(cells, union.shape), union):
-                continue
-            cells = np.broadcast_to(cells, union.shape)
-            if not np.array_equal(cells[:, :head], union[:, :head]):
-                continue  # the first chunk differs already: a rule that reads one call says it
-            if expected[1] == "its first chunk" and expected[0] == "causal":
-                width = _window(union)  # a window wider than the first chunk, kept across the chunks
-                if width is not None and (window := _built(f"window({width})", prompt, padding)) is not None \
-                        and np.array_equal(np.broadcast_to(window, union.shape), union):
-                    continue
-            b, q, k = first_cell(cells != union)
+            b, q, k = first_cell(differ)
             call, own, _ = next(chunk for chunk in chunks if chunk[1][0] <= q <= chunk[1][-1])
             what = (f"sees key {k}, later than itself" if k > q else f"sees key {k}, which one pass masks") if union[b, q, k] \
                 else f"misses key {k}{' of an earlier chunk' if k < own[0] else ''}, which one pass lets it see"
             found.append((call, Finding("prefill-chunks-differ", (
-                f"a {prompt}-token prompt prefilled in {len(chunks)} chunks: put together, the chunks' masks differ from "
-                f"one pass over it ({expected[0]}, from {expected[1]}) in {int((cells != union).sum())} cells; query {q} of "
+                f"a {union.shape[-1]}-token prompt prefilled in {len(chunks)} chunks: put together, the chunks' masks differ "
+                f"from one pass over it ({expected[0]}, from {expected[1]}) in {int(differ.sum())} cells; query {q} of "
                 f"batch row {b} {what} (the chunk at step {call.step})"),
                 expected=expected[0], source=f"one pass over the prompt; {expected[0]} from {expected[1]}", cell=(b, q, k))))
     return found
