@@ -42,7 +42,7 @@ def runs(run: Run, calls: list) -> list[list]:
     found, current = [], []
     for call in calls:
         own = queries(call, run.top(call))
-        keys = key_positions(call, own) if call.shape[2] > 1 else None
+        keys = key_positions(call, own) if call.shape[2] > 1 and (np.diff(own) == 1).all() else None
         continues = bool(current) and int(own[0]) == int(current[-1][1][-1]) + 1 and call.shape[:2] == current[-1][0].shape[:2]
         if keys is not None and continues:
             current.append((call, own, keys))
