@@ -11,7 +11,8 @@ config says it, else the first chunk's own shape carried on (causal, or the wind
 whose queries see later keys, or miss keys of earlier chunks that one pass lets them see, is wrong. Keys
 past a chunk's last query (a static cache's slots not yet written) are cache.py's; the first chunk is
 checked alone by the other rules, and a group another rule already calls wrong is not told twice
-(engine.py). `maskcli model --prefill-chunk` checks the same of a Hugging Face family (hf/chunks.py).
+(engine.py). `maskcli model` places its calls itself and checks `--prefill-chunk` against its own single
+pass (hf/chunks.py): its calls are left to it.
 """
 
 from __future__ import annotations
@@ -24,14 +25,9 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
-def key_positions(call, own: np.ndarray) -> np.ndarray | None:
-    """Each key column's absolute position: `model`'s placing, position j where the keys reach the last query (a cache
-    that keeps every key, or a static one), else the most recent keys ending there; None for a ring's slots."""
-    if call.details.get("slots") is not None:
-        return None
-    placed = call.details.get("keys")
-    if placed is not None:
-        return np.arange(placed[0], placed[1])
+def key_positions(call, own: np.ndarray) -> np.ndarray:
+    """Each key column's absolute position: position j where the keys reach the last query (a cache that keeps every
+    key, or a static one), else the most recent keys ending there (a sliding cache, or the chunk's own keys)."""
     k_len, last = call.shape[3], int(own[-1])
     return np.arange(k_len) if k_len > last else np.arange(last + 1 - k_len, last + 1)
 
@@ -41,6 +37,8 @@ def runs(run: Run, calls: list) -> list[list]:
     first from position 0, each continuing the one before it."""
     found, current = [], []
     for call in calls:
+        if call.details.get("queries") is not None:
+            return []  # placed by `model`, whose --prefill-chunk checks its chunks against its own single pass
         own = queries(call, run.top(call))
         keys = key_positions(call, own) if call.shape[2] > 1 and (np.diff(own) == 1).all() else None
         continues = bool(current) and int(own[0]) == int(current[-1][1][-1]) + 1 and call.shape[:2] == current[-1][0].shape[:2]
@@ -159,9 +157,9 @@ def chunked(run: Run) -> list:
             what = (f"sees key {k}, later than itself" if k > q else f"sees key {k}, which one pass masks") if union[b, q, k] \
                 else f"misses key {k}{' of an earlier chunk' if k < own[0] else ''}, which one pass lets it see"
             found.append((call, Finding("prefill-chunks-differ", (
-                f"a {union.shape[-1]}-token prompt prefilled in {len(chunks)} chunks: put together, the chunks' masks differ "
-                f"from one pass over it ({expected[0]}, from {expected[1]}) in {int(differ.sum())} cells; query {q} of "
-                f"batch row {b} {what} (the chunk at step {call.step})"),
+                f"prefilled in {len(chunks)} chunks, the {union.shape[-1]}-token prompt differs from one pass "
+                f"({expected[0]}, from {expected[1]}) in {int(differ.sum())} cells: query {q} of batch row {b} {what} "
+                f"(step {call.step})"),
                 expected=expected[0], source=f"one pass over the prompt; {expected[0]} from {expected[1]}", cell=(b, q, k))))
     return found
 

@@ -123,8 +123,8 @@ def leaks(run: Run) -> list:
                 b, q, k = first_cell(across)
                 expected = expression(labels)
                 found.append((call, Finding("varlen-leak", (
-                    f"{_named(name, top)} given to {top.where} marks documents {expected}, but query {q} of batch row {b} "
-                    f"sees key {k} of another document ({int(across.sum())} such cells): this call ignores them"),
+                    f"{_named(name, top)} given to {top.where}: documents {expected}, but query {q} of batch row {b} "
+                    f"sees key {k} of another one ({int(across.sum())} such cells)"),
                     expected=expected, source=f"{_named(name, top)} of {top.where}", cell=(b, q, k))))
             break  # one argument's documents per call (they agree, or varlen-disagree says where not)
     return found
