@@ -2,8 +2,8 @@
 
 A trace records, besides each attention call, every call of an outermost module (a model's forward,
 once per generate step): the module's `config` where it has one, the 2-D arguments that say where
-tokens are (attention_mask, position_ids, cache_position, token_type_ids, cu_seq_lens_q/k) as small
-numpy arrays, and which attention calls it made ([first, end) of the call indices). The rules read
+tokens are (attention_mask, position_ids, cache_position, token_type_ids, cu_seq_lens_q/k, cu_seqlens,
+seq_idx) as small numpy arrays, and which attention calls it made ([first, end) of the call indices). The rules read
 these as transformers reads them; nothing here imports torch or transformers.
 """
 
@@ -100,19 +100,27 @@ def keep(call) -> np.ndarray | None:
 
 
 def queries(call, top: Top | None) -> np.ndarray:
-    """The absolute position of each query row: `model`'s placing, the model call's cache_position, the last tokens a
-    static cache holds (its slots past them unwritten), else the end of the keys (a cache that keeps every key, the
-    key columns being positions)."""
+    """The absolute position of each query row: `model`'s placing, the model call's cache_position or input_pos, the
+    last tokens a static cache holds (its slots past them unwritten), its position_ids where every batch row counts
+    up by 1 (the furthest row's: a left-padded row counts from its first real token; transformers' generate passes
+    position_ids alone), else the end of the keys (a cache that keeps every key, the key columns being positions)."""
     q_len, k_len = call.shape[2:]
     placed = call.details.get("queries")
     if placed is not None:
         return np.arange(placed[0], placed[1])
-    position = None if top is None else top.arguments.get("cache_position")
-    if isinstance(position, np.ndarray) and position.ndim == 1 and len(position) == q_len:
-        return position.astype(np.int64)
-    held = None if top is None else top.arguments.get("cache_length")
+    arguments = {} if top is None else top.arguments
+    for name in ("cache_position", "input_pos"):
+        given = arguments.get(name)
+        if isinstance(given, np.ndarray) and given.ndim <= 2 and given.shape[-1] == q_len:
+            return given.reshape(-1, q_len)[0].astype(np.int64)
+    held = arguments.get("cache_length")
     if isinstance(held, int) and q_len <= held < k_len:  # a static cache's slots past the written ones (trace/tops.py)
         return np.arange(held - q_len, held)
+    given = arguments.get("position_ids")
+    if isinstance(given, np.ndarray) and given.ndim <= 2 and given.shape[-1] == q_len:
+        rows = given.reshape(-1, q_len)
+        if (np.diff(rows, axis=1) == 1).all():
+            return rows[int(rows[:, 0].argmax())].astype(np.int64)
     return np.arange(k_len - q_len, k_len)
 
 

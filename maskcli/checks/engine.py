@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from maskcli.checks.context import Run, masked_somewhere
 from maskcli.checks import config
-from maskcli.checks.registry import all_rules
+from maskcli.checks.registry import all_rules, severity
 from maskcli.checks.spans import explained
 
 CONFIG = {rule.code for rule in config.RULES}
@@ -39,6 +39,10 @@ def apply(groups: list, run: Run) -> list:
     for group in groups:  # calls that see keys their model call's attention_mask marks as padding (arguments.py) say
         if any(f.code == "padding-ignored" for f in group.findings):  # it with its source: the same keys lost since
             group.findings = [f for f in group.findings if f.code != "padding-lost"]  # step 0 (steps.py) say it twice
+        if any(f.code in ("varlen-leak", "varlen-disagree") for f in group.findings):  # documents given outright
+            group.findings = [f for f in group.findings if f.code != "documents-leak"]  # (varlen.py): not said again
+        if any(severity(f) == "wrong" for f in group.findings if f.code != "prefill-chunks-differ"):  # a chunk another
+            group.findings = [f for f in group.findings if f.code != "prefill-chunks-differ"]  # rule calls wrong: said once
     judged = explained(run)  # later keys the model call's token types account for (spans.py): not a causal mask's slip
     for group in groups:
         if group.calls and all(call.index in judged for call in group.calls):

@@ -16,7 +16,7 @@ import torch
 from maskcli.checks.context import Top
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
-             "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens")
+             "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
 MOST = 1 << 20  # elements of one argument kept (a batch's 2-D ids; never a 4-D mask)
 
 

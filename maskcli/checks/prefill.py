@@ -1,0 +1,172 @@
+"""Chunked prefill equals one pass: a prompt prefilled in chunks behind a growing cache, put back together.
+
+A call site's successive calls of several queries each, whose queries continue one sequence (each chunk's
+first query right after the last one's: the model call's cache_position / input_pos / position_ids where
+given, else the keys growing by exactly the chunk, as a cache that keeps them does), are one prompt
+prefilled in chunks, as `generate(prefill_chunk_size=...)`, vLLM and SGLang do. Laid on absolute positions
+(each key column where the cache put it: position j where the keys reach the chunk's end, else the most
+recent keys ending at its last query), their rows put together must be the mask one pass over the prompt
+gives: the config's layer kind (causal, window(sliding_window), local(attention_chunk_size)) where a
+config says it, else the first chunk's own shape carried on (causal, or the window it shows). A later chunk
+whose queries see later keys, or miss keys of earlier chunks that one pass lets them see, is wrong. Keys
+past a chunk's last query (a static cache's slots not yet written) are cache.py's; the first chunk is
+checked alone by the other rules, and a group another rule already calls wrong is not told twice
+(engine.py). `maskcli model` places its calls itself and checks `--prefill-chunk` against its own single
+pass (hf/chunks.py): its calls are left to it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.config import layer_kind
+from maskcli.checks.context import DENSE_CELLS, Run, first_cell, found_padding, keep, layer, queries
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def key_positions(call, own: np.ndarray) -> np.ndarray:
+    """Each key column's absolute position: position j where the keys reach the last query (a cache that keeps every
+    key, or a static one), else the most recent keys ending there (a sliding cache, or the chunk's own keys)."""
+    k_len, last = call.shape[3], int(own[-1])
+    return np.arange(k_len) if k_len > last else np.arange(last + 1 - k_len, last + 1)
+
+
+def runs(run: Run, calls: list) -> list[list]:
+    """The call site's prefill chunks: runs of at least two calls of several queries, (call, queries, keys) each, the
+    first from position 0, each continuing the one before it."""
+    found, current = [], []
+    for call in calls:
+        if call.details.get("queries") is not None:
+            return []  # placed by `model`, whose --prefill-chunk checks its chunks against its own single pass
+        own = queries(call, run.top(call))
+        keys = key_positions(call, own) if call.shape[2] > 1 and (np.diff(own) == 1).all() else None
+        continues = bool(current) and int(own[0]) == int(current[-1][1][-1]) + 1 and call.shape[:2] == current[-1][0].shape[:2]
+        if keys is not None and continues:
+            current.append((call, own, keys))
+            continue
+        if len(current) > 1:
+            found.append(current)
+        current = [(call, own, keys)] if keys is not None and own[0] == 0 else []
+    return found + ([current] if len(current) > 1 else [])
+
+
+def together(chunks: list) -> np.ndarray | None:
+    """Bool (B, P, P): the chunks' rows on absolute positions (over the heads), keys past each chunk's last query left
+    out; None where a chunk's mask is not kept or the prompt is too long to lay out cell by cell."""
+    prompt = int(chunks[-1][1][-1]) + 1
+    batch = chunks[0][0].shape[0]
+    if batch * prompt * prompt > DENSE_CELLS:
+        return None
+    out = np.zeros((batch, prompt, prompt), dtype=bool)
+    for call, own, keys in chunks:
+        cells = keep(call)
+        if cells is None:
+            return None
+        cells = np.broadcast_to(cells.any(axis=1), (batch, *cells.shape[2:]))
+        inside = (keys >= 0) & (keys <= own[-1])
+        rows = out[:, own[0]:own[-1] + 1]
+        rows[..., keys[inside]] = cells[..., np.flatnonzero(inside)]
+    return out
+
+
+def _built(expression: str, prompt: int, padding: dict) -> np.ndarray | None:
+    """Bool (B or 1, P, P) of `expression` over the prompt with the padding found; None where it does not build."""
+    from maskcli.errors import MaskError
+    from maskcli.mask import MaskOptions, build
+
+    try:
+        return build(expression, MaskOptions(length=prompt, **padding)).dense().any(axis=1)
+    except MaskError:
+        return None
+
+
+def _window(rows: np.ndarray) -> int | None:
+    """W, the most keys a row of positions 0.. sees, where a row past W sees W (a window that cuts: one pass would show
+    it); else None. Whether the rows are that window is for the comparison to say."""
+    count = rows.sum(axis=-1)
+    width = int(count.max(initial=0))
+    return width if width > 0 and (count[:, width:] == width).any() else None
+
+
+def expectation(first, chunks: list, union: np.ndarray, config) -> tuple[str, str] | None:
+    """(expression, where it comes from) of the one-pass mask: the config's layer kind, else the first chunk's shape."""
+    index = layer(first)
+    kind = layer_kind(config, index)
+    if kind is not None:
+        name, field = kind
+        expressions = {"full_attention": "causal", "sliding_attention": f"window({getattr(config, 'sliding_window', 0)})",
+                       "chunked_attention": f"local({getattr(config, 'attention_chunk_size', 0)})"}
+        return (expressions[name], f"config ({field})") if name in expressions else None
+    head = union[:, :len(chunks[0][1])]
+    width = _window(head)
+    return ("causal", "its first chunk") if width is None else (f"window({width})", "its first chunk")
+
+
+SPANS = ("token_type_ids", "mm_token_type_ids")  # image spans one pass sees both ways: a mask no kind here rebuilds
+
+
+def _differ(union: np.ndarray, cells: np.ndarray, chunks: list) -> np.ndarray:
+    """Bool (B, P, P): where the chunks put together part from one pass, leaving out keys a query misses inside its own
+    chunk (a speculative tree's verification step masks those, and no chunking bug does: it drops earlier chunks'
+    keys, or lets a chunk see later ones)."""
+    start = np.zeros(union.shape[-1], dtype=np.int64)
+    for _, own, _ in chunks:
+        start[own[0]:own[-1] + 1] = own[0]
+    inside = np.arange(union.shape[-1])[None, :] >= start[:, None]
+    return (cells != union) & ~(cells & ~union & inside)
+
+
+def _one_pass(run: Run, chunks: list, union: np.ndarray) -> tuple[str, str, np.ndarray] | None:
+    """(expression, where it comes from, its cells (B, P, P)) of the one-pass mask where the first chunk is that mask's
+    rows; None where it is not known, or the chunks put together are it (or, from the first chunk alone, a window
+    wider than it: a first chunk shorter than the window is causal)."""
+    first = chunks[0][0]
+    config = run.config(first)
+    tops = [top for top in (run.top(call) for call, _, _ in chunks) if top is not None]
+    if getattr(config, "is_encoder_decoder", False) or any(np.any(top.arguments.get(name, 0)) for top in tops for name in SPANS):
+        return None
+    expected = expectation(first, chunks, union, config)
+    padding = found_padding(union[:, None])
+    cells = None if expected is None else _built(expected[0], union.shape[-1], padding)
+    if cells is None or cells.shape[0] not in (1, union.shape[0]):
+        return None
+    cells = np.broadcast_to(cells, union.shape)
+    head = len(chunks[0][1])
+    if np.array_equal(cells, union) or not np.array_equal(cells[:, :head], union[:, :head]):
+        return None  # the same; or the first chunk differs already, which a rule that reads one call says
+    if expected == ("causal", "its first chunk") and (width := _window(union)) is not None:
+        window = _built(f"window({width})", union.shape[-1], padding)
+        if window is not None and np.array_equal(np.broadcast_to(window, union.shape), union):
+            return None
+    return (*expected, cells)
+
+
+def chunked(run: Run) -> list:
+    """A prompt prefilled in chunks whose masks put together differ from one pass over it."""
+    found = []
+    for calls in run.sites().values():
+        if sum(call.shape[2] > 1 for call in calls) < 2:
+            continue  # one prefill and its decode steps: no chunks (most runs stop here)
+        for chunks in runs(run, calls):
+            union = together(chunks)
+            expected = None if union is None else _one_pass(run, chunks, union)
+            differ = None if expected is None else _differ(union, expected[2], chunks)
+            if differ is None or not differ.any():
+                continue
+            b, q, k = first_cell(differ)
+            call, own, _ = next(chunk for chunk in chunks if chunk[1][0] <= q <= chunk[1][-1])
+            what = (f"sees key {k}, later than itself" if k > q else f"sees key {k}, which one pass masks") if union[b, q, k] \
+                else f"misses key {k}{' of an earlier chunk' if k < own[0] else ''}, which one pass lets it see"
+            found.append((call, Finding("prefill-chunks-differ", (
+                f"prefilled in {len(chunks)} chunks, the {union.shape[-1]}-token prompt differs from one pass "
+                f"({expected[0]}, from {expected[1]}) in {int(differ.sum())} cells: query {q} of batch row {b} {what} "
+                f"(step {call.step})"),
+                expected=expected[0], source=f"one pass over the prompt; {expected[0]} from {expected[1]}", cell=(b, q, k))))
+    return found
+
+
+RULES = (
+    Rule("prefill-chunks-differ", "wrong", "site", "a prompt prefilled in chunks behind a cache whose masks put together "
+         "differ from one pass over it (a chunk that misses earlier chunks' keys or sees later ones)", chunked),
+)

@@ -1,0 +1,141 @@
+"""checks/prefill.py: a prompt prefilled in chunks, put together, against one pass over it; on reproductions of
+published bugs, on transformers' own generate(prefill_chunk_size=...), and against cells worked out by a loop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from checkbugs import check_bug, runner, traced
+from maskcli.commands import app
+
+BUGS = [
+    ("chunked_prefill_mask_dropped", "prefill-chunks-differ"),  # lablup/mlxcel#891: the continuation's mask dropped
+    ("chunked_prefill_ring_overflow", "prefill-chunks-differ"),  # pytorch/executorch#20346: a chunk overflows the ring
+    ("chunked_prefill_own_keys_only", "prefill-chunks-differ"),  # kekzl/imp#114: a chunk's own keys, not the cache's
+]
+
+
+@pytest.mark.parametrize("name, code", BUGS)
+def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code):
+    check_bug(tmp_path, name, code)
+
+
+def _first_difference(sees, expected, prompt: int) -> tuple[int, int]:
+    return next((q, k) for q in range(prompt) for k in range(prompt) if sees(q, k) != expected(q, k))
+
+
+def test_the_first_cell_is_where_the_chunks_part_from_one_pass(tmp_path):
+    """mlxcel#891 with chunks of 4 over 12 tokens: a continuation chunk sees its whole chunk and the cache; one pass is
+    causal. executorch#20346 with chunks of 8 into a cache of the last 8 keys, window 4: a query sees the keys still
+    cached within its window. imp#114, chunks of 4: a query sees its own chunk's keys up to itself."""
+    _, found, _ = traced(tmp_path, "chunked_prefill_mask_dropped", fixed=False)
+    def dropped(q, k):
+        return k <= q if q < 4 else k < (q // 4 + 1) * 4
+    assert [f["cell"] for f in found if f["code"] == "prefill-chunks-differ"] == [[0, *_first_difference(dropped, lambda q, k: k <= q, 12)]]
+    _, found, _ = traced(tmp_path, "chunked_prefill_ring_overflow", fixed=False)
+    def overflowed(q, k):
+        cached = range(q // 8 * 8, q // 8 * 8 + 8)  # after a chunk of 8 is written, the cache holds that chunk only
+        return k in cached and q - 4 < k <= q
+    [finding] = [f for f in found if f["code"] == "prefill-chunks-differ"]
+    assert finding["expected"] == "window(4)"
+    assert finding["cell"] == [0, *_first_difference(overflowed, lambda q, k: q - 4 < k <= q, 16)]
+    _, found, _ = traced(tmp_path, "chunked_prefill_own_keys_only", fixed=False)
+    def own(q, k):
+        return k // 4 == q // 4 and k <= q
+    [finding] = [f for f in found if f["code"] == "prefill-chunks-differ"]
+    assert finding["expected"] == "causal" and finding["cell"] == [0, *_first_difference(own, lambda q, k: k <= q, 12)]
+
+
+def test_a_chunked_prefill_aligned_top_left_is_said_once(tmp_path):
+    """onnx#8068's chunks with is_causal: the decode-alignment rules say it; the chunks put together do not again."""
+    status, found, report = traced(tmp_path, "chunked_prefill_is_causal", fixed=False)
+    assert status == 1 and "prefill-chunks-differ" not in {f["code"] for f in found}, report
+
+
+GENERATE = '''
+import sys
+import torch
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+def chunk_mask_dropped(module, query, key, value, attention_mask, **kwargs):
+    if query.shape[2] != key.shape[2]:  # a continuation chunk: its mask dropped, and no is_causal either
+        attention_mask = None
+        kwargs["is_causal"] = False
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+AttentionInterface.register("dropped", chunk_mask_dropped)
+AttentionMaskInterface.register("dropped", sdpa_mask)
+attn = "dropped" if "--bug" in sys.argv else "sdpa"
+small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, attn_implementation=attn)
+torch.manual_seed(0)
+for model in (MistralForCausalLM(MistralConfig(sliding_window=3, **small)), LlamaForCausalLM(LlamaConfig(**small))):
+    model.eval()
+    ids = torch.tensor([[0, 0, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    mask = torch.tensor([[0, 0] + [1] * 8, [1] * 10])
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, prefill_chunk_size=4, pad_token_id=0)
+'''
+
+
+def test_transformers_generate_in_prefill_chunks(tmp_path):
+    """transformers' generate(prefill_chunk_size=4) on a left-padded batch, Mistral's sliding window (its cache keeps
+    the last keys) and Llama's full layers: the chunks put together are one pass, and no finding says otherwise.
+    An attention function that drops a continuation chunk's mask is told, against the config's window(3). (Before
+    queries were read from generate's position_ids, steps.py's padding-lost took Mistral's sliding cache for
+    positions and called this correct run wrong.)"""
+    pytest.importorskip("transformers")
+    script = tmp_path / "generate.py"
+    script.write_text(GENERATE)
+    for bug in ([], ["--bug"]):
+        out = tmp_path / "t.json"
+        result = runner.invoke(app, ["trace", "--json", str(out), str(script), *bug])
+        found = [f for group in json.loads(out.read_text())["groups"] for f in group["findings"] if f["severity"] == "wrong"]
+        if not bug:
+            assert result.exit_code == 0 and found == [], result.output
+        else:
+            assert result.exit_code == 1 and "prefill-chunks-differ" in {f["code"] for f in found}, result.output
+            # Mistral's chunks against its config's window; Llama's continuation chunks see the padding too, which
+            # padding-ignored says, from the attention_mask: the same bug not told twice
+            assert {f["expected"] for f in found if f["code"] == "prefill-chunks-differ"} == {"window(3)"}
+            assert "padding-ignored" in {f["code"] for f in found}
+
+
+TREE = """
+import torch
+import torch.nn.functional as F
+
+def attend(q, k, mask):
+    return F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+
+torch.manual_seed(0)
+x = torch.randn(1, 2, 10, 8)
+attend(x[:, :, :6], x[:, :, :6], torch.ones(6, 6, dtype=torch.bool).tril())  # prefill
+parents = [-1, 0, 0, 1]  # a draft tree of 4 tokens after the 6 cached: 1 and 2 are siblings
+tree = torch.eye(4, dtype=torch.bool)
+for i, p in enumerate(parents):
+    while p >= 0:
+        tree[i, p], p = True, parents[p]
+keys = x[:, :, :10]
+mask = torch.cat([torch.ones(4, 6, dtype=torch.bool), tree], dim=1)
+attend(x[:, :, 6:], keys, mask)  # verification
+"""
+
+
+def test_a_speculative_trees_verification_after_prefill_is_not_a_chunk_bug(tmp_path):
+    """A draft tree verified behind the cache continues the prompt's positions, and its queries miss siblings inside
+    their own block: that is the tree's mask, not a chunk that lost earlier keys. Every query still sees every cached
+    key, which a dropped cache would not."""
+    script = tmp_path / "tree.py"
+    script.write_text(TREE)
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    found = [f for group in json.loads(out.read_text())["groups"] for f in group["findings"] if f["severity"] == "wrong"]
+    assert result.exit_code == 0 and found == [], result.output
+    script.write_text(TREE.replace("torch.ones(4, 6, dtype=torch.bool)", "torch.zeros(4, 6, dtype=torch.bool)"))
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    found = [f for group in json.loads(out.read_text())["groups"] for f in group["findings"] if f["severity"] == "wrong"]
+    assert result.exit_code == 1 and [(f["code"], f["cell"]) for f in found] == [("prefill-chunks-differ", [0, 6, 0])]

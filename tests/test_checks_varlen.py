@@ -1,0 +1,136 @@
+"""checks/varlen.py: documents given to the model call by cu_seq_lens / cu_seqlens / seq_idx, on reproductions of
+published bugs and on programs written here, each against documents and cells worked out in the test."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from checkbugs import check_bug, runner, traced
+from maskcli.checks.varlen import expression, given
+from maskcli.checks.context import Top
+from maskcli.commands import app
+
+
+def test_flattened_batch_with_an_all_ones_mask(tmp_path):
+    # huggingface/transformers#46634: masking_utils.py lines 862-870 read packed documents from position_ids only when
+    # attention_mask is None, so SDPA runs causal over the flattened row
+    pytest.importorskip("transformers")
+    check_bug(tmp_path, "flattened_batch_ones_mask", "varlen-leak")
+
+
+def test_cu_seqlens_overwritten_from_the_attention_mask(tmp_path):
+    check_bug(tmp_path, "fla_cu_seqlens_overwritten", "varlen-leak")  # fla-org/flash-linear-attention#842
+
+
+def test_the_leak_is_said_once_with_the_documents_it_crosses(tmp_path):
+    """The flattened batch's position_ids restart where cu_seq_lens say (DataCollatorWithFlattening writes both):
+    the leak is one finding, naming the documents as the collator's lengths give them, at the first cell a double
+    loop over the positions finds."""
+    pytest.importorskip("transformers")
+    status, found, report = traced(tmp_path, "flattened_batch_ones_mask", fixed=False)
+    lengths = [3, 4, 2]  # the samples the program flattens
+    document = [n for n, size in enumerate(lengths) for _ in range(size)]
+    first = next((q, k) for q in range(9) for k in range(q + 1) if document[q] != document[k])  # causal, crossing
+    assert [f["code"] for f in found if f["severity"] == "wrong"] == ["varlen-leak"], report
+    assert found[0]["expected"] == "document(sizes=[3,4,2])" and found[0]["cell"] == [0, *first]
+    assert found[0]["source"] == "cu_seq_lens_q/k of LlamaForCausalLM"
+
+
+HYBRID = '''
+import sys
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+class Attention(nn.Module):
+    def forward(self, x, seq_idx=None, cu_seq_lens_q=None, cu_seq_lens_k=None):
+        q = k = v = x[:, None]
+        if seq_idx is None and cu_seq_lens_q is not None:
+            seq_idx = torch.repeat_interleave(torch.arange(len(cu_seq_lens_q) - 1), cu_seq_lens_q.diff())[None]
+        if "--bug" in sys.argv or seq_idx is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        n = x.shape[1]
+        same = seq_idx[:, :, None] == seq_idx[:, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(same & torch.ones(n, n, dtype=torch.bool).tril())[:, None])
+
+class HybridModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Attention()])
+
+    def forward(self, inputs_embeds, **kwargs):
+        for layer in self.layers:
+            inputs_embeds = layer(inputs_embeds, **kwargs)
+        return inputs_embeds
+
+torch.manual_seed(0)
+seq_idx = torch.tensor([[0, 0, 1, 1, 1, 2]], dtype=torch.int32)
+extra = {}
+if "--cu" in sys.argv:
+    extra = dict(cu_seq_lens_q=torch.tensor([0, 2, 4, 6]), cu_seq_lens_k=torch.tensor([0, 2, 4, 6]))
+HybridModel()(torch.randn(1, 6, 4), seq_idx=seq_idx, **extra)
+'''
+
+
+def _run(tmp_path, source: str, *args: str) -> tuple[int, list[dict]]:
+    script = tmp_path / "program.py"
+    script.write_text(source)
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script), *args])
+    return result.exit_code, [f for group in json.loads(out.read_text())["groups"] for f in group["findings"]]
+
+
+def test_seq_idx_marks_the_documents_of_a_hybrid_models_attention(tmp_path):
+    """seq_idx (GraniteMoeHybridFlashAttentionKwargs: each token's packed sequence) given to the model: a causal mask
+    over it leaks; the same-document mask does not."""
+    status, found = _run(tmp_path, HYBRID)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == []
+    status, found = _run(tmp_path, HYBRID, "--bug")
+    seq_idx = [0, 0, 1, 1, 1, 2]
+    first = next((q, k) for q in range(6) for k in range(q + 1) if seq_idx[q] != seq_idx[k])
+    assert status == 1
+    assert [(f["code"], f["expected"], f["cell"]) for f in found if f["severity"] == "wrong"] == [
+        ("varlen-leak", "document(sizes=[2,3,1])", [0, *first])]
+
+
+def test_cu_seq_lens_that_disagree_with_seq_idx_are_wrong(tmp_path):
+    """cu_seq_lens [0, 2, 4, 6] start documents at 0, 2, 4; seq_idx at 0, 2, 5: they part at token 4 first. Which
+    documents leak depends on which one is right, so the disagreement is the one finding."""
+    status, found = _run(tmp_path, HYBRID, "--cu")
+    wrong = [f for f in found if f["severity"] == "wrong"]
+    assert status == 1 and [f["code"] for f in wrong] == ["varlen-disagree"]
+    assert wrong[0]["cell"] == [0, 4, 4] and "[0, 2, 4]" in wrong[0]["message"] and "[0, 2, 5]" in wrong[0]["message"]
+
+
+def test_position_ids_that_restart_elsewhere_than_cu_seq_lens_are_wrong(tmp_path):
+    """transformers' rule for position_ids (masking_utils.py find_packed_sequence_indices, lines 756-758): a new
+    document wherever the position does not go up by 1."""
+    source = HYBRID.replace('extra = {}', 'extra = {}\nposition_ids = torch.tensor([[0, 1, 0, 1, 2, 0]])').replace(
+        "HybridModel()(torch.randn(1, 6, 4), seq_idx=seq_idx, **extra)",
+        "HybridModel()(torch.randn(1, 6, 4), position_ids=position_ids, cu_seq_lens_q=torch.tensor([0, 2, 5, 6]), "
+        "cu_seq_lens_k=torch.tensor([0, 2, 5, 6]))")
+    source = source.replace("def forward(self, inputs_embeds, **kwargs):", "def forward(self, inputs_embeds, position_ids=None, **kwargs):")
+    status, found = _run(tmp_path, source)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == []  # 0 1 | 0 1 2 | 0: they agree
+    status, found = _run(tmp_path, source.replace("[[0, 1, 0, 1, 2, 0]]", "[[0, 1, 2, 0, 1, 0]]"))
+    wrong = [f for f in found if f["severity"] == "wrong"]
+    assert status == 1 and [f["code"] for f in wrong] == ["varlen-disagree"] and wrong[0]["cell"] == [0, 2, 2]
+
+
+@pytest.mark.parametrize("cu", [[0, 3, 7, 9], [0, 9], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]])
+def test_documents_from_cumulative_lengths_against_a_loop(cu):
+    top = Top("m", arguments={"cu_seq_lens_q": np.array(cu), "cu_seq_lens_k": np.array(cu), "position_ids": np.zeros((1, 9), int)})
+    (name, labels), = given(top)
+    expected = [[next(i for i in range(len(cu) - 1) if cu[i] <= t < cu[i + 1]) for t in range(9)]]
+    assert name == "cu_seq_lens_q" and labels.tolist() == expected
+    assert expression(labels) == f"document(sizes=[{','.join(str(b - a) for a, b in zip(cu, cu[1:]))}])"
+
+
+def test_cumulative_lengths_over_other_tokens_or_differing_q_and_k_are_not_read():
+    """A cu_seqlens that does not cover the call's tokens from 0 is pack's lengths-sum; q and k that differ are not one
+    self-attention's documents (pack's q-k-differ)."""
+    assert given(Top("m", arguments={"cu_seqlens": np.array([0, 3, 7]), "position_ids": np.zeros((1, 9), int)})) == []
+    assert given(Top("m", arguments={"cu_seq_lens_q": np.array([0, 3, 9]), "cu_seq_lens_k": np.array([0, 4, 9])})) == []
