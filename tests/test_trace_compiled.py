@@ -8,6 +8,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -44,3 +45,29 @@ def test_nanogpt_sampled_through_torch_compile_and_with_dynamo_disabled(monkeypa
     assert [(c.where, c.step, c.shape[2]) for c in t.calls] == [(f"transformer.h.{n}.attn", 0, 3) for n in range(2)]
     for call in t.calls:
         assert np.array_equal(call.keep()[0, 0], np.tril(np.ones((call.shape[2],) * 2, dtype=bool)))
+
+
+def test_a_program_transformers_compiles_under_generate_runs_to_its_end(tmp_path):
+    """On CUDA, generate with a static cache compiles the model's forward itself (transformers 5.24,
+    generation/utils.py _valid_auto_compile_criteria); dynamo then traced maskcli's mode into its graph, and
+    Gemma 3's rotary `cos.to(dtype=x.dtype)` got a tensor for a dtype: the traced program died (seen on an H200).
+    Here the criteria are forced on the CPU: the program runs to its end, its eager calls are traced, the compiled
+    call is counted."""
+    import json
+    from pathlib import Path
+
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    bug = Path(__file__).parent / "data" / "bugs" / "gemma3_generate_drops_image_spans.py"
+    program = tmp_path / "compiled_generate.py"
+    program.write_text("import runpy, sys\nfrom transformers.generation.utils import GenerationMixin\n"
+                       "GenerationMixin._valid_auto_compile_criteria = lambda self, *a, **k: True\n"
+                       f"sys.argv = [{str(bug)!r}, '--fixed']\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    out = tmp_path / "t.json"
+    result = CliRunner().invoke(app, ["trace", "--json", str(out), str(program)])
+    data = json.loads(out.read_text())
+    assert data["exit_status"] == 0 and result.exit_code == 0, result.output
+    assert data["calls"] and any("torch.compile'd code ran (Gemma3" in note for note in data["notes"]), result.output

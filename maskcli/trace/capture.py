@@ -82,14 +82,16 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_dynamo_compiling():  # dynamo traces this mode into the graph it builds: add nothing to it
+            return func(*args, **kwargs)  # (the scores and overflow bookkeeping inlined there broke Gemma 3's rotary)
         trace = self.trace
         reader = trace.readers.get(func)  # the hot path: one lookup per torch call
-        if reader is not None and trace.active and not trace.busy and not trace.within and not torch.compiler.is_dynamo_compiling():
+        if reader is not None and trace.active and not trace.busy and not trace.within:
             if reader is not readers.softmax or trace.scores.attention(readers.softmax_input(args, kwargs)):
-                trace.capture(reader, args, kwargs)  # (inside a compiled region nothing of ours may run)
+                trace.capture(reader, args, kwargs)
         out = func(*args, **kwargs)
         if trace.overflows.wanted(func) and trace.active and not trace.busy and isinstance(out, torch.Tensor) \
-                and _has_values(out) and not torch.compiler.is_dynamo_compiling():
+                and _has_values(out):
             trace.overflows.after(func, args, kwargs, out, trace.scores)  # (fills that overflow to -inf: overflow.py)
         if trace.scores is not None:
             trace.scores.after(func, args, kwargs, out)
@@ -287,7 +289,8 @@ class Trace:
                 self._local.opened = (module, len(self.calls))
             self.sites.enter(module)
 
-    def _post(self, module, args, kwargs, output) -> None:
+    def _post(self, module, args, kwargs, output=None) -> None:
+        # (a forward that raised calls an always_call hook without its kwargs: torch/nn/modules/module.py:1892)
         if torch.compiler.is_dynamo_compiling():
             return
         self.sites.leave(module)
