@@ -33,6 +33,14 @@ class Builder:
         self.layer_names = layer_names
 
 
+class FullAttentionSpec(types.SimpleNamespace):
+    """vLLM's spec of a decoder's paged attention layer (kv_cache_interface.py), its fields as given."""
+
+
+class MambaSpec(types.SimpleNamespace):
+    """A Mamba layer's state spec: its builder gets CommonAttentionMetadata too, but no pages of keys."""
+
+
 class CPUBuilder(Builder):
     def __init__(self, *args):
         super().__init__(*args)
@@ -76,7 +84,7 @@ def recorded(spec, *batches):
 
 
 def test_build_is_recorded_cut_to_the_batch_and_checked_clean():
-    spec = types.SimpleNamespace(block_size=4, sliding_window=None)
+    spec = FullAttentionSpec(block_size=4, sliding_window=None)
     prefill = common([3, 6], [3, 6], [[1], [2, 3]], 4)
     decode = common([1, 1], [4, 7], [[1], [2, 3]], 4)
     recorder = recorded(spec, prefill, decode)
@@ -92,11 +100,11 @@ def test_build_is_recorded_cut_to_the_batch_and_checked_clean():
 
 
 def test_a_slot_written_off_its_page_is_found():
-    spec = types.SimpleNamespace(block_size=4, sliding_window=2)
+    spec = FullAttentionSpec(block_size=4, sliding_window=2)
     batch = common([2, 2], [2, 2], [[1], [2]], 4)
     batch.slot_mapping[2] = 1 * 4 + 0  # request 1's first token written on request 0's page
     checked = check_steps(recorded(spec, batch).steps)
-    assert checked[0].fields["sliding_window"] == 2
+    assert checked[0].captured.fields["sliding_window"] == 2
     assert checked[0].batch.expression(0) == "window(2)"
     assert [(f.code, f.request, f.cell) for f in checked[0].findings] == [("slot-mapping", 1, (0, 0))]
     assert "written to slot 4 (another request's page)" in checked[0].findings[0].message
@@ -107,11 +115,20 @@ def test_not_recorded_while_inactive():
     recorder = Recorder(lambda: False)
     undo = recorder.patch(module)
     try:
-        builder = CPUBuilder(types.SimpleNamespace(block_size=4), [])
+        builder = CPUBuilder(FullAttentionSpec(block_size=4), [])
         builder.build(0, common([1], [1], [[1]], 4))
     finally:
         undo()
     assert recorder.steps == [] and builder.built == 1
+
+
+def test_other_layers_and_per_token_causal_are_not_read():
+    recorder = recorded(MambaSpec(block_size=4), common([1], [1], [[1]], 4))
+    assert recorder.steps == [] and recorder.skipped == {"CPUBuilder (MambaSpec)": 1}
+    prefix_lm = common([2], [2], [[1]], 4)
+    prefix_lm.causal = torch.tensor([True, False])
+    recorder = recorded(FullAttentionSpec(block_size=4), prefix_lm)
+    assert recorder.steps == [] and recorder.failed == ["CPUBuilder.build: ValueError: causal is a per-token tensor (a prefix-LM batch), which serve does not read"]
 
 
 def test_program_without_vllm_says_so(tmp_path):
@@ -120,6 +137,60 @@ def test_program_without_vllm_says_so(tmp_path):
     result = runner.invoke(app, ["trace", "--api", "vllm", str(program)])
     assert result.exit_code == 0
     assert "the program never imported vllm, so --api vllm recorded nothing" in " ".join(result.output.split())
+
+
+STAND_IN = """
+class AttentionMetadataBuilder:
+    def __init__(self, kv_cache_spec, layer_names, vllm_config=None, device=None):
+        self.kv_cache_spec = kv_cache_spec
+        self.layer_names = layer_names
+"""
+
+ENGINE = """
+import types
+import torch
+from vllm.v1.attention.backend import AttentionMetadataBuilder
+
+class FullAttentionSpec(types.SimpleNamespace):
+    pass
+
+class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        return common_attn_metadata.seq_lens
+
+builder = CPUAttentionMetadataBuilder(FullAttentionSpec(block_size=4), ["model.layers.0.self_attn.attn"])
+# two requests of 3 and 2 new tokens on pages 1 and 2; request 1's first token written to slot 4, request 0's page
+batch = types.SimpleNamespace(query_start_loc_cpu=torch.tensor([0, 3, 5]), seq_lens=torch.tensor([3, 2]),
+                              block_table_tensor=torch.tensor([[1], [2]]), slot_mapping=torch.tensor([4, 5, 6, SLOT, 9]),
+                              positions=torch.tensor([0, 1, 2, 0, 1]), num_reqs=2, num_actual_tokens=5, causal=True)
+builder.build(0, batch)
+"""
+
+
+@pytest.mark.parametrize("slot, status", [(8, 0), (4, 1)])
+def test_the_report_lists_each_step_and_its_findings(tmp_path, slot, status):
+    """A stand-in vllm package (the real one's class name and module) and a builder built as its backends are."""
+    if "vllm" in sys.modules:
+        pytest.skip("the real vLLM is imported here, so the stand-in package would not be")
+    (tmp_path / "vllm" / "v1" / "attention").mkdir(parents=True)
+    for folder in ("vllm", "vllm/v1", "vllm/v1/attention"):
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "vllm/v1/attention/backend.py").write_text(STAND_IN)
+    (tmp_path / "engine.py").write_text(ENGINE.replace("SLOT", str(slot)))
+    try:
+        result = runner.invoke(app, ["trace", "--api", "vllm", "--json", str(tmp_path / "t.json"), str(tmp_path / "engine.py")])
+    finally:
+        for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+            del sys.modules[name]
+    text = " ".join(result.stderr.split())
+    assert result.exit_code == status, result.stderr
+    assert ("vllm step 0 (model.layers.0.self_attn.attn, pages of 4) 2 requests: 0: queries 0-2 of 3 keys, causal; "
+            "1: queries 0-1 of 2 keys, causal") in text
+    step = json.loads((tmp_path / "t.json").read_text())["vllm"][0]
+    assert step["fields"]["slot_mapping"] == [4, 5, 6, slot, 9] and step["ok"] is (status == 0)
+    if status:
+        assert "slot-mapping (request 1, query 0 key 0): token 3 (request 1, position 0) is written to slot 4" in text
+        assert [(f["code"], f["request"]) for f in step["findings"]] == [("slot-mapping", 1)]
 
 
 PROGRAM = """

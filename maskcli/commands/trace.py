@@ -112,6 +112,8 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
     notes = tracer.notes()  # threads traced, and what was not: threads running before, child processes
     if "vllm" in tracer.patched:
         notes += [f"--api vllm: {line}, not read" for line in tracer.vllm.failed]
+        notes += [f"--api vllm: {count} build{'s' if count != 1 else ''} of {name} not read: not a decoder's paged self-attention"
+                  for name, count in tracer.vllm.skipped.items()]
     for line in unseen + notes + held:
         console.print(labelled(line))
     if json_path is not None:

@@ -191,8 +191,8 @@ def traced_steps(checked: list) -> list:
 
     out: list = []
     for c in checked:
-        layers = f"{c.layers[0]}{f' +{len(c.layers) - 1} layers' if len(c.layers) > 1 else ''}" if c.layers else c.builder
-        lead = f"vllm step {c.step} "
+        layers = f"{c.captured.layers[0]}{f' +{len(c.captured.layers) - 1} layers' if len(c.captured.layers) > 1 else ''}" if c.captured.layers else c.captured.builder
+        lead = f"vllm step {c.captured.step} "
         if c.batch is None:
             out.append(hanging(lead, Text(f"({layers}) not read: {c.error}", style="yellow")))
             continue
@@ -216,8 +216,8 @@ def traced_json(checked: list) -> list[dict]:
 
     out = []
     for c in checked:
-        fields = {name: value.tolist() if isinstance(value, np.ndarray) else value for name, value in c.fields.items()}
-        head = {"step": c.step, "builder": c.builder, "layers": list(c.layers), "fields": fields}
+        fields = {name: value.tolist() if isinstance(value, np.ndarray) else value for name, value in c.captured.fields.items()}
+        head = {"step": c.captured.step, "builder": c.captured.builder, "layers": list(c.captured.layers), "fields": fields}
         if c.batch is None:
             out.append({**head, "error": c.error, "ok": False})
         else:

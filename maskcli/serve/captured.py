@@ -10,19 +10,17 @@ from maskcli.serve.batch import ServeBatch
 
 @dataclass(frozen=True)
 class Checked:
-    """One captured build(): its step, builder and layers, the batch serve reads from its fields, and the findings."""
+    """One captured build() (maskcli.trace.vllm.Step: step, builder, layers, fields), the batch serve reads from its
+    fields, and the findings."""
 
-    step: int
-    builder: str
-    layers: tuple[str, ...]
-    fields: dict
+    captured: object
     batch: ServeBatch | None
     findings: list
     error: str | None = None  # why serve could not read it (the fields say what the engine passed)
 
     @property
     def source(self) -> str:
-        return f"vllm step {self.step}"
+        return f"vllm step {self.captured.step}"
 
 
 def check_steps(steps) -> list[Checked]:
@@ -36,7 +34,7 @@ def check_steps(steps) -> list[Checked]:
         try:
             batch = from_tensors(s.fields, source)
         except MaskError as error:
-            out.append(Checked(s.step, s.builder, s.layers, s.fields, None, [], str(error)))
+            out.append(Checked(s, None, [], str(error)))
             continue
-        out.append(Checked(s.step, s.builder, s.layers, s.fields, batch, check(batch)))
+        out.append(Checked(s, batch, check(batch)))
     return out

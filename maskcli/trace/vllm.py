@@ -18,6 +18,9 @@ import numpy as np
 MODULE = "vllm.v1.attention.backend"
 PER_REQUEST = ("query_start_loc_cpu", "seq_lens", "block_table_tensor")  # query_start_loc_cpu has one more
 PER_TOKEN = ("slot_mapping", "positions")
+# the KV-cache specs (vllm/v1/kv_cache_interface.py) whose metadata is a decoder's paged self-attention, as serve
+# reads it; Mamba state, cross-attention (encoder lengths), encoder-only and sink or RSWA layers mean something else
+READ_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec", "MLAAttentionSpec")
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,9 @@ def fields_of(builder, common) -> dict:
             continue
         keep = requests + 1 if name == "query_start_loc_cpu" else requests if name in PER_REQUEST else tokens
         out[name] = value[:keep].detach().to("cpu").numpy().copy()
-    if isinstance(common.causal, bool):  # a per-token causal tensor (dynamic causal) is no one flag
-        out["causal"] = int(common.causal)
+    if not isinstance(common.causal, bool):
+        raise ValueError("causal is a per-token tensor (a prefix-LM batch), which serve does not read")
+    out["causal"] = int(common.causal)
     spec = builder.kv_cache_spec
     out["block_size"] = int(spec.block_size)
     for name in ("sliding_window", "attention_chunk_size"):  # SlidingWindowSpec, ChunkedLocalAttentionSpec
@@ -60,6 +64,7 @@ class Recorder:
         self.active = active  # () -> bool: record now (tracing, and not inside maskcli's own work)
         self.steps: list[Step] = []
         self.failed: list[str] = []  # builds whose fields could not be read, and why
+        self.skipped: dict[str, int] = {}  # "builder (spec)" -> builds of layers serve does not read
         self._counts: dict[int, int] = {}
 
     def patch(self, module):
@@ -91,6 +96,11 @@ class Recorder:
         builder.build = recorded
 
     def record(self, builder, common) -> None:
+        spec = type(getattr(builder, "kv_cache_spec", None)).__name__
+        if spec not in READ_SPECS:
+            key = f"{type(builder).__name__} ({spec})"
+            self.skipped[key] = self.skipped.get(key, 0) + 1
+            return
         try:
             fields = fields_of(builder, common)
         except Exception as error:  # noqa: BLE001 - a vLLM whose metadata differs: said in the report, the run goes on
