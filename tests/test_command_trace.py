@@ -151,7 +151,7 @@ def test_a_bad_expect_or_api_is_one_line_and_the_program_does_not_run(layers):
                           (["--expect", "*=causal", "--expect", "x=windo(3)"], "--expect 'x=windo(3)': unknown mask kind 'windo'"),
                           (["--expect", "*=window(0)"], "--expect '*=window(0)': window(0): window must be at least 1"),
                           (["--expect", "*=window"], "--expect '*=window': window needs --window W"),
-                          (["--api", "sdpa,flashy"], "choose from sdpa, flex, mha, softmax, flash, hf")):
+                          (["--api", "sdpa,flashy"], "choose from sdpa, flex, mha, softmax, flash, hf, vllm")):
         result = trace(*args, layers)
         assert result.exit_code == 2 and result.stdout == "" and message in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
@@ -544,7 +544,7 @@ def test_brief_names_long_labels_by_their_runs_and_leaves_short_ones(sizes, extr
 def test_api_completes_the_last_name_after_a_comma():
     from maskcli.commands.trace import complete_apis
 
-    assert complete_apis("") == ["sdpa", "flex", "mha", "softmax", "flash", "hf"]
+    assert complete_apis("") == ["sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm"]
     assert complete_apis("sdpa,f") == ["sdpa,flex", "sdpa,flash"] and complete_apis("flash,h") == ["flash,hf"]
     assert complete_apis("flex,fl") == ["flex,flash"]  # a name already given is not offered again
 

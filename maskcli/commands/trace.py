@@ -10,7 +10,7 @@ from maskcli.commands.app import app, done, make_console
 from maskcli.commands.options import Check, examples, integer
 from maskcli.errors import MaskError
 
-APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf")  # maskcli.trace.capture.APIS, without importing torch for --help
+APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")  # maskcli.trace.capture.APIS, without importing torch for --help
 
 
 def complete_apis(incomplete: str) -> list[str]:
@@ -33,7 +33,7 @@ def trace(
     ctx: typer.Context,
     script: Annotated[str | None, typer.Argument(help="The Python script to run, followed by its own arguments (passed as they are). THIS RUNS THE PROGRAM, in this process, as python would.", show_default=False, metavar="SCRIPT.py [ARGS]...")] = None,
     module: Annotated[str | None, typer.Option("-m", "--module", help="Run a module as python -m does, instead of a script; the words after it are its arguments.", show_default=False)] = None,
-    api: Annotated[str, typer.Option("--api", help="Which calls to record, comma-separated: sdpa (scaled dot product attention), flex (flex_attention), mha (nn.MultiheadAttention and its functional form), softmax (a softmax over the last dimension of 3-D/4-D scores, masked where -inf, the dtype's lowest value, or one finite fill at most -1e4 such as masked_fill's -1e9), flash (flash_attn's functions, where the program imports flash_attn: the mask their causal, window_size and cu_seqlens / cache_seqlens mean, bottom-right aligned), hf (Hugging Face's AttentionInterface, where the program imports transformers: each call's layer_idx, sliding_window, position_ids, cu_seq_lens_q/k noted on the kernel call it makes, or recorded as api hf with the mask its arguments mean where no kernel call is seen).", show_default="all of them", autocompletion=complete_apis)] = ",".join(APIS),
+    api: Annotated[str, typer.Option("--api", help="Which calls to record, comma-separated: sdpa (scaled dot product attention), flex (flex_attention), mha (nn.MultiheadAttention and its functional form), softmax (a softmax over the last dimension of 3-D/4-D scores, masked where -inf, the dtype's lowest value, or one finite fill at most -1e4 such as masked_fill's -1e9), flash (flash_attn's functions, where the program imports flash_attn: the mask their causal, window_size and cu_seqlens / cache_seqlens mean, bottom-right aligned), hf (Hugging Face's AttentionInterface, where the program imports transformers: each call's layer_idx, sliding_window, position_ids, cu_seq_lens_q/k noted on the kernel call it makes, or recorded as api hf with the mask its arguments mean where no kernel call is seen), vllm (where the program imports vLLM, in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0; each step's CommonAttentionMetadata as its metadata builder gets it, read and checked as maskcli serve reads a file: each request's queries, keys and mask, and serve's findings).", show_default="all of them", autocompletion=complete_apis)] = ",".join(APIS),
     max_bytes: Annotated[int, typer.Option("--max-bytes", help="Bytes of distinct masks kept; past it a call keeps its shape and counts only, and says so.", parser=integer)] = 256 << 20,
     json_path: Annotated[str | None, typer.Option("--json", help="Write every call (where, api, step, shapes, dtype, device, its mask's id) and every group, named, with findings, as JSON to this file (stdout stays the program's).", show_default=False)] = None,
     save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to one .pt file that other commands read as a mask: --mask TRACE.pt:7 (call 7) or TRACE.pt:PATH@STEP (like layers.5.self_attn@2: that module's third call).", show_default=False)] = None,
@@ -78,7 +78,7 @@ def trace(
         status = run_program(script, module, program_args)
     named = apis if api != ",".join(APIS) else ()  # the APIs the user asked for by name
     unseen = [f"--api {name}: the program never imported {module_name}, so --api {name} recorded nothing"
-              for name, module_name in (("flash", "flash_attn"), ("hf", "transformers")) if name in named and name not in tracer.patched]
+              for name, module_name in (("flash", "flash_attn"), ("hf", "transformers"), ("vllm", "vllm")) if name in named and name not in tracer.patched]
     _report(tracer, f"-m {module}" if module else os.path.basename(script), status, expectations, json_path, save, targets, unseen,
             check_)
 
@@ -94,12 +94,26 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
     from maskcli.trace.expect import check
 
     groups = tracer.groups()
+    served = []
+    if "vllm" in tracer.patched:
+        from maskcli.serve.captured import check_steps
+
+        served = check_steps(tracer.vllm.steps)
     failures = check(tracer.calls, expectations) if expectations else []
     held = [f"--expect: every call matched holds ({len(expectations)} expectation{'s' if len(expectations) != 1 else ''})"] if expectations and not failures else []
     console = make_console(stderr=True)
     for view in views(groups, len(tracer.calls), program, status, failures):
         console.print(view)
+    if served:
+        from maskcli.render.serve import traced_steps
+
+        for view in traced_steps(served):
+            console.print(view)
     notes = tracer.notes()  # threads traced, and what was not: threads running before, child processes
+    if "vllm" in tracer.patched:
+        notes += [f"--api vllm: {line}, not read" for line in tracer.vllm.failed]
+        notes += [f"--api vllm: {count} build{'s' if count != 1 else ''} of {name} not read: not a decoder's paged self-attention"
+                  for name, count in tracer.vllm.skipped.items()]
     for line in unseen + notes + held:
         console.print(labelled(line))
     if json_path is not None:
@@ -107,6 +121,10 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
         data = {"program": program, "exit_status": status, "calls": [{**call.json(), "group": numbers[call.index]} for call in tracer.calls],
                 "groups": [group.json() for group in groups], "expect": failures, "not_imported": unseen,
                 "notes": notes}
+        if "vllm" in tracer.patched:
+            from maskcli.render.serve import traced_json
+
+            data["vllm"] = traced_json(served)
 
         def write_json(path: str) -> None:
             with open(path, "w", encoding="utf-8") as out:
@@ -123,5 +141,6 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
         done(f"wrote {save}")
     if status:
         raise typer.Exit(status)
-    if failures or (check_ and any(wrong(group.findings) for group in groups)):
+    served_wrong = any(c.batch is None or wrong(c.findings) for c in served)
+    if failures or (check_ and (served_wrong or any(wrong(group.findings) for group in groups))):
         raise typer.Exit(1)

@@ -181,3 +181,45 @@ def _integer_ticks(axis, lo: int, hi: int) -> None:
     from matplotlib.ticker import FixedLocator, MaxNLocator
 
     axis.set_major_locator(FixedLocator(range(lo, hi)) if hi - lo <= 12 else MaxNLocator(integer=True))
+
+
+def traced_steps(checked: list) -> list:
+    """trace --api vllm: per captured step a line of its requests (new tokens / keys, mask) and its findings under it."""
+    from rich.text import Text
+
+    from maskcli.render import hanging
+
+    out: list = []
+    for c in checked:
+        layers = f"{c.captured.layers[0]}{f' +{len(c.captured.layers) - 1} layers' if len(c.captured.layers) > 1 else ''}" if c.captured.layers else c.captured.builder
+        lead = f"vllm step {c.captured.step} "
+        if c.batch is None:
+            out.append(hanging(lead, Text(f"({layers}) not read: {c.error}", style="yellow")))
+            continue
+        b = c.batch
+        requests = "; ".join(_request(b, r) for r in range(min(b.requests, TABLE_REQUESTS)))
+        more = f"; … ({b.requests} requests)" if b.requests > TABLE_REQUESTS else ""
+        out.append(hanging(lead, Text(f"({layers}, pages of {b.page_size}) {b.requests} request{'s' if b.requests != 1 else ''}: "
+                                      f"{requests}{more}")))
+        out.extend(hanging("  ", line) for line in findings_text(c.findings) if c.findings)
+    return out
+
+
+def _request(b: ServeBatch, r: int) -> str:
+    q0, q_len, seq = b.frame(r)
+    return f"{r}: queries {_span(max(q0, 0), q0 + q_len)} of {seq} keys, {b.expression(r) or 'no frame'}"
+
+
+def traced_json(checked: list) -> list[dict]:
+    """trace --api vllm's steps for --json: each as serve --json reports a file, with the fields as captured."""
+    from maskcli.serve.pagemap import page_map
+
+    out = []
+    for c in checked:
+        fields = {name: value.tolist() if isinstance(value, np.ndarray) else value for name, value in c.captured.fields.items()}
+        head = {"step": c.captured.step, "builder": c.captured.builder, "layers": list(c.captured.layers), "fields": fields}
+        if c.batch is None:
+            out.append({**head, "error": c.error, "ok": False})
+        else:
+            out.append({**head, **serve_dict(c.batch, request_rows(c.batch, page_map(c.batch)), c.findings, c.source, "vLLM CommonAttentionMetadata")})
+    return out

@@ -29,6 +29,7 @@ from maskcli.trace.masks import Operands
 import maskcli.trace.flash as flash
 import maskcli.trace.compiled as compiled
 import maskcli.trace.interface as interface
+import maskcli.trace.vllm as vllm_capture
 from maskcli.trace.flex import flex as read_flex
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import Overflows
@@ -36,7 +37,7 @@ from maskcli.trace.scores import Scores
 from maskcli.trace.sites import Sites
 from maskcli.trace.threads import Threads
 
-APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf")
+APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
 CACHE = 256  # masks remembered by the tensor they were read from (a model hands one mask to every layer)
 
@@ -128,7 +129,8 @@ class Trace:
         self._unwrap: list = []
         self._undo: list = []  # what puts swapped functions and patched classes back, in the order done
         self._swapped: set[int] = set()
-        self.patched: set[str] = set()  # "flash", "hf": the APIs whose modules the program imported (so were patched)
+        self.vllm = vllm_capture.Recorder(lambda: self.active and not self.busy)  # where vLLM is imported: its batches
+        self.patched: set[str] = set()  # "flash", "hf", "vllm": the APIs whose modules the program imported (so were patched)
         self.active = False
         self.threads = None
         self.compiled = compiled.Compiled(lambda: self.within > 0)  # calls of torch.compile'd code, whose attention
@@ -193,7 +195,7 @@ class Trace:
 
         self._unwrap = wrap(self, record="mha" in self.apis)  # always: the mode must not take their fast paths away
         self._watch = Watch(self._wanted).__enter__()
-        loaded = [name for name in (interface.MODULE, *flash.MODULES, compiled.MODULE) if name in sys.modules]
+        loaded = [name for name in (interface.MODULE, *flash.MODULES, compiled.MODULE, vllm_capture.MODULE) if name in sys.modules]
         if "flash_attn" in loaded:  # its submodules too (not a walk of every module loaded: thousands, with transformers)
             loaded += [name for name in list(sys.modules) if name.startswith("flash_attn.")]
         for name in loaded:  # what the program imported already; the watch sees what it imports later
@@ -233,9 +235,11 @@ class Trace:
     def _wanted(self, name: str):
         """What to do once module `name` is loaded: swap flash_attn's functions, or patch HF's AttentionInterface."""
         if "flash" in self.apis and flash.watched(name):
-            return self._patch_flash
+            return lambda module: flash.patch(self, module)
         if "hf" in self.apis and name == interface.MODULE:
             return self._patch_hf
+        if "vllm" in self.apis and name == vllm_capture.MODULE:
+            return lambda module: (self._undo.append(self.vllm.patch(module)), self.patched.add("vllm"))
         if name == compiled.MODULE:
             return self._patch_compiled
         return None
@@ -244,21 +248,6 @@ class Trace:
         undo = self.compiled.patch(module)
         if undo is not None:
             self._undo.append(undo)
-
-    def _patch_flash(self, module) -> None:
-        import inspect
-        import types
-
-        for name in flash.FUNCTIONS:
-            function = getattr(module, name, None)
-            if not isinstance(function, types.FunctionType) or id(function) in self._swapped:
-                continue  # (flash_attn re-exports its interface module's functions: each is swapped once)
-            self.patched.add("flash")
-            read = flash.reader(name, inspect.signature(function))
-            undo = swap(function, lambda original, read=read: self._hook(read, original))
-            if undo is not None:
-                self._swapped.add(id(function))
-                self._undo.append(undo)
 
     def _patch_hf(self, module) -> None:
         self.patched.add("hf")

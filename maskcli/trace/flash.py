@@ -187,3 +187,21 @@ def reader(name: str, signature: inspect.Signature):
 
     read_call.api = "flash"
     return read_call
+
+
+def patch(trace, module) -> None:
+    """Swap flash_attn's FUNCTIONS in `module` for shims that record each call first (trace.patch.swap)."""
+    import types
+
+    from maskcli.trace.patch import swap
+
+    for name in FUNCTIONS:
+        function = getattr(module, name, None)
+        if not isinstance(function, types.FunctionType) or id(function) in trace._swapped:
+            continue  # (flash_attn re-exports its interface module's functions: each is swapped once)
+        trace.patched.add("flash")
+        read = reader(name, inspect.signature(function))
+        undo = swap(function, lambda original, read=read: trace._hook(read, original))
+        if undo is not None:
+            trace._swapped.add(id(function))
+            trace._undo.append(undo)
