@@ -64,8 +64,12 @@ def test_a_program_transformers_compiles_under_generate_runs_to_its_end(tmp_path
     bug = Path(__file__).parent / "data" / "bugs" / "gemma3_generate_drops_image_spans.py"
     program = tmp_path / "compiled_generate.py"
     program.write_text("import runpy, sys\nfrom transformers.generation.utils import GenerationMixin\n"
+                       "criteria = GenerationMixin._valid_auto_compile_criteria\n"
                        "GenerationMixin._valid_auto_compile_criteria = lambda self, *a, **k: True\n"
-                       f"sys.argv = [{str(bug)!r}, '--fixed']\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+                       f"sys.argv = [{str(bug)!r}, '--fixed']\n"
+                       "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+                       "finally:  # (trace runs it in this process: later tests' generate must not compile)\n"
+                       "    GenerationMixin._valid_auto_compile_criteria = criteria\n")
     out = tmp_path / "t.json"
     result = CliRunner().invoke(app, ["trace", "--json", str(out), str(program)])
     data = json.loads(out.read_text())
