@@ -88,8 +88,11 @@ DROPPED = """
     config = {name}Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                           num_key_value_heads=1, pad_token_id=0, {extra})
     ids = torch.tensor([[1, 5, 6]])
-    {name}ForCausalLM(config).eval().generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, cache_implementation="static",
-                                              pad_token_id=0)
+    try:
+        {name}ForCausalLM(config).eval().generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                                                  cache_implementation="static", pad_token_id=0)
+    finally:
+        modeling.{builder} = made  # (the program runs in the test's process: the next test gets the real one)
 """
 
 
