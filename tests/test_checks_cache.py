@@ -35,12 +35,13 @@ def test_hugging_face_static_cache_given_to_sdpa_with_no_mask(tmp_path):
     # huggingface/transformers#30400 (from #30317, fixed by #30437): the decode step attends a StaticCache's empty
     # slots; no cache_position reaches the model call, so the slots written are read off the cache itself
     pytest.importorskip("transformers")
-    check_bug(tmp_path, "hf_static_cache_sdpa_no_mask", "unwritten-slot")
     status, found, report = traced(tmp_path, "hf_static_cache_sdpa_no_mask", fixed=False)
     # the prefill's is_causal over 8 slots is top-left, which is right for queries at the cache's start: quiet
-    assert [f["code"] for f in found] == ["unwritten-slot"], report
+    assert status == 1 and [(f["code"], f["severity"]) for f in found] == [("unwritten-slot", "wrong")], report
     # the first decode step: query 3 (3 prompt tokens, then itself: slots 0-3 written) sees slots 4-7, empty
     assert found[0]["cell"] == [0, 3, 4] and "4 such cells" in found[0]["message"], report
+    status, found, report = traced(tmp_path, "hf_static_cache_sdpa_no_mask", fixed=True)
+    assert (status, found) == (0, []), report
 
 
 FAMILIES = """
@@ -55,13 +56,13 @@ FAMILIES = """
               (Qwen2ForCausalLM, Qwen2Config(sliding_window=4, use_sliding_window=True, max_window_layers=1, **common)),
               (Gemma3ForCausalLM, Gemma3TextConfig(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                                                    **common))]
-    # a left-padded batch longer than the window (the sliding layers full from the prefill on) and one shorter (their
-    # slots past the prompt unwritten until the decode steps fill them)
+    # a left-padded batch longer than the window (the sliding layers full from the prefill on) and one shorter (their 4
+    # slots past the prompt unwritten until the decode steps fill them, the full layers' 5 slots longer)
     for ids in (torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]]), torch.tensor([[0, 5], [8, 9]])):
         for cls, config in models:
             for attn in ("sdpa", "eager"):
                 config._attn_implementation = attn
-                cls(config).eval().generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=3, do_sample=False,
+                cls(config).eval().generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=4, do_sample=False,
                                             cache_implementation="static", pad_token_id=0)
 """
 
