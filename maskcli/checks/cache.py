@@ -2,10 +2,12 @@
 
 A static cache (transformers' StaticCache, gpt-fast's KVCache) hands attention all of its slots,
 slot j holding position j once written. The model call says which positions it writes
-(`cache_position`, gpt-fast's `input_pos`): past the last of them no slot holds a key yet (its
-zeros, or a previous run's stale keys). A query that sees such a slot attends to nothing the
-program wrote. An encoder-decoder's cross-attention keys are its encoder's, so it is left alone;
-`model` checks each column against the slot its cache returned (maskcli.hf.cache, widths.py).
+(`cache_position`, gpt-fast's `input_pos`), or a Hugging Face cache says how many tokens it holds:
+past them no slot holds a key yet (its zeros, or a previous run's stale keys). A query that sees such
+a slot attends to nothing the program wrote. An encoder-decoder's cross-attention keys are its
+encoder's, so it is left alone. `model` checks each column against the slot its cache returned, read
+off the keys themselves (maskcli.hf.cache, widths.py: it wraps Cache.update and keeps a copy of every
+key); trace reads the cache's own count instead, which costs nothing and needs no transformers here.
 """
 
 from __future__ import annotations
