@@ -1,10 +1,111 @@
-"""checks/cache.py: a static cache's unwritten slots, on a reproduction of a published bug."""
+"""checks/cache.py: a static cache's unwritten slots, on reproductions of published bugs and on transformers' own
+StaticCache under generate."""
 
 from __future__ import annotations
 
-from checkbugs import check_bug
+import json
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from checkbugs import check_bug, traced
+from maskcli.commands import app
+
+runner = CliRunner()
+
+
+def _findings(tmp_path, source: str) -> tuple[int, list, str]:
+    """(exit status, findings, report) of `maskcli trace` on a program written to tmp_path."""
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(source))
+    out = tmp_path / "program.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    data = json.loads(out.read_text())
+    assert data["exit_status"] == 0 and data["calls"], result.output
+    return result.exit_code, [f for g in data["groups"] for f in g["findings"]], result.output
 
 
 def test_static_cache_without_a_decode_mask(tmp_path):
     # onnxruntime/mobius#340, onnx/onnx#8068: a static cache's slots past input_pos hold no key yet
     check_bug(tmp_path, "static_cache_no_decode_mask", "unwritten-slot")
+
+
+def test_hugging_face_static_cache_given_to_sdpa_with_no_mask(tmp_path):
+    # huggingface/transformers#30400 (from #30317, fixed by #30437): the decode step attends a StaticCache's empty
+    # slots; no cache_position reaches the model call, so the slots written are read off the cache itself
+    pytest.importorskip("transformers")
+    status, found, report = traced(tmp_path, "hf_static_cache_sdpa_no_mask", fixed=False)
+    # the prefill's is_causal over 8 slots is top-left, which is right for queries at the cache's start: quiet
+    assert status == 1 and [(f["code"], f["severity"]) for f in found] == [("unwritten-slot", "wrong")], report
+    # the first decode step: query 3 (3 prompt tokens, then itself: slots 0-3 written) sees slots 4-7, empty
+    assert found[0]["cell"] == [0, 3, 4] and "4 such cells" in found[0]["message"], report
+    status, found, report = traced(tmp_path, "hf_static_cache_sdpa_no_mask", fixed=True)
+    assert (status, found) == (0, []), report
+
+
+FAMILIES = """
+    import torch
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    torch.manual_seed(0)
+    common = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, pad_token_id=0, head_dim=8)
+    models = [(LlamaForCausalLM, LlamaConfig(**common)),
+              (MistralForCausalLM, MistralConfig(sliding_window=4, **common)),
+              (Qwen2ForCausalLM, Qwen2Config(sliding_window=4, use_sliding_window=True, max_window_layers=1, **common)),
+              (Gemma3ForCausalLM, Gemma3TextConfig(sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                                   **common))]
+    # a left-padded batch longer than the window (the sliding layers full from the prefill on) and one shorter (their 4
+    # slots past the prompt unwritten until the decode steps fill them, the full layers' 5 slots longer)
+    for ids in (torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]]), torch.tensor([[0, 5], [8, 9]])):
+        for cls, config in models:
+            for attn in ("sdpa", "eager"):
+                config._attn_implementation = attn
+                cls(config).eval().generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=4, do_sample=False,
+                                            cache_implementation="static", pad_token_id=0)
+"""
+
+
+def test_no_alarm_on_static_cache_generate_of_full_and_sliding_layers(tmp_path):
+    """Llama, Mistral and Qwen2 (sliding layers), Gemma 3 (sliding and full): transformers' StaticCache hands a full
+    layer all max_cache_len slots and a sliding one its window's (cache_utils.py StaticLayer.update 462-494,
+    StaticSlidingWindowLayer.update 547-624), and its masks hide the empty ones: no finding beyond notes."""
+    pytest.importorskip("transformers")
+    status, found, report = _findings(tmp_path, FAMILIES)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+DROPPED = """
+    import torch
+    import transformers.models.{module}.modeling_{module} as modeling
+    from transformers import {name}Config, {name}ForCausalLM
+    torch.manual_seed(0)
+    made = modeling.{builder}
+    def no_decode_mask(*args, **kwargs):  # the bug: "one new token needs no mask"
+        mask = made(*args, **kwargs)
+        return None if kwargs["inputs_embeds"].shape[1] == 1 else mask
+    modeling.{builder} = no_decode_mask
+    config = {name}Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=1, pad_token_id=0, {extra})
+    ids = torch.tensor([[1, 5, 6]])
+    try:
+        {name}ForCausalLM(config).eval().generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                                                  cache_implementation="static", pad_token_id=0)
+    finally:
+        modeling.{builder} = made  # (the program runs in the test's process: the next test gets the real one)
+"""
+
+
+@pytest.mark.parametrize("name, builder, extra", [("Llama", "create_causal_mask", ""),
+                                                  ("Mistral", "create_sliding_window_causal_mask", "sliding_window=8")])
+def test_a_decode_step_that_attends_a_static_cache_s_empty_slots(tmp_path, name, builder, extra):
+    """With no mask at decode SDPA lets the one query see every slot. A prompt of 3, 3 new tokens: the cache holds
+    max_length = 6 slots (a full layer; the sliding one min(window 8, 6) = 6, cache_utils.py 540); at decode 1, query 3
+    was just written to slot 3, slots 4-5 hold no key (StaticLayer.update 481: slots cumulative_length + i)."""
+    pytest.importorskip("transformers")
+    status, found, report = _findings(tmp_path, DROPPED.format(name=name, module=name.lower(), builder=builder,
+                                                                extra=extra))
+    assert status == 1, report
+    cells = [f["cell"] for f in found if f["code"] == "unwritten-slot"]
+    assert cells == [[0, 3, 4]], report  # decode 2 (query 4, slot 5 empty) shares decode 1's stored mask: one finding

@@ -193,3 +193,17 @@ def test_a_hugging_face_model_given_no_attention_mask_at_decode_is_said_once_per
     """
     status, alarms, report = _alarms(tmp_path, "hf_padding_dropped", source)
     assert status == 1 and [f["code"] for f in alarms] == ["padding-ignored"], report
+
+
+def test_is_causal_at_decode_is_said_once_per_step_by_the_finding_that_names_it(tmp_path):
+    """tests/data/bugs/sdpa_is_causal_decode.py: is_causal=True with one query and a cache is top-left (SDPA's
+    is_causal is torch.tril of an (Lq, Lk) matrix: torch/nn/functional.py 6360, the reference implementation in
+    scaled_dot_product_attention's docstring, temp_mask = torch.ones(L, S).tril(diagonal=0)): the decode mask is causal aligned
+    top-left too, and steps.py's top-left-mask would say the same cells again. One finding per decode step, the one
+    naming is_causal; the call with is_causal fixed to a bottom-right mask has neither."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "sdpa_is_causal_decode", fixed=False)
+    assert status == 1 and [f["code"] for f in found] == ["top-left-causal", "top-left-causal"], report
+    status, found, report = traced(tmp_path, "sdpa_is_causal_decode", fixed=True)
+    assert status == 0 and not [f for f in found if f["code"].startswith("top-left")], report

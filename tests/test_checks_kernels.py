@@ -10,6 +10,10 @@ BUGS = [
     # pytorch/pytorch#144858: is_causal=True at a decode step is top-left (torch/nn/functional.py
     # scaled_dot_product_attention: attn_mask = torch.ones(L, S).tril(diagonal=0) where is_causal)
     ("sdpa_is_causal_decode", "top-left-causal"),
+    # lucidrains/x-transformers#187: is_causal=causal kept for the one new query behind a cache
+    ("cached_decode_is_causal_xtransformers", "top-left-causal"),
+    # onnx/onnx#8068, Dao-AILab/flash-attention#282: a chunked prefill's is_causal against its cache is top-left
+    ("chunked_prefill_is_causal", "top-left-causal"),
     # pytorch/pytorch#99282: MHA's is_causal is a hint; with need_weights it applies attn_mask (torch/nn/functional.py
     # multi_head_attention_forward: is_causal is passed to SDPA only "if is_causal and key_padding_mask is None and
     # not need_weights")

@@ -14,8 +14,8 @@ BUGS = [
     # (thu-nics/C2C#19, decode_mask_sliced: padding-ignored says it, from the model call's attention_mask)
     ("decode_window_dropped", "window-lost"),  # pytorch/executorch#22285: every written slot visible at decode
     ("cached_mask_rows_top_left", "top-left-mask"),  # rasbt/LLMs-from-scratch#1048: mask[:Lq, :Lk] at decode
-    ("cached_decode_is_causal_xtransformers", "top-left-mask"),  # lucidrains/x-transformers#187: is_causal with a cache
-    ("chunked_prefill_is_causal", "top-left-mask"),  # onnx/onnx#8068, flash-attention#282: chunked prefill top-left
+    # (is_causal with a cache, lucidrains/x-transformers#187 and onnx/onnx#8068: kernels.py's top-left-causal says it,
+    # naming is_causal, not top-left-mask a second time: test_checks_kernels.py)
     ("cached_prefill_not_causal", "causal-lost"),  # Mikyx-1/TinyLLM#17: no causal mask once a cache is attached
 ]
 

@@ -198,6 +198,23 @@ def test_a_static_cache_gives_every_slot_and_masks_the_ones_not_yet_filled(attn)
         assert all((got[:, h] == want).all() for h in range(call.shape[1])), (call.step, got[:, 0].astype(int))
 
 
+def test_a_layer_that_attends_twice_in_one_forward_is_one_step():
+    """DiffLlama calls its attention function twice a layer per forward, once per half of the values
+    (transformers/models/diffllama/modeling_diffllama.py 276 and 286): a prefill and one decode step are two steps,
+    each layer's two calls at each, placed behind a static cache and its keys (no top-left decode, no cache miss)."""
+    from maskcli.checks.registry import severity
+    from maskcli.hf.report import view
+
+    config = families.tiny(families.load("diffllama"), name="diffllama")
+    result = run("diffllama", config, prompt((4, 2), None, 0, "left", 128), new_tokens=1, attn="sdpa", cache="static")
+    assert result.steps == ["prefill", "decode 1"]
+    assert sorted((call.details["layer"], call.step) for call in result.calls) == sorted(
+        (layer, step) for layer in range(config.num_hidden_layers) for step in (0, 1) for _ in range(2))
+    assert [call.details["queries"] for call in result.calls if call.step == 1] == [[4, 5]] * (2 * config.num_hidden_layers)
+    assert result.cache_holds, result.cache_check
+    assert [f.code for group in view(result).groups for f in group.findings if severity(f) == "wrong"] == []
+
+
 def expected_keys(kind: str, cache: str, seen: int, new: int, window: int, slots: int) -> list[int]:
     """Where transformers 5's caches put a layer's keys (cache_utils' docstrings, written out here): a dynamic cache
     returns every key so far, its sliding layers the last window-1 before the new ones; a static cache ("sliding" is

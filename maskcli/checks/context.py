@@ -116,6 +116,10 @@ def queries(call, top: Top | None) -> np.ndarray:
     held = arguments.get("cache_length")
     if isinstance(held, int) and q_len <= held < k_len:  # a static cache's slots past the written ones (trace/tops.py)
         return np.arange(held - q_len, held)
+    sizes = () if top is None else top.arguments.get("cache_slots", ())
+    if isinstance(held, int) and any(held >= size and k_len == size - 1 + q_len for size in sizes):
+        return np.arange(held - q_len, held)  # a full static sliding layer's last size - 1 keys and the new ones
+        # (cache_utils.py StaticSlidingWindowLayer.update 583-591, 621-624): its columns are not positions
     given = arguments.get("position_ids")
     if isinstance(given, np.ndarray) and given.ndim <= 2 and given.shape[-1] == q_len:
         rows = given.reshape(-1, q_len)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from maskcli.checks.context import Run, masked_somewhere
+from maskcli.checks.context import Run, masked_somewhere, queries
 from maskcli.checks import config
 from maskcli.checks.registry import all_rules, severity
 from maskcli.checks.spans import explained
@@ -43,6 +43,12 @@ def apply(groups: list, run: Run) -> list:
             group.findings = [f for f in group.findings if f.code != "documents-leak"]  # (varlen.py): not said again
         if any(severity(f) == "wrong" for f in group.findings if f.code != "prefill-chunks-differ"):  # a chunk another
             group.findings = [f for f in group.findings if f.code != "prefill-chunks-differ"]  # rule calls wrong: said once
+    for group in groups:  # is_causal aligned top-left (kernels.py), and the top-left mask it made (steps.py): one bug
+        if any(f.code == "top-left-causal" for f in group.findings):  # said once, by the finding that names is_causal
+            group.findings = [f for f in group.findings if f.code != "top-left-mask"]
+            if group.calls and all(queries(call, run.top(call))[0] == 0 for call in group.calls):
+                group.findings = [f for f in group.findings if f.code != "top-left-causal"]  # (queries at a static
+                # cache's start, its slots past them unwritten: top-left is where they sit; cache.py reads those slots)
     judged = explained(run)  # later keys the model call's token types account for (spans.py): not a causal mask's slip
     for group in groups:
         if group.calls and all(call.index in judged for call in group.calls):

@@ -181,6 +181,7 @@ def _placed(tracer, config, prompt_len: int, prefill_chunk: int | None, sinks: b
     """The layers' calls (as _sorted gives them), each with its query positions and its keys' from its cache.
     With `sinks` (GPT-OSS's learned sink logits), a softmax one column wider than its cache's keys has the sink
     as its last column: not a key, so the call keeps its mask without it (_leave_out_sink), once, for every view."""
+    _forward_steps(tracer)
     calls, other = _sorted(tracer, config)
     by_call = {(u.layer, u.step): u for u in tracer.updates}
     for call in calls:
@@ -192,6 +193,24 @@ def _placed(tracer, config, prompt_len: int, prefill_chunk: int | None, sinks: b
     for key in [key for key in tracer.masks if key not in used]:  # (the masks read with the sink column)
         del tracer.masks[key]
     return calls, other
+
+
+def _forward_steps(tracer) -> None:
+    """Each call's step made the how-manieth forward of the model at its call site: a layer that calls its kernel twice
+    in one forward (DiffLlama's two halves of the values) is one step, not two (the trace counts calls per site)."""
+    import bisect
+
+    tops = sorted((top.first, top.end) for top in tracer.tops)
+    firsts = [first for first, _ in tops]
+    seen: dict = {}
+    for call in tracer.calls:
+        at = bisect.bisect_right(firsts, call.index) - 1
+        if at < 0 or call.index >= tops[at][1]:
+            continue  # (made outside any forward: its own count stays)
+        steps = seen.setdefault(call.where, [])
+        if not steps or steps[-1] != at:
+            steps.append(at)
+        call.step = len(steps) - 1
 
 
 def _leave_out_sink(call) -> None:

@@ -47,6 +47,9 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int) -> 
         held = _held(cache)
         if held is not None:
             found["cache_length"] = held
+        sizes = _static_sizes(cache)
+        if sizes:
+            found["cache_slots"] = sizes
     return Top(where, getattr(module, "config", None), found, first, end)
 
 
@@ -62,3 +65,13 @@ def _held(cache) -> int | None:
     except Exception:  # (a cache of the program's own whose method wants arguments: nothing read, nothing changed)
         return None
     return held if held >= 0 else None
+
+
+def _static_sizes(cache) -> tuple[int, ...]:
+    """The slot counts of a Hugging Face cache's static layers, each of which hands attention its whole buffer, slot j
+    holding position j until it fills (cache_utils.py StaticLayer.update 462-492, get_mask_sizes 496-500;
+    StaticSlidingWindowLayer keeps min(window, max_cache_len) slots, 539-541, and returns them all while not full,
+    600-613). Read off `max_cache_len` of the layers that have one as an int (the static ones); () for any other."""
+    layers = getattr(cache, "self_attention_cache", cache)  # (an encoder-decoder's: its decoder's own keys)
+    found = {getattr(layer, "max_cache_len", None) for layer in getattr(layers, "layers", None) or ()}
+    return tuple(sorted(size for size in found if isinstance(size, int) and size > 0))
