@@ -576,8 +576,14 @@ REFUSED_BEFORE_TORCH = [
 ]
 
 
-def test_impossible_sizes_are_refused_before_torch_is_imported(tmp_path):
-    # importing torch alone takes longer than the second a refusal may take
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_impossible_sizes_are_refused_before_torch_is_imported(tmp_path, device):
+    # importing torch alone takes longer than the second a refusal may take. auto is known to compute on the CPU
+    # without torch only where no GPU driver is installed (inputs._computes_on_cpu); elsewhere torch must say
+    from maskcli.commands.inputs import _computes_on_cpu
+
+    if not _computes_on_cpu(device):
+        pytest.skip("a GPU driver is installed: --device auto is decided by torch")
     script = (
         "import sys, json\n"
         "from maskcli.commands import app\n"
@@ -591,7 +597,7 @@ def test_impossible_sizes_are_refused_before_torch_is_imported(tmp_path):
     )
     done = subprocess.run(
         [sys.executable, "-c", script, json.dumps(REFUSED_BEFORE_TORCH)], cwd=tmp_path, capture_output=True, text=True,
-        timeout=120, env={**os.environ, "MASKCLI_DEVICE": "auto"},
+        timeout=120, env={**os.environ, "MASKCLI_DEVICE": device},
     )
     codes, imported = json.loads(done.stdout.strip().splitlines()[-1])
     assert codes == [2] * len(REFUSED_BEFORE_TORCH), done.stderr
