@@ -37,7 +37,7 @@ def model(
     window: ConfigWindow = None,
     chunk_size: ConfigChunkSize = None,
     prefill_chunk: Annotated[int | None, typer.Option("--prefill-chunk", help="Prefill in chunks of N tokens (generate's prefill_chunk_size), a step each; on absolute positions their masks must equal one pass's (else exit status 1).", parser=integer, show_default=False)] = None,
-    expect: Annotated[list[str] | None, typer.Option("--expect", help="LAYERTYPE=EXPR, repeatable: every call of those layers (a shell pattern over layer types or module paths) must be EXPR, padding read off the mask; else exit status 1.", show_default=False)] = None,
+    expect: Annotated[list[str] | None, typer.Option("--expect", help="LAYERTYPE=EXPR, repeatable: every call of those layers (a shell pattern over layer types or module paths) must be EXPR (padding: as EXPR ends, causal (--lengths 5,3 --pad left), else off the mask); else exit 1.", show_default=False)] = None,
     png: Annotated[str | None, typer.Option("--png", help="Write a figure of each layer type's mask at each step, per batch row: .png, .svg or .pdf.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print every call, group and table cell as one JSON object instead of the table.")] = False,
     save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to a trace file that show, diff and inspect read: --mask RUN.pt:7 (call 7) or RUN.pt:PATH@STEP.", show_default=False)] = None,

@@ -47,7 +47,7 @@ def serve(
 
     from maskcli.trace.expect import parse as parse_expect
 
-    expectations = parse_expect(expect or [], "*=window(8)", "a request's index or request_id")
+    expectations = parse_expect(expect or [], "*=window(8)", "a request's index or request_id", padding=False)
     layers = None
     if model is not None:
         from maskcli.hf import require

@@ -1,0 +1,100 @@
+"""maskcli.trace.expect: --expect PATTERN=EXPR, and the padding EXPR may carry (issue 29: "--expect can now also
+assert padding, so that a padding lost at decode fails it")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+from maskcli.errors import MaskError
+from maskcli.trace.expect import _padding_at, parse, stated_padding
+
+BUG = Path(__file__).parent / "data" / "bugs" / "padding_mask_first_step_only.py"
+runner = CliRunner()
+
+
+def prompt_loop(lengths, left, width, k_len):
+    """Real keys by a loop: the prompt's (left or right padded to `width`), then every key after it."""
+    rows = []
+    for n in lengths:
+        row = []
+        for k in range(k_len):
+            if k >= width:
+                row.append(True)
+            else:
+                row.append(k >= width - n if left else k < n)
+        rows.append(row)
+    return np.array(rows)
+
+
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=4), st.booleans(), st.integers(0, 4))
+def test_the_stated_padding_holds_the_prompt_and_leaves_later_keys_real(lengths, left, later):
+    width = max(lengths)
+    text = f"causal (--lengths {','.join(map(str, lengths))}{' --pad left' if left else ''})"
+    expression, stated = stated_padding(text)
+    assert expression == "causal" and stated["lengths"] == ",".join(map(str, lengths))
+    k_len = width + later
+    if k_len == 0:
+        return
+    from maskcli.keypadding import valid
+
+    fields = _padding_at(stated, len(lengths), k_len)
+    assert np.array_equal(valid(fields, len(lengths), k_len), prompt_loop(lengths, left, width, k_len))
+
+
+def test_ids_padding_and_no_padding():
+    assert stated_padding("window(3)") == ("window(3)", {})
+    assert stated_padding("window(3) & causal (--ids 0,5,6;7,8,9)") == ("window(3) & causal", {"ids": "0,5,6;7,8,9"})
+    fields = _padding_at({"ids": "5,0,0;7,8,9", "pad_id": 0}, 2, 5)  # right padding, then two tokens generated
+    from maskcli.keypadding import valid
+
+    assert valid(fields, 2, 5).tolist() == [[True, False, False, True, True], [True] * 5]
+
+
+@pytest.mark.parametrize("value, says", [
+    ("*=causal (--lens 2,4)", "'--lens' in 'causal (--lens 2,4)': the padding takes --lengths"),
+    ("*=causal (--pad left)", "give the padding as --lengths L,L"),
+    ("*=causal (--lengths 2,4 --pad up)", "--pad 'up' in 'causal (--lengths 2,4 --pad up)': give --pad left or --pad right"),
+    ("*=causal (--lengths)", "each with its value"),
+])
+def test_a_bad_padding_is_one_line_before_the_program_runs(value, says):
+    with pytest.raises(MaskError, match=None) as raised:
+        parse([value])
+    assert says in str(raised.value)
+    result = runner.invoke(app, ["trace", "--expect", value, str(BUG)])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and says in result.stderr, result.output
+
+
+def test_serve_takes_no_padding_in_its_expressions():
+    with pytest.raises(MaskError):
+        parse(["*=causal (--lengths 2,4)"], padding=False)
+
+
+def trace(tmp_path, *args):
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["trace", "--no-check", "--json", str(out), *map(str, args)])
+    return result, json.loads(out.read_text())
+
+
+def test_a_padding_lost_at_decode_fails_the_name_trace_printed_for_the_prefill(tmp_path):
+    """OpenNMT-py#2532 (tests/data/bugs): the padding held at the prefill only. The prefill's name, pasted as --expect,
+    fails at both decode steps; read off each call (no padding stated) it cannot: the decode masks have none."""
+    result, data = trace(tmp_path, BUG, "--fixed")
+    name = data["groups"][0]["name"]
+    assert name == "causal (--lengths 2,4 --pad left)"
+    result, _ = trace(tmp_path, "--expect", f"*={name}", BUG, "--fixed")
+    assert result.exit_code == 0 and "--expect: every call matched holds (1 expectation)" in result.stderr, result.output
+    result, _ = trace(tmp_path, "--expect", f"*={name}", BUG)
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.stderr.split())
+    assert ("differs from causal with the padding stated (--lengths 3,5 --pad left): batch 0 row 4: the call sees 0-4, "
+            "causal sees 2-4: causal hides keys 0-1") in said
+    assert "1 more call differs: 2" in said
+    result, _ = trace(tmp_path, "--expect", "*=causal", BUG)
+    assert result.exit_code == 0, result.output  # the padding read off each call: the decode steps show none
