@@ -5,6 +5,10 @@ medusa_choices, EAGLE's tree_choices, TensorRT-LLM's medusa_choices / eagle_choi
 drafts are the root (node 0: the token the last step accepted, at position prefix) and one node per path,
 ordered as Medusa's generate_medusa_buffers orders them (medusa/model/utils.py:45, sorted by depth, then
 lexicographically), so node i here is node i of the engine's own medusa_attn_mask and medusa_position_ids.
+EAGLE-1's generate_tree_buffers (SafeAILab/EAGLE eagle/model/utils.py:89-160) sorts and builds its tree_attn_mask
+and tree_position_ids the same way; EAGLE-2's total_tokens trees are grown per step, so their masks carry them.
+TensorRT-LLM takes the lists as MedusaDecodingConfig.medusa_choices / EagleDecodingConfig.eagle_choices
+(tensorrt_llm/llmapi/llm_args.py, List[List[int]]: "Each sublist represents a path in the tree").
 """
 
 from __future__ import annotations
