@@ -168,6 +168,19 @@ def test_a_verify_step_with_another_number_of_drafts_is_reported():
         ("tree-mask", "request 1 verifies 4 drafts; tree_choices makes 3 (the root and 2 paths)")]
 
 
+@pytest.mark.parametrize("engine", TREE_ENGINES)
+def test_a_chain_of_another_length_is_a_verify_request_off_its_tree_but_in_flashinfer(engine):
+    """A 3-draft chain where the choice list makes 4 nodes: in TensorRT-LLM's and SGLang's fields only verify
+    requests hold a tree mask, so it is reported; FlashInfer's custom_mask holds every request, a plain causal
+    prefill too, so there it is not."""
+    reqs = allocate([Req(5, 3)], 4)
+    tensors = with_tree(engine, reqs, 4, [-1, 0, 1]) | {"medusa_choices": [[0], [1], [0, 0]]}
+    found = check(from_tensors(tensors, "batch"))
+    want = [] if engine == "flashinfer" else [
+        ("tree-mask", "request 0 verifies 3 drafts; medusa_choices makes 4 (the root and 3 paths)")]
+    assert [(f.code, f.message) for f in found] == want
+
+
 def _tensors(batch_paths):
     mask, ids = medusa_buffers([[0], [1], [0, 0]])
     reqs = allocate([Req(3, 1), Req(7, 4)], 4)

@@ -304,8 +304,10 @@ def trees(b: ServeBatch) -> list[Finding]:
         if named is not None and len(named) != cells.shape[0]:
             own = read_tree(cells)
             depth_at[r] = own.depth  # its positions are judged by its own mask's tree
-            if own.wrong is None and np.array_equal(own.parents, np.arange(len(own.parents)) - 1):
-                continue  # plain causal beside the verify requests (a prefill in FlashInfer's custom_mask): no tree
+            # FlashInfer's custom_mask holds every request of the batch, a prefill's plain causal too; SGLang's and
+            # TensorRT-LLM's hold only the verify requests', each of which must be the tree
+            if b.engine == "flashinfer" and own.wrong is None and np.array_equal(own.parents, np.arange(len(own.parents)) - 1):
+                continue
             out.append(Finding("tree-mask", f"request {r} verifies {cells.shape[0]} drafts; {b.choices_name} makes "
                                f"{len(named)} (the root and {len(named) - 1} paths)", request=r))
             continue
