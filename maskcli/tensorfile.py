@@ -70,27 +70,27 @@ def load_tensors(source: str, flag: str, json_floats=None, numbers: bool = False
     return {name: as_tensor(value) for name, value in read_tensors(source, flag, floats, numbers).items()}
 
 
-def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: bool = False) -> dict:
+def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: bool = False, lists: tuple[str, ...] = ()) -> dict:
     """Every tensor in a file (or inline JSON) by name; a lone tensor is named ''.
 
     numpy arrays, read without torch, from every file but .pt, whose tensors come as torch.load gives them (the
     caller converts them at its edge). JSON's floats become `json_floats` (a numpy dtype name); `numbers`: see
-    load_tensors.
+    load_tensors. `lists`: the fields (of a JSON object or a .pt dict) kept as the nested lists they are (a ragged choice list).
     """
     if is_inline(source):
         where = f"{flag} {shortened(source, 60)!r} (inline JSON)"
-        return _read_json(source, where, json_floats)
+        return _read_json(source, where, json_floats, lists)
     path, where, size = checked_source(source, flag)
     suffix = path.suffix.lower()
     try:
         _check_fits(size, suffix, where)
         if suffix in (".pt", ".pth"):
-            return _from_pt(path, where, numbers)
+            return _from_pt(path, where, numbers, lists)
         if suffix in (".npy", ".npz"):
             return _from_numpy(path, where)
         if suffix == ".safetensors":
             return _from_safetensors(path, where)
-        return _read_json(path.read_text(errors="replace"), where, json_floats)
+        return _read_json(path.read_text(errors="replace"), where, json_floats, lists)
     except OSError as error:  # unreadable (permissions, a vanished file): one line, not a traceback
         raise MaskError(f"{where}: cannot read it ({error.strerror or error})") from None
 
@@ -125,13 +125,13 @@ def load_tensor(source: str, flag: str, names: tuple[str, ...] = (), others: tup
     raise MaskError(f"{flag} {source!r} holds {held}; expected {wanted}: save the tensor under that name, or alone in the file")
 
 
-def _read_json(text: str, where: str, floats: str) -> dict[str, np.ndarray]:
+def _read_json(text: str, where: str, floats: str, lists: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """A JSON tensor: a plain nested list of numbers parsed by numpy (jsonarrays), anything else through json."""
     from maskcli.jsonarrays import dense_numbers
 
     array = dense_numbers(text)
     if array is None:
-        return _from_json(_parse_json(text, where), where, floats)
+        return _from_json(_parse_json(text, where), where, floats, lists)
     if array.dtype.kind == "f":
         with np.errstate(over="ignore"):  # as _from_json: a double past float32's range is inf there
             array = array.astype(floats)
@@ -185,10 +185,13 @@ def _numbers(value):
     return value
 
 
-def _from_json(data, where: str, floats: str = "float32") -> dict[str, np.ndarray]:
+def _from_json(data, where: str, floats: str = "float32", lists: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     items = data.items() if isinstance(data, dict) else [("", data)]
     arrays = {}
     for name, value in items:
+        if name in lists:
+            arrays[name] = value
+            continue
         label = f" {name!r}" if name else ""
         try:
             array = np.array(value)  # C speed where the values are numbers already (_parse_json made the usual constants)
@@ -220,7 +223,7 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _from_pt(path: Path, where: str, numbers: bool = False) -> dict:
+def _from_pt(path: Path, where: str, numbers: bool = False, lists: tuple[str, ...] = ()) -> dict:
     import pickle
     import warnings
 
@@ -243,10 +246,13 @@ def _from_pt(path: Path, where: str, numbers: bool = False) -> dict:
         raise MaskError(f"{where}: not a readable .pt file ({type(error).__name__}: {str(error)[:160]})") from None
     if isinstance(data, torch.Tensor):
         return {"": data}
+    kept = {name: data.pop(name) for name in lists if isinstance(data, dict) and name in data}
+    if kept and not data:
+        raise MaskError(f"{where}: holds only {', '.join(kept)}, no tensors")
     if numbers and isinstance(data, dict):
         data = {k: _as_tensor(v) for k, v in data.items()}
     if isinstance(data, dict) and data and all(isinstance(v, torch.Tensor) for v in data.values()):
-        return {str(k): v for k, v in data.items()}
+        return {str(k): v for k, v in data.items()} | kept
     if isinstance(data, dict) and data:
         odd = next(k for k, v in data.items() if not isinstance(v, torch.Tensor))
         raise MaskError(f"{where}: entry {odd!r} of the dict is {type(data[odd]).__name__} {_short(data[odd])}, not a tensor; save only tensors")

@@ -29,7 +29,8 @@ def serve(
              "block_table_tensor, slot_mapping, block_size), SGLang's ForwardBatch (extend_prefix_lens, extend_seq_lens, seq_lens, "
              "req_to_token, out_cache_loc), flash-attn's (cu_seqlens_q, seqused_k, block_table, cache_leftpad, window_size), "
              "FlashInfer's plan() (qo_indptr, kv_indptr, kv_indices, kv_last_page_len, window_left, custom_mask) or "
-             "TensorRT-LLM's (seq_lens, num_cached_tokens_per_seq, kv_cache_block_offsets, spec_decoding_packed_mask); or a FlashInfer "
+             "TensorRT-LLM's (seq_lens, num_cached_tokens_per_seq, kv_cache_block_offsets, spec_decoding_packed_mask), and "
+             "medusa_choices, eagle_choices or tree_choices: the static tree each draft mask must be; or a FlashInfer "
              "API-logging folder of a plan() call (FLASHINFER_LOGLEVEL=10).",
         show_default=False, metavar="FILE...")],
     png: Annotated[str | None, typer.Option("--png", help="Write a figure of each request's mask and its pages (shared, null, written): .png, .svg or .pdf.", show_default=False)] = None,

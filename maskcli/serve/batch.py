@@ -61,6 +61,8 @@ class ServeBatch:
     trees: dict[int, np.ndarray] = field(default_factory=dict)  # request -> bool (q_len, seq_len) custom mask
     request_ids: np.ndarray | None = None  # (R,) which request is which across step files
     positions: np.ndarray | None = None  # (N,) each query token's position as the engine states it
+    choices: tuple[tuple[int, ...], ...] = ()  # a static tree's choice list (serve/choices.py): every tree is that tree
+    choices_name: str = ""  # the field that held it
     notes: tuple[str, ...] = ()
 
     @property

@@ -293,23 +293,40 @@ def trees(b: ServeBatch) -> list[Finding]:
     """Each draft node sees the prefix, its ancestors and itself, and sits at position prefix + depth."""
     from maskcli.serve.trees import read_tree
 
+    from maskcli.serve import choices
+
     out = []
     depth_at = {}
+    named = choices.parents(list(b.choices)) if b.choices else None
     for r, cells in b.trees.items():
         if cells.shape[0] > cells.shape[1]:
             continue  # lengths() says so
-        tree = read_tree(cells)
+        if named is not None and len(named) != cells.shape[0]:
+            own = read_tree(cells)
+            depth_at[r] = own.depth  # its positions are judged by its own mask's tree
+            # FlashInfer's custom_mask holds every request of the batch, a prefill's plain causal too; SGLang's and
+            # TensorRT-LLM's hold only the verify requests', each of which must be the tree
+            if b.engine == "flashinfer" and own.wrong is None and np.array_equal(own.parents, np.arange(len(own.parents)) - 1):
+                continue
+            out.append(Finding("tree-mask", f"request {r} verifies {cells.shape[0]} drafts; {b.choices_name} makes "
+                               f"{len(named)} (the root and {len(named) - 1} paths)", request=r))
+            continue
+        tree = read_tree(cells, named)
         depth_at[r] = tree.depth
         if tree.wrong is not None:
             node, key, held = tree.wrong
             q = tree.prefix + node
+            draft = key - tree.prefix
+            name = "" if named is None else f" ({choices.path_of(list(b.choices), node)} in {b.choices_name})"
             if key < tree.prefix:
                 what = f"does not see prefix key {key}"
             elif held:
-                what = f"sees draft {key - tree.prefix}, which is not its ancestor (its parent is {int(tree.parents[node])})"
+                parent = f"its parent is {int(tree.parents[node])}" if named is None else \
+                    f"draft {draft} is {choices.path_of(list(b.choices), draft)}"
+                what = f"sees draft {draft}, which is not its ancestor ({parent})"
             else:
-                what = f"does not see draft {key - tree.prefix}, its ancestor"
-            out.append(Finding("tree-mask", f"request {r}'s draft node {node} {what}: a tree node sees the "
+                what = f"does not see draft {draft}, its ancestor"
+            out.append(Finding("tree-mask", f"request {r}'s draft node {node}{name} {what}: a tree node sees the "
                                f"prefix, its ancestors and itself", request=r, cell=(q, key)))
     if b.positions is None or not _tokens_agree(b):
         return out

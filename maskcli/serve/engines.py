@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 
 from maskcli.errors import MaskError
-from maskcli.serve import flash_attn, flashinfer, sglang, trtllm, vllm
+from maskcli.serve import choices, flash_attn, flashinfer, sglang, trtllm, vllm
 from maskcli.serve.batch import ServeBatch, validate
 from maskcli.serve.fields import Fields, as_numbers
 
@@ -45,7 +45,7 @@ def read(source: str) -> ServeBatch:
 
     if not is_inline(source) and is_dump(source):
         return from_tensors(read_dump(source), source)
-    tensors = read_tensors(source, "FILE", numbers=True)
+    tensors = read_tensors(source, "FILE", numbers=True, lists=choices.NAMES)
     source = "inline JSON" if is_inline(source) else source
     if set(tensors) == {""}:
         raise MaskError(f"{source!r} holds one unnamed tensor; save a dict of the engine's named fields (query_start_loc, seq_lens, ...)")
@@ -62,4 +62,28 @@ def from_tensors(tensors: dict, source: str) -> ServeBatch:
     ids = fields.per_request(fields.vector("request_ids"), batch.requests, "request_ids")
     if ids is not None and np.unique(ids).size != ids.size:
         raise MaskError(f"{source!r}: request_ids {ids[:8].tolist()} name a request twice; give each request its own id")
-    return batch if ids is None else replace(batch, request_ids=ids)
+    batch = batch if ids is None else replace(batch, request_ids=ids)
+    return _with_choices(batch, tensors, source)
+
+
+def _with_choices(batch: ServeBatch, tensors: dict, source: str) -> ServeBatch:
+    """The batch with the choice list its file holds, which every draft tree in it must be."""
+    names = [name for name in choices.NAMES if name in tensors]
+    if not names:
+        return batch
+    if len(names) > 1:
+        raise MaskError(f"{source!r} holds {', '.join(names)}: give one choice list")
+    name = names[0]
+    if not batch.trees:
+        fields = TREE_FIELDS.get(batch.engine)
+        how = (f"add the verify step's {' or '.join(fields)}" if fields else
+               "serve reads draft trees from FlashInfer's and SGLang's custom_mask and TensorRT-LLM's spec_decoding_packed_mask")
+        raise MaskError(f"{source!r} holds {name} but no draft tree's mask to check it against; {how}")
+    value = tensors[name]
+    value = value.tolist() if hasattr(value, "tolist") else value
+    paths = tuple(choices.parse(value, f"{source!r}: {name}"))
+    note = f"draft trees checked against {name}: the root and {len(paths)} paths, ordered by depth then path"
+    return replace(batch, choices=paths, choices_name=name, notes=batch.notes + (note,))
+
+
+TREE_FIELDS = {"flashinfer": ("custom_mask",), "sglang": ("custom_mask",), "trtllm": ("spec_decoding_packed_mask",)}

@@ -31,14 +31,15 @@ class Tree:
         return depth
 
 
-def read_tree(cells: np.ndarray) -> Tree:
-    """The tree a (q_len, prefix + q_len) custom mask holds, and its first cell off that tree's mask."""
+def read_tree(cells: np.ndarray, parents: np.ndarray | None = None) -> Tree:
+    """The tree a (q_len, prefix + q_len) custom mask holds, and its first cell off that tree's mask; with
+    `parents` (a choice list's tree, as many nodes), the first cell off that tree's mask instead."""
     from maskcli.kinds.tree import ancestor_table
 
     n, keys = cells.shape
     prefix = keys - n
     drafts = cells[:, prefix:]
-    parents = _parents(drafts)
+    parents = _parents(drafts) if parents is None else parents
     expected = np.concatenate([np.ones((n, prefix), bool), ancestor_table(parents)], 1)
     off = np.argwhere(expected != cells)
     wrong = None if not off.size else (int(off[0, 0]), int(off[0, 1]), bool(cells[off[0, 0], off[0, 1]]))
