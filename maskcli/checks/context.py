@@ -10,6 +10,7 @@ these as transformers reads them; nothing here imports torch or transformers.
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,8 +96,19 @@ def keep(call) -> np.ndarray | None:
     b, h = stored["planes"]
     if b * h * call.shape[2] * call.shape[3] > DENSE_CELLS:
         return None
+    held = _DENSE.get(id(stored))
+    if held is not None and held[0] is stored:  # the rules read one stored mask many times: built once, read-only
+        return held[1]
     cells = tracefile.dense(stored)
+    cells.setflags(write=False)
+    while _DENSE and sum(held[1].nbytes for held in _DENSE.values()) + cells.nbytes > _HELD_BYTES:
+        _DENSE.pop(next(iter(_DENSE)))  # the oldest first
+    _DENSE[id(stored)] = (stored, cells)  # (the stored dict held too: its id cannot be reused while here)
     return cells
+
+
+_HELD_BYTES = 64 << 20
+_DENSE: dict[int, tuple[dict, np.ndarray]] = {}
 
 
 def queries(call, top: Top | None) -> np.ndarray:
@@ -144,10 +156,21 @@ def equals(cells: np.ndarray, expression: str, **placed) -> bool:
     from maskcli.errors import MaskError
     from maskcli.testing import against
 
+    key = (id(cells), expression, tuple(sorted(placed.items())))
+    held = _EQUALS.get(key)
+    if held is not None and held[0]() is cells:  # several rules ask the same of one call's cells
+        return held[1]
     try:
-        return against(cells, expression, **placed).equal
+        same = against(cells, expression, **placed).equal
     except MaskError:
-        return False
+        same = False
+    if len(_EQUALS) >= 4096:
+        _EQUALS.pop(next(iter(_EQUALS)))
+    _EQUALS[key] = (weakref.ref(cells), same)  # (a weak reference: the answer goes with the cells)
+    return same
+
+
+_EQUALS: dict[tuple, tuple[weakref.ref, bool]] = {}
 
 
 def first_cell(cells: np.ndarray) -> tuple[int, ...]:
