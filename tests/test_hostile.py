@@ -444,6 +444,7 @@ def test_ctrl_c_exits_130_with_one_line(tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "maskcli", "show", "--mask-mod", "slow.py:slow", "--len", "4", "--save", "out.npy"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # (a suite run in the background ignores it)
     )
     deadline = time.time() + 60
     while not (tmp_path / "started").exists() and time.time() < deadline:
