@@ -62,6 +62,8 @@ def test_ids_padding_and_no_padding():
     ("*=causal (--pad left)", "give the padding as --lengths L,L"),
     ("*=causal (--lengths 2,4 --pad up)", "--pad 'up' in 'causal (--lengths 2,4 --pad up)': give --pad left or --pad right"),
     ("*=causal (--lengths)", "each with its value"),
+    ("*=causal (--lengths 2,x)", "take whole numbers, like --lengths 2,4"),
+    ("*=causal (--ids 0,5;7)", "give every batch row as many ids"),
 ])
 def test_a_bad_padding_is_one_line_before_the_program_runs(value, says):
     with pytest.raises(MaskError, match=None) as raised:

@@ -40,19 +40,23 @@ def stated_padding(expression: str) -> tuple[str, dict]:
         raise MaskError(f"{expression!r}: give the padding as --lengths L,L (with --pad left) or --ids ROW;ROW")
     if fields.get("pad", "right") not in ("left", "right"):
         raise MaskError(f"--pad {fields['pad']!r} in {expression!r}: give --pad left or --pad right")
+    numbers = [(r"\d+(,\d+)*", fields.get("lengths")), (r"-?\d+([,;]-?\d+)*", fields.get("ids")), (r"-?\d+", fields.get("pad_id"))]
+    if not all(re.fullmatch(pattern, text) for pattern, text in numbers if text is not None):
+        raise MaskError(f"{expression!r}: --lengths, --ids and --pad-id take whole numbers, like --lengths 2,4 or --ids 0,5;7,8")
+    if "ids" in fields and len({row.count(",") for row in fields["ids"].split(";")}) > 1:
+        raise MaskError(f"--ids {fields['ids']!r} in {expression!r}: give every batch row as many ids")
     if "pad_id" in fields:
-        fields["pad_id"] = int(fields["pad_id"]) if fields["pad_id"].lstrip("-").isdigit() else fields["pad_id"]
+        fields["pad_id"] = int(fields["pad_id"])
     return found["expression"], fields
 
 
 def _prompt_valid(stated: dict) -> np.ndarray:
-    """Bool (B, P): the prompt's real keys by the stated padding, P its length."""
-    if "ids" in stated:
-        pad_id = str(stated.get("pad_id", 0))
-        return np.array([[x.strip() != pad_id for x in row.split(",")] for row in stated["ids"].split(";")], bool)
-    lengths = np.array([int(x) for x in stated["lengths"].split(",")])
-    columns = np.arange(int(lengths.max()))[None, :]
-    return columns >= lengths.max() - lengths[:, None] if stated.get("pad") == "left" else columns < lengths[:, None]
+    """Bool (B, P): the prompt's real keys by the stated padding (maskcli.keypadding's reading), P its length."""
+    from maskcli.keypadding import valid
+
+    rows = stated["ids"].split(";") if "ids" in stated else stated["lengths"].split(",")
+    width = rows[0].count(",") + 1 if "ids" in stated else max(int(n) for n in rows)
+    return valid(stated, len(rows), width)
 
 
 def _padding_at(stated: dict, batch: int, k_len: int) -> dict:
