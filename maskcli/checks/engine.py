@@ -8,6 +8,13 @@ from maskcli.checks.registry import all_rules, severity
 from maskcli.checks.spans import explained
 
 CONFIG = {rule.code for rule in config.RULES}
+SAID_BY = {  # a code left out of a group where one of these says the same bug with its source
+    "layer-differs": CONFIG,  # the config rule names the layer's type (layers.py would say it again)
+    "fully-masked": {"fill-became-inf (wrong)"},  # the NaN rows, said with the fill that overflowed (dtypes.py)
+    "padding-lost": {"padding-ignored"},  # the keys the model call's attention_mask pads (arguments.py)
+    "documents-leak": {"varlen-leak", "varlen-disagree"},  # documents given outright (varlen.py)
+    "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
+}
 
 
 def findings(run: Run) -> list:
@@ -30,25 +37,17 @@ def apply(groups: list, run: Run) -> list:
         group = where.get(call.index)
         if group is not None and all((f.code, f.message) != (finding.code, finding.message) for f in group.findings):
             group.findings.append(finding)
-    for group in groups:  # one bug reported once: a config rule's finding says what layer-differs (layers.py) would say
+    for group in groups:  # one bug reported once, by the finding that names its cause
         codes = {f.code for f in group.findings}
-        if codes & CONFIG:
-            group.findings = [f for f in group.findings if f.code != "layer-differs"]
-        if "fill-became-inf" in codes and any(f.code == "fill-became-inf" and f.severity is None for f in group.findings):
-            group.findings = [f for f in group.findings if f.code != "fully-masked"]  # (the NaN rows, said with their cause)
-    for group in groups:  # calls that see keys their model call's attention_mask marks as padding (arguments.py) say
-        if any(f.code == "padding-ignored" for f in group.findings):  # it with its source: the same keys lost since
-            group.findings = [f for f in group.findings if f.code != "padding-lost"]  # step 0 (steps.py) say it twice
-        if any(f.code in ("varlen-leak", "varlen-disagree") for f in group.findings):  # documents given outright
-            group.findings = [f for f in group.findings if f.code != "documents-leak"]  # (varlen.py): not said again
-        if any(severity(f) == "wrong" for f in group.findings if f.code != "prefill-chunks-differ"):  # a chunk another
-            group.findings = [f for f in group.findings if f.code != "prefill-chunks-differ"]  # rule calls wrong: said once
-    for group in groups:  # is_causal aligned top-left (kernels.py), and the top-left mask it made (steps.py): one bug
-        if any(f.code == "top-left-causal" for f in group.findings):  # said once, by the finding that names is_causal
-            group.findings = [f for f in group.findings if f.code != "top-left-mask"]
-            if group.calls and all(queries(call, run.top(call))[0] == 0 for call in group.calls):
-                group.findings = [f for f in group.findings if f.code != "top-left-causal"]  # (queries at a static
-                # cache's start, its slots past them unwritten: top-left is where they sit; cache.py reads those slots)
+        if any(f.code == "fill-became-inf" and f.severity is None for f in group.findings):
+            codes.add("fill-became-inf (wrong)")
+        gone = {code for code, by in SAID_BY.items() if codes & by}
+        if any(severity(f) == "wrong" for f in group.findings if f.code != "prefill-chunks-differ"):
+            gone.add("prefill-chunks-differ")  # a chunk another rule calls wrong
+        if "top-left-causal" in codes and group.calls and all(queries(c, run.top(c))[0] == 0 for c in group.calls):
+            gone.add("top-left-causal")  # queries at a static cache's start, its slots past them unwritten: top-left
+            # is where they sit (cache.py reads those slots)
+        group.findings = [f for f in group.findings if f.code not in gone]
     judged = explained(run)  # later keys the model call's token types account for (spans.py): not a causal mask's slip
     for group in groups:
         if group.calls and all(call.index in judged for call in group.calls):
