@@ -15,6 +15,9 @@ Fix: `_prepare_4d_causal_attention_mask_for_sdpa(..., sliding_window=self.config
 converter bands the mask, and the "drop the mask, use is_causal" shortcut is only taken when
 `key_value_length < sliding_window`.
 
+The mask helpers are written from my memory of transformers 4.39/4.40 (`modeling_attn_mask_utils.py`,
+simplified: no tracing branch); the PR/issue text above is what I could read.
+
 This program: a one-layer SDPA Mistral-style model, `config.sliding_window = 4`, a left-padded batch
 (prompts of 9 and 6 real tokens) prefilled then decoded for two greedy steps with a tuple KV cache.
 """

@@ -15,6 +15,10 @@ Fix (#26792): `AttentionMaskConverter(is_causal=True, sliding_window=...)`; `_ma
 (past + new) width, and `to_4d` builds the causal mask also for one-token steps when a sliding
 window is set.
 
+The pre-fix `_make_sliding_window_causal_mask` matches copies of it found in public code; the
+fix's `_make_causal_mask` window lines are from the PR's review excerpt, and `to_4d` is written from my
+memory of `modeling_attn_mask_utils.py` (I did not re-read the merged diff).
+
 This program: a one-layer eager Mistral-style model with a tuple KV cache, a left-padded batch of two
 prompts (7 and 5 real tokens), `config.sliding_window = 3`, prefill then three greedy decode steps.
 """

@@ -13,6 +13,9 @@ Fix (#41228 diff):
     sliding_diagonal = seqlen_k - seqlen_q - sliding_window
     masked += torch.tril(minus_inf, diagonal=sliding_diagonal)
 
+The sliding lines (buggy and fixed) are from the PR's review diff; the rest of `build_attention_mask`
+(the causal diagonal) is written from my memory of continuous_api.py at that time.
+
 This program: a packed ("paged") continuous batch as the CB processor builds it -- cumulative_seqlens_q
 / cumulative_seqlens_k over three requests (a fresh 10-token prefill, a decode step over 8 cached
 tokens, and a 4-token chunk continuing a 9-token prefill) -- and one `sdpa_paged`-style attention call
