@@ -411,9 +411,43 @@ def test_steps_match_requests_by_request_ids():
     assert steps([one, two]) == []
     with pytest.raises(MaskError, match="name a request twice"):
         from_tensors(vllm(allocate([Req(0, 4), Req(0, 2)], 4), 4, request_ids=[7, 7]), "s")
-    three = from_tensors(vllm(allocate([Req(0, 4)], 4), 4), "s3")
-    with pytest.raises(MaskError, match="step 2 has 1 requests and step 1 2: add request_ids"):
-        steps([from_tensors(vllm(allocate([Req(0, 4), Req(0, 2)], 4), 4), "s"), three])
+    contiguous = lambda *lens: from_tensors({"cu_seqlens_q": np.cumsum([0, *lens]), "seqused_k": np.array(lens)}, "s")  # noqa: E731
+    with pytest.raises(MaskError, match="step 2 has 1 requests and step 1 2, and no page table says which is which: add request_ids"):
+        steps([contiguous(4, 2), contiguous(4)])
+
+
+def _step(*reqs, ps=4):
+    return from_tensors(vllm(list(reqs), ps), "step")
+
+
+def test_steps_without_request_ids_follow_each_request_by_the_pages_it_wrote():
+    """vLLM's metadata has no request id and its persistent batch reorders: a request continues the one that last
+    wrote the page of its latest keys, at that block (two prefills, then a decode of both behind a new request)."""
+    from maskcli.serve.steps import steps
+
+    one = _step(Req(0, 5, [1, 2]), Req(0, 3, [3]))
+    two = _step(Req(0, 3, [4]), Req(3, 1, [3]), Req(5, 1, [1, 2]))  # request 0 of step 1 is request 2 now
+    assert steps([one, two]) == []
+    skip = _step(Req(0, 3, [4]), Req(3, 1, [3]), Req(6, 1, [1, 2]))  # its computed count one too far
+    assert [(f.code, f.request, f.cell) for f in steps([one, skip])] == [("steps-positions", 2, (6, 5))]
+    again = _step(Req(2, 2, [3]), Req(5, 1, [1, 2]))  # request 1 of step 1 recomputes position 2
+    assert [(f.code, f.request, f.cell) for f in steps([one, again])] == [("steps-positions", 0, (2, 2))]
+    moved = _step(Req(3, 1, [3]), Req(5, 1, [1, 9]))  # block 0 read where step 1 wrote it, block 1 not
+    assert [(f.code, f.request) for f in steps([one, moved])] == [("steps-pages", 1)]
+
+
+def test_steps_without_request_ids_a_prefix_hit_on_another_requests_pages_is_a_new_request():
+    """Full pages a request wrote, shared by a later request's prefix hit (vLLM shares only full blocks, and its hits
+    are whole blocks), while the writer runs on or has finished: quiet, whichever order the batch lists them in."""
+    from maskcli.serve.steps import steps
+
+    one = _step(Req(0, 8, [1, 2]))
+    for two in (_step(Req(8, 1, [1, 2, 5]), Req(8, 3, [1, 2, 6])), _step(Req(8, 3, [1, 2, 6]), Req(8, 1, [1, 2, 5]))):
+        assert steps([one, two]) == []
+    later = [_step(Req(8, 1, [1, 2, 5])), _step(Req(9, 1, [1, 2, 5])), _step(Req(8, 4, [1, 2, 7]), Req(10, 1, [1, 2, 5]))]
+    assert steps([one, *later]) == []
+    restarted = _step(Req(6, 1, [1, 2]))  # not on a page boundary: no prefix hit starts there
+    assert [(f.code, f.cell) for f in steps([one, _step(Req(8, 1, [1, 2, 5])), restarted])] == [("steps-positions", (6, 6))]
 
 
 def test_flash_attn_cache_leftpad_starts_the_keys_later():
