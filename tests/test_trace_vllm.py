@@ -242,3 +242,102 @@ def test_a_real_vllm_engine(tmp_path):
                 assert fields["positions"][start + i] == position
                 assert fields["slot_mapping"][start + i] == table[r][position // 32] * 32 + position % 32
     assert steps[2]["fields"]["block_table_tensor"][0][0] == steps[0]["fields"]["block_table_tensor"][2][0]  # the shared page
+
+
+STEPS = """
+import types
+import torch
+from vllm.v1.attention.backend import AttentionMetadataBuilder
+
+class FullAttentionSpec(types.SimpleNamespace):
+    pass
+
+class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        return common_attn_metadata.seq_lens
+
+def batch(requests, block_size=4):
+    # requests: (first position, new tokens, pages); the metadata vLLM's model runner fills for them
+    positions = [p for start, new, _ in requests for p in range(start, start + new)]
+    owner = [pages for start, new, pages in requests for _ in range(new)]
+    starts = [0]
+    for _, new, _ in requests:
+        starts.append(starts[-1] + new)
+    width = max(len(pages) for _, _, pages in requests)
+    return types.SimpleNamespace(
+        query_start_loc_cpu=torch.tensor(starts), seq_lens=torch.tensor([start + new for start, new, _ in requests]),
+        block_table_tensor=torch.tensor([pages + [0] * (width - len(pages)) for _, _, pages in requests]),
+        slot_mapping=torch.tensor([pages[p // block_size] * block_size + p % block_size for p, pages in zip(positions, owner)]),
+        positions=torch.tensor(positions), num_reqs=len(requests), num_actual_tokens=len(positions), causal=True)
+
+builder = CPUAttentionMetadataBuilder(FullAttentionSpec(block_size=4), ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"])
+builder.build(0, batch([(0, 3, [1]), (0, 6, [2, 3])]))
+builder.build(0, batch([(0, 2, [4]), (6, 1, [2, 3]), (START, 1, [1])]))  # a new request first: the batch reordered
+"""
+
+
+def run_stand_in(tmp_path, program: str, *options: str):
+    """`maskcli trace --api vllm OPTIONS program` over a stand-in vllm package (the real one's class and module)."""
+    if "vllm" in sys.modules:
+        pytest.skip("the real vLLM is imported here, so the stand-in package would not be")
+    (tmp_path / "vllm" / "v1" / "attention").mkdir(parents=True, exist_ok=True)
+    for folder in ("vllm", "vllm/v1", "vllm/v1/attention"):
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "vllm/v1/attention/backend.py").write_text(STAND_IN)
+    (tmp_path / "engine.py").write_text(program)
+    try:
+        return runner.invoke(app, ["trace", "--api", "vllm", *options, str(tmp_path / "engine.py")])
+    finally:
+        for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+            del sys.modules[name]
+
+
+def test_save_writes_each_request_of_each_step_as_a_call_show_reads_back(tmp_path):
+    from maskcli.tracefile import keep_of, load
+
+    result = run_stand_in(tmp_path, STEPS.replace("START", "3"), "--save", str(tmp_path / "t.pt"))
+    assert result.exit_code == 0, result.stderr
+    data = load(str(tmp_path / "t.pt"))
+    calls = data["calls"]
+    assert [(c["api"], c["where"], c["step"], c["details"]["vllm_step"], c["details"]["request"]) for c in calls] == [
+        ("vllm", "model.layers.0.self_attn.attn", n, step, r) for n, (step, r) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)])]
+    for call, (new, keys) in zip(calls, [(3, 3), (6, 6), (2, 2), (1, 7), (1, 4)]):  # queries at the end of their keys
+        assert call["shape"] == [1, 1, new, keys]
+        expected = torch.ones(keys, keys, dtype=torch.bool).tril()[keys - new:]
+        assert torch.equal(torch.from_numpy(np.broadcast_to(keep_of(call, data), call["shape"])[0, 0].copy()), expected)
+    shown = runner.invoke(app, ["show", "--mask", f"{tmp_path / 't.pt'}:model.layers.0.self_attn.attn@3"])
+    assert shown.exit_code == 0, shown.stderr
+    assert "request 1, vllm) · shape (B=1, H=" in shown.output  # (the title's middle is cut to the terminal's width)
+    assert " 6       1  1  1  1  1  1  ║  1" in shown.output  # its one query, at position 6, sees keys 0-6
+
+
+@pytest.mark.parametrize("expect, status, said", [
+    ("*self_attn*=causal", 0, "--expect: every call matched holds (1 expectation)"),
+    ("model.layers.1.*=window(2)", 1, "--expect model.layers.1.*=window(2): vllm step 0 (model.layers.0.self_attn.attn): "
+                                      "request 0 (causal) differs: row 2: request 0 sees 0-2, window(2) sees 1-2: window(2) hides key 0; "
+                                      "1 more differ: requests 1"),
+    ("encoder.*=causal", 1, "--expect encoder.*=causal: no call matches 'encoder.*' (calls came from "
+                            "model.layers.0.self_attn.attn, model.layers.1.self_attn.attn)"),
+])
+def test_expect_matches_a_step_by_the_layers_it_serves(tmp_path, expect, status, said):
+    result = run_stand_in(tmp_path, STEPS.replace("START", "3"), "--expect", expect)
+    assert result.exit_code == status, result.stderr
+    assert said in " ".join(result.stderr.split())
+
+
+def test_steps_are_followed_across_a_reordered_batch_by_their_pages(tmp_path):
+    """Step 1 lists a new request first; the decode of step 0's requests follows on (quiet); a request whose decode
+    starts one position before where its prefill ended (a stale count) is found, named as step 1 numbers it, and
+    fails the run."""
+    good = run_stand_in(tmp_path, STEPS.replace("START", "3"), "--json", str(tmp_path / "t.json"))
+    assert good.exit_code == 0, good.stderr
+    text = " ".join(good.stderr.split())
+    assert ("vllm steps (model.layers.0.self_attn.attn) together, each request followed by its pages: no findings") in text
+    assert json.loads((tmp_path / "t.json").read_text())["vllm_across_steps"] == []
+    bad = run_stand_in(tmp_path, STEPS.replace("START", "2"), "--json", str(tmp_path / "t.json"))
+    assert bad.exit_code == 1, bad.stderr
+    text = " ".join(bad.stderr.split())
+    assert ("wrong steps-positions (request 2, query 2 key 2): request 2's vllm step 1 starts at position 2, vllm step 0 "
+            "ended at 2: it computes position 2 again, so the steps are not one pass") in text
+    found = json.loads((tmp_path / "t.json").read_text())["vllm_across_steps"]
+    assert [(f["layers"], f["code"], f["request"], f["cell"]) for f in found] == [("model.layers.0.self_attn.attn", "steps-positions", 2, [2, 2])]

@@ -69,8 +69,10 @@ def _by_pages(batches: list[ServeBatch]) -> list[list[int]]:
     return out
 
 
-def steps(batches: list[ServeBatch]) -> list[Finding]:
-    """Each request's steps follow on without a gap or an overlap, and read earlier steps' keys from the pages they were written to."""
+def steps(batches: list[ServeBatch], labels: list[str] | None = None) -> list[Finding]:
+    """Each request's steps follow on without a gap or an overlap, and read earlier steps' keys from the pages they
+    were written to. `labels` names the steps in findings (step 1, step 2, ... where not given)."""
+    labels = labels or [f"step {k + 1}" for k in range(len(batches))]
     out: list[Finding] = []
     if len({b.engine for b in batches}) > 1:
         raise MaskError(f"the step files name {len({b.engine for b in batches})} engines ({', '.join(b.engine for b in batches)}): give one engine's steps")
@@ -85,7 +87,7 @@ def steps(batches: list[ServeBatch]) -> list[Finding]:
         start = first_positions(b)
         for index, rid in enumerate(ids[k]):  # once per request and step
             if rid in last:
-                out += _follow(last[rid], (k, b, index), rid, start[index])
+                out += _follow(last[rid], (k, b, index), rid, start[index], labels)
             last[rid] = (k, b, index)
     return out
 
@@ -102,8 +104,9 @@ def _page_map(b: ServeBatch):
     return _MAPS[id(b)][1]
 
 
-def _follow(before, after, rid: int, start: int) -> list[Finding]:
+def _follow(before, after, rid: int, start: int, labels: list[str]) -> list[Finding]:
     (k0, b0, i0), (k1, b1, i1) = before, after
+    one, two = labels[k0], labels[k1]
     end = int(first_positions(b0)[i0] + b0.q_lens[i0])
     start, ps = int(start), b1.page_size
     named = rid if b1.request_ids is not None else i1  # a request is named as its step names it
@@ -112,8 +115,8 @@ def _follow(before, after, rid: int, start: int) -> list[Finding]:
         lo, hi = (end, start - 1) if start > end else (start, end - 1)
         span = f"position {lo}" if lo == hi else f"positions {lo}..{hi}"
         how = f"skips {span}" if start > end else f"computes {span} again"
-        return [Finding("steps-positions", f"request {named}'s step {k1 + 1} starts at "
-                        f"position {start}, step {k0 + 1} ended at {end - 1}: it {how}, so the steps are not one pass",
+        return [Finding("steps-positions", f"request {named}'s {two} starts at "
+                        f"position {start}, {one} ended at {end - 1}: it {how}, so the steps are not one pass",
                         request=named, cell=(start, min(start, end)))]
     if not ps or ps != b0.page_size:
         return []
@@ -127,5 +130,5 @@ def _follow(before, after, rid: int, start: int) -> list[Finding]:
     if not hit.size:
         return []
     j = int(hit[0])
-    return [Finding("steps-pages", f"request {named}'s step {k1 + 1} reads keys {j * ps}..{(j + 1) * ps - 1} "
-                    f"from page {int(now[j])}, but step {k0 + 1} wrote them on page {int(then[j])}", request=named, cell=(start, j * ps))]
+    return [Finding("steps-pages", f"request {named}'s {two} reads keys {j * ps}..{(j + 1) * ps - 1} "
+                    f"from page {int(now[j])}, but {one} wrote them on page {int(then[j])}", request=named, cell=(start, j * ps))]
