@@ -157,12 +157,15 @@ def _expect(calls: list, served: list, expectations: list[tuple[str, str]]) -> l
     from fnmatch import fnmatchcase
 
     from maskcli.serve import traced
-    from maskcli.trace.expect import check
+    from maskcli.trace.expect import check, stated_padding
 
     lines = []
     for pattern, expression in expectations:
         steps = traced.matched(served, pattern)
-        if steps:
+        if steps and stated_padding(expression)[1]:
+            lines.append(f"--expect {pattern}={expression}: the vLLM steps it matches hold no padding (each request is one "
+                         f"sequence): give the expression without one")
+        elif steps:
             lines += traced.expect(served, pattern, expression)
         if not served or any(fnmatchcase(call.where, pattern) for call in calls):
             lines += check(calls, [(pattern, expression)])  # (which says so where no call matches)
