@@ -101,7 +101,8 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
 
         served = check_steps(tracer.vllm.steps)
         followed, notes = traced.across(served)
-        served_calls, served_masks = traced.calls(served, len(tracer.calls), tracer.max_bytes - tracer.bytes)
+        if save is not None or json_path is not None:  # (each request's mask stored: only for the files that hold them)
+            served_calls, served_masks = traced.calls(served, len(tracer.calls), tracer.max_bytes - tracer.bytes)
     failures = _expect(tracer.calls, served, expectations) if expectations else []
     held = [f"--expect: every call matched holds ({len(expectations)} expectation{'s' if len(expectations) != 1 else ''})"] if expectations and not failures else []
     console = make_console(stderr=True)
