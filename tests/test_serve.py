@@ -740,3 +740,26 @@ def test_a_wrong_position_names_its_row_and_the_first_key_it_sees():
     (found,) = check(from_tensors(tensors, "batch"))
     assert (found.code, found.request, found.cell) == ("positions", 0, (9, first_seen))
     assert "has position 10; its mask puts it at 9" in found.message
+
+
+def test_no_finding_names_a_cell_outside_its_request():
+    """vLLM 0.32's metadata without positions, a request with more new tokens than keys: the kernel would put its
+    first query at position -1, which is no cell of any mask; that is the length rule's finding, named without a
+    cell, and the slot mapping is checked on the tokens at real positions only (it named "query -1 key -1")."""
+    fields = dict(query_start_loc=np.array([0, 3, 5]), seq_lens=np.array([2, 2]), block_table_tensor=np.array([[1], [2]]),
+                  slot_mapping=np.array([7, 4, 5, 8, 9]), block_size=4)
+    assert [(f.code, f.request, f.cell) for f in check(from_tensors(fields, "batch"))] == [("more-queries-than-keys", 0, None)]
+    fields["slot_mapping"] = np.array([7, 4, 6, 8, 9])  # request 0's position 1 written to its position 2's slot
+    assert [(f.code, f.request, f.cell) for f in check(from_tensors(fields, "batch"))] == [
+        ("more-queries-than-keys", 0, None), ("slot-mapping", 0, (1, 1))]
+
+
+def test_vllm_without_computed_counts_reads_them_off_positions():
+    """vLLM 0.32 removed num_computed_tokens: a request's first position says what is cached, so a seq_lens one key
+    too long is found on that request, and its slots and positions, which agree with each other, are not."""
+    reqs = allocate([Req(8, 3), Req(0, 3), Req(5, 1)], 4)
+    good = {k: v for k, v in vllm(reqs, 4).items() if k != "num_computed_tokens_cpu"}
+    assert codes(good) == []
+    found = check(from_tensors(dict(good, seq_lens=np.array([11, 4, 6])), "batch"))
+    assert [(f.code, f.request, f.cell) for f in found] == [("seq-len", 1, (0, 1))]
+    assert found[0].message.startswith("seq_lens 4 is not its first position 0 + 3 new")
