@@ -442,3 +442,14 @@ def test_the_documented_report_is_the_engines(tmp_path_factory):
     report = done.stderr[done.stderr.index("maskcli trace vllm_engine.py"):]
     assert "\n".join(line for line in report.splitlines() if not line.startswith("wrote ")).strip() == documented.strip()
 
+
+
+def test_tracing_leaves_the_generated_tokens_as_they_are(tmp_path_factory):
+    """The engine program run alone prints the tokens the traced run printed (greedy sampling, a seeded model)."""
+    done, _, _, tmp = real_run("llama", tmp_path_factory)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    alone = subprocess.run([sys.executable, str(DOCS / "vllm_engine.py"), str(tmp / "model")], env=env, capture_output=True,
+                           text=True, timeout=900)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    tokens = [[line for line in out.splitlines() if line.startswith("[[")] for out in (done.stdout, alone.stdout)]
+    assert len(tokens[0]) == 2 and tokens[0] == tokens[1]
