@@ -411,9 +411,43 @@ def test_steps_match_requests_by_request_ids():
     assert steps([one, two]) == []
     with pytest.raises(MaskError, match="name a request twice"):
         from_tensors(vllm(allocate([Req(0, 4), Req(0, 2)], 4), 4, request_ids=[7, 7]), "s")
-    three = from_tensors(vllm(allocate([Req(0, 4)], 4), 4), "s3")
-    with pytest.raises(MaskError, match="step 2 has 1 requests and step 1 2: add request_ids"):
-        steps([from_tensors(vllm(allocate([Req(0, 4), Req(0, 2)], 4), 4), "s"), three])
+    contiguous = lambda *lens: from_tensors({"cu_seqlens_q": np.cumsum([0, *lens]), "seqused_k": np.array(lens)}, "s")  # noqa: E731
+    with pytest.raises(MaskError, match="step 2 has 1 requests and step 1 2, and no page table says which is which: add request_ids"):
+        steps([contiguous(4, 2), contiguous(4)])
+
+
+def _step(*reqs, ps=4):
+    return from_tensors(vllm(list(reqs), ps), "step")
+
+
+def test_steps_without_request_ids_follow_each_request_by_the_pages_it_wrote():
+    """vLLM's metadata has no request id and its persistent batch reorders: a request continues the one that last
+    wrote the page of its latest keys, at that block (two prefills, then a decode of both behind a new request)."""
+    from maskcli.serve.steps import steps
+
+    one = _step(Req(0, 5, [1, 2]), Req(0, 3, [3]))
+    two = _step(Req(0, 3, [4]), Req(3, 1, [3]), Req(5, 1, [1, 2]))  # request 0 of step 1 is request 2 now
+    assert steps([one, two]) == []
+    skip = _step(Req(0, 3, [4]), Req(3, 1, [3]), Req(6, 1, [1, 2]))  # its computed count one too far
+    assert [(f.code, f.request, f.cell) for f in steps([one, skip])] == [("steps-positions", 2, (6, 5))]
+    again = _step(Req(2, 2, [3]), Req(5, 1, [1, 2]))  # request 1 of step 1 recomputes position 2
+    assert [(f.code, f.request, f.cell) for f in steps([one, again])] == [("steps-positions", 0, (2, 2))]
+    moved = _step(Req(3, 1, [3]), Req(5, 1, [1, 9]))  # block 0 read where step 1 wrote it, block 1 not
+    assert [(f.code, f.request) for f in steps([one, moved])] == [("steps-pages", 1)]
+
+
+def test_steps_without_request_ids_a_prefix_hit_on_another_requests_pages_is_a_new_request():
+    """Full pages a request wrote, shared by a later request's prefix hit (vLLM shares only full blocks, and its hits
+    are whole blocks), while the writer runs on or has finished: quiet, whichever order the batch lists them in."""
+    from maskcli.serve.steps import steps
+
+    one = _step(Req(0, 8, [1, 2]))
+    for two in (_step(Req(8, 1, [1, 2, 5]), Req(8, 3, [1, 2, 6])), _step(Req(8, 3, [1, 2, 6]), Req(8, 1, [1, 2, 5]))):
+        assert steps([one, two]) == []
+    later = [_step(Req(8, 1, [1, 2, 5])), _step(Req(9, 1, [1, 2, 5])), _step(Req(8, 4, [1, 2, 7]), Req(10, 1, [1, 2, 5]))]
+    assert steps([one, *later]) == []
+    restarted = _step(Req(6, 1, [1, 2]))  # not on a page boundary: no prefix hit starts there
+    assert [(f.code, f.cell) for f in steps([one, _step(Req(8, 1, [1, 2, 5])), restarted])] == [("steps-positions", (6, 6))]
 
 
 def test_flash_attn_cache_leftpad_starts_the_keys_later():
@@ -706,3 +740,26 @@ def test_a_wrong_position_names_its_row_and_the_first_key_it_sees():
     (found,) = check(from_tensors(tensors, "batch"))
     assert (found.code, found.request, found.cell) == ("positions", 0, (9, first_seen))
     assert "has position 10; its mask puts it at 9" in found.message
+
+
+def test_no_finding_names_a_cell_outside_its_request():
+    """vLLM 0.32's metadata without positions, a request with more new tokens than keys: the kernel would put its
+    first query at position -1, which is no cell of any mask; that is the length rule's finding, named without a
+    cell, and the slot mapping is checked on the tokens at real positions only (it named "query -1 key -1")."""
+    fields = dict(query_start_loc=np.array([0, 3, 5]), seq_lens=np.array([2, 2]), block_table_tensor=np.array([[1], [2]]),
+                  slot_mapping=np.array([7, 4, 5, 8, 9]), block_size=4)
+    assert [(f.code, f.request, f.cell) for f in check(from_tensors(fields, "batch"))] == [("more-queries-than-keys", 0, None)]
+    fields["slot_mapping"] = np.array([7, 4, 6, 8, 9])  # request 0's position 1 written to its position 2's slot
+    assert [(f.code, f.request, f.cell) for f in check(from_tensors(fields, "batch"))] == [
+        ("more-queries-than-keys", 0, None), ("slot-mapping", 0, (1, 1))]
+
+
+def test_vllm_without_computed_counts_reads_them_off_positions():
+    """vLLM 0.32 removed num_computed_tokens: a request's first position says what is cached, so a seq_lens one key
+    too long is found on that request, and its slots and positions, which agree with each other, are not."""
+    reqs = allocate([Req(8, 3), Req(0, 3), Req(5, 1)], 4)
+    good = {k: v for k, v in vllm(reqs, 4).items() if k != "num_computed_tokens_cpu"}
+    assert codes(good) == []
+    found = check(from_tensors(dict(good, seq_lens=np.array([11, 4, 6])), "batch"))
+    assert [(f.code, f.request, f.cell) for f in found] == [("seq-len", 1, (0, 1))]
+    assert found[0].message.startswith("seq_lens 4 is not its first position 0 + 3 new")

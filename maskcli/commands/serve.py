@@ -24,7 +24,7 @@ from maskcli.commands.options import examples
 )
 def serve(
     files: Annotated[list[str], typer.Argument(
-        help="One batch's attention metadata (several: one request's steps in order, chunked prefill or prefix hits, matched by request_ids or by index) (or the same as inline JSON): a .pt (loaded with weights_only=True), .safetensors, .npz or .json file of named "
+        help="One batch's attention metadata (several: steps in order, chunked prefill or prefix hits, each request matched across them by request_ids, else by the pages it wrote, else by index) (or the same as inline JSON): a .pt (loaded with weights_only=True), .safetensors, .npz or .json file of named "
              "tensors under one engine's names: vLLM's CommonAttentionMetadata (query_start_loc, seq_lens, num_computed_tokens, "
              "block_table_tensor, slot_mapping, block_size), SGLang's ForwardBatch (extend_prefix_lens, extend_seq_lens, seq_lens, "
              "req_to_token, out_cache_loc), flash-attn's (cu_seqlens_q, seqused_k, block_table, cache_leftpad, window_size), "

@@ -94,12 +94,16 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
     from maskcli.trace.expect import check
 
     groups = tracer.groups()
-    served = []
+    served, followed, served_calls, served_masks, notes = [], [], [], {}, []
     if "vllm" in tracer.patched:
+        from maskcli.serve import traced
         from maskcli.serve.captured import check_steps
 
         served = check_steps(tracer.vllm.steps)
-    failures = check(tracer.calls, expectations) if expectations else []
+        followed, notes = traced.across(served)
+        if save is not None or json_path is not None:  # (each request's mask stored: only for the files that hold them)
+            served_calls, served_masks = traced.calls(served, len(tracer.calls), tracer.max_bytes - tracer.bytes)
+    failures = _expect(tracer.calls, served, expectations) if expectations else []
     held = [f"--expect: every call matched holds ({len(expectations)} expectation{'s' if len(expectations) != 1 else ''})"] if expectations and not failures else []
     console = make_console(stderr=True)
     for view in views(groups, len(tracer.calls), program, status, failures):
@@ -107,9 +111,9 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
     if served:
         from maskcli.render.serve import traced_steps
 
-        for view in traced_steps(served):
+        for view in traced_steps(served, followed):
             console.print(view)
-    notes = tracer.notes()  # threads traced, and what was not: threads running before, child processes
+    notes = tracer.notes() + notes  # threads traced, and what was not: threads running before, child processes
     if "vllm" in tracer.patched:
         notes += [f"--api vllm: {line}, not read" for line in tracer.vllm.failed]
         notes += [f"--api vllm: {count} build{'s' if count != 1 else ''} of {name} not read: not a decoder's paged self-attention"
@@ -118,13 +122,15 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
         console.print(labelled(line))
     if json_path is not None:
         numbers = {call.index: number for number, group in enumerate(groups) for call in group.calls}
-        data = {"program": program, "exit_status": status, "calls": [{**call.json(), "group": numbers[call.index]} for call in tracer.calls],
+        data = {"program": program, "exit_status": status,
+                "calls": [{**call.json(), "group": numbers[call.index]} for call in tracer.calls] + [{**call, "group": None} for call in served_calls],
                 "groups": [group.json() for group in groups], "expect": failures, "not_imported": unseen,
                 "notes": notes}
         if "vllm" in tracer.patched:
             from maskcli.render.serve import traced_json
 
             data["vllm"] = traced_json(served)
+            data["vllm_across_steps"] = [{"layers": where, **f.json()} for where, found in followed for f in found]
 
         def write_json(path: str) -> None:
             with open(path, "w", encoding="utf-8") as out:
@@ -136,11 +142,36 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
         from maskcli.tracefile import save as save_trace
 
         used = {call.mask for call in tracer.calls if call.mask is not None}
-        masks = {key: value for key, value in tracer.masks.items() if key in used}
-        atomic_write(targets["--save"], lambda path: save_trace(path, [call.json() for call in tracer.calls], masks))
+        masks = {key: value for key, value in tracer.masks.items() if key in used} | served_masks
+        atomic_write(targets["--save"], lambda path: save_trace(path, [call.json() for call in tracer.calls] + served_calls, masks))
         done(f"wrote {save}")
     if status:
         raise typer.Exit(status)
-    served_wrong = any(c.batch is None or wrong(c.findings) for c in served)
+    served_wrong = any(c.batch is None or wrong(c.findings) for c in served) or bool(wrong([f for _, found in followed for f in found]))
     if failures or (check_ and (served_wrong or any(wrong(group.findings) for group in groups))):
         raise typer.Exit(1)
+
+
+def _expect(calls: list, served: list, expectations: list[tuple[str, str]]) -> list[str]:
+    """trace's --expect lines over the program's calls and a traced vLLM engine's steps: a pattern is compared with
+    every call and every step it matches, and is a failure where it matches neither."""
+    from fnmatch import fnmatchcase
+
+    from maskcli.serve import traced
+    from maskcli.trace.expect import check, stated_padding
+
+    lines = []
+    for pattern, expression in expectations:
+        steps = traced.matched(served, pattern)
+        if steps and stated_padding(expression)[1]:
+            lines.append(f"--expect {pattern}={expression}: the vLLM steps it matches hold no padding (each request is one "
+                         f"sequence): give the expression without one")
+        elif steps:
+            lines += traced.expect(served, pattern, expression)
+        if not served or any(fnmatchcase(call.where, pattern) for call in calls):
+            lines += check(calls, [(pattern, expression)])  # (which says so where no call matches)
+        elif not steps:
+            known = sorted({call.where for call in calls} | {name for c in served for name in traced.names(c)})
+            shown = ", ".join(known[:6]) + (", ..." if len(known) > 6 else "")
+            lines.append(f"--expect {pattern}={expression}: no call matches {pattern!r} (calls came from {shown})")
+    return lines

@@ -183,8 +183,9 @@ def _integer_ticks(axis, lo: int, hi: int) -> None:
     axis.set_major_locator(FixedLocator(range(lo, hi)) if hi - lo <= 12 else MaxNLocator(integer=True))
 
 
-def traced_steps(checked: list) -> list:
-    """trace --api vllm: per captured step a line of its requests (new tokens / keys, mask) and its findings under it."""
+def traced_steps(checked: list, followed: list = ()) -> list:
+    """trace --api vllm: per captured step a line of its requests (new tokens / keys, mask) and its findings under it;
+    then, per layer group of several steps, the findings across them ((layer group, findings) pairs)."""
     from rich.text import Text
 
     from maskcli.render import hanging
@@ -202,6 +203,9 @@ def traced_steps(checked: list) -> list:
         out.append(hanging(lead, Text(f"({layers}, pages of {b.page_size}) {b.requests} request{'s' if b.requests != 1 else ''}: "
                                       f"{requests}{more}")))
         out.extend(hanging("  ", line) for line in findings_text(c.findings) if c.findings)
+    for where, found in followed:
+        out.append(hanging("vllm steps ", Text(f"({where}) together, each request followed by its pages:")))
+        out.extend(hanging("  ", line) for line in findings_text(found))
     return out
 
 

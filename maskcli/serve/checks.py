@@ -8,7 +8,7 @@ pages shared by prefix caching, padding slots (-1) after the batch's tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -197,7 +197,7 @@ def _writes(b: ServeBatch) -> list[Finding]:
     have = col < np.diff(b.page_indptr)[token_req]
     expected = np.full(slots.size, -1, np.int64)
     expected[have] = b.pages[b.page_indptr[token_req[have]] + col[have]] * ps + (b.starts[token_req] + position)[have] % ps
-    t = _first(have & (slots != expected))
+    t = _first(have & (position >= 0) & (slots != expected))  # a position before 0 is the length rules' finding
     if t is None:
         return []
     r = int(token_req[t])
@@ -357,4 +357,16 @@ def check(b: ServeBatch) -> list[Finding]:
     out = []
     for rule in RULES:
         out += rule(b)
-    return out
+    return [_inside(b, f) for f in out]
+
+
+def _inside(b: ServeBatch, f: Finding) -> Finding:
+    """The finding, without its cell where that cell is no cell of its request (a position before 0, or past its last
+    key as the kernel or the cache counts them): a finding names only cells a mask of that request has."""
+    if f.cell is None or f.request is None or not 0 <= f.request < b.requests:
+        return f
+    r = f.request
+    keys = max(int(b.seq_lens[r]), int(b.computed[r] + b.q_lens[r]) if b.computed is not None else 0)
+    if all(0 <= int(x) < keys for x in f.cell):
+        return f
+    return replace(f, cell=None)

@@ -4,7 +4,8 @@ query_start_loc (R+1): where each request's new tokens start in q; seq_lens (R):
 new tokens; num_computed_tokens(_cpu) (R); block_table_tensor (R, blocks): physical block per
 logical block, block 0 being the null block (BlockPool's null_block); slot_mapping (N): the slot
 each new token's K/V is written to, block * block_size + offset, -1 (PAD_SLOT_ID) for padding;
-causal. The layer's own: block_size, sliding_window (W keys; the backend passes
+causal; positions (N): each new token's position. vLLM 0.32 has no num_computed_tokens: the cached count is then
+read off positions (a request's first new token's position), so a seq_lens that disagrees with it is found. The layer's own: block_size, sliding_window (W keys; the backend passes
 window_size=(W-1, 0)), attention_chunk_size. Cascade (FlashAttentionMetadata): common_prefix_len,
 cu_prefix_query_lens, prefix_kv_lens, suffix_kv_lens. Chunked-local virtual batches
 (make_local_attention_virtual_batches): local_query_start_loc, local_seqused_k, local_block_table.
@@ -34,6 +35,12 @@ def load(f: Fields) -> ServeBatch:
     names = {"queries": f.key("query_start_loc", "query_start_loc_cpu"), "seq_lens": f.key("seq_lens", "seq_lens_cpu"),
              "computed": f.key("num_computed_tokens_cpu", "num_computed_tokens") or "num_computed_tokens",
              "table": "block_table_tensor", "writes": "slot_mapping", "page_size": "block_size", "window": "sliding_window"}
+    positions = f.positions()
+    if computed is None and positions is not None and positions.size >= q_indptr[-1]:
+        q_lens = np.diff(q_indptr)
+        first = positions[np.minimum(q_indptr[:-1], max(positions.size - 1, 0))] if positions.size else q_lens
+        computed = np.where(q_lens > 0, first, seq_lens)  # (a request with no new token this step has all its keys cached)
+        names["computed"] = "its first position"
     page_size, indptr, pages, short = 0, np.zeros(requests + 1, np.int64), np.zeros(0, np.int64), None
     table = f.raw("block_table_tensor")
     if table is not None:
@@ -56,5 +63,5 @@ def load(f: Fields) -> ServeBatch:
     return ServeBatch(
         NAME, q_indptr, seq_lens, page_size, indptr, pages, names, computed=computed, short_table=short, null_page=NULL_BLOCK,
         write_slots=slots, tokens=tokens, causal=f.flag("causal", default=True), window=f.scalar("sliding_window"),
-        chunk=f.scalar("attention_chunk_size"), cascade=cascade, local=local, positions=f.positions(),
+        chunk=f.scalar("attention_chunk_size"), cascade=cascade, local=local, positions=positions,
     )

@@ -31,6 +31,7 @@ class Step:
     builder: str
     layers: tuple[str, ...]
     fields: dict
+    group: int = 0  # which builder (one per KV-cache group and backend), numbered as first seen
 
 
 def fields_of(builder, common) -> dict:
@@ -66,6 +67,7 @@ class Recorder:
         self.failed: list[str] = []  # builds whose fields could not be read, and why
         self.skipped: dict[str, int] = {}  # "builder (spec)" -> builds of layers serve does not read
         self._counts: dict[int, int] = {}
+        self._groups: dict[int, int] = {}  # id(builder) -> its group (the builders live as long as the engine)
 
     def patch(self, module):
         """Wrap module.AttentionMetadataBuilder.__init__; the callable that undoes it."""
@@ -108,5 +110,6 @@ class Recorder:
             return
         step = self._counts.get(id(builder), 0)
         self._counts[id(builder)] = step + 1
-        self.steps.append(Step(step, type(builder).__name__, tuple(getattr(builder, "layer_names", ()) or ()), fields))
+        group = self._groups.setdefault(id(builder), len(self._groups))
+        self.steps.append(Step(step, type(builder).__name__, tuple(getattr(builder, "layer_names", ()) or ()), fields, group))
 
