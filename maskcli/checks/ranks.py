@@ -34,7 +34,8 @@ def replicas(calls: list, replicated: bool = False) -> list[tuple[object, Findin
     sites: dict[tuple, dict[int, object]] = {}
     for call in calls:
         sites.setdefault((call.where, call.step, call.api), {}).setdefault(call.rank, call)
-    differing: dict[tuple, list] = {}  # (code, rank, its value, the usual value, the ranks of it) -> calls
+    differing: dict[tuple, list] = {}  # (code, rank, its value, the usual value) -> calls
+    agreeing: dict[tuple, set] = {}  # the same -> the ranks of the usual value
     for by_rank in sites.values():
         if len(by_rank) < 2:
             continue
@@ -45,19 +46,20 @@ def replicas(calls: list, replicated: bool = False) -> list[tuple[object, Findin
                 continue
             counts = Counter(values.values())
             usual = max(counts, key=lambda value: (counts[value], -min(r for r, v in values.items() if v == value)))
-            agree = tuple(sorted(r for r, v in values.items() if v == usual))
             for rank, value in values.items():
                 if value != usual:
-                    differing.setdefault((code, rank, value, usual, agree), []).append(by_rank[rank])
+                    differing.setdefault((code, rank, value, usual), []).append(by_rank[rank])
+                    agreeing.setdefault((code, rank, value, usual), set()).update(r for r, v in values.items() if v == usual)
     condition = "" if replicated else " if these ranks run one model (data parallel: maskcli saw no DistributedDataParallel)"
     found = []
-    for (code, rank, value, usual, agree), where in sorted(differing.items(), key=lambda item: item[0][:2]):
+    for (code, rank, value, usual), where in sorted(differing.items(), key=lambda item: item[0][:2]):
+        agree = sorted(agreeing[code, rank, value, usual])
         layers = ", ".join(dict.fromkeys(call.where or "call" for call in where))
         steps = sorted({call.step for call in where})
         said = (lambda v: f"window({v})") if code == "rank-window" else (lambda v: f"{v} padding")
         found.append((where[0], Finding(
             code, f"rank {rank}'s {layers} (step{'s' if len(steps) > 1 else ''} {spans(steps)}): {said(value)}, where "
-                  f"rank{'s' if len(agree) > 1 else ''} {spans(list(agree))} {'have' if len(agree) > 1 else 'has'} {said(usual)}: "
+                  f"rank{'s' if len(agree) > 1 else ''} {spans(agree)} {'have' if len(agree) > 1 else 'has'} {said(usual)}: "
                   f"the replicas of one layer differ{condition}",
             severity="wrong" if code == "rank-window" and replicated else None, expected=said(usual),
             source=f"rank {agree[0]}'s same calls")))

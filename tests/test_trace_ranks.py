@@ -1,0 +1,243 @@
+"""`maskcli trace` as one rank of several: each rank's part beside the target, rank 0's one report and one saved
+trace of every rank, checked against masks built here by a double loop over positions; the ranks run in this
+process one after the other (RANK / WORLD_SIZE as a launcher sets them), and a few jobs under torchrun itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from maskcli.commands import app
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE")
+
+PROGRAM = """
+import os
+import torch
+import torch.nn.functional as F
+
+rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+LENGTHS = [[4, 2], [3, 4], [4, 4]]
+lengths = LENGTHS[rank]
+keep = torch.zeros(2, 1, 4, 4, dtype=torch.bool)
+for row, n in enumerate(lengths):
+    keep[row, 0, :, :n] = torch.tril(torch.ones(4, 4, dtype=torch.bool))[:, :n]
+x = torch.randn(2, 1, 4, 8)
+for layer in range(2):
+    F.scaled_dot_product_attention(x, x, x, attn_mask=keep)
+if os.environ.get("FAIL") == str(rank):
+    raise SystemExit(3)
+"""
+
+
+def reference(lengths: list[int], length: int = 4) -> np.ndarray:
+    """keep[b, 0, q, k]: causal and key k real in row b, by a double loop over positions."""
+    out = np.zeros((len(lengths), 1, length, length), dtype=bool)
+    for b, n in enumerate(lengths):
+        for q in range(length):
+            for k in range(length):
+                out[b, 0, q, k] = k <= q and k < n
+    return out
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def as_rank(rank: int, world: int, args: list[str], port: str, names=("RANK", "WORLD_SIZE"), **extra):
+    env = {name: None for name in LAUNCHED} | {names[0]: str(rank), names[1]: str(world), "MASTER_PORT": port} | extra
+    return runner.invoke(app, ["trace", *args], env=env)
+
+
+@pytest.fixture
+def program(tmp_path) -> str:
+    path = tmp_path / "prog.py"
+    path.write_text(textwrap.dedent(PROGRAM))
+    return str(path)
+
+
+def test_rank_1_writes_its_part_silently_and_rank_0_reports_every_rank(tmp_path, program):
+    from maskcli.tracefile import dense, load
+
+    port, save, js = free_port(), str(tmp_path / "run.pt"), str(tmp_path / "run.json")
+    args = ["--save", save, "--json", js, program]
+    one = as_rank(1, 2, args, port)
+    assert one.exit_code == 0 and one.output == ""
+    assert not os.path.exists(save)
+    (folder,) = [p for p in tmp_path.iterdir() if p.name.startswith(".run.pt.ranks-")]
+    assert sorted(p.name for p in folder.iterdir()) == ["part-1.pt", "started-1.json"]
+    zero = as_rank(0, 2, args, port)
+    assert zero.exit_code == 0, zero.output
+    said = " ".join(zero.output.split())
+    assert "maskcli trace prog.py (2 ranks, torchrun): 4 attention calls in 2 groups" in said
+    assert "#0 causal (--lengths 4,2) · sdpa prefill, step 1 (2,1,4,4) · rank 0: prog.py:14 ×2" in said
+    assert "#1 causal (--lengths 3,4) · sdpa prefill, step 1 (2,1,4,4) · rank 1: prog.py:14 ×2" in said
+    assert "rank 0: 2 attention calls, exit status 0; rank 1: 2 attention calls, exit status 0" in said
+    assert "the ranks differ: #0 only on rank 0; #1 only on rank 1" in said
+    assert not folder.exists()  # the parts are gone once merged
+    data = load(save)
+    assert [(c["rank"], c["rank_index"], c["index"]) for c in data["calls"]] == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+    for call in data["calls"]:
+        expected = reference([[4, 2], [3, 4]][call["rank"]])
+        assert np.array_equal(np.broadcast_to(dense(data["masks"][call["mask"]]), call["shape"]), expected)
+    assert [r["exit_status"] for r in data["ranks"]] == [0, 0]
+    written = json.loads(Path(js).read_text())
+    assert [c["rank"] for c in written["calls"]] == [0, 0, 1, 1] and [g["ranks"] for g in written["groups"]] == [[0], [1]]
+    shown = runner.invoke(app, ["show", "--mask", f"{save}:rank1:1"])
+    assert shown.exit_code == 0 and "step 1, sdpa) · shape (B=2, H=1, Lq=4, Lk=4)" in shown.output
+    assert shown.output.endswith("batch 0\n q \\ kv  0  1  2  3\n 0       1  0  0  0\n 1       1  1  0  0\n 2       1  1  1  0\n 3       1  1  1  0\n"
+                                 "batch 1\n q \\ kv  0  1  2  3\n 0       1  0  0  0\n 1       1  1  0  0\n 2       1  1  1  0\n 3       1  1  1  1\n")
+    assert runner.invoke(app, ["show", "--mask", f"{save}:3"]).exit_code == 0
+
+
+def test_the_saved_trace_of_each_rank_is_that_rank_traced_alone(tmp_path, program):
+    from maskcli.tracefile import load
+
+    port, save = free_port(), str(tmp_path / "run.pt")
+    for rank in (2, 1, 0):  # (rank 0 last: it waits for the others)
+        assert as_rank(rank, 3, ["--save", save, program], port, names=("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")).exit_code == 0
+    together = load(save)
+    assert "Open MPI" in together["ranks"][0]["launcher"]
+    for rank in range(3):
+        alone = str(tmp_path / f"alone{rank}.pt")
+        env = {name: None for name in LAUNCHED} | {"RANK": str(rank)}  # RANK without WORLD_SIZE: one process
+        assert runner.invoke(app, ["trace", "--save", alone, program], env=env).exit_code == 0
+        single = load(alone)
+        mine = [c for c in together["calls"] if c["rank"] == rank]
+        strip = lambda c: {k: v for k, v in c.items() if k not in ("index", "rank", "rank_index")}
+        assert [strip(c) for c in mine] == [strip(c) for c in single["calls"]]
+        for call in single["calls"]:
+            for name, value in single["masks"][call["mask"]].items():
+                assert np.array_equal(np.asarray(together["masks"][call["mask"]][name]), np.asarray(value))
+
+
+def test_a_rank_that_never_reports_is_named_and_rank_0_exits_1(tmp_path, program):
+    save = str(tmp_path / "run.pt")
+    result = as_rank(0, 2, ["--rank-timeout", "0.2", "--save", save, program], free_port())
+    assert result.exit_code == 1
+    assert "rank 1: never started maskcli trace within --rank-timeout 0.2 s" in " ".join(result.output.split())
+    from maskcli.tracefile import load
+
+    assert {c["rank"] for c in load(save)["calls"]} == {0}  # what did report is kept
+
+
+def test_a_rank_whose_process_died_is_named_without_waiting_out_the_timeout(tmp_path, program):
+    from maskcli.trace.ranks import job
+
+    port, save = free_port(), tmp_path / "run.pt"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    env = {name: None for name in LAUNCHED} | {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": port}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: v for k, v in env.items() if v is not None})
+    try:
+        folder = job([save], sys.argv[1:]).folder
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    folder.mkdir()
+    import time
+
+    (folder / "started-1.json").write_text(json.dumps({"rank": 1, "pid": gone.pid, "host": socket.gethostname(), "started": time.time()}))
+    begun = time.monotonic()
+    result = as_rank(0, 2, ["--rank-timeout", "60", "--save", str(save), program], port)
+    assert result.exit_code == 1 and time.monotonic() - begun < 30
+    assert f"rank 1: died before its report (pid {gone.pid}): killed, or it crashed outside Python" in " ".join(result.output.split())
+
+
+def test_each_ranks_exit_status_is_kept_and_reported(tmp_path, program):
+    port, save = free_port(), str(tmp_path / "run.pt")
+    one = as_rank(1, 2, ["--save", save, program], port, FAIL="1")
+    assert one.exit_code == 3 and one.output == ""
+    zero = as_rank(0, 2, ["--save", save, program], port, FAIL="1")
+    assert zero.exit_code == 0
+    assert "rank 0: 2 attention calls, exit status 0; rank 1: 2 attention calls, exit status 3" in " ".join(zero.output.split())
+
+
+def test_a_selector_naming_a_rank_the_trace_lacks_or_a_call_every_rank_made_is_one_line(tmp_path, program):
+    port, save = free_port(), str(tmp_path / "run.pt")
+    as_rank(1, 2, ["--save", save, program], port)
+    as_rank(0, 2, ["--save", save, program], port)
+    result = runner.invoke(app, ["show", "--mask", f"{save}:rank5:0"])
+    assert result.exit_code == 2 and f"{save}:rank5:0: the trace has calls of rank 0, 1, not rank 5" in " ".join(result.output.split())
+    single = str(tmp_path / "one.pt")
+    runner.invoke(app, ["trace", "--save", single, program], env={name: None for name in LAUNCHED})
+    result = runner.invoke(app, ["show", "--mask", f"{single}:rank0:0"])
+    assert result.exit_code == 2 and "the trace is of one process, with no ranks" in " ".join(result.output.split())
+
+
+def test_a_rank_number_the_launcher_set_wrong_is_one_line(tmp_path, program):
+    result = runner.invoke(app, ["trace", program], env={name: None for name in LAUNCHED} | {"RANK": "x", "WORLD_SIZE": "2"})
+    assert result.exit_code == 2 and "RANK='x' in the environment" in result.output
+    result = runner.invoke(app, ["trace", program], env={name: None for name in LAUNCHED} | {"RANK": "2", "WORLD_SIZE": "2"})
+    assert result.exit_code == 2 and "RANK=2 but WORLD_SIZE=2: a rank is 0 to 1" in result.output
+
+
+# --- under torchrun: a DDP training loop over gloo --------------------------------------------------------------
+
+DDP = ROOT / "tests" / "data" / "ranks" / "ddp.py"
+
+
+def torchrun(ranks: int, args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHED} | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", free_port(),
+               "-m", "maskcli", "trace", *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def ddp_reference(rank: int, width: int = 3) -> np.ndarray:
+    """ddp.py's mask of rank r by a double loop: causal, a window of `width`, its lengths right-padded."""
+    lengths = [6 - rank % 3, 6 - (rank + 1) % 3]
+    out = np.zeros((2, 1, 6, 6), dtype=bool)
+    for b, n in enumerate(lengths):
+        for q in range(6):
+            for k in range(6):
+                out[b, 0, q, k] = k <= q and q - k < width and k < n
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_torchrun_ddp_one_report_one_trace_each_rank_as_traced_alone(tmp_path, ranks):
+    from maskcli.tracefile import dense, load
+
+    done = torchrun(ranks, ["--save", "run.pt", str(DDP)], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("maskcli trace ddp.py") == 1  # one report, rank 0's
+    assert f"maskcli trace ddp.py ({ranks} ranks, torchrun): {4 * ranks} attention calls" in done.stderr
+    assert "rank-window" not in done.stderr and "rank-padding-side" not in done.stderr
+    data = load(str(tmp_path / "run.pt"))
+    assert [r["rank"] for r in data["ranks"]] == list(range(ranks)) and [r["exit_status"] for r in data["ranks"]] == [0] * ranks
+    assert sorted({c["rank"] for c in data["calls"]}) == list(range(ranks))
+    for call in data["calls"]:
+        assert np.array_equal(np.broadcast_to(dense(data["masks"][call["mask"]]), call["shape"]), ddp_reference(call["rank"]))
+    if ranks == 2:  # rank 1 traced alone (one process, its batch): the same calls and masks
+        alone = str(tmp_path / "alone.pt")
+        env = {name: None for name in LAUNCHED} | {"ALONE_PORT": free_port()}
+        assert runner.invoke(app, ["trace", "--save", alone, str(DDP), "--as-rank", "1"], env=env).exit_code == 0
+        single = load(alone)
+        mine = [c for c in data["calls"] if c["rank"] == 1]
+        keys = ("where", "step", "api", "shape", "mask")
+        assert [[c[k] for k in keys] for c in mine] == [[c[k] for k in keys] for c in single["calls"]]
+
+
+def test_torchrun_a_rank_with_another_window_is_wrong_and_named(tmp_path):
+    done = torchrun(2, ["--json", "run.json", str(DDP), "--odd-window", "4"], tmp_path)
+    assert done.returncode != 0
+    assert ("rank-window: rank 1's module.layers.0, module.layers.1 (steps 0-1): window(4), where rank 0 has window(3): "
+            "the replicas of one layer differ") in " ".join(done.stderr.split())
+    written = json.loads((tmp_path / "run.json").read_text())
+    found = [f for g in written["groups"] for f in g["findings"] if f["code"] == "rank-window"]
+    assert [f["severity"] for f in found] == ["wrong"] and written["groups"][1]["ranks"] == [1]
