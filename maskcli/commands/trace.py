@@ -85,7 +85,7 @@ def trace(
     from maskcli.trace.run import run_program
 
     tracer = Trace(apis, max_bytes)
-    with tracer, ProcessGroups() as groups:
+    with tracer, ProcessGroups(lambda: len(tracer.calls)) as groups:
         status = run_program(script, module, program_args)
     named = apis if api != ",".join(APIS) else ()  # the APIs the user asked for by name
     unseen = [f"--api {name}: the program never imported {module_name}, so --api {name} recorded nothing"

@@ -27,8 +27,7 @@ def report_ranks(tracer, job, process_groups, program: str, status: int, expecta
 
     groups = tracer.groups()
     failures = check(tracer.calls, expectations) if expectations else []
-    mine = part(tracer, groups, status, program, failures, tracer.notes(), unseen, job, process_groups.found,
-                process_groups.replicated)
+    mine = part(tracer, groups, status, program, failures, tracer.notes(), unseen, job, process_groups)
     if job.rank != 0:
         job.write(mine)
         raise typer.Exit(status)

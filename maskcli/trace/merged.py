@@ -15,7 +15,7 @@ from maskcli.trace.report import Group, where_text
 
 
 def part(tracer, groups: list, status: int, program: str, failures: list[str], notes: list[str], unseen: list[str],
-         job, process_groups: dict, replicated: bool) -> dict:
+         job, watched) -> dict:
     """One rank's calls, masks, named groups with findings, --expect lines and exit status, in plain types."""
     import os
     import socket
@@ -24,7 +24,8 @@ def part(tracer, groups: list, status: int, program: str, failures: list[str], n
 
     used = {call.mask for call in tracer.calls if call.mask is not None}
     return {"program": program, "exit_status": status, "pid": os.getpid(), "host": socket.gethostname(),
-            "local_rank": job.local_rank, "launcher": job.launcher, "process_groups": process_groups, "replicated": replicated,
+            "local_rank": job.local_rank, "launcher": job.launcher, "process_groups": watched.found, "replicated": watched.replicated,
+            "exchanged": sorted(watched.exchanged),
             "calls": [call.json() for call in tracer.calls],
             "groups": [{**group.json(), "findings": [as_json(f) for f in group.findings]} for group in groups],
             "masks": {key: value for key, value in tracer.masks.items() if key in used},
@@ -146,12 +147,39 @@ def merge(parts: dict[int, dict], missing: dict[int, str], world: int) -> Merged
               for e in found.values()]
     groups.sort(key=lambda g: g.calls[0].index)
     replicated = any(p.get("replicated") for p in parts.values())
+    shared = _exchanged(calls, parts)
+    for group in groups:
+        if all(call.where in shared for call in group.calls):
+            group.findings = [_partial(f) for f in group.findings]
     by_call = {call.index: group for group in groups for call in group.calls}
-    for call, finding in replicas(calls, replicated):
+    for call, finding in replicas([call for call in calls if call.where not in shared], replicated):
         group = by_call[call.index]
         if all((f.code, f.message) != (finding.code, finding.message) for f in group.findings):
             group.findings.append(finding)
     return Merged(calls, groups, masks, parts, missing, world)
+
+
+def _exchanged(calls: list, parts: dict) -> set[str]:
+    """The call sites whose keys came from other ranks: a site of which some rank's call came next after the program
+    passed tensors between ranks (all_gather, send / recv, all_to_all), as context parallelism passes keys."""
+    after = {(rank, index) for rank, data in parts.items() for index in data.get("exchanged", [])}
+    return {call.where for call in calls if (call.rank, call.rank_index) in after}
+
+
+PARTIAL = ("; its keys came from other ranks (the program passed tensors between ranks before it), so its columns "
+           "need not be positions 0..Lk-1 as this rule reads them: if the ranks hold parts of one sequence, "
+           "maskcli shard --trace checks each part at its global positions")
+
+
+def _partial(finding: Finding) -> Finding:
+    """A wrong finding about a context-parallel rank's part, made suspicious: it read the columns as positions."""
+    from dataclasses import replace
+
+    from maskcli.checks.registry import severity
+
+    if severity(finding) != "wrong":
+        return finding
+    return replace(finding, severity="suspicious", message=finding.message + PARTIAL)
 
 
 def _finding(data: dict) -> Finding:

@@ -183,14 +183,23 @@ def job(targets: list[Path], argv: list[str], environ=os.environ) -> Job | None:
     return Job(rank, world, local, launcher, folder)
 
 
+# what hands one rank's tensors to another (not all_reduce: DDP's gradients); isend and irecv stay as they are, as
+# P2POp checks that it was given those very functions (batch_isend_irecv, which runs them, is noted instead)
+EXCHANGES = ("all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single", "send", "recv", "batch_isend_irecv")
+
+
 class ProcessGroups:
     """The process groups this rank is in beside the world (a data- and a context-parallel group), read before the
-    program destroys them and again as it ends: {name: its global ranks}; and whether it built a
-    DistributedDataParallel (`replicated`: the ranks say they run one model)."""
+    program destroys them and again as it ends: {name: its global ranks}; whether it built a DistributedDataParallel
+    (`replicated`: the ranks say they run one model); and `exchanged`: the numbers of the attention calls that came
+    next after the program passed tensors between ranks (all_gather, send / recv, all_to_all: keys and values, where
+    ranks hold parts of one sequence). `calls()` says how many calls were recorded so far."""
 
-    def __init__(self):
+    def __init__(self, calls=lambda: 0):
         self.found: dict[str, list[int]] = {}
         self.replicated = False
+        self.exchanged: set[int] = set()
+        self._calls = calls
         self._undo: list = []
 
     def __enter__(self) -> ProcessGroups:
@@ -213,9 +222,24 @@ class ProcessGroups:
             self.snapshot()
             return original(*args, **kwargs)
 
-        dist.destroy_process_group = destroy
-        self._undo.append(lambda: setattr(dist, "destroy_process_group", original))
+        self._swap(dist, "destroy_process_group", destroy)
+        for name in EXCHANGES:
+            function = getattr(dist, name, None)
+            if function is not None:
+                self._swap(dist, name, self._noting(function))
         return self
+
+    def _swap(self, module, name: str, replacement) -> None:
+        original = getattr(module, name)
+        setattr(module, name, replacement)
+        self._undo.append(lambda: setattr(module, name, original))
+
+    def _noting(self, function):
+        def exchange(*args, **kwargs):
+            self.exchanged.add(self._calls())
+            return function(*args, **kwargs)
+
+        return exchange
 
     def __exit__(self, *exc) -> None:
         self.snapshot()
