@@ -29,11 +29,12 @@ LayoutOpt = Annotated[str, typer.Option("--layout", help="contiguous, headtail (
 @mask_options(many_masks=True, tokens=False)
 def shard(
     expressions: Annotated[list[str] | None, typer.Argument(help=KIND_ARGUMENT_HELP + " Several: one mask per layer type, split the same way. A file: a packed BATCH, as pack reads it, its documents and-ed into each.", show_default=False, metavar="EXPR...")] = None,
-    ranks: Annotated[int, typer.Option("--ranks", help="Context-parallel ranks N (default 2).", parser=integer, show_default=False)] = 2,
+    ranks: Annotated[int | None, typer.Option("--ranks", help="Context-parallel ranks N (default 2, or the ranks --trace holds).", parser=integer, show_default=False)] = None,
     layout: LayoutOpt = "headtail",
     docs: Annotated[str | None, typer.Option("--docs", help="Document sizes for --layout per-document, like 3000,5000 (default: the mask's document(...) labels).", show_default=False)] = None,
     model: Annotated[str | None, typer.Option("--model", help="Take one mask per layer type from a Hugging Face family's config (needs transformers): full is causal, sliding causal & window(W), chunked local(C); an EXPR is and-ed into each.", show_default=False)] = None,
     rank_mask: Annotated[list[str] | None, typer.Option("--rank-mask", help="A rank's captured mask (its slots x every slot in the gathered order), once per rank in rank order: each checked against the global mask under --layout.", show_default=False)] = None,
+    trace: Annotated[str | None, typer.Option("--trace", help="A trace of the run under its launcher (torchrun ... maskcli trace --save run.pt): each rank's part of the mask, read from its calls (one a pass on all keys gathered, or a ring's N calls on each rank's keys) and placed at its global positions under --layout, checked against the global mask; the cells and ring steps shown are measured off what ran. --len defaults to the ranks' query rows added up.", show_default=False)] = None,
     head_dim: Annotated[int, typer.Option("--head-dim", help="Head size for the FLOPs (4 x head_dim x visible cells x heads).", parser=integer)] = 128,
     png: Annotated[str | None, typer.Option("--png", help="Write a figure (.png .svg .pdf): the strip, each rank's work, the ring steps.", show_default=False)] = None,
     html: Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML page: the strip, tables, ring steps and findings.", show_default=False)] = None,
@@ -51,10 +52,19 @@ def shard(
 
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
     html_path = check_output_path(html, (".html",), "--html") if html is not None else None
+    if trace is not None:
+        from maskcli.shard.traced import length_of, ranks_of
+
+        ranks = ranks_of(trace) if ranks is None else ranks
+        if mask.length is None:  # the length the run split: its ranks' query rows added up
+            mask = replace(mask, length=length_of(trace))
     masks = _masks(expressions or [], mask, model, build_any)
     with_docs = parse_sizes(docs) if docs is not None else None
-    report = analyse(masks, layout, ranks, head_dim, rank_mask, with_docs)
+    report = analyse(masks, layout, 2 if ranks is None else ranks, head_dim, rank_mask, with_docs, trace)
     from maskcli.render import shard as render
+
+    for line in report.notes:
+        done(line)
 
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure
