@@ -17,10 +17,9 @@ import pytest
 from typer.testing import CliRunner
 
 from maskcli.commands import app
+from launch import LAUNCHED, PROGRAMS, free_port, torchrun
 
 runner = CliRunner()
-ROOT = Path(__file__).resolve().parent.parent
-LAUNCHED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE")
 
 PROGRAM = """
 import os
@@ -49,12 +48,6 @@ def reference(lengths: list[int], length: int = 4) -> np.ndarray:
             for k in range(length):
                 out[b, 0, q, k] = k <= q and k < n
     return out
-
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def as_rank(rank: int, world: int, args: list[str], port: str, names=("RANK", "WORLD_SIZE"), **extra):
@@ -188,14 +181,7 @@ def test_a_rank_number_the_launcher_set_wrong_is_one_line(tmp_path, program):
 
 # --- under torchrun: a DDP training loop over gloo --------------------------------------------------------------
 
-DDP = ROOT / "tests" / "data" / "ranks" / "ddp.py"
-
-
-def torchrun(ranks: int, args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHED} | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", free_port(),
-               "-m", "maskcli", "trace", *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+DDP = PROGRAMS / "ddp.py"
 
 
 def ddp_reference(rank: int, width: int = 3) -> np.ndarray:
@@ -213,7 +199,7 @@ def ddp_reference(rank: int, width: int = 3) -> np.ndarray:
 def test_torchrun_ddp_one_report_one_trace_each_rank_as_traced_alone(tmp_path, ranks):
     from maskcli.tracefile import dense, load
 
-    done = torchrun(ranks, ["--save", "run.pt", str(DDP)], tmp_path)
+    done = torchrun(ranks, ["trace", "--save", "run.pt", str(DDP)], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("maskcli trace ddp.py") == 1  # one report, rank 0's
     assert f"maskcli trace ddp.py ({ranks} ranks, torchrun): {4 * ranks} attention calls" in done.stderr
@@ -234,7 +220,7 @@ def test_torchrun_ddp_one_report_one_trace_each_rank_as_traced_alone(tmp_path, r
 
 
 def test_torchrun_a_rank_with_another_window_is_wrong_and_named(tmp_path):
-    done = torchrun(2, ["--json", "run.json", str(DDP), "--odd-window", "4"], tmp_path)
+    done = torchrun(2, ["trace", "--json", "run.json", str(DDP), "--odd-window", "4"], tmp_path)
     assert done.returncode != 0
     assert ("rank-window: rank 1's module.layers.0, module.layers.1 (steps 0-1): window(4), where rank 0 has window(3): "
             "the replicas of one layer differ") in " ".join(done.stderr.split())
