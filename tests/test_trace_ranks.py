@@ -71,7 +71,7 @@ def test_rank_1_writes_its_part_silently_and_rank_0_reports_every_rank(tmp_path,
     assert one.exit_code == 0 and one.output == ""
     assert not os.path.exists(save)
     (folder,) = [p for p in tmp_path.iterdir() if p.name.startswith(".run.pt.ranks-")]
-    assert sorted(p.name for p in folder.iterdir()) == ["part-1.pt", "started-1.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["part-1.pkl", "started-1.json"]
     zero = as_rank(0, 2, args, port)
     assert zero.exit_code == 0, zero.output
     said = " ".join(zero.output.split())
@@ -227,3 +227,30 @@ def test_torchrun_a_rank_with_another_window_is_wrong_and_named(tmp_path):
     written = json.loads((tmp_path / "run.json").read_text())
     found = [f for g in written["groups"] for f in g["findings"] if f["code"] == "rank-window"]
     assert [f["severity"] for f in found] == ["wrong"] and written["groups"][1]["ranks"] == [1]
+
+
+def test_a_part_holding_anything_but_plain_values_is_not_read(tmp_path):
+    import pickle
+
+    from maskcli.trace.ranks import Job
+
+    here = Job(0, 2, 0, "torchrun", tmp_path / "meet")
+    here.begin()
+    with open(here.folder / "part-1.pkl", "wb") as out:  # what a stranger could leave in a shared folder
+        pickle.dump({"format": "maskcli-trace-part-1", "written": here.started, "run": os.system}, out)
+    assert here._read(1) is None
+    parts, missing = here.gather(0.1)
+    assert parts == {} and missing == {1: "never started maskcli trace within --rank-timeout 0.1 s"}
+
+
+def test_a_rank_that_started_but_sends_no_part_is_named_after_the_timeout(tmp_path, program):
+    import time
+
+    from maskcli.trace.ranks import Job
+
+    here = Job(0, 2, 0, "torchrun", tmp_path / "meet")
+    here.begin()
+    (here.folder / "started-1.json").write_text(json.dumps({"rank": 1, "pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
+    parts, missing = here.gather(0.2)  # this process stands for rank 1: alive, and writing nothing
+    assert missing == {1: "wrote no part within --rank-timeout 0.2 s: it hangs, or its program runs on"}
+    assert not here.folder.exists()

@@ -4,7 +4,7 @@ and rank 0 waiting for every part to report on them all at once.
 Each rank is a `maskcli trace` of its own, started by the launcher; they share no memory and, before the
 program sets one up, no process group, so they meet on the file system: a folder beside the --save/--json
 target (the temp folder where there is none), named by the job (the launcher's run id, master address and
-port, the world size, the command). Each rank writes `started-R.json` as it begins and `part-R.pt` when its
+port, the world size, the command). Each rank writes `started-R.json` as it begins and `part-R.pkl` when its
 program ends (atomically: a part is whole or absent); rank 0 waits for every part, naming a rank that died
 (its process gone, on this host) or wrote none within the timeout, then reports and removes the folder.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import socket
 import tempfile
 import time
@@ -54,16 +55,14 @@ class Job:
                             "every rank writes its part there; give --save or --json a folder every rank can write") from None
 
     def write(self, part: dict) -> None:
-        """This rank's part, whole or not at all (a temp file renamed over it)."""
-        import torch
-
-        from maskcli.tracefile import plain
-
-        data = {**part, "format": PART, "rank": self.rank, "world": self.world, "written": time.time(),
-                "masks": {key: plain(value) for key, value in part["masks"].items()}}
-        target = self.folder / f"part-{self.rank}.pt"
+        """This rank's part, whole or not at all (a temp file renamed over it): a pickle of plain types and numpy
+        arrays, which rank 0 reads back allowing nothing else (Parts) and at C speed, where torch.load's
+        weights_only reader took 8 ms for a part of 36 calls."""
+        data = {**part, "format": PART, "rank": self.rank, "world": self.world, "written": time.time()}
+        target = self.folder / f"part-{self.rank}.pkl"
         temp = self.folder / f".part-{self.rank}.{os.getpid()}.tmp"
-        torch.save(data, temp)
+        with open(temp, "wb") as out:
+            pickle.dump(data, out, protocol=5)
         os.replace(temp, target)
 
     def gather(self, timeout: float) -> tuple[dict[int, dict], dict[int, str]]:
@@ -96,7 +95,7 @@ class Job:
 
     def clean(self) -> None:
         for path in self.folder.glob("*"):
-            if path.name.startswith(("part-", "started-", ".part-")):
+            if path.name.startswith(("part-", "started-", ".part-", ".started-")):
                 path.unlink(missing_ok=True)
         try:
             self.folder.rmdir()
@@ -111,21 +110,16 @@ class Job:
         return found if found.get("started", 0) >= self.started - STALE else None
 
     def _read(self, r: int) -> dict | None:
-        path = self.folder / f"part-{r}.pt"
+        path = self.folder / f"part-{r}.pkl"
         if not path.exists():
             return None
-        import torch
-
         try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, EOFError, ValueError):
+            with open(path, "rb") as handle:
+                data = Parts(handle).load()
+        except (OSError, EOFError, ValueError, pickle.UnpicklingError):
             return None
         if not isinstance(data, dict) or data.get("format") != PART or data.get("written", 0) < self.started - STALE:
             return None  # a part left by an earlier job that died: not this one's
-        for stored in data["masks"].values():
-            for key, value in list(stored.items()):
-                if isinstance(value, torch.Tensor):
-                    stored[key] = value.numpy()
         return data
 
     def _died(self, r: int) -> str | None:
@@ -141,6 +135,19 @@ class Job:
         except (PermissionError, OSError, ValueError):
             return None
         return None
+
+
+class Parts(pickle.Unpickler):
+    """A part read back allowing only plain types and numpy arrays (a folder others can write to holds no code)."""
+
+    ALLOWED = {("numpy", "dtype"), ("numpy", "ndarray"), ("numpy._core.numeric", "_frombuffer"), ("numpy.core.numeric", "_frombuffer"),
+               ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "_reconstruct"),
+               ("numpy._core.multiarray", "scalar"), ("numpy.core.multiarray", "scalar")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"a part holds {module}.{name}, which is no plain value")
+        return super().find_class(module, name)
 
 
 STALE = 60.0  # seconds: a part or start written this long before this rank began is an earlier job's
