@@ -17,13 +17,13 @@ less untraced, plus naming the groups), by the CPU clock, median and quartiles (
 
     python benchmarks/trace.py --ranks 2 [--runs 15] ...
 
-The same decoder in each of 2 ranks under torchrun (gloo, CPU) against one process alone: each process
+The same decoder in each of 2 ranks under torchrun (gloo, CPU) against 2 processes alone, started at once
+(so that both sides share the machine's cores alike): each process
 alternates untraced runs with traced ones that do what `maskcli trace` does under a launcher (the calls
 recorded, the groups named and checked, and, under torchrun, each rank's part written and rank 0 waiting for
 every part and merging them: trace/ranks.py, trace/merged.py). Trace's cost per call is (traced - untraced) /
-calls, by the CPU clock; it prints each side's median, and torchrun's over one process's as a ratio (target
-<= 1.1x: under a launcher trace adds no more a call than alone, within a shared machine's noise; the ranks
-share the machine's cores, so their untraced runs are timed under the same load).
+calls, by the CPU clock; it prints each side's median, and torchrun's over the lone processes' as a ratio
+(target <= 1.1x: under a launcher trace adds no more a call than alone, within a shared machine's noise).
 """
 
 from __future__ import annotations
@@ -135,21 +135,34 @@ def ranked(args) -> None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH")]))
     found = {}
     with tempfile.TemporaryDirectory() as folder:
-        for label, launch in (("1 process", [sys.executable]),
-                              (f"{args.ranks} ranks", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
-                                                        "--master-port", str(_free_port())])):
-            out = os.path.join(folder, label.replace(" ", "_") + ".json")
-            subprocess.run([*launch, os.path.abspath(__file__), *own, "--out", out], check=True, env=env)
-            found[label] = json.loads(open(out).read())
+        # alone: as many plain processes at once as torchrun starts ranks, so that both sides share the cores alike
+        outs = [os.path.join(folder, f"alone{i}.json") for i in range(args.ranks)]
+        running = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *own, "--out", out], env=env) for out in outs]
+        for process in running:
+            assert process.wait() == 0
+        found["1 process"] = _pooled([json.loads(open(out).read()) for out in outs])
+        out = os.path.join(folder, "ranks.json")
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--master-port", str(_free_port()),
+                        os.path.abspath(__file__), *own, "--out", out], check=True, env=env)
+        found[f"{args.ranks} ranks"] = json.loads(open(out).read())
     alone, together = found["1 process"], found[f"{args.ranks} ranks"]
     print(f"decoder: {args.layers} layers, batch 2, prompt {args.len}, {args.steps} decode steps, {args.runs} runs a process, "
           f"{alone['calls']} calls a run; trace's cost a call (traced - untraced) / calls, CPU clock, medians")
     for label, data in found.items():
+        label = f"{args.ranks} x alone" if label == "1 process" else label
         print(f"{label:>9}: untraced {data['untraced'] * 1e3:.1f} ms a run, traced {data['traced'] * 1e3:.1f} ms; "
               f"{data['per_call'] * 1e6:.0f} us a call (quartiles {data['q1'] * 1e6:.0f}-{data['q3'] * 1e6:.0f})")
     ratio = together["per_call"] / alone["per_call"]
-    print(f"{args.ranks} ranks / 1 process, a call: {ratio:.2f}x, target: no more than alone (<= {RANKS_TARGET}x, the noise "
+    print(f"{args.ranks} ranks / {args.ranks} lone processes at once, a call: {ratio:.2f}x, target: no more than alone (<= {RANKS_TARGET}x, the noise "
           f"of a shared machine): {'met' if ratio <= RANKS_TARGET else 'NOT met'}")
+
+
+def _pooled(runs: list[dict]) -> dict:
+    """The numbers of several processes run at once, as one: the medians of their costs a call."""
+    costs = sorted(c for run in runs for c in run["costs"])
+    q1, median, q3 = statistics.quantiles(costs, n=4)
+    return {"calls": runs[0]["calls"], "per_call": median, "q1": q1, "q3": q3, "costs": costs,
+            "untraced": statistics.median(run["untraced"] for run in runs), "traced": statistics.median(run["traced"] for run in runs)}
 
 
 def worker(args) -> None:
@@ -194,7 +207,7 @@ def worker(args) -> None:
     costs = [(b - a) / calls for a, b, calls in samples]
     q1, median, q3 = statistics.quantiles(costs, n=4)
     if launched is None or launched.rank == 0:
-        Path(args.out).write_text(json.dumps({"calls": samples[0][2], "per_call": median, "q1": q1, "q3": q3,
+        Path(args.out).write_text(json.dumps({"calls": samples[0][2], "per_call": median, "q1": q1, "q3": q3, "costs": costs,
                                               "untraced": statistics.median(a for a, _, _ in samples),
                                               "traced": statistics.median(b for _, b, _ in samples)}))
 
