@@ -19,9 +19,9 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def torchrun(ranks: int, args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node RANKS -m maskcli ARGS` in `cwd`."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHED} | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def torchrun(ranks: int, args: list[str], cwd: Path, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node RANKS -m maskcli ARGS` in `cwd` (the same as --no-python maskcli where it is installed)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHED} | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"} | (env or {})
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", free_port(),
                "-m", "maskcli", *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

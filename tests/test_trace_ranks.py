@@ -219,14 +219,23 @@ def test_torchrun_ddp_one_report_one_trace_each_rank_as_traced_alone(tmp_path, r
         assert [[c[k] for k in keys] for c in mine] == [[c[k] for k in keys] for c in single["calls"]]
 
 
-def test_torchrun_a_rank_with_another_window_is_wrong_and_named(tmp_path):
-    done = torchrun(2, ["trace", "--json", "run.json", str(DDP), "--odd-window", "4"], tmp_path)
-    assert done.returncode != 0
-    assert ("rank-window: rank 1's module.layers.0, module.layers.1 (steps 0-1): window(4), where rank 0 has window(3): "
-            "the replicas of one layer differ") in " ".join(done.stderr.split())
-    written = json.loads((tmp_path / "run.json").read_text())
-    found = [f for g in written["groups"] for f in g["findings"] if f["code"] == "rank-window"]
-    assert [f["severity"] for f in found] == ["wrong"] and written["groups"][1]["ranks"] == [1]
+def test_torchrun_a_rank_with_another_window_is_wrong_and_named_as_docs_ranks_says(tmp_path):
+    """docs/ranks.md's data-parallel command, run as written (from the repository's root), prints the report shown."""
+    import re
+    import shlex
+
+    from launch import ROOT
+
+    page = (ROOT / "docs" / "ranks.md").read_text()
+    command, shown = re.search(r"```bash\n(torchrun [^\n]*ddp\.py[^\n]*)\n```\n\n<!-- torchrun report[^\n]*-->\n```text\n(.*?)\n```", page, re.S).groups()
+    words = shlex.split(command)
+    assert words[:5] == ["torchrun", "--nproc-per-node", "2", "--no-python", "maskcli"]
+    done = torchrun(2, [w if not w.endswith(".py") else str(ROOT / w) for w in words[5:]], tmp_path, env={"COLUMNS": "80"})
+    assert done.returncode == 1  # rank 0's exit status: a wrong finding (the ranks built DistributedDataParallel)
+    lines = done.stderr.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("maskcli trace "))
+    last = next(i for i, line in enumerate(lines) if line.startswith("wrote run.pt"))
+    assert "\n".join(lines[first:last + 1]) == shown
 
 
 def test_a_part_holding_anything_but_plain_values_is_not_read(tmp_path):
