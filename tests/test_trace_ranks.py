@@ -263,3 +263,22 @@ def test_a_rank_that_started_but_sends_no_part_is_named_after_the_timeout(tmp_pa
     parts, missing = here.gather(0.2)  # this process stands for rank 1: alive, and writing nothing
     assert missing == {1: "wrote no part within --rank-timeout 0.2 s: it hangs, or its program runs on"}
     assert not here.folder.exists()
+
+
+def test_processes_the_program_spawns_are_its_ranks_in_one_report_and_one_trace(tmp_path):
+    """torch.multiprocessing.spawn inside the traced program: each process traced as a rank, this one reporting."""
+    from maskcli.tracefile import dense, load
+
+    save = str(tmp_path / "run.pt")
+    result = runner.invoke(app, ["trace", "--save", save, str(PROGRAMS / "spawn.py"), "--port", free_port()],
+                           env={name: None for name in LAUNCHED})
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "maskcli trace spawn.py (2 processes, torch.multiprocessing.spawn): 2 attention calls in 2 groups" in said
+    assert "rank 0: 1 attention call, exit status 0; rank 1: 1 attention call, exit status 0" in said
+    data = load(save)
+    assert [r["launcher"] for r in data["ranks"]] == ["torch.multiprocessing.spawn"] * 2
+    for call in data["calls"]:  # rank r pads its keys from 6 - r on: a double loop over positions
+        n = 6 - call["rank"]
+        expected = np.array([[k <= q and k < n for k in range(6)] for q in range(6)])
+        assert np.array_equal(np.broadcast_to(dense(data["masks"][call["mask"]]), call["shape"])[0, 0], expected)

@@ -84,17 +84,24 @@ def trace(
     from maskcli.trace.capture import Trace
     from maskcli.trace.run import run_program
 
+    from maskcli.trace.spawned import Spawns
+
+    program = f"-m {module}" if module else os.path.basename(script)
     tracer = Trace(apis, max_bytes)
-    with tracer, ProcessGroups(lambda: len(tracer.calls)) as groups:
+    spawns = Spawns(apis, max_bytes, program, expectations)  # processes the program spawns: each traced as a rank
+    with tracer, ProcessGroups(lambda: len(tracer.calls)) as groups, spawns:
         status = run_program(script, module, program_args)
     named = apis if api != ",".join(APIS) else ()  # the APIs the user asked for by name
     unseen = [f"--api {name}: the program never imported {module_name}, so --api {name} recorded nothing"
               for name, module_name in (("flash", "flash_attn"), ("hf", "transformers"), ("vllm", "vllm")) if name in named and name not in tracer.patched]
-    program = f"-m {module}" if module else os.path.basename(script)
     if job is not None:
         from maskcli.commands.traceranks import report_ranks
 
         report_ranks(tracer, job, groups, program, status, expectations, json_path, save, targets, unseen, check_, rank_timeout)
+    if spawns.world:
+        from maskcli.commands.traceranks import report_spawned
+
+        report_spawned(tracer, spawns, program, status, expectations, json_path, save, targets, check_, rank_timeout)
     _report(tracer, program, status, expectations, json_path, save, targets, unseen, check_)
 
 

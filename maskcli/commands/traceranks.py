@@ -16,12 +16,6 @@ from maskcli.commands.app import done, make_console
 def report_ranks(tracer, job, process_groups, program: str, status: int, expectations, json_path: str | None,
                  save: str | None, targets: dict, unseen: list[str], check_: bool, timeout: float) -> None:
     """Write this rank's part (rank > 0) or gather every part and report (rank 0); always ends the command."""
-    import json
-
-    from maskcli.checks.registry import wrong
-    from maskcli.files import atomic_write
-    from maskcli.render import labelled
-    from maskcli.render.trace import views
     from maskcli.trace.expect import check
     from maskcli.trace.merged import merge, part
 
@@ -32,10 +26,38 @@ def report_ranks(tracer, job, process_groups, program: str, status: int, expecta
         job.write(mine)
         raise typer.Exit(status)
     others, missing = job.gather(timeout)
-    merged = merge({0: mine, **others}, missing, job.world)
+    _show(merge({0: mine, **others}, missing, job.world), f"{program} ({job.world} ranks, {job.launcher})", program, status,
+          expectations, json_path, save, targets, check_)
+
+
+def report_spawned(tracer, spawns, program: str, status: int, expectations, json_path: str | None, save: str | None,
+                   targets: dict, check_: bool, timeout: float) -> None:
+    """The report on every process the program spawned (torch.multiprocessing.spawn), from their parts; always ends
+    the command."""
+    from maskcli.trace.merged import merge
+    from maskcli.trace.spawned import LAUNCHER, gather
+
+    parts, missing = gather(spawns, timeout)
+    merged = merge(parts, missing, spawns.world)
+    if tracer.calls:  # (the program's own process is no rank: its calls are said, not merged)
+        merged.extra.append(f"the program's own process made {len(tracer.calls)} attention call{'s' if len(tracer.calls) != 1 else ''} "
+                            "besides its spawned ranks': trace it without spawn to see them")
+    _show(merged, f"{program} ({spawns.world} processes, {LAUNCHER})", program, status, expectations, json_path, save, targets, check_)
+
+
+def _show(merged, title: str, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict,
+          check_: bool) -> None:
+    """Rank 0's (or the spawning process's) report of every rank, --json and --save with every rank's calls, and
+    its exit status."""
+    import json
+
+    from maskcli.checks.registry import wrong
+    from maskcli.files import atomic_write
+    from maskcli.render import labelled
+    from maskcli.render.trace import views
+
     failures = merged.failures()
     console = make_console(stderr=True)
-    title = f"{program} ({job.world} ranks, {job.launcher})"
     for view in views(merged.groups, len(merged.calls), title, status, failures):
         console.print(view)
     for line in merged.lines():
@@ -43,7 +65,7 @@ def report_ranks(tracer, job, process_groups, program: str, status: int, expecta
     if expectations and not failures:
         console.print(labelled(f"--expect: every call of every rank matched holds ({len(expectations)} expectation{'s' if len(expectations) != 1 else ''})"))
     if json_path is not None:
-        data = merged.json(program)
+        data = merged.json(program, status)
 
         def write_json(path: str) -> None:
             with open(path, "w", encoding="utf-8") as out:

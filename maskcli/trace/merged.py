@@ -81,6 +81,7 @@ class Merged:
     parts: dict  # rank -> part
     missing: dict  # rank -> why it has no part
     world: int
+    extra: list = field(default_factory=list)  # more lines for the report (what the spawning process did itself)
 
     def lines(self) -> list[str]:
         """Each rank's calls and exit status, what the ranks differ in, and the ranks that sent no part."""
@@ -90,7 +91,7 @@ class Merged:
             out.append("the ranks differ: " + "; ".join(f"#{number} only on {rank_words(g.ranks)}" for number, g in partial))
         elif len(self.parts) > 1:
             out.append(f"every rank's calls have the same masks ({rank_words(self.parts)})")
-        out += [f"rank {r}: {why}" for r, why in sorted(self.missing.items())]
+        out += [f"rank {r}: {why}" for r, why in sorted(self.missing.items())] + self.extra
         for r, p in sorted(self.parts.items()):
             out += [f"rank {r}: {line}" for line in p["expect"] + p["not_imported"] + p["notes"]]
         return out
@@ -98,13 +99,13 @@ class Merged:
     def failures(self) -> list[str]:
         return [f"rank {r}: {line}" for r, p in sorted(self.parts.items()) for line in p["expect"]]
 
-    def json(self, program: str) -> dict:
+    def json(self, program: str, status: int) -> dict:
         numbers = {call.index: number for number, group in enumerate(self.groups) for call in group.calls}
-        return {"program": program, "exit_status": self.parts.get(0, {}).get("exit_status"),
+        return {"program": program, "exit_status": status,
                 "ranks": self.ranks(), "missing": {str(r): why for r, why in self.missing.items()},
                 "calls": [{**call.json(), "group": numbers[call.index]} for call in self.calls],
                 "groups": [group.json() for group in self.groups], "expect": self.failures(),
-                "notes": [line for r, p in sorted(self.parts.items()) for line in (f"rank {r}: {x}" for x in p["notes"])]}
+                "notes": [line for r, p in sorted(self.parts.items()) for line in (f"rank {r}: {x}" for x in p["notes"])] + self.extra}
 
     def ranks(self) -> list[dict]:
         """Each rank that reported: its exit status, its calls' numbers, its host and process, its process groups."""
