@@ -88,7 +88,7 @@ def trace(
 
     program = f"-m {module}" if module else os.path.basename(script)
     tracer = Trace(apis, max_bytes)
-    spawns = Spawns(apis, max_bytes, program, expectations)  # processes the program spawns: each traced as a rank
+    spawns = Spawns(apis, max_bytes, program, expectations, tracer)  # processes the program spawns: each traced as a rank
     with tracer, ProcessGroups(lambda: len(tracer.calls)) as groups, spawns:
         status = run_program(script, module, program_args)
     named = apis if api != ",".join(APIS) else ()  # the APIs the user asked for by name

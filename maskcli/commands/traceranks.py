@@ -42,6 +42,7 @@ def report_spawned(tracer, spawns, program: str, status: int, expectations, json
     if tracer.calls:  # (the program's own process is no rank: its calls are said, not merged)
         merged.extra.append(f"the program's own process made {len(tracer.calls)} attention call{'s' if len(tracer.calls) != 1 else ''} "
                             "besides its spawned ranks': trace it without spawn to see them")
+    merged.extra += tracer.notes()  # threads and processes it started otherwise, compiled code
     _show(merged, f"{program} ({spawns.world} processes, {LAUNCHER})", program, status, expectations, json_path, save, targets, check_)
 
 

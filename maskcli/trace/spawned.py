@@ -21,10 +21,11 @@ LAUNCHER = "torch.multiprocessing.spawn"
 class Spawns:
     """While entered, every start_processes of torch.multiprocessing traces its processes; `world` is how many."""
 
-    def __init__(self, apis, max_bytes: int, program: str, expectations: list):
+    def __init__(self, apis, max_bytes: int, program: str, expectations: list, tracer=None):
         self.settings = {"apis": tuple(apis), "max_bytes": max_bytes, "program": program, "folder": None,
                          "expect": list(expectations)}
         self.world = 0
+        self._tracer = tracer  # whose note of child processes not traced leaves out these, traced
         self._undo: list = []
 
     @property
@@ -42,7 +43,13 @@ class Spawns:
                 self.settings["folder"] = tempfile.mkdtemp(prefix="maskcli-spawn-")
             wrapped = functools.partial(traced, fn, {**self.settings, "first": self.world, "world": nprocs})
             self.world += nprocs
-            return original(wrapped, args, nprocs, *rest, **kwargs)
+            watch = getattr(self._tracer, "threads", None)
+            before = len(watch.processes) if watch is not None else 0
+            try:
+                return original(wrapped, args, nprocs, *rest, **kwargs)
+            finally:
+                if watch is not None:  # (started by now, join or not)
+                    del watch.processes[before:before + nprocs]
 
         for owner in (module, torch.multiprocessing):  # spawn looks it up in its module; programs in the package
             if getattr(owner, "start_processes", None) is original:
