@@ -282,3 +282,16 @@ def test_processes_the_program_spawns_are_its_ranks_in_one_report_and_one_trace(
         n = 6 - call["rank"]
         expected = np.array([[k <= q and k < n for k in range(6)] for q in range(6)])
         assert np.array_equal(np.broadcast_to(dense(data["masks"][call["mask"]]), call["shape"])[0, 0], expected)
+
+
+def test_the_process_groups_a_rank_is_in_are_read_before_the_program_destroys_them():
+    import torch.distributed as dist
+
+    from maskcli.trace.ranks import ProcessGroups
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    with ProcessGroups() as watched:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.new_group([0], group_desc="context parallel")
+        dist.destroy_process_group()
+    assert list(watched.found.values()) == [[0]] and not dist.is_initialized()
