@@ -200,6 +200,7 @@ def worker(args) -> None:
                 others, missing = here.gather(120)
                 assert not missing, missing
                 merge({0: mine, **others}, missing, here.world).lines()
+                here.clean()
         return time.process_time() - cpu, len(t.calls)
 
     plain(), traced(-1)  # warm-up

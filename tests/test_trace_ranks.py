@@ -51,8 +51,10 @@ def reference(lengths: list[int], length: int = 4) -> np.ndarray:
 
 
 def as_rank(rank: int, world: int, args: list[str], port: str, names=("RANK", "WORLD_SIZE"), **extra):
+    """One rank's maskcli trace, in this process; a rank past 0 does not wait for rank 0 to take its part (it runs
+    after it here: under a launcher the ranks run at once)."""
     env = {name: None for name in LAUNCHED} | {names[0]: str(rank), names[1]: str(world), "MASTER_PORT": port} | extra
-    return runner.invoke(app, ["trace", *args], env=env)
+    return runner.invoke(app, ["trace", *(["--rank-timeout", "0"] if rank else []), *args], env=env)
 
 
 @pytest.fixture
@@ -96,7 +98,7 @@ def test_rank_1_writes_its_part_silently_and_rank_0_reports_every_rank(tmp_path,
     assert runner.invoke(app, ["show", "--mask", f"{save}:3"]).exit_code == 0
 
 
-def test_the_saved_trace_of_each_rank_is_that_rank_traced_alone(tmp_path, program):
+def test_the_saved_trace_of_each_rank_is_that_rank_traced_alone(tmp_path, program):  # (Open MPI's variables)
     from maskcli.tracefile import load
 
     port, save = free_port(), str(tmp_path / "run.pt")
@@ -262,6 +264,7 @@ def test_a_rank_that_started_but_sends_no_part_is_named_after_the_timeout(tmp_pa
     (here.folder / "started-1.json").write_text(json.dumps({"rank": 1, "pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
     parts, missing = here.gather(0.2)  # this process stands for rank 1: alive, and writing nothing
     assert missing == {1: "wrote no part within --rank-timeout 0.2 s: it hangs, or its program runs on"}
+    here.clean()
     assert not here.folder.exists()
 
 
@@ -295,3 +298,15 @@ def test_the_process_groups_a_rank_is_in_are_read_before_the_program_destroys_th
         dist.new_group([0], group_desc="context parallel")
         dist.destroy_process_group()
     assert list(watched.found.values()) == [[0]] and not dist.is_initialized()
+
+
+def test_torchrun_a_rank_whose_program_fails_is_in_rank_0s_report_with_its_status(tmp_path):
+    """torchrun stops every rank once one exits with an error: the ranks wait for rank 0's report before exiting."""
+    done = torchrun(2, ["trace", "--save", "run.pt", str(DDP), "--fail", "1"], tmp_path)
+    assert done.returncode != 0  # rank 1's status, as torchrun reports it
+    said = " ".join(done.stderr.split())
+    assert "rank 0: 4 attention calls, exit status 0; rank 1: 4 attention calls, exit status 1" in said
+    assert "RuntimeError: rank 1 fails after training" in said
+    from maskcli.tracefile import load
+
+    assert [r["exit_status"] for r in load(str(tmp_path / "run.pt"))["ranks"]] == [0, 1]

@@ -24,10 +24,14 @@ def report_ranks(tracer, job, process_groups, program: str, status: int, expecta
     mine = part(tracer, groups, status, program, failures, tracer.notes(), unseen, job, process_groups)
     if job.rank != 0:
         job.write(mine)
+        job.wait_taken(timeout)
         raise typer.Exit(status)
     others, missing = job.gather(timeout)
-    _show(merge({0: mine, **others}, missing, job.world), f"{program} ({job.world} ranks, {job.launcher})", program, status,
-          expectations, json_path, save, targets, check_)
+    try:
+        _show(merge({0: mine, **others}, missing, job.world), f"{program} ({job.world} ranks, {job.launcher})", program, status,
+              expectations, json_path, save, targets, check_)
+    finally:  # (its report made: the other ranks may exit now)
+        job.clean()
 
 
 def report_spawned(tracer, spawns, program: str, status: int, expectations, json_path: str | None, save: str | None,
@@ -37,13 +41,16 @@ def report_spawned(tracer, spawns, program: str, status: int, expectations, json
     from maskcli.trace.merged import merge
     from maskcli.trace.spawned import LAUNCHER, gather
 
-    parts, missing = gather(spawns, timeout)
+    parts, missing, reporter = gather(spawns, timeout)
     merged = merge(parts, missing, spawns.world)
     if tracer.calls:  # (the program's own process is no rank: its calls are said, not merged)
         merged.extra.append(f"the program's own process made {len(tracer.calls)} attention call{'s' if len(tracer.calls) != 1 else ''} "
                             "besides its spawned ranks': trace it without spawn to see them")
     merged.extra += tracer.notes()  # threads and processes it started otherwise, compiled code
-    _show(merged, f"{program} ({spawns.world} processes, {LAUNCHER})", program, status, expectations, json_path, save, targets, check_)
+    try:
+        _show(merged, f"{program} ({spawns.world} processes, {LAUNCHER})", program, status, expectations, json_path, save, targets, check_)
+    finally:
+        reporter.clean()
 
 
 def _show(merged, title: str, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict,

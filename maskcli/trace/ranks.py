@@ -67,7 +67,7 @@ class Job:
 
     def gather(self, timeout: float) -> tuple[dict[int, dict], dict[int, str]]:
         """({rank: part} of the other ranks, {rank: why it has none}) once every rank wrote one, died, or `timeout`
-        seconds passed; then the folder is removed."""
+        seconds passed. The parts stay until clean(): the ranks that wrote them wait for that (wait_taken)."""
         parts: dict[int, dict] = {}
         dead: dict[int, str] = {}
         deadline = time.monotonic() + timeout
@@ -90,8 +90,15 @@ class Job:
             began = self._marker(r)
             dead[r] = (f"wrote no part within --rank-timeout {timeout:g} s: it hangs, or its program runs on"
                        if began is not None else f"never started maskcli trace within --rank-timeout {timeout:g} s")
-        self.clean()
         return parts, dead
+
+    def wait_taken(self, timeout: float) -> None:
+        """Wait until rank 0 has reported (it removes the parts), or `timeout` seconds: a launcher that sees one rank
+        exit with an error stops the others (torchrun does), which would stop rank 0 before its report."""
+        deadline = time.monotonic() + timeout
+        mine = self.folder / f"part-{self.rank}.pkl"
+        while mine.exists() and time.monotonic() < deadline:
+            time.sleep(POLL)
 
     def clean(self) -> None:
         for path in self.folder.glob("*"):

@@ -88,9 +88,10 @@ def traced(fn, settings: dict, index: int, *args) -> None:
 
 
 def gather(spawns: Spawns, timeout: float):
-    """(parts, missing) of every process the program spawned, once each wrote its part or the timeout passed."""
+    """(parts, missing, the Job that gathered them: clean() it when done) of every process the program spawned, once
+    each wrote its part or the timeout passed."""
     from maskcli.trace.ranks import Job
 
     reporter = Job(-1, spawns.world, None, LAUNCHER, spawns.folder)
     reporter.started = min(reporter.started, os.path.getmtime(spawns.folder))
-    return reporter.gather(timeout)
+    return (*reporter.gather(timeout), reporter)
