@@ -92,8 +92,11 @@ class Merged:
         elif len(self.parts) > 1:
             out.append(f"every rank's calls have the same masks ({rank_words(self.parts)})")
         out += [f"rank {r}: {why}" for r, why in sorted(self.missing.items())] + self.extra
+        said: dict[str, list[int]] = {}  # a line several ranks say, said once with their ranks
         for r, p in sorted(self.parts.items()):
-            out += [f"rank {r}: {line}" for line in p["expect"] + p["not_imported"] + p["notes"]]
+            for line in p["not_imported"] + p["notes"]:  # (--expect's lines are failures(), shown with the groups)
+                said.setdefault(line, []).append(r)
+        out += [f"{'every rank' if len(ranks) == len(self.parts) > 1 else rank_words(ranks)}: {line}" for line, ranks in said.items()]
         return out
 
     def failures(self) -> list[str]:
