@@ -14,12 +14,27 @@ cores). It prints the median of each side and the median of the paired ratios wi
 add to the report: each traced run is reported as `maskcli trace` reports it, its groups named
 (trace/report.py) and then checked; the checks' time over trace's whole overhead (traced run
 less untraced, plus naming the groups), by the CPU clock, median and quartiles (target <= 10%).
+
+    python benchmarks/trace.py --ranks 2 [--runs 15] ...
+
+The same decoder in each of 2 ranks under torchrun (gloo, CPU) against 2 processes alone, started at once
+(so that both sides share the machine's cores alike): each process
+alternates untraced runs with traced ones that do what `maskcli trace` does under a launcher (the calls
+recorded, the groups named and checked, and, under torchrun, each rank's part written and rank 0 waiting for
+every part and merging them: trace/ranks.py, trace/merged.py). Trace's cost per call is (traced - untraced) /
+calls, by the CPU clock; it prints each side's median, and torchrun's over the lone processes' as a ratio
+(target <= 1.1x: under a launcher trace adds no more a call than alone, within a shared machine's noise).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -29,6 +44,7 @@ from maskcli.trace.demo import Decoder, window_mask
 
 TARGET = 1.5
 CHECKS_TARGET = 0.10
+RANKS_TARGET = 1.1
 
 
 def generate(model, ids, steps: int, window: int) -> None:
@@ -50,7 +66,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
+    parser.add_argument("--ranks", type=int, default=None, help="compare trace's cost a call under torchrun with this many ranks against one process")
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # (a worker of --ranks: where its numbers go)
     args = parser.parse_args()
+    if args.ranks is not None:
+        return ranked(args)
+    if args.out is not None:
+        return worker(args)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = Decoder(vocab=1000, dim=256, heads=4, layers=args.layers).eval()
@@ -104,6 +126,99 @@ def report(t) -> tuple[float, float]:
     named = time.process_time()
     apply(groups, Run(t.calls, t.tops))
     return named - start, time.process_time() - named
+
+
+def ranked(args) -> None:
+    """One process alone, then --ranks processes under torchrun, each a worker; their costs a call compared."""
+    own = [f"--{name}={getattr(args, name)}" for name in ("runs", "len", "steps", "layers", "window", "threads")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH")]))
+    found = {}
+    with tempfile.TemporaryDirectory() as folder:
+        # alone: as many plain processes at once as torchrun starts ranks, so that both sides share the cores alike
+        outs = [os.path.join(folder, f"alone{i}.json") for i in range(args.ranks)]
+        running = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *own, "--out", out], env=env) for out in outs]
+        for process in running:
+            assert process.wait() == 0
+        found["1 process"] = _pooled([json.loads(open(out).read()) for out in outs])
+        out = os.path.join(folder, "ranks.json")
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--master-port", str(_free_port()),
+                        os.path.abspath(__file__), *own, "--out", out], check=True, env=env)
+        found[f"{args.ranks} ranks"] = json.loads(open(out).read())
+    alone, together = found["1 process"], found[f"{args.ranks} ranks"]
+    print(f"decoder: {args.layers} layers, batch 2, prompt {args.len}, {args.steps} decode steps, {args.runs} runs a process, "
+          f"{alone['calls']} calls a run; trace's cost a call (traced - untraced) / calls, CPU clock, medians")
+    for label, data in found.items():
+        label = f"{args.ranks} x alone" if label == "1 process" else label
+        print(f"{label:>9}: untraced {data['untraced'] * 1e3:.1f} ms a run, traced {data['traced'] * 1e3:.1f} ms; "
+              f"{data['per_call'] * 1e6:.0f} us a call (quartiles {data['q1'] * 1e6:.0f}-{data['q3'] * 1e6:.0f})")
+    ratio = together["per_call"] / alone["per_call"]
+    print(f"{args.ranks} ranks / {args.ranks} lone processes at once, a call: {ratio:.2f}x, target: no more than alone (<= {RANKS_TARGET}x, the noise "
+          f"of a shared machine): {'met' if ratio <= RANKS_TARGET else 'NOT met'}")
+
+
+def _pooled(runs: list[dict]) -> dict:
+    """The numbers of several processes run at once, as one: the medians of their costs a call."""
+    costs = sorted(c for run in runs for c in run["costs"])
+    q1, median, q3 = statistics.quantiles(costs, n=4)
+    return {"calls": runs[0]["calls"], "per_call": median, "q1": q1, "q3": q3, "costs": costs,
+            "untraced": statistics.median(run["untraced"] for run in runs), "traced": statistics.median(run["traced"] for run in runs)}
+
+
+def worker(args) -> None:
+    """Alternate untraced and traced runs in this process (a rank of torchrun's, or alone): the numbers to args.out."""
+    from pathlib import Path
+
+    from maskcli.trace.merged import merge, part
+    from maskcli.trace.ranks import Job, ProcessGroups, job as rank_job
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = Decoder(vocab=1000, dim=256, heads=4, layers=args.layers).eval()
+    ids = torch.randint(1, 1000, (2, args.len))
+    ids[1, : args.len // 4] = 0
+    launched = rank_job([], ["benchmark", os.environ.get("MASTER_PORT", "")])
+    folder = Path(tempfile.gettempdir()) / f"maskcli-bench-{os.environ.get('MASTER_PORT', os.getpid())}"
+
+    def plain() -> float:
+        cpu = time.process_time()
+        generate(model, ids, args.steps, args.window)
+        return time.process_time() - cpu
+
+    def traced(number: int) -> tuple[float, int]:
+        cpu = time.process_time()
+        with maskcli.trace() as t, ProcessGroups(lambda: len(t.calls)) as watched:
+            generate(model, ids, args.steps, args.window)
+        groups = t.groups()  # as maskcli trace reports: named and checked
+        if launched is not None:  # each rank's part written; rank 0 waits for every part and merges them
+            here = Job(launched.rank, launched.world, launched.local_rank, launched.launcher, folder / str(number))
+            here.begin()
+            mine = part(t, groups, 0, "benchmark", [], [], [], here, watched)
+            if here.rank:
+                here.write(mine)
+            else:
+                others, missing = here.gather(120)
+                assert not missing, missing
+                merge({0: mine, **others}, missing, here.world).lines()
+                here.clean()
+        return time.process_time() - cpu, len(t.calls)
+
+    plain(), traced(-1)  # warm-up
+    samples = [(plain(), *traced(number)) for number in range(args.runs)]
+    costs = [(b - a) / calls for a, b, calls in samples]
+    q1, median, q3 = statistics.quantiles(costs, n=4)
+    if launched is None or launched.rank == 0:
+        Path(args.out).write_text(json.dumps({"calls": samples[0][2], "per_call": median, "q1": q1, "q3": q3, "costs": costs,
+                                              "untraced": statistics.median(a for a, _, _ in samples),
+                                              "traced": statistics.median(b for _, b, _ in samples)}))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

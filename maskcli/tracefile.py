@@ -114,14 +114,22 @@ def dense(stored: dict) -> np.ndarray:
 # --- the file -----------------------------------------------------------------------------------
 
 
-def save(path, calls: list[dict], masks: dict[str, dict]) -> None:
-    """One .pt file of plain tensors, lists and dicts: every call, and each distinct mask once."""
+def plain(stored: dict) -> dict:
+    """A stored mask with its arrays as tensors (what torch.load(weights_only=True) reads back)."""
     import torch
 
-    def plain(stored: dict) -> dict:
-        return {key: torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value for key, value in stored.items()}
+    return {key: torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value for key, value in stored.items()}
 
-    torch.save({"format": FORMAT, "calls": calls, "masks": {key: plain(value) for key, value in masks.items()}}, path)
+
+def save(path, calls: list[dict], masks: dict[str, dict], ranks: list[dict] | None = None) -> None:
+    """One .pt file of plain tensors, lists and dicts: every call, and each distinct mask once; `ranks`, for a job of
+    several processes: each rank's exit status, calls and process groups (its calls carry their rank)."""
+    import torch
+
+    data = {"format": FORMAT, "calls": calls, "masks": {key: plain(value) for key, value in masks.items()}}
+    if ranks is not None:
+        data["ranks"] = ranks
+    torch.save(data, path)
 
 
 def load(path: str) -> dict:
@@ -156,29 +164,55 @@ def split_spec(text: str) -> tuple[str, str] | None:
 
 
 def select(data: dict, selector: str, path: str) -> dict:
-    """The call a selector names: its index, or WHERE@STEP."""
+    """The call a selector names: its index, or WHERE@STEP; in a trace of several ranks, rankR:INDEX or
+    rankR:WHERE@STEP names one of rank R's calls (INDEX counts that rank's calls alone)."""
+    import re
+
     calls = data["calls"]
+    ranked = re.fullmatch(r"rank(\d+):(.+)", selector)
+    if ranked is None:
+        return _select(calls, selector, path, path)
+    rank, rest = int(ranked[1]), ranked[2]
+    known = sorted({call["rank"] for call in calls if "rank" in call})
+    if not known:
+        raise MaskError(f"{path}:{selector}: the trace is of one process, with no ranks: name the call as {path}:{rest}")
+    if rank not in known:
+        raise MaskError(f"{path}:{selector}: the trace has calls of rank {', '.join(map(str, known))}, not rank {rank}")
+    return _select([call for call in calls if call.get("rank") == rank], rest, f"{path}:rank{rank}", path)
+
+
+def _select(calls: list[dict], selector: str, named: str, path: str) -> dict:
     if selector.isdigit():
         index = int(selector)
         if index >= len(calls):
-            raise MaskError(f"{path}:{selector}: the trace has {len(calls)} calls, numbered 0 to {len(calls) - 1}")
+            raise MaskError(f"{named}:{selector}: the trace has {len(calls)} calls{' of that rank' if named != path else ''}, numbered 0 to {len(calls) - 1}")
         return calls[index]
     where, at, step = selector.rpartition("@")
     if not at:  # WHERE alone: its one call
         found = [call for call in calls if call["where"] == selector]
         if len(found) == 1:
             return found[0]
+        _one_rank(found, named, selector)
         if found:
             steps = ", ".join(str(call["step"]) for call in found[:8])
-            raise MaskError(f"{path}:{selector}: {selector} made {len(found)} calls (steps {steps}): name one as {path}:{selector}@STEP")
+            raise MaskError(f"{named}:{selector}: {selector} made {len(found)} calls (steps {steps}): name one as {named}:{selector}@STEP")
     if not at or not step.isdigit():
-        raise MaskError(f"{path}:{selector!r}: name a call by its index (like {path}:7) or as MODULE_PATH@STEP (like {path}:layers.5.self_attn@2)")
-    for call in calls:
-        if call["where"] == where and call["step"] == int(step):
-            return call
+        raise MaskError(f"{named}:{selector!r}: name a call by its index (like {named}:7) or as MODULE_PATH@STEP (like {named}:layers.5.self_attn@2)")
+    found = [call for call in calls if call["where"] == where and call["step"] == int(step)]
+    _one_rank(found, named, selector)
+    if found:
+        return found[0]
     known = sorted({call["where"] for call in calls})
     shown = ", ".join(known[:6]) + (", ..." if len(known) > 6 else "")
-    raise MaskError(f"{path}:{selector}: no call of {where!r} at step {step}; the trace has calls of {shown or 'nothing'}")
+    raise MaskError(f"{named}:{selector}: no call of {where!r} at step {step}; the trace has calls of {shown or 'nothing'}")
+
+
+def _one_rank(found: list[dict], named: str, selector: str) -> None:
+    """A name that several ranks' calls answer to is refused: which rank's is meant?"""
+    ranks = sorted({call["rank"] for call in found if "rank" in call})
+    if len(ranks) > 1:
+        raise MaskError(f"{named}:{selector}: ranks {', '.join(map(str, ranks))} each made that call: "
+                        f"name one rank's as {named}:rank{ranks[0]}:{selector}")
 
 
 def keep_of(call: dict, data: dict) -> np.ndarray:
@@ -211,4 +245,5 @@ def traced_keep(text: str) -> tuple[np.ndarray, str] | None:
     from maskcli.text import step_label
 
     step = call.get("details", {}).get("step_name") or step_label(call["step"], call["shape"][2])
-    return keep, f"{path}:{selector} (call {call['index']}, {call['where']} {step}, {call['api']})"
+    rank = f"rank {call['rank']} " if "rank" in call else ""
+    return keep, f"{path}:{selector} ({rank}call {call['index']}, {call['where']} {step}, {call['api']})"

@@ -321,3 +321,59 @@ def test_the_ring_steps_are_coloured_as_blocks_colours_its_map():
     assert str(grid).splitlines()[:2] == ["0 ▒·", "1 ▒█"]
     styles = {str(grid)[span.start:span.end]: str(span.style) for span in grid.spans if "\n" not in str(grid)[span.start:span.end]}
     assert {symbol: styles[symbol] for symbol in "▒·█"} == {"▒": "yellow", "·": "red dim", "█": "green"}
+
+
+# --- --trace: a hand-written context-parallel program traced under torchrun (tests/data/ranks/context_parallel.py) ---
+
+
+def traced_run(tmp_path, ranks: int, *program_args: str) -> str:
+    from launch import PROGRAMS, torchrun
+
+    done = torchrun(ranks, ["trace", "--save", "run.pt", str(PROGRAMS / "context_parallel.py"), *program_args], tmp_path)
+    assert "Traceback" not in done.stderr.split("maskcli trace")[0], done.stderr[-3000:]
+    return str(tmp_path / "run.pt")
+
+
+@pytest.mark.parametrize("ranks, way", [(2, "all_gather"), (2, "ring"), (4, "ring")])
+def test_shard_trace_of_a_right_run_is_shard_on_the_layout_it_used(tmp_path, ranks, way):
+    run = traced_run(tmp_path, ranks, *(["--ring"] if way == "ring" else []), "--len", "16")
+    traced = invoke(["causal", "--trace", run, "--json"])
+    assert traced.exit_code == 0, traced.output
+    computed = ok(["causal", "--len", 16, "--ranks", ranks, "--layout", "headtail", "--json"])
+    assert json.loads(traced.stdout) == json.loads(computed)
+    data = json.loads(computed)["masks"][0]
+    chunks = [(r * 16 // (2 * ranks), (r + 1) * 16 // (2 * ranks)) for r in range(2 * ranks)]  # head-tail by hand
+    assert data["cells"] == [causal_cells(*chunks[r]) + causal_cells(*chunks[2 * ranks - 1 - r]) for r in range(ranks)]
+    assert "left out context_parallel.py:" in traced.stderr  # the program's own check over the whole sequence
+
+
+def test_shard_trace_names_the_rank_whose_part_is_on_local_indices(tmp_path):
+    run = traced_run(tmp_path, 2, "--bug", "local")
+    result = invoke(["causal", "--trace", run])
+    assert result.exit_code == 1
+    said = " ".join(result.stdout.split())
+    assert ("wrong: shard-local-indices: rank 0's mask uses local indices: its row 4 is position 12, but it masks as if "
+            "it were position 4 (first at query 12, key 4)") in said
+    assert "wrong: shard-local-indices: rank 1's mask uses local indices" in said
+
+
+def test_shard_trace_names_the_rank_of_a_ring_that_drops_a_key(tmp_path):
+    run = traced_run(tmp_path, 4, "--ring", "--bug", "drop")
+    result = invoke(["causal", "--trace", run])
+    assert result.exit_code == 1
+    said = " ".join(result.stdout.split())
+    assert "wrong: shard-dropped-key: rank 1's part hides key 0 from query 2, which causal lets it see" in said
+    assert "rank 0's part" not in said and "rank 2's part" not in said
+
+
+def test_shard_trace_of_one_process_or_the_wrong_ranks_is_one_line(tmp_path):
+    from maskcli.tracefile import save
+
+    single = str(tmp_path / "one.pt")
+    save(single, [], {})
+    result = invoke(["causal", "--trace", single])
+    assert result.exit_code == 2 and f"--trace {single!r} is the trace of one process" in " ".join(result.output.split())
+    ranked = str(tmp_path / "two.pt")
+    save(ranked, [], {}, [{"rank": 0}, {"rank": 1}])
+    result = invoke(["causal", "--len", 8, "--trace", ranked, "--ranks", 4])
+    assert result.exit_code == 2 and "holds 2 ranks but --ranks is 4: give --ranks 2" in " ".join(result.output.split())

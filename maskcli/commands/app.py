@@ -296,7 +296,7 @@ def done(message: str) -> None:
 FOLDED = frozenset({
     "m_kv_start", "m_align", "m_pad_id", "m_key", "m_from", "m_causal", "m_mask_mod_args",
     "i_batch", "i_head_dim", "i_d_out", "i_qkv_bias", "i_scale",
-    "trace.check_",
+    "trace.check_", "trace.rank_timeout", "shard.rank_mask",
     "attend.dropout", "attend.dropout_seed", "attend.precision", "attend.batch_index", "attend.head",
 })
 KIND_PANEL = "Kind parameters (for a bare kind name)"  # commands/options.py declares the kind parameter flags in it

@@ -29,11 +29,12 @@ LayoutOpt = Annotated[str, typer.Option("--layout", help="contiguous, headtail (
 @mask_options(many_masks=True, tokens=False)
 def shard(
     expressions: Annotated[list[str] | None, typer.Argument(help=KIND_ARGUMENT_HELP + " Several: one mask per layer type, split the same way. A file: a packed BATCH, as pack reads it, its documents and-ed into each.", show_default=False, metavar="EXPR...")] = None,
-    ranks: Annotated[int, typer.Option("--ranks", help="Context-parallel ranks N (default 2).", parser=integer, show_default=False)] = 2,
+    ranks: Annotated[int | None, typer.Option("--ranks", help="Context-parallel ranks N (default 2, or the ranks --trace holds).", parser=integer, show_default=False)] = None,
     layout: LayoutOpt = "headtail",
     docs: Annotated[str | None, typer.Option("--docs", help="Document sizes for --layout per-document, like 3000,5000 (default: the mask's document(...) labels).", show_default=False)] = None,
     model: Annotated[str | None, typer.Option("--model", help="Take one mask per layer type from a Hugging Face family's config (needs transformers): full is causal, sliding causal & window(W), chunked local(C); an EXPR is and-ed into each.", show_default=False)] = None,
     rank_mask: Annotated[list[str] | None, typer.Option("--rank-mask", help="A rank's captured mask (its slots x every slot in the gathered order), once per rank in rank order: each checked against the global mask under --layout.", show_default=False)] = None,
+    trace: Annotated[str | None, typer.Option("--trace", help="A traced run of every rank (torchrun ... maskcli trace --save run.pt): each rank's part checked at its global positions under --layout, the work shown what ran.", show_default=False)] = None,
     head_dim: Annotated[int, typer.Option("--head-dim", help="Head size for the FLOPs (4 x head_dim x visible cells x heads).", parser=integer)] = 128,
     png: Annotated[str | None, typer.Option("--png", help="Write a figure (.png .svg .pdf): the strip, each rank's work, the ring steps.", show_default=False)] = None,
     html: Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML page: the strip, tables, ring steps and findings.", show_default=False)] = None,
@@ -43,7 +44,7 @@ def shard(
 ) -> None:
     """Split a mask across context-parallel ranks: each rank's tokens, visible cells, FLOPs and ratio to the mean, the imbalance, each ring step's block, and the local cu_seqlens, exactly at any length.
 
-    Checks, exit status 1 when wrong: every real token on exactly one rank (nothing dropped by padding or truncation), and with --rank-mask each rank's captured part equal to the global mask on global positions (a part built on local indices, or replaced by is_causal, is named). Imbalance past 1.25 is reported, not an error.
+    Checks, exit status 1 when wrong: every real token on exactly one rank (nothing dropped by padding or truncation), and with --trace or --rank-mask each rank's captured part equal to the global mask on global positions (a part built on local indices, or replaced by is_causal, is named). Imbalance past 1.25 is reported, not an error.
     """
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
     from maskcli.inspect.given import build_any
@@ -51,10 +52,19 @@ def shard(
 
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
     html_path = check_output_path(html, (".html",), "--html") if html is not None else None
+    if trace is not None:
+        from maskcli.shard.traced import length_of, ranks_of
+
+        ranks = ranks_of(trace) if ranks is None else ranks
+        if mask.length is None:  # the length the run split: its ranks' query rows added up
+            mask = replace(mask, length=length_of(trace))
     masks = _masks(expressions or [], mask, model, build_any)
     with_docs = parse_sizes(docs) if docs is not None else None
-    report = analyse(masks, layout, ranks, head_dim, rank_mask, with_docs)
+    report = analyse(masks, layout, 2 if ranks is None else ranks, head_dim, rank_mask, with_docs, trace)
     from maskcli.render import shard as render
+
+    for line in report.notes:
+        done(line)
 
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure

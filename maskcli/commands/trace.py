@@ -37,6 +37,7 @@ def trace(
     max_bytes: Annotated[int, typer.Option("--max-bytes", help="Bytes of distinct masks kept; past it a call keeps its shape and counts only, and says so.", parser=integer)] = 256 << 20,
     json_path: Annotated[str | None, typer.Option("--json", help="Write every call (where, api, step, shapes, dtype, device, its mask's id) and every group, named, with findings, as JSON to this file (stdout stays the program's).", show_default=False)] = None,
     save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to one .pt file that other commands read as a mask: --mask TRACE.pt:7 (call 7) or TRACE.pt:PATH@STEP (like layers.5.self_attn@2: that module's third call).", show_default=False)] = None,
+    rank_timeout: Annotated[float, typer.Option("--rank-timeout", help="Under a launcher of several ranks (torchrun, mpirun: RANK and WORLD_SIZE, OMPI_COMM_WORLD_RANK, PMI_RANK), the seconds rank 0 waits for the other ranks' parts, after its own program ends, before it reports the ranks that sent none.", show_default=True)] = 120.0,
     expect: Annotated[list[str] | None, typer.Option("--expect", help="PATTERN=EXPR, repeatable: every call whose module path matches PATTERN (as a shell matches, like layers.*.self_attn) must be EXPR with its queries at the end of its keys; exit status 1 where one is not. Padding: as EXPR ends, like the names trace prints, causal (--lengths 2,4 --pad left), the prompt's keys held at every step; else the call's key_padding_mask, else the keys no query of a batch row sees while one of another row does.", show_default=False)] = None,
     check_: Check = True,
 ) -> None:
@@ -70,17 +71,38 @@ def trace(
     targets = {flag: check_output_path(path, (suffix,), flag).absolute()
                for flag, path, suffix in (("--save", save, ".pt"), ("--json", json_path, ".json")) if path is not None}
 
+    if rank_timeout < 0:
+        raise MaskError(f"--rank-timeout {rank_timeout:g}: give 0 or more seconds")
+    import sys
+
+    from maskcli.trace.ranks import ProcessGroups, job as rank_job
+
+    job = rank_job(list(targets.values()), sys.argv[1:])  # one rank of several: its part goes beside the target
+    if job is not None:
+        job.begin()
+
     from maskcli.trace.capture import Trace
     from maskcli.trace.run import run_program
 
+    from maskcli.trace.spawned import Spawns
+
+    program = f"-m {module}" if module else os.path.basename(script)
     tracer = Trace(apis, max_bytes)
-    with tracer:
+    spawns = Spawns(apis, max_bytes, program, expectations, tracer)  # processes the program spawns: each traced as a rank
+    with tracer, ProcessGroups(lambda: len(tracer.calls)) as groups, spawns:
         status = run_program(script, module, program_args)
     named = apis if api != ",".join(APIS) else ()  # the APIs the user asked for by name
     unseen = [f"--api {name}: the program never imported {module_name}, so --api {name} recorded nothing"
               for name, module_name in (("flash", "flash_attn"), ("hf", "transformers"), ("vllm", "vllm")) if name in named and name not in tracer.patched]
-    _report(tracer, f"-m {module}" if module else os.path.basename(script), status, expectations, json_path, save, targets, unseen,
-            check_)
+    if job is not None:
+        from maskcli.commands.traceranks import report_ranks
+
+        report_ranks(tracer, job, groups, program, status, expectations, json_path, save, targets, unseen, check_, rank_timeout)
+    if spawns.world:
+        from maskcli.commands.traceranks import report_spawned
+
+        report_spawned(tracer, spawns, program, status, expectations, json_path, save, targets, check_, rank_timeout)
+    _report(tracer, program, status, expectations, json_path, save, targets, unseen, check_)
 
 
 def _report(tracer, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict,

@@ -27,6 +27,7 @@ class Report:
     te: tuple | None  # (local cu_seqlens_padded, per-rank cu_seqlens) in TransformerEngine's convention
     local: list  # per-rank cu_seqlens on its own tokens, in local order
     findings: list  # checks.shard.RankFinding, each with its rank
+    notes: tuple = ()  # what --trace left out of the run, in words
 
     @property
     def wrong(self) -> bool:
@@ -96,8 +97,9 @@ def make_layout(spec: str, length: int, n: int, heads: int, docs: np.ndarray | N
 
 
 def analyse(masks: list[tuple[str, Mask]], spec: str, n: int, head_dim: int = 128, rank_masks: list[str] | None = None,
-            docs: np.ndarray | None = None) -> Report:
-    """Every mask (one per layer type) under one layout, with the checks."""
+            docs: np.ndarray | None = None, traced: str | None = None) -> Report:
+    """Every mask (one per layer type) under one layout, with the checks; with `traced` (a trace of every rank), the
+    parts the run captured in place of the computed split (shard.traced)."""
     if head_dim < 1:
         raise MaskError(f"--head-dim {head_dim}: give the size of one attention head, at least 1, like --head-dim 128")
     first = masks[0][1]
@@ -110,9 +112,13 @@ def analyse(masks: list[tuple[str, Mask]], spec: str, n: int, head_dim: int = 12
     layout = make_layout(spec, length, n, first.heads, docs, first)
     found = checks.coverage(layout) + checks.uneven(layout) + checks.padding(layout)
     splits = [(label, work.split(mask, layout, head_dim)) for label, mask in masks]
+    notes: list[str] = []
+    if traced is not None:
+        splits, more, notes = _traced(masks, layout, head_dim, traced, rank_masks)
+        found += more
     for label, split in splits:
         found += checks.imbalance(split, label=label if len(splits) > 1 else "")
-    if rank_masks:
+    if rank_masks and traced is None:
         if len(masks) > 1:
             raise MaskError("--rank-mask checks one mask: give one EXPR or --mask with the ranks' files")
         found += ranks.check(first, layout, rank_masks)
@@ -120,4 +126,25 @@ def analyse(masks: list[tuple[str, Mask]], spec: str, n: int, head_dim: int = 12
     # TransformerEngine's THD split is per document; its bshd split (head-tail of the whole sequence) is one document
     te = work.te_cu_seqlens(layout, whole if layout.name == "per-document" else np.array([length])) if layout.name in ("headtail", "per-document") else None
     local = work.local_cu_seqlens(layout, np.cumsum(whole) - whole)
-    return Report(layout, splits, te, local, found)
+    return Report(layout, splits, te, local, found, tuple(notes))
+
+
+def _traced(masks: list, layout: Layout, head_dim: int, path: str, rank_masks) -> tuple[list, list, list]:
+    """The splits measured off a traced run's parts, one per distinct set of parts (the mask's own label where there
+    is one), and each set's findings against the global mask (named by where it was read where there are several)."""
+    from dataclasses import replace
+
+    from maskcli.shard import traced
+
+    if rank_masks:
+        raise MaskError("give --trace or --rank-mask, not both: --trace reads every rank's part from the run")
+    if len(masks) > 1:
+        raise MaskError("--trace checks the run against one mask: give one EXPR or --mask, the mask the whole sequence attends with")
+    label, mask = masks[0]
+    sets, left = traced.read(path, layout)
+    splits, found = [], []
+    for one in sets:
+        splits.append((label if len(sets) == 1 else one.label, traced.measured(mask, layout, one.parts, head_dim)))
+        more = ranks.check_parts(mask, layout, one.parts)
+        found += more if len(sets) == 1 else [replace(f, message=f"{one.label}: {f.message}") for f in more]
+    return splits, found, [f"--trace {path}: left out {line}" for line in left]

@@ -62,21 +62,30 @@ def check(mask: Mask, layout: Layout, paths: list[str]) -> list[RankFinding]:
     """Each rank's captured part against the global mask: a finding per rank whose part differs."""
     if len(paths) != layout.ranks:
         raise MaskError(f"--rank-mask given {len(paths) if len(paths) != 1 else 'once'}{' times' if len(paths) != 1 else ''} but --ranks is {layout.ranks}: give one file per rank, in rank order")
+    keys = layout.indices().size
+    parts = []
+    for r, path in enumerate(paths):
+        part = load_part(path)
+        rows = layout.rank_indices(r)
+        if part.shape != (rows.size, keys):
+            raise MaskError(f"--rank-mask {path!r} has shape {list(part.shape)} but rank {r} holds {rows.size:,} slots of "
+                            f"{keys:,} under --layout {layout.name}: give its (local rows, all keys) mask, or the right --layout")
+        parts.append(part)
+    return check_parts(mask, layout, parts)
+
+
+def check_parts(mask: Mask, layout: Layout, parts: list[np.ndarray]) -> list[RankFinding]:
+    """Each rank's part, bool (its slots, every slot in the gathered order), against the global mask."""
     intervals = intervals_of(mask)
     gathered = layout.indices()
     keys = np.where(gathered < layout.length, gathered, -1)
     local_keys = np.where(np.arange(keys.size) < layout.length, np.arange(keys.size), -1)
     found: list[RankFinding] = []
-    for r, path in enumerate(paths):
-        part = load_part(path)
+    for r, part in enumerate(parts):
         rows = layout.rank_indices(r)
-        if part.shape != (rows.size, keys.size):
-            raise MaskError(f"--rank-mask {path!r} has shape {list(part.shape)} but rank {r} holds {rows.size:,} slots of "
-                            f"{keys.size:,} under --layout {layout.name}: give its (local rows, all keys) mask, or the right --layout")
         expected = cells_at(intervals, rows, keys)
         local_rows = np.where(rows >= 0, np.arange(rows.size), -1)
         local = cells_at(intervals, np.where(local_rows < layout.length, local_rows, -1), local_keys)
         causal = (rows[:, None] >= keys[None, :]) & (rows[:, None] >= 0) & (keys[None, :] >= 0)
         found += rank_part(expected, part, rows, keys, r, mask.title, local, causal)
     return found
-

@@ -1,0 +1,95 @@
+"""`maskcli trace` as one rank of a job of several (torchrun, mpirun): every rank writes its part, rank 0 reports on all.
+
+Ranks other than 0 print nothing and exit with their program's status; rank 0 waits for their parts, prints one
+report (each rank's calls and exit status, the groups only some ranks have named with them, the rules that compare
+ranks) and writes --save / --json with every rank's calls. Its exit status is its program's, else 1 where a finding
+is wrong, an --expect fails, or a rank sent no part.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from maskcli.commands.app import done, make_console
+
+
+def report_ranks(tracer, job, process_groups, program: str, status: int, expectations, json_path: str | None,
+                 save: str | None, targets: dict, unseen: list[str], check_: bool, timeout: float) -> None:
+    """Write this rank's part (rank > 0) or gather every part and report (rank 0); always ends the command."""
+    from maskcli.trace.expect import check
+    from maskcli.trace.merged import merge, part
+
+    groups = tracer.groups()
+    failures = check(tracer.calls, expectations) if expectations else []
+    mine = part(tracer, groups, status, program, failures, tracer.notes(), unseen, job, process_groups)
+    if job.rank != 0:
+        job.write(mine)
+        job.wait_taken(timeout)
+        raise typer.Exit(status)
+    others, missing = job.gather(timeout)
+    try:
+        _show(merge({0: mine, **others}, missing, job.world), f"{program} ({job.world} ranks, {job.launcher})", program, status,
+              expectations, json_path, save, targets, check_)
+    finally:  # (its report made: the other ranks may exit now)
+        job.clean()
+
+
+def report_spawned(tracer, spawns, program: str, status: int, expectations, json_path: str | None, save: str | None,
+                   targets: dict, check_: bool, timeout: float) -> None:
+    """The report on every process the program spawned (torch.multiprocessing.spawn), from their parts; always ends
+    the command."""
+    from maskcli.trace.merged import merge
+    from maskcli.trace.spawned import LAUNCHER, gather
+
+    parts, missing, reporter = gather(spawns, timeout)
+    merged = merge(parts, missing, spawns.world)
+    if tracer.calls:  # (the program's own process is no rank: its calls are said, not merged)
+        merged.extra.append(f"the program's own process made {len(tracer.calls)} attention call{'s' if len(tracer.calls) != 1 else ''} "
+                            "besides its spawned ranks': trace it without spawn to see them")
+    merged.extra += tracer.notes()  # threads and processes it started otherwise, compiled code
+    try:
+        _show(merged, f"{program} ({spawns.world} processes, {LAUNCHER})", program, status, expectations, json_path, save, targets, check_)
+    finally:
+        reporter.clean()
+
+
+def _show(merged, title: str, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict,
+          check_: bool) -> None:
+    """Rank 0's (or the spawning process's) report of every rank, --json and --save with every rank's calls, and
+    its exit status."""
+    import json
+
+    from maskcli.checks.registry import wrong
+    from maskcli.files import atomic_write
+    from maskcli.render import labelled
+    from maskcli.render.trace import views
+
+    failures = merged.failures()
+    console = make_console(stderr=True)
+    for view in views(merged.groups, len(merged.calls), title, status, failures):
+        console.print(view)
+    for line in merged.lines():
+        console.print(labelled(line))
+    if expectations and not failures:
+        console.print(labelled(f"--expect: every call of every rank matched holds ({len(expectations)} expectation{'s' if len(expectations) != 1 else ''})"))
+    if json_path is not None:
+        data = merged.json(program, status)
+
+        def write_json(path: str) -> None:
+            with open(path, "w", encoding="utf-8") as out:
+                json.dump(data, out, indent=1, default=str)
+
+        atomic_write(targets["--json"], write_json)
+        done(f"wrote {json_path} ({len(merged.parts)} ranks)")
+    if save is not None:
+        from maskcli.tracefile import save as save_trace
+
+        used = {call.mask for call in merged.calls if call.mask is not None}
+        masks = {key: value for key, value in merged.masks.items() if key in used}
+        atomic_write(targets["--save"], lambda path: save_trace(path, [call.json() for call in merged.calls], masks, merged.ranks()))
+        done(f"wrote {save} ({len(merged.parts)} ranks)")
+    if status:
+        raise typer.Exit(status)
+    if failures or merged.missing or (check_ and any(wrong(group.findings) for group in merged.groups)):
+        raise typer.Exit(1)
+    raise typer.Exit(0)
