@@ -120,6 +120,19 @@ PROGRAMS = {
         with torch.no_grad():
             Resampler()(torch.randn(1, 6, 8), torch.randn(1, 3, 8))
     """,
+    # Gemma 3's masks written by hand (masking_utils' sliding overlay: a window back, every later key kept), with an
+    # image of 6 tokens under a window of 3 and no token_type_ids to read: the image's first token sees its last
+    "gemma3_like_long_image": """
+        import torch, torch.nn.functional as F
+        torch.manual_seed(0)
+        image = torch.tensor([-1, -1, 0, 0, 0, 0, 0, 0, -1, -1])
+        q_idx, k_idx = torch.arange(10)[:, None], torch.arange(10)[None, :]
+        full = (k_idx <= q_idx) | ((image[:, None] == image[None, :]) & (image[:, None] >= 0))
+        sliding = full & (q_idx - k_idx < 3)
+        x = torch.randn(1, 2, 10, 8)
+        for mask in (sliding, full, sliding, full):
+            F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+    """,
 }
 
 
@@ -184,6 +197,30 @@ def test_no_alarm_on_encoder_decoders_whose_target_is_longer_than_their_source(t
     status, alarms, report = _alarms(tmp_path, "encoder_decoders", source)
     assert (status, alarms) == (0, []), report
     assert "encoder_attn" in report and "EncDecAttention" in report and "full (--kv-len 4" not in report  # (padded: 4,3)
+
+
+def test_no_alarm_on_gemma3_with_an_image_longer_than_its_sliding_window(tmp_path):
+    """Gemma3ForConditionalGeneration built from its config (a 1-layer SigLIP tower, 4 tokens per image) with a
+    sliding window of 2: transformers' own sliding mask lets the image's first token see its last."""
+    pytest.importorskip("transformers")
+    source = """
+        import torch
+        from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+        torch.manual_seed(0)
+        config = Gemma3Config(
+            text_config=dict(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=8, sliding_window=2, layer_types=["sliding_attention", "full_attention"]),
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                               patch_size=4),
+            mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)
+        model = Gemma3ForConditionalGeneration(config).eval()
+        ids = torch.tensor([[5, 6, 297] + [299] * 4 + [298, 7, 8]])
+        with torch.no_grad():
+            model(input_ids=ids, pixel_values=torch.randn(1, 3, 16, 16), token_type_ids=(ids == 299).long(),
+                  attention_mask=torch.ones_like(ids))
+    """
+    status, alarms, report = _alarms(tmp_path, "gemma3_image", source)
+    assert (status, alarms) == (0, []), report
 
 
 def test_no_alarm_on_two_batches_generated_one_after_the_other_with_a_static_and_a_dynamic_cache(tmp_path):
