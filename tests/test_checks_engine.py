@@ -223,6 +223,28 @@ def test_no_alarm_on_gemma3_with_an_image_longer_than_its_sliding_window(tmp_pat
     assert (status, alarms) == (0, []), report
 
 
+def test_no_alarm_on_packed_training_batches_run_with_use_cache_false(tmp_path):
+    """DataCollatorWithFlattening's batches (position_ids alone, and with cu_seq_lens_* for flash) through Llama and
+    Qwen2 in train mode with use_cache=False, as Trainer runs them: sdpa reads the documents off position_ids."""
+    pytest.importorskip("transformers")
+    source = """
+        import torch
+        from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+        torch.manual_seed(0)
+        samples = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+        for cls, cfg in ((LlamaForCausalLM, LlamaConfig), (Qwen2ForCausalLM, Qwen2Config)):
+            model = cls(cfg(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1)).train()
+            for flash_kwargs in (False, True):
+                batch = DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=flash_kwargs)(
+                    [{"input_ids": s, "labels": s} for s in samples])
+                model(**batch, use_cache=False).loss.backward()
+    """
+    status, alarms, report = _alarms(tmp_path, "flattened_training", source)
+    assert (status, alarms) == (0, []), report
+    assert "document(0,0,0,0,1,1,1,2,2,2,2,2)" in report
+
+
 def test_no_alarm_on_two_batches_generated_one_after_the_other_with_a_static_and_a_dynamic_cache(tmp_path):
     """A left-padded batch, then an unpadded one, through generate: the second batch's decode steps are read against
     its own prefill, not the first batch's padding (checks/steps.py sites). transformers 5.24 passes no cache_position
