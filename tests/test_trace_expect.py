@@ -154,3 +154,25 @@ def test_queries_at_the_start_of_a_static_cache_are_placed_there(tmp_path):
         "causal sees 0-3" in said and "1 more call differs: 2" in said, result.output
     result, _ = trace(tmp_path, "--expect", "*=causal", BUG.parent / "static_cache_no_decode_mask.py", "--fixed")
     assert result.exit_code == 0, result.output
+
+
+def test_an_encoder_decoder_holds_causal_on_its_decoder_and_full_on_its_memory(tmp_path):
+    """BART from its config, a padded 4-token source and a 9-token target: the model call's attention_mask is the
+    source's, so it is no padding of the decoder's own keys; the cross-attention's 9 queries over 4 keys are compared
+    apart from them (the memory's padding read off the call); a causal decoder expected full still fails."""
+    pytest.importorskip("transformers")
+    script = tmp_path / "bart.py"
+    script.write_text(
+        "import torch\n"
+        "from transformers import BartConfig, BartForConditionalGeneration\n"
+        "torch.manual_seed(0)\n"
+        "model = BartForConditionalGeneration(BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,\n"
+        "    encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)).eval()\n"
+        "with torch.no_grad():\n"
+        "    model(input_ids=torch.tensor([[5, 6, 7, 2], [5, 6, 2, 1]]), attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),\n"
+        "          decoder_input_ids=torch.tensor([[2, 8, 9, 10, 11, 12, 13, 14, 15]] * 2))\n")
+    held = ["--expect", "*decoder.layers.*.self_attn=causal", "--expect", "*encoder_attn=full", "--expect", "*encoder.layers.*=full"]
+    result, _ = trace(tmp_path, *held, script)
+    assert result.exit_code == 0 and "every call matched holds (3 expectations)" in result.stderr, result.output
+    result, _ = trace(tmp_path, "--expect", "*decoder.layers.*.self_attn=full", script)
+    assert result.exit_code == 1 and "row 0: the call sees 0, full sees 0-8" in " ".join(result.stderr.split()), result.output

@@ -177,7 +177,8 @@ def _run_states(calls: list, tops: list) -> dict:
         own = queries(call, top)
         placement = {} if int(own[0]) == k_len - q_len else {"offset": int(own[0]), "kv_len": k_len}
         state = found[call.index] = _State(placement, own=own)
-        mask = None if top is None else top.arguments.get("attention_mask")
+        mask = None if top is None or getattr(top.config, "is_encoder_decoder", False) else top.arguments.get("attention_mask")
+        # (an encoder-decoder's attention_mask is its source's: not the decoder's keys)
         if call.details.get("key_padding"):
             continue  # the call's own key-padding argument says it (maskcli.keypadding's rule 2)
         if isinstance(mask, np.ndarray) and mask.ndim == 2 and mask.shape[1] <= k_len and mask.shape[0] == call.shape[0]:
