@@ -77,6 +77,10 @@ def test_cross_attention_queries_are_never_placed_among_the_keys():
     assert later(SimpleNamespace(**vars(keep), where="decoder.layers.0.multihead_attn"), stored, None) == []
     [found] = later(SimpleNamespace(**vars(keep), where="model.decoder.layers.0.self_attn"), stored, None)
     assert found.code == "sees-later"
+    mask = SimpleNamespace(reading="mask", kind=None, expression=None)
+    odd = np.ones((1, 1, 7, 3), bool)
+    odd[0, 0, 1, 1:] = False  # no kind names it; still no query of 7 has a place among 3 keys
+    assert given_later(odd, mask) == []
     fused = cells(1, 7, 3, lambda b, q, k: True)  # keys split off the queries' own projection: self-attention
     keep, stored = call(fused, kv_source="query")
     assert later(SimpleNamespace(**vars(keep), where="attn"), stored, None)[0].code == "sees-later"

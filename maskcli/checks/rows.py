@@ -169,6 +169,8 @@ def given_later(keep4: np.ndarray, structure, q_offset: int = 0) -> list[Finding
     if structure.reading != "mask" or structure.kind not in MEANT_LATER:
         return []
     q_len, k_len = keep4.shape[-2:]
+    if q_len > k_len:
+        return []  # more queries than keys: a cross-attention's, whose queries have no place among its keys
     later = np.triu(keep4, k=k_len - q_len + 1)  # on the last two axes
     rows = np.flatnonzero(later.any(axis=-1).any(axis=(0, 1))).tolist()
     if not rows:
