@@ -61,3 +61,44 @@ def test_a_tensor_a_user_gave_is_read_the_same_way():
     assert given_later(off, SimpleNamespace(reading="mask", kind="full", expression="full")) == []  # meant by its kind
     [hides] = given_empty_rows(np.array([[True, True], [False, False]])[:, None, None, :], "key padding [B, S]")
     assert hides.message.startswith("batch row 1 hides every key")
+
+
+def test_cross_attention_queries_are_never_placed_among_the_keys():
+    """A decoder's queries over its encoder's memory: more queries than keys, or a cross-attention module path. An
+    all-ones mask (and one with the memory's padding) sees no later key; a causal off-by-one in self-attention still does."""
+    every = np.ones((1, 1, 7, 3), bool)  # 7 target tokens over 3 memory keys
+    placed = cells(1, 7, 3, lambda b, q, k: True)  # bottom-right: queries 0-5 would sit before key 2
+    assert later_rows(placed) == [0, 1, 2, 3, 4, 5]
+    keep, stored = call(every)
+    assert later(SimpleNamespace(**vars(keep), where="Resampler"), stored, None) == []
+    memory = cells(2, 4, 6, lambda b, q, k: k < 6 - 2 * b)  # Lq < Lk: only the path says cross-attention
+    keep, stored = call(memory)
+    assert later(SimpleNamespace(**vars(keep), where="model.decoder.layers.0.encoder_attn"), stored, None) == []
+    assert later(SimpleNamespace(**vars(keep), where="decoder.layers.0.multihead_attn"), stored, None) == []
+    [found] = later(SimpleNamespace(**vars(keep), where="model.decoder.layers.0.self_attn"), stored, None)
+    assert found.code == "sees-later"
+    mask = SimpleNamespace(reading="mask", kind=None, expression=None)
+    odd = np.ones((1, 1, 7, 3), bool)
+    odd[0, 0, 1, 1:] = False  # no kind names it; still no query of 7 has a place among 3 keys
+    assert given_later(odd, mask) == []
+    fused = cells(1, 7, 3, lambda b, q, k: True)  # keys split off the queries' own projection: self-attention
+    keep, stored = call(fused, kv_source="query")
+    assert later(SimpleNamespace(**vars(keep), where="attn"), stored, None)[0].code == "sees-later"
+
+
+def test_a_bidirectional_span_longer_than_a_sliding_window_is_no_off_by_one():
+    """Gemma 3's sliding layer: (causal | same image) with keys at most W - 1 back and every later key kept. An image
+    of 6 tokens under a window of 3: its first token sees its last, which does not see it back. Quiet; a causal mask
+    one key off, a mask read the wrong way round and an image that sees past its own end still say sees-later."""
+    image = [-1, -1, 0, 0, 0, 0, 0, 0, -1, -1]
+    same = lambda q, k: image[q] == image[k] >= 0  # noqa: E731
+    sliding = cells(1, 10, 10, lambda b, q, k: (k <= q or same(q, k)) and q - k < 3)
+    assert sliding[0, 0, 2, 7] and not sliding[0, 0, 7, 2]  # not both ways
+    unnamed = SimpleNamespace(expression=None, kind=None)
+    assert later(*call(sliding), unnamed) == []
+    tril = SimpleNamespace(expression="tril(1)", kind="tril")  # (the recogniser names a causal mask one key off)
+    for wrong, structure in ((lambda b, q, k: k <= q + 1, tril),
+                             (lambda b, q, k: k >= q, unnamed),  # causal read the wrong way round
+                             (lambda b, q, k: ((k <= q or same(q, k)) and q - k < 3) or (q == 3 and k == 8), unnamed)):
+        [found] = later(*call(cells(1, 10, 10, wrong)), structure)  # (the last: query 3 sees key 8, past its image)
+        assert found.code == "sees-later"

@@ -35,13 +35,18 @@ def attention(q, k, v, mask=None):
 
 def decoder(x, step):
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
-    return attention(x, x, x, None if step and "--bug" in sys.argv else causal)
+    mask = None if step == 1 and "--bug" in sys.argv else causal
+    q = kv = x
+    if step == 2:  # a decode step behind the cache: one query over the 6 keys and its own
+        q, kv, mask = x[:, :, :1], torch.cat([x, x[:, :, :1]], dim=2), None
+    return attention(q, kv, kv, mask)
 
 torch.manual_seed(0)
 x = torch.randn(1, 2, 6, 8)
-for step in range(2):
+for step in range(3):
     decoder(x, step)
-    attention(x, x, x)  # an encoder's self-attention over the same length: full, as it should be
+    if step < 2:
+        attention(x, x, x)  # an encoder's self-attention over the same length: full, as it should be
 '''
 
 
@@ -56,3 +61,29 @@ def test_a_function_shared_by_a_causal_and_a_full_caller_is_two_call_sites(tmp_p
         found = [f for group in json.loads(out.read_text())["groups"] for f in group["findings"]]
         assert result.exit_code == status, result.output
         assert [f["code"] for f in found if f["severity"] == "wrong"] == (["causal-lost"] if bug else []), result.output
+
+
+FLEX_LOOP = '''
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+torch.manual_seed(0)
+q = k = v = torch.randn(1, 2, 128, 16)
+def causal(b, h, qi, ki): return qi >= ki
+def full(b, h, qi, ki): return qi >= 0
+def sliding(b, h, qi, ki): return (qi >= ki) & (qi - ki < 32)
+def prefix(b, h, qi, ki): return (qi >= ki) | (ki < 64)
+for mod in (causal, full, sliding, prefix):  # attention-gym's examples, one line for all
+    out = flex_attention(q, k, v, block_mask=create_block_mask(mod, None, None, 128, 128, device="cpu"))
+'''
+
+
+def test_block_masks_passed_through_one_line_in_a_loop_are_independent_calls(tmp_path):
+    """Issue 37: four BlockMasks through one flex_attention line are not a prefill and its steps (no cache grows
+    there): a causal one, then a full one, is no causal mask lost."""
+    script = tmp_path / "loop.py"
+    script.write_text(FLEX_LOOP)
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    groups = json.loads(out.read_text())["groups"]
+    assert result.exit_code == 0 and len(groups) == 4, result.output
+    assert [f for g in groups for f in g["findings"] if f["severity"] in ("wrong", "suspicious")] == [], result.output

@@ -35,17 +35,26 @@ def disagreeing(disagreements: list, ref, majority: list, voters: set[str]) -> l
 
 def leaks(twins: list, ref) -> list[Finding]:
     """Cells where real tokens see another document (as `ref` places them) or padding, said once per group of `twins`
-    (the paths' checks, grouped where they build the same mask)."""
+    (the paths' checks, grouped where they build the same mask).
+
+    A path whose mask rests on what pack cannot see and nobody stated (its `condition`: use_cache, which attention
+    implementation runs) is suspicious where it leaks, with that condition named, as long as another path the batch's
+    fields serve is right (no leak); where none is, the batch has no right reading and the leak is wrong."""
     found = []
+    right = any(not x.cross_cells and not x.pad_cells and x.path.condition is None for group in twins for x in group)
     for group in twins:
         c, names = group[0], " and ".join(x.path.name for x in group)
         verb = "let" if len(group) > 1 else "lets"
+        conditions = {x.path.condition for x in group}
+        condition = next(iter(conditions)) if len(conditions) == 1 else None
+        severity, where = ("suspicious", f" if {condition}") if condition and right else (None, "")
         if c.cross_cells:
             r, q, k = c.first_cross[0]
             found.append(Finding("cross-document", f"{names} {verb} tokens see another document in {c.cross_cells:,} cells "
-                                 f"(first: row {r}, query {q} sees key {k}) — documents as {ref.name} says"))
+                                 f"(first: row {r}, query {q} sees key {k}) — documents as {ref.name} says{where}", severity))
         if c.pad_cells:
-            found.append(Finding("sees-padding", f"{names} {verb} real tokens see padding in {c.pad_cells:,} cells"))
+            found.append(Finding("sees-padding", f"{names} {verb} real tokens see padding in {c.pad_cells:,} cells{where}",
+                                 severity))
     return found
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli import tracefile
+from maskcli.checks.context import cross
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -83,12 +84,15 @@ def later(call, stored: dict, structure) -> list[Finding]:
         return []
     if call.api in ("flash", "hf") and not call.details.get("causal"):
         return []  # not causal: the later keys in its window are the ones it asked for
+    if cross(call):
+        return []  # a decoder's queries over its encoder's memory: no query has a position among those keys
     if call.details.get("mask_rows") == 1:
         return []  # one mask row broadcast to every query (a key padding mask, or GQA heads packed as rows): no query order
     q_len, k_len = call.shape[2:]
     own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
     rows = np.flatnonzero((reach(stored, q_len)[1] > own[None, :]).any(axis=0))
-    if len(rows) == 0 or (structure is not None and structure.kind is None and _both_ways(stored, q_len, k_len)):
+    if len(rows) == 0 or (structure is not None and structure.kind is None
+                          and (_both_ways(stored, q_len, k_len) or _spans(stored, q_len, k_len))):
         return []
     shown = spans(rows[:200].tolist())
     return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys): "
@@ -104,6 +108,28 @@ def _both_ways(stored: dict, q_len: int, k_len: int) -> bool:
     cells = tracefile.dense(stored)
     later = np.triu(cells, k=1)
     return not bool((later & ~np.swapaxes(cells, -1, -2)).any())
+
+
+def _spans(stored: dict, q_len: int, k_len: int) -> bool:
+    """The later keys each query sees are the rest of a span it is in, as bidirectional spans make them (Gemma 3's
+    images, a prefix) whatever cuts the keys before (a sliding window shorter than an image: its first token sees the
+    image's last, which sees back only the window): query i at key Lk - Lq + i sees the keys (i, e] and no other later
+    one, the queries after it up to e see on to the same e and the key before them, and e sees none later. A causal
+    mask one key off (tril(1)) has no such span; a mask read the wrong way round sees no key before its queries."""
+    if stored["form"] == "stats":
+        return False
+    cells = tracefile.dense(stored).reshape(-1, q_len, k_len)
+    own = k_len - q_len + np.arange(q_len)
+    later = cells & (np.arange(k_len)[None, None, :] > own[None, :, None])
+    has = later.any(axis=-1)
+    last = np.where(has, k_len - 1 - later[..., ::-1].argmax(axis=-1), -1)
+    if not (~has | (later.sum(axis=-1) == last - own)).all():  # the later keys are one run from the next key on
+        return False
+    if not (~has | cells[:, np.arange(q_len), own]).all():  # a query in a span sees itself
+        return False
+    going = has[:, :-1]  # query i's span goes on to query i + 1, which must end where it does and see query i's key
+    ends = np.where(last[:, :-1] > own[:-1] + 1, last[:, :-1], -1)
+    return bool((~going | ((last[:, 1:] == ends) & cells[:, np.arange(1, q_len), own[:-1]])).all())
 
 
 def where(b: int, h: int, shape) -> str:
@@ -143,6 +169,8 @@ def given_later(keep4: np.ndarray, structure, q_offset: int = 0) -> list[Finding
     if structure.reading != "mask" or structure.kind not in MEANT_LATER:
         return []
     q_len, k_len = keep4.shape[-2:]
+    if q_len > k_len:
+        return []  # more queries than keys: a cross-attention's, whose queries have no place among its keys
     later = np.triu(keep4, k=k_len - q_len + 1)  # on the last two axes
     rows = np.flatnonzero(later.any(axis=-1).any(axis=(0, 1))).tolist()
     if not rows:

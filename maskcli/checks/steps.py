@@ -127,12 +127,15 @@ def alignment(run: Run) -> list:
 
 def causal_lost(run: Run) -> list:
     """A call site whose mask is causal in one call of several queries and lets queries see later keys in another
-    (a prefill that skips the causal mask when a cache is attached). Batches with rows that see no key are left
-    alone: what padding rows see depends on the kernel. nn.MultiheadAttention applies the masks its caller hands it,
+    (a prefill that skips the causal mask when a cache is attached). Only a site whose cache grows (a call with fewer
+    queries than keys) has prefills and decode steps; the calls of any other are independent (four BlockMasks passed
+    through one line in a loop). Batches with rows that see no key are left alone: what padding rows see depends on the kernel. nn.MultiheadAttention applies the masks its caller hands it,
     and one module may be called causal and not (nn.TransformerEncoder with and without mask=): there a pass that
     sees later keys is a finding only where decode steps follow it at the site (a prefill)."""
     found = []
     for (where, _), calls in run.callers().items():
+        if not any(call.shape[2] < call.shape[3] for call in calls):
+            continue  # no step behind a cache: independent calls (masks built in a loop, one line for all), no prefill
         causal = None
         for n, call in enumerate(calls):
             q_len, k_len = call.shape[2:]

@@ -1,6 +1,7 @@
 """`maskcli pack BATCH`: do a packed batch's boundaries agree, and which one does each attention path use?
 
-Exit status 0 when the paths agree and nothing is found, 1 otherwise, 2 for bad input.
+Exit status 1 where a finding is wrong or the paths disagree, 0 otherwise (a leak that rests on what pack cannot see,
+use_cache or the attention implementation, is suspicious while another path reads the batch right), 2 for bad input.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def pack(
 ) -> None:
     """Check a packed batch: the document boundaries each field implies, side by side, which field each attention path reads and the mask that results, and what leaks across documents.
 
-    The paths: transformers' sdpa/eager/flex_attention (a 4-D attention_mask as given; a 2-D one gives causal & padding and position_ids are then not read; else, with no cache, position_ids restarts), transformers' flash_attention_2 (an attention_mask with padding unpads each row into one sequence; else cu_seq_lens_q/k with max_length_q/k; else position_ids for one batch row), flash_attn_varlen_func on cu_seqlens, and with --eos-id a document mask keyed on EOS. Each mask is a maskcli expression, compared exactly on key intervals over the real tokens, in O(tokens). Findings: cells where a token sees another document, position_ids that do not restart at a boundary (RoPE runs on), labels not -100 at a boundary, lengths that do not add up, padding a path lets tokens see. Exit status 0 when the paths agree and nothing is found, 1 otherwise.
+    The paths: transformers' sdpa/eager/flex_attention (a 4-D attention_mask as given; a 2-D one gives causal & padding and position_ids are then not read; else, with no cache, position_ids restarts), transformers' flash_attention_2 (an attention_mask with padding unpads each row into one sequence; else cu_seq_lens_q/k with max_length_q/k; else position_ids for one batch row), flash_attn_varlen_func on cu_seqlens, and with --eos-id a document mask keyed on EOS. Each mask is a maskcli expression, compared exactly on key intervals over the real tokens, in O(tokens). Findings: cells where a token sees another document, position_ids that do not restart at a boundary (RoPE runs on), labels not -100 at a boundary, lengths that do not add up, padding a path lets tokens see. Exit status 1 where a finding is wrong (or paths disagree), else 0: a leak that rests on what pack cannot see (use_cache, the attention implementation) is suspicious, with that condition named, while another path the fields serve reads the batch right; --use-cache yes states the cache.
     """
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
 
@@ -112,7 +113,7 @@ def _model(use_cache: str | None, config: str | None):
         answer = {"yes": True, "true": True, "1": True, "no": False, "false": False, "0": False}.get(use_cache.strip().lower())
         if answer is None:
             raise MaskError(f"--use-cache {use_cache!r}: say yes or no (yes: the model makes a cache, as transformers' configs default to)")
-        return Model(answer, f"--use-cache {'yes' if answer else 'no'}")
+        return Model(answer, f"--use-cache {'yes' if answer else 'no'}", stated=True)
     if config is not None:
         from maskcli.hf.families import use_cache_of
 

@@ -38,7 +38,7 @@ def trace(
     json_path: Annotated[str | None, typer.Option("--json", help="Write every call (where, api, step, shapes, dtype, device, its mask's id) and every group, named, with findings, as JSON to this file (stdout stays the program's).", show_default=False)] = None,
     save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to one .pt file that other commands read as a mask: --mask TRACE.pt:7 (call 7) or TRACE.pt:PATH@STEP (like layers.5.self_attn@2: that module's third call).", show_default=False)] = None,
     rank_timeout: Annotated[float, typer.Option("--rank-timeout", help="Under a launcher of several ranks (torchrun, mpirun: RANK and WORLD_SIZE, OMPI_COMM_WORLD_RANK, PMI_RANK), the seconds rank 0 waits for the other ranks' parts, after its own program ends, before it reports the ranks that sent none.", show_default=True)] = 120.0,
-    expect: Annotated[list[str] | None, typer.Option("--expect", help="PATTERN=EXPR, repeatable: every call whose module path matches PATTERN (as a shell matches, like layers.*.self_attn) must be EXPR with its queries at the end of its keys; exit status 1 where one is not. Padding: as EXPR ends, like the names trace prints, causal (--lengths 2,4 --pad left), the prompt's keys held at every step; else the call's key_padding_mask, else the keys no query of a batch row sees while one of another row does.", show_default=False)] = None,
+    expect: Annotated[list[str] | None, typer.Option("--expect", help="PATTERN=EXPR, repeatable: every call whose module path matches PATTERN (as a shell matches, like layers.*.self_attn) must be EXPR; exit status 1 where one is not. What the run states is held at every step, as the checks read it: where its queries sit (its cache; a cross-attention's apart from its memory) and its padding (the model call's attention_mask, else the call's key_padding_mask, else the keys its prefill masks as padding, else the keys no query of a batch row sees while one of another row does), a padding query's row left out. EXPR says the rest; the padding may be stated as it ends, like the names trace prints: causal (--lengths 2,4 --pad left), the prompt's keys held at every step, every row compared.", show_default=False)] = None,
     check_: Check = True,
 ) -> None:
     """Run a Python program and record the mask of every attention call it makes, grouped and named.
@@ -125,7 +125,7 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
         followed, notes = traced.across(served)
         if save is not None or json_path is not None:  # (each request's mask stored: only for the files that hold them)
             served_calls, served_masks = traced.calls(served, len(tracer.calls), tracer.max_bytes - tracer.bytes)
-    failures = _expect(tracer.calls, served, expectations) if expectations else []
+    failures = _expect(tracer.calls, served, expectations, tracer.tops) if expectations else []
     held = [f"--expect: every call matched holds ({len(expectations)} expectation{'s' if len(expectations) != 1 else ''})"] if expectations and not failures else []
     console = make_console(stderr=True)
     for view in views(groups, len(tracer.calls), program, status, failures):
@@ -174,7 +174,7 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
         raise typer.Exit(1)
 
 
-def _expect(calls: list, served: list, expectations: list[tuple[str, str]]) -> list[str]:
+def _expect(calls: list, served: list, expectations: list[tuple[str, str]], tops: list) -> list[str]:
     """trace's --expect lines over the program's calls and a traced vLLM engine's steps: a pattern is compared with
     every call and every step it matches, and is a failure where it matches neither."""
     from fnmatch import fnmatchcase
@@ -191,7 +191,7 @@ def _expect(calls: list, served: list, expectations: list[tuple[str, str]]) -> l
         elif steps:
             lines += traced.expect(served, pattern, expression)
         if not served or any(fnmatchcase(call.where, pattern) for call in calls):
-            lines += check(calls, [(pattern, expression)])  # (which says so where no call matches)
+            lines += check(calls, [(pattern, expression)], tops=tops)  # (which says so where no call matches)
         elif not steps:
             known = sorted({call.where for call in calls} | {name for c in served for name in traced.names(c)})
             shown = ", ".join(known[:6]) + (", ..." if len(known) > 6 else "")

@@ -179,7 +179,16 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
             per_head.append(f"head {h}: {found.command.removeprefix('maskcli show ') if found.expression else 'none'}")
         more = f"; {heads - 8} more" if heads > 8 else ""
         return Structure(None, note=f"the heads differ, and a maskcli expression is the same for every head ({'; '.join(per_head)}{more})")
-    if q_len > k_len:
+    if q_len > k_len:  # no self-attention's (its keys hold its queries' own): a decoder over shorter memory, all of it
+        shape = {"length": q_len, "kv_len": k_len, **({"heads": heads} if heads > 1 else {})}  # or its right padding
+        seen = keep4[:, 0].any(axis=1)
+        lengths = seen.sum(axis=1)
+        if (lengths > 0).all() and np.array_equal(seen, np.arange(k_len)[None, :] < lengths[:, None]):
+            options = shape if seen.all() else {**shape, "lengths": ",".join(map(str, lengths.tolist()))}
+            built = _rebuild("padding" if "lengths" in options else "full", options, keep4)
+            if built is not None:
+                kind = "padding" if "lengths" in options else "full"
+                return Structure(kind, options, built, command_for(kind, options), "mask", kind=kind)
         return Structure(None, note=f"more queries ({q_len}) than keys ({k_len}): maskcli puts the queries among the keys")
     head_option = {"heads": heads} if heads > 1 else {}
     keep = keep4[:, :1]

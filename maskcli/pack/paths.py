@@ -45,6 +45,7 @@ class Model:
 
     use_cache: bool = True
     said_by: str = "the default of LlamaConfig and most configs"
+    stated: bool = False  # the user said it (--use-cache): a path's leak under it is wrong, not a condition
 
     @property
     def text(self) -> str:
@@ -68,6 +69,7 @@ class Path:
     mask: Mask | None
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # findings about what the path does to the batch
+    condition: str | None = None  # what its mask rests on that pack cannot see and nobody stated (a leak is then suspicious)
 
     @property
     def title(self) -> str:
@@ -196,13 +198,18 @@ def hf_sdpa(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Pat
     if "position_ids" in f and model.use_cache:
         if _restarts(f["position_ids"]):
             notes.append("position_ids restart but are not read: " + CACHE_RULE)
-        return _causal("hf-sdpa", "nothing (use_cache=True)", None, length, notes)
+        path = _causal("hf-sdpa", "nothing (use_cache=True)", None, length, notes)
+        # a training batch runs with use_cache=False (Trainer's default) and is read right: the cache is a condition
+        return path if model.stated or not _restarts(f["position_ids"]) else replace(
+            path, condition=f"the model runs with use_cache=True ({model.said_by}; --use-cache yes or no says which)")
     if "position_ids" in f:
         text, options = documents("document", fields["position_ids"].starts, None)
         return _built("hf-sdpa", "position_ids", text, options, notes)
     if batch.mrope is not None:
         notes.append("mRoPE position_ids (3, B, L) are not read for packing: the mask is causal")
-    return _causal("hf-sdpa", "nothing (no attention_mask, no position_ids)", None, length, notes)
+    path = _causal("hf-sdpa", "nothing (no attention_mask, no position_ids)", None, length, notes)
+    served = [name for name in ("cu_seq_lens_q", "cu_seqlens", "seq_idx") if name in f]  # documents for another path only
+    return replace(path, condition=f"the model runs sdpa, eager or flex_attention, which read no {served[0]}") if served else path
 
 
 def _restarts(positions: np.ndarray) -> bool:

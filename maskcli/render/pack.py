@@ -111,7 +111,8 @@ def views(report: Report, source: str, width: int = 120) -> list:
         out.append(Text(f"{a} and {b} disagree: only {a} allows {d.only_a:,} cells, only {b} {d.only_b:,}", style="yellow"))
         out += [hanging("  ", Text(line), style="yellow") for line in row_words(d, a, b)]
     if report.findings:
-        out += [Text("findings:", style="red"), *(hanging("• ", Text(f.message), style=STYLES[severity(f)]) for f in report.findings)]
+        worst = "red" if any(severity(f) == "wrong" for f in report.findings) else "yellow"
+        out += [Text("findings:", style=worst), *(hanging("• ", Text(f.message), style=STYLES[severity(f)]) for f in report.findings)]
     else:
         out.append(Text("findings: none", style="green"))
     if report.notes:
@@ -147,7 +148,7 @@ def pack_json(report: Report, source: str) -> str:
              "rows": [{"row": r.batch, "query": r.query, "a": r.a, "b": r.b, "only_a": r.only_a, "only_b": r.only_b} for r in d.rows]}
             for d in report.differences
         ],
-        "findings": [{"code": f.code, "message": f.message} for f in report.findings],
+        "findings": [{"code": f.code, "severity": severity(f), "message": f.message} for f in report.findings],
         "notes": report.notes,
         "ok": report.ok,
     }
@@ -162,6 +163,7 @@ def _path_json(c) -> dict:
     if p.options is not None:
         out["lengths"] = [int(v) for v in p.options.lengths.split(",")] if p.options.lengths else None
         out["padded_ids"] = p.options.ids is not None
+    out["condition"] = p.condition  # what its mask rests on that nobody stated (its leak is then suspicious)
     out["cross_document_cells"] = c.cross_cells
     out["first_cross_document"] = [{"row": r, "query": q, "key": k} for r, q, k in c.first_cross]
     out["padding_cells"] = c.pad_cells if p.applies else None
