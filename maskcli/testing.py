@@ -41,15 +41,26 @@ def keep_array(mask_or_call) -> np.ndarray:
 def against(keep: np.ndarray, expression: str, label: str = "the mask", **positions) -> Difference:
     """`keep` (B, H, Lq, Lk) compared with `expression` placed at its positions: the queries at the end of the keys
     unless `positions` (MaskOptions fields: offset, kv_start, lengths, ids, ...) say otherwise."""
-    batch, heads, q_len, k_len = keep.shape
+    expected = _placed(keep.shape, expression, label, positions)
+    captured = from_tensor(np.ascontiguousarray(keep), label, expected.frame.q_start, expected.frame.k_start)
+    return compare(captured, expected)
+
+
+def expected_cells(shape: tuple, expression: str, **positions) -> np.ndarray:
+    """Bool cells of `expression` placed as `against` places it for a mask of `shape` (B, H, Lq, Lk); its batch rows
+    and heads may be 1 (they broadcast)."""
+    return _placed(shape, expression, "the mask", positions).dense()
+
+
+def _placed(shape: tuple, expression: str, label: str, positions: dict) -> Mask:
+    batch, heads, q_len, k_len = shape
+    positions = dict(positions)
     if q_len > k_len and "offset" not in positions:
         raise MaskError(f"{label} has more queries ({q_len}) than keys ({k_len}): give offset= to place them")
     offset = positions.pop("offset", k_len - q_len)
     options = MaskOptions(**{"length": q_len, "offset": offset or None, "heads": heads,
                              "kv_len": None if offset + q_len == k_len else k_len, **positions})
-    expected = build(expression, options)
-    captured = from_tensor(np.ascontiguousarray(keep), label, expected.frame.q_start, expected.frame.k_start)
-    return compare(captured, expected)
+    return build(expression, options)
 
 
 def padding(keep: np.ndarray, mask_or_call, positions: dict) -> dict:

@@ -91,6 +91,35 @@ PROGRAMS = {
             mha(x, x, x, key_padding_mask=padding, need_weights=need_weights)
             mha(x, x, x, attn_mask=causal, is_causal=True, need_weights=need_weights)
     """,
+    # a decoder longer than its encoder's memory (more queries than keys): the cross-attention sees every memory key
+    # (its padding cut), which no bottom-right placement of its queries reads right
+    "decoder_longer_than_memory": """
+        import torch, torch.nn as nn
+        torch.manual_seed(0)
+        layer = nn.TransformerDecoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True, dropout=0.0)
+        decoder = nn.TransformerDecoder(layer, num_layers=2).eval()
+        memory_padding = torch.tensor([[False, False, True], [False, False, False]])
+        with torch.no_grad():
+            decoder(torch.randn(2, 7, 8), torch.randn(2, 3, 8), tgt_mask=nn.Transformer.generate_square_subsequent_mask(7),
+                    tgt_is_causal=True)
+            decoder(torch.randn(2, 7, 8), torch.randn(2, 3, 8), tgt_mask=nn.Transformer.generate_square_subsequent_mask(7),
+                    memory_key_padding_mask=memory_padding)
+    """,
+    # cross-attention written by hand (a Perceiver / Flamingo style module): queries of one sequence, keys and values
+    # projected from another, shorter one, with an explicit all-ones mask
+    "hand_written_cross_attention": """
+        import torch, torch.nn as nn, torch.nn.functional as F
+        class Resampler(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.q, self.kv = nn.Linear(8, 8), nn.Linear(8, 16)
+            def forward(self, x, context):
+                q = self.q(x).view(1, 6, 2, 4).transpose(1, 2)
+                k, v = self.kv(context).view(1, 3, 2, 8).transpose(1, 2).chunk(2, dim=-1)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(6, 3, dtype=torch.bool))
+        with torch.no_grad():
+            Resampler()(torch.randn(1, 6, 8), torch.randn(1, 3, 8))
+    """,
 }
 
 
@@ -130,6 +159,31 @@ def test_no_alarm_on_a_hugging_face_decoder_generating_from_a_left_padded_batch(
     """
     status, alarms, report = _alarms(tmp_path, "hf_generate", source)
     assert (status, alarms) == (0, []), report
+
+
+def test_no_alarm_on_encoder_decoders_whose_target_is_longer_than_their_source(tmp_path):
+    """BART and T5 built from their configs, a padded 4-token source and a 9-token target, in one forward pass and
+    under generate: the cross-attention (encoder_attn, EncDecAttention) has more queries than keys."""
+    pytest.importorskip("transformers")
+    source = """
+        import torch
+        from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
+        torch.manual_seed(0)
+        bart = BartForConditionalGeneration(BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+            max_position_embeddings=64)).eval()
+        t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)).eval()
+        source, padding = torch.tensor([[5, 6, 7, 2], [5, 6, 2, 1]]), torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+        target = torch.tensor([[2, 8, 9, 10, 11, 12, 13, 14, 15]] * 2)
+        with torch.no_grad():
+            for model in (bart, t5):
+                model(input_ids=source, attention_mask=padding, decoder_input_ids=target)
+                model.generate(input_ids=source, attention_mask=padding, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    """
+    status, alarms, report = _alarms(tmp_path, "encoder_decoders", source)
+    assert (status, alarms) == (0, []), report
+    assert "encoder_attn" in report and "EncDecAttention" in report and "full (--kv-len 4" not in report  # (padded: 4,3)
 
 
 def test_no_alarm_on_two_batches_generated_one_after_the_other_with_a_static_and_a_dynamic_cache(tmp_path):

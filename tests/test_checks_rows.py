@@ -61,3 +61,22 @@ def test_a_tensor_a_user_gave_is_read_the_same_way():
     assert given_later(off, SimpleNamespace(reading="mask", kind="full", expression="full")) == []  # meant by its kind
     [hides] = given_empty_rows(np.array([[True, True], [False, False]])[:, None, None, :], "key padding [B, S]")
     assert hides.message.startswith("batch row 1 hides every key")
+
+
+def test_cross_attention_queries_are_never_placed_among_the_keys():
+    """A decoder's queries over its encoder's memory: more queries than keys, or a cross-attention module path. An
+    all-ones mask (and one with the memory's padding) sees no later key; a causal off-by-one in self-attention still does."""
+    every = np.ones((1, 1, 7, 3), bool)  # 7 target tokens over 3 memory keys
+    placed = cells(1, 7, 3, lambda b, q, k: True)  # bottom-right: queries 0-5 would sit before key 2
+    assert later_rows(placed) == [0, 1, 2, 3, 4, 5]
+    keep, stored = call(every)
+    assert later(SimpleNamespace(**vars(keep), where="Resampler"), stored, None) == []
+    memory = cells(2, 4, 6, lambda b, q, k: k < 6 - 2 * b)  # Lq < Lk: only the path says cross-attention
+    keep, stored = call(memory)
+    assert later(SimpleNamespace(**vars(keep), where="model.decoder.layers.0.encoder_attn"), stored, None) == []
+    assert later(SimpleNamespace(**vars(keep), where="decoder.layers.0.multihead_attn"), stored, None) == []
+    [found] = later(SimpleNamespace(**vars(keep), where="model.decoder.layers.0.self_attn"), stored, None)
+    assert found.code == "sees-later"
+    fused = cells(1, 7, 3, lambda b, q, k: True)  # keys split off the queries' own projection: self-attention
+    keep, stored = call(fused, kv_source="query")
+    assert later(SimpleNamespace(**vars(keep), where="attn"), stored, None)[0].code == "sees-later"

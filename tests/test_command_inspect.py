@@ -135,6 +135,19 @@ def test_decode_step(tmp_path):
     assert (found["convention_how"], found["command"]) == ("cannot tell", "maskcli show causal --len 1 --offset 4")
 
 
+def test_more_queries_than_keys_is_cross_attention_named_with_its_queries_apart(tmp_path):
+    """A decoder of 7 tokens over 3 memory keys, the first batch row's last key padding: every query sees the memory's
+    real keys (built here cell by cell), no query's position among them."""
+    keep = np.ones((2, 1, 7, 3), bool)
+    keep[0, :, :, 2] = False
+    np.save(tmp_path / "cross.npy", keep)
+    found = report(tmp_path / "cross.npy")
+    assert found["command"] == "maskcli show padding --len 7 --kv-len 3 --lengths 2,3"
+    assert not [f for f in found["findings"] if f["code"] == "sees-later"]
+    np.save(tmp_path / "ones.npy", np.ones((1, 1, 7, 3), bool))
+    assert report(tmp_path / "ones.npy")["command"] == "maskcli show full --len 7 --kv-len 3"
+
+
 def test_npz_and_safetensors_with_a_key(tmp_path):
     keep = torch.ones(5, 5, dtype=torch.bool).tril()
     np.savez(tmp_path / "m.npz", input_ids=np.arange(5), attention_mask=keep.numpy())

@@ -98,5 +98,59 @@ def test_a_padding_lost_at_decode_fails_the_name_trace_printed_for_the_prefill(t
     assert ("differs from causal with the padding stated (--lengths 3,5 --pad left): batch 0 row 4: the call sees 0-4, "
             "causal sees 2-4: causal hides keys 0-1") in said
     assert "1 more call differs: 2" in said
+
+
+def test_the_padding_the_run_states_is_held_at_every_step(tmp_path):
+    """The same bug with the bare `*=causal` a user writes: the keys the prefill masks as padding stay padding at each
+    decode step (checks' padding-lost reads them so), and the decode steps that attend them fail; the fix holds."""
     result, _ = trace(tmp_path, "--expect", "*=causal", BUG)
-    assert result.exit_code == 0, result.output  # the padding read off each call: the decode steps show none
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 1 and "with the padding of step 0 (--lengths 3,5 --pad left): batch 0 row 4: the call " \
+        "sees 0-4, causal sees 2-4: causal hides keys 0-1" in said, result.output
+    result, _ = trace(tmp_path, "--expect", "*=causal", BUG, "--fixed")
+    assert result.exit_code == 0 and "--expect: every call matched holds" in result.stderr, result.output
+
+
+MHA_RIGHT_PADDED = """
+import torch, torch.nn as nn
+torch.manual_seed(0)
+mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+x = torch.randn(2, 5, 8)
+real = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+allowed = torch.ones(5, 5, dtype=torch.bool).tril() & real[:, None, :] & real[:, :, None]
+if WRONG:
+    allowed[0, 1, 2] = True  # a real query that sees a later key
+blocked = (~allowed).repeat_interleave(2, dim=0)  # (B * heads, L, S), True = masked
+with torch.no_grad():
+    mha(x, x, x, attn_mask=blocked, need_weights=False)
+    mha(x, x, x, attn_mask=torch.ones(5, 5, dtype=torch.bool).triu(1), key_padding_mask=~real)
+"""
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_a_right_padded_batch_is_causal_on_its_real_rows_whatever_its_padding_rows_see(tmp_path, wrong):
+    """nn.MultiheadAttention, right-padded, the padding in its attn_mask (its padding query rows see no key) and in
+    key_padding_mask (they see the real keys before them): `*=causal` holds on both; a real query that sees a later
+    key still fails it (checked against torch.tril here: row 1 of batch row 0 sees key 2)."""
+    script = tmp_path / "mha.py"
+    script.write_text(f"WRONG = {wrong}\n" + MHA_RIGHT_PADDED)
+    result, data = trace(tmp_path, "--expect", "*=causal", script)
+    assert result.exit_code == int(wrong), result.output
+    if wrong:
+        tril = np.tril(np.ones((5, 5), bool))
+        assert not tril[1, 2] and "batch 0 row 1: the call sees 0-2, causal sees 0-1" in " ".join(result.stderr.split())
+
+
+def test_queries_at_the_start_of_a_static_cache_are_placed_there(tmp_path):
+    """transformers#30400 (tests/data/bugs): the prefill over 8 static slots is causal with its queries at the start
+    (`causal (--kv-len 8)`, placed by the cache the model call holds) and holds `*=causal`; the decode steps that
+    attend the unwritten slots fail it."""
+    bug = BUG.parent / "hf_static_cache_sdpa_no_mask.py"
+    result, data = trace(tmp_path, bug)
+    assert data["groups"][0]["name"] == "causal (--kv-len 8)"
+    result, _ = trace(tmp_path, "--expect", "*=causal", bug)
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 1 and "call 1 (self_attn decode 1, sdpa) differs from causal: row 3: the call sees 0-7, " \
+        "causal sees 0-3" in said and "1 more call differs: 2" in said, result.output
+    result, _ = trace(tmp_path, "--expect", "*=causal", BUG.parent / "static_cache_no_decode_mask.py", "--fixed")
+    assert result.exit_code == 0, result.output

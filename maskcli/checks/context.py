@@ -37,6 +37,7 @@ class Top:
 class Run:
     calls: list  # of trace Calls: .index .where .step .api .shape .details .stored
     tops: list[Top] = field(default_factory=list)
+    cross: list = field(default_factory=list)  # cross-attention calls (engine.py sets them apart: no query sits among their keys)
 
     def top(self, call) -> Top | None:
         """The innermost outermost-module call that made `call` (the last one that began before it)."""
@@ -73,6 +74,27 @@ def masked_somewhere(call) -> bool:
     found = call.details
     return call.api != "softmax" or bool(found.get("fill") or found.get("fill_value") is not None or found.get("additive")
                                          or found.get("bool_added"))  # (a bool mask added to the scores: dtypes.py)
+
+
+CROSS_WORDS = re.compile(r"encoder_?attn|encdecattention|cross_?attn|cross_?attention|crossattention|multihead_attn|src_attn"
+                         r"|enc_?dec_?attn|encoder_decoder_attention|context_attn", re.IGNORECASE)
+
+
+def cross(call) -> bool:
+    """The call attends from one sequence to another (a decoder's queries to its encoder's memory): its keys are not the
+    queries' own positions, so no rule may place its queries among them (bottom-right or otherwise).
+
+    Said by: the module path (BART / Whisper `encoder_attn`, T5 `EncDecAttention`, `cross_attn`, BERT's
+    `crossattention`, nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`), or more
+    queries than keys where the kernel itself does not place them (a self-attention's keys hold its queries' own);
+    never where the keys were read off the queries' own storage (one projection of one input: trace/masks.py)."""
+    details = call.details
+    if details.get("queries") is not None or details.get("kv_source") == "query":
+        return False
+    if CROSS_WORDS.search(getattr(call, "where", "") or ""):
+        return True
+    q_len, k_len = call.shape[2:]
+    return q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal"))  # (flash places them itself)
 
 
 def layer(call) -> int | None:
@@ -141,8 +163,9 @@ def queries(call, top: Top | None) -> np.ndarray:
 
 
 def columns_are_positions(call, top: Top | None) -> bool:
-    """Key column j is position j: a cache that keeps every key from position 0 (dynamic, static, or none)."""
-    if call.details.get("slots") is not None:
+    """Key column j is position j: a cache that keeps every key from position 0 (dynamic, static, or none); never a
+    cross-attention's, whose keys are another sequence's."""
+    if call.details.get("slots") is not None or cross(call):
         return False
     placed = call.details.get("keys")
     if placed is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from maskcli.checks.context import Run, masked_somewhere, queries
+from maskcli.checks.context import Run, cross, masked_somewhere, queries
 from maskcli.checks import config
 from maskcli.checks.registry import all_rules, severity
 from maskcli.checks.spans import explained
@@ -20,7 +20,9 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
 def findings(run: Run) -> list:
     """(call, Finding) of every rule written in this package that reads calls, sites or steps."""
     attending = {call.where for call in run.calls if masked_somewhere(call)}  # a site that masks once is attention
-    run = Run([call for call in run.calls if call.where in attending], run.tops)
+    calls = [call for call in run.calls if call.where in attending]
+    crossing = [call for call in calls if cross(call)]  # its queries sit nowhere among its keys: read apart (steps.py)
+    run = Run([call for call in calls if not cross(call)], run.tops, crossing)
     found, done = [], set()
     for rule in all_rules():
         if rule.given == "run" and rule.check not in done:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli import tracefile
+from maskcli.checks.context import cross
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -83,6 +84,8 @@ def later(call, stored: dict, structure) -> list[Finding]:
         return []
     if call.api in ("flash", "hf") and not call.details.get("causal"):
         return []  # not causal: the later keys in its window are the ones it asked for
+    if cross(call):
+        return []  # a decoder's queries over its encoder's memory: no query has a position among those keys
     if call.details.get("mask_rows") == 1:
         return []  # one mask row broadcast to every query (a key padding mask, or GQA heads packed as rows): no query order
     q_len, k_len = call.shape[2:]

@@ -37,7 +37,7 @@ def trace(
     max_bytes: Annotated[int, typer.Option("--max-bytes", help="Bytes of distinct masks kept; past it a call keeps its shape and counts only, and says so.", parser=integer)] = 256 << 20,
     json_path: Annotated[str | None, typer.Option("--json", help="Write every call (where, api, step, shapes, dtype, device, its mask's id) and every group, named, with findings, as JSON to this file (stdout stays the program's).", show_default=False)] = None,
     save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to one .pt file that other commands read as a mask: --mask TRACE.pt:7 (call 7) or TRACE.pt:PATH@STEP (like layers.5.self_attn@2: that module's third call).", show_default=False)] = None,
-    expect: Annotated[list[str] | None, typer.Option("--expect", help="PATTERN=EXPR, repeatable: every call whose module path matches PATTERN (as a shell matches, like layers.*.self_attn) must be EXPR with its queries at the end of its keys; exit status 1 where one is not. Padding: as EXPR ends, like the names trace prints, causal (--lengths 2,4 --pad left), the prompt's keys held at every step; else the call's key_padding_mask, else the keys no query of a batch row sees while one of another row does.", show_default=False)] = None,
+    expect: Annotated[list[str] | None, typer.Option("--expect", help="PATTERN=EXPR, repeatable: every call whose module path matches PATTERN (as a shell matches, like layers.*.self_attn) must be EXPR; exit status 1 where one is not. What the run states is held at every step, as the checks read it: where its queries sit (its cache; a cross-attention's apart from its memory) and its padding (the model call's attention_mask, else the call's key_padding_mask, else the keys its prefill masks as padding, else the keys no query of a batch row sees while one of another row does), a padding query's row left out. EXPR says the rest; the padding may be stated as it ends, like the names trace prints: causal (--lengths 2,4 --pad left), the prompt's keys held at every step, every row compared.", show_default=False)] = None,
     check_: Check = True,
 ) -> None:
     """Run a Python program and record the mask of every attention call it makes, grouped and named.
@@ -99,7 +99,7 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
         from maskcli.serve.captured import check_steps
 
         served = check_steps(tracer.vllm.steps)
-    failures = check(tracer.calls, expectations) if expectations else []
+    failures = check(tracer.calls, expectations, tops=tracer.tops) if expectations else []
     held = [f"--expect: every call matched holds ({len(expectations)} expectation{'s' if len(expectations) != 1 else ''})"] if expectations and not failures else []
     console = make_console(stderr=True)
     for view in views(groups, len(tracer.calls), program, status, failures):

@@ -179,7 +179,13 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
             per_head.append(f"head {h}: {found.command.removeprefix('maskcli show ') if found.expression else 'none'}")
         more = f"; {heads - 8} more" if heads > 8 else ""
         return Structure(None, note=f"the heads differ, and a maskcli expression is the same for every head ({'; '.join(per_head)}{more})")
-    if q_len > k_len:
+    if q_len > k_len:  # no self-attention's (its keys hold its queries' own): a decoder over shorter memory, all or padding
+        shape = {"length": q_len, "kv_len": k_len, **({"heads": heads} if heads > 1 else {})}
+        seen = keep4[:, 0].any(axis=1)
+        for expression, options in (("full", shape), ("padding", {**shape, **_padding_options(seen)}) if not seen.all() else ("full", shape)):
+            built = _rebuild(expression, options, keep4)
+            if built is not None:
+                return Structure(expression, options, built, command_for(expression, options), "mask", kind=expression)
         return Structure(None, note=f"more queries ({q_len}) than keys ({k_len}): maskcli puts the queries among the keys")
     head_option = {"heads": heads} if heads > 1 else {}
     keep = keep4[:, :1]

@@ -109,6 +109,8 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     details = {"is_causal": is_causal, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False)),
                "dropout_p": float(given.get("dropout_p", 0.0) or 0.0)}
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
+    if _same_storage(q, k):
+        details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.cross)
     if mask is not None:
         details["mask_dtype"] = _dtype(mask)
         if q_len > 1 and (mask.dim() < 2 or mask.shape[-2] == 1):  # one row for every query: no query's own position
@@ -120,6 +122,14 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     else:
         seen.intervals = everything(q_len, k_len)
     return seen
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Both views of one storage (q, k split from one projection of one input); False where it cannot be read."""
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    except (RuntimeError, NotImplementedError):  # (tensor subclasses, functional tensors: no storage to compare)
+        return False
 
 
 @functools.cache
@@ -146,6 +156,8 @@ def mha(args: tuple, kwargs: dict) -> Seen:
     details = {"need_weights": need_weights, "is_causal": bool(a["is_causal"]), "num_heads": heads,
                "dropout_p": float(a["dropout_p"] or 0.0) if a["training"] else 0.0,
                "key_padding": {}}  # MHA has a key-padding argument: the padding is what it says (maskcli.keypadding)
+    if k is q or _same_storage(q, k):
+        details["kv_source"] = "query"  # self-attention: MHA(x, x, x) (checks/context.cross)
     seen = Seen("mha", (batch, heads, q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
     if a["is_causal"] and padding is None and not need_weights:
         seen.intervals = top_left_causal(q_len, k_len)
