@@ -22,7 +22,9 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "input_ids", "idx", "tokens", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
              "padding_mask", "pad_mask", "tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets",
              "image_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
-             "num_prefix_tokens", "num_image_tokens")
+             "num_prefix_tokens", "num_image_tokens",
+             # the encoder's padding a cross-attention must keep (checks/memory.py) and the decoder's own:
+             "encoder_attention_mask", "memory_key_padding_mask", "decoder_attention_mask", "tgt_key_padding_mask")
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens")  # arguments kept as a plain int too
 MOST = 1 << 20  # elements of one argument kept (a batch's 2-D ids; never a 4-D mask)
 
