@@ -41,7 +41,7 @@ def _edge_padding(call) -> bool:
 
     from maskcli.checks.context import keep
 
-    cells = keep(call)
+    cells = keep(call) if getattr(call, "stored", None) is not None else None
     if cells is None or not cells.size:
         return False
     rows = cells.any(axis=1)  # (b, Lq, Lk)
