@@ -59,6 +59,12 @@ def empty_rows(call, stored: dict, structure) -> list[Finding]:
     more = int(empty.any(axis=1).sum()) - len(parts)
     who = "; ".join(parts) + (f"; and {more} more batch rows" if more > 0 else "")
     verb = "sees" if len(parts) == 1 and parts[0].startswith("query row ") and not parts[0].startswith("query rows") else "see"
+    if empty.all() and call.shape[3] > 0 and not cross(call):
+        # every query of a self-attention, each of which may at least see itself: the mask hides all there is (an
+        # all-True mask handed where True = masked), so the kernel's output is no attention the program meant
+        return [Finding("fully-masked", f"every query of every batch row sees no key at all, in a self-attention whose "
+                        f"queries are its own keys: the mask masks everything ({what_api_does(call)})", "wrong",
+                        expected="each query sees at least its own key")]
     return [Finding("fully-masked", f"{who} {verb} no key at all: {what_api_does(call)}", severity)]
 
 
