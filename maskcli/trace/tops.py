@@ -24,8 +24,13 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "image_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
              "num_prefix_tokens", "num_image_tokens",
              # the encoder's padding a cross-attention must keep (checks/memory.py) and the decoder's own:
-             "encoder_attention_mask", "memory_key_padding_mask", "decoder_attention_mask", "tgt_key_padding_mask")
+             "encoder_attention_mask", "memory_key_padding_mask", "decoder_attention_mask", "tgt_key_padding_mask",
+             # a hand-written seq2seq model's two sides, each with its own pad id (checks/sides.py):
+             "src", "source", "src_ids", "source_ids", "trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids")
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens")  # arguments kept as a plain int too
+SOURCE_PAD = ("src_pad_idx", "src_pad_id", "source_pad_id", "src_pad_token_id", "source_pad_idx")  # each side's pad id
+TARGET_PAD = ("trg_pad_idx", "tgt_pad_idx", "trg_pad_id", "tgt_pad_id", "target_pad_id", "target_pad_idx",
+              "tgt_pad_token_id", "trg_pad_token_id")
 MOST = 1 << 20  # elements of one argument kept (a batch's 2-D ids; never a 4-D mask)
 
 
@@ -91,14 +96,16 @@ def _static_sizes(cache) -> tuple[int, ...]:
 
 def _token_ids(module) -> dict:
     """pad_id and eos_id the program states: its config's pad_token_id / eos_token_id, else the module's own attributes
-    of those names, else (pad_id) its token embedding's padding_idx (nn.Embedding(padding_idx=...))."""
+    of those names, else (pad_id) its token embedding's padding_idx (nn.Embedding(padding_idx=...)); a seq2seq model's
+    src_pad_id / trg_pad_id from its src_pad_idx / trg_pad_idx and their kin."""
     held = _IDS.get(module)
     if held is not None:
         return held
     found = {}
     config = getattr(module, "config", None)
     for name, fields in (("pad_id", ("pad_token_id", "pad_id", "pad_idx", "padding_idx")),
-                         ("eos_id", ("eos_token_id", "eos_id"))):
+                         ("eos_id", ("eos_token_id", "eos_id")),
+                         ("src_pad_id", SOURCE_PAD), ("trg_pad_id", TARGET_PAD)):
         for owner in (config, module):
             value = next((getattr(owner, f, None) for f in fields if isinstance(getattr(owner, f, None), int)), None)
             if value is not None and not isinstance(value, bool):
