@@ -100,7 +100,8 @@ def sides(run: Run) -> list:
                 own_real = None if keys_real is None or own.max(initial=-1) >= k_len or own.min(initial=0) < 0 \
                     else keys_real[:, own]
             source, sure, judge_keys = said[keys_side][1], True, True
-        elif not crossing and columns_are_positions(call, top):
+        elif not crossing and columns_are_positions(call, top) and not getattr(top.config, "is_encoder_decoder", False):
+            # (an encoder-decoder's attention_mask is its encoder's: its decoder's keys are other tokens)
             statement = stated(top, rows, k_len)
             if statement is None or not statement[2]:
                 continue
