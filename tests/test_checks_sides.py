@@ -53,3 +53,27 @@ def test_each_side_is_read_with_its_own_pad_id_and_path():
     assert _side(Call("enc_layers.1.attention", 4), lengths) == "src"
     assert _side(Call("blocks.0.attn", 4), lengths) == "trg"
     assert _side(Call("blocks.0.attn", 5), {"src": 5, "trg": 5}) is None
+
+
+def test_one_pad_statement_and_an_encoder_decoders_attention_mask(monkeypatch):
+    """Without per-side pad ids the model call's attention_mask is the statement: a real query with no key is found,
+    and the same cells are left alone where the config says the model is an encoder-decoder (its encoder's mask)."""
+    from maskcli.checks import sides
+
+    cells = np.tril(np.ones((3, 3), dtype=bool))[None, None].copy()
+    cells[0, 0, 1] = False  # query 1 sees nothing
+
+    class Call:
+        index, where, step, api, details, mask, stored = 0, "layers.0.attn", 0, "sdpa", {}, "m", {"form": "dense"}
+        shape = (1, 1, 3, 3)
+
+    class EncoderDecoder:
+        is_encoder_decoder = True
+
+    monkeypatch.setattr(sides, "keep", lambda call: cells)
+    arguments = {"attention_mask": np.array([[1, 1, 1]])}
+    run = sides.Run([Call()], [Top("Model", None, arguments, 0, 1)], [])
+    (_, finding), = sides.sides(run)
+    assert finding.code == "real-query-blind" and finding.cell == (0, 1, 1)
+    run = sides.Run([Call()], [Top("Model", EncoderDecoder(), arguments, 0, 1)], [])
+    assert sides.sides(run) == []
