@@ -11,13 +11,14 @@ from typer.testing import CliRunner
 from maskcli.commands import app
 
 BUGS = Path(__file__).parent / "data" / "bugs"
+ROWS = Path(__file__).parent / "data" / "rows"  # the same bugs written as other projects write them (checks/real.py)
 runner = CliRunner()
 
 
-def traced(tmp_path, name: str, fixed: bool) -> tuple[int, list[dict], str]:
+def traced(tmp_path, name: str, fixed: bool, folder: Path = BUGS) -> tuple[int, list[dict], str]:
     """(exit status, the findings of every group, the report) of `maskcli trace BUG.py [--fixed]`."""
     out = tmp_path / f"{name}{'-fixed' if fixed else ''}.json"
-    result = runner.invoke(app, ["trace", "--json", str(out), str(BUGS / f"{name}.py"), *(["--fixed"] if fixed else [])])
+    result = runner.invoke(app, ["trace", "--json", str(out), str(folder / f"{name}.py"), *(["--fixed"] if fixed else [])])
     assert result.exception is None or isinstance(result.exception, SystemExit), result.output
     data = json.loads(out.read_text())
     assert data["exit_status"] == 0, result.output  # the program itself ran to its end
@@ -32,3 +33,26 @@ def check_bug(tmp_path, name: str, code: str) -> None:
     status, found, report = traced(tmp_path, name, fixed=True)
     assert [f for f in found if f["severity"] == "wrong"] == [], report
     assert status == 0, report
+
+
+def caught(tmp_path, name: str, codes: tuple[str, ...]) -> dict:
+    """tests/data/rows/NAME.py is flagged wrong by one of `codes` and exits 1 (that finding, for its cell); its fix
+    exits 0 with no wrong and no suspicious finding."""
+    status, found, report = traced(tmp_path, name, fixed=False, folder=ROWS)
+    assert status == 1, report
+    hits = [f for f in found if f["code"] in codes and f["severity"] == "wrong"]
+    assert hits, report
+    status, found, report = traced(tmp_path, name, fixed=True, folder=ROWS)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report
+    return hits[0]
+
+
+def first(shape: tuple[int, int, int], bad) -> tuple[int, int, int] | None:
+    """The first (b, q, k) in row-major order where bad(b, q, k), by a plain double loop (the tests' reference)."""
+    for b in range(shape[0]):
+        for q in range(shape[1]):
+            for k in range(shape[2]):
+                if bad(b, q, k):
+                    return (b, q, k)
+    return None

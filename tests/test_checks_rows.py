@@ -102,3 +102,39 @@ def test_a_bidirectional_span_longer_than_a_sliding_window_is_no_off_by_one():
                              (lambda b, q, k: ((k <= q or same(q, k)) and q - k < 3) or (q == 3 and k == 8), unnamed)):
         [found] = later(*call(cells(1, 10, 10, wrong)), structure)  # (the last: query 3 sees key 8, past its image)
         assert found.code == "sees-later"
+
+
+def test_a_self_attention_whose_every_query_sees_no_key_is_wrong_and_a_cross_attention_is_not():
+    """Every cell masked (an all-True mask handed where True = masked) is wrong in a self-attention, whatever the kernel
+    makes of it; one empty batch row stays as above, and a cross-attention's all-masked memory is not judged so."""
+    import torch
+
+    masked = ~torch.ones(2, 1, 4, 4, dtype=torch.bool).numpy()  # what ChatGLM's all-True (= masked) mask keeps
+    for api, details in (("sdpa", {}), ("softmax", {"fill": "finite", "fill_value": -1e4})):
+        [found] = empty_rows(*call(masked, api, **details), None)
+        assert (found.code, found.severity) == ("fully-masked", "wrong"), api
+        assert found.message.startswith("every query of every batch row sees no key at all"), api
+    memory, stored = call(np.zeros((2, 1, 5, 3), dtype=bool))
+    memory.where = "decoder.layers.0.encoder_attn"
+    [found] = empty_rows(memory, stored, None)
+    assert found.severity == "note"
+
+
+def test_chatglm_finetune_all_true_attention_mask(tmp_path):
+    """mymusise/ChatGLM-Tuning#30: attention_mask=torch.ones(1, 1, L, L).bool() where True = masked."""
+    from checkbugs import check_bug
+
+    check_bug(tmp_path, "chatglm_finetune_all_true_attention_mask", "fully-masked")
+
+
+def test_extended_mask_of_the_wrong_sign_on_an_unpadded_batch(tmp_path):
+    """Written another way: SDPA given mask * -10000 for an all-ones attention_mask (BERT's extended mask, sign turned)."""
+    from pathlib import Path
+
+    from checkbugs import traced
+
+    folder = Path(__file__).parent / "data" / "args"
+    status, found, report = traced(tmp_path, "extended_mask_wrong_sign_unpadded", fixed=False, folder=folder)
+    assert status == 1 and any(f["code"] == "fully-masked" and f["severity"] == "wrong" for f in found), report
+    status, found, report = traced(tmp_path, "extended_mask_wrong_sign_unpadded", fixed=True, folder=folder)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

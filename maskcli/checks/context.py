@@ -77,7 +77,7 @@ def masked_somewhere(call) -> bool:
 
 
 CROSS_WORDS = re.compile(r"encoder_?attn|encdecattention|cross_?attn|cross_?attention|crossattention|multihead_attn|src_attn"
-                         r"|enc_?dec_?attn|encoder_decoder_attention|context_attn", re.IGNORECASE)
+                         r"|enc_?dec_?att(?:n|ention)|encoder_decoder_attention|context_attn", re.IGNORECASE)
 
 
 def cross(call) -> bool:

@@ -26,11 +26,33 @@ def same_as(structure, same: str | None) -> list[Finding]:
 
 def polarity(call, kind: str | None, named: str | None) -> list[Finding]:
     """A mask that no kind names (or a raw tril/triu) whose other reading the recogniser names (`named`, of `kind`)."""
-    if named is None or kind in MEANT_LATER:
+    if named is None or kind in MEANT_LATER or _edge_padding(call):
         return []
     meaning = {"mha": "MHA reads a bool mask as True = masked", "sdpa": "SDPA reads a bool mask as True = may attend"}.get(call.api, "")
     return [Finding("polarity", f"read the other way round it is {named}: a mask in the wrong polarity?"
                     + (f" ({meaning})" if meaning else ""))]
+
+
+def _edge_padding(call) -> bool:
+    """The mask as given is a key padding mask padded at either end (each batch row's queries, over its heads, keep one
+    run of keys that starts at the first or ends at the last, some row keeping every key): its reversed reading is the
+    other end's padding, no sign of a polarity slip (a left-padded encoder memory)."""
+    import numpy as np
+
+    from maskcli.checks.context import keep
+
+    cells = keep(call) if getattr(call, "stored", None) is not None else None
+    if cells is None or not cells.size:
+        return False
+    rows = cells.any(axis=1)  # (b, Lq, Lk)
+    if not (rows == rows[:, :1]).all():
+        return False
+    kept = rows[:, 0]  # (b, Lk)
+    if not kept.all(axis=1).any() or not kept.any(axis=1).all():
+        return False
+    count = kept.sum(axis=1, keepdims=True)
+    columns = np.arange(kept.shape[1])[None, :]
+    return bool(((columns < count) == kept).all() or ((columns >= kept.shape[1] - count) == kept).all())
 
 
 RULES = (

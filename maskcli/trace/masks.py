@@ -206,8 +206,10 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     None for any other softmax."""
     x = softmax_input(args, kwargs)
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4) or not x.is_floating_point() or dim not in (-1, x.dim() - 1):
+    if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4, 5) or not x.is_floating_point() or dim not in (-1, x.dim() - 1):
         return None
+    if x.dim() == 5:  # grouped-query scores (B, kv heads, repeats, Lq, Lk), as MLX ports write them: head g*R + r
+        x = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[-2:])
     scores = x.detach()
     lowest = torch.finfo(scores.dtype).min
     masked = (scores == float("-inf")) | (scores == lowest)

@@ -1,0 +1,78 @@
+"""Padding that differs between the heads of one batch row: one row's padding applied to another row's head group.
+
+Every head of a batch row attends over the same tokens, so a key that is padding for one head is padding for
+all. A key that no query of head h sees, not even its own position's query, while another head of the same
+row lets a query see it, is a key one head calls padding and another real: the mask of some other batch row
+(or none) was laid on that head group, as a (B, 1, L, S) mask broadcast against grouped-query scores
+(B, kv heads, repeats, L, S) lands batch row b's padding on kv-head group b (ml-explore/mlx-lm#1903).
+Heads that differ by their own windows or sinks always let a key's own query see it, so they are quiet; only
+calls whose key columns are positions and whose queries include each such key's own position are read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, columns_are_positions, keep, queries
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def _ranges(values) -> str:
+    values = sorted(int(v) for v in values)
+    spans, start = [], values[0]
+    for before, now in zip(values, values[1:] + [None]):
+        if now != before + 1:
+            spans.append(f"{start}" if start == before else f"{start}-{before}")
+            start = now
+    return ", ".join(spans)
+
+
+def per_head(run: Run) -> list:
+    """A key one head of a batch row hides from every query, its own included, that another head of the row shows."""
+    found, done = [], set()
+    for call in run.calls:
+        cells = keep(call)
+        if cells is None or cells.shape[1] < 2 or call.shape[0] < 2:
+            continue
+        top = run.top(call)
+        if not columns_are_positions(call, top):
+            continue
+        key = (call.mask, call.shape)
+        if key in done:
+            continue
+        done.add(key)
+        rows, heads, q_len, k_len = call.shape
+        if cells.shape[0] not in (1, rows) or cells.shape[1] != heads:
+            continue
+        cells = np.broadcast_to(cells, (rows, heads, q_len, k_len))
+        own = queries(call, top)
+        mine = np.zeros(k_len, dtype=bool)  # keys whose own query is one of this call's
+        inside = (own >= 0) & (own < k_len)
+        mine[own[inside]] = True
+        seen = cells.any(axis=2)  # (B, H, Lk)
+        odd = ~seen & seen.any(axis=1, keepdims=True) & mine[None, None, :]
+        if not odd.any():
+            continue
+        b, h = (int(x) for x in np.argwhere(odd.any(axis=2))[0])
+        keys = np.flatnonzero(odd[b, h])
+        showing = int(np.flatnonzero(seen[b, :, keys[0]])[0])
+        same = all(np.array_equal(cells[r], cells[0]) for r in range(1, rows))
+        said = "; the mask is the same in every batch row and differs by head instead" if same else ""
+        bad_heads = np.flatnonzero(odd[b].any(axis=1))
+        found.append((call, Finding("padding-per-head", (
+            f"batch row {b}: head{'s' if len(bad_heads) > 1 else ''} {_ranges(bad_heads)} "
+            f"hide{'' if len(bad_heads) > 1 else 's'} key"
+            f"{'s' if len(keys) > 1 else ''} {_ranges(keys)} from every query, {'their' if len(keys) > 1 else 'its'} "
+            f"own included, while head {showing} of the same row shows {'them' if len(keys) > 1 else 'it'}{said}: "
+            f"one row's padding laid on another row's heads (a batch mask broadcast onto the head axis?)"),
+            expected="every head of a batch row pads the same keys", source="the other heads of the same batch row",
+            cell=(b, int(keys[0]), int(keys[0])))))  # (the key's own query, as absolute positions)
+    return found
+
+
+RULES = (
+    Rule("padding-per-head", "wrong", "call", "a key one head of a batch row hides from every query (its own included) "
+         "that another head of the same row shows: one row's padding broadcast onto another row's head group",
+         per_head),
+)

@@ -1,0 +1,92 @@
+"""Cross-attention read against the encoder padding the model call states: no real decoder query sees a padded memory key.
+
+The model call states which encoder tokens are real by `encoder_attention_mask` (1 = a real token, as
+Hugging Face's decoders with cross-attention take it), `memory_key_padding_mask` (True = padding, as
+nn.Transformer and nn.TransformerDecoder take it), or, for an encoder-decoder model (config
+`is_encoder_decoder`), its `attention_mask`, which is the encoder's. A cross-attention call (context.cross:
+its module path, or more queries than keys) whose keys are that many tokens must hide the padded ones from
+every decoder query that attends at all; a batch row whose memory is all padding is left alone (a kernel
+may unmask it to avoid NaN). The self-attention side of padding is arguments.py's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def memory_padding(top, rows: int, length: int) -> tuple[np.ndarray, str] | None:
+    """(bool (rows, length) real encoder tokens, the argument that says it), or None where the model call states none
+    for `length` keys (or two that disagree)."""
+    arguments, found = top.arguments, []
+    names = [("encoder_attention_mask", True), ("memory_key_padding_mask", False)]
+    if getattr(top.config, "is_encoder_decoder", False):
+        names.append(("attention_mask", True))
+    for name, ones_real in names:
+        given = arguments.get(name)
+        if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.size \
+                and given.shape[0] in (1, rows) and given.min() >= 0 and given.max() <= 1:
+            found.append((np.broadcast_to((given == 1) if ones_real else (given == 0), (rows, length)), name))
+    if not found or any(not np.array_equal(real, found[0][0]) for real, _ in found[1:]):
+        return None
+    return found[0][0], f"{found[0][1]} of {top.where}"
+
+
+def _decoder_queries(top, rows: int, q_len: int) -> np.ndarray | None:
+    """Bool (rows, q_len) real decoder queries where the model call states the decoder's padding for exactly those
+    queries (decoder_attention_mask, tgt_key_padding_mask, or a decoder-only model's attention_mask); else None."""
+    arguments = top.arguments
+    names = [("decoder_attention_mask", True), ("tgt_key_padding_mask", False)]
+    if not getattr(top.config, "is_encoder_decoder", False):
+        names.append(("attention_mask", True))
+    for name, ones_real in names:
+        given = arguments.get(name)
+        if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape == (rows, q_len):
+            return (given == 1) if ones_real else (given == 0)
+    return None
+
+
+def memory(run: Run) -> list:
+    """A real decoder query of a cross-attention call that sees an encoder key the model call states is padding."""
+    found, done = [], set()
+    for call in run.cross:
+        top = run.top(call)
+        if top is None or call.stored is None or not top.arguments:
+            continue
+        rows, _, q_len, k_len = call.shape
+        said = memory_padding(top, rows, k_len)
+        if said is None:
+            continue
+        real, source = said
+        cells = keep(call)
+        if cells is None or cells.shape[0] not in (1, rows):
+            continue
+        key = (call.mask, call.shape, real.tobytes())
+        if key in done:
+            continue
+        done.add(key)
+        cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
+        asking = cells.any(axis=-1)  # (a query that attends to nothing takes no key: a padding query made so)
+        decoder = _decoder_queries(top, rows, q_len)
+        if decoder is not None:
+            asking = asking & decoder
+        asking &= real.any(axis=1)[:, None]  # (a memory that is all padding: some kernels unmask its row)
+        bad = cells & asking[:, :, None] & ~real[:, None, :]
+        if bad.any():
+            b, q, k = first_cell(bad)
+            unmasked = " (the call is given no mask at all)" if cells.all() else ""
+            found.append((call, Finding("encoder-padding-ignored", (
+                f"batch row {b}: decoder query {q} sees encoder key {k}, which the {source.replace(' of ', ' given to ', 1)} "
+                f"marks as padding ({int(bad.sum())} such cells){unmasked}: the cross-attention mask drops the "
+                f"encoder's padding"), expected="no decoder query sees a padded encoder key", source=source,
+                cell=(b, q, k))))
+    return found
+
+
+RULES = (
+    Rule("encoder-padding-ignored", "wrong", "steps", "a cross-attention that lets decoder queries see encoder keys the "
+         "model call's encoder_attention_mask / memory_key_padding_mask marks as padding", memory),
+)

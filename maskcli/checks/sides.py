@@ -1,0 +1,146 @@
+"""A seq2seq model's two sides, each padded with its own pad id: the masks read against the side their keys belong to.
+
+A hand-written encoder-decoder states its source and target tokens as arguments of its forward (`src` /
+`source`, `trg` / `tgt` / `target`, or the same with `_ids`) and each side's pad id as its own attribute or
+config field (`src_pad_idx`, `trg_pad_idx`, `tgt_pad_id` and their kin: trace/tops.py). Tokens at a side's pad id
+in a run at one end of each row are that side's padding; any other token is real, even where its id is the
+other side's pad id. A call's side is its module path's (`enc...` / `encoder` for the source, `dec...` /
+`decoder` for the target); a cross-attention's keys are the source's and its queries the target's; where
+the path says nothing a call is read against the one side whose length its keys have. On that side:
+
+- a real query that sees a padded key is `padding-ignored` (as arguments.py's, for the side it names);
+- a real query of a self-attention that sees no key at all, while its batch row has real keys, is
+  `real-query-blind`: every self-attention lets a token see at least itself, so the mask took a real token for
+  padding (a pad test run with the other side's pad id). The same holds for the single pad id a model states
+  (real.py's statement), so a real token masked out as a query is found in any model.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries
+from maskcli.checks.real import stated
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding, spans
+
+SOURCE = ("src", "source", "src_ids", "source_ids")
+TARGET = ("trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids")
+ENCODER = re.compile(r"(?:^|\.)(?:enc|encoder|src|source)(?:_?layers?|_?blocks?|oder)?(?:\.|$)", re.IGNORECASE)
+DECODER = re.compile(r"(?:^|\.)(?:dec|decoder|trg|tgt|target)(?:_?layers?|_?blocks?|oder)?(?:\.|$)", re.IGNORECASE)
+
+
+def side_tokens(top, side: str) -> tuple[np.ndarray, str] | None:
+    """(bool (B, L) real tokens, where it is said) of one side ("src" or "trg") of the model call; None if unstated."""
+    pad = top.arguments.get(f"{side}_pad_id")
+    if not isinstance(pad, int):
+        return None
+    for name in SOURCE if side == "src" else TARGET:
+        tokens = top.arguments.get(name)
+        if isinstance(tokens, np.ndarray) and tokens.ndim == 2 and tokens.size:
+            padded = tokens == pad
+            if padded.any() and not _at_one_end(padded):
+                return None  # (the pad id inside a row: a real word there, not padding by this statement)
+            return ~padded, f"`{name}` of {top.where} at its pad id {pad} ({side}_pad_idx)"
+    return None
+
+
+def _at_one_end(pad: np.ndarray) -> bool:
+    """Each row's pad ids one run at its end, or each row's one run at its start, no row all padding."""
+    if pad.all(axis=1).any():
+        return False
+    count = pad.sum(axis=1, keepdims=True)
+    columns = np.arange(pad.shape[1])[None, :]
+    return bool(((columns >= pad.shape[1] - count) == pad).all() or ((columns < count) == pad).all())
+
+
+def _side(call, lengths: dict) -> str | None:
+    where = getattr(call, "where", "") or ""
+    encoder, decoder = bool(ENCODER.search(where)), bool(DECODER.search(where))
+    if encoder != decoder:
+        return "src" if encoder else "trg"
+    fits = [side for side, length in lengths.items() if length == call.shape[3]]
+    return fits[0] if len(fits) == 1 else None
+
+
+def _fits(real: np.ndarray, rows: int, length: int) -> np.ndarray | None:
+    if real.shape[1] != length or real.shape[0] not in (1, rows):
+        return None
+    return np.broadcast_to(real, (rows, length))
+
+
+def sides(run: Run) -> list:
+    """Per call, its side's real keys and queries against the cells: padded keys seen, real queries that see nothing."""
+    found, done = [], set()
+    for call in [*run.calls, *run.cross]:
+        top = run.top(call)
+        cells = keep(call)
+        if top is None or cells is None or not top.arguments:
+            continue
+        rows, _, q_len, k_len = call.shape
+        if cells.shape[0] not in (1, rows):
+            continue
+        said = {side: side_tokens(top, side) for side in ("src", "trg")}
+        said = {side: found_ for side, found_ in said.items() if found_ is not None}
+        crossing = cross(call)
+        if said:
+            if crossing:
+                keys_side, queries_side = "src", "trg"
+            else:
+                keys_side = queries_side = _side(call, {side: real.shape[1] for side, (real, _) in said.items()})
+            if keys_side not in said or queries_side not in said:
+                continue
+            keys_real = _fits(said[keys_side][0], rows, k_len)
+            if crossing:
+                own_real = _fits(said[queries_side][0], rows, q_len)
+            else:
+                own = queries(call, top)
+                own_real = None if keys_real is None or own.max(initial=-1) >= k_len or own.min(initial=0) < 0 \
+                    else keys_real[:, own]
+            source, sure, judge_keys = said[keys_side][1], True, True
+        elif not crossing and columns_are_positions(call, top) and not getattr(top.config, "is_encoder_decoder", False):
+            # (an encoder-decoder's attention_mask is its encoder's: its decoder's keys are other tokens)
+            statement = stated(top, rows, k_len)
+            if statement is None or not statement[2]:
+                continue
+            keys_real, source, _ = statement
+            own = queries(call, top)
+            own_real = None if own.max(initial=-1) >= k_len or own.min(initial=0) < 0 else keys_real[:, own]
+            sure, judge_keys = True, False  # (a padded key seen: arguments.py's, for this statement)
+        else:
+            continue
+        if keys_real is None or own_real is None:
+            continue
+        key = (call.mask, call.shape, keys_real.tobytes(), own_real.tobytes(), crossing)
+        if key in done:
+            continue
+        done.add(key)
+        seen = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
+        if judge_keys:
+            bad = seen & own_real[:, :, None] & ~keys_real[:, None, :]
+            if bad.any():
+                b, q, k = first_cell(bad)
+                found.append((call, Finding("padding-ignored", (
+                    f"batch row {b}: query {q} sees key {k}, which {source} marks as padding ({int(bad.sum())} such "
+                    f"cells)"), expected="no real query sees a padding key", source=source, cell=(b, q, k))))
+        if crossing:
+            continue  # (a decoder token before any memory it may read: mllama's cross rows, masked on purpose)
+        blind = own_real & ~seen.any(axis=-1) & keys_real.any(axis=1)[:, None]
+        if blind.any():
+            b, q = (int(x) for x in np.argwhere(blind)[0])
+            which = np.flatnonzero(blind[b]).tolist()
+            found.append((call, Finding("real-query-blind", (
+                f"batch row {b}: quer{'y' if len(which) == 1 else 'ies'} {spans(which)} {'sees' if len(which) == 1 else 'see'}"
+                f" no key at all, not even {'its' if len(which) == 1 else 'their'} own, though by {source} "
+                f"{'it is a real token' if len(which) == 1 else 'they are real tokens'} ({int(blind.sum())} such rows): a "
+                f"real token masked as padding (a pad test with another pad id, or the wrong way round?)"),
+                expected="every real query sees at least its own key", source=source, cell=(b, q, q))))
+    return found
+
+
+RULES = (
+    Rule("real-query-blind", "wrong", "steps", "a real token's query (by the model call's statement of its padding, "
+         "each side's pad id in a seq2seq model) that sees no key in a self-attention", sides),
+)

@@ -1,0 +1,62 @@
+"""checks/heads.py: padding that differs between the heads of one batch row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from checkbugs import check_bug, first, traced
+from maskcli.checks import heads
+from maskcli.checks.context import Run
+
+ARGS = Path(__file__).parent / "data" / "args"
+
+
+def test_mlx_lm_gemma2_gqa_mask_broadcast_batch(tmp_path):
+    """ml-explore/mlx-lm#1903: a (B, 1, L, S) mask against 5-D grouped-query scores lands on the kv-head axis."""
+    check_bug(tmp_path, "mlx_lm_gemma2_gqa_mask_broadcast_batch", "padding-per-head")
+
+
+def test_padding_repeated_over_heads(tmp_path):
+    """Written another way: right padding, SDPA, the (batch * heads) padding built with .repeat; the key reported is
+    the first a double loop over rows, heads and keys finds hidden from every query of one head and shown by another."""
+    status, found, report = traced(tmp_path, "padding_repeated_over_heads", fixed=False, folder=ARGS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "padding-per-head")
+    real = torch.arange(6)[None, :] < torch.tensor([6, 3, 5])[:, None]
+    spread = real.repeat(2, 1).view(3, 2, 6)  # what the buggy program laid on head h of row b
+    odd = first((3, 2, 6), lambda b, h, k: bool(not spread[b, h, k] and spread[b, :, k].any()))
+    assert hit["severity"] == "wrong" and tuple(hit["cell"]) == (odd[0], odd[2], odd[2])
+    status, found, report = traced(tmp_path, "padding_repeated_over_heads", fixed=True, folder=ARGS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+class _Call:
+    def __init__(self, cells):
+        self.index, self.where, self.step, self.api = 0, "layers.0.attn", 0, "sdpa"
+        self.shape, self.details, self.mask, self.stored = cells.shape, {}, "m", {"form": "dense"}
+        self.cells = cells
+
+
+def _found(cells, monkeypatch):
+    monkeypatch.setattr(heads, "keep", lambda call: call.cells)
+    return heads.per_head(Run([_Call(cells)], [], []))
+
+
+def test_heads_with_their_own_windows_are_quiet(monkeypatch):
+    """Heads that differ by a window (causal in head 0, a window of 2 in head 1) and a left-padded batch padded alike in
+    every head are quiet; the same batch with head 1 of row 0 given row 1's padding is found."""
+    n = 5
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    window = causal & ~torch.tril(torch.ones(n, n, dtype=torch.bool), diagonal=-2)
+    real = torch.tensor([[True] * 5, [False, False, True, True, True]])
+    per_row = [causal & real[b][None, :] for b in range(2)]
+    cells = torch.stack([torch.stack([per_row[b], per_row[b] & window]) for b in range(2)]).numpy()
+    assert _found(cells, monkeypatch) == []
+    wrong = cells.copy()
+    wrong[0, 1] = per_row[1].numpy()
+    (_, finding), = _found(wrong, monkeypatch)
+    assert finding.code == "padding-per-head" and finding.cell == (0, 0, 0)
+    assert "head 1 hides keys 0-1" in finding.message

@@ -1,0 +1,79 @@
+"""checks/sides.py: each side of a seq2seq model read against its own pad id; real queries that see no key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from checkbugs import check_bug, first, traced
+from maskcli.checks.context import Top
+from maskcli.checks.sides import _side, side_tokens
+
+ARGS = Path(__file__).parent / "data" / "args"
+
+
+def test_seq2seq_pad_mask_uses_src_pad_idx_for_target(tmp_path):
+    """hyunwoongko/transformer#11: the target's pad masks built with the source's pad id."""
+    check_bug(tmp_path, "seq2seq_pad_mask_uses_src_pad_idx_for_target", "real-query-blind")
+
+
+def test_pad_test_with_the_bos_id(tmp_path):
+    """Written another way: one pad id (a config dataclass's pad_token_id), left padding, SDPA, the padding tested with
+    the BOS id; the row reported is the first real query a double loop finds with no key."""
+    status, found, report = traced(tmp_path, "pad_test_with_bos_id", fixed=False, folder=ARGS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "real-query-blind")
+    ids = torch.tensor([[0, 0, 1, 5, 6, 7], [1, 8, 9, 10, 11, 12], [0, 1, 13, 14, 15, 16]])
+    kept = (ids != 1)[:, :, None] & (ids != 1)[:, None, :]  # what the buggy program let each query see
+    b, q, _ = first((3, 6, 1), lambda b, q, k: bool(ids[b, q] != 0 and not kept[b, q].any()))
+    assert hit["severity"] == "wrong" and tuple(hit["cell"]) == (b, q, q)
+    status, found, report = traced(tmp_path, "pad_test_with_bos_id", fixed=True, folder=ARGS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_each_side_is_read_with_its_own_pad_id_and_path():
+    """A target id equal to the source's pad id is a real word; a pad id inside a row states no padding; the call's side
+    is its module path's, else the one side whose length its keys have."""
+    top = Top("Model", None, {"src_pad_id": 1, "trg_pad_id": 0, "src": np.array([[5, 1, 1], [4, 6, 7]]),
+                              "tgt": np.array([[2, 1, 0, 0], [2, 3, 4, 0]])}, 0, 1)
+    real, source = side_tokens(top, "trg")
+    assert real.tolist() == [[True, True, False, False], [True, True, True, False]] and "`tgt`" in source
+    assert side_tokens(top, "src")[0].tolist() == [[True, False, False], [True, True, True]]
+    inside = Top("Model", None, {"trg_pad_id": 0, "trg": np.array([[2, 0, 5]])}, 0, 1)
+    assert side_tokens(inside, "trg") is None
+
+    class Call:
+        def __init__(self, where, k_len):
+            self.where, self.shape = where, (1, 1, k_len, k_len)
+
+    lengths = {"src": 3, "trg": 4}
+    assert _side(Call("model.decoder.layers.0.self_attn", 3), lengths) == "trg"
+    assert _side(Call("enc_layers.1.attention", 4), lengths) == "src"
+    assert _side(Call("blocks.0.attn", 4), lengths) == "trg"
+    assert _side(Call("blocks.0.attn", 5), {"src": 5, "trg": 5}) is None
+
+
+def test_one_pad_statement_and_an_encoder_decoders_attention_mask(monkeypatch):
+    """Without per-side pad ids the model call's attention_mask is the statement: a real query with no key is found,
+    and the same cells are left alone where the config says the model is an encoder-decoder (its encoder's mask)."""
+    from maskcli.checks import sides
+
+    cells = np.tril(np.ones((3, 3), dtype=bool))[None, None].copy()
+    cells[0, 0, 1] = False  # query 1 sees nothing
+
+    class Call:
+        index, where, step, api, details, mask, stored = 0, "layers.0.attn", 0, "sdpa", {}, "m", {"form": "dense"}
+        shape = (1, 1, 3, 3)
+
+    class EncoderDecoder:
+        is_encoder_decoder = True
+
+    monkeypatch.setattr(sides, "keep", lambda call: cells)
+    arguments = {"attention_mask": np.array([[1, 1, 1]])}
+    run = sides.Run([Call()], [Top("Model", None, arguments, 0, 1)], [])
+    (_, finding), = sides.sides(run)
+    assert finding.code == "real-query-blind" and finding.cell == (0, 1, 1)
+    run = sides.Run([Call()], [Top("Model", EncoderDecoder(), arguments, 0, 1)], [])
+    assert sides.sides(run) == []
