@@ -67,6 +67,8 @@ class Placed:
         if name == "band":
             return (np.abs(q - k) < size)[None, None]
         start = self.real_k.argmax(axis=1)[:, None, None]  # local: chunks from each row's first real token
+        if name == "local@0":  # (chunks from column 0, whatever padding the row has)
+            start = np.zeros_like(start)
         return ((k <= q)[None] & ((q[None] - start) // size == (k[None] - start) // size))[:, None]
 
 
@@ -97,7 +99,7 @@ def _each_layer_call(run: Run):
         if call.stored is None:
             continue
         stated = intent(run, call)
-        index = layer(call)
+        index = _index(run, call, stated)
         kind = stated.kind(index) if stated else None
         if kind is None and not (stated and stated.bidirectional()):
             continue
@@ -112,6 +114,25 @@ def _each_layer_call(run: Run):
         placed = None if cells is None else _placed(call, run, cells)
         if placed is not None:
             yield call, stated, index, kind, placed
+
+
+def _index(run: Run, call, stated: Intent) -> int | None:
+    """The call's layer: its module path's number, else its turn among the calls one line made in its model call where
+    those are as many as the config's layers (a forward that loops over its layers and attends in its own body)."""
+    index = layer(call)
+    count = stated.get("layers") if stated else None
+    if index is not None or not isinstance(count, int) or count < 2:
+        return index
+    turns = run.__dict__.setdefault("_turns", {})
+    if not turns:
+        seen: dict = {}
+        for other in run.calls:
+            key = (id(run.top(other)), other.where, other.details.get("caller"))
+            turns[other.index] = (key, seen.get(key, 0))
+            seen[key] = seen.get(key, 0) + 1
+        run.__dict__["_made"] = seen
+    key, turn = turns.get(call.index, (None, None))
+    return turn if key is not None and run.__dict__["_made"][key] == count else None
 
 
 def _layer(index, call) -> str:
@@ -204,6 +225,13 @@ def chunks(run: Run) -> list:
                 f"{where} is a chunked layer ({kind[1]}) but its mask is causal across chunks of {size} ({source})"),
                 expected=f"local({size})", source=source)))
             continue
+        if placed.holds(f"local@0({size})"):
+            b = int(placed.real_k.argmax(axis=1).argmax())
+            found.append((call, Finding("chunks-misaligned", (
+                f"{where} is chunked by {size} from column 0, but batch row {b} is left-padded: its chunks should "
+                f"start at its first real token, as its positions do ({source})"), expected=f"local({size})",
+                source=source)))
+            continue
         for other in (size + 1, size - 1):
             if other >= 1 and placed.holds(f"local({other})"):
                 found.append((call, Finding("chunks-off-by-one", (
@@ -245,6 +273,8 @@ RULES = (
          "chunks", chunks),
     Rule("chunks-off-by-one", "wrong", "steps", "a chunked layer whose chunks are one position longer or shorter "
          "than attention_chunk_size", chunks),
+    Rule("chunks-misaligned", "wrong", "steps", "a chunked layer whose chunks start at column 0 of a left-padded "
+         "row, not at its first real token (transformers' chunked_overlay)", chunks),
     Rule("bidirectional-run-causal", "wrong", "steps", "an encoder or embedding model whose config states the "
          "attention bidirectional (is_causal=False, bidirectional, use_bidirectional_attention) run causal",
          both_ways),

@@ -23,6 +23,7 @@ FLAGS = ("transformers", "other_layers", "decoder")  # what a Stated's fields sa
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
           "use_sliding_window", "max_window_layers")
+PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers")
 COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 NAMES = ("config", "cfg", "args", "hparams", "hp", "params", "model_args", "model_config", "conf", "settings", "opt")
 LIKE = ("config", "args", "param", "setting", "conf", "option")  # words of a config class's name
@@ -34,7 +35,7 @@ OTHER_LAYERS = ("every_n", "attention_layers", "attention_types", "block_type", 
 class Stated:
     """One config's fields, where it was found, and the module path whose calls it speaks for (None: every call)."""
 
-    source: str  # "self.cfg of layers.0 (ModelConfig)", "hf_config (dict) at prog.py:12"
+    source: str  # "self.cfg of layers.0 (ModelConfig)", "hf_config (dict) at the top of prog.py"
     scope: str | None
     fields: dict  # FIELDS it states (value not None), "layers" (its layer count) and FLAGS
 
@@ -114,7 +115,7 @@ class Intent:
         return self.values.get(name)
 
     def said(self, name: str) -> str:
-        """`name=value` with where it was stated: "sliding_window=3 (hf_config (dict) at prog.py:12)"."""
+        """`name=value` with where it was stated: "sliding_window=3 (hf_config (dict) at the top of prog.py)."""
         return f"{name}={self.values[name]!r} ({self.sources[name]})"
 
     def window(self) -> tuple[int, str] | None:
@@ -137,17 +138,19 @@ class Intent:
 
     def kind(self, index: int | None) -> tuple[str, str, bool] | None:
         """(sliding_attention | full_attention | chunked_attention, the field that says so, implicit) for layer
-        `index`; None where the fields do not say it."""
-        if index is None:
-            return None
+        `index` (None: a call of no numbered layer, whose kind is known where every layer's is the same)."""
         types = self.values.get("layer_types")
         if isinstance(types, list) and types:
+            if index is None:
+                return (str(types[0]), "layer_types", False) if len(set(map(str, types))) == 1 else None
             return (str(types[index]), f"layer_types[{index}]", False) if index < len(types) else None
         if self.other_layers:
             return None
         window = self.window()
         sliding = window is not None and self.values.get("use_sliding_window", True) is not False
         pattern = self.values.get("sliding_window_pattern")
+        if index is None and sliding and any(self.values.get(name) is not None for name in PER_LAYER):
+            return None
         if sliding and isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
             full = (index + 1) % pattern == 0  # transformers' Gemma 3 / Cohere2: every pattern-th layer is full
             return ("full_attention" if full else "sliding_attention"), f"sliding_window_pattern={pattern}", False

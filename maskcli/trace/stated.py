@@ -60,14 +60,15 @@ def _variables() -> list[Stated]:
         name = frame.f_code.co_filename
         if not name.startswith(skip) and not name.startswith("<"):
             searched += 1
-            where = f"{os.path.basename(name)}:{frame.f_lineno}"
+            code, file = frame.f_code.co_name, os.path.basename(name)
+            where = f"at the top of {file}" if code == "<module>" else f"in {code}() of {file}"
             for variable, value in list(frame.f_locals.items()):
                 if id(value) in seen or variable.startswith("_") or not config_like(value):
                     continue
                 seen.add(id(value))
                 fields = fields_of(value)
                 if fields:
-                    found.append(Stated(f"{variable} ({type(value).__name__}) at {where}", None, fields))
+                    found.append(Stated(f"{variable} ({type(value).__name__}) {where}", None, fields))
         frame = frame.f_back
     distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
     return found[:1] if len(distinct) == 1 else []
