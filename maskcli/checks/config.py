@@ -72,23 +72,35 @@ class Placed:
         return ((k <= q)[None] & ((q[None] - start) // size == (k[None] - start) // size))[:, None]
 
 
-def _placed(call, run: Run, cells) -> Placed | None:
-    """How the call's queries sit among its keys and which are real; None where not known (a ring buffer's slots,
-    more queries than keys: cross-attention)."""
-    top = run.top(call)
+def real(cells: np.ndarray, own: np.ndarray, given) -> tuple[np.ndarray, np.ndarray]:
+    """Bool (B, Lk) real keys and (B, Lq) real queries of each batch row: the model call's 2-D attention_mask `given`
+    where it fits the keys, else the padding read off the mask (keypadding); a query is real where its key is."""
     rows, _, q_len, k_len = cells.shape
-    if call.details.get("slots") is not None or q_len > k_len or not columns_are_positions(call, top):
-        return None
-    own = queries(call, top)
-    given = None if top is None else top.arguments.get("attention_mask")
     if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == k_len and rows in (1, given.shape[0]):
         real_k = given != 0
-    else:
-        real_k = valid(found_padding(cells), rows, k_len)
+    else:  # read off the mask; else with the query rows left out that see every key (as transformers unmasks a padding
+        # query) or only their own (as a hand-written mask or-s in the diagonal)
+        padding = found_padding(cells) or found_padding(cells & ~cells.all(axis=-1, keepdims=True))
+        if not padding and own[-1] < k_len:
+            itself = np.zeros(cells.shape[-2:], bool)
+            itself[np.arange(q_len), own] = True
+            padding = found_padding(cells & ~(cells == itself).all(axis=-1, keepdims=True))
+        real_k = valid(padding, rows, k_len)
     real_k = np.ascontiguousarray(real_k)
     inside = own < k_len
     real_q = np.ones((real_k.shape[0], q_len), bool)
     real_q[:, inside] = real_k[:, own[inside]]
+    return real_k, real_q
+
+
+def _placed(call, run: Run, cells) -> Placed | None:
+    """How the call's queries sit among its keys and which are real; None where not known (a ring buffer's slots,
+    more queries than keys: cross-attention)."""
+    top = run.top(call)
+    if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top):
+        return None
+    own = queries(call, top)
+    real_k, real_q = real(cells, own, None if top is None else top.arguments.get("attention_mask"))
     return Placed(cells, own, real_q, real_k)
 
 
