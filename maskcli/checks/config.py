@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, found_padding, keep, layer, queries
-from maskcli.checks.intent import Intent, Stated, fields_of, intent
+from maskcli.checks.intent import Intent, Stated, fields_of, intent, top_of
 from maskcli.checks.registry import Rule
 from maskcli.keypadding import valid
 from maskcli.text import Finding
@@ -96,7 +96,7 @@ def real(cells: np.ndarray, own: np.ndarray, given) -> tuple[np.ndarray, np.ndar
 def _placed(call, run: Run, cells) -> Placed | None:
     """How the call's queries sit among its keys and which are real; None where not known (a ring buffer's slots,
     more queries than keys: cross-attention)."""
-    top = run.top(call)
+    top = top_of(run, call)
     if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top):
         return None
     own = queries(call, top)
@@ -115,10 +115,9 @@ def _each_layer_call(run: Run):
         kind = stated.kind(index) if stated else None
         if kind is None and not (stated and stated.bidirectional()):
             continue
-        top = run.top(call)
-        given = None if top is None else top.arguments.get("attention_mask")
+        top = top_of(run, call)
         key = (call.mask, call.shape, kind, id(stated), call.details.get("queries") and tuple(call.details["queries"]),
-               given.tobytes() if isinstance(given, np.ndarray) else None, tuple(queries(call, top)[[0, -1]]))
+               _padding(run, top), tuple(queries(call, top)[[0, -1]]))
         if key in done:
             continue
         done.add(key)
@@ -126,6 +125,15 @@ def _each_layer_call(run: Run):
         placed = None if cells is None else _placed(call, run, cells)
         if placed is not None:
             yield call, stated, index, kind, placed
+
+
+def _padding(run: Run, top) -> bytes | None:
+    """The model call's attention_mask as bytes, read once per model call (calls that share it share their placing)."""
+    held = run.__dict__.setdefault("_padding", {})
+    if id(top) not in held:
+        given = None if top is None else top.arguments.get("attention_mask")
+        held[id(top)] = given.tobytes() + bytes(str(given.shape), "ascii") if isinstance(given, np.ndarray) else None
+    return held[id(top)]
 
 
 def _index(run: Run, call, stated: Intent) -> int | None:
@@ -139,7 +147,7 @@ def _index(run: Run, call, stated: Intent) -> int | None:
     if not turns:
         seen: dict = {}
         for other in run.calls:
-            key = (id(run.top(other)), other.where, other.details.get("caller"))
+            key = (id(top_of(run, other)), other.where, other.details.get("caller"))
             turns[other.index] = (key, seen.get(key, 0))
             seen[key] = seen.get(key, 0) + 1
         run.__dict__["_made"] = seen
