@@ -116,7 +116,7 @@ def _each_layer_call(run: Run):
         if kind is None and not (stated and stated.bidirectional()):
             continue
         top = top_of(run, call)
-        key = (call.mask, call.shape, kind, id(stated), call.details.get("queries") and tuple(call.details["queries"]),
+        key = (call.mask, call.shape, kind and kind[0], stated.key, call.details.get("queries") and tuple(call.details["queries"]),
                _padding(run, top), tuple(queries(call, top)[[0, -1]]))
         if key in done:
             continue

@@ -107,6 +107,8 @@ class Intent:
         self.transformers = any(one.fields.get("transformers") for one in stated)
         self.other_layers = any(one.fields.get("other_layers") for one in stated)
         self.decoder = any(one.fields.get("decoder") for one in stated)
+        self.key = repr((sorted(self.values.items()), sorted(self.sources.items()), self.transformers,
+                         self.other_layers, self.decoder))  # (layers stated alike are judged once per mask)
 
     def __bool__(self) -> bool:
         return bool(self.values)
