@@ -172,3 +172,12 @@ def test_program_variables_speak_only_as_one_config():
     assert ("bidirectional-run-causal", "wrong") in _codes(model)
     decoder_config = {"sliding_window": 4}  # noqa: F841 - a second config: which one is the model's is not known
     assert _codes(model) == []
+
+
+def test_a_bidirectional_said_of_another_part_is_suspicious():
+    model = torch.nn.Sequential(_Layer(None), _Layer(None))
+    rnn_config = {"hidden_size": 8, "bidirectional": True}  # noqa: F841 - an LSTM's, maybe: nothing names attention
+    assert _codes(model) == [("bidirectional-run-causal", "suspicious")]
+    del rnn_config
+    attention_config = {"num_attention_heads": 2, "bidirectional": True}  # noqa: F841 - read from this frame
+    assert _codes(model) == [("bidirectional-run-causal", "wrong")]

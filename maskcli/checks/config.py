@@ -172,10 +172,12 @@ def window(run: Run) -> list:
                 windowed.add(stated.said(name))
             elif any(placed.holds(f"window({w})") for w in (size, size + 1, size - 1) if w >= 1):
                 windowed.add(stated.said(name))
+                sure = stated.sure_both_ways()
                 found.append((call, Finding("window-one-sided", (
                     f"{where} sees a causal window of about {size} keys, but its config states the attention both ways "
                     f"({stated.said(stated.bidirectional())}): the window should reach {size} keys on either side "
-                    f"({source})"), expected=f"band({size})", source=source)))
+                    f"({source})" + ("" if sure else f", unless {stated.bidirectional()} is said of another part")),
+                    severity=None if sure else "suspicious", expected=f"band({size})", source=source)))
             elif placed.holds("full") and not placed.holds(f"band({size})"):
                 missing.append((call, stated, kind, Finding("window-missing", (
                     f"{where} is a sliding layer ({kind[1]}) but its mask has no window: queries see keys {size} or "
@@ -200,7 +202,9 @@ def window(run: Run) -> list:
             if placed.holds("causal") and not placed.holds(f"window({size})"):
                 missing.append((call, stated, kind, Finding("window-missing", (
                     f"{where} is a sliding layer ({kind[1]}) but its mask is causal: queries see keys {size} or more "
-                    f"positions back ({source})"), expected=f"window({size})", source=source)))
+                    f"positions back ({source})" + ("" if name == "sliding_window" else ", unless its window_size is "
+                    "not the attention's")), severity=None if name == "sliding_window" else "suspicious",
+                    expected=f"window({size})", source=source)))
     # sliding_window alone in a config not transformers': a layer without it is missing it only where no layer has it
     found += [(call, finding) for call, stated, kind, finding in missing if not (kind[2] and finding.source in windowed)]
     return found
@@ -273,10 +277,12 @@ def both_ways(run: Run) -> list:
             size = stated.window()[0]
             if any(placed.holds(f"window({w})") for w in (size, size + 1, size - 1) if w >= 1):
                 continue  # a one-sided window: window-one-sided says it
-        source = stated.said(said)
+        source, sure = stated.said(said), stated.sure_both_ways()
         found.append((call, Finding("bidirectional-run-causal", (
             f"{_layer(index, call)} is run causal, but its config states the attention both ways ({source}): "
-            f"each token should see the later ones too"), expected="full", source=source)))
+            f"each token should see the later ones too" + ("" if sure else f", unless {said} is said of another "
+            f"part (an RNN, a convolution)")), severity=None if sure else "suspicious", expected="full",
+            source=source)))
     return found
 
 

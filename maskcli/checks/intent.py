@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-FLAGS = ("transformers", "other_layers", "decoder")  # what a Stated's fields say of the config, not fields of it
+FLAGS = ("transformers", "other_layers", "decoder", "attention")  # what a Stated's fields say of the config, not fields of it
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
           "use_sliding_window", "max_window_layers")
@@ -27,6 +27,8 @@ PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_laye
 COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 NAMES = ("config", "cfg", "args", "hparams", "hp", "params", "model_args", "model_config", "conf", "settings", "opt")
 LIKE = ("config", "args", "param", "setting", "conf", "option")  # words of a config class's name
+ATTENTION = ("head", "attn", "attention")  # words of a field name that say a config is about attention
+GENERAL = ("causal", "bidirectional")  # fields an RNN's or a convolution's config may state as well
 OTHER_LAYERS = ("every_n", "attention_layers", "attention_types", "block_type", "interval", "global_attn", "local_attn",
                 "attn_types", "stride")  # per-layer fields read nowhere here: where one is set, layer kinds are unknown
 
@@ -78,8 +80,11 @@ def fields_of(value) -> dict:
         if isinstance(items.get(name), int):
             found["layers"] = items[name]
             break
-    found["decoder"] = bool(items.get("is_decoder") or items.get("is_encoder_decoder"))  # whose is_causal is a part's
     found["transformers"] = any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(value).__mro__)
+    if found["transformers"]:
+        found.pop("window_size", None)  # (transformers' attention reads sliding_window; a window_size is a vision window)
+    found["attention"] = any(word in name.lower() for name in items if isinstance(name, str) for word in ATTENTION)
+    found["decoder"] = bool(items.get("is_decoder") or items.get("is_encoder_decoder"))  # whose is_causal is a part's
     found["other_layers"] = any(any(word in name for word in OTHER_LAYERS) and items[name] not in (None, False, 0, [], ())
                                 for name in items if isinstance(name, str))
     if isinstance(found.get("layer_types"), tuple):
@@ -107,6 +112,7 @@ class Intent:
         self.transformers = any(one.fields.get("transformers") for one in stated)
         self.other_layers = any(one.fields.get("other_layers") for one in stated)
         self.decoder = any(one.fields.get("decoder") for one in stated)
+        self.attention = any(one.fields.get("attention") for one in stated)
         self.key = repr((sorted(self.values.items()), sorted(self.sources.items()), self.transformers,
                          self.other_layers, self.decoder))  # (layers stated alike are judged once per mask)
 
@@ -136,7 +142,13 @@ class Intent:
                 if isinstance(self.values.get(name), bool)}
         if not said or len(set(said.values())) > 1 or not next(iter(said.values())):
             return None
-        return next(iter(said))
+        return next((name for name in said if name not in GENERAL), next(iter(said)))
+
+    def sure_both_ways(self) -> bool:
+        """The bidirectional statement is about attention: is_causal or use_bidirectional_attention, or causal /
+        bidirectional in a config that names attention fields (heads, attn); an RNN's `bidirectional` is not."""
+        said = self.bidirectional()
+        return said is not None and (said not in GENERAL or self.attention)
 
     def kind(self, index: int | None) -> tuple[str, str, bool] | None:
         """(sliding_attention | full_attention | chunked_attention, the field that says so, implicit) for layer
@@ -189,7 +201,7 @@ def stated_for(top, where: str | None) -> list[Stated]:
     else (where no module of the model holds a config) the program's one config variable."""
     stated = getattr(top, "stated", ()) if top is not None else ()
     where = where or ""
-    held = [one for one in stated if one.scope is not None]
+    held = [one for one in stated if one.scope is not None]  # (trace/stated.py keeps a config once, where highest)
     if held:
         return [one for one in held if one.scope == "" or where == one.scope or where.startswith(one.scope + ".")]
     return [one for one in stated if one.scope is None]
@@ -209,9 +221,10 @@ def top_of(run, call):
 def intent(run, call) -> Intent:
     """The stated intent for one call of `run` (cached per model call and module path)."""
     top = top_of(run, call)
-    key = (id(top), call.where)
+    stated = () if top is None else top.stated
+    key = (id(stated), call.where)  # (the steps of one model share its tuple: trace/stated.py reads it once)
     cache = run.__dict__.setdefault("_intents", {})
     found = cache.get(key)
-    if found is None or found[0] is not top:
-        found = cache[key] = (top, Intent(stated_for(top, call.where)))
+    if found is None or found[0] is not stated:
+        found = cache[key] = (stated, Intent(stated_for(top, call.where)))
     return found[1]

@@ -34,17 +34,24 @@ def stated(module, path, cache: dict) -> tuple[Stated, ...]:
 
 
 def _held(root, path) -> list[Stated]:
-    found, seen = [], set()
+    """Each config once, at the highest module that holds it (a transformers model's every layer holds its own),
+    modules visited parents first."""
+    found, fields_by_id, scopes = [], {}, {}
     for module in root.modules():
+        scope = path(module)
         for name, value in list(vars(module).items()):
             if name in SKIP or name.startswith("__") or isinstance(value, (torch.nn.Module, torch.Tensor)):
                 continue
-            if not config_like(value, named=name in NAMES) or (id(value), id(module)) in seen:
+            if scope is None or not config_like(value, named=name in NAMES):
                 continue
-            seen.add((id(value), id(module)))
-            fields = fields_of(value)
-            scope = path(module)
-            if fields and scope is not None:
+            higher = scopes.get(id(value), ())
+            if any(s == "" or scope == s or scope.startswith(s + ".") for s in higher):
+                continue  # said already for this module and those under it
+            if id(value) not in fields_by_id:
+                fields_by_id[id(value)] = (value, fields_of(value))  # (the value held too: its id stays its own)
+            fields = fields_by_id[id(value)][1]
+            scopes[id(value)] = (*higher, scope)
+            if fields:
                 label = f"self.{name} of {scope or type(module).__name__} ({type(value).__name__})"
                 found.append(Stated(label, scope, fields))
     return found

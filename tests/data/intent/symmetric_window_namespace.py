@@ -1,5 +1,5 @@
-"""A local-attention encoder configured by argparse (an argparse Namespace at the top of the main module: causal=False,
-window_size=2); its layers build the band with torch.tril / triu, but only the lower band; --fixed: both bands."""
+"""A local-attention encoder configured by argparse (an argparse Namespace at the top of the main module: n_heads,
+causal=False, window_size=2); its layers build the band with torch.tril / triu, but only the lower band; --fixed: both bands."""
 
 import argparse
 import sys
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 parser = argparse.ArgumentParser()
+parser.add_argument("--n-heads", type=int, default=2)
 parser.add_argument("--window-size", type=int, default=2)
 parser.add_argument("--causal", action="store_true")
 parser.add_argument("--fixed", action="store_true")
