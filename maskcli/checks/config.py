@@ -169,9 +169,9 @@ def window(run: Run) -> list:
         where, source = _layer(index, call), stated.said(name)
         if stated.bidirectional():
             if placed.holds(f"band({size})") or placed.holds(f"band({size + 1})"):  # |q-k| < W or <= W: both in use
-                windowed.add(stated.said(name))
+                windowed.add((stated.said(name), index))
             elif any(placed.holds(f"window({w})") for w in (size, size + 1, size - 1) if w >= 1):
-                windowed.add(stated.said(name))
+                windowed.add((stated.said(name), index))
                 sure = stated.sure_both_ways()
                 found.append((call, Finding("window-one-sided", (
                     f"{where} sees a causal window of about {size} keys, but its config states the attention both ways "
@@ -179,16 +179,16 @@ def window(run: Run) -> list:
                     f"({source})" + ("" if sure else f", unless {stated.bidirectional()} is said of another part")),
                     severity=None if sure else "suspicious", expected=f"band({size})", source=source)))
             elif placed.holds("full") and not placed.holds(f"band({size})"):
-                missing.append((call, stated, kind, Finding("window-missing", (
+                missing.append((call, index, kind, Finding("window-missing", (
                     f"{where} is a sliding layer ({kind[1]}) but its mask has no window: queries see keys {size} or "
                     f"more positions away ({source})"), expected=f"band({size})", source=source)))
             continue
         if placed.holds(f"window({size})"):
-            windowed.add(source)
+            windowed.add((source, index))
             continue
         for other in (size + 1, size - 1):
             if other >= 1 and placed.holds(f"window({other})"):
-                windowed.add(source)
+                windowed.add((source, index))
                 how = "wider" if other > size else "narrower"
                 sure = name == "sliding_window"
                 found.append((call, Finding("window-off-by-one", (
@@ -200,13 +200,16 @@ def window(run: Run) -> list:
                 break
         else:
             if placed.holds("causal") and not placed.holds(f"window({size})"):
-                missing.append((call, stated, kind, Finding("window-missing", (
+                missing.append((call, index, kind, Finding("window-missing", (
                     f"{where} is a sliding layer ({kind[1]}) but its mask is causal: queries see keys {size} or more "
                     f"positions back ({source})" + ("" if name == "sliding_window" else ", unless its window_size is "
                     "not the attention's")), severity=None if name == "sliding_window" else "suspicious",
                     expected=f"window({size})", source=source)))
-    # sliding_window alone in a config not transformers': a layer without it is missing it only where no layer has it
-    found += [(call, finding) for call, stated, kind, finding in missing if not (kind[2] and finding.source in windowed)]
+    # sliding_window alone in a config not transformers': a layer without it is missing it where no layer has it, or
+    # where this layer has it at another step (a prefill with the window, a decode step without)
+    sources = {source for source, _ in windowed}
+    found += [(call, finding) for call, index, kind, finding in missing
+              if not kind[2] or finding.source not in sources or (finding.source, index) in windowed]
     return found
 
 
