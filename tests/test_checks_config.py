@@ -61,6 +61,8 @@ PROGRAMS = [
     # a dataclass on self.cfg, a left-padded batch with its attention_mask; a dict at the main module's top level
     ("window_dataclass_left_padded", (), "window-off-by-one", "sliding_window=3 (self.cfg of Decoder (Cfg))"),
     ("window_dict_builder", (), "window-off-by-one", "sliding_window=4 (hf_config (dict) at the top of window_dict_builder.py)"),
+    # a NamedTuple at the top of the module that defines the model (not the main program's), its layers by their turn
+    ("namedtuple_in_model_module", (), "window-off-by-one", "sliding_window=3 (ARGS (ModelArgs) at the top of namedtuple_model_lib.py)"),
     # the window gone at decode, a left-padded batch, a SimpleNamespace on self.args (its prefill keeps the window)
     ("window_gone_at_decode", (), "window-missing", "sliding_window=3 (self.args of Decoder (SimpleNamespace))"),
     # layer types by index against a dataclass's layer_types; against a SimpleNamespace's pattern in main()

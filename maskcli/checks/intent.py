@@ -50,11 +50,12 @@ def config_like(value, named: bool = False) -> bool:
     if isinstance(value, type) or callable(value) and not hasattr(value, "__dict__"):
         return False
     kind = type(value)
-    if dataclasses.is_dataclass(value) or kind.__name__ in ("SimpleNamespace", "Namespace"):
+    if dataclasses.is_dataclass(value) or kind.__name__ in ("SimpleNamespace", "Namespace") or hasattr(value, "_fields"):
         return True
     if any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in kind.__mro__):
         return True
-    return hasattr(value, "__dict__") and (named or any(word in kind.__name__.lower() for word in LIKE))
+    return (hasattr(value, "__dict__") or hasattr(kind, "__slots__")) and (
+        named or any(word in kind.__name__.lower() for word in LIKE))
 
 
 def fields_of(value) -> dict:
@@ -65,8 +66,8 @@ def fields_of(value) -> dict:
     else:
         try:
             items = dict(vars(value))
-        except TypeError:
-            return {}
+        except TypeError:  # (slots, a named tuple: its fields read one by one below)
+            items = {name: getattr(value, name, None) for name in (*COUNTS, *getattr(value, "_fields", ()))}
         for name in FIELDS:  # (a transformers config maps some names: attribute_map; a dataclass may use slots)
             if name not in items:
                 try:

@@ -1,10 +1,11 @@
 """The configs a traced program states its attention in (maskcli.checks.intent), found once per outermost module.
 
-Two places, read at the first call of each outermost module and kept as fields only (nothing the program holds is
-kept or changed): the config-like attributes of the module and every module under it (`self.config`, `self.cfg`,
-a dataclass, a dict), each for the calls at or under the module that holds it; and the config-like variables of the
-program's own frames at that call (its main module's top level, the function that built and called the model),
-which speak for every call where no module holds a config and they are one config.
+Read at the first call of each outermost module and kept as fields only (nothing the program holds is kept or
+changed): the config-like attributes of the module and every module under it (`self.config`, `self.cfg`, a
+dataclass, a dict, or a config its class keeps), each for the calls at or under the module that holds it; else the
+config-like variables of the program's own frames at that call (its main module's top level, the function that
+built and called the model) and of the program's modules that define the model's classes, which speak for every
+call where they are one config.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def stated(module, path, cache: dict) -> tuple[Stated, ...]:
         return held[1]
     found = _held(module, path)
     if not found:
-        found = _variables()
+        found = _variables(module)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
 
@@ -39,7 +40,8 @@ def _held(root, path) -> list[Stated]:
     found, fields_by_id, scopes = [], {}, {}
     for module in root.modules():
         scope = path(module)
-        for name, value in list(vars(module).items()):
+        kept = {name: value for name, value in vars(type(module)).items() if name in NAMES}  # (a config the class keeps)
+        for name, value in [*kept.items(), *vars(module).items()]:
             if name in SKIP or name.startswith("__") or isinstance(value, (torch.nn.Module, torch.Tensor)):
                 continue
             if scope is None or not config_like(value, named=name in NAMES):
@@ -57,25 +59,34 @@ def _held(root, path) -> list[Stated]:
     return found
 
 
-def _variables() -> list[Stated]:
-    """The program's one config variable in its frames at this call (those of torch, maskcli, installed packages and
-    the standard library left out); [] where there is none, or several that differ (nothing says which is the model's)."""
+def _variables(root) -> list[Stated]:
+    """The program's one config variable: in its frames at this call (the function that built and called the model,
+    its main module's top level), else at the top of the program's modules that define the model's classes (torch's,
+    maskcli's, installed packages' and the standard library's left out); [] where there is none, or several that
+    differ (nothing says which is the model's)."""
     own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     skip = tuple({os.path.dirname(torch.__file__), own, *(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))})
-    frame, searched, found, seen = sys._getframe(1), 0, [], set()
+    places, frame, searched = [], sys._getframe(1), 0
     while frame is not None and searched < FRAMES:
         name = frame.f_code.co_filename
         if not name.startswith(skip) and not name.startswith("<"):
             searched += 1
             code, file = frame.f_code.co_name, os.path.basename(name)
-            where = f"at the top of {file}" if code == "<module>" else f"in {code}() of {file}"
-            for variable, value in list(frame.f_locals.items()):
-                if id(value) in seen or variable.startswith("_") or not config_like(value):
-                    continue
-                seen.add(id(value))
-                fields = fields_of(value)
-                if fields:
-                    found.append(Stated(f"{variable} ({type(value).__name__}) {where}", None, fields))
+            places.append((f"at the top of {file}" if code == "<module>" else f"in {code}() of {file}", frame.f_locals))
         frame = frame.f_back
+    for held in {type(module).__module__: None for module in root.modules()}:
+        module = sys.modules.get(held)
+        name = getattr(module, "__file__", None) or ""
+        if name and not name.startswith(skip):
+            places.append((f"at the top of {os.path.basename(name)}", vars(module)))
+    found, seen = [], set()
+    for where, variables in places:
+        for variable, value in list(variables.items()):
+            if id(value) in seen or variable.startswith("_") or not config_like(value):
+                continue
+            seen.add(id(value))
+            fields = fields_of(value)
+            if fields:
+                found.append(Stated(f"{variable} ({type(value).__name__}) {where}", None, fields))
     distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
     return found[:1] if len(distinct) == 1 else []
