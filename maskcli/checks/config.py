@@ -104,8 +104,16 @@ def _placed(call, run: Run, cells) -> Placed | None:
     return Placed(cells, own, real_q, real_k)
 
 
-def _each_layer_call(run: Run):
-    """(call, intent, its layer, (kind, field, implicit), placed) once per distinct mask, shape, placing and intent."""
+def _each_layer_call(run: Run) -> list:
+    """(call, intent, its layer, (kind, field, implicit), placed) once per distinct mask, shape, placing and intent;
+    made once per run (four rules read it), nothing where the program states no config."""
+    held = run.__dict__.get("_layer_calls")
+    if held is None:
+        held = run.__dict__["_layer_calls"] = list(_layer_calls(run)) if any(top.stated for top in run.tops) else []
+    return held
+
+
+def _layer_calls(run: Run):
     done = set()
     for call in run.calls:
         if call.stored is None:
@@ -116,8 +124,8 @@ def _each_layer_call(run: Run):
         if kind is None and not (stated and stated.bidirectional()):
             continue
         top = top_of(run, call)
-        key = (call.mask, call.shape, kind and kind[0], stated.key, call.details.get("queries") and tuple(call.details["queries"]),
-               _padding(run, top), tuple(queries(call, top)[[0, -1]]))
+        key = (call.mask, call.shape, kind and kind[0], stated.key, _padding(run, top),
+               call.details.get("queries") and tuple(call.details["queries"]), tuple(queries(call, top)[[0, -1]]))
         if key in done:
             continue
         done.add(key)
