@@ -98,6 +98,14 @@ def test_qwen2_layers_built_by_hand_from_transformers_config(tmp_path):
     assert flagged[0]["source"] == "layer_types[0] (self.config of HandBuiltQwen2 (Qwen2Config))", flagged
 
 
+def test_qwen2_use_sliding_window_read_the_wrong_way_round(tmp_path):
+    # Qwen2Config(use_sliding_window=False): transformers keeps no window (sliding_window None, every layer full), so
+    # any window on its layers contradicts it, whatever its size
+    pytest.importorskip("transformers")
+    flagged = check_bug(tmp_path, "qwen2_use_sliding_window", "window-on-full-layer", INTENT)
+    assert "use_sliding_window=False" in flagged[0]["message"] and "window of 3 keys" in flagged[0]["message"], flagged
+
+
 def reference(lengths, size, length, left, kind="window", padding_sees="all"):
     """Bool (B, 1, L, L) by a double loop over positions: `kind` on each row's real keys; a padding query row sees every
     key (as transformers unmasks it), itself, or nothing: the rules must not judge it."""
@@ -165,6 +173,10 @@ def test_configs_that_disagree_or_say_nothing_of_the_layers_stay_quiet():
     assert _codes(Held(({"sliding_window": 2}, None), [2, None, 2, None])) == []
     # ... but no layer windowed at all is the window gone
     assert ("window-missing", "wrong") in _codes(Held(({"sliding_window": 2}, None), [None, None]))
+    # a dict that states the window and use_sliding_window=False: a window on its layers is the flag read wrong
+    assert ("window-on-full-layer", "wrong") in _codes(Held(({"sliding_window": 2, "use_sliding_window": False}, None),
+                                                             [2, 2]))
+    assert _codes(Held(({"sliding_window": 2, "use_sliding_window": False}, None), [None, None])) == []
     # a `window` (which may be anything) is not read; an int window_size one off is suspicious (its count unsure)
     assert _codes(Held(({"window": 2}, None), [3, 3])) == []
     assert ("window-off-by-one", "suspicious") in _codes(Held(({"window_size": 2}, None), [3, 3]))

@@ -222,23 +222,40 @@ def window(run: Run) -> list:
 
 
 def full_layers(run: Run) -> list:
-    """A full-attention layer (by layer_types or a pattern) given the sliding window: the window read from the wrong
-    field, or layer types hard-coded by index against the config's."""
+    """A full-attention layer (by layer_types, a pattern or use_sliding_window=False) given a sliding window: the window
+    read from the wrong field, or layer types hard-coded by index against the config's."""
     found = []
     for call, stated, index, kind, placed in _each_layer_call(run):
-        if kind is None or kind[0] != "full_attention" or stated.window() is None or kind[1].startswith("no "):
+        if kind is None or kind[0] != "full_attention" or kind[1].startswith("no "):
             continue
-        size, name = stated.window()
         both = stated.bidirectional()
         if placed.holds("full" if both else "causal"):
             continue
+        stated_size = stated.window()
+        if stated_size is not None:
+            sizes = [w for w in (stated_size[0], stated_size[0] + 1, stated_size[0] - 1) if w >= 1]
+        elif stated.says_full() and not both:
+            sizes = [_widest(placed)]  # no window stated (use_sliding_window=False): any window contradicts
+        else:
+            continue
         shapes = ("band", "window") if both else ("window",)
-        if any(placed.holds(f"{shape}({w})") for shape in shapes for w in (size, size + 1, size - 1) if w >= 1):
+        if any(placed.holds(f"{shape}({w})") for shape in shapes for w in sizes if w < placed.cells.shape[-1]):
+            said = stated.sources.get(_field(kind[1]), "")
+            if stated_size is None and stated.get("use_sliding_window") is False and "use_sliding_window" not in kind[1]:
+                said += f"; {stated.said('use_sliding_window')}"
+            about = f"about {stated_size[0]}" if stated_size else f"{sizes[0]}"
             found.append((call, Finding("window-on-full-layer", (
-                f"{_layer(index, call)} is a full-attention layer ({kind[1]}, {stated.sources.get(_field(kind[1]), '')}"
-                f") but its mask is a sliding window of about {size} keys: the window applied by the wrong layer "
-                f"types"), expected="full" if both else "causal", source=f"{kind[1]} ({stated.sources.get(_field(kind[1]), '')})")))
+                f"{_layer(index, call)} is a full-attention layer ({kind[1]}, {said}) but its mask is a sliding window "
+                f"of {about} keys: the window applied by the wrong layer types or the wrong way round"),
+                expected="full" if both else "causal", source=f"{kind[1]} ({said})")))
     return found
+
+
+def _widest(placed: Placed) -> int:
+    """1 + the furthest a real query sees back: the window a windowed mask has."""
+    seen = placed.seen & placed.judged & (placed.keys[None, None, None, :] <= placed.own[None, None, :, None])
+    distance = placed.own[None, None, :, None] - placed.keys[None, None, None, :]
+    return int(np.where(seen, distance, -1).max()) + 1
 
 
 def _field(said: str) -> str:

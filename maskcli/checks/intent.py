@@ -185,9 +185,16 @@ class Intent:
         chunk = self.values.get("attention_chunk_size")
         if isinstance(chunk, int) and chunk > 0:
             return "chunked_attention", f"attention_chunk_size={chunk}", False
-        if self.values.get("use_sliding_window") is False and window is None:
-            return None
+        if self.values.get("use_sliding_window") is False:
+            return "full_attention", "use_sliding_window=False", False
         return "full_attention", "no sliding_window, layer_types or attention_chunk_size", False
+
+    def says_full(self) -> bool:
+        """Full layers stated outright (use_sliding_window=False, layer_types that name other kinds too), so that a
+        window of any size on one contradicts it; not transformers' default layer_types of a model with no window."""
+        types = self.values.get("layer_types")
+        return self.values.get("use_sliding_window") is False or (
+            isinstance(types, list) and any(str(kind) != "full_attention" for kind in types))
 
 
 def _same(a, b) -> bool:
