@@ -197,3 +197,49 @@ def test_a_bidirectional_said_of_another_part_is_suspicious():
     del rnn_config
     attention_config = {"num_attention_heads": 2, "bidirectional": True}  # noqa: F841 - read from this frame
     assert _codes(model) == [("bidirectional-run-causal", "wrong")]
+
+
+def test_a_config_a_module_holds_speaks_for_that_module_alone():
+    class Encoder(torch.nn.Module):
+        def __init__(self, causal):
+            super().__init__()
+            self.config = {"num_attention_heads": 1, "is_causal": False}  # the encoder's own, as a vision tower's
+            self.layer = _Layer(None) if causal else _Full()
+
+        def forward(self, x):
+            return self.layer(x)
+
+    class EncoderDecoder(torch.nn.Module):
+        def __init__(self, causal):
+            super().__init__()
+            self.encoder, self.decoder = Encoder(causal), _Layer(None)
+
+        def forward(self, x):
+            return self.decoder(self.encoder(x))
+
+    assert _codes(EncoderDecoder(causal=False)) == []  # the causal decoder is not the encoder's config's
+    with maskcli.trace() as t, torch.no_grad():
+        EncoderDecoder(causal=True)(torch.randn(1, 1, 6, 4))
+    flagged = [(group.first.where, f.code) for group in t.groups() for f in group.findings if severity(f) == "wrong"]
+    assert flagged == [("encoder.layer", "bidirectional-run-causal")], flagged
+
+
+class _Full(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x)
+
+
+def test_a_config_the_class_keeps_is_read():
+    class Windowed(torch.nn.Module):
+        config = {"sliding_window": 2}  # a class attribute, not the instance's
+
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([_Layer(3), _Layer(3)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    assert ("window-off-by-one", "wrong") in _codes(Windowed())

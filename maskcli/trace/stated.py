@@ -19,7 +19,8 @@ import torch
 from maskcli.checks.intent import NAMES, Stated, config_like, fields_of
 
 FRAMES = 12  # program frames searched for config variables (the call's own and its callers)
-SKIP = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_state_dict_hooks")
+SKIP = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+        "_state_dict_hooks")
 
 
 def stated(module, path, cache: dict) -> tuple[Stated, ...]:
@@ -65,7 +66,8 @@ def _variables(root) -> list[Stated]:
     maskcli's, installed packages' and the standard library's left out); [] where there is none, or several that
     differ (nothing says which is the model's)."""
     own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    skip = tuple({os.path.dirname(torch.__file__), own, *(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))})
+    libraries = (sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))
+    skip = tuple({os.path.dirname(torch.__file__), own, *libraries})
     places, frame, searched = [], sys._getframe(1), 0
     while frame is not None and searched < FRAMES:
         name = frame.f_code.co_filename
