@@ -72,11 +72,13 @@ class Placed:
         return ((k <= q)[None] & ((q[None] - start) // size == (k[None] - start) // size))[:, None]
 
 
-def real(cells: np.ndarray, own: np.ndarray, given) -> tuple[np.ndarray, np.ndarray]:
+def real(cells: np.ndarray, own: np.ndarray, given, batch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Bool (B, Lk) real keys and (B, Lq) real queries of each batch row: the model call's 2-D attention_mask `given`
-    where it fits the keys, else the padding read off the mask (keypadding); a query is real where its key is."""
+    where it is one 0/1 row per batch row (`batch`: the call's) over the keys, else the padding read off the mask
+    (keypadding); a query is real where its key is."""
     rows, _, q_len, k_len = cells.shape
-    if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == k_len and rows in (1, given.shape[0]):
+    if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape == (batch or rows, k_len) and \
+            rows in (1, given.shape[0]) and np.isin(given, (0, 1)).all():
         real_k = given != 0
     else:  # read off the mask; else with the query rows left out that see every key (as transformers unmasks a padding
         # query) or only their own (as a hand-written mask or-s in the diagonal)
@@ -100,7 +102,7 @@ def _placed(call, run: Run, cells) -> Placed | None:
     if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top):
         return None
     own = queries(call, top)
-    real_k, real_q = real(cells, own, None if top is None else top.arguments.get("attention_mask"))
+    real_k, real_q = real(cells, own, None if top is None else top.arguments.get("attention_mask"), call.shape[0])
     return Placed(cells, own, real_q, real_k)
 
 
