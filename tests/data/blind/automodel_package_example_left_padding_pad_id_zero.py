@@ -1,20 +1,24 @@
-"""NeMo Automodel `_package_tokenized_example` searched for EOS instead of pad id 0: mask all ones.
+"""NeMo Automodel `_package_tokenized_example` missed left padding and pad id 0: mask all ones.
 
 Citation: NVIDIA-NeMo/Automodel PR #3704 ("fix(datasets): correct attention mask for
 left-padded and pad-id-0 tokenizers").  Open PR; its description was read, the diff was not,
 so the helper bodies below are reconstructed from that description (names as given there).
 
-Bug: callers compute the pad id as `_add_pad_token(tok) or tok.eos_token_id`; for a tokenizer
-whose pad_token_id is 0, `0 or eos` is the EOS id.  `_package_tokenized_example` then finds
-the padding by stripping *trailing* tokens equal to that id, finds none, leaves
-`content_length` at the full sequence length, and emits an all-ones attention mask: every
-real token attends the whole pad run (labels are -100 there, so the loss curve looks normal).
-Fix: choose the pad id with an explicit `is None` test (and locate padding on either side),
-so the pad run is masked.
+Bug: `_package_tokenized_example` finds the padding by stripping *trailing* tokens equal to
+the pad id it is handed.  Two ways that goes wrong (the PR measured 30 models broken via the
+first, 6 via the second): (1) a left-padding tokenizer has no trailing pad run; (2) callers
+compute the pad id as `_add_pad_token(tok) or tok.eos_token_id`, so a pad_token_id of 0
+becomes the EOS id and the scan looks for the wrong token.  Either way `content_length` stays
+at the full length and the attention mask is all ones: real tokens attend the pad run (labels
+are -100 there, so the loss curve looks normal).
+Fix: choose the pad id with an explicit `is None` test and locate the pad run on either side,
+so the padding is masked.
 
-Reproduction: a pad-id-0 tokenizer stand-in, SQuAD-like examples right-padded to
-seq_length=8 with token 0, the dataset helper building `attention_mask`, a collator, and a
-causal decoder layer that turns `attention_mask` into a 4-D boolean mask for SDPA.
+Reproduction: a tokenizer stand-in with pad_token_id 0 and padding_side "left" (both causes at
+once), SQuAD-like examples padded to seq_length=8, the dataset helper building
+`attention_mask`, a collator, and a causal decoder layer that turns `attention_mask` into a
+4-D boolean mask for SDPA.  Left padding puts the pads before the real tokens, so under the
+causal mask the real tokens see them.
 """
 import sys
 
@@ -26,10 +30,11 @@ FIXED = "--fixed" in sys.argv
 
 
 class _Tok:
-    """Tokenizer stand-in: pad_token_id 0 (as in several tokenizers the PR measured), eos 2."""
+    """Tokenizer stand-in: pad_token_id 0, eos 2, left padding (both kinds the PR measured)."""
 
     pad_token_id = 0
     eos_token_id = 2
+    padding_side = "left"
 
 
 def _add_pad_token(tokenizer):
@@ -45,14 +50,23 @@ def _pad_id(tokenizer):
 
 
 def _package_tokenized_example(input_ids, labels, pad_token_id, seq_length):
-    """Pad to seq_length and build attention_mask by stripping the trailing pad run."""
-    # the tokenizer pads with its own pad token, whatever id the caller passed in
-    input_ids = list(input_ids) + [_Tok.pad_token_id] * (seq_length - len(input_ids))
-    labels = list(labels) + [-100] * (seq_length - len(labels))
+    """Pad to seq_length and build attention_mask from the located pad run."""
+    # the tokenizer pads with its own pad token on its own side, whatever id the caller passed in
+    n_pad = seq_length - len(input_ids)
+    if _Tok.padding_side == "left":
+        input_ids = [_Tok.pad_token_id] * n_pad + list(input_ids)
+        labels = [-100] * n_pad + list(labels)
+    else:
+        input_ids = list(input_ids) + [_Tok.pad_token_id] * n_pad
+        labels = list(labels) + [-100] * n_pad
     content_length = len(input_ids)
     while content_length > 0 and input_ids[content_length - 1] == pad_token_id:
         content_length -= 1
-    attention_mask = [1] * content_length + [0] * (seq_length - content_length)
+    leading = 0
+    if FIXED:
+        while leading < content_length and input_ids[leading] == pad_token_id:
+            leading += 1
+    attention_mask = [0] * leading + [1] * (content_length - leading) + [0] * (seq_length - content_length)
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
