@@ -1,0 +1,74 @@
+"""The configs a traced program states its attention in (maskcli.checks.intent), found once per outermost module.
+
+Two places, read at the first call of each outermost module and kept as fields only (nothing the program holds is
+kept or changed): the config-like attributes of the module and every module under it (`self.config`, `self.cfg`,
+a dataclass, a dict), each for the calls at or under the module that holds it; and the config-like variables of the
+program's own frames at that call (its main module's top level, the function that built and called the model),
+which speak for every call where no module holds a config and they are one config.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+
+import torch
+
+from maskcli.checks.intent import NAMES, Stated, config_like, fields_of
+
+FRAMES = 12  # program frames searched for config variables (the call's own and its callers)
+SKIP = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_state_dict_hooks")
+
+
+def stated(module, path, cache: dict) -> tuple[Stated, ...]:
+    """The Stated configs for an outermost module (`path(module)`: the prefix of its calls' `where`), read once."""
+    held = cache.get(id(module))
+    if held is not None and held[0] is module:
+        return held[1]
+    found = _held(module, path)
+    if not found:
+        found = _variables()
+    cache[id(module)] = (module, tuple(found))
+    return cache[id(module)][1]
+
+
+def _held(root, path) -> list[Stated]:
+    found, seen = [], set()
+    for module in root.modules():
+        for name, value in list(vars(module).items()):
+            if name in SKIP or name.startswith("__") or isinstance(value, (torch.nn.Module, torch.Tensor)):
+                continue
+            if not config_like(value, named=name in NAMES) or (id(value), id(module)) in seen:
+                continue
+            seen.add((id(value), id(module)))
+            fields = fields_of(value)
+            scope = path(module)
+            if fields and scope is not None:
+                label = f"self.{name} of {scope or type(module).__name__} ({type(value).__name__})"
+                found.append(Stated(label, scope, fields))
+    return found
+
+
+def _variables() -> list[Stated]:
+    """The program's one config variable in its frames at this call (those of torch, maskcli, installed packages and
+    the standard library left out); [] where there is none, or several that differ (nothing says which is the model's)."""
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    skip = tuple({os.path.dirname(torch.__file__), own, *(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))})
+    frame, searched, found, seen = sys._getframe(1), 0, [], set()
+    while frame is not None and searched < FRAMES:
+        name = frame.f_code.co_filename
+        if not name.startswith(skip) and not name.startswith("<"):
+            searched += 1
+            code, file = frame.f_code.co_name, os.path.basename(name)
+            where = f"at the top of {file}" if code == "<module>" else f"in {code}() of {file}"
+            for variable, value in list(frame.f_locals.items()):
+                if id(value) in seen or variable.startswith("_") or not config_like(value):
+                    continue
+                seen.add(id(value))
+                fields = fields_of(value)
+                if fields:
+                    found.append(Stated(f"{variable} ({type(value).__name__}) {where}", None, fields))
+        frame = frame.f_back
+    distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
+    return found[:1] if len(distinct) == 1 else []
