@@ -1,0 +1,64 @@
+"""checks/boundaries.py: a chunked layer's chunks and EOS-delimited documents, judged per batch row on its real tokens,
+on programs written as other projects write them (tests/data/rows), against a double loop over positions."""
+
+from __future__ import annotations
+
+from checkbugs import caught, first
+
+
+def _chunk_cell(real, seen, size, q_len, k_len, own):
+    """The rule's first cell by a double loop: a leak (another chunk) first, else a miss (its own chunk)."""
+    starts = [row.index(1) for row in real]
+
+    def judged(b, q, k):
+        return real[b][own[q]] and real[b][k] and k <= own[q]
+
+    def same(b, q, k):
+        return (own[q] - starts[b]) // size == (k - starts[b]) // size
+
+    shape = (len(real), q_len, k_len)
+    leak = first(shape, lambda b, q, k: judged(b, q, k) and seen(b, q, k) and not same(b, q, k))
+    return leak or first(shape, lambda b, q, k: judged(b, q, k) and not seen(b, q, k) and same(b, q, k))
+
+
+def test_a_llama4_style_chunked_layer_that_counts_chunks_from_column_0_of_a_left_padded_row_is_found(tmp_path):
+    hit = caught(tmp_path, "chunks_from_column_zero", ("chunks-misplaced",))
+    real = [[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8]
+    cell = _chunk_cell(real, lambda b, q, k: q // 3 == k // 3 and k <= q and real[b][k], 3, 8, 8, list(range(8)))
+    assert tuple(hit["cell"]) == cell
+
+
+def test_a_decode_step_that_counts_its_chunk_from_the_caches_column_is_found(tmp_path):
+    hit = caught(tmp_path, "chunks_decode_from_cache_column", ("chunks-misplaced",))
+    real = [[0, 0, 0, 1, 1, 1, 1], [1] * 7]  # decode step 1: 7 keys, the query at column 6
+    position = [[k - 3 for k in range(7)], list(range(7))]  # each key's position in its row
+    cell = _chunk_cell(real, lambda b, q, k: real[b][k] and position[b][k] // 4 == 6 // 4, 4, 1, 7, [6])
+    assert tuple(hit["cell"]) == (cell[0], 6, cell[2])
+
+
+def _eos_cell(ids, eos, seen):
+    """The first real query that sees a key with an EOS strictly between them, by a double loop."""
+    t = len(ids[0])
+    return first((len(ids), t, t), lambda b, q, k: k < q and seen(b, q, k) and eos in ids[b][k + 1:q])
+
+
+def test_a_document_mask_made_from_the_first_rows_eos_is_found_leaking_in_the_second_row(tmp_path):
+    hit = caught(tmp_path, "eos_documents_first_row_only", ("eos-documents-leak",))
+    ids = [[5, 6, 1, 7, 8, 9, 1, 3], [4, 4, 4, 4, 1, 6, 7, 8]]
+    ends = [i for i, t in enumerate(ids[0]) if t == 1]
+
+    def seen(b, q, k):  # the program's mask: row 0's documents (an EOS ends its own) in every row
+        return k <= q and sum(e < q for e in ends) == sum(e < k for e in ends)
+
+    assert tuple(hit["cell"]) == _eos_cell(ids, 1, seen)
+
+
+def test_a_document_mask_cut_at_each_rows_first_eos_only_is_found(tmp_path):
+    hit = caught(tmp_path, "eos_documents_first_eos_only", ("eos-documents-leak",))
+    ids = [[5, 2, 6, 7, 2, 8, 9, 10], [3, 4, 5, 2, 6, 2, 7, 8]]
+
+    def seen(b, q, k):
+        cut = ids[b].index(2)
+        return k <= q and (q <= cut) == (k <= cut)
+
+    assert tuple(hit["cell"]) == _eos_cell(ids, 2, seen)
