@@ -185,7 +185,9 @@ def window(run: Run) -> list:
             windowed.add(source)
             continue
         for other in (size + 1, size - 1):
-            if other >= 1 and placed.holds(f"window({other})"):
+            if other >= 1 and placed.holds(f"window({other})") and not placed.holds("causal"):
+                # (a causal mask whose queries sit fewer than W + 1 positions in is window(W + 1) too: no window
+                # shows there, and a full layer of a config that alternates is causal so)
                 windowed.add(source)
                 how = "wider" if other > size else "narrower"
                 sure = name == "sliding_window"
