@@ -22,7 +22,7 @@ from dataclasses import dataclass
 FLAGS = ("transformers", "other_layers", "decoder")  # what a Stated's fields say of the config, not fields of it
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
-          "use_sliding_window", "max_window_layers")
+          "use_sliding_window", "max_window_layers", "no_rope_layers")
 PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers")
 COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 NAMES = ("config", "cfg", "args", "hparams", "hp", "params", "model_args", "model_config", "conf", "settings", "opt")
@@ -168,8 +168,14 @@ class Intent:
         if sliding:
             return "sliding_attention", f"{window[1]}={window[0]}", not self.transformers
         chunk = self.values.get("attention_chunk_size")
+        nope = self.values.get("no_rope_layers")
+        if isinstance(chunk, int) and chunk > 0 and isinstance(nope, (list, tuple)) and nope:
+            if index is None:  # Llama 4: a layer with RoPE (no_rope_layers[i] = 1) is chunked, a NoPE one full
+                return None  # (configuration_llama4.py, layer_types from no_rope_layers)
+            kind = "chunked_attention" if index < len(nope) and nope[index] else "full_attention"
+            return kind, f"no_rope_layers[{index}]", False
         if isinstance(chunk, int) and chunk > 0:
-            return "chunked_attention", f"attention_chunk_size={chunk}", False
+            return "chunked_attention", f"attention_chunk_size={chunk}", not self.transformers
         if self.values.get("use_sliding_window") is False and window is None:
             return None
         return "full_attention", "no sliding_window, layer_types or attention_chunk_size", False
