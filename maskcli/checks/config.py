@@ -139,6 +139,10 @@ def _padding(run: Run, top) -> bytes | None:
 def _index(run: Run, call, stated: Intent) -> int | None:
     """The call's layer: its module path's number, else its turn among the calls one line made in its model call where
     those are as many as the config's layers (a forward that loops over its layers and attends in its own body)."""
+    hf = call.details.get("hf")
+    if stated and stated.layer is not None and call.details.get("layer") is None \
+            and not (isinstance(hf, dict) and isinstance(hf.get("layer_idx"), int)):
+        return stated.layer  # the module's own layer_idx / layer_id (intent.py), over a number of its path
     index = layer(call)
     count = stated.get("layers") if stated else None
     if index is not None or not isinstance(count, int) or count < 2:

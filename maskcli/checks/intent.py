@@ -25,6 +25,7 @@ FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_patter
           "use_sliding_window", "max_window_layers", "no_rope_layers")
 PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers")
 COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+NUMBERS = ("layer_idx", "layer_id", "layer_index")  # a module's own 0-based layer number (trace/stated.py)
 NAMES = ("config", "cfg", "args", "hparams", "hp", "params", "model_args", "model_config", "conf", "settings", "opt")
 LIKE = ("config", "args", "param", "setting", "conf", "option")  # words of a config class's name
 OTHER_LAYERS = ("every_n", "attention_layers", "attention_types", "block_type", "interval", "global_attn", "local_attn",
@@ -94,6 +95,10 @@ class Intent:
         self.values: dict = {}
         self.sources: dict = {}
         dropped = set()
+        numbered = [one for one in stated if "layer_number" in one.fields]
+        deepest = max(numbered, key=lambda one: len(one.scope or ""), default=None)  # the innermost module's number
+        self.layer = None if deepest is None else deepest.fields["layer_number"]
+        stated = [one for one in stated if "layer_number" not in one.fields]
         for one in stated:
             for name, value in one.fields.items():
                 if name in FLAGS:
@@ -193,10 +198,13 @@ def stated_for(top, where: str | None) -> list[Stated]:
     else (where no module of the model holds a config) the program's one config variable."""
     stated = getattr(top, "stated", ()) if top is not None else ()
     where = where or ""
-    held = [one for one in stated if one.scope is not None]
+    mine = [one for one in stated if one.scope is not None and (one.scope == "" or where == one.scope
+                                                                  or where.startswith(one.scope + "."))]
+    numbers = [one for one in mine if "layer_number" in one.fields]  # (not a config: trace/stated.py's _numbers)
+    held = [one for one in stated if one.scope is not None and "layer_number" not in one.fields]
     if held:
-        return [one for one in held if one.scope == "" or where == one.scope or where.startswith(one.scope + ".")]
-    return [one for one in stated if one.scope is None]
+        return [one for one in mine if "layer_number" not in one.fields] + numbers
+    return [one for one in stated if one.scope is None] + numbers
 
 
 def top_of(run, call):

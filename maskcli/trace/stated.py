@@ -15,7 +15,7 @@ import sysconfig
 
 import torch
 
-from maskcli.checks.intent import NAMES, Stated, config_like, fields_of
+from maskcli.checks.intent import NAMES, NUMBERS, Stated, config_like, fields_of
 
 FRAMES = 12  # program frames searched for config variables (the call's own and its callers)
 SKIP = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_state_dict_hooks")
@@ -29,6 +29,7 @@ def stated(module, path, cache: dict) -> tuple[Stated, ...]:
     found = _held(module, path)
     if not found:
         found = _variables()
+    found += _numbers(module, path)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
 
@@ -47,6 +48,28 @@ def _held(root, path) -> list[Stated]:
             if fields and scope is not None:
                 label = f"self.{name} of {scope or type(module).__name__} ({type(value).__name__})"
                 found.append(Stated(label, scope, fields))
+    return found
+
+
+def _numbers(root, path) -> list[Stated]:
+    """Each module's own layer number (HF's `self.layer_idx`, SGLang's `self.attn.layer_id`: on the module or a plain
+    object it holds), for the calls at or under it: a layer called on its own, outside any numbered path, is still the
+    layer its config's layer_types speak of."""
+    found = []
+    for module in root.modules():
+        scope = path(module)
+        if scope is None:
+            continue
+        held = [("self", vars(module))] + [
+            (f"self.{name}", vars(value)) for name, value in list(vars(module).items())
+            if name not in SKIP and not isinstance(value, (torch.nn.Module, torch.Tensor)) and hasattr(value, "__dict__")
+            and not isinstance(value, type) and not callable(value)]
+        for owner, attributes in held:
+            name = next((n for n in NUMBERS if type(attributes.get(n)) is int), None)
+            if name is not None:
+                label = f"{owner}.{name}={attributes[name]} of {scope or type(module).__name__}"
+                found.append(Stated(label, scope, {"layer_number": attributes[name]}))
+                break
     return found
 
 
