@@ -18,11 +18,13 @@ from maskcli.checks.context import Top
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
+             "cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k",  # flash's, transformers' CB
              # what else states where tokens are, as hand-written models name it (checks/real.py, tree.py, spans.py):
              "input_ids", "idx", "tokens", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
              "padding_mask", "pad_mask", "tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets",
              "image_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
              "num_prefix_tokens", "num_image_tokens")
+LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens")  # arguments kept as a plain int too
 MOST = 1 << 20  # elements of one argument kept (a batch's 2-D ids; never a 4-D mask)
 
@@ -50,6 +52,9 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
             found[name] = value.detach().cpu().numpy().astype(np.int64)
         elif isinstance(value, int) and not isinstance(value, bool) and name in SCALARS:
             found[name] = value
+        elif name in LISTS and isinstance(value, (list, tuple)) and 1 < len(value) <= MOST \
+                and all(isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0 for x in value):
+            found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
     found.update(_token_ids(module))
     cache = given.get("cache", given.get("past_key_values"))  # (transformers 5.24's keyword; the older name)
     if cache is not None:
