@@ -22,7 +22,9 @@ from dataclasses import dataclass
 FLAGS = ("transformers", "other_layers", "decoder")  # what a Stated's fields say of the config, not fields of it
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
-          "use_sliding_window", "max_window_layers", "no_rope_layers")
+          "use_sliding_window", "max_window_layers", "no_rope_layers",
+          "sliding_window_size", "attn_type", "attention_type")  # (SGLang's and vLLM's attention layer objects)
+ENCODER_TYPES = ("ENCODER_ONLY", "ENCODER")  # an attn_type that attends both ways (SGLang / vLLM AttentionType)
 PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers")
 COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 NUMBERS = ("layer_idx", "layer_id", "layer_index")  # a module's own 0-based layer number (trace/stated.py)
@@ -73,6 +75,9 @@ def fields_of(value) -> dict:
                 except Exception:  # noqa: BLE001 - a property of the program's that raises: not stated
                     pass
     found = {name: items[name] for name in FIELDS if items.get(name) is not None}
+    for name in ("attn_type", "attention_type"):  # an Enum kept as its name (AttentionType.ENCODER_ONLY)
+        if name in found:
+            found[name] = str(getattr(found[name], "name", found[name])).upper()
     if not found:
         return {}
     for name in COUNTS:
@@ -129,6 +134,9 @@ class Intent:
             value = self.values.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value, name
+        value = self.values.get("sliding_window_size")  # SGLang's: the keys before the query (W - 1), -1 for none
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value + 1, "sliding_window_size"
         return None
 
     def bidirectional(self) -> str | None:
@@ -137,6 +145,9 @@ class Intent:
         said = {name: self.values[name] is (name in ("bidirectional", "use_bidirectional_attention"))
                 for name in ("is_causal", "causal", "bidirectional", "use_bidirectional_attention")
                 if isinstance(self.values.get(name), bool)}
+        for name in ("attn_type", "attention_type"):
+            if isinstance(self.values.get(name), str) and name not in said:
+                said[name] = self.values[name] in ENCODER_TYPES
         if not said or len(set(said.values())) > 1 or not next(iter(said.values())):
             return None
         return next(iter(said))
@@ -171,7 +182,7 @@ class Intent:
             kind = "sliding_attention" if index >= most else "full_attention"  # configuration_qwen2.py 87-91
             return kind, f"max_window_layers={most}", False
         if sliding:
-            return "sliding_attention", f"{window[1]}={window[0]}", not self.transformers
+            return "sliding_attention", f"{window[1]}={self.values[window[1]]}", not self.transformers
         chunk = self.values.get("attention_chunk_size")
         nope = self.values.get("no_rope_layers")
         if isinstance(chunk, int) and chunk > 0 and isinstance(nope, (list, tuple)) and nope:

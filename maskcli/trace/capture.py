@@ -125,6 +125,7 @@ class Trace:
         self.tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
         self._cache: dict = {}
         self._stated: dict = {}  # id(outermost module) -> (module, the configs it states: trace/stated.py)
+        self._loose: dict = {}  # call site -> what the frames state for a call outside any module (trace/stated.py)
         self._handles: list = []
         self.mode = _Mode(self)
         self._unwrap: list = []
@@ -336,6 +337,10 @@ class Trace:
             seen.details["caller"] = caller
         self._append(Call(**{**seen.operands(), "shape": tuple(int(x) for x in seen.shape)}, index=len(self.calls), where=where,
                           step=self.sites.step(site), mask=key, details=seen.details, trace=self))
+        if not self.sites.stack:  # a call outside any module: what the program's frames state for it
+            from maskcli.trace.stated import outside
+
+            outside(self.tops, where, len(self.calls) - 1, self._loose)
 
     def _append(self, call: Call) -> None:
         """A call made inside a Hugging Face interface call carries what HF told that call (and is what it did)."""

@@ -73,12 +73,30 @@ def _numbers(root, path) -> list[Stated]:
     return found
 
 
-def _variables() -> list[Stated]:
+def outside(tops: list, where: str, index: int, cache: dict) -> None:
+    """Call `index`, made outside any module (an inference engine's backend called with its layer object, SGLang's
+    RadixAttention), gets a Top of what the program's frames state: their one object or config that carries FIELDS,
+    whatever its class is named (read once per call site); the next calls at the same site extend it."""
+    from maskcli.checks.context import Top
+
+    if where not in cache:
+        cache[where] = tuple(_variables(anything=True, depth=3))
+    said = cache[where]
+    if not said:
+        return
+    last = tops[-1] if tops else None
+    if last is not None and last.where == where and last.end == index and last.stated is said:
+        last.end = index + 1
+    else:
+        tops.append(Top(where, None, {}, index, index + 1, said))
+
+
+def _variables(anything: bool = False, depth: int = 1) -> list[Stated]:
     """The program's one config variable in its frames at this call (those of torch, maskcli, installed packages and
     the standard library left out); [] where there is none, or several that differ (nothing says which is the model's)."""
     own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     skip = tuple({os.path.dirname(torch.__file__), own, *(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))})
-    frame, searched, found, seen = sys._getframe(1), 0, [], set()
+    frame, searched, found, seen = sys._getframe(depth), 0, [], set()
     while frame is not None and searched < FRAMES:
         name = frame.f_code.co_filename
         if not name.startswith(skip) and not name.startswith("<"):
@@ -86,7 +104,8 @@ def _variables() -> list[Stated]:
             code, file = frame.f_code.co_name, os.path.basename(name)
             where = f"at the top of {file}" if code == "<module>" else f"in {code}() of {file}"
             for variable, value in list(frame.f_locals.items()):
-                if id(value) in seen or variable.startswith("_") or not config_like(value):
+                if id(value) in seen or variable.startswith("_") or not config_like(value, named=anything) \
+                        or anything and isinstance(value, (torch.nn.Module, torch.Tensor)):
                     continue
                 seen.add(id(value))
                 fields = fields_of(value)
