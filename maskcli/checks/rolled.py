@@ -89,13 +89,16 @@ def miscounted(run: Run) -> list:
         if columns_are_positions(call, top):
             continue  # (config.py places the window on them)
         own = _positions(call, top)
-        if own is None or own.min() < 0 or call.mask in done:
+        if own is None or own.min() < 0:
             continue
-        done.add(call.mask)
         rows = call.shape[0]
         real = _real(top, rows, int(own.max()) + 1)
+        key = (call.mask, call.shape, tuple(own), None if real is None else real.tobytes())  # (one mask, other places)
+        if real is None or key in done:
+            continue
+        done.add(key)
         cells = keep(call)
-        if real is None or cells is None:
+        if cells is None:
             continue
         expected = _expected(real, own, kind[0], size)  # (rows, Lq)
         asking = real[:, own]  # a padding query is padding's business
