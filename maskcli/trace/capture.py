@@ -37,6 +37,9 @@ from maskcli.trace.scores import Scores
 from maskcli.trace.sites import Sites
 from maskcli.trace.threads import Threads
 
+DOCUMENTS = frozenset(("cu_seqlens", "cu_seq_lens_q", "cu_seqlens_q"))  # (trace/tops.py's documents)
+
+
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
 CACHE = 256  # masks remembered by the tensor they were read from (a model hands one mask to every layer)
@@ -125,6 +128,7 @@ class Trace:
         self.tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
         self._cache: dict = {}
         self._stated: dict = {}  # id(outermost module) -> (module, the configs it states: trace/stated.py)
+        self._entered: dict = {}  # id(module) -> the calls made before its running forward began
         self._loose: dict = {}  # call site -> what the frames state for a call outside any module (trace/stated.py)
         self._handles: list = []
         self.mode = _Mode(self)
@@ -278,6 +282,7 @@ class Trace:
         if not torch.compiler.is_dynamo_compiling():  # a compiled region runs without us (its calls are not recorded)
             if not self.sites.stack:  # an outermost call begins: the calls made before it, for what the checks read
                 self._local.opened = (module, len(self.calls))
+            self._entered[id(module)] = len(self.calls)  # (an inner module's documents: _post)
             self.sites.enter(module)
 
     def _post(self, module, args, kwargs, output=None) -> None:
@@ -285,6 +290,10 @@ class Trace:
         if torch.compiler.is_dynamo_compiling():
             return
         self.sites.leave(module)
+        if kwargs and self.sites.stack and not DOCUMENTS.isdisjoint(kwargs):  # documents handed to an inner module
+            from maskcli.trace.tops import documents
+
+            documents(self.calls, self._entered.get(id(module), len(self.calls)), kwargs)
         opened = getattr(self._local, "opened", None)
         if not self.sites.stack and opened is not None and opened[0] is module:
             self._local.opened = None

@@ -119,3 +119,18 @@ def _token_ids(module) -> dict:
 
 
 _IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per module: read once, however many steps call it
+
+
+def documents(calls: list, start: int, kwargs: dict) -> None:
+    """The calls from `start` on, made inside an inner module that was handed documents as a keyword (an encoder
+    layer's `self_attn(hidden, cu_seqlens=...)`: Qwen2-VL's and Qwen3-ASR's), get them as details["documents"]
+    (the innermost module's kept): the model call's arguments do not hold them, as the encoder builds them inside."""
+    found = {}
+    for name in ("cu_seqlens", "cu_seq_lens_q", "cu_seqlens_q"):
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and 1 < value.numel() <= MOST and not value.is_floating_point() \
+                and value.device.type != "meta":
+            found[name] = value.detach().cpu().numpy().astype(np.int64)
+    if found:
+        for call in calls[start:]:
+            call.details.setdefault("documents", found)
