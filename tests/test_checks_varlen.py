@@ -156,3 +156,10 @@ def test_documents_a_call_was_handed_are_read_where_the_model_call_has_none():
     found = given(Top("encoder", None, {}), Call())
     want = np.array([[0, 0, 1, 1, 1]])
     assert [name for name, _ in found] == ["cu_seqlens"] and np.array_equal(found[0][1], want)
+
+
+def test_query_and_key_lengths_that_differ_are_no_documents():
+    class Call:
+        details = {"documents": {"cu_seqlens_q": np.array([0, 2, 5]), "cu_seqlens_k": np.array([0, 4, 9])}}
+
+    assert given(Top("attention", None, {}), Call()) == []

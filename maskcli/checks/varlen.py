@@ -48,7 +48,10 @@ def given(top, call=None) -> list[tuple[str, np.ndarray]]:
     if inner and not any(name in arguments for name in (*CUMULATIVE, "seq_idx")):
         arguments = dict(arguments)
         for name, value in inner.items():
-            arguments.setdefault("cu_seqlens" if name == "cu_seqlens_q" else name, value)
+            if name == "cu_seqlens_q" and np.array_equal(value, inner.get("cu_seqlens_k", value)):
+                arguments.setdefault("cu_seqlens", value)  # (flash's names; q and k that differ: no documents)
+            elif name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k"):
+                arguments.setdefault(name, value)
     rows_of = next((a for a in ("position_ids", "seq_idx", "attention_mask") if a in arguments), None)
     for name in CUMULATIVE:
         cu = arguments.get(name)
