@@ -25,6 +25,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "image_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
              "num_prefix_tokens", "num_image_tokens")
 LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
+DOCUMENTS = frozenset(("cu_seqlens", "cu_seq_lens_q", "cu_seqlens_q"))  # handed to an inner module: documents()
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens")  # arguments kept as a plain int too
 MOST = 1 << 20  # elements of one argument kept (a batch's 2-D ids; never a 4-D mask)
 
