@@ -76,7 +76,7 @@ def _numbers(root, path) -> list[Stated]:
 def outside(tops: list, where: str, index: int, cache: dict) -> None:
     """Call `index`, made outside any module (an inference engine's backend called with its layer object, SGLang's
     RadixAttention), gets a Top of what the program's frames state: their one object or config that carries FIELDS,
-    whatever its class is named (read once per call site); the next calls at the same site extend it."""
+    whatever its class is named (read once per call site); the next calls that state the same extend it."""
     from maskcli.checks.context import Top
 
     if where not in cache:
@@ -85,7 +85,7 @@ def outside(tops: list, where: str, index: int, cache: dict) -> None:
     if not said:
         return
     last = tops[-1] if tops else None
-    if last is not None and last.where == where and last.end == index and last.stated is said:
+    if last is not None and last.end == index and not last.arguments and last.stated == said:  # (sites that alternate)
         last.end = index + 1
     else:
         tops.append(Top(where, None, {}, index, index + 1, said))
