@@ -41,11 +41,11 @@ def check_bug(tmp_path, name: str, code: str, folder: Path = BUGS, args: tuple =
 def caught(tmp_path, name: str, codes: tuple[str, ...]) -> dict:
     """tests/data/rows/NAME.py is flagged wrong by one of `codes` and exits 1 (that finding, for its cell); its fix
     exits 0 with no wrong and no suspicious finding."""
-    status, found, report = traced(tmp_path, name, fixed=False, folder=ROWS)
+    status, found, report = traced(tmp_path, name, False, ROWS)
     assert status == 1, report
     hits = [f for f in found if f["code"] in codes and f["severity"] == "wrong"]
     assert hits, report
-    status, found, report = traced(tmp_path, name, fixed=True, folder=ROWS)
+    status, found, report = traced(tmp_path, name, True, ROWS)
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert status == 0, report
     return hits[0]

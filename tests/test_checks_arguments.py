@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,25 @@ BUGS = [
 @pytest.mark.parametrize("name, code", BUGS)
 def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code):
     check_bug(tmp_path, name, code)
+
+
+def test_position_ids_zero_padding_is_no_document_but_a_real_query_must_not_see_it(tmp_path):
+    # allenai/open-instruct#1900: the chosen padding folded into the first rejected document (its fix: the padding a
+    # block of its own, quiet); then a packed row padded with 0s whose second document sees the first
+    check_bug(tmp_path, "dpo_packed_cu_seq_lens_fold_chosen_padding", "documents-leak")
+    check_bug(tmp_path, "packed_padding_block", "documents-leak", Path(__file__).parent / "data" / "windows")
+
+
+def test_zero_padding_of_position_ids_against_a_loop():
+    from maskcli.checks.arguments import padded_positions
+
+    positions = np.array([[0, 1, 2, 0, 0, 0, 1, 0], [0, 0, 1, 2, 3, 0, 0, 0]])
+    want = np.zeros(positions.shape, dtype=bool)
+    for b in range(2):
+        for i in range(positions.shape[1]):
+            nxt = positions[b, i + 1] if i + 1 < positions.shape[1] else 0
+            want[b, i] = positions[b, i] == 0 and nxt == 0
+    assert np.array_equal(padded_positions(positions), want)
 
 
 def test_documents_start_where_positions_restart_between_real_tokens():

@@ -243,3 +243,51 @@ def test_a_config_the_class_keeps_is_read():
             return x
 
     assert ("window-off-by-one", "wrong") in _codes(Windowed())
+
+
+WINDOWS = Path(__file__).parent / "data" / "windows"
+
+BLIND = [  # written blind by other helpers (tests/data/bugs), each caught and its fix quiet
+    ("mistral_sdpa_mask_drops_sliding_window", "window-missing"),  # huggingface/transformers#30127
+    ("mistral_sliding_window_causal_mask_decode", "window-off-by-one"),  # huggingface/transformers#26792
+    ("sglang_torch_native_backend_ignores_sliding_window", "window-missing"),  # sgl-project/sglang#26516 (layer_id)
+    ("sglang_torch_native_encoder_sliding_window_ignored", "window-missing"),  # sgl-project/sglang#39298 (no module)
+]
+
+
+@pytest.mark.parametrize("name, code", BLIND)
+def test_blind_window_bugs_are_flagged_and_their_fixes_are_not(tmp_path, name, code):
+    check_bug(tmp_path, name, code)
+
+
+@pytest.mark.parametrize("name", ["layer_idx_unnumbered_paths", "plain_object_window_no_module"])
+def test_a_layer_placed_by_its_own_number_or_stated_outside_any_module(tmp_path, name):
+    # the second way of each: layers under names (their layer_idx says which), a plain object with no nn.Module
+    check_bug(tmp_path, name, "window-missing", WINDOWS)
+
+
+def test_quiet_on_a_causal_full_layer_whose_queries_sit_inside_the_window_and_a_hand_written_llama4(tmp_path):
+    # gemma2 --fixed: the full layer 1 (alternating by i % 2) is causal over 5 queries, which window(5) is too: no
+    # off-by-one; llama4 --fixed: no_rope_layers says layer 1 is full (configuration_llama4.py)
+    from checkbugs import traced
+
+    for name in ("gemma2_hybrid_cache_sliding_mask_slicing", "llama4_chunked_attention_cache_offset"):
+        status, found, report = traced(tmp_path, name, True)
+        assert status == 0 and not [f for f in found if f["severity"] == "wrong"], report
+
+
+def test_an_engine_layer_object_states_an_encoder_window_both_ways():
+    from maskcli.checks.intent import Intent, Stated, fields_of
+
+    class AttentionType:  # (an Enum-like value: its name is read)
+        name = "ENCODER_ONLY"
+
+    class RadixAttention:
+        def __init__(self):
+            self.layer_id, self.sliding_window_size, self.attn_type = 0, 4, AttentionType()
+
+    stated = Intent([Stated("layer", None, fields_of(RadixAttention()))])
+    assert stated.window() == (5, "sliding_window_size")  # SGLang counts the keys before the query: W - 1
+    assert stated.bidirectional() == "attn_type"
+    decoder = Intent([Stated("layer", None, {"sliding_window_size": -1, "attn_type": "DECODER"})])
+    assert decoder.window() is None and decoder.bidirectional() is None

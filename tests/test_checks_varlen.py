@@ -134,3 +134,32 @@ def test_cumulative_lengths_over_other_tokens_or_differing_q_and_k_are_not_read(
     self-attention's documents (pack's q-k-differ)."""
     assert given(Top("m", arguments={"cu_seqlens": np.array([0, 3, 7]), "position_ids": np.zeros((1, 9), int)})) == []
     assert given(Top("m", arguments={"cu_seq_lens_q": np.array([0, 3, 9]), "cu_seq_lens_k": np.array([0, 4, 9])})) == []
+
+
+@pytest.mark.parametrize("name, folder", [
+    ("qwen3_asr_audio_encoder_window_mask_not_built", None),  # QwenLM/Qwen3-ASR#103: SDPA never got the windows
+    ("inner_layer_cu_seqlens", "windows"),  # eager blocks one key past each boundary
+])
+def test_documents_handed_to_each_layer_by_keyword(tmp_path, name, folder):
+    from pathlib import Path
+
+    if folder is None:
+        check_bug(tmp_path, name, "varlen-leak")
+    else:
+        check_bug(tmp_path, name, "varlen-leak", Path(__file__).parent / "data" / folder)
+
+
+def test_documents_a_call_was_handed_are_read_where_the_model_call_has_none():
+    class Call:
+        details = {"documents": {"cu_seqlens_q": np.array([0, 2, 5])}}
+
+    found = given(Top("encoder", None, {}), Call())
+    want = np.array([[0, 0, 1, 1, 1]])
+    assert [name for name, _ in found] == ["cu_seqlens"] and np.array_equal(found[0][1], want)
+
+
+def test_query_and_key_lengths_that_differ_are_no_documents():
+    class Call:
+        details = {"documents": {"cu_seqlens_q": np.array([0, 2, 5]), "cu_seqlens_k": np.array([0, 4, 9])}}
+
+    assert given(Top("attention", None, {}), Call()) == []

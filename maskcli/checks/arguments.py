@@ -83,6 +83,16 @@ def document_starts(position_ids: np.ndarray, real: np.ndarray | None) -> np.nda
     return np.cumsum(restart, axis=1)
 
 
+def padded_positions(position_ids: np.ndarray) -> np.ndarray:
+    """Bool (B, L): tokens at position 0 followed by another 0 or by the row's end: the padding a packing collator
+    pads position_ids with (zeros), not a document's first token (which the next one counts on from). Their queries
+    are not judged (where padding goes is the pad's business); a real query that sees them is. (A document of one
+    token is so too: its query sees only itself in any mask that restarts with the documents.)"""
+    nxt = np.zeros_like(position_ids)
+    nxt[:, :-1] = position_ids[:, 1:]
+    return (position_ids == 0) & (nxt == 0)
+
+
 def documents(run: Run) -> list:
     """A query that sees another document's key, the documents marked by position_ids restarting at 0."""
     found, done = [], set()
@@ -108,6 +118,7 @@ def documents(run: Run) -> list:
         across = cells & (labels[:, :, None] != labels[:, None, :])
         if real is not None:
             across &= np.broadcast_to(real == 1, (rows, real.shape[1]))[:, None, :]
+        across &= ~np.broadcast_to(padded_positions(positions), (rows, positions.shape[1]))[:, :, None]
         if across.any():
             b, q, k = first_cell(across)
             found.append((call, Finding("documents-leak", (

@@ -14,6 +14,7 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "padding-lost": {"padding-ignored"},  # the keys the model call's attention_mask pads (arguments.py)
     "documents-leak": {"varlen-leak", "varlen-disagree"},  # documents given outright (varlen.py)
     "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
+    "window-miscounted": {"prefill-chunks-differ"},  # a prefill chunk's rows, said against the whole pass (prefill.py)
 }
 
 
@@ -44,7 +45,7 @@ def apply(groups: list, run: Run) -> list:
         if any(f.code == "fill-became-inf" and f.severity is None for f in group.findings):
             codes.add("fill-became-inf (wrong)")
         gone = {code for code, by in SAID_BY.items() if codes & by}
-        if any(severity(f) == "wrong" for f in group.findings if f.code != "prefill-chunks-differ"):
+        if any(severity(f) == "wrong" for f in group.findings if f.code != "prefill-chunks-differ" and f.code not in gone):
             gone.add("prefill-chunks-differ")  # a chunk another rule calls wrong
         if "top-left-causal" in codes and group.calls and all(queries(c, run.top(c))[0] == 0 for c in group.calls):
             gone.add("top-left-causal")  # queries at a static cache's start, its slots past them unwritten: top-left

@@ -22,9 +22,12 @@ from dataclasses import dataclass
 FLAGS = ("transformers", "other_layers", "decoder", "attention")  # what a Stated says of its config, not its fields
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
-          "use_sliding_window", "max_window_layers")
+          "use_sliding_window", "max_window_layers", "no_rope_layers",
+          "sliding_window_size", "attn_type", "attention_type")  # (SGLang's and vLLM's attention layer objects)
+ENCODER_TYPES = ("ENCODER_ONLY", "ENCODER")  # an attn_type that attends both ways (SGLang / vLLM AttentionType)
 PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers")
 COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+NUMBERS = ("layer_idx", "layer_id", "layer_index")  # a module's own 0-based layer number (trace/stated.py)
 NAMES = ("config", "cfg", "args", "hparams", "hp", "params", "model_args", "model_config", "conf", "settings", "opt")
 LIKE = ("config", "args", "param", "setting", "conf", "option")  # words of a config class's name
 ATTENTION = ("head", "attn", "attention")  # words of a field name that say a config is about attention
@@ -75,6 +78,9 @@ def fields_of(value) -> dict:
                 except Exception:  # noqa: BLE001 - a property of the program's that raises: not stated
                     pass
     found = {name: items[name] for name in FIELDS if items.get(name) is not None}
+    for name in ("attn_type", "attention_type"):  # an Enum kept as its name (AttentionType.ENCODER_ONLY)
+        if name in found:
+            found[name] = str(getattr(found[name], "name", found[name])).upper()
     if not found:
         return {}
     for name in COUNTS:
@@ -100,6 +106,10 @@ class Intent:
         self.values: dict = {}
         self.sources: dict = {}
         dropped = set()
+        numbered = [one for one in stated if "layer_number" in one.fields]
+        deepest = max(numbered, key=lambda one: len(one.scope or ""), default=None)  # the innermost module's number
+        self.layer = None if deepest is None else deepest.fields["layer_number"]
+        stated = [one for one in stated if "layer_number" not in one.fields]
         for one in stated:
             for name, value in one.fields.items():
                 if name in FLAGS:
@@ -133,6 +143,9 @@ class Intent:
             value = self.values.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value, name
+        value = self.values.get("sliding_window_size")  # SGLang's: the keys before the query (W - 1), -1 for none
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value + 1, "sliding_window_size"
         return None
 
     def bidirectional(self) -> str | None:
@@ -141,6 +154,9 @@ class Intent:
         said = {name: self.values[name] is (name in ("bidirectional", "use_bidirectional_attention"))
                 for name in ("is_causal", "causal", "bidirectional", "use_bidirectional_attention")
                 if isinstance(self.values.get(name), bool)}
+        for name in ("attn_type", "attention_type"):
+            if isinstance(self.values.get(name), str) and name not in said:
+                said[name] = self.values[name] in ENCODER_TYPES
         if not said or len(set(said.values())) > 1 or not next(iter(said.values())):
             return None
         return next((name for name in said if name not in GENERAL), next(iter(said)))
@@ -181,10 +197,16 @@ class Intent:
             kind = "sliding_attention" if index >= most else "full_attention"  # configuration_qwen2.py 87-91
             return kind, f"max_window_layers={most}", False
         if sliding:
-            return "sliding_attention", f"{window[1]}={window[0]}", not self.transformers
+            return "sliding_attention", f"{window[1]}={self.values[window[1]]}", not self.transformers
         chunk = self.values.get("attention_chunk_size")
+        nope = self.values.get("no_rope_layers")
+        if isinstance(chunk, int) and chunk > 0 and isinstance(nope, (list, tuple)) and nope:
+            if index is None:  # Llama 4: a layer with RoPE (no_rope_layers[i] = 1) is chunked, a NoPE one full
+                return None  # (configuration_llama4.py, layer_types from no_rope_layers)
+            kind = "chunked_attention" if index < len(nope) and nope[index] else "full_attention"
+            return kind, f"no_rope_layers[{index}]", False
         if isinstance(chunk, int) and chunk > 0:
-            return "chunked_attention", f"attention_chunk_size={chunk}", False
+            return "chunked_attention", f"attention_chunk_size={chunk}", not self.transformers
         if self.values.get("use_sliding_window") is False:
             return "full_attention", "use_sliding_window=False", False
         return "full_attention", "no sliding_window, layer_types or attention_chunk_size", False
@@ -209,10 +231,13 @@ def stated_for(top, where: str | None) -> list[Stated]:
     else (where no module of the model holds a config) the program's one config variable."""
     stated = getattr(top, "stated", ()) if top is not None else ()
     where = where or ""
-    held = [one for one in stated if one.scope is not None]  # (trace/stated.py keeps a config once, where highest)
+    mine = [one for one in stated if one.scope is not None and (one.scope == "" or where == one.scope
+                                                                  or where.startswith(one.scope + "."))]
+    numbers = [one for one in mine if "layer_number" in one.fields]  # (not a config: trace/stated.py's _numbers)
+    held = [one for one in stated if one.scope is not None and "layer_number" not in one.fields]
     if held:
-        return [one for one in held if one.scope == "" or where == one.scope or where.startswith(one.scope + ".")]
-    return [one for one in stated if one.scope is None]
+        return [one for one in mine if "layer_number" not in one.fields] + numbers
+    return [one for one in stated if one.scope is None] + numbers
 
 
 def top_of(run, call):

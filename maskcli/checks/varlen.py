@@ -38,11 +38,20 @@ def _cumulative(cu: np.ndarray, tokens: int) -> np.ndarray | None:
     return np.repeat(np.arange(len(cu) - 1), np.diff(cu))
 
 
-def given(top) -> list[tuple[str, np.ndarray]]:
+def given(top, call=None) -> list[tuple[str, np.ndarray]]:
     """(argument, int64 labels (B, L) or (1, B*L)) of each document argument the model call was given: cu_seq_lens over
-    the flattened tokens, seq_idx per token (its rows the call's rows)."""
+    the flattened tokens, seq_idx per token (its rows the call's rows); else those the module that made `call` was
+    handed (trace/tops.py's documents: cu_seqlens an encoder builds inside and gives each layer)."""
     found = []
     arguments = top.arguments
+    inner = {} if call is None else call.details.get("documents") or {}
+    if inner and not any(name in arguments for name in (*CUMULATIVE, "seq_idx")):
+        arguments = dict(arguments)
+        for name, value in inner.items():
+            if name == "cu_seqlens_q" and np.array_equal(value, inner.get("cu_seqlens_k", value)):
+                arguments.setdefault("cu_seqlens", value)  # (flash's names; q and k that differ: no documents)
+            elif name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k"):
+                arguments.setdefault(name, value)
     rows_of = next((a for a in ("position_ids", "seq_idx", "attention_mask") if a in arguments), None)
     for name in CUMULATIVE:
         cu = arguments.get(name)
@@ -97,7 +106,8 @@ def _cells(call, labels: np.ndarray):
 
 def _handed(run: Run) -> bool:
     """Whether any model call of the run was given documents (most runs: none, and the rules stop here)."""
-    return any(name in top.arguments for top in run.tops for name in (*CUMULATIVE, "seq_idx"))
+    return any(name in top.arguments for top in run.tops for name in (*CUMULATIVE, "seq_idx")) \
+        or any("documents" in call.details for call in run.calls)
 
 
 def leaks(run: Run) -> list:
@@ -109,7 +119,7 @@ def leaks(run: Run) -> list:
         top = run.top(call)
         if top is None or call.stored is None or _parted(top) is not None:
             continue  # (arguments that disagree: which documents leak depends on which is right; varlen-disagree)
-        for name, labels in given(top):
+        for name, labels in given(top, call):
             placed = _cells(call, labels)
             if placed is None or queries(call, top)[0] != 0:
                 continue

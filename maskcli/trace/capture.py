@@ -1,14 +1,12 @@
 """Recording the attention calls of a running program: a TorchFunctionMode, module hooks, and the calls' masks.
 
-The mode sees every torch function; for the few that are attention (SDPA, MHA's
-functional form, a softmax over scores) it reads the mask before calling the function
-exactly as it was called, and returns its result untouched. FlexAttention runs its
-operator under torch.compile even in eager mode, where a mode's Python cannot run, so
-`flex_attention` is wrapped instead: in torch's module and wherever a loaded module holds
-it (patch.py swaps its code); flash_attn's functions are swapped the same way, and Hugging
-Face's AttentionInterface lookups return wrapped functions (interface.py), when the program
-has imported them or as soon as it does. Module hooks keep the stack of modules being run,
-which names where a call came from.
+The mode sees every torch function; for the few that are attention (SDPA, MHA's functional form, a softmax over
+scores) it reads the mask before calling the function exactly as it was called, and returns its result untouched.
+FlexAttention runs its operator under torch.compile even in eager mode, where a mode's Python cannot run, so
+`flex_attention` is wrapped instead: in torch's module and wherever a loaded module holds it (patch.py swaps its
+code); flash_attn's functions are swapped the same way, and Hugging Face's AttentionInterface lookups return wrapped
+functions (interface.py), when the program has imported them or as soon as it does. Module hooks keep the stack of
+modules being run, which names where a call came from.
 """
 
 from __future__ import annotations
@@ -35,7 +33,9 @@ from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import Overflows
 from maskcli.trace.scores import Scores
 from maskcli.trace.sites import Sites
+from maskcli.trace.stated import outside
 from maskcli.trace.threads import Threads
+from maskcli.trace.tops import DOCUMENTS, documents
 
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
@@ -125,6 +125,7 @@ class Trace:
         self.tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
         self._cache: dict = {}
         self._stated: dict = {}  # id(outermost module) -> (module, the configs it states: trace/stated.py)
+        self._entered, self._loose = {}, {}  # id(module) -> calls made before its forward began; call site -> outside()
         self._handles: list = []
         self.mode = _Mode(self)
         self._unwrap: list = []
@@ -277,6 +278,7 @@ class Trace:
         if not torch.compiler.is_dynamo_compiling():  # a compiled region runs without us (its calls are not recorded)
             if not self.sites.stack:  # an outermost call begins: the calls made before it, for what the checks read
                 self._local.opened = (module, len(self.calls))
+            self._entered[id(module)] = len(self.calls)  # (an inner module's documents: _post)
             self.sites.enter(module)
 
     def _post(self, module, args, kwargs, output=None) -> None:
@@ -284,6 +286,8 @@ class Trace:
         if torch.compiler.is_dynamo_compiling():
             return
         self.sites.leave(module)
+        if kwargs and self.sites.stack and not DOCUMENTS.isdisjoint(kwargs):  # documents handed to an inner module
+            documents(self.calls, self._entered.get(id(module), len(self.calls)), kwargs)
         opened = getattr(self._local, "opened", None)
         if not self.sites.stack and opened is not None and opened[0] is module:
             self._local.opened = None
@@ -336,6 +340,8 @@ class Trace:
             seen.details["caller"] = caller
         self._append(Call(**{**seen.operands(), "shape": tuple(int(x) for x in seen.shape)}, index=len(self.calls), where=where,
                           step=self.sites.step(site), mask=key, details=seen.details, trace=self))
+        if not self.sites.stack:  # a call outside any module: what the program's frames state for it
+            outside(self.tops, where, len(self.calls) - 1, self._loose)
 
     def _append(self, call: Call) -> None:
         """A call made inside a Hugging Face interface call carries what HF told that call (and is what it did)."""

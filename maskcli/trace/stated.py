@@ -16,7 +16,7 @@ import sysconfig
 
 import torch
 
-from maskcli.checks.intent import NAMES, Stated, config_like, fields_of
+from maskcli.checks.intent import NAMES, NUMBERS, Stated, config_like, fields_of
 
 FRAMES = 12  # program frames searched for config variables (the call's own and its callers)
 SKIP = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
@@ -31,6 +31,7 @@ def stated(module, path, cache: dict) -> tuple[Stated, ...]:
     found = _held(module, path)
     if not found:
         found = _variables(module)
+    found += _numbers(module, path)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
 
@@ -60,15 +61,56 @@ def _held(root, path) -> list[Stated]:
     return found
 
 
-def _variables(root) -> list[Stated]:
+def _numbers(root, path) -> list[Stated]:
+    """Each module's own layer number (HF's `self.layer_idx`, SGLang's `self.attn.layer_id`: on the module or a plain
+    object it holds), for the calls at or under it: a layer called on its own, outside any numbered path, is still the
+    layer its config's layer_types speak of."""
+    found = []
+    for module in root.modules():
+        scope = path(module)
+        if scope is None:
+            continue
+        held = [("self", vars(module))] + [
+            (f"self.{name}", vars(value)) for name, value in list(vars(module).items())
+            if name not in SKIP and not isinstance(value, (torch.nn.Module, torch.Tensor)) and hasattr(value, "__dict__")
+            and not isinstance(value, type) and not callable(value)]
+        for owner, attributes in held:
+            name = next((n for n in NUMBERS if type(attributes.get(n)) is int), None)
+            if name is not None:
+                label = f"{owner}.{name}={attributes[name]} of {scope or type(module).__name__}"
+                found.append(Stated(label, scope, {"layer_number": attributes[name]}))
+                break
+    return found
+
+
+def outside(tops: list, where: str, index: int, cache: dict) -> None:
+    """Call `index`, made outside any module (an inference engine's backend called with its layer object, SGLang's
+    RadixAttention), gets a Top of what the program's frames state: their one object or config that carries FIELDS,
+    whatever its class is named (read once per call site); the next calls that state the same extend it."""
+    from maskcli.checks.context import Top
+
+    if where not in cache:
+        cache[where] = tuple(_variables(anything=True, depth=3))
+    said = cache[where]
+    if not said:
+        return
+    last = tops[-1] if tops else None
+    if last is not None and last.end == index and not last.arguments and last.stated == said:  # (sites that alternate)
+        last.end = index + 1
+    else:
+        tops.append(Top(where, None, {}, index, index + 1, said))
+
+
+def _variables(root=None, anything: bool = False, depth: int = 1) -> list[Stated]:
     """The program's one config variable: in its frames at this call (the function that built and called the model,
-    its main module's top level), else at the top of the program's modules that define the model's classes (torch's,
+    its main module's top level), else at the top of the program's modules that define `root`'s classes (torch's,
     maskcli's, installed packages' and the standard library's left out); [] where there is none, or several that
-    differ (nothing says which is the model's)."""
+    differ (nothing says which is the model's). `anything`: any object that carries the fields, whatever its class
+    is named (a call made outside any module: an engine's layer object)."""
     own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     libraries = (sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))
     skip = tuple({os.path.dirname(torch.__file__), own, *libraries})
-    places, frame, searched = [], sys._getframe(1), 0
+    places, frame, searched = [], sys._getframe(depth), 0
     while frame is not None and searched < FRAMES:
         name = frame.f_code.co_filename
         if not name.startswith(skip) and not name.startswith("<"):
@@ -76,7 +118,7 @@ def _variables(root) -> list[Stated]:
             code, file = frame.f_code.co_name, os.path.basename(name)
             places.append((f"at the top of {file}" if code == "<module>" else f"in {code}() of {file}", frame.f_locals))
         frame = frame.f_back
-    for held in {type(module).__module__: None for module in root.modules()}:
+    for held in {} if root is None else {type(module).__module__: None for module in root.modules()}:
         module = sys.modules.get(held)
         name = getattr(module, "__file__", None) or ""
         if name and not name.startswith(skip):
@@ -84,7 +126,8 @@ def _variables(root) -> list[Stated]:
     found, seen = [], set()
     for where, variables in places:
         for variable, value in list(variables.items()):
-            if id(value) in seen or variable.startswith("_") or not config_like(value):
+            if id(value) in seen or variable.startswith("_") or not config_like(value, named=anything) \
+                    or anything and isinstance(value, (torch.nn.Module, torch.Tensor)):
                 continue
             seen.add(id(value))
             fields = fields_of(value)

@@ -18,6 +18,7 @@ from maskcli.checks.context import Top
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
+             "cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k",  # flash's, transformers' CB
              # what else states where tokens are, as hand-written models name it (checks/real.py, tree.py, spans.py):
              "input_ids", "idx", "tokens", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
              "padding_mask", "pad_mask", "tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets",
@@ -27,6 +28,8 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "encoder_attention_mask", "memory_key_padding_mask", "decoder_attention_mask", "tgt_key_padding_mask",
              # a hand-written seq2seq model's two sides, each with its own pad id (checks/sides.py):
              "src", "source", "src_ids", "source_ids", "trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids")
+LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
+DOCUMENTS = frozenset(("cu_seqlens", "cu_seq_lens_q", "cu_seqlens_q"))  # handed to an inner module: documents()
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens")  # arguments kept as a plain int too
 SOURCE_PAD = ("src_pad_idx", "src_pad_id", "source_pad_id", "src_pad_token_id", "source_pad_idx")  # each side's pad id
 TARGET_PAD = ("trg_pad_idx", "tgt_pad_idx", "trg_pad_id", "tgt_pad_id", "target_pad_id", "target_pad_idx",
@@ -57,6 +60,9 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
             found[name] = value.detach().cpu().numpy().astype(np.int64)
         elif isinstance(value, int) and not isinstance(value, bool) and name in SCALARS:
             found[name] = value
+        elif name in LISTS and isinstance(value, (list, tuple)) and 1 < len(value) <= MOST \
+                and all(isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0 for x in value):
+            found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
     found.update(_token_ids(module))
     cache = given.get("cache", given.get("past_key_values"))  # (transformers 5.24's keyword; the older name)
     if cache is not None:
@@ -123,3 +129,18 @@ def _token_ids(module) -> dict:
 
 
 _IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per module: read once, however many steps call it
+
+
+def documents(calls: list, start: int, kwargs: dict) -> None:
+    """The calls from `start` on, made inside an inner module that was handed documents as a keyword (an encoder
+    layer's `self_attn(hidden, cu_seqlens=...)`: Qwen2-VL's and Qwen3-ASR's), get them as details["documents"]
+    (the innermost module's kept): the model call's arguments do not hold them, as the encoder builds them inside."""
+    found = {}
+    for name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k"):
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and 1 < value.numel() <= MOST and not value.is_floating_point() \
+                and value.device.type != "meta":
+            found[name] = value.detach().cpu().numpy().astype(np.int64)
+    if found:
+        for call in calls[start:]:
+            call.details.setdefault("documents", found)

@@ -1,0 +1,137 @@
+"""A sliding or chunked layer whose cache keeps its keys out of position order: how many keys each query sees.
+
+A rolling cache (Gemma 2's HybridCache, a ring buffer) or one that keeps the last W - 1 keys plus the new ones
+(Llama 4's HybridChunkedCache, a dynamic sliding cache) holds keys whose columns are not their positions, so
+config.py cannot place a window on them. What holds whatever the slots' order: a real query at position p of a
+layer whose config states window(W) sees exactly the real tokens of positions p - W + 1 .. p, and one of a layer
+chunked by C the real tokens from its chunk's first position to p (chunks counted from the row's first real token,
+as config.py's local() is). A query that sees fewer (a mask sliced at the wrong columns hides keys the window
+holds) or more (it sees keys the window has left) contradicts the config, the model call's attention_mask and
+cache_position, wherever the slots are, as long as the cache holds at least as many keys as the query should see.
+
+Read only where the model call states the query's position (cache_position, input_pos, position_ids, or
+`model`'s placing) and each row's padding (its attention_mask or another padding argument; a batch of one row
+with none stated is unpadded). Where the layer's kind comes from sliding_window or attention_chunk_size alone in a
+config that is not transformers' (a hand-written model may keep some layers full with nothing that says which),
+only a query that sees too few keys is said.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.config import _index
+from maskcli.checks.context import Run, columns_are_positions, keep
+from maskcli.checks.context import queries as placing
+from maskcli.checks.intent import intent, top_of
+from maskcli.checks.real import PADDING_TRUE, stated
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+POSITIONS = ("cache_position", "input_pos", "position_ids")
+
+
+def _positions(call, top) -> np.ndarray | None:
+    """The queries' positions where the model call (or `model`) states them; None where they would be guessed."""
+    q_len = call.shape[2]
+    arguments = {} if top is None else top.arguments
+    said = call.details.get("queries") is not None or any(
+        isinstance(arguments.get(name), np.ndarray) and arguments[name].shape[-1] == q_len for name in POSITIONS)
+    return placing(call, top) if said else None
+
+
+def _real(top, rows: int, need: int) -> np.ndarray | None:
+    """Bool (rows, >= need) real tokens by position, as the model call states them; None where it states none that
+    covers `need` positions (a batch of one row that states no padding at all: every token real)."""
+    arguments = {} if top is None else top.arguments
+    given = arguments.get("attention_mask")
+    if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] >= need and given.shape[0] in (1, rows) \
+            and given.size and given.min() >= 0 and given.max() <= 1:
+        return np.broadcast_to(given != 0, (rows, given.shape[1]))  # (a static cache's mask is max_cache_len wide)
+    said = stated(top, rows, need)
+    if said is not None:
+        return said[0]
+    if rows == 1 and given is None and not any(name in arguments for name in PADDING_TRUE):
+        return np.ones((1, need), dtype=bool)
+    return None
+
+
+def _expected(real: np.ndarray, own: np.ndarray, kind: str, size: int) -> np.ndarray:
+    """Int (rows, Lq): the real tokens a query at each of `own` should see in a window of `size` or a chunk of it."""
+    counted = np.concatenate([np.zeros((real.shape[0], 1), np.int64), np.cumsum(real, axis=1)], axis=1)
+    if kind == "sliding_attention":
+        low = np.broadcast_to(np.maximum(own - size + 1, 0)[None, :], (real.shape[0], own.size))
+    else:
+        start = real.argmax(axis=1)[:, None]  # chunks from each row's first real token
+        low = np.maximum(start + (own[None, :] - start) // size * size, 0)
+    return counted[:, own + 1] - np.take_along_axis(counted, low, axis=1)
+
+
+def miscounted(run: Run) -> list:
+    """Each real query of a sliding or chunked layer whose keys are not columns by position against the real tokens
+    its window or chunk holds."""
+    found, done = [], set()
+    for call in run.calls:
+        if call.stored is None or call.shape[2] > call.shape[3]:
+            continue
+        stated_for = intent(run, call)
+        index = _index(run, call, stated_for) if stated_for else None
+        kind = stated_for.kind(index) if stated_for else None
+        if kind is None or kind[0] not in ("sliding_attention", "chunked_attention") or stated_for.bidirectional():
+            continue
+        sliding = kind[0] == "sliding_attention"
+        window = stated_for.window() if sliding else None
+        chunk = stated_for.get("attention_chunk_size")
+        size, name = window if sliding and window else (chunk, "attention_chunk_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            continue
+        top = top_of(run, call)
+        if columns_are_positions(call, top):
+            continue  # (config.py places the window on them)
+        own = _positions(call, top)
+        if own is None or own.min() < 0:
+            continue
+        rows = call.shape[0]
+        real = _real(top, rows, int(own.max()) + 1)
+        key = (call.mask, call.shape, tuple(own), None if real is None else real.tobytes())  # (one mask, other places)
+        if real is None or key in done:
+            continue
+        done.add(key)
+        cells = keep(call)
+        if cells is None:
+            continue
+        expected = _expected(real, own, kind[0], size)  # (rows, Lq)
+        asking = real[:, own]  # a padding query is padding's business
+        seen = cells.sum(axis=-1)  # (b, h, Lq) as stored
+        held = expected <= call.shape[3]  # the cache holds at least as many keys as the query should see
+        judged = (asking & held)[:, None, :]
+        fewer = (seen < expected[:, None, :]) & judged
+        more = (seen > expected[:, None, :]) & judged & (not kind[2])
+        bad = fewer | more
+        if not bad.any():
+            continue
+        b, h, q = (int(x) for x in np.argwhere(bad)[0])
+        p, want, got = int(own[q]), int(expected[b, q]), int(seen[b if seen.shape[0] > 1 else 0, h, q])
+        code = "window-miscounted" if sliding else "chunks-miscounted"
+        span = f"its window({size})" if sliding else f"its chunk of {size}"
+        where = f"layer {index}" if index is not None else call.where
+        source = stated_for.said(name)
+        found.append((call, Finding(code, (
+            f"{where}: the query at position {p} of batch row {b} sees {got} of the cache's {call.shape[3]} keys, but "
+            f"{span} holds {want} real token{'s' * (want != 1)} ({source}; {_queries(bad)}): the mask is not placed on "
+            f"the keys the cache holds (its columns are not positions: sliced or rolled the wrong way?)"),
+            expected=f"{want} keys", source=source)))
+    return found
+
+
+def _queries(bad: np.ndarray) -> str:
+    count = int(bad.any(axis=1).sum())
+    return f"{count} such {'query' if count == 1 else 'queries'}"
+
+
+RULES = (
+    Rule("window-miscounted", "wrong", "steps", "a sliding layer over a rolled or trimmed cache whose query sees more "
+         "or fewer keys than the real tokens of the window its config states", miscounted),
+    Rule("chunks-miscounted", "wrong", "steps", "a chunked layer over a trimmed cache whose query sees more or fewer "
+         "keys than the real tokens of its chunk (attention_chunk_size)", miscounted),
+)
