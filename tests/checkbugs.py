@@ -14,21 +14,24 @@ BUGS = Path(__file__).parent / "data" / "bugs"
 runner = CliRunner()
 
 
-def traced(tmp_path, name: str, fixed: bool) -> tuple[int, list[dict], str]:
-    """(exit status, the findings of every group, the report) of `maskcli trace BUG.py [--fixed]`."""
-    out = tmp_path / f"{name}{'-fixed' if fixed else ''}.json"
-    result = runner.invoke(app, ["trace", "--json", str(out), str(BUGS / f"{name}.py"), *(["--fixed"] if fixed else [])])
+def traced(tmp_path, name: str, fixed: bool, folder: Path = BUGS, args: tuple = ()) -> tuple[int, list[dict], str]:
+    """(exit status, the findings of every group, the report) of `maskcli trace FOLDER/NAME.py [ARGS] [--fixed]`."""
+    out = tmp_path / f"{name}{'-'.join(('', *args))}{'-fixed' if fixed else ''}.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(folder / f"{name}.py"), *args, *(["--fixed"] if fixed else [])])
     assert result.exception is None or isinstance(result.exception, SystemExit), result.output
     data = json.loads(out.read_text())
     assert data["exit_status"] == 0, result.output  # the program itself ran to its end
     return result.exit_code, [f for group in data["groups"] for f in group["findings"]], result.output
 
 
-def check_bug(tmp_path, name: str, code: str) -> None:
-    """The buggy program is flagged with `code`, wrong, and exits 1; its fix has no wrong finding and exits 0."""
-    status, found, report = traced(tmp_path, name, fixed=False)
+def check_bug(tmp_path, name: str, code: str, folder: Path = BUGS, args: tuple = ()) -> list[dict]:
+    """The buggy program is flagged with `code`, wrong, and exits 1; its fix has no wrong finding and exits 0. The
+    buggy program's findings of `code`."""
+    status, found, report = traced(tmp_path, name, False, folder, args)
     assert status == 1, report
-    assert any(f["code"] == code and f["severity"] == "wrong" for f in found), report
-    status, found, report = traced(tmp_path, name, fixed=True)
+    flagged = [f for f in found if f["code"] == code and f["severity"] == "wrong"]
+    assert flagged, report
+    status, found, report = traced(tmp_path, name, True, folder, args)
     assert [f for f in found if f["severity"] == "wrong"] == [], report
     assert status == 0, report
+    return flagged

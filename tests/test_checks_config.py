@@ -3,10 +3,16 @@ published bugs (tiny Hugging Face models whose registered attention function car
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import numpy as np
+import pytest
+import torch
+
+import maskcli
 from checkbugs import check_bug
-from maskcli.checks.config import layer_kind
+from maskcli.checks.config import Placed, layer_kind, real
+from maskcli.checks.registry import severity
 
 
 def test_a_models_own_config_without_transformers(tmp_path):
@@ -46,3 +52,136 @@ def test_layer_kinds_are_read_as_transformers_reads_them():
     Old.use_sliding_window = True
     assert layer_kind(Old(), 3) == ("sliding_attention", "sliding_window=4096")
     assert layer_kind(MistralConfig(sliding_window=None), 0)[0] == "full_attention"
+
+
+# The stated intent read from wherever a program keeps it (checks/intent.py): each reading by two programs written
+# differently (tests/data/intent, each taking --fixed), the finding naming where the field was stated.
+INTENT = Path(__file__).parent / "data" / "intent"
+PROGRAMS = [
+    # a dataclass on self.cfg, a left-padded batch with its attention_mask; a dict at the main module's top level
+    ("window_dataclass_left_padded", (), "window-off-by-one", "sliding_window=3 (self.cfg of Decoder (Cfg))"),
+    ("window_dict_builder", (), "window-off-by-one", "sliding_window=4 (hf_config (dict) at the top of window_dict_builder.py)"),
+    # a NamedTuple at the top of the module that defines the model (not the main program's), its layers by their turn
+    ("namedtuple_in_model_module", (), "window-off-by-one", "sliding_window=3 (ARGS (ModelArgs) at the top of namedtuple_model_lib.py)"),
+    # the window gone at decode, a left-padded batch, a SimpleNamespace on self.args (its prefill keeps the window)
+    ("window_gone_at_decode", (), "window-missing", "sliding_window=3 (self.args of Decoder (SimpleNamespace))"),
+    # layer types by index against a dataclass's layer_types; against a SimpleNamespace's pattern in main()
+    ("types_by_index_dataclass", (), "window-on-full-layer", "layer_types[0] (self.config of Model (ModelConfig))"),
+    ("types_by_index_dataclass", (), "window-missing", "sliding_window=2 (self.config of Model (ModelConfig))"),
+    ("types_by_index_pattern", (), "window-on-full-layer", "sliding_window_pattern=2 (args (SimpleNamespace) in main() of"),
+    ("types_by_index_pattern", (), "window-missing", "sliding_window=3 (args (SimpleNamespace) in main() of"),
+    # is_causal=False on a dataclass, right-padded; bidirectional=True in a top-level dict handed to a builder
+    ("encoder_is_causal_false", (), "bidirectional-run-causal", "is_causal=False (self.config of Embedder (EmbedderConfig))"),
+    ("encoder_bidirectional_dict", (), "bidirectional-run-causal", "bidirectional=True (config (dict) at the top of"),
+    # a one-sided window where use_bidirectional_attention (hparams) or causal=False (argparse) says both ways
+    ("symmetric_window_hparams", (), "window-one-sided", "sliding_window=3 (self.hparams of LocalEncoder (HParams))"),
+    ("symmetric_window_namespace", (), "window-one-sided", "window_size=2 (args (Namespace) at the top of"),
+    # attention_chunk_size: cut from column 0 of a left-padded row; missing; one too long (a dict in main())
+    ("chunks_left_padded", (), "chunks-misaligned", "attention_chunk_size=3 (self.cfg of layers.0 (TextConfig))"),
+    ("chunks_dict_builder", (), "chunks-missing", "attention_chunk_size=4 (params (dict) in main() of"),
+    ("chunks_dict_builder", ("--bug", "size"), "chunks-off-by-one", "attention_chunk_size=4 (params (dict) in main() of"),
+    # Qwen2's max_window_layers read the wrong way round: a dict held as self.config (its layers found by their turn)
+    ("qwen2_dict_window_layers", (), "window-on-full-layer", "max_window_layers=2 (self.config of Qwen2Port (dict))"),
+]
+
+
+@pytest.mark.parametrize("name, args, code, source", PROGRAMS)
+def test_intent_read_wherever_the_program_keeps_it(tmp_path, name, args, code, source):
+    flagged = check_bug(tmp_path, name, code, INTENT, args)
+    assert any(f["source"].startswith(source) for f in flagged), flagged
+
+
+def test_qwen2_layers_built_by_hand_from_transformers_config(tmp_path):
+    # Qwen2Config's own layer_types (sliding from max_window_layers on) against a program reading it the other way
+    pytest.importorskip("transformers")
+    flagged = check_bug(tmp_path, "qwen2_config_by_hand", "window-on-full-layer", INTENT)
+    assert flagged[0]["source"] == "layer_types[0] (self.config of HandBuiltQwen2 (Qwen2Config))", flagged
+
+
+def reference(lengths, size, length, left, kind="window", padding_sees="all"):
+    """Bool (B, 1, L, L) by a double loop over positions: `kind` on each row's real keys; a padding query row sees every
+    key (as transformers unmasks it), itself, or nothing: the rules must not judge it."""
+    keep = np.zeros((len(lengths), 1, length, length), bool)
+    for b, real in enumerate(lengths):
+        first = length - real if left else 0
+        for q in range(length):
+            for k in range(length):
+                if not first <= q < first + real:
+                    keep[b, 0, q, k] = padding_sees == "all" or padding_sees == "self" and q == k
+                elif first <= k < first + real:
+                    keep[b, 0, q, k] = k <= q and q - k < size if kind == "window" else abs(q - k) < size
+    return keep
+
+
+@pytest.mark.parametrize("left", [False, True])
+@pytest.mark.parametrize("padding_sees", ["all", "self", "none"])
+def test_a_window_is_judged_per_row_on_real_queries_and_keys(left, padding_sees):
+    lengths, size, length = [5, 8, 3], 3, 8
+    own = np.arange(length)
+    given = np.array([[int((length - n <= k) if left else k < n) for k in range(length)] for n in lengths]) != 0
+    for kind, holds, not_held in (("window", f"window({size})", ("causal", f"band({size})")),
+                                  ("band", f"band({size})", ("full", f"window({size})"))):
+        keep = reference(lengths, size, length, left, kind, padding_sees)
+        for real_k in (given, real(keep, own, None)[0]):  # the model call's attention_mask; else read off the mask
+            placed = Placed(keep, own, real_k[:, own], real_k)
+            assert placed.holds(holds), (kind, real_k)
+            assert not any(placed.holds(other) for other in (*not_held, f"{kind}({size + 1})", f"{kind}({size - 1})"))
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, window):
+        super().__init__()
+        self.window = window
+
+    def forward(self, x):
+        n = x.shape[-2]
+        keep = torch.ones(n, n, dtype=torch.bool).tril()
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=keep.triu(1 - self.window) if self.window else keep)
+
+
+def _codes(model, x=None):
+    with maskcli.trace() as t, torch.no_grad():
+        model(torch.randn(1, 1, 6, 4) if x is None else x)
+    return sorted({(f.code, severity(f)) for group in t.groups() for f in group.findings if severity(f) != "note"})
+
+
+def test_configs_that_disagree_or_say_nothing_of_the_layers_stay_quiet():
+    class Held(torch.nn.Module):
+        def __init__(self, configs, windows):
+            super().__init__()
+            self.cfg, self.args = configs
+            self.layers = torch.nn.ModuleList(_Layer(w) for w in windows)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    # two configs that state different windows: neither is the expectation
+    assert _codes(Held(({"sliding_window": 3}, {"sliding_window": 2}), [2, 2])) == []
+    # the same window stated twice is one statement: window(3) against it is an off-by-one
+    assert ("window-off-by-one", "wrong") in _codes(Held(({"sliding_window": 2}, {"sliding_window": 2}), [3, 3]))
+    # sliding_window alone in a hand-written config: a Gemma that alternates with nothing that says so is quiet
+    assert _codes(Held(({"sliding_window": 2}, None), [2, None, 2, None])) == []
+    # ... but no layer windowed at all is the window gone
+    assert ("window-missing", "wrong") in _codes(Held(({"sliding_window": 2}, None), [None, None]))
+    # a `window` (which may be anything) is not read; an int window_size one off is suspicious (its count unsure)
+    assert _codes(Held(({"window": 2}, None), [3, 3])) == []
+    assert ("window-off-by-one", "suspicious") in _codes(Held(({"window_size": 2}, None), [3, 3]))
+
+
+def test_program_variables_speak_only_as_one_config():
+    model = torch.nn.Sequential(_Layer(None), _Layer(None))  # holds no config: the program's variables speak
+    encoder_config = {"is_causal": False}  # noqa: F841 - read from this frame by the trace
+    assert ("bidirectional-run-causal", "wrong") in _codes(model)
+    decoder_config = {"sliding_window": 4}  # noqa: F841 - a second config: which one is the model's is not known
+    assert _codes(model) == []
+
+
+def test_a_bidirectional_said_of_another_part_is_suspicious():
+    model = torch.nn.Sequential(_Layer(None), _Layer(None))
+    rnn_config = {"hidden_size": 8, "bidirectional": True}  # noqa: F841 - an LSTM's, maybe: nothing names attention
+    assert _codes(model) == [("bidirectional-run-causal", "suspicious")]
+    del rnn_config
+    attention_config = {"num_attention_heads": 2, "bidirectional": True}  # noqa: F841 - read from this frame
+    assert _codes(model) == [("bidirectional-run-causal", "wrong")]

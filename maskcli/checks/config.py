@@ -1,128 +1,318 @@
-"""What each layer's mask should be, read from the model's config as transformers reads it.
+"""What each layer's mask should be, read from the configs the program states its attention in (checks/intent.py).
 
-A layer's kind: `layer_types[i]` where the config has them (transformers 5 fills them in every
-config's __init__: Qwen2's from use_sliding_window and max_window_layers, configuration_qwen2.py
-lines 83-90); else `sliding_window` (unless use_sliding_window is False) makes every layer a sliding
-one, `attention_chunk_size` a chunked one. A rule here speaks only where the mask is exactly a
-specific wrong one (the window one key wider or narrower, plain causal where the window or the chunks
-would cut, a window on a full layer): a mask no such expression rebuilds (image spans, documents)
-is left to the rules that can name it.
+A layer's kind: `layer_types[i]` where a config has them (transformers 5 fills them in every config's __init__:
+Qwen2's from use_sliding_window and max_window_layers, configuration_qwen2.py lines 83-90); else a pattern
+(sliding_window_pattern, sliding_window_layers, Qwen2's max_window_layers); else `sliding_window` (unless
+use_sliding_window is False) makes every layer a sliding one, `attention_chunk_size` a chunked one. A config that
+states the attention bidirectional (is_causal=False, causal=False, bidirectional=True, use_bidirectional_attention)
+makes full layers full and a window symmetric.
+
+A rule here speaks only where the mask is exactly a specific wrong one (the window one key wider or narrower, plain
+causal where the window or the chunks would cut, a window on a full layer, a one-sided window or a causal mask where
+the config says both ways), compared per batch row on the real queries and keys only (the model call's
+attention_mask, else the padding read off the mask: keypadding), so a rule that holds unpadded holds padded; a mask
+no such expression rebuilds (image spans, documents) is left to the rules that can name it.
 """
 
 from __future__ import annotations
 
-from maskcli.checks.context import Run, columns_are_positions, equals, found_padding, keep, layer, queries
+import numpy as np
+
+from maskcli.checks.context import Run, columns_are_positions, found_padding, keep, layer, queries
+from maskcli.checks.intent import Intent, Stated, fields_of, intent, top_of
 from maskcli.checks.registry import Rule
+from maskcli.keypadding import valid
 from maskcli.text import Finding
+
+COUNTS_QUERY = "sliding_window counts the query itself, FlashAttention's window_size=(W-1, 0)"
 
 
 def layer_kind(config, index: int | None) -> tuple[str, str] | None:
-    """(sliding_attention | full_attention | chunked_attention, the config field that says so) for layer `index`."""
+    """(sliding_attention | full_attention | chunked_attention, the config field that says so) for layer `index` of a
+    config object or dict."""
     if config is None or index is None:
         return None
-    types = getattr(config, "layer_types", None)
-    if isinstance(types, (list, tuple)) and types:
-        return (str(types[index]), f"layer_types[{index}]") if index < len(types) else None
-    window = getattr(config, "sliding_window", None)
-    if isinstance(window, int) and window > 0 and getattr(config, "use_sliding_window", True) is not False:
-        return "sliding_attention", f"sliding_window={window}"
-    if isinstance(getattr(config, "attention_chunk_size", None), int):
-        return "chunked_attention", f"attention_chunk_size={config.attention_chunk_size}"
-    return "full_attention", "no sliding_window, layer_types or attention_chunk_size"
+    found = Intent([Stated("config", "", fields_of(config))]).kind(index)
+    return None if found is None else found[:2]
 
 
-def _placed(call, run: Run, cells) -> dict | None:
-    """How the call's queries sit among its keys, and the padding read off the mask; None where not known."""
-    top = run.top(call)
-    q_len, k_len = cells.shape[-2:]
-    if call.details.get("slots") is not None or q_len > k_len:
+class Placed:
+    """One call's cells with its query positions and the real queries and keys of each batch row."""
+
+    def __init__(self, cells: np.ndarray, own: np.ndarray, real_q: np.ndarray, real_k: np.ndarray):
+        self.cells, self.own, self.real_k = cells, own, real_k
+        rows = real_k.shape[0]
+        self.judged = (real_q[:, None, :, None] & real_k[:, None, None, :])  # (B, 1, Lq, Lk)
+        self.seen = np.broadcast_to(cells, (max(rows, cells.shape[0]), *cells.shape[1:]))
+        self.keys = np.arange(cells.shape[-1])
+        self._held: dict = {}
+
+    def holds(self, expression: str) -> bool:
+        """The cells are `expression` on every real query and key of every batch row (padding left to other rules)."""
+        if expression not in self._held:
+            expected = np.broadcast_to(self._expected(expression), self.judged.shape)
+            self._held[expression] = not ((self.seen != expected) & self.judged).any()
+        return self._held[expression]
+
+    def _expected(self, expression: str) -> np.ndarray:
+        q, k = self.own[:, None], self.keys[None, :]
+        name, _, size = expression.partition("(")
+        size = int(size.rstrip(")")) if size else 0
+        if name == "causal":
+            return (k <= q)[None, None]
+        if name == "full":
+            return np.ones((1, 1, 1, 1), bool)
+        if name == "window":
+            return ((k <= q) & (k > q - size))[None, None]
+        if name == "band":
+            return (np.abs(q - k) < size)[None, None]
+        start = self.real_k.argmax(axis=1)[:, None, None]  # local: chunks from each row's first real token
+        if name == "local@0":  # (chunks from column 0, whatever padding the row has)
+            start = np.zeros_like(start)
+        return ((k <= q)[None] & ((q[None] - start) // size == (k[None] - start) // size))[:, None]
+
+
+def real(cells: np.ndarray, own: np.ndarray, given) -> tuple[np.ndarray, np.ndarray]:
+    """Bool (B, Lk) real keys and (B, Lq) real queries of each batch row: the model call's 2-D attention_mask `given`
+    where it fits the keys, else the padding read off the mask (keypadding); a query is real where its key is."""
+    rows, _, q_len, k_len = cells.shape
+    if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == k_len and rows in (1, given.shape[0]):
+        real_k = given != 0
+    else:  # read off the mask; else with the query rows left out that see every key (as transformers unmasks a padding
+        # query) or only their own (as a hand-written mask or-s in the diagonal)
+        padding = found_padding(cells) or found_padding(cells & ~cells.all(axis=-1, keepdims=True))
+        if not padding and own[-1] < k_len:
+            itself = np.zeros(cells.shape[-2:], bool)
+            itself[np.arange(q_len), own] = True
+            padding = found_padding(cells & ~(cells == itself).all(axis=-1, keepdims=True))
+        real_k = valid(padding, rows, k_len)
+    real_k = np.ascontiguousarray(real_k)
+    inside = own < k_len
+    real_q = np.ones((real_k.shape[0], q_len), bool)
+    real_q[:, inside] = real_k[:, own[inside]]
+    return real_k, real_q
+
+
+def _placed(call, run: Run, cells) -> Placed | None:
+    """How the call's queries sit among its keys and which are real; None where not known (a ring buffer's slots,
+    more queries than keys: cross-attention)."""
+    top = top_of(run, call)
+    if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top):
         return None
-    placed = dict(found_padding(cells))
-    if columns_are_positions(call, top):
-        placed.update(offset=int(queries(call, top)[0]), kv_len=k_len)
-    return placed
+    own = queries(call, top)
+    real_k, real_q = real(cells, own, None if top is None else top.arguments.get("attention_mask"))
+    return Placed(cells, own, real_q, real_k)
 
 
-def _each_layer_call(run: Run):
-    """(call, config, its layer, (kind, field), cells, placing) once per distinct mask, shape and layer kind."""
+def _each_layer_call(run: Run) -> list:
+    """(call, intent, its layer, (kind, field, implicit), placed) once per distinct mask, shape, placing and intent;
+    made once per run (four rules read it), nothing where the program states no config."""
+    held = run.__dict__.get("_layer_calls")
+    if held is None:
+        held = run.__dict__["_layer_calls"] = list(_layer_calls(run)) if any(top.stated for top in run.tops) else []
+    return held
+
+
+def _layer_calls(run: Run):
     done = set()
     for call in run.calls:
-        config = run.config(call)
-        index = layer(call)
-        kind = layer_kind(config, index)
-        if kind is None or call.stored is None:
+        if call.stored is None:
             continue
-        key = (call.mask, call.shape, kind[0], call.details.get("queries") and tuple(call.details["queries"]))
+        stated = intent(run, call)
+        index = _index(run, call, stated)
+        kind = stated.kind(index) if stated else None
+        if kind is None and not (stated and stated.bidirectional()):
+            continue
+        top = top_of(run, call)
+        key = (call.mask, call.shape, kind and kind[0], stated.key, _padding(run, top),
+               call.details.get("queries") and tuple(call.details["queries"]), tuple(queries(call, top)[[0, -1]]))
         if key in done:
             continue
         done.add(key)
         cells = keep(call)
         placed = None if cells is None else _placed(call, run, cells)
         if placed is not None:
-            yield call, config, index, kind, cells, placed
+            yield call, stated, index, kind, placed
+
+
+def _padding(run: Run, top) -> bytes | None:
+    """The model call's attention_mask as bytes, read once per model call (calls that share it share their placing)."""
+    held = run.__dict__.setdefault("_padding", {})
+    if id(top) not in held:
+        given = None if top is None else top.arguments.get("attention_mask")
+        held[id(top)] = given.tobytes() + bytes(str(given.shape), "ascii") if isinstance(given, np.ndarray) else None
+    return held[id(top)]
+
+
+def _index(run: Run, call, stated: Intent) -> int | None:
+    """The call's layer: its module path's number, else its turn among the calls one line made in its model call where
+    those are as many as the config's layers (a forward that loops over its layers and attends in its own body)."""
+    index = layer(call)
+    count = stated.get("layers") if stated else None
+    if index is not None or not isinstance(count, int) or count < 2:
+        return index
+    turns = run.__dict__.setdefault("_turns", {})
+    if not turns:
+        seen: dict = {}
+        for other in run.calls:
+            key = (id(top_of(run, other)), other.where, other.details.get("caller"))
+            turns[other.index] = (key, seen.get(key, 0))
+            seen[key] = seen.get(key, 0) + 1
+        run.__dict__["_made"] = seen
+    key, turn = turns.get(call.index, (None, None))
+    return turn if key is not None and run.__dict__["_made"][key] == count else None
+
+
+def _layer(index, call) -> str:
+    return f"layer {index}" if index is not None else call.where
 
 
 def window(run: Run) -> list:
-    """A sliding layer's mask against config.sliding_window: one key wider or narrower, or no window at all."""
-    found = []
-    for call, config, index, (kind, field), cells, placed in _each_layer_call(run):
-        size = getattr(config, "sliding_window", None)
-        if kind != "sliding_attention" or not isinstance(size, int) or size < 2:
+    """A sliding layer's mask against the stated window: one key wider or narrower, no window, one-sided."""
+    found, missing, windowed = [], [], set()
+    for call, stated, index, kind, placed in _each_layer_call(run):
+        if kind is None or kind[0] != "sliding_attention" or stated.window() is None:
             continue
-        if equals(cells, f"window({size})", **placed):
+        size, name = stated.window()
+        where, source = _layer(index, call), stated.said(name)
+        if stated.bidirectional():
+            if placed.holds(f"band({size})") or placed.holds(f"band({size + 1})"):  # |q-k| < W or <= W: both in use
+                windowed.add((stated.said(name), index))
+            elif any(placed.holds(f"window({w})") for w in (size, size + 1, size - 1) if w >= 1):
+                windowed.add((stated.said(name), index))
+                sure = stated.sure_both_ways()
+                found.append((call, Finding("window-one-sided", (
+                    f"{where} sees a causal window of about {size} keys, but its config states the attention both ways "
+                    f"({stated.said(stated.bidirectional())}): the window should reach {size} keys on either side "
+                    f"({source})" + ("" if sure else f", unless {stated.bidirectional()} is said of another part")),
+                    severity=None if sure else "suspicious", expected=f"band({size})", source=source)))
+            elif placed.holds("full") and not placed.holds(f"band({size})"):
+                missing.append((call, index, kind, Finding("window-missing", (
+                    f"{where} is a sliding layer ({kind[1]}) but its mask has no window: queries see keys {size} or "
+                    f"more positions away ({source})"), expected=f"band({size})", source=source)))
             continue
-        source = f"config.sliding_window={size} ({field})"
+        if placed.holds(f"window({size})"):
+            windowed.add((source, index))
+            continue
         for other in (size + 1, size - 1):
-            if equals(cells, f"window({other})", **placed):
+            if other >= 1 and placed.holds(f"window({other})"):
+                windowed.add((source, index))
                 how = "wider" if other > size else "narrower"
+                sure = name == "sliding_window"
                 found.append((call, Finding("window-off-by-one", (
-                    f"layer {index} sees window({other}), one key {how} than its config's window({size}): an "
-                    f"off-by-one (sliding_window counts the query itself, FlashAttention's window_size=(W-1, 0))"),
-                    expected=f"window({size})", source=source)))
+                    f"{where} sees window({other}), one key {how} than its config's window({size}) ({source}): an "
+                    f"off-by-one ({COUNTS_QUERY})" if sure else
+                    f"{where} sees window({other}), one key {how} than the window({size}) its config states "
+                    f"({source}): an off-by-one unless its window_size counts the keys before the query only"),
+                    severity=None if sure else "suspicious", expected=f"window({size})", source=source)))
                 break
         else:
-            if equals(cells, "causal", **placed):
-                found.append((call, Finding("window-missing", (
-                    f"layer {index} is a sliding layer ({field}) but its mask is causal: queries see keys "
-                    f"{size} or more positions back"), expected=f"window({size})", source=source)))
+            if placed.holds("causal") and not placed.holds(f"window({size})"):
+                missing.append((call, index, kind, Finding("window-missing", (
+                    f"{where} is a sliding layer ({kind[1]}) but its mask is causal: queries see keys {size} or more "
+                    f"positions back ({source})" + ("" if name == "sliding_window" else ", unless its window_size is "
+                    "not the attention's")), severity=None if name == "sliding_window" else "suspicious",
+                    expected=f"window({size})", source=source)))
+    # sliding_window alone in a config not transformers': a layer without it is missing it where no layer has it, or
+    # where this layer has it at another step (a prefill with the window, a decode step without)
+    sources = {source for source, _ in windowed}
+    found += [(call, finding) for call, index, kind, finding in missing
+              if not kind[2] or finding.source not in sources or (finding.source, index) in windowed]
     return found
 
 
 def full_layers(run: Run) -> list:
-    """A full-attention layer (by layer_types) given a sliding window: the window read from the wrong field."""
+    """A full-attention layer (by layer_types or a pattern) given the sliding window: the window read from the wrong
+    field, or layer types hard-coded by index against the config's."""
     found = []
-    for call, config, index, (kind, field), cells, placed in _each_layer_call(run):
-        size = getattr(config, "sliding_window", None)
-        if kind != "full_attention" or not isinstance(size, int) or size < 1 or equals(cells, "causal", **placed):
+    for call, stated, index, kind, placed in _each_layer_call(run):
+        if kind is None or kind[0] != "full_attention" or stated.window() is None or kind[1].startswith("no "):
             continue
-        if any(equals(cells, f"window({w})", **placed) for w in (size, size + 1, size - 1) if w >= 1):
+        size, name = stated.window()
+        both = stated.bidirectional()
+        if placed.holds("full" if both else "causal"):
+            continue
+        shapes = ("band", "window") if both else ("window",)
+        if any(placed.holds(f"{shape}({w})") for shape in shapes for w in (size, size + 1, size - 1) if w >= 1):
             found.append((call, Finding("window-on-full-layer", (
-                f"layer {index} is a full-attention layer ({field}) but its mask is a sliding window of about "
-                f"{size} keys: the window applied to every layer, not by layer_types"), expected="causal", source=field)))
+                f"{_layer(index, call)} is a full-attention layer ({kind[1]}, {stated.sources.get(_field(kind[1]), '')}"
+                f") but its mask is a sliding window of about {size} keys: the window applied by the wrong layer "
+                f"types"), expected="full" if both else "causal", source=f"{kind[1]} ({stated.sources.get(_field(kind[1]), '')})")))
     return found
 
 
+def _field(said: str) -> str:
+    return said.split("[")[0].split("=")[0]
+
+
 def chunks(run: Run) -> list:
-    """A chunked layer (Llama 4's attention_chunk_size) whose mask is causal across the chunks."""
+    """A chunked layer (Llama 4's attention_chunk_size) whose mask is causal across the chunks, or chunks one off."""
     found = []
-    for call, config, index, (kind, field), cells, placed in _each_layer_call(run):
-        size = getattr(config, "attention_chunk_size", None)
-        if kind != "chunked_attention" or not isinstance(size, int) or size < 1:
+    for call, stated, index, kind, placed in _each_layer_call(run):
+        size = stated.get("attention_chunk_size")
+        if kind is None or kind[0] != "chunked_attention" or not isinstance(size, int) or size < 1:
             continue
-        if not equals(cells, f"local({size})", **placed) and equals(cells, "causal", **placed):
+        if placed.holds(f"local({size})"):
+            continue
+        where, source = _layer(index, call), stated.said("attention_chunk_size")
+        if placed.holds("causal"):
             found.append((call, Finding("chunks-missing", (
-                f"layer {index} is a chunked layer ({field}) but its mask is causal across chunks of {size}"),
-                expected=f"local({size})", source=f"config.attention_chunk_size={size}")))
+                f"{where} is a chunked layer ({kind[1]}) but its mask is causal across chunks of {size} ({source})"),
+                expected=f"local({size})", source=source)))
+            continue
+        if placed.holds(f"local@0({size})"):
+            b = int(placed.real_k.argmax(axis=1).argmax())
+            found.append((call, Finding("chunks-misaligned", (
+                f"{where} is chunked by {size} from column 0, but batch row {b} is left-padded: its chunks should "
+                f"start at its first real token, as its positions do ({source})"), expected=f"local({size})",
+                source=source)))
+            continue
+        for other in (size + 1, size - 1):
+            if other >= 1 and placed.holds(f"local({other})"):
+                found.append((call, Finding("chunks-off-by-one", (
+                    f"{where} is chunked by {other} positions, one {'more' if other > size else 'fewer'} than the "
+                    f"attention_chunk_size={size} its config states ({source})"), expected=f"local({size})",
+                    source=source)))
+                break
+    return found
+
+
+def both_ways(run: Run) -> list:
+    """A layer whose config states the attention bidirectional (an encoder, an embedding model) run causal."""
+    found = []
+    for call, stated, index, kind, placed in _each_layer_call(run):
+        said = stated.bidirectional()
+        if said is None or stated.decoder or placed.holds("full") or not placed.holds("causal"):
+            continue
+        if kind is not None and kind[0] == "sliding_attention" and stated.window() is not None:
+            size = stated.window()[0]
+            if any(placed.holds(f"window({w})") for w in (size, size + 1, size - 1) if w >= 1):
+                continue  # a one-sided window: window-one-sided says it
+        source, sure = stated.said(said), stated.sure_both_ways()
+        found.append((call, Finding("bidirectional-run-causal", (
+            f"{_layer(index, call)} is run causal, but its config states the attention both ways ({source}): "
+            f"each token should see the later ones too" + ("" if sure else f", unless {said} is said of another "
+            f"part (an RNN, a convolution)")), severity=None if sure else "suspicious", expected="full",
+            source=source)))
     return found
 
 
 RULES = (
     Rule("window-off-by-one", "wrong", "steps", "a sliding layer whose window is one key wider or narrower than the "
-         "config's sliding_window", window),
-    Rule("window-missing", "wrong", "steps", "a sliding layer (layer_types, sliding_window) whose mask has no window",
-         window),
+         "sliding_window its config states (any config: transformers', a dataclass, a dict)", window),
+    Rule("window-missing", "wrong", "steps", "a sliding layer (layer_types, a window pattern, sliding_window) whose "
+         "mask has no window", window),
+    Rule("window-one-sided", "wrong", "steps", "a sliding layer whose config states the attention bidirectional "
+         "but whose window looks back only", window),
     Rule("window-on-full-layer", "wrong", "steps", "a full-attention layer given the sliding window (layer types read "
-         "from the wrong field)", full_layers),
+         "from the wrong field, or hard-coded by index against the config's)", full_layers),
     Rule("chunks-missing", "wrong", "steps", "a chunked layer (attention_chunk_size) whose mask is causal across "
          "chunks", chunks),
+    Rule("chunks-off-by-one", "wrong", "steps", "a chunked layer whose chunks are one position longer or shorter "
+         "than attention_chunk_size", chunks),
+    Rule("chunks-misaligned", "wrong", "steps", "a chunked layer whose chunks start at column 0 of a left-padded "
+         "row, not at its first real token (transformers' chunked_overlay)", chunks),
+    Rule("bidirectional-run-causal", "wrong", "steps", "an encoder or embedding model whose config states the "
+         "attention bidirectional (is_causal=False, bidirectional, use_bidirectional_attention) run causal",
+         both_ways),
 )

@@ -31,6 +31,7 @@ class Top:
     arguments: dict = field(default_factory=dict)  # name -> np.ndarray (2-D int/bool tensors) or a short word
     first: int = 0
     end: int = 0
+    stated: tuple = ()  # maskcli.checks.intent.Stated: the configs the program states its attention in (trace/stated.py)
 
 
 @dataclass

@@ -124,6 +124,7 @@ class Trace:
         self.sites = Sites()
         self.tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
         self._cache: dict = {}
+        self._stated: dict = {}  # id(outermost module) -> (module, the configs it states: trace/stated.py)
         self._handles: list = []
         self.mode = _Mode(self)
         self._unwrap: list = []
@@ -287,9 +288,11 @@ class Trace:
         if not self.sites.stack and opened is not None and opened[0] is module:
             self._local.opened = None
             if len(self.calls) > opened[1]:  # an outermost call that made attention calls: what the checks read of it
+                from maskcli.trace.stated import stated
                 from maskcli.trace.tops import top
 
-                self.tops.append(top(self.sites.shown(module), module, args, kwargs, opened[1], len(self.calls)))
+                said = stated(module, self.sites.path, self._stated)  # (read once per module: trace/stated.py)
+                self.tops.append(top(self.sites.shown(module), module, args, kwargs, opened[1], len(self.calls), said))
 
     # --- recording ----------------------------------------------------------------------------
 

@@ -75,6 +75,12 @@ class Sites:
     def shown(self, module) -> str:
         return self._names.get(id(module), (module, ""))[1] or type(module).__name__
 
+    def path(self, module) -> str | None:
+        """The prefix of the `where` of the calls made in `module` ("" for an outermost module named by itself); None
+        where it is not named."""
+        found = self._names.get(id(module))
+        return None if found is None else found[1]
+
     def step(self, key: tuple) -> int:
         step = self._steps[key]
         self._steps[key] += 1

@@ -28,7 +28,7 @@ def _signature(cls) -> inspect.Signature | None:
         return None
 
 
-def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int) -> Top:
+def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, stated: tuple = ()) -> Top:
     """The Top of one outermost call: its config and the position arguments it was given (positional ones by name)."""
     given = dict(kwargs)
     signature = _signature(type(module))
@@ -50,7 +50,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int) -> 
         sizes = _static_sizes(cache)
         if sizes:
             found["cache_slots"] = sizes
-    return Top(where, getattr(module, "config", None), found, first, end)
+    return Top(where, getattr(module, "config", None), found, first, end, stated)
 
 
 def _held(cache) -> int | None:

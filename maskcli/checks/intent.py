@@ -1,0 +1,231 @@
+"""The program's stated intent: the attention fields its configs state, wherever it keeps them, each with its source.
+
+A config is any object or dict that carries one of FIELDS: a transformers config, a dataclass, a SimpleNamespace, an
+argparse Namespace, a plain dict or an object of a class named like one (ModelArgs, GPTConfig, HParams). Trace finds
+them once per outermost module (trace/stated.py): those its modules hold as attributes (`self.config`, `self.cfg`,
+`self.args`, `self.hparams`, ...), each speaking for the calls at or under that module; else the one config the
+program's own variables hold where the model is called (`hf_config = {...}` at the top of the main module, a
+`cfg` in main() handed to a builder), speaking for every call. Only the fields are kept (read once, not the object).
+
+Where configs that speak for one call state a field differently (two configs that disagree), the field is left
+out: nothing is expected of it. A layer's kind comes from the most explicit field (layer_types, then a pattern, then
+Qwen2's max_window_layers, then sliding_window / attention_chunk_size alone); `implicit` says it came from
+sliding_window alone in a config that is not transformers' (a hand-written Gemma may alternate with nothing that says
+so: config.py then speaks only where no layer has the window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+FLAGS = ("transformers", "other_layers", "decoder", "attention")  # what a Stated's fields say of the config, not fields of it
+FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
+          "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
+          "use_sliding_window", "max_window_layers")
+PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers")
+COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+NAMES = ("config", "cfg", "args", "hparams", "hp", "params", "model_args", "model_config", "conf", "settings", "opt")
+LIKE = ("config", "args", "param", "setting", "conf", "option")  # words of a config class's name
+ATTENTION = ("head", "attn", "attention")  # words of a field name that say a config is about attention
+GENERAL = ("causal", "bidirectional")  # fields an RNN's or a convolution's config may state as well
+OTHER_LAYERS = ("every_n", "attention_layers", "attention_types", "block_type", "interval", "global_attn", "local_attn",
+                "attn_types", "stride")  # per-layer fields read nowhere here: where one is set, layer kinds are unknown
+
+
+@dataclass(frozen=True)
+class Stated:
+    """One config's fields, where it was found, and the module path whose calls it speaks for (None: every call)."""
+
+    source: str  # "self.cfg of layers.0 (ModelConfig)", "hf_config (dict) at the top of prog.py"
+    scope: str | None
+    fields: dict  # FIELDS it states (value not None), "layers" (its layer count) and FLAGS
+
+
+def config_like(value, named: bool = False) -> bool:
+    """A value that may be a config: a dict with str keys, a dataclass instance, a namespace, a transformers config, an
+    object of a class named like one, or any object a module keeps under a config's name (`named`)."""
+    if isinstance(value, dict):
+        return True
+    if isinstance(value, type) or callable(value) and not hasattr(value, "__dict__"):
+        return False
+    kind = type(value)
+    if dataclasses.is_dataclass(value) or kind.__name__ in ("SimpleNamespace", "Namespace") or hasattr(value, "_fields"):
+        return True
+    if any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in kind.__mro__):
+        return True
+    return (hasattr(value, "__dict__") or hasattr(kind, "__slots__")) and (
+        named or any(word in kind.__name__.lower() for word in LIKE))
+
+
+def fields_of(value) -> dict:
+    """The FIELDS a config states (None values left out), its layer count, whether it is transformers' and whether it
+    has a per-layer field read nowhere here; {} where it states none of FIELDS."""
+    if isinstance(value, dict):
+        items = {k: v for k, v in value.items() if isinstance(k, str)}
+    else:
+        try:
+            items = dict(vars(value))
+        except TypeError:  # (slots, a named tuple: its fields read one by one below)
+            items = {name: getattr(value, name, None) for name in (*COUNTS, *getattr(value, "_fields", ()))}
+        for name in FIELDS:  # (a transformers config maps some names: attribute_map; a dataclass may use slots)
+            if name not in items:
+                try:
+                    items[name] = getattr(value, name)
+                except Exception:  # noqa: BLE001 - a property of the program's that raises: not stated
+                    pass
+    found = {name: items[name] for name in FIELDS if items.get(name) is not None}
+    if not found:
+        return {}
+    for name in COUNTS:
+        if isinstance(items.get(name), int):
+            found["layers"] = items[name]
+            break
+    found["transformers"] = any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(value).__mro__)
+    if found["transformers"]:
+        found.pop("window_size", None)  # (transformers' attention reads sliding_window; a window_size is a vision window)
+    found["attention"] = any(word in name.lower() for name in items if isinstance(name, str) for word in ATTENTION)
+    found["decoder"] = bool(items.get("is_decoder") or items.get("is_encoder_decoder"))  # whose is_causal is a part's
+    found["other_layers"] = any(any(word in name for word in OTHER_LAYERS) and items[name] not in (None, False, 0, [], ())
+                                for name in items if isinstance(name, str))
+    if isinstance(found.get("layer_types"), tuple):
+        found["layer_types"] = list(found["layer_types"])
+    return found
+
+
+class Intent:
+    """The fields stated for one call, merged over the configs that speak for it; each field with its source."""
+
+    def __init__(self, stated: list[Stated]):
+        self.values: dict = {}
+        self.sources: dict = {}
+        dropped = set()
+        for one in stated:
+            for name, value in one.fields.items():
+                if name in FLAGS:
+                    continue
+                if name in self.values and not _same(self.values[name], value):
+                    dropped.add(name)  # two configs that disagree: nothing expected of it
+                self.values.setdefault(name, value)
+                self.sources.setdefault(name, one.source)
+        for name in dropped:
+            del self.values[name]
+        self.transformers = any(one.fields.get("transformers") for one in stated)
+        self.other_layers = any(one.fields.get("other_layers") for one in stated)
+        self.decoder = any(one.fields.get("decoder") for one in stated)
+        self.attention = any(one.fields.get("attention") for one in stated)
+        self.key = repr((sorted(self.values.items()), sorted(self.sources.items()), self.transformers,
+                         self.other_layers, self.decoder))  # (layers stated alike are judged once per mask)
+
+    def __bool__(self) -> bool:
+        return bool(self.values)
+
+    def get(self, name: str):
+        return self.values.get(name)
+
+    def said(self, name: str) -> str:
+        """`name=value` with where it was stated: "sliding_window=3 (hf_config (dict) at the top of prog.py)."""
+        return f"{name}={self.values[name]!r} ({self.sources[name]})"
+
+    def window(self) -> tuple[int, str] | None:
+        """(W, field) of the stated sliding window: sliding_window, else an int window_size (its count unsure)."""
+        for name in ("sliding_window", "window_size"):
+            value = self.values.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value, name
+        return None
+
+    def bidirectional(self) -> str | None:
+        """The field that states the attention bidirectional (is_causal=False, causal=False, bidirectional=True,
+        use_bidirectional_attention=True); None where none does or they disagree."""
+        said = {name: self.values[name] is (name in ("bidirectional", "use_bidirectional_attention"))
+                for name in ("is_causal", "causal", "bidirectional", "use_bidirectional_attention")
+                if isinstance(self.values.get(name), bool)}
+        if not said or len(set(said.values())) > 1 or not next(iter(said.values())):
+            return None
+        return next((name for name in said if name not in GENERAL), next(iter(said)))
+
+    def sure_both_ways(self) -> bool:
+        """The bidirectional statement is about attention: is_causal or use_bidirectional_attention, or causal /
+        bidirectional in a config that names attention fields (heads, attn); an RNN's `bidirectional` is not."""
+        said = self.bidirectional()
+        return said is not None and (said not in GENERAL or self.attention)
+
+    def kind(self, index: int | None) -> tuple[str, str, bool] | None:
+        """(sliding_attention | full_attention | chunked_attention, the field that says so, implicit) for layer
+        `index` (None: a call of no numbered layer, whose kind is known where every layer's is the same)."""
+        types = self.values.get("layer_types")
+        if isinstance(types, list) and types:
+            if index is None:
+                return (str(types[0]), "layer_types", False) if len(set(map(str, types))) == 1 else None
+            return (str(types[index]), f"layer_types[{index}]", False) if index < len(types) else None
+        if self.other_layers:
+            return None
+        window = self.window()
+        sliding = window is not None and self.values.get("use_sliding_window", True) is not False
+        pattern = self.values.get("sliding_window_pattern")
+        if index is None and sliding and any(self.values.get(name) is not None for name in PER_LAYER):
+            return None
+        if sliding and isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+            full = (index + 1) % pattern == 0  # transformers' Gemma 3 / Cohere2: every pattern-th layer is full
+            return ("full_attention" if full else "sliding_attention"), f"sliding_window_pattern={pattern}", False
+        layers = self.values.get("sliding_window_layers")
+        if sliding and isinstance(layers, (list, tuple)) and layers:
+            if all(isinstance(x, bool) for x in layers):
+                chosen = index < len(layers) and layers[index]
+            else:
+                chosen = index in layers
+            return ("sliding_attention" if chosen else "full_attention"), "sliding_window_layers", False
+        most = self.values.get("max_window_layers")
+        if sliding and isinstance(most, int) and (self.transformers or self.values.get("use_sliding_window") is True):
+            kind = "sliding_attention" if index >= most else "full_attention"  # configuration_qwen2.py 87-91
+            return kind, f"max_window_layers={most}", False
+        if sliding:
+            return "sliding_attention", f"{window[1]}={window[0]}", not self.transformers
+        chunk = self.values.get("attention_chunk_size")
+        if isinstance(chunk, int) and chunk > 0:
+            return "chunked_attention", f"attention_chunk_size={chunk}", False
+        if self.values.get("use_sliding_window") is False and window is None:
+            return None
+        return "full_attention", "no sliding_window, layer_types or attention_chunk_size", False
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare: not the same
+        return False
+
+
+def stated_for(top, where: str | None) -> list[Stated]:
+    """The configs that speak for a call at module path `where` made within `top`: those of modules at or above it,
+    else (where no module of the model holds a config) the program's one config variable."""
+    stated = getattr(top, "stated", ()) if top is not None else ()
+    where = where or ""
+    held = [one for one in stated if one.scope is not None]  # (trace/stated.py keeps a config once, where highest)
+    if held:
+        return [one for one in held if one.scope == "" or where == one.scope or where.startswith(one.scope + ".")]
+    return [one for one in stated if one.scope is None]
+
+
+def top_of(run, call):
+    """run.top(call), from an index built once per run (the rules here ask it of every call)."""
+    index = run.__dict__.get("_top_index")
+    if index is None or index[0] != len(run.tops):
+        found = {}
+        for top in run.tops:  # (the last that began before a call is its innermost: later ones overwrite)
+            found.update(dict.fromkeys(range(top.first, top.end), top))
+        index = run.__dict__["_top_index"] = (len(run.tops), found)
+    return index[1].get(call.index)
+
+
+def intent(run, call) -> Intent:
+    """The stated intent for one call of `run` (cached per model call and module path)."""
+    top = top_of(run, call)
+    stated = () if top is None else top.stated
+    key = (id(stated), call.where)  # (the steps of one model share its tuple: trace/stated.py reads it once)
+    cache = run.__dict__.setdefault("_intents", {})
+    found = cache.get(key)
+    if found is None or found[0] is not stated:
+        found = cache[key] = (stated, Intent(stated_for(top, call.where)))
+    return found[1]
