@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from maskcli.commands import app
 
 BUGS = Path(__file__).parent / "data" / "bugs"
+ROWS = Path(__file__).parent / "data" / "rows"  # the same bugs written as other projects write them (checks/real.py)
 runner = CliRunner()
 
 
@@ -35,3 +36,26 @@ def check_bug(tmp_path, name: str, code: str, folder: Path = BUGS, args: tuple =
     assert [f for f in found if f["severity"] == "wrong"] == [], report
     assert status == 0, report
     return flagged
+
+
+def caught(tmp_path, name: str, codes: tuple[str, ...]) -> dict:
+    """tests/data/rows/NAME.py is flagged wrong by one of `codes` and exits 1 (that finding, for its cell); its fix
+    exits 0 with no wrong and no suspicious finding."""
+    status, found, report = traced(tmp_path, name, fixed=False, folder=ROWS)
+    assert status == 1, report
+    hits = [f for f in found if f["code"] in codes and f["severity"] == "wrong"]
+    assert hits, report
+    status, found, report = traced(tmp_path, name, fixed=True, folder=ROWS)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report
+    return hits[0]
+
+
+def first(shape: tuple[int, int, int], bad) -> tuple[int, int, int] | None:
+    """The first (b, q, k) in row-major order where bad(b, q, k), by a plain double loop (the tests' reference)."""
+    for b in range(shape[0]):
+        for q in range(shape[1]):
+            for k in range(shape[2]):
+                if bad(b, q, k):
+                    return (b, q, k)
+    return None

@@ -33,3 +33,33 @@ def test_documents_start_where_positions_restart_between_real_tokens():
             new = positions[b, i] == 0 and real[b, i] and real[b, i - 1]
             expected[b, i] = expected[b, i - 1] + bool(new)
     assert document_starts(positions, real).tolist() == expected.tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 0]]
+
+
+# a padding mask the wrong way round, however the model call states its padding (checks/real.py)
+
+def test_a_padding_mask_handed_to_sdpa_as_true_is_pad_is_found(tmp_path):
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "sdpa_padding_mask_true_is_pad", ("padding-ignored",))
+    ids = [[3, 4, 5, 0, 0], [6, 7, 8, 9, 10], [1, 2, 0, 0, 0]]
+    # the mask handed to SDPA keeps the padding (True = pad); the attention_mask says 0 = padding
+    expected = first((3, 5, 5), lambda b, q, k: ids[b][q] != 0 and ids[b][k] == 0)
+    assert tuple(hit["cell"]) == expected and "wrong way round" in hit["message"]
+
+
+def test_an_mha_key_padding_mask_built_from_lengths_the_other_way_round_is_found(tmp_path):
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "mha_lengths_mask_reversed", ("padding-ignored",))
+    lengths = [6, 4, 2]  # MHA ignores True, and True was a real frame
+    expected = first((3, 6, 6), lambda b, q, k: q < lengths[b] and k >= lengths[b])
+    assert tuple(hit["cell"]) == expected and "lengths" in hit["source"]
+
+
+def test_a_mask_made_from_the_ids_the_wrong_way_round_is_found_by_the_embeddings_padding_idx(tmp_path):
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "ids_pad_mask_reversed", ("padding-ignored",))
+    ids = [[5, 6, 7, 8], [9, 10, 0, 0], [11, 0, 0, 0]]
+    expected = first((3, 4, 4), lambda b, q, k: ids[b][q] != 0 and ids[b][k] == 0)
+    assert tuple(hit["cell"]) == expected and "pad id 0" in hit["source"]

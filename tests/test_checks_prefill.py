@@ -139,3 +139,38 @@ def test_a_speculative_trees_verification_after_prefill_is_not_a_chunk_bug(tmp_p
     result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
     found = [f for group in json.loads(out.read_text())["groups"] for f in group["findings"] if f["severity"] == "wrong"]
     assert result.exit_code == 1 and [(f["code"], f["cell"]) for f in found] == [("prefill-chunks-differ", [0, 6, 0])]
+
+
+# a chunked prefill whose window over-attends: chunks see more keys than one pass would
+
+def test_a_left_padded_chunked_prefill_whose_window_is_measured_from_the_chunks_start_is_found(tmp_path):
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "chunked_prefill_window_from_chunk_start", ("prefill-chunks-differ",))
+    real = [[0, 0] + [1] * 10, [1] * 12]
+    w, chunk = 4, 4
+
+    def chunked(b, q, k):  # what the program's chunks let query q see
+        return real[b][k] and k <= q and (q // chunk) * chunk - k < w
+
+    def one_pass(b, q, k):
+        return real[b][k] and k <= q and q - k < w
+
+    # real queries only; a query that sees more of its own chunk is not a chunking slip (prefill.py's _differ)
+    expected = first((2, 12, 12), lambda b, q, k: real[b][q] and chunked(b, q, k) != one_pass(b, q, k)
+                     and not (chunked(b, q, k) and k >= (q // chunk) * chunk))
+    assert tuple(hit["cell"]) == expected
+
+
+def test_a_plain_chunked_prefill_that_lets_every_query_see_the_caches_last_window_is_found(tmp_path):
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "chunked_prefill_cache_window", ("window-lost", "prefill-chunks-differ"))
+    w, chunk = 4, 6
+
+    def seen(q, k):  # the program's mask of the chunk holding query q
+        start = (q // chunk) * chunk
+        return k <= q and (q - k < w or (start > 0 and k < start and start - k < w))
+
+    expected = first((1, 18, 18), lambda b, q, k: q >= chunk and seen(q, k) and q - k >= w)
+    assert hit["code"] == "window-lost" and tuple(hit["cell"]) == expected

@@ -208,3 +208,78 @@ def test_no_false_alarm_on_a_left_padded_generate(tmp_path, family, attn):
     prefill = [c for c in trace["calls"] if c["where"].startswith("model.language_model") and c["shape"][2] > 1]
     later = [np.triu(tracefile.keep_of(c, trace)[1, 0], 1).any() for c in prefill]  # the unpadded row
     assert prefill and all(later), result.output  # every layer's prefill has its span seen both ways, and was judged
+
+
+# spans a hand-written model call states without token_type_ids
+
+def test_a_prefix_lm_boundary_one_token_short_is_found_by_the_prefix_len_the_model_is_called_with(tmp_path):
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "prefix_lm_one_short", ("span-not-bidirectional",))
+    prefix = 5  # the first 5 tokens see each other both ways; the program's mask made the first 4 so
+    expected = first((1, 8, 8), lambda b, q, k: q < k < prefix and not (k < prefix - 1 and q < prefix - 1))
+    assert tuple(hit["cell"]) == expected
+
+
+def test_an_image_span_placed_from_another_rows_image_mask_is_found_on_a_left_padded_batch(tmp_path):
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "image_span_first_row", ("span-not-bidirectional",))
+    image = [[0, 1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1, 0]]  # one image per row
+    # what the program let through above the diagonal: row 0's image, in every row
+    expected = first((2, 8, 8), lambda b, q, k: q < k and image[b][q] and image[b][k] and not (image[0][q] and image[0][k]))
+    assert tuple(hit["cell"]) == expected
+
+
+def test_image_tokens_a_model_attends_causally_are_quiet(tmp_path):
+    """LLaVA attends its image tokens causally: an image_mask says where they are, not that they are bidirectional."""
+    import json
+
+    from checkbugs import runner
+    from maskcli.commands import app
+
+    script = tmp_path / "llava.py"
+    script.write_text(
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "class M(nn.Module):\n"
+        "    def forward(self, x, image_mask):\n"
+        "        return F.scaled_dot_product_attention(x, x, x, is_causal=True)\n"
+        "M()(torch.randn(1, 2, 6, 4), torch.tensor([[0, 1, 1, 1, 0, 0]]).bool())\n")
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    found = [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
+    assert result.exit_code == 0 and [f for f in found if f["severity"] != "note"] == [], result.output
+
+
+def test_spans_stated_by_a_hand_written_model_calls_arguments_match_a_loop_over_positions():
+    import numpy as np
+
+    from maskcli.checks.context import Top
+    from maskcli.checks.spans import _stated
+
+    mask = np.array([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8])  # row 0 left-padded by 2
+
+    def ids(found):
+        return found[1].tolist()
+
+    def loop(span):  # block ids: each run of span tokens numbered 0, 1, ... per row, -1 elsewhere
+        out = []
+        for row in span:
+            number, before, ids_ = -1, False, []
+            for inside in row:
+                number += inside and not before
+                ids_.append(number if inside else -1)
+                before = inside
+            out.append(ids_)
+        return out
+
+    starts = [2, 0]
+    prefix = [[starts[b] <= t < starts[b] + 3 for t in range(8)] for b in range(2)]
+    assert ids(_stated(Top("M", arguments={"attention_mask": mask, "prefix_len": 3}), 2, 8)) == loop(prefix)
+    images = [[starts[b] <= t < starts[b] + 2 for t in range(8)] for b in range(2)]
+    found = _stated(Top("M", arguments={"attention_mask": mask, "num_image_tokens": 2}), 2, 8)
+    assert ids(found) == loop(images) and not found[0].stated
+    at = np.array([[3, 4, 6], [1, 2, 6]])
+    placed = [[t in at[b].tolist() for t in range(8)] for b in range(2)]
+    assert ids(_stated(Top("M", arguments={"pixel_positions": at}), 2, 8)) == loop(placed)
+    assert _stated(Top("M", arguments={"attention_mask": mask}), 2, 8) is None

@@ -56,3 +56,24 @@ def test_a_function_shared_by_a_causal_and_a_full_caller_is_two_call_sites(tmp_p
         found = [f for group in json.loads(out.read_text())["groups"] for f in group["findings"]]
         assert result.exit_code == status, result.output
         assert [f["code"] for f in found if f["severity"] == "wrong"] == (["causal-lost"] if bug else []), result.output
+
+
+# the same bug written as other projects write it: a window the prefill has, gone at decode, on a left-padded batch
+# (a window test that needs every query row to see a key fails on every left-padded batch: checks/real.py)
+
+def test_a_window_lost_at_decode_is_found_in_a_hand_written_model_over_a_left_padded_batch(tmp_path):
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "window_lost_left_padded_model", ("window-lost",))
+    real = [[0, 0, 1, 1, 1, 1, 1], [1] * 7]  # decode step 1: the attention_mask over 7 keys, the query at 6
+    expected = first((2, 1, 7), lambda b, q, k: real[b][k] == 1 and 6 - k >= 3)  # W = 3
+    assert tuple(hit["cell"]) == (expected[0], 6, expected[2])
+
+
+def test_a_window_lost_at_decode_is_found_in_a_plain_softmax_over_a_batch_padded_by_lengths(tmp_path):
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "window_lost_left_padded_softmax", ("window-lost",))
+    start = [7 - 3, 7 - 7]  # lengths 3, 7 left-padded to 7; decode step 1: 8 keys, the query at 7
+    expected = first((2, 1, 8), lambda b, q, k: k >= start[b] and 7 - k >= 4)  # W = 4
+    assert tuple(hit["cell"]) == (expected[0], 7, expected[2])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, queries
+from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -27,20 +28,28 @@ def _cells_by_row(call, rows: int):
 
 
 def padding(run: Run) -> list:
-    """Real queries that see a key the model call's attention_mask marks as padding."""
+    """Real queries that see a key the model call states is padding (its attention_mask, a key padding mask, lengths,
+    or its input ids at the pad id: checks/real.py), whichever way round the mask handed to the kernel was built."""
     found, done = [], set()
     for call in run.calls:
         top = run.top(call)
-        given = None if top is None else top.arguments.get("attention_mask")
-        if given is None or given.ndim != 2 or given.min() > 0 or given.max() > 1 or call.stored is None:
+        if top is None or call.stored is None or not top.arguments:
             continue
         if getattr(top.config, "is_encoder_decoder", False) or not columns_are_positions(call, top):
             continue
-        rows, length = given.shape
-        key = (call.mask, call.shape, given.tobytes(), tuple(queries(call, top)))
-        static = "cache_position" in top.arguments and call.shape[3] > length  # a static cache's slots past the mask
-        if key in done or (call.shape[3] != length and not static):
-            continue  # (keys that are not the mask's tokens: a prompt prepended inside the model, CPM-Ant's)
+        rows, k_len = call.shape[0], call.shape[3]
+        given = top.arguments.get("attention_mask")
+        said = stated(top, rows, k_len)
+        if said is None and isinstance(given, np.ndarray) and given.ndim == 2 and "cache_position" in top.arguments \
+                and k_len > given.shape[1]:  # a static cache's slots past the mask (cache.py's)
+            said = stated(top, rows, given.shape[1])
+        if said is None:
+            continue  # (keys that are not the stated tokens: a prompt prepended inside the model, CPM-Ant's)
+        real, source, sure = said
+        length = real.shape[1]
+        key = (call.mask, call.shape, real.tobytes(), tuple(queries(call, top)))
+        if key in done:
+            continue
         done.add(key)
         cells = _cells_by_row(call, rows)
         if cells is None:
@@ -48,16 +57,20 @@ def padding(run: Run) -> list:
         own = queries(call, top)
         inside = own < length
         real_q = np.zeros((rows, len(own)), dtype=bool)
-        real_q[:, inside] = given[:, own[inside]] == 1
-        pad_k = given == 0  # (rows, L): keys past L are the cache's (cache.py)
-        bad = cells[:, :, :length] & real_q[:, :, None] & pad_k[:, None, :]
+        real_q[:, inside] = real[:, own[inside]]
+        bad = cells[:, :, :length] & real_q[:, :, None] & ~real[:, None, :]
         if bad.any():
             b, q, k = first_cell(bad)
             step = "a decode step" if call.shape[2] == 1 and call.step > 0 else f"step {call.step}"
+            earlier = np.arange(length)[None, None, :] <= np.minimum(own, length - 1)[None, :, None]
+            hidden = int((~cells[:, :, :length] & real_q[:, :, None] & real[:, None, :] & earlier).sum())
+            turned = f"; it hides {hidden} real keys: a padding mask the wrong way round?" if hidden else ""
+            said_by = source if source.startswith("input ids") else "the " + source.replace(" of ", " given to ", 1)
             found.append((call, Finding("padding-ignored", (
-                f"batch row {b}: query {int(own[q])} sees key {k}, which the attention_mask given to "
-                f"{top.where} marks as padding ({step}; {int(bad.sum())} such cells)"),
-                expected="the attention_mask's padding on every key", source=f"attention_mask of {top.where}",
+                f"batch row {b}: query {int(own[q])} sees key {k}, which {said_by} "
+                f"{'mark' if source.split(' ')[0].endswith('s') else 'marks'} as padding ({step}; {int(bad.sum())} such "
+                f"cells{turned})" + ("" if sure else f" (if token id {top.arguments.get('pad_id')} is padding there)")),
+                None if sure else "suspicious", expected="no real query sees a padding key", source=source,
                 cell=(b, int(own[q]), k))))
     return found
 

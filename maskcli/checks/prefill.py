@@ -21,7 +21,10 @@ import numpy as np
 
 from maskcli.checks.config import layer_kind
 from maskcli.checks.context import DENSE_CELLS, Run, first_cell, found_padding, keep, layer, queries
+from maskcli.checks.boundaries import _index
+from maskcli.checks.real import read_off, stated
 from maskcli.checks.registry import Rule
+from maskcli.keypadding import options
 from maskcli.text import Finding
 
 
@@ -91,7 +94,7 @@ def _window(rows: np.ndarray) -> int | None:
 
 def expectation(first, chunks: list, union: np.ndarray, config) -> tuple[str, str] | None:
     """(expression, where it comes from) of the one-pass mask: the config's layer kind, else the first chunk's shape."""
-    index = layer(first)
+    index = _index(first, config)
     kind = layer_kind(config, index)
     if kind is not None:
         name, field = kind
@@ -117,8 +120,18 @@ def _differ(union: np.ndarray, cells: np.ndarray, chunks: list) -> np.ndarray:
     return (cells != union) & ~(cells & ~union & inside)
 
 
-def _one_pass(run: Run, chunks: list, union: np.ndarray) -> tuple[str, str, np.ndarray] | None:
-    """(expression, where it comes from, its cells (B, P, P)) of the one-pass mask where the first chunk is that mask's
+def _real(run: Run, chunks: list, union: np.ndarray) -> np.ndarray:
+    """Bool (B, P): the prompt's real tokens, as its last chunk's model call states them, else read off the chunks put
+    together (checks/real.py)."""
+    rows, prompt = union.shape[0], union.shape[-1]
+    said = stated(run.top(chunks[-1][0]), rows, prompt)
+    if said is not None:
+        return said[0]
+    return read_off(union, np.arange(prompt))[0]
+
+
+def _one_pass(run: Run, chunks: list, union: np.ndarray) -> tuple[str, str, np.ndarray, np.ndarray] | None:
+    """(expression, where it comes from, its cells (B, P, P), the chunks' cells on real query rows) of the one-pass mask where the first chunk is that mask's
     rows; None where it is not known, or the chunks put together are it (or, from the first chunk alone, a window
     wider than it: a first chunk shorter than the window is causal)."""
     first = chunks[0][0]
@@ -126,12 +139,14 @@ def _one_pass(run: Run, chunks: list, union: np.ndarray) -> tuple[str, str, np.n
     tops = [top for top in (run.top(call) for call, _, _ in chunks) if top is not None]
     if getattr(config, "is_encoder_decoder", False) or any(np.any(top.arguments.get(name, 0)) for top in tops for name in SPANS):
         return None
+    real = _real(run, chunks, union)
+    union = union & real[:, :, None]  # padding query rows are not read (they may see every key: no NaN)
     expected = expectation(first, chunks, union, config)
-    padding = found_padding(union[:, None])
+    padding = options(real) if (~real).any() else found_padding(union[:, None])
     cells = None if expected is None else _built(expected[0], union.shape[-1], padding)
     if cells is None or cells.shape[0] not in (1, union.shape[0]):
         return None
-    cells = np.broadcast_to(cells, union.shape)
+    cells = np.broadcast_to(cells, union.shape) & real[:, :, None]
     head = len(chunks[0][1])
     if np.array_equal(cells, union) or not np.array_equal(cells[:, :head], union[:, :head]):
         return None  # the same; or the first chunk differs already, which a rule that reads one call says
@@ -139,7 +154,7 @@ def _one_pass(run: Run, chunks: list, union: np.ndarray) -> tuple[str, str, np.n
         window = _built(f"window({width})", union.shape[-1], padding)
         if window is not None and np.array_equal(np.broadcast_to(window, union.shape), union):
             return None
-    return (*expected, cells)
+    return (*expected, cells, union)
 
 
 def chunked(run: Run) -> list:
@@ -151,6 +166,8 @@ def chunked(run: Run) -> list:
         for chunks in runs(run, calls):
             union = together(chunks)
             expected = None if union is None else _one_pass(run, chunks, union)
+            if expected is not None:
+                union = expected[3]  # (its padding query rows left out)
             differ = None if expected is None else _differ(union, expected[2], chunks)
             if differ is None or not differ.any():
                 continue

@@ -88,11 +88,27 @@ def later(call, stored: dict, structure) -> list[Finding]:
     q_len, k_len = call.shape[2:]
     own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
     rows = np.flatnonzero((reach(stored, q_len)[1] > own[None, :]).any(axis=0))
+    if len(rows) and stored["form"] != "stats" and structure is not None and structure.kind is None:
+        rows = _real_rows(stored, own, rows)  # (a mask no kind names: its padding rows may see every key)
     if len(rows) == 0 or (structure is not None and structure.kind is None and _both_ways(stored, q_len, k_len)):
         return []
     shown = spans(rows[:200].tolist())
     return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys): "
                     "a causal mask with an off-by-one, or one read the wrong way round?")]
+
+
+def _real_rows(stored: dict, own: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The query rows of `rows` that see a later key in some batch row where they are a real query (checks/real.py): the
+    padding rows of a left-padded batch that Hugging Face's SDPA path lets see every key are not a causal mask's slip."""
+    from maskcli.checks.real import by_row, read_off
+
+    cells = tracefile.dense(stored)
+    if cells.shape[0] < 2:
+        return rows
+    planes = by_row(cells)
+    real = read_off(planes, own)[1]
+    later = (planes & (np.arange(planes.shape[-1])[None, None, :] > own[None, :, None])).any(axis=-1)  # (B, Lq)
+    return np.flatnonzero((later & real).any(axis=0))
 
 
 def _both_ways(stored: dict, q_len: int, k_len: int) -> bool:

@@ -62,6 +62,7 @@ class Family:
     outside: str  # a token outside every span
     layers: str  # "all", or the one layer type that gets the spans
     on: Callable = lambda text_config: True  # whether this config makes the spans bidirectional at all
+    stated: bool = True  # the argument says the spans are bidirectional; else only where they are, and say which
 
 
 FAMILIES = {
@@ -78,11 +79,58 @@ def _text_config(config):
     return found() if callable(found) else config
 
 
-def _family(top) -> tuple[Family, np.ndarray] | None:
-    """The family and its block ids (B, L) for this model call, where it is one of FAMILIES and was given its argument."""
+PREFIX = ("prefix_len", "prefix_lens", "prefix_length", "num_prefix_tokens")  # a prefix-LM's bidirectional prefix
+IMAGES = ("image_mask", "image_positions", "pixel_positions", "num_image_tokens")  # where images are, not how seen
+
+
+def _first_real(top, rows: int, length: int) -> np.ndarray:
+    """Int64 (rows, 1): each row's first real token by the model call's attention_mask (0 without one)."""
+    given = top.arguments.get("attention_mask")
+    if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape == (rows, length):
+        return (np.cumsum(given, axis=1) == 0).sum(axis=1)[:, None]
+    return np.zeros((rows, 1), dtype=np.int64)
+
+
+def _stated(top, rows: int, length: int) -> tuple[Family, np.ndarray] | None:
+    """A hand-written model call's spans (B, L) block ids: a prefix length (PaliGemma's prefix, counted from each row's
+    first real token), or where its images are (an image mask, their positions, a count of image tokens first): one
+    span per run of image tokens."""
+    if not any(name in top.arguments for name in (*PREFIX, *IMAGES)):
+        return None  # (most model calls: no spans stated)
+    columns = np.arange(length)[None, :]
+    first = _first_real(top, rows, length)
+    for name in PREFIX:
+        given = top.arguments.get(name)
+        given = np.asarray(given) if isinstance(given, (int, np.ndarray)) else None
+        if given is not None and given.size in (1, rows) and given.ndim <= 1:
+            size = given.reshape(-1, 1)
+            return Family(name, None, "prefix", "suffix", "all"), one_span((columns >= first) & (columns < first + size))
+    for name in IMAGES:
+        given = top.arguments.get(name)
+        if name == "image_mask" and isinstance(given, np.ndarray) and given.shape == (rows, length):
+            is_image = given != 0
+        elif name in ("image_positions", "pixel_positions") and isinstance(given, np.ndarray) and given.ndim in (1, 2) \
+                and given.size and 0 <= given.min() and given.max() < length:
+            is_image = np.zeros((rows, length), dtype=bool)
+            at = np.broadcast_to(given.reshape(-1 if given.ndim == 2 else 1, given.shape[-1]), (rows, given.shape[-1]))
+            is_image[np.arange(rows)[:, None], at] = True
+        elif name == "num_image_tokens" and isinstance(given, (int, np.ndarray)) and np.asarray(given).size == 1:
+            is_image = (columns >= first) & (columns < first + int(np.asarray(given).reshape(-1)[0]))
+        else:
+            continue
+        if is_image.any():
+            return Family(name, None, "image", "text", "all", stated=False), runs(is_image)
+    return None
+
+
+def _family(top, rows: int = 0, length: int = 0) -> tuple[Family, np.ndarray] | None:
+    """The family and its block ids (B, L) for this model call, where it is one of FAMILIES and was given its argument,
+    else where it states its spans by another argument (_stated)."""
     config = None if top is None else top.config
     family = FAMILIES.get(getattr(config, "model_type", None))
-    if family is None or not family.on(_text_config(config)):
+    if family is None:
+        return None if top is None or not length else _stated(top, rows, length)
+    if not family.on(_text_config(config)):
         return None
     given = top.arguments.get(family.argument)
     if not isinstance(given, np.ndarray) or given.ndim != 2:
@@ -118,18 +166,63 @@ def _at(ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 def _spanned(run: Run):
     """(call, its model call, family, block ids, query positions) for each call whose later keys the token types judge."""
+    if not any(getattr(top.config, "model_type", None) in FAMILIES or any(name in top.arguments for name in (*PREFIX, *IMAGES))
+               for top in run.tops):
+        return  # no model call of the run gives spans (most runs stop here)
+    shown = _shown_both_ways(run)
     for call in run.calls:
         top = run.top(call)
-        family = _family(top)
+        family = _family(top, call.shape[0], _length(top, call))
         if family is None or call.stored is None or any(word in (call.where or "").split(".") for word in TOWERS):
             continue
         family, ids = family
         rows, _, q_len, k_len = call.shape
         if ids.shape[0] != rows or q_len > k_len or not columns_are_positions(call, top):
             continue
+        if not family.stated and (id(top), _kind(run, call)) not in shown:
+            continue  # images placed but not said bidirectional, and no mask of this kind shows them so (LLaVA: causal)
         own = queries(call, top)
         if own[-1] < ids.shape[1]:  # token types that cover every query (a decode step given the new ones only: not)
             yield call, top, family, ids, own
+
+
+def _length(top, call) -> int:
+    """The model call's sequence length: its attention_mask's or input ids', else the call's keys."""
+    for name in ("attention_mask", "input_ids", "idx", "tokens"):
+        given = None if top is None else top.arguments.get(name)
+        if isinstance(given, np.ndarray) and given.ndim == 2:
+            return int(given.shape[1])
+    return int(call.shape[3])
+
+
+def _kind(run: Run, call) -> str:
+    found = layer_kind(_text_config(run.config(call)), layer(call))
+    return "all" if found is None else found[0]
+
+
+def _shown_both_ways(run: Run) -> set:
+    """(model call, layer kind) where a mask lets a real token of an image see a later token of the same image: the
+    program's own word that its image spans are bidirectional there (for spans placed by an argument that does not
+    say so)."""
+    found = set()
+    for call in run.calls:
+        top = run.top(call)
+        if top is None or call.stored is None or not any(name in top.arguments for name in IMAGES):
+            continue
+        family = _family(top, call.shape[0], _length(top, call))
+        if family is None or family[0].stated or call.shape[2] < 2 or not columns_are_positions(call, top):
+            continue
+        ids, own = family[1], queries(call, top)
+        cells = keep(call)
+        if cells is None or cells.shape[0] not in (1, ids.shape[0]) or own[-1] >= ids.shape[1]:
+            continue
+        k_len = call.shape[3]
+        q_ids, k_ids = _at(ids, own), _at(ids, np.arange(k_len))
+        later = (np.arange(k_len)[None, :] > own[:, None])[None]
+        same = (q_ids[:, :, None] == k_ids[:, None, :]) & (q_ids[:, :, None] >= 0)
+        if (cells.any(axis=1) & later & same).any():
+            found.add((id(top), _kind(run, call)))
+    return found
 
 
 def explained(run: Run) -> set[int]:
@@ -166,15 +259,19 @@ class _Layer:
             return self.family.outside
         return self.family.what if self.family.what == "prefix" else f"{self.family.what} {int(block)}"
 
-    def finding(self, code: str, bad: np.ndarray, said: Callable[[int, int, int], str]) -> tuple:
+    def finding(self, code: str, bad: np.ndarray, said: Callable[[int, int, int], str], severity: str | None = None) -> tuple:
         """The finding at the first True of `bad` (B, Lq, Lk): `said` words that cell, the message adds the rest."""
         b, q, k = first_cell(bad)
         expected, source = self.expected(b), f"{self.family.argument} of {self.top.where}"
         index = layer(self.call)
         where = f"layer {index}" if index is not None else self.call.where
         shown = expected if len(expected) <= LONGEST else re.sub(r"blocks\([^)]*\)", "blocks(...)", expected)
-        message = f"{where}, row {b}: {said(b, q, k)} ({int(bad.sum())} cells); {self.family.argument} say {shown}"
-        return self.call, Finding(code, message, expected=expected, source=source, cell=(b, int(self.own[q]), k))
+        says = ("say" if self.family.argument.endswith("ids") else "says") if self.family.stated else \
+            "place the images, seen both ways elsewhere in its masks, so"
+        message = f"{where}, row {b}: {said(b, q, k)} ({int(bad.sum())} cells); {self.family.argument} {says} {shown}"
+        if severity == "suspicious":
+            message += " (if only the image tokens are bidirectional, each image a span of its own)"
+        return self.call, Finding(code, message, severity, expected=expected, source=source, cell=(b, int(self.own[q]), k))
 
 
 def check(run: Run) -> list:
@@ -210,7 +307,7 @@ def _judged(at: _Layer, cells: np.ndarray) -> list:
     found = []
     if leak.any():
         found.append(at.finding("span-leak", leak, lambda b, q, k: f"query {int(own[q])} ({at.name(q_ids[b, q])}) sees "
-                                f"later key {k} ({at.name(k_ids[b, k])})"))
+                                f"later key {k} ({at.name(k_ids[b, k])})", None if at.family.stated else "suspicious"))
     if missing.any():
         found.append(at.finding("span-not-bidirectional", missing, lambda b, q, k: f"query {int(own[q])} does not see "
                                 f"later key {k} of its own {at.name(q_ids[b, q])}"))

@@ -15,59 +15,71 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, equals, first_cell, found_padding, keep, queries
+from maskcli.checks.real import Real, by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
-def _padded(cells: np.ndarray) -> np.ndarray | None:
-    """Bool (B, Lk): keys no query of a batch row sees while some query of another row does; None where none."""
-    seen = cells.any(axis=(1, 2))
-    if seen.shape[0] < 2:
-        return None
-    padded = ~seen & seen.any(axis=0, keepdims=True)
-    return padded if padded.any() else None
-
-
-def _window(cells: np.ndarray, own: np.ndarray) -> int | None:
-    """W where every batch row and head of the prefill is exactly a window of W keys up to each query (cut at the
-    row's first seen key) and the window cuts somewhere; else None."""
+def _window(cells: np.ndarray, own: np.ndarray, real: Real) -> int | None:
+    """W where every real query of every batch row and head of the prefill sees exactly the W keys up to its own (cut at
+    its row's first real key) and the window cuts somewhere; else None. Padding query rows are not read: a window
+    test that needs every query row to see a key fails on every left-padded batch."""
+    judged = np.broadcast_to(real.queries[:, None, :], cells.shape[:-1])  # (B, H, Lq)
     seen = cells.any(axis=-1)
-    if not seen.all():
+    if not judged.any() or not seen[judged].all():
         return None
     k_len = cells.shape[-1]
-    first = np.where(cells.any(axis=-1), cells.argmax(axis=-1), k_len)  # (B, H, Lq)
+    first = np.where(seen, cells.argmax(axis=-1), k_len)  # (B, H, Lq)
     last = k_len - 1 - cells[..., ::-1].argmax(axis=-1)
     count = cells.sum(axis=-1)
-    if not (last == own).all() or not (count == last - first + 1).all():
+    own3 = np.broadcast_to(own[None, None, :], first.shape)
+    if not (last == own3)[judged].all() or not (count == last - first + 1)[judged].all():
         return None  # not one run ending at the query's own key
-    width = int(count.max())
-    start = first.min(axis=-1, keepdims=True)  # each row's first key (its padding's end)
-    if not (first == np.maximum(start, own - width + 1)).all() or (first == start).all():
+    width = int(count[judged].max())
+    start = np.broadcast_to(real.keys.argmax(axis=-1)[:, None, None], first.shape)  # each row's first real key
+    if not (first == np.maximum(start, own3 - width + 1))[judged].all() or not (first > start)[judged].any():
         return None  # not a window, or one that never cuts
     return width
 
 
 def _prefill(call, top):
-    """(padded, window) a prefill shows (each is None where it shows none); None where it
-    shows neither or cannot be read."""
+    """(padded (B, Lk) or None, window or None, real) a prefill shows; None where it shows neither or cannot be read."""
     cells = keep(call)
     if cells is None or not columns_are_positions(call, top):
         return None
-    padded, window = _padded(cells), _window(cells, queries(call, top))
+    real = resolve(call, top, by_row(cells, max(cells.shape[0], call.shape[0])))
+    padded = ~real.keys if (~real.keys).any() else None
+    window = _window(np.broadcast_to(cells, (real.keys.shape[0], *cells.shape[1:])), queries(call, top), real)
     return None if padded is None and window is None else (padded, window)
+
+
+class _Asking:
+    """A decode step's real queries (B, 1, Lq), resolved once and only when asked (most steps hold their prefill's
+    padding and window, and are never asked)."""
+
+    def __init__(self, call, top, cells, rows):
+        self.call, self.top, self.cells, self.rows, self.found = call, top, cells, rows, None
+
+    def __call__(self) -> np.ndarray:
+        if self.found is None:
+            self.found = resolve(self.call, self.top, by_row(self.cells, self.rows)).queries[:, None, :]
+        return self.found
 
 
 def sites(run: Run) -> list:
     """Each decode step against the latest prefill (its first query at position 0) before it at its site: a later
     prefill is a new sequence (another batch, an encoder called again with another mask), not a step behind the
     cache."""
-    found = []
+    found, read = [], {}
     for where, calls in run.sites().items():
         head = shown = None
         for call in calls:
             later_top = run.top(call)
             if queries(call, later_top)[:1].tolist() == [0]:  # a prefill (a static cache's too: its unwritten slots after)
-                head, shown, done = call, _prefill(call, later_top), {call.mask}
+                key = (call.mask, call.shape, id(later_top))  # (every layer's prefill of one model call: one mask)
+                if key not in read:
+                    read[key] = _prefill(call, later_top)
+                head, shown, done = call, read[key], {call.mask}
                 continue
             if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not columns_are_positions(call, later_top):
                 continue
@@ -77,9 +89,13 @@ def sites(run: Run) -> list:
                 continue
             padded, window = shown
             own = queries(call, later_top)
+            rows = max(later.shape[0], call.shape[0])
+            asking = _Asking(call, later_top, later, rows)  # its real queries, resolved where a rule would speak
             if padded is not None and later.shape[0] in (1, padded.shape[0]):
                 width = padded.shape[1]
                 bad = later[..., :width] & padded[:, None, None, :]  # (one mask row for every batch row broadcasts)
+                if bad.any():
+                    bad = bad & asking()[..., None]
                 if bad.any():
                     b, h, q, k = first_cell(bad)
                     found.append((call, Finding("padding-lost", (
@@ -90,6 +106,8 @@ def sites(run: Run) -> list:
                     continue
             if window is not None:
                 back = own[None, None, :] - np.where(later.any(axis=-1), later.argmax(axis=-1), own[None, None, :])
+                if (back >= window).any():
+                    back = np.where(asking(), back, 0)
                 if (back >= window).any():
                     b, h, q = first_cell(back >= window)
                     found.append((call, Finding("window-lost", (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import numpy as np
 import torch
@@ -16,7 +17,13 @@ import torch
 from maskcli.checks.context import Top
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
-             "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")
+             "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
+             # what else states where tokens are, as hand-written models name it (checks/real.py, tree.py, spans.py):
+             "input_ids", "idx", "tokens", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
+             "padding_mask", "pad_mask", "tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets",
+             "image_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
+             "num_prefix_tokens", "num_image_tokens")
+SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens")  # arguments kept as a plain int too
 MOST = 1 << 20  # elements of one argument kept (a batch's 2-D ids; never a 4-D mask)
 
 
@@ -41,6 +48,9 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         if isinstance(value, torch.Tensor) and value.dim() <= 2 and value.numel() <= MOST and value.device.type != "meta" \
                 and (value.dtype == torch.bool or not value.is_floating_point()):
             found[name] = value.detach().cpu().numpy().astype(np.int64)
+        elif isinstance(value, int) and not isinstance(value, bool) and name in SCALARS:
+            found[name] = value
+    found.update(_token_ids(module))
     cache = given.get("cache", given.get("past_key_values"))  # (transformers 5.24's keyword; the older name)
     if cache is not None:
         found["past_key_values"] = type(cache).__name__
@@ -75,3 +85,32 @@ def _static_sizes(cache) -> tuple[int, ...]:
     layers = getattr(cache, "self_attention_cache", cache)  # (an encoder-decoder's: its decoder's own keys)
     found = {getattr(layer, "max_cache_len", None) for layer in getattr(layers, "layers", None) or ()}
     return tuple(sorted(size for size in found if isinstance(size, int) and size > 0))
+
+
+def _token_ids(module) -> dict:
+    """pad_id and eos_id the program states: its config's pad_token_id / eos_token_id, else the module's own attributes
+    of those names, else (pad_id) its token embedding's padding_idx (nn.Embedding(padding_idx=...))."""
+    held = _IDS.get(module)
+    if held is not None:
+        return held
+    found = {}
+    config = getattr(module, "config", None)
+    for name, fields in (("pad_id", ("pad_token_id", "pad_id", "pad_idx", "padding_idx")),
+                         ("eos_id", ("eos_token_id", "eos_id"))):
+        for owner in (config, module):
+            value = next((getattr(owner, f, None) for f in fields if isinstance(getattr(owner, f, None), int)), None)
+            if value is not None and not isinstance(value, bool):
+                found[name] = int(value)
+                break
+    if "pad_id" not in found:
+        embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
+        if embedding is not None and embedding.padding_idx is not None:
+            found["pad_id"] = int(embedding.padding_idx)
+    try:
+        _IDS[module] = found
+    except TypeError:
+        pass
+    return found
+
+
+_IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per module: read once, however many steps call it

@@ -1,0 +1,119 @@
+"""Which queries and keys of each batch row are real tokens, resolved before a rule compares rows.
+
+A rule that holds on an unpadded batch must hold on a padded one: it reads the real queries and keys of
+each batch row, never the clean shape of one example. The padding is, in this order:
+
+1. stated by the model call (the program's own word, so a rule may call a mask that contradicts it wrong):
+   its `attention_mask` (1 = a real token, as Hugging Face and BERT take it), a `key_padding_mask` /
+   `padding_mask` / `pad_mask` (True = padding, as torch names it), `lengths` / `seq_lens` (each row's real
+   tokens first, or last where its input ids lead with the pad id), or its input ids equal to the pad id the
+   program states (config `pad_token_id`, its embedding's `padding_idx`) in a run at one end of each row;
+2. else read off the mask: a key no real query of a batch row sees while a real query of another row does.
+   Query rows that see no key, and rows that see every key where other rows of the same batch row do not
+   (Hugging Face's SDPA path unmasks the padding rows so that they give no NaN), are not real queries there.
+
+Query rows whose own position is a padding key are padding too; no rule fires on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from maskcli.checks.context import queries
+
+PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = padding
+LENGTHS = ("lengths", "seq_lens", "seq_lengths", "input_lengths")
+TOKENS = ("input_ids", "idx", "tokens")
+
+
+@dataclass(frozen=True)
+class Real:
+    """Bool (B, Lk) real keys and (B, Lq) real queries of one call, and the statement they come from."""
+
+    keys: np.ndarray
+    queries: np.ndarray
+    source: str | None  # "attention_mask of Model", ...; None where read off the mask
+    sure: bool = False  # the program states it outright (a contradiction is wrong, not suspicious)
+
+
+def _edge(pad: np.ndarray) -> bool:
+    """Every row's padding one run at the start or at the end (a padded batch), and some row has none."""
+    if not pad.any() or pad.all(axis=1).any() or not (~pad.any(axis=1)).any():
+        return False
+    count = pad.sum(axis=1, keepdims=True)
+    columns = np.arange(pad.shape[1])[None, :]
+    return bool(((columns < count) == pad).all() or ((columns >= pad.shape[1] - count) == pad).all())
+
+
+def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
+    """(bool (rows, length) real tokens, the argument that says it, whether outright) the model call states for its
+    `length` tokens; None where it states none, or states two masks that differ (an encoder's and a decoder's). Its
+    input ids are read only where it is given no mask."""
+    if top is None:
+        return None
+    arguments, found = top.arguments, []
+    for name in ("attention_mask", *PADDING_TRUE):
+        given = arguments.get(name)
+        if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.size \
+                and given.min() >= 0 and given.max() <= 1 and given.shape[0] in (1, rows):
+            found.append(((given == 1) if name == "attention_mask" else (given == 0), name, True))
+    tokens = next((arguments[n] for n in TOKENS if isinstance(arguments.get(n), np.ndarray)), None)
+    tokens = tokens if tokens is not None and tokens.ndim == 2 and tokens.shape == (rows, length) else None
+    for name in LENGTHS:
+        given = arguments.get(name)
+        if isinstance(given, np.ndarray) and given.shape == (rows,) and given.min(initial=0) >= 0 \
+                and given.max(initial=0) <= length:
+            columns = np.arange(length)[None, :]
+            left = tokens is not None and "pad_id" in arguments and (tokens[:, 0] == arguments["pad_id"]).any()
+            found.append(((columns >= length - given[:, None]) if left else (columns < given[:, None]), name, True))
+    pad_id = arguments.get("pad_id")
+    if not found and tokens is not None and isinstance(pad_id, int) and _edge(tokens == pad_id):  # (a mask given wins)
+        sure = pad_id != arguments.get("eos_id")  # (a pad id that is also the EOS may end a real sequence)
+        found.append((tokens != pad_id, f"input ids equal to the pad id {pad_id}", sure))
+    if not found:
+        return None
+    first = np.broadcast_to(found[0][0], (rows, length))
+    if any(not np.array_equal(np.broadcast_to(real, (rows, length)), first) for real, _, _ in found[1:]):
+        return None
+    real, name, sure = found[0]
+    return first, (name if name.startswith("input ids") else f"{name} of {top.where}"), sure
+
+
+def read_off(cells: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(real keys (B, Lk), real queries (B, Lq)) read off bool cells (B, Lq, Lk) (over the heads)."""
+    rows, q_len, k_len = cells.shape
+    empty = ~cells.any(axis=-1)
+    full = cells.all(axis=-1) & (q_len > 1) & (own < k_len - 1)[None, :]  # (the last query sees every key: causal)
+    full &= ~full.all(axis=1, keepdims=True)  # rows that see every key where others do not (unmasked padding rows)
+    counted = ~(empty | full)
+    seen = (cells & counted[:, :, None]).any(axis=1)  # (B, Lk): keys a counted query sees
+    padded = ~seen & seen.any(axis=0, keepdims=True) if rows > 1 else np.zeros_like(seen)
+    keys = ~padded
+    inside = (own >= 0) & (own < k_len)
+    mine = np.zeros((rows, q_len), dtype=bool)
+    mine[:, inside] = keys[:, own[inside]]
+    return keys, mine & ~empty
+
+
+def resolve(call, top, cells: np.ndarray) -> Real:
+    """The real keys and queries of `call` (cells: bool (B, Lq, Lk) over the heads, batch rows broadcast), stated
+    where the model call states them for the call's keys, else read off the cells."""
+    rows, q_len, k_len = cells.shape
+    own = queries(call, top)
+    said = stated(top, rows, k_len)
+    if said is None:
+        keys, mine = read_off(cells, own)
+        return Real(keys, mine, None)
+    keys, source, sure = said
+    inside = (own >= 0) & (own < k_len)
+    mine = np.zeros((rows, q_len), dtype=bool)
+    mine[:, inside] = keys[:, own[inside]]
+    return Real(keys, mine, source, sure)
+
+
+def by_row(cells: np.ndarray, rows: int | None = None) -> np.ndarray:
+    """Bool (B, Lq, Lk) over the heads of keep cells (b, h, Lq, Lk), batch rows broadcast to `rows`."""
+    found = cells.any(axis=1)
+    return found if rows is None else np.broadcast_to(found, (rows, *found.shape[1:]))

@@ -1,0 +1,119 @@
+"""checks/boundaries.py: a chunked layer's chunks and EOS-delimited documents, judged per batch row on its real tokens,
+on programs written as other projects write them (tests/data/rows), against a double loop over positions."""
+
+from __future__ import annotations
+
+from checkbugs import caught, first
+
+
+def _chunk_cell(real, seen, size, q_len, k_len, own):
+    """The rule's first cell by a double loop: a leak (another chunk) first, else a miss (its own chunk)."""
+    starts = [row.index(1) for row in real]
+
+    def judged(b, q, k):
+        return real[b][own[q]] and real[b][k] and k <= own[q]
+
+    def same(b, q, k):
+        return (own[q] - starts[b]) // size == (k - starts[b]) // size
+
+    shape = (len(real), q_len, k_len)
+    leak = first(shape, lambda b, q, k: judged(b, q, k) and seen(b, q, k) and not same(b, q, k))
+    return leak or first(shape, lambda b, q, k: judged(b, q, k) and not seen(b, q, k) and same(b, q, k))
+
+
+def test_a_llama4_style_chunked_layer_that_counts_chunks_from_column_0_of_a_left_padded_row_is_found(tmp_path):
+    hit = caught(tmp_path, "chunks_from_column_zero", ("chunks-misplaced",))
+    real = [[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8]
+    cell = _chunk_cell(real, lambda b, q, k: q // 3 == k // 3 and k <= q and real[b][k], 3, 8, 8, list(range(8)))
+    assert tuple(hit["cell"]) == cell
+
+
+def test_a_decode_step_that_counts_its_chunk_from_the_caches_column_is_found(tmp_path):
+    hit = caught(tmp_path, "chunks_decode_from_cache_column", ("chunks-misplaced",))
+    real = [[0, 0, 0, 1, 1, 1, 1], [1] * 7]  # decode step 1: 7 keys, the query at column 6
+    position = [[k - 3 for k in range(7)], list(range(7))]  # each key's position in its row
+    cell = _chunk_cell(real, lambda b, q, k: real[b][k] and position[b][k] // 4 == 6 // 4, 4, 1, 7, [6])
+    assert tuple(hit["cell"]) == (cell[0], 6, cell[2])
+
+
+def _eos_cell(ids, eos, seen):
+    """The first real query that sees a key with an EOS strictly between them, by a double loop."""
+    t = len(ids[0])
+    return first((len(ids), t, t), lambda b, q, k: k < q and seen(b, q, k) and eos in ids[b][k + 1:q])
+
+
+def test_a_document_mask_made_from_the_first_rows_eos_is_found_leaking_in_the_second_row(tmp_path):
+    hit = caught(tmp_path, "eos_documents_first_row_only", ("eos-documents-leak",))
+    ids = [[5, 6, 1, 7, 8, 9, 1, 3], [4, 4, 4, 4, 1, 6, 7, 8]]
+    ends = [i for i, t in enumerate(ids[0]) if t == 1]
+
+    def seen(b, q, k):  # the program's mask: row 0's documents (an EOS ends its own) in every row
+        return k <= q and sum(e < q for e in ends) == sum(e < k for e in ends)
+
+    assert tuple(hit["cell"]) == _eos_cell(ids, 1, seen)
+
+
+def test_a_document_mask_cut_at_each_rows_first_eos_only_is_found(tmp_path):
+    hit = caught(tmp_path, "eos_documents_first_eos_only", ("eos-documents-leak",))
+    ids = [[5, 2, 6, 7, 2, 8, 9, 10], [3, 4, 5, 2, 6, 2, 7, 8]]
+
+    def seen(b, q, k):
+        cut = ids[b].index(2)
+        return k <= q and (q <= cut) == (k <= cut)
+
+    assert tuple(hit["cell"]) == _eos_cell(ids, 2, seen)
+
+
+def test_chunks_counted_from_each_packed_documents_positions_are_quiet(tmp_path):
+    """A chunked layer over packed documents that restarts its chunks with their position_ids is correct too (so is
+    transformers' count from the row's first token, tested above by the fixes)."""
+    import json
+
+    from checkbugs import runner
+    from maskcli.commands import app
+
+    script = tmp_path / "packed.py"
+    script.write_text(
+        "from types import SimpleNamespace\n"
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.config = SimpleNamespace(attention_chunk_size=3, layer_types=['chunked_attention'])\n"
+        "    def forward(self, x, position_ids):\n"
+        "        p, doc = position_ids, torch.cumsum(position_ids == 0, -1)\n"
+        "        mask = (p[:, None, :] // 3 == p[:, :, None] // 3) & (doc[:, None, :] == doc[:, :, None])\n"
+        "        mask &= torch.ones(8, 8, dtype=torch.bool).tril()\n"
+        "        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask[:, None])\n"
+        "M()(torch.randn(1, 1, 8, 4), torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]))\n")
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    found = [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
+    assert result.exit_code == 0 and [f for f in found if f["severity"] != "note"] == [], result.output
+
+
+def test_a_chunked_layer_over_eos_packed_rows_that_attends_across_eos_on_purpose_is_quiet(tmp_path):
+    """Its chunks cut beside an EOS by chance, and elsewhere too: that is no document mask by the EOS."""
+    import json
+
+    from checkbugs import runner
+    from maskcli.commands import app
+
+    script = tmp_path / "chunks.py"
+    script.write_text(
+        "from types import SimpleNamespace\n"
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.config = SimpleNamespace(attention_chunk_size=3, layer_types=['chunked_attention'], eos_token_id=1)\n"
+        "    def forward(self, input_ids):\n"
+        "        i = torch.arange(9)\n"
+        "        x = torch.randn(1, 1, 9, 4)\n"
+        "        mask = (i[None, :] // 3 == i[:, None] // 3) & (i[None, :] <= i[:, None])\n"
+        "        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)\n"
+        "M()(torch.tensor([[5, 6, 1, 7, 8, 9, 4, 1, 3]]))\n")
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    found = [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
+    assert result.exit_code == 0 and [f for f in found if f["severity"] != "note"] == [], result.output

@@ -1,0 +1,94 @@
+"""checks/real.py: the real queries and keys of each batch row, stated by the model call or read off the mask,
+against a double loop over positions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from maskcli.checks.context import Top
+from maskcli.checks.real import read_off, stated
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _left_padded(starts, length, unmask_padding_rows):
+    """Bool (B, L, L) causal over each row's real keys, by a double loop; padding rows see every key or none."""
+    cells = np.zeros((len(starts), length, length), dtype=bool)
+    for b, start in enumerate(starts):
+        for q in range(length):
+            for k in range(length):
+                cells[b, q, k] = (unmask_padding_rows and q < start) or (start <= k <= q and q >= start)
+    return cells
+
+
+def test_padding_is_read_off_a_left_padded_mask_whether_its_padding_rows_see_every_key_or_none():
+    starts, length = [3, 0, 1], 6
+    for unmask in (True, False):
+        keys, queries = read_off(_left_padded(starts, length, unmask), np.arange(length))
+        assert keys.tolist() == [[k >= s for k in range(length)] for s in starts]
+        assert queries.tolist() == [[q >= s for q in range(length)] for s in starts]
+
+
+def test_one_row_or_rows_that_agree_have_no_padding_to_read():
+    cells = np.broadcast_to(np.tril(np.ones((4, 4), dtype=bool)), (2, 4, 4))
+    keys, queries = read_off(cells, np.arange(4))
+    assert keys.all() and queries.all()
+
+
+def test_the_model_calls_statement_of_its_padding_in_each_form():
+    lengths = np.array([4, 2])
+    expected = [[k < n for k in range(4)] for n in lengths]
+    forms = {
+        "attention_mask": np.array(expected, dtype=np.int64),
+        "key_padding_mask": 1 - np.array(expected, dtype=np.int64),
+        "lengths": lengths,
+    }
+    for name, value in forms.items():
+        real, source, sure = stated(Top("Model", arguments={name: value}), 2, 4)
+        assert real.tolist() == expected and source == f"{name} of Model" and sure
+    ids = np.array([[5, 6, 7, 8], [5, 6, 0, 0]])
+    real, source, sure = stated(Top("Model", arguments={"input_ids": ids, "pad_id": 0}), 2, 4)
+    assert real.tolist() == expected and sure
+    # a pad id that is also the EOS may end a real sequence: said, but not outright
+    assert stated(Top("Model", arguments={"input_ids": ids, "pad_id": 0, "eos_id": 0}), 2, 4)[2] is False
+    # the pad id inside a row (not a run at one end) is no padding
+    assert stated(Top("Model", arguments={"input_ids": np.array([[5, 0, 7, 8], [5, 6, 7, 8]]), "pad_id": 0}), 2, 4) is None
+    # two statements that differ (an encoder's and a decoder's): neither is taken
+    both = {"attention_mask": forms["attention_mask"], "padding_mask": np.zeros((2, 4), dtype=np.int64)}
+    assert stated(Top("Model", arguments=both), 2, 4) is None
+
+
+def test_a_mask_given_wins_over_the_pad_id_in_the_input_ids():
+    """A model called with an attention_mask and ids whose last token is the pad id (a real token there: GPT-2's pad
+    is its EOS): the mask says it."""
+    ids = np.array([[5, 6, 7, 0], [5, 6, 0, 0]])
+    mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0]])
+    real, source, _ = stated(Top("Model", arguments={"input_ids": ids, "pad_id": 0, "attention_mask": mask}), 2, 4)
+    assert real.tolist() == (mask == 1).tolist() and source == "attention_mask of Model"
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "mingpt", "annotated_transformer", "translation_transformer"])
+def test_correct_programs_others_wrote_get_no_alarm(tmp_path, name):
+    import json
+
+    from checkbugs import runner
+    from maskcli.commands import app
+
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(ROOT / "tests" / "programs" / f"{name}.py")])
+    found = [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
+    assert result.exit_code == 0 and [f for f in found if f["severity"] == "wrong"] == [], result.output
+    assert [f["code"] for f in found if f["severity"] == "suspicious"] == [], result.output
+
+
+def test_a_left_padded_hugging_face_generate_gets_no_alarm():
+    pytest.importorskip("transformers")
+    from checkbugs import runner
+    from maskcli.commands import app
+
+    result = runner.invoke(app, ["model", "llama"])
+    assert result.exit_code == 0, result.output
+    assert "--pad left" in result.output and "wrong" not in result.output
