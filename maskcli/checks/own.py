@@ -28,6 +28,8 @@ from maskcli.checks.registry import Rule
 from maskcli.checks.spans import explained
 from maskcli.text import Finding, spans
 
+POSITIONS = ("cache_position", "input_pos", "position_ids")  # a model call's word on where its queries are
+
 
 def flag_ignored(run: Run) -> list:
     """A module that states itself causal whose square scores are masked nowhere (on real queries and keys)."""
@@ -105,14 +107,13 @@ def extended(run: Run) -> list:
             cells = keep(call) if q_len > 1 else None
             if cells is None:
                 base = previous = None
+            elif k_len == q_len:
+                base, previous = cells, call
                 continue
-            if k_len == q_len:
-                base = previous = cells
-                continue
-            if base is None or k_len != previous.shape[-1] + q_len or not _kept(previous, cells[..., :-q_len]):
+            if base is None or not repeated(run, previous, call):
                 base = previous = None
                 continue
-            previous = cells
+            previous = call
             block, first = np.broadcast_arrays(cells[..., -q_len:], base)
             real_q, real_k = first.any(axis=-1)[..., :, None], first.any(axis=-2)[..., None, :]
             leak = block & ~first & real_q & real_k  # (padding rows and keys of the first step left out)
@@ -121,7 +122,7 @@ def extended(run: Run) -> list:
             b, _, q, k = first_cell(leak)
             step = call.step
             found.append((call, Finding("extension-leak", (
-                f"{call.where} step {step} keeps its earlier mask and appends {q_len} keys, one per query (the same "
+                f"{call.where} at step {step} keeps its earlier mask and appends {q_len} keys, one per query (the same "
                 f"{q_len} positions again), but query {q} sees appended key {k_len - q_len + k} (position {k}), which "
                 f"its own mask at the first step hides ({int(leak.any(axis=1).sum())} such cells; row {b}'s query {q} "
                 f"sees positions {spans(np.flatnonzero(first[b, :, q].any(axis=0)).tolist())} there): the appended "
@@ -130,6 +131,19 @@ def extended(run: Run) -> list:
                 cell=(b, q, k_len - q_len + k))))
             break  # (one finding per site: the later steps repeat it)
     return found
+
+
+def repeated(run: Run, earlier, call) -> bool:
+    """`call` is `earlier`'s queries again with as many keys appended, its first columns `earlier`'s mask exactly, and
+    the model call states no position of its queries (a draft's test-time steps, not a prompt's next chunk)."""
+    top = run.top(call)
+    if top is not None and any(name in top.arguments for name in POSITIONS) or call.details.get("queries") is not None:
+        return False
+    q_len = call.shape[2]
+    if earlier.shape[2] != q_len or call.shape[3] != earlier.shape[3] + q_len:
+        return False
+    cells, before = keep(call), keep(earlier)
+    return cells is not None and before is not None and _kept(before, cells[..., :-q_len])
 
 
 def _kept(earlier: np.ndarray, columns: np.ndarray) -> bool:
