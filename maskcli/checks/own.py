@@ -101,20 +101,20 @@ def extended(run: Run) -> list:
     for calls in run.sites().values():
         if len(calls) < 2:
             continue
-        base = previous = None
+        base = previous = None  # (calls, not cells: a mask is made dense only where a step extends its first one)
         for call in calls:
             q_len, k_len = call.shape[2:]
-            cells = keep(call) if q_len > 1 else None
-            if cells is None:
-                base = previous = None
-            elif k_len == q_len:
-                base, previous = cells, call
+            if q_len < 2 or k_len == q_len:
+                base = previous = call if q_len > 1 else None
                 continue
             if base is None or not repeated(run, previous, call):
                 base = previous = None
                 continue
             previous = call
-            block, first = np.broadcast_arrays(cells[..., -q_len:], base)
+            cells, first = keep(call), keep(base)
+            if cells is None or first is None:
+                continue
+            block, first = np.broadcast_arrays(cells[..., -q_len:], first)
             real_q, real_k = first.any(axis=-1)[..., :, None], first.any(axis=-2)[..., None, :]
             leak = block & ~first & real_q & real_k  # (padding rows and keys of the first step left out)
             if not leak.any():
