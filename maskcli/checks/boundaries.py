@@ -11,8 +11,8 @@ offset (the query positions) are resolved, so a mask that holds unpadded is judg
   a key of another packed document (position_ids restarting) is arguments.py's documents-leak.
 - **eos-documents-leak**: documents delimited by the EOS id in the model call's input ids (the config's
   `eos_token_id`, or the model's own `eos_id`). Many models attend across EOS on purpose (GPT-2's
-  pretraining), so a mask is judged only where it restarts at some EOS of the run (the program's own word that
-  EOS ends a document); then a real query that sees a key with an EOS strictly between them is wrong, however
+  pretraining), so a mask is judged only where some mask of the run cuts, and only beside an EOS (the program's own
+  word that EOS ends a document: a chunked layer's cuts fall elsewhere too); then a real query that sees a key with an EOS strictly between them is wrong, however
   the program's convention places the EOS itself (ending its document, or starting the next).
 """
 
@@ -51,9 +51,24 @@ def _index(call, config) -> int | None:
     return index
 
 
+def _by_positions(top, own: np.ndarray, seen: np.ndarray, judged: np.ndarray, size: int) -> bool:
+    """The mask is chunked by the model call's position_ids (position // size), restarting with each packed document:
+    the other way a correct program counts its chunks."""
+    positions = None if top is None else top.arguments.get("position_ids")
+    rows, q_len, k_len = seen.shape
+    if not isinstance(positions, np.ndarray) or positions.ndim != 2 or positions.shape[1] != k_len \
+            or positions.shape[0] not in (1, rows) or not ((own >= 0) & (own < k_len)).all():
+        return False
+    chunk = np.broadcast_to(positions // size, (rows, k_len))
+    same = chunk[:, own][:, :, None] == chunk[:, None, :]
+    return not (judged & (seen != same)).any()
+
+
 def chunks(run: Run) -> list:
     """A chunked layer whose chunks do not start at multiples of attention_chunk_size from each row's first real token."""
     found, done = [], set()
+    if not any(getattr(_text_config(top.config), "attention_chunk_size", None) for top in run.tops):
+        return found  # no chunked config (most runs stop here)
     for call in run.calls:
         config = _text_config(run.config(call))
         kind = layer_kind(config, _index(call, config))
@@ -83,7 +98,7 @@ def chunks(run: Run) -> list:
             & (q_doc[:, :, None] == documents[:, None, :])
         same = q_chunk[:, :, None] == k_chunk[:, None, :]
         leak, miss = judged & seen & ~same, judged & ~seen & same
-        if not (judged & ~seen).any() or not (leak | miss).any():
+        if not (judged & ~seen).any() or not (leak | miss).any() or _by_positions(top, own, seen, judged, size):
             continue  # not chunked at all (chunks-missing's), or chunked where it should be
         b, q, k = first_cell(leak if leak.any() else miss)
         pad = int(start[b, 0])
@@ -110,9 +125,25 @@ def _separators(top, rows: int, k_len: int) -> np.ndarray | None:
     return found if found.any() else None
 
 
+def _restarts_at(seen: np.ndarray, real, separators: np.ndarray) -> bool:
+    """Some batch row's mask cuts (query t+1 does not see key t-1, both real, though it sees itself), and only beside an EOS
+    (at t-1, t or t+1: the EOS ending its document or starting the next): a document mask by the EOS, not a chunked
+    layer's or a window's cuts that may fall beside one by chance."""
+    rows, length = separators.shape
+    if length < 3:
+        return False
+    t = np.arange(1, length - 1)
+    both = real.queries[:, t + 1] & real.keys[:, t - 1]
+    cuts = both & ~seen[:, t + 1, t - 1] & seen[:, t + 1, t + 1]  # (B, L-2)
+    beside = separators[:, t - 1] | separators[:, t] | separators[:, t + 1]
+    return bool((cuts.any(axis=1) & ~(cuts & ~beside).any(axis=1)).any())  # (a row that does: a wrong row may not)
+
+
 def eos_documents(run: Run) -> list:
     """Real queries that see a key across an EOS, in a run whose masks restart at some EOS."""
     judged, restarts = [], False
+    if not any("eos_id" in top.arguments and any(n in top.arguments for n in TOKENS) for top in run.tops):
+        return []  # no model call states EOS-delimited input ids (most runs stop here)
     for call in run.calls:
         top = run.top(call)
         q_len, k_len = call.shape[2:]
@@ -130,11 +161,7 @@ def eos_documents(run: Run) -> list:
         keys = np.arange(k_len)
         across = (before[:, :, None] - count[:, None, :] > 0) & (keys[None, None, :] < keys[None, :, None])
         across &= real.queries[:, :, None] & real.keys[:, None, :]
-        # a restart: the token after an EOS does not see the token before it (though a plain causal mask would)
-        b, s = np.nonzero(separators[:, 1:-1])
-        s = s + 1
-        ok = real.queries[b, s + 1] & real.keys[b, s - 1]
-        restarts |= bool((ok & ~seen[b, s + 1, s - 1] & seen[b, s + 1, s + 1]).any())
+        restarts |= _restarts_at(seen, real, separators)
         judged.append((call, top, seen, across))
     if not restarts:
         return []

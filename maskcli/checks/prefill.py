@@ -23,6 +23,7 @@ from maskcli.checks.config import layer_kind
 from maskcli.checks.context import DENSE_CELLS, Run, first_cell, found_padding, keep, layer, queries
 from maskcli.checks.boundaries import _index
 from maskcli.checks.real import read_off, stated
+from maskcli.checks.own import repeated
 from maskcli.checks.registry import Rule
 from maskcli.keypadding import options
 from maskcli.text import Finding
@@ -45,6 +46,8 @@ def runs(run: Run, calls: list) -> list[list]:
         own = queries(call, run.top(call))
         keys = key_positions(call, own) if call.shape[2] > 1 and (np.diff(own) == 1).all() else None
         continues = bool(current) and int(own[0]) == int(current[-1][1][-1]) + 1 and call.shape[:2] == current[-1][0].shape[:2]
+        if continues and repeated(run, current[-1][0], call):
+            continues = False  # the same queries again, the earlier mask kept (a draft's test-time steps): no chunk
         if keys is not None and continues:
             current.append((call, own, keys))
             continue

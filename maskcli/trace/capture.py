@@ -32,7 +32,7 @@ from maskcli.trace.flex import flex as read_flex
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import Overflows
 from maskcli.trace.scores import Scores
-from maskcli.trace.sites import Sites
+from maskcli.trace.sites import Sites, causal_flag
 from maskcli.trace.stated import outside
 from maskcli.trace.threads import Threads
 from maskcli.trace.tops import DOCUMENTS, documents
@@ -324,6 +324,9 @@ class Trace:
                 overflowed = self.overflows.of(args, kwargs, seen.api)
                 if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
                     seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
+                flag = causal_flag(self.sites.stack)
+                if flag is not None:  # the attending module's own word that it is causal (checks/own.py)
+                    seen.details["module_causal"] = flag
                 if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                     interface.unpack_gqa(seen, self.interfaces[-1])
                 elif self.interfaces and seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS)

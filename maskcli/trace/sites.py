@@ -190,3 +190,16 @@ def frames_outside(count: int) -> list[str]:
             found.append(f"{shown if not shown.startswith('..') else os.path.basename(name)}:{frame.f_lineno}")
         frame = frame.f_back
     return found + ["?"] * (count - len(found))
+
+
+def causal_flag(stack: list) -> str | None:
+    """'Class.causal' where the innermost running module's own attribute (or its class's) `is_causal` or `causal` is
+    True; None otherwise (two dict lookups: nn.Module's __getattr__ would raise for the usual missing one)."""
+    if not stack:
+        return None
+    module = stack[-1]
+    for name in ("is_causal", "causal"):
+        value = vars(module).get(name, getattr(type(module), name, None))
+        if isinstance(value, bool):
+            return f"{type(module).__name__}.{name}" if value else None
+    return None

@@ -1,0 +1,55 @@
+"""checks/own.py: what the attention states of itself (its module's causal flag, its sibling sliding layers, its own
+first step), each rule caught in the published bug's reproduction (tests/data/bugs) and in a program written another
+way (tests/data/own), quiet on both fixes; the flagged cell against a double loop over positions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkbugs import check_bug, first
+
+OWN = Path(__file__).parent / "data" / "own"
+
+
+def _cell(found: list[dict]) -> tuple:
+    return tuple(found[0]["cell"])
+
+
+def test_a_causal_flag_that_never_reached_the_softmax_is_found(tmp_path):
+    found = check_bug(tmp_path, "xformers_causal_mask_skipped_without_att_mask", "causal-flag-ignored")
+    assert _cell(found) == first((1, 16, 16), lambda b, q, k: k > q)  # unmasked: the first later key is flagged
+    assert "ScaledDotProduct.causal" in found[0]["message"]
+
+
+def test_an_is_causal_attribute_sdpa_is_not_told_is_found(tmp_path):
+    found = check_bug(tmp_path, "flag_sdpa_gpt", "causal-flag-ignored", folder=OWN)
+    assert _cell(found) == first((3, 7, 7), lambda b, q, k: k > q)
+    assert "CausalSelfAttention.is_causal" in found[0]["message"]
+
+
+def test_an_encoder_full_layer_run_causal_beside_symmetric_sliding_layers_is_found(tmp_path):
+    found = check_bug(tmp_path, "t5gemma2_encoder_is_causal_flag", "full-narrower-than-sliding")
+    sliding = lambda q, k: abs(q - k) < 4  # noqa: E731 - the sliding layer's mask (sliding_window=4 both ways)
+    assert _cell(found) == first((2, 10, 10), lambda b, q, k: sliding(q, k) and not k <= q)
+    assert found[0]["message"].startswith("layer 1 is a full layer (layer_types[1])")
+
+
+def test_a_global_layer_built_causal_in_a_right_padded_local_global_encoder_is_found(tmp_path):
+    found = check_bug(tmp_path, "full_causal_beside_band", "full-narrower-than-sliding", folder=OWN)
+    real = lambda b, k: not (b == 1 and k >= 6)  # noqa: E731 - row 1 is padded from key 6
+    assert _cell(found) == first((2, 9, 9), lambda b, q, k: real(b, q) and real(b, k) and abs(q - k) <= 2 and k > q)
+    assert "self.cfg of Encoder (dict)" in found[0]["message"]
+
+
+def test_a_draft_block_appended_one_zero_to_an_additive_mask_is_found(tmp_path):
+    found = check_bug(tmp_path, "speculators_eagle3_dense_draft_mask_extension", "extension-leak")
+    docs = [0, 0, 0, 0, 0, 1, 1, 1]
+    base = lambda q, k: k <= q and docs[q] == docs[k]  # noqa: E731 - the first step's mask (causal, per document)
+    b, q, k = first((1, 8, 8), lambda b, q, k: not base(q, k))  # the appended block sees every key
+    assert _cell(found) == (b, q, 8 + k)
+
+
+def test_an_all_true_draft_block_cat_to_a_bool_mask_is_found(tmp_path):
+    found = check_bug(tmp_path, "draft_extension_bool", "extension-leak", folder=OWN)
+    b, q, k = first((2, 6, 6), lambda b, q, k: k > q)
+    assert _cell(found) == (b, q, 6 + k)
