@@ -95,6 +95,8 @@ def _stated(top, rows: int, length: int) -> tuple[Family, np.ndarray] | None:
     """A hand-written model call's spans (B, L) block ids: a prefix length (PaliGemma's prefix, counted from each row's
     first real token), or where its images are (an image mask, their positions, a count of image tokens first): one
     span per run of image tokens."""
+    if not any(name in top.arguments for name in (*PREFIX, *IMAGES)):
+        return None  # (most model calls: no spans stated)
     columns = np.arange(length)[None, :]
     first = _first_real(top, rows, length)
     for name in PREFIX:
@@ -164,6 +166,9 @@ def _at(ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 def _spanned(run: Run):
     """(call, its model call, family, block ids, query positions) for each call whose later keys the token types judge."""
+    if not any(getattr(top.config, "model_type", None) in FAMILIES or any(name in top.arguments for name in (*PREFIX, *IMAGES))
+               for top in run.tops):
+        return  # no model call of the run gives spans (most runs stop here)
     shown = _shown_both_ways(run)
     for call in run.calls:
         top = run.top(call)

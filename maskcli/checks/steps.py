@@ -53,17 +53,33 @@ def _prefill(call, top):
     return None if padded is None and window is None else (padded, window)
 
 
+class _Asking:
+    """A decode step's real queries (B, 1, Lq), resolved once and only when asked (most steps hold their prefill's
+    padding and window, and are never asked)."""
+
+    def __init__(self, call, top, cells, rows):
+        self.call, self.top, self.cells, self.rows, self.found = call, top, cells, rows, None
+
+    def __call__(self) -> np.ndarray:
+        if self.found is None:
+            self.found = resolve(self.call, self.top, by_row(self.cells, self.rows)).queries[:, None, :]
+        return self.found
+
+
 def sites(run: Run) -> list:
     """Each decode step against the latest prefill (its first query at position 0) before it at its site: a later
     prefill is a new sequence (another batch, an encoder called again with another mask), not a step behind the
     cache."""
-    found = []
+    found, read = [], {}
     for where, calls in run.sites().items():
         head = shown = None
         for call in calls:
             later_top = run.top(call)
             if queries(call, later_top)[:1].tolist() == [0]:  # a prefill (a static cache's too: its unwritten slots after)
-                head, shown, done = call, _prefill(call, later_top), {call.mask}
+                key = (call.mask, call.shape, id(later_top))  # (every layer's prefill of one model call: one mask)
+                if key not in read:
+                    read[key] = _prefill(call, later_top)
+                head, shown, done = call, read[key], {call.mask}
                 continue
             if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not columns_are_positions(call, later_top):
                 continue
@@ -74,10 +90,12 @@ def sites(run: Run) -> list:
             padded, window = shown
             own = queries(call, later_top)
             rows = max(later.shape[0], call.shape[0])
-            asking = resolve(call, later_top, by_row(later, rows)).queries[:, None, :]  # (B, 1, Lq): its real queries
+            asking = _Asking(call, later_top, later, rows)  # its real queries, resolved where a rule would speak
             if padded is not None and later.shape[0] in (1, padded.shape[0]):
                 width = padded.shape[1]
-                bad = later[..., :width] & padded[:, None, None, :] & asking[..., None]  # (one mask row broadcasts)
+                bad = later[..., :width] & padded[:, None, None, :]  # (one mask row for every batch row broadcasts)
+                if bad.any():
+                    bad = bad & asking()[..., None]
                 if bad.any():
                     b, h, q, k = first_cell(bad)
                     found.append((call, Finding("padding-lost", (
@@ -88,7 +106,8 @@ def sites(run: Run) -> list:
                     continue
             if window is not None:
                 back = own[None, None, :] - np.where(later.any(axis=-1), later.argmax(axis=-1), own[None, None, :])
-                back = np.where(asking, back, 0)
+                if (back >= window).any():
+                    back = np.where(asking(), back, 0)
                 if (back >= window).any():
                     b, h, q = first_cell(back >= window)
                     found.append((call, Finding("window-lost", (
