@@ -68,7 +68,7 @@ def padding(run: Run) -> list:
             said_by = source if source.startswith("input ids") else "the " + source.replace(" of ", " given to ", 1)
             found.append((call, Finding("padding-ignored", (
                 f"batch row {b}: query {int(own[q])} sees key {k}, which {said_by} "
-                f"{'mark' if source.startswith('input ids') else 'marks'} as padding ({step}; {int(bad.sum())} such "
+                f"{'mark' if source.split(' ')[0].endswith('s') else 'marks'} as padding ({step}; {int(bad.sum())} such "
                 f"cells{turned})" + ("" if sure else f" (if token id {top.arguments.get('pad_id')} is padding there)")),
                 None if sure else "suspicious", expected="no real query sees a padding key", source=source,
                 cell=(b, int(own[q]), k))))
