@@ -3,10 +3,15 @@ against a double loop over positions."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 
 from maskcli.checks.context import Top
 from maskcli.checks.real import read_off, stated
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _left_padded(starts, length, unmask_padding_rows):
@@ -54,3 +59,36 @@ def test_the_model_calls_statement_of_its_padding_in_each_form():
     # two statements that differ (an encoder's and a decoder's): neither is taken
     both = {"attention_mask": forms["attention_mask"], "padding_mask": np.zeros((2, 4), dtype=np.int64)}
     assert stated(Top("Model", arguments=both), 2, 4) is None
+
+
+def test_a_mask_given_wins_over_the_pad_id_in_the_input_ids():
+    """A model called with an attention_mask and ids whose last token is the pad id (a real token there: GPT-2's pad
+    is its EOS): the mask says it."""
+    ids = np.array([[5, 6, 7, 0], [5, 6, 0, 0]])
+    mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0]])
+    real, source, _ = stated(Top("Model", arguments={"input_ids": ids, "pad_id": 0, "attention_mask": mask}), 2, 4)
+    assert real.tolist() == (mask == 1).tolist() and source == "attention_mask of Model"
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "mingpt", "annotated_transformer", "translation_transformer"])
+def test_correct_programs_others_wrote_get_no_alarm(tmp_path, name):
+    import json
+
+    from checkbugs import runner
+    from maskcli.commands import app
+
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(ROOT / "tests" / "programs" / f"{name}.py")])
+    found = [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
+    assert result.exit_code == 0 and [f for f in found if f["severity"] == "wrong"] == [], result.output
+    assert [f["code"] for f in found if f["severity"] == "suspicious"] == [], result.output
+
+
+def test_a_left_padded_hugging_face_generate_gets_no_alarm():
+    pytest.importorskip("transformers")
+    from checkbugs import runner
+    from maskcli.commands import app
+
+    result = runner.invoke(app, ["model", "llama"])
+    assert result.exit_code == 0, result.output
+    assert "--pad left" in result.output and "wrong" not in result.output

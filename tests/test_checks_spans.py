@@ -249,3 +249,37 @@ def test_image_tokens_a_model_attends_causally_are_quiet(tmp_path):
     result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
     found = [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
     assert result.exit_code == 0 and [f for f in found if f["severity"] != "note"] == [], result.output
+
+
+def test_spans_stated_by_a_hand_written_model_calls_arguments_match_a_loop_over_positions():
+    import numpy as np
+
+    from maskcli.checks.context import Top
+    from maskcli.checks.spans import _stated
+
+    mask = np.array([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8])  # row 0 left-padded by 2
+
+    def ids(found):
+        return found[1].tolist()
+
+    def loop(span):  # block ids: each run of span tokens numbered 0, 1, ... per row, -1 elsewhere
+        out = []
+        for row in span:
+            number, before, ids_ = -1, False, []
+            for inside in row:
+                number += inside and not before
+                ids_.append(number if inside else -1)
+                before = inside
+            out.append(ids_)
+        return out
+
+    starts = [2, 0]
+    prefix = [[starts[b] <= t < starts[b] + 3 for t in range(8)] for b in range(2)]
+    assert ids(_stated(Top("M", arguments={"attention_mask": mask, "prefix_len": 3}), 2, 8)) == loop(prefix)
+    images = [[starts[b] <= t < starts[b] + 2 for t in range(8)] for b in range(2)]
+    found = _stated(Top("M", arguments={"attention_mask": mask, "num_image_tokens": 2}), 2, 8)
+    assert ids(found) == loop(images) and not found[0].stated
+    at = np.array([[3, 4, 6], [1, 2, 6]])
+    placed = [[t in at[b].tolist() for t in range(8)] for b in range(2)]
+    assert ids(_stated(Top("M", arguments={"pixel_positions": at}), 2, 8)) == loop(placed)
+    assert _stated(Top("M", arguments={"attention_mask": mask}), 2, 8) is None

@@ -49,7 +49,8 @@ def _edge(pad: np.ndarray) -> bool:
 
 def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
     """(bool (rows, length) real tokens, the argument that says it, whether outright) the model call states for its
-    `length` tokens; None where it states none, or states two that differ (an encoder's and a decoder's)."""
+    `length` tokens; None where it states none, or states two masks that differ (an encoder's and a decoder's). Its
+    input ids are read only where it is given no mask."""
     if top is None:
         return None
     arguments, found = top.arguments, []
@@ -68,7 +69,7 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
             left = tokens is not None and "pad_id" in arguments and (tokens[:, 0] == arguments["pad_id"]).any()
             found.append(((columns >= length - given[:, None]) if left else (columns < given[:, None]), name, True))
     pad_id = arguments.get("pad_id")
-    if tokens is not None and isinstance(pad_id, int) and _edge(tokens == pad_id):
+    if not found and tokens is not None and isinstance(pad_id, int) and _edge(tokens == pad_id):  # (a mask given wins)
         sure = pad_id != arguments.get("eos_id")  # (a pad id that is also the EOS may end a real sequence)
         found.append((tokens != pad_id, f"input ids equal to the pad id {pad_id}", sure))
     if not found:
