@@ -62,3 +62,31 @@ def test_a_document_mask_cut_at_each_rows_first_eos_only_is_found(tmp_path):
         return k <= q and (q <= cut) == (k <= cut)
 
     assert tuple(hit["cell"]) == _eos_cell(ids, 2, seen)
+
+
+def test_chunks_counted_from_each_packed_documents_positions_are_quiet(tmp_path):
+    """A chunked layer over packed documents that restarts its chunks with their position_ids is correct too (so is
+    transformers' count from the row's first token, tested above by the fixes)."""
+    import json
+
+    from checkbugs import runner
+    from maskcli.commands import app
+
+    script = tmp_path / "packed.py"
+    script.write_text(
+        "from types import SimpleNamespace\n"
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.config = SimpleNamespace(attention_chunk_size=3, layer_types=['chunked_attention'])\n"
+        "    def forward(self, x, position_ids):\n"
+        "        p, doc = position_ids, torch.cumsum(position_ids == 0, -1)\n"
+        "        mask = (p[:, None, :] // 3 == p[:, :, None] // 3) & (doc[:, None, :] == doc[:, :, None])\n"
+        "        mask &= torch.ones(8, 8, dtype=torch.bool).tril()\n"
+        "        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask[:, None])\n"
+        "M()(torch.randn(1, 1, 8, 4), torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]))\n")
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    found = [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
+    assert result.exit_code == 0 and [f for f in found if f["severity"] != "note"] == [], result.output

@@ -51,6 +51,19 @@ def _index(call, config) -> int | None:
     return index
 
 
+def _by_positions(top, own: np.ndarray, seen: np.ndarray, judged: np.ndarray, size: int) -> bool:
+    """The mask is chunked by the model call's position_ids (position // size), restarting with each packed document:
+    the other way a correct program counts its chunks."""
+    positions = None if top is None else top.arguments.get("position_ids")
+    rows, q_len, k_len = seen.shape
+    if not isinstance(positions, np.ndarray) or positions.ndim != 2 or positions.shape[1] != k_len \
+            or positions.shape[0] not in (1, rows) or not ((own >= 0) & (own < k_len)).all():
+        return False
+    chunk = np.broadcast_to(positions // size, (rows, k_len))
+    same = chunk[:, own][:, :, None] == chunk[:, None, :]
+    return not (judged & (seen != same)).any()
+
+
 def chunks(run: Run) -> list:
     """A chunked layer whose chunks do not start at multiples of attention_chunk_size from each row's first real token."""
     found, done = [], set()
@@ -83,7 +96,7 @@ def chunks(run: Run) -> list:
             & (q_doc[:, :, None] == documents[:, None, :])
         same = q_chunk[:, :, None] == k_chunk[:, None, :]
         leak, miss = judged & seen & ~same, judged & ~seen & same
-        if not (judged & ~seen).any() or not (leak | miss).any():
+        if not (judged & ~seen).any() or not (leak | miss).any() or _by_positions(top, own, seen, judged, size):
             continue  # not chunked at all (chunks-missing's), or chunked where it should be
         b, q, k = first_cell(leak if leak.any() else miss)
         pad = int(start[b, 0])
