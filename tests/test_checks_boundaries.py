@@ -90,3 +90,30 @@ def test_chunks_counted_from_each_packed_documents_positions_are_quiet(tmp_path)
     result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
     found = [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
     assert result.exit_code == 0 and [f for f in found if f["severity"] != "note"] == [], result.output
+
+
+def test_a_chunked_layer_over_eos_packed_rows_that_attends_across_eos_on_purpose_is_quiet(tmp_path):
+    """Its chunks cut beside an EOS by chance, and elsewhere too: that is no document mask by the EOS."""
+    import json
+
+    from checkbugs import runner
+    from maskcli.commands import app
+
+    script = tmp_path / "chunks.py"
+    script.write_text(
+        "from types import SimpleNamespace\n"
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.config = SimpleNamespace(attention_chunk_size=3, layer_types=['chunked_attention'], eos_token_id=1)\n"
+        "    def forward(self, input_ids):\n"
+        "        i = torch.arange(9)\n"
+        "        x = torch.randn(1, 1, 9, 4)\n"
+        "        mask = (i[None, :] // 3 == i[:, None] // 3) & (i[None, :] <= i[:, None])\n"
+        "        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)\n"
+        "M()(torch.tensor([[5, 6, 1, 7, 8, 9, 4, 1, 3]]))\n")
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    found = [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
+    assert result.exit_code == 0 and [f for f in found if f["severity"] != "note"] == [], result.output

@@ -11,8 +11,8 @@ offset (the query positions) are resolved, so a mask that holds unpadded is judg
   a key of another packed document (position_ids restarting) is arguments.py's documents-leak.
 - **eos-documents-leak**: documents delimited by the EOS id in the model call's input ids (the config's
   `eos_token_id`, or the model's own `eos_id`). Many models attend across EOS on purpose (GPT-2's
-  pretraining), so a mask is judged only where it restarts at some EOS of the run (the program's own word that
-  EOS ends a document); then a real query that sees a key with an EOS strictly between them is wrong, however
+  pretraining), so a mask is judged only where some mask of the run cuts, and only beside an EOS (the program's own
+  word that EOS ends a document: a chunked layer's cuts fall elsewhere too); then a real query that sees a key with an EOS strictly between them is wrong, however
   the program's convention places the EOS itself (ending its document, or starting the next).
 """
 
@@ -123,6 +123,20 @@ def _separators(top, rows: int, k_len: int) -> np.ndarray | None:
     return found if found.any() else None
 
 
+def _restarts_at(seen: np.ndarray, real, separators: np.ndarray) -> bool:
+    """Some batch row's mask cuts (query t+1 does not see key t-1, both real, though it sees itself), and only beside an EOS
+    (at t-1, t or t+1: the EOS ending its document or starting the next): a document mask by the EOS, not a chunked
+    layer's or a window's cuts that may fall beside one by chance."""
+    rows, length = separators.shape
+    if length < 3:
+        return False
+    t = np.arange(1, length - 1)
+    both = real.queries[:, t + 1] & real.keys[:, t - 1]
+    cuts = both & ~seen[:, t + 1, t - 1] & seen[:, t + 1, t + 1]  # (B, L-2)
+    beside = separators[:, t - 1] | separators[:, t] | separators[:, t + 1]
+    return bool((cuts.any(axis=1) & ~(cuts & ~beside).any(axis=1)).any())  # (a row that does: a wrong row may not)
+
+
 def eos_documents(run: Run) -> list:
     """Real queries that see a key across an EOS, in a run whose masks restart at some EOS."""
     judged, restarts = [], False
@@ -143,11 +157,7 @@ def eos_documents(run: Run) -> list:
         keys = np.arange(k_len)
         across = (before[:, :, None] - count[:, None, :] > 0) & (keys[None, None, :] < keys[None, :, None])
         across &= real.queries[:, :, None] & real.keys[:, None, :]
-        # a restart: the token after an EOS does not see the token before it (though a plain causal mask would)
-        b, s = np.nonzero(separators[:, 1:-1])
-        s = s + 1
-        ok = real.queries[b, s + 1] & real.keys[b, s - 1]
-        restarts |= bool((ok & ~seen[b, s + 1, s - 1] & seen[b, s + 1, s + 1]).any())
+        restarts |= _restarts_at(seen, real, separators)
         judged.append((call, top, seen, across))
     if not restarts:
         return []
