@@ -67,6 +67,8 @@ def _by_positions(top, own: np.ndarray, seen: np.ndarray, judged: np.ndarray, si
 def chunks(run: Run) -> list:
     """A chunked layer whose chunks do not start at multiples of attention_chunk_size from each row's first real token."""
     found, done = [], set()
+    if not any(getattr(_text_config(top.config), "attention_chunk_size", None) for top in run.tops):
+        return found  # no chunked config (most runs stop here)
     for call in run.calls:
         config = _text_config(run.config(call))
         kind = layer_kind(config, _index(call, config))
@@ -140,6 +142,8 @@ def _restarts_at(seen: np.ndarray, real, separators: np.ndarray) -> bool:
 def eos_documents(run: Run) -> list:
     """Real queries that see a key across an EOS, in a run whose masks restart at some EOS."""
     judged, restarts = [], False
+    if not any("eos_id" in top.arguments and any(n in top.arguments for n in TOKENS) for top in run.tops):
+        return []  # no model call states EOS-delimited input ids (most runs stop here)
     for call in run.calls:
         top = run.top(call)
         q_len, k_len = call.shape[2:]

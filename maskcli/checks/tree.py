@@ -26,6 +26,9 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
+TREE = ("tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets", "position_ids")
+
+
 def _flat(given, q_len: int) -> np.ndarray | None:
     """Int64 (T,) of a (T,) or (B, T) argument whose rows agree; None where it is not one."""
     if not isinstance(given, np.ndarray) or given.ndim not in (1, 2) or given.shape[-1] != q_len:
@@ -116,10 +119,14 @@ def _by_depths(draft: np.ndarray, depths: np.ndarray) -> tuple[np.ndarray, np.nd
 def check(run: Run) -> list:
     """Each verification call whose model call states a draft tree, against that tree."""
     found, done = [], set()
+    if not any(name in top.arguments for top in run.tops for name in TREE):
+        return found  # no model call states a tree or positions (most runs stop here)
     for call in run.calls:
-        top = run.top(call)
         q_len, k_len = call.shape[2:]
-        if top is None or call.stored is None or q_len < 2 or q_len > k_len or call.mask in done:
+        if call.stored is None or q_len < 2 or q_len > k_len or call.mask in done:
+            continue
+        top = run.top(call)
+        if top is None:
             continue
         tree = stated(top, q_len, k_len)
         cells = None if tree is None else keep(call)
