@@ -14,6 +14,7 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "padding-lost": {"padding-ignored"},  # the keys the model call's attention_mask pads (arguments.py)
     "documents-leak": {"varlen-leak", "varlen-disagree"},  # documents given outright (varlen.py)
     "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
+    "chunks-misplaced": {"chunks-misaligned"},  # chunks from column 0 of a left-padded row, said with the config (config.py)
 }
 
 
