@@ -15,6 +15,7 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "documents-leak": {"varlen-leak", "varlen-disagree"},  # documents given outright (varlen.py)
     "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
     "window-miscounted": {"prefill-chunks-differ"},  # a prefill chunk's rows, said against the whole pass (prefill.py)
+    "chunks-misplaced": {"chunks-misaligned"},  # chunks from column 0 of a left-padded row, said with the config (config.py)
 }
 
 

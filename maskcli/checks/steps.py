@@ -43,7 +43,8 @@ def _window(cells: np.ndarray, own: np.ndarray, real: Real) -> int | None:
 
 
 def _prefill(call, top):
-    """(padded (B, Lk) or None, window or None, real) a prefill shows; None where it shows neither or cannot be read."""
+    """(padded (B, Lk) or None, window or None) a prefill shows, on its real rows; None where it shows neither or cannot
+    be read."""
     cells = keep(call)
     if cells is None or not columns_are_positions(call, top):
         return None
