@@ -140,6 +140,8 @@ def _read_json(text: str, where: str, floats: str, lists: tuple[str, ...] = ()) 
 
 def _parse_json(text: str, where: str):
     def integer(digits: str) -> int:  # numpy would make a wider one uint64, float64 or an object, not an error
+        if len(digits.lstrip("-")) > 19:  # past int64, and int() itself refuses more than 4,300 digits
+            raise MaskError(f"{where}: not a rectangular nested list of numbers ({shortened(digits, 40)} does not fit int64)")
         value = int(digits)
         if not -(1 << 63) <= value < 1 << 63:
             raise MaskError(f"{where}: not a rectangular nested list of numbers ({shortened(digits, 40)} does not fit int64)")

@@ -152,6 +152,13 @@ def validate(b: ServeBatch, source: str) -> None:
         if values is not None and values.size and values.min() < 0:
             r = int(np.argmin(values))
             raise MaskError(f"{source!r}: {b.name(role)} is {int(values[r])} for request {r}; lengths are 0 or more")
+    q_lens = np.diff(b.q_indptr)
+    if q_lens.size and q_lens.min() < 0:
+        r = int(np.argmin(q_lens))
+        raise MaskError(f"{source!r}: {b.name('queries')} is {int(q_lens[r])} for request {r}; a request has 0 or more new tokens")
+    if b.cascade is not None and b.cascade.prefix_len < 0:
+        raise MaskError(f"{source!r}: common_prefix_len {b.cascade.prefix_len} is negative; it counts the keys every request "
+                        f"shares (0 for none)")
     for role, value in (("window", b.window), ("chunk", b.chunk)):
         if value is not None and value < 1:
             name = {"window": b.name("window"), "chunk": "attention_chunk_size"}[role]

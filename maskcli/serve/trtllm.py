@@ -59,7 +59,7 @@ def load(f: Fields) -> ServeBatch:
 
 def _trees(f: Fields, new: np.ndarray, cached: np.ndarray):
     words = np.asarray(f.raw("spec_decoding_packed_mask"))
-    if words.ndim not in (2, 3):
+    if words.ndim not in (2, 3) or words.shape[-1] == 0:
         raise MaskError(f"{f.source!r}: spec_decoding_packed_mask has shape {list(words.shape)}; it is (requests, nodes, words)")
     rows = words.reshape(-1, words.shape[-1])  # read consecutively, as the attention op does
     contexts = f.scalar("num_contexts")
