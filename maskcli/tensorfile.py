@@ -70,12 +70,15 @@ def load_tensors(source: str, flag: str, json_floats=None, numbers: bool = False
     return {name: as_tensor(value) for name, value in read_tensors(source, flag, floats, numbers).items()}
 
 
-def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: bool = False, lists: tuple[str, ...] = ()) -> dict:
+def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: bool = False, lists: tuple[str, ...] = (),
+                 work: tuple[float, str] = (0, "to load")) -> dict:
     """Every tensor in a file (or inline JSON) by name; a lone tensor is named ''.
 
     numpy arrays, read without torch, from every file but .pt, whose tensors come as torch.load gives them (the
     caller converts them at its edge). JSON's floats become `json_floats` (a numpy dtype name); `numbers`: see
     load_tensors. `lists`: the fields (of a JSON object or a .pt dict) kept as the nested lists they are (a ragged choice list).
+    `work`: (bytes per cell, what for) the caller needs beyond the arrays themselves: an .npz whose headers declare
+    more than memory holds is refused from its headers, before a byte of it is unpacked.
     """
     if is_inline(source):
         where = f"{flag} {shortened(source, 60)!r} (inline JSON)"
@@ -87,7 +90,7 @@ def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: 
         if suffix in (".pt", ".pth"):
             return _from_pt(path, where, numbers, lists)
         if suffix in (".npy", ".npz"):
-            return _from_numpy(path, where)
+            return _from_numpy(path, where, work)
         if suffix == ".safetensors":
             return _from_safetensors(path, where)
         return _read_json(path.read_text(errors="replace"), where, json_floats, lists)
@@ -273,13 +276,13 @@ def _as_tensor(value):
         return value
 
 
-def _from_numpy(path: Path, where: str) -> dict[str, np.ndarray]:
+def _from_numpy(path: Path, where: str, work: tuple[float, str] = (0, "to load")) -> dict[str, np.ndarray]:
     with path.open("rb") as file:
         head = file.read(6)
     # np.load takes anything without the .npy/.npz signature for a pickle, and would call garbage "objects"
     if not head.startswith((b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06", b"\x80")):
         raise MaskError(f"{where}: not a numpy file (it does not start with the .npy or .npz signature)")
-    _check_unpacked_fits(path, head, where)
+    _check_unpacked_fits(path, head, where, work)
     try:
         loaded = np.load(path, allow_pickle=False)
         if isinstance(loaded, np.ndarray):
@@ -303,8 +306,8 @@ def _from_numpy(path: Path, where: str) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _npy_bytes(stream) -> int | None:
-    """The bytes the array of a .npy stream takes, read from its header alone; None where the header is unreadable."""
+def _npy_header(stream) -> tuple[int, int, int] | None:
+    """(cells, bytes per cell, header bytes) of a .npy stream, read from its header alone; None where it is unreadable."""
     from numpy.lib import format as npy
 
     try:
@@ -312,36 +315,44 @@ def _npy_bytes(stream) -> int | None:
         # numpy.lib.format: 1.0 has a 2-byte header length, 2.0 and 3.0 (utf-8 field names) a 4-byte one
         read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
         shape, _, dtype = read(stream)
-        return math.prod(shape) * dtype.itemsize
+        return math.prod(shape), dtype.itemsize, stream.tell()
     except Exception:  # a damaged header: np.load says what is wrong with it
         return None
 
 
-def _check_unpacked_fits(path: Path, head: bytes, where: str) -> None:
-    """Refuse a .npy or .npz whose arrays, as their headers declare them, would not fit in memory, before reading them.
+def _check_unpacked_fits(path: Path, head: bytes, where: str, work: tuple[float, str] = (0, "to load")) -> None:
+    """Refuse a .npy or .npz whose arrays, as their headers declare them, would not fit in memory (with `work`, the
+    bytes per cell the caller needs beside them), before reading them.
 
-    An .npz is a zip: a few MB of compressed zeros can unpack to GBs, and np.load allocates what each header says.
-    Only the first bytes of each member are decompressed here.
+    An .npz is a zip: 4 MB of compressed zeros can unpack to 4 GiB, and np.load allocates what each header says.
+    The zip's directory says each member's unpacked size; only a member's first bytes (its .npy header) are
+    unpacked here, and a member whose header declares more data than the directory says it holds is damaged.
     """
     import zipfile
 
     from maskcli.memory import check_bytes_fit
 
-    sizes = []
+    per_cell, how = work
+    headers = []
     if head.startswith(b"\x93NUMPY"):
         with path.open("rb") as file:
-            sizes.append(_npy_bytes(file))
+            headers.append(_npy_header(file))
     elif head.startswith(b"PK"):
         try:
             with zipfile.ZipFile(path) as archive:
                 for member in archive.infolist():
-                    if member.filename.endswith(".npy"):
-                        with archive.open(member) as stream:
-                            sizes.append(_npy_bytes(stream))
-        except (zipfile.BadZipFile, OSError, RuntimeError, NotImplementedError, EOFError):
+                    if not member.filename.endswith(".npy"):
+                        continue
+                    with archive.open(member) as stream:
+                        found = _npy_header(stream)
+                    if found is not None and found[0] * found[1] > member.file_size - found[2]:
+                        raise MaskError(f"{where}: member {member.filename!r} is damaged: its header declares "
+                                        f"{found[0] * found[1]:,} bytes of data but the archive says it holds {member.file_size:,}")
+                    headers.append(found)
+        except (zipfile.BadZipFile, OSError, RuntimeError, NotImplementedError, EOFError, ValueError):
             return  # np.load says what is wrong with the archive
-    needed = sum(size for size in sizes if size is not None)
-    check_bytes_fit(needed, f"{where} ({path.stat().st_size:,} bytes on disk, its arrays as their headers declare them)", "to load", fix=SLICE_FIX)
+    needed = sum(cells * (itemsize + per_cell) for cells, itemsize, _ in filter(None, headers))
+    check_bytes_fit(needed, f"{where} ({path.stat().st_size:,} bytes on disk, its arrays as their headers declare them)", how, fix=SLICE_FIX)
 
 
 def _from_safetensors(path: Path, where: str) -> dict[str, np.ndarray]:
