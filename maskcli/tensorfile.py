@@ -249,6 +249,11 @@ def _from_pt(path: Path, where: str, numbers: bool = False, lists: tuple[str, ..
         ) from None
     except Exception as error:  # torch raises RuntimeError, EOFError, zipfile errors... for bad files
         raise MaskError(f"{where}: not a readable .pt file ({type(error).__name__}: {str(error)[:160]})") from None
+    for name, value in (data.items() if isinstance(data, dict) else [("", data)]):
+        if isinstance(value, torch.Tensor) and value.is_nested:  # its sizes are per item: every reader would fail on it
+            label = f" entry {name!r}" if name else ""
+            raise MaskError(f"{where}{label} is a nested tensor (items of different shapes); save a plain tensor "
+                            f"(torch.nested.to_padded_tensor, or each item alone)")
     if isinstance(data, torch.Tensor):
         return {"": data}
     kept = {name: data.pop(name) for name in lists if isinstance(data, dict) and name in data}

@@ -101,6 +101,11 @@ def as_numbers(value, where: str) -> np.ndarray:
     """A tensor, array or Python number as numpy: bool stays bool, whole floats become int64; every value within
     +-LIMIT (uint8 and bool are masks, kept as they are)."""
     if type(value).__module__.startswith("torch"):
+        kind = ("a meta tensor (a shape, no values)" if value.device.type == "meta" else
+                f"a quantized tensor ({str(value.dtype).removeprefix('torch.')})" if value.is_quantized else
+                f"a {str(value.layout).removeprefix('torch.')} tensor" if str(value.layout) != "torch.strided" else None)
+        if kind is not None:
+            raise MaskError(f"{where} is {kind}; batch metadata is plain integers: save a dense tensor (.to_dense(), .dequantize())")
         value = value.detach().cpu()
         value = value.numpy() if value.dtype.is_floating_point is False else value.double().numpy()
     try:
