@@ -252,7 +252,12 @@ def _size(arrays: dict, keep_4d, mrope, sources) -> tuple[int, int]:
         cu = next((arrays[n] for n in CUMULATIVE if n in arrays), None)
         if cu is None:
             raise MaskError("no per-token field: give input_ids, position_ids, attention_mask, seq_idx, labels or cu_seqlens")
-        return 1, int(cu[-1]) if len(cu) else 0
+        total = int(cu[-1]) if len(cu) else 0
+        if total == 0:
+            name = next(n for n in CUMULATIVE if n in arrays)
+            raise MaskError(f"{sources.get(name, name)} {shortened(','.join(map(str, cu[:8].tolist())), 60)!r} ends at 0: the batch has "
+                            f"no tokens; cumulative lengths end at the total, like 0,3,5")
+        return 1, total
     lengths = {shape[1] for shape in shapes.values()}
     rows = {shape[0] for shape in shapes.values()} - {1}
     if len(lengths) > 1 or len(rows) > 1:
