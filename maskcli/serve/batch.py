@@ -10,6 +10,7 @@ Pages are kept as one CSR list per request (logical block -> physical page), O(r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -69,14 +70,19 @@ class ServeBatch:
     def requests(self) -> int:
         return len(self.seq_lens)
 
-    @property
+    @cached_property
     def q_lens(self) -> np.ndarray:
-        return np.diff(self.q_indptr)
+        """Computed once (per-request code reads it a million times in a batch of a million requests); read-only."""
+        values = np.diff(self.q_indptr)
+        values.flags.writeable = False
+        return values
 
-    @property
+    @cached_property
     def q_start(self) -> np.ndarray:
         """Each request's first query position as the kernel aligns it (bottom-right): seq_len - q_len."""
-        return self.seq_lens - self.q_lens
+        values = self.seq_lens - self.q_lens
+        values.flags.writeable = False
+        return values
 
     @property
     def starts(self) -> np.ndarray:
