@@ -60,6 +60,9 @@ class ServeBatch:
     cascade: Cascade | None = None
     local: Local | None = None
     trees: dict[int, np.ndarray] = field(default_factory=dict)  # request -> bool (q_len, seq_len) custom mask
+    # request -> keys before its tree's stored cells, every one seen (TensorRT-LLM's mask holds only the drafts:
+    # a tree 10^9 tokens behind its cache is not a (nodes, 10^9) array)
+    tree_prefix: dict[int, int] = field(default_factory=dict)
     request_ids: np.ndarray | None = None  # (R,) which request is which across step files
     positions: np.ndarray | None = None  # (N,) each query token's position as the engine states it
     choices: tuple[tuple[int, ...], ...] = ()  # a static tree's choice list (serve/choices.py): every tree is that tree

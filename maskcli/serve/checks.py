@@ -299,7 +299,7 @@ def trees(b: ServeBatch) -> list[Finding]:
     depth_at = {}
     named = choices.parents(list(b.choices)) if b.choices else None
     for r, cells in b.trees.items():
-        if cells.shape[0] > cells.shape[1]:
+        if cells.shape[0] > cells.shape[1] + b.tree_prefix.get(r, 0):
             continue  # lengths() says so
         if named is not None and len(named) != cells.shape[0]:
             own = read_tree(cells)
@@ -311,7 +311,7 @@ def trees(b: ServeBatch) -> list[Finding]:
             out.append(Finding("tree-mask", f"request {r} verifies {cells.shape[0]} drafts; {b.choices_name} makes "
                                f"{len(named)} (the root and {len(named) - 1} paths)", request=r))
             continue
-        tree = read_tree(cells, named)
+        tree = read_tree(cells, named, b.tree_prefix.get(r, 0))
         depth_at[r] = tree.depth
         if tree.wrong is not None:
             node, key, held = tree.wrong
