@@ -338,7 +338,7 @@ def _check_unpacked_fits(path: Path, head: bytes, where: str, work: tuple[float,
     from maskcli.memory import check_bytes_fit
 
     per_cell, how = work
-    headers = []
+    headers, short = [], []
     if head.startswith(b"\x93NUMPY"):
         with path.open("rb") as file:
             headers.append(_npy_header(file))
@@ -350,14 +350,17 @@ def _check_unpacked_fits(path: Path, head: bytes, where: str, work: tuple[float,
                         continue
                     with archive.open(member) as stream:
                         found = _npy_header(stream)
-                    if found is not None and found[0] * found[1] > member.file_size - found[2]:
-                        raise MaskError(f"{where}: member {member.filename!r} is damaged: its header declares "
-                                        f"{found[0] * found[1]:,} bytes of data but the archive says it holds {member.file_size:,}")
                     headers.append(found)
+                    if found is not None and found[0] * found[1] > member.file_size - found[2]:
+                        short.append((member.filename, found[0] * found[1], member.file_size))
         except (zipfile.BadZipFile, OSError, RuntimeError, NotImplementedError, EOFError, ValueError):
             return  # np.load says what is wrong with the archive
     needed = sum(cells * (itemsize + per_cell) for cells, itemsize, _ in filter(None, headers))
     check_bytes_fit(needed, f"{where} ({path.stat().st_size:,} bytes on disk, its arrays as their headers declare them)", how, fix=SLICE_FIX)
+    if short:  # np.load would allocate what the header declares, then fail reading it
+        name, declared, held = short[0]
+        raise MaskError(f"{where}: member {name!r} is damaged: its header declares {declared:,} bytes of data but the "
+                        f"archive says it holds {held:,}")
 
 
 def _from_safetensors(path: Path, where: str) -> dict[str, np.ndarray]:
