@@ -373,3 +373,45 @@ def test_html_refuses_a_bad_path_or_several_steps_in_one_line_and_leaves_no_file
     result = serve(PREFIX_HIT, PREFIX_HIT, "--html", tmp_path / "two.html")
     assert result.exit_code == 2 and "--html draws one step, and 2 FILEs were given" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_million_one_token_requests_take_seconds_not_hours(tmp_path):
+    """Each request's lengths were diffed from the whole indptr on every access: 10^5 requests took 58 s, 10^6 did
+    not finish. Now O(requests + pages): 2 x 10^5 here, the first rows checked against vLLM's layout by hand
+    (request r: 2 cached + 1 new token at position 2, on page r + 1)."""
+    import time
+
+    import torch
+
+    r = 200_000
+    torch.save({"query_start_loc": torch.arange(r + 1), "seq_lens": torch.full((r,), 3), "num_computed_tokens_cpu": torch.full((r,), 2),
+                "block_table_tensor": torch.arange(1, r + 1)[:, None], "slot_mapping": torch.arange(1, r + 1) * 4 + 2,
+                "block_size": torch.tensor(4)}, tmp_path / "many.pt")
+    start = time.process_time()
+    result = serve(tmp_path / "many.pt")
+    took = time.process_time() - start
+    assert result.exit_code == 0, result.output
+    assert "200000 requests, 200,000 new tokens, pages of 4 tokens, 200,000 distinct; causal" in result.stdout
+    assert [line.split() for line in result.stdout.splitlines() if line.startswith("15 ")][0][:4] == ["15", "2", "0-2", "causal"]
+    assert "requests 16-199999 not listed" in result.stdout
+    assert took < 60, took  # the quadratic reading took minutes at this size
+
+
+def test_a_draft_tree_a_billion_tokens_behind_its_cache_is_not_made_into_cells(tmp_path):
+    """TensorRT-LLM's packed mask holds the drafts only: the cached keys before them are a count, not a
+    (nodes, cached) array (that was 5.8 GB); the tree still reads (root, two children) and its positions are checked."""
+    import tracemalloc
+
+    fields = {"seq_lens": [2, 3], "num_cached_tokens_per_seq": [3, 10**9], "num_contexts": 1,
+              "spec_decoding_packed_mask": [[[1], [3], [5]]], "spec_decoding_position_offsets": [[0, 1, 1]]}
+    path = save(fields, tmp_path / "far.json")
+    tracemalloc.start()
+    result = serve(path)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert result.exit_code == 0, result.output
+    assert "1     1000000000-1000000002   0-1000000002   tree(-1,0,0)" in result.stdout
+    assert peak < 200 * 2**20, peak
+    wrong = save({**fields, "spec_decoding_position_offsets": [[0, 1, 2]]}, tmp_path / "off.json")
+    result = serve(wrong)
+    assert result.exit_code == 1 and "has position 1000000002; its mask puts it at 1000000001 (prefix + depth)" in " ".join(result.stdout.split())
