@@ -242,7 +242,7 @@ CRAFTED = [
     (["export", "--for", "sdpa", "--mask", "fa_nan.pt", "--from", "flash-attn"], "cu_seqlens_q holds nan"),
     (["export", "--for", "sdpa", "--mask", "fm_float.pt", "--from", "flashmask"], "startend_row_indices holds 1.5"),
     (["show", "--mask", "fm_empty.pt", "--from", "flashmask"], "startend_row_indices has shape [1, 1, 0, 1]: it holds no rows"),
-    (["show", "--mask", "magi_empty.pt", "--from", "magi"], "the file holds no slices"),
+    (["show", "--mask", "magi_empty.pt", "--from", "magi"], "the file holds 0 slices over 0 queries and 0 keys"),
     (["show", "--mask", "digits_mask.json"], "9999999999"),
     (["pack", "--cu-seqlens", "0,0"], "--cu-seqlens '0,0' ends at 0: the batch has no tokens"),
     (["inspect", "liar.npz"], "member 'mask.npy' is damaged: its header declares 16,777,216 bytes"),

@@ -93,13 +93,12 @@ def read(tensors: dict, flags: dict):
         raise MaskError(f"{what}: q_ranges and k_ranges must be (N, 2) and attn_type_map (N,); got {list(q_ranges.shape)}, {list(k_ranges.shape)}, {list(types.shape)}")
     if n and (not np.isin(types, (0, 1, 2, 3)).all() or (q_ranges[:, 1] < q_ranges[:, 0]).any() or (k_ranges[:, 1] < k_ranges[:, 0]).any() or q_ranges.min() < 0 or k_ranges.min() < 0):
         raise MaskError(f"{what}: ranges must be [start, end) with 0 <= start <= end, and attn_type_map 0, 1, 2 or 3")
-    if n == 0:
-        raise MaskError(f"{what}: the file holds no slices (q_ranges, k_ranges and attn_type_map are empty): nothing to read")
     total = [scalar(tensors, name, what) for name in ("total_seqlen_q", "total_seqlen_k")]
     q_len = total[0] if total[0] is not None else int(q_ranges[:, 1].max(initial=0))
     k_len = total[1] if total[1] is not None else int(k_ranges[:, 1].max(initial=0))
     if q_len < 1 or k_len < 1:
-        raise MaskError(f"{what}: the slices cover {q_len} queries and {k_len} keys; a mask has at least one of each")
+        raise MaskError(f"{what}: the file holds {n} slices over {q_len} queries and {k_len} keys; a mask has at least one "
+                        f"of each (give total_seqlen_q and total_seqlen_k where no slice reaches the end)")
     if n and (q_ranges[:, 1].max() > q_len or k_ranges[:, 1].max() > k_len):
         raise MaskError(f"{what}: a range ends past total_seqlen_q {q_len} or total_seqlen_k {k_len}")
     check_rows(max(q_len, int((q_ranges[:, 1] - q_ranges[:, 0]).sum())), what)
