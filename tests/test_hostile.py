@@ -245,6 +245,8 @@ CRAFTED = [
     (["show", "--mask", "magi_empty.pt", "--from", "magi"], "the file holds 0 slices over 0 queries and 0 keys"),
     (["show", "--mask", "digits_mask.json"], "9999999999"),
     (["pack", "--cu-seqlens", "0,0"], "--cu-seqlens '0,0' ends at 0: the batch has no tokens"),
+    (["pack", "--attention-mask", '[["inf"]]'], "--attention-mask holds inf, not a whole number"),
+    (["pack", "--attention-mask", "[[" + "9" * 30 + "]]"], "999999999999999999999999999999 does not fit int64"),
     (["inspect", "liar.npz"], "member 'mask.npy' is damaged: its header declares 16,777,216 bytes"),
 ] + [([command, *spec], name) for name in TRACE_DAMAGE
      for command, spec in (("inspect", [f"{name}:0"]), ("show", ["--mask", f"{name}:1"]), ("diff", [f"{name}:0", "causal"]))]
