@@ -413,3 +413,14 @@ def test_flash_from_position_ids_that_do_not_start_at_their_minimum_leaves_the_f
     assert ("• hf-flash leaves out tokens 0-2: flash_attention_2 starts a sequence only where position_ids equal their minimum (0),\n"
             "  and the first one is at token 3, so their attention output is never computed") in result.stdout
     assert pack("--position-ids", "0,1,2,0,1", "--use-cache", "no").exit_code == 0  # starting at the minimum: nothing left out
+
+
+def test_a_million_characters_of_documents_pack_wrote_itself_are_checked_not_refused(tmp_path):
+    """600,000 one-token documents: pack's own document(sizes=[1,1,...]) is 1.2M characters, past the limit on an
+    expression a user types, which refused it. A causal path across them lets each token see every earlier one:
+    L(L-1)/2 cells across documents."""
+    length = 600_000
+    (tmp_path / "cu.json").write_text(json.dumps({"cu_seqlens": list(range(length + 1))}))
+    result = runner.invoke(app, ["pack", str(tmp_path / "cu.json")])
+    assert result.exit_code in (0, 1) and "characters long" not in result.output, result.output
+    assert f"{length * (length - 1) // 2:,} cells" in " ".join(result.stdout.split()), result.stdout
