@@ -218,7 +218,7 @@ def saved(tensors: dict, name: str, what: str, required: bool = True):
     return values.astype(np.int64)
 
 
-LIMIT = 1 << 40  # no format's index or length comes near a trillion; past it int64 arithmetic on them would wrap
+LIMIT = 1 << 62  # past it, a sum of two indices wraps int64 (a length this large is then refused for its memory)
 
 
 def scalar(tensors: dict, name: str, what: str):
