@@ -8,8 +8,10 @@ numpy reading the same arrays (safetensors.numpy.load_file) with the slot arithm
 does anyway, and the same reading plus one sort of every table entry (the least a check of
 shared pages does).
 The target is 2 s; shared machines are noisy: read the medians and ratios, not one time.
+Then --many one-token requests (3 keys on one page each), the same way: serve is O(requests + pages), so
+10^6 of them take seconds (each request's lengths were once diffed from the whole indptr: quadratic).
 
-    python benchmarks/serve.py [--runs 3] [--requests 256] [--keys 32768] [--page 16]
+    python benchmarks/serve.py [--runs 3] [--requests 256] [--keys 32768] [--page 16] [--many 1000000]
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--keys", type=int, default=32768)
     parser.add_argument("--page", type=int, default=16)
+    parser.add_argument("--many", type=int, default=1_000_000)
     args = parser.parse_args()
     from safetensors.numpy import load_file, save_file  # the reference reader, and the benchmark's writer
 
@@ -64,12 +67,12 @@ def main() -> None:
             pos = seq - 1
             return table[np.arange(len(seq)), pos // args.page] * args.page + pos % args.page
 
-        def serve():
+        def serve(path=path):
             from rich.console import Console
 
             b = read(path)
             findings = check(b)
-            rows = render.request_rows(b, page_map(b))
+            rows = render.request_rows(b, page_map(b), render.TABLE_REQUESTS)  # as the command's tables do
             console = Console(file=io.StringIO(), width=120)
             for view in render.views(b, rows, findings, path, "vLLM", 120):
                 console.print(view)
@@ -82,10 +85,17 @@ def main() -> None:
         bare = timed(reference, args.runs)
         sort = timed(sort_pages, args.runs)
         mine = timed(serve, args.runs)
+        many = str(Path(folder) / "many.safetensors")
+        r = args.many
+        save_file({"query_start_loc": np.arange(r + 1), "seq_lens": np.full(r, 3), "num_computed_tokens_cpu": np.full(r, 2),
+                   "block_table_tensor": np.arange(1, r + 1)[:, None], "slot_mapping": np.arange(1, r + 1) * 4 + 2,
+                   "block_size": np.array(4)}, many)
+        crowd = timed(lambda: serve(many), 1)
     print(f"{'reference: numpy reads the arrays + the slot arithmetic':58s} {bare:7.3f} s")
     print(f"{'reference: numpy reads the table and sorts its entries':58s} {sort:7.3f} s")
     print(f"{'serve: read, every rule, page map, the printed summary':58s} {mine:7.3f} s  x{mine / bare:6.0f} the reading  "
           f"x{mine / sort:5.1f} the sort  ({'no findings' if not findings else f'{len(findings)} findings'}; target 2 s)")
+    print(f"{f'serve: {args.many:,} one-token requests, the same way':58s} {crowd:7.3f} s")
 
 
 if __name__ == "__main__":

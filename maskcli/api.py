@@ -39,12 +39,32 @@ def build(expression: str | None = None, options: core.MaskOptions | None = None
     if unknown:
         raise TypeError(f"build() got an unexpected keyword {unknown[0]!r}: give a MaskOptions field "
                         f"({', '.join(sorted(names - {'params'}))}) or a kind parameter ({', '.join(sorted(known))})")
-    chosen = {name: value for name, value in given.items() if name in names}
+    chosen = {name: _whole(name, value) if name in WHOLE else value for name, value in given.items() if name in names}
     params = {known[name]: value for name, value in given.items() if name in known and value is not None}
     options = core.MaskOptions(**chosen) if options is None else replace(options, **chosen)
     if params:
         options = replace(options, params={**options.params, **params})
     return shown(build_any(expression, options))
+
+
+WHOLE = ("length", "offset", "kv_start", "kv_len", "heads", "pad_id")  # MaskOptions fields that count positions
+
+
+def _whole(name: str, value):
+    """An int (a numpy integer too) or None, else a MaskError: a float, NaN, Decimal or bool here would make a mask of
+    fractional positions (offset=1.5 made keys 0-4.5), not a refusal."""
+    import operator
+
+    if value is None or (name == "heads" and value == 1 and type(value) is int):
+        return value
+    try:
+        if isinstance(value, bool) or isinstance(value, str):
+            raise TypeError
+        return operator.index(value)  # ints and numpy integers; floats and Decimals have no __index__
+    except TypeError:
+        from maskcli.errors import MaskError
+
+        raise MaskError(f"build(): {name}={value!r} is a {type(value).__name__}; {name} is a whole number (an int)") from None
 
 
 def shown(mask: core.Mask) -> Mask:

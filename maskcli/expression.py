@@ -256,9 +256,10 @@ class _Parser:
                 return tuple(tuple(row) for row in rows)
 
 
-def parse(text: str):
-    """The syntax tree of a mask expression; a MaskError that points at the bad character."""
-    if len(text) > MAX_TEXT:
+def parse(text: str, max_text: int | None = MAX_TEXT):
+    """The syntax tree of a mask expression; a MaskError that points at the bad character. `max_text`: the longest
+    text a user may type (None for one maskcli wrote itself, like pack's document sizes)."""
+    if max_text is not None and len(text) > max_text:
         raise MaskError(f"the mask expression is {len(text):,} characters long: put long labels in a file, like document(\"labels.npy\")")
     if not text.strip():
         raise MaskError("the mask expression is empty: give a kind such as causal, or an expression such as \"causal & window(3)\"")

@@ -325,14 +325,17 @@ def index_tensor(values: range, axis: int, device):
 # --- building one from what the user typed ---------------------------------------------------
 
 
-def build(expression: str, options: MaskOptions | None = None, default_length: int | None = None, kinds=None, **flags) -> Mask:
+def build(expression: str, options: MaskOptions | None = None, default_length: int | None = None, kinds=None,
+          written: bool = False, **flags) -> Mask:
     """The Mask an expression and options describe; keyword flags are MaskOptions fields.
 
+    `written`: maskcli wrote the expression itself (pack's document sizes), so the limit on a typed one's length
+    does not apply.
     `default_length`: the number of queries when neither --len nor the data says (inputs given to attend);
     `kinds`: kinds of the user's own, by name (mask_mods).
     """
     options = options or MaskOptions(**flags)
-    tree = ex.parse(expression)
+    tree = ex.parse(expression, None if written else ex.MAX_TEXT)
     resolved, used = terms.resolve(tree, options.params, expression, kinds)
     terms.check_flags_used(resolved, options.params, used, expression)
     lengths, ids = padding(options)

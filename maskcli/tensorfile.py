@@ -25,6 +25,7 @@ from maskcli.errors import MaskError
 from maskcli.text import shortened
 
 from maskcli.files import SAFETENSORS_DTYPES, checked_source, is_inline  # noqa: F401 - is_inline is read from here too
+from maskcli.numpyfile import SLICE_FIX, from_numpy
 
 BFLOAT16 = np.dtype(np.float32, metadata={"name": "bfloat16"})  # a bfloat16 tensor's values, widened exactly
 # the codes safetensors writes, by numpy's dtype names (files.py writes them), and bfloat16
@@ -70,12 +71,15 @@ def load_tensors(source: str, flag: str, json_floats=None, numbers: bool = False
     return {name: as_tensor(value) for name, value in read_tensors(source, flag, floats, numbers).items()}
 
 
-def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: bool = False, lists: tuple[str, ...] = ()) -> dict:
+def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: bool = False, lists: tuple[str, ...] = (),
+                 work: tuple[float, str] = (0, "to load")) -> dict:
     """Every tensor in a file (or inline JSON) by name; a lone tensor is named ''.
 
     numpy arrays, read without torch, from every file but .pt, whose tensors come as torch.load gives them (the
     caller converts them at its edge). JSON's floats become `json_floats` (a numpy dtype name); `numbers`: see
     load_tensors. `lists`: the fields (of a JSON object or a .pt dict) kept as the nested lists they are (a ragged choice list).
+    `work`: (bytes per cell, what for) the caller needs beyond the arrays themselves: an .npz whose headers declare
+    more than memory holds is refused from its headers, before a byte of it is unpacked.
     """
     if is_inline(source):
         where = f"{flag} {shortened(source, 60)!r} (inline JSON)"
@@ -87,7 +91,7 @@ def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: 
         if suffix in (".pt", ".pth"):
             return _from_pt(path, where, numbers, lists)
         if suffix in (".npy", ".npz"):
-            return _from_numpy(path, where)
+            return from_numpy(path, where, work)
         if suffix == ".safetensors":
             return _from_safetensors(path, where)
         return _read_json(path.read_text(errors="replace"), where, json_floats, lists)
@@ -95,7 +99,6 @@ def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: 
         raise MaskError(f"{where}: cannot read it ({error.strerror or error})") from None
 
 
-SLICE_FIX = "slice the tensor you need into a smaller file first (like mask[0, 0]), or run where there is more memory"
 JSON_BYTES_PER_CHARACTER = 16  # a JSON number of 2-3 characters becomes a Python int or float (24-32 bytes) in a list
 
 
@@ -140,6 +143,8 @@ def _read_json(text: str, where: str, floats: str, lists: tuple[str, ...] = ()) 
 
 def _parse_json(text: str, where: str):
     def integer(digits: str) -> int:  # numpy would make a wider one uint64, float64 or an object, not an error
+        if len(digits.lstrip("-")) > 19:  # past int64, and int() itself refuses more than 4,300 digits
+            raise MaskError(f"{where}: not a rectangular nested list of numbers ({shortened(digits, 40)} does not fit int64)")
         value = int(digits)
         if not -(1 << 63) <= value < 1 << 63:
             raise MaskError(f"{where}: not a rectangular nested list of numbers ({shortened(digits, 40)} does not fit int64)")
@@ -244,6 +249,11 @@ def _from_pt(path: Path, where: str, numbers: bool = False, lists: tuple[str, ..
         ) from None
     except Exception as error:  # torch raises RuntimeError, EOFError, zipfile errors... for bad files
         raise MaskError(f"{where}: not a readable .pt file ({type(error).__name__}: {str(error)[:160]})") from None
+    for name, value in (data.items() if isinstance(data, dict) else [("", data)]):
+        if isinstance(value, torch.Tensor) and value.is_nested:  # its sizes are per item: every reader would fail on it
+            label = f" entry {name!r}" if name else ""
+            raise MaskError(f"{where}{label} is a nested tensor (items of different shapes); save a plain tensor "
+                            f"(torch.nested.to_padded_tensor, or each item alone)")
     if isinstance(data, torch.Tensor):
         return {"": data}
     kept = {name: data.pop(name) for name in lists if isinstance(data, dict) and name in data}
@@ -269,77 +279,6 @@ def _as_tensor(value):
         return torch.tensor(value, dtype=torch.int64)
     except (TypeError, ValueError, RuntimeError, OverflowError):
         return value
-
-
-def _from_numpy(path: Path, where: str) -> dict[str, np.ndarray]:
-    with path.open("rb") as file:
-        head = file.read(6)
-    # np.load takes anything without the .npy/.npz signature for a pickle, and would call garbage "objects"
-    if not head.startswith((b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06", b"\x80")):
-        raise MaskError(f"{where}: not a numpy file (it does not start with the .npy or .npz signature)")
-    _check_unpacked_fits(path, head, where)
-    try:
-        loaded = np.load(path, allow_pickle=False)
-        if isinstance(loaded, np.ndarray):
-            arrays = {"": loaded}
-        else:  # an .npz reads each array lazily, so its errors come here too
-            with loaded:
-                arrays = {k: loaded[k] for k in loaded.files}
-    except ValueError as error:
-        if "pickle" in str(error):  # numpy's refusal of object arrays names allow_pickle
-            raise MaskError(f"{where}: refused: it holds Python objects, which would need pickle ({error})") from None
-        raise MaskError(f"{where}: not a readable numpy file ({str(error)[:160]})") from None
-    except Exception as error:
-        raise MaskError(f"{where}: not a readable numpy file ({type(error).__name__}: {str(error)[:160]})") from None
-    for name, array in arrays.items():
-        if array.dtype.kind not in "biuf":
-            label = f" {name!r}" if name else ""
-            raise MaskError(f"{where}{label}: numpy dtype {array.dtype} cannot be a tensor of numbers")
-        # torch takes native byte order only; a big-endian array ('>f4') is swapped here. np.asarray, not
-        # np.ascontiguousarray, which makes a 0-d array 1-d and so would read a single number as a mask of one cell
-        arrays[name] = np.asarray(array, dtype=array.dtype.newbyteorder("="), order="C")
-    return arrays
-
-
-def _npy_bytes(stream) -> int | None:
-    """The bytes the array of a .npy stream takes, read from its header alone; None where the header is unreadable."""
-    from numpy.lib import format as npy
-
-    try:
-        version = npy.read_magic(stream)
-        # numpy.lib.format: 1.0 has a 2-byte header length, 2.0 and 3.0 (utf-8 field names) a 4-byte one
-        read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
-        shape, _, dtype = read(stream)
-        return math.prod(shape) * dtype.itemsize
-    except Exception:  # a damaged header: np.load says what is wrong with it
-        return None
-
-
-def _check_unpacked_fits(path: Path, head: bytes, where: str) -> None:
-    """Refuse a .npy or .npz whose arrays, as their headers declare them, would not fit in memory, before reading them.
-
-    An .npz is a zip: a few MB of compressed zeros can unpack to GBs, and np.load allocates what each header says.
-    Only the first bytes of each member are decompressed here.
-    """
-    import zipfile
-
-    from maskcli.memory import check_bytes_fit
-
-    sizes = []
-    if head.startswith(b"\x93NUMPY"):
-        with path.open("rb") as file:
-            sizes.append(_npy_bytes(file))
-    elif head.startswith(b"PK"):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                for member in archive.infolist():
-                    if member.filename.endswith(".npy"):
-                        with archive.open(member) as stream:
-                            sizes.append(_npy_bytes(stream))
-        except (zipfile.BadZipFile, OSError, RuntimeError, NotImplementedError, EOFError):
-            return  # np.load says what is wrong with the archive
-    needed = sum(size for size in sizes if size is not None)
-    check_bytes_fit(needed, f"{where} ({path.stat().st_size:,} bytes on disk, its arrays as their headers declare them)", "to load", fix=SLICE_FIX)
 
 
 def _from_safetensors(path: Path, where: str) -> dict[str, np.ndarray]:

@@ -133,22 +133,121 @@ def save(path, calls: list[dict], masks: dict[str, dict], ranks: list[dict] | No
 
 
 def load(path: str) -> dict:
-    """A trace file read with weights_only=True; a file that is not one is one line."""
+    """A trace file read with weights_only=True and checked whole (every field's type and range) where it is read,
+    so that a damaged or crafted file is one line naming what is wrong, never a wrong mask or an internal error."""
     import pickle
 
     import torch
 
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
         raise MaskError(f"{path!r} is not a trace file maskcli can read ({' '.join(str(error).split())[:160]})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise MaskError(f"{path!r} is a .pt file but not a maskcli trace (write one with maskcli trace --save {path})")
-    for stored in data["masks"].values():
+    where = f"trace file {path!r}"
+    masks, calls = data.get("masks"), data.get("calls")
+    if not isinstance(masks, dict) or not isinstance(calls, list):
+        raise MaskError(f"{where} is damaged: it needs a list 'calls' and a dict 'masks' (got {type(calls).__name__} and "
+                        f"{type(masks).__name__}); write it again with maskcli trace --save")
+    for name, stored in masks.items():
+        if not isinstance(stored, dict):
+            raise MaskError(f"{where} is damaged: mask {_quoted(name)} is a {type(stored).__name__}, not a stored mask")
         for key, value in list(stored.items()):
             if isinstance(value, torch.Tensor):
+                if value.is_nested or value.layout != torch.strided or value.device.type == "meta" or value.is_quantized:
+                    raise MaskError(f"{where} is damaged: mask {_quoted(name)}'s {key!r} is not a plain tensor")
                 stored[key] = value.numpy()
+        _check_mask(stored, f"{where} is damaged: mask {_quoted(name)}")
+    for index, call in enumerate(calls):
+        _check_call(call, masks, f"{where} is damaged: call {index}")
     return data
+
+
+LIMIT = 1 << 40  # no traced length comes near a trillion; past it the sizes below would wrap int64
+
+
+def _quoted(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _sizes(value, count: int, what: str, where: str) -> list[int]:
+    if not (isinstance(value, (list, tuple)) and len(value) == count and
+            all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= LIMIT for n in value)):
+        raise MaskError(f"{where}: {what} is {_quoted(value)}; it is {count} whole sizes from 0 to {LIMIT:,}")
+    return list(value)
+
+
+def _check_mask(stored: dict, where: str) -> None:
+    """A stored mask's form, shape, planes and arrays agree: intervals of int starts <= ends within [0, Lk), bits of
+    uint8 rows as long as the keys, stats of counts."""
+    form = stored.get("form")
+    if form not in ("intervals", "bits", "stats"):
+        raise MaskError(f"{where}: form {_quoted(form)} is not intervals, bits or stats")
+    batch, heads, q_len, k_len = _sizes(stored.get("shape"), 4, "shape", where)
+    b, h = _sizes(stored.get("planes"), 2, "planes", where)
+    if b not in (1, batch) or h not in (1, heads):
+        raise MaskError(f"{where}: planes {[b, h]} do not match shape {[batch, heads, q_len, k_len]} (each 1 or the full size)")
+    if form == "stats":
+        for key in ("kept", "empty_rows"):
+            if not isinstance(stored.get(key), int) or stored[key] < 0:
+                raise MaskError(f"{where}: {key} is {_quoted(stored.get(key))}; it is a count")
+        if not isinstance(stored.get("why"), str):
+            raise MaskError(f"{where}: why is {_quoted(stored.get('why'))}; it is a sentence")
+        return
+    names = ("starts", "ends") if form == "intervals" else ("bits",)
+    for key in names:
+        value = stored.get(key)
+        if not isinstance(value, np.ndarray) or value.dtype.kind not in "iu" or value.ndim != (4 if form == "bits" else 3):
+            raise MaskError(f"{where}: {key} is {_quoted(getattr(value, 'dtype', value))} {list(getattr(value, 'shape', []))}; "
+                            f"it is an integer array")
+    if form == "bits":
+        expected = (b, h, q_len, -(-k_len // 8))
+        if stored["bits"].dtype != np.uint8 or stored["bits"].shape != expected:
+            raise MaskError(f"{where}: bits has shape {list(stored['bits'].shape)} ({stored['bits'].dtype}); "
+                            f"planes and shape say {list(expected)} (uint8)")
+        return
+    starts, ends = stored["starts"], stored["ends"]
+    if starts.shape != ends.shape or starts.shape[:2] != (b * h, q_len) or starts.shape[2] < 1:
+        raise MaskError(f"{where}: starts {list(starts.shape)} and ends {list(ends.shape)} are not both "
+                        f"(planes {b * h}, queries {q_len}, intervals per row)")
+    bad = (starts < 0) | (starts > ends) | (ends > k_len)
+    if bad.any():
+        i = np.unravel_index(int(np.argmax(bad)), bad.shape)
+        raise MaskError(f"{where}: interval [{int(starts[i])}, {int(ends[i])}) of row {int(i[1])} is not within the "
+                        f"{k_len} keys (0 <= start <= end <= {k_len})")
+
+
+def _check_call(call, masks: dict, where: str) -> None:
+    """A call names a stored mask whose planes broadcast to its shape, with the fields readers show."""
+    if not isinstance(call, dict):
+        raise MaskError(f"{where} is a {type(call).__name__}, not a call")
+    if not isinstance(call.get("mask"), str) or call["mask"] not in masks:
+        raise MaskError(f"{where} names mask {_quoted(call.get('mask'))}, which the file does not hold")
+    shape = _sizes(call.get("shape"), 4, "shape", where)
+    stored = masks[call["mask"]]
+    if stored["shape"][2:] != shape[2:] or any(p not in (1, n) for p, n in zip(stored["planes"], shape[:2])):
+        raise MaskError(f"{where}: shape {shape} does not match its mask's (planes {stored['planes']}, "
+                        f"{stored['shape'][2]} x {stored['shape'][3]})")
+    for key, kind in (("where", str), ("api", str), ("index", int), ("step", int), ("details", dict)):
+        if key in call and not isinstance(call[key], kind) or kind is int and isinstance(call.get(key), bool):
+            raise MaskError(f"{where}: {key} is {_quoted(call[key])}; it is {'text' if kind is str else 'a ' + kind.__name__}")
+    if not isinstance(call.get("where"), str) or not isinstance(call.get("step"), int):
+        raise MaskError(f"{where} lacks its 'where' (text) or 'step' (a number)")
+    details = call.get("details", {})
+    if "step_name" in details and not isinstance(details["step_name"], str):
+        raise MaskError(f"{where}: details step_name is {_quoted(details['step_name'])}; it is text")
+    padding = details.get("key_padding")
+    if padding is not None:
+        from maskcli.keypadding import valid
+
+        try:
+            ok = isinstance(padding, dict) and (not padding or valid(padding, shape[0], shape[3]).shape == (shape[0], shape[3]))
+        except (ValueError, TypeError, AttributeError, KeyError):
+            ok = False
+        if not ok:
+            raise MaskError(f"{where}: details key_padding {_quoted(padding)} is not {shape[0]} rows of {shape[3]} keys")
 
 
 def split_spec(text: str) -> tuple[str, str] | None:
@@ -246,4 +345,5 @@ def traced_keep(text: str) -> tuple[np.ndarray, str] | None:
 
     step = call.get("details", {}).get("step_name") or step_label(call["step"], call["shape"][2])
     rank = f"rank {call['rank']} " if "rank" in call else ""
-    return keep, f"{path}:{selector} ({rank}call {call['index']}, {call['where']} {step}, {call['api']})"
+    return keep, (f"{path}:{selector} ({rank}call {call.get('index', selector)}, {call['where']} {step}, "
+                  f"{call.get('api', 'an unnamed API')})")

@@ -461,3 +461,14 @@ def test_a_batch_no_path_reads_right_exits_1_and_one_every_path_agrees_on_exits_
                                                      f"{leaking_cells([3, 1]) + leaking_cells([2, 2])} cells")
     result = pack("--position-ids", "0,1,2,3,4,5")  # one document: every path agrees
     assert result.exit_code == 0 and "findings: none" in result.stdout
+
+
+def test_a_million_characters_of_documents_pack_wrote_itself_are_checked_not_refused(tmp_path):
+    """600,000 one-token documents: pack's own document(sizes=[1,1,...]) is 1.2M characters, past the limit on an
+    expression a user types, which refused it. A causal path across them lets each token see every earlier one:
+    L(L-1)/2 cells across documents."""
+    length = 600_000
+    (tmp_path / "cu.json").write_text(json.dumps({"cu_seqlens": list(range(length + 1))}))
+    result = runner.invoke(app, ["pack", str(tmp_path / "cu.json")])
+    assert result.exit_code in (0, 1) and "characters long" not in result.output, result.output
+    assert f"{length * (length - 1) // 2:,} cells" in " ".join(result.stdout.split()), result.stdout

@@ -4,6 +4,7 @@ pixel, the file kinds it reads, and the exit status (0 clean, 1 a wrong finding,
 from __future__ import annotations
 
 import json
+import os
 
 import matplotlib.image as mpimg
 import numpy as np
@@ -165,7 +166,7 @@ def test_three_step_files_are_one_pass(tmp_path):
 @pytest.mark.parametrize("given, said", [
     ('{"query_start_loc":[0,2],"seq_lens":[-3]}', "seq_lens is -3 for request 0; lengths are 0 or more"),
     ('{"query_start_loc":[0,2],"seq_lens":[5],"sliding_window":0}', "sliding_window 0 leaves no key"),
-    ('{"query_start_loc":[0,2.5],"seq_lens":[5]}', "query_start_loc holds values that are not whole numbers"),
+    ('{"query_start_loc":[0,2.5],"seq_lens":[5]}', "query_start_loc holds 2.5, not a whole number"),
     ('{"query_start_loc":[1,2],"seq_lens":[5]}', "query_start_loc [1, 2] must start at 0"),
     ('{"cu_seqlens_q":[0,2],"seqused_k":[4],"window_size":3}', "window_size [3] is a pair (left, right)"),
     ('{"qo_indptr":[0,2],"kv_indptr":[0,1],"kv_indices":[3],"kv_last_page_len":[2],"page_size":4,"custom_mask":[1,1]}',
@@ -373,3 +374,50 @@ def test_html_refuses_a_bad_path_or_several_steps_in_one_line_and_leaves_no_file
     result = serve(PREFIX_HIT, PREFIX_HIT, "--html", tmp_path / "two.html")
     assert result.exit_code == 2 and "--html draws one step, and 2 FILEs were given" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_million_one_token_requests_take_seconds_not_hours(tmp_path):
+    """Each request's lengths were diffed from the whole indptr on every access: 10^5 requests took 58 s, 10^6 did
+    not finish. Now O(requests + pages): 2 x 10^5 here, the first rows checked against vLLM's layout by hand
+    (request r: 2 cached + 1 new token at position 2, on page r + 1)."""
+    import time
+
+    import torch
+
+    r = 200_000
+    torch.save({"query_start_loc": torch.arange(r + 1), "seq_lens": torch.full((r,), 3), "num_computed_tokens_cpu": torch.full((r,), 2),
+                "block_table_tensor": torch.arange(1, r + 1)[:, None], "slot_mapping": torch.arange(1, r + 1) * 4 + 2,
+                "block_size": torch.tensor(4)}, tmp_path / "many.pt")
+    start = time.process_time()
+    result = serve(tmp_path / "many.pt")
+    took = time.process_time() - start
+    assert result.exit_code == 0, result.output
+    assert "200000 requests, 200,000 new tokens, pages of 4 tokens, 200,000 distinct; causal" in result.stdout
+    assert [line.split() for line in result.stdout.splitlines() if line.startswith("15 ")][0][:4] == ["15", "2", "0-2", "causal"]
+    assert "requests 16-199999 not listed" in result.stdout
+    assert took < 60, took  # the quadratic reading took minutes at this size
+
+
+def test_a_draft_tree_a_billion_tokens_behind_its_cache_is_not_made_into_cells(tmp_path):
+    """TensorRT-LLM's packed mask holds the drafts only: the cached keys before them are a count, not a
+    (nodes, cached) array (that was 5.8 GB); the tree still reads (root, two children) and its positions are checked.
+    Run under a 1.5 GiB address-space limit, as the (3, 10^9) array was 3 GB."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (int(1.5 * 2**30), int(1.5 * 2**30)))
+
+    def run(path):
+        return subprocess.run([sys.executable, "-m", "maskcli", "serve", str(path)], capture_output=True, text=True,
+                              preexec_fn=limit, timeout=300, env={**os.environ, "COLUMNS": "120"})
+
+    fields = {"seq_lens": [2, 3], "num_cached_tokens_per_seq": [3, 10**9], "num_contexts": 1,
+              "spec_decoding_packed_mask": [[[1], [3], [5]]], "spec_decoding_position_offsets": [[0, 1, 1]]}
+    result = run(save(fields, tmp_path / "far.json"))
+    assert result.returncode == 0, result.stderr
+    assert "1     1000000000-1000000002   0-1000000002   tree(-1,0,0)" in result.stdout
+    result = run(save({**fields, "spec_decoding_position_offsets": [[0, 1, 2]]}, tmp_path / "off.json"))
+    assert result.returncode == 1, result.stderr
+    assert "has position 1000000002; its mask puts it at 1000000001 (prefix + depth)" in " ".join(result.stdout.split())

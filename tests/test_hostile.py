@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from hostile_files import LONG, plant
+from hostile_files import LONG, TRACE_DAMAGE, plant, plant_crafted
 from typer.testing import CliRunner
 
 from maskcli.commands import app
@@ -213,6 +213,58 @@ def test_hostile_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypat
     assert "Traceback" not in result.output and result.stdout == ""
     assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
     assert set(tmp_path.rglob("*")) == before  # no partial file, no temporary file, nothing the exploit made
+
+
+# issue 37: crafted files for every reader; each was an internal error, a traceback, a 13 GB unpacking or a wrong
+# answer with exit 0 (the value each line must quote beside it)
+LIMIT = "1,099,511,627,776"
+CRAFTED = [
+    (["serve", "ps0.pt"], "page_size 0 must be 1 to 1,048,576"),
+    (["serve", "psneg.pt"], "page_size -4 must be 1 to 1,048,576"),
+    (["serve", "wsg.pt"], f"sliding_window_size holds {2**63 - 1}, past the {LIMIT}"),
+    (["serve", "wfa.pt"], f"window_size holds {2**63 - 1}"),
+    (["serve", "wfa2.pt"], f"window_size holds {2**63 - 1}"),  # was "no key visible", exit 0
+    (["serve", "wfi.pt"], f"window_left holds {2**63 - 1}"),
+    (["serve", "draft.pt"], "draft_token_num -1 must be at least 1"),
+    (["serve", "trt_neg.pt"], "seq_lens is -3 for request 0"),
+    (["serve", "trt_empty.pt"], "spec_decoding_packed_mask has shape [1, 3, 0]"),
+    (["serve", "pages62.pt"], f"block_table_tensor holds {2**62}"),
+    (["serve", "cascade.pt"], "common_prefix_len -16 is negative"),  # was read as prefix(-16), "ok"
+    (["serve", "slotwrap.pt"], f"slot_mapping holds {2**62 + 1}"),  # was a slot on another request's page passing
+    (["serve", "nan.pt"], "seq_lens holds nan, not a whole number"),
+    (["serve", "sparse.pt"], "seq_lens is a sparse_coo tensor"),
+    (["serve", "digits.json"], "9999999999"),
+    (["serve", "dump"], "its last line is a JSON list, not the record of a call"),
+    (["serve", "dump2"], "its last line is a JSON str, not the record of a call"),
+    (["inspect", "nested.pt"], "'nested.pt' is a nested tensor"),
+    (["show", "--mask", "nested.pt"], "'nested.pt' is a nested tensor"),
+    (["show", "--mask", "fa_float.pt", "--from", "flash-attn"], "cu_seqlens_q holds 2.5"),  # was read as 2, exit 0
+    (["export", "--for", "sdpa", "--mask", "fa_nan.pt", "--from", "flash-attn"], "cu_seqlens_q holds nan"),
+    (["export", "--for", "sdpa", "--mask", "fm_float.pt", "--from", "flashmask"], "startend_row_indices holds 1.5"),
+    (["show", "--mask", "fm_empty.pt", "--from", "flashmask"], "startend_row_indices has shape [1, 1, 0, 1]: it holds no rows"),
+    (["show", "--mask", "magi_empty.pt", "--from", "magi"], "the file holds 0 slices over 0 queries and 0 keys"),
+    (["show", "--mask", "digits_mask.json"], "9999999999"),
+    (["pack", "--cu-seqlens", "0,0"], "--cu-seqlens '0,0' ends at 0: the batch has no tokens"),
+    (["pack", "--attention-mask", '[["inf"]]'], "--attention-mask holds inf, not a whole number"),
+    (["pack", "--attention-mask", "[[" + "9" * 30 + "]]"], "999999999999999999999999999999 does not fit int64"),
+    (["inspect", "liar.npz"], "member 'mask.npy' is damaged: its header declares 16,777,216 bytes"),
+] + [([command, *spec], name) for name in TRACE_DAMAGE
+     for command, spec in (("inspect", [f"{name}:0"]), ("show", ["--mask", f"{name}:1"]), ("diff", [f"{name}:0", "causal"]))]
+
+
+@pytest.mark.parametrize("args, says", CRAFTED, ids=[" ".join(a)[:80] for a, _ in CRAFTED])
+def test_crafted_files_are_one_line_exit_2_and_leave_nothing(tmp_path, monkeypatch, args, says):
+    plant_crafted(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = set(tmp_path.rglob("*"))
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("maskcli: error: "), result.stderr
+    assert says in lines[0] and "maskcli bug" not in lines[0] and len(lines[0]) <= 1000, lines[0][:300]
+    assert "Traceback" not in result.output and result.stdout == ""
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
+    assert set(tmp_path.rglob("*")) == before
 
 
 NAMING_A_MODULE = [

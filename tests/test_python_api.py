@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -195,3 +196,21 @@ def test_the_notebook_runs(monkeypatch):
     assert any("document(sizes=[3,5]) &amp; window(2)" in page or "document(sizes=[3,5]) & window(2)" in page for page in html)
     shown = json.dumps([output.get("data", {}).get("text/plain", "") for output in outputs])
     assert "Mask(" in shown
+
+
+@pytest.mark.parametrize("given", [{"offset": 1.5}, {"offset": float("nan")}, {"offset": __import__("decimal").Decimal("2")},
+                                   {"heads": 2.0}, {"length": 3.0}, {"kv_start": True}, {"pad_id": 1.5}])
+def test_positions_and_head_counts_are_whole_numbers_or_a_mask_error(given):
+    """offset=1.5 made a mask of keys 0-4.5 and heads=nan a shape (1, nan, 4, 4): now one MaskError naming the value."""
+    (name, value), = given.items()
+    with pytest.raises(MaskError, match=re.escape(f"build(): {name}={value!r} is a {type(value).__name__}; {name} is a whole number")):
+        maskcli.build("causal", **({"length": 4} | given))
+    assert maskcli.build("causal", length=4, offset=np.int64(2)).shape == (1, 1, 4, 6)  # numpy integers are whole
+
+
+@pytest.mark.parametrize("apis, says", [("bogus", "'bogus' is not one that maskcli records"), (["sdpa", "x"], "'x' is not one"),
+                                        ([], "no API is one"), (5, "give a list of API names")])
+def test_trace_refuses_apis_it_does_not_record(apis, says):
+    with pytest.raises(MaskError, match=says):
+        maskcli.trace(apis=apis)
+    assert maskcli.trace(apis="sdpa, mha").apis == ("sdpa", "mha")  # a string is comma-separated names, not letters

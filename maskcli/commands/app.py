@@ -138,6 +138,8 @@ def _smaller(args: list[str]) -> str:
     command = next((arg for arg in args if not arg.startswith("-")), "")
     if command in ("inspect", "convert") or "--mask" in args:
         return "the mask file is too large to work on here: slice the part you need into a smaller file first (like mask[0, 0])"
+    if command == "serve":  # serve has no --len: its sizes are the batch's
+        return "the batch is too large to check here: save fewer requests (a part of the batch) and check that"
     if command in ("attend", "verify"):
         return "use a smaller --len (or fewer batch rows or heads, a smaller --head-dim or --dtype)"
     return "use a smaller --len (or fewer batch rows or heads, or a larger --block)"

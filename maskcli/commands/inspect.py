@@ -77,7 +77,7 @@ def inspect(
         values, label = traced
         given = Convention("keep", "values", "a call captured by maskcli trace, in keep form (True = may attend)")
     else:
-        values, label = load_mask(file, key)  # numpy: only a .pt file imports torch
+        values, label = load_mask(file, key, work=(11, "to inspect"))  # numpy: only a .pt file imports torch
         given = _convention(values, from_, label) if from_ is not None else None
     _check_room(values, label, 11 + values.itemsize, "to inspect")
     from maskcli.tracefile import traced_details
@@ -226,8 +226,8 @@ def convert(
     from maskcli.inspect.load import load_mask
     from maskcli.inspect.polarity import to_keep
 
-    values, label = load_mask(file, key)
     out_bytes = {"keep": 1, "block": 1, "int": 8}.get(to) or {"float16": 2, "bfloat16": 2, "float64": 8}.get(dtype, 4)
+    values, label = load_mask(file, key, work=(5 + out_bytes, f"to convert to {to}"))
     _check_room(values, label, 5 + out_bytes, f"to convert to {to}")
     convention = _convention(values, from_, label)
     if convention.name == "bias":

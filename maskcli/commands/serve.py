@@ -87,7 +87,8 @@ def serve(
 
             findings += against_config(batch, layers, model)
         wrong |= bool(registry.wrong(findings))
-        rows = render.request_rows(batch, page_map(batch))
+        # the tables list the first requests only; --json and --html every one
+        rows = render.request_rows(batch, page_map(batch), None if json_ or html_path is not None else render.TABLE_REQUESTS)
         if html_path is not None:  # the page is made whole before it is written: a refused one leaves no file
             from maskcli.render.html import save_page
             from maskcli.render.servepage import serve_page

@@ -200,7 +200,25 @@ def saved(tensors: dict, name: str, what: str, required: bool = True):
         if not required:
             return None
         raise MaskError(f"{what}: the file has no tensor {name!r} (it has {', '.join(sorted(tensors)) or 'none'}): save it with maskcli export --save")
-    return np.asarray(tensors[name].cpu().numpy() if hasattr(tensors[name], "cpu") else tensors[name]).astype(np.int64)
+    value = tensors[name]
+    if hasattr(value, "cpu"):
+        value = value.cpu()
+        value = (value.double() if value.is_floating_point() else value).numpy()
+    values = np.asarray(value)
+    if values.dtype.kind not in "biuf":
+        raise MaskError(f"{what}: {name} is {values.dtype}, not integers: save it with maskcli export --save")
+    flat = values.ravel()
+    if values.dtype.kind == "f":  # a float that is not whole (or NaN) would be cut to another index by astype
+        bad = ~np.isfinite(flat) | (flat != np.round(flat)) | (np.abs(flat) > LIMIT)
+    else:
+        bad = (flat > LIMIT) | ((flat < -LIMIT) if values.dtype.kind == "i" else False)
+    if np.any(bad):
+        raise MaskError(f"{what}: {name} holds {flat[np.argmax(bad)].item()!r}; its entries are whole numbers of at most "
+                        f"{LIMIT:,} (indices and lengths)")
+    return values.astype(np.int64)
+
+
+LIMIT = 1 << 62  # past it, a sum of two indices wraps int64 (a length this large is then refused for its memory)
 
 
 def scalar(tensors: dict, name: str, what: str):

@@ -88,6 +88,8 @@ def read(tensors: dict, flags: dict):
     if indices.shape[1] > 1 and not (indices == indices[:, :1]).all():
         raise MaskError(f"{what}: its {indices.shape[1]} heads differ; maskcli reads one mask for every head: save one head")
     batch, _, length, n = indices.shape
+    if batch == 0 or length == 0 or indices.shape[1] == 0:
+        raise MaskError(f"{what}: startend_row_indices has shape {list(indices.shape)}: it holds no rows; a mask has at least one")
     if indices.min() < 0 or indices.max() > length:
         raise MaskError(f"{what}: row indices must lie in 0..{length} (the sequence length); found {int(indices.min())}..{int(indices.max())}")
     j = np.arange(length, dtype=np.int64)

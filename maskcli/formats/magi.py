@@ -96,6 +96,9 @@ def read(tensors: dict, flags: dict):
     total = [scalar(tensors, name, what) for name in ("total_seqlen_q", "total_seqlen_k")]
     q_len = total[0] if total[0] is not None else int(q_ranges[:, 1].max(initial=0))
     k_len = total[1] if total[1] is not None else int(k_ranges[:, 1].max(initial=0))
+    if q_len < 1 or k_len < 1:
+        raise MaskError(f"{what}: the file holds {n} slices over {q_len} queries and {k_len} keys; a mask has at least one "
+                        f"of each (give total_seqlen_q and total_seqlen_k where no slice reaches the end)")
     if n and (q_ranges[:, 1].max() > q_len or k_ranges[:, 1].max() > k_len):
         raise MaskError(f"{what}: a range ends past total_seqlen_q {q_len} or total_seqlen_k {k_len}")
     check_rows(max(q_len, int((q_ranges[:, 1] - q_ranges[:, 0]).sum())), what)

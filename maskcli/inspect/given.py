@@ -33,7 +33,8 @@ def mask_from_file(path: str, key: str | None, from_: str | None, options: MaskO
         return _from_format(path, from_, options, flag)
     if options.causal:
         raise MaskError("--causal is for --from flash-attn or flashmask: give --from too, or drop --causal")
-    values, label = load_mask(path, key, flag)  # numpy: only a .pt file imports torch
+    # classify, to_keep and the keep view each take a bool copy
+    values, label = load_mask(path, key, flag, work=(3, "to read as a mask"))  # numpy: only a .pt file imports torch
     convention = classify(values) if from_ is None else Convention(from_, "values", "given with --from")
     if from_ is not None and values.dtype.kind == "f" and bool(((values != 0) & (values != 1)).any()):
         raise MaskError(f"--from is for bool and 0/1 masks; {label} holds other values ({classify(values).note})")

@@ -55,12 +55,13 @@ def check_maskable(values, where: str) -> np.ndarray:
     return values
 
 
-def load_mask(source: str, key: str | None = None, flag: str = "FILE") -> tuple[np.ndarray, str]:
+def load_mask(source: str, key: str | None = None, flag: str = "FILE", work: tuple[float, str] = (0, "to load")) -> tuple[np.ndarray, str]:
     """The one tensor in `source` (the one named `key` where there are several) as a numpy array checked to be
-    maskable, and its label; only a .pt file imports torch."""
+    maskable, and its label; only a .pt file imports torch. `work`: the bytes per cell the caller needs beside the
+    array, and what for (an .npz too large for it is refused from its headers, before it is unpacked)."""
     from maskcli.tensorfile import is_inline, read_tensors
 
-    tensors = read_tensors(source, flag)
+    tensors = read_tensors(source, flag, work=work)
     label = "the inline JSON" if is_inline(source) else repr(source)
     names = ", ".join(repr(k) for k in tensors if k)
     if key is not None:

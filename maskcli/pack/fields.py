@@ -101,8 +101,9 @@ def _numbers(tensor, where: str) -> np.ndarray:
     else:
         array = np.asarray(tensor)
     if array.dtype.kind == "f":
-        if not np.all(np.isfinite(array)) or not np.all(array == np.round(array)):
-            raise MaskError(f"{where} holds values that are not whole numbers; give integers")
+        bad = ~np.isfinite(array) | (array != np.round(array)) | (np.abs(array) >= 2.0**63)
+        if bad.any():
+            raise MaskError(f"{where} holds {float(array.ravel()[np.argmax(bad.ravel())])!r}, not a whole number; give integers")
         array = array.astype(np.int64)
     if array.dtype.kind == "b":
         array = array.astype(np.int64)
@@ -143,12 +144,10 @@ def _from_option(name: str, text: str) -> np.ndarray:
 
     flag = "--" + name.replace("_", "-")
     if name == "attention_mask" and text.lstrip().startswith("["):
-        import json
+        from maskcli.tensorfile import read_tensors
 
-        try:
-            return np.asarray(json.loads(text))
-        except (ValueError, TypeError) as error:
-            raise MaskError(f"{flag} {shortened(text, 60)!r}: not a JSON nested list ({error})") from None
+        # the reader of every tensor file's JSON: numbers past int64, "inf" and text are one line there
+        return read_tensors(text, flag)[""]
     rows = parse_rows(text, f"{flag} {shortened(text, 60)!r}", "0,3,5" if name in CUMULATIVE else "0,1,2,0,1")
     if name in CUMULATIVE + SCALARS:
         if len(rows) > 1:
@@ -252,7 +251,12 @@ def _size(arrays: dict, keep_4d, mrope, sources) -> tuple[int, int]:
         cu = next((arrays[n] for n in CUMULATIVE if n in arrays), None)
         if cu is None:
             raise MaskError("no per-token field: give input_ids, position_ids, attention_mask, seq_idx, labels or cu_seqlens")
-        return 1, int(cu[-1]) if len(cu) else 0
+        total = int(cu[-1]) if len(cu) else 0
+        if total == 0:
+            name = next(n for n in CUMULATIVE if n in arrays)
+            raise MaskError(f"{sources.get(name, name)} {shortened(','.join(map(str, cu[:8].tolist())), 60)!r} ends at 0: the batch has "
+                            f"no tokens; cumulative lengths end at the total, like 0,3,5")
+        return 1, total
     lengths = {shape[1] for shape in shapes.values()}
     rows = {shape[0] for shape in shapes.values()} - {1}
     if len(lengths) > 1 or len(rows) > 1:

@@ -78,7 +78,7 @@ def check(batch: Batch, eos: int | None = None, reference: str | None = None, mo
     segment = None
     if ref is not None:
         text, options = documents("segment", ref.starts, None)  # padding is cut by `keys` and `real` below
-        segment = build(text, options).intervals()
+        segment = build(text, options, written=True).intervals()
     intervals: dict[str, Intervals] = {}
     for p in paths:
         if p.applies:

@@ -160,7 +160,7 @@ def _built(name: str, reads: str, text: str, options: MaskOptions, notes: list[s
 @functools.lru_cache(maxsize=4)
 def _build(text: str, length: int, lengths: str | None, ids: str | None) -> Mask:
     """One Mask per expression and padding: paths that read the same field share it (and its intervals)."""
-    return build(text, MaskOptions(length=length, lengths=lengths, ids=ids, pad_id=0))
+    return build(text, MaskOptions(length=length, lengths=lengths, ids=ids, pad_id=0), written=True)
 
 
 def _causal(name: str, reads: str, pad, length: int, notes: list[str]) -> Path:

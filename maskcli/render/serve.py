@@ -35,11 +35,12 @@ def header(b: ServeBatch, source: str, title: str) -> str:
             f"{pages}; {layer}")
 
 
-def request_rows(b: ServeBatch, m: PageMap) -> list[dict]:
-    """Per request what the views show: positions, expression and its page map, as plain values."""
+def request_rows(b: ServeBatch, m: PageMap, limit: int | None = None) -> list[dict]:
+    """Per request what the views show: positions, expression and its page map, as plain values; the first `limit`
+    requests only, where only those are shown (the tables list TABLE_REQUESTS)."""
     rows = []
     bounds = np.searchsorted(m.owner, np.arange(b.requests + 1))
-    for r in range(b.requests):
+    for r in range(b.requests if limit is None else min(limit, b.requests)):
         q0, q_len, seq = b.frame(r)
         at = slice(bounds[r], bounds[r + 1])
         pages, fill = b.pages[at], m.fill[at]

@@ -10,6 +10,7 @@ Pages are kept as one CSR list per request (logical block -> physical page), O(r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -59,6 +60,9 @@ class ServeBatch:
     cascade: Cascade | None = None
     local: Local | None = None
     trees: dict[int, np.ndarray] = field(default_factory=dict)  # request -> bool (q_len, seq_len) custom mask
+    # request -> keys before its tree's stored cells, every one seen (TensorRT-LLM's mask holds only the drafts:
+    # a tree 10^9 tokens behind its cache is not a (nodes, 10^9) array)
+    tree_prefix: dict[int, int] = field(default_factory=dict)
     request_ids: np.ndarray | None = None  # (R,) which request is which across step files
     positions: np.ndarray | None = None  # (N,) each query token's position as the engine states it
     choices: tuple[tuple[int, ...], ...] = ()  # a static tree's choice list (serve/choices.py): every tree is that tree
@@ -69,14 +73,19 @@ class ServeBatch:
     def requests(self) -> int:
         return len(self.seq_lens)
 
-    @property
+    @cached_property
     def q_lens(self) -> np.ndarray:
-        return np.diff(self.q_indptr)
+        """Computed once (per-request code reads it a million times in a batch of a million requests); read-only."""
+        values = np.diff(self.q_indptr)
+        values.flags.writeable = False
+        return values
 
-    @property
+    @cached_property
     def q_start(self) -> np.ndarray:
         """Each request's first query position as the kernel aligns it (bottom-right): seq_len - q_len."""
-        return self.seq_lens - self.q_lens
+        values = self.seq_lens - self.q_lens
+        values.flags.writeable = False
+        return values
 
     @property
     def starts(self) -> np.ndarray:
@@ -152,6 +161,13 @@ def validate(b: ServeBatch, source: str) -> None:
         if values is not None and values.size and values.min() < 0:
             r = int(np.argmin(values))
             raise MaskError(f"{source!r}: {b.name(role)} is {int(values[r])} for request {r}; lengths are 0 or more")
+    q_lens = np.diff(b.q_indptr)
+    if q_lens.size and q_lens.min() < 0:
+        r = int(np.argmin(q_lens))
+        raise MaskError(f"{source!r}: {b.name('queries')} is {int(q_lens[r])} for request {r}; a request has 0 or more new tokens")
+    if b.cascade is not None and b.cascade.prefix_len < 0:
+        raise MaskError(f"{source!r}: common_prefix_len {b.cascade.prefix_len} is negative; it counts the keys every request "
+                        f"shares (0 for none)")
     for role, value in (("window", b.window), ("chunk", b.chunk)):
         if value is not None and value < 1:
             name = {"window": b.name("window"), "chunk": "attention_chunk_size"}[role]

@@ -289,6 +289,21 @@ def local(b: ServeBatch) -> list[Finding]:
     return out
 
 
+def _first_seen(mask, row: int) -> int | None:
+    """The first key a query row of a request's mask sees, from its intervals (a row of a tree 10^9 keys behind its
+    cache is not made into 10^9 cells); None where it sees none."""
+    from maskcli.intervals import NotFew
+
+    try:
+        found = mask.intervals()
+    except NotFew:
+        seen = np.flatnonzero(mask.cells(0, 0, row, row + 1)[0])
+        return int(seen[0]) if seen.size else None
+    starts, ends = found.starts[0, min(row, found.starts.shape[1] - 1)], found.ends[0, min(row, found.ends.shape[1] - 1)]
+    live = starts < ends
+    return int(starts[live].min()) - found.k_start if live.any() else None
+
+
 def trees(b: ServeBatch) -> list[Finding]:
     """Each draft node sees the prefix, its ancestors and itself, and sits at position prefix + depth."""
     from maskcli.serve.trees import read_tree
@@ -299,7 +314,7 @@ def trees(b: ServeBatch) -> list[Finding]:
     depth_at = {}
     named = choices.parents(list(b.choices)) if b.choices else None
     for r, cells in b.trees.items():
-        if cells.shape[0] > cells.shape[1]:
+        if cells.shape[0] > cells.shape[1] + b.tree_prefix.get(r, 0):
             continue  # lengths() says so
         if named is not None and len(named) != cells.shape[0]:
             own = read_tree(cells)
@@ -311,7 +326,7 @@ def trees(b: ServeBatch) -> list[Finding]:
             out.append(Finding("tree-mask", f"request {r} verifies {cells.shape[0]} drafts; {b.choices_name} makes "
                                f"{len(named)} (the root and {len(named) - 1} paths)", request=r))
             continue
-        tree = read_tree(cells, named)
+        tree = read_tree(cells, named, b.tree_prefix.get(r, 0))
         depth_at[r] = tree.depth
         if tree.wrong is not None:
             node, key, held = tree.wrong
@@ -341,9 +356,9 @@ def trees(b: ServeBatch) -> list[Finding]:
         role = f"draft node {t - int(b.q_indptr[r])} at depth {int(depth_at[r][t - b.q_indptr[r]])}" if r in depth_at else f"new token {t - int(b.q_indptr[r])}"
         row = t - int(b.q_indptr[r])
         mask = b.mask(r)
-        seen = np.flatnonzero(mask.cells(0, 0, row, row + 1)[0]) if mask is not None else np.zeros(0, np.int64)
+        first = _first_seen(mask, row) if mask is not None else None
         # the token's row (as the kernel aligns it) and the first key it sees: every key's distance to it is off
-        cell = (int(b.q_start[r]) + row, int(seen[0])) if seen.size else None
+        cell = (int(b.q_start[r]) + row, first) if first is not None else None
         out.append(Finding("positions", f"token {t} (request {r}'s {role}) has "
                            f"position {int(b.positions[t])}; its mask puts it at {int(expected[t])}"
                            f"{' (prefix + depth)' if r in depth_at else ''}: RoPE would rotate it as another token", request=r, cell=cell))

@@ -45,7 +45,7 @@ def read(source: str) -> ServeBatch:
 
     if not is_inline(source) and is_dump(source):
         return from_tensors(read_dump(source), source)
-    tensors = read_tensors(source, "FILE", numbers=True, lists=choices.NAMES)
+    tensors = read_tensors(source, "FILE", numbers=True, lists=choices.NAMES, work=(8, "to read as batch metadata (int64)"))
     source = "inline JSON" if is_inline(source) else source
     if set(tensors) == {""}:
         raise MaskError(f"{source!r} holds one unnamed tensor; save a dict of the engine's named fields (query_start_loc, seq_lens, ...)")

@@ -6,6 +6,11 @@ import numpy as np
 
 from maskcli.errors import MaskError
 
+# No engine's length, position, slot or page id comes near 2^40 (a trillion tokens); past it, sums and products of
+# two such values (page x page_size, nodes x keys) would wrap int64 and read as other, wrong, numbers.
+LIMIT = 1 << 40
+PAGE_LIMIT = 1 << 20  # tokens per page: page ids under LIMIT times this stay far inside int64
+
 
 class Fields:
     """A file's tensors as int64 numpy arrays (bool masks kept bool), looked up by the engine's names."""
@@ -78,27 +83,55 @@ class Fields:
         size = self.scalar(*names)
         if size is None:
             raise MaskError(f"{self.source!r} has a page table but no page size: add {names[0]} (tokens per page) to the file")
-        if size < 1:
-            raise MaskError(f"{self.source!r}: {self.key(*names)} {size} must be at least 1 (tokens per page)")
-        return size
+        return checked_page_size(size, f"{self.source!r}: {self.key(*names)}")
 
     def flag(self, *names: str, default: bool) -> bool:
         value = self.scalar(*names)
         return default if value is None else bool(value)
 
 
+def checked_page_size(size: int, where: str) -> int:
+    """Tokens per page: 1 to PAGE_LIMIT."""
+    if not 1 <= size <= PAGE_LIMIT:
+        raise MaskError(f"{where} {size} must be 1 to {PAGE_LIMIT:,} (tokens per page)")
+    return size
+
+
 def as_numbers(value, where: str) -> np.ndarray:
-    """A tensor, array or Python number as numpy: bool stays bool, whole floats become int64."""
+    """A tensor, array or Python number as numpy: bool stays bool, whole floats become int64; every value within
+    +-LIMIT (uint8 and bool are masks, kept as they are)."""
     if type(value).__module__.startswith("torch"):
+        kind = ("a meta tensor (a shape, no values)" if value.device.type == "meta" else
+                f"a quantized tensor ({str(value.dtype).removeprefix('torch.')})" if value.is_quantized else
+                f"a {str(value.layout).removeprefix('torch.')} tensor" if str(value.layout) != "torch.strided" else None)
+        if kind is not None:
+            raise MaskError(f"{where} is {kind}; batch metadata is plain integers: save a dense tensor (.to_dense(), .dequantize())")
         value = value.detach().cpu()
         value = value.numpy() if value.dtype.is_floating_point is False else value.double().numpy()
-    array = np.asarray(value)
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):  # ragged lists, an int past uint64
+        raise MaskError(f"{where} is not a rectangular list of integers ({_short(value)}); batch metadata is integers") from None
     if array.dtype.kind == "b":
         return array
     if array.dtype.kind == "f":
-        if not np.all(np.isfinite(array)) or not np.all(array == np.round(array)):
-            raise MaskError(f"{where} holds values that are not whole numbers; batch metadata is integers")
+        bad = ~np.isfinite(array) | (array != np.round(array)) | (np.abs(array) > LIMIT)
+        if bad.any():
+            raise MaskError(f"{where} holds {float(array.ravel()[np.argmax(bad.ravel())])!r}, not a whole number within "
+                            f"+-{LIMIT:,}; batch metadata is integers")
         return array.astype(np.int64)
     if array.dtype.kind not in "iu":
-        raise MaskError(f"{where} is not numbers ({array.dtype}); batch metadata is integers")
-    return array.astype(np.int64) if array.dtype != np.uint8 else array
+        raise MaskError(f"{where} is not numbers ({array.dtype}: {_short(value)}); batch metadata is integers")
+    if array.dtype == np.uint8:
+        return array
+    if array.size and (array.max() > LIMIT or (array.dtype.kind == "i" and array.min() < -LIMIT)):
+        flat = array.ravel()
+        far = flat[np.argmax(flat > LIMIT)] if array.max() > LIMIT else flat[np.argmin(flat)]
+        raise MaskError(f"{where} holds {int(far)}, past the {LIMIT:,} that any length, position, slot or page id "
+                        f"reaches; batch metadata that large is damaged")
+    return array.astype(np.int64)
+
+
+def _short(value) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 40 else text[:37] + "..."

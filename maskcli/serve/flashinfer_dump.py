@@ -49,9 +49,17 @@ def _record(folder: Path) -> dict:
                         f"(FLASHINFER_LOGLEVEL=10 writes one per call) or a file of named tensors")
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     try:
-        return json.loads(lines[-1])
-    except (IndexError, ValueError) as error:
-        raise MaskError(f"{str(path)!r}: its last line is not a JSON record ({error})") from None
+        record = json.loads(lines[-1])
+    except (IndexError, ValueError, RecursionError) as error:
+        raise MaskError(f"{str(path)!r}: its last line is not a JSON record ({' '.join(str(error).split())[:120]})") from None
+    if not isinstance(record, dict):
+        raise MaskError(f"{str(path)!r}: its last line is a JSON {type(record).__name__}, not the record of a call "
+                        f"(an object with function_name, function_signature and input_metadata)")
+    for key, kind in (("function_name", str), ("function_signature", str), ("input_metadata", dict)):
+        if record.get(key) is not None and not isinstance(record[key], kind):
+            raise MaskError(f"{str(path)!r}: {key} is a JSON {type(record[key]).__name__} ({str(record[key])[:40]!r}); "
+                            f"FlashInfer writes a {'string' if kind is str else 'object'} there")
+    return record
 
 
 def read_dump(source: str) -> dict:

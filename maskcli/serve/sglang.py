@@ -20,7 +20,7 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.serve.batch import ServeBatch, cumulative, table_rows
-from maskcli.serve.fields import Fields
+from maskcli.serve.fields import Fields, checked_page_size
 
 NAME = "sglang"
 TITLE = "SGLang ForwardBatch"
@@ -50,7 +50,7 @@ def load(f: Fields) -> ServeBatch:
              "writes": "out_cache_loc", "page_size": "page_size", "window": "sliding_window_size"}
     if verify:
         names |= {"queries": "draft_token_num", "seq_lens": "seq_lens + draft_token_num", "computed": "seq_lens"}
-    page_size = f.scalar("page_size", default=1)
+    page_size = checked_page_size(f.scalar("page_size", default=1), f"{f.source!r}: page_size")
     indptr, pages, short = np.zeros(requests + 1, np.int64), np.zeros(0, np.int64), None
     rows = f.raw("req_to_token")
     if rows is not None:
@@ -82,6 +82,8 @@ def _drafts(f: Fields, prefix: np.ndarray) -> np.ndarray:
     requests = len(prefix)
     given = f.scalar("draft_token_num")
     if given is not None:
+        if given < 1:
+            raise MaskError(f"{f.source!r}: draft_token_num {given} must be at least 1 (the draft tokens each request verifies)")
         return np.full(requests, given, np.int64)
     indptr = f.indptr("mask_indptr", required=False)
     sizes = np.diff(indptr) if indptr is not None else None
@@ -110,9 +112,11 @@ def _drafts(f: Fields, prefix: np.ndarray) -> np.ndarray:
 
 def _trees(f: Fields, new: np.ndarray, seq_lens: np.ndarray) -> dict[int, np.ndarray]:
     flat = np.asarray(f.raw("custom_mask")).ravel().astype(bool)
-    sizes = new * seq_lens
+    needed = float(np.sum(new.astype(float) * seq_lens))  # in floats first: new x seq_len may pass int64
     indptr = f.indptr("mask_indptr", required=False)
-    indptr = cumulative(sizes) if indptr is None else indptr
-    if indptr[-1] > flat.size or len(indptr) != len(new) + 1:
-        raise MaskError(f"{f.source!r}: custom_mask holds {flat.size} cells; the requests' (new x seq_len) masks need {int(sizes.sum())}")
+    fits = needed <= flat.size and (indptr is None or len(indptr) == len(new) + 1)
+    sizes = new * seq_lens if fits else None
+    indptr = cumulative(sizes) if indptr is None and fits else indptr
+    if not fits or (indptr[:-1] + sizes).max(initial=0) > flat.size:
+        raise MaskError(f"{f.source!r}: custom_mask holds {flat.size} cells; the requests' (new x seq_len) masks need {needed:,.0f}")
     return {r: flat[indptr[r]:indptr[r] + sizes[r]].reshape(new[r], seq_lens[r]) for r in range(len(new)) if sizes[r]}

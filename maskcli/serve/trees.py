@@ -31,19 +31,20 @@ class Tree:
         return depth
 
 
-def read_tree(cells: np.ndarray, parents: np.ndarray | None = None) -> Tree:
+def read_tree(cells: np.ndarray, parents: np.ndarray | None = None, hidden: int = 0) -> Tree:
     """The tree a (q_len, prefix + q_len) custom mask holds, and its first cell off that tree's mask; with
-    `parents` (a choice list's tree, as many nodes), the first cell off that tree's mask instead."""
+    `parents` (a choice list's tree, as many nodes), the first cell off that tree's mask instead. `hidden`: keys
+    before the cells, all seen and not stored (ServeBatch.tree_prefix)."""
     from maskcli.kinds.tree import ancestor_table
 
     n, keys = cells.shape
-    prefix = keys - n
-    drafts = cells[:, prefix:]
+    stored = keys - n
+    drafts = cells[:, stored:]
     parents = _parents(drafts) if parents is None else parents
-    expected = np.concatenate([np.ones((n, prefix), bool), ancestor_table(parents)], 1)
+    expected = np.concatenate([np.ones((n, stored), bool), ancestor_table(parents)], 1)
     off = np.argwhere(expected != cells)
-    wrong = None if not off.size else (int(off[0, 0]), int(off[0, 1]), bool(cells[off[0, 0], off[0, 1]]))
-    return Tree(parents, prefix, wrong)
+    wrong = None if not off.size else (int(off[0, 0]), int(off[0, 1]) + hidden, bool(cells[off[0, 0], off[0, 1]]))
+    return Tree(parents, stored + hidden, wrong)
 
 
 def _parents(drafts: np.ndarray) -> np.ndarray:

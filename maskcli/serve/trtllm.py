@@ -52,14 +52,17 @@ def load(f: Fields) -> ServeBatch:
     trees, positions = {}, None
     if f.has("spec_decoding_packed_mask"):
         trees, positions = _trees(f, new, cached)
+    # the packed mask holds the drafts only; the cached keys before them are all seen, and not made into cells
+    prefix = {r: int(cached[r]) for r in trees}
     window = f.scalar("attention_window_size")
     return ServeBatch(NAME, cumulative(new), seq_lens, page_size, indptr, pages, names, computed=cached, short_table=short,
-                      window=window if window is not None and window < int(seq_lens.max(initial=0)) else None, trees=trees, positions=positions)
+                      window=window if window is not None and window < int(seq_lens.max(initial=0)) else None, trees=trees, tree_prefix=prefix,
+                      positions=positions)
 
 
 def _trees(f: Fields, new: np.ndarray, cached: np.ndarray):
     words = np.asarray(f.raw("spec_decoding_packed_mask"))
-    if words.ndim not in (2, 3):
+    if words.ndim not in (2, 3) or words.shape[-1] == 0:
         raise MaskError(f"{f.source!r}: spec_decoding_packed_mask has shape {list(words.shape)}; it is (requests, nodes, words)")
     rows = words.reshape(-1, words.shape[-1])  # read consecutively, as the attention op does
     contexts = f.scalar("num_contexts")
@@ -78,7 +81,7 @@ def _trees(f: Fields, new: np.ndarray, cached: np.ndarray):
         if nodes > 32 * rows.shape[1]:
             raise MaskError(f"{f.source!r}: generation request {r} has {nodes} nodes but {rows.shape[1]} mask words per node")
         drafts = unpack_words(rows[starts[g]:starts[g + 1]], nodes)
-        trees[r] = np.concatenate([np.ones((nodes, int(cached[r])), bool), drafts], 1)
+        trees[r] = drafts
     offsets = f.raw("spec_decoding_position_offsets")
     if offsets is None:
         return trees, None

@@ -1,0 +1,98 @@
+"""Read .npy and .npz files into numpy arrays (allow_pickle=False), refusing from their headers what memory cannot hold.
+
+An .npz is a zip: its directory says each member's unpacked size and each member's .npy header its shape and dtype,
+so a zip bomb (4 MB of compressed zeros declaring 4 GiB) is refused before a byte of its data is unpacked.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from maskcli.errors import MaskError
+
+SLICE_FIX = "slice the tensor you need into a smaller file first (like mask[0, 0]), or run where there is more memory"
+
+
+def from_numpy(path: Path, where: str, work: tuple[float, str] = (0, "to load")) -> dict[str, np.ndarray]:
+    with path.open("rb") as file:
+        head = file.read(6)
+    # np.load takes anything without the .npy/.npz signature for a pickle, and would call garbage "objects"
+    if not head.startswith((b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06", b"\x80")):
+        raise MaskError(f"{where}: not a numpy file (it does not start with the .npy or .npz signature)")
+    _check_unpacked_fits(path, head, where, work)
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if isinstance(loaded, np.ndarray):
+            arrays = {"": loaded}
+        else:  # an .npz reads each array lazily, so its errors come here too
+            with loaded:
+                arrays = {k: loaded[k] for k in loaded.files}
+    except ValueError as error:
+        if "pickle" in str(error):  # numpy's refusal of object arrays names allow_pickle
+            raise MaskError(f"{where}: refused: it holds Python objects, which would need pickle ({error})") from None
+        raise MaskError(f"{where}: not a readable numpy file ({str(error)[:160]})") from None
+    except Exception as error:
+        raise MaskError(f"{where}: not a readable numpy file ({type(error).__name__}: {str(error)[:160]})") from None
+    for name, array in arrays.items():
+        if array.dtype.kind not in "biuf":
+            label = f" {name!r}" if name else ""
+            raise MaskError(f"{where}{label}: numpy dtype {array.dtype} cannot be a tensor of numbers")
+        # torch takes native byte order only; a big-endian array ('>f4') is swapped here. np.asarray, not
+        # np.ascontiguousarray, which makes a 0-d array 1-d and so would read a single number as a mask of one cell
+        arrays[name] = np.asarray(array, dtype=array.dtype.newbyteorder("="), order="C")
+    return arrays
+
+
+def _npy_header(stream) -> tuple[int, int, int] | None:
+    """(cells, bytes per cell, header bytes) of a .npy stream, read from its header alone; None where it is unreadable."""
+    from numpy.lib import format as npy
+
+    try:
+        version = npy.read_magic(stream)
+        # numpy.lib.format: 1.0 has a 2-byte header length, 2.0 and 3.0 (utf-8 field names) a 4-byte one
+        read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+        shape, _, dtype = read(stream)
+        return math.prod(shape), dtype.itemsize, stream.tell()
+    except Exception:  # a damaged header: np.load says what is wrong with it
+        return None
+
+
+def _check_unpacked_fits(path: Path, head: bytes, where: str, work: tuple[float, str] = (0, "to load")) -> None:
+    """Refuse a .npy or .npz whose arrays, as their headers declare them, would not fit in memory (with `work`, the
+    bytes per cell the caller needs beside them), before reading them.
+
+    An .npz is a zip: 4 MB of compressed zeros can unpack to 4 GiB, and np.load allocates what each header says.
+    The zip's directory says each member's unpacked size; only a member's first bytes (its .npy header) are
+    unpacked here, and a member whose header declares more data than the directory says it holds is damaged.
+    """
+    import zipfile
+
+    from maskcli.memory import check_bytes_fit
+
+    per_cell, how = work
+    headers, short = [], []
+    if head.startswith(b"\x93NUMPY"):
+        with path.open("rb") as file:
+            headers.append(_npy_header(file))
+    elif head.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                for member in archive.infolist():
+                    if not member.filename.endswith(".npy"):
+                        continue
+                    with archive.open(member) as stream:
+                        found = _npy_header(stream)
+                    headers.append(found)
+                    if found is not None and found[0] * found[1] > member.file_size - found[2]:
+                        short.append((member.filename, found[0] * found[1], member.file_size))
+        except (zipfile.BadZipFile, OSError, RuntimeError, NotImplementedError, EOFError, ValueError):
+            return  # np.load says what is wrong with the archive
+    needed = sum(cells * (itemsize + per_cell) for cells, itemsize, _ in filter(None, headers))
+    check_bytes_fit(needed, f"{where} ({path.stat().st_size:,} bytes on disk, its arrays as their headers declare them)", how, fix=SLICE_FIX)
+    if short:  # np.load would allocate what the header declares, then fail reading it
+        name, declared, held = short[0]
+        raise MaskError(f"{where}: member {name!r} is damaged: its header declares {declared:,} bytes of data but the "
+                        f"archive says it holds {held:,}")
