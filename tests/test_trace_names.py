@@ -173,8 +173,8 @@ def test_assert_mask_and_expect_read_mhas_padding_from_its_argument():
     with pytest.raises(AssertionError, match=r"the mask is not window\(2\) with the padding found \(lengths='6,4'\)"):
         assert_mask(t.calls[0], "window(2)")
     assert check(t.calls[:1], [("*", "window(2)")])[0].startswith(
-        "--expect *=window(2): call 0 (MultiheadAttention prefill, mha) differs from window(2) with the padding found "
-        "(--lengths 6,4): ")
+        "--expect *=window(2): call 0 (MultiheadAttention prefill, mha) differs from window(2) with the padding of its "
+        "key_padding_mask (--lengths 6,4): ")
 
 
 def test_inspect_and_pack_commands_paste_back(tmp_path):

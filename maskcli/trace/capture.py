@@ -32,7 +32,7 @@ from maskcli.trace.flex import flex as read_flex
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import Overflows
 from maskcli.trace.scores import Scores
-from maskcli.trace.sites import Sites, causal_flag
+from maskcli.trace.sites import Sites
 from maskcli.trace.stated import outside
 from maskcli.trace.threads import Threads
 from maskcli.trace.tops import DOCUMENTS, documents
@@ -324,9 +324,7 @@ class Trace:
                 overflowed = self.overflows.of(args, kwargs, seen.api)
                 if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
                     seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
-                flag = causal_flag(self.sites.stack)
-                if flag is not None:  # the attending module's own word that it is causal (checks/own.py)
-                    seen.details["module_causal"] = flag
+                self.sites.note(seen.details, caller)
                 if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                     interface.unpack_gqa(seen, self.interfaces[-1])
                 elif self.interfaces and seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS)
@@ -339,8 +337,6 @@ class Trace:
             return
         if seen.child:
             site, where = self.sites.current(seen.child)
-        if caller is not None:  # the line that called the function attending (checks/steps.py's causal-lost)
-            seen.details["caller"] = caller
         self._append(Call(**{**seen.operands(), "shape": tuple(int(x) for x in seen.shape)}, index=len(self.calls), where=where,
                           step=self.sites.step(site), mask=key, details=seen.details, trace=self))
         if not self.sites.stack:  # a call outside any module: what the program's frames state for it

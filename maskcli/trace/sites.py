@@ -55,6 +55,15 @@ class Sites:
         self._names.clear()  # the program's modules are its own again once the trace ends
         self._taken.clear()
 
+    def note(self, details: dict, caller) -> None:
+        """What a call's details say of where it was made: the running module's own word that it is causal
+        (checks/own.py), the line that called the function attending (checks/steps.py's causal-lost)."""
+        flag = causal_flag(self.stack)
+        if flag is not None:
+            details["module_causal"] = flag
+        if caller is not None:
+            details["caller"] = caller
+
     def current(self, child: str | None = None) -> tuple[tuple, str]:
         """(site key, where) of a call made now; `child`: the submodule of the running one that attends."""
         stack = self.stack
