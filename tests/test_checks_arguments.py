@@ -84,3 +84,12 @@ def test_a_mask_made_from_the_ids_the_wrong_way_round_is_found_by_the_embeddings
     ids = [[5, 6, 7, 8], [9, 10, 0, 0], [11, 0, 0, 0]]
     expected = first((3, 4, 4), lambda b, q, k: ids[b][q] != 0 and ids[b][k] == 0)
     assert tuple(hit["cell"]) == expected and "pad id 0" in hit["source"]
+
+
+@pytest.mark.parametrize("name", [
+    "label_cross_attention_inverted_padding_mask",  # InseeFrLab/torchTextClassifiers#92: attention_mask == 0 to SDPA
+    "paligemma_prefix_lm_unmasks_padding_in_training",  # transformers#35855: the prefix unmasked after the padding
+])
+def test_blind_reproductions_of_a_stated_padding_ignored_are_flagged(tmp_path, name):
+    """Written blind (each caught before any rule was tuned for the blind split)."""
+    check_bug(tmp_path, name, "padding-ignored")

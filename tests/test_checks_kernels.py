@@ -47,3 +47,9 @@ def test_rows_that_see_no_key_are_a_note_where_the_kernel_gives_zero(tmp_path):
     status, found, report = traced(tmp_path, "prefill_mask_ignores_padding", fixed=True)
     assert status == 0
     assert [(f["code"], f["severity"]) for f in found] == [("fully-masked", "note")], report
+
+
+def test_a_blind_reproduction_of_is_causal_on_a_continued_cache_is_flagged(tmp_path):
+    """pytorch/executorch#21749, written blind (it caught before any rule was tuned for the blind split): every
+    multi-token step of a reference cache ran SDPA is_causal, top-left over the history of a second chat turn."""
+    check_bug(tmp_path, "executorch_reference_cache_continuation_is_causal", "top-left-causal")

@@ -108,3 +108,14 @@ def test_a_window_lost_at_decode_is_found_in_a_plain_softmax_over_a_batch_padded
     start = [7 - 3, 7 - 7]  # lengths 3, 7 left-padded to 7; decode step 1: 8 keys, the query at 7
     expected = first((2, 1, 8), lambda b, q, k: k >= start[b] and 7 - k >= 4)  # W = 4
     assert tuple(hit["cell"]) == (expected[0], 7, expected[2])
+
+
+@pytest.mark.parametrize("name, code", [
+    ("lalamo_dynamic_kv_cache_sliding_window_suffix_rows", "window-lost"),  # trymirai/lalamo#200: suffix-local rows
+    ("megatron_gemma2_flex_decode_query_offset", "window-lost"),  # Megatron-Bridge#5259: q_idx not right-aligned
+    ("flax_nnx_mha_decode_is_causal_key_zero", "top-left-mask"),  # google/flax#5591: a decode step sees key 0 only
+])
+def test_blind_reproductions_of_a_decode_step_that_loses_its_prefill_are_flagged(tmp_path, name, code):
+    """Written blind; the first two caught before any rule was tuned for the blind split, the third (of the second
+    blind batch) scored after the first round's tuning, by rules not written for it."""
+    check_bug(tmp_path, name, code)
