@@ -108,3 +108,12 @@ def test_a_window_lost_at_decode_is_found_in_a_plain_softmax_over_a_batch_padded
     start = [7 - 3, 7 - 7]  # lengths 3, 7 left-padded to 7; decode step 1: 8 keys, the query at 7
     expected = first((2, 1, 8), lambda b, q, k: k >= start[b] and 7 - k >= 4)  # W = 4
     assert tuple(hit["cell"]) == (expected[0], 7, expected[2])
+
+
+def test_a_static_cache_mask_padded_with_zeros_past_the_prompt_is_not_padding_lost():
+    # Bloom hands its forward a 2-D attention_mask as wide as the static cache, 0 on the slots the decode steps write
+    # later: those slots are no padding, and the decode steps that see the tokens written there lose nothing.
+    pytest.importorskip("transformers")
+    result = runner.invoke(app, ["model", "bloom", "--attn", "eager", "--cache", "static"])
+    assert result.exit_code == 0, result.output
+    assert "--pad left" in result.output and "padding-lost" not in result.output and "wrong" not in result.output

@@ -49,8 +49,13 @@ def _prefill(call, top):
     if cells is None or not columns_are_positions(call, top):
         return None
     real = resolve(call, top, by_row(cells, max(cells.shape[0], call.shape[0])))
-    padded = ~real.keys if (~real.keys).any() else None
-    window = _window(np.broadcast_to(cells, (real.keys.shape[0], *cells.shape[1:])), queries(call, top), real)
+    own = queries(call, top)
+    padded = ~real.keys
+    # (keys past the prefill's last query are a static cache's unwritten slots, 0 in a mask padded to the cache
+    # (Bloom's 2-D mask): later tokens written there, not padding; their own step's attention_mask says which)
+    padded[:, int(own.max(initial=-1)) + 1:] = False
+    padded = padded if padded.any() else None
+    window = _window(np.broadcast_to(cells, (real.keys.shape[0], *cells.shape[1:])), own, real)
     return None if padded is None and window is None else (padded, window)
 
 
