@@ -2,8 +2,8 @@
 
 A call site's prefill (a call whose first query is at position 0) says, with no config needed, which
 keys are padding (keys no query of a batch row sees while another row's queries see them, as a padded
-batch is) and whether it is a sliding window (each row sees exactly the W keys up to its own, cut by
-the row's first key). A decode step after it at the same site whose key columns are the same
+batch is; keys past its last query are a static cache's slots for later tokens, never its padding) and
+whether it is a sliding window (each row sees exactly the W keys up to its own, cut by the row's first key). A decode step after it at the same site whose key columns are the same
 positions (the cache keeps every key, so it has at least as many) must keep both: a padding key seen
 at decode, or a query that sees more than W keys back, is the mask lost behind the cache. A later
 prefill is a sequence of its own (the next batch, an encoder called again with another mask): the
