@@ -119,3 +119,12 @@ def test_blind_reproductions_of_a_decode_step_that_loses_its_prefill_are_flagged
     """Written blind; the first two caught before any rule was tuned for the blind split, the third (of the second
     blind batch) scored after the first round's tuning, by rules not written for it."""
     check_bug(tmp_path, name, code)
+
+
+def test_a_static_cache_mask_padded_with_zeros_past_the_prompt_is_not_padding_lost():
+    # Bloom hands its forward a 2-D attention_mask as wide as the static cache, 0 on the slots the decode steps write
+    # later: those slots are no padding, and the decode steps that see the tokens written there lose nothing.
+    pytest.importorskip("transformers")
+    result = runner.invoke(app, ["model", "bloom", "--attn", "eager", "--cache", "static"])
+    assert result.exit_code == 0, result.output
+    assert "--pad left" in result.output and "padding-lost" not in result.output and "wrong" not in result.output

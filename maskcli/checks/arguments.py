@@ -62,9 +62,11 @@ def padding(run: Run) -> list:
         if bad.any():
             b, q, k = first_cell(bad)
             step = "a decode step" if call.shape[2] == 1 and call.step > 0 else f"step {call.step}"
-            earlier = np.arange(length)[None, None, :] <= np.minimum(own, length - 1)[None, :, None]
+            # (real keys before the query, its own left out: XLNet's query stream never sees its own token, and a
+            # mask that hides only that is two-stream attention, not a padding mask the wrong way round)
+            earlier = np.arange(length)[None, None, :] < np.minimum(own, length)[None, :, None]
             hidden = int((~cells[:, :, :length] & real_q[:, :, None] & real[:, None, :] & earlier).sum())
-            turned = f"; it hides {hidden} real keys: a padding mask the wrong way round?" if hidden else ""
+            turned = f"; it hides {hidden} real key{'' if hidden == 1 else 's'}: a padding mask the wrong way round?" if hidden else ""
             said_by = source if source.startswith("input ids") else "the " + source.replace(" of ", " given to ", 1)
             found.append((call, Finding("padding-ignored", (
                 f"batch row {b}: query {int(own[q])} sees key {k}, which {said_by} "

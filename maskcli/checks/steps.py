@@ -2,8 +2,8 @@
 
 A call site's prefill (a call whose first query is at position 0) says, with no config needed, which
 keys are padding (keys no query of a batch row sees while another row's queries see them, as a padded
-batch is) and whether it is a sliding window (each row sees exactly the W keys up to its own, cut by
-the row's first key). A decode step after it at the same site whose key columns are the same
+batch is; keys past its last query are a static cache's slots for later tokens, never its padding) and
+whether it is a sliding window (each row sees exactly the W keys up to its own, cut by the row's first key). A decode step after it at the same site whose key columns are the same
 positions (the cache keeps every key, so it has at least as many) must keep both: a padding key seen
 at decode, or a query that sees more than W keys back, is the mask lost behind the cache. A later
 prefill is a sequence of its own (the next batch, an encoder called again with another mask): the
@@ -49,8 +49,13 @@ def _prefill(call, top):
     if cells is None or not columns_are_positions(call, top):
         return None
     real = resolve(call, top, by_row(cells, max(cells.shape[0], call.shape[0])))
-    padded = ~real.keys if (~real.keys).any() else None
-    window = _window(np.broadcast_to(cells, (real.keys.shape[0], *cells.shape[1:])), queries(call, top), real)
+    own = queries(call, top)
+    padded = ~real.keys
+    # (keys past the prefill's last query are a static cache's unwritten slots, 0 in a mask padded to the cache
+    # (Bloom's 2-D mask): later tokens written there, not padding; their own step's attention_mask says which)
+    padded[:, int(own.max(initial=-1)) + 1:] = False
+    padded = padded if padded.any() else None
+    window = _window(np.broadcast_to(cells, (real.keys.shape[0], *cells.shape[1:])), own, real)
     return None if padded is None and window is None else (padded, window)
 
 
