@@ -16,6 +16,8 @@ BUGS = [
     ("packed_positions_no_document_mask", "documents-leak"),  # huggingface/nanoVLM#204: positions reset, mask causal
     ("packing_position_reset_only", "documents-leak"),  # DeepOpt-com/WrinkleFree-Monorepo#53: the same, RoPE only
     ("chunked_mask_clobbers_documents", "documents-leak"),  # huggingface/transformers#37429: chunks over documents
+    # vllm-project/vllm#34127: MiniCPM-V's patch_attention_mask never reaches the ViT's SDPA
+    ("vllm_minicpm_idefics2_vit_patch_mask_dropped", "padding-ignored"),
 ]
 
 
@@ -75,6 +77,16 @@ def test_an_mha_key_padding_mask_built_from_lengths_the_other_way_round_is_found
     lengths = [6, 4, 2]  # MHA ignores True, and True was a real frame
     expected = first((3, 6, 6), lambda b, q, k: q < lengths[b] and k >= lengths[b])
     assert tuple(hit["cell"]) == expected and "lengths" in hit["source"]
+
+
+def test_a_vision_towers_patch_mask_that_never_reaches_its_attention_is_found(tmp_path):
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "vit_patch_mask_for_positions_only", ("padding-ignored",))
+    # a 4x4 image in a 6x6 batch, 2x2 patches: patches (row, column) with row or column 2 are padding
+    real = [[True] * 9, [r < 2 and c < 2 for r in range(3) for c in range(3)]]
+    expected = first((2, 9, 9), lambda b, q, k: real[b][q] and not real[b][k])
+    assert tuple(hit["cell"]) == expected and hit["source"] == "patch_attention_mask of Tower"
 
 
 def test_a_mask_made_from_the_ids_the_wrong_way_round_is_found_by_the_embeddings_padding_idx(tmp_path):

@@ -61,6 +61,16 @@ def test_the_model_calls_statement_of_its_padding_in_each_form():
     assert stated(Top("Model", arguments=both), 2, 4) is None
 
 
+def test_a_vision_towers_patch_mask_states_its_real_patches():
+    """patch_attention_mask / patch_attn_mask, True on the real patches (trace keeps a 3-D one flattened): 1 = real,
+    as attention_mask; read only where it is as long as the call's keys."""
+    patches = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    for name in ("patch_attention_mask", "patch_attn_mask"):
+        real, source, sure = stated(Top("Tower", arguments={name: patches}), 2, 6)
+        assert real.tolist() == [[k < n for k in range(6)] for n in (6, 4)] and source == f"{name} of Tower" and sure
+        assert stated(Top("Tower", arguments={name: patches}), 2, 7) is None  # (another sequence's keys: a text model's)
+
+
 def test_a_mask_given_wins_over_the_pad_id_in_the_input_ids():
     """A model called with an attention_mask and ids whose last token is the pad id (a real token there: GPT-2's pad
     is its EOS): the mask says it."""

@@ -4,7 +4,8 @@ A rule that holds on an unpadded batch must hold on a padded one: it reads the r
 each batch row, never the clean shape of one example. The padding is, in this order:
 
 1. stated by the model call (the program's own word, so a rule may call a mask that contradicts it wrong):
-   its `attention_mask` (1 = a real token, as Hugging Face and BERT take it), a `key_padding_mask` /
+   its `attention_mask` (1 = a real token, as Hugging Face and BERT take it; a vision tower's `patch_attention_mask`
+   / `patch_attn_mask`, True on its real patches, flattened in patch order), a `key_padding_mask` /
    `padding_mask` / `pad_mask` (True = padding, as torch names it), `lengths` / `seq_lens` (each row's real
    tokens first, or last where its input ids lead with the pad id), or its input ids equal to the pad id the
    program states (config `pad_token_id`, its embedding's `padding_idx`) in a run at one end of each row;
@@ -24,6 +25,7 @@ import numpy as np
 from maskcli.checks.context import queries
 
 PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = padding
+REAL_TRUE = ("attention_mask", "patch_attention_mask", "patch_attn_mask")  # 1 = a real token (a real patch)
 LENGTHS = ("lengths", "seq_lens", "seq_lengths", "input_lengths")
 TOKENS = ("input_ids", "idx", "tokens")
 
@@ -54,11 +56,11 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
     if top is None:
         return None
     arguments, found = top.arguments, []
-    for name in ("attention_mask", *PADDING_TRUE):
+    for name in (*REAL_TRUE, *PADDING_TRUE):
         given = arguments.get(name)
         if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.size \
                 and given.min() >= 0 and given.max() <= 1 and given.shape[0] in (1, rows):
-            found.append(((given == 1) if name == "attention_mask" else (given == 0), name, True))
+            found.append(((given == 1) if name in REAL_TRUE else (given == 0), name, True))
     tokens = next((arguments[n] for n in TOKENS if isinstance(arguments.get(n), np.ndarray)), None)
     tokens = tokens if tokens is not None and tokens.ndim == 2 and tokens.shape == (rows, length) else None
     for name in LENGTHS:

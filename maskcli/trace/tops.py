@@ -34,6 +34,9 @@ SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens
 SOURCE_PAD = ("src_pad_idx", "src_pad_id", "source_pad_id", "src_pad_token_id", "source_pad_idx")  # each side's pad id
 TARGET_PAD = ("trg_pad_idx", "tgt_pad_idx", "trg_pad_id", "tgt_pad_id", "target_pad_id", "target_pad_idx",
               "tgt_pad_token_id", "trg_pad_token_id")
+# a vision tower's patch padding, True (1) = a real patch: Idefics2's (B, H/p, W/p), MiniCPM-V's (B, 1, patches); kept
+# flattened to (B, patches), the key order of its attention (checks/real.py)
+PATCHES = ("patch_attention_mask", "patch_attn_mask")
 MOST = 1 << 20  # elements of one argument kept (a batch's 2-D ids; never a 4-D mask)
 
 
@@ -53,8 +56,10 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         names = [name for name in signature.parameters if name != "self"]
         given.update({name: value for name, value in zip(names, args) if name not in given})
     found = {}
-    for name in ARGUMENTS:
+    for name in ARGUMENTS + PATCHES:
         value = given.get(name)
+        if name in PATCHES and isinstance(value, torch.Tensor) and value.dim() == 3:
+            value = value.flatten(1)
         if isinstance(value, torch.Tensor) and value.dim() <= 2 and value.numel() <= MOST and value.device.type != "meta" \
                 and (value.dtype == torch.bool or not value.is_floating_point()):
             found[name] = value.detach().cpu().numpy().astype(np.int64)
