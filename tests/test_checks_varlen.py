@@ -163,3 +163,51 @@ def test_query_and_key_lengths_that_differ_are_no_documents():
         details = {"documents": {"cu_seqlens_q": np.array([0, 2, 5]), "cu_seqlens_k": np.array([0, 4, 9])}}
 
     assert given(Top("attention", None, {}), Call()) == []
+
+
+def test_cu_seqlens_a_plain_attention_function_ignores(tmp_path):
+    """Tencent-Hunyuan/HunyuanVideo PR #310: attention(mode="vanilla", cu_seqlens_q/kv=...) builds its bias without
+    them, so image tokens see the text padding; the fix's block-diagonal bias is quiet."""
+    found = check_bug(tmp_path, "hunyuanvideo_vanilla_attention_ignores_cu_seqlens", "varlen-leak")
+    lengths = [[7, 0], [5, 2]]  # per row: the valid segment, then the padding segment (get_cu_seqlens)
+    segment = [[s for s, size in enumerate(row) for _ in range(size)] for row in lengths]
+    first = next((b, q, k) for b in range(2) for q in range(7) for k in range(7) if segment[b][q] != segment[b][k])
+    assert found[0]["cell"] == list(first)
+
+
+PLAIN = '''
+import sys
+import torch
+import torch.nn.functional as F
+
+def attend(q, k, v, cu_seqlens):
+    """One flattened row of packed documents; --bug: causal over all of it, the documents never looked at."""
+    n = q.shape[2]
+    if "--bug" in sys.argv:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if "--each" in sys.argv:  # one call per document, as Qwen2-VL's eager vision blocks do
+        return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+                          for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())], dim=2)
+    document = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1), cu_seqlens.diff())
+    same = (document[:, None] == document[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=same)
+
+q = torch.randn(1, 2, 9, 4)
+attend(q, q, q, torch.tensor([0, 3, 7, 9], dtype=torch.int32))
+'''
+
+
+@pytest.mark.parametrize("args,leaks", [(("--bug",), True), ((), False), (("--each",), False)])
+def test_cu_seqlens_of_a_function_that_attends_over_one_flattened_row(tmp_path, args, leaks):
+    """A plain function given cu_seqlens (another name, one flattened row, SDPA's is_causal): a causal mask over all
+    its tokens leaks from the first document into the second at query 3, key 0; the same-document causal mask, and one
+    call per document, are quiet."""
+    status, found = _run(tmp_path, PLAIN, *args)
+    wrong = [f for f in found if f["severity"] == "wrong"]
+    document = [0, 0, 0, 1, 1, 1, 1, 2, 2]
+    first = next((0, q, k) for q in range(9) for k in range(q + 1) if document[q] != document[k])
+    if leaks:
+        assert status == 1 and [f["code"] for f in wrong] == ["varlen-leak"] and wrong[0]["cell"] == list(first)
+        assert wrong[0]["expected"] == "document(sizes=[3,4,2])"
+    else:
+        assert status == 0 and wrong == []

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, first_cell, keep, queries
+from maskcli.checks.context import Run, Top, first_cell, keep, queries
 from maskcli.checks.registry import Rule
 from maskcli.kinds.values import rows_text
 from maskcli.text import Finding
@@ -48,7 +48,8 @@ def given(top, call=None) -> list[tuple[str, np.ndarray]]:
     if inner and not any(name in arguments for name in (*CUMULATIVE, "seq_idx")):
         arguments = dict(arguments)
         for name, value in inner.items():
-            if name == "cu_seqlens_q" and np.array_equal(value, inner.get("cu_seqlens_k", value)):
+            other = inner.get("cu_seqlens_k", inner.get("cu_seqlens_kv", value))
+            if name == "cu_seqlens_q" and np.array_equal(value, other):
                 arguments.setdefault("cu_seqlens", value)  # (flash's names; q and k that differ: no documents)
             elif name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k"):
                 arguments.setdefault(name, value)
@@ -117,6 +118,8 @@ def leaks(run: Run) -> list:
         return found
     for call in run.calls:
         top = run.top(call)
+        if top is None and "documents" in call.details:  # a plain function that attends, holding cu_seqlens itself
+            top = Top(f"the function attending at {call.where}", first=call.index, end=call.index + 1)
         if top is None or call.stored is None or _parted(top) is not None:
             continue  # (arguments that disagree: which documents leak depends on which is right; varlen-disagree)
         for name, labels in given(top, call):

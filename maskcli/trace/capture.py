@@ -339,7 +339,8 @@ class Trace:
             site, where = self.sites.current(seen.child)
         self._append(Call(**{**seen.operands(), "shape": tuple(int(x) for x in seen.shape)}, index=len(self.calls), where=where,
                           step=self.sites.step(site), mask=key, details=seen.details, trace=self))
-        if not self.sites.stack:  # a call outside any module: what the program's frames state for it
+        if not self.sites.stack:  # a call outside any module: what the program's frames state for it, and the
+            documents(self.calls, len(self.calls) - 1, self.sites.held)  # cu_seqlens its function holds (HunyuanVideo's)
             outside(self.tops, where, len(self.calls) - 1, self._loose)
 
     def _append(self, call: Call) -> None:

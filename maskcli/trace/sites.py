@@ -38,6 +38,11 @@ class Sites:
             stack = self._local.stack = []
         return stack
 
+    @property
+    def held(self) -> dict:
+        """The documents the function that made the last call outside any module holds (frames_outside's `held`)."""
+        return getattr(self._local, "held", None) or {}
+
     def enter(self, module) -> None:
         if id(module) not in self._names:
             self._name(module)
@@ -68,7 +73,8 @@ class Sites:
         """(site key, where) of a call made now; `child`: the submodule of the running one that attends."""
         stack = self.stack
         if not stack:  # a function's line, with the line that called it (checks/steps.py's causal-lost reads both)
-            where, caller = frames_outside(2)
+            held = self._local.held = {}  # (the attending function's documents: capture.py hands them to documents())
+            where, caller = frames_outside(2, held)
             return ("line", where, caller), where
         module = stack[-1]
         inner = getattr(module, child, None) if child else None
@@ -184,8 +190,13 @@ def first_frame_outside() -> str:
     return frames_outside(1)[0]
 
 
-def frames_outside(count: int) -> list[str]:
-    """file:line of the `count` innermost frames that are neither torch's nor maskcli's ("?" past the outermost)."""
+HELD = ("cu_seqlens", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_kv", "cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def frames_outside(count: int, held: dict | None = None) -> list[str]:
+    """file:line of the `count` innermost frames that are neither torch's nor maskcli's ("?" past the outermost).
+    `held`: filled with the innermost such frame's local variables named in HELD (the documents a plain attention
+    function was given as cu_seqlens: its variable names are looked at first, so most frames cost no locals read)."""
     torch_dir = os.path.dirname(torch.__file__)
     own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     frame, found = sys._getframe(1), []
@@ -197,6 +208,9 @@ def frames_outside(count: int) -> list[str]:
             except ValueError:
                 shown = name
             found.append(f"{shown if not shown.startswith('..') else os.path.basename(name)}:{frame.f_lineno}")
+            if held is not None and len(found) == 1 and not set(HELD).isdisjoint(frame.f_code.co_varnames):
+                variables = frame.f_locals
+                held.update((n, variables[n]) for n in HELD if variables.get(n) is not None)
         frame = frame.f_back
     return found + ["?"] * (count - len(found))
 

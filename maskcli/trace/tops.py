@@ -141,7 +141,7 @@ def documents(calls: list, start: int, kwargs: dict) -> None:
     layer's `self_attn(hidden, cu_seqlens=...)`: Qwen2-VL's and Qwen3-ASR's), get them as details["documents"]
     (the innermost module's kept): the model call's arguments do not hold them, as the encoder builds them inside."""
     found = {}
-    for name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k"):
+    for name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_kv"):
         value = kwargs.get(name)
         if isinstance(value, torch.Tensor) and value.dim() == 1 and 1 < value.numel() <= MOST and not value.is_floating_point() \
                 and value.device.type != "meta":
