@@ -112,7 +112,6 @@ def test_a_window_lost_at_decode_is_found_in_a_plain_softmax_over_a_batch_padded
 
 @pytest.mark.parametrize("name, code", [
     ("lalamo_dynamic_kv_cache_sliding_window_suffix_rows", "window-lost"),  # trymirai/lalamo#200: suffix-local rows
-    ("megatron_gemma2_flex_decode_query_offset", "window-lost"),  # Megatron-Bridge#5259: q_idx not right-aligned
     ("flax_nnx_mha_decode_is_causal_key_zero", "top-left-mask"),  # google/flax#5591: a decode step sees key 0 only
 ])
 def test_blind_reproductions_of_a_decode_step_that_loses_its_prefill_are_flagged(tmp_path, name, code):
@@ -128,3 +127,24 @@ def test_a_static_cache_mask_padded_with_zeros_past_the_prompt_is_not_padding_lo
     result = runner.invoke(app, ["model", "bloom", "--attn", "eager", "--cache", "static"])
     assert result.exit_code == 0, result.output
     assert "--pad left" in result.output and "padding-lost" not in result.output and "wrong" not in result.output
+
+
+def test_a_blind_flex_reproduction_of_a_window_lost_at_decode_is_flagged_in_its_own_process(tmp_path):
+    """NVIDIA-NeMo/Megatron-Bridge#5259, written blind (caught before any rule was tuned for it): a decode step's
+    flex mask_mod compares the query's local index with the key's, so only key 0 is seen. Run in a process of its
+    own, as maskcli trace runs a program: flex_attention's eager path compiles, and dynamo's guards on that program's
+    __main__ would break the next program traced in this process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    program = Path(__file__).parent / "data" / "bugs" / "megatron_gemma2_flex_decode_query_offset.py"
+    for fixed in (False, True):
+        out = tmp_path / f"t{int(fixed)}.json"
+        done = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--json", str(out), str(program),
+                               *(["--fixed"] if fixed else [])], capture_output=True, text=True, timeout=600)
+        data = json.loads(out.read_text())
+        wrong = [f["code"] for g in data["groups"] for f in g["findings"] if f["severity"] == "wrong"]
+        assert data["exit_status"] == 0, done.stderr
+        assert (done.returncode, "window-lost" in wrong) == ((0, False) if fixed else (1, True)), done.stderr
+        assert not fixed or wrong == [], done.stderr
