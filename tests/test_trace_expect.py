@@ -145,6 +145,7 @@ def test_queries_at_the_start_of_a_static_cache_are_placed_there(tmp_path):
     """transformers#30400 (tests/data/bugs): the prefill over 8 static slots is causal with its queries at the start
     (`causal (--kv-len 8)`, placed by the cache the model call holds) and holds `*=causal`; the decode steps that
     attend the unwritten slots fail it."""
+    pytest.importorskip("transformers")  # (the program builds transformers' StaticCache)
     bug = BUG.parent / "hf_static_cache_sdpa_no_mask.py"
     result, data = trace(tmp_path, bug)
     assert data["groups"][0]["name"] == "causal (--kv-len 8)"
