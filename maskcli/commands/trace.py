@@ -107,10 +107,8 @@ def trace(
 
 def _report(tracer, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict,
             unseen: list[str], check_: bool = True) -> None:
-    import json
-
     from maskcli.checks.registry import wrong
-    from maskcli.files import atomic_write
+    from maskcli.commands.traceranks import write_files
     from maskcli.render import labelled
     from maskcli.render.trace import views
     from maskcli.trace.expect import check
@@ -142,6 +140,7 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
                   for name, count in tracer.vllm.skipped.items()]
     for line in unseen + notes + held:
         console.print(labelled(line))
+    data = None
     if json_path is not None:
         numbers = {call.index: number for number, group in enumerate(groups) for call in group.calls}
         data = {"program": program, "exit_status": status,
@@ -154,19 +153,8 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
             data["vllm"] = traced_json(served)
             data["vllm_across_steps"] = [{"layers": where, **f.json()} for where, found in followed for f in found]
 
-        def write_json(path: str) -> None:
-            with open(path, "w", encoding="utf-8") as out:
-                json.dump(data, out, indent=1, default=str)
-
-        atomic_write(targets["--json"], write_json)
-        done(f"wrote {json_path}")
-    if save is not None:
-        from maskcli.tracefile import save as save_trace
-
-        used = {call.mask for call in tracer.calls if call.mask is not None}
-        masks = {key: value for key, value in tracer.masks.items() if key in used} | served_masks
-        atomic_write(targets["--save"], lambda path: save_trace(path, [call.json() for call in tracer.calls] + served_calls, masks))
-        done(f"wrote {save}")
+    write_files(targets, {"--json": json_path, "--save": save}, data, tracer.calls, tracer.masks | served_masks,
+                served_calls)
     if status:
         raise typer.Exit(status)
     served_wrong = any(c.batch is None or wrong(c.findings) for c in served) or bool(wrong([f for _, found in followed for f in found]))

@@ -57,10 +57,7 @@ def _show(merged, title: str, program: str, status: int, expectations, json_path
           check_: bool) -> None:
     """Rank 0's (or the spawning process's) report of every rank, --json and --save with every rank's calls, and
     its exit status."""
-    import json
-
     from maskcli.checks.registry import wrong
-    from maskcli.files import atomic_write
     from maskcli.render import labelled
     from maskcli.render.trace import views
 
@@ -72,24 +69,35 @@ def _show(merged, title: str, program: str, status: int, expectations, json_path
         console.print(labelled(line))
     if expectations and not failures:
         console.print(labelled(f"--expect: every call of every rank matched holds ({len(expectations)} expectation{'s' if len(expectations) != 1 else ''})"))
-    if json_path is not None:
-        data = merged.json(program, status)
-
-        def write_json(path: str) -> None:
-            with open(path, "w", encoding="utf-8") as out:
-                json.dump(data, out, indent=1, default=str)
-
-        atomic_write(targets["--json"], write_json)
-        done(f"wrote {json_path} ({len(merged.parts)} ranks)")
-    if save is not None:
-        from maskcli.tracefile import save as save_trace
-
-        used = {call.mask for call in merged.calls if call.mask is not None}
-        masks = {key: value for key, value in merged.masks.items() if key in used}
-        atomic_write(targets["--save"], lambda path: save_trace(path, [call.json() for call in merged.calls], masks, merged.ranks()))
-        done(f"wrote {save} ({len(merged.parts)} ranks)")
+    write_files(targets, {"--json": json_path, "--save": save}, merged.json(program, status) if json_path else None,
+                merged.calls, merged.masks, ranks=merged.ranks(), said=f" ({len(merged.parts)} ranks)")
     if status:
         raise typer.Exit(status)
     if failures or merged.missing or (check_ and any(wrong(group.findings) for group in merged.groups)):
         raise typer.Exit(1)
     raise typer.Exit(0)
+
+
+def write_files(targets: dict, shown: dict, data: dict | None, calls: list, masks: dict, extra_calls: list = (),
+                ranks: list | None = None, said: str = "") -> None:
+    """trace's --json (`data`) and --save (the calls with `extra_calls`, each mask they use once), each written whole
+    or not at all, and a line on stderr naming each file as the user gave it (`shown`)."""
+    import json
+
+    from maskcli.commands.app import done
+    from maskcli.files import atomic_write
+    from maskcli.tracefile import save as save_trace
+
+    if "--json" in targets:
+        def write_json(path: str) -> None:
+            with open(path, "w", encoding="utf-8") as out:
+                json.dump(data, out, indent=1, default=str)
+
+        atomic_write(targets["--json"], write_json)
+        done(f"wrote {shown['--json']}{said}")
+    if "--save" in targets:
+        rows = [call.json() for call in calls] + list(extra_calls)
+        used = {row["mask"] for row in rows if row.get("mask") is not None}
+        kept = {key: value for key, value in masks.items() if key in used}
+        atomic_write(targets["--save"], lambda path: save_trace(path, rows, kept, ranks))
+        done(f"wrote {shown['--save']}{said}")
