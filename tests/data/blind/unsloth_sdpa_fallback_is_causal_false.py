@@ -6,10 +6,9 @@ the single-token `LlamaAttention_fast_forward_inference` decode path) is reconst
 that file, simplified.
 
 Bug: "when flash_attn and xformers optimizations are not used, is_causal=False is always passed into
-scaled_dot_product_attention even when attention_mask is None". Unsloth drops the attention mask for
-unpadded batches (it relies on the kernels' own causal flag; here the prompt is passed with no
-attention_mask, the case the PR names), so on machines without FlashAttention and
-xFormers (CPU, XPU, ...) every prompt token attends to later prompt tokens. In inference the prefill goes
+scaled_dot_product_attention even when attention_mask is None". The other kernels get `causal = True`
+themselves, so when the prompt carries no attention_mask (an unpadded prompt), on machines without
+FlashAttention and xFormers (CPU, XPU, ...) every prompt token attends to later prompt tokens. In inference the prefill goes
 through this path, so the KV cache written for the prompt is already wrong before decoding starts.
 
 Fix: `is_causal = True` when `attention_mask is None and Q_len == K_len`, else False; pass it to SDPA.
