@@ -12,8 +12,9 @@ Fix: ``.repeat_interleave(self.nhead, dim=0)``.
 This program: ``T2V_TransformerEncoderLayer.forward_post`` as the project wrote it (sequence-first
 ``src`` = [global token, video clips, text tokens], ``src_key_padding_mask`` True = pad,
 ``video_length``), batch of two with video lengths [3, 6] of 6 and text lengths [2, 5] of 5, 4 heads.
-With the bug, valid video clips 3..5 of sample 1 lose its valid text tokens 2..4 in half its heads
-(they get sample 0's mask), and sample 0 keeps a mask it does not need in the others.
+With the bug, heads 0 and 2 of sample 1 get sample 0's mask, so sample 1's valid video clips 3..5 lose
+its valid text tokens 2..4 there (sample 0 is unaffected only because ``key_padding_mask`` already hides
+its padded text keys).
 """
 import sys
 from typing import Optional
