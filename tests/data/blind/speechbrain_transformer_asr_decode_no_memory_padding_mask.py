@@ -1,8 +1,9 @@
 """SpeechBrain TransformerASR: the decoding step attends padded encoder frames in cross-attention.
 
-Citation: speechbrain/speechbrain#1107 ("Appropriate masks are needed for TransformerASR.decode()"),
-fixed by commit db4a46d58e8551c002d1c3c89c069c52a4183b72 (in speechbrain/speechbrain#933), which gave
-``decode`` an ``enc_len`` argument; the searchers pass the absolute encoder lengths.
+Citation: speechbrain/speechbrain#1107 ("Appropriate masks are needed for TransformerASR.decode()"); the
+thread points to the fix in commit db4a46d58e8551c002d1c3c89c069c52a4183b72 (speechbrain/speechbrain#933).
+I did not read that commit; the fixed lines below are those of later SpeechBrain releases
+(``decode(self, tgt, encoder_out, enc_len=None)`` building ``src_key_padding_mask`` from ``enc_len``).
 
 Bug: ``TransformerASR.forward`` (training) passes ``memory_key_padding_mask=src_key_padding_mask`` to the
 decoder, but ``TransformerASR.decode`` (used step by step by ``S2STransformerBeamSearch`` / greedy search)
