@@ -7,8 +7,8 @@ Bug: after the attention-mask refactor, ``RoFormerModel.forward`` (and BigBird, 
 called ``create_bidirectional_mask(config, input_embeds, attention_mask)`` unconditionally. With
 ``config.is_decoder = True`` (``RoFormerForCausalLM``, trained with shifted labels) every position attends
 the tokens after it, its own label included; the loss collapses on random tokens.
-Fix: ``if self.config.is_decoder: create_causal_mask(...)`` else ``create_bidirectional_mask(...)``, as
-``BertModel`` does.
+Fix (as the PR describes it; I did not read its diff): ``if self.config.is_decoder: create_causal_mask(...)``
+else ``create_bidirectional_mask(...)``, as ``BertModel`` does.
 
 This program: a one-layer RoFormer-style encoder written in plain torch (the two mask builders reduced to
 what they return for this input: a boolean ``[B, 1, q, kv]`` mask, key padding and, for the causal one,
