@@ -26,7 +26,7 @@ class Report:
     splits: list  # [(label, Split)]: the layer type or the mask's name
     te: tuple | None  # (local cu_seqlens_padded, per-rank cu_seqlens) in TransformerEngine's convention
     local: list  # per-rank cu_seqlens on its own tokens, in local order
-    findings: list  # checks.shard.RankFinding, each with its rank
+    findings: list  # Findings of checks/shard.py, each with its rank
     notes: tuple = ()  # what --trace left out of the run, in words
 
     @property
