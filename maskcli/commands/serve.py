@@ -56,7 +56,7 @@ def serve(
         require("serve --model")
         from maskcli.hf.layers import layer_masks
 
-        layers = layer_masks(model)[0]
+        layers = layer_masks(model, missing="full")[0]
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
     html_path = check_output_path(html, (".html",), "--html") if html is not None else None
     for flag, path in (("--png", png_path), ("--html", html_path)):
