@@ -1,5 +1,6 @@
 """Each layer type of a family as a mask, read off its config as transformers reads it: the one reading of a config's
-per-layer masks, for `shard --model` (a mask per layer type) and `serve --model` (a batch's window or chunk against them).
+per-layer masks, for `shard --model` (a mask per layer type) and `serve --model` (a batch's window or chunk against them,
+checks/serveexpect.py). Which layer is which type is families.layer_types', the reading `model` and trace's rules use.
 
 full_attention is causal; sliding_attention sees its `sliding_window` keys, itself included (causal &
 window(W): transformers/masking_utils.py:97 keeps kv > q - W, and-ed with causal at :136); chunked_attention sees its own
