@@ -68,6 +68,17 @@ def rule(code: str) -> Rule | None:
     return _by_code().get(code)
 
 
+def run(given: str, *args, **kwargs) -> list[Finding]:
+    """The findings of every rule whose check is `given` what the caller holds (one of GIVEN), each function called
+    once (one may make several codes), in the registry's order."""
+    found, done = [], set()
+    for each in all_rules():
+        if each.given == given and each.check not in done:
+            done.add(each.check)
+            found += each.check(*args, **kwargs)
+    return found
+
+
 def severity(finding: Finding) -> str:
     """The finding's own severity, else its rule's; a code no rule declares is suspicious."""
     if finding.severity is not None:

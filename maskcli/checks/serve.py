@@ -17,18 +17,15 @@ from dataclasses import replace
 import numpy as np
 
 from maskcli.checks.pagemap import page_map, read_range
-from maskcli.checks.registry import Rule, all_rules
+from maskcli.checks import registry
+from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
 def check(b) -> list[Finding]:
-    """Every rule given one batch's metadata, in the registry's order (one function may make several codes)."""
-    out, done = [], set()
-    for rule in all_rules():
-        if rule.given == "metadata" and rule.check not in done:
-            done.add(rule.check)
-            out += rule.check(b)
-    return [_inside(b, f) for f in out]
+    """Every rule given one batch's metadata, run through the registry, each finding's cell kept only where it is one
+    of its request's."""
+    return [_inside(b, f) for f in registry.run("metadata", b)]
 
 
 def _first(bad: np.ndarray) -> int | None:

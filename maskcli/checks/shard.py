@@ -130,10 +130,10 @@ RULES = (
          "ranks cut them): rows nobody computes, keys nobody sees", coverage, given="layout"),
     Rule("shard-duplicate-token", "wrong", "ranks", "a token held by two ranks, or twice by one: its row computed and "
          "its key seen twice", coverage, given="layout"),
+    Rule("shard-uneven", "suspicious", "ranks", "ranks holding different numbers of slots, where ring attention passes "
+         "equal-size key/value buffers", uneven, given="layout"),  # (before padding: registry.run says a layout's findings in this order)
     Rule("shard-padding", "note", "ranks", "padding slots a layout adds to make equal chunks (a multiple of 2 x ranks)",
          padding, given="layout"),
-    Rule("shard-uneven", "suspicious", "ranks", "ranks holding different numbers of slots, where ring attention passes "
-         "equal-size key/value buffers", uneven, given="layout"),
     Rule("shard-imbalance", "suspicious", "ranks", "a valid split where the slowest rank does more than 1.25x the mean "
          "work, so every step waits for it", imbalance, given="split"),
     Rule("shard-local-indices", "wrong", "ranks", "a rank's mask built on local indices, not the global positions its "
