@@ -16,8 +16,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from maskcli.checks.pagemap import page_map, read_range
 from maskcli.checks import registry
+from maskcli.checks.pagemap import distinct, page_map, read_range
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -28,12 +28,13 @@ def check(b) -> list[Finding]:
     return [_inside(b, f) for f in registry.run("metadata", b)]
 
 
-def _first(bad: np.ndarray) -> int | None:
+def first_true(bad: np.ndarray) -> int | None:
+    """The first index where `bad` holds, None where none."""
     hit = np.flatnonzero(bad)
     return int(hit[0]) if hit.size else None
 
 
-def _tokens_agree(b) -> bool:
+def tokens_agree(b) -> bool:
     """The query offsets split q's tokens as q holds them (else per-token rules would blame the wrong request)."""
     return b.tokens is None or int(b.q_indptr[-1]) == b.tokens
 
@@ -48,11 +49,11 @@ def lengths(b) -> list[Finding]:
     out = []
     q_lens, seq = b.q_lens, b.seq_lens
     keyless = (q_lens > 0) & (seq == 0)
-    r = _first(keyless)
+    r = first_true(keyless)
     if r is not None:
         out.append(Finding("no-keys", f"request {r} has {int(q_lens[r])} {'query' if q_lens[r] == 1 else 'queries'} and 0 keys ({b.name('seq_lens')} "
                            f"is 0): its rows are empty, the kernel writes zeros or NaN there", request=r))
-    r = _first((q_lens > seq) & (seq > 0))
+    r = first_true((q_lens > seq) & (seq > 0))
     if r is not None:
         out.append(Finding("more-queries-than-keys", f"request {r} has {int(q_lens[r])} new tokens but {int(seq[r])} keys: "
                            f"the keys include the new tokens, so {b.name('seq_lens')} must be at least {b.name('queries')}'s count", request=r))
@@ -61,7 +62,7 @@ def lengths(b) -> list[Finding]:
                   if counted else "")
     if b.computed is not None:
         bad = (b.computed + q_lens != seq) & ~keyless  # a request with no keys is no-keys' finding, once
-        r = _first(bad)
+        r = first_true(bad)
         if r is not None:
             said, new, keys = int(b.computed[r]), int(q_lens[r]), int(seq[r])
             at = keys - new  # where the kernel puts the first query
@@ -87,25 +88,25 @@ def pages(b) -> list[Finding]:
     out = []
     ps = b.page_size
     if b.short_table is not None and b.short_table.any():
-        r = _first(b.short_table)
+        r = first_true(b.short_table)
         out.append(Finding("table-short", f"request {r}'s {b.name('table')} row has fewer blocks than its "
                            f"{int(b.seq_lens[r])} keys need ({-(-int(b.starts[r] + b.seq_lens[r]) // ps)} of {ps} tokens)", request=r))
     if b.last_fill is not None:
         counts = np.diff(b.page_indptr)
         bad = (counts > 0) & ((b.last_fill < 1) | (b.last_fill > ps))
-        r = _first(bad)
+        r = first_true(bad)
         if r is not None:
             out.append(Finding("last-page-fill", f"request {r}'s {b.name('last')} is {int(b.last_fill[r])}: a last "
                                f"page holds 1 to {ps} tokens (page_size {ps})", request=r))
     m = page_map(b)
     owner, column = m.owner, m.column
     first, _ = read_range(b)
-    i = _first(m.read & (b.pages < 0))
+    i = first_true(m.read & (b.pages < 0))
     if i is not None:
         r = int(owner[i])
         out.append(Finding("bad-page", f"request {r}'s logical block {int(column[i])} is page {int(b.pages[i])}, "
                            f"which is no page: the keys there are read from outside the cache", request=r))
-    i = _first(m.read & m.null)
+    i = first_true(m.read & m.null)
     if i is not None:
         r = int(owner[i])
         key = max(int(column[i]) * ps, int(first[r])) - int(b.starts[r])
@@ -124,20 +125,20 @@ def _shared(b, m) -> list[Finding]:
     real = m.read & ~m.null
     owner, column = m.owner, m.column
     key = b.pages[real] * max(b.requests, 1) + owner[real]
-    if _repeats(key):  # one request listing one page at two logical blocks
+    if distinct(key).size < key.size:  # one request listing one page at two logical blocks
         order = np.lexsort((column[real], owner[real], b.pages[real]))
         p, o, c = b.pages[real][order], owner[real][order], column[real][order]
-        i = _first((p[1:] == p[:-1]) & (o[1:] == o[:-1]))
+        i = first_true((p[1:] == p[:-1]) & (o[1:] == o[:-1]))
         out.append(Finding("page-twice", f"request {int(o[i])} reads page {int(p[i])} as logical blocks "
                            f"{int(c[i])} and {int(c[i + 1])}: two blocks of keys cannot live on one page", request=int(o[i])))
-    i = _first(m.shared & (m.fill < ps))
+    i = first_true(m.shared & (m.fill < ps))
     if i is not None:
         r, page = int(owner[i]), int(b.pages[i])
         others = sorted(set(owner[m.shared & (b.pages == page)].tolist()) - {r})
         out.append(Finding("shared-page-partial", f"page {page} is shared by requests {r} and {others[0]}, but it is "
                            f"request {r}'s partly filled last block ({int(m.fill[i])} of {ps}): only full pages are shared, a "
                            f"partial one is still being written", request=r))
-    i = _first(m.shared & m.written)
+    i = first_true(m.shared & m.written)
     if i is not None:
         out.append(_shared_written(b, m, int(b.pages[i])))
     return out
@@ -183,7 +184,7 @@ def _shared_written(b, m, page: int) -> Finding:
 
 def _writes(b) -> list[Finding]:
     """Each new token's slot is its own page's slot for its position."""
-    if b.write_slots is None or not _tokens_agree(b):
+    if b.write_slots is None or not tokens_agree(b):
         return []
     ps = b.page_size
     n = int(b.q_indptr[-1])
@@ -195,7 +196,7 @@ def _writes(b) -> list[Finding]:
     have = col < np.diff(b.page_indptr)[token_req]
     expected = np.full(slots.size, -1, np.int64)
     expected[have] = b.pages[b.page_indptr[token_req[have]] + col[have]] * ps + (b.starts[token_req] + position)[have] % ps
-    t = _first(have & (position >= 0) & (slots != expected))  # a position before 0 is the length rules' finding
+    t = first_true(have & (position >= 0) & (slots != expected))  # a position before 0 is the length rules' finding
     if t is None:
         return []
     r = int(token_req[t])
@@ -204,13 +205,6 @@ def _writes(b) -> list[Finding]:
     return [Finding("slot-mapping", f"token {t} (request {r}, position {int(position[t])}) is written to slot {int(slots[t])} ({whose}); its "
                     f"{b.name('table')} puts position {int(position[t])} at slot {int(expected[t])}",
                     request=r, cell=(int(position[t]), int(position[t])))]
-
-
-
-def _repeats(values: np.ndarray) -> bool:
-    """Some value stands twice (by one sort: numpy's unique hashes, several times slower on 500k page ids)."""
-    ordered = np.sort(values)
-    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 def _inside(b, f: Finding) -> Finding:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.serve import _first, _tokens_agree, batch_rules, first_positions
+from maskcli.checks.serve import batch_rules, first_positions, first_true, tokens_agree
 from maskcli.text import Finding
 
 
@@ -28,7 +28,7 @@ def cascade(b) -> list[Finding]:
     if ps and C % ps:
         out.append(Finding("cascade-partial-page", f"common_prefix_len {C} is not whole pages of {ps}: the prefix "
                            f"pass reads pages, so vLLM rounds it down to a multiple of block_size"))
-    r = _first(b.q_start < C - 1)
+    r = first_true(b.q_start < C - 1)
     if r is not None:
         q = int(max(b.q_start[r], 0))
         out.append(Finding("cascade-sees-later", f"request {r}'s query at position {q} sees key {q + 1} of the "
@@ -63,14 +63,14 @@ def local(b) -> list[Finding]:
     n = np.diff(v.q_indptr)
     p0 = b.q_start[owner] + first - b.q_indptr[owner]
     p1 = p0 + n - 1
-    i = _first((v.q_indptr[1:] > b.q_indptr[owner + 1]) | (p1 // C != p0 // C))
+    i = first_true((v.q_indptr[1:] > b.q_indptr[owner + 1]) | (p1 // C != p0 // C))
     if i is not None:
         return [Finding("local-crosses-chunk", f"virtual batch {i} holds "
                         f"request {int(owner[i])}'s queries {int(p0[i])}..{int(p1[i])}, across a chunk of {C} (or a request) "
                         f"boundary: each virtual batch is one request's one chunk", request=int(owner[i]), cell=(int(p1[i]), int(p1[i])))]
     chunk_start = p0 // C * C
     given_start = p1 + 1 - v.seq_lens[: len(n)]
-    i = _first(given_start != chunk_start)
+    i = first_true(given_start != chunk_start)
     if i is not None:
         r, q = int(owner[i]), int(p0[i])
         cell = (q, int(given_start[i])) if given_start[i] < chunk_start[i] else (q, int(chunk_start[i]))
@@ -143,14 +143,14 @@ def trees(b) -> list[Finding]:
                 what = f"does not see draft {draft}, its ancestor"
             out.append(Finding("tree-mask", f"request {r}'s draft node {node}{name} {what}: a tree node sees the "
                                f"prefix, its ancestors and itself", request=r, cell=(q, key)))
-    if b.positions is None or not _tokens_agree(b):
+    if b.positions is None or not tokens_agree(b):
         return out
     token_req = np.repeat(np.arange(b.requests), b.q_lens)
     n = min(token_req.size, b.positions.size)
     expected = first_positions(b)[token_req] + (np.arange(token_req.size) - b.q_indptr[token_req])
     for r, depth in depth_at.items():
         expected[b.q_indptr[r]:b.q_indptr[r + 1]] = first_positions(b)[r] + depth
-    t = _first(b.positions[:n] != expected[:n])
+    t = first_true(b.positions[:n] != expected[:n])
     if t is not None:
         r = int(token_req[t])
         role = f"draft node {t - int(b.q_indptr[r])} at depth {int(depth_at[r][t - b.q_indptr[r]])}" if r in depth_at else f"new token {t - int(b.q_indptr[r])}"
