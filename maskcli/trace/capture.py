@@ -133,8 +133,8 @@ class Trace:
         self._swapped: set[int] = set()
         self.vllm = vllm_capture.Recorder(lambda: self.active and not self.busy)  # where vLLM is imported: its batches
         self.patched: set[str] = set()  # "flash", "hf", "vllm": the APIs whose modules the program imported (so were patched)
-        self.active = False
-        self.threads = None
+        self.active, self.threads = False, None
+        self.sink_keys = lambda: None  # keys of the call running now, where a learned sink's module has no interface frame
         self.compiled = compiled.Compiled(lambda: self.within > 0)  # calls of torch.compile'd code, whose attention
         # is not seen (but for what a recorded call runs itself: flex_attention compiles its operator even in eager)
 
@@ -327,8 +327,8 @@ class Trace:
                 self.sites.note(seen.details, caller)
                 if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                     interface.unpack_gqa(seen, self.interfaces[-1])
-                elif self.interfaces and seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS)
-                    interface.leave_out_sink(seen, self.interfaces[-1])
+                elif seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS): cut here, once, before it is stored
+                    interface.leave_out_sink(seen, self.interfaces[-1].get("sink_keys") if self.interfaces else self.sink_keys())
                 key = self._store(seen)
         except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
