@@ -1,5 +1,12 @@
 """What the program said of its attention that never reached the kernel: a causal flag in its config, a mask it handed in.
 
+- A function that attends was handed an additive mask over exactly its (Lq, Lk) as a parameter (`attn_mask`,
+  `attention_mask`, `mask`, `attn_bias`: it, its caller or theirs; trace/given.py), and the kernel it called sees
+  cells that mask masks, on rows the mask leaves some key: the mask was dropped on the way (VeOmni#1051: the
+  flash-attn path calls `flash_attn_func(q, k, v, causal=causal)` and the entity masks never apply). A mask the
+  kernel keeps to, with more masked on top (a causal part, a window), is quiet; so is a row the mask masks whole
+  (transformers unmasks those on purpose), and a bool mask (its polarity is not known at that frame).
+
 - A config the program states its attention in (checks/intent.py: a dataclass, a dict, a namespace, an export
   wrapper's options, wherever it keeps them) says the attention is causal (`is_causal=True`, `causal=True`,
   `force_causal_mask=True`), yet a call with several queries masks nothing on its real queries and keys: each query
@@ -45,13 +52,30 @@ def causal_ignored(run: Run) -> list:
         b, _, q, k = first_cell(later)
         sure = source not in causal and stated_sure(said, run, call)
         found.append((call, Finding("causal-config-ignored", (
-            f"{_layer(index, call)} masks nothing over its {call.shape[2]} queries, but the program states its "
+            f"{_layer(index, call)} lets each of its {call.shape[2]} queries see the later keys, but the program states its "
             f"attention causal ({source}): query {int(placed.own[q])} sees later key {k} "
             f"({int(later.any(axis=1).sum())} such cells)" + ("" if sure else (
                 f", unless {said} is said of another part" + (" (other calls it speaks for are causal)"
                                                               if source in causal else "")))),
             severity=None if sure else "suspicious", expected="causal", source=source,
             cell=(b, int(placed.own[q]), k))))
+    return found
+
+
+def mask_dropped(run: Run) -> list:
+    """A call whose kernel sees cells of the additive mask the program handed to the function that attends (trace/given.py)."""
+    found, done = [], set()
+    for call in run.calls:
+        lost = call.details.get("dropped_mask")
+        if not lost or (call.mask, lost["name"]) in done:
+            continue
+        done.add((call.mask, lost["name"]))
+        b, h, q, k = lost["cell"]
+        found.append((call, Finding("mask-argument-dropped", (
+            f"{call.where} was handed a mask ({lost['name']}, {lost['masked']} cells masked on rows it leaves some key), "
+            f"but its {call.api} sees {lost['cells']} of those cells (batch row {b}, head {h}, query {q}, key {k}): "
+            f"the mask was dropped on its way to the kernel"), expected=lost["name"], source=lost["name"],
+            cell=(b, q, k))))
     return found
 
 
@@ -64,6 +88,9 @@ def stated_sure(said: str, run: Run, call) -> bool:
 
 
 RULES = (
+    Rule("mask-argument-dropped", "wrong", "call", "an additive mask handed to the function that attends (attn_mask, "
+         "attention_mask, mask, attn_bias) whose masked cells the kernel sees: dropped on its way (a flash path)",
+         mask_dropped),
     Rule("causal-config-ignored", "wrong", "steps", "a call whose config states the attention causal (is_causal, "
          "causal, force_causal_mask) but that masks nothing: every query sees the later keys", causal_ignored),
 )
