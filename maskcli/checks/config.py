@@ -223,9 +223,8 @@ def window(run: Run) -> list:
             if half is not None:
                 windowed.add((source, index))
                 found.append((call, Finding("window-half-missing", (
-                    f"{where} sees {half}, but its config states a window of {size} ({source}): one side of the "
-                    f"window holds and the other is unbounded (a window side given as a negative number, which "
-                    f"flash-attn reads as no limit?)"), expected=f"band({size + 1}) or window({size})", source=source)))
+                    f"{where} sees {half[0]}, but its config states a window of {size} ({source}): one side of the "
+                    f"window holds and the other is unbounded ({half[1]})"), expected=f"band({size + 1}) or window({size})", source=source)))
                 continue
             if placed.holds("causal") and not placed.holds(f"window({size})"):
                 missing.append((call, index, kind, Finding("window-missing", (
@@ -271,8 +270,8 @@ def full_layers(run: Run) -> list:
     return found
 
 
-def _half(placed: Placed, size: int) -> str | None:
-    """What a mask bounded on one side only by about `size` keys sees, said in words; None where it is not so (full,
+def _half(placed: Placed, size: int) -> tuple[str, str] | None:
+    """What a mask bounded on one side only by about `size` keys sees, and its likely cause, in words; None where it is not so (full,
     causal, a band or a window on both sides, or too short a sequence to tell)."""
     if placed.holds("full") or placed.holds("causal"):
         return None
@@ -280,9 +279,10 @@ def _half(placed: Placed, size: int) -> str | None:
         if other < 1 or other + 2 > placed.cells.shape[-1] or any(placed.holds(f"band({w})") for w in (other, other + 1)):
             continue
         if placed.holds(f"ahead({other})"):
-            return f"every earlier key and only the {other} keys after each query"
+            return (f"every earlier key and only the {other} keys after each query", "a window side given as a negative "
+                    "number, which flash-attn reads as no limit?")
         if placed.holds(f"behind({other})"):
-            return f"the {other} keys before each query and every later one"
+            return f"the {other} keys before each query and every later one", "the causal bound left out?"
     return None
 
 
