@@ -69,6 +69,10 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
                 and all(isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0 for x in value):
             found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
     found.update(_token_ids(module))
+    if "pad_id" not in found and any(name in found for name in ("input_ids", "idx", "tokens")):
+        from maskcli.trace.tokenizer import tokenizer
+
+        found.update(tokenizer(module))  # (the tokenizer the program's frames hold: its pad id and side)
     cache = given.get("cache", given.get("past_key_values"))  # (transformers 5.24's keyword; the older name)
     if cache is not None:
         found["past_key_values"] = type(cache).__name__
