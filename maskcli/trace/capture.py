@@ -29,7 +29,6 @@ import maskcli.trace.compiled as compiled
 import maskcli.trace.interface as interface
 import maskcli.trace.vllm as vllm_capture
 from maskcli.trace.flex import flex as read_flex
-from maskcli.trace.given import note as handed_mask
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import Overflows
 from maskcli.trace.scores import Scores
@@ -330,8 +329,7 @@ class Trace:
                     interface.unpack_gqa(seen, self.interfaces[-1])
                 elif self.interfaces and seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS)
                     interface.leave_out_sink(seen, self.interfaces[-1])
-                key = self._store(seen)
-                handed_mask(seen, self.masks[key], key, self.__dict__.setdefault("_handed", {}))  # (trace/given.py)
+                key = readers.stored(self, seen)  # (self._store, and a mask the frames handed the call: trace/given.py)
         except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
             self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self.calls), where=where, step=self.sites.step(site),

@@ -22,6 +22,13 @@ NAMES = ("attn_mask", "attention_mask", "attn_bias", "mask", "bias_mask")
 FRAMES = 3  # program frames looked at: the attending function, its caller and theirs
 
 
+def stored(trace, seen) -> str:
+    """trace._store(seen) (its key), with seen.details["dropped_mask"] set where a mask the frames handed is dropped."""
+    key = trace._store(seen)
+    note(seen, trace.masks[key], key, trace.__dict__.setdefault("_handed", {}))
+    return key
+
+
 def note(seen, stored: dict, key: str, cache: dict) -> None:
     """Set seen.details["dropped_mask"] where a mask the program's frames hand toward this call is not kept to."""
     shape = tuple(int(x) for x in seen.shape)

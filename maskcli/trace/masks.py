@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from maskcli.inspect.polarity import additive_keep
+from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
 from maskcli.intervals import Intervals
 
 
