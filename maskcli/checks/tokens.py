@@ -12,6 +12,11 @@ Where the attention_mask disagrees with the ids, the ids win: they are the data 
   one row (padding is one id; these are text), and the attention hides from a query such a token before it
   (0xallam/Direct-Preference-Optimization#1: the collator's mask zero over every response token, so no response
   token attends the response before it).
+- sees-its-target: the program's loss takes the model call's own input ids shifted by one as its targets (trace/
+  losses.py: a next-token predictor), yet a query sees the key one position after it, the very token it is asked
+  to predict (pytorch/tutorials#2478: the word-language-model tutorial ran nn.TransformerEncoder without its
+  square subsequent mask). Only positions whose target the loss counts are judged (a prefix whose labels are
+  ignored may attend both ways).
 Left alone: no pad id stated, a mask not 0/1 or not over the ids, an encoder-decoder's mask (its encoder's).
 """
 
@@ -123,11 +128,40 @@ def _masked(run: Run, top, hidden, given, pad_id: int, said: str) -> list:
     return []
 
 
+def targets(run: Run) -> list:
+    """A query that sees the next position's key where the loss's targets say that token is its answer."""
+    found = []
+    for top in run.tops:
+        said = top.arguments.get("next_token")
+        if said is None:
+            continue
+        axis, predicts = said
+        predicts = predicts if axis == 1 else predicts.T  # (batch, sequence)
+        rows, length = predicts.shape
+        for call, cells, own in _calls(run, top, rows, length):
+            if call.shape[2] != length or not (own == np.arange(length)).all():
+                continue
+            bad = np.zeros(cells.shape, bool)
+            q = np.arange(length - 1)
+            bad[:, q, q + 1] = cells[:, q, q + 1] & predicts[:, q]
+            if bad.any():
+                b, q, k = first_cell(bad)
+                found.append((call, Finding("sees-its-target", (
+                    f"batch row {b}: query {q} sees key {k}, the token its loss asks it to predict (the targets of the "
+                    f"program's loss are the input ids of {top.where} shifted by one; {int(bad.sum())} such queries): "
+                    f"a next-token model needs a causal mask"), expected="causal", source="the loss's targets",
+                    cell=(b, q, k))))
+                break
+    return found
+
+
 def ids_of(top) -> np.ndarray:
     return next(top.arguments[n] for n in TOKENS if isinstance(top.arguments.get(n), np.ndarray))
 
 
 RULES = (
+    Rule("sees-its-target", "wrong", "steps", "a query that sees the next token where the program's loss takes the "
+         "input ids shifted by one as its targets (a next-token model run without its causal mask)", targets),
     Rule("padding-unmarked", "wrong", "steps", "tokens at the stated pad id in a run at the row's edge that the "
          "attention_mask marks real, seen by real queries (padding looked for on the wrong side, or the wrong id)",
          tokens),

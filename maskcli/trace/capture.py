@@ -110,7 +110,7 @@ class Trace:
         self.bytes = 0
         self._local = threading.local()  # busy, within, interfaces: each thread the program runs has its own
         self._lock = threading.RLock()
-        self.readers = {}
+        self.readers = readers.watched(self)  # (the loss: what it states, no call recorded: trace/losses.py)
         if "sdpa" in self.apis:
             self.readers[F.scaled_dot_product_attention] = readers.sdpa
         if "mha" in self.apis:
