@@ -48,3 +48,34 @@ def test_a_pad_run_is_one_run_at_one_edge_of_every_row():
     assert _run_at_edge(left, None) and _run_at_edge(left, "left") and not _run_at_edge(left, "right")
     assert _run_at_edge(left[:, ::-1], "right")
     assert not _run_at_edge(np.array([[0, 1, 0, 0]], bool), None)  # the pad id inside the text: not padding
+
+
+def test_a_language_model_tutorial_run_without_its_causal_mask_is_found(tmp_path):
+    # pytorch/tutorials#2478: model(data) with no src_mask; the loss's targets are the ids one position on
+    found = check_bug(tmp_path, "tutorial_transformer_lm_encoder_without_causal_mask", "sees-its-target")
+    assert tuple(found[0]["cell"]) == first((10, 35, 35), lambda b, q, k: k == q + 1)
+    assert "shifted by one; 340 such queries" in found[0]["message"]  # 34 queries with a next key, 10 sequences
+
+
+def test_a_padded_gpt_whose_loss_is_shifted_inside_the_batch_is_found(tmp_path):
+    found = check_bug(tmp_path, "gpt_loss_shifted_padding_mask_only", "sees-its-target", folder=TOKENS)
+    lengths = (6, 4)  # a target counts where the next token is real (labels -100 on the padding)
+    counted = [(b, q) for b in range(2) for q in range(5) if q + 1 < lengths[b]]
+    assert tuple(found[0]["cell"]) == first((2, 6, 6), lambda b, q, k: k == q + 1 and (b, q) in counted)
+    assert f"{len(counted)} such queries" in found[0]["message"]
+
+
+def test_targets_are_read_as_the_ids_one_position_on_along_either_axis():
+    from maskcli.trace.losses import _shifted
+
+    ids = np.array([[5, 9, 3, 14], [8, 11, 6, 2]])
+    axis, predicts = _shifted(ids[:, 1:].reshape(-1), ids, -100)  # transformers' shift inside the loss
+    assert axis == 1 and predicts[:, :3].all() and not predicts[:, 3].any()
+    first_seq = ids.T  # (sequence, batch), as nn.Transformer's tutorial lays it out
+    target = np.concatenate([first_seq[1:], [[1, 1]]]).reshape(-1)  # the next row, flattened
+    axis, predicts = _shifted(target, first_seq, -100)
+    assert axis == 0 and predicts[:3].all() and not predicts[3].any()
+    assert _shifted(ids.reshape(-1), ids, -100) is None  # the ids themselves: a copy task, no next-token claim
+    masked = ids[:, 1:].copy()
+    masked[1, :] = -100
+    assert _shifted(masked.reshape(-1), ids, -100)[1][1].sum() == 0  # ignored targets judge nothing
