@@ -17,6 +17,11 @@ Where the attention_mask disagrees with the ids, the ids win: they are the data 
   to predict (pytorch/tutorials#2478: the word-language-model tutorial ran nn.TransformerEncoder without its
   square subsequent mask). Only positions whose target the loss counts are judged (a prefix whose labels are
   ignored may attend both ways).
+- padding-inverted: a padding mask the model call is given (`padding_mask`, `key_padding_mask`, `pad_mask`: True
+  = padding; `attention_mask`: 1 = real) over the same (batch, length) as a float input whose samples are exactly 0
+  in one run at an edge of each padded row (F.pad's zeros), and the mask calls padding exactly the samples that are
+  not zero and real exactly the zero run: the mask is the wrong way round for its own data (earthspecies/avex#26: the
+  collator's mask True on the real audio, BEATs reading True as padding).
 Left alone: no pad id stated, a mask not 0/1 or not over the ids, an encoder-decoder's mask (its encoder's).
 """
 
@@ -155,11 +160,42 @@ def targets(run: Run) -> list:
     return found
 
 
+def inverted(run: Run) -> list:
+    """A padding mask argument that is True (padding) exactly where its float input is not zero, real on its zero run."""
+    found = []
+    for top in run.tops:
+        zeros = top.arguments.get("zeros")
+        first = next((call for call in run.calls if run.top(call) is top), None)
+        if zeros is None or first is None:
+            continue
+        source, zero = zeros
+        for name in ("padding_mask", "key_padding_mask", "pad_mask", "attention_mask"):
+            given = top.arguments.get(name)
+            if not isinstance(given, np.ndarray) or given.shape != zero.shape or not np.isin(given, (0, 1)).all():
+                continue
+            padding = (given == 1) if name != "attention_mask" else (given == 0)
+            padded = zero.any(axis=1)
+            if not padded.any() or not _run_at_edge(zero, None) or zero.all(axis=1).any():
+                continue
+            if np.array_equal(padding[padded], ~zero[padded]) and not padding[~padded].all(axis=1).any():
+                b = int(np.argmax(padded))
+                found.append((first, Finding("padding-inverted", (
+                    f"the {name} given to {top.where} marks as padding exactly the samples of its `{source}` that are "
+                    f"not zero, and as real the run of exact zeros that pads them (batch row {b}: "
+                    f"{int(zero[b].sum())} zero samples called real): the mask is the wrong way round for its data"),
+                    expected=f"{name} {'True' if name != 'attention_mask' else '0'} on the zero padding",
+                    source=f"{name} of {top.where}")))
+                break
+    return found
+
+
 def ids_of(top) -> np.ndarray:
     return next(top.arguments[n] for n in TOKENS if isinstance(top.arguments.get(n), np.ndarray))
 
 
 RULES = (
+    Rule("padding-inverted", "wrong", "steps", "a padding mask argument that calls padding exactly the non-zero samples "
+         "of the input it comes with and real its zero-padded run (a mask the wrong way round for its data)", inverted),
     Rule("sees-its-target", "wrong", "steps", "a query that sees the next token where the program's loss takes the "
          "input ids shifted by one as its targets (a next-token model run without its causal mask)", targets),
     Rule("padding-unmarked", "wrong", "steps", "tokens at the stated pad id in a run at the row's edge that the "
