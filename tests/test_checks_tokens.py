@@ -79,3 +79,16 @@ def test_targets_are_read_as_the_ids_one_position_on_along_either_axis():
     masked = ids[:, 1:].copy()
     masked[1, :] = -100
     assert _shifted(masked.reshape(-1), ids, -100)[1][1].sum() == 0  # ignored targets judge nothing
+
+
+def test_a_collator_padding_mask_true_on_the_real_audio_is_found(tmp_path):
+    # earthspecies/avex#26: pad_or_window's mask True on the waveform, BEATs reads True as padding
+    found = check_bug(tmp_path, "avex_beats_padding_mask_inverted_polarity", "padding-inverted")
+    lengths = (900, 1300)  # samples of each clip; F.pad fills the rest of 1600 with zeros
+    assert f"batch row 0: {1600 - lengths[0]} zero positions called real" in found[0]["message"]
+    assert "padding_mask given to BEATs" in found[0]["message"] and "`source`" in found[0]["message"]
+
+
+def test_an_attention_mask_built_from_the_zero_frames_of_left_padded_features_is_found(tmp_path):
+    found = check_bug(tmp_path, "features_attention_mask_from_zero_frames", "padding-inverted", folder=TOKENS)
+    assert "batch row 1: 3 zero positions called real" in found[0]["message"]  # 7 frames, 4 real, left-padded

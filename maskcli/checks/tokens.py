@@ -180,9 +180,9 @@ def inverted(run: Run) -> list:
             if np.array_equal(padding[padded], ~zero[padded]) and not padding[~padded].all(axis=1).any():
                 b = int(np.argmax(padded))
                 found.append((first, Finding("padding-inverted", (
-                    f"the {name} given to {top.where} marks as padding exactly the samples of its `{source}` that are "
+                    f"the {name} given to {top.where} marks as padding exactly the positions of its `{source}` that are "
                     f"not zero, and as real the run of exact zeros that pads them (batch row {b}: "
-                    f"{int(zero[b].sum())} zero samples called real): the mask is the wrong way round for its data"),
+                    f"{int(zero[b].sum())} zero positions called real): the mask is the wrong way round for its data"),
                     expected=f"{name} {'True' if name != 'attention_mask' else '0'} on the zero padding",
                     source=f"{name} of {top.where}")))
                 break
