@@ -39,7 +39,7 @@ def note(seen, stored: dict, key: str, cache: dict) -> None:
         if found is not None:
             from maskcli import tracefile
 
-            lost = dropped(found, tracefile.dense(stored), shape, cache, key)
+            lost = dropped(found, lambda: tracefile.dense(stored), shape, cache, key)
             if lost is not None:
                 seen.details["dropped_mask"] = lost
     except Exception:  # noqa: BLE001 - a frame maskcli cannot read: the call is recorded all the same, without this
@@ -74,8 +74,8 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
     return None
 
 
-def dropped(found: tuple[str, torch.Tensor], kernel: np.ndarray, shape: tuple, cache: dict, mask: str) -> dict | None:
-    """{"name", "cell": (b, q, k), "cells"} where the kernel's keep `kernel` (b, h, Lq, Lk as stored, 1s broadcast)
+def dropped(found: tuple[str, torch.Tensor], cells, shape: tuple, cache: dict, mask: str) -> dict | None:
+    """{"name", "cell": (b, q, k), "cells"} where the kernel's keep `cells()` (b, h, Lq, Lk as stored, 1s broadcast)
     sees a cell the handed mask masks on a row it does not mask whole; None where the kernel keeps to it. `mask`: the
     kernel mask's key in the store (with the tensor's id and version, what the answer is cached by)."""
     from maskcli.inspect.polarity import additive_keep
@@ -85,6 +85,7 @@ def dropped(found: tuple[str, torch.Tensor], kernel: np.ndarray, shape: tuple, c
     if key in cache and cache[key][0] is tensor:
         return cache[key][1]
     b, h, q_len, k_len = (int(x) for x in shape)
+    kernel = cells()  # (built only here: the same mask tensor and kernel mask again is answered from the cache)
     with torch.no_grad():
         keep = additive_keep(tensor.detach()).cpu()
     if keep.all():
