@@ -38,3 +38,22 @@ def test_a_folded_padding_mask_a_helper_never_passes_is_found(tmp_path):
     assert tuple(found[0]["cell"]) == first((3, 5, 5), lambda b, q, k: k < pads[b])
     assert "bias_mask of attend()" in found[0]["message"]
 
+
+
+def test_the_cells_a_kernel_sees_of_a_handed_mask_are_counted_against_a_double_loop():
+    import numpy as np
+    import torch
+
+    from maskcli.trace.given import dropped
+
+    b, h, n = 2, 2, 5
+    given = torch.zeros(b, 1, n, n)
+    given[1, :, :, :2] = float("-inf")  # row 1: keys 0, 1 padding
+    given[1, :, 0, :] = float("-inf")  # and its query 0 masked whole (unmasked on purpose by transformers: not judged)
+    causal = np.tril(np.ones((n, n), bool))[None, None]  # the kernel: causal only, the padding dropped
+    lost = dropped(("attn_mask of f()", given), lambda: causal, (b, h, n, n), {}, "k")
+    bad = [(r, q, k) for r in range(b) for q in range(n) for k in range(n)
+           if k <= q and given[r, 0, q, k] == float("-inf") and not (given[r, 0, q] == float("-inf")).all()]
+    assert lost["cells"] == len(bad) and tuple(lost["cell"][i] for i in (0, 2, 3)) == bad[0]
+    kept = np.broadcast_to(causal & (given.numpy() == 0), (b, 1, n, n))  # a kernel that keeps to the mask
+    assert dropped(("attn_mask of f()", given), lambda: kept, (b, h, n, n), {}, "k2") is None
