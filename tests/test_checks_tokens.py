@@ -92,3 +92,32 @@ def test_a_collator_padding_mask_true_on_the_real_audio_is_found(tmp_path):
 def test_an_attention_mask_built_from_the_zero_frames_of_left_padded_features_is_found(tmp_path):
     found = check_bug(tmp_path, "features_attention_mask_from_zero_frames", "padding-inverted", folder=TOKENS)
     assert "batch row 1: 3 zero positions called real" in found[0]["message"]  # 7 frames, 4 real, left-padded
+
+
+def test_the_tokenizer_is_read_from_the_calling_frames_once_and_only_where_one_is_meant():
+    from types import SimpleNamespace
+
+    import torch
+
+    import maskcli
+
+    class Tiny(torch.nn.Module):
+        def forward(self, input_ids):
+            x = torch.randn(*input_ids.shape, 4)[:, None]
+            return torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+    def run(*tokenizers):  # (the tokenizers are this frame's variables, as a program holds them)
+        held = list(tokenizers)  # noqa: F841 - read by the trace from this frame
+        first = tokenizers[0] if tokenizers else None  # noqa: F841
+        second = tokenizers[1] if len(tokenizers) > 1 else None  # noqa: F841
+        with maskcli.trace() as t:
+            Tiny()(torch.tensor([[0, 5, 6], [7, 8, 9]]))
+        return t.tops[0].arguments
+
+    left = SimpleNamespace(pad_token_id=0, eos_token_id=2, padding_side="left")
+    found = run(left)
+    assert (found["tokenizer_pad_id"], found["tokenizer_eos_id"], found["padding_side"]) == (0, 2, "left")
+    assert "first (SimpleNamespace) in run()" in found["tokenizer"]
+    assert "tokenizer_pad_id" not in run(left, SimpleNamespace(pad_token_id=1, eos_token_id=2))  # two that differ
+    del left  # (this frame is one the trace searches too)
+    assert "tokenizer_pad_id" not in run(SimpleNamespace(pad_token_id=0))  # no eos id, no side: not a tokenizer
