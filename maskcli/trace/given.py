@@ -11,6 +11,7 @@ One comparison per distinct (mask tensor, kernel mask): L^2 cells, as reading th
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -32,7 +33,7 @@ def stored(trace, seen) -> str:
 def note(seen, stored: dict, key: str, cache: dict) -> None:
     """Set seen.details["dropped_mask"] where a mask the program's frames hand toward this call is not kept to."""
     shape = tuple(int(x) for x in seen.shape)
-    if int(np.prod(shape)) > CELLS or stored.get("form") == "stats":
+    if math.prod(shape) > CELLS or stored.get("form") == "stats":  # (math's: numpy's costs more than the walk)
         return
     try:
         found = handed(shape, seen.sources)
