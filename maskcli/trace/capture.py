@@ -110,7 +110,7 @@ class Trace:
         self.bytes = 0
         self._local = threading.local()  # busy, within, interfaces: each thread the program runs has its own
         self._lock = threading.RLock()
-        self.readers = {}
+        self.readers = readers.watched(self)  # (the loss: what it states, no call recorded: trace/losses.py)
         if "sdpa" in self.apis:
             self.readers[F.scaled_dot_product_attention] = readers.sdpa
         if "mha" in self.apis:
@@ -329,7 +329,7 @@ class Trace:
                     interface.unpack_gqa(seen, self.interfaces[-1])
                 elif seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS): cut here, once, before it is stored
                     interface.leave_out_sink(seen, self.interfaces[-1].get("sink_keys") if self.interfaces else self.sink_keys())
-                key = self._store(seen)
+                key = readers.stored(self, seen)  # (self._store, and a mask the frames handed the call: trace/given.py)
         except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
             self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self.calls), where=where, step=self.sites.step(site),

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from maskcli.inspect.polarity import additive_keep
+from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
+from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
 from maskcli.intervals import Intervals
 
 
