@@ -37,6 +37,7 @@ from maskcli.trace.stated import outside
 from maskcli.trace.threads import Threads
 from maskcli.trace.tops import DOCUMENTS, documents
 
+_compiling = torch.compiler.is_dynamo_compiling
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
 CACHE = 256  # masks remembered by the tensor they were read from (a model hands one mask to every layer)
@@ -77,16 +78,25 @@ def _collapse(keep: torch.Tensor) -> torch.Tensor:
 
 
 class _Mode(TorchFunctionMode):
+    """Every torch call of the program passes here: the few that are looked at (attention, a matmul, a sum or a cast)
+    and any while a tensor they remember is alive (scores.py, overflow.py follow what is computed from it) take the
+    slow path; the rest are one set lookup and two dict truth tests, as near an empty mode as Python allows."""
+
     def __init__(self, trace: Trace):
         super().__init__()
         self.trace = trace
+        self.watched = trace.watched
+        self.followed = (trace.overflows._found, trace.scores._found if trace.scores is not None else {})
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch.compiler.is_dynamo_compiling():  # dynamo traces this mode into the graph it builds: add nothing to it
-            return func(*args, **kwargs)  # (the scores and overflow bookkeeping inlined there broke Gemma 3's rotary)
+        if kwargs is None:
+            kwargs = {}
+        if _compiling():  # dynamo traces this mode into the graph it builds: add nothing to it (the scores and overflow
+            return func(*args, **kwargs)  # bookkeeping inlined there broke Gemma 3's rotary; guards on its sets fail)
+        if func not in self.watched and not self.followed[0] and not self.followed[1]:
+            return func(*args, **kwargs)  # the hot path
         trace = self.trace
-        reader = trace.readers.get(func)  # the hot path: one lookup per torch call
+        reader = trace.readers.get(func)
         if reader is not None and trace.active and not trace.busy and not trace.within:
             if reader is not readers.softmax or trace.scores.attention(readers.softmax_input(args, kwargs)):
                 trace.capture(reader, args, kwargs)
@@ -121,8 +131,16 @@ class Trace:
                 self.readers[func] = readers.softmax
             self.scores = Scores()
         self.overflows = Overflows()
+        from maskcli.trace.overflow import WATCHED
+        from maskcli.trace.scores import MATMULS
+
+        # the torch functions the mode looks at whatever runs: the rest only while a tensor it follows is alive
+        self.watched = frozenset({*self.readers, *WATCHED, *(MATMULS if self.scores is not None else ())})
         self.sites = Sites()
-        self.tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
+        self._tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
+        self._pending: list = []  # (Top, module): tops whose configs are read once the run is over (settle())
+        self._frames: dict = {}  # id(module) -> the program's frames at its first call (stated.frames), until settled
+        self._names = None  # the sites' module names, kept past the trace's end until the pending tops are settled
         self._cache: dict = {}
         self._stated: dict = {}  # id(outermost module) -> (module, the configs it states: trace/stated.py)
         self._entered, self._loose = {}, {}  # id(module) -> calls made before its forward began; call site -> outside()
@@ -164,6 +182,30 @@ class Trace:
         if found is None:
             found = self._local.interfaces = []
         return found
+
+    @property
+    def tops(self) -> list:
+        """Each outermost module call (maskcli.checks.context.Top), the configs its program states read (settle())."""
+        if self._pending:
+            self.settle()
+        return self._tops
+
+    def settle(self) -> None:
+        """Read the configs the pending tops' modules state (trace/stated.py): after the run, not while it runs (a
+        tiny model's configs take longer to read than its whole forward). The frames were kept at the call."""
+        from maskcli.trace.stated import stated
+
+        with self._lock:
+            if self._names is None:
+                path = self.sites.path
+            else:
+                names = self._names
+                path = lambda module: None if (found := names.get(id(module))) is None else found[1]  # noqa: E731
+            for top, module in self._pending:
+                top.stated = stated(module, path, self._stated, self._frames.get(id(module)))
+            self._pending.clear()
+            self._frames.clear()
+            self._names = None
 
     def groups(self) -> list:
         """The calls grouped by mask, API and shape, each named, with findings (maskcli.trace.report.Group): those
@@ -224,6 +266,8 @@ class Trace:
             self._undo.pop()()
         self._swapped.clear()
         self._cache.clear()
+        if self._pending:  # (the names the pending tops' configs are read by: settle())
+            self._names = dict(self.sites._names)
         self.sites.clear()
 
     def _patch_flex(self) -> None:
@@ -292,11 +336,19 @@ class Trace:
         if not self.sites.stack and opened is not None and opened[0] is module:
             self._local.opened = None
             if len(self.calls) > opened[1]:  # an outermost call that made attention calls: what the checks read of it
-                from maskcli.trace.stated import stated
                 from maskcli.trace.tops import top
 
-                said = stated(module, self.sites.path, self._stated)  # (read once per module: trace/stated.py)
-                self.tops.append(top(self.sites.shown(module), module, args, kwargs, opened[1], len(self.calls), said))
+                found = top(self.sites.shown(module), module, args, kwargs, opened[1], len(self.calls))
+                held = self._stated.get(id(module))  # (read once per module: trace/stated.py)
+                if held is not None and held[0] is module:
+                    found.stated = held[1]
+                else:  # read once the run is over (settle()), from the frames as they are now
+                    if id(module) not in self._frames:
+                        from maskcli.trace.stated import frames
+
+                        self._frames[id(module)] = frames()
+                    self._pending.append((found, module))
+                self._tops.append(found)
 
     # --- recording ----------------------------------------------------------------------------
 
@@ -361,19 +413,21 @@ class Trace:
             return self._keep(stored, seen.shape)
         cache_key = None
         if seen.sources:  # the same mask tensor given again (every layer of a model): read it once
+            # (its version counter moves with every change in place: a mask changed between calls is read again)
             cache_key = (seen.api, seen.shape, tuple((id(x), x._version) for x in seen.sources))
             found = self._cache.get(cache_key)
             if found is not None:
+                seen.details.update(found[2])  # (what reading it said: a bias, a 0/1 mask added)
                 return found[0]
         from maskcli.trace.store import stored_form
 
-        keep = _collapse(seen.keep)
+        keep = _collapse(seen.materialize())
         stored = stored_form(keep, seen.shape, self.max_bytes - self.bytes, self.max_bytes)
         key = self._keep(stored, seen.shape)
         if cache_key is not None:
             if len(self._cache) >= CACHE:
                 self._cache.clear()
-            self._cache[cache_key] = (key, seen.sources)  # the tensors are held so that their ids stay theirs
+            self._cache[cache_key] = (key, seen.sources, seen.made)  # the tensors are held so that their ids stay theirs
         return key
 
     def _keep(self, stored: dict, shape) -> str:

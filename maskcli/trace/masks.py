@@ -49,6 +49,17 @@ class Seen(Operands):
     details: dict = field(default_factory=dict)
     sources: tuple = ()  # the mask tensors the call was given: the same ones again are the same mask
     child: str | None = None  # the submodule that attends, where the call was read at its parent (an encoder layer)
+    make: object = None  # or: what makes `keep` from `sources`, run only where they were not read already (capture's
+    # cache: a model hands one mask to every layer); materialize() runs it
+    made: dict = field(default_factory=dict)  # the details making `keep` added (a hit of the cache adds them again)
+
+    def materialize(self) -> torch.Tensor | None:
+        """`keep`, made now where a reader left it to `make`."""
+        if self.make is not None:
+            before = set(self.details)
+            self.keep, self.make = self.make(), None
+            self.made = {key: value for key, value in self.details.items() if key not in before}
+        return self.keep
 
 
 def _four(lead: tuple[int, ...]) -> tuple[int, int]:
@@ -105,7 +116,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     q_len, k_len = q.shape[-2], k.shape[-2]
     lead = tuple(q.shape[:-2])
     if mask is not None and mask.dim() > 2:
-        lead = tuple(torch.broadcast_shapes(lead, tuple(mask.shape[:-2])))
+        lead = _broadcast(lead, tuple(mask.shape[:-2]))
     details = {"is_causal": is_causal, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False)),
                "dropout_p": float(given.get("dropout_p", 0.0) or 0.0)}
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
@@ -115,13 +126,26 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
         details["mask_dtype"] = _dtype(mask)
         if q_len > 1 and (mask.dim() < 2 or mask.shape[-2] == 1):  # one row for every query: no query's own position
             details["mask_rows"] = 1
-        seen.keep = _as_4d(_keep(mask, details), q_len, k_len)
+        seen.make = lambda: _as_4d(_keep(mask, details), q_len, k_len)  # (not where this mask was read already)
         seen.sources = (mask,)
     elif is_causal:
         seen.intervals = top_left_causal(q_len, k_len)
     else:
         seen.intervals = everything(q_len, k_len)
     return seen
+
+
+def _broadcast(a: tuple, b: tuple) -> tuple:
+    """torch.broadcast_shapes of two shapes (in plain Python: that one runs torch's reference code, tens of us a call)."""
+    if len(a) < len(b):
+        a, b = b, a
+    b = (1,) * (len(a) - len(b)) + b
+    out = []
+    for x, y in zip(a, b):
+        if x != y and x != 1 and y != 1:
+            raise RuntimeError(f"shapes {a} and {b} do not broadcast")
+        out.append(y if x == 1 else x)
+    return tuple(out)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -29,7 +29,7 @@ SUMS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__, torch.sub, torch.Ten
 CASTS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type, torch.Tensor.type_as}
 ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__}
 WATCHED = SUMS | CASTS
-KEEP = 256  # remembered tensors before the dead ones are let go
+KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
 
 
 def _dtype(tensor: torch.Tensor) -> str:
@@ -43,17 +43,17 @@ def _overflowed(func, args: tuple, kwargs: dict, out: torch.Tensor) -> dict | No
         if given is None or not given.is_floating_point() or given.dtype == out.dtype or \
                 torch.finfo(out.dtype).max >= torch.finfo(given.dtype).max:
             return None  # (a cast that cannot overflow costs nothing to look at: most casts are these)
-        inf = torch.isneginf(out)
-        if not bool(inf.any()):
+        if not _has_neginf(out):
             return None
+        inf = torch.isneginf(out)
         over = inf & torch.isfinite(given)
         if not bool(over.any()):
             return None
         value = float(given[over].min())
         return {"op": "cast", "value": value, "from": _dtype(given), "dtype": _dtype(out)}
-    inf = torch.isneginf(out)
-    if not bool(inf.any()):
+    if not _has_neginf(out):
         return None
+    inf = torch.isneginf(out)
     finite = torch.ones((), dtype=torch.bool, device=out.device)
     operands = []
     for x in (*args, *kwargs.values()):
@@ -68,6 +68,15 @@ def _overflowed(func, args: tuple, kwargs: dict, out: torch.Tensor) -> dict | No
     low = [float(x.detach().broadcast_to(out.shape)[over].min()) for x in operands if x.dim() and x.is_floating_point()]
     name = {torch.mul: "product", torch.Tensor.mul: "product", torch.Tensor.__rmul__: "product"}.get(func, "sum")
     return {"op": name, "value": min(low) if low else None, "dtype": _dtype(out)}
+
+
+def _has_neginf(out: torch.Tensor) -> bool:
+    """Whether `out` holds -inf: its least value read back (one reduction: most sums and casts a model runs are
+    looked at, so this is on trace's hot path); NaN anywhere makes that NaN, so then each cell is looked at."""
+    if not out.numel():
+        return False
+    least = out.min().item()
+    return least == -math.inf or (least != least and bool(torch.isneginf(out).any()))
 
 
 class Overflows:
@@ -143,11 +152,17 @@ class Overflows:
         return None
 
     def _note(self, tensor: torch.Tensor, found: dict) -> None:
-        if len(self._found) >= KEEP:
-            self._found = {key: entry for key, entry in self._found.items() if entry[0]() is not None}
-            if len(self._found) >= KEEP:
-                self._found.clear()
+        kept = self._found  # (one dict for the trace's life: the mode reads it as "following")
+        if len(kept) >= KEEP:
+            kept.clear()
+        key = id(tensor)
+
+        def gone(ref) -> None:  # a tensor let go is forgotten at once, so the mode stops following when none is left
+            entry = kept.get(key)
+            if entry is not None and entry[0] is ref:  # (its id reused by a later tensor: that one keeps its own entry)
+                del kept[key]
+
         try:
-            self._found[id(tensor)] = (weakref.ref(tensor), found)
+            kept[key] = (weakref.ref(tensor, gone), found)
         except TypeError:  # (a tensor subclass without weak references: not remembered)
             pass
