@@ -148,10 +148,14 @@ def _broadcast(a: tuple, b: tuple) -> tuple:
     return tuple(out)
 
 
+def _storage_start(tensor: torch.Tensor) -> int:
+    return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
+
+
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Both views of one storage (q, k split from one projection of one input); False where it cannot be read."""
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    try:  # (each storage's start from the tensor's own pointer: untyped_storage() makes an object, ~0.3 ms under trace)
+        return _storage_start(a) == _storage_start(b) != 0
     except (RuntimeError, NotImplementedError):  # (tensor subclasses, functional tensors: no storage to compare)
         return False
 

@@ -44,6 +44,9 @@ def stored_form(keep: torch.Tensor, shape: tuple[int, ...], room: int, limit: in
 def _runs(planes: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
     """starts, ends (P, Lq, K) of each row's runs of True; None where a row has more than MAX_PER_ROW."""
     count, q_len, k_len = planes.shape
+    cells = _cpu_cells(planes)
+    if cells is not None:
+        return _runs_numpy(cells.reshape(count * q_len, k_len), count, q_len)
     per_band = max(1, BAND // (k_len + 2))
     rows, starts, ends = [], [], []
     for p in range(count):
@@ -59,4 +62,39 @@ def _runs(planes: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
             starts.append(begin.cpu().numpy())
             ends.append(finish.cpu().numpy())
     s_out, e_out = by_row(*(np.concatenate(x).astype(np.int64) for x in (rows, starts, ends)), count * q_len, k_len)
+    return s_out.reshape(count, q_len, -1), e_out.reshape(count, q_len, -1)
+
+
+def _cpu_cells(tensor: torch.Tensor) -> np.ndarray | None:
+    """The tensor's cells as a numpy view where it lives on the CPU (numpy's calls cost a few us where torch's cost tens:
+    the masks of one call each are the trace's hot path); None elsewhere (a GPU's, a subclass, a functional tensor)."""
+    if tensor.device.type != "cpu":
+        return None
+    try:
+        return tensor.numpy()
+    except (RuntimeError, TypeError):
+        return None
+
+
+def _runs_numpy(rows: np.ndarray, count: int, q_len: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """_runs of (P * Lq, Lk) bool rows on the CPU, a band of rows at a time as there: the rows laid end to end with a
+    False between each two, so that every change of value is a run's start or end and none crosses a row."""
+    total, k_len = rows.shape
+    width = k_len + 1
+    per_band = max(1, BAND // width)
+    found, starts, ends = [], [], []
+    for lo in range(0, total, per_band):
+        band = rows[lo : lo + per_band]
+        n = band.shape[0]
+        flat = np.zeros(n * width + 1, bool)  # flat[1 + r * width + col] = band[r, col]; flat[0] and each row's last: False
+        flat[1:].reshape(n, width)[:, :k_len] = band
+        changes = np.flatnonzero(flat[1:] != flat[:-1])  # cell r * width + col that differs from the cell before it
+        rise, fall = changes[0::2], changes[1::2]  # (False before and after each row: starts and ends alternate)
+        row = rise // width
+        if int(np.bincount(row, minlength=1).max()) > MAX_PER_ROW:
+            return None
+        found.append(row + lo)
+        starts.append(rise - row * width)
+        ends.append(fall - row * width)
+    s_out, e_out = by_row(*(np.concatenate(x).astype(np.int64) for x in (found, starts, ends)), count * q_len, k_len)
     return s_out.reshape(count, q_len, -1), e_out.reshape(count, q_len, -1)
