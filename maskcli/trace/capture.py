@@ -328,21 +328,26 @@ class Trace:
     # --- where a call comes from --------------------------------------------------------------
 
     def _pre(self, module, args) -> None:
-        if not torch.compiler.is_dynamo_compiling():  # a compiled region runs without us (its calls are not recorded)
-            if not self.sites.stack:  # an outermost call begins: the calls made before it, for what the checks read
-                self._local.opened = (module, len(self.calls))
-            self._entered[id(module)] = len(self.calls)  # (an inner module's documents: _post)
-            self.sites.enter(module)
+        if _compiling():  # a compiled region runs without us (its calls are not recorded)
+            return
+        sites, made = self.sites, len(self.calls)  # (every module call of the program runs this: kept lean)
+        if not sites.stack:  # an outermost call begins: the calls made before it, for what the checks read
+            self._local.opened = (module, made)
+        self._entered[id(module)] = made  # (an inner module's documents: _post)
+        sites.enter(module)
 
     def _post(self, module, args, kwargs, output=None) -> None:
         # (a forward that raised calls an always_call hook without its kwargs: torch/nn/modules/module.py:1892)
-        if torch.compiler.is_dynamo_compiling():
+        if _compiling():
             return
-        self.sites.leave(module)
-        if kwargs and self.sites.stack and not DOCUMENTS.isdisjoint(kwargs):  # documents handed to an inner module
-            documents(self.calls, self._entered.get(id(module), len(self.calls)), kwargs)
+        sites = self.sites
+        sites.leave(module)
+        if sites.stack:
+            if kwargs and not DOCUMENTS.isdisjoint(kwargs):  # documents handed to an inner module
+                documents(self.calls, self._entered.get(id(module), len(self.calls)), kwargs)
+            return
         opened = getattr(self._local, "opened", None)
-        if not self.sites.stack and opened is not None and opened[0] is module:
+        if opened is not None and opened[0] is module:
             self._local.opened = None
             if len(self.calls) > opened[1]:  # an outermost call that made attention calls: what the checks read of it
                 from maskcli.trace.tops import top
@@ -377,29 +382,33 @@ class Trace:
         site, where = self.sites.current()
         caller = site[2] if site[0] == "line" else None
         site = site if caller is None else site[:2]  # steps count per function line, wherever it was called from
+        grad = torch.is_grad_enabled()
         try:
-            with torch.no_grad():
-                seen = reader(args, kwargs)
-                if seen is None:
-                    return
-                overflowed = self.overflows.of(args, kwargs, seen.api)
-                if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
-                    seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
-                self.sites.note(seen.details, caller)
-                if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
-                    interface.unpack_gqa(seen, self.interfaces[-1])
-                elif seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS): cut here, once, before it is stored
-                    interface.leave_out_sink(seen, self.interfaces[-1].get("sink_keys") if self.interfaces else self.sink_keys())
-                key = self._store(seen)
+            torch._C._set_grad_enabled(False)  # (torch.no_grad() as a context costs more than the two calls)
+            seen = reader(args, kwargs)
+            if seen is None:
+                return
+            overflowed = self.overflows.of(args, kwargs, seen.api)
+            if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
+                seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
+            self.sites.note(seen.details, caller)
+            frames = self.interfaces
+            if frames and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
+                interface.unpack_gqa(seen, frames[-1])
+            elif seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS): cut here, once, before it is stored
+                interface.leave_out_sink(seen, frames[-1].get("sink_keys") if frames else self.sink_keys())
+            key = self._store(seen)
         except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
             self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self.calls), where=where, step=self.sites.step(site),
                               details={"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, trace=self))
             return
+        finally:
+            torch._C._set_grad_enabled(grad)
         if seen.child:
             site, where = self.sites.current(seen.child)
-        self._append(Call(**{**seen.operands(), "shape": tuple(int(x) for x in seen.shape)}, index=len(self.calls), where=where,
-                          step=self.sites.step(site), mask=key, details=seen.details, trace=self))
+        self._append(Call(seen.api, tuple(int(x) for x in seen.shape), seen.q, seen.k, seen.v, seen.dtype, seen.device,
+                          index=len(self.calls), where=where, step=self.sites.step(site), mask=key, details=seen.details, trace=self))
         if not self.sites.stack:  # a call outside any module: what the program's frames state for it, and the
             documents(self.calls, len(self.calls) - 1, self.sites.held)  # cu_seqlens its function holds (HunyuanVideo's)
             outside(self.tops, where, len(self.calls) - 1, self._loose)
@@ -411,15 +420,22 @@ class Trace:
         if self.compiled.inside():
             call.details["compiled"] = True
             self.compiled.seen += 1
-        if self.interfaces:
-            call.details["hf"] = self.interfaces[-1]["hf"]
-            self.interfaces[-1]["seen"] += 1
+        frames = self.interfaces
+        if frames:
+            call.details["hf"] = frames[-1]["hf"]
+            frames[-1]["seen"] += 1
         self.calls.append(call)
 
     def _store(self, seen) -> str:
-        if seen.intervals is not None:
+        if seen.intervals is not None:  # (the readers' own intervals for one shape are one object: masks.top_left_causal)
+            cache_key = ("intervals", id(seen.intervals), seen.shape, seen.planes)
+            found = self._cache.get(cache_key)
+            if found is not None:
+                return found[0]
             stored = tracefile.from_intervals(seen.intervals, seen.shape, seen.planes)
-            return self._keep(stored, seen.shape)
+            key = self._keep(stored, seen.shape)
+            self._remember(cache_key, (key, seen.intervals))  # (the intervals held, so that their id stays theirs)
+            return key
         cache_key = None
         if seen.sources:  # the same mask tensor given again (every layer of a model): read it once
             # (its version counter moves with every change in place: a mask changed between calls is read again)
@@ -434,10 +450,13 @@ class Trace:
         stored = stored_form(keep, seen.shape, self.max_bytes - self.bytes, self.max_bytes)
         key = self._keep(stored, seen.shape)
         if cache_key is not None:
-            if len(self._cache) >= CACHE:
-                self._cache.clear()
-            self._cache[cache_key] = (key, seen.sources, seen.made)  # the tensors are held so that their ids stay theirs
+            self._remember(cache_key, (key, seen.sources, seen.made))  # the tensors are held so that their ids stay theirs
         return key
+
+    def _remember(self, cache_key: tuple, found: tuple) -> None:
+        if len(self._cache) >= CACHE:
+            self._cache.clear()
+        self._cache[cache_key] = found
 
     def _keep(self, stored: dict, shape) -> str:
         key = tracefile.digest(stored)

@@ -79,14 +79,23 @@ def _as_4d(tensor: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
     return tensor.expand(tensor.shape[0], tensor.shape[1], q_len, k_len)
 
 
+@functools.lru_cache(maxsize=64)  # (one object for one shape: capture's cache knows it again; never changed in place)
 def top_left_causal(q_len: int, k_len: int) -> Intervals:
     """SDPA's is_causal: query row i sees keys 0..i (torch.tril of an Lq x Lk matrix, aligned top-left)."""
     ends = np.minimum(np.arange(1, q_len + 1, dtype=np.int64), k_len)
-    return Intervals.of(np.zeros((1, q_len, 1), np.int64), ends.reshape(1, q_len, 1), 0, k_len)
+    return _frozen(Intervals.of(np.zeros((1, q_len, 1), np.int64), ends.reshape(1, q_len, 1), 0, k_len))
 
 
+@functools.lru_cache(maxsize=64)
 def everything(q_len: int, k_len: int) -> Intervals:
-    return Intervals.of(np.zeros((1, 1, 1), np.int64), np.full((1, 1, 1), k_len, np.int64), 0, k_len)
+    return _frozen(Intervals.of(np.zeros((1, 1, 1), np.int64), np.full((1, 1, 1), k_len, np.int64), 0, k_len))
+
+
+def _frozen(intervals: Intervals) -> Intervals:
+    """Intervals shared by every call of one shape: read-only, so that no caller changes another's."""
+    intervals.starts.setflags(write=False)
+    intervals.ends.setflags(write=False)
+    return intervals
 
 
 def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:

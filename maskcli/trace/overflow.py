@@ -137,6 +137,8 @@ class Overflows:
             return None
 
     def _of(self, args: tuple, kwargs: dict, api: str) -> dict | None:
+        if not self._found:
+            return None
         for x in (*args, *kwargs.values()):
             found = self.get(x)
             if found is None:
