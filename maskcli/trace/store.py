@@ -30,8 +30,8 @@ def stored_form(keep: torch.Tensor, shape: tuple[int, ...], room: int, limit: in
     rows = keep[:, :, :1] if one_row else keep
     found = _runs(rows.reshape(b * h, rows.shape[2], k_len))
     if found is not None:
-        starts, ends = found
-        intervals = Intervals.of(starts, ends, 0, k_len)
+        starts, ends = found  # each row's maximal runs in order, padded with [Lk, Lk) (by_row): already the normal
+        intervals = Intervals(starts, ends, 0, k_len)  # form Intervals.of would make, at a tenth of its cost
         return tracefile.from_intervals(intervals, shape, (b, h))
     if keep.numel() // 8 <= room:
         return {"form": "bits", "shape": [int(x) for x in shape], "planes": [b, h],
