@@ -95,6 +95,9 @@ class _Mode(TorchFunctionMode):
         super().__init__()
         self.trace = trace
         self.watched = trace.watched
+        from maskcli.trace.overflow import WATCHED
+
+        self.sums = WATCHED  # (the casts and sums: Overflows.wanted's, read here without a call)
         self.followed = (trace.overflows._found, trace.scores._found if trace.scores is not None else {})
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -110,8 +113,8 @@ class _Mode(TorchFunctionMode):
             if reader is not readers.softmax or trace.scores.attention(readers.softmax_input(args, kwargs)):
                 trace.capture(reader, args, kwargs)
         out = func(*args, **kwargs)
-        if trace.overflows.wanted(func) and trace.active and not trace.busy and isinstance(out, torch.Tensor) \
-                and _has_values(out):
+        if (func in self.sums or self.followed[0]) and isinstance(out, torch.Tensor) and out.dim() >= 2 \
+                and out.is_floating_point() and trace.active and not trace.busy and _has_values(out):
             trace.overflows.after(func, args, kwargs, out, trace.scores)  # (fills that overflow to -inf: overflow.py)
         if trace.scores is not None:
             trace.scores.after(func, args, kwargs, out)

@@ -17,6 +17,7 @@ details["bool_added"], with the line that added it.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -40,8 +41,8 @@ def _overflowed(func, args: tuple, kwargs: dict, out: torch.Tensor) -> dict | No
     """What a cast or a sum turned into -inf out of finite operands; None where it did not."""
     if func in CASTS:
         given = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if given is None or not given.is_floating_point() or given.dtype == out.dtype or \
-                torch.finfo(out.dtype).max >= torch.finfo(given.dtype).max:
+        if given is None or given.dtype == out.dtype or not given.is_floating_point() or \
+                _largest(out.dtype) >= _largest(given.dtype):
             return None  # (a cast that cannot overflow costs nothing to look at: most casts are these)
         if not _has_neginf(out):
             return None
@@ -70,6 +71,11 @@ def _overflowed(func, args: tuple, kwargs: dict, out: torch.Tensor) -> dict | No
     return {"op": name, "value": min(low) if low else None, "dtype": _dtype(out)}
 
 
+@functools.lru_cache(maxsize=None)
+def _largest(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
 def _has_neginf(out: torch.Tensor) -> bool:
     """Whether `out` holds -inf: its least value read back (one reduction: most sums and casts a model runs are
     looked at, so this is on trace's hot path); NaN anywhere makes that NaN, so then each cell is looked at."""
@@ -94,11 +100,14 @@ class Overflows:
         Whatever goes wrong here is the watch's, never the program's: it is let go."""
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not out.is_floating_point():
             return
+        grad = torch.is_grad_enabled()  # (most sums and casts a model runs pass here: no_grad as two C calls)
         try:
-            with torch.no_grad():
-                self._after(func, args, kwargs, out, scores)
+            torch._C._set_grad_enabled(False)
+            self._after(func, args, kwargs, out, scores)
         except Exception:  # (a tensor kind the checks cannot read: sparse, nested; the program runs on as it would)
             pass
+        finally:
+            torch._C._set_grad_enabled(grad)
 
     def _after(self, func, args: tuple, kwargs: dict, out: torch.Tensor, scores) -> None:
         if func in ADDS and scores is not None:  # a bool mask added to scores: True adds 1, nothing is masked
