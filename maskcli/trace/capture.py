@@ -154,6 +154,7 @@ class Trace:
         self._frames: dict = {}  # id(module) -> the program's frames at its first call (stated.frames), until settled
         self._names = None  # the sites' module names, kept past the trace's end until the pending tops are settled
         self._cache: dict = {}
+        self._held: dict = {}  # each shape tuple and word the calls hold, once (equal values: one object)
         self._stated: dict = {}  # id(outermost module) -> (module, the configs it states: trace/stated.py)
         self._entered, self._loose = {}, {}  # id(module) -> calls made before its forward began; call site -> outside()
         self._handles: list = []
@@ -410,8 +411,10 @@ class Trace:
             torch._C._set_grad_enabled(grad)
         if seen.child:
             site, where = self.sites.current(seen.child)
-        self._append(Call(seen.api, tuple(int(x) for x in seen.shape), seen.q, seen.k, seen.v, seen.dtype, seen.device,
-                          index=len(self.calls), where=where, step=self.sites.step(site), mask=key, details=seen.details, trace=self))
+        held = self._held  # (a million calls are a million records: their shapes and words kept once, details compact)
+        shape, q, k, v, where = (held.setdefault(x, x) for x in (tuple(int(x) for x in seen.shape), seen.q, seen.k, seen.v, where))
+        self._append(Call(seen.api, shape, q, k, v, held.setdefault(seen.dtype, seen.dtype), held.setdefault(seen.device, seen.device),
+                          index=len(self.calls), where=where, step=self.sites.step(site), mask=key, details=dict(seen.details), trace=self))
         if not self.sites.stack:  # a call outside any module: what the program's frames state for it, and the
             documents(self.calls, len(self.calls) - 1, self.sites.held)  # cu_seqlens its function holds (HunyuanVideo's)
             outside(self.tops, where, len(self.calls) - 1, self._loose)

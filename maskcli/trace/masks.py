@@ -112,7 +112,12 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
 
 
 def _dtype(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
+    return _dtype_name(tensor.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:  # (one string per dtype: every call's record holds one or two)
+    return str(dtype).removeprefix("torch.")
 
 
 SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
