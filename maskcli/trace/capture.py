@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from maskcli import tracefile
 from maskcli.text import step_label
@@ -29,18 +28,18 @@ import maskcli.trace.compiled as compiled
 import maskcli.trace.interface as interface
 import maskcli.trace.vllm as vllm_capture
 from maskcli.trace.flex import flex as read_flex
+from maskcli.trace.mode import Mode, compiling as _compiling, has_values
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import Overflows
 from maskcli.trace.scores import Scores
 from maskcli.trace.sites import Sites
 from maskcli.trace.stated import outside
+from maskcli.trace.store import store
 from maskcli.trace.threads import Threads
 from maskcli.trace.tops import DOCUMENTS, documents
 
-_compiling = torch.compiler.is_dynamo_compiling
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
-CACHE = 256  # masks remembered by the tensor they were read from (a model hands one mask to every layer)
 
 
 @dataclass
@@ -67,58 +66,6 @@ class Call(Operands):
                 "step_label": self.details.get("step_name") or step_label(self.step, self.shape[2]), "shape": list(self.shape),
                 "q": list(self.q), "k": list(self.k), "v": list(self.v), "dtype": self.dtype, "device": self.device,
                 "mask": self.mask, "details": dict(self.details)}
-
-
-def _collapse(keep: torch.Tensor) -> torch.Tensor:
-    """The batch and head dimensions cut to 1 where every row of them is the same."""
-    from maskcli.trace.store import _cpu_cells
-
-    cells = _cpu_cells(keep)
-    if cells is not None:  # (numpy's compare: a few us, where torch's costs tens)
-        for dim in (0, 1):
-            if cells.shape[dim] > 1 and bool((cells == cells.take([0], axis=dim)).all()):
-                keep = keep.narrow(dim, 0, 1)
-                cells = cells.take([0], axis=dim)
-        return keep
-    for dim in (0, 1):
-        if keep.shape[dim] > 1 and bool((keep == keep.narrow(dim, 0, 1)).all()):
-            keep = keep.narrow(dim, 0, 1)
-    return keep
-
-
-class _Mode(TorchFunctionMode):
-    """Every torch call of the program passes here: the few that are looked at (attention, a matmul, a sum or a cast)
-    and any while a tensor they remember is alive (scores.py, overflow.py follow what is computed from it) take the
-    slow path; the rest are one set lookup and two dict truth tests, as near an empty mode as Python allows."""
-
-    def __init__(self, trace: Trace):
-        super().__init__()
-        self.trace = trace
-        self.watched = trace.watched
-        from maskcli.trace.overflow import WATCHED
-
-        self.sums = WATCHED  # (the casts and sums: Overflows.wanted's, read here without a call)
-        self.followed = (trace.overflows._found, trace.scores._found if trace.scores is not None else {})
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
-        if _compiling():  # dynamo traces this mode into the graph it builds: add nothing to it (the scores and overflow
-            return func(*args, **kwargs)  # bookkeeping inlined there broke Gemma 3's rotary; guards on its sets fail)
-        if func not in self.watched and not self.followed[0] and not self.followed[1]:
-            return func(*args, **kwargs)  # the hot path
-        trace = self.trace
-        reader = trace.readers.get(func)
-        if reader is not None and trace.active and not trace.busy and not trace.within:
-            if reader is not readers.softmax or trace.scores.attention(readers.softmax_input(args, kwargs)):
-                trace.capture(reader, args, kwargs)
-        out = func(*args, **kwargs)
-        if (func in self.sums or self.followed[0]) and isinstance(out, torch.Tensor) and out.dim() >= 2 \
-                and out.is_floating_point() and trace.active and not trace.busy and _has_values(out):
-            trace.overflows.after(func, args, kwargs, out, trace.scores)  # (fills that overflow to -inf: overflow.py)
-        if trace.scores is not None:
-            trace.scores.after(func, args, kwargs, out)
-        return out
 
 
 class Trace:
@@ -158,7 +105,7 @@ class Trace:
         self._stated: dict = {}  # id(outermost module) -> (module, the configs it states: trace/stated.py)
         self._entered, self._loose = {}, {}  # id(module) -> calls made before its forward began; call site -> outside()
         self._handles: list = []
-        self.mode = _Mode(self)
+        self.mode = Mode(self)
         self._unwrap: list = []
         self._undo: list = []  # what puts swapped functions and patched classes back, in the order done
         self._swapped: set[int] = set()
@@ -261,7 +208,7 @@ class Trace:
                 found(sys.modules[name])
         self.active = True
         self.mode.__enter__()
-        self.threads = Threads(lambda: _Mode(self) if self.active else None).__enter__()  # (a mode is per thread)
+        self.threads = Threads(lambda: Mode(self) if self.active else None).__enter__()  # (a mode is per thread)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -373,7 +320,7 @@ class Trace:
     def capture(self, reader, args, kwargs) -> None:
         """Record one call; whatever goes wrong here is noted on the call and never reaches the program."""
         first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
-        if first is not None and not _has_values(first):
+        if first is not None and not has_values(first):
             return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real
         self.busy = True
         try:
@@ -433,56 +380,4 @@ class Trace:
         self.calls.append(call)
 
     def _store(self, seen) -> str:
-        if seen.intervals is not None:  # (the readers' own intervals for one shape are one object: masks.top_left_causal)
-            cache_key = ("intervals", id(seen.intervals), seen.shape, seen.planes)
-            found = self._cache.get(cache_key)
-            if found is not None:
-                return found[0]
-            stored = tracefile.from_intervals(seen.intervals, seen.shape, seen.planes)
-            key = self._keep(stored, seen.shape)
-            self._remember(cache_key, (key, seen.intervals))  # (the intervals held, so that their id stays theirs)
-            return key
-        cache_key = None
-        if seen.sources:  # the same mask tensor given again (every layer of a model): read it once
-            # (its version counter moves with every change in place: a mask changed between calls is read again)
-            cache_key = (seen.api, seen.shape, tuple((id(x), x._version) for x in seen.sources))
-            found = self._cache.get(cache_key)
-            if found is not None:
-                seen.details.update(found[2])  # (what reading it said: a bias, a 0/1 mask added)
-                return found[0]
-        from maskcli.trace.store import stored_form
-
-        keep = _collapse(seen.materialize())
-        stored = stored_form(keep, seen.shape, self.max_bytes - self.bytes, self.max_bytes)
-        key = self._keep(stored, seen.shape)
-        if cache_key is not None:
-            self._remember(cache_key, (key, seen.sources, seen.made))  # the tensors are held so that their ids stay theirs
-        return key
-
-    def _remember(self, cache_key: tuple, found: tuple) -> None:
-        if len(self._cache) >= CACHE:
-            self._cache.clear()
-        self._cache[cache_key] = found
-
-    def _keep(self, stored: dict, shape) -> str:
-        key = tracefile.digest(stored)
-        if key in self.masks:
-            return key
-        size = tracefile.nbytes(stored)
-        if size and self.bytes + size > self.max_bytes:
-            found = tracefile.counts(stored)
-            factor = (shape[0] * shape[1]) // (found.shape[0] * found.shape[1])
-            kept, empty = int(found.sum()) * factor, int((found == 0).sum()) * factor
-            stored = tracefile.stats_only(shape, kept, empty, f"past --max-bytes {self.max_bytes}")
-            key = tracefile.digest(stored)
-            size = 0
-        self.masks.setdefault(key, stored)
-        self.bytes += size
-        return key
-
-
-def _has_values(tensor: torch.Tensor) -> bool:
-    if tensor.device.type == "meta" or torch._C._functorch.is_functorch_wrapped_tensor(tensor):
-        return False
-    return type(tensor).__name__ != "FakeTensor"
-
+        return store(self, seen)  # (trace/store.py: once per digest, a mask given again unchanged not read again)

@@ -1,4 +1,4 @@
-"""A captured keep tensor into its stored form, a band of rows at a time on its own device.
+"""A captured keep tensor into its stored form, a band of rows at a time on its own device; each mask stored once.
 
 A model hands SDPA a (B, 1, L, L) bool mask even at 32k tokens (a gigabyte of cells);
 its rows are still a few runs each. So the runs are found band by band where the tensor
@@ -17,6 +17,7 @@ from maskcli.tracefile import by_row
 from maskcli.intervals import MAX_PER_ROW, Intervals
 
 BAND = 1 << 24  # cells of one band of rows
+CACHE = 256  # masks remembered by the tensor they were read from (a model hands one mask to every layer)
 
 
 def stored_form(keep: torch.Tensor, shape: tuple[int, ...], room: int, limit: int) -> dict:
@@ -98,3 +99,70 @@ def _runs_numpy(rows: np.ndarray, count: int, q_len: int) -> tuple[np.ndarray, n
         ends.append(fall - row * width)
     s_out, e_out = by_row(*(np.concatenate(x).astype(np.int64) for x in (found, starts, ends)), count * q_len, k_len)
     return s_out.reshape(count, q_len, -1), e_out.reshape(count, q_len, -1)
+
+
+def store(trace, seen) -> str:
+    """Store the mask a reader saw (trace.masks, once per digest) and return its key: a mask tensor given again unchanged
+    (its id and version counter: a model hands one mask to every layer) is not read again."""
+    if seen.intervals is not None:  # (the readers' own intervals for one shape are one object: masks.top_left_causal)
+        cache_key = ("intervals", id(seen.intervals), seen.shape, seen.planes)
+        found = trace._cache.get(cache_key)
+        if found is not None:
+            return found[0]
+        stored = tracefile.from_intervals(seen.intervals, seen.shape, seen.planes)
+        key = keep_stored(trace, stored, seen.shape)
+        _remember(trace, cache_key, (key, seen.intervals))  # (the intervals held, so that their id stays theirs)
+        return key
+    cache_key = None
+    if seen.sources:  # the same mask tensor given again (every layer of a model): read it once
+        # (its version counter moves with every change in place: a mask changed between calls is read again)
+        cache_key = (seen.api, seen.shape, tuple((id(x), x._version) for x in seen.sources))
+        found = trace._cache.get(cache_key)
+        if found is not None:
+            seen.details.update(found[2])  # (what reading it said: a bias, a 0/1 mask added)
+            return found[0]
+    keep = collapse(seen.materialize())
+    stored = stored_form(keep, seen.shape, trace.max_bytes - trace.bytes, trace.max_bytes)
+    key = keep_stored(trace, stored, seen.shape)
+    if cache_key is not None:
+        _remember(trace, cache_key, (key, seen.sources, seen.made))  # the tensors are held so that their ids stay theirs
+    return key
+
+
+def _remember(trace, cache_key: tuple, found: tuple) -> None:
+    if len(trace._cache) >= CACHE:
+        trace._cache.clear()
+    trace._cache[cache_key] = found
+
+
+def keep_stored(trace, stored: dict, shape) -> str:
+    """The key of a stored mask in trace.masks, kept once; past trace.max_bytes its counts only."""
+    key = tracefile.digest(stored)
+    if key in trace.masks:
+        return key
+    size = tracefile.nbytes(stored)
+    if size and trace.bytes + size > trace.max_bytes:
+        found = tracefile.counts(stored)
+        factor = (shape[0] * shape[1]) // (found.shape[0] * found.shape[1])
+        kept, empty = int(found.sum()) * factor, int((found == 0).sum()) * factor
+        stored = tracefile.stats_only(shape, kept, empty, f"past --max-bytes {trace.max_bytes}")
+        key = tracefile.digest(stored)
+        size = 0
+    trace.masks.setdefault(key, stored)
+    trace.bytes += size
+    return key
+
+
+def collapse(keep: torch.Tensor) -> torch.Tensor:
+    """The batch and head dimensions cut to 1 where every row of them is the same."""
+    cells = _cpu_cells(keep)
+    if cells is not None:  # (numpy's compare: a few us, where torch's costs tens)
+        for dim in (0, 1):
+            if cells.shape[dim] > 1 and bool((cells == cells.take([0], axis=dim)).all()):
+                keep = keep.narrow(dim, 0, 1)
+                cells = cells.take([0], axis=dim)
+        return keep
+    for dim in (0, 1):
+        if keep.shape[dim] > 1 and bool((keep == keep.narrow(dim, 0, 1)).all()):
+            keep = keep.narrow(dim, 0, 1)
+    return keep
