@@ -51,6 +51,9 @@ class Sites:
 
     def leave(self, module) -> None:
         stack = self.stack
+        if stack and stack[-1] is module:  # (every module call: the common case first)
+            stack.pop()
+            return
         for i in range(len(stack) - 1, -1, -1):  # the innermost entry of it (an exception may have left others)
             if stack[i] is module:
                 del stack[i:]
