@@ -392,3 +392,69 @@ def test_tryout_says_whether_a_family_runs_tiny_or_why_not():
     assert tryout("llama") == "runs" and tryout("gemma2") == "runs (eager only)"
     assert tryout("gemma4_text").startswith("cannot be made tiny: AmbiguousGlobalPerLayerAttributeError")
     assert tryout("bart").startswith("does not shrink to a tiny model: ")
+
+
+def kernel_calls(model, batch, new_tokens: int, force_gqa: bool, monkeypatch) -> list[tuple[tuple, np.ndarray]]:
+    """An independent capture: torch's SDPA swapped for a recorder while generate runs, each call's (query shape,
+    key length) and the mask the kernel got, broadcast over its heads and queries (True = may attend)."""
+    import torch
+
+    seen, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        shape = (*query.shape[:3], key.shape[2])
+        keep = np.ones(shape, dtype=bool) if attn_mask is None else np.broadcast_to(
+            (attn_mask if attn_mask.dtype == torch.bool else attn_mask > torch.finfo(attn_mask.dtype).min / 2).numpy(), shape)
+        seen.append((shape, keep))
+        return real(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+        if force_gqa:  # transformers' own switch: enable_gqa, the query heads left on the head axis
+            patch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+        with torch.no_grad():
+            model.generate(batch.ids, attention_mask=batch.attention_mask, max_new_tokens=new_tokens + 1,
+                           min_new_tokens=new_tokens + 1, do_sample=False, pad_token_id=batch.pad_id)
+    return seen
+
+
+def test_a_gqa_decode_whose_heads_sdpa_packs_into_the_query_axis_is_one_query_per_head(monkeypatch):
+    """transformers' SDPA path packs a one-query GQA call's heads into the query axis ((B, 4, 1, D) -> (B, 2, 2, D),
+    pack_gqa): the kernel gets 2 'queries'. maskcli reads the call as the model means it, 4 heads x 1 query at the
+    step's position, the same as the kernel gets where transformers is told to leave the heads (enable_gqa)."""
+    from maskcli.hf.run import build
+
+    config = families.tiny(families.load("llama"), name="llama")
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 8  # 2 query heads a key head
+    batch = prompt((5, 3), None, 0, "left", 128)
+    packed = kernel_calls(build(config, "sdpa", "llama"), batch, 2, False, monkeypatch)
+    assert [shape for shape, _ in packed[2:]] == [(2, 2, 2, 6)] * 2 + [(2, 2, 2, 7)] * 2  # what the kernel got
+    unpacked = kernel_calls(build(config, "sdpa", "llama"), batch, 2, True, monkeypatch)
+    result = run("llama", config, batch, new_tokens=2)
+    assert len(result.calls) == len(unpacked) == 6
+    for call, (shape, keep) in zip(result.calls, unpacked):
+        assert call.shape == shape and (np.broadcast_to(call.keep(), shape) == keep).all(), (call.step, call.shape, shape)
+        assert call.details["queries"] == ([0, 5] if call.step == 0 else [4 + call.step, 5 + call.step])
+    assert [call.details.get("packed_heads") for call in result.calls] == [None, None, 2, 2, 2, 2]
+
+
+def test_laguna_keeps_its_heads_per_layer_and_is_made_tiny_in_each(monkeypatch):
+    """Laguna's heads are per layer (num_attention_heads_per_layer, 48 each by default): each tiny layer gets the tiny
+    count, so no decode is packed, and every call is the kernel's own (an independent SDPA capture) and HF's rule."""
+    from maskcli.hf.run import build
+
+    config = families.tiny(families.load("laguna"), name="laguna")
+    assert config.num_attention_heads_per_layer == [2, 2] and config.num_key_value_heads == 2
+    batch = prompt((5, 3), None, 0, "left", 128)
+    seen = kernel_calls(build(config, "sdpa", "laguna"), batch, 2, False, monkeypatch)
+    result = run("laguna", config, batch, new_tokens=2)
+    assert [call.shape for call in result.calls] == [shape for shape, _ in seen] == \
+        [(2, 2, 5, 5)] * 2 + [(2, 2, 1, 6)] * 2 + [(2, 2, 1, 7)] * 2
+    assert all((np.broadcast_to(call.keep(), call.shape) == keep).all() for call, (_, keep) in zip(result.calls, seen))
+    assert check_against_reference(result) == 6
+
+
+def test_laguna_chunked_prefill_with_a_window_holds():
+    config = families.tiny(families.load("laguna"), window=3, name="laguna")
+    result = run("laguna", config, prompt((7, 4), None, 0, "left", 128), new_tokens=2, prefill_chunk=3)
+    assert result.chunk_holds and result.cache_holds, (result.chunk_check, result.cache_check)
