@@ -458,3 +458,75 @@ def test_laguna_chunked_prefill_with_a_window_holds():
     config = families.tiny(families.load("laguna"), window=3, name="laguna")
     result = run("laguna", config, prompt((7, 4), None, 0, "left", 128), new_tokens=2, prefill_chunk=3)
     assert result.chunk_holds and result.cache_holds, (result.chunk_check, result.cache_check)
+
+
+def test_chunked_prefill_of_a_layer_that_attends_twice_compares_each_of_its_calls():
+    """DiffLlama attends twice a layer per forward: each chunk has 2 calls of a layer and one pass 2; the k-th calls of
+    the chunks put together are the k-th of one pass, and each the double loop's rule on absolute positions."""
+    from maskcli.hf.chunks import assembled
+
+    config = families.tiny(families.load("diffllama"), name="diffllama")
+    batch = prompt((5, 3), None, 0, "left", 128)
+    result = run("diffllama", config, batch, new_tokens=1, prefill_chunk=2)
+    assert result.chunk_holds and result.chunk_check == [
+        "--prefill-chunk 2: in every layer the 3 chunks' masks put together equal the single-pass prefill mask"]
+    valid = batch.attention_mask.numpy().astype(bool)
+    want = reference(valid, list(range(5)), list(range(5)))
+    for layer in range(config.num_hidden_layers):
+        calls = [c for c in result.calls if c.details["layer"] == layer and c.step < 3]
+        assert len(calls) == 6
+        for nth in (0, 1):
+            together = assembled([calls[2 * step + nth] for step in range(3)], 5)
+            assert all((together[:, h] == want).all() for h in range(together.shape[1]))
+
+
+@pytest.mark.parametrize("family, silent", [("lfm3", "layers 0-1, 3 (conv) make"),
+                                            ("lara_mini", "layers 0, 2 (linear_attention) make")])
+def test_chunked_prefill_with_layers_that_make_no_attention_call_holds(family, silent):
+    """A convolution or linear attention layer makes no attention call, chunked or not: nothing to compare, no failure."""
+    config = families.tiny(families.load(family), name=family)
+    batch = prompt((5, 3), None, 0, "left", 128)
+    result = run(family, config, batch, new_tokens=1, prefill_chunk=2)
+    assert result.chunk_holds and result.chunk_check == [
+        "--prefill-chunk 2: in every layer that attends the 3 chunks' masks put together equal the single-pass prefill mask",
+        f"--prefill-chunk 2: {silent} no attention call: no mask to compare"]
+    assert check_against_reference_chunked(result, batch, 2) > 0
+
+
+def check_against_reference_chunked(result, batch, size: int) -> int:
+    """Each attending layer's prefill chunks put together against the double loop's causal rule with the padding."""
+    from maskcli.hf.chunks import assembled
+
+    valid = batch.attention_mask.numpy().astype(bool)
+    prompt_len = valid.shape[1]
+    chunks = -(-prompt_len // size)
+    want = reference(valid, list(range(prompt_len)), list(range(prompt_len)))
+    layers = sorted({c.details["layer"] for c in result.calls})
+    for layer in layers:
+        calls = sorted((c for c in result.calls if c.details["layer"] == layer and c.step < chunks), key=lambda c: c.step)
+        together = assembled(calls, prompt_len)
+        assert all((together[:, h] == want).all() for h in range(together.shape[1])), layer
+    return len(layers)
+
+
+def test_a_second_call_of_a_layer_that_differs_is_named_by_its_place_in_the_forward():
+    from types import SimpleNamespace
+
+    from maskcli.hf.chunks import check
+
+    def call(keep, step, queries):
+        keep = np.asarray(keep, dtype=bool)[None, None]
+        return SimpleNamespace(shape=keep.shape, keep=lambda: keep, step=step,
+                               details={"layer": 0, "queries": queries, "keys": [queries[1] - keep.shape[3], queries[1]]})
+
+    causal = np.tril(np.ones((4, 4), dtype=bool))
+    wrong = causal[2:, :].copy()
+    wrong[0, 1] = False  # query 2 loses key 1 in the second call of the second chunk
+    chunked = [call(causal[:2, :2], 0, [0, 2]), call(causal[:2, :2], 0, [0, 2]), call(causal[2:], 1, [2, 4]), call(wrong, 1, [2, 4])]
+    lines, holds = check(chunked, [call(causal, 0, [0, 4])] * 2, ["full_attention"], 4, 2, 2)
+    assert not holds and lines == ["--prefill-chunk 2: layer 0 (full_attention), its call 2 of 2 in a forward: the chunks put "
+                                   "together differ from the single-pass prefill in 1 cells, first at batch row 0, head 0, "
+                                   "query 2, key 1: the chunks mask it, one pass lets it attend"]
+    lines, holds = check(chunked[:3], [call(causal, 0, [0, 4])] * 2, ["full_attention"], 4, 2, 2)
+    assert not holds and lines == ["--prefill-chunk 2: layer 0 (full_attention) made 2/1 calls at its 2 chunks and 2 in one "
+                                   "pass: not compared"]
