@@ -115,7 +115,7 @@ def _named(calls: list) -> Group:
             elif structure.kind == "padding" and q_len == 1:  # a decode step read as key padding: a window says more,
                 window = _decode_window(keep4, given)  # and one query at the last position sees what causal lets it
                 padded = {key: value for key, value in structure.options.items() if key in PADDING}
-                kind = "causal" if _decode_step(calls, keep4) else "padding"
+                kind = "causal" if _decode_step(calls) else "padding"
                 group = Group(calls, window, window.split(" ")[0]) if window else Group(calls, kind + flags(padded, q_len, k_len), kind)
         else:
             closest = structure.closest
@@ -191,15 +191,15 @@ def _stated_padding(call, keep: np.ndarray, given: dict | None) -> dict | None:
     return {} if valid.all() or not valid.any(axis=1).all() else options(valid)
 
 
-def _decode_step(calls: list, keep: np.ndarray) -> bool:
-    """Whether a one-query mask over padded keys reads as a decode step of causal self-attention: its query, at the
-    end of the keys, sees its own position in every batch row (a new token is never padding); its module does not say
-    it is not causal (Hugging Face's cross-attention: is_causal False); and no call site of the group is at two steps
-    (a cache grows by the queries each step: keys that stay the same are another sequence's, as an encoder's). Else
-    it is key padding over keys the query is not among: the same cells, meant as padding."""
-    if not bool(keep[..., -1].all()):
-        return False
-    if any(call.details.get("hf", {}).get("module_is_causal") is False for call in calls):
+def _decode_step(calls: list) -> bool:
+    """Whether a one-query mask over padded keys reads as a decode step of causal self-attention, not key padding over
+    another sequence's keys (the same cells): no call is cross-attention by its module (checks.context.cross: T5's
+    EncDecAttention, the Annotated Transformer's src_attn) or says it is not causal (Hugging Face's is_causal False),
+    and no call site of the group is at two steps (a cache grows by the queries each step: keys that stay the same
+    are another sequence's, as an encoder's)."""
+    from maskcli.checks.context import cross
+
+    if any(cross(call) or call.details.get("hf", {}).get("module_is_causal") is False for call in calls):
         return False
     return len({(call.where, call.step) for call in calls}) == len({call.where for call in calls})
 
