@@ -194,14 +194,11 @@ def _stated_padding(call, keep: np.ndarray, given: dict | None) -> dict | None:
 def _decode_step(calls: list) -> bool:
     """Whether a one-query mask over padded keys reads as a decode step of causal self-attention, not key padding over
     another sequence's keys (the same cells): no call is cross-attention by its module (checks.context.cross: T5's
-    EncDecAttention, the Annotated Transformer's src_attn) or says it is not causal (Hugging Face's is_causal False),
-    and no call site of the group is at two steps (a cache grows by the queries each step: keys that stay the same
-    are another sequence's, as an encoder's)."""
+    EncDecAttention, the Annotated Transformer's src_attn) or says it is not causal (Hugging Face's is_causal False).
+    (Keys that stay as many across steps say nothing: a rolling cache's do too.)"""
     from maskcli.checks.context import cross
 
-    if any(cross(call) or call.details.get("hf", {}).get("module_is_causal") is False for call in calls):
-        return False
-    return len({(call.where, call.step) for call in calls}) == len({call.where for call in calls})
+    return not any(cross(call) or call.details.get("hf", {}).get("module_is_causal") is False for call in calls)
 
 
 def _decode_window(keep: np.ndarray, given: dict | None) -> str | None:

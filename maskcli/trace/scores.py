@@ -55,9 +55,11 @@ class Scores:
                     self._rows[id(out)] = rows
                 return
 
-    def one_row(self, tensor: torch.Tensor) -> bool:
-        """`tensor` is scores that a mask with one row for every query (a key padding mask's shape) was applied to."""
-        return self.has(tensor) and self._rows.get(id(tensor)) == "one"
+    def mark_rows(self, details: dict, tensor: torch.Tensor) -> None:
+        """details["mask_rows"] = 1 where a softmax's `tensor` is scores masked only by one row of keys for every query
+        (a key padding mask's shape), as trace/masks.py's sdpa reader says of such an attn_mask."""
+        if self.has(tensor) and self._rows.get(id(tensor)) == "one":
+            details["mask_rows"] = 1
 
     def has(self, tensor: torch.Tensor) -> bool:
         found = self._found.get(id(tensor))
