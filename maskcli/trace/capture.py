@@ -325,7 +325,6 @@ class Trace:
                 if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
                     seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
                 self.sites.note(seen.details, caller)
-                self.scores is None or seen.api != "softmax" or self.scores.mark_rows(seen.details, readers.softmax_input(args, kwargs))
                 if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                     interface.unpack_gqa(seen, self.interfaces[-1])
                 elif seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS): cut here, once, before it is stored

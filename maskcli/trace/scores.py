@@ -26,8 +26,6 @@ class Scores:
 
     def __init__(self):
         self._found: dict[int, weakref.ref] = {}
-        self._rows: dict[int, str] = {}  # id of scores -> "one": masked only by one row of keys for every query
-        # (B, 1, 1, Lk: a key padding mask's shape), "many": by a mask or bias with a row per query too
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -44,22 +42,10 @@ class Scores:
             return
         if not self._found:
             return
-        given = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-        for x in given:
-            if self.has(x) and tuple(x.shape[-2:]) == tuple(out.shape[-2:]):
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, torch.Tensor) and self.has(x) and tuple(x.shape[-2:]) == tuple(out.shape[-2:]):
                 self._note(out)
-                others = [y.shape[-2] for y in given if y is not x and y.dim() >= 2 and y.shape[-1] == out.shape[-1]]
-                rows = "many" if self._rows.get(id(x)) == "many" or any(n > 1 for n in others) else \
-                    "one" if self._rows.get(id(x)) == "one" or (others and out.shape[-2] > 1) else None
-                if rows is not None:  # (masked_fill(mask == 0, -1e9) with the Annotated Transformer's src_mask: "one")
-                    self._rows[id(out)] = rows
                 return
-
-    def mark_rows(self, details: dict, tensor: torch.Tensor) -> None:
-        """details["mask_rows"] = 1 where a softmax's `tensor` is scores masked only by one row of keys for every query
-        (a key padding mask's shape), as trace/masks.py's sdpa reader says of such an attn_mask."""
-        if self.has(tensor) and self._rows.get(id(tensor)) == "one":
-            details["mask_rows"] = 1
 
     def has(self, tensor: torch.Tensor) -> bool:
         found = self._found.get(id(tensor))
@@ -78,8 +64,6 @@ class Scores:
             self._found = {key: ref for key, ref in self._found.items() if ref() is not None}
             if len(self._found) >= KEEP:
                 self._found.clear()
-            self._rows = {key: value for key, value in self._rows.items() if key in self._found}
-        self._rows.pop(id(tensor), None)  # (an id a dead tensor had: what masked that one says nothing of this one)
         try:
             self._found[id(tensor)] = weakref.ref(tensor)
         except TypeError:  # (a tensor subclass without weak references: not remembered)
