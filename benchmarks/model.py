@@ -42,12 +42,15 @@ family = sys.argv[1]
 config = transformers.AutoConfig.for_model(family)
 config = config.get_text_config() if hasattr(config, "get_text_config") else config
 sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
-         "vocab_size": 128, "num_hidden_layers": 2, "pad_token_id": 0}
+         "vocab_size": 128, "pad_token_id": 0}
 for key, value in sizes.items():
-    if hasattr(config, key) or key in ("num_hidden_layers", "pad_token_id"):
+    if hasattr(config, key) or key == "pad_token_id":
         setattr(config, key, value)
-if getattr(config, "layer_types", None):
-    config.layer_types = list(config.layer_types[:2])
+types = list(getattr(config, "layer_types", None) or [])
+layers = max(2, max((types.index(kind) for kind in set(types)), default=0) + 1)  # one of each type, as maskcli keeps
+config.num_hidden_layers = layers
+if types:
+    config.layer_types = types[:layers]
 model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 ids = torch.tensor([[1, 2, 3, 4, 5], [0, 0, 8, 9, 10]])
 with torch.no_grad():
