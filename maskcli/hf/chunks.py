@@ -72,7 +72,8 @@ def check(chunked: list, single: list, types: list[str], prompt_len: int, chunks
         from maskcli.text import spans
 
         kinds = ", ".join(dict.fromkeys(kind for _, kind in silent))
-        layers = f"layers {spans([layer for layer, _ in silent])} ({kinds}) make" if len(silent) > 1 else f"layer {silent[0][0]} ({kinds}) makes"
+        layers = (f"layers {spans([layer for layer, _ in silent])} ({kinds}) make" if len(silent) > 1
+                  else f"layer {silent[0][0]} ({kinds}) makes")
         lines.append(f"--prefill-chunk {size}: {layers} no attention call: no mask to compare")
     return lines, holds
 

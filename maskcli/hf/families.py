@@ -21,7 +21,7 @@ SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "
 EXPERTS = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
            "n_routed_experts": 4, "num_experts_per_tok": 2}
 # query and key heads equal, in every layer (a family's per-layer counts too): with fewer key heads, transformers'
-# SDPA decode packs the query heads into the query axis (maskcli.hf.run unpacks it where a family's key heads go by a name not set here)
+# SDPA decode packs the query heads into the query axis (maskcli.hf.run unpacks it, where key heads go by other names)
 MOST_PARAMETERS = 3_000_000
 SHAPERS = ("sliding_window", "use_sliding_window", "attention_chunk_size", "cache_implementation")
 
