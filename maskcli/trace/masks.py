@@ -265,6 +265,9 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     if fill == "-inf":  # only a row -inf everywhere is NaN; one that also holds the lowest value is uniform
         details["nan_rows"] = bool(infinite.all(dim=-1).any())
     masked = masked | _finite_fill(scores, lowest, details)
+    if q_len > 1 and bool(masked.any()) and bool((masked == masked[..., :1, :]).all()):
+        details["mask_rows"] = 1  # every query masks the same keys: one row for every query, as sdpa says of a
+        # (B, 1, 1, Lk) attn_mask (the Annotated Transformer's masked_fill(src_mask == 0, -1e9)): key padding
     seen = Seen("softmax", shape, tuple(x.shape), (), (), _dtype(x), str(x.device), details=details)
     seen.keep = (~masked).reshape(shape)
     return seen
