@@ -634,3 +634,48 @@ def test_flex_attention_masked_by_its_score_mod_is_recorded_as_the_kernel_masks(
                                       "the cells it sets to -inf")]
     assert codes[3] == [("score-mod", "the score_mod clip was not read: which cells it sets to -inf depends on the "
                                       "score's value: the mask shown leaves out any cell it masks (sets to -inf)")]
+
+
+def test_attention_over_no_token_is_recorded_and_named_empty_as_python_runs_it():
+    """An empty prompt or batch: SDPA, a softmax and nn.MultiheadAttention run over 0 queries or 0 keys (python
+    returns empty outputs, or 0 for queries with no key); each call is read, named empty, with no finding (the
+    recogniser and the band reader met no row: 'zero-size array' and 'need at least one array')."""
+    q, k, v = qkv(1, 2, 0, 0)
+    few, none, _ = qkv(1, 2, 3, 0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    with maskcli.trace() as t:
+        outs = [F.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(0, 0, dtype=torch.bool)),
+                F.scaled_dot_product_attention(few, none, none, attn_mask=torch.ones(3, 0, dtype=torch.bool)),
+                torch.softmax(torch.randn(2, 1, 3, 0), -1),
+                mha(torch.randn(1, 0, 8), torch.randn(1, 0, 8), torch.randn(1, 0, 8))[0]]
+    reference = F.scaled_dot_product_attention(few, none, none)  # (its own run, untraced)
+    assert [tuple(o.shape) for o in outs] == [(1, 2, 0, 8)] * 3 + [(1, 2, 3, 8), (2, 1, 3, 0), (1, 0, 8)]
+    assert torch.equal(outs[3], reference)
+    assert [c.shape for c in t.calls] == [(1, 2, 0, 0)] * 3 + [(1, 2, 3, 0), (2, 1, 3, 0), (1, 2, 0, 0)]
+    assert all("error" not in c.details and c.keep().size == 0 for c in t.calls)
+    assert [(g.name, len(g.calls), g.findings) for g in t.groups()] == [("empty: 0 queries, 0 keys", 3, [])] + \
+        [("empty: 3 queries, 0 keys", 1, [])] * 2 + [("empty: 0 queries, 0 keys", 1, [])]
+
+
+def test_hugging_faces_empty_cu_seq_lens_are_read_as_no_token():
+    """An attention function of HF's AttentionInterface called with no packed sequence (cu_seq_lens_q/k empty, or [0])
+    over 0 tokens: read from its arguments (it runs no kernel), named empty, as python runs it."""
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def nothing(module, query, key, value, attention_mask, **kwargs):
+        return query.transpose(1, 2), None
+
+    AttentionInterface.register("maskcli_test_nothing", nothing)
+    module = nn.Module()
+    module.is_causal = True
+    x = torch.randn(1, 2, 0, 8)
+    with maskcli.trace() as t:
+        for cu in ([], [0], [0, 0]):
+            cu = torch.tensor(cu, dtype=torch.int32)
+            ALL_ATTENTION_FUNCTIONS["maskcli_test_nothing"](module, x, x, x, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                                            max_length_q=0, max_length_k=0)
+    assert [(c.api, c.shape, "error" in c.details) for c in t.calls] == [("hf", (1, 2, 0, 0), False)] * 3
+    assert [(g.name, g.findings) for g in t.groups()] == [("empty: 0 queries, 0 keys", [])]
