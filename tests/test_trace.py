@@ -679,3 +679,41 @@ def test_hugging_faces_empty_cu_seq_lens_are_read_as_no_token():
                                                             max_length_q=0, max_length_k=0)
     assert [(c.api, c.shape, "error" in c.details) for c in t.calls] == [("hf", (1, 2, 0, 0), False)] * 3
     assert [(g.name, g.findings) for g in t.groups()] == [("empty: 0 queries, 0 keys", [])]
+
+
+def test_a_config_whose_attribute_access_raises_is_not_read_and_the_program_runs_as_without_trace():
+    """The config-like objects a model holds are read after its call (what the checks compare with): one whose
+    __getattr__ raises a RuntimeError, or whose property raises a KeyError, ran under python and broke under trace."""
+
+    class Refusing:
+        def __getattr__(self, name):
+            raise RuntimeError(f"no {name} here")
+
+    class Raising:
+        is_causal = True
+
+        @property
+        def sliding_window(self):
+            raise KeyError("sliding_window")
+
+    class Attention(nn.Module):
+        def forward(self, x):
+            return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+    class Model(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config, self.attn = config, Attention()
+
+        def forward(self, x, attention_mask=None):
+            return self.attn(x)
+
+    x = torch.randn(1, 1, 4, 8)
+    models = [Model(Refusing()), Model(Raising())]
+    plain = [model(x, attention_mask=torch.ones(1, 4)) for model in models]
+    with maskcli.trace() as t:
+        traced = [model(x, attention_mask=torch.ones(1, 4)) for model in models]
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced))
+    assert len(t.calls) == 2 and all(c.where.endswith("attn") and "error" not in c.details for c in t.calls)
+    for call in t.calls:
+        assert np.array_equal(call.keep()[0, 0], np.tril(np.ones((4, 4), dtype=bool)))

@@ -295,8 +295,11 @@ class Trace:
                 from maskcli.trace.stated import stated
                 from maskcli.trace.tops import top
 
-                said = stated(module, self.sites.path, self._stated)  # (read once per module: trace/stated.py)
-                self.tops.append(top(self.sites.shown(module), module, args, kwargs, opened[1], len(self.calls), said))
+                try:  # (the program's objects read: a config whose attribute access raises must not reach it)
+                    said = stated(module, self.sites.path, self._stated)  # (read once per module: trace/stated.py)
+                    self.tops.append(top(self.sites.shown(module), module, args, kwargs, opened[1], len(self.calls), said))
+                except Exception:  # noqa: BLE001 - what the call states is then unknown; its calls stay recorded
+                    pass
 
     # --- recording ----------------------------------------------------------------------------
 
