@@ -717,3 +717,37 @@ def test_a_config_whose_attribute_access_raises_is_not_read_and_the_program_runs
     assert len(t.calls) == 2 and all(c.where.endswith("attn") and "error" not in c.details for c in t.calls)
     for call in t.calls:
         assert np.array_equal(call.keep()[0, 0], np.tril(np.ones((4, 4), dtype=bool)))
+
+
+def test_an_attn_mask_that_mha_and_a_training_encoder_layer_drop_for_is_causal_is_said_to_be_dropped():
+    """torch/nn/functional.py multi_head_attention_forward: "if is_causal and key_padding_mask is None and not
+    need_weights: attn_mask = None" and SDPA runs is_causal: the window the program passed is never applied (its
+    outputs are causal's, recomputed here). The finding names the mask passed and its first cell that differs from
+    causal (a double loop); a causal mask passed with the hint, or one applied (need_weights), is no finding."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).train()
+    x = torch.randn(2, 6, 8)
+    window = window_keep(6, 6, 2)
+    causal = np.tril(np.ones((6, 6), dtype=bool))
+    first = next((q, k) for q in range(6) for k in range(6) if window[q, k] != causal[q, k])
+    band = ~torch.from_numpy(window)  # MHA's polarity: True = masked
+    with maskcli.trace() as t:
+        out = mha(x, x, x, attn_mask=band, is_causal=True, need_weights=False)[0]
+        layer(x, src_mask=band, is_causal=True)
+        mha(x, x, x, attn_mask=~torch.from_numpy(causal), is_causal=True, need_weights=False)
+        mha(x, x, x, attn_mask=band, is_causal=True, need_weights=True)
+    with torch.no_grad():
+        assert torch.allclose(out, _mha_with(mha, x, causal), atol=1e-5)
+        assert not torch.allclose(out, _mha_with(mha, x, window), atol=1e-3)
+    assert [c.where.rsplit(".", 1)[-1] for c in t.calls] == ["MultiheadAttention", "self_attn", "MultiheadAttention", "MultiheadAttention"]
+    dropped = [c.details.get("dropped_attn_mask") for c in t.calls]
+    assert dropped[2:] == [None, None]
+    assert dropped[0] == dropped[1] == {"cell": [0, 0, *first], "keeps": False, "name": "window(2)"}
+    groups = t.groups()  # the three causal calls form one group, the window applied (need_weights) another
+    assert [[c.index for c in g.calls] for g in groups] == [[0, 1, 2], [3]]
+    assert [[f.code for f in g.findings] for g in groups] == [["mask-dropped"], []]
+    finding = groups[0].findings[0]
+    assert severity(finding) == "wrong" and finding.cell == (0, *first)
+    assert finding.message.startswith("the attn_mask passed (window(2)) was dropped: with is_causal=True")
+    assert f"query {first[0]} sees key {first[1]}, which the mask passed masks" in finding.message
