@@ -84,7 +84,11 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.compiler.is_dynamo_compiling():  # dynamo traces this mode into the graph it builds: add nothing to it
-            return func(*args, **kwargs)  # (the scores and overflow bookkeeping inlined there broke Gemma 3's rotary)
+            compiled = self.trace.compiled  # (the scores and overflow bookkeeping inlined there broke Gemma 3's rotary)
+            if (func is F.scaled_dot_product_attention or func is F.multi_head_attention_forward) and self.trace.breaks \
+                    and compiled.eager is not None and compiled.may_break():  # (identity only: dynamo folds it)
+                return compiled.eager(self, func, types, args, kwargs)  # a graph break: run eagerly, recorded
+            return func(*args, **kwargs)
         trace = self.trace
         reader = trace.readers.get(func)  # the hot path: one lookup per torch call
         if reader is not None and trace.active and not trace.busy and not trace.within:
@@ -115,6 +119,8 @@ class Trace:
             self.readers[F.scaled_dot_product_attention] = readers.sdpa
         if "mha" in self.apis:
             self.readers[F.multi_head_attention_forward] = readers.mha
+        self.breaks = "sdpa" in self.apis or "mha" in self.apis  # a compiled graph breaks at SDPA and MHA while tracing
+        # (not at a softmax: every softmax of a compiled model would break it, and which is attention is read off eager matmuls)
         self.scores = None  # the tensors that are q @ kᵀ scores (scores.py): a softmax over logits is no attention call
         if "softmax" in self.apis:
             for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
