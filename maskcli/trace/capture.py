@@ -84,11 +84,7 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.compiler.is_dynamo_compiling():  # dynamo traces this mode into the graph it builds: add nothing to it
-            compiled = self.trace.compiled  # (the scores and overflow bookkeeping inlined there broke Gemma 3's rotary)
-            if (func is F.scaled_dot_product_attention or func is F.multi_head_attention_forward) and self.trace.breaks \
-                    and compiled.eager is not None and compiled.may_break():  # (identity only: dynamo folds it)
-                return compiled.eager(self, func, types, args, kwargs)  # a graph break: run eagerly, recorded
-            return func(*args, **kwargs)
+            return self.trace.compiled.during(self, func, types, args, kwargs)  # but a graph break at attention
         trace = self.trace
         reader = trace.readers.get(func)  # the hot path: one lookup per torch call
         if reader is not None and trace.active and not trace.busy and not trace.within:
@@ -119,8 +115,6 @@ class Trace:
             self.readers[F.scaled_dot_product_attention] = readers.sdpa
         if "mha" in self.apis:
             self.readers[F.multi_head_attention_forward] = readers.mha
-        self.breaks = "sdpa" in self.apis or "mha" in self.apis  # a compiled graph breaks at SDPA and MHA while tracing
-        # (not at a softmax: every softmax of a compiled model would break it, and which is attention is read off eager matmuls)
         self.scores = None  # the tensors that are q @ kᵀ scores (scores.py): a softmax over logits is no attention call
         if "softmax" in self.apis:
             for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
@@ -141,7 +135,7 @@ class Trace:
         self.patched: set[str] = set()  # "flash", "hf", "vllm": the APIs whose modules the program imported (so were patched)
         self.active = False
         self.threads = None
-        self.compiled = compiled.Compiled(lambda: self.within > 0)  # calls of torch.compile'd code, whose attention
+        self.compiled = compiled.Compiled(lambda: self.within > 0, self)  # calls of torch.compile'd code, whose attention
         # is not seen (but for what a recorded call runs itself: flex_attention compiles its operator even in eager)
 
     @property
@@ -298,14 +292,9 @@ class Trace:
         if not self.sites.stack and opened is not None and opened[0] is module:
             self._local.opened = None
             if len(self.calls) > opened[1]:  # an outermost call that made attention calls: what the checks read of it
-                from maskcli.trace.stated import stated
-                from maskcli.trace.tops import top
+                from maskcli.trace.stated import stated_top  # (its config read once per module: trace/stated.py)
 
-                try:  # (the program's objects read: a config whose attribute access raises must not reach it)
-                    said = stated(module, self.sites.path, self._stated)  # (read once per module: trace/stated.py)
-                    self.tops.append(top(self.sites.shown(module), module, args, kwargs, opened[1], len(self.calls), said))
-                except Exception:  # noqa: BLE001 - what the call states is then unknown; its calls stay recorded
-                    pass
+                self.tops += stated_top(self.sites, module, args, kwargs, opened[1], len(self.calls), self._stated)
 
     # --- recording ----------------------------------------------------------------------------
 

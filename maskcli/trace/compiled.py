@@ -20,6 +20,8 @@ import sys
 import threading
 from collections import Counter
 
+import torch.nn.functional as F
+
 SWITCH = "TORCHDYNAMO_DISABLE=1"
 
 
@@ -31,14 +33,30 @@ class Compiled:
     of an attention function that dynamo meets while it compiles code under the trace: a graph break (the function is
     torch._dynamo.disable'd), so the call runs eagerly each time the compiled code runs, and the mode records it."""
 
-    def __init__(self, skip=lambda: False):
+    def __init__(self, skip=lambda: False, trace=None):
         self.skip = skip  # True while the compiled code running is a recorded call's own (flex_attention's operator)
+        # code dynamo must run as Python, never compile: the trace's mode handler and module hooks
+        self.python = () if trace is None else (type(trace.mode).__torch_function__.__code__, type(trace)._pre.__code__,
+                                                type(trace)._post.__code__)
+        self.breaks = trace is not None and bool({"sdpa", "mha"} & set(trace.apis))  # a compiled graph breaks at SDPA
+        # and MHA while tracing (not at a softmax: every softmax of a compiled model would break it, and which is
+        # attention is read off eager matmuls)
         self.runs: Counter = Counter()
         self.seen = 0  # attention calls recorded inside compiled code (at a graph break, or a backend in Python)
         self.whole = 0  # attention calls dynamo compiled into a graph it may not break (fullgraph=True): not recorded
         self.eager = None  # set by patch(): (mode, func, types, args, kwargs) -> the call run eagerly, recorded
         self.may_break = None  # set by patch(): () -> whether the graph dynamo is building may break (not fullgraph)
+        self.made = False
         self._local = threading.local()
+
+    def during(self, mode, func, types, args, kwargs):
+        """The mode's call of `func` as dynamo traces it (inlined into the graph it builds): nothing added to the graph,
+        but for SDPA and MHA a graph break where one is allowed, their call run eagerly, recorded (identity checks
+        only: dynamo folds them)."""
+        if (func is F.scaled_dot_product_attention or func is F.multi_head_attention_forward) and self.breaks \
+                and self.eager is not None and self.may_break():
+            return self.eager(mode, func, types, args, kwargs)
+        return func(*args, **kwargs)
 
     def inside(self) -> bool:
         """Compiled code is running in this thread now."""
@@ -52,7 +70,8 @@ class Compiled:
         runs, local, skip = self.runs, self._local, self.skip
 
         def _maybe_set_eval_frame(callback, *args, **kwargs):
-            if self.eager is None:  # (here, as compiled code is entered: torch._dynamo is whole, and dynamo not tracing)
+            if not self.made:  # (here, as compiled code is entered: torch._dynamo is whole, and dynamo not tracing)
+                self.made = True
                 self.eager, self.may_break = _breaks(self)
             caller = sys._getframe(1)
             if caller.f_code.co_name == "compile_wrapper":  # its first call enters compiled code, its second leaves it
@@ -94,17 +113,18 @@ def _breaks(compiled: Compiled):
     traces (assume_constant_result): False under fullgraph=True or error_on_graph_break, where a break would be the
     program's error; those calls stay inside the graph, counted."""
     import torch._dynamo
-    from torch._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-    from maskcli.trace.capture import Trace, _Mode
 
     # The mode's handler and the module hooks are inlined where dynamo traces a program's frame; called on their own
     # (by a frame dynamo gave up on and runs eagerly, by a module call between compiled frames) they must run as
     # Python, not be compiled as frames of their own: the handler's graph break there left nanoGPT's eager frame a
     # torch.device for idx.size(), and the hooks compiled did nothing (no module path). What they call is skipped too:
     # maskcli's recording is never compiled
-    for code in (_Mode.__torch_function__.__code__, Trace._pre.__code__, Trace._post.__code__):
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # (a torch without per-code strategies: no graph break is made, the calls stay unseen)
+        return None, None
+    for code in compiled.python:
         set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
     @torch._dynamo.disable

@@ -38,6 +38,17 @@ def stated(module, path, cache: dict) -> tuple[Stated, ...]:
     return cache[id(module)][1]
 
 
+def stated_top(sites, module, args: tuple, kwargs: dict, first: int, end: int, cache: dict) -> list:
+    """[the Top of an outermost module's call (trace/tops.py) with the configs it states], or [] where reading the
+    program's objects raised: what the call states is then unknown, and the program runs on as under python."""
+    from maskcli.trace.tops import top
+
+    try:
+        return [top(sites.shown(module), module, args, kwargs, first, end, stated(module, sites.path, cache))]
+    except Exception:  # noqa: BLE001 - a config whose attribute access raises: not maskcli's to stop the program
+        return []
+
+
 def config_like(value, named: bool = False) -> bool:
     """checks.intent.config_like on the program's object; False where reading it raises (a config whose __getattr__
     or a property raises something other than AttributeError: python runs the program, so trace must)."""
