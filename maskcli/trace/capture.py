@@ -135,8 +135,8 @@ class Trace:
         self.patched: set[str] = set()  # "flash", "hf", "vllm": the APIs whose modules the program imported (so were patched)
         self.active = False
         self.threads = None
-        self.compiled = compiled.Compiled(lambda: self.within > 0, self)  # calls of torch.compile'd code, whose attention
-        # is not seen (but for what a recorded call runs itself: flex_attention compiles its operator even in eager)
+        self.compiled = compiled.Compiled(lambda: self.within > 0, self)  # calls of torch.compile'd code (not those a
+        # recorded call runs itself: flex_attention compiles its operator even in eager); their attention a graph break
 
     @property
     def busy(self) -> bool:

@@ -1,17 +1,20 @@
-"""The torch.compile'd code a traced program runs: counted and named, since the attention inside it is not seen.
+"""The torch.compile'd code a traced program runs: counted and named, and the attention inside it recorded.
 
 Compiled code runs the graph dynamo made, where neither maskcli's mode nor its module hooks
-run: a nanoGPT sampled through torch.compile makes its attention calls unseen. Each call of
-compiled code enters it through torch._dynamo.eval_frame's compile_wrapper (a compiled
-function's, and an OptimizedModule's forward), which installs dynamo's frame callback with
+run. Dynamo inlines the mode's __torch_function__ into the graph it builds; there, for SDPA and
+MHA, the mode calls a torch._dynamo.disable'd recorder (Compiled.during): a graph break, so the
+call runs eagerly each time the compiled code runs, and is recorded with the modules its frames
+run in. Under fullgraph=True (or error_on_graph_break) a break would be the program's error: the
+call stays in the graph, unseen, and the note says so. Each call of compiled code enters it
+through torch._dynamo.eval_frame's compile_wrapper (a compiled function's, and an
+OptimizedModule's forward), which installs dynamo's frame callback with
 eval_frame._maybe_set_eval_frame(callback) and restores the prior one (None outside compiled
 code) when it returns (torch/_dynamo/eval_frame.py, compile_wrapper, lines 1077-1224 of
 torch 2.13). So while tracing that module attribute is wrapped: a compile_wrapper frame's
 first call of it enters compiled code (one run, named by the compiled module's class or the
-function's name), its second leaves it. A backend that runs its graph in Python (dynamo's
-"eager") makes torch calls the mode sees, but without the module hooks: those are counted. With
-TORCHDYNAMO_DISABLE=1 in the environment torch.compile returns the function unchanged
-(torch._dynamo.config.disable), the code runs eagerly and every call in it is traced.
+function's name), its second leaves it. With TORCHDYNAMO_DISABLE=1 in the environment
+torch.compile returns the function unchanged (torch._dynamo.config.disable), the code runs
+eagerly and every call in it is traced.
 """
 
 from __future__ import annotations
