@@ -96,6 +96,26 @@ def test_llama4_chunked_layers_count_chunks_from_the_first_real_token():
     assert check_against_reference(result, chunk=2) == 8
 
 
+def test_a_config_without_layer_types_is_read_as_the_rules_read_it_and_as_its_class_fills_them():
+    """families.layer_types reads a config that states no layer_types as checks.config.layer_kind does (one reading
+    for model, serve and shard --model and the rules); the reference is the config classes' own layer_types, made
+    from the same fields (configuration_gemma3.py: every sliding_window_pattern-th layer full; configuration_qwen2.py:
+    the layers from max_window_layers on sliding)."""
+    from types import SimpleNamespace
+
+    from maskcli.checks.config import layer_kind
+
+    gemma3 = transformers.Gemma3TextConfig(num_hidden_layers=7, sliding_window_pattern=3, sliding_window=4)
+    qwen2 = transformers.Qwen2Config(num_hidden_layers=6, use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    for own, fields in ((gemma3, {"sliding_window_pattern": 3}), (qwen2, {"use_sliding_window": True, "max_window_layers": 2})):
+        stated = SimpleNamespace(num_hidden_layers=own.num_hidden_layers, sliding_window=4, **fields)  # no layer_types
+        assert families.layer_types(stated) == list(own.layer_types)
+        assert families.layer_types(stated) == [layer_kind(stated, i)[0] for i in range(own.num_hidden_layers)]
+    # a per-layer field the rules do not read leaves the kinds unknown to them: the window then makes every layer
+    assert families.layer_types(SimpleNamespace(num_hidden_layers=2, sliding_window=4, attention_layers=["global", "local"])) == \
+        ["sliding_attention"] * 2
+
+
 def test_right_padding_and_ids():
     config = families.tiny(families.load("llama"), name="llama")
     batch = prompt((2, 4), None, 0, "right", 128)

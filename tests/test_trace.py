@@ -636,6 +636,70 @@ def test_flex_attention_masked_by_its_score_mod_is_recorded_as_the_kernel_masks(
                                       "score's value: the mask shown leaves out any cell it masks (sets to -inf)")]
 
 
+def test_a_mask_given_again_is_read_once_with_what_reading_it_said_and_one_changed_in_place_is_read_again():
+    q, k, v = qkv(1, 1, 4, 4)
+    mask = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf"))  # causal, added
+    mask[:, 0] += 0.5  # and a bias on key 0, which every query sees
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # the same tensor, unchanged: read once
+        mask[3, 1] = float("-inf")  # changed in place between calls (its version counter moves)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    first, again, changed = t.calls
+    expected = window_keep(4, 4, 4)  # causal: query i sees keys 0..i
+    assert np.array_equal(first.keep()[0, 0], expected) and again.mask == first.mask
+    assert first.details["bias"] and again.details["bias"]  # a call whose mask was read already says what the first said
+    expected[3, 1] = False
+    assert changed.mask != first.mask and np.array_equal(changed.keep()[0, 0], expected)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))  # the program's result untouched
+
+
+def test_a_cpu_masks_runs_are_each_rows_maximal_runs_of_true_band_by_band(monkeypatch):
+    import maskcli.trace.store as store
+
+    monkeypatch.setattr(store, "BAND", 40)  # a few rows a band: band edges crossed
+    rng = np.random.default_rng(0)
+    cells = rng.random((3, 9, 13)) < 0.5
+    cells[0] = True
+    cells[1, 4] = False
+    starts, ends = store._runs(torch.from_numpy(cells))
+    for p in range(3):
+        for r in range(9):
+            runs, begin = [], None
+            for key in range(14):  # a double loop over the cells, a False past the last key
+                on = key < 13 and cells[p, r, key]
+                if on and begin is None:
+                    begin = key
+                elif not on and begin is not None:
+                    runs.append((begin, key))
+                    begin = None
+            got = [(int(s), int(e)) for s, e in zip(starts[p, r], ends[p, r]) if s < e]
+            assert got == runs, (p, r)
+            assert all(s == e == 13 for s, e in zip(starts[p, r, len(runs):], ends[p, r, len(runs):]))  # [Lk, Lk) pads
+
+
+def test_the_config_a_program_states_in_its_frames_is_read_after_the_run_as_it_was_at_the_call():
+    from maskcli.trace.stated import frames
+
+    class RunConfig:
+        def __init__(self):
+            self.sliding_window = 3
+
+    def program():
+        run_config = RunConfig()  # noqa: F841 - read off this frame by the trace
+        model = Decoder(layers=1)
+        with maskcli.trace() as t:
+            model(torch.randn(1, 2, 4, 8), [[]])
+        return t
+
+    t = program()
+    assert t._pending  # not read while the program ran
+    (top,) = t.tops  # read now, from the frames kept at the call: the function's variable, not the caller's
+    assert [(s.source, s.fields["sliding_window"]) for s in top.stated] == [
+        ("run_config (RunConfig) in program() of test_trace.py", 3)]
+    assert not t._pending and frames(1)[0][0].startswith("in test_the_config_a_program_states")
+
+
 def test_attention_over_no_token_is_recorded_and_named_empty_as_python_runs_it():
     """An empty prompt or batch: SDPA, a softmax and nn.MultiheadAttention run over 0 queries or 0 keys (python
     returns empty outputs, or 0 for queries with no key); each call is read, named empty, with no finding (the

@@ -1,4 +1,9 @@
-"""The command line: one module per command, all registered on commands.app.app (in this order in --help)."""
+"""The command line: one module per command, all registered on commands.app.app (in this order in --help).
+
+Each command runs the flow once: it takes a mask in (described, given, captured, or implied by metadata), has it made
+one Mask on absolute positions, checks it by the rules of maskcli.checks, and prints or saves a view of it (render/,
+formats/); it is the only layer that prints an error and exits. docs/architecture.md draws the whole flow.
+"""
 
 from maskcli.commands import show  # noqa: F401, I001  (each import registers its commands)
 from maskcli.commands import blocks, diff  # noqa: F401

@@ -192,10 +192,10 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
                 "groups": [group.json() for group in groups], "expect": failures, "not_imported": unseen,
                 "notes": notes}
         if "vllm" in tracer.patched:
-            from maskcli.render.serve import traced_json
+            from maskcli.render.serve import finding_json, traced_json
 
             data["vllm"] = traced_json(served)
-            data["vllm_across_steps"] = [{"layers": where, **f.json()} for where, found in followed for f in found]
+            data["vllm_across_steps"] = [{"layers": where, **finding_json(f)} for where, found in followed for f in found]
 
     write_files(targets, {"--json": json_path, "--save": save}, data, tracer.calls, tracer.masks | served_masks,
                 served_calls)

@@ -113,11 +113,20 @@ def use_cache_of(source: str) -> tuple[bool, str]:
 
 
 def layer_types(config) -> list[str]:
-    """Each layer's attention kind: the config's layer_types, else what its sliding window or chunk size makes every layer."""
+    """Each layer's attention kind: the config's layer_types, else each layer's kind as trace's rules read it
+    (maskcli.checks.config.layer_kind: a sliding window pattern, sliding_window_layers, max_window_layers, Llama 4's
+    no_rope_layers), so that `model`, serve and shard --model and the rules read a config one way; where that leaves a
+    layer unknown (a per-layer field it does not read, GPT-Neo's attention_layers), what its sliding window or chunk
+    size makes every layer."""
+    from maskcli.checks.config import layer_kind
+
     found = getattr(config, "layer_types", None)
     count = getattr(config, "num_hidden_layers", None) or 0
     if found:
         return list(found)
+    kinds = [layer_kind(config, index) for index in range(count)]
+    if all(kinds):
+        return [kind[0] for kind in kinds]
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
         kind = "sliding_attention"
     elif getattr(config, "attention_chunk_size", None):
