@@ -113,8 +113,8 @@ class Trace:
         self.patched: set[str] = set()  # "flash", "hf", "vllm": the APIs whose modules the program imported (so were patched)
         self.active, self.threads = False, None
         self.sink_keys = lambda: None  # keys of the call running now, where a learned sink's module has no interface frame
-        self.compiled = compiled.Compiled(lambda: self.within > 0)  # calls of torch.compile'd code, whose attention
-        # is not seen (but for what a recorded call runs itself: flex_attention compiles its operator even in eager)
+        self.compiled = compiled.Compiled(lambda: self.within > 0, self)  # calls of torch.compile'd code (not those a
+        # recorded call runs itself: flex_attention compiles its operator even in eager); their attention a graph break
 
     @property
     def busy(self) -> bool:
@@ -162,7 +162,10 @@ class Trace:
                 names = self._names
                 path = lambda module: None if (found := names.get(id(module))) is None else found[1]  # noqa: E731
             for top, module in self._pending:
-                top.stated = stated(module, path, self._stated, self._frames.get(id(module)))
+                try:
+                    top.stated = stated(module, path, self._stated, self._frames.get(id(module)))
+                except Exception:  # noqa: BLE001 - a config whose attribute access raises: it states nothing maskcli reads
+                    top.stated = ()
             self._pending.clear()
             self._frames.clear()
             self._names = None
@@ -303,7 +306,10 @@ class Trace:
             if len(self.calls) > opened[1]:  # an outermost call that made attention calls: what the checks read of it
                 from maskcli.trace.tops import top
 
-                found = top(self.sites.shown(module), module, args, kwargs, opened[1], len(self.calls))
+                try:  # (the program's objects read: a config whose attribute access raises must not reach it)
+                    found = top(self.sites.shown(module), module, args, kwargs, opened[1], len(self.calls))
+                except Exception:  # noqa: BLE001 - what the call states is then unknown; its calls stay recorded
+                    return
                 held = self._stated.get(id(module))  # (read once per module: trace/stated.py)
                 if held is not None and held[0] is module:
                     found.stated = held[1]

@@ -30,7 +30,8 @@ class Mode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         if compiling():  # dynamo traces this mode into the graph it builds: add nothing to it (the scores and overflow
-            return func(*args, **kwargs)  # bookkeeping inlined there broke Gemma 3's rotary; guards on its sets fail)
+            # bookkeeping inlined there broke Gemma 3's rotary; guards on its sets fail), but a graph break at attention
+            return self.trace.compiled.during(self, func, types, args, kwargs)
         if func not in self.watched and not self.followed[0] and not self.followed[1]:
             return func(*args, **kwargs)  # the hot path
         trace = self.trace

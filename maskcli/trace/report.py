@@ -97,7 +97,9 @@ def _named(calls: list) -> Group:
     b, h = stored["planes"]
     q_len, k_len = first.shape[2:]
     structure = None
-    if b * h * q_len * k_len <= NAME_CELLS:
+    if q_len == 0 or k_len == 0:  # attention over no token: nothing to name (its queries, if any, see no key)
+        group = Group(calls, f"empty: {q_len} quer{'y' if q_len == 1 else 'ies'}, {k_len} key{'' if k_len == 1 else 's'}", None)
+    elif b * h * q_len * k_len <= NAME_CELLS:
         from maskcli.inspect.structure import recognise
 
         keep4 = tracefile.dense(stored)
@@ -134,7 +136,8 @@ def _named(calls: list) -> Group:
         else:
             group = Group(calls, f"not named: {q_len:,} x {k_len:,} cells are too many to rebuild cell by cell, "
                                  "and it is none of full, causal, a window", None)
-    group.findings[:0] = empty_rows(first, stored, structure) + later(first, stored, structure)
+    if q_len and k_len:  # (no token: no row to see nothing, no later key)
+        group.findings[:0] = empty_rows(first, stored, structure) + later(first, stored, structure)
     details = first.details
     group.findings += bias(details) + fills(details) + asked(first, stored, group.name) + score_mod(details)
     group.findings += ignored_is_causal(first, k_len) + top_left(first, q_len, k_len)

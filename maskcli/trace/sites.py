@@ -141,7 +141,10 @@ class Sites:
             self._tree(root, "")
 
     def _tree(self, module, prefix: str) -> None:
+        wrapped = type(module).__name__ == "OptimizedModule"  # torch.compile's: the program's module is its _orig_mod
         for sub, child in module.named_modules(prefix=prefix):
+            if wrapped:
+                sub = ".".join(part for part in sub.split(".") if part != "_orig_mod")
             if id(child) not in self._names:
                 self._names[id(child)] = (child, sub)
                 self._taken.setdefault(sub or type(child).__name__, id(child))
@@ -149,8 +152,8 @@ class Sites:
 
 def _path(outer, module) -> str | None:
     for name, inner in outer.named_modules():
-        if inner is module:
-            return name
+        if inner is module:  # (torch.compile's wrapper holds the program's module as _orig_mod: not the program's name)
+            return ".".join(p for p in name.split(".") if p != "_orig_mod") if type(outer).__name__ == "OptimizedModule" else name
     return None
 
 

@@ -17,7 +17,9 @@ import sysconfig
 
 import torch
 
-from maskcli.checks.intent import NAMES, NUMBERS, Stated, config_like, fields_of
+from maskcli.checks.intent import NAMES, NUMBERS, Stated
+from maskcli.checks.intent import config_like as _config_like
+from maskcli.checks.intent import fields_of as _fields_of
 
 FRAMES = 12  # program frames searched for config variables (the call's own and its callers)
 SKIP = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
@@ -36,6 +38,23 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
     found += _numbers(module, path)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
+
+
+def config_like(value, named: bool = False) -> bool:
+    """checks.intent.config_like on the program's object; False where reading it raises (a config whose __getattr__
+    or a property raises something other than AttributeError: python runs the program, so trace must)."""
+    try:
+        return _config_like(value, named)
+    except Exception:  # noqa: BLE001 - the program's own code raising inside a read: not a config maskcli can read
+        return False
+
+
+def fields_of(value) -> dict:
+    """checks.intent.fields_of on the program's object; {} (states nothing) where reading it raises."""
+    try:
+        return _fields_of(value)
+    except Exception:  # noqa: BLE001 - as config_like
+        return {}
 
 
 def _held(root, path) -> list[Stated]:

@@ -45,6 +45,9 @@ def stored_form(keep: torch.Tensor, shape: tuple[int, ...], room: int, limit: in
 def _runs(planes: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
     """starts, ends (P, Lq, K) of each row's runs of True; None where a row has more than MAX_PER_ROW."""
     count, q_len, k_len = planes.shape
+    if count * q_len == 0:  # attention over 0 queries (an empty batch, an empty prompt): no row, no run
+        empty = np.zeros((count, q_len, 1), dtype=np.int64)  # (one empty run a row: [0, 0))
+        return empty, empty.copy()
     cells = _cpu_cells(planes)
     if cells is not None:
         return _runs_numpy(cells.reshape(count * q_len, k_len), count, q_len)
