@@ -24,18 +24,18 @@ DiffJson = Annotated[bool, typer.Option("--json", help="Print the counts, the fi
 
 
 def _side(text: str, options: MaskOptions, kinds: dict, label: str) -> Mask:
-    from maskcli.inspect.given import mask_from_file
     from maskcli.mask import build
+    from maskcli.sources.registry import from_file
 
     if _is_file(text):
         from maskcli.files import state
 
-        from maskcli.tracefile import split_spec
+        from maskcli.sources.trace import split_spec
 
         spec = split_spec(text)
         if state(Path(spec[0] if spec and not Path(text).exists() else text)) == "missing":
             raise MaskError(f"{label} {text!r}: no such file (give a mask file, an expression, or FILE.py:NAME)")
-        return mask_from_file(text, options.key, options.from_, options, label)
+        return from_file(text, options, label)
     return build(text, options, kinds=kinds)
 
 
@@ -75,7 +75,7 @@ def _is_file(text: str) -> bool:
     from maskcli.files import READ_SUFFIXES
     from maskcli.usermods import looks_like_spec
 
-    from maskcli.tracefile import split_spec
+    from maskcli.sources.trace import split_spec
 
     if split_spec(text) is not None and not Path(text).exists():  # TRACE.pt:7, a call of a maskcli trace --save
         return True
@@ -141,7 +141,7 @@ def diff(
     for flag, value in (("--png", png), ("--html", html)):
         if value is not None and not value.strip():
             raise MaskError(f"{flag} is empty: give a file name")
-    from maskcli.inspect.given import user_kinds
+    from maskcli.sources.usermod import kinds as user_kinds
 
     texts = {"A": a, "B": b}
     for label, text in texts.items():
@@ -175,7 +175,7 @@ def diff(
                     break
                 except MaskError:
                     continue
-    from maskcli.inspect.given import region
+    from maskcli.sources.registry import region
 
     sides = {label: region(sides[label], mask) for label in texts}  # the same region of each
     if why is not None:

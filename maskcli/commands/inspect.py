@@ -61,13 +61,13 @@ def inspect(
         check_choice(from_, ("keep", "block"), "--from convention")
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
 
-    from maskcli.tracefile import traced_keep
+    from maskcli.sources.trace import traced_details, traced_keep
 
     traced = traced_keep(file)  # TRACE.pt:7, a call maskcli trace --save wrote: in keep form already
     if traced is None:
         _check_source(file)
     from maskcli.inspect.analysis import analyse
-    from maskcli.inspect.load import load_mask
+    from maskcli.sources.tensor import load_mask
 
     if traced is not None:
         from maskcli.inspect.polarity import Convention
@@ -80,8 +80,6 @@ def inspect(
         values, label = load_mask(file, key, work=(11, "to inspect"))  # numpy: only a .pt file imports torch
         given = _convention(values, from_, label) if from_ is not None else None
     _check_room(values, label, 11 + values.itemsize, "to inspect")
-    from maskcli.tracefile import traced_details
-
     padding = traced_details(file).get("key_padding") if traced is not None else None  # MHA's key_padding_mask
     analysis = analyse(values, heads, given, padding)
     mask = _display_mask(analysis, file if key is None else f"{file} [{key}]", tokens)
@@ -223,8 +221,8 @@ def convert(
     _check_source(file)
     from maskcli.conventions import to_convention
     from maskcli.files import write_array
-    from maskcli.inspect.load import load_mask
     from maskcli.inspect.polarity import to_keep
+    from maskcli.sources.tensor import load_mask
 
     out_bytes = {"keep": 1, "block": 1, "int": 8}.get(to) or {"float16": 2, "bfloat16": 2, "float64": 8}.get(dtype, 4)
     values, label = load_mask(file, key, work=(5 + out_bytes, f"to convert to {to}"))
