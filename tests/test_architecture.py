@@ -2,7 +2,7 @@
 
     base      errors text memory positions intervals conventions files tensorfile
     kinds     kinds/*                      (each kind defined once)
-    model     expression terms mask batchdata regions counting summary blockmask diff usermods tracefile testing
+    model     expression terms mask batchdata regions counting summary blockmask diff tracefile testing
     formats   formats/*                    (kernel formats: views of the model, read back by inspect)
     checks    checks/*                     (the rules that find a wrong mask; numpy, torch only inside attend's)
     engines   attention/* inspect/*        (torch; they do not import each other)
@@ -29,7 +29,7 @@ LAYERS = {
     "base": 0, "kinds": 1, "model": 2, "formats": 2.5, "checks": 2.8, "attention": 3, "inspect": 3, "sources": 3.2, "trace": 3.5, "pack": 3.5, "serve": 3.5, "shard": 3.5, "hf": 3.7, "render": 4, "api": 4.5, "commands": 5,
 }
 BASE = {"errors", "text", "memory", "positions", "intervals", "conventions", "files", "tensorfile", "__init__", "__main__"}
-MODEL = {"expression", "terms", "mask", "why", "batchdata", "regions", "counting", "summary", "blockmask", "diff", "usermods", "tracefile", "testing"}
+MODEL = {"expression", "terms", "mask", "why", "batchdata", "regions", "counting", "summary", "blockmask", "diff", "tracefile", "testing"}
 MAX_LINES = 400
 
 

@@ -42,7 +42,7 @@ def _side(text: str, options: MaskOptions, kinds: dict, label: str) -> Mask:
 def _named_mask_mod(text: str, label: str, given: str | None) -> str:
     """A side written FILE.py:NAME or module:NAME stands for the mask_mod NAME only when --mask-mod loads that very
     spec: importing it runs code, and only the flag that says so may (`diff causal this:f` must import nothing)."""
-    from maskcli.usermods import SPEC, looks_like_spec
+    from maskcli.sources.usermod import SPEC, looks_like_spec
 
     if not looks_like_spec(text):
         return text
@@ -73,7 +73,7 @@ def _advice(is_file: dict[str, bool], fa, fb) -> str:
 
 def _is_file(text: str) -> bool:
     from maskcli.files import READ_SUFFIXES
-    from maskcli.usermods import looks_like_spec
+    from maskcli.sources.usermod import looks_like_spec
 
     from maskcli.sources.trace import split_spec
 

@@ -1,5 +1,4 @@
-"""What a source declares: its name, how the user gives it, what it reads, its `load`, and (for a file) which
-files it claims."""
+"""What a source declares: its name, its `load`, and, for a source read from a --mask FILE, which files it claims."""
 
 from __future__ import annotations
 
@@ -10,8 +9,6 @@ from typing import Callable
 @dataclass(frozen=True)
 class Source:
     name: str
-    given: str  # how the user gives it, as help and docs say it
-    what: str
     load: Callable  # load(spec, options, ...) -> Mask
     # claims(text, options) -> bool: for a source read from a --mask FILE, whether this file is its (the registry asks
     # the file sources in order, the first that claims it reads it); None for sources given otherwise

@@ -12,4 +12,4 @@ def load(expression: str, options: MaskOptions, default_length: int | None = Non
     return build(expression, options, default_length=default_length, kinds=kinds)
 
 
-SOURCE = Source("expression", "EXPRESSION", "kinds combined with & | ~ (maskcli kinds lists them)", load)
+SOURCE = Source("expression", load)

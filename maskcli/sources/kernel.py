@@ -51,4 +51,4 @@ def _claims(text: str, options: MaskOptions) -> bool:
     return options.from_ is not None and options.from_ not in ("keep", "block")
 
 
-SOURCE = Source("kernel", "--mask FILE --from FORMAT", "a kernel format's tensors (flash-attn, flashmask, magi, flex)", load, _claims)
+SOURCE = Source("kernel", load, _claims)

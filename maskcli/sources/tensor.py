@@ -98,5 +98,4 @@ def _claims(text: str, options: MaskOptions) -> bool:
     return True
 
 
-SOURCE = Source("tensor", "--mask FILE (.pt .npy .npz .safetensors .json, or inline JSON)",
-                "one tensor, in keep or block form (recognised, or named with --from)", load, _claims)
+SOURCE = Source("tensor", load, _claims)

@@ -122,4 +122,4 @@ def claims(text: str, options: MaskOptions | None = None) -> bool:
     return spec is not None and not os.path.exists(text) and os.path.isfile(spec[0])
 
 
-SOURCE = Source("trace", "--mask TRACE.pt:CALL", "one captured call of a maskcli trace --save file, in keep form", load, claims)
+SOURCE = Source("trace", load, claims)
