@@ -50,3 +50,11 @@ def test_load_mask_chooses_a_tensor_by_key_and_says_which_format_a_kernel_file_i
     np.savez(tmp_path / "fa.npz", cu_seqlens_q=np.array([0, 3]), cu_seqlens_k=np.array([0, 3]))
     with pytest.raises(MaskError, match="read it with --from flash-attn"):
         load_mask(str(tmp_path / "fa.npz"))
+
+
+def test_inspect_reads_a_tensor_file_as_its_values_in_their_own_convention(tmp_path):
+    block = ~np.tril(np.ones((4, 4), dtype=bool))
+    np.save(tmp_path / "b.npy", block)
+    values, label, padding, keep_form = registry.values(str(tmp_path / "b.npy"), None, None, (11, "to inspect"))
+    assert not keep_form and padding is None and np.array_equal(values, block) and "b.npy" in label
+

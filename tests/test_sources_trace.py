@@ -68,3 +68,13 @@ def test_a_traced_call_refuses_the_options_of_a_tensor_file(tmp_path):
     with pytest.raises(MaskError, match=r"--key does not apply to .*t.pt:0.*drop --key"):
         registry.load(None, MaskOptions(mask_file=f"{path}:0", key="x"))
     assert not trace.claims(str(tmp_path / "missing.pt:0")) and not trace.claims(path)
+
+
+def test_inspect_reads_a_traced_call_in_keep_form_with_its_key_padding(tmp_path):
+    keep = torch.ones(3, 3, dtype=torch.bool).tril().numpy()[None, None]
+    path = _saved(tmp_path, [keep])
+    values, label, padding, keep_form = registry.values(f"{path}:0", None, None, (11, "to inspect"))
+    assert keep_form and padding is None and np.array_equal(values, keep) and "layers.0.attn" in label
+    with pytest.raises(MaskError, match="--key and --from do not apply to"):
+        registry.values(f"{path}:0", None, "block", (11, "to inspect"))
+

@@ -61,26 +61,18 @@ def inspect(
         check_choice(from_, ("keep", "block"), "--from convention")
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
 
-    from maskcli.sources.trace import traced_details, traced_keep
+    from maskcli.sources import registry
 
-    traced = traced_keep(file)  # TRACE.pt:7, a call maskcli trace --save wrote: in keep form already
-    if traced is None:
-        _check_source(file)
+    values, label, padding, keep_form = registry.values(file, key, from_, work=(11, "to inspect"))  # numpy: only a .pt imports torch
     from maskcli.inspect.analysis import analyse
-    from maskcli.sources.tensor import load_mask
 
-    if traced is not None:
+    if keep_form:
         from maskcli.inspect.polarity import Convention
 
-        if key is not None or from_ is not None:
-            raise MaskError(f"--key and --from do not apply to {file!r}: a traced call's mask is in keep form already")
-        values, label = traced
         given = Convention("keep", "values", "a call captured by maskcli trace, in keep form (True = may attend)")
     else:
-        values, label = load_mask(file, key, work=(11, "to inspect"))  # numpy: only a .pt file imports torch
         given = _convention(values, from_, label) if from_ is not None else None
     _check_room(values, label, 11 + values.itemsize, "to inspect")
-    padding = traced_details(file).get("key_padding") if traced is not None else None  # MHA's key_padding_mask
     analysis = analyse(values, heads, given, padding)
     mask = _display_mask(analysis, file if key is None else f"{file} [{key}]", tokens)
     if png_path is not None:

@@ -43,6 +43,23 @@ def load(expression: str | None, options: MaskOptions, default_length: int | Non
     return region(_load(expression, options, default_length), options)
 
 
+def values(file: str, key: str | None, from_: str | None, work: tuple[float, str]) -> tuple:
+    """The tensor a FILE holds as inspect reads it, before it is a Mask: (values, label, a traced call's key padding or
+    None, whether it is in keep form already). A traced call (TRACE.pt:N) is in keep form and may carry the
+    key_padding_mask it was given; any other file is one tensor (sources/tensor.py's load_mask), --key choosing it.
+    `work`: the bytes per cell the caller needs beside the values, and what for."""
+    from maskcli.sources import tensor, trace
+
+    traced = trace.traced_keep(file)
+    if traced is None:
+        found, label = tensor.load_mask(file, key, work=work)
+        return found, label, None, False
+    if key is not None or from_ is not None:
+        raise MaskError(f"--key and --from do not apply to {file!r}: a traced call's mask is in keep form already")
+    found, label = traced
+    return found, label, trace.traced_details(file).get("key_padding"), True
+
+
 def region(mask: Mask, options: MaskOptions) -> Mask:
     """The mask, or the region of it that --rows and --keys give."""
     if options.rows is None and options.keys is None:
