@@ -30,7 +30,7 @@ def build(expression: str | None = None, options: core.MaskOptions | None = None
     documents=labels, diagonal=-1, means="block", prefix=3, sink=4). Lengths, ids, tokens and labels take lists,
     numpy arrays or tensors (on any device) as well as the command line's text.
     """
-    from maskcli.inspect.given import build_any
+    from maskcli.sources import registry
     from maskcli.kinds import flags
 
     names = {f.name for f in fields(core.MaskOptions)}
@@ -44,7 +44,7 @@ def build(expression: str | None = None, options: core.MaskOptions | None = None
     options = core.MaskOptions(**chosen) if options is None else replace(options, **chosen)
     if params:
         options = replace(options, params={**options.params, **params})
-    return shown(build_any(expression, options))
+    return shown(registry.load(expression, options))
 
 
 WHOLE = ("length", "offset", "kv_start", "kv_len", "heads", "pad_id")  # MaskOptions fields that count positions

@@ -2,10 +2,11 @@
 
     base      errors text memory positions intervals conventions files tensorfile
     kinds     kinds/*                      (each kind defined once)
-    model     expression terms mask batchdata regions counting summary blockmask diff usermods tracefile testing
+    model     expression terms mask batchdata regions counting summary blockmask diff tracefile testing
     formats   formats/*                    (kernel formats: views of the model, read back by inspect)
     checks    checks/*                     (the rules that find a wrong mask; numpy, torch only inside attend's)
     engines   attention/* inspect/*        (torch; they do not import each other)
+    sources   sources/*                    (every way a mask comes in, one module each; the registry commands ask)
     capture   trace/*                      (torch; names captured masks with inspect, checks them with diff)
     checks    pack/*                       (a packed batch: reads tensors as inspect does, builds masks)
               shard/*                      (a sequence split across context-parallel ranks; reads rank files as inspect does)
@@ -25,10 +26,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "maskcli"
 LAYERS = {
-    "base": 0, "kinds": 1, "model": 2, "formats": 2.5, "checks": 2.8, "attention": 3, "inspect": 3, "trace": 3.5, "pack": 3.5, "serve": 3.5, "shard": 3.5, "hf": 3.7, "render": 4, "api": 4.5, "commands": 5,
+    "base": 0, "kinds": 1, "model": 2, "formats": 2.5, "checks": 2.8, "attention": 3, "inspect": 3, "sources": 3.2, "trace": 3.5, "pack": 3.5, "serve": 3.5, "shard": 3.5, "hf": 3.7, "render": 4, "api": 4.5, "commands": 5,
 }
 BASE = {"errors", "text", "memory", "positions", "intervals", "conventions", "files", "tensorfile", "__init__", "__main__"}
-MODEL = {"expression", "terms", "mask", "why", "batchdata", "regions", "counting", "summary", "blockmask", "diff", "usermods", "tracefile", "testing"}
+MODEL = {"expression", "terms", "mask", "why", "batchdata", "regions", "counting", "summary", "blockmask", "diff", "tracefile", "testing"}
 MAX_LINES = 400
 
 
@@ -46,7 +47,7 @@ def layer(module: str) -> str:
         return "base"
     if parts[1] == "api":
         return "api"
-    if parts[1] in ("kinds", "formats", "checks", "attention", "inspect", "trace", "pack", "serve", "shard", "hf", "render", "commands"):
+    if parts[1] in ("kinds", "formats", "checks", "attention", "inspect", "sources", "trace", "pack", "serve", "shard", "hf", "render", "commands"):
         return parts[1]
     return "model" if parts[1] in MODEL else "base"
 
@@ -109,7 +110,7 @@ def test_no_circle_of_imports():
 @pytest.mark.parametrize("heavy", ["typer", "rich", "matplotlib", "click"])
 def test_the_core_knows_nothing_of_the_command_line_or_the_screen(heavy):
     for module, path in modules().items():
-        if layer(module) in ("base", "kinds", "model", "checks", "attention", "inspect", "trace", "pack", "hf"):
+        if layer(module) in ("base", "kinds", "model", "checks", "attention", "inspect", "sources", "trace", "pack", "hf"):
             assert not any(name == heavy or name.startswith(heavy + ".") for name in imports(path)), module
 
 

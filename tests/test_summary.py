@@ -76,7 +76,7 @@ def test_heads_that_differ_are_counted_head_by_head_and_every_count_covers_every
         assert np.array_equal(summary.grid[b], keep[b].reshape(3, 2, 2, 5, 1).sum(axis=(0, 2, 4)))
     # a mask_mod that reads h: counted head by head, cell by cell
     (tmp_path / "mine.py").write_text("def mine(b, h, q, kv):\n    return kv <= h\n")
-    from maskcli.inspect.given import build_any
+    from maskcli.sources import registry
 
-    mod = summarise(build_any(None, MaskOptions(mask_mod=str(tmp_path / "mine.py") + ":mine", heads=3, length=6)))
+    mod = summarise(registry.load(None, MaskOptions(mask_mod=str(tmp_path / "mine.py") + ":mine", heads=3, length=6)))
     assert mod.visible == 6 * (1 + 2 + 3) and mod.rows[0].keys_min == 1 and mod.rows[0].keys_max == 3

@@ -60,9 +60,9 @@ def blocks(
     for flag, value in (("--png", png), ("--save", save), ("--html", html)):
         if value is not None and not value.strip():
             raise MaskError(f"{flag} is empty: give a file name")
-    from maskcli.inspect.given import build_any
+    from maskcli.sources import registry
 
-    built = build_any(kind, mask)
+    built = registry.load(kind, mask)
     html_path = check_output_path(html, (".html",), "--html", "blocks_" + built.slug) if html is not None else None
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png", "blocks_" + built.slug) if png is not None else None
     save_path = check_output_path(save, (".pt",), "--save", "blocks_" + built.slug) if save is not None else None

@@ -24,25 +24,25 @@ DiffJson = Annotated[bool, typer.Option("--json", help="Print the counts, the fi
 
 
 def _side(text: str, options: MaskOptions, kinds: dict, label: str) -> Mask:
-    from maskcli.inspect.given import mask_from_file
     from maskcli.mask import build
+    from maskcli.sources.registry import from_file
 
     if _is_file(text):
         from maskcli.files import state
 
-        from maskcli.tracefile import split_spec
+        from maskcli.sources.trace import split_spec
 
         spec = split_spec(text)
         if state(Path(spec[0] if spec and not Path(text).exists() else text)) == "missing":
             raise MaskError(f"{label} {text!r}: no such file (give a mask file, an expression, or FILE.py:NAME)")
-        return mask_from_file(text, options.key, options.from_, options, label)
+        return from_file(text, options, label)
     return build(text, options, kinds=kinds)
 
 
 def _named_mask_mod(text: str, label: str, given: str | None) -> str:
     """A side written FILE.py:NAME or module:NAME stands for the mask_mod NAME only when --mask-mod loads that very
     spec: importing it runs code, and only the flag that says so may (`diff causal this:f` must import nothing)."""
-    from maskcli.usermods import SPEC, looks_like_spec
+    from maskcli.sources.usermod import SPEC, looks_like_spec
 
     if not looks_like_spec(text):
         return text
@@ -73,9 +73,9 @@ def _advice(is_file: dict[str, bool], fa, fb) -> str:
 
 def _is_file(text: str) -> bool:
     from maskcli.files import READ_SUFFIXES
-    from maskcli.usermods import looks_like_spec
+    from maskcli.sources.usermod import looks_like_spec
 
-    from maskcli.tracefile import split_spec
+    from maskcli.sources.trace import split_spec
 
     if split_spec(text) is not None and not Path(text).exists():  # TRACE.pt:7, a call of a maskcli trace --save
         return True
@@ -141,7 +141,7 @@ def diff(
     for flag, value in (("--png", png), ("--html", html)):
         if value is not None and not value.strip():
             raise MaskError(f"{flag} is empty: give a file name")
-    from maskcli.inspect.given import user_kinds
+    from maskcli.sources.usermod import kinds as user_kinds
 
     texts = {"A": a, "B": b}
     for label, text in texts.items():
@@ -175,7 +175,7 @@ def diff(
                     break
                 except MaskError:
                     continue
-    from maskcli.inspect.given import region
+    from maskcli.sources.registry import region
 
     sides = {label: region(sides[label], mask) for label in texts}  # the same region of each
     if why is not None:

@@ -43,7 +43,7 @@ def export(
     Each format is built from the mask's exact key intervals: cu_seqlens, FlashMask column indices and Magi ranges are O(L), so a 1M-token mask takes seconds; SDPA, MHA and Hugging Face masks are dense (Lq x Lk) by nature. Where a format cannot hold the mask it says why and what would, and exits 2. --mask FILE --from FORMAT reads a format's tensors back.
     """
     from maskcli.files import check_output_path
-    from maskcli.inspect.given import build_any
+    from maskcli.sources import registry
 
     if compare and (for_ is not None or save is not None):
         raise MaskError("--compare prints every format: drop --for and --save, or drop --compare")
@@ -53,7 +53,7 @@ def export(
 
     fmt = get(for_) if for_ is not None else None
     save_path = check_output_path(save, SAVE_SUFFIXES, "--save", f"{fmt.name}_mask") if save is not None else None
-    built = build_any(kind, mask)
+    built = registry.load(kind, mask)
     if compare:
         _compare(built)
         return

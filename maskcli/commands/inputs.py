@@ -66,13 +66,13 @@ def check_input_options(o: InputOptions) -> None:
 
 def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOptions, dropout: float = 0.0):
     """The Mask and Q/K/V for attend and verify: given inputs decide the length unless --len or the data does."""
-    from maskcli.inspect.given import build_any
+    from maskcli.sources import registry
 
     check_input_options(o)
     head_dim = o.default_head_dim if o.head_dim is None else o.head_dim
     checked_early = all(t is None for t in (o.q, o.k, o.v, o.x)) and options.mask_file is None and options.mask_mod is None
     if checked_early:  # refuse bad mask options and impossible sizes before importing torch
-        _check_fits_before_torch(o, build_any(expression, options), head_dim, dropout)
+        _check_fits_before_torch(o, registry.load(expression, options), head_dim, dropout)
 
     from maskcli.attention.inputs import check_fits, load_given, make_qkv, resolve_device, resolve_dtype
 
@@ -82,7 +82,7 @@ def mask_and_inputs(expression: str | None, options: MaskOptions, o: InputOption
     default = given.query_length(options.offset or 0) if given is not None else None
     if default is not None and default < 1:
         raise MaskError(f"--x has {given.x.shape[-2]} rows, which leave no query after --offset {options.offset}: give more rows or a smaller --offset")
-    mask = build_any(expression, options, default_length=default)
+    mask = registry.load(expression, options, default_length=default)
     for message in mask.warnings:
         warn(message)
     if mask.batch > 1 and o.batch is not None and o.batch != mask.batch:

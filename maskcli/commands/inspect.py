@@ -61,28 +61,18 @@ def inspect(
         check_choice(from_, ("keep", "block"), "--from convention")
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
 
-    from maskcli.tracefile import traced_keep
+    from maskcli.sources import registry
 
-    traced = traced_keep(file)  # TRACE.pt:7, a call maskcli trace --save wrote: in keep form already
-    if traced is None:
-        _check_source(file)
+    values, label, padding, keep_form = registry.values(file, key, from_, work=(11, "to inspect"))  # numpy: only a .pt imports torch
     from maskcli.inspect.analysis import analyse
-    from maskcli.inspect.load import load_mask
 
-    if traced is not None:
+    if keep_form:
         from maskcli.inspect.polarity import Convention
 
-        if key is not None or from_ is not None:
-            raise MaskError(f"--key and --from do not apply to {file!r}: a traced call's mask is in keep form already")
-        values, label = traced
         given = Convention("keep", "values", "a call captured by maskcli trace, in keep form (True = may attend)")
     else:
-        values, label = load_mask(file, key, work=(11, "to inspect"))  # numpy: only a .pt file imports torch
         given = _convention(values, from_, label) if from_ is not None else None
     _check_room(values, label, 11 + values.itemsize, "to inspect")
-    from maskcli.tracefile import traced_details
-
-    padding = traced_details(file).get("key_padding") if traced is not None else None  # MHA's key_padding_mask
     analysis = analyse(values, heads, given, padding)
     mask = _display_mask(analysis, file if key is None else f"{file} [{key}]", tokens)
     if png_path is not None:
@@ -223,8 +213,8 @@ def convert(
     _check_source(file)
     from maskcli.conventions import to_convention
     from maskcli.files import write_array
-    from maskcli.inspect.load import load_mask
     from maskcli.inspect.polarity import to_keep
+    from maskcli.sources.tensor import load_mask
 
     out_bytes = {"keep": 1, "block": 1, "int": 8}.get(to) or {"float16": 2, "bfloat16": 2, "float64": 8}.get(dtype, 4)
     values, label = load_mask(file, key, work=(5 + out_bytes, f"to convert to {to}"))

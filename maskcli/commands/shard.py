@@ -47,7 +47,7 @@ def shard(
     Checks, exit status 1 when wrong: every real token on exactly one rank (nothing dropped by padding or truncation), and with --trace or --rank-mask each rank's captured part equal to the global mask on global positions (a part built on local indices, or replaced by is_causal, is named). Imbalance past 1.25 is reported, not an error.
     """
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
-    from maskcli.inspect.given import build_any
+    from maskcli.sources import registry
     from maskcli.shard.plan import analyse, parse_sizes
 
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
@@ -58,7 +58,7 @@ def shard(
         ranks = ranks_of(trace) if ranks is None else ranks
         if mask.length is None:  # the length the run split: its ranks' query rows added up
             mask = replace(mask, length=length_of(trace))
-    masks = _masks(expressions or [], mask, model, build_any)
+    masks = _masks(expressions or [], mask, model, registry.load)
     with_docs = parse_sizes(docs) if docs is not None else None
     report = analyse(masks, layout, 2 if ranks is None else ranks, head_dim, rank_mask, with_docs, trace)
     from maskcli.render import shard as render
@@ -103,7 +103,7 @@ def _batch(expressions: list[str]) -> tuple[list[str], str | None]:
     return [text for text in expressions if text != batches[0]], f"document(sizes=[{','.join(map(str, sizes.tolist()))}])"
 
 
-def _masks(expressions: list[str], options: MaskOptions, model: str | None, build_any) -> list[tuple[str, object]]:
+def _masks(expressions: list[str], options: MaskOptions, model: str | None, load) -> list[tuple[str, object]]:
     """(label, Mask) per layer type: the EXPRs, the --mask files, or --model's layer types (and-ed with one EXPR); a
     BATCH's documents are and-ed into each."""
     files = list(options.mask_file or [])
@@ -113,7 +113,7 @@ def _masks(expressions: list[str], options: MaskOptions, model: str | None, buil
         if files:
             raise MaskError("a BATCH gives the documents of the EXPRs or --model's layer types: give no --mask with it")
         if model is None:
-            return [(text, build_any(f"{documents} & ({text})", one)) for text in expressions] or [(documents, build_any(documents, one))]
+            return [(text, load(f"{documents} & ({text})", one)) for text in expressions] or [(documents, load(documents, one))]
         expressions = [f"{documents} & ({expressions[0]})" if expressions else documents] + expressions[1:]
     if model is not None:
         from maskcli.hf import require
@@ -130,9 +130,9 @@ def _masks(expressions: list[str], options: MaskOptions, model: str | None, buil
         if not found:
             raise MaskError(f"{model}: none of its layer types ({', '.join(skipped)}) holds an attention mask to shard")
         extra = f"({expressions[0]}) & " if expressions else ""
-        return [(kind, build_any(extra + expression(mask), one)) for kind, mask in found.items()]
+        return [(kind, load(extra + expression(mask), one)) for kind, mask in found.items()]
     if not expressions and not files:
         raise MaskError("give a mask: an expression like \"causal & window(4096)\", --mask FILE, or --model FAMILY")
-    masks = [(text, build_any(text, one)) for text in expressions]
-    masks += [(path, build_any(None, replace(options, mask_file=path))) for path in files]
+    masks = [(text, load(text, one)) for text in expressions]
+    masks += [(path, load(None, replace(options, mask_file=path))) for path in files]
     return masks

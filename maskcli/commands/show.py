@@ -103,9 +103,9 @@ def present(expression: str | None, options: MaskOptions, output: Output) -> Non
     for flag, value in (("--png", png), ("--save", save), ("--html", output.html)):
         if value is not None and not value.strip():
             raise MaskError(f"{flag} is empty: give a file name")
-    from maskcli.inspect.given import build_any
+    from maskcli.sources import registry
 
-    mask = build_any(expression, options)
+    mask = registry.load(expression, options)
     if output.why is not None and output.summary:
         raise MaskError(f"--why {output.why} explains one cell and --summary counts them all: give one of them")
     answers = explain_cells(mask, output.why) if output.why is not None else None

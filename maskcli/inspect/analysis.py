@@ -11,8 +11,7 @@ from maskcli.checks.kernels import given_top_left
 from maskcli.checks.rows import given_empty_rows, given_later
 from maskcli.checks.shapes import heads as heads_rule
 from maskcli.inspect.apis import api_fits, broadcast_text
-from maskcli.inspect.load import check_maskable
-from maskcli.inspect.polarity import Convention, classify, marks, sdpa_view, to_keep
+from maskcli.inspect.polarity import Convention, check_maskable, classify, marks, sdpa_view, to_keep
 from maskcli.inspect.structure import Structure, recognise
 from maskcli.tensorfile import dtype_name
 
@@ -67,7 +66,7 @@ class Analysis:
 def analyse(tensor, heads: int | None = None, convention: Convention | None = None, padding: dict | None = None) -> Analysis:
     """Classify, recognise and find what is wrong, in one go; `convention` overrides the classification.
 
-    `tensor`: a numpy array as inspect.load gives it, or a torch tensor, checked and converted here.
+    `tensor`: a numpy array as sources/tensor.py's load_mask gives it, or a torch tensor, checked and converted here.
     `padding`: a traced call's key padding argument (maskcli.keypadding fields), where its API had one."""
     tensor = check_maskable(tensor, "the tensor")
     convention = convention or classify(tensor)

@@ -1,6 +1,6 @@
 """A tensor's convention (keep, block, additive, min, int, or a bias), read from its values,
 and a bool (or 0/1) tensor's polarity, read from its structure; on numpy arrays (a .pt file's tensor is
-converted where it is loaded, inspect.load.check_maskable).
+converted where it is loaded, check_maskable here).
 
 A query normally sees its own position, so the cells (q, q + Lk - Lq) -- the diagonal,
 bottom-right aligned -- tell keep from block; key padding shows as whole columns hidden,
@@ -19,10 +19,51 @@ import numpy as np
 from maskcli.conventions import FLOAT_MIN
 from maskcli.errors import MaskError
 from maskcli.inspect.structure import fully_masked_rows, recognise
-from maskcli.tensorfile import dtype_name
+from maskcli.tensorfile import as_array, dtype_name
 
 SENTINEL_AT_MOST = -1e4  # a finite fill at most this negative masks (BERT's -10000.0 ... finfo.min)
 STRUCTURE_CELLS = 1 << 24  # above this many cells, polarity is told from the diagonal alone
+MASK_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+WIDE_UNSIGNED = ("uint16", "uint32", "uint64")  # masks only where they hold 0 and 1
+
+
+def check_maskable(values, where: str) -> np.ndarray:
+    """The values as a numpy array of a mask dtype, or a one-line MaskError saying why they cannot be a mask.
+
+    numpy arrays come from every file but .pt; a torch tensor (a .pt file's) is checked for what only torch
+    has (quantized, meta, sparse) and converted here, its edge. bfloat16 comes back widened (tensorfile.BFLOAT16).
+    """
+    name = dtype_name(values)
+    if name.startswith("complex"):
+        raise MaskError(f"{where} holds complex numbers ({name}), which cannot be a mask")
+    torch_in = not isinstance(values, np.ndarray)
+    if torch_in and values.is_quantized:
+        raise MaskError(f"{where} is a quantized tensor ({name}); a mask is bool, 0/1 or float")
+    if torch_in and values.device.type == "meta":
+        raise MaskError(f"{where} is a meta tensor: it has a shape but no values")
+    shape = list(values.shape)
+    if len(shape) > 4:
+        raise MaskError(f"{where} has {len(shape)} dimensions {shape}: a mask has at most 4 (B, H, Lq, Lk)")
+    if not shape:
+        raise MaskError(f"{where} is a single number ({values.item()}), not a mask: a mask has shape (Lq, Lk) up to (B, H, Lq, Lk)")
+    if math.prod(shape) == 0:
+        raise MaskError(f"{where} is empty (shape {shape})")
+    if torch_in and str(values.layout) != "torch.strided":
+        try:
+            values = values.to_dense()
+        except Exception as error:  # some layouts have no dense form for some dtypes
+            raise MaskError(f"{where} is a {values.layout} tensor that cannot be made dense ({str(error).splitlines()[0][:120]})") from None
+    if name not in MASK_DTYPES + WIDE_UNSIGNED:
+        raise MaskError(
+            f"{where} has dtype {name}, which cannot be a mask here: "
+            "use bool, an integer type or float16/bfloat16/float32/float64"
+        )
+    values = as_array(values)
+    if name in WIDE_UNSIGNED:
+        if int(values.max()) > 1:  # only 0/1 matter; larger values are refused by classify anyway
+            raise MaskError(f"{where} ({name}) holds values above 1; a mask is bool, 0/1 or float")
+        values = values.astype(np.int64)
+    return values
 
 
 def sdpa_view(values: np.ndarray) -> np.ndarray:

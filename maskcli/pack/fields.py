@@ -227,8 +227,7 @@ def _attention_mask(value, where: str):
     value = value if _is_torch(value) else np.asarray(value)
     if len(value.shape) != 4:
         raise MaskError(f"{where} has shape {list(value.shape)}: attention_mask is 2-D (B, L) or 4-D (B, 1, L, L)")
-    from maskcli.inspect.load import check_maskable
-    from maskcli.inspect.polarity import classify, to_keep
+    from maskcli.inspect.polarity import check_maskable, classify, to_keep
 
     values = check_maskable(value, where)  # numpy from here on
     convention = classify(values)

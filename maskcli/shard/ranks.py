@@ -41,16 +41,16 @@ def load_part(path: str) -> np.ndarray:
     A bool tensor is read as SDPA reads it (True = may attend), which is what ring attention hands each step:
     a rank's part, its rows permuted, often does not show its convention by its structure. Other values (and
     TRACE.pt:N) are read as every --mask file is."""
-    from maskcli.inspect.given import mask_from_file
-    from maskcli.inspect.load import load_mask
-    from maskcli.tracefile import traced_keep
+    from maskcli.sources import trace
+    from maskcli.sources.registry import from_file
+    from maskcli.sources.tensor import load_mask
 
-    if traced_keep(path) is None:
+    if not trace.claims(path):
         values, label = load_mask(path, None, "--rank-mask")
         if values.dtype == bool:
             keep = values.reshape((1,) * (4 - values.ndim) + values.shape) if values.ndim < 4 else values
             return _one_plane(keep, path)
-    return _one_plane(mask_from_file(path, None, None, MaskOptions(), "--rank-mask").keep, path)
+    return _one_plane(from_file(path, MaskOptions(), "--rank-mask").keep, path)
 
 
 def _one_plane(keep: np.ndarray, path: str) -> np.ndarray:

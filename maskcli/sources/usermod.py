@@ -1,4 +1,4 @@
-"""A user's own FlexAttention mask_mod, loaded behind --mask-mod FILE.py:NAME, as a kind of its own.
+"""A mask from the user's own FlexAttention mask_mod, loaded behind --mask-mod FILE.py:NAME, as a kind of its own.
 
 Loading it runs the user's code, so only that explicit flag loads it. The mask_mod is
 called as FlexAttention calls it, with local indices (query row 0 is the first query,
@@ -25,6 +25,7 @@ from pathlib import Path
 from maskcli.errors import MaskError, Stopped
 from maskcli.intervals import NotFew
 from maskcli.kinds.base import Kind
+from maskcli.sources.base import Source
 
 SPEC = re.compile(r"^(?P<where>.+):(?P<name>[A-Za-z_][A-Za-z0-9_]*)$")
 
@@ -35,7 +36,7 @@ def looks_like_spec(text: str) -> bool:
     return bool(match) and (match["where"].endswith(".py") or re.fullmatch(r"[A-Za-z_][\w.]*", match["where"]) is not None)
 
 
-def load(spec: str, args: str | None = None) -> tuple[str, object, str]:
+def load_function(spec: str, args: str | None = None) -> tuple[str, object, str]:
     """(name, mask_mod, where it came from) for FILE.py:NAME or package.module:NAME; a factory is called with args."""
     match = SPEC.match(spec)
     if match is None:
@@ -236,3 +237,28 @@ def _vmapped(name, function, origin, b, h, q_idx, kv_idx):
     except BaseException as error:  # any exception out of the user's code, sys.exit too, is one line naming it
         _let_through(error)
         raise MaskError(f"your mask_mod {name} raised {_where(error, origin)}") from None
+
+
+def kinds(spec: str | None, args: str | None) -> dict:
+    """{name: kind} for --mask-mod, loaded (running the user's code) only when that flag is given."""
+    if spec is None:
+        if args is not None:
+            raise MaskError("--mask-mod-args is for --mask-mod: give --mask-mod FILE.py:NAME too")
+        return {}
+    from maskcli.kinds import names
+
+    name, function, origin = load_function(spec, args)
+    if name in names() or name == "prefill":
+        raise MaskError(f"--mask-mod {spec!r}: {name} is the name of a maskcli kind; rename your function or import it under another name")
+    return {name: kind(name, function, origin)}
+
+
+def load(spec: str, options, default_length: int | None = None):
+    """The mask the mask_mod `spec` names, standing alone over the sizes the options give."""
+    from maskcli.mask import build
+
+    found = kinds(spec, options.mask_mod_args)
+    return build(next(iter(found)), options, default_length=default_length, kinds=found)
+
+
+SOURCE = Source("usermod", load)

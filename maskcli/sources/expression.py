@@ -1,0 +1,15 @@
+"""A mask described by an expression of kinds ("causal & window(4096)"), the mask options giving its sizes and
+batch data; a loaded mask_mod's name is a kind of it too (`kinds`)."""
+
+from __future__ import annotations
+
+from maskcli.mask import Mask, MaskOptions, build
+from maskcli.sources.base import Source
+
+
+def load(expression: str, options: MaskOptions, default_length: int | None = None, kinds: dict | None = None) -> Mask:
+    """The Mask the expression describes over the sizes the options give (`default_length` where they give none)."""
+    return build(expression, options, default_length=default_length, kinds=kinds)
+
+
+SOURCE = Source("expression", load)
