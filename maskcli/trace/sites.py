@@ -19,6 +19,8 @@ from collections import Counter
 
 import torch
 
+from maskcli.trace.held import padding
+
 FRAMES = 64  # frames of the program searched for a module's owner
 
 
@@ -68,6 +70,9 @@ class Sites:
             details["module_causal"] = flag
         if caller is not None:
             details["caller"] = caller
+        held = padding()  # the padding the program's frames hold (checks/held.py)
+        if held is not None:
+            details["held_padding"] = held
 
     def current(self, child: str | None = None) -> tuple[tuple, str]:
         """(site key, where) of a call made now; `child`: the submodule of the running one that attends."""

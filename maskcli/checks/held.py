@@ -1,0 +1,132 @@
+"""The padding the program holds at an attention call, against the mask the kernel applied.
+
+A function of the program on the stack when attention runs holds this batch's padding (trace/held.py): a mask named as
+one (`attention_mask`, `mask`, `input_mask`: 1 = a real token; `*padding_mask`, `*pad_mask`, `*is_pad`: True =
+padding) or the batch's lengths (`lengths`, `*_lens`). Where the kernel's mask lets a real query see a key that padding
+calls padding, the mask was built and never handed on (uniem#23: the pad mask used for pooling only; SpeechBrain#1107:
+the decoder's memory lengths never reach its cross-attention; OpenTau#254: the padded history frames never reach the
+temporal attention).
+
+What is read as padding, so that a mask meant otherwise (a loss mask, a masked-LM's choice) is not: each row one run
+of real tokens at one edge, every row with a real token, and one row with no padding at all (the longest sample); a
+plain `mask` only right-padded (the loss mask of a prompt is zeros at the start). Its keys are exactly the call's keys.
+Where it cannot say which way the program's padding lies along the keys (lengths: right- or left-padded) or along a
+batch folded with other rows (`b * n` rows: repeat_interleave or repeat), it speaks only where every reading is seen
+through: a program whose mask keeps to its padding one way is quiet. Several held paddings: quiet where any is kept to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, cross, first_cell, keep, queries
+from maskcli.checks.intent import top_of
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def readings(held: dict, rows: int, length: int) -> list[np.ndarray]:
+    """Bool (rows, length) real keys, one per way `held` may lie over the call's `rows` batch rows and `length` keys;
+    [] where it is not padding of this call."""
+    found = held["rows"]
+    if held["kind"] == "lengths":
+        if found.max(initial=0) != length or found.min(initial=0) < 1 or found.min() == length:
+            return []
+        at = np.arange(length)[None, :]
+        tables = [at < found[:, None], at >= length - found[:, None]]
+    else:
+        if found.ndim != 2 or found.shape[1] != length:
+            return []
+        real = found if held["kind"] == "keep" else ~found
+        if not _padding(real, right_only=held["name"] == "mask"):
+            return []
+        tables = [real]
+    size = tables[0].shape[0]
+    if rows == size or size == 1:
+        return [np.broadcast_to(t, (rows, length)) for t in tables]
+    if size > 1 and rows % size == 0:  # a batch folded with n other rows each (patches, heads): either way round
+        n = rows // size
+        return [t[np.arange(rows) // n] for t in tables] + [t[np.arange(rows) % size] for t in tables]
+    return []
+
+
+def _padding(real: np.ndarray, right_only: bool) -> bool:
+    """Each row a run of real tokens at one edge, each with one, one row all real and one not."""
+    count = real.sum(axis=1)
+    if real.shape[0] < 2 or count.min() < 1 or count.max() != real.shape[1] or count.min() == real.shape[1]:
+        return False
+    at = np.arange(real.shape[1])[None, :]
+    right = (real == (at < count[:, None])).all(axis=1)
+    left = (real == (at >= real.shape[1] - count[:, None])).all(axis=1)
+    return bool(right.all() or not right_only and (left.all() or (right | left).all()))
+
+
+def _seen(cells: np.ndarray, real: np.ndarray, own: np.ndarray | None) -> np.ndarray:
+    """Bool (rows, Lq, Lk): real queries (all queries of a cross-attention: `own` None) that see a padding key."""
+    rows, q_len, length = cells.shape
+    if own is None:
+        real_q = np.ones((rows, q_len), dtype=bool)
+    else:
+        inside = (own >= 0) & (own < length)
+        real_q = np.zeros((rows, q_len), dtype=bool)
+        real_q[:, inside] = real[:, own[inside]]
+    sees_real = (cells & real[:, None, :]).any(axis=2)  # (a row that sees no real key is a padding row, unmasked)
+    return cells & (real_q & sees_real)[:, :, None] & ~real[:, None, :]
+
+
+def held_padding(run: Run) -> list:
+    """Calls whose real queries see keys every reading of every padding the program holds there calls padding."""
+    found, done = [], {}
+    square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
+    for call in [*run.calls, *run.cross, *square]:  # (a softmax that masks nothing: its mask may be the one never handed on)
+        helds = call.details.get("held_padding")
+        if not helds or call.stored is None:
+            continue
+        rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
+        key = (call.mask, call.shape, tuple(id(h["rows"]) for h in helds), cross(call))
+        if key in done:
+            if done[key] is not None:
+                found.append((call, done[key]))
+            continue
+        done[key] = None
+        cells = keep(call)
+        if cells is None or cells.shape[0] not in (1, rows):
+            continue
+        cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
+        own = None if cross(call) else queries(call, top_of(run, call))
+        first, seen_through = None, True
+        for held in helds:
+            tables = readings(held, rows, k_len)
+            if not tables:
+                continue
+            for real in tables:
+                bad = _seen(cells, real, own)
+                if not bad.any():
+                    seen_through = False
+                    break
+                if first is None:
+                    first = (held, bad)
+            if not seen_through:
+                break
+        if first is None or not seen_through:
+            continue
+        held, bad = first
+        b, q, k = first_cell(bad)
+        what = {"keep": "a padding mask (1 = real)", "pad": "a padding mask (True = padding)",
+                "lengths": "the batch's lengths"}[held["kind"]]
+        said = f"{held['name']} in {held['where']}"
+        query = f"query {q}" if own is None else f"query {int(own[q])}"
+        done[key] = Finding("padding-unused", (
+            f"batch row {b}: {query} sees key {k}, which the program's own padding calls padding: {said} is {what} of "
+            f"these {k_len} keys, held by a function that made this call, and the mask handed to the kernel does not "
+            f"keep to it ({int(bad.sum())} such cells) — built and never handed on?"),
+            expected="no real query sees a key the program's padding calls padding", source=said, cell=(b, q, k))
+        found.append((call, done[key]))
+    return found
+
+
+RULES = (
+    Rule("padding-unused", "wrong", "call", "a real query that sees a key the batch's padding held by the program's own "
+         "frames (a padding mask or lengths, built and never handed on) calls padding, every way it may be read",
+         held_padding),
+)

@@ -1,0 +1,90 @@
+"""The padding the program's own frames hold at an attention call: a padding mask or the lengths of its batch.
+
+Read at each call from the functions of the program on the stack (not torch's, maskcli's, nor the standard library's),
+by variable name only (a code object's names are matched once; its locals are read only where one matches): a 2-D
+mask of 0/1 or bools named as a padding mask is, and 1-D integer lengths. checks/held.py says where the kernel's mask
+lets real queries see what the program itself calls padding (a mask built, then never handed on: uniem#23).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import sysconfig
+
+import numpy as np
+import torch
+
+KEEP = re.compile(r"(?:^|_)attention_mask$|^mask$|^input_mask$")  # 1 = a real token
+PAD = re.compile(r"(?:^|_)(?:key_)?padding_mask$|(?:^|_)pad_mask$|(?:^|_)is_pad$")  # True = padding
+LENGTHS = re.compile(r"^(?!cu_)(?:\w+_)?(?:lens|lengths|seq_lens|seqlens)$")
+MOST = 1 << 16  # cells of one held mask read at most (a batch's padding, not a sequence's cells)
+FRAMES = 24
+
+_NAMES: dict = {}  # code object -> the names of its variables that may hold padding (matched once per code)
+_READ: dict = {}  # id(tensor) -> (tensor, version, what it was read as): one tensor is read once while unchanged
+
+
+def _skipped() -> tuple[str, ...]:
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return tuple({os.path.dirname(torch.__file__), own, *(sysconfig.get_paths()[k] for k in ("stdlib",))})
+
+
+_SKIP: tuple = ()
+
+
+def padding() -> list[dict] | None:
+    """[{name, where, kind: keep | pad | lengths, rows: np.ndarray}] held by the program's frames now; None if none."""
+    global _SKIP
+    if not _SKIP:
+        _SKIP = _skipped()
+    frame, searched, found, seen = sys._getframe(1), 0, [], set()
+    while frame is not None and searched < FRAMES:
+        code = frame.f_code
+        if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<"):
+            frame = frame.f_back
+            continue
+        searched += 1
+        names = _NAMES.get(code)
+        if names is None:
+            names = _NAMES[code] = tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n))
+        if names:
+            variables = frame.f_locals
+            for name in names:
+                value = variables.get(name)
+                if isinstance(value, torch.Tensor) and id(value) not in seen:
+                    seen.add(id(value))
+                    read = _read(name, value)
+                    if read is not None:
+                        found.append({**read, "name": name, "where": f"{code.co_name}() of {os.path.basename(code.co_filename)}"})
+        frame = frame.f_back
+    return found or None
+
+
+def _read(name: str, value: torch.Tensor) -> dict | None:
+    held = _READ.get(id(value))
+    if held is not None and held[0] is value and held[1] == value._version:
+        return held[2]
+    read = None
+    try:
+        read = _as_padding(name, value)
+    except Exception:  # noqa: BLE001 - a tensor that cannot be read here (meta, fake, sparse) holds no padding we can see
+        read = None
+    if len(_READ) > 256:
+        _READ.pop(next(iter(_READ)))
+    _READ[id(value)] = (value, value._version, read)  # (the tensor held: its id stays its own)
+    return read
+
+
+def _as_padding(name: str, value: torch.Tensor) -> dict | None:
+    if value.device.type == "meta" or value.is_sparse or value.numel() > MOST or value.numel() == 0:
+        return None
+    if value.dim() == 1 and LENGTHS.search(name) and not value.is_floating_point() and value.dtype != torch.bool:
+        return {"kind": "lengths", "rows": value.detach().cpu().numpy().astype(np.int64)}
+    if value.dim() != 2 or LENGTHS.search(name):
+        return None
+    rows = value.detach().cpu().numpy()
+    if not np.isin(rows, (0, 1)).all():
+        return None
+    return {"kind": "pad" if PAD.search(name) else "keep", "rows": rows.astype(bool)}
