@@ -30,7 +30,7 @@ def readings(held: dict, rows: int, length: int) -> list[np.ndarray]:
     [] where it is not padding of this call."""
     found = held["rows"]
     if held["kind"] == "lengths":
-        if found.max(initial=0) != length or found.min(initial=0) < 1 or found.min() == length:
+        if found.size == 0 or found.max() != length or found.min() < 1 or found.min() == length:
             return []
         at = np.arange(length)[None, :]
         tables = [at < found[:, None], at >= length - found[:, None]]
@@ -93,7 +93,8 @@ def held_padding(run: Run) -> list:
         if cells is None or cells.shape[0] not in (1, rows):
             continue
         cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
-        own = None if cross(call) else queries(call, top_of(run, call))
+        own = None if cross(call) or q_len < k_len else queries(call, top_of(run, call))
+        # (fewer queries than keys: a decoder's over its memory or a step over its cache; each query is judged)
         first, seen_through = None, True
         for held in helds:
             tables = readings(held, rows, k_len)
