@@ -95,7 +95,7 @@ def cross(call) -> bool:
     details = call.details
     if details.get("queries") is not None or details.get("kv_source") == "query":
         return False
-    if CROSS_WORDS.search(getattr(call, "where", "") or ""):
+    if details.get("cross_said") or CROSS_WORDS.search(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
         return True
     q_len, k_len = call.shape[2:]
     return q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal"))  # (flash places them itself)

@@ -88,3 +88,23 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
     if not np.isin(rows, (0, 1)).all():
         return None
     return {"kind": "pad" if PAD.search(name) else "keep", "rows": rows.astype(bool)}
+
+
+CROSS_FIELDS = ("attention_type", "attn_type", "is_cross_attention")
+INNERMOST = 4  # running modules read, innermost first (a whole model's attributes speak for no one call)
+
+
+def cross_said(stack: list) -> str | None:
+    """'path.attention_type=cross' where one of the innermost running modules states itself a cross-attention:
+    `attention_type` / `attn_type` "cross" (Transformer Engine's, Megatron's AttnType.cross_attn) or
+    `is_cross_attention=True` (transformers' BERT family, diffusers' Attention); None otherwise."""
+    for module in reversed(stack[-INNERMOST:]):
+        own = vars(module)
+        for name in CROSS_FIELDS:
+            value = own.get(name)
+            if value is True and name == "is_cross_attention" or value is not None and not isinstance(value, bool) \
+                    and "cross" in str(getattr(value, "name", value)).lower():
+                return f"{type(module).__name__}.{name}={getattr(value, 'name', value)!r}"
+            if value is False and name == "is_cross_attention":
+                return None  # (said self-attention, innermost first)
+    return None
