@@ -29,6 +29,8 @@ def readings(held: dict, rows: int, length: int) -> list[np.ndarray]:
     """Bool (rows, length) real keys, one per way `held` may lie over the call's `rows` batch rows and `length` keys;
     [] where it is not padding of this call."""
     found = held["rows"]
+    if held["kind"] == "cells":
+        return []
     if held["kind"] == "lengths":
         if found.size == 0 or found.max() != length or found.min() < 1 or found.min() == length:
             return []
@@ -126,8 +128,52 @@ def held_padding(run: Run) -> list:
     return found
 
 
+def held_cells(run: Run) -> list:
+    """Calls whose queries see cells a chunk mask the program holds there hides, whichever way round it is read."""
+    found, done = [], {}
+    for call in run.calls:
+        helds = [held for held in call.details.get("held_padding") or () if held["kind"] == "cells"]
+        rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
+        if not helds or call.stored is None or q_len < 2:
+            continue
+        key = (call.mask, call.shape, tuple(id(h["rows"]) for h in helds))
+        if key not in done:
+            done[key] = _cells_finding(call, helds, rows, q_len, k_len)
+        if done[key] is not None:
+            found.append((call, done[key]))
+    return found
+
+
+def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | None:
+    cells = keep(call)
+    if cells is None or cells.shape[0] not in (1, rows):
+        return None
+    cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
+    counted = ~cells.all(axis=2) | ~cells.all(axis=(1, 2), keepdims=False)[:, None]  # (rows every key unmasked: NaN-proof)
+    for held in helds:
+        table = held["rows"]
+        if table.shape[-2:] != (q_len, k_len) or table.ndim == 3 and table.shape[0] not in (1, rows):
+            continue
+        table = np.broadcast_to(table if table.ndim == 3 else table[None], (rows, q_len, k_len))
+        if table.all() or not table.any():
+            continue
+        either = [cells & ~table & counted[:, :, None], cells & table & counted[:, :, None]]  # (True = keep; True = hide)
+        if all(bad.any() for bad in either):
+            bad = min(either, key=lambda x: int(x.sum()))
+            b, q, k = first_cell(bad)
+            said = f"{held['name']} in {held['where']}"
+            return Finding("chunk-mask-unused", (
+                f"batch row {b}: query {q} sees key {k}, which {said} hides whichever way round it is read "
+                f"(True = keep or True = masked; {int(bad.sum())} such cells at least): the chunk mask the program built "
+                f"for this call does not bound what the kernel lets each query see"),
+                expected=f"within {held['name']}", source=said, cell=(b, q, k))
+    return None
+
+
 RULES = (
     Rule("padding-unused", "wrong", "call", "a real query that sees a key the batch's padding held by the program's own "
          "frames (a padding mask or lengths, built and never handed on) calls padding, every way it may be read",
          held_padding),
+    Rule("chunk-mask-unused", "wrong", "call", "a query that sees a cell the chunk mask held by the program's own frames "
+         "at the call hides, whichever way round it is read (a chunk mask combined with the padding by AND)", held_cells),
 )

@@ -18,7 +18,8 @@ import torch
 
 KEEP = re.compile(r"(?:^|_)attention_mask$|^mask$|^input_mask$")  # 1 = a real token
 PAD = re.compile(r"(?:^|_)(?:key_)?padding_mask$|(?:^|_)pad_mask$|(?:^|_)is_pad$")  # True = padding
-LENGTHS = re.compile(r"^(?!cu_)(?:\w+_)?(?:lens|lengths|seq_lens|seqlens)$")
+LENGTHS = re.compile(r"^(?!cu_|max_)(?:\w+_)?(?:len|lens|lengths|seq_lens|seqlens)$")
+CELLS = re.compile(r"(?:^|_)chunk_masks?$")  # a streaming encoder's chunk mask (L, L) or (B, L, L): its polarity unsaid
 MOST = 1 << 16  # cells of one held mask read at most (a batch's padding, not a sequence's cells)
 FRAMES = 24
 
@@ -48,7 +49,8 @@ def padding() -> list[dict] | None:
         searched += 1
         names = _NAMES.get(code)
         if names is None:
-            names = _NAMES[code] = tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n))
+            names = _NAMES[code] = tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
+                                          or CELLS.search(n))
         if names:
             variables = frame.f_locals
             for name in names:
@@ -82,7 +84,10 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
         return None
     if value.dim() == 1 and LENGTHS.search(name) and not value.is_floating_point() and value.dtype != torch.bool:
         return {"kind": "lengths", "rows": value.detach().cpu().numpy().astype(np.int64)}
-    if value.dim() != 2 or LENGTHS.search(name):
+    if CELLS.search(name) and value.dim() in (2, 3) and value.shape[-1] > 1:
+        cells = value.detach().cpu().numpy()
+        return {"kind": "cells", "rows": cells.astype(bool)} if np.isin(cells, (0, 1)).all() else None
+    if value.dim() != 2 or LENGTHS.search(name) or CELLS.search(name):
         return None
     rows = value.detach().cpu().numpy()
     if not np.isin(rows, (0, 1)).all():
