@@ -49,7 +49,7 @@ def test_padding_mask_never_passed(tmp_path):
 
 def test_espnet_chunk_mask_and_source_mask(tmp_path):
     """espnet#4751: chunk mask and padding (both True = masked) combined with AND: later chunks visible."""
-    check_bug(tmp_path, "espnet_transducer_chunk_mask_and_source_mask", "chunk-mask-unused")
+    check_bug(tmp_path, "espnet_transducer_chunk_mask_and_source_mask", "held-mask-ignored")
 
 
 def test_chunk_masks_dropped(tmp_path):
@@ -58,7 +58,7 @@ def test_chunk_masks_dropped(tmp_path):
 
     status, found, report = traced(tmp_path, "chunk_masks_dropped", False, HELD)
     assert status == 1, report
-    hit = next(f for f in found if f["code"] == "chunk-mask-unused")
+    hit = next(f for f in found if f["code"] == "held-mask-ignored")
     chunk = torch.zeros(6, 6, dtype=torch.bool)
     for i in range(6):
         chunk[i, : (i // 2 + 1) * 2] = True
@@ -113,3 +113,21 @@ def test_frames_read_by_name(monkeypatch):
     assert set(found) == {"attention_mask", "src_key_padding_mask", "enc_lens"}
     assert found["attention_mask"]["kind"] == "keep" and found["src_key_padding_mask"]["kind"] == "pad"
     assert found["enc_lens"]["kind"] == "lengths" and found["enc_lens"]["rows"].tolist() == [3, 1]
+
+
+def test_megatron_window_drops_packed_mask(tmp_path):
+    """NVIDIA/Megatron-LM#7039: the sliding-window branch replaces the caller's packed-document mask (True = masked)."""
+    check_bug(tmp_path, "megatron_fused_softmax_window_drops_packed_mask", "held-mask-ignored")
+
+
+def test_window_replaces_document_mask(tmp_path):
+    """Written another way: the other polarity (True = may attend), SDPA; the first cell is a double loop's over what
+    the kernel's window sees outside the documents' mask."""
+    status, found, report = traced(tmp_path, "window_replaces_document_mask", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "held-mask-ignored")
+    doc = [[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 2, 2]]
+    sees = lambda b, q, k: k <= q and q - k < 3 and doc[b][q] != doc[b][k]  # noqa: E731 - the window sees another document
+    assert tuple(hit["cell"]) == first((2, 7, 7), sees)
+    status, found, report = traced(tmp_path, "window_replaces_document_mask", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

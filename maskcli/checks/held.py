@@ -129,7 +129,8 @@ def held_padding(run: Run) -> list:
 
 
 def held_cells(run: Run) -> list:
-    """Calls whose queries see cells a chunk mask the program holds there hides, whichever way round it is read."""
+    """Calls whose queries see cells that a mask the program holds there (a chunk mask; a bool (B, 1, Lq, Lk) mask handed
+    down as attention_mask / attn_mask / mask) hides, whichever way round it is read."""
     found, done = [], {}
     for call in run.calls:
         helds = [held for held in call.details.get("held_padding") or () if held["kind"] == "cells"]
@@ -162,10 +163,10 @@ def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | 
             bad = min(either, key=lambda x: int(x.sum()))
             b, q, k = first_cell(bad)
             said = f"{held['name']} in {held['where']}"
-            return Finding("chunk-mask-unused", (
+            return Finding("held-mask-ignored", (
                 f"batch row {b}: query {q} sees key {k}, which {said} hides whichever way round it is read "
-                f"(True = keep or True = masked; {int(bad.sum())} such cells at least): the chunk mask the program built "
-                f"for this call does not bound what the kernel lets each query see"),
+                f"(True = keep or True = masked; {int(bad.sum())} such cells at least): the mask the program holds for "
+                f"this call does not bound what the kernel lets each query see (combined the wrong way, or dropped?)"),
                 expected=f"within {held['name']}", source=said, cell=(b, q, k))
     return None
 
@@ -174,6 +175,7 @@ RULES = (
     Rule("padding-unused", "wrong", "call", "a real query that sees a key the batch's padding held by the program's own "
          "frames (a padding mask or lengths, built and never handed on) calls padding, every way it may be read",
          held_padding),
-    Rule("chunk-mask-unused", "wrong", "call", "a query that sees a cell the chunk mask held by the program's own frames "
-         "at the call hides, whichever way round it is read (a chunk mask combined with the padding by AND)", held_cells),
+    Rule("held-mask-ignored", "wrong", "call", "a query that sees a cell that a mask the program's own frames hold at the "
+         "call hides, whichever way round it is read (a chunk mask, a bool mask handed down: combined by AND, or "
+         "replaced by a window)", held_cells),
 )

@@ -20,6 +20,7 @@ KEEP = re.compile(r"(?:^|_)attention_mask$|^mask$|^input_mask$")  # 1 = a real t
 PAD = re.compile(r"(?:^|_)(?:key_)?padding_mask$|(?:^|_)pad_mask$|(?:^|_)is_pad$")  # True = padding
 LENGTHS = re.compile(r"^(?!cu_|max_)(?:\w+_)?(?:len|lens|lengths|seq_lens|seqlens)$")
 CELLS = re.compile(r"(?:^|_)chunk_masks?$")  # a streaming encoder's chunk mask (L, L) or (B, L, L): its polarity unsaid
+HANDED = re.compile(r"^(?:attention_mask|attn_mask|mask)$")  # a bool mask over the cells, handed down: polarity unsaid
 MOST = 1 << 16  # cells of one held mask read at most (a batch's padding, not a sequence's cells)
 FRAMES = 24
 
@@ -84,6 +85,9 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
         return None
     if value.dim() == 1 and LENGTHS.search(name) and not value.is_floating_point() and value.dtype != torch.bool:
         return {"kind": "lengths", "rows": value.detach().cpu().numpy().astype(np.int64)}
+    if HANDED.search(name) and value.dtype == torch.bool and value.dim() == 4 and value.shape[1] == 1 \
+            and value.shape[-2] > 1:  # (B, 1, Lq, Lk): one mask for every head
+        return {"kind": "cells", "rows": value[:, 0].detach().cpu().numpy()}
     if CELLS.search(name) and value.dim() in (2, 3) and value.shape[-1] > 1:
         cells = value.detach().cpu().numpy()
         return {"kind": "cells", "rows": cells.astype(bool)} if np.isin(cells, (0, 1)).all() else None
