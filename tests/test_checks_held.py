@@ -131,3 +131,39 @@ def test_window_replaces_document_mask(tmp_path):
     assert tuple(hit["cell"]) == first((2, 7, 7), sees)
     status, found, report = traced(tmp_path, "window_replaces_document_mask", True, HELD)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_torchtitan_packed_documents_from_missing_eos_in_its_own_process(tmp_path):
+    """pytorch/torchtitan#3130: documents split on an EOS the packed SFT inputs dropped, while the packing loop's
+    positions restart at 0 for each conversation. Traced in a process of its own (flex_attention: dynamo's guards on
+    the program's __main__ would break later traces in this process)."""
+    import json
+    import subprocess
+    import sys
+
+    program = Path(__file__).parent / "data" / "bugs" / "torchtitan_sft_packed_document_mask_from_missing_eos.py"
+    for fixed in (False, True):
+        out = tmp_path / f"t{int(fixed)}.json"
+        done = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--json", str(out), str(program),
+                               *(["--fixed"] if fixed else [])], capture_output=True, text=True, timeout=600)
+        data = json.loads(out.read_text())
+        wrong = [f["code"] for g in data["groups"] for f in g["findings"] if f["severity"] == "wrong"]
+        assert data["exit_status"] == 0, done.stderr
+        assert (done.returncode, "held-documents-leak" in wrong) == ((0, False) if fixed else (1, True)), done.stderr
+        assert not fixed or wrong == [], done.stderr
+
+
+def test_packed_positions_kept_by_collator(tmp_path):
+    """Written another way: `position_ids` from a collator, SDPA's is_causal; the first cell is a double loop's over
+    the documents the positions mark (a new one at each 0 after a later position; the zeros of padding left out)."""
+    import torch
+
+    status, found, report = traced(tmp_path, "packed_positions_kept_by_collator", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "held-documents-leak")
+    positions = [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 0, 1, 0, 1, 2]]
+    doc = [[sum(1 for j in range(1, i + 1) if row[j] == 0 and row[j - 1] > 0) for i in range(8)] for row in positions]
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    assert tuple(hit["cell"]) == first((2, 8, 8), lambda b, q, k: bool(causal[q, k]) and doc[b][q] != doc[b][k])
+    status, found, report = traced(tmp_path, "packed_positions_kept_by_collator", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from maskcli.checks.arguments import document_starts, padded_positions
 from maskcli.checks.context import Run, cross, first_cell, keep, queries
 from maskcli.checks.intent import top_of
 from maskcli.checks.registry import Rule
@@ -29,7 +30,7 @@ def readings(held: dict, rows: int, length: int) -> list[np.ndarray]:
     """Bool (rows, length) real keys, one per way `held` may lie over the call's `rows` batch rows and `length` keys;
     [] where it is not padding of this call."""
     found = held["rows"]
-    if held["kind"] == "cells":
+    if held["kind"] in ("cells", "positions"):
         return []
     if held["kind"] == "lengths":
         if found.size == 0 or found.max() != length or found.min() < 1 or found.min() == length:
@@ -171,6 +172,43 @@ def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | 
     return None
 
 
+def held_documents(run: Run) -> list:
+    """A query that sees another document's key, the documents marked by positions the program holds at the call that
+    restart at 0 inside a row (a packing loop's `positions`, never handed to the model call: arguments.py reads those
+    that are)."""
+    found, done = [], {}
+    for call in run.calls:
+        helds = [held for held in call.details.get("held_padding") or () if held["kind"] == "positions"]
+        rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
+        top = top_of(run, call)
+        if not helds or call.stored is None or q_len != k_len or top is not None and "position_ids" in top.arguments:
+            continue
+        key = (call.mask, call.shape, tuple(id(h["rows"]) for h in helds))
+        if key not in done:
+            done[key] = None
+            cells = keep(call)
+            for held in helds:
+                positions = held["rows"]
+                if cells is None or cells.shape[0] not in (1, rows) or positions.shape[1] != k_len \
+                        or positions.shape[0] not in (1, rows):
+                    continue
+                labels = np.broadcast_to(document_starts(positions, None), (rows, k_len))
+                padded = np.broadcast_to(padded_positions(positions), (rows, k_len))
+                seen = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
+                across = seen & (labels[:, :, None] != labels[:, None, :]) & ~padded[:, :, None]
+                if across.any():
+                    b, q, k = first_cell(across)
+                    said = f"{held['name']} in {held['where']}"
+                    done[key] = Finding("held-documents-leak", (
+                        f"{said} restart at 0 (packed documents) but query {q} of batch row {b} sees key {k} of another "
+                        f"document ({int(across.sum())} such cells): the mask does not restart with them"),
+                        expected="a document mask from the positions", source=said, cell=(b, q, k))
+                    break
+        if done[key] is not None:
+            found.append((call, done[key]))
+    return found
+
+
 RULES = (
     Rule("padding-unused", "wrong", "call", "a real query that sees a key the batch's padding held by the program's own "
          "frames (a padding mask or lengths, built and never handed on) calls padding, every way it may be read",
@@ -178,4 +216,7 @@ RULES = (
     Rule("held-mask-ignored", "wrong", "call", "a query that sees a cell that a mask the program's own frames hold at the "
          "call hides, whichever way round it is read (a chunk mask, a bool mask handed down: combined by AND, or "
          "replaced by a window)", held_cells),
+    Rule("held-documents-leak", "wrong", "call", "a query that sees another packed document's key, the documents marked "
+         "by positions the program's own frames hold at the call restarting at 0 (never handed to the model call)",
+         held_documents),
 )

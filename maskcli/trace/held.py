@@ -20,6 +20,7 @@ KEEP = re.compile(r"(?:^|_)attention_mask$|^mask$|^input_mask$")  # 1 = a real t
 PAD = re.compile(r"(?:^|_)(?:key_)?padding_mask$|(?:^|_)pad_mask$|(?:^|_)is_pad$")  # True = padding
 LENGTHS = re.compile(r"^(?!cu_|max_)(?:\w+_)?(?:len|lens|lengths|seq_lens|seqlens)$")
 CELLS = re.compile(r"(?:^|_)chunk_masks?$")  # a streaming encoder's chunk mask (L, L) or (B, L, L): its polarity unsaid
+POSITIONS = re.compile(r"^(?:position_ids|positions|pos_ids)$")  # (B, L) positions that restart: packed documents
 HANDED = re.compile(r"^(?:attention_mask|attn_mask|mask)$")  # a bool mask over the cells, handed down: polarity unsaid
 MOST = 1 << 16  # cells of one held mask read at most (a batch's padding, not a sequence's cells)
 FRAMES = 24
@@ -51,7 +52,7 @@ def padding() -> list[dict] | None:
         names = _NAMES.get(code)
         if names is None:
             names = _NAMES[code] = tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
-                                          or CELLS.search(n))
+                                          or CELLS.search(n) or POSITIONS.search(n))
         if names:
             variables = frame.f_locals
             for name in names:
@@ -85,6 +86,11 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
         return None
     if value.dim() == 1 and LENGTHS.search(name) and not value.is_floating_point() and value.dtype != torch.bool:
         return {"kind": "lengths", "rows": value.detach().cpu().numpy().astype(np.int64)}
+    if POSITIONS.search(name):
+        if value.dim() != 2 or value.is_floating_point() or value.dtype == torch.bool or value.shape[1] < 2:
+            return None
+        rows = value.detach().cpu().numpy().astype(np.int64)
+        return {"kind": "positions", "rows": rows} if ((rows[:, 1:] == 0) & (rows[:, :-1] > 0)).any() else None
     if HANDED.search(name) and value.dtype == torch.bool and value.dim() == 4 and value.shape[1] == 1 \
             and value.shape[-2] > 1:  # (B, 1, Lq, Lk): one mask for every head
         return {"kind": "cells", "rows": value[:, 0].detach().cpu().numpy()}
