@@ -12,6 +12,7 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "layer-differs": CONFIG,  # the config rule names the layer's type (layers.py would say it again)
     "fully-masked": {"fill-became-inf (wrong)"},  # the NaN rows, said with the fill that overflowed (dtypes.py)
     "padding-lost": {"padding-ignored"},
+    "mask-of-another-row": {"padding-per-head"},  # one row's padding on another row's heads, said by the keys (heads.py)
     "padding-unused": {"padding-ignored", "padding-lost", "encoder-padding-ignored"},  # the same keys, said from the call's arguments  # the keys the model call's attention_mask pads (arguments.py)
     "documents-leak": {"varlen-leak", "varlen-disagree"},  # documents given outright (varlen.py)
     "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)

@@ -33,7 +33,7 @@ SEVERITIES = ("wrong", "suspicious", "note")
 READS = ("call", "site", "steps", "batch", "ranks")
 GIVEN = ("run", "group", "tensor", "stages", "batch", "layout", "split", "part", "metadata", "request-steps", "ranks")
 MODULES = ("kernels", "config", "rolled", "paged", "arguments", "memory", "heads", "sides", "steps", "cache", "spans", "own", "layers", "dtypes", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes", "stages", "packing",
-           "held", "across", "decoders", "shard", "serve", "ranks")
+           "held", "across", "decoders", "headrows", "shard", "serve", "ranks")
 
 
 @dataclass(frozen=True)
