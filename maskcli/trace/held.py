@@ -26,7 +26,7 @@ MOST = 1 << 16  # cells of one held mask read at most (a batch's padding, not a 
 FRAMES = 24
 
 _NAMES: dict = {}  # code object -> the names of its variables that may hold padding (matched once per code)
-_READ: dict = {}  # id(tensor) -> (tensor, version, what it was read as): one tensor is read once while unchanged
+_READ: dict = {}  # (id(tensor), name, code) -> (tensor, version, what it was read as): read once while unchanged
 
 
 def _skipped() -> tuple[str, ...]:
@@ -59,25 +59,28 @@ def padding() -> list[dict] | None:
                 value = variables.get(name)
                 if isinstance(value, torch.Tensor) and id(value) not in seen:
                     seen.add(id(value))
-                    read = _read(name, value)
+                    read = _read(name, value, code)
                     if read is not None:
-                        found.append({**read, "name": name, "where": f"{code.co_name}() of {os.path.basename(code.co_filename)}"})
+                        found.append(read)
         frame = frame.f_back
     return found or None
 
 
-def _read(name: str, value: torch.Tensor) -> dict | None:
-    held = _READ.get(id(value))
+def _read(name: str, value: torch.Tensor, code) -> dict | None:
+    """What `value`, held under `name` by `code`'s frame, says (the same dict while the tensor is unchanged)."""
+    key = (id(value), name, code)
+    held = _READ.get(key)
     if held is not None and held[0] is value and held[1] == value._version:
         return held[2]
-    read = None
     try:
         read = _as_padding(name, value)
     except Exception:  # noqa: BLE001 - a tensor that cannot be read here (meta, fake, sparse) holds no padding we can see
         read = None
+    if read is not None:
+        read = {**read, "name": name, "where": f"{code.co_name}() of {os.path.basename(code.co_filename)}"}
     if len(_READ) > 256:
         _READ.pop(next(iter(_READ)))
-    _READ[id(value)] = (value, value._version, read)  # (the tensor held: its id stays its own)
+    _READ[key] = (value, value._version, read)  # (the tensor held: its id stays its own)
     return read
 
 
