@@ -13,6 +13,12 @@ plain `mask` only right-padded (the loss mask of a prompt is zeros at the start)
 Where it cannot say which way the program's padding lies along the keys (lengths: right- or left-padded) or along a
 batch folded with other rows (`b * n` rows: repeat_interleave or repeat), it speaks only where every reading is seen
 through: a program whose mask keeps to its padding one way is quiet. Several held paddings: quiet where any is kept to.
+
+Two more things a frame may hold: a mask over the call's cells (a streaming encoder's `chunk_mask`, a bool
+(B, 1, Lq, Lk) mask handed down as `attention_mask` / `attn_mask` / `mask`), which the kernel's mask must keep
+inside, read either way round as its name does not say its polarity (held-mask-ignored: espnet#4751's AND,
+Megatron-LM#7039's window that replaced it); and 2-D positions that restart at 0 (held-documents-leak: a packing
+loop's, torchtitan#3130's).
 """
 
 from __future__ import annotations
