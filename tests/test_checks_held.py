@@ -167,3 +167,10 @@ def test_packed_positions_kept_by_collator(tmp_path):
     assert tuple(hit["cell"]) == first((2, 8, 8), lambda b, q, k: bool(causal[q, k]) and doc[b][q] != doc[b][k])
     status, found, report = traced(tmp_path, "packed_positions_kept_by_collator", True, HELD)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_musubi_joint_attention_ignores_text_mask(tmp_path):
+    """kohya-ss/musubi-tuner#686: the joint image + text attention never gets the text padding; the program's own
+    `total_len = seq_img + txt_seq_lens` (each sample's real joint length) is read both ways round, and seen through
+    both ways."""
+    check_bug(tmp_path, "musubi_qwen_image_joint_attention_ignores_text_mask", "padding-unused")
