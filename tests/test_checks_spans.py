@@ -12,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkbugs import check_bug, runner
+from pathlib import Path
+
 from maskcli import tracefile
 from maskcli.checks.context import Run, Top
 from maskcli.checks.spans import FAMILIES, check, explained, one_span, runs
@@ -22,6 +24,29 @@ BUGS = [
     ("paligemma_suffix_sees_ahead", "span-leak"),  # huggingface/transformers#30918, fixed by #30967
     ("gemma3_generate_drops_image_spans", "span-not-bidirectional"),  # huggingface/transformers#39389
 ]
+PORTS = [  # hand-written ports: the family read off the config class's name (no transformers, no model_type)
+    ("gemma3_image_tokens_attend_future_images", "span-leak"),  # huggingface/transformers#38053, written blind
+]
+
+
+@pytest.mark.parametrize("name, code", PORTS)
+def test_each_port_is_flagged_and_its_fix_is_not(tmp_path, name, code):
+    check_bug(tmp_path, name, code)
+
+
+def test_paligemma_port_suffix_sees_ahead(tmp_path):
+    """Written another way: a PaliGemmaConfig dataclass; the suffix un-masked as the prefix is. The first cell is a
+    double loop's over later keys in the suffix (token type 1) of the query's own row."""
+    from checkbugs import first, traced
+
+    folder = Path(__file__).parent / "data" / "held"
+    status, found, report = traced(tmp_path, "paligemma_port_suffix_sees_ahead", False, folder)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "span-leak")
+    types = [[0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1]]
+    assert tuple(hit["cell"]) == first((2, 7, 7), lambda b, q, k: k > q and types[b][q] == 1 and types[b][k] == 1)
+    status, found, report = traced(tmp_path, "paligemma_port_suffix_sees_ahead", True, folder)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 
 @pytest.mark.parametrize("name, code", BUGS)

@@ -39,6 +39,7 @@ class Run:
     calls: list  # of trace Calls: .index .where .step .api .shape .details .stored
     tops: list[Top] = field(default_factory=list)
     cross: list = field(default_factory=list)  # cross-attention calls (engine.py sets them apart: no query sits among their keys)
+    unmasked: list = field(default_factory=list)  # softmax calls of sites that mask nowhere (engine.py; held.py reads them)
 
     def top(self, call) -> Top | None:
         """The innermost outermost-module call that made `call` (the last one that began before it)."""
@@ -94,7 +95,7 @@ def cross(call) -> bool:
     details = call.details
     if details.get("queries") is not None or details.get("kv_source") == "query":
         return False
-    if CROSS_WORDS.search(getattr(call, "where", "") or ""):
+    if details.get("cross_said") or CROSS_WORDS.search(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
         return True
     q_len, k_len = call.shape[2:]
     return q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal"))  # (flash places them itself)

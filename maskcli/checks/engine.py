@@ -11,7 +11,9 @@ CONFIG = {rule.code for rule in config.RULES}
 SAID_BY = {  # a code left out of a group where one of these says the same bug with its source
     "layer-differs": CONFIG,  # the config rule names the layer's type (layers.py would say it again)
     "fully-masked": {"fill-became-inf (wrong)"},  # the NaN rows, said with the fill that overflowed (dtypes.py)
-    "padding-lost": {"padding-ignored"},  # the keys the model call's attention_mask pads (arguments.py)
+    "padding-lost": {"padding-ignored"},
+    "mask-of-another-row": {"padding-per-head"},  # one row's padding on another row's heads, said by the keys (heads.py)
+    "padding-unused": {"padding-ignored", "padding-lost", "encoder-padding-ignored"},  # the same keys, said from the call's arguments  # the keys the model call's attention_mask pads (arguments.py)
     "documents-leak": {"varlen-leak", "varlen-disagree"},  # documents given outright (varlen.py)
     "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
     "window-miscounted": {"prefill-chunks-differ"},  # a prefill chunk's rows, said against the whole pass (prefill.py)
@@ -25,7 +27,8 @@ def findings(run: Run) -> list:
     # (a site that masks once is attention; so is one handed documents, full as its call may be: varlen.py)
     calls = [call for call in run.calls if call.where in attending]
     crossing = [call for call in calls if cross(call)]  # its queries sit nowhere among its keys: read apart (steps.py)
-    run = Run([call for call in calls if not cross(call)], run.tops, crossing)
+    unmasked = [call for call in run.calls if call.where not in attending]
+    run = Run([call for call in calls if not cross(call)], run.tops, crossing, unmasked)
     found, done = [], set()
     for rule in all_rules():
         if rule.given == "run" and rule.check not in done:

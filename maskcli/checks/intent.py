@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-FLAGS = ("transformers", "other_layers", "decoder", "attention")  # what a Stated says of its config, not its fields
+FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder")  # what a Stated says of its config, not its fields
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
           "use_sliding_window", "max_window_layers", "no_rope_layers",
@@ -79,11 +79,13 @@ def fields_of(value) -> dict:
                 except Exception:  # noqa: BLE001 - a property of the program's that raises: not stated
                     pass
     found = {name: items[name] for name in FIELDS if items.get(name) is not None}
+    decoder_only = items.get("is_decoder") is True and not items.get("is_encoder_decoder")  # (a causal LM's: decoders.py)
     for name in ("attn_type", "attention_type"):  # an Enum kept as its name (AttentionType.ENCODER_ONLY)
         if name in found:
             found[name] = str(getattr(found[name], "name", found[name])).upper()
-    if not found:
+    if not found and not decoder_only:
         return {}
+    found["causal_decoder"] = decoder_only
     for name in COUNTS:
         if isinstance(items.get(name), int):
             found["layers"] = items[name]

@@ -79,6 +79,14 @@ def _text_config(config):
     return found() if callable(found) else config
 
 
+CONFIG_CLASSES = {"Gemma3Config": "gemma3", "Gemma4Config": "gemma4", "PaliGemmaConfig": "paligemma", "Molmo2Config": "molmo2"}
+# (a port's own config class named as transformers names the family's: its model_type, as CONFIG_MAPPING_NAMES maps it)
+
+
+def _model_type(config) -> str | None:
+    return getattr(config, "model_type", None) or CONFIG_CLASSES.get(type(config).__name__)
+
+
 PREFIX = ("prefix_len", "prefix_lens", "prefix_length", "num_prefix_tokens")  # a prefix-LM's bidirectional prefix
 IMAGES = ("image_mask", "image_positions", "pixel_positions", "num_image_tokens")  # where images are, not how seen
 
@@ -127,7 +135,7 @@ def _family(top, rows: int = 0, length: int = 0) -> tuple[Family, np.ndarray] | 
     """The family and its block ids (B, L) for this model call, where it is one of FAMILIES and was given its argument,
     else where it states its spans by another argument (_stated)."""
     config = None if top is None else top.config
-    family = FAMILIES.get(getattr(config, "model_type", None))
+    family = FAMILIES.get(_model_type(config))
     if family is None:
         return None if top is None or not length else _stated(top, rows, length)
     if not family.on(_text_config(config)):
@@ -166,7 +174,7 @@ def _at(ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 def _spanned(run: Run):
     """(call, its model call, family, block ids, query positions) for each call whose later keys the token types judge."""
-    if not any(getattr(top.config, "model_type", None) in FAMILIES or any(name in top.arguments for name in (*PREFIX, *IMAGES))
+    if not any(_model_type(top.config) in FAMILIES or any(name in top.arguments for name in (*PREFIX, *IMAGES))
                for top in run.tops):
         return  # no model call of the run gives spans (most runs stop here)
     shown = _shown_both_ways(run)

@@ -20,6 +20,8 @@ from collections import Counter
 
 import torch
 
+from maskcli.trace.held import cross_said, padding
+
 FRAMES = 64  # frames of the program searched for a module's owner
 
 
@@ -72,6 +74,12 @@ class Sites:
             details["module_causal"] = flag
         if caller is not None:
             details["caller"] = caller
+        said = cross_said(self.stack)  # a running module that says it attends to another sequence (checks/context.cross)
+        if said is not None:
+            details["cross_said"] = said
+        held = padding()  # the padding the program's frames hold (checks/held.py)
+        if held is not None:
+            details["held_padding"] = held
 
     def current(self, child: str | None = None) -> tuple[tuple, str]:
         """(site key, where) of a call made now; `child`: the submodule of the running one that attends."""

@@ -1,0 +1,82 @@
+"""A config that says its model is a decoder (`is_decoder=True`, not an encoder-decoder's whole) whose self-attention
+lets real queries see later real keys.
+
+`is_decoder=True` is how transformers' BERT family (BERT, RoFormer, BigBird, RemBert, MegatronBert, ...) and their
+ports say the model runs as a causal LM (`XForCausalLM` sets it; `BertModel.forward` then builds a causal mask, not a
+bidirectional one): its self-attention is causal, whatever else the model reads (transformers#48745: RoFormer built
+`create_bidirectional_mask` unconditionally, so the causal LM saw the tokens it was trained to predict). The config
+is read wherever the program keeps it (checks/intent.py: a transformers config, a dataclass, a dict), the innermost
+that speaks for the call deciding (T5's decoder stack says True where its whole model's config says an
+encoder-decoder). Not read: cross-attention (its keys are the encoder's), one query (a decode step sees every cached
+key rightly), padding queries and keys (real.py), later keys the model call's token types account for (spans.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, first_cell, keep, queries
+from maskcli.checks.intent import stated_for, top_of
+from maskcli.checks.real import by_row, resolve
+from maskcli.checks.registry import Rule
+from maskcli.checks.spans import explained
+from maskcli.text import Finding
+
+
+def said_decoder(run: Run, call) -> str | None:
+    """The source of `is_decoder=True` for `call`'s config, innermost first; None where none says it (or the innermost
+    config that states anything says otherwise)."""
+    top = top_of(run, call)
+    if top is None:
+        return None
+    mine = [one for one in stated_for(top, call.where) if "causal_decoder" in one.fields]
+    if not mine:
+        return None
+    inner = max(mine, key=lambda one: len(one.scope or "") if one.scope is not None else -1)
+    return f"is_decoder=True ({inner.source})" if inner.fields["causal_decoder"] else None
+
+
+def decoder_sees_later(run: Run) -> list:
+    """Self-attention calls of a model its config calls a decoder where a real query sees a later real key."""
+    found, done, judged = [], {}, None
+    for call in run.calls:
+        q_len, k_len = call.shape[2:]
+        if call.stored is None or q_len < 2:
+            continue
+        said = said_decoder(run, call)
+        if said is None:
+            continue
+        top = top_of(run, call)
+        own = queries(call, top)
+        key = (call.mask, call.shape, tuple(own), said, id(top))
+        if key in done:
+            if done[key] is not None:
+                found.append((call, done[key]))
+            continue
+        done[key] = None
+        cells = keep(call)
+        if cells is None or cells.shape[0] not in (1, call.shape[0]):
+            continue
+        rows = by_row(cells, call.shape[0])
+        real = resolve(call, top, rows)
+        later = rows & (np.arange(k_len)[None, None, :] > own[None, :, None]) & real.queries[:, :, None] \
+            & real.keys[:, None, :]
+        if not later.any():
+            continue
+        judged = explained(run) if judged is None else judged
+        if call.index in judged:
+            continue
+        b, q, k = first_cell(later)
+        done[key] = Finding("decoder-sees-later", (
+            f"batch row {b}: query {int(own[q])} sees the later key {k}, yet the program's config says this model is a "
+            f"decoder ({said}): a causal LM whose self-attention is built bidirectional ({int(later.sum())} such cells)"),
+            expected="causal", source=said, cell=(b, int(own[q]), k))
+        found.append((call, done[key]))
+    return found
+
+
+RULES = (
+    Rule("decoder-sees-later", "wrong", "steps", "a real query that sees a later real key in a model whose config says "
+         "it is a decoder (is_decoder=True, not an encoder-decoder's whole config): its self-attention is causal",
+         decoder_sees_later),
+)

@@ -1,0 +1,228 @@
+"""The padding the program holds at an attention call, against the mask the kernel applied.
+
+A function of the program on the stack when attention runs holds this batch's padding (trace/held.py): a mask named as
+one (`attention_mask`, `mask`, `input_mask`: 1 = a real token; `*padding_mask`, `*pad_mask`, `*is_pad`: True =
+padding) or the batch's lengths (`lengths`, `*_lens`). Where the kernel's mask lets a real query see a key that padding
+calls padding, the mask was built and never handed on (uniem#23: the pad mask used for pooling only; SpeechBrain#1107:
+the decoder's memory lengths never reach its cross-attention; OpenTau#254: the padded history frames never reach the
+temporal attention).
+
+What is read as padding, so that a mask meant otherwise (a loss mask, a masked-LM's choice) is not: each row one run
+of real tokens at one edge, every row with a real token, and one row with no padding at all (the longest sample); a
+plain `mask` only right-padded (the loss mask of a prompt is zeros at the start). Its keys are exactly the call's keys.
+Where it cannot say which way the program's padding lies along the keys (lengths: right- or left-padded) or along a
+batch folded with other rows (`b * n` rows: repeat_interleave or repeat), it speaks only where every reading is seen
+through: a program whose mask keeps to its padding one way is quiet. Several held paddings: quiet where any is kept to.
+
+Two more things a frame may hold: a mask over the call's cells (a streaming encoder's `chunk_mask`, a bool
+(B, 1, Lq, Lk) mask handed down as `attention_mask` / `attn_mask` / `mask`), which the kernel's mask must keep
+inside, read either way round as its name does not say its polarity (held-mask-ignored: espnet#4751's AND,
+Megatron-LM#7039's window that replaced it); and 2-D positions that restart at 0 (held-documents-leak: a packing
+loop's, torchtitan#3130's).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.arguments import document_starts, padded_positions
+from maskcli.checks.context import Run, cross, first_cell, keep, queries
+from maskcli.checks.intent import top_of
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def readings(held: dict, rows: int, length: int) -> list[np.ndarray]:
+    """Bool (rows, length) real keys, one per way `held` may lie over the call's `rows` batch rows and `length` keys;
+    [] where it is not padding of this call."""
+    found = held["rows"]
+    if held["kind"] in ("cells", "positions"):
+        return []
+    if held["kind"] == "lengths":
+        if found.size == 0 or found.max() != length or found.min() < 1 or found.min() == length:
+            return []
+        at = np.arange(length)[None, :]
+        tables = [at < found[:, None], at >= length - found[:, None]]
+    else:
+        if found.ndim != 2 or found.shape[1] != length:
+            return []
+        real = found if held["kind"] == "keep" else ~found
+        if not _padding(real, right_only=held["name"] == "mask"):
+            return []
+        tables = [real]
+    size = tables[0].shape[0]
+    if rows == size or size == 1:
+        return [np.broadcast_to(t, (rows, length)) for t in tables]
+    if size > 1 and rows % size == 0:  # a batch folded with n other rows each (patches, heads): either way round
+        n = rows // size
+        return [t[np.arange(rows) // n] for t in tables] + [t[np.arange(rows) % size] for t in tables]
+    return []
+
+
+def _padding(real: np.ndarray, right_only: bool) -> bool:
+    """Each row a run of real tokens at one edge, each with one, one row all real and one not."""
+    count = real.sum(axis=1)
+    if real.shape[0] < 2 or count.min() < 1 or count.max() != real.shape[1] or count.min() == real.shape[1]:
+        return False
+    at = np.arange(real.shape[1])[None, :]
+    right = (real == (at < count[:, None])).all(axis=1)
+    left = (real == (at >= real.shape[1] - count[:, None])).all(axis=1)
+    return bool(right.all() or not right_only and (left.all() or (right | left).all()))
+
+
+def _seen(cells: np.ndarray, real: np.ndarray, own: np.ndarray | None) -> np.ndarray:
+    """Bool (rows, Lq, Lk): real queries (all queries of a cross-attention: `own` None) that see a padding key."""
+    rows, q_len, length = cells.shape
+    if own is None:
+        real_q = np.ones((rows, q_len), dtype=bool)
+    else:
+        inside = (own >= 0) & (own < length)
+        real_q = np.zeros((rows, q_len), dtype=bool)
+        real_q[:, inside] = real[:, own[inside]]
+    sees_real = (cells & real[:, None, :]).any(axis=2)  # (a row that sees no real key is a padding row, unmasked)
+    return cells & (real_q & sees_real)[:, :, None] & ~real[:, None, :]
+
+
+def held_padding(run: Run) -> list:
+    """Calls whose real queries see keys every reading of every padding the program holds there calls padding."""
+    found, done = [], {}
+    square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
+    for call in [*run.calls, *run.cross, *square]:  # (a softmax that masks nothing: its mask may be the one never handed on)
+        helds = call.details.get("held_padding")
+        if not helds or call.stored is None:
+            continue
+        rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
+        key = (call.mask, call.shape, tuple(id(h["rows"]) for h in helds), cross(call))
+        if key in done:
+            if done[key] is not None:
+                found.append((call, done[key]))
+            continue
+        done[key] = None
+        cells = keep(call)
+        if cells is None or cells.shape[0] not in (1, rows):
+            continue
+        cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
+        own = None if cross(call) or q_len < k_len else queries(call, top_of(run, call))
+        # (fewer queries than keys: a decoder's over its memory or a step over its cache; each query is judged)
+        first, seen_through = None, True
+        for held in helds:
+            tables = readings(held, rows, k_len)
+            if not tables:
+                continue
+            for real in tables:
+                bad = _seen(cells, real, own)
+                if not bad.any():
+                    seen_through = False
+                    break
+                if first is None:
+                    first = (held, bad)
+            if not seen_through:
+                break
+        if first is None or not seen_through:
+            continue
+        held, bad = first
+        b, q, k = first_cell(bad)
+        what = {"keep": "a padding mask (1 = real)", "pad": "a padding mask (True = padding)",
+                "lengths": "the batch's lengths"}[held["kind"]]
+        said = f"{held['name']} in {held['where']}"
+        query = f"query {q}" if own is None else f"query {int(own[q])}"
+        done[key] = Finding("padding-unused", (
+            f"batch row {b}: {query} sees key {k}, which the program's own padding calls padding: {said} is {what} of "
+            f"these {k_len} keys, held by a function that made this call, and the mask handed to the kernel does not "
+            f"keep to it ({int(bad.sum())} such cells) — built and never handed on?"),
+            expected="no real query sees a key the program's padding calls padding", source=said, cell=(b, q, k))
+        found.append((call, done[key]))
+    return found
+
+
+def held_cells(run: Run) -> list:
+    """Calls whose queries see cells that a mask the program holds there (a chunk mask; a bool (B, 1, Lq, Lk) mask handed
+    down as attention_mask / attn_mask / mask) hides, whichever way round it is read."""
+    found, done = [], {}
+    for call in run.calls:
+        helds = [held for held in call.details.get("held_padding") or () if held["kind"] == "cells"]
+        rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
+        if not helds or call.stored is None or q_len < 2:
+            continue
+        key = (call.mask, call.shape, tuple(id(h["rows"]) for h in helds))
+        if key not in done:
+            done[key] = _cells_finding(call, helds, rows, q_len, k_len)
+        if done[key] is not None:
+            found.append((call, done[key]))
+    return found
+
+
+def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | None:
+    cells = keep(call)
+    if cells is None or cells.shape[0] not in (1, rows):
+        return None
+    cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
+    counted = ~cells.all(axis=2) | ~cells.all(axis=(1, 2), keepdims=False)[:, None]  # (rows every key unmasked: NaN-proof)
+    for held in helds:
+        table = held["rows"]
+        if table.shape[-2:] != (q_len, k_len) or table.ndim == 3 and table.shape[0] not in (1, rows):
+            continue
+        table = np.broadcast_to(table if table.ndim == 3 else table[None], (rows, q_len, k_len))
+        if table.all() or not table.any():
+            continue
+        either = [cells & ~table & counted[:, :, None], cells & table & counted[:, :, None]]  # (True = keep; True = hide)
+        if all(bad.any() for bad in either):
+            bad = min(either, key=lambda x: int(x.sum()))
+            b, q, k = first_cell(bad)
+            said = f"{held['name']} in {held['where']}"
+            return Finding("held-mask-ignored", (
+                f"batch row {b}: query {q} sees key {k}, which {said} hides whichever way round it is read "
+                f"(True = keep or True = masked; {int(bad.sum())} such cells at least): the mask the program holds for "
+                f"this call does not bound what the kernel lets each query see (combined the wrong way, or dropped?)"),
+                expected=f"within {held['name']}", source=said, cell=(b, q, k))
+    return None
+
+
+def held_documents(run: Run) -> list:
+    """A query that sees another document's key, the documents marked by positions the program holds at the call that
+    restart at 0 inside a row (a packing loop's `positions`, never handed to the model call: arguments.py reads those
+    that are)."""
+    found, done = [], {}
+    for call in run.calls:
+        helds = [held for held in call.details.get("held_padding") or () if held["kind"] == "positions"]
+        rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
+        top = top_of(run, call)
+        if not helds or call.stored is None or q_len != k_len or top is not None and "position_ids" in top.arguments:
+            continue
+        key = (call.mask, call.shape, tuple(id(h["rows"]) for h in helds))
+        if key not in done:
+            done[key] = None
+            cells = keep(call)
+            for held in helds:
+                positions = held["rows"]
+                if cells is None or cells.shape[0] not in (1, rows) or positions.shape[1] != k_len \
+                        or positions.shape[0] not in (1, rows):
+                    continue
+                labels = np.broadcast_to(document_starts(positions, None), (rows, k_len))
+                padded = np.broadcast_to(padded_positions(positions), (rows, k_len))
+                seen = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
+                across = seen & (labels[:, :, None] != labels[:, None, :]) & ~padded[:, :, None]
+                if across.any():
+                    b, q, k = first_cell(across)
+                    said = f"{held['name']} in {held['where']}"
+                    done[key] = Finding("held-documents-leak", (
+                        f"{said} restart at 0 (packed documents) but query {q} of batch row {b} sees key {k} of another "
+                        f"document ({int(across.sum())} such cells): the mask does not restart with them"),
+                        expected="a document mask from the positions", source=said, cell=(b, q, k))
+                    break
+        if done[key] is not None:
+            found.append((call, done[key]))
+    return found
+
+
+RULES = (
+    Rule("padding-unused", "wrong", "call", "a real query that sees a key the batch's padding held by the program's own "
+         "frames (a padding mask or lengths, built and never handed on) calls padding, every way it may be read",
+         held_padding),
+    Rule("held-mask-ignored", "wrong", "call", "a query that sees a cell that a mask the program's own frames hold at the "
+         "call hides, whichever way round it is read (a chunk mask, a bool mask handed down: combined by AND, or "
+         "replaced by a window)", held_cells),
+    Rule("held-documents-leak", "wrong", "call", "a query that sees another packed document's key, the documents marked "
+         "by positions the program's own frames hold at the call restarting at 0 (never handed to the model call)",
+         held_documents),
+)

@@ -1,0 +1,128 @@
+"""The padding the program's own frames hold at an attention call: a padding mask or the lengths of its batch.
+
+Read at each call from the functions of the program on the stack (not torch's, maskcli's, nor the standard library's),
+by variable name only (a code object's names are matched once; its locals are read only where one matches): a 2-D
+mask of 0/1 or bools named as a padding mask is, and 1-D integer lengths. checks/held.py says where the kernel's mask
+lets real queries see what the program itself calls padding (a mask built, then never handed on: uniem#23).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import sysconfig
+
+import numpy as np
+import torch
+
+KEEP = re.compile(r"(?:^|_)attention_mask$|^mask$|^input_mask$")  # 1 = a real token
+PAD = re.compile(r"(?:^|_)(?:key_)?padding_mask$|(?:^|_)pad_mask$|(?:^|_)is_pad$")  # True = padding
+LENGTHS = re.compile(r"^(?!cu_|max_)(?:\w+_)?(?:len|lens|lengths|seq_lens|seqlens)$")
+CELLS = re.compile(r"(?:^|_)chunk_masks?$")  # a streaming encoder's chunk mask (L, L) or (B, L, L): its polarity unsaid
+POSITIONS = re.compile(r"^(?:position_ids|positions|pos_ids)$")  # (B, L) positions that restart: packed documents
+HANDED = re.compile(r"^(?:attention_mask|attn_mask|mask)$")  # a bool mask over the cells, handed down: polarity unsaid
+MOST = 1 << 16  # cells of one held mask read at most (a batch's padding, not a sequence's cells)
+FRAMES = 24
+
+_NAMES: dict = {}  # code object -> the names of its variables that may hold padding (matched once per code)
+_READ: dict = {}  # (id(tensor), name, code) -> (tensor, version, what it was read as): read once while unchanged
+
+
+def _skipped() -> tuple[str, ...]:
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return tuple({os.path.dirname(torch.__file__), own, *(sysconfig.get_paths()[k] for k in ("stdlib",))})
+
+
+_SKIP: tuple = ()
+
+
+def padding() -> list[dict] | None:
+    """[{name, where, kind: keep | pad | lengths, rows: np.ndarray}] held by the program's frames now; None if none."""
+    global _SKIP
+    if not _SKIP:
+        _SKIP = _skipped()
+    frame, searched, found, seen = sys._getframe(1), 0, [], set()
+    while frame is not None and searched < FRAMES:
+        code = frame.f_code
+        if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<"):
+            frame = frame.f_back
+            continue
+        searched += 1
+        names = _NAMES.get(code)
+        if names is None:
+            names = _NAMES[code] = tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
+                                          or CELLS.search(n) or POSITIONS.search(n))
+        if names:
+            variables = frame.f_locals
+            for name in names:
+                value = variables.get(name)
+                if isinstance(value, torch.Tensor) and id(value) not in seen:
+                    seen.add(id(value))
+                    read = _read(name, value, code)
+                    if read is not None:
+                        found.append(read)
+        frame = frame.f_back
+    return found or None
+
+
+def _read(name: str, value: torch.Tensor, code) -> dict | None:
+    """What `value`, held under `name` by `code`'s frame, says (the same dict while the tensor is unchanged)."""
+    key = (id(value), name, code)
+    held = _READ.get(key)
+    if held is not None and held[0] is value and held[1] == value._version:
+        return held[2]
+    try:
+        read = _as_padding(name, value)
+    except Exception:  # noqa: BLE001 - a tensor that cannot be read here (meta, fake, sparse) holds no padding we can see
+        read = None
+    if read is not None:
+        read = {**read, "name": name, "where": f"{code.co_name}() of {os.path.basename(code.co_filename)}"}
+    if len(_READ) > 256:
+        _READ.pop(next(iter(_READ)))
+    _READ[key] = (value, value._version, read)  # (the tensor held: its id stays its own)
+    return read
+
+
+def _as_padding(name: str, value: torch.Tensor) -> dict | None:
+    if value.device.type == "meta" or value.is_sparse or value.numel() > MOST or value.numel() == 0:
+        return None
+    if value.dim() == 1 and LENGTHS.search(name) and not value.is_floating_point() and value.dtype != torch.bool:
+        return {"kind": "lengths", "rows": value.detach().cpu().numpy().astype(np.int64)}
+    if POSITIONS.search(name):
+        if value.dim() != 2 or value.is_floating_point() or value.dtype == torch.bool or value.shape[1] < 2:
+            return None
+        rows = value.detach().cpu().numpy().astype(np.int64)
+        return {"kind": "positions", "rows": rows} if ((rows[:, 1:] == 0) & (rows[:, :-1] > 0)).any() else None
+    if HANDED.search(name) and value.dtype == torch.bool and value.dim() == 4 and value.shape[1] == 1 \
+            and value.shape[-2] > 1:  # (B, 1, Lq, Lk): one mask for every head
+        return {"kind": "cells", "rows": value[:, 0].detach().cpu().numpy()}
+    if CELLS.search(name) and value.dim() in (2, 3) and value.shape[-1] > 1:
+        cells = value.detach().cpu().numpy()
+        return {"kind": "cells", "rows": cells.astype(bool)} if np.isin(cells, (0, 1)).all() else None
+    if value.dim() != 2 or LENGTHS.search(name) or CELLS.search(name):
+        return None
+    rows = value.detach().cpu().numpy()
+    if not np.isin(rows, (0, 1)).all():
+        return None
+    return {"kind": "pad" if PAD.search(name) else "keep", "rows": rows.astype(bool)}
+
+
+CROSS_FIELDS = ("attention_type", "attn_type", "is_cross_attention")
+INNERMOST = 4  # running modules read, innermost first (a whole model's attributes speak for no one call)
+
+
+def cross_said(stack: list) -> str | None:
+    """'path.attention_type=cross' where one of the innermost running modules states itself a cross-attention:
+    `attention_type` / `attn_type` "cross" (Transformer Engine's, Megatron's AttnType.cross_attn) or
+    `is_cross_attention=True` (transformers' BERT family, diffusers' Attention); None otherwise."""
+    for module in reversed(stack[-INNERMOST:]):
+        own = vars(module)
+        for name in CROSS_FIELDS:
+            value = own.get(name)
+            if value is True and name == "is_cross_attention" or value is not None and not isinstance(value, bool) \
+                    and "cross" in str(getattr(value, "name", value)).lower():
+                return f"{type(module).__name__}.{name}={getattr(value, 'name', value)!r}"
+            if value is False and name == "is_cross_attention":
+                return None  # (said self-attention, innermost first)
+    return None

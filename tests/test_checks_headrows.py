@@ -1,0 +1,56 @@
+"""checks/headrows.py: a head of one batch row that carries another row's padding (repeat for repeat_interleave)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from checkbugs import check_bug, first, traced
+
+HELD = Path(__file__).parent / "data" / "held"
+
+
+def test_lighthouse_attn_mask_repeat_tiles_batch(tmp_path):
+    """line/lighthouse#77: a video-clip x text mask tiled over heads with .repeat(nhead, 1, 1)."""
+    check_bug(tmp_path, "lighthouse_t2v_attn_mask_repeat_tiles_batch", "mask-of-another-row")
+
+
+def test_region_mask_repeated_over_heads(tmp_path):
+    """Written another way: batch_first, two heads, a grounding mask whose first token reads every slot (so no head
+    hides a key from every query: heads.py's rule has nothing to say); the first cell is a double loop's over what
+    nn.MultiheadAttention masks for row 1's head 0 (sample 0's mask, by repeat's index) and not for its head 1."""
+    status, found, report = traced(tmp_path, "region_mask_repeated_over_heads", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "mask-of-another-row")
+    pad = [[0, 0, 0, 1, 1], [0] * 5]
+    sample = lambda s, q, k: q > 0 and bool(pad[s][k])  # noqa: E731 - sample s's grounding mask, True = masked
+    hidden = lambda b, h, q, k: bool(pad[b][k]) or sample((b * 2 + h) % 2, q, k)  # noqa: E731 - with the key padding
+    assert tuple(hit["cell"]) == first((2, 3, 5), lambda b, q, k: hidden(b, 0, q, k) and not hidden(b, 1, q, k))
+    status, found, report = traced(tmp_path, "region_mask_repeated_over_heads", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_heads_with_their_own_windows_are_quiet():
+    """Local and global heads alternating (a design, not a bug) over a right-padded batch: the cells a local head
+    hides are far keys, real in every row, so no row's padding explains them."""
+    from maskcli.checks.headrows import _finding
+
+    lengths, heads, size = [3, 5], 4, 5
+    cells = np.zeros((2, heads, size, size), dtype=bool)
+    for b in range(2):
+        for h in range(heads):
+            for q in range(size):
+                for k in range(size):
+                    cells[b, h, q, k] = k <= q and k < lengths[b] and (h % 2 == 1 or q - k < 2)
+    real = np.array([[k < n for k in range(size)] for n in lengths])
+    assert _finding(cells, 2, heads, real) is None
+    # every head causal alike, then row 0's padding laid on row 1's heads 0 and 2 (repeat's index 4 % 2 == 0, 6 % 2)
+    alike = np.broadcast_to(np.tril(np.ones((size, size), dtype=bool)) & real[:, None, None, :], cells.shape).copy()
+    assert _finding(alike, 2, heads, real) is None
+    swapped = alike.copy()
+    swapped[1, ::2] &= real[0][None, None, :]
+    found = _finding(swapped, 2, heads, real)
+    assert found is not None and found.code == "mask-of-another-row"
+    want = first((1, size, size), lambda _, q, k: bool(alike[1, 0, q, k] and not swapped[1, 0, q, k]))
+    assert found.cell == (1, want[1], want[2])

@@ -1,0 +1,176 @@
+"""checks/held.py (and trace/held.py, which records what it reads): the padding and chunk masks the program's own
+frames hold at an attention call, against the mask the kernel applied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from checkbugs import check_bug, first, traced
+
+HELD = Path(__file__).parent / "data" / "held"
+
+
+def test_uniem_encoder_called_without_attention_mask(tmp_path):
+    """wangyuxinwhy/uniem#23: the pad mask built from the ids (`mask`, right-padded) used for pooling only."""
+    check_bug(tmp_path, "uniem_embedder_encoder_called_without_attention_mask", "padding-unused")
+
+
+def test_axolotl_bidirectional_mask_ignores_padding(tmp_path):
+    """axolotl#3735: the 4D all-ones mask handed to the model while the loss step holds the batch's attention_mask."""
+    check_bug(tmp_path, "axolotl_diffusion_bidirectional_mask_ignores_padding", "padding-unused")
+
+
+def test_speechbrain_decode_no_memory_padding_mask(tmp_path):
+    """speechbrain#1107: the searcher holds the encoder lengths; the decoder's cross-attention never gets them (either
+    way the lengths may lie, right- or left-padded, its queries see padded memory)."""
+    check_bug(tmp_path, "speechbrain_transformer_asr_decode_no_memory_padding_mask", "padding-unused")
+
+
+def test_opentau_temporal_attention_padded_history(tmp_path):
+    """OpenTau#254: `obs_history_is_pad` (B, T) held while the (B * patches, T, T) temporal attention is plain causal:
+    the folded batch read either way round."""
+    check_bug(tmp_path, "opentau_spacetime_video_temporal_attn_padded_history", "padding-unused")
+
+
+def test_padding_mask_never_passed(tmp_path):
+    """Written another way: left-padded, True = padding, nn.MultiheadAttention; the first cell is a double loop's over
+    the stated padding (real queries, padded keys: the call masks nothing)."""
+    status, found, report = traced(tmp_path, "padding_mask_never_passed", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "padding-unused")
+    assert hit["severity"] == "wrong"
+    pad = [[1, 1, 1, 0, 0], [0] * 5, [1, 0, 0, 0, 0]]
+    assert tuple(hit["cell"]) == first((3, 5, 5), lambda b, q, k: not pad[b][q] and bool(pad[b][k]))
+    status, found, report = traced(tmp_path, "padding_mask_never_passed", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_espnet_chunk_mask_and_source_mask(tmp_path):
+    """espnet#4751: chunk mask and padding (both True = masked) combined with AND: later chunks visible."""
+    check_bug(tmp_path, "espnet_transducer_chunk_mask_and_source_mask", "held-mask-ignored")
+
+
+def test_chunk_masks_dropped(tmp_path):
+    """Written another way: WeNet's polarity (True = may attend), (B, T, T), SDPA handed only the padding."""
+    import torch
+
+    status, found, report = traced(tmp_path, "chunk_masks_dropped", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "held-mask-ignored")
+    chunk = torch.zeros(6, 6, dtype=torch.bool)
+    for i in range(6):
+        chunk[i, : (i // 2 + 1) * 2] = True
+    lengths = [6, 5]
+    # the kernel's mask: the padding only; the cells it sees that the chunk mask hides, fewest first (row 0 has more)
+    bad = [[[k < lengths[b] and not chunk[q, k] for k in range(6)] for q in range(6)] for b in range(2)]
+    assert sum(map(sum, bad[1])) < sum(map(sum, bad[0]))
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: b == 1 and bad[b][q][k])
+    status, found, report = traced(tmp_path, "chunk_masks_dropped", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_readings_against_double_loop():
+    """Lengths read both ways, a folded batch both ways, against masks built by a double loop; what is not padding
+    (no row all real, a plain `mask` left-padded, a masked-LM choice) is not read."""
+    from maskcli.checks.held import readings
+
+    lengths = np.array([4, 2])
+    got = readings({"kind": "lengths", "rows": lengths, "name": "x_lens"}, 2, 4)
+    right = [[k < n for k in range(4)] for n in lengths]
+    left = [[k >= 4 - n for k in range(4)] for n in lengths]
+    assert [r.tolist() for r in got] == [right, left]
+    folded = readings({"kind": "pad", "rows": np.array([[True, False], [False, False]]), "name": "is_pad"}, 6, 2)
+    interleaved = [[not (r // 3 == 0 and k == 0) for k in range(2)] for r in range(6)]
+    tiled = [[not (r % 2 == 0 and k == 0) for k in range(2)] for r in range(6)]
+    assert [r.tolist() for r in folded] == [interleaved, tiled]
+    left_mask = np.array([[0, 1, 1], [1, 1, 1]])
+    assert readings({"kind": "keep", "rows": left_mask, "name": "mask"}, 2, 3) == []  # (a loss mask's shape)
+    assert len(readings({"kind": "keep", "rows": left_mask, "name": "attention_mask"}, 2, 3)) == 1
+    assert readings({"kind": "keep", "rows": np.array([[1, 1, 0], [1, 0, 0]]), "name": "attention_mask"}, 2, 3) == []
+    assert readings({"kind": "keep", "rows": np.array([[1, 0, 1], [1, 1, 1]]), "name": "attention_mask"}, 2, 3) == []
+
+
+def test_frames_read_by_name(monkeypatch):
+    """trace/held.py reads the tensors a function of the program holds under a padding mask's name, each polarity by
+    its name, and leaves others (a float mask of weights, a 3-D tensor under a padding name) alone."""
+    import torch
+
+    from maskcli.trace import held
+
+    monkeypatch.setattr(held, "_SKIP", ("/nonexistent",))  # (this test's own file is a program's here)
+
+    def inner():
+        attention_mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+        src_key_padding_mask = torch.tensor([[False, True, True], [False, False, False]])
+        enc_lens = torch.tensor([3, 1])
+        p_mask = torch.rand(2, 3)  # noqa: F841 - not a name of padding
+        input_mask = torch.rand(2, 3)  # noqa: F841 - a name of padding, but not 0/1
+        return held.padding()
+
+    found = {one["name"]: one for one in inner()}
+    assert set(found) == {"attention_mask", "src_key_padding_mask", "enc_lens"}
+    assert found["attention_mask"]["kind"] == "keep" and found["src_key_padding_mask"]["kind"] == "pad"
+    assert found["enc_lens"]["kind"] == "lengths" and found["enc_lens"]["rows"].tolist() == [3, 1]
+
+
+def test_megatron_window_drops_packed_mask(tmp_path):
+    """NVIDIA/Megatron-LM#7039: the sliding-window branch replaces the caller's packed-document mask (True = masked)."""
+    check_bug(tmp_path, "megatron_fused_softmax_window_drops_packed_mask", "held-mask-ignored")
+
+
+def test_window_replaces_document_mask(tmp_path):
+    """Written another way: the other polarity (True = may attend), SDPA; the first cell is a double loop's over what
+    the kernel's window sees outside the documents' mask."""
+    status, found, report = traced(tmp_path, "window_replaces_document_mask", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "held-mask-ignored")
+    doc = [[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 2, 2]]
+    sees = lambda b, q, k: k <= q and q - k < 3 and doc[b][q] != doc[b][k]  # noqa: E731 - the window sees another document
+    assert tuple(hit["cell"]) == first((2, 7, 7), sees)
+    status, found, report = traced(tmp_path, "window_replaces_document_mask", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_torchtitan_packed_documents_from_missing_eos_in_its_own_process(tmp_path):
+    """pytorch/torchtitan#3130: documents split on an EOS the packed SFT inputs dropped, while the packing loop's
+    positions restart at 0 for each conversation. Traced in a process of its own (flex_attention: dynamo's guards on
+    the program's __main__ would break later traces in this process)."""
+    import json
+    import subprocess
+    import sys
+
+    program = Path(__file__).parent / "data" / "bugs" / "torchtitan_sft_packed_document_mask_from_missing_eos.py"
+    for fixed in (False, True):
+        out = tmp_path / f"t{int(fixed)}.json"
+        done = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--json", str(out), str(program),
+                               *(["--fixed"] if fixed else [])], capture_output=True, text=True, timeout=600)
+        data = json.loads(out.read_text())
+        wrong = [f["code"] for g in data["groups"] for f in g["findings"] if f["severity"] == "wrong"]
+        assert data["exit_status"] == 0, done.stderr
+        assert (done.returncode, "held-documents-leak" in wrong) == ((0, False) if fixed else (1, True)), done.stderr
+        assert not fixed or wrong == [], done.stderr
+
+
+def test_packed_positions_kept_by_collator(tmp_path):
+    """Written another way: `position_ids` from a collator, SDPA's is_causal; the first cell is a double loop's over
+    the documents the positions mark (a new one at each 0 after a later position; the zeros of padding left out)."""
+    import torch
+
+    status, found, report = traced(tmp_path, "packed_positions_kept_by_collator", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "held-documents-leak")
+    positions = [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 0, 1, 0, 1, 2]]
+    doc = [[sum(1 for j in range(1, i + 1) if row[j] == 0 and row[j - 1] > 0) for i in range(8)] for row in positions]
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    assert tuple(hit["cell"]) == first((2, 8, 8), lambda b, q, k: bool(causal[q, k]) and doc[b][q] != doc[b][k])
+    status, found, report = traced(tmp_path, "packed_positions_kept_by_collator", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_musubi_joint_attention_ignores_text_mask(tmp_path):
+    """kohya-ss/musubi-tuner#686: the joint image + text attention never gets the text padding; the program's own
+    `total_len = seq_img + txt_seq_lens` (each sample's real joint length) is read both ways round, and seen through
+    both ways."""
+    check_bug(tmp_path, "musubi_qwen_image_joint_attention_ignores_text_mask", "padding-unused")
