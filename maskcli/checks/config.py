@@ -32,8 +32,16 @@ def layer_kind(config, index: int | None) -> tuple[str, str] | None:
     config object or dict."""
     if config is None or index is None:
         return None
-    found = Intent([Stated("config", "", fields_of(config))]).kind(index)
+    fields = fields_of(config)
+    if not fields and not _transformers(config):
+        return None  # a config of the program's own that states no attention field says nothing of the layer's kind
+        # (nanochat's GPTConfig keeps its windows in a window_pattern it reads itself): only transformers' reads as full
+    found = Intent([Stated("config", "", fields)]).kind(index)
     return None if found is None else found[:2]
+
+
+def _transformers(config) -> bool:
+    return any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(config).__mro__)
 
 
 class Placed:
