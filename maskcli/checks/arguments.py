@@ -27,6 +27,16 @@ def _cells_by_row(call, rows: int):
     return np.broadcast_to(cells.any(axis=1), (rows, *cells.shape[2:]))
 
 
+def over_stated_padding(call, top) -> bool:
+    """An eager softmax over 4-D scores (B, H, Lq, Lk) whose keys are the model call's stated tokens, some of them padding:
+    attention over those tokens though it masks nowhere (a mask dropped on a path: BertGeneration's use_cache,
+    transformers#35043), where a softmax that masks nowhere is otherwise not read (a router's is over experts)."""
+    if call.api != "softmax" or len(getattr(call, "q", ()) or ()) < 4 or top is None or not top.arguments:
+        return False
+    said = stated(top, call.shape[0], call.shape[3])
+    return said is not None and said[2] and not said[0].all() and call.shape[3] > 1
+
+
 def padding(run: Run) -> list:
     """Real queries that see a key the model call states is padding (its attention_mask, a key padding mask, lengths,
     or its input ids at the pad id: checks/real.py), whichever way round the mask handed to the kernel was built."""
