@@ -32,7 +32,7 @@ from maskcli.text import Finding
 SEVERITIES = ("wrong", "suspicious", "note")
 READS = ("call", "site", "steps", "batch", "ranks")
 GIVEN = ("run", "group", "tensor", "stages", "batch", "layout", "split", "part", "metadata", "request-steps", "ranks")
-MODULES = ("kernels", "config", "handed", "rolled", "paged", "arguments", "memory", "heads", "sides", "steps", "cache", "spans", "own", "layers", "dtypes", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes", "stages", "packing",
+MODULES = ("kernels", "config", "handed", "causal_lm", "rolled", "paged", "arguments", "memory", "heads", "sides", "steps", "cache", "spans", "own", "layers", "dtypes", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes", "stages", "packing",
            "shard", "serve", "ranks")
 
 

@@ -69,6 +69,8 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
                 and all(isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0 for x in value):
             found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
     found.update(_token_ids(module))
+    if type(module).__name__.endswith("ForCausalLM"):  # the model states itself a causal LM (checks/causal_lm.py)
+        found["causal_lm"] = type(module).__name__
     cache = given.get("cache", given.get("past_key_values"))  # (transformers 5.24's keyword; the older name)
     if cache is not None:
         found["past_key_values"] = type(cache).__name__
