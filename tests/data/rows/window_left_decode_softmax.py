@@ -18,8 +18,8 @@ def attend(q, k, v, real, window_size):
     keep = real.bool()[:, None, None, :]
     if q_len > 1 or FIXED:
         keep = keep & (cols <= rows) & (cols >= rows - window_size[0])
-    scores = scores.masked_fill(~keep, float("-inf"))
-    weights = torch.nan_to_num(torch.softmax(scores, dim=-1))
+    scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)  # (a padding row: uniform, no NaN)
+    weights = torch.softmax(scores, dim=-1)
     return weights @ v
 
 
