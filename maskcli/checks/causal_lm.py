@@ -7,7 +7,8 @@ same call site then extends one decode step at a time, wrote a cache no causal L
 on that path (transformers#48748: Doge's own dynamic mask under SDPA's is_causal skip; unsloth#2868: the SDPA fallback
 called with is_causal=False). Left alone: a model call given token types, a prefix length or image positions (a
 prefix-LM or an image block attends both ways on purpose: spans.py), a config that states the attention
-bidirectional, keys that are not the model call's own tokens (a vision tower inside the model), and a prompt pass
+bidirectional or its config `is_decoder=False` (RobertaForCausalLM run as an encoder, as transformers warns it
+will), keys that are not the model call's own tokens (a vision tower inside the model), and a prompt pass
 any real query of which misses a real key (a mask was applied: the other rules judge it).
 """
 
@@ -34,6 +35,15 @@ def _prompt(run: Run, call, top) -> bool:
     return tokens is not None and tokens.ndim == 2 and tokens.shape[1] == k_len
 
 
+def _encoder(config, call) -> bool:
+    """The program states this attention not causal though the class is named a causal LM: its config's own
+    `is_decoder = False` (BERT-family configs, which RobertaForCausalLM reads: transformers warns "add is_decoder=True"
+    and runs it both ways, as stated), or the attention module's `is_causal = False` as transformers' interface read it."""
+    held = getattr(config, "__dict__", config if isinstance(config, dict) else {})
+    told = call.details.get("hf") if isinstance(call.details.get("hf"), dict) else {}
+    return held.get("is_decoder") is False or told.get("is_causal") is False or told.get("module_is_causal") is False
+
+
 def both_ways(run: Run) -> list:
     """A ...ForCausalLM's prompt pass in which every real query sees every real key, decoded over afterwards."""
     found = []
@@ -47,7 +57,7 @@ def both_ways(run: Run) -> list:
         k_len = first.shape[3]
         if not any(call.shape[2] < call.shape[3] and call.shape[3] > k_len for call in calls[1:]):
             continue  # no decode step over the prompt's cache: an encoder run of the model, or one pass
-        if intent(run, first).bidirectional() is not None:
+        if intent(run, first).bidirectional() is not None or _encoder(top.config, first):
             continue
         cells = keep(first)
         if cells is None:
