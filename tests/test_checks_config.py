@@ -23,6 +23,8 @@ BUGS = [
     ("hf_window_off_by_one", "window-off-by-one"),  # huggingface/transformers#39408: window_size=(W, W)
     ("hf_window_ignored", "window-missing"),  # unslothai/unsloth#8253: the window never reached SDPA
     ("hf_qwen2_window_layers", "window-on-full-layer"),  # huggingface/transformers#35924, fixed by #36162
+    # rajveer43/VeloxQuant-MLX#463 (written blind): the streaming sink cache's N == 1 shortcut drops window_size
+    ("veloxquant_streaming_sink_cache_decode_drops_window", "window-missing"),
 ]
 
 
