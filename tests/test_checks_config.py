@@ -56,10 +56,10 @@ def test_layer_kinds_are_read_as_transformers_reads_them():
     assert layer_kind(MistralConfig(sliding_window=None), 0)[0] == "full_attention"
 
 
-def test_a_config_of_the_programs_own_that_states_no_attention_field_says_no_layer_kind():
+def test_a_config_of_the_programs_own_with_a_pattern_of_its_own_says_no_layer_kind():
     """nanochat's GPTConfig keeps its windows in a window_pattern the model reads itself: a config of the program's
-    own that states none of the fields says nothing of a layer's kind (prefill.py once held its chunks to causal from
-    it); transformers' config with no window field is read as transformers reads it, full."""
+    own that states none of the fields but a per-layer pattern says nothing of a layer's kind (prefill.py once held
+    its chunks to causal from it); one with no such field, and transformers' config with no window field, are full."""
     transformers = pytest.importorskip("transformers")
     from dataclasses import dataclass
 
@@ -68,7 +68,8 @@ def test_a_config_of_the_programs_own_that_states_no_attention_field_says_no_lay
         n_layer: int = 2
         window_pattern: str = "SL"
 
-    assert layer_kind(GPTConfig(), 0) is None and layer_kind({"n_layer": 2}, 1) is None
+    assert layer_kind(GPTConfig(), 0) is None and layer_kind({"n_layer": 2, "window_pattern": "SSL"}, 1) is None
+    assert layer_kind({"n_layer": 2}, 1)[0] == "full_attention"
     assert layer_kind(transformers.LlamaConfig(num_hidden_layers=2), 1)[0] == "full_attention"
 
 
