@@ -49,10 +49,10 @@ def main() -> None:
     args = parser.parse_args()
     from safetensors.numpy import load_file, save_file  # the reference reader, and the benchmark's writer
 
+    from maskcli.checks.pagemap import page_map
+    from maskcli.checks.serve import check
     from maskcli.render import serve as render
-    from maskcli.serve.checks import check
     from maskcli.serve.engines import read
-    from maskcli.serve.pagemap import page_map
 
     fields = batch(args.requests, args.keys, args.page)
     print(f"{args.requests} requests x {args.keys:,} keys, pages of {args.page}: "

@@ -1,6 +1,6 @@
 """Cost of `maskcli trace` on a program: a small decoder run traced and untraced, in the same run, on the CPU.
 
-    python benchmarks/trace.py [--runs 15] [--len 128] [--steps 8] [--layers 4] [--threads 1]
+    python benchmarks/trace.py [--runs 15] [--len 128] [--steps 8] [--layers 4] [--threads 1] [--no-hf]
 
 The program is maskcli.trace.demo's decoder (random weights): a batch of 2 prompts with
 left padding, prefill then --steps decode steps with a KV cache, every layer calling SDPA
@@ -10,10 +10,20 @@ every torch call, module hooks run for every module, and each step's mask is rea
 The two sides alternate run by run, so a slow spell on a shared machine hits both; each run is
 timed by the wall clock and by this process's CPU time (steadier where other programs share the
 cores). It prints the median of each side and the median of the paired ratios with quartiles
-(target <= 1.5), by both clocks. Then what the checks (maskcli.checks: the rules that read the run)
-add to the report: each traced run is reported as `maskcli trace` reports it, its groups named
-(trace/report.py) and then checked; the checks' time over trace's whole overhead (traced run
-less untraced, plus naming the groups), by the CPU clock, median and quartiles (target <= 10%).
+(target <= 1.5), by both clocks, and trace's cost a call: (traced - untraced) / calls by the CPU
+clock, median and quartiles of the pairs (target <= 0.2 ms). Then what trace does after the run and
+what the checks (maskcli.checks: the rules that read the run) add to the report: each traced run
+is reported as `maskcli trace` reports it: the configs its model states read (Trace.settle: read after
+the run, not while it runs), its groups named (trace/report.py), and then checked; the checks' time
+over trace's whole overhead (traced run less untraced, plus the configs and naming the groups), by
+the CPU clock, median and quartiles (target <= 10%).
+
+Then a tiny Hugging Face llama (LlamaConfig, random weights, 2 layers, batch 2 with left padding):
+`generate` of 3 new tokens (6 attention calls) inside `maskcli.trace()` against the same generate
+untraced, pairs alternating as above, the median of the paired ratios by both clocks (target <= 1.25x);
+beside it the same generate inside a TorchFunctionMode that does nothing but call each function, the
+floor of any trace that sees every torch call from Python (each of its ~850 calls pays the mode's
+dispatch). Skipped where transformers is not installed, or with --no-hf.
 
     python benchmarks/trace.py --ranks 2 [--runs 15] ...
 
@@ -43,6 +53,8 @@ import maskcli
 from maskcli.trace.demo import Decoder, window_mask
 
 TARGET = 1.5
+PER_CALL_TARGET = 0.2e-3  # seconds of trace's cost an attention call
+HF_TARGET = 1.25  # a tiny HF model's generate, traced over untraced
 CHECKS_TARGET = 0.10
 RANKS_TARGET = 1.1
 
@@ -66,6 +78,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
+    parser.add_argument("--no-hf", action="store_true", help="leave out the tiny Hugging Face generate")
     parser.add_argument("--ranks", type=int, default=None, help="compare trace's cost a call under torchrun with this many ranks against one process")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # (a worker of --ranks: where its numbers go)
     args = parser.parse_args()
@@ -84,14 +97,15 @@ def main() -> None:
         generate(model, ids, args.steps, args.window)
         return time.perf_counter() - wall, time.process_time() - cpu
 
-    reports = []  # per traced run: (seconds naming the groups, seconds checking them)
+    reports = []  # per traced run: (seconds reading configs and naming the groups, seconds checking them)
+    calls = args.layers * (args.steps + 1)
 
     def traced() -> tuple[float, float]:
         wall, cpu = time.perf_counter(), time.process_time()
         with maskcli.trace() as t:
             generate(model, ids, args.steps, args.window)
         elapsed = time.perf_counter() - wall, time.process_time() - cpu
-        assert len(t.calls) == args.layers * (args.steps + 1)
+        assert len(t.calls) == calls
         reports.append(report(t))
         return elapsed
 
@@ -108,20 +122,80 @@ def main() -> None:
         print(f"{clock:>4}: untraced median {statistics.median(untraced) * 1e3:.1f} ms, traced median "
               f"{statistics.median(traced_times) * 1e3:.1f} ms; traced / untraced median {median:.2f}x "
               f"(quartiles {q1:.2f}-{q3:.2f}), target <= {TARGET}x: {'met' if median <= TARGET else 'NOT met'}")
-    shares = [checking / (b[1] - a[1] + naming) for (a, b), (naming, checking) in zip(samples, reports)]
+    costs = [(b[1] - a[1]) / calls for a, b in samples]
+    q1, median, q3 = statistics.quantiles(costs, n=4)
+    print(f"a call: trace costs {median * 1e3:.3f} ms by the CPU clock, median of (traced - untraced) / {calls} calls "
+          f"(quartiles {q1 * 1e3:.3f}-{q3 * 1e3:.3f}), target <= {PER_CALL_TARGET * 1e3:.1f} ms: "
+          f"{'met' if median <= PER_CALL_TARGET else 'NOT met'}")
+    shares = [checking / (b[1] - a[1] + after) for (a, b), (after, checking) in zip(samples, reports)]
     q1, median, q3 = statistics.quantiles(shares, n=4)
-    print(f"checks: median {statistics.median(c for _, c in reports) * 1e3:.2f} ms a run (naming the groups "
-          f"{statistics.median(n for n, _ in reports) * 1e3:.1f} ms); checks / trace's overhead median {median:.1%} "
-          f"(quartiles {q1:.1%}-{q3:.1%}), target <= {CHECKS_TARGET:.0%}: {'met' if median <= CHECKS_TARGET else 'NOT met'}")
+    print(f"checks: median {statistics.median(c for _, c in reports) * 1e3:.2f} ms a run (after the run, reading the "
+          f"configs and naming the groups {statistics.median(n for n, _ in reports) * 1e3:.1f} ms); checks / trace's "
+          f"overhead median {median:.1%} (quartiles {q1:.1%}-{q3:.1%}), target <= {CHECKS_TARGET:.0%}: "
+          f"{'met' if median <= CHECKS_TARGET else 'NOT met'}")
+    if not args.no_hf:
+        hf_generate(args.runs)
+
+
+def hf_generate(runs: int) -> None:
+    """A tiny llama's generate (6 attention calls) traced, untraced, and inside a mode that does nothing: the ratios."""
+    try:
+        import transformers
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        print("tiny HF generate: skipped (transformers is not installed)")
+        return
+    from torch.overrides import TorchFunctionMode
+
+    class Nothing(TorchFunctionMode):  # the floor: every torch call through a Python mode, and nothing else
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = (ids != 0).long()
+
+    def run(context) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        with context:
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    def traced() -> tuple[float, float]:
+        t = maskcli.trace()
+        elapsed = run(t)
+        assert len(t.calls) == 6, len(t.calls)
+        return elapsed
+
+    import contextlib
+
+    for _ in range(2):  # warm-up: first calls allocate, import and fill caches
+        run(contextlib.nullcontext()), traced(), run(Nothing())
+    samples = [(run(contextlib.nullcontext()), traced(), run(Nothing())) for _ in range(max(runs, 4) * 2)]
+    print(f"tiny HF llama generate (2 layers, 3 new tokens, 6 attention calls), {len(samples)} runs:")
+    for clock, which in (("wall", 0), ("cpu", 1)):
+        plain = statistics.median(a[which] for a, _, _ in samples)
+        ratios = [b[which] / a[which] for a, b, _ in samples]
+        floor = statistics.median(c[which] / a[which] for a, _, c in samples)
+        q1, median, q3 = statistics.quantiles(ratios, n=4)
+        print(f"{clock:>4}: untraced median {plain * 1e3:.1f} ms; traced / untraced median {median:.2f}x (quartiles "
+              f"{q1:.2f}-{q3:.2f}), target <= {HF_TARGET}x: {'met' if median <= HF_TARGET else 'NOT met'}; "
+              f"a mode that does nothing: {floor:.2f}x")
 
 
 def report(t) -> tuple[float, float]:
-    """CPU seconds naming the trace's groups as the report does, and CPU seconds running the checks over them."""
+    """CPU seconds of trace's work after the run as the report does it (the configs the model states read, the groups
+    named), and CPU seconds running the checks over them."""
     from maskcli.checks.context import Run
     from maskcli.checks.engine import apply
     from maskcli.trace.report import group
 
     start = time.process_time()
+    t.settle()
     groups = group(t.calls)
     named = time.process_time()
     apply(groups, Run(t.calls, t.tops))

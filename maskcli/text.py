@@ -12,7 +12,8 @@ class Finding:
     `severity` overrides the rule's own where one finding of a code is worse than another (a row that sees no key is a
     note where the kernel gives 0, wrong where it gives NaN); `expected`, `source` and `cell` say what the mask should
     have been, where that expectation came from (a config field, an argument, an earlier step, a kernel's rule) and
-    the first cell that differs.
+    the first cell that differs. `request`, `rank` and `step` say which part of a whole it is about where the rule
+    reads more than one: a serving batch's request (serve), a context-parallel rank (shard), a step of a run.
     """
 
     code: str  # short, stable: fully-masked, row-sum, sees-later, fill-overflow, non-finite
@@ -20,7 +21,10 @@ class Finding:
     severity: str | None = None
     expected: str | None = None
     source: str | None = None
-    cell: tuple | None = None  # (batch row, query, key) as absolute positions where known
+    cell: tuple | None = None  # (batch row, query, key) as absolute positions where known; (query, key) in a request or a split
+    request: int | None = None  # the serving batch's request it is about (serve)
+    rank: int | None = None  # the context-parallel rank it is about; None: the split as a whole (shard)
+    step: int | None = None  # the step of a run or of step files it is about
 
 
 def spans(values: list[int]) -> str:

@@ -310,3 +310,27 @@ def test_an_engine_layer_object_states_an_encoder_window_both_ways():
     assert stated.bidirectional() == "attn_type"
     decoder = Intent([Stated("layer", None, {"sliding_window_size": -1, "attn_type": "DECODER"})])
     assert decoder.window() is None and decoder.bidirectional() is None
+
+
+def test_a_window_side_given_as_a_negative_number_is_found(tmp_path):
+    # thu-nics/DiTFastAttn#7: window_size=[-4, 4] (argparse window_size=4); flash reads -4 as no limit behind
+    found = check_bug(tmp_path, "ditfastattn_window_size_negative_left", "window-half-missing")
+    assert "every earlier key and only the 4 keys after each query" in found[0]["message"]
+    assert "window_size=4 (args (Namespace) in main()" in found[0]["message"]
+
+
+def test_a_window_that_lost_its_causal_side_on_a_padded_batch_is_found(tmp_path):
+    found = check_bug(tmp_path, "window_lost_causal_side", "window-half-missing", WINDOWS)
+    assert "the 2 keys before each query and every later one" in found[0]["message"]
+
+
+def test_one_side_bounded_is_told_from_a_band_a_window_and_full():
+    length, own = 9, np.arange(9)
+    real_k = np.ones((1, length), bool)
+    shapes = {  # by a double loop over positions
+        "ahead(3)": lambda q, k: k <= q + 3, "behind(2)": lambda q, k: k >= q - 2,
+        "band(4)": lambda q, k: abs(q - k) < 4, "window(3)": lambda q, k: q - 3 < k <= q, "full": lambda q, k: True}
+    for name, rule in shapes.items():
+        keep = np.array([[[[rule(q, k) for k in range(length)] for q in range(length)]]])
+        placed = Placed(keep, own, real_k[:, own], real_k)
+        assert [other for other in shapes if placed.holds(other)] == [name]

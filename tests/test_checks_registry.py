@@ -73,3 +73,15 @@ def test_inspect_and_attend_findings_are_coloured_by_their_severity():
     lines = {word: line for line in out.getvalue().splitlines() for word in ("first", "second", "third", "fourth") if word in line}
     assert [re.search(r"\x1b\[([0-9;]+)m" + word, lines[word]).group(1) for word in ("first", "second", "third", "fourth")] == \
         ["31", "33", "2", "31"]
+
+
+def test_run_calls_each_check_given_what_the_caller_holds_once_in_the_registrys_order():
+    """shard's layout rules through the registry: a layout with tokens 2 and 4 on no rank, token 1 twice on rank 0, and
+    3 slots against 1 (coverage makes two codes, called once); a padded one; a whole one."""
+    from maskcli.checks.registry import run
+    from maskcli.shard import layouts
+
+    found = run("layout", layouts.from_indices([[0, 1, 1], [3]], 5, "file"))
+    assert [(f.code, f.rank) for f in found] == [("shard-dropped-token", None), ("shard-duplicate-token", 0), ("shard-uneven", 0)]
+    assert [f.code for f in run("layout", layouts.headtail(30, 4))] == ["shard-padding"]
+    assert run("layout", layouts.headtail(32, 4)) == []

@@ -1,5 +1,6 @@
-"""checks/serve.py: every finding serve makes is a rule of the registry, its severity the rule's where it states none,
-coloured and counted by severity; and the rules no other serve test reaches, each on a bug and on the correct batch."""
+"""checks/serve.py (and servemasks.py, servesteps.py, serveexpect.py): every finding serve makes is a rule of the
+registry, its severity the rule's where it states none, coloured and counted by severity; and the rules no other serve
+test reaches, each on a bug and on the correct batch."""
 
 from __future__ import annotations
 
@@ -11,41 +12,60 @@ import numpy as np
 import pytest
 
 from maskcli.checks.registry import READS, SEVERITIES, all_rules, rule, severity, wrong
-from maskcli.serve.checks import Finding, check
+from maskcli.checks.serve import check
+from maskcli.text import Finding
 from maskcli.serve.engines import from_tensors
 from serve_builders import BUILDERS, Req, allocate, flashinfer, vllm, vllm_local
 
-SERVE = Path(__file__).resolve().parent.parent / "maskcli" / "serve"
+CHECKS = Path(__file__).resolve().parent.parent / "maskcli" / "checks"
 
 
 def codes(tensors):
     return [f.code for f in check(from_tensors(tensors, "batch"))]
 
 
-def test_every_code_serve_makes_is_a_registered_rule_whose_check_resolves():
-    """Read off serve's source: Finding("code", ...) and first_difference(..., code="...")."""
+def test_every_code_serve_makes_is_a_rule_of_the_module_that_makes_it():
+    """Read off the source of checks/serve*.py: Finding("code", ...) and first_difference(..., code="..."); serve/
+    makes none of its own."""
     made = set()
-    for path in SERVE.glob("*.py"):
+    for path in CHECKS.glob("serve*.py"):
         made |= set(re.findall(r'Finding\(\s*"([a-z0-9-]+)"', path.read_text()))
         made |= set(re.findall(r'code="([a-z0-9-]+)"', path.read_text()))
     assert len(made) >= 25
     assert sorted(code for code in made if rule(code) is None) == []
-    serve_rules = [r for r in all_rules() if r.check.__qualname__.startswith("maskcli.serve.")]
+    for path in (CHECKS.parent / "serve").glob("*.py"):
+        assert "Finding(" not in path.read_text(), path.name
+    serve_rules = [r for r in all_rules() if r.check.__module__.startswith("maskcli.checks.serve")]
     assert {r.code for r in serve_rules} == made
-    for r in serve_rules:  # each names a function of serve/ that exists (imported when the rule runs)
-        module, _, name = r.check.__qualname__.partition(":")
-        assert r.severity in SEVERITIES and r.reads in READS and callable(getattr(importlib.import_module(module), name)), r.code
+    for r in serve_rules:  # each names a function of the module that declares it
+        module = importlib.import_module(r.check.__module__)
+        assert r.severity in SEVERITIES and r.reads in READS and getattr(module, r.check.__name__) is r.check, r.code
+        assert r in module.RULES, r.code
+
+
+def test_check_runs_every_rule_given_a_batchs_metadata_through_the_registry():
+    """Each batch rule's function runs once (one function makes several codes); --expect's, --model's and the
+    steps' rules need more than the batch, and serve calls them itself."""
+    from maskcli.checks import serve, servemasks
+
+    given = {r.check for r in all_rules() if r.given == "metadata"}
+    assert given == {serve.lengths, serve.pages, servemasks.cascade, servemasks.local, servemasks.trees}
+    reqs = allocate([Req(0, 3), Req(5, 4)], 4)
+    good = vllm(reqs, 4)
+    assert check(from_tensors(good, "batch")) == []
+    bad = dict(good, block_table_tensor=good["block_table_tensor"][..., :2])
+    assert [(f.code, f.request) for f in check(from_tensors(bad, "batch"))] == [("table-short", 1)]
 
 
 def test_a_serve_finding_is_a_text_finding_whose_severity_is_its_rules_unless_it_says_one():
-    from maskcli import text
+    from maskcli.render.serve import finding_json
 
     found = Finding("no-keys", "m", request=1)
-    assert isinstance(found, text.Finding) and found.severity is None and severity(found) == "wrong"
+    assert found.severity is None and severity(found) == "wrong"
     note = Finding("expect", "every request matched holds", "note")
     assert severity(note) == "note" and wrong([found, note]) == [found]
-    assert found.json() == {"code": "no-keys", "severity": "wrong", "request": 1, "cell": None, "message": "m"}
-    assert Finding("seq-len", "m", request=0, cell=(8, 1)).json()["cell"] == [8, 1]
+    assert finding_json(found) == {"code": "no-keys", "severity": "wrong", "request": 1, "cell": None, "message": "m"}
+    assert finding_json(Finding("seq-len", "m", request=0, cell=(8, 1)))["cell"] == [8, 1]
 
 
 def test_serve_colours_a_finding_by_its_severity():

@@ -352,3 +352,28 @@ def test_png_legend_names_the_cache_not_offset_and_no_label_meets_a_title(tmp_pa
     boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
     meeting = [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:] if box.overlaps(other)]
     assert meeting == []
+
+
+@needs_hf
+def test_laguna_decode_is_one_query_per_head_and_its_chunked_prefill_with_a_window_holds():
+    """Laguna keeps its heads per layer (48 each): made tiny in every layer, a decode step is 1 query at its position
+    (not 24 'queries' of packed heads, which no expression rebuilt) and --prefill-chunk compares without an error."""
+    result = model("laguna")
+    assert result.exit_code == 0, result.output
+    assert [row[1:] if row[0] == "prefill" else row[2:] for row in rows(result.stdout)] == [
+        ["#0", "causal", "5x5"], ["#1", "causal", "1x6"], ["#2", "causal", "1x7"]]
+    assert "#1 causal (--lengths 6,4 --pad left) · sdpa (2,2,1,6) · model.layers.{0-1}.self_attn" in result.stdout
+    result = model("laguna", "--lengths", "7,4", "--prefill-chunk", 3, "--window", 3)
+    assert result.exit_code == 0, result.output
+    assert "--prefill-chunk 3: in every layer the 3 chunks' masks put together equal the single-pass prefill mask" in result.stdout
+
+
+@needs_hf
+@pytest.mark.parametrize("family, said", [
+    ("diffllama", ["--prefill-chunk 2: in every layer the 3 chunks' masks put together equal the single-pass prefill mask"]),
+    ("lfm3", ["--prefill-chunk 2: in every layer that attends the 3 chunks' masks put together equal the single-pass prefill mask",
+              "--prefill-chunk 2: layers 0-1, 3 (conv) make no attention call: no mask to compare"])])
+def test_prefill_chunk_holds_for_a_layer_attending_twice_and_for_layers_without_attention(family, said):
+    result = model(family, "--prefill-chunk", 2, columns=200)
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.stdout.splitlines() if line.startswith("--prefill-chunk")] == said

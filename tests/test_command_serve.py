@@ -115,7 +115,7 @@ def test_png_shows_each_request_mask_and_its_pages(tmp_path):
     colours its blocks (shared orange, written green)."""
     from maskcli.render import serve as render
     from maskcli.serve.engines import read
-    from maskcli.serve.pagemap import page_map
+    from maskcli.checks.pagemap import page_map
 
     path = tmp_path / "serve.png"
     result = serve(PREFIX_HIT, "--png", path)
@@ -232,7 +232,7 @@ def test_png_without_a_page_table_draws_the_mask_across_and_explains_its_colours
     and the legend names the mask's colours, not page kinds that are not there."""
     from maskcli.render import serve as render
     from maskcli.serve.engines import from_tensors
-    from maskcli.serve.pagemap import page_map
+    from maskcli.checks.pagemap import page_map
 
     tensors = {"cu_seqlens_q": [0, 2], "seqused_k": [6], "causal": 1}
     path = tmp_path / "flat.png"

@@ -96,6 +96,26 @@ def test_llama4_chunked_layers_count_chunks_from_the_first_real_token():
     assert check_against_reference(result, chunk=2) == 8
 
 
+def test_a_config_without_layer_types_is_read_as_the_rules_read_it_and_as_its_class_fills_them():
+    """families.layer_types reads a config that states no layer_types as checks.config.layer_kind does (one reading
+    for model, serve and shard --model and the rules); the reference is the config classes' own layer_types, made
+    from the same fields (configuration_gemma3.py: every sliding_window_pattern-th layer full; configuration_qwen2.py:
+    the layers from max_window_layers on sliding)."""
+    from types import SimpleNamespace
+
+    from maskcli.checks.config import layer_kind
+
+    gemma3 = transformers.Gemma3TextConfig(num_hidden_layers=7, sliding_window_pattern=3, sliding_window=4)
+    qwen2 = transformers.Qwen2Config(num_hidden_layers=6, use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    for own, fields in ((gemma3, {"sliding_window_pattern": 3}), (qwen2, {"use_sliding_window": True, "max_window_layers": 2})):
+        stated = SimpleNamespace(num_hidden_layers=own.num_hidden_layers, sliding_window=4, **fields)  # no layer_types
+        assert families.layer_types(stated) == list(own.layer_types)
+        assert families.layer_types(stated) == [layer_kind(stated, i)[0] for i in range(own.num_hidden_layers)]
+    # a per-layer field the rules do not read leaves the kinds unknown to them: the window then makes every layer
+    assert families.layer_types(SimpleNamespace(num_hidden_layers=2, sliding_window=4, attention_layers=["global", "local"])) == \
+        ["sliding_attention"] * 2
+
+
 def test_right_padding_and_ids():
     config = families.tiny(families.load("llama"), name="llama")
     batch = prompt((2, 4), None, 0, "right", 128)
@@ -372,3 +392,141 @@ def test_tryout_says_whether_a_family_runs_tiny_or_why_not():
     assert tryout("llama") == "runs" and tryout("gemma2") == "runs (eager only)"
     assert tryout("gemma4_text").startswith("cannot be made tiny: AmbiguousGlobalPerLayerAttributeError")
     assert tryout("bart").startswith("does not shrink to a tiny model: ")
+
+
+def kernel_calls(model, batch, new_tokens: int, force_gqa: bool, monkeypatch) -> list[tuple[tuple, np.ndarray]]:
+    """An independent capture: torch's SDPA swapped for a recorder while generate runs, each call's (query shape,
+    key length) and the mask the kernel got, broadcast over its heads and queries (True = may attend)."""
+    import torch
+
+    seen, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        shape = (*query.shape[:3], key.shape[2])
+        keep = np.ones(shape, dtype=bool) if attn_mask is None else np.broadcast_to(
+            (attn_mask if attn_mask.dtype == torch.bool else attn_mask > torch.finfo(attn_mask.dtype).min / 2).numpy(), shape)
+        seen.append((shape, keep))
+        return real(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+        if force_gqa:  # transformers' own switch: enable_gqa, the query heads left on the head axis
+            patch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+        with torch.no_grad():
+            model.generate(batch.ids, attention_mask=batch.attention_mask, max_new_tokens=new_tokens + 1,
+                           min_new_tokens=new_tokens + 1, do_sample=False, pad_token_id=batch.pad_id)
+    return seen
+
+
+def test_a_gqa_decode_whose_heads_sdpa_packs_into_the_query_axis_is_one_query_per_head(monkeypatch):
+    """transformers' SDPA path packs a one-query GQA call's heads into the query axis ((B, 4, 1, D) -> (B, 2, 2, D),
+    pack_gqa): the kernel gets 2 'queries'. maskcli reads the call as the model means it, 4 heads x 1 query at the
+    step's position, the same as the kernel gets where transformers is told to leave the heads (enable_gqa)."""
+    from maskcli.hf.run import build
+
+    config = families.tiny(families.load("llama"), name="llama")
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 4, 2, 8  # 2 query heads a key head
+    batch = prompt((5, 3), None, 0, "left", 128)
+    packed = kernel_calls(build(config, "sdpa", "llama"), batch, 2, False, monkeypatch)
+    assert [shape for shape, _ in packed[2:]] == [(2, 2, 2, 6)] * 2 + [(2, 2, 2, 7)] * 2  # what the kernel got
+    unpacked = kernel_calls(build(config, "sdpa", "llama"), batch, 2, True, monkeypatch)
+    result = run("llama", config, batch, new_tokens=2)
+    assert len(result.calls) == len(unpacked) == 6
+    for call, (shape, keep) in zip(result.calls, unpacked):
+        assert call.shape == shape and (np.broadcast_to(call.keep(), shape) == keep).all(), (call.step, call.shape, shape)
+        assert call.details["queries"] == ([0, 5] if call.step == 0 else [4 + call.step, 5 + call.step])
+    assert [call.details.get("packed_heads") for call in result.calls] == [None, None, 2, 2, 2, 2]
+
+
+def test_laguna_keeps_its_heads_per_layer_and_is_made_tiny_in_each(monkeypatch):
+    """Laguna's heads are per layer (num_attention_heads_per_layer, 48 each by default): each tiny layer gets the tiny
+    count, so no decode is packed, and every call is the kernel's own (an independent SDPA capture) and HF's rule."""
+    from maskcli.hf.run import build
+
+    config = families.tiny(families.load("laguna"), name="laguna")
+    assert config.num_attention_heads_per_layer == [2, 2] and config.num_key_value_heads == 2
+    batch = prompt((5, 3), None, 0, "left", 128)
+    seen = kernel_calls(build(config, "sdpa", "laguna"), batch, 2, False, monkeypatch)
+    result = run("laguna", config, batch, new_tokens=2)
+    assert [call.shape for call in result.calls] == [shape for shape, _ in seen] == \
+        [(2, 2, 5, 5)] * 2 + [(2, 2, 1, 6)] * 2 + [(2, 2, 1, 7)] * 2
+    assert all((np.broadcast_to(call.keep(), call.shape) == keep).all() for call, (_, keep) in zip(result.calls, seen))
+    assert check_against_reference(result) == 6
+
+
+def test_laguna_chunked_prefill_with_a_window_holds():
+    config = families.tiny(families.load("laguna"), window=3, name="laguna")
+    result = run("laguna", config, prompt((7, 4), None, 0, "left", 128), new_tokens=2, prefill_chunk=3)
+    assert result.chunk_holds and result.cache_holds, (result.chunk_check, result.cache_check)
+
+
+def test_chunked_prefill_of_a_layer_that_attends_twice_compares_each_of_its_calls():
+    """DiffLlama attends twice a layer per forward: each chunk has 2 calls of a layer and one pass 2; the k-th calls of
+    the chunks put together are the k-th of one pass, and each the double loop's rule on absolute positions."""
+    from maskcli.hf.chunks import assembled
+
+    config = families.tiny(families.load("diffllama"), name="diffllama")
+    batch = prompt((5, 3), None, 0, "left", 128)
+    result = run("diffllama", config, batch, new_tokens=1, prefill_chunk=2)
+    assert result.chunk_holds and result.chunk_check == [
+        "--prefill-chunk 2: in every layer the 3 chunks' masks put together equal the single-pass prefill mask"]
+    valid = batch.attention_mask.numpy().astype(bool)
+    want = reference(valid, list(range(5)), list(range(5)))
+    for layer in range(config.num_hidden_layers):
+        calls = [c for c in result.calls if c.details["layer"] == layer and c.step < 3]
+        assert len(calls) == 6
+        for nth in (0, 1):
+            together = assembled([calls[2 * step + nth] for step in range(3)], 5)
+            assert all((together[:, h] == want).all() for h in range(together.shape[1]))
+
+
+@pytest.mark.parametrize("family, silent", [("lfm3", "layers 0-1, 3 (conv) make"),
+                                            ("lara_mini", "layers 0, 2 (linear_attention) make")])
+def test_chunked_prefill_with_layers_that_make_no_attention_call_holds(family, silent):
+    """A convolution or linear attention layer makes no attention call, chunked or not: nothing to compare, no failure."""
+    config = families.tiny(families.load(family), name=family)
+    batch = prompt((5, 3), None, 0, "left", 128)
+    result = run(family, config, batch, new_tokens=1, prefill_chunk=2)
+    assert result.chunk_holds and result.chunk_check == [
+        "--prefill-chunk 2: in every layer that attends the 3 chunks' masks put together equal the single-pass prefill mask",
+        f"--prefill-chunk 2: {silent} no attention call: no mask to compare"]
+    assert check_against_reference_chunked(result, batch, 2) > 0
+
+
+def check_against_reference_chunked(result, batch, size: int) -> int:
+    """Each attending layer's prefill chunks put together against the double loop's causal rule with the padding."""
+    from maskcli.hf.chunks import assembled
+
+    valid = batch.attention_mask.numpy().astype(bool)
+    prompt_len = valid.shape[1]
+    chunks = -(-prompt_len // size)
+    want = reference(valid, list(range(prompt_len)), list(range(prompt_len)))
+    layers = sorted({c.details["layer"] for c in result.calls})
+    for layer in layers:
+        calls = sorted((c for c in result.calls if c.details["layer"] == layer and c.step < chunks), key=lambda c: c.step)
+        together = assembled(calls, prompt_len)
+        assert all((together[:, h] == want).all() for h in range(together.shape[1])), layer
+    return len(layers)
+
+
+def test_a_second_call_of_a_layer_that_differs_is_named_by_its_place_in_the_forward():
+    from types import SimpleNamespace
+
+    from maskcli.hf.chunks import check
+
+    def call(keep, step, queries):
+        keep = np.asarray(keep, dtype=bool)[None, None]
+        return SimpleNamespace(shape=keep.shape, keep=lambda: keep, step=step,
+                               details={"layer": 0, "queries": queries, "keys": [queries[1] - keep.shape[3], queries[1]]})
+
+    causal = np.tril(np.ones((4, 4), dtype=bool))
+    wrong = causal[2:, :].copy()
+    wrong[0, 1] = False  # query 2 loses key 1 in the second call of the second chunk
+    chunked = [call(causal[:2, :2], 0, [0, 2]), call(causal[:2, :2], 0, [0, 2]), call(causal[2:], 1, [2, 4]), call(wrong, 1, [2, 4])]
+    lines, holds = check(chunked, [call(causal, 0, [0, 4])] * 2, ["full_attention"], 4, 2, 2)
+    assert not holds and lines == ["--prefill-chunk 2: layer 0 (full_attention), its call 2 of 2 in a forward: the chunks put "
+                                   "together differ from the single-pass prefill in 1 cells, first at batch row 0, head 0, "
+                                   "query 2, key 1: the chunks mask it, one pass lets it attend"]
+    lines, holds = check(chunked[:3], [call(causal, 0, [0, 4])] * 2, ["full_attention"], 4, 2, 2)
+    assert not holds and lines == ["--prefill-chunk 2: layer 0 (full_attention) made 2/1 calls at its 2 chunks and 2 in one "
+                                   "pass: not compared"]

@@ -690,15 +690,15 @@ def test_serve_page_draws_each_request_its_pages_and_opens_a_findings_cell(tab):
     chosen in the selector, request 1 (causal 0..3), each cell checked against a double loop; request 0's pages strip
     coloured block by block as render/serve.py's figure colours them; hover on a block names its page and who shares
     it; a click on the finding shows its cell."""
-    from maskcli.render.serve import PAGE_COLOURS, request_rows
+    from maskcli.render.serve import PAGE_COLOURS, finding_json, request_rows
     from maskcli.render.servepage import serve_page
-    from maskcli.serve.checks import check
+    from maskcli.checks.serve import check
     from maskcli.serve.engines import from_tensors
-    from maskcli.serve.pagemap import page_map
+    from maskcli.checks.pagemap import page_map
     from serve_builders import Req, vllm
 
     batch = from_tensors(vllm([Req(12, 1, [5, 6, 1, 4]), Req(0, 4, [1])], 4, sliding_window=4), "batch.json")
-    findings = [f.json() for f in check(batch)]
+    findings = [finding_json(f) for f in check(batch)]
     load(tab, serve_page(batch, request_rows(batch, page_map(batch)), findings, "batch.json", "vLLM"), "serve.html")
     for r, (q0, lq, lk) in enumerate(((12, 1, 13), (0, 4, 4))):
         if r:
@@ -723,7 +723,7 @@ def test_serve_page_draws_each_request_its_pages_and_opens_a_findings_cell(tab):
     tab.click("#findings li.wrong")
     assert tab.inner_text("#cell").splitlines()[0] == "q 12 · kv 9 · q_idx 0 · kv_idx 9"
     keyless = from_tensors({"cu_seqlens_q": [0, 2, 3], "seqused_k": [0, 4], "causal": 1}, "flash.json")  # no page table
-    findings = [f.json() for f in check(keyless)]
+    findings = [finding_json(f) for f in check(keyless)]
     load(tab, serve_page(keyless, request_rows(keyless, page_map(keyless)), findings, "flash.json", "flash-attn"), "keyless.html")
     assert tab.evaluate("[...document.querySelectorAll('#request option')].map((o) => o.text)") == ["request 1: causal"]
     assert tab.is_hidden("#pagemap")

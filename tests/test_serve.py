@@ -8,7 +8,7 @@ import pytest
 
 from maskcli.checks.registry import severity
 from maskcli.errors import MaskError
-from maskcli.serve.checks import check
+from maskcli.checks.serve import check
 from maskcli.serve.engines import from_tensors
 from serve_builders import BUILDERS, WINDOW, Req, allocate, ancestors, flashinfer, page_names, vllm, with_tree
 
@@ -387,7 +387,7 @@ def test_vllm_own_chunked_local_virtual_batches_are_local_c():
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_chunked_prefill_steps_together_are_one_pass_and_their_bugs(engine):
-    from maskcli.serve.steps import steps
+    from maskcli.checks.servesteps import steps
 
     pages = [3, 7, 5]
 
@@ -402,7 +402,7 @@ def test_chunked_prefill_steps_together_are_one_pass_and_their_bugs(engine):
 
 
 def test_steps_match_requests_by_request_ids():
-    from maskcli.serve.steps import steps
+    from maskcli.checks.servesteps import steps
 
     one = from_tensors(vllm(allocate([Req(0, 4), Req(0, 2)], 4), 4, request_ids=[7, 9]), "s1")
     reqs = allocate([Req(0, 3), Req(4, 2)], 4, first=20)
@@ -423,7 +423,7 @@ def _step(*reqs, ps=4):
 def test_steps_without_request_ids_follow_each_request_by_the_pages_it_wrote():
     """vLLM's metadata has no request id and its persistent batch reorders: a request continues the one that last
     wrote the page of its latest keys, at that block (two prefills, then a decode of both behind a new request)."""
-    from maskcli.serve.steps import steps
+    from maskcli.checks.servesteps import steps
 
     one = _step(Req(0, 5, [1, 2]), Req(0, 3, [3]))
     two = _step(Req(0, 3, [4]), Req(3, 1, [3]), Req(5, 1, [1, 2]))  # request 0 of step 1 is request 2 now
@@ -439,7 +439,7 @@ def test_steps_without_request_ids_follow_each_request_by_the_pages_it_wrote():
 def test_steps_without_request_ids_a_prefix_hit_on_another_requests_pages_is_a_new_request():
     """Full pages a request wrote, shared by a later request's prefix hit (vLLM shares only full blocks, and its hits
     are whole blocks), while the writer runs on or has finished: quiet, whichever order the batch lists them in."""
-    from maskcli.serve.steps import steps
+    from maskcli.checks.servesteps import steps
 
     one = _step(Req(0, 8, [1, 2]))
     for two in (_step(Req(8, 1, [1, 2, 5]), Req(8, 3, [1, 2, 6])), _step(Req(8, 3, [1, 2, 6]), Req(8, 1, [1, 2, 5]))):
@@ -602,7 +602,7 @@ def test_trtllm_reads_the_packed_mask_and_offsets_consecutively_from_num_context
     spec-dec params are accessed consecutively (without padding) in the attention Op, we need to write them
     consecutively"); interface.py AttentionMetadata.update_spec_dec_param: num_contexts context requests occupy the
     leading rows, generation rows start after them. Two generation requests of 3 and 5 nodes in a (4, 6, 1) buffer."""
-    from maskcli.serve.checks import check
+    from maskcli.checks.serve import check
     from serve_builders import depths, trtllm
 
     trees = [[-1, 0, 0], [-1, 0, 1, 1, 0]]
@@ -653,7 +653,7 @@ def test_sglang_verify_drafts_from_draft_token_num_mask_indptr_or_the_mask_size(
 def test_expect_holds_where_a_double_loop_agrees_and_names_its_first_wrong_cell(engine):
     """--expect compared with the reference double loop: window(W) holds on a window batch; window(W + 1) (the
     off-by-one) names each request's first cell the double loop says differs, as (query position, key position)."""
-    from maskcli.serve.expect import expect
+    from maskcli.checks.serveexpect import expect
 
     rng = np.random.default_rng(7)
     for _ in range(10):
@@ -675,7 +675,7 @@ def test_expect_holds_where_a_double_loop_agrees_and_names_its_first_wrong_cell(
 
 
 def test_expect_patterns_match_request_indexes_and_ids():
-    from maskcli.serve.expect import expect
+    from maskcli.checks.serveexpect import expect
 
     batch = from_tensors(vllm(allocate([Req(0, 3), Req(4, 2)], 4), 4, request_ids=[7, 9]), "batch")
     assert [severity(f) for f in expect(batch, [("9", "causal"), ("0", "causal")])] == ["note"]
@@ -691,7 +691,7 @@ def test_model_windows_match_and_the_off_by_one_is_named_with_its_first_cell(eng
     kv_idx > q_idx - sliding_window, and modeling_flash_attention_utils.py:692 passes flash-attn (W - 1, W - 1) with
     causal. A batch built with W + 1 differs first where the double loop says; a batch too short to show it is
     suspicious, not wrong."""
-    from maskcli.serve.model import SPELLED, against_config
+    from maskcli.checks.serveexpect import SPELLED, against_config
 
     layers = {"sliding_attention": ("window", 4), "full_attention": ("full", None)}
     reqs = allocate([Req(3, 2), Req(9, 3)], 4)
@@ -711,7 +711,7 @@ def test_model_windows_match_and_the_off_by_one_is_named_with_its_first_cell(eng
 
 
 def test_model_a_window_the_config_lacks_and_a_missing_window():
-    from maskcli.serve.model import against_config
+    from maskcli.checks.serveexpect import against_config
 
     reqs = allocate([Req(6, 2)], 4)
     windowed = from_tensors(vllm(reqs, 4, sliding_window=4), "b")

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from maskcli.commands import app
 from maskcli.errors import MaskError
 from maskcli.serve import choices
-from maskcli.serve.checks import check
+from maskcli.checks.serve import check
 from maskcli.serve.engines import from_tensors
 from serve_builders import Req, allocate, with_tree
 

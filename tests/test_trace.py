@@ -634,3 +634,184 @@ def test_flex_attention_masked_by_its_score_mod_is_recorded_as_the_kernel_masks(
                                       "the cells it sets to -inf")]
     assert codes[3] == [("score-mod", "the score_mod clip was not read: which cells it sets to -inf depends on the "
                                       "score's value: the mask shown leaves out any cell it masks (sets to -inf)")]
+
+
+def test_a_mask_given_again_is_read_once_with_what_reading_it_said_and_one_changed_in_place_is_read_again():
+    q, k, v = qkv(1, 1, 4, 4)
+    mask = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), float("-inf"))  # causal, added
+    mask[:, 0] += 0.5  # and a bias on key 0, which every query sees
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # the same tensor, unchanged: read once
+        mask[3, 1] = float("-inf")  # changed in place between calls (its version counter moves)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    first, again, changed = t.calls
+    expected = window_keep(4, 4, 4)  # causal: query i sees keys 0..i
+    assert np.array_equal(first.keep()[0, 0], expected) and again.mask == first.mask
+    assert first.details["bias"] and again.details["bias"]  # a call whose mask was read already says what the first said
+    expected[3, 1] = False
+    assert changed.mask != first.mask and np.array_equal(changed.keep()[0, 0], expected)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))  # the program's result untouched
+
+
+def test_a_cpu_masks_runs_are_each_rows_maximal_runs_of_true_band_by_band(monkeypatch):
+    import maskcli.trace.store as store
+
+    monkeypatch.setattr(store, "BAND", 40)  # a few rows a band: band edges crossed
+    rng = np.random.default_rng(0)
+    cells = rng.random((3, 9, 13)) < 0.5
+    cells[0] = True
+    cells[1, 4] = False
+    starts, ends = store._runs(torch.from_numpy(cells))
+    for p in range(3):
+        for r in range(9):
+            runs, begin = [], None
+            for key in range(14):  # a double loop over the cells, a False past the last key
+                on = key < 13 and cells[p, r, key]
+                if on and begin is None:
+                    begin = key
+                elif not on and begin is not None:
+                    runs.append((begin, key))
+                    begin = None
+            got = [(int(s), int(e)) for s, e in zip(starts[p, r], ends[p, r]) if s < e]
+            assert got == runs, (p, r)
+            assert all(s == e == 13 for s, e in zip(starts[p, r, len(runs):], ends[p, r, len(runs):]))  # [Lk, Lk) pads
+
+
+def test_the_config_a_program_states_in_its_frames_is_read_after_the_run_as_it_was_at_the_call():
+    from maskcli.trace.stated import frames
+
+    class RunConfig:
+        def __init__(self):
+            self.sliding_window = 3
+
+    def program():
+        run_config = RunConfig()  # noqa: F841 - read off this frame by the trace
+        model = Decoder(layers=1)
+        with maskcli.trace() as t:
+            model(torch.randn(1, 2, 4, 8), [[]])
+        return t
+
+    t = program()
+    assert t._pending  # not read while the program ran
+    (top,) = t.tops  # read now, from the frames kept at the call: the function's variable, not the caller's
+    assert [(s.source, s.fields["sliding_window"]) for s in top.stated] == [
+        ("run_config (RunConfig) in program() of test_trace.py", 3)]
+    assert not t._pending and frames(1)[0][0].startswith("in test_the_config_a_program_states")
+
+
+def test_attention_over_no_token_is_recorded_and_named_empty_as_python_runs_it():
+    """An empty prompt or batch: SDPA, a softmax and nn.MultiheadAttention run over 0 queries or 0 keys (python
+    returns empty outputs, or 0 for queries with no key); each call is read, named empty, with no finding (the
+    recogniser and the band reader met no row: 'zero-size array' and 'need at least one array')."""
+    q, k, v = qkv(1, 2, 0, 0)
+    few, none, _ = qkv(1, 2, 3, 0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    with maskcli.trace() as t:
+        outs = [F.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(0, 0, dtype=torch.bool)),
+                F.scaled_dot_product_attention(few, none, none, attn_mask=torch.ones(3, 0, dtype=torch.bool)),
+                torch.softmax(torch.randn(2, 1, 3, 0), -1),
+                mha(torch.randn(1, 0, 8), torch.randn(1, 0, 8), torch.randn(1, 0, 8))[0]]
+    reference = F.scaled_dot_product_attention(few, none, none)  # (its own run, untraced)
+    assert [tuple(o.shape) for o in outs] == [(1, 2, 0, 8)] * 3 + [(1, 2, 3, 8), (2, 1, 3, 0), (1, 0, 8)]
+    assert torch.equal(outs[3], reference)
+    assert [c.shape for c in t.calls] == [(1, 2, 0, 0)] * 3 + [(1, 2, 3, 0), (2, 1, 3, 0), (1, 2, 0, 0)]
+    assert all("error" not in c.details and c.keep().size == 0 for c in t.calls)
+    assert [(g.name, len(g.calls), g.findings) for g in t.groups()] == [("empty: 0 queries, 0 keys", 3, [])] + \
+        [("empty: 3 queries, 0 keys", 1, [])] * 2 + [("empty: 0 queries, 0 keys", 1, [])]
+
+
+def test_hugging_faces_empty_cu_seq_lens_are_read_as_no_token():
+    """An attention function of HF's AttentionInterface called with no packed sequence (cu_seq_lens_q/k empty, or [0])
+    over 0 tokens: read from its arguments (it runs no kernel), named empty, as python runs it."""
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def nothing(module, query, key, value, attention_mask, **kwargs):
+        return query.transpose(1, 2), None
+
+    AttentionInterface.register("maskcli_test_nothing", nothing)
+    module = nn.Module()
+    module.is_causal = True
+    x = torch.randn(1, 2, 0, 8)
+    with maskcli.trace() as t:
+        for cu in ([], [0], [0, 0]):
+            cu = torch.tensor(cu, dtype=torch.int32)
+            ALL_ATTENTION_FUNCTIONS["maskcli_test_nothing"](module, x, x, x, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                                            max_length_q=0, max_length_k=0)
+    assert [(c.api, c.shape, "error" in c.details) for c in t.calls] == [("hf", (1, 2, 0, 0), False)] * 3
+    assert [(g.name, g.findings) for g in t.groups()] == [("empty: 0 queries, 0 keys", [])]
+
+
+def test_a_config_whose_attribute_access_raises_is_not_read_and_the_program_runs_as_without_trace():
+    """The config-like objects a model holds are read after its call (what the checks compare with): one whose
+    __getattr__ raises a RuntimeError, or whose property raises a KeyError, ran under python and broke under trace."""
+
+    class Refusing:
+        def __getattr__(self, name):
+            raise RuntimeError(f"no {name} here")
+
+    class Raising:
+        is_causal = True
+
+        @property
+        def sliding_window(self):
+            raise KeyError("sliding_window")
+
+    class Attention(nn.Module):
+        def forward(self, x):
+            return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+    class Model(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config, self.attn = config, Attention()
+
+        def forward(self, x, attention_mask=None):
+            return self.attn(x)
+
+    x = torch.randn(1, 1, 4, 8)
+    models = [Model(Refusing()), Model(Raising())]
+    plain = [model(x, attention_mask=torch.ones(1, 4)) for model in models]
+    with maskcli.trace() as t:
+        traced = [model(x, attention_mask=torch.ones(1, 4)) for model in models]
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced))
+    assert len(t.calls) == 2 and all(c.where.endswith("attn") and "error" not in c.details for c in t.calls)
+    for call in t.calls:
+        assert np.array_equal(call.keep()[0, 0], np.tril(np.ones((4, 4), dtype=bool)))
+
+
+def test_an_attn_mask_that_mha_and_a_training_encoder_layer_drop_for_is_causal_is_said_to_be_dropped():
+    """torch/nn/functional.py multi_head_attention_forward: "if is_causal and key_padding_mask is None and not
+    need_weights: attn_mask = None" and SDPA runs is_causal: the window the program passed is never applied (its
+    outputs are causal's, recomputed here). The finding names the mask passed and its first cell that differs from
+    causal (a double loop); a causal mask passed with the hint, or one applied (need_weights), is no finding."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).train()
+    x = torch.randn(2, 6, 8)
+    window = window_keep(6, 6, 2)
+    causal = np.tril(np.ones((6, 6), dtype=bool))
+    first = next((q, k) for q in range(6) for k in range(6) if window[q, k] != causal[q, k])
+    band = ~torch.from_numpy(window)  # MHA's polarity: True = masked
+    with maskcli.trace() as t:
+        out = mha(x, x, x, attn_mask=band, is_causal=True, need_weights=False)[0]
+        layer(x, src_mask=band, is_causal=True)
+        mha(x, x, x, attn_mask=~torch.from_numpy(causal), is_causal=True, need_weights=False)
+        mha(x, x, x, attn_mask=band, is_causal=True, need_weights=True)
+    with torch.no_grad():
+        assert torch.allclose(out, _mha_with(mha, x, causal), atol=1e-5)
+        assert not torch.allclose(out, _mha_with(mha, x, window), atol=1e-3)
+    assert [c.where.rsplit(".", 1)[-1] for c in t.calls] == ["MultiheadAttention", "self_attn", "MultiheadAttention", "MultiheadAttention"]
+    dropped = [c.details.get("dropped_attn_mask") for c in t.calls]
+    assert dropped[2:] == [None, None]
+    assert dropped[0] == dropped[1] == {"cell": [0, 0, *first], "keeps": False, "name": "window(2)"}
+    groups = t.groups()  # the three causal calls form one group, the window applied (need_weights) another
+    assert [[c.index for c in g.calls] for g in groups] == [[0, 1, 2], [3]]
+    assert [[f.code for f in g.findings] for g in groups] == [["mask-dropped"], []]
+    finding = groups[0].findings[0]
+    assert severity(finding) == "wrong" and finding.cell == (0, *first)
+    assert finding.message.startswith("the attn_mask passed (window(2)) was dropped: with is_causal=True")
+    assert f"query {first[0]} sees key {first[1]}, which the mask passed masks" in finding.message

@@ -1,5 +1,5 @@
-"""maskcli.trace.compiled: calls of torch.compile'd code are counted and named, what was seen inside them said, and
-TORCHDYNAMO_DISABLE=1 (read by torch._dynamo.eval_frame._optimize at each torch.compile, torch 2.13 line 1752: it
+"""maskcli.trace.compiled: calls of torch.compile'd code are counted and named, their attention calls recorded at a
+graph break made while tracing (or said unseen under fullgraph=True), and TORCHDYNAMO_DISABLE=1 (read by torch._dynamo.eval_frame._optimize at each torch.compile, torch 2.13 line 1752: it
 then returns the function unchanged) lets trace see every call with its module."""
 
 from __future__ import annotations
@@ -21,23 +21,76 @@ def attend(q):
     return F.scaled_dot_product_attention(q, q, q, is_causal=True)
 
 
-def test_compiled_code_is_counted_named_and_its_unseen_attention_said():
-    """aot_eager runs its graph as aten operators, which no TorchFunctionMode sees: both calls made, none seen."""
-    fast = torch.compile(attend, backend="aot_eager")
+class Layer(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def forward(self, q):
+        length = q.shape[2]
+        position = torch.arange(length)
+        keep = (position[None, :] <= position[:, None]) & (position[:, None] - position[None, :] < self.width)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=keep) * 2
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Layer(2), Layer(3)])
+
+    def forward(self, q):
+        for layer in self.layers:
+            q = layer(q)
+        return q
+
+
+def window(length: int, width: int) -> np.ndarray:
+    """A double loop: query i sees keys i-width+1 .. i."""
+    return np.array([[i - width < j <= i for j in range(length)] for i in range(length)])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_attention_inside_compiled_code_is_a_graph_break_while_tracing_and_recorded_with_its_module(backend):
+    """aot_eager and inductor run their graphs as aten operators, which no TorchFunctionMode sees: while tracing, each
+    attention call dynamo meets in the mode is a graph break (a torch._dynamo.disable'd call), so it runs eagerly,
+    recorded with the modules its frames run in; the results are the compiled model's without trace."""
+    torch.manual_seed(0)
+    model = Model()
+    fast = torch.compile(model, backend=backend)
+    x = torch.randn(1, 2, 5, 8)
     with maskcli.trace() as t:
-        outs = [fast(torch.randn(1, 1, 3, 4)) for _ in range(2)]  # (one shape: compiled once)
-    assert t.calls == [] and [o.shape[2] for o in outs] == [3, 3]
-    assert t.notes() == ["2 calls of torch.compile'd code ran (attend ×2): attention inside it is not recorded; run with "
-                         "TORCHDYNAMO_DISABLE=1 in the environment to run it eagerly and trace every call with its module"]
+        outs = [fast(x) for _ in range(2)]  # (one shape: compiled once)
+    assert all(torch.allclose(out, model(x), atol=1e-5) for out in outs)
+    assert [(c.where, c.step) for c in t.calls] == [("layers.0", 0), ("layers.1", 0),
+                                                    ("layers.0", 1), ("layers.1", 1)]
+    for call, width in zip(t.calls, (2, 3, 2, 3)):
+        assert np.array_equal(call.keep()[0, 0], window(5, width)) and call.details.get("compiled")
+    assert t.notes() == ["2 calls of torch.compile'd code ran (Model ×2): 4 attention calls inside it recorded, each a "
+                         "graph break while tracing"]
+
+
+def test_attention_compiled_with_fullgraph_is_left_in_its_graph_and_said_unseen():
+    """fullgraph=True makes a graph break the program's error: there the call stays in the graph, unrecorded, and
+    the note says so and how to see it (TORCHDYNAMO_DISABLE=1)."""
+    fast = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    x = torch.randn(1, 1, 3, 4)
+    with maskcli.trace() as t:
+        outs = [fast(x) for _ in range(2)]
+    assert t.calls == [] and all(torch.allclose(out, attend(x)) for out in outs)
+    assert t.notes() == ["2 calls of torch.compile'd code ran (attend ×2): attention compiled with fullgraph=True "
+                         "(where no graph break is allowed) is not recorded; run with TORCHDYNAMO_DISABLE=1 in the "
+                         "environment to run it eagerly and trace every call with its module"]
 
 
 def test_nanogpt_sampled_through_torch_compile_and_with_dynamo_disabled(monkeypatch):
     import nanogpt
 
-    with maskcli.trace() as t:  # dynamo's eager backend runs its graph in Python: calls seen, module paths lost
+    with maskcli.trace() as t:  # each attention call a graph break: recorded with its module, as eagerly
         compiled = nanogpt.sample(compile=True, max_new_tokens=1)  # (one length: compiled once)
-    assert len(t.calls) == 2 and all(c.details.get("compiled") for c in t.calls)
-    assert t.notes()[0].startswith("1 call of torch.compile'd code ran (GPT ×1): 2 attention calls inside it seen only ")
+    assert [(c.where, c.step, c.shape[2]) for c in t.calls] == [(f"transformer.h.{n}.attn", 0, 3) for n in range(2)]
+    assert all(c.details.get("compiled") for c in t.calls)
+    assert t.notes() == ["1 call of torch.compile'd code ran (GPT ×1): 2 attention calls inside it recorded, each a "
+                         "graph break while tracing"]
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     with maskcli.trace() as t:
         eager = nanogpt.sample(compile=True, max_new_tokens=1)

@@ -213,3 +213,85 @@ def test_every_name_model_prints_pastes_back_into_show():
                                            "causal (--lengths 7,5 --pad left)"]
     for name, keep in names:
         assert_pastes_back(name, keep)
+
+
+def test_the_annotated_transformers_key_padding_is_named_padding_not_a_positional_kind_with_the_same_cells():
+    """The Annotated Transformer masks its source's padding with masked_fill(src_mask == 0, -1e9), src_mask
+    (1, 1, 1, 6): one row of keys for every query. Its cells are also sink(4) (encoder), causal (--lengths 4) (the
+    first decode step) and prefix(4) (--kv-len 6) (the next): the names say what the program meant, key padding."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "programs"))
+    import annotated_transformer as annotated
+
+    torch.manual_seed(0)
+    model = annotated.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2).eval()
+    src = torch.LongTensor([[1, 2, 3, 4, 0, 0]])
+    src_mask = (src != 0).unsqueeze(-2)
+    with maskcli.trace() as t:
+        annotated.greedy_decode(model, src, src_mask, max_len=4, start_symbol=0)
+    named = {(g.first.where, g.first.shape[2]): g.name for g in t.groups()}
+    assert named == {("encoder.layers.0.self_attn", 6): "padding (--lengths 4)",
+                     ("decoder.layers.0.self_attn", 1): "full", ("decoder.layers.0.self_attn", 2): "causal",
+                     ("decoder.layers.0.self_attn", 3): "causal", ("decoder.layers.0.src_attn", 1): "padding (--lengths 4)",
+                     ("decoder.layers.0.src_attn", 2): "padding (--lengths 4)", ("decoder.layers.0.src_attn", 3): "padding (--lengths 4)"}
+    for group in t.groups():  # each against the program's own src_mask (keys 0-3) or subsequent_mask, and pasted back
+        keep = np.broadcast_to(group.first.keep(), group.first.shape)
+        q_len, k_len = keep.shape[2:]
+        source = group.first.where.endswith("src_attn") or group.first.where.startswith("encoder")
+        want = np.broadcast_to(src_mask.numpy()[:, None], keep.shape) if source else np.tril(np.ones((q_len, k_len), bool))
+        assert (keep == want).all(), group.name
+        assert_pastes_back(group.name, keep)
+
+
+def test_an_sdpa_key_padding_argument_names_padding_and_the_same_cells_from_a_file_stay_positional(tmp_path):
+    """SDPA given a (1, 1, 1, 6) mask (one row of keys for every query) is key padding: `padding (--lengths 4)`; the same
+    6 x 6 cells in a file, where no argument says so, are what inspect's recogniser reads first: sink(4)."""
+    q, k, v = qkv(1, 2, 6, 6)
+    row = key_rows([[1, 1, 1, 1, 0, 0]])  # (1, 1, 1, 6)
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=row)
+    (group,) = t.groups()
+    assert group.name == "padding (--lengths 4)"
+    assert_pastes_back(group.name, np.broadcast_to(row.numpy(), (1, 2, 6, 6)))
+    torch.save(row[0, 0].expand(6, 6).clone(), tmp_path / "cells.pt")
+    result = runner.invoke(app, ["inspect", str(tmp_path / "cells.pt"), "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["command"] == 'maskcli show "sink(4)" --len 6'
+
+
+def test_t5s_cross_attention_is_key_padding_over_the_encoders_keys_and_its_decoder_self_attention_causal():
+    """T5's decoder attends to the encoder's 6 keys at every step (EncDecAttention, is_causal False), a right-padded
+    batch of 6, 4 and 3 tokens: one query seeing keys 0-3 of 6 is also `causal (--lengths 6,4,3)` read as a decode
+    step, but its query is no position among those keys: `padding (--lengths 6,4,3)`. Checked against an independent
+    capture of what SDPA got (torch's function swapped for a recorder) and the encoder's attention mask."""
+    pytest.importorskip("transformers")
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+                      decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    model = T5ForConditionalGeneration(config).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 0, 0], [5, 6, 7, 0, 0, 0]])
+    seen, real = [], F.scaled_dot_product_attention
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        seen.append((query.shape[2], key.shape[2], attn_mask))
+        return real(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    with maskcli.trace() as t, torch.no_grad():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+            model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    cross = [g for g in t.groups() if "EncDecAttention" in g.first.where]
+    assert [g.name for g in cross] == ["padding (--lengths 6,4,3)"]
+    assert [g.name for g in t.groups() if "decoder" in g.first.where and "SelfAttention" in g.first.where] == ["full", "causal", "causal"]
+    real_keys = (ids != 0).numpy()[:, None, None, :]
+    calls = [c for c in t.calls if "EncDecAttention" in c.where]
+    recorded = [(q_len, k_len, mask) for q_len, k_len, mask in seen if k_len == 6 and q_len == 1]
+    assert len(calls) == len(recorded) == 3
+    for call, (_, _, mask) in zip(calls, recorded):
+        keep = np.broadcast_to(call.keep(), call.shape)
+        assert (keep == np.broadcast_to(real_keys, keep.shape)).all()
+        assert (keep == np.broadcast_to((mask > torch.finfo(mask.dtype).min / 2).numpy(), keep.shape)).all()
+    assert_pastes_back(cross[0].name, np.broadcast_to(cross[0].first.keep(), cross[0].first.shape))

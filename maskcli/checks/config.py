@@ -84,6 +84,10 @@ class Placed:
             return ((k <= q) & (k > q - size))[None, None]
         if name == "band":
             return (np.abs(q - k) < size)[None, None]
+        if name == "ahead":  # every earlier key and `size` later ones (a window's back side lost)
+            return (k <= q + size)[None, None]
+        if name == "behind":  # `size` earlier keys and every later one (its front side lost)
+            return (k >= q - size)[None, None]
         start = self.real_k.argmax(axis=1)[:, None, None]  # local: chunks from each row's first real token
         if name == "local@0":  # (chunks from column 0, whatever padding the row has)
             start = np.zeros_like(start)
@@ -233,6 +237,13 @@ def window(run: Run) -> list:
                     severity=None if sure else "suspicious", expected=f"window({size})", source=source)))
                 break
         else:
+            half = _half(placed, size)
+            if half is not None:
+                windowed.add((source, index))
+                found.append((call, Finding("window-half-missing", (
+                    f"{where} sees {half[0]}, but its config states a window of {size} ({source}): one side of the "
+                    f"window holds and the other is unbounded ({half[1]})"), expected=f"band({size + 1}) or window({size})", source=source)))
+                continue
             if placed.holds("causal") and not placed.holds(f"window({size})"):
                 missing.append((call, index, kind, Finding("window-missing", (
                     f"{where} is a sliding layer ({kind[1]}) but its mask is causal: queries see keys {size} or more "
@@ -275,6 +286,22 @@ def full_layers(run: Run) -> list:
                 f"of {about} keys: the window applied by the wrong layer types or the wrong way round"),
                 expected="full" if both else "causal", source=f"{kind[1]} ({said})")))
     return found
+
+
+def _half(placed: Placed, size: int) -> tuple[str, str] | None:
+    """What a mask bounded on one side only by about `size` keys sees, and its likely cause, in words; None where it is not so (full,
+    causal, a band or a window on both sides, or too short a sequence to tell)."""
+    if placed.holds("full") or placed.holds("causal"):
+        return None
+    for other in (size, size - 1, size + 1):
+        if other < 1 or other + 2 > placed.cells.shape[-1] or any(placed.holds(f"band({w})") for w in (other, other + 1)):
+            continue
+        if placed.holds(f"ahead({other})"):
+            return (f"every earlier key and only the {other} keys after each query", "a window side given as a negative "
+                    "number, which flash-attn reads as no limit?")
+        if placed.holds(f"behind({other})"):
+            return f"the {other} keys before each query and every later one", "the causal bound left out?"
+    return None
 
 
 def _widest(placed: Placed) -> int:
@@ -348,6 +375,8 @@ RULES = (
          "sliding_window its config states (any config: transformers', a dataclass, a dict)", window),
     Rule("window-missing", "wrong", "steps", "a sliding layer (layer_types, a window pattern, sliding_window) whose "
          "mask has no window", window),
+    Rule("window-half-missing", "wrong", "steps", "a layer with a stated window whose mask keeps that window on one "
+         "side of each query only and sees every key on the other (flash-attn's negative window side)", window),
     Rule("window-one-sided", "wrong", "steps", "a sliding layer whose config states the attention bidirectional "
          "but whose window looks back only", window),
     Rule("window-on-full-layer", "wrong", "steps", "a full-attention layer given the sliding window (layer types read "

@@ -114,7 +114,7 @@ def layer(call) -> int | None:
 def keep(call) -> np.ndarray | None:
     """Bool (b, h, Lq, Lk) as stored (batch rows or heads that repeat kept once); None where not kept or too big, or
     where it is not what the kernel masked (a score_mod maskcli could not read: trace/flex.py).
-    (A GPT-OSS sink column is left out of the stored mask already: trace.interface.without_sink.)"""
+    (A GPT-OSS sink column is left out of the stored mask already: trace.interface.leave_out_sink.)"""
     stored = call.stored
     if stored is None or stored.get("form") == "stats" or str(call.details.get("score_mod_read", "")).startswith("not"):
         return None

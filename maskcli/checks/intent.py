@@ -23,7 +23,8 @@ FLAGS = ("transformers", "other_layers", "decoder", "attention")  # what a State
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
           "use_sliding_window", "max_window_layers", "no_rope_layers",
-          "sliding_window_size", "attn_type", "attention_type")  # (SGLang's and vLLM's attention layer objects)
+          "sliding_window_size", "attn_type", "attention_type",  # (SGLang's and vLLM's attention layer objects)
+          "force_causal_mask")  # (an export wrapper's word that the traced model is causal: torch-to-nnef)
 ENCODER_TYPES = ("ENCODER_ONLY", "ENCODER")  # an attn_type that attends both ways (SGLang / vLLM AttentionType)
 PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers")
 COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -158,6 +159,15 @@ class Intent:
             if isinstance(self.values.get(name), str) and name not in said:
                 said[name] = self.values[name] in ENCODER_TYPES
         if not said or len(set(said.values())) > 1 or not next(iter(said.values())):
+            return None
+        return next((name for name in said if name not in GENERAL), next(iter(said)))
+
+    def causal(self) -> str | None:
+        """The field that states the attention causal (is_causal=True, causal=True, force_causal_mask=True); None
+        where none does, or one of them says False (they disagree)."""
+        said = {name: self.values[name] for name in ("is_causal", "causal", "force_causal_mask")
+                if isinstance(self.values.get(name), bool)}
+        if not said or not all(said.values()) or self.bidirectional() is not None:
             return None
         return next((name for name in said if name not in GENERAL), next(iter(said)))
 

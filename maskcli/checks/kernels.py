@@ -44,6 +44,30 @@ def hint_ignored(run: Run) -> list:
     return found
 
 
+def mask_dropped(run: Run) -> list:
+    """An attn_mask nn.MultiheadAttention's slow path dropped: with is_causal=True, no key_padding_mask and
+    need_weights=False, F.multi_head_attention_forward hands SDPA is_causal in place of attn_mask (torch/nn/functional.py:
+    "attn_mask = None"), a training-mode TransformerEncoderLayer's self-attention included. Said where the mask passed
+    is not that causal mask (trace/masks.py's _dropped): the kernel ran causal, the program passed another mask."""
+    found, done = [], set()
+    for call in run.calls:
+        dropped = call.details.get("dropped_attn_mask")
+        if call.api != "mha" or not isinstance(dropped, dict) or (call.mask, repr(dropped)) in done:
+            continue
+        done.add((call.mask, repr(dropped)))
+        b, h, q, k = dropped["cell"]
+        passed = f"the attn_mask passed ({dropped['name']})" if dropped.get("name") else "the attn_mask passed"
+        cell = (f"query {q} sees key {k}, which the mask passed masks" if not dropped["keeps"] else
+                f"query {q} does not see key {k}, which the mask passed lets it see")
+        found.append((call, Finding("mask-dropped", (
+            f"{passed} was dropped: with is_causal=True, no key_padding_mask and need_weights=False, "
+            f"nn.MultiheadAttention's slow path hands SDPA is_causal in its place, so the kernel ran causal: {cell} "
+            f"(is_causal=True is a hint that attn_mask is causal; pass is_causal=False to apply the mask)"),
+            expected=dropped.get("name") or "the attn_mask passed", source="attn_mask with is_causal=True",
+            cell=(b, q, k))))
+    return found
+
+
 def ones_added(run: Run) -> list:
     """A float attn_mask of 0s and 1s: a keep mask (True = attend) cast to float and added to the scores, which masks
     nothing (SDPA adds a float mask: torch/nn/functional.py scaled_dot_product_attention's docstring)."""
@@ -136,6 +160,8 @@ RULES = (
          "path, which never reads it: no mask, or a mask that lets queries see later keys, applied", ignored_is_causal, "group"),
     Rule("hint-ignored", "wrong", "call", "is_causal=True beside a mask that lets queries see later keys: the kernel "
          "applied the mask", hint_ignored),
+    Rule("mask-dropped", "wrong", "call", "is_causal=True on nn.MultiheadAttention's slow path (no key padding mask, "
+         "no weights): the attn_mask passed, not causal, was dropped for SDPA's causal mask", mask_dropped),
     Rule("ones-added", "wrong", "call", "a keep mask of 0s and 1s added to the scores as a float mask: nothing is "
          "masked", ones_added),
 )

@@ -13,8 +13,9 @@ What a rule reads: one `call` (or one tensor a user gave), a call `site` across 
 packed `batch` (pack), or the `ranks` of a context-parallel split (shard). What its check is `given`: a trace's `run` (engine.py runs these over a
 trace), or what the command that calls it has in hand: a trace `group`'s call, stored mask and name
 (trace's report), a `tensor` a user gave (inspect), attention `stages` (attend), a packed `batch` (pack), a shard
-`layout`, one mask's `split` over it, one rank's captured `part`, a serving engine's batch `metadata`
-or a request's steps across step files (`request-steps`), or every rank's calls of a traced job (`ranks`).
+`layout`, one mask's `split` over it, one rank's captured `part`, a serving engine's batch `metadata` (alone; with
+serve's --expect `expectations`; with --model's `layer-masks`) or a request's steps across step files
+(`request-steps`), or every rank's calls of a traced job (`ranks`).
 A code that several commands find (fully-masked, sees-later, top-left-causal) is one rule, whose check is
 the trace report's; the functions that find it in a tensor or a run stand beside it (rows.py's
 given_*, kernels.py's given_top_left, stages.py).
@@ -31,9 +32,10 @@ from maskcli.text import Finding
 
 SEVERITIES = ("wrong", "suspicious", "note")
 READS = ("call", "site", "steps", "batch", "ranks")
-GIVEN = ("run", "group", "tensor", "stages", "batch", "layout", "split", "part", "metadata", "request-steps", "ranks")
-MODULES = ("kernels", "config", "handed", "causal_lm", "rolled", "paged", "arguments", "memory", "heads", "sides", "steps", "cache", "spans", "own", "layers", "dtypes", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes", "stages", "packing",
-           "shard", "serve", "ranks")
+GIVEN = ("run", "group", "tensor", "stages", "batch", "layout", "split", "part", "metadata", "expectations", "layer-masks",
+         "request-steps", "ranks")
+MODULES = ("kernels", "config", "handed", "causal_lm", "rolled", "paged", "arguments", "memory", "heads", "sides", "steps", "cache", "spans", "own", "dropped", "tokens", "layers", "dtypes", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes", "stages", "packing",
+           "shard", "serve", "servemasks", "servesteps", "serveexpect", "ranks")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,17 @@ def _by_code() -> dict[str, Rule]:
 
 def rule(code: str) -> Rule | None:
     return _by_code().get(code)
+
+
+def run(given: str, *args, **kwargs) -> list[Finding]:
+    """The findings of every rule whose check is `given` what the caller holds (one of GIVEN), each function called
+    once (one may make several codes), in the registry's order."""
+    found, done = [], set()
+    for each in all_rules():
+        if each.given == given and each.check not in done:
+            done.add(each.check)
+            found += each.check(*args, **kwargs)
+    return found
 
 
 def severity(finding: Finding) -> str:

@@ -1,4 +1,9 @@
-"""The command line: one module per command, all registered on commands.app.app (in this order in --help)."""
+"""The command line: one module per command, all registered on commands.app.app (in this order in --help).
+
+Each command runs the flow once: it takes a mask in (described, given, captured, or implied by metadata), has it made
+one Mask on absolute positions, checks it by the rules of maskcli.checks, and prints or saves a view of it (render/,
+formats/); it is the only layer that prints an error and exits. docs/architecture.md draws the whole flow.
+"""
 
 from maskcli.commands import show  # noqa: F401, I001  (each import registers its commands)
 from maskcli.commands import blocks, diff  # noqa: F401
@@ -30,15 +35,21 @@ def main() -> None:
     def stop(number, frame):  # a kill or a closed terminal ends like Ctrl-C: files being written are removed
         raise Stopped(128 + number)
 
+    from maskcli.commands.app import SIGNALS
+
     for name in ("SIGTERM", "SIGHUP"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), stop)
+        number = getattr(signal, name, None)
+        if number is None:
+            continue
+        SIGNALS[number] = signal.getsignal(number)
+        if SIGNALS[number] is not signal.SIG_IGN:  # ignored stays ignored: nohup's SIGHUP
+            signal.signal(number, stop)
     try:
         app()
     except SystemExit as done:
         try:
-            if sys.stdout is not None:  # None when maskcli was started with stdout closed (>&-)
-                sys.stdout.flush()  # here, not at exit: a reader that went away (| head) is a quiet stop
+            if sys.stdout is not None and not sys.stdout.closed:  # None: started with stdout closed (>&-); closed:
+                sys.stdout.flush()  # by a traced program. Here, not at exit: a reader that went away (| head) is a quiet stop
         except BrokenPipeError:
             quiet_stdout()
             raise SystemExit(141) from None

@@ -99,6 +99,8 @@ class MaskcliGroup(TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+SIGNALS: dict = {}  # signal number -> its handler before main() set maskcli's (trace gives them back to the program)
+
 MIN_COLUMNS = 40  # narrower than this, a table, a map or help has no room: it is drawn this wide
 
 

@@ -56,19 +56,19 @@ def serve(
         require("serve --model")
         from maskcli.hf.layers import layer_masks
 
-        layers = layer_masks(model)[0]
+        layers = layer_masks(model, missing="full")[0]
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
     html_path = check_output_path(html, (".html",), "--html") if html is not None else None
     for flag, path in (("--png", png_path), ("--html", html_path)):
         if path is not None and len(files) > 1:
             raise MaskError(f"{flag} draws one step, and {len(files)} FILEs were given: give one FILE with {flag}")
     from maskcli.checks import registry
+    from maskcli.checks.pagemap import page_map
+    from maskcli.checks.serve import check
+    from maskcli.checks.serveexpect import expect as expect_requests
+    from maskcli.checks.servesteps import steps
     from maskcli.render import serve as render
-    from maskcli.serve.checks import check
     from maskcli.serve.engines import by_name, read
-    from maskcli.serve.expect import expect as expect_requests
-    from maskcli.serve.pagemap import page_map
-    from maskcli.serve.steps import steps
 
     batches = [read(file) for file in files]
     across = steps(batches) if len(batches) > 1 else []
@@ -83,7 +83,7 @@ def serve(
         source = "inline JSON" if is_inline(file) else file
         findings = check(batch) + expect_requests(batch, expectations)
         if layers is not None:
-            from maskcli.serve.model import against_config
+            from maskcli.checks.serveexpect import against_config
 
             findings += against_config(batch, layers, model)
         wrong |= bool(registry.wrong(findings))
@@ -93,7 +93,7 @@ def serve(
             from maskcli.render.html import save_page
             from maskcli.render.servepage import serve_page
 
-            save_page(serve_page(batch, rows, [f.json() for f in findings], source, title), html_path)
+            save_page(serve_page(batch, rows, [render.finding_json(f) for f in findings], source, title), html_path)
             done(f"wrote {html_path}")
         if png_path is not None:
             from maskcli.render.heatmaps import save_figure

@@ -122,13 +122,15 @@ def _masks(expressions: list[str], options: MaskOptions, model: str | None, buil
             require()
         except MaskError:
             raise MaskError('--model reads a family\'s config with transformers, which is not installed: pip install "maskcli[hf]"') from None
-        from maskcli.hf.layers import expressions as layer_expressions
+        from maskcli.hf.layers import expression, layer_masks
 
         if files or len(expressions) > 1:
             raise MaskError("--model gives one mask per layer type: add at most one EXPR (and-ed into each, like a document(...) mask), and no --mask")
-        found, _ = layer_expressions(model)
+        found, _, skipped = layer_masks(model, missing="error")
+        if not found:
+            raise MaskError(f"{model}: none of its layer types ({', '.join(skipped)}) holds an attention mask to shard")
         extra = f"({expressions[0]}) & " if expressions else ""
-        return [(kind, build_any(extra + text, one)) for kind, text in found.items()]
+        return [(kind, build_any(extra + expression(mask), one)) for kind, mask in found.items()]
     if not expressions and not files:
         raise MaskError("give a mask: an expression like \"causal & window(4096)\", --mask FILE, or --model FAMILY")
     masks = [(text, build_any(text, one)) for text in expressions]

@@ -43,7 +43,7 @@ def trace(
 ) -> None:
     """Run a Python program and record the mask of every attention call it makes, grouped and named.
 
-    The program runs in this process as `python SCRIPT.py ARGS` (or `python -m MODULE ARGS`) would: its own sys.argv and __main__, its stdout untouched, its exit status kept (a program that raises prints its traceback and exits 1). The report goes to stderr: calls whose masks are the same form one row, named as a maskcli expression with findings (where a mask differs from what the run states: its config, its model call's arguments, its earlier steps, the kernels' own rules), then what it could not see: threads running before it, child processes, torch.compile'd code (TORCHDYNAMO_DISABLE=1 runs that eagerly, traced). maskcli's options come before the program.
+    The program runs in this process as `python SCRIPT.py ARGS` (or `python -m MODULE ARGS`) would: its own sys.argv and __main__, its stdout untouched, its exit status kept (a program that raises prints its traceback and exits 1). The report goes to stderr: calls whose masks are the same form one row, named as a maskcli expression with findings (where a mask differs from what the run states: its config, its model call's arguments, its earlier steps, the kernels' own rules), then what it could not see: threads running before it, child processes, torch.compile'd code with fullgraph=True (TORCHDYNAMO_DISABLE=1 runs it eagerly, traced). maskcli's options come before the program.
     """
     import os
 
@@ -57,22 +57,22 @@ def trace(
     for flag, value, suffix in (("--json", json_path, "json"), ("--save", save, "pt")):
         if script is None and module is None and value is not None and value.endswith(".py"):  # taken for a flag, as in show
             raise MaskError(f"{flag} takes a file name: maskcli trace {flag} run.{suffix} {value}")
-    check_program(script, module)
     apis = tuple(part.strip() for part in api.split(",") if part.strip())
     unknown = [name for name in apis if name not in APIS]
     if unknown or not apis:
         raise MaskError(f"--api {api!r}: choose from {', '.join(APIS)}, comma-separated")
     if max_bytes < 0:
         raise MaskError(f"--max-bytes {max_bytes}: give 0 or more bytes")
+    if rank_timeout < 0:
+        raise MaskError(f"--rank-timeout {rank_timeout:g}: give 0 or more seconds")
     expectations = parse_expect(expect or [])
     from maskcli.files import check_output_path
 
     # checked before the program runs, and made absolute: the program may change the working folder
-    targets = {flag: check_output_path(path, (suffix,), flag).absolute()
+    targets = {flag: _writable(check_output_path(path, (suffix,), flag), flag, path).absolute()
                for flag, path, suffix in (("--save", save, ".pt"), ("--json", json_path, ".json")) if path is not None}
+    check_program(script, module)  # last: -m a.b imports package a, as python -m does, once every option is good
 
-    if rank_timeout < 0:
-        raise MaskError(f"--rank-timeout {rank_timeout:g}: give 0 or more seconds")
     import sys
 
     from maskcli.trace.ranks import ProcessGroups, job as rank_job
@@ -81,16 +81,22 @@ def trace(
     if job is not None:
         job.begin()
 
+    from maskcli.commands.app import SIGNALS
     from maskcli.trace.capture import Trace
-    from maskcli.trace.run import run_program
+    from maskcli.trace.run import World, run_program
 
     from maskcli.trace.spawned import Spawns
 
     program = f"-m {module}" if module else os.path.basename(script)
     tracer = Trace(apis, max_bytes)
     spawns = Spawns(apis, max_bytes, program, expectations, tracer)  # processes the program spawns: each traced as a rank
-    with tracer, ProcessGroups(lambda: len(tracer.calls)) as groups, spawns:
+    world = World(SIGNALS)  # the program's signal handlers while it runs; maskcli's streams and limits after it
+    spare = _spare_stderr()
+    with world, tracer, ProcessGroups(lambda: len(tracer.calls)) as groups, spawns:
         status = run_program(script, module, program_args)
+    if world.forked():  # a child the program forked, back from its code: it exits as it would, its parent reports
+        raise typer.Exit(status)
+    _reopen_stderr(spare)
     named = apis if api != ",".join(APIS) else ()  # the APIs the user asked for by name
     unseen = [f"--api {name}: the program never imported {module_name}, so --api {name} recorded nothing"
               for name, module_name in (("flash", "flash_attn"), ("hf", "transformers"), ("vllm", "vllm")) if name in named and name not in tracer.patched]
@@ -103,6 +109,44 @@ def trace(
 
         report_spawned(tracer, spawns, program, status, expectations, json_path, save, targets, check_, rank_timeout)
     _report(tracer, program, status, expectations, json_path, save, targets, unseen, check_)
+
+
+def _writable(path, flag: str, given: str):
+    """The path, once a file can be made in its folder (a folder such as /proc passes os.access and takes none):
+    refused before the program runs, not after."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.parent if str(path.parent) else ".", prefix=".maskcli-check-"):
+            pass
+    except OSError as error:
+        raise MaskError(f"{flag} {given!r}: no file can be written in {str(path.parent)!r} ({error.strerror or error}): "
+                        "write somewhere else") from None
+    return path
+
+
+def _spare_stderr() -> int | None:
+    """A copy of file descriptor 2, kept for the report where the program closes sys.stderr (python's own stream on
+    descriptor 2 does not close it, but the object is closed)."""
+    import os
+
+    try:
+        return os.dup(2)
+    except OSError:  # (started with stderr closed: 2>&-)
+        return None
+
+
+def _reopen_stderr(spare: int | None) -> None:
+    """The report's stderr: the one maskcli started with, or a new stream on the copy where the program closed it."""
+    import os
+    import sys
+
+    if spare is None:
+        return
+    if sys.stderr is not None and not sys.stderr.closed:
+        os.close(spare)
+        return
+    sys.stderr = open(spare, "w", encoding="utf-8", errors="replace", closefd=True)  # noqa: SIM115 - open until exit
 
 
 def _report(tracer, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict,
@@ -148,10 +192,10 @@ def _report(tracer, program: str, status: int, expectations, json_path: str | No
                 "groups": [group.json() for group in groups], "expect": failures, "not_imported": unseen,
                 "notes": notes}
         if "vllm" in tracer.patched:
-            from maskcli.render.serve import traced_json
+            from maskcli.render.serve import finding_json, traced_json
 
             data["vllm"] = traced_json(served)
-            data["vllm_across_steps"] = [{"layers": where, **f.json()} for where, found in followed for f in found]
+            data["vllm_across_steps"] = [{"layers": where, **finding_json(f)} for where, found in followed for f in found]
 
     write_files(targets, {"--json": json_path, "--save": save}, data, tracer.calls, tracer.masks | served_masks,
                 served_calls)

@@ -43,28 +43,52 @@ def assembled(calls: list, prompt_len: int) -> np.ndarray:
 
 
 def check(chunked: list, single: list, types: list[str], prompt_len: int, chunks: int, size: int) -> tuple[list[str], bool]:
-    """(lines, holds): the chunked run's prefill calls (steps below `chunks`) against the single pass's, layer by layer."""
-    lines = []
+    """(lines, holds): the chunked run's prefill calls (steps below `chunks`) against the single pass's, layer by layer.
+
+    A layer that attends n times a forward (DiffLlama: once per half of the values) has n calls at each chunk and n
+    in one pass: its k-th calls are put together and compared. A layer with no attention call in either run (linear
+    attention, a convolution: nothing to mask) is said once, not failed."""
+    lines, silent = [], []
     for layer, kind in enumerate(types):
+        # (a stable sort: a step's calls stay in the order they were made)
         mine = sorted((c for c in chunked if c.details["layer"] == layer and c.step < chunks), key=lambda c: c.step)
         whole = [c for c in single if c.details["layer"] == layer and c.step == 0]
-        if len(mine) != chunks or len(whole) != 1:
-            lines.append(f"--prefill-chunk {size}: layer {layer} ({kind}) made {len(mine)} prefill calls in chunks and "
-                         f"{len(whole)} in one pass: not compared")
+        if not mine and not whole:
+            silent.append((layer, kind))
             continue
-        together = assembled(mine, prompt_len)
-        one = on_positions(whole[0], prompt_len)
-        if together.shape != one.shape:
-            lines.append(f"--prefill-chunk {size}: layer {layer} ({kind}): the chunks cover {together.shape[2:]} "
-                         f"positions, the single pass {one.shape[2:]}: not compared")
+        per_step = [[c for c in mine if c.step == step] for step in range(chunks)]
+        if not whole or any(len(calls) != len(whole) for calls in per_step):
+            lines.append(f"--prefill-chunk {size}: layer {layer} ({kind}) made {'/'.join(str(len(c)) for c in per_step)} "
+                         f"calls at its {chunks} chunks and {len(whole)} in one pass: not compared")
             continue
-        differ = np.argwhere(together != one)
-        if len(differ):
-            b, h, q, k = (int(x) for x in differ[0])
-            lines.append(f"--prefill-chunk {size}: layer {layer} ({kind}): the chunks put together differ from the single-pass "
-                         f"prefill in {len(differ)} cells, first at batch row {b}, head {h}, query {q}, key {k}: the chunks "
-                         f"{'let it attend' if together[b, h, q, k] else 'mask it'}, one pass {'lets it attend' if one[b, h, q, k] else 'masks it'}")
+        for nth, one_call in enumerate(whole):
+            lines += _compared([calls[nth] for calls in per_step], one_call, layer, kind, prompt_len, size,
+                               f"its call {nth + 1} of {len(whole)} in a forward" if len(whole) > 1 else "")
     holds = not lines
     if holds:
-        lines.append(f"--prefill-chunk {size}: in every layer the {chunks} chunks' masks put together equal the single-pass prefill mask")
+        lines.append(f"--prefill-chunk {size}: in every layer{' that attends' if silent else ''} the {chunks} chunks' masks put "
+                     "together equal the single-pass prefill mask")
+    if silent:
+        from maskcli.text import spans
+
+        kinds = ", ".join(dict.fromkeys(kind for _, kind in silent))
+        layers = (f"layers {spans([layer for layer, _ in silent])} ({kinds}) make" if len(silent) > 1
+                  else f"layer {silent[0][0]} ({kinds}) makes")
+        lines.append(f"--prefill-chunk {size}: {layers} no attention call: no mask to compare")
     return lines, holds
+
+
+def _compared(mine: list, whole, layer: int, kind: str, prompt_len: int, size: int, which: str) -> list[str]:
+    """[] where the chunk calls `mine` put together equal the single pass's call `whole`, else the line that says where not."""
+    together = assembled(mine, prompt_len)
+    one = on_positions(whole, prompt_len)
+    said = f"--prefill-chunk {size}: layer {layer} ({kind}){', ' + which if which else ''}"
+    if together.shape != one.shape:
+        return [f"{said}: the chunks cover {together.shape[2:]} positions, the single pass {one.shape[2:]}: not compared"]
+    differ = np.argwhere(together != one)
+    if not len(differ):
+        return []
+    b, h, q, k = (int(x) for x in differ[0])
+    return [f"{said}: the chunks put together differ from the single-pass prefill in {len(differ)} cells, first at batch "
+            f"row {b}, head {h}, query {q}, key {k}: the chunks {'let it attend' if together[b, h, q, k] else 'mask it'}, "
+            f"one pass {'lets it attend' if one[b, h, q, k] else 'masks it'}"]

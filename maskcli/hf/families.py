@@ -20,7 +20,8 @@ SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "
 # set only where not None: None says the family has no experts
 EXPERTS = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
            "n_routed_experts": 4, "num_experts_per_tok": 2}
-# query and key heads equal: with fewer key heads, SDPA's decode folds the query heads into the query axis
+# query and key heads equal, in every layer (a family's per-layer counts too): with fewer key heads, transformers'
+# SDPA decode packs the query heads into the query axis (maskcli.hf.run unpacks it, where key heads go by other names)
 MOST_PARAMETERS = 3_000_000
 SHAPERS = ("sliding_window", "use_sliding_window", "attention_chunk_size", "cache_implementation")
 
@@ -113,11 +114,20 @@ def use_cache_of(source: str) -> tuple[bool, str]:
 
 
 def layer_types(config) -> list[str]:
-    """Each layer's attention kind: the config's layer_types, else what its sliding window or chunk size makes every layer."""
+    """Each layer's attention kind: the config's layer_types, else each layer's kind as trace's rules read it
+    (maskcli.checks.config.layer_kind: a sliding window pattern, sliding_window_layers, max_window_layers, Llama 4's
+    no_rope_layers), so that `model`, serve and shard --model and the rules read a config one way; where that leaves a
+    layer unknown (a per-layer field it does not read, GPT-Neo's attention_layers), what its sliding window or chunk
+    size makes every layer."""
+    from maskcli.checks.config import layer_kind
+
     found = getattr(config, "layer_types", None)
     count = getattr(config, "num_hidden_layers", None) or 0
     if found:
         return list(found)
+    kinds = [layer_kind(config, index) for index in range(count)]
+    if all(kinds):
+        return [kind[0] for kind in kinds]
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
         kind = "sliding_attention"
     elif getattr(config, "attention_chunk_size", None):
@@ -209,6 +219,10 @@ def _tiny(config, window: int | None, chunk_size: int | None, name: str):
     changes = {key: value for key, value in SIZES.items() if hasattr(config, key)}
     changes |= {key: value for key, value in EXPERTS.items() if getattr(config, key, None) is not None}
     changes["num_hidden_layers"] = layers
+    for key, value in vars(config).items():  # head counts kept per layer (Laguna's num_attention_heads_per_layer)
+        size = SIZES.get(key.removesuffix("_per_layer")) if key.endswith("_per_layer") else None
+        if size is not None and isinstance(value, (list, tuple)):
+            changes[key] = [size] * layers
     if getattr(config, "layer_types", None):
         changes["layer_types"] = list(config.layer_types[:layers])
     for flag, attribute, value in (("--window", "sliding_window", window), ("--chunk-size", "attention_chunk_size", chunk_size)):

@@ -150,8 +150,9 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
         options["prefill_chunk_size"] = prefill_chunk
     tracer = _generate(model, the_prompt, options, attn, cache, name, prefill_chunk)
     ran = time.perf_counter()
-    sinks = any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules())
-    calls, other = _placed(tracer, config, the_prompt.ids.shape[1], prefill_chunk, sinks)
+    groups = {path: module.num_key_value_groups for path, module in model.named_modules()
+              if isinstance(getattr(module, "num_key_value_groups", None), int) and module.num_key_value_groups > 1}
+    calls, other = _placed(tracer, config, the_prompt.ids.shape[1], prefill_chunk, groups)
     if not calls:
         raise MaskError(f"{name} --attn {attn}: no attention call of its layers was captured "
                         f"({len(tracer.calls)} calls elsewhere): maskcli cannot see this family's attention")
@@ -171,28 +172,58 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
         single = {key: value for key, value in options.items() if key != "prefill_chunk_size"}
         single.update(max_new_tokens=1, min_new_tokens=1)
         one_pass, _ = _placed(_generate(model, the_prompt, single, attn, cache, name, None), config, the_prompt.ids.shape[1],
-                              None, sinks)
+                              None, groups)
         chunks = -(-the_prompt.ids.shape[1] // prefill_chunk)
         result.chunk_check, result.chunk_holds = check(calls, one_pass, result.types, the_prompt.ids.shape[1], chunks, prefill_chunk)
     return result
 
 
-def _placed(tracer, config, prompt_len: int, prefill_chunk: int | None, sinks: bool) -> tuple[list, list]:
+def _placed(tracer, config, prompt_len: int, prefill_chunk: int | None, groups: dict | None = None) -> tuple[list, list]:
     """The layers' calls (as _sorted gives them), each with its query positions and its keys' from its cache.
-    With `sinks` (GPT-OSS's learned sink logits), a softmax one column wider than its cache's keys has the sink
-    as its last column: not a key, so the call keeps its mask without it (_leave_out_sink), once, for every view."""
+    `groups`: query heads per key head of each attention module (its num_key_value_groups) where more than one: a
+    one-query SDPA call of such a module has its heads packed into the query axis (_unpack_heads)."""
     _forward_steps(tracer)
     calls, other = _sorted(tracer, config)
     by_call = {(u.layer, u.step): u for u in tracer.updates}
     for call in calls:
-        update = by_call.get((call.details["layer"], call.step))
-        if sinks and update is not None and call.api == "softmax" and call.shape[3] == len(update.slots) + 1:
-            _leave_out_sink(call)
-        call.details.update(positions(call, prompt_len, prefill_chunk, update))
-    used = {call.mask for call in tracer.calls}
-    for key in [key for key in tracer.masks if key not in used]:  # (the masks read with the sink column)
-        del tracer.masks[key]
+        packed = (groups or {}).get(call.where, 1)
+        if packed > 1 and call.api == "sdpa" and call.shape[2] == packed and call.q[1] == call.k[1] \
+                and _queries(call.step, prompt_len, prefill_chunk)[1] == 1:
+            _unpack_heads(call, packed)
+        call.details.update(positions(call, prompt_len, prefill_chunk, by_call.get((call.details["layer"], call.step))))
     return calls, other
+
+
+def _unpack_heads(call, packed: int) -> None:
+    """The call as the model meant it: (B, H, 1, Lk) for one query, where transformers' SDPA path packed a GQA layer's
+    query heads into the query axis (integrations/sdpa_attention.py, pack_gqa: (B, H, 1, D) -> (B, H / g, g, D), its
+    mask (B, 1, 1, Lk) broadcast, or (B, H, 1, Lk) reshaped the same way); the reshape undone, stored again."""
+    from maskcli import tracefile
+    from maskcli.trace.capture import _collapse
+    from maskcli.trace.store import stored_form
+
+    stored, trace = call.stored, call.trace
+    b, h, q_len, k_len = call.shape
+    shape = (b, h * q_len, 1, k_len)
+    call.details["packed_heads"] = packed
+    call.q = [call.q[0], h * q_len, 1, *call.q[3:]]
+    call.shape = shape
+    if stored is None or stored["form"] == "stats":
+        return
+    keep = torch.from_numpy(np.ascontiguousarray(np.broadcast_to(tracefile.dense(stored), (b, h, q_len, k_len))))
+    keep = _collapse(keep.reshape(shape))
+    call.mask = trace._keep(stored_form(keep.contiguous(), shape, trace.max_bytes - trace.bytes, trace.max_bytes), shape)
+
+
+def _queries(step: int, prompt_len: int, prefill_chunk: int | None) -> tuple[int, int]:
+    """(first position, count) of the queries generate feeds at `step`: the prompt (or its chunk), then one a step."""
+    chunks = 1 if not prefill_chunk else -(-prompt_len // prefill_chunk)
+    if step >= chunks:
+        return prompt_len + step - chunks, 1
+    if not prefill_chunk:
+        return 0, prompt_len
+    start = step * prefill_chunk
+    return start, min(prefill_chunk, prompt_len - start)
 
 
 def _forward_steps(tracer) -> None:
@@ -213,21 +244,6 @@ def _forward_steps(tracer) -> None:
         call.step = len(steps) - 1
 
 
-def _leave_out_sink(call) -> None:
-    """The stored call's mask and shape made its keys' alone (trace.interface.without_sink: GPT-OSS's sink logit is
-    the softmax's last column), stored again; `model` traces no AttentionInterface, so this is read off the cache."""
-    from maskcli import tracefile
-    from maskcli.trace.interface import without_sink
-    from maskcli.trace.store import stored_form
-
-    stored, trace = call.stored, call.trace
-    if stored is None or stored["form"] == "stats":
-        return  # (not kept: nothing to cut; a tiny model's masks are always kept)
-    keep, shape = without_sink(torch.from_numpy(np.ascontiguousarray(tracefile.dense(stored))), call.shape, call.details)
-    call.mask = trace._keep(stored_form(keep.contiguous(), shape, trace.max_bytes - trace.bytes, trace.max_bytes), shape)
-    call.shape = shape
-
-
 def _generate(model, the_prompt: Prompt, options: dict, attn: str, cache: str, name: str, prefill_chunk: int | None):
     """generate under a Trace; the Trace, with the generated ids as .out."""
     from maskcli.trace.capture import Trace
@@ -237,6 +253,11 @@ def _generate(model, the_prompt: Prompt, options: dict, attn: str, cache: str, n
 
     tracer = Trace(("sdpa", "flex", "softmax"))
     watch = Watch(lambda: paused(tracer.mode))
+    if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
+        # GPT-OSS's learned sinks: a softmax one column wider than the keys its layer's cache update (made just before
+        # it) returned has the sink as its last column, which the trace cuts as it records the call (no interface
+        # frame counts the keys here: `model` traces no AttentionInterface)
+        tracer.sink_keys = lambda: len(watch.updates[-1].slots) if watch.updates else None
     with quiet():
         try:
             with tracer, watch, torch.no_grad(), _flex_uncompiled(attn == "flex"):
@@ -289,11 +310,7 @@ def positions(call, prompt_len: int, prefill_chunk: int | None, update) -> dict:
     where the slots are in order (a static cache's slots not yet written count on after the last one), else the
     position of each slot ("slots", -1 for none), the slots being a ring."""
     q_len, k_len = call.shape[2:]
-    chunks = 1 if not prefill_chunk else -(-prompt_len // prefill_chunk)
-    if call.step < chunks:
-        start = call.step * prefill_chunk if prefill_chunk else 0
-    else:
-        start = prompt_len + call.step - chunks
+    start = _queries(call.step, prompt_len, prefill_chunk)[0]
     found = {"queries": [start, start + q_len]}
     if update is None:  # no cache seen: the keys are the last Lk positions, as a cache that keeps them all returns
         found["keys"] = [start + q_len - k_len, start + q_len]

@@ -203,6 +203,7 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         placements = [(base, q_start)] + [p for p in placements if p[1] != q_start]
         seen = seen.copy()
         seen[:, q_start + q_len:] = True  # keys no query sees for being later are not padding
+    stated = bool(padding)
     if padding is not None:
         padding = padding or None
     else:
@@ -230,6 +231,10 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
                 return replace(row, also=decode.command if decode else None)
         if decode is not None:
             return replace(decode, note="a single decode step: the one query sees every key up to its own position")
+    if stated and not placed:  # the program's padding explains every row: key padding, as the program meant it
+        alone = found("padding", "padding", {**base, **padding})  # (not sink(n) or prefix(n), the same cells by chance)
+        if alone is not None:
+            return alone
     for extra in [{}] if padding is None else [{}, padding]:
         if extra:
             alone = found("padding", "padding", {**base, **extra})

@@ -105,7 +105,7 @@ def _panel(call, keep: np.ndarray, b: int, valid: np.ndarray, title: str, view):
     group = view.groups[number]
     # no expression rebuilds it: the recogniser's words for it, as the text report names the group, not '?'
     title = f"{title} · #{number} {group.expression or shortened(group.name, 48)}"
-    if call.details.get("sink_column"):  # GPT-OSS's sink logit, the softmax's last column, left out (hf.run._leave_out_sink)
+    if call.details.get("sink_column"):  # GPT-OSS's sink logit, the softmax's last column, cut as it was recorded
         title += " (sink column left out)"
     if "keys" in call.details:
         k0, k1 = call.details["keys"]

@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 
+from maskcli.checks.pagemap import PageMap
 from maskcli.checks.registry import severity, wrong
 from maskcli.serve.batch import ServeBatch
-from maskcli.serve.pagemap import PageMap
 
 TABLE_REQUESTS = 16  # requests listed in the tables (--json lists every one)
 FIGURE_REQUESTS = 6  # requests drawn
@@ -27,7 +27,7 @@ def _ids(values, most: int = SHOWN_PAGES) -> str:
 
 
 def header(b: ServeBatch, source: str, title: str) -> str:
-    from maskcli.serve.pagemap import page_map
+    from maskcli.checks.pagemap import page_map
 
     pages = f"pages of {b.page_size} token{'s' if b.page_size != 1 else ''}, {page_map(b).distinct:,} distinct" if b.page_size else "no page table (contiguous keys)"
     layer = ("custom masks (draft trees)" if b.trees else "causal" if b.causal else "bidirectional") + (f", window {b.window}" if b.window else "") + (f", chunks of {b.chunk}" if b.chunk else "")
@@ -86,10 +86,17 @@ def views(b: ServeBatch, rows: list[dict], findings, source: str, title: str, wi
     return out + findings_text(findings)
 
 
+def finding_json(finding) -> dict:
+    """code, severity (its rule's where it states none), the request and first (query, key) cell, null where there is
+    none, and the message."""
+    return {"code": finding.code, "severity": severity(finding), "request": finding.request,
+            "cell": None if finding.cell is None else list(finding.cell), "message": finding.message}
+
+
 def serve_dict(b: ServeBatch, rows: list[dict], findings, source: str, title: str) -> dict:
     return {
         "source": source, "engine": b.engine, "names": title, "page_size": b.page_size, "causal": b.causal, "window": b.window,
-        "chunk": b.chunk, "requests": rows, "findings": [f.json() for f in findings], "ok": not wrong(findings),
+        "chunk": b.chunk, "requests": rows, "findings": [finding_json(f) for f in findings], "ok": not wrong(findings),
     }
 
 
@@ -98,7 +105,7 @@ def steps_json(reports: list[dict], findings) -> str:
     if len(reports) == 1:
         return json.dumps(reports[0])
     ok = all(r["ok"] for r in reports) and not wrong(findings)
-    return json.dumps({"steps": reports, "findings": [f.json() for f in findings], "ok": ok})
+    return json.dumps({"steps": reports, "findings": [finding_json(f) for f in findings], "ok": ok})
 
 
 def findings_text(findings) -> list:
@@ -217,7 +224,7 @@ def _request(b: ServeBatch, r: int) -> str:
 
 def traced_json(checked: list) -> list[dict]:
     """trace --api vllm's steps for --json: each as serve --json reports a file, with the fields as captured."""
-    from maskcli.serve.pagemap import page_map
+    from maskcli.checks.pagemap import page_map
 
     out = []
     for c in checked:

@@ -8,7 +8,7 @@ import numpy as np
 from maskcli.blockmask import EMPTY, FULL, PARTIAL
 from maskcli.render.blocks import SYMBOLS, symbols
 from maskcli.checks.registry import severity
-from maskcli.checks.shard import RankFinding
+from maskcli.text import Finding
 from maskcli.shard.layouts import Layout
 from maskcli.shard.plan import Report
 from maskcli.shard.work import Split
@@ -177,11 +177,11 @@ def imbalance_lines(report: Report) -> list[str]:
     return out
 
 
-def finding_lines(findings: list[RankFinding]) -> list[str]:
+def finding_lines(findings: list[Finding]) -> list[str]:
     return [f"{severity(f)}: {f.code}: {f.message}" for f in findings]
 
 
-def finding_json(finding: RankFinding) -> dict:
+def finding_json(finding: Finding) -> dict:
     """code, severity (its rule's), message, and the rank and first (query, key) cell, null where there is none."""
     return {"code": finding.code, "severity": severity(finding), "message": finding.message, "rank": finding.rank,
             "cell": list(finding.cell) if finding.cell is not None else None}

@@ -103,9 +103,7 @@ class ServeBatch:
         if q_len > seq_len or seq_len == 0:
             return None
         if r in self.trees:
-            from maskcli.serve.trees import read_tree
-
-            parents = read_tree(self.trees[r]).parents
+            parents = self.read_tree(r).parents
             if not np.array_equal(parents, np.arange(len(parents)) - 1):  # a chain is plain causal
                 return f"tree({','.join(map(str, parents.tolist()))})"
         if self.cascade is not None:
@@ -117,6 +115,28 @@ class ServeBatch:
         if self.window is not None:
             return f"window({self.window})"
         return "causal"
+
+    def read_tree(self, r: int, parents: np.ndarray | None = None, hidden: int = 0):
+        """The draft tree request r's custom mask holds, and its first cell off it (serve/trees.py's read_tree; with
+        `parents`, off that tree instead)."""
+        from maskcli.serve.trees import read_tree
+
+        return read_tree(self.trees[r], parents, hidden)
+
+    @cached_property
+    def choice_parents(self) -> np.ndarray | None:
+        """The parent of each node of the tree the choice list names (serve/choices.py); None without one."""
+        if not self.choices:
+            return None
+        from maskcli.serve import choices
+
+        return choices.parents(list(self.choices))
+
+    def choice_path(self, node: int) -> str:
+        """How a message names draft `node` of the choice list's tree: the root, or its path."""
+        from maskcli.serve import choices
+
+        return choices.path_of(list(self.choices), node)
 
     def frame(self, r: int) -> tuple[int, int, int]:
         """(first query position, queries, keys) of request r."""

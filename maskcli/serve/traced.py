@@ -75,7 +75,7 @@ def matched(checked: list, pattern: str) -> list:
 def expect(checked: list, pattern: str, expression: str) -> list[str]:
     """Lines on the steps `pattern` matches whose requests are not `expression` at their own positions: the first
     differing step's first differing request and cell, then how many steps more; empty where every one holds."""
-    from maskcli.serve.expect import first_difference
+    from maskcli.checks.serveexpect import first_difference
 
     head = f"--expect {pattern}={expression}"
     lines, differing = [], []
@@ -100,7 +100,7 @@ def expect(checked: list, pattern: str, expression: str) -> list[str]:
 def across(checked: list) -> tuple[list[tuple[str, list]], list[str]]:
     """((a layer group, serve's steps findings over its steps: skipped or repeated positions, earlier keys read from
     other pages) for each group of more than one step; notes on groups whose requests could not be followed)."""
-    from maskcli.serve.steps import steps
+    from maskcli.checks.servesteps import steps
 
     groups: dict[int, list] = {}
     for c in checked:

@@ -8,7 +8,6 @@ import numpy as np
 
 from maskcli import terms
 from maskcli.checks import registry
-from maskcli.checks import shard as checks
 from maskcli.errors import MaskError
 from maskcli.mask import Mask
 from maskcli.shard import layouts, ranks, work
@@ -26,7 +25,7 @@ class Report:
     splits: list  # [(label, Split)]: the layer type or the mask's name
     te: tuple | None  # (local cu_seqlens_padded, per-rank cu_seqlens) in TransformerEngine's convention
     local: list  # per-rank cu_seqlens on its own tokens, in local order
-    findings: list  # checks.shard.RankFinding, each with its rank
+    findings: list  # Findings of checks/shard.py, each with its rank
     notes: tuple = ()  # what --trace left out of the run, in words
 
     @property
@@ -110,14 +109,14 @@ def analyse(masks: list[tuple[str, Mask]], spec: str, n: int, head_dim: int = 12
     length = first.frame.q_len
     docs = docs if docs is not None else document_sizes(first)
     layout = make_layout(spec, length, n, first.heads, docs, first)
-    found = checks.coverage(layout) + checks.uneven(layout) + checks.padding(layout)
+    found = registry.run("layout", layout)
     splits = [(label, work.split(mask, layout, head_dim)) for label, mask in masks]
     notes: list[str] = []
     if traced is not None:
         splits, more, notes = _traced(masks, layout, head_dim, traced, rank_masks)
         found += more
     for label, split in splits:
-        found += checks.imbalance(split, label=label if len(splits) > 1 else "")
+        found += registry.run("split", split, label=label if len(splits) > 1 else "")
     if rank_masks and traced is None:
         if len(masks) > 1:
             raise MaskError("--rank-mask checks one mask: give one EXPR or --mask with the ranks' files")

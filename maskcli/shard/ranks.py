@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.shard import RankFinding, rank_part
+from maskcli.checks.shard import rank_part
 from maskcli.errors import MaskError
 from maskcli.intervals import Intervals
 from maskcli.mask import Mask, MaskOptions
 from maskcli.shard.layouts import Layout
 from maskcli.shard.work import intervals_of
+from maskcli.text import Finding
 
 
 def cells_at(intervals: Intervals, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
@@ -58,7 +59,7 @@ def _one_plane(keep: np.ndarray, path: str) -> np.ndarray:
     return keep[0, 0]
 
 
-def check(mask: Mask, layout: Layout, paths: list[str]) -> list[RankFinding]:
+def check(mask: Mask, layout: Layout, paths: list[str]) -> list[Finding]:
     """Each rank's captured part against the global mask: a finding per rank whose part differs."""
     if len(paths) != layout.ranks:
         raise MaskError(f"--rank-mask given {len(paths) if len(paths) != 1 else 'once'}{' times' if len(paths) != 1 else ''} but --ranks is {layout.ranks}: give one file per rank, in rank order")
@@ -74,13 +75,13 @@ def check(mask: Mask, layout: Layout, paths: list[str]) -> list[RankFinding]:
     return check_parts(mask, layout, parts)
 
 
-def check_parts(mask: Mask, layout: Layout, parts: list[np.ndarray]) -> list[RankFinding]:
+def check_parts(mask: Mask, layout: Layout, parts: list[np.ndarray]) -> list[Finding]:
     """Each rank's part, bool (its slots, every slot in the gathered order), against the global mask."""
     intervals = intervals_of(mask)
     gathered = layout.indices()
     keys = np.where(gathered < layout.length, gathered, -1)
     local_keys = np.where(np.arange(keys.size) < layout.length, np.arange(keys.size), -1)
-    found: list[RankFinding] = []
+    found: list[Finding] = []
     for r, part in enumerate(parts):
         rows = layout.rank_indices(r)
         expected = cells_at(intervals, rows, keys)

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from maskcli import tracefile
 from maskcli.text import step_label
@@ -29,17 +28,18 @@ import maskcli.trace.compiled as compiled
 import maskcli.trace.interface as interface
 import maskcli.trace.vllm as vllm_capture
 from maskcli.trace.flex import flex as read_flex
+from maskcli.trace.mode import Mode, compiling as _compiling, has_values
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import Overflows
 from maskcli.trace.scores import Scores
 from maskcli.trace.sites import Sites
 from maskcli.trace.stated import outside
+from maskcli.trace.store import store
 from maskcli.trace.threads import Threads
 from maskcli.trace.tops import DOCUMENTS, documents
 
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
-CACHE = 256  # masks remembered by the tensor they were read from (a model hands one mask to every layer)
 
 
 @dataclass
@@ -68,37 +68,6 @@ class Call(Operands):
                 "mask": self.mask, "details": dict(self.details)}
 
 
-def _collapse(keep: torch.Tensor) -> torch.Tensor:
-    """The batch and head dimensions cut to 1 where every row of them is the same."""
-    for dim in (0, 1):
-        if keep.shape[dim] > 1 and bool((keep == keep.narrow(dim, 0, 1)).all()):
-            keep = keep.narrow(dim, 0, 1)
-    return keep
-
-
-class _Mode(TorchFunctionMode):
-    def __init__(self, trace: Trace):
-        super().__init__()
-        self.trace = trace
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch.compiler.is_dynamo_compiling():  # dynamo traces this mode into the graph it builds: add nothing to it
-            return func(*args, **kwargs)  # (the scores and overflow bookkeeping inlined there broke Gemma 3's rotary)
-        trace = self.trace
-        reader = trace.readers.get(func)  # the hot path: one lookup per torch call
-        if reader is not None and trace.active and not trace.busy and not trace.within:
-            if reader is not readers.softmax or trace.scores.attention(readers.softmax_input(args, kwargs)):
-                trace.capture(reader, args, kwargs)
-        out = func(*args, **kwargs)
-        if trace.overflows.wanted(func) and trace.active and not trace.busy and isinstance(out, torch.Tensor) \
-                and _has_values(out):
-            trace.overflows.after(func, args, kwargs, out, trace.scores)  # (fills that overflow to -inf: overflow.py)
-        if trace.scores is not None:
-            trace.scores.after(func, args, kwargs, out)
-        return out
-
-
 class Trace:
     """`with Trace() as t: ...` records every attention call in t.calls; each distinct mask is kept once in t.masks."""
 
@@ -110,7 +79,7 @@ class Trace:
         self.bytes = 0
         self._local = threading.local()  # busy, within, interfaces: each thread the program runs has its own
         self._lock = threading.RLock()
-        self.readers = {}
+        self.readers = readers.watched(self)  # (the loss: what it states, no call recorded: trace/losses.py)
         if "sdpa" in self.apis:
             self.readers[F.scaled_dot_product_attention] = readers.sdpa
         if "mha" in self.apis:
@@ -121,22 +90,31 @@ class Trace:
                 self.readers[func] = readers.softmax
             self.scores = Scores()
         self.overflows = Overflows()
+        from maskcli.trace.overflow import WATCHED
+        from maskcli.trace.scores import MATMULS
+
+        # the torch functions the mode looks at whatever runs: the rest only while a tensor it follows is alive
+        self.watched = frozenset({*self.readers, *WATCHED, *(MATMULS if self.scores is not None else ())})
         self.sites = Sites()
-        self.tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
+        self._tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
+        self._pending: list = []  # (Top, module): tops whose configs are read once the run is over (settle())
+        self._frames: dict = {}  # id(module) -> the program's frames at its first call (stated.frames), until settled
+        self._names = None  # the sites' module names, kept past the trace's end until the pending tops are settled
         self._cache: dict = {}
+        self._held: dict = {}  # each shape tuple and word the calls hold, once (equal values: one object)
         self._stated: dict = {}  # id(outermost module) -> (module, the configs it states: trace/stated.py)
         self._entered, self._loose = {}, {}  # id(module) -> calls made before its forward began; call site -> outside()
         self._handles: list = []
-        self.mode = _Mode(self)
+        self.mode = Mode(self)
         self._unwrap: list = []
         self._undo: list = []  # what puts swapped functions and patched classes back, in the order done
         self._swapped: set[int] = set()
         self.vllm = vllm_capture.Recorder(lambda: self.active and not self.busy)  # where vLLM is imported: its batches
         self.patched: set[str] = set()  # "flash", "hf", "vllm": the APIs whose modules the program imported (so were patched)
-        self.active = False
-        self.threads = None
-        self.compiled = compiled.Compiled(lambda: self.within > 0)  # calls of torch.compile'd code, whose attention
-        # is not seen (but for what a recorded call runs itself: flex_attention compiles its operator even in eager)
+        self.active, self.threads = False, None
+        self.sink_keys = lambda: None  # keys of the call running now, where a learned sink's module has no interface frame
+        self.compiled = compiled.Compiled(lambda: self.within > 0, self)  # calls of torch.compile'd code (not those a
+        # recorded call runs itself: flex_attention compiles its operator even in eager); their attention a graph break
 
     @property
     def busy(self) -> bool:
@@ -164,6 +142,33 @@ class Trace:
         if found is None:
             found = self._local.interfaces = []
         return found
+
+    @property
+    def tops(self) -> list:
+        """Each outermost module call (maskcli.checks.context.Top), the configs its program states read (settle())."""
+        if self._pending:
+            self.settle()
+        return self._tops
+
+    def settle(self) -> None:
+        """Read the configs the pending tops' modules state (trace/stated.py): after the run, not while it runs (a
+        tiny model's configs take longer to read than its whole forward). The frames were kept at the call."""
+        from maskcli.trace.stated import stated
+
+        with self._lock:
+            if self._names is None:
+                path = self.sites.path
+            else:
+                names = self._names
+                path = lambda module: None if (found := names.get(id(module))) is None else found[1]  # noqa: E731
+            for top, module in self._pending:
+                try:
+                    top.stated = stated(module, path, self._stated, self._frames.get(id(module)))
+                except Exception:  # noqa: BLE001 - a config whose attribute access raises: it states nothing maskcli reads
+                    top.stated = ()
+            self._pending.clear()
+            self._frames.clear()
+            self._names = None
 
     def groups(self) -> list:
         """The calls grouped by mask, API and shape, each named, with findings (maskcli.trace.report.Group): those
@@ -206,7 +211,7 @@ class Trace:
                 found(sys.modules[name])
         self.active = True
         self.mode.__enter__()
-        self.threads = Threads(lambda: _Mode(self) if self.active else None).__enter__()  # (a mode is per thread)
+        self.threads = Threads(lambda: Mode(self) if self.active else None).__enter__()  # (a mode is per thread)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -224,6 +229,8 @@ class Trace:
             self._undo.pop()()
         self._swapped.clear()
         self._cache.clear()
+        if self._pending:  # (the names the pending tops' configs are read by: settle())
+            self._names = dict(self.sites._names)
         self.sites.clear()
 
     def _patch_flex(self) -> None:
@@ -275,35 +282,51 @@ class Trace:
     # --- where a call comes from --------------------------------------------------------------
 
     def _pre(self, module, args) -> None:
-        if not torch.compiler.is_dynamo_compiling():  # a compiled region runs without us (its calls are not recorded)
-            if not self.sites.stack:  # an outermost call begins: the calls made before it, for what the checks read
-                self._local.opened = (module, len(self.calls))
-            self._entered[id(module)] = len(self.calls)  # (an inner module's documents: _post)
-            self.sites.enter(module)
+        if _compiling():  # a compiled region runs without us (its calls are not recorded)
+            return
+        sites, made = self.sites, len(self.calls)  # (every module call of the program runs this: kept lean)
+        if not sites.stack:  # an outermost call begins: the calls made before it, for what the checks read
+            self._local.opened = (module, made)
+        self._entered[id(module)] = made  # (an inner module's documents: _post)
+        sites.enter(module)
 
     def _post(self, module, args, kwargs, output=None) -> None:
         # (a forward that raised calls an always_call hook without its kwargs: torch/nn/modules/module.py:1892)
-        if torch.compiler.is_dynamo_compiling():
+        if _compiling():
             return
-        self.sites.leave(module)
-        if kwargs and self.sites.stack and not DOCUMENTS.isdisjoint(kwargs):  # documents handed to an inner module
-            documents(self.calls, self._entered.get(id(module), len(self.calls)), kwargs)
+        sites = self.sites
+        sites.leave(module)
+        if sites.stack:
+            if kwargs and not DOCUMENTS.isdisjoint(kwargs):  # documents handed to an inner module
+                documents(self.calls, self._entered.get(id(module), len(self.calls)), kwargs)
+            return
         opened = getattr(self._local, "opened", None)
-        if not self.sites.stack and opened is not None and opened[0] is module:
+        if opened is not None and opened[0] is module:
             self._local.opened = None
             if len(self.calls) > opened[1]:  # an outermost call that made attention calls: what the checks read of it
-                from maskcli.trace.stated import stated
                 from maskcli.trace.tops import top
 
-                said = stated(module, self.sites.path, self._stated)  # (read once per module: trace/stated.py)
-                self.tops.append(top(self.sites.shown(module), module, args, kwargs, opened[1], len(self.calls), said))
+                try:  # (the program's objects read: a config whose attribute access raises must not reach it)
+                    found = top(self.sites.shown(module), module, args, kwargs, opened[1], len(self.calls))
+                except Exception:  # noqa: BLE001 - what the call states is then unknown; its calls stay recorded
+                    return
+                held = self._stated.get(id(module))  # (read once per module: trace/stated.py)
+                if held is not None and held[0] is module:
+                    found.stated = held[1]
+                else:  # read once the run is over (settle()), from the frames as they are now
+                    if id(module) not in self._frames:
+                        from maskcli.trace.stated import frames
+
+                        self._frames[id(module)] = frames()
+                    self._pending.append((found, module))
+                self._tops.append(found)
 
     # --- recording ----------------------------------------------------------------------------
 
     def capture(self, reader, args, kwargs) -> None:
         """Record one call; whatever goes wrong here is noted on the call and never reaches the program."""
         first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
-        if first is not None and not _has_values(first):
+        if first is not None and not has_values(first):
             return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real
         self.busy = True
         try:
@@ -316,29 +339,35 @@ class Trace:
         site, where = self.sites.current()
         caller = site[2] if site[0] == "line" else None
         site = site if caller is None else site[:2]  # steps count per function line, wherever it was called from
+        grad = torch.is_grad_enabled()
         try:
-            with torch.no_grad():
-                seen = reader(args, kwargs)
-                if seen is None:
-                    return
-                overflowed = self.overflows.of(args, kwargs, seen.api)
-                if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
-                    seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
-                self.sites.note(seen.details, caller)
-                if self.interfaces and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
-                    interface.unpack_gqa(seen, self.interfaces[-1])
-                elif self.interfaces and seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS)
-                    interface.leave_out_sink(seen, self.interfaces[-1])
-                key = self._store(seen)
+            torch._C._set_grad_enabled(False)  # (torch.no_grad() as a context costs more than the two calls)
+            seen = reader(args, kwargs)
+            if seen is None:
+                return
+            overflowed = self.overflows.of(args, kwargs, seen.api)
+            if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
+                seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
+            self.sites.note(seen.details, caller)
+            frames = self.interfaces
+            if frames and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
+                interface.unpack_gqa(seen, frames[-1])
+            elif seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS): cut here, once, before it is stored
+                interface.leave_out_sink(seen, frames[-1].get("sink_keys") if frames else self.sink_keys())
+            key = readers.stored(self, seen)  # (self._store, and a mask the frames handed the call: trace/given.py)
         except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
             self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self.calls), where=where, step=self.sites.step(site),
                               details={"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, trace=self))
             return
+        finally:
+            torch._C._set_grad_enabled(grad)
         if seen.child:
             site, where = self.sites.current(seen.child)
-        self._append(Call(**{**seen.operands(), "shape": tuple(int(x) for x in seen.shape)}, index=len(self.calls), where=where,
-                          step=self.sites.step(site), mask=key, details=seen.details, trace=self))
+        held = self._held  # (a million calls are a million records: their shapes and words kept once, details compact)
+        shape, q, k, v, where = (held.setdefault(x, x) for x in (tuple(int(x) for x in seen.shape), seen.q, seen.k, seen.v, where))
+        self._append(Call(seen.api, shape, q, k, v, held.setdefault(seen.dtype, seen.dtype), held.setdefault(seen.device, seen.device),
+                          index=len(self.calls), where=where, step=self.sites.step(site), mask=key, details=dict(seen.details), trace=self))
         if not self.sites.stack:  # a call outside any module: what the program's frames state for it, and the
             documents(self.calls, len(self.calls) - 1, self.sites.held)  # cu_seqlens its function holds (HunyuanVideo's)
             outside(self.tops, where, len(self.calls) - 1, self._loose)
@@ -350,51 +379,11 @@ class Trace:
         if self.compiled.inside():
             call.details["compiled"] = True
             self.compiled.seen += 1
-        if self.interfaces:
-            call.details["hf"] = self.interfaces[-1]["hf"]
-            self.interfaces[-1]["seen"] += 1
+        frames = self.interfaces
+        if frames:
+            call.details["hf"] = frames[-1]["hf"]
+            frames[-1]["seen"] += 1
         self.calls.append(call)
 
     def _store(self, seen) -> str:
-        if seen.intervals is not None:
-            stored = tracefile.from_intervals(seen.intervals, seen.shape, seen.planes)
-            return self._keep(stored, seen.shape)
-        cache_key = None
-        if seen.sources:  # the same mask tensor given again (every layer of a model): read it once
-            cache_key = (seen.api, seen.shape, tuple((id(x), x._version) for x in seen.sources))
-            found = self._cache.get(cache_key)
-            if found is not None:
-                return found[0]
-        from maskcli.trace.store import stored_form
-
-        keep = _collapse(seen.keep)
-        stored = stored_form(keep, seen.shape, self.max_bytes - self.bytes, self.max_bytes)
-        key = self._keep(stored, seen.shape)
-        if cache_key is not None:
-            if len(self._cache) >= CACHE:
-                self._cache.clear()
-            self._cache[cache_key] = (key, seen.sources)  # the tensors are held so that their ids stay theirs
-        return key
-
-    def _keep(self, stored: dict, shape) -> str:
-        key = tracefile.digest(stored)
-        if key in self.masks:
-            return key
-        size = tracefile.nbytes(stored)
-        if size and self.bytes + size > self.max_bytes:
-            found = tracefile.counts(stored)
-            factor = (shape[0] * shape[1]) // (found.shape[0] * found.shape[1])
-            kept, empty = int(found.sum()) * factor, int((found == 0).sum()) * factor
-            stored = tracefile.stats_only(shape, kept, empty, f"past --max-bytes {self.max_bytes}")
-            key = tracefile.digest(stored)
-            size = 0
-        self.masks.setdefault(key, stored)
-        self.bytes += size
-        return key
-
-
-def _has_values(tensor: torch.Tensor) -> bool:
-    if tensor.device.type == "meta" or torch._C._functorch.is_functorch_wrapped_tensor(tensor):
-        return False
-    return type(tensor).__name__ != "FakeTensor"
-
+        return store(self, seen)  # (trace/store.py: once per digest, a mask given again unchanged not read again)

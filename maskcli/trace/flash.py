@@ -71,7 +71,8 @@ def rows_intervals(rows: np.ndarray, lo: np.ndarray, hi: np.ndarray, planes: int
     """(planes, Lq, 1) intervals from one [lo, hi) per listed row (`rows` over planes * Lq, ascending); the rows not
     listed see no key."""
     starts, ends = by_row(rows, lo, hi, planes * q_len, k_len)
-    return Intervals.of(starts.reshape(planes, q_len, -1), ends.reshape(planes, q_len, -1), 0, k_len)
+    width = starts.shape[1]  # (named: -1 cannot be read from no row, as over 0 tokens)
+    return Intervals.of(starts.reshape(planes, q_len, width), ends.reshape(planes, q_len, width), 0, k_len)
 
 
 def _lengths(cu: torch.Tensor, used) -> tuple[np.ndarray, np.ndarray]:

@@ -110,7 +110,7 @@ def unpack_gqa(seen: Seen, frame: dict) -> None:
     if seen.details.get("enable_gqa") or len(seen.q) != 4 or seen.q[1:3] != (heads // groups, groups) or heads % groups:
         return  # not packed: repeat_kv or enable_gqa kept the query as it was
     b, h, rows, k_len = seen.shape
-    if seen.keep is not None:
+    if seen.materialize() is not None:
         keep = seen.keep
         if keep.shape[1] == 1 and bool((keep == keep[:, :, :1]).all()):  # one mask row for every head
             seen.keep = keep[:, :, :1]
@@ -130,23 +130,17 @@ def unpack_gqa(seen: Seen, frame: dict) -> None:
     seen.shape, seen.q = (b, h * rows, 1, k_len), tuple(query)
 
 
-def leave_out_sink(seen: Seen, frame: dict) -> None:
-    """A softmax one column wider than the keys of a module with learned sinks, read as its keys alone (without_sink)."""
-    k_len = frame.get("sink_keys")
-    if k_len is None or seen.keep is None or seen.shape[3] != k_len + 1:
-        return
-    seen.keep, seen.shape = without_sink(seen.keep, seen.shape, seen.details)
-
-
-def without_sink(keep: torch.Tensor, shape: tuple, details: dict) -> tuple[torch.Tensor, tuple]:
-    """(keep, shape) of a softmax's keys alone, its last column left out: the one rule for trace and `model`.
+def leave_out_sink(seen: Seen, k_len: int | None) -> None:
+    """A softmax one column wider than the `k_len` keys of a module with learned sinks, read as its keys alone: the one
+    place the sink column is cut, as the call is recorded (trace: the interface frame's keys; `model`: its cache's).
 
     GPT-OSS's eager attention softmaxes torch.cat([attn_weights, sinks], dim=-1)
     (transformers/models/gpt_oss/modeling_gpt_oss.py, eager_attention_forward): the last column is each head's sink
     logit, on no key position and never masked. details["sink_column"] is the index of the column left out."""
-    k_len = shape[3] - 1
-    details["sink_column"] = k_len
-    return keep[..., :k_len], (*shape[:3], k_len)
+    if k_len is None or seen.materialize() is None or seen.shape[3] != k_len + 1:
+        return
+    seen.details["sink_column"] = k_len
+    seen.keep, seen.shape = seen.keep[..., :k_len], (*seen.shape[:3], k_len)
 
 
 def _given(args: tuple, kwargs: dict) -> dict:

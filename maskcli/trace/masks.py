@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from maskcli.inspect.polarity import additive_keep
+from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
+from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
 from maskcli.intervals import Intervals
 
 
@@ -49,6 +51,17 @@ class Seen(Operands):
     details: dict = field(default_factory=dict)
     sources: tuple = ()  # the mask tensors the call was given: the same ones again are the same mask
     child: str | None = None  # the submodule that attends, where the call was read at its parent (an encoder layer)
+    make: object = None  # or: what makes `keep` from `sources`, run only where they were not read already (capture's
+    # cache: a model hands one mask to every layer); materialize() runs it
+    made: dict = field(default_factory=dict)  # the details making `keep` added (a hit of the cache adds them again)
+
+    def materialize(self) -> torch.Tensor | None:
+        """`keep`, made now where a reader left it to `make`."""
+        if self.make is not None:
+            before = set(self.details)
+            self.keep, self.make = self.make(), None
+            self.made = {key: value for key, value in self.details.items() if key not in before}
+        return self.keep
 
 
 def _four(lead: tuple[int, ...]) -> tuple[int, int]:
@@ -68,14 +81,23 @@ def _as_4d(tensor: torch.Tensor, q_len: int, k_len: int) -> torch.Tensor:
     return tensor.expand(tensor.shape[0], tensor.shape[1], q_len, k_len)
 
 
+@functools.lru_cache(maxsize=64)  # (one object for one shape: capture's cache knows it again; never changed in place)
 def top_left_causal(q_len: int, k_len: int) -> Intervals:
     """SDPA's is_causal: query row i sees keys 0..i (torch.tril of an Lq x Lk matrix, aligned top-left)."""
     ends = np.minimum(np.arange(1, q_len + 1, dtype=np.int64), k_len)
-    return Intervals.of(np.zeros((1, q_len, 1), np.int64), ends.reshape(1, q_len, 1), 0, k_len)
+    return _frozen(Intervals.of(np.zeros((1, q_len, 1), np.int64), ends.reshape(1, q_len, 1), 0, k_len))
 
 
+@functools.lru_cache(maxsize=64)
 def everything(q_len: int, k_len: int) -> Intervals:
-    return Intervals.of(np.zeros((1, 1, 1), np.int64), np.full((1, 1, 1), k_len, np.int64), 0, k_len)
+    return _frozen(Intervals.of(np.zeros((1, 1, 1), np.int64), np.full((1, 1, 1), k_len, np.int64), 0, k_len))
+
+
+def _frozen(intervals: Intervals) -> Intervals:
+    """Intervals shared by every call of one shape: read-only, so that no caller changes another's."""
+    intervals.starts.setflags(write=False)
+    intervals.ends.setflags(write=False)
+    return intervals
 
 
 def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
@@ -94,7 +116,12 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
 
 
 def _dtype(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
+    return _dtype_name(tensor.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:  # (one string per dtype: every call's record holds one or two)
+    return str(dtype).removeprefix("torch.")
 
 
 SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -107,7 +134,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     q_len, k_len = q.shape[-2], k.shape[-2]
     lead = tuple(q.shape[:-2])
     if mask is not None and mask.dim() > 2:
-        lead = tuple(torch.broadcast_shapes(lead, tuple(mask.shape[:-2])))
+        lead = _broadcast(lead, tuple(mask.shape[:-2]))
     details = {"is_causal": is_causal, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False)),
                "dropout_p": float(given.get("dropout_p", 0.0) or 0.0)}
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
@@ -117,7 +144,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
         details["mask_dtype"] = _dtype(mask)
         if q_len > 1 and (mask.dim() < 2 or mask.shape[-2] == 1):  # one row for every query: no query's own position
             details["mask_rows"] = 1
-        seen.keep = _as_4d(_keep(mask, details), q_len, k_len)
+        seen.make = lambda: _as_4d(_keep(mask, details), q_len, k_len)  # (not where this mask was read already)
         seen.sources = (mask,)
     elif is_causal:
         seen.intervals = top_left_causal(q_len, k_len)
@@ -126,10 +153,27 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     return seen
 
 
+def _broadcast(a: tuple, b: tuple) -> tuple:
+    """torch.broadcast_shapes of two shapes (in plain Python: that one runs torch's reference code, tens of us a call)."""
+    if len(a) < len(b):
+        a, b = b, a
+    b = (1,) * (len(a) - len(b)) + b
+    out = []
+    for x, y in zip(a, b):
+        if x != y and x != 1 and y != 1:
+            raise RuntimeError(f"shapes {a} and {b} do not broadcast")
+        out.append(y if x == 1 else x)
+    return tuple(out)
+
+
+def _storage_start(tensor: torch.Tensor) -> int:
+    return tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
+
+
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Both views of one storage (q, k split from one projection of one input); False where it cannot be read."""
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    try:  # (each storage's start from the tensor's own pointer: untyped_storage() makes an object, ~0.3 ms under trace)
+        return _storage_start(a) == _storage_start(b) != 0
     except (RuntimeError, NotImplementedError):  # (tensor subclasses, functional tensors: no storage to compare)
         return False
 
@@ -163,6 +207,10 @@ def mha(args: tuple, kwargs: dict) -> Seen:
     seen = Seen("mha", (batch, heads, q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
     if a["is_causal"] and padding is None and not need_weights:
         seen.intervals = top_left_causal(q_len, k_len)
+        if attn_mask is not None:  # dropped for SDPA's is_causal: said where it is not that mask (checks/kernels.py)
+            dropped = _dropped(attn_mask, batch, heads, q_len, k_len - extra)
+            if dropped is not None:
+                details["dropped_attn_mask"] = dropped
         return seen
     keep = torch.ones((1, 1, q_len, k_len), dtype=torch.bool, device=q.device)
     if attn_mask is not None:  # bool: True = masked (MHA's polarity); float: added to the scores
@@ -181,6 +229,44 @@ def mha(args: tuple, kwargs: dict) -> Seen:
         seen.keep = keep
         seen.sources = tuple(x for x in (attn_mask, padding) if x is not None)
     return seen
+
+
+NAME_DROPPED = 1 << 20  # cells of a dropped attn_mask named by the recogniser (past it: its differing cell only)
+_DROPPED: dict = {}  # id(attn_mask) -> (a weak reference to it, its version, what _dropped found): one tensor every step
+
+
+def _dropped(attn_mask: torch.Tensor, batch: int, heads: int, q_len: int, k_len: int) -> dict | None:
+    """What an attn_mask F.multi_head_attention_forward dropped for SDPA's is_causal (torch/nn/functional.py: "if
+    is_causal and key_padding_mask is None and not need_weights: attn_mask = None") holds where it is not that causal
+    mask (top-left, torch.tril): its name where the recogniser gives one, and its first differing cell (b, h, q, k)
+    with whether attn_mask keeps it. None where it is causal: the hint was true and nothing was lost."""
+    import weakref
+
+    held = _DROPPED.get(id(attn_mask))
+    if held is not None and held[0]() is attn_mask and held[1] == attn_mask._version:
+        return held[2]
+    own = ~attn_mask if attn_mask.dtype == torch.bool else additive_keep(attn_mask.detach())
+    own = own.reshape(batch, heads, q_len, -1) if own.dim() == 3 else own.reshape(1, 1, q_len, -1)
+    causal = torch.ones((q_len, k_len), dtype=torch.bool, device=own.device).tril()
+    differ = own ^ causal
+    found = None
+    if bool(differ.any()):
+        b, h, q, k = (int(x) for x in differ.nonzero()[0])
+        found = {"cell": [b, h, q, k], "keeps": bool(own[b, h, q, k]), "name": None}
+        if own.numel() <= NAME_DROPPED:
+            from maskcli.inspect.structure import recognise
+            from maskcli.trace.names import flags
+
+            structure = recognise(own.cpu().numpy())
+            if structure.expression is not None:
+                found["name"] = structure.expression + flags(structure.options, q_len, k_len)
+    if len(_DROPPED) >= 64:
+        _DROPPED.pop(next(iter(_DROPPED)))
+    try:
+        _DROPPED[id(attn_mask)] = (weakref.ref(attn_mask), attn_mask._version, found)
+    except TypeError:  # (a tensor subclass without weak references: read again next time)
+        pass
+    return found
 
 
 def _key_padding(real: torch.Tensor) -> dict:
@@ -223,6 +309,9 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     if fill == "-inf":  # only a row -inf everywhere is NaN; one that also holds the lowest value is uniform
         details["nan_rows"] = bool(infinite.all(dim=-1).any())
     masked = masked | _finite_fill(scores, lowest, details)
+    if q_len > 1 and bool(masked.any()) and bool((masked == masked[..., :1, :]).all()):
+        details["mask_rows"] = 1  # every query masks the same keys: one row for every query, as sdpa says of a
+        # (B, 1, 1, Lk) attn_mask (the Annotated Transformer's masked_fill(src_mask == 0, -1e9)): key padding
     seen = Seen("softmax", shape, tuple(x.shape), (), (), _dtype(x), str(x.device), details=details)
     seen.keep = (~masked).reshape(shape)
     return seen

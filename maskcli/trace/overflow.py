@@ -17,6 +17,7 @@ details["bool_added"], with the line that added it.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -29,7 +30,7 @@ SUMS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__, torch.sub, torch.Ten
 CASTS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type, torch.Tensor.type_as}
 ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__}
 WATCHED = SUMS | CASTS
-KEEP = 256  # remembered tensors before the dead ones are let go
+KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
 
 
 def _dtype(tensor: torch.Tensor) -> str:
@@ -40,20 +41,20 @@ def _overflowed(func, args: tuple, kwargs: dict, out: torch.Tensor) -> dict | No
     """What a cast or a sum turned into -inf out of finite operands; None where it did not."""
     if func in CASTS:
         given = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if given is None or not given.is_floating_point() or given.dtype == out.dtype or \
-                torch.finfo(out.dtype).max >= torch.finfo(given.dtype).max:
+        if given is None or given.dtype == out.dtype or not given.is_floating_point() or \
+                _largest(out.dtype) >= _largest(given.dtype):
             return None  # (a cast that cannot overflow costs nothing to look at: most casts are these)
-        inf = torch.isneginf(out)
-        if not bool(inf.any()):
+        if not _has_neginf(out):
             return None
+        inf = torch.isneginf(out)
         over = inf & torch.isfinite(given)
         if not bool(over.any()):
             return None
         value = float(given[over].min())
         return {"op": "cast", "value": value, "from": _dtype(given), "dtype": _dtype(out)}
-    inf = torch.isneginf(out)
-    if not bool(inf.any()):
+    if not _has_neginf(out):
         return None
+    inf = torch.isneginf(out)
     finite = torch.ones((), dtype=torch.bool, device=out.device)
     operands = []
     for x in (*args, *kwargs.values()):
@@ -68,6 +69,20 @@ def _overflowed(func, args: tuple, kwargs: dict, out: torch.Tensor) -> dict | No
     low = [float(x.detach().broadcast_to(out.shape)[over].min()) for x in operands if x.dim() and x.is_floating_point()]
     name = {torch.mul: "product", torch.Tensor.mul: "product", torch.Tensor.__rmul__: "product"}.get(func, "sum")
     return {"op": name, "value": min(low) if low else None, "dtype": _dtype(out)}
+
+
+@functools.lru_cache(maxsize=None)
+def _largest(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+def _has_neginf(out: torch.Tensor) -> bool:
+    """Whether `out` holds -inf: its least value read back (one reduction: most sums and casts a model runs are
+    looked at, so this is on trace's hot path); NaN anywhere makes that NaN, so then each cell is looked at."""
+    if not out.numel():
+        return False
+    least = out.min().item()
+    return least == -math.inf or (least != least and bool(torch.isneginf(out).any()))
 
 
 class Overflows:
@@ -85,11 +100,24 @@ class Overflows:
         Whatever goes wrong here is the watch's, never the program's: it is let go."""
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not out.is_floating_point():
             return
+        if not self._found and (scores is None or not scores._found):  # the common case: only an overflow made here
+            try:  # matters, and most sums and casts show at once that they made none (their result holds no -inf)
+                if func in CASTS:
+                    given = args[0] if args else None
+                    if not isinstance(given, torch.Tensor) or given.dtype == out.dtype:
+                        return
+                elif not _has_neginf(out.detach()):
+                    return
+            except Exception:  # (a tensor kind that cannot be read: the program runs on as it would)
+                return
+        grad = torch.is_grad_enabled()  # (most sums and casts a model runs pass here: no_grad as two C calls)
         try:
-            with torch.no_grad():
-                self._after(func, args, kwargs, out, scores)
+            torch._C._set_grad_enabled(False)
+            self._after(func, args, kwargs, out, scores)
         except Exception:  # (a tensor kind the checks cannot read: sparse, nested; the program runs on as it would)
             pass
+        finally:
+            torch._C._set_grad_enabled(grad)
 
     def _after(self, func, args: tuple, kwargs: dict, out: torch.Tensor, scores) -> None:
         if func in ADDS and scores is not None:  # a bool mask added to scores: True adds 1, nothing is masked
@@ -128,6 +156,8 @@ class Overflows:
             return None
 
     def _of(self, args: tuple, kwargs: dict, api: str) -> dict | None:
+        if not self._found:
+            return None
         for x in (*args, *kwargs.values()):
             found = self.get(x)
             if found is None:
@@ -143,11 +173,17 @@ class Overflows:
         return None
 
     def _note(self, tensor: torch.Tensor, found: dict) -> None:
-        if len(self._found) >= KEEP:
-            self._found = {key: entry for key, entry in self._found.items() if entry[0]() is not None}
-            if len(self._found) >= KEEP:
-                self._found.clear()
+        kept = self._found  # (one dict for the trace's life: the mode reads it as "following")
+        if len(kept) >= KEEP:
+            kept.clear()
+        key = id(tensor)
+
+        def gone(ref) -> None:  # a tensor let go is forgotten at once, so the mode stops following when none is left
+            entry = kept.get(key)
+            if entry is not None and entry[0] is ref:  # (its id reused by a later tensor: that one keeps its own entry)
+                del kept[key]
+
         try:
-            self._found[id(tensor)] = (weakref.ref(tensor), found)
+            kept[key] = (weakref.ref(tensor, gone), found)
         except TypeError:  # (a tensor subclass without weak references: not remembered)
             pass

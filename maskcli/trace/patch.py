@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import sys
 import types
+import weakref
 from typing import Callable
 
 HOOK = "_maskcli_trace_hook"
@@ -51,7 +52,7 @@ def swap(function, make_hook: Callable) -> Callable[[], None] | None:
     original.__kwdefaults__ = function.__kwdefaults__
     had_signature = "__signature__" in function.__dict__
     if not had_signature:
-        function.__signature__ = inspect.signature(original)
+        function.__signature__ = _signature(function, original)
     code = function.__code__
     names[name], names[name + "_original"] = make_hook(original), original
     names_of = {"co_name": code.co_name} | ({"co_qualname": code.co_qualname} if hasattr(code, "co_qualname") else {})  # (3.11+)
@@ -65,6 +66,24 @@ def swap(function, make_hook: Callable) -> Callable[[], None] | None:
             function.__dict__.pop("__signature__", None)
 
     return undo
+
+
+_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # function -> (what it was read from, signature)
+
+
+def _signature(function, original) -> inspect.Signature:
+    """inspect.signature of the function as it is (its code, defaults and annotations), read once: every trace swaps
+    the same functions (flex_attention, MHA's functional form), and reading a long signature takes a tenth of a ms."""
+    made_of = (function.__code__, function.__defaults__, function.__kwdefaults__, function.__annotations__)
+    held = _SIGNATURES.get(function)
+    if held is not None and all(a is b for a, b in zip(held[0], made_of)):
+        return held[1]
+    found = inspect.signature(original)
+    try:
+        _SIGNATURES[function] = (made_of, found)
+    except TypeError:
+        pass
+    return found
 
 
 class Watch:

@@ -97,12 +97,14 @@ def _named(calls: list) -> Group:
     b, h = stored["planes"]
     q_len, k_len = first.shape[2:]
     structure = None
-    if b * h * q_len * k_len <= NAME_CELLS:
+    if q_len == 0 or k_len == 0:  # attention over no token: nothing to name (its queries, if any, see no key)
+        group = Group(calls, f"empty: {q_len} quer{'y' if q_len == 1 else 'ies'}, {k_len} key{'' if k_len == 1 else 's'}", None)
+    elif b * h * q_len * k_len <= NAME_CELLS:
         from maskcli.inspect.structure import recognise
 
         keep4 = tracefile.dense(stored)
         given = first.details.get("key_padding")  # the call's key-padding argument, where its API has one
-        structure = recognise(keep4, nearest=True, q_start=first.details.get("q_start"), padding=given)
+        structure = recognise(keep4, nearest=True, q_start=first.details.get("q_start"), padding=_stated_padding(first, keep4, given))
         if structure.expression is None and given == {} and "key_padding_mask_dtype" not in first.details:
             # MHA given no key_padding_mask: its padding may be in attn_mask (a (B * heads, L, S) causal | padding)
             again = recognise(keep4, nearest=True, q_start=first.details.get("q_start"))
@@ -115,7 +117,8 @@ def _named(calls: list) -> Group:
             elif structure.kind == "padding" and q_len == 1:  # a decode step read as key padding: a window says more,
                 window = _decode_window(keep4, given)  # and one query at the last position sees what causal lets it
                 padded = {key: value for key, value in structure.options.items() if key in PADDING}
-                group = Group(calls, window, window.split(" ")[0]) if window else Group(calls, "causal" + flags(padded, q_len, k_len), "causal")
+                kind = "causal" if _decode_step(calls) else "padding"
+                group = Group(calls, window, window.split(" ")[0]) if window else Group(calls, kind + flags(padded, q_len, k_len), kind)
         else:
             closest = structure.closest
             near = f"; closest {closest['expression']}, {closest['cells_apart']} cells apart" if closest else ""
@@ -133,7 +136,8 @@ def _named(calls: list) -> Group:
         else:
             group = Group(calls, f"not named: {q_len:,} x {k_len:,} cells are too many to rebuild cell by cell, "
                                  "and it is none of full, causal, a window", None)
-    group.findings[:0] = empty_rows(first, stored, structure) + later(first, stored, structure)
+    if q_len and k_len:  # (no token: no row to see nothing, no later key)
+        group.findings[:0] = empty_rows(first, stored, structure) + later(first, stored, structure)
     details = first.details
     group.findings += bias(details) + fills(details) + asked(first, stored, group.name) + score_mod(details)
     group.findings += ignored_is_causal(first, k_len) + top_left(first, q_len, k_len)
@@ -177,6 +181,27 @@ def _name_on_intervals(stored: dict, q_len: int, k_len: int, documents: str | No
         if int((found & ~built).counts().sum()) == 0 and int((built & ~found).counts().sum()) == 0:
             return expression, words
     return None
+
+
+def _stated_padding(call, keep: np.ndarray, given: dict | None) -> dict | None:
+    """The padding the program stated: its key-padding argument, or a mask argument with one row of keys for every query
+    (details mask_rows: SDPA's attn_mask (B, 1, 1, Lk), a masked_fill before a softmax): that row's masked keys."""
+    if given is not None or call.details.get("mask_rows") != 1:
+        return given
+    from maskcli.keypadding import options
+
+    valid = keep[:, 0, 0]
+    return {} if valid.all() or not valid.any(axis=1).all() else options(valid)
+
+
+def _decode_step(calls: list) -> bool:
+    """Whether a one-query mask over padded keys reads as a decode step of causal self-attention, not key padding over
+    another sequence's keys (the same cells): no call is cross-attention by its module (checks.context.cross: T5's
+    EncDecAttention, the Annotated Transformer's src_attn) or says it is not causal (Hugging Face's is_causal False).
+    (Keys that stay as many across steps say nothing: a rolling cache's do too.)"""
+    from maskcli.checks.context import cross
+
+    return not any(cross(call) or call.details.get("hf", {}).get("module_is_causal") is False for call in calls)
 
 
 def _decode_window(keep: np.ndarray, given: dict | None) -> str | None:

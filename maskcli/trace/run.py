@@ -1,15 +1,23 @@
 """Running the user's program in this process, as `python SCRIPT` or `python -m MODULE` would (and as
-`coverage run` does): its own sys.argv, `__main__`, sys.path[0] and exit status, its traceback as Python prints it."""
+`coverage run` does): its own sys.argv, `__main__` (with the `__file__`, `__loader__` and `__spec__` python gives it),
+sys.path[0] and exit status, its traceback as Python prints it. What it changes of the interpreter that maskcli's
+report needs after it (sys.stdout and sys.stderr, the recursion limit, the builtins, the signal handlers) is put back
+when it ends, so the report is written as it would be without the program."""
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import runpy
+import signal
 import sys
 import traceback
+import types
 
 from maskcli.errors import MaskError
+
+HERE = os.path.dirname(os.path.abspath(__file__))  # maskcli/trace: the recording wrappers the program's calls pass through
 
 
 def check_program(script: str | None, module: str | None) -> None:
@@ -23,7 +31,7 @@ def check_program(script: str | None, module: str | None) -> None:
 
         sys.path.insert(0, os.getcwd())  # as python -m looks: the current folder first
         try:
-            found = importlib.util.find_spec(module)
+            found = importlib.util.find_spec(module)  # (imports the packages above it, as python -m does)
         except (ImportError, ValueError) as error:
             found, why = None, str(error)
         else:
@@ -34,6 +42,48 @@ def check_program(script: str | None, module: str | None) -> None:
             raise MaskError(f"-m {module!r}: no such module ({why}); run maskcli where python -m {module} runs")
 
 
+class World:
+    """While entered: the signal handlers the process had before maskcli set its own (the program's, as under python:
+    SIGHUP ignored under nohup, SIGTERM's default kills it). On exit, whatever the program did to them, to sys.stdout,
+    sys.stderr, the recursion limit and the builtins is undone for maskcli's report (its stdout and stderr are
+    flushed first: what it wrote reaches where it sent it)."""
+
+    def __init__(self, handlers: dict | None = None):
+        self.handlers = handlers or {}  # signal number -> the handler before maskcli's (commands.main keeps them)
+
+    def __enter__(self) -> World:
+        self.streams = (sys.stdout, sys.stderr)
+        self.limit = sys.getrecursionlimit()
+        self.builtins = dict(vars(builtins))
+        self.ours = {number: signal.getsignal(number) for number in self.handlers}
+        for number, handler in self.handlers.items():
+            _set_signal(number, handler)
+        self.pid = os.getpid()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for stream in (sys.stdout, sys.stderr):  # python flushes them at exit: the program's own, wherever they go
+            with contextlib.suppress(Exception):
+                stream.flush()
+        sys.stdout, sys.stderr = self.streams
+        sys.setrecursionlimit(max(self.limit, sys.getrecursionlimit()))
+        for name, value in self.builtins.items():
+            if vars(builtins).get(name) is not value:
+                setattr(builtins, name, value)  # (names the program added are left: its atexit code may use them)
+        for number, handler in self.ours.items():
+            _set_signal(number, handler)
+
+    def forked(self) -> bool:
+        """This process is a child the program forked that returned from its code (its parent reports the trace)."""
+        return os.getpid() != self.pid
+
+
+def _set_signal(number: int, handler) -> None:
+    with contextlib.suppress(ValueError, OSError, TypeError):  # (not the main thread; None: set outside Python)
+        if handler is not None:
+            signal.signal(number, handler)
+
+
 def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     """The program's exit status: 0, its sys.exit code, or 1 after an exception (its traceback on stderr)."""
     saved_argv, saved_path, saved_folder = sys.argv[:], sys.path[:], os.getcwd()
@@ -41,11 +91,10 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         if module is not None:
             sys.argv = [module, *args]
             sys.path.insert(0, os.getcwd())
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            runpy.run_module(module, run_name="__main__", alter_sys=True, init_globals={"__builtins__": builtins})
         else:
             sys.argv = [script, *args]
-            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-            runpy.run_path(script, run_name="__main__")
+            _run_script(script)
         return 0
     except SystemExit as stop:
         code = stop.code
@@ -65,13 +114,65 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         sys.argv, sys.path[:] = saved_argv, saved_path
         with contextlib.suppress(OSError):  # the program may have moved (os.chdir): maskcli's own work is where it began
             os.chdir(saved_folder)
-        sys.stdout.flush()
+
+
+def _run_script(script: str) -> None:
+    """`python SCRIPT`: __file__ absolute as given (not normalised), a SourceFileLoader named __main__, no __spec__,
+    the builtins module as __builtins__; sys.path[0] the script's folder with links resolved
+    (Python/pathconfig.c _PyPathConfig_ComputeSysPath0); the code compiled under its absolute name, as its
+    tracebacks show it. It runs in a module of its own put in sys.modules['__main__'] while it runs (runpy's way)."""
+    import importlib.machinery
+    import importlib.util
+    import io
+    import marshal
+
+    path = script if os.path.isabs(script) else os.path.join(os.getcwd(), script)
+    with io.open_code(path) as file:
+        data = file.read()
+    if data[:4] == importlib.util.MAGIC_NUMBER:  # a compiled .pyc, which python runs too
+        code, loader = marshal.loads(data[16:]), importlib.machinery.SourcelessFileLoader("__main__", path)
+    else:
+        code, loader = compile(data, path, "exec", dont_inherit=True), importlib.machinery.SourceFileLoader("__main__", path)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __loader__=loader, __spec__=None, __package__=None,
+                         __builtins__=builtins)
+    sys.path.insert(0, os.path.dirname(os.path.realpath(path)))
+    before = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if sys.modules.get("__main__") is main and before is not None:
+            sys.modules["__main__"] = before
+
+
+def _ours(tb) -> bool:
+    """A frame of maskcli's recording wrappers, this runner or runpy: not the program's, so not in its traceback."""
+    name = tb.tb_frame.f_code.co_filename
+    return name.startswith(("<frozen runpy>",)) or os.path.dirname(os.path.abspath(name)) == HERE or \
+        os.path.abspath(name) == os.path.abspath(runpy.__file__)
 
 
 def _print_traceback() -> None:
-    """The traceback from the program's first frame on, as Python prints it (no frames of maskcli or runpy)."""
+    """The traceback as Python prints it: the program's frames and the libraries', none of maskcli's (its wrappers sit
+    between the program's call and torch's function) nor runpy's, in the error and in those chained to it."""
     kind, error, tb = sys.exc_info()
-    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
-    while tb is not None and (os.path.abspath(tb.tb_frame.f_code.co_filename) in skip or tb.tb_frame.f_code.co_filename == "<frozen runpy>"):
+    seen = set()
+    chained = error
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        chained.__traceback__ = _without_ours(chained.__traceback__)
+        chained = chained.__cause__ or chained.__context__
+    traceback.print_exception(kind, error, error.__traceback__, file=sys.stderr)
+
+
+def _without_ours(tb):
+    """The traceback with maskcli's frames unlinked (tb_next is writable: Python 3.7)."""
+    kept = []
+    while tb is not None:
+        if not _ours(tb):
+            kept.append(tb)
         tb = tb.tb_next
-    traceback.print_exception(kind, error, tb, file=sys.stderr)
+    for here, after in zip(kept, kept[1:] + [None]):
+        here.tb_next = after
+    return kept[0] if kept else None

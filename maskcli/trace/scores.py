@@ -18,7 +18,7 @@ import torch
 
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
            torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum}
-KEEP = 256  # remembered tensors before the dead ones are let go
+KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
 
 
 class Scores:
@@ -60,11 +60,16 @@ class Scores:
         return x.dim() == 4 or (x.dim() == 3 and x.shape[-1] == x.shape[-2])
 
     def _note(self, tensor: torch.Tensor) -> None:
-        if len(self._found) >= KEEP:
-            self._found = {key: ref for key, ref in self._found.items() if ref() is not None}
-            if len(self._found) >= KEEP:
-                self._found.clear()
+        found = self._found  # (one dict for the trace's life: the mode reads it as "following")
+        if len(found) >= KEEP:
+            found.clear()
+        key = id(tensor)
+
+        def gone(ref) -> None:  # a tensor let go is forgotten at once, so the mode stops following when none is left
+            if found.get(key) is ref:  # (its id reused by a later tensor: that one keeps its own entry)
+                del found[key]
+
         try:
-            self._found[id(tensor)] = weakref.ref(tensor)
+            found[key] = weakref.ref(tensor, gone)
         except TypeError:  # (a tensor subclass without weak references: not remembered)
             pass

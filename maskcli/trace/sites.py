@@ -12,6 +12,7 @@ told apart: the later one by the name the program holds it by, else `Class#N`.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -50,6 +51,9 @@ class Sites:
 
     def leave(self, module) -> None:
         stack = self.stack
+        if stack and stack[-1] is module:  # (every module call: the common case first)
+            stack.pop()
+            return
         for i in range(len(stack) - 1, -1, -1):  # the innermost entry of it (an exception may have left others)
             if stack[i] is module:
                 del stack[i:]
@@ -140,7 +144,10 @@ class Sites:
             self._tree(root, "")
 
     def _tree(self, module, prefix: str) -> None:
+        wrapped = type(module).__name__ == "OptimizedModule"  # torch.compile's: the program's module is its _orig_mod
         for sub, child in module.named_modules(prefix=prefix):
+            if wrapped:
+                sub = ".".join(part for part in sub.split(".") if part != "_orig_mod")
             if id(child) not in self._names:
                 self._names[id(child)] = (child, sub)
                 self._taken.setdefault(sub or type(child).__name__, id(child))
@@ -148,8 +155,8 @@ class Sites:
 
 def _path(outer, module) -> str | None:
     for name, inner in outer.named_modules():
-        if inner is module:
-            return name
+        if inner is module:  # (torch.compile's wrapper holds the program's module as _orig_mod: not the program's name)
+            return ".".join(p for p in name.split(".") if p != "_orig_mod") if type(outer).__name__ == "OptimizedModule" else name
     return None
 
 
@@ -200,22 +207,33 @@ def frames_outside(count: int, held: dict | None = None) -> list[str]:
     """file:line of the `count` innermost frames that are neither torch's nor maskcli's ("?" past the outermost).
     `held`: filled with the innermost such frame's local variables named in HELD (the documents a plain attention
     function was given as cu_seqlens: its variable names are looked at first, so most frames cost no locals read)."""
-    torch_dir = os.path.dirname(torch.__file__)
-    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frame, found = sys._getframe(1), []
+    skip = _own_dirs()
+    frame, found, here = sys._getframe(1), [], None
     while frame is not None and len(found) < count:
         name = frame.f_code.co_filename
-        if not name.startswith((torch_dir, own)) and not name.startswith("<frozen"):
-            try:
-                shown = os.path.relpath(name)
-            except ValueError:
-                shown = name
-            found.append(f"{shown if not shown.startswith('..') else os.path.basename(name)}:{frame.f_lineno}")
+        if not name.startswith(skip):
+            here = os.getcwd() if here is None else here
+            found.append(f"{_shown(name, here)}:{frame.f_lineno}")
             if held is not None and len(found) == 1 and not set(HELD).isdisjoint(frame.f_code.co_varnames):
                 variables = frame.f_locals
                 held.update((n, variables[n]) for n in HELD if variables.get(n) is not None)
         frame = frame.f_back
     return found + ["?"] * (count - len(found))
+
+
+@functools.cache
+def _own_dirs() -> tuple[str, ...]:
+    return (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<frozen")
+
+
+@functools.lru_cache(maxsize=1024)
+def _shown(name: str, here: str) -> str:
+    """A frame's file as a call's `where` shows it: relative to the working directory `here`, else its base name."""
+    try:
+        shown = os.path.relpath(name, here)
+    except ValueError:
+        shown = name
+    return shown if not shown.startswith("..") else os.path.basename(name)
 
 
 def causal_flag(stack: list) -> str | None:

@@ -10,30 +10,51 @@ call where they are one config.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
 
 import torch
 
-from maskcli.checks.intent import NAMES, NUMBERS, Stated, config_like, fields_of
+from maskcli.checks.intent import NAMES, NUMBERS, Stated
+from maskcli.checks.intent import config_like as _config_like
+from maskcli.checks.intent import fields_of as _fields_of
 
 FRAMES = 12  # program frames searched for config variables (the call's own and its callers)
 SKIP = ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
         "_state_dict_hooks")
 
 
-def stated(module, path, cache: dict) -> tuple[Stated, ...]:
-    """The Stated configs for an outermost module (`path(module)`: the prefix of its calls' `where`), read once."""
+def stated(module, path, cache: dict, places: list | None = None) -> tuple[Stated, ...]:
+    """The Stated configs for an outermost module (`path(module)`: the prefix of its calls' `where`), read once.
+    `places`: the program's frames as `frames()` kept them at the module's call, where this is read after it."""
     held = cache.get(id(module))
     if held is not None and held[0] is module:
         return held[1]
     found = _held(module, path)
     if not found:
-        found = _variables(module)
+        found = _variables(module, places=places)
     found += _numbers(module, path)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
+
+
+def config_like(value, named: bool = False) -> bool:
+    """checks.intent.config_like on the program's object; False where reading it raises (a config whose __getattr__
+    or a property raises something other than AttributeError: python runs the program, so trace must)."""
+    try:
+        return _config_like(value, named)
+    except Exception:  # noqa: BLE001 - the program's own code raising inside a read: not a config maskcli can read
+        return False
+
+
+def fields_of(value) -> dict:
+    """checks.intent.fields_of on the program's object; {} (states nothing) where reading it raises."""
+    try:
+        return _fields_of(value)
+    except Exception:  # noqa: BLE001 - as config_like
+        return {}
 
 
 def _held(root, path) -> list[Stated]:
@@ -101,23 +122,38 @@ def outside(tops: list, where: str, index: int, cache: dict) -> None:
         tops.append(Top(where, None, {}, index, index + 1, said))
 
 
-def _variables(root=None, anything: bool = False, depth: int = 1) -> list[Stated]:
+@functools.cache
+def _skipped() -> tuple[str, ...]:
+    """Where frames and modules are not the program's: torch's, maskcli's, installed packages' and the standard library's."""
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    libraries = (sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))
+    return tuple({os.path.dirname(torch.__file__), own, *libraries})
+
+
+def frames(depth: int = 1) -> list[tuple[str, dict]]:
+    """The program's frames from `depth` frames up on (1: the caller; at most FRAMES), each as (where, a copy of its
+    variables):
+    what `_variables` reads, kept at a module's call so that the configs are read after the run, off its hot path."""
+    skip = _skipped()
+    places, frame = [], sys._getframe(depth)
+    while frame is not None and len(places) < FRAMES:
+        name = frame.f_code.co_filename
+        if not name.startswith(skip) and not name.startswith("<"):
+            code, file = frame.f_code.co_name, os.path.basename(name)
+            places.append((f"at the top of {file}" if code == "<module>" else f"in {code}() of {file}", dict(frame.f_locals)))
+        frame = frame.f_back
+    return places
+
+
+def _variables(root=None, anything: bool = False, depth: int = 1, places: list | None = None) -> list[Stated]:
     """The program's one config variable: in its frames at this call (the function that built and called the model,
     its main module's top level), else at the top of the program's modules that define `root`'s classes (torch's,
     maskcli's, installed packages' and the standard library's left out); [] where there is none, or several that
     differ (nothing says which is the model's). `anything`: any object that carries the fields, whatever its class
-    is named (a call made outside any module: an engine's layer object)."""
-    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    libraries = (sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))
-    skip = tuple({os.path.dirname(torch.__file__), own, *libraries})
-    places, frame, searched = [], sys._getframe(depth), 0
-    while frame is not None and searched < FRAMES:
-        name = frame.f_code.co_filename
-        if not name.startswith(skip) and not name.startswith("<"):
-            searched += 1
-            code, file = frame.f_code.co_name, os.path.basename(name)
-            places.append((f"at the top of {file}" if code == "<module>" else f"in {code}() of {file}", frame.f_locals))
-        frame = frame.f_back
+    is named (a call made outside any module: an engine's layer object). `places`: the frames as `frames()` kept
+    them, where this is read after the call."""
+    skip = _skipped()
+    places = frames(depth + 1) if places is None else list(places)
     for held in {} if root is None else {type(module).__module__: None for module in root.modules()}:
         module = sys.modules.get(held)
         name = getattr(module, "__file__", None) or ""

@@ -69,6 +69,11 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
                 and all(isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0 for x in value):
             found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
     found.update(_token_ids(module))
+    found.update(_zeros(given, found))
+    if "pad_id" not in found and any(name in found for name in ("input_ids", "idx", "tokens")):
+        from maskcli.trace.tokenizer import tokenizer
+
+        found.update(tokenizer(module))  # (the tokenizer the program's frames hold: its pad id and side)
     if type(module).__name__.endswith("ForCausalLM"):  # the model states itself a causal LM (checks/causal_lm.py)
         found["causal_lm"] = type(module).__name__
     cache = given.get("cache", given.get("past_key_values"))  # (transformers 5.24's keyword; the older name)
@@ -81,6 +86,19 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         if sizes:
             found["cache_slots"] = sizes
     return Top(where, getattr(module, "config", None), found, first, end, stated)
+
+
+def _zeros(given: dict, found: dict) -> dict:
+    """{"zeros": (name, bool (B, L))}: where the model call's float input (a waveform (B, L), features (B, L, C)) is
+    exactly 0, read where a padding mask over the same (B, L) was given (checks/tokens.py holds one against the other)."""
+    shapes = {found[n].shape for n in ("padding_mask", "key_padding_mask", "pad_mask", "attention_mask")
+              if isinstance(found.get(n), np.ndarray) and found[n].ndim == 2}
+    for name, value in given.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() in (2, 3) \
+                and tuple(value.shape[:2]) in shapes and value.numel() <= MOST and value.device.type != "meta":
+            zero = value.detach() == 0
+            return {"zeros": (name, (zero if value.dim() == 2 else zero.all(-1)).cpu().numpy())}
+    return {}
 
 
 def _held(cache) -> int | None:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from maskcli.checks.pagemap import page_map
+from maskcli.checks.registry import Rule
+from maskcli.checks.serve import first_positions
 from maskcli.errors import MaskError
-from maskcli.serve.batch import ServeBatch
-from maskcli.serve.checks import Finding, first_positions
-from maskcli.serve.pagemap import page_map
+from maskcli.text import Finding
 
 
-def _by_index(batches: list[ServeBatch]) -> list[list[int]]:
+def _by_index(batches: list) -> list[list[int]]:
     count = batches[0].requests
     for k, b in enumerate(batches):
         if b.requests != count:
@@ -31,7 +32,7 @@ def _by_index(batches: list[ServeBatch]) -> list[list[int]]:
     return [list(range(b.requests)) for b in batches]
 
 
-def _by_pages(batches: list[ServeBatch]) -> list[list[int]]:
+def _by_pages(batches: list) -> list[list[int]]:
     """Per step, each request's track (a request followed across steps), matched by the pages tracks last wrote."""
     owner: dict[int, tuple[int, int]] = {}  # page -> (track, logical block) of its last writer
     ends: list[int] = []  # track -> the position after the last one it computed
@@ -69,9 +70,10 @@ def _by_pages(batches: list[ServeBatch]) -> list[list[int]]:
     return out
 
 
-def steps(batches: list[ServeBatch], labels: list[str] | None = None) -> list[Finding]:
+def steps(batches: list, labels: list[str] | None = None) -> list[Finding]:
     """Each request's steps follow on without a gap or an overlap, and read earlier steps' keys from the pages they
-    were written to. `labels` names the steps in findings (step 1, step 2, ... where not given)."""
+    were written to. `labels` names the steps in findings (step 1, step 2, ... where not given); a finding's `step`
+    is the index in `batches` of the later of the two steps it compares."""
     labels = labels or [f"step {k + 1}" for k in range(len(batches))]
     out: list[Finding] = []
     if len({b.engine for b in batches}) > 1:
@@ -82,7 +84,7 @@ def steps(batches: list[ServeBatch], labels: list[str] | None = None) -> list[Fi
         ids = _by_pages(batches)
     else:
         ids = _by_index(batches)
-    last: dict[int, tuple[int, ServeBatch, int]] = {}  # request id -> (step, batch, index)
+    last: dict[int, tuple[int, object, int]] = {}  # request id -> (step, batch, index)
     for k, b in enumerate(batches):
         start = first_positions(b)
         for index, rid in enumerate(ids[k]):  # once per request and step
@@ -92,10 +94,10 @@ def steps(batches: list[ServeBatch], labels: list[str] | None = None) -> list[Fi
     return out
 
 
-_MAPS: dict[int, tuple[ServeBatch, object]] = {}
+_MAPS: dict[int, tuple[object, object]] = {}
 
 
-def _page_map(b: ServeBatch):
+def _page_map(b):
     """The step's page map, made once for all its requests (the last few steps' are kept)."""
     if id(b) not in _MAPS or _MAPS[id(b)][0] is not b:
         if len(_MAPS) > 4:
@@ -117,7 +119,7 @@ def _follow(before, after, rid: int, start: int, labels: list[str]) -> list[Find
         how = f"skips {span}" if start > end else f"computes {span} again"
         return [Finding("steps-positions", f"request {named}'s {two} starts at "
                         f"position {start}, {one} ended at {end - 1}: it {how}, so the steps are not one pass",
-                        request=named, cell=(start, min(start, end)))]
+                        request=named, cell=(start, min(start, end)), step=k1)]
     if not ps or ps != b0.page_size:
         return []
     blocks = -(-min(end, start, int(b0.seq_lens[i0])) // ps)  # the keys it had before this step
@@ -131,4 +133,12 @@ def _follow(before, after, rid: int, start: int, labels: list[str]) -> list[Find
         return []
     j = int(hit[0])
     return [Finding("steps-pages", f"request {named}'s {two} reads keys {j * ps}..{(j + 1) * ps - 1} "
-                    f"from page {int(now[j])}, but {one} wrote them on page {int(then[j])}", request=named, cell=(start, j * ps))]
+                    f"from page {int(now[j])}, but {one} wrote them on page {int(then[j])}", request=named, cell=(start, j * ps), step=k1)]
+
+
+RULES = (
+    Rule("steps-positions", "wrong", "steps", "a request's steps (chunked prefill, prefix hits) that skip or repeat "
+         "positions: not one pass", steps, given="request-steps"),
+    Rule("steps-pages", "wrong", "steps", "a request's step that reads earlier keys from other pages than they were "
+         "written to", steps, given="request-steps"),
+)

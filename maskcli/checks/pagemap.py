@@ -1,6 +1,8 @@
-"""The page map of a batch: per logical block its physical page, fill, and whether it is shared, null, read or written.
+"""The page map of a serving batch: per logical block its physical page, fill, and whether it is shared, null, read or
+written: what serve's page rules (serve.py, servesteps.py) read and serve's views draw.
 
-Everything is one array over the batch's CSR page list (O(pages)), vectorised.
+Everything is one array over the batch's CSR page list (O(pages)), vectorised. A batch is maskcli.serve.batch.ServeBatch,
+taken as it comes (this package sits below serve/).
 """
 
 from __future__ import annotations
@@ -8,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from maskcli.serve.batch import ServeBatch
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,7 +24,7 @@ class PageMap:
     distinct: int  # physical pages the batch reads (the null page aside)
 
 
-def read_range(b: ServeBatch) -> tuple[np.ndarray, np.ndarray]:
+def read_range(b) -> tuple[np.ndarray, np.ndarray]:
     """Per request the table columns its queries read, [first, end): a window or chunk cuts the start."""
     lo = np.zeros(b.requests, np.int64)
     q_start = np.maximum(b.q_start, 0)
@@ -53,7 +53,7 @@ def member(values: np.ndarray, chosen: np.ndarray) -> np.ndarray:
     return table[values]
 
 
-def page_map(b: ServeBatch) -> PageMap:
+def page_map(b) -> PageMap:
     """The batch's page map, computed once per batch (the rules and the views share it)."""
     cached = b.__dict__.get("_page_map")
     if cached is None:
@@ -62,7 +62,7 @@ def page_map(b: ServeBatch) -> PageMap:
     return cached
 
 
-def _page_map(b: ServeBatch) -> PageMap:
+def _page_map(b) -> PageMap:
     ps = max(b.page_size, 1)
     owner = np.repeat(np.arange(b.requests), np.diff(b.page_indptr))
     column = np.arange(b.pages.size) - b.page_indptr[owner]

@@ -1,0 +1,96 @@
+"""What the program said of its attention that never reached the kernel: a causal flag in its config, a mask it handed in.
+
+- A function that attends was handed an additive mask over exactly its (Lq, Lk) as a parameter (`attn_mask`,
+  `attention_mask`, `mask`, `attn_bias`: it, its caller or theirs; trace/given.py), and the kernel it called sees
+  cells that mask masks, on rows the mask leaves some key: the mask was dropped on the way (VeOmni#1051: the
+  flash-attn path calls `flash_attn_func(q, k, v, causal=causal)` and the entity masks never apply). A mask the
+  kernel keeps to, with more masked on top (a causal part, a window), is quiet; so is a row the mask masks whole
+  (transformers unmasks those on purpose), and a bool mask (its polarity is not known at that frame).
+
+- A config the program states its attention in (checks/intent.py: a dataclass, a dict, a namespace, an export
+  wrapper's options, wherever it keeps them) says the attention is causal (`is_causal=True`, `causal=True`,
+  `force_causal_mask=True`), yet a call with several queries masks nothing on its real queries and keys: each query
+  sees the keys after it (torch-to-nnef#217: the forced causal mask sized from the KV cache's batch axis, a
+  [1, 1, 1, 1] zero mask that broadcasts to "attend everything"). Said *wrong* where every call the statement
+  speaks for is so; *suspicious* where others of them are causal (the flag may be said of one part, a decoder
+  beside its vision tower). Left alone: a config that states the attention both ways too, an encoder-decoder's
+  (`is_decoder`), transformers' own configs (their `is_causal` is a class's default for one part), later keys the
+  model call's token types account for, one query (a decode step sees every cached key rightly).
+"""
+
+from __future__ import annotations
+
+from maskcli.checks.config import _each_layer_call, _layer
+from maskcli.checks.context import Run, first_cell
+from maskcli.checks.registry import Rule
+from maskcli.checks.spans import explained
+from maskcli.text import Finding
+
+
+def causal_ignored(run: Run) -> list:
+    """A call whose config states it causal but that masks nothing on its real queries and keys (several queries)."""
+    judged = None
+    full, causal = [], set()
+    for call, stated, index, kind, placed in _each_layer_call(run):
+        said = stated.causal()
+        if said is None or stated.decoder or stated.transformers or call.shape[2] < 2:
+            continue
+        source = stated.said(said)
+        if placed.holds("causal"):
+            causal.add(source)
+            continue
+        if not placed.holds("full"):
+            continue  # (a window, documents, spans: the rules that can name them)
+        later = placed.seen & placed.judged & (placed.keys[None, :] > placed.own[:, None])[None, None]
+        if not later.any():
+            continue
+        judged = explained(run) if judged is None else judged
+        if call.index not in judged:
+            full.append((call, index, said, source, placed, later))
+    found = []
+    for call, index, said, source, placed, later in full:
+        b, _, q, k = first_cell(later)
+        sure = source not in causal and stated_sure(said, run, call)
+        found.append((call, Finding("causal-config-ignored", (
+            f"{_layer(index, call)} lets each of its {call.shape[2]} queries see the later keys, but the program states its "
+            f"attention causal ({source}): query {int(placed.own[q])} sees later key {k} "
+            f"({int(later.any(axis=1).sum())} such cells)" + ("" if sure else (
+                f", unless {said} is said of another part" + (" (other calls it speaks for are causal)"
+                                                              if source in causal else "")))),
+            severity=None if sure else "suspicious", expected="causal", source=source,
+            cell=(b, int(placed.own[q]), k))))
+    return found
+
+
+def mask_dropped(run: Run) -> list:
+    """A call whose kernel sees cells of the additive mask the program handed to the function that attends (trace/given.py)."""
+    found, done = [], set()
+    for call in run.calls:
+        lost = call.details.get("dropped_mask")
+        if not lost or (call.mask, lost["name"]) in done:
+            continue
+        done.add((call.mask, lost["name"]))
+        b, h, q, k = lost["cell"]
+        found.append((call, Finding("mask-argument-dropped", (
+            f"{call.where} was handed a mask ({lost['name']}, {lost['masked']} cells masked on rows it leaves some key), "
+            f"but its {call.api} sees {lost['cells']} of those cells (batch row {b}, head {h}, query {q}, key {k}): "
+            f"the mask was dropped on its way to the kernel"), expected=lost["name"], source=lost["name"],
+            cell=(b, q, k))))
+    return found
+
+
+def stated_sure(said: str, run: Run, call) -> bool:
+    """The causal statement is about attention: is_causal / force_causal_mask, or `causal` in a config that names
+    attention fields (heads, attn); an RNN's or a convolution's `causal` is not."""
+    from maskcli.checks.intent import GENERAL, intent
+
+    return said not in GENERAL or intent(run, call).attention
+
+
+RULES = (
+    Rule("mask-argument-dropped", "wrong", "call", "an additive mask handed to the function that attends (attn_mask, "
+         "attention_mask, mask, attn_bias) whose masked cells the kernel sees: dropped on its way (a flash path)",
+         mask_dropped),
+    Rule("causal-config-ignored", "wrong", "steps", "a call whose config states the attention causal (is_causal, "
+         "causal, force_causal_mask) but that masks nothing: every query sees the later keys", causal_ignored),
+)

@@ -1,0 +1,206 @@
+"""The model call's attention_mask against its own input ids and the pad id the program states.
+
+The pad id is the model's (config `pad_token_id`, the module's, its embedding's `padding_idx`: trace/tops.py) or
+else the tokenizer's the program holds where it calls the model (trace/tokenizer.py, with its `padding_side`).
+Where the attention_mask disagrees with the ids, the ids win: they are the data itself.
+
+- padding-unmarked: each batch row's tokens at the pad id (not also the EOS or BOS id) form one run at the row's
+  start or end (on the tokenizer's `padding_side` where it states one), yet the attention_mask marks them 1 and a
+  real query sees them (Automodel#3704: a pad run looked for at the end of left-padded rows, the pad id 0 read as
+  EOS by `pad or eos`: an all-ones mask, real tokens attend the padding).
+- real-tokens-masked: the attention_mask marks 0 tokens that are not the pad id, of at least two different ids in
+  one row (padding is one id; these are text), and the attention hides from a query such a token before it
+  (0xallam/Direct-Preference-Optimization#1: the collator's mask zero over every response token, so no response
+  token attends the response before it).
+- sees-its-target: the program's loss takes the model call's own input ids shifted by one as its targets (trace/
+  losses.py: a next-token predictor), yet a query sees the key one position after it, the very token it is asked
+  to predict (pytorch/tutorials#2478: the word-language-model tutorial ran nn.TransformerEncoder without its
+  square subsequent mask). Only positions whose target the loss counts are judged (a prefix whose labels are
+  ignored may attend both ways).
+- padding-inverted: a padding mask the model call is given (`padding_mask`, `key_padding_mask`, `pad_mask`: True
+  = padding; `attention_mask`: 1 = real) over the same (batch, length) as a float input whose samples are exactly 0
+  in one run at an edge of each padded row (F.pad's zeros), and the mask calls padding exactly the samples that are
+  not zero and real exactly the zero run: the mask is the wrong way round for its own data (earthspecies/avex#26: the
+  collator's mask True on the real audio, BEATs reading True as padding).
+Left alone: no pad id stated, a mask not 0/1 or not over the ids, an encoder-decoder's mask (its encoder's).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.arguments import _cells_by_row
+from maskcli.checks.context import Run, columns_are_positions, first_cell, queries
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+TOKENS = ("input_ids", "idx", "tokens")
+
+
+def _pad(arguments: dict) -> tuple[int, str] | None:
+    if isinstance(arguments.get("pad_id"), int):
+        return arguments["pad_id"], "the model's pad id"
+    if isinstance(arguments.get("tokenizer_pad_id"), int):
+        return arguments["tokenizer_pad_id"], f"the pad id of {arguments.get('tokenizer', 'the tokenizer')}"
+    return None
+
+
+def _run_at_edge(pad: np.ndarray, side: str | None) -> bool:
+    """Each row's pad tokens are one run at its start (left) or its end (right), one side for every row."""
+    count = pad.sum(axis=1, keepdims=True)
+    columns = np.arange(pad.shape[1])[None, :]
+    left = bool(((columns < count) == pad).all())
+    right = bool(((columns >= pad.shape[1] - count) == pad).all())
+    return {"left": left, "right": right}.get(side, left or right)
+
+
+def _calls(run: Run, top, rows: int, length: int):
+    """(call, cells (rows, Lq, Lk) over the heads, query positions) of the top's attention calls over its tokens."""
+    done = set()
+    for call in run.calls:
+        if run.top(call) is not top or call.stored is None or call.shape[0] != rows or call.shape[3] != length \
+                or not columns_are_positions(call, top) or (call.mask, call.shape) in done:
+            continue
+        done.add((call.mask, call.shape))
+        cells = _cells_by_row(call, rows)
+        if cells is not None:
+            yield call, cells, queries(call, top)
+
+
+def tokens(run: Run) -> list:
+    """The attention_mask's padding against the ids at the stated pad id (both ways: padding marked real, text masked)."""
+    found, seen = [], set()
+    for top in run.tops:
+        arguments = top.arguments
+        ids = next((arguments[n] for n in TOKENS if isinstance(arguments.get(n), np.ndarray)), None)
+        given = arguments.get("attention_mask")
+        pad = _pad(arguments)
+        if ids is None or pad is None or not isinstance(given, np.ndarray) or ids.ndim != 2 or given.shape != ids.shape \
+                or not np.isin(given, (0, 1)).all() or getattr(top.config, "is_encoder_decoder", False):
+            continue
+        key = (ids.tobytes(), given.tobytes(), pad)
+        if key in seen:
+            continue
+        seen.add(key)
+        pad_id, said = pad
+        rows, length = ids.shape
+        at_pad = ids == pad_id
+        others = {arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")} - {None}
+        side = arguments.get("padding_side")
+        if pad_id not in others and at_pad.any() and not at_pad.all(axis=1).any() and _run_at_edge(at_pad, side) \
+                and (at_pad & (given == 1)).any():
+            found += _unmarked(run, top, at_pad, given, pad_id, said, side)
+        hidden = (given == 0) & ~at_pad
+        if any(len(np.unique(ids[b][hidden[b]])) >= 2 for b in range(rows)):
+            found += _masked(run, top, hidden, given, pad_id, said)
+    return found
+
+
+def _unmarked(run: Run, top, at_pad, given, pad_id: int, said: str, side) -> list:
+    rows, length = at_pad.shape
+    for call, cells, own in _calls(run, top, rows, length):
+        inside = own < length
+        real_q = np.zeros((rows, len(own)), bool)
+        real_q[:, inside] = ~at_pad[:, own[inside]]
+        bad = cells & real_q[:, :, None] & at_pad[:, None, :]
+        if bad.any():
+            b, q, k = first_cell(bad)
+            where = f"{side}-padded " if side else ""
+            return [(call, Finding("padding-unmarked", (
+                f"batch row {b}: query {int(own[q])} sees key {k}, a token at {said} ({pad_id}) in the {where}run "
+                f"at the row's edge, which the attention_mask of {top.where} marks real ({int(bad.sum())} such cells): "
+                f"the padding was looked for on the wrong side or with the wrong id"),
+                expected="no real query sees a padding key", source=said, cell=(b, int(own[q]), k)))]
+    return []
+
+
+def _masked(run: Run, top, hidden, given, pad_id: int, said: str) -> list:
+    rows, length = hidden.shape
+    for call, cells, own in _calls(run, top, rows, length):
+        inside = own < length
+        text_q = np.zeros((rows, len(own)), bool)
+        text_q[:, inside] = (hidden | (given == 1))[:, own[inside]]
+        before = np.arange(length)[None, None, :] <= own[None, :, None]
+        bad = ~cells & text_q[:, :, None] & hidden[:, None, :] & before
+        if bad.any():
+            b, q, k = first_cell(bad)
+            count = int(hidden.sum())
+            return [(call, Finding("real-tokens-masked", (
+                f"batch row {b}: query {int(own[q])} does not see key {k}, which the attention_mask of {top.where} "
+                f"marks padding, but its id is not {said} ({pad_id}): {count} tokens it masks are text, of "
+                f"{len(np.unique(ids_of(top)[hidden]))} different ids (a mask built from the wrong part of the batch?)"), expected="every real token seen as its mask allows",
+                source=said, cell=(b, int(own[q]), k)))]
+    return []
+
+
+def targets(run: Run) -> list:
+    """A query that sees the next position's key where the loss's targets say that token is its answer."""
+    found = []
+    for top in run.tops:
+        said = top.arguments.get("next_token")
+        if said is None:
+            continue
+        axis, predicts = said
+        predicts = predicts if axis == 1 else predicts.T  # (batch, sequence)
+        rows, length = predicts.shape
+        for call, cells, own in _calls(run, top, rows, length):
+            if call.shape[2] != length or not (own == np.arange(length)).all():
+                continue
+            bad = np.zeros(cells.shape, bool)
+            q = np.arange(length - 1)
+            bad[:, q, q + 1] = cells[:, q, q + 1] & predicts[:, q]
+            if bad.any():
+                b, q, k = first_cell(bad)
+                found.append((call, Finding("sees-its-target", (
+                    f"batch row {b}: query {q} sees key {k}, the token its loss asks it to predict (the targets of the "
+                    f"program's loss are the input ids of {top.where} shifted by one; {int(bad.sum())} such queries): "
+                    f"a next-token model needs a causal mask"), expected="causal", source="the loss's targets",
+                    cell=(b, q, k))))
+                break
+    return found
+
+
+def inverted(run: Run) -> list:
+    """A padding mask argument that is True (padding) exactly where its float input is not zero, real on its zero run."""
+    found = []
+    for top in run.tops:
+        zeros = top.arguments.get("zeros")
+        first = next((call for call in run.calls if run.top(call) is top), None)
+        if zeros is None or first is None:
+            continue
+        source, zero = zeros
+        for name in ("padding_mask", "key_padding_mask", "pad_mask", "attention_mask"):
+            given = top.arguments.get(name)
+            if not isinstance(given, np.ndarray) or given.shape != zero.shape or not np.isin(given, (0, 1)).all():
+                continue
+            padding = (given == 1) if name != "attention_mask" else (given == 0)
+            padded = zero.any(axis=1)
+            if not padded.any() or not _run_at_edge(zero, None) or zero.all(axis=1).any():
+                continue
+            if np.array_equal(padding[padded], ~zero[padded]) and not padding[~padded].all(axis=1).any():
+                b = int(np.argmax(padded))
+                found.append((first, Finding("padding-inverted", (
+                    f"the {name} given to {top.where} marks as padding exactly the positions of its `{source}` that are "
+                    f"not zero, and as real the run of exact zeros that pads them (batch row {b}: "
+                    f"{int(zero[b].sum())} zero positions called real): the mask is the wrong way round for its data"),
+                    expected=f"{name} {'True' if name != 'attention_mask' else '0'} on the zero padding",
+                    source=f"{name} of {top.where}")))
+                break
+    return found
+
+
+def ids_of(top) -> np.ndarray:
+    return next(top.arguments[n] for n in TOKENS if isinstance(top.arguments.get(n), np.ndarray))
+
+
+RULES = (
+    Rule("padding-inverted", "wrong", "steps", "a padding mask argument that calls padding exactly the non-zero samples "
+         "of the input it comes with and real its zero-padded run (a mask the wrong way round for its data)", inverted),
+    Rule("sees-its-target", "wrong", "steps", "a query that sees the next token where the program's loss takes the "
+         "input ids shifted by one as its targets (a next-token model run without its causal mask)", targets),
+    Rule("padding-unmarked", "wrong", "steps", "tokens at the stated pad id in a run at the row's edge that the "
+         "attention_mask marks real, seen by real queries (padding looked for on the wrong side, or the wrong id)",
+         tokens),
+    Rule("real-tokens-masked", "wrong", "steps", "tokens that are not the pad id, of several ids in a row, that the "
+         "attention_mask marks padding and the attention hides (a collator's mask over the wrong part)", tokens),
+)

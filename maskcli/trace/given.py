@@ -1,0 +1,116 @@
+"""A mask the program handed to the function that attends, read beside what the kernel masked (checks/dropped.py).
+
+At each attention call, the nearest program frames (the function that called the kernel and its callers, torch's
+and maskcli's left out) are looked at for a parameter named like an attention mask (NAMES) that holds an additive
+float mask over exactly the call's (Lq, Lk): -inf or at most -1e4 masks a cell (a bool mask's polarity is not known
+here, so it is left alone). Where the kernel sees a cell that mask masks, on a query row the mask leaves some key
+(a row it masks whole may be unmasked on purpose, transformers' _unmask_unattended), the call records where: the
+program's own mask was dropped on its way to the kernel (VeOmni#1051: a flash path that takes `causal` only).
+One comparison per distinct (mask tensor, kernel mask): L^2 cells, as reading the kernel's mask is.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+
+CELLS = 1 << 22  # b*h*Lq*Lk past which nothing is compared (no L^2 work on a long sequence's call)
+NAMES = ("attn_mask", "attention_mask", "attn_bias", "mask", "bias_mask")
+FRAMES = 3  # program frames looked at: the attending function, its caller and theirs
+
+
+def stored(trace, seen) -> str:
+    """trace._store(seen) (its key), with seen.details["dropped_mask"] set where a mask the frames handed is dropped."""
+    key = trace._store(seen)
+    note(seen, trace.masks[key], key, trace.__dict__.setdefault("_handed", {}))
+    return key
+
+
+def note(seen, stored: dict, key: str, cache: dict) -> None:
+    """Set seen.details["dropped_mask"] where a mask the program's frames hand toward this call is not kept to."""
+    shape = tuple(int(x) for x in seen.shape)
+    if math.prod(shape) > CELLS or stored.get("form") == "stats":  # (math's: numpy's costs more than the walk)
+        return
+    try:
+        found = handed(shape, seen.sources)
+        if found is not None:
+            from maskcli import tracefile
+
+            lost = dropped(found, lambda: tracefile.dense(stored), shape, cache, key)
+            if lost is not None:
+                seen.details["dropped_mask"] = lost
+    except Exception:  # noqa: BLE001 - a frame maskcli cannot read: the call is recorded all the same, without this
+        pass
+
+
+def _skip() -> tuple[str, ...]:
+    return (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
+
+
+def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
+    """('parameter in function()', tensor) of the nearest program frame's float mask over the call's (Lq, Lk) that is
+    not one the kernel was given; None where there is none."""
+    q_len, k_len = int(shape[2]), int(shape[3])
+    if q_len < 2:
+        return None
+    skip, frame, searched = _skip(), sys._getframe(1), 0
+    own = {id(x) for x in sources}
+    while frame is not None and searched < FRAMES:
+        if not frame.f_code.co_filename.startswith(skip):
+            searched += 1
+            code = frame.f_code
+            names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+            for name in NAMES:
+                if name not in names:
+                    continue
+                value = frame.f_locals.get(name)
+                if isinstance(value, torch.Tensor) and id(value) not in own and value.is_floating_point() \
+                        and value.dim() >= 2 and tuple(value.shape[-2:]) == (q_len, k_len):
+                    return f"{name} of {code.co_name}()", value
+        frame = frame.f_back
+    return None
+
+
+def dropped(found: tuple[str, torch.Tensor], cells, shape: tuple, cache: dict, mask: str) -> dict | None:
+    """{"name", "cell": (b, q, k), "cells"} where the kernel's keep `cells()` (b, h, Lq, Lk as stored, 1s broadcast)
+    sees a cell the handed mask masks on a row it does not mask whole; None where the kernel keeps to it. `mask`: the
+    kernel mask's key in the store (with the tensor's id and version, what the answer is cached by)."""
+    from maskcli.inspect.polarity import additive_keep
+
+    name, tensor = found
+    key = (id(tensor), tensor._version, mask, name)
+    if key in cache and cache[key][0] is tensor:
+        return cache[key][1]
+    b, h, q_len, k_len = (int(x) for x in shape)
+    kernel = cells()  # (built only here: the same mask tensor and kernel mask again is answered from the cache)
+    with torch.no_grad():
+        keep = additive_keep(tensor.detach()).cpu()
+    if keep.all():
+        result = None
+    else:
+        lead = tuple(keep.shape[:-2])
+        if len(lead) == 1 and lead[0] == b * h and b * h > 1:  # (b * h, Lq, Lk): the heads folded into the batch
+            keep = keep.reshape(b, h, q_len, k_len)
+        else:
+            keep = keep.reshape((1,) * max(0, 4 - keep.dim()) + tuple(keep.shape[-min(keep.dim(), 4):]))
+        try:
+            planes = np.broadcast_shapes(tuple(keep.shape), kernel.shape)
+        except ValueError:
+            planes = None
+        if planes is None or planes[0] not in (1, b) or planes[1] not in (1, h):
+            result = None
+        else:
+            given = np.broadcast_to(keep.numpy(), planes)
+            seen = np.broadcast_to(kernel, planes)
+            lost = seen & ~given & given.any(axis=-1, keepdims=True)
+            result = None if not lost.any() else {
+                "name": name, "cell": [int(x) for x in np.argwhere(lost)[0]], "cells": int(lost.sum()),
+                "masked": int((~given & given.any(axis=-1, keepdims=True)).sum())}
+    if len(cache) > 64:
+        cache.clear()
+    cache[key] = (tensor, result)
+    return result

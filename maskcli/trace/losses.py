@@ -1,0 +1,63 @@
+"""What the program's loss states of its attention: targets that are the model call's own input ids shifted by one.
+
+A reader that records no call (it returns None): at each `F.cross_entropy` / `F.nll_loss` the program makes
+while traced, its integer targets are compared with the input ids of the last few model calls (trace/tops.py:
+`input_ids`, `idx`, `tokens`, `src`), along either axis (batch-first, or the sequence first as nn.Transformer's
+tutorials lay it out), flattened or not, the last position left out or not (transformers shifts inside its
+loss). Where every target not ignored (-100 or the loss's `ignore_index`) is the next position's id, and not the
+position's own (a copy task), the model call is a next-token predictor: query q must not see key q + 1, which
+is its answer (checks/tokens.py). The model call's arguments get `next_token` = (the sequence axis, bool ids-shaped:
+the positions whose next token is a target).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+IDS = ("input_ids", "idx", "tokens", "src")
+RECENT = 4  # model calls looked back at (a model and its reference model, each called before the loss)
+
+
+def watched(trace) -> dict:
+    """The readers of torch functions that record no attention call but what the program states (its loss)."""
+    def loss(args, kwargs):
+        target = args[1] if len(args) > 1 else kwargs.get("target")
+        ignore = kwargs.get("ignore_index", -100)
+        if not isinstance(target, torch.Tensor) or target.is_floating_point() or not trace.tops \
+                or target.numel() > 1 << 20:
+            return None
+        found = target.detach().cpu().numpy().astype(np.int64)
+        for top in reversed(trace.tops[-RECENT:]):
+            ids = next((top.arguments[n] for n in IDS if isinstance(top.arguments.get(n), np.ndarray)), None)
+            shifted = None if ids is None or ids.ndim != 2 or "next_token" in top.arguments else _shifted(found, ids, ignore)
+            if shifted is not None:
+                top.arguments["next_token"] = shifted
+                break
+        return None
+
+    loss.api = "loss"
+    return {F.cross_entropy: loss, F.nll_loss: loss}
+
+
+def _shifted(target: np.ndarray, ids: np.ndarray, ignore: int) -> tuple[int, np.ndarray] | None:
+    for axis in (1, 0):
+        length = ids.shape[axis]
+        if length < 2:
+            continue
+        head, nxt = np.take(ids, np.arange(length - 1), axis=axis), np.take(ids, np.arange(1, length), axis=axis)
+        if target.size == ids.size:
+            pred = np.take(target.reshape(ids.shape), np.arange(length - 1), axis=axis)
+        elif target.size == head.size:
+            pred = target.reshape(head.shape)
+        else:
+            continue
+        valid = pred != ignore
+        if valid.sum() >= 2 and (pred[valid] == nxt[valid]).all() and not (pred[valid] == head[valid]).all():
+            predicts = np.zeros(ids.shape, bool)
+            index = [slice(None), slice(None)]
+            index[axis] = slice(0, length - 1)
+            predicts[tuple(index)] = valid
+            return axis, predicts
+    return None

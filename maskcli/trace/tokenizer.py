@@ -1,0 +1,70 @@
+"""The tokenizer a traced program holds where it calls its model: its pad id, EOS / BOS ids and padding side.
+
+Read once per outermost module (trace/tops.py), where neither the module's config nor the module states a pad id:
+the nearest program frames (the function that called the model and its callers; torch's and maskcli's left out)
+are searched for one object, not a module or a tensor, that has an int `pad_token_id` and an `eos_token_id` or a
+`padding_side` (a transformers tokenizer, a stand-in of the program's own). Two that differ: nothing is read.
+Kept as `tokenizer_pad_id`, `tokenizer_eos_id`, `tokenizer_bos_id`, `padding_side` and `tokenizer` (where it was
+found) in the model call's arguments (checks/tokens.py reads them).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+
+import torch
+
+FRAMES = 6  # program frames searched
+
+
+def tokenizer(module) -> dict:
+    held = _HELD.get(module)
+    if held is not None:
+        return held
+    found = _search()
+    try:
+        _HELD[module] = found
+    except TypeError:
+        pass
+    return found
+
+
+def _int(value) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _search() -> dict:
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
+    frame, searched, found = sys._getframe(2), 0, {}
+    while frame is not None and searched < FRAMES:
+        if not frame.f_code.co_filename.startswith(skip):
+            searched += 1
+            for name, value in list(frame.f_locals.items()):
+                if id(value) in found or isinstance(value, (torch.nn.Module, torch.Tensor, type, int, str, dict)):
+                    continue
+                try:
+                    pad = _int(getattr(value, "pad_token_id", None))
+                    side = getattr(value, "padding_side", None)
+                    eos = _int(getattr(value, "eos_token_id", None))
+                    bos = _int(getattr(value, "bos_token_id", None))
+                except Exception:  # noqa: BLE001 - a property of the program's that raises: not a tokenizer read here
+                    continue
+                if pad is None or (eos is None and not isinstance(side, str)):
+                    continue
+                where = "at the top of" if frame.f_code.co_name == "<module>" else f"in {frame.f_code.co_name}() of"
+                found[id(value)] = {"tokenizer_pad_id": pad, **({"tokenizer_eos_id": eos} if eos is not None else {}),
+                                    **({"tokenizer_bos_id": bos} if bos is not None else {}),
+                                    **({"padding_side": side} if side in ("left", "right") else {}),
+                                    "tokenizer": f"{name} ({type(value).__name__}) {where} "
+                                                 f"{os.path.basename(frame.f_code.co_filename)}"}
+        frame = frame.f_back
+    said = list(found.values())
+    if not said or any({k: v for k, v in one.items() if k != "tokenizer"} != {k: v for k, v in said[0].items()
+                                                                               if k != "tokenizer"} for one in said[1:]):
+        return {}
+    return said[0]
+
+
+_HELD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per module: read once, however many steps call it

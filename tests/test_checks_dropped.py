@@ -1,0 +1,59 @@
+"""checks/dropped.py: what the program said of its attention that never reached the kernel (a causal flag in its
+config, a mask it handed in), each caught in the published bug's reproduction (tests/data/bugs) and in a program
+written another way (tests/data/dropped), quiet on the fixes; the flagged cell against a double loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkbugs import check_bug, first
+
+DROPPED = Path(__file__).parent / "data" / "dropped"
+
+
+def test_an_export_wrappers_forced_causal_mask_that_masks_nothing_is_found(tmp_path):
+    found = check_bug(tmp_path, "torch_to_nnef_export_causal_mask_from_batch_dim", "causal-config-ignored")
+    b, q, k = first((1, 3, 5), lambda b, q, k: k > q + 2)  # 3 new queries after 2 cached keys: positions 2..4
+    assert tuple(found[0]["cell"]) == (b, q + 2, k)
+    assert "force_causal_mask=True (wrapper (SimpleNamespace) in main()" in found[0]["message"]
+
+
+def test_a_dataclass_causal_flag_on_a_padded_batch_masked_only_by_padding_is_found(tmp_path):
+    found = check_bug(tmp_path, "causal_args_padding_only", "causal-config-ignored", folder=DROPPED)
+    lengths = (6, 4)  # right-padded: row 1's keys 4, 5 are padding, never judged
+    assert tuple(found[0]["cell"]) == first((2, 6, 6), lambda b, q, k: q < lengths[b] and k < lengths[b] and k > q)
+    assert "causal=True (self.args of Block (ModelArgs))" in found[0]["message"]
+
+
+def test_an_entity_mask_a_flash_path_never_passes_is_found(tmp_path):
+    found = check_bug(tmp_path, "veomni_flux_flash_path_drops_entity_mask", "mask-argument-dropped")
+    assert "attn_mask of flash_attention()" in found[0]["message"]
+    b, q, k = found[0]["cell"]
+    assert k <= q  # what the kernel (causal) sees there and the entity mask masks: a cell below the diagonal
+
+
+def test_a_folded_padding_mask_a_helper_never_passes_is_found(tmp_path):
+    found = check_bug(tmp_path, "folded_padding_mask_not_passed", "mask-argument-dropped", folder=DROPPED)
+    pads = (0, 2, 1)  # left padding: the first pads[b] keys of row b
+    assert tuple(found[0]["cell"]) == first((3, 5, 5), lambda b, q, k: k < pads[b])
+    assert "bias_mask of attend()" in found[0]["message"]
+
+
+
+def test_the_cells_a_kernel_sees_of_a_handed_mask_are_counted_against_a_double_loop():
+    import numpy as np
+    import torch
+
+    from maskcli.trace.given import dropped
+
+    b, h, n = 2, 2, 5
+    given = torch.zeros(b, 1, n, n)
+    given[1, :, :, :2] = float("-inf")  # row 1: keys 0, 1 padding
+    given[1, :, 0, :] = float("-inf")  # and its query 0 masked whole (unmasked on purpose by transformers: not judged)
+    causal = np.tril(np.ones((n, n), bool))[None, None]  # the kernel: causal only, the padding dropped
+    lost = dropped(("attn_mask of f()", given), lambda: causal, (b, h, n, n), {}, "k")
+    bad = [(r, q, k) for r in range(b) for q in range(n) for k in range(n)
+           if k <= q and given[r, 0, q, k] == float("-inf") and not (given[r, 0, q] == float("-inf")).all()]
+    assert lost["cells"] == len(bad) and tuple(lost["cell"][i] for i in (0, 2, 3)) == bad[0]
+    kept = np.broadcast_to(causal & (given.numpy() == 0), (b, 1, n, n))  # a kernel that keeps to the mask
+    assert dropped(("attn_mask of f()", given), lambda: kept, (b, h, n, n), {}, "k2") is None

@@ -1,0 +1,123 @@
+"""checks/tokens.py: the model call's attention_mask against its input ids and the pad id the program states (the
+model's, else its tokenizer's), each rule caught in the published bug's reproduction (tests/data/bugs) and in a
+program written another way (tests/data/tokens), quiet on the fixes; the flagged cell against a double loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from checkbugs import check_bug, first
+from maskcli.checks.tokens import _run_at_edge
+
+TOKENS = Path(__file__).parent / "data" / "tokens"
+
+
+def test_left_padding_with_pad_id_zero_left_unmasked_is_found(tmp_path):
+    # NVIDIA-NeMo/Automodel#3704: rows [0, 5, 6, ...] and [0, 0, 0, 0, 5, ...], the attention_mask all ones
+    found = check_bug(tmp_path, "automodel_package_example_left_padding_pad_id_zero", "padding-unmarked")
+    pads = (1, 4)
+    assert tuple(found[0]["cell"]) == first((2, 8, 8), lambda b, q, k: q >= pads[b] and k < pads[b] and k <= q)
+    assert "tok (_Tok) in main()" in found[0]["message"] and "left-padded" in found[0]["message"]
+
+
+def test_a_mask_built_from_the_wrong_pad_id_of_an_embeddings_padding_idx_is_found(tmp_path):
+    found = check_bug(tmp_path, "embedding_pad_idx_mask_from_zero", "padding-unmarked", folder=TOKENS)
+    pads = (0, 3)
+    assert tuple(found[0]["cell"]) == first((2, 6, 6), lambda b, q, k: q >= pads[b] and k < pads[b] and k <= q)
+    assert "the model's pad id (1)" in found[0]["message"]
+
+
+def test_a_collator_mask_zero_over_every_response_token_is_found(tmp_path):
+    # 0xallam/Direct-Preference-Optimization#1: ones for the prompt, zeros for the chosen / rejected ids
+    found = check_bug(tmp_path, "dpo_collate_masks_out_response_tokens", "real-tokens-masked")
+    assert "WordTokenizer" in found[0]["message"]
+    b, q, k = found[0]["cell"]
+    assert k <= q
+
+
+def test_an_sft_mask_built_from_the_labels_is_found(tmp_path):
+    found = check_bug(tmp_path, "mask_from_labels_hides_prompt", "real-tokens-masked", folder=TOKENS)
+    prompt = (4, 2)  # the prompt tokens, labels -100: masked; a later query does not see them
+    assert tuple(found[0]["cell"]) == first((2, 7, 7), lambda b, q, k: k < prompt[b] and k < q)
+
+
+def test_a_pad_run_is_one_run_at_one_edge_of_every_row():
+    left = np.array([[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]], bool)
+    assert _run_at_edge(left, None) and _run_at_edge(left, "left") and not _run_at_edge(left, "right")
+    assert _run_at_edge(left[:, ::-1], "right")
+    assert not _run_at_edge(np.array([[0, 1, 0, 0]], bool), None)  # the pad id inside the text: not padding
+
+
+def test_a_language_model_tutorial_run_without_its_causal_mask_is_found(tmp_path):
+    # pytorch/tutorials#2478: model(data) with no src_mask; the loss's targets are the ids one position on
+    found = check_bug(tmp_path, "tutorial_transformer_lm_encoder_without_causal_mask", "sees-its-target")
+    assert tuple(found[0]["cell"]) == first((10, 35, 35), lambda b, q, k: k == q + 1)
+    assert "shifted by one; 340 such queries" in found[0]["message"]  # 34 queries with a next key, 10 sequences
+
+
+def test_a_padded_gpt_whose_loss_is_shifted_inside_the_batch_is_found(tmp_path):
+    found = check_bug(tmp_path, "gpt_loss_shifted_padding_mask_only", "sees-its-target", folder=TOKENS)
+    lengths = (6, 4)  # a target counts where the next token is real (labels -100 on the padding)
+    counted = [(b, q) for b in range(2) for q in range(5) if q + 1 < lengths[b]]
+    assert tuple(found[0]["cell"]) == first((2, 6, 6), lambda b, q, k: k == q + 1 and (b, q) in counted)
+    assert f"{len(counted)} such queries" in found[0]["message"]
+
+
+def test_targets_are_read_as_the_ids_one_position_on_along_either_axis():
+    from maskcli.trace.losses import _shifted
+
+    ids = np.array([[5, 9, 3, 14], [8, 11, 6, 2]])
+    axis, predicts = _shifted(ids[:, 1:].reshape(-1), ids, -100)  # transformers' shift inside the loss
+    assert axis == 1 and predicts[:, :3].all() and not predicts[:, 3].any()
+    first_seq = ids.T  # (sequence, batch), as nn.Transformer's tutorial lays it out
+    target = np.concatenate([first_seq[1:], [[1, 1]]]).reshape(-1)  # the next row, flattened
+    axis, predicts = _shifted(target, first_seq, -100)
+    assert axis == 0 and predicts[:3].all() and not predicts[3].any()
+    assert _shifted(ids.reshape(-1), ids, -100) is None  # the ids themselves: a copy task, no next-token claim
+    masked = ids[:, 1:].copy()
+    masked[1, :] = -100
+    assert _shifted(masked.reshape(-1), ids, -100)[1][1].sum() == 0  # ignored targets judge nothing
+
+
+def test_a_collator_padding_mask_true_on_the_real_audio_is_found(tmp_path):
+    # earthspecies/avex#26: pad_or_window's mask True on the waveform, BEATs reads True as padding
+    found = check_bug(tmp_path, "avex_beats_padding_mask_inverted_polarity", "padding-inverted")
+    lengths = (900, 1300)  # samples of each clip; F.pad fills the rest of 1600 with zeros
+    assert f"batch row 0: {1600 - lengths[0]} zero positions called real" in found[0]["message"]
+    assert "padding_mask given to BEATs" in found[0]["message"] and "`source`" in found[0]["message"]
+
+
+def test_an_attention_mask_built_from_the_zero_frames_of_left_padded_features_is_found(tmp_path):
+    found = check_bug(tmp_path, "features_attention_mask_from_zero_frames", "padding-inverted", folder=TOKENS)
+    assert "batch row 1: 3 zero positions called real" in found[0]["message"]  # 7 frames, 4 real, left-padded
+
+
+def test_the_tokenizer_is_read_from_the_calling_frames_once_and_only_where_one_is_meant():
+    from types import SimpleNamespace
+
+    import torch
+
+    import maskcli
+
+    class Tiny(torch.nn.Module):
+        def forward(self, input_ids):
+            x = torch.randn(*input_ids.shape, 4)[:, None]
+            return torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+    def run(*tokenizers):  # (the tokenizers are this frame's variables, as a program holds them)
+        held = list(tokenizers)  # noqa: F841 - read by the trace from this frame
+        first = tokenizers[0] if tokenizers else None  # noqa: F841
+        second = tokenizers[1] if len(tokenizers) > 1 else None  # noqa: F841
+        with maskcli.trace() as t:
+            Tiny()(torch.tensor([[0, 5, 6], [7, 8, 9]]))
+        return t.tops[0].arguments
+
+    left = SimpleNamespace(pad_token_id=0, eos_token_id=2, padding_side="left")
+    found = run(left)
+    assert (found["tokenizer_pad_id"], found["tokenizer_eos_id"], found["padding_side"]) == (0, 2, "left")
+    assert "first (SimpleNamespace) in run()" in found["tokenizer"]
+    assert "tokenizer_pad_id" not in run(left, SimpleNamespace(pad_token_id=1, eos_token_id=2))  # two that differ
+    del left  # (this frame is one the trace searches too)
+    assert "tokenizer_pad_id" not in run(SimpleNamespace(pad_token_id=0))  # no eos id, no side: not a tokenizer

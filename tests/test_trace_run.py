@@ -1,0 +1,167 @@
+"""maskcli.trace.run: a program traced runs in the world python gives it, each one run both ways in a process of
+its own and compared with python's own run (stdout, exit status, stderr up to trace's report)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = "maskcli trace "
+
+
+def run_both(folder: Path, target: list[str], trace_options=(), ignore_hup: bool = False):
+    """(python's run, trace's run) of `target` (a script and its arguments, or -m MODULE) from `folder`."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    env.pop("TORCHDYNAMO_DISABLE", None)
+    options = {"cwd": folder, "env": env, "capture_output": True, "text": True, "timeout": 300}
+    if ignore_hup:  # as nohup starts a program
+        options["preexec_fn"] = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    plain = subprocess.run([sys.executable, *target], **options)
+    traced = subprocess.run([sys.executable, "-m", "maskcli", "trace", *trace_options, *target], **options)
+    return plain, traced
+
+
+def write(path: Path, body: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+WORLD = """
+    import sys
+    import types
+    print(__file__, type(__loader__).__name__, __loader__.name, __loader__.path, __spec__ and __spec__.name)
+    print(sys.argv, sys.path[0], __name__, __package__, __cached__, isinstance(__builtins__, types.ModuleType))
+    print(sys.modules["__main__"].__dict__ is globals(), __doc__)
+    def inner():
+        raise ValueError("the program's own error")
+    inner()
+"""
+
+
+def test_a_script_gets_pythons_file_loader_argv_and_path_and_its_traceback_as_python_prints_it(tmp_path):
+    """python makes __file__ absolute (not normalised), gives a SourceFileLoader, sys.path[0] the script's real
+    folder (its link resolved); runpy.run_path gave the relative name and no loader."""
+    write(tmp_path / "real" / "prog.py", WORLD)
+    (tmp_path / "here").mkdir()
+    os.symlink(tmp_path / "real" / "prog.py", tmp_path / "here" / "link.py")
+    plain, traced = run_both(tmp_path / "here", ["../here/link.py", "a b", "--x"])
+    assert plain.returncode == traced.returncode == 1
+    assert f"{tmp_path}/here/../here/link.py SourceFileLoader __main__" in plain.stdout  # (what python gives, here)
+    assert traced.stdout == plain.stdout
+    assert traced.stderr.startswith(plain.stderr) and REPORT + "link.py: 0 attention calls" in traced.stderr
+
+
+def test_a_module_gets_pythons_spec_and_loader_and_its_package_is_not_imported_twice(tmp_path):
+    write(tmp_path / "pkg" / "__init__.py", "print('package imported')\n")
+    write(tmp_path / "pkg" / "mod.py", WORLD)
+    plain, traced = run_both(tmp_path, ["-m", "pkg.mod", "arg"])
+    assert plain.returncode == traced.returncode == 1
+    assert traced.stdout == plain.stdout and plain.stdout.count("package imported") == 1
+    runpys = '  File "<frozen runpy>", line 198, in _run_module_as_main\n  File "<frozen runpy>", line 88, in _run_code\n'
+    assert runpys in plain.stderr  # python -m's own runner, which trace's stands in for: the program's frames follow
+    assert traced.stderr.startswith(plain.stderr.replace(runpys, ""))
+
+
+def test_maskcli_frames_are_not_in_the_programs_traceback(tmp_path):
+    """An error raised by the attention function the trace wraps: python shows the program's frames (SDPA is C), not
+    the mode's __torch_function__ between them; chained errors too."""
+    write(tmp_path / "prog.py", """
+        import torch
+        import torch.nn.functional as F
+        def attend():
+            x = torch.randn(1, 1, 4, 8)
+            return F.scaled_dot_product_attention(x, x, x, attn_mask=torch.ones(3, 3, dtype=torch.bool))
+        try:
+            attend()
+        except RuntimeError as error:
+            raise ValueError("wrapped") from error
+    """)
+    plain, traced = run_both(tmp_path, ["prog.py"])
+    assert plain.returncode == traced.returncode == 1
+    assert traced.stderr.startswith(plain.stderr)  # (and so no frame of maskcli's capture.py between them)
+    assert plain.stderr.count('  File "') == 3
+
+
+def test_a_program_that_closes_and_replaces_its_streams_lowers_the_recursion_limit_and_replaces_open(tmp_path):
+    """Its output and exit status are python's; the report and --json are still written (they use the streams, the
+    limit and the open that maskcli started with)."""
+    write(tmp_path / "prog.py", """
+        import builtins, io, signal, sys
+        import torch
+        import torch.nn.functional as F
+        x = torch.randn(1, 1, 4, 8)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        signal.signal(signal.SIGTERM, lambda *a: print("handled SIGTERM"))
+        signal.raise_signal(signal.SIGTERM)
+        sys.setrecursionlimit(60)
+        def refuse(*args, **kwargs):
+            raise PermissionError("no files")
+        builtins.open = refuse
+        print("written")
+        sys.stdout.flush()
+        sys.stdout.close()
+        sys.stderr.close()
+        sys.stdout = sys.stderr = io.StringIO()
+        print("not shown")
+    """)
+    plain, traced = run_both(tmp_path, ["prog.py"], ["--json", "out.json"])
+    assert plain.returncode == traced.returncode == 0
+    assert traced.stdout == plain.stdout == "handled SIGTERM\nwritten\n" and plain.stderr == ""
+    assert traced.stderr.startswith(REPORT + "prog.py: 1 attention call in 1 group")
+    assert '"exit_status": 0' in (tmp_path / "out.json").read_text()
+
+
+def test_a_forked_child_that_returns_from_the_program_prints_no_report(tmp_path):
+    write(tmp_path / "prog.py", """
+        import os
+        pid = os.fork()
+        if pid == 0:
+            print("child", flush=True)
+        else:
+            os.waitpid(pid, 0)
+            print("parent")
+    """)
+    plain, traced = run_both(tmp_path, ["prog.py"])
+    assert traced.stdout == plain.stdout == "child\nparent\n"
+    assert plain.returncode == traced.returncode == 0
+    assert traced.stderr.count(REPORT) == 1 and "os.fork()" in traced.stderr
+
+
+def test_the_program_gets_the_signal_handlers_python_gives_it_under_nohup(tmp_path):
+    """SIGHUP ignored (nohup) stays ignored, so the program lives on; SIGTERM's default ends it as it ends python
+    (killed: no report follows, as no line of the program would)."""
+    write(tmp_path / "prog.py", """
+        import os, signal
+        print(signal.getsignal(signal.SIGHUP), signal.getsignal(signal.SIGTERM), flush=True)
+        os.kill(os.getpid(), signal.SIGHUP)
+        print("alive", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("not reached")
+    """)
+    plain, traced = run_both(tmp_path, ["prog.py"], ignore_hup=True)
+    assert plain.stdout == "1 0\nalive\n" and traced.stdout == plain.stdout
+    assert plain.returncode == traced.returncode == -signal.SIGTERM
+    assert REPORT not in traced.stderr
+
+
+@pytest.mark.parametrize("bad", [["--expect", "x=bogus("], ["--save", "/proc/maskcli-t.pt"], ["--api", "nope"]])
+def test_every_option_is_checked_before_the_package_of_a_module_is_imported(tmp_path, bad):
+    """-m pkg.mod imports pkg (as python -m does): a bad option is refused before that, and before a folder that
+    takes no file (/proc passes os.access) is found out after the program ran."""
+    if bad[0] == "--save" and not os.path.isdir("/proc"):
+        pytest.skip("no /proc here")
+    write(tmp_path / "pkg" / "__init__.py", "open('imported', 'w').close()\n")
+    write(tmp_path / "pkg" / "mod.py", "print('ran')\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "maskcli", "trace", *bad, "-m", "pkg.mod"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == "" and not (tmp_path / "imported").exists()
+    assert done.stderr.startswith(f"maskcli: error: {bad[0]} ") and done.stderr.count("\n") == 1
