@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from checkbugs import check_bug
+from checkbugs import caught, check_bug, first
 from maskcli.checks.arguments import document_starts
 
 BUGS = [
@@ -18,6 +18,8 @@ BUGS = [
     ("chunked_mask_clobbers_documents", "documents-leak"),  # huggingface/transformers#37429: chunks over documents
     # vllm-project/vllm#34127: MiniCPM-V's patch_attention_mask never reaches the ViT's SDPA
     ("vllm_minicpm_idefics2_vit_patch_mask_dropped", "padding-ignored"),
+    # huggingface/transformers#35043: BertGeneration builds no mask at all with use_cache: its softmax masks nowhere
+    ("bert_generation_use_cache_drops_extended_mask", "padding-ignored"),
 ]
 
 
@@ -119,3 +121,13 @@ def test_xlnet_generate_over_left_padding_is_found_without_calling_its_query_str
     text = " ".join(result.output.split())
     assert "padding-ignored: batch row 1: query 2 sees key 0, which input ids equal to the pad id 5 marks as padding" in text
     assert "wrong way round" not in text, result.output
+
+
+def test_a_softmax_that_masks_nowhere_over_the_stated_padded_tokens_is_attention(tmp_path):
+    """A softmax that masks no cell is not read as attention (a router's is over experts), unless its keys are the model
+    call's stated tokens and some are padding: BertGeneration's use_cache path (left-padded attention_mask, decode
+    steps) and an encoder whose key_padding_mask (True = padding, right-padded) is applied only while training."""
+    hit = caught(tmp_path, "softmax_padding_mask_train_only", ("padding-ignored",))
+    pad = np.array([[0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1]], dtype=bool)  # the program's tokens == 1
+    # every cell is seen (no mask); the first real query that sees a padding key, by a loop
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: not pad[b, q] and pad[b, k])

@@ -23,6 +23,8 @@ BUGS = [
     ("hf_window_off_by_one", "window-off-by-one"),  # huggingface/transformers#39408: window_size=(W, W)
     ("hf_window_ignored", "window-missing"),  # unslothai/unsloth#8253: the window never reached SDPA
     ("hf_qwen2_window_layers", "window-on-full-layer"),  # huggingface/transformers#35924, fixed by #36162
+    # rajveer43/VeloxQuant-MLX#463 (written blind): the streaming sink cache's N == 1 shortcut drops window_size
+    ("veloxquant_streaming_sink_cache_decode_drops_window", "window-missing"),
 ]
 
 
@@ -52,6 +54,23 @@ def test_layer_kinds_are_read_as_transformers_reads_them():
     Old.use_sliding_window = True
     assert layer_kind(Old(), 3) == ("sliding_attention", "sliding_window=4096")
     assert layer_kind(MistralConfig(sliding_window=None), 0)[0] == "full_attention"
+
+
+def test_a_config_of_the_programs_own_with_a_pattern_of_its_own_says_no_layer_kind():
+    """nanochat's GPTConfig keeps its windows in a window_pattern the model reads itself: a config of the program's
+    own that states none of the fields but a per-layer pattern says nothing of a layer's kind (prefill.py once held
+    its chunks to causal from it); one with no such field, and transformers' config with no window field, are full."""
+    transformers = pytest.importorskip("transformers")
+    from dataclasses import dataclass
+
+    @dataclass
+    class GPTConfig:
+        n_layer: int = 2
+        window_pattern: str = "SL"
+
+    assert layer_kind(GPTConfig(), 0) is None and layer_kind({"n_layer": 2, "window_pattern": "SSL"}, 1) is None
+    assert layer_kind({"n_layer": 2}, 1)[0] == "full_attention"
+    assert layer_kind(transformers.LlamaConfig(num_hidden_layers=2), 1)[0] == "full_attention"
 
 
 # The stated intent read from wherever a program keeps it (checks/intent.py): each reading by two programs written

@@ -53,3 +53,19 @@ def test_a_blind_reproduction_of_is_causal_on_a_continued_cache_is_flagged(tmp_p
     """pytorch/executorch#21749, written blind (it caught before any rule was tuned for the blind split): every
     multi-token step of a reference cache ran SDPA is_causal, top-left over the history of a second chat turn."""
     check_bug(tmp_path, "executorch_reference_cache_continuation_is_causal", "top-left-causal")
+
+
+def test_a_float_mask_of_ones_alone_is_a_constant_not_a_keep_mask_added():
+    """ones-added reads a float mask of 0s and 1s (a keep mask added: it masks the 1s' complement nowhere); one of 1s
+    alone adds a constant, which masks nothing and changes no weight (Doge's dt_states bias at a decode step, whose
+    fix was called ones-added): against softmax itself."""
+    import torch
+
+    from maskcli.trace.masks import _keep
+
+    scores = torch.randn(1, 1, 3, 4)
+    for mask, flagged in ((torch.ones(1, 1, 3, 4), False), (torch.tensor([[1.0, 1, 0, 0]]).expand(1, 1, 3, 4), True)):
+        details = {}
+        _keep(mask, details)
+        changed = not torch.allclose(torch.softmax(scores + mask, -1), torch.softmax(scores, -1))
+        assert details.get("zero_one", False) is flagged is changed

@@ -27,6 +27,13 @@ def test_an_is_causal_attribute_sdpa_is_not_told_is_found(tmp_path):
     assert "CausalSelfAttention.is_causal" in found[0]["message"]
 
 
+def test_a_flash_varlen_prompt_pass_run_not_causal_on_a_left_padded_batch_is_found(tmp_path):
+    # huggingface/transformers#41966 (written blind): GPT-2's is_causal = attention_mask is None and q_len > 1, so a
+    # left-padded batch's FlashAttention-2 prompt pass ran with causal=False although the module says is_causal
+    found = check_bug(tmp_path, "gpt2_flash_attn_left_padding_not_causal", "causal-flag-ignored")
+    assert "is_causal" in found[0]["message"]
+
+
 def test_an_encoder_full_layer_run_causal_beside_symmetric_sliding_layers_is_found(tmp_path):
     found = check_bug(tmp_path, "t5gemma2_encoder_is_causal_flag", "full-narrower-than-sliding")
     sliding = lambda q, k: abs(q - k) < 4  # noqa: E731 - the sliding layer's mask (sliding_window=4 both ways)

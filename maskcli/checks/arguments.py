@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, queries
+from maskcli.checks.intent import top_of
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -25,6 +26,19 @@ def _cells_by_row(call, rows: int):
     if cells is None or cells.shape[0] not in (1, rows) or call.shape[0] != rows:
         return None
     return np.broadcast_to(cells.any(axis=1), (rows, *cells.shape[2:]))
+
+
+def over_stated_padding(call, run: Run) -> bool:
+    """An eager softmax over 4-D scores (B, H, Lq, Lk) whose keys are the model call's stated tokens, some of them padding:
+    attention over those tokens though it masks nowhere (a mask dropped on a path: BertGeneration's use_cache,
+    transformers#35043), where a softmax that masks nowhere is otherwise not read (a router's is over experts)."""
+    if call.api != "softmax" or len(getattr(call, "q", ()) or ()) < 4:
+        return False
+    top = top_of(run, call)
+    if top is None or not top.arguments:
+        return False
+    said = stated(top, call.shape[0], call.shape[3])
+    return said is not None and said[2] and not said[0].all() and call.shape[3] > 1
 
 
 def padding(run: Run) -> list:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, found_padding, keep, layer, queries
-from maskcli.checks.intent import Intent, Stated, fields_of, intent, top_of
+from maskcli.checks.intent import OTHER_LAYERS, Intent, Stated, fields_of, intent, top_of
 from maskcli.checks.registry import Rule
 from maskcli.keypadding import valid
 from maskcli.text import Finding
@@ -32,8 +32,26 @@ def layer_kind(config, index: int | None) -> tuple[str, str] | None:
     config object or dict."""
     if config is None or index is None:
         return None
-    found = Intent([Stated("config", "", fields_of(config))]).kind(index)
+    fields = fields_of(config)
+    if not fields and not _transformers(config) and _own_pattern(config):
+        return None  # a config of the program's own whose layers follow a pattern of its own says nothing of a layer's
+        # kind here (nanochat's GPTConfig keeps its windows in a window_pattern "SL" its model reads itself)
+    found = Intent([Stated("config", "", fields)]).kind(index)
     return None if found is None else found[:2]
+
+
+def _own_pattern(config) -> bool:
+    """The config sets a per-layer field read nowhere here (a `window_pattern`, intent.OTHER_LAYERS' words)."""
+    try:
+        items = vars(config) if not isinstance(config, dict) else config
+    except TypeError:
+        return False
+    return any(isinstance(name, str) and any(word in name for word in ("pattern", *OTHER_LAYERS))
+               and value not in (None, False, 0, "", [], ()) for name, value in items.items())
+
+
+def _transformers(config) -> bool:
+    return any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(config).__mro__)
 
 
 class Placed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from maskcli.checks.context import Run, cross, masked_somewhere, queries
 from maskcli.checks import config
+from maskcli.checks.arguments import over_stated_padding
 from maskcli.checks.registry import all_rules, severity
 from maskcli.checks.spans import explained
 
@@ -23,8 +24,10 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
 
 def findings(run: Run) -> list:
     """(call, Finding) of every rule written in this package that reads calls, sites or steps."""
-    attending = {call.where for call in run.calls if masked_somewhere(call) or "documents" in call.details}
-    # (a site that masks once is attention; so is one handed documents, full as its call may be: varlen.py)
+    attending = {call.where for call in run.calls if masked_somewhere(call) or "documents" in call.details
+                 or over_stated_padding(call, run)}
+    # (a site that masks once is attention; so is one handed documents, full as its call may be: varlen.py; so is a
+    # softmax over the model call's padded tokens: arguments.py)
     calls = [call for call in run.calls if call.where in attending]
     crossing = [call for call in calls if cross(call)]  # its queries sit nowhere among its keys: read apart (steps.py)
     unmasked = [call for call in run.calls if call.where not in attending]

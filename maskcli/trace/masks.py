@@ -108,8 +108,10 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
     keep = additive_keep(mask.detach())
     if details is not None and bool((keep & (mask.detach() != 0)).any()):
         details["bias"] = True
-        if bool(((mask == 0) | (mask == 1)).all()):  # a keep mask of 0s and 1s added as it is (checks/kernels.py)
-            details["zero_one"] = True
+        zeros = mask == 0
+        if bool((zeros | (mask == 1)).all()) and bool(zeros.any()):  # a keep mask of 0s and 1s added as it is
+            details["zero_one"] = True  # (checks/kernels.py); one of 1s alone adds a constant: it masks nothing, and
+            # a keep mask of all 1s masks nothing either (Doge's dt_states bias at a step where no key is masked)
     return keep
 
 

@@ -74,6 +74,8 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         from maskcli.trace.tokenizer import tokenizer
 
         found.update(tokenizer(module))  # (the tokenizer the program's frames hold: its pad id and side)
+    if type(module).__name__.endswith("ForCausalLM"):  # the model states itself a causal LM (checks/causal_lm.py)
+        found["causal_lm"] = type(module).__name__
     cache = given.get("cache", given.get("past_key_values"))  # (transformers 5.24's keyword; the older name)
     if cache is not None:
         found["past_key_values"] = type(cache).__name__

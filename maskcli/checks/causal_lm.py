@@ -1,0 +1,83 @@
+"""A model that states itself a causal LM whose prompt pass attends both ways, and which then decodes over that cache.
+
+The outermost module's class is named `...ForCausalLM` (transformers' contract for AutoModelForCausalLM: each
+token predicts the next from the ones before it; trace/tops.py records the name). Its prompt pass (queries from
+position 0, as many as keys) in which every real query sees every real key, later ones included, and whose keys the
+same call site then extends one decode step at a time, wrote a cache no causal LM writes: the causal mask was dropped
+on that path (transformers#48748: Doge's own dynamic mask under SDPA's is_causal skip; unsloth#2868: the SDPA fallback
+called with is_causal=False). Left alone: a model call given token types, a prefix length or image positions (a
+prefix-LM or an image block attends both ways on purpose: spans.py), a config that states the attention
+bidirectional or its config `is_decoder=False` (RobertaForCausalLM run as an encoder, as transformers warns it
+will), keys that are not the model call's own tokens (a vision tower inside the model), and a prompt pass
+any real query of which misses a real key (a mask was applied: the other rules judge it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, first_cell, keep, queries
+from maskcli.checks.intent import intent, top_of
+from maskcli.checks.real import TOKENS, by_row, resolve
+from maskcli.checks.registry import Rule
+from maskcli.checks.spans import IMAGES, PREFIX
+from maskcli.text import Finding
+
+SPANS = ("token_type_ids", "mm_token_type_ids")  # image or prefix spans a model attends both ways on purpose
+
+
+def _prompt(run: Run, call, top) -> bool:
+    """The call is the prompt pass over the model call's own tokens: square, from position 0, its keys the tokens."""
+    q_len, k_len = call.shape[2:]
+    if q_len != k_len or q_len < 2 or int(queries(call, top)[0]) != 0:
+        return False
+    tokens = next((top.arguments[n] for n in TOKENS if isinstance(top.arguments.get(n), np.ndarray)), None)
+    return tokens is not None and tokens.ndim == 2 and tokens.shape[1] == k_len
+
+
+def _encoder(config, call) -> bool:
+    """The program states this attention not causal though the class is named a causal LM: its config's own
+    `is_decoder = False` (BERT-family configs, which RobertaForCausalLM reads: transformers warns "add is_decoder=True"
+    and runs it both ways, as stated), or the attention module's `is_causal = False` as transformers' interface read it."""
+    held = getattr(config, "__dict__", config if isinstance(config, dict) else {})
+    told = call.details.get("hf") if isinstance(call.details.get("hf"), dict) else {}
+    return held.get("is_decoder") is False or told.get("is_causal") is False or told.get("module_is_causal") is False
+
+
+def both_ways(run: Run) -> list:
+    """A ...ForCausalLM's prompt pass in which every real query sees every real key, decoded over afterwards."""
+    found = []
+    for calls in run.sites().values():
+        first = calls[0]
+        top = top_of(run, first)
+        if top is None or "causal_lm" not in top.arguments or first.stored is None:
+            continue  # (most runs: no model that names itself a causal LM)
+        if any(name in top.arguments for name in (*SPANS, *PREFIX, *IMAGES)) or not _prompt(run, first, top):
+            continue
+        k_len = first.shape[3]
+        if not any(call.shape[2] < call.shape[3] and call.shape[3] > k_len for call in calls[1:]):
+            continue  # no decode step over the prompt's cache: an encoder run of the model, or one pass
+        if intent(run, first).bidirectional() is not None or _encoder(top.config, first):
+            continue
+        cells = keep(first)
+        if cells is None:
+            continue
+        rows = by_row(cells, first.shape[0] if cells.shape[0] in (1, first.shape[0]) else None)
+        real = resolve(first, top, rows)
+        judged = real.queries[:, :, None] & real.keys[:, None, :]
+        later = np.arange(k_len)[None, None, :] > np.arange(k_len)[None, :, None]
+        if not judged.any() or (judged & ~rows).any() or not (judged & later).any():
+            continue
+        b, q, k = first_cell(rows & judged & later)
+        found.append((first, Finding("causal-lm-both-ways", (
+            f"{top.arguments['causal_lm']} states a causal LM, but its prompt pass attends both ways: every real query "
+            f"sees every real key (query {q} of batch row {b} sees later key {k}; {int((rows & judged & later).sum())} "
+            f"such cells), and later steps decode over the cache it wrote (step {first.step})"),
+            expected="causal", source=f"the model class {top.arguments['causal_lm']}", cell=(b, q, k))))
+    return found
+
+
+RULES = (
+    Rule("causal-lm-both-ways", "wrong", "site", "a model named ...ForCausalLM whose prompt pass attends both ways (every "
+         "real query sees every real key) and then decodes over that cache: a causal mask dropped on that path", both_ways),
+)

@@ -1,0 +1,53 @@
+"""checks/causal_lm.py: a model named ...ForCausalLM whose prompt pass attends both ways, then decodes over its cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from checkbugs import caught, check_bug, first
+
+BUGS = [
+    # unslothai/unsloth#2868: the SDPA fallback always called with is_causal=False, no mask
+    ("unsloth_sdpa_fallback_is_causal_false", "causal-lm-both-ways"),
+]
+
+
+@pytest.mark.parametrize("name, code", BUGS)
+def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code):
+    check_bug(tmp_path, name, code)
+
+
+def test_a_left_padded_prompt_handed_the_padding_mask_alone(tmp_path):
+    """Written otherwise: SDPA given the padding mask as attn_mask (so no is_causal) on a left-padded batch. Its first
+    cell against torch.tril: the first real query that sees a real key tril hides."""
+    hit = caught(tmp_path, "causal_lm_padding_mask_only", ("causal-lm-both-ways",))
+    real = np.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=bool)
+    tril = torch.ones(5, 5, dtype=torch.bool).tril().numpy()
+    assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: real[b, q] and real[b, k] and not tril[q, k])
+
+
+def test_doge_under_sdpas_is_causal_skip_in_its_own_process(tmp_path):
+    """huggingface/transformers#48748: Doge merges the causal mask into its dt_states mask only where masking_utils
+    returned one, and under SDPA's is_causal skip it returned None: the prompt pass attends both ways (transformers'
+    own DogeForCausalLM). Its fix's decode-step mask is dt_states alone, all 1.0: a constant, not ones-added. Run in a
+    process of its own, as maskcli trace runs a program: the buggy program patches transformers' modeling_doge, which
+    would stay patched for the --fixed run in this process."""
+    program = Path(__file__).parent / "data" / "bugs" / "doge_sdpa_causal_skip_dynamic_mask.py"
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    for fixed in (False, True):
+        out = tmp_path / f"doge{int(fixed)}.json"
+        done = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--json", str(out), str(program),
+                               *(["--fixed"] if fixed else [])], capture_output=True, text=True, timeout=600, env=env)
+        data = json.loads(out.read_text())
+        wrong = [f["code"] for g in data["groups"] for f in g["findings"] if f["severity"] == "wrong"]
+        assert data["exit_status"] == 0, done.stderr
+        assert (done.returncode, wrong) == ((0, []) if fixed else (1, ["causal-lm-both-ways"])), done.stdout
