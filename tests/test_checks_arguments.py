@@ -131,3 +131,9 @@ def test_a_softmax_that_masks_nowhere_over_the_stated_padded_tokens_is_attention
     pad = np.array([[0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1]], dtype=bool)  # the program's tokens == 1
     # every cell is seen (no mask); the first real query that sees a padding key, by a loop
     assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: not pad[b, q] and pad[b, k])
+
+
+def test_uniem_encoder_called_without_attention_mask(tmp_path):
+    """wangyuxinwhy/uniem#23: the pad mask built from the ids (`mask`, right-padded) used for pooling only; the
+    model call's ids equal to the pad id say the padding (padding-ignored, said before held.py's padding-unused)."""
+    check_bug(tmp_path, "uniem_embedder_encoder_called_without_attention_mask", "padding-ignored")

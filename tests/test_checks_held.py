@@ -12,11 +12,6 @@ from checkbugs import check_bug, first, traced
 HELD = Path(__file__).parent / "data" / "held"
 
 
-def test_uniem_encoder_called_without_attention_mask(tmp_path):
-    """wangyuxinwhy/uniem#23: the pad mask built from the ids (`mask`, right-padded) used for pooling only."""
-    check_bug(tmp_path, "uniem_embedder_encoder_called_without_attention_mask", "padding-unused")
-
-
 def test_axolotl_bidirectional_mask_ignores_padding(tmp_path):
     """axolotl#3735: the 4D all-ones mask handed to the model while the loss step holds the batch's attention_mask."""
     check_bug(tmp_path, "axolotl_diffusion_bidirectional_mask_ignores_padding", "padding-unused")
