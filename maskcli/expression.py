@@ -105,6 +105,9 @@ _TOKEN = re.compile(
     re.VERBOSE,
 )
 MAX_TEXT = 1 << 20  # characters: inline labels past this belong in a file
+# kind(sizes=[3,5;2,6]) and nothing else: read by str.split, not a token at a time (pack writes a million one-token
+# documents as 2M characters, a minute for the tokenizer); the tree is the one the parser makes of it
+_SIZES_ONLY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\(sizes=\[(\d{1,30}(?:[,;]\d{1,30})*)\]\)")
 
 
 @dataclass(frozen=True)
@@ -263,6 +266,10 @@ def parse(text: str, max_text: int | None = MAX_TEXT):
         raise MaskError(f"the mask expression is {len(text):,} characters long: put long labels in a file, like document(\"labels.npy\")")
     if not text.strip():
         raise MaskError("the mask expression is empty: give a kind such as causal, or an expression such as \"causal & window(3)\"")
+    sizes = _SIZES_ONLY.fullmatch(text)
+    if sizes is not None:
+        rows = tuple(tuple(map(int, row.split(","))) for row in sizes.group(2).split(";"))
+        return Call(sizes.group(1), None, (("sizes", Ints(rows, bracketed=True)),), called=True)
     parser = _Parser(text)
     try:
         tree = parser.expression()
