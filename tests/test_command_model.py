@@ -352,3 +352,20 @@ def test_png_legend_names_the_cache_not_offset_and_no_label_meets_a_title(tmp_pa
     boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
     meeting = [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:] if box.overlaps(other)]
     assert meeting == []
+
+
+@needs_hf
+def test_a_config_of_100000_layers_is_refused_up_front_saying_what_it_would_build(tmp_path):
+    """A gemma3_text config whose one full_attention layer is its last of 100,000: the tiny model kept layers up to
+    one of each type, built 100,000 of them (minutes), then refused them by their parameter count."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(num_hidden_layers=100_000, layer_types=["sliding_attention"] * 99_999 + ["full_attention"])
+    config.save_pretrained(tmp_path)
+    result = model(tmp_path / "config.json")
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    assert result.stderr == (
+        f"maskcli: error: {tmp_path / 'config.json'} (gemma3_text): its first full_attention layer is layer 99,999, so a "
+        "tiny model with one layer of each type would have 100,000 layers, past the 256 maskcli builds (about 3,000,000 "
+        "parameters): give a config.json whose layer_types has each type within its first 256 layers (num_hidden_layers "
+        "to match)\n")
