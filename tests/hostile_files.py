@@ -63,6 +63,11 @@ def plant(folder):
     # imported, it leaves a file behind: no command may import it unless --mask-mod names it
     (folder / "evilmod.py").write_text("open('imported', 'w').close()\ndef f(b, h, q, kv):\n    return kv <= q\n")
     (folder / "dir.pt").mkdir()
+    # a program trace would run and a package -m would import: each leaves a file, so a refusal must come first
+    (folder / "prog.py").write_text("open('ran', 'w').close()\n")
+    (folder / "evilpkg").mkdir()
+    (folder / "evilpkg" / "__init__.py").write_text("open('imported', 'w').close()\n")
+    (folder / "evilpkg" / "mod.py").write_text("open('ran', 'w').close()\n")
     os.symlink("loop.pt", folder / "loop.pt")
     if hasattr(os, "mkfifo"):
         os.mkfifo(folder / "fifo.pt")

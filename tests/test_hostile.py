@@ -195,6 +195,13 @@ CASES = [
     (["show", "local(2, documents=[0,0,1])", "--len", "4"], "local(2, documents=[0,0,1])"),
     (["show", f"lookback({BIG})", "--len", "4"], BIG),
     (["show", "lookback(0)", "--len", "4"], "lookback(0)"),
+    # issue 37: trace refuses its options before the program runs, and before -m imports the module's package
+    (["trace", "--save", "/proc/t.pt", "prog.py"], "--save '/proc/t.pt': directory '/proc' is not a place files can be written"),
+    (["trace", "--json", "/proc/t.json", "-m", "evilpkg.mod"], "--json '/proc/t.json': directory '/proc' is not a place"),
+    (["trace", "--expect", "x=bogus(", "-m", "evilpkg.mod"], "--expect 'x=bogus('"),
+    (["trace", "--api", "bogus", "-m", "evilpkg.mod"], "--api 'bogus'"),
+    (["trace", "--rank-timeout", "nan", "prog.py"], "--rank-timeout nan: give 0 or more seconds"),
+    (["show", "causal", "--save", "/proc/self/x.npy"], "directory '/proc/self' is not writable"),
 ]
 
 

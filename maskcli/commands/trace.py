@@ -57,7 +57,6 @@ def trace(
     for flag, value, suffix in (("--json", json_path, "json"), ("--save", save, "pt")):
         if script is None and module is None and value is not None and value.endswith(".py"):  # taken for a flag, as in show
             raise MaskError(f"{flag} takes a file name: maskcli trace {flag} run.{suffix} {value}")
-    check_program(script, module)
     apis = tuple(part.strip() for part in api.split(",") if part.strip())
     unknown = [name for name in apis if name not in APIS]
     if unknown or not apis:
@@ -71,8 +70,9 @@ def trace(
     targets = {flag: check_output_path(path, (suffix,), flag).absolute()
                for flag, path, suffix in (("--save", save, ".pt"), ("--json", json_path, ".json")) if path is not None}
 
-    if rank_timeout < 0:
+    if not rank_timeout >= 0:  # (NaN too)
         raise MaskError(f"--rank-timeout {rank_timeout:g}: give 0 or more seconds")
+    check_program(script, module)  # after every option: finding -m pkg.mod imports pkg
     import sys
 
     from maskcli.trace.ranks import ProcessGroups, job as rank_job
