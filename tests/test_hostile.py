@@ -95,7 +95,7 @@ CASES = [
     (["inspect", "dir.pt"], "FILE 'dir.pt' is a directory"),
     (["attend", "causal", "--len", "3", "--head-dim", str(10**8)], "--head-dim 100,000,000 is past the 65,536"),
     (["chunk", "labels.txt"], "chunk labels 'labels.txt': 'x' is not an integer"),
-    (["show", "padding", "--ids", "5,6,7,0", "--pad-id", BIG], f"--pad-id {BIG} is too large"),
+    (["show", "padding", "--ids", "5,6,7,0", "--pad-id", BIG], f"--pad-id '{BIG}': an integer of 31 digits is far too large"),
     (["show", "causal", "--len", "3", "--len", "abc"], "--len 'abc'"),
     (["show", "causal", "--save", "/proc/x.npy"], "is not a place files can be written"),
     (["convert", "labels.txt", "--to", "keep", "--out", "o.npy"], "unknown file type '.txt'"),
@@ -202,6 +202,15 @@ CASES = [
     (["trace", "--api", "bogus", "-m", "evilpkg.mod"], "--api 'bogus'"),
     (["trace", "--rank-timeout", "nan", "prog.py"], "--rank-timeout nan: give 0 or more seconds"),
     (["show", "causal", "--save", "/proc/self/x.npy"], "directory '/proc/self' is not writable"),
+    # integer options: digits 0-9 only, and a 5,000-digit one quoted in part (it was quoted whole)
+    (["show", "causal", "--len", "9" * 5000], "--len '9999999999999999999999999999999999999999999 ... 999999999999': an integer of 5,000 digits"),
+    (["show", "causal", "--len", "1_0"], "--len '1_0': '1_0' is not a whole number (write it in digits 0-9, like 16)"),
+    (["trace", "--max-bytes", "\uff11\uff12", "prog.py"], "'\uff11\uff12' is not a whole number"),
+    (["shard", "causal", "--ranks", "0x10"], "--ranks '0x10'"),
+    # a NUL byte in a file name was "unexpected ValueError: embedded null byte"
+    (["show", "causal", "--png", "x\x00y.png"], "'x\\x00y.png' holds a NUL byte"),
+    (["show", "--mask", "a\x00b.pt"], "holds a NUL byte"),
+    (["serve", "v\x00.pt"], "holds a NUL byte"),
 ]
 
 
@@ -786,3 +795,23 @@ def test_a_dtype_that_does_not_apply_is_a_warning_in_convert_as_in_show(tmp_path
     assert np.load("x.npy").dtype == bool
     shown = runner.invoke(app, ["show", "causal", "--len", "3", "--dtype", "bfloat16", "--save", "y.npy"])
     assert shown.exit_code == 0 and "--dtype bfloat16 is ignored" in shown.stderr
+
+
+@pytest.mark.parametrize("args, where, says", [
+    (["pack", "--cu-seqlens", "0,2,4"], "maskcli.pack.fields.read", "save fewer batch rows or tokens (a part of the batch)"),
+    (["serve", "v.pt"], "maskcli.serve.engines.read", "save fewer requests (a part of the batch)"),
+], ids=["pack", "serve"])
+def test_running_out_of_memory_advises_what_the_command_takes_not_len(monkeypatch, tmp_path, args, where, says):
+    """pack and serve have no --len: "use a smaller --len" was advice no option could follow."""
+    import importlib
+
+    module, _, name = where.rpartition(".")
+
+    def exhausted(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(importlib.import_module(module), name, exhausted)
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and result.stderr.startswith("maskcli: error: ran out of memory: ") and says in result.stderr, result.output
+    assert "--len" not in result.stderr

@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - older typer raises click's
 from maskcli import __version__
 from maskcli.errors import MaskError
 from maskcli.render import wrapped
-from maskcli.text import wrap_example
+from maskcli.text import shortened, wrap_example
 
 UsageError = _click_exceptions.UsageError
 NoArgsIsHelpError = getattr(_click_exceptions, "NoArgsIsHelpError", ())
@@ -66,6 +66,7 @@ class MaskcliGroup(TyperGroup):
         if sys.stdout is None:  # started with stdout closed (>&-): every table and --json would vanish
             fail("stdout is closed, so nothing maskcli prints can be seen: send it to a file or /dev/null instead")
         try:
+            _no_nul(sys.argv[1:] if args is None else list(args))
             code = _completion_for(sys.argv[1:] if args is None else list(args))
             if code is None:
                 code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
@@ -97,6 +98,13 @@ class MaskcliGroup(TyperGroup):
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _no_nul(args: list[str]) -> None:
+    """A NUL byte ends a C string: no file name or value holds one (a shell cannot pass one; a caller in Python can)."""
+    for arg in args:
+        if "\x00" in arg:
+            raise MaskError(f"{shortened(arg, 60)!r} holds a NUL byte (\\x00), which no file name or value can hold: remove it")
 
 
 MIN_COLUMNS = 40  # narrower than this, a table, a map or help has no room: it is drawn this wide
@@ -140,6 +148,12 @@ def _smaller(args: list[str]) -> str:
         return "the mask file is too large to work on here: slice the part you need into a smaller file first (like mask[0, 0])"
     if command == "serve":  # serve has no --len: its sizes are the batch's
         return "the batch is too large to check here: save fewer requests (a part of the batch) and check that"
+    if command == "pack":
+        return "the batch is too large to check here: save fewer batch rows or tokens (a part of the batch) and check that"
+    if command == "model":
+        return "use shorter --lengths, fewer --new-tokens, or a larger --prefill-chunk"
+    if command == "trace":
+        return "the program's masks are too large to keep here: give a smaller --max-bytes, or run the program on smaller inputs"
     if command in ("attend", "verify"):
         return "use a smaller --len (or fewer batch rows or heads, a smaller --head-dim or --dtype)"
     return "use a smaller --len (or fewer batch rows or heads, or a larger --block)"
@@ -155,9 +169,9 @@ def _usage_message(error, args: list[str]) -> str:
     for index, arg in enumerate(args):
         for opt in param.opts:
             if arg == opt and index + 1 < len(args):
-                found = f"{opt} {args[index + 1]!r}: {message}"
+                found = f"{opt} {shortened(args[index + 1], 60)!r}: {message}"
             elif arg.startswith(opt + "=") and opt.startswith("--"):
-                found = f"{opt} {arg[len(opt) + 1:]!r}: {message}"
+                found = f"{opt} {shortened(arg[len(opt) + 1:], 60)!r}: {message}"
     return found or error.format_message()
 
 
