@@ -136,11 +136,14 @@ def load(path: str) -> dict:
     """A trace file read with weights_only=True and checked whole (every field's type and range) where it is read,
     so that a damaged or crafted file is one line naming what is wrong, never a wrong mask or an internal error."""
     import pickle
+    import warnings
 
     import torch
 
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Detected pickle protocol 4" on a file that is no trace: a second line
+            data = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
         raise MaskError(f"{path!r} is not a trace file maskcli can read ({' '.join(str(error).split())[:160]})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:

@@ -179,6 +179,14 @@ def plant_crafted(folder) -> None:
     torch.save({"q_ranges": torch.zeros((0, 2), dtype=torch.int32), "k_ranges": torch.zeros((0, 2), dtype=torch.int32),
                 "attn_type_map": torch.zeros(0, dtype=torch.int32)}, folder / "magi_empty.pt")
     (folder / "digits_mask.json").write_text("[[" + "9" * 5000 + "]]")
+    with zipfile.ZipFile(folder / "nonpy.npz", "w") as archive:  # np.load hands a member that is no .npy over as bytes
+        archive.writestr("a.txt", "hi")
+    with zipfile.ZipFile(folder / "many.npz", "w") as archive:  # 3,000 names listed made a line of 26,000 characters
+        one = io.BytesIO()
+        np.save(one, np.zeros(1, bool))
+        for index in range(3000):
+            archive.writestr(f"m{index}.npy", one.getvalue())
+    (folder / "protocol4.npy").write_bytes(b"\x80\x04K\x01.")  # torch.load warned of its pickle protocol: a second line
     # an .npz member whose .npy header declares 16 MiB where the archive says the member holds 1 kB
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, {"descr": "|b1", "fortran_order": False, "shape": (4096, 4096)})

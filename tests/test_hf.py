@@ -401,3 +401,12 @@ def test_a_config_whose_last_new_layer_type_comes_late_is_refused_before_a_layer
         "type would have 100,000 layers, past the 256 maskcli builds (about 3,000,000 parameters): give a config.json "
         "whose layer_types has each type within its first 256 layers (num_hidden_layers to match)")
     assert late.num_hidden_layers == 100_000  # refused before anything was set
+
+
+@pytest.mark.parametrize("count", [-1, 0, 2.5, "2"])
+def test_a_config_with_no_layers_is_refused_not_made_tiny_with_two(count):
+    from types import SimpleNamespace
+
+    with pytest.raises(MaskError) as refused:  # tiny() made any count 2 layers, and the run showed their masks
+        families.tiny(SimpleNamespace(num_hidden_layers=count), name="bad.json (llama)")
+    assert str(refused.value) == f"bad.json (llama): num_hidden_layers {count!r}: a model has a whole number of layers, 1 or more"

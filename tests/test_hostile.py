@@ -264,6 +264,11 @@ CRAFTED = [
     (["pack", "--attention-mask", '[["inf"]]'], "--attention-mask holds inf, not a whole number"),
     (["pack", "--attention-mask", "[[" + "9" * 30 + "]]"], "999999999999999999999999999999 does not fit int64"),
     (["inspect", "liar.npz"], "member 'mask.npy' is damaged: its header declares 16,777,216 bytes"),
+    (["inspect", "nonpy.npz"], "member 'a.txt' is not a .npy array"),  # was "unexpected AttributeError"
+    (["serve", "nonpy.npz"], "member 'a.txt' is not a .npy array"),
+    (["inspect", "many.npz"], "holds several tensors ('m0', 'm1', 'm2', 'm3', 'm4', 'm5', 'm6', 'm7', ... (3,000 in all))"),
+    (["pack", "many.npz"], "holds 'm0', 'm1', 'm2', 'm3', 'm4', 'm5', 'm6', 'm7', ... (3,000 in all), none of them a field"),
+    (["shard", "causal", "--len", "8", "--trace", "protocol4.npy"], "'protocol4.npy' is not a trace file maskcli can read"),
 ] + [([command, *spec], name) for name in TRACE_DAMAGE
      for command, spec in (("inspect", [f"{name}:0"]), ("show", ["--mask", f"{name}:1"]), ("diff", [f"{name}:0", "causal"]))]
 

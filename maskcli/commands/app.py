@@ -205,10 +205,15 @@ def _quiet(stream) -> None:
         pass
 
 
+LONGEST_ERROR = 1000  # characters in the error line: a reader of stderr gets a line, not a page
+
+
 def fail(message: str, pointer: tuple[str, int] | None = None) -> None:
     """The error as one line on stderr, exit status 2; on a terminal, a caret under the text `pointer` names."""
     _pending.clear()  # a warning about input that is then refused would be a second line about the same thing
     one_line = " ".join(message.splitlines())  # a quoted value (a repr, say) may hold line breaks
+    if len(one_line) > LONGEST_ERROR:  # a value or a list quoted whole: its start (what) and end (the fix) stay
+        one_line = f"{one_line[:LONGEST_ERROR - 305]} ... {one_line[-300:]}"
     try:
         typer.echo(f"maskcli: error: {one_line}", err=True)
         if pointer is not None and sys.stderr.isatty():

@@ -211,6 +211,9 @@ def tiny(config, window: int | None = None, chunk_size: int | None = None, name:
 
 
 def _tiny(config, window: int | None, chunk_size: int | None, name: str):
+    count = getattr(config, "num_hidden_layers", None)
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise MaskError(f"{name}: num_hidden_layers {count!r}: a model has a whole number of layers, 1 or more")
     types = layer_types(config)
     firsts = [types.index(kind) for kind in dict.fromkeys(types)]
     layers = max(2, max(firsts, default=0) + 1)
