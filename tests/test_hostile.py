@@ -201,6 +201,8 @@ CASES = [
     (["trace", "--expect", "x=bogus(", "-m", "evilpkg.mod"], "--expect 'x=bogus('"),
     (["trace", "--api", "bogus", "-m", "evilpkg.mod"], "--api 'bogus'"),
     (["trace", "--rank-timeout", "nan", "prog.py"], "--rank-timeout nan: give 0 or more seconds"),
+    (["trace", "--rank-timeout", "1e400", "prog.py"], "--rank-timeout inf: give 0 or more seconds, a finite number"),
+    (["verify", "causal", "--atol", "1e400"], "--atol must be 0 or more and finite, got inf"),  # passed every kernel, "ok"
     (["show", "causal", "--save", "/proc/self/x.npy"], "directory '/proc/self' is not writable"),
     # integer options: digits 0-9 only, and a 5,000-digit one quoted in part (it was quoted whole)
     (["show", "causal", "--len", "9" * 5000], "--len '9999999999999999999999999999999999999999999 ... 999999999999': an integer of 5,000 digits"),

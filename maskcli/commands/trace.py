@@ -70,8 +70,8 @@ def trace(
     targets = {flag: check_output_path(path, (suffix,), flag).absolute()
                for flag, path, suffix in (("--save", save, ".pt"), ("--json", json_path, ".json")) if path is not None}
 
-    if not rank_timeout >= 0:  # (NaN too)
-        raise MaskError(f"--rank-timeout {rank_timeout:g}: give 0 or more seconds")
+    if not 0 <= rank_timeout < float("inf"):  # (NaN too)
+        raise MaskError(f"--rank-timeout {rank_timeout:g}: give 0 or more seconds, a finite number")
     check_program(script, module)  # after every option: finding -m pkg.mod imports pkg
     import sys
 
