@@ -175,6 +175,9 @@ def plant_crafted(folder) -> None:
     torch.save({"cu_seqlens_q": torch.tensor([0.0, 2.5, 4.0]), "cu_seqlens_k": torch.tensor([0, 2, 4])}, folder / "fa_float.pt")
     torch.save({"cu_seqlens_q": torch.tensor([0.0, float("nan"), 4.0]), "cu_seqlens_k": torch.tensor([0, 2, 4])}, folder / "fa_nan.pt")
     torch.save({"startend_row_indices": torch.tensor([[[[1.5], [2.0], [3.0], [4.0]]]])}, folder / "fm_float.pt")
+    # whole numbers in float tensors: flash_attn refuses them ("cu_seqlens_q must have dtype int32"), maskcli read them
+    torch.save({"cu_seqlens_q": torch.tensor([0, 2, 4]), "cu_seqlens_k": torch.tensor([0.0, 2.0, 4.0])}, folder / "fa_whole.pt")
+    torch.save({"startend_row_indices": torch.tensor([[[[4.0], [4.0], [4.0], [4.0]]]]), "causal": torch.tensor(1.0)}, folder / "fm_whole.pt")
     torch.save({"startend_row_indices": torch.zeros((1, 1, 0, 1), dtype=torch.int32), "causal": torch.tensor(1)}, folder / "fm_empty.pt")
     torch.save({"q_ranges": torch.zeros((0, 2), dtype=torch.int32), "k_ranges": torch.zeros((0, 2), dtype=torch.int32),
                 "attn_type_map": torch.zeros(0, dtype=torch.int32)}, folder / "magi_empty.pt")

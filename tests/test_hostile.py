@@ -259,6 +259,9 @@ CRAFTED = [
     (["show", "--mask", "fa_float.pt", "--from", "flash-attn"], "cu_seqlens_q holds 2.5"),  # was read as 2, exit 0
     (["export", "--for", "sdpa", "--mask", "fa_nan.pt", "--from", "flash-attn"], "cu_seqlens_q holds nan"),
     (["export", "--for", "sdpa", "--mask", "fm_float.pt", "--from", "flashmask"], "startend_row_indices holds 1.5"),
+    (["export", "--for", "sdpa", "--mask", "fa_whole.pt", "--from", "flash-attn"],
+     "cu_seqlens_k is a float tensor (float32) holding whole numbers; the library takes integers (int32)"),  # was exit 0
+    (["show", "--mask", "fm_whole.pt", "--from", "flashmask"], "startend_row_indices is a float tensor"),
     (["show", "--mask", "fm_empty.pt", "--from", "flashmask"], "startend_row_indices has shape [1, 1, 0, 1]: it holds no rows"),
     (["show", "--mask", "magi_empty.pt", "--from", "magi"], "the file holds 0 slices over 0 queries and 0 keys"),
     (["show", "--mask", "digits_mask.json"], "9999999999"),

@@ -103,7 +103,7 @@ class MaskcliGroup(TyperGroup):
 def _no_nul(args: list[str]) -> None:
     """A NUL byte ends a C string: no file name or value holds one (a shell cannot pass one; a caller in Python can)."""
     for arg in args:
-        if "\x00" in arg:
+        if isinstance(arg, str) and "\x00" in arg:
             raise MaskError(f"{shortened(arg, 60)!r} holds a NUL byte (\\x00), which no file name or value can hold: remove it")
 
 
