@@ -168,6 +168,7 @@ def plant_crafted(folder) -> None:
     (folder / "dump2" / "metadata.jsonl").write_text('"BatchPrefillWithPagedKVCacheWrapper.plan"\n')
     for name, mutate in TRACE_DAMAGE.items():
         _trace(folder / name, mutate)
+    _trace(folder / "t_good.pt")
     t = torch.tril(torch.ones(4, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "nested tensors are in prototype stage"

@@ -270,6 +270,11 @@ CRAFTED = [
     (["pack", "--attention-mask", "[[" + "9" * 30 + "]]"], "999999999999999999999999999999 does not fit int64"),
     (["inspect", "liar.npz"], "member 'mask.npy' is damaged: its header declares 16,777,216 bytes"),
     (["inspect", "nonpy.npz"], "member 'a.txt' is not a .npy array"),  # was "unexpected AttributeError"
+    # digits of other scripts: str.isdigit and the regex \\d take them, int() refuses '²' and reads '３' as 3
+    (["inspect", "t_good.pt:\u00b2"], "t_good.pt:'\u00b2': name a call by its index"),  # was "unexpected ValueError"
+    (["show", "--mask", "t_good.pt:\uff11"], "t_good.pt:'\uff11': name a call by its index"),  # was call 1
+    (["show", "window(\uff13)", "--len", "4"], "unexpected character '\uff13' at character 8"),  # was window(3)
+    (["show", "causal", "--why", "\uff11,0", "--len", "4"], "--why"),
     (["serve", "nonpy.npz"], "member 'a.txt' is not a .npy array"),
     (["inspect", "many.npz"], "holds several tensors ('m0', 'm1', 'm2', 'm3', 'm4', 'm5', 'm6', 'm7', ... (3,000 in all))"),
     (["pack", "many.npz"], "holds 'm0', 'm1', 'm2', 'm3', 'm4', 'm5', 'm6', 'm7', ... (3,000 in all), none of them a field"),
@@ -825,3 +830,14 @@ def test_running_out_of_memory_advises_what_the_command_takes_not_len(monkeypatc
     result = runner.invoke(app, args)
     assert result.exit_code == 2 and result.stderr.startswith("maskcli: error: ran out of memory: ") and says in result.stderr, result.output
     assert "--len" not in result.stderr
+
+
+@pytest.mark.parametrize("columns", ["\u00b2", "abc", "-5", str(10**23)])
+@pytest.mark.parametrize("args", [["kinds"], ["--help"], ["show", "causal", "--len", "100000"]], ids=" ".join)
+def test_columns_that_is_no_number_or_past_5000_is_read_as_a_width_that_draws(args, columns):
+    """rich reads COLUMNS with str.isdigit and int(): COLUMNS=² was a traceback, 10^23 an OverflowError (kinds, help)
+    or a density map 10^23 characters wide (a hang)."""
+    result = runner.invoke(app, args, env={"COLUMNS": columns, "LINES": columns})
+    assert result.exit_code == 0 and result.stderr == "", result.output[-500:]
+    widths = [len(line) for line in result.stdout.splitlines()]
+    assert widths and max(widths) <= 5000

@@ -108,15 +108,23 @@ def _no_nul(args: list[str]) -> None:
 
 
 MIN_COLUMNS = 40  # narrower than this, a table, a map or help has no room: it is drawn this wide
+MAX_COLUMNS = 5000  # wider than this, a density map takes longer to draw than to read: it is drawn this wide
 
 
 def _floor_columns() -> None:
-    """COLUMNS=0 (or 1) drew nothing, or one character a line, and exited 0: take it as MIN_COLUMNS."""
+    """COLUMNS=0 (or 1) drew nothing, or one character a line, and exited 0: take it as MIN_COLUMNS; COLUMNS or LINES
+    that are no number (COLUMNS=²) are dropped."""
     import os
 
+    for name in ("COLUMNS", "LINES"):  # rich reads them with str.isdigit, which takes '²', then int() fails on it
+        value = os.environ.get(name)
+        if value is not None and not (value.strip().isascii() and value.strip().isdigit()):
+            del os.environ[name]  # not a number: the terminal's own size, as where it is unset
     columns = os.environ.get("COLUMNS", "").strip()
     if columns.isdigit() and int(columns) < MIN_COLUMNS:
         os.environ["COLUMNS"] = str(MIN_COLUMNS)
+    elif columns.isdigit() and int(columns) > MAX_COLUMNS:  # 10^23 columns: a map never drawn, help an OverflowError
+        os.environ["COLUMNS"] = str(MAX_COLUMNS)
 
 
 SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
@@ -212,8 +220,9 @@ def fail(message: str, pointer: tuple[str, int] | None = None) -> None:
     """The error as one line on stderr, exit status 2; on a terminal, a caret under the text `pointer` names."""
     _pending.clear()  # a warning about input that is then refused would be a second line about the same thing
     one_line = " ".join(message.splitlines())  # a quoted value (a repr, say) may hold line breaks
-    if len(one_line) > LONGEST_ERROR:  # a value or a list quoted whole: its start (what) and end (the fix) stay
-        one_line = f"{one_line[:LONGEST_ERROR - 305]} ... {one_line[-300:]}"
+    room = LONGEST_ERROR - len("maskcli: error: ")
+    if len(one_line) > room:  # a value or a list quoted whole: its start (what) and end (the fix) stay
+        one_line = f"{one_line[:room - 305]} ... {one_line[-300:]}"
     try:
         typer.echo(f"maskcli: error: {one_line}", err=True)
         if pointer is not None and sys.stderr.isatty():
