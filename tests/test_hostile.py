@@ -196,6 +196,8 @@ CASES = [
     (["show", f"lookback({BIG})", "--len", "4"], BIG),
     (["show", "lookback(0)", "--len", "4"], "lookback(0)"),
     # issue 37: trace refuses its options before the program runs, and before -m imports the module's package
+    (["shard", "causal", "--len", "4", "--trace", "fifo.pt"], "trace file 'fifo.pt' is not a regular file"),  # blocked forever
+    (["shard", "causal", "--len", "4", "--trace", "/proc/self/status"], "'/proc/self/status' is not a trace file maskcli can read"),
     (["trace", "--save", "/proc/t.pt", "prog.py"], "--save '/proc/t.pt': directory '/proc' is not a place files can be written"),
     (["trace", "--json", "/proc/t.json", "-m", "evilpkg.mod"], "--json '/proc/t.json': directory '/proc' is not a place"),
     (["trace", "--expect", "x=bogus(", "-m", "evilpkg.mod"], "--expect 'x=bogus('"),
