@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover - older typer raises click's
     from click import exceptions as _click_exceptions
 
 from maskcli import __version__
+from maskcli.commands.guards import floor_columns, no_nul
 from maskcli.errors import MaskError
 from maskcli.render import wrapped
 from maskcli.text import shortened, wrap_example
@@ -59,14 +60,14 @@ class MaskcliGroup(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         _pending.clear()
-        _floor_columns()
+        floor_columns()
         from rich.console import Console
 
         Console.on_broken_pipe = _pipe_closed
         if sys.stdout is None:  # started with stdout closed (>&-): every table and --json would vanish
             fail("stdout is closed, so nothing maskcli prints can be seen: send it to a file or /dev/null instead")
         try:
-            _no_nul(sys.argv[1:] if args is None else list(args))
+            no_nul(sys.argv[1:] if args is None else list(args))
             code = _completion_for(sys.argv[1:] if args is None else list(args))
             if code is None:
                 code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
@@ -98,33 +99,6 @@ class MaskcliGroup(TyperGroup):
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
-
-
-def _no_nul(args: list[str]) -> None:
-    """A NUL byte ends a C string: no file name or value holds one (a shell cannot pass one; a caller in Python can)."""
-    for arg in args:
-        if isinstance(arg, str) and "\x00" in arg:
-            raise MaskError(f"{shortened(arg, 60)!r} holds a NUL byte (\\x00), which no file name or value can hold: remove it")
-
-
-MIN_COLUMNS = 40  # narrower than this, a table, a map or help has no room: it is drawn this wide
-MAX_COLUMNS = 5000  # wider than this, a density map takes longer to draw than to read: it is drawn this wide
-
-
-def _floor_columns() -> None:
-    """COLUMNS=0 (or 1) drew nothing, or one character a line, and exited 0: take it as MIN_COLUMNS; COLUMNS or LINES
-    that are no number (COLUMNS=²) are dropped."""
-    import os
-
-    for name in ("COLUMNS", "LINES"):  # rich reads them with str.isdigit, which takes '²', then int() fails on it
-        value = os.environ.get(name)
-        if value is not None and not (value.strip().isascii() and value.strip().isdigit()):
-            del os.environ[name]  # not a number: the terminal's own size, as where it is unset
-    columns = os.environ.get("COLUMNS", "").strip()
-    if columns.isdigit() and int(columns) < MIN_COLUMNS:
-        os.environ["COLUMNS"] = str(MIN_COLUMNS)
-    elif columns.isdigit() and int(columns) > MAX_COLUMNS:  # 10^23 columns: a map never drawn, help an OverflowError
-        os.environ["COLUMNS"] = str(MAX_COLUMNS)
 
 
 SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
