@@ -113,6 +113,13 @@ def check_output_path(path: str, suffixes: tuple[str, ...], flag: str, name: str
         raise MaskError(f"{flag} {path!r} is a directory; give a file name")
     if found == "special":
         raise MaskError(f"{flag} {path!r} is not a regular file (a FIFO, a device or a socket): give a file name")
+    try:  # as atomic_write will: /proc, a read-only mount (which modes do not show root) refuse it now, not after the work
+        handle, probe = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".probe", dir=parent)
+    except OSError as error:
+        raise MaskError(f"{flag} {path!r}: directory {str(parent)!r} is not a place files can be written "
+                        f"({error.strerror or error}): write somewhere else") from None
+    os.close(handle)
+    os.unlink(probe)
     return out
 
 

@@ -105,7 +105,7 @@ def _cgroup_limits(proc_cgroup: str, mount: str) -> tuple[tuple[int, str], ...]:
                 _read_int(usage_file)
             except (OSError, ValueError):
                 continue
-            if limit != "max" and limit.isdigit() and int(limit) < 2**60:  # v1 writes a huge number for no limit
+            if limit != "max" and limit.isascii() and limit.isdigit() and int(limit) < 2**60:  # v1 writes a huge number for no limit
                 limits.append((int(limit), usage_file))
         return tuple(limits)
     return ()

@@ -37,6 +37,8 @@ def from_numpy(path: Path, where: str, work: tuple[float, str] = (0, "to load"))
     except Exception as error:
         raise MaskError(f"{where}: not a readable numpy file ({type(error).__name__}: {str(error)[:160]})") from None
     for name, array in arrays.items():
+        if not isinstance(array, np.ndarray):  # np.load hands an .npz member that is not a .npy file over as bytes
+            raise MaskError(f"{where}: member {name!r} is not a .npy array (an .npz holds arrays saved by numpy.savez)")
         if array.dtype.kind not in "biuf":
             label = f" {name!r}" if name else ""
             raise MaskError(f"{where}{label}: numpy dtype {array.dtype} cannot be a tensor of numbers")

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from maskcli.errors import MaskError
-from maskcli.text import shortened
+from maskcli.text import names_text, shortened
 
 from maskcli.files import SAFETENSORS_DTYPES, checked_source, is_inline  # noqa: F401 - is_inline is read from here too
 from maskcli.numpyfile import SLICE_FIX, from_numpy
@@ -119,7 +119,7 @@ def load_tensor(source: str, flag: str, names: tuple[str, ...] = (), others: tup
             return tensors[name]
     if len(tensors) == 1 and not set(tensors) & set(others):
         return next(iter(tensors.values()))
-    held = ", ".join(repr(k) for k in tensors) or "no tensors"
+    held = names_text(tensors) or "no tensors"
     if not names:
         raise MaskError(f"{flag} {source!r} holds {held}; expected one tensor (choose one with --key)")
     wanted = " or ".join(repr(n) for n in names)

@@ -63,6 +63,14 @@ def shortened(text: str, limit: int = 100) -> str:
     return f"{text[: limit - tail - 5]} ... {text[-tail:]}"
 
 
+def names_text(names, most: int = 8) -> str:
+    """'a', 'b', 'c': names quoted, the first `most` of a long list and how many there are (3,000 names made a line
+    of 26,000 characters)."""
+    names = list(names)
+    shown = ", ".join(repr(name) for name in names[:most])
+    return shown if len(names) <= most else f"{shown}, ... ({len(names):,} in all)"
+
+
 def step_label(step: int, q_len: int) -> str:
     """A module's call number in words: 'prefill' (its first call, of several queries), 'decode N' (a one-query call
     after the first), else 'step N'; N is the number TRACE.pt:PATH@N selects."""

@@ -135,13 +135,18 @@ def save(path, calls: list[dict], masks: dict[str, dict], ranks: list[dict] | No
 def load(path: str) -> dict:
     """A trace file read with weights_only=True and checked whole (every field's type and range) where it is read,
     so that a damaged or crafted file is one line naming what is wrong, never a wrong mask or an internal error."""
-    import pickle
+    import warnings
 
     import torch
 
+    from maskcli.files import readable_file
+
+    readable_file(path, f"trace file {path!r}")  # a FIFO would block torch.load forever, a folder fail inside it
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Detected pickle protocol 4" on a file that is no trace: a second line
+            data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # any damage (a /proc file torch cannot seek in): what torch said, in one line
         raise MaskError(f"{path!r} is not a trace file maskcli can read ({' '.join(str(error).split())[:160]})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise MaskError(f"{path!r} is a .pt file but not a maskcli trace (write one with maskcli trace --save {path})")

@@ -67,7 +67,7 @@ def parse_cell(text: str, mask: Mask, flag: str = "--why") -> list[tuple[int, in
     valid = f"give Q,KV (absolute positions, queries {f.q_start}-{f.q_end - 1}, keys {f.k_start}-{f.k_end - 1})"
     if mask.batch > 1:
         valid += f" or B,Q,KV (batch rows 0-{mask.batch - 1})"
-    match = re.fullmatch(r"\s*(?:([+-]?\d+)\s*,)?\s*([+-]?\d+)\s*,\s*([+-]?\d+)\s*", text)
+    match = re.fullmatch(r"\s*(?:([+-]?[0-9]+)\s*,)?\s*([+-]?[0-9]+)\s*,\s*([+-]?[0-9]+)\s*", text)
     if match is None:
         raise MaskError(f"{flag} {shortened(text, 40)!r} is not a cell: {valid}, like {f.q_end - 1},{f.k_start}")
     b_text, q, kv = match.group(1), int(match.group(2)), int(match.group(3))

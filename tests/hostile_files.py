@@ -63,6 +63,11 @@ def plant(folder):
     # imported, it leaves a file behind: no command may import it unless --mask-mod names it
     (folder / "evilmod.py").write_text("open('imported', 'w').close()\ndef f(b, h, q, kv):\n    return kv <= q\n")
     (folder / "dir.pt").mkdir()
+    # a program trace would run and a package -m would import: each leaves a file, so a refusal must come first
+    (folder / "prog.py").write_text("open('ran', 'w').close()\n")
+    (folder / "evilpkg").mkdir()
+    (folder / "evilpkg" / "__init__.py").write_text("open('imported', 'w').close()\n")
+    (folder / "evilpkg" / "mod.py").write_text("open('ran', 'w').close()\n")
     os.symlink("loop.pt", folder / "loop.pt")
     if hasattr(os, "mkfifo"):
         os.mkfifo(folder / "fifo.pt")
@@ -163,6 +168,7 @@ def plant_crafted(folder) -> None:
     (folder / "dump2" / "metadata.jsonl").write_text('"BatchPrefillWithPagedKVCacheWrapper.plan"\n')
     for name, mutate in TRACE_DAMAGE.items():
         _trace(folder / name, mutate)
+    _trace(folder / "t_good.pt")
     t = torch.tril(torch.ones(4, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "nested tensors are in prototype stage"
@@ -170,10 +176,21 @@ def plant_crafted(folder) -> None:
     torch.save({"cu_seqlens_q": torch.tensor([0.0, 2.5, 4.0]), "cu_seqlens_k": torch.tensor([0, 2, 4])}, folder / "fa_float.pt")
     torch.save({"cu_seqlens_q": torch.tensor([0.0, float("nan"), 4.0]), "cu_seqlens_k": torch.tensor([0, 2, 4])}, folder / "fa_nan.pt")
     torch.save({"startend_row_indices": torch.tensor([[[[1.5], [2.0], [3.0], [4.0]]]])}, folder / "fm_float.pt")
+    # whole numbers in float tensors: flash_attn refuses them ("cu_seqlens_q must have dtype int32"), maskcli read them
+    torch.save({"cu_seqlens_q": torch.tensor([0, 2, 4]), "cu_seqlens_k": torch.tensor([0.0, 2.0, 4.0])}, folder / "fa_whole.pt")
+    torch.save({"startend_row_indices": torch.tensor([[[[4.0], [4.0], [4.0], [4.0]]]]), "causal": torch.tensor(1.0)}, folder / "fm_whole.pt")
     torch.save({"startend_row_indices": torch.zeros((1, 1, 0, 1), dtype=torch.int32), "causal": torch.tensor(1)}, folder / "fm_empty.pt")
     torch.save({"q_ranges": torch.zeros((0, 2), dtype=torch.int32), "k_ranges": torch.zeros((0, 2), dtype=torch.int32),
                 "attn_type_map": torch.zeros(0, dtype=torch.int32)}, folder / "magi_empty.pt")
     (folder / "digits_mask.json").write_text("[[" + "9" * 5000 + "]]")
+    with zipfile.ZipFile(folder / "nonpy.npz", "w") as archive:  # np.load hands a member that is no .npy over as bytes
+        archive.writestr("a.txt", "hi")
+    with zipfile.ZipFile(folder / "many.npz", "w") as archive:  # 3,000 names listed made a line of 26,000 characters
+        one = io.BytesIO()
+        np.save(one, np.zeros(1, bool))
+        for index in range(3000):
+            archive.writestr(f"m{index}.npy", one.getvalue())
+    (folder / "protocol4.npy").write_bytes(b"\x80\x04K\x01.")  # torch.load warned of its pickle protocol: a second line
     # an .npz member whose .npy header declares 16 MiB where the archive says the member holds 1 kB
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, {"descr": "|b1", "fortran_order": False, "shape": (4096, 4096)})

@@ -377,3 +377,19 @@ def test_prefill_chunk_holds_for_a_layer_attending_twice_and_for_layers_without_
     result = model(family, "--prefill-chunk", 2, columns=200)
     assert result.exit_code == 0, result.output
     assert [line for line in result.stdout.splitlines() if line.startswith("--prefill-chunk")] == said
+
+
+def test_a_config_of_100000_layers_is_refused_up_front_saying_what_it_would_build(tmp_path):
+    """A gemma3_text config whose one full_attention layer is its last of 100,000: the tiny model kept layers up to
+    one of each type, built 100,000 of them (minutes), then refused them by their parameter count."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(num_hidden_layers=100_000, layer_types=["sliding_attention"] * 99_999 + ["full_attention"])
+    config.save_pretrained(tmp_path)
+    result = model(tmp_path / "config.json")
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    assert result.stderr == (
+        f"maskcli: error: {tmp_path / 'config.json'} (gemma3_text): its first full_attention layer is layer 99,999, so a "
+        "tiny model with one layer of each type would have 100,000 layers, past the 256 maskcli builds (about 3,000,000 "
+        "parameters): give a config.json whose layer_types has each type within its first 256 layers (num_hidden_layers "
+        "to match)\n")

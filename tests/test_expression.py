@@ -108,6 +108,33 @@ def test_empty_and_huge_expressions_are_refused():
         parse("chunk(" + "0," * (1 << 20) + "0)")
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ds(izes=[,;])0123 -+", max_size=30))
+def test_sizes_read_by_split_are_the_tokenizers_tree_or_its_error(text):
+    """kind(sizes=[...]) is read without the tokenizer (a million sizes took it a minute): the same tree, or the
+    same refusal, as the token-at-a-time parser (expression._Parser) gives."""
+    from maskcli.expression import _Parser
+
+    for written in (text, f"document(sizes=[{text}])"):
+        try:
+            parser = _Parser(written)
+            slow = parser.expression()
+            slow = slow if parser.token.kind == "end" else None
+        except MaskError:
+            slow = None
+        try:
+            fast = parse(written)
+        except MaskError:
+            fast = None
+        if slow is not None and isinstance(slow, Call) and slow.name == "document":
+            assert fast == slow, written
+
+
+def test_a_million_sizes_parse_as_one_call():
+    tree = parse("document(sizes=[" + ",".join(["1"] * 1_000_000) + "])", None)
+    assert tree == Call("document", None, (("sizes", Ints(((1,) * 1_000_000,), bracketed=True)),), called=True)
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.text(alphabet="abcw()[],;=&|~ 0123-\"'$", max_size=30))
 def test_any_text_parses_or_is_one_mask_error(text):

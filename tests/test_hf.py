@@ -530,3 +530,41 @@ def test_a_second_call_of_a_layer_that_differs_is_named_by_its_place_in_the_forw
     lines, holds = check(chunked[:3], [call(causal, 0, [0, 4])] * 2, ["full_attention"], 4, 2, 2)
     assert not holds and lines == ["--prefill-chunk 2: layer 0 (full_attention) made 2/1 calls at its 2 chunks and 2 in one "
                                    "pass: not compared"]
+
+
+def test_a_hundred_thousand_layers_are_counted_per_type_at_once_not_grouped_for_hours():
+    import random
+    import time
+
+    rng = random.Random(0)
+    types = [rng.choice(["full_attention", "sliding_attention"]) for _ in range(100_000)]
+    runs = 1 + sum(a != b for a, b in zip(types, types[1:]))  # counted here independently of pattern()
+    start = time.process_time()
+    said = families.pattern(types)
+    assert time.process_time() - start < 20  # a hang guard: under a second here (4,000 layers took 2.4 s, growing as n^3)
+    first = types[0]
+    other = "sliding_attention" if first == "full_attention" else "full_attention"
+    assert said == (f"{first} x{types.count(first):,}, {other} x{types.count(other):,} (100,000 layers in {runs:,} runs)")
+    assert families.pattern(["a", "b"] * 30_000 + ["c"]) == "(a, b) x30000, c (60001 layers)"  # a long pattern stays one
+
+
+def test_a_config_whose_last_new_layer_type_comes_late_is_refused_before_a_layer_is_built():
+    from types import SimpleNamespace
+
+    late = SimpleNamespace(layer_types=["sliding_attention"] * 99_999 + ["full_attention"], num_hidden_layers=100_000)
+    with pytest.raises(MaskError) as refused:
+        families.tiny(late, name="late.json (gemma3_text)")
+    assert str(refused.value) == (
+        "late.json (gemma3_text): its first full_attention layer is layer 99,999, so a tiny model with one layer of each "
+        "type would have 100,000 layers, past the 256 maskcli builds (about 3,000,000 parameters): give a config.json "
+        "whose layer_types has each type within its first 256 layers (num_hidden_layers to match)")
+    assert late.num_hidden_layers == 100_000  # refused before anything was set
+
+
+@pytest.mark.parametrize("count", [-1, 0, 2.5, "2"])
+def test_a_config_with_no_layers_is_refused_not_made_tiny_with_two(count):
+    from types import SimpleNamespace
+
+    with pytest.raises(MaskError) as refused:  # tiny() made any count 2 layers, and the run showed their masks
+        families.tiny(SimpleNamespace(num_hidden_layers=count), name="bad.json (llama)")
+    assert str(refused.value) == f"bad.json (llama): num_hidden_layers {count!r}: a model has a whole number of layers, 1 or more"

@@ -95,7 +95,7 @@ CASES = [
     (["inspect", "dir.pt"], "FILE 'dir.pt' is a directory"),
     (["attend", "causal", "--len", "3", "--head-dim", str(10**8)], "--head-dim 100,000,000 is past the 65,536"),
     (["chunk", "labels.txt"], "chunk labels 'labels.txt': 'x' is not an integer"),
-    (["show", "padding", "--ids", "5,6,7,0", "--pad-id", BIG], f"--pad-id {BIG} is too large"),
+    (["show", "padding", "--ids", "5,6,7,0", "--pad-id", BIG], f"--pad-id '{BIG}': an integer of 31 digits is far too large"),
     (["show", "causal", "--len", "3", "--len", "abc"], "--len 'abc'"),
     (["show", "causal", "--save", "/proc/x.npy"], "is not a place files can be written"),
     (["convert", "labels.txt", "--to", "keep", "--out", "o.npy"], "unknown file type '.txt'"),
@@ -195,6 +195,26 @@ CASES = [
     (["show", "local(2, documents=[0,0,1])", "--len", "4"], "local(2, documents=[0,0,1])"),
     (["show", f"lookback({BIG})", "--len", "4"], BIG),
     (["show", "lookback(0)", "--len", "4"], "lookback(0)"),
+    # issue 37: trace refuses its options before the program runs, and before -m imports the module's package
+    (["shard", "causal", "--len", "4", "--trace", "fifo.pt"], "trace file 'fifo.pt' is not a regular file"),  # blocked forever
+    (["shard", "causal", "--len", "4", "--trace", "/proc/self/status"], "'/proc/self/status' is not a trace file maskcli can read"),
+    (["trace", "--save", "/proc/t.pt", "prog.py"], "--save '/proc/t.pt': directory '/proc' is not a place files can be written"),
+    (["trace", "--json", "/proc/t.json", "-m", "evilpkg.mod"], "--json '/proc/t.json': directory '/proc' is not a place"),
+    (["trace", "--expect", "x=bogus(", "-m", "evilpkg.mod"], "--expect 'x=bogus('"),
+    (["trace", "--api", "bogus", "-m", "evilpkg.mod"], "--api 'bogus'"),
+    (["trace", "--rank-timeout", "nan", "prog.py"], "--rank-timeout nan: give 0 or more seconds"),
+    (["trace", "--rank-timeout", "1e400", "prog.py"], "--rank-timeout inf: give 0 or more seconds, a finite number"),
+    (["verify", "causal", "--atol", "1e400"], "--atol must be 0 or more and finite, got inf"),  # passed every kernel, "ok"
+    (["show", "causal", "--save", "/proc/self/x.npy"], "directory '/proc/self' is not writable"),
+    # integer options: digits 0-9 only, and a 5,000-digit one quoted in part (it was quoted whole)
+    (["show", "causal", "--len", "9" * 5000], "--len '9999999999999999999999999999999999999999999 ... 999999999999': an integer of 5,000 digits"),
+    (["show", "causal", "--len", "1_0"], "--len '1_0': '1_0' is not a whole number (write it in digits 0-9, like 16)"),
+    (["trace", "--max-bytes", "\uff11\uff12", "prog.py"], "'\uff11\uff12' is not a whole number"),
+    (["shard", "causal", "--ranks", "0x10"], "--ranks '0x10'"),
+    # a NUL byte in a file name was "unexpected ValueError: embedded null byte"
+    (["show", "causal", "--png", "x\x00y.png"], "'x\\x00y.png' holds a NUL byte"),
+    (["show", "--mask", "a\x00b.pt"], "holds a NUL byte"),
+    (["serve", "v\x00.pt"], "holds a NUL byte"),
 ]
 
 
@@ -241,6 +261,9 @@ CRAFTED = [
     (["show", "--mask", "fa_float.pt", "--from", "flash-attn"], "cu_seqlens_q holds 2.5"),  # was read as 2, exit 0
     (["export", "--for", "sdpa", "--mask", "fa_nan.pt", "--from", "flash-attn"], "cu_seqlens_q holds nan"),
     (["export", "--for", "sdpa", "--mask", "fm_float.pt", "--from", "flashmask"], "startend_row_indices holds 1.5"),
+    (["export", "--for", "sdpa", "--mask", "fa_whole.pt", "--from", "flash-attn"],
+     "cu_seqlens_k is a float tensor (float32) holding whole numbers; the library takes integers (int32)"),  # was exit 0
+    (["show", "--mask", "fm_whole.pt", "--from", "flashmask"], "startend_row_indices is a float tensor"),
     (["show", "--mask", "fm_empty.pt", "--from", "flashmask"], "startend_row_indices has shape [1, 1, 0, 1]: it holds no rows"),
     (["show", "--mask", "magi_empty.pt", "--from", "magi"], "the file holds 0 slices over 0 queries and 0 keys"),
     (["show", "--mask", "digits_mask.json"], "9999999999"),
@@ -248,6 +271,16 @@ CRAFTED = [
     (["pack", "--attention-mask", '[["inf"]]'], "--attention-mask holds inf, not a whole number"),
     (["pack", "--attention-mask", "[[" + "9" * 30 + "]]"], "999999999999999999999999999999 does not fit int64"),
     (["inspect", "liar.npz"], "member 'mask.npy' is damaged: its header declares 16,777,216 bytes"),
+    (["inspect", "nonpy.npz"], "member 'a.txt' is not a .npy array"),  # was "unexpected AttributeError"
+    # digits of other scripts: str.isdigit and the regex \\d take them, int() refuses '²' and reads '３' as 3
+    (["inspect", "t_good.pt:\u00b2"], "t_good.pt:'\u00b2': name a call by its index"),  # was "unexpected ValueError"
+    (["show", "--mask", "t_good.pt:\uff11"], "t_good.pt:'\uff11': name a call by its index"),  # was call 1
+    (["show", "window(\uff13)", "--len", "4"], "unexpected character '\uff13' at character 8"),  # was window(3)
+    (["show", "causal", "--why", "\uff11,0", "--len", "4"], "--why"),
+    (["serve", "nonpy.npz"], "member 'a.txt' is not a .npy array"),
+    (["inspect", "many.npz"], "holds several tensors ('m0', 'm1', 'm2', 'm3', 'm4', 'm5', 'm6', 'm7', ... (3,000 in all))"),
+    (["pack", "many.npz"], "holds 'm0', 'm1', 'm2', 'm3', 'm4', 'm5', 'm6', 'm7', ... (3,000 in all), none of them a field"),
+    (["shard", "causal", "--len", "8", "--trace", "protocol4.npy"], "'protocol4.npy' is not a trace file maskcli can read"),
 ] + [([command, *spec], name) for name in TRACE_DAMAGE
      for command, spec in (("inspect", [f"{name}:0"]), ("show", ["--mask", f"{name}:1"]), ("diff", [f"{name}:0", "causal"]))]
 
@@ -779,3 +812,34 @@ def test_a_dtype_that_does_not_apply_is_a_warning_in_convert_as_in_show(tmp_path
     assert np.load("x.npy").dtype == bool
     shown = runner.invoke(app, ["show", "causal", "--len", "3", "--dtype", "bfloat16", "--save", "y.npy"])
     assert shown.exit_code == 0 and "--dtype bfloat16 is ignored" in shown.stderr
+
+
+@pytest.mark.parametrize("args, where, says", [
+    (["pack", "--cu-seqlens", "0,2,4"], "maskcli.pack.fields.read", "save fewer batch rows or tokens (a part of the batch)"),
+    (["serve", "v.pt"], "maskcli.serve.engines.read", "save fewer requests (a part of the batch)"),
+], ids=["pack", "serve"])
+def test_running_out_of_memory_advises_what_the_command_takes_not_len(monkeypatch, tmp_path, args, where, says):
+    """pack and serve have no --len: "use a smaller --len" was advice no option could follow."""
+    import importlib
+
+    module, _, name = where.rpartition(".")
+
+    def exhausted(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(importlib.import_module(module), name, exhausted)
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and result.stderr.startswith("maskcli: error: ran out of memory: ") and says in result.stderr, result.output
+    assert "--len" not in result.stderr
+
+
+@pytest.mark.parametrize("columns", ["\u00b2", "abc", "-5", str(10**23)])
+@pytest.mark.parametrize("args", [["kinds"], ["--help"], ["show", "causal", "--len", "100000"]], ids=" ".join)
+def test_columns_that_is_no_number_or_past_5000_is_read_as_a_width_that_draws(args, columns):
+    """rich reads COLUMNS with str.isdigit and int(): COLUMNS=² was a traceback, 10^23 an OverflowError (kinds, help)
+    or a density map 10^23 characters wide (a hang)."""
+    result = runner.invoke(app, args, env={"COLUMNS": columns, "LINES": columns})
+    assert result.exit_code == 0 and result.stderr == "", result.output[-500:]
+    widths = [len(line) for line in result.stdout.splitlines()]
+    assert widths and max(widths) <= 5000

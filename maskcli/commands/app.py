@@ -21,9 +21,10 @@ except ImportError:  # pragma: no cover - older typer raises click's
     from click import exceptions as _click_exceptions
 
 from maskcli import __version__
+from maskcli.commands.guards import floor_columns, no_nul
 from maskcli.errors import MaskError
 from maskcli.render import wrapped
-from maskcli.text import wrap_example
+from maskcli.text import shortened, wrap_example
 
 UsageError = _click_exceptions.UsageError
 NoArgsIsHelpError = getattr(_click_exceptions, "NoArgsIsHelpError", ())
@@ -59,13 +60,14 @@ class MaskcliGroup(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         _pending.clear()
-        _floor_columns()
+        floor_columns()
         from rich.console import Console
 
         Console.on_broken_pipe = _pipe_closed
         if sys.stdout is None:  # started with stdout closed (>&-): every table and --json would vanish
             fail("stdout is closed, so nothing maskcli prints can be seen: send it to a file or /dev/null instead")
         try:
+            no_nul(sys.argv[1:] if args is None else list(args))
             code = _completion_for(sys.argv[1:] if args is None else list(args))
             if code is None:
                 code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
@@ -101,18 +103,6 @@ class MaskcliGroup(TyperGroup):
 
 SIGNALS: dict = {}  # signal number -> its handler before main() set maskcli's (trace gives them back to the program)
 
-MIN_COLUMNS = 40  # narrower than this, a table, a map or help has no room: it is drawn this wide
-
-
-def _floor_columns() -> None:
-    """COLUMNS=0 (or 1) drew nothing, or one character a line, and exited 0: take it as MIN_COLUMNS."""
-    import os
-
-    columns = os.environ.get("COLUMNS", "").strip()
-    if columns.isdigit() and int(columns) < MIN_COLUMNS:
-        os.environ["COLUMNS"] = str(MIN_COLUMNS)
-
-
 SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
 
 
@@ -142,6 +132,12 @@ def _smaller(args: list[str]) -> str:
         return "the mask file is too large to work on here: slice the part you need into a smaller file first (like mask[0, 0])"
     if command == "serve":  # serve has no --len: its sizes are the batch's
         return "the batch is too large to check here: save fewer requests (a part of the batch) and check that"
+    if command == "pack":
+        return "the batch is too large to check here: save fewer batch rows or tokens (a part of the batch) and check that"
+    if command == "model":
+        return "use shorter --lengths, fewer --new-tokens, or a larger --prefill-chunk"
+    if command == "trace":
+        return "the program's masks are too large to keep here: give a smaller --max-bytes, or run the program on smaller inputs"
     if command in ("attend", "verify"):
         return "use a smaller --len (or fewer batch rows or heads, a smaller --head-dim or --dtype)"
     return "use a smaller --len (or fewer batch rows or heads, or a larger --block)"
@@ -157,9 +153,9 @@ def _usage_message(error, args: list[str]) -> str:
     for index, arg in enumerate(args):
         for opt in param.opts:
             if arg == opt and index + 1 < len(args):
-                found = f"{opt} {args[index + 1]!r}: {message}"
+                found = f"{opt} {shortened(args[index + 1], 60)!r}: {message}"
             elif arg.startswith(opt + "=") and opt.startswith("--"):
-                found = f"{opt} {arg[len(opt) + 1:]!r}: {message}"
+                found = f"{opt} {shortened(arg[len(opt) + 1:], 60)!r}: {message}"
     return found or error.format_message()
 
 
@@ -193,10 +189,16 @@ def _quiet(stream) -> None:
         pass
 
 
+LONGEST_ERROR = 1000  # characters in the error line: a reader of stderr gets a line, not a page
+
+
 def fail(message: str, pointer: tuple[str, int] | None = None) -> None:
     """The error as one line on stderr, exit status 2; on a terminal, a caret under the text `pointer` names."""
     _pending.clear()  # a warning about input that is then refused would be a second line about the same thing
     one_line = " ".join(message.splitlines())  # a quoted value (a repr, say) may hold line breaks
+    room = LONGEST_ERROR - len("maskcli: error: ")
+    if len(one_line) > room:  # a value or a list quoted whole: its start (what) and end (the fix) stay
+        one_line = f"{one_line[:room - 305]} ... {one_line[-300:]}"
     try:
         typer.echo(f"maskcli: error: {one_line}", err=True)
         if pointer is not None and sys.stderr.isatty():

@@ -42,7 +42,7 @@ def check_input_options(o: InputOptions) -> None:
     # names checked before torch is imported (whether a device is there is torch's to say)
     if o.dtype not in DTYPES:
         raise MaskError(f"unknown --dtype {o.dtype!r}: choose one of {', '.join(DTYPES)}")
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", o.device):
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?|mps", o.device):
         raise MaskError(f"unknown --device {o.device!r}: use auto, cpu, cuda, cuda:N or mps")
     given = {"--q": o.q, "--k": o.k, "--v": o.v}
     missing = [flag for flag, value in given.items() if value is None]

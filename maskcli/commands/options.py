@@ -10,6 +10,7 @@ import typer
 from maskcli.attention import FILLS, LIKES
 from maskcli.commands.app import KIND_PANEL
 from maskcli.conventions import CONVENTIONS, DTYPES
+from maskcli.text import shortened
 
 
 def completes(*values: str):
@@ -30,11 +31,18 @@ def complete_kinds(incomplete: str) -> list[str]:
 
 
 def integer(value: str) -> int:
-    """Parse an integer option so that the error quotes what was typed."""
-    try:
-        return int(value)
-    except ValueError:
-        raise typer.BadParameter(f"{value!r} is not a whole number") from None
+    """Parse an integer option so that the error quotes what was typed: ASCII digits only (int() also takes 1_000 and
+    other scripts' digits), and at most 30 of them (int() refuses 4,300; no option takes more than 19)."""
+    import re
+
+    if isinstance(value, int):  # a default, as click passes it
+        return value
+    digits = value.strip()
+    if not re.fullmatch(r"[+-]?[0-9]+", digits):
+        raise typer.BadParameter(f"{shortened(value, 40)!r} is not a whole number (write it in digits 0-9, like 16)")
+    if len(digits.lstrip("+-")) > 30:
+        raise typer.BadParameter(f"an integer of {len(digits.lstrip('+-')):,} digits is far too large for any option")
+    return int(digits)
 
 
 def escape(text: str) -> str:

@@ -71,6 +71,8 @@ def trace(
     # checked before the program runs, and made absolute: the program may change the working folder
     targets = {flag: _writable(check_output_path(path, (suffix,), flag), flag, path).absolute()
                for flag, path, suffix in (("--save", save, ".pt"), ("--json", json_path, ".json")) if path is not None}
+    if not 0 <= rank_timeout < float("inf"):  # (NaN too)
+        raise MaskError(f"--rank-timeout {rank_timeout:g}: give 0 or more seconds, a finite number")
     check_program(script, module)  # last: -m a.b imports package a, as python -m does, once every option is good
 
     import sys

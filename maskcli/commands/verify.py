@@ -37,8 +37,8 @@ def verify(
 
     Backends: maskcli's staged computation; F.scaled_dot_product_attention under each backend (math, flash, efficient, cudnn; one that refuses says why); nn.MultiheadAttention (block-convention attn_mask and key_padding_mask, identity projections); flex_attention with the mask's own predicate. Each is compared with a float64 reference on rows that see a key; for fully masked rows the table says what each backend returned (zero, NaN, the unmasked row, the mean of V, other).
     """
-    if atol is not None and not atol >= 0:
-        raise MaskError(f"--atol must be 0 or more, got {atol}")
+    if atol is not None and not 0 <= atol < float("inf"):  # inf would pass every kernel, whatever it computes
+        raise MaskError(f"--atol must be 0 or more and finite, got {atol}")
     if not 1 <= repeat <= 1000:
         raise MaskError(f"--repeat must be 1 to 1000, got {repeat}")
     built, qkv, torch_device, torch_dtype = mask_and_inputs(kind, mask, inputs)

@@ -194,13 +194,15 @@ def mask_of(intervals: Intervals, q_len: int, k_len: int, batch: int, name: str)
     return Mask(name, frame, batch, 1, term, term)
 
 
-def saved(tensors: dict, name: str, what: str, required: bool = True):
-    """One tensor of a file read with --from, as numpy int64, or a one-line error naming what is missing."""
+def saved(tensors: dict, name: str, what: str, required: bool = True, index: bool = True):
+    """One tensor of a file read with --from, as numpy int64, or a one-line error naming what is missing. `index`: the
+    library takes it as an integer tensor (cu_seqlens, row indices), not as a Python number (causal, window_size)."""
     if name not in tensors:
         if not required:
             return None
         raise MaskError(f"{what}: the file has no tensor {name!r} (it has {', '.join(sorted(tensors)) or 'none'}): save it with maskcli export --save")
     value = tensors[name]
+    given = str(value.dtype).removeprefix("torch.")  # as saved: a torch float is widened to float64 below
     if hasattr(value, "cpu"):
         value = value.cpu()
         value = (value.double() if value.is_floating_point() else value).numpy()
@@ -208,6 +210,11 @@ def saved(tensors: dict, name: str, what: str, required: bool = True):
     if values.dtype.kind not in "biuf":
         raise MaskError(f"{what}: {name} is {values.dtype}, not integers: save it with maskcli export --save")
     flat = values.ravel()
+    if index and values.dtype.kind == "f" and np.all(np.isfinite(flat) & (flat == np.round(flat))) and flat.size:
+        # the kernels take integer index tensors and refuse a float one (flash_attn: "cu_seqlens_q must have dtype
+        # int32"): reading it as the integers it holds would show a mask the library never builds
+        raise MaskError(f"{what}: {name} is a float tensor ({given}) holding whole numbers; the library takes "
+                        f"integers (int32): save it with .int() or maskcli export --save")
     if values.dtype.kind == "f":  # a float that is not whole (or NaN) would be cut to another index by astype
         bad = ~np.isfinite(flat) | (flat != np.round(flat)) | (np.abs(flat) > LIMIT)
     else:
@@ -223,7 +230,7 @@ LIMIT = 1 << 62  # past it, a sum of two indices wraps int64 (a length this larg
 
 def scalar(tensors: dict, name: str, what: str):
     """One number of a file read with --from (saved as a 0-d or 1-element tensor), or None where absent."""
-    value = saved(tensors, name, what, required=False)
+    value = saved(tensors, name, what, required=False, index=False)
     if value is None:
         return None
     if value.size != 1:

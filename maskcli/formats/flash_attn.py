@@ -121,7 +121,7 @@ def _band(tensors: dict, flags: dict) -> tuple[bool, tuple[int, int]]:
     causal = bool(scalar(tensors, "causal", "--from flash-attn")) if "causal" in tensors else None
     if flags.get("causal"):
         causal = True
-    window = tuple(int(v) for v in saved(tensors, "window_size", "--from flash-attn").ravel()) if "window_size" in tensors else None
+    window = tuple(int(v) for v in saved(tensors, "window_size", "--from flash-attn", index=False).ravel()) if "window_size" in tensors else None
     if flags.get("window") is not None:
         w = flags["window"]
         given = (w - 1, 0 if causal else -1)

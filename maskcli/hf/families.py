@@ -23,6 +23,11 @@ EXPERTS = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "
 # query and key heads equal, in every layer (a family's per-layer counts too): with fewer key heads, transformers'
 # SDPA decode packs the query heads into the query axis (maskcli.hf.run unpacks it, where key heads go by other names)
 MOST_PARAMETERS = 3_000_000
+# a tiny layer is about 10,000 parameters, so MOST_PARAMETERS holds some 300: a config whose last new layer type comes
+# later is refused before a layer is built (100,000 layers took minutes to build, then were refused by their count)
+MOST_LAYERS = 256
+LONGEST_PATTERN = 48  # items (runs, or repeated groups of runs) written out; past it, a count per type
+LONGEST_GROUP = 16  # runs in a repeated group: looking for longer ones made 100,000 layers in no pattern take hours
 SHAPERS = ("sliding_window", "use_sliding_window", "attention_chunk_size", "cache_implementation")
 
 
@@ -151,6 +156,9 @@ def pattern(types: list[str]) -> str:
     if len(runs) == 1:
         return f"{types[0]} (every layer)"
     groups = _grouped([kind + (f" x{count}" if count > 1 else "") for kind, count in runs])
+    if len(groups) > LONGEST_PATTERN:  # written out, 100,000 layers in no pattern would be 800,000 characters
+        counts = {kind: types.count(kind) for kind in dict.fromkeys(types)}
+        return ", ".join(f"{kind} x{count:,}" for kind, count in counts.items()) + f" ({len(types):,} layers in {len(runs):,} runs)"
     return ", ".join(groups) + (f" ({len(types)} layers)" if any(g.startswith("(") for g in groups) else "")  # runs count them
 
 
@@ -159,7 +167,7 @@ def _grouped(items: list[str]) -> list[str]:
     out, at = [], 0
     while at < len(items):
         best = (1, 1)  # (group size, repeats): the group that covers most, the shortest of those
-        for size in range(1, (len(items) - at) // 2 + 1):
+        for size in range(1, min(LONGEST_GROUP, (len(items) - at) // 2) + 1):
             group, repeats = items[at:at + size], 1
             while items[at + repeats * size:at + (repeats + 1) * size] == group:
                 repeats += 1
@@ -213,9 +221,18 @@ def tiny(config, window: int | None = None, chunk_size: int | None = None, name:
 
 
 def _tiny(config, window: int | None, chunk_size: int | None, name: str):
+    count = getattr(config, "num_hidden_layers", None)
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise MaskError(f"{name}: num_hidden_layers {count!r}: a model has a whole number of layers, 1 or more")
     types = layer_types(config)
     firsts = [types.index(kind) for kind in dict.fromkeys(types)]
     layers = max(2, max(firsts, default=0) + 1)
+    if layers > MOST_LAYERS:
+        last = types[max(firsts)]
+        raise MaskError(f"{name}: its first {last} layer is layer {layers - 1:,}, so a tiny model with one layer of each type "
+                        f"would have {layers:,} layers, past the {MOST_LAYERS} maskcli builds (about {MOST_PARAMETERS:,} "
+                        f"parameters): give a config.json whose layer_types has each type within its first {MOST_LAYERS} "
+                        f"layers (num_hidden_layers to match)")
     changes = {key: value for key, value in SIZES.items() if hasattr(config, key)}
     changes |= {key: value for key, value in EXPERTS.items() if getattr(config, key, None) is not None}
     changes["num_hidden_layers"] = layers

@@ -16,7 +16,7 @@ from maskcli.text import shortened
 from maskcli.kinds.base import Labels
 
 FILE_SUFFIXES = (".npy", ".json", ".txt", ".pt")
-_INT = re.compile(r"^\s*[+-]?\d+\s*$")
+_INT = re.compile(r"^\s*[+-]?[0-9]+\s*$")
 INT64_LIMIT = 1 << 62  # labels and ids stay far from int64's edge, so differences and sums cannot wrap
 
 
@@ -118,7 +118,7 @@ def is_file_value(text: str) -> bool:
 
 
 def _looks_inline(text: str) -> bool:
-    return bool(re.fullmatch(r"[\s\d,;+-]*", text))
+    return bool(re.fullmatch(r"[\s0-9,;+-]*", text))
 
 
 def _sizes_of(labels: Labels, where: str) -> Labels:
@@ -147,7 +147,7 @@ def from_file(path: str, where: str) -> Labels:
             # a line per batch row, or ';' between rows as inline labels write them
             lines = [line for line in re.split(r"[\n;]", file.read_text()) if line.strip()]
             rows = [re.split(r"[\s,]+", line.strip()) for line in lines]
-            bad = next((item for row in rows for item in row if not re.fullmatch(r"[+-]?\d+", item)), None)
+            bad = next((item for row in rows for item in row if not re.fullmatch(r"[+-]?[0-9]+", item)), None)
             if bad is not None:
                 raise MaskError(f"{where}: {shortened(bad, 40)!r} is not an integer: write integers separated by commas or spaces, a line (or ';') per batch row")
             if any(len(item.lstrip("+-")) > 19 for row in rows for item in row):

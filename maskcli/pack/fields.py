@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maskcli.errors import MaskError
-from maskcli.text import shortened
+from maskcli.text import names_text, shortened
 
 # canonical name -> the keys read as it, in order
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -123,14 +123,14 @@ def read(path: str | None, given: dict[str, str], maps: list[str]) -> Batch:
             raise MaskError(f"BATCH {path!r} holds one unnamed tensor; save a dict of named tensors (input_ids, position_ids, cu_seqlens, ...)")
         missing = [key for key in named if key not in tensors]
         if missing:
-            raise MaskError(f"--field names key {missing[0]!r}, which BATCH {path!r} does not hold; it holds {', '.join(map(repr, tensors))}")
+            raise MaskError(f"--field names key {missing[0]!r}, which BATCH {path!r} does not hold; it holds {names_text(tensors)}")
         for key, tensor in tensors.items():
             name = named.get(key) or (canonical(key) if key not in named.values() else None)
             if name is None or (name in raw and key not in named):
                 continue
             raw[name], sources[name] = tensor, (f"{key} via --field" if key in named else key)
         if not raw:
-            raise MaskError(f"BATCH {path!r} holds {', '.join(map(repr, tensors))}, none of them a field maskcli reads "
+            raise MaskError(f"BATCH {path!r} holds {names_text(tensors)}, none of them a field maskcli reads "
                             f"({', '.join(ALIASES)}); map one with --field NAME=KEY")
     for name, text in given.items():
         raw[name], sources[name] = _from_option(name, text), "--" + name.replace("_", "-")

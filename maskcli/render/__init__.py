@@ -55,7 +55,7 @@ def wrapped(text: str, stream) -> str:
     import os
 
     columns = os.environ.get("COLUMNS", "").strip()
-    if columns.isdigit():
+    if columns.isascii() and columns.isdigit():
         width = int(columns)
     elif getattr(stream, "isatty", lambda: False)():
         import shutil

@@ -17,6 +17,15 @@ FIGURE_ROWS = 4  # batch rows drawn
 LONGEST_COMMAND = 10_000  # characters: a longer command (a huge --ids) is left out of --json
 
 
+def _too_long(path) -> str:
+    """What makes a path's command long, in terms of the field the user gave: its documents, or its padding."""
+    text, ids = path.expression, path.options.ids or ""
+    if len(ids) > len(text):
+        return f"its --ids would list each of the {path.options.length:,} tokens to say where the padding is"
+    documents = text.count(",") + text.count(";") + 1
+    return f"its {text.partition('(')[0]}(sizes=[...]) would list each of the {documents:,} documents {path.reads} gives"
+
+
 def _list(values, most: int = SHOWN_STARTS) -> str:
     values = [int(v) for v in values]
     if not values:
@@ -90,7 +99,7 @@ def views(report: Report, source: str, width: int = 120) -> list:
         if command is None:
             command = "the 4-D attention_mask as given (no expression rebuilds it)"
         elif len(command) > LONGEST_COMMAND:  # whole or not at all: a command cut short would not run
-            command = f"a command of {len(command):,} characters (its --ids lists every token), left out here and in --json"
+            command = f"{_too_long(p)}: a command of {len(command):,} characters, left out here and in --json"
         masks.append(hanging(f"  {p.name}: ", Text(command)))
     out.append(paths)
     out.append(Text("the mask each path builds:"))

@@ -82,7 +82,7 @@ def read_dump(source: str) -> dict:
     offset = 0 if self_first or names[:1] != ["self"] else 1
     out = {}
     for key, value in values.items():
-        if key.startswith("arg_") and key[4:].isdigit() and int(key[4:]) + offset < len(names):
+        if key.startswith("arg_") and key[4:].isascii() and key[4:].isdigit() and int(key[4:]) + offset < len(names):
             name = names[int(key[4:]) + offset]
         elif key.startswith("kwarg_"):
             name = key[len("kwarg_"):]

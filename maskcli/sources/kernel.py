@@ -38,7 +38,10 @@ def load(path: str, options: MaskOptions, flag: str = "--mask") -> Mask:
         tensors = load(path, flag)
     else:
         tensors = load_tensors(path, flag)
-    found = fmt.read(tensors, {"causal": options.causal, "window": window})
+    try:
+        found = fmt.read(tensors, {"causal": options.causal, "window": window})
+    except MaskError as error:  # the reader names the tensor and its value; the file is named here
+        raise MaskError(f"{flag} {path!r}: {error}", error.pointer) from None
     from dataclasses import replace
 
     if options.offset is not None:  # where the queries sit; the keys are the file's 0..Lk-1

@@ -66,7 +66,9 @@ def load_mask(source: str, key: str | None = None, flag: str = "FILE", work: tup
 
     tensors = read_tensors(source, flag, work=work)
     label = "the inline JSON" if is_inline(source) else repr(source)
-    names = ", ".join(repr(k) for k in tensors if k)
+    from maskcli.text import names_text
+
+    names = names_text(k for k in tensors if k)
     if key is not None:
         if key not in tensors:
             holds = f"it holds {names}" if names else "it holds one unnamed tensor: drop --key"

@@ -32,7 +32,7 @@ def select(data: dict, selector: str, path: str) -> dict:
     import re
 
     calls = data["calls"]
-    ranked = re.fullmatch(r"rank(\d+):(.+)", selector)
+    ranked = re.fullmatch(r"rank([0-9]+):(.+)", selector)
     if ranked is None:
         return _select(calls, selector, path, path)
     rank, rest = int(ranked[1]), ranked[2]
@@ -45,7 +45,7 @@ def select(data: dict, selector: str, path: str) -> dict:
 
 
 def _select(calls: list[dict], selector: str, named: str, path: str) -> dict:
-    if selector.isdigit():
+    if selector.isascii() and selector.isdigit():  # (str.isdigit takes '²' and '１', which int() refuses or reads)
         index = int(selector)
         if index >= len(calls):
             raise MaskError(f"{named}:{selector}: the trace has {len(calls)} calls{' of that rank' if named != path else ''}, numbered 0 to {len(calls) - 1}")
@@ -59,7 +59,7 @@ def _select(calls: list[dict], selector: str, named: str, path: str) -> dict:
         if found:
             steps = ", ".join(str(call["step"]) for call in found[:8])
             raise MaskError(f"{named}:{selector}: {selector} made {len(found)} calls (steps {steps}): name one as {named}:{selector}@STEP")
-    if not at or not step.isdigit():
+    if not at or not (step.isascii() and step.isdigit()):
         raise MaskError(f"{named}:{selector!r}: name a call by its index (like {named}:7) or as MODULE_PATH@STEP (like {named}:layers.5.self_attn@2)")
     found = [call for call in calls if call["where"] == where and call["step"] == int(step)]
     _one_rank(found, named, selector)
