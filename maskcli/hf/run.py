@@ -199,8 +199,7 @@ def _unpack_heads(call, packed: int) -> None:
     query heads into the query axis (integrations/sdpa_attention.py, pack_gqa: (B, H, 1, D) -> (B, H / g, g, D), its
     mask (B, 1, 1, Lk) broadcast, or (B, H, 1, Lk) reshaped the same way); the reshape undone, stored again."""
     from maskcli import tracefile
-    from maskcli.trace.capture import _collapse
-    from maskcli.trace.store import stored_form
+    from maskcli.trace.store import collapse, stored_form
 
     stored, trace = call.stored, call.trace
     b, h, q_len, k_len = call.shape
@@ -211,7 +210,7 @@ def _unpack_heads(call, packed: int) -> None:
     if stored is None or stored["form"] == "stats":
         return
     keep = torch.from_numpy(np.ascontiguousarray(np.broadcast_to(tracefile.dense(stored), (b, h, q_len, k_len))))
-    keep = _collapse(keep.reshape(shape))
+    keep = collapse(keep.reshape(shape))
     call.mask = trace._keep(stored_form(keep.contiguous(), shape, trace.max_bytes - trace.bytes, trace.max_bytes), shape)
 
 
