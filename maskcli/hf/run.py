@@ -199,7 +199,7 @@ def _unpack_heads(call, packed: int) -> None:
     query heads into the query axis (integrations/sdpa_attention.py, pack_gqa: (B, H, 1, D) -> (B, H / g, g, D), its
     mask (B, 1, 1, Lk) broadcast, or (B, H, 1, Lk) reshaped the same way); the reshape undone, stored again."""
     from maskcli import tracefile
-    from maskcli.trace.store import collapse, stored_form
+    from maskcli.trace.store import collapse, keep_stored, stored_form
 
     stored, trace = call.stored, call.trace
     b, h, q_len, k_len = call.shape
@@ -211,7 +211,7 @@ def _unpack_heads(call, packed: int) -> None:
         return
     keep = torch.from_numpy(np.ascontiguousarray(np.broadcast_to(tracefile.dense(stored), (b, h, q_len, k_len))))
     keep = collapse(keep.reshape(shape))
-    call.mask = trace._keep(stored_form(keep.contiguous(), shape, trace.max_bytes - trace.bytes, trace.max_bytes), shape)
+    call.mask = keep_stored(trace, stored_form(keep.contiguous(), shape, trace.max_bytes - trace.bytes, trace.max_bytes), shape)
 
 
 def _queries(step: int, prompt_len: int, prefill_chunk: int | None) -> tuple[int, int]:
