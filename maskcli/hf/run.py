@@ -209,7 +209,7 @@ def _unpack_heads(call, packed: int) -> None:
     call.shape = shape
     if stored is None or stored["form"] == "stats":
         return
-    keep = torch.from_numpy(np.ascontiguousarray(np.broadcast_to(tracefile.dense(stored), (b, h, q_len, k_len))))
+    keep = torch.from_numpy(np.array(np.broadcast_to(tracefile.dense(stored), (b, h, q_len, k_len))))  # (a copy: writable)
     keep = collapse(keep.reshape(shape))
     call.mask = keep_stored(trace, stored_form(keep.contiguous(), shape, trace.max_bytes - trace.bytes, trace.max_bytes), shape)
 
