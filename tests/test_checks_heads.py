@@ -60,3 +60,9 @@ def test_heads_with_their_own_windows_are_quiet(monkeypatch):
     (_, finding), = _found(wrong, monkeypatch)
     assert finding.code == "padding-per-head" and finding.cell == (0, 0, 0)
     assert "head 1 hides keys 0-1" in finding.message
+
+
+def test_clip4clip_frame_mask_repeated_over_heads_lays_one_videos_padding_on_another(tmp_path):
+    """ArrowLuo/CLIP4Clip#22 (written blind, caught before any rule was tuned for it): `repeat` lays each video's
+    frame mask on the heads of the wrong batch row."""
+    check_bug(tmp_path, "clip4clip_seqtransf_video_mask_repeat_over_heads", "padding-per-head")

@@ -69,3 +69,9 @@ def test_a_float_mask_of_ones_alone_is_a_constant_not_a_keep_mask_added():
         _keep(mask, details)
         changed = not torch.allclose(torch.softmax(scores + mask, -1), torch.softmax(scores, -1))
         assert details.get("zero_one", False) is flagged is changed
+
+
+def test_mlx_vlm_vision_mask_of_additive_ones(tmp_path):
+    """Blaizzy/mlx-vlm#704 (written blind, caught before any rule was tuned for it): the vision block mask built as
+    0/1 floats and added to the scores, so it hides nothing."""
+    check_bug(tmp_path, "mlx_vlm_qwen2_vl_vision_additive_ones_mask", "ones-added")
