@@ -121,11 +121,24 @@ def plain(stored: dict) -> dict:
     return {key: torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value for key, value in stored.items()}
 
 
+def _plain_value(value):
+    """A call's details as torch.load(weights_only=True) reads them back: numpy arrays and scalars the program's frames
+    held (trace/held.py: a padding mask, lengths) as lists and numbers."""
+    if isinstance(value, dict):
+        return {key: _plain_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain_value(item) for item in value)
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    return value
+
+
 def save(path, calls: list[dict], masks: dict[str, dict], ranks: list[dict] | None = None) -> None:
     """One .pt file of plain tensors, lists and dicts: every call, and each distinct mask once; `ranks`, for a job of
     several processes: each rank's exit status, calls and process groups (its calls carry their rank)."""
     import torch
 
+    calls = [{**call, "details": _plain_value(call["details"])} if "details" in call else call for call in calls]
     data = {"format": FORMAT, "calls": calls, "masks": {key: plain(value) for key, value in masks.items()}}
     if ranks is not None:
         data["ranks"] = ranks
