@@ -19,6 +19,8 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
     "window-miscounted": {"prefill-chunks-differ"},  # a prefill chunk's rows, said against the whole pass (prefill.py)
     "chunks-misplaced": {"chunks-misaligned"},  # chunks from column 0 of a left-padded row, said with the config (config.py)
+    "causal-config-ignored": {"causal-flag-ignored", "decoder-sees-later"},  # the module's own causal word (own.py, decoders.py)
+    "held-mask-ignored": {"padding-per-head", "mask-argument-dropped", "mask-dropped"},  # the same cells, said by the call's keys or arguments
 }
 
 
