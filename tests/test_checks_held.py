@@ -179,3 +179,13 @@ def test_padding_multiplied_in_after_the_softmax_is_kept(tmp_path):
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert status == 0, report
     assert "padding (--lengths 6,4)" in report
+
+
+def test_a_mask_built_for_another_call_is_not_this_calls(tmp_path):
+    """An encoder-decoder's forward() builds the decoder's causal `mask` (1, 1, L, L) before it runs the encoder, whose
+    attention is handed the padding alone: `mask` is no function's argument on the way to the encoder's kernel, so no
+    held-mask-ignored there; the decoder is handed it and keeps to it (torch.tril)."""
+    status, found, report = traced(tmp_path, "held_causal_for_decoder", False, QUIET)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report
+    assert "padding (--lengths 6,4)" in report and " causal\n" in report
