@@ -189,3 +189,12 @@ def test_a_mask_built_for_another_call_is_not_this_calls(tmp_path):
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert status == 0, report
     assert "padding (--lengths 6,4)" in report and " causal\n" in report
+
+
+def test_a_decoders_lengths_at_its_cross_attention_are_not_the_memorys(tmp_path):
+    """A cross-attention (module path `CrossAttention`) with as many queries as keys and the decoder's `lengths` held:
+    they may be the queries' padding, which no key mask need keep to (nn.MultiheadAttention's key_padding_mask pads
+    keys only), so no padding-unused on an unpadded memory."""
+    status, found, report = traced(tmp_path, "decoder_lengths_at_cross_attention", False, QUIET)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report
