@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkbugs import check_bug, first
+import pytest
+
+from checkbugs import check_bug, first, traced
 
 DROPPED = Path(__file__).parent / "data" / "dropped"
+QUIET = Path(__file__).parent / "data" / "quiet"
 
 
 def test_an_export_wrappers_forced_causal_mask_that_masks_nothing_is_found(tmp_path):
@@ -57,3 +60,15 @@ def test_the_cells_a_kernel_sees_of_a_handed_mask_are_counted_against_a_double_l
     assert lost["cells"] == len(bad) and tuple(lost["cell"][i] for i in (0, 2, 3)) == bad[0]
     kept = np.broadcast_to(causal & (given.numpy() == 0), (b, 1, n, n))  # a kernel that keeps to the mask
     assert dropped(("attn_mask of f()", given), lambda: kept, (b, h, n, n), {}, "k2") is None
+
+
+@pytest.mark.parametrize("name", ["encoder_decoder_causal_config", "vlm_causal_config_vision_tower"])
+def test_a_module_that_says_it_is_not_causal_speaks_for_itself(tmp_path, name):
+    """One config says causal=True (a dataclass, a dict), but the encoder's (the vision tower's) attention module holds
+    causal = False and attends both ways, as encoders do: no causal-config-ignored, not even suspicious, while the
+    decoder is causal (torch.tril)."""
+    status, found, report = traced(tmp_path, name, False, QUIET)
+    assert [f for f in found if f["code"] == "causal-config-ignored"] == [], report
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report
+    assert "causal" in report and "full" in report

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from checkbugs import caught, check_bug, first
+from checkbugs import caught, check_bug, first, traced
+
+QUIET = Path(__file__).parent / "data" / "quiet"
 
 BUGS = [
     # karpathy/nanochat#452: the SDPA fallback's Tq == 1 branch attends the whole cache (window_size=(8, 0) held)
@@ -28,3 +32,13 @@ def test_a_left_padded_batch_through_an_eager_softmax_handed_window_size(tmp_pat
     real = np.array([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]], dtype=bool)
     b, q, k = first((2, 7, 7), lambda b, q, k: q == 6 and real[b, k] and q - k > 3)
     assert tuple(hit["cell"]) == (b, q, k) and hit["expected"] == "window(4)"
+
+
+def test_a_global_layer_beside_a_local_one_keeps_no_window(tmp_path):
+    """Gemma 2 style, hand-written: one attend() holds window_size=(3, 0) for every layer and the global layer passes
+    use_window=False. Layer 0 keeps to the window at that step, so layer 1's causal mask is a choice per layer, not a
+    window dropped on a path: no window-dropped (the decode shortcut that drops it is still caught above)."""
+    status, found, report = traced(tmp_path, "window_held_global_layer", False, QUIET)
+    assert [f for f in found if f["code"] == "window-dropped"] == [], report
+    assert status == 0, report
+    assert "window(4)" in report and " causal\n" in report

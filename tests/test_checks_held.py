@@ -10,6 +10,7 @@ import numpy as np
 from checkbugs import check_bug, first, traced
 
 HELD = Path(__file__).parent / "data" / "held"
+QUIET = Path(__file__).parent / "data" / "quiet"
 
 
 def test_axolotl_bidirectional_mask_ignores_padding(tmp_path):
@@ -169,3 +170,31 @@ def test_musubi_joint_attention_ignores_text_mask(tmp_path):
     `total_len = seq_img + txt_seq_lens` (each sample's real joint length) is read both ways round, and seen through
     both ways."""
     check_bug(tmp_path, "musubi_qwen_image_joint_attention_ignores_text_mask", "padding-unused")
+
+
+def test_padding_multiplied_in_after_the_softmax_is_kept(tmp_path):
+    """AllenNLP's masked_softmax: softmax over every key, then times the padding mask and renormalised. The padded
+    keys get weight 0, so the program's padding is kept: no padding-unused, and the call's mask is that padding."""
+    status, found, report = traced(tmp_path, "allennlp_masked_softmax", False, QUIET)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report
+    assert "padding (--lengths 6,4)" in report
+
+
+def test_a_mask_built_for_another_call_is_not_this_calls(tmp_path):
+    """An encoder-decoder's forward() builds the decoder's causal `mask` (1, 1, L, L) before it runs the encoder, whose
+    attention is handed the padding alone: `mask` is no function's argument on the way to the encoder's kernel, so no
+    held-mask-ignored there; the decoder is handed it and keeps to it (torch.tril)."""
+    status, found, report = traced(tmp_path, "held_causal_for_decoder", False, QUIET)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report
+    assert "padding (--lengths 6,4)" in report and " causal\n" in report
+
+
+def test_a_decoders_lengths_at_its_cross_attention_are_not_the_memorys(tmp_path):
+    """A cross-attention (module path `CrossAttention`) with as many queries as keys and the decoder's `lengths` held:
+    they may be the queries' padding, which no key mask need keep to (nn.MultiheadAttention's key_padding_mask pads
+    keys only), so no padding-unused on an unpadded memory."""
+    status, found, report = traced(tmp_path, "decoder_lengths_at_cross_attention", False, QUIET)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report

@@ -33,7 +33,8 @@ def causal_ignored(run: Run) -> list:
     full, causal = [], set()
     for call, stated, index, kind, placed in _each_layer_call(run):
         said = stated.causal()
-        if said is None or stated.decoder or stated.transformers or call.shape[2] < 2:
+        if said is None or stated.decoder or stated.transformers or call.shape[2] < 2 \
+                or call.details.get("module_not_causal"):  # (the attending module's own causal=False: it speaks for itself)
             continue
         source = stated.said(said)
         if placed.holds("causal"):

@@ -32,7 +32,7 @@ def _positions(call, own: np.ndarray, top) -> np.ndarray:
 
 def window_dropped(run: Run) -> list:
     """A real query that sees a key older than the window its attending function holds."""
-    found, done = [], set()
+    found, done, kept = [], set(), set()
     for call in run.calls:
         handed = call.details.get("window_handed")
         if not handed or call.stored is None or call.details.get("slots") is not None:
@@ -52,7 +52,9 @@ def window_dropped(run: Run) -> list:
         keys = _positions(call, own, top)
         older = (own[:, None] - keys[None, :]) > left  # (Lq, Lk): keys past the window's left edge
         bad = rows & older[None] & real.queries[:, :, None]
-        if bad.any():
+        if not bad.any():
+            kept.add((call.step, call.shape[2:], tuple(handed)))
+        else:
             b, q, k = first_cell(bad)
             found.append((call, Finding("window-dropped", (
                 f"the function attending holds {name} = {_shown(name, left)} (a query at p sees keys p - {left} .. p), "
@@ -60,7 +62,10 @@ def window_dropped(run: Run) -> list:
                 f"({int(bad.sum())} such cells; step {call.step}): the window is dropped on this path"),
                 expected=f"window({left + 1})", source=f"{name} held by the function that calls {call.api}",
                 cell=(b, int(own[q]), int(keys[k])))))
-    return found
+    # a step at which another call handed the same window keeps to it: the window is chosen per layer (Gemma 2's
+    # alternating local and global layers, one attend() for both), not dropped on a path (the layer rules judge that)
+    return [(call, f) for call, f in found
+            if (call.step, call.shape[2:], tuple(call.details["window_handed"])) not in kept]
 
 
 def _shown(name: str, left: int) -> str:

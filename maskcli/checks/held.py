@@ -104,6 +104,9 @@ def held_padding(run: Run) -> list:
         cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
         own = None if cross(call) or q_len < k_len else queries(call, top_of(run, call))
         # (fewer queries than keys: a decoder's over its memory or a step over its cache; each query is judged)
+        if own is None and q_len == k_len:
+            continue  # a cross-attention with as many queries as keys: the padding may be its queries' own (a decoder's
+            # lengths), which no key mask need keep to: a reading seen through
         first, seen_through = None, True
         for held in helds:
             tables = readings(held, rows, k_len)

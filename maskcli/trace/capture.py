@@ -89,6 +89,10 @@ class Trace:
             for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
                 self.readers[func] = readers.softmax
             self.scores = Scores()
+        from maskcli.trace.after import After
+
+        self.after = After()  # (softmax outputs multiplied by a 0/1 mask afterwards: after.py)
+        self._softmax = None  # (the (call, seen) of the softmax just recorded, for the mode to follow its output)
         self.overflows = Overflows()
         from maskcli.trace.overflow import WATCHED
         from maskcli.trace.scores import MATMULS
@@ -368,6 +372,8 @@ class Trace:
         shape, q, k, v, where = (held.setdefault(x, x) for x in (tuple(int(x) for x in seen.shape), seen.q, seen.k, seen.v, where))
         self._append(Call(seen.api, shape, q, k, v, held.setdefault(seen.dtype, seen.dtype), held.setdefault(seen.device, seen.device),
                           index=len(self.calls), where=where, step=self.sites.step(site), mask=key, details=dict(seen.details), trace=self))
+        if seen.api == "softmax":
+            self._softmax = (self.calls[-1], seen)
         if not self.sites.stack:  # a call outside any module: what the program's frames state for it, and the
             documents(self.calls, len(self.calls) - 1, self.sites.held)  # cu_seqlens its function holds (HunyuanVideo's)
             outside(self.tops, where, len(self.calls) - 1, self._loose)

@@ -43,12 +43,14 @@ def padding() -> list[dict] | None:
     if not _SKIP:
         _SKIP = _skipped()
     frame, searched, found, seen = sys._getframe(1), 0, [], set()
+    innermost, outer = None, []  # (the function that made the call; cells masks built above it, handed to no function)
     while frame is not None and searched < FRAMES:
         code = frame.f_code
         if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<"):
             frame = frame.f_back
             continue
         searched += 1
+        innermost = innermost or frame
         names = _NAMES.get(code)
         if names is None:
             names = _NAMES[code] = tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
@@ -62,8 +64,24 @@ def padding() -> list[dict] | None:
                     read = _read(name, value, code)
                     if read is not None:
                         found.append(read)
+                        if read["kind"] == "cells" and HANDED.search(name) and frame is not innermost \
+                                and name not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+                            outer.append((read, id(value)))
         frame = frame.f_back
+    if outer and _own_mask(innermost, {held for _, held in outer}):
+        found = [read for read in found if not any(read is o for o, _ in outer)]
     return found or None
+
+
+def _own_mask(frame, outer: set) -> bool:
+    """The function that made the call was handed a mask of its own under one of HANDED's names, and none of the cells
+    masks (ids in `outer`) its callers built and handed to no function on the way: such a mask is another call's (an
+    encoder-decoder's forward() builds the decoder's causal `mask` while its encoder is handed the padding alone). One
+    handed down and then replaced (Megatron-LM#7039's window over the caller's `mask`) is still read."""
+    code, variables = frame.f_code, frame.f_locals
+    arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]  # (one it built itself is not handed it)
+    own = [variables.get(name) for name in arguments if HANDED.search(name) and isinstance(variables.get(name), torch.Tensor)]
+    return bool(own) and all(id(value) not in outer for value in own)
 
 
 def _read(name: str, value: torch.Tensor, code) -> dict | None:

@@ -24,7 +24,7 @@ class Mode(TorchFunctionMode):
         self.trace = trace
         self.watched = trace.watched
         self.sums = WATCHED  # (the casts and sums: Overflows.wanted's, read here without a call)
-        self.followed = (trace.overflows._found, trace.scores._found if trace.scores is not None else {})
+        self.followed = (trace.overflows._found, trace.scores._found if trace.scores is not None else {}, trace.after._found)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -32,14 +32,21 @@ class Mode(TorchFunctionMode):
         if compiling():  # dynamo traces this mode into the graph it builds: add nothing to it (the scores and overflow
             # bookkeeping inlined there broke Gemma 3's rotary; guards on its sets fail), but a graph break at attention
             return self.trace.compiled.during(self, func, types, args, kwargs)
-        if func not in self.watched and not self.followed[0] and not self.followed[1]:
+        if func not in self.watched and not self.followed[0] and not self.followed[1] and not self.followed[2]:
             return func(*args, **kwargs)  # the hot path
         trace = self.trace
         reader = trace.readers.get(func)
+        softmaxed = None
         if reader is not None and trace.active and not trace.busy and not trace.within:
             if reader is not readers.softmax or trace.scores.attention(readers.softmax_input(args, kwargs)):
+                trace._softmax = None
                 trace.capture(reader, args, kwargs)
+                softmaxed, trace._softmax = trace._softmax, None
         out = func(*args, **kwargs)
+        if softmaxed is not None:  # its weights followed: a 0/1 mask multiplied in afterwards is its mask (after.py)
+            trace.after.note(out, *softmaxed)
+        elif self.followed[2] and trace.active and not trace.busy:
+            trace.after.after(trace, func, args)
         if (func in self.sums or self.followed[0]) and isinstance(out, torch.Tensor) and out.dim() >= 2 \
                 and out.is_floating_point() and trace.active and not trace.busy and has_values(out):
             trace.overflows.after(func, args, kwargs, out, trace.scores)  # (fills that overflow to -inf: overflow.py)

@@ -71,7 +71,7 @@ class Sites:
         (checks/own.py), the line that called the function attending (checks/steps.py's causal-lost)."""
         flag = causal_flag(self.stack)
         if flag is not None:
-            details["module_causal"] = flag
+            details["module_causal" if not flag.endswith("=False") else "module_not_causal"] = flag.removesuffix("=False")
         if caller is not None:
             details["caller"] = caller
         said = cross_said(self.stack)  # a running module that says it attends to another sequence (checks/context.cross)
@@ -246,14 +246,16 @@ def _shown(name: str, here: str) -> str:
 
 def causal_flag(stack: list) -> str | None:
     """'Class.causal' where the innermost running module's own attribute (or its class's) `is_causal` or `causal` is
-    True; None otherwise (two dict lookups: nn.Module's __getattr__ would raise for the usual missing one)."""
+    True, 'Class.causal=False' where it is False (an encoder's layer beside a decoder's, under one causal config: the
+    module's own word, checks/dropped.py); None otherwise (two dict lookups: nn.Module's __getattr__ would raise for
+    the usual missing one)."""
     if not stack:
         return None
     module = stack[-1]
     for name in ("is_causal", "causal"):
         value = vars(module).get(name, getattr(type(module), name, None))
         if isinstance(value, bool):
-            return f"{type(module).__name__}.{name}" if value else None
+            return f"{type(module).__name__}.{name}" + ("" if value else "=False")
     return None
 
 

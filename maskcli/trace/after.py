@@ -1,0 +1,81 @@
+"""A softmax's weights masked after it: multiplied by a 0/1 mask (AllenNLP's masked_softmax, then renormalised).
+
+softmax(scores * mask) * mask, divided by its sum, gives the masked keys weight exactly 0 as a fill before the
+softmax would: the softmax masks nothing, the product does. So the output of each recorded softmax is followed
+(by identity, a weak reference: nothing kept alive) until a multiplication by a tensor of only 0s and 1s (or bools)
+that broadcasts to it; the call's mask is then what the program computes, the softmax's keep and the multiplier's.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+MULS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.mul_, torch.Tensor.__mul__, torch.Tensor.__rmul__,
+                  torch.Tensor.__imul__})
+KEEP = 64  # softmax outputs followed at most (more: all forgotten)
+
+
+class After:
+    """The recorded softmax outputs whose product with a 0/1 mask narrows their call's mask."""
+
+    def __init__(self):
+        self._found: dict[int, tuple] = {}
+
+    def note(self, out, call, seen) -> None:
+        """Follow `out`, the weights of softmax `call` (read as `seen`)."""
+        if not isinstance(out, torch.Tensor) or call.mask is None:
+            return
+        found = self._found
+        if len(found) >= KEEP:
+            found.clear()
+        key = id(out)
+
+        def gone(ref) -> None:
+            if found.get(key, (None,))[0] is ref:
+                del found[key]
+
+        try:
+            found[key] = (weakref.ref(out, gone), call, seen)
+        except TypeError:
+            pass
+
+    def after(self, trace, func, args: tuple) -> None:
+        """On a multiplication of a followed softmax output by a 0/1 tensor: that call's mask narrowed to it."""
+        if func not in MULS or len(args) < 2:
+            return
+        for mine, other in ((args[0], args[1]), (args[1], args[0])):
+            entry = self._found.get(id(mine)) if isinstance(mine, torch.Tensor) else None
+            if entry is not None and entry[0]() is mine and isinstance(other, torch.Tensor):
+                self._narrow(trace, mine, other, entry)
+                return
+
+    def _narrow(self, trace, out: torch.Tensor, other: torch.Tensor, entry: tuple) -> None:
+        _, call, seen = entry
+        with torch.no_grad():
+            if other.dim() > out.dim() or not (other.dtype == torch.bool or bool(((other == 0) | (other == 1)).all())):
+                return
+            try:
+                zero = (other == 0).broadcast_to(out.shape)
+            except RuntimeError:
+                return
+            if not bool(zero.any()) or zero.numel() != seen.keep.numel():
+                return
+            keep = seen.keep & ~zero.reshape(seen.keep.shape)
+            if not bool(keep.any(dim=-1).all()):
+                return  # (a row left with no key: renormalising it is 0 / 0, not a mask the program meant)
+        seen.keep = keep
+        q_len = keep.shape[-2]
+        if q_len > 1 and bool((keep == keep[..., :1, :]).all()):
+            seen.details["mask_rows"] = 1
+        seen.details["masked_after"] = "multiplied by a 0/1 mask after the softmax"
+        from maskcli.trace.given import stored
+
+        trace.busy = True
+        try:
+            call.mask = stored(trace, seen)
+            call.details.update(seen.details)
+        finally:
+            trace.busy = False
+        del self._found[id(out)]
