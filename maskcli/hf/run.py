@@ -18,13 +18,12 @@ import torch
 
 from maskcli.errors import MaskError
 from maskcli.hf import quiet, reason, require
+from maskcli.hf.budget import MOST_ROWS, MOST_TOKENS
 from maskcli.hf.families import MOST_PARAMETERS, layer_types
 
 ATTN = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}
 CACHES = {"dynamic": "dynamic", "static": "static", "sliding": "sliding_window"}
 LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
-MOST_TOKENS = 512  # a prompt row, and the decode steps: a tiny model on a CPU shows its masks well before this
-MOST_ROWS = 16
 
 
 @dataclass
