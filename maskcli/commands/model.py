@@ -88,7 +88,17 @@ def model(
     config = tiny(config, window, chunk_size, name)
     the_pad = pad_id if pad_id is not None else config.pad_token_id
     the_prompt = prompt(parsed_lengths, parsed_ids, the_pad, pad, SIZES["vocab_size"])
-    result = run(name, config, the_prompt, new_tokens, attn, cache, prefill_chunk)
+    from maskcli.commands.app import warn
+    from maskcli.commands.progress import progress
+    from maskcli.hf.budget import estimate, notice
+    from maskcli.hf.families import layer_types
+
+    rows, width = the_prompt.ids.shape
+    said = notice(name, *estimate(len(layer_types(config)), rows, width, new_tokens, prefill_chunk))
+    if said is not None:  # before minutes of work: what it will cost and how to narrow it
+        warn(said, now=True)
+    with progress(f"model {name}: decode steps") as update:  # a bar after the first second, on a terminal only
+        result = run(name, config, the_prompt, new_tokens, attn, cache, prefill_chunk, progress=update)
     _show(result, expectations, json_out, targets)
 
 
