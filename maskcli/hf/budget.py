@@ -8,21 +8,19 @@ MOST_TOKENS = 512  # a prompt row, and the decode steps: a tiny model on a CPU s
 MOST_ROWS = 16
 NOTICE_S = 30  # a run estimated past this says so up front, and what would shorten it
 
-# Measured on a 2-core CPU (load 2-4), transformers 5.24, llama built tiny (2 layers): every attention call costs a
-# roughly fixed 50-60 ms under the trace, from capture to the report (16 rows x 256 keys x 129 steps: 22 s, of which
-# 7.6 s is importing torch and transformers, done before the estimate; 4 x 128 x 129: 19 s); the cells a call's mask holds add the rest.
-PER_CALL_S = 0.055
-PER_CELL_S = 2e-8
+# Measured on a 2-core CPU (load 2-4), transformers 5.24, after the imports, at --lengths of 16 x 512 and
+# --new-tokens 512: llama built tiny (2 layers) 49 s, gemma3_text (6 layers) 85 s; llama at 16 x 256 and 128 steps
+# 14 s, at 4 x 128 and 128 steps 12 s. A step costs a near fixed 60 ms (generate, the trace's capture, the report)
+# and each attention call in it 17.5 ms more; the mask's cells add little at these sizes.
+PER_STEP_S = 0.06
+PER_CALL_S = 0.0175
 
 
 def estimate(layers: int, rows: int, width: int, new_tokens: int, prefill_chunk: int | None) -> tuple[float, str]:
     """Seconds a run will take, roughly, and the sizes that make them: one attention call per layer per step
-    (the prefill, or its chunks and once more in one pass, then each decode step), each a (rows, queries, keys) mask."""
-    chunks = 1 if prefill_chunk is None else -(-width // prefill_chunk) + 1
-    steps = chunks + new_tokens
-    prefill_cells = rows * width * width * (2 if prefill_chunk else 1)
-    decode_cells = rows * sum(range(width + 1, width + new_tokens + 1))  # one query over width + t keys at step t
-    seconds = layers * (steps * PER_CALL_S + (prefill_cells + decode_cells) * PER_CELL_S)
+    (the prefill, or its chunks and once more in one pass, then each decode step)."""
+    steps = (1 if prefill_chunk is None else -(-width // prefill_chunk) + 1) + new_tokens
+    seconds = steps * (PER_STEP_S + layers * PER_CALL_S)
     sizes = f"{steps:,} steps x {layers} layers x {rows} rows, up to {width + new_tokens:,} keys"
     return seconds, sizes
 
