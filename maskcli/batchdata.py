@@ -113,8 +113,7 @@ def with_padding(frame: Frame, lengths, ids, pad_id: int, pad_side: str = "right
             valid = valid[:, ::-1].copy()
         return replace(frame, key_valid=valid, lengths=lengths, pad_side=pad_side)
     if ids is not None:
-        if abs(pad_id) > 1 << 62:  # as every id is checked: past it no id can be the pad id
-            raise MaskError(f"--pad-id {pad_id} is too large (at most ±{1 << 62:,}, as every id is)")
+        check_pad_id(pad_id)
         if ids.shape[1] != n:
             raise MaskError(
                 f"--ids rows have {ids.shape[1]} tokens but the sequence has {n} positions ({frame.describe()}): "
@@ -122,3 +121,10 @@ def with_padding(frame: Frame, lengths, ids, pad_id: int, pad_side: str = "right
             )
         return replace(frame, key_valid=ids != pad_id, ids=ids, pad_id=pad_id)
     return frame
+
+
+def check_pad_id(pad_id: int) -> None:
+    """--pad-id within the ids' own limit: past it no id can be the pad id. Checked whether or not --ids is given,
+    as every integer option is: a value no int64 holds is a typo, not a setting to ignore."""
+    if abs(pad_id) > 1 << 62:
+        raise MaskError(f"--pad-id {pad_id} is too large (at most ±{1 << 62:,}, as every id is): give the token id --ids pads with")

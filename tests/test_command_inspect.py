@@ -504,6 +504,8 @@ def hostile(tmp_path):
     write_safetensors(tmp_path / "named.safetensors", "attention_mask")
     write_safetensors(tmp_path / "c64.safetensors", "mask", "C64", np.zeros((2, 2), dtype="<c8").tobytes())
     (tmp_path / "folder.pt").mkdir()
+    (tmp_path / "inf.json").write_text('[[0, "inf"], [0, 0]]')  # maskcli's own spelling of +inf in JSON
+    (tmp_path / "big.json").write_text("[[0, 1e999], [0, 0]]")  # a double past float64's range: +inf to numpy
 
 
 HOSTILE = [
@@ -524,8 +526,11 @@ HOSTILE = [
     (["inspect", "strings.json"], "not a rectangular nested list of numbers"),
     (["inspect", "five.pt"], "5 dimensions"),
     (["inspect", "float8.pt"], "float8_e4m3fn"),
-    (["inspect", "nan.pt"], "NaN"),
-    (["inspect", "labels.pt"], "not a 0/1 mask"),
+    (["inspect", "nan.pt"], "'nan.pt' holds NaN in 1 cells"),
+    (["inspect", "labels.pt"], "'labels.pt' holds integer values {2, 3}, not a 0/1 mask"),
+    (["inspect", "inf.json"], "'inf.json' holds +inf, which makes softmax NaN"),
+    (["inspect", "big.json"], "'big.json' holds +inf, which makes softmax NaN"),
+    (["show", "--mask", "inf.json"], "'inf.json' holds +inf, which makes softmax NaN"),
     (["inspect", "scalar.pt"], "single number"),
     (["inspect", "folder.pt"], "is a directory"),
     (["inspect", "mask.txt"], "no such file, and '.txt' is not a file type maskcli reads"),

@@ -393,3 +393,39 @@ def test_a_config_of_100000_layers_is_refused_up_front_saying_what_it_would_buil
         "tiny model with one layer of each type would have 100,000 layers, past the 256 maskcli builds (about 3,000,000 "
         "parameters): give a config.json whose layer_types has each type within its first 256 layers (num_hidden_layers "
         "to match)\n")
+
+
+def test_a_long_run_says_its_cost_up_front_and_how_to_narrow_it(monkeypatch):
+    from maskcli.hf import budget
+
+    # the command's own maximums (16 rows of 512 tokens, 512 decode steps): a minute or more, said before it starts
+    seconds, sizes = budget.estimate(2, 16, 512, 512, None)
+    assert seconds >= budget.NOTICE_S and sizes == "513 steps x 2 layers x 16 rows, up to 1,024 keys"
+    assert budget.estimate(2, 2, 5, 2, None)[0] < budget.NOTICE_S  # the default run is quiet
+    monkeypatch.setattr(budget, "NOTICE_S", 0)  # a small run, told as a long one is
+    result = model("llama", "--lengths", "5,3", "--new-tokens", "2")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert said.startswith("maskcli: warning: model llama: about ") and said.endswith(
+        " of work on a CPU (3 steps x 2 layers x 2 rows, up to 7 keys); fewer --new-tokens or shorter --lengths finish "
+        "sooner (Ctrl-C stops it)"), said
+
+
+def test_each_decode_step_is_told_to_the_progress_bar(monkeypatch):
+    import contextlib
+
+    from maskcli.commands import progress as bar
+
+    heard = []
+
+    @contextlib.contextmanager
+    def recording(what):
+        heard.append(what)
+        yield lambda done, total: heard.append((done, total))
+
+    monkeypatch.setattr(bar, "progress", recording)
+    result = model("llama", "--lengths", "4,2", "--new-tokens", "3", "--json")
+    assert result.exit_code == 0, result.output
+    steps = json.loads(result.stdout)["steps"]
+    assert steps == ["prefill", "decode 1", "decode 2", "decode 3"]  # generate's 4 tokens: the prefill's and 3 decodes'
+    assert heard == ["model llama: decode steps", (1, 4), (2, 4), (3, 4), (4, 4)]

@@ -173,6 +173,10 @@ def test_three_step_files_are_one_pass(tmp_path):
      "custom_mask holds 2 cells; the requests' (qo_len x kv_len) masks need 4"),
     ('{"seq_lens":[2],"num_cached_tokens_per_seq":[3],"spec_decoding_packed_mask":[[[3],[3]]]}', "no num_contexts"),
     ('{"input_ids":[1,2]}', "none of them an engine's batch metadata names"),
+    ('{"cu_seqlens_q":[0,2],"seqused_k":[4],"cache_leftpad":[7]}', "cache_leftpad 7 is past seqused_k 4 for request 0"),
+    ('{"cu_seqlens_q":[0,2,3],"cache_seqlens":[4,2],"cache_leftpad":[1,3]}', "cache_leftpad 3 is past cache_seqlens 2 for request 1"),
+    ('{"seq_lens":[3],"extend_seq_lens":[2],"draft_token_num":2147483648,"custom_mask":[1,1]}',
+     "draft_token_num 2147483648 asks for 4,611,686,024,869,838,848 custom_mask cells"),
     ('{"seq_lens":[2],"extend_seq_lens":[2],"req_to_token":[[1,2],[3,4]]}', "req_to_token has 2 rows for 1 requests: save the pool with req_pool_indices"),
 ])
 def test_bad_metadata_is_one_line_that_says_what_to_fix(given, said):

@@ -693,9 +693,11 @@ def test_json_cells_past_what_json_prints_are_refused_before_any_file(tmp_path, 
     assert json.loads(summary.stdout)["visible_cells"] == 20000 * 20001 // 2
 
 
-def test_the_progress_bar_appears_only_after_a_second(monkeypatch):
+@pytest.mark.parametrize("terminal", [True, False])
+def test_the_progress_bar_appears_only_after_a_second_and_only_on_a_terminal(monkeypatch, capsys, terminal):
     from maskcli.commands import progress as module
 
+    monkeypatch.setenv("TTY_COMPATIBLE", "1" if terminal else "0")  # rich's own switch: is stderr a terminal
     clock = iter([0.0, 0.5, 2.0])
     monkeypatch.setattr(module, "now", lambda: next(clock))
     started = []
@@ -708,7 +710,9 @@ def test_the_progress_bar_appears_only_after_a_second(monkeypatch):
         assert started == []
         update(5, 10)  # two seconds in: the bar starts
         update(10, 10)
-    assert started == [True]
+    assert started == ([True] if terminal else [])
+    if not terminal:  # a log or a pipe gets no bar, not even the empty line rich leaves behind
+        assert capsys.readouterr().err == ""
 
 
 # --- tables never lose a cell ----------------------------------------------------------------

@@ -96,6 +96,9 @@ CASES = [
     (["attend", "causal", "--len", "3", "--head-dim", str(10**8)], "--head-dim 100,000,000 is past the 65,536"),
     (["chunk", "labels.txt"], "chunk labels 'labels.txt': 'x' is not an integer"),
     (["show", "padding", "--ids", "5,6,7,0", "--pad-id", BIG], f"--pad-id '{BIG}': an integer of 31 digits is far too large"),
+    (["show", "causal", "--len", "4", "--pad-id", str(2**63)], f"--pad-id {2**63} is too large (at most ±{2**62:,}"),  # unused, still refused
+    (["show", "causal", "--len", "4", "--pad-id", str(-2**63 - 1)], f"--pad-id {-2**63 - 1} is too large"),
+    (["model", "llama", "--pad-id", str(2**63)], f"--pad-id {2**63}: the tiny model's vocabulary is 0..127: give a pad id in it"),
     (["show", "causal", "--len", "3", "--len", "abc"], "--len 'abc'"),
     (["show", "causal", "--save", "/proc/x.npy"], "is not a place files can be written"),
     (["convert", "labels.txt", "--to", "keep", "--out", "o.npy"], "unknown file type '.txt'"),

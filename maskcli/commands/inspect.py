@@ -73,7 +73,7 @@ def inspect(
     else:
         given = _convention(values, from_, label) if from_ is not None else None
     _check_room(values, label, 11 + values.itemsize, "to inspect")
-    analysis = analyse(values, heads, given, padding)
+    analysis = analyse(values, heads, given, padding, label)
     mask = _display_mask(analysis, file if key is None else f"{file} [{key}]", tokens)
     if png_path is not None:
         from maskcli.render.heatmaps import save_figure
@@ -253,7 +253,7 @@ def _convention(values, from_: str | None, label: str):
     """The tensor's convention as its values say, or as --from says for a bool or 0/1 mask."""
     from maskcli.inspect.polarity import Convention, classify
 
-    convention = classify(values)
+    convention = classify(values, label)
     if from_ is None:
         return convention
     if convention.name not in ("keep", "block", "int"):

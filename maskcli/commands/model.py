@@ -50,6 +50,7 @@ def model(
     """
     if list_:
         _only_try_with_list(ctx)
+    _check_numbers(pad_id, new_tokens, prefill_chunk)  # before transformers' import: a typo costs no 20 s
     from maskcli.hf import require
 
     require()
@@ -87,8 +88,32 @@ def model(
     config = tiny(config, window, chunk_size, name)
     the_pad = pad_id if pad_id is not None else config.pad_token_id
     the_prompt = prompt(parsed_lengths, parsed_ids, the_pad, pad, SIZES["vocab_size"])
-    result = run(name, config, the_prompt, new_tokens, attn, cache, prefill_chunk)
+    from maskcli.commands.app import warn
+    from maskcli.commands.progress import progress
+    from maskcli.hf.budget import estimate, notice
+    from maskcli.hf.families import layer_types
+
+    rows, width = the_prompt.ids.shape
+    said = notice(name, *estimate(len(layer_types(config)), rows, width, new_tokens, prefill_chunk))
+    if said is not None:  # before minutes of work: what it will cost and how to narrow it
+        warn(said, now=True)
+    with progress(f"model {name}: decode steps") as update:  # a bar after the first second, on a terminal only
+        result = run(name, config, the_prompt, new_tokens, attn, cache, prefill_chunk, progress=update)
     _show(result, expectations, json_out, targets)
+
+
+def _check_numbers(pad_id: int | None, new_tokens: int, prefill_chunk: int | None) -> None:
+    """The integer options' ranges, as maskcli.hf.run checks them again where they are used."""
+    from maskcli.hf.families import SIZES
+    from maskcli.hf.budget import MOST_TOKENS
+
+    vocab = SIZES["vocab_size"]
+    if pad_id is not None and not 0 <= pad_id < vocab:
+        raise MaskError(f"--pad-id {pad_id}: the tiny model's vocabulary is 0..{vocab - 1}: give a pad id in it")
+    if not 0 <= new_tokens <= MOST_TOKENS:
+        raise MaskError(f"--new-tokens {new_tokens}: give 0 to {MOST_TOKENS} decode steps")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise MaskError(f"--prefill-chunk {prefill_chunk}: give 1 or more tokens")
 
 
 def _only_try_with_list(ctx: typer.Context) -> None:

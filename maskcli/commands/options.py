@@ -220,6 +220,9 @@ def mask_options(*, heads: int = 1, tokens: bool = True, kind_params: bool = Tru
     flag_of = {name: flag for name, _, _, flag in kind_options}
 
     def pack(given: dict) -> MaskOptions:
+        from maskcli.batchdata import check_pad_id
+
+        check_pad_id(given["m_pad_id"])  # up front, --ids given or not
         return MaskOptions(
             length=given["m_length"], offset=given["m_offset"], kv_start=given["m_kv_start"],
             kv_len=given["m_kv_len"], align=given["m_align"], heads=given["m_heads"],

@@ -23,14 +23,19 @@ def progress(what: str):
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+            console = Console(stderr=True)
+            if not console.is_terminal:  # a log or a pipe: no bar (rich would still leave an empty line in it)
+                state["bar"] = None
+                return
             bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                           TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+                           TimeRemainingColumn(), console=console, transient=True)
             bar.start()
             state["bar"], state["task"] = bar, bar.add_task(what, total=total)
-        state["bar"].update(state["task"], completed=done, total=total)
+        if state["bar"] is not None:
+            state["bar"].update(state["task"], completed=done, total=total)
 
     try:
         yield update
     finally:
-        if "bar" in state:
+        if state.get("bar") is not None:
             state["bar"].stop()

@@ -18,13 +18,12 @@ import torch
 
 from maskcli.errors import MaskError
 from maskcli.hf import quiet, reason, require
+from maskcli.hf.budget import MOST_ROWS, MOST_TOKENS, Steps
 from maskcli.hf.families import MOST_PARAMETERS, layer_types
 
 ATTN = {"sdpa": "sdpa", "eager": "eager", "flex": "flex_attention"}
 CACHES = {"dynamic": "dynamic", "static": "static", "sliding": "sliding_window"}
 LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
-MOST_TOKENS = 512  # a prompt row, and the decode steps: a tiny model on a CPU shows its masks well before this
-MOST_ROWS = 16
 
 
 @dataclass
@@ -132,9 +131,10 @@ def build(config, attn: str, name: str):
 
 
 def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = "sdpa", cache: str = "dynamic",
-        prefill_chunk: int | None = None) -> ModelRun:
+        prefill_chunk: int | None = None, progress=None) -> ModelRun:
     """Build, then generate under maskcli's trace; the calls sorted into layers, layer types and steps. With
-    `prefill_chunk`, the prompt is prefilled once more in one pass and each layer's chunks checked against it."""
+    `prefill_chunk`, the prompt is prefilled once more in one pass and each layer's chunks checked against it.
+    `progress(done, total)` hears of each generated token."""
     if not 0 <= new_tokens <= MOST_TOKENS:
         raise MaskError(f"--new-tokens {new_tokens}: give 0 to {MOST_TOKENS} decode steps")
     if prefill_chunk is not None and prefill_chunk < 1:
@@ -148,7 +148,8 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
                    pad_token_id=the_prompt.pad_id, cache_implementation=CACHES[cache])
     if prefill_chunk is not None:
         options["prefill_chunk_size"] = prefill_chunk
-    tracer = _generate(model, the_prompt, options, attn, cache, name, prefill_chunk)
+    streamer = None if progress is None else {"streamer": Steps(progress, new_tokens + 1)}
+    tracer = _generate(model, the_prompt, options | (streamer or {}), attn, cache, name, prefill_chunk)
     ran = time.perf_counter()
     groups = {path: module.num_key_value_groups for path, module in model.named_modules()
               if isinstance(getattr(module, "num_key_value_groups", None), int) and module.num_key_value_groups > 1}

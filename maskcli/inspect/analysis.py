@@ -63,13 +63,15 @@ class Analysis:
         }
 
 
-def analyse(tensor, heads: int | None = None, convention: Convention | None = None, padding: dict | None = None) -> Analysis:
+def analyse(tensor, heads: int | None = None, convention: Convention | None = None, padding: dict | None = None,
+            where: str = "the tensor") -> Analysis:
     """Classify, recognise and find what is wrong, in one go; `convention` overrides the classification.
 
     `tensor`: a numpy array as sources/tensor.py's load_mask gives it, or a torch tensor, checked and converted here.
-    `padding`: a traced call's key padding argument (maskcli.keypadding fields), where its API had one."""
-    tensor = check_maskable(tensor, "the tensor")
-    convention = convention or classify(tensor)
+    `padding`: a traced call's key padding argument (maskcli.keypadding fields), where its API had one.
+    `where`: the tensor's name in a refusal (its file, as the user gave it)."""
+    tensor = check_maskable(tensor, where)
+    convention = convention or classify(tensor, where)
     keep = to_keep(tensor, convention)
     keep4 = as_sdpa = sdpa_view(keep)
     structure = recognise(keep4, key_padding=tensor.ndim == 2, marked=marks(convention), nearest=True, padding=padding)

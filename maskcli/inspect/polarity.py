@@ -99,8 +99,9 @@ def _sentinel_name(value: float, dtype: str) -> str:
     return f"{value:g}"
 
 
-def classify(tensor: np.ndarray) -> Convention:
-    """The tensor's convention from its dtype and values; a bool or 0/1 tensor's polarity from its structure."""
+def classify(tensor: np.ndarray, where: str = "the mask") -> Convention:
+    """The tensor's convention from its dtype and values; a bool or 0/1 tensor's polarity from its structure.
+    `where` names the tensor in a refusal (its file, as the user gave it)."""
     if tensor.dtype == bool:
         meaning, how, why = _polarity(tensor)
         if meaning is None:
@@ -113,7 +114,7 @@ def classify(tensor: np.ndarray) -> Convention:
             values = np.unique(tensor[~zero_one])  # only the offending values: small, and this is an error path
             shown = ", ".join(map(str, values[:6].tolist())) + (", ..." if len(values) > 6 else "")
             raise MaskError(
-                f"integer values {{{shown}}} are not a 0/1 mask (masks are bool, 0/1 or float); "
+                f"{where} holds integer values {{{shown}}}, not a 0/1 mask (masks are bool, 0/1 or float); "
                 "chunk or document labels go to maskcli show chunk/document --chunks"
             )
         return _zero_one(tensor, "integer")
@@ -121,11 +122,11 @@ def classify(tensor: np.ndarray) -> Convention:
     nan = np.isnan(tensor)
     if bool(nan.any()):
         raise MaskError(
-            f"the mask holds NaN in {int(nan.sum())} cells; a float mask is 0 where attending "
+            f"{where} holds NaN in {int(nan.sum())} cells; a float mask is 0 where attending "
             "and -inf or a large negative number where masked"
         )
     if bool((tensor == math.inf).any()):
-        raise MaskError("the mask holds +inf, which makes softmax NaN; a float mask is 0 where attending and -inf or a large negative number where masked")
+        raise MaskError(f"{where} holds +inf, which makes softmax NaN; a float mask is 0 where attending and -inf or a large negative number where masked")
     masked = tensor[tensor != 0].astype(np.float64)
     if len(masked) == 0:
         return Convention("additive", "values", "every value is 0: an additive mask that masks nothing (read as 0/1, everything would be masked)")

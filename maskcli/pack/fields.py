@@ -230,7 +230,7 @@ def _attention_mask(value, where: str):
     from maskcli.inspect.polarity import check_maskable, classify, to_keep
 
     values = check_maskable(value, where)  # numpy from here on
-    convention = classify(values)
+    convention = classify(values, where)
     if convention.name == "bias" or not convention.sure:
         raise MaskError(f"{where}: cannot read the 4-D attention_mask as a mask ({convention.note}); save it as bool, True = may attend")
     if values.shape[-1] != values.shape[-2]:

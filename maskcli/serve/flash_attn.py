@@ -32,6 +32,11 @@ def load(f: Fields) -> ServeBatch:
         seq_lens = np.diff(cu_k)
     seq_lens = f.per_request(seq_lens, requests, "seqused_k", "cache_seqlens", "cu_seqlens_k")
     left = f.per_request(f.vector("cache_leftpad"), requests, "cache_leftpad")
+    if left is not None and (left > seq_lens).any():  # refused here, in the file's own numbers, not as a negative key count
+        r = int(np.argmax(left > seq_lens))
+        given = f.key("seqused_k", "cache_seqlens") or "cu_seqlens_k's step"
+        raise MaskError(f"{f.source!r}: cache_leftpad {int(left[r])} is past {given} {int(seq_lens[r])} for request {r}; "
+                        f"the left padding is 0 to {given} (the keys run from cache_leftpad to {given})")
     keys = seq_lens - (left if left is not None else 0)  # the kernel's keys run from cache_leftpad to cache_seqlens
     names = {"queries": "cu_seqlens_q", "seq_lens": f.key("seqused_k", "cache_seqlens", "cu_seqlens_k"), "table": "block_table",
              "page_size": "page_block_size", "window": "window_size", "key_start": "cache_leftpad"}

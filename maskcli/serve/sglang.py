@@ -118,5 +118,10 @@ def _trees(f: Fields, new: np.ndarray, seq_lens: np.ndarray) -> dict[int, np.nda
     sizes = new * seq_lens if fits else None
     indptr = cumulative(sizes) if indptr is None and fits else indptr
     if not fits or (indptr[:-1] + sizes).max(initial=0) > flat.size:
+        given = f.scalar("draft_token_num")
+        if given is not None:  # the count the user wrote is what to check first
+            raise MaskError(f"{f.source!r}: draft_token_num {given} asks for {needed:,.0f} custom_mask cells "
+                            f"(draft_token_num x (seq_len + draft_token_num) per request), and custom_mask holds {flat.size}: "
+                            f"give the drafts each request verifies, or the whole mask")
         raise MaskError(f"{f.source!r}: custom_mask holds {flat.size} cells; the requests' (new x seq_len) masks need {needed:,.0f}")
     return {r: flat[indptr[r]:indptr[r] + sizes[r]].reshape(new[r], seq_lens[r]) for r in range(len(new)) if sizes[r]}

@@ -26,9 +26,9 @@ def load(path: str, options: MaskOptions, flag: str = "--mask") -> Mask:
         raise MaskError("--causal is for --from flash-attn or flashmask: give --from too, or drop --causal")
     # classify, to_keep and the keep view each take a bool copy
     values, label = load_mask(path, key, flag, work=(3, "to read as a mask"))  # numpy: only a .pt file imports torch
-    convention = classify(values) if from_ is None else Convention(from_, "values", "given with --from")
+    convention = classify(values, label) if from_ is None else Convention(from_, "values", "given with --from")
     if from_ is not None and values.dtype.kind == "f" and bool(((values != 0) & (values != 1)).any()):
-        raise MaskError(f"--from is for bool and 0/1 masks; {label} holds other values ({classify(values).note})")
+        raise MaskError(f"--from is for bool and 0/1 masks; {label} holds other values ({classify(values, label).note})")
     if convention.name == "bias":
         raise MaskError(f"{label} is not a mask but an additive bias ({convention.note})")
     if not convention.sure and from_ is None:
