@@ -379,6 +379,7 @@ def test_prefill_chunk_holds_for_a_layer_attending_twice_and_for_layers_without_
     assert [line for line in result.stdout.splitlines() if line.startswith("--prefill-chunk")] == said
 
 
+@needs_hf
 def test_a_config_of_100000_layers_is_refused_up_front_saying_what_it_would_build(tmp_path):
     """A gemma3_text config whose one full_attention layer is its last of 100,000: the tiny model kept layers up to
     one of each type, built 100,000 of them (minutes), then refused them by their parameter count."""
@@ -395,6 +396,7 @@ def test_a_config_of_100000_layers_is_refused_up_front_saying_what_it_would_buil
         "to match)\n")
 
 
+@needs_hf
 def test_a_long_run_says_its_cost_up_front_and_how_to_narrow_it(monkeypatch):
     from maskcli.hf import budget
 
@@ -411,6 +413,7 @@ def test_a_long_run_says_its_cost_up_front_and_how_to_narrow_it(monkeypatch):
         "sooner (Ctrl-C stops it)"), said
 
 
+@needs_hf
 def test_each_decode_step_is_told_to_the_progress_bar(monkeypatch):
     import contextlib
 
