@@ -63,16 +63,14 @@ def trace(
         raise MaskError(f"--api {api!r}: choose from {', '.join(APIS)}, comma-separated")
     if max_bytes < 0:
         raise MaskError(f"--max-bytes {max_bytes}: give 0 or more bytes")
-    if rank_timeout < 0:
-        raise MaskError(f"--rank-timeout {rank_timeout:g}: give 0 or more seconds")
+    if not 0 <= rank_timeout < float("inf"):  # (NaN too)
+        raise MaskError(f"--rank-timeout {rank_timeout:g}: give 0 or more seconds, a finite number")
     expectations = parse_expect(expect or [])
     from maskcli.files import check_output_path
 
     # checked before the program runs, and made absolute: the program may change the working folder
-    targets = {flag: _writable(check_output_path(path, (suffix,), flag), flag, path).absolute()
+    targets = {flag: check_output_path(path, (suffix,), flag).absolute()  # (a folder no file can be made in: refused now)
                for flag, path, suffix in (("--save", save, ".pt"), ("--json", json_path, ".json")) if path is not None}
-    if not 0 <= rank_timeout < float("inf"):  # (NaN too)
-        raise MaskError(f"--rank-timeout {rank_timeout:g}: give 0 or more seconds, a finite number")
     check_program(script, module)  # last: -m a.b imports package a, as python -m does, once every option is good
 
     import sys
@@ -111,20 +109,6 @@ def trace(
 
         report_spawned(tracer, spawns, program, status, expectations, json_path, save, targets, check_, rank_timeout)
     _report(tracer, program, status, expectations, json_path, save, targets, unseen, check_)
-
-
-def _writable(path, flag: str, given: str):
-    """The path, once a file can be made in its folder (a folder such as /proc passes os.access and takes none):
-    refused before the program runs, not after."""
-    import tempfile
-
-    try:
-        with tempfile.NamedTemporaryFile(dir=path.parent if str(path.parent) else ".", prefix=".maskcli-check-"):
-            pass
-    except OSError as error:
-        raise MaskError(f"{flag} {given!r}: no file can be written in {str(path.parent)!r} ({error.strerror or error}): "
-                        "write somewhere else") from None
-    return path
 
 
 def _spare_stderr() -> int | None:
