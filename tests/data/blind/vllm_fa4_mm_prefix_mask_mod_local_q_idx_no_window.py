@@ -4,8 +4,9 @@ Citation: vllm-project/vllm PR #47332 ("[Bugfix][Gemma4] Fix FA4 mm_prefix mask:
 absolute q_idx"), fixing issue #47300 (Gemma4 gibberish on long multimodal prompts with FA4 on SM90).
 Read from the PR description and the post-fix `_make_mm_prefix_mask_mod` in
 `vllm/v1/attention/backends/flash_attn.py`; the pre-fix body below is written from the PR's statement
-of the two bugs, the CuTe-DSL mask_mod is ported to a FlexAttention `mask_mod` with the same
-(b, h, q_idx, kv_idx) convention.
+of the two bugs, the CuTe-DSL mask_mod is ported to a FlexAttention-style `mask_mod(b, h, q_idx, kv_idx)` with the same
+convention (local q_idx, absolute kv_idx). The kernel is replaced by evaluating the mask_mod on broadcast
+index grids (as FlexAttention's `create_mask` does) and calling `F.scaled_dot_product_attention`.
 
 Bug: for PrefixLM models (Gemma4 images attend bidirectionally) the FA4 call gets a `mask_mod` and the
 backend turns the kernel's own causal/local masking off, so the `mask_mod` is the only element mask.
@@ -18,18 +19,16 @@ Fix: `q_abs = q_idx + seqlen_k - seqlen_q`; keep = `(kv_idx <= q_abs & q_abs - k
 
 Reproduction: a Gemma4-like sliding layer (`sliding_window = 6`), one request whose first 12 tokens are
 already in the KV cache and whose next chunk of 8 tokens (absolute 12..19) contains an image at
-absolute positions [14, 17]; `flex_attention` with `create_block_mask` over (Q_LEN=8, KV_LEN=20).
+absolute positions [14, 17]; the mask_mod is evaluated over (Q_LEN=8, KV_LEN=20).
 """
 import sys
-import warnings
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+import torch.nn.functional as F
 
 FIXED = "--fixed" in sys.argv
 torch.manual_seed(0)
-warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
 
 
 @dataclass
@@ -90,11 +89,16 @@ class FlashAttentionImpl:
         # with a mask_mod the kernel's causal/local flags are cleared: the mask_mod is the only mask
         mm_mask_mod = _make_mm_prefix_mask_mod(max_ranges, seqlen_q, seqlen_k, mm_prefix_ranges,
                                                sliding_window_left)
-        block_mask = create_block_mask(mm_mask_mod, B=1, H=None, Q_LEN=seqlen_q, KV_LEN=seqlen_k, device="cpu")
+        # the kernel evaluates mask_mod per (q_idx, kv_idx) element
+        b = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+        h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+        q_idx = torch.arange(seqlen_q)[None, None, :, None]
+        kv_idx = torch.arange(seqlen_k)[None, None, None, :]
+        mask = mm_mask_mod(b, h, q_idx, kv_idx)
         q = query.view(1, seqlen_q, self.num_heads, -1).transpose(1, 2)
         k = key_cache[:seqlen_k].view(1, seqlen_k, self.num_heads, -1).transpose(1, 2)
         v = value_cache[:seqlen_k].view(1, seqlen_k, self.num_heads, -1).transpose(1, 2)
-        out = flex_attention(q, k, v, block_mask=block_mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return out.transpose(1, 2).reshape(seqlen_q, -1)
 
 
