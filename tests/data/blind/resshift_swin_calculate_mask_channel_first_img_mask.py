@@ -1,9 +1,13 @@
 """ResShift's channel-first Swin block labels the shifted-window regions along the wrong axes.
 
 Citation: zsyOAOA/ResShift#81 ("Critical Bug in 'calculate_mask' Function of SwinTransformer
-Block", closed).  Source read: models/swin_transformer.py at commit ccfad91 (the buggy code).
-The issue's proposed replacement was only partly visible to me; the fix used here is the one the
-issue points at: index the (1, 1, H, W) map on its H and W axes.
+Block", closed).  Source read: models/swin_transformer.py at commit ccfad91, which is still the
+code at the newest stored snapshot (the repository never changed it).  The issue's proposed
+replacement was only partly visible to me, so `--fixed` applies the smallest change that gives
+the original Swin mask (checked against microsoft/Swin-Transformer's channel-last construction):
+index the (1, 1, H, W) map on its H and W axes, and drop the extra `.permute(0,2,3,1)` that
+ResShift added after its channel-first `window_partition` (which already returns channel-last
+windows; the permute transposes the token order inside each window).
 
 Bug: ResShift keeps features channel-first (B, C, H, W), so `img_mask` became
 `torch.zeros((1, 1, H, W))`, but the region labelling kept Swin's channel-last indexing
@@ -11,7 +15,8 @@ Bug: ResShift keeps features channel-first (B, C, H, W), so `img_mask` became
 empty, the third is the whole axis) and the w-slices hit H: regions are cut along H only, and
 after the cyclic roll tokens that wrapped around horizontally share a window with tokens from
 the other edge of the image without being masked.
-Fix: label `img_mask[:, :, h, w] = cnt`, so regions are cut along both H and W.
+Fix: label `img_mask[:, :, h, w] = cnt`, so regions are cut along both H and W, and flatten the
+windows in the same (row-major) token order as `x_windows`.
 
 Reproduction: one SwinTransformerBlock (dim 32, 2 heads) on a 1x32x8x8 map, window 4, shift 2.
 timm's DropPath/to_2tuple/trunc_normal_ are replaced by their torch equivalents; the GroupNorm
@@ -160,7 +165,10 @@ class SwinTransformerBlock(nn.Module):
                     img_mask[:, h, w, :] = cnt
                 cnt += 1
 
-        mask_windows = window_partition(img_mask, self.window_size).permute(0, 2, 3, 1).contiguous()
+        if FIXED:
+            mask_windows = window_partition(img_mask, self.window_size)  # nW, window_size, window_size, 1
+        else:
+            mask_windows = window_partition(img_mask, self.window_size).permute(0, 2, 3, 1).contiguous()
         mask_windows = mask_windows.view(-1, self.window_size * self.window_size)
 
         attn_mask = mask_windows.unsqueeze(1) - mask_windows.unsqueeze(2)
