@@ -5,7 +5,8 @@ each other", open).  I read the issue description, which quotes esm/layers/atten
 the fix; no merged fix was visible to me, so `--fixed` applies the issue's `correct_mask`.
 
 Bug: ESMC.forward derives `sequence_id = sequence_tokens != pad_token_id` (True on residues,
-False on padding) and MultiHeadAttention turns it into
+False on padding; written from my knowledge of esm/models/esmc.py, not re-read here — the issue's
+own script builds `seq_id` the same way) and MultiHeadAttention turns it into
 `mask_BLL = seq_id.unsqueeze(-1) == seq_id.unsqueeze(-2)`.  Equality is also True where both
 query and key are padding, so every pad query attends to all pad keys (real queries are fine).
 The pad hidden states differ from what a padding mask should give, and the compute is wasted.
