@@ -4,7 +4,8 @@ Follows huggingface/transformers src/transformers/models/bloom/modeling_bloom.py
 arange_tensor = ((attention_mask.cumsum(-1) - 1) * attention_mask), BloomAttention computing
 matmul_result = alibi.baddbmm(batch1=query, batch2=key, beta=1.0, alpha=inv_norm_factor), then
 masked_fill(causal_mask, finfo.min) and softmax in float32). Mask meant: causal, left pads hidden from
-real tokens; the ALiBi bias is a linear penalty -slope * distance, counted from the first real token.
+real tokens; the ALiBi bias is slope * key position (counted from the first real token), which within a
+softmax row equals the linear penalty -slope * (query - key) distance.
 Query rows that are left pads themselves see only pads; their outputs are discarded by generate.
 """
 import math
