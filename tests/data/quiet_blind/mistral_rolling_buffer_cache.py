@@ -1,7 +1,7 @@
 """Mistral sliding-window attention with a rotating (rolling buffer) KV cache.
 
-Follows mistralai/mistral-src (one_file_ref.py / mistral/cache.py: RotatingBufferCache, ModelArgs with
-sliding_window, cache positions `pos % sliding_window`, unrotate before attention). Prefill: each token sees
+Follows mistralai/mistral-inference src/mistral_inference/cache.py (formerly mistral-src: RotatingBufferCache,
+ModelArgs with sliding_window, cache positions `pos % sliding_window`, unrotate before attention). Prefill: each token sees
 itself and the sliding_window-1 tokens before it (causal band). Decode: the cache only ever holds the last
 sliding_window keys, so the new token attends to all filled cache slots (in rotated storage order) plus
 itself, i.e. a window of sliding_window tokens ending at its own position.
