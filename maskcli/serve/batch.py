@@ -5,6 +5,8 @@ new tokens (its queries) and `seq_len` keys, read through its page table; the ke
 the last query with the last key (flash_attn's and FlashInfer's bottom-right causal), so the
 queries sit at absolute positions `seq_len - q_len .. seq_len - 1` and the keys at `0 .. seq_len - 1`.
 Pages are kept as one CSR list per request (logical block -> physical page), O(requests + pages).
+A request's mask is the kinds its metadata states (`kinds`) at those positions: `mask` makes its Mask of them
+directly (sources/engine.py hands those Masks on), `expression` writes their text only to name it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Each source is a module of sources/ with a `SOURCE` (sources/base.py) and its `load`; a new one is added to
 MODULES. A --mask FILE goes to the first file source that claims it: a trace's call, a kernel format's tensors
-(--from FORMAT), else one tensor.
+(--from FORMAT), else one tensor. The sources of metadata (engine, packed, ranks) are asked by name: `read` gives a
+command the metadata itself, their `load` its Masks.
 """
 
 from __future__ import annotations
