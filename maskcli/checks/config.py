@@ -96,11 +96,11 @@ class Placed:
 
 
 def real(cells: np.ndarray, own: np.ndarray, given, batch: int | None = None,
-         before: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+         before=None) -> tuple[np.ndarray, np.ndarray]:
     """Bool (B, Lk) real keys and (B, Lq) real queries of each batch row: the model call's 2-D attention_mask `given`
     where it is one 0/1 row per batch row (`batch`: the call's) over the keys, else the padding read off the mask
-    (keypadding), or `before`, the padding a later step's prefill showed (real.behind_cache); a query is real where its
-    key is."""
+    (keypadding), or what `before()` gives, the padding a later step's prefill showed (real.behind_cache, asked only
+    here); a query is real where its key is."""
     rows, _, q_len, k_len = cells.shape
     if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape == (batch or rows, k_len) and \
             rows in (1, given.shape[0]) and np.isin(given, (0, 1)).all():
@@ -113,8 +113,9 @@ def real(cells: np.ndarray, own: np.ndarray, given, batch: int | None = None,
             itself[np.arange(q_len), own] = True
             padding = found_padding(cells & ~(cells == itself).all(axis=-1, keepdims=True))
         real_k = valid(padding, rows, k_len)
-        if before is not None and before.shape[0] in (1, rows):
-            real_k = np.broadcast_to(before, (rows, k_len))
+        carried = None if before is None else before()
+        if carried is not None and carried.shape == (carried.shape[0], k_len) and carried.shape[0] in (1, rows):
+            real_k = np.broadcast_to(carried, (rows, k_len))
     real_k = np.ascontiguousarray(real_k)
     inside = own < k_len
     real_q = np.ones((real_k.shape[0], q_len), bool)
@@ -130,7 +131,7 @@ def _placed(call, run: Run, cells) -> Placed | None:
         return None
     own = queries(call, top)
     real_k, real_q = real(cells, own, None if top is None else top.arguments.get("attention_mask"), call.shape[0],
-                          behind_cache(run, call))
+                          lambda: behind_cache(run, call))
     return Placed(cells, own, real_q, real_k)
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from maskcli.checks.context import queries
+from maskcli.checks.context import keep, queries
 
 PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = padding
 REAL_TRUE = ("attention_mask", "patch_attention_mask", "patch_attn_mask")  # 1 = a real token (a real patch)
@@ -131,18 +131,17 @@ def behind_cache(run, call) -> np.ndarray | None:
     if own[:1].tolist() == [0]:
         return None
     heads = run.__dict__.get("_prefills")
-    if heads is None:  # each site's prefills' call indices, in order (made once per run)
+    if heads is None:  # each site's prefills and their call indices, in order (made once per run)
         heads = run.__dict__["_prefills"] = {}
         for where, calls in run.sites().items():
-            heads[where] = [c for c in calls if queries(c, run.top(c))[:1].tolist() == [0]]
-    site = heads.get(call.where, [])
-    at = bisect.bisect_left([c.index for c in site], call.index) if len(site) > 1 else int(bool(site) and site[0].index < call.index)
+            firsts = [c for c in calls if queries(c, run.top(c))[:1].tolist() == [0]]
+            heads[where] = (firsts, [c.index for c in firsts])
+    site, indices = heads.get(call.where, ([], []))
+    at = bisect.bisect_left(indices, call.index)
     if at == 0:
         return None
     head, held = site[at - 1], run.__dict__.setdefault("_prefill_keys", {})
     if head.index not in held:
-        from maskcli.checks.context import keep
-
         cells = keep(head)
         keys = None
         if cells is not None:
