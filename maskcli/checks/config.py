@@ -99,8 +99,7 @@ def real(cells: np.ndarray, own: np.ndarray, given, batch: int | None = None,
          before=None) -> tuple[np.ndarray, np.ndarray]:
     """Bool (B, Lk) real keys and (B, Lq) real queries of each batch row: the model call's 2-D attention_mask `given`
     where it is one 0/1 row per batch row (`batch`: the call's) over the keys, else the padding read off the mask
-    (keypadding), or what `before()` gives, the padding a later step's prefill showed (real.behind_cache, asked only
-    here); a query is real where its key is."""
+    (keypadding) or, at a later step, what `before()` gives (real.behind_cache); a query is real where its key is."""
     rows, _, q_len, k_len = cells.shape
     if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape == (batch or rows, k_len) and \
             rows in (1, given.shape[0]) and np.isin(given, (0, 1)).all():
@@ -130,8 +129,8 @@ def _placed(call, run: Run, cells) -> Placed | None:
     if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top):
         return None
     own = queries(call, top)
-    real_k, real_q = real(cells, own, None if top is None else top.arguments.get("attention_mask"), call.shape[0],
-                          lambda: behind_cache(run, call))
+    given = None if top is None else top.arguments.get("attention_mask")
+    real_k, real_q = real(cells, own, given, call.shape[0], lambda: behind_cache(run, call))
     return Placed(cells, own, real_q, real_k)
 
 
