@@ -138,8 +138,9 @@ def alignment(run: Run) -> list:
             continue
         done.add(call.mask)
         cells = keep(call)
-        if cells is None or cells[..., np.arange(q_len), np.arange(q_len) + 1].any():
-            continue  # a query that sees the key after its row number: not top-left (most decode steps stop here)
+        if cells is None or np.triu(cells, k=1).any():
+            continue  # a query that sees a key past its row number: not top-left causal, padded or not (padding only
+            # takes cells away), so `equals` cannot hold (most decode steps stop here)
         if equals(cells, "causal", offset=0, kv_len=k_len, **found_padding(cells)):
             found.append((call, Finding("top-left-mask", (
                 f"at step {call.step} the mask is causal aligned top-left: query {int(own[0])} sees keys 0..0 only, "
