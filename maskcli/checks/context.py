@@ -125,15 +125,33 @@ def keep(call) -> np.ndarray | None:
     held = _DENSE.get(id(stored))
     if held is not None and held[0] is stored:  # the rules read one stored mask many times: built once, read-only
         return held[1]
-    cells = tracefile.dense(stored)
+    cells = _dense(stored)
     cells.setflags(write=False)
-    while _DENSE and sum(held[1].nbytes for held in _DENSE.values()) + cells.nbytes > _HELD_BYTES:
-        _DENSE.pop(next(iter(_DENSE)))  # the oldest first
+    global _held
+    while _DENSE and _held + cells.nbytes > _HELD_BYTES:
+        _held -= _DENSE.pop(next(iter(_DENSE)))[1].nbytes  # the oldest first
     _DENSE[id(stored)] = (stored, cells)  # (the stored dict held too: its id cannot be reused while here)
+    _held += cells.nbytes  # (a running total: summing every held mask on each insert cost more than the masks)
     return cells
 
 
 _HELD_BYTES = 64 << 20
+_held = 0  # bytes in _DENSE
+
+
+def _dense(stored: dict) -> np.ndarray:
+    """tracefile.dense of a mask keep() reads (at most DENSE_CELLS cells, so no free-memory check): every plane in one
+    pass per interval column, not a pass per plane (the rules read every stored mask of a run)."""
+    if stored["form"] != "intervals":
+        return tracefile.dense(stored)
+    b, h = stored["planes"]
+    q_len, k_len = stored["shape"][2:]
+    starts, ends = np.asarray(stored["starts"]), np.asarray(stored["ends"])  # (b*h, Lq or 1, K)
+    keys = np.arange(k_len)
+    cells = np.zeros((b * h, q_len, k_len), dtype=bool)
+    for k in range(starts.shape[2]):  # (K is small: a pass per interval column, as Intervals.dense)
+        cells |= (keys >= starts[:, :, k, None]) & (keys < ends[:, :, k, None])
+    return cells.reshape(b, h, q_len, k_len)
 _DENSE: dict[int, tuple[dict, np.ndarray]] = {}
 
 
