@@ -184,15 +184,15 @@ def queries(call, top: Top | None) -> np.ndarray:
     return np.arange(k_len - q_len, k_len)
 
 
-def columns_are_positions(call, top: Top | None) -> bool:
+def columns_are_positions(call, top: Top | None, own: np.ndarray | None = None) -> bool:
     """Key column j is position j: a cache that keeps every key from position 0 (dynamic, static, or none); never a
-    cross-attention's, whose keys are another sequence's."""
+    cross-attention's, whose keys are another sequence's. (`own`: queries(call, top) where the caller has it.)"""
     if call.details.get("slots") is not None or cross(call):
         return False
     placed = call.details.get("keys")
     if placed is not None:
         return placed[0] == 0
-    return int(queries(call, top)[-1]) < call.shape[3]
+    return int((queries(call, top) if own is None else own)[-1]) < call.shape[3]
 
 
 def equals(cells: np.ndarray, expression: str, **placed) -> bool:

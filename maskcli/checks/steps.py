@@ -76,52 +76,70 @@ def sites(run: Run) -> list:
     """Each decode step against the latest prefill (its first query at position 0) before it at its site: a later
     prefill is a new sequence (another batch, an encoder called again with another mask), not a step behind the
     cache."""
-    found, read = [], {}
+    found, read, judged = [], {}, {}
     for where, calls in run.sites().items():
         head = shown = None
         for call in calls:
             later_top = run.top(call)
-            if queries(call, later_top)[:1].tolist() == [0]:  # a prefill (a static cache's too: its unwritten slots after)
+            own = queries(call, later_top)
+            if own[:1].tolist() == [0]:  # a prefill (a static cache's too: its unwritten slots after)
                 key = (call.mask, call.shape, id(later_top))  # (every layer's prefill of one model call: one mask)
                 if key not in read:
                     read[key] = _prefill(call, later_top)
                 head, shown, done = call, read[key], {call.mask}
                 continue
-            if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not columns_are_positions(call, later_top):
+            if shown is None or call.mask in done or call.shape[3] < head.shape[3] \
+                    or not columns_are_positions(call, later_top, own):
                 continue
             done.add(call.mask)
             later = keep(call)
             if later is None:
                 continue
+            # every layer of one step hands its calls one mask against one prefill: judged once for all of them
+            verdict = (id(shown), call.mask, call.shape, id(later_top), own.tobytes())
+            if verdict not in judged:
+                judged[verdict] = _judge(call, later_top, later, own, *shown)
+            said = judged[verdict]
+            if said is None:
+                continue
             padded, window = shown
-            own = queries(call, later_top)
-            rows = max(later.shape[0], call.shape[0])
-            asking = _Asking(call, later_top, later, rows)  # its real queries, resolved where a rule would speak
-            if padded is not None and later.shape[0] in (1, padded.shape[0]):
-                width = padded.shape[1]
-                bad = later[..., :width] & padded[:, None, None, :]  # (one mask row for every batch row broadcasts)
-                if bad.any():
-                    bad = bad & asking()[..., None]
-                if bad.any():
-                    b, h, q, k = first_cell(bad)
-                    found.append((call, Finding("padding-lost", (
-                        f"at step {call.step} query {int(own[q])} of batch row {b} sees key {k}, which no query of that "
-                        f"row saw at step {head.step} (its padding): the padding is lost behind the cache"),
-                        expected=f"the key padding of step {head.step}", source=f"{where} at step {head.step}",
-                        cell=(b, int(own[q]), k))))
-                    continue
-            if window is not None:
-                back = own[None, None, :] - np.where(later.any(axis=-1), later.argmax(axis=-1), own[None, None, :])
-                if (back >= window).any():
-                    back = np.where(asking(), back, 0)
-                if (back >= window).any():
-                    b, h, q = first_cell(back >= window)
-                    found.append((call, Finding("window-lost", (
-                        f"step {head.step} of {where} is window({window}), but at step {call.step} query {int(own[q])} "
-                        f"sees {int(back[b, h, q]) + 1} keys back: the window is lost behind the cache"),
-                        expected=f"window({window})", source=f"{where} at step {head.step}",
-                        cell=(b, int(own[q]), int(own[q] - back[b, h, q])))))
+            if said[0] == "padding":
+                b, q, k = said[1:]
+                found.append((call, Finding("padding-lost", (
+                    f"at step {call.step} query {int(own[q])} of batch row {b} sees key {k}, which no query of that "
+                    f"row saw at step {head.step} (its padding): the padding is lost behind the cache"),
+                    expected=f"the key padding of step {head.step}", source=f"{where} at step {head.step}",
+                    cell=(b, int(own[q]), k))))
+            else:
+                b, q, back = said[1:]
+                found.append((call, Finding("window-lost", (
+                    f"step {head.step} of {where} is window({window}), but at step {call.step} query {int(own[q])} "
+                    f"sees {back + 1} keys back: the window is lost behind the cache"),
+                    expected=f"window({window})", source=f"{where} at step {head.step}",
+                    cell=(b, int(own[q]), int(own[q] - back)))))
     return found
+
+
+def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window) -> tuple | None:
+    """("padding", b, q, k) where a decode step's real query sees a key its prefill padded, else ("window", b, q, keys
+    back less 1) where one sees further back than the prefill's window, else None."""
+    asking = _Asking(call, top, later, max(later.shape[0], call.shape[0]))  # its real queries, resolved where a rule would speak
+    if padded is not None and later.shape[0] in (1, padded.shape[0]):
+        width = padded.shape[1]
+        bad = later[..., :width] & padded[:, None, None, :]  # (one mask row for every batch row broadcasts)
+        if bad.any():
+            bad = bad & asking()[..., None]
+        if bad.any():
+            b, h, q, k = first_cell(bad)
+            return "padding", b, q, k
+    if window is not None:
+        back = own[None, None, :] - np.where(later.any(axis=-1), later.argmax(axis=-1), own[None, None, :])
+        if (back >= window).any():
+            back = np.where(asking(), back, 0)
+        if (back >= window).any():
+            b, h, q = first_cell(back >= window)
+            return "window", b, q, int(back[b, h, q])
+    return None
 
 
 def alignment(run: Run) -> list:
