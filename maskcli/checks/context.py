@@ -42,31 +42,38 @@ class Run:
     unmasked: list = field(default_factory=list)  # softmax calls of sites that mask nowhere (engine.py; held.py reads them)
 
     def top(self, call) -> Top | None:
-        """The innermost outermost-module call that made `call` (the last one that began before it)."""
-        found = None
-        for top in self.tops:
-            if top.first <= call.index < top.end:
-                found = top
-        return found
+        """The innermost outermost-module call that made `call` (the last one that began before it), from an index
+        built once per run (every rule asks it of every call)."""
+        index = self.__dict__.get("_tops")
+        if index is None or index[0] != len(self.tops):
+            found: dict = {}
+            for top in self.tops:  # (a later one that began before a call is its innermost: it overwrites)
+                found.update(dict.fromkeys(range(top.first, top.end), top))
+            index = self.__dict__["_tops"] = (len(self.tops), found)
+        return index[1].get(call.index)
 
     def config(self, call):
         top = self.top(call)
         return None if top is None else top.config
 
     def sites(self) -> dict[str, list]:
-        """Each call site's calls in step order."""
-        return self._by(lambda call: call.where)
+        """Each call site's calls in step order (one dict for every rule that asks: read it, never change it)."""
+        return self._by("sites", lambda call: call.where)
 
     def callers(self) -> dict[tuple, list]:
         """Each call site's calls by the line that called it where it is a function's line (trace/sites.py): a helper
         that the encoder and the decoder share is two, one full and one causal."""
-        return self._by(lambda call: (call.where, call.details.get("caller")))
+        return self._by("callers", lambda call: (call.where, call.details.get("caller")))
 
-    def _by(self, key) -> dict:
+    def _by(self, name: str, key) -> dict:
+        held = self.__dict__.setdefault("_by_key", {}).get(name)
+        if held is not None and held[0] == len(self.calls):
+            return held[1]
         found: dict = {}
         for call in self.calls:
             if call.stored is not None:
                 found.setdefault(key(call), []).append(call)
+        self.__dict__["_by_key"][name] = (len(self.calls), found)
         return found
 
 
