@@ -52,6 +52,19 @@ class Run:
             index = self.__dict__["_tops"] = (len(self.tops), found)
         return index[1].get(call.index)
 
+    def placed(self, call) -> tuple[Top | None, np.ndarray, bool]:
+        """(run.top(call), queries(call, top) read-only, columns_are_positions(call, top)), found once per call for
+        every rule that places a call's queries among its keys."""
+        memo = self.__dict__.setdefault("_placed", {})
+        held = memo.get(id(call))
+        if held is not None and held[0] is call:
+            return held[1]
+        top = self.top(call)
+        own = queries(call, top)
+        own.setflags(write=False)  # (shared by every rule that asks)
+        found = memo[id(call)] = (call, (top, own, columns_are_positions(call, top, own)))
+        return found[1]
+
     def config(self, call):
         top = self.top(call)
         return None if top is None else top.config

@@ -80,16 +80,14 @@ def sites(run: Run) -> list:
     for where, calls in run.sites().items():
         head = shown = None
         for call in calls:
-            later_top = run.top(call)
-            own = queries(call, later_top)
+            later_top, own, positions = run.placed(call)
             if own[:1].tolist() == [0]:  # a prefill (a static cache's too: its unwritten slots after)
                 key = (call.mask, call.shape, id(later_top))  # (every layer's prefill of one model call: one mask)
                 if key not in read:
                     read[key] = _prefill(call, later_top)
                 head, shown, done = call, read[key], {call.mask}
                 continue
-            if shown is None or call.mask in done or call.shape[3] < head.shape[3] \
-                    or not columns_are_positions(call, later_top, own):
+            if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not positions:
                 continue
             done.add(call.mask)
             later = keep(call)
@@ -150,9 +148,8 @@ def alignment(run: Run) -> list:
         q_len, k_len = call.shape[2:]
         if call.step == 0 or q_len >= k_len or call.mask in done or call.stored is None:
             continue
-        top = run.top(call)
-        own = queries(call, top)
-        if own[0] == 0 or not columns_are_positions(call, top):
+        top, own, positions = run.placed(call)
+        if own[0] == 0 or not positions:
             continue
         done.add(call.mask)
         cells = keep(call)
