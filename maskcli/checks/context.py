@@ -9,6 +9,7 @@ these as transformers reads them; nothing here imports torch or transformers.
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 from dataclasses import dataclass, field
@@ -115,7 +116,7 @@ def cross(call) -> bool:
     details = call.details
     if details.get("queries") is not None or details.get("kv_source") == "query":
         return False
-    if details.get("cross_said") or CROSS_WORDS.search(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
+    if details.get("cross_said") or _cross_word(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
         return True
     q_len, k_len = call.shape[2:]
     return q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal"))  # (flash places them itself)
@@ -128,8 +129,19 @@ def layer(call) -> int | None:
     hf = call.details.get("hf")
     if isinstance(hf, dict) and isinstance(hf.get("layer_idx"), int):
         return hf["layer_idx"]
-    found = LAYER.findall(call.where or "")
+    return _layer_number(call.where or "")
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_number(where: str) -> int | None:
+    """The last whole number of a module path (a run asks it of every call; a model has few paths)."""
+    found = LAYER.findall(where)
     return int(found[-1]) if found else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _cross_word(where: str) -> bool:
+    return CROSS_WORDS.search(where) is not None
 
 
 def keep(call) -> np.ndarray | None:
