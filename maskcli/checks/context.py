@@ -46,11 +46,11 @@ class Run:
         """The innermost outermost-module call that made `call` (the last one that began before it), from an index
         built once per run (every rule asks it of every call)."""
         index = self.__dict__.get("_tops")
-        if index is None or index[0] != len(self.tops):
+        if index is None or index[0] != (id(self.tops), len(self.tops)):
             found: dict = {}
             for top in self.tops:  # (a later one that began before a call is its innermost: it overwrites)
                 found.update(dict.fromkeys(range(top.first, top.end), top))
-            index = self.__dict__["_tops"] = (len(self.tops), found)
+            index = self.__dict__["_tops"] = ((id(self.tops), len(self.tops)), found)
         return index[1].get(call.index)
 
     def placed(self, call) -> tuple[Top | None, np.ndarray, bool]:
@@ -81,13 +81,13 @@ class Run:
 
     def _by(self, name: str, key) -> dict:
         held = self.__dict__.setdefault("_by_key", {}).get(name)
-        if held is not None and held[0] == len(self.calls):
+        if held is not None and held[0] == (id(self.calls), len(self.calls)):
             return held[1]
         found: dict = {}
         for call in self.calls:
             if call.stored is not None:
                 found.setdefault(key(call), []).append(call)
-        self.__dict__["_by_key"][name] = (len(self.calls), found)
+        self.__dict__["_by_key"][name] = ((id(self.calls), len(self.calls)), found)
         return found
 
 

@@ -29,9 +29,9 @@ def _window(cells: np.ndarray, own: np.ndarray, real: Real) -> int | None:
     if not judged.any() or not seen[judged].all():
         return None
     k_len = cells.shape[-1]
-    first = np.where(seen, cells.argmax(axis=-1), k_len)  # (B, H, Lq)
+    first = cells.argmax(axis=-1)  # (B, H, Lq) (read on judged rows only: each sees a key)
     last = k_len - 1 - cells[..., ::-1].argmax(axis=-1)
-    count = cells.sum(axis=-1)
+    count = np.count_nonzero(cells, axis=-1)
     own3 = np.broadcast_to(own[None, None, :], first.shape)
     if not (last == own3)[judged].all() or not (count == last - first + 1)[judged].all():
         return None  # not one run ending at the query's own key
@@ -130,10 +130,10 @@ def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window) -> tup
         if bad.any():
             b, h, q, k = first_cell(bad)
             return "padding", b, q, k
-    if window is not None:
+    if window is not None and (later & (np.arange(later.shape[-1]) <= own[:, None] - window)).any():
+        # (some query sees a key W or more back: only then is how far back each sees counted)
         back = own[None, None, :] - np.where(later.any(axis=-1), later.argmax(axis=-1), own[None, None, :])
-        if (back >= window).any():
-            back = np.where(asking(), back, 0)
+        back = np.where(asking(), back, 0)
         if (back >= window).any():
             b, h, q = first_cell(back >= window)
             return "window", b, q, int(back[b, h, q])
@@ -172,7 +172,7 @@ def causal_lost(run: Run) -> list:
     through one line in a loop). Batches with rows that see no key are left alone: what padding rows see depends on the kernel. nn.MultiheadAttention applies the masks its caller hands it,
     and one module may be called causal and not (nn.TransformerEncoder with and without mask=): there a pass that
     sees later keys is a finding only where decode steps follow it at the site (a prefill)."""
-    found = []
+    found, every_row = [], {}  # id(cells) -> (cells, whether every query row sees a key): each layer hands one mask
     for (where, _), calls in run.callers().items():
         if not any(call.shape[2] < call.shape[3] for call in calls):
             continue  # no step behind a cache: independent calls (masks built in a loop, one line for all), no prefill
@@ -184,7 +184,11 @@ def causal_lost(run: Run) -> list:
             if call.api == "mha" and causal is not None and not _decode_follows(calls[n + 1:]):
                 continue
             cells = keep(call)
-            if cells is None or not cells.any(axis=-1).all():
+            if cells is None:
+                continue
+            if id(cells) not in every_row:
+                every_row[id(cells)] = (cells, bool(cells.any(axis=-1).all()))
+            if not every_row[id(cells)][1]:
                 continue
             if causal is None and equals(cells, "causal"):
                 causal = call
