@@ -153,7 +153,7 @@ def alignment(run: Run) -> list:
             continue
         done.add(call.mask)
         cells = keep(call)
-        if cells is None or np.triu(cells, k=1).any():
+        if cells is None or (cells & (np.arange(k_len)[None, :] > np.arange(q_len)[:, None])).any():
             continue  # a query that sees a key past its row number: not top-left causal, padded or not (padding only
             # takes cells away), so `equals` cannot hold (most decode steps stop here)
         if equals(cells, "causal", offset=0, kv_len=k_len, **found_padding(cells)):
