@@ -174,6 +174,7 @@ def keep(call) -> np.ndarray | None:
 
 
 _HELD_BYTES = 64 << 20
+_DENSE: dict[int, tuple[dict, np.ndarray]] = {}
 _held = 0  # bytes in _DENSE
 
 
@@ -190,7 +191,6 @@ def _dense(stored: dict) -> np.ndarray:
     for k in range(starts.shape[2]):  # (K is small: a pass per interval column, as Intervals.dense)
         cells |= (keys >= starts[:, :, k, None]) & (keys < ends[:, :, k, None])
     return cells.reshape(b, h, q_len, k_len)
-_DENSE: dict[int, tuple[dict, np.ndarray]] = {}
 
 
 def queries(call, top: Top | None) -> np.ndarray:
