@@ -9,6 +9,7 @@ these as transformers reads them; nothing here imports torch or transformers.
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 from dataclasses import dataclass, field
@@ -42,31 +43,57 @@ class Run:
     unmasked: list = field(default_factory=list)  # softmax calls of sites that mask nowhere (engine.py; held.py reads them)
 
     def top(self, call) -> Top | None:
-        """The innermost outermost-module call that made `call` (the last one that began before it)."""
-        found = None
-        for top in self.tops:
-            if top.first <= call.index < top.end:
-                found = top
-        return found
+        """The innermost outermost-module call that made `call` (the last one that began before it), from an index
+        built once per run (every rule asks it of every call)."""
+        index = self.__dict__.get("_tops")
+        if index is None or index[0] != (id(self.tops), len(self.tops)):
+            found: dict = {}
+            for top in self.tops:  # (a later one that began before a call is its innermost: it overwrites)
+                found.update(dict.fromkeys(range(top.first, top.end), top))
+            index = self.__dict__["_tops"] = ((id(self.tops), len(self.tops)), found)
+        return index[1].get(call.index)
+
+    def placed(self, call) -> tuple[Top | None, np.ndarray, bool]:
+        """(run.top(call), queries(call, top) read-only, columns_are_positions(call, top)), found once per call for
+        every rule that places a call's queries among its keys."""
+        memo = self.__dict__.setdefault("_placed", {})
+        held = memo.get(id(call))
+        if held is not None and held[0] is call:
+            return held[1]
+        top = self.top(call)
+        q_len, k_len = call.shape[2:]
+        given = call.details.get("queries")
+        # (what queries() reads: the layers of one step share their placing)
+        key = (id(top), q_len, k_len, None if given is None else (int(given[0]), int(given[1])))
+        own = memo.get(key)
+        if own is None:
+            own = memo[key] = queries(call, top)
+            own.setflags(write=False)  # (shared by every rule that asks)
+        found = memo[id(call)] = (call, (top, own, columns_are_positions(call, top, own)))
+        return found[1]
 
     def config(self, call):
         top = self.top(call)
         return None if top is None else top.config
 
     def sites(self) -> dict[str, list]:
-        """Each call site's calls in step order."""
-        return self._by(lambda call: call.where)
+        """Each call site's calls in step order (one dict for every rule that asks: read it, never change it)."""
+        return self._by("sites", lambda call: call.where)
 
     def callers(self) -> dict[tuple, list]:
         """Each call site's calls by the line that called it where it is a function's line (trace/sites.py): a helper
         that the encoder and the decoder share is two, one full and one causal."""
-        return self._by(lambda call: (call.where, call.details.get("caller")))
+        return self._by("callers", lambda call: (call.where, call.details.get("caller")))
 
-    def _by(self, key) -> dict:
+    def _by(self, name: str, key) -> dict:
+        held = self.__dict__.setdefault("_by_key", {}).get(name)
+        if held is not None and held[0] == (id(self.calls), len(self.calls)):
+            return held[1]
         found: dict = {}
         for call in self.calls:
             if call.stored is not None:
                 found.setdefault(key(call), []).append(call)
+        self.__dict__["_by_key"][name] = ((id(self.calls), len(self.calls)), found)
         return found
 
 
@@ -95,7 +122,7 @@ def cross(call) -> bool:
     details = call.details
     if details.get("queries") is not None or details.get("kv_source") == "query":
         return False
-    if details.get("cross_said") or CROSS_WORDS.search(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
+    if details.get("cross_said") or _cross_word(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
         return True
     q_len, k_len = call.shape[2:]
     return q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal"))  # (flash places them itself)
@@ -108,8 +135,19 @@ def layer(call) -> int | None:
     hf = call.details.get("hf")
     if isinstance(hf, dict) and isinstance(hf.get("layer_idx"), int):
         return hf["layer_idx"]
-    found = LAYER.findall(call.where or "")
+    return _layer_number(call.where or "")
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_number(where: str) -> int | None:
+    """The last whole number of a module path (a run asks it of every call; a model has few paths)."""
+    found = LAYER.findall(where)
     return int(found[-1]) if found else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _cross_word(where: str) -> bool:
+    return CROSS_WORDS.search(where) is not None
 
 
 def keep(call) -> np.ndarray | None:
@@ -125,16 +163,34 @@ def keep(call) -> np.ndarray | None:
     held = _DENSE.get(id(stored))
     if held is not None and held[0] is stored:  # the rules read one stored mask many times: built once, read-only
         return held[1]
-    cells = tracefile.dense(stored)
+    cells = _dense(stored)
     cells.setflags(write=False)
-    while _DENSE and sum(held[1].nbytes for held in _DENSE.values()) + cells.nbytes > _HELD_BYTES:
-        _DENSE.pop(next(iter(_DENSE)))  # the oldest first
+    global _held
+    while _DENSE and _held + cells.nbytes > _HELD_BYTES:
+        _held -= _DENSE.pop(next(iter(_DENSE)))[1].nbytes  # the oldest first
     _DENSE[id(stored)] = (stored, cells)  # (the stored dict held too: its id cannot be reused while here)
+    _held += cells.nbytes  # (a running total: summing every held mask on each insert cost more than the masks)
     return cells
 
 
 _HELD_BYTES = 64 << 20
 _DENSE: dict[int, tuple[dict, np.ndarray]] = {}
+_held = 0  # bytes in _DENSE
+
+
+def _dense(stored: dict) -> np.ndarray:
+    """tracefile.dense of a mask keep() reads (at most DENSE_CELLS cells, so no free-memory check): every plane in one
+    pass per interval column, not a pass per plane (the rules read every stored mask of a run)."""
+    if stored["form"] != "intervals":
+        return tracefile.dense(stored)
+    b, h = stored["planes"]
+    q_len, k_len = stored["shape"][2:]
+    starts, ends = np.asarray(stored["starts"]), np.asarray(stored["ends"])  # (b*h, Lq or 1, K)
+    keys = np.arange(k_len)
+    cells = np.zeros((b * h, q_len, k_len), dtype=bool)
+    for k in range(starts.shape[2]):  # (K is small: a pass per interval column, as Intervals.dense)
+        cells |= (keys >= starts[:, :, k, None]) & (keys < ends[:, :, k, None])
+    return cells.reshape(b, h, q_len, k_len)
 
 
 def queries(call, top: Top | None) -> np.ndarray:
@@ -166,15 +222,15 @@ def queries(call, top: Top | None) -> np.ndarray:
     return np.arange(k_len - q_len, k_len)
 
 
-def columns_are_positions(call, top: Top | None) -> bool:
+def columns_are_positions(call, top: Top | None, own: np.ndarray | None = None) -> bool:
     """Key column j is position j: a cache that keeps every key from position 0 (dynamic, static, or none); never a
-    cross-attention's, whose keys are another sequence's."""
+    cross-attention's, whose keys are another sequence's. (`own`: queries(call, top) where the caller has it.)"""
     if call.details.get("slots") is not None or cross(call):
         return False
     placed = call.details.get("keys")
     if placed is not None:
         return placed[0] == 0
-    return int(queries(call, top)[-1]) < call.shape[3]
+    return int((queries(call, top) if own is None else own)[-1]) < call.shape[3]
 
 
 def equals(cells: np.ndarray, expression: str, **placed) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, columns_are_positions, keep, queries
+from maskcli.checks.context import Run, keep
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -35,18 +35,17 @@ def per_head(run: Run) -> list:
         cells = keep(call)
         if cells is None or cells.shape[1] < 2 or call.shape[0] < 2:
             continue
-        top = run.top(call)
-        if not columns_are_positions(call, top):
-            continue
         key = (call.mask, call.shape)
-        if key in done:
+        if key in done:  # (asked first: the same key is never read twice, whatever the checks below say)
+            continue
+        _, own, positions = run.placed(call)
+        if not positions:
             continue
         done.add(key)
         rows, heads, q_len, k_len = call.shape
         if cells.shape[0] not in (1, rows) or cells.shape[1] != heads:
             continue
         cells = np.broadcast_to(cells, (rows, heads, q_len, k_len))
-        own = queries(call, top)
         mine = np.zeros(k_len, dtype=bool)  # keys whose own query is one of this call's
         inside = (own >= 0) & (own < k_len)
         mine[own[inside]] = True

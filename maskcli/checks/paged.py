@@ -55,6 +55,8 @@ def _expected(cu_q: np.ndarray, cu_k: np.ndarray, size: int | None) -> np.ndarra
 def windows(run: Run) -> list:
     """Each call of a sliding layer whose model call states packed sequences against their stated window."""
     found, missing, windowed, done = [], [], set(), set()
+    if not any(getattr(top, "stated", ()) for top in run.tops):
+        return found  # (no config stated anywhere: no call's intent states a window)
     for call in run.calls:
         if call.stored is None:
             continue

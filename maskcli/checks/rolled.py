@@ -71,6 +71,8 @@ def miscounted(run: Run) -> list:
     """Each real query of a sliding or chunked layer whose keys are not columns by position against the real tokens
     its window or chunk holds."""
     found, done = [], set()
+    if not any(getattr(top, "stated", ()) for top in run.tops):
+        return found  # (no config stated anywhere: every call's intent is empty, no layer sliding or chunked)
     for call in run.calls:
         if call.stored is None or call.shape[2] > call.shape[3]:
             continue

@@ -29,9 +29,9 @@ def _window(cells: np.ndarray, own: np.ndarray, real: Real) -> int | None:
     if not judged.any() or not seen[judged].all():
         return None
     k_len = cells.shape[-1]
-    first = np.where(seen, cells.argmax(axis=-1), k_len)  # (B, H, Lq)
+    first = cells.argmax(axis=-1)  # (B, H, Lq) (read on judged rows only: each sees a key)
     last = k_len - 1 - cells[..., ::-1].argmax(axis=-1)
-    count = cells.sum(axis=-1)
+    count = np.count_nonzero(cells, axis=-1)
     own3 = np.broadcast_to(own[None, None, :], first.shape)
     if not (last == own3)[judged].all() or not (count == last - first + 1)[judged].all():
         return None  # not one run ending at the query's own key
@@ -76,52 +76,68 @@ def sites(run: Run) -> list:
     """Each decode step against the latest prefill (its first query at position 0) before it at its site: a later
     prefill is a new sequence (another batch, an encoder called again with another mask), not a step behind the
     cache."""
-    found, read = [], {}
+    found, read, judged = [], {}, {}
     for where, calls in run.sites().items():
         head = shown = None
         for call in calls:
-            later_top = run.top(call)
-            if queries(call, later_top)[:1].tolist() == [0]:  # a prefill (a static cache's too: its unwritten slots after)
+            later_top, own, positions = run.placed(call)
+            if own[:1].tolist() == [0]:  # a prefill (a static cache's too: its unwritten slots after)
                 key = (call.mask, call.shape, id(later_top))  # (every layer's prefill of one model call: one mask)
                 if key not in read:
                     read[key] = _prefill(call, later_top)
                 head, shown, done = call, read[key], {call.mask}
                 continue
-            if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not columns_are_positions(call, later_top):
+            if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not positions:
                 continue
             done.add(call.mask)
             later = keep(call)
             if later is None:
                 continue
+            # every layer of one step hands its calls one mask against one prefill: judged once for all of them
+            verdict = (id(shown), call.mask, call.shape, id(later_top), own.tobytes())
+            if verdict not in judged:
+                judged[verdict] = _judge(call, later_top, later, own, *shown)
+            said = judged[verdict]
+            if said is None:
+                continue
             padded, window = shown
-            own = queries(call, later_top)
-            rows = max(later.shape[0], call.shape[0])
-            asking = _Asking(call, later_top, later, rows)  # its real queries, resolved where a rule would speak
-            if padded is not None and later.shape[0] in (1, padded.shape[0]):
-                width = padded.shape[1]
-                bad = later[..., :width] & padded[:, None, None, :]  # (one mask row for every batch row broadcasts)
-                if bad.any():
-                    bad = bad & asking()[..., None]
-                if bad.any():
-                    b, h, q, k = first_cell(bad)
-                    found.append((call, Finding("padding-lost", (
-                        f"at step {call.step} query {int(own[q])} of batch row {b} sees key {k}, which no query of that "
-                        f"row saw at step {head.step} (its padding): the padding is lost behind the cache"),
-                        expected=f"the key padding of step {head.step}", source=f"{where} at step {head.step}",
-                        cell=(b, int(own[q]), k))))
-                    continue
-            if window is not None:
-                back = own[None, None, :] - np.where(later.any(axis=-1), later.argmax(axis=-1), own[None, None, :])
-                if (back >= window).any():
-                    back = np.where(asking(), back, 0)
-                if (back >= window).any():
-                    b, h, q = first_cell(back >= window)
-                    found.append((call, Finding("window-lost", (
-                        f"step {head.step} of {where} is window({window}), but at step {call.step} query {int(own[q])} "
-                        f"sees {int(back[b, h, q]) + 1} keys back: the window is lost behind the cache"),
-                        expected=f"window({window})", source=f"{where} at step {head.step}",
-                        cell=(b, int(own[q]), int(own[q] - back[b, h, q])))))
+            if said[0] == "padding":
+                b, q, k = said[1:]
+                found.append((call, Finding("padding-lost", (
+                    f"at step {call.step} query {int(own[q])} of batch row {b} sees key {k}, which no query of that "
+                    f"row saw at step {head.step} (its padding): the padding is lost behind the cache"),
+                    expected=f"the key padding of step {head.step}", source=f"{where} at step {head.step}",
+                    cell=(b, int(own[q]), k))))
+            else:
+                b, q, back = said[1:]
+                found.append((call, Finding("window-lost", (
+                    f"step {head.step} of {where} is window({window}), but at step {call.step} query {int(own[q])} "
+                    f"sees {back + 1} keys back: the window is lost behind the cache"),
+                    expected=f"window({window})", source=f"{where} at step {head.step}",
+                    cell=(b, int(own[q]), int(own[q] - back)))))
     return found
+
+
+def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window) -> tuple | None:
+    """("padding", b, q, k) where a decode step's real query sees a key its prefill padded, else ("window", b, q, keys
+    back less 1) where one sees further back than the prefill's window, else None."""
+    asking = _Asking(call, top, later, max(later.shape[0], call.shape[0]))  # its real queries, resolved where a rule would speak
+    if padded is not None and later.shape[0] in (1, padded.shape[0]):
+        width = padded.shape[1]
+        bad = later[..., :width] & padded[:, None, None, :]  # (one mask row for every batch row broadcasts)
+        if bad.any():
+            bad = bad & asking()[..., None]
+        if bad.any():
+            b, h, q, k = first_cell(bad)
+            return "padding", b, q, k
+    if window is not None and (later & (np.arange(later.shape[-1]) <= own[:, None] - window)).any():
+        # (some query sees a key W or more back: only then is how far back each sees counted)
+        back = own[None, None, :] - np.where(later.any(axis=-1), later.argmax(axis=-1), own[None, None, :])
+        back = np.where(asking(), back, 0)
+        if (back >= window).any():
+            b, h, q = first_cell(back >= window)
+            return "window", b, q, int(back[b, h, q])
+    return None
 
 
 def alignment(run: Run) -> list:
@@ -132,14 +148,14 @@ def alignment(run: Run) -> list:
         q_len, k_len = call.shape[2:]
         if call.step == 0 or q_len >= k_len or call.mask in done or call.stored is None:
             continue
-        top = run.top(call)
-        own = queries(call, top)
-        if own[0] == 0 or not columns_are_positions(call, top):
+        top, own, positions = run.placed(call)
+        if own[0] == 0 or not positions:
             continue
         done.add(call.mask)
         cells = keep(call)
-        if cells is None or cells[..., np.arange(q_len), np.arange(q_len) + 1].any():
-            continue  # a query that sees the key after its row number: not top-left (most decode steps stop here)
+        if cells is None or (cells & (np.arange(k_len)[None, :] > np.arange(q_len)[:, None])).any():
+            continue  # a query that sees a key past its row number: not top-left causal, padded or not (padding only
+            # takes cells away), so `equals` cannot hold (most decode steps stop here)
         if equals(cells, "causal", offset=0, kv_len=k_len, **found_padding(cells)):
             found.append((call, Finding("top-left-mask", (
                 f"at step {call.step} the mask is causal aligned top-left: query {int(own[0])} sees keys 0..0 only, "
@@ -156,7 +172,7 @@ def causal_lost(run: Run) -> list:
     through one line in a loop). Batches with rows that see no key are left alone: what padding rows see depends on the kernel. nn.MultiheadAttention applies the masks its caller hands it,
     and one module may be called causal and not (nn.TransformerEncoder with and without mask=): there a pass that
     sees later keys is a finding only where decode steps follow it at the site (a prefill)."""
-    found = []
+    found, every_row = [], {}  # id(cells) -> (cells, whether every query row sees a key): each layer hands one mask
     for (where, _), calls in run.callers().items():
         if not any(call.shape[2] < call.shape[3] for call in calls):
             continue  # no step behind a cache: independent calls (masks built in a loop, one line for all), no prefill
@@ -168,7 +184,11 @@ def causal_lost(run: Run) -> list:
             if call.api == "mha" and causal is not None and not _decode_follows(calls[n + 1:]):
                 continue
             cells = keep(call)
-            if cells is None or not cells.any(axis=-1).all():
+            if cells is None:
+                continue
+            if id(cells) not in every_row:
+                every_row[id(cells)] = (cells, bool(cells.any(axis=-1).all()))
+            if not every_row[id(cells)][1]:
                 continue
             if causal is None and equals(cells, "causal"):
                 causal = call

@@ -165,8 +165,10 @@ def inverted(run: Run) -> list:
     found = []
     for top in run.tops:
         zeros = top.arguments.get("zeros")
+        if zeros is None:
+            continue  # (most model calls: no float input with a zero run; the calls are searched only where one has it)
         first = next((call for call in run.calls if run.top(call) is top), None)
-        if zeros is None or first is None:
+        if first is None:
             continue
         source, zero = zeros
         for name in ("padding_mask", "key_padding_mask", "pad_mask", "attention_mask"):
