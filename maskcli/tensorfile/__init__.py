@@ -1,35 +1,46 @@
-"""Read named tensors from .pt, .npy, .npz, .safetensors and .json files, or inline JSON.
+"""Read named tensors from tensor files (.pt, .npy, .npz, .safetensors, .json) or inline JSON: one module of this
+package per file type, found by its suffix.
 
-Loading never runs code from the file: .pt goes through `torch.load(weights_only=True)`,
-.npy/.npz through `numpy.load(allow_pickle=False)`, and .safetensors is parsed here
-(an 8-byte header length, a JSON header, raw little-endian bytes), so no extra
-dependency is needed for it.
+Each file type is a module with a `FILE_TYPE` (base.py): its name, its suffixes, its `read`. A new one is added to
+MODULES; `read_tensors` refuses a file whose type none reads, or whose bytes cannot fit in memory once read, before
+reading it, and hands it to its type. Loading never runs code from the file: .pt goes through
+`torch.load(weights_only=True)` (pt.py), .npy/.npz through `numpy.load(allow_pickle=False)` (npy.py), and
+.safetensors is parsed here (safetensors.py), so no extra dependency is needed for it.
 
-Every file but .pt is read into numpy arrays without importing torch (`read_tensors`);
-`load_tensors` is the torch view of the same reading, for code that computes with torch.
-numpy has no bfloat16: such a tensor is widened to float32 (exactly: bfloat16 is float32's
-top 16 bits) with the dtype BFLOAT16, whose metadata keeps the name that `dtype_name` says.
+Every file but .pt is read into numpy arrays without importing torch (`read_tensors`); `load_tensors` is the torch
+view of the same reading, for code that computes with torch. numpy has no bfloat16: such a tensor is widened to
+float32 (exactly) with the dtype BFLOAT16, whose metadata keeps the name that `dtype_name` says.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
-import struct
+import importlib
 from pathlib import Path
 
 import numpy as np
 
 from maskcli.errors import MaskError
+from maskcli.files import is_inline, readable_file, state  # noqa: F401 - is_inline is read from here too
+from maskcli.tensorfile.base import BFLOAT16, SLICE_FIX, FileType, Reading
 from maskcli.text import names_text, shortened
 
-from maskcli.files import SAFETENSORS_DTYPES, checked_source, is_inline  # noqa: F401 - is_inline is read from here too
-from maskcli.numpyfile import SLICE_FIX, from_numpy
+MODULES = ("pt", "npy", "safetensors", "jsontext")  # the file types, one module each
 
-BFLOAT16 = np.dtype(np.float32, metadata={"name": "bfloat16"})  # a bfloat16 tensor's values, widened exactly
-# the codes safetensors writes, by numpy's dtype names (files.py writes them), and bfloat16
-_SAFETENSORS_DTYPES = {code: np.dtype(name) for name, code in SAFETENSORS_DTYPES.items()} | {"BF16": BFLOAT16}
+
+def _by_suffix() -> dict[str, FileType]:
+    """Every file type by each suffix it reads; a suffix claimed twice is a bug in maskcli."""
+    found: dict[str, FileType] = {}
+    for name in MODULES:
+        file_type = importlib.import_module(f"maskcli.tensorfile.{name}").FILE_TYPE
+        for suffix in file_type.suffixes:
+            if suffix in found:
+                raise RuntimeError(f"{suffix} is read by both {found[suffix].name} and {file_type.name}")
+            found[suffix] = file_type
+    return found
+
+
+FILE_TYPES = _by_suffix()
+READ_SUFFIXES = tuple(FILE_TYPES)  # tensor files maskcli reads
 
 
 def dtype_name(values) -> str:
@@ -81,34 +92,41 @@ def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: 
     `work`: (bytes per cell, what for) the caller needs beyond the arrays themselves: an .npz whose headers declare
     more than memory holds is refused from its headers, before a byte of it is unpacked.
     """
+    from maskcli.memory import check_bytes_fit
+    from maskcli.tensorfile import jsontext
+
+    reading = Reading(json_floats, numbers, lists, work)
     if is_inline(source):
-        where = f"{flag} {shortened(source, 60)!r} (inline JSON)"
-        return _read_json(source, where, json_floats, lists)
+        return jsontext.parse(source, f"{flag} {shortened(source, 60)!r} (inline JSON)", json_floats, lists)
     path, where, size = checked_source(source, flag)
-    suffix = path.suffix.lower()
+    file_type = FILE_TYPES[path.suffix.lower()]
     try:
-        _check_fits(size, suffix, where)
-        if suffix in (".pt", ".pth"):
-            return _from_pt(path, where, numbers, lists)
-        if suffix in (".npy", ".npz"):
-            return from_numpy(path, where, work)
-        if suffix == ".safetensors":
-            return _from_safetensors(path, where)
-        return _read_json(path.read_text(errors="replace"), where, json_floats, lists)
+        # refused before a byte is read where its tensors cannot fit in the memory this process has left
+        check_bytes_fit(size * file_type.bytes_per_byte, f"{where} ({size:,} bytes on disk)", file_type.how, fix=SLICE_FIX)
+        return file_type.read(path, where, reading)
     except OSError as error:  # unreadable (permissions, a vanished file): one line, not a traceback
         raise MaskError(f"{where}: cannot read it ({error.strerror or error})") from None
 
 
-JSON_BYTES_PER_CHARACTER = 16  # a JSON number of 2-3 characters becomes a Python int or float (24-32 bytes) in a list
-
-
-def _check_fits(size: int, suffix: str, where: str) -> None:
-    """Refuse, before reading a byte, a file whose tensors cannot fit in the memory this process has left."""
-    from maskcli.memory import check_bytes_fit
-
-    needed = size * JSON_BYTES_PER_CHARACTER if suffix == ".json" else size
-    how = "to read its text into numbers" if suffix == ".json" else "to load"
-    check_bytes_fit(needed, f"{where} ({size:,} bytes on disk)", how, fix=SLICE_FIX)
+def checked_source(source: str, flag: str) -> tuple[Path, str, int]:
+    """(path, its name for messages, its size) of a tensor file that exists, is readable, has a suffix a file type
+    reads and is not empty; a MaskError otherwise. Without torch, so that these refusals are quick."""
+    path = Path(source)
+    where = f"{flag} {source!r}"
+    suffix = path.suffix.lower()
+    if state(path) == "missing":
+        unknown = f", and {suffix!r} is not a file type maskcli reads" if suffix and suffix not in READ_SUFFIXES else ""
+        raise MaskError(f"{where}: no such file{unknown} (give a {', '.join(READ_SUFFIXES)} file, or inline JSON like '[[1, 0], [1, 1]]')")
+    readable_file(source, where)
+    if suffix not in READ_SUFFIXES:
+        raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; use one of {', '.join(READ_SUFFIXES)} or inline JSON")
+    try:
+        size = path.stat().st_size
+    except OSError as error:
+        raise MaskError(f"{where}: cannot read it ({error.strerror or error})") from None
+    if size == 0:
+        raise MaskError(f"{where}: the file is empty")
+    return path, where, size
 
 
 def load_tensor(source: str, flag: str, names: tuple[str, ...] = (), others: tuple[str, ...] = (), json_floats=None):
@@ -126,194 +144,3 @@ def load_tensor(source: str, flag: str, names: tuple[str, ...] = (), others: tup
     if len(tensors) == 1:  # alone, but named for another input
         raise MaskError(f"{flag} {source!r} holds only {held}, another input's name; expected {wanted}: save it under that name")
     raise MaskError(f"{flag} {source!r} holds {held}; expected {wanted}: save the tensor under that name, or alone in the file")
-
-
-def _read_json(text: str, where: str, floats: str, lists: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-    """A JSON tensor: a plain nested list of numbers parsed by numpy (jsonarrays), anything else through json."""
-    from maskcli.jsonarrays import dense_numbers
-
-    array = dense_numbers(text)
-    if array is None:
-        return _from_json(_parse_json(text, where), where, floats, lists)
-    if array.dtype.kind == "f":
-        with np.errstate(over="ignore"):  # as _from_json: a double past float32's range is inf there
-            array = array.astype(floats)
-    return {"": array}
-
-
-def _parse_json(text: str, where: str):
-    def integer(digits: str) -> int:  # numpy would make a wider one uint64, float64 or an object, not an error
-        if len(digits.lstrip("-")) > 19:  # past int64, and int() itself refuses more than 4,300 digits
-            raise MaskError(f"{where}: not a rectangular nested list of numbers ({shortened(digits, 40)} does not fit int64)")
-        value = int(digits)
-        if not -(1 << 63) <= value < 1 << 63:
-            raise MaskError(f"{where}: not a rectangular nested list of numbers ({shortened(digits, 40)} does not fit int64)")
-        return value
-
-    # json's C scanner makes ints itself only where parse_int is int (CPython Modules/_json.c, _match_number_unicode):
-    # a Python callback per number made a 4096 x 4096 file take 20 s. Only a run of 19 digits can leave int64.
-    wide = _WIDE_INTEGER.search(text) is not None
-    fast = None if wide else _spelled_constants(text)
-    try:
-        if fast is not None:
-            try:
-                return json.loads(fast)
-            except json.JSONDecodeError:  # the spellings replaced where they were not values (a key "nan"): read as written
-                pass
-        return json.loads(text, parse_int=integer if wide else None)
-    except json.JSONDecodeError as error:
-        raise MaskError(f"{where}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
-    except RecursionError:
-        raise MaskError(f"{where}: JSON nested too deeply to be a tensor") from None
-
-
-_WIDE_INTEGER = re.compile(r"[0-9]{19}")
-_NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
-# maskcli's JSON spells non-finite values as strings; json reads JavaScript's constants as floats itself
-_CONSTANTS = {'"-inf"': "-Infinity", '"inf"': "Infinity", '"nan"': "NaN"}
-
-
-def _spelled_constants(text: str) -> str:
-    """`text` with maskcli's "nan", "inf", "-inf" strings as the constants json reads as floats (str.replace: C speed)."""
-    for spelled, constant in _CONSTANTS.items():
-        if spelled in text:
-            text = text.replace(spelled, constant)
-    return text
-
-
-def _numbers(value):
-    """Nested lists with maskcli's JSON spelling of non-finite values ("nan", "inf", "-inf", any case) as floats."""
-    if isinstance(value, list):
-        return [_numbers(item) for item in value]
-    if isinstance(value, str) and value.lower() in _NON_FINITE:
-        return _NON_FINITE[value.lower()]
-    return value
-
-
-def _from_json(data, where: str, floats: str = "float32", lists: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-    items = data.items() if isinstance(data, dict) else [("", data)]
-    arrays = {}
-    for name, value in items:
-        if name in lists:
-            arrays[name] = value
-            continue
-        label = f" {name!r}" if name else ""
-        try:
-            array = np.array(value)  # C speed where the values are numbers already (_parse_json made the usual constants)
-            if array.dtype.kind not in "biuf":  # other spellings ("-Inf"), text, null, objects: looked at one by one
-                value = _numbers(value)
-                array = np.array(value)
-        except ValueError:  # numpy's "inhomogeneous shape": rows of different lengths, or a list beside a number
-            raise MaskError(f"{where}{label}: not a rectangular nested list of numbers (its rows differ in length or depth)") from None
-        if array.dtype.kind not in "biuf":
-            raise MaskError(f"{where}{label}: not a rectangular nested list of numbers ({shortened(json.dumps(next(_not_numbers(value), None)), 40)} is not a number)")
-        if array.dtype.kind == "f":
-            with np.errstate(over="ignore"):  # a double past float32's range is inf there, as torch.tensor makes it
-                array = array.astype(floats)
-        arrays[name] = array
-    return arrays
-
-
-def _not_numbers(value):
-    """The leaves of nested lists that are not numbers."""
-    if isinstance(value, list):
-        for item in value:
-            yield from _not_numbers(item)
-    elif not isinstance(value, (bool, int, float)):
-        yield value
-
-
-def _short(value) -> str:
-    text = " ".join(repr(value).split())
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _from_pt(path: Path, where: str, numbers: bool = False, lists: tuple[str, ...] = ()) -> dict:
-    import pickle
-    import warnings
-
-    import torch
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the error below says enough
-            data = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        # torch's message is mostly advice to turn weights_only off; keep the line that names the object
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        named = [line for line in lines if "GLOBAL" in line or line.startswith("Unsupported")]
-        reason = (named or lines[1:2] or ["it holds objects other than tensors"])[0]
-        raise MaskError(
-            f"{where}: refused to load with weights_only=True, nothing in it was run ({reason[:200]}); "
-            "save the tensor itself with torch.save(tensor, path)"
-        ) from None
-    except Exception as error:  # torch raises RuntimeError, EOFError, zipfile errors... for bad files
-        raise MaskError(f"{where}: not a readable .pt file ({type(error).__name__}: {str(error)[:160]})") from None
-    for name, value in (data.items() if isinstance(data, dict) else [("", data)]):
-        if isinstance(value, torch.Tensor) and value.is_nested:  # its sizes are per item: every reader would fail on it
-            label = f" entry {name!r}" if name else ""
-            raise MaskError(f"{where}{label} is a nested tensor (items of different shapes); save a plain tensor "
-                            f"(torch.nested.to_padded_tensor, or each item alone)")
-    if isinstance(data, torch.Tensor):
-        return {"": data}
-    kept = {name: data.pop(name) for name in lists if isinstance(data, dict) and name in data}
-    if kept and not data:
-        raise MaskError(f"{where}: holds only {', '.join(kept)}, no tensors")
-    if numbers and isinstance(data, dict):
-        data = {k: _as_tensor(v) for k, v in data.items()}
-    if isinstance(data, dict) and data and all(isinstance(v, torch.Tensor) for v in data.values()):
-        return {str(k): v for k, v in data.items()} | kept
-    if isinstance(data, dict) and data:
-        odd = next(k for k, v in data.items() if not isinstance(v, torch.Tensor))
-        raise MaskError(f"{where}: entry {odd!r} of the dict is {type(data[odd]).__name__} {_short(data[odd])}, not a tensor; save only tensors")
-    raise MaskError(f"{where}: holds {type(data).__name__} {_short(data)}, not a tensor or a dict of tensors")
-
-
-def _as_tensor(value):
-    """A plain int or a (nested) list of ints as a tensor; anything else as it is."""
-    import torch
-
-    if isinstance(value, bool) or not isinstance(value, (int, list)):
-        return value
-    try:
-        return torch.tensor(value, dtype=torch.int64)
-    except (TypeError, ValueError, RuntimeError, OverflowError):
-        return value
-
-
-def _from_safetensors(path: Path, where: str) -> dict[str, np.ndarray]:
-    data = path.read_bytes()
-    try:
-        (header_len,) = struct.unpack("<Q", data[:8])
-        if 8 + header_len > len(data):
-            raise MaskError(f"{where}: not a readable .safetensors file (damaged: its header says it is {header_len:,} bytes long, but the file has {len(data):,})")
-        header = json.loads(data[8 : 8 + header_len])
-        base = 8 + header_len
-        tensors = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-            if dtype is None:
-                raise MaskError(f"{where}: tensor {name!r} has dtype {info['dtype']}, which cannot be used here")
-            start, end = info["data_offsets"]
-            shape = info["shape"]
-            if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
-                raise MaskError(f"{where}: tensor {name!r} has shape {_short(shape)}; a shape is a list of sizes of 0 or more")
-            size = math.prod(shape) * (2 if dtype is BFLOAT16 else dtype.itemsize)
-            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= len(data) - base and end - start == size):
-                raise MaskError(
-                    f"{where}: tensor {name!r} has data_offsets {_short(info['data_offsets'])}, which do not hold its "
-                    f"{size:,} bytes inside the file's {len(data) - base:,}: the file is damaged"
-                )
-            raw = bytearray(data[base + start : base + end])  # a copy that can be written, as torch wants
-            if dtype is BFLOAT16:  # bfloat16 is float32's top 16 bits
-                array = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(BFLOAT16)
-            else:
-                array = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype.newbyteorder("="), copy=False)
-            tensors[name] = array.reshape(shape)
-        return tensors
-    except MaskError:
-        raise
-    except Exception as error:
-        raise MaskError(f"{where}: not a readable .safetensors file ({type(error).__name__}: {str(error)[:160]})") from None
