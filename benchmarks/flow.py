@@ -4,6 +4,9 @@ flow is still inside.
     PYTHONPATH=. python benchmarks/flow.py show --mask m.pt
     PYTHONPATH=. python benchmarks/flow.py --calls show --mask m.pt   (and the function of each entry)
 
+It prints, per module entered: its entries, how many modules enter it, and every call into it (a frame's
+consecutive calls counted one by one: two modules calling each other back and forth show here).
+
 Runs the command in this process under sys.setprofile and follows the innermost maskcli frame (frames of other
 packages, torch's and numpy's, are seen through). A maskcli function calling into another maskcli module enters it;
 the calls one frame makes into one module one after the other are one entry (a loop asking kinds for candidates
@@ -24,15 +27,16 @@ def module_of(frame) -> str | None:
     return name if name == "maskcli" or name.startswith("maskcli.") else None
 
 
-def follow(argv: list[str]) -> tuple[list[tuple[str, str, str, bool]], int]:
-    """(caller module, callee module, callee function, whether it climbs back up) of each entry, in order, and the
-    command's exit status."""
+def follow(argv: list[str]) -> tuple[list[tuple[str, str, str, bool]], Counter, int]:
+    """(caller module, callee module, callee function, whether it climbs back up) of each entry, in order; every call
+    into another module counted by the module called (consecutive ones too); and the command's exit status."""
     from typer.main import get_command
 
     from maskcli.commands import app
 
     command = get_command(app)
     entries: list[tuple[str, str, str, bool]] = []
+    calls: Counter = Counter()
     # per Python frame, outermost first: the innermost maskcli frame's record [module, the module it entered last]
     stack: list[list | None] = []
     importing = [0]
@@ -47,8 +51,10 @@ def follow(argv: list[str]) -> tuple[list[tuple[str, str, str, bool]], int]:
             if here is None:
                 stack.append(outer)
                 return
-            if outer is not None and here != outer[0] and outer[1] != here and not importing[0] \
-                    and not here.startswith("maskcli.commands"):
+            counted = outer is not None and here != outer[0] and not importing[0] and not here.startswith("maskcli.commands")
+            if counted:
+                calls[here] += 1
+            if counted and outer[1] != here:
                 inside = {record[0] for record in stack if record is not None}
                 entries.append((outer[0], here, code.co_name, here in inside))
             if outer is not None and here != outer[0] and not importing[0]:
@@ -68,20 +74,24 @@ def follow(argv: list[str]) -> tuple[list[tuple[str, str, str, bool]], int]:
         status = error.code if isinstance(error.code, int) else 1
     finally:
         sys.setprofile(None)
-    return entries, status
+    return entries, calls, status
 
 
 def main() -> None:
     args = sys.argv[1:]
     calls = args[:1] == ["--calls"]
     args = args[1:] if calls else args
-    entries, status = follow(args)
+    entries, calls_, status = follow(args)
     entered = Counter(callee for _, callee, _, _ in entries)
+    callers: dict[str, set] = {}
+    for caller, callee, _, _ in entries:
+        callers.setdefault(callee, set()).add(caller)
     climbs = [entry for entry in entries if entry[3]]
     print(f"exit status {status}; {len(entered)} modules entered, {len(entries)} entries, {len(climbs)} climbs back up",
           file=sys.stderr)
+    print("  entries  from  calls  module (entered from how many modules; every call into it)", file=sys.stderr)
     for module, count in entered.most_common():
-        print(f"  {count:4d}  {module}", file=sys.stderr)
+        print(f"  {count:7d}  {len(callers[module]):4d}  {calls_[module]:5d}  {module}", file=sys.stderr)
     for caller, callee, function, _ in climbs:
         print(f"  climbs back up: {caller} -> {callee}.{function}", file=sys.stderr)
     if calls:
