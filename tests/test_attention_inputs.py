@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import pickle
 import re
 import struct
 
@@ -162,30 +161,6 @@ def test_json_spellings_of_non_finite_values_load():
 
 
 # --- bad inputs: one MaskError each, nothing run --------------------------------------------
-
-
-class Planter:
-    """Unpickling this would create the marker file."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def test_a_pickle_with_code_is_refused_and_not_run(tmp_path):
-    marker = tmp_path / "planted"
-    for name, payload in (("dict", {"q": Planter(marker)}), ("bare", Planter(marker))):
-        path = tmp_path / f"{name}.pt"
-        torch.save(payload, path)
-        with pytest.raises(MaskError, match="weights_only=True, nothing in it was run"):
-            load_given(str(path), str(path), str(path), None)
-    raw = tmp_path / "raw.pt"
-    raw.write_bytes(pickle.dumps(Planter(marker)))
-    with pytest.raises(MaskError, match="refused"):
-        load_tensor(str(raw), "--q")
-    assert not marker.exists()
 
 
 def test_object_arrays_in_numpy_files_are_refused(tmp_path):

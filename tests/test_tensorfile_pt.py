@@ -33,8 +33,8 @@ def test_plain_numbers_become_tensors_only_when_asked_and_lists_are_kept_as_list
     assert torch.equal(got["max_length_q"], torch.tensor(3)) and got["choices"] == [[0], [0, 1]]
 
 
-class Runs:
-    """A pickle whose loading would run code: it writes a file where it is unpickled."""
+class Planter:
+    """A pickle whose loading would run code: unpickling it creates the marker file."""
 
     def __init__(self, marker):
         self.marker = str(marker)
@@ -44,16 +44,18 @@ class Runs:
 
 
 def test_a_pickle_that_would_run_code_is_refused_and_nothing_in_it_runs(tmp_path):
-    marker = tmp_path / "ran"
-    torch.save({"mask": torch.ones(2, 2), "evil": Runs(marker)}, tmp_path / "evil.pt")
-    with pytest.raises(MaskError, match=r"refused to load with weights_only=True, nothing in it was run \(.*open"):
-        read(tmp_path / "evil.pt", "--mask 'evil.pt'")
-    refused(["show", "--mask", tmp_path / "evil.pt"], "refused to load with weights_only=True", "torch.save(tensor, path)")
+    marker = tmp_path / "planted"
+    torch.save({"mask": torch.ones(2, 2), "evil": Planter(marker)}, tmp_path / "dict.pt")
+    torch.save(Planter(marker), tmp_path / "bare.pt")
+    (tmp_path / "raw.pt").write_bytes(pickle.dumps(Planter(marker)))  # a legacy pickle, not torch.save's zip
+    for name in ("dict", "bare"):  # torch's unpickler names the global it refuses
+        with pytest.raises(MaskError, match=r"refused to load with weights_only=True, nothing in it was run \(.*open"):
+            read(tmp_path / f"{name}.pt", name)
+    with pytest.raises(MaskError, match=r"raw: refused to load with weights_only=True, nothing in it was run"):
+        read(tmp_path / "raw.pt", "raw")
+    refused(["show", "--mask", tmp_path / "dict.pt"], "refused to load with weights_only=True", "torch.save(tensor, path)")
     assert not marker.exists()
-    with open(tmp_path / "check.pkl", "wb") as file:  # the reference: plain pickle does run it
-        pickle.dump(Runs(marker), file)
-    with open(tmp_path / "check.pkl", "rb") as file:
-        pickle.load(file).close()
+    pickle.loads((tmp_path / "raw.pt").read_bytes()).close()  # the reference: plain pickle does run it
     assert marker.exists()
 
 
