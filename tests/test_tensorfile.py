@@ -4,6 +4,8 @@ file, and a file whose tensors cannot fit in memory once read are refused before
 from __future__ import annotations
 
 import importlib
+import re
+import struct
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import torch
 
 from maskcli import memory
 from maskcli.errors import MaskError
-from maskcli.tensorfile import FILE_TYPES, MODULES, READ_SUFFIXES, load_tensors, read_tensors
+from maskcli.tensorfile import FILE_TYPES, MODULES, READ_SUFFIXES, load_tensor, load_tensors, read_tensors
 from tensorfile_cli import refused
 
 
@@ -67,3 +69,44 @@ def test_a_file_past_free_memory_once_read_is_refused_before_it_is_read(tmp_path
     assert len(text) == 28_000 and 16 * len(text) == 448_000
     assert read_tensors(str(tmp_path / "m.npy"), "--mask")[""].shape == (100, 100)  # 10,128 bytes: within
     refused(["show", "--mask", tmp_path / "m.json"], "28,000 bytes on disk", "to read its text into numbers")
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("empty.pt", b"", "the file is empty"),
+        ("empty.npy", b"", "the file is empty"),
+        # torch reads a non-zip .pt as a legacy pickle, so garbage is refused by the weights_only unpickler
+        ("garbage.pt", b"not a torch file at all", "(not a readable .pt file|refused to load with weights_only=True)"),
+        ("zipped.pt", b"PK\x03\x04 broken zip", "not a readable .pt file"),
+        ("garbage.npy", b"garbage\n", "not a numpy file (it does not start with the .npy or .npz signature)"),
+        ("truncated.npy", np.lib.format.magic(1, 0) + b"\x10\x00{'descr'", "not a readable numpy file"),
+        ("short.safetensors", b"\x01\x02", "not a readable .safetensors file"),
+        ("header.safetensors", struct.pack("<Q", 4) + b"nope", "not a readable .safetensors file"),
+        ("bad.json", b"[[1, 2], [3", "not valid JSON"),
+        ("ragged.json", b"[[1, 2], [3]]", "not a rectangular nested list"),
+        ("words.json", b'[["a", "b"]]', "not a rectangular nested list"),
+        ("x.csv", b"1,2\n3,4\n", "unknown file type '.csv'"),
+    ],
+)
+def test_bad_files_give_one_mask_error(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    pattern = message if message.startswith("(") else re.escape(message)
+    with pytest.raises(MaskError, match=pattern) as error:
+        read_tensors(str(path), "--q")
+    assert "\n" not in str(error.value)
+    assert str(error.value).startswith("--q ")
+
+
+def test_missing_file_directory_and_wrong_names(tmp_path):
+    with pytest.raises(MaskError, match="no such file"):
+        load_tensor(str(tmp_path / "missing.npy"), "--k")
+    (tmp_path / "dir.pt").mkdir()
+    with pytest.raises(MaskError, match="is a directory"):
+        load_tensor(str(tmp_path / "dir.pt"), "--k")
+    path = tmp_path / "named.npz"
+    np.savez(path, a=np.ones((2, 2)), b=np.ones((2, 2)))
+    with pytest.raises(MaskError, match="holds 'a', 'b'; expected 'q'"):
+        load_tensor(str(path), "--q", ("q",))
+    assert set(load_tensors(str(path), "--q")) == {"a", "b"}

@@ -5,12 +5,14 @@ back as numbers; what is not a rectangular list of numbers is refused saying whe
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
+import torch
 
 from maskcli.errors import MaskError
-from maskcli.tensorfile import read_tensors
+from maskcli.tensorfile import dtype_name, load_tensor, read_tensors
 from maskcli.tensorfile.base import Reading
 from maskcli.tensorfile.jsontext import parse, read
 from tensorfile_cli import refused
@@ -47,3 +49,21 @@ def test_what_is_no_tensor_of_numbers_is_refused_in_one_line(tmp_path, text, sai
     assert said in str(error.value) and str(error.value).startswith("where")
     (tmp_path / "bad.json").write_text(text)
     refused(["show", "--mask", tmp_path / "bad.json"], "bad.json", said)
+
+
+def test_json_is_read_by_numpy_as_torch_tensor_makes_it():
+    for text in ("[[1, 0], [1, 1]]", "[[true, false]]", "[[0.1, -1e39]]", "[[true, 0.5], [1, 0]]", "[7.5, 1]", "[]"):
+        (array,) = read_tensors(text, "FILE").values()
+        expected = torch.tensor(json.loads(text))
+        assert dtype_name(array) == str(expected.dtype).removeprefix("torch.") and array.tolist() == expected.tolist(), text
+    assert read_tensors("[[0.1]]", "FILE", json_floats="float64")[""].tolist() == [[0.1]]
+    for text, says in (('[[1, null]]', "null is not a number"), (f"[[1, {2 ** 63}]]", f"{2 ** 63} does not fit int64"), (f"[[{-2 ** 63 - 1}]]", f"{-2 ** 63 - 1} does not fit int64"),
+                       ('[[{"a": 1}]]', '{"a": 1} is not a number'), ('[[1, "x"]]', '"x" is not a number'),
+                       ("[[1, 2], [3]]", "its rows differ in length or depth")):
+        with pytest.raises(MaskError, match=re.escape(f"not a rectangular nested list of numbers ({says})")):
+            read_tensors(text, "FILE")
+
+
+def test_json_spellings_of_non_finite_values_load():
+    loaded = load_tensor('[["nan", "-inf"], ["inf", 1.0]]', "--q")
+    assert torch.isnan(loaded[0, 0]) and loaded[0, 1].item() == float("-inf") and loaded[1, 0].item() == float("inf")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from maskcli.errors import MaskError
+from maskcli.tensorfile import dtype_name, load_tensors, read_tensors
 from maskcli.tensorfile.safetensors import read
 from tensorfile_cli import refused
 
@@ -54,3 +55,17 @@ def test_a_damaged_file_is_refused_naming_what_is_wrong(tmp_path):
         read(tmp_path / "shape.safetensors", "shape")
     (tmp_path / "text.safetensors").write_bytes(struct.pack("<Q", 5) + b"nope!")
     refused(["show", "--mask", tmp_path / "text.safetensors"], "text.safetensors", "not a readable .safetensors file")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.uint8, torch.bool])
+def test_safetensors_are_read_by_numpy_as_torch_reads_them(tmp_path, dtype):
+    values = torch.tensor([[0.0, -3.3895313892515355e38, 1.0], [-1e9, 0.5, 7.0]]).to(dtype)
+    raw = values.contiguous().view(torch.uint8).numpy().tobytes()  # torch's own bytes (little-endian here)
+    code = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL"}[dtype]
+    header = json.dumps({"m": {"dtype": code, "shape": [2, 3], "data_offsets": [0, len(raw)]}}).encode()
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + raw)
+    array = read_tensors(str(tmp_path / "m.safetensors"), "FILE")["m"]
+    assert isinstance(array, np.ndarray) and dtype_name(array) == str(dtype).removeprefix("torch.")
+    assert array.tolist() == values.float().tolist() if dtype == torch.bfloat16 else array.tolist() == values.tolist()
+    loaded = load_tensors(str(tmp_path / "m.safetensors"), "FILE")["m"]  # the torch view: bfloat16 again, bit for bit
+    assert loaded.dtype == dtype and torch.equal(loaded.view(torch.uint8), values.view(torch.uint8))
