@@ -4,9 +4,6 @@ flow is still inside.
     PYTHONPATH=. python benchmarks/flow.py show --mask m.pt
     PYTHONPATH=. python benchmarks/flow.py --calls show --mask m.pt   (and the function of each entry)
 
-It prints, per module entered: its entries, how many modules enter it, and every call into it (a frame's
-consecutive calls counted one by one: two modules calling each other back and forth show here).
-
 Runs the command in this process under sys.setprofile and follows the innermost maskcli frame (frames of other
 packages, torch's and numpy's, are seen through). A maskcli function calling into another maskcli module enters it;
 the calls one frame makes into one module one after the other are one entry (a loop asking kinds for candidates
@@ -14,6 +11,10 @@ enters kinds once), so a module entered again is the flow coming back to it: fro
 another module in between. An entry into a module that is still on the call stack (A -> B -> A: a callback, or a
 lower module calling back up) is a climb back up. Calls made while importing are left out (an import is not the
 flow), and so are calls into the command layer (Typer's wiring, option parsing).
+
+It prints on stderr (the command's own output goes to stdout), per module entered: its entries, how many modules
+enter it, and every call into it (a frame's consecutive calls counted one by one: two modules calling each other
+back and forth show there), then each climb back up.
 """
 
 from __future__ import annotations
