@@ -43,9 +43,6 @@ def readable_file(source: str, where: str) -> Path:
     raise MaskError(f"{where}: cannot open it ({found})")
 
 
-READ_SUFFIXES = (".pt", ".pth", ".npy", ".npz", ".safetensors", ".json")  # tensor files maskcli reads
-
-
 def is_inline(text: str) -> bool:
     """Inline JSON like '[[1, 0], [1, 1]]', unless a file by that name is there."""
     if not text.lstrip().startswith(("[", "{")):
@@ -54,27 +51,6 @@ def is_inline(text: str) -> bool:
         return len(text) > 4096 or not Path(text).exists()
     except (OSError, ValueError):  # a name too long or with NUL: not a file
         return True
-
-
-def checked_source(source: str, flag: str) -> tuple[Path, str, int]:
-    """(path, its name for messages, its size) of a tensor file that exists, is readable, has a known suffix and
-    is not empty; a MaskError otherwise. Without torch, so that these refusals are quick."""
-    path = Path(source)
-    where = f"{flag} {source!r}"
-    suffix = path.suffix.lower()
-    if state(path) == "missing":
-        unknown = f", and {suffix!r} is not a file type maskcli reads" if suffix and suffix not in READ_SUFFIXES else ""
-        raise MaskError(f"{where}: no such file{unknown} (give a {', '.join(READ_SUFFIXES)} file, or inline JSON like '[[1, 0], [1, 1]]')")
-    readable_file(source, where)
-    if suffix not in READ_SUFFIXES:
-        raise MaskError(f"{where}: unknown file type {suffix or '(none)'!r}; use one of {', '.join(READ_SUFFIXES)} or inline JSON")
-    try:
-        size = path.stat().st_size
-    except OSError as error:
-        raise MaskError(f"{where}: cannot read it ({error.strerror or error})") from None
-    if size == 0:
-        raise MaskError(f"{where}: the file is empty")
-    return path, where, size
 
 
 def check_output_path(path: str, suffixes: tuple[str, ...], flag: str, name: str | None = None) -> Path:

@@ -1,6 +1,6 @@
 """The house, drawn from the imports: layers that only look down, no circles, small modules.
 
-    base      errors text memory positions intervals conventions files tensorfile
+    base      errors text memory positions intervals conventions files tensorfile/* (one module per file type)
     kinds     kinds/*                      (each kind defined once)
     model     expression terms mask batchdata regions counting summary blockmask diff tracefile testing
     formats   formats/*                    (kernel formats: views of the model, read back by inspect)

@@ -1,10 +1,9 @@
-"""maskcli.inputs and maskcli.tensorfile: devices, dtypes, loading each format and shape, projection, checks."""
+"""maskcli.attention.inputs: devices, dtypes, q, k, v and x from each file type and shape, projection, checks (each file
+type's own reading is tested in tests/test_tensorfile_*.py)."""
 
 from __future__ import annotations
 
 import json
-import pickle
-import re
 import struct
 
 import numpy as np
@@ -23,7 +22,7 @@ from maskcli.attention.inputs import (
     resolve_device,
     resolve_dtype,
 )
-from maskcli.tensorfile import dtype_name, load_tensor, load_tensors, read_tensors
+from maskcli.tensorfile import load_tensor
 
 TUTORIAL_X = [
     [0.43, 0.15, 0.89],
@@ -117,123 +116,7 @@ def test_integer_and_bool_inputs_become_float32_and_json_floats_float64():
     assert given.x.dtype == torch.float64  # JSON numbers are doubles: kept so until the compute dtype
 
 
-def test_safetensors_other_dtypes_and_big_endian_numpy(tmp_path):
-    tensor = torch.tensor([[1.5, -2.25], [0.125, 4.0]])
-    for dtype, torch_dtype in (("F64", torch.float64), ("F16", torch.float16)):
-        path = tmp_path / f"{dtype}.safetensors"
-        write_safetensors(path, {"q": tensor}, dtype)
-        loaded = load_tensor(str(path), "--q", ("q",))
-        assert loaded.dtype == torch_dtype and loaded.double().tolist() == tensor.double().tolist()
-    big = tmp_path / "big.npy"
-    np.save(big, tensor.numpy().astype(">f4"))
-    assert load_tensor(str(big), "--q").tolist() == tensor.tolist()
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8, torch.bool])
-def test_safetensors_are_read_by_numpy_as_torch_reads_them(tmp_path, dtype):
-    values = torch.tensor([[0.0, -3.3895313892515355e38, 1.0], [-1e9, 0.5, 7.0]]).to(dtype)
-    raw = values.contiguous().view(torch.uint8).numpy().tobytes()  # torch's own bytes (little-endian here)
-    code = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL"}[dtype]
-    header = json.dumps({"m": {"dtype": code, "shape": [2, 3], "data_offsets": [0, len(raw)]}}).encode()
-    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + raw)
-    array = read_tensors(str(tmp_path / "m.safetensors"), "FILE")["m"]
-    assert isinstance(array, np.ndarray) and dtype_name(array) == str(dtype).removeprefix("torch.")
-    assert array.tolist() == values.float().tolist() if dtype == torch.bfloat16 else array.tolist() == values.tolist()
-    loaded = load_tensors(str(tmp_path / "m.safetensors"), "FILE")["m"]  # the torch view: bfloat16 again, bit for bit
-    assert loaded.dtype == dtype and torch.equal(loaded.view(torch.uint8), values.view(torch.uint8))
-
-
-def test_json_is_read_by_numpy_as_torch_tensor_makes_it():
-    for text in ("[[1, 0], [1, 1]]", "[[true, false]]", "[[0.1, -1e39]]", "[[true, 0.5], [1, 0]]", "[7.5, 1]", "[]"):
-        (array,) = read_tensors(text, "FILE").values()
-        expected = torch.tensor(json.loads(text))
-        assert dtype_name(array) == str(expected.dtype).removeprefix("torch.") and array.tolist() == expected.tolist(), text
-    assert read_tensors("[[0.1]]", "FILE", json_floats="float64")[""].tolist() == [[0.1]]
-    for text, says in (('[[1, null]]', "null is not a number"), (f"[[1, {2 ** 63}]]", f"{2 ** 63} does not fit int64"), (f"[[{-2 ** 63 - 1}]]", f"{-2 ** 63 - 1} does not fit int64"),
-                       ('[[{"a": 1}]]', '{"a": 1} is not a number'), ('[[1, "x"]]', '"x" is not a number'),
-                       ("[[1, 2], [3]]", "its rows differ in length or depth")):
-        with pytest.raises(MaskError, match=re.escape(f"not a rectangular nested list of numbers ({says})")):
-            read_tensors(text, "FILE")
-
-
-def test_json_spellings_of_non_finite_values_load():
-    loaded = load_tensor('[["nan", "-inf"], ["inf", 1.0]]', "--q")
-    assert torch.isnan(loaded[0, 0]) and loaded[0, 1].item() == float("-inf") and loaded[1, 0].item() == float("inf")
-
-
 # --- bad inputs: one MaskError each, nothing run --------------------------------------------
-
-
-class Planter:
-    """Unpickling this would create the marker file."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def test_a_pickle_with_code_is_refused_and_not_run(tmp_path):
-    marker = tmp_path / "planted"
-    for name, payload in (("dict", {"q": Planter(marker)}), ("bare", Planter(marker))):
-        path = tmp_path / f"{name}.pt"
-        torch.save(payload, path)
-        with pytest.raises(MaskError, match="weights_only=True, nothing in it was run"):
-            load_given(str(path), str(path), str(path), None)
-    raw = tmp_path / "raw.pt"
-    raw.write_bytes(pickle.dumps(Planter(marker)))
-    with pytest.raises(MaskError, match="refused"):
-        load_tensor(str(raw), "--q")
-    assert not marker.exists()
-
-
-def test_object_arrays_in_numpy_files_are_refused(tmp_path):
-    path = tmp_path / "obj.npy"
-    np.save(path, np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    with pytest.raises(MaskError, match="pickle"):
-        load_tensor(str(path), "--q")
-
-
-@pytest.mark.parametrize(
-    "name, content, message",
-    [
-        ("empty.pt", b"", "the file is empty"),
-        ("empty.npy", b"", "the file is empty"),
-        # torch reads a non-zip .pt as a legacy pickle, so garbage is refused by the weights_only unpickler
-        ("garbage.pt", b"not a torch file at all", "(not a readable .pt file|refused to load with weights_only=True)"),
-        ("zipped.pt", b"PK\x03\x04 broken zip", "not a readable .pt file"),
-        ("garbage.npy", b"garbage\n", "not a numpy file (it does not start with the .npy or .npz signature)"),
-        ("truncated.npy", np.lib.format.magic(1, 0) + b"\x10\x00{'descr'", "not a readable numpy file"),
-        ("short.safetensors", b"\x01\x02", "not a readable .safetensors file"),
-        ("header.safetensors", struct.pack("<Q", 4) + b"nope", "not a readable .safetensors file"),
-        ("bad.json", b"[[1, 2], [3", "not valid JSON"),
-        ("ragged.json", b"[[1, 2], [3]]", "not a rectangular nested list"),
-        ("words.json", b'[["a", "b"]]', "not a rectangular nested list"),
-        ("x.csv", b"1,2\n3,4\n", "unknown file type '.csv'"),
-    ],
-)
-def test_bad_files_give_one_mask_error(tmp_path, name, content, message):
-    path = tmp_path / name
-    path.write_bytes(content)
-    pattern = message if message.startswith("(") else re.escape(message)
-    with pytest.raises(MaskError, match=pattern) as error:
-        load_given(str(path), str(path), str(path), None)
-    assert "\n" not in str(error.value)
-    assert str(error.value).startswith("--q ")
-
-
-def test_missing_file_directory_and_wrong_names(tmp_path):
-    with pytest.raises(MaskError, match="no such file"):
-        load_tensor(str(tmp_path / "missing.npy"), "--k")
-    (tmp_path / "dir.pt").mkdir()
-    with pytest.raises(MaskError, match="is a directory"):
-        load_tensor(str(tmp_path / "dir.pt"), "--k")
-    path = tmp_path / "named.safetensors"
-    write_safetensors(path, {"a": torch.ones(2, 2), "b": torch.ones(2, 2)})
-    with pytest.raises(MaskError, match="holds 'a', 'b'; expected 'q'"):
-        load_tensor(str(path), "--q", ("q",))
-    assert set(load_tensors(str(path), "--q")) == {"a", "b"}
 
 
 def test_a_file_holding_one_tensor_is_that_input_unless_it_is_named_for_another(tmp_path):

@@ -17,6 +17,7 @@ def test_the_rank_whose_window_differs_from_most_is_named_wrong_under_ddp():
              call(1, "causal & window(8)", "layers.1.attn"), call(0, "causal & window(4)", "layers.1.attn")]
     found = replicas(calls, replicated=True)
     assert [(c.rank, f.code, severity(f)) for c, f in found] == [(1, "rank-window", "wrong")]
+    assert (found[0][1].rank, found[0][1].step) == (1, 0)  # the rank it is about, and the first step it differs at
     assert found[0][1].message == ("rank 1's layers.0.attn, layers.1.attn (step 0): window(8), where ranks 0, 2 have window(4): "
                                    "the replicas of one layer differ")
 
@@ -38,5 +39,11 @@ def test_a_rank_padding_the_other_side_is_suspicious():
 
 
 def test_two_ranks_that_disagree_name_the_higher_one():
-    ((c, _),) = replicas([call(0, "window(3)"), call(1, "window(5)")], replicated=True)
-    assert c.rank == 1
+    ((c, finding),) = replicas([call(0, "window(3)"), call(1, "window(5)")], replicated=True)
+    assert c.rank == finding.rank == 1
+
+
+def test_the_step_named_is_the_first_step_the_rank_differs_at():
+    calls = [call(0, "window(3)", step=2), call(1, "window(5)", step=2), call(0, "window(3)", step=5), call(1, "window(5)", step=5)]
+    ((_, finding),) = replicas(calls)
+    assert (finding.rank, finding.step) == (1, 2) and "(steps 2, 5)" in finding.message

@@ -41,6 +41,15 @@ def test_a_finding_says_its_own_severity_else_its_rules():
                                  "cell": [0, 3, 1]}
 
 
+def test_json_says_the_request_rank_and_step_a_finding_is_about_where_it_names_them():
+    assert as_json(Finding("no-keys", "a", request=2)) == {"code": "no-keys", "severity": "wrong", "message": "a", "request": 2}
+    assert as_json(Finding("shard-uneven", "b", rank=0, cell=(1, 1))) == {
+        "code": "shard-uneven", "severity": "suspicious", "message": "b", "cell": [1, 1], "rank": 0}
+    assert as_json(Finding("rank-window", "c", rank=3, step=0)) == {
+        "code": "rank-window", "severity": "suspicious", "message": "c", "rank": 3, "step": 0}
+    assert "request" not in as_json(Finding("no-keys", "d")) and "rank" not in as_json(Finding("shard-uneven", "e"))
+
+
 def test_the_trace_report_colours_a_finding_by_its_severity():
     from types import SimpleNamespace
 

@@ -618,7 +618,7 @@ def test_a_file_too_large_to_work_on_is_refused_up_front_naming_it(tmp_path):
         )
         assert result.returncode == 2, result.stderr
         assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
-        # (refused from its cells where it is read, or from its .npy header before it is read: numpyfile.py)
+        # (refused from its cells where it is read, or from its .npy header before it is read: tensorfile/npy.py)
         assert "'huge.npy' (" in result.stderr and " would need " in result.stderr and doing in result.stderr
         assert "--len" not in result.stderr and "slice" in result.stderr
     assert [path.name for path in tmp_path.iterdir()] == ["huge.npy"]

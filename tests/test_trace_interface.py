@@ -267,6 +267,23 @@ def test_gqa_decode_steps_packed_by_hfs_sdpa_are_recorded_as_one_query_of_every_
     assert check(t.calls, [("*", want)]) == []
 
 
+def test_unpacked_heads_puts_packed_row_i_of_key_value_head_j_at_query_head_j_times_n_rep_plus_i():
+    """The one unpacking of a packed GQA call's cells (the trace's unpack_gqa and model's hf/run both call it): HF's
+    pack_gqa reshapes the query (B, H, 1, D) to (B, H / n_rep, n_rep, D), so row i of key/value head j is head j * n_rep + i."""
+    from maskcli.trace.interface import unpacked_heads
+
+    torch.manual_seed(0)
+    packed = torch.rand(2, 3, 4, 5) > 0.5  # (B, H_kv, n_rep, Lk): a mask per head, packed as the query was
+    got = unpacked_heads(packed, (2, 3, 4, 5))
+    assert got.shape == (2, 12, 1, 5)
+    for b in range(2):
+        for j in range(3):
+            for i in range(4):
+                assert torch.equal(got[b, j * 4 + i, 0], packed[b, j, i])
+    one_row = torch.rand(2, 1, 1, 5) > 0.5  # HF's (B, 1, 1, Lk) mask, broadcast over the packed rows: every head's
+    assert torch.equal(unpacked_heads(one_row, (2, 3, 4, 5)), one_row.expand(2, 12, 1, 5))
+
+
 def drops_everything(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """A registered attention function that ignores what HF asked: no mask, no is_causal (full attention)."""
     return F.scaled_dot_product_attention(query, key, value, scale=scaling).transpose(1, 2), None

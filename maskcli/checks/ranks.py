@@ -3,7 +3,8 @@ one side.
 
 Each is given the job's calls (`ranks`): every rank's calls with .rank, .where, .step, .api and .name (the name
 trace's report gave its mask, like `causal & window(4) (--lengths 5,4 --pad left)`), and whether the ranks said they
-are replicas (a DistributedDataParallel built on them). Padding lengths are a rank's own data and are not compared;
+are replicas (a DistributedDataParallel built on them). A finding names its rank and the first step it differs at.
+Padding lengths are a rank's own data and are not compared;
 nor is causal against full, which context-parallel ranks' blocks differ in by design.
 """
 
@@ -62,7 +63,7 @@ def replicas(calls: list, replicated: bool = False) -> list[tuple[object, Findin
                   f"rank{'s' if len(agree) > 1 else ''} {spans(agree)} {'have' if len(agree) > 1 else 'has'} {said(usual)}: "
                   f"the replicas of one layer differ{condition}",
             severity="wrong" if code == "rank-window" and replicated else None, expected=said(usual),
-            source=f"rank {agree[0]}'s same calls")))
+            source=f"rank {agree[0]}'s same calls", rank=rank, step=steps[0])))
     return found
 
 

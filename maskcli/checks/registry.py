@@ -92,9 +92,10 @@ def wrong(findings) -> list[Finding]:
 
 
 def as_json(finding: Finding) -> dict:
-    """code, severity, message, and what was expected, from where, and the first differing cell where known."""
+    """code, severity, message, and what was expected, from where, the first differing cell, and the request, rank
+    and step it is about, each where known."""
     found = {"code": finding.code, "severity": severity(finding), "message": finding.message}
-    for name in ("expected", "source", "cell"):
+    for name in ("expected", "source", "cell", "request", "rank", "step"):
         value = getattr(finding, name)
         if value is not None:
             found[name] = list(value) if isinstance(value, tuple) else value

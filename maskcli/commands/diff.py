@@ -72,7 +72,7 @@ def _advice(is_file: dict[str, bool], fa, fb) -> str:
 
 
 def _is_file(text: str) -> bool:
-    from maskcli.files import READ_SUFFIXES
+    from maskcli.tensorfile import READ_SUFFIXES
     from maskcli.sources.usermod import looks_like_spec
 
     from maskcli.sources.trace import split_spec

@@ -233,7 +233,7 @@ def convert(
 
 def _check_source(file: str) -> None:
     """A missing, unreadable, empty or unknown file is refused before torch is imported."""
-    from maskcli.files import checked_source, is_inline
+    from maskcli.tensorfile import checked_source, is_inline
 
     if not is_inline(file):
         checked_source(file, "FILE")

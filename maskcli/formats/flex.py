@@ -106,7 +106,7 @@ def load(path: str, flag: str) -> dict:
     import torch
 
     from maskcli.errors import MaskError
-    from maskcli.files import checked_source
+    from maskcli.tensorfile import checked_source
 
     source, where, _ = checked_source(path, flag)
     try:

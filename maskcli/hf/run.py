@@ -200,18 +200,18 @@ def _unpack_heads(call, packed: int) -> None:
     query heads into the query axis (integrations/sdpa_attention.py, pack_gqa: (B, H, 1, D) -> (B, H / g, g, D), its
     mask (B, 1, 1, Lk) broadcast, or (B, H, 1, Lk) reshaped the same way); the reshape undone, stored again."""
     from maskcli import tracefile
+    from maskcli.trace.interface import unpacked_heads
     from maskcli.trace.store import collapse, keep_stored, stored_form
 
     stored, trace = call.stored, call.trace
-    b, h, q_len, k_len = call.shape
+    b, h, q_len, k_len = packed_shape = call.shape
     shape = (b, h * q_len, 1, k_len)
     call.details["packed_heads"] = packed
     call.q = [call.q[0], h * q_len, 1, *call.q[3:]]
     call.shape = shape
     if stored is None or stored["form"] == "stats":
         return
-    keep = torch.from_numpy(np.array(np.broadcast_to(tracefile.dense(stored), (b, h, q_len, k_len))))  # (a copy: writable)
-    keep = collapse(keep.reshape(shape))
+    keep = collapse(unpacked_heads(torch.from_numpy(np.array(tracefile.dense(stored))), packed_shape))  # (a copy: writable)
     call.mask = keep_stored(trace, stored_form(keep.contiguous(), shape, trace.max_bytes - trace.bytes, trace.max_bytes), shape)
 
 

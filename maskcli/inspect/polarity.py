@@ -18,7 +18,7 @@ import numpy as np
 
 from maskcli.conventions import FLOAT_MIN
 from maskcli.errors import MaskError
-from maskcli.inspect.structure import fully_masked_rows, recognise
+from maskcli.inspect.structure import readings
 from maskcli.tensorfile import as_array, dtype_name
 
 SENTINEL_AT_MOST = -1e4  # a finite fill at most this negative masks (BERT's -10000.0 ... finfo.min)
@@ -182,13 +182,9 @@ def _polarity(ones: np.ndarray) -> tuple[str | None, str, str]:
     if x.size <= STRUCTURE_CELLS:
         # Each reading scores 2 for a maskcli kind, 1 for a raw tril/triu, 0 for none, and 1 less
         # when some query would see no key. A clear winner decides.
-        readings = []
-        for meaning, keep in (("attend", x), ("masked", ~x)):
-            structure = recognise(keep, key_padding=ones.ndim == 2, marked=meaning)
-            empty = bool(fully_masked_rows(keep).any())
-            score = (0 if structure.kind is None else 1 if structure.kind in ("tril", "triu") else 2) - empty
-            readings.append((score, meaning, structure, empty))
-        (top, best, structure, _), (other, _, flipped, flipped_empty) = sorted(readings, key=lambda r: -r[0])
+        scored = [((0 if structure.kind is None else 1 if structure.kind in ("tril", "triu") else 2) - empty, meaning, structure, empty)
+                  for meaning, structure, empty in readings(x, key_padding=ones.ndim == 2)]
+        (top, best, structure, _), (other, _, flipped, flipped_empty) = sorted(scored, key=lambda r: -r[0])
         if top >= 2 > other or (top >= 1 and other < 0 and structure.kind is not None):
             instead = "no maskcli kind rebuilds it" if flipped.kind is None else (
                 f"it would be {flipped.expression}" + (" with queries that see no key" if flipped_empty else "")

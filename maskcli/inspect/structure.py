@@ -157,6 +157,15 @@ def closest(keep: np.ndarray, ref: np.ndarray, placements, marked: str) -> dict 
             "rows": row_words(difference, "the tensor", expression)}
 
 
+def readings(ones: np.ndarray, key_padding: bool = False) -> list[tuple[str, Structure, bool]]:
+    """A bool tensor read both ways round, for polarity to score (one call, not one per reading): for True = attend
+    and True = masked, (that meaning, the Structure that rebuilds it read so, whether some query then sees no key)."""
+    found = []
+    for meaning, keep in (("attend", ones), ("masked", ~ones)):
+        found.append((meaning, recognise(keep, key_padding=key_padding, marked=meaning), bool(fully_masked_rows(keep).any())))
+    return found
+
+
 def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "attend", nearest: bool = False,
               q_start: int | None = None, padding: dict | None = None) -> Structure:
     """The expression (and options) whose mask is exactly this keep mask (B, H, Lq, Lk), or expression None.

@@ -2,8 +2,8 @@
 convention: recognised by its values and structure (inspect/polarity), or named with --from keep / --from block.
 
 The file's one tensor (or the one --key names) becomes a Mask over its cells, its queries at the end of its keys
-unless --offset says where they sit. tensorfile.py reads the file types; a file holding a kernel format's tensors
-is read by sources/kernel.py, a traced call (TRACE.pt:N) by sources/trace.py.
+unless --offset says where they sit. tensorfile/ reads the file types (one module each, by suffix); a file holding
+a kernel format's tensors is read by sources/kernel.py, a traced call (TRACE.pt:N) by sources/trace.py.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def load_mask(source: str, key: str | None = None, flag: str = "FILE", work: tup
     label = "the inline JSON" if is_inline(source) else repr(source)
     from maskcli.text import names_text
 
-    names = names_text(k for k in tensors if k)
+    names = names_text([k for k in tensors if k])  # (a list: a generator would call back into this module)
     if key is not None:
         if key not in tensors:
             holds = f"it holds {names}" if names else "it holds one unnamed tensor: drop --key"

@@ -111,13 +111,7 @@ def unpack_gqa(seen: Seen, frame: dict) -> None:
         return  # not packed: repeat_kv or enable_gqa kept the query as it was
     b, h, rows, k_len = seen.shape
     if seen.materialize() is not None:
-        keep = seen.keep
-        if keep.shape[1] == 1 and bool((keep == keep[:, :, :1]).all()):  # one mask row for every head
-            seen.keep = keep[:, :, :1]
-        elif keep.shape[1] == h:  # a mask per head, packed as the query was
-            seen.keep = keep.reshape(keep.shape[0], h * rows, 1, k_len)
-        else:
-            return
+        seen.keep = unpacked_heads(seen.keep, seen.shape)
     elif seen.intervals is not None:
         found, (pb, ph) = seen.intervals, seen.planes
         if found.starts.shape[1] != 1:
@@ -128,6 +122,17 @@ def unpack_gqa(seen: Seen, frame: dict) -> None:
             seen.planes = (pb, ph * rows)
     seen.details["pack_gqa"] = {"kernel_q": list(seen.q), "num_key_value_groups": groups}
     seen.shape, seen.q = (b, h * rows, 1, k_len), tuple(query)
+
+
+def unpacked_heads(keep: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """A packed GQA call's keep cells, broadcastable to its kernel shape (B, H_kv, n_rep, Lk), as the model meant them:
+    (B, H_kv * n_rep, 1, Lk), n_rep query heads of one query. The one unpacking of the cells: the trace does it as a call
+    is recorded (`unpack_gqa`), `model` after its run (hf/run.py, where no interface frame says the groups).
+
+    Packed row i of key/value head j is query head j * n_rep + i, so a mask broadcast over the packed rows (one row,
+    or one head) is each query head's too."""
+    b, h, rows, k_len = shape
+    return keep.expand(b, h, rows, k_len).reshape(b, h * rows, 1, k_len)
 
 
 def leave_out_sink(seen: Seen, k_len: int | None) -> None:

@@ -1,4 +1,5 @@
-"""Read .npy and .npz files into numpy arrays (allow_pickle=False), refusing from their headers what memory cannot hold.
+"""A .npy or .npz file (numpy.save, numpy.savez), read with allow_pickle=False, refusing from its headers what memory
+cannot hold. np.load reads either by its signature, whatever the suffix says: one file type for both.
 
 An .npz is a zip: its directory says each member's unpacked size and each member's .npy header its shape and dtype,
 so a zip bomb (4 MB of compressed zeros declaring 4 GiB) is refused before a byte of its data is unpacked.
@@ -12,17 +13,19 @@ from pathlib import Path
 import numpy as np
 
 from maskcli.errors import MaskError
+from maskcli.tensorfile.base import SLICE_FIX, FileType, Reading
 
-SLICE_FIX = "slice the tensor you need into a smaller file first (like mask[0, 0]), or run where there is more memory"
 
-
-def from_numpy(path: Path, where: str, work: tuple[float, str] = (0, "to load")) -> dict[str, np.ndarray]:
+def read(path: Path, where: str, reading: Reading = Reading()) -> dict[str, np.ndarray]:
+    """Every array in the file by name (a .npy's named ''), in native byte order; Python objects (pickles), members
+    that are not arrays and dtypes that are not numbers refused, and a file whose arrays with `reading.work` beside
+    them would not fit in memory refused from its headers before they are read."""
     with path.open("rb") as file:
         head = file.read(6)
     # np.load takes anything without the .npy/.npz signature for a pickle, and would call garbage "objects"
     if not head.startswith((b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06", b"\x80")):
         raise MaskError(f"{where}: not a numpy file (it does not start with the .npy or .npz signature)")
-    _check_unpacked_fits(path, head, where, work)
+    _check_unpacked_fits(path, head, where, reading.work)
     try:
         loaded = np.load(path, allow_pickle=False)
         if isinstance(loaded, np.ndarray):
@@ -98,3 +101,6 @@ def _check_unpacked_fits(path: Path, head: bytes, where: str, work: tuple[float,
         name, declared, held = short[0]
         raise MaskError(f"{where}: member {name!r} is damaged: its header declares {declared:,} bytes of data but the "
                         f"archive says it holds {held:,}")
+
+
+FILE_TYPE = FileType("npy", (".npy", ".npz"), read)
