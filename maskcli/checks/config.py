@@ -245,10 +245,13 @@ def window(run: Run) -> list:
                     f"window holds and the other is unbounded ({half[1]})"), expected=f"band({size + 1}) or window({size})", source=source)))
                 continue
             if placed.holds("causal") and not placed.holds(f"window({size})"):
+                # a field named for the sliding window is the attention's, whether it counts the query or not: `size`
+                # is already the wider reading (SGLang's sliding_window_size + 1), and the mask reaches past it
+                sure = "sliding_window" in name
                 missing.append((call, index, kind, Finding("window-missing", (
                     f"{where} is a sliding layer ({kind[1]}) but its mask is causal: queries see keys {size} or more "
-                    f"positions back ({source})" + ("" if name == "sliding_window" else ", unless its window_size is "
-                    "not the attention's")), severity=None if name == "sliding_window" else "suspicious",
+                    f"positions back ({source})" + ("" if sure else ", unless its window_size is "
+                    "not the attention's")), severity=None if sure else "suspicious",
                     expected=f"window({size})", source=source)))
     # sliding_window alone in a config not transformers': a layer without it is missing it where no layer has it, or
     # where this layer has it at another step (a prefill with the window, a decode step without)
