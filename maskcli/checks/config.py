@@ -219,8 +219,8 @@ def window(run: Run) -> list:
                     f"{where} is a sliding layer ({kind[1]}) but its mask has no window: queries see keys {size} or "
                     f"more positions away ({source})"), expected=f"band({size})", source=source)))
             continue
-        if placed.holds(f"window({size})"):
-            windowed.add((source, index))
+        if placed.holds(f"window({size})") or name == "sliding_window_size" and placed.holds(f"window({size - 1})"):
+            windowed.add((source, index))  # (sliding_window_size counts the query in LitGPT's and Keras-hub's, not SGLang's)
             continue
         for other in (size + 1, size - 1):
             if other >= 1 and placed.holds(f"window({other})") and not placed.holds("causal"):
