@@ -33,7 +33,7 @@ DOCUMENTS = frozenset(("cu_seqlens", "cu_seq_lens_q", "cu_seqlens_q"))  # handed
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens")  # arguments kept as a plain int too
 # the first query's position as an int, where a cache of the program's own is written (checks/context.py queries):
 # Meta's Llama forward(tokens, start_pos), Keras-hub's cache_update_index
-STARTS = ("start_pos", "cache_update_index", "cache_index")
+STARTS = ("start_pos", "cache_update_index")
 SOURCE_PAD = ("src_pad_idx", "src_pad_id", "source_pad_id", "src_pad_token_id", "source_pad_idx")  # each side's pad id
 TARGET_PAD = ("trg_pad_idx", "tgt_pad_idx", "trg_pad_id", "tgt_pad_id", "target_pad_id", "target_pad_idx",
               "tgt_pad_token_id", "trg_pad_token_id")
