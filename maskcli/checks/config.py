@@ -204,7 +204,7 @@ def window(run: Run) -> list:
         size, name = stated.window()
         where, source = _layer(index, call), stated.said(name)
         if stated.bidirectional():
-            if placed.holds(f"band({size})") or placed.holds(f"band({size + 1})"):  # |q-k| < W or <= W: both in use
+            if any(placed.holds(f"band({w})") for w in (size, size + 1, size // 2 + 1)):  # |q-k| < W, <= W, <= W/2
                 windowed.add((stated.said(name), index))
             elif any(placed.holds(f"window({w})") for w in (size, size + 1, size - 1) if w >= 1):
                 windowed.add((stated.said(name), index))
