@@ -283,6 +283,10 @@ BLIND = [  # written blind by other helpers (tests/data/bugs), each caught and i
     ("mistral_sliding_window_causal_mask_decode", "window-off-by-one"),  # huggingface/transformers#26792
     ("sglang_torch_native_backend_ignores_sliding_window", "window-missing"),  # sgl-project/sglang#26516 (layer_id)
     ("sglang_torch_native_encoder_sliding_window_ignored", "window-missing"),  # sgl-project/sglang#39298 (no module)
+    # Lightning-AI/litgpt#2153: a bool decode mask the -inf window bias is or-ed into (sliding_window_size, dataclass)
+    ("litgpt_gemma3_sliding_window_lost_with_kv_cache", "window-missing"),
+    # NVIDIA/TensorRT-LLM#12597: MistralAttention inherits forward, so config.sliding_window never reaches the kernel
+    ("tensorrt_llm_pytorch_mistral_sliding_window_not_passed", "window-missing"),
 ]
 
 
@@ -291,9 +295,11 @@ def test_blind_window_bugs_are_flagged_and_their_fixes_are_not(tmp_path, name, c
     check_bug(tmp_path, name, code)
 
 
-@pytest.mark.parametrize("name", ["layer_idx_unnumbered_paths", "plain_object_window_no_module"])
+@pytest.mark.parametrize("name", ["layer_idx_unnumbered_paths", "plain_object_window_no_module",
+                                  "window_size_field_decode_left_padded"])
 def test_a_layer_placed_by_its_own_number_or_stated_outside_any_module(tmp_path, name):
-    # the second way of each: layers under names (their layer_idx says which), a plain object with no nn.Module
+    # the second way of each: layers under names (their layer_idx says which), a plain object with no nn.Module; a
+    # window named sliding_window_size in a dict (self.hparams), lost at decode on a left-padded batch
     check_bug(tmp_path, name, "window-missing", WINDOWS)
 
 

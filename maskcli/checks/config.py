@@ -210,7 +210,7 @@ def window(run: Run) -> list:
         size, name = stated.window()
         where, source = _layer(index, call), stated.said(name)
         if stated.bidirectional():
-            if placed.holds(f"band({size})") or placed.holds(f"band({size + 1})"):  # |q-k| < W or <= W: both in use
+            if any(placed.holds(f"band({w})") for w in (size, size + 1, size // 2 + 1)):  # |q-k| < W, <= W, <= W/2
                 windowed.add((stated.said(name), index))
             elif any(placed.holds(f"window({w})") for w in (size, size + 1, size - 1) if w >= 1):
                 windowed.add((stated.said(name), index))
@@ -225,8 +225,8 @@ def window(run: Run) -> list:
                     f"{where} is a sliding layer ({kind[1]}) but its mask has no window: queries see keys {size} or "
                     f"more positions away ({source})"), expected=f"band({size})", source=source)))
             continue
-        if placed.holds(f"window({size})"):
-            windowed.add((source, index))
+        if placed.holds(f"window({size})") or name == "sliding_window_size" and placed.holds(f"window({size - 1})"):
+            windowed.add((source, index))  # (sliding_window_size counts the query in LitGPT's and Keras-hub's, not SGLang's)
             continue
         for other in (size + 1, size - 1):
             if other >= 1 and placed.holds(f"window({other})") and not placed.holds("causal"):
@@ -251,10 +251,13 @@ def window(run: Run) -> list:
                     f"window holds and the other is unbounded ({half[1]})"), expected=f"band({size + 1}) or window({size})", source=source)))
                 continue
             if placed.holds("causal") and not placed.holds(f"window({size})"):
+                # a field named for the sliding window is the attention's, whether it counts the query or not: `size`
+                # is already the wider reading (SGLang's sliding_window_size + 1), and the mask reaches past it
+                sure = "sliding_window" in name
                 missing.append((call, index, kind, Finding("window-missing", (
                     f"{where} is a sliding layer ({kind[1]}) but its mask is causal: queries see keys {size} or more "
-                    f"positions back ({source})" + ("" if name == "sliding_window" else ", unless its window_size is "
-                    "not the attention's")), severity=None if name == "sliding_window" else "suspicious",
+                    f"positions back ({source})" + ("" if sure else ", unless its window_size is "
+                    "not the attention's")), severity=None if sure else "suspicious",
                     expected=f"window({size})", source=source)))
     # sliding_window alone in a config not transformers': a layer without it is missing it where no layer has it, or
     # where this layer has it at another step (a prefill with the window, a decode step without)

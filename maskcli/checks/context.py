@@ -195,9 +195,10 @@ def _dense(stored: dict) -> np.ndarray:
 
 def queries(call, top: Top | None) -> np.ndarray:
     """The absolute position of each query row: `model`'s placing, the model call's cache_position or input_pos, the
-    last tokens a static cache holds (its slots past them unwritten), its position_ids where every batch row counts
-    up by 1 (the furthest row's: a left-padded row counts from its first real token; transformers' generate passes
-    position_ids alone), else the end of the keys (a cache that keeps every key, the key columns being positions)."""
+    int its own cache is written at (start_pos, cache_update_index), the last tokens a static cache holds (its slots
+    past them unwritten), its position_ids where every batch row counts up by 1 (the furthest row's: a left-padded row
+    counts from its first real token; transformers' generate passes position_ids alone), else the end of the keys (a
+    cache that keeps every key, the key columns being positions)."""
     q_len, k_len = call.shape[2:]
     placed = call.details.get("queries")
     if placed is not None:
@@ -207,6 +208,10 @@ def queries(call, top: Top | None) -> np.ndarray:
         given = arguments.get(name)
         if isinstance(given, np.ndarray) and given.ndim <= 2 and given.shape[-1] == q_len:
             return given.reshape(-1, q_len)[0].astype(np.int64)
+    for name in ("start_pos", "cache_update_index"):  # the int a cache of the program's own is written at
+        start = arguments.get(name)  # (trace/tops.py STARTS)
+        if isinstance(start, int) and start + q_len <= k_len:
+            return np.arange(start, start + q_len)
     held = arguments.get("cache_length")
     if isinstance(held, int) and q_len <= held < k_len:  # a static cache's slots past the written ones (trace/tops.py)
         return np.arange(held - q_len, held)

@@ -162,12 +162,33 @@ def _variables(root=None, anything: bool = False, depth: int = 1, places: list |
     found, seen = [], set()
     for where, variables in places:
         for variable, value in list(variables.items()):
+            if isinstance(value, str) and not variable.startswith("_"):
+                value = _json_object(value)  # (a checkpoint's config.json kept as its text)
+                if value is None:
+                    continue
             if id(value) in seen or variable.startswith("_") or not config_like(value, named=anything) \
                     or anything and isinstance(value, (torch.nn.Module, torch.Tensor)):
                 continue
             seen.add(id(value))
             fields = fields_of(value)
             if fields:
-                found.append(Stated(f"{variable} ({type(value).__name__}) {where}", None, fields))
+                kind = "JSON text" if isinstance(variables.get(variable), str) else type(value).__name__
+                found.append(Stated(f"{variable} ({kind}) {where}", None, fields))
     distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
     return found[:1] if len(distinct) == 1 else []
+
+
+def _json_object(text: str) -> dict | None:
+    """The dict a JSON object's text holds where it names one of the attention fields (a config.json the program keeps
+    as text); None for any other string (read only where it starts with "{" and is short)."""
+    import json
+
+    from maskcli.checks.intent import FIELDS
+
+    if len(text) > 100_000 or not text.lstrip().startswith("{") or not any(f'"{name}"' in text for name in FIELDS):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

@@ -31,6 +31,9 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
 LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
 DOCUMENTS = frozenset(("cu_seqlens", "cu_seq_lens_q", "cu_seqlens_q"))  # handed to an inner module: documents()
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens")  # arguments kept as a plain int too
+# the first query's position as an int, where a cache of the program's own is written (checks/context.py queries):
+# Meta's Llama forward(tokens, start_pos), Keras-hub's cache_update_index
+STARTS = ("start_pos", "cache_update_index")
 SOURCE_PAD = ("src_pad_idx", "src_pad_id", "source_pad_id", "src_pad_token_id", "source_pad_idx")  # each side's pad id
 TARGET_PAD = ("trg_pad_idx", "tgt_pad_idx", "trg_pad_id", "tgt_pad_id", "target_pad_id", "target_pad_idx",
               "tgt_pad_token_id", "trg_pad_token_id")
@@ -64,6 +67,10 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
                 and (value.dtype == torch.bool or not value.is_floating_point()):
             found[name] = value.detach().cpu().numpy().astype(np.int64)
         elif isinstance(value, int) and not isinstance(value, bool) and name in SCALARS:
+            found[name] = value
+    for name in STARTS:
+        value = given.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             found[name] = value
         elif name in LISTS and isinstance(value, (list, tuple)) and 1 < len(value) <= MOST \
                 and all(isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0 for x in value):
