@@ -366,10 +366,9 @@ def both_ways(run: Run) -> list:
         said = stated.bidirectional()
         if said is None or stated.decoder or placed.holds("full") or not placed.holds("causal"):
             continue
-        if kind is not None and kind[0] == "sliding_attention" and stated.window() is not None:
-            size = stated.window()[0]
-            if any(placed.holds(f"window({w})") for w in (size, size + 1, size - 1) if w >= 1):
-                continue  # a one-sided window: window-one-sided says it
+        size = stated.window()[0] if kind is not None and kind[0] == "sliding_attention" and stated.window() else 0
+        if any(placed.holds(f"window({w})") for w in (size, size + 1, size - 1) if w >= 1):
+            continue  # a one-sided window: window-one-sided says it
         source, sure = stated.said(said), stated.sure_both_ways()
         found.append((call, Finding("bidirectional-run-causal", (
             f"{_layer(index, call)} is run causal, but its config states the attention both ways ({source}): "
@@ -386,8 +385,7 @@ RULES = (
          "mask has no window", window),
     Rule("window-half-missing", "wrong", "steps", "a layer with a stated window whose mask keeps that window on one "
          "side of each query only and sees every key on the other (flash-attn's negative window side)", window),
-    Rule("window-one-sided", "wrong", "steps", "a sliding layer whose config states the attention bidirectional "
-         "but whose window looks back only", window),
+    Rule("window-one-sided", "wrong", "steps", "a sliding layer stated bidirectional whose window looks back only", window),
     Rule("window-on-full-layer", "wrong", "steps", "a full-attention layer given the sliding window (layer types read "
          "from the wrong field, or hard-coded by index against the config's)", full_layers),
     Rule("chunks-missing", "wrong", "steps", "a chunked layer (attention_chunk_size) whose mask is causal across "
