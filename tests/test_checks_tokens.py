@@ -121,3 +121,12 @@ def test_the_tokenizer_is_read_from_the_calling_frames_once_and_only_where_one_i
     assert "tokenizer_pad_id" not in run(left, SimpleNamespace(pad_token_id=1, eos_token_id=2))  # two that differ
     del left  # (this frame is one the trace searches too)
     assert "tokenizer_pad_id" not in run(SimpleNamespace(pad_token_id=0))  # no eos id, no side: not a tokenizer
+
+
+def test_a_collator_that_pads_the_attention_masks_with_the_pad_id_is_found(tmp_path):
+    # SeanLee97/AnglE#89: the masks padded by tokenizer.pad as if ids, with pad_token_id=1: the padding marked real
+    found = check_bug(tmp_path, "angle_collator_pads_attention_mask_with_pad_token_id", "padding-unmarked")
+    lengths = (5, 3, 4, 6)  # the four texts of the two pairs, right-padded to 6 with id 1
+    real = lambda b, i: i < lengths[b]  # noqa: E731
+    assert tuple(found[0]["cell"]) == first((4, 6, 6), lambda b, q, k: real(b, q) and not real(b, k))
+    assert "(22 such cells)" in found[0]["message"] and "pad id (1)" in found[0]["message"]
