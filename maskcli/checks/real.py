@@ -9,7 +9,8 @@ each batch row, never the clean shape of one example. The padding is, in this or
    `padding_mask` / `pad_mask` (True = padding, as torch names it), a plain `mask` / `input_mask` whose rows are a
    right-padded batch's (1 = a real token), `lengths` / `seq_lens` (each row's real
    tokens first, or last where its input ids lead with the pad id), or its input ids equal to the pad id the
-   program states (config `pad_token_id`, its embedding's `padding_idx`) in a run at one end of each row;
+   program states (config `pad_token_id`, its embedding's `padding_idx`; else the tokenizer's it holds, on the tokenizer's
+   padding side) in a run at one end of each row;
 2. else read off the mask: a key no real query of a batch row sees while a real query of another row does.
    Query rows that see no key, and rows that see every key where other rows of the same batch row do not
    (Hugging Face's SDPA path unmasks the padding rows so that they give no NaN), are not real queries there.
@@ -63,6 +64,14 @@ def _right_padding(given: np.ndarray) -> bool:
     return bool(((np.arange(given.shape[1])[None, :] < count[:, None]) == (given == 1)).all())
 
 
+def _on_side(pad: np.ndarray, side: str | None) -> bool:
+    """Every row's pad run on the tokenizer's padding side, where it states one."""
+    count = pad.sum(axis=1, keepdims=True)
+    columns = np.arange(pad.shape[1])[None, :]
+    at = {"left": columns < count, "right": columns >= pad.shape[1] - count}.get(side)
+    return at is None or bool((at == pad).all())
+
+
 def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
     """(bool (rows, length) real tokens, the argument that says it, whether outright) the model call states for its
     `length` tokens; None where it states none, or states two masks that differ (an encoder's and a decoder's). Its
@@ -89,10 +98,14 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
             columns = np.arange(length)[None, :]
             left = tokens is not None and "pad_id" in arguments and (tokens[:, 0] == arguments["pad_id"]).any()
             found.append(((columns >= length - given[:, None]) if left else (columns < given[:, None]), name, True))
-    pad_id = arguments.get("pad_id")
-    if not found and tokens is not None and isinstance(pad_id, int) and _edge(tokens == pad_id):  # (a mask given wins)
-        sure = pad_id != arguments.get("eos_id")  # (a pad id that is also the EOS may end a real sequence)
-        found.append((tokens != pad_id, f"input ids equal to the pad id {pad_id}", sure))
+    pad_id, by = arguments.get("pad_id"), ""
+    if not isinstance(pad_id, int) and isinstance(arguments.get("tokenizer_pad_id"), int):
+        pad_id, by = arguments["tokenizer_pad_id"], f" of {arguments.get('tokenizer', 'the tokenizer')}"
+    if not found and tokens is not None and isinstance(pad_id, int) and _edge(tokens == pad_id) \
+            and (not by or _on_side(tokens == pad_id, arguments.get("padding_side"))):  # (a mask given wins)
+        # (a pad id that is also the EOS or BOS may end or start a real sequence)
+        sure = pad_id not in {arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")}
+        found.append((tokens != pad_id, f"input ids equal to the pad id {pad_id}{by}", sure))
     if not found:
         return None
     first = np.broadcast_to(found[0][0], (rows, length))
