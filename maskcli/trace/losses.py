@@ -25,13 +25,15 @@ def watched(trace) -> dict:
     def loss(args, kwargs):
         target = args[1] if len(args) > 1 else kwargs.get("target")
         ignore = kwargs.get("ignore_index", -100)
-        inner = getattr(trace._local, "opened", None) is not None  # (the loss inside the model's own forward)
+        # (the loss inside the model's own forward, which has made attention calls: not a loss module's own call)
+        opened = getattr(trace._local, "opened", None)
+        inner = opened is not None and len(trace.calls) > opened[1]
         if not isinstance(target, torch.Tensor) or target.is_floating_point() or not (trace.tops or inner) \
                 or target.numel() > 1 << 20:
             return None
         found = target.detach().cpu().numpy().astype(np.int64)
         if inner:  # its model call is no top yet: read when it is (capture.py's _post calls inside())
-            trace._local.losses = [*getattr(trace._local, "losses", ()), (found, ignore)][-RECENT:]
+            trace._local.losses = [*(getattr(trace._local, "losses", None) or ()), (found, ignore)][-RECENT:]
             return None
         for top in reversed(trace.tops[-RECENT:]):
             ids = next((top.arguments[n] for n in IDS if isinstance(top.arguments.get(n), np.ndarray)), None)
