@@ -137,3 +137,55 @@ def test_uniem_encoder_called_without_attention_mask(tmp_path):
     """wangyuxinwhy/uniem#23: the pad mask built from the ids (`mask`, right-padded) used for pooling only; the
     model call's ids equal to the pad id say the padding (padding-ignored, said before held.py's padding-unused)."""
     check_bug(tmp_path, "uniem_embedder_encoder_called_without_attention_mask", "padding-ignored")
+
+
+def test_a_plain_mask_of_real_tokens_stated_to_the_model_catches_a_fill_whose_result_is_discarded(tmp_path):
+    """opendilab/DI-engine#333: `score.masked_fill(~mask, -1e9)` out of place, its result discarded; the model call's
+    plain `mask` (True = a valid entity, right-padded) states the padding (checks/real.py). Its fix fills in place."""
+    check_bug(tmp_path, "ding_entity_transformer_mask_fill_not_inplace", "padding-ignored")
+
+
+def test_an_input_mask_stated_to_the_model_catches_an_sdpa_bias_filled_out_of_place(tmp_path):
+    """The same bug written another way: float features, `input_mask` (1 = real) and SDPA's additive bias filled out
+    of place (the bias stays 0)."""
+    hit = caught(tmp_path, "sdpa_input_mask_bias_fill_discarded", ("padding-ignored",))
+    lengths = [5, 2, 4]
+    assert tuple(hit["cell"]) == first((3, 5, 5), lambda b, q, k: q < lengths[b] and k >= lengths[b])
+    assert hit["source"] == "input_mask of SetEncoder"
+
+
+def test_a_plain_mask_is_read_as_padding_only_where_its_rows_are_a_right_padded_batch():
+    from types import SimpleNamespace
+
+    from maskcli.checks.real import stated
+
+    def said(mask):
+        return stated(SimpleNamespace(arguments={"mask": np.array(mask)}, where="M"), len(mask), len(mask[0]))
+
+    assert said([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])[0].tolist() == [[True] * 4, [True, True, False, False],
+                                                                             [True, False, False, False]]
+    assert said([[0, 0, 1, 1], [1, 1, 1, 1]]) is None  # a prompt's loss mask: 0s at the start
+    assert said([[1, 0, 1, 1], [1, 1, 1, 1]]) is None  # a masked-LM's choice
+    assert said([[1, 1, 1], [1, 1, 1]]) is None  # no padding stated
+    assert said([[1, 0, 0], [1, 1, 0], [1, 1, 1]]) is None  # square: a causal mask over the cells
+
+
+def test_a_left_padded_batch_without_a_mask_is_found_by_the_pad_id_of_a_tokenizer_a_collator_keeps(tmp_path):
+    """fla-org/flame#24: the collator pads on the left (its tokenizer's pad id 0) and returns no attention_mask, so the
+    dense causal kernel lets real tokens attend the padding; the tokenizer is the collator's (`collator.tokenizer`)."""
+    found = check_bug(tmp_path, "flame_collator_padded_batch_without_attention_mask", "padding-ignored")
+    lengths = (7, 4, 2)
+    real = lambda b, i: i >= 7 - lengths[b]  # noqa: E731
+    bad = lambda b, q, k: real(b, q) and not real(b, k) and k <= q  # noqa: E731
+    assert tuple(found[0]["cell"]) == first((3, 7, 7), bad)
+    assert "collator.tokenizer" in found[0]["message"] and "(step 0; 22 such cells)" in found[0]["message"]
+
+
+def test_ids_scored_without_their_mask_are_found_by_the_pad_id_of_the_tokenizer_an_object_keeps(tmp_path):
+    """The same gap written another way: a scorer keeps `self.tokenizer` (pad id 3, left) and calls its eager-softmax
+    LM with the ids alone."""
+    hit = caught(tmp_path, "scorer_left_padded_ids_without_mask", ("padding-ignored",))
+    lengths = (5, 2, 3)
+    real = lambda b, i: i >= 5 - lengths[b]  # noqa: E731
+    assert tuple(hit["cell"]) == first((3, 5, 5), lambda b, q, k: real(b, q) and not real(b, k) and k <= q)
+    assert "self.tokenizer (Vocab)" in hit["message"]

@@ -198,3 +198,36 @@ def test_a_decoders_lengths_at_its_cross_attention_are_not_the_memorys(tmp_path)
     status, found, report = traced(tmp_path, "decoder_lengths_at_cross_attention", False, QUIET)
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert status == 0, report
+
+
+def test_a_left_pad_mask_made_an_outer_product_is_read_by_its_diagonal(tmp_path):
+    """RVC-Boss/GPT-SoVITS#2153: `padding_mask.unsqueeze(1) * padding_mask.unsqueeze(2)` (True = padding) hides only
+    pad-to-pad cells, so real tokens attend the left padding; each token's own cell of the (B, L, L) mask named as
+    padding says which tokens are padding. The fix repeats the key mask over the queries (the same diagonal)."""
+    found = check_bug(tmp_path, "gpt_sovits_batch_infer_left_pad_mask_product", "padding-unused")
+    pads = (0, 3)  # text lengths 6 and 3 left-padded to 6, then 2 prompt tokens: 8 keys
+    assert tuple(found[0]["cell"]) == first((2, 8, 8), lambda b, q, k: q >= pads[b] and k < pads[b])
+    assert "(15 such cells)" in found[0]["message"] and "padding_mask in infer_panel_batch_infer()" in found[0]["message"]
+
+
+def test_a_pad_mask_laid_over_the_query_rows_is_read_by_its_diagonal(tmp_path):
+    """Written another way: a right-padded encoder's (B, L, L) `src_pad_mask` laid over the query rows (True = padding),
+    so the real queries see the padding keys; its fix lays it over the key columns."""
+    found = check_bug(tmp_path, "encoder_pad_mask_over_query_rows", "padding-unused", folder=HELD)
+    lengths = (6, 3, 4)
+    assert tuple(found[0]["cell"]) == first((3, 6, 6), lambda b, q, k: q < lengths[b] and k >= lengths[b])
+    assert "(17 such cells)" in found[0]["message"]
+
+
+def test_a_square_mask_named_padding_is_read_by_its_diagonal_only_when_it_is_padding():
+    import torch
+
+    from maskcli.trace.held import _as_padding
+
+    pad = torch.tensor([[False, False, False], [False, True, True]])
+    product = pad[:, :, None] & pad[:, None, :]
+    keys = pad[:, None, :].expand(2, 3, 3)
+    for laid in (product, keys, pad[:, :, None] | pad[:, None, :]):
+        assert _as_padding("padding_mask", laid)["rows"].tolist() == pad.tolist()
+    assert _as_padding("scores", product) is None  # not named as padding
+    assert _as_padding("padding_mask", torch.rand(2, 3, 3)) is None  # not 0/1

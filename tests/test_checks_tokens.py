@@ -121,3 +121,38 @@ def test_the_tokenizer_is_read_from_the_calling_frames_once_and_only_where_one_i
     assert "tokenizer_pad_id" not in run(left, SimpleNamespace(pad_token_id=1, eos_token_id=2))  # two that differ
     del left  # (this frame is one the trace searches too)
     assert "tokenizer_pad_id" not in run(SimpleNamespace(pad_token_id=0))  # no eos id, no side: not a tokenizer
+
+
+def test_a_collator_that_pads_the_attention_masks_with_the_pad_id_is_found(tmp_path):
+    # SeanLee97/AnglE#89: the masks padded by tokenizer.pad as if ids, with pad_token_id=1: the padding marked real
+    found = check_bug(tmp_path, "angle_collator_pads_attention_mask_with_pad_token_id", "padding-unmarked")
+    lengths = (5, 3, 4, 6)  # the four texts of the two pairs, right-padded to 6 with id 1
+    real = lambda b, i: i < lengths[b]  # noqa: E731
+    assert tuple(found[0]["cell"]) == first((4, 6, 6), lambda b, q, k: real(b, q) and not real(b, k))
+    assert "(22 such cells)" in found[0]["message"] and "pad id (1)" in found[0]["message"]
+
+
+def _hole_seen_by_none(ids, mask, pad):
+    """bad(b, q, k) by a loop: k a token at the pad id inside its row (a real token after it) that the loss trains on,
+    q a later real query."""
+    def bad(b, q, k):
+        inside = ids[b][k] == pad and mask[b][k] == 0 and any(mask[b][j] for j in range(k + 1, len(ids[b])))
+        return inside and mask[b][q] == 1 and k < q
+    return bad
+
+
+def test_a_collator_mask_from_ids_whose_pad_is_the_eos_hides_a_trained_eos(tmp_path):
+    # InternLM/xtuner#567: attention_mask = input_ids.ne(pad_index), pad == eos == 2, a two-turn sample
+    found = check_bug(tmp_path, "xtuner_collate_pad_equals_eos_masks_real_eos", "trained-token-masked")
+    ids = [[10, 11, 12, 20, 21, 2, 10, 13, 12, 22, 23, 2], [10, 14, 12, 24, 2] + [2] * 7]
+    mask = [[int(t != 2) for t in row] for row in ids]
+    assert tuple(found[0]["cell"]) == first((2, 12, 12), _hole_seen_by_none(ids, mask, 2))
+    assert "(1 such token)" in found[0]["message"] and "Qwen2ForCausalLM" in found[0]["message"]
+
+
+def test_a_left_padded_chat_batch_whose_pad_is_the_eos_hides_a_trained_eos(tmp_path):
+    # written another way: left padding, an eager softmax, the loss outside the model (pad == eos == 0)
+    found = check_bug(tmp_path, "left_padded_chat_pad_is_eos_mask_from_ids", "trained-token-masked", folder=TOKENS)
+    ids = [[5, 6, 7, 8, 0, 5, 9, 7, 10, 11, 0], [0] * 6 + [5, 12, 7, 13, 0]]
+    mask = [[int(t != 0) for t in row] for row in ids]
+    assert tuple(found[0]["cell"]) == first((2, 11, 11), _hole_seen_by_none(ids, mask, 0))

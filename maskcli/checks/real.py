@@ -6,9 +6,11 @@ each batch row, never the clean shape of one example. The padding is, in this or
 1. stated by the model call (the program's own word, so a rule may call a mask that contradicts it wrong):
    its `attention_mask` (1 = a real token, as Hugging Face and BERT take it; a vision tower's `patch_attention_mask`
    / `patch_attn_mask`, True on its real patches, flattened in patch order), a `key_padding_mask` /
-   `padding_mask` / `pad_mask` (True = padding, as torch names it), `lengths` / `seq_lens` (each row's real
+   `padding_mask` / `pad_mask` (True = padding, as torch names it), a plain `mask` / `input_mask` whose rows are a
+   right-padded batch's (1 = a real token), `lengths` / `seq_lens` (each row's real
    tokens first, or last where its input ids lead with the pad id), or its input ids equal to the pad id the
-   program states (config `pad_token_id`, its embedding's `padding_idx`) in a run at one end of each row;
+   program states (config `pad_token_id`, its embedding's `padding_idx`; else the tokenizer's it holds, on the tokenizer's
+   padding side) in a run at one end of each row;
 2. else read off the mask: a key no real query of a batch row sees while a real query of another row does.
    Query rows that see no key, and rows that see every key where other rows of the same batch row do not
    (Hugging Face's SDPA path unmasks the padding rows so that they give no NaN), are not real queries there.
@@ -29,6 +31,7 @@ PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = pa
 REAL_TRUE = ("attention_mask", "patch_attention_mask", "patch_attn_mask")  # 1 = a real token (a real patch)
 LENGTHS = ("lengths", "seq_lens", "seq_lengths", "input_lengths")
 TOKENS = ("input_ids", "idx", "tokens")
+PLAIN = ("mask", "input_mask")  # 1 = a real token, read only where its rows are right padding (_right_padding)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,26 @@ def _edge(pad: np.ndarray) -> bool:
     return bool(((columns < count) == pad).all() or ((columns >= pad.shape[1] - count) == pad).all())
 
 
+def _right_padding(given: np.ndarray) -> bool:
+    """0/1 rows each a run of 1s from the start, every row with one, one row all 1s and one not: a right-padded batch's
+    mask of real tokens, as held.py reads a plain `mask` (a loss mask of a prompt is 0s at the start; a square one may be
+    a causal mask over the cells, so `stated` reads none whose rows are as many as its columns)."""
+    if given.shape[0] < 2 or given.min() < 0 or given.max() > 1:
+        return False
+    count = given.sum(axis=1)
+    if count.min() < 1 or count.max() != given.shape[1] or count.min() == given.shape[1]:
+        return False
+    return bool(((np.arange(given.shape[1])[None, :] < count[:, None]) == (given == 1)).all())
+
+
+def _on_side(pad: np.ndarray, side: str | None) -> bool:
+    """Every row's pad run on the tokenizer's padding side, where it states one."""
+    count = pad.sum(axis=1, keepdims=True)
+    columns = np.arange(pad.shape[1])[None, :]
+    at = {"left": columns < count, "right": columns >= pad.shape[1] - count}.get(side)
+    return at is None or bool((at == pad).all())
+
+
 def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
     """(bool (rows, length) real tokens, the argument that says it, whether outright) the model call states for its
     `length` tokens; None where it states none, or states two masks that differ (an encoder's and a decoder's). Its
@@ -62,6 +85,11 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
         if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.size \
                 and given.min() >= 0 and given.max() <= 1 and given.shape[0] in (1, rows):
             found.append(((given == 1) if name in REAL_TRUE else (given == 0), name, True))
+    for name in PLAIN:
+        given = arguments.get(name)
+        if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.shape[0] == rows \
+                and rows != length and _right_padding(given):
+            found.append((given == 1, name, True))
     tokens = next((arguments[n] for n in TOKENS if isinstance(arguments.get(n), np.ndarray)), None)
     tokens = tokens if tokens is not None and tokens.ndim == 2 and tokens.shape == (rows, length) else None
     for name in LENGTHS:
@@ -71,10 +99,14 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
             columns = np.arange(length)[None, :]
             left = tokens is not None and "pad_id" in arguments and (tokens[:, 0] == arguments["pad_id"]).any()
             found.append(((columns >= length - given[:, None]) if left else (columns < given[:, None]), name, True))
-    pad_id = arguments.get("pad_id")
-    if not found and tokens is not None and isinstance(pad_id, int) and _edge(tokens == pad_id):  # (a mask given wins)
-        sure = pad_id != arguments.get("eos_id")  # (a pad id that is also the EOS may end a real sequence)
-        found.append((tokens != pad_id, f"input ids equal to the pad id {pad_id}", sure))
+    pad_id, by = arguments.get("pad_id"), ""
+    if not isinstance(pad_id, int) and isinstance(arguments.get("tokenizer_pad_id"), int):
+        pad_id, by = arguments["tokenizer_pad_id"], f" of {arguments.get('tokenizer', 'the tokenizer')}"
+    if not found and tokens is not None and isinstance(pad_id, int) and _edge(tokens == pad_id) \
+            and (not by or _on_side(tokens == pad_id, arguments.get("padding_side"))):  # (a mask given wins)
+        # (a pad id that is also the EOS or BOS may end or start a real sequence)
+        sure = pad_id not in {arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")}
+        found.append((tokens != pad_id, f"input ids equal to the pad id {pad_id}{by}", sure))
     if not found:
         return None
     first = np.broadcast_to(found[0][0], (rows, length))

@@ -22,6 +22,10 @@ Where the attention_mask disagrees with the ids, the ids win: they are the data 
   in one run at an edge of each padded row (F.pad's zeros), and the mask calls padding exactly the samples that are
   not zero and real exactly the zero run: the mask is the wrong way round for its own data (earthspecies/avex#26: the
   collator's mask True on the real audio, BEATs reading True as padding).
+- trained-token-masked: the loss's targets (as sees-its-target reads them) train on a token the attention_mask marks
+  0 inside its row, real tokens after it, and a later real query that sees a key before it does not see it
+  (InternLM/xtuner#567: `input_ids.ne(pad_index)` with pad == EOS masks every turn's EOS of a multi-turn sample).
+  A 0 at the row's end is left alone (no real query after it), as are tokens the loss ignores.
 Left alone: no pad id stated, a mask not 0/1 or not over the ids, an encoder-decoder's mask (its encoder's).
 """
 
@@ -191,6 +195,47 @@ def inverted(run: Run) -> list:
     return found
 
 
+def trained(run: Run) -> list:
+    """A token the program's loss trains on (the next-token target of the position before it) that the attention_mask
+    marks padding inside its row (real tokens after it), hidden from a later real query that sees a key before it."""
+    found = []
+    for top in run.tops:
+        said, given = top.arguments.get("next_token"), top.arguments.get("attention_mask")
+        if said is None or not isinstance(given, np.ndarray) or given.ndim != 2 or not np.isin(given, (0, 1)).all() \
+                or getattr(top.config, "is_encoder_decoder", False):
+            continue
+        axis, predicts = said
+        predicts = predicts if axis == 1 else predicts.T  # (batch, sequence)
+        if predicts.shape != given.shape:
+            continue
+        rows, length = given.shape
+        target = np.zeros_like(predicts)
+        target[:, 1:] = predicts[:, :-1]  # (the token at p is the answer of query p - 1)
+        later = np.flip(np.cumsum(np.flip(given == 1, axis=1), axis=1), axis=1) > (given == 1)  # a real token after
+        inside = (given == 0) & target & later
+        if not inside.any():
+            continue
+        at = np.arange(length)
+        for call, cells, own in _calls(run, top, rows, length):
+            real_q = np.zeros((rows, len(own)), bool)
+            real_q[:, own < length] = (given == 1)[:, own[own < length]]
+            # (a key before the hidden one that the query sees: the hidden one is within what it attends)
+            sees_before = np.maximum.accumulate(cells, axis=2)
+            earlier = np.zeros_like(cells)
+            earlier[:, :, 1:] = sees_before[:, :, :-1]
+            bad = ~cells & earlier & real_q[:, :, None] & inside[:, None, :] & (at[None, None, :] < own[None, :, None])
+            if bad.any():
+                b, q, k = first_cell(bad)
+                found.append((call, Finding("trained-token-masked", (
+                    f"batch row {b}: query {int(own[q])} does not see key {k}, a token the program's loss trains on (the "
+                    f"target of query {k - 1}) that the attention_mask of {top.where} marks padding inside the row, "
+                    f"real tokens after it ({int(inside.sum())} such token{'' if inside.sum() == 1 else 's'}): a mask "
+                    f"built from the ids at a pad id that is also a real token's (pad == EOS)?"), expected="every token the loss trains on seen as a "
+                    "real token", source="the loss's targets", cell=(b, int(own[q]), k))))
+                break
+    return found
+
+
 def ids_of(top) -> np.ndarray:
     return next(top.arguments[n] for n in TOKENS if isinstance(top.arguments.get(n), np.ndarray))
 
@@ -205,4 +250,7 @@ RULES = (
          tokens),
     Rule("real-tokens-masked", "wrong", "steps", "tokens that are not the pad id, of several ids in a row, that the "
          "attention_mask marks padding and the attention hides (a collator's mask over the wrong part)", tokens),
+    Rule("trained-token-masked", "wrong", "steps", "a token the program's loss trains on that the attention_mask marks "
+         "padding inside its row, hidden from the real queries after it (a mask from ids whose pad id is the EOS)",
+         trained),
 )

@@ -307,6 +307,7 @@ class Trace:
         opened = getattr(self._local, "opened", None)
         if opened is not None and opened[0] is module:
             self._local.opened = None
+            losses, self._local.losses = getattr(self._local, "losses", None), None  # (trace/losses.py: its own loss)
             if len(self.calls) > opened[1]:  # an outermost call that made attention calls: what the checks read of it
                 from maskcli.trace.tops import top
 
@@ -324,6 +325,10 @@ class Trace:
                         self._frames[id(module)] = frames()
                     self._pending.append((found, module))
                 self._tops.append(found)
+                if losses:
+                    from maskcli.trace.losses import inside
+
+                    inside(found, losses)
 
     # --- recording ----------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Read at each call from the functions of the program on the stack (not torch's, maskcli's, nor the standard library's),
 by variable name only (a code object's names are matched once; its locals are read only where one matches): a 2-D
-mask of 0/1 or bools named as a padding mask is, and 1-D integer lengths. checks/held.py says where the kernel's mask
+mask of 0/1 or bools named as a padding mask is (or the diagonal of a (B, L, L) one named as padding: each token's own
+cell), and 1-D integer lengths. checks/held.py says where the kernel's mask
 lets real queries see what the program itself calls padding (a mask built, then never handed on: uniem#23).
 """
 
@@ -118,6 +119,11 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
     if CELLS.search(name) and value.dim() in (2, 3) and value.shape[-1] > 1:
         cells = value.detach().cpu().numpy()
         return {"kind": "cells", "rows": cells.astype(bool)} if np.isin(cells, (0, 1)).all() else None
+    if PAD.search(name) and value.dim() == 3 and value.shape[-1] == value.shape[-2] > 1:
+        # (B, L, L) named as padding, True = hidden for padding: a token's own cell is hidden exactly where it is padding,
+        # however its rows were laid (a key mask repeated over the queries, an outer product, or either side's)
+        rows = value.diagonal(dim1=-2, dim2=-1).detach().cpu().numpy()
+        return {"kind": "pad", "rows": rows.astype(bool)} if np.isin(rows, (0, 1)).all() else None
     if value.dim() != 2 or LENGTHS.search(name) or CELLS.search(name):
         return None
     rows = value.detach().cpu().numpy()

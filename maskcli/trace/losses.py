@@ -25,10 +25,16 @@ def watched(trace) -> dict:
     def loss(args, kwargs):
         target = args[1] if len(args) > 1 else kwargs.get("target")
         ignore = kwargs.get("ignore_index", -100)
-        if not isinstance(target, torch.Tensor) or target.is_floating_point() or not trace.tops \
+        # (the loss inside the model's own forward, which has made attention calls: not a loss module's own call)
+        opened = getattr(trace._local, "opened", None)
+        inner = opened is not None and len(trace.calls) > opened[1]
+        if not isinstance(target, torch.Tensor) or target.is_floating_point() or not (trace.tops or inner) \
                 or target.numel() > 1 << 20:
             return None
         found = target.detach().cpu().numpy().astype(np.int64)
+        if inner:  # its model call is no top yet: read when it is (capture.py's _post calls inside())
+            trace._local.losses = [*(getattr(trace._local, "losses", None) or ()), (found, ignore)][-RECENT:]
+            return None
         for top in reversed(trace.tops[-RECENT:]):
             ids = next((top.arguments[n] for n in IDS if isinstance(top.arguments.get(n), np.ndarray)), None)
             shifted = None if ids is None or ids.ndim != 2 or "next_token" in top.arguments else _shifted(found, ids, ignore)
@@ -39,6 +45,15 @@ def watched(trace) -> dict:
 
     loss.api = "loss"
     return {F.cross_entropy: loss, F.nll_loss: loss}
+
+
+def inside(top, losses) -> None:
+    """The targets of losses the model call computed in its own forward (a model given `labels`), read against its ids."""
+    ids = next((top.arguments[n] for n in IDS if isinstance(top.arguments.get(n), np.ndarray)), None)
+    for found, ignore in losses:
+        shifted = None if ids is None or ids.ndim != 2 or "next_token" in top.arguments else _shifted(found, ids, ignore)
+        if shifted is not None:
+            top.arguments["next_token"] = shifted
 
 
 def _shifted(target: np.ndarray, ids: np.ndarray, ignore: int) -> tuple[int, np.ndarray] | None:

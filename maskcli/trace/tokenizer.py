@@ -2,7 +2,8 @@
 
 Read once per outermost module (trace/tops.py), where neither the module's config nor the module states a pad id:
 the nearest program frames (the function that called the model and its callers; torch's and maskcli's left out)
-are searched for one object, not a module or a tensor, that has an int `pad_token_id` and an `eos_token_id` or a
+are searched for one object, not a module or a tensor (or one such object kept as `tokenizer` /
+`processing_class` / `processor` by an object they hold: a collator's), that has an int `pad_token_id` and an `eos_token_id` or a
 `padding_side` (a transformers tokenizer, a stand-in of the program's own). Two that differ: nothing is read.
 Kept as `tokenizer_pad_id`, `tokenizer_eos_id`, `tokenizer_bos_id`, `padding_side` and `tokenizer` (where it was
 found) in the model call's arguments (checks/tokens.py reads them).
@@ -41,7 +42,7 @@ def _search() -> dict:
     while frame is not None and searched < FRAMES:
         if not frame.f_code.co_filename.startswith(skip):
             searched += 1
-            for name, value in list(frame.f_locals.items()):
+            for name, value in _held(frame.f_locals):
                 if id(value) in found or isinstance(value, (torch.nn.Module, torch.Tensor, type, int, str, dict)):
                     continue
                 try:
@@ -65,6 +66,26 @@ def _search() -> dict:
                                                                                if k != "tokenizer"} for one in said[1:]):
         return {}
     return said[0]
+
+
+HOLDERS = ("tokenizer", "processing_class", "processor")  # where a collator, trainer or pipeline keeps its tokenizer
+
+
+def _held(variables: dict) -> list:
+    """(name, object) of a frame's locals, and the tokenizer each holds under one of HOLDERS (a collator's
+    `self.tokenizer`, held by the function that calls the model through its batch: flame's collator)."""
+    found = list(variables.items())
+    for name, value in list(found):
+        if isinstance(value, (torch.nn.Module, torch.Tensor, type, int, float, str, dict, list, tuple)) or value is None:
+            continue
+        for holder in HOLDERS:
+            try:
+                held = value.__dict__.get(holder) if hasattr(value, "__dict__") else None
+            except Exception:  # noqa: BLE001 - an object whose __dict__ cannot be read holds nothing we read
+                held = None
+            if held is not None:
+                found.append((f"{name}.{holder}", held))
+    return found
 
 
 _HELD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per module: read once, however many steps call it
