@@ -10,7 +10,8 @@ handed to `BertModel(attention_mask=...)` was all ones and every real token (and
 used by the NLI head) attended to the zero-id padding of shorter pairs.
 Fix: pad the mask with zeros: `attention_masks[ii] += [0]*(longest-len(attention_masks[ii]))`.
 
-Reproduction: `BertNLIModel.ff` as in bert_nli.py (BERT encoder -> pooled [CLS] -> nli_head) on a
+Reproduction: `BertNLIModel.ff` written after bert_nli.py (not re-read here: BERT encoder -> pooled
+[CLS] -> nli_head) on a
 batch of two sentence pairs of different length; BERT is a random-weight transformers BertModel
 built from a BertConfig, and the WordPiece tokenizer is replaced by a tiny whitespace tokenizer
 with the same `tokenize` / `encode` interface (encode adds [CLS]/[SEP] that get_pair_input strips).

@@ -4,7 +4,8 @@ Citation: rasbt/LLMs-from-scratch#1061 ("Bug in Ch03 - Bonus02 - PyTorch's scale
 attention without FlashAttention", closed), fixed by rasbt/LLMs-from-scratch#1062 ("Fix causal
 mask in SDPA attention", merged: "invert the boolean mask passed to scaled_dot_product_attention so
 tokens attend only to current and previous positions").  Read: the issue and PR descriptions; the
-module is written after ch03/02_bonus_efficient-multihead-attention (mha-implementations notebook).
+module is written from my knowledge of ch03/02_bonus_efficient-multihead-attention (the
+mha-implementations notebook was not re-read here).
 
 Bug: the module registers `mask = torch.triu(torch.ones(context_length, context_length),
 diagonal=1).bool()` (True = future position, the convention of the notebook's other

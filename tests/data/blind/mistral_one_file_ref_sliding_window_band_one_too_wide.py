@@ -2,9 +2,10 @@
 
 Citation: mistralai/mistral-inference#137 ("Fix sliding window mask size in one_file_ref.py",
 closed unmerged when the repository was archived): "the original mask would display one more column
-than expected size."  Read: the PR description and one_file_ref.py `Transformer.forward` /
-`Attention.forward` (the PR diff itself was not available to me; the fix below is the one the
-description implies, and the rolling cache holds exactly `sliding_window` entries).
+than expected size."  Read: the PR description and one_file_ref.py `Transformer.forward` (the
+mask lines); `Attention.forward` with its rolling cache is written from my knowledge of that file,
+not re-read here, and the PR diff itself was not available to me (the fix below is the one the
+description implies; the rolling cache holds exactly `sliding_window` entries).
 
 Bug: `mask = torch.triu(torch.tril(ones, 0), diagonal=-self.args.sliding_window)` keeps keys
 i - sliding_window .. i, i.e. sliding_window + 1 of them, while `ModelArgs.sliding_window` and the
