@@ -81,7 +81,8 @@ def masked_somewhere(call) -> bool:
 
 
 CROSS_WORDS = re.compile(r"encoder_?attn|encdecattention|cross_?attn|cross_?attention|crossattention|multihead_attn|src_attn"
-                         r"|enc_?dec_?att(?:n|ention)|encoder_decoder_attention|context_attn", re.IGNORECASE)
+                         r"|enc_?dec_?att(?:n|ention)|encoder_decoder_attention|context_attn"
+                         r"|(?<![a-z0-9])x_?att(?:n|ention)", re.IGNORECASE)  # (Flamingo's `gated_xattn`; not flex_attn)
 
 
 def cross(call) -> bool:
@@ -89,7 +90,8 @@ def cross(call) -> bool:
     queries' own positions, so no rule may place its queries among them (bottom-right or otherwise).
 
     Said by: the module path (BART / Whisper `encoder_attn`, T5 `EncDecAttention`, `cross_attn`, BERT's
-    `crossattention`, nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`), or more
+    `crossattention`, nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`, Flamingo's
+    `xattn`), the attending module's class (`MaskedCrossAttention`: trace/held.py cross_said), or more
     queries than keys where the kernel itself does not place them (a self-attention's keys hold its queries' own);
     never where the keys were read off the queries' own storage (one projection of one input: trace/masks.py)."""
     details = call.details

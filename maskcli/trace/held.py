@@ -128,12 +128,17 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
 
 CROSS_FIELDS = ("attention_type", "attn_type", "is_cross_attention")
 INNERMOST = 4  # running modules read, innermost first (a whole model's attributes speak for no one call)
+CROSS_CLASS = re.compile(r"cross_?att(?:n|ention)\d*$|(?:^|_)x_?att(?:n|ention)\d*$", re.IGNORECASE)
 
 
 def cross_said(stack: list) -> str | None:
     """'path.attention_type=cross' where one of the innermost running modules states itself a cross-attention:
     `attention_type` / `attn_type` "cross" (Transformer Engine's, Megatron's AttnType.cross_attn) or
-    `is_cross_attention=True` (transformers' BERT family, diffusers' Attention); None otherwise."""
+    `is_cross_attention=True` (transformers' BERT family, diffusers' Attention), or the innermost one's class is
+    named a cross-attention (OpenFlamingo's `MaskedCrossAttention`, Mllama's `MllamaTextCrossAttention`; only the
+    innermost: a block named for its cross-attention also runs a self-attention); None otherwise."""
+    if stack and CROSS_CLASS.search(type(stack[-1]).__name__) and vars(stack[-1]).get("is_cross_attention") is not False:
+        return f"{type(stack[-1]).__name__} (its class)"
     for module in reversed(stack[-INNERMOST:]):
         own = vars(module)
         for name in CROSS_FIELDS:
