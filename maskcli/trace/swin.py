@@ -14,11 +14,12 @@ import sys
 import numpy as np
 import torch
 
-from maskcli.trace import held as _held
+from maskcli.trace.held import _skipped
 
 INNERMOST = 4  # running modules read, innermost first
 FRAMES = 4  # program frames searched for the windows' mask
 NAMES = ("mask", "attn_mask")
+_SKIP: tuple = ()  # torch's, maskcli's and the standard library's files: not the program's frames
 
 
 def _size(value) -> int | None:
@@ -46,9 +47,10 @@ def shifted_windows(stack: list) -> dict | None:
 
 
 def _held_mask(tokens: int) -> np.ndarray | None:
-    if not _held._SKIP:
-        _held._SKIP = _held._skipped()
-    skip = _held._SKIP
+    global _SKIP
+    if not _SKIP:
+        _SKIP = _skipped()
+    skip = _SKIP
     frame, searched = sys._getframe(2), 0
     while frame is not None and searched < FRAMES:
         code = frame.f_code
