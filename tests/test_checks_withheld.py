@@ -36,10 +36,30 @@ def test_an_audio_mask_held_as_a_local_and_a_bidirectional_encoder(tmp_path):
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 
-def run_of(cells: np.ndarray, rows: np.ndarray) -> Run:
+def run_of(cells: np.ndarray, rows: np.ndarray, name: str = "frame_mask") -> Run:
     call = SimpleNamespace(index=0, where="attn", api="sdpa", step=0, shape=cells.shape, details={}, mask="m",
                            stored=tracefile.from_dense(cells, cells.shape))
-    return Run([call], [Top("Model", arguments={"withheld": ("frame_mask", "step()", rows)}, first=0, end=1)])
+    return Run([call], [Top("Model", arguments={"withheld": (name, "step()", rows)}, first=0, end=1)])
+
+
+def causal_cells(batch: int, length: int) -> np.ndarray:
+    """(B, 1, L, L) by a loop: k <= q."""
+    out = np.zeros((batch, 1, length, length), bool)
+    for b in range(batch):
+        for q in range(length):
+            for k in range(q + 1):
+                out[b, 0, q, k] = True
+    return out
+
+
+def test_over_the_calls_own_keys_causal_order_that_hides_right_padding_is_quiet():
+    """A key_padding_mask (True = padding) over the call's own 4 keys left unpassed: right padding under a causal
+    mask is never seen by a real query (quiet); left padding is (found)."""
+    causal = causal_cells(2, 4)
+    right = np.array([[0, 0, 0, 0], [0, 0, 1, 1]])
+    assert withheld(run_of(causal, right, "key_padding_mask")) == []
+    [(_, found)] = withheld(run_of(causal, right[:, ::-1].copy(), "key_padding_mask"))
+    assert "batch row 1 padded at 0, 1" in found.message
 
 
 def test_quiet_where_the_padding_reached_the_attention_or_pads_no_row():

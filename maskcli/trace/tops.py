@@ -107,7 +107,10 @@ def _zeros(given: dict, found: dict) -> dict:
     return {}
 
 
-MASK_PARAMETER = re.compile(r"^(?!attention_mask$|attn_mask$)\w*_mask$")  # (a missing attention_mask: padding-ignored)
+# a mask of padded items a model takes (frames, images, audio, patches, key padding); not an attention mask (another
+# side's, a decoder's: padding-ignored and memory.py read those), a loss, label or head mask, which mask no padding
+MASK_PARAMETER = re.compile(r"^(?!.*(?:attention|attn|loss|label|labels|head|causal|lm)_)\w*?(?:frame|image|img|video|audio"
+                            r"|speech|clip|patch|media|vision|visual|pixel|item|obs|feature|padding|pad|valid)s?_mask$")
 WITHHELD_FRAMES = 4  # program frames read outward from the model call: its caller and theirs
 
 
