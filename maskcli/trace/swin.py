@@ -32,7 +32,9 @@ def _size(value) -> int | None:
 def shifted_windows(stack: list) -> dict | None:
     """{"window", "shift", "resolution", "keep": bool (nW, N, N)} under a module with a shift; None otherwise."""
     for module in reversed(stack[-INNERMOST:]):
-        own = vars(module)
+        own = module.__dict__
+        if "shift_size" not in own:  # (every call of every program passes here: the common case first)
+            continue
         shift, window = _size(own.get("shift_size")), _size(own.get("window_size"))
         if shift is None or window is None or not 0 < shift < window:
             continue
