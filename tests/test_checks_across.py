@@ -52,25 +52,34 @@ def test_cross_said_by_the_innermost_modules():
     assert cross_said([nn.Module()]) is None
 
 
-def test_cross_said_by_the_innermost_modules_class():
-    """The attending module's class named a cross-attention (OpenFlamingo's MaskedCrossAttention, an `XAttn`) says so;
-    a class that only ends in `attn` (FlexAttn, SelfAttention), an outer block so named, or one that states
-    is_cross_attention=False does not."""
+def test_cross_class_is_the_innermost_modules_class_and_says_cross_only_with_other_keys():
+    """The attending module's class named a cross-attention (OpenFlamingo's MaskedCrossAttention, an `XAttn`); a class
+    that only ends in `attn` (FlexAttn, SelfAttention), an outer block so named, or one that states
+    is_cross_attention=False is not. It is not the module's statement (cross_said: cross-attention-causal reads that),
+    and context.cross believes it only where the keys are not as many as the queries (LDM's CrossAttention runs attn1's
+    self-attention too)."""
+    from types import SimpleNamespace
+
     from torch import nn
 
-    from maskcli.trace.held import cross_said
+    from maskcli.checks.context import cross
+    from maskcli.trace.held import cross_class, cross_said
 
     def named(name):
         return type(name, (nn.Module,), {})()
 
-    assert cross_said([named("MaskedCrossAttention")]) == "MaskedCrossAttention (its class)"
-    assert cross_said([named("Gated_XAttn")]) == "Gated_XAttn (its class)"
+    assert cross_class([named("MaskedCrossAttention")]) == "MaskedCrossAttention"
+    assert cross_said([named("MaskedCrossAttention")]) is None
+    assert cross_class([named("Gated_XAttn")]) == "Gated_XAttn"
     for name in ("FlexAttn", "SelfAttention", "MaxAttention", "CrossAttentionBlockLayer"):
-        assert cross_said([named(name)]) is None, name
-    assert cross_said([named("CrossAttnDecoder"), named("SelfAttention")]) is None  # (only the innermost's class)
+        assert cross_class([named(name)]) is None, name
+    assert cross_class([named("CrossAttnDecoder"), named("SelfAttention")]) is None  # (only the innermost's class)
     said_self = named("LayerCrossAttention")
     said_self.is_cross_attention = False
-    assert cross_said([said_self]) is None
+    assert cross_class([said_self]) is None
+    details = {"cross_class": "CrossAttention"}
+    assert cross(SimpleNamespace(api="softmax", where="attn2", shape=(1, 2, 9, 24), details=details))
+    assert not cross(SimpleNamespace(api="softmax", where="attn1", shape=(1, 2, 9, 9), details=details))
 
 
 def test_flamingo_text_over_media_latents_is_cross_attention_and_quiet(tmp_path):

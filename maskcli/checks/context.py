@@ -91,7 +91,8 @@ def cross(call) -> bool:
 
     Said by: the module path (BART / Whisper `encoder_attn`, T5 `EncDecAttention`, `cross_attn`, BERT's
     `crossattention`, nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`, Flamingo's
-    `xattn`), the attending module's class (`MaskedCrossAttention`: trace/held.py cross_said), or more
+    `xattn`), the attending module's class (`MaskedCrossAttention`: trace/held.py cross_class) where the keys are not as
+    many as the queries (LDM's `CrossAttention` class runs its self-attention too), or more
     queries than keys where the kernel itself does not place them (a self-attention's keys hold its queries' own);
     never where the keys were read off the queries' own storage (one projection of one input: trace/masks.py)."""
     details = call.details
@@ -100,6 +101,8 @@ def cross(call) -> bool:
     if details.get("cross_said") or CROSS_WORDS.search(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
         return True
     q_len, k_len = call.shape[2:]
+    if details.get("cross_class") and q_len != k_len:  # (a class named so also runs LDM's self-attention: attn1)
+        return True
     return q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal"))  # (flash places them itself)
 
 

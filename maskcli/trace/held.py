@@ -131,14 +131,21 @@ INNERMOST = 4  # running modules read, innermost first (a whole model's attribut
 CROSS_CLASS = re.compile(r"cross_?att(?:n|ention)\d*$|(?:^|_)x_?att(?:n|ention)\d*$", re.IGNORECASE)
 
 
+def cross_class(stack: list) -> str | None:
+    """The innermost running module's class name where it names a cross-attention (OpenFlamingo's
+    `MaskedCrossAttention`, Mllama's `MllamaTextCrossAttention`); None otherwise. Weaker than cross_said: LDM's
+    `CrossAttention` class runs its self-attention too (attn1, no context), so checks/context.cross believes it only
+    where the keys are not as many as the queries."""
+    if not stack:
+        return None
+    name = type(stack[-1]).__name__
+    return name if CROSS_CLASS.search(name) and stack[-1].__dict__.get("is_cross_attention") is not False else None
+
+
 def cross_said(stack: list) -> str | None:
     """'path.attention_type=cross' where one of the innermost running modules states itself a cross-attention:
     `attention_type` / `attn_type` "cross" (Transformer Engine's, Megatron's AttnType.cross_attn) or
-    `is_cross_attention=True` (transformers' BERT family, diffusers' Attention), or the innermost one's class is
-    named a cross-attention (OpenFlamingo's `MaskedCrossAttention`, Mllama's `MllamaTextCrossAttention`; only the
-    innermost: a block named for its cross-attention also runs a self-attention); None otherwise."""
-    if stack and CROSS_CLASS.search(type(stack[-1]).__name__) and vars(stack[-1]).get("is_cross_attention") is not False:
-        return f"{type(stack[-1]).__name__} (its class)"
+    `is_cross_attention=True` (transformers' BERT family, diffusers' Attention); None otherwise."""
     for module in reversed(stack[-INNERMOST:]):
         own = vars(module)
         for name in CROSS_FIELDS:
