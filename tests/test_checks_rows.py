@@ -75,6 +75,8 @@ def test_cross_attention_queries_are_never_placed_among_the_keys():
     keep, stored = call(memory)
     assert later(SimpleNamespace(**vars(keep), where="model.decoder.layers.0.encoder_attn"), stored, None) == []
     assert later(SimpleNamespace(**vars(keep), where="decoder.layers.0.multihead_attn"), stored, None) == []
+    assert later(SimpleNamespace(**vars(keep), where="lm.layers.3.gated_xattn"), stored, None) == []  # (Flamingo's)
+    assert later(SimpleNamespace(**vars(keep), where="layers.0.flex_attn"), stored, None)[0].code == "sees-later"
     [found] = later(SimpleNamespace(**vars(keep), where="model.decoder.layers.0.self_attn"), stored, None)
     assert found.code == "sees-later"
     mask = SimpleNamespace(reading="mask", kind=None, expression=None)

@@ -108,7 +108,8 @@ def masked_somewhere(call) -> bool:
 
 
 CROSS_WORDS = re.compile(r"encoder_?attn|encdecattention|cross_?attn|cross_?attention|crossattention|multihead_attn|src_attn"
-                         r"|enc_?dec_?att(?:n|ention)|encoder_decoder_attention|context_attn", re.IGNORECASE)
+                         r"|enc_?dec_?att(?:n|ention)|encoder_decoder_attention|context_attn"
+                         r"|(?<![a-z0-9])x_?att(?:n|ention)", re.IGNORECASE)  # (Flamingo's `gated_xattn`; not flex_attn)
 
 
 def cross(call) -> bool:
@@ -116,7 +117,9 @@ def cross(call) -> bool:
     queries' own positions, so no rule may place its queries among them (bottom-right or otherwise).
 
     Said by: the module path (BART / Whisper `encoder_attn`, T5 `EncDecAttention`, `cross_attn`, BERT's
-    `crossattention`, nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`), or more
+    `crossattention`, nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`, Flamingo's
+    `xattn`), the attending module's class (`MaskedCrossAttention`: trace/held.py cross_class) where the keys are not as
+    many as the queries (LDM's `CrossAttention` class runs its self-attention too), or more
     queries than keys where the kernel itself does not place them (a self-attention's keys hold its queries' own);
     never where the keys were read off the queries' own storage (one projection of one input: trace/masks.py)."""
     details = call.details
@@ -125,6 +128,8 @@ def cross(call) -> bool:
     if details.get("cross_said") or _cross_word(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
         return True
     q_len, k_len = call.shape[2:]
+    if details.get("cross_class") and q_len != k_len:  # (a class named so also runs LDM's self-attention: attn1)
+        return True
     return q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal"))  # (flash places them itself)
 
 

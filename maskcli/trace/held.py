@@ -134,6 +134,18 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
 
 CROSS_FIELDS = ("attention_type", "attn_type", "is_cross_attention")
 INNERMOST = 4  # running modules read, innermost first (a whole model's attributes speak for no one call)
+CROSS_CLASS = re.compile(r"cross_?att(?:n|ention)\d*$|(?:^|_)x_?att(?:n|ention)\d*$", re.IGNORECASE)
+
+
+def cross_class(stack: list) -> str | None:
+    """The innermost running module's class name where it names a cross-attention (OpenFlamingo's
+    `MaskedCrossAttention`, Mllama's `MllamaTextCrossAttention`); None otherwise. Weaker than cross_said: LDM's
+    `CrossAttention` class runs its self-attention too (attn1, no context), so checks/context.cross believes it only
+    where the keys are not as many as the queries."""
+    if not stack:
+        return None
+    name = type(stack[-1]).__name__
+    return name if CROSS_CLASS.search(name) and stack[-1].__dict__.get("is_cross_attention") is not False else None
 
 
 def cross_said(stack: list) -> str | None:

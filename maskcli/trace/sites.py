@@ -20,7 +20,8 @@ from collections import Counter
 
 import torch
 
-from maskcli.trace.held import cross_said, padding
+from maskcli.trace.held import cross_class, cross_said, padding
+from maskcli.trace.swin import shifted_windows
 
 FRAMES = 64  # frames of the program searched for a module's owner
 
@@ -77,6 +78,13 @@ class Sites:
         said = cross_said(self.stack)  # a running module that says it attends to another sequence (checks/context.cross)
         if said is not None:
             details["cross_said"] = said
+        else:
+            named = cross_class(self.stack)  # (the attending module's class named a cross-attention: context.cross)
+            if named is not None:
+                details["cross_class"] = named
+        windows = shifted_windows(self.stack)  # a Swin block's shifted windows and the mask it holds (checks/swin.py)
+        if windows is not None:
+            details["shifted_windows"] = windows
         held = padding()  # the padding the program's frames hold (checks/held.py)
         if held is not None:
             details["held_padding"] = held

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import re
+import sys
 import weakref
 
 import numpy as np
 import torch
 
 from maskcli.checks.context import Top
+from maskcli.trace.held import _skipped
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
@@ -41,6 +45,7 @@ TARGET_PAD = ("trg_pad_idx", "tgt_pad_idx", "trg_pad_id", "tgt_pad_id", "target_
 # flattened to (B, patches), the key order of its attention (checks/real.py)
 PATCHES = ("patch_attention_mask", "patch_attn_mask")
 MOST = 1 << 20  # elements of one argument kept (a batch's 2-D ids; never a 4-D mask)
+_SKIP: tuple = ()  # torch's, maskcli's and the standard library's files: not the program's frames
 
 
 @functools.cache
@@ -77,6 +82,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
             found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
     found.update(_token_ids(module))
     found.update(_zeros(given, found))
+    found.update(_withheld(signature, given))
     if "pad_id" not in found and any(name in found for name in ("input_ids", "idx", "tokens")):
         from maskcli.trace.tokenizer import tokenizer
 
@@ -106,6 +112,52 @@ def _zeros(given: dict, found: dict) -> dict:
             zero = value.detach() == 0
             return {"zeros": (name, (zero if value.dim() == 2 else zero.all(-1)).cpu().numpy())}
     return {}
+
+
+# a mask of padded items a model takes (frames, images, audio, patches, key padding); not an attention mask (another
+# side's, a decoder's: padding-ignored and memory.py read those), a loss, label or head mask, which mask no padding
+MASK_PARAMETER = re.compile(r"^(?!.*(?:attention|attn|loss|label|labels|head|causal|lm)_)\w*?(?:frame|image|img|video|audio"
+                            r"|speech|clip|patch|media|vision|visual|pixel|item|obs|feature|padding|pad|valid)s?_mask$")
+WITHHELD_FRAMES = 4  # program frames read outward from the model call: its caller and theirs
+
+
+def _withheld(signature, given: dict) -> dict:
+    """{"withheld": (name, where, int (B, N))}: a padding-like mask the model's forward takes as `name` (`frame_mask`,
+    `image_mask`: a parameter named `*_mask`) that the call left at None while a function of the program that made
+    the call holds a tensor of that very name, as a variable or as a dict's key (`batch["frame_mask"]`): 2-D, 0/1,
+    some 0 (checks/withheld.py). Read only where such a parameter went unfilled."""
+    if signature is None:
+        return {}
+    names = [name for name in signature.parameters if MASK_PARAMETER.match(name) and given.get(name) is None]
+    if not names:
+        return {}
+    global _SKIP
+    if not _SKIP:
+        _SKIP = _skipped()
+    frame, searched = sys._getframe(1), 0
+    while frame is not None and searched < WITHHELD_FRAMES:
+        code = frame.f_code
+        if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<"):
+            frame = frame.f_back
+            continue
+        searched += 1
+        variables = frame.f_locals if code.co_name != "<module>" else {}  # (a module's globals speak for no call)
+        for name in names:
+            for held in (variables.get(name), *(v.get(name) for v in variables.values() if isinstance(v, dict))):
+                rows = _padding_like(held)
+                if rows is not None:
+                    return {"withheld": (name, f"{code.co_name}() of {os.path.basename(code.co_filename)}", rows)}
+        frame = frame.f_back
+    return {}
+
+
+def _padding_like(held) -> np.ndarray | None:
+    """Int (B, N) of a 2-D 0/1 tensor with some 0; None for anything else."""
+    if not isinstance(held, torch.Tensor) or held.dim() != 2 or held.numel() > MOST or held.device.type == "meta" \
+            or held.is_floating_point():
+        return None
+    rows = held.detach().cpu().numpy().astype(np.int64)
+    return rows if np.isin(rows, (0, 1)).all() and (rows == 0).any() else None
 
 
 def _held(cache) -> int | None:

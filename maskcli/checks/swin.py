@@ -1,0 +1,98 @@
+"""A shifted-window (Swin) mask that is not the one its block's own shift and window sizes fix.
+
+Swin rolls its (H, W) map by -shift_size and cuts it into windows of window_size x window_size; tokens the roll
+brought together from different regions of the map must not attend to each other, so the (nW, N, N) mask is fixed by
+H, W, window_size and shift_size alone: label the map's 3 x 3 regions (rows and columns each cut at -window_size and
+-shift_size), cut the labels into windows as the tokens are cut (row-major windows, row-major tokens in each), and
+keep the pairs with one label (microsoft/Swin-Transformer's `calculate_mask`). A module that states `shift_size` and
+`window_size` (trace/swin.py reads them and the mask the window attention holds) and holds another mask contradicts
+itself: ResShift's channel-first port labelled `img_mask[:, h, w, :]` on a (1, 1, H, W) map, cutting regions along H
+only and transposing each window's tokens (zsyOAOA/ResShift#81).
+
+Tokens ordered column-major in each window are accepted too (a port that flattens windows the other way round
+orders its tokens so); the map's size is the module's `input_resolution` where it states one, else a square map; a
+mask repeated for each image of the batch is read as that many copies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from maskcli.checks.context import Run, first_cell
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+def expected(height: int, width: int, window: int, shift: int, transposed: bool = False) -> np.ndarray:
+    """Bool (nW, N, N): Swin's shifted-window keep mask, by a loop over the map's regions and windows."""
+    labels = np.zeros((height, width), dtype=np.int64)
+    cuts = (slice(0, -window), slice(-window, -shift), slice(-shift, None))
+    count = 0
+    for h in cuts:
+        for w in cuts:
+            labels[h, w] = count
+            count += 1
+    windows = []
+    for top in range(0, height, window):
+        for left in range(0, width, window):
+            block = labels[top:top + window, left:left + window]
+            windows.append((block.T if transposed else block).reshape(-1))
+    windows = np.stack(windows)
+    return windows[:, :, None] == windows[:, None, :]
+
+
+def _map(held: dict, windows: int) -> tuple[int, int, int] | None:
+    """(H, W, images): the map's size and how many images' windows the mask holds (a mask repeated per image)."""
+    window = held["window"]
+    resolution = held.get("resolution")
+    if resolution and resolution[0] % window == 0 and resolution[1] % window == 0:
+        each = (resolution[0] // window) * (resolution[1] // window)
+        if windows % each == 0:
+            return int(resolution[0]), int(resolution[1]), windows // each
+    side = math.isqrt(windows)
+    return (side * window, side * window, 1) if side * side == windows else None
+
+
+def shifted_windows(run: Run) -> list:
+    """Calls under a Swin block whose held window mask differs from the one its shift and window sizes fix."""
+    found, done = [], {}
+    for call in [*run.calls, *run.unmasked]:
+        held = call.details.get("shifted_windows")
+        if not held:
+            continue
+        keep = np.asarray(held["keep"], dtype=bool)
+        key = (keep.tobytes(), keep.shape, held["window"], held["shift"], tuple(held.get("resolution") or ()))
+        if key not in done:
+            done[key] = _finding(held, keep)
+        if done[key] is not None:
+            found.append((call, done[key]))
+    return found
+
+
+def _finding(held: dict, keep: np.ndarray) -> Finding | None:
+    size = _map(held, keep.shape[0])
+    if size is None:
+        return None
+    (height, width, images), window, shift = size, held["window"], held["shift"]
+    meant = np.tile(expected(height, width, window, shift), (images, 1, 1))
+    if np.array_equal(keep, meant) or np.array_equal(keep, np.tile(expected(height, width, window, shift, True),
+                                                                   (images, 1, 1))):
+        return None
+    differ = keep != meant
+    w, q, k = first_cell(differ)
+    how = "sees" if keep[w, q, k] else "hides"
+    return Finding("swin-mask-regions", (
+        f"the block states shift_size={shift}, window_size={window} over a {height}x{width} map, which fix its "
+        f"shifted-window mask, but the mask its window attention holds differs in {int(differ.sum())} cells: in window "
+        f"{w}, token {q} {how} token {k} (the regions cut at another shift, labelled along the wrong axes, or the windows' "
+        f"tokens reordered?)"),
+        expected=f"Swin's mask for shift {shift}, window {window}", source=f"shift_size={shift}, window_size={window}",
+        cell=(w, q, k))
+
+
+RULES = (
+    Rule("swin-mask-regions", "wrong", "call", "a shifted-window mask that differs from the one the block's own "
+         "shift_size, window_size and map size fix (ResShift's regions labelled along the wrong axes)", shifted_windows),
+)

@@ -1,0 +1,72 @@
+"""What a Swin block states of its shifted windows, read at an attention call made under it (checks/swin.py).
+
+A running module holding `shift_size` > 0 and `window_size` (Swin's SwinTransformerBlock, its ports and its kin) says
+its windows are cut from a map rolled by that shift, so the mask its window attention is handed is fixed by those two
+numbers and the map's size. Read only under such a module: the (nW, N, N) mask (`mask` / `attn_mask`, 0 / -100 added,
+or bool; (nW * B, 1, N, N) as
+repeated over a batch's images) a function of the program on the stack holds, and the module's `input_resolution` where it has one.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+from maskcli.trace.held import _skipped
+
+INNERMOST = 4  # running modules read, innermost first
+FRAMES = 4  # program frames searched for the windows' mask
+NAMES = ("mask", "attn_mask")
+_SKIP: tuple = ()  # torch's, maskcli's and the standard library's files: not the program's frames
+
+
+def _size(value) -> int | None:
+    """An int, or a pair of equal ints (square windows); None otherwise."""
+    if isinstance(value, (tuple, list)) and len(value) == 2 and value[0] == value[1]:
+        value = value[0]
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def shifted_windows(stack: list) -> dict | None:
+    """{"window", "shift", "resolution", "keep": bool (nW, N, N)} under a module with a shift; None otherwise."""
+    for module in reversed(stack[-INNERMOST:]):
+        own = module.__dict__
+        if "shift_size" not in own:  # (every call of every program passes here: the common case first)
+            continue
+        shift, window = _size(own.get("shift_size")), _size(own.get("window_size"))
+        if shift is None or window is None or not 0 < shift < window:
+            continue
+        keep = _held_mask(window * window)
+        if keep is None:
+            return None
+        resolution = own.get("input_resolution")
+        resolution = tuple(int(x) for x in resolution) if isinstance(resolution, (tuple, list)) and len(resolution) == 2 \
+            and all(isinstance(x, int) for x in resolution) else None
+        return {"window": window, "shift": shift, "resolution": resolution, "keep": keep}
+    return None
+
+
+def _held_mask(tokens: int) -> np.ndarray | None:
+    global _SKIP
+    if not _SKIP:
+        _SKIP = _skipped()
+    skip = _SKIP
+    frame, searched = sys._getframe(2), 0
+    while frame is not None and searched < FRAMES:
+        code = frame.f_code
+        if code.co_filename.startswith(skip) or code.co_filename.startswith("<"):
+            frame = frame.f_back
+            continue
+        searched += 1
+        for name in NAMES:
+            value = frame.f_locals.get(name) if name in code.co_varnames else None
+            if isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[1] == 1:
+                value = value[:, 0]  # (windows of every image, 1, N, N): one mask over the heads
+            if isinstance(value, torch.Tensor) and value.dim() == 3 and value.shape[1:] == (tokens, tokens) \
+                    and value.numel() <= 1 << 22 and value.device.type != "meta":
+                value = value.detach()
+                return (value if value.dtype == torch.bool else value == 0).cpu().numpy()
+        frame = frame.f_back
+    return None

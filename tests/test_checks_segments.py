@@ -1,0 +1,56 @@
+"""checks/segments.py: a padded batch attended one sequence per call over fewer tokens than the rows' real ones, the
+real tokens counted here by a loop over the program's own padding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from checkbugs import check_bug, traced
+from maskcli.checks.context import Run, Top
+from maskcli.checks.segments import cut_segments
+
+SEGMENTS = Path(__file__).parent / "data" / "segments"
+
+
+def test_whisper_flash_attention2_mask_sliced_to_num_heads(tmp_path):
+    """transformers#36477: the (B, L) decoder mask sliced to key_states.shape[-2] = 4 heads, so the varlen segments
+    are rows of 4 where the padding says 8 and 6."""
+    [hit, *_] = check_bug(tmp_path, "whisper_flash_attention2_mask_truncated_to_num_heads", "segments-cut")
+    assert "over [4, 4] tokens" in hit["message"] and "rows [8, 6] real tokens" in hit["message"]
+
+
+def test_lengths_from_ids_whose_pad_is_eos_drop_each_real_eos(tmp_path):
+    """Written another way: three rows, pad id = EOS, lengths `input_ids.ne(EOS).sum(-1)`, a loop of causal SDPA
+    calls over the packed tokens; the real tokens are the collator's attention_mask's, counted here."""
+    mask = [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]]
+    ids = [[5, 6, 7, 8, 9, 2], [5, 7, 9, 2, 2, 2], [6, 8, 2, 2, 2, 2]]
+    real = [sum(1 for m in row if m) for row in mask]
+    pieces = [sum(1 for t in row if t != 2) for row in ids]
+    status, found, report = traced(tmp_path, "packed_lengths_from_ids_drop_eos", False, SEGMENTS)
+    assert status == 1, report
+    hits = [f for f in found if f["code"] == "segments-cut" and f["severity"] == "wrong"]
+    assert hits and f"over {pieces} tokens" in hits[0]["message"] and f"rows {real} real tokens" in hits[0]["message"]
+    status, found, report = traced(tmp_path, "packed_lengths_from_ids_drop_eos", True, SEGMENTS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def run_of(pieces: list[int], mask: np.ndarray) -> Run:
+    held = {"name": "attention_mask", "where": "forward()", "kind": "keep", "rows": mask.astype(bool)}
+    calls = [SimpleNamespace(index=i, where="attn", api="sdpa", step=i, shape=(1, 2, n, n),
+                             details={"held_padding": [held]}) for i, n in enumerate(pieces)]
+    return Run(calls, [Top("Model", first=0, end=len(pieces))])
+
+
+def test_quiet_on_whole_rows_the_wrong_count_and_no_padding():
+    """Each row's real tokens: quiet. Each padded row whole (causal over right padding): quiet. Pieces as many as
+    some other count, or a mask that pads no row: quiet. A row's real tokens cut: found, on every call."""
+    mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0]])
+    assert cut_segments(run_of([4, 2], mask)) == []
+    assert cut_segments(run_of([4, 4], mask)) == []
+    assert cut_segments(run_of([2, 2, 2], mask)) == []
+    assert cut_segments(run_of([2, 2], np.ones((2, 4)))) == []
+    found = cut_segments(run_of([3, 3], mask))
+    assert [f.code for _, f in found] == ["segments-cut"] * 2 and found[0][1].cell == (0, 3, 3)

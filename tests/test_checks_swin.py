@@ -1,0 +1,58 @@
+"""checks/swin.py (and trace/swin.py): a shifted-window mask that differs from the one its block's shift and window
+sizes fix, against a loop over each window's tokens written here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from checkbugs import check_bug, traced
+from maskcli.checks.swin import expected
+
+SWIN = Path(__file__).parent / "data" / "swin"
+
+
+def reference(height: int, width: int, window: int, cut: int) -> np.ndarray:
+    """(nW, N, N) by a loop: tokens of one window attend where, on the rolled map, each coordinate lies in the same of
+    the three bands [0, H - window), [H - window, H - cut), [H - cut, H)."""
+    def band(x, size):
+        return 0 if x < size - window else 1 if x < size - cut else 2
+
+    out = []
+    for top in range(0, height, window):
+        for left in range(0, width, window):
+            cells = [(top + i, left + j) for i in range(window) for j in range(window)]
+            out.append([[band(a[0], height) == band(b[0], height) and band(a[1], width) == band(b[1], width)
+                         for b in cells] for a in cells])
+    return np.array(out, dtype=bool)
+
+
+def test_the_mask_swin_builds_is_the_loops():
+    for height, width, window, shift in ((8, 8, 4, 2), (12, 12, 6, 1), (8, 12, 4, 1)):
+        assert np.array_equal(expected(height, width, window, shift), reference(height, width, window, shift))
+
+
+def test_resshift_channel_first_regions_cut_along_one_axis(tmp_path):
+    """zsyOAOA/ResShift#81: `img_mask[:, h, w, :]` on a (1, 1, H, W) map and a permute that transposes each window."""
+    [hit] = check_bug(tmp_path, "resshift_swin_calculate_mask_channel_first_img_mask", "swin-mask-regions")
+    assert "shift_size=2, window_size=4 over a 8x8 map" in hit["message"]
+
+
+def test_a_mask_cut_at_half_the_window_under_a_shift_of_one(tmp_path):
+    """Written another way: channel-last, a bool attn_mask repeated per image into SDPA, the regions cut at
+    window_size // 2 = 3 while the block rolls by 1. The cells apart are the loop's, for both images."""
+    differ = int((reference(12, 12, 6, 3) != reference(12, 12, 6, 1)).sum()) * 2
+    status, found, report = traced(tmp_path, "swin_mask_built_for_half_window_shift", False, SWIN)
+    assert status == 1, report
+    [hit] = [f for f in found if f["code"] == "swin-mask-regions"]
+    assert f"differs in {differ} cells" in hit["message"] and hit["severity"] == "wrong"
+    status, found, report = traced(tmp_path, "swin_mask_built_for_half_window_shift", True, SWIN)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_swins_own_block_is_quiet(tmp_path):
+    """microsoft/Swin-Transformer's construction, two blocks (no shift, then shift 2): nothing found."""
+    folder = Path(__file__).parent / "data" / "quiet_blind"
+    status, found, report = traced(tmp_path, "swin_shifted_window_attention", False, folder)
+    assert status == 0 and "swin-mask-regions" not in [f["code"] for f in found], report

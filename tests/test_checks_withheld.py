@@ -1,0 +1,76 @@
+"""checks/withheld.py (and trace/tops.py's reading of it): a `*_mask` the model takes, held by its caller under
+that name and never handed over, while no attention call masks the padded rows' keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from checkbugs import check_bug, traced
+from maskcli import tracefile
+from maskcli.checks.context import Run, Top
+from maskcli.checks.withheld import withheld
+
+WITHHELD = Path(__file__).parent / "data" / "withheld"
+
+
+def test_kempnerforge_video_frame_mask_never_passed(tmp_path):
+    """KempnerForge#131: the batch dict's `frame_mask` (a clip of 1 real frame of 3) never reaches the VLM, whose
+    attention is plain causal."""
+    [hit] = check_bug(tmp_path, "kempnerforge_vlm_padded_video_frames_attended", "mask-withheld")
+    assert "`frame_mask`" in hit["message"] and "batch row 1 padded at 1, 2" in hit["message"]
+
+
+def test_an_audio_mask_held_as_a_local_and_a_bidirectional_encoder(tmp_path):
+    """Written another way: a local `audio_mask` (left-padded frames), nn.MultiheadAttention with no mask; the fix's
+    key padding hides the frames the mask marks, found here by a loop over the mask."""
+    audio_mask = [[True, True, True, True], [False, False, True, True]]
+    padded_at = [k for k, real in enumerate(audio_mask[1]) if not real]
+    status, found, report = traced(tmp_path, "audio_text_encoder_audio_mask_not_passed", False, WITHHELD)
+    assert status == 1, report
+    [hit] = [f for f in found if f["code"] == "mask-withheld"]
+    assert f"batch row 1 padded at {', '.join(map(str, padded_at))}" in hit["message"] and hit["severity"] == "wrong"
+    status, found, report = traced(tmp_path, "audio_text_encoder_audio_mask_not_passed", True, WITHHELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def run_of(cells: np.ndarray, rows: np.ndarray, name: str = "frame_mask") -> Run:
+    call = SimpleNamespace(index=0, where="attn", api="sdpa", step=0, shape=cells.shape, details={}, mask="m",
+                           stored=tracefile.from_dense(cells, cells.shape))
+    return Run([call], [Top("Model", arguments={"withheld": (name, "step()", rows)}, first=0, end=1)])
+
+
+def causal_cells(batch: int, length: int) -> np.ndarray:
+    """(B, 1, L, L) by a loop: k <= q."""
+    out = np.zeros((batch, 1, length, length), bool)
+    for b in range(batch):
+        for q in range(length):
+            for k in range(q + 1):
+                out[b, 0, q, k] = True
+    return out
+
+
+def test_over_the_calls_own_keys_causal_order_that_hides_right_padding_is_quiet():
+    """A key_padding_mask (True = padding) over the call's own 4 keys left unpassed: right padding under a causal
+    mask is never seen by a real query (quiet); left padding is (found)."""
+    causal = causal_cells(2, 4)
+    right = np.array([[0, 0, 0, 0], [0, 0, 1, 1]])
+    assert withheld(run_of(causal, right, "key_padding_mask")) == []
+    [(_, found)] = withheld(run_of(causal, right[:, ::-1].copy(), "key_padding_mask"))
+    assert "batch row 1 padded at 0, 1" in found.message
+
+
+def test_quiet_where_the_padding_reached_the_attention_or_pads_no_row():
+    """A call whose padded row's last query misses a key (the padding reached it another way): quiet. A held mask
+    that pads no row, or every row: quiet. Causal over every key: found."""
+    causal = np.tril(np.ones((6, 6), bool))[None, None].repeat(2, axis=0)
+    rows = np.array([[1, 1, 1], [1, 0, 0]])
+    [(_, found)] = withheld(run_of(causal, rows))
+    assert found.code == "mask-withheld"
+    keyed = causal.copy()
+    keyed[1, :, :, 2:4] = False  # row 1's padded frames' keys hidden
+    assert withheld(run_of(keyed, rows)) == []
+    assert withheld(run_of(causal, np.array([[1, 1, 1], [1, 1, 1]]))) == []
+    assert withheld(run_of(causal, np.array([[0, 1, 1], [1, 0, 0]]))) == []
