@@ -97,7 +97,7 @@ WRAPPED = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEnco
 @contextlib.contextmanager
 def paused(mode):
     """`mode` off the torch function stack while the body runs, where it is the innermost mode."""
-    if torch.overrides._get_current_function_mode() is mode:
+    if mode is not None and torch.overrides._get_current_function_mode() is mode:
         with torch.overrides._pop_mode_temporarily():
             yield
     else:

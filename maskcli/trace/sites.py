@@ -161,6 +161,24 @@ class Sites:
                 self._taken.setdefault(sub or type(child).__name__, id(child))
 
 
+def running(frame) -> list[tuple]:
+    """(module, frame, its variables) of each module call running in `frame` and those that called it, innermost first:
+    nn.Module's _call_impl frames (one per call, hooks or not; dynamo keeps those of the code it compiled around a graph
+    break). Read at an attention call instead of hooks on every module call of the program."""
+    found, call = [], _CALL
+    while frame is not None:
+        if frame.f_code is call or frame.f_code.co_name == "_call_impl":
+            variables = frame.f_locals
+            module = variables.get("self")
+            if isinstance(module, torch.nn.Module):
+                found.append((module, frame, variables))
+        frame = frame.f_back
+    return found
+
+
+_CALL = torch.nn.Module._call_impl.__code__
+
+
 def _path(outer, module) -> str | None:
     for name, inner in outer.named_modules():
         if inner is module:  # (torch.compile's wrapper holds the program's module as _orig_mod: not the program's name)

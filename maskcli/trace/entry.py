@@ -1,0 +1,125 @@
+"""The torch functions a trace looks at, patched where they are entered: the rest of torch runs untouched.
+
+A TorchFunctionMode on for the whole run makes every torch call of the program pay a Python
+dispatch (a tiny model's generate: 1.4x before anything is recorded). So, as profilers do,
+the few entry points that matter are swapped while tracing, on torch's classes and modules:
+attention (F.scaled_dot_product_attention, the softmaxes), the products that make q @ kᵀ
+scores (scores.py), and the casts and sums where a fill may overflow (overflow.py). A builtin
+is replaced by a wrapper in its namespace (torch.softmax, torch.Tensor.to, Tensor.__add__);
+a Python function has its code swapped (patch.swap: F.softmax, torch.einsum), so that names
+bound to it earlier reach the hook too. Each wrapper hands the call to Trace.dispatch as the
+mode would see it (`a + b` as Tensor.add). The mode itself is entered only while a tensor it
+follows is alive (scores, an overflowed fill, a softmax's weights: what is computed from
+them is what it must see), and left at the next wrapper call once none is.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from maskcli.trace.patch import swap
+
+compiling = torch.compiler.is_dynamo_compiling
+
+# attribute -> the function the mode is handed for it (a dunder is dispatched under its method's name)
+TENSOR = {"softmax": "softmax", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm", "baddbmm": "baddbmm",
+          "to": "to", "half": "half", "bfloat16": "bfloat16", "type": "type", "type_as": "type_as",
+          "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "__rsub__": "__rsub__",
+          "mul": "mul", "__mul__": "mul", "__rmul__": "mul"}
+TORCH = ("softmax", "matmul", "bmm", "baddbmm", "add", "sub", "mul")
+CANONICAL: dict = {}  # a wrapper -> the function it stands for (what the mode is handed, while it is on, for a method)
+
+
+@functools.cache
+def _originals() -> dict:
+    """Each patched attribute's function as torch defines it, read once before any trace patched them."""
+    found = {("tensor", name): torch.Tensor.__dict__.get(name, getattr(torch.Tensor, name)) for name in TENSOR}
+    found.update({("torch", name): getattr(torch, name) for name in TORCH})
+    found[("special", "softmax")] = torch.special.softmax
+    found[("F", "scaled_dot_product_attention")] = F.scaled_dot_product_attention
+    return found
+
+
+def canonical(func):
+    return CANONICAL.get(func, func)
+
+
+def sdpa():
+    """F.scaled_dot_product_attention as torch defines it (while tracing F's attribute is a wrapper)."""
+    return _originals()[("F", "scaled_dot_product_attention")]
+
+
+def _wrapper(trace, original, stands_for, attention: bool):
+    during, mode = trace.compiled.during, trace.mode_for_compile
+
+    def wrapper(*args, **kwargs):
+        if compiling():  # dynamo inlines this: nothing of the trace in its graph but a break at attention
+            if attention:
+                return during(mode, stands_for, (), args, kwargs)
+            return original(*args, **kwargs)
+        if trace.passes():
+            return original(*args, **kwargs)
+        return trace.dispatch(stands_for, args, kwargs, original)
+
+    try:
+        functools.update_wrapper(wrapper, original)
+    except (AttributeError, TypeError):
+        pass
+    del wrapper.__wrapped__  # (inspect.signature of a builtin's wrapper: its *args, as the builtin's has none)
+    CANONICAL[wrapper] = stands_for
+    return wrapper
+
+
+def patch(trace) -> list:
+    """Swap the entry points of the functions `trace` watches (trace.watched: its readers', the matmuls that make
+    scores, the casts and sums where a fill may overflow); the callables that put them back, in the order to run them."""
+    originals = _originals()
+    undo = []
+    wanted = set(trace.readers)
+
+    def wrap(owner, name, original, stands_for):
+        if stands_for not in trace.watched:
+            return
+        held = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name)
+        setattr(owner, name, _wrapper(trace, original, stands_for, stands_for is originals[("F", "scaled_dot_product_attention")]))
+        if held is _MISSING:
+            undo.append(lambda: delattr(owner, name))
+        else:
+            undo.append(lambda: setattr(owner, name, held))
+
+    for name, method in TENSOR.items():
+        wrap(torch.Tensor, name, originals[("tensor", name)], originals[("tensor", method)])
+    for name in TORCH:
+        wrap(torch, name, originals[("torch", name)], originals[("torch", name)])
+    wrap(torch.special, "softmax", originals[("special", "softmax")], originals[("special", "softmax")])
+    if originals[("F", "scaled_dot_product_attention")] in wanted:
+        wrap(F, "scaled_dot_product_attention", originals[("F", "scaled_dot_product_attention")],
+             originals[("F", "scaled_dot_product_attention")])
+    for function in (F.softmax, torch.functional.einsum):  # Python functions: their code swapped (every name bound)
+        if function in trace.watched:
+            put_back = swap(function, lambda original, function=function: _hook(trace, original, function))
+            if put_back is not None:
+                undo.append(put_back)
+    return undo[::-1]
+
+
+def _hook(trace, original, stands_for):
+    def hook(*args, **kwargs):
+        if compiling() or trace.passes():
+            return original(*args, **kwargs)
+        return trace.dispatch(stands_for, args, kwargs, original)
+
+    return hook
+
+
+_MISSING = object()
+
+
+def codes() -> tuple:
+    """The code of the wrappers and hooks (dynamo must run them as Python, never compile them as frames of their own)."""
+    import types
+
+    return tuple(c for f in (_wrapper, _hook) for c in f.__code__.co_consts if isinstance(c, types.CodeType))
