@@ -464,10 +464,7 @@ class Trace:
         try:
             with self._lock:  # (threads of the program record one at a time: indexes, steps and the store stay whole)
                 made = len(self.calls)
-                stack = sites.stack
-                stack.clear()
-                for module, _, _ in reversed(found):
-                    sites.enter(module)
+                stack = sites.load([module for module, _, _ in reversed(found)])
                 try:
                     self._record(reader, args, kwargs)
                     if len(self.calls) > made and found:

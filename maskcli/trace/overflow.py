@@ -71,6 +71,28 @@ def _overflowed(func, args: tuple, kwargs: dict, out: torch.Tensor) -> dict | No
     return {"op": name, "value": min(low) if low else None, "dtype": _dtype(out)}
 
 
+NARROW = (torch.float16, torch.bfloat16)
+FILL = 1e4  # a number operand at least this large may be a fill (-1e4 already masks: inspect/polarity.py)
+
+
+def _may_overflow(args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
+    """Whether a sum or product, made while nothing is followed, may have turned a fill into -inf, by what is seen without
+    reading a value (reading one is a reduction, and a device sync, on every sum a model runs): its result is float16 or
+    bfloat16 (where fills overflow), 4-D or square in its last two dimensions (a mask over (B, H, Lq, Lk) or (L, L)),
+    broadcast from operands of other shapes (a causal plane and a padding row combined), or a number operand is as large
+    as a fill. What that leaves, a float32 sum of equal shapes over (B, T, D), is a residual or a projection: no mask."""
+    shape = out.shape
+    if out.dtype in NARROW or len(shape) >= 4 or shape[-1] == shape[-2]:
+        return True
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            if x.shape != shape:
+                return True
+        elif isinstance(x, (int, float)) and not -FILL < x < FILL:
+            return True
+    return False
+
+
 @functools.lru_cache(maxsize=None)
 def _largest(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max
@@ -106,7 +128,7 @@ class Overflows:
                     given = args[0] if args else None
                     if not isinstance(given, torch.Tensor) or given.dtype == out.dtype:
                         return
-                elif not _has_neginf(out.detach()):
+                elif not _may_overflow(args, kwargs, out) or not _has_neginf(out.detach()):
                     return
             except Exception:  # (a tensor kind that cannot be read: the program runs on as it would)
                 return

@@ -51,6 +51,17 @@ class Sites:
             self._name(module)
         self.stack.append(module)
 
+    def load(self, modules) -> list:
+        """The stack of this thread as `modules` (outermost first: the module calls running, read from the frames at an
+        attention call), each named where it is not yet; the stack."""
+        stack, names = self.stack, self._names
+        stack.clear()
+        for module in modules:
+            if id(module) not in names:
+                self._name(module)
+            stack.append(module)
+        return stack
+
     def leave(self, module) -> None:
         stack = self.stack
         if stack and stack[-1] is module:  # (every module call: the common case first)
@@ -285,10 +296,9 @@ def window_handed() -> tuple[str, int] | None:
     FlashAttention / FlashInfer convention: `window_left` = L, or `window_size` / `sliding_window` = (L, 0), a query
     at position p seeing keys p - L .. p. A plain int (W keys, or W - 1: conventions differ) and a (h, w) pair (Swin's
     spatial window) say nothing here. Its names are looked at first, so most frames cost no locals read."""
-    torch_dir = os.path.dirname(torch.__file__)
-    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    skip = _own_dirs()
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith((torch_dir, own, "<frozen")):
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame = frame.f_back
     if frame is None or set(WINDOW_NAMES).isdisjoint(frame.f_code.co_varnames):
         return None
