@@ -80,6 +80,7 @@ class _Local(threading.local):
     outer = None  # [frame, module, args, kwargs, first call, end] of the outermost module call making calls now
     mode = None  # this thread's Mode, made once it is first needed
     moded = False  # that mode is on this thread's torch function stack (pushed by Trace._follow)
+    traced = False  # the thread that entered the trace, or one started while tracing
 
 
 class _Traced:
@@ -89,10 +90,10 @@ class _Traced:
         self.trace = trace
 
     def __enter__(self):
-        self.trace._threads.add(threading.get_ident())
+        self.trace._local.traced = True
 
     def __exit__(self, *exc):
-        self.trace._threads.discard(threading.get_ident())
+        self.trace._local.traced = False
         self.trace._leave_thread()
 
 
@@ -138,7 +139,6 @@ class Trace:
         self._loose = {}  # call site -> outside()
         self._handles: dict = {}  # id(outermost module) -> its hooks' handles (_outer_pre, _outer_post)
         self._outers: dict = {}  # thread id -> _Local.outer of that thread, until finished (_finish)
-        self._threads: set = set()  # the threads traced: the one that entered, and those started while tracing
         self._entries: list = []
         self.mode_for_compile = Mode(self)  # (the mode dynamo inlines where compiled code calls attention: compiled.py)
         self._unwrap: list = []
@@ -250,7 +250,7 @@ class Trace:
             if found is not None:
                 found(sys.modules[name])
         self._entries = entry.patch(self)
-        self._threads.add(threading.get_ident())
+        self._local.traced = True
         self.active = True
         self.threads = Threads(lambda: _Traced(self) if self.active else None).__enter__()
         return self
@@ -268,7 +268,7 @@ class Trace:
         for put_back in self._entries:
             put_back()
         self._entries = []
-        self._threads.clear()
+        self._local.traced = False
         from maskcli.trace.modules import unwrap
 
         unwrap(self._unwrap)
@@ -396,12 +396,12 @@ class Trace:
         local = self._local
         if local.moded and (self._followed[0] or self._followed[1] or self._followed[2] or not self._unfollow()):
             return True
-        return not self.active or local.busy or threading.get_ident() not in self._threads
+        return not self.active or local.busy or not local.traced
 
     def _follow(self) -> None:
         """This thread's mode on: a tensor is followed now."""
         local = self._local
-        if local.moded or not self.active or threading.get_ident() not in self._threads:
+        if local.moded or not self.active or not local.traced:
             return
         if local.mode is None:
             local.mode = Mode(self)
@@ -438,6 +438,13 @@ class Trace:
                 self.capture(reader, args, kwargs)
                 softmaxed, self._softmax = self._softmax, None
         out = call(*args, **kwargs)
+        self.after_call(func, args, kwargs, out, softmaxed)
+        return out
+
+    def after_call(self, func, args: tuple, kwargs: dict, out, softmaxed=None) -> None:
+        """What a watched call computed, followed (dispatch's part after the call; entry.py's wrappers run it alone
+        where a cast, a sum or a product may matter)."""
+        followed = self._followed
         if softmaxed is not None:  # its weights followed: a 0/1 mask multiplied in afterwards is its mask (after.py)
             self.after.note(out, *softmaxed)
         elif followed[2] and not self.busy:
@@ -449,7 +456,6 @@ class Trace:
             self.scores.after(func, args, kwargs, out)
         if (followed[0] or followed[1] or followed[2]) and not self._local.moded:
             self._follow()
-        return out
 
     # --- recording ----------------------------------------------------------------------------
 

@@ -20,7 +20,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from maskcli.trace.overflow import CASTS, may_overflow
 from maskcli.trace.patch import swap
+from maskcli.trace.scores import MATMULS
 
 compiling = torch.compiler.is_dynamo_compiling
 
@@ -52,25 +54,64 @@ def sdpa():
     return _originals()[("F", "scaled_dot_product_attention")]
 
 
-def _wrapper(trace, original, stands_for, attention: bool):
-    during, mode = trace.compiled.during, trace.mode_for_compile
+ATTENTION, PRODUCT, CAST, SUM = "attention", "product", "cast", "sum"
+
+
+def _wrapper(trace, original, stands_for, kind: str):
+    during, mode, local, after = trace.compiled.during, trace.mode_for_compile, trace._local, trace.after_call
+    attention = stands_for is sdpa()
+    wanted = _WANTED[kind]
 
     def wrapper(*args, **kwargs):
         if compiling():  # dynamo inlines this: nothing of the trace in its graph but a break at attention
             if attention:
                 return during(mode, stands_for, (), args, kwargs)
             return original(*args, **kwargs)
-        if trace.passes():
-            return original(*args, **kwargs)
-        return trace.dispatch(stands_for, args, kwargs, original)
+        if local.busy or local.moded or not local.traced or not trace.active:  # (the rare cases: Trace.passes)
+            if trace.passes():
+                return original(*args, **kwargs)
+            return trace.dispatch(stands_for, args, kwargs, original)
+        if wanted is None:
+            return trace.dispatch(stands_for, args, kwargs, original)
+        out = original(*args, **kwargs)  # (what follows: nothing is followed in this thread, the mode is off)
+        if wanted(args, kwargs, out):
+            after(stands_for, args, kwargs, out)
+        return out
 
-    try:
-        functools.update_wrapper(wrapper, original)
-    except (AttributeError, TypeError):
-        pass
-    del wrapper.__wrapped__  # (inspect.signature of a builtin's wrapper: its *args, as the builtin's has none)
-    CANONICAL[wrapper] = stands_for
+    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = _named(original)  # (not update_wrapper: every trace makes
+    CANONICAL[wrapper] = stands_for  # these, and __wrapped__ would give inspect.signature a builtin's, which has none)
     return wrapper
+
+
+def _product(args: tuple, kwargs: dict, out) -> bool:
+    """A product that may be q @ kᵀ (scores.py reads its operands)."""
+    return isinstance(out, torch.Tensor) and out.dim() >= 3
+
+
+def _cast(args: tuple, kwargs: dict, out) -> bool:
+    """A cast that may overflow: to a floating dtype of a smaller range (overflow.py)."""
+    given = args[0] if args else None
+    return isinstance(out, torch.Tensor) and isinstance(given, torch.Tensor) and given.dtype != out.dtype \
+        and out.is_floating_point() and given.is_floating_point() and _largest(out.dtype) < _largest(given.dtype)
+
+
+def _sum(args: tuple, kwargs: dict, out) -> bool:
+    """A sum or product that may have overflowed a fill (overflow.py's may_overflow)."""
+    return isinstance(out, torch.Tensor) and out.dim() >= 2 and out.is_floating_point() and may_overflow(args, kwargs, out)
+
+
+_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum}
+
+
+@functools.lru_cache(maxsize=None)
+def _largest(dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+@functools.lru_cache(maxsize=None)
+def _named(function) -> tuple:
+    name = getattr(function, "__name__", "wrapper")
+    return name, getattr(function, "__qualname__", name), getattr(function, "__doc__", None)
 
 
 def patch(trace) -> list:
@@ -84,7 +125,11 @@ def patch(trace) -> list:
         if stands_for not in trace.watched:
             return
         held = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name)
-        setattr(owner, name, _wrapper(trace, original, stands_for, stands_for is originals[("F", "scaled_dot_product_attention")]))
+        kind = ATTENTION if stands_for in trace.readers else PRODUCT if stands_for in MATMULS else CAST if stands_for in CASTS \
+            else SUM
+        wrapper = _wrapper(trace, original, stands_for, kind)
+        setattr(owner, name, wrapper)
+        undo.append(lambda: CANONICAL.pop(wrapper, None))
         if held is _MISSING:
             undo.append(lambda: delattr(owner, name))
         else:

@@ -75,7 +75,7 @@ NARROW = (torch.float16, torch.bfloat16)
 FILL = 1e4  # a number operand at least this large may be a fill (-1e4 already masks: inspect/polarity.py)
 
 
-def _may_overflow(args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
+def may_overflow(args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
     """Whether a sum or product, made while nothing is followed, may have turned a fill into -inf, by what is seen without
     reading a value (reading one is a reduction, and a device sync, on every sum a model runs): its result is float16 or
     bfloat16 (where fills overflow), 4-D or square in its last two dimensions (a mask over (B, H, Lq, Lk) or (L, L)),
@@ -128,7 +128,7 @@ class Overflows:
                     given = args[0] if args else None
                     if not isinstance(given, torch.Tensor) or given.dtype == out.dtype:
                         return
-                elif not _may_overflow(args, kwargs, out) or not _has_neginf(out.detach()):
+                elif not may_overflow(args, kwargs, out) or not _has_neginf(out.detach()):
                     return
             except Exception:  # (a tensor kind that cannot be read: the program runs on as it would)
                 return
