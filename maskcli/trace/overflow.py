@@ -78,15 +78,17 @@ FILL = 1e4  # a number operand at least this large may be a fill (-1e4 already m
 def may_overflow(args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
     """Whether a sum or product, made while nothing is followed, may have turned a fill into -inf, by what is seen without
     reading a value (reading one is a reduction, and a device sync, on every sum a model runs): its result is float16 or
-    bfloat16 (where fills overflow), 4-D or square in its last two dimensions (a mask over (B, H, Lq, Lk) or (L, L)),
-    broadcast from operands of other shapes (a causal plane and a padding row combined), or a number operand is as large
-    as a fill. What that leaves, a float32 sum of equal shapes over (B, T, D), is a residual or a projection: no mask."""
+    bfloat16 (where fills overflow), square in its last two dimensions (a mask over (Lq, Lk) as a prefill builds it), a
+    tensor operand of two or more dimensions is broadcast over the rows (a padding row (B, 1, 1, Lk) added to a causal
+    plane), or a number operand is as large as a fill. What that leaves in float32 (residuals, norms, rotary products,
+    a decode step's two (B, 1, 1, Lk) masks summed) is looked at only once something is followed (scores.py)."""
     shape = out.shape
-    if out.dtype in NARROW or len(shape) >= 4 or shape[-1] == shape[-2]:
+    rows = shape[-2]
+    if out.dtype in NARROW or rows == shape[-1] > 1:
         return True
     for x in (*args, *kwargs.values()):
         if isinstance(x, torch.Tensor):
-            if x.shape != shape:
+            if x.dim() >= 2 and x.shape[-2] == 1 < rows:
                 return True
         elif isinstance(x, (int, float)) and not -FILL < x < FILL:
             return True
