@@ -437,6 +437,13 @@ class Trace:
                 self._softmax = None
                 self.capture(reader, args, kwargs)
                 softmaxed, self._softmax = self._softmax, None
+                self.within += 1  # (what the call runs itself is its own: MHA's SDPA, F.softmax's Tensor.softmax)
+                try:
+                    out = call(*args, **kwargs)
+                finally:
+                    self.within -= 1
+                self.after_call(func, args, kwargs, out, softmaxed)
+                return out
         out = call(*args, **kwargs)
         self.after_call(func, args, kwargs, out, softmaxed)
         return out

@@ -23,9 +23,11 @@ import sys
 import threading
 from collections import Counter
 
+import torch
 import torch.nn.functional as F
 
 SWITCH = "TORCHDYNAMO_DISABLE=1"
+_SDPA = torch._C._nn.scaled_dot_product_attention  # (F's attribute is entry.py's wrapper while tracing)
 
 
 MODULE = "torch._dynamo.eval_frame"  # patched once the program has imported it (torch.compile does)
@@ -55,7 +57,7 @@ class Compiled:
         """The mode's call of `func` as dynamo traces it (inlined into the graph it builds): nothing added to the graph,
         but for SDPA and MHA a graph break where one is allowed, their call run eagerly, recorded (identity checks
         only: dynamo folds them)."""
-        if (func is F.scaled_dot_product_attention or func is F.multi_head_attention_forward) and self.breaks \
+        if (func is _SDPA or func is F.multi_head_attention_forward) and self.breaks \
                 and self.eager is not None and self.may_break():
             return self.eager(mode, func, types, args, kwargs)
         return func(*args, **kwargs)

@@ -114,10 +114,14 @@ def wrap(trace, record: bool = True) -> list:
 
     def note_slow(original):
         def hook(*args, **kwargs):
+            if torch.compiler.is_dynamo_compiling():  # (a graph break while tracing: compiled.py)
+                return trace.compiled.during(trace.mode_for_compile, F.multi_head_attention_forward, (), args, kwargs)
             notes = getattr(_LOCAL, "notes", None)
             if notes is not None:
                 notes.append((args, kwargs))
                 _LOCAL.notes = None  # only the module's own call, not one its functional form makes inside
+            elif record and not trace.passes():  # called on its own: read as it is called (capture.py's dispatch)
+                return trace.dispatch(F.multi_head_attention_forward, args, kwargs, original)
             return original(*args, **kwargs)
 
         return hook
