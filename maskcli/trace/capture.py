@@ -346,6 +346,12 @@ class Trace:
             from maskcli.trace.stated import frames
 
             self._frames[id(module)] = frames(frame=frame.f_back)  # (the program's frames as the module was called)
+            from maskcli.trace.tokenizer import tokenizer
+
+            try:  # (tops.py reads it once the call is finished, maybe after the run: the frames are the call's now)
+                tokenizer(module, frame.f_back)
+            except Exception:  # noqa: BLE001 - a program object that cannot be read: no tokenizer read
+                pass
         local.outer = held = [frame, module, variables.get("args", ()), variables.get("kwargs", {}), first, len(self.calls)]
         self._outers[threading.get_ident()] = held
         if id(module) not in self._handles:

@@ -16,6 +16,7 @@ them is what it must see), and left at the next wrapper call once none is.
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 import torch.nn.functional as F
@@ -143,7 +144,10 @@ def patch(trace) -> list:
     if originals[("F", "scaled_dot_product_attention")] in wanted:
         wrap(F, "scaled_dot_product_attention", originals[("F", "scaled_dot_product_attention")],
              originals[("F", "scaled_dot_product_attention")])
-    for function in (F.softmax, torch.functional.einsum):  # Python functions: their code swapped (every name bound)
+    python = {f for f in trace.watched if isinstance(f, types.FunctionType)} - {F.multi_head_attention_forward,
+                                                                                *originals.values()}
+    for function in python:  # F.softmax, torch.einsum, the losses (losses.py): their code swapped (every name bound);
+        # (MHA's functional form is swapped by modules.py, which reads the module around it)
         if function in trace.watched:
             put_back = swap(function, lambda original, function=function: _hook(trace, original, function))
             if put_back is not None:
@@ -165,6 +169,4 @@ _MISSING = object()
 
 def codes() -> tuple:
     """The code of the wrappers and hooks (dynamo must run them as Python, never compile them as frames of their own)."""
-    import types
-
     return tuple(c for f in (_wrapper, _hook) for c in f.__code__.co_consts if isinstance(c, types.CodeType))
