@@ -25,6 +25,8 @@ from maskcli import tracefile
 from maskcli.text import step_label
 import maskcli.trace.masks as readers
 from maskcli.trace.masks import Operands
+from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced
+from maskcli.trace.outer import Outer
 import maskcli.trace.flash as flash
 import maskcli.trace.compiled as compiled
 import maskcli.trace.interface as interface
@@ -71,33 +73,7 @@ class Call(Operands):
                 "mask": self.mask, "details": dict(self.details)}
 
 
-class _Local(threading.local):
-    """What each thread of the program has of a trace (the defaults: class attributes, read without a getattr default)."""
-
-    busy = False  # recording a call now
-    within = 0  # inside a recorded call
-    opened = None
-    outer = None  # [frame, module, args, kwargs, first call, end] of the outermost module call making calls now
-    mode = None  # this thread's Mode, made once it is first needed
-    moded = False  # that mode is on this thread's torch function stack (pushed by Trace._follow)
-    traced = False  # the thread that entered the trace, or one started while tracing
-
-
-class _Traced:
-    """A thread started while tracing, traced as the main one is (threads.py enters and leaves it around its run)."""
-
-    def __init__(self, trace):
-        self.trace = trace
-
-    def __enter__(self):
-        self.trace._local.traced = True
-
-    def __exit__(self, *exc):
-        self.trace._local.traced = False
-        self.trace._leave_thread()
-
-
-class Trace:
+class Trace(Outer, Follow):
     """`with Trace() as t: ...` records every attention call in t.calls; each distinct mask is kept once in t.masks."""
 
     def __init__(self, apis=APIS, max_bytes: int = DEFAULT_MAX_BYTES):
@@ -328,147 +304,6 @@ class Trace:
                 self.within -= inner
 
         return hook
-
-    # --- where a call comes from --------------------------------------------------------------
-
-    def _outer(self, found: list, first: int) -> None:
-        """Call `first` (and any after it) was made inside the outermost module call `found[-1]` (sites.running): that
-        call held until it is finished (_finish), and its module hooked so that its later calls are finished as they
-        end (a module's hooks are read as its call begins: this call ran without them)."""
-        local, (module, frame, variables) = self._local, found[-1]
-        held = local.outer
-        if held is not None and held[0] is frame:
-            held[5] = len(self.calls)
-            return
-        if held is not None:
-            self._finish(held)
-        if id(module) not in self._frames and not (id(module) in self._stated and self._stated[id(module)][0] is module):
-            from maskcli.trace.stated import frames
-
-            self._frames[id(module)] = frames(frame=frame.f_back)  # (the program's frames as the module was called)
-            from maskcli.trace.tokenizer import tokenizer
-
-            try:  # (tops.py reads it once the call is finished, maybe after the run: the frames are the call's now)
-                tokenizer(module, frame.f_back)
-            except Exception:  # noqa: BLE001 - a program object that cannot be read: no tokenizer read
-                pass
-        local.outer = held = [frame, module, variables.get("args", ()), variables.get("kwargs", {}), first, len(self.calls)]
-        self._outers[threading.get_ident()] = held
-        if id(module) not in self._handles:
-            self._handles[id(module)] = (module.register_forward_pre_hook(self._outer_pre),
-                                         module.register_forward_hook(self._outer_post, always_call=True, with_kwargs=True))
-
-    def _outer_pre(self, module, args) -> None:
-        held = self._local.outer
-        if held is not None and held[1] is module:  # its previous call ended without the hook (or a call inside it)
-            with self._lock:
-                self._finish(held)
-
-    def _outer_post(self, module, args, kwargs, output=None) -> None:
-        held = self._local.outer
-        if held is not None and held[1] is module:
-            with self._lock:
-                self._finish(held)
-
-    def _finish(self, held: list) -> None:
-        """The Top of an outermost module call that made attention calls (what the checks read of it)."""
-        frame, module, args, kwargs, first, end = held
-        if frame is None:  # (finished already)
-            return
-        held[0] = None  # (its frame let go: the program's variables are its own again)
-        for key, value in list(self._outers.items()):
-            if value is held:
-                del self._outers[key]
-        if self._local.outer is held:
-            self._local.outer = None
-        from maskcli.trace.tops import top
-
-        try:  # (the program's objects read: a config whose attribute access raises must not reach it)
-            found = top(self.sites.shown(module), module, args, kwargs, first, end)
-        except Exception:  # noqa: BLE001 - what the call states is then unknown; its calls stay recorded
-            return
-        stated = self._stated.get(id(module))  # (read once per module: trace/stated.py)
-        if stated is not None and stated[0] is module:
-            found.stated = stated[1]
-        else:  # read once the run is over (settle()), from the frames kept as it was called
-            self._pending.append((found, module))
-        self._tops.append(found)
-
-    # --- what passes, and the mode --------------------------------------------------------------
-
-    def passes(self) -> bool:
-        """Whether a watched call now runs as it would untraced (entry.py's wrappers): the trace ended, maskcli is
-        recording, a thread it does not trace, or this thread's mode is on (it hands the call to dispatch itself)."""
-        local = self._local
-        if local.moded and (self._followed[0] or self._followed[1] or self._followed[2] or not self._unfollow()):
-            return True
-        return not self.active or local.busy or not local.traced
-
-    def _follow(self) -> None:
-        """This thread's mode on: a tensor is followed now."""
-        local = self._local
-        if local.moded or not self.active or not local.traced:
-            return
-        if local.mode is None:
-            local.mode = Mode(self)
-        torch._C._push_on_torch_function_stack(local.mode)
-        local.moded = True
-
-    def _unfollow(self) -> bool:
-        """This thread's mode off, where it is the innermost mode (not inside its own handler, nor under a mode the
-        program entered since); whether it is off now."""
-        local = self._local
-        if torch.overrides._get_current_function_mode() is not local.mode:
-            return False
-        torch._C._pop_torch_function_stack()
-        local.moded = False
-        return True
-
-    def _leave_thread(self) -> None:
-        """This thread's mode off as the trace ends here (or a traced thread ends)."""
-        if self._local.moded:
-            self._unfollow()
-            self._local.moded = False
-
-    def dispatch(self, func, args: tuple, kwargs: dict, call):
-        """A watched call (or, while a tensor is followed, any): recorded where it is attention, what it computes
-        followed (scores.py, overflow.py, after.py), run as `call(*args, **kwargs)` and its result returned untouched."""
-        followed = self._followed
-        if not self.active or (func not in self.watched and not followed[0] and not followed[1] and not followed[2]):
-            return call(*args, **kwargs)
-        reader = self.readers.get(func)
-        softmaxed = None
-        if reader is not None and not self.busy and not self.within:
-            if reader is not readers.softmax or self.scores.attention(readers.softmax_input(args, kwargs)):
-                self._softmax = None
-                self.capture(reader, args, kwargs)
-                softmaxed, self._softmax = self._softmax, None
-                self.within += 1  # (what the call runs itself is its own: MHA's SDPA, F.softmax's Tensor.softmax)
-                try:
-                    out = call(*args, **kwargs)
-                finally:
-                    self.within -= 1
-                self.after_call(func, args, kwargs, out, softmaxed)
-                return out
-        out = call(*args, **kwargs)
-        self.after_call(func, args, kwargs, out, softmaxed)
-        return out
-
-    def after_call(self, func, args: tuple, kwargs: dict, out, softmaxed=None) -> None:
-        """What a watched call computed, followed (dispatch's part after the call; entry.py's wrappers run it alone
-        where a cast, a sum or a product may matter)."""
-        followed = self._followed
-        if softmaxed is not None:  # its weights followed: a 0/1 mask multiplied in afterwards is its mask (after.py)
-            self.after.note(out, *softmaxed)
-        elif followed[2] and not self.busy:
-            self.after.after(self, func, args)
-        if (func in WATCHED or followed[0]) and isinstance(out, torch.Tensor) and out.dim() >= 2 \
-                and out.is_floating_point() and not self.busy and has_values(out):
-            self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)
-        if self.scores is not None:
-            self.scores.after(func, args, kwargs, out)
-        if (followed[0] or followed[1] or followed[2]) and not self._local.moded:
-            self._follow()
 
     # --- recording ----------------------------------------------------------------------------
 
