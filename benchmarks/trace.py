@@ -5,8 +5,10 @@
 The program is maskcli.trace.demo's decoder (random weights): a batch of 2 prompts with
 left padding, prefill then --steps decode steps with a KV cache, every layer calling SDPA
 with a sliding-window mask (the model builds the mask once per step and hands it to every
-layer, as decoders do). Traced means inside `maskcli.trace()`: the TorchFunctionMode sees
-every torch call, module hooks run for every module, and each step's mask is read and stored.
+layer, as decoders do). Traced means inside `maskcli.trace()`: torch's attention entry points, and the
+products, casts and sums the trace watches, are wrapped (trace/entry.py; the rest of torch runs untouched,
+and a TorchFunctionMode is on only while a tensor it follows is alive), each call's modules are read from
+its frames (hooks only on the outermost module), and each step's mask is read and stored.
 The two sides alternate run by run, so a slow spell on a shared machine hits both; each run is
 timed by the wall clock and by this process's CPU time (steadier where other programs share the
 cores). It prints the median of each side and the median of the paired ratios with quartiles

@@ -815,3 +815,51 @@ def test_an_attn_mask_that_mha_and_a_training_encoder_layer_drop_for_is_causal_i
     assert severity(finding) == "wrong" and finding.cell == (0, *first)
     assert finding.message.startswith("the attn_mask passed (window(2)) was dropped: with is_causal=True")
     assert f"query {first[0]} sees key {first[1]}, which the mask passed masks" in finding.message
+
+
+def test_torch_runs_untouched_but_for_attention_entry_points_and_as_it_was_once_the_trace_ends():
+    """No mode is on while nothing is followed (trace/entry.py): q @ kᵀ turns it on, the next watched call once the
+    scores are gone turns it off; every patched attribute and swapped code is put back at the end."""
+    names = ("__add__", "__rsub__", "to", "softmax", "matmul")
+    before = ([torch.Tensor.__dict__.get(n) for n in names], torch.softmax, torch.matmul,
+              F.scaled_dot_product_attention, F.softmax.__code__, torch.einsum.__code__)
+    q = torch.randn(1, 1, 4, 8)
+    keep = torch.ones(4, 4, dtype=torch.bool).tril()
+    modes = []
+
+    def attend(q):  # (the scores, and the variables its frame holds, go when it returns)
+        scores = q @ q.transpose(-1, -2)
+        modes.append(torch._C._len_torch_function_stack())
+        return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+
+    with maskcli.trace() as t:
+        q + 1
+        modes.append(torch._C._len_torch_function_stack())
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        attend(q)
+        q + 1
+        modes.append(torch._C._len_torch_function_stack())
+    after = ([torch.Tensor.__dict__.get(n) for n in names], torch.softmax, torch.matmul,
+             F.scaled_dot_product_attention, F.softmax.__code__, torch.einsum.__code__)
+    assert modes == [0, 1, 0] and torch._C._len_torch_function_stack() == 0
+    assert after == before
+    assert [c.api for c in t.calls] == ["sdpa", "softmax"]
+    assert np.array_equal(t.calls[0].keep()[0, 0], torch.ones(4, 4, dtype=torch.bool).tril().numpy())
+    assert np.array_equal(t.calls[1].keep()[0, 0], keep.numpy())
+
+
+def test_mhas_functional_form_called_on_its_own_is_one_call_with_the_modules_mask():
+    """F.multi_head_attention_forward called directly (no nn.MultiheadAttention around it) is recorded once, as the
+    module computes it: its inner SDPA is its own, not a second call."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2).eval()
+    x = torch.randn(5, 1, 8)
+    window = torch.ones(5, 5, dtype=torch.bool).tril() & ~torch.ones(5, 5, dtype=torch.bool).tril(-2)
+    with maskcli.trace() as t:
+        out, _ = F.multi_head_attention_forward(x, x, x, 8, 2, mha.in_proj_weight, mha.in_proj_bias, None, None, False,
+                                                0.0, mha.out_proj.weight, mha.out_proj.bias, need_weights=False,
+                                                attn_mask=~window)
+    reference, _ = mha(x, x, x, attn_mask=~window, need_weights=False)
+    assert torch.allclose(out, reference, atol=1e-6)
+    assert [c.api for c in t.calls] == ["mha"]
+    assert np.array_equal(t.calls[0].keep()[0, 0], window.numpy())

@@ -1,12 +1,14 @@
-"""Recording the attention calls of a running program: a TorchFunctionMode, module hooks, and the calls' masks.
+"""Recording the attention calls of a running program: torch's attention entry points patched, and the calls' masks.
 
-The mode sees every torch function; for the few that are attention (SDPA, MHA's functional form, a softmax over
-scores) it reads the mask before calling the function exactly as it was called, and returns its result untouched.
-FlexAttention runs its operator under torch.compile even in eager mode, where a mode's Python cannot run, so
-`flex_attention` is wrapped instead: in torch's module and wherever a loaded module holds it (patch.py swaps its
-code); flash_attn's functions are swapped the same way, and Hugging Face's AttentionInterface lookups return wrapped
-functions (interface.py), when the program has imported them or as soon as it does. Module hooks keep the stack of
-modules being run, which names where a call came from.
+The few torch functions that are attention (SDPA, MHA's functional form, a softmax over scores), or start what
+the trace follows (q @ kᵀ, a cast or a sum), are wrapped where they are entered (entry.py); the rest of torch runs
+untouched, and a TorchFunctionMode is on only while a followed tensor is alive (mode.py). An attention call's mask
+is read before the function runs exactly as it was called, and its result returned untouched. FlexAttention's
+`flex_attention` is wrapped in torch's module and wherever a loaded module holds it (patch.py swaps its code);
+flash_attn's functions are swapped the same way, and Hugging Face's AttentionInterface lookups return wrapped
+functions (interface.py), when the program has imported them or as soon as it does. Where a call came from is read
+from the frames at the call (the modules whose calls are running: sites.running), not from hooks on every module;
+only the outermost modules that made calls get hooks of their own, for what the checks read of each of their calls.
 """
 
 from __future__ import annotations
@@ -23,16 +25,19 @@ from maskcli import tracefile
 from maskcli.text import step_label
 import maskcli.trace.masks as readers
 from maskcli.trace.masks import Operands
+from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced
+from maskcli.trace.outer import Outer
 import maskcli.trace.flash as flash
 import maskcli.trace.compiled as compiled
 import maskcli.trace.interface as interface
 import maskcli.trace.vllm as vllm_capture
 from maskcli.trace.flex import flex as read_flex
-from maskcli.trace.mode import Mode, compiling as _compiling, has_values
+import maskcli.trace.entry as entry
+from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.patch import Watch, swap
-from maskcli.trace.overflow import Overflows
+from maskcli.trace.overflow import WATCHED, Overflows
 from maskcli.trace.scores import Scores
-from maskcli.trace.sites import Sites
+from maskcli.trace.sites import Sites, running
 from maskcli.trace.stated import outside
 from maskcli.trace.store import store
 from maskcli.trace.threads import Threads
@@ -68,7 +73,7 @@ class Call(Operands):
                 "mask": self.mask, "details": dict(self.details)}
 
 
-class Trace:
+class Trace(Outer, Follow):
     """`with Trace() as t: ...` records every attention call in t.calls; each distinct mask is kept once in t.masks."""
 
     def __init__(self, apis=APIS, max_bytes: int = DEFAULT_MAX_BYTES):
@@ -77,28 +82,28 @@ class Trace:
         self.calls: list[Call] = []
         self.masks: dict[str, dict] = {}
         self.bytes = 0
-        self._local = threading.local()  # busy, within, interfaces: each thread the program runs has its own
+        self._local = _Local()  # busy, within, interfaces, the mode: each thread the program runs has its own
         self._lock = threading.RLock()
         self.readers = readers.watched(self)  # (the loss: what it states, no call recorded: trace/losses.py)
         if "sdpa" in self.apis:
-            self.readers[F.scaled_dot_product_attention] = readers.sdpa
+            self.readers[entry.sdpa()] = readers.sdpa
         if "mha" in self.apis:
             self.readers[F.multi_head_attention_forward] = readers.mha
         self.scores = None  # the tensors that are q @ kᵀ scores (scores.py): a softmax over logits is no attention call
         if "softmax" in self.apis:
             for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
-                self.readers[func] = readers.softmax
+                self.readers[entry.canonical(func)] = readers.softmax  # (the functions themselves, in a trace in a trace)
             self.scores = Scores()
         from maskcli.trace.after import After
 
         self.after = After()  # (softmax outputs multiplied by a 0/1 mask afterwards: after.py)
         self._softmax = None  # (the (call, seen) of the softmax just recorded, for the mode to follow its output)
         self.overflows = Overflows()
-        from maskcli.trace.overflow import WATCHED
         from maskcli.trace.scores import MATMULS
 
         # the torch functions the mode looks at whatever runs: the rest only while a tensor it follows is alive
         self.watched = frozenset({*self.readers, *WATCHED, *(MATMULS if self.scores is not None else ())})
+        self._followed = (self.overflows._found, self.scores._found if self.scores is not None else {}, self.after._found)
         self.sites = Sites()
         self._tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
         self._pending: list = []  # (Top, module): tops whose configs are read once the run is over (settle())
@@ -107,9 +112,11 @@ class Trace:
         self._cache: dict = {}
         self._held: dict = {}  # each shape tuple and word the calls hold, once (equal values: one object)
         self._stated: dict = {}  # id(outermost module) -> (module, the configs it states: trace/stated.py)
-        self._entered, self._loose = {}, {}  # id(module) -> calls made before its forward began; call site -> outside()
-        self._handles: list = []
-        self.mode = Mode(self)
+        self._loose = {}  # call site -> outside()
+        self._handles: dict = {}  # id(outermost module) -> its hooks' handles (_outer_pre, _outer_post)
+        self._outers: dict = {}  # thread id -> _Local.outer of that thread, until finished (_finish)
+        self._entries: list = []
+        self.mode_for_compile = Mode(self)  # (the mode dynamo inlines where compiled code calls attention: compiled.py)
         self._unwrap: list = []
         self._undo: list = []  # what puts swapped functions and patched classes back, in the order done
         self._swapped: set[int] = set()
@@ -140,6 +147,11 @@ class Trace:
         self._local.within = value
 
     @property
+    def mode(self):
+        """This thread's Mode (None until it is first needed)."""
+        return self._local.mode
+
+    @property
     def interfaces(self) -> list[dict]:
         """The Hugging Face interface calls running in this thread (interface.py), innermost last."""
         found = getattr(self._local, "interfaces", None)
@@ -150,6 +162,10 @@ class Trace:
     @property
     def tops(self) -> list:
         """Each outermost module call (maskcli.checks.context.Top), the configs its program states read (settle())."""
+        if self._outers:
+            with self._lock:
+                for held in list(self._outers.values()):
+                    self._finish(held)
         if self._pending:
             self.settle()
         return self._tops
@@ -196,10 +212,6 @@ class Trace:
     # --- entering and leaving -----------------------------------------------------------------
 
     def __enter__(self) -> Trace:
-        from torch.nn.modules import module as nn_module
-
-        self._handles = [nn_module.register_module_forward_pre_hook(self._pre),
-                         nn_module.register_module_forward_hook(self._post, always_call=True, with_kwargs=True)]
         if "flex" in self.apis:
             self._patch_flex()
         from maskcli.trace.modules import wrap
@@ -213,16 +225,26 @@ class Trace:
             found = self._wanted(name) if sys.modules.get(name) is not None else None
             if found is not None:
                 found(sys.modules[name])
+        self._entries = entry.patch(self)
+        self._local.traced = True
         self.active = True
-        self.mode.__enter__()
-        self.threads = Threads(lambda: Mode(self) if self.active else None).__enter__()  # (a mode is per thread)
+        self.threads = Threads(lambda: _Traced(self) if self.active else None).__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self.threads.__exit__()
-        self.mode.__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
+        with self._lock:
+            for held in list(self._outers.values()):
+                self._finish(held)
+        self._leave_thread()
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
+        self._handles.clear()
+        for put_back in self._entries:
+            put_back()
+        self._entries = []
+        self._local.traced = False
         from maskcli.trace.modules import unwrap
 
         unwrap(self._unwrap)
@@ -283,53 +305,6 @@ class Trace:
 
         return hook
 
-    # --- where a call comes from --------------------------------------------------------------
-
-    def _pre(self, module, args) -> None:
-        if _compiling():  # a compiled region runs without us (its calls are not recorded)
-            return
-        sites, made = self.sites, len(self.calls)  # (every module call of the program runs this: kept lean)
-        if not sites.stack:  # an outermost call begins: the calls made before it, for what the checks read
-            self._local.opened = (module, made)
-        self._entered[id(module)] = made  # (an inner module's documents: _post)
-        sites.enter(module)
-
-    def _post(self, module, args, kwargs, output=None) -> None:
-        # (a forward that raised calls an always_call hook without its kwargs: torch/nn/modules/module.py:1892)
-        if _compiling():
-            return
-        sites = self.sites
-        sites.leave(module)
-        if sites.stack:
-            if kwargs and not DOCUMENTS.isdisjoint(kwargs):  # documents handed to an inner module
-                documents(self.calls, self._entered.get(id(module), len(self.calls)), kwargs)
-            return
-        opened = getattr(self._local, "opened", None)
-        if opened is not None and opened[0] is module:
-            self._local.opened = None
-            losses, self._local.losses = getattr(self._local, "losses", None), None  # (trace/losses.py: its own loss)
-            if len(self.calls) > opened[1]:  # an outermost call that made attention calls: what the checks read of it
-                from maskcli.trace.tops import top
-
-                try:  # (the program's objects read: a config whose attribute access raises must not reach it)
-                    found = top(self.sites.shown(module), module, args, kwargs, opened[1], len(self.calls))
-                except Exception:  # noqa: BLE001 - what the call states is then unknown; its calls stay recorded
-                    return
-                held = self._stated.get(id(module))  # (read once per module: trace/stated.py)
-                if held is not None and held[0] is module:
-                    found.stated = held[1]
-                else:  # read once the run is over (settle()), from the frames as they are now
-                    if id(module) not in self._frames:
-                        from maskcli.trace.stated import frames
-
-                        self._frames[id(module)] = frames()
-                    self._pending.append((found, module))
-                self._tops.append(found)
-                if losses:
-                    from maskcli.trace.losses import inside
-
-                    inside(found, losses)
-
     # --- recording ----------------------------------------------------------------------------
 
     def capture(self, reader, args, kwargs) -> None:
@@ -337,10 +312,23 @@ class Trace:
         first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
         if first is not None and not has_values(first):
             return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real
+        found = running(sys._getframe(1))  # the modules whose calls are running, innermost first
         self.busy = True
+        sites = self.sites
         try:
             with self._lock:  # (threads of the program record one at a time: indexes, steps and the store stay whole)
-                self._record(reader, args, kwargs)
+                made = len(self.calls)
+                stack = sites.load([module for module, _, _ in reversed(found)])
+                try:
+                    self._record(reader, args, kwargs)
+                    if len(self.calls) > made and found:
+                        for _, _, variables in found[:-1]:  # documents handed to an inner module (innermost first)
+                            given = variables.get("kwargs")
+                            if given and not DOCUMENTS.isdisjoint(given):
+                                documents(self.calls, made, given)
+                        self._outer(found, made)
+                finally:
+                    stack.clear()
         finally:
             self.busy = False
 
@@ -381,7 +369,9 @@ class Trace:
             self._softmax = (self.calls[-1], seen)
         if not self.sites.stack:  # a call outside any module: what the program's frames state for it, and the
             documents(self.calls, len(self.calls) - 1, self.sites.held)  # cu_seqlens its function holds (HunyuanVideo's)
-            outside(self.tops, where, len(self.calls) - 1, self._loose)
+            if self._local.outer is not None:  # (the module call this thread made calls in has ended: its Top first)
+                self._finish(self._local.outer)
+            outside(self._tops, where, len(self.calls) - 1, self._loose)
 
     def _append(self, call: Call) -> None:
         """A call made inside a Hugging Face interface call carries what HF told that call (and is what it did)."""

@@ -23,9 +23,11 @@ import sys
 import threading
 from collections import Counter
 
+import torch
 import torch.nn.functional as F
 
 SWITCH = "TORCHDYNAMO_DISABLE=1"
+_SDPA = torch._C._nn.scaled_dot_product_attention  # (F's attribute is entry.py's wrapper while tracing)
 
 
 MODULE = "torch._dynamo.eval_frame"  # patched once the program has imported it (torch.compile does)
@@ -39,8 +41,7 @@ class Compiled:
     def __init__(self, skip=lambda: False, trace=None):
         self.skip = skip  # True while the compiled code running is a recorded call's own (flex_attention's operator)
         # code dynamo must run as Python, never compile: the trace's mode handler and module hooks
-        self.python = () if trace is None else (type(trace.mode).__torch_function__.__code__, type(trace)._pre.__code__,
-                                                type(trace)._post.__code__)
+        self.python = () if trace is None else (type(trace.mode_for_compile).__torch_function__.__code__, *_codes(trace))
         self.breaks = trace is not None and bool({"sdpa", "mha"} & set(trace.apis))  # a compiled graph breaks at SDPA
         # and MHA while tracing (not at a softmax: every softmax of a compiled model would break it, and which is
         # attention is read off eager matmuls)
@@ -56,7 +57,7 @@ class Compiled:
         """The mode's call of `func` as dynamo traces it (inlined into the graph it builds): nothing added to the graph,
         but for SDPA and MHA a graph break where one is allowed, their call run eagerly, recorded (identity checks
         only: dynamo folds them)."""
-        if (func is F.scaled_dot_product_attention or func is F.multi_head_attention_forward) and self.breaks \
+        if (func is _SDPA or func is F.multi_head_attention_forward) and self.breaks \
                 and self.eager is not None and self.may_break():
             return self.eager(mode, func, types, args, kwargs)
         return func(*args, **kwargs)
@@ -131,16 +132,8 @@ def _breaks(compiled: Compiled):
         set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
     @torch._dynamo.disable
-    def eager(mode, func, types, args, kwargs):
-        sites = mode.trace.sites
-        entered = _running(sys._getframe(1), sites.stack)  # the module hooks compiled away: the call's modules again
-        for module in entered:
-            sites.enter(module)
-        try:
-            return mode.__torch_function__(func, types, args, kwargs)
-        finally:
-            for module in reversed(entered):
-                sites.leave(module)
+    def eager(mode, func, types, args, kwargs):  # (the modules running: read from the frames dynamo keeps, as eager)
+        return mode.__torch_function__(func, types, args, kwargs)
 
     @torch._dynamo.assume_constant_result
     def may_break() -> bool:
@@ -165,20 +158,8 @@ def _name(fn) -> str:
     return (getattr(fn, "__qualname__", None) or type(fn).__name__).replace(".<locals>", "")
 
 
-def _running(frame, stack: list) -> list:
-    """The modules whose calls are running in these frames (torch's Module._call_impl, one per call: dynamo keeps the
-    frames of the code it compiled, around a graph break) and not on `stack`, outermost first."""
-    import torch
+def _codes(trace) -> tuple:
+    """The code of the trace's wrappers (entry.py) and of its outermost modules' hooks."""
+    from maskcli.trace.entry import codes
 
-    found, on = [], {id(module) for module in stack}
-    while frame is not None:
-        if frame.f_code.co_name == "_call_impl":
-            module = frame.f_locals.get("self")
-            if isinstance(module, torch.nn.Module):
-                if id(module) in on:
-                    break
-                found.append(module)
-        elif frame.f_code.co_name == "compile_wrapper":  # (the compiled code's way in: what called it is on `stack`)
-            break
-        frame = frame.f_back
-    return found[::-1]
+    return (*codes(), type(trace)._outer_pre.__code__, type(trace)._outer_post.__code__)

@@ -11,6 +11,7 @@ One comparison per distinct (mask tensor, kernel mask): L^2 cells, as reading th
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -47,6 +48,7 @@ def note(seen, stored: dict, key: str, cache: dict) -> None:
         pass
 
 
+@functools.cache
 def _skip() -> tuple[str, ...]:
     return (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
 

@@ -26,7 +26,8 @@ HANDED = re.compile(r"^(?:attention_mask|attn_mask|mask)$")  # a bool mask over 
 MOST = 1 << 16  # cells of one held mask read at most (a batch's padding, not a sequence's cells)
 FRAMES = 24
 
-_NAMES: dict = {}  # code object -> the names of its variables that may hold padding (matched once per code)
+_NAMES: dict = {}  # code object -> the names of its variables that may hold padding (matched once per code), or
+_OUTSIDE = object()  # for the code of torch, maskcli, the standard library: not the program's
 _READ: dict = {}  # (id(tensor), name, code) -> (tensor, version, what it was read as): read once while unchanged
 
 
@@ -47,15 +48,16 @@ def padding() -> list[dict] | None:
     innermost, outer = None, []  # (the function that made the call; cells masks built above it, handed to no function)
     while frame is not None and searched < FRAMES:
         code = frame.f_code
-        if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<"):
+        names = _NAMES.get(code)
+        if names is None:
+            names = _NAMES[code] = _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else \
+                tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
+                      or CELLS.search(n) or POSITIONS.search(n))
+        if names is _OUTSIDE:
             frame = frame.f_back
             continue
         searched += 1
         innermost = innermost or frame
-        names = _NAMES.get(code)
-        if names is None:
-            names = _NAMES[code] = tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
-                                          or CELLS.search(n) or POSITIONS.search(n))
         if names:
             variables = frame.f_locals
             for name in names:

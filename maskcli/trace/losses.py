@@ -26,13 +26,13 @@ def watched(trace) -> dict:
         target = args[1] if len(args) > 1 else kwargs.get("target")
         ignore = kwargs.get("ignore_index", -100)
         # (the loss inside the model's own forward, which has made attention calls: not a loss module's own call)
-        opened = getattr(trace._local, "opened", None)
-        inner = opened is not None and len(trace.calls) > opened[1]
+        held = trace._local.outer  # (the outermost module call that made attention calls, not finished: outer.py)
+        inner = held is not None and held[0] is not None and len(trace.calls) > held[4]
         if not isinstance(target, torch.Tensor) or target.is_floating_point() or not (trace.tops or inner) \
                 or target.numel() > 1 << 20:
             return None
         found = target.detach().cpu().numpy().astype(np.int64)
-        if inner:  # its model call is no top yet: read when it is (capture.py's _post calls inside())
+        if inner:  # its model call is no top yet: read when it is (outer.py's _finish calls inside())
             trace._local.losses = [*(getattr(trace._local, "losses", None) or ()), (found, ignore)][-RECENT:]
             return None
         for top in reversed(trace.tops[-RECENT:]):

@@ -97,7 +97,7 @@ WRAPPED = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEnco
 @contextlib.contextmanager
 def paused(mode):
     """`mode` off the torch function stack while the body runs, where it is the innermost mode."""
-    if torch.overrides._get_current_function_mode() is mode:
+    if mode is not None and torch.overrides._get_current_function_mode() is mode:
         with torch.overrides._pop_mode_temporarily():
             yield
     else:
@@ -114,10 +114,14 @@ def wrap(trace, record: bool = True) -> list:
 
     def note_slow(original):
         def hook(*args, **kwargs):
+            if torch.compiler.is_dynamo_compiling():  # (a graph break while tracing: compiled.py)
+                return trace.compiled.during(trace.mode_for_compile, F.multi_head_attention_forward, (), args, kwargs)
             notes = getattr(_LOCAL, "notes", None)
             if notes is not None:
                 notes.append((args, kwargs))
                 _LOCAL.notes = None  # only the module's own call, not one its functional form makes inside
+            elif record and not trace.passes():  # called on its own: read as it is called (capture.py's dispatch)
+                return trace.dispatch(F.multi_head_attention_forward, args, kwargs, original)
             return original(*args, **kwargs)
 
         return hook

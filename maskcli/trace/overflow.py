@@ -71,6 +71,30 @@ def _overflowed(func, args: tuple, kwargs: dict, out: torch.Tensor) -> dict | No
     return {"op": name, "value": min(low) if low else None, "dtype": _dtype(out)}
 
 
+NARROW = (torch.float16, torch.bfloat16)
+FILL = 1e4  # a number operand at least this large may be a fill (-1e4 already masks: inspect/polarity.py)
+
+
+def may_overflow(args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
+    """Whether a sum or product, made while nothing is followed, may have turned a fill into -inf, by what is seen without
+    reading a value (reading one is a reduction, and a device sync, on every sum a model runs): its result is float16 or
+    bfloat16 (where fills overflow), square in its last two dimensions (a mask over (Lq, Lk) as a prefill builds it), a
+    tensor operand of two or more dimensions is broadcast over the rows (a padding row (B, 1, 1, Lk) added to a causal
+    plane), or a number operand is as large as a fill. What that leaves in float32 (residuals, norms, rotary products,
+    a decode step's two (B, 1, 1, Lk) masks summed) is looked at only once something is followed (scores.py)."""
+    shape = out.shape
+    rows = shape[-2]
+    if out.dtype in NARROW or rows == shape[-1] > 1:
+        return True
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            if x.dim() >= 2 and x.shape[-2] == 1 < rows:
+                return True
+        elif isinstance(x, (int, float)) and not -FILL < x < FILL:
+            return True
+    return False
+
+
 @functools.lru_cache(maxsize=None)
 def _largest(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max
@@ -106,7 +130,7 @@ class Overflows:
                     given = args[0] if args else None
                     if not isinstance(given, torch.Tensor) or given.dtype == out.dtype:
                         return
-                elif not _has_neginf(out.detach()):
+                elif not may_overflow(args, kwargs, out) or not _has_neginf(out.detach()):
                     return
             except Exception:  # (a tensor kind that cannot be read: the program runs on as it would)
                 return

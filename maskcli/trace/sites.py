@@ -52,6 +52,17 @@ class Sites:
             self._name(module)
         self.stack.append(module)
 
+    def load(self, modules) -> list:
+        """The stack of this thread as `modules` (outermost first: the module calls running, read from the frames at an
+        attention call), each named where it is not yet; the stack."""
+        stack, names = self.stack, self._names
+        stack.clear()
+        for module in modules:
+            if id(module) not in names:
+                self._name(module)
+            stack.append(module)
+        return stack
+
     def leave(self, module) -> None:
         stack = self.stack
         if stack and stack[-1] is module:  # (every module call: the common case first)
@@ -169,6 +180,24 @@ class Sites:
                 self._taken.setdefault(sub or type(child).__name__, id(child))
 
 
+def running(frame) -> list[tuple]:
+    """(module, frame, its variables) of each module call running in `frame` and those that called it, innermost first:
+    nn.Module's _call_impl frames (one per call, hooks or not; dynamo keeps those of the code it compiled around a graph
+    break). Read at an attention call instead of hooks on every module call of the program."""
+    found, call = [], _CALL
+    while frame is not None:
+        if frame.f_code is call or frame.f_code.co_name == "_call_impl":
+            variables = frame.f_locals
+            module = variables.get("self")
+            if isinstance(module, torch.nn.Module):
+                found.append((module, frame, variables))
+        frame = frame.f_back
+    return found
+
+
+_CALL = torch.nn.Module._call_impl.__code__
+
+
 def _path(outer, module) -> str | None:
     for name, inner in outer.named_modules():
         if inner is module:  # (torch.compile's wrapper holds the program's module as _orig_mod: not the program's name)
@@ -275,10 +304,9 @@ def window_handed() -> tuple[str, int] | None:
     FlashAttention / FlashInfer convention: `window_left` = L, or `window_size` / `sliding_window` = (L, 0), a query
     at position p seeing keys p - L .. p. A plain int (W keys, or W - 1: conventions differ) and a (h, w) pair (Swin's
     spatial window) say nothing here. Its names are looked at first, so most frames cost no locals read."""
-    torch_dir = os.path.dirname(torch.__file__)
-    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    skip = _own_dirs()
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith((torch_dir, own, "<frozen")):
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame = frame.f_back
     if frame is None or set(WINDOW_NAMES).isdisjoint(frame.f_code.co_varnames):
         return None

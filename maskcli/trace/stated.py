@@ -130,12 +130,12 @@ def _skipped() -> tuple[str, ...]:
     return tuple({os.path.dirname(torch.__file__), own, *libraries})
 
 
-def frames(depth: int = 1) -> list[tuple[str, dict]]:
-    """The program's frames from `depth` frames up on (1: the caller; at most FRAMES), each as (where, a copy of its
-    variables):
+def frames(depth: int = 1, frame=None) -> list[tuple[str, dict]]:
+    """The program's frames from `depth` frames up on (1: the caller; at most FRAMES), or from `frame`, each as (where,
+    a copy of its variables):
     what `_variables` reads, kept at a module's call so that the configs are read after the run, off its hot path."""
     skip = _skipped()
-    places, frame = [], sys._getframe(depth)
+    places, frame = [], sys._getframe(depth) if frame is None else frame
     while frame is not None and len(places) < FRAMES:
         name = frame.f_code.co_filename
         if not name.startswith(skip) and not name.startswith("<"):

@@ -84,6 +84,9 @@ def _runs_numpy(rows: np.ndarray, count: int, q_len: int) -> tuple[np.ndarray, n
     """_runs of (P * Lq, Lk) bool rows on the CPU, a band of rows at a time as there: the rows laid end to end with a
     False between each two, so that every change of value is a run's start or end and none crosses a row."""
     total, k_len = rows.shape
+    one = _one_run(rows)
+    if one is not None:
+        return one[0].reshape(count, q_len, 1), one[1].reshape(count, q_len, 1)
     width = k_len + 1
     per_band = max(1, BAND // width)
     found, starts, ends = [], [], []
@@ -102,6 +105,22 @@ def _runs_numpy(rows: np.ndarray, count: int, q_len: int) -> tuple[np.ndarray, n
         ends.append(fall - row * width)
     s_out, e_out = by_row(*(np.concatenate(x).astype(np.int64) for x in (found, starts, ends)), count * q_len, k_len)
     return s_out.reshape(count, q_len, -1), e_out.reshape(count, q_len, -1)
+
+
+def _one_run(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(starts, ends) of (P * Lq, Lk) bool rows where each has at most one run (causal, a window, padding: most masks),
+    [Lk, Lk) for a row with none, as _runs_numpy gives them; None where some row has more. Four passes over the cells
+    where the general path makes a copy, a diff and a nonzero of them."""
+    if not rows.size:
+        return None
+    k_len = rows.shape[1]
+    first = rows.argmax(axis=1)
+    last = k_len - rows[:, ::-1].argmax(axis=1)
+    count = np.count_nonzero(rows, axis=1)
+    empty = count == 0
+    if not ((count == last - first) | empty).all():
+        return None
+    return np.where(empty, k_len, first).astype(np.int64), np.where(empty, k_len, last).astype(np.int64)
 
 
 def store(trace, seen) -> str:

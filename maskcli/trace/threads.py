@@ -1,10 +1,10 @@
 """The threads and processes a traced program starts: each thread traced as the main one is, each process counted.
 
-A TorchFunctionMode is on one thread's stack only, so a thread the program starts would
-run its attention calls unseen. While tracing, every thread started runs inside a mode of
-its own (threading.Thread._bootstrap_inner, which threading, concurrent.futures'
+The trace records the threads it was entered in (a thread's TorchFunctionMode, where one is
+needed, is on that thread's stack only). While tracing, every thread started is entered as
+it begins (threading.Thread._bootstrap_inner, which threading, concurrent.futures'
 ThreadPoolExecutor and every Thread subclass go through before run()). Threads already
-running when the trace began cannot be entered: they are named (not daemon threads: those
+running when the trace began are not entered: they are named (not daemon threads: those
 are libraries' helpers, such as the progress monitor torch.compile starts, far more often
 than a program's workers, which threading and ThreadPoolExecutor start as non-daemon). Child processes
 (multiprocessing, ProcessPoolExecutor, os.fork) run in memory of their own, where nothing
@@ -31,7 +31,8 @@ if hasattr(os, "register_at_fork"):
 
 
 class Threads:
-    """While entered: threads started get a mode from `make_mode()`; processes started are noted in .processes."""
+    """While entered: threads started run inside `make_mode()` (a context: the trace entered in that thread); processes
+    started are noted in .processes."""
 
     def __init__(self, make_mode):
         self.make_mode = make_mode

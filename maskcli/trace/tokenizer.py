@@ -20,11 +20,13 @@ import torch
 FRAMES = 6  # program frames searched
 
 
-def tokenizer(module) -> dict:
+def tokenizer(module, frame=None) -> dict:
+    """What the tokenizer the program's frames hold states (module docstring), read once per module: from `frame` on
+    (the caller of the module's call, kept as it began: trace/capture.py), else from the caller's caller."""
     held = _HELD.get(module)
     if held is not None:
         return held
-    found = _search()
+    found = _search(frame)
     try:
         _HELD[module] = found
     except TypeError:
@@ -36,9 +38,9 @@ def _int(value) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _search() -> dict:
+def _search(frame=None) -> dict:
     skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
-    frame, searched, found = sys._getframe(2), 0, {}
+    frame, searched, found = sys._getframe(2) if frame is None else frame, 0, {}
     while frame is not None and searched < FRAMES:
         if not frame.f_code.co_filename.startswith(skip):
             searched += 1

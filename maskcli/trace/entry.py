@@ -1,0 +1,172 @@
+"""The torch functions a trace looks at, patched where they are entered: the rest of torch runs untouched.
+
+A TorchFunctionMode on for the whole run makes every torch call of the program pay a Python
+dispatch (a tiny model's generate: 1.4x before anything is recorded). So, as profilers do,
+the few entry points that matter are swapped while tracing, on torch's classes and modules:
+attention (F.scaled_dot_product_attention, the softmaxes), the products that make q @ kᵀ
+scores (scores.py), and the casts and sums where a fill may overflow (overflow.py). A builtin
+is replaced by a wrapper in its namespace (torch.softmax, torch.Tensor.to, Tensor.__add__);
+a Python function has its code swapped (patch.swap: F.softmax, torch.einsum), so that names
+bound to it earlier reach the hook too. Each wrapper hands the call to Trace.dispatch as the
+mode would see it (`a + b` as Tensor.add). The mode itself is entered only while a tensor it
+follows is alive (scores, an overflowed fill, a softmax's weights: what is computed from
+them is what it must see), and left at the next wrapper call once none is.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+
+from maskcli.trace.overflow import CASTS, may_overflow
+from maskcli.trace.patch import swap
+from maskcli.trace.scores import MATMULS
+
+compiling = torch.compiler.is_dynamo_compiling
+
+# attribute -> the function the mode is handed for it (a dunder is dispatched under its method's name)
+TENSOR = {"softmax": "softmax", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm", "baddbmm": "baddbmm",
+          "to": "to", "half": "half", "bfloat16": "bfloat16", "type": "type", "type_as": "type_as",
+          "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "__rsub__": "__rsub__",
+          "mul": "mul", "__mul__": "mul", "__rmul__": "mul"}
+TORCH = ("softmax", "matmul", "bmm", "baddbmm", "add", "sub", "mul")
+CANONICAL: dict = {}  # a wrapper -> the function it stands for (what the mode is handed, while it is on, for a method)
+
+
+@functools.cache
+def _originals() -> dict:
+    """Each patched attribute's function as torch defines it, read once before any trace patched them."""
+    found = {("tensor", name): torch.Tensor.__dict__.get(name, getattr(torch.Tensor, name)) for name in TENSOR}
+    found.update({("torch", name): getattr(torch, name) for name in TORCH})
+    found[("special", "softmax")] = torch.special.softmax
+    found[("F", "scaled_dot_product_attention")] = F.scaled_dot_product_attention
+    return found
+
+
+def canonical(func):
+    return CANONICAL.get(func, func)
+
+
+def sdpa():
+    """F.scaled_dot_product_attention as torch defines it (while tracing F's attribute is a wrapper)."""
+    return _originals()[("F", "scaled_dot_product_attention")]
+
+
+ATTENTION, PRODUCT, CAST, SUM = "attention", "product", "cast", "sum"
+
+
+def _wrapper(trace, original, stands_for, kind: str):
+    during, mode, local, after = trace.compiled.during, trace.mode_for_compile, trace._local, trace.after_call
+    attention = stands_for is sdpa()
+    wanted = _WANTED[kind]
+
+    def wrapper(*args, **kwargs):
+        if compiling():  # dynamo inlines this: nothing of the trace in its graph but a break at attention
+            if attention:
+                return during(mode, stands_for, (), args, kwargs)
+            return original(*args, **kwargs)
+        if local.busy or local.moded or not local.traced or not trace.active:  # (the rare cases: Trace.passes)
+            if trace.passes():
+                return original(*args, **kwargs)
+            return trace.dispatch(stands_for, args, kwargs, original)
+        if wanted is None:
+            return trace.dispatch(stands_for, args, kwargs, original)
+        out = original(*args, **kwargs)  # (what follows: nothing is followed in this thread, the mode is off)
+        if wanted(args, kwargs, out):
+            after(stands_for, args, kwargs, out)
+        return out
+
+    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = _named(original)  # (not update_wrapper: every trace makes
+    CANONICAL[wrapper] = stands_for  # these, and __wrapped__ would give inspect.signature a builtin's, which has none)
+    return wrapper
+
+
+def _product(args: tuple, kwargs: dict, out) -> bool:
+    """A product that may be q @ kᵀ (scores.py reads its operands)."""
+    return isinstance(out, torch.Tensor) and out.dim() >= 3
+
+
+def _cast(args: tuple, kwargs: dict, out) -> bool:
+    """A cast that may overflow: to a floating dtype of a smaller range (overflow.py)."""
+    given = args[0] if args else None
+    return isinstance(out, torch.Tensor) and isinstance(given, torch.Tensor) and given.dtype != out.dtype \
+        and out.is_floating_point() and given.is_floating_point() and _largest(out.dtype) < _largest(given.dtype)
+
+
+def _sum(args: tuple, kwargs: dict, out) -> bool:
+    """A sum or product that may have overflowed a fill (overflow.py's may_overflow)."""
+    return isinstance(out, torch.Tensor) and out.dim() >= 2 and out.is_floating_point() and may_overflow(args, kwargs, out)
+
+
+_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum}
+
+
+@functools.lru_cache(maxsize=None)
+def _largest(dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+@functools.lru_cache(maxsize=None)
+def _named(function) -> tuple:
+    name = getattr(function, "__name__", "wrapper")
+    return name, getattr(function, "__qualname__", name), getattr(function, "__doc__", None)
+
+
+def patch(trace) -> list:
+    """Swap the entry points of the functions `trace` watches (trace.watched: its readers', the matmuls that make
+    scores, the casts and sums where a fill may overflow); the callables that put them back, in the order to run them."""
+    originals = _originals()
+    undo = []
+    wanted = set(trace.readers)
+
+    def wrap(owner, name, original, stands_for):
+        if stands_for not in trace.watched:
+            return
+        held = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name)
+        kind = ATTENTION if stands_for in trace.readers else PRODUCT if stands_for in MATMULS else CAST if stands_for in CASTS \
+            else SUM
+        wrapper = _wrapper(trace, original, stands_for, kind)
+        setattr(owner, name, wrapper)
+        undo.append(lambda: CANONICAL.pop(wrapper, None))
+        if held is _MISSING:
+            undo.append(lambda: delattr(owner, name))
+        else:
+            undo.append(lambda: setattr(owner, name, held))
+
+    for name, method in TENSOR.items():
+        wrap(torch.Tensor, name, originals[("tensor", name)], originals[("tensor", method)])
+    for name in TORCH:
+        wrap(torch, name, originals[("torch", name)], originals[("torch", name)])
+    wrap(torch.special, "softmax", originals[("special", "softmax")], originals[("special", "softmax")])
+    if originals[("F", "scaled_dot_product_attention")] in wanted:
+        wrap(F, "scaled_dot_product_attention", originals[("F", "scaled_dot_product_attention")],
+             originals[("F", "scaled_dot_product_attention")])
+    python = {f for f in trace.watched if isinstance(f, types.FunctionType)} - {F.multi_head_attention_forward,
+                                                                                *originals.values()}
+    for function in python:  # F.softmax, torch.einsum, the losses (losses.py): their code swapped (every name bound);
+        # (MHA's functional form is swapped by modules.py, which reads the module around it)
+        if function in trace.watched:
+            put_back = swap(function, lambda original, function=function: _hook(trace, original, function))
+            if put_back is not None:
+                undo.append(put_back)
+    return undo[::-1]
+
+
+def _hook(trace, original, stands_for):
+    def hook(*args, **kwargs):
+        if compiling() or trace.passes():
+            return original(*args, **kwargs)
+        return trace.dispatch(stands_for, args, kwargs, original)
+
+    return hook
+
+
+_MISSING = object()
+
+
+def codes() -> tuple:
+    """The code of the wrappers and hooks (dynamo must run them as Python, never compile them as frames of their own)."""
+    return tuple(c for f in (_wrapper, _hook) for c in f.__code__.co_consts if isinstance(c, types.CodeType))

@@ -1,0 +1,120 @@
+"""What a trace lets pass and what it follows: Trace.dispatch, and the mode on in a thread only while it follows.
+
+entry.py's wrappers and the mode (mode.py) hand watched calls here; a trace mixes this in (capture.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import maskcli.trace.masks as readers
+from maskcli.trace.mode import Mode, has_values
+from maskcli.trace.overflow import WATCHED
+
+
+class Local(threading.local):
+    """What each thread of the program has of a trace (the defaults: class attributes, read without a getattr default)."""
+
+    busy = False  # recording a call now
+    within = 0  # inside a recorded call
+    opened = None
+    outer = None  # [frame, module, args, kwargs, first call, end] of the outermost module call making calls now
+    mode = None  # this thread's Mode, made once it is first needed
+    moded = False  # that mode is on this thread's torch function stack (pushed by Trace._follow)
+    traced = False  # the thread that entered the trace, or one started while tracing
+
+
+class Traced:
+    """A thread started while tracing, traced as the main one is (threads.py enters and leaves it around its run)."""
+
+    def __init__(self, trace):
+        self.trace = trace
+
+    def __enter__(self):
+        self.trace._local.traced = True
+
+    def __exit__(self, *exc):
+        self.trace._local.traced = False
+        self.trace._leave_thread()
+
+
+class Follow:
+    """Trace's dispatch of watched calls (capture.py's Trace mixes this in)."""
+
+    # --- what passes, and the mode --------------------------------------------------------------
+
+    def passes(self) -> bool:
+        """Whether a watched call now runs as it would untraced (entry.py's wrappers): the trace ended, maskcli is
+        recording, a thread it does not trace, or this thread's mode is on (it hands the call to dispatch itself)."""
+        local = self._local
+        if local.moded and (self._followed[0] or self._followed[1] or self._followed[2] or not self._unfollow()):
+            return True
+        return not self.active or local.busy or not local.traced
+
+    def _follow(self) -> None:
+        """This thread's mode on: a tensor is followed now."""
+        local = self._local
+        if local.moded or not self.active or not local.traced:
+            return
+        if local.mode is None:
+            local.mode = Mode(self)
+        torch._C._push_on_torch_function_stack(local.mode)
+        local.moded = True
+
+    def _unfollow(self) -> bool:
+        """This thread's mode off, where it is the innermost mode (not inside its own handler, nor under a mode the
+        program entered since); whether it is off now."""
+        local = self._local
+        if torch.overrides._get_current_function_mode() is not local.mode:
+            return False
+        torch._C._pop_torch_function_stack()
+        local.moded = False
+        return True
+
+    def _leave_thread(self) -> None:
+        """This thread's mode off as the trace ends here (or a traced thread ends)."""
+        if self._local.moded:
+            self._unfollow()
+            self._local.moded = False
+
+    def dispatch(self, func, args: tuple, kwargs: dict, call):
+        """A watched call (or, while a tensor is followed, any): recorded where it is attention, what it computes
+        followed (scores.py, overflow.py, after.py), run as `call(*args, **kwargs)` and its result returned untouched."""
+        followed = self._followed
+        if not self.active or (func not in self.watched and not followed[0] and not followed[1] and not followed[2]):
+            return call(*args, **kwargs)
+        reader = self.readers.get(func)
+        softmaxed = None
+        if reader is not None and not self.busy and not self.within:
+            if reader is not readers.softmax or self.scores.attention(readers.softmax_input(args, kwargs)):
+                self._softmax = None
+                self.capture(reader, args, kwargs)
+                softmaxed, self._softmax = self._softmax, None
+                self.within += 1  # (what the call runs itself is its own: MHA's SDPA, F.softmax's Tensor.softmax)
+                try:
+                    out = call(*args, **kwargs)
+                finally:
+                    self.within -= 1
+                self.after_call(func, args, kwargs, out, softmaxed)
+                return out
+        out = call(*args, **kwargs)
+        self.after_call(func, args, kwargs, out, softmaxed)
+        return out
+
+    def after_call(self, func, args: tuple, kwargs: dict, out, softmaxed=None) -> None:
+        """What a watched call computed, followed (dispatch's part after the call; entry.py's wrappers run it alone
+        where a cast, a sum or a product may matter)."""
+        followed = self._followed
+        if softmaxed is not None:  # its weights followed: a 0/1 mask multiplied in afterwards is its mask (after.py)
+            self.after.note(out, *softmaxed)
+        elif followed[2] and not self.busy:
+            self.after.after(self, func, args)
+        if (func in WATCHED or followed[0]) and isinstance(out, torch.Tensor) and out.dim() >= 2 \
+                and out.is_floating_point() and not self.busy and has_values(out):
+            self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)
+        if self.scores is not None:
+            self.scores.after(func, args, kwargs, out)
+        if (followed[0] or followed[1] or followed[2]) and not self._local.moded:
+            self._follow()
