@@ -70,7 +70,7 @@ def text(tree) -> str:
 
 
 def terms(tree) -> list[Term]:
-    return ex.leaves(tree)
+    return [tree] if isinstance(tree, Term) else ex.leaves(tree)
 
 
 # --- binding calls to kinds ------------------------------------------------------------------
