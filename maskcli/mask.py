@@ -310,11 +310,7 @@ def _cached_predicate(mask: Mask, device):
 
 @functools.lru_cache(maxsize=64)
 def index_tensor(values: range, axis: int, device):
-    """Indices laid along `axis` of four dimensions, as a mask_mod receives them.
-
-    Cached: a mask_mod only reads its index tensors (FlexAttention's contract), and on a
-    small mask making them afresh cost more than the predicate itself (benchmarks/attend.py).
-    """
+    """Indices along `axis` of four dimensions, as a mask_mod receives them; cached, for a mask_mod only reads them."""
     import torch
 
     shape = [1, 1, 1, 1]
@@ -327,16 +323,20 @@ def index_tensor(values: range, axis: int, device):
 
 def build(expression: str, options: MaskOptions | None = None, default_length: int | None = None, kinds=None,
           written: bool = False, **flags) -> Mask:
-    """The Mask an expression and options describe; keyword flags are MaskOptions fields.
+    """The Mask an expression and options describe; keyword flags are MaskOptions fields. `kinds`: the user's own.
 
     `written`: maskcli wrote the expression itself (pack's document sizes): no limit on a typed one's length.
-    `default_length`: the number of queries when neither --len nor the data says (inputs given to attend);
-    `kinds`: kinds of the user's own, by name (mask_mods).
+    `default_length`: the number of queries when neither --len nor the data says (inputs given to attend).
     """
     options = options or MaskOptions(**flags)
     tree = ex.parse(expression, None if written else ex.MAX_TEXT)
     resolved, used = terms.resolve(tree, options.params, expression, kinds)
     terms.check_flags_used(resolved, options.params, used, expression)
+    return placed(resolved, options, default_length)
+
+
+def placed(resolved, options: MaskOptions, default_length: int | None = None) -> Mask:
+    """build's end: terms already bound to their kinds, placed as the options say (recognition's candidates)."""
     lengths, ids = padding(options)
     tokens = words(options.tokens) if options.tokens is not None else None
     sequence = _sequence(resolved, ids, tokens)

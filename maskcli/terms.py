@@ -66,11 +66,11 @@ class Term:
 
 def text(tree) -> str:
     """The canonical text of a tree of terms: the name of the mask."""
-    return ex.print_tree(tree, leaf=Term.text)
+    return tree.text() if isinstance(tree, Term) else ex.print_tree(tree, leaf=Term.text)  # one term: no tree to walk
 
 
 def terms(tree) -> list[Term]:
-    return ex.leaves(tree)
+    return [tree] if isinstance(tree, Term) else ex.leaves(tree)
 
 
 # --- binding calls to kinds ------------------------------------------------------------------

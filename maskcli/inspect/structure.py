@@ -4,6 +4,9 @@ A structure is only ever *recognised by rebuilding*: each kind in the registry r
 candidate parameters off the tensor (a window from the widest row, chunk labels from where
 rows' visible prefixes end, ...), then maskcli builds that mask and it must equal the
 tensor cell for cell. So the command suggested always rebuilds the mask exactly.
+
+Candidates are built from their terms (kinds bound to values), with no text to parse; only the one that
+rebuilds the tensor is printed, and its text is parsed back once to check that the command shown rebuilds it too.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import numpy as np
 from maskcli.errors import MaskError
 from maskcli.keypadding import options as _padding_options
 from maskcli.kinds import all_kinds
+from maskcli.kinds import get as get_kind
 from maskcli.kinds.base import Profile
 from maskcli.mask import Mask, MaskOptions
 from maskcli.mask import build as build_mask
+from maskcli.mask import placed as _placed
 from maskcli.terms import Term
 from maskcli.text import shell_quote
 
@@ -63,10 +68,16 @@ def fully_masked_rows(keep: np.ndarray) -> np.ndarray:
 REBUILD_CELLS = 1 << 24  # cells of a candidate built cell by cell to compare with a key padding row
 
 
-def _rebuild(expression: str, options: dict, keep: np.ndarray) -> Mask | None:
-    """The Mask when `expression` with `options` is exactly `keep` (B, H, Lq, Lk); a row of size 1 compares by broadcasting."""
+def bare(name: str) -> Term:
+    """The term of a kind with no parameters (causal, full, padding)."""
+    return Term(get_kind(name), ())
+
+
+def _rebuild(expression, options: dict, keep: np.ndarray) -> Mask | None:
+    """The Mask when `expression` (a tree of terms, or text to parse) with `options` is exactly `keep` (B, H, Lq, Lk);
+    a row of size 1 compares by broadcasting."""
     try:
-        built = build_mask(expression, MaskOptions(**options))
+        built = build_mask(expression, MaskOptions(**options)) if isinstance(expression, str) else _placed(expression, MaskOptions(**options))
     except MaskError:
         return None
     batch, heads, q_len, k_len = keep.shape
@@ -110,8 +121,19 @@ def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile
     )
 
 
+def _term(kind, params: dict) -> Term | None:
+    """The kind bound to the values read off a tensor, each checked as a typed one is; None where one is refused."""
+    values = {}
+    for p in kind.params:
+        try:
+            values[p.name] = p.check(params.get(p.name, p.default), kind.name)
+        except MaskError:
+            return None
+    return Term(kind, tuple(values.items()))
+
+
 def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str):
-    """(kind name, expression, options) read off one (Lq, Lk) keep matrix: simplest kind first, and for
+    """(kind name, Term, options) read off one (Lq, Lk) keep matrix: simplest kind first, and for
     each kind the queries at the end of the keys (as a cache puts them) before top-left."""
     found = []
     for order, (options, q_start) in enumerate(placements):
@@ -122,11 +144,11 @@ def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str)
             for params in kind.recognise(read):
                 if any(getattr(v, "length", 0) > MAX_LABELS for v in params.values()):
                     continue
-                full = {p.name: params.get(p.name, p.default) for p in kind.params}
-                text = Term(kind, tuple((p.name, full[p.name]) for p in kind.params)).text()
-                found.append((kind.rank, order, kind.name, text, options))
-    for _, _, name, text, options in sorted(found, key=lambda item: item[:2]):
-        yield name, text, options
+                term = _term(kind, params)
+                if term is not None:
+                    found.append((kind.rank, order, kind.name, term, options))
+    for _, _, name, term, options in sorted(found, key=lambda item: item[:2]):
+        yield name, term, options
 
 
 def closest(keep: np.ndarray, ref: np.ndarray, placements, marked: str) -> dict | None:
@@ -137,9 +159,10 @@ def closest(keep: np.ndarray, ref: np.ndarray, placements, marked: str) -> dict 
     if keep.shape[2] * keep.shape[3] > 1 << 20:
         return None
     best = None
-    for _, expression, options in candidates(ref, placements, marked):
+    for _, term, options in candidates(ref, placements, marked):
         try:
-            built = build_mask(expression, MaskOptions(**options))
+            built = _placed(term, MaskOptions(**options))
+            expression = built.text
             built_cells = built.dense()
         except MaskError:
             continue
@@ -194,7 +217,7 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         lengths = seen.sum(axis=1)
         if (lengths > 0).all() and np.array_equal(seen, np.arange(k_len)[None, :] < lengths[:, None]):
             options = shape if seen.all() else {**shape, "lengths": ",".join(map(str, lengths.tolist()))}
-            built = _rebuild("padding" if "lengths" in options else "full", options, keep4)
+            built = _rebuild(bare("padding" if "lengths" in options else "full"), options, keep4)
             if built is not None:
                 kind = "padding" if "lengths" in options else "full"
                 return Structure(kind, options, built, command_for(kind, options), "mask", kind=kind)
@@ -218,35 +241,38 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     else:
         padding = _padding_options(seen) if not bool(seen.all()) else None
 
-    def found(kind: str, expression: str, options: dict, reading: str = "mask", note: str = "") -> Structure | None:
+    def found(kind: str, tree, options: dict, reading: str = "mask", note: str = "") -> Structure | None:
         options = {**options, **head_option}
-        built = _rebuild(expression, options, keep4)
+        built = _rebuild(tree, options, keep4)
         if built is None:
             return None
         if "length" in options and "offset" not in options and "kv_len" not in options:
             shorter = {key: value for key, value in options.items() if key != "length"}
-            if _rebuild(expression, shorter, keep4) is not None:  # the data says the length: say no more
+            if _rebuild(tree, shorter, keep4) is not None:  # the data says the length: say no more
                 options = shorter
+        expression = built.text  # the command shown must rebuild it too: its text parsed back, once per structure
+        if _rebuild(expression, options, keep4) is None:
+            return None
         if batch > 1 and built.batch == 1:
             note = (note + " " if note else "") + f"(the file repeats it for each of its {batch} batch rows)"
         return Structure(expression, options, built, command_for(expression, options), reading, note, kind=kind)
 
     if q_len == 1 and k_len > 1:
-        decode = found("causal", "causal", {**base, **(padding or {})})
+        decode = found("causal", bare("causal"), {**base, **(padding or {})})
         if padding is not None and not placed:
-            row = found("padding", "padding", {"length": k_len, **padding}, "key padding row",
+            row = found("padding", bare("padding"), {"length": k_len, **padding}, "key padding row",
                         "the query dimension is 1, so this one row of keys applies to every query")
             if row is not None:
                 return replace(row, also=decode.command if decode else None)
         if decode is not None:
             return replace(decode, note="a single decode step: the one query sees every key up to its own position")
     if stated and not placed:  # the program's padding explains every row: key padding, as the program meant it
-        alone = found("padding", "padding", {**base, **padding})  # (not sink(n) or prefix(n), the same cells by chance)
+        alone = found("padding", bare("padding"), {**base, **padding})  # (not sink(n) or prefix(n), the same cells by chance)
         if alone is not None:
             return alone
     for extra in [{}] if padding is None else [{}, padding]:
         if extra:
-            alone = found("padding", "padding", {**base, **extra})
+            alone = found("padding", bare("padding"), {**base, **extra})
             if alone is not None:
                 return alone
         for kind, expression, options in candidates(ref, placements, marked):
@@ -265,7 +291,7 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         options = _padding_options(rows)
         if "lengths" not in options or max(map(int, options["lengths"].split(","))) != k_len:
             options = {"length": k_len, **options}  # else the longest length says it
-        built = build_mask("padding", MaskOptions(**options))
+        built = _placed(bare("padding"), MaskOptions(**options))
         if built.frame.k_len == k_len and np.array_equal(built.dense()[:, 0, 0], rows):
             return Structure("padding", options, built, command_for("padding", options), "key padding [B, S]",
                              f"read as a key padding mask: {q_len} batch rows of {k_len} keys", kind="padding")
