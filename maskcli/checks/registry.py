@@ -34,7 +34,7 @@ SEVERITIES = ("wrong", "suspicious", "note")
 READS = ("call", "site", "steps", "batch", "ranks")
 GIVEN = ("run", "group", "tensor", "stages", "batch", "layout", "split", "part", "metadata", "expectations", "layer-masks",
          "request-steps", "ranks")
-MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", "rolled", "paged", "arguments", "memory", "heads", "sides", "steps", "cache", "spans", "own", "dropped", "tokens", "layers", "dtypes", "softmaxed", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes", "stages", "packing",
+MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", "rolled", "paged", "arguments", "memory", "heads", "sides", "steps", "cache", "spans", "own", "dropped", "tokens", "layers", "dtypes", "softmaxed", "padflag", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes", "stages", "packing",
            "held", "across", "decoders", "headrows", "shard", "serve", "servemasks", "servesteps", "serveexpect", "ranks")
 
 
