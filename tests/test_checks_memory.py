@@ -84,3 +84,83 @@ def test_encoder_decoder_attention_mask_and_all_padding_row(monkeypatch):
     assert finding.cell == (0, 0, 2)
     assert memory(_run(cells, {"attention_mask": np.array([[1, 1, 1], [0, 0, 0]])}, Config(), monkeypatch)) == []
     assert memory(_run(cells, arguments, None, monkeypatch)) == []  # a decoder-only model's attention_mask is its own
+
+
+def test_seq2seq_pytorch_soft_dot_attention_ignores_source_mask(tmp_path):
+    # MaximumEntropy/Seq2Seq-PyTorch#6: Luong attention's (B, Lk) softmax over padded encoder states, the source's pad
+    # id stated by its embedding's padding_idx
+    from checkbugs import check_bug
+
+    check_bug(tmp_path, "seq2seq_pytorch_soft_dot_attention_ignores_source_mask", "encoder-padding-ignored")
+
+
+class _Luong:
+    """Written otherwise: matmul and squeeze(-1), a left-padded `src`, the pad id as `src_pad_idx`, F.softmax(dim=-1)."""
+
+    @staticmethod
+    def model(masked: bool):
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        class Translator(nn.Module):
+            src_pad_idx = 1
+
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(9, 6)
+                self.encoder = nn.GRU(6, 6, batch_first=True)
+                self.cell = nn.GRUCell(6, 6)
+
+            def forward(self, src, steps=3):
+                memory, h = self.encoder(self.embed(src))
+                h, out = h[0], []
+                for _ in range(steps):
+                    scores = (memory @ h.unsqueeze(-1)).squeeze(-1)
+                    if masked:
+                        scores = scores.masked_fill(src == self.src_pad_idx, float("-inf"))
+                    weights = F.softmax(scores, dim=-1)
+                    context = (weights.unsqueeze(1) @ memory).squeeze(1)
+                    h = self.cell(context, h)
+                    out.append(context)
+                return torch.stack(out, 1), memory, h
+
+        return Translator()
+
+
+def _luong_traced(masked: bool):
+    import torch
+
+    import maskcli
+    from maskcli.checks.registry import severity
+
+    torch.manual_seed(0)
+    model = _Luong.model(masked)
+    src = torch.tensor([[3, 4, 5, 6, 7], [1, 1, 1, 4, 8]])  # row 1 left-padded with the pad id 1
+    with maskcli.trace() as t, torch.no_grad():
+        out = model(src)
+    return [(f.code, severity(f), f.message) for g in t.groups() for f in g.findings], model, src, out
+
+
+def test_a_luong_attention_over_a_left_padded_source_with_no_mask_is_wrong():
+    found, _, src, _ = _luong_traced(False)
+    hits = [f for f in found if f[0] == "encoder-padding-ignored"]
+    assert len(hits) == 1 and hits[0][1] == "wrong", found
+    # the first cell by the reference double loop: batch row, (one) query, a key at the pad id
+    cell = first((2, 1, 5), lambda b, q, k: int(src[b, k]) == 1)
+    assert f"batch row {cell[0]}: decoder query 0 sees encoder key {cell[2]}" in hits[0][2], hits
+
+
+def test_a_luong_attention_that_masks_the_source_padding_is_quiet_and_matches_sdpa():
+    import torch
+    import torch.nn.functional as F
+
+    found, model, src, (contexts, memory, _) = _luong_traced(True)
+    assert [f for f in found if f[1] == "wrong"] == [], found
+    # the first step's context against SDPA over the same memory with the source padding as a key mask
+    with torch.no_grad():
+        _, h = model.encoder(model.embed(src))
+        q = h[0][:, None, None, :]
+        keys = memory[:, None]
+        reference = F.scaled_dot_product_attention(q, keys, keys, attn_mask=(src != 1)[:, None, None, :], scale=1.0)
+    assert torch.allclose(contexts[:, 0], reference[:, 0, 0], atol=1e-5)

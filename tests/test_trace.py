@@ -600,6 +600,19 @@ def test_a_softmax_is_attention_when_its_input_came_from_q_at_k_transposed_or_it
     assert np.array_equal(t.calls[0].keep()[0, 0], np.broadcast_to(~block.numpy(), (2, 5)))
 
 
+def test_one_querys_scores_squeezed_to_b_lk_are_attention_and_a_classifiers_are_not():
+    """maskcli.trace.scores: bmm(memory, h[:, :, None]).squeeze(2) (Luong) is one query's (B, Lk) scores, read as a
+    call (B, 1, 1, Lk) through its masked_fill; a (B, C) softmax over a classifier's logits is no call."""
+    torch.manual_seed(0)
+    memory, h, head = torch.randn(3, 6, 4), torch.randn(3, 4), nn.Linear(4, 5)
+    pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2, [True] + [False] * 5])
+    with maskcli.trace() as t, torch.no_grad():
+        torch.softmax(head(h), dim=-1)  # (B, classes)
+        torch.bmm(memory, h[:, :, None]).squeeze(2).masked_fill(pad, float("-inf")).softmax(dim=1)
+    assert [c.shape for c in t.calls] == [(3, 1, 1, 6)]
+    assert np.array_equal(t.calls[0].keep()[:, 0, 0], ~pad.numpy())
+
+
 def test_flex_attention_masked_by_its_score_mod_is_recorded_as_the_kernel_masks():
     """A score_mod's -inf cells are masked as the BlockMask's are: read on the index grid in bands, checked against
     FlexAttention's own create_mask of the score_mod (torch/nn/attention/flex_attention.py 1735-1739: -inf cells

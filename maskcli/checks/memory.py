@@ -30,6 +30,12 @@ def memory_padding(top, rows: int, length: int) -> tuple[np.ndarray, str] | None
         if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.size \
                 and given.shape[0] in (1, rows) and given.min() >= 0 and given.max() <= 1:
             found.append((np.broadcast_to((given == 1) if ones_real else (given == 0), (rows, length)), name))
+    if not found:  # (else a hand-written seq2seq's source tokens at its source pad id: checks/sides.py)
+        from maskcli.checks.sides import side_tokens
+
+        said = side_tokens(top, "src")
+        if said is not None and said[0].shape == (rows, length) and said[0].any(axis=1).all():
+            return said[0], said[1]
     if not found or any(not np.array_equal(real, found[0][0]) for real, _ in found[1:]):
         return None
     return found[0][0], f"{found[0][1]} of {top.where}"
@@ -52,7 +58,9 @@ def _decoder_queries(top, rows: int, q_len: int) -> np.ndarray | None:
 def memory(run: Run) -> list:
     """A real decoder query of a cross-attention call that sees an encoder key the model call states is padding."""
     found, done = [], set()
-    for call in run.cross:
+    one_query = [call for call in run.unmasked if call.details.get("one_query")]  # (a decoder state's softmax over
+    # the memory that masks nowhere: Luong attention handed no source mask, trace/masks.py)
+    for call in [*run.cross, *one_query]:
         top = run.top(call)
         if top is None or call.stored is None or not top.arguments:
             continue

@@ -26,8 +26,8 @@ from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
-SOURCE = ("src", "source", "src_ids", "source_ids")
-TARGET = ("trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids")
+SOURCE = ("src", "source", "src_ids", "source_ids", "input_src", "src_tokens", "source_tokens", "src_seq")
+TARGET = ("trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens")
 ENCODER = re.compile(r"(?:^|\.)(?:enc|encoder|src|source)(?:_?layers?|_?blocks?|oder)?(?:\.|$)", re.IGNORECASE)
 DECODER = re.compile(r"(?:^|\.)(?:dec|decoder|trg|tgt|target)(?:_?layers?|_?blocks?|oder)?(?:\.|$)", re.IGNORECASE)
 

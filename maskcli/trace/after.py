@@ -8,6 +8,10 @@ that broadcasts to it; the call's mask is then what the program computes, the so
 A masked_fill of those weights with 0 over every row that sees no key (WeNet's and ESPnet's
 `softmax(scores).masked_fill(mask, 0.0)`) zeroes the NaN a softmax of all -inf gives there: the call records it
 (details `zeroed_after`), so that no check says NaN of rows the program itself sets to 0.
+
+A fill of -inf (or a finite fill at most -1e4) written into those weights (NISQA's `att[~mask] = -inf` after
+`softmax`) is a mask applied after the softmax: the softmax already gave those keys weight, and the weights now hold
+-inf. The call records it (details `filled_after`: the fill and the cells), for checks/after.py to say.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import torch
 MULS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.mul_, torch.Tensor.__mul__, torch.Tensor.__rmul__,
                   torch.Tensor.__imul__})
 FILLS = frozenset({torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_})
+WRITES = frozenset({torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.index_put_})  # (in place: the weights
+# themselves hold the fill afterwards)
+FILL_AT_MOST = -1e4  # (a fill: as trace/masks.py reads one in scores)
 KEEP = 64  # softmax outputs followed at most (more: all forgotten)
 
 
@@ -51,6 +58,9 @@ class After:
         if func in FILLS:
             self._filled(args)
             return
+        if func in WRITES:
+            self._written(args)
+            return
         if func not in MULS or len(args) < 2:
             return
         for mine, other in ((args[0], args[1]), (args[1], args[0])):
@@ -60,14 +70,25 @@ class After:
                 return
 
     def _filled(self, args: tuple) -> None:
-        """masked_fill(weights, where, 0) of a followed softmax output: its rows with no key zeroed, if all covered."""
+        """masked_fill(weights, where, 0) of a followed softmax output: its rows with no key zeroed, if all covered; with
+        a fill (-inf, at most -1e4) instead: a mask after the softmax (_record)."""
         if len(args) < 3 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor):
             return
         entry = self._found.get(id(args[0]))
-        value = args[2].item() if isinstance(args[2], torch.Tensor) and args[2].numel() == 1 else args[2]
-        if entry is None or entry[0]() is not args[0] or not isinstance(value, (int, float)) or value != 0:
+        value = _number(args[2])
+        if entry is None or entry[0]() is not args[0] or value is None:
             return
         _, call, seen = entry
+        if value <= FILL_AT_MOST:
+            with torch.no_grad():
+                try:
+                    where = args[1].to(torch.bool).broadcast_to(args[0].shape)
+                except RuntimeError:
+                    return
+            _record(call, seen, where, value)
+            return
+        if value != 0:
+            return
         with torch.no_grad():
             try:
                 where = args[1].to(torch.bool).broadcast_to(args[0].shape).reshape(seen.keep.shape)
@@ -106,3 +127,33 @@ class After:
         finally:
             trace.busy = False
         del self._found[id(out)]
+
+
+    def _written(self, args: tuple) -> None:
+        """weights[index] = fill (or index_put_) of a followed softmax output, in place: a mask after the softmax."""
+        if len(args) < 3 or not isinstance(args[0], torch.Tensor):
+            return
+        entry = self._found.get(id(args[0]))
+        value = _number(args[2])
+        if entry is None or entry[0]() is not args[0] or value is None or value > FILL_AT_MOST:
+            return
+        with torch.no_grad():
+            where = args[0] == value if value == float("-inf") else args[0] <= FILL_AT_MOST
+        _record(entry[1], entry[2], where, value)
+
+
+def _number(value) -> float | None:
+    if isinstance(value, torch.Tensor):
+        return float(value.item()) if value.numel() == 1 else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _record(call, seen, where: torch.Tensor, value: float) -> None:
+    """A fill written into softmax weights at `where` (bool, the weights' shape): recorded on the call."""
+    cells = int(where.sum())
+    if not cells:
+        return
+    rows = where.reshape(where.shape[0], -1).any(dim=-1).nonzero().flatten().tolist() if where.dim() else []
+    filled = {"value": "-inf" if value == float("-inf") else f"{value:g}", "cells": cells, "rows": rows}
+    call.details["filled_after"] = filled
+    seen.details["filled_after"] = filled

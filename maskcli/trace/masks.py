@@ -294,8 +294,11 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     None for any other softmax."""
     x = softmax_input(args, kwargs)
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4, 5) or not x.is_floating_point() or dim not in (-1, x.dim() - 1):
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3, 4, 5) or not x.is_floating_point() or dim not in (-1, x.dim() - 1):
         return None
+    one = x.dim() == 2  # (B, Lk): one query's scores against a memory (only read where they came from q @ kᵀ: scores.py)
+    if one:
+        x = x[:, None, :]
     if x.dim() == 5:  # grouped-query scores (B, kv heads, repeats, Lq, Lk), as MLX ports write them: head g*R + r
         x = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[-2:])
     scores = x.detach()
@@ -312,6 +315,9 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     if q_len > 1 and bool(masked.any()) and bool((masked == masked[..., :1, :]).all()):
         details["mask_rows"] = 1  # every query masks the same keys: one row for every query, as sdpa says of a
         # (B, 1, 1, Lk) attn_mask (the Annotated Transformer's masked_fill(src_mask == 0, -1e9)): key padding
+    if one:
+        details["one_query"] = True  # (a decoder state against encoder states, Luong's and Bahdanau's: cross-attention)
+        details["cross_said"] = "one query's scores against a memory, (B, Lk)"  # (checks/context.cross)
     seen = Seen("softmax", shape, tuple(x.shape), (), (), _dtype(x), str(x.device), details=details)
     seen.keep = (~masked).reshape(shape)
     return seen

@@ -30,6 +30,10 @@ class Scores:
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
         if not isinstance(out, torch.Tensor) or out.dim() < 3:
+            if isinstance(out, torch.Tensor) and out.dim() == 2 and self._found and args and isinstance(args[0], torch.Tensor) \
+                    and self.has(args[0]) and (_one_query(args[0], out) or args[0].shape == out.shape):
+                self._note(out)  # (one decoder state against a memory, Luong's bmm(context, h[:, :, None]).squeeze(2),
+                # and what is computed from those (B, Lk) scores: its masked_fill, its scaling)
             return
         if func in MATMULS:
             operands = args[1:] if func is torch.einsum else args
@@ -73,3 +77,9 @@ class Scores:
             found[key] = weakref.ref(tensor, gone)
         except TypeError:  # (a tensor subclass without weak references: not remembered)
             pass
+
+
+def _one_query(scores, out: torch.Tensor) -> bool:
+    """`out` (B, Lk) is 3-D scores (B, Lk, 1) or (B, 1, Lk) with their one query's dimension dropped."""
+    return isinstance(scores, torch.Tensor) and scores.dim() == 3 and 1 in scores.shape[1:] \
+        and out.shape[0] == scores.shape[0] and out.shape[1] == scores.shape[1] * scores.shape[2]

@@ -36,6 +36,7 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
     if not found:
         found = _variables(module, places=places)
     found += _numbers(module, path)
+    found += padding_flags(module, places)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
 
@@ -101,6 +102,26 @@ def _numbers(root, path) -> list[Stated]:
                 label = f"{owner}.{name}={attributes[name]} of {scope or type(module).__name__}"
                 found.append(Stated(label, scope, {"layer_number": attributes[name]}))
                 break
+    return found
+
+
+PADDING_FLAGS = ("mask_pad_tokens", "mask_padding", "mask_pad", "use_padding_mask", "use_pad_mask")  # a wrapper's
+# word on whether the padding of the model it holds is masked (mosaicml/diffusion's StableDiffusion.mask_pad_tokens)
+
+
+def padding_flags(module, places: list | None) -> list[Stated]:
+    """The bool PADDING_FLAGS of the modules in the program's frames at `module`'s call (a wrapper's `self`) that hold
+    `module` under them: what the wrapper states of the padding of the model it calls (checks/padflag.py)."""
+    found, seen = [], set()
+    for where, variables in places or ():
+        for value in list(variables.values()):
+            if not isinstance(value, torch.nn.Module) or value is module or id(value) in seen:
+                continue
+            seen.add(id(value))
+            flags = {n: v for n in PADDING_FLAGS if isinstance(v := vars(value).get(n), bool)}
+            if flags and any(m is module for m in value.modules()):
+                said = ", ".join(f"{n}={v}" for n, v in flags.items())
+                found.append(Stated(f"self.{said} of {type(value).__name__} ({where})", None, flags))
     return found
 
 

@@ -31,7 +31,8 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              # the encoder's padding a cross-attention must keep (checks/memory.py) and the decoder's own:
              "encoder_attention_mask", "memory_key_padding_mask", "decoder_attention_mask", "tgt_key_padding_mask",
              # a hand-written seq2seq model's two sides, each with its own pad id (checks/sides.py):
-             "src", "source", "src_ids", "source_ids", "trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids")
+             "src", "source", "src_ids", "source_ids", "trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids",
+             "input_src", "src_tokens", "source_tokens", "src_seq", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens")
 LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
 DOCUMENTS = frozenset(("cu_seqlens", "cu_seq_lens_q", "cu_seqlens_q"))  # handed to an inner module: documents()
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens")  # arguments kept as a plain int too
@@ -201,6 +202,11 @@ def _token_ids(module) -> dict:
             if value is not None and not isinstance(value, bool):
                 found[name] = int(value)
                 break
+    if "src_pad_id" not in found:  # (the source side's embedding, named so, with its padding_idx: Seq2Seq-PyTorch's)
+        embedding = next((m for name, m in module.named_modules() if isinstance(m, torch.nn.Embedding)
+                          and re.search(r"(?:^|[._])(?:src|source)(?:[._]|$)", name)), None)
+        if embedding is not None and embedding.padding_idx is not None:
+            found["src_pad_id"] = int(embedding.padding_idx)
     if "pad_id" not in found:
         embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
         if embedding is not None and embedding.padding_idx is not None:
