@@ -240,7 +240,8 @@ def columns_are_positions(call, top: Top | None, own: np.ndarray | None = None) 
     placed = call.details.get("keys")
     if placed is not None:
         return placed[0] == 0
-    return int((queries(call, top) if own is None else own)[-1]) < call.shape[3]
+    own = queries(call, top) if own is None else own
+    return own.size == 0 or int(own[-1]) < call.shape[3]  # (attention over no token: nothing to place)
 
 
 def equals(cells: np.ndarray, expression: str, **placed) -> bool:
