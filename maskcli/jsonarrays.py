@@ -57,6 +57,8 @@ def dense_numbers(text: str) -> np.ndarray | None:
         if _split_number(raw, (raw == ord(" ")) | (raw == ord("\n")) | (raw == ord("\t")) | (raw == ord("\r"))):
             return None
         data = data.translate(None, _WHITE)
+        if len(data) < 3:  # only whitespace, or a value too short to be a nested list: json words the error
+            return None
     census = {c: data.count(c) for c in b"0+-.eE"}
     raw = np.frombuffer(data, dtype=np.uint8)
     structural = (raw == _OPEN) | (raw == _CLOSE) | (raw == _COMMA)

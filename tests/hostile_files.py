@@ -155,6 +155,8 @@ def plant_crafted(folder) -> None:
     _save(folder / "draft.pt", {"seq_lens": [4], "req_to_token": [[1, 2, 3, 4, 5, 6, 7]], "custom_mask": np.ones(7, bool),
                                 "draft_token_num": -1})
     _save(folder / "trt_neg.pt", {"seq_lens": [-3, 2], "num_cached_tokens_per_seq": [5, 0]})
+    # num_contexts past the requests, without a tree mask: was ignored, exit 0
+    _save(folder / "trt_ctx.pt", {"seq_lens": [2, 3], "num_cached_tokens_per_seq": [3, 4], "num_contexts": -1})
     _save(folder / "trt_empty.pt", _trtllm_tree(spec_decoding_packed_mask=np.zeros((1, 3, 0), np.int32)))
     _save(folder / "pages62.pt", _vllm(block_table_tensor=[[1, 2], [2**62, 4]]))
     _save(folder / "cascade.pt", _vllm(common_prefix_len=-16))

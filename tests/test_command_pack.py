@@ -177,6 +177,20 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("suffix", [".pt", ".npz"])
+def test_a_batch_of_zero_rows_is_refused_naming_the_field_in_pack_and_shard(tmp_path, suffix):
+    """input_ids of shape (0, 6): was an internal ValueError (a max over no rows) in pack and shard alike."""
+    path = tmp_path / f"rows0{suffix}"
+    fields = {"input_ids": np.zeros((0, 6), np.int64), "position_ids": np.zeros((0, 6), np.int64)}
+    torch.save({k: torch.from_numpy(v) for k, v in fields.items()}, path) if suffix == ".pt" else np.savez(path, **fields)
+    for command in ("pack", "shard"):
+        result = runner.invoke(app, [command, str(path)])
+        assert result.exit_code == 2 and result.stdout == "", (command, result.output)
+        assert result.stderr == ("maskcli: error: the batch has no rows: input_ids [0, 6]; give at least one row of "
+                                 "tokens (B >= 1)\n"), (command, result.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
 def test_field_without_a_batch_file_and_bad_maps(tmp_path):
     assert "give the file too" in runner.invoke(app, ["pack", "--position-ids", "0,1", "--field", "labels=y"]).stderr
     path = tmp_path / "b.pt"

@@ -157,6 +157,25 @@ def test_a_local_config_json_and_bad_sources_are_one_line(tmp_path):
         families.tiny(families.load("llama"), window=3, name="llama")
 
 
+@pytest.mark.parametrize("field, value, said", [
+    ("sliding_window", -5, "sliding_window -5 is no size in tokens"),  # was read as no window: every layer full
+    ("sliding_window", 2.5, "sliding_window 2.5 is no size in tokens"),
+    ("attention_chunk_size", -1, "attention_chunk_size -1 is no size in tokens"),
+])
+def test_a_config_json_with_a_negative_or_fractional_window_is_refused_in_serve_shard_and_pack(tmp_path, field, value, said):
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama4_text" if field == "attention_chunk_size" else "mistral", field: value}))
+    for args in (["shard", "causal", "--len", "8", "--model", str(path)], ["pack", "--position-ids", "0,1,0,1", "--config", str(path)],
+                 ["serve", '{"cu_seqlens_q": [0, 2], "seqused_k": [5], "causal": 1}', "--model", str(path)]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and result.stdout == "", (args, result.output)
+        assert result.stderr.count("\n") == 1 and said in result.stderr and "whole number of 1 or more" in result.stderr, result.stderr
+
+
 def test_listing_names_families_with_what_shapes_their_masks():
     found = {family.name: family for family in families.listing()}
     assert found["mistral"].shapes.startswith("sliding_window 4096")

@@ -250,6 +250,7 @@ CRAFTED = [
     (["serve", "wfi.pt"], f"window_left holds {2**63 - 1}"),
     (["serve", "draft.pt"], "draft_token_num -1 must be at least 1"),
     (["serve", "trt_neg.pt"], "seq_lens is -3 for request 0"),
+    (["serve", "trt_ctx.pt"], "num_contexts -1 is not 0 to 2 (the requests in seq_lens)"),  # was exit 0
     (["serve", "trt_empty.pt"], "spec_decoding_packed_mask has shape [1, 3, 0]"),
     (["serve", "pages62.pt"], f"block_table_tensor holds {2**62}"),
     (["serve", "cascade.pt"], "common_prefix_len -16 is negative"),  # was read as prefix(-16), "ok"

@@ -42,6 +42,7 @@ def test_inline_json_is_read_where_a_file_name_would_be():
     ('[[1, "yes"]]', 'not a rectangular nested list of numbers ("yes" is not a number)'),
     ("[[1, 0], [1, 1]", "not valid JSON (Expecting ',' delimiter at line 1 column 16)"),
     ("[[12345678901234567890, 1]]", "(12345678901234567890 does not fit int64)"),
+    ("   \n  ", "not valid JSON (Expecting value at line 2 column 3)"),  # only whitespace: was an internal IndexError
 ])
 def test_what_is_no_tensor_of_numbers_is_refused_in_one_line(tmp_path, text, said):
     with pytest.raises(MaskError) as error:
@@ -49,6 +50,13 @@ def test_what_is_no_tensor_of_numbers_is_refused_in_one_line(tmp_path, text, sai
     assert said in str(error.value) and str(error.value).startswith("where")
     (tmp_path / "bad.json").write_text(text)
     refused(["show", "--mask", tmp_path / "bad.json"], "bad.json", said)
+
+
+def test_a_byte_order_mark_before_the_json_is_read_past(tmp_path):
+    """Windows editors start UTF-8 files with a BOM; json.loads refuses it ("decode using utf-8-sig"), maskcli reads
+    the JSON after it."""
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf[[1, 0], [1, 1]]")
+    assert read(tmp_path / "bom.json", "bom")[""].tolist() == torch.tril(torch.ones(2, 2, dtype=torch.int64)).tolist()
 
 
 def test_json_is_read_by_numpy_as_torch_tensor_makes_it():

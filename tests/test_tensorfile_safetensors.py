@@ -53,6 +53,13 @@ def test_a_damaged_file_is_refused_naming_what_is_wrong(tmp_path):
     written(tmp_path / "shape.safetensors", {}, header={"m": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 0]}})
     with pytest.raises(MaskError, match=r"tensor 'm' has shape \[-1\]; a shape is a list of sizes of 0 or more"):
         read(tmp_path / "shape.safetensors", "shape")
+    # true and false are ints to Python; a name given twice json would keep the last of silently: each was read, exit 0
+    written(tmp_path / "bool.safetensors", {"m": ("U8", [2], b"\x01\x01")}, header={"m": {"dtype": "U8", "shape": [2], "data_offsets": [False, 2]}})
+    with pytest.raises(MaskError, match=r"tensor 'm' has data_offsets \[False, 2\], which do not hold its 2 bytes"):
+        read(tmp_path / "bool.safetensors", "bool")
+    (tmp_path / "twice.safetensors").write_bytes(struct.pack("<Q", len(twice := b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
+                                                                         b'"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}')) + twice + b"\x01\x01")
+    refused(["inspect", tmp_path / "twice.safetensors"], "twice.safetensors", "the header names tensor 'a' twice: the file is damaged")
     (tmp_path / "text.safetensors").write_bytes(struct.pack("<Q", 5) + b"nope!")
     refused(["show", "--mask", tmp_path / "text.safetensors"], "text.safetensors", "not a readable .safetensors file")
 

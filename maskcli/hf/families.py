@@ -88,6 +88,10 @@ def file_config(path: str):
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise MaskError(f"{path!r} has no \"model_type\": give a model's config.json (its model_type names the family)")
     kind = values.pop("model_type")
+    for name in ("sliding_window", "attention_chunk_size"):  # a negative size was read as no window at all, silently
+        size = values.get(name)
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            raise MaskError(f"{path!r}: {name} {json.dumps(size)[:40]} is no size in tokens: give a whole number of 1 or more, or null for none")
     try:
         with quiet():
             config = transformers.AutoConfig.for_model(kind, **values)

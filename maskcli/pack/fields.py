@@ -264,6 +264,9 @@ def _size(arrays: dict, keep_4d, mrope, sources) -> tuple[int, int]:
     rows_n, length = (rows.pop() if rows else 1), lengths.pop()
     if length == 0:
         raise MaskError("the batch has no tokens (L = 0)")
+    if rows_n == 0:  # every padding and document reading would reduce over no rows
+        empty = next(f"{sources.get(n, n)} {list(s)}" for n, s in shapes.items() if s[0] == 0)
+        raise MaskError(f"the batch has no rows: {empty}; give at least one row of tokens (B >= 1)")
     return rows_n, length
 
 

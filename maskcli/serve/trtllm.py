@@ -35,6 +35,9 @@ def load(f: Fields) -> ServeBatch:
     requests = len(new)
     cached = f.per_request(f.vector("num_cached_tokens_per_seq", required=True), requests, "num_cached_tokens_per_seq")
     seq_lens = cached + new
+    contexts = f.scalar("num_contexts")  # checked wherever it is given: a count past the requests is no batch
+    if contexts is not None and not 0 <= contexts <= requests:
+        raise MaskError(f"{f.source!r}: num_contexts {contexts} is not 0 to {requests} (the requests in seq_lens)")
     names = {"queries": "seq_lens", "seq_lens": "num_cached_tokens_per_seq + seq_lens", "computed": "num_cached_tokens_per_seq",
              "table": "kv_cache_block_offsets", "page_size": "tokens_per_block", "window": "attention_window_size"}
     page_size, indptr, pages, short = 0, np.zeros(requests + 1, np.int64), np.zeros(0, np.int64), None

@@ -23,7 +23,8 @@ BYTES_PER_CHARACTER = 16  # a JSON number of 2-3 characters becomes a Python int
 
 def read(path: Path, where: str, reading: Reading = Reading()) -> dict[str, np.ndarray]:
     """Every tensor in a .json file by name, as numpy arrays."""
-    return parse(path.read_text(errors="replace"), where, reading.floats, reading.lists)
+    # utf-8-sig: a byte-order mark (Windows editors write one) is read past, as the JSON after it is valid
+    return parse(path.read_text(encoding="utf-8-sig", errors="replace"), where, reading.floats, reading.lists)
 
 
 def parse(text: str, where: str, floats: str = "float32", lists: tuple[str, ...] = ()) -> dict[str, np.ndarray]:

@@ -28,7 +28,7 @@ def read(path: Path, where: str, reading: Reading = Reading()) -> dict[str, np.n
         (header_len,) = struct.unpack("<Q", data[:8])
         if 8 + header_len > len(data):
             raise MaskError(f"{where}: not a readable .safetensors file (damaged: its header says it is {header_len:,} bytes long, but the file has {len(data):,})")
-        header = json.loads(data[8 : 8 + header_len])
+        header = json.loads(data[8 : 8 + header_len], object_pairs_hook=_unique)
         base = 8 + header_len
         tensors = {}
         for name, info in header.items():
@@ -39,10 +39,10 @@ def read(path: Path, where: str, reading: Reading = Reading()) -> dict[str, np.n
                 raise MaskError(f"{where}: tensor {name!r} has dtype {info['dtype']}, which cannot be used here")
             start, end = info["data_offsets"]
             shape = info["shape"]
-            if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+            if not (isinstance(shape, list) and all(_whole(n) and n >= 0 for n in shape)):
                 raise MaskError(f"{where}: tensor {name!r} has shape {short(shape)}; a shape is a list of sizes of 0 or more")
             size = math.prod(shape) * (2 if dtype is BFLOAT16 else dtype.itemsize)
-            if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= len(data) - base and end - start == size):
+            if not (_whole(start) and _whole(end) and 0 <= start <= end <= len(data) - base and end - start == size):
                 raise MaskError(
                     f"{where}: tensor {name!r} has data_offsets {short(info['data_offsets'])}, which do not hold its "
                     f"{size:,} bytes inside the file's {len(data) - base:,}: the file is damaged"
@@ -56,8 +56,28 @@ def read(path: Path, where: str, reading: Reading = Reading()) -> dict[str, np.n
         return tensors
     except MaskError:
         raise
+    except _Twice as twice:
+        raise MaskError(f"{where}: the header names tensor {twice.args[0]!r} twice: the file is damaged (write it again with safetensors)") from None
     except Exception as error:
         raise MaskError(f"{where}: not a readable .safetensors file ({type(error).__name__}: {str(error)[:160]})") from None
+
+
+class _Twice(ValueError):
+    """A name the header gives twice."""
+
+
+def _whole(value) -> bool:
+    """An int that JSON wrote as a number: true and false are ints to Python, not sizes or offsets."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _unique(pairs: list) -> dict:
+    """A header object whose names are each given once: json would keep the last of two silently."""
+    names = [name for name, _ in pairs]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise _Twice(twice)
+    return dict(pairs)
 
 
 FILE_TYPE = FileType("safetensors", (".safetensors",), read)
