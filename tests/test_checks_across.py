@@ -107,7 +107,8 @@ def test_a_wait_k_policy_the_program_states_explains_the_triangle(tmp_path):
 
 def test_a_memory_handed_to_the_function_attending_says_cross_attention():
     """trace/held.py's kv_given: a function that takes a memory argument (`context`, `encoder_hidden_states`) and holds
-    a tensor there other than its queries' is a cross-attention; None, or the queries' own tensor, is self-attention
+    a tensor there other than its queries' is a cross-attention (its shape kept: context.cross asks that the keys be
+    its length, which a joint attention's are not); None, or the queries' own tensor, is self-attention
     (lucidrains' `context = default(context, x)`); a caller's memory does not speak for its module's own call."""
     import torch
     from torch import nn
@@ -133,7 +134,7 @@ def test_a_memory_handed_to_the_function_attending_says_cross_attention():
 
     x, other = torch.zeros(1, 3, 4), torch.zeros(1, 3, 4)
     attention = Attention()
-    assert attention(x, context=other) == "context of forward() of test_checks_across.py"
+    assert attention(x, context=other) == ("context of forward() of test_checks_across.py", (1, 3))
     assert attention(x) is None and attention(x, context=x) is None
     layer = Layer()
     assert layer(x, other) is None  # (Layer's `memory` is not the self-attention's: its module's forward decides)

@@ -90,13 +90,15 @@ def cross(call) -> bool:
 
     Said by: the module path (BART / Whisper `encoder_attn`, T5 `EncDecAttention`, `cross_attn`, BERT's
     `crossattention`, nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`), a memory
-    handed to the function attending (`encoder_hidden_states`, `context`: trace/held.py kv_given), or more
+    handed to the function attending (`encoder_hidden_states`, `context`: trace/held.py kv_given) whose length the keys
+    have (not a joint attention's, that concatenates it with the queries' own tokens), or more
     queries than keys where the kernel itself does not place them (a self-attention's keys hold its queries' own);
     never where the keys were read off the queries' own storage (one projection of one input: trace/masks.py)."""
     details = call.details
     if details.get("queries") is not None or details.get("kv_source") == "query":
         return False
-    if details.get("cross_said") or details.get("kv_given") or CROSS_WORDS.search(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
+    if details.get("cross_said") or details.get("kv_given") and call.shape[3] in details.get("kv_shape", ()) \
+            or CROSS_WORDS.search(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
         return True
     q_len, k_len = call.shape[2:]
     return q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal"))  # (flash places them itself)

@@ -132,12 +132,14 @@ _CONTEXT: dict = {}  # code object -> the CONTEXT names among its arguments (mat
 KV_FRAMES = 6  # program frames read, innermost first, up to the innermost running module's own
 
 
-def kv_given(stack: list) -> str | None:
-    """'encoder_hidden_states of __call__() of x.py' where the function attending (or one between it and the innermost
-    running module's forward, that forward included) was handed another sequence to attend to: an argument named as a
-    cross-attention's memory (CONTEXT) holding a tensor that is none of its other arguments (diffusers' processor sets
-    `encoder_hidden_states = hidden_states` for self-attention; lucidrains' `context = default(context, x)`). The first
-    such function decides: None where it holds None or the queries' own tensor (self-attention), or none is found."""
+def kv_given(stack: list) -> tuple[str, tuple] | None:
+    """('encoder_hidden_states of __call__() of x.py', its shape but the last dim) where the function attending (or one
+    between it and the innermost running module's forward, that forward included) was handed another sequence: an
+    argument named as a cross-attention's memory (CONTEXT) holding a tensor that is none of its other arguments
+    (diffusers' processor sets `encoder_hidden_states = hidden_states` for self-attention; lucidrains' `context =
+    default(context, x)`). The first such function decides: None where it holds None or the queries' own tensor
+    (self-attention), or none is found. The shape lets checks/context.cross ask whether the keys are that memory's
+    (a joint attention, SD3's or Qwen-Image's, concatenates it with the queries' own tokens: self-attention)."""
     global _SKIP
     if not _SKIP:
         _SKIP = _skipped()
@@ -163,7 +165,7 @@ def kv_given(stack: list) -> str | None:
                     continue
                 if any(value is other for other in others):
                     return None  # (the queries' own tensor handed as the memory: self-attention)
-                return f"{name} of {code.co_name}() of {os.path.basename(code.co_filename)}"
+                return f"{name} of {code.co_name}() of {os.path.basename(code.co_filename)}", tuple(value.shape[:-1])
             return None  # (no memory handed: self-attention, said by the function that takes one)
         if module is not None and code.co_argcount and code.co_varnames[0] == "self" and frame.f_locals.get("self") is module:
             return None  # (the innermost running module's forward: what called it speaks for another call)

@@ -80,7 +80,7 @@ class Sites:
         else:
             given = kv_given(self.stack)  # another sequence handed to the function attending (checks/context.cross)
             if given is not None:
-                details["kv_given"] = given
+                details["kv_given"], details["kv_shape"] = given
         held = padding()  # the padding the program's frames hold (checks/held.py)
         if held is not None:
             details["held_padding"] = held
