@@ -167,7 +167,8 @@ def kv_given(stack: list) -> tuple[str, tuple] | None:
                     return None  # (the queries' own tensor handed as the memory: self-attention)
                 return f"{name} of {code.co_name}() of {os.path.basename(code.co_filename)}", tuple(value.shape[:-1])
             return None  # (no memory handed: self-attention, said by the function that takes one)
-        if module is not None and code.co_argcount and code.co_varnames[0] == "self" and frame.f_locals.get("self") is module:
+        if module is not None and code.co_name == "forward" and code.co_argcount and code.co_varnames[0] == "self" \
+                and frame.f_locals.get("self") is module:
             return None  # (the innermost running module's forward: what called it speaks for another call)
         frame = frame.f_back
     return None
