@@ -10,8 +10,12 @@ shared pages does).
 The target is 2 s; shared machines are noisy: read the medians and ratios, not one time.
 Then --many one-token requests (3 keys on one page each), the same way: serve is O(requests + pages), so
 10^6 of them take seconds (each request's lengths were once diffed from the whole indptr: quadratic).
+Then --masks requests of a prefill step (each 64 new tokens after 960 cached, window(512)): every request's Mask
+(what --html, --expect and the positions rule ask for, request by request), the same with its intervals, and the
+whole `--expect "*=window(512)"` check (mostly diff's comparison of intervals). Each Mask is made from the request's
+kinds at its positions; it was once written as an expression and parsed back.
 
-    python benchmarks/serve.py [--runs 3] [--requests 256] [--keys 32768] [--page 16] [--many 1000000]
+    python benchmarks/serve.py [--runs 3] [--requests 256] [--keys 32768] [--page 16] [--many 1000000] [--masks 2000]
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=32768)
     parser.add_argument("--page", type=int, default=16)
     parser.add_argument("--many", type=int, default=1_000_000)
+    parser.add_argument("--masks", type=int, default=2000)
     args = parser.parse_args()
     from safetensors.numpy import load_file, save_file  # the reference reader, and the benchmark's writer
 
@@ -91,11 +96,25 @@ def main() -> None:
                    "block_table_tensor": np.arange(1, r + 1)[:, None], "slot_mapping": np.arange(1, r + 1) * 4 + 2,
                    "block_size": np.array(4)}, many)
         crowd = timed(lambda: serve(many), 1)
+        from maskcli.checks.serveexpect import expect
+        from maskcli.serve.engines import from_tensors
+
+        m = args.masks
+        prefill = from_tensors({"query_start_loc": np.arange(m + 1) * 64, "seq_lens": np.full(m, 1024),
+                                "num_computed_tokens_cpu": np.full(m, 960), "sliding_window": np.array(512)}, "prefill")
+
+        made = timed(lambda: [prefill.mask(r) for r in range(m)], args.runs)
+        spans = timed(lambda: [prefill.mask(r).intervals() for r in range(m)], args.runs)
+        expected = timed(lambda: expect(prefill, [("*", "window(512)")]), args.runs)
+        held = expect(prefill, [("*", "window(512)")])[0].severity == "note"
     print(f"{'reference: numpy reads the arrays + the slot arithmetic':58s} {bare:7.3f} s")
     print(f"{'reference: numpy reads the table and sorts its entries':58s} {sort:7.3f} s")
     print(f"{'serve: read, every rule, page map, the printed summary':58s} {mine:7.3f} s  x{mine / bare:6.0f} the reading  "
           f"x{mine / sort:5.1f} the sort  ({'no findings' if not findings else f'{len(findings)} findings'}; target 2 s)")
     print(f"{f'serve: {args.many:,} one-token requests, the same way':58s} {crowd:7.3f} s")
+    print(f"{f'{args.masks:,} requests: every Mask':58s} {made:7.3f} s")
+    print(f"{f'{args.masks:,} requests: every Mask and its intervals':58s} {spans:7.3f} s")
+    print(f"{f'{args.masks:,} requests: --expect *=window(512)':58s} {expected:7.3f} s  ({'holds' if held else 'differs'})")
 
 
 if __name__ == "__main__":

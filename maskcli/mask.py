@@ -329,8 +329,7 @@ def build(expression: str, options: MaskOptions | None = None, default_length: i
           written: bool = False, **flags) -> Mask:
     """The Mask an expression and options describe; keyword flags are MaskOptions fields.
 
-    `written`: maskcli wrote the expression itself (pack's document sizes), so the limit on a typed one's length
-    does not apply.
+    `written`: maskcli wrote the expression itself (pack's document sizes): no limit on a typed one's length.
     `default_length`: the number of queries when neither --len nor the data says (inputs given to attend);
     `kinds`: kinds of the user's own, by name (mask_mods).
     """
@@ -347,20 +346,24 @@ def build(expression: str, options: MaskOptions | None = None, default_length: i
         align=options.align, sequence=sequence[0] if sequence else longest(lengths), queries=queries[0] if queries else None,
         default=default_length or pos.DEFAULT_LEN,
     )
-    frame = Frame(q_start, q_len, k_start, k_len)
-    frame = with_padding(frame, lengths, ids, options.pad_id, pad_side(options))
-    warnings: list[str] = []
+    frame = with_padding(Frame(q_start, q_len, k_start, k_len), lengths, ids, options.pad_id, pad_side(options))
     for what, count in sequence:
         pos.data_length(what, count, frame)
+    return from_terms(resolved, frame, options.heads, tokens)
+
+
+def from_terms(resolved, frame: Frame, heads: int = 1, tokens=None) -> Mask:
+    """The Mask of terms bound to their kinds at `frame`'s positions: build's, and a source's that knows its kinds
+    with no text to parse (serve's requests). The name is made from the terms, to be shown."""
+    warnings: list[str] = []
     for term in terms.terms(resolved):
         if term.kind.check is not None:
             warnings += term.kind.check(term.values, frame, shortened(term.text(), 60)) or []
     batch = _batch(resolved, frame)
-    pos.check_size(options.heads, "--heads", "the number of attention heads")
-    tree = resolved
-    if frame.padded and resolved != terms.Term(get_kind("padding"), ()):
-        tree = ex.both(resolved, terms.Term(get_kind("padding"), ()))  # key padding cuts every expression
-    return Mask(terms.text(resolved), frame, batch, options.heads, tree, resolved, tokens, None, tuple(warnings))
+    pos.check_size(heads, "--heads", "the number of attention heads")
+    padding = terms.Term(get_kind("padding"), ())
+    tree = ex.both(resolved, padding) if frame.padded and resolved != padding else resolved  # padding cuts every mask
+    return Mask(terms.text(resolved), frame, batch, heads, tree, resolved, tokens, None, tuple(warnings))
 
 
 def _sequence(tree, ids, tokens) -> list[tuple[str, int]]:

@@ -6,11 +6,12 @@
     formats   formats/*                    (kernel formats: views of the model, read back by inspect)
     checks    checks/*                     (the rules that find a wrong mask; numpy, torch only inside attend's)
     engines   attention/* inspect/*        (torch; they do not import each other)
-    sources   sources/*                    (every way a mask comes in, one module each; the registry commands ask)
-    capture   trace/*                      (torch; names captured masks with inspect, checks them with diff)
-    checks    pack/*                       (a packed batch: reads tensors as inspect does, builds masks)
-              shard/*                      (a sequence split across context-parallel ranks; reads rank files as inspect does)
+    metadata  pack/*                       (a packed batch: reads tensors as inspect does, builds masks)
               serve/*                      (a serving engine's batch metadata: builds masks, checks pages)
+    sources   sources/*                    (every way a mask comes in, one module each; the registry commands ask:
+                                            a packed batch's and an engine's masks too, read by pack/ and serve/)
+    capture   trace/*                      (torch; names captured masks with inspect, checks them with diff)
+              shard/*                      (a sequence split across context-parallel ranks; reads rank files as inspect does)
     families  hf/*                         (torch, transformers: tiny models run under trace's capture)
     render    render/*                     (rich, matplotlib)
     api       api                          (the Python face: build() from Python values, views and notebook display)
@@ -26,7 +27,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "maskcli"
 LAYERS = {
-    "base": 0, "kinds": 1, "model": 2, "formats": 2.5, "checks": 2.8, "attention": 3, "inspect": 3, "sources": 3.2, "trace": 3.5, "pack": 3.5, "serve": 3.5, "shard": 3.5, "hf": 3.7, "render": 4, "api": 4.5, "commands": 5,
+    "base": 0, "kinds": 1, "model": 2, "formats": 2.5, "checks": 2.8, "attention": 3, "inspect": 3, "pack": 3.1, "serve": 3.1, "sources": 3.2, "trace": 3.5, "shard": 3.5, "hf": 3.7, "render": 4, "api": 4.5, "commands": 5,
 }
 BASE = {"errors", "text", "memory", "positions", "intervals", "conventions", "files", "tensorfile", "__init__", "__main__"}
 MODEL = {"expression", "terms", "mask", "why", "batchdata", "regions", "counting", "summary", "blockmask", "diff", "tracefile", "testing"}

@@ -121,3 +121,37 @@ def test_a_chunked_layer_over_eos_packed_rows_that_attends_across_eos_on_purpose
     result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
     found = [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
     assert result.exit_code == 0 and [f for f in found if f["severity"] != "note"] == [], result.output
+
+
+def test_a_left_padded_chunked_decode_is_judged_with_the_padding_its_prefill_shows(tmp_path):
+    """A decode step's one query row cannot show the padding: a chunk cut in another row reads as padding there. The
+    padding its site's prefill showed holds behind the cache, so a correct chunked decode (here a config dict at the
+    top of the program, masks built per row from an offset, no attention_mask argument) is quiet."""
+    import json
+
+    from checkbugs import runner
+    from maskcli.commands import app
+
+    script = tmp_path / "chunked_decode.py"
+    script.write_text(
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "hf_config = {'attention_chunk_size': 3, 'layer_types': ['chunked_attention']}\n"
+        "PAD = torch.tensor([2, 0])  # row 0 left-padded by 2\n"
+        "def chunked(q_cols, k_len):\n"
+        "    kp = torch.arange(k_len)[None, None, :] - PAD[:, None, None]\n"
+        "    qp = q_cols[None, :, None] - PAD[:, None, None]\n"
+        "    ok = (kp >= 0) & (kp <= qp) & (kp // 3 == qp // 3)\n"
+        "    return ok | ((qp < 0) & (kp == qp))  # (a padding query sees itself: no NaN)\n"
+        "class Layer(nn.Module):\n"
+        "    def forward(self, x, past):\n"
+        "        k = x if past is None else torch.cat([past, x], 2)\n"
+        "        cols = torch.arange(k.shape[2] - x.shape[2], k.shape[2])\n"
+        "        return F.scaled_dot_product_attention(x, k, k, attn_mask=chunked(cols, k.shape[2])[:, None]), k\n"
+        "layer = Layer()\n"
+        "_, past = layer(torch.randn(2, 1, 7, 4), None)\n"
+        "for _ in range(3):\n"
+        "    _, past = layer(torch.randn(2, 1, 1, 4), past)\n")
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    found = [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
+    assert result.exit_code == 0 and [f for f in found if f["severity"] != "note"] == [], result.output

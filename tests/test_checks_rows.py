@@ -138,3 +138,40 @@ def test_extended_mask_of_the_wrong_sign_on_an_unpadded_batch(tmp_path):
     assert status == 1 and any(f["code"] == "fully-masked" and f["severity"] == "wrong" for f in found), report
     status, found, report = traced(tmp_path, "extended_mask_wrong_sign_unpadded", fixed=True, folder=folder)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_nan_rows_a_program_zeroes_after_its_softmax_are_no_alarm(tmp_path):
+    """WeNet / ESPnet: softmax(scores.masked_fill(mask, -inf)).masked_fill(mask, 0.0) sets the padding rows that see
+    no key to 0 (trace/after.py records it); zeroing only some of those rows leaves NaN, still suspicious."""
+    import json
+    import textwrap
+
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    def run(rows_zeroed: str) -> dict:
+        script = tmp_path / f"zeroed_{rows_zeroed}.py"
+        script.write_text(textwrap.dedent(f"""
+            import torch
+            torch.manual_seed(0)
+            lengths = torch.tensor([5, 3])
+            keys = torch.arange(5)[None, :] < lengths[:, None]               # (B, Lk) real keys
+            same_chunk = torch.arange(5)[:, None] // 2 == torch.arange(5)[None, :] // 2  # chunks of 2, no left chunk
+            mask = ~(keys[:, None, :] & same_chunk[None])                      # True = masked; row 1's query 4: no key
+            q = k = v = torch.randn(2, 2, 5, 4)
+            scores = (q @ k.transpose(-2, -1)).masked_fill(mask[:, None], float("-inf"))
+            zeroed = mask[:, None] {rows_zeroed}
+            attn = torch.softmax(scores, dim=-1).masked_fill(zeroed, 0.0)
+            out = attn @ v
+        """))
+        out = tmp_path / f"zeroed_{rows_zeroed}.json"
+        result = CliRunner().invoke(app, ["trace", "--json", str(out), str(script)])
+        data = json.loads(out.read_text())
+        assert data["exit_status"] == 0, result.output
+        return {f["severity"]: f["message"] for g in data["groups"] for f in g["findings"] if f["code"] == "fully-masked"}
+
+    assert run("") == {"note": "query row 4 of batch row 1 sees no key at all: 0 output there (the program zeroes those "
+                                "rows' weights after the softmax)"}
+    assert run("& (torch.arange(5) < 4)[None, None, :, None]") == {
+        "suspicious": "query row 4 of batch row 1 sees no key at all: NaN weights there (softmax of all -inf)"}

@@ -686,3 +686,21 @@ def test_a_region_of_a_million_token_mask_is_exact_and_costs_its_own_rows():
 def test_a_region_outside_the_mask_names_the_valid_range(rows, keys, says):
     with pytest.raises(MaskError, match=re.escape(says)):
         build("causal", length=8).crop(rows, keys)
+
+
+def test_from_terms_makes_the_mask_of_kinds_at_a_frame_with_no_text_parsed():
+    """Terms bound by hand (as serve's requests are) at queries 6..8 of keys 0..8: prefix(3) & window(2) is, by a
+    double loop, (kv < 3 or kv <= q) and q - 2 < kv <= q; the name is made from the terms."""
+    from maskcli import expression as ex
+    from maskcli.kinds import get
+    from maskcli.mask import from_terms
+    from maskcli.positions import Frame
+    from maskcli.terms import Term
+
+    tree = ex.And((Term(get("prefix"), (("prefix", 3),)), Term(get("window"), (("window", 2),))))
+    mask = from_terms(tree, Frame(6, 3, 0, 9))
+    want = np.array([[(k < 3 or k <= q) and q - 2 < k <= q for k in range(9)] for q in range(6, 9)])
+    assert mask.text == "prefix(3) & window(2)"
+    assert np.array_equal(mask.dense()[0, 0], want)
+    with pytest.raises(MaskError, match="prefix of 12 is longer than the sequence"):
+        from_terms(Term(get("prefix"), (("prefix", 12),)), Frame(6, 3, 0, 9))  # the kind's own check still runs

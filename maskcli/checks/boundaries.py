@@ -23,7 +23,7 @@ import numpy as np
 from maskcli.checks.arguments import document_starts
 from maskcli.checks.config import layer_kind
 from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, layer, queries
-from maskcli.checks.real import TOKENS, by_row, resolve
+from maskcli.checks.real import TOKENS, Real, behind_cache, by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -85,8 +85,15 @@ def chunks(run: Run) -> list:
             continue
         rows, _, q_len, k_len = max(cells.shape[0], call.shape[0]), *call.shape[1:]
         seen = by_row(cells, rows)
-        real = resolve(call, top, seen)
         own = queries(call, top)
+        real = resolve(call, top, seen)
+        carried = None if real.source is not None else behind_cache(run, call)
+        if carried is not None and carried.shape[0] in (1, rows):  # (the padding its prefill showed: real.py)
+            carried = np.broadcast_to(carried, (rows, k_len))
+            inside = (own >= 0) & (own < k_len)
+            mine = np.zeros((rows, q_len), dtype=bool)
+            mine[:, inside] = carried[:, own[inside]]
+            real = Real(carried, mine, None)
         keys = np.arange(k_len)
         start = real.keys.argmax(axis=-1)[:, None]  # (B, 1): each row's first real key
         q_chunk, k_chunk = (own[None, :] - start) // size, (keys[None, :] - start) // size

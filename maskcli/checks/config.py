@@ -20,6 +20,7 @@ import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, found_padding, keep, layer, queries
 from maskcli.checks.intent import OTHER_LAYERS, Intent, Stated, fields_of, intent, top_of
+from maskcli.checks.real import behind_cache
 from maskcli.checks.registry import Rule
 from maskcli.keypadding import valid
 from maskcli.text import Finding
@@ -94,10 +95,11 @@ class Placed:
         return ((k <= q)[None] & ((q[None] - start) // size == (k[None] - start) // size))[:, None]
 
 
-def real(cells: np.ndarray, own: np.ndarray, given, batch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def real(cells: np.ndarray, own: np.ndarray, given, batch: int | None = None,
+         before=None) -> tuple[np.ndarray, np.ndarray]:
     """Bool (B, Lk) real keys and (B, Lq) real queries of each batch row: the model call's 2-D attention_mask `given`
     where it is one 0/1 row per batch row (`batch`: the call's) over the keys, else the padding read off the mask
-    (keypadding); a query is real where its key is."""
+    (keypadding) or, at a later step, what `before()` gives (real.behind_cache); a query is real where its key is."""
     rows, _, q_len, k_len = cells.shape
     if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape == (batch or rows, k_len) and \
             rows in (1, given.shape[0]) and np.isin(given, (0, 1)).all():
@@ -110,6 +112,9 @@ def real(cells: np.ndarray, own: np.ndarray, given, batch: int | None = None) ->
             itself[np.arange(q_len), own] = True
             padding = found_padding(cells & ~(cells == itself).all(axis=-1, keepdims=True))
         real_k = valid(padding, rows, k_len)
+        carried = None if before is None else before()
+        if carried is not None and carried.shape == (carried.shape[0], k_len) and carried.shape[0] in (1, rows):
+            real_k = np.broadcast_to(carried, (rows, k_len))
     real_k = np.ascontiguousarray(real_k)
     inside = own < k_len
     real_q = np.ones((real_k.shape[0], q_len), bool)
@@ -124,7 +129,8 @@ def _placed(call, run: Run, cells) -> Placed | None:
     if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top):
         return None
     own = queries(call, top)
-    real_k, real_q = real(cells, own, None if top is None else top.arguments.get("attention_mask"), call.shape[0])
+    given = None if top is None else top.arguments.get("attention_mask")
+    real_k, real_q = real(cells, own, given, call.shape[0], lambda: behind_cache(run, call))
     return Placed(cells, own, real_q, real_k)
 
 

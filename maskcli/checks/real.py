@@ -18,11 +18,12 @@ Query rows whose own position is a padding key are padding too; no rule fires on
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
 
-from maskcli.checks.context import queries
+from maskcli.checks.context import keep, queries
 
 PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = padding
 REAL_TRUE = ("attention_mask", "patch_attention_mask", "patch_attn_mask")  # 1 = a real token (a real patch)
@@ -119,3 +120,39 @@ def by_row(cells: np.ndarray, rows: int | None = None) -> np.ndarray:
     """Bool (B, Lq, Lk) over the heads of keep cells (b, h, Lq, Lk), batch rows broadcast to `rows`."""
     found = cells.any(axis=1)
     return found if rows is None else np.broadcast_to(found, (rows, *found.shape[1:]))
+
+
+def behind_cache(run, call) -> np.ndarray | None:
+    """Bool (B, Lk) real keys for a later step at `call`'s site whose padding is read off its own few query rows (a
+    chunk or window cut in another batch row reads as padding there): the padding the site's latest prefill showed,
+    read off its many rows, the keys after it real (the cache holds the same positions; the new tokens are real);
+    None for a prefill, or where no earlier prefill at the site was kept."""
+    own = queries(call, run.top(call))
+    if own[:1].tolist() == [0]:
+        return None
+    heads = run.__dict__.get("_prefills")
+    if heads is None:  # each site's prefills and their call indices, in order (made once per run)
+        heads = run.__dict__["_prefills"] = {}
+        for where, calls in run.sites().items():
+            firsts = [c for c in calls if queries(c, run.top(c))[:1].tolist() == [0]]
+            heads[where] = (firsts, [c.index for c in firsts])
+    site, indices = heads.get(call.where, ([], []))
+    at = bisect.bisect_left(indices, call.index)
+    if at == 0:
+        return None
+    head, held = site[at - 1], run.__dict__.setdefault("_prefill_keys", {})
+    if head.index not in held:
+        cells = keep(head)
+        keys = None
+        if cells is not None:
+            mine = queries(head, run.top(head))
+            keys, _ = read_off(by_row(cells, max(cells.shape[0], head.shape[0])), mine)
+            keys = keys.copy()
+            keys[:, int(mine.max(initial=-1)) + 1:] = True  # (a static cache's unwritten slots: not padding)
+        held[head.index] = keys
+    keys = held[head.index]
+    if keys is None or keys.shape[1] > call.shape[3]:
+        return None
+    found = np.ones((keys.shape[0], call.shape[3]), dtype=bool)
+    found[:, :keys.shape[1]] = keys
+    return found

@@ -21,6 +21,8 @@ def what_api_does(call) -> str:
     api, details = call.api, call.details
     if api == "softmax" and details.get("sink_column"):  # GPT-OSS: the row's unmasked sink logit takes all its weight
         return "0 output there (the sink logit, left out, takes the softmax's whole weight)"
+    if api == "softmax" and details.get("zeroed_after"):  # masked_fill(weights, mask, 0) after it (trace/after.py)
+        return "0 output there (the program zeroes those rows' weights after the softmax)"
     if api == "softmax":
         return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf" and details.get("nan_rows", True)
                 else "uniform weights over every key there, masked ones included (a finite fill)")

@@ -68,9 +68,10 @@ def serve(
     from maskcli.checks.serveexpect import expect as expect_requests
     from maskcli.checks.servesteps import steps
     from maskcli.render import serve as render
-    from maskcli.serve.engines import by_name, read
+    from maskcli.serve.engines import by_name
+    from maskcli.sources import registry as sources
 
-    batches = [read(file) for file in files]
+    batches = [sources.read("engine", file) for file in files]
     across = steps(batches) if len(batches) > 1 else []
     reports, wrong = [], bool(across)
     console = None

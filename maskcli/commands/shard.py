@@ -97,9 +97,9 @@ def _batch(expressions: list[str]) -> tuple[list[str], str | None]:
     if len(batches) > 1:
         raise MaskError(f"give one BATCH file, not {len(batches)} ({', '.join(map(repr, batches))}): a layout splits one sequence")
     from maskcli.pack.boundaries import document_sizes
-    from maskcli.pack.fields import read
+    from maskcli.sources import registry
 
-    sizes = document_sizes(read(batches[0], {}, []), f"BATCH {batches[0]!r}")
+    sizes = document_sizes(registry.read("packed", batches[0]), f"BATCH {batches[0]!r}")
     return [text for text in expressions if text != batches[0]], f"document(sizes=[{','.join(map(str, sizes.tolist()))}])"
 
 

@@ -5,6 +5,8 @@ new tokens (its queries) and `seq_len` keys, read through its page table; the ke
 the last query with the last key (flash_attn's and FlashInfer's bottom-right causal), so the
 queries sit at absolute positions `seq_len - q_len .. seq_len - 1` and the keys at `0 .. seq_len - 1`.
 Pages are kept as one CSR list per request (logical block -> physical page), O(requests + pages).
+A request's mask is the kinds its metadata states (`kinds`) at those positions: `mask` makes its Mask of them
+directly (sources/engine.py hands those Masks on), `expression` writes their text only to name it.
 """
 
 from __future__ import annotations
@@ -97,24 +99,35 @@ class ServeBatch:
     def request_pages(self, r: int) -> np.ndarray:
         return self.pages[self.page_indptr[r]:self.page_indptr[r + 1]]
 
-    def expression(self, r: int) -> str | None:
-        """The request's mask as a maskcli expression (its frame: `frame(r)`); None where no frame holds it."""
+    def kinds(self, r: int) -> tuple[tuple[str, object], ...] | None:
+        """The kinds request r's mask is, and-ed, each with its one parameter (None for none): (("prefix", 5),
+        ("window", 8)); a draft tree's parents as an int64 array. None where no frame holds the request."""
         q_len, seq_len = int(self.q_lens[r]), int(self.seq_lens[r])
         if q_len > seq_len or seq_len == 0:
             return None
         if r in self.trees:
             parents = self.read_tree(r).parents
             if not np.array_equal(parents, np.arange(len(parents)) - 1):  # a chain is plain causal
-                return f"tree({','.join(map(str, parents.tolist()))})"
+                return (("tree", parents),)
         if self.cascade is not None:
-            return f"prefix({self.cascade.prefix_len})" + (f" & window({self.window})" if self.window else "")
+            return (("prefix", self.cascade.prefix_len),) + ((("window", self.window),) if self.window else ())
         if not self.causal:
-            return "full"
+            return (("full", None),)
         if self.chunk is not None:
-            return f"local({self.chunk})"
+            return (("local", self.chunk),)
         if self.window is not None:
-            return f"window({self.window})"
-        return "causal"
+            return (("window", self.window),)
+        return (("causal", None),)
+
+    def expression(self, r: int) -> str | None:
+        """The request's mask as a maskcli expression, to be shown (its frame: `frame(r)`); None where no frame
+        holds it. `mask(r)` is made from the same kinds, never from this text."""
+        kinds = self.kinds(r)
+        if kinds is None:
+            return None
+        return " & ".join(name if value is None else
+                          f"{name}({','.join(map(str, value.tolist())) if isinstance(value, np.ndarray) else value})"
+                          for name, value in kinds)
 
     def read_tree(self, r: int, parents: np.ndarray | None = None, hidden: int = 0):
         """The draft tree request r's custom mask holds, and its first cell off it (serve/trees.py's read_tree; with
@@ -143,16 +156,32 @@ class ServeBatch:
         return int(self.q_start[r]), int(self.q_lens[r]), int(self.seq_lens[r])
 
     def mask(self, r: int):
-        """The request's Mask, built from its expression by maskcli's kinds (None where no frame holds it)."""
-        text = self.expression(r)
-        if text is None:
-            return None
-        from maskcli.mask import build
-
+        """The request's Mask, made from its kinds at its positions (mask.from_terms: no expression is written or
+        parsed); None where no frame holds it or it has no queries."""
+        kinds = self.kinds(r)
         q_start, q_len, seq_len = self.frame(r)
-        if q_len == 0:
+        if kinds is None or q_len == 0:
             return None
-        return build(text, offset=q_start, length=q_len, kv_len=seq_len)
+        from maskcli import expression as ex
+        from maskcli.kinds import get
+        from maskcli.kinds.values import inline
+        from maskcli.mask import from_terms
+        from maskcli.positions import Frame
+        from maskcli.terms import Term
+
+        made = []
+        for name, value in kinds:
+            kind = get(name)
+            if name == "tree":
+                if len(value) != q_len:
+                    raise MaskError(f"request {r}'s draft tree has {len(value)} nodes for its {q_len} queries")
+                value = inline(value[None, :], f"request {r}'s draft tree")
+            values = {param.name: param.default for param in kind.params}
+            if kind.params:
+                values[kind.params[0].name] = kind.params[0].check(value, f"request {r}'s {name}")
+            made.append(Term(kind, tuple(values.items())))
+        tree = made[0] if len(made) == 1 else ex.And(tuple(made))
+        return from_terms(tree, Frame(q_start, q_len, 0, seq_len))
 
     def blocks(self) -> np.ndarray:
         """(R,) blocks each request's keys need: ceil((first column + seq_len) / page_size)."""

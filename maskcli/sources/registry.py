@@ -2,7 +2,8 @@
 
 Each source is a module of sources/ with a `SOURCE` (sources/base.py) and its `load`; a new one is added to
 MODULES. A --mask FILE goes to the first file source that claims it: a trace's call, a kernel format's tensors
-(--from FORMAT), else one tensor.
+(--from FORMAT), else one tensor. The sources of metadata (engine, packed, ranks) are asked by name: `read` gives a
+command the metadata itself, their `load` its Masks.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from maskcli.errors import MaskError
 from maskcli.mask import Mask, MaskOptions, parse_region
 from maskcli.sources.base import Source
 
-MODULES = ("expression", "usermod", "trace", "kernel", "tensor")  # the file sources in the order they are asked
+MODULES = ("expression", "usermod", "trace", "kernel", "tensor",  # the file sources in the order they are asked
+           "engine", "packed", "ranks")  # masks implied by metadata: a serving batch, a packed batch, a rank layout
 
 _SOURCES: dict[str, Source] | None = None
 
@@ -21,10 +23,18 @@ def sources() -> dict[str, Source]:
     global _SOURCES
     if _SOURCES is None:
         from maskcli.sources import expression, kernel, tensor, trace, usermod
+        from maskcli.sources import engine, packed, ranks
 
         modules = {"expression": expression, "usermod": usermod, "trace": trace, "kernel": kernel, "tensor": tensor}
+        modules |= {"engine": engine, "packed": packed, "ranks": ranks}
         _SOURCES = {modules[name].SOURCE.name: modules[name].SOURCE for name in MODULES}
     return _SOURCES
+
+
+def read(name: str, spec: str):
+    """The metadata source `name` reads from `spec` (an engine's batch, a packed batch), before its masks are made:
+    for a command that checks it beyond its masks."""
+    return sources()[name].read(spec)
 
 
 def for_file(text: str, options: MaskOptions) -> Source:

@@ -4,6 +4,10 @@ softmax(scores * mask) * mask, divided by its sum, gives the masked keys weight 
 softmax would: the softmax masks nothing, the product does. So the output of each recorded softmax is followed
 (by identity, a weak reference: nothing kept alive) until a multiplication by a tensor of only 0s and 1s (or bools)
 that broadcasts to it; the call's mask is then what the program computes, the softmax's keep and the multiplier's.
+
+A masked_fill of those weights with 0 over every row that sees no key (WeNet's and ESPnet's
+`softmax(scores).masked_fill(mask, 0.0)`) zeroes the NaN a softmax of all -inf gives there: the call records it
+(details `zeroed_after`), so that no check says NaN of rows the program itself sets to 0.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 
 MULS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.mul_, torch.Tensor.__mul__, torch.Tensor.__rmul__,
                   torch.Tensor.__imul__})
+FILLS = frozenset({torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_})
 KEEP = 64  # softmax outputs followed at most (more: all forgotten)
 
 
@@ -43,6 +48,9 @@ class After:
 
     def after(self, trace, func, args: tuple) -> None:
         """On a multiplication of a followed softmax output by a 0/1 tensor: that call's mask narrowed to it."""
+        if func in FILLS:
+            self._filled(args)
+            return
         if func not in MULS or len(args) < 2:
             return
         for mine, other in ((args[0], args[1]), (args[1], args[0])):
@@ -50,6 +58,25 @@ class After:
             if entry is not None and entry[0]() is mine and isinstance(other, torch.Tensor):
                 self._narrow(trace, mine, other, entry)
                 return
+
+    def _filled(self, args: tuple) -> None:
+        """masked_fill(weights, where, 0) of a followed softmax output: its rows with no key zeroed, if all covered."""
+        if len(args) < 3 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor):
+            return
+        entry = self._found.get(id(args[0]))
+        value = args[2].item() if isinstance(args[2], torch.Tensor) and args[2].numel() == 1 else args[2]
+        if entry is None or entry[0]() is not args[0] or not isinstance(value, (int, float)) or value != 0:
+            return
+        _, call, seen = entry
+        with torch.no_grad():
+            try:
+                where = args[1].to(torch.bool).broadcast_to(args[0].shape).reshape(seen.keep.shape)
+            except RuntimeError:
+                return
+            empty = ~seen.keep.any(dim=-1)  # (.., Lq): the rows a softmax of all -inf makes NaN
+            if bool(empty.any()) and bool(where[empty].all()):
+                call.details["zeroed_after"] = True
+                seen.details["zeroed_after"] = True
 
     def _narrow(self, trace, out: torch.Tensor, other: torch.Tensor, entry: tuple) -> None:
         _, call, seen = entry

@@ -1,0 +1,45 @@
+"""A mask implied by a packed batch's fields (what `maskcli pack BATCH` reads): cu_seqlens, position_ids, seq_idx,
+attention_mask, as pack/fields.py reads them and pack/boundaries.py places each field's documents.
+
+The batch's mask is causal attention inside each document of its reference field (the field most others agree with,
+in pack's REFERENCE_ORDER, or the one named), every padding token cut from the keys: what the collator meant. pack
+itself checks what each attention path builds from each field against it.
+"""
+
+from __future__ import annotations
+
+from maskcli.errors import MaskError
+from maskcli.mask import Mask, MaskOptions, build
+from maskcli.pack.fields import Batch
+from maskcli.sources.base import Source
+
+
+def read(spec: str) -> Batch:
+    """The batch a BATCH file holds (.pt, .safetensors, .npz or .json of named fields, as pack reads it)."""
+    from maskcli.pack.fields import read as read_batch
+
+    return read_batch(spec, {}, [])
+
+
+def documents(batch: Batch, reference: str | None = None, where: str = "the batch") -> Mask:
+    """The batch's Mask: one batch row per row of tokens, causal inside the documents `reference` (a field's name;
+    None: pack's choice) places, padding cut; a document's first token is where a padding run ends too."""
+    from maskcli.pack import boundaries as bd
+    from maskcli.pack.paths import documents as written
+
+    fields = bd.every_field(batch, None)
+    pad = bd.padding(fields, batch.rows, batch.length)
+    ref = bd.reference(fields, reference, pad)
+    if ref is None:
+        raise MaskError(f"{where} does not say where its documents are: give position_ids, cu_seqlens or seq_idx in it")
+    text, options = written("document", ref.starts, pad)
+    return build(text, options, written=True)
+
+
+def load(spec: str, options: MaskOptions | None = None, reference: str | None = None) -> Mask:
+    """The Mask a BATCH file's documents imply (`documents`); the mask options do not apply: the batch says the
+    sizes."""
+    return documents(read(spec), reference, f"BATCH {spec!r}")
+
+
+SOURCE = Source("packed", load, read=read)
