@@ -127,7 +127,8 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
 
 
 CONTEXT = ("encoder_hidden_states", "key_value_states", "context", "memory", "encoder_output", "encoder_out",
-           "enc_output", "enc_out", "cross_attention_states", "encoder_states")  # another sequence handed to attend to
+           "enc_output", "enc_out", "cross_attention_states", "encoder_states",  # another sequence handed to attend to
+           "media", "image_embeds", "image_features", "vision_features", "audio_features")  # (Flamingo's, BLIP-2's...)
 _CONTEXT: dict = {}  # code object -> the CONTEXT names among its arguments (matched once per code)
 KV_FRAMES = 6  # program frames read, innermost first, up to the innermost running module's own
 
