@@ -96,3 +96,90 @@ def test_flamingo_text_over_media_latents_is_cross_attention_and_quiet(tmp_path)
     (tmp_path / f"{name}.py").write_text(source.replace("gated_xattn", "gated_layer").replace("MaskedCrossAttention", "MaskedMediaAttention"))
     status, found, report = traced(tmp_path, name, False, tmp_path)  # neither said: the keys outnumber the queries
     assert "sees-later" in [f["code"] for f in found], report  # (as any self-attention's; what the two words end)
+
+QUIET = Path(__file__).parent / "data" / "quiet"
+
+WAITK = '''
+import sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+class CrossAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.is_cross_attention = True
+        self.q, self.kv = nn.Linear(8, 8), nn.Linear(8, 16)
+    def forward(self, hidden, encoder_out, mask):
+        b, t, _ = hidden.shape
+        q = self.q(hidden).view(b, t, 2, 4).transpose(1, 2)
+        k, v = self.kv(encoder_out).view(b, encoder_out.shape[1], 2, 2, 4).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, 8)
+
+class SimulMT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cross = CrossAttention()
+    def forward(self, tgt, encoder_out, wait_k):
+        t, s = tgt.shape[1], encoder_out.shape[1]
+        read = 1 if "--fixed" not in sys.argv else wait_k  # the bug: a wait-1 triangle under a stated wait-3
+        return self.cross(tgt, encoder_out, torch.ones(t, s, dtype=torch.bool).tril(read - 1))
+
+torch.manual_seed(0)
+with torch.no_grad():
+    SimulMT()(torch.randn(2, 5, 8), torch.randn(2, 5, 8), wait_k=3)
+'''
+
+
+def test_a_wait_k_policy_the_program_states_explains_the_triangle(tmp_path):
+    """Wait-k simultaneous translation (fairseq's `waitk` in an argparse Namespace): with k = 1 the cross-attention's
+    triangle is the stated policy, quiet; a wait-1 triangle under `wait_k=3` handed to the model call still contradicts
+    it (its message names the policy), and the policy's own mask (query i reads keys 0..i + 2) is quiet."""
+    import torch
+
+    status, found, report = traced(tmp_path, "waitk_cross_attention_k1", False, QUIET)
+    assert status == 0 and [f for f in found if f["code"] == "cross-attention-causal"] == [], report
+    (tmp_path / "waitk_argument.py").write_text(WAITK)
+    status, found, report = traced(tmp_path, "waitk_argument", False, tmp_path)
+    hit = next(f for f in found if f["code"] == "cross-attention-causal")
+    assert status == 1 and hit["severity"] == "wrong", report
+    assert "wait_k=3 given to SimulMT" in hit["message"] and hit["expected"] == "query i reads keys 0..i + 2 (wait-3)"
+    hidden = int((~torch.ones(5, 5, dtype=torch.bool).tril()).sum())
+    assert f"({hidden} cells of later memory hidden)" in hit["message"]
+    status, found, report = traced(tmp_path, "waitk_argument", True, tmp_path)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_a_memory_handed_to_the_function_attending_says_cross_attention():
+    """trace/held.py's kv_given: a function that takes a memory argument (`context`, `encoder_hidden_states`) and holds
+    a tensor there other than its queries' is a cross-attention (its shape kept: context.cross asks that the keys be
+    its length, which a joint attention's are not); None, or the queries' own tensor, is self-attention
+    (lucidrains' `context = default(context, x)`); a caller's memory does not speak for its module's own call."""
+    import torch
+    from torch import nn
+
+    from maskcli.trace.held import kv_given
+
+    class Attention(nn.Module):
+        def forward(self, x, context=None):
+            context = x if context is None else context
+            return kv_given([self])
+
+    class SelfAttention(nn.Module):
+        def forward(self, x):
+            return kv_given([self])
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = SelfAttention()
+
+        def forward(self, x, memory):
+            return self.attn(x)
+
+    x, other = torch.zeros(1, 3, 4), torch.zeros(1, 3, 4)
+    attention = Attention()
+    assert attention(x, context=other) == ("context of forward() of test_checks_across.py", (1, 3))
+    assert attention(x) is None and attention(x, context=x) is None
+    layer = Layer()
+    assert layer(x, other) is None  # (Layer's `memory` is not the self-attention's: its module's forward decides)

@@ -189,3 +189,23 @@ def test_ids_scored_without_their_mask_are_found_by_the_pad_id_of_the_tokenizer_
     real = lambda b, i: i >= 5 - lengths[b]  # noqa: E731
     assert tuple(hit["cell"]) == first((3, 5, 5), lambda b, q, k: real(b, q) and not real(b, k) and k <= q)
     assert "self.tokenizer (Vocab)" in hit["message"]
+
+QUIET = Path(__file__).parent / "data" / "quiet"
+
+
+def test_a_perceivers_latents_are_not_read_against_its_frames_padding(tmp_path):
+    """lucidrains' Perceiver: latents cross-attend to the frames (their padding masked) and then to themselves, as many
+    latents as frames. The frames' attention_mask says nothing of the latents: quiet. The same model whose cross-attention
+    drops the mask is still found (a real query sees key 2 of row 1, the first padded frame by a loop)."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "perceiver_latents_as_many_as_frames", False, QUIET)
+    assert status == 0 and found == [], report
+    source = (QUIET / "perceiver_latents_as_many_as_frames.py").read_text()
+    dropped = source.replace("cross_attn(x, context=data, mask=mask)", "cross_attn(x, context=data)")
+    assert dropped != source
+    (tmp_path / "frames_mask_dropped.py").write_text(dropped)
+    status, found, report = traced(tmp_path, "frames_mask_dropped", False, tmp_path)
+    hit = next(f for f in found if f["code"] == "padding-ignored")
+    real = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=bool)
+    assert status == 1 and tuple(hit["cell"]) == first((2, 4, 4), lambda b, q, k: real[b, q] and not real[b, k]), report

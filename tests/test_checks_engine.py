@@ -156,6 +156,31 @@ def test_no_alarm_on_correct_pytorch_programs(tmp_path, name):
     assert (status, alarms) == (0, []), report
 
 
+QUIET = [  # tests/data/quiet: correct programs of the kinds a rule could misread, written as their projects write them
+    "speech_decoder_cross_lengths",  # a decoder longer than its memory, the memory's lengths as a key padding mask
+    "seq2seq_both_sides_padded",  # nn.Transformer, both sides padded, one length
+    "bart_like_attention_mask_both_sides",  # attention_mask the source's, decoder_attention_mask the target's
+    "qformer_queries_and_text",  # learned queries as many as the patches, cross and joint self-attention
+    "left_padded_generate_sliding_window",  # a window over a left-padded batch with a cache, three steps
+    "static_cache_prefill_gpt_fast",  # gpt-fast: queries at input_pos over every slot
+    "static_cache_left_padded_cache_position",  # a static cache, left padding, cache_position
+    "packed_documents_position_ids",  # position_ids restarting, the mask rebuilt from them
+    "longformer_global_local",  # a symmetric band, a global token, padding
+    "beam_search_cache_reorder",  # the cache reordered by beam each step
+    "beam_search_left_padded_reorder",  # the same over a left-padded batch, the mask reordered with it
+]
+
+
+@pytest.mark.parametrize("name", QUIET)
+def test_no_alarm_on_correct_programs_written_as_their_projects_write_them(tmp_path, name):
+    from pathlib import Path
+
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, name, False, Path(__file__).parent / "data" / "quiet")
+    assert (status, [f for f in found if f["severity"] in ("wrong", "suspicious")]) == (0, []), report
+
+
 def test_no_alarm_on_a_hugging_face_decoder_generating_from_a_left_padded_batch(tmp_path):
     """Llama and Mistral (a sliding window) with a dynamic and a static cache (transformers' generate: the static
     cache's queries at its start, cache_position placing them)."""

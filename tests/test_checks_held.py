@@ -231,3 +231,20 @@ def test_a_square_mask_named_padding_is_read_by_its_diagonal_only_when_it_is_pad
         assert _as_padding("padding_mask", laid)["rows"].tolist() == pad.tolist()
     assert _as_padding("scores", product) is None  # not named as padding
     assert _as_padding("padding_mask", torch.rand(2, 3, 3)) is None  # not 0/1
+
+def test_a_perceivers_latents_are_not_read_against_the_frames_padding_it_holds(tmp_path):
+    """The Perceiver of tests/data/quiet with its frames' padding held only as a `mask` (no attention_mask argument):
+    the latents' self-attention, as long as the frames, is not read against it (the cross-attention beside it hides
+    exactly those frames): quiet. With that cross-attention's mask dropped, the padding held is unused: found, at the
+    first padded frame a real latent sees by a loop."""
+    source = (QUIET / "perceiver_latents_as_many_as_frames.py").read_text().replace("attention_mask", "frames_valid")
+    (tmp_path / "held_frames.py").write_text(source)
+    status, found, report = traced(tmp_path, "held_frames", False, tmp_path)
+    assert (status, [f for f in found if f["severity"] in ("wrong", "suspicious")]) == (0, []), report
+    dropped = source.replace("cross_attn(x, context=data, mask=mask)", "cross_attn(x, context=data)")
+    assert dropped != source
+    (tmp_path / "held_frames_dropped.py").write_text(dropped)
+    status, found, report = traced(tmp_path, "held_frames_dropped", False, tmp_path)
+    hit = next(f for f in found if f["code"] == "padding-unused")
+    real = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=bool)
+    assert status == 1 and tuple(hit["cell"]) == first((2, 4, 4), lambda b, q, k: not real[b, k]), report

@@ -60,3 +60,24 @@ def test_an_all_true_draft_block_cat_to_a_bool_mask_is_found(tmp_path):
     found = check_bug(tmp_path, "draft_extension_bool", "extension-leak", folder=OWN)
     b, q, k = first((2, 6, 6), lambda b, q, k: k > q)
     assert _cell(found) == (b, q, 6 + k)
+
+
+QUIET = Path(__file__).parent / "data" / "quiet"
+
+
+def test_a_causal_flag_on_a_cross_attention_is_no_promise_about_its_memory(tmp_path):
+    """A diffusers-style block builds attn1 and attn2 from one set of keywords, `causal=True` among them; the processor
+    applies it only where no `encoder_hidden_states` is handed. attn2 attends to the whole prompt: quiet. The same
+    program whose processor drops the flag everywhere is still found, on attn1 only (the first later key by a loop)."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "diffusers_attn2_causal_flag_self_only", False, QUIET)
+    assert status == 0 and found == [], report
+    source = (QUIET / "diffusers_attn2_causal_flag_self_only.py").read_text()
+    dropped = source.replace("is_causal=attn.causal and is_self", "is_causal=False")
+    assert dropped != source
+    (tmp_path / "flag_dropped.py").write_text(dropped)
+    status, found, report = traced(tmp_path, "flag_dropped", False, tmp_path)
+    hits = [f for f in found if f["code"] == "causal-flag-ignored"]
+    assert status == 1 and hits and all(".attn1" in f["message"] for f in hits), report
+    assert tuple(hits[0]["cell"]) == first((2, 6, 6), lambda b, q, k: k > q)

@@ -8,6 +8,11 @@ before j hides real memory for no reason (TransformerEngine#565: the inter-atten
 many queries as keys, no query sees a key after its own index, and every query sees its own (a padding mask on top of
 a triangle is still the triangle's bug). A cross-attention told apart by its module path alone (context.CROSS_WORDS)
 is not read here: the module's own word is.
+
+A program may state that its cross-attention reads the memory as it arrives: a wait-k policy (simultaneous
+translation, STACL / fairseq's `waitk`: target step t reads source tokens 0 .. t + k - 1), stated as a config field or
+a model call's argument `waitk` / `wait_k`. With k = 1 that policy is the triangle, meant; with another k the
+triangle contradicts it (the message says so).
 """
 
 from __future__ import annotations
@@ -15,8 +20,27 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, keep
+from maskcli.checks.intent import intent, top_of
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
+
+
+POLICY = ("waitk", "wait_k")
+
+
+def wait_k(run: Run, call) -> tuple[int, str] | None:
+    """(k, where it is said) of a wait-k policy the program states for `call`: its model call's argument, else a config."""
+    top = top_of(run, call)
+    for name in POLICY:
+        given = None if top is None else top.arguments.get(name)
+        if given is not None and np.ndim(given) == 0 and int(given) >= 1:
+            return int(given), f"{name}={int(given)} given to {top.where}"
+    stated = intent(run, call)
+    for name in POLICY:
+        value = stated.values.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value, f"{name}={value} ({stated.sources.get(name)})"
+    return None
 
 
 def causal_cross(run: Run) -> list:
@@ -38,11 +62,19 @@ def causal_cross(run: Run) -> list:
             if cells[..., later].any() or not cells[..., diagonal].all():
                 continue
             hidden = int((~cells[..., later]).sum())
+            policy = wait_k(run, call)
+            if policy is not None and policy[0] == 1:
+                continue  # (wait-1: target step t reads source tokens 0..t, the triangle the program states)
+            why = "the self-attention's causal mask type handed to the cross-attention?" if policy is None else (
+                f"the program's wait-k policy says query i reads keys 0..i + {policy[0] - 1} ({policy[1]}): a wait-1 "
+                f"mask, or the self-attention's causal mask handed to the cross-attention?")
             done[key] = Finding("cross-attention-causal", (
                 f"the program says this call is a cross-attention ({said}), yet its mask is a causal triangle over "
                 f"the memory: query {0} sees only key 0, query i only keys 0..i ({hidden} cells of later memory "
-                f"hidden): the self-attention's causal mask type handed to the cross-attention?"),
-                expected="no causal triangle over the encoder's memory", source=said, cell=(0, 0, 1))
+                f"hidden): {why}"),
+                expected="no causal triangle over the encoder's memory" if policy is None else
+                f"query i reads keys 0..i + {policy[0] - 1} (wait-{policy[0]})",
+                source=said if policy is None else f"{said}; {policy[1]}", cell=(0, 0, 1))
         if done[key] is not None:
             found.append((call, done[key]))
     return found

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, queries
+from maskcli.checks.context import Run, beside_memory, columns_are_positions, first_cell, keep, queries
 from maskcli.checks.intent import top_of
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
@@ -65,6 +65,8 @@ def padding(run: Run) -> list:
         if key in done:
             continue
         done.add(key)
+        if beside_memory(run, call, real):
+            continue  # (the padding of a cross-attention's memory, this call over its queries: a Perceiver's latents)
         cells = _cells_by_row(call, rows)
         if cells is None:
             continue

@@ -118,19 +118,50 @@ def cross(call) -> bool:
 
     Said by: the module path (BART / Whisper `encoder_attn`, T5 `EncDecAttention`, `cross_attn`, BERT's
     `crossattention`, nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`, Flamingo's
-    `xattn`), the attending module's class (`MaskedCrossAttention`: trace/held.py cross_class) where the keys are not as
-    many as the queries (LDM's `CrossAttention` class runs its self-attention too), or more
+    `xattn`), a memory handed to the function attending (`encoder_hidden_states`, `context`: trace/held.py kv_given)
+    whose length the keys have (not a joint attention's, that concatenates it with the queries' own tokens), the
+    attending module's class (`MaskedCrossAttention`: trace/held.py cross_class) where the keys are not as many as the
+    queries (LDM's `CrossAttention` class runs its self-attention too), or more
     queries than keys where the kernel itself does not place them (a self-attention's keys hold its queries' own);
     never where the keys were read off the queries' own storage (one projection of one input: trace/masks.py)."""
     details = call.details
     if details.get("queries") is not None or details.get("kv_source") == "query":
         return False
-    if details.get("cross_said") or _cross_word(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
+    if details.get("cross_said") or details.get("kv_given") and call.shape[3] in details.get("kv_shape", ()) \
+            or _cross_word(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
         return True
     q_len, k_len = call.shape[2:]
     if details.get("cross_class") and q_len != k_len:  # (a class named so also runs LDM's self-attention: attn1)
         return True
     return q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal"))  # (flash places them itself)
+
+
+def _block(where: str) -> str:
+    """The module path of a call's block: up to its first layer number (`layers.0`, `decoder.block.3`), else its parent."""
+    parts = (where or "").split(".")
+    number = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    return ".".join(parts[:number + 1] if number is not None else parts[:-1])
+
+
+def beside_memory(run, call, real: np.ndarray) -> bool:
+    """`call` is a self-attention in the block of a cross-attention of the same model call whose keys are exactly the
+    keys `real` (bool (B, L) real tokens) calls real, row by row: that padding is the cross-attention's memory's (a
+    Perceiver's media frames, an encoder's source), and `call` attends over the cross-attention's queries (the latents,
+    the decoder's tokens), which it says nothing of, whatever their number."""
+    if not run.cross or not real.any() or real.all():
+        return False
+    block = _block(call.where)
+    for other in run.cross:
+        if other.shape[2] != call.shape[2] or other.shape[3] != real.shape[1] or _block(other.where) != block \
+                or run.top(other) is not run.top(call):
+            continue
+        cells = keep(other)
+        if cells is None or cells.shape[0] not in (1, real.shape[0]):
+            continue
+        seen = np.broadcast_to(cells.any(axis=(1, 2)), real.shape)
+        if np.array_equal(seen, np.broadcast_to(real, real.shape)):
+            return True
+    return False
 
 
 def layer(call) -> int | None:

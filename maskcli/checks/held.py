@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.arguments import document_starts, padded_positions
-from maskcli.checks.context import Run, cross, first_cell, keep, queries
+from maskcli.checks.context import Run, beside_memory, cross, first_cell, keep, queries
 from maskcli.checks.intent import top_of
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -114,7 +114,7 @@ def held_padding(run: Run) -> list:
                 continue
             for real in tables:
                 bad = _seen(cells, real, own)
-                if not bad.any():
+                if not bad.any() or own is not None and beside_memory(run, call, real):
                     seen_through = False
                     break
                 if first is None:

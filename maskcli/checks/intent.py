@@ -24,7 +24,8 @@ FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_patter
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
           "use_sliding_window", "max_window_layers", "no_rope_layers",
           "sliding_window_size", "attn_type", "attention_type",  # (SGLang's and vLLM's attention layer objects)
-          "force_causal_mask")  # (an export wrapper's word that the traced model is causal: torch-to-nnef)
+          "force_causal_mask",  # (an export wrapper's word that the traced model is causal: torch-to-nnef)
+          "waitk", "wait_k")  # (a simultaneous translation model's wait-k policy: checks/across.py)
 ENCODER_TYPES = ("ENCODER_ONLY", "ENCODER")  # an attn_type that attends both ways (SGLang / vLLM AttentionType)
 PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers")
 COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")

@@ -134,6 +134,55 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
     return {"kind": "pad" if PAD.search(name) else "keep", "rows": rows.astype(bool)}
 
 
+CONTEXT = ("encoder_hidden_states", "key_value_states", "context", "memory", "encoder_output", "encoder_out",
+           "enc_output", "enc_out", "cross_attention_states", "encoder_states",  # another sequence handed to attend to
+           "media", "image_embeds", "image_features", "vision_features", "audio_features")  # (Flamingo's, BLIP-2's...)
+_CONTEXT: dict = {}  # code object -> the CONTEXT names among its arguments (matched once per code)
+KV_FRAMES = 6  # program frames read, innermost first, up to the innermost running module's own
+
+
+def kv_given(stack: list) -> tuple[str, tuple] | None:
+    """('encoder_hidden_states of __call__() of x.py', its shape but the last dim) where the function attending (or one
+    between it and the innermost running module's forward, that forward included) was handed another sequence: an
+    argument named as a cross-attention's memory (CONTEXT) holding a tensor that is none of its other arguments
+    (diffusers' processor sets `encoder_hidden_states = hidden_states` for self-attention; lucidrains' `context =
+    default(context, x)`). The first such function decides: None where it holds None or the queries' own tensor
+    (self-attention), or none is found. The shape lets checks/context.cross ask whether the keys are that memory's
+    (a joint attention, SD3's or Qwen-Image's, concatenates it with the queries' own tokens: self-attention)."""
+    global _SKIP
+    if not _SKIP:
+        _SKIP = _skipped()
+    module = stack[-1] if stack else None
+    frame, searched = sys._getframe(1), 0
+    while frame is not None and searched < KV_FRAMES:
+        code = frame.f_code
+        if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<"):
+            frame = frame.f_back
+            continue
+        searched += 1
+        names = _CONTEXT.get(code)
+        if names is None:
+            arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+            names = _CONTEXT[code] = tuple(name for name in arguments if name in CONTEXT)
+        if names:
+            variables = frame.f_locals
+            arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+            others = [variables.get(n) for n in arguments if n not in names]
+            for name in names:
+                value = variables.get(name)
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if any(value is other for other in others):
+                    return None  # (the queries' own tensor handed as the memory: self-attention)
+                return f"{name} of {code.co_name}() of {os.path.basename(code.co_filename)}", tuple(value.shape[:-1])
+            return None  # (no memory handed: self-attention, said by the function that takes one)
+        if module is not None and code.co_name == "forward" and code.co_argcount and code.co_varnames[0] == "self" \
+                and frame.f_locals.get("self") is module:
+            return None  # (the innermost running module's forward: what called it speaks for another call)
+        frame = frame.f_back
+    return None
+
+
 CROSS_FIELDS = ("attention_type", "attn_type", "is_cross_attention")
 INNERMOST = 4  # running modules read, innermost first (a whole model's attributes speak for no one call)
 CROSS_CLASS = re.compile(r"cross_?att(?:n|ention)\d*$|(?:^|_)x_?att(?:n|ention)\d*$", re.IGNORECASE)

@@ -20,7 +20,7 @@ from collections import Counter
 
 import torch
 
-from maskcli.trace.held import cross_class, cross_said, padding
+from maskcli.trace.held import cross_class, cross_said, kv_given, padding
 from maskcli.trace.swin import shifted_windows
 
 FRAMES = 64  # frames of the program searched for a module's owner
@@ -90,6 +90,9 @@ class Sites:
         if said is not None:
             details["cross_said"] = said
         else:
+            given = kv_given(self.stack)  # another sequence handed to the function attending (checks/context.cross)
+            if given is not None:
+                details["kv_given"], details["kv_shape"] = given
             named = cross_class(self.stack)  # (the attending module's class named a cross-attention: context.cross)
             if named is not None:
                 details["cross_class"] = named

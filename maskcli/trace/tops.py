@@ -27,7 +27,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "input_ids", "idx", "tokens", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
              "padding_mask", "pad_mask", "mask", "input_mask", "tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets",
              "image_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
-             "num_prefix_tokens", "num_image_tokens",
+             "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k",
              # the encoder's padding a cross-attention must keep (checks/memory.py) and the decoder's own:
              "encoder_attention_mask", "memory_key_padding_mask", "decoder_attention_mask", "tgt_key_padding_mask",
              # a hand-written seq2seq model's two sides, each with its own pad id (checks/sides.py):
@@ -35,7 +35,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "input_src", "src_tokens", "source_tokens", "src_seq", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens")
 LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
 DOCUMENTS = frozenset(("cu_seqlens", "cu_seq_lens_q", "cu_seqlens_q"))  # handed to an inner module: documents()
-SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens")  # arguments kept as a plain int too
+SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k")  # kept as ints too
 # the first query's position as an int, where a cache of the program's own is written (checks/context.py queries):
 # Meta's Llama forward(tokens, start_pos), Keras-hub's cache_update_index
 STARTS = ("start_pos", "cache_update_index")
