@@ -32,8 +32,9 @@ def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code):
 
 def test_rows_a_softmax_turns_into_nan_are_suspicious_and_a_finite_fill_a_note(tmp_path):
     """pytorch/pytorch#41508: a softmax of a row of -inf is NaN. The program may zero those rows after the softmax
-    (transformers/models/cpmant/modeling_cpmant.py masks the weights with 0 again), which a trace cannot see: so it
-    is suspicious, not wrong; the fix's finfo.min fill makes them uniform, a note."""
+    (transformers/models/cpmant/modeling_cpmant.py masks the weights with 0 again: a masked_fill with 0 over those
+    rows the trace reads, test_checks_rows.py; another way, nan_to_num or a where, it may not): this program zeroes
+    none, so it is suspicious, not wrong; the fix's finfo.min fill makes them uniform, a note."""
     status, found, report = traced(tmp_path, "softmax_inf_padding_nan", fixed=False)
     assert ("fully-masked", "suspicious") in [(f["code"], f["severity"]) for f in found] and status == 0, report
     status, found, report = traced(tmp_path, "softmax_inf_padding_nan", fixed=True)
