@@ -50,3 +50,54 @@ def test_cross_said_by_the_innermost_modules():
     outer.attention_type, inner.is_cross_attention = "self", True
     assert cross_said([outer, inner]) == "Module.is_cross_attention=True"
     assert cross_said([nn.Module()]) is None
+
+
+def test_cross_passed_by_the_layer_that_projects_the_keys():
+    """trace/held.py's cross_passed: the innermost running module with weights handed a context tensor is a
+    cross-attention (its parameter-free attend inside it is not asked); handed None, or its own input, it is not; a
+    layer that takes `memory` but calls a self-attention with weights of its own does not make that one cross."""
+    import torch
+    from torch import nn
+
+    from maskcli.trace.held import cross_passed
+
+    seen = []
+
+    class Attend(nn.Module):  # no weights: the kernel wrapper
+        def forward(self, q, k):
+            seen.append(cross_passed(stack))
+            return q
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.to_k, self.attend = nn.Linear(2, 2), Attend()
+
+        def forward(self, x, context=None):
+            return self.attend(x, self.to_k(context if context is not None else x))
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = Attention()
+
+        def forward(self, x, memory=None):
+            return self.self_attn(x)
+
+    x = torch.zeros(1, 3, 2)
+    attention, layer = Attention(), Layer()
+    stack = [attention, attention.attend]
+    attention(x, context=torch.zeros(1, 4, 2))
+    attention(x)
+    attention(x, context=x)
+    stack = [layer, layer.self_attn, layer.self_attn.attend]
+    layer(x, memory=torch.zeros(1, 4, 2))
+    assert seen == ["Attention.forward(context=…)", None, None, None]
+
+
+def test_cross_attention_handed_its_context_reads_no_decoder_padding_on_its_keys(tmp_path):
+    """x-transformers b0715f2's fix: a cross-attention block given `context` and no `context_mask` attends to all of an
+    unpadded context; the decoder's `mask` (its queries' padding) says nothing of those keys: no finding."""
+    status, found, report = traced(tmp_path, "x_transformers_cross_attention_uses_decoder_mask_for_context", True,
+                                   Path(__file__).parent / "data" / "blind")
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -116,13 +116,14 @@ def cross(call) -> bool:
     queries' own positions, so no rule may place its queries among them (bottom-right or otherwise).
 
     Said by: the module path (BART / Whisper `encoder_attn`, T5 `EncDecAttention`, `cross_attn`, BERT's
-    `crossattention`, nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`), or more
+    `crossattention`, nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`), by the
+    attention layer's forward argument holding the other sequence (trace/held.py's cross_passed), or more
     queries than keys where the kernel itself does not place them (a self-attention's keys hold its queries' own);
     never where the keys were read off the queries' own storage (one projection of one input: trace/masks.py)."""
     details = call.details
     if details.get("queries") is not None or details.get("kv_source") == "query":
         return False
-    if details.get("cross_said") or _cross_word(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
+    if details.get("cross_said") or details.get("cross_passed") or _cross_word(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
         return True
     q_len, k_len = call.shape[2:]
     return q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal"))  # (flash places them itself)

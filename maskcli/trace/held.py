@@ -150,3 +150,37 @@ def cross_said(stack: list) -> str | None:
             if value is False and name == "is_cross_attention":
                 return None  # (said self-attention, innermost first)
     return None
+
+
+CONTEXT = ("context", "encoder_hidden_states", "key_value_states", "encoder_output", "encoder_outputs", "enc_output",
+           "memory", "cross_attn_states")  # a forward argument naming the other sequence its keys are read from
+_CONTEXT_NAMES: dict = {}  # code object -> its parameters named as CONTEXT (matched once per code)
+
+
+def cross_passed(stack: list) -> str | None:
+    """'Class.forward(context=…)' where the innermost running module that owns weights (the attention layer that
+    projects the keys, not a parameter-free attend/kernel wrapper inside it) was handed a tensor under one of CONTEXT's
+    names, other than its first input: its keys are that other sequence's (x-transformers' `Attention.forward(x,
+    context=context)`); None otherwise, or where the argument is None (the same layer as self-attention)."""
+    owner = next((m for m in reversed(stack[-INNERMOST:]) if next(m.parameters(), None) is not None), None)
+    if owner is None:
+        return None
+    frame, searched = sys._getframe(1), 0
+    while frame is not None and searched < FRAMES:
+        code = frame.f_code
+        searched += 1
+        names = _CONTEXT_NAMES.get(code)
+        if names is None:
+            params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+            names = _CONTEXT_NAMES[code] = tuple(n for n in params if n in CONTEXT) if params[:1] == ("self",) else ()
+        if names and frame.f_locals.get("self") is owner:
+            variables = frame.f_locals
+            params = code.co_varnames[:code.co_argcount]
+            first = variables.get(params[1]) if len(params) > 1 else None
+            for name in names:
+                value = variables.get(name)
+                if isinstance(value, torch.Tensor) and value is not first:
+                    return f"{type(owner).__name__}.{code.co_name}({name}=…)"
+            return None
+        frame = frame.f_back
+    return None

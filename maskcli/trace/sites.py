@@ -20,7 +20,7 @@ from collections import Counter
 
 import torch
 
-from maskcli.trace.held import cross_said, padding
+from maskcli.trace.held import cross_passed, cross_said, padding
 
 FRAMES = 64  # frames of the program searched for a module's owner
 
@@ -77,6 +77,10 @@ class Sites:
         said = cross_said(self.stack)  # a running module that says it attends to another sequence (checks/context.cross)
         if said is not None:
             details["cross_said"] = said
+        else:
+            passed = cross_passed(self.stack)  # a layer handed the other sequence as an argument (checks/context.cross)
+            if passed is not None:
+                details["cross_passed"] = passed
         held = padding()  # the padding the program's frames hold (checks/held.py)
         if held is not None:
             details["held_padding"] = held
