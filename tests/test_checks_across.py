@@ -73,7 +73,7 @@ def test_cross_passed_by_the_layer_that_projects_the_keys():
             super().__init__()
             self.to_k, self.attend = nn.Linear(2, 2), Attend()
 
-        def forward(self, x, context=None):
+        def forward(self, x, context=None, context_mask=None):
             return self.attend(x, self.to_k(context if context is not None else x))
 
     class Layer(nn.Module):
@@ -90,14 +90,15 @@ def test_cross_passed_by_the_layer_that_projects_the_keys():
     attention(x, context=torch.zeros(1, 4, 2))
     attention(x)
     attention(x, context=x)
+    attention(x, context=torch.zeros(1, 4, 2), context_mask=torch.ones(1, 4, dtype=torch.bool))
     stack = [layer, layer.self_attn, layer.self_attn.attend]
     layer(x, memory=torch.zeros(1, 4, 2))
-    assert seen == ["Attention.forward(context=…)", None, None, None]
+    assert seen == [("Attention.forward(context=…)", "context_mask"), None, None, ("Attention.forward(context=…)", None),
+                    None]
 
 
 def test_cross_attention_handed_its_context_reads_no_decoder_padding_on_its_keys(tmp_path):
     """x-transformers b0715f2's fix: a cross-attention block given `context` and no `context_mask` attends to all of an
     unpadded context; the decoder's `mask` (its queries' padding) says nothing of those keys: no finding."""
-    status, found, report = traced(tmp_path, "x_transformers_cross_attention_uses_decoder_mask_for_context", True,
-                                   Path(__file__).parent / "data" / "blind")
+    status, found, report = traced(tmp_path, "x_transformers_cross_attention_uses_decoder_mask_for_context", True)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -35,7 +35,7 @@ READS = ("call", "site", "steps", "batch", "ranks")
 GIVEN = ("run", "group", "tensor", "stages", "batch", "layout", "split", "part", "metadata", "expectations", "layer-masks",
          "request-steps", "ranks")
 MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", "rolled", "paged", "arguments", "memory", "heads", "sides", "steps", "cache", "spans", "own", "dropped", "tokens", "layers", "dtypes", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes", "stages", "packing",
-           "held", "across", "decoders", "headrows", "shard", "serve", "servemasks", "servesteps", "serveexpect", "ranks")
+           "held", "across", "crosspad", "decoders", "headrows", "shard", "serve", "servemasks", "servesteps", "serveexpect", "ranks")
 
 
 @dataclass(frozen=True)
