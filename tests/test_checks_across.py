@@ -93,8 +93,8 @@ def test_cross_passed_by_the_layer_that_projects_the_keys():
     attention(x, context=torch.zeros(1, 4, 2), context_mask=torch.ones(1, 4, dtype=torch.bool))
     stack = [layer, layer.self_attn, layer.self_attn.attend]
     layer(x, memory=torch.zeros(1, 4, 2))
-    assert seen == [("Attention.forward(context=…)", "context_mask"), None, None, ("Attention.forward(context=…)", None),
-                    None]
+    assert seen == [("Attention.forward(context=…)", "context_mask", (3, 4)), None, None,
+                    ("Attention.forward(context=…)", None, (3, 4)), None]
 
 
 def test_cross_attention_handed_its_context_reads_no_decoder_padding_on_its_keys(tmp_path):

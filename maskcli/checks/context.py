@@ -123,10 +123,17 @@ def cross(call) -> bool:
     details = call.details
     if details.get("queries") is not None or details.get("kv_source") == "query":
         return False
-    if details.get("cross_said") or details.get("cross_passed") or _cross_word(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
+    if details.get("cross_said") or _passed(call) or _cross_word(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
         return True
     q_len, k_len = call.shape[2:]
     return q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal"))  # (flash places them itself)
+
+
+def _passed(call) -> bool:
+    """A layer handed the other sequence (trace/held.py's cross_passed) whose call has x's queries and the context's
+    keys (a joint attention over both, handed the context too, has more queries than x)."""
+    lengths = call.details.get("cross_lengths")
+    return bool(lengths) and tuple(call.shape[2:]) == tuple(lengths)
 
 
 def layer(call) -> int | None:

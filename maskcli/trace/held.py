@@ -159,12 +159,12 @@ CONTEXT_MASKS = ("context_mask", "encoder_attention_mask", "encoder_mask", "memo
 _CONTEXT_NAMES: dict = {}  # code object -> its parameters named as CONTEXT (matched once per code)
 
 
-def cross_passed(stack: list) -> tuple[str, str | None] | None:
+def cross_passed(stack: list) -> tuple[str, str | None, tuple[int, int]] | None:
     """'Class.forward(context=…)' where the innermost running module that owns weights (the attention layer that
     projects the keys, not a parameter-free attend/kernel wrapper inside it) was handed a tensor under one of CONTEXT's
     names, other than its first input: its keys are that other sequence's (x-transformers' `Attention.forward(x,
     context=context)`), with the name of its context-mask parameter where that was handed None (the program states
-    no padding of the context: checks/crosspad.py); None otherwise, or where the argument is None (self-attention)."""
+    no padding of the context: checks/crosspad.py), and (x's length, the context's) along dim -2; None otherwise, or where the argument is None (self-attention)."""
     owner = next((m for m in reversed(stack[-INNERMOST:]) if next(m.parameters(), None) is not None), None)
     if owner is None:
         return None
@@ -184,8 +184,12 @@ def cross_passed(stack: list) -> tuple[str, str | None] | None:
             for name in names[0]:
                 value = variables.get(name)
                 if isinstance(value, torch.Tensor) and value is not first:
+                    if not isinstance(first, torch.Tensor) or first.dim() < 2 or value.dim() < 2:
+                        return None
                     unmasked = next((n for n in names[1] if variables.get(n) is None), None)
-                    return f"{type(owner).__name__}.{code.co_name}({name}=…)", unmasked
+                    # (the lengths: a joint attention over [x, context] (MMDiT's) is handed it too, but its queries are
+                    # both sequences, so context.cross asks that the call's queries be x's and its keys the context's)
+                    return f"{type(owner).__name__}.{code.co_name}({name}=…)", unmasked, (first.shape[-2], value.shape[-2])
             return None
         frame = frame.f_back
     return None

@@ -80,7 +80,7 @@ class Sites:
         else:
             passed = cross_passed(self.stack)  # a layer handed the other sequence as an argument (checks/context.cross)
             if passed is not None:
-                details["cross_passed"] = passed[0]
+                details["cross_passed"], details["cross_lengths"] = passed[0], passed[2]
                 if passed[1] is not None:
                     details["context_unmasked"] = passed[1]  # (handed None: checks/crosspad.py)
         held = padding()  # the padding the program's frames hold (checks/held.py)
