@@ -189,3 +189,10 @@ def test_ids_scored_without_their_mask_are_found_by_the_pad_id_of_the_tokenizer_
     real = lambda b, i: i >= 5 - lengths[b]  # noqa: E731
     assert tuple(hit["cell"]) == first((3, 5, 5), lambda b, q, k: real(b, q) and not real(b, k) and k <= q)
     assert "self.tokenizer (Vocab)" in hit["message"]
+
+
+def test_x_transformers_flash_attend_bool_mask_inverted(tmp_path):
+    """x-transformers#160: the "True = mask out" mask handed to SDPA (True = attend): real queries see the padding
+    keys 4, 5 of row 1 that the `mask` given to Attention marks padding; the fix (`mask = ~mask`) is quiet."""
+    hit = check_bug(tmp_path, "x_transformers_flash_attend_bool_mask_inverted", "padding-ignored")[0]
+    assert hit["message"].startswith("batch row 1: query 0 sees key 4, which the mask given to Attention marks as padding")
