@@ -172,6 +172,30 @@ def test_a_memory_handed_to_the_function_attending_says_cross_attention():
         def forward(self, x):
             return kv_given([self])
 
+def test_cross_passed_by_the_layer_that_projects_the_keys():
+    """trace/held.py's cross_passed: the innermost running module with weights handed a context tensor is a
+    cross-attention (its parameter-free attend inside it is not asked); handed None, or its own input, it is not; a
+    layer that takes `memory` but calls a self-attention with weights of its own does not make that one cross."""
+    import torch
+    from torch import nn
+
+    from maskcli.trace.held import cross_passed
+
+    seen = []
+
+    class Attend(nn.Module):  # no weights: the kernel wrapper
+        def forward(self, q, k):
+            seen.append(cross_passed(stack))
+            return q
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.to_k, self.attend = nn.Linear(2, 2), Attend()
+
+        def forward(self, x, context=None, context_mask=None):
+            return self.attend(x, self.to_k(context if context is not None else x))
+
     class Layer(nn.Module):
         def __init__(self):
             super().__init__()
@@ -186,3 +210,27 @@ def test_a_memory_handed_to_the_function_attending_says_cross_attention():
     assert attention(x) is None and attention(x, context=x) is None
     layer = Layer()
     assert layer(x, other) is None  # (Layer's `memory` is not the self-attention's: its module's forward decides)
+
+            self.self_attn = Attention()
+
+        def forward(self, x, memory=None):
+            return self.self_attn(x)
+
+    x = torch.zeros(1, 3, 2)
+    attention, layer = Attention(), Layer()
+    stack = [attention, attention.attend]
+    attention(x, context=torch.zeros(1, 4, 2))
+    attention(x)
+    attention(x, context=x)
+    attention(x, context=torch.zeros(1, 4, 2), context_mask=torch.ones(1, 4, dtype=torch.bool))
+    stack = [layer, layer.self_attn, layer.self_attn.attend]
+    layer(x, memory=torch.zeros(1, 4, 2))
+    assert seen == [("Attention.forward(context=…)", "context_mask", (3, 4)), None, None,
+                    ("Attention.forward(context=…)", None, (3, 4)), None]
+
+
+def test_cross_attention_handed_its_context_reads_no_decoder_padding_on_its_keys(tmp_path):
+    """x-transformers b0715f2's fix: a cross-attention block given `context` and no `context_mask` attends to all of an
+    unpadded context; the decoder's `mask` (its queries' padding) says nothing of those keys: no finding."""
+    status, found, report = traced(tmp_path, "x_transformers_cross_attention_uses_decoder_mask_for_context", True)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -209,3 +209,10 @@ def test_a_perceivers_latents_are_not_read_against_its_frames_padding(tmp_path):
     hit = next(f for f in found if f["code"] == "padding-ignored")
     real = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=bool)
     assert status == 1 and tuple(hit["cell"]) == first((2, 4, 4), lambda b, q, k: real[b, q] and not real[b, k]), report
+
+
+def test_x_transformers_flash_attend_bool_mask_inverted(tmp_path):
+    """x-transformers#160: the "True = mask out" mask handed to SDPA (True = attend): real queries see the padding
+    keys 4, 5 of row 1 that the `mask` given to Attention marks padding; the fix (`mask = ~mask`) is quiet."""
+    hit = check_bug(tmp_path, "x_transformers_flash_attend_bool_mask_inverted", "padding-ignored")[0]
+    assert hit["message"].startswith("batch row 1: query 0 sees key 4, which the mask given to Attention marks as padding")

@@ -352,3 +352,10 @@ def test_one_side_bounded_is_told_from_a_band_a_window_and_full():
         keep = np.array([[[[rule(q, k) for k in range(length)] for q in range(length)]]])
         placed = Placed(keep, own, real_k[:, own], real_k)
         assert [other for other in shapes if placed.holds(other)] == [name]
+
+
+def test_mistral_one_file_ref_sliding_window_band_one_too_wide(tmp_path):
+    """mistral-inference#137: triu(..., diagonal=-sliding_window) keeps sliding_window + 1 keys; the config's
+    sliding_window=4 counts the query itself, so the band is one too wide (torch.tril/triu's W-1 band is the fix's)."""
+    hit = check_bug(tmp_path, "mistral_one_file_ref_sliding_window_band_one_too_wide", "window-off-by-one")[0]
+    assert "sees window(5), one key wider than its config's window(4)" in hit["message"]

@@ -107,3 +107,17 @@ def test_the_watch_changes_nothing_the_program_computes():
     for a, b in zip(plain, watched):
         torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
     assert t.calls and t.calls[0].details.get("overflow", {}).get("op") == "cast"
+
+
+def test_a_min_sum_clamped_back_before_the_softmax_is_quiet():
+    # two finfo.min planes summed (-inf where both mask), then clamp(min=finfo.min) as SpecForge's
+    # _prepare_decoder_attention_mask does: the softmax's scores hold no -inf (torch.isinf says so), nothing to say
+    def program():
+        low = torch.finfo(torch.float32).min
+        causal = torch.full((4, 4), low).triu(1)[None, None]
+        padding = (1.0 - torch.tensor([[1.0, 1, 1, 0]]))[:, None, None, :] * low
+        mask = (causal + padding).clamp(min=low)
+        assert not torch.isinf(mask).any()
+        torch.softmax(torch.randn(1, 1, 4, 4) + mask, dim=-1)
+
+    assert [f for f in traced(program) if f[0] == "fill-became-inf"] == []

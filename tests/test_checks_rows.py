@@ -177,3 +177,30 @@ def test_nan_rows_a_program_zeroes_after_its_softmax_are_no_alarm(tmp_path):
                                 "rows' weights after the softmax)"}
     assert run("& (torch.arange(5) < 4)[None, None, :, None]") == {
         "suspicious": "query row 4 of batch row 1 sees no key at all: NaN weights there (softmax of all -inf)"}
+
+
+def test_llms_from_scratch_future_mask_as_sdpa_keep_mask(tmp_path):
+    """LLMs-from-scratch#1061: triu(ones, 1).bool() handed to SDPA as its keep-mask: the last token sees no key, though
+    every earlier query sees it as a key; the fix (~mask) is quiet. The row is the one torch.triu leaves empty."""
+    import torch
+
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "llms_from_scratch_sdpa_without_flash_uncausal_bool_mask", "fully-masked")[0]
+    keep = torch.triu(torch.ones(6, 6), diagonal=1).bool()
+    empty = [q for q in range(6) if not keep[q].any()]
+    assert hit["message"].startswith(f"query {empty[0]} of batch row 0 sees no key at all, not even its own")
+
+
+def test_mha_causal_mask_that_hides_the_own_token(tmp_path):
+    """Written another way: nn.MultiheadAttention, an additive -inf triu(diagonal=0): query 0 sees nothing though
+    query 1 sees key 0 (the row torch.softmax of the mask makes NaN); the fix (diagonal=1) is quiet."""
+    import torch
+
+    from checkbugs import caught
+
+    mask = torch.triu(torch.full((5, 5), float("-inf")), diagonal=0)
+    row = int(torch.isnan(torch.softmax(mask, dim=-1)).any(dim=-1).nonzero()[0])
+    hit = caught(tmp_path, "mha_causal_mask_hides_own_token", ("fully-masked",))
+    assert hit["message"].startswith(f"query {row} of batch row 0 sees no key at all")
+    assert tuple(hit["cell"]) == (0, row, row)

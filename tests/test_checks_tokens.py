@@ -156,3 +156,10 @@ def test_a_left_padded_chat_batch_whose_pad_is_the_eos_hides_a_trained_eos(tmp_p
     ids = [[5, 6, 7, 8, 0, 5, 9, 7, 10, 11, 0], [0] * 6 + [5, 12, 7, 13, 0]]
     mask = [[int(t != 0) for t in row] for row in ids]
     assert tuple(found[0]["cell"]) == first((2, 11, 11), _hole_seen_by_none(ids, mask, 0))
+
+
+def test_bert_nli_build_batch_pads_attention_mask_with_ones(tmp_path):
+    """yg211/bert_nli#3: the attention mask padded with 1s, so BERT's real queries see the [PAD] (id 0) tokens at the
+    row's end that the mask calls real; the fix (pad with 0s) is quiet."""
+    hit = check_bug(tmp_path, "bert_nli_build_batch_pads_attention_mask_with_ones", "padding-unmarked")[0]
+    assert "a token at the model's pad id (0)" in hit["message"]

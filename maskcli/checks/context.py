@@ -120,15 +120,16 @@ def cross(call) -> bool:
     `crossattention`, nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`, Flamingo's
     `xattn`), a memory handed to the function attending (`encoder_hidden_states`, `context`: trace/held.py kv_given)
     whose length the keys have (not a joint attention's, that concatenates it with the queries' own tokens), the
-    attending module's class (`MaskedCrossAttention`: trace/held.py cross_class) where the keys are not as many as the
-    queries (LDM's `CrossAttention` class runs its self-attention too), or more
+    attention layer's forward argument holding the other sequence (trace/held.py cross_passed), the attending
+    module's class (`MaskedCrossAttention`: trace/held.py cross_class) where the keys are not as many as the queries
+    (LDM's `CrossAttention` class runs its self-attention too), or more
     queries than keys where the kernel itself does not place them (a self-attention's keys hold its queries' own);
     never where the keys were read off the queries' own storage (one projection of one input: trace/masks.py)."""
     details = call.details
     if details.get("queries") is not None or details.get("kv_source") == "query":
         return False
     if details.get("cross_said") or details.get("kv_given") and call.shape[3] in details.get("kv_shape", ()) \
-            or _cross_word(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
+            or _passed(call) or _cross_word(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
         return True
     q_len, k_len = call.shape[2:]
     if details.get("cross_class") and q_len != k_len:  # (a class named so also runs LDM's self-attention: attn1)
@@ -162,6 +163,13 @@ def beside_memory(run, call, real: np.ndarray) -> bool:
         if np.array_equal(seen, np.broadcast_to(real, real.shape)):
             return True
     return False
+
+
+def _passed(call) -> bool:
+    """A layer handed the other sequence (trace/held.py's cross_passed) whose call has x's queries and the context's
+    keys (a joint attention over both, handed the context too, has more queries than x)."""
+    lengths = call.details.get("cross_lengths")
+    return bool(lengths) and tuple(call.shape[2:]) == tuple(lengths)
 
 
 def layer(call) -> int | None:

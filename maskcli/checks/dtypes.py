@@ -54,7 +54,9 @@ def overflowed(run: Run) -> list:
                 f"{_how(overflow)} became -inf at {where}: query rows {spans(own[rows].tolist())} of batch row {b} are "
                 f"-inf only, so softmax gives NaN there ({_fix(overflow)})"),
                 expected=f"a finite fill in {overflow.get('dtype')}", source=source, cell=(b, int(own[rows[0]]), 0))))
-        elif not overflow.get("scores"):
+        elif not overflow.get("scores") and call.details.get("fill") not in ("min", "finite"):
+            # (a softmax whose scores hold no -inf: the overflow was clamped back before the kernel, as
+            # `(causal + pad).clamp(min=finfo.min)` does, so the mask the kernel applied is finite)
             found.append((call, Finding("fill-became-inf", (
                 f"{_how(overflow)} became -inf at {where}: the mask holds -inf where a finite fill was meant, and a "
                 f"row of -inf only is NaN under a softmax ({_fix(overflow)})"), severity="suspicious",

@@ -37,8 +37,8 @@ GIVEN = ("run", "group", "tensor", "stages", "batch", "layout", "split", "part",
 MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", "rolled", "paged", "arguments",
            "memory", "heads", "sides", "steps", "cache", "spans", "own", "dropped", "tokens", "layers", "dtypes",
            "softmaxed", "padflag", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes",
-           "stages", "packing", "held", "frames", "segments", "withheld", "swin", "across", "decoders", "headrows",
-           "shard", "serve", "servemasks", "servesteps", "serveexpect", "ranks")
+           "stages", "packing", "held", "frames", "segments", "withheld", "swin", "across", "crosspad", "decoders",
+           "headrows", "shard", "serve", "servemasks", "servesteps", "serveexpect", "ranks")
 
 
 @dataclass(frozen=True)

@@ -213,3 +213,46 @@ def cross_said(stack: list) -> str | None:
             if value is False and name == "is_cross_attention":
                 return None  # (said self-attention, innermost first)
     return None
+
+
+CONTEXT = ("context", "encoder_hidden_states", "key_value_states", "encoder_output", "encoder_outputs", "enc_output",
+           "memory", "cross_attn_states")  # a forward argument naming the other sequence its keys are read from
+CONTEXT_MASKS = ("context_mask", "encoder_attention_mask", "encoder_mask", "memory_mask", "memory_key_padding_mask",
+                 "encoder_padding_mask", "cross_attn_mask", "enc_mask")  # the mask of that other sequence's keys
+_CONTEXT_NAMES: dict = {}  # code object -> its parameters named as CONTEXT (matched once per code)
+
+
+def cross_passed(stack: list) -> tuple[str, str | None, tuple[int, int]] | None:
+    """'Class.forward(context=…)' where the innermost running module that owns weights (the attention layer that
+    projects the keys, not a parameter-free attend/kernel wrapper inside it) was handed a tensor under one of CONTEXT's
+    names, other than its first input: its keys are that other sequence's (x-transformers' `Attention.forward(x,
+    context=context)`), with the name of its context-mask parameter where that was handed None (the program states
+    no padding of the context: checks/crosspad.py), and (x's length, the context's) along dim -2; None otherwise, or where the argument is None (self-attention)."""
+    owner = next((m for m in reversed(stack[-INNERMOST:]) if next(m.parameters(), None) is not None), None)
+    if owner is None:
+        return None
+    frame, searched = sys._getframe(1), 0
+    while frame is not None and searched < FRAMES:
+        code = frame.f_code
+        searched += 1
+        names = _CONTEXT_NAMES.get(code)
+        if names is None:
+            params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+            names = tuple(n for n in params if n in CONTEXT) if params[:1] == ("self",) else ()
+            names = _CONTEXT_NAMES[code] = names and (names, tuple(n for n in params if n in CONTEXT_MASKS))
+        if names and frame.f_locals.get("self") is owner:
+            variables = frame.f_locals
+            params = code.co_varnames[:code.co_argcount]
+            first = variables.get(params[1]) if len(params) > 1 else None
+            for name in names[0]:
+                value = variables.get(name)
+                if isinstance(value, torch.Tensor) and value is not first:
+                    if not isinstance(first, torch.Tensor) or first.dim() < 2 or value.dim() < 2:
+                        return None
+                    unmasked = next((n for n in names[1] if variables.get(n) is None), None)
+                    # (the lengths: a joint attention over [x, context] (MMDiT's) is handed it too, but its queries are
+                    # both sequences, so context.cross asks that the call's queries be x's and its keys the context's)
+                    return f"{type(owner).__name__}.{code.co_name}({name}=…)", unmasked, (first.shape[-2], value.shape[-2])
+            return None
+        frame = frame.f_back
+    return None

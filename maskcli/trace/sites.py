@@ -20,7 +20,7 @@ from collections import Counter
 
 import torch
 
-from maskcli.trace.held import cross_class, cross_said, kv_given, padding
+from maskcli.trace.held import cross_class, cross_passed, cross_said, kv_given, padding
 from maskcli.trace.swin import shifted_windows
 
 FRAMES = 64  # frames of the program searched for a module's owner
@@ -93,6 +93,11 @@ class Sites:
             given = kv_given(self.stack)  # another sequence handed to the function attending (checks/context.cross)
             if given is not None:
                 details["kv_given"], details["kv_shape"] = given
+            passed = cross_passed(self.stack)  # a layer handed the other sequence as an argument (checks/context.cross)
+            if passed is not None:
+                details["cross_passed"], details["cross_lengths"] = passed[0], passed[2]
+                if passed[1] is not None:
+                    details["context_unmasked"] = passed[1]  # (handed None: checks/crosspad.py)
             named = cross_class(self.stack)  # (the attending module's class named a cross-attention: context.cross)
             if named is not None:
                 details["cross_class"] = named
