@@ -172,6 +172,23 @@ def test_a_memory_handed_to_the_function_attending_says_cross_attention():
         def forward(self, x):
             return kv_given([self])
 
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = SelfAttention()
+
+        def forward(self, x, memory):
+            return self.attn(x)
+
+    x, other = torch.zeros(1, 3, 4), torch.zeros(1, 3, 4)
+    attention = Attention()
+    assert attention(x, context=other) == ("context of forward() of test_checks_across.py", (1, 3))
+    assert attention(x) is None and attention(x, context=x) is None
+    layer = Layer()
+    assert layer(x, other) is None  # (Layer's `memory` is not the self-attention's: its module's forward decides)
+
+
+
 def test_cross_passed_by_the_layer_that_projects_the_keys():
     """trace/held.py's cross_passed: the innermost running module with weights handed a context tensor is a
     cross-attention (its parameter-free attend inside it is not asked); handed None, or its own input, it is not; a
@@ -199,18 +216,6 @@ def test_cross_passed_by_the_layer_that_projects_the_keys():
     class Layer(nn.Module):
         def __init__(self):
             super().__init__()
-            self.attn = SelfAttention()
-
-        def forward(self, x, memory):
-            return self.attn(x)
-
-    x, other = torch.zeros(1, 3, 4), torch.zeros(1, 3, 4)
-    attention = Attention()
-    assert attention(x, context=other) == ("context of forward() of test_checks_across.py", (1, 3))
-    assert attention(x) is None and attention(x, context=x) is None
-    layer = Layer()
-    assert layer(x, other) is None  # (Layer's `memory` is not the self-attention's: its module's forward decides)
-
             self.self_attn = Attention()
 
         def forward(self, x, memory=None):
