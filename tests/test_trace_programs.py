@@ -83,6 +83,21 @@ def test_two_instances_of_one_module_class_are_two_call_sites_each_with_its_step
     assert [(c.where, c.step) for c in t.calls] == [("MultiheadAttention", 0), ("MultiheadAttention#2", 0)]
 
 
+def test_a_second_module_attending_in_its_own_forward_is_named_by_the_programs_variable():
+    """The frames are read at the attention call, inside the module's own forward, where `self` holds it: the name is
+    still the variable of the program's that holds it (here `cross`), not its class numbered."""
+    class Attend(nn.Module):
+        def forward(self, q, k):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, k)
+
+    first, cross = Attend(), Attend()
+    x = torch.randn(1, 2, 3, 4)
+    with maskcli.trace() as t:
+        first(x, x)
+        cross(x, torch.randn(1, 2, 5, 4))
+    assert [c.where for c in t.calls] == ["Attend", "cross"]
+
+
 def _causal(call) -> bool:
     q_len, k_len = call.shape[2:]
     return np.array_equal(np.broadcast_to(call.keep(), call.shape)[0, 0], np.tril(np.ones((q_len, k_len), dtype=bool)))

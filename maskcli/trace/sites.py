@@ -222,7 +222,8 @@ def _modules_in_frames():
             searched += 1
             for name, value in list(frame.f_locals.items()):
                 if isinstance(value, torch.nn.Module) and id(value) not in seen:
-                    seen.add(id(value))
+                    if name != "self":  # (a forward's own module, read at a call inside it: named by its caller's variable)
+                        seen.add(id(value))
                     yield name, value
         frame = frame.f_back
 
