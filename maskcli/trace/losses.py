@@ -25,16 +25,20 @@ def watched(trace) -> dict:
     def loss(args, kwargs):
         target = args[1] if len(args) > 1 else kwargs.get("target")
         ignore = kwargs.get("ignore_index", -100)
-        # (the loss inside the model's own forward, which has made attention calls: not a loss module's own call)
-        held = trace._local.outer  # (the outermost module call that made attention calls, not finished: outer.py)
-        inner = held is not None and held[0] is not None and len(trace.calls) > held[4]
-        if not isinstance(target, torch.Tensor) or target.is_floating_point() or not (trace.tops or inner) \
-                or target.numel() > 1 << 20:
+        if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.numel() > 1 << 20:
             return None
-        found = target.detach().cpu().numpy().astype(np.int64)
+        # (the loss inside the model's own forward, which has made attention calls: not a loss module's own call).
+        # The outermost module call held (outer.py) may have returned already: its first call runs without the hook
+        # that finishes it, so it is still held after it ends. Inside it only while its frame is on this stack.
+        held = trace._local.outer
+        inner = held is not None and held[0] is not None and len(trace.calls) > held[4] and _running(held[0])
         if inner:  # its model call is no top yet: read when it is (outer.py's _finish calls inside())
+            found = target.detach().cpu().numpy().astype(np.int64)
             trace._local.losses = [*(getattr(trace._local, "losses", None) or ()), (found, ignore)][-RECENT:]
             return None
+        if not trace.tops:  # (reading them finishes the module calls held that have ended: capture.py)
+            return None
+        found = target.detach().cpu().numpy().astype(np.int64)
         for top in reversed(trace.tops[-RECENT:]):
             ids = next((top.arguments[n] for n in IDS if isinstance(top.arguments.get(n), np.ndarray)), None)
             shifted = None if ids is None or ids.ndim != 2 or "next_token" in top.arguments else _shifted(found, ids, ignore)
@@ -54,6 +58,18 @@ def inside(top, losses) -> None:
         shifted = None if ids is None or ids.ndim != 2 or "next_token" in top.arguments else _shifted(found, ids, ignore)
         if shifted is not None:
             top.arguments["next_token"] = shifted
+
+
+def _running(frame) -> bool:
+    """Whether `frame` (a module call's) is on the calling thread's stack: that call has not returned."""
+    import sys
+
+    here = sys._getframe(2)
+    while here is not None:
+        if here is frame:
+            return True
+        here = here.f_back
+    return False
 
 
 def _shifted(target: np.ndarray, ids: np.ndarray, ignore: int) -> tuple[int, np.ndarray] | None:
