@@ -36,7 +36,14 @@ class Outer:
                 tokenizer(module, frame.f_back)
             except Exception:  # noqa: BLE001 - a program object that cannot be read: no tokenizer read
                 pass
-        local.outer = held = [frame, module, variables.get("args", ()), variables.get("kwargs", {}), first, len(self.calls)]
+        args, kwargs = variables.get("args", ()), variables.get("kwargs", {})
+        from maskcli.trace.tops import withheld
+
+        try:  # (a mask its caller holds and did not hand over: read while the caller's frames are the call's)
+            kept = withheld(module, args, kwargs, frame.f_back)
+        except Exception:  # noqa: BLE001 - a program object that cannot be read: nothing read
+            kept = {}
+        local.outer = held = [frame, module, args, kwargs, first, len(self.calls), kept]
         self._outers[threading.get_ident()] = held
         if id(module) not in self._handles:
             self._handles[id(module)] = (module.register_forward_pre_hook(self._outer_pre),
@@ -56,7 +63,7 @@ class Outer:
 
     def _finish(self, held: list) -> None:
         """The Top of an outermost module call that made attention calls (what the checks read of it)."""
-        frame, module, args, kwargs, first, end = held
+        frame, module, args, kwargs, first, end, kept = held
         if frame is None:  # (finished already)
             return
         held[0] = None  # (its frame let go: the program's variables are its own again)
@@ -68,7 +75,7 @@ class Outer:
         from maskcli.trace.tops import top
 
         try:  # (the program's objects read: a config whose attribute access raises must not reach it)
-            found = top(self.sites.shown(module), module, args, kwargs, first, end)
+            found = top(self.sites.shown(module), module, args, kwargs, first, end, held=kept)
         except Exception:  # noqa: BLE001 - what the call states is then unknown; its calls stay recorded
             return
         stated = self._stated.get(id(module))  # (read once per module: trace/stated.py)

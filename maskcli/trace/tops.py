@@ -11,7 +11,6 @@ import functools
 import inspect
 import os
 import re
-import sys
 import weakref
 
 import numpy as np
@@ -57,13 +56,29 @@ def _signature(cls) -> inspect.Signature | None:
         return None
 
 
-def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, stated: tuple = ()) -> Top:
-    """The Top of one outermost call: its config and the position arguments it was given (positional ones by name)."""
+def _given(module, args: tuple, kwargs: dict) -> tuple[inspect.Signature | None, dict]:
+    """The module's forward signature and the arguments of one call to it by name (positional ones too)."""
     given = dict(kwargs)
     signature = _signature(type(module))
     if signature is not None and args:
         names = [name for name in signature.parameters if name != "self"]
         given.update({name: value for name, value in zip(names, args) if name not in given})
+    return signature, given
+
+
+def withheld(module, args: tuple, kwargs: dict, caller) -> dict:
+    """What `_withheld` reads of one outermost call, from the program's frames from `caller` (the frame that made the
+    call) outward: read as the call runs (outer.py), since its Top is made later, when those frames hold other values
+    or have returned."""
+    signature, given = _given(module, args, kwargs)
+    return _withheld(signature, given, caller)
+
+
+def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, stated: tuple = (),
+        held: dict | None = None) -> Top:
+    """The Top of one outermost call: its config and the position arguments it was given (positional ones by name).
+    `held`: what was read of the program's frames as the call ran (`withheld`)."""
+    signature, given = _given(module, args, kwargs)
     found = {}
     for name in ARGUMENTS + PATCHES:
         value = given.get(name)
@@ -83,7 +98,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
             found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
     found.update(_token_ids(module))
     found.update(_zeros(given, found))
-    found.update(_withheld(signature, given))
+    found.update(held or {})
     if "pad_id" not in found and any(name in found for name in ("input_ids", "idx", "tokens")):
         from maskcli.trace.tokenizer import tokenizer
 
@@ -122,12 +137,12 @@ MASK_PARAMETER = re.compile(r"^(?!.*(?:attention|attn|loss|label|labels|head|cau
 WITHHELD_FRAMES = 4  # program frames read outward from the model call: its caller and theirs
 
 
-def _withheld(signature, given: dict) -> dict:
+def _withheld(signature, given: dict, frame) -> dict:
     """{"withheld": (name, where, int (B, N))}: a padding-like mask the model's forward takes as `name` (`frame_mask`,
     `image_mask`: a parameter named `*_mask`) that the call left at None while a function of the program that made
     the call holds a tensor of that very name, as a variable or as a dict's key (`batch["frame_mask"]`): 2-D, 0/1,
-    some 0 (checks/withheld.py). Read only where such a parameter went unfilled."""
-    if signature is None:
+    some 0 (checks/withheld.py). Read only where such a parameter went unfilled; `frame`: the one that made the call."""
+    if signature is None or frame is None:
         return {}
     names = [name for name in signature.parameters if MASK_PARAMETER.match(name) and given.get(name) is None]
     if not names:
@@ -135,7 +150,7 @@ def _withheld(signature, given: dict) -> dict:
     global _SKIP
     if not _SKIP:
         _SKIP = _skipped()
-    frame, searched = sys._getframe(1), 0
+    searched = 0
     while frame is not None and searched < WITHHELD_FRAMES:
         code = frame.f_code
         if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<"):
