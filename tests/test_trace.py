@@ -337,7 +337,11 @@ def test_a_keep_mask_handed_to_multihead_attention_is_said_to_look_flipped():
     (group,) = t.groups()
     codes = {finding.code: finding.message for finding in group.findings}
     assert codes["polarity"].startswith("read the other way round it is causal") and "MHA reads a bool mask as True = masked" in codes["polarity"]
-    assert codes["fully-masked"].startswith("query row 3 sees no key at all: NaN there")
+    # query 3 hides keys 0-3 (its row of tril is all True), yet key 3 is seen by query 0 (which hides key 0 only):
+    # a real token with no key to read, so the softmax MHA runs gives NaN there (checks/rows.py, 580e420)
+    assert codes["fully-masked"].startswith("query 3 of batch row 0 sees no key at all, not even its own, though its "
+                                            "token is a real key that query 0 sees") and "NaN there" in codes["fully-masked"]
+    assert {f.code: f.severity for f in group.findings}["fully-masked"] == "wrong"
     assert codes["sees-later"].startswith("query rows 0-2 see later keys")
 
 

@@ -89,13 +89,13 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
             found[name] = value.detach().cpu().numpy().astype(np.int64)
         elif isinstance(value, int) and not isinstance(value, bool) and name in SCALARS:
             found[name] = value
+        elif name in LISTS and isinstance(value, (list, tuple)) and 1 < len(value) <= MOST \
+                and all(isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0 for x in value):
+            found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
     for name in STARTS:
         value = given.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             found[name] = value
-        elif name in LISTS and isinstance(value, (list, tuple)) and 1 < len(value) <= MOST \
-                and all(isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0 for x in value):
-            found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
     found.update(_token_ids(module))
     found.update(_zeros(given, found))
     found.update(held or {})
