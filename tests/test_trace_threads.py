@@ -78,6 +78,28 @@ def test_a_thread_running_before_the_trace_is_named_as_not_traced():
     assert t.report() == "0 attention calls in 0 groups\n" + t.notes()[0]
 
 
+def test_torchs_compile_pool_worker_running_before_the_trace_is_not_named(monkeypatch):
+    """Inductor compiles its kernels in a cached ThreadPoolExecutor whose non-daemon worker stays for the process
+    (torch/_inductor/async_compile.py, AsyncCompile.pool): torch's helper, not a program's thread; a program's own
+    thread running beside it is still named."""
+    import torch._inductor.config
+    from torch._inductor.async_compile import AsyncCompile
+
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 2)  # (the pool needs more than one)
+    assert AsyncCompile.pool().submit(threading.get_ident).result() != threading.get_ident()
+    workers = [t for t in threading.enumerate() if t.name.startswith("ThreadPoolExecutor") and not t.daemon]
+    assert workers and all(t.is_alive() for t in workers)
+    go = threading.Event()
+    early = threading.Thread(target=go.wait, args=(10,), name="started-early")
+    early.start()
+    with maskcli.trace() as t:
+        attend(3)
+    go.set()
+    early.join()
+    assert [c.shape[2] for c in t.calls] == [3]
+    assert t.notes() == ["1 thread running before the trace began not traced (their calls are not in this report): started-early"]
+
+
 def work() -> None:
     """A child's work (no torch: GNU OpenMP's threads do not survive a fork of a process that used them)."""
 

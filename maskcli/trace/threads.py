@@ -6,7 +6,8 @@ it begins (threading.Thread._bootstrap_inner, which threading, concurrent.future
 ThreadPoolExecutor and every Thread subclass go through before run()). Threads already
 running when the trace began are not entered: they are named (not daemon threads: those
 are libraries' helpers, such as the progress monitor torch.compile starts, far more often
-than a program's workers, which threading and ThreadPoolExecutor start as non-daemon). Child processes
+than a program's workers, which threading and ThreadPoolExecutor start as non-daemon; nor
+the workers of torch's own pools, such as inductor's compile pool, non-daemon but torch's). Child processes
 (multiprocessing, ProcessPoolExecutor, os.fork) run in memory of their own, where nothing
 of this trace reaches: they are counted and named, as not traced.
 """
@@ -43,7 +44,9 @@ class Threads:
 
     def __enter__(self) -> Threads:
         current = threading.current_thread()
-        self.before = [t.name for t in threading.enumerate() if t is not current and t.is_alive() and not t.daemon]
+        helpers = _torch_helpers()
+        self.before = [t.name for t in threading.enumerate()
+                       if t is not current and t.is_alive() and not t.daemon and t not in helpers]
         bootstrap = threading.Thread._bootstrap_inner
         watch = self
 
@@ -98,6 +101,26 @@ class Threads:
             found.append(f"{_count(len(self.processes), 'child process', 'child processes')} not traced (they run in "
                          f"memory of their own; trace the code they run on its own): {_names(self.processes)}")
         return found
+
+
+def _torch_helpers() -> set:
+    """The worker threads of torch's own thread pools, made once per process and idle between their tasks: inductor's
+    compile pool (torch._inductor.async_compile.AsyncCompile.pool, cached, non-daemon: made as the first kernel is
+    compiled, it stays for the process) and the prefetch pool of torch.utils._functools. A library's helpers, not the
+    program's workers, whatever ran before the trace (named otherwise as a thread not traced, a false note)."""
+    import sys
+
+    found: set = set()
+    compiling = getattr(sys.modules.get("torch._inductor.async_compile"), "AsyncCompile", None)
+    pool = getattr(compiling, "pool", None)
+    try:  # (only a pool already made: asking the cache for it makes none)
+        if pool is not None and pool.cache_info().currsize:
+            found.update(getattr(pool(), "_threads", ()))
+    except Exception:  # noqa: BLE001 - another torch's pool: its threads are named as any other
+        pass
+    prefetch = getattr(sys.modules.get("torch.utils._functools"), "_prefetch_executor", None)
+    found.update(getattr(prefetch, "_threads", ()))
+    return found
 
 
 def _count(n: int, word: str, plural: str | None = None) -> str:
