@@ -4,6 +4,7 @@ otherwise, and quiet where the flag is True or no mask is handed on."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -14,6 +15,7 @@ from maskcli.checks.registry import severity
 
 def test_mosaicml_mask_pad_tokens_false_is_flagged_and_its_fix_is_not(tmp_path):
     # mosaicml/diffusion#147: the tokenizer's mask handed to CLIP and the U-Net although mask_pad_tokens=False
+    pytest.importorskip("transformers")  # (its CLIP text encoder: the hf extra)
     check_bug(tmp_path, "mosaicml_sd_generate_masks_text_encoder_despite_mask_pad_tokens_false",
               "padding-masked-despite-flag")
 
