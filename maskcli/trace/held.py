@@ -39,6 +39,21 @@ def _skipped() -> tuple[str, ...]:
 _SKIP: tuple = ()
 
 
+def program_frames(frame, limit: int):
+    """The program's own frames from `frame` outwards (torch's, maskcli's, the standard library's and `<...>` code left
+    out), at most `limit` of them."""
+    global _SKIP
+    if not _SKIP:
+        _SKIP = _skipped()
+    searched = 0
+    while frame is not None and searched < limit:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_SKIP) or name.startswith("<")):
+            searched += 1
+            yield frame
+        frame = frame.f_back
+
+
 def padding() -> list[dict] | None:
     """[{name, where, kind: keep | pad | lengths, rows: np.ndarray}] held by the program's frames now; None if none."""
     global _SKIP
@@ -149,17 +164,9 @@ def kv_given(stack: list) -> tuple[str, tuple] | None:
     default(context, x)`). The first such function decides: None where it holds None or the queries' own tensor
     (self-attention), or none is found. The shape lets checks/context.cross ask whether the keys are that memory's
     (a joint attention, SD3's or Qwen-Image's, concatenates it with the queries' own tokens: self-attention)."""
-    global _SKIP
-    if not _SKIP:
-        _SKIP = _skipped()
     module = stack[-1] if stack else None
-    frame, searched = sys._getframe(1), 0
-    while frame is not None and searched < KV_FRAMES:
+    for frame in program_frames(sys._getframe(1), KV_FRAMES):
         code = frame.f_code
-        if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<"):
-            frame = frame.f_back
-            continue
-        searched += 1
         names = _CONTEXT.get(code)
         if names is None:
             arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
@@ -179,7 +186,6 @@ def kv_given(stack: list) -> tuple[str, tuple] | None:
         if module is not None and code.co_name == "forward" and code.co_argcount and code.co_varnames[0] == "self" \
                 and frame.f_locals.get("self") is module:
             return None  # (the innermost running module's forward: what called it speaks for another call)
-        frame = frame.f_back
     return None
 
 

@@ -14,12 +14,11 @@ import sys
 import numpy as np
 import torch
 
-from maskcli.trace.held import _skipped
+from maskcli.trace.held import program_frames
 
 INNERMOST = 4  # running modules read, innermost first
 FRAMES = 4  # program frames searched for the windows' mask
 NAMES = ("mask", "attn_mask")
-_SKIP: tuple = ()  # torch's, maskcli's and the standard library's files: not the program's frames
 
 
 def _size(value) -> int | None:
@@ -49,17 +48,8 @@ def shifted_windows(stack: list) -> dict | None:
 
 
 def _held_mask(tokens: int) -> np.ndarray | None:
-    global _SKIP
-    if not _SKIP:
-        _SKIP = _skipped()
-    skip = _SKIP
-    frame, searched = sys._getframe(2), 0
-    while frame is not None and searched < FRAMES:
+    for frame in program_frames(sys._getframe(2), FRAMES):
         code = frame.f_code
-        if code.co_filename.startswith(skip) or code.co_filename.startswith("<"):
-            frame = frame.f_back
-            continue
-        searched += 1
         for name in NAMES:
             value = frame.f_locals.get(name) if name in code.co_varnames else None
             if isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[1] == 1:
@@ -68,5 +58,4 @@ def _held_mask(tokens: int) -> np.ndarray | None:
                     and value.numel() <= 1 << 22 and value.device.type != "meta":
                 value = value.detach()
                 return (value if value.dtype == torch.bool else value == 0).cpu().numpy()
-        frame = frame.f_back
     return None

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from maskcli.checks.context import Top
-from maskcli.trace.held import _skipped
+from maskcli.trace.held import program_frames
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
@@ -45,7 +45,6 @@ TARGET_PAD = ("trg_pad_idx", "tgt_pad_idx", "trg_pad_id", "tgt_pad_id", "target_
 # flattened to (B, patches), the key order of its attention (checks/real.py)
 PATCHES = ("patch_attention_mask", "patch_attn_mask")
 MOST = 1 << 20  # elements of one argument kept (a batch's 2-D ids; never a 4-D mask)
-_SKIP: tuple = ()  # torch's, maskcli's and the standard library's files: not the program's frames
 
 
 @functools.cache
@@ -147,23 +146,14 @@ def _withheld(signature, given: dict, frame) -> dict:
     names = [name for name in signature.parameters if MASK_PARAMETER.match(name) and given.get(name) is None]
     if not names:
         return {}
-    global _SKIP
-    if not _SKIP:
-        _SKIP = _skipped()
-    searched = 0
-    while frame is not None and searched < WITHHELD_FRAMES:
+    for frame in program_frames(frame, WITHHELD_FRAMES):
         code = frame.f_code
-        if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<"):
-            frame = frame.f_back
-            continue
-        searched += 1
         variables = frame.f_locals if code.co_name != "<module>" else {}  # (a module's globals speak for no call)
         for name in names:
             for held in (variables.get(name), *(v.get(name) for v in variables.values() if isinstance(v, dict))):
                 rows = _padding_like(held)
                 if rows is not None:
                     return {"withheld": (name, f"{code.co_name}() of {os.path.basename(code.co_filename)}", rows)}
-        frame = frame.f_back
     return {}
 
 
