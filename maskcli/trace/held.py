@@ -149,17 +149,17 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
     return {"kind": "pad" if PAD.search(name) else "keep", "rows": rows.astype(bool)}
 
 
-CONTEXT = ("encoder_hidden_states", "key_value_states", "context", "memory", "encoder_output", "encoder_out",
+MEMORY = ("encoder_hidden_states", "key_value_states", "context", "memory", "encoder_output", "encoder_out",
            "enc_output", "enc_out", "cross_attention_states", "encoder_states",  # another sequence handed to attend to
            "media", "image_embeds", "image_features", "vision_features", "audio_features")  # (Flamingo's, BLIP-2's...)
-_CONTEXT: dict = {}  # code object -> the CONTEXT names among its arguments (matched once per code)
+_MEMORY: dict = {}  # code object -> the MEMORY names among its arguments (matched once per code)
 KV_FRAMES = 6  # program frames read, innermost first, up to the innermost running module's own
 
 
 def kv_given(stack: list) -> tuple[str, tuple] | None:
     """('encoder_hidden_states of __call__() of x.py', its shape but the last dim) where the function attending (or one
     between it and the innermost running module's forward, that forward included) was handed another sequence: an
-    argument named as a cross-attention's memory (CONTEXT) holding a tensor that is none of its other arguments
+    argument named as a cross-attention's memory (MEMORY) holding a tensor that is none of its other arguments
     (diffusers' processor sets `encoder_hidden_states = hidden_states` for self-attention; lucidrains' `context =
     default(context, x)`). The first such function decides: None where it holds None or the queries' own tensor
     (self-attention), or none is found. The shape lets checks/context.cross ask whether the keys are that memory's
@@ -167,10 +167,10 @@ def kv_given(stack: list) -> tuple[str, tuple] | None:
     module = stack[-1] if stack else None
     for frame in program_frames(sys._getframe(1), KV_FRAMES):
         code = frame.f_code
-        names = _CONTEXT.get(code)
+        names = _MEMORY.get(code)
         if names is None:
             arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
-            names = _CONTEXT[code] = tuple(name for name in arguments if name in CONTEXT)
+            names = _MEMORY[code] = tuple(name for name in arguments if name in MEMORY)
         if names:
             variables = frame.f_locals
             arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
