@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, keep
-from maskcli.checks.intent import intent, top_of
+from maskcli.checks.intent import intent
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -30,7 +30,7 @@ POLICY = ("waitk", "wait_k")
 
 def wait_k(run: Run, call) -> tuple[int, str] | None:
     """(k, where it is said) of a wait-k policy the program states for `call`: its model call's argument, else a config."""
-    top = top_of(run, call)
+    top = run.top(call)
     for name in POLICY:
         given = None if top is None else top.arguments.get(name)
         if given is not None and np.ndim(given) == 0 and int(given) >= 1:

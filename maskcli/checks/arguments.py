@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, beside_memory, columns_are_positions, first_cell, keep, queries
-from maskcli.checks.intent import top_of
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -34,7 +33,7 @@ def over_stated_padding(call, run: Run) -> bool:
     transformers#35043), where a softmax that masks nowhere is otherwise not read (a router's is over experts)."""
     if call.api != "softmax" or len(getattr(call, "q", ()) or ()) < 4:
         return False
-    top = top_of(run, call)
+    top = run.top(call)
     if top is None or not top.arguments:
         return False
     said = stated(top, call.shape[0], call.shape[3])

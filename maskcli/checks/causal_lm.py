@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, first_cell, keep, queries
-from maskcli.checks.intent import intent, top_of
+from maskcli.checks.intent import intent
 from maskcli.checks.real import TOKENS, by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import IMAGES, PREFIX
@@ -49,7 +49,7 @@ def both_ways(run: Run) -> list:
     found = []
     for calls in run.sites().values():
         first = calls[0]
-        top = top_of(run, first)
+        top = run.top(first)
         if top is None or "causal_lm" not in top.arguments or first.stored is None:
             continue  # (most runs: no model that names itself a causal LM)
         if any(name in top.arguments for name in (*SPANS, *PREFIX, *IMAGES)) or not _prompt(run, first, top):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, found_padding, keep, layer, queries
-from maskcli.checks.intent import OTHER_LAYERS, Intent, Stated, fields_of, intent, top_of
+from maskcli.checks.intent import OTHER_LAYERS, Intent, Stated, fields_of, intent
 from maskcli.checks.real import behind_cache
 from maskcli.checks.registry import Rule
 from maskcli.keypadding import valid
@@ -125,7 +125,7 @@ def real(cells: np.ndarray, own: np.ndarray, given, batch: int | None = None,
 def _placed(call, run: Run, cells) -> Placed | None:
     """How the call's queries sit among its keys and which are real; None where not known (a ring buffer's slots,
     more queries than keys: cross-attention)."""
-    top = top_of(run, call)
+    top = run.top(call)
     if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top):
         return None
     own = queries(call, top)
@@ -153,7 +153,7 @@ def _layer_calls(run: Run):
         kind = stated.kind(index) if stated else None
         if kind is None and not (stated and stated.bidirectional()):
             continue
-        top = top_of(run, call)
+        top = run.top(call)
         key = (call.mask, call.shape, kind and kind[0], stated.key, _padding(run, top),
                call.details.get("queries") and tuple(call.details["queries"]), tuple(queries(call, top)[[0, -1]]))
         if key in done:
@@ -189,7 +189,7 @@ def _index(run: Run, call, stated: Intent) -> int | None:
     if not turns:
         seen: dict = {}
         for other in run.calls:
-            key = (id(top_of(run, other)), other.where, other.details.get("caller"))
+            key = (id(run.top(other)), other.where, other.details.get("caller"))
             turns[other.index] = (key, seen.get(key, 0))
             seen[key] = seen.get(key, 0) + 1
         run.__dict__["_made"] = seen

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, first_cell, keep, queries
-from maskcli.checks.intent import stated_for, top_of
+from maskcli.checks.intent import stated_for
 from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import explained
@@ -26,7 +26,7 @@ from maskcli.text import Finding
 def said_decoder(run: Run, call) -> str | None:
     """The source of `is_decoder=True` for `call`'s config, innermost first; None where none says it (or the innermost
     config that states anything says otherwise)."""
-    top = top_of(run, call)
+    top = run.top(call)
     if top is None:
         return None
     mine = [one for one in stated_for(top, call.where) if "causal_decoder" in one.fields]
@@ -46,7 +46,7 @@ def decoder_sees_later(run: Run) -> list:
         said = said_decoder(run, call)
         if said is None:
             continue
-        top = top_of(run, call)
+        top = run.top(call)
         own = queries(call, top)
         key = (call.mask, call.shape, tuple(own), said, id(top))
         if key in done:

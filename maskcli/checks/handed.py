@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, queries
-from maskcli.checks.intent import top_of
 from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -38,7 +37,7 @@ def window_dropped(run: Run) -> list:
         if not handed or call.stored is None or call.details.get("slots") is not None:
             continue
         name, left = handed[0], int(handed[1])
-        top = top_of(run, call)
+        top = run.top(call)
         own = queries(call, top)
         key = (call.where, call.mask, call.shape, tuple(own), left)
         if key in done:

@@ -27,7 +27,6 @@ import numpy as np
 
 from maskcli.checks.arguments import document_starts, padded_positions
 from maskcli.checks.context import Run, beside_memory, cross, first_cell, keep, queries
-from maskcli.checks.intent import top_of
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -102,7 +101,7 @@ def held_padding(run: Run) -> list:
         if cells is None or cells.shape[0] not in (1, rows):
             continue
         cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
-        own = None if cross(call) or q_len < k_len else queries(call, top_of(run, call))
+        own = None if cross(call) or q_len < k_len else queries(call, run.top(call))
         # (fewer queries than keys: a decoder's over its memory or a step over its cache; each query is judged)
         if own is None and q_len == k_len:
             continue  # a cross-attention with as many queries as keys: the padding may be its queries' own (a decoder's
@@ -189,7 +188,7 @@ def held_documents(run: Run) -> list:
     for call in run.calls:
         helds = [held for held in call.details.get("held_padding") or () if held["kind"] == "positions"]
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
-        top = top_of(run, call)
+        top = run.top(call)
         if not helds or call.stored is None or q_len != k_len or top is not None and "position_ids" in top.arguments:
             continue
         key = (call.mask, call.shape, tuple(id(h["rows"]) for h in helds))

@@ -253,20 +253,9 @@ def stated_for(top, where: str | None) -> list[Stated]:
     return [one for one in stated if one.scope is None] + numbers
 
 
-def top_of(run, call):
-    """run.top(call), from an index built once per run (the rules here ask it of every call)."""
-    index = run.__dict__.get("_top_index")
-    if index is None or index[0] != len(run.tops):
-        found = {}
-        for top in run.tops:  # (the last that began before a call is its innermost: later ones overwrite)
-            found.update(dict.fromkeys(range(top.first, top.end), top))
-        index = run.__dict__["_top_index"] = (len(run.tops), found)
-    return index[1].get(call.index)
-
-
 def intent(run, call) -> Intent:
     """The stated intent for one call of `run` (cached per model call and module path)."""
-    top = top_of(run, call)
+    top = run.top(call)
     stated = () if top is None else top.stated
     key = (id(stated), call.where)  # (the steps of one model share its tuple: trace/stated.py reads it once)
     cache = run.__dict__.setdefault("_intents", {})

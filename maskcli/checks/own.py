@@ -23,7 +23,7 @@ import numpy as np
 
 from maskcli.checks.config import _each_layer_call, _layer, _placed
 from maskcli.checks.context import Run, first_cell, keep
-from maskcli.checks.intent import intent, top_of
+from maskcli.checks.intent import intent
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import explained
 from maskcli.text import Finding, spans
@@ -71,12 +71,12 @@ def full_narrower(run: Run) -> list:
             continue
         size = next((w for w in (window[0], window[0] + 1) if placed.holds(f"band({w})")), None)
         if size is not None:
-            both.setdefault((id(top_of(run, call)), call.shape), (index, call, size, stated.said(window[1])))
+            both.setdefault((id(run.top(call)), call.shape), (index, call, size, stated.said(window[1])))
     if not both:
         return []
     found, done = [], set()
     for call, stated, index, kind, placed in layers:
-        sliding = both.get((id(top_of(run, call)), call.shape))
+        sliding = both.get((id(run.top(call)), call.shape))
         if kind[0] != "full_attention" or sliding is None or placed.holds("full") or not placed.holds("causal"):
             continue
         if (call.mask, call.shape, index) in done:

@@ -17,7 +17,7 @@ import numpy as np
 
 from maskcli.checks.config import COUNTS_QUERY, _index
 from maskcli.checks.context import Run, first_cell, keep
-from maskcli.checks.intent import intent, top_of
+from maskcli.checks.intent import intent
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -65,7 +65,7 @@ def windows(run: Run) -> list:
             continue
         index = _index(run, call, stated)
         kind = stated.kind(index)
-        top = top_of(run, call)
+        top = run.top(call)
         if kind is None or kind[0] != "sliding_attention" or top is None:
             continue
         packed = _sequences(top, *call.shape[2:])

@@ -23,7 +23,7 @@ import numpy as np
 from maskcli.checks.config import _index
 from maskcli.checks.context import Run, columns_are_positions, keep
 from maskcli.checks.context import queries as placing
-from maskcli.checks.intent import intent, top_of
+from maskcli.checks.intent import intent
 from maskcli.checks.real import PADDING_TRUE, stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -87,7 +87,7 @@ def miscounted(run: Run) -> list:
         size, name = window if sliding and window else (chunk, "attention_chunk_size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             continue
-        top = top_of(run, call)
+        top = run.top(call)
         if columns_are_positions(call, top):
             continue  # (config.py places the window on them)
         own = _positions(call, top)
