@@ -19,7 +19,6 @@ class Local(threading.local):
 
     busy = False  # recording a call now
     within = 0  # inside a recorded call
-    opened = None
     outer = None  # [frame, module, args, kwargs, first call, end] of the outermost module call making calls now
     mode = None  # this thread's Mode, made once it is first needed
     moded = False  # that mode is on this thread's torch function stack (pushed by Trace._follow)
