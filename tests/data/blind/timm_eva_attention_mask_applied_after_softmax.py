@@ -14,8 +14,9 @@ Fix: `masked_fill` on the scores, then `softmax`.
 Reproduction: the EvaAttention class as timm 1.0.7 wrote it (qkv fused, rope optional,
 `attn_mask` a (B, N) bool keep-mask over the tokens, e.g. a patch-drop / padded token
 set), run on a batch whose second image keeps only 6 of 9 tokens (cls + 8 patches).
-The module code was written from the upstream file and the PR text; the pre-fix lines
-are as the PR's one-line swap describes.
+The pre-fix order (`attn.softmax(dim=-1)` then `masked_fill`) was read in a stored copy
+derived from timm's eva.py, the fixed order in stored copies of later versions; the rest
+of the module follows the upstream layout (qkv fused, q/v bias, k_bias buffer).
 """
 import sys
 from typing import Optional
