@@ -21,12 +21,15 @@ transformer layer, transformer_context=(4, 2) frames -> (2, 1) after subsampling
 """
 import math
 import sys
+import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 FIXED = "--fixed" in sys.argv
+# nn.MultiheadAttention warns on a float attn_mask beside a bool key_padding_mask (fairseq's own MHA did not)
+warnings.filterwarnings("ignore", message="Support for mismatched")
 
 
 def lengths_to_encoder_padding_mask(lengths, batch_first=False):
