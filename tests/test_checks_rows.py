@@ -238,3 +238,26 @@ def test_a_row_masked_only_by_a_finite_float_fill_is_uniform_not_nan_in_mha_and_
         weights_row = torch.softmax(float_mask[3], -1)
         assert bool(weights_row.isnan().any()) is nan
         assert ("uniform" in what_api_does(call)) is (not nan), what_api_does(call)
+
+
+def test_later_keys_in_runs_no_slip_of_a_triangle_makes_are_a_note_and_a_slip_stays_suspicious():
+    """BD3-LM (block diffusion) attends a noised copy of the sequence over [x_t, x_0]: each noised block both ways
+    within itself and over the clean blocks before it, laid after it: later keys in runs of 3, 15, 11, ... keys,
+    which no causal mask one key off or read the wrong way round makes: a note. The triangle the wrong way round,
+    right-padded and so named by no kind, sees on to each row's last real key: still suspicious."""
+    from maskcli.checks.registry import severity
+
+    n, size = 8, 4
+
+    def block_diff(b, q, k):  # written here from the paper's three parts, on absolute positions
+        q0, k0 = q >= n, k >= n
+        bq, bk = (q - n if q0 else q) // size, (k - n if k0 else k) // size
+        return (bq == bk and q0 == k0) or (bq > bk and k0 and not q0) or (bq >= bk and k0 and q0)
+
+    unnamed = SimpleNamespace(expression=None, kind=None)
+    [found] = later(*call(cells(1, 2 * n, 2 * n, block_diff)), unnamed)
+    assert found.code == "sees-later" and severity(found) == "note", found
+    lengths = (6, 4)
+    flipped = cells(2, 6, 6, lambda b, q, k: k >= q and k < lengths[b])  # the triangle the wrong way round, padded
+    [found] = later(*call(flipped), unnamed)
+    assert severity(found) == "suspicious" and "the wrong way round?" in found.message
