@@ -94,6 +94,13 @@ class Trace(Outer, Follow):
             for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
                 self.readers[entry.canonical(func)] = readers.softmax  # (the functions themselves, in a trace in a trace)
             self.scores = Scores()
+            scores = self.scores
+
+            def exp(args, kwargs):  # exp of q @ kᵀ scores, seen while the mode follows them: a softmax by hand
+                x = readers.softmax_input(args, kwargs)
+                return readers.exp_softmax(args, kwargs) if isinstance(x, torch.Tensor) and scores.has(x) else None
+            exp.api = "softmax"
+            self.readers[torch.exp] = self.readers[torch.Tensor.exp] = exp
         from maskcli.trace.after import After
 
         self.after = After()  # (softmax outputs multiplied by a 0/1 mask afterwards: after.py)
