@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from maskcli import tracefile
 from maskcli.text import step_label
 import maskcli.trace.masks as readers
+from maskcli.trace.queried import query_input
 from maskcli.trace.masks import Operands
 from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced
 from maskcli.trace.outer import Outer
@@ -353,6 +354,10 @@ class Trace(Outer, Follow):
             if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
                 seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
             self.sites.note(seen.details, caller)
+            if "held_padding" in seen.details and self.sites.stack:  # (the layer's own queries: checks/crossq.py)
+                given = query_input(self.sites.stack)
+                if given is not None:
+                    seen.details["query_input"] = given
             frames = self.interfaces
             if frames and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                 interface.unpack_gqa(seen, frames[-1])
