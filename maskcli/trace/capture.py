@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from maskcli import tracefile
 from maskcli.text import step_label
 import maskcli.trace.masks as readers
-from maskcli.trace.queried import query_input
+import maskcli.trace.queried as queried
 from maskcli.trace.masks import Operands
 from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced
 from maskcli.trace.outer import Outer
@@ -95,13 +95,7 @@ class Trace(Outer, Follow):
             for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
                 self.readers[entry.canonical(func)] = readers.softmax  # (the functions themselves, in a trace in a trace)
             self.scores = Scores()
-            scores = self.scores
-
-            def exp(args, kwargs):  # exp of q @ kᵀ scores, seen while the mode follows them: a softmax by hand
-                x = readers.softmax_input(args, kwargs)
-                return readers.exp_softmax(args, kwargs) if isinstance(x, torch.Tensor) and scores.has(x) else None
-            exp.api = "softmax"
-            self.readers[torch.exp] = self.readers[torch.Tensor.exp] = exp
+            self.readers[torch.exp] = self.readers[torch.Tensor.exp] = readers.exp_reader(self.scores)  # (by hand)
         from maskcli.trace.after import After
 
         self.after = After()  # (softmax outputs multiplied by a 0/1 mask afterwards: after.py)
@@ -354,10 +348,7 @@ class Trace(Outer, Follow):
             if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
                 seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
             self.sites.note(seen.details, caller)
-            if "held_padding" in seen.details and self.sites.stack:  # (the layer's own queries: checks/crossq.py)
-                given = query_input(self.sites.stack)
-                if given is not None:
-                    seen.details["query_input"] = given
+            queried.note(seen.details, self.sites.stack)  # (the layer's own queries, where padding is held: crossq.py)
             frames = self.interfaces
             if frames and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                 interface.unpack_gqa(seen, frames[-1])

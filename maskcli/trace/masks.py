@@ -335,6 +335,15 @@ def exp_softmax(args: tuple, kwargs: dict) -> Seen | None:
     return seen
 
 
+def exp_reader(scores):
+    """The reader of torch.exp / Tensor.exp: exp_softmax where the input is scores (trace/scores.py), else no call."""
+    def exp(args, kwargs):  # (seen only while the mode follows scores: exp is not patched at its entry)
+        x = softmax_input(args, kwargs)
+        return exp_softmax(args, kwargs) if isinstance(x, torch.Tensor) and scores.has(x) else None
+    exp.api = "softmax"
+    return exp
+
+
 FILL_AT_MOST = -1e4  # exp(v - s) is exactly 0 once v - s < -103.3 in float32 and bfloat16 (the smallest subnormal,
 # 1.4e-45, is e^-103.3) and < -17.3 in float16: so v <= -1e4 gets weight 0 beside any score above -9896, any ordinary one
 

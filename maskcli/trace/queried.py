@@ -33,3 +33,11 @@ def query_input(stack: list) -> tuple[int, int] | None:
             return None
         frame = frame.f_back
     return None
+
+
+def note(details: dict, stack: list) -> None:
+    """details["query_input"] = query_input(stack), at a call whose frames hold padding (details["held_padding"])."""
+    if "held_padding" in details and stack:
+        given = query_input(stack)
+        if given is not None:
+            details["query_input"] = given
