@@ -48,6 +48,15 @@ def _key_mask(details: dict, batch: int, q_len: int):
     return None
 
 
+def _segments(call) -> list[tuple[int, int]]:
+    """(queries, keys) of each sequence the call attends: a varlen kernel's from its cu_seqlens (flash_attn's
+    `flash_attn_varlen_func`), else one per batch row of its shape."""
+    cu_q, cu_k = call.details.get("cu_seqlens_q"), call.details.get("cu_seqlens_k")
+    if isinstance(cu_q, list) and isinstance(cu_k, list) and len(cu_q) == len(cu_k) > 1:
+        return [(int(b - a), int(d - c)) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+    return [(int(call.shape[2]), int(call.shape[3]))] * int(call.shape[0])
+
+
 def _counts(held: dict) -> list | None:
     """Each row's real tokens in a held padding reading; None where it is no padding of rows."""
     rows = held.get("rows")
@@ -61,14 +70,35 @@ def _counts(held: dict) -> list | None:
     return None
 
 
+def _real(held: dict):
+    rows = held.get("rows")
+    if held.get("kind") not in ("keep", "pad") or not isinstance(rows, np.ndarray) or rows.ndim != 2:
+        return None
+    return rows.astype(bool) if held["kind"] == "keep" else ~rows.astype(bool)
+
+
+def _tail(other: dict, keys: dict, q_len: int) -> bool:
+    """`other` is the key padding `keys`' last q_len columns (`attention_mask[:, -q_len:]`, the unpad helper's own
+    slice, held under another name or frame): the keys' padding again, not the queries' own."""
+    mine, theirs = _real(other), _real(keys)
+    return mine is not None and theirs is not None and mine.shape == (theirs.shape[0], q_len) \
+        and np.array_equal(mine, theirs[:, -q_len:])
+
+
+def _over(held: dict, q_len: int) -> bool:
+    """`held` may be padding of the queries: lengths, or a mask as wide as the queries."""
+    real = _real(held)
+    return held.get("kind") == "lengths" if real is None else real.shape[1] == q_len
+
+
 def queries_unpadded_by_keys(run: Run) -> list:
     """The calls of one layer call (same outermost call, same module path, same key mask) whose query segments are
     the key mask's real counts, row by row, where the layer was handed more queries."""
     groups: dict = {}
     for call in sorted((*run.calls, *run.cross, *run.unmasked), key=lambda c: c.index):  # (no mask at all, often)
         given = call.details.get("query_input")
-        if not given or call.shape[2] != call.shape[3]:
-            continue  # (cut by the key mask, a row's queries are as many as its keys)
+        if not given:
+            continue
         found = _key_mask(call.details, int(given[0]), int(given[1]))
         if found is None:
             continue
@@ -77,17 +107,17 @@ def queries_unpadded_by_keys(run: Run) -> list:
     results = []
     for (_, _, given, _, _), ((n, cuts, held), calls) in groups.items():
         batch, q_len = given
-        segments = [(call.shape[2], call.shape[3]) for call in calls for _ in range(call.shape[0])]
+        segments = [segment for call in calls for segment in _segments(call)]
         cut = next((c for c in cuts if segments == [(int(a), int(k)) for a, k in zip(c, n)]), None)
         if cut is None or cut.sum() >= batch * q_len:
             continue  # (the segments do not follow the key padding row by row, or every query is attended)
-        if any(_counts(other) == [int(c) for c in cut] for other in calls[0].details.get("held_padding") or ()
-               if other is not held and other.get("name") != held["name"]):
+        if any(_counts(other) == [int(c) for c in cut] and not _tail(other, held, q_len) and _over(other, q_len)
+               for other in calls[0].details.get("held_padding") or () if other is not held):
             continue  # (the queries' own padding, held too, says as many: a decoder's real tokens, unpadded rightly)
         if not any(cross(call) for call in calls):
             continue  # (a self-attention's queries are its keys: unpadding both by one mask is right)
         b = int(np.flatnonzero(cut < q_len)[0])
-        call = [c for c in calls for _ in range(c.shape[0])][b]  # (the call attending row b)
+        call = [c for c in calls for _ in _segments(c)][b]  # (the call attending row b)
         lost = q_len - int(cut[b])
         results.append((call, Finding("queries-unpadded-by-keys", (
             f"the cross-attention at {call.where} was handed {q_len} queries in each of {batch} rows, yet attends "
