@@ -115,6 +115,9 @@ def test_a_window_lost_at_decode_is_found_in_a_plain_softmax_over_a_batch_padded
     ("flax_nnx_mha_decode_is_causal_key_zero", "top-left-mask"),  # google/flax#5591: a decode step sees key 0 only
     # tinygrad/tinygrad#15949 (blind, third batch): ONNX Attention's is_causal tril(0) over past + new keys
     ("tinygrad_onnx_attention_is_causal_ignores_past_len", "top-left-mask"),
+    # onnx/onnx#7297 (blind-j): the reference Attention's tril over past + new keys, behind a softmax written by hand
+    # (exp(x - max) / sum: trace/masks.exp_softmax)
+    ("onnx_reference_attention_is_causal_ignores_past_key", "top-left-mask"),
 ])
 def test_blind_reproductions_of_a_decode_step_that_loses_its_prefill_are_flagged(tmp_path, name, code):
     """Written blind; the first two caught before any rule was tuned for the blind split, the third (of the second

@@ -604,6 +604,27 @@ def test_a_softmax_is_attention_when_its_input_came_from_q_at_k_transposed_or_it
     assert np.array_equal(t.calls[0].keep()[0, 0], np.broadcast_to(~block.numpy(), (2, 5)))
 
 
+def test_a_softmax_written_by_hand_with_exp_over_scores_is_one_call_and_other_exps_are_not():
+    """maskcli.trace.masks.exp_softmax: exp(s - max(s)) / sum over q @ kᵀ scores (ONNX's reference Attention) and
+    s.exp() / s.exp().sum() are each one call, masked where the scores are -inf (torch.tril's reference); exp of a
+    positional table, or of scores maskcli saw no matmul make, is no call."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
+    causal = torch.ones(3, 5, dtype=torch.bool).tril(2)  # bottom-right: the 3 queries are the last of 5 keys
+    with maskcli.trace() as t, torch.no_grad():
+        torch.exp(torch.arange(0, 8, 2) * -0.5)  # a positional table's frequencies
+        s = (q @ k.transpose(-1, -2)).masked_fill(~causal, float("-inf"))
+        e = torch.exp(s - torch.amax(s, dim=-1, keepdim=True))
+        weights = e / e.sum(-1, keepdim=True)
+        b = torch.bmm(q[0], k[0].transpose(1, 2)) + torch.zeros(3, 5).masked_fill(~causal, float("-inf"))
+        b.exp() / b.exp().sum(-1, keepdim=True)  # (the second exp of the same scores is a second call)
+        torch.randn(1, 2, 3, 5).exp()  # no q @ kᵀ made it
+    assert [c.shape for c in t.calls] == [(1, 2, 3, 5), (2, 1, 3, 5), (2, 1, 3, 5)]
+    assert np.array_equal(t.calls[0].keep()[0, 1], causal.numpy())
+    assert np.array_equal(t.calls[0].keep()[0, 0], (weights[0, 0] > 0).numpy())
+    assert np.array_equal(t.calls[1].keep()[1, 0], causal.numpy())
+
+
 def test_one_querys_scores_squeezed_to_b_lk_are_attention_and_a_classifiers_are_not():
     """maskcli.trace.scores: bmm(memory, h[:, :, None]).squeeze(2) (Luong) is one query's (B, Lk) scores, read as a
     call (B, 1, 1, Lk) through its masked_fill; a (B, C) softmax over a classifier's logits is no call."""

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from maskcli import tracefile
 from maskcli.text import step_label
 import maskcli.trace.masks as readers
+import maskcli.trace.queried as queried
 from maskcli.trace.masks import Operands
 from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced
 from maskcli.trace.outer import Outer
@@ -94,6 +95,7 @@ class Trace(Outer, Follow):
             for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
                 self.readers[entry.canonical(func)] = readers.softmax  # (the functions themselves, in a trace in a trace)
             self.scores = Scores()
+            self.readers[torch.exp] = self.readers[torch.Tensor.exp] = readers.exp_reader(self.scores)  # (by hand)
         from maskcli.trace.after import After
 
         self.after = After()  # (softmax outputs multiplied by a 0/1 mask afterwards: after.py)
@@ -346,6 +348,7 @@ class Trace(Outer, Follow):
             if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
                 seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
             self.sites.note(seen.details, caller)
+            queried.note(seen.details, self.sites.stack)  # (the layer's own queries, where padding is held: crossq.py)
             frames = self.interfaces
             if frames and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                 interface.unpack_gqa(seen, frames[-1])

@@ -352,6 +352,27 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     return seen
 
 
+def exp_softmax(args: tuple, kwargs: dict) -> Seen | None:
+    """exp of attention scores: a softmax written by hand (ONNX's reference `exp(x - max(x)) / sum`), read as the
+    softmax over its input's last dimension. Only called on tensors scores.py saw made from q @ kᵀ (capture.py)."""
+    x = softmax_input(args, kwargs)
+    if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4):
+        return None
+    seen = softmax((x, -1), {})
+    if seen is not None:
+        seen.details["by_hand"] = "exp"
+    return seen
+
+
+def exp_reader(scores):
+    """The reader of torch.exp / Tensor.exp: exp_softmax where the input is scores (trace/scores.py), else no call."""
+    def exp(args, kwargs):  # (seen only while the mode follows scores: exp is not patched at its entry)
+        x = softmax_input(args, kwargs)
+        return exp_softmax(args, kwargs) if isinstance(x, torch.Tensor) and scores.has(x) else None
+    exp.api = "softmax"
+    return exp
+
+
 FILL_AT_MOST = -1e4  # exp(v - s) is exactly 0 once v - s < -103.3 in float32 and bfloat16 (the smallest subnormal,
 # 1.4e-45, is e^-103.3) and < -17.3 in float16: so v <= -1e4 gets weight 0 beside any score above -9896, any ordinary one
 
@@ -373,4 +394,4 @@ def _finite_fill(scores: torch.Tensor, lowest: float, details: dict) -> torch.Te
     return torch.softmax(scores, dim=-1) == 0
 
 
-sdpa.api, mha.api, softmax.api = "sdpa", "mha", "softmax"  # named on a call maskcli could not read
+sdpa.api, mha.api, softmax.api, exp_softmax.api = "sdpa", "mha", "softmax", "softmax"  # named on a call maskcli could not read

@@ -1,0 +1,43 @@
+"""How many queries the attending layer was handed: the (batch, length) of its forward's first input.
+
+Read only at a call whose frames hold a padding mask (trace/held.py): checks/crossq.py asks whether a
+cross-attention's queries were cut by its keys' padding (a varlen kernel's `_upad_input`, written for
+self-attention, unpads the image queries with the text key mask: vllm-omni#5865), which needs the queries the layer
+was given, not the ones the kernel was handed.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+INNERMOST = 4  # running modules read, innermost first (a whole model's input speaks for no one layer)
+FRAMES = 24
+
+
+def query_input(stack: list) -> tuple[int, int] | None:
+    """(B, L) of the first tensor argument, (B, L, D), of the forward of the innermost running module that owns
+    weights (the layer that projects the queries, not a parameter-free kernel wrapper inside it); None where none."""
+    owner = next((m for m in reversed(stack[-INNERMOST:]) if next(m.parameters(), None) is not None), None)
+    if owner is None:
+        return None
+    frame, searched = sys._getframe(1), 0
+    while frame is not None and searched < FRAMES:
+        searched += 1
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_argcount > 1 and frame.f_locals.get("self") is owner:
+            first = frame.f_locals.get(code.co_varnames[1])
+            if isinstance(first, torch.Tensor) and first.dim() == 3:
+                return int(first.shape[0]), int(first.shape[1])
+            return None
+        frame = frame.f_back
+    return None
+
+
+def note(details: dict, stack: list) -> None:
+    """details["query_input"] = query_input(stack), at a call whose frames hold padding (details["held_padding"])."""
+    if "held_padding" in details and stack:
+        given = query_input(stack)
+        if given is not None:
+            details["query_input"] = given
