@@ -341,3 +341,26 @@ def test_read_once_per_module():
             attention(torch.randn(1, 2, 4), torch.randn(1, length, 4))
     readings = [c.details["cross"] for c in t.calls]
     assert all(r is readings[0] for r in readings) and readings[0]["cross"] is True
+
+
+def test_one_module_attending_to_itself_and_to_a_memory_through_one_helper_is_two_sites():
+    """A decoder block that owns its weights and calls one attention helper twice, over its own tokens and then over
+    the memory it is handed (no submodule per attention): each line is a site of its own, read on its own."""
+
+    def attend(q, kv, causal):
+        return F.scaled_dot_product_attention(q[:, None], kv[:, None], kv[:, None], is_causal=causal)[:, 0]
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x, memory):
+            x = attend(self.proj(x), self.proj(x), True)
+            return attend(x, memory, False)
+
+    block = Block()
+    with torch.no_grad(), maskcli.trace() as t:
+        for _ in range(2):
+            block(torch.randn(2, 5, 8), torch.randn(2, 7, 8))
+    assert [(c.shape[2:], crossing(c)[:2]) for c in t.calls] == [((5, 5), (False, "none")), ((5, 7), (True, "memory"))] * 2

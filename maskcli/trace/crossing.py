@@ -1,7 +1,7 @@
 """Whether an attention call's keys are another sequence's (cross-attention), and what in the program says so.
 
-One reading per call site (the innermost running module, or a function's line and its caller's), made at the site's
-first call and shared by its later ones: a module is a self- or a cross-attention for the whole run (its decode steps
+One reading per call site (the innermost running module and the lines within its call that called the kernel, or,
+where no module runs, the two innermost lines that are neither torch's nor maskcli's), made at the site's first call and shared by its later ones: a module is a self- or a cross-attention for the whole run (its decode steps
 are read as its prefill was, when the memory was still handed to it). The reading is a dict, recorded in the call's
 details as `cross` (checks/context.crossing decides with it):
 
@@ -55,10 +55,11 @@ class Readings:
     def of(self, stack: list, shape: tuple) -> dict | None:
         """The reading of the call being made now, with (B, H, Lq, Lk) `shape`, by the running modules `stack`."""
         q_len, k_len = int(shape[2]), int(shape[3])
-        key = id(stack[-1]) if stack else _line(sys._getframe(1))
+        frame = sys._getframe(1)
+        key = (id(stack[-1]), *_line(frame, True)) if stack else (None, *_line(frame, False))
         held = self._read.get(key)
         if held is None or (stack and held[0] is not stack[-1]):
-            held = self._read[key] = (stack[-1] if stack else None, read(stack, q_len, k_len, sys._getframe(1)))
+            held = self._read[key] = (stack[-1] if stack else None, read(stack, q_len, k_len, frame))
         reading = held[1]
         last = self._keys.get(key)
         grew = last is not None and q_len > 0 and k_len == last[0] + q_len
@@ -71,11 +72,19 @@ class Readings:
         return reading
 
 
-def _line(frame) -> tuple:
-    """The key of a call made where no module runs: the two innermost program frames' code and line."""
-    found = []
-    for program in program_frames(frame, 2):
-        found += (program.f_code, program.f_lineno)
+def _line(frame, within: bool) -> tuple:
+    """The code and line of the two innermost frames that are neither torch's nor maskcli's; `within`: only those
+    inside the innermost running module's call (its decode steps and its prefill, called from two lines of the
+    program, are one site). With the module, the key of a call site: one module that attends twice, to itself and to
+    a memory, through one helper, is two."""
+    skip, found = _skip(), []
+    while frame is not None and len(found) < 4:
+        code = frame.f_code
+        if within and (code is _CALL or code.co_name == "_call_impl"):
+            break
+        if not (code.co_filename.startswith(skip) or code.co_filename.startswith("<")):
+            found += (code, frame.f_lineno)
+        frame = frame.f_back
     return tuple(found)
 
 
