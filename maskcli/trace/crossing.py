@@ -1,18 +1,21 @@
 """Whether an attention call's keys are another sequence's (cross-attention), and what in the program says so.
 
-One reading per call site (the innermost running module and the lines within its call that called the kernel, or,
-where no module runs, the two innermost lines that are neither torch's nor maskcli's), made at the site's first call and shared by its later ones: a module is a self- or a cross-attention for the whole run (its decode steps
-are read as its prefill was, when the memory was still handed to it). The reading is a dict, recorded in the call's
-details as `cross` (checks/context.crossing decides with it):
+One reading per call site (the innermost running module and the lines within its call that called the kernel; where
+no module runs, the two innermost lines that are neither torch's nor maskcli's), made at the site's first call and
+shared by its later ones: a module is a self- or a cross-attention for the whole run (its decode steps are read as its
+prefill was, when the memory was still handed to it). The reading is a dict, the same one in the details of every
+call of the site, as `cross` (checks/context.crossing decides with it):
 
     {"cross": True | False, "by": what says so, "source": the program's own words, shown in findings,
-     "unmasked": the context-mask parameter handed None (checks/crosspad.py), "grows": keys grew by the queries}
+     "unmasked": the context-mask parameter handed None (checks/crosspad.py), "grows": True where the keys grew}
 
 `by`, strongest first: "said" (a module's `is_cross_attention` / `attention_type`), "memory" (a memory argument,
-`encoder_hidden_states` / `memory` / `context` / `kv`, holding another tensor than the queries', whose length the keys
-have; or None / the queries' own tensor: self-attention), "class" (the attending module's class names a
-cross-attention: LDM's `CrossAttention` also runs its self-attention, which its `context=None` says). "grows" is set on
-a site whose keys grew by exactly the step's queries from one call to the next: a cache, so a self-attention.
+`encoder_hidden_states` / `memory` / `context` ..., holding another tensor than the queries', whose length the keys
+have; None there, or the queries' own tensor: self-attention), "kv" (the same, from a module method's `kv`: weaker,
+it may hold a cache of the queries' own keys), "class" (the attending module's class names a cross-attention: LDM's
+`CrossAttention` also runs its self-attention, which its `context=None` says first). "grows" is set on a site whose
+keys grew by exactly the step's queries at two calls in a row: a cache, so a self-attention (once could be two
+batches' memories); "cache" is such a site's reading where nothing else was said.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ INNERMOST = 4  # running modules read, innermost first (a whole model's attribut
 FRAMES = 24  # frames read within the attending module's call
 LINE_FRAMES = 6  # program frames read where no module runs (a function attending, and those that called it)
 _CALL = torch.nn.Module._call_impl.__code__
-_NAMES: dict = {}  # code object -> (memory names, method-only names, context-mask names) among its parameters
+_NAMES: dict = {}  # code object -> (its memory parameters, its context-mask parameters), matched once per code
 
 
 class Readings:
