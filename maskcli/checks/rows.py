@@ -26,6 +26,8 @@ def what_api_does(call) -> str:
     if api == "softmax":
         return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf" and details.get("nan_rows", True)
                 else "uniform weights over every key there, masked ones included (a finite fill)")
+    if api in ("mha", "sdpa") and details.get("finite_rows") and not details.get("nan_rows"):
+        return "uniform weights over the keys its float mask fills with a finite value there, not -inf"
     if api == "mha" and details.get("need_weights"):
         return "NaN there (MHA with need_weights=True runs its own softmax)"
     if api == "flex":
