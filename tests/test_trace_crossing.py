@@ -364,3 +364,39 @@ def test_one_module_attending_to_itself_and_to_a_memory_through_one_helper_is_tw
         for _ in range(2):
             block(torch.randn(2, 5, 8), torch.randn(2, 7, 8))
     assert [(c.shape[2:], crossing(c)[:2]) for c in t.calls] == [((5, 5), (False, "none")), ((5, 7), (True, "memory"))] * 2
+
+
+def test_a_layer_handed_query_and_key_as_the_annotated_transformer_writes_it():
+    """MultiHeadedAttention.forward(query, key, value, mask) (the Annotated Transformer; Keras ports write
+    `MultiHeadAttention(query, value, key)`): its self-attention handed x three times, or x + pos computed twice (other
+    tensors, the same values), is self; its source attention handed the memory, as long as the target (8 and 8), is
+    cross, whatever its name."""
+
+    class MultiHeadedAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linears = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+        def forward(self, query, key, value, mask=None):
+            q, k, v = (linear(x)[:, None] for linear, x in zip(self.linears, (query, key, value)))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[:, 0]
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = MultiHeadedAttention(), MultiHeadedAttention()
+
+        def forward(self, x, m, pos, causal):
+            x = self.first(x + pos, x + pos, x, causal)
+            return self.second(x, m, m)
+
+    torch.manual_seed(0)
+    layer = Layer().eval()
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    with torch.no_grad():
+        found = _crossings(lambda: layer(torch.randn(2, 8, 8), torch.randn(2, 8, 8), torch.randn(8, 8), causal))
+    assert found == {"first": {(False, "inputs")}, "second": {(True, "inputs")}}
+    with maskcli.trace() as t, torch.no_grad():
+        layer(torch.randn(2, 8, 8), torch.randn(2, 8, 8), torch.randn(8, 8), causal)
+    assert crossing(t.calls[1]).source == "key handed to MultiHeadedAttention.forward() of test_trace_crossing.py is " \
+        "another tensor than its query"

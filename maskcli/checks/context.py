@@ -136,7 +136,9 @@ def crossing(call) -> Crossing:
       trace/masks.py's kv_source): self;
     - the module's word, a memory argument (or its None: self), one query's scores against a memory: as they say;
     - keys that grew by each step's queries (a cache), or MHA keys that end with its queries: self;
-    - a module method's `kv` argument holding another tensor (it might have been the cache above): cross;
+    - a module method's `kv` argument holding another tensor (it might have been the cache above): cross; the
+      attending layer's forward handed `key` another tensor than its `query`, of other values: cross, the same values
+      (or ending with them): self;
     - MHA handed another tensor as its keys, as many or not as its queries: cross where their lengths differ;
     - the module path (BART / Whisper `encoder_attn`, T5 `EncDecAttention`, `cross_attn`, BERT's `crossattention`,
       nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`, Flamingo's `xattn`) or the
@@ -157,8 +159,8 @@ def crossing(call) -> Crossing:
     if read.get("grows") or details.get("kv_source") == "cache":
         return Crossing(False, "cache", "its keys grew by each step's queries (a cache)" if read.get("grows")
                         else "its key input ends with its query input (a cache)")
-    if read.get("by") == "kv":
-        return Crossing(bool(read.get("cross")), "kv", str(read.get("source")))
+    if read.get("by") in ("kv", "inputs"):
+        return Crossing(bool(read.get("cross")), read["by"], str(read.get("source")))
     if details.get("kv_source") == "other" and q_len != k_len:
         return Crossing(True, "keys-input", f"keys from another input than its queries ({k_len} keys, {q_len} queries)")
     where = getattr(call, "where", "") or ""

@@ -12,7 +12,8 @@ call of the site, as `cross` (checks/context.crossing decides with it):
 `by`, strongest first: "said" (a module's `is_cross_attention` / `attention_type`), "memory" (a memory argument,
 `encoder_hidden_states` / `memory` / `context` ..., holding another tensor than the queries', whose length the keys
 have; None there, or the queries' own tensor: self-attention), "kv" (the same, from a module method's `kv`: weaker,
-it may hold a cache of the queries' own keys), "class" (the attending module's class names a cross-attention: LDM's
+it may hold a cache of the queries' own keys), "inputs" (the attending layer's forward handed `key` another tensor
+than its `query`, or the same tokens), "class" (the attending module's class names a cross-attention: LDM's
 `CrossAttention` also runs its self-attention, which its `context=None` says first). "grows" is set on a site whose
 keys grew by exactly the step's queries at two calls in a row: a cache, so a self-attention (once could be two
 batches' memories); "cache" is such a site's reading where nothing else was said.
@@ -99,6 +100,9 @@ def read(stack: list, q_len: int, k_len: int, frame) -> dict | None:
     memory = _memory(stack, q_len, k_len, frame)
     if memory is not None:
         return memory
+    inputs = _inputs(stack, q_len, k_len, frame)
+    if inputs is not None:
+        return inputs
     named = _class(stack)
     return None if named is None else {"cross": True, "by": "class", "source": f"class {named}"}
 
@@ -201,3 +205,50 @@ def _memory(stack: list, q_len: int, k_len: int, frame) -> dict | None:
             return reading
         return {"cross": False, "by": "memory", "source": f"{' / '.join(names)}=None handed to {where}"}
     return None
+
+
+QUERY, KEY = ("query", "queries"), ("key", "keys")  # the layer's inputs, before it projects them
+
+
+def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
+    """The attending layer's own forward takes `query` and `key` (the Annotated Transformer's MultiHeadedAttention, a
+    Keras-style port's `MultiHeadAttention(query, value, key)`): keys from another tensor than the queries, as long as
+    the call's keys and of other values, are another sequence's; the queries' own tensor, or one of equal values (a
+    position added to each apart, `attn(x + pos, x + pos, x)`), or one ending with the queries' values (a cache joined
+    before them) is self-attention. Only the forward of the layer that projects them: inside it `q` and `k` (or a
+    kernel's `query`, `key`) are projections, different whatever the attention."""
+    if not stack:
+        return None
+    owner = next((m for m in reversed(stack[-INNERMOST:]) if next(m.parameters(), None) is not None), None)
+    if owner is None:
+        return None
+    for frame in _frames(stack, frame):
+        code = frame.f_code
+        if code.co_name != "forward" or frame.f_locals.get("self") is not owner:
+            continue
+        params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+        query_name = next((n for n in params if n in QUERY), None)
+        key_name = next((n for n in params if n in KEY), None)
+        if query_name is None or key_name is None:
+            return None
+        query, key = frame.f_locals.get(query_name), frame.f_locals.get(key_name)
+        if not isinstance(query, torch.Tensor) or not isinstance(key, torch.Tensor) or query.dim() < 2 or key.dim() < 2:
+            return None
+        where = f"{type(owner).__name__}.forward() of {os.path.basename(code.co_filename)}"
+        if key is query or _ends_with(key, query):
+            return {"cross": False, "by": "inputs", "source": f"{key_name} handed to {where} holds its {query_name}"}
+        if key.shape[-2] != k_len or query.shape[-2] != q_len:
+            return None  # (keys of neither: the layer joined them, or laid them out otherwise)
+        return {"cross": True, "by": "inputs", "source": f"{key_name} handed to {where} is another tensor than its {query_name}"}
+    return None
+
+
+def _ends_with(key: torch.Tensor, query: torch.Tensor) -> bool:
+    """`key`'s last rows along dim -2 hold `query`'s values: the same tokens (a cache joined before them, or a
+    position added to each input apart)."""
+    try:
+        length = query.shape[-2]
+        return key.shape[-2] >= length and key.shape[:-2] == query.shape[:-2] and key.shape[-1] == query.shape[-1] \
+            and bool(torch.equal(key[..., key.shape[-2] - length:, :], query))
+    except (RuntimeError, NotImplementedError):  # (tensor subclasses, meta tensors: nothing to compare)
+        return False
