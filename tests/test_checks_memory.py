@@ -15,7 +15,10 @@ def test_gpt2_cross_attention_drops_encoder_mask(tmp_path):
     """huggingface/transformers#47946: encoder_attention_mask overwritten with None before the cross mask is built."""
     from checkbugs import check_bug
 
-    check_bug(tmp_path, "gpt2_cross_attention_drops_encoder_mask", "encoder-padding-ignored")
+    hit = check_bug(tmp_path, "gpt2_cross_attention_drops_encoder_mask", "encoder-padding-ignored")[0]
+    # (what made the call a cross-attention, as checks/context.crossing read it: the memory GPT2Attention was handed)
+    assert hit["message"].endswith("(a cross-attention: encoder_hidden_states handed to GPT2Attention.forward() of "
+                                   "gpt2_cross_attention_drops_encoder_mask.py)"), hit["message"]
 
 
 def test_memory_key_padding_mask_not_passed(tmp_path):
@@ -29,6 +32,7 @@ def test_memory_key_padding_mask_not_passed(tmp_path):
     assert hit["severity"] == "wrong"
     padded = torch.tensor([[True, True, False, False], [False] * 4, [True, False, False, False]])
     assert tuple(hit["cell"]) == first((3, 7, 4), lambda b, q, k: bool(padded[b, k]))
+    assert "(a cross-attention: keys from another input than its queries (4 keys, 7 queries))" in hit["message"]
     status, found, report = traced(tmp_path, "memory_padding_not_passed", fixed=True, folder=ARGS)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
 

@@ -1,7 +1,7 @@
 """A cross-attention masked as a causal self-attention: decoder query i sees only encoder keys 0..i.
 
 A call the program itself says is a cross-attention (a running module's `attention_type="cross"`,
-`is_cross_attention=True`: trace/held.py's cross_said) attends from the decoder's tokens to the encoder's memory: key j
+`is_cross_attention=True`: checks/context.crossing's "said") attends from the decoder's tokens to the encoder's memory: key j
 is encoder token j, not a later position of the query's own sequence, so a triangle that hides key j from every query
 before j hides real memory for no reason (TransformerEngine#565: the inter-attention called with the self-attention's
 `attn_mask_type="causal"`, its `enc_dec_attn_mask` dropped). Said where the mask is exactly the triangle's shape: as
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, keep
+from maskcli.checks.context import Run, crossing, keep
 from maskcli.checks.intent import intent
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -47,7 +47,8 @@ def causal_cross(run: Run) -> list:
     """Calls a module states are cross-attention whose mask is a causal triangle over the memory."""
     found, done = [], {}
     for call in run.cross:
-        said = call.details.get("cross_said")
+        reading = crossing(call)
+        said = reading.source if reading.by == "said" else None  # (the module's own word: not its path, nor a shape)
         q_len, k_len = call.shape[2:]
         if not said or q_len != k_len or q_len < 2:
             continue

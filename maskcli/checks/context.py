@@ -13,6 +13,7 @@ import functools
 import re
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -112,29 +113,69 @@ CROSS_WORDS = re.compile(r"encoder_?attn|encdecattention|cross_?attn|cross_?atte
                          r"|(?<![a-z0-9])x_?att(?:n|ention)", re.IGNORECASE)  # (Flamingo's `gated_xattn`; not flex_attn)
 
 
-def cross(call) -> bool:
-    """The call attends from one sequence to another (a decoder's queries to its encoder's memory): its keys are not the
-    queries' own positions, so no rule may place its queries among them (bottom-right or otherwise).
+class Crossing(NamedTuple):
+    """Whether a call's keys are another sequence's (a cross-attention), what says so (`by`), and the program's own
+    words for it (`source`, shown in findings)."""
 
-    Said by: the module path (BART / Whisper `encoder_attn`, T5 `EncDecAttention`, `cross_attn`, BERT's
-    `crossattention`, nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`, Flamingo's
-    `xattn`), a memory handed to the function attending (`encoder_hidden_states`, `context`: trace/held.py kv_given)
-    whose length the keys have (not a joint attention's, that concatenates it with the queries' own tokens), the
-    attention layer's forward argument holding the other sequence (trace/held.py cross_passed), the attending
-    module's class (`MaskedCrossAttention`: trace/held.py cross_class) where the keys are not as many as the queries
-    (LDM's `CrossAttention` class runs its self-attention too), or more
-    queries than keys where the kernel itself does not place them (a self-attention's keys hold its queries' own);
-    never where the keys were read off the queries' own storage (one projection of one input: trace/masks.py)."""
+    cross: bool
+    by: str
+    source: str
+
+
+STRONG = ("said", "memory", "scores")  # a module's word, a memory argument, one query's scores: nothing overrides them
+
+
+def crossing(call) -> Crossing:
+    """The one reading of whether `call` attends from one sequence to another (a decoder's queries to its encoder's
+    memory): its keys are not the queries' own positions, so no rule may place its queries among them (bottom-right or
+    otherwise). Trace reads what the program states once per call site (trace/crossing.py: a module's
+    `is_cross_attention` / `attention_type`, a memory argument holding another tensor than the queries', the attending
+    module's class); here it meets what the call itself shows, strongest first:
+
+    - placed by maskcli's `model`, or keys read off the queries' own storage (one projection of one input, MHA(x, x, x):
+      trace/masks.py's kv_source): self;
+    - the module's word, a memory argument (or its None: self), one query's scores against a memory: as they say;
+    - keys that grew by each step's queries (a cache), or MHA keys that end with its queries: self;
+    - a module method's `kv` argument holding another tensor (it might have been the cache above): cross; the
+      attending layer's forward handed `key` another tensor than its `query`, of other values: cross, the same values
+      (or ending with them): self;
+    - MHA handed another tensor as its keys, as many or not as its queries: cross where their lengths differ;
+    - the module path (BART / Whisper `encoder_attn`, T5 `EncDecAttention`, `cross_attn`, BERT's `crossattention`,
+      nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`, Flamingo's `xattn`) or the
+      class name: cross, whatever the lengths (a Perceiver's latents may be as many as its frames);
+    - more queries than keys where the kernel itself does not place them (a self-attention's keys hold its queries'
+      own): cross. Equal lengths alone say nothing either way."""
     details = call.details
-    if details.get("queries") is not None or details.get("kv_source") == "query":
-        return False
-    if details.get("cross_said") or details.get("kv_given") and call.shape[3] in details.get("kv_shape", ()) \
-            or _passed(call) or _cross_word(getattr(call, "where", "") or ""):  # (a module's own word: trace/held.py)
-        return True
     q_len, k_len = call.shape[2:]
-    if details.get("cross_class") and q_len != k_len:  # (a class named so also runs LDM's self-attention: attn1)
-        return True
-    return q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal"))  # (flash places them itself)
+    if details.get("queries") is not None:
+        return Crossing(False, "placed", "its queries placed by maskcli model")
+    if details.get("kv_source") == "query":
+        return Crossing(False, "own-keys", "its keys read off the queries' own projection")
+    read = details.get("cross")
+    if not isinstance(read, dict):
+        read = {}
+    if read.get("by") in STRONG:
+        return Crossing(bool(read.get("cross")), read["by"], str(read.get("source")))
+    if read.get("grows") or details.get("kv_source") == "cache":
+        return Crossing(False, "cache", "its keys grew by each step's queries (a cache)" if read.get("grows")
+                        else "its key input ends with its query input (a cache)")
+    if read.get("by") in ("kv", "inputs"):
+        return Crossing(bool(read.get("cross")), read["by"], str(read.get("source")))
+    if details.get("kv_source") == "other" and q_len != k_len:
+        return Crossing(True, "keys-input", f"keys from another input than its queries ({k_len} keys, {q_len} queries)")
+    where = getattr(call, "where", "") or ""
+    if _cross_word(where):
+        return Crossing(True, "path", f"module path {where}")
+    if read.get("by") == "class":
+        return Crossing(True, "class", str(read.get("source")))
+    if q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal")):  # (flash places them itself)
+        return Crossing(True, "shape", f"more queries ({q_len}) than keys ({k_len})")
+    return Crossing(False, "none", "")
+
+
+def cross(call) -> bool:
+    """crossing(call).cross: the call's keys are another sequence's."""
+    return crossing(call).cross
 
 
 def _block(where: str) -> str:
@@ -163,13 +204,6 @@ def beside_memory(run, call, real: np.ndarray) -> bool:
         if np.array_equal(seen, np.broadcast_to(real, real.shape)):
             return True
     return False
-
-
-def _passed(call) -> bool:
-    """A layer handed the other sequence (trace/held.py's cross_passed) whose call has x's queries and the context's
-    keys (a joint attention over both, handed the context too, has more queries than x)."""
-    lengths = call.details.get("cross_lengths")
-    return bool(lengths) and tuple(call.shape[2:]) == tuple(lengths)
 
 
 def layer(call) -> int | None:

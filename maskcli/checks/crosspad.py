@@ -1,6 +1,6 @@
 """A cross-attention handed no mask for its context, whose keys are hidden exactly where its queries are padding.
 
-A layer handed the other sequence (`context`, `encoder_hidden_states`, `memory`: trace/held.py's cross_passed) and
+A layer handed the other sequence (`context`, `encoder_hidden_states`, `memory`: checks/context.crossing's "memory") and
 None for that sequence's mask (`context_mask=None`, `encoder_attention_mask=None`) states that the context has no
 padding: every query sees every context key. Where the kernel's mask still hides, in some batch row, exactly the key
 columns that the program's own padding mask of the *queries* (a held `mask` / `attention_mask` as long as the queries,
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, keep
+from maskcli.checks.context import Run, crossing, keep
 from maskcli.checks.held import readings
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -22,9 +22,10 @@ from maskcli.text import Finding
 def queries_padding_on_context(run: Run) -> list:
     """Cross-attention calls handed no context mask whose hidden key columns are the queries' own padding."""
     found, done = [], {}
-    for call in run.cross:  # (cross_passed makes a call cross: context.cross)
-        details = call.details
-        unmasked, held = details.get("context_unmasked"), details.get("held_padding")
+    for call in run.cross:
+        details, reading = call.details, crossing(call)
+        unmasked = (details.get("cross") or {}).get("unmasked") if reading.by == "memory" else None
+        held = details.get("held_padding")
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
         if not unmasked or not held or q_len != k_len or q_len < 2:
             continue  # (a queries' mask fits the keys only where they are as many)
@@ -43,7 +44,7 @@ def queries_padding_on_context(run: Run) -> list:
                         b = int(np.flatnonzero(~real.all(axis=1))[0])
                         k = int(np.flatnonzero(~real[b])[0])
                         done[key] = Finding("context-masked-by-queries", (
-                            f"the cross-attention ({details.get('cross_passed')}) was handed {unmasked}=None, an "
+                            f"the cross-attention ({reading.source}) was handed {unmasked}=None, an "
                             f"unpadded context, yet batch row {b} hides context keys {np.flatnonzero(~real[b]).tolist()}: "
                             f"exactly the queries' padding in `{padding['name']}` ({padding['where']}): the queries' "
                             f"mask applied to the context's keys"),

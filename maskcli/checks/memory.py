@@ -3,8 +3,8 @@
 The model call states which encoder tokens are real by `encoder_attention_mask` (1 = a real token, as
 Hugging Face's decoders with cross-attention take it), `memory_key_padding_mask` (True = padding, as
 nn.Transformer and nn.TransformerDecoder take it), or, for an encoder-decoder model (config
-`is_encoder_decoder`), its `attention_mask`, which is the encoder's. A cross-attention call (context.cross:
-its module path, or more queries than keys) whose keys are that many tokens must hide the padded ones from
+`is_encoder_decoder`), its `attention_mask`, which is the encoder's. A cross-attention call (context.crossing:
+what the program states, or more queries than keys) whose keys are that many tokens must hide the padded ones from
 every decoder query that attends at all; a batch row whose memory is all padding is left alone (a kernel
 may unmask it to avoid NaN). The self-attention side of padding is arguments.py's.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.context import Run, crossing, first_cell, keep
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -89,9 +89,15 @@ def memory(run: Run) -> list:
             found.append((call, Finding("encoder-padding-ignored", (
                 f"batch row {b}: decoder query {q} sees encoder key {k}, which the {source.replace(' of ', ' given to ', 1)} "
                 f"marks as padding ({int(bad.sum())} such cells){unmasked}: the cross-attention mask drops the "
-                f"encoder's padding"), expected="no decoder query sees a padded encoder key", source=source,
+                f"encoder's padding{_why(call)}"), expected="no decoder query sees a padded encoder key", source=source,
                 cell=(b, q, k))))
     return found
+
+
+def _why(call) -> str:
+    """What says the call is a cross-attention (checks/context.crossing), as the finding shows it."""
+    reading = crossing(call)
+    return f" (a cross-attention: {reading.source})" if reading.cross and reading.source else ""
 
 
 RULES = (

@@ -347,7 +347,7 @@ class Trace(Outer, Follow):
             overflowed = self.overflows.of(args, kwargs, seen.api)
             if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
                 seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
-            self.sites.note(seen.details, caller)
+            self.sites.note(seen.details, caller, seen.shape)
             queried.note(seen.details, self.sites.stack)  # (the layer's own queries, where padding is held: crossq.py)
             frames = self.interfaces
             if frames and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows

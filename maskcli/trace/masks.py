@@ -151,7 +151,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
                "dropout_p": float(given.get("dropout_p", 0.0) or 0.0)}
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
     if _same_storage(q, k):
-        details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.cross)
+        details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.crossing)
     if mask is not None:
         details["mask_dtype"] = _dtype(mask)
         if q_len > 1 and (mask.dim() < 2 or mask.shape[-2] == 1):  # one row for every query: no query's own position
@@ -190,6 +190,16 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
+def _ends_with(k: torch.Tensor, q: torch.Tensor) -> bool:
+    """MHA's (L, B, E) key input ends with its query input: past tokens before the queries' own (an incremental
+    decoder's cache handed as the keys), a self-attention."""
+    try:
+        return k.dim() == q.dim() and k.shape[0] > q.shape[0] and k.shape[1:] == q.shape[1:] \
+            and bool(torch.equal(k[k.shape[0] - q.shape[0]:], q))
+    except (RuntimeError, NotImplementedError):  # (tensor subclasses: nothing to compare)
+        return False
+
+
 @functools.cache
 def _mha_signature() -> inspect.Signature:
     return inspect.signature(F.multi_head_attention_forward)
@@ -215,7 +225,9 @@ def mha(args: tuple, kwargs: dict) -> Seen:
                "dropout_p": float(a["dropout_p"] or 0.0) if a["training"] else 0.0,
                "key_padding": {}}  # MHA has a key-padding argument: the padding is what it says (maskcli.keypadding)
     if k is q or _same_storage(q, k):
-        details["kv_source"] = "query"  # self-attention: MHA(x, x, x) (checks/context.cross)
+        details["kv_source"] = "query"  # self-attention: MHA(x, x, x) (checks/context.crossing)
+    else:  # keys from another tensor: another sequence's, or a cache whose last keys are the queries' own tokens
+        details["kv_source"] = "cache" if _ends_with(k, q) else "other"
     seen = Seen("mha", (batch, heads, q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
     if a["is_causal"] and padding is None and not need_weights:
         seen.intervals = top_left_causal(q_len, k_len)
@@ -346,7 +358,7 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
         # (B, 1, 1, Lk) attn_mask (the Annotated Transformer's masked_fill(src_mask == 0, -1e9)): key padding
     if one:
         details["one_query"] = True  # (a decoder state against encoder states, Luong's and Bahdanau's: cross-attention)
-        details["cross_said"] = "one query's scores against a memory, (B, Lk)"  # (checks/context.cross)
+        details["cross"] = {"cross": True, "by": "scores", "source": "one query's scores against a memory, (B, Lk)"}
     seen = Seen("softmax", shape, tuple(x.shape), (), (), _dtype(x), str(x.device), details=details)
     seen.keep = (~masked).reshape(shape)
     return seen

@@ -20,7 +20,8 @@ from collections import Counter
 
 import torch
 
-from maskcli.trace.held import cross_class, cross_passed, cross_said, kv_given, padding
+from maskcli.trace.crossing import Readings
+from maskcli.trace.held import padding
 from maskcli.trace.swin import shifted_windows
 
 FRAMES = 64  # frames of the program searched for a module's owner
@@ -34,6 +35,7 @@ class Sites:
         self._names: dict[int, tuple[torch.nn.Module, str]] = {}  # id -> (module, path): the module held, so its id stays
         self._taken: dict[str, int] = {}  # shown name -> id of the module that has it
         self._steps: Counter = Counter()
+        self.readings = Readings()  # each call site's cross-attention reading, read at its first call (trace/crossing.py)
 
     @property
     def stack(self) -> list:
@@ -77,30 +79,21 @@ class Sites:
         self.stack.clear()
         self._names.clear()  # the program's modules are its own again once the trace ends
         self._taken.clear()
+        self.readings.clear()
 
-    def note(self, details: dict, caller) -> None:
+    def note(self, details: dict, caller, shape: tuple) -> None:
         """What a call's details say of where it was made: the running module's own word that it is causal
-        (checks/own.py), the line that called the function attending (checks/steps.py's causal-lost)."""
+        (checks/own.py), the line that called the function attending (checks/steps.py's causal-lost), whether its
+        keys are another sequence's (trace/crossing.py; `shape`: the call's (B, H, Lq, Lk))."""
         flag = causal_flag(self.stack)
         if flag is not None:
             details["module_causal" if not flag.endswith("=False") else "module_not_causal"] = flag.removesuffix("=False")
         if caller is not None:
             details["caller"] = caller
-        said = cross_said(self.stack)  # a running module that says it attends to another sequence (checks/context.cross)
-        if said is not None:
-            details["cross_said"] = said
-        else:
-            given = kv_given(self.stack)  # another sequence handed to the function attending (checks/context.cross)
-            if given is not None:
-                details["kv_given"], details["kv_shape"] = given
-            passed = cross_passed(self.stack)  # a layer handed the other sequence as an argument (checks/context.cross)
-            if passed is not None:
-                details["cross_passed"], details["cross_lengths"] = passed[0], passed[2]
-                if passed[1] is not None:
-                    details["context_unmasked"] = passed[1]  # (handed None: checks/crosspad.py)
-            named = cross_class(self.stack)  # (the attending module's class named a cross-attention: context.cross)
-            if named is not None:
-                details["cross_class"] = named
+        if "cross" not in details:  # (a reader may have said it already: one query's scores, trace/masks.py)
+            reading = self.readings.of(self.stack, shape)  # keys another sequence's? (checks/context.crossing)
+            if reading is not None:
+                details["cross"] = reading
         windows = shifted_windows(self.stack)  # a Swin block's shifted windows and the mask it holds (checks/swin.py)
         if windows is not None:
             details["shifted_windows"] = windows
