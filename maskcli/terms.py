@@ -73,6 +73,13 @@ def terms(tree) -> list[Term]:
     return [tree] if isinstance(tree, Term) else ex.leaves(tree)
 
 
+def bound(kind: Kind, values: dict) -> Term:
+    """The kind bound to values given by name (read off a tensor, not typed), each checked as a typed one is
+    (MaskError where one is refused); a parameter not given takes its default."""
+    checked = {p.name: p.check(values.get(p.name, p.default), kind.name) for p in kind.params}
+    return Term(kind, tuple(checked.items()))
+
+
 # --- binding calls to kinds ------------------------------------------------------------------
 
 

@@ -91,3 +91,38 @@ def test_what_is_recognised_and_the_command_shown_rebuild_the_reference(kind, q_
     assert np.array_equal(found.mask.dense()[0, 0], keep)
     again = build(found.expression, MaskOptions(**found.options))  # the command shown, as the user would type it
     assert np.array_equal(np.broadcast_to(again.dense()[0, 0], keep.shape), keep)
+
+
+# --- composite.py: two-kind candidates, trees of terms -------------------------------------------------------------
+
+D = [0, 0, 0, 1, 1, 1, 1, 2]
+COMPOSITES = {  # kind at its heart: (what the reference keeps at query q, key k; the text the tree prints as)
+    "document": (lambda q, k: D[k] == D[q] and 0 <= q - k < 2, "document(0,0,0,1,1,1,1,2) & window(2)"),
+    "blocks": (lambda q, k: k <= q or (B[q] >= 0 and B[k] == B[q]), "causal | blocks(-1,-1,0,0,0,-1,1,1)"),
+    "sink": (lambda q, k: k <= q and (q - k < 3 or k < 1), "causal & (window(3) | sink(1))"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(COMPOSITES))
+def test_composites_are_trees_of_terms_that_rebuild_the_double_loop_and_print_as_text_that_parses_back(kind):
+    from maskcli.inspect.composite import composites
+    from maskcli.inspect.structure import profile
+    from maskcli.terms import Term, terms, text
+
+    rule, expected_text = COMPOSITES[kind]
+    n = 8
+    ref = np.array([[rule(q, k) for k in range(n)] for q in range(n)])
+    found = {name: tree for name, tree in composites(profile(ref, 0, 0, "attend"), ref)}
+    tree = found[kind]
+    assert all(isinstance(term, Term) for term in terms(tree))  # bound to kinds: no text was parsed to make it
+    assert text(tree) == expected_text
+    assert np.array_equal(placed(tree, MaskOptions(length=n)).dense()[0, 0], ref)
+    assert np.array_equal(build(text(tree), length=n).dense()[0, 0], ref)
+
+
+def test_a_composite_whose_value_a_kind_refuses_is_no_candidate():
+    """A sink of 0 leading keys (the last row's first run not at key 0) is refused by sink's check: not yielded."""
+    from maskcli.inspect.composite import _term
+
+    assert _term("sink", sink=0) is None
+    assert _term("window", window=3) is not None

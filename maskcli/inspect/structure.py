@@ -23,7 +23,7 @@ from maskcli.kinds.base import Profile
 from maskcli.mask import Mask, MaskOptions
 from maskcli.mask import build as build_mask
 from maskcli.mask import placed as _placed
-from maskcli.terms import Term
+from maskcli.terms import Term, bound
 from maskcli.text import shell_quote
 
 FLAGS = {
@@ -123,13 +123,10 @@ def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile
 
 def _term(kind, params: dict) -> Term | None:
     """The kind bound to the values read off a tensor, each checked as a typed one is; None where one is refused."""
-    values = {}
-    for p in kind.params:
-        try:
-            values[p.name] = p.check(params.get(p.name, p.default), kind.name)
-        except MaskError:
-            return None
-    return Term(kind, tuple(values.items()))
+    try:
+        return bound(kind, params)
+    except MaskError:
+        return None
 
 
 def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str):
