@@ -237,6 +237,8 @@ def check_flags_used(tree, flags: dict, used: list[str], source: str) -> None:
 def intervals(tree, frame: Frame) -> Intervals:
     """Per-row key intervals of the whole tree (may raise intervals.NotFew), repeated terms folded first
     (expression.simplified): each pass of a term is over every query row."""
+    if isinstance(tree, Term):  # one term: nothing to fold
+        return tree.kind.intervals(tree.values, frame)
     return _intervals(ex.simplified(tree), frame)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from maskcli.errors import MaskError
-from maskcli.inspect.structure import candidates, recognise
+from maskcli.inspect.structure import REFUSED, candidates, on_terms, recognise
 from maskcli.kinds import all_kinds
 from maskcli.mask import MaskOptions, build, placed
 
@@ -45,6 +45,18 @@ def placements(q_len: int, k_len: int):
     return [(base, at_end)] + ([({"length": q_len, "kv_len": k_len}, 0)] if at_end else [])
 
 
+def same_as_placed(tree, options: dict, built) -> None:
+    """on_terms, where it answers, gives the frame and the cells of the Mask mask.placed builds (one batch row)."""
+    seen = on_terms(tree, options)
+    assert seen != REFUSED, (options, built.text)
+    if seen is not None:
+        frame, cells = seen
+        assert (frame.q_start, frame.q_len, frame.k_start, frame.k_len) == (
+            built.frame.q_start, built.frame.q_len, built.frame.k_start, built.frame.k_len)
+        assert built.batch == 1
+        assert np.array_equal(cells, built.dense()[0, 0]), built.text
+
+
 def candidate_kinds(kind: str, q_len: int) -> set[str]:
     """The kinds proposed for the reference of `kind`, each candidate's term and its printed text placed alike."""
     rule, labels = RULES[kind]
@@ -58,8 +70,10 @@ def candidate_kinds(kind: str, q_len: int) -> set[str]:
         except MaskError:  # a candidate whose text is refused as typed is refused from its terms too
             with pytest.raises(MaskError):
                 placed(term, MaskOptions(**options))
+            assert on_terms(term, options) in (REFUSED, None)
             continue
         from_terms = placed(term, MaskOptions(**options))
+        same_as_placed(term, options, from_terms)
         assert from_terms.text == term.text()
         place = lambda m: (m.frame.q_start, m.frame.q_len, m.frame.k_start, m.frame.k_len)  # noqa: E731
         assert place(from_terms) == place(from_text)
@@ -126,3 +140,35 @@ def test_a_composite_whose_value_a_kind_refuses_is_no_candidate():
 
     assert _term("sink", sink=0) is None
     assert _term("window", window=3) is not None
+
+
+# --- on_terms: a candidate compared on its terms, no Mask built -------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["causal", "window(2)", "sink(3)", "prefix(2)", "band(1)", "local(2)",
+                                  "document(0,0,1,1,1,2)", "chunk(0,0,1,1,1,2)", "tree(-1,0,0)",
+                                  "causal & (window(2) | sink(1))", "causal | blocks(-1,0,0,-1,1,1)"])
+@pytest.mark.parametrize("length", [1, 3, 6])
+@pytest.mark.parametrize("offset", [None, 0, 2])
+@pytest.mark.parametrize("kv_len", [None, 6, 8])
+def test_on_terms_is_placed_or_refused_as_placed_is(text, length, offset, kv_len):
+    """Over --len, --offset and --kv-len: on_terms gives placed's frame and cells, or REFUSED exactly where placed
+    refuses the candidate (a size its labels, its draft tree or its sinks do not fit)."""
+    tree = build(text).expression  # the terms, bound once
+    options = {"length": length, **({"offset": offset} if offset is not None else {}),
+               **({"kv_len": kv_len} if kv_len is not None else {})}
+    try:
+        built = placed(tree, MaskOptions(**options))
+    except MaskError:
+        assert on_terms(tree, options) in (REFUSED, None)
+        return
+    same_as_placed(tree, options, built)
+
+
+def test_on_terms_says_nothing_where_the_options_say_more_than_where_the_queries_sit():
+    tree = build("causal", length=4).expression
+    assert on_terms(tree, {"length": 4, "lengths": "4,2"}) is None  # key padding: placed's to add
+    assert on_terms(tree, {"offset": 2}) is None  # no --len: the data or the default says how many queries
+    labels = build("document", params={"--chunks": "0,0,1;0,1,1"}).expression  # two batch rows of labels
+    assert on_terms(labels, {"length": 3}) is None
+    assert on_terms(build("causal", length=4).expression, {"length": 4, "heads": 2})[1].shape == (4, 4)

@@ -23,7 +23,10 @@ from maskcli.kinds.base import Profile
 from maskcli.mask import Mask, MaskOptions
 from maskcli.mask import build as build_mask
 from maskcli.mask import placed as _placed
-from maskcli.terms import Term, bound
+from maskcli.intervals import NotFew
+from maskcli.positions import Frame
+from maskcli.terms import Term, bound, terms
+from maskcli.terms import intervals as intervals_of
 from maskcli.text import shell_quote
 
 FLAGS = {
@@ -73,9 +76,54 @@ def bare(name: str) -> Term:
     return Term(get_kind(name), ())
 
 
+PLACING = {"length", "offset", "kv_len", "heads"}  # options that only say where the queries sit (and the heads)
+REFUSED = "refused"
+
+
+def on_terms(tree, options: dict):
+    """(frame, cells) of a candidate's one batch row, bool (Lq, Lk), made from its terms at the positions `options`
+    give, with no Mask: what recognition compares before it builds one (a Mask's frame, checks, name and dense view
+    cost each candidate more than its cells). REFUSED where the build would refuse it; None where the terms cannot
+    say alone (options beyond --len, --offset, --kv-len and --heads; labels of several batch rows; intervals not few).
+
+    With --len given, mask.placed's positions are these: queries from --offset (else 0), keys from 0 to --kv-len
+    (else to the last query); tests/test_inspect_structure.py holds the two to the same frames and cells."""
+    if "length" not in options or not set(options) <= PLACING:
+        return None
+    length, q_start = options["length"], options.get("offset") or 0
+    frame = Frame(q_start, length, 0, options.get("kv_len") or q_start + length)
+    queries = [term.kind.queries(term.values) for term in terms(tree) if term.kind.queries is not None]
+    if queries and queries[0] != length:
+        return REFUSED  # positions.resolve: --len does not match the first kind's own queries
+    for term in terms(tree):
+        kind, values = term.kind, term.values
+        count = kind.sequence(values) if kind.sequence is not None else None
+        if count is not None and count != frame.n:
+            return REFUSED  # positions.data_length: labels that do not cover the positions
+        try:
+            if kind.check is not None:
+                kind.check(values, frame, kind.name)
+        except MaskError:
+            return REFUSED
+    try:
+        found = intervals_of(tree, frame)
+    except NotFew:
+        return None
+    if found.shape[0] != 1:
+        return None
+    return frame, found.dense(0, 0, length)
+
+
 def _rebuild(expression, options: dict, keep: np.ndarray) -> Mask | None:
     """The Mask when `expression` (a tree of terms, or text to parse) with `options` is exactly `keep` (B, H, Lq, Lk);
-    a row of size 1 compares by broadcasting."""
+    a row of size 1 compares by broadcasting. A tree is compared on its terms first (`on_terms`): a Mask is built
+    only for a candidate whose cells are the tensor's."""
+    if not isinstance(expression, str) and keep.shape[2] != 1:
+        seen = on_terms(expression, options)
+        if seen == REFUSED:
+            return None
+        if seen is not None and (seen[1].shape != keep.shape[2:] or not np.array_equal(seen[1], keep[0, 0])):
+            return None  # every batch row and head of the tensor must be these cells
     try:
         built = build_mask(expression, MaskOptions(**options)) if isinstance(expression, str) else _placed(expression, MaskOptions(**options))
     except MaskError:
@@ -155,26 +203,34 @@ def closest(keep: np.ndarray, ref: np.ndarray, placements, marked: str) -> dict 
 
     if keep.shape[2] * keep.shape[3] > 1 << 20:
         return None
-    best = None
-    for _, term, options in candidates(ref, placements, marked):
+    scored = []  # (cells apart, order, term, options, its Mask where one was built to count them)
+    for order, (_, term, options) in enumerate(candidates(ref, placements, marked)):
+        seen = on_terms(term, options)
+        if seen == REFUSED:
+            continue
+        built = None
+        if seen is None:  # the terms cannot say alone: a Mask's cells
+            try:
+                built = _placed(term, MaskOptions(**options))
+                cells = built.dense()
+            except MaskError:
+                continue
+        else:
+            cells = seen[1][None, None]
+        if cells.shape[2:] != keep.shape[2:]:
+            continue
+        scored.append((int((np.broadcast_to(cells, keep[:, :1].shape) != keep[:, :1]).sum()), order, term, options, built))
+    for apart, _, term, options, built in sorted(scored, key=lambda item: item[:2]):  # fewest apart, then the simplest
         try:
-            built = _placed(term, MaskOptions(**options))
-            expression = built.text
-            built_cells = built.dense()
+            built = built or _placed(term, MaskOptions(**options))  # a Mask for the one named only
         except MaskError:
             continue
-        if built_cells.shape[2:] != keep.shape[2:]:
-            continue
-        apart = int((np.broadcast_to(built_cells, keep[:, :1].shape) != keep[:, :1]).sum())
-        if best is None or apart < best[0]:
-            best = (apart, expression, options, built)
-    if best is None:
-        return None
-    apart, expression, options, built = best
-    tensor = from_tensor(np.ascontiguousarray(keep[:, :1]), "the tensor", built.q_offset, built.kv_offset)
-    difference = compare(tensor, from_tensor(np.broadcast_to(built.dense(), keep[:, :1].shape).copy(), expression, built.q_offset, built.kv_offset))
-    return {"expression": expression, "command": command_for(expression, options), "cells_apart": apart,
-            "rows": row_words(difference, "the tensor", expression)}
+        expression = built.text
+        tensor = from_tensor(np.ascontiguousarray(keep[:, :1]), "the tensor", built.q_offset, built.kv_offset)
+        difference = compare(tensor, from_tensor(np.broadcast_to(built.dense(), keep[:, :1].shape).copy(), expression, built.q_offset, built.kv_offset))
+        return {"expression": expression, "command": command_for(expression, options), "cells_apart": apart,
+                "rows": row_words(difference, "the tensor", expression)}
+    return None
 
 
 def readings(ones: np.ndarray, key_padding: bool = False) -> list[tuple[str, Structure, bool]]:
