@@ -50,7 +50,8 @@ def same_as_placed(tree, options: dict, built) -> None:
     seen = on_terms(tree, options)
     assert seen != REFUSED, (options, built.text)
     if seen is not None:
-        frame, cells = seen
+        frame, found = seen
+        cells = found.dense(0, 0, frame.q_len)
         assert (frame.q_start, frame.q_len, frame.k_start, frame.k_len) == (
             built.frame.q_start, built.frame.q_len, built.frame.k_start, built.frame.k_len)
         assert built.batch == 1
@@ -171,4 +172,39 @@ def test_on_terms_says_nothing_where_the_options_say_more_than_where_the_queries
     assert on_terms(tree, {"offset": 2}) is None  # no --len: the data or the default says how many queries
     labels = build("document", params={"--chunks": "0,0,1;0,1,1"}).expression  # two batch rows of labels
     assert on_terms(labels, {"length": 3}) is None
-    assert on_terms(build("causal", length=4).expression, {"length": 4, "heads": 2})[1].shape == (4, 4)
+    assert on_terms(build("causal", length=4).expression, {"length": 4, "heads": 2})[1].shape == (1, 4)
+
+
+def test_runs_are_each_rows_cells_and_same_cells_compares_them_cell_for_cell():
+    """runs against a double loop over a matrix with gaps, empty rows and full rows; same_cells against ==."""
+    from maskcli.inspect.structure import runs, same_cells
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        keep = rng.random((6, 9)) < 0.5
+        keep[0] = False
+        keep[1] = True
+        found = runs(keep)
+        assert found.shape == (1, 6)
+        for q in range(6):
+            expected, k = [], 0
+            while k < 9:  # the row's runs of kept keys, by a loop
+                if keep[q, k]:
+                    end = k
+                    while end < 9 and keep[q, end]:
+                        end += 1
+                    expected.append((k, end))
+                    k = end
+                else:
+                    k += 1
+            assert found.row(0, q) == expected
+        other = keep.copy()
+        other[rng.integers(6), rng.integers(9)] ^= True
+        assert same_cells(runs(keep), found) and not same_cells(runs(other), found)
+    assert runs(np.tile([True, False], (2, 200))) is None  # 200 runs in a row: not few, cells are compared
+    sink = build("sink(1)", length=6).intervals()  # one row stored, standing for every row
+    only_first = np.zeros((6, 6), dtype=bool)
+    only_first[:, 0] = True
+    assert same_cells(sink, runs(only_first))
+    only_first[5, 1] = True
+    assert not same_cells(sink, runs(only_first))

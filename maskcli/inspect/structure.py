@@ -23,7 +23,8 @@ from maskcli.kinds.base import Profile
 from maskcli.mask import Mask, MaskOptions
 from maskcli.mask import build as build_mask
 from maskcli.mask import placed as _placed
-from maskcli.intervals import NotFew
+from maskcli.intervals import Intervals, NotFew
+from maskcli.kinds.padding import key_runs
 from maskcli.positions import Frame
 from maskcli.terms import Term, bound, terms
 from maskcli.terms import intervals as intervals_of
@@ -81,9 +82,9 @@ REFUSED = "refused"
 
 
 def on_terms(tree, options: dict):
-    """(frame, cells) of a candidate's one batch row, bool (Lq, Lk), made from its terms at the positions `options`
-    give, with no Mask: what recognition compares before it builds one (a Mask's frame, checks, name and dense view
-    cost each candidate more than its cells). REFUSED where the build would refuse it; None where the terms cannot
+    """(frame, key intervals) of a candidate's one batch row, (1, Lq, K), made from its terms at the positions
+    `options` give, with no Mask: what recognition compares before it builds one (a Mask's frame, checks, name and
+    cells cost each candidate more than its intervals, compared in O(Lq K) with the tensor's own, `runs`). REFUSED where the build would refuse it; None where the terms cannot
     say alone (options beyond --len, --offset, --kv-len and --heads; labels of several batch rows; intervals not few).
 
     With --len given, mask.placed's positions are these: queries from --offset (else 0), keys from 0 to --kv-len
@@ -111,19 +112,41 @@ def on_terms(tree, options: dict):
         return None
     if found.shape[0] != 1:
         return None
-    return frame, found.dense(0, 0, length)
+    return frame, found
 
 
-def _rebuild(expression, options: dict, keep: np.ndarray) -> Mask | None:
+def runs(keep: np.ndarray) -> Intervals | None:
+    """A (Lq, Lk) keep matrix's cells as exact key intervals per query row (keys from 0), (1, Lq, K), in the normal
+    form intervals.py keeps; None where a row has more runs than a few (then cells are compared)."""
+    try:
+        rows = key_runs(keep, Frame(0, 1, 0, keep.shape[1]), "the tensor")  # each query row read as a batch row's
+    except NotFew:
+        return None
+    return Intervals(rows.starts[None, :, 0], rows.ends[None, :, 0], rows.k_start, rows.k_end)
+
+
+def same_cells(got: Intervals, want: Intervals) -> bool:
+    """The same cells, counted per row: as many in each, and all of them in both (a row stored once stands for every
+    row: intervals broadcast)."""
+    counts = want.counts()
+    return bool((got.counts() == counts).all()) and bool(((got & want).counts() == counts).all())
+
+
+def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None = None) -> Mask | None:
     """The Mask when `expression` (a tree of terms, or text to parse) with `options` is exactly `keep` (B, H, Lq, Lk);
-    a row of size 1 compares by broadcasting. A tree is compared on its terms first (`on_terms`): a Mask is built
-    only for a candidate whose cells are the tensor's."""
+    a row of size 1 compares by broadcasting. A tree is compared on its terms first (`on_terms`; with `rows`, the
+    tensor's first batch row and head as `runs` gives them): a Mask is built only for a candidate whose cells are
+    the tensor's."""
     if not isinstance(expression, str) and keep.shape[2] != 1:
         seen = on_terms(expression, options)
         if seen == REFUSED:
             return None
-        if seen is not None and (seen[1].shape != keep.shape[2:] or not np.array_equal(seen[1], keep[0, 0])):
-            return None  # every batch row and head of the tensor must be these cells
+        if seen is not None:  # every batch row and head of the tensor must be these cells
+            frame, got = seen
+            if (frame.q_len, frame.k_len) != keep.shape[2:]:
+                return None
+            if not (same_cells(got, rows) if rows is not None else np.array_equal(got.dense(0, 0, frame.q_len), keep[0, 0])):
+                return None
     try:
         built = build_mask(expression, MaskOptions(**options)) if isinstance(expression, str) else _placed(expression, MaskOptions(**options))
     except MaskError:
@@ -136,9 +159,6 @@ def _rebuild(expression, options: dict, keep: np.ndarray) -> Mask | None:
         return None
     if q_len == 1 and f.q_len != 1:  # a [B, 1, 1, S] row stands for every query, so every built row must be it
         if built.exact and f.k_start == 0:  # on intervals: O(S) for a key padding row of any length
-            from maskcli.intervals import NotFew
-            from maskcli.kinds.padding import key_runs
-
             try:
                 wanted = key_runs(keep.reshape(batch, k_len), f)
             except NotFew:
@@ -216,7 +236,7 @@ def closest(keep: np.ndarray, ref: np.ndarray, placements, marked: str) -> dict 
             except MaskError:
                 continue
         else:
-            cells = seen[1][None, None]
+            cells = seen[1].dense(0, 0, seen[0].q_len)[None, None]
         if cells.shape[2:] != keep.shape[2:]:
             continue
         scored.append((int((np.broadcast_to(cells, keep[:, :1].shape) != keep[:, :1]).sum()), order, term, options, built))
@@ -294,9 +314,11 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     else:
         padding = _padding_options(seen) if not bool(seen.all()) else None
 
+    rows = runs(keep4[0, 0]) if q_len != 1 else None  # the tensor's cells as intervals, each candidate's compared to
+
     def found(kind: str, tree, options: dict, reading: str = "mask", note: str = "") -> Structure | None:
         options = {**options, **head_option}
-        built = _rebuild(tree, options, keep4)
+        built = _rebuild(tree, options, keep4, rows)
         if built is None:
             return None
         if "length" in options and "offset" not in options and "kv_len" not in options:
