@@ -5,8 +5,10 @@ candidate parameters off the tensor (a window from the widest row, chunk labels 
 rows' visible prefixes end, ...), then maskcli builds that mask and it must equal the
 tensor cell for cell. So the command suggested always rebuilds the mask exactly.
 
-Candidates are built from their terms (kinds bound to values), with no text to parse; only the one that
-rebuilds the tensor is printed, and its text is parsed back once to check that the command shown rebuilds it too.
+Candidates are built from their terms (kinds bound to values), with no text to parse, and compared on their terms
+(`on_terms`: their key intervals at the positions the options give, against the tensor's own runs, read once), with
+no Mask made; a Mask is built only for the one whose cells are the tensor's, and its text, the only one printed, is
+parsed back once to check that the command shown rebuilds it too.
 """
 
 from __future__ import annotations

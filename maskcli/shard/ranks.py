@@ -3,8 +3,9 @@
 A rank's mask is PyTorch's convention for context parallelism: its rows are the rank's slots in local order,
 its columns every slot in the gathered (permuted) order, and both are mapped back to global positions through
 the layout's indices before the mask is read (_create_cp_block_mask's qkv_idx_restore,
-torch/distributed/tensor/experimental/_context_parallel/_attention.py:1250-1283). Cells are compared densely:
-the files are dense already.
+torch/distributed/tensor/experimental/_context_parallel/_attention.py:1250-1283). What a rank should hold comes from
+the ranks source (sources/ranks.py: the global Mask over each run of positions it holds), laid out in that order
+(`gathered`). Cells are compared densely: the files are dense already.
 """
 
 from __future__ import annotations
