@@ -152,12 +152,15 @@ def test_a_composite_whose_value_a_kind_refuses_is_no_candidate():
 @pytest.mark.parametrize("length", [1, 3, 6])
 @pytest.mark.parametrize("offset", [None, 0, 2])
 @pytest.mark.parametrize("kv_len", [None, 6, 8])
-def test_on_terms_is_placed_or_refused_as_placed_is(text, length, offset, kv_len):
-    """Over --len, --offset and --kv-len: on_terms gives placed's frame and cells, or REFUSED exactly where placed
-    refuses the candidate (a size its labels, its draft tree or its sinks do not fit)."""
+@pytest.mark.parametrize("pad", [{}, {"lengths": "4"}, {"lengths": "5", "pad": "left"}, {"lengths": "9"},
+                                 {"ids": "1,1,0,1,1,1", "pad_id": 0}])
+def test_on_terms_is_placed_or_refused_as_placed_is(text, length, offset, kv_len, pad):
+    """Over --len, --offset, --kv-len and the key padding: on_terms gives placed's frame and cells, or REFUSED
+    exactly where placed refuses the candidate (a size its labels, its draft tree, its sinks or its padding do not
+    fit)."""
     tree = build(text).expression  # the terms, bound once
     options = {"length": length, **({"offset": offset} if offset is not None else {}),
-               **({"kv_len": kv_len} if kv_len is not None else {})}
+               **({"kv_len": kv_len} if kv_len is not None else {}), **pad}
     try:
         built = placed(tree, MaskOptions(**options))
     except MaskError:
@@ -168,7 +171,8 @@ def test_on_terms_is_placed_or_refused_as_placed_is(text, length, offset, kv_len
 
 def test_on_terms_says_nothing_where_the_options_say_more_than_where_the_queries_sit():
     tree = build("causal", length=4).expression
-    assert on_terms(tree, {"length": 4, "lengths": "4,2"}) is None  # key padding: placed's to add
+    assert on_terms(tree, {"length": 4, "lengths": "4,2"}) is None  # two batch rows of key padding
+    assert on_terms(tree, {"length": 4, "tokens": "a b c d"}) is None  # words: placed's to read
     assert on_terms(tree, {"offset": 2}) is None  # no --len: the data or the default says how many queries
     labels = build("document", params={"--chunks": "0,0,1;0,1,1"}).expression  # two batch rows of labels
     assert on_terms(labels, {"length": 3}) is None

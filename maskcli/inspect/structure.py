@@ -17,7 +17,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from maskcli.batchdata import pad_side, padding, with_padding
 from maskcli.errors import MaskError
+from maskcli.expression import both
 from maskcli.keypadding import options as _padding_options
 from maskcli.kinds import all_kinds
 from maskcli.kinds import get as get_kind
@@ -80,21 +82,33 @@ def bare(name: str) -> Term:
 
 
 PLACING = {"length", "offset", "kv_len", "heads"}  # options that only say where the queries sit (and the heads)
+PADDING = {"lengths", "pad", "ids", "pad_id"}  # the key padding recognition reads off a tensor (keypadding.options)
 REFUSED = "refused"
 
 
 def on_terms(tree, options: dict):
     """(frame, key intervals) of a candidate's one batch row, (1, Lq, K), made from its terms at the positions
     `options` give, with no Mask: what recognition compares before it builds one (a Mask's frame, checks, name and
-    cells cost each candidate more than its intervals, compared in O(Lq K) with the tensor's own, `runs`). REFUSED where the build would refuse it; None where the terms cannot
-    say alone (options beyond --len, --offset, --kv-len and --heads; labels of several batch rows; intervals not few).
+    cells cost each candidate more than its intervals, compared in O(Lq K) with the tensor's own, `runs`). REFUSED
+    where the build would refuse it; None where the terms cannot say alone (options beyond --len, --offset,
+    --kv-len, --heads and the key padding; several batch rows; intervals not few).
 
     With --len given, mask.placed's positions are these: queries from --offset (else 0), keys from 0 to --kv-len
-    (else to the last query); tests/test_inspect_structure.py holds the two to the same frames and cells."""
-    if "length" not in options or not set(options) <= PLACING:
+    (else to the last query), the key padding and-ed on as placed does (batchdata's own reading of it);
+    tests/test_inspect_structure.py holds the two to the same frames and cells."""
+    if "length" not in options or not set(options) <= PLACING | PADDING:
         return None
     length, q_start = options["length"], options.get("offset") or 0
     frame = Frame(q_start, length, 0, options.get("kv_len") or q_start + length)
+    if not set(options) <= PLACING:
+        given = MaskOptions(**options)
+        try:
+            lengths, ids = padding(given)
+            frame = with_padding(frame, lengths, ids, given.pad_id, pad_side(given))
+        except MaskError:
+            return REFUSED
+        if frame.batch != 1:
+            return None
     queries = [term.kind.queries(term.values) for term in terms(tree) if term.kind.queries is not None]
     if queries and queries[0] != length:
         return REFUSED  # positions.resolve: --len does not match the first kind's own queries
@@ -108,8 +122,10 @@ def on_terms(tree, options: dict):
                 kind.check(values, frame, kind.name)
         except MaskError:
             return REFUSED
+    cut = Term(get_kind("padding"), ())
+    whole = both(tree, cut) if frame.padded and tree != cut else tree  # mask.from_terms: padding cuts every mask
     try:
-        found = intervals_of(tree, frame)
+        found = intervals_of(whole, frame)
     except NotFew:
         return None
     if found.shape[0] != 1:
