@@ -13,6 +13,7 @@ parsed back once to check that the command shown rebuilds it too.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -122,7 +123,7 @@ def on_terms(tree, options: dict):
                 kind.check(values, frame, kind.name)
         except MaskError:
             return REFUSED
-    cut = Term(get_kind("padding"), ())
+    cut = _padding_term()
     whole = both(tree, cut) if frame.padded and tree != cut else tree  # mask.from_terms: padding cuts every mask
     try:
         found = intervals_of(whole, frame)
@@ -131,6 +132,12 @@ def on_terms(tree, options: dict):
     if found.shape[0] != 1:
         return None
     return frame, found
+
+
+@functools.cache
+def _padding_term() -> Term:
+    """The key padding's term, bound once for every candidate that is cut by it."""
+    return Term(get_kind("padding"), ())
 
 
 def runs(keep: np.ndarray) -> Intervals | None:
