@@ -22,8 +22,8 @@ import torch
 
 from maskcli.kinds.values import rows_text
 from maskcli.mask import MaskOptions, build
-from maskcli.pack.fields import read
 from maskcli.pack.findings import check
+from maskcli.sources import registry
 from timing import timed  # noqa: E402  (benchmarks/timing.py, beside this script)
 
 
@@ -86,8 +86,8 @@ def main() -> None:
         for name, fields in cases.items():
             path = Path(folder) / "batch.safetensors"
             save(path, fields)
-            report = check(read(str(path), {}, []))  # warm-up: imports
-            mine = timed(lambda: check(read(str(path), {}, [])), args.runs)
+            report = check(registry.read("packed", str(path), {}, []))  # as the command reads it; warm-up: imports
+            mine = timed(lambda: check(registry.read("packed", str(path), {}, [])), args.runs)
             verdict = "ok" if report.ok else f"{len(report.findings)} findings"
             print(f"pack: {name:46s} {mine:7.3f} s  x{mine / bare:8.0f} the bare arithmetic  "
                   f"x{mine / document:5.1f} one document mask  ({verdict})")

@@ -73,6 +73,13 @@ def terms(tree) -> list[Term]:
     return [tree] if isinstance(tree, Term) else ex.leaves(tree)
 
 
+def bound(kind: Kind, values: dict) -> Term:
+    """The kind bound to values given by name (read off a tensor, not typed), each checked as a typed one is
+    (MaskError where one is refused); a parameter not given takes its default."""
+    checked = {p.name: p.check(values.get(p.name, p.default), kind.name) for p in kind.params}
+    return Term(kind, tuple(checked.items()))
+
+
 # --- binding calls to kinds ------------------------------------------------------------------
 
 
@@ -230,6 +237,8 @@ def check_flags_used(tree, flags: dict, used: list[str], source: str) -> None:
 def intervals(tree, frame: Frame) -> Intervals:
     """Per-row key intervals of the whole tree (may raise intervals.NotFew), repeated terms folded first
     (expression.simplified): each pass of a term is over every query row."""
+    if isinstance(tree, Term):  # one term: nothing to fold
+        return tree.kind.intervals(tree.values, frame)
     return _intervals(ex.simplified(tree), frame)
 
 

@@ -179,3 +179,21 @@ def test_each_finding_takes_its_severity_from_its_rule_and_json_keeps_its_fields
     data = json.loads(report_json(analyse([("causal", build("causal", length=10))], str(cut), 2)))
     assert data["findings"] == [{"code": "shard-dropped-token", "severity": "wrong", "message": data["findings"][0]["message"],
                                  "rank": None, "cell": [8, 8]}]
+
+
+@pytest.mark.parametrize("make", [lambda: layouts.contiguous(12, 2), lambda: layouts.headtail(13, 3),
+                                  lambda: layouts.striped(13, 2, 2), lambda: layouts.per_document(np.array([5, 8]), 2)])
+def test_what_each_rank_should_hold_is_read_through_the_ranks_source_in_pytorchs_order(tmp_path, make):
+    """shard.ranks.gathered over the ranks source's runs: each rank's part as rank_files writes it from the double loop
+    (its slots in local order, every slot in the gathered order, padding rows and columns empty)."""
+    from maskcli.sources import registry
+
+    layout = make()
+    expr = "causal & window(4)"
+    mask = build(expr, length=layout.length)
+    held = registry.sources()["ranks"].load(layout, mask)
+    order = layout.indices()
+    keys = np.where(order < layout.length, order, -1)
+    for r, path in enumerate(rank_files(tmp_path, dense(expr, layout.length), layout)):
+        want = torch.load(path).numpy()
+        assert np.array_equal(ranks.gathered(held[r], layout.rank_indices(r), keys), want), r

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from maskcli.errors import MaskError
-from maskcli.inspect.structure import candidates, recognise
+from maskcli.inspect.structure import REFUSED, candidates, on_terms, recognise
 from maskcli.kinds import all_kinds
 from maskcli.mask import MaskOptions, build, placed
 
@@ -45,6 +45,19 @@ def placements(q_len: int, k_len: int):
     return [(base, at_end)] + ([({"length": q_len, "kv_len": k_len}, 0)] if at_end else [])
 
 
+def same_as_placed(tree, options: dict, built) -> None:
+    """on_terms, where it answers, gives the frame and the cells of the Mask mask.placed builds (one batch row)."""
+    seen = on_terms(tree, options)
+    assert seen != REFUSED, (options, built.text)
+    if seen is not None:
+        frame, found = seen
+        cells = found.dense(0, 0, frame.q_len)
+        assert (frame.q_start, frame.q_len, frame.k_start, frame.k_len) == (
+            built.frame.q_start, built.frame.q_len, built.frame.k_start, built.frame.k_len)
+        assert built.batch == 1
+        assert np.array_equal(cells, built.dense()[0, 0]), built.text
+
+
 def candidate_kinds(kind: str, q_len: int) -> set[str]:
     """The kinds proposed for the reference of `kind`, each candidate's term and its printed text placed alike."""
     rule, labels = RULES[kind]
@@ -58,8 +71,10 @@ def candidate_kinds(kind: str, q_len: int) -> set[str]:
         except MaskError:  # a candidate whose text is refused as typed is refused from its terms too
             with pytest.raises(MaskError):
                 placed(term, MaskOptions(**options))
+            assert on_terms(term, options) in (REFUSED, None)
             continue
         from_terms = placed(term, MaskOptions(**options))
+        same_as_placed(term, options, from_terms)
         assert from_terms.text == term.text()
         place = lambda m: (m.frame.q_start, m.frame.q_len, m.frame.k_start, m.frame.k_len)  # noqa: E731
         assert place(from_terms) == place(from_text)
@@ -91,3 +106,109 @@ def test_what_is_recognised_and_the_command_shown_rebuild_the_reference(kind, q_
     assert np.array_equal(found.mask.dense()[0, 0], keep)
     again = build(found.expression, MaskOptions(**found.options))  # the command shown, as the user would type it
     assert np.array_equal(np.broadcast_to(again.dense()[0, 0], keep.shape), keep)
+
+
+# --- composite.py: two-kind candidates, trees of terms -------------------------------------------------------------
+
+D = [0, 0, 0, 1, 1, 1, 1, 2]
+COMPOSITES = {  # kind at its heart: (what the reference keeps at query q, key k; the text the tree prints as)
+    "document": (lambda q, k: D[k] == D[q] and 0 <= q - k < 2, "document(0,0,0,1,1,1,1,2) & window(2)"),
+    "blocks": (lambda q, k: k <= q or (B[q] >= 0 and B[k] == B[q]), "causal | blocks(-1,-1,0,0,0,-1,1,1)"),
+    "sink": (lambda q, k: k <= q and (q - k < 3 or k < 1), "causal & (window(3) | sink(1))"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(COMPOSITES))
+def test_composites_are_trees_of_terms_that_rebuild_the_double_loop_and_print_as_text_that_parses_back(kind):
+    from maskcli.inspect.composite import composites
+    from maskcli.inspect.structure import profile
+    from maskcli.terms import Term, terms, text
+
+    rule, expected_text = COMPOSITES[kind]
+    n = 8
+    ref = np.array([[rule(q, k) for k in range(n)] for q in range(n)])
+    found = {name: tree for name, tree in composites(profile(ref, 0, 0, "attend"), ref)}
+    tree = found[kind]
+    assert all(isinstance(term, Term) for term in terms(tree))  # bound to kinds: no text was parsed to make it
+    assert text(tree) == expected_text
+    assert np.array_equal(placed(tree, MaskOptions(length=n)).dense()[0, 0], ref)
+    assert np.array_equal(build(text(tree), length=n).dense()[0, 0], ref)
+
+
+def test_a_composite_whose_value_a_kind_refuses_is_no_candidate():
+    """A sink of 0 leading keys (the last row's first run not at key 0) is refused by sink's check: not yielded."""
+    from maskcli.inspect.composite import _term
+
+    assert _term("sink", sink=0) is None
+    assert _term("window", window=3) is not None
+
+
+# --- on_terms: a candidate compared on its terms, no Mask built -------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["causal", "window(2)", "sink(3)", "prefix(2)", "band(1)", "local(2)",
+                                  "document(0,0,1,1,1,2)", "chunk(0,0,1,1,1,2)", "tree(-1,0,0)",
+                                  "causal & (window(2) | sink(1))", "causal | blocks(-1,0,0,-1,1,1)"])
+@pytest.mark.parametrize("length", [1, 3, 6])
+@pytest.mark.parametrize("offset", [None, 0, 2])
+@pytest.mark.parametrize("kv_len", [None, 6, 8])
+@pytest.mark.parametrize("pad", [{}, {"lengths": "4"}, {"lengths": "5", "pad": "left"}, {"lengths": "9"},
+                                 {"ids": "1,1,0,1,1,1", "pad_id": 0}])
+def test_on_terms_is_placed_or_refused_as_placed_is(text, length, offset, kv_len, pad):
+    """Over --len, --offset, --kv-len and the key padding: on_terms gives placed's frame and cells, or REFUSED
+    exactly where placed refuses the candidate (a size its labels, its draft tree, its sinks or its padding do not
+    fit)."""
+    tree = build(text).expression  # the terms, bound once
+    options = {"length": length, **({"offset": offset} if offset is not None else {}),
+               **({"kv_len": kv_len} if kv_len is not None else {}), **pad}
+    try:
+        built = placed(tree, MaskOptions(**options))
+    except MaskError:
+        assert on_terms(tree, options) in (REFUSED, None)
+        return
+    same_as_placed(tree, options, built)
+
+
+def test_on_terms_says_nothing_where_the_options_say_more_than_where_the_queries_sit():
+    tree = build("causal", length=4).expression
+    assert on_terms(tree, {"length": 4, "lengths": "4,2"}) is None  # two batch rows of key padding
+    assert on_terms(tree, {"length": 4, "tokens": "a b c d"}) is None  # words: placed's to read
+    assert on_terms(tree, {"offset": 2}) is None  # no --len: the data or the default says how many queries
+    labels = build("document", params={"--chunks": "0,0,1;0,1,1"}).expression  # two batch rows of labels
+    assert on_terms(labels, {"length": 3}) is None
+    assert on_terms(build("causal", length=4).expression, {"length": 4, "heads": 2})[1].shape == (1, 4)
+
+
+def test_runs_are_each_rows_cells_and_same_cells_compares_them_cell_for_cell():
+    """runs against a double loop over a matrix with gaps, empty rows and full rows; same_cells against ==."""
+    from maskcli.inspect.structure import runs, same_cells
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        keep = rng.random((6, 9)) < 0.5
+        keep[0] = False
+        keep[1] = True
+        found = runs(keep)
+        assert found.shape == (1, 6)
+        for q in range(6):
+            expected, k = [], 0
+            while k < 9:  # the row's runs of kept keys, by a loop
+                if keep[q, k]:
+                    end = k
+                    while end < 9 and keep[q, end]:
+                        end += 1
+                    expected.append((k, end))
+                    k = end
+                else:
+                    k += 1
+            assert found.row(0, q) == expected
+        other = keep.copy()
+        other[rng.integers(6), rng.integers(9)] ^= True
+        assert same_cells(runs(keep), found) and not same_cells(runs(other), found)
+    assert runs(np.tile([True, False], (2, 200))) is None  # 200 runs in a row: not few, cells are compared
+    sink = build("sink(1)", length=6).intervals()  # one row stored, standing for every row
+    only_first = np.zeros((6, 6), dtype=bool)
+    only_first[:, 0] = True
+    assert same_cells(sink, runs(only_first))
+    only_first[5, 1] = True
+    assert not same_cells(sink, runs(only_first))

@@ -67,3 +67,17 @@ def test_a_batch_that_places_no_documents_is_one_clear_error(tmp_path):
     np.savez(path, input_ids=np.arange(6)[None])
     with pytest.raises(MaskError, match="does not say where its documents are"):
         packed.load(str(path))
+
+
+def test_read_takes_fields_given_as_options_over_the_file_and_field_maps(tmp_path):
+    """What `maskcli pack` asks the registry for: the file's fields, a key mapped with --field, an option over both;
+    the documents then as a double loop over the fields that won."""
+    path = tmp_path / "batch.npz"
+    np.savez(path, input_ids=np.arange(6)[None], pos=np.array([[0, 1, 2, 0, 1, 2]]))
+    batch = registry.read("packed", str(path), {}, ["position_ids=pos"])
+    assert batch.sources["position_ids"] == "pos via --field"
+    assert np.array_equal(packed.documents(batch).dense()[0, 0], from_position_ids([[0, 1, 2, 0, 1, 2]])[0])
+    over = registry.read("packed", str(path), {"position_ids": "0,1,0,1,2,3"}, ["position_ids=pos"])
+    assert np.array_equal(packed.documents(over).dense()[0, 0], from_position_ids([[0, 1, 0, 1, 2, 3]])[0])
+    alone = registry.read("packed", None, {"cu_seqlens": "0,2,6"})
+    assert np.array_equal(packed.documents(alone).dense()[0, 0], from_cu_seqlens([0, 2, 6], 6))

@@ -80,11 +80,11 @@ def pack(
     if field and batch is None:
         raise MaskError("--field maps a key of the BATCH file: give the file too")
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None
-    from maskcli.pack.fields import read
     from maskcli.pack.findings import check
+    from maskcli.sources import registry
 
     model = _model(use_cache, config)
-    report = check(read(batch, given, field or []), eos_id, reference, model)
+    report = check(registry.read("packed", batch, given, field or []), eos_id, reference, model)
     source = batch if batch is not None else "the batch given as options"
     from maskcli.render import pack as render
 

@@ -1,7 +1,9 @@
-"""Expressions of two kinds read off a keep matrix, for masks no single kind rebuilds, and the closest kind.
+"""Masks of two kinds read off a keep matrix, for masks no single kind rebuilds, and the closest kind.
 
 Like single kinds, each candidate is only a guess until maskcli rebuilds it and it equals
-the tensor cell for cell. The shapes looked for are those of real models:
+the tensor cell for cell. Each is a tree of terms (kinds bound to the values read), built with no text to parse:
+structure.py makes text only of the one that rebuilds the tensor, to show. The shapes looked for are those of
+real models:
 
     document(labels) & window(W)     packed sequences with a sliding window
     causal | blocks(ids)             causal text with bidirectional image tokens (Gemma 3)
@@ -12,12 +14,24 @@ from __future__ import annotations
 
 import numpy as np
 
+from maskcli.errors import MaskError
+from maskcli.expression import both, either
+from maskcli.kinds import get as get_kind
 from maskcli.kinds.base import Profile
 from maskcli.kinds.values import inline
+from maskcli.terms import Term, bound
 
 
-def _labels_text(labels: np.ndarray) -> str:
-    return inline([labels.tolist()], "recognised labels").text
+def _term(name: str, **values) -> Term | None:
+    """The kind `name` bound to values read off the tensor; None where one is refused (no mask to rebuild)."""
+    try:
+        return bound(get_kind(name), values)
+    except MaskError:
+        return None
+
+
+def _labels(labels: np.ndarray):
+    return inline([labels.tolist()], "recognised labels")
 
 
 def _window(profile: Profile) -> int | None:
@@ -34,7 +48,9 @@ def document_window(profile: Profile):
         return
     starts = profile.first == profile.q
     starts[0] = False
-    yield "document", f"document({_labels_text(np.cumsum(starts))}) & window({width})"
+    document, window = _term("document", labels=_labels(np.cumsum(starts))), _term("window", window=width)
+    if document is not None and window is not None:
+        yield "document", both(document, window)
 
 
 def causal_blocks(profile: Profile):
@@ -48,11 +64,13 @@ def causal_blocks(profile: Profile):
         start = int(np.flatnonzero(members)[0])
         ids[start : int(end) + 1] = number
     if (ids >= 0).any():
-        yield "blocks", f"causal | blocks({_labels_text(ids)})"
+        blocks = _term("blocks", labels=_labels(ids))
+        if blocks is not None:
+            yield "blocks", either(_term("causal"), blocks)
 
 
 def composites(profile: Profile, cells: np.ndarray):
-    """(kind, expression) of two-kind expressions worth rebuilding, for one (Lq, Lk) keep matrix."""
+    """(kind, tree of terms) of two-kind masks worth rebuilding, for one (Lq, Lk) keep matrix."""
     yield from document_window(profile)
     yield from causal_blocks(profile)
     yield from _streaming(profile, cells)
@@ -66,4 +84,6 @@ def _streaming(profile: Profile, cells: np.ndarray):
     edges = np.diff(last_row, prepend=0, append=0)
     starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
     if len(starts) == 2 and starts[0] == 0:
-        yield "sink", f"causal & (window({int(ends[1] - starts[1])}) | sink({int(ends[0])}))"
+        window, sink = _term("window", window=int(ends[1] - starts[1])), _term("sink", sink=int(ends[0]))
+        if window is not None and sink is not None:
+            yield "sink", both(_term("causal"), either(window, sink))

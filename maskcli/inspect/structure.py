@@ -5,17 +5,22 @@ candidate parameters off the tensor (a window from the widest row, chunk labels 
 rows' visible prefixes end, ...), then maskcli builds that mask and it must equal the
 tensor cell for cell. So the command suggested always rebuilds the mask exactly.
 
-Candidates are built from their terms (kinds bound to values), with no text to parse; only the one that
-rebuilds the tensor is printed, and its text is parsed back once to check that the command shown rebuilds it too.
+Candidates are built from their terms (kinds bound to values), with no text to parse, and compared on their terms
+(`on_terms`: their key intervals at the positions the options give, against the tensor's own runs, read once), with
+no Mask made; a Mask is built only for the one whose cells are the tensor's, and its text, the only one printed, is
+parsed back once to check that the command shown rebuilds it too.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from maskcli.batchdata import pad_side, padding, with_padding
 from maskcli.errors import MaskError
+from maskcli.expression import both
 from maskcli.keypadding import options as _padding_options
 from maskcli.kinds import all_kinds
 from maskcli.kinds import get as get_kind
@@ -23,7 +28,11 @@ from maskcli.kinds.base import Profile
 from maskcli.mask import Mask, MaskOptions
 from maskcli.mask import build as build_mask
 from maskcli.mask import placed as _placed
-from maskcli.terms import Term
+from maskcli.intervals import Intervals, NotFew
+from maskcli.kinds.padding import key_runs
+from maskcli.positions import Frame
+from maskcli.terms import Term, bound, terms
+from maskcli.terms import intervals as intervals_of
 from maskcli.text import shell_quote
 
 FLAGS = {
@@ -73,9 +82,96 @@ def bare(name: str) -> Term:
     return Term(get_kind(name), ())
 
 
-def _rebuild(expression, options: dict, keep: np.ndarray) -> Mask | None:
+PLACING = {"length", "offset", "kv_len", "heads"}  # options that only say where the queries sit (and the heads)
+PADDING = {"lengths", "pad", "ids", "pad_id"}  # the key padding recognition reads off a tensor (keypadding.options)
+REFUSED = "refused"
+
+
+def on_terms(tree, options: dict):
+    """(frame, key intervals) of a candidate's one batch row, (1, Lq, K), made from its terms at the positions
+    `options` give, with no Mask: what recognition compares before it builds one (a Mask's frame, checks, name and
+    cells cost each candidate more than its intervals, compared in O(Lq K) with the tensor's own, `runs`). REFUSED
+    where the build would refuse it; None where the terms cannot say alone (options beyond --len, --offset,
+    --kv-len, --heads and the key padding; several batch rows; intervals not few).
+
+    With --len given, mask.placed's positions are these: queries from --offset (else 0), keys from 0 to --kv-len
+    (else to the last query), the key padding and-ed on as placed does (batchdata's own reading of it);
+    tests/test_inspect_structure.py holds the two to the same frames and cells."""
+    if "length" not in options or not set(options) <= PLACING | PADDING:
+        return None
+    length, q_start = options["length"], options.get("offset") or 0
+    frame = Frame(q_start, length, 0, options.get("kv_len") or q_start + length)
+    if not set(options) <= PLACING:
+        given = MaskOptions(**options)
+        try:
+            lengths, ids = padding(given)
+            frame = with_padding(frame, lengths, ids, given.pad_id, pad_side(given))
+        except MaskError:
+            return REFUSED
+        if frame.batch != 1:
+            return None
+    queries = [term.kind.queries(term.values) for term in terms(tree) if term.kind.queries is not None]
+    if queries and queries[0] != length:
+        return REFUSED  # positions.resolve: --len does not match the first kind's own queries
+    for term in terms(tree):
+        kind, values = term.kind, term.values
+        count = kind.sequence(values) if kind.sequence is not None else None
+        if count is not None and count != frame.n:
+            return REFUSED  # positions.data_length: labels that do not cover the positions
+        try:
+            if kind.check is not None:
+                kind.check(values, frame, kind.name)
+        except MaskError:
+            return REFUSED
+    cut = _padding_term()
+    whole = both(tree, cut) if frame.padded and tree != cut else tree  # mask.from_terms: padding cuts every mask
+    try:
+        found = intervals_of(whole, frame)
+    except NotFew:
+        return None
+    if found.shape[0] != 1:
+        return None
+    return frame, found
+
+
+@functools.cache
+def _padding_term() -> Term:
+    """The key padding's term, bound once for every candidate that is cut by it."""
+    return Term(get_kind("padding"), ())
+
+
+def runs(keep: np.ndarray) -> Intervals | None:
+    """A (Lq, Lk) keep matrix's cells as exact key intervals per query row (keys from 0), (1, Lq, K), in the normal
+    form intervals.py keeps; None where a row has more runs than a few (then cells are compared)."""
+    try:
+        rows = key_runs(keep, Frame(0, 1, 0, keep.shape[1]), "the tensor")  # each query row read as a batch row's
+    except NotFew:
+        return None
+    return Intervals(rows.starts[None, :, 0], rows.ends[None, :, 0], rows.k_start, rows.k_end)
+
+
+def same_cells(got: Intervals, want: Intervals) -> bool:
+    """The same cells, counted per row: as many in each, and all of them in both (a row stored once stands for every
+    row: intervals broadcast)."""
+    counts = want.counts()
+    return bool((got.counts() == counts).all()) and bool(((got & want).counts() == counts).all())
+
+
+def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None = None) -> Mask | None:
     """The Mask when `expression` (a tree of terms, or text to parse) with `options` is exactly `keep` (B, H, Lq, Lk);
-    a row of size 1 compares by broadcasting."""
+    a row of size 1 compares by broadcasting. A tree is compared on its terms first (`on_terms`; with `rows`, the
+    tensor's first batch row and head as `runs` gives them): a Mask is built only for a candidate whose cells are
+    the tensor's."""
+    if not isinstance(expression, str) and keep.shape[2] != 1:
+        seen = on_terms(expression, options)
+        if seen == REFUSED:
+            return None
+        if seen is not None:  # every batch row and head of the tensor must be these cells
+            frame, got = seen
+            if (frame.q_len, frame.k_len) != keep.shape[2:]:
+                return None
+            if not (same_cells(got, rows) if rows is not None else np.array_equal(got.dense(0, 0, frame.q_len), keep[0, 0])):
+                return None
     try:
         built = build_mask(expression, MaskOptions(**options)) if isinstance(expression, str) else _placed(expression, MaskOptions(**options))
     except MaskError:
@@ -88,9 +184,6 @@ def _rebuild(expression, options: dict, keep: np.ndarray) -> Mask | None:
         return None
     if q_len == 1 and f.q_len != 1:  # a [B, 1, 1, S] row stands for every query, so every built row must be it
         if built.exact and f.k_start == 0:  # on intervals: O(S) for a key padding row of any length
-            from maskcli.intervals import NotFew
-            from maskcli.kinds.padding import key_runs
-
             try:
                 wanted = key_runs(keep.reshape(batch, k_len), f)
             except NotFew:
@@ -123,13 +216,10 @@ def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile
 
 def _term(kind, params: dict) -> Term | None:
     """The kind bound to the values read off a tensor, each checked as a typed one is; None where one is refused."""
-    values = {}
-    for p in kind.params:
-        try:
-            values[p.name] = p.check(params.get(p.name, p.default), kind.name)
-        except MaskError:
-            return None
-    return Term(kind, tuple(values.items()))
+    try:
+        return bound(kind, params)
+    except MaskError:
+        return None
 
 
 def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str):
@@ -158,26 +248,34 @@ def closest(keep: np.ndarray, ref: np.ndarray, placements, marked: str) -> dict 
 
     if keep.shape[2] * keep.shape[3] > 1 << 20:
         return None
-    best = None
-    for _, term, options in candidates(ref, placements, marked):
+    scored = []  # (cells apart, order, term, options, its Mask where one was built to count them)
+    for order, (_, term, options) in enumerate(candidates(ref, placements, marked)):
+        seen = on_terms(term, options)
+        if seen == REFUSED:
+            continue
+        built = None
+        if seen is None:  # the terms cannot say alone: a Mask's cells
+            try:
+                built = _placed(term, MaskOptions(**options))
+                cells = built.dense()
+            except MaskError:
+                continue
+        else:
+            cells = seen[1].dense(0, 0, seen[0].q_len)[None, None]
+        if cells.shape[2:] != keep.shape[2:]:
+            continue
+        scored.append((int((np.broadcast_to(cells, keep[:, :1].shape) != keep[:, :1]).sum()), order, term, options, built))
+    for apart, _, term, options, built in sorted(scored, key=lambda item: item[:2]):  # fewest apart, then the simplest
         try:
-            built = _placed(term, MaskOptions(**options))
-            expression = built.text
-            built_cells = built.dense()
+            built = built or _placed(term, MaskOptions(**options))  # a Mask for the one named only
         except MaskError:
             continue
-        if built_cells.shape[2:] != keep.shape[2:]:
-            continue
-        apart = int((np.broadcast_to(built_cells, keep[:, :1].shape) != keep[:, :1]).sum())
-        if best is None or apart < best[0]:
-            best = (apart, expression, options, built)
-    if best is None:
-        return None
-    apart, expression, options, built = best
-    tensor = from_tensor(np.ascontiguousarray(keep[:, :1]), "the tensor", built.q_offset, built.kv_offset)
-    difference = compare(tensor, from_tensor(np.broadcast_to(built.dense(), keep[:, :1].shape).copy(), expression, built.q_offset, built.kv_offset))
-    return {"expression": expression, "command": command_for(expression, options), "cells_apart": apart,
-            "rows": row_words(difference, "the tensor", expression)}
+        expression = built.text
+        tensor = from_tensor(np.ascontiguousarray(keep[:, :1]), "the tensor", built.q_offset, built.kv_offset)
+        difference = compare(tensor, from_tensor(np.broadcast_to(built.dense(), keep[:, :1].shape).copy(), expression, built.q_offset, built.kv_offset))
+        return {"expression": expression, "command": command_for(expression, options), "cells_apart": apart,
+                "rows": row_words(difference, "the tensor", expression)}
+    return None
 
 
 def readings(ones: np.ndarray, key_padding: bool = False) -> list[tuple[str, Structure, bool]]:
@@ -241,9 +339,11 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     else:
         padding = _padding_options(seen) if not bool(seen.all()) else None
 
+    rows = runs(keep4[0, 0]) if q_len != 1 else None  # the tensor's cells as intervals, each candidate's compared to
+
     def found(kind: str, tree, options: dict, reading: str = "mask", note: str = "") -> Structure | None:
         options = {**options, **head_option}
-        built = _rebuild(tree, options, keep4)
+        built = _rebuild(tree, options, keep4, rows)
         if built is None:
             return None
         if "length" in options and "offset" not in options and "kv_len" not in options:

@@ -3,8 +3,9 @@
 A rank's mask is PyTorch's convention for context parallelism: its rows are the rank's slots in local order,
 its columns every slot in the gathered (permuted) order, and both are mapped back to global positions through
 the layout's indices before the mask is read (_create_cp_block_mask's qkv_idx_restore,
-torch/distributed/tensor/experimental/_context_parallel/_attention.py:1250-1283). Cells are compared densely:
-the files are dense already.
+torch/distributed/tensor/experimental/_context_parallel/_attention.py:1250-1283). What a rank should hold comes from
+the ranks source (sources/ranks.py: the global Mask over each run of positions it holds), laid out in that order
+(`gathered`). Cells are compared densely: the files are dense already.
 """
 
 from __future__ import annotations
@@ -75,16 +76,34 @@ def check(mask: Mask, layout: Layout, paths: list[str]) -> list[Finding]:
     return check_parts(mask, layout, parts)
 
 
+def gathered(runs: list[Mask], rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """A rank's part of the global mask as context parallelism hands it, bool (its slots, every slot): each run's
+    cells (sources/ranks.py: the global Mask over each run the rank holds) at its slots in local order, read off the
+    run's key intervals in the gathered order of the keys (`cells_at`); a padding slot's row and column empty."""
+    out = np.zeros((rows.size, keys.size), dtype=bool)
+    real = np.flatnonzero(rows >= 0)  # each run's slots lie together in local order, the runs in the source's order
+    at = 0
+    for run in runs:
+        n = run.frame.q_len
+        out[real[at] : real[at] + n] = cells_at(intervals_of(run), np.arange(n), keys)
+        at += n
+    return out
+
+
 def check_parts(mask: Mask, layout: Layout, parts: list[np.ndarray]) -> list[Finding]:
-    """Each rank's part, bool (its slots, every slot in the gathered order), against the global mask."""
+    """Each rank's part, bool (its slots, every slot in the gathered order), against the global mask: what each rank
+    should hold is read through the ranks source (sources/ranks.py), in PyTorch's order (`gathered`)."""
+    from maskcli.sources import registry
+
+    held = registry.sources()["ranks"].load(layout, mask)
     intervals = intervals_of(mask)
-    gathered = layout.indices()
-    keys = np.where(gathered < layout.length, gathered, -1)
+    order = layout.indices()
+    keys = np.where(order < layout.length, order, -1)
     local_keys = np.where(np.arange(keys.size) < layout.length, np.arange(keys.size), -1)
     found: list[Finding] = []
     for r, part in enumerate(parts):
         rows = layout.rank_indices(r)
-        expected = cells_at(intervals, rows, keys)
+        expected = gathered(held[r], rows, keys)
         local_rows = np.where(rows >= 0, np.arange(rows.size), -1)
         local = cells_at(intervals, np.where(local_rows < layout.length, local_rows, -1), local_keys)
         causal = (rows[:, None] >= keys[None, :]) & (rows[:, None] >= 0) & (keys[None, :] >= 0)

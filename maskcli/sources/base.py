@@ -14,6 +14,7 @@ class Source:
     # claims(text, options) -> bool: for a source read from a --mask FILE, whether this file is its (the registry asks
     # the file sources in order, the first that claims it reads it); None for sources given otherwise
     claims: Callable | None = None
-    # read(spec) -> the metadata the masks come from (an engine's batch, a packed batch), for a command that checks
-    # it beyond its masks (serve's pages and writes); None where the source reads no metadata
+    # read(spec, ...) -> the metadata the masks come from (an engine's batch, a packed batch), for a command that
+    # checks it beyond its masks (serve's pages and writes, pack's paths; pack's fields given as options come as
+    # further arguments); None where the source reads no metadata
     read: Callable | None = None

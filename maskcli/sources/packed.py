@@ -14,11 +14,13 @@ from maskcli.pack.fields import Batch
 from maskcli.sources.base import Source
 
 
-def read(spec: str) -> Batch:
-    """The batch a BATCH file holds (.pt, .safetensors, .npz or .json of named fields, as pack reads it)."""
+def read(spec: str | None, given: dict[str, str] | None = None, maps: list[str] | tuple = ()) -> Batch:
+    """The batch a BATCH file holds (.pt, .safetensors, .npz or .json of named fields), as pack reads it: `given`,
+    fields as option text (--position-ids 0,1,2,0,1), over the file's (spec None: the options alone); `maps`, the
+    --field NAME=KEY maps naming a file's key as a field."""
     from maskcli.pack.fields import read as read_batch
 
-    return read_batch(spec, {}, [])
+    return read_batch(spec, dict(given or {}), list(maps))
 
 
 def documents(batch: Batch, reference: str | None = None, where: str = "the batch") -> Mask:

@@ -3,7 +3,9 @@
 A layout (shard/layouts.py's Layout, taken as it comes: its `ranks`, and its pieces `rank`, `start`, `size` in each
 rank's local order, start -1 for padding slots) says which runs of positions each rank holds. Rank r's part is the
 global mask over those query positions, its keys every position (ring attention gathers them all): one Mask per run,
-the global Mask's view over those rows (Mask.crop), exact at any length; padding slots hold no query.
+the global Mask's view over those rows (Mask.crop), exact at any length; padding slots hold no query. shard reads what
+each rank should hold through it (shard/ranks.py lays the runs out in PyTorch's order, keys gathered, padding empty)
+to check the parts a run captured (--rank-mask, --trace).
 """
 
 from __future__ import annotations

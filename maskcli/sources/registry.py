@@ -3,7 +3,7 @@
 Each source is a module of sources/ with a `SOURCE` (sources/base.py) and its `load`; a new one is added to
 MODULES. A --mask FILE goes to the first file source that claims it: a trace's call, a kernel format's tensors
 (--from FORMAT), else one tensor. The sources of metadata (engine, packed, ranks) are asked by name: `read` gives a
-command the metadata itself, their `load` its Masks.
+command the metadata itself (serve's batches, pack's and shard's packed batches), their `load` its Masks.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ def sources() -> dict[str, Source]:
     return _SOURCES
 
 
-def read(name: str, spec: str):
+def read(name: str, spec: str | None, *args, **options):
     """The metadata source `name` reads from `spec` (an engine's batch, a packed batch), before its masks are made:
-    for a command that checks it beyond its masks."""
-    return sources()[name].read(spec)
+    for a command that checks it beyond its masks; `options`, what the source reads besides its file (pack's fields
+    given as options)."""
+    return sources()[name].read(spec, *args, **options)
 
 
 def for_file(text: str, options: MaskOptions) -> Source:
