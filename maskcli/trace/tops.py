@@ -23,7 +23,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
              "cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k",  # flash's, transformers' CB
              # what else states where tokens are, as hand-written models name it (checks/real.py, tree.py, spans.py):
-             "input_ids", "idx", "tokens", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
+             "input_ids", "idx", "tokens", "inputs", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
              "padding_mask", "pad_mask", "mask", "input_mask", "tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets",
              "image_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
              "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k",
