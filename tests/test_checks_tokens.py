@@ -82,6 +82,21 @@ def test_a_port_whose_modules_define_call_trained_on_next_tokens_with_key_paddin
     assert tuple(found[0]["cell"]) == first((2, 8, 8), lambda b, q, k: k == q + 1 and (b, q) in counted)
     assert f"input ids of TinyLM shifted by one; {len(counted)} such queries" in found[0]["message"]
 
+def test_an_encoders_mask_computed_after_padding_held_inside_a_wrapper_is_found(tmp_path):
+    # thunlp/FewRel#17: the wrapper is handed a dict; BertModel.forward(input_ids, attention_mask) holds all-ones
+    found = check_bug(tmp_path, "fewrel_bert_encoder_mask_computed_after_padding", "padding-unmarked")
+    lengths = (6, 10)  # [CLS] + 5 and [CLS] + 9 tokens, right-padded with the embedding's padding_idx 0 to 12
+    assert tuple(found[0]["cell"]) == first((2, 12, 12), lambda b, q, k: q < lengths[b] <= k)
+    assert f"{sum(n * (12 - n) for n in lengths)} such cells" in found[0]["message"]
+    assert "attention_mask in forward() of" in found[0]["message"] and "(input_ids;" in found[0]["message"]
+
+
+def test_a_mask_built_inside_the_encoder_from_the_wrong_pad_id_on_a_left_padded_dict_batch_is_found(tmp_path):
+    found = check_bug(tmp_path, "wrapper_dict_batch_mask_wrong_pad_id_left", "padding-unmarked", folder=TOKENS)
+    pads = (3, 0)  # left-padded with the config's pad_token_id 1
+    assert tuple(found[0]["cell"]) == first((2, 7, 7), lambda b, q, k: q >= pads[b] > k)
+    assert "a token at the model's pad id (1)" in found[0]["message"] and "(tokens; 12 such cells)" in found[0]["message"]
+
 def test_targets_are_read_as_the_ids_one_position_on_along_either_axis():
     from maskcli.trace.losses import _shifted
 

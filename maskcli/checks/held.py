@@ -35,7 +35,7 @@ def readings(held: dict, rows: int, length: int) -> list[np.ndarray]:
     """Bool (rows, length) real keys, one per way `held` may lie over the call's `rows` batch rows and `length` keys;
     [] where it is not padding of this call."""
     found = held["rows"]
-    if held["kind"] in ("cells", "positions"):
+    if held["kind"] in ("cells", "positions", "ids"):
         return []
     if held["kind"] == "lengths":
         if found.size == 0 or found.max() != length or found.min() < 1 or found.min() == length:
