@@ -35,6 +35,16 @@ def test_an_entity_mask_a_flash_path_never_passes_is_found(tmp_path):
     assert k <= q  # what the kernel (causal) sees there and the entity mask masks: a cell below the diagonal
 
 
+def test_fairseq_encoder_layer_that_never_passes_its_context_mask_is_found(tmp_path):
+    """fairseq#1339/#1682 (written blind): TransformerEncoderLayer converts attn_mask to -1e8 and calls self_attn
+    without it. Its fix passes it: quiet, though a padding query whose window holds only padding keys is left with
+    the -1e8 keys alone (uniform weights there, as MHA computes: no NaN, no alarm)."""
+    found = check_bug(tmp_path, "fairseq_vggtransformer_encoder_layer_drops_context_attn_mask", "mask-argument-dropped")
+    left, right = 2, 1  # transformer_context=(4, 2) over a subsampling of 2
+    assert tuple(found[0]["cell"]) == first((2, 10, 10), lambda b, q, k: not q - left <= k <= q + right)
+    assert "attn_mask of forward()" in found[0]["message"]
+
+
 def test_a_folded_padding_mask_a_helper_never_passes_is_found(tmp_path):
     found = check_bug(tmp_path, "folded_padding_mask_not_passed", "mask-argument-dropped", folder=DROPPED)
     pads = (0, 2, 1)  # left padding: the first pads[b] keys of row b

@@ -204,3 +204,60 @@ def test_mha_causal_mask_that_hides_the_own_token(tmp_path):
     hit = caught(tmp_path, "mha_causal_mask_hides_own_token", ("fully-masked",))
     assert hit["message"].startswith(f"query {row} of batch row 0 sees no key at all")
     assert tuple(hit["cell"]) == (0, row, row)
+
+
+def test_a_row_masked_only_by_a_finite_float_fill_is_uniform_not_nan_in_mha_and_sdpa():
+    """fairseq's TransformerEncoderLayer fills its context mask with -1e8 and hands key padding beside it: a padding
+    query whose window holds only padding keys gets uniform weights over the -1e8 keys, as MHA computes (no NaN),
+    where the same row filled with -inf is NaN. What the kernel gives is checked here against torch itself."""
+    import torch
+    import torch.nn.functional as F
+
+    from maskcli.checks.rows import what_api_does
+    from maskcli.trace.masks import mha, sdpa
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 1, 8)  # (L, B, E)
+    weights = [torch.randn(24, 8), torch.zeros(24), torch.randn(8, 8), torch.zeros(8)]
+    padding = torch.tensor([[False, False, True, True]])  # keys 2, 3 padding
+    for fill, nan in ((-1e8, False), (float("-inf"), True)):
+        context = torch.zeros(4, 4)
+        context[3, :2] = fill  # query 3 sees keys 2-3 only, both padding
+        args = (x, x, x, 8, 2, *weights[:2], None, None, False, 0.0, *weights[2:])
+        kwargs = {"training": False, "key_padding_mask": padding, "need_weights": True, "attn_mask": context}
+        seen = mha(args, kwargs)
+        call = SimpleNamespace(api="mha", details=seen.details)
+        out, _ = F.multi_head_attention_forward(*args, **kwargs)
+        assert bool(out[3].isnan().any()) is nan  # torch's own answer
+        assert ("NaN" in what_api_does(call)) is nan, what_api_does(call)
+        q = torch.randn(1, 1, 4, 8)
+        float_mask = context.masked_fill(padding[0][None, :].expand(4, 4), float("-inf"))
+        seen = sdpa((q, q, q), {"attn_mask": float_mask})
+        seen.make()
+        call = SimpleNamespace(api="sdpa", details=seen.details)
+        weights_row = torch.softmax(float_mask[3], -1)
+        assert bool(weights_row.isnan().any()) is nan
+        assert ("uniform" in what_api_does(call)) is (not nan), what_api_does(call)
+
+
+def test_later_keys_in_runs_no_slip_of_a_triangle_makes_are_a_note_and_a_slip_stays_suspicious():
+    """BD3-LM (block diffusion) attends a noised copy of the sequence over [x_t, x_0]: each noised block both ways
+    within itself and over the clean blocks before it, laid after it: later keys in runs of 3, 15, 11, ... keys,
+    which no causal mask one key off or read the wrong way round makes: a note. The triangle the wrong way round,
+    right-padded and so named by no kind, sees on to each row's last real key: still suspicious."""
+    from maskcli.checks.registry import severity
+
+    n, size = 8, 4
+
+    def block_diff(b, q, k):  # written here from the paper's three parts, on absolute positions
+        q0, k0 = q >= n, k >= n
+        bq, bk = (q - n if q0 else q) // size, (k - n if k0 else k) // size
+        return (bq == bk and q0 == k0) or (bq > bk and k0 and not q0) or (bq >= bk and k0 and q0)
+
+    unnamed = SimpleNamespace(expression=None, kind=None)
+    [found] = later(*call(cells(1, 2 * n, 2 * n, block_diff)), unnamed)
+    assert found.code == "sees-later" and severity(found) == "note", found
+    lengths = (6, 4)
+    flipped = cells(2, 6, 6, lambda b, q, k: k >= q and k < lengths[b])  # the triangle the wrong way round, padded
+    [found] = later(*call(flipped), unnamed)
+    assert severity(found) == "suspicious" and "the wrong way round?" in found.message

@@ -71,3 +71,18 @@ def test_a_table_keeps_tokens_whole_and_indents_its_wrapped_lines_or_gives_its_l
     assert [line.rstrip() for line in render(table, 30)] == [
         "#0 causal (--lengths", "   9,7,5,3,8) ·", "   language_model_decoder.", "   transformer_layers.{0-1}.",
         "   self_attention_block.", "   attention_core"]
+
+
+def test_a_lead_wider_than_a_third_of_the_line_wraps_the_whole_line_two_cells_in():
+    """`maskcli trace a_long_program_name.py: 1 attention call`: under a lead that takes most of the line, the text's
+    column would be a letter wide; the line wraps as one instead, its further lines two cells in."""
+    from rich.text import Text
+
+    from maskcli.render import hanging
+
+    lead = "maskcli trace fairseq_vggtransformer_encoder_layer_drops_context_attn_mask.py: "
+    assert [line.rstrip() for line in render(hanging(lead, Text("1 attention call in 1 group")), 80)] == [
+        "maskcli trace fairseq_vggtransformer_encoder_layer_drops_context_attn_mask.py: 1",
+        "  attention call in 1 group"]
+    assert [line.rstrip() for line in render(hanging("#0 ", Text("causal · model.layers.0")), 80)] == [
+        "#0 causal · model.layers.0"]

@@ -69,6 +69,26 @@ def _padding(real: np.ndarray, right_only: bool) -> bool:
     return bool(right.all() or not right_only and (left.all() or (right | left).all()))
 
 
+def _tracks_keys(run: Run, call, held: dict) -> bool:
+    """Whether a held padding may be of this call's keys: where the call's site began with another number of keys (a
+    decoder's self-attention over its growing cache), only if a padding of that name was as long as the keys there too.
+    (A seq2seq generate holds the source's attention_mask all along: Marian's 7 source tokens meet the decoder's
+    self-attention at its 7th target token by their number alone.)"""
+    site = run.sites().get(call.where) or [call]
+    first = site[0]
+    if first is call or first.shape[3] == call.shape[3]:
+        return True
+    return any(h["name"] == held["name"] and _length(h) == first.shape[3] for h in first.details.get("held_padding") or ())
+
+
+def _length(held: dict) -> int | None:
+    """How many keys a held padding covers: its mask's width, or its longest length."""
+    found = held["rows"]
+    if held["kind"] == "lengths":
+        return int(found.max()) if found.size else None
+    return int(found.shape[-1]) if found.ndim >= 1 else None
+
+
 def _seen(cells: np.ndarray, real: np.ndarray, own: np.ndarray | None) -> np.ndarray:
     """Bool (rows, Lq, Lk): real queries (all queries of a cross-attention: `own` None) that see a padding key."""
     rows, q_len, length = cells.shape
@@ -108,7 +128,7 @@ def held_padding(run: Run) -> list:
             # lengths), which no key mask need keep to: a reading seen through
         first, seen_through = None, True
         for held in helds:
-            tables = readings(held, rows, k_len)
+            tables = readings(held, rows, k_len) if _tracks_keys(run, call, held) else []
             if not tables:
                 continue
             for real in tables:

@@ -26,6 +26,8 @@ def what_api_does(call) -> str:
     if api == "softmax":
         return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf" and details.get("nan_rows", True)
                 else "uniform weights over every key there, masked ones included (a finite fill)")
+    if api in ("mha", "sdpa") and details.get("finite_rows") and not details.get("nan_rows"):
+        return "uniform weights over the keys its float mask fills with a finite value there, not -inf"
     if api == "mha" and details.get("need_weights"):
         return "NaN there (MHA with need_weights=True runs its own softmax)"
     if api == "flex":
@@ -127,12 +129,35 @@ def later(call, stored: dict, structure) -> list[Finding]:
     rows = np.flatnonzero((reach(stored, q_len)[1] > own[None, :]).any(axis=0))
     if len(rows) and stored["form"] != "stats" and structure is not None and structure.kind is None:
         rows = _real_rows(stored, own, rows)  # (a mask no kind names: its padding rows may see every key)
+        # a slip of a causal mask (one key off, the wrong way round) reaches the keys right after the query; keys seen
+        # only further on, past one the query does not see, are another stream's (BD3-LM's noised block over the
+        # clean copy of the sequence laid after it), which no slip of a triangle makes
+        rows = np.intersect1d(rows, np.flatnonzero(_next_run(stored, q_len, k_len).any(axis=(0, 2))))
     if len(rows) == 0 or (structure is not None and structure.kind is None
                           and (_both_ways(stored, q_len, k_len) or _spans(stored, q_len, k_len))):
         return []
     shown = spans(rows[:200].tolist())
+    if stored["form"] != "stats" and structure is not None and structure.kind is None and not _slip(stored, q_len, k_len):
+        return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys), in "
+                        "runs of differing lengths that no slip of a causal mask makes: a mask meant both ways in places?",
+                        "note")]
     return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys): "
                     "a causal mask with an off-by-one, or one read the wrong way round?")]
+
+
+def _slip(stored: dict, q_len: int, k_len: int) -> bool:
+    """The later keys seen as a causal mask's slip lays them: every query that sees some sees as many right after its
+    own (the diagonal moved by that many), or every one sees on to the last key its batch row sees (the triangle the
+    wrong way round); runs of differing lengths that stop short are a mask built both ways in places (BD3-LM)."""
+    run = _next_run(stored, q_len, k_len)
+    counts = run.sum(axis=-1)
+    has = counts > 0
+    if len(np.unique(counts[has])) <= 1:
+        return True
+    cells = tracefile.dense(stored).reshape(-1, q_len, k_len)
+    last = k_len - 1 - cells.any(axis=1)[:, ::-1].argmax(axis=-1)  # (B*H,): the last key any query of the plane sees
+    run_end = k_len - 1 - run[..., ::-1].argmax(axis=-1)
+    return bool((run_end[has] == np.broadcast_to(last[:, None], has.shape)[has]).all())
 
 
 def _real_rows(stored: dict, own: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -147,6 +172,14 @@ def _real_rows(stored: dict, own: np.ndarray, rows: np.ndarray) -> np.ndarray:
     real = read_off(planes, own)[1]
     later = (planes & (np.arange(planes.shape[-1])[None, None, :] > own[None, :, None])).any(axis=-1)  # (B, Lq)
     return np.flatnonzero((later & real).any(axis=0))
+
+
+def _next_run(stored: dict, q_len: int, k_len: int) -> np.ndarray:
+    """Bool (B*H, Lq, Lk): the later keys each query sees in one run from the key right after its own (bottom-right)."""
+    cells = tracefile.dense(stored).reshape(-1, q_len, k_len)
+    at = np.arange(k_len)[None, None, :]
+    own = (k_len - q_len + np.arange(q_len))[None, :, None]
+    return np.logical_and.accumulate(cells | (at <= own), axis=-1) & (at > own)
 
 
 def _both_ways(stored: dict, q_len: int, k_len: int) -> bool:
@@ -170,7 +203,7 @@ def _spans(stored: dict, q_len: int, k_len: int) -> bool:
         return False
     cells = tracefile.dense(stored).reshape(-1, q_len, k_len)
     own = k_len - q_len + np.arange(q_len)
-    later = cells & (np.arange(k_len)[None, None, :] > own[None, :, None])
+    later = _next_run(stored, q_len, k_len)  # (keys seen only past an unseen one: not a span's, not a slip's)
     has = later.any(axis=-1)
     last = np.where(has, k_len - 1 - later[..., ::-1].argmax(axis=-1), -1)
     if not (~has | (later.sum(axis=-1) == last - own)).all():  # the later keys are one run from the next key on

@@ -19,17 +19,34 @@ def check_json_size(count: int, what: str, fix: str) -> None:
 def hanging(lead: str, text, style: str | None = None):
     """A rich renderable of `lead` then `text`, whose wrapped lines stand under the text, not under `lead`; a word
     longer than the line (a command's expression, a module path) is broken after a '.' or ',' (Breaking), never cut
-    short."""
-    from rich.table import Table
+    short. A lead wider than a third of the line (a long program name) leaves the text too narrow to read under it:
+    there the whole line wraps two cells in, as `labelled` does for a long label."""
+    return _Hanging(lead, text, style or "")
 
-    from maskcli.render.breaking import Breaking
 
-    grid = Table.grid()
-    grid.style = style or ""
-    grid.add_column(no_wrap=True)
-    grid.add_column()
-    grid.add_row(lead, Breaking(text))
-    return grid
+class _Hanging:
+    """`hanging`'s renderable: which layout is decided at render time, when the width is known."""
+
+    def __init__(self, lead: str, text, style: str):
+        self.lead, self.text, self.style = lead, text, style
+
+    def __rich_console__(self, console, options):
+        from rich.cells import cell_len
+        from rich.table import Table
+        from rich.text import Text
+
+        from maskcli.render.breaking import Breaking
+
+        text = self.text if isinstance(self.text, Text) else Text(str(self.text))
+        if cell_len(self.lead) > max(24, options.max_width // 3):
+            yield Breaking(Text.assemble(self.lead, text, style=self.style), indent=2)
+            return
+        grid = Table.grid()
+        grid.style = self.style
+        grid.add_column(no_wrap=True)
+        grid.add_column()
+        grid.add_row(self.lead, Breaking(text))
+        yield grid
 
 
 def labelled(line: str, style: str = ""):

@@ -106,6 +106,8 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask
     keep = additive_keep(mask.detach())
+    if details is not None:
+        _empty_rows(keep, mask.detach() == float("-inf"), details)
     if details is not None and bool((keep & (mask.detach() != 0)).any()):
         details["bias"] = True
         zeros = mask == 0
@@ -113,6 +115,16 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
             details["zero_one"] = True  # (checks/kernels.py); one of 1s alone adds a constant: it masks nothing, and
             # a keep mask of all 1s masks nothing either (Doge's dt_states bias at a step where no key is masked)
     return keep
+
+
+def _empty_rows(keep: torch.Tensor, infinite: torch.Tensor, details: dict) -> None:
+    """Of a float mask's rows that see no key, whether some are -inf everywhere (NaN out of a softmax: `nan_rows`) and
+    whether some hold a finite fill (-1e8, -1e9: uniform weights over those keys, no NaN: `finite_rows`)."""
+    empty = ~keep.any(dim=-1)
+    if bool(empty.any()):
+        every = infinite.all(dim=-1)
+        details["nan_rows"] = bool((empty & every).any())
+        details["finite_rows"] = bool((empty & ~every).any())
 
 
 def _dtype(tensor: torch.Tensor) -> str:
@@ -226,9 +238,26 @@ def mha(args: tuple, kwargs: dict) -> Seen:
     if attn_mask is None and padding is None:
         seen.intervals = everything(q_len, k_len)
     else:
+        if any(x is not None and x.is_floating_point() for x in (attn_mask, padding)):
+            _empty_rows(keep, _infinite(attn_mask, padding, batch, heads, q_len, extra), details)
         seen.keep = keep
         seen.sources = tuple(x for x in (attn_mask, padding) if x is not None)
     return seen
+
+
+def _infinite(attn_mask, padding, batch: int, heads: int, q_len: int, extra: int) -> torch.Tensor:
+    """Where MHA's merged mask adds -inf: a bool mask's masked cells (it turns them into -inf) and a float one's -inf;
+    never in the columns bias_k and add_zero_attn add."""
+    def inf(x, shape):
+        x = x.reshape(shape)
+        x = x if x.dtype == torch.bool else x.detach() == float("-inf")
+        return torch.cat([x, torch.zeros((*x.shape[:-1], extra), dtype=torch.bool, device=x.device)], -1) if extra else x
+    out = torch.zeros((1, 1, q_len, 1), dtype=torch.bool, device=(attn_mask if attn_mask is not None else padding).device)
+    if attn_mask is not None:
+        out = out | inf(attn_mask, (batch, heads, q_len, -1) if attn_mask.dim() == 3 else (1, 1, q_len, -1))
+    if padding is not None:
+        out = out | inf(padding, (batch, 1, 1, -1))
+    return out
 
 
 NAME_DROPPED = 1 << 20  # cells of a dropped attn_mask named by the recogniser (past it: its differing cell only)
