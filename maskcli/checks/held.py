@@ -14,6 +14,10 @@ Where it cannot say which way the program's padding lies along the keys (lengths
 batch folded with other rows (`b * n` rows: repeat_interleave or repeat), it speaks only where every reading is seen
 through: a program whose mask keeps to its padding one way is quiet. Several held paddings: quiet where any is kept to.
 
+Where every query of each padded row sees exactly the keys such a mask calls padding and no real one, the mask was
+turned round on its way (padding-only-attended: torch_brain#74's bias filled where the keep-mask is True); no row need
+be whole there, as the exact complement is the statement.
+
 Two more things a frame may hold: a mask over the call's cells (a streaming encoder's `chunk_mask`, a bool
 (B, 1, Lq, Lk) mask handed down as `attention_mask` / `attn_mask` / `mask`), which the kernel's mask must keep
 inside, read either way round as its name does not say its polarity (held-mask-ignored: espnet#4751's AND,

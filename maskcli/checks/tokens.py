@@ -8,6 +8,8 @@ Where the attention_mask disagrees with the ids, the ids win: they are the data 
   start or end (on the tokenizer's `padding_side` where it states one), yet the attention_mask marks them 1 and a
   real query sees them (Automodel#3704: a pad run looked for at the end of left-padded rows, the pad id 0 read as
   EOS by `pad or eos`: an all-ones mask, real tokens attend the padding).
+  The ids and the mask may be held by a function inside the model call instead (`input_ids` beside the
+  `attention_mask` of the same function, trace/held.py: FewRel#17's BertModel.forward under a wrapper handed a dict).
 - real-tokens-masked: the attention_mask marks 0 tokens that are not the pad id, of at least two different ids in
   one row (padding is one id; these are text), and the attention hides from a query such a token before it
   (0xallam/Direct-Preference-Optimization#1: the collator's mask zero over every response token, so no response
