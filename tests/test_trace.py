@@ -267,6 +267,21 @@ def test_modules_that_define_their_own_call_are_read_as_module_calls():
     assert [(top.where, top.first, top.end) for top in t.tops] == [("_OwnCallModel", 0, 2), ("_OwnCallModel", 2, 4)]
     assert np.array_equal(t.calls[0].keep()[0, 0], np.tril(np.ones((3, 3), dtype=bool)))
 
+
+class _SuperCallBlock(nn.Module):
+    def forward(self, x):
+        return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+    def __call__(self, x):  # (its own __call__ hands on to nn.Module's: one module call, read once)
+        return super().__call__(x)
+
+
+def test_a_call_that_hands_on_to_modules_own_is_one_module_call():
+    model = nn.Sequential(_SuperCallBlock(), _SuperCallBlock())
+    with maskcli.trace() as t:
+        model(torch.randn(1, 1, 3, 4))
+    assert [c.where for c in t.calls] == ["0", "1"] and [(top.first, top.end) for top in t.tops] == [(0, 2)]
+
 def test_past_max_bytes_a_call_keeps_its_shape_and_counts_only():
     keep = torch.from_numpy(window_keep(64, 64, 5))
     q, k, v = qkv(1, 1, 64, 64)

@@ -202,8 +202,8 @@ def running(frame) -> list[tuple]:
                 found.append((module, frame, variables))
         elif code.co_name == "__call__":
             own = _own_call(frame)
-            if own is not None:
-                found.append(own)
+            if own is not None and not (found and found[-1][0] is own[0]):  # (a `__call__` that calls super().__call__:
+                found.append(own)  # its _call_impl frame, inside it, is the module's call already)
         frame = frame.f_back
     return found
 
