@@ -4,6 +4,7 @@ StaticCache under generate."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import textwrap
 
 import pytest
@@ -43,6 +44,21 @@ def test_hugging_face_static_cache_given_to_sdpa_with_no_mask(tmp_path):
     status, found, report = traced(tmp_path, "hf_static_cache_sdpa_no_mask", fixed=True)
     assert (status, found) == (0, []), report
 
+
+def test_a_flax_cache_dicts_decode_mask_turned_round_is_found(tmp_path):
+    # NVIDIA/TransformerEngine#119: TE/JAX masks are True = mask out, and the decode branch wrote Flax's keep-mask
+    # expression `arange(length) <= cur_index`: each step sees the empty slots after its own and not the written ones
+    found = check_bug(tmp_path, "transformer_engine_jax_decode_cache_mask_polarity", "unwritten-slot")
+    assert [f["cell"] for f in found] == [[0, t, t + 1] for t in range(4)]  # step t's query at t; slots past t empty
+    assert [f"{5 - t} such cells" in f["message"] for t, f in enumerate(found)] == [True] * 4
+    assert "its cache dict's cache_index" in found[0]["message"]
+
+
+def test_a_flax_style_cache_dict_whose_decode_step_has_no_mask_is_found(tmp_path):
+    found = check_bug(tmp_path, "flax_cache_dict_decode_no_occupancy_mask", "unwritten-slot",
+                      folder=Path(__file__).parent / "data" / "cache")
+    # a prompt of 3, then decode steps at positions 3, 4, 5 over 8 slots: each sees the empty slots after its own
+    assert [f["cell"] for f in found] == [[0, 3, 4]] and "4 such cells" in found[0]["message"]
 
 FAMILIES = """
     import torch

@@ -53,6 +53,48 @@ def test_a_folded_padding_mask_a_helper_never_passes_is_found(tmp_path):
 
 
 
+@pytest.mark.parametrize("name, sizes", [("mistral_inference_pixtral_block_mask_not_passed", (6, 4)),
+                                         ("mistral_inference_pixtral_vision_block_drops_image_mask", (12, 4))])
+def test_a_block_diagonal_image_mask_object_a_block_never_passes_is_found(tmp_path, name, sizes):
+    found = check_bug(tmp_path, name, "mask-argument-dropped")  # mistral-inference#218, written by two writers
+    assert "mask of forward() (BlockDiagonalMask)" in found[0]["message"]
+    image = [0] * sizes[0] + [1] * sizes[1]  # the patches of each image: only its own are to be seen
+    n = sum(sizes)
+    assert tuple(found[0]["cell"]) == first((1, n, n), lambda b, q, k: image[q] != image[k])
+
+
+def test_a_block_diagonal_causal_bias_object_a_fast_path_drops_is_found(tmp_path):
+    found = check_bug(tmp_path, "packed_block_causal_bias_object_not_passed", "mask-argument-dropped", folder=DROPPED)
+    doc = [0] * 3 + [1] * 4 + [2] * 2  # the kernel is causal only: a query sees the earlier documents' keys
+    assert tuple(found[0]["cell"]) == first((1, 9, 9), lambda b, q, k: k <= q and doc[k] != doc[q])
+    assert "attn_bias of attend() (BlockDiagonalCausalMask)" in found[0]["message"]
+    assert "sees 26 of those cells" in found[0]["message"]  # every earlier-document cell at or below the diagonal
+
+
+def test_a_block_diagonal_object_is_read_as_its_blocks_against_a_double_loop():
+    import torch
+
+    from maskcli.trace.given import block_diagonal
+
+    class BlockDiagonalMask:
+        def __init__(self, seqlens):
+            self.seqlens = seqlens
+
+    class BlockDiagonalCausalMask(BlockDiagonalMask):
+        pass
+
+    sizes = (2, 3, 1)
+    doc = [i for i, n in enumerate(sizes) for _ in range(n)]
+    start = [doc.index(d) for d in doc]
+    for cls, causal in ((BlockDiagonalMask, False), (BlockDiagonalCausalMask, True)):
+        keep = block_diagonal(cls(list(sizes)), 6, 6) == 0
+        for q in range(6):
+            for k in range(6):
+                assert bool(keep[q, k]) == (doc[q] == doc[k] and (not causal or k - start[k] <= q - start[q]))
+    assert block_diagonal(BlockDiagonalMask([2, 3]), 6, 6) is None  # blocks over other keys: not this call's
+    assert block_diagonal(type("Segments", (), {"seqlens": [3, 3]})(), 6, 6) is None  # not named a block mask
+    assert torch.isinf(block_diagonal(BlockDiagonalMask([3, 3]), 6, 6)[0, 3])
+
 def test_the_cells_a_kernel_sees_of_a_handed_mask_are_counted_against_a_double_loop():
     import numpy as np
     import torch

@@ -248,3 +248,43 @@ def test_a_perceivers_latents_are_not_read_against_the_frames_padding_it_holds(t
     hit = next(f for f in found if f["code"] == "padding-unused")
     real = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=bool)
     assert status == 1 and tuple(hit["cell"]) == first((2, 4, 4), lambda b, q, k: not real[b, k]), report
+
+
+def test_a_keep_mask_filled_where_it_is_true_in_a_cross_attention_is_found(tmp_path):
+    # neuro-galaxy/torch_brain#74: masked_fill(attn_mask, -inf) on a True = attend mask; main() holds `input_mask`
+    found = check_bug(tmp_path, "torch_brain_rotary_xformers_attn_bias_inverted", "padding-only-attended")
+    lengths = (6, 5)  # of 7 tokens each, right-padded: neither row is whole (a batch padded to a bucket)
+    assert tuple(found[0]["cell"]) == first((2, 4, 7), lambda b, q, k: q == 0 and k >= lengths[b])
+    assert "input_mask in main() of" in found[0]["message"] and "keys [6] only" in found[0]["message"]
+
+
+def test_a_padding_mask_turned_round_for_multihead_attention_on_a_left_padded_dict_batch_is_found(tmp_path):
+    found = check_bug(tmp_path, "mha_key_padding_mask_turned_round_left", "padding-only-attended", folder=HELD)
+    pads = (3, 1, 2)  # left padding of rows of 3, 5 and 4 in 6
+    assert tuple(found[0]["cell"]) == first((3, 6, 6), lambda b, q, k: q == 0 and k < pads[b])
+    assert "padding_mask in forward() of" in found[0]["message"] and "keys [0, 1, 2] only" in found[0]["message"]
+
+
+def test_a_kernel_keeping_the_padding_and_more_is_not_read_as_turned_round():
+    """held_inverted against a double loop: a kernel that sees the padding and one real key is another matter
+    (padding-unused's), and one that sees exactly the padding on every query of every padded row is turned round."""
+    from types import SimpleNamespace
+
+    from maskcli.checks.context import Run
+    from maskcli.checks.held import held_inverted
+
+    real = np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]], dtype=bool)
+
+    def run_of(cells):
+        stored = {"form": "bits", "planes": [3, 1], "shape": [3, 1, 2, 4], "bits": np.packbits(cells, axis=-1)}
+        call = SimpleNamespace(index=0, where="attn", api="sdpa", step=0, shape=(3, 1, 2, 4), mask="m", stored=stored,
+                               details={"held_padding": [{"kind": "keep", "rows": real, "name": "input_mask",
+                                                          "where": "main() of x.py"}]})
+        return Run(calls=[call])
+
+    turned = np.broadcast_to(~real[:, None, None, :], (3, 1, 2, 4)).copy()
+    expected = [(b, k) for b in range(3) for k in range(4) if not real[b].all() and not real[b, k]]
+    assert [f.cell for _, f in held_inverted(run_of(turned))] == [(expected[0][0], 0, expected[0][1])]
+    more = turned.copy()
+    more[2, 0, 1, 0] = True  # row 2's second query also sees a real key
+    assert held_inverted(run_of(more)) == []

@@ -66,6 +66,37 @@ def test_a_padded_gpt_whose_loss_is_shifted_inside_the_batch_is_found(tmp_path):
     assert f"{len(counted)} such queries" in found[0]["message"]
 
 
+def test_a_padding_mask_that_replaced_an_mlx_ports_causal_mask_under_a_next_token_loss_is_found(tmp_path):
+    # unslothai/unsloth-zoo#963 (bug A): mlx-vlm's `__call__(inputs, mask=...)` takes a supplied padding mask as the
+    # whole mask; the modules define `__call__`, not `forward` (trace reads their calls all the same)
+    found = check_bug(tmp_path, "unsloth_zoo_mlx_vlm_loss_padding_mask_replaces_causal", "sees-its-target")
+    real = 9 - 1  # 9 tokens padded to 12, fed [:-1]: 11 keys; query q's target is token q + 1, real up to query 7
+    assert tuple(found[0]["cell"]) == first((1, 11, 11), lambda b, q, k: k == q + 1 and q < real)
+    assert "input ids of LanguageModel shifted by one; 8 such queries" in found[0]["message"]
+
+
+def test_a_port_whose_modules_define_call_trained_on_next_tokens_with_key_padding_only_is_found(tmp_path):
+    found = check_bug(tmp_path, "nnx_port_call_loss_key_padding_only", "sees-its-target", folder=TOKENS)
+    lengths = (6, 8)  # right-padded with 0, the loss's ignore_index: a target counts where the next token is real
+    counted = [(b, q) for b in range(2) for q in range(7) if q + 1 < lengths[b]]
+    assert tuple(found[0]["cell"]) == first((2, 8, 8), lambda b, q, k: k == q + 1 and (b, q) in counted)
+    assert f"input ids of TinyLM shifted by one; {len(counted)} such queries" in found[0]["message"]
+
+def test_an_encoders_mask_computed_after_padding_held_inside_a_wrapper_is_found(tmp_path):
+    # thunlp/FewRel#17: the wrapper is handed a dict; BertModel.forward(input_ids, attention_mask) holds all-ones
+    found = check_bug(tmp_path, "fewrel_bert_encoder_mask_computed_after_padding", "padding-unmarked")
+    lengths = (6, 10)  # [CLS] + 5 and [CLS] + 9 tokens, right-padded with the embedding's padding_idx 0 to 12
+    assert tuple(found[0]["cell"]) == first((2, 12, 12), lambda b, q, k: q < lengths[b] <= k)
+    assert f"{sum(n * (12 - n) for n in lengths)} such cells" in found[0]["message"]
+    assert "attention_mask in forward() of" in found[0]["message"] and "(input_ids;" in found[0]["message"]
+
+
+def test_a_mask_built_inside_the_encoder_from_the_wrong_pad_id_on_a_left_padded_dict_batch_is_found(tmp_path):
+    found = check_bug(tmp_path, "wrapper_dict_batch_mask_wrong_pad_id_left", "padding-unmarked", folder=TOKENS)
+    pads = (3, 0)  # left-padded with the config's pad_token_id 1
+    assert tuple(found[0]["cell"]) == first((2, 7, 7), lambda b, q, k: q >= pads[b] > k)
+    assert "a token at the model's pad id (1)" in found[0]["message"] and "(tokens; 12 such cells)" in found[0]["message"]
+
 def test_targets_are_read_as_the_ids_one_position_on_along_either_axis():
     from maskcli.trace.losses import _shifted
 

@@ -239,6 +239,49 @@ def test_a_decoding_loop_with_a_kv_cache_gives_steps_per_module():
     assert len(t.masks) == 3  # prefill, decode 1, decode 2: each stored once for three layers
 
 
+class _OwnCallBlock(nn.Module):
+    """A block written as MLX and Flax NNX ports write it: `__call__`, not `forward` (no _call_impl frame runs)."""
+
+    def __call__(self, x, mask=None):
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+
+class _OwnCallModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_OwnCallBlock(), _OwnCallBlock()])
+
+    def __call__(self, x, mask=None):
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x
+
+
+def test_modules_that_define_their_own_call_are_read_as_module_calls():
+    model = _OwnCallModel()
+    mask = torch.ones(3, 3, dtype=torch.bool).tril()
+    with maskcli.trace() as t:
+        model(torch.randn(1, 1, 3, 4), mask=mask)
+        model(torch.randn(1, 1, 3, 4))
+    assert [(c.where, c.step) for c in t.calls] == [("layers.0", 0), ("layers.1", 0), ("layers.0", 1), ("layers.1", 1)]
+    assert [(top.where, top.first, top.end) for top in t.tops] == [("_OwnCallModel", 0, 2), ("_OwnCallModel", 2, 4)]
+    assert np.array_equal(t.calls[0].keep()[0, 0], np.tril(np.ones((3, 3), dtype=bool)))
+
+
+class _SuperCallBlock(nn.Module):
+    def forward(self, x):
+        return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+    def __call__(self, x):  # (its own __call__ hands on to nn.Module's: one module call, read once)
+        return super().__call__(x)
+
+
+def test_a_call_that_hands_on_to_modules_own_is_one_module_call():
+    model = nn.Sequential(_SuperCallBlock(), _SuperCallBlock())
+    with maskcli.trace() as t:
+        model(torch.randn(1, 1, 3, 4))
+    assert [c.where for c in t.calls] == ["0", "1"] and [(top.first, top.end) for top in t.tops] == [(0, 2)]
+
 def test_past_max_bytes_a_call_keeps_its_shape_and_counts_only():
     keep = torch.from_numpy(window_keep(64, 64, 5))
     q, k, v = qkv(1, 1, 64, 64)

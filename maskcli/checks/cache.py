@@ -39,7 +39,8 @@ def _written(call, top) -> tuple[np.ndarray, str] | None:
             return (found, name) if len(found) == q_len else None
     held, sizes = top.arguments.get("cache_length"), top.arguments.get("cache_slots") or ()
     if isinstance(held, int) and k_len in sizes and q_len <= held:
-        return np.arange(held - q_len, held), f"the {top.arguments.get('past_key_values', 'cache')}'s length"
+        cache = top.arguments.get("past_key_values", "cache")
+        return np.arange(held - q_len, held), ("its cache dict's cache_index" if cache == "dict" else f"the {cache}'s length")
     return None
 
 

@@ -14,6 +14,10 @@ Where it cannot say which way the program's padding lies along the keys (lengths
 batch folded with other rows (`b * n` rows: repeat_interleave or repeat), it speaks only where every reading is seen
 through: a program whose mask keeps to its padding one way is quiet. Several held paddings: quiet where any is kept to.
 
+Where every query of each padded row sees exactly the keys such a mask calls padding and no real one, the mask was
+turned round on its way (padding-only-attended: torch_brain#74's bias filled where the keep-mask is True); no row need
+be whole there, as the exact complement is the statement.
+
 Two more things a frame may hold: a mask over the call's cells (a streaming encoder's `chunk_mask`, a bool
 (B, 1, Lq, Lk) mask handed down as `attention_mask` / `attn_mask` / `mask`), which the kernel's mask must keep
 inside, read either way round as its name does not say its polarity (held-mask-ignored: espnet#4751's AND,
@@ -35,7 +39,7 @@ def readings(held: dict, rows: int, length: int) -> list[np.ndarray]:
     """Bool (rows, length) real keys, one per way `held` may lie over the call's `rows` batch rows and `length` keys;
     [] where it is not padding of this call."""
     found = held["rows"]
-    if held["kind"] in ("cells", "positions"):
+    if held["kind"] in ("cells", "positions", "ids"):
         return []
     if held["kind"] == "lengths":
         if found.size == 0 or found.max() != length or found.min() < 1 or found.min() == length:
@@ -237,7 +241,61 @@ def held_documents(run: Run) -> list:
     return found
 
 
+def _edge_runs(real: np.ndarray, right_only: bool) -> bool:
+    """Each row a run of real tokens at one edge with at least one real token, some row padded (no row need be whole:
+    a batch padded to a bucket)."""
+    count = real.sum(axis=1)
+    if count.min() < 1 or count.min() == real.shape[1]:
+        return False
+    at = np.arange(real.shape[1])[None, :]
+    right = (real == (at < count[:, None])).all(axis=1)
+    left = (real == (at >= real.shape[1] - count[:, None])).all(axis=1)
+    return bool(right.all() or not right_only and (left.all() or (right | left).all()))
+
+
+def held_inverted(run: Run) -> list:
+    """Calls whose every query, in every padded batch row, sees exactly the keys a padding mask the program holds calls
+    padding, and none it calls real: the mask turned round on its way to the kernel (torch_brain#74)."""
+    found, done = [], {}
+    for call in [*run.calls, *run.cross]:
+        helds = [held for held in call.details.get("held_padding") or () if held["kind"] in ("keep", "pad")]
+        rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
+        if not helds or call.stored is None:
+            continue
+        key = (call.mask, call.shape, tuple(id(h["rows"]) for h in helds))
+        if key not in done:
+            done[key] = None
+            cells = keep(call)
+            if cells is not None and cells.shape[0] in (1, rows):
+                cells = np.broadcast_to(cells, (rows, *cells.shape[1:]))
+                for held in helds:
+                    table = held["rows"]
+                    if table.ndim != 2 or table.shape != (rows, k_len):
+                        continue
+                    real = table if held["kind"] == "keep" else ~table
+                    if not _edge_runs(real, right_only=held["name"] == "mask"):
+                        continue
+                    padded = ~real.all(axis=1)
+                    if (cells[padded] == ~real[padded][:, None, None, :]).all():
+                        b = int(np.flatnonzero(padded)[0])
+                        k = int(np.flatnonzero(~real[b])[0])
+                        said = f"{held['name']} in {held['where']}"
+                        done[key] = Finding("padding-only-attended", (
+                            f"every query of each padded batch row sees exactly the keys {said} calls padding and none "
+                            f"it calls real (batch row {b}: keys {np.flatnonzero(~real[b]).tolist()} only): the "
+                            f"padding mask was turned round on its way to the kernel (filled where it is True, or "
+                            f"read as True = masked)"), expected=f"the real keys of {held['name']}", source=said,
+                            cell=(b, 0, k))
+                        break
+        if done[key] is not None:
+            found.append((call, done[key]))
+    return found
+
+
 RULES = (
+    Rule("padding-only-attended", "wrong", "call", "every query of each padded row sees exactly the keys a padding mask "
+         "the program's own frames hold calls padding, and no real key: the mask turned round (filled where True)",
+         held_inverted),
     Rule("padding-unused", "wrong", "call", "a real query that sees a key the batch's padding held by the program's own "
          "frames (a padding mask or lengths, built and never handed on) calls padding, every way it may be read",
          held_padding),

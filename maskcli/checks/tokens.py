@@ -8,6 +8,8 @@ Where the attention_mask disagrees with the ids, the ids win: they are the data 
   start or end (on the tokenizer's `padding_side` where it states one), yet the attention_mask marks them 1 and a
   real query sees them (Automodel#3704: a pad run looked for at the end of left-padded rows, the pad id 0 read as
   EOS by `pad or eos`: an all-ones mask, real tokens attend the padding).
+  The ids and the mask may be held by a function inside the model call instead (`input_ids` beside the
+  `attention_mask` of the same function, trace/held.py: FewRel#17's BertModel.forward under a wrapper handed a dict).
 - real-tokens-masked: the attention_mask marks 0 tokens that are not the pad id, of at least two different ids in
   one row (padding is one id; these are text), and the attention hides from a query such a token before it
   (0xallam/Direct-Preference-Optimization#1: the collator's mask zero over every response token, so no response
@@ -97,6 +99,49 @@ def tokens(run: Run) -> list:
         hidden = (given == 0) & ~at_pad
         if any(len(np.unique(ids[b][hidden[b]])) >= 2 for b in range(rows)):
             found += _masked(run, top, hidden, given, pad_id, said)
+    return found + _held_unmarked(run, seen)
+
+
+def _held_unmarked(run: Run, seen: set) -> list:
+    """padding-unmarked where the ids and their mask are held by a function inside the model call (an encoder's
+    `BertModel.forward(input_ids, attention_mask)` called by a wrapper handed a dict: FewRel#17), not its arguments."""
+    found = []
+    for call in [*run.calls, *run.unmasked]:  # (a softmax over an all-ones additive mask masks nowhere: engine.py)
+        helds = call.details.get("held_padding") or ()
+        rows, k_len = call.shape[0], call.shape[3]
+        for ids in (h for h in helds if h["kind"] == "ids" and h["rows"].shape == (rows, k_len)):
+            given = next((h for h in helds if h["kind"] == "keep" and h["where"] == ids["where"]
+                          and h["rows"].shape == (rows, k_len)), None)
+            top = run.top(call)
+            pad = None if top is None or given is None else _pad(top.arguments)
+            if pad is None or getattr(top.config, "is_encoder_decoder", False):
+                continue
+            key = (ids["rows"].tobytes(), given["rows"].tobytes(), pad)
+            if key in seen:
+                continue  # (judged already: the model call's own ids and mask, or another call of this function)
+            seen.add(key)
+            pad_id, said = pad
+            at_pad = ids["rows"] == pad_id
+            others = {top.arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")} - {None}
+            side = top.arguments.get("padding_side")
+            if pad_id in others or not at_pad.any() or at_pad.all(axis=1).any() or not _run_at_edge(at_pad, side) \
+                    or not (at_pad & given["rows"]).any() or not columns_are_positions(call, top):
+                continue
+            cells = _cells_by_row(call, rows)
+            if cells is None:
+                continue
+            own = queries(call, top)
+            inside = own < k_len
+            real_q = np.zeros((rows, len(own)), bool)
+            real_q[:, inside] = ~at_pad[:, own[inside]]
+            bad = cells & real_q[:, :, None] & at_pad[:, None, :]
+            if bad.any():
+                b, q, k = first_cell(bad)
+                found.append((call, Finding("padding-unmarked", (
+                    f"batch row {b}: query {int(own[q])} sees key {k}, a token at {said} ({pad_id}) in the run at the "
+                    f"row's edge, which {given['name']} in {given['where']} marks real beside those ids "
+                    f"({ids['name']}; {int(bad.sum())} such cells): the mask was made after the padding, or with the "
+                    f"wrong id"), expected="no real query sees a padding key", source=said, cell=(b, int(own[q]), k))))
     return found
 
 

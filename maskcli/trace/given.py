@@ -3,7 +3,9 @@
 At each attention call, the nearest program frames (the function that called the kernel and its callers, torch's
 and maskcli's left out) are looked at for a parameter named like an attention mask (NAMES) that holds an additive
 float mask over exactly the call's (Lq, Lk): -inf or at most -1e4 masks a cell (a bool mask's polarity is not known
-here, so it is left alone). Where the kernel sees a cell that mask masks, on a query row the mask leaves some key
+here, so it is left alone), or an xformers-style block-diagonal mask object (`BlockDiagonalMask.from_seqlens`: its
+`seqlens`, or `q_seqinfo` / `k_seqinfo`'s `seqstart_py`, summing to the call's keys), read as the blocks it keeps
+(mistral-inference#218: a vision block handed the images' mask that never passed it on). Where the kernel sees a cell that mask masks, on a query row the mask leaves some key
 (a row it masks whole may be unmasked on purpose, transformers' _unmask_unattended), the call records where: the
 program's own mask was dropped on its way to the kernel (VeOmni#1051: a flash path that takes `causal` only).
 One comparison per distinct (mask tensor, kernel mask): L^2 cells, as reading the kernel's mask is.
@@ -73,8 +75,45 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
                 if isinstance(value, torch.Tensor) and id(value) not in own and value.is_floating_point() \
                         and value.dim() >= 2 and tuple(value.shape[-2:]) == (q_len, k_len):
                     return f"{name} of {code.co_name}()", value
+                blocks = None if value is None or isinstance(value, torch.Tensor) or id(value) in own \
+                    else block_diagonal(value, q_len, k_len)
+                if blocks is not None:
+                    return f"{name} of {code.co_name}() ({type(value).__name__})", blocks
         frame = frame.f_back
     return None
+
+
+def _starts(value, name: str) -> list[int] | None:
+    """The block starts an attention-bias object states: `seqlens` (lengths) or `<name>.seqstart_py` (xformers')."""
+    info = getattr(value, name, None)
+    starts = getattr(info, "seqstart_py", None)
+    if isinstance(starts, (list, tuple)) and len(starts) > 2 and all(isinstance(x, int) for x in starts):
+        return list(starts)
+    lengths = getattr(value, "seqlens", None)
+    if isinstance(lengths, (list, tuple)) and len(lengths) > 1 and all(isinstance(x, int) and x > 0 for x in lengths):
+        return [0, *np.cumsum(lengths).tolist()]
+    return None
+
+
+def block_diagonal(value, q_len: int, k_len: int) -> torch.Tensor | None:
+    """An additive (Lq, Lk) mask (0 kept, -inf masked) of a block-diagonal attention-bias object over exactly these
+    queries and keys (xformers' `BlockDiagonalMask`, or its `...CausalMask`: each block causal, top-left as xformers
+    lays it); None for anything else. Only its attributes are read: no method of the program's object is called."""
+    if "blockdiagonal" not in type(value).__name__.lower():
+        return None
+    q_starts, k_starts = _starts(value, "q_seqinfo"), _starts(value, "k_seqinfo")
+    q_starts = q_starts or k_starts
+    k_starts = k_starts or q_starts
+    if q_starts is None or q_starts[-1] != q_len or k_starts[-1] != k_len or len(q_starts) != len(k_starts):
+        return None
+    q_block = np.searchsorted(np.asarray(q_starts), np.arange(q_len), side="right")
+    k_block = np.searchsorted(np.asarray(k_starts), np.arange(k_len), side="right")
+    keep = q_block[:, None] == k_block[None, :]
+    if "causal" in type(value).__name__.lower():
+        q_at = np.arange(q_len) - np.asarray(q_starts)[q_block - 1]
+        k_at = np.arange(k_len) - np.asarray(k_starts)[k_block - 1]
+        keep &= k_at[None, :] <= q_at[:, None]
+    return torch.from_numpy(np.where(keep, 0.0, -math.inf).astype(np.float32))
 
 
 def dropped(found: tuple[str, torch.Tensor], cells, shape: tuple, cache: dict, mask: str) -> dict | None:

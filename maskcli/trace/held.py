@@ -3,7 +3,8 @@
 Read at each call from the functions of the program on the stack (not torch's, maskcli's, nor the standard library's),
 by variable name only (a code object's names are matched once; its locals are read only where one matches): a 2-D
 mask of 0/1 or bools named as a padding mask is (or the diagonal of a (B, L, L) one named as padding: each token's own
-cell), and 1-D integer lengths. checks/held.py says where the kernel's mask
+cell), and 1-D integer lengths; also 2-D token ids (`input_ids`, `idx`, `tokens`: kind "ids", read beside the mask the
+same function holds, checks/tokens.py). checks/held.py says where the kernel's mask
 lets real queries see what the program itself calls padding (a mask built, then never handed on: uniem#23).
 """
 
@@ -22,6 +23,7 @@ PAD = re.compile(r"(?:^|_)(?:key_)?padding_mask$|(?:^|_)pad_mask$|(?:^|_)is_pad$
 LENGTHS = re.compile(r"^(?!cu_|max_)(?:\w+_)?(?:len|lens|lengths|seq_lens|seqlens)$")
 CELLS = re.compile(r"(?:^|_)chunk_masks?$")  # a streaming encoder's chunk mask (L, L) or (B, L, L): its polarity unsaid
 POSITIONS = re.compile(r"^(?:position_ids|positions|pos_ids)$")  # (B, L) positions that restart: packed documents
+IDS = re.compile(r"^(?:input_ids|idx|tokens)$")  # (B, L) token ids, read beside a mask the same frame holds (checks/tokens.py)
 HANDED = re.compile(r"^(?:attention_mask|attn_mask|mask)$")  # a bool mask over the cells, handed down: polarity unsaid
 MOST = 1 << 16  # cells of one held mask read at most (a batch's padding, not a sequence's cells)
 FRAMES = 24
@@ -67,7 +69,7 @@ def padding() -> list[dict] | None:
         if names is None:
             names = _NAMES[code] = _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else \
                 tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
-                      or CELLS.search(n) or POSITIONS.search(n))
+                      or CELLS.search(n) or POSITIONS.search(n) or IDS.search(n))
         if names is _OUTSIDE:
             frame = frame.f_back
             continue
@@ -123,6 +125,10 @@ def _read(name: str, value: torch.Tensor, code) -> dict | None:
 def _as_padding(name: str, value: torch.Tensor) -> dict | None:
     if value.device.type == "meta" or value.is_sparse or value.numel() > MOST or value.numel() == 0:
         return None
+    if IDS.search(name):
+        if value.dim() != 2 or value.is_floating_point() or value.dtype == torch.bool:
+            return None
+        return {"kind": "ids", "rows": value.detach().cpu().numpy().astype(np.int64)}
     if value.dim() == 1 and LENGTHS.search(name) and not value.is_floating_point() and value.dtype != torch.bool:
         return {"kind": "lengths", "rows": value.detach().cpu().numpy().astype(np.int64)}
     if POSITIONS.search(name):

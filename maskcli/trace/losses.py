@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-IDS = ("input_ids", "idx", "tokens", "src")
+IDS = ("input_ids", "idx", "tokens", "src", "inputs")  # (`inputs`: MLX-LM's models' token ids)
 RECENT = 4  # model calls looked back at (a model and its reference model, each called before the loss)
 
 

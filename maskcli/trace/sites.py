@@ -187,13 +187,31 @@ def running(frame) -> list[tuple]:
     break). Read at an attention call instead of hooks on every module call of the program."""
     found, call = [], _CALL
     while frame is not None:
-        if frame.f_code is call or frame.f_code.co_name == "_call_impl":
+        code = frame.f_code
+        if code is call or code.co_name == "_call_impl":
             variables = frame.f_locals
             module = variables.get("self")
             if isinstance(module, torch.nn.Module):
                 found.append((module, frame, variables))
+        elif code.co_name == "__call__":
+            own = _own_call(frame)
+            if own is not None and not (found and found[-1][0] is own[0]):  # (a `__call__` that calls super().__call__:
+                found.append(own)  # its _call_impl frame, inside it, is the module's call already)
         frame = frame.f_back
     return found
+
+
+def _own_call(frame) -> tuple | None:
+    """(module, frame, variables as _call_impl's) of a module whose class defines its own `__call__` (ports from MLX
+    and Flax NNX write `def __call__(self, x, mask=None)`, so no _call_impl frame runs for them): its arguments by
+    name, as the keywords a call of it was given. None where the frame is no such module's call."""
+    module = frame.f_locals.get("self")
+    if not isinstance(module, torch.nn.Module) or getattr(type(module).__call__, "__code__", None) is not frame.f_code:
+        return None
+    code = frame.f_code
+    variables = frame.f_locals
+    names = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
+    return module, frame, {"self": module, "args": (), "kwargs": {n: variables[n] for n in names if n in variables}}
 
 
 _CALL = torch.nn.Module._call_impl.__code__

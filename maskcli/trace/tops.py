@@ -23,7 +23,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
              "cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k",  # flash's, transformers' CB
              # what else states where tokens are, as hand-written models name it (checks/real.py, tree.py, spans.py):
-             "input_ids", "idx", "tokens", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
+             "input_ids", "idx", "tokens", "inputs", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
              "padding_mask", "pad_mask", "mask", "input_mask", "tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets",
              "image_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
              "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k",
@@ -167,9 +167,15 @@ def _padding_like(held) -> np.ndarray | None:
 
 
 def _held(cache) -> int | None:
-    """The tokens a Hugging Face cache holds once the call wrote its own (a static cache's written slots): transformers
+    """The tokens a Hugging Face cache (or a dict kept as Flax's 'cache' collection: `cache_index`) holds once the call
+    wrote its own (a static cache's written slots): transformers
     5.24 passes no cache_position, and its generate hands a static cache's model call a 4-D mask over every slot
     (cache_utils.py StaticLayer.get_seq_length, 502: cumulative_length, the positions written)."""
+    if isinstance(cache, dict):  # Flax's 'cache' collection as ports keep it: its `cache_index` counts the tokens written
+        held = cache.get("cache_index")
+        if isinstance(held, torch.Tensor) and held.dim() == 0 and not held.is_floating_point():
+            held = int(held)
+        return held if isinstance(held, int) and not isinstance(held, bool) and held >= 0 else None
     length = getattr(cache, "get_seq_length", None)
     if not callable(length):
         return None
@@ -185,6 +191,9 @@ def _static_sizes(cache) -> tuple[int, ...]:
     holding position j until it fills (cache_utils.py StaticLayer.update 462-492, get_mask_sizes 496-500;
     StaticSlidingWindowLayer keeps min(window, max_cache_len) slots, 539-541, and returns them all while not full,
     600-613). Read off `max_cache_len` of the layers that have one as an int (the static ones); () for any other."""
+    if isinstance(cache, dict):  # (Flax's `cached_key`, (*batch, max_length, heads, depth): its slots along -3)
+        key = cache.get("cached_key")
+        return (int(key.shape[-3]),) if isinstance(key, torch.Tensor) and key.dim() >= 3 else ()
     layers = getattr(cache, "self_attention_cache", cache)  # (an encoder-decoder's: its decoder's own keys)
     found = {getattr(layer, "max_cache_len", None) for layer in getattr(layers, "layers", None) or ()}
     return tuple(sorted(size for size in found if isinstance(size, int) and size > 0))
