@@ -248,3 +248,22 @@ def test_a_perceivers_latents_are_not_read_against_the_frames_padding_it_holds(t
     hit = next(f for f in found if f["code"] == "padding-unused")
     real = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=bool)
     assert status == 1 and tuple(hit["cell"]) == first((2, 4, 4), lambda b, q, k: not real[b, k]), report
+
+
+def test_opennmt_decoder_not_given_context_lengths(tmp_path):
+    """OpenNMT-py#486: NMTModel.forward holds `lengths`; the global attention's softmax over the encoder context (it
+    masks nothing, so it is read as attention by the memory its layer was handed) is never given them."""
+    check_bug(tmp_path, "opennmt_nmtmodel_decoder_not_given_context_lengths", "padding-unused")
+
+
+def test_luong_attention_memory_lengths_dropped(tmp_path):
+    """Written another way: batch-major, `F.softmax` over (B, 1, S) scores against a `memory` argument, `src_lens`;
+    the first cell is a double loop's over the lengths (right-padded: every key past a row's length)."""
+    status, found, report = traced(tmp_path, "luong_attention_memory_lengths_dropped", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "padding-unused")
+    assert hit["severity"] == "wrong"
+    lens = [6, 3, 4]
+    assert tuple(hit["cell"]) == first((3, 1, 6), lambda b, q, k: k >= lens[b])
+    status, found, report = traced(tmp_path, "luong_attention_memory_lengths_dropped", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -82,11 +82,22 @@ def _seen(cells: np.ndarray, real: np.ndarray, own: np.ndarray | None) -> np.nda
     return cells & (real_q & sees_real)[:, :, None] & ~real[:, None, :]
 
 
+def _over_memory(call) -> bool:
+    """A call whose keys are a memory its attention layer was handed by name (its length the keys')."""
+    details = call.details
+    return bool(details.get("cross_passed") and tuple(details.get("cross_lengths") or ()) == tuple(call.shape[2:])
+                or details.get("kv_given") and call.shape[3] in details.get("kv_shape", ()))
+
+
 def held_padding(run: Run) -> list:
     """Calls whose real queries see keys every reading of every padding the program holds there calls padding."""
     found, done = [], {}
     square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
-    for call in [*run.calls, *run.cross, *square]:  # (a softmax that masks nothing: its mask may be the one never handed on)
+    # (a softmax that masks nothing over the memory its layer was handed (`context`, `memory`: trace/held.py kv_given,
+    # cross_passed) is attention too, not a router's: OpenNMT's global attention, its context_lengths never passed)
+    handed = [call for call in run.unmasked if call.api == "softmax" and not call.shape[2] == call.shape[3] > 1
+              and _over_memory(call)]
+    for call in [*run.calls, *run.cross, *square, *handed]:  # (a softmax that masks nothing: its mask may be the one never handed on)
         helds = call.details.get("held_padding")
         if not helds or call.stored is None:
             continue
