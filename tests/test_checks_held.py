@@ -267,3 +267,25 @@ def test_luong_attention_memory_lengths_dropped(tmp_path):
     assert tuple(hit["cell"]) == first((3, 1, 6), lambda b, q, k: k >= lens[b])
     status, found, report = traced(tmp_path, "luong_attention_memory_lengths_dropped", True, HELD)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_speechbrain_lengths_capable_sequential_drops_wav_lens(tmp_path):
+    """speechbrain#2986: the container holds the relative `lengths` (row 1: 0.6 of the padded length) but calls the
+    wav2vec2 lobe without them, so its attention_mask is None."""
+    check_bug(tmp_path, "speechbrain_lengths_capable_sequential_drops_wav_lens", "padding-unused")
+
+
+def test_relative_lengths_never_masked(tmp_path):
+    """Written another way: `feat_lens` relative lengths over 4x-subsampled frames, nn.MultiheadAttention with no key
+    padding mask; the first cell is a double loop's over the keys past each row's share, one frame of rounding
+    allowed."""
+    import math
+
+    status, found, report = traced(tmp_path, "relative_lengths_never_masked", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "padding-unused")
+    assert hit["severity"] == "wrong"
+    shares = [0.5, 1.0, 0.75]
+    assert tuple(hit["cell"]) == first((3, 12, 12), lambda b, q, k: k >= math.ceil(shares[b] * 12) + 1)
+    status, found, report = traced(tmp_path, "relative_lengths_never_masked", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -2,7 +2,8 @@
 
 A function of the program on the stack when attention runs holds this batch's padding (trace/held.py): a mask named as
 one (`attention_mask`, `mask`, `input_mask`: 1 = a real token; `*padding_mask`, `*pad_mask`, `*is_pad`: True =
-padding) or the batch's lengths (`lengths`, `*_lens`). Where the kernel's mask lets a real query see a key that padding
+padding) or the batch's lengths (`lengths`, `*_lens`; SpeechBrain's relative `wav_lens`, each row's share of the
+padded length, read right-padded, a key within one of the share's end given the benefit of the doubt). Where the kernel's mask lets a real query see a key that padding
 calls padding, the mask was built and never handed on (uniem#23: the pad mask used for pooling only; SpeechBrain#1107:
 the decoder's memory lengths never reach its cross-attention; OpenTau#254: the padded history frames never reach the
 temporal attention).
@@ -37,7 +38,11 @@ def readings(held: dict, rows: int, length: int) -> list[np.ndarray]:
     found = held["rows"]
     if held["kind"] in ("cells", "positions"):
         return []
-    if held["kind"] == "lengths":
+    if held["kind"] == "relative":  # right-padded; a key within one of share * length may be real either way it rounds
+        if found.size < 2 or length < 4:
+            return []
+        tables = [np.arange(length)[None, :] < np.ceil(found * length)[:, None] + 1]
+    elif held["kind"] == "lengths":
         if found.size == 0 or found.max() != length or found.min() < 1 or found.min() == length:
             return []
         at = np.arange(length)[None, :]
@@ -136,7 +141,8 @@ def held_padding(run: Run) -> list:
         held, bad = first
         b, q, k = first_cell(bad)
         what = {"keep": "a padding mask (1 = real)", "pad": "a padding mask (True = padding)",
-                "lengths": "the batch's lengths"}[held["kind"]]
+                "lengths": "the batch's lengths",
+                "relative": "the batch's relative lengths (each row's share of the padded length)"}[held["kind"]]
         said = f"{held['name']} in {held['where']}"
         query = f"query {q}" if own is None else f"query {int(own[q])}"
         done[key] = Finding("padding-unused", (

@@ -3,7 +3,7 @@
 Read at each call from the functions of the program on the stack (not torch's, maskcli's, nor the standard library's),
 by variable name only (a code object's names are matched once; its locals are read only where one matches): a 2-D
 mask of 0/1 or bools named as a padding mask is (or the diagonal of a (B, L, L) one named as padding: each token's own
-cell), and 1-D integer lengths. checks/held.py says where the kernel's mask
+cell), 1-D integer lengths, and 1-D relative lengths (each row's share of the padded length, the longest 1.0). checks/held.py says where the kernel's mask
 lets real queries see what the program itself calls padding (a mask built, then never handed on: uniem#23).
 """
 
@@ -125,6 +125,10 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
         return None
     if value.dim() == 1 and LENGTHS.search(name) and not value.is_floating_point() and value.dtype != torch.bool:
         return {"kind": "lengths", "rows": value.detach().cpu().numpy().astype(np.int64)}
+    if value.dim() == 1 and LENGTHS.search(name) and value.is_floating_point() and value.numel() > 1:
+        # relative lengths (SpeechBrain's `wav_lens`: each row's share of the padded length, the longest 1.0)
+        rows = value.detach().cpu().numpy().astype(np.float64)
+        return {"kind": "relative", "rows": rows} if rows.max() == 1.0 and 0 < rows.min() < 1 else None
     if POSITIONS.search(name):
         if value.dim() != 2 or value.is_floating_point() or value.dtype == torch.bool or value.shape[1] < 2:
             return None
