@@ -95,6 +95,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         value = given.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             found[name] = value
+    found.update(_first_ids(signature, given, found))
     found.update(_token_ids(module))
     found.update(_zeros(given, found))
     found.update(held or {})
@@ -114,6 +115,23 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         if sizes:
             found["cache_slots"] = sizes
     return Top(where, getattr(module, "config", None), found, first, end, stated)
+
+
+IDS = ("input_ids", "idx", "tokens", "src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
+
+
+def _first_ids(signature, given: dict, found: dict) -> dict:
+    """{"first_ids": (name, (B, L) ids)}: the call's first argument where it is a 2-D integer tensor under a name none of
+    ARGUMENTS' (a hand-written model's `forward(self, x)`), where no ids were kept by name (checks/batchaxis.py reads
+    which of its axes the program pads along)."""
+    if signature is None or any(name in found for name in IDS):
+        return {}
+    name = next((n for n in signature.parameters if n != "self"), None)
+    value = given.get(name)
+    if isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point() \
+            and value.dtype != torch.bool and value.numel() <= MOST and value.device.type != "meta":
+        return {"first_ids": (name, value.detach().cpu().numpy().astype(np.int64))}
+    return {}
 
 
 def _zeros(given: dict, found: dict) -> dict:
