@@ -289,3 +289,26 @@ def test_relative_lengths_never_masked(tmp_path):
     assert tuple(hit["cell"]) == first((3, 12, 12), lambda b, q, k: k >= math.ceil(shares[b] * 12) + 1)
     status, found, report = traced(tmp_path, "relative_lengths_never_masked", True, HELD)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_maxtext_tunix_adapter_drops_padding_segment_ids(tmp_path):
+    """MaxText#4016: the adapter is handed the trainer's (B, L, L) `attention_mask` (causal & padding) and drops it; the
+    model's mask is the causal triangle only. The fix's segment ids let padding see padding: those query rows (their own
+    cell hidden in the held mask) are not judged."""
+    found = check_bug(tmp_path, "maxtext_tunix_adapter_drops_padding_segment_ids", "held-mask-ignored")
+    tokens = [[0, 0, 11, 12, 31, 32, 33, 0], [21, 22, 23, 24, 41, 42, 0, 0]]
+    # a real query that sees an earlier padding key (the triangle, and the adapter's mask hiding padding keys)
+    assert tuple(found[0]["cell"]) == first((2, 8, 8), lambda b, q, k: k <= q and tokens[b][q] != 0 and tokens[b][k] == 0)
+
+
+def test_trainer_cell_mask_not_passed(tmp_path):
+    """Written another way: a trainer's function (not a module) holds `attn_mask` (B, L, L), True = hidden, over a
+    left-padded batch; a hand-written softmax masks the causal triangle only."""
+    status, found, report = traced(tmp_path, "trainer_cell_mask_not_passed", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "held-mask-ignored")
+    assert hit["severity"] == "wrong"
+    ids = [[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [0, 15, 16, 17, 18, 19]]
+    assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: k <= q and ids[b][q] != 0 and ids[b][k] == 0)
+    status, found, report = traced(tmp_path, "trainer_cell_mask_not_passed", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -171,6 +171,18 @@ def held_cells(run: Run) -> list:
     return found
 
 
+def _padding_queries(table: np.ndarray) -> np.ndarray:
+    """Bool (rows, Lq): the queries whose own cell the held mask treats unlike most queries' own (hidden where the rest
+    are kept, or the other way round, whichever its polarity): its padding queries (a trainer's causal & padding mask),
+    whose rows the kernel may fill as it likes (MaxText's segment ids let padding see padding)."""
+    rows, q_len, k_len = table.shape
+    if q_len != k_len:
+        return np.zeros((rows, q_len), dtype=bool)
+    own = table[:, np.arange(q_len), np.arange(q_len)]
+    usual = own.mean() >= 0.5
+    return own != usual if (own == usual).mean() > 0.5 else np.zeros((rows, q_len), dtype=bool)
+
+
 def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | None:
     cells = keep(call)
     if cells is None or cells.shape[0] not in (1, rows):
@@ -184,6 +196,7 @@ def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | 
         table = np.broadcast_to(table if table.ndim == 3 else table[None], (rows, q_len, k_len))
         if table.all() or not table.any():
             continue
+        counted = counted & ~_padding_queries(table)
         either = [cells & ~table & counted[:, :, None], cells & table & counted[:, :, None]]  # (True = keep; True = hide)
         if all(bad.any() for bad in either):
             bad = min(either, key=lambda x: int(x.sum()))

@@ -67,7 +67,7 @@ def padding() -> list[dict] | None:
         if names is None:
             names = _NAMES[code] = _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else \
                 tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
-                      or CELLS.search(n) or POSITIONS.search(n))
+                      or CELLS.search(n) or POSITIONS.search(n) or HANDED.search(n))
         if names is _OUTSIDE:
             frame = frame.f_back
             continue
@@ -137,6 +137,10 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
     if HANDED.search(name) and value.dtype == torch.bool and value.dim() == 4 and value.shape[1] == 1 \
             and value.shape[-2] > 1:  # (B, 1, Lq, Lk): one mask for every head
         return {"kind": "cells", "rows": value[:, 0].detach().cpu().numpy()}
+    if HANDED.search(name) and value.dtype == torch.bool and value.dim() == 3 and value.shape[-1] == value.shape[-2] > 1:
+        return {"kind": "cells", "rows": value.detach().cpu().numpy()}  # (B, L, L): a trainer's causal & padding mask
+    if not (KEEP.search(name) or PAD.search(name) or LENGTHS.search(name) or CELLS.search(name) or POSITIONS.search(name)):
+        return None  # (`attn_mask` is read as cells only: a 2-D one is a causal triangle as often as padding)
     if CELLS.search(name) and value.dim() in (2, 3) and value.shape[-1] > 1:
         cells = value.detach().cpu().numpy()
         return {"kind": "cells", "rows": cells.astype(bool)} if np.isin(cells, (0, 1)).all() else None
