@@ -210,7 +210,8 @@ def _static_sizes(cache) -> tuple[int, ...]:
 
 def _token_ids(module) -> dict:
     """pad_id and eos_id the program states: its config's pad_token_id / eos_token_id, else the module's own attributes
-    of those names, else (pad_id) its token embedding's padding_idx (nn.Embedding(padding_idx=...)); a seq2seq model's
+    of those names, else (pad_id) its token embedding's padding_idx (nn.Embedding(padding_idx=...)) or its one row of
+    zeros (TF's zero_pad); a seq2seq model's
     src_pad_id / trg_pad_id from its src_pad_idx / trg_pad_idx and their kin."""
     held = _IDS.get(module)
     if held is not None:
@@ -234,11 +235,25 @@ def _token_ids(module) -> dict:
         embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
         if embedding is not None and embedding.padding_idx is not None:
             found["pad_id"] = int(embedding.padding_idx)
+        elif embedding is not None:
+            zero = _zero_row(embedding.weight)
+            if zero is not None:
+                found["pad_id"] = zero
     try:
         _IDS[module] = found
     except TypeError:
         pass
     return found
+
+
+def _zero_row(weight) -> int | None:
+    """The one row of a token embedding that is exactly zero (TF's `zero_pad=True`, a `padding_idx` set by hand): the
+    id the program pads with; None where none or several are, or the table is too large to read once."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() > 1 << 24 or weight.device.type == "meta":
+        return None
+    with torch.no_grad():
+        rows = torch.nonzero((weight == 0).all(dim=1)).flatten()
+    return int(rows[0]) if rows.numel() == 1 else None
 
 
 _IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per module: read once, however many steps call it
