@@ -6,7 +6,8 @@ A call of that model whose keys are as many as the samples and whose batch rows 
 attends from each sample to the same position of the other samples, never to the other tokens of its own:
 nn.MultiheadAttention / nn.Transformer*Layer left at batch_first=False and handed (batch, seq, embed)
 (Molecule-Generator#22), or a hand-written attention handed the wrong transpose. Quiet where the ids' padding runs
-along both axes or neither (nothing says which is the batch), on time-major ids whose padding runs down the columns
+along both axes or neither (nothing says which is the batch; `input_ids` / `idx` / `tokens` are (batch, seq) as
+transformers names them), where a row holds fewer than 3 tokens, on time-major ids whose padding runs down the columns
 when the call's keys are the columns' tokens (OpenNMT's `src`), and on a call that sees no other key than its own.
 """
 
@@ -20,6 +21,7 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 IDS = ("input_ids", "idx", "tokens", "src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
+MAJOR = ("input_ids", "idx", "tokens")  # batch-major by convention; `src` may be time-major (OpenNMT's)
 SOURCE = ("src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
 
 
@@ -53,9 +55,12 @@ def batch_axis(run: Run) -> list:
                 name, ids, pad_id, said = given
                 pad = ids == pad_id
                 along = _edge(pad), _edge(pad.T)  # (padding runs along the tokens of each row; of each column)
+                if name in MAJOR:
+                    along = along[0], False  # (named as transformers names them: (batch, seq), whatever their padding)
                 if along[0] != along[1] and ids.shape[0] != ids.shape[1] and min(ids.shape) > 1:
                     samples, tokens = ids.shape if along[0] else ids.shape[::-1]
-                    axes[id(top)] = (name, samples, tokens, pad_id, said, top.where)
+                    if tokens >= 3:  # (two tokens a row: a pad run at one edge of every row says little)
+                        axes[id(top)] = (name, samples, tokens, pad_id, said, top.where)
         held = axes[id(top)]
         if held is None:
             continue
