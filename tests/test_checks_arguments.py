@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from checkbugs import caught, check_bug, first
+from checkbugs import ROWS, caught, check_bug, first, traced
 from maskcli.checks.arguments import document_starts
 
 BUGS = [
@@ -216,3 +216,26 @@ def test_x_transformers_flash_attend_bool_mask_inverted(tmp_path):
     keys 4, 5 of row 1 that the `mask` given to Attention marks padding; the fix (`mask = ~mask`) is quiet."""
     hit = check_bug(tmp_path, "x_transformers_flash_attend_bool_mask_inverted", "padding-ignored")[0]
     assert hit["message"].startswith("batch row 1: query 0 sees key 4, which the mask given to Attention marks as padding")
+
+
+def test_kyubyong_key_masks_from_position_encoded_keys(tmp_path):
+    """Kyubyong/transformer#69: the pad id is the embedding row zeroed by hand (TF's zero_pad), the ids are the model's
+    first argument `x`, and the (h * N, T, T) scores fold the heads onto the batch head-major; keys tested for zero
+    after the positional encoding was added, so nothing is masked. Read both ways round, the first cell is a double
+    loop's over the head-major reading (row r is sample r % 2)."""
+    found = check_bug(tmp_path, "kyubyong_transformer_key_masks_from_position_encoded_keys", "padding-ignored")
+    x = [[5, 9, 3, 7, 2, 4], [8, 6, 2, 0, 0, 0]]
+    assert tuple(found[0]["cell"]) == first((8, 6, 6), lambda r, q, k: x[r % 2][q] != 0 and x[r % 2][k] == 0)
+
+
+def test_zero_pad_row_keys_from_positions(tmp_path):
+    """Written another way: pad id 1 zeroed by hand, a left-padded batch handed as `words`, heads folded batch-major
+    (reshape(B * h)), a learned position embedding; the first cell is a double loop's over the batch-major reading."""
+    status, found, report = traced(tmp_path, "zero_pad_row_keys_from_positions", False, ROWS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "padding-ignored")
+    assert hit["severity"] == "wrong"
+    words = [[1, 1, 5, 6, 7], [8, 9, 10, 11, 12], [1, 13, 14, 15, 16]]
+    assert tuple(hit["cell"]) == first((12, 5, 5), lambda r, q, k: words[r // 4][q] != 1 and words[r // 4][k] == 1)
+    status, found, report = traced(tmp_path, "zero_pad_row_keys_from_positions", True, ROWS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -288,3 +288,67 @@ def test_a_kernel_keeping_the_padding_and_more_is_not_read_as_turned_round():
     more = turned.copy()
     more[2, 0, 1, 0] = True  # row 2's second query also sees a real key
     assert held_inverted(run_of(more)) == []
+
+
+def test_opennmt_decoder_not_given_context_lengths(tmp_path):
+    """OpenNMT-py#486: NMTModel.forward holds `lengths`; the global attention's softmax over the encoder context (it
+    masks nothing, so it is read as attention by the memory its layer was handed) is never given them."""
+    check_bug(tmp_path, "opennmt_nmtmodel_decoder_not_given_context_lengths", "padding-unused")
+
+
+def test_luong_attention_memory_lengths_dropped(tmp_path):
+    """Written another way: batch-major, `F.softmax` over (B, 1, S) scores against a `memory` argument, `src_lens`;
+    the first cell is a double loop's over the lengths (right-padded: every key past a row's length)."""
+    status, found, report = traced(tmp_path, "luong_attention_memory_lengths_dropped", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "padding-unused")
+    assert hit["severity"] == "wrong"
+    lens = [6, 3, 4]
+    assert tuple(hit["cell"]) == first((3, 1, 6), lambda b, q, k: k >= lens[b])
+    status, found, report = traced(tmp_path, "luong_attention_memory_lengths_dropped", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_speechbrain_lengths_capable_sequential_drops_wav_lens(tmp_path):
+    """speechbrain#2986: the container holds the relative `lengths` (row 1: 0.6 of the padded length) but calls the
+    wav2vec2 lobe without them, so its attention_mask is None."""
+    check_bug(tmp_path, "speechbrain_lengths_capable_sequential_drops_wav_lens", "padding-unused")
+
+
+def test_relative_lengths_never_masked(tmp_path):
+    """Written another way: `feat_lens` relative lengths over 4x-subsampled frames, nn.MultiheadAttention with no key
+    padding mask; the first cell is a double loop's over the keys past each row's share, one frame of rounding
+    allowed."""
+    import math
+
+    status, found, report = traced(tmp_path, "relative_lengths_never_masked", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "padding-unused")
+    assert hit["severity"] == "wrong"
+    shares = [0.5, 1.0, 0.75]
+    assert tuple(hit["cell"]) == first((3, 12, 12), lambda b, q, k: k >= math.ceil(shares[b] * 12) + 1)
+    status, found, report = traced(tmp_path, "relative_lengths_never_masked", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_maxtext_tunix_adapter_drops_padding_segment_ids(tmp_path):
+    """MaxText#4016: the adapter is handed the trainer's (B, L, L) `attention_mask` (causal & padding) and drops it; the
+    model's mask is the causal triangle only. The fix's segment ids let padding see padding: those query rows (their own
+    cell hidden in the held mask) are not judged."""
+    found = check_bug(tmp_path, "maxtext_tunix_adapter_drops_padding_segment_ids", "held-mask-ignored")
+    tokens = [[0, 0, 11, 12, 31, 32, 33, 0], [21, 22, 23, 24, 41, 42, 0, 0]]
+    # a real query that sees an earlier padding key (the triangle, and the adapter's mask hiding padding keys)
+    assert tuple(found[0]["cell"]) == first((2, 8, 8), lambda b, q, k: k <= q and tokens[b][q] != 0 and tokens[b][k] == 0)
+
+
+def test_trainer_cell_mask_not_passed(tmp_path):
+    """Written another way: a trainer's function (not a module) holds `attn_mask` (B, L, L), True = hidden, over a
+    left-padded batch; a hand-written softmax masks the causal triangle only."""
+    status, found, report = traced(tmp_path, "trainer_cell_mask_not_passed", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "held-mask-ignored")
+    assert hit["severity"] == "wrong"
+    ids = [[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [0, 15, 16, 17, 18, 19]]
+    assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: k <= q and ids[b][q] != 0 and ids[b][k] == 0)
+    status, found, report = traced(tmp_path, "trainer_cell_mask_not_passed", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -27,17 +27,44 @@ def _cells_by_row(call, rows: int):
     return np.broadcast_to(cells.any(axis=1), (rows, *cells.shape[2:]))
 
 
+def folded(top, rows: int, length: int) -> tuple[list, str, bool] | None:
+    """([bool (rows, length) real tokens, one per way round], source, sure): the model call's stated padding of B rows
+    where the call's `rows` are B folded with its heads (TF's `tf.concat(tf.split(Q, h, axis=2), axis=0)`, head-major:
+    row r is sample r % B; a `view(B * h, ...)`, batch-major: r // h); None where no B < rows states it."""
+    for size in range(2, rows // 2 + 1):
+        if rows % size == 0:
+            said = stated(top, size, length)
+            if said is not None:
+                real, source, sure = said
+                at = np.arange(rows)
+                return [real[at % size], real[at // (rows // size)]], source, sure
+    return None
+
+
 def over_stated_padding(call, run: Run) -> bool:
-    """An eager softmax over 4-D scores (B, H, Lq, Lk) whose keys are the model call's stated tokens, some of them padding:
-    attention over those tokens though it masks nowhere (a mask dropped on a path: BertGeneration's use_cache,
-    transformers#35043), where a softmax that masks nowhere is otherwise not read (a router's is over experts)."""
-    if call.api != "softmax" or len(getattr(call, "q", ()) or ()) < 4:
+    """An eager softmax over 4-D scores (B, H, Lq, Lk), or 3-D ones (B or B * H, Lq, Lk), whose keys are the model call's
+    stated tokens, some of them padding: attention over those tokens though it masks nowhere (a mask dropped on a path:
+    BertGeneration's use_cache, transformers#35043; keys masked by a test that never holds: Kyubyong/transformer#69),
+    where a softmax that masks nowhere is otherwise not read (a router's is over experts)."""
+    if call.api != "softmax" or len(getattr(call, "q", ()) or ()) < 3:
         return False
     top = run.top(call)
     if top is None or not top.arguments:
         return False
     said = stated(top, call.shape[0], call.shape[3])
+    if said is None:
+        fold = folded(top, call.shape[0], call.shape[3])
+        said = None if fold is None else (fold[0][0], *fold[1:])
     return said is not None and said[2] and not said[0].all() and call.shape[3] > 1
+
+
+def _seen_padding(cells: np.ndarray, real: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """Bool (rows, Lq, length): real queries (placed at `own`) that see a key `real` calls padding."""
+    length = real.shape[1]
+    inside = own < length
+    real_q = np.zeros((real.shape[0], len(own)), dtype=bool)
+    real_q[:, inside] = real[:, own[inside]]
+    return cells[:, :, :length] & real_q[:, :, None] & ~real[:, None, :]
 
 
 def padding(run: Run) -> list:
@@ -56,8 +83,13 @@ def padding(run: Run) -> list:
         if said is None and isinstance(given, np.ndarray) and given.ndim == 2 and "cache_position" in top.arguments \
                 and k_len > given.shape[1]:  # a static cache's slots past the mask (cache.py's)
             said = stated(top, rows, given.shape[1])
+        readings = None
         if said is None:
-            continue  # (keys that are not the stated tokens: a prompt prepended inside the model, CPM-Ant's)
+            said = folded(top, rows, k_len)  # (the batch folded with its heads: read both ways round)
+            if said is None:
+                continue  # (keys that are not the stated tokens: a prompt prepended inside the model, CPM-Ant's)
+            readings, source, sure = said
+            said = (readings[0], source, sure)
         real, source, sure = said
         length = real.shape[1]
         key = (call.mask, call.shape, real.tobytes(), tuple(queries(call, top)))
@@ -70,21 +102,23 @@ def padding(run: Run) -> list:
         if cells is None:
             continue
         own = queries(call, top)
-        inside = own < length
-        real_q = np.zeros((rows, len(own)), dtype=bool)
-        real_q[:, inside] = real[:, own[inside]]
-        bad = cells[:, :, :length] & real_q[:, :, None] & ~real[:, None, :]
+        bad = _seen_padding(cells, real, own)
+        if readings is not None and not all(_seen_padding(cells, other, own).any() for other in readings[1:]):
+            continue  # (folded one way the mask keeps to the padding: quiet)
         if bad.any():
             b, q, k = first_cell(bad)
             step = "a decode step" if call.shape[2] == 1 and call.step > 0 else f"step {call.step}"
             # (real keys before the query, its own left out: XLNet's query stream never sees its own token, and a
             # mask that hides only that is two-stream attention, not a padding mask the wrong way round)
             earlier = np.arange(length)[None, None, :] < np.minimum(own, length)[None, :, None]
+            real_q = np.zeros((rows, len(own)), dtype=bool)
+            real_q[:, own < length] = real[:, own[own < length]]
             hidden = int((~cells[:, :, :length] & real_q[:, :, None] & real[:, None, :] & earlier).sum())
             turned = f"; it hides {hidden} real key{'' if hidden == 1 else 's'}: a padding mask the wrong way round?" if hidden else ""
             said_by = source if source.startswith("input ids") else "the " + source.replace(" of ", " given to ", 1)
             found.append((call, Finding("padding-ignored", (
-                f"batch row {b}: query {int(own[q])} sees key {k}, which {said_by} "
+                f"batch row {b}{'' if readings is None else ' (of the batch folded with its heads, either way round)'}: "
+                f"query {int(own[q])} sees key {k}, which {said_by} "
                 f"{'mark' if source.split(' ')[0].endswith('s') else 'marks'} as padding ({step}; {int(bad.sum())} such "
                 f"cells{turned})" + ("" if sure else f" (if token id {top.arguments.get('pad_id')} is padding there)")),
                 None if sure else "suspicious", expected="no real query sees a padding key", source=source,

@@ -2,7 +2,8 @@
 
 A function of the program on the stack when attention runs holds this batch's padding (trace/held.py): a mask named as
 one (`attention_mask`, `mask`, `input_mask`: 1 = a real token; `*padding_mask`, `*pad_mask`, `*is_pad`: True =
-padding) or the batch's lengths (`lengths`, `*_lens`). Where the kernel's mask lets a real query see a key that padding
+padding) or the batch's lengths (`lengths`, `*_lens`; SpeechBrain's relative `wav_lens`, each row's share of the
+padded length, read right-padded, a key within one of the share's end given the benefit of the doubt). Where the kernel's mask lets a real query see a key that padding
 calls padding, the mask was built and never handed on (uniem#23: the pad mask used for pooling only; SpeechBrain#1107:
 the decoder's memory lengths never reach its cross-attention; OpenTau#254: the padded history frames never reach the
 temporal attention).
@@ -41,7 +42,11 @@ def readings(held: dict, rows: int, length: int) -> list[np.ndarray]:
     found = held["rows"]
     if held["kind"] in ("cells", "positions", "ids"):
         return []
-    if held["kind"] == "lengths":
+    if held["kind"] == "relative":  # right-padded; a key within one of share * length may be real either way it rounds
+        if found.size < 2 or length < 4:
+            return []
+        tables = [np.arange(length)[None, :] < np.ceil(found * length)[:, None] + 1]
+    elif held["kind"] == "lengths":
         if found.size == 0 or found.max() != length or found.min() < 1 or found.min() == length:
             return []
         at = np.arange(length)[None, :]
@@ -90,7 +95,7 @@ def _length(held: dict) -> int | None:
     found = held["rows"]
     if held["kind"] == "lengths":
         return int(found.max()) if found.size else None
-    return int(found.shape[-1]) if found.ndim >= 1 else None
+    return int(found.shape[-1]) if held["kind"] in ("keep", "pad") and found.ndim == 2 else None
 
 
 def _seen(cells: np.ndarray, real: np.ndarray, own: np.ndarray | None) -> np.ndarray:
@@ -106,11 +111,22 @@ def _seen(cells: np.ndarray, real: np.ndarray, own: np.ndarray | None) -> np.nda
     return cells & (real_q & sees_real)[:, :, None] & ~real[:, None, :]
 
 
+def _over_memory(call) -> bool:
+    """A call whose keys are a memory its attention layer was handed by name (its length the keys')."""
+    details = call.details
+    return bool(details.get("cross_passed") and tuple(details.get("cross_lengths") or ()) == tuple(call.shape[2:])
+                or details.get("kv_given") and call.shape[3] in details.get("kv_shape", ()))
+
+
 def held_padding(run: Run) -> list:
     """Calls whose real queries see keys every reading of every padding the program holds there calls padding."""
     found, done = [], {}
     square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
-    for call in [*run.calls, *run.cross, *square]:  # (a softmax that masks nothing: its mask may be the one never handed on)
+    # (a softmax that masks nothing over the memory its layer was handed (`context`, `memory`: trace/held.py kv_given,
+    # cross_passed) is attention too, not a router's: OpenNMT's global attention, its context_lengths never passed)
+    handed = [call for call in run.unmasked if call.api == "softmax" and not call.shape[2] == call.shape[3] > 1
+              and _over_memory(call)]
+    for call in [*run.calls, *run.cross, *square, *handed]:  # (a softmax that masks nothing: its mask may be the one never handed on)
         helds = call.details.get("held_padding")
         if not helds or call.stored is None:
             continue
@@ -149,7 +165,8 @@ def held_padding(run: Run) -> list:
         held, bad = first
         b, q, k = first_cell(bad)
         what = {"keep": "a padding mask (1 = real)", "pad": "a padding mask (True = padding)",
-                "lengths": "the batch's lengths"}[held["kind"]]
+                "lengths": "the batch's lengths",
+                "relative": "the batch's relative lengths (each row's share of the padded length)"}[held["kind"]]
         said = f"{held['name']} in {held['where']}"
         query = f"query {q}" if own is None else f"query {int(own[q])}"
         done[key] = Finding("padding-unused", (
@@ -178,6 +195,18 @@ def held_cells(run: Run) -> list:
     return found
 
 
+def _padding_queries(table: np.ndarray) -> np.ndarray:
+    """Bool (rows, Lq): the queries whose own cell the held mask treats unlike most queries' own (hidden where the rest
+    are kept, or the other way round, whichever its polarity): its padding queries (a trainer's causal & padding mask),
+    whose rows the kernel may fill as it likes (MaxText's segment ids let padding see padding)."""
+    rows, q_len, k_len = table.shape
+    if q_len != k_len:
+        return np.zeros((rows, q_len), dtype=bool)
+    own = table[:, np.arange(q_len), np.arange(q_len)]
+    usual = own.mean() >= 0.5
+    return own != usual if (own == usual).mean() > 0.5 else np.zeros((rows, q_len), dtype=bool)
+
+
 def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | None:
     cells = keep(call)
     if cells is None or cells.shape[0] not in (1, rows):
@@ -191,6 +220,7 @@ def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | 
         table = np.broadcast_to(table if table.ndim == 3 else table[None], (rows, q_len, k_len))
         if table.all() or not table.any():
             continue
+        counted = counted & ~_padding_queries(table)
         either = [cells & ~table & counted[:, :, None], cells & table & counted[:, :, None]]  # (True = keep; True = hide)
         if all(bad.any() for bad in either):
             bad = min(either, key=lambda x: int(x.sum()))

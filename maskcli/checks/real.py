@@ -91,6 +91,8 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
                 and rows != length and _right_padding(given):
             found.append((given == 1, name, True))
     tokens = next((arguments[n] for n in TOKENS if isinstance(arguments.get(n), np.ndarray)), None)
+    if tokens is None and "first_ids" in arguments:  # (a hand-written model's `forward(self, x)`: trace/tops.py)
+        tokens = arguments["first_ids"][1]
     tokens = tokens if tokens is not None and tokens.ndim == 2 and tokens.shape == (rows, length) else None
     for name in LENGTHS:
         given = arguments.get(name)

@@ -3,8 +3,9 @@
 Read at each call from the functions of the program on the stack (not torch's, maskcli's, nor the standard library's),
 by variable name only (a code object's names are matched once; its locals are read only where one matches): a 2-D
 mask of 0/1 or bools named as a padding mask is (or the diagonal of a (B, L, L) one named as padding: each token's own
-cell), and 1-D integer lengths; also 2-D token ids (`input_ids`, `idx`, `tokens`: kind "ids", read beside the mask the
-same function holds, checks/tokens.py). checks/held.py says where the kernel's mask
+cell), 1-D integer lengths, and 1-D relative lengths (each row's share of the padded length, the longest 1.0);
+also 2-D token ids (`input_ids`, `idx`, `tokens`: kind "ids", read beside the mask the same function holds,
+checks/tokens.py). checks/held.py says where the kernel's mask
 lets real queries see what the program itself calls padding (a mask built, then never handed on: uniem#23).
 """
 
@@ -69,7 +70,7 @@ def padding() -> list[dict] | None:
         if names is None:
             names = _NAMES[code] = _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else \
                 tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
-                      or CELLS.search(n) or POSITIONS.search(n) or IDS.search(n))
+                      or CELLS.search(n) or POSITIONS.search(n) or IDS.search(n) or HANDED.search(n))
         if names is _OUTSIDE:
             frame = frame.f_back
             continue
@@ -131,6 +132,10 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
         return {"kind": "ids", "rows": value.detach().cpu().numpy().astype(np.int64)}
     if value.dim() == 1 and LENGTHS.search(name) and not value.is_floating_point() and value.dtype != torch.bool:
         return {"kind": "lengths", "rows": value.detach().cpu().numpy().astype(np.int64)}
+    if value.dim() == 1 and LENGTHS.search(name) and value.is_floating_point() and value.numel() > 1:
+        # relative lengths (SpeechBrain's `wav_lens`: each row's share of the padded length, the longest 1.0)
+        rows = value.detach().cpu().numpy().astype(np.float64)
+        return {"kind": "relative", "rows": rows} if rows.max() == 1.0 and 0 < rows.min() < 1 else None
     if POSITIONS.search(name):
         if value.dim() != 2 or value.is_floating_point() or value.dtype == torch.bool or value.shape[1] < 2:
             return None
@@ -139,6 +144,10 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
     if HANDED.search(name) and value.dtype == torch.bool and value.dim() == 4 and value.shape[1] == 1 \
             and value.shape[-2] > 1:  # (B, 1, Lq, Lk): one mask for every head
         return {"kind": "cells", "rows": value[:, 0].detach().cpu().numpy()}
+    if HANDED.search(name) and value.dtype == torch.bool and value.dim() == 3 and value.shape[-1] == value.shape[-2] > 1:
+        return {"kind": "cells", "rows": value.detach().cpu().numpy()}  # (B, L, L): a trainer's causal & padding mask
+    if not (KEEP.search(name) or PAD.search(name) or LENGTHS.search(name) or CELLS.search(name) or POSITIONS.search(name)):
+        return None  # (`attn_mask` is read as cells only: a 2-D one is a causal triangle as often as padding)
     if CELLS.search(name) and value.dim() in (2, 3) and value.shape[-1] > 1:
         cells = value.detach().cpu().numpy()
         return {"kind": "cells", "rows": cells.astype(bool)} if np.isin(cells, (0, 1)).all() else None

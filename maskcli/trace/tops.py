@@ -95,6 +95,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         value = given.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             found[name] = value
+    found.update(_first_ids(signature, given, found))
     found.update(_token_ids(module))
     found.update(_zeros(given, found))
     found.update(held or {})
@@ -114,6 +115,23 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         if sizes:
             found["cache_slots"] = sizes
     return Top(where, getattr(module, "config", None), found, first, end, stated)
+
+
+IDS = ("input_ids", "idx", "tokens", "src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
+
+
+def _first_ids(signature, given: dict, found: dict) -> dict:
+    """{"first_ids": (name, (B, L) ids)}: the call's first argument where it is a 2-D integer tensor under a name none of
+    ARGUMENTS' (a hand-written model's `forward(self, x)`), where no ids were kept by name (checks/batchaxis.py reads
+    which of its axes the program pads along)."""
+    if signature is None or any(name in found for name in IDS):
+        return {}
+    name = next((n for n in signature.parameters if n != "self"), None)
+    value = given.get(name)
+    if isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point() \
+            and value.dtype != torch.bool and value.numel() <= MOST and value.device.type != "meta":
+        return {"first_ids": (name, value.detach().cpu().numpy().astype(np.int64))}
+    return {}
 
 
 def _zeros(given: dict, found: dict) -> dict:
@@ -201,7 +219,8 @@ def _static_sizes(cache) -> tuple[int, ...]:
 
 def _token_ids(module) -> dict:
     """pad_id and eos_id the program states: its config's pad_token_id / eos_token_id, else the module's own attributes
-    of those names, else (pad_id) its token embedding's padding_idx (nn.Embedding(padding_idx=...)); a seq2seq model's
+    of those names, else (pad_id) its token embedding's padding_idx (nn.Embedding(padding_idx=...)) or its one row of
+    zeros (TF's zero_pad); a seq2seq model's
     src_pad_id / trg_pad_id from its src_pad_idx / trg_pad_idx and their kin."""
     held = _IDS.get(module)
     if held is not None:
@@ -225,11 +244,25 @@ def _token_ids(module) -> dict:
         embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
         if embedding is not None and embedding.padding_idx is not None:
             found["pad_id"] = int(embedding.padding_idx)
+        elif embedding is not None:
+            zero = _zero_row(embedding.weight)
+            if zero is not None:
+                found["pad_id"] = zero
     try:
         _IDS[module] = found
     except TypeError:
         pass
     return found
+
+
+def _zero_row(weight) -> int | None:
+    """The one row of a token embedding that is exactly zero (TF's `zero_pad=True`, a `padding_idx` set by hand): the
+    id the program pads with; None where none or several are, or the table is too large to read once."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() > 1 << 24 or weight.device.type == "meta":
+        return None
+    with torch.no_grad():
+        rows = torch.nonzero((weight == 0).all(dim=1)).flatten()
+    return int(rows[0]) if rows.numel() == 1 else None
 
 
 _IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per module: read once, however many steps call it

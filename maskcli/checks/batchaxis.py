@@ -1,0 +1,93 @@
+"""Attention along the batch axis: a call whose keys are the batch's samples and whose batch is their tokens.
+
+The model call's token ids (B, L) say which of their axes is the batch: the program's own pad id (its config's, its
+embedding's `padding_idx`, its tokenizer's) runs at one end of every row along the token axis, and some row has none.
+A call of that model whose keys are as many as the samples and whose batch rows as many as their tokens (B != L)
+attends from each sample to the same position of the other samples, never to the other tokens of its own:
+nn.MultiheadAttention / nn.Transformer*Layer left at batch_first=False and handed (batch, seq, embed)
+(Molecule-Generator#22), or a hand-written attention handed the wrong transpose. Quiet where the ids' padding runs
+along both axes or neither (nothing says which is the batch; `input_ids` / `idx` / `tokens` are (batch, seq) as
+transformers names them), where a row holds fewer than 3 tokens, on time-major ids whose padding runs down the columns
+when the call's keys are the columns' tokens (OpenNMT's `src`), and on a call that sees no other key than its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.real import _edge
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+IDS = ("input_ids", "idx", "tokens", "src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
+MAJOR = ("input_ids", "idx", "tokens")  # batch-major by convention; `src` may be time-major (OpenNMT's)
+SOURCE = ("src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
+
+
+def _ids(arguments: dict) -> tuple[str, np.ndarray, int, str] | None:
+    """(name, ids, pad id, where the pad id is said) of the model call's token ids, where it states a pad id."""
+    name = next((n for n in IDS if isinstance(arguments.get(n), np.ndarray) and arguments[n].ndim == 2), None)
+    if name is not None:
+        ids = arguments[name]
+    elif "first_ids" in arguments:
+        name, ids = arguments["first_ids"]
+    else:
+        return None
+    for field, said in ((("src_pad_id" if name in SOURCE else "pad_id"), "the model's pad id"), ("pad_id", "the model's pad id"),
+                        ("tokenizer_pad_id", "its tokenizer's pad id")):
+        if isinstance(arguments.get(field), int):
+            return name, ids, arguments[field], said
+    return None
+
+
+def batch_axis(run: Run) -> list:
+    """Calls whose keys are the samples of the model call's padded ids and whose batch rows are their tokens."""
+    found, axes = [], {}
+    for call in [*run.calls, *run.cross]:
+        top = run.top(call)
+        if top is None or call.stored is None:
+            continue
+        if id(top) not in axes:
+            axes[id(top)] = None
+            given = _ids(top.arguments)
+            if given is not None:
+                name, ids, pad_id, said = given
+                pad = ids == pad_id
+                along = _edge(pad), _edge(pad.T)  # (padding runs along the tokens of each row; of each column)
+                if name in MAJOR:
+                    along = along[0], False  # (named as transformers names them: (batch, seq), whatever their padding)
+                if along[0] != along[1] and ids.shape[0] != ids.shape[1] and min(ids.shape) > 1:
+                    samples, tokens = ids.shape if along[0] else ids.shape[::-1]
+                    if tokens >= 3:  # (two tokens a row: a pad run at one edge of every row says little)
+                        axes[id(top)] = (name, samples, tokens, pad_id, said, top.where)
+        held = axes[id(top)]
+        if held is None:
+            continue
+        name, samples, tokens, pad_id, said, where = held
+        rows, k_len = call.shape[0], call.shape[3]
+        if k_len != samples or rows != tokens:
+            continue
+        cells = keep(call)
+        if cells is None:
+            continue
+        seen = np.broadcast_to(cells.any(axis=1), (cells.shape[0], call.shape[2], k_len)).copy()
+        if call.shape[2] == k_len:
+            seen[:, np.arange(k_len), np.arange(k_len)] = False  # (its own sample's cell: what it should see of itself)
+        if not seen.any():
+            continue
+        b, q, k = first_cell(seen)
+        found.append((call, Finding("batch-axis-attended", (
+            f"attention along the batch: its {k_len} keys are the {samples} samples of `{name}` given to "
+            f"{where} (padded with {said} {pad_id} along their {tokens} tokens) and its {rows} batch rows are their "
+            f"tokens: token {b} of sample {q} sees token {b} of sample {k}, never the other tokens of its own sample "
+            f"(a layer whose batch_first is not the layout it was handed: batch_first=False given (batch, seq, embed)?)"),
+            expected=f"attention over each sample's {tokens} tokens", source=f"{name} given to {where}", cell=(b, q, k))))
+    return found
+
+
+RULES = (
+    Rule("batch-axis-attended", "wrong", "call", "a call whose keys are the samples of the model call's padded token ids and "
+         "whose batch rows are their tokens: attention across the batch, each sample never seeing its own other tokens "
+         "(batch_first=False handed (batch, seq, embed))", batch_axis),
+)

@@ -1,0 +1,37 @@
+"""checks/batchaxis.py (and trace/tops.py's first_ids, which records a hand-written model's ids): attention along the
+batch axis, the call's keys the samples of the model call's padded ids and its batch rows their tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkbugs import check_bug, first, traced
+
+BATCH = Path(__file__).parent / "data" / "batchaxis"
+
+
+def test_molecule_generator_batch_first_false(tmp_path):
+    """Molecule-Generator#22: nn.TransformerEncoder/DecoderLayer at batch_first=False handed (batch, seq, embed); the ids
+    `x` are right-padded with the embedding's padding_idx 4 along their 6 tokens, the calls' 3 keys are the samples."""
+    found = check_bug(tmp_path, "molecule_generator_vae_batch_first_false_no_pad_mask", "batch-axis-attended")
+    # every token sees the same token of every other sample: the first such cell of a double loop over (token, sample,
+    # sample), a sample's own cell left out
+    assert tuple(found[0]["cell"]) == first((6, 3, 3), lambda b, q, k: q != k)
+
+
+def test_batch_first_true_handed_time_major(tmp_path):
+    """Written the other way round: batch_first=True layers handed the transpose, the pad id in a config object, the ids
+    left-padded and named `tokens`."""
+    status, found, report = traced(tmp_path, "batch_first_true_handed_time_major", False, BATCH)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "batch-axis-attended")
+    assert hit["severity"] == "wrong" and "4 samples of `tokens`" in hit["message"]
+    assert tuple(hit["cell"]) == first((5, 4, 4), lambda b, q, k: q != k)
+    status, found, report = traced(tmp_path, "batch_first_true_handed_time_major", True, BATCH)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_time_major_source_quiet(tmp_path):
+    """Time-major `src` padded down its columns, handed (seq, batch, embed) to a batch_first=False layer: correct."""
+    status, found, report = traced(tmp_path, "time_major_source_correct", False, BATCH)
+    assert status == 0 and [f for f in found if f["code"] == "batch-axis-attended"] == [], report
