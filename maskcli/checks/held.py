@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.arguments import document_starts, padded_positions
-from maskcli.checks.context import Run, beside_memory, cross, first_cell, keep, queries
+from maskcli.checks.context import Run, beside_memory, cross, crossing, first_cell, keep, queries
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -112,18 +112,18 @@ def _seen(cells: np.ndarray, real: np.ndarray, own: np.ndarray | None) -> np.nda
 
 
 def _over_memory(call) -> bool:
-    """A call whose keys are a memory its attention layer was handed by name (its length the keys')."""
-    details = call.details
-    return bool(details.get("cross_passed") and tuple(details.get("cross_lengths") or ()) == tuple(call.shape[2:])
-                or details.get("kv_given") and call.shape[3] in details.get("kv_shape", ()))
+    """A call whose keys are a memory its attention layer was handed by name (`context`, `memory`, a method's `kv`: the
+    one reading of cross-attention, checks/context.crossing, which holds the memory as long as the keys)."""
+    reading = crossing(call)
+    return reading.cross and reading.by in ("memory", "kv")
 
 
 def held_padding(run: Run) -> list:
     """Calls whose real queries see keys every reading of every padding the program holds there calls padding."""
     found, done = [], {}
     square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
-    # (a softmax that masks nothing over the memory its layer was handed (`context`, `memory`: trace/held.py kv_given,
-    # cross_passed) is attention too, not a router's: OpenNMT's global attention, its context_lengths never passed)
+    # (a softmax that masks nothing over the memory its layer was handed (`context`, `memory`: _over_memory) is
+    # attention too, not a router's: OpenNMT's global attention, its context_lengths never passed)
     handed = [call for call in run.unmasked if call.api == "softmax" and not call.shape[2] == call.shape[3] > 1
               and _over_memory(call)]
     for call in [*run.calls, *run.cross, *square, *handed]:  # (a softmax that masks nothing: its mask may be the one never handed on)

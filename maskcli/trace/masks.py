@@ -232,6 +232,8 @@ def mha(args: tuple, kwargs: dict) -> Seen:
     if a["is_causal"] and padding is None and not need_weights:
         seen.intervals = top_left_causal(q_len, k_len)
         if attn_mask is not None:  # dropped for SDPA's is_causal: said where it is not that mask (checks/kernels.py)
+            from maskcli.trace.dropmask import dropped as _dropped
+
             dropped = _dropped(attn_mask, batch, heads, q_len, k_len - extra)
             if dropped is not None:
                 details["dropped_attn_mask"] = dropped
@@ -270,44 +272,6 @@ def _infinite(attn_mask, padding, batch: int, heads: int, q_len: int, extra: int
     if padding is not None:
         out = out | inf(padding, (batch, 1, 1, -1))
     return out
-
-
-NAME_DROPPED = 1 << 20  # cells of a dropped attn_mask named by the recogniser (past it: its differing cell only)
-_DROPPED: dict = {}  # id(attn_mask) -> (a weak reference to it, its version, what _dropped found): one tensor every step
-
-
-def _dropped(attn_mask: torch.Tensor, batch: int, heads: int, q_len: int, k_len: int) -> dict | None:
-    """What an attn_mask F.multi_head_attention_forward dropped for SDPA's is_causal (torch/nn/functional.py: "if
-    is_causal and key_padding_mask is None and not need_weights: attn_mask = None") holds where it is not that causal
-    mask (top-left, torch.tril): its name where the recogniser gives one, and its first differing cell (b, h, q, k)
-    with whether attn_mask keeps it. None where it is causal: the hint was true and nothing was lost."""
-    import weakref
-
-    held = _DROPPED.get(id(attn_mask))
-    if held is not None and held[0]() is attn_mask and held[1] == attn_mask._version:
-        return held[2]
-    own = ~attn_mask if attn_mask.dtype == torch.bool else additive_keep(attn_mask.detach())
-    own = own.reshape(batch, heads, q_len, -1) if own.dim() == 3 else own.reshape(1, 1, q_len, -1)
-    causal = torch.ones((q_len, k_len), dtype=torch.bool, device=own.device).tril()
-    differ = own ^ causal
-    found = None
-    if bool(differ.any()):
-        b, h, q, k = (int(x) for x in differ.nonzero()[0])
-        found = {"cell": [b, h, q, k], "keeps": bool(own[b, h, q, k]), "name": None}
-        if own.numel() <= NAME_DROPPED:
-            from maskcli.inspect.structure import recognise
-            from maskcli.trace.names import flags
-
-            structure = recognise(own.cpu().numpy())
-            if structure.expression is not None:
-                found["name"] = structure.expression + flags(structure.options, q_len, k_len)
-    if len(_DROPPED) >= 64:
-        _DROPPED.pop(next(iter(_DROPPED)))
-    try:
-        _DROPPED[id(attn_mask)] = (weakref.ref(attn_mask), attn_mask._version, found)
-    except TypeError:  # (a tensor subclass without weak references: read again next time)
-        pass
-    return found
 
 
 def _key_padding(real: torch.Tensor) -> dict:
