@@ -60,7 +60,8 @@ class Call(Operands):
 
     @property
     def stored(self) -> dict | None:
-        return self.trace.masks.get(self.mask) if self.mask is not None else None
+        masks = self.trace.masks  # (first: a placeholder key is replaced as the masks are read)
+        return masks.get(self.mask) if self.mask is not None else None
 
     def keep(self) -> np.ndarray:
         """Bool (B, H, Lq, Lk), True = may attend (a read-only broadcast view where batch rows or heads repeat)."""
@@ -79,8 +80,14 @@ class Trace(Outer, Follow):
     def __init__(self, apis=APIS, max_bytes: int = DEFAULT_MAX_BYTES):
         self.apis = tuple(apis)
         self.max_bytes = max_bytes
-        self.calls: list[Call] = []
-        self.masks: dict[str, dict] = {}
+        self._calls: list[Call] = []  # (t.calls: its masks read first where copies of them wait: store.read_unread)
+        self._masks: dict[str, dict] = {}
+        self._unread: dict = {}  # placeholder key -> (the copy of a mask's cells, its shape, the call's): store.py
+        self._unread_bytes = 0
+        self._read: dict = {}  # placeholder key -> the digest its copy was stored under
+        self._contents: dict = {}  # a copy's shapes and content hash -> its digest (the same content read once)
+        self._fixed = 0  # calls before this index hold no placeholder key (but those in _late)
+        self._late: list = []  # calls whose mask was changed after they were recorded (after.py)
         self.bytes = 0
         self._local = _Local()  # busy, within, interfaces, the mode: each thread the program runs has its own
         self._lock = threading.RLock()
@@ -126,6 +133,39 @@ class Trace(Outer, Follow):
         self.sink_keys = lambda: None  # keys of the call running now, where a learned sink's module has no interface frame
         self.compiled = compiled.Compiled(lambda: self.within > 0, self)  # calls of torch.compile'd code (not those a
         # recorded call runs itself: flex_attention compiles its operator even in eager); their attention a graph break
+
+    @property
+    def calls(self) -> list[Call]:
+        """Every attention call recorded, in order (the masks copied at the calls read first: store.read_unread)."""
+        if (self._unread or self._late or self._read and self._fixed < len(self._calls)) and not self._local.busy:
+            self._read_masks()
+        return self._calls
+
+    @property
+    def masks(self) -> dict[str, dict]:
+        """Each distinct mask once, by its digest (tracefile's stored form)."""
+        if (self._unread or self._late or self._read and self._fixed < len(self._calls)) and not self._local.busy:
+            self._read_masks()
+        return self._masks
+
+    def _read_masks(self) -> None:
+        """The copies of masks made at the calls read and stored, and each call's placeholder key replaced by its digest."""
+        from itertools import chain, islice
+
+        from maskcli.trace.store import PENDING, read_unread
+
+        with self._lock:
+            busy, self._local.busy = self._local.busy, True  # (torch's calls made reading them are maskcli's own)
+            try:
+                read = read_unread(self)
+                if read:
+                    for call in chain(islice(self._calls, self._fixed, None), self._late):
+                        if call.mask is not None and call.mask.startswith(PENDING):
+                            call.mask = read[call.mask]
+                self._late.clear()
+                self._fixed = len(self._calls)
+            finally:
+                self._local.busy = busy
 
     @property
     def busy(self) -> bool:
@@ -317,15 +357,15 @@ class Trace(Outer, Follow):
         sites = self.sites
         try:
             with self._lock:  # (threads of the program record one at a time: indexes, steps and the store stay whole)
-                made = len(self.calls)
+                made = len(self._calls)
                 stack = sites.load([module for module, _, _ in reversed(found)])
                 try:
                     self._record(reader, args, kwargs)
-                    if len(self.calls) > made and found:
+                    if len(self._calls) > made and found:
                         for _, _, variables in found[:-1]:  # documents handed to an inner module (innermost first)
                             given = variables.get("kwargs")
                             if given and not DOCUMENTS.isdisjoint(given):
-                                documents(self.calls, made, given)
+                                documents(self._calls, made, given)
                         self._outer(found, made)
                 finally:
                     stack.clear()
@@ -354,7 +394,7 @@ class Trace(Outer, Follow):
             key = readers.stored(self, seen)  # (self._store, and a mask the frames handed the call: trace/given.py)
         except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
-            self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self.calls), where=where, step=self.sites.step(site),
+            self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self._calls), where=where, step=self.sites.step(site),
                               details={"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, trace=self))
             return
         finally:
@@ -364,14 +404,14 @@ class Trace(Outer, Follow):
         held = self._held  # (a million calls are a million records: their shapes and words kept once, details compact)
         shape, q, k, v, where = (held.setdefault(x, x) for x in (tuple(int(x) for x in seen.shape), seen.q, seen.k, seen.v, where))
         self._append(Call(seen.api, shape, q, k, v, held.setdefault(seen.dtype, seen.dtype), held.setdefault(seen.device, seen.device),
-                          index=len(self.calls), where=where, step=self.sites.step(site), mask=key, details=dict(seen.details), trace=self))
+                          index=len(self._calls), where=where, step=self.sites.step(site), mask=key, details=dict(seen.details), trace=self))
         if seen.api == "softmax":
-            self._softmax = (self.calls[-1], seen)
+            self._softmax = (self._calls[-1], seen)
         if not self.sites.stack:  # a call outside any module: what the program's frames state for it, and the
-            documents(self.calls, len(self.calls) - 1, self.sites.held)  # cu_seqlens its function holds (HunyuanVideo's)
+            documents(self._calls, len(self._calls) - 1, self.sites.held)  # cu_seqlens its function holds (HunyuanVideo's)
             if self._local.outer is not None:  # (the module call this thread made calls in has ended: its Top first)
                 self._finish(self._local.outer)
-            outside(self._tops, where, len(self.calls) - 1, self._loose)
+            outside(self._tops, where, len(self._calls) - 1, self._loose)
 
     def _append(self, call: Call) -> None:
         """A call made inside a Hugging Face interface call carries what HF told that call (and is what it did)."""
@@ -384,7 +424,7 @@ class Trace(Outer, Follow):
         if frames:
             call.details["hf"] = frames[-1]["hf"]
             frames[-1]["seen"] += 1
-        self.calls.append(call)
+        self._calls.append(call)
 
     def _store(self, seen) -> str:
         return store(self, seen)  # (trace/store.py: once per digest, a mask given again unchanged not read again)
