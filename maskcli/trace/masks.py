@@ -124,25 +124,35 @@ def _dtype_name(dtype: torch.dtype) -> str:  # (one string per dtype: every call
     return str(dtype).removeprefix("torch.")
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:  # (one string per device, made once)
+    return str(device)
+
+
 SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def sdpa(args: tuple, kwargs: dict) -> Seen:
-    given = dict(zip(SDPA_NAMES, args)) | kwargs
+    given = dict(zip(SDPA_NAMES, args))
+    if kwargs:
+        given.update(kwargs)
     q, k, v = given["query"], given["key"], given["value"]
     mask, is_causal = given.get("attn_mask"), bool(given.get("is_causal", False))
-    q_len, k_len = q.shape[-2], k.shape[-2]
-    lead = tuple(q.shape[:-2])
-    if mask is not None and mask.dim() > 2:
-        lead = _broadcast(lead, tuple(mask.shape[:-2]))
+    q_shape, k_shape = tuple(q.shape), tuple(k.shape)  # (each shape read once: a tensor's attributes cost a call each)
+    q_len, k_len = q_shape[-2], k_shape[-2]
+    lead = q_shape[:-2]
+    if mask is not None:
+        mask_shape = tuple(mask.shape)
+        if len(mask_shape) > 2:
+            lead = _broadcast(lead, mask_shape[:-2])
     details = {"is_causal": is_causal, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False)),
                "dropout_p": float(given.get("dropout_p", 0.0) or 0.0)}
-    seen = Seen("sdpa", (*_four(lead), q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
+    seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
     if _same_storage(q, k):
         details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.cross)
     if mask is not None:
         details["mask_dtype"] = _dtype(mask)
-        if q_len > 1 and (mask.dim() < 2 or mask.shape[-2] == 1):  # one row for every query: no query's own position
+        if q_len > 1 and (len(mask_shape) < 2 or mask_shape[-2] == 1):  # one row for every query: no query's own position
             details["mask_rows"] = 1
         seen.make = lambda: _as_4d(_keep(mask, details), q_len, k_len)  # (not where this mask was read already)
         seen.sources = (mask,)
