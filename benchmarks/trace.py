@@ -8,7 +8,8 @@ with a sliding-window mask (the model builds the mask once per step and hands it
 layer, as decoders do). Traced means inside `maskcli.trace()`: torch's attention entry points, and the
 products, casts and sums the trace watches, are wrapped (trace/entry.py; the rest of torch runs untouched,
 and a TorchFunctionMode is on only while a tensor it follows is alive), each call's modules are read from
-its frames (hooks only on the outermost module), and each step's mask is read and stored.
+its frames (hooks only on the outermost module), and each step's mask is copied (its own cells) to be read
+after the run, each distinct content once (trace/store.py).
 The two sides alternate run by run, so a slow spell on a shared machine hits both; each run is
 timed by the wall clock and by this process's CPU time (steadier where other programs share the
 cores). It prints the median of each side and the median of the paired ratios with quartiles
@@ -16,13 +17,15 @@ cores). It prints the median of each side and the median of the paired ratios wi
 clock, median and quartiles of the pairs (target <= 0.2 ms). Then what trace does after the run and
 what the checks (maskcli.checks: the rules that read the run) add to the report: each traced run
 is reported as `maskcli trace` reports it: the configs its model states read (Trace.settle: read after
-the run, not while it runs), its groups named (trace/report.py), and then checked; the checks' time
-over trace's whole overhead (traced run less untraced, plus the configs and naming the groups), by
+the run, not while it runs), the masks copied at the calls read (Trace.calls), its groups named
+(trace/report.py), and then checked; the checks' time
+over trace's whole overhead (traced run less untraced, plus the configs, the masks and naming the groups), by
 the CPU clock, median and quartiles (target <= 10%).
 
 Then a tiny Hugging Face llama (LlamaConfig, random weights, 2 layers, batch 2 with left padding):
 `generate` of 3 new tokens (6 attention calls) inside `maskcli.trace()` against the same generate
-untraced, pairs alternating as above, the median of the paired ratios by both clocks (target <= 1.25x);
+untraced, pairs alternating as above, the median of the paired ratios by both clocks (target <= 1.25x), and
+the time its masks take to read once the run is over (not in the ratio: after the run, as the report reads them);
 beside it the same generate inside a TorchFunctionMode that does nothing but call each function, the
 floor of any trace that sees every torch call from Python (each of its ~850 calls pays the mode's
 dispatch). Skipped where transformers is not installed, or with --no-hf.
@@ -99,7 +102,7 @@ def main() -> None:
         generate(model, ids, args.steps, args.window)
         return time.perf_counter() - wall, time.process_time() - cpu
 
-    reports = []  # per traced run: (seconds reading configs and naming the groups, seconds checking them)
+    reports = []  # per traced run: (seconds reading configs and masks and naming the groups, seconds checking them)
     calls = args.layers * (args.steps + 1)
 
     def traced() -> tuple[float, float]:
@@ -132,7 +135,7 @@ def main() -> None:
     shares = [checking / (b[1] - a[1] + after) for (a, b), (after, checking) in zip(samples, reports)]
     q1, median, q3 = statistics.quantiles(shares, n=4)
     print(f"checks: median {statistics.median(c for _, c in reports) * 1e3:.2f} ms a run (after the run, reading the "
-          f"configs and naming the groups {statistics.median(n for n, _ in reports) * 1e3:.1f} ms); checks / trace's "
+          f"configs and masks and naming the groups {statistics.median(n for n, _ in reports) * 1e3:.1f} ms); checks / trace's "
           f"overhead median {median:.1%} (quartiles {q1:.1%}-{q3:.1%}), target <= {CHECKS_TARGET:.0%}: "
           f"{'met' if median <= CHECKS_TARGET else 'NOT met'}")
     if not args.no_hf:
@@ -196,8 +199,8 @@ def hf_generate(runs: int) -> None:
 
 
 def report(t) -> tuple[float, float]:
-    """CPU seconds of trace's work after the run as the report does it (the configs the model states read, the groups
-    named), and CPU seconds running the checks over them."""
+    """CPU seconds of trace's work after the run as the report does it (the configs the model states read, the masks
+    copied at the calls read, the groups named), and CPU seconds running the checks over them."""
     from maskcli.checks.context import Run
     from maskcli.checks.engine import apply
     from maskcli.trace.report import group

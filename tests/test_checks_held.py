@@ -248,3 +248,18 @@ def test_a_perceivers_latents_are_not_read_against_the_frames_padding_it_holds(t
     hit = next(f for f in found if f["code"] == "padding-unused")
     real = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=bool)
     assert status == 1 and tuple(hit["cell"]) == first((2, 4, 4), lambda b, q, k: not real[b, k]), report
+
+
+def test_a_module_owns_weights_where_torch_finds_a_parameter_in_it():
+    """trace/held.py's _owns_weights (what cross_passed asks of each running module) against Module.parameters()."""
+    import torch.nn as nn
+
+    from maskcli.trace.held import _owns_weights
+
+    no_bias = nn.Linear(2, 2, bias=False)
+    empty = nn.Module()
+    empty.register_parameter("weight", None)  # (a parameter slot holding None: parameters() skips it)
+    deep = nn.Sequential(nn.ReLU(), nn.Sequential(nn.Identity(), nn.Sequential(nn.Linear(2, 2))))
+    modules = [nn.ReLU(), nn.Sequential(nn.ReLU(), nn.GELU()), no_bias, empty, deep, nn.MultiheadAttention(4, 2), nn.Module()]
+    assert [_owns_weights(m) for m in modules] == [next(m.parameters(), None) is not None for m in modules]
+    assert [_owns_weights(m) for m in modules] == [False, False, True, False, True, True, False]

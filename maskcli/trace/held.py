@@ -228,13 +228,28 @@ CONTEXT_MASKS = ("context_mask", "encoder_attention_mask", "encoder_mask", "memo
 _CONTEXT_NAMES: dict = {}  # code object -> its parameters named as CONTEXT (matched once per code)
 
 
+def _owns_weights(module) -> bool:
+    """Whether `module` or one inside it holds a parameter: next(module.parameters(), None) is not None, by its
+    modules' own dicts (parameters() hashes every tensor it passes: tens of us, at every attention call)."""
+    pending = [module]
+    while pending:  # (in any order: only whether one is there)
+        found = pending.pop()
+        if found is None:
+            continue
+        for value in found._parameters.values():
+            if value is not None:
+                return True
+        pending.extend(found._modules.values())
+    return False
+
+
 def cross_passed(stack: list) -> tuple[str, str | None, tuple[int, int]] | None:
     """'Class.forward(context=…)' where the innermost running module that owns weights (the attention layer that
     projects the keys, not a parameter-free attend/kernel wrapper inside it) was handed a tensor under one of CONTEXT's
     names, other than its first input: its keys are that other sequence's (x-transformers' `Attention.forward(x,
     context=context)`), with the name of its context-mask parameter where that was handed None (the program states
     no padding of the context: checks/crosspad.py), and (x's length, the context's) along dim -2; None otherwise, or where the argument is None (self-attention)."""
-    owner = next((m for m in reversed(stack[-INNERMOST:]) if next(m.parameters(), None) is not None), None)
+    owner = next((m for m in reversed(stack[-INNERMOST:]) if _owns_weights(m)), None)
     if owner is None:
         return None
     frame, searched = sys._getframe(1), 0
