@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import sys
 import threading
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from maskcli import tracefile
-from maskcli.text import step_label
 import maskcli.trace.masks as readers
-from maskcli.trace.masks import Operands
+from maskcli.trace.masks import Call
 from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced
 from maskcli.trace.outer import Outer
 import maskcli.trace.flash as flash
@@ -39,39 +35,12 @@ from maskcli.trace.overflow import WATCHED, Overflows
 from maskcli.trace.scores import Scores
 from maskcli.trace.sites import Sites, running
 from maskcli.trace.stated import outside
-from maskcli.trace.store import store
+from maskcli.trace.store import read_calls, store
 from maskcli.trace.threads import Threads
 from maskcli.trace.tops import DOCUMENTS, documents
 
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
-
-
-@dataclass
-class Call(Operands):
-    """One attention call: where it came from, what it computed on, and its mask (a key into Trace.masks)."""
-
-    index: int = 0
-    where: str = ""
-    step: int = 0
-    mask: str | None = None
-    details: dict = field(default_factory=dict)
-    trace: object = field(default=None, repr=False, compare=False)
-
-    @property
-    def stored(self) -> dict | None:
-        masks = self.trace.masks  # (first: a placeholder key is replaced as the masks are read)
-        return masks.get(self.mask) if self.mask is not None else None
-
-    def keep(self) -> np.ndarray:
-        """Bool (B, H, Lq, Lk), True = may attend (a read-only broadcast view where batch rows or heads repeat)."""
-        return np.broadcast_to(tracefile.dense(self.stored), self.shape)
-
-    def json(self) -> dict:
-        return {"index": self.index, "where": self.where, "api": self.api, "step": self.step,
-                "step_label": self.details.get("step_name") or step_label(self.step, self.shape[2]), "shape": list(self.shape),
-                "q": list(self.q), "k": list(self.k), "v": list(self.v), "dtype": self.dtype, "device": self.device,
-                "mask": self.mask, "details": dict(self.details)}
 
 
 class Trace(Outer, Follow):
@@ -82,12 +51,10 @@ class Trace(Outer, Follow):
         self.max_bytes = max_bytes
         self._calls: list[Call] = []  # (t.calls: its masks read first where copies of them wait: store.read_unread)
         self._masks: dict[str, dict] = {}
-        self._unread: dict = {}  # placeholder key -> (the copy of a mask's cells, its shape, the call's): store.py
-        self._unread_bytes = 0
-        self._read: dict = {}  # placeholder key -> the digest its copy was stored under
-        self._contents: dict = {}  # a copy's shapes and content hash -> its digest (the same content read once)
-        self._fixed = 0  # calls before this index hold no placeholder key (but those in _late)
-        self._late: list = []  # calls whose mask was changed after they were recorded (after.py)
+        self._unread: dict = {}  # placeholder key -> (a mask's copy, its shape, the call's): read after the run (store.py)
+        self._read: dict = {}  # placeholder key -> its digest once read; _contents: a copy's content -> its digest; the
+        # calls before _fixed hold no placeholder (but those in _late, whose mask changed after they were recorded)
+        self._contents, self._unread_bytes, self._fixed, self._late = {}, 0, 0, []
         self.bytes = 0
         self._local = _Local()  # busy, within, interfaces, the mode: each thread the program runs has its own
         self._lock = threading.RLock()
@@ -136,36 +103,19 @@ class Trace(Outer, Follow):
 
     @property
     def calls(self) -> list[Call]:
-        """Every attention call recorded, in order (the masks copied at the calls read first: store.read_unread)."""
-        if (self._unread or self._late or self._read and self._fixed < len(self._calls)) and not self._local.busy:
-            self._read_masks()
+        """Every attention call recorded, in order (the masks copied at the calls read first: store.read_calls)."""
+        self._read_copies()
         return self._calls
 
     @property
     def masks(self) -> dict[str, dict]:
         """Each distinct mask once, by its digest (tracefile's stored form)."""
-        if (self._unread or self._late or self._read and self._fixed < len(self._calls)) and not self._local.busy:
-            self._read_masks()
+        self._read_copies()
         return self._masks
 
-    def _read_masks(self) -> None:
-        """The copies of masks made at the calls read and stored, and each call's placeholder key replaced by its digest."""
-        from itertools import chain, islice
-
-        from maskcli.trace.store import PENDING, read_unread
-
-        with self._lock:
-            busy, self._local.busy = self._local.busy, True  # (torch's calls made reading them are maskcli's own)
-            try:
-                read = read_unread(self)
-                if read:
-                    for call in chain(islice(self._calls, self._fixed, None), self._late):
-                        if call.mask is not None and call.mask.startswith(PENDING):
-                            call.mask = read[call.mask]
-                self._late.clear()
-                self._fixed = len(self._calls)
-            finally:
-                self._local.busy = busy
+    def _read_copies(self) -> None:
+        if (self._unread or self._late or self._read and self._fixed < len(self._calls)) and not self._local.busy:
+            read_calls(self)
 
     @property
     def busy(self) -> bool:
@@ -415,7 +365,7 @@ class Trace(Outer, Follow):
 
     def _append(self, call: Call) -> None:
         """A call made inside a Hugging Face interface call carries what HF told that call (and is what it did)."""
-        if threading.current_thread() is not threading.main_thread():
+        if threading.get_ident() != threading.main_thread().ident:  # (current_thread() costs a lookup a call)
             call.details["thread"] = threading.current_thread().name
         if self.compiled.inside():
             call.details["compiled"] = True

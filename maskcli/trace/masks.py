@@ -18,7 +18,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from maskcli import tracefile
 from maskcli.inspect.polarity import additive_keep
+from maskcli.text import step_label
 from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
 from maskcli.intervals import Intervals
@@ -62,6 +64,34 @@ class Seen(Operands):
             self.keep, self.make = self.make(), None
             self.made = {key: value for key, value in self.details.items() if key not in before}
         return self.keep
+
+
+@dataclass
+class Call(Operands):
+    """One attention call: where it came from, what it computed on, and its mask (a key into Trace.masks; trace/capture.py
+    records them)."""
+
+    index: int = 0
+    where: str = ""
+    step: int = 0
+    mask: str | None = None
+    details: dict = field(default_factory=dict)
+    trace: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def stored(self) -> dict | None:
+        masks = self.trace.masks  # (first: a placeholder key is replaced as the masks are read)
+        return masks.get(self.mask) if self.mask is not None else None
+
+    def keep(self) -> np.ndarray:
+        """Bool (B, H, Lq, Lk), True = may attend (a read-only broadcast view where batch rows or heads repeat)."""
+        return np.broadcast_to(tracefile.dense(self.stored), self.shape)
+
+    def json(self) -> dict:
+        return {"index": self.index, "where": self.where, "api": self.api, "step": self.step,
+                "step_label": self.details.get("step_name") or step_label(self.step, self.shape[2]), "shape": list(self.shape),
+                "q": list(self.q), "k": list(self.k), "v": list(self.v), "dtype": self.dtype, "device": self.device,
+                "mask": self.mask, "details": dict(self.details)}
 
 
 def _four(lead: tuple[int, ...]) -> tuple[int, int]:

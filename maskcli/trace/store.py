@@ -207,6 +207,26 @@ def read_unread(trace) -> dict:
     return done
 
 
+def read_calls(trace) -> None:
+    """The copies of masks made at the calls read and stored, and each call's placeholder key replaced by its digest
+    (those recorded since the last time, and those whose mask changed after they were recorded: trace._late)."""
+    from itertools import chain, islice
+
+    with trace._lock:
+        local = trace._local
+        busy, local.busy = local.busy, True  # (torch's calls made reading them are maskcli's own)
+        try:
+            read = read_unread(trace)
+            if read:
+                for call in chain(islice(trace._calls, trace._fixed, None), trace._late):
+                    if call.mask is not None and call.mask.startswith(PENDING):
+                        call.mask = read[call.mask]
+            trace._late.clear()
+            trace._fixed = len(trace._calls)
+        finally:
+            local.busy = busy
+
+
 def unread_cells(trace, key: str) -> np.ndarray:
     """The cells of a mask stored under `key` (a placeholder or a digest), (b, h, Lq, Lk) with 1 where it broadcasts."""
     if key in trace._unread:
