@@ -903,7 +903,7 @@ def test_past_the_copies_budget_masks_are_read_during_the_run_to_the_same_calls(
     q, k, v = qkv(2, 1, 6, 6)
     masks = [torch.from_numpy(window_keep(6, 6, width)).expand(2, 1, 6, 6) for width in (1, 2, 3, 6)]
     found = []
-    for budget in (store.UNREAD, 40):  # (40 bytes: each 36-cell copy past it is read as the next one comes)
+    for budget in (store.UNREAD, 600):  # (one 36-cell copy and its tensor fit: the next one reads them)
         monkeypatch.setattr(store, "UNREAD", budget)
         with maskcli.trace() as t:
             for mask in masks:

@@ -28,6 +28,7 @@ BAND = 1 << 24  # cells of one band of rows
 CACHE = 256  # masks remembered by the tensor they were read from (a model hands one mask to every layer)
 DEFER = 1 << 22  # cells of a mask's own (not broadcast) copied at the call and read after the run; more: read at once
 UNREAD = 64 << 20  # bytes of copies held unread at most (past it they are read during the run)
+OBJECT = 512  # bytes a copy holds beside its cells (its tensor, storage and key), counted against UNREAD
 PENDING = "unread:"  # the key a call holds until its mask's copy is read (a digest is hex: never this)
 
 
@@ -159,7 +160,7 @@ def store(trace, seen) -> str:
     if copy is not None:  # read after the run (read_unread)
         key = f"{PENDING}{len(trace._read) + len(trace._unread)}"
         trace._unread[key] = (copy, tuple(keep.shape), tuple(int(x) for x in seen.shape))
-        trace._unread_bytes += copy.numel()
+        trace._unread_bytes += copy.numel() + OBJECT  # (a million tiny masks: their tensors' own bytes count too)
         if trace._unread_bytes > UNREAD:
             read_unread(trace)
     else:
