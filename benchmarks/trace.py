@@ -8,7 +8,8 @@ with a sliding-window mask (the model builds the mask once per step and hands it
 layer, as decoders do). Traced means inside `maskcli.trace()`: torch's attention entry points, and the
 products, casts and sums the trace watches, are wrapped (trace/entry.py; the rest of torch runs untouched,
 and a TorchFunctionMode is on only while a tensor it follows is alive), each call's modules are read from
-its frames (hooks only on the outermost module), and each step's mask is read and stored.
+its frames (hooks only on the outermost module), and each step's mask is copied (its own cells) to be read
+after the run, each distinct content once (trace/store.py).
 The two sides alternate run by run, so a slow spell on a shared machine hits both; each run is
 timed by the wall clock and by this process's CPU time (steadier where other programs share the
 cores). It prints the median of each side and the median of the paired ratios with quartiles
@@ -16,13 +17,15 @@ cores). It prints the median of each side and the median of the paired ratios wi
 clock, median and quartiles of the pairs (target <= 0.2 ms). Then what trace does after the run and
 what the checks (maskcli.checks: the rules that read the run) add to the report: each traced run
 is reported as `maskcli trace` reports it: the configs its model states read (Trace.settle: read after
-the run, not while it runs), its groups named (trace/report.py), and then checked; the checks' time
-over trace's whole overhead (traced run less untraced, plus the configs and naming the groups), by
+the run, not while it runs), the masks copied at the calls read (Trace.calls), its groups named
+(trace/report.py), and then checked; the checks' time
+over trace's whole overhead (traced run less untraced, plus the configs, the masks and naming the groups), by
 the CPU clock, median and quartiles (target <= 10%).
 
 Then a tiny Hugging Face llama (LlamaConfig, random weights, 2 layers, batch 2 with left padding):
 `generate` of 3 new tokens (6 attention calls) inside `maskcli.trace()` against the same generate
-untraced, pairs alternating as above, the median of the paired ratios by both clocks (target <= 1.25x);
+untraced, pairs alternating as above, the median of the paired ratios by both clocks (target <= 1.25x), and
+the time its masks take to read once the run is over (not in the ratio: after the run, as the report reads them);
 beside it the same generate inside a TorchFunctionMode that does nothing but call each function, the
 floor of any trace that sees every torch call from Python (each of its ~850 calls pays the mode's
 dispatch). Skipped where transformers is not installed, or with --no-hf.
@@ -99,7 +102,7 @@ def main() -> None:
         generate(model, ids, args.steps, args.window)
         return time.perf_counter() - wall, time.process_time() - cpu
 
-    reports = []  # per traced run: (seconds reading configs and naming the groups, seconds checking them)
+    reports = []  # per traced run: (seconds reading configs and masks and naming the groups, seconds checking them)
     calls = args.layers * (args.steps + 1)
 
     def traced() -> tuple[float, float]:
@@ -107,8 +110,8 @@ def main() -> None:
         with maskcli.trace() as t:
             generate(model, ids, args.steps, args.window)
         elapsed = time.perf_counter() - wall, time.process_time() - cpu
-        assert len(t.calls) == calls
         reports.append(report(t))
+        assert len(t.calls) == calls
         return elapsed
 
     plain(), traced()  # warm-up: first calls allocate and import
@@ -132,7 +135,7 @@ def main() -> None:
     shares = [checking / (b[1] - a[1] + after) for (a, b), (after, checking) in zip(samples, reports)]
     q1, median, q3 = statistics.quantiles(shares, n=4)
     print(f"checks: median {statistics.median(c for _, c in reports) * 1e3:.2f} ms a run (after the run, reading the "
-          f"configs and naming the groups {statistics.median(n for n, _ in reports) * 1e3:.1f} ms); checks / trace's "
+          f"configs and masks and naming the groups {statistics.median(n for n, _ in reports) * 1e3:.1f} ms); checks / trace's "
           f"overhead median {median:.1%} (quartiles {q1:.1%}-{q3:.1%}), target <= {CHECKS_TARGET:.0%}: "
           f"{'met' if median <= CHECKS_TARGET else 'NOT met'}")
     if not args.no_hf:
@@ -167,18 +170,24 @@ def hf_generate(runs: int) -> None:
             model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
         return time.perf_counter() - wall, time.process_time() - cpu
 
+    after = []  # CPU seconds a traced run's recorded calls take to read once it is over (the masks copied at the calls)
+
     def traced() -> tuple[float, float]:
         t = maskcli.trace()
         elapsed = run(t)
+        start = time.process_time()
         assert len(t.calls) == 6, len(t.calls)
+        after.append(time.process_time() - start)
         return elapsed
 
     import contextlib
 
     for _ in range(2):  # warm-up: first calls allocate, import and fill caches
         run(contextlib.nullcontext()), traced(), run(Nothing())
+    after.clear()
     samples = [(run(contextlib.nullcontext()), traced(), run(Nothing())) for _ in range(max(runs, 4) * 2)]
-    print(f"tiny HF llama generate (2 layers, 3 new tokens, 6 attention calls), {len(samples)} runs:")
+    print(f"tiny HF llama generate (2 layers, 3 new tokens, 6 attention calls), {len(samples)} runs (after a traced run, "
+          f"its masks read: median {statistics.median(after) * 1e3:.2f} ms by the CPU clock):")
     for clock, which in (("wall", 0), ("cpu", 1)):
         plain = statistics.median(a[which] for a, _, _ in samples)
         ratios = [b[which] / a[which] for a, b, _ in samples]
@@ -190,15 +199,15 @@ def hf_generate(runs: int) -> None:
 
 
 def report(t) -> tuple[float, float]:
-    """CPU seconds of trace's work after the run as the report does it (the configs the model states read, the groups
-    named), and CPU seconds running the checks over them."""
+    """CPU seconds of trace's work after the run as the report does it (the configs the model states read, the masks
+    copied at the calls read, the groups named), and CPU seconds running the checks over them."""
     from maskcli.checks.context import Run
     from maskcli.checks.engine import apply
     from maskcli.trace.report import group
 
     start = time.process_time()
     t.settle()
-    groups = group(t.calls)
+    groups = group(t.calls)  # (t.calls: the masks copied at the calls read first)
     named = time.process_time()
     apply(groups, Run(t.calls, t.tops))
     return named - start, time.process_time() - named

@@ -352,3 +352,19 @@ def test_trainer_cell_mask_not_passed(tmp_path):
     assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: k <= q and ids[b][q] != 0 and ids[b][k] == 0)
     status, found, report = traced(tmp_path, "trainer_cell_mask_not_passed", True, HELD)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_a_module_owns_weights_where_torch_finds_a_parameter_in_it():
+    """trace/crossing.py's _owns_weights (what the cross-attention reading asks of each running module) against
+    Module.parameters()."""
+    import torch.nn as nn
+
+    from maskcli.trace.crossing import _owns_weights
+
+    no_bias = nn.Linear(2, 2, bias=False)
+    empty = nn.Module()
+    empty.register_parameter("weight", None)  # (a parameter slot holding None: parameters() skips it)
+    deep = nn.Sequential(nn.ReLU(), nn.Sequential(nn.Identity(), nn.Sequential(nn.Linear(2, 2))))
+    modules = [nn.ReLU(), nn.Sequential(nn.ReLU(), nn.GELU()), no_bias, empty, deep, nn.MultiheadAttention(4, 2), nn.Module()]
+    assert [_owns_weights(m) for m in modules] == [next(m.parameters(), None) is not None for m in modules]
+    assert [_owns_weights(m) for m in modules] == [False, False, True, False, True, True, False]

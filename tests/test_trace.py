@@ -944,3 +944,36 @@ def test_mhas_functional_form_called_on_its_own_is_one_call_with_the_modules_mas
     assert torch.allclose(out, reference, atol=1e-6)
     assert [c.api for c in t.calls] == ["mha"]
     assert np.array_equal(t.calls[0].keep()[0, 0], window.numpy())
+
+
+def test_a_mask_changed_in_place_after_its_call_is_read_as_it_was_then_and_equal_masks_are_stored_once():
+    """A call's mask is copied at the call and read after the run (trace/store.py): a program that reuses one buffer
+    gets each call's mask as it was at that call, and two tensors with the same cells are one stored mask."""
+    q, k, v = qkv(1, 1, 4, 4)
+    buffer = torch.ones(4, 4, dtype=torch.bool).tril()
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=buffer)
+        buffer.fill_(True)  # the program's own tensor, changed after the call read it
+        F.scaled_dot_product_attention(q, k, v, attn_mask=buffer)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 4).tril().bool())  # the first's cells again
+    first, full, again = t.calls
+    assert np.array_equal(first.keep()[0, 0], np.tril(np.ones((4, 4), bool)))
+    assert full.keep().all() and again.mask == first.mask != full.mask and len(t.masks) == 2
+
+
+def test_past_the_copies_budget_masks_are_read_during_the_run_to_the_same_calls(monkeypatch):
+    import maskcli.trace.store as store
+
+    q, k, v = qkv(2, 1, 6, 6)
+    masks = [torch.from_numpy(window_keep(6, 6, width)).expand(2, 1, 6, 6) for width in (1, 2, 3, 6)]
+    found = []
+    for budget in (store.UNREAD, 600):  # (one 36-cell copy and its tensor fit: the next one reads them)
+        monkeypatch.setattr(store, "UNREAD", budget)
+        with maskcli.trace() as t:
+            for mask in masks:
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            waiting = len(t._unread)
+        found.append(([call.mask for call in t.calls], waiting))
+        for call, width in zip(t.calls, (1, 2, 3, 6)):
+            assert np.array_equal(call.keep()[1, 0], window_keep(6, 6, width))
+    assert found[0][0] == found[1][0] and found[0][1] == 4 and found[1][1] < 4

@@ -123,6 +123,7 @@ class After:
         trace.busy = True
         try:
             call.mask = stored(trace, seen)
+            trace._late.append(call)  # (its key may be a placeholder: Trace.calls replaces it)
             call.details.update(seen.details)
         finally:
             trace.busy = False

@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import sys
 import threading
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from maskcli import tracefile
-from maskcli.text import step_label
 import maskcli.trace.masks as readers
 import maskcli.trace.queried as queried
-from maskcli.trace.masks import Operands
+from maskcli.trace.masks import Call, Operands
 from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced
 from maskcli.trace.outer import Outer
 import maskcli.trace.flash as flash
@@ -40,38 +36,12 @@ from maskcli.trace.overflow import WATCHED, Overflows
 from maskcli.trace.scores import Scores
 from maskcli.trace.sites import Sites, running
 from maskcli.trace.stated import outside
-from maskcli.trace.store import store
+from maskcli.trace.store import read_calls, store
 from maskcli.trace.threads import Threads
 from maskcli.trace.tops import DOCUMENTS, documents
 
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
-
-
-@dataclass
-class Call(Operands):
-    """One attention call: where it came from, what it computed on, and its mask (a key into Trace.masks)."""
-
-    index: int = 0
-    where: str = ""
-    step: int = 0
-    mask: str | None = None
-    details: dict = field(default_factory=dict)
-    trace: object = field(default=None, repr=False, compare=False)
-
-    @property
-    def stored(self) -> dict | None:
-        return self.trace.masks.get(self.mask) if self.mask is not None else None
-
-    def keep(self) -> np.ndarray:
-        """Bool (B, H, Lq, Lk), True = may attend (a read-only broadcast view where batch rows or heads repeat)."""
-        return np.broadcast_to(tracefile.dense(self.stored), self.shape)
-
-    def json(self) -> dict:
-        return {"index": self.index, "where": self.where, "api": self.api, "step": self.step,
-                "step_label": self.details.get("step_name") or step_label(self.step, self.shape[2]), "shape": list(self.shape),
-                "q": list(self.q), "k": list(self.k), "v": list(self.v), "dtype": self.dtype, "device": self.device,
-                "mask": self.mask, "details": dict(self.details)}
 
 
 class Trace(Outer, Follow):
@@ -80,8 +50,12 @@ class Trace(Outer, Follow):
     def __init__(self, apis=APIS, max_bytes: int = DEFAULT_MAX_BYTES):
         self.apis = tuple(apis)
         self.max_bytes = max_bytes
-        self.calls: list[Call] = []
-        self.masks: dict[str, dict] = {}
+        self._calls: list[Call] = []  # (t.calls: its masks read first where copies of them wait: store.read_unread)
+        self._masks: dict[str, dict] = {}
+        self._unread: dict = {}  # placeholder key -> (a mask's copy, its shape, the call's): read after the run (store.py)
+        self._read: dict = {}  # placeholder key -> its digest once read; _contents: a copy's content -> its digest; the
+        # calls before _fixed hold no placeholder (but those in _late, whose mask changed after they were recorded)
+        self._contents, self._unread_bytes, self._fixed, self._late = {}, 0, 0, []
         self.bytes = 0
         self._local = _Local()  # busy, within, interfaces, the mode: each thread the program runs has its own
         self._lock = threading.RLock()
@@ -128,6 +102,22 @@ class Trace(Outer, Follow):
         self.sink_keys = lambda: None  # keys of the call running now, where a learned sink's module has no interface frame
         self.compiled = compiled.Compiled(lambda: self.within > 0, self)  # calls of torch.compile'd code (not those a
         # recorded call runs itself: flex_attention compiles its operator even in eager); their attention a graph break
+
+    @property
+    def calls(self) -> list[Call]:
+        """Every attention call recorded, in order (the masks copied at the calls read first: store.read_calls)."""
+        self._read_copies()
+        return self._calls
+
+    @property
+    def masks(self) -> dict[str, dict]:
+        """Each distinct mask once, by its digest (tracefile's stored form)."""
+        self._read_copies()
+        return self._masks
+
+    def _read_copies(self) -> None:
+        if (self._unread or self._late or self._read and self._fixed < len(self._calls)) and not self._local.busy:
+            read_calls(self)
 
     @property
     def busy(self) -> bool:
@@ -319,15 +309,15 @@ class Trace(Outer, Follow):
         sites = self.sites
         try:
             with self._lock:  # (threads of the program record one at a time: indexes, steps and the store stay whole)
-                made = len(self.calls)
+                made = len(self._calls)
                 stack = sites.load([module for module, _, _ in reversed(found)])
                 try:
                     self._record(reader, args, kwargs)
-                    if len(self.calls) > made and found:
+                    if len(self._calls) > made and found:
                         for _, _, variables in found[:-1]:  # documents handed to an inner module (innermost first)
                             given = variables.get("kwargs")
                             if given and not DOCUMENTS.isdisjoint(given):
-                                documents(self.calls, made, given)
+                                documents(self._calls, made, given)
                         self._outer(found, made)
                 finally:
                     stack.clear()
@@ -357,7 +347,7 @@ class Trace(Outer, Follow):
             key = readers.stored(self, seen)  # (self._store, and a mask the frames handed the call: trace/given.py)
         except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
-            self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self.calls), where=where, step=self.sites.step(site),
+            self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self._calls), where=where, step=self.sites.step(site),
                               details={"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, trace=self))
             return
         finally:
@@ -367,18 +357,18 @@ class Trace(Outer, Follow):
         held = self._held  # (a million calls are a million records: their shapes and words kept once, details compact)
         shape, q, k, v, where = (held.setdefault(x, x) for x in (tuple(int(x) for x in seen.shape), seen.q, seen.k, seen.v, where))
         self._append(Call(seen.api, shape, q, k, v, held.setdefault(seen.dtype, seen.dtype), held.setdefault(seen.device, seen.device),
-                          index=len(self.calls), where=where, step=self.sites.step(site), mask=key, details=dict(seen.details), trace=self))
+                          index=len(self._calls), where=where, step=self.sites.step(site), mask=key, details=dict(seen.details), trace=self))
         if seen.api == "softmax":
-            self._softmax = (self.calls[-1], seen)
+            self._softmax = (self._calls[-1], seen)
         if not self.sites.stack:  # a call outside any module: what the program's frames state for it, and the
-            documents(self.calls, len(self.calls) - 1, self.sites.held)  # cu_seqlens its function holds (HunyuanVideo's)
+            documents(self._calls, len(self._calls) - 1, self.sites.held)  # cu_seqlens its function holds (HunyuanVideo's)
             if self._local.outer is not None:  # (the module call this thread made calls in has ended: its Top first)
                 self._finish(self._local.outer)
-            outside(self._tops, where, len(self.calls) - 1, self._loose)
+            outside(self._tops, where, len(self._calls) - 1, self._loose)
 
     def _append(self, call: Call) -> None:
         """A call made inside a Hugging Face interface call carries what HF told that call (and is what it did)."""
-        if threading.current_thread() is not threading.main_thread():
+        if threading.get_ident() != threading.main_thread().ident:  # (current_thread() costs a lookup a call)
             call.details["thread"] = threading.current_thread().name
         if self.compiled.inside():
             call.details["compiled"] = True
@@ -387,7 +377,7 @@ class Trace(Outer, Follow):
         if frames:
             call.details["hf"] = frames[-1]["hf"]
             frames[-1]["seen"] += 1
-        self.calls.append(call)
+        self._calls.append(call)
 
     def _store(self, seen) -> str:
         return store(self, seen)  # (trace/store.py: once per digest, a mask given again unchanged not read again)

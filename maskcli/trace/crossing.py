@@ -149,7 +149,7 @@ def _frames(stack: list, frame):
     if not stack:
         yield from program_frames(frame, LINE_FRAMES)
         return
-    owner = next((m for m in reversed(stack[-INNERMOST:]) if next(m.parameters(), None) is not None), stack[-1])
+    owner = next((m for m in reversed(stack[-INNERMOST:]) if _owns_weights(m)), stack[-1])
     skip, found = _skip(), []
     while frame is not None and len(found) < FRAMES:
         code = frame.f_code
@@ -219,7 +219,7 @@ def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
     kernel's `query`, `key`) are projections, different whatever the attention."""
     if not stack:
         return None
-    owner = next((m for m in reversed(stack[-INNERMOST:]) if next(m.parameters(), None) is not None), None)
+    owner = next((m for m in reversed(stack[-INNERMOST:]) if _owns_weights(m)), None)
     if owner is None:
         return None
     for frame in _frames(stack, frame):
@@ -252,3 +252,18 @@ def _ends_with(key: torch.Tensor, query: torch.Tensor) -> bool:
             and bool(torch.equal(key[..., key.shape[-2] - length:, :], query))
     except (RuntimeError, NotImplementedError):  # (tensor subclasses, meta tensors: nothing to compare)
         return False
+
+
+def _owns_weights(module) -> bool:
+    """Whether `module` or one inside it holds a parameter: next(module.parameters(), None) is not None, by its
+    modules' own dicts (parameters() hashes every tensor it passes: tens of us, at every attention call)."""
+    pending = [module]
+    while pending:  # (in any order: only whether one is there)
+        found = pending.pop()
+        if found is None:
+            continue
+        for value in found._parameters.values():
+            if value is not None:
+                return True
+        pending.extend(found._modules.values())
+    return False

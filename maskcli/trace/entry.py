@@ -97,8 +97,12 @@ def _cast(args: tuple, kwargs: dict, out) -> bool:
 
 
 def _sum(args: tuple, kwargs: dict, out) -> bool:
-    """A sum or product that may have overflowed a fill (overflow.py's may_overflow)."""
-    return isinstance(out, torch.Tensor) and out.dim() >= 2 and out.is_floating_point() and may_overflow(args, kwargs, out)
+    """A sum or product that may have overflowed a fill (overflow.py's may_overflow). (Every sum a model runs passes
+    here: its dtype is looked up in a set, which costs less than asking the tensor.)"""
+    return isinstance(out, torch.Tensor) and out.dtype in _FLOATING and out.dim() >= 2 and may_overflow(args, kwargs, out)
+
+
+_FLOATING = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
 
 
 _WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum}
@@ -119,40 +123,46 @@ def patch(trace) -> list:
     """Swap the entry points of the functions `trace` watches (trace.watched: its readers', the matmuls that make
     scores, the casts and sums where a fill may overflow); the callables that put them back, in the order to run them."""
     originals = _originals()
-    undo = []
-    wanted = set(trace.readers)
-
-    def wrap(owner, name, original, stands_for):
-        if stands_for not in trace.watched:
-            return
+    watched, readers = trace.watched, trace.readers
+    done = []  # (owner, name, what it held, the wrapper put there)
+    for owner, name, original, stands_for in _entries():
+        if stands_for not in watched or owner is F and stands_for not in readers:
+            continue
         held = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name)
-        kind = ATTENTION if stands_for in trace.readers else PRODUCT if stands_for in MATMULS else CAST if stands_for in CASTS \
+        kind = ATTENTION if stands_for in readers else PRODUCT if stands_for in MATMULS else CAST if stands_for in CASTS \
             else SUM
         wrapper = _wrapper(trace, original, stands_for, kind)
         setattr(owner, name, wrapper)
-        undo.append(lambda: CANONICAL.pop(wrapper, None))
-        if held is _MISSING:
-            undo.append(lambda: delattr(owner, name))
-        else:
-            undo.append(lambda: setattr(owner, name, held))
+        done.append((owner, name, held, wrapper))
 
-    for name, method in TENSOR.items():
-        wrap(torch.Tensor, name, originals[("tensor", name)], originals[("tensor", method)])
-    for name in TORCH:
-        wrap(torch, name, originals[("torch", name)], originals[("torch", name)])
-    wrap(torch.special, "softmax", originals[("special", "softmax")], originals[("special", "softmax")])
-    if originals[("F", "scaled_dot_product_attention")] in wanted:
-        wrap(F, "scaled_dot_product_attention", originals[("F", "scaled_dot_product_attention")],
-             originals[("F", "scaled_dot_product_attention")])
-    python = {f for f in trace.watched if isinstance(f, types.FunctionType)} - {F.multi_head_attention_forward,
-                                                                                *originals.values()}
+    def put_back() -> None:  # (one callable for them all: a trace is entered once per generate, as often as it records)
+        for owner, name, held, wrapper in reversed(done):
+            CANONICAL.pop(wrapper, None)
+            if held is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, held)
+
+    undo = [put_back]
+    python = {f for f in watched if isinstance(f, types.FunctionType)} - {F.multi_head_attention_forward, *originals.values()}
     for function in python:  # F.softmax, torch.einsum, the losses (losses.py): their code swapped (every name bound);
         # (MHA's functional form is swapped by modules.py, which reads the module around it)
-        if function in trace.watched:
-            put_back = swap(function, lambda original, function=function: _hook(trace, original, function))
-            if put_back is not None:
-                undo.append(put_back)
+        put_back_code = swap(function, lambda original, function=function: _hook(trace, original, function))
+        if put_back_code is not None:
+            undo.append(put_back_code)
     return undo[::-1]
+
+
+@functools.cache
+def _entries() -> tuple:
+    """(owner, attribute, the function as torch defines it, the function it stands for) of each entry point patch() may
+    wrap, in the order it wraps them."""
+    originals = _originals()
+    found = [(torch.Tensor, name, originals[("tensor", name)], originals[("tensor", method)]) for name, method in TENSOR.items()]
+    found += [(torch, name, originals[("torch", name)], originals[("torch", name)]) for name in TORCH]
+    found.append((torch.special, "softmax", originals[("special", "softmax")], originals[("special", "softmax")]))
+    found.append((F, "scaled_dot_product_attention", sdpa(), sdpa()))
+    return tuple(found)
 
 
 def _hook(trace, original, stands_for):

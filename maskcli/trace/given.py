@@ -29,21 +29,23 @@ FRAMES = 3  # program frames looked at: the attending function, its caller and t
 def stored(trace, seen) -> str:
     """trace._store(seen) (its key), with seen.details["dropped_mask"] set where a mask the frames handed is dropped."""
     key = trace._store(seen)
-    note(seen, trace.masks[key], key, trace.__dict__.setdefault("_handed", {}))
+    note(seen, trace, key, trace.__dict__.setdefault("_handed", {}))
     return key
 
 
-def note(seen, stored: dict, key: str, cache: dict) -> None:
-    """Set seen.details["dropped_mask"] where a mask the program's frames hand toward this call is not kept to."""
+def note(seen, trace, key: str, cache: dict) -> None:
+    """Set seen.details["dropped_mask"] where a mask the program's frames hand toward this call is not kept to (the
+    kernel's mask: `key` in trace's store, maybe a copy not read yet: store.unread_cells)."""
     shape = tuple(int(x) for x in seen.shape)
-    if math.prod(shape) > CELLS or stored.get("form") == "stats":  # (math's: numpy's costs more than the walk)
+    stored = trace._masks.get(key)
+    if math.prod(shape) > CELLS or stored is not None and stored.get("form") == "stats":  # (math's: numpy's costs more)
         return
     try:
         found = handed(shape, seen.sources)
         if found is not None:
-            from maskcli import tracefile
+            from maskcli.trace.store import unread_cells
 
-            lost = dropped(found, lambda: tracefile.dense(stored), shape, cache, key)
+            lost = dropped(found, lambda: unread_cells(trace, key), shape, cache, key)
             if lost is not None:
                 seen.details["dropped_mask"] = lost
     except Exception:  # noqa: BLE001 - a frame maskcli cannot read: the call is recorded all the same, without this

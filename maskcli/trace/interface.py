@@ -110,7 +110,10 @@ def unpack_gqa(seen: Seen, frame: dict) -> None:
     if seen.details.get("enable_gqa") or len(seen.q) != 4 or seen.q[1:3] != (heads // groups, groups) or heads % groups:
         return  # not packed: repeat_kv or enable_gqa kept the query as it was
     b, h, rows, k_len = seen.shape
-    if seen.materialize() is not None:
+    if seen.make is not None:  # (unpacked as it is made: not at all where the store read this mask tensor already)
+        make, packed = seen.make, seen.shape
+        seen.make = lambda: unpacked_heads(make(), packed)
+    elif seen.keep is not None:
         seen.keep = unpacked_heads(seen.keep, seen.shape)
     elif seen.intervals is not None:
         found, (pb, ph) = seen.intervals, seen.planes

@@ -31,7 +31,7 @@ def watched(trace) -> dict:
         # The outermost module call held (outer.py) may have returned already: its first call runs without the hook
         # that finishes it, so it is still held after it ends. Inside it only while its frame is on this stack.
         held = trace._local.outer
-        inner = held is not None and held[0] is not None and len(trace.calls) > held[4] and _running(held[0])
+        inner = held is not None and held[0] is not None and len(trace._calls) > held[4] and _running(held[0])
         if inner:  # its model call is no top yet: read when it is (outer.py's _finish calls inside())
             found = target.detach().cpu().numpy().astype(np.int64)
             trace._local.losses = [*(getattr(trace._local, "losses", None) or ()), (found, ignore)][-RECENT:]

@@ -18,7 +18,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from maskcli import tracefile
 from maskcli.inspect.polarity import additive_keep
+from maskcli.trace.maskfacts import empty_rows as _empty_rows, infinite as _infinite
+from maskcli.text import step_label
 from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
 from maskcli.intervals import Intervals
@@ -62,6 +65,34 @@ class Seen(Operands):
             self.keep, self.make = self.make(), None
             self.made = {key: value for key, value in self.details.items() if key not in before}
         return self.keep
+
+
+@dataclass
+class Call(Operands):
+    """One attention call: where it came from, what it computed on, and its mask (a key into Trace.masks; trace/capture.py
+    records them)."""
+
+    index: int = 0
+    where: str = ""
+    step: int = 0
+    mask: str | None = None
+    details: dict = field(default_factory=dict)
+    trace: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def stored(self) -> dict | None:
+        masks = self.trace.masks  # (first: a placeholder key is replaced as the masks are read)
+        return masks.get(self.mask) if self.mask is not None else None
+
+    def keep(self) -> np.ndarray:
+        """Bool (B, H, Lq, Lk), True = may attend (a read-only broadcast view where batch rows or heads repeat)."""
+        return np.broadcast_to(tracefile.dense(self.stored), self.shape)
+
+    def json(self) -> dict:
+        return {"index": self.index, "where": self.where, "api": self.api, "step": self.step,
+                "step_label": self.details.get("step_name") or step_label(self.step, self.shape[2]), "shape": list(self.shape),
+                "q": list(self.q), "k": list(self.k), "v": list(self.v), "dtype": self.dtype, "device": self.device,
+                "mask": self.mask, "details": dict(self.details)}
 
 
 def _four(lead: tuple[int, ...]) -> tuple[int, int]:
@@ -117,16 +148,6 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
     return keep
 
 
-def _empty_rows(keep: torch.Tensor, infinite: torch.Tensor, details: dict) -> None:
-    """Of a float mask's rows that see no key, whether some are -inf everywhere (NaN out of a softmax: `nan_rows`) and
-    whether some hold a finite fill (-1e8, -1e9: uniform weights over those keys, no NaN: `finite_rows`)."""
-    empty = ~keep.any(dim=-1)
-    if bool(empty.any()):
-        every = infinite.all(dim=-1)
-        details["nan_rows"] = bool((empty & every).any())
-        details["finite_rows"] = bool((empty & ~every).any())
-
-
 def _dtype(tensor: torch.Tensor) -> str:
     return _dtype_name(tensor.dtype)
 
@@ -136,25 +157,35 @@ def _dtype_name(dtype: torch.dtype) -> str:  # (one string per dtype: every call
     return str(dtype).removeprefix("torch.")
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:  # (one string per device, made once)
+    return str(device)
+
+
 SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 def sdpa(args: tuple, kwargs: dict) -> Seen:
-    given = dict(zip(SDPA_NAMES, args)) | kwargs
+    given = dict(zip(SDPA_NAMES, args))
+    if kwargs:
+        given.update(kwargs)
     q, k, v = given["query"], given["key"], given["value"]
     mask, is_causal = given.get("attn_mask"), bool(given.get("is_causal", False))
-    q_len, k_len = q.shape[-2], k.shape[-2]
-    lead = tuple(q.shape[:-2])
-    if mask is not None and mask.dim() > 2:
-        lead = _broadcast(lead, tuple(mask.shape[:-2]))
+    q_shape, k_shape = tuple(q.shape), tuple(k.shape)  # (each shape read once: a tensor's attributes cost a call each)
+    q_len, k_len = q_shape[-2], k_shape[-2]
+    lead = q_shape[:-2]
+    if mask is not None:
+        mask_shape = tuple(mask.shape)
+        if len(mask_shape) > 2:
+            lead = _broadcast(lead, mask_shape[:-2])
     details = {"is_causal": is_causal, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False)),
                "dropout_p": float(given.get("dropout_p", 0.0) or 0.0)}
-    seen = Seen("sdpa", (*_four(lead), q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
+    seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
     if _same_storage(q, k):
         details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.crossing)
     if mask is not None:
         details["mask_dtype"] = _dtype(mask)
-        if q_len > 1 and (mask.dim() < 2 or mask.shape[-2] == 1):  # one row for every query: no query's own position
+        if q_len > 1 and (len(mask_shape) < 2 or mask_shape[-2] == 1):  # one row for every query: no query's own position
             details["mask_rows"] = 1
         seen.make = lambda: _as_4d(_keep(mask, details), q_len, k_len)  # (not where this mask was read already)
         seen.sources = (mask,)
@@ -232,7 +263,7 @@ def mha(args: tuple, kwargs: dict) -> Seen:
     if a["is_causal"] and padding is None and not need_weights:
         seen.intervals = top_left_causal(q_len, k_len)
         if attn_mask is not None:  # dropped for SDPA's is_causal: said where it is not that mask (checks/kernels.py)
-            from maskcli.trace.dropmask import dropped as _dropped
+            from maskcli.trace.maskfacts import dropped as _dropped
 
             dropped = _dropped(attn_mask, batch, heads, q_len, k_len - extra)
             if dropped is not None:
@@ -257,21 +288,6 @@ def mha(args: tuple, kwargs: dict) -> Seen:
         seen.keep = keep
         seen.sources = tuple(x for x in (attn_mask, padding) if x is not None)
     return seen
-
-
-def _infinite(attn_mask, padding, batch: int, heads: int, q_len: int, extra: int) -> torch.Tensor:
-    """Where MHA's merged mask adds -inf: a bool mask's masked cells (it turns them into -inf) and a float one's -inf;
-    never in the columns bias_k and add_zero_attn add."""
-    def inf(x, shape):
-        x = x.reshape(shape)
-        x = x if x.dtype == torch.bool else x.detach() == float("-inf")
-        return torch.cat([x, torch.zeros((*x.shape[:-1], extra), dtype=torch.bool, device=x.device)], -1) if extra else x
-    out = torch.zeros((1, 1, q_len, 1), dtype=torch.bool, device=(attn_mask if attn_mask is not None else padding).device)
-    if attn_mask is not None:
-        out = out | inf(attn_mask, (batch, heads, q_len, -1) if attn_mask.dim() == 3 else (1, 1, q_len, -1))
-    if padding is not None:
-        out = out | inf(padding, (batch, 1, 1, -1))
-    return out
 
 
 def _key_padding(real: torch.Tensor) -> dict:

@@ -33,6 +33,10 @@ class Mode(TorchFunctionMode):
 
 
 def has_values(tensor: torch.Tensor) -> bool:
-    if tensor.device.type == "meta" or torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+    """Whether `tensor` holds values to read: not meta, nor fake, nor inside vmap or grad (functorch's wrappers)."""
+    if tensor.is_meta or _wrapped(tensor):  # (is_meta: reading .device makes an object, on every attention call)
         return False
     return type(tensor).__name__ != "FakeTensor"
+
+
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor

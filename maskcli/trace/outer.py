@@ -22,7 +22,7 @@ class Outer:
         local, (module, frame, variables) = self._local, found[-1]
         held = local.outer
         if held is not None and held[0] is frame:
-            held[5] = len(self.calls)
+            held[5] = len(self._calls)
             return
         if held is not None:
             self._finish(held)
@@ -43,7 +43,7 @@ class Outer:
             kept = withheld(module, args, kwargs, frame.f_back)
         except Exception:  # noqa: BLE001 - a program object that cannot be read: nothing read
             kept = {}
-        local.outer = held = [frame, module, args, kwargs, first, len(self.calls), kept]
+        local.outer = held = [frame, module, args, kwargs, first, len(self._calls), kept]
         self._outers[threading.get_ident()] = held
         if id(module) not in self._handles:
             self._handles[id(module)] = (module.register_forward_pre_hook(self._outer_pre),

@@ -86,10 +86,12 @@ def may_overflow(args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
     rows = shape[-2]
     if out.dtype in NARROW or rows == shape[-1] > 1:
         return True
-    for x in (*args, *kwargs.values()):
+    for x in (*args, *kwargs.values()) if kwargs else args:  # (every sum a model runs: each operand's shape read once)
         if isinstance(x, torch.Tensor):
-            if x.dim() >= 2 and x.shape[-2] == 1 < rows:
-                return True
+            if rows > 1:
+                own = x.shape
+                if len(own) >= 2 and own[-2] == 1:
+                    return True
         elif isinstance(x, (int, float)) and not -FILL < x < FILL:
             return True
     return False

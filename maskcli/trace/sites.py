@@ -242,10 +242,11 @@ def _modules_in_frames():
 def _owner(module) -> tuple[torch.nn.Module, str] | None:
     """(holder, path) of the outermost module in the program's frames that holds `module` (a compiled module's
     wrapper left out: its `_orig_mod` is torch.compile's, not the program's)."""
-    best = None
+    best, tried = None, set()
     for _, candidate in _modules_in_frames():
-        if candidate is module or type(candidate).__name__ == "OptimizedModule":
+        if candidate is module or id(candidate) in tried or type(candidate).__name__ == "OptimizedModule":
             continue
+        tried.add(id(candidate))  # (a model is `self` in many of its frames: its modules walked once)
         path = _path(candidate, module)
         if path and (best is None or path.count(".") > best[1].count(".")):
             best = (candidate, path)

@@ -4,9 +4,17 @@ A model hands SDPA a (B, 1, L, L) bool mask even at 32k tokens (a gigabyte of ce
 its rows are still a few runs each. So the runs are found band by band where the tensor
 lives, and only their ends come back: O(L) numbers for a causal or padded mask. Only where
 some row has many runs are the cells kept, as packed bits, and only while they fit --max-bytes.
+
+Reading a mask costs more than a small model's attention call, so, as profilers do, a call
+keeps a copy of its mask's own cells (the dimensions it broadcasts left out: a padding row is
+B x Lk cells) under a placeholder key, and the copies are read after the run (read_unread,
+when the calls or masks are first asked for), each distinct content once. A mask past DEFER
+cells is read at the call, as are the copies once they hold UNREAD bytes (memory stays bounded).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 import torch
@@ -18,6 +26,10 @@ from maskcli.intervals import MAX_PER_ROW, Intervals
 
 BAND = 1 << 24  # cells of one band of rows
 CACHE = 256  # masks remembered by the tensor they were read from (a model hands one mask to every layer)
+DEFER = 1 << 22  # cells of a mask's own (not broadcast) copied at the call and read after the run; more: read at once
+UNREAD = 64 << 20  # bytes of copies held unread at most (past it they are read during the run)
+OBJECT = 512  # bytes a copy holds beside its cells (its tensor, storage and key), counted against UNREAD
+PENDING = "unread:"  # the key a call holds until its mask's copy is read (a digest is hex: never this)
 
 
 def stored_form(keep: torch.Tensor, shape: tuple[int, ...], room: int, limit: int) -> dict:
@@ -143,12 +155,85 @@ def store(trace, seen) -> str:
         if found is not None:
             seen.details.update(found[2])  # (what reading it said: a bias, a 0/1 mask added)
             return found[0]
-    keep = collapse(seen.materialize())
-    stored = stored_form(keep, seen.shape, trace.max_bytes - trace.bytes, trace.max_bytes)
-    key = keep_stored(trace, stored, seen.shape)
+    keep = seen.materialize()
+    copy = _copy(keep)
+    if copy is not None:  # read after the run (read_unread)
+        key = f"{PENDING}{len(trace._read) + len(trace._unread)}"
+        trace._unread[key] = (copy, tuple(keep.shape), tuple(int(x) for x in seen.shape))
+        trace._unread_bytes += copy.numel() + OBJECT  # (a million tiny masks: their tensors' own bytes count too)
+        if trace._unread_bytes > UNREAD:
+            read_unread(trace)
+    else:
+        stored = stored_form(collapse(keep), seen.shape, trace.max_bytes - trace.bytes, trace.max_bytes)
+        key = keep_stored(trace, stored, seen.shape)
     if cache_key is not None:
         _remember(trace, cache_key, (key, seen.sources, seen.made))  # the tensors are held so that their ids stay theirs
     return key
+
+
+def _copy(keep: torch.Tensor) -> torch.Tensor | None:
+    """A copy of `keep`'s own cells (each broadcast dimension, stride 0, cut to 1: expand() makes `keep` again), or
+    None where they are more than DEFER (read at the call: no large copy held)."""
+    try:
+        own = keep
+        for dim in range(keep.dim()):
+            if keep.shape[dim] > 1 and keep.stride(dim) == 0:
+                own = own.narrow(dim, 0, 1)
+        return own.clone() if own.numel() <= DEFER else None
+    except (RuntimeError, NotImplementedError):  # (a tensor without strides: read at the call)
+        return None
+
+
+def read_unread(trace) -> dict:
+    """The masks copied at their calls and not yet read, read now in the order of their calls (so --max-bytes is spent
+    as it would be at the calls) and stored (trace._masks); trace._read maps each placeholder key to its digest, and is
+    returned. Copies of the same content are read once."""
+    unread, done, seen = trace._unread, trace._read, trace._contents
+    while unread:
+        key, (copy, shape, call_shape) = next(iter(unread.items()))
+        cells = _cpu_cells(copy)
+        content = None
+        if cells is not None:
+            content = (shape, call_shape, tuple(copy.shape), hashlib.blake2b(cells.tobytes(), digest_size=16).digest())
+        if content is not None and content in seen:
+            done[key] = seen[content]
+        else:
+            keep = collapse(copy.expand(shape))
+            stored = stored_form(keep, call_shape, trace.max_bytes - trace.bytes, trace.max_bytes)
+            done[key] = keep_stored(trace, stored, call_shape)
+            if content is not None:
+                seen[content] = done[key]
+        del unread[key]
+    trace._unread_bytes = 0
+    return done
+
+
+def read_calls(trace) -> None:
+    """The copies of masks made at the calls read and stored, and each call's placeholder key replaced by its digest
+    (those recorded since the last time, and those whose mask changed after they were recorded: trace._late)."""
+    from itertools import chain, islice
+
+    with trace._lock:
+        local = trace._local
+        busy, local.busy = local.busy, True  # (torch's calls made reading them are maskcli's own)
+        try:
+            read = read_unread(trace)
+            if read:
+                for call in chain(islice(trace._calls, trace._fixed, None), trace._late):
+                    if call.mask is not None and call.mask.startswith(PENDING):
+                        call.mask = read[call.mask]
+            trace._late.clear()
+            trace._fixed = len(trace._calls)
+        finally:
+            local.busy = busy
+
+
+def unread_cells(trace, key: str) -> np.ndarray:
+    """The cells of a mask stored under `key` (a placeholder or a digest), (b, h, Lq, Lk) with 1 where it broadcasts."""
+    if key in trace._unread:
+        copy, shape, _ = trace._unread[key]
+        return np.broadcast_to(copy.cpu().numpy(), shape)
+    return tracefile.dense(trace._masks[trace._read.get(key, key)])
 
 
 def _remember(trace, cache_key: tuple, found: tuple) -> None:
@@ -160,7 +245,7 @@ def _remember(trace, cache_key: tuple, found: tuple) -> None:
 def keep_stored(trace, stored: dict, shape) -> str:
     """The key of a stored mask in trace.masks, kept once; past trace.max_bytes its counts only."""
     key = tracefile.digest(stored)
-    if key in trace.masks:
+    if key in trace._masks:
         return key
     size = tracefile.nbytes(stored)
     if size and trace.bytes + size > trace.max_bytes:
@@ -170,7 +255,7 @@ def keep_stored(trace, stored: dict, shape) -> str:
         stored = tracefile.stats_only(shape, kept, empty, f"past --max-bytes {trace.max_bytes}")
         key = tracefile.digest(stored)
         size = 0
-    trace.masks.setdefault(key, stored)
+    trace._masks.setdefault(key, stored)
     trace.bytes += size
     return key
 

@@ -1,5 +1,6 @@
-"""What F.multi_head_attention_forward dropped: an attn_mask handed beside is_causal=True, which it replaces with
-SDPA's causal mask where it hands the call to SDPA (trace/masks.py's mha reads it only there)."""
+"""Facts about a mask read at a call (trace/masks.py asks): of a float mask's rows that see no key, which are NaN and
+which uniform; where nn.MultiheadAttention's merged mask adds -inf; and what F.multi_head_attention_forward dropped,
+an attn_mask handed beside is_causal=True, which it replaces with SDPA's causal mask where it hands the call to SDPA."""
 
 from __future__ import annotations
 
@@ -44,3 +45,28 @@ def dropped(attn_mask: torch.Tensor, batch: int, heads: int, q_len: int, k_len: 
     except TypeError:  # (a tensor subclass without weak references: read again next time)
         pass
     return found
+
+
+def empty_rows(keep: torch.Tensor, infinite: torch.Tensor, details: dict) -> None:
+    """Of a float mask's rows that see no key, whether some are -inf everywhere (NaN out of a softmax: `nan_rows`) and
+    whether some hold a finite fill (-1e8, -1e9: uniform weights over those keys, no NaN: `finite_rows`)."""
+    empty = ~keep.any(dim=-1)
+    if bool(empty.any()):
+        every = infinite.all(dim=-1)
+        details["nan_rows"] = bool((empty & every).any())
+        details["finite_rows"] = bool((empty & ~every).any())
+
+
+def infinite(attn_mask, padding, batch: int, heads: int, q_len: int, extra: int) -> torch.Tensor:
+    """Where MHA's merged mask adds -inf: a bool mask's masked cells (it turns them into -inf) and a float one's -inf;
+    never in the columns bias_k and add_zero_attn add."""
+    def inf(x, shape):
+        x = x.reshape(shape)
+        x = x if x.dtype == torch.bool else x.detach() == float("-inf")
+        return torch.cat([x, torch.zeros((*x.shape[:-1], extra), dtype=torch.bool, device=x.device)], -1) if extra else x
+    out = torch.zeros((1, 1, q_len, 1), dtype=torch.bool, device=(attn_mask if attn_mask is not None else padding).device)
+    if attn_mask is not None:
+        out = out | inf(attn_mask, (batch, heads, q_len, -1) if attn_mask.dim() == 3 else (1, 1, q_len, -1))
+    if padding is not None:
+        out = out | inf(padding, (batch, 1, 1, -1))
+    return out
