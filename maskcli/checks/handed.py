@@ -22,10 +22,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, first_cell, keep, queries
+from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, queries
 from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
+
+
+def _positions(call, own: np.ndarray, top) -> np.ndarray:
+    """Each key column's absolute position, as shown: j where columns are positions, else the most recent keys ending
+    at the last query (a cache sliced to the window keeps them)."""
+    k_len = call.shape[3]
+    if columns_are_positions(call, top):
+        return np.arange(k_len)
+    last = int(own[-1])
+    return np.arange(last + 1 - k_len, last + 1)
 
 
 def _spans(rows: np.ndarray, real) -> tuple:
@@ -62,6 +72,7 @@ def held_window(run: Run) -> list:
         real = resolve(call, top, rows)
         has, lo, hi, count, first, last, total = _spans(rows, real)
         width = left + right + 1
+        keys = _positions(call, own, top)
         wide = has & (hi - lo + 1 > width)
         said = f"{where} holds {name} = {_shown(name, left, right)} (a query at p sees keys {_reach(left, right)})"
         expected = f"window({width})" if right == 0 else f"band({left + 1})"
@@ -71,21 +82,25 @@ def held_window(run: Run) -> list:
             lengths = set(count[interior].tolist())
             if interior.sum() >= 2 and len(lengths) == 1 and lengths.pop() < width:
                 b, q = first_cell(interior)
-                a, z, c = int(first[b, q]), int(last[b, q]), int(count[b, q])
-                earlier = int(np.flatnonzero(real.keys[b, :a])[-1])
+                a, z, c = int(keys[first[b, q]]), int(keys[last[b, q]]), int(count[b, q])
+                at = z if right == 0 else int(own[q])
+                earlier = int(keys[np.flatnonzero(real.keys[b, :first[b, q]])[-1]])
                 found.append((call, Finding("window-narrower", (
-                    f"{said}, but every query whose keys no sequence end cuts sees {c} keys, not {width}: query row {q} "
-                    f"of batch row {b} sees key columns {a} .. {z} and not {earlier}, a real key ({int(interior.sum())} "
+                    f"{said}, but every query whose keys no sequence end cuts sees {c} keys, not {width}: query {at} "
+                    f"of batch row {b} sees keys {a} .. {z} and not {earlier}, a real key ({int(interior.sum())} "
                     f"such rows; step {call.step}): the mask is a narrower window than held"),
-                    expected=expected, source=where, cell=(b, int(own[q]), earlier))))
+                    expected=expected, source=where, cell=(b, at, earlier))))
             continue
         b, q = first_cell(wide)
-        a, z = int(first[b, q]), int(last[b, q])
+        a, z = int(keys[first[b, q]]), int(keys[last[b, q]])
+        # a one-sided window ends at the query's own key: the newest key a row sees is where it sits, as a kernel's
+        # query tile places it (a symmetric one's queries are placed as trace places them)
+        at = z if right == 0 else int(own[q])
         found.append((call, Finding("window-dropped", (
-            f"{said}, but query row {q} of batch row {b} sees key columns {a} .. {z}, a span of "
+            f"{said}, but query {at} of batch row {b} sees keys {a} .. {z}, a span of "
             f"{int(hi[b, q] - lo[b, q] + 1)} real keys where the window spans {width} ({int(wide.sum())} such rows; step {call.step}): the window "
             f"is dropped on this path"),
-            expected=expected, source=where, cell=(b, int(own[q]), a))))
+            expected=expected, source=where, cell=(b, at, a))))
     # a step at which another call held the same window keeps to it: the window is chosen per layer (Gemma 2's
     # alternating local and global layers, one attend() for both), not dropped on a path (the layer rules judge that)
     return [(call, f) for call, f in found if f.code != "window-dropped"
