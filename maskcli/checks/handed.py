@@ -13,7 +13,8 @@ cannot see): per batch row and real query, over the real keys in their order (pa
   `Tq == 1` shortcut, a paged prefill kernel planned without its window);
 - every query whose visible keys are cut by neither end seeing the same fewer keys than the window holds: the mask is a
   narrower window (a kernel whose left bound is exclusive handed the inclusive one, a mask cached for another layer's
-  window). Rows of different lengths (documents, chunks) are left alone.
+  window). Rows of different lengths (documents, chunks) are left alone, and so is a `sliding_window_size` (LitGPT
+  and Keras-hub count the query in it, SGLang does not: only the wider side is sure).
 
 Paged calls whose columns are slots are left alone.
 """
@@ -80,7 +81,8 @@ def held_window(run: Run) -> list:
             kept.add((call.step, call.shape[2:], tuple(held)))
             interior = has & (count == hi - lo + 1) & (lo > 0) & (hi < total[:, None] - 1)
             lengths = set(count[interior].tolist())
-            if interior.sum() >= 2 and len(lengths) == 1 and lengths.pop() < width:
+            # (sliding_window_size counts the query in LitGPT's and Keras-hub's, not SGLang's: only the span is sure)
+            if name != "sliding_window_size" and interior.sum() >= 2 and len(lengths) == 1 and lengths.pop() < width:
                 b, q = first_cell(interior)
                 a, z, c = int(keys[first[b, q]]), int(keys[last[b, q]]), int(count[b, q])
                 at = z if right == 0 else int(own[q])
