@@ -224,6 +224,7 @@ def _variables(root=None, anything: bool = False, depth: int = 1, places: list |
 
 
 def _same_fields(a: dict, b: dict) -> bool:
+    """Two configs' fields are equal (the one config a module holds, found again among the program's variables)."""
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - values that do not compare (arrays): not the same
