@@ -113,6 +113,9 @@ PROGRAMS = [
     ("chunks_dict_builder", ("--bug", "size"), "chunks-off-by-one", "attention_chunk_size=4 (params (dict) in main() of"),
     # Qwen2's max_window_layers read the wrong way round: a dict held as self.config (its layers found by their turn)
     ("qwen2_dict_window_layers", (), "window-on-full-layer", "max_window_layers=2 (self.config of Qwen2Port (dict))"),
+    # a kernel spec the model holds states causal and window_size=(3, 0) only: the window is the config.json's it was
+    # built from (kept as text at the top of the program, parsed in main())
+    ("window_built_from_json_config", (), "window-off-by-one", "sliding_window=3 (hf (dict) in main() of"),
 ]
 
 
@@ -359,3 +362,11 @@ def test_mistral_one_file_ref_sliding_window_band_one_too_wide(tmp_path):
     sliding_window=4 counts the query itself, so the band is one too wide (torch.tril/triu's W-1 band is the fix's)."""
     hit = check_bug(tmp_path, "mistral_one_file_ref_sliding_window_band_one_too_wide", "window-off-by-one")[0]
     assert "sees window(5), one key wider than its config's window(4)" in hit["message"]
+
+
+def test_a_provider_built_from_an_hf_config_with_its_window_one_too_wide(tmp_path):
+    """NVIDIA-NeMo/Megatron-Bridge#2656: the Mistral bridge hands HF's sliding_window W as window_size=(W, 0); the
+    model's provider states only that tuple, so the window is read from the HF config in main() it was built from."""
+    flagged = check_bug(tmp_path, "megatron_bridge_mistral_window_size_raw_hf_sliding_window", "window-off-by-one")
+    assert all(f["source"].startswith("sliding_window=4 (hf_config (MistralConfig) in main() of") for f in flagged)
+    assert {f["expected"] for f in flagged} == {"window(4)"}

@@ -1,4 +1,4 @@
-"""checks/handed.py: the one-sided window the function calling the kernel holds, dropped on some path."""
+"""checks/handed.py: the window the program holds on the way to the kernel, dropped on some path or narrower."""
 
 from __future__ import annotations
 
@@ -16,6 +16,16 @@ BUGS = [
     ("nanochat_sdpa_kvcache_decode_ignores_sliding_window", "window-dropped"),
     # flagos-ai/vllm-plugin-FL#489: q_len == 1 takes the unmasked path although window_left >= 0
     ("vllm_fl_txda_sdpa_decode_skips_window", "window-dropped"),
+    # sgl-project/sglang#31501: the SWA paged prefill wrapper planned without window_left; the kernel is called per
+    # query tile over all the keys, so the fix is quiet only where no query placing is assumed
+    ("sglang_flashinfer_swa_paged_prefill_window_left_not_planned", "window-dropped"),
+    # sgl-project/sglang#33601: an ENCODER_ONLY RadixAttention's sliding_window_size = 2 (|q - k| <= 2) handed on only
+    # if causal: the local layers attend every key
+    ("sglang_torch_native_encoder_sliding_window_gated_on_causal", "window-dropped"),
+    # allenai/OLMo-core#388: a mask cache keyed without the window hands layer 1 (window_size=(4, 0)) layer 0's window(2)
+    ("olmo_core_torch_backend_window_mask_cache_key_no_window", "window-narrower"),
+    # NVIDIA/TransformerEngine#1212: window_size=(2, 0) handed unchanged to cuDNN, whose left bound is exclusive
+    ("transformer_engine_cudnn_window_left_exclusive", "window-narrower"),
 ]
 
 
@@ -42,3 +52,26 @@ def test_a_global_layer_beside_a_local_one_keeps_no_window(tmp_path):
     assert [f for f in found if f["code"] == "window-dropped"] == [], report
     assert status == 0, report
     assert "window(4)" in report and " causal\n" in report
+
+
+def test_query_tiles_of_a_chunked_prefill_that_drop_the_window(tmp_path):
+    """Written otherwise: queries in tiles of 3 over every key of a right-padded batch (lengths 9 and 7), the function
+    holding window_size=(2, 0); tiles after the first mask causality and padding alone. Where a tile's queries sit is
+    nowhere stated (trace places them at the end of the keys); the span of keys a row sees says it. Its first cell
+    against a loop over absolute positions: the first real query that sees a real key more than 2 back."""
+    hit = caught(tmp_path, "window_tiles_prefill_drops_window", ("window-dropped",))
+    lengths = (9, 7)
+    b, q, k = first((2, 9, 9), lambda b, q, k: q >= 3 and k <= q < lengths[b] and q - k > 2)
+    assert tuple(hit["cell"]) == (b, q, k) and hit["expected"] == "window(3)"
+
+
+def test_a_left_padded_window_left_written_exclusive(tmp_path):
+    """Written otherwise: a module keeps window_left = 3 and builds `j > i - window_left` for an eager softmax over a
+    left-padded batch (3 pads in row 0): every query sees 3 keys, not 4. Its first cell against a loop over absolute
+    positions: the first real key inside the held window (k >= q - 3) that the mask built (k > q - 3) hides, for a
+    query whose window no sequence end cuts."""
+    hit = caught(tmp_path, "window_left_exclusive_left_padded", ("window-narrower",))
+    real = np.array([[0] * 3 + [1] * 7, [1] * 10], dtype=bool)
+    start = real.argmax(axis=1)
+    b, q, k = first((2, 10, 10), lambda b, q, k: real[b, q] and k == q - 3 and k >= start[b] and q < 9)
+    assert tuple(hit["cell"]) == (b, q, k) and hit["expected"] == "window(4)"

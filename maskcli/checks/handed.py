@@ -1,12 +1,22 @@
-"""What the function that attends was handed: a one-sided window it holds as its own argument or variable.
+"""The sliding window the program holds where it calls the kernel, against the mask: dropped on a path, or not the
+width held.
 
-The innermost function of the program that calls the kernel (trace/sites.py window_handed) may hold its window in
-the FlashAttention / FlashInfer convention: `window_left` = L, or `window_size` / `sliding_window` = (L, 0), so that
-a query at position p sees keys p - L .. p. A real query that sees a key further back than L contradicts what the
-function was handed: the window was dropped on some path (a decode shortcut that calls the kernel with no mask,
-nanochat#452's `Tq == 1` branch, vllm-plugin-FL#489's `q_len == 1` one). Keys are placed where the cache puts them
-(position j where the keys reach the query, else the most recent keys ending at it, as a cache sliced to the window
-keeps them); a paged call whose columns are slots, and padding query rows, are left alone.
+trace/windows.py records the outermost window statement of the program's frames on the way to the kernel and of the
+objects whose methods they run: `window_left` = L, `window_size` / `sliding_window` = (L, 0) (FlashAttention,
+FlashInfer, Transformer Engine: a query at p sees keys p - L .. p), SGLang's `sliding_window_size` = L on a layer object
+(|q - k| <= L where it is an encoder's). Such a window spans at most L + R + 1 consecutive positions wherever the query
+sits, and exactly that many where neither end is cut by the sequence's ends. So the rule needs no placing of the
+queries (a kernel called per query tile over all the keys, SGLang's FlashInfer port, places its tiles where maskcli
+cannot see): per batch row and real query, over the real keys in their order (padding resolved first):
+
+- a query that sees two keys further apart than the window spans: the window is dropped on this path (nanochat#452's
+  `Tq == 1` shortcut, a paged prefill kernel planned without its window);
+- every query whose visible keys are cut by neither end seeing the same fewer keys than the window holds: the mask is a
+  narrower window (a kernel whose left bound is exclusive handed the inclusive one, a mask cached for another layer's
+  window). Rows of different lengths (documents, chunks) are left alone, and so is a `sliding_window_size` (LitGPT
+  and Keras-hub count the query in it, SGLang does not: only the wider side is sure).
+
+Paged calls whose columns are slots are left alone.
 """
 
 from __future__ import annotations
@@ -20,8 +30,8 @@ from maskcli.text import Finding
 
 
 def _positions(call, own: np.ndarray, top) -> np.ndarray:
-    """Each key column's absolute position: j where columns are positions, else the most recent keys ending at the
-    last query."""
+    """Each key column's absolute position, as shown: j where columns are positions, else the most recent keys ending
+    at the last query (a cache sliced to the window keeps them)."""
     k_len = call.shape[3]
     if columns_are_positions(call, top):
         return np.arange(k_len)
@@ -29,17 +39,30 @@ def _positions(call, own: np.ndarray, top) -> np.ndarray:
     return np.arange(last + 1 - k_len, last + 1)
 
 
-def window_dropped(run: Run) -> list:
-    """A real query that sees a key older than the window its attending function holds."""
+def _spans(rows: np.ndarray, real) -> tuple:
+    """Per (batch row, query): whether it sees a real key, the order among the real keys of the first and last it sees,
+    how many it sees, the columns of those two, and each batch row's count of real keys."""
+    seen = rows & real.keys[:, None, :] & real.queries[:, :, None]
+    order = np.cumsum(real.keys, axis=1) - 1  # (B, Lk): a real key's place among its row's real keys
+    has = seen.any(axis=-1)
+    first = seen.argmax(axis=-1)
+    last = seen.shape[-1] - 1 - seen[..., ::-1].argmax(axis=-1)
+    lo = np.take_along_axis(order, first, axis=1)
+    hi = np.take_along_axis(order, last, axis=1)
+    return has, lo, hi, seen.sum(axis=-1), first, last, real.keys.sum(axis=1)
+
+
+def held_window(run: Run) -> list:
+    """A real query that sees keys further apart than the window held, or a mask narrower than it."""
     found, done, kept = [], set(), set()
     for call in run.calls:
-        handed = call.details.get("window_handed")
-        if not handed or call.stored is None or call.details.get("slots") is not None:
+        held = call.details.get("window_handed")
+        if not held or len(held) != 4 or call.stored is None or call.details.get("slots") is not None:
             continue
-        name, left = handed[0], int(handed[1])
+        name, left, right, where = held[0], int(held[1]), int(held[2]), held[3]
         top = run.top(call)
         own = queries(call, top)
-        key = (call.where, call.mask, call.shape, tuple(own), left)
+        key = (call.where, call.mask, call.shape, tuple(own), tuple(held))
         if key in done:
             continue
         done.add(key)
@@ -48,30 +71,57 @@ def window_dropped(run: Run) -> list:
             continue
         rows = by_row(cells, call.shape[0] if cells.shape[0] in (1, call.shape[0]) else None)
         real = resolve(call, top, rows)
+        has, lo, hi, count, first, last, total = _spans(rows, real)
+        width = left + right + 1
         keys = _positions(call, own, top)
-        older = (own[:, None] - keys[None, :]) > left  # (Lq, Lk): keys past the window's left edge
-        bad = rows & older[None] & real.queries[:, :, None]
-        if not bad.any():
-            kept.add((call.step, call.shape[2:], tuple(handed)))
-        else:
-            b, q, k = first_cell(bad)
-            found.append((call, Finding("window-dropped", (
-                f"the function attending holds {name} = {_shown(name, left)} (a query at p sees keys p - {left} .. p), "
-                f"but query {int(own[q])} of batch row {b} sees key {int(keys[k])}, {int(own[q] - keys[k])} back "
-                f"({int(bad.sum())} such cells; step {call.step}): the window is dropped on this path"),
-                expected=f"window({left + 1})", source=f"{name} held by the function that calls {call.api}",
-                cell=(b, int(own[q]), int(keys[k])))))
-    # a step at which another call handed the same window keeps to it: the window is chosen per layer (Gemma 2's
+        wide = has & (hi - lo + 1 > width)
+        said = f"{where} holds {name} = {_shown(name, left, right)} (a query at p sees keys {_reach(left, right)})"
+        expected = f"window({width})" if right == 0 else f"band({left + 1})"
+        if not wide.any():
+            kept.add((call.step, call.shape[2:], tuple(held)))
+            interior = has & (count == hi - lo + 1) & (lo > 0) & (hi < total[:, None] - 1)
+            lengths = set(count[interior].tolist())
+            # (sliding_window_size counts the query in LitGPT's and Keras-hub's, not SGLang's: only the span is sure)
+            if name != "sliding_window_size" and interior.sum() >= 2 and len(lengths) == 1 and lengths.pop() < width:
+                b, q = first_cell(interior)
+                a, z, c = int(keys[first[b, q]]), int(keys[last[b, q]]), int(count[b, q])
+                at = z if right == 0 else int(own[q])
+                earlier = int(keys[np.flatnonzero(real.keys[b, :first[b, q]])[-1]])
+                found.append((call, Finding("window-narrower", (
+                    f"{said}, but every query whose keys no sequence end cuts sees {c} keys, not {width}: query {at} "
+                    f"of batch row {b} sees keys {a} .. {z} and not {earlier}, a real key ({int(interior.sum())} "
+                    f"such rows; step {call.step}): the mask is a narrower window than held"),
+                    expected=expected, source=where, cell=(b, at, earlier))))
+            continue
+        b, q = first_cell(wide)
+        a, z = int(keys[first[b, q]]), int(keys[last[b, q]])
+        # a one-sided window ends at the query's own key: the newest key a row sees is where it sits, as a kernel's
+        # query tile places it (a symmetric one's queries are placed as trace places them)
+        at = z if right == 0 else int(own[q])
+        found.append((call, Finding("window-dropped", (
+            f"{said}, but query {at} of batch row {b} sees keys {a} .. {z}, a span of "
+            f"{int(hi[b, q] - lo[b, q] + 1)} real keys where the window spans {width} ({int(wide.sum())} such rows; step {call.step}): the window "
+            f"is dropped on this path"),
+            expected=expected, source=where, cell=(b, at, a))))
+    # a step at which another call held the same window keeps to it: the window is chosen per layer (Gemma 2's
     # alternating local and global layers, one attend() for both), not dropped on a path (the layer rules judge that)
-    return [(call, f) for call, f in found
-            if (call.step, call.shape[2:], tuple(call.details["window_handed"])) not in kept]
+    return [(call, f) for call, f in found if f.code != "window-dropped"
+            or (call.step, call.shape[2:], tuple(call.details["window_handed"])) not in kept]
 
 
-def _shown(name: str, left: int) -> str:
-    return str(left) if name == "window_left" else f"({left}, 0)"
+def _shown(name: str, left: int, right: int) -> str:
+    return str(left) if name in ("window_left", "sliding_window_size") else f"({left}, {right})"
+
+
+def _reach(left: int, right: int) -> str:
+    return f"p - {left} .. p" if right == 0 else f"p - {left} .. p + {right}"
 
 
 RULES = (
-    Rule("window-dropped", "wrong", "call", "a query that sees a key older than the one-sided window (window_left, "
-         "window_size=(L, 0)) the function calling the kernel holds: a path that drops the window", window_dropped),
+    Rule("window-dropped", "wrong", "call", "a query that sees keys further apart than the one-sided or symmetric "
+         "window (window_left, window_size=(L, 0), a layer's sliding_window_size) the program holds on the way to "
+         "the kernel spans: a path that drops the window", held_window),
+    Rule("window-narrower", "wrong", "call", "every uncut query sees fewer keys than the window the program holds on "
+         "the way to the kernel: a kernel's exclusive bound handed an inclusive one, a mask built for another window",
+         held_window),
 )

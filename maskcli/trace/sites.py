@@ -23,6 +23,7 @@ import torch
 from maskcli.trace.crossing import Readings
 from maskcli.trace.held import padding
 from maskcli.trace.swin import shifted_windows
+from maskcli.trace.windows import window_held
 
 FRAMES = 64  # frames of the program searched for a module's owner
 
@@ -100,7 +101,7 @@ class Sites:
         held = padding()  # the padding the program's frames hold (checks/held.py)
         if held is not None:
             details["held_padding"] = held
-        window = window_handed()
+        window = window_held(self.stack, _own_dirs())
         if window is not None:
             details["window_handed"] = window
 
@@ -314,29 +315,4 @@ def causal_flag(stack: list) -> str | None:
         value = vars(module).get(name, getattr(type(module), name, None))
         if isinstance(value, bool):
             return f"{type(module).__name__}.{name}" + ("" if value else "=False")
-    return None
-
-
-WINDOW_NAMES = ("window_left", "window_size", "sliding_window")  # a function's own word on its window (checks/handed.py)
-
-
-def window_handed() -> tuple[str, int] | None:
-    """(name, left) where the innermost program frame (neither torch's nor maskcli's) holds a one-sided window in the
-    FlashAttention / FlashInfer convention: `window_left` = L, or `window_size` / `sliding_window` = (L, 0), a query
-    at position p seeing keys p - L .. p. A plain int (W keys, or W - 1: conventions differ) and a (h, w) pair (Swin's
-    spatial window) say nothing here. Its names are looked at first, so most frames cost no locals read."""
-    skip = _own_dirs()
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(skip):
-        frame = frame.f_back
-    if frame is None or set(WINDOW_NAMES).isdisjoint(frame.f_code.co_varnames):
-        return None
-    variables = frame.f_locals
-    for name in WINDOW_NAMES:
-        value = variables.get(name)
-        if name == "window_left" and type(value) is int and value >= 0:
-            return name, value
-        if name != "window_left" and isinstance(value, (tuple, list)) and len(value) == 2 \
-                and all(type(x) is int for x in value) and value[0] > 0 and value[1] == 0:
-            return name, value[0]
     return None

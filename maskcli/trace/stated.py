@@ -35,6 +35,8 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
     found = _held(module, path)
     if not found:
         found = _variables(module, places=places)
+    elif not any(_windowed(one.fields) for one in found):
+        found += _built_from(module, places, found)
     found += _numbers(module, path)
     found += padding_flags(module, places)
     cache[id(module)] = (module, tuple(found))
@@ -81,6 +83,27 @@ def _held(root, path) -> list[Stated]:
                 label = f"self.{name} of {scope or type(module).__name__} ({type(value).__name__})"
                 found.append(Stated(label, scope, fields))
     return found
+
+
+WINDOWS = ("sliding_window", "layer_types", "sliding_window_pattern", "sliding_window_layers", "max_window_layers",
+           "use_sliding_window", "attention_chunk_size", "no_rope_layers", "sliding_window_size")
+BUILT_FROM = (*WINDOWS, "layers", "transformers", "other_layers", "attention", "decoder", "causal_decoder")
+
+
+def _windowed(fields: dict) -> bool:
+    """The fields state the layers' windows in a form checks.intent reads (an int window_size too; a (left, right)
+    tuple is a kernel's convention, read by checks/handed.py instead)."""
+    return any(name in fields for name in WINDOWS) or type(fields.get("window_size")) is int
+
+
+def _built_from(root, places: list | None, held: list[Stated]) -> list[Stated]:
+    """Where the model's own configs state no window (a provider built for a kernel, holding a (left, 0) window_size),
+    the window fields of the one config the program's frames hold besides them: the config the model was built from
+    (Megatron-Bridge's HF config), speaking for every call."""
+    said = [one.fields for one in held]
+    outer = [one for one in _variables(root, places=places, besides=said) if _windowed(one.fields)]
+    return [Stated(f"{one.source}, the config the model was built from", "",
+                   {name: value for name, value in one.fields.items() if name in BUILT_FROM}) for one in outer]
 
 
 def _numbers(root, path) -> list[Stated]:
@@ -166,7 +189,8 @@ def frames(depth: int = 1, frame=None) -> list[tuple[str, dict]]:
     return places
 
 
-def _variables(root=None, anything: bool = False, depth: int = 1, places: list | None = None) -> list[Stated]:
+def _variables(root=None, anything: bool = False, depth: int = 1, places: list | None = None,
+               besides: list | None = None) -> list[Stated]:
     """The program's one config variable: in its frames at this call (the function that built and called the model,
     its main module's top level), else at the top of the program's modules that define `root`'s classes (torch's,
     maskcli's, installed packages' and the standard library's left out); [] where there is none, or several that
@@ -192,11 +216,19 @@ def _variables(root=None, anything: bool = False, depth: int = 1, places: list |
                 continue
             seen.add(id(value))
             fields = fields_of(value)
-            if fields:
+            if fields and not any(_same_fields(fields, other) for other in besides or ()):  # (a config modules hold)
                 kind = "JSON text" if isinstance(variables.get(variable), str) else type(value).__name__
                 found.append(Stated(f"{variable} ({kind}) {where}", None, fields))
     distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
     return found[:1] if len(distinct) == 1 else []
+
+
+def _same_fields(a: dict, b: dict) -> bool:
+    """Two configs' fields are equal (the one config a module holds, found again among the program's variables)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare (arrays): not the same
+        return False
 
 
 def _json_object(text: str) -> dict | None:

@@ -1,0 +1,87 @@
+"""The sliding window the program holds where it calls the kernel: its outermost statement (checks/handed.py).
+
+A window is stated in a kernel's convention by an attribute of a running module (the attention module, a backend
+module, SGLang's RadixAttention) or by a variable of a program frame on the way to the kernel: `window_left` = L, `window_size` / `sliding_window` = (L, 0) (FlashAttention, FlashInfer,
+Transformer Engine: a query at p sees keys p - L .. p), and SGLang's `sliding_window_size` = L on an object (the same
+L; both ways, |q - k| <= L, where that object's `attn_type` is ENCODER_ONLY). -1 and (-1, -1) state no window. A plain
+int `window_size` / `sliding_window` (W keys or W - 1: conventions differ) and an (h, w) pair (Swin's spatial window)
+state nothing here.
+
+The outermost statement is kept: the running modules' attributes, outermost first (the layer's own word), else the
+frames' variables, outermost first. A frame nearer the kernel may hold the window converted to the kernel's own
+convention (cuDNN's left bound is exclusive: Transformer Engine hands it left + 1), while the outer one is what the
+program asked for. A layer's own -1 (a global layer of SGLang's Gemma 3, whose backend object holds the model's window)
+says that layer has none.
+"""
+
+from __future__ import annotations
+
+import sys
+
+FRAMES = 12  # program frames read outward from the kernel's caller
+LOCALS = ("window_left", "window_size", "sliding_window", "sliding_window_size")
+ATTRIBUTES = ("window_left", "window_size", "sliding_window", "sliding_window_size")
+NONE = "none"
+_NAMES = frozenset(LOCALS)
+_CODES: dict = {}  # code object -> (the program's own, names a window)
+
+
+def _said(name: str, value, holder=None) -> tuple | None:
+    """(left, right) a value states in its name's convention, NONE for a stated absence, None where it says nothing."""
+    if name == "window_left" or name == "sliding_window_size" and holder is not None:
+        if type(value) is not int:
+            return None
+        if value < 0:
+            return NONE
+        if name == "sliding_window_size" and _encoder(holder):
+            return value, value
+        return value, 0
+    if name in ("window_size", "sliding_window") and isinstance(value, (tuple, list)) and len(value) == 2 \
+            and all(type(x) is int for x in value):
+        if value[0] < 0 and value[1] < 0:
+            return NONE
+        if value[0] > 0 and value[1] == 0:
+            return value[0], 0
+    return None
+
+
+def _encoder(holder) -> bool:
+    """The object says it attends both ways: SGLang's / vLLM's attn_type ENCODER_ONLY."""
+    kind = vars(holder).get("attn_type") if hasattr(holder, "__dict__") else None
+    return str(getattr(kind, "name", kind)).upper() in ("ENCODER_ONLY", "ENCODER")
+
+
+def window_held(stack: list, skip: tuple[str, ...]) -> tuple[str, int, int, str] | None:
+    """(name, left, right, where) of the outermost window statement: the running modules' (`stack`, outermost first)
+    attributes, else the variables of the program frames (those whose files do not start with `skip`), outermost
+    first; None where none states one or the outermost states none. Only frames whose code names a window have their
+    locals read (a module's dict lookups cost next to nothing)."""
+    for module in stack:
+        attributes = vars(module)
+        for name in ATTRIBUTES:
+            if name in attributes:
+                said = _said(name, attributes[name], module)
+                if said is not None:
+                    return _result(name, said, f"self.{name} of {type(module).__name__}")
+    frame, seen, found = sys._getframe(1), 0, None
+    while frame is not None and seen < FRAMES:
+        code = frame.f_code
+        kind = _CODES.get(code)
+        if kind is None:  # (co_varnames is built anew at each read: once per code object)
+            kind = _CODES[code] = (not code.co_filename.startswith(skip), not _NAMES.isdisjoint(code.co_varnames))
+        if kind[0]:
+            seen += 1
+            if kind[1]:
+                variables = frame.f_locals
+                for name in LOCALS:
+                    if name in variables and name != "sliding_window_size":  # (a bare int of that name: whose convention?)
+                        said = _said(name, variables[name])
+                        if said is not None:
+                            found = (name, said, f"{name} in {code.co_name}()")
+                            break
+        frame = frame.f_back
+    return None if found is None else _result(*found)
+
+
+def _result(name: str, said, where: str) -> tuple | None:
+    return None if said is NONE else (name, said[0], said[1], where)
