@@ -28,7 +28,7 @@ from maskcli.memory import check_dense_fits
 from maskcli.positions import Frame
 from maskcli.batchdata import longest, pad_side, padding, with_padding
 from maskcli.batchdata import tokens as words
-from maskcli.regions import bounds, parse_region, region_intervals  # noqa: F401  (parse_region: for the commands)
+from maskcli.regions import bounds, checked_options, parse_region, region_intervals  # noqa: F401  (parse_region: for the commands)
 from maskcli.text import shortened
 
 
@@ -60,6 +60,9 @@ class MaskOptions:
     mask_mod_args: str | None = None  # --mask-mod-args: arguments for a mask_mod factory
     rows: str | None = None  # --rows A:B: the query positions to view (a region of the whole mask)
     keys: str | None = None  # --keys C:D: the key positions to view
+
+    def __post_init__(self):
+        checked_options(self)  # whole numbers where positions are counted; rows / keys as (A, B) or 'A:B'
 
 
 @dataclass(frozen=True, eq=False)
@@ -233,6 +236,10 @@ class Mask:
     def cells(self, b: int, h: int = 0, q_lo: int = 0, q_hi: int | None = None) -> np.ndarray:
         """Bool (rows, Lk) numpy: query rows q_lo..q_hi-1 (local) of batch row b, head h."""
         q_hi = self.frame.q_len if q_hi is None else q_hi
+        if not (_index(b) and _index(h) and _index(q_lo) and _index(q_hi) and 0 <= b < self.batch and 0 <= h < self.heads
+                and 0 <= q_lo <= q_hi <= self.frame.q_len):  # (numpy read b=5 of 1 row, or q_lo=-1, as another cell)
+            raise MaskError(f"cells(b={b!r}, h={h!r}, q_lo={q_lo!r}, q_hi={q_hi!r}): give batch row 0-{self.batch - 1}, head "
+                            f"0-{self.heads - 1} and local query rows 0 <= q_lo <= q_hi <= {self.frame.q_len}")
         if self.keep is not None:
             return self.keep[b if self.keep.shape[0] > 1 else 0, h if self.keep.shape[1] > 1 else 0, q_lo:q_hi]
         found, _ = self._intervals
@@ -304,6 +311,10 @@ class Mask:
 
 
 @functools.lru_cache(maxsize=8)
+def _index(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _cached_predicate(mask: Mask, device):
     return mask.predicate(device)
 

@@ -41,6 +41,15 @@ def layer_kind(config, index: int | None) -> tuple[str, str] | None:
     return None if found is None else found[:2]
 
 
+def layer_kinds(config, count: int) -> list[tuple[str, str] | None]:
+    """layer_kind of layers 0..count-1, the config read once (a config of 10^6 layers read it 10^6 times: minutes)."""
+    fields = fields_of(config) if config is not None else {}
+    if config is None or (not fields and not _transformers(config) and _own_pattern(config)):
+        return [None] * count
+    intent = Intent([Stated("config", "", fields)])
+    return [None if found is None else found[:2] for found in map(intent.kind, range(count))]
+
+
 def _own_pattern(config) -> bool:
     """The config sets a per-layer field read nowhere here (a `window_pattern`, intent.OTHER_LAYERS' words)."""
     try:

@@ -128,13 +128,13 @@ def layer_types(config) -> list[str]:
     no_rope_layers), so that `model`, serve and shard --model and the rules read a config one way; where that leaves a
     layer unknown (a per-layer field it does not read, GPT-Neo's attention_layers), what its sliding window or chunk
     size makes every layer."""
-    from maskcli.checks.config import layer_kind
+    from maskcli.checks.config import layer_kinds
 
     found = getattr(config, "layer_types", None)
     count = getattr(config, "num_hidden_layers", None) or 0
     if found:
         return list(found)
-    kinds = [layer_kind(config, index) for index in range(count)]
+    kinds = layer_kinds(config, count)
     if all(kinds):
         return [kind[0] for kind in kinds]
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:

@@ -84,6 +84,9 @@ def _set_signal(number: int, handler) -> None:
             signal.signal(number, handler)
 
 
+interrupted = False  # the program ended by a KeyboardInterrupt it did not catch
+
+
 def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     """The program's exit status: 0, its sys.exit code, or 1 after an exception (its traceback on stderr)."""
     saved_argv, saved_path, saved_folder = sys.argv[:], sys.path[:], os.getcwd()
@@ -106,6 +109,8 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         return 1
     except KeyboardInterrupt:
         _print_traceback()
+        global interrupted
+        interrupted = True  # python then ends by SIGINT, not exit(130): commands.main does the same after the report
         return 130
     except BaseException:  # noqa: BLE001 - the program's own error: Python would print it and exit 1
         _print_traceback()
