@@ -880,3 +880,23 @@ def test_mhas_functional_form_called_on_its_own_is_one_call_with_the_modules_mas
     assert torch.allclose(out, reference, atol=1e-6)
     assert [c.api for c in t.calls] == ["mha"]
     assert np.array_equal(t.calls[0].keep()[0, 0], window.numpy())
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_or_plus_inf_in_a_float_mask_is_said_to_make_those_rows_nan(value):
+    """A NaN-filled attn_mask was named 'padding (--lengths 0)' with '0 output there', while SDPA gave NaN everywhere;
+    one NaN cell in a row of zeros made that row NaN with no word."""
+    q, k, v = qkv(1, 2, 4, 4)
+    mask = torch.zeros(4, 4)
+    mask[2, 1] = value
+    with maskcli.trace() as t:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    nan_rows = out.isnan().any(dim=-1)[0, 0].tolist()  # torch's own output: which rows are NaN
+    assert nan_rows == [False, False, True, False]
+    (found,) = [f for f in t.groups()[0].findings if f.code == "mask-nan"]
+    word = "NaN" if value != value else "+inf"
+    assert found.message.startswith(f"the float attn_mask holds {word} (1 cell, in 1 of 4 query rows")
+    assert severity(found) == "wrong"
+    with maskcli.trace() as clean:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(4, 4))
+    assert not any(f.code == "mask-nan" for f in clean.groups()[0].findings)

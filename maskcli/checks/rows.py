@@ -39,6 +39,9 @@ def what_api_does(call) -> str:
         if used == "eager":
             return "uniform weights over every key there (HF's eager adds the dtype's lowest value)"
         return f"what there depends on the attention function {used!r}"
+    if details.get("poison"):  # (trace/masks.poison: NaN or +inf in a float attn_mask)
+        return (f"NaN output there where the mask adds {details['poison']['value']} to the row, 0 where only -inf or a "
+                "low fill masks it (SDPA gives rows with no key 0)")
     return "0 output there (SDPA gives rows with no key 0)"
 
 

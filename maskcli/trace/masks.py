@@ -106,6 +106,8 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask
     keep = additive_keep(mask.detach())
+    if details is not None:
+        poison(mask.detach(), details)
     if details is not None and bool((keep & (mask.detach() != 0)).any()):
         details["bias"] = True
         zeros = mask == 0
@@ -113,6 +115,17 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
             details["zero_one"] = True  # (checks/kernels.py); one of 1s alone adds a constant: it masks nothing, and
             # a keep mask of all 1s masks nothing either (Doge's dt_states bias at a step where no key is masked)
     return keep
+
+
+def poison(mask: torch.Tensor, details: dict) -> None:
+    """NaN or +inf added to the scores: read as masked (no weight is kept there), but softmax makes every row that
+    holds one NaN, whatever else it sees (checks/fills.py says so, and rows.py what such a row gives)."""
+    nan, inf = torch.isnan(mask), mask == float("inf")
+    bad = nan | inf
+    if bool(bad.any()):
+        rows = bad.reshape(-1, mask.shape[-1]).any(dim=-1) if mask.dim() else bad.reshape(1)
+        details["poison"] = {"value": "NaN" if bool(nan.any()) else "+inf", "cells": int(bad.sum()),
+                             "rows": int(rows.sum()), "of": int(rows.numel())}
 
 
 def _dtype(tensor: torch.Tensor) -> str:

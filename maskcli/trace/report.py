@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maskcli import tracefile
-from maskcli.checks.fills import bias, fills, score_mod
+from maskcli.checks.fills import bias, fills, poisoned, score_mod
 from maskcli.checks.kernels import asked, ignored_is_causal, top_left, top_left_is_causal
 from maskcli.checks.named import closest as closest_rows
 from maskcli.checks.named import polarity, same_as
@@ -139,7 +139,7 @@ def _named(calls: list) -> Group:
     if q_len and k_len:  # (no token: no row to see nothing, no later key)
         group.findings[:0] = empty_rows(first, stored, structure) + later(first, stored, structure)
     details = first.details
-    group.findings += bias(details) + fills(details) + asked(first, stored, group.name) + score_mod(details)
+    group.findings += bias(details) + fills(details) + poisoned(details) + asked(first, stored, group.name) + score_mod(details)
     group.findings += ignored_is_causal(first, k_len) + top_left(first, q_len, k_len)
     return group
 
