@@ -285,6 +285,12 @@ CRAFTED = [
     (["inspect", "many.npz"], "holds several tensors ('m0', 'm1', 'm2', 'm3', 'm4', 'm5', 'm6', 'm7', ... (3,000 in all))"),
     (["pack", "many.npz"], "holds 'm0', 'm1', 'm2', 'm3', 'm4', 'm5', 'm6', 'm7', ... (3,000 in all), none of them a field"),
     (["shard", "causal", "--len", "8", "--trace", "protocol4.npy"], "'protocol4.npy' is not a trace file maskcli can read"),
+    # hunt 5: a call over a batch of 0 rows (IndexError in every view), and a whole trace file read as a tensor file
+    (["show", "--mask", "t_batch0.pt:2"], "t_batch0.pt:2: that call's mask has shape [0, 2, 4, 4], no cells"),
+    (["diff", "t_batch0.pt:2", "causal"], "that call's mask has shape [0, 2, 4, 4], no cells"),
+    (["inspect", "t_good.pt"], "FILE 't_good.pt' is a maskcli trace file (2 calls), not a tensor file: where a mask is read, "
+                               "name one call of it, FILE:0"),  # was "entry 'format' of the dict is str"
+    (["show", "--mask", "t_good.pt"], "is a maskcli trace file (2 calls), not a tensor file"),
 ] + [([command, *spec], name) for name in TRACE_DAMAGE
      for command, spec in (("inspect", [f"{name}:0"]), ("show", ["--mask", f"{name}:1"]), ("diff", [f"{name}:0", "causal"]))]
 

@@ -129,10 +129,25 @@ def _reopen_stderr(spare: int | None) -> None:
 
     if spare is None:
         return
-    if sys.stderr is not None and not sys.stderr.closed:
+    if sys.stderr is not None and not sys.stderr.closed and _open(sys.stderr):
         os.close(spare)
         return
     sys.stderr = open(spare, "w", encoding="utf-8", errors="replace", closefd=True)  # noqa: SIM115 - open until exit
+
+
+def _open(stream) -> bool:
+    """The stream's descriptor is still open: a program's os.close(2) leaves sys.stderr looking open."""
+    import os
+
+    try:
+        descriptor = stream.fileno()
+    except Exception:  # noqa: BLE001 - no descriptor (a StringIO, io.UnsupportedOperation): none to lose
+        return True
+    try:
+        os.fstat(descriptor)
+    except OSError:
+        return False
+    return True
 
 
 def _report(tracer, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict,

@@ -97,8 +97,10 @@ def _named(calls: list) -> Group:
     b, h = stored["planes"]
     q_len, k_len = first.shape[2:]
     structure = None
-    if q_len == 0 or k_len == 0:  # attention over no token: nothing to name (its queries, if any, see no key)
-        group = Group(calls, f"empty: {q_len} quer{'y' if q_len == 1 else 'ies'}, {k_len} key{'' if k_len == 1 else 's'}", None)
+    if q_len == 0 or k_len == 0 or 0 in first.shape[:2]:  # attention over no token, or a batch of 0 rows (0 heads):
+        # nothing to name (its queries, if any, see no key)
+        rows = "".join(f"{n} {what}, " for n, what in zip(first.shape[:2], ("batch rows", "heads")) if n == 0)
+        group = Group(calls, f"empty: {rows}{q_len} quer{'y' if q_len == 1 else 'ies'}, {k_len} key{'' if k_len == 1 else 's'}", None)
     elif b * h * q_len * k_len <= NAME_CELLS:
         from maskcli.inspect.structure import recognise
 
