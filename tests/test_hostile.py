@@ -214,6 +214,12 @@ CASES = [
     (["show", "causal", "--len", "1_0"], "--len '1_0': '1_0' is not a whole number (write it in digits 0-9, like 16)"),
     (["trace", "--max-bytes", "\uff11\uff12", "prog.py"], "'\uff11\uff12' is not a whole number"),
     (["shard", "causal", "--ranks", "0x10"], "--ranks '0x10'"),
+    # hunt 5: trace's own options and programs that are no file; verify's inputs that make every kernel NaN
+    (["trace", "--html", "x.html", "prog.py"], "no such option: --html (maskcli trace --help lists trace's own"),  # was "no such script '--html'"
+    (["trace", "dir.pt"], "'dir.pt' is a directory: give the path of a Python file"),
+    (["verify", "causal", "--q", "[[NaN,1],[1,2]]", "--k", "[[1,2],[3,4]]", "--v", "[[1,2],[3,4]]"],
+     "--q holds nan (1 of 4 values): verify compares kernels with a reference"),  # was "DISAGREES nan" on every kernel, exit 0
+    (["verify", "causal", "--x", "[[1e400,1],[1,2]]"], "--x, projected, holds"),
     # a NUL byte in a file name was "unexpected ValueError: embedded null byte"
     (["show", "causal", "--png", "x\x00y.png"], "'x\\x00y.png' holds a NUL byte"),
     (["show", "--mask", "a\x00b.pt"], "holds a NUL byte"),

@@ -199,3 +199,19 @@ def test_exit_statuses_descriptors_and_empty_batches_are_pythons(tmp_path):
     plain, traced = run_both(tmp_path, ["batch0.py"])
     assert plain.returncode == traced.returncode == 0 and traced.stdout == plain.stdout == "torch.Size([0, 2, 4, 8])\n"
     assert "empty: 0 batch rows, 4 queries, 4 keys" in " ".join(traced.stderr.split())
+
+
+def test_options_end_at_the_module_as_pythons_do(tmp_path):
+    """`trace -m pkg -m pkg.other` ran pkg.other (its second -m taken as trace's); python runs pkg with the arguments
+    -m pkg.other, and so does trace now, in every spelling of -m."""
+    write(tmp_path / "pkg" / "__init__.py", "")
+    write(tmp_path / "pkg" / "__main__.py", "import sys\nprint('pkg', sys.argv[1:])\n")
+    write(tmp_path / "pkg" / "other.py", "import sys\nprint('other', sys.argv[1:])\n")
+    for spelling in (["-m", "pkg"], ["-mpkg"], ["--module=pkg"], ["--module", "pkg"]):
+        plain = subprocess.run([sys.executable, "-m", "pkg", "-m", "pkg.other", "--json", "x"], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=300)
+        traced = subprocess.run([sys.executable, "-m", "maskcli", "trace", *spelling, "-m", "pkg.other", "--json", "x"],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert plain.stdout == traced.stdout == "pkg ['-m', 'pkg.other', '--json', 'x']\n", (spelling, traced.stderr)
+        assert traced.returncode == 0 and traced.stderr.startswith(REPORT + "-m pkg: 0 attention calls")

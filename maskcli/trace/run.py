@@ -24,8 +24,12 @@ def check_program(script: str | None, module: str | None) -> None:
     """Refuse what cannot run before anything is traced."""
     if (script is None) == (module is None):
         raise MaskError("give the program to trace: maskcli trace SCRIPT.py [ARGS]... or maskcli trace -m MODULE [ARGS]...")
+    if script is not None and script.startswith("-") and not os.path.isfile(script):  # an option trace does not have
+        raise MaskError(f"no such option: {script} (maskcli trace --help lists trace's own; they come before the program)")
     if script is not None and not os.path.isfile(script):
-        raise MaskError(f"no such script {script!r}: give the path of a Python file (or -m MODULE for a module)")
+        what = ("is a directory" if os.path.isdir(script) else "is not a regular file") if os.path.exists(script) else ""
+        raise MaskError(f"{f'{script!r} {what}' if what else f'no such script {script!r}'}: give the path of a Python file "
+                        "(or -m MODULE for a module)")
     if module is not None:
         import importlib.util
 
