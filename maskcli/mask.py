@@ -236,10 +236,11 @@ class Mask:
     def cells(self, b: int, h: int = 0, q_lo: int = 0, q_hi: int | None = None) -> np.ndarray:
         """Bool (rows, Lk) numpy: query rows q_lo..q_hi-1 (local) of batch row b, head h."""
         q_hi = self.frame.q_len if q_hi is None else q_hi
-        if not (_index(b) and _index(h) and _index(q_lo) and _index(q_hi) and 0 <= b < self.batch and 0 <= h < self.heads
-                and 0 <= q_lo <= q_hi <= self.frame.q_len):  # (numpy read b=5 of 1 row, or q_lo=-1, as another cell)
-            raise MaskError(f"cells(b={b!r}, h={h!r}, q_lo={q_lo!r}, q_hi={q_hi!r}): give batch row 0-{self.batch - 1}, head "
-                            f"0-{self.heads - 1} and local query rows 0 <= q_lo <= q_hi <= {self.frame.q_len}")
+        if not (_index(b) and _index(h) and _index(q_lo) and _index(q_hi) and b >= 0 and h >= 0
+                and 0 <= q_lo <= q_hi <= self.frame.q_len):  # (numpy read q_lo=-1 as the last row; a row or head past
+            # the mask's own is one it broadcasts to, as diff asks of a mask with fewer heads than the other)
+            raise MaskError(f"cells(b={b!r}, h={h!r}, q_lo={q_lo!r}, q_hi={q_hi!r}): give whole numbers, a batch row and head "
+                            f"of 0 or more and local query rows 0 <= q_lo <= q_hi <= {self.frame.q_len}")
         if self.keep is not None:
             return self.keep[b if self.keep.shape[0] > 1 else 0, h if self.keep.shape[1] > 1 else 0, q_lo:q_hi]
         found, _ = self._intervals

@@ -255,7 +255,7 @@ def test_views_refuse_what_they_cannot_show_in_one_line():
                        (lambda: mask.table(convention="bogus"), "table(): unknown convention 'bogus'"),
                        (lambda: mask.table(convention="additive", dtype="int8"), "table(): unknown dtype 'int8'"),
                        (lambda: mask.table(width=-5), "width=-5: give the columns to fit"),
-                       (lambda: mask.cells(5), "cells(b=5, h=0, q_lo=0, q_hi=4): give batch row 0-0"),
+                       (lambda: mask.cells(1.5), "cells(b=1.5, h=0, q_lo=0, q_hi=4): give whole numbers"),
                        (lambda: mask.cells(0, 0, -1), "q_lo=-1")]:
         with pytest.raises(MaskError, match=says if "\\" in says else re.escape(says)):
             call()

@@ -900,3 +900,19 @@ def test_nan_or_plus_inf_in_a_float_mask_is_said_to_make_those_rows_nan(value):
     with maskcli.trace() as clean:
         F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(4, 4))
     assert not any(f.code == "mask-nan" for f in clean.groups()[0].findings)
+
+
+def test_a_call_the_kernel_refused_is_said_to_have_run_no_attention():
+    """SDPA refuses is_causal=2 and keys of another head size: each was reported as a 'causal' or 'full' call with no
+    word that torch raised, as if attention had run with that mask."""
+    q, k, v = qkv(1, 2, 4, 4)
+    with maskcli.trace() as t:
+        for bad in ({"is_causal": 2}, {"key": k[..., :3]}):
+            given = {"query": q, "key": k, "value": v} | bad
+            with pytest.raises((TypeError, RuntimeError)):
+                F.scaled_dot_product_attention(**given)
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    refused = [c for c in t.calls if "raised" in c.details]
+    assert [c.index for c in refused] == [0, 1] and refused[0].details["raised"].startswith("TypeError: ")
+    said = [f.message for g in t.groups() for f in g.findings if f.code == "call-raised"]
+    assert len(said) == 2 and all("did not complete, so no attention ran with this mask there" in m for m in said)

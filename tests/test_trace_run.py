@@ -190,6 +190,18 @@ def test_exit_statuses_descriptors_and_empty_batches_are_pythons(tmp_path):
     plain, traced = run_both(tmp_path, ["status.py"])
     assert plain.returncode == traced.returncode == 300 % 256
     assert "the program exited with status 300 (the shell sees 44)" in " ".join(traced.stderr.split())
+    write(tmp_path / "unload.py", """
+        import sys
+        import torch
+        import torch.nn.functional as F
+        x = torch.randn(1, 1, 4, 8)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        del sys.modules["torch"]  # the report imported torch again: "unexpected RuntimeError: Only a single TORCH_LIBRARY"
+        print("unloaded")
+    """)
+    plain, traced = run_both(tmp_path, ["unload.py"])
+    assert plain.returncode == traced.returncode == 0 and traced.stdout == plain.stdout == "unloaded\n"
+    assert traced.stderr.startswith(REPORT + "unload.py: 1 attention call in 1 group")
     write(tmp_path / "batch0.py", """
         import torch
         import torch.nn.functional as F

@@ -86,6 +86,18 @@ def group(calls: list) -> list[Group]:
     return [_named(members) for members in found.values()]
 
 
+def refused(calls: list) -> list[Finding]:
+    """The calls of a group whose kernel raised (torch refused is_causal=2, shapes that do not match): each was
+    recorded as it was called, but no attention ran with its mask."""
+    raised = [call for call in calls if "raised" in call.details]
+    if not raised:
+        return []
+    which = "every call" if len(raised) == len(calls) else f"call{'s' if len(raised) > 1 else ''} {', '.join(str(c.index) for c in raised[:8])}"
+    return [Finding("call-raised", f"{which} of this group raised {raised[0].details['raised'].rstrip('.')}: "
+                    f"{'they' if len(raised) > 1 else 'it'} did not complete, so no attention ran with this mask there "
+                    "(the program saw the error)", severity="note")]
+
+
 def _named(calls: list) -> Group:
     first = calls[0]
     stored = first.stored
@@ -142,6 +154,7 @@ def _named(calls: list) -> Group:
         group.findings[:0] = empty_rows(first, stored, structure) + later(first, stored, structure)
     details = first.details
     group.findings += bias(details) + fills(details) + poisoned(details) + asked(first, stored, group.name) + score_mod(details)
+    group.findings += refused(calls)
     group.findings += ignored_is_causal(first, k_len) + top_left(first, q_len, k_len)
     return group
 

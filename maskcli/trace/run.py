@@ -94,6 +94,8 @@ interrupted = False  # the program ended by a KeyboardInterrupt it did not catch
 def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     """The program's exit status: 0, its sys.exit code, or 1 after an exception (its traceback on stderr)."""
     saved_argv, saved_path, saved_folder = sys.argv[:], sys.path[:], os.getcwd()
+    modules = {name: module for name, module in sys.modules.items()  # what the trace's own exit and report import
+               if name.partition(".")[0] in ("torch", "maskcli", "numpy")}
     try:
         if module is not None:
             sys.argv = [module, *args]
@@ -121,6 +123,8 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         return 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+        for name, module in modules.items():  # a program that del sys.modules["torch"]: importing torch again would
+            sys.modules.setdefault(name, module)  # register its operators twice (RuntimeError) in the trace's report
         with contextlib.suppress(OSError):  # the program may have moved (os.chdir): maskcli's own work is where it began
             os.chdir(saved_folder)
 
