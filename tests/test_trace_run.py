@@ -227,3 +227,21 @@ def test_options_end_at_the_module_as_pythons_do(tmp_path):
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert plain.stdout == traced.stdout == "pkg ['-m', 'pkg.other', '--json', 'x']\n", (spelling, traced.stderr)
         assert traced.returncode == 0 and traced.stderr.startswith(REPORT + "-m pkg: 0 attention calls")
+
+
+def test_a_program_started_with_stdout_closed_runs_as_under_python(tmp_path):
+    """`maskcli trace prog.py >&-` refused ("stdout is closed") where python runs the program (its prints go nowhere):
+    trace's stdout is the program's, its report on stderr."""
+    write(tmp_path / "prog.py", """
+        import torch
+        import torch.nn.functional as F
+        x = torch.randn(1, 1, 4, 8)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        print("nowhere")
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    done = [subprocess.run(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, timeout=300,
+                           preexec_fn=lambda: os.close(1))
+            for command in ([sys.executable, "prog.py"], [sys.executable, "-m", "maskcli", "trace", "prog.py"])]
+    assert done[0].returncode == done[1].returncode == 0 and done[0].stderr == ""
+    assert done[1].stderr.startswith(REPORT + "prog.py: 1 attention call in 1 group")
