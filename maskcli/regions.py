@@ -69,3 +69,14 @@ def checked_options(options) -> None:
                 raise MaskError(f"{name}={shortened(repr(value), 60)}: give (A, B), whole numbers or None for an open side "
                                 "(absolute positions, B not included), or the text 'A:B'")
             object.__setattr__(options, name, ":".join("" if end is None else str(int(end)) for end in value))
+
+
+def checked_cells(b, h, q_lo, q_hi, q_len: int) -> int:
+    """Mask.cells' q_hi (None: q_len), its arguments checked: whole numbers, a batch row and head of 0 or more (one past
+    the mask's own is one it broadcasts to, as diff asks of a mask with fewer heads), 0 <= q_lo <= q_hi <= q_len."""
+    q_hi = q_len if q_hi is None else q_hi
+    whole = all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in (b, h, q_lo, q_hi))
+    if not (whole and b >= 0 and h >= 0 and 0 <= q_lo <= q_hi <= q_len):
+        raise MaskError(f"cells(b={b!r}, h={h!r}, q_lo={q_lo!r}, q_hi={q_hi!r}): give whole numbers, a batch row and head of "
+                        f"0 or more and local query rows 0 <= q_lo <= q_hi <= {q_len}")
+    return q_hi

@@ -139,7 +139,7 @@ def layer_types(config) -> list[str]:
     count = getattr(config, "num_hidden_layers", None) or 0
     if found:
         return list(found)
-    kinds = layer_kinds(config, count)
+    kinds = layer_kinds(config, range(count))
     if all(kinds):
         return [kind[0] for kind in kinds]
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
