@@ -11,6 +11,7 @@ import numpy as np
 
 from maskcli import tracefile
 from maskcli.checks.fills import bias, fills, poisoned, score_mod
+from maskcli.checks.kernels import refused
 from maskcli.checks.kernels import asked, ignored_is_causal, top_left, top_left_is_causal
 from maskcli.checks.named import closest as closest_rows
 from maskcli.checks.named import polarity, same_as
@@ -84,18 +85,6 @@ def group(calls: list) -> list[Group]:
         key = (call.mask, call.api, call.shape, *(call.details.get(name) for name in ("error", "q_start", "fill_value", "additive", "score_mod_read")))
         found.setdefault(key, []).append(call)
     return [_named(members) for members in found.values()]
-
-
-def refused(calls: list) -> list[Finding]:
-    """The calls of a group whose kernel raised (torch refused is_causal=2, shapes that do not match): each was
-    recorded as it was called, but no attention ran with its mask."""
-    raised = [call for call in calls if "raised" in call.details]
-    if not raised:
-        return []
-    which = "every call" if len(raised) == len(calls) else f"call{'s' if len(raised) > 1 else ''} {', '.join(str(c.index) for c in raised[:8])}"
-    return [Finding("call-raised", f"{which} of this group raised {raised[0].details['raised'].rstrip('.')}: "
-                    f"{'they' if len(raised) > 1 else 'it'} did not complete, so no attention ran with this mask there "
-                    "(the program saw the error)", severity="note")]
 
 
 def _named(calls: list) -> Group:
