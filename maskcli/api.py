@@ -84,9 +84,21 @@ def _html(views) -> str:
     return console.export_html(inline_styles=True, code_format="<pre style=\"font-family:monospace;line-height:1.2\">{code}</pre>")
 
 
+def _counts(value) -> bool:
+    """An int or a numpy integer: not a bool, a float, a Decimal or a string."""
+    import numbers
+
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _width(width: int | None) -> int:
     """`width`, else the terminal's (COLUMNS, then the terminal itself, as the command line reads it), else WIDTH."""
     import shutil
+
+    if width is not None and not (_counts(width) and width >= 1):
+        from maskcli.errors import MaskError
+
+        raise MaskError(f"width={width!r}: give the columns to fit, a whole number of 1 or more (or None: the terminal's)")
 
     return width or shutil.get_terminal_size((WIDTH, 24)).columns
 
@@ -118,8 +130,14 @@ class Mask(core.Mask):
         """
         from rich.console import Group
 
+        from maskcli.conventions import CONVENTIONS, DTYPES
+        from maskcli.errors import MaskError
         from maskcli.render.masks import mask_views
 
+        if convention not in CONVENTIONS:
+            raise MaskError(f"table(): unknown convention {convention!r}: choose one of {', '.join(CONVENTIONS)}")
+        if dtype not in DTYPES:
+            raise MaskError(f"table(): unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
         return Group(*mask_views(self, convention, dtype, _console(width)))
 
     def figure(self):
@@ -130,7 +148,11 @@ class Mask(core.Mask):
 
     def summary(self, grid: tuple[int, int] = summaries.DEFAULT_GRID) -> Summary:
         """Exact counts: visible cells, keys per query row, empty rows, documents; from the intervals at any length."""
-        found = summaries.summarise(self, grid)
+        if not (isinstance(grid, (tuple, list)) and len(grid) == 2 and all(_counts(n) and 1 <= n <= 4096 for n in grid)):
+            from maskcli.errors import MaskError
+
+            raise MaskError(f"summary(): grid={grid!r}: give (rows, columns), whole numbers 1 to 4096 each, like (32, 64)")
+        found = summaries.summarise(self, tuple(map(int, grid)))
         return Summary(**{f.name: getattr(found, f.name) for f in fields(found)})
 
     def why(self, q: int, kv: int, b: int | None = None) -> Why:
@@ -142,12 +164,20 @@ class Mask(core.Mask):
 
     def diff(self, other: core.Mask) -> Difference:
         """Compare with another mask of the same positions: only A, only B, both, and the first rows that differ."""
+        if not isinstance(other, core.Mask):
+            raise TypeError(f"diff() compares with another Mask (maskcli.build(...)), not a {type(other).__name__}")
         found = diffs.compare(self, other)
         return Difference(**{f.name: getattr(found, f.name) for f in fields(found)})
 
     def blocks(self, block: int | tuple[int, int] = blockmask.DEFAULT_BLOCK) -> Blocks:
         """FlexAttention's block view (full, partial, empty), as create_block_mask makes it, from the intervals."""
-        q_block, kv_block = (block, block) if isinstance(block, int) else block
+        sizes = list(block) if isinstance(block, (tuple, list)) else [block]
+        if not (len(sizes) in (1, 2) and all(_counts(n) and 1 <= n <= 2**40 for n in sizes)):
+            from maskcli.errors import MaskError
+
+            raise MaskError(f"blocks(): block={block!r}: give a block size, a whole number 1 to {2**40:,} like 128, or "
+                            "(Q, KV) like (128, 64)")
+        q_block, kv_block = int(sizes[0]), int(sizes[-1])
         found = blockmask.layout(self, q_block, kv_block)
         return Blocks(**{f.name: getattr(found, f.name) for f in fields(found)})
 

@@ -28,7 +28,7 @@ from maskcli.memory import check_dense_fits
 from maskcli.positions import Frame
 from maskcli.batchdata import longest, pad_side, padding, with_padding
 from maskcli.batchdata import tokens as words
-from maskcli.regions import bounds, parse_region, region_intervals  # noqa: F401  (parse_region: for the commands)
+from maskcli.regions import bounds, checked_cells, checked_options, parse_region, region_intervals  # noqa: F401  (parse_region: for the commands)
 from maskcli.text import shortened
 
 
@@ -37,8 +37,7 @@ class MaskOptions:
     """What the command line says about a mask besides its expression; None = not given.
 
     From Python, lengths, ids, tokens and the labels in `params` may be lists, numpy arrays or tensors as well as
-    the command line's text (maskcli.build takes the kind parameters by name: build("document", sizes=[3, 5])).
-    """
+    the command line's text (maskcli.build takes the kind parameters by name: build("document", sizes=[3, 5]))."""
 
     length: int | None = None
     offset: int | None = None
@@ -60,6 +59,7 @@ class MaskOptions:
     mask_mod_args: str | None = None  # --mask-mod-args: arguments for a mask_mod factory
     rows: str | None = None  # --rows A:B: the query positions to view (a region of the whole mask)
     keys: str | None = None  # --keys C:D: the key positions to view
+    __post_init__ = checked_options  # whole numbers where positions are counted; rows / keys as (A, B) or 'A:B'
 
 
 @dataclass(frozen=True, eq=False)
@@ -232,7 +232,7 @@ class Mask:
 
     def cells(self, b: int, h: int = 0, q_lo: int = 0, q_hi: int | None = None) -> np.ndarray:
         """Bool (rows, Lk) numpy: query rows q_lo..q_hi-1 (local) of batch row b, head h."""
-        q_hi = self.frame.q_len if q_hi is None else q_hi
+        q_hi = checked_cells(b, h, q_lo, q_hi, self.frame.q_len)  # (None: to the end; numpy read q_lo=-1 as the last row)
         if self.keep is not None:
             return self.keep[b if self.keep.shape[0] > 1 else 0, h if self.keep.shape[1] > 1 else 0, q_lo:q_hi]
         found, _ = self._intervals

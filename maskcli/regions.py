@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 from maskcli.errors import MaskError
 from maskcli.intervals import Intervals
 from maskcli.positions import Frame
@@ -18,6 +20,8 @@ def region_intervals(found: Intervals, whole: Frame, view: Frame) -> Intervals:
 
 
 def bounds(given: tuple[int | None, int | None], low: int, high: int, flag: str, what: str) -> tuple[int, int]:
+    if len(given) != 2 or any(end is not None and (isinstance(end, bool) or not isinstance(end, numbers.Integral)) for end in given):
+        raise MaskError(f"{flag} {shortened(repr(given), 40)}: give (A, B), whole numbers or None for an open side")
     start = low if given[0] is None else given[0]
     end = high if given[1] is None else given[1]
     if not low <= start < end <= high:
@@ -39,3 +43,40 @@ def parse_region(text: str | None, flag: str) -> tuple[int | None, int | None]:
         return tuple(int(part) if part.strip() else None for part in parts)  # type: ignore[return-value]
     except ValueError:
         raise MaskError(f"{flag} {shortened(text, 40)!r} is not a range: give A:B (absolute positions, B not included), like 200:216, 4000: or :64") from None
+
+
+def checked_options(options) -> None:
+    """MaskOptions' whole-number fields as ints (offset=1.5 made keys 0-4.5, heads=nan a shape of nan), and rows /
+    keys given as (A, B) tuples written as the command line's 'A:B'."""
+    import operator
+
+    for name in ("length", "offset", "kv_start", "kv_len", "heads", "pad_id"):
+        value = getattr(options, name)
+        if value is None or type(value) is int:
+            continue
+        try:
+            if isinstance(value, (bool, str)):
+                raise TypeError
+            object.__setattr__(options, name, operator.index(value))  # a numpy integer, a 0-d integer tensor
+        except TypeError:
+            raise MaskError(f"{name}={shortened(repr(value), 60)} is a {type(value).__name__}; {name} is a whole number "
+                            "(an int)") from None
+    for name in ("rows", "keys"):
+        value = getattr(options, name)
+        if isinstance(value, (tuple, list)):
+            if len(value) != 2 or not all(end is None or (isinstance(end, numbers.Integral) and not isinstance(end, bool))
+                                          for end in value):
+                raise MaskError(f"{name}={shortened(repr(value), 60)}: give (A, B), whole numbers or None for an open side "
+                                "(absolute positions, B not included), or the text 'A:B'")
+            object.__setattr__(options, name, ":".join("" if end is None else str(int(end)) for end in value))
+
+
+def checked_cells(b, h, q_lo, q_hi, q_len: int) -> int:
+    """Mask.cells' q_hi (None: q_len), its arguments checked: whole numbers, a batch row and head of 0 or more (one past
+    the mask's own is one it broadcasts to, as diff asks of a mask with fewer heads), 0 <= q_lo <= q_hi <= q_len."""
+    q_hi = q_len if q_hi is None else q_hi
+    whole = all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in (b, h, q_lo, q_hi))
+    if not (whole and b >= 0 and h >= 0 and 0 <= q_lo <= q_hi <= q_len):
+        raise MaskError(f"cells(b={b!r}, h={h!r}, q_lo={q_lo!r}, q_hi={q_hi!r}): give whole numbers, a batch row and head of "
+                        f"0 or more and local query rows 0 <= q_lo <= q_hi <= {q_len}")
+    return q_hi

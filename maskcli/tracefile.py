@@ -107,6 +107,8 @@ def dense(stored: dict) -> np.ndarray:
     from maskcli.memory import check_dense_fits
 
     check_dense_fits((b * h, q_len, k_len), 1, "as a bool array")
+    if b * h == 0:  # a call over a batch of 0 rows (or 0 heads): no plane to stack
+        return np.zeros((b, h, q_len, k_len), dtype=bool)
     found = intervals(stored)
     return np.stack([found.dense(plane, 0, q_len) for plane in range(b * h)]).reshape(b, h, q_len, k_len)
 

@@ -141,6 +141,13 @@ TRACE_DAMAGE = {  # file name -> what is changed in a good trace file
 }
 
 
+def _empty_batch(data) -> None:
+    """A call over a batch of 0 rows, as trace --save writes one (SDPA accepts it): was an IndexError in show."""
+    data["masks"]["e"] = {"form": "intervals", "shape": [0, 2, 4, 4], "planes": [0, 1],
+                          "starts": np.zeros((0, 4, 1), np.int64), "ends": np.zeros((0, 4, 1), np.int64)}
+    data["calls"].append({"index": 2, "where": "empty", "api": "sdpa", "step": 0, "shape": [0, 2, 4, 4], "mask": "e", "details": {}})
+
+
 def plant_crafted(folder) -> None:
     """Crafted files for every reader: serve batches at the edges of int64, damaged trace files, tensors torch
     cannot hand to numpy, kernel formats with fractional or no indices, and numbers past what int() reads."""
@@ -171,6 +178,7 @@ def plant_crafted(folder) -> None:
     for name, mutate in TRACE_DAMAGE.items():
         _trace(folder / name, mutate)
     _trace(folder / "t_good.pt")
+    _trace(folder / "t_batch0.pt", _empty_batch)
     t = torch.tril(torch.ones(4, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "nested tensors are in prototype stage"

@@ -188,6 +188,11 @@ def test_a_bad_expect_expression_is_one_line_before_the_model_is_built(monkeypat
     (["--try"], "--try goes with --list"),
     (["gemma4_text"], "gemma4_text cannot be made tiny: AmbiguousGlobalPerLayerAttributeError"),
     (["gemma2"], "gemma2 has no --attn sdpa in transformers "),
+    # hunt 5: 2^63 ended in "mistral cannot run --attn sdpa --cache dynamic: ValueError: Overflow when unpacking long long"
+    (["mistral", "--window", str(2**63)], f"--window {2**63}: give 1 to 1,099,511,627,776 tokens"),
+    (["llama4_text", "--chunk-size", str(2**41)], f"--chunk-size {2**41}: give 1 to 1,099,511,627,776 tokens"),
+    (["llama", "--prefill-chunk", str(2**63)], f"--prefill-chunk {2**63}: give 1 to 1,099,511,627,776 tokens"),
+    (["/dev/null"], "'/dev/null' is not a regular file: give a local config.json"),  # was "no such config file"
 ])
 def test_bad_input_is_one_line(args, says):
     result = model(*args)
@@ -394,6 +399,27 @@ def test_a_config_of_100000_layers_is_refused_up_front_saying_what_it_would_buil
         "tiny model with one layer of each type would have 100,000 layers, past the 256 maskcli builds (about 3,000,000 "
         "parameters): give a config.json whose layer_types has each type within its first 256 layers (num_hidden_layers "
         "to match)\n")
+
+
+@needs_hf
+def test_a_config_of_a_million_layers_is_read_in_seconds_and_a_huge_window_refused(tmp_path):
+    """A llama config of 10^6 layers read each layer's kind afresh from the config (a runaway past 90 s); a window of
+    2^63 in a config.json overflowed inside transformers."""
+    import json
+    import time
+
+    (tmp_path / "many.json").write_text(json.dumps({"model_type": "qwen2", "num_hidden_layers": 10**6, "sliding_window": 4,
+                                                    "use_sliding_window": True, "max_window_layers": 999_999}))
+    start = time.process_time()
+    result = model(tmp_path / "many.json")
+    assert time.process_time() - start < 60, "a hang guard: about 2 s here"
+    assert result.exit_code == 2 and "its first sliding_attention layer is layer 999,999, so a tiny model with one " \
+        "layer of each type would have 1,000,000 layers" in result.stderr  # qwen2: layers from max_window_layers on slide
+    (tmp_path / "wide.json").write_text(json.dumps({"model_type": "mistral", "sliding_window": 2**63 - 1}))
+    result = model(tmp_path / "wide.json")
+    assert result.exit_code == 2 and result.stderr == (
+        f"maskcli: error: '{tmp_path / 'wide.json'}': sliding_window {2**63 - 1} is past the 1,099,511,627,776 tokens "
+        "maskcli runs: give a smaller one\n")
 
 
 @needs_hf

@@ -110,6 +110,36 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert result.exit_code == 2 and "no page size: add block_size" in result.stderr
 
 
+@pytest.mark.parametrize("fields, says", [
+    ({"cu_seqlens_q": [0, 2], "seqused_k": [5], "causal": 2}, "causal holds 2; it is a flag, True or False (1 or 0)"),
+    ({"cu_seqlens_q": [0, 2], "seqused_k": [5], "causal": -1}, "causal holds -1; it is a flag"),  # both were read as True
+    ({"qo_indptr": [0], "kv_indptr": [0], "causal": 1}, "qo_indptr holds no request (a batch of 0 requests)"),  # was exit 0
+    ({"cu_seqlens_q": [0, 2], "seqused_k": [5], "window_size": [2, -7]}, "window_size (2, -7) reaches keys after the query"),
+])
+def test_flags_and_empty_batches_no_engine_writes_are_one_line(tmp_path, fields, says):
+    result = serve(save(fields, tmp_path / "odd.json"))
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("maskcli: error: ") and says in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("fields, note", [
+    ({"cu_seqlens_q": [0, 2], "seqused_k": [5], "causal": 1, "window_size": [-5, 0]},
+     "window_size (-5, 0): flash-attn reads any negative side as no limit (as -1)"),
+    ({"qo_indptr": [0, 2], "kv_indptr": [0, 5], "causal": 1, "window_left": -3},
+     "window_left -3: the kernel reads any negative window side as no limit (as -1)"),
+])
+def test_a_window_side_below_minus_1_is_read_as_the_kernel_reads_it_and_said(tmp_path, fields, note):
+    """flash_api.cpp and FlashInfer turn on a window only for a side of 0 or more: -5 is no limit, as -1 is; it was read
+    so with no word. The mask is then the kernel's own causal one: query i of a request of 2 new tokens after 3 cached
+    keys sees keys 0..3+i."""
+    result = serve(save(fields, tmp_path / "window.json"), "--json")
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)
+    assert found["notes"] == [note] and found["window"] is None and found["causal"] is True
+    (request,) = found["requests"]
+    assert (request["queries"], request["keys"], request["expression"]) == ([3, 5], [0, 5], "causal")
+
+
 def test_png_shows_each_request_mask_and_its_pages(tmp_path):
     """Each request's panel, read back at its cells' centres, is the causal mask behind its cache; the page strip
     colours its blocks (shared orange, written green)."""

@@ -214,6 +214,12 @@ CASES = [
     (["show", "causal", "--len", "1_0"], "--len '1_0': '1_0' is not a whole number (write it in digits 0-9, like 16)"),
     (["trace", "--max-bytes", "\uff11\uff12", "prog.py"], "'\uff11\uff12' is not a whole number"),
     (["shard", "causal", "--ranks", "0x10"], "--ranks '0x10'"),
+    # hunt 5: trace's own options and programs that are no file; verify's inputs that make every kernel NaN
+    (["trace", "--html", "x.html", "prog.py"], "no such option: --html (maskcli trace --help lists trace's own"),  # was "no such script '--html'"
+    (["trace", "dir.pt"], "'dir.pt' is a directory: give the path of a Python file"),
+    (["verify", "causal", "--q", "[[NaN,1],[1,2]]", "--k", "[[1,2],[3,4]]", "--v", "[[1,2],[3,4]]"],
+     "--q holds nan (1 of 4 values): verify compares kernels with a reference"),  # was "DISAGREES nan" on every kernel, exit 0
+    (["verify", "causal", "--x", "[[1e400,1],[1,2]]"], "--x, projected, holds"),
     # a NUL byte in a file name was "unexpected ValueError: embedded null byte"
     (["show", "causal", "--png", "x\x00y.png"], "'x\\x00y.png' holds a NUL byte"),
     (["show", "--mask", "a\x00b.pt"], "holds a NUL byte"),
@@ -285,6 +291,12 @@ CRAFTED = [
     (["inspect", "many.npz"], "holds several tensors ('m0', 'm1', 'm2', 'm3', 'm4', 'm5', 'm6', 'm7', ... (3,000 in all))"),
     (["pack", "many.npz"], "holds 'm0', 'm1', 'm2', 'm3', 'm4', 'm5', 'm6', 'm7', ... (3,000 in all), none of them a field"),
     (["shard", "causal", "--len", "8", "--trace", "protocol4.npy"], "'protocol4.npy' is not a trace file maskcli can read"),
+    # hunt 5: a call over a batch of 0 rows (IndexError in every view), and a whole trace file read as a tensor file
+    (["show", "--mask", "t_batch0.pt:2"], "t_batch0.pt:2: that call's mask has shape [0, 2, 4, 4], no cells"),
+    (["diff", "t_batch0.pt:2", "causal"], "that call's mask has shape [0, 2, 4, 4], no cells"),
+    (["inspect", "t_good.pt"], "FILE 't_good.pt' is a maskcli trace file (2 calls), not a tensor file: where a mask is read, "
+                               "name one call of it, FILE:0"),  # was "entry 'format' of the dict is str"
+    (["show", "--mask", "t_good.pt"], "is a maskcli trace file (2 calls), not a tensor file"),
 ] + [([command, *spec], name) for name in TRACE_DAMAGE
      for command, spec in (("inspect", [f"{name}:0"]), ("show", ["--mask", f"{name}:1"]), ("diff", [f"{name}:0", "causal"]))]
 

@@ -214,3 +214,53 @@ def test_trace_refuses_apis_it_does_not_record(apis, says):
     with pytest.raises(MaskError, match=says):
         maskcli.trace(apis=apis)
     assert maskcli.trace(apis="sdpa, mha").apis == ("sdpa", "mha")  # a string is comma-separated names, not letters
+
+
+@pytest.mark.parametrize("options", [{"length": 1.5}, {"length": 4, "heads": float("nan")},
+                                     {"length": 4, "offset": __import__("decimal").Decimal("1.5")}, {"length": 4, "kv_len": "4"}])
+def test_mask_options_given_directly_are_whole_numbers_too(options):
+    """build(options=MaskOptions(length=1.5)) went past build()'s own check: a shape (1, 1, 1.5, 1.5), keys 0-4.5."""
+    name = next(name for name, value in options.items() if type(value) is not int)
+    with pytest.raises(MaskError, match=re.escape(f"{name}={options[name]!r} is a {type(options[name]).__name__}")):
+        maskcli.build("causal", options=maskcli.MaskOptions(**options))
+
+
+def test_rows_and_keys_take_tuples_as_crop_does():
+    """build(rows=(1, 3)) was "unexpected AttributeError: 'tuple' object has no attribute 'split'"."""
+    viewed = maskcli.build("causal", length=4, rows=(1, 3), keys=(None, 2))
+    assert viewed.dense()[0, 0].tolist() == [[q >= kv for kv in range(2)] for q in range(1, 3)]
+    assert viewed.dense().tolist() == maskcli.build("causal", length=4, rows="1:3", keys=":2").dense().tolist()
+    for bad in [(1.5, 3), (1,), (True, 2)]:
+        with pytest.raises(MaskError, match=re.escape(f"rows={bad!r}: give (A, B), whole numbers or None")):
+            maskcli.build("causal", length=4, rows=bad)
+    with pytest.raises(MaskError, match=re.escape("--rows (1.5, 3): give (A, B), whole numbers")):
+        maskcli.build("causal", length=4).crop((1.5, 3))  # was a shape (1, 1, 1.5, 4)
+
+
+@pytest.mark.parametrize("value", [[True, 3], [[1, False]], np.array([True, False])])
+def test_bools_are_no_counts_or_labels(value):
+    """numpy reads [True, 3] as [1, 3]: sizes=[True, 3] was document(sizes=[1,3]), lengths=[True, 2] 'lengths 1,2'."""
+    for given in ({"sizes": value}, {"lengths": value}):
+        with pytest.raises(MaskError, match="holds True/False: give integers"):
+            maskcli.build("document" if "sizes" in given else "causal", length=4, **given)
+
+
+def test_views_refuse_what_they_cannot_show_in_one_line():
+    """Each was an internal error (ZeroDivisionError, KeyError, AttributeError) or a table for width -5."""
+    mask = maskcli.build("causal", length=4)
+    for call, says in [(lambda: mask.blocks(0), "blocks(): block=0: give a block size"),
+                       (lambda: mask.blocks((2, 0)), "blocks(): block=(2, 0)"),
+                       (lambda: mask.blocks(1.5), "blocks(): block=1.5"),
+                       (lambda: mask.summary(grid=(0, 0)), r"summary\(\): grid=\(0, 0\)"),
+                       (lambda: mask.table(convention="bogus"), "table(): unknown convention 'bogus'"),
+                       (lambda: mask.table(convention="additive", dtype="int8"), "table(): unknown dtype 'int8'"),
+                       (lambda: mask.table(width=-5), "width=-5: give the columns to fit"),
+                       (lambda: mask.cells(1.5), "cells(b=1.5, h=0, q_lo=0, q_hi=4): give whole numbers"),
+                       (lambda: mask.cells(0, 0, -1), "q_lo=-1")]:
+        with pytest.raises(MaskError, match=says if "\\" in says else re.escape(says)):
+            call()
+    with pytest.raises(TypeError, match="diff\\(\\) compares with another Mask"):
+        mask.diff(3)
+    blocks = mask.blocks((2,))  # one size in a tuple: square blocks, as blocks(2)
+    assert (blocks.q_block, blocks.kv_block) == (2, 2) and blocks.full_kv_num_blocks[0, 0].tolist() == [0, 1]
+    assert mask.summary(grid=(2, 2)).visible == sum(q + 1 for q in range(4))  # query q of a causal mask sees q+1 keys

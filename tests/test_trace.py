@@ -977,3 +977,39 @@ def test_past_the_copies_budget_masks_are_read_during_the_run_to_the_same_calls(
         for call, width in zip(t.calls, (1, 2, 3, 6)):
             assert np.array_equal(call.keep()[1, 0], window_keep(6, 6, width))
     assert found[0][0] == found[1][0] and found[0][1] == 4 and found[1][1] < 4
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_or_plus_inf_in_a_float_mask_is_said_to_make_those_rows_nan(value):
+    """A NaN-filled attn_mask was named 'padding (--lengths 0)' with '0 output there', while SDPA gave NaN everywhere;
+    one NaN cell in a row of zeros made that row NaN with no word."""
+    q, k, v = qkv(1, 2, 4, 4)
+    mask = torch.zeros(4, 4)
+    mask[2, 1] = value
+    with maskcli.trace() as t:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    nan_rows = out.isnan().any(dim=-1)[0, 0].tolist()  # torch's own output: which rows are NaN
+    assert nan_rows == [False, False, True, False]
+    (found,) = [f for f in t.groups()[0].findings if f.code == "mask-nan"]
+    word = "NaN" if value != value else "+inf"
+    assert found.message.startswith(f"the float attn_mask holds {word} (1 cell, in 1 of 4 query rows")
+    assert severity(found) == "wrong"
+    with maskcli.trace() as clean:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(4, 4))
+    assert not any(f.code == "mask-nan" for f in clean.groups()[0].findings)
+
+
+def test_a_call_the_kernel_refused_is_said_to_have_run_no_attention():
+    """SDPA refuses is_causal=2 and keys of another head size: each was reported as a 'causal' or 'full' call with no
+    word that torch raised, as if attention had run with that mask."""
+    q, k, v = qkv(1, 2, 4, 4)
+    with maskcli.trace() as t:
+        for bad in ({"is_causal": 2}, {"key": k[..., :3]}):
+            given = {"query": q, "key": k, "value": v} | bad
+            with pytest.raises((TypeError, RuntimeError)):
+                F.scaled_dot_product_attention(**given)
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    refused = [c for c in t.calls if "raised" in c.details]
+    assert [c.index for c in refused] == [0, 1] and refused[0].details["raised"].startswith("TypeError: ")
+    said = [f.message for g in t.groups() for f in g.findings if f.code == "call-raised"]
+    assert len(said) == 2 and all("did not complete, so no attention ran with this mask there" in m for m in said)

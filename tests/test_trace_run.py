@@ -165,3 +165,83 @@ def test_every_option_is_checked_before_the_package_of_a_module_is_imported(tmp_
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and done.stdout == "" and not (tmp_path / "imported").exists()
     assert done.stderr.startswith(f"maskcli: error: {bad[0]} ") and done.stderr.count("\n") == 1
+
+
+def test_exit_statuses_descriptors_and_empty_batches_are_pythons(tmp_path):
+    """Hunt 5: a program that closes descriptor 2 (trace exited 2 writing its report there), raises KeyboardInterrupt
+    (python ends by SIGINT, trace exited 130), exits 300 (the report said 300, the shell sees 44), or attends over a
+    batch of 0 rows (an internal error)."""
+    write(tmp_path / "fd2.py", """
+        import os
+        import torch
+        import torch.nn.functional as F
+        x = torch.randn(1, 1, 4, 8)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        print("closing")
+        os.close(2)
+    """)
+    plain, traced = run_both(tmp_path, ["fd2.py"])
+    assert plain.returncode == traced.returncode == 0 and traced.stdout == plain.stdout == "closing\n"
+    assert traced.stderr.startswith(REPORT + "fd2.py: 1 attention call in 1 group")
+    write(tmp_path / "interrupt.py", "print('before')\nraise KeyboardInterrupt\n")
+    plain, traced = run_both(tmp_path, ["interrupt.py"])
+    assert plain.returncode == traced.returncode == -signal.SIGINT and traced.stdout == plain.stdout == "before\n"
+    write(tmp_path / "status.py", "raise SystemExit(300)\n")
+    plain, traced = run_both(tmp_path, ["status.py"])
+    assert plain.returncode == traced.returncode == 300 % 256
+    assert "the program exited with status 300 (the shell sees 44)" in " ".join(traced.stderr.split())
+    write(tmp_path / "unload.py", """
+        import sys
+        import torch
+        import torch.nn.functional as F
+        x = torch.randn(1, 1, 4, 8)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        del sys.modules["torch"]  # the report imported torch again: "unexpected RuntimeError: Only a single TORCH_LIBRARY"
+        print("unloaded")
+    """)
+    plain, traced = run_both(tmp_path, ["unload.py"])
+    assert plain.returncode == traced.returncode == 0 and traced.stdout == plain.stdout == "unloaded\n"
+    assert traced.stderr.startswith(REPORT + "unload.py: 1 attention call in 1 group")
+    write(tmp_path / "batch0.py", """
+        import torch
+        import torch.nn.functional as F
+        z = torch.randn(0, 2, 4, 8)
+        print(F.scaled_dot_product_attention(z, z, z, attn_mask=torch.ones(0, 2, 4, 4, dtype=torch.bool)).shape)
+    """)
+    plain, traced = run_both(tmp_path, ["batch0.py"])
+    assert plain.returncode == traced.returncode == 0 and traced.stdout == plain.stdout == "torch.Size([0, 2, 4, 8])\n"
+    assert "empty: 0 batch rows, 4 queries, 4 keys" in " ".join(traced.stderr.split())
+
+
+def test_options_end_at_the_module_as_pythons_do(tmp_path):
+    """`trace -m pkg -m pkg.other` ran pkg.other (its second -m taken as trace's); python runs pkg with the arguments
+    -m pkg.other, and so does trace now, in every spelling of -m."""
+    write(tmp_path / "pkg" / "__init__.py", "")
+    write(tmp_path / "pkg" / "__main__.py", "import sys\nprint('pkg', sys.argv[1:])\n")
+    write(tmp_path / "pkg" / "other.py", "import sys\nprint('other', sys.argv[1:])\n")
+    for spelling in (["-m", "pkg"], ["-mpkg"], ["--module=pkg"], ["--module", "pkg"]):
+        plain = subprocess.run([sys.executable, "-m", "pkg", "-m", "pkg.other", "--json", "x"], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=300)
+        traced = subprocess.run([sys.executable, "-m", "maskcli", "trace", *spelling, "-m", "pkg.other", "--json", "x"],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert plain.stdout == traced.stdout == "pkg ['-m', 'pkg.other', '--json', 'x']\n", (spelling, traced.stderr)
+        assert traced.returncode == 0 and traced.stderr.startswith(REPORT + "-m pkg: 0 attention calls")
+
+
+def test_a_program_started_with_stdout_closed_runs_as_under_python(tmp_path):
+    """`maskcli trace prog.py >&-` refused ("stdout is closed") where python runs the program (its prints go nowhere):
+    trace's stdout is the program's, its report on stderr."""
+    write(tmp_path / "prog.py", """
+        import torch
+        import torch.nn.functional as F
+        x = torch.randn(1, 1, 4, 8)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        print("nowhere")
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    done = [subprocess.run(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True, timeout=300,
+                           preexec_fn=lambda: os.close(1))
+            for command in ([sys.executable, "prog.py"], [sys.executable, "-m", "maskcli", "trace", "prog.py"])]
+    assert done[0].returncode == done[1].returncode == 0 and done[0].stderr == ""
+    assert done[1].stderr.startswith(REPORT + "prog.py: 1 attention call in 1 group")

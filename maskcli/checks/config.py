@@ -29,16 +29,17 @@ COUNTS_QUERY = "sliding_window counts the query itself, FlashAttention's window_
 
 
 def layer_kind(config, index: int | None) -> tuple[str, str] | None:
-    """(sliding_attention | full_attention | chunked_attention, the config field that says so) for layer `index` of a
-    config object or dict."""
-    if config is None or index is None:
-        return None
-    fields = fields_of(config)
-    if not fields and not _transformers(config) and _own_pattern(config):
-        return None  # a config of the program's own whose layers follow a pattern of its own says nothing of a layer's
-        # kind here (nanochat's GPTConfig keeps its windows in a window_pattern "SL" its model reads itself)
-    found = Intent([Stated("config", "", fields)]).kind(index)
-    return None if found is None else found[:2]
+    """(sliding_attention | full_attention | chunked_attention, the field that says so) for layer `index` of a config."""
+    return None if index is None else layer_kinds(config, [index])[0]
+
+
+def layer_kinds(config, indexes) -> list[tuple[str, str] | None]:
+    """layer_kind of each of `indexes`, the config read once (10^6 layers read it 10^6 times: minutes); none from a
+    config of the program's own with a layer pattern of its own (nanochat's window_pattern "SL", read by its model)."""
+    fields = {} if config is None else fields_of(config)
+    if config is None or (not fields and not _transformers(config) and _own_pattern(config)):
+        return [None] * len(indexes)
+    return [None if found is None else found[:2] for found in map(Intent([Stated("config", "", fields)]).kind, indexes)]
 
 
 def _own_pattern(config) -> bool:
@@ -123,8 +124,7 @@ def real(cells: np.ndarray, own: np.ndarray, given, batch: int | None = None,
 
 
 def _placed(call, run: Run, cells) -> Placed | None:
-    """How the call's queries sit among its keys and which are real; None where not known (a ring buffer's slots,
-    more queries than keys: cross-attention)."""
+    """How the call's queries sit among its keys and which are real; None where not known (ring slots, cross-attention)."""
     top = run.top(call)
     if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top):
         return None

@@ -37,6 +37,19 @@ def bias(details: dict) -> list[Finding]:
         "the mask shown is its cells at -inf or at most -1e4; the rest of what it adds is not shown"))]
 
 
+def poisoned(details: dict) -> list[Finding]:
+    """An additive attn_mask holding NaN or +inf (trace/maskfacts.poison): the kernel's softmax is NaN on each row with one."""
+    found = details.get("poison")
+    if not found:
+        return []
+    value, rows = found["value"], found["rows"]
+    return [Finding("mask-nan", (
+        f"the float attn_mask holds {value} ({found['cells']:,} cell{'s' if found['cells'] != 1 else ''}, in {rows:,} of "
+        f"{found['of']:,} query rows over its batch rows and heads): added to the scores, {value} makes the softmax of "
+        f"each such row NaN, whatever else the row sees, so the kernel's output there is NaN; the mask shown reads "
+        f"those cells as masked (fill with -inf, or torch.finfo(dtype).min, where a cell should be masked)"))]
+
+
 def score_mod(details: dict) -> list[Finding]:
     """A flex score_mod whose masking was read off its -inf cells with a bias beside it, or could not be read."""
     read = details.get("score_mod_read")
@@ -83,6 +96,8 @@ RULES = (
          "uniform weights", fills, "group"),
     Rule("additive", "note", "call", "an additive mask added to the scores rather than a fill", fills, "group"),
     Rule("bias", "note", "call", "a float mask that also adds a bias (ALiBi, relative positions)", bias, "group"),
+    Rule("mask-nan", "wrong", "call", "a float attn_mask holding NaN or +inf: the kernel's output is NaN on every row "
+         "holding one", poisoned, "group"),
     Rule("score-mod", "note", "call", "a flex score_mod that also adds a bias, or whose masking could not be read off "
          "its -inf cells", score_mod, "group"),
     Rule("sentinel-overflow", "wrong", "call", "a fill value that is -inf in float16 or bfloat16, so a fully masked row "

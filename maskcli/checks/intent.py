@@ -141,6 +141,15 @@ class Intent:
         """`name=value` with where it was stated: "sliding_window=3 (hf_config (dict) at the top of prog.py)."""
         return f"{name}={self.values[name]!r} ({self.sources[name]})"
 
+    def _sliding_layers(self, layers) -> set | list | tuple:
+        """sliding_window_layers as a set, made once: a list of 10^6 searched per layer took hours."""
+        if getattr(self, "_sliding", None) is None:
+            try:
+                self._sliding = set(layers)
+            except TypeError:  # (unhashable entries: searched as given)
+                self._sliding = layers
+        return self._sliding
+
     def window(self) -> tuple[int, str] | None:
         """(W, field) of the stated sliding window: sliding_window, else an int window_size (its count unsure)."""
         for name in ("sliding_window", "window_size"):
@@ -203,7 +212,7 @@ class Intent:
             if all(isinstance(x, bool) for x in layers):
                 chosen = index < len(layers) and layers[index]
             else:
-                chosen = index in layers
+                chosen = index in self._sliding_layers(layers)
             return ("sliding_attention" if chosen else "full_attention"), "sliding_window_layers", False
         most = self.values.get("max_window_layers")
         if sliding and isinstance(most, int) and (self.transformers or self.values.get("use_sliding_window") is True):

@@ -149,7 +149,21 @@ def asked(call, stored: dict, name: str) -> list[Finding]:
     return found
 
 
+def refused(calls: list) -> list[Finding]:
+    """The calls of a group whose kernel raised (torch refused is_causal=2, shapes that do not match): each was
+    recorded as it was called, but no attention ran with its mask."""
+    raised = [call for call in calls if "raised" in call.details]
+    if not raised:
+        return []
+    which = "every call" if len(raised) == len(calls) else f"call{'s' if len(raised) > 1 else ''} {', '.join(str(c.index) for c in raised[:8])}"
+    return [Finding("call-raised", f"{which} of this group raised {raised[0].details['raised'].rstrip('.')}: "
+                    f"{'they' if len(raised) > 1 else 'it'} did not complete, so no attention ran with this mask there "
+                    "(the program saw the error)", severity="note")]
+
+
 RULES = (
+    Rule("call-raised", "note", "call", "a call whose kernel raised (torch refused its arguments): no attention ran with "
+         "its mask", refused, "group"),
     Rule("top-left-causal", "wrong", "call", "is_causal with fewer queries than keys: SDPA aligns it top-left, so a "
          "decode step behind a cache sees key 0 only", top_left, "group"),
     Rule("hf-not-causal", "wrong", "call", "Hugging Face asked for a causal mask that the attention function did not "

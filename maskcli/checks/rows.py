@@ -26,6 +26,9 @@ def what_api_does(call) -> str:
     if api == "softmax":
         return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf" and details.get("nan_rows", True)
                 else "uniform weights over every key there, masked ones included (a finite fill)")
+    if api == "sdpa" and details.get("poison"):  # (trace/maskfacts.poison: NaN or +inf in a float attn_mask)
+        return (f"NaN output there where the mask adds {details['poison']['value']} to the row, 0 where only -inf or a "
+                "low fill masks it (SDPA gives rows with no key 0)")
     if api in ("mha", "sdpa") and details.get("finite_rows") and not details.get("nan_rows"):
         return "uniform weights over the keys its float mask fills with a finite value there, not -inf"
     if api == "mha" and details.get("need_weights"):

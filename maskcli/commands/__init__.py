@@ -19,6 +19,7 @@ from maskcli.commands.app import app
 
 
 def main() -> None:
+    import os
     import sys
 
     from maskcli.commands.app import quiet_stdout
@@ -53,4 +54,8 @@ def main() -> None:
         except BrokenPipeError:
             quiet_stdout()
             raise SystemExit(141) from None
+        run = sys.modules.get("maskcli.trace.run")
+        if run is not None and run.interrupted and done.code == 130:  # a traced program's KeyboardInterrupt: python
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # ends by SIGINT (its parent sees a signal, not status 130)
+            os.kill(os.getpid(), signal.SIGINT)
         raise done

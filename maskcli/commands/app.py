@@ -64,7 +64,9 @@ class MaskcliGroup(TyperGroup):
         from rich.console import Console
 
         Console.on_broken_pipe = _pipe_closed
-        if sys.stdout is None:  # started with stdout closed (>&-): every table and --json would vanish
+        given = sys.argv[1:] if args is None else list(args)
+        if sys.stdout is None and given[:1] != ["trace"]:  # started with stdout closed (>&-): every table and --json
+            # would vanish; trace's stdout is the program's (python runs one with it closed) and its report stderr
             fail("stdout is closed, so nothing maskcli prints can be seen: send it to a file or /dev/null instead")
         try:
             no_nul(sys.argv[1:] if args is None else list(args))

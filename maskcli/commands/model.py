@@ -104,7 +104,7 @@ def model(
 
 def _check_numbers(pad_id: int | None, new_tokens: int, prefill_chunk: int | None) -> None:
     """The integer options' ranges, as maskcli.hf.run checks them again where they are used."""
-    from maskcli.hf.families import SIZES
+    from maskcli.hf.families import MOST_WINDOW, SIZES
     from maskcli.hf.budget import MOST_TOKENS
 
     vocab = SIZES["vocab_size"]
@@ -112,8 +112,8 @@ def _check_numbers(pad_id: int | None, new_tokens: int, prefill_chunk: int | Non
         raise MaskError(f"--pad-id {pad_id}: the tiny model's vocabulary is 0..{vocab - 1}: give a pad id in it")
     if not 0 <= new_tokens <= MOST_TOKENS:
         raise MaskError(f"--new-tokens {new_tokens}: give 0 to {MOST_TOKENS} decode steps")
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise MaskError(f"--prefill-chunk {prefill_chunk}: give 1 or more tokens")
+    if prefill_chunk is not None and not 1 <= prefill_chunk <= MOST_WINDOW:  # (2^63: "Overflow when unpacking long long")
+        raise MaskError(f"--prefill-chunk {prefill_chunk}: give 1 to {MOST_WINDOW:,} tokens")
 
 
 def _only_try_with_list(ctx: typer.Context) -> None:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from maskcli.commands.app import app, done, make_console
+from maskcli.commands.app import MaskcliCommand, app, done, make_console
 from maskcli.commands.options import Check, examples, integer
 from maskcli.errors import MaskError
 
@@ -19,7 +19,32 @@ def complete_apis(incomplete: str) -> list[str]:
     return [head + comma + name for name in APIS if name.startswith(word) and name not in head.split(",")]
 
 
+class TraceCommand(MaskcliCommand):
+    """trace's options end at -m MODULE as python's do: `-m pkg -m other` runs pkg with the arguments -m other (the
+    second -m was taken as trace's own, and the program run was another)."""
+
+    VALUED = ("--api", "--max-bytes", "--json", "--save", "--rank-timeout", "--expect")
+
+    def parse_args(self, ctx, args):
+        for at, word in enumerate(args):
+            if at and args[at - 1] in self.VALUED or word == "--":
+                continue
+            if word in ("-m", "--module"):
+                cut = at + 2
+            elif word.startswith("--module=") or (word.startswith("-m") and not word.startswith("--")):
+                cut = at + 1
+            elif word.startswith("-"):
+                continue
+            else:  # the script: what follows it is the program's already
+                break
+            rest = super().parse_args(ctx, list(args[:cut]))
+            ctx.args = [*ctx.args, *args[cut:]]
+            return rest
+        return super().parse_args(ctx, args)
+
+
 @app.command(
+    cls=TraceCommand,
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False},
     epilog=examples(
         "maskcli trace -m maskcli.trace.demo",
@@ -129,10 +154,25 @@ def _reopen_stderr(spare: int | None) -> None:
 
     if spare is None:
         return
-    if sys.stderr is not None and not sys.stderr.closed:
+    if sys.stderr is not None and not sys.stderr.closed and _open(sys.stderr):
         os.close(spare)
         return
     sys.stderr = open(spare, "w", encoding="utf-8", errors="replace", closefd=True)  # noqa: SIM115 - open until exit
+
+
+def _open(stream) -> bool:
+    """The stream's descriptor is still open: a program's os.close(2) leaves sys.stderr looking open."""
+    import os
+
+    try:
+        descriptor = stream.fileno()
+    except Exception:  # noqa: BLE001 - no descriptor (a StringIO, io.UnsupportedOperation): none to lose
+        return True
+    try:
+        os.fstat(descriptor)
+    except OSError:
+        return False
+    return True
 
 
 def _report(tracer, program: str, status: int, expectations, json_path: str | None, save: str | None, targets: dict,

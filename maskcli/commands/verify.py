@@ -45,6 +45,7 @@ def verify(
     from maskcli.attention import verify as verify_core
     from maskcli.attention.inputs import check_against_mask
 
+    _finite(qkv)
     qkv = check_against_mask(qkv, built.shape)
     tensors = [t.to(device=torch_device, dtype=torch_dtype).contiguous() for t in (qkv.q, qkv.k, qkv.v)]
     tolerance = verify_core.DEFAULT_ATOL[torch_dtype] if atol is None else atol
@@ -71,3 +72,17 @@ def verify(
         console.print(backends_table(results, tolerance))
     if strict and not all(r.agrees(tolerance) for r in results):
         raise typer.Exit(1)
+
+
+def _finite(qkv) -> None:
+    """Refuse NaN or inf in the inputs: the float64 reference is NaN there too, so every backend read "DISAGREES, nan"
+    while each computed what the reference did (attend shows where NaN and inf go)."""
+    import torch
+
+    for name, tensor in zip("qkv", (qkv.q, qkv.k, qkv.v)):
+        bad = ~torch.isfinite(tensor)
+        if bool(bad.any()):
+            given = "--x, projected," if qkv.source.startswith("--x") else f"--{name}"
+            raise MaskError(f"{given} holds {tensor[bad][0].item()} ({int(bad.sum()):,} of {tensor.numel():,} values): verify "
+                            "compares kernels with a reference, and NaN or inf in the inputs makes every output NaN: give "
+                            "finite inputs (maskcli attend shows what NaN and inf do stage by stage)")

@@ -26,6 +26,7 @@ MOST_PARAMETERS = 3_000_000
 # a tiny layer is about 10,000 parameters, so MOST_PARAMETERS holds some 300: a config whose last new layer type comes
 # later is refused before a layer is built (100,000 layers took minutes to build, then were refused by their count)
 MOST_LAYERS = 256
+MOST_WINDOW = 2**40  # a sliding window, chunk size or prefill chunk past it: transformers overflows int64 arithmetic
 LONGEST_PATTERN = 48  # items (runs, or repeated groups of runs) written out; past it, a count per type
 LONGEST_GROUP = 16  # runs in a repeated group: looking for longer ones made 100,000 layers in no pattern take hours
 SHAPERS = ("sliding_window", "use_sliding_window", "attention_chunk_size", "cache_implementation")
@@ -92,6 +93,8 @@ def file_config(path: str):
         size = values.get(name)
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
             raise MaskError(f"{path!r}: {name} {json.dumps(size)[:40]} is no size in tokens: give a whole number of 1 or more, or null for none")
+        if isinstance(size, int) and size > MOST_WINDOW:  # 2^63 ended in "cannot run ...: Overflow when unpacking long long"
+            raise MaskError(f"{path!r}: {name} {size} is past the {MOST_WINDOW:,} tokens maskcli runs: give a smaller one")
     try:
         with quiet():
             config = transformers.AutoConfig.for_model(kind, **values)
@@ -104,7 +107,9 @@ def load(source: str):
     """A family name or a local .json file, as the config it names (class defaults, or the file's values)."""
     if source.lower().endswith(".json") or os.sep in source:
         if not os.path.isfile(source):
-            raise MaskError(f"no such config file {source!r}: give a local config.json, or a family name (maskcli model --list)")
+            what = ("is a directory" if os.path.isdir(source) else "is not a regular file") if os.path.exists(source) else ""
+            raise MaskError(f"{source!r} {what}: give a local config.json, or a family name (maskcli model --list)" if what
+                            else f"no such config file {source!r}: give a local config.json, or a family name (maskcli model --list)")
         return file_config(source)
     return default_config(source)
 
@@ -128,13 +133,13 @@ def layer_types(config) -> list[str]:
     no_rope_layers), so that `model`, serve and shard --model and the rules read a config one way; where that leaves a
     layer unknown (a per-layer field it does not read, GPT-Neo's attention_layers), what its sliding window or chunk
     size makes every layer."""
-    from maskcli.checks.config import layer_kind
+    from maskcli.checks.config import layer_kinds
 
     found = getattr(config, "layer_types", None)
     count = getattr(config, "num_hidden_layers", None) or 0
     if found:
         return list(found)
-    kinds = [layer_kind(config, index) for index in range(count)]
+    kinds = layer_kinds(config, range(count))
     if all(kinds):
         return [kind[0] for kind in kinds]
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
@@ -249,8 +254,8 @@ def _tiny(config, window: int | None, chunk_size: int | None, name: str):
     for flag, attribute, value in (("--window", "sliding_window", window), ("--chunk-size", "attention_chunk_size", chunk_size)):
         if value is None:
             continue
-        if value < 1:
-            raise MaskError(f"{flag} {value}: give 1 or more tokens")
+        if not 1 <= value <= MOST_WINDOW:  # (2^63 ended in "cannot run ...: Overflow when unpacking long long")
+            raise MaskError(f"{flag} {value}: give 1 to {MOST_WINDOW:,} tokens")
         if not hasattr(config, attribute):
             raise MaskError(f"{flag} {value}: {name} has no {attribute} in its config, so {flag} would change nothing")
         changes[attribute] = value

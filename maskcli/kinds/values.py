@@ -199,10 +199,18 @@ def as_array(value, where: str) -> np.ndarray:
         array = np.asarray(value)
     except (ValueError, TypeError, OverflowError):
         array = None
+    if array is not None and (array.dtype.kind == "b" or (isinstance(value, (list, tuple)) and _holds_bool(value))):
+        raise MaskError(f"{where}: {shortened(repr(value), 60)} holds True/False: give integers (a bool is no count or "
+                        "label)")
     if array is None or array.dtype == object or array.dtype.kind not in "iubf":
         raise MaskError(f"{where}: give integers, as a list, a list of rows (one per batch row, all as long), "
                         f"a numpy array or a tensor; got {shortened(repr(value), 60)}")
     return checked(array, where)
+
+
+def _holds_bool(value) -> bool:
+    """A bool anywhere in nested lists: numpy reads [True, 3] as [1, 3]."""
+    return any(isinstance(item, bool) or (isinstance(item, (list, tuple)) and _holds_bool(item)) for item in value)
 
 
 def from_python(value, where: str, sizes: bool = False) -> Labels:

@@ -97,6 +97,7 @@ def serve_dict(b: ServeBatch, rows: list[dict], findings, source: str, title: st
     return {
         "source": source, "engine": b.engine, "names": title, "page_size": b.page_size, "causal": b.causal, "window": b.window,
         "chunk": b.chunk, "requests": rows, "findings": [finding_json(f) for f in findings], "ok": not wrong(findings),
+        "notes": list(b.notes),  # how a field was read (the table prints them as note: lines)
     }
 
 

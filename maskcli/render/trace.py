@@ -13,11 +13,17 @@ from maskcli.render.breaking import Breaking, Fitted
 
 
 
+def _status(status: int) -> str:
+    """sys.exit(300) as the shell sees it: the low byte of a C long (255 past it), as python's exit does."""
+    seen = status & 0xFF if -(2**63) <= status < 2**63 else 255
+    return str(status) if seen == status else f"{status} (the shell sees {seen})"
+
+
 def views(groups: list, calls: int, program: str, status: int, expected: list | None = None) -> list:
     """A title line, the table of groups, the findings under their group's number, and the --expect results."""
     head = hanging(f"maskcli trace {program}: ", Text(f"{calls} attention call{'s' if calls != 1 else ''}"
                    f"{f' in {len(groups)} group' + ('s' if len(groups) != 1 else '') if groups else ''}"
-                   + (f"; the program exited with status {status}" if status else "")), style="bold")
+                   + (f"; the program exited with status {_status(status)}" if status else "")), style="bold")
     out: list = [head]
     if groups:
         rows, lines = [], []

@@ -44,12 +44,21 @@ def read(source: str) -> ServeBatch:
     from maskcli.serve.flashinfer_dump import is_dump, read_dump
 
     if not is_inline(source) and is_dump(source):
-        return from_tensors(read_dump(source), source)
+        return _some(from_tensors(read_dump(source), source), source)
     tensors = read_tensors(source, "FILE", numbers=True, lists=choices.NAMES, work=(8, "to read as batch metadata (int64)"))
     source = "inline JSON" if is_inline(source) else source
     if set(tensors) == {""}:
         raise MaskError(f"{source!r} holds one unnamed tensor; save a dict of the engine's named fields (query_start_loc, seq_lens, ...)")
-    return from_tensors(tensors, source)
+    return _some(from_tensors(tensors, source), source)
+
+
+def _some(batch: ServeBatch, source: str) -> ServeBatch:
+    """A file's batch of at least one request: one of none was "0 requests ... no findings", exit 0 (a traced engine's
+    step of none is read as it is)."""
+    if batch.requests == 0:
+        raise MaskError(f"{source!r}: {batch.name('queries')} holds no request (a batch of 0 requests): give the metadata "
+                        "of a step that ran at least one")
+    return batch
 
 
 def from_tensors(tensors: dict, source: str) -> ServeBatch:

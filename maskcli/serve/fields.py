@@ -87,7 +87,17 @@ class Fields:
 
     def flag(self, *names: str, default: bool) -> bool:
         value = self.scalar(*names)
+        if value not in (None, 0, 1):  # causal=2 was read as True, -1 too: no engine writes either
+            raise MaskError(f"{self.source!r}: {self.key(*names)} holds {value}; it is a flag, True or False (1 or 0)")
         return default if value is None else bool(value)
+
+    def limit(self, *names: str) -> tuple[int | None, tuple[str, ...]]:
+        """A window's side, -1 for no limit (FlashInfer's window_left, SGLang's sliding_window_size), and a note where
+        it is another negative value: the kernel reads any negative side as no limit (-5 was read so, silently)."""
+        value = self.scalar(*names)
+        if value is None or value >= -1:
+            return value, ()
+        return value, (f"{self.key(*names)} {value}: the kernel reads any negative window side as no limit (as -1)",)
 
 
 def checked_page_size(size: int, where: str) -> int:

@@ -44,16 +44,20 @@ def load(f: Fields) -> ServeBatch:
     if f.has("block_table"):
         page_size = f.page_size("page_block_size", "page_size")
         indptr, pages, short = table_rows(np.asarray(f.raw("block_table"), np.int64), -(-seq_lens // page_size), f"{f.source!r}: block_table")
-    window = None
+    window, notes = None, ()
     causal = f.flag("causal", default=False)
     if f.has("window_size"):
         pair = np.asarray(f.raw("window_size")).ravel()
         if pair.size != 2:
             raise MaskError(f"{f.source!r}: window_size {pair.tolist()} is a pair (left, right), -1 for no limit")
-        lo, hi = int(pair[0]), int(pair[1])
+        lo, hi = given = int(pair[0]), int(pair[1])
+        if min(lo, hi) < -1:  # (-5 was read as -1, silently: flash_api.cpp reads any negative side as no limit)
+            notes = (f"window_size ({lo}, {hi}): flash-attn reads any negative side as no limit (as -1)",)
+            lo, hi = max(lo, -1), max(hi, -1)
         if hi not in (-1, 0) or (hi == -1 and lo >= 0 and not causal):
-            raise MaskError(f"{f.source!r}: window_size ({lo}, {hi}) reaches keys after the query; serve reads windows of "
+            raise MaskError(f"{f.source!r}: window_size {given} reaches keys after the query; serve reads windows of "
                             f"causal layers, (W-1, 0)")
         window = lo + 1 if lo >= 0 else None
         causal = causal or hi == 0  # flash-attn: causal is window_size[1] = 0
-    return ServeBatch(NAME, q_indptr, keys, page_size, indptr, pages, names, key_start=left, short_table=short, causal=causal, window=window)
+    return ServeBatch(NAME, q_indptr, keys, page_size, indptr, pages, names, key_start=left, short_table=short, causal=causal, window=window,
+                      notes=notes)

@@ -53,7 +53,8 @@ def load(f: Fields) -> ServeBatch:
         if kv_indptr[-1] > indices.size:
             raise MaskError(f"{f.source!r}: kv_indptr ends at {int(kv_indptr[-1])} but kv_indices holds {indices.size} pages")
         pages = indices[: int(kv_indptr[-1])]
-    window = f.scalar("window_left")
+    window, said = f.limit("window_left")
+    notes += said
     causal = f.flag("causal", default=False)
     if window is not None and window >= 0 and not causal:
         raise MaskError(f"{f.source!r}: window_left {window} without causal reaches keys after the query; serve reads windows "

@@ -68,7 +68,8 @@ def load(f: Fields) -> ServeBatch:
         firsts = rows[:, ::page_size] if rows.ndim == 2 else rows
         indptr, slots, short = table_rows(firsts, blocks, f"{f.source!r}: req_to_token")
         pages = slots // page_size  # the slot of a page's first token, as a page
-    window = f.scalar("sliding_window_size")
+    window, said = f.limit("sliding_window_size")
+    notes += said
     return ServeBatch(
         NAME, cumulative(new), seq_lens, page_size, indptr, pages, names, computed=prefix, short_table=short,
         null_page=PADDING_SLOT // page_size, write_slots=f.vector("out_cache_loc"), tokens=None if not f.has("out_cache_loc") else f.vector("out_cache_loc").size,

@@ -94,6 +94,9 @@ def traced_keep(text: str) -> tuple[np.ndarray, str] | None:
     path, selector = split_spec(text)
     data = tracefile.load(path)
     call = select(data, selector, path)
+    if 0 in call["shape"]:  # attention over no token, or a batch of 0 rows: a mask of no cells (report: "empty")
+        raise MaskError(f"{path}:{selector}: that call's mask has shape {list(call['shape'])}, no cells (attention over "
+                        "nothing): name another call of the trace, one over tokens")
     keep = np.ascontiguousarray(np.broadcast_to(tracefile.keep_of(call, data), call["shape"]))
     from maskcli.text import step_label
 

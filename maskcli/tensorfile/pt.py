@@ -51,6 +51,11 @@ def read(path: Path, where: str, reading: Reading = Reading()) -> dict:
         data = {k: _as_tensor(v) for k, v in data.items()}
     if isinstance(data, dict) and data and all(isinstance(v, torch.Tensor) for v in data.values()):
         return {str(k): v for k, v in data.items()} | kept
+    if isinstance(data, dict) and data.get("format") == "maskcli-trace-1":  # (tracefile.FORMAT) read whole, as a tensor
+        calls = data.get("calls")
+        count = f" ({len(calls):,} call{'s' if len(calls) != 1 else ''})" if isinstance(calls, list) else ""
+        raise MaskError(f"{where} is a maskcli trace file{count}, not a tensor file: where a mask is read, name one call "
+                        "of it, FILE:0 or FILE:PATH@STEP (as trace's report numbers them)")
     if isinstance(data, dict) and data:
         odd = next(k for k, v in data.items() if not isinstance(v, torch.Tensor))
         raise MaskError(f"{where}: entry {odd!r} of the dict is {type(data[odd]).__name__} {short(data[odd])}, not a tensor; save only tensors")

@@ -288,14 +288,23 @@ class Trace(Outer, Follow):
         def hook(*args, **kwargs):
             if torch.compiler.is_dynamo_compiling() or self.busy or self.within:
                 return original(*args, **kwargs)
+            made = len(self.calls)
             self.capture(reader, args, kwargs)
             self.within += inner
             try:
                 return original(*args, **kwargs)
+            except BaseException as error:
+                self.refused(made, error)
+                raise
             finally:
                 self.within -= inner
 
         return hook
+
+    def refused(self, made: int, error: BaseException) -> None:
+        """The call recorded at `made` raised: the kernel refused it (is_causal=2, shapes apart), no attention ran."""
+        if len(self.calls) > made:
+            self.calls[made].details["raised"] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
 
     # --- recording ----------------------------------------------------------------------------
 

@@ -88,12 +88,15 @@ class Follow:
         softmaxed = None
         if reader is not None and not self.busy and not self.within:
             if reader is not readers.softmax or self.scores.attention(readers.softmax_input(args, kwargs)):
-                self._softmax = None
+                self._softmax, made = None, len(self.calls)
                 self.capture(reader, args, kwargs)
                 softmaxed, self._softmax = self._softmax, None
                 self.within += 1  # (what the call runs itself is its own: MHA's SDPA, F.softmax's Tensor.softmax)
                 try:
                     out = call(*args, **kwargs)
+                except BaseException as error:
+                    self.refused(made, error)
+                    raise
                 finally:
                     self.within -= 1
                 self.after_call(func, args, kwargs, out, softmaxed)

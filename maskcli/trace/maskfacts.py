@@ -1,5 +1,5 @@
-"""Facts about a mask read at a call (trace/masks.py asks): of a float mask's rows that see no key, which are NaN and
-which uniform; where nn.MultiheadAttention's merged mask adds -inf; and what F.multi_head_attention_forward dropped,
+"""Facts about a mask read at a call (trace/masks.py asks): NaN or +inf added to the scores; of a float mask's rows
+that see no key, which are NaN and which uniform; where nn.MultiheadAttention's merged mask adds -inf; and what F.multi_head_attention_forward dropped,
 an attn_mask handed beside is_causal=True, which it replaces with SDPA's causal mask where it hands the call to SDPA."""
 
 from __future__ import annotations
@@ -70,3 +70,14 @@ def infinite(attn_mask, padding, batch: int, heads: int, q_len: int, extra: int)
     if padding is not None:
         out = out | inf(padding, (batch, 1, 1, -1))
     return out
+
+
+def poison(mask: torch.Tensor, details: dict) -> None:
+    """NaN or +inf added to the scores: read as masked (no weight is kept there), but softmax makes every row that
+    holds one NaN, whatever else it sees (checks/fills.py says so, and rows.py what such a row gives)."""
+    nan, inf = torch.isnan(mask), mask == float("inf")
+    bad = nan | inf
+    if bool(bad.any()):
+        rows = bad.reshape(-1, mask.shape[-1]).any(dim=-1) if mask.dim() else bad.reshape(1)
+        details["poison"] = {"value": "NaN" if bool(nan.any()) else "+inf", "cells": int(bad.sum()),
+                             "rows": int(rows.sum()), "of": int(rows.numel())}

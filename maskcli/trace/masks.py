@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from maskcli import tracefile
 from maskcli.inspect.polarity import additive_keep
-from maskcli.trace.maskfacts import empty_rows as _empty_rows, infinite as _infinite
+from maskcli.trace.maskfacts import empty_rows as _empty_rows, infinite as _infinite, poison
 from maskcli.text import step_label
 from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
@@ -139,6 +139,7 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
     keep = additive_keep(mask.detach())
     if details is not None:
         _empty_rows(keep, mask.detach() == float("-inf"), details)
+        poison(mask.detach(), details)
     if details is not None and bool((keep & (mask.detach() != 0)).any()):
         details["bias"] = True
         zeros = mask == 0

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maskcli import tracefile
-from maskcli.checks.fills import bias, fills, score_mod
+from maskcli.checks.fills import bias, fills, poisoned, score_mod
+from maskcli.checks.kernels import refused
 from maskcli.checks.kernels import asked, ignored_is_causal, top_left, top_left_is_causal
 from maskcli.checks.named import closest as closest_rows
 from maskcli.checks.named import polarity, same_as
@@ -97,8 +98,10 @@ def _named(calls: list) -> Group:
     b, h = stored["planes"]
     q_len, k_len = first.shape[2:]
     structure = None
-    if q_len == 0 or k_len == 0:  # attention over no token: nothing to name (its queries, if any, see no key)
-        group = Group(calls, f"empty: {q_len} quer{'y' if q_len == 1 else 'ies'}, {k_len} key{'' if k_len == 1 else 's'}", None)
+    if q_len == 0 or k_len == 0 or 0 in first.shape[:2]:  # attention over no token, or a batch of 0 rows (0 heads):
+        # nothing to name (its queries, if any, see no key)
+        rows = "".join(f"{n} {what}, " for n, what in zip(first.shape[:2], ("batch rows", "heads")) if n == 0)
+        group = Group(calls, f"empty: {rows}{q_len} quer{'y' if q_len == 1 else 'ies'}, {k_len} key{'' if k_len == 1 else 's'}", None)
     elif b * h * q_len * k_len <= NAME_CELLS:
         from maskcli.inspect.structure import recognise
 
@@ -139,7 +142,8 @@ def _named(calls: list) -> Group:
     if q_len and k_len:  # (no token: no row to see nothing, no later key)
         group.findings[:0] = empty_rows(first, stored, structure) + later(first, stored, structure)
     details = first.details
-    group.findings += bias(details) + fills(details) + asked(first, stored, group.name) + score_mod(details)
+    group.findings += bias(details) + fills(details) + poisoned(details) + asked(first, stored, group.name) + score_mod(details)
+    group.findings += refused(calls)
     group.findings += ignored_is_causal(first, k_len) + top_left(first, q_len, k_len)
     return group
 

@@ -24,8 +24,12 @@ def check_program(script: str | None, module: str | None) -> None:
     """Refuse what cannot run before anything is traced."""
     if (script is None) == (module is None):
         raise MaskError("give the program to trace: maskcli trace SCRIPT.py [ARGS]... or maskcli trace -m MODULE [ARGS]...")
+    if script is not None and script.startswith("-") and not os.path.isfile(script):  # an option trace does not have
+        raise MaskError(f"no such option: {script} (maskcli trace --help lists trace's own; they come before the program)")
     if script is not None and not os.path.isfile(script):
-        raise MaskError(f"no such script {script!r}: give the path of a Python file (or -m MODULE for a module)")
+        what = ("is a directory" if os.path.isdir(script) else "is not a regular file") if os.path.exists(script) else ""
+        raise MaskError(f"{f'{script!r} {what}' if what else f'no such script {script!r}'}: give the path of a Python file "
+                        "(or -m MODULE for a module)")
     if module is not None:
         import importlib.util
 
@@ -84,9 +88,14 @@ def _set_signal(number: int, handler) -> None:
             signal.signal(number, handler)
 
 
+interrupted = False  # the program ended by a KeyboardInterrupt it did not catch
+
+
 def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     """The program's exit status: 0, its sys.exit code, or 1 after an exception (its traceback on stderr)."""
     saved_argv, saved_path, saved_folder = sys.argv[:], sys.path[:], os.getcwd()
+    modules = {name: module for name, module in sys.modules.items()  # what the trace's own exit and report import
+               if name.partition(".")[0] in ("torch", "maskcli", "numpy")}
     try:
         if module is not None:
             sys.argv = [module, *args]
@@ -106,12 +115,16 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         return 1
     except KeyboardInterrupt:
         _print_traceback()
+        global interrupted
+        interrupted = True  # python then ends by SIGINT, not exit(130): commands.main does the same after the report
         return 130
     except BaseException:  # noqa: BLE001 - the program's own error: Python would print it and exit 1
         _print_traceback()
         return 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+        for name, module in modules.items():  # a program that del sys.modules["torch"]: importing torch again would
+            sys.modules.setdefault(name, module)  # register its operators twice (RuntimeError) in the trace's report
         with contextlib.suppress(OSError):  # the program may have moved (os.chdir): maskcli's own work is where it began
             os.chdir(saved_folder)
 
