@@ -288,7 +288,7 @@ class Trace(Outer, Follow):
         def hook(*args, **kwargs):
             if torch.compiler.is_dynamo_compiling() or self.busy or self.within:
                 return original(*args, **kwargs)
-            made = len(self.calls)
+            made = len(self._calls)  # (not self.calls: that property reads every mask still waiting)
             self.capture(reader, args, kwargs)
             self.within += inner
             try:
@@ -303,8 +303,8 @@ class Trace(Outer, Follow):
 
     def refused(self, made: int, error: BaseException) -> None:
         """The call recorded at `made` raised: the kernel refused it (is_causal=2, shapes apart), no attention ran."""
-        if len(self.calls) > made:
-            self.calls[made].details["raised"] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+        if len(self._calls) > made:
+            self._calls[made].details["raised"] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
 
     # --- recording ----------------------------------------------------------------------------
 

@@ -88,7 +88,7 @@ class Follow:
         softmaxed = None
         if reader is not None and not self.busy and not self.within:
             if reader is not readers.softmax or self.scores.attention(readers.softmax_input(args, kwargs)):
-                self._softmax, made = None, len(self.calls)
+                self._softmax, made = None, len(self._calls)
                 self.capture(reader, args, kwargs)
                 softmaxed, self._softmax = self._softmax, None
                 self.within += 1  # (what the call runs itself is its own: MHA's SDPA, F.softmax's Tensor.softmax)
