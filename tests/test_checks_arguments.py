@@ -239,3 +239,13 @@ def test_zero_pad_row_keys_from_positions(tmp_path):
     assert tuple(hit["cell"]) == first((12, 5, 5), lambda r, q, k: words[r // 4][q] != 1 and words[r // 4][k] == 1)
     status, found, report = traced(tmp_path, "zero_pad_row_keys_from_positions", True, ROWS)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+@pytest.mark.parametrize("name, model", [("baichuan13b_alibi_forward_ignores_attention_mask", "BaichuanModel"),
+                                         ("dnabert_extended_attention_mask_typo_leaves_padding_unmasked", "BertModel")])
+def test_a_model_that_builds_its_mask_without_the_attention_mask_it_was_given(tmp_path, name, model):
+    """Written blind, caught before any rule was changed for them: Baichuan-13B#79 (ALiBi's mask alone, the
+    attention_mask never added) and DNABERT#102 (a typo leaves the extended mask unscaled: 0/1 added, padding kept).
+    Their fixes are quiet."""
+    found = check_bug(tmp_path, name, "padding-ignored")
+    assert f"which the attention_mask given to {model} marks as padding" in found[0]["message"]

@@ -121,3 +121,11 @@ def test_a_min_sum_clamped_back_before_the_softmax_is_quiet():
         torch.softmax(torch.randn(1, 1, 4, 4) + mask, dim=-1)
 
     assert [f for f in traced(program) if f[0] == "fill-became-inf"] == []
+
+
+def test_litgpt_softcapping_adds_its_bool_mask_cache_to_the_scores(tmp_path):
+    """Lightning-AI/litgpt#1672 (written blind, caught before any rule was changed for it): the softcapping branch
+    adds the bool mask_cache to the scores (True + score: nothing masked), so a prefill into the 8-slot KV cache sees
+    slots no token was written to yet. The fix (masked_fill) is quiet."""
+    found = check_bug(tmp_path, "litgpt_softcapping_bool_mask_added_to_scores", "bool-added")
+    assert found

@@ -94,3 +94,10 @@ def test_rows_zeroed_after_the_softmax_are_quiet():
         return weights @ v
 
     assert [f for f in traced(program) if f[0] == "masked-after-softmax"] == []
+
+
+def test_timm_eva_mask_applied_after_softmax(tmp_path):
+    """huggingface/pytorch-image-models#2236 (written blind, caught before any rule was changed for it): EvaAttention
+    fills the padding with -inf after the softmax; the fix fills the scores before it and is quiet."""
+    found = check_bug(tmp_path, "timm_eva_attention_mask_applied_after_softmax", "masked-after-softmax")
+    assert "after the softmax" in found[0]["message"]

@@ -153,3 +153,11 @@ def test_a_blind_flex_reproduction_of_a_window_lost_at_decode_is_flagged_in_its_
         assert data["exit_status"] == 0, done.stderr
         assert (done.returncode, "window-lost" in wrong) == ((0, False) if fixed else (1, True)), done.stderr
         assert not fixed or wrong == [], done.stderr
+
+
+def test_vmlx_falconh1_prefill_mask_always_nil(tmp_path):
+    """osaurus-ai/vmlx-swift#185 (written blind, caught before any rule was changed for it): FalconH1's
+    createAttentionMask returned nil, so the multi-token step after the first ran with no causal mask. Fix quiet."""
+    found = check_bug(tmp_path, "vmlx_swift_falconh1_prefill_mask_always_nil", "causal-lost")
+    q, k = found[0]["cell"][1:]
+    assert k > q  # a later key

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from checkbugs import caught, first
+from checkbugs import caught, check_bug, first
 from maskcli.checks.tree import _ancestors, _from_paths
 
 
@@ -43,3 +43,10 @@ def test_ancestors_from_parents_and_from_retrieve_indices_match_a_walk_up_the_tr
     paths = np.array([[0, 1, 3], [0, 1, 4], [0, 2, 5]])
     assert _from_paths(paths, 6).tolist() == parents.tolist()
     assert _ancestors(np.array([1, 0])) is None  # a cycle is no tree
+
+
+def test_angelslim_eagle3_tree_mask_one_column_right_of_the_draft_keys(tmp_path):
+    """Tencent/AngelSlim#62 (written blind, caught before any rule was changed for it): the verify step's tree mask
+    written one column right of the draft keys; nodes see a sibling and not themselves. The fix is quiet."""
+    found = check_bug(tmp_path, "angelslim_eagle3_qwen3_tree_mask_target_length_plus_one", "draft-tree")
+    assert "not its ancestor" in found[0]["message"] and "position_ids" in found[0]["message"]
