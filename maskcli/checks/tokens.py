@@ -131,10 +131,7 @@ def _held_unmarked(run: Run, seen: set) -> list:
             if cells is None:
                 continue
             own = queries(call, top)
-            inside = own < k_len
-            real_q = np.zeros((rows, len(own)), bool)
-            real_q[:, inside] = ~at_pad[:, own[inside]]
-            bad = cells & real_q[:, :, None] & at_pad[:, None, :]
+            bad = _real_seeing_pad(cells, at_pad, own)
             if bad.any():
                 b, q, k = first_cell(bad)
                 found.append((call, Finding("padding-unmarked", (
@@ -145,13 +142,19 @@ def _held_unmarked(run: Run, seen: set) -> list:
     return found
 
 
+def _real_seeing_pad(cells: np.ndarray, at_pad: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """Bool (rows, Lq, Lk): a query on a real token (at its own position `own`) seeing a key at the padding's id."""
+    rows, length = at_pad.shape
+    inside = own < length
+    real_q = np.zeros((rows, len(own)), bool)
+    real_q[:, inside] = ~at_pad[:, own[inside]]
+    return cells & real_q[:, :, None] & at_pad[:, None, :]
+
+
 def _unmarked(run: Run, top, at_pad, given, pad_id: int, said: str, side) -> list:
     rows, length = at_pad.shape
     for call, cells, own in _calls(run, top, rows, length):
-        inside = own < length
-        real_q = np.zeros((rows, len(own)), bool)
-        real_q[:, inside] = ~at_pad[:, own[inside]]
-        bad = cells & real_q[:, :, None] & at_pad[:, None, :]
+        bad = _real_seeing_pad(cells, at_pad, own)
         if bad.any():
             b, q, k = first_cell(bad)
             where = f"{side}-padded " if side else ""
