@@ -1013,3 +1013,33 @@ def test_a_call_the_kernel_refused_is_said_to_have_run_no_attention():
     assert [c.index for c in refused] == [0, 1] and refused[0].details["raised"].startswith("TypeError: ")
     said = [f.message for g in t.groups() for f in g.findings if f.code == "call-raised"]
     assert len(said) == 2 and all("did not complete, so no attention ran with this mask there" in m for m in said)
+
+
+def test_a_routers_square_softmax_in_a_module_named_gate_is_no_attention_call():
+    """Zaya's router: softmax over (batch, tokens, experts) logits from a Linear, square when the tokens are as many as
+    the router's classes; inside `mlp.gate` it is no attention call. Scores a q @ kᵀ made stay attention there too."""
+    torch.manual_seed(0)
+
+    class Gate(nn.Module):
+        def __init__(self, experts: int, scores: bool):
+            super().__init__()
+            self.proj, self.scores = nn.Linear(8, experts), scores
+
+        def forward(self, x):
+            logits = x @ x.transpose(1, 2) if self.scores else self.proj(x)
+            return torch.softmax(logits, dim=-1)
+
+    class Block(nn.Module):
+        def __init__(self, scores: bool):
+            super().__init__()
+            self.mlp = nn.Module()
+            self.mlp.gate = Gate(5, scores)
+
+        def forward(self, x):
+            return self.mlp.gate(x)
+
+    x = torch.randn(2, 5, 8)
+    for scores, calls in ((False, 0), (True, 1)):
+        with maskcli.trace() as t:
+            Block(scores)(x)
+        assert len(t.calls) == calls, [c.where for c in t.calls]

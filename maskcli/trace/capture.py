@@ -44,6 +44,9 @@ APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
 
 
+ROUTING = frozenset({"mlp", "gate", "router", "moe", "experts", "feed_forward", "ffn"})  # a module path's words
+
+
 class Trace(Outer, Follow):
     """`with Trace() as t: ...` records every attention call in t.calls; each distinct mask is kept once in t.masks."""
 
@@ -340,6 +343,10 @@ class Trace(Outer, Follow):
         grad = torch.is_grad_enabled()
         try:
             torch._C._set_grad_enabled(False)  # (torch.no_grad() as a context costs more than the two calls)
+            if reader is readers.softmax and not ROUTING.isdisjoint(where.split(".")) \
+                    and not self.scores.has(readers.softmax_input(args, kwargs)):
+                return  # a softmax in a module the program names an MLP, router or gate, over no q @ kᵀ it made: a
+                # mixture-of-experts router's (tokens x experts, square only by chance: Zaya's 5 router classes)
             seen = reader(args, kwargs)
             if seen is None:
                 return
