@@ -183,6 +183,25 @@ def test_listing_names_families_with_what_shapes_their_masks():
     assert found["llama"].shapes == "causal (no window, chunks or layer types)"
 
 
+def test_a_family_whose_config_says_is_decoder_false_is_said_to_attend_both_ways():
+    """BERT's config keeps is_decoder (False by default), and its LM head then runs without a causal mask: the listing
+    says so instead of 'causal'. Checked on transformers itself: a later token changes an earlier token's output."""
+    import torch
+
+    assert families.shapes(transformers.BertConfig()).startswith("both ways: is_decoder False")
+    assert families.shapes(transformers.BertConfig(is_decoder=True)) == "causal (no window, chunks or layer types)"
+    config = transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32)
+    torch.manual_seed(0)
+    model = transformers.BertLMHeadModel(config).eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    changed = ids.clone()
+    changed[0, 3] = 9
+    with torch.no_grad():
+        first, second = model(ids).logits[0, 0], model(changed).logits[0, 0]
+    assert not torch.allclose(first, second)  # token 0 saw token 3: both ways
+
+
 def test_chunked_prefill_put_together_is_the_one_pass_mask_and_hf_rule():
     from maskcli.hf.chunks import assembled
 

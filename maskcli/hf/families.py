@@ -202,6 +202,9 @@ def shapes(config) -> str:
     types = layer_types(config)
     if len(set(types)) > 1 or (types and types[0] != "full_attention"):
         parts.append(f"layer_types {pattern(types)}")
+    decoder = getattr(config, "is_decoder", None)  # (only the configs of families that read it keep the field: BERT's)
+    if decoder is False:
+        return "; ".join(parts) or "both ways: is_decoder False (the model attends as an encoder, no causal mask)"
     return "; ".join(parts) or "causal (no window, chunks or layer types)"
 
 
