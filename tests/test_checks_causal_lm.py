@@ -40,6 +40,7 @@ def test_doge_under_sdpas_is_causal_skip_in_its_own_process(tmp_path):
     own DogeForCausalLM). Its fix's decode-step mask is dt_states alone, all 1.0: a constant, not ones-added. Run in a
     process of its own, as maskcli trace runs a program: the buggy program patches transformers' modeling_doge, which
     would stay patched for the --fixed run in this process."""
+    pytest.importorskip("transformers", reason="the program builds transformers' DogeForCausalLM (the hf extra)")
     program = Path(__file__).parent / "data" / "bugs" / "doge_sdpa_causal_skip_dynamic_mask.py"
     root = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
