@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, beside_memory, columns_are_positions, first_cell, keep, queries
+from maskcli.checks.context import Run, beside_memory, columns_are_positions, first_cell, keep, queries, real_queries
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -61,10 +61,7 @@ def over_stated_padding(call, run: Run) -> bool:
 def _seen_padding(cells: np.ndarray, real: np.ndarray, own: np.ndarray) -> np.ndarray:
     """Bool (rows, Lq, length): real queries (placed at `own`) that see a key `real` calls padding."""
     length = real.shape[1]
-    inside = own < length
-    real_q = np.zeros((real.shape[0], len(own)), dtype=bool)
-    real_q[:, inside] = real[:, own[inside]]
-    return cells[:, :, :length] & real_q[:, :, None] & ~real[:, None, :]
+    return cells[:, :, :length] & real_queries(real, own)[:, :, None] & ~real[:, None, :]
 
 
 def padding(run: Run) -> list:
@@ -111,8 +108,7 @@ def padding(run: Run) -> list:
             # (real keys before the query, its own left out: XLNet's query stream never sees its own token, and a
             # mask that hides only that is two-stream attention, not a padding mask the wrong way round)
             earlier = np.arange(length)[None, None, :] < np.minimum(own, length)[None, :, None]
-            real_q = np.zeros((rows, len(own)), dtype=bool)
-            real_q[:, own < length] = real[:, own[own < length]]
+            real_q = real_queries(real, own)
             hidden = int((~cells[:, :, :length] & real_q[:, :, None] & real[:, None, :] & earlier).sum())
             turned = f"; it hides {hidden} real key{'' if hidden == 1 else 's'}: a padding mask the wrong way round?" if hidden else ""
             said_by = source if source.startswith("input ids") else "the " + source.replace(" of ", " given to ", 1)

@@ -271,6 +271,16 @@ def _dense(stored: dict) -> np.ndarray:
     return cells.reshape(b, h, q_len, k_len)
 
 
+def real_queries(real: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """Bool (rows, Lq): which queries, placed at key positions `own`, sit on a real token of `real` (rows, Lk); a
+    query placed outside the keys (before them or past them) is not."""
+    length = real.shape[1]
+    inside = (own >= 0) & (own < length)
+    found = np.zeros((real.shape[0], len(own)), dtype=bool)
+    found[:, inside] = real[:, own[inside]]
+    return found
+
+
 def queries(call, top: Top | None) -> np.ndarray:
     """The absolute position of each query row: `model`'s placing, the model call's cache_position or input_pos, the
     int its own cache is written at (start_pos, cache_update_index), the last tokens a static cache holds (its slots

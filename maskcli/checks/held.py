@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.arguments import document_starts, padded_positions
-from maskcli.checks.context import Run, beside_memory, cross, crossing, first_cell, keep, queries
+from maskcli.checks.context import Run, beside_memory, cross, crossing, first_cell, keep, queries, real_queries
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -101,12 +101,7 @@ def _length(held: dict) -> int | None:
 def _seen(cells: np.ndarray, real: np.ndarray, own: np.ndarray | None) -> np.ndarray:
     """Bool (rows, Lq, Lk): real queries (all queries of a cross-attention: `own` None) that see a padding key."""
     rows, q_len, length = cells.shape
-    if own is None:
-        real_q = np.ones((rows, q_len), dtype=bool)
-    else:
-        inside = (own >= 0) & (own < length)
-        real_q = np.zeros((rows, q_len), dtype=bool)
-        real_q[:, inside] = real[:, own[inside]]
+    real_q = np.ones((rows, q_len), dtype=bool) if own is None else real_queries(real, own)
     sees_real = (cells & real[:, None, :]).any(axis=2)  # (a row that sees no real key is a padding row, unmasked)
     return cells & (real_q & sees_real)[:, :, None] & ~real[:, None, :]
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.arguments import _cells_by_row
-from maskcli.checks.context import Run, columns_are_positions, first_cell, queries
+from maskcli.checks.arguments import _cells_by_row, _seen_padding
+from maskcli.checks.context import Run, columns_are_positions, first_cell, queries, real_queries
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -131,7 +131,7 @@ def _held_unmarked(run: Run, seen: set) -> list:
             if cells is None:
                 continue
             own = queries(call, top)
-            bad = _real_seeing_pad(cells, at_pad, own)
+            bad = _seen_padding(cells, ~at_pad, own)
             if bad.any():
                 b, q, k = first_cell(bad)
                 found.append((call, Finding("padding-unmarked", (
@@ -142,19 +142,10 @@ def _held_unmarked(run: Run, seen: set) -> list:
     return found
 
 
-def _real_seeing_pad(cells: np.ndarray, at_pad: np.ndarray, own: np.ndarray) -> np.ndarray:
-    """Bool (rows, Lq, Lk): a query on a real token (at its own position `own`) seeing a key at the padding's id."""
-    rows, length = at_pad.shape
-    inside = own < length
-    real_q = np.zeros((rows, len(own)), bool)
-    real_q[:, inside] = ~at_pad[:, own[inside]]
-    return cells & real_q[:, :, None] & at_pad[:, None, :]
-
-
 def _unmarked(run: Run, top, at_pad, given, pad_id: int, said: str, side) -> list:
     rows, length = at_pad.shape
     for call, cells, own in _calls(run, top, rows, length):
-        bad = _real_seeing_pad(cells, at_pad, own)
+        bad = _seen_padding(cells, ~at_pad, own)
         if bad.any():
             b, q, k = first_cell(bad)
             where = f"{side}-padded " if side else ""
@@ -265,8 +256,7 @@ def trained(run: Run) -> list:
             continue
         at = np.arange(length)
         for call, cells, own in _calls(run, top, rows, length):
-            real_q = np.zeros((rows, len(own)), bool)
-            real_q[:, own < length] = (given == 1)[:, own[own < length]]
+            real_q = real_queries(given == 1, own)
             # (a key before the hidden one that the query sees: the hidden one is within what it attends)
             sees_before = np.maximum.accumulate(cells, axis=2)
             earlier = np.zeros_like(cells)
