@@ -130,17 +130,20 @@ def later(call, stored: dict, structure) -> list[Finding]:
     q_len, k_len = call.shape[2:]
     own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
     rows = np.flatnonzero((reach(stored, q_len)[1] > own[None, :]).any(axis=0))
-    if len(rows) and stored["form"] != "stats" and structure is not None and structure.kind is None:
-        rows = _real_rows(stored, own, rows)  # (a mask no kind names: its padding rows may see every key)
+    unnamed = structure is not None and structure.kind is None and stored["form"] != "stats"
+    if len(rows) and unnamed:  # (a mask no kind names: its cells read once for every test below)
+        cells = tracefile.dense(stored)
+        planes = cells.reshape(-1, q_len, k_len)
+        run = _next_run(planes, q_len, k_len)
+        rows = _real_rows(cells, own, rows)  # (its padding rows may see every key)
         # a slip of a causal mask (one key off, the wrong way round) reaches the keys right after the query; keys seen
         # only further on, past one the query does not see, are another stream's (BD3-LM's noised block over the
         # clean copy of the sequence laid after it), which no slip of a triangle makes
-        rows = np.intersect1d(rows, np.flatnonzero(_next_run(stored, q_len, k_len).any(axis=(0, 2))))
-    if len(rows) == 0 or (structure is not None and structure.kind is None
-                          and (_both_ways(stored, q_len, k_len) or _spans(stored, q_len, k_len))):
+        rows = np.intersect1d(rows, np.flatnonzero(run.any(axis=(0, 2))))
+    if len(rows) == 0 or unnamed and (_both_ways(cells, q_len, k_len) or _spans(planes, run, q_len, k_len)):
         return []
     shown = spans(rows[:200].tolist())
-    if stored["form"] != "stats" and structure is not None and structure.kind is None and not _slip(stored, q_len, k_len):
+    if unnamed and not _slip(planes, run, k_len):
         return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys), in "
                         "runs of differing lengths that no slip of a causal mask makes: a mask meant both ways in places?",
                         "note")]
@@ -148,27 +151,24 @@ def later(call, stored: dict, structure) -> list[Finding]:
                     "a causal mask with an off-by-one, or one read the wrong way round?")]
 
 
-def _slip(stored: dict, q_len: int, k_len: int) -> bool:
+def _slip(cells: np.ndarray, run: np.ndarray, k_len: int) -> bool:
     """The later keys seen as a causal mask's slip lays them: every query that sees some sees as many right after its
     own (the diagonal moved by that many), or every one sees on to the last key its batch row sees (the triangle the
     wrong way round); runs of differing lengths that stop short are a mask built both ways in places (BD3-LM)."""
-    run = _next_run(stored, q_len, k_len)
     counts = run.sum(axis=-1)
     has = counts > 0
     if len(np.unique(counts[has])) <= 1:
         return True
-    cells = tracefile.dense(stored).reshape(-1, q_len, k_len)
     last = k_len - 1 - cells.any(axis=1)[:, ::-1].argmax(axis=-1)  # (B*H,): the last key any query of the plane sees
     run_end = k_len - 1 - run[..., ::-1].argmax(axis=-1)
     return bool((run_end[has] == np.broadcast_to(last[:, None], has.shape)[has]).all())
 
 
-def _real_rows(stored: dict, own: np.ndarray, rows: np.ndarray) -> np.ndarray:
+def _real_rows(cells: np.ndarray, own: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """The query rows of `rows` that see a later key in some batch row where they are a real query (checks/real.py): the
     padding rows of a left-padded batch that Hugging Face's SDPA path lets see every key are not a causal mask's slip."""
     from maskcli.checks.real import by_row, read_off
 
-    cells = tracefile.dense(stored)
     if cells.shape[0] < 2:
         return rows
     planes = by_row(cells)
@@ -177,36 +177,32 @@ def _real_rows(stored: dict, own: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.flatnonzero((later & real).any(axis=0))
 
 
-def _next_run(stored: dict, q_len: int, k_len: int) -> np.ndarray:
-    """Bool (B*H, Lq, Lk): the later keys each query sees in one run from the key right after its own (bottom-right)."""
-    cells = tracefile.dense(stored).reshape(-1, q_len, k_len)
+def _next_run(cells: np.ndarray, q_len: int, k_len: int) -> np.ndarray:
+    """Bool (B*H, Lq, Lk) of `cells` (B*H, Lq, Lk): the later keys each query sees in one run from the key right after
+    its own (bottom-right)."""
     at = np.arange(k_len)[None, None, :]
     own = (k_len - q_len + np.arange(q_len))[None, :, None]
     return np.logical_and.accumulate(cells | (at <= own), axis=-1) & (at > own)
 
 
-def _both_ways(stored: dict, q_len: int, k_len: int) -> bool:
+def _both_ways(cells: np.ndarray, q_len: int, k_len: int) -> bool:
     """Every later key a query sees sees that query back (bidirectional spans: image blocks, a symmetric window; the
     queries at the end of the keys): a mask meant both ways there, which no expression named, not an off-by-one (a
     causal mask one key off is tril(1), which the recogniser names)."""
-    if stored["form"] == "stats" or q_len != k_len:
+    if q_len != k_len:
         return False
-    cells = tracefile.dense(stored)
     later = np.triu(cells, k=1)
     return not bool((later & ~np.swapaxes(cells, -1, -2)).any())
 
 
-def _spans(stored: dict, q_len: int, k_len: int) -> bool:
+def _spans(cells: np.ndarray, later: np.ndarray, q_len: int, k_len: int) -> bool:
     """The later keys each query sees are the rest of a span it is in, as bidirectional spans make them (Gemma 3's
     images, a prefix) whatever cuts the keys before (a sliding window shorter than an image: its first token sees the
     image's last, which sees back only the window): query i at key Lk - Lq + i sees the keys (i, e] and no other later
     one, the queries after it up to e see on to the same e and the key before them, and e sees none later. A causal
-    mask one key off (tril(1)) has no such span; a mask read the wrong way round sees no key before its queries."""
-    if stored["form"] == "stats":
-        return False
-    cells = tracefile.dense(stored).reshape(-1, q_len, k_len)
+    mask one key off (tril(1)) has no such span; a mask read the wrong way round sees no key before its queries.
+    `cells` (B*H, Lq, Lk); `later` their _next_run (keys seen only past an unseen one: no span's, no slip's)."""
     own = k_len - q_len + np.arange(q_len)
-    later = _next_run(stored, q_len, k_len)  # (keys seen only past an unseen one: not a span's, not a slip's)
     has = later.any(axis=-1)
     last = np.where(has, k_len - 1 - later[..., ::-1].argmax(axis=-1), -1)
     if not (~has | (later.sum(axis=-1) == last - own)).all():  # the later keys are one run from the next key on
