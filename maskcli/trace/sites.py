@@ -262,11 +262,6 @@ def _variable(module) -> str | None:
     return None
 
 
-def first_frame_outside() -> str:
-    """file:line of the innermost frame that is neither torch's nor maskcli's."""
-    return frames_outside(1)[0]
-
-
 HELD = ("cu_seqlens", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_kv", "cu_seq_lens_q", "cu_seq_lens_k")
 
 
