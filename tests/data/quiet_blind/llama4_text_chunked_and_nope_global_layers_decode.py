@@ -120,7 +120,7 @@ def main():
         cache_position = torch.arange(input_ids.shape[1])
         logits = model(input_ids, cache_position, past_key_values)
         generated = []
-        for _ in range(5):  # greedy decoding crosses the chunk boundary at position 16
+        for _ in range(3):  # greedy steps at positions 14, 15, 16: the last one opens a new chunk
             next_tokens = logits[:, -1].argmax(-1, keepdim=True)
             generated.append(next_tokens)
             cache_position = cache_position[-1:] + 1
