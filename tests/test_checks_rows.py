@@ -261,3 +261,36 @@ def test_later_keys_in_runs_no_slip_of_a_triangle_makes_are_a_note_and_a_slip_st
     flipped = cells(2, 6, 6, lambda b, q, k: k >= q and k < lengths[b])  # the triangle the wrong way round, padded
     [found] = later(*call(flipped), unnamed)
     assert severity(found) == "suspicious" and "the wrong way round?" in found.message
+
+
+def test_a_padded_causal_mask_one_key_off_no_expression_names_is_still_an_off_by_one():
+    # query and key padding both hidden (right-padded rows of lengths 4, 7, 5): no kind names the mask, and every later
+    # key a query sees sees it back (query i sees i + 1, which sees i): yet query i sees every earlier key while key
+    # i - 2 does not see it, so no window or span is symmetric there
+    lengths = (4, 7, 5)
+    off = cells(3, 7, 7, lambda b, q, k: k <= q + 1 and q < lengths[b] and k < lengths[b])
+    unnamed = SimpleNamespace(expression=None, kind=None)
+    [found] = later(*call(off), unnamed)
+    assert found.code == "sees-later" and found.message.startswith("query rows 0-5 see later keys (queries placed at")
+    assert "off-by-one" in found.message
+    # a symmetric window padded the same way, and a bidirectional prefix then causal, stay quiet
+    window = cells(3, 7, 7, lambda b, q, k: abs(q - k) <= 2 and q < lengths[b] and k < lengths[b])
+    prefix = cells(3, 7, 7, lambda b, q, k: (k <= q or k < 3) and q < lengths[b] and k < lengths[b])
+    assert later(*call(window), unnamed) == [] and later(*call(prefix), unnamed) == []
+
+
+def test_a_padded_float_mask_built_one_key_off_is_found_in_a_traced_program(tmp_path):
+    from checkbugs import traced
+
+    (tmp_path / "pad_tril.py").write_text(
+        "import sys\nimport torch\nimport torch.nn.functional as F\n"
+        "FIXED = '--fixed' in sys.argv\ntorch.manual_seed(0)\nB, L, H, D = 3, 7, 2, 8\n"
+        "lengths = torch.tensor([4, 7, 5])\nattention_mask = (torch.arange(L)[None] < lengths[:, None]).long()\n"
+        "allowed = torch.tril(torch.ones(L, L), diagonal=0 if FIXED else 1).bool()\n"
+        "keep = allowed[None] & attention_mask[:, None, :].bool() & attention_mask[:, :, None].bool()\n"
+        "bias = torch.zeros(B, 1, L, L).masked_fill(~keep[:, None], torch.finfo(torch.float32).min)\n"
+        "q, k, v = (torch.randn(B, H, L, D) for _ in range(3))\n"
+        "F.scaled_dot_product_attention(q, k, v, attn_mask=bias)\n")
+    for fixed, expected in ((False, ["sees-later"]), (True, [])):
+        found = traced(tmp_path, "pad_tril", fixed, folder=tmp_path)[1]
+        assert [f["code"] for f in found if f["code"] == "sees-later"] == expected, found

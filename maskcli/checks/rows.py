@@ -186,13 +186,21 @@ def _next_run(cells: np.ndarray, q_len: int, k_len: int) -> np.ndarray:
 
 
 def _both_ways(cells: np.ndarray, q_len: int, k_len: int) -> bool:
-    """Every later key a query sees sees that query back (bidirectional spans: image blocks, a symmetric window; the
-    queries at the end of the keys): a mask meant both ways there, which no expression named, not an off-by-one (a
-    causal mask one key off is tril(1), which the recogniser names)."""
+    """Every later key a query sees sees that query back, and the queries that see later keys see each other
+    symmetrically (bidirectional spans: image blocks, a symmetric window; the queries at the end of the keys): a mask
+    meant both ways there, which no expression named, not an off-by-one. A causal mask one key off (tril(1)) passes the
+    first test but not the second, padded or not."""
     if q_len != k_len:
         return False
-    later = np.triu(cells, k=1)
-    return not bool((later & ~np.swapaxes(cells, -1, -2)).any())
+    planes = cells.reshape(-1, q_len, k_len)
+    back = np.swapaxes(planes, -1, -2)
+    if (np.triu(planes, k=1) & ~back).any():
+        return False
+    # and among the queries that see later keys, each sees those earlier ones that see it: a window or a span is
+    # symmetric there; a causal mask one key off (tril(1)) sees every earlier key and is seen by one
+    ahead = np.triu(planes, k=1).any(axis=-1)  # (B*H, Lq)
+    among = ahead[:, :, None] & ahead[:, None, :]
+    return not bool((among & (planes != back)).any())
 
 
 def _spans(cells: np.ndarray, later: np.ndarray, q_len: int, k_len: int) -> bool:
