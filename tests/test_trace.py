@@ -1043,3 +1043,24 @@ def test_a_routers_square_softmax_in_a_module_named_gate_is_no_attention_call():
         with maskcli.trace() as t:
             Block(scores)(x)
         assert len(t.calls) == calls, [c.where for c in t.calls]
+
+
+@pytest.mark.parametrize("q_len, k_len", [(3, 7), (7, 7), (12, 8)])
+def test_torchs_causal_bias_objects_run_as_under_python_and_are_read_as_their_cells(q_len, k_len):
+    """torch.nn.attention.bias's CausalBias hands SDPA on to its own dispatch only when called as F's function (it
+    compares identity with F's attribute): traced, the program gets the same output, and the mask read is the cells
+    its dispatch materialises, each checked against a double loop (lower right: query i at key Lk - Lq + i)."""
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    q, k, v = qkv(1, 2, q_len, k_len)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch warns of NaN rows where Lq > Lk, lower right)
+        biases = (causal_lower_right(q_len, k_len), causal_upper_left(q_len, k_len))
+        plain = [F.scaled_dot_product_attention(q, k, v, attn_mask=bias) for bias in biases]
+        with maskcli.trace() as t:
+            traced = [F.scaled_dot_product_attention(q, k, v, attn_mask=bias) for bias in biases]
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced, strict=True))
+    assert len(t.calls) == 2  # (the dispatch's own SDPA inside is not a second call)
+    for call, lower in zip(t.calls, (True, False), strict=True):
+        wanted = np.array([[kk <= (k_len - q_len + i if lower else i) for kk in range(k_len)] for i in range(q_len)])
+        assert np.array_equal(call.keep()[0, 0], wanted), lower

@@ -79,7 +79,7 @@ def _wrapper(trace, original, stands_for, kind: str):
             after(stands_for, args, kwargs, out)
         return out
 
-    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = _named(original)  # (not update_wrapper: every trace makes
+    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = _named(stands_for)  # (not update_wrapper: every trace makes
     CANONICAL[wrapper] = stands_for  # these, and __wrapped__ would give inspect.signature a builtin's, which has none)
     return wrapper
 
@@ -161,8 +161,25 @@ def _entries() -> tuple:
     found = [(torch.Tensor, name, originals[("tensor", name)], originals[("tensor", method)]) for name, method in TENSOR.items()]
     found += [(torch, name, originals[("torch", name)], originals[("torch", name)]) for name in TORCH]
     found.append((torch.special, "softmax", originals[("special", "softmax")], originals[("special", "softmax")]))
-    found.append((F, "scaled_dot_product_attention", sdpa(), sdpa()))
+    found.append((F, "scaled_dot_product_attention", _sdpa_as_called, sdpa()))
     return tuple(found)
+
+
+def _sdpa_as_called(*args, **kwargs):
+    """torch's SDPA as the program's call reaches it: an attention-bias object (CausalBias) runs its own `_dispatch` only
+    where its __torch_function__ is handed F.scaled_dot_product_attention itself (it compares identity with F's
+    attribute, which is the wrapper while tracing): it is handed its dispatch here, as python would hand it."""
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    if mask is not None and type(mask) is not torch.Tensor and isinstance(mask, _attention_bias()):
+        return type(mask)._dispatch(*args, **kwargs)
+    return sdpa()(*args, **kwargs)
+
+
+@functools.cache
+def _attention_bias() -> type:
+    from torch.nn.attention.bias import CausalBias
+
+    return CausalBias
 
 
 def _hook(trace, original, stands_for):

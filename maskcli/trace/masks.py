@@ -175,6 +175,8 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     q_shape, k_shape = tuple(q.shape), tuple(k.shape)  # (each shape read once: a tensor's attributes cost a call each)
     q_len, k_len = q_shape[-2], k_shape[-2]
     lead = q_shape[:-2]
+    if mask is not None and type(mask) is not torch.Tensor and hasattr(mask, "_materialize"):
+        mask = mask._materialize(q.device)  # (an attention-bias object, CausalBias: its (Lq, Lk) cells, as its dispatch runs)
     if mask is not None:
         mask_shape = tuple(mask.shape)
         if len(mask_shape) > 2:
