@@ -18,7 +18,8 @@ from false_alarms_modes import MOVES, moved, other_id
 # the names encoder-decoder and vision configs give their sizes (maskcli.hf.families.SIZES covers the text config's)
 SEQ2SEQ = {"d_model": 32, "d_ff": 64, "d_kv": 16, "num_heads": 2, "num_layers": 2, "num_decoder_layers": 2,
            "encoder_layers": 2, "decoder_layers": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
-           "encoder_attention_heads": 2, "decoder_attention_heads": 2, "vocab_size": 128}
+           "encoder_attention_heads": 2, "decoder_attention_heads": 2, "vocab_size": 128, "decoder_vocab_size": 128}
+TOKENS = ("bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_bos_token_id", "forced_eos_token_id")
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2, "depth": 2,
           "embed_dim": 32, "num_heads": 2, "projection_dim": 32}
 FEATURES = re.compile(r"features:? (\d+)")
@@ -34,8 +35,18 @@ def families(mode: str) -> list[str]:
 def runs(mode: str, name: str) -> list:
     if mode == "seq2seq":
         return [(f"{attn} {side}", lambda attn=attn, side=side: seq2seq(name, attn, side))
-                for attn in ("sdpa", "eager") for side in ("right", "left")]
-    return [("sdpa", lambda: vlm(name, "sdpa"))]
+                for attn in ("sdpa", "eager") for side in ("right", "left")] + \
+            [(f"{attn} training", lambda attn=attn: seq2seq_training(name, attn)) for attn in ("sdpa", "eager")]
+    import transformers
+
+    found = [("sdpa", lambda: vlm(name, "sdpa"))]
+    try:
+        windowed = getattr(transformers.AutoConfig.for_model(name).get_text_config(), "sliding_window", None) is not None
+    except Exception:  # noqa: BLE001 - (vlm says why, once)
+        windowed = False
+    if windowed:  # a window narrower than the image block (Gemma 3's sliding layers keep the block both ways)
+        found.append(("sdpa window 3", lambda: vlm(name, "sdpa", window=3)))
+    return found
 
 
 def _set(config, sizes: dict) -> None:
@@ -56,9 +67,7 @@ def _built(auto_class, config, attn: str, name: str):
     return auto_class.from_config(config, attn_implementation=attn).eval()
 
 
-def seq2seq(name: str, attn: str, side: str):
-    """generate on an encoder input of rows 5 and 3 tokens padded on `side`, 3 new tokens; checked by the padding's
-    ids changed (the generated logits move: the model attends to the encoder's padding)."""
+def seq2seq_model(name: str, attn: str):
     import transformers
     from maskcli.hf.families import tiny
 
@@ -68,15 +77,23 @@ def seq2seq(name: str, attn: str, side: str):
     for part in ("encoder", "decoder"):  # (EncoderDecoderConfig holds two configs)
         if getattr(config, part, None) is not None and hasattr(getattr(config, part), "hidden_size"):
             tiny(getattr(config, part), name=name)
+    for key in TOKENS:  # a special token past the tiny vocabulary (Marian's 58100): one inside it
+        if isinstance(getattr(config, key, None), int) and getattr(config, key) >= 128:
+            setattr(config, key, 1)
     model = _built(transformers.AutoModelForSeq2SeqLM, config, attn, name)
     vocab = model.config.get_text_config(decoder=True).vocab_size if hasattr(model.config, "get_text_config") else 128
     pad = model.config.pad_token_id if isinstance(model.config.pad_token_id, int) else 0
+    start = getattr(model.config, "decoder_start_token_id", None)
+    return model, vocab, pad, start if isinstance(start, int) and 0 <= start < vocab else pad
+
+
+def seq2seq(name: str, attn: str, side: str):
+    """generate on an encoder input of rows 5 and 3 tokens padded on `side`, 3 new tokens; checked by the padding's
+    ids changed (the generated logits move: the model attends to the encoder's padding)."""
+    model, vocab, pad, start = seq2seq_model(name, attn)
     rows = [[other_id({pad}, vocab, t) for t in (3, 4, 5, 6, 7)], [other_id({pad}, vocab, t) for t in (20, 21, 22)]]
     real = [1] * 3 + [0] * 2 if side == "right" else [0] * 2 + [1] * 3
     mask = torch.tensor([[1] * 5, real])
-
-    start = getattr(model.config, "decoder_start_token_id", None)
-    start = start if isinstance(start, int) and 0 <= start < vocab else pad
 
     def generated(fill: int):
         second = rows[1] + [fill] * 2 if side == "right" else [fill] * 2 + rows[1]
@@ -92,16 +109,45 @@ def seq2seq(name: str, attn: str, side: str):
     return (lambda: generated(pad)), check
 
 
-def vlm(name: str, attn: str):
+def seq2seq_training(name: str, attn: str):
+    """A training batch whose decoder is longer than its encoder input: encoder rows of 3 and 2 tokens right-padded,
+    labels of 6 (the decoder's input their shift), use_cache=False, training mode; checked by the encoder's padding
+    changed (row 1's logits move) and by the decoder's last input changed (an earlier position's logits move)."""
+    model, vocab, pad, start = seq2seq_model(name, attn)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    labels = torch.tensor([[other_id({pad}, vocab, t) for t in range(30, 36)]] * 2)
+
+    def logits(fill: int = pad, last: int | None = None, train: bool = False):
+        ids = torch.tensor([[other_id({pad}, vocab, t) for t in (3, 4, 5)], [other_id({pad}, vocab, t) for t in (20, 21)] + [fill]])
+        decoder = torch.cat([torch.full((2, 1), start), labels[:, :-1]], 1)
+        if last is not None:
+            decoder[:, -1] = last
+        model.train(train)
+        with torch.enable_grad() if train else torch.no_grad():
+            return model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder, labels=labels, use_cache=False).logits
+
+    def check():
+        base, other = logits(), logits(other_id({pad}, vocab, 50))
+        later = logits(last=other_id({pad, int(labels[0, -2])}, vocab, 60))
+        found = {}
+        if moved(base[1], other[1]) > MOVES:
+            found["padding"] = moved(base[1], other[1])
+        if moved(base[:, :-1], later[:, :-1]) > MOVES:
+            found["sees later"] = moved(base[:, :-1], later[:, :-1])
+        return found
+    return (lambda: logits(train=True)), check
+
+
+def vlm(name: str, attn: str, window: int | None = None):
     """generate on rows of [padding] image tokens and text, one image each, left-padded, 3 new tokens; checked by the
-    padding's ids changed."""
+    padding's ids changed, and by the last text token changed (an earlier position's logits move: it sees later)."""
     import transformers
     from maskcli.errors import MaskError
     from maskcli.hf.families import tiny
 
     config = transformers.AutoConfig.for_model(name)
     text = config.get_text_config()
-    tiny(text, name=name)
+    tiny(text, window=window, name=name)
     vision = getattr(config, "vision_config", None)
     if vision is None:
         raise MaskError(f"{name}: no vision_config")
@@ -155,7 +201,16 @@ def vlm(name: str, attn: str):
 
     def check():
         base, other = generated(pad), generated(other_id({pad, image_token}, vocab, 50))
-        return {"padding": moved(base, other)} if moved(base, other) > MOVES else {}
+        found = {"padding": moved(base, other)} if moved(base, other) > MOVES else {}
+        given = batch(count, pad)
+        with torch.no_grad():
+            first = model(**given).logits
+            given["input_ids"] = given["input_ids"].clone()
+            given["input_ids"][:, -1] = other_id({pad, image_token, int(given["input_ids"][0, -1])}, vocab, 60)
+            later = model(**given).logits
+        if moved(first[:, :-1], later[:, :-1]) > MOVES:
+            found["sees later"] = moved(first[:, :-1], later[:, :-1])
+        return found
     return (lambda: generated(pad)), check
 
 
