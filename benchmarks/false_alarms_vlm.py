@@ -169,24 +169,41 @@ def vlm(name: str, attn: str, window: int | None = None):
     image_token = text.vocab_size - 3  # (inside the tiny vocabulary)
     for key in keys:
         setattr(config, key, image_token)
+    # the tokens around an image (Qwen2-VL's rope index finds images by vision_start_token_id), inside the vocabulary
+    around = [(key, text.vocab_size - 4 - i) for i, key in enumerate(("vision_start_token_id", "vision_end_token_id"))
+              if isinstance(getattr(config, key, None), int)]
+    for key, value in around:
+        setattr(config, key, value)
+    before, after = [v for k, v in around if k.endswith("start_token_id")], [v for k, v in around if k.endswith("end_token_id")]
     model = _built(transformers.AutoModelForImageTextToText, config, attn, name)
     size = getattr(vision, "image_size", 28)
     size = size if isinstance(size, int) else size[0] if isinstance(size, (list, tuple)) else 28
     pad = text.pad_token_id if isinstance(text.pad_token_id, int) and text.pad_token_id != image_token else 0
     vocab = text.vocab_size
     torch.manual_seed(1)
-    pixels = torch.randn(2, getattr(vision, "num_channels", 3), size, size)
-    takes_types = "token_type_ids" in inspect.signature(model.forward).parameters
+    taken = inspect.signature(model.forward).parameters
+    channels = getattr(vision, "num_channels", getattr(vision, "in_channels", 3))
+    pixels, extra = torch.randn(2, channels, size, size), {}
+    if "image_grid_thw" in taken:  # Qwen2-VL's and its kin's: flattened patches, 4 x 4 per image (merged 2 x 2)
+        patch, frames = getattr(vision, "patch_size", 14), getattr(vision, "temporal_patch_size", 2) or 1
+        pixels = torch.randn(2 * 16, channels * frames * patch * patch)
+        extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * 2)
+    elif "image_sizes" in taken:  # LLaVA-NeXT's: each image's size (one tile at the vision tower's size)
+        extra["image_sizes"] = torch.tensor([[size, size]] * 2)
+    takes_types = "token_type_ids" in taken
 
     def batch(count: int, fill: int) -> dict:
-        words = [[other_id({pad, image_token}, vocab, t) for t in (3, 4, 5)], [other_id({pad, image_token}, vocab, t) for t in (20,)]]
-        rows = [[image_token] * count + w for w in words]
+        special = {pad, image_token, *before, *after}
+        words = [[other_id(special, vocab, t) for t in (3, 4, 5)], [other_id(special, vocab, t) for t in (20,)]]
+        rows = [before + [image_token] * count + after + w for w in words]
         width = max(map(len, rows))
         ids = torch.tensor([[fill] * (width - len(r)) + r for r in rows])
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        found = {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels}
+        found = {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, **extra}
         if takes_types:  # (Gemma 3's processor marks the image tokens: they attend to each other both ways)
             found["token_type_ids"] = (ids == image_token).long()
+        if "mm_token_type_ids" in taken:  # (Qwen2-VL's processor: 1 on image tokens, for its multimodal RoPE)
+            found["mm_token_type_ids"] = (ids == image_token).long()
         return found
 
     count = _image_tokens(model, batch, pad, text.hidden_size)
