@@ -148,6 +148,7 @@ def vlm(name: str, attn: str, window: int | None = None):
     config = transformers.AutoConfig.for_model(name)
     text = config.get_text_config()
     tiny(text, window=window, name=name)
+    _mrope(text)
     vision = getattr(config, "vision_config", None)
     if vision is None:
         raise MaskError(f"{name}: no vision_config")
@@ -251,3 +252,15 @@ def _image_tokens(model, batch, pad: int, hidden: int) -> int:
         except Exception:  # noqa: BLE001 - not this reading: the next
             continue
     return features
+
+
+def _mrope(text) -> None:
+    """Qwen2-VL's multimodal RoPE sections (rope_parameters' mrope_section, [16, 24, 24] for head_dim 128) scaled to
+    the tiny head: they must sum to half of it."""
+    half = (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) // 2
+    for holder in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None)):
+        sections = holder.get("mrope_section") if isinstance(holder, dict) else None
+        if isinstance(sections, list) and sections and sum(sections) != half:
+            scaled = [max(1, x * half // sum(sections)) for x in sections]
+            scaled[-1] += half - sum(scaled)
+            holder["mrope_section"] = scaled
