@@ -189,9 +189,10 @@ def vlm(name: str, attn: str, window: int | None = None):
         patch, frames = getattr(vision, "patch_size", 14), getattr(vision, "temporal_patch_size", 2) or 1
         pixels = torch.randn(2 * 16, channels * frames * patch * patch)
         extra["image_grid_thw"] = torch.tensor([[1, 4, 4]] * 2)
-    elif "image_sizes" in taken:  # LLaVA-NeXT's: each image's size (one tile at the vision tower's size)
+    elif "image_sizes" in taken and getattr(config, "image_grid_pinpoints", None):  # LLaVA-NeXT's: each image's size
         extra["image_sizes"] = torch.tensor([[size, size]] * 2)
     takes_types = "token_type_ids" in taken
+    held = {"pixels": pixels}  # (Idefics 3's and SmolVLM's take (B, images, C, H, W): _image_tokens says so)
 
     def batch(count: int, fill: int) -> dict:
         special = {pad, image_token, *before, *after}
@@ -200,14 +201,20 @@ def vlm(name: str, attn: str, window: int | None = None):
         width = max(map(len, rows))
         ids = torch.tensor([[fill] * (width - len(r)) + r for r in rows])
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        found = {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels, **extra}
+        found = {"input_ids": ids, "attention_mask": mask, "pixel_values": held["pixels"], **extra}
         if takes_types:  # (Gemma 3's processor marks the image tokens: they attend to each other both ways)
             found["token_type_ids"] = (ids == image_token).long()
         if "mm_token_type_ids" in taken:  # (Qwen2-VL's processor: 1 on image tokens, for its multimodal RoPE)
             found["mm_token_type_ids"] = (ids == image_token).long()
         return found
 
-    count = _image_tokens(model, batch, pad, text.hidden_size)
+    try:
+        count = _image_tokens(model, batch, pad, text.hidden_size)
+    except ValueError as error:
+        if "expected 5, got 4" not in str(error):
+            raise
+        held["pixels"] = pixels[:, None]
+        count = _image_tokens(model, batch, pad, text.hidden_size)
     if count > 64:
         raise MaskError(f"{name}: {count} image tokens per image at image_size {size}")
 
