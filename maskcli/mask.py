@@ -268,10 +268,10 @@ class Mask:
             return torch.broadcast_to(keep[:, :, q_range.start : q_range.stop], (len(batch_rows), len(heads), len(q_range), self.frame.k_len))
         mod = _cached_predicate(self, device)
         f = self.frame
-        b = index_tensor(range(batch_rows.start, batch_rows.stop), 0, device)
-        h = index_tensor(heads, 1, device)
-        q = index_tensor(range(f.q_start + q_range.start, f.q_start + q_range.stop), 2, device)
-        kv = index_tensor(range(f.k_start, f.k_end), 3, device)
+        b = pos.index_tensor(range(batch_rows.start, batch_rows.stop), 0, device)
+        h = pos.index_tensor(heads, 1, device)
+        q = pos.index_tensor(range(f.q_start + q_range.start, f.q_start + q_range.stop), 2, device)
+        kv = pos.index_tensor(range(f.k_start, f.k_end), 3, device)
         keep = torch.as_tensor(mod(b, h, q, kv), device=device)
         return torch.broadcast_to(keep, (len(batch_rows), len(heads), len(q_range), f.k_len))
 
@@ -308,16 +308,6 @@ def _cached_predicate(mask: Mask, device):
     return mask.predicate(device)
 
 
-@functools.lru_cache(maxsize=64)
-def index_tensor(values: range, axis: int, device):
-    """Indices along `axis` of four dimensions, as a mask_mod receives them; cached, for a mask_mod only reads them."""
-    import torch
-
-    shape = [1, 1, 1, 1]
-    shape[axis] = len(values)
-    return torch.arange(values.start, values.stop, dtype=torch.int64, device=device).view(shape)
-
-
 # --- building one from what the user typed ---------------------------------------------------
 
 
@@ -337,6 +327,12 @@ def build(expression: str, options: MaskOptions | None = None, default_length: i
 
 def placed(resolved, options: MaskOptions, default_length: int | None = None) -> Mask:
     """build's end: terms already bound to their kinds, placed as the options say (recognition's candidates)."""
+    frame, tokens = placing(resolved, options, default_length)
+    return from_terms(resolved, frame, options.heads, tokens)
+
+
+def placing(resolved, options: MaskOptions, default_length: int | None = None) -> tuple[Frame, tuple | None]:
+    """placed's positions (and words) for the terms, with no Mask: the same positions make the same Mask."""
     lengths, ids = padding(options)
     tokens = words(options.tokens) if options.tokens is not None else None
     sequence = _sequence(resolved, ids, tokens)
@@ -349,7 +345,7 @@ def placed(resolved, options: MaskOptions, default_length: int | None = None) ->
     frame = with_padding(Frame(q_start, q_len, k_start, k_len), lengths, ids, options.pad_id, pad_side(options))
     for what, count in sequence:
         pos.data_length(what, count, frame)
-    return from_terms(resolved, frame, options.heads, tokens)
+    return frame, tokens
 
 
 def from_terms(resolved, frame: Frame, heads: int = 1, tokens=None) -> Mask:
