@@ -185,7 +185,12 @@ def same_each(got: Intervals, want: Intervals) -> np.ndarray:
     """Bool (N,): whether each batch row of `got` holds the cells of `want`'s one, counted per row (as many in each,
     and all of them in both)."""
     counts = want.counts()
-    return (got.counts() == counts).all(axis=1) & ((got & want).counts() == counts).all(axis=1)
+    same = (got.counts() == counts).all(axis=1)
+    chosen = np.flatnonzero(same)  # as many cells in each row: only these are intersected (few, often none)
+    if len(chosen):
+        alike = Intervals(got.starts[chosen], got.ends[chosen], got.k_start, got.k_end)
+        same[chosen] = ((alike & want).counts() == counts).all(axis=1)
+    return same
 
 
 def runs(keep: np.ndarray) -> Intervals | None:

@@ -274,12 +274,11 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
             alone = found("padding", bare("padding"), {**base, **extra})
             if alone is not None:
                 return alone
-        listed = [(kind, tree, {**options, **extra}) for kind, tree, options in read]
-        if q_len == k_len and k_len <= MAX_LABELS:
+        structure = first([(kind, tree, {**options, **extra}) for kind, tree, options in read])
+        if structure is None and q_len == k_len and k_len <= MAX_LABELS:  # then masks of two kinds
             from maskcli.inspect.composite import composites
 
-            listed += [(kind, tree, {"length": q_len, **extra}) for kind, tree in composites(profile(ref, 0, 0, marked), ref)]
-        structure = first(listed)
+            structure = first([(kind, tree, {"length": q_len, **extra}) for kind, tree in composites(profile(ref, 0, 0, marked), ref)])
         if structure is not None:
             return structure
     if key_padding and heads == 1 and batch == 1 and q_len != k_len:  # a square one is (L, L): B == S would be a coincidence
