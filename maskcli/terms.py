@@ -66,7 +66,9 @@ class Term:
 
 def text(tree) -> str:
     """The canonical text of a tree of terms: the name of the mask."""
-    return tree.text() if isinstance(tree, Term) else ex.print_tree(tree, leaf=Term.text)  # one term: no tree to walk
+    if isinstance(tree, Term):  # one term: no tree to walk
+        return tree.text()
+    return ex.print_tree(ex.with_leaves(tree, [term.text() for term in ex.leaves(tree)]), leaf=str)  # texts, no callback
 
 
 def terms(tree) -> list[Term]:
@@ -256,7 +258,14 @@ def intervals(tree, frame: Frame) -> Intervals:
     (expression.simplified): each pass of a term is over every query row."""
     if isinstance(tree, Term):  # one term: nothing to fold
         return tree.kind.intervals(tree.values, frame)
-    return _intervals(ex.simplified(tree), frame)
+    return _intervals(folded(tree), frame)
+
+
+def folded(tree):
+    """The tree with repeated terms folded (expression.simplified), where a term repeats: the terms are compared
+    here, so simplifying is asked only of a tree that holds a repeat (a tree of distinct terms evaluates as it is)."""
+    leaves = ex.leaves(tree)
+    return ex.simplified(tree) if len(set(leaves)) < len(leaves) else tree
 
 
 def placed_each(trees: list, frame: Frame) -> list:
@@ -297,7 +306,7 @@ def _intervals(tree, frame: Frame) -> Intervals:
 
 def predicate(tree, frame: Frame, device):
     """mask_mod(b, h, q, kv) on absolute positions for the whole tree (torch), repeated terms folded first."""
-    return _predicate(ex.simplified(tree), frame, device)
+    return _predicate(folded(tree), frame, device)
 
 
 def _predicate(tree, frame: Frame, device):
