@@ -5,10 +5,11 @@ candidate parameters off the tensor (a window from the widest row, chunk labels 
 rows' visible prefixes end, ...), then maskcli builds that mask and it must equal the
 tensor cell for cell. So the command suggested always rebuilds the mask exactly.
 
-Candidates are built from their terms (kinds bound to values), with no text to parse, and compared on their terms
-(`on_terms`: their key intervals at the positions the options give, against the tensor's own runs, read once), with
-no Mask made; a Mask is built only for the one whose cells are the tensor's, and its text, the only one printed, is
-parsed back once to check that the command shown rebuilds it too.
+Candidates are built from their terms (kinds bound to values), with no text to parse, and asked all at once
+(`candidates.matching`: one table of their key intervals at the positions the options give, compared with the
+tensor's own runs, read once, in one pass), with no Mask made; a Mask is built only for the first whose cells are
+the tensor's. Its shorter command (without --len) is checked on its positions (`mask.placing`), and its text, the
+only one printed, parsed back to the same terms (else rebuilt from the text), so that the command shown rebuilds it.
 """
 
 from __future__ import annotations
