@@ -14,7 +14,6 @@ only one printed, parsed back to the same terms (else rebuilt from the text), so
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
