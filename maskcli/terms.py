@@ -274,6 +274,7 @@ def placed_each(trees: list, frame: Frame) -> list:
     that do not cover the positions, a kind's own check), None where its intervals are not few. Recognition's
     candidates placed alike, made in one call; each holds a term once, so nothing is folded (as `intervals` folds)."""
     found: list = []
+    n = frame.n  # once: every tree's labels must cover the same positions
     for tree in trees:
         leaves = [tree] if isinstance(tree, Term) else ex.leaves(tree)
         try:
@@ -282,8 +283,8 @@ def placed_each(trees: list, frame: Frame) -> list:
                 raise MaskError(f"--len {frame.q_len} does not match the {queries[0]} draft tokens of the tree")
             for term in leaves:
                 count = term.kind.sequence(term.values) if term.kind.sequence is not None else None
-                if count is not None and count != frame.n:
-                    raise MaskError(f"the labels of {term.kind.name} have {count} entries, the mask {frame.n} positions")
+                if count is not None and count != n:
+                    raise MaskError(f"the labels of {term.kind.name} have {count} entries, the mask {n} positions")
                 if term.kind.check is not None:
                     term.kind.check(term.values, frame, term.kind.name)
             found.append(_intervals(tree, frame))
