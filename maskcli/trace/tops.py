@@ -222,7 +222,8 @@ def _token_ids(module) -> dict:
     """pad_id and eos_id the program states: its config's pad_token_id / eos_token_id, else the module's own attributes
     of those names, else (pad_id) its token embedding's padding_idx (nn.Embedding(padding_idx=...)) or its one row of
     zeros (TF's zero_pad); a seq2seq model's
-    src_pad_id / trg_pad_id from its src_pad_idx / trg_pad_idx and their kin."""
+    src_pad_id / trg_pad_id from its src_pad_idx / trg_pad_idx and their kin; a Flamingo-style model's media_token_id,
+    with the only_attend_previous flags its modules hold (by module path)."""
     held = _IDS.get(module)
     if held is not None:
         return held
