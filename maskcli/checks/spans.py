@@ -27,7 +27,7 @@ modeling_gemma3.py:1016-1026), and a decode query's later keys are none anyway.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -195,7 +195,8 @@ def _by_image_id(run: Run, call, top) -> tuple[Family, np.ndarray] | None:
         ids = ids[None, :]
     if not isinstance(ids, np.ndarray) or ids.ndim != 2 or not (ids == image).any():
         return None
-    return STATED_IMAGES, runs(ids == image)
+    source = said.sources.get("image_token_id", "")
+    return replace(STATED_IMAGES, argument=f"input_ids at image_token_id={image} ({source})"), runs(ids == image)
 
 
 def _spanned(run: Run):
@@ -317,7 +318,7 @@ def check(run: Run) -> list:
         text = _text_config(top.config)
         kind = (layer_kind(text, layer(call)) or ("full_attention", ""))[0]
         window = getattr(text, "sliding_window", None)
-        if family is STATED_IMAGES:  # (no config object: the stated intent's layer kind and window)
+        if family.argument.startswith("input_ids at image_token_id="):  # (no config object: the intent's kind, window)
             said = intent(run, call)
             kind = (said.kind(layer(call)) or ("full_attention", ""))[0]
             window = (said.window() or (None,))[0]
