@@ -249,3 +249,17 @@ def test_a_model_that_builds_its_mask_without_the_attention_mask_it_was_given(tm
     Their fixes are quiet."""
     found = check_bug(tmp_path, name, "padding-ignored")
     assert f"which the attention_mask given to {model} marks as padding" in found[0]["message"]
+
+
+def test_a_left_padded_prefill_over_a_caches_first_slots_is_read_by_the_pad_id_its_generate_states(tmp_path):
+    """torchtune#1250 (written blind): the cache's `tril` cut at `input_pos` over 12 slots, the pad id only
+    `generate(..., pad_id=0)`'s; written another way: a `cache_position` argument, a softmax of the program's own, pad id
+    2 stated by `sample(..., pad_token_id=2)`. Both fixes (the padding anded into the mask) are quiet."""
+    found = check_bug(tmp_path, "torchtune_eleuther_eval_batched_generate_left_padding_kv_cache", "padding-ignored")
+    ids = [[5, 9, 13, 17, 21, 25], [0, 0, 0, 0, 7, 11]]
+    assert tuple(found[0]["cell"]) == first((2, 6, 6), lambda b, q, k: k <= q and ids[b][q] != 0 and ids[b][k] == 0)
+    assert "pad_id=0 in generate()" in found[0]["source"]
+    hit = caught(tmp_path, "static_cache_prefill_pad_id_local", ("padding-ignored",))
+    ids = [[5, 6, 7, 8, 9], [2, 2, 11, 12, 13]]
+    assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: k <= q and ids[b][q] != 2 and ids[b][k] == 2)
+    assert "pad_token_id=2 in sample()" in hit["source"]

@@ -308,3 +308,21 @@ def test_spans_stated_by_a_hand_written_model_calls_arguments_match_a_loop_over_
     placed = [[t in at[b].tolist() for t in range(8)] for b in range(2)]
     assert ids(_stated(Top("M", arguments={"pixel_positions": at}), 2, 8)) == loop(placed)
     assert _stated(Top("M", arguments={"attention_mask": mask}), 2, 8) is None
+
+
+def test_gemma4_vision_spans_stated_by_a_config_of_the_programs_own_and_the_image_token_id(tmp_path):
+    """vllm#47217 (written blind): a dataclass config in main() whose text_config states use_bidirectional_attention=
+    "vision" and whose outer config the image_token_id, flattened (L,) input ids; the 8-token image over the window
+    ran causal on the sliding layer. Written another way: a dict at the top of the program (`image_token_index`), a
+    batch of 2, overlay on the wrong layer by `i % 2` (causal sliding layer, bidirectional full one). Both fixes quiet."""
+    from checkbugs import ROWS, caught, first
+
+    found = check_bug(tmp_path, "vllm_gemma4_image_bidirectional_range_dropped_over_window", "span-not-bidirectional")
+    ids = [2, 11] + [7] * 8 + [12] + [7] * 3 + [13, 14]
+    # the first later key of a query's own image within the window, that the causal sliding layer hides
+    image = [i for i, t in enumerate(ids) if t == 7 and 2 <= i <= 9]
+    expected = first((1, 16, 16), lambda b, q, k: q in image and k in image and q < k < q + 6)
+    assert tuple(found[0]["cell"]) == expected
+    hit = caught(tmp_path, "vision_spans_on_wrong_layers_dict_config", ("span-not-bidirectional", "span-leak"))
+    rows = [[1, 9, 9, 9, 4, 5, 6], [1, 2, 3, 9, 9, 9, 7]]
+    assert tuple(hit["cell"]) == first((2, 7, 7), lambda b, q, k: rows[b][q] == rows[b][k] == 9 and q < k < q + 4)

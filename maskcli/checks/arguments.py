@@ -64,6 +64,21 @@ def _seen_padding(cells: np.ndarray, real: np.ndarray, own: np.ndarray) -> np.nd
     return cells[:, :, :length] & real_queries(real, own)[:, :, None] & ~real[:, None, :]
 
 
+def _prefill_of_slots(call, top, rows: int, k_len: int):
+    """The stated padding of a prefill that writes a cache's first slots (its `cache_position` / `input_pos` 0 .. L - 1,
+    L the token ids' length) over more key slots than it has tokens (a static cache of max_seq_len slots, torchtune's
+    `causal_mask[None, input_pos]`): its tokens are keys 0 .. L - 1 (the slots past them are unwritten)."""
+    ids = next((top.arguments[n] for n in ("input_ids", "idx", "tokens") if isinstance(top.arguments.get(n), np.ndarray)),
+               None)
+    if ids is None or ids.ndim != 2 or not 1 < ids.shape[1] < k_len or ids.shape[1] != call.shape[2]:
+        return None
+    if not any(isinstance(top.arguments.get(n), np.ndarray) for n in ("cache_position", "input_pos")):
+        return None
+    if not np.array_equal(queries(call, top), np.arange(ids.shape[1])):
+        return None
+    return stated(top, rows, ids.shape[1])
+
+
 def padding(run: Run) -> list:
     """Real queries that see a key the model call states is padding (its attention_mask, a key padding mask, lengths,
     or its input ids at the pad id: checks/real.py), whichever way round the mask handed to the kernel was built."""
@@ -80,6 +95,8 @@ def padding(run: Run) -> list:
         if said is None and isinstance(given, np.ndarray) and given.ndim == 2 and "cache_position" in top.arguments \
                 and k_len > given.shape[1]:  # a static cache's slots past the mask (cache.py's)
             said = stated(top, rows, given.shape[1])
+        if said is None:
+            said = _prefill_of_slots(call, top, rows, k_len)
         readings = None
         if said is None:
             said = folded(top, rows, k_len)  # (the batch folded with its heads: read both ways round)

@@ -27,6 +27,7 @@ FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_patter
           "force_causal_mask",  # (an export wrapper's word that the traced model is causal: torch-to-nnef)
           "waitk", "wait_k")  # (a simultaneous translation model's wait-k policy: checks/across.py)
 ENCODER_TYPES = ("ENCODER_ONLY", "ENCODER")  # an attn_type that attends both ways (SGLang / vLLM AttentionType)
+IMAGE_IDS = ("image_token_id", "image_token_index")  # kept beside the FIELDS a config states, never alone
 PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers")
 COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 NUMBERS = ("layer_idx", "layer_id", "layer_index")  # a module's own 0-based layer number (trace/stated.py)
@@ -80,6 +81,13 @@ def fields_of(value) -> dict:
                 except Exception:  # noqa: BLE001 - a property of the program's that raises: not stated
                     pass
     found = {name: items[name] for name in FIELDS if items.get(name) is not None}
+    text = items.get("text_config")
+    if not found and text is not None and text is not value and not any(
+            base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(value).__mro__):
+        inner = fields_of(text) if isinstance(text, dict) or config_like(text, named=True) else {}
+        if inner:  # (a composite config of the program's own: its text config's fields speak for the language model)
+            image = next((items[n] for n in IMAGE_IDS if isinstance(items.get(n), int)), None)
+            return {**inner, **({"image_token_id": image} if image is not None and "image_token_id" not in inner else {})}
     decoder_only = items.get("is_decoder") is True and not items.get("is_encoder_decoder")  # (a causal LM's: decoders.py)
     for name in ("attn_type", "attention_type"):  # an Enum kept as its name (AttentionType.ENCODER_ONLY)
         if name in found:
@@ -87,6 +95,9 @@ def fields_of(value) -> dict:
     if not found and not decoder_only:
         return {}
     found["causal_decoder"] = decoder_only
+    image = next((items[n] for n in IMAGE_IDS if isinstance(items.get(n), int) and not isinstance(items[n], bool)), None)
+    if image is not None:  # (where images sit in the ids: checks/spans.py, with use_bidirectional_attention)
+        found["image_token_id"] = image
     for name in COUNTS:
         if isinstance(items.get(name), int):
             found["layers"] = items[name]

@@ -38,7 +38,7 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "memory", "heads", "sides", "steps", "cache", "spans", "own", "dropped", "tokens", "layers", "dtypes",
            "softmaxed", "padflag", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes",
            "stages", "packing", "held", "frames", "segments", "withheld", "swin", "across", "crosspad", "crossq", "batchaxis", "decoders",
-           "headrows", "shard", "serve", "servemasks", "servesteps", "serveexpect", "ranks")
+           "headrows", "evicted", "media", "shard", "serve", "servemasks", "servesteps", "serveexpect", "ranks")
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,14 @@ modeling_gemma3.py:1016-1026), and a decode query's later keys are none anyway.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
 
 from maskcli.checks.config import layer_kind
 from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, layer, queries
+from maskcli.checks.intent import intent
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -172,15 +173,43 @@ def _at(ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return found
 
 
+STATED_IMAGES = Family("input_ids", None, "image", "text", "sliding_attention")  # (_by_image_id: Gemma 4's "vision")
+
+
+def _image_ids_stated(top) -> bool:
+    return any(one.fields.get("use_bidirectional_attention") == "vision" and "image_token_id" in one.fields
+               for one in getattr(top, "stated", ()) or ())
+
+
+def _by_image_id(run: Run, call, top) -> tuple[Family, np.ndarray] | None:
+    """Gemma 4's image spans where no transformers config names the family: the stated intent (a config of the
+    program's own, its text config's `use_bidirectional_attention="vision"` beside the `image_token_id` it states:
+    checks/intent.py) and the model call's input ids (B, L), or (L,) flattened as vLLM runs a batch of one: one span per
+    run of the image token, bidirectional on the sliding layers."""
+    said = intent(run, call)
+    image = said.values.get("image_token_id")
+    if said.values.get("use_bidirectional_attention") != "vision" or not isinstance(image, int):
+        return None
+    ids = top.arguments.get("input_ids")
+    if isinstance(ids, np.ndarray) and ids.ndim == 1 and call.shape[0] == 1:
+        ids = ids[None, :]
+    if not isinstance(ids, np.ndarray) or ids.ndim != 2 or not (ids == image).any():
+        return None
+    source = said.sources.get("image_token_id", "")
+    return replace(STATED_IMAGES, argument=f"input_ids at image_token_id={image} ({source})"), runs(ids == image)
+
+
 def _spanned(run: Run):
     """(call, its model call, family, block ids, query positions) for each call whose later keys the token types judge."""
     if not any(_model_type(top.config) in FAMILIES or any(name in top.arguments for name in (*PREFIX, *IMAGES))
-               for top in run.tops):
+               or _image_ids_stated(top) for top in run.tops):
         return  # no model call of the run gives spans (most runs stop here)
     shown = _shown_both_ways(run)
     for call in run.calls:
         top = run.top(call)
         family = _family(top, call.shape[0], _length(top, call))
+        if family is None and top is not None and top.config is None and _image_ids_stated(top):
+            family = _by_image_id(run, call, top)
         if family is None or call.stored is None or any(word in (call.where or "").split(".") for word in TOWERS):
             continue
         family, ids = family
@@ -288,13 +317,17 @@ def check(run: Run) -> list:
     for call, top, family, ids, own in _spanned(run):
         text = _text_config(top.config)
         kind = (layer_kind(text, layer(call)) or ("full_attention", ""))[0]
+        window = getattr(text, "sliding_window", None)
+        if family.argument.startswith("input_ids at image_token_id="):  # (no config object: the intent's kind, window)
+            said = intent(run, call)
+            kind = (said.kind(layer(call)) or ("full_attention", ""))[0]
+            window = (said.window() or (None,))[0]
         key = (call.mask, call.shape, ids.tobytes(), own.tobytes(), kind)
         if key in done:
             continue
         done.add(key)
         cells = keep(call)
         if cells is not None and cells.shape[0] in (1, ids.shape[0]):
-            window = getattr(text, "sliding_window", None)
             spans = family.layers in ("all", kind)
             found += _judged(_Layer(call, top, family, ids, own, kind, spans, window if isinstance(window, int) else None),
                              cells)

@@ -5,6 +5,8 @@ the nearest program frames (the function that called the model and its callers; 
 are searched for one object, not a module or a tensor (or one such object kept as `tokenizer` /
 `processing_class` / `processor` by an object they hold: a collator's), that has an int `pad_token_id` and an `eos_token_id` or a
 `padding_side` (a transformers tokenizer, a stand-in of the program's own). Two that differ: nothing is read.
+Where no such object is held, an int those functions keep as `pad_id` / `pad_token_id` (a `generate(..., pad_id=0)`
+of the program's own: torchtune's) is the pad id, where they name one value only.
 Kept as `tokenizer_pad_id`, `tokenizer_eos_id`, `tokenizer_bos_id`, `padding_side` and `tokenizer` (where it was
 found) in the model call's arguments (checks/tokens.py reads them).
 """
@@ -18,6 +20,7 @@ import weakref
 import torch
 
 FRAMES = 6  # program frames searched
+PAD_NAMES = ("pad_id", "pad_token_id", "pad_idx", "pad_index")  # an int local of a function that calls the model
 
 
 def tokenizer(module, frame=None) -> dict:
@@ -40,10 +43,16 @@ def _int(value) -> int | None:
 
 def _search(frame=None) -> dict:
     skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
-    frame, searched, found = sys._getframe(2) if frame is None else frame, 0, {}
+    frame, searched, found, named = sys._getframe(2) if frame is None else frame, 0, {}, {}
     while frame is not None and searched < FRAMES:
         if not frame.f_code.co_filename.startswith(skip):
             searched += 1
+            if frame.f_code.co_name != "<module>":  # (a function's own pad id: torchtune's generate(..., pad_id=0))
+                for name in PAD_NAMES:
+                    pad = _int(frame.f_locals.get(name))
+                    if pad is not None:
+                        named.setdefault(pad, f"{name}={pad} in {frame.f_code.co_name}() of "
+                                              f"{os.path.basename(frame.f_code.co_filename)}")
             for name, value in _held(frame.f_locals):
                 if id(value) in found or isinstance(value, (torch.nn.Module, torch.Tensor, type, int, str, dict)):
                     continue
@@ -64,6 +73,9 @@ def _search(frame=None) -> dict:
                                                  f"{os.path.basename(frame.f_code.co_filename)}"}
         frame = frame.f_back
     said = list(found.values())
+    if not said and len(named) == 1:  # no tokenizer object: one pad id the calling functions name as such
+        pad, where = next(iter(named.items()))
+        return {"tokenizer_pad_id": pad, "tokenizer": where}
     if not said or any({k: v for k, v in one.items() if k != "tokenizer"} != {k: v for k, v in said[0].items()
                                                                                if k != "tokenizer"} for one in said[1:]):
         return {}

@@ -25,6 +25,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              # what else states where tokens are, as hand-written models name it (checks/real.py, tree.py, spans.py):
              "input_ids", "idx", "tokens", "inputs", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
              "padding_mask", "pad_mask", "mask", "input_mask", "tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets",
+             "lang_x",  # (OpenFlamingo's and Otter's text ids beside their media: checks/media.py)
              "image_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
              "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k",
              # the encoder's padding a cross-attention must keep (checks/memory.py) and the decoder's own:
@@ -221,14 +222,15 @@ def _token_ids(module) -> dict:
     """pad_id and eos_id the program states: its config's pad_token_id / eos_token_id, else the module's own attributes
     of those names, else (pad_id) its token embedding's padding_idx (nn.Embedding(padding_idx=...)) or its one row of
     zeros (TF's zero_pad); a seq2seq model's
-    src_pad_id / trg_pad_id from its src_pad_idx / trg_pad_idx and their kin."""
+    src_pad_id / trg_pad_id from its src_pad_idx / trg_pad_idx and their kin; a Flamingo-style model's media_token_id,
+    with the only_attend_previous flags its modules hold (by module path)."""
     held = _IDS.get(module)
     if held is not None:
         return held
     found = {}
     config = getattr(module, "config", None)
     for name, fields in (("pad_id", ("pad_token_id", "pad_id", "pad_idx", "padding_idx")),
-                         ("eos_id", ("eos_token_id", "eos_id")),
+                         ("eos_id", ("eos_token_id", "eos_id")), ("media_token_id", ("media_token_id",)),
                          ("src_pad_id", SOURCE_PAD), ("trg_pad_id", TARGET_PAD)):
         for owner in (config, module):
             value = next((getattr(owner, f, None) for f in fields if isinstance(getattr(owner, f, None), int)), None)
@@ -248,6 +250,11 @@ def _token_ids(module) -> dict:
             zero = _zero_row(embedding.weight)
             if zero is not None:
                 found["pad_id"] = zero
+    if "media_token_id" in found:  # (what each media cross-attention states of the images it may see: checks/media.py)
+        flags = tuple((path, value) for path, m in module.named_modules()
+                      if isinstance(value := vars(m).get("only_attend_previous"), bool))
+        if flags:
+            found["only_attend_previous"] = flags
     try:
         _IDS[module] = found
     except TypeError:
