@@ -98,6 +98,9 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(_first_ids(signature, given, found))
     found.update(_token_ids(module))
     found.update(_zeros(given, found))
+    convs = _convs(module)
+    if convs:
+        found["convs"] = convs
     found.update(held or {})
     if "pad_id" not in found and any(name in found for name in ("input_ids", "idx", "tokens")):
         from maskcli.trace.tokenizer import tokenizer
@@ -132,6 +135,39 @@ def _first_ids(signature, given: dict, found: dict) -> dict:
             and value.dtype != torch.bool and value.numel() <= MOST and value.device.type != "meta":
         return {"first_ids": (name, value.detach().cpu().numpy().astype(np.int64))}
     return {}
+
+
+_CONVS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+STRIDED = 16  # convolutions and poolings of one model read, in module order
+
+
+def _convs(module) -> tuple:
+    """The model's strided convolutions and poolings in module order (the order they are registered, as a speech
+    encoder's subsampling stack runs them), each ((kernel, stride, padding, dilation, ceil) of its first two axes):
+    how its frames are made of its samples (checks/subsampled.py). Read once per model."""
+    try:
+        return _CONVS[module]
+    except (KeyError, TypeError):
+        pass
+    found = []
+    for each in module.modules():
+        if isinstance(each, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.MaxPool1d, torch.nn.AvgPool1d,
+                             torch.nn.MaxPool2d, torch.nn.AvgPool2d)):
+            axes = []
+            for axis in (0, 1):
+                k, s, p, d = (getattr(each, name, 1) for name in ("kernel_size", "stride", "padding", "dilation"))
+                k, s, p, d = (v if isinstance(v, int) else v[min(axis, len(v) - 1)] for v in (k, s, p, d))
+                axes.append((int(k), int(s or k), int(p) if isinstance(p, int) else -1, int(d),
+                             bool(getattr(each, "ceil_mode", False))))
+            found.append(tuple(axes))
+            if len(found) == STRIDED:
+                break
+    found = tuple(found)
+    try:
+        _CONVS[module] = found
+    except TypeError:
+        pass
+    return found
 
 
 def _zeros(given: dict, found: dict) -> dict:
