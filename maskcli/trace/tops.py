@@ -180,7 +180,26 @@ def _zeros(given: dict, found: dict) -> dict:
                 and tuple(value.shape[:2]) in shapes and value.numel() <= MOST and value.device.type != "meta":
             zero = value.detach() == 0
             return {"zeros": (name, (zero if value.dim() == 2 else zero.all(-1)).cpu().numpy())}
+    patches = next((found[n] for n in PATCHES if isinstance(found.get(n), np.ndarray) and found[n].ndim == 2), None)
+    if patches is not None:  # images (B, C, H, W) with a mask over their patches: which patches are exactly 0
+        for name, value in given.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() == 4 \
+                    and value.shape[0] == patches.shape[0] and value.numel() <= MOST and value.device.type != "meta":
+                zero = _zero_patches(value.detach(), patches.shape[1])
+                return {} if zero is None else {"zeros": (name, zero)}
     return {}
+
+
+def _zero_patches(images: torch.Tensor, count: int) -> np.ndarray | None:
+    """Bool (B, count): the square patches of (B, C, H, W) images, row by row as a ViT's patch embedding flattens
+    them, that are exactly 0 in every channel; None where `count` square patches do not tile H x W."""
+    height, width = images.shape[-2:]
+    side = int(round((height * width / count) ** 0.5)) if count else 0
+    if side < 1 or height % side or width % side or (height // side) * (width // side) != count:
+        return None
+    zero = (images == 0).all(dim=1)  # (B, H, W)
+    zero = zero.reshape(images.shape[0], height // side, side, width // side, side).all(dim=4).all(dim=2)
+    return zero.reshape(images.shape[0], count).cpu().numpy()
 
 
 # a mask of padded items a model takes (frames, images, audio, patches, key padding); not an attention mask (another
