@@ -308,6 +308,9 @@ def _allow_extra(keep: torch.Tensor, extra: int) -> torch.Tensor:
     return torch.cat([keep, torch.ones(keep.shape[:-1] + (extra,), dtype=torch.bool, device=keep.device)], -1)
 
 
+NAN_ROWS = 4096  # query rows (over batch rows, heads and queries, flat) whose NaN scores a call records
+
+
 def softmax_input(args: tuple, kwargs: dict):
     return args[0] if args else kwargs.get("input", kwargs.get("self"))
 
@@ -336,6 +339,10 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     if fill == "-inf":  # only a row -inf everywhere is NaN; one that also holds the lowest value is uniform
         details["nan_rows"] = bool(infinite.all(dim=-1).any())
     masked = masked | _finite_fill(scores, lowest, details)
+    if scores.numel() and bool(torch.isnan(scores.amax())):  # (amax keeps a NaN: one cheap pass, cell by cell only then)
+        # NaN scores: the NaN of an earlier call's rows that saw no key, come through (checks/nans.py)
+        nan = torch.isnan(scores).any(dim=-1).reshape(-1)
+        details["nan_scores"] = torch.nonzero(nan).flatten()[:NAN_ROWS].tolist()
     if q_len > 1 and bool(masked.any()) and bool((masked == masked[..., :1, :]).all()):
         details["mask_rows"] = 1  # every query masks the same keys: one row for every query, as sdpa says of a
         # (B, 1, 1, Lk) attn_mask (the Annotated Transformer's masked_fill(src_mask == 0, -1e9)): key padding
