@@ -39,6 +39,14 @@ def test_wenet_conv2d_subsampling_mask_sliced_from_the_end(tmp_path):
     assert hit["cell"] == [1, 0, real] and f"keeps frames {real}-3 of that row" in hit["message"]
 
 
+def test_espnet_conv2d_subsampling_mask_sliced_over_the_padded_batch(tmp_path):
+    """espnet#6633 (written blind, batch blind-a): lengths 40 and 29; two Conv2d(3, stride 2) make 6 frames of row 1's
+    29, the sliced mask keeps 8."""
+    [hit] = check_bug(tmp_path, "espnet_conv2d_subsampling_mask_from_padded_width", "padded-frames-attended")
+    real = made(29, [conv1d(3, 2), conv1d(3, 2)])
+    assert real == 6 and hit["cell"][0] == 1 and hit["cell"][2] == real, hit
+
+
 def test_lengths_rounded_up_through_sdpa(tmp_path):
     """Written another way: Conv1d(5, stride 2) twice, lengths ceil(n / 4), SDPA's keep mask, three rows."""
     real = made(30, [conv1d(5, 2), conv1d(5, 2)])
