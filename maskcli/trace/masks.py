@@ -350,23 +350,6 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     return seen
 
 
-def over_keys_at_1(args: tuple, kwargs: dict) -> bool:
-    """A softmax over dim 1 of a 4-D tensor: scores laid out (Lq, Lk, B, H), as Transformer-XL's and XLNet's original
-    code einsum them ('ibnd,jbnd->ijbn'), where that tensor came from q @ kᵀ (follow.py asks scores.py)."""
-    x = softmax_input(args, kwargs)
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    return isinstance(x, torch.Tensor) and x.dim() == 4 and dim == 1
-
-
-def ijbn_softmax(args: tuple, kwargs: dict) -> Seen | None:
-    """The softmax over dim 1 of (Lq, Lk, B, H) scores (over_keys_at_1), read as `softmax` reads their (B, H, Lq, Lk)
-    view over its last dimension."""
-    seen = softmax((softmax_input(args, kwargs).permute(2, 3, 0, 1), -1), {})
-    if seen is not None:
-        seen.details["layout"] = "ijbn"
-    return seen
-
-
 def exp_softmax(args: tuple, kwargs: dict) -> Seen | None:
     """exp of attention scores: a softmax written by hand (ONNX's reference `exp(x - max(x)) / sum`), read as the
     softmax over its input's last dimension. Only called on tensors scores.py saw made from q @ kᵀ (capture.py)."""
@@ -409,4 +392,4 @@ def _finite_fill(scores: torch.Tensor, lowest: float, details: dict) -> torch.Te
     return torch.softmax(scores, dim=-1) == 0
 
 
-sdpa.api, mha.api, softmax.api, exp_softmax.api, ijbn_softmax.api = "sdpa", "mha", "softmax", "softmax", "softmax"  # named on a call maskcli could not read
+sdpa.api, mha.api, softmax.api, exp_softmax.api = "sdpa", "mha", "softmax", "softmax"  # named on a call maskcli could not read
