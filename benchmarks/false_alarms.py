@@ -8,7 +8,11 @@ watched (the model's own `prepare_inputs_for_generation`), and where none of the
 `attention_mask` (XLNet and XLM drop it: their forwards build masks from the ids alone), the model did attend to
 the batch's padding and the finding is true: it is listed as such, not counted as a false alarm.
 
-    python benchmarks/false_alarms.py [FAMILY ...]
+Then the modes this does not run (packed and right-padded training batches, output_attentions, beam search,
+encoder-decoder and vision-language families: benchmarks/false_alarms_modes.py, each finding checked by what the
+outputs depend on), over the same FAMILY names where given; --no-modes leaves them out.
+
+    python benchmarks/false_alarms.py [--no-modes] [FAMILY ...]
 """
 
 from __future__ import annotations
@@ -74,4 +78,10 @@ def main(names: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    given = [arg for arg in sys.argv[1:] if arg != "--no-modes"]
+    status = main(given)
+    if "--no-modes" not in sys.argv[1:]:
+        import false_alarms_modes  # (a sibling: this folder is sys.path[0])
+
+        status = max(status, false_alarms_modes.main(given))
+    sys.exit(status)

@@ -357,12 +357,18 @@ def leaves(node) -> list:
     return [node]
 
 
-def transform(node, leaf):
-    """The same tree with each leaf replaced by leaf(call)."""
+def with_leaves(node, replaced: list):
+    """The same tree with its leaves, left to right (as `leaves` lists them), replaced by `replaced`'s: a caller
+    that binds or rewrites leaves does it over the list, with no callback from here."""
+    given = iter(replaced)
+    return _rebuilt(node, given)
+
+
+def _rebuilt(node, given):
     if isinstance(node, And):
-        return And(tuple(transform(item, leaf) for item in node.items))
+        return And(tuple(_rebuilt(item, given) for item in node.items))
     if isinstance(node, Or):
-        return Or(tuple(transform(item, leaf) for item in node.items))
+        return Or(tuple(_rebuilt(item, given) for item in node.items))
     if isinstance(node, Not):
-        return Not(transform(node.item, leaf))
-    return leaf(node)
+        return Not(_rebuilt(node.item, given))
+    return next(given)

@@ -268,10 +268,10 @@ class Mask:
             return torch.broadcast_to(keep[:, :, q_range.start : q_range.stop], (len(batch_rows), len(heads), len(q_range), self.frame.k_len))
         mod = _cached_predicate(self, device)
         f = self.frame
-        b = index_tensor(range(batch_rows.start, batch_rows.stop), 0, device)
-        h = index_tensor(heads, 1, device)
-        q = index_tensor(range(f.q_start + q_range.start, f.q_start + q_range.stop), 2, device)
-        kv = index_tensor(range(f.k_start, f.k_end), 3, device)
+        b = pos.index_tensor(range(batch_rows.start, batch_rows.stop), 0, device)
+        h = pos.index_tensor(heads, 1, device)
+        q = pos.index_tensor(range(f.q_start + q_range.start, f.q_start + q_range.stop), 2, device)
+        kv = pos.index_tensor(range(f.k_start, f.k_end), 3, device)
         keep = torch.as_tensor(mod(b, h, q, kv), device=device)
         return torch.broadcast_to(keep, (len(batch_rows), len(heads), len(q_range), f.k_len))
 
@@ -308,16 +308,6 @@ def _cached_predicate(mask: Mask, device):
     return mask.predicate(device)
 
 
-@functools.lru_cache(maxsize=64)
-def index_tensor(values: range, axis: int, device):
-    """Indices along `axis` of four dimensions, as a mask_mod receives them; cached, for a mask_mod only reads them."""
-    import torch
-
-    shape = [1, 1, 1, 1]
-    shape[axis] = len(values)
-    return torch.arange(values.start, values.stop, dtype=torch.int64, device=device).view(shape)
-
-
 # --- building one from what the user typed ---------------------------------------------------
 
 
@@ -337,10 +327,17 @@ def build(expression: str, options: MaskOptions | None = None, default_length: i
 
 def placed(resolved, options: MaskOptions, default_length: int | None = None) -> Mask:
     """build's end: terms already bound to their kinds, placed as the options say (recognition's candidates)."""
+    frame, tokens = placing(resolved, options, default_length)
+    return from_terms(resolved, frame, options.heads, tokens)
+
+
+def placing(resolved, options: MaskOptions, default_length: int | None = None) -> tuple[Frame, tuple | None]:
+    """placed's positions (and words) for the terms, with no Mask: the same positions make the same Mask."""
     lengths, ids = padding(options)
     tokens = words(options.tokens) if options.tokens is not None else None
-    sequence = _sequence(resolved, ids, tokens)
-    queries = [term.kind.queries(term.values) for term in terms.terms(resolved) if term.kind.queries]
+    leaves = terms.terms(resolved)  # once: each reading below walks them
+    sequence = _sequence(leaves, ids, tokens)
+    queries = [term.kind.queries(term.values) for term in leaves if term.kind.queries]
     q_start, q_len, k_start, k_len = pos.resolve(
         length=options.length, offset=options.offset, kv_start=options.kv_start, kv_len=options.kv_len,
         align=options.align, sequence=sequence[0] if sequence else longest(lengths), queries=queries[0] if queries else None,
@@ -349,27 +346,28 @@ def placed(resolved, options: MaskOptions, default_length: int | None = None) ->
     frame = with_padding(Frame(q_start, q_len, k_start, k_len), lengths, ids, options.pad_id, pad_side(options))
     for what, count in sequence:
         pos.data_length(what, count, frame)
-    return from_terms(resolved, frame, options.heads, tokens)
+    return frame, tokens
 
 
 def from_terms(resolved, frame: Frame, heads: int = 1, tokens=None) -> Mask:
     """The Mask of terms bound to their kinds at `frame`'s positions: build's, and a source's that knows its kinds
     with no text to parse (serve's requests). The name is made from the terms, to be shown."""
     warnings: list[str] = []
-    for term in terms.terms(resolved):
+    leaves = terms.terms(resolved)
+    for term in leaves:
         if term.kind.check is not None:
             warnings += term.kind.check(term.values, frame, shortened(term.text(), 60)) or []
-    batch = _batch(resolved, frame)
+    batch = _batch(leaves, frame)
     pos.check_size(heads, "--heads", "the number of attention heads")
     padding = terms.Term(get_kind("padding"), ())
     tree = ex.both(resolved, padding) if frame.padded and resolved != padding else resolved  # padding cuts every mask
     return Mask(terms.text(resolved), frame, batch, heads, tree, resolved, tokens, None, tuple(warnings))
 
 
-def _sequence(tree, ids, tokens) -> list[tuple[str, int]]:
-    """What says how long the sequence is: (what, count) for labels, --ids and --tokens."""
+def _sequence(leaves, ids, tokens) -> list[tuple[str, int]]:
+    """What says how long the sequence is: (what, count) for labels (of the tree's terms), --ids and --tokens."""
     found = []
-    for term in terms.terms(tree):
+    for term in leaves:
         count = term.kind.sequence(term.values) if term.kind.sequence is not None else None
         if count is not None:  # a kind whose labels are optional (local's documents) may fix no length
             found.append((f"the labels of {term.text()[:60]}", count))
@@ -380,10 +378,10 @@ def _sequence(tree, ids, tokens) -> list[tuple[str, int]]:
     return found
 
 
-def _batch(tree, frame: Frame) -> int:
-    """The batch size that the padding rows and the labels' rows agree on (each 1 or the same B)."""
+def _batch(leaves, frame: Frame) -> int:
+    """The batch size that the padding rows and the labels' rows (of the tree's terms) agree on (each 1 or the same B)."""
     sources = [("--lengths/--ids", frame.batch)] if frame.padded else []
-    for term in terms.terms(tree):
+    for term in leaves:
         for name, value in term.params:
             if isinstance(value, Labels) and value.rows > 1:
                 sources.append((term.text()[:60], value.rows))

@@ -9,6 +9,7 @@ cache with no special case.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,3 +176,13 @@ def data_length(what: str, count: int, frame: Frame) -> None:
             f"positions 0-{frame.n - 1} ({frame.n} positions: {frame.describe()}): give one per position, "
             "or change --len/--offset/--kv-len"
         )
+
+
+@functools.lru_cache(maxsize=64)
+def index_tensor(values: range, axis: int, device):
+    """Indices along `axis` of four dimensions, as a mask_mod receives them; cached, for a mask_mod only reads them."""
+    import torch
+
+    shape = [1, 1, 1, 1]
+    shape[axis] = len(values)
+    return torch.arange(values.start, values.stop, dtype=torch.int64, device=device).view(shape)

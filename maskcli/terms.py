@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from maskcli import expression as ex
 from maskcli.errors import MaskError
-from maskcli.intervals import Intervals
+from maskcli.intervals import Intervals, NotFew
 from maskcli.kinds import get as get_kind
 from maskcli.kinds import values as label_values
 from maskcli.kinds.base import REQUIRED, Kind, Labels, Param
@@ -66,7 +66,9 @@ class Term:
 
 def text(tree) -> str:
     """The canonical text of a tree of terms: the name of the mask."""
-    return tree.text() if isinstance(tree, Term) else ex.print_tree(tree, leaf=Term.text)  # one term: no tree to walk
+    if isinstance(tree, Term):  # one term: no tree to walk
+        return tree.text()
+    return ex.print_tree(ex.with_leaves(tree, [term.text() for term in ex.leaves(tree)]), leaf=str)  # texts, no callback
 
 
 def terms(tree) -> list[Term]:
@@ -76,8 +78,25 @@ def terms(tree) -> list[Term]:
 def bound(kind: Kind, values: dict) -> Term:
     """The kind bound to values given by name (read off a tensor, not typed), each checked as a typed one is
     (MaskError where one is refused); a parameter not given takes its default."""
-    checked = {p.name: p.check(values.get(p.name, p.default), kind.name) for p in kind.params}
-    return Term(kind, tuple(checked.items()))
+    return bound_each([(kind, values)], refuse=True)[0]
+
+
+def bound_each(found: list[tuple[Kind, dict]], refuse: bool = False) -> list[Term | None]:
+    """`bound` for many (kind, values) at once, None for each one refused (`refuse`: raise its MaskError instead):
+    recognition's candidates, bound in one call."""
+    terms_: list[Term | None] = []
+    for kind, values in found:
+        checked = []
+        try:
+            for p in kind.params:
+                checked.append((p.name, p.check(values.get(p.name, p.default), kind.name)))
+        except MaskError:
+            if refuse:
+                raise
+            terms_.append(None)
+            continue
+        terms_.append(Term(kind, tuple(checked)))
+    return terms_
 
 
 # --- binding calls to kinds ------------------------------------------------------------------
@@ -102,7 +121,7 @@ def resolve(tree, flags: dict[str, object], source: str, extra: dict[str, Kind] 
             values[param.name] = param.check(value, where if call.called else f"{param.flag} {value}")
         return Term(kind, tuple((p.name, values[p.name]) for p in kind.params), at=call.at)
 
-    return _documents_inherited(ex.transform(tree, bind), source), used
+    return _documents_inherited(ex.with_leaves(tree, [bind(call) for call in ex.leaves(tree)]), source), used
 
 
 def _documents_inherited(tree, source: str):
@@ -134,7 +153,7 @@ def _documents_inherited(tree, source: str):
         params = tuple((name, found[0] if name in names else value) for name, value in term.params)
         return Term(term.kind, params, at=term.at, inherited=names)
 
-    return ex.transform(tree, inherit)
+    return ex.with_leaves(tree, [inherit(term) for term in ex.leaves(tree)])
 
 
 def _from_call(kind: Kind, call: ex.Call, where: str) -> dict:
@@ -239,7 +258,41 @@ def intervals(tree, frame: Frame) -> Intervals:
     (expression.simplified): each pass of a term is over every query row."""
     if isinstance(tree, Term):  # one term: nothing to fold
         return tree.kind.intervals(tree.values, frame)
-    return _intervals(ex.simplified(tree), frame)
+    return _intervals(folded(tree), frame)
+
+
+def folded(tree):
+    """The tree with repeated terms folded (expression.simplified), where a term repeats: the terms are compared
+    here, so simplifying is asked only of a tree that holds a repeat (a tree of distinct terms evaluates as it is)."""
+    leaves = ex.leaves(tree)
+    return ex.simplified(tree) if len(set(leaves)) < len(leaves) else tree
+
+
+def placed_each(trees: list, frame: Frame) -> list:
+    """Each tree's key intervals at `frame`, as mask.placed makes them with --len given, before the key padding cuts
+    them: a MaskError where placed refuses the tree there (its first kind's draft tree is not --len queries, labels
+    that do not cover the positions, a kind's own check), None where its intervals are not few. Recognition's
+    candidates placed alike, made in one call; each holds a term once, so nothing is folded (as `intervals` folds)."""
+    found: list = []
+    n = frame.n  # once: every tree's labels must cover the same positions
+    for tree in trees:
+        leaves = [tree] if isinstance(tree, Term) else ex.leaves(tree)
+        try:
+            queries = [term.kind.queries(term.values) for term in leaves if term.kind.queries is not None]
+            if queries and queries[0] != frame.q_len:
+                raise MaskError(f"--len {frame.q_len} does not match the {queries[0]} draft tokens of the tree")
+            for term in leaves:
+                count = term.kind.sequence(term.values) if term.kind.sequence is not None else None
+                if count is not None and count != n:
+                    raise MaskError(f"the labels of {term.kind.name} have {count} entries, the mask {n} positions")
+                if term.kind.check is not None:
+                    term.kind.check(term.values, frame, term.kind.name)
+            found.append(_intervals(tree, frame))
+        except MaskError as error:
+            found.append(error)
+        except NotFew:
+            found.append(None)
+    return found
 
 
 def _intervals(tree, frame: Frame) -> Intervals:
@@ -254,7 +307,7 @@ def _intervals(tree, frame: Frame) -> Intervals:
 
 def predicate(tree, frame: Frame, device):
     """mask_mod(b, h, q, kv) on absolute positions for the whole tree (torch), repeated terms folded first."""
-    return _predicate(ex.simplified(tree), frame, device)
+    return _predicate(folded(tree), frame, device)
 
 
 def _predicate(tree, frame: Frame, device):

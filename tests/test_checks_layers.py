@@ -111,3 +111,63 @@ def test_layer_types_are_known_only_where_the_config_has_no_other_per_layer_fiel
     assert not types_known(Config(num_hidden_layers=4, global_attn_every_n_layers=3))
     assert not types_known(Config(num_hidden_layers=4, sliding_window=8, max_window_layers=2))
     assert not types_known(Config(num_hidden_layers=3, window_sizes=[4, None, 4]))
+
+
+class Parts:
+    """A vision-language model's config of parts, as transformers' Gemma3Config is: no layer field of its own, the text
+    model's fields in text_config (get_text_config), the vision tower's in another part."""
+
+    def __init__(self, text_config, vision_config):
+        self.text_config, self.vision_config = text_config, vision_config
+
+    def get_text_config(self, decoder=None):
+        return self.text_config
+
+
+class Tower(torch.nn.Module):
+    """Two vision layers, both ways over 4 patches, holding the vision part of the config."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.layers = torch.nn.ModuleList(Layer(None) for _ in range(2))
+
+    def forward(self, x):
+        for one in self.layers:
+            x = x + one(x)
+        return x
+
+
+class VisionLanguage(torch.nn.Module):
+    """The top module holds the config of parts; its language model the text part (self.config), as transformers'
+    Gemma3ForConditionalGeneration and its language_model do."""
+
+    def __init__(self, config, masks):
+        super().__init__()
+        self.config = config
+        self.vision_tower = Tower(config.vision_config)
+        self.language_model = Model(config.text_config, masks)
+
+    def forward(self, patches, x):
+        self.vision_tower(patches)
+        return self.language_model(x)
+
+
+def test_a_config_of_parts_speaks_through_the_text_part_its_language_model_holds():
+    # five sliding layers and a full one, as the text part's layer_types say: quiet (the config of parts states no
+    # layer field itself, and was read as "every layer full", so the full layer was called different from its kind)
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    text = Config(num_hidden_layers=6, sliding_window=2, layer_types=types)
+    masks = [window(2) if kind == "sliding_attention" else causal() for kind in types]
+    with maskcli.trace() as t, torch.no_grad():
+        VisionLanguage(Parts(text, Config(num_hidden_layers=2, image_size=28)), masks)(
+            torch.randn(1, 1, 4, 4), torch.randn(1, 1, 6, 4))
+    found = [(f.code, severity(f), f.message) for group in t.groups() for f in group.findings]
+    assert not [f for f in found if f[1] == "wrong"], found
+    # the same model with one sliding layer handed the full layer's mask: the text part's layer types still speak
+    masks[1] = causal()
+    with maskcli.trace() as t, torch.no_grad():
+        VisionLanguage(Parts(text, Config(num_hidden_layers=2, image_size=28)), masks)(
+            torch.randn(1, 1, 4, 4), torch.randn(1, 1, 6, 4))
+    wrong = [f for group in t.groups() for f in group.findings if severity(f) == "wrong"]
+    assert wrong and "layer 1" in wrong[0].message, [f.message for f in wrong]

@@ -123,6 +123,24 @@ def test_a_self_attention_whose_every_query_sees_no_key_is_wrong_and_a_cross_att
     assert found.severity == "note"
 
 
+def test_rows_empty_in_some_heads_only_are_no_mask_that_masks_everything():
+    """"The mask masks everything" holds only where every head of every row sees nothing: rows empty in some heads
+    (a head the program zeroes after its softmax, or Longformer's banded scores read with positions for heads, which
+    called LED's every padded encoder batch wrong) stay a row finding; all heads empty stays wrong. Cells written here
+    with a double loop: head h of batch row b sees keys k <= q unless (h + b) is even, where it sees none."""
+    keep = np.zeros((2, 4, 3, 3), dtype=bool)
+    for b in range(2):
+        for h in range(4):
+            for q in range(3):
+                for k in range(3):
+                    keep[b, h, q, k] = (h + b) % 2 == 1 and k <= q
+    [found] = empty_rows(*call(keep), None)
+    assert found.code == "fully-masked" and found.severity != "wrong", found
+    assert found.message.startswith("query rows 0-2 of batch row 0; query rows 0-2 of batch row 1 see no key"), found
+    [masked] = empty_rows(*call(np.zeros((2, 4, 3, 3), dtype=bool)), None)
+    assert (masked.code, masked.severity) == ("fully-masked", "wrong")
+
+
 def test_chatglm_finetune_all_true_attention_mask(tmp_path):
     """mymusise/ChatGLM-Tuning#30: attention_mask=torch.ones(1, 1, L, L).bool() where True = masked."""
     from checkbugs import check_bug

@@ -702,3 +702,22 @@ def test_a_numpy_dtype_torch_lacks_is_refused_by_name(tmp_path):
         f"maskcli: error: '{tmp_path / 'long.npy'}' has dtype {np.dtype(np.longdouble).name}, which cannot be a mask here: "
         "use bool, an integer type or float16/bfloat16/float32/float64\n"
     )
+
+
+@pytest.mark.parametrize("text, length, flip", [("window(3)", 8, False), ("causal & (window(2) | sink(1))", 8, True),
+                                                ("document(0,0,1,1,1)", 5, True)])
+def test_the_structure_that_told_the_polarity_is_the_one_inspect_names(text, length, flip):
+    """polarity recognises both readings to tell which way round a bool tensor is; inspect names the tensor with
+    the Structure that told it, the same as recognising the reading again would (and its command rebuilds it)."""
+    from maskcli.inspect.polarity import classify, marks, to_keep
+    from maskcli.inspect.structure import recognise
+
+    cells = build(text, length=length).dense()[0, 0]
+    tensor = ~cells if flip else cells
+    convention = classify(tensor)
+    assert convention.how == "structure" and convention.structure is not None
+    again = recognise(to_keep(tensor, convention)[None, None], key_padding=True, marked=marks(convention), nearest=True)
+    found = analyse(tensor).structure
+    assert (found.expression, found.options, found.command) == (again.expression, again.options, again.command)
+    assert found.expression == text
+    assert torch.equal(dense(found.command)[0, 0], torch.from_numpy(cells))

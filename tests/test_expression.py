@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from maskcli.errors import MaskError
-from maskcli.expression import And, Call, Ints, Not, Or, Text, both, either, leaves, parse, print_tree, simplified
+from maskcli.expression import And, Call, Ints, Not, Or, Text, both, call_text, either, leaves, parse, print_tree, simplified, with_leaves
 
 names = st.sampled_from(["causal", "window", "document", "tril", "x", "my_kind2"])
 ints = st.integers(-(10**12), 10**12)
@@ -212,3 +212,12 @@ def test_a_chain_of_ten_thousand_terms_parses_without_recursing_per_term(join):
     expected = "window(3) & ~window(3)" if "~" in join else "window(3)"
     assert print_tree(simplified(tree)) == expected
 
+
+
+def test_with_leaves_replaces_each_leaf_left_to_right_and_keeps_the_tree():
+    tree = parse("causal & ~(window(3) | sink(1)) & window(3)")
+    assert [call_text(leaf) for leaf in leaves(tree)] == ["causal", "window(3)", "sink(1)", "window(3)"]
+    named = with_leaves(tree, ["a", "b", "c", "d"])
+    assert leaves(named) == ["a", "b", "c", "d"]
+    assert print_tree(named, leaf=str) == "a & ~(b | c) & d"
+    assert with_leaves(tree, leaves(tree)) == tree

@@ -704,3 +704,14 @@ def test_from_terms_makes_the_mask_of_kinds_at_a_frame_with_no_text_parsed():
     assert np.array_equal(mask.dense()[0, 0], want)
     with pytest.raises(MaskError, match="prefix of 12 is longer than the sequence"):
         from_terms(Term(get("prefix"), (("prefix", 12),)), Frame(6, 3, 0, 9))  # the kind's own check still runs
+
+
+@pytest.mark.parametrize("expression, flags", [("causal", {"length": 5}), ("document(0,0,1,1,1,1)", {}),
+                                               ("window(2)", {"length": 3, "offset": 4}), ("causal", {"lengths": "4,6"})])
+def test_placing_is_the_frame_placed_builds(expression, flags):
+    from maskcli.mask import placed, placing
+
+    tree, options = build(expression).expression, MaskOptions(**flags)
+    frame, _ = placing(tree, options)
+    f = placed(tree, options).frame
+    assert (frame.q_start, frame.q_len, frame.k_start, frame.k_len, frame.lengths) == (f.q_start, f.q_len, f.k_start, f.k_len, f.lengths)

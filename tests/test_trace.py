@@ -1064,3 +1064,41 @@ def test_torchs_causal_bias_objects_run_as_under_python_and_are_read_as_their_ce
     for call, lower in zip(t.calls, (True, False), strict=True):
         wanted = np.array([[kk <= (k_len - q_len + i if lower else i) for kk in range(k_len)] for i in range(q_len)])
         assert np.array_equal(call.keep()[0, 0], wanted), lower
+
+
+def test_banded_scores_a_position_gathers_its_keys_into_are_no_query_by_key_call():
+    """Longformer / LED's encoder (modeling_led.py, LEDEncoderSelfAttention) lays scores out (B, L, H, 2w + 1): each
+    position's band of keys, not (B, H, Lq, Lk); read as such, positions were heads and heads queries, and LED's padded
+    encoder batches were called fully-masked and padding-per-head. Written here another way (keys unfolded, einsum or a
+    product summed): no call. A (B, H, Lq, Lk) softmax with as many queries as heads, made by q @ kᵀ, stays a call."""
+    torch.manual_seed(0)
+
+    class Band(nn.Module):
+        def __init__(self, heads: int, w: int, einsum: bool):
+            super().__init__()
+            self.num_heads, self.w, self.einsum = heads, w, einsum
+
+        def forward(self, q, k, lengths):
+            w, length = self.w, q.shape[1]
+            band = F.pad(k, (0, 0, 0, 0, w, w)).unfold(1, 2 * w + 1, 1)  # (B, L, H, D, 2w + 1)
+            scores = torch.einsum("blhd,blhdj->blhj", q, band) if self.einsum else (q[..., None] * band).sum(-2)
+            at = torch.arange(length)[:, None] + torch.arange(-w, w + 1)[None]  # the key position of each band cell
+            outside = (at[None] < 0) | (at[None] >= lengths[:, None, None])
+            probs = torch.softmax(scores.masked_fill(outside[:, :, None], float("-inf")), dim=-1)
+            return probs.masked_fill((torch.arange(length)[None] >= lengths[:, None])[:, :, None, None], 0.0)
+
+    q, k, lengths = torch.randn(2, 8, 2, 4), torch.randn(2, 8, 2, 4), torch.tensor([6, 5])
+    for einsum in (True, False):
+        with maskcli.trace() as t, torch.no_grad():
+            Band(2, 2, einsum)(q, k, lengths)
+        assert t.calls == [], [(c.where, c.shape) for c in t.calls]
+
+    class Heads(nn.Module):  # (B, H, Lq, Lk) with 2 key heads and 4 queries in a module of 4 query heads
+        num_heads = 4
+
+        def forward(self, q, k):
+            return torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+
+    with maskcli.trace() as t, torch.no_grad():
+        Heads()(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8))
+    assert [c.shape for c in t.calls] == [(1, 2, 4, 6)]

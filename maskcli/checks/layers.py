@@ -25,6 +25,7 @@ import numpy as np
 
 from maskcli.checks.arguments import document_starts
 from maskcli.checks.config import layer_kind
+from maskcli.checks.intent import fields_of, intent
 from maskcli.checks.context import Run, equals, first_cell, found_padding, keep, layer, queries
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
@@ -54,16 +55,32 @@ def types_known(config) -> bool:
     return True
 
 
+def _kind(run: Run, call, top, index: int) -> tuple[tuple[str, str] | None, object]:
+    """(the layer's kind and the field that says so, the config that says it). A config of parts (a vision-language
+    model's: Gemma 3's holds text_config and vision_config, and states no layer field itself) speaks through the part
+    its modules hold: the call's stated intent (checks/intent.py, scoped by module path), never "every layer full"."""
+    config = top.config
+    held = run.__dict__.setdefault("_parts", {})
+    if id(top) not in held:  # (read once per model call)
+        text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+        held[id(top)] = (top, text if text is not config and not fields_of(config) else None)
+    text = held[id(top)][1]
+    if text is None:
+        return layer_kind(config, index), config
+    stated = intent(run, call)
+    found = stated.kind(index) if stated else None
+    return (None if found is None or found[2] else found[:2]), text
+
+
 def _groups(run: Run) -> dict:
     """(forward pass, call site with its layer number left out, API, shape, step, layer type) -> {layer: first call}."""
     found: dict = {}
     for call in run.calls:
         index = layer(call)
         top = run.top(call)
-        config = None if top is None else top.config
-        if call.stored is None or index is None or config is None:
+        if call.stored is None or index is None or top is None or top.config is None:
             continue
-        kind = layer_kind(config, index)
+        kind, config = _kind(run, call, top, index)
         if kind is None or not types_known(config):
             continue
         site = NUMBER.sub(r"\1*", call.where or "")
@@ -136,8 +153,9 @@ def agree(run: Run) -> list:
             continue
         first = calls[most[0]]
         top = run.top(first)
-        expected = _named(cells[major], top.config, kind, first, top)
-        field = layer_kind(top.config, most[0])[1].split("[")[0]
+        said, config = _kind(run, first, top, most[0])
+        expected = _named(cells[major], config, kind, first, top)
+        field = said[1].split("[")[0]
         for mask, indexes in merged.items():
             if mask == major:
                 continue

@@ -57,7 +57,8 @@ def empty_rows(call, stored: dict, structure) -> list[Finding]:
     if stored["form"] == "stats":
         return [Finding("fully-masked", f"{stored['empty_rows']:,} query rows see no key at all: {what_api_does(call)}",
                         severity)] if stored["empty_rows"] else []
-    empty = (tracefile.counts(stored) == 0).any(axis=1)  # (b, Lq): over the heads
+    none = tracefile.counts(stored) == 0  # (b, h, Lq)
+    empty = none.any(axis=1)  # (b, Lq): over the heads
     if not empty.any():
         return []
     parts = []
@@ -68,9 +69,11 @@ def empty_rows(call, stored: dict, structure) -> list[Finding]:
     more = int(empty.any(axis=1).sum()) - len(parts)
     who = "; ".join(parts) + (f"; and {more} more batch rows" if more > 0 else "")
     verb = "sees" if len(parts) == 1 and parts[0].startswith("query row ") and not parts[0].startswith("query rows") else "see"
-    if empty.all() and call.shape[3] > 0 and not cross(call):
+    if none.all() and call.shape[3] > 0 and not cross(call):
         # every query of a self-attention, each of which may at least see itself: the mask hides all there is (an
-        # all-True mask handed where True = masked), so the kernel's output is no attention the program meant
+        # all-True mask handed where True = masked), so the kernel's output is no attention the program meant; in every
+        # head (rows empty in some heads only are no mask that masks everything: Longformer's banded scores, (B, L, H,
+        # 2w + 1) read as (B, H, Lq, Lk), have their padded positions zeroed on the axis read as heads)
         return [Finding("fully-masked", f"every query of every batch row sees no key at all, in a self-attention whose "
                         f"queries are its own keys: the mask masks everything ({what_api_does(call)})", "wrong",
                         expected="each query sees at least its own key")]

@@ -74,7 +74,9 @@ def analyse(tensor, heads: int | None = None, convention: Convention | None = No
     convention = convention or classify(tensor, where)
     keep = to_keep(tensor, convention)
     keep4 = as_sdpa = sdpa_view(keep)
-    structure = recognise(keep4, key_padding=tensor.ndim == 2, marked=marks(convention), nearest=True, padding=padding)
+    structure = convention.structure if padding is None else None  # polarity's, where the structure told it
+    if structure is None:
+        structure = recognise(keep4, key_padding=tensor.ndim == 2, marked=marks(convention), nearest=True, padding=padding)
     key_padding = structure.reading == "key padding [B, S]"
     if key_padding:
         keep4 = keep[:, None, None, :]

@@ -10,7 +10,7 @@ that decides it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import math
 
@@ -86,6 +86,9 @@ class Convention:
     note: str
     sentinel: float | None = None  # the fill of a min-style mask
     ones_mean: str = "attend"  # int: what a 1 means, "attend" or (a triu(ones, 1) mask) "masked"
+    # where the structure told it: the Structure that rebuilds the tensor read so (inspect names it with no second
+    # recognition)
+    structure: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def sure(self) -> bool:
@@ -103,11 +106,12 @@ def classify(tensor: np.ndarray, where: str = "the mask") -> Convention:
     """The tensor's convention from its dtype and values; a bool or 0/1 tensor's polarity from its structure.
     `where` names the tensor in a refusal (its file, as the user gave it)."""
     if tensor.dtype == bool:
-        meaning, how, why = _polarity(tensor)
+        meaning, how, why, structure = _polarity(tensor)
         if meaning is None:
             return Convention("keep", how, why)
         name = "keep" if meaning == "attend" else "block"
-        return Convention(name, how, f"read as {name} (True = {'may attend' if name == 'keep' else 'masked'}): {why}")
+        return Convention(name, how, f"read as {name} (True = {'may attend' if name == 'keep' else 'masked'}): {why}",
+                          structure=structure)
     if tensor.dtype.kind != "f":
         zero_one = (tensor == 0) | (tensor == 1)
         if not bool(zero_one.all()):
@@ -160,24 +164,26 @@ def classify(tensor: np.ndarray, where: str = "the mask") -> Convention:
 def _zero_one(tensor: np.ndarray, what: str) -> Convention:
     """0/1 numbers: 1 = attend (torch.tril(torch.ones(L, L))) unless the structure says 1 = masked (triu(ones, 1))."""
     if bool((tensor == 0).any()) and bool((tensor == 1).any()):
-        meaning, how, why = _polarity(tensor != 0)
+        meaning, how, why, structure = _polarity(tensor != 0)
         if meaning == "masked" and how == "structure":
             return Convention(
                 "int", "structure",
                 f"{what} 0/1 with 1 = masked, a torch.triu(torch.ones(L, L), 1) mask: {why}", ones_mean="masked",
+                structure=structure,
             )
     return Convention("int", "values", f"{what} 0/1, 1 = attend (torch.tril(torch.ones(L, L)) style)")
 
 
-def _polarity(ones: np.ndarray) -> tuple[str | None, str, str]:
-    """Whether True (or 1) means attend or masked here, how that was told, and why."""
+def _polarity(ones: np.ndarray) -> tuple[str | None, str, str, object | None]:
+    """Whether True (or 1) means attend or masked here, how that was told, why, and the Structure that told it
+    (None where the structure did not)."""
     x = sdpa_view(ones)
     if bool(x.all()) or not bool(x.any()):
         value = bool(x.flatten()[0])
         return None, "cannot tell", (
             f"every cell is {value}: read as keep {'nothing' if value else 'everything'} is masked, "
             f"read as block {'everything' if value else 'nothing'}"
-        )
+        ), None
     q_len, k_len = x.shape[-2:]
     if x.size <= STRUCTURE_CELLS:
         # Each reading scores 2 for a maskcli kind, 1 for a raw tril/triu, 0 for none, and 1 less
@@ -189,7 +195,7 @@ def _polarity(ones: np.ndarray) -> tuple[str | None, str, str]:
             instead = "no maskcli kind rebuilds it" if flipped.kind is None else (
                 f"it would be {flipped.expression}" + (" with queries that see no key" if flipped_empty else "")
             )
-            return best, "structure", f"maskcli's {structure.expression} rebuilds it read this way; read the other way round, {instead}"
+            return best, "structure", f"maskcli's {structure.expression} rebuilds it read this way; read the other way round, {instead}", structure
     # The diagonal cells (q, q + Lk - Lq), leaving out columns that are the same for every query (padding-like).
     # Where Lq != Lk the top-left diagonal (q, q) is asked too: if the two disagree, the alignment is in
     # question (causal_upper_left against lower_right), not the polarity, and key 0 decides.
@@ -206,12 +212,12 @@ def _polarity(ones: np.ndarray) -> tuple[str | None, str, str]:
         seen = share if meaning == "attend" else 1 - share
         return meaning, "structure" if seen >= 0.9 else "guess", (
             f"{seen:.0%} of the queries see their own position (cell q, q + Lk - Lq) read this way, as queries normally do"
-        )
+        ), None
     first = float(x[..., 0].mean())
     if first != 0.5:
         meaning = "attend" if first > 0.5 else "masked"
-        return meaning, "guess", "the diagonal does not tell; key 0 is visible read this way, and key 0 is rarely padding"
-    return None, "cannot tell", "neither the diagonal nor key 0 tells which way round it is; read as keep"
+        return meaning, "guess", "the diagonal does not tell; key 0 is visible read this way, and key 0 is rarely padding", None
+    return None, "cannot tell", "neither the diagonal nor key 0 tells which way round it is; read as keep", None
 
 
 def marks(convention: Convention) -> str:

@@ -5,41 +5,36 @@ candidate parameters off the tensor (a window from the widest row, chunk labels 
 rows' visible prefixes end, ...), then maskcli builds that mask and it must equal the
 tensor cell for cell. So the command suggested always rebuilds the mask exactly.
 
-Candidates are built from their terms (kinds bound to values), with no text to parse, and compared on their terms
-(`on_terms`: their key intervals at the positions the options give, against the tensor's own runs, read once), with
-no Mask made; a Mask is built only for the one whose cells are the tensor's, and its text, the only one printed, is
-parsed back once to check that the command shown rebuilds it too.
+Candidates are built from their terms (kinds bound to values), with no text to parse, and asked all at once
+(`candidates.matching`: one table of their key intervals at the positions the options give, compared with the
+tensor's own runs, read once, in one pass), with no Mask made; a Mask is built only for the first whose cells are
+the tensor's. Its shorter command (without --len) is checked on its positions (`mask.placing`), and its text, the
+only one printed, parsed back to the same terms (else rebuilt from the text), so that the command shown rebuilds it.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from maskcli.batchdata import pad_side, padding, with_padding
 from maskcli.errors import MaskError
-from maskcli.expression import both
+from maskcli.expression import parse
+from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, matching, on_terms, profile, runs, same_cells, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
+from maskcli.intervals import Intervals, NotFew
 from maskcli.keypadding import options as _padding_options
-from maskcli.kinds import all_kinds
-from maskcli.kinds import get as get_kind
-from maskcli.kinds.base import Profile
+from maskcli.kinds.padding import key_runs
 from maskcli.mask import Mask, MaskOptions
 from maskcli.mask import build as build_mask
 from maskcli.mask import placed as _placed
-from maskcli.intervals import Intervals, NotFew
-from maskcli.kinds.padding import key_runs
-from maskcli.positions import Frame
-from maskcli.terms import Term, bound, terms
-from maskcli.terms import intervals as intervals_of
+from maskcli.mask import placing as _placing
+from maskcli.terms import resolve
 from maskcli.text import shell_quote
 
 FLAGS = {
     "length": "--len", "offset": "--offset", "kv_start": "--kv-start", "kv_len": "--kv-len", "align": "--align",
     "heads": "--heads", "lengths": "--lengths", "pad": "--pad", "ids": "--ids", "pad_id": "--pad-id",
 }
-MAX_LABELS = 4096  # label kinds are read off masks up to this long; longer labels make no useful command
 
 
 @dataclass(frozen=True)
@@ -77,101 +72,14 @@ def fully_masked_rows(keep: np.ndarray) -> np.ndarray:
 REBUILD_CELLS = 1 << 24  # cells of a candidate built cell by cell to compare with a key padding row
 
 
-def bare(name: str) -> Term:
-    """The term of a kind with no parameters (causal, full, padding)."""
-    return Term(get_kind(name), ())
-
-
-PLACING = {"length", "offset", "kv_len", "heads"}  # options that only say where the queries sit (and the heads)
-PADDING = {"lengths", "pad", "ids", "pad_id"}  # the key padding recognition reads off a tensor (keypadding.options)
-REFUSED = "refused"
-
-
-def on_terms(tree, options: dict):
-    """(frame, key intervals) of a candidate's one batch row, (1, Lq, K), made from its terms at the positions
-    `options` give, with no Mask: what recognition compares before it builds one (a Mask's frame, checks, name and
-    cells cost each candidate more than its intervals, compared in O(Lq K) with the tensor's own, `runs`). REFUSED
-    where the build would refuse it; None where the terms cannot say alone (options beyond --len, --offset,
-    --kv-len, --heads and the key padding; several batch rows; intervals not few).
-
-    With --len given, mask.placed's positions are these: queries from --offset (else 0), keys from 0 to --kv-len
-    (else to the last query), the key padding and-ed on as placed does (batchdata's own reading of it);
-    tests/test_inspect_structure.py holds the two to the same frames and cells."""
-    if "length" not in options or not set(options) <= PLACING | PADDING:
-        return None
-    length, q_start = options["length"], options.get("offset") or 0
-    frame = Frame(q_start, length, 0, options.get("kv_len") or q_start + length)
-    if not set(options) <= PLACING:
-        given = MaskOptions(**options)
-        try:
-            lengths, ids = padding(given)
-            frame = with_padding(frame, lengths, ids, given.pad_id, pad_side(given))
-        except MaskError:
-            return REFUSED
-        if frame.batch != 1:
-            return None
-    queries = [term.kind.queries(term.values) for term in terms(tree) if term.kind.queries is not None]
-    if queries and queries[0] != length:
-        return REFUSED  # positions.resolve: --len does not match the first kind's own queries
-    for term in terms(tree):
-        kind, values = term.kind, term.values
-        count = kind.sequence(values) if kind.sequence is not None else None
-        if count is not None and count != frame.n:
-            return REFUSED  # positions.data_length: labels that do not cover the positions
-        try:
-            if kind.check is not None:
-                kind.check(values, frame, kind.name)
-        except MaskError:
-            return REFUSED
-    cut = _padding_term()
-    whole = both(tree, cut) if frame.padded and tree != cut else tree  # mask.from_terms: padding cuts every mask
-    try:
-        found = intervals_of(whole, frame)
-    except NotFew:
-        return None
-    if found.shape[0] != 1:
-        return None
-    return frame, found
-
-
-@functools.cache
-def _padding_term() -> Term:
-    """The key padding's term, bound once for every candidate that is cut by it."""
-    return Term(get_kind("padding"), ())
-
-
-def runs(keep: np.ndarray) -> Intervals | None:
-    """A (Lq, Lk) keep matrix's cells as exact key intervals per query row (keys from 0), (1, Lq, K), in the normal
-    form intervals.py keeps; None where a row has more runs than a few (then cells are compared)."""
-    try:
-        rows = key_runs(keep, Frame(0, 1, 0, keep.shape[1]), "the tensor")  # each query row read as a batch row's
-    except NotFew:
-        return None
-    return Intervals(rows.starts[None, :, 0], rows.ends[None, :, 0], rows.k_start, rows.k_end)
-
-
-def same_cells(got: Intervals, want: Intervals) -> bool:
-    """The same cells, counted per row: as many in each, and all of them in both (a row stored once stands for every
-    row: intervals broadcast)."""
-    counts = want.counts()
-    return bool((got.counts() == counts).all()) and bool(((got & want).counts() == counts).all())
-
-
-def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None = None) -> Mask | None:
+def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None = None, compared: bool = False) -> Mask | None:
     """The Mask when `expression` (a tree of terms, or text to parse) with `options` is exactly `keep` (B, H, Lq, Lk);
-    a row of size 1 compares by broadcasting. A tree is compared on its terms first (`on_terms`; with `rows`, the
-    tensor's first batch row and head as `runs` gives them): a Mask is built only for a candidate whose cells are
-    the tensor's."""
-    if not isinstance(expression, str) and keep.shape[2] != 1:
-        seen = on_terms(expression, options)
-        if seen == REFUSED:
+    a row of size 1 compares by broadcasting. A tree is compared on its terms first (`matching`, unless `compared`
+    says the table did; `rows`: the tensor's first batch row and head as `runs` gives them): a Mask is built only
+    for a candidate whose cells are the tensor's, and then checked on every batch row and head."""
+    if not isinstance(expression, str) and keep.shape[2] != 1 and not compared:
+        if matching([(expression, options)], keep.shape[2:], rows if rows is not None else runs(keep[0, 0]))[0] is False:
             return None
-        if seen is not None:  # every batch row and head of the tensor must be these cells
-            frame, got = seen
-            if (frame.q_len, frame.k_len) != keep.shape[2:]:
-                return None
-            if not (same_cells(got, rows) if rows is not None else np.array_equal(got.dense(0, 0, frame.q_len), keep[0, 0])):
-                return None
     try:
         built = build_mask(expression, MaskOptions(**options)) if isinstance(expression, str) else _placed(expression, MaskOptions(**options))
     except MaskError:
@@ -199,58 +107,37 @@ def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None
     return built if np.array_equal(np.broadcast_to(cells, keep.shape), keep) else None
 
 
-def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile:
-    """What the kinds read candidates from: first and last visible key per row, in absolute positions."""
-    q_len, k_len = ref.shape
-    positions = np.arange(k_start, k_start + k_len)
-    return Profile(
-        q=np.arange(q_start, q_start + q_len),
-        first=np.where(ref, positions, k_start + k_len).min(axis=1),
-        last=np.where(ref, positions, k_start - 1).max(axis=1),
-        seen=ref.any(axis=1),
-        k_start=k_start,
-        k_end=k_start + k_len,
-        marked=marked,
-    )
-
-
-def _term(kind, params: dict) -> Term | None:
-    """The kind bound to the values read off a tensor, each checked as a typed one is; None where one is refused."""
+def _placed_alike(tree, options: dict, built: Mask) -> bool:
+    """Whether `tree` with `options` is placed where `built` is (mask.placing: the same positions make the same
+    Mask of the same terms), with no second Mask."""
     try:
-        return bound(kind, params)
+        frame = _placing(tree, MaskOptions(**options))[0]
     except MaskError:
-        return None
+        return False
+    f = built.frame
+    return (frame.q_start, frame.q_len, frame.k_start, frame.k_len) == (f.q_start, f.q_len, f.k_start, f.k_len)
 
 
-def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str):
-    """(kind name, Term, options) read off one (Lq, Lk) keep matrix: simplest kind first, and for
-    each kind the queries at the end of the keys (as a cache puts them) before top-left."""
-    found = []
-    for order, (options, q_start) in enumerate(placements):
-        read = profile(ref, q_start, 0, marked)
-        for kind in all_kinds():
-            if kind.recognise is None:
-                continue
-            for params in kind.recognise(read):
-                if any(getattr(v, "length", 0) > MAX_LABELS for v in params.values()):
-                    continue
-                term = _term(kind, params)
-                if term is not None:
-                    found.append((kind.rank, order, kind.name, term, options))
-    for _, _, name, term, options in sorted(found, key=lambda item: item[:2]):
-        yield name, term, options
+def _parsed_alike(expression: str, tree) -> bool:
+    """Whether the text shown parses back (as `maskcli show` reads it) to the very terms it was made of: then it
+    builds the Mask they built, with no second one; else the caller builds it from the text."""
+    try:
+        again, _ = resolve(parse(expression), {}, expression)
+    except MaskError:
+        return False
+    return again == tree
 
 
-def closest(keep: np.ndarray, ref: np.ndarray, placements, marked: str) -> dict | None:
-    """The single-kind candidate with the fewest cells apart from the tensor, and its first differing rows in words."""
+def closest(keep: np.ndarray, listed: list[tuple[str, object, dict]]) -> dict | None:
+    """The single-kind candidate (of `listed`, `candidates`') with the fewest cells apart from the tensor, and its
+    first differing rows in words. Every candidate placed by one `table`; a Mask is built for the one named."""
     from maskcli.diff import compare, row_words
     from maskcli.mask import from_tensor
 
     if keep.shape[2] * keep.shape[3] > 1 << 20:
         return None
     scored = []  # (cells apart, order, term, options, its Mask where one was built to count them)
-    for order, (_, term, options) in enumerate(candidates(ref, placements, marked)):
-        seen = on_terms(term, options)
+    for order, ((_, term, options), seen) in enumerate(zip(listed, table([(term, options) for _, term, options in listed]))):
         if seen == REFUSED:
             continue
         built = None
@@ -261,7 +148,8 @@ def closest(keep: np.ndarray, ref: np.ndarray, placements, marked: str) -> dict 
             except MaskError:
                 continue
         else:
-            cells = seen[1].dense(0, 0, seen[0].q_len)[None, None]
+            frame, got, cut = seen
+            cells = (got if cut is None else got & cut).dense(0, 0, frame.q_len)[None, None]
         if cells.shape[2:] != keep.shape[2:]:
             continue
         scored.append((int((np.broadcast_to(cells, keep[:, :1].shape) != keep[:, :1]).sum()), order, term, options, built))
@@ -341,21 +229,31 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
 
     rows = runs(keep4[0, 0]) if q_len != 1 else None  # the tensor's cells as intervals, each candidate's compared to
 
-    def found(kind: str, tree, options: dict, reading: str = "mask", note: str = "") -> Structure | None:
+    def found(kind: str, tree, options: dict, reading: str = "mask", note: str = "", compared: bool = False) -> Structure | None:
         options = {**options, **head_option}
-        built = _rebuild(tree, options, keep4, rows)
+        built = _rebuild(tree, options, keep4, rows, compared)
         if built is None:
             return None
         if "length" in options and "offset" not in options and "kv_len" not in options:
             shorter = {key: value for key, value in options.items() if key != "length"}
-            if _rebuild(tree, shorter, keep4) is not None:  # the data says the length: say no more
+            if _placed_alike(tree, shorter, built):  # the data says the length: say no more
                 options = shorter
         expression = built.text  # the command shown must rebuild it too: its text parsed back, once per structure
-        if _rebuild(expression, options, keep4) is None:
+        if not _parsed_alike(expression, tree) and _rebuild(expression, options, keep4) is None:
             return None
         if batch > 1 and built.batch == 1:
             note = (note + " " if note else "") + f"(the file repeats it for each of its {batch} batch rows)"
         return Structure(expression, options, built, command_for(expression, options), reading, note, kind=kind)
+
+    def first(listed: list[tuple[str, object, dict]]) -> Structure | None:
+        """The first of the candidates that rebuilds the tensor: all of them compared in one `matching`."""
+        placed = [(kind, tree, {**options, **head_option}) for kind, tree, options in listed]
+        verdicts = matching([(tree, options) for _, tree, options in placed], (q_len, k_len), rows) if q_len != 1 else [None] * len(placed)
+        for (kind, tree, options), verdict in zip(placed, verdicts):
+            structure = found(kind, tree, options, compared=True) if verdict is not False else None  # None: a Mask's cells say
+            if structure is not None:
+                return structure
+        return None
 
     if q_len == 1 and k_len > 1:
         decode = found("causal", bare("causal"), {**base, **(padding or {})})
@@ -370,22 +268,19 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         alone = found("padding", bare("padding"), {**base, **padding})  # (not sink(n) or prefix(n), the same cells by chance)
         if alone is not None:
             return alone
+    read = candidates(ref, placements, marked)  # once: the placements read the same with and without the padding
     for extra in [{}] if padding is None else [{}, padding]:
         if extra:
             alone = found("padding", bare("padding"), {**base, **extra})
             if alone is not None:
                 return alone
-        for kind, expression, options in candidates(ref, placements, marked):
-            structure = found(kind, expression, {**options, **extra})
-            if structure is not None:
-                return structure
-        if q_len == k_len and k_len <= MAX_LABELS:
+        structure = first([(kind, tree, {**options, **extra}) for kind, tree, options in read])
+        if structure is None and q_len == k_len and k_len <= MAX_LABELS:  # then masks of two kinds
             from maskcli.inspect.composite import composites
 
-            for kind, expression in composites(profile(ref, 0, 0, marked), ref):
-                structure = found(kind, expression, {"length": q_len, **extra})
-                if structure is not None:
-                    return structure
+            structure = first([(kind, tree, {"length": q_len, **extra}) for kind, tree in composites(profile(ref, 0, 0, marked), ref)])
+        if structure is not None:
+            return structure
     if key_padding and heads == 1 and batch == 1 and q_len != k_len:  # a square one is (L, L): B == S would be a coincidence
         rows = keep4[0, 0]  # read as [B, S]: each row is one batch item's keys
         options = _padding_options(rows)
@@ -395,4 +290,4 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         if built.frame.k_len == k_len and np.array_equal(built.dense()[:, 0, 0], rows):
             return Structure("padding", options, built, command_for("padding", options), "key padding [B, S]",
                              f"read as a key padding mask: {q_len} batch rows of {k_len} keys", kind="padding")
-    return Structure(None, note="no maskcli kind rebuilds it exactly", closest=closest(keep4, ref, placements, marked) if nearest else None)
+    return Structure(None, note="no maskcli kind rebuilds it exactly", closest=closest(keep4, read) if nearest else None)

@@ -33,7 +33,7 @@ import maskcli.trace.entry as entry
 from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import WATCHED, Overflows
-from maskcli.trace.scores import Scores
+from maskcli.trace.scores import Scores, banded as banded_scores
 from maskcli.trace.sites import Sites, running
 from maskcli.trace.stated import outside
 from maskcli.trace.store import read_calls, store
@@ -348,8 +348,9 @@ class Trace(Outer, Follow):
                 return  # a softmax in a module the program names an MLP, router or gate, over no q @ kᵀ it made: a
                 # mixture-of-experts router's (tokens x experts, square only by chance: Zaya's 5 router classes)
             seen = reader(args, kwargs)
-            if seen is None:
-                return
+            if seen is None or seen.api == "softmax" and banded_scores(seen.q, self.sites.stack) \
+                    and not self.scores.has(readers.softmax_input(args, kwargs)):
+                return  # (no call, or banded scores: no query-by-key mask to read, scores.py)
             overflowed = self.overflows.of(args, kwargs, seen.api)
             if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
                 seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed

@@ -19,6 +19,7 @@ import torch
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
            torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum}
 KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
+HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")  # a module's own head count
 
 
 class Scores:
@@ -41,7 +42,8 @@ class Scores:
                 operands = operands[0]
             if func in (torch.baddbmm, torch.Tensor.baddbmm):
                 operands = operands[1:3]  # (input, batch1, batch2): the product is batch1 @ batch2
-            if sum(isinstance(x, torch.Tensor) and x.dim() >= 3 for x in operands) >= 2:
+            if sum(isinstance(x, torch.Tensor) and x.dim() >= 3 for x in operands) >= 2 and \
+                    (func is not torch.einsum or _query_by_key(args[0])):
                 self._note(out)
             return
         if not self._found:
@@ -83,3 +85,32 @@ def _one_query(scores, out: torch.Tensor) -> bool:
     """`out` (B, Lk) is 3-D scores (B, Lk, 1) or (B, 1, Lk) with their one query's dimension dropped."""
     return isinstance(scores, torch.Tensor) and scores.dim() == 3 and 1 in scores.shape[1:] \
         and out.shape[0] == scores.shape[0] and out.shape[1] == scores.shape[1] * scores.shape[2]
+
+
+def _query_by_key(equation) -> bool:
+    """An einsum whose output ends in a query index of one operand and a key index of the other (q @ kᵀ:
+    "bhqd,bhkd->bhqk"); not one whose last two output indexes an operand shares (a band of keys gathered per position,
+    "blhd,blhdj->blhj": its "queries" are the heads). An equation not read as such is taken as q @ kᵀ."""
+    if not isinstance(equation, str) or "->" not in equation:
+        return True
+    given, out = equation.replace(" ", "").replace("...", "").split("->")
+    parts = given.split(",")
+    if len(out) < 2 or len(parts) != 2:
+        return True
+    query, key = out[-2], out[-1]
+    return (query in parts[0]) != (query in parts[1]) and (key in parts[0]) != (key in parts[1])
+
+
+def banded(shape: tuple, stack: list) -> bool:
+    """A 4-D softmax (over scores no q @ kᵀ made: the caller asks) whose third axis is its module's own head count and
+    whose second is not: scores laid out (B, L, H, 2w + 1), each position's band of keys (Longformer's and LED's sliding
+    chunks, modeling_led.py LEDEncoderSelfAttention), not a (B, H, Lq, Lk) matrix; read as one, positions were taken for
+    heads and heads for queries. The innermost running module that states a head count decides."""
+    if len(shape) != 4:
+        return False
+    for module in reversed(stack):
+        heads = next((value for value in map(lambda name: getattr(module, name, None), HEADS)
+                      if isinstance(value, int) and not isinstance(value, bool)), None)
+        if heads is not None:
+            return shape[2] == heads != shape[1]
+    return False

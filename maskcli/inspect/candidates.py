@@ -1,0 +1,210 @@
+"""Every candidate name of one keep matrix, read, placed and compared with the tensor at once: the table recognition
+asks.
+
+Each kind reads its candidate parameters off the tensor's profile, once per placement (`candidates`), and they are
+bound to their kinds in one call (`terms.bound_each`). `table` groups the candidates by the options that place them:
+each group's positions are resolved once (`placing`: a Frame, and its key padding's intervals), its candidates'
+intervals are made in one call (`terms.placed_each`), and `matching` compares every candidate with the tensor's own
+runs (`runs`, read once) in one pass: one stack of intervals, a batch row per candidate. No Mask is made here:
+structure.py builds one for the candidate it names.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from maskcli.batchdata import pad_side, padding, with_padding
+from maskcli.errors import MaskError
+from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
+from maskcli.kinds import all_kinds
+from maskcli.kinds import get as get_kind
+from maskcli.kinds.base import Labels, Profile
+from maskcli.kinds.padding import key_runs
+from maskcli.mask import MaskOptions
+from maskcli.positions import Frame
+from maskcli.terms import Term, bound_each, placed_each
+from maskcli.terms import intervals as intervals_of
+
+MAX_LABELS = 4096  # label kinds are read off masks up to this long; longer labels make no useful command
+PLACING = {"length", "offset", "kv_len", "heads"}  # options that only say where the queries sit (and the heads)
+PADDING = {"lengths", "pad", "ids", "pad_id"}  # the key padding recognition reads off a tensor (keypadding.options)
+REFUSED = "refused"
+
+
+def bare(name: str) -> Term:
+    """The term of a kind with no parameters (causal, full, padding)."""
+    return Term(get_kind(name), ())
+
+
+def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile:
+    """What the kinds read candidates from: first and last visible key per row, in absolute positions."""
+    q_len, k_len = ref.shape
+    positions = np.arange(k_start, k_start + k_len)
+    return Profile(
+        q=np.arange(q_start, q_start + q_len),
+        first=np.where(ref, positions, k_start + k_len).min(axis=1),
+        last=np.where(ref, positions, k_start - 1).max(axis=1),
+        seen=ref.any(axis=1),
+        k_start=k_start,
+        k_end=k_start + k_len,
+        marked=marked,
+    )
+
+
+def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str) -> list[tuple[str, Term, dict]]:
+    """(kind name, Term, options) read off one (Lq, Lk) keep matrix: simplest kind first, and for each kind the
+    queries at the end of the keys (as a cache puts them) before top-left. A value a kind refuses (as a typed one
+    would be) is no candidate."""
+    read = []  # (rank, placement, kind, its values, options)
+    for order, (options, q_start) in enumerate(placements):
+        seen = profile(ref, q_start, 0, marked)
+        for kind in all_kinds():
+            if kind.recognise is not None:
+                read += [(kind.rank, order, kind, params, options) for params in kind.recognise(seen)]
+    read = [item for item in read if not any(isinstance(v, Labels) and v.shape[1] > MAX_LABELS for v in item[3].values())]
+    read.sort(key=lambda item: item[:2])
+    terms = bound_each([(kind, params) for _, _, kind, params, _ in read])
+    return [(item[2].name, term, item[4]) for item, term in zip(read, terms) if term is not None]
+
+
+@functools.cache
+def _padding_term() -> Term:
+    """The key padding's term, bound once for every candidate that is cut by it."""
+    return bare("padding")
+
+
+def placing(options: dict):
+    """(frame, the key padding's intervals or None) at the positions `options` give, the same for every candidate
+    placed by them; REFUSED where mask.placed refuses the padding; None where the terms cannot say alone (options
+    beyond --len, --offset, --kv-len, --heads and the key padding, or several batch rows of padding).
+
+    With --len given, mask.placed's positions are these: queries from --offset (else 0), keys from 0 to --kv-len
+    (else to the last query), the key padding and-ed on as placed does (batchdata's own reading of it);
+    tests/test_inspect_structure.py holds the two to the same frames and cells."""
+    if "length" not in options or not set(options) <= PLACING | PADDING:
+        return None
+    length, q_start = options["length"], options.get("offset") or 0
+    frame = Frame(q_start, length, 0, options.get("kv_len") or q_start + length)
+    if set(options) <= PLACING:
+        return frame, None
+    given = MaskOptions(**options)
+    try:
+        lengths, ids = padding(given)
+        frame = with_padding(frame, lengths, ids, given.pad_id, pad_side(given))
+    except MaskError:
+        return REFUSED
+    if frame.batch != 1:
+        return None
+    if not frame.padded:
+        return frame, None
+    try:
+        return frame, intervals_of(_padding_term(), frame)  # mask.from_terms: padding cuts every mask
+    except NotFew:
+        return None
+
+
+def table(listed: list[tuple[object, dict]]) -> list:
+    """For each (tree of terms, options): (frame, its key intervals (1, Lq, K), the key padding cut on) as
+    mask.placed would place it, with no Mask; REFUSED where placed refuses it (a size its labels, its draft tree,
+    its sinks or its padding do not fit); None where the terms cannot say alone (`placing`'s, intervals not few,
+    several batch rows). The candidates placed alike are placed once and made in one call."""
+    found: list = [None] * len(listed)
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, options) in enumerate(listed):
+        groups.setdefault(tuple(sorted(options.items())), []).append(i)
+    for key, members in groups.items():
+        place = placing(dict(key))
+        if place is None or place == REFUSED:
+            for i in members:
+                found[i] = place
+            continue
+        frame, cut = place
+        for i, got in zip(members, placed_each([listed[i][0] for i in members], frame)):
+            if isinstance(got, MaskError):
+                found[i] = REFUSED
+            elif got is not None and got.shape[0] == 1:
+                found[i] = (frame, got, cut)
+    return found
+
+
+def on_terms(tree, options: dict):
+    """(frame, key intervals) of one candidate's one batch row, (1, Lq, K), made from its terms at the positions
+    `options` give, with no Mask (`table` of one); REFUSED or None as `table` says."""
+    seen = table([(tree, options)])[0]
+    if seen is None or seen == REFUSED:
+        return seen
+    frame, got, cut = seen
+    return frame, (got if cut is None else got & cut)
+
+
+def matching(listed: list[tuple[object, dict]], shape: tuple[int, int], rows: Intervals | None) -> list[bool | None]:
+    """For each (tree, options): True where its cells are the tensor's first batch row and head (`rows`, as `runs`
+    gives them, None where a row has more runs than a few), False where they are not or mask.placed refuses it,
+    None where the terms cannot say alone (then a Mask's cells must). Every candidate placed by `table`, then
+    compared in one pass: one stack of intervals, a batch row per candidate, cut by its key padding."""
+    verdicts: list[bool | None] = []
+    compared = []  # (index, frame, intervals, cut)
+    for i, seen in enumerate(table(listed)):
+        verdicts.append(False if seen == REFUSED else None)
+        if seen is not None and seen != REFUSED:
+            frame, got, cut = seen
+            if (frame.q_len, frame.k_len) != shape:
+                verdicts[i] = False
+            elif rows is None:  # a row of the tensor has more runs than a few; the candidate's, cut, fewer
+                verdicts[i] = False if got.per_row + (cut.per_row if cut is not None else 0) <= MAX_PER_ROW else None
+            else:
+                compared.append((i, got, cut))
+    if compared:
+        q_len, k_len = shape
+        got = stacked([item[1] for item in compared], q_len, k_len)
+        cuts = [item[2] for item in compared]
+        if any(cut is not None for cut in cuts):  # each its own padding (none: every key)
+            everything = Intervals(np.zeros((1, 1, 1), np.int64), np.full((1, 1, 1), k_len, np.int64), 0, k_len)
+            got = got & stacked([everything if cut is None else cut for cut in cuts], q_len, k_len)
+        same = same_each(got, rows)
+        for (i, _, _), verdict in zip(compared, same):
+            verdicts[i] = bool(verdict)
+    return verdicts
+
+
+def stacked(found: list[Intervals], q_len: int, k_len: int) -> Intervals:
+    """Intervals of one batch row each, over keys [0, k_len), as one (N, Lq, K): a batch row per one of them, each
+    padded with empty intervals [k_end, k_end) to the widest."""
+    width = max([item.starts.shape[-1] for item in found])
+    starts = np.full((len(found), q_len, width), k_len, dtype=np.int64)
+    ends = starts.copy()
+    for n, item in enumerate(found):
+        starts[n, :, : item.starts.shape[-1]] = item.starts[0]
+        ends[n, :, : item.ends.shape[-1]] = item.ends[0]
+    return Intervals(starts, ends, 0, k_len)
+
+
+def same_each(got: Intervals, want: Intervals) -> np.ndarray:
+    """Bool (N,): whether each batch row of `got` holds the cells of `want`'s one, counted per row (as many in each,
+    and all of them in both)."""
+    counts = want.counts()
+    same = (got.counts() == counts).all(axis=1)
+    chosen = np.flatnonzero(same)  # as many cells in each row: only these are intersected (few, often none)
+    if len(chosen):
+        alike = Intervals(got.starts[chosen], got.ends[chosen], got.k_start, got.k_end)
+        same[chosen] = ((alike & want).counts() == counts).all(axis=1)
+    return same
+
+
+def runs(keep: np.ndarray) -> Intervals | None:
+    """A (Lq, Lk) keep matrix's cells as exact key intervals per query row (keys from 0), (1, Lq, K), in the normal
+    form intervals.py keeps; None where a row has more runs than a few (then cells are compared)."""
+    try:
+        rows = key_runs(keep, Frame(0, 1, 0, keep.shape[1]), "the tensor")  # each query row read as a batch row's
+    except NotFew:
+        return None
+    return Intervals(rows.starts[None, :, 0], rows.ends[None, :, 0], rows.k_start, rows.k_end)
+
+
+def same_cells(got: Intervals, want: Intervals) -> bool:
+    """The same cells, counted per row: as many in each, and all of them in both (a row stored once stands for every
+    row: intervals broadcast)."""
+    counts = want.counts()
+    return bool((got.counts() == counts).all()) and bool(((got & want).counts() == counts).all())
