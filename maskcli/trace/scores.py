@@ -97,6 +97,7 @@ def _query_by_key(equation) -> bool:
     parts = given.split(",")
     if len(out) < 2 or len(parts) != 2:
         return True
+
     def apart(query: str, key: str) -> bool:
         return (query in parts[0]) != (query in parts[1]) and (key in parts[0]) != (key in parts[1])
 
