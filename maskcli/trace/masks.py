@@ -326,7 +326,10 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     one = x.dim() == 2  # (B, Lk): one query's scores against a memory (only read where they came from q @ kᵀ: scores.py)
     if one:
         x = x[:, None, :]
-    if x.dim() == 5:  # grouped-query scores (B, kv heads, repeats, Lq, Lk), as MLX ports write them: head g*R + r
+    lead = None
+    if x.dim() == 5:  # grouped-query scores (B, kv heads, repeats, Lq, Lk), as MLX ports write them: head g*R + r;
+        # or (B, N, H, Lq, Lk) with a batch-like axis N (OpenFold's MSA rows): kept, for checks/heads.py to tell apart
+        lead = tuple(int(n) for n in x.shape[:3])
         x = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[-2:])
     scores = x.detach()
     lowest = torch.finfo(scores.dtype).min
@@ -335,7 +338,7 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     fill = "-inf" if bool(infinite.any()) else "min" if bool(masked.any()) else None
     q_len, k_len = x.shape[-2:]
     shape = (x.shape[0], x.shape[1], q_len, k_len) if x.dim() == 4 else (x.shape[0], 1, q_len, k_len)
-    details = {"fill": fill}
+    details = {"fill": fill} if lead is None else {"fill": fill, "lead": lead}
     if fill == "-inf":  # only a row -inf everywhere is NaN; one that also holds the lowest value is uniform
         details["nan_rows"] = bool(infinite.all(dim=-1).any())
     masked = masked | _finite_fill(scores, lowest, details)

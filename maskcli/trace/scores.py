@@ -97,8 +97,12 @@ def _query_by_key(equation) -> bool:
     parts = given.split(",")
     if len(out) < 2 or len(parts) != 2:
         return True
-    query, key = out[-2], out[-1]
-    return (query in parts[0]) != (query in parts[1]) and (key in parts[0]) != (key in parts[1])
+
+    def apart(query: str, key: str) -> bool:
+        return (query in parts[0]) != (query in parts[1]) and (key in parts[0]) != (key in parts[1])
+
+    # (or laid out (Lq, Lk, B, H), Transformer-XL's "ibnd,jbnd->ijbn", softmaxed over dim 1: trace/layouts.py)
+    return apart(out[-2], out[-1]) or len(out) == 4 and apart(out[0], out[1]) and (out[0] in parts[0]) != (out[1] in parts[0])
 
 
 def banded(shape: tuple, stack: list) -> bool:
