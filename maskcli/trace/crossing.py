@@ -64,7 +64,7 @@ class Readings:
         codes, lines = _line(frame, bool(stack))
         key = (id(stack[-1]) if stack else None, *map(id, codes), *lines)  # (ids: hashing a code object costs a us)
         held = self._read.get(key)
-        if held is None or (stack and held[0] is not stack[-1]) or any(a is not b for a, b in zip(held[2], codes)):
+        if held is None or (stack and held[0] is not stack[-1]) or held[2] != codes:  # (the same codes: equal at once)
             held = self._read[key] = (stack[-1] if stack else None, read(stack, q_len, k_len, frame), codes)
         reading = held[1]
         last = self._keys.get(key)
