@@ -106,7 +106,7 @@ def unnamed(groups: list) -> str | None:
     said = "; their findings: " + ", ".join(f"{code} x{n}" for code, n in found.most_common()) if found else ""
     return (f"{len(rest):,} more group{'s' if len(rest) != 1 else ''} ({calls:,} call{'s' if calls != 1 else ''}) counted, not "
             f"named: trace names and checks the first {len(groups) - len(rest):,} groups one by one (milliseconds each); "
-            f"the rules that read every call read these too{said}; --json lists every group")
+            f"the rules that read every call read these too{said}; --json (Trace.groups()) lists every group")
 
 
 def _named(calls: list) -> Group:
