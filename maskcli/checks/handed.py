@@ -103,10 +103,38 @@ def held_window(run: Run) -> list:
             f"{int(hi[b, q] - lo[b, q] + 1)} real keys where the window spans {width} ({int(wide.sum())} such rows; step {call.step}): the window "
             f"is dropped on this path"),
             expected=expected, source=where, cell=(b, at, a))))
+    found += _counted(run)
     # a step at which another call held the same window keeps to it: the window is chosen per layer (Gemma 2's
     # alternating local and global layers, one attend() for both), not dropped on a path (the layer rules judge that)
     return [(call, f) for call, f in found if f.code != "window-dropped"
             or (call.step, call.shape[2:], tuple(call.details["window_handed"])) not in kept]
+
+
+def _counted(run: Run) -> list:
+    """A single query whose frame holds a plain int window W and its position p (trace/windows.py's window_counted)
+    that sees fewer than min(W, p + 1) keys in every head: W is W keys or W + 1 by its convention, never fewer. Read on
+    one batch row only (a row's padding would lower the count; its position says nothing of it) and where the call
+    holds at least that many keys."""
+    found = []
+    for call in run.calls:
+        said = call.details.get("window_counted")
+        if not said or len(said) != 4 or call.stored is None or call.shape[0] != 1 or call.shape[2] != 1:
+            continue
+        name, window, at, where = said[0], int(said[1]), int(said[2]), str(said[3])
+        want = min(window, at + 1)
+        cells = keep(call)
+        if cells is None or want > call.shape[3]:
+            continue
+        seen = cells[..., 0, :].sum(axis=-1).reshape(-1)  # per head
+        if seen.size == 0 or seen.min() != seen.max() or not 1 <= int(seen[0]) < want:
+            continue
+        got = int(seen[0])
+        found.append((call, Finding("window-narrower", (
+            f"{where}: the query at position {at} sees {got} of the call's {call.shape[3]} keys in every head, but a "
+            f"window of {window} holds {want} keys there ({window} or {window + 1} by its convention, never fewer; "
+            f"step {call.step}): the mask is a narrower window than held"),
+            expected=f"{want} keys", source=where)))
+    return found
 
 
 def _shown(name: str, left: int, right: int) -> str:

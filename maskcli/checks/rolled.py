@@ -31,13 +31,27 @@ from maskcli.text import Finding
 POSITIONS = ("cache_position", "input_pos", "position_ids")
 
 
-def _positions(call, top) -> np.ndarray | None:
-    """The queries' positions where the model call (or `model`) states them; None where they would be guessed."""
+def _positions(call, top, run: Run | None = None) -> np.ndarray | None:
+    """The queries' positions where the model call (or `model`) states them, or where the call is its site's first
+    and its queries are the model call's token ids (a first pass from an empty cache: positions 0 .. Lq - 1); None
+    where they would be guessed."""
     q_len = call.shape[2]
     arguments = {} if top is None else top.arguments
     said = call.details.get("queries") is not None or any(
         isinstance(arguments.get(name), np.ndarray) and arguments[name].shape[-1] == q_len for name in POSITIONS)
-    return placing(call, top) if said else None
+    if said:
+        return placing(call, top)
+    return np.arange(q_len) if run is not None and _first_pass(run, call, top) else None
+
+
+def _first_pass(run: Run, call, top) -> bool:
+    """The first call of its site, made by a model call handed the queries as its token ids: no earlier call of the
+    run wrote this layer's cache, so query i is the model call's token i."""
+    given = None if top is None else top.arguments.get("first_ids")
+    ids = given[1] if isinstance(given, tuple) and len(given) == 2 else None
+    site = run.sites().get(call.where) or [None]
+    return isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.shape[1] == call.shape[2] > 1 \
+        and ids.shape[0] == call.shape[0] and site[0] is call and top.first == min(t.first for t in run.tops)
 
 
 def _real(top, rows: int, need: int) -> np.ndarray | None:
@@ -74,7 +88,7 @@ def miscounted(run: Run) -> list:
     if not any(getattr(top, "stated", ()) for top in run.tops):
         return found  # (no config stated anywhere: every call's intent is empty, no layer sliding or chunked)
     for call in run.calls:
-        if call.stored is None or call.shape[2] > call.shape[3]:
+        if call.stored is None:
             continue
         stated_for = intent(run, call)
         index = _index(run, call, stated_for) if stated_for else None
@@ -90,9 +104,9 @@ def miscounted(run: Run) -> list:
         top = run.top(call)
         if columns_are_positions(call, top):
             continue  # (config.py places the window on them)
-        own = _positions(call, top)
-        if own is None or own.min() < 0:
-            continue
+        own = _positions(call, top, run)
+        if own is None or own.min() < 0 or (call.shape[2] > call.shape[3] and not _first_pass(run, call, top)):
+            continue  # (more queries than keys: read only where no earlier call can have filled the cache)
         rows = call.shape[0]
         real = _real(top, rows, int(own.max()) + 1)
         key = (call.mask, call.shape, tuple(own), None if real is None else real.tobytes())  # (one mask, other places)
