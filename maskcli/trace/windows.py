@@ -60,8 +60,9 @@ def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None)
     locals read (a module's dict lookups cost next to nothing).
 
     `counted` (a dict), where given, gets under "window_counted" (name, W, p, where) of the outermost frame that holds
-    a plain int window W > 0 beside the int position p of its one query (`cur_pos`, `start_pos`: POSITIONS): W
-    keys or W + 1 by its convention, at least min(W, p + 1) whichever (checks/handed.py's window-narrower)."""
+    a plain int window W > 0 beside the int position p of its one query (`cur_pos`, `start_pos`: POSITIONS; or its
+    sequence's length, p + 1: LENGTHS): W keys or W + 1 by its convention, at least min(W, p + 1) whichever
+    (checks/handed.py's window-narrower, which reads it for one query only: a length of 1 says nothing)."""
     for module in stack:
         attributes = vars(module)
         for name in ATTRIBUTES:
@@ -94,6 +95,7 @@ def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None)
 
 
 POSITIONS = ("cur_pos", "current_pos", "cur_position", "start_pos", "input_pos", "past_len", "past_length")
+LENGTHS = ("seq_len", "context_len", "kv_len", "seq_length", "context_length")
 
 
 def _plain(variables: dict, function: str) -> tuple | None:
@@ -105,6 +107,10 @@ def _plain(variables: dict, function: str) -> tuple | None:
                 at = variables.get(position)
                 if type(at) is int and at >= 0:
                     return name, window, at, f"{name} = {window} and {position} = {at} in {function}()"
+            for length in LENGTHS:  # (the tokens of the query's sequence, its own the last: p = length - 1)
+                held = variables.get(length)
+                if type(held) is int and held > 1:
+                    return name, window, held - 1, f"{name} = {window} and {length} = {held} in {function}()"
     return None
 
 
