@@ -47,8 +47,9 @@ def _positions(call, top, run: Run | None = None) -> np.ndarray | None:
 def _first_pass(run: Run, call, top) -> bool:
     """The first call of its site, made by a model call handed the queries as its token ids: no earlier call of the
     run wrote this layer's cache, so query i is the model call's token i."""
-    given = None if top is None else top.arguments.get("first_ids")
-    ids = given[1] if isinstance(given, tuple) and len(given) == 2 else None
+    arguments = {} if top is None else top.arguments
+    given = arguments.get("first_ids")  # (a hand-written forward's first argument: trace/tops.py)
+    ids = arguments.get("input_ids", given[1] if isinstance(given, tuple) and len(given) == 2 else None)
     site = run.sites().get(call.where) or [None]
     return isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.shape[1] == call.shape[2] > 1 \
         and ids.shape[0] == call.shape[0] and site[0] is call and top.first == min(t.first for t in run.tops)
