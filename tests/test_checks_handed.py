@@ -32,6 +32,9 @@ BUGS = [
     # openvinotoolkit/openvino#38034: partitions counted from max_context_len drop the shorter sequence's newest block
     # (sliding_window = 32 and seq_len = 41 held: 23 keys seen)
     ("openvino_paged_attention_swa_decode_partitions_from_max_context_len", "window-narrower"),
+    # InternLM/lmdeploy#3772: the sliding-window block manager frees the blocks Gemma 3's global layer still reads
+    # (window_size = -1 and kv_seqlens = 15 held: 11 keys seen)
+    ("lmdeploy_gemma3_window_block_manager_frees_global_layers", "keys-dropped"),
 ]
 
 
@@ -94,3 +97,15 @@ def test_a_ring_buffer_decode_holding_a_plain_int_window(tmp_path):
         if seen < want:
             break
     assert f"query at position {p} sees {seen} " in hit["message"] and hit["expected"] == f"{want} keys"
+
+
+def test_a_global_layer_whose_cache_is_trimmed_to_the_local_window(tmp_path):
+    """Written otherwise: per-layer dict caches trimmed after each step by one routine that cuts every layer to the
+    window of 4, the global layer (`sliding_window = -1` beside `start_pos` in `attend`) included. Against a loop over
+    absolute positions: the first decode step's global query (position 7 after a 7-token prompt) should see every
+    position 0 .. 7; the trimmed cache holds the last 4 and its own."""
+    hit = caught(tmp_path, "global_layer_cache_trimmed_to_window", ("keys-dropped",))
+    p = 7
+    want = sum(1 for k in range(p + 1) if k <= p)
+    seen = sum(1 for k in range(p - 4, p + 1))
+    assert f"the query at position {p} sees {seen} keys" in hit["message"] and hit["expected"] == f"{want} keys"

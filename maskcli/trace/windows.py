@@ -60,7 +60,7 @@ def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None)
     locals read (a module's dict lookups cost next to nothing).
 
     `counted` (a dict), where given, gets under "window_counted" (name, W, p, where) of the outermost frame that holds
-    a plain int window W > 0 beside the int position p of its one query (`cur_pos`, `start_pos`: POSITIONS; or its
+    a plain int window W > 0 (or -1, none) beside the int position p of its one query (`cur_pos`, `start_pos`: POSITIONS; or its
     sequence's length, p + 1: LENGTHS): W keys or W + 1 by its convention, at least min(W, p + 1) whichever
     (checks/handed.py's window-narrower, which reads it for one query only: a length of 1 says nothing)."""
     for module in stack:
@@ -95,14 +95,14 @@ def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None)
 
 
 POSITIONS = ("cur_pos", "current_pos", "cur_position", "start_pos", "input_pos", "past_len", "past_length")
-LENGTHS = ("seq_len", "context_len", "kv_len", "seq_length", "context_length")
+LENGTHS = ("seq_len", "context_len", "kv_len", "kv_seqlen", "kv_seqlens", "seq_length", "context_length")
 
 
 def _plain(variables: dict, function: str) -> tuple | None:
     """(name, W, p, where) of a frame holding a plain int window and the int position of its query, else None."""
     for name in ("sliding_window", "window_size"):
         window = variables.get(name)
-        if type(window) is int and window > 0:
+        if type(window) is int and (window > 0 or window == -1):  # (-1: the layer states it has none)
             for position in POSITIONS:
                 at = variables.get(position)
                 if type(at) is int and at >= 0:
