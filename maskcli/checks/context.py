@@ -143,7 +143,6 @@ def crossing(call) -> Crossing:
     - the module path (BART / Whisper `encoder_attn`, T5 `EncDecAttention`, `cross_attn`, BERT's `crossattention`,
       nn.TransformerDecoderLayer's `multihead_attn`, the Annotated Transformer's `src_attn`, Flamingo's `xattn`) or the
       class name: cross, whatever the lengths (a Perceiver's latents may be as many as its frames);
-    - a module path named a self-attention (`self_attn`, `self_attention`): self, whatever the lengths;
     - more queries than keys where the kernel itself does not place them (a self-attention's keys hold its queries'
       own): cross. Equal lengths alone say nothing either way."""
     details = call.details
@@ -169,15 +168,9 @@ def crossing(call) -> Crossing:
         return Crossing(True, "path", f"module path {where}")
     if read.get("by") == "class":
         return Crossing(True, "class", str(read.get("source")))
-    if q_len > k_len and SELF_WORDS.search(where):  # (the program's own word, as the path's cross words are)
-        return Crossing(False, "path", f"module path {where}")
     if q_len > k_len and not (call.api in ("flash", "hf") and details.get("causal")):  # (flash places them itself)
         return Crossing(True, "shape", f"more queries ({q_len}) than keys ({k_len})")
     return Crossing(False, "none", "")
-
-
-SELF_WORDS = re.compile(r"(?:^|\.)self_?att(?:n|ention)(?:\.|$)", re.IGNORECASE)  # (HF's `self_attn`; BERT's
-# `attention.self` is not it: its cross-attention is `crossattention.self`)
 
 
 def cross(call) -> bool:
@@ -331,8 +324,7 @@ def columns_are_positions(call, top: Top | None, own: np.ndarray | None = None) 
     if placed is not None:
         return placed[0] == 0
     own = queries(call, top) if own is None else own
-    return own.size == 0 or 0 <= int(own[0]) and int(own[-1]) < call.shape[3]  # (attention over no token: nothing to
-    # place; queries before key 0, more of them than keys in a self-attention: its keys are not all of its positions)
+    return own.size == 0 or int(own[-1]) < call.shape[3]  # (attention over no token: nothing to place)
 
 
 def equals(cells: np.ndarray, expression: str, **placed) -> bool:
