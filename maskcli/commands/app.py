@@ -68,42 +68,23 @@ class MaskcliGroup(TyperGroup):
         if sys.stdout is None and given[:1] != ["trace"]:  # started with stdout closed (>&-): every table and --json
             # would vanish; trace's stdout is the program's (python runs one with it closed) and its report stderr
             fail("stdout is closed, so nothing maskcli prints can be seen: send it to a file or /dev/null instead")
-        try:
-            no_nul(sys.argv[1:] if args is None else list(args))
-            code = _completion_for(sys.argv[1:] if args is None else list(args))
+
+        def run():
+            no_nul(given)
+            code = _completion_for(given)
             if code is None:
-                code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+                code = super(MaskcliGroup, self).main(args, prog_name, complete_var, standalone_mode=False, **extra)
                 flush_warnings()
-        except NoArgsIsHelpError as error:
-            typer.echo(error.ctx.get_help())
-            code = 0
-        except UsageError as error:
-            command = error.ctx.command_path if error.ctx else "maskcli"
-            fail(f"{_usage_message(error, sys.argv[1:] if args is None else list(args)).rstrip('.')} (see '{command} --help')")
-        except MaskError as error:
-            fail(str(error), error.pointer)
-        except (_Interrupted, KeyboardInterrupt):
-            typer.echo("maskcli: interrupted", err=True)
-            code = 130
-        except (_PipeClosed, BrokenPipeError):
-            quiet_stdout()  # the reader went away (| head): stop quietly, as a killed pipe writer does
-            code = 141
-        except MemoryError:
-            fail(f"ran out of memory: {_smaller(sys.argv[1:] if args is None else list(args))}")
-        except OSError as error:
-            fail(f"{error.strerror or error}{': ' + repr(error.filename) if error.filename else ''}")
-        except RecursionError:
-            fail("the input is nested too deeply to read: give a flat list or a file")
-        except Exception as error:
-            if "can't allocate memory" in str(error) or type(error).__name__ == "OutOfMemoryError":
-                fail(f"ran out of memory: {_smaller(sys.argv[1:] if args is None else list(args))}")
-            fail(f"unexpected {type(error).__name__}: {' '.join(str(error).split())[:300]} (a maskcli bug: please report the command)")
+            return code
+
+        code = handled(run, given)
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
 
 
 SIGNALS: dict = {}  # signal number -> its handler before main() set maskcli's (trace gives them back to the program)
+OWN_PROCESS: list = []  # [True] once main() runs: the process is maskcli's, which ends as a traced program's would
 
 SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
 
@@ -125,6 +106,50 @@ def _completion_for(args: list[str]) -> int | None:
     typer.echo(f"{shell} completion installed in {path}")
     typer.echo("Completion will take effect once you restart the terminal")
     return 0
+
+
+def handled(run, args: list[str]) -> int:
+    """run()'s exit status as maskcli gives a command's: every bad input, ours or click's, told as one line on stderr
+    with status 2 (fail() raises SystemExit(2)), an interruption 130, a closed stdout 141."""
+    try:
+        code = run()
+    except typer.Exit as stop:  # (a command's work run outside click: trace's report where the program calls os._exit)
+        code = stop.exit_code
+    except NoArgsIsHelpError as error:
+        typer.echo(error.ctx.get_help())
+        code = 0
+    except UsageError as error:
+        command = error.ctx.command_path if error.ctx else "maskcli"
+        fail(f"{_usage_message(error, args).rstrip('.')} (see '{command} --help')")
+    except MaskError as error:
+        fail(str(error), error.pointer)
+    except (_Interrupted, KeyboardInterrupt):
+        typer.echo("maskcli: interrupted", err=True)
+        code = 130
+    except (_PipeClosed, BrokenPipeError):
+        quiet_stdout()  # the reader went away (| head): stop quietly, as a killed pipe writer does
+        code = 141
+    except MemoryError:
+        fail(f"ran out of memory: {_smaller(args)}")
+    except OSError as error:
+        fail(f"{error.strerror or error}{': ' + repr(error.filename) if error.filename else ''}")
+    except RecursionError:
+        fail("the input is nested too deeply to read: give a flat list or a file")
+    except Exception as error:
+        if "can't allocate memory" in str(error) or type(error).__name__ == "OutOfMemoryError":
+            fail(f"ran out of memory: {_smaller(args)}")
+        fail(f"unexpected {type(error).__name__}: {' '.join(str(error).split())[:300]} (a maskcli bug: please report the command)")
+    return code
+
+
+def outcome(run) -> int:
+    """handled(run), its SystemExit read as the status it carries: for a command's last work done outside click
+    (trace's report where the program ends by os._exit, or in the process that reports for it)."""
+    try:
+        code = handled(run, sys.argv[1:])
+    except SystemExit as stop:
+        code = stop.code
+    return code if isinstance(code, int) else (0 if code is None else 1)
 
 
 def _smaller(args: list[str]) -> str:

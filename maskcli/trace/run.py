@@ -54,6 +54,7 @@ class World:
 
     def __init__(self, handlers: dict | None = None):
         self.handlers = handlers or {}  # signal number -> the handler before maskcli's (commands.main keeps them)
+        self.flush = True  # False where the program ends by os._exit, which flushes nothing
 
     def __enter__(self) -> World:
         self.streams = (sys.stdout, sys.stderr)
@@ -66,8 +67,8 @@ class World:
         return self
 
     def __exit__(self, *exc) -> None:
-        for stream in (sys.stdout, sys.stderr):  # python flushes them at exit: the program's own, wherever they go
-            with contextlib.suppress(Exception):
+        for stream in (sys.stdout, sys.stderr) if self.flush else ():  # python flushes them at exit: the program's own,
+            with contextlib.suppress(Exception):  # wherever they go
                 stream.flush()
         sys.stdout, sys.stderr = self.streams
         sys.setrecursionlimit(max(self.limit, sys.getrecursionlimit()))
