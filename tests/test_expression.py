@@ -212,3 +212,13 @@ def test_a_chain_of_ten_thousand_terms_parses_without_recursing_per_term(join):
     expected = "window(3) & ~window(3)" if "~" in join else "window(3)"
     assert print_tree(simplified(tree)) == expected
 
+
+
+@pytest.mark.parametrize("text", [["causal"], b"causal", 3, ("window(2)",)])
+def test_an_expression_that_is_not_a_str_is_a_type_error_saying_so(text):
+    """parse([...]) and build([...]) ended in AttributeError: 'list' object has no attribute 'strip'."""
+    from maskcli import build
+
+    for call in (parse, build):
+        with pytest.raises(TypeError, match="a mask expression is a str"):
+            call(text)
