@@ -60,7 +60,11 @@ class MaskcliGroup(TyperGroup):
         return params
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from maskcli.files import CREATED
+
         _pending.clear()
+        _written.clear()
+        CREATED.clear()
         floor_columns()
         from rich.console import Console
 
@@ -140,6 +144,7 @@ def handled(run, args: list[str]) -> int:
         if "can't allocate memory" in str(error) or type(error).__name__ == "OutOfMemoryError":
             fail(f"ran out of memory: {_smaller(args)}")
         fail(f"unexpected {type(error).__name__}: {' '.join(str(error).split())[:300]} (a maskcli bug: please report the command)")
+    flush_written()  # (not after fail(): the files are removed, and the one line says why)
     return code
 
 
@@ -189,6 +194,7 @@ LONGEST_ERROR = 1000  # characters in the error line: a reader of stderr gets a 
 def fail(message: str, pointer: tuple[str, int] | None = None) -> None:
     """The error as one line on stderr, exit status 2; on a terminal, a caret under the text `pointer` names."""
     _pending.clear()  # a warning about input that is then refused would be a second line about the same thing
+    _unwrite()
     one_line = " ".join(message.splitlines())  # a quoted value (a repr, say) may hold line breaks
     room = LONGEST_ERROR - len("maskcli: error: ")
     if len(one_line) > room:  # a value or a list quoted whole: its start (what) and end (the fix) stay
@@ -284,10 +290,35 @@ class WholeWrites:
         return getattr(self._stream, name)
 
 
+_written: list[str] = []
+
+
 def done(message: str) -> None:
-    """What was written, on stderr, so that stdout stays the view (or the JSON)."""
+    """What was written, said on stderr (stdout stays the view, or the JSON) once the command has ended well: where it
+    then fails (a full stdout, a second file that cannot be written), the one line says why and the files it made
+    are removed (fail())."""
+    _written.append(message)
+
+
+def flush_written() -> None:
     flush_warnings()
-    typer.echo(message, err=True)
+    for message in _written:
+        typer.echo(message, err=True)
+    _written.clear()
+
+
+def _unwrite() -> None:
+    """The files this command made (none was there before), removed: it failed, so it leaves none of its output."""
+    import contextlib
+    import os
+
+    from maskcli.files import CREATED
+
+    _written.clear()
+    for path in CREATED:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    CREATED.clear()
 
 
 # Options --help leaves out, so that it fits a screen (--help-all and docs/reference.md show them): python parameter
