@@ -85,6 +85,9 @@ def alone(report, reset=(), then=None) -> int:
     try:
         for owner in reset:  # held, maybe, by a thread that is not in this copy
             owner._lock = threading.RLock()
+        torch = sys.modules.get("torch")
+        if torch is not None:  # OpenMP's threads are not in this copy either: a parallel operator would wait for them
+            torch.set_num_threads(1)  # forever (torch's own advice for a forked worker)
         sys.setswitchinterval(interval)
         sys.stdout = None  # the program's unflushed output is written once, by the process python's exit flushes
         with contextlib.suppress(Exception):
