@@ -130,7 +130,7 @@ class _Waking:
         try:
             return self._stream.flush()
         finally:
-            self._sleep(0.01)
+            self._sleep(0.1)  # (long enough for a loaded machine to run them)
 
 
 def _waiter():
