@@ -23,8 +23,8 @@ except ImportError:  # pragma: no cover - older typer raises click's
 from maskcli import __version__
 from maskcli.commands.guards import floor_columns, no_nul
 from maskcli.commands.messages import smaller as _smaller, usage_message as _usage_message
+from maskcli.commands.said import _pending, _written, done, flush_warnings, flush_written, unwrite, warn  # noqa: F401
 from maskcli.errors import MaskError
-from maskcli.render import wrapped
 from maskcli.text import wrap_example
 
 UsageError = _click_exceptions.UsageError
@@ -194,7 +194,7 @@ LONGEST_ERROR = 1000  # characters in the error line: a reader of stderr gets a 
 def fail(message: str, pointer: tuple[str, int] | None = None) -> None:
     """The error as one line on stderr, exit status 2; on a terminal, a caret under the text `pointer` names."""
     _pending.clear()  # a warning about input that is then refused would be a second line about the same thing
-    _unwrite()
+    unwrite()
     one_line = " ".join(message.splitlines())  # a quoted value (a repr, say) may hold line breaks
     room = LONGEST_ERROR - len("maskcli: error: ")
     if len(one_line) > room:  # a value or a list quoted whole: its start (what) and end (the fix) stay
@@ -207,23 +207,6 @@ def fail(message: str, pointer: tuple[str, int] | None = None) -> None:
     except (OSError, ValueError):  # stderr full or closed (2>/dev/full): the status still says what happened
         _quiet(sys.stderr)
     sys.exit(2)
-
-
-_pending: list[str] = []
-
-
-def warn(message: str, now: bool = False) -> None:
-    """A warning on stderr: held until the command has checked all of its input (an error then says it
-    alone), unless `now` (before long work the user may want to stop)."""
-    _pending.append(message)
-    if now:
-        flush_warnings()
-
-
-def flush_warnings() -> None:
-    for message in _pending:
-        typer.echo(wrapped(f"maskcli: warning: {message}", sys.stderr), err=True, nl=False)
-    _pending.clear()
 
 
 LARGE_WRITE = 1 << 30  # bytes past which a write is announced before it starts
@@ -288,37 +271,6 @@ class WholeWrites:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
-
-
-_written: list[str] = []
-
-
-def done(message: str) -> None:
-    """What was written, said on stderr (stdout stays the view, or the JSON) once the command has ended well: where it
-    then fails (a full stdout, a second file that cannot be written), the one line says why and the files it made
-    are removed (fail())."""
-    _written.append(message)
-
-
-def flush_written() -> None:
-    flush_warnings()
-    for message in _written:
-        typer.echo(message, err=True)
-    _written.clear()
-
-
-def _unwrite() -> None:
-    """The files this command made (none was there before), removed: it failed, so it leaves none of its output."""
-    import contextlib
-    import os
-
-    from maskcli.files import CREATED
-
-    _written.clear()
-    for path in CREATED:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    CREATED.clear()
 
 
 # Options --help leaves out, so that it fits a screen (--help-all and docs/reference.md show them): python parameter
