@@ -350,3 +350,26 @@ def test_threads_left_running_at_the_end_are_joined_or_stopped_as_python_does(tm
     plain, traced = run_both(tmp_path, ["busy.py"])
     assert plain.returncode == -signal.SIGABRT and traced.returncode == plain.returncode
     assert traced.stdout == plain.stdout == "main done\n" and REPORT + "busy.py: " in traced.stderr
+
+
+def test_a_program_that_sets_sys_excepthook_gets_it_called_as_python_calls_it(tmp_path):
+    """Its uncaught error went to the default traceback, past the program's own hook (and its stdout line)."""
+    write(tmp_path / "hook.py", """
+        import sys
+        sys.excepthook = lambda kind, error, tb: print("custom hook", kind.__name__, error)
+        raise ValueError("x")
+    """)
+    plain, traced = run_both(tmp_path, ["hook.py"])
+    assert plain.returncode == traced.returncode == 1
+    assert traced.stdout == plain.stdout == "custom hook ValueError x\n" and plain.stderr == ""
+    assert traced.stderr.startswith(REPORT + "hook.py: 0 attention calls")
+    write(tmp_path / "broken.py", """
+        import sys
+        def hook(*args):
+            raise RuntimeError("the hook fails")
+        sys.excepthook = hook
+        raise ValueError("x")
+    """)
+    plain, traced = run_both(tmp_path, ["broken.py"])
+    assert plain.returncode == traced.returncode == 1
+    assert "Error in sys.excepthook:" in plain.stderr and traced.stderr.startswith(plain.stderr)

@@ -177,6 +177,15 @@ def _print_traceback() -> None:
         seen.add(id(chained))
         chained.__traceback__ = _without_ours(chained.__traceback__)
         chained = chained.__cause__ or chained.__context__
+    hook = sys.excepthook
+    if hook is not sys.__excepthook__ and hook is not None:  # the program's own hook, which python calls instead
+        try:
+            hook(kind, error, error.__traceback__)
+            return
+        except BaseException as failed:  # noqa: BLE001 - python's words for a hook that raises, then the error itself
+            print("Error in sys.excepthook:", file=sys.stderr)
+            traceback.print_exception(type(failed), failed, _without_ours(failed.__traceback__), file=sys.stderr, chain=False)
+            print("\nOriginal exception was:", file=sys.stderr)
     traceback.print_exception(kind, error, error.__traceback__, file=sys.stderr)
 
 
