@@ -1,0 +1,78 @@
+"""A vision tower that states which of its blocks attend over the whole image, whose full and windowed blocks see one mask.
+
+Qwen2.5-VL's vision encoder runs most blocks inside windows (`cu_window_seqlens`) and the blocks of
+`fullatt_block_indexes` over each whole image (`cu_seqlens`); vLLM and cosmos-rl copy that list onto the tower
+(trace/stated.py reads it) and pick each block's segments by it. Where a full block and a windowed block of one model
+call see the very same mask, the selection did nothing: the full blocks run windowed (cosmos-rl compared string
+ModuleDict keys with the int list) or the windowed ones over the whole image (vLLM #15200 built the windowed layers'
+mask from the image seqlens). Wrong where the model call was handed both segmentations and they differ (trace/tops.py
+keeps `cu_seqlens` and `cu_window_seqlens`); suspicious otherwise, as each image may fit inside one window.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, keep, layer
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+FIELD = "fullatt_block_indexes"
+
+
+def _segments(cu: np.ndarray, length: int) -> np.ndarray | None:
+    """Bool (length, length): the block-diagonal mask of cumulative segment ends `cu`; None where they do not span it."""
+    cu = np.asarray(cu).reshape(-1)
+    if cu.size < 2 or int(cu[0]) != 0 or int(cu[-1]) != length or np.any(np.diff(cu) < 0):
+        return None
+    ids = np.searchsorted(cu[1:], np.arange(length), side="right")
+    return ids[:, None] == ids[None, :]
+
+
+def same_mask(run: Run) -> list:
+    """Per model call stating FIELD: its first full block whose mask equals a windowed block's, once."""
+    found = []
+    for top in run.tops:
+        said = [one for one in top.stated if FIELD in one.fields]
+        if not said:
+            continue
+        full, source = set(said[0].fields[FIELD]), said[0].source
+        scope = said[0].scope or ""
+        kinds: dict = {True: [], False: []}
+        for call in run.calls[top.first:top.end]:
+            index = layer(call)
+            if index is None or scope and not (call.where or "").startswith(scope):
+                continue
+            cells = keep(call)
+            if cells is not None:
+                kinds[index in full].append((call, index, cells))
+        hit = next(((f, w) for f in kinds[True] for w in kinds[False]
+                    if f[2].shape == w[2].shape and np.array_equal(f[2], w[2])), None)
+        if hit is None:
+            continue
+        (call, index, cells), (_, other, _) = hit
+        image, window = top.arguments.get("cu_seqlens"), top.arguments.get("cu_window_seqlens")
+        length = cells.shape[-1]
+        image = None if image is None else _segments(image, length)
+        window = None if window is None else _segments(window, length)
+        if image is not None and window is not None and np.array_equal(image, window):
+            continue  # each image is one window: the program states the two segmentations the same
+        sure = image is not None and window is not None
+        plane = cells.reshape(-1, length, length)
+        if sure and all(np.array_equal(p, window) for p in plane):
+            how = "both run inside the windows (cu_window_seqlens): the full blocks are never selected"
+        elif sure and all(np.array_equal(p, image) for p in plane):
+            how = "both run over the whole image (cu_seqlens): the windowed blocks never get their windows"
+        else:
+            how = "the selection of each block's segments changed nothing"
+        found.append((call, Finding("full-blocks-windowed", (
+            f"block {index} is a full-attention block ({source}) and block {other} a windowed one, but they see the "
+            f"same mask: {how}" + ("" if sure else ", unless every image fits inside one window")),
+            severity=None if sure else "suspicious", expected="the image's segments (cu_seqlens)", source=source)))
+    return found
+
+
+RULES = (
+    Rule("full-blocks-windowed", "wrong", "steps", "a vision tower whose full-attention blocks (fullatt_block_indexes) "
+         "and windowed blocks see one mask: the full blocks never selected, or the windows never applied", same_mask),
+)
