@@ -30,7 +30,7 @@ def _segments(cu: np.ndarray, length: int) -> np.ndarray | None:
 
 
 def same_mask(run: Run) -> list:
-    """Per model call stating FIELD: its first full block whose mask equals a windowed block's, once."""
+    """Per model call stating FIELD: its first full block whose masks (all its calls') equal a windowed block's, once."""
     found = []
     for top in run.tops:
         said = [one for one in top.stated if FIELD in one.fields]
@@ -38,19 +38,23 @@ def same_mask(run: Run) -> list:
             continue
         full, source = set(said[0].fields[FIELD]), said[0].source
         scope = said[0].scope or ""
-        kinds: dict = {True: [], False: []}
+        blocks: dict = {}  # block number -> its calls of this model call, in order
         for call in run.calls[top.first:top.end]:
             index = layer(call)
             if index is None or scope and not (call.where or "").startswith(scope):
                 continue
             cells = keep(call)
             if cells is not None:
-                kinds[index in full].append((call, index, cells))
-        hit = next(((f, w) for f in kinds[True] for w in kinds[False]
-                    if f[2].shape == w[2].shape and np.array_equal(f[2], w[2])), None)
+                blocks.setdefault(index, []).append((call, cells))
+        # a block's every call, compared whole: a tower that attends one window or image per call (transformers'
+        # SDPA path splits by cu_seqlens) has a small image's one call alike in both kinds, but not all its calls
+        sign = {index: tuple((cells.shape, cells.tobytes()) for _, cells in made) for index, made in blocks.items()}
+        hit = next(((f, w) for f in sorted(blocks) if f in full for w in sorted(blocks)
+                    if w not in full and sign[f] == sign[w]), None)
         if hit is None:
             continue
-        (call, index, cells), (_, other, _) = hit
+        index, other = hit
+        call, cells = blocks[index][0]
         image, window = top.arguments.get("cu_seqlens"), top.arguments.get("cu_window_seqlens")
         length = cells.shape[-1]
         image = None if image is None else _segments(image, length)
