@@ -6,7 +6,10 @@ Qwen2.5-VL's vision encoder runs most blocks inside windows (`cu_window_seqlens`
 call see the very same mask, the selection did nothing: the full blocks run windowed (cosmos-rl compared string
 ModuleDict keys with the int list) or the windowed ones over the whole image (vLLM #15200 built the windowed layers'
 mask from the image seqlens). Wrong where the model call was handed both segmentations and they differ (trace/tops.py
-keeps `cu_seqlens` and `cu_window_seqlens`); suspicious otherwise, as each image may fit inside one window.
+keeps `cu_seqlens` and `cu_window_seqlens`), or where the tower's config states its window (`window_size` pixels over
+`patch_size`-pixel patches: transformers' vision config) and a query sees more patches than one window holds; quiet
+where it sees no more (every image fits inside one window: both kinds rightly see it all); suspicious where nothing
+states either. Each block's calls are compared whole (transformers' SDPA path attends one window or image per call).
 """
 
 from __future__ import annotations
@@ -27,6 +30,16 @@ def _segments(cu: np.ndarray, length: int) -> np.ndarray | None:
         return None
     ids = np.searchsorted(cu[1:], np.arange(length), side="right")
     return ids[:, None] == ids[None, :]
+
+
+def _window(top) -> tuple[int, str] | None:
+    """(patches in one window, where it is said) from the tower's config (Qwen2.5-VL's vision config: `window_size`
+    pixels over `patch_size`-pixel patches), the model's own or its `vision_config`; None where it states none."""
+    for config in (top.config, getattr(top.config, "vision_config", None)):
+        size, patch = getattr(config, "window_size", None), getattr(config, "patch_size", None)
+        if type(size) is int and type(patch) is int and 0 < patch <= size and size % patch == 0:
+            return (size // patch) ** 2, f"window_size={size} over patch_size={patch} ({type(config).__name__})"
+    return None
 
 
 def same_mask(run: Run) -> list:
@@ -62,11 +75,18 @@ def same_mask(run: Run) -> list:
         if image is not None and window is not None and np.array_equal(image, window):
             continue  # each image is one window: the program states the two segmentations the same
         sure = image is not None and window is not None
+        widest = max(int(cells.sum(-1).max()) for _, cells in blocks[index])  # keys one query sees, at most
+        held = None if sure else _window(top)
+        if held is not None and widest <= held[0]:
+            continue  # every image fits inside one window the config states: both kinds rightly see the image
         plane = cells.reshape(-1, length, length)
         if sure and all(np.array_equal(p, window) for p in plane):
             how = "both run inside the windows (cu_window_seqlens): the full blocks are never selected"
         elif sure and all(np.array_equal(p, image) for p in plane):
             how = "both run over the whole image (cu_seqlens): the windowed blocks never get their windows"
+        elif held is not None:
+            sure, how = True, (f"a query of the windowed block sees {widest} keys, more than the {held[0]} patches of "
+                               f"one window ({held[1]}): the windowed blocks never get their windows")
         else:
             how = "the selection of each block's segments changed nothing"
         found.append((call, Finding("full-blocks-windowed", (
