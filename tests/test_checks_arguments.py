@@ -263,3 +263,19 @@ def test_a_left_padded_prefill_over_a_caches_first_slots_is_read_by_the_pad_id_i
     ids = [[5, 6, 7, 8, 9], [2, 2, 11, 12, 13]]
     assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: k <= q and ids[b][q] != 2 and ids[b][k] == 2)
     assert "pad_token_id=2 in sample()" in hit["source"]
+
+
+def test_ferritin_esm2_attention_ignores_padding_mask(tmp_path):
+    """ferritin#199: ESM2's attention_mask used only for token-dropout rescaling, never in the softmax
+    (written blind, batch blind-n; caught before any rule was changed for it)."""
+    from checkbugs import check_bug
+
+    check_bug(tmp_path, "ferritin_esm2_attention_ignores_padding_mask", "padding-ignored")
+
+
+def test_trl_ppo_batched_forward_pass_seq2seq_no_attention_mask(tmp_path):
+    """trl#139: PPO's batched forward pass hands the seq2seq policy only input_ids: the padding attended
+    (written blind, batch blind-o; caught before any rule was changed for it)."""
+    from checkbugs import check_bug
+
+    check_bug(tmp_path, "trl_ppo_batched_forward_pass_seq2seq_no_attention_mask", "padding-ignored")

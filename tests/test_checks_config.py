@@ -370,3 +370,9 @@ def test_a_provider_built_from_an_hf_config_with_its_window_one_too_wide(tmp_pat
     flagged = check_bug(tmp_path, "megatron_bridge_mistral_window_size_raw_hf_sliding_window", "window-off-by-one")
     assert all(f["source"].startswith("sliding_window=4 (hf_config (MistralConfig) in main() of") for f in flagged)
     assert {f["expected"] for f in flagged} == {"window(4)"}
+
+
+def test_mlx_lm_gemma3_sliding_window_mask_dropped_without_cache(tmp_path):
+    """mlx-lm#430: with no cache the sliding layers get the "causal" string: no window
+    (written blind, batch blind-o; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "mlx_lm_gemma3_sliding_window_mask_dropped_without_cache", "window-missing")

@@ -386,3 +386,15 @@ def test_a_module_owns_weights_where_torch_finds_a_parameter_in_it():
     modules = [nn.ReLU(), nn.Sequential(nn.ReLU(), nn.GELU()), no_bias, empty, deep, nn.MultiheadAttention(4, 2), nn.Module()]
     assert [_owns_weights(m) for m in modules] == [next(m.parameters(), None) is not None for m in modules]
     assert [_owns_weights(m) for m in modules] == [False, False, True, False, True, True, False]
+
+
+def test_accelerate_context_parallel_hook_drops_sliding_window_mask(tmp_path):
+    """accelerate#4177: the context-parallel hook replaces each layer's sliding-window mask with is_causal=True
+    (written blind, batch blind-o; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "accelerate_context_parallel_hook_drops_sliding_window_mask", "held-mask-ignored")
+
+
+def test_mlx_vlm_batch_generate_left_padding_dropped(tmp_path):
+    """mlx-vlm#1946: batch generate drops the processor's left padding before the caches
+    (written blind, batch blind-o; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "mlx_vlm_batch_generate_left_padding_dropped", "padding-unused")

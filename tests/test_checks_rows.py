@@ -365,3 +365,12 @@ def test_later_keys_only_padding_rows_see_by_the_model_calls_own_word_are_no_sli
     hit = next(f for f in found if f["code"] == "sees-later")  # (the prefill's group is the first)
     assert rows == [4, 5, 6] and hit["severity"] == "suspicious", report
     assert hit["message"].startswith("query rows 4-6 see later keys (queries placed at the end of the keys): "), report
+
+
+def test_mlx_vlm_gemma4_mtp_drafter_swa_mask_absolute_offset(tmp_path):
+    """mlx-vlm#1138: the drafter's sliding-window mask from the absolute decode position over a rotating cache: every
+    local key out of window
+    (written blind, batch blind-m; caught before any rule was changed for it)."""
+    from checkbugs import check_bug
+
+    check_bug(tmp_path, "mlx_vlm_gemma4_mtp_drafter_swa_mask_absolute_offset", "fully-masked")

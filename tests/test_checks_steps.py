@@ -161,3 +161,9 @@ def test_vmlx_falconh1_prefill_mask_always_nil(tmp_path):
     found = check_bug(tmp_path, "vmlx_swift_falconh1_prefill_mask_always_nil", "causal-lost")
     q, k = found[0]["cell"][1:]
     assert k > q  # a later key
+
+
+def test_hyprstream_llama_cached_multitoken_tril0_mask(tmp_path):
+    """hyprstream#1521: a cached multi-token forward masked with tril(0) on [q_len, kv_len], hiding the cached history
+    (written blind, batch blind-m; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "hyprstream_llama_cached_multitoken_tril0_mask", "top-left-mask")

@@ -196,3 +196,10 @@ def test_bert_nli_build_batch_pads_attention_mask_with_ones(tmp_path):
     pytest.importorskip("transformers")  # (its BertModel: the hf extra)
     hit = check_bug(tmp_path, "bert_nli_build_batch_pads_attention_mask_with_ones", "padding-unmarked")[0]
     assert "a token at the model's pad id (0)" in hit["message"]
+
+
+def test_transformers_collator_double_padding_erases_attention_mask(tmp_path):
+    """transformers#8915: padding already padded samples again rebuilt attention_mask as all ones
+    (written blind, batch blind-n; caught before any rule was changed for it)."""
+    pytest.importorskip("transformers")  # (its BertModel: the hf extra)
+    check_bug(tmp_path, "transformers_collator_double_padding_erases_attention_mask", "padding-unmarked")

@@ -38,6 +38,7 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
     elif not any(_windowed(one.fields) for one in found):
         found += _built_from(module, places, found)
     found += _numbers(module, path)
+    found += _full_blocks(module, path)
     found += padding_flags(module, places)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
@@ -125,6 +126,22 @@ def _numbers(root, path) -> list[Stated]:
                 label = f"{owner}.{name}={attributes[name]} of {scope or type(module).__name__}"
                 found.append(Stated(label, scope, {"layer_number": attributes[name]}))
                 break
+    return found
+
+
+FULL_BLOCKS = ("fullatt_block_indexes",)  # Qwen2.5-VL's vision tower: the blocks that attend over the whole image
+
+
+def _full_blocks(root, path) -> list[Stated]:
+    """A module's own list of its full-attention block numbers (vLLM's and cosmos-rl's Qwen2.5-VL vision tower copy
+    `fullatt_block_indexes` from the config onto the module), for the calls under it (checks/fullblocks.py)."""
+    found = []
+    for module in root.modules():
+        scope = path(module)
+        value = vars(module).get(FULL_BLOCKS[0])
+        if scope is not None and isinstance(value, (list, tuple)) and value and all(type(v) is int for v in value):
+            found.append(Stated(f"self.{FULL_BLOCKS[0]}={list(value)} of {scope or type(module).__name__}", scope,
+                                {FULL_BLOCKS[0]: tuple(value)}))
     return found
 
 

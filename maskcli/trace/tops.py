@@ -22,6 +22,7 @@ from maskcli.trace.held import program_frames
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
              "cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k",  # flash's, transformers' CB
+             "cu_window_seqlens",  # (Qwen2.5-VL's vision window segments beside its image ones: checks/fullblocks.py)
              # what else states where tokens are, as hand-written models name it (checks/real.py, tree.py, spans.py):
              "input_ids", "idx", "tokens", "inputs", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
              "padding_mask", "pad_mask", "mask", "input_mask", "tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets",
