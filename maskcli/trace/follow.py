@@ -10,6 +10,7 @@ import threading
 import torch
 
 import maskcli.trace.masks as readers
+from maskcli.trace.layout import reader as laid
 from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.overflow import WATCHED
 
@@ -88,6 +89,8 @@ class Follow:
         softmaxed = None
         if reader is not None and not self.busy and not self.within:
             if reader is not readers.softmax or self.scores.attention(readers.softmax_input(args, kwargs)):
+                if reader is readers.softmax and self.scores.axes:  # scores in another axis order (layout.py)
+                    reader = laid(reader, self.scores, args, kwargs)
                 self._softmax, made = None, len(self._calls)
                 self.capture(reader, args, kwargs)
                 softmaxed, self._softmax = self._softmax, None
