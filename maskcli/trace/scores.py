@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from maskcli.trace.layout import NONE, carried, einsum_axes
+from maskcli.trace.layout import NONE, TURNS, carried, einsum_axes
 
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
            torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum}
@@ -57,9 +57,13 @@ class Scores:
             return
         if not self._found:
             return
+        laid = self.axes or func in TURNS
         for x in (*args, *kwargs.values()):
             if isinstance(x, torch.Tensor) and self.has(x):
-                axes = carried(func, args, kwargs, x, out, self.axes.get(id(x)) if self.axes else None)
+                if laid:  # (scores in another axis order, or turned into one: layout.py)
+                    axes = carried(func, args, kwargs, x, out, self.axes.get(id(x)))
+                else:  # (plain scores: what keeps their last two dimensions is scores)
+                    axes = None if tuple(x.shape[-2:]) == tuple(out.shape[-2:]) else NONE
                 if axes is not NONE:
                     self._note(out, axes)
                     return
