@@ -66,3 +66,47 @@ def test_clip4clip_frame_mask_repeated_over_heads_lays_one_videos_padding_on_ano
     """ArrowLuo/CLIP4Clip#22 (written blind, caught before any rule was tuned for it): `repeat` lays each video's
     frame mask on the heads of the wrong batch row."""
     check_bug(tmp_path, "clip4clip_seqtransf_video_mask_repeat_over_heads", "padding-per-head")
+
+
+def test_an_axis_before_the_heads_with_padding_of_its_own_is_batch_like(tmp_path):
+    """5-D scores (B, T, H, N, N), a frame axis before the heads, each (video, frame) with its own patch padding: quiet
+    (the shape of OpenFold's MSA row attention, tests/data/quiet_blind). The same program that keeps only each video's
+    padding (B, N) and lays it as pad[:, None, None, :] puts video b's padding on frame b of every video: found, at the
+    first (row, head, key) a double loop finds hidden from every query of one head and shown by another."""
+    status, found, report = traced(tmp_path, "frame_padding_five_d_scores", fixed=False, folder=ARGS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    status, found, report = traced(tmp_path, "frame_padding_five_d_scores", fixed=False, folder=ARGS, args=("--buggy",))
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "padding-per-head")
+    counts = torch.tensor([[6, 4], [3, 5]])
+    valid = torch.arange(6)[None, None, :] < counts[:, :, None]
+    laid = valid[:, 0][None, :, None, :].expand(2, 2, 2, 6).reshape(2, 4, 6)  # (B, T * H, N): what the bug laid
+    odd = first((2, 4, 6), lambda b, h, k: bool(not laid[b, h, k] and laid[b, :, k].any()))
+    assert hit["severity"] == "wrong" and tuple(hit["cell"]) == (odd[0], odd[2], odd[2]), report
+
+
+def test_five_d_scores_read_their_axis_before_the_heads_by_what_the_batch_axis_says(monkeypatch):
+    """(B, N, R) scores read as (B, N * R) heads: N's planes with padding of their own are batch-like where the batch
+    rows differ (or there is one), and N is heads where every batch row masks alike while N's planes differ, unless
+    the plane that differs hides every key (an empty slice of a batch-like axis, a padded MSA row)."""
+    n = 4
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
+
+    def padded(count):
+        return causal & (torch.arange(n) < count)[None, :]  # keys past `count` padding
+
+    def five(counts, repeats=2):  # counts[b][m]: the real keys of plane (b, m); every head r of it alike
+        return torch.stack([torch.stack([padded(c) for c in row for _ in range(repeats)]) for row in counts]).numpy()
+
+    def found(cells, lead):
+        call = _Call(cells)
+        call.details = {"lead": lead}
+        monkeypatch.setattr(heads, "keep", lambda c: c.cells)
+        return heads.per_head(Run([call], [], []))
+
+    assert found(five([[4, 2]]), (1, 2, 2)) == []  # one batch row, planes of their own
+    assert found(five([[4, 2], [3, 4]]), (2, 2, 2)) == []  # batch rows that differ: the planes are theirs
+    (_, hit), = found(five([[4, 2], [4, 2]]), (2, 2, 2))  # alike in every batch row, differing by plane: heads
+    assert hit.code == "padding-per-head" and "heads 2-3 hide keys 2-3" in hit.message
+    empty = five([[4, 0], [4, 0]])  # alike in every batch row, the plane that differs hides every key
+    assert found(empty, (2, 2, 2)) == []

@@ -265,6 +265,24 @@ def test_a_padding_mask_turned_round_for_multihead_attention_on_a_left_padded_di
     assert "padding_mask in forward() of" in found[0]["message"] and "keys [0, 1, 2] only" in found[0]["message"]
 
 
+def test_star_transformer_relay_attends_the_padding_beside_its_own_key(tmp_path):
+    """fastNLP#138: the relay node's keys are [relay, tokens]; `mask` (1 = token) covers the tokens only and is used
+    as masked_fill's mask: row 1 (4 real of 6) sees the relay and its 2 padding tokens only."""
+    [hit] = check_bug(tmp_path, "fastnlp_star_transformer_relay_mask_not_flipped", "padding-only-attended")
+    lengths = (6, 4)
+    pads = [1 + k for k in range(6) if k >= lengths[1]]  # the padded row's padding keys, after the relay's key 0
+    assert tuple(hit["cell"]) == (1, 0, pads[0]) and f"keys {pads} only" in hit["message"]
+    assert "(keys 1-6 of 7: its tokens)" in hit["message"]
+
+
+def test_a_pad_mask_handed_to_sdpa_as_keep_with_a_summary_key_after_the_tokens(tmp_path):
+    """Written another way: the extra key after the tokens, `pad_mask` (True = padding) made SDPA's keep mask."""
+    [hit] = check_bug(tmp_path, "pooling_cls_appended_pad_mask_as_keep", "padding-only-attended", folder=HELD)
+    lengths = (5, 3, 2)
+    assert tuple(hit["cell"]) == first((3, 6, 5), lambda b, q, k: lengths[b] < 5 and q == 0 and k >= lengths[b])
+    assert "keys [3, 4] only" in hit["message"] and "(keys 0-4 of 6: its tokens)" in hit["message"]
+
+
 def test_a_kernel_keeping_the_padding_and_more_is_not_read_as_turned_round():
     """held_inverted against a double loop: a kernel that sees the padding and one real key is another matter
     (padding-unused's), and one that sees exactly the padding on every query of every padded row is turned round."""

@@ -3,6 +3,7 @@ cells written here."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -312,3 +313,55 @@ def test_a_padded_float_mask_built_one_key_off_is_found_in_a_traced_program(tmp_
     for fixed, expected in ((False, ["sees-later"]), (True, [])):
         found = traced(tmp_path, "pad_tril", fixed, folder=tmp_path)[1]
         assert [f["code"] for f in found if f["code"] == "sees-later"] == expected, found
+
+
+def _gpt2_keep(real: list[int], diagonal: int) -> np.ndarray:
+    """(1, 1, L, L) what GPT-2's softmax gives weight over one batch row (tril(diagonal) where-filled with -1e4, then
+    (1 - attention_mask) * -1e4 added, as trajectory_gpt2.py does), read off torch.softmax itself."""
+    import torch
+
+    torch.manual_seed(0)
+    n = len(real)
+    scores = torch.randn(1, 1, n, n) * 0.1
+    scores = torch.where(torch.tril(torch.ones(n, n), diagonal=diagonal).bool(), scores, torch.tensor(-1e4))
+    scores = scores + (1.0 - torch.tensor(real, dtype=torch.float32))[None, None, None, :] * -1e4
+    return (torch.softmax(scores, dim=-1) > 0).numpy()
+
+
+def test_a_one_row_batchs_padding_row_that_sees_every_key_is_no_slip():
+    """decision_transformer (tests/data/quiet_blind): a batch of ONE left-padded row through GPT-2's -1e4 fills: the last
+    padding query sees every key, the real ones after it included (its output is never used): no slip of a causal mask.
+    The same batch with the causal buffer one key off, its real queries stated (restate: the model call's
+    attention_mask), is still one, on its real rows; its padding rows' runs do not make it a note."""
+    from maskcli.checks.registry import severity
+
+    unnamed = SimpleNamespace(expression=None, kind=None)
+    real = [0] * 6 + [1] * 4
+    keep = _gpt2_keep(real, 0)
+    assert later_rows(keep) == [0, 1, 2, 3, 4, 5] and [q for q in range(10) if keep[0, 0, q].all()] == [5]
+    # (padding rows 0-4 see the real keys past the padding ones they do not: no run from their own; row 5 every key)
+    assert later(*call(keep, "softmax"), unnamed) == []
+    off = _gpt2_keep(real, 1)
+    shown = [q for q in later_rows(off) if real[q] and not off[0, 0, q].all()]
+    [found] = later(*call(off, "softmax"), unnamed, real=np.array([real], dtype=bool))
+    assert shown == [6, 7, 8] and severity(found) == "suspicious" and found.message.startswith("query rows 6-8 see later keys") and "off-by-one" in found.message
+
+
+def test_later_keys_only_padding_rows_see_by_the_model_calls_own_word_are_no_slip(tmp_path):
+    """A windowed GPT-2 over one left-padded row (tests/data/args): its last padding query within reach of the real keys
+    sees them (-1e4) but not the padding before its window (-2e4), so it does not see every key; the model call's
+    attention_mask states it padding: quiet. With the window's band one key off, the real rows that see the next token,
+    by a double loop over the band, are said, suspicious, and the padding rows' runs do not turn it into a note."""
+    from checkbugs import traced
+
+    args = Path(__file__).parent / "data" / "args"
+    status, found, report = traced(tmp_path, "left_padded_one_row_window_gpt2_fills", fixed=False, folder=args)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    status, found, report = traced(tmp_path, "left_padded_one_row_window_gpt2_fills", fixed=False, folder=args,
+                                   args=("--buggy",))
+    real = [0, 0, 0, 0, 1, 1, 1, 1]
+    band = [[k <= q + 1 and k > q - 3 for k in range(8)] for q in range(8)]
+    rows = [q for q in range(8) if real[q] and any(band[q][k] and real[k] for k in range(q + 1, 8))]
+    hit = next(f for f in found if f["code"] == "sees-later")  # (the prefill's group is the first)
+    assert rows == [4, 5, 6] and hit["severity"] == "suspicious", report
+    assert hit["message"].startswith("query rows 4-6 see later keys (queries placed at the end of the keys): "), report

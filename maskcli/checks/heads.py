@@ -7,6 +7,9 @@ row lets a query see it, is a key one head calls padding and another real: the m
 (B, kv heads, repeats, L, S) lands batch row b's padding on kv-head group b (ml-explore/mlx-lm#1903).
 Heads that differ by their own windows or sinks always let a key's own query see it, so they are quiet; only
 calls whose key columns are positions and whose queries include each such key's own position are read.
+5-D scores (B, N, R, Lq, Lk) are heads N * R only where N carries the batch's padding (every batch row alike, N's
+planes not); where batch rows differ, N is batch-like (OpenFold's MSA rows, a video's frames: each plane its own padding)
+and only R is heads (_kv_heads).
 """
 
 from __future__ import annotations
@@ -46,21 +49,29 @@ def per_head(run: Run) -> list:
         if cells.shape[0] not in (1, rows) or cells.shape[1] != heads:
             continue
         cells = np.broadcast_to(cells, (rows, heads, q_len, k_len))
+        lead, per = call.details.get("lead"), 1  # per: planes of the batch-like axis in each batch row
+        if lead is not None and not _kv_heads(cells, lead):
+            per = lead[1]
+            cells = cells.reshape(rows * per, lead[2], q_len, k_len)
         mine = np.zeros(k_len, dtype=bool)  # keys whose own query is one of this call's
         inside = (own >= 0) & (own < k_len)
         mine[own[inside]] = True
         seen = cells.any(axis=2)  # (B, H, Lk)
         odd = ~seen & seen.any(axis=1, keepdims=True) & mine[None, None, :]
+        if lead is not None and per == 1:  # (a plane that hides every key is a padded slice of a batch-like axis, an
+            odd &= seen.any(axis=2, keepdims=True)  # empty MSA row: no batch row's padding, which leaves it keys)
         if not odd.any():
             continue
         b, h = (int(x) for x in np.argwhere(odd.any(axis=2))[0])
         keys = np.flatnonzero(odd[b, h])
         showing = int(np.flatnonzero(seen[b, :, keys[0]])[0])
-        same = all(np.array_equal(cells[r], cells[0]) for r in range(1, rows))
+        same = all(np.array_equal(cells[r], cells[0]) for r in range(1, cells.shape[0]))
         said = "; the mask is the same in every batch row and differs by head instead" if same else ""
         bad_heads = np.flatnonzero(odd[b].any(axis=1))
+        b, plane = divmod(b, per)
         found.append((call, Finding("padding-per-head", (
-            f"batch row {b}: head{'s' if len(bad_heads) > 1 else ''} {_ranges(bad_heads)} "
+            f"batch row {b}{f' (plane {plane} of its axis before the heads)' if per > 1 else ''}: "
+            f"head{'s' if len(bad_heads) > 1 else ''} {_ranges(bad_heads)} "
             f"hide{'' if len(bad_heads) > 1 else 's'} key"
             f"{'s' if len(keys) > 1 else ''} {_ranges(keys)} from every query, {'their' if len(keys) > 1 else 'its'} "
             f"own included, while head {showing} of the same row shows {'them' if len(keys) > 1 else 'it'}{said}: "
@@ -68,6 +79,18 @@ def per_head(run: Run) -> list:
             expected="every head of a batch row pads the same keys", source="the other heads of the same batch row",
             cell=(b, int(keys[0]), int(keys[0])))))  # (the key's own query, as absolute positions)
     return found
+
+
+def _kv_heads(cells: np.ndarray, lead: tuple) -> bool:
+    """5-D scores (B, N, R, Lq, Lk) read as (B, N * R) (trace/masks.py): whether N is heads (grouped-query kv heads, head
+    g * R + r) rather than a batch-like axis (OpenFold's MSA rows, each with its own padding). Only the axis before the
+    queries is heads for certain; N is read as heads where the batch axis says nothing and N does: every batch row masks
+    alike while N's planes differ, as a (B, 1, Lq, Lk) mask broadcast against (B, N, R, Lq, Lk) makes them (its batch
+    axis lands on N: ml-explore/mlx-lm#1903). Where batch rows differ, each keeps its own padding, and N is batch-like."""
+    batch, n, _ = lead
+    if batch < 2 or n < 2 or cells.shape[0] != batch:
+        return False
+    return all(np.array_equal(cells[r], cells[0]) for r in range(1, batch))
 
 
 RULES = (

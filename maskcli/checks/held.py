@@ -278,6 +278,9 @@ def _edge_runs(real: np.ndarray, right_only: bool) -> bool:
     return bool(right.all() or not right_only and (left.all() or (right | left).all()))
 
 
+EXTRA_KEYS = 4  # keys besides the tokens a held padding covers (a relay node, CLS, registers) that it may leave out
+
+
 def held_inverted(run: Run) -> list:
     """Calls whose every query, in every padded batch row, sees exactly the keys a padding mask the program holds calls
     padding, and none it calls real: the mask turned round on its way to the kernel (torch_brain#74)."""
@@ -295,23 +298,32 @@ def held_inverted(run: Run) -> list:
                 cells = np.broadcast_to(cells, (rows, *cells.shape[1:]))
                 for held in helds:
                     table = held["rows"]
-                    if table.ndim != 2 or table.shape != (rows, k_len):
+                    if table.ndim != 2 or table.shape[0] != rows or not 0 <= k_len - table.shape[1] <= EXTRA_KEYS:
                         continue
                     real = table if held["kind"] == "keep" else ~table
                     if not _edge_runs(real, right_only=held["name"] == "mask"):
                         continue
                     padded = ~real.all(axis=1)
-                    if (cells[padded] == ~real[padded][:, None, None, :]).all():
-                        b = int(np.flatnonzero(padded)[0])
-                        k = int(np.flatnonzero(~real[b])[0])
-                        said = f"{held['name']} in {held['where']}"
-                        done[key] = Finding("padding-only-attended", (
-                            f"every query of each padded batch row sees exactly the keys {said} calls padding and none "
-                            f"it calls real (batch row {b}: keys {np.flatnonzero(~real[b]).tolist()} only): the "
-                            f"padding mask was turned round on its way to the kernel (filled where it is True, or "
-                            f"read as True = masked)"), expected=f"the real keys of {held['name']}", source=said,
-                            cell=(b, 0, k))
-                        break
+                    # keys the padding does not cover (a relay, CLS or register token put before or after the tokens):
+                    # its keys are the call's last ones or its first ones, and the complement must hold over them
+                    extra = k_len - table.shape[1]
+                    for at in sorted({extra, 0}, reverse=True):
+                        over = cells[padded][..., at:at + table.shape[1]]
+                        if (over == ~real[padded][:, None, None, :]).all():
+                            break
+                    else:
+                        continue
+                    b = int(np.flatnonzero(padded)[0])
+                    k = int(np.flatnonzero(~real[b])[0]) + at
+                    said = f"{held['name']} in {held['where']}"
+                    beside = f" (keys {at}-{at + table.shape[1] - 1} of {k_len}: its tokens)" if extra else ""
+                    done[key] = Finding("padding-only-attended", (
+                        f"every query of each padded batch row sees exactly the keys {said} calls padding{beside} and "
+                        f"none it calls real (batch row {b}: keys {(np.flatnonzero(~real[b]) + at).tolist()} only): "
+                        f"the padding mask was turned round on its way to the kernel (filled where it is True, or "
+                        f"read as True = masked)"), expected=f"the real keys of {held['name']}", source=said,
+                        cell=(b, 0, k))
+                    break
         if done[key] is not None:
             found.append((call, done[key]))
     return found

@@ -5,27 +5,19 @@ Each rule is a small function of a batch (maskcli.serve.batch.ServeBatch, taken 
 serve/ and imports nothing of it) returning Findings that name their request and the first wrong cell (query
 position, key position), absolute, where one exists. Rules are vectorised over requests and pages: O(requests +
 pages + tokens). They stay quiet on what engines do on purpose: null blocks out of a sliding window, full pages
-shared by prefix caching, padding slots (-1) after the batch's tokens. `check` runs every rule given one batch's
-`metadata` through the registry; servesteps.py (a request's steps across files) and serveexpect.py (--expect,
+shared by prefix caching, padding slots (-1) after the batch's tokens. `check` (servecheck.py: outside the rules'
+modules, so that the registry climbs back into none of them) runs every rule given one batch's `metadata`; servesteps.py (a request's steps across files) and serveexpect.py (--expect,
 --model) are called by serve with what else they read.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
-from maskcli.checks import registry
 from maskcli.checks.pagemap import distinct, page_map, read_range
 from maskcli.checks.registry import Rule
+from maskcli.checks.servecheck import check  # noqa: F401  (servecheck's: for the callers that name this module)
 from maskcli.text import Finding
-
-
-def check(b) -> list[Finding]:
-    """Every rule given one batch's metadata, run through the registry, each finding's cell kept only where it is one
-    of its request's."""
-    return [_inside(b, f) for f in registry.run("metadata", b)]
 
 
 def first_true(bad: np.ndarray) -> int | None:
@@ -205,18 +197,6 @@ def _writes(b) -> list[Finding]:
     return [Finding("slot-mapping", f"token {t} (request {r}, position {int(position[t])}) is written to slot {int(slots[t])} ({whose}); its "
                     f"{b.name('table')} puts position {int(position[t])} at slot {int(expected[t])}",
                     request=r, cell=(int(position[t]), int(position[t])))]
-
-
-def _inside(b, f: Finding) -> Finding:
-    """The finding, without its cell where that cell is no cell of its request (a position before 0, or past its last
-    key as the kernel or the cache counts them): a finding names only cells a mask of that request has."""
-    if f.cell is None or f.request is None or not 0 <= f.request < b.requests:
-        return f
-    r = f.request
-    keys = max(int(b.seq_lens[r]), int(b.computed[r] + b.q_lens[r]) if b.computed is not None else 0)
-    if all(0 <= int(x) < keys for x in f.cell):
-        return f
-    return replace(f, cell=None)
 
 
 def batch_rules(check, *caught: tuple[str, str]) -> tuple[Rule, ...]:

@@ -1,7 +1,7 @@
 """The rules that find a wrong mask in how an engine shapes a serving batch: vLLM's cascade (a shared prefix pass,
 then each request's suffix), its chunked-local virtual batches, and speculative draft trees (custom masks, a static
 choice list, the positions each draft is rotated at). Each is a function of one batch (ServeBatch, taken as it comes)
-that serve.py's `check` runs through the registry.
+that servecheck.py's `check` runs through the registry.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def serve(
             raise MaskError(f"{flag} draws one step, and {len(files)} FILEs were given: give one FILE with {flag}")
     from maskcli.checks import registry
     from maskcli.checks.pagemap import page_map
-    from maskcli.checks.serve import check
+    from maskcli.checks.servecheck import check
     from maskcli.checks.serveexpect import expect as expect_requests
     from maskcli.checks.servesteps import steps
     from maskcli.render import serve as render

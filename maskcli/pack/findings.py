@@ -14,10 +14,9 @@ import numpy as np
 from maskcli.checks.packing import FIRST, disagreeing, labels, leaks, left_out, lengths, rope
 from maskcli.diff import Difference, RowDifference
 from maskcli.intervals import Intervals
-from maskcli.mask import build
 from maskcli.pack import boundaries as bd
 from maskcli.pack.fields import Batch
-from maskcli.pack.paths import Model, Path, documents, every_path
+from maskcli.pack.paths import Model, Path, documents_mask, every_path
 from maskcli.positions import Frame
 from maskcli.text import Finding
 
@@ -77,8 +76,7 @@ def check(batch: Batch, eos: int | None = None, reference: str | None = None, mo
     keys = key_runs(real, frame, "the tokens")
     segment = None
     if ref is not None:
-        text, options = documents("segment", ref.starts, None)  # padding is cut by `keys` and `real` below
-        segment = build(text, options, written=True).intervals()
+        segment = documents_mask("segment", ref.starts, None).intervals()  # padding is cut by `keys` and `real` below
     intervals: dict[str, Intervals] = {}
     for p in paths:
         if p.applies:

@@ -15,7 +15,9 @@ The paths, as their code reads a batch (transformers 4.5x-5.x, flash-attn 2, Tra
 - eos: a document mask keyed on an EOS id (torchtitan's flex document mask, attention-gym): a document
   ends at each EOS token, whatever the other fields say.
 
-Each mask is built with maskcli.mask.build from its expression and options, so it is exact on intervals.
+Each mask is made from its kind bound to the documents' sizes (terms.bound), at the batch's positions with its
+padding (mask.from_terms), so it is exact on intervals; its expression and options are written only to be shown
+(`Path.command`, the name a difference gives it), never parsed back.
 """
 
 from __future__ import annotations
@@ -25,11 +27,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from maskcli import terms
+from maskcli.batchdata import with_padding
 from maskcli.intervals import Intervals
-from maskcli.kinds.values import rows_text
-from maskcli.mask import Mask, MaskOptions, build, from_tensor
+from maskcli.kinds import get as get_kind
+from maskcli.kinds.values import from_sizes, rows_text
+from maskcli.mask import Mask, MaskOptions, from_tensor, from_terms
 from maskcli.pack import boundaries as bd
 from maskcli.pack.fields import Batch
+from maskcli.positions import Frame
 
 TITLES = {
     "hf-sdpa": "transformers sdpa / eager / flex_attention",
@@ -122,7 +128,8 @@ def with_padding_runs(starts: np.ndarray, pad: np.ndarray) -> np.ndarray:
 
 
 def padding_options(pad: np.ndarray | None, length: int) -> dict:
-    """MaskOptions fields for key padding: --lengths where each row's padding is at its end, else --ids (1 = token, pad 0)."""
+    """MaskOptions fields for key padding, to be shown: --lengths where each row's padding is at its end, else --ids
+    (1 = token, pad 0)."""
     if pad is None or not pad.any():
         return {}
     return dict(_padding_text(np.packbits(pad, axis=1).tobytes(), pad.shape))
@@ -130,42 +137,74 @@ def padding_options(pad: np.ndarray | None, length: int) -> dict:
 
 @functools.lru_cache(maxsize=2)
 def _padding_text(packed: bytes, shape: tuple[int, int]) -> tuple:
-    """Written once per padding: --ids of 1M tokens is a long text to write and to read back."""
+    """Written once per padding: --ids of 1M tokens is a long text to write (it is shown, never read back)."""
     rows, length = shape
     pad = np.unpackbits(np.frombuffer(packed, dtype=np.uint8).reshape(rows, -1), axis=1, count=length).astype(bool)
-    real = (~pad).sum(axis=1)
-    if np.array_equal(pad, np.arange(length)[None, :] >= real[:, None]):
-        return (("lengths", ",".join(map(str, real.tolist()))),)
+    lengths = _end_lengths(pad)
+    if lengths is not None:
+        return (("lengths", ",".join(map(str, lengths))),)
     return (("ids", rows_text((~pad).astype(np.int64))), ("pad_id", 0))
 
 
-def documents(kind: str, starts: np.ndarray, pad: np.ndarray | None) -> tuple[str, MaskOptions]:
-    """`document(sizes=[...])` (or `causal` where each row is one document) and its padding options."""
+def _end_lengths(pad: np.ndarray) -> tuple[int, ...] | None:
+    """Each row's real tokens where every row's padding is at its end (what --lengths says), else None."""
+    real = (~pad).sum(axis=1)
+    if np.array_equal(pad, np.arange(pad.shape[1])[None, :] >= real[:, None]):
+        return tuple(real.tolist())
+    return None
+
+
+def frame(length: int, pad: np.ndarray | None) -> Frame:
+    """The batch's positions with its key padding, as --lengths or --ids would place them (batchdata.with_padding),
+    from the padding itself: nothing written to be read back."""
+    plain = Frame(0, length, 0, length)
+    if pad is None or not pad.any():
+        return plain
+    lengths = _end_lengths(pad)
+    if lengths is not None:
+        return with_padding(plain, lengths, None, 0)
+    return with_padding(plain, None, (~pad).astype(np.int64), 0)
+
+
+def documents(kind: str, starts: np.ndarray, pad: np.ndarray | None) -> tuple[terms.Term, MaskOptions]:
+    """`document(sizes=[...])` (or `causal` where each row is one document) as a term bound to the sizes, and the
+    options that show its padding."""
     length = starts.shape[1]
     if pad is not None:
         starts = with_padding_runs(starts, pad)
     if starts[:, 1:].any():
-        positions = [np.flatnonzero(row) for row in starts]
-        sizes = [np.diff(np.append(p, length)) for p in positions]
-        text = f"{kind}(sizes=[{rows_text(sizes)}])"
+        sizes = [np.diff(np.append(np.flatnonzero(row), length)) for row in starts]
+        term = terms.bound(get_kind(kind), {"labels": from_sizes(sizes, f"{kind}(sizes=...)")})
     else:
-        text = "causal" if kind == "document" else "full"
-    return text, MaskOptions(length=length, **padding_options(pad, length))
+        term = terms.bound(get_kind("causal" if kind == "document" else "full"), {})
+    return term, MaskOptions(length=length, **padding_options(pad, length))
 
 
-def _built(name: str, reads: str, text: str, options: MaskOptions, notes: list[str]) -> Path:
-    return Path(name, reads, text, options, _build(text, options.length, options.lengths, options.ids), notes)
+def documents_mask(kind: str, starts: np.ndarray, pad: np.ndarray | None) -> Mask:
+    """The Mask of `documents`, at the batch's positions with its padding."""
+    term, _ = documents(kind, starts, pad)
+    return from_terms(term, frame(starts.shape[1], pad))
 
 
-@functools.lru_cache(maxsize=4)
-def _build(text: str, length: int, lengths: str | None, ids: str | None) -> Mask:
+def _built(name: str, reads: str, term: terms.Term, options: MaskOptions, pad: np.ndarray | None, notes: list[str]) -> Path:
+    text = terms.text(term)
+    return Path(name, reads, text, options, _mask(term, text, options, pad), notes)
+
+
+_MASKS: dict[tuple, Mask] = {}  # cleared by every_path: shared within one check, never across batches
+
+
+def _mask(term: terms.Term, text: str, options: MaskOptions, pad: np.ndarray | None) -> Mask:
     """One Mask per expression and padding: paths that read the same field share it (and its intervals)."""
-    return build(text, MaskOptions(length=length, lengths=lengths, ids=ids, pad_id=0), written=True)
+    key = (text, options.length, options.lengths, options.ids)
+    if key not in _MASKS:
+        _MASKS[key] = from_terms(term, frame(options.length, pad))
+    return _MASKS[key]
 
 
 def _causal(name: str, reads: str, pad, length: int, notes: list[str]) -> Path:
     options = MaskOptions(length=length, **padding_options(pad, length))
-    return _built(name, reads, "causal", options, notes)
+    return _built(name, reads, terms.bound(get_kind("causal"), {}), options, pad, notes)
 
 
 def _packed(positions: np.ndarray) -> bool:
@@ -180,12 +219,12 @@ def hf_sdpa(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Pat
         keep = np.ascontiguousarray(np.broadcast_to(batch.keep_4d, (batch.rows, 1, length, length)))
         mask = from_tensor(keep, "the 4-D attention_mask")
         b = fields["attention_mask"]
-        text, options = documents("document", b.starts, b.pad)
-        rebuilt = build(text, options)
+        term, options = documents("document", b.starts, b.pad)
+        rebuilt = from_terms(term, frame(length, b.pad))
         from maskcli.diff import compare
 
         if compare(rebuilt, mask, first=0).equal:
-            return Path("hf-sdpa", "attention_mask (4-D)", text, options, rebuilt, ["the 4-D mask is used as given; this expression rebuilds it exactly"])
+            return Path("hf-sdpa", "attention_mask (4-D)", terms.text(term), options, rebuilt, ["the 4-D mask is used as given; this expression rebuilds it exactly"])
         return Path("hf-sdpa", "attention_mask (4-D)", None, None, mask, ["the 4-D mask is used as given; no document expression rebuilds it"])
     notes = []
     if "attention_mask" in f:
@@ -203,8 +242,8 @@ def hf_sdpa(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Pat
         return path if model.stated or not _restarts(f["position_ids"]) else replace(
             path, condition=f"the model runs with use_cache=True ({model.said_by}; --use-cache yes or no says which)")
     if "position_ids" in f:
-        text, options = documents("document", fields["position_ids"].starts, None)
-        return _built("hf-sdpa", "position_ids", text, options, notes)
+        term, options = documents("document", fields["position_ids"].starts, None)
+        return _built("hf-sdpa", "position_ids", term, options, None, notes)
     if batch.mrope is not None:
         notes.append("mRoPE position_ids (3, B, L) are not read for packing: the mask is causal")
     path = _causal("hf-sdpa", "nothing (no attention_mask, no position_ids)", None, length, notes)
@@ -239,8 +278,8 @@ def hf_flash(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Pa
         if not np.array_equal(f["cu_seq_lens_q"], f["cu_seq_lens_k"]):
             notes.append("cu_seq_lens_q and cu_seq_lens_k differ: flash_attn_varlen_func pairs query document i with key document i "
                          "(causal from the bottom right); this mask follows cu_seq_lens_q's documents, which is exact only where they agree")
-        text, options = documents("document", b.starts, b.pad)
-        return _built("hf-flash", "cu_seq_lens_q/k, max_length_q/k", text, options, notes)
+        term, options = documents("document", b.starts, b.pad)
+        return _built("hf-flash", "cu_seq_lens_q/k, max_length_q/k", term, options, b.pad, notes)
     if given:
         notes.append(f"{', '.join(given)} given but not {', '.join(n for n in varlen if n not in given)}: "
                      "flash_attention_2 reads them only when all four are passed")
@@ -253,8 +292,8 @@ def hf_flash(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Pa
             starts = (flat == flat.min()).reshape(positions.shape)
             first = int(np.argmax(flat == flat.min()))
             starts[:, 0] = True
-            text, options = documents("document", starts, None)
-            path = _built("hf-flash", "position_ids (equal to their minimum)", text, options, notes)
+            term, options = documents("document", starts, None)
+            path = _built("hf-flash", "position_ids (equal to their minimum)", term, options, None, notes)
             if first == 0:
                 return path
             # prepare_fa_kwargs_from_position_ids: cu_seq_lens_q = [indices where position_ids == min, total], so the
@@ -273,20 +312,21 @@ def varlen(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Path
     for name in ("cu_seqlens_padded", "cu_seqlens", "cu_seq_lens_q"):
         if name in fields:
             b = fields[name]
-            text, options = documents("document", b.starts, b.pad)
-            return _built("varlen", name if name != "cu_seqlens_padded" else "cu_seqlens_padded with cu_seqlens", text, options, list(b.notes))
+            term, options = documents("document", b.starts, b.pad)
+            return _built("varlen", name if name != "cu_seqlens_padded" else "cu_seqlens_padded with cu_seqlens", term, options, b.pad,
+                          list(b.notes))
     return Path("varlen", "no cu_seqlens", None, None, None, ["does not apply: the batch has no cu_seqlens"])
 
 
 def eos(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Path:
     if "eos" not in fields:
         return Path("eos", "no --eos-id", None, None, None, ["does not apply: give --eos-id to check a document mask keyed on EOS"])
-    text, options = documents("document", fields["eos"].starts, None)
-    return _built("eos", "input_ids", text, options, [])
+    term, options = documents("document", fields["eos"].starts, None)
+    return _built("eos", "input_ids", term, options, None, [])
 
 
 def every_path(batch: Batch, fields: list[bd.Boundaries], model: Model) -> list[Path]:
     by_name = {b.name: b for b in fields}
-    _build.cache_clear()  # shared within one check, never across batches
+    _MASKS.clear()  # shared within one check, never across batches
     _padding_text.cache_clear()
     return [build_path(batch, by_name, model) for build_path in (hf_sdpa, hf_flash, varlen, eos)]

@@ -233,12 +233,12 @@ def cross_cells(report: Report, c, row: int, per: int) -> np.ndarray | None:
         return keep & (labels[:, None] != labels[None, :]) & real[:, None] & real[None, :]
     if c.path.expression is None or report.pad[row].any():
         return None  # padded query rows would have to be cut out of each block: no highlight rather than a wrong one
-    from dataclasses import replace
-
+    from maskcli import expression as ex
     from maskcli.counting import block_shares
-    from maskcli.mask import build
+    from maskcli.mask import from_terms
     from maskcli.pack.paths import documents
 
     segment, _ = documents("segment", report.reference.starts, None)
-    options = replace(c.path.options, length=report.batch.length)
-    return block_shares(build(f"({c.path.expression}) & ~{segment}", options), row, 0, per, per) > 0
+    # the path's terms and-ed with not-the-reference's-segments, at its own positions: a tree, no text parsed back
+    across = from_terms(ex.both(c.path.mask.expression, ex.Not(segment)), c.path.mask.frame)
+    return block_shares(across, row, 0, per, per) > 0

@@ -25,7 +25,7 @@ class Checked:
 
 def check_steps(steps) -> list[Checked]:
     """Each captured step (step, builder, layers, fields) read under vLLM's names and checked as serve checks a file."""
-    from maskcli.checks.serve import check
+    from maskcli.checks.servecheck import check
     from maskcli.serve.engines import from_tensors
 
     out = []

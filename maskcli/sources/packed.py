@@ -9,7 +9,7 @@ itself checks what each attention path builds from each field against it.
 from __future__ import annotations
 
 from maskcli.errors import MaskError
-from maskcli.mask import Mask, MaskOptions, build
+from maskcli.mask import Mask, MaskOptions
 from maskcli.pack.fields import Batch
 from maskcli.sources.base import Source
 
@@ -27,15 +27,14 @@ def documents(batch: Batch, reference: str | None = None, where: str = "the batc
     """The batch's Mask: one batch row per row of tokens, causal inside the documents `reference` (a field's name;
     None: pack's choice) places, padding cut; a document's first token is where a padding run ends too."""
     from maskcli.pack import boundaries as bd
-    from maskcli.pack.paths import documents as written
+    from maskcli.pack.paths import documents_mask
 
     fields = bd.every_field(batch, None)
     pad = bd.padding(fields, batch.rows, batch.length)
     ref = bd.reference(fields, reference, pad)
     if ref is None:
         raise MaskError(f"{where} does not say where its documents are: give position_ids, cu_seqlens or seq_idx in it")
-    text, options = written("document", ref.starts, pad)
-    return build(text, options, written=True)
+    return documents_mask("document", ref.starts, pad)  # made from the sizes: no text to parse
 
 
 def load(spec: str, options: MaskOptions | None = None, reference: str | None = None) -> Mask:

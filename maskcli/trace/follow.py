@@ -10,7 +10,7 @@ import threading
 import torch
 
 import maskcli.trace.masks as readers
-from maskcli.trace.layout import reader as laid
+from maskcli.trace.layouts import reader as laid
 from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.overflow import WATCHED
 
@@ -89,7 +89,7 @@ class Follow:
         softmaxed = None
         if reader is not None and not self.busy and not self.within:
             if reader is not readers.softmax or self.scores.attention(readers.softmax_input(args, kwargs)):
-                if reader is readers.softmax and self.scores.axes:  # scores in another axis order (layout.py)
+                if reader is readers.softmax and self.scores.axes:  # scores in another axis order (layouts.py)
                     reader = laid(reader, self.scores, args, kwargs)
                 self._softmax, made = None, len(self._calls)
                 self.capture(reader, args, kwargs)

@@ -308,6 +308,9 @@ def _allow_extra(keep: torch.Tensor, extra: int) -> torch.Tensor:
     return torch.cat([keep, torch.ones(keep.shape[:-1] + (extra,), dtype=torch.bool, device=keep.device)], -1)
 
 
+NAN_ROWS = 4096  # query rows (over batch rows, heads and queries, flat) whose NaN scores a call records
+
+
 def softmax_input(args: tuple, kwargs: dict):
     return args[0] if args else kwargs.get("input", kwargs.get("self"))
 
@@ -323,7 +326,10 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     one = x.dim() == 2  # (B, Lk): one query's scores against a memory (only read where they came from q @ kᵀ: scores.py)
     if one:
         x = x[:, None, :]
-    if x.dim() == 5:  # grouped-query scores (B, kv heads, repeats, Lq, Lk), as MLX ports write them: head g*R + r
+    lead = None
+    if x.dim() == 5:  # grouped-query scores (B, kv heads, repeats, Lq, Lk), as MLX ports write them: head g*R + r;
+        # or (B, N, H, Lq, Lk) with a batch-like axis N (OpenFold's MSA rows): kept, for checks/heads.py to tell apart
+        lead = tuple(int(n) for n in x.shape[:3])
         x = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[-2:])
     scores = x.detach()
     lowest = torch.finfo(scores.dtype).min
@@ -332,10 +338,14 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     fill = "-inf" if bool(infinite.any()) else "min" if bool(masked.any()) else None
     q_len, k_len = x.shape[-2:]
     shape = (x.shape[0], x.shape[1], q_len, k_len) if x.dim() == 4 else (x.shape[0], 1, q_len, k_len)
-    details = {"fill": fill}
+    details = {"fill": fill} if lead is None else {"fill": fill, "lead": lead}
     if fill == "-inf":  # only a row -inf everywhere is NaN; one that also holds the lowest value is uniform
         details["nan_rows"] = bool(infinite.all(dim=-1).any())
     masked = masked | _finite_fill(scores, lowest, details)
+    if scores.numel() and bool(torch.isnan(scores.amax())):  # (amax keeps a NaN: one cheap pass, cell by cell only then)
+        # NaN scores: the NaN of an earlier call's rows that saw no key, come through (checks/nans.py)
+        nan = torch.isnan(scores).any(dim=-1).reshape(-1)
+        details["nan_scores"] = torch.nonzero(nan).flatten()[:NAN_ROWS].tolist()
     if q_len > 1 and bool(masked.any()) and bool((masked == masked[..., :1, :]).all()):
         details["mask_rows"] = 1  # every query masks the same keys: one row for every query, as sdpa says of a
         # (B, 1, 1, Lk) attn_mask (the Annotated Transformer's masked_fill(src_mask == 0, -1e9)): key padding
@@ -350,7 +360,7 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
 def exp_softmax(args: tuple, kwargs: dict) -> Seen | None:
     """exp of attention scores: a softmax written by hand (ONNX's reference `exp(x - max(x)) / sum`), read as the
     softmax over its input's last dimension. Only called on tensors scores.py saw made from q @ kᵀ (capture.py), in
-    their plain axis order (exp states no axis: scores laid out otherwise, layout.py, are not read here)."""
+    their plain axis order (exp states no axis: scores laid out otherwise, layouts.py, are not read here)."""
     x = softmax_input(args, kwargs)
     if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4):
         return None

@@ -9,7 +9,7 @@ mask or bias, a cast): a softmax over one of those is attention. A softmax over 
 maskcli saw no matmul make (scores built by hand, or made before the trace began) is
 attention where its shape says so: 4-D (B, H, Lq, Lk), or 3-D with as many queries as keys. Scores in another axis
 order that their einsum states, or that the program permuted (Transformer-XL's (Lq, Lk, B, H)), carry that order
-(layout.py): a softmax over their keys is read through a permuted view.
+(layouts.py): a softmax over their keys is read through a permuted view.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from maskcli.trace.layout import NONE, TURNS, carried, einsum_axes
+from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
 
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
            torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum}
@@ -31,7 +31,7 @@ class Scores:
 
     def __init__(self):
         self._found: dict[int, weakref.ref] = {}
-        self.axes: dict[int, tuple] = {}  # id -> the axis order of scores not laid out (.., Lq, Lk) (layout.py)
+        self.axes: dict[int, tuple] = {}  # id -> the axis order of scores not laid out (.., Lq, Lk) (layouts.py)
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -60,7 +60,7 @@ class Scores:
         laid = self.axes or func in TURNS
         for x in (*args, *kwargs.values()):
             if isinstance(x, torch.Tensor) and self.has(x):
-                if laid:  # (scores in another axis order, or turned into one: layout.py)
+                if laid:  # (scores in another axis order, or turned into one: layouts.py)
                     axes = carried(func, args, kwargs, x, out, self.axes.get(id(x)))
                 else:  # (plain scores: what keeps their last two dimensions is scores)
                     axes = None if tuple(x.shape[-2:]) == tuple(out.shape[-2:]) else NONE
@@ -81,7 +81,7 @@ class Scores:
         return x.dim() == 4 or (x.dim() == 3 and x.shape[-1] == x.shape[-2])
 
     def axes_of(self, x) -> tuple | None:
-        """The axis order of scores `x` (layout.py), None where plain or not scores."""
+        """The axis order of scores `x` (layouts.py), None where plain or not scores."""
         return self.axes.get(id(x)) if self.axes and self.has(x) else None
 
     def _note(self, tensor: torch.Tensor, axes: tuple | None = None) -> None:
@@ -122,7 +122,7 @@ def _query_by_key(equation) -> bool:
     parts = given.split(",")
     if len(out) < 2 or len(parts) != 2:
         return True
-    query, key = out[-2], out[-1]
+    query, key = out[-2], out[-1]  # (scores laid out otherwise, Transformer-XL's "ibnd,jbnd->ijbn": layouts.py)
     return (query in parts[0]) != (query in parts[1]) and (key in parts[0]) != (key in parts[1])
 
 

@@ -99,6 +99,9 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(_first_ids(signature, given, found))
     found.update(_token_ids(module))
     found.update(_zeros(given, found))
+    convs = _convs(module)
+    if convs:
+        found["convs"] = convs
     found.update(held or {})
     if "pad_id" not in found and any(name in found for name in ("input_ids", "idx", "tokens")):
         from maskcli.trace.tokenizer import tokenizer
@@ -135,6 +138,39 @@ def _first_ids(signature, given: dict, found: dict) -> dict:
     return {}
 
 
+_CONVS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+STRIDED = 16  # convolutions and poolings of one model read, in module order
+
+
+def _convs(module) -> tuple:
+    """The model's strided convolutions and poolings in module order (the order they are registered, as a speech
+    encoder's subsampling stack runs them), each ((kernel, stride, padding, dilation, ceil) of its first two axes):
+    how its frames are made of its samples (checks/subsampled.py). Read once per model."""
+    try:
+        return _CONVS[module]
+    except (KeyError, TypeError):
+        pass
+    found = []
+    for each in module.modules():
+        if isinstance(each, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.MaxPool1d, torch.nn.AvgPool1d,
+                             torch.nn.MaxPool2d, torch.nn.AvgPool2d)):
+            axes = []
+            for axis in (0, 1):
+                k, s, p, d = (getattr(each, name, 1) for name in ("kernel_size", "stride", "padding", "dilation"))
+                k, s, p, d = (v if isinstance(v, int) else v[min(axis, len(v) - 1)] for v in (k, s, p, d))
+                axes.append((int(k), int(s or k), int(p) if isinstance(p, int) else -1, int(d),
+                             bool(getattr(each, "ceil_mode", False))))
+            found.append(tuple(axes))
+            if len(found) == STRIDED:
+                break
+    found = tuple(found)
+    try:
+        _CONVS[module] = found
+    except TypeError:
+        pass
+    return found
+
+
 def _zeros(given: dict, found: dict) -> dict:
     """{"zeros": (name, bool (B, L))}: where the model call's float input (a waveform (B, L), features (B, L, C)) is
     exactly 0, read where a padding mask over the same (B, L) was given (checks/tokens.py holds one against the other)."""
@@ -145,7 +181,26 @@ def _zeros(given: dict, found: dict) -> dict:
                 and tuple(value.shape[:2]) in shapes and value.numel() <= MOST and value.device.type != "meta":
             zero = value.detach() == 0
             return {"zeros": (name, (zero if value.dim() == 2 else zero.all(-1)).cpu().numpy())}
+    patches = next((found[n] for n in PATCHES if isinstance(found.get(n), np.ndarray) and found[n].ndim == 2), None)
+    if patches is not None:  # images (B, C, H, W) with a mask over their patches: which patches are exactly 0
+        for name, value in given.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() == 4 \
+                    and value.shape[0] == patches.shape[0] and value.numel() <= MOST and value.device.type != "meta":
+                zero = _zero_patches(value.detach(), patches.shape[1])
+                return {} if zero is None else {"zeros": (name, zero)}
     return {}
+
+
+def _zero_patches(images: torch.Tensor, count: int) -> np.ndarray | None:
+    """Bool (B, count): the square patches of (B, C, H, W) images, row by row as a ViT's patch embedding flattens
+    them, that are exactly 0 in every channel; None where `count` square patches do not tile H x W."""
+    height, width = images.shape[-2:]
+    side = int(round((height * width / count) ** 0.5)) if count else 0
+    if side < 1 or height % side or width % side or (height // side) * (width // side) != count:
+        return None
+    zero = (images == 0).all(dim=1)  # (B, H, W)
+    zero = zero.reshape(images.shape[0], height // side, side, width // side, side).all(dim=4).all(dim=2)
+    return zero.reshape(images.shape[0], count).cpu().numpy()
 
 
 # a mask of padded items a model takes (frames, images, audio, patches, key padding); not an attention mask (another

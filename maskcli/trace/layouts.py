@@ -1,13 +1,14 @@
 """Scores laid out in another axis order than (B, H, Lq, Lk), where the product that made them says which axis is which.
 
-Transformer-XL's `einsum("ibnd,jbnd->ijbn", q, k)` gives (Lq, Lk, B, H) and softmaxes over dim 1; a port may write
+Transformer-XL's and XLNet's `einsum("ibnd,jbnd->ijbn", q, k)` gives (Lq, Lk, B, H) and softmaxes over dim 1; a port may write
 "bqhd,bkhd->bqhk" and softmax over the last dim of (B, Lq, H, Lk). The einsum's equation states the layout: the output
 axes that both operands hold are the batch and head axes, the one only the first operand holds is one side of the
 product and the one only the second holds the other. A softmax over one of those two is attention over it (its keys),
 read as the usual (B, H, Lq, Lk) scores through a permuted view of the same tensor (no copy). Scores from q @ kᵀ
 (matmul, bmm, or an einsum ending in the query and key axes) that the program permutes or transposes before the
-softmax are followed the same way. An axis order is a permutation `axes` of the tensor's dimensions: x.permute(axes)
-puts the shared axes first and the two sides of the product last; None stands for the plain order.
+softmax are followed the same way. Only scores scores.py saw made so are read here: a 4-D softmax over dim 1 is most
+often a segmentation map's over its classes, no attention. An axis order is a permutation `axes` of the tensor's
+dimensions: x.permute(axes) puts the shared axes first and the two sides of the product last; None: the plain order.
 """
 
 from __future__ import annotations

@@ -1,0 +1,132 @@
+"""Frames made of padding called real: an encoder whose convolutions subsample its padded input, and a key padding
+over the frames that keeps frames the convolutions computed from the padding.
+
+A speech encoder's strided convolutions (and poolings) turn S samples into L frames; the program holds its batch's
+padding over the S samples (a `padding_mask`, the lengths `xs_lens`) and reduces it to the frames itself. The model's
+own stack says how many frames each row's n real samples make: each layer maps n to (n + 2p - d(k - 1) - 1) // s + 1
+(rounded up for a ceil_mode pooling), as PyTorch sizes its output, and frame t of a row is computed from padding from
+that count on. Where the key padding handed to the attention keeps such a frame, the reduction counted the frames
+another way (fairseq#3227: the sample mask cut to a multiple of L and `view(B, L, -1).all(-1)`; wenet#1602: the mask
+subsampled `[:-2:2]`, the first sample of each receptive field, where the last one says whether it is real).
+
+Read only where the stack's layers, in the order the model registers them, map the held padding's S exactly to the
+call's L keys (the layers up to there: a positional convolution or an adapter after them is not counted), the call is
+a self-attention whose every query of a row sees the same keys (key padding), and the held padding is a padded batch
+(one run of real samples from the start of each row). Stays quiet on frames hidden that the stack calls real
+(frames.py says that of an unpadded row), and where a layer's padding is not a number ("same").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, cross, keep
+from maskcli.checks.frames import _key_padding
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding, spans
+
+
+def _out(n: np.ndarray, layer: tuple) -> np.ndarray:
+    k, s, p, d, ceil = layer
+    room = n + 2 * p - d * (k - 1) - 1
+    made = (-(-room // s) if ceil else room // s) + 1
+    return np.maximum(np.where(room < 0, 0, made), 0)
+
+
+def _stack(convs: tuple, samples: int, frames: int) -> list | None:
+    """The layers (of one axis) whose first ones map `samples` to exactly `frames`; None where none do."""
+    for axis in (0, 1):
+        layers, n = [], np.array([samples])
+        for each in convs:
+            layer = each[axis]
+            if layer[2] < 0:
+                break
+            layers.append(layer)
+            n = _out(n, layer)
+            if int(n[0]) == frames:
+                return layers
+            if int(n[0]) < frames:
+                break
+    return None
+
+
+def _real_counts(held: dict, rows: int) -> tuple[int, np.ndarray] | None:
+    """(S, each row's real samples) of a held padding that is right-padded over S samples; None otherwise."""
+    found = held["rows"]
+    if held["kind"] == "lengths":
+        if found.ndim != 1 or found.size != rows or found.min() < 1 or found.min() == found.max():
+            return None
+        return int(found.max()), found.astype(np.int64)
+    if held["kind"] not in ("keep", "pad") or found.ndim != 2 or found.shape[0] != rows:
+        return None
+    real = found.astype(bool) if held["kind"] == "keep" else ~found.astype(bool)
+    count = real.sum(axis=1)
+    at = np.arange(real.shape[1])[None, :]
+    if count.min() < 1 or count.min() == real.shape[1] or not (real == (at < count[:, None])).all():
+        return None
+    return int(real.shape[1]), count.astype(np.int64)
+
+
+def padded_frames_attended(run: Run) -> list:
+    """Self-attention calls over frames whose key padding keeps frames the model's own convolutions computed from the
+    padding the program holds over their samples."""
+    found, done = [], {}
+    square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
+    # (a softmax that masks nothing: the frame mask may call every frame real, wenet#1602's short row)
+    for call in [*run.calls, *square]:
+        top, helds = run.top(call), call.details.get("held_padding")
+        convs = None if top is None else top.arguments.get("convs")
+        rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
+        if not convs or not helds or call.stored is None or q_len != k_len or cross(call):
+            continue
+        key = (call.mask, call.shape, id(top), tuple(id(h["rows"]) for h in helds))
+        if key not in done:
+            done[key] = _finding(call, convs, helds, rows, k_len)
+        if done[key] is not None:
+            found.append((call, done[key]))
+    return found
+
+
+def _finding(call, convs: tuple, helds: list, rows: int, k_len: int) -> Finding | None:
+    cells = keep(call)
+    if cells is None or cells.shape[0] not in (1, rows):
+        return None
+    seen = _key_padding(np.broadcast_to(cells.any(axis=1), (rows, k_len, k_len)))
+    if seen is None:
+        return None
+    for held in helds:
+        counted = _real_counts(held, rows)
+        if counted is None or counted[0] <= k_len:
+            continue
+        samples, real = counted
+        layers = _stack(convs, samples, k_len)
+        if layers is None:
+            continue
+        made = _out_all(real, layers)
+        bad = seen & (np.arange(k_len)[None, :] >= made[:, None])
+        if not bad.any():
+            continue
+        b = int(np.argwhere(bad.any(axis=1))[0][0])
+        keys = [int(k) for k in np.flatnonzero(bad[b])]
+        said = f"{held['name']} in {held['where']}"
+        stack = ", ".join(f"k{k}/s{s}" + (f"/p{p}" if p else "") for k, s, p, _, _ in layers)
+        return Finding("padded-frames-attended", (
+            f"batch row {b} has {int(real[b])} real samples of {samples} ({said}); the model's own strided layers "
+            f"({stack}) make {int(made[b])} frames of them, yet this attention over the {k_len} frames keeps frames "
+            f"{spans(keys)} of that row as real keys: frames computed from the padding (the frame mask reduced from the "
+            f"sample mask another way than the convolutions count)"),
+            expected=f"batch row {b}: frames 0-{int(made[b]) - 1} real", source=said, cell=(b, 0, keys[0]))
+    return None
+
+
+def _out_all(n: np.ndarray, layers: list) -> np.ndarray:
+    for layer in layers:
+        n = _out(n, layer)
+    return n
+
+
+RULES = (
+    Rule("padded-frames-attended", "wrong", "call", "a key padding over an encoder's frames that keeps frames its own "
+         "strided convolutions computed from the padding the program holds over the samples (fairseq#3227, "
+         "wenet#1602: the frame mask reduced another way than the convolutions count)", padded_frames_attended),
+)

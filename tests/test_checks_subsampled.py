@@ -1,0 +1,69 @@
+"""checks/subsampled.py: a frame key padding that keeps frames the model's own strided convolutions computed from
+the padding, the frames each row's real samples make counted here by running the convolutions themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from checkbugs import check_bug, traced
+
+SUBSAMPLED = Path(__file__).parent / "data" / "subsampled"
+
+
+def made(n: int, layers) -> int:
+    """How many frames `n` samples make through `layers`, by running them on a tensor of n samples."""
+    x = torch.zeros(1, 1, n)
+    for layer in layers:
+        x = layer(x)
+    return x.shape[-1]
+
+
+def conv1d(k: int, s: int) -> torch.nn.Conv1d:
+    return torch.nn.Conv1d(1, 1, k, stride=s)
+
+
+def test_fairseq_wav2vec2_frame_mask_reshaped_from_samples(tmp_path):
+    """fairseq#3227: 300 real samples of 400; the feature extractor's convs (10/5, 3/2, 2/2) make 14 frames of
+    them, the reshape-and-all mask keeps 15."""
+    [hit] = check_bug(tmp_path, "fairseq_wav2vec2_padding_mask_frame_all_reshape", "padded-frames-attended")
+    real = made(300, [conv1d(10, 5), conv1d(3, 2), conv1d(2, 2)])
+    assert hit["cell"] == [0, 0, real] and f"make {real} frames of them" in hit["message"]
+
+
+def test_wenet_conv2d_subsampling_mask_sliced_from_the_end(tmp_path):
+    """wenet#1602: 13 real frames of 20; two Conv2d(3, stride 2) make 2, the [:-2:2] slices keep all 4."""
+    [hit] = check_bug(tmp_path, "wenet_conv2d_subsampling4_mask_sliced_from_end", "padded-frames-attended")
+    real = made(13, [conv1d(3, 2), conv1d(3, 2)])
+    assert hit["cell"] == [1, 0, real] and f"keeps frames {real}-3 of that row" in hit["message"]
+
+
+def test_espnet_conv2d_subsampling_mask_sliced_over_the_padded_batch(tmp_path):
+    """espnet#6633 (written blind, batch blind-a): lengths 40 and 29; two Conv2d(3, stride 2) make 6 frames of row 1's
+    29, the sliced mask keeps 8."""
+    [hit] = check_bug(tmp_path, "espnet_conv2d_subsampling_mask_from_padded_width", "padded-frames-attended")
+    real = made(29, [conv1d(3, 2), conv1d(3, 2)])
+    assert real == 6 and hit["cell"][0] == 1 and hit["cell"][2] == real, hit
+
+
+def test_lengths_rounded_up_through_sdpa(tmp_path):
+    """Written another way: Conv1d(5, stride 2) twice, lengths ceil(n / 4), SDPA's keep mask, three rows."""
+    real = made(30, [conv1d(5, 2), conv1d(5, 2)])
+    status, found, report = traced(tmp_path, "conformer_lengths_rounded_up_through_sdpa", False, SUBSAMPLED)
+    assert status == 1, report
+    [hit] = [f for f in found if f["code"] == "padded-frames-attended"]
+    assert hit["severity"] == "wrong" and hit["cell"] == [1, 0, real], report
+    status, found, report = traced(tmp_path, "conformer_lengths_rounded_up_through_sdpa", True, SUBSAMPLED)
+    assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
+
+
+def test_the_stack_read_is_the_one_that_makes_the_frames():
+    """_stack takes the layers, in order, that map the samples to exactly the call's frames (a positional conv after
+    them is left out); none where no prefix does."""
+    from maskcli.checks.subsampled import _stack
+
+    layer = lambda k, s, p=0: ((k, s, p, 1, False), (k, s, p, 1, False))  # noqa: E731
+    convs = (layer(10, 5), layer(3, 2), layer(2, 2), layer(8, 1, 4))
+    assert _stack(convs, 400, made(400, [conv1d(10, 5), conv1d(3, 2), conv1d(2, 2)])) == [c[0] for c in convs[:3]]
+    assert _stack(convs, 400, 21) is None
