@@ -81,3 +81,14 @@ def poison(mask: torch.Tensor, details: dict) -> None:
         rows = bad.reshape(-1, mask.shape[-1]).any(dim=-1) if mask.dim() else bad.reshape(1)
         details["poison"] = {"value": "NaN" if bool(nan.any()) else "+inf", "cells": int(bad.sum()),
                              "rows": int(rows.sum()), "of": int(rows.numel())}
+
+
+NAN_ROWS = 4096  # query rows (over batch rows, heads and queries, flat) whose NaN scores a call records
+
+
+def nan_scores(scores: torch.Tensor, details: dict) -> None:
+    """details["nan_scores"]: the flat query rows whose scores hold a NaN (an earlier call's rows that saw no key, come
+    through: checks/nans.py). One amax first (it keeps a NaN): cell by cell only where there is one."""
+    if scores.numel() and bool(torch.isnan(scores.amax())):
+        nan = torch.isnan(scores).any(dim=-1).reshape(-1)
+        details["nan_scores"] = torch.nonzero(nan).flatten()[:NAN_ROWS].tolist()

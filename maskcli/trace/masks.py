@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from maskcli import tracefile
 from maskcli.inspect.polarity import additive_keep
-from maskcli.trace.maskfacts import empty_rows as _empty_rows, infinite as _infinite, poison
+from maskcli.trace.maskfacts import empty_rows as _empty_rows, infinite as _infinite, nan_scores as _nan_scores, poison
 from maskcli.text import step_label
 from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
@@ -308,9 +308,6 @@ def _allow_extra(keep: torch.Tensor, extra: int) -> torch.Tensor:
     return torch.cat([keep, torch.ones(keep.shape[:-1] + (extra,), dtype=torch.bool, device=keep.device)], -1)
 
 
-NAN_ROWS = 4096  # query rows (over batch rows, heads and queries, flat) whose NaN scores a call records
-
-
 def softmax_input(args: tuple, kwargs: dict):
     return args[0] if args else kwargs.get("input", kwargs.get("self"))
 
@@ -342,10 +339,7 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
     if fill == "-inf":  # only a row -inf everywhere is NaN; one that also holds the lowest value is uniform
         details["nan_rows"] = bool(infinite.all(dim=-1).any())
     masked = masked | _finite_fill(scores, lowest, details)
-    if scores.numel() and bool(torch.isnan(scores.amax())):  # (amax keeps a NaN: one cheap pass, cell by cell only then)
-        # NaN scores: the NaN of an earlier call's rows that saw no key, come through (checks/nans.py)
-        nan = torch.isnan(scores).any(dim=-1).reshape(-1)
-        details["nan_scores"] = torch.nonzero(nan).flatten()[:NAN_ROWS].tolist()
+    _nan_scores(scores, details)
     if q_len > 1 and bool(masked.any()) and bool((masked == masked[..., :1, :]).all()):
         details["mask_rows"] = 1  # every query masks the same keys: one row for every query, as sdpa says of a
         # (B, 1, 1, Lk) attn_mask (the Annotated Transformer's masked_fill(src_mask == 0, -1e9)): key padding
