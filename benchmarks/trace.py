@@ -30,6 +30,14 @@ beside it the same generate inside a TorchFunctionMode that does nothing but cal
 floor of any trace that sees every torch call from Python (each of its ~850 calls pays the mode's
 dispatch). Skipped where transformers is not installed, or with --no-hf.
 
+Then many distinct masks: a program that hands F.scaled_dot_product_attention --distinct random (1, 1, 8, 8) boolean
+masks in turn over --many-calls calls (3,000 over 20,000 by default: trace named and checked each group, ~10 ms a group,
+and printed every one, minutes in all), run as a process alone (`python PROGRAM`) and under `maskcli trace PROGRAM`,
+--many-runs pairs alternating, each timed by the children's CPU clock (OMP_NUM_THREADS=1, as --threads 1: a second
+thread's spin counts as CPU); the median of the paired ratios (target <= 5x: a small multiple of the program, imports
+and all), and of the loop alone in this process (its calls traced, then reported as `maskcli trace` reports them:
+read, grouped, the first 100 groups named and checked, the rest counted, rendered), against the loop untraced.
+
     python benchmarks/trace.py --ranks 2 [--runs 15] ...
 
 The same decoder in each of 2 ranks under torchrun (gloo, CPU) against 2 processes alone, started at once
@@ -62,6 +70,20 @@ PER_CALL_TARGET = 0.2e-3  # seconds of trace's cost an attention call
 HF_TARGET = 1.25  # a tiny HF model's generate, traced over untraced
 CHECKS_TARGET = 0.10
 RANKS_TARGET = 1.1
+MANY_TARGET = 5.0  # the many-masks program under `maskcli trace` over the program alone, as processes
+
+MANY = """
+import sys
+import torch
+import torch.nn.functional as F
+
+torch.manual_seed(0)
+distinct, calls = int(sys.argv[1]), int(sys.argv[2])
+masks = [torch.rand(1, 1, 8, 8) > 0.5 for _ in range(distinct)]
+q = torch.randn(1, 2, 8, 16)
+for i in range(calls):
+    F.scaled_dot_product_attention(q, q, q, attn_mask=masks[i % distinct])
+"""
 
 
 def generate(model, ids, steps: int, window: int) -> None:
@@ -84,6 +106,9 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     parser.add_argument("--no-hf", action="store_true", help="leave out the tiny Hugging Face generate")
+    parser.add_argument("--distinct", type=int, default=3000, help="distinct masks of the many-masks program")
+    parser.add_argument("--many-calls", type=int, default=20000, help="its attention calls")
+    parser.add_argument("--many-runs", type=int, default=3, help="its pairs of runs (0: leave it out)")
     parser.add_argument("--ranks", type=int, default=None, help="compare trace's cost a call under torchrun with this many ranks against one process")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # (a worker of --ranks: where its numbers go)
     args = parser.parse_args()
@@ -140,6 +165,67 @@ def main() -> None:
           f"{'met' if median <= CHECKS_TARGET else 'NOT met'}")
     if not args.no_hf:
         hf_generate(args.runs)
+    if args.many_runs:
+        many(args.distinct, args.many_calls, args.many_runs)
+
+
+def many(distinct: int, calls: int, runs: int) -> None:
+    """The many-masks program (MANY) as processes, alone and under `maskcli trace`, and its loop in this process."""
+    import io
+    import resource
+
+    from rich.console import Console
+
+    from maskcli.checks.context import Run
+    from maskcli.checks.engine import apply
+    from maskcli.render.trace import views
+    from maskcli.trace.report import group
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+    def child(command: list) -> float:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        assert done.returncode in (0, 1), done.stderr[-2000:]  # (1: trace's findings on random masks, as it should)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+    with tempfile.TemporaryDirectory() as folder:
+        program = os.path.join(folder, "many.py")
+        with open(program, "w") as out:
+            out.write(MANY)
+        words = [program, str(distinct), str(calls)]
+        pairs = [(child([sys.executable, *words]), child([sys.executable, "-m", "maskcli", "trace", *words])) for _ in range(runs)]
+    ratios = sorted(b / a for a, b in pairs)
+    print(f"many masks: {distinct:,} distinct (1,1,8,8) masks over {calls:,} SDPA calls, {runs} pairs of processes (CPU clock): "
+          f"alone median {statistics.median(a for a, _ in pairs):.2f} s, under maskcli trace {statistics.median(b for _, b in pairs):.2f} s; "
+          f"median ratio {statistics.median(ratios):.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f}), target <= {MANY_TARGET}x: "
+          f"{'met' if statistics.median(ratios) <= MANY_TARGET else 'NOT met'}")
+    torch.manual_seed(0)
+    masks = [torch.rand(1, 1, 8, 8) > 0.5 for _ in range(distinct)]
+    q = torch.randn(1, 2, 8, 16)
+
+    def loop() -> None:
+        for i in range(calls):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=masks[i % distinct])
+
+    start = time.process_time()
+    loop()
+    plain = time.process_time() - start
+    start = time.process_time()
+    with maskcli.trace() as t:
+        loop()
+    recorded = time.process_time() - start
+    start = time.process_time()
+    groups = apply(group(t.calls), Run(t.calls, t.tops))
+    console = Console(file=io.StringIO(), width=100)
+    for view in views(groups, len(t.calls), "many.py", 0):
+        console.print(view)
+    reported = time.process_time() - start
+    print(f"  its loop in this process: {plain:.2f} s untraced, {recorded:.2f} s traced ({(recorded - plain) / calls * 1e6:.0f} us a call) "
+          f"+ {reported:.2f} s reported ({len(groups):,} groups, {sum(g.named for g in groups)} named): "
+          f"{(recorded + reported) / plain:.1f}x the loop")
 
 
 def hf_generate(runs: int) -> None:

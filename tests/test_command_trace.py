@@ -782,3 +782,28 @@ def test_a_long_module_path_and_padding_list_wrap_between_tokens_under_their_tex
     for line in lines:  # a wrapped line stands under its text: only a report line's own start is at column 0
         assert line == "" or re.match(r"maskcli trace |#\d+ |\d+: |--expect | +#? +calls| ─| \d+  |   ", line), line
     assert any(line.startswith("   ") for line in lines)  # it did wrap
+
+
+def test_groups_past_the_first_named_are_counted_in_one_line_and_listed_in_json(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("maskcli.trace.report.NAMED", 3)
+    script = write(tmp_path, "many.py", LAYERS + """
+x = torch.randn(1, 2, 8, 4)
+for width in (2, 3, 4, 5, 6, 7, 2, 6):  # six distinct masks, two of them given twice
+    F.scaled_dot_product_attention(x, x, x, attn_mask=window(8, width))
+""")
+    result = trace("--json", "t.json", "--save", "t.pt", script, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "8 attention calls in 6 groups" in result.stderr
+    rows = [line.split()[-1] for line in result.stderr.splitlines() if line.strip()[:1].isdigit() and "sdpa" in line]
+    assert rows == ["window(2)", "window(3)", "window(4)"]  # the first three groups only, each named
+    said = " ".join(result.stderr.split())
+    assert "3 more groups (4 calls) counted, not named: trace names and checks the first 3 groups one by one" in said
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert [g["named"] for g in data["groups"]] == [True, True, True, False, False, False]
+    assert [g["calls"] for g in data["groups"]] == [[0, 6], [1], [2], [3], [4, 7], [5]]
+    assert [g["name"] for g in data["groups"][3:]] == ["not named: past the first 3 groups"] * 3
+    for g, width in zip(data["groups"], (2, 3, 4, 5, 6, 7)):  # counted or named, each call's mask is kept whole
+        shown = runner.invoke(app, ["show", "--mask", f"t.pt:{g['calls'][-1]}", "--json"])
+        assert shown.exit_code == 0, shown.output
+        assert json.loads(shown.stdout)["mask"][0][0] == window_reference(8, 8, width)

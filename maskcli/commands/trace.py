@@ -68,7 +68,7 @@ def trace(
 ) -> None:
     """Run a Python program and record the mask of every attention call it makes, grouped and named.
 
-    The program runs in this process as `python SCRIPT.py ARGS` (or `python -m MODULE ARGS`) would: its own sys.argv and __main__, its stdout untouched, its exit status kept (a program that raises prints its traceback and exits 1). The report goes to stderr: calls whose masks are the same form one row, named as a maskcli expression with findings (where a mask differs from what the run states: its config, its model call's arguments, its earlier steps, the kernels' own rules), then what it could not see: threads running before it, child processes, torch.compile'd code with fullgraph=True (TORCHDYNAMO_DISABLE=1 runs it eagerly, traced). maskcli's options come before the program.
+    The program runs in this process as `python SCRIPT.py ARGS` (or `python -m MODULE ARGS`) would: its own sys.argv and __main__, its stdout untouched, its exit status kept (a program that raises prints its traceback and exits 1). The report goes to stderr: calls whose masks are the same form one row (the first 100 rows named and checked one by one, the rest counted in one line; --json lists them all), named as a maskcli expression with findings (where a mask differs from what the run states: its config, its model call's arguments, its earlier steps, the kernels' own rules), then what it could not see: threads running before it, child processes, torch.compile'd code with fullgraph=True (TORCHDYNAMO_DISABLE=1 runs it eagerly, traced). maskcli's options come before the program.
     """
     import os
 

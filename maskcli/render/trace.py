@@ -28,6 +28,8 @@ def views(groups: list, calls: int, program: str, status: int, expected: list | 
     if groups:
         rows, lines = [], []
         for number, group in enumerate(groups):
+            if not group.named:  # (past the first NAMED: said in one line below)
+                continue
             first = group.first
             shape = "(" + ",".join(map(str, first.shape)) + ")"
             where = f"{group.where} ×{len(group.calls)}" if len(group.calls) > 1 else group.where
@@ -39,9 +41,14 @@ def views(groups: list, calls: int, program: str, status: int, expected: list | 
         columns = [("#", {"justify": "right"}), ("calls", {}), ("api", {}), ("step", {}), ("shape", {}), ("mask", {})]
         out.append(Fitted(columns, rows, lines))
     for number, group in enumerate(groups):
-        for finding in group.findings:
+        for finding in group.findings if group.named else ():
             style = STYLES[severity(finding)]
             out.append(hanging(f"{number}: ", Text(f"{finding.code}: {_brief(finding.message, group.expression)}"), style=style))
+    from maskcli.trace.report import unnamed
+
+    rest = unnamed(groups)
+    if rest is not None:
+        out.append(labelled(rest, style="yellow"))
     for line in expected or []:
         out.append(labelled(line, style="red"))
     return out

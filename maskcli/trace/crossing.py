@@ -28,6 +28,7 @@ import sys
 
 import torch
 
+from maskcli.trace.codes import ByCode
 from maskcli.trace.held import program_frames
 
 MEMORY = ("encoder_hidden_states", "key_value_states", "context", "memory", "encoder_output", "encoder_out",
@@ -42,7 +43,7 @@ INNERMOST = 4  # running modules read, innermost first (a whole model's attribut
 FRAMES = 24  # frames read within the attending module's call
 LINE_FRAMES = 6  # program frames read where no module runs (a function attending, and those that called it)
 _CALL = torch.nn.Module._call_impl.__code__
-_NAMES: dict = {}  # code object -> (its memory parameters, its context-mask parameters), matched once per code
+_NAMES = ByCode()  # code object -> (its memory parameters, its context-mask parameters), matched once per code
 
 
 class Readings:
@@ -60,10 +61,11 @@ class Readings:
         """The reading of the call being made now, with (B, H, Lq, Lk) `shape`, by the running modules `stack`."""
         q_len, k_len = int(shape[2]), int(shape[3])
         frame = sys._getframe(1)
-        key = (id(stack[-1]), *_line(frame, True)) if stack else (None, *_line(frame, False))
+        codes, lines = _line(frame, bool(stack))
+        key = (id(stack[-1]) if stack else None, *map(id, codes), *lines)  # (ids: hashing a code object costs a us)
         held = self._read.get(key)
-        if held is None or (stack and held[0] is not stack[-1]):
-            held = self._read[key] = (stack[-1] if stack else None, read(stack, q_len, k_len, frame))
+        if held is None or (stack and held[0] is not stack[-1]) or held[2] != codes:  # (the same codes: equal at once)
+            held = self._read[key] = (stack[-1] if stack else None, read(stack, q_len, k_len, frame), codes)
         reading = held[1]
         last = self._keys.get(key)
         grew = last is not None and q_len > 0 and k_len == last[0] + q_len
@@ -71,25 +73,26 @@ class Readings:
         if grew and last[1] and (reading is None or not reading.get("grows")):  # (twice in a row: not two batches')
             if reading is None:
                 reading = {"cross": False, "by": "cache", "source": "its keys grew by each step's queries (a cache)"}
-                self._read[key] = (held[0], reading)
+                self._read[key] = (held[0], reading, codes)
             reading["grows"] = True  # (shared: every call of the site reads it, its prefill's too)
         return reading
 
 
-def _line(frame, within: bool) -> tuple:
-    """The code and line of the two innermost frames that are neither torch's nor maskcli's; `within`: only those
+def _line(frame, within: bool) -> tuple[tuple, tuple]:
+    """(codes, lines) of the two innermost frames that are neither torch's nor maskcli's; `within`: only those
     inside the innermost running module's call (its decode steps and its prefill, called from two lines of the
     program, are one site). With the module, the key of a call site: one module that attends twice, to itself and to
     a memory, through one helper, is two."""
-    skip, found = _skip(), []
-    while frame is not None and len(found) < 4:
+    skip, codes, lines = _skip(), [], []
+    while frame is not None and len(codes) < 2:
         code = frame.f_code
         if within and (code is _CALL or code.co_name == "_call_impl"):
             break
         if not (code.co_filename.startswith(skip) or code.co_filename.startswith("<")):
-            found += (code, frame.f_lineno)
+            codes.append(code)
+            lines.append(frame.f_lineno)
         frame = frame.f_back
-    return tuple(found)
+    return tuple(codes), tuple(lines)
 
 
 def read(stack: list, q_len: int, k_len: int, frame) -> dict | None:
@@ -137,8 +140,8 @@ def _names(code) -> tuple:
     if names is None:
         params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
         method = params[:1] == ("self",)
-        names = _NAMES[code] = (tuple(n for n in params if n in MEMORY or method and n in METHOD_ONLY),
-                                tuple(n for n in params if n in CONTEXT_MASKS) if method else ())
+        names = _NAMES.put(code, (tuple(n for n in params if n in MEMORY or method and n in METHOD_ONLY),
+                                tuple(n for n in params if n in CONTEXT_MASKS) if method else ()))
     return names
 
 

@@ -19,6 +19,8 @@ import sysconfig
 import numpy as np
 import torch
 
+from maskcli.trace.codes import ByCode
+
 KEEP = re.compile(r"(?:^|_)attention_mask$|^mask$|^input_mask$")  # 1 = a real token
 PAD = re.compile(r"(?:^|_)(?:key_)?padding_mask$|(?:^|_)pad_mask$|(?:^|_)is_pad$")  # True = padding
 LENGTHS = re.compile(r"^(?!cu_|max_)(?:\w+_)?(?:len|lens|lengths|seq_lens|seqlens)$")
@@ -29,7 +31,7 @@ HANDED = re.compile(r"^(?:attention_mask|attn_mask|mask)$")  # a bool mask over 
 MOST = 1 << 16  # cells of one held mask read at most (a batch's padding, not a sequence's cells)
 FRAMES = 24
 
-_NAMES: dict = {}  # code object -> the names of its variables that may hold padding (matched once per code), or
+_NAMES = ByCode()  # code object -> the names of its variables that may hold padding (matched once per code), or
 _OUTSIDE = object()  # for the code of torch, maskcli, the standard library: not the program's
 _READ: dict = {}  # (id(tensor), name, code) -> (tensor, version, what it was read as): read once while unchanged
 
@@ -68,9 +70,9 @@ def padding() -> list[dict] | None:
         code = frame.f_code
         names = _NAMES.get(code)
         if names is None:
-            names = _NAMES[code] = _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else \
+            names = _NAMES.put(code, _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else
                 tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
-                      or CELLS.search(n) or POSITIONS.search(n) or IDS.search(n) or HANDED.search(n))
+                      or CELLS.search(n) or POSITIONS.search(n) or IDS.search(n) or HANDED.search(n)))
         if names is _OUTSIDE:
             frame = frame.f_back
             continue
@@ -107,9 +109,9 @@ def _own_mask(frame, outer: set) -> bool:
 
 def _read(name: str, value: torch.Tensor, code) -> dict | None:
     """What `value`, held under `name` by `code`'s frame, says (the same dict while the tensor is unchanged)."""
-    key = (id(value), name, code)
+    key = (id(value), name, id(code))  # (the code's id: hashing the code object itself costs a microsecond)
     held = _READ.get(key)
-    if held is not None and held[0] is value and held[1] == value._version:
+    if held is not None and held[0] is value and held[1] == value._version and held[3] is code:
         return held[2]
     try:
         read = _as_padding(name, value)
@@ -119,7 +121,7 @@ def _read(name: str, value: torch.Tensor, code) -> dict | None:
         read = {**read, "name": name, "where": f"{code.co_name}() of {os.path.basename(code.co_filename)}"}
     if len(_READ) > 256:
         _READ.pop(next(iter(_READ)))
-    _READ[key] = (value, value._version, read)  # (the tensor held: its id stays its own)
+    _READ[key] = (value, value._version, read, code)  # (the tensor and code held: their ids stay their own)
     return read
 
 

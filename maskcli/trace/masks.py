@@ -27,7 +27,7 @@ from maskcli.trace.losses import watched  # noqa: F401 - readers of what the pro
 from maskcli.intervals import Intervals
 
 
-@dataclass
+@dataclass(slots=True)  # (slots: a million calls are a million records, each without a __dict__)
 class Operands:
     """What an attention call computed on: its API, the (B, H, Lq, Lk) its mask applies at, q/k/v shapes, dtype, device."""
 
@@ -67,7 +67,7 @@ class Seen(Operands):
         return self.keep
 
 
-@dataclass
+@dataclass(slots=True)
 class Call(Operands):
     """One attention call: where it came from, what it computed on, and its mask (a key into Trace.masks; trace/capture.py
     records them)."""

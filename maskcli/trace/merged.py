@@ -142,13 +142,13 @@ def merge(parts: dict[int, dict], missing: dict[int, str], world: int) -> Merged
             findings = tuple(_finding(f) for f in group["findings"])
             key = (group["mask"], group["api"], tuple(group["shape"]), group["name"], tuple((f.code, f.message) for f in findings))
             entry = found.setdefault(key, {"calls": [], "name": group["name"], "expression": group["expression"],
-                                           "findings": list(findings), "ranks": []})
+                                           "findings": list(findings), "ranks": [], "named": group.get("named", True)})
             entry["calls"] += [mine[i] for i in group["calls"]]
             entry["ranks"].append(rank)
             for i in group["calls"]:
                 mine[i].name = group["name"]
-    groups = [RankGroup(sorted(e["calls"], key=lambda c: c.index), e["name"], e["expression"], e["findings"], tuple(sorted(set(e["ranks"]))), world)
-              for e in found.values()]
+    groups = [RankGroup(sorted(e["calls"], key=lambda c: c.index), e["name"], e["expression"], e["findings"], e["named"],
+                        tuple(sorted(set(e["ranks"]))), world) for e in found.values()]
     groups.sort(key=lambda g: g.calls[0].index)
     replicated = any(p.get("replicated") for p in parts.values())
     shared = _exchanged(calls, parts)

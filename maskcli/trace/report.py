@@ -15,12 +15,14 @@ from maskcli.checks.kernels import refused
 from maskcli.checks.kernels import asked, ignored_is_causal, top_left, top_left_is_causal
 from maskcli.checks.named import closest as closest_rows
 from maskcli.checks.named import polarity, same_as
-from maskcli.checks.registry import as_json
+from maskcli.checks.registry import as_json, severity
 from maskcli.checks.rows import MEANT_LATER, empty_rows, later
 from maskcli.text import Finding, spans, step_text
 from maskcli.trace.names import PADDING, also_documents, flags, flipped_keep
 
 NAME_CELLS = 1 << 22  # masks up to this many cells (b*h*Lq*Lk as stored) are named by rebuilding them
+NAMED = 100  # groups named and checked one by one (milliseconds each), in the order of their first call; past them a
+# group is counted, not named (a program of thousands of distinct masks would spend minutes naming them)
 
 
 @dataclass
@@ -29,6 +31,7 @@ class Group:
     name: str  # the expression that rebuilds the mask, with what places it, or why there is none
     expression: str | None
     findings: list[Finding] = field(default_factory=list)
+    named: bool = True  # False: past the first NAMED groups, counted (its mask neither named nor checked on its own)
 
     @property
     def first(self):
@@ -46,7 +49,7 @@ class Group:
         first = self.first
         return {"where": self.where, "api": first.api, "steps": self.steps, "shape": list(first.shape), "mask": first.mask,
                 "expression": self.expression, "name": self.name, "calls": [call.index for call in self.calls],
-                "findings": [as_json(f) for f in self.findings]}
+                "findings": [as_json(f) for f in self.findings], "named": self.named}
 
 
 def where_text(paths: list[str]) -> str:
@@ -78,13 +81,32 @@ def where_text(paths: list[str]) -> str:
     return ", ".join(parts)
 
 
-def group(calls: list) -> list[Group]:
-    """Calls with the same mask, API and shape form one group, in the order of their first call."""
+def group(calls: list, named: int | None = None) -> list[Group]:
+    """Calls with the same mask, API and shape form one group, in the order of their first call; the first `named`
+    groups named and checked, the rest counted (Group.named False: `unnamed` says them in one line)."""
     found: dict[tuple, list] = {}
     for call in calls:
         key = (call.mask, call.api, call.shape, *(call.details.get(name) for name in ("error", "q_start", "fill_value", "additive", "score_mod_read")))
         found.setdefault(key, []).append(call)
-    return [_named(members) for members in found.values()]
+    named = NAMED if named is None else named
+    return [_named(members) if number < named else Group(members, f"not named: past the first {named} groups", None, named=False)
+            for number, members in enumerate(found.values())]
+
+
+def unnamed(groups: list) -> str | None:
+    """One line for the groups past the first NAMED (Group.named False): how many, their calls, and the findings the
+    rules that read every call (maskcli.checks) made on them, counted by code; None where every group is named."""
+    from collections import Counter
+
+    rest = [g for g in groups if not g.named]
+    if not rest:
+        return None
+    calls = sum(len(g.calls) for g in rest)
+    found = Counter(f"{f.code} ({severity(f)})" for g in rest for f in g.findings)
+    said = "; their findings: " + ", ".join(f"{code} x{n}" for code, n in found.most_common()) if found else ""
+    return (f"{len(rest):,} more group{'s' if len(rest) != 1 else ''} ({calls:,} call{'s' if calls != 1 else ''}) counted, not "
+            f"named: trace names and checks the first {len(groups) - len(rest):,} groups one by one (milliseconds each); "
+            f"the rules that read every call read these too{said}; --json (Trace.groups()) lists every group")
 
 
 def _named(calls: list) -> Group:
@@ -229,7 +251,10 @@ def text(groups: list[Group], calls: int) -> str:
     """The report as plain lines (Trace.report())."""
     lines = [f"{calls} attention call{'s' if calls != 1 else ''} in {len(groups)} group{'s' if len(groups) != 1 else ''}"]
     for number, g in enumerate(groups):
+        if not g.named:
+            continue
         shape = "(" + ", ".join(map(str, g.first.shape)) + ")"
         lines.append(f"{number}. {g.where} · {g.first.api} · {g.steps} · {shape} · {g.name}")
         lines += [f"   {f.code}: {f.message}" for f in g.findings]
-    return "\n".join(lines)
+    rest = unnamed(groups)
+    return "\n".join(lines if rest is None else [*lines, rest])

@@ -189,23 +189,28 @@ def read_unread(trace) -> dict:
     as it would be at the calls) and stored (trace._masks); trace._read maps each placeholder key to its digest, and is
     returned. Copies of the same content are read once."""
     unread, done, seen = trace._unread, trace._read, trace._contents
-    while unread:
-        key, (copy, shape, call_shape) = next(iter(unread.items()))
-        cells = _cpu_cells(copy)
-        content = None
-        if cells is not None:
-            content = (shape, call_shape, tuple(copy.shape), hashlib.blake2b(cells.tobytes(), digest_size=16).digest())
-        if content is not None and content in seen:
-            done[key] = seen[content]
-        else:
-            keep = collapse(copy.expand(shape))
-            stored = stored_form(keep, call_shape, trace.max_bytes - trace.bytes, trace.max_bytes)
-            done[key] = keep_stored(trace, stored, call_shape)
-            if content is not None:
-                seen[content] = done[key]
-        del unread[key]
+    while unread:  # (a list of them: next(iter(unread)) after deleting the first k skips k dead slots, quadratic)
+        for key, (copy, shape, call_shape) in list(unread.items()):
+            _read_one(trace, key, copy, shape, call_shape, done, seen)
+            del unread[key]
     trace._unread_bytes = 0
     return done
+
+
+def _read_one(trace, key: str, copy: torch.Tensor, shape: tuple, call_shape: tuple, done: dict, seen: dict) -> None:
+    """One copy read and stored (done[key]: its digest), or known again by its content (seen)."""
+    cells = _cpu_cells(copy)
+    content = None
+    if cells is not None:
+        content = (shape, call_shape, tuple(copy.shape), hashlib.blake2b(cells.tobytes(), digest_size=16).digest())
+    if content is not None and content in seen:
+        done[key] = seen[content]
+        return
+    keep = collapse(copy.expand(shape))
+    stored = stored_form(keep, call_shape, trace.max_bytes - trace.bytes, trace.max_bytes)
+    done[key] = keep_stored(trace, stored, call_shape)
+    if content is not None:
+        seen[content] = done[key]
 
 
 def read_calls(trace) -> None:

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import sys
 
+from maskcli.trace.codes import ByCode
+
 FRAMES = 12  # program frames read outward from the kernel's caller
 LOCALS = ("window_left", "window_size", "sliding_window", "sliding_window_size")
 ATTRIBUTES = ("window_left", "window_size", "sliding_window", "sliding_window_size")
 NONE = "none"
 _NAMES = frozenset(LOCALS)
-_CODES: dict = {}  # code object -> (the program's own, names a window)
+_CODES = ByCode()  # code object -> (the program's own, names a window)
 
 
 def _said(name: str, value, holder=None) -> tuple | None:
@@ -68,7 +70,7 @@ def window_held(stack: list, skip: tuple[str, ...]) -> tuple[str, int, int, str]
         code = frame.f_code
         kind = _CODES.get(code)
         if kind is None:  # (co_varnames is built anew at each read: once per code object)
-            kind = _CODES[code] = (not code.co_filename.startswith(skip), not _NAMES.isdisjoint(code.co_varnames))
+            kind = _CODES.put(code, (not code.co_filename.startswith(skip), not _NAMES.isdisjoint(code.co_varnames)))
         if kind[0]:
             seen += 1
             if kind[1]:
