@@ -53,9 +53,17 @@ def torch_dtype(name: str):
 def to_convention(keep, convention: str, dtype: str = "float32"):
     """The keep mask written in `convention` (numpy in, numpy out; a torch tensor in, a tensor out).
 
-    bfloat16, which numpy lacks, comes back as a torch tensor either way.
+    bfloat16, which numpy lacks, comes back as a torch tensor either way. A keep mask is bool: an integer or float
+    one is refused (its ~ is a bitwise not, and a float's truth is any nonzero: -1e9 would read as kept).
     """
     numpy_in = isinstance(keep, np.ndarray)
+    kind = keep.dtype if numpy_in else getattr(keep, "dtype", None)
+    if not numpy_in and type(keep).__module__.partition(".")[0] != "torch" or kind is None:
+        raise TypeError(f"to_convention takes a bool keep mask, a numpy array or a torch tensor (True = may attend); "
+                        f"got {type(keep).__name__}")
+    if str(kind) not in ("bool", "torch.bool"):
+        raise TypeError(f"to_convention takes a bool keep mask (True = may attend); got dtype {kind}: give mask.bool() "
+                        f"where nonzero means kept, or compare it first (mask == 0 for an additive mask)")
     if convention == "keep":
         return keep.copy() if numpy_in else keep.clone()
     if convention == "block":

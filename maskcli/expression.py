@@ -262,6 +262,8 @@ class _Parser:
 def parse(text: str, max_text: int | None = MAX_TEXT):
     """The syntax tree of a mask expression; a MaskError that points at the bad character. `max_text`: the longest
     text a user may type (None for one maskcli wrote itself, like pack's document sizes)."""
+    if not isinstance(text, str):
+        raise TypeError(f"a mask expression is a str, like \"causal & window(3)\"; got {type(text).__name__}")
     if max_text is not None and len(text) > max_text:
         raise MaskError(f"the mask expression is {len(text):,} characters long: put long labels in a file, like document(\"labels.npy\")")
     if not text.strip():

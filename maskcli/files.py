@@ -99,8 +99,12 @@ def check_output_path(path: str, suffixes: tuple[str, ...], flag: str, name: str
     return out
 
 
+CREATED: list[Path] = []  # the files this command made where none was: fail() removes them (all or nothing)
+
+
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Call write(temp_path) beside `path`, then rename over it: no partial file is ever left."""
+    existed = os.path.lexists(path)
     try:
         handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
     except OSError as error:
@@ -112,6 +116,8 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
         os.umask(umask)
         os.chmod(temp, 0o666 & ~umask)  # mkstemp made it private; give it a normal file's mode
         os.replace(temp, path)
+        if not existed:
+            CREATED.append(path)
     except OSError as error:
         raise MaskError(f"cannot write {str(path)!r}: {error.strerror or error}") from None
     except MaskError:

@@ -26,6 +26,15 @@ BUGS = [
     ("olmo_core_torch_backend_window_mask_cache_key_no_window", "window-narrower"),
     # NVIDIA/TransformerEngine#1212: window_size=(2, 0) handed unchanged to cuDNN, whose left bound is exclusive
     ("transformer_engine_cudnn_window_left_exclusive", "window-narrower"),
+    # tenstorrent/tt-metal#30362: the window's first tile fills its whole first face when the window starts at column
+    # 15 (sliding_window = 64 and cur_pos = 78 held: 63 keys seen)
+    ("tt_metal_paged_sdpa_decode_sliding_window_face_start", "window-narrower"),
+    # openvinotoolkit/openvino#38034: partitions counted from max_context_len drop the shorter sequence's newest block
+    # (sliding_window = 32 and seq_len = 41 held: 23 keys seen)
+    ("openvino_paged_attention_swa_decode_partitions_from_max_context_len", "window-narrower"),
+    # InternLM/lmdeploy#3772: the sliding-window block manager frees the blocks Gemma 3's global layer still reads
+    # (window_size = -1 and kv_seqlens = 15 held: 11 keys seen)
+    ("lmdeploy_gemma3_window_block_manager_frees_global_layers", "keys-dropped"),
 ]
 
 
@@ -75,3 +84,28 @@ def test_a_left_padded_window_left_written_exclusive(tmp_path):
     start = real.argmax(axis=1)
     b, q, k = first((2, 10, 10), lambda b, q, k: real[b, q] and k == q - 3 and k >= start[b] and q < 9)
     assert tuple(hit["cell"]) == (b, q, k) and hit["expected"] == "window(4)"
+
+
+def test_a_ring_buffer_decode_holding_a_plain_int_window(tmp_path):
+    """Written otherwise: one query per step through an eager softmax over an 8-slot ring buffer (slots are not
+    positions), `attend_step` holding window_size = 5 and start_pos, the bound written exclusive. Against a loop over
+    absolute positions: the first step whose query sees fewer keys than min(W, p + 1)."""
+    hit = caught(tmp_path, "window_int_decode_ring_exclusive", ("window-narrower",))
+    for p in range(11):
+        want = sum(1 for k in range(p + 1) if p - k < 5)
+        seen = sum(1 for k in range(max(0, p - 7), p + 1) if p - k < 4)
+        if seen < want:
+            break
+    assert f"query at position {p} sees {seen} " in hit["message"] and hit["expected"] == f"{want} keys"
+
+
+def test_a_global_layer_whose_cache_is_trimmed_to_the_local_window(tmp_path):
+    """Written otherwise: per-layer dict caches trimmed after each step by one routine that cuts every layer to the
+    window of 4, the global layer (`sliding_window = -1` beside `start_pos` in `attend`) included. Against a loop over
+    absolute positions: the first decode step's global query (position 7 after a 7-token prompt) should see every
+    position 0 .. 7; the trimmed cache holds the last 4 and its own."""
+    hit = caught(tmp_path, "global_layer_cache_trimmed_to_window", ("keys-dropped",))
+    p = 7
+    want = sum(1 for k in range(p + 1) if k <= p)
+    seen = sum(1 for k in range(p - 4, p + 1))
+    assert f"the query at position {p} sees {seen} keys" in hit["message"] and hit["expected"] == f"{want} keys"

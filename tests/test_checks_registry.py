@@ -57,7 +57,7 @@ def test_the_trace_report_colours_a_finding_by_its_severity():
 
     call = SimpleNamespace(shape=(1, 1, 2, 2), api="sdpa")
     group = SimpleNamespace(first=call, calls=[call], where="attn", steps="prefill", name="causal", expression="causal",
-                            findings=[Finding("fully-masked", "a"), Finding("fully-masked", "b", "wrong"),
+                            named=True, findings=[Finding("fully-masked", "a"), Finding("fully-masked", "b", "wrong"),
                                       Finding("sees-later", "c")])
     assert [view.style for view in views([group], 1, "p", 0)[2:]] == ["dim", "red", "yellow"]
 

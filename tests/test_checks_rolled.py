@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from checkbugs import check_bug
+from checkbugs import caught, check_bug
 from maskcli.checks.rolled import _expected
 
 WINDOWS = Path(__file__).parent / "data" / "windows"
@@ -18,6 +18,8 @@ WINDOWS = Path(__file__).parent / "data" / "windows"
     ("ring_buffer_window_decode", "window-miscounted", WINDOWS),  # slot = position % W, read as positions
     ("llama4_chunked_attention_cache_offset", "chunks-miscounted", None),  # huggingface/transformers#37414
     ("chunked_trimmed_cache_decode", "chunks-miscounted", WINDOWS),  # last C - 1 keys labelled from 0
+    # lablup/mlxcel#405: a prompt longer than the window, its first pass over the last W keys only (10 queries, 4 keys)
+    ("mlxcel_sliding_prefill_over_window_clamped_mask", "window-miscounted", None),
 ])
 def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code, folder):
     if folder is None:
@@ -44,3 +46,19 @@ def test_expected_counts_against_a_double_loop(kind, size):
     real = np.array([[1] * 12, [0, 0, 0] + [1] * 9, [0] * 5 + [1] * 7], dtype=bool)
     own = np.array([5, 6, 9, 11])
     assert np.array_equal(_expected(real, own, kind, size), _counted(real, own, kind, size))
+
+
+def test_a_first_pass_over_a_cache_trimmed_to_the_window(tmp_path):
+    """Written otherwise: a dict config (`self.cfg`, sliding_window 3), a right-padded batch (7 and 5 real tokens), an
+    eager softmax with a finite fill, the prompt's pass over the 3 keys its cache keeps. A site's first call, made by
+    the model call handed its queries as token ids, places query i at position i: against a double loop over absolute
+    positions, the first real query that sees fewer keys than its window holds (query 0 sees none)."""
+    hit = caught(tmp_path, "window_first_pass_cache_trims_prefill", ("window-miscounted",))
+    real = np.array([[1] * 7, [1] * 5 + [0] * 2], dtype=bool)
+    want = _counted(real, np.arange(7), "sliding_attention", 3)
+    seen = np.zeros_like(want)  # the buggy mask: the last 3 columns of the windowed causal mask, by a loop
+    for b in range(2):
+        for q in range(7):
+            seen[b, q] = sum(1 for k in range(4, 7) if k <= q and q - k < 3 and real[b, k])
+    b, q = (int(x) for x in np.argwhere((seen < want) & real)[0])
+    assert f"position {q} of batch row {b}" in hit["message"] and hit["expected"] == f"{want[b, q]} keys"

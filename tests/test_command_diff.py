@@ -156,6 +156,8 @@ def test_maps_and_figures(tmp_path):
     (["this:f", "causal"], "give --mask-mod this:f and write A as f"),
     (["causal", "evilmod:f", "--mask-mod", "other.py:g"], "B 'evilmod:f' names a mask_mod that --mask-mod 'other.py:g' does not load"),
     (["causal", "window(2)", "--mask-mod-args", "3"], "--mask-mod-args is for --mask-mod"),
+    (["causal", "window(2)", "--key", "nan"], "--key nan is for a mask file"),  # (two expressions: it was dropped)
+    (["causal", "window(2)", "--from", "additive"], "--from additive is for a mask file"),
 ])
 def test_bad_input_is_one_line(args, says, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -168,6 +168,7 @@ def test_png_draws_each_path_with_its_cells(tmp_path):
     (["--position-ids", "0,1", "--reference", "seq_idx"], "--reference 'seq_idx': the batch has no such field"),
     (["--position-ids", "0,1", "--eos-id", "2"], "--eos-id 2: the batch has no input_ids"),
     (["--position-ids", "0,1", "--png", "out.gif"], "--png"),
+    (["--position-ids", "0,1", "--use-cache", "no", "--config", "nan"], "unknown model family 'nan'"),  # was dropped
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
     result = runner.invoke(app, ["pack", *args])

@@ -160,7 +160,8 @@ def test_layer_types_from_a_model_config():
     (["causal", "--len", 4096, "--ranks", 2048], "--ranks 2048: shard works out an N x N ring-step grid, so it takes at most 1,024"),
     (["causal", "--rank-mask", "r0.pt"], "--rank-mask given once but --ranks is 2"),
     (["causal", "--head-dim", 0], "--head-dim 0: give the size of one attention head"),  # was 0 FLOPs, exit 0
-])
+    (["causal", "--layout", "per-document", "--docs", "99999999999999999999,5"], "a size is past 2^63 - 1 tokens"),  # was
+])  # "unexpected OverflowError"
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = invoke(args)
     assert result.exit_code == 2

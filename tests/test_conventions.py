@@ -63,6 +63,16 @@ def test_unknown_convention_is_refused():
         to_convention(np.ones((2, 2), dtype=bool), "sideways")
 
 
+@pytest.mark.parametrize("given_keep", [torch.tensor([1, 0]), np.array([1.5, 0.0]), torch.tensor([0.0, -1e9]), None, [True, False]])
+def test_a_keep_mask_that_is_not_bool_is_refused(given_keep):
+    """An int keep mask's ~ is a bitwise not (block gave -2, -1 for 1, 0) and a float's truth is any nonzero (an
+    additive -1e9 read as kept): the notebook API refuses them, and what is no array, with a TypeError saying what
+    it takes, not an AttributeError from inside."""
+    for convention in ("keep", "block", "int", "additive", "min"):
+        with pytest.raises(TypeError, match="to_convention takes a bool keep mask"):
+            to_convention(given_keep, convention)
+
+
 def test_conventions_mean_the_same_to_pytorch_attention():
     """keep, additive and min in SDPA, and block in nn.MultiheadAttention, all give the same output."""
     torch.manual_seed(0)

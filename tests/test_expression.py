@@ -221,3 +221,13 @@ def test_with_leaves_replaces_each_leaf_left_to_right_and_keeps_the_tree():
     assert leaves(named) == ["a", "b", "c", "d"]
     assert print_tree(named, leaf=str) == "a & ~(b | c) & d"
     assert with_leaves(tree, leaves(tree)) == tree
+
+
+@pytest.mark.parametrize("text", [["causal"], b"causal", 3, ("window(2)",)])
+def test_an_expression_that_is_not_a_str_is_a_type_error_saying_so(text):
+    """parse([...]) and build([...]) ended in AttributeError: 'list' object has no attribute 'strip'."""
+    from maskcli import build
+
+    for call in (parse, build):
+        with pytest.raises(TypeError, match="a mask expression is a str"):
+            call(text)

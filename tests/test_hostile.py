@@ -784,6 +784,21 @@ def test_an_error_that_cannot_be_written_still_exits_2(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_full_stdout_after_a_file_is_written_leaves_one_line_and_no_file(tmp_path):
+    """`show --html x.html > /dev/full` wrote x.html, said so, then failed on the table: two lines and a file left by a
+    command that exited 2. The "wrote" lines wait for the command to end well; where it fails, the files it made go."""
+    (tmp_path / "kept.html").write_text("the user's own")
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # (this checkout's maskcli)
+    with open("/dev/full", "w") as full:
+        for name in ("x.html", "kept.html"):
+            result = subprocess.run([sys.executable, "-m", "maskcli", "show", "causal", "--len", "6", "--html", name],
+                                    stdout=full, stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=120, env=env)
+            assert (result.returncode, result.stderr) == (2, "maskcli: error: No space left on device\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["kept.html"]  # (one that was there is replaced, not lost)
+    shown = runner.invoke(app, ["show", "causal", "--len", "6", "--html", str(tmp_path / "y.html")])
+    assert shown.exit_code == 0 and shown.stderr == f"wrote {tmp_path / 'y.html'}\n" and "<html" in (tmp_path / "y.html").read_text().lower()
+
+
 def test_a_kill_while_a_mask_mod_runs_exits_143_not_blaming_it(tmp_path):
     import time
 

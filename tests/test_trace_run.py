@@ -3,6 +3,7 @@ its own and compared with python's own run (stdout, exit status, stderr up to tr
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,10 +17,13 @@ ROOT = Path(__file__).resolve().parent.parent
 REPORT = "maskcli trace "
 
 
-def run_both(folder: Path, target: list[str], trace_options=(), ignore_hup: bool = False):
-    """(python's run, trace's run) of `target` (a script and its arguments, or -m MODULE) from `folder`."""
+def run_both(folder: Path, target: list[str], trace_options=(), ignore_hup: bool = False, buffered: bool = False):
+    """(python's run, trace's run) of `target` (a script and its arguments, or -m MODULE) from `folder`; `buffered`:
+    stdout block-buffered as python keeps it for a file or a pipe (PYTHONUNBUFFERED unset)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
     env.pop("TORCHDYNAMO_DISABLE", None)
+    if buffered:
+        env.pop("PYTHONUNBUFFERED", None)
     options = {"cwd": folder, "env": env, "capture_output": True, "text": True, "timeout": 300}
     if ignore_hup:  # as nohup starts a program
         options["preexec_fn"] = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -245,3 +249,127 @@ def test_a_program_started_with_stdout_closed_runs_as_under_python(tmp_path):
             for command in ([sys.executable, "prog.py"], [sys.executable, "-m", "maskcli", "trace", "prog.py"])]
     assert done[0].returncode == done[1].returncode == 0 and done[0].stderr == ""
     assert done[1].stderr.startswith(REPORT + "prog.py: 1 attention call in 1 group")
+
+
+def with_attend(body: str) -> str:
+    """A program with attend(length, causal) defined first: one SDPA call over `length` tokens."""
+    return textwrap.dedent(CALL) + textwrap.dedent(body)
+
+
+CALL = """
+    import torch
+    import torch.nn.functional as F
+    def attend(length=4, causal=True):
+        x = torch.randn(1, 1, length, 8)
+        return F.scaled_dot_product_attention(x, x, x, is_causal=causal)
+"""
+
+
+def test_a_program_that_ends_by_os_exit_is_reported_and_ends_as_under_python(tmp_path):
+    """os._exit(n) ended the process before trace's report (exit n, nothing said): the report is written, --json
+    too, and the rest is os._exit's: no finally block, no atexit function, the program's unflushed output lost; a
+    status of the wrong type raises where it is called; from a thread, it ends the program there."""
+    write(tmp_path / "prog.py", with_attend("""
+        import atexit, os, sys
+        atexit.register(print, "atexit ran")
+        try:
+            attend()
+            try:
+                os._exit("five")
+            except TypeError as error:
+                print(error, flush=True)
+            sys.stdout.write("unflushed")
+            os._exit(5)
+        finally:
+            print("finally ran")
+    """))
+    plain, traced = run_both(tmp_path, ["prog.py"], ["--json", "out.json"], buffered=True)
+    assert plain.returncode == traced.returncode == 5
+    assert traced.stdout == plain.stdout == "'str' object cannot be interpreted as an integer\n"
+    assert traced.stderr.startswith(REPORT + "prog.py: 1 attention call in 1 group; the program exited with")
+    assert json.loads((tmp_path / "out.json").read_text())["exit_status"] == 5
+    write(tmp_path / "thread.py", with_attend("""
+        import os, threading, time
+        attend()
+        def end():
+            print("ending", flush=True)
+            os._exit(7)
+        threading.Thread(target=end).start()
+        time.sleep(60)
+        print("not reached")
+    """))
+    plain, traced = run_both(tmp_path, ["thread.py"])
+    assert plain.returncode == traced.returncode == 7 and traced.stdout == plain.stdout == "ending\n"
+    assert traced.stderr.startswith(REPORT + "thread.py: 1 attention call in 1 group")
+
+
+def test_threads_left_running_at_the_end_are_joined_or_stopped_as_python_does(tmp_path):
+    """Python joins the non-daemon threads (and stops the executors' workers once their work is done) before it
+    exits: their calls were missing from the report ("0 attention calls"). Daemon threads it stops where they are:
+    one that wakes later never prints (trace's report took longer than its sleep), and one inside a torch operator
+    when the program ends aborts the process as it aborts python."""
+    write(tmp_path / "joined.py", with_attend("""
+        import concurrent.futures, threading, time
+        def late(length):
+            time.sleep(0.3)
+            attend(length, causal=False)
+        threading.Thread(target=late, args=(5,)).start()
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        for length in (6, 7, 8):
+            pool.submit(late, length)
+        print("main done")
+    """))
+    plain, traced = run_both(tmp_path, ["joined.py"], ["--json", "out.json"])
+    assert plain.returncode == traced.returncode == 0 and traced.stdout == plain.stdout == "main done\n"
+    calls = json.loads((tmp_path / "out.json").read_text())["calls"]
+    assert sorted(call["shape"][-1] for call in calls) == [5, 6, 7, 8]
+    write(tmp_path / "sleeper.py", with_attend("""
+        import threading, time
+        big = torch.randn(1500, 1500)
+        (big @ big).sum()  # (OpenMP's threads started, as a real program's are: the forked report runs on one)
+        for length in [*range(2, 40), 512]:  # (a report of some length)
+            attend(length, causal=bool(length % 2))
+        def wake():
+            time.sleep(0.05)
+            print("daemon woke", flush=True)
+        threading.Thread(target=wake, daemon=True).start()
+        print("main done", flush=True)
+    """))
+    plain, traced = run_both(tmp_path, ["sleeper.py"])
+    assert plain.returncode == traced.returncode == 0 and traced.stdout == plain.stdout == "main done\n"
+    assert traced.stderr.startswith(REPORT + "sleeper.py: 39 attention calls")
+    write(tmp_path / "busy.py", with_attend("""
+        import threading, time
+        def spin():
+            while True:
+                attend(64)
+        threading.Thread(target=spin, daemon=True).start()
+        time.sleep(0.2)
+        print("main done")
+    """))
+    plain, traced = run_both(tmp_path, ["busy.py"])
+    assert plain.returncode == -signal.SIGABRT and traced.returncode == plain.returncode
+    assert traced.stdout == plain.stdout == "main done\n" and REPORT + "busy.py: " in traced.stderr
+
+
+def test_a_program_that_sets_sys_excepthook_gets_it_called_as_python_calls_it(tmp_path):
+    """Its uncaught error went to the default traceback, past the program's own hook (and its stdout line)."""
+    write(tmp_path / "hook.py", """
+        import sys
+        sys.excepthook = lambda kind, error, tb: print("custom hook", kind.__name__, error)
+        raise ValueError("x")
+    """)
+    plain, traced = run_both(tmp_path, ["hook.py"])
+    assert plain.returncode == traced.returncode == 1
+    assert traced.stdout == plain.stdout == "custom hook ValueError x\n" and plain.stderr == ""
+    assert traced.stderr.startswith(REPORT + "hook.py: 0 attention calls")
+    write(tmp_path / "broken.py", """
+        import sys
+        def hook(*args):
+            raise RuntimeError("the hook fails")
+        sys.excepthook = hook
+        raise ValueError("x")
+    """)
+    plain, traced = run_both(tmp_path, ["broken.py"])
+    assert plain.returncode == traced.returncode == 1
+    assert "Error in sys.excepthook:" in plain.stderr and traced.stderr.startswith(plain.stderr)

@@ -103,10 +103,47 @@ def held_window(run: Run) -> list:
             f"{int(hi[b, q] - lo[b, q] + 1)} real keys where the window spans {width} ({int(wide.sum())} such rows; step {call.step}): the window "
             f"is dropped on this path"),
             expected=expected, source=where, cell=(b, at, a))))
+    found += _counted(run)
     # a step at which another call held the same window keeps to it: the window is chosen per layer (Gemma 2's
     # alternating local and global layers, one attend() for both), not dropped on a path (the layer rules judge that)
     return [(call, f) for call, f in found if f.code != "window-dropped"
             or (call.step, call.shape[2:], tuple(call.details["window_handed"])) not in kept]
+
+
+def _counted(run: Run) -> list:
+    """A single query whose frame holds a plain int window W and its position p (trace/windows.py's window_counted)
+    that sees fewer than min(W, p + 1) keys in every head: W is W keys or W + 1 by its convention, never fewer. Read on
+    one batch row only (a row's padding would lower the count; its position says nothing of it) and where the call
+    holds at least that many keys."""
+    found, calls = [], {}
+    for call in run.calls:
+        calls[(call.where, call.step)] = calls.get((call.where, call.step), 0) + 1
+    for call in run.calls:
+        said = call.details.get("window_counted")
+        if not said or len(said) != 4 or call.stored is None or call.shape[0] != 1 or call.shape[2] != 1:
+            continue
+        name, window, at, where = said[0], int(said[1]), int(said[2]), str(said[3])
+        want = at + 1 if window < 0 else min(window, at + 1)
+        cells = keep(call)
+        if cells is None or (want > call.shape[3] and (window > 0 or calls[(call.where, call.step)] > 1)):
+            continue  # (a window's keys not all held; or, with none, the step's keys split over several calls)
+        seen = cells[..., 0, :].sum(axis=-1).reshape(-1)  # per head
+        if seen.size == 0 or seen.min() != seen.max() or not 1 <= int(seen[0]) < want:
+            continue
+        got = int(seen[0])
+        if window < 0:
+            found.append((call, Finding("keys-dropped", (
+                f"{where}: the query at position {at} sees {got} key{'s' * (got != 1)} in every head (the call holds "
+                f"{call.shape[3]}), but {name} = -1 states no window, so it sees every position 0 .. {at}, {want} keys "
+                f"(step {call.step}): keys of a full layer freed or trimmed (a cache cut to another layer's window?)"),
+                expected=f"{want} keys", source=where)))
+            continue
+        found.append((call, Finding("window-narrower", (
+            f"{where}: the query at position {at} sees {got} of the call's {call.shape[3]} keys in every head, but a "
+            f"window of {window} holds {want} keys there ({window} or {window + 1} by its convention, never fewer; "
+            f"step {call.step}): the mask is a narrower window than held"),
+            expected=f"{want} keys", source=where)))
+    return found
 
 
 def _shown(name: str, left: int, right: int) -> str:
@@ -118,6 +155,9 @@ def _reach(left: int, right: int) -> str:
 
 
 RULES = (
+    Rule("keys-dropped", "wrong", "call", "a single query whose frame holds window_size / sliding_window = -1 (no "
+         "window) beside its position p and that sees fewer than p + 1 keys: a full layer's keys freed or trimmed",
+         held_window),
     Rule("window-dropped", "wrong", "call", "a query that sees keys further apart than the one-sided or symmetric "
          "window (window_left, window_size=(L, 0), a layer's sliding_window_size) the program holds on the way to "
          "the kernel spans: a path that drops the window", held_window),

@@ -21,8 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.config import _index
-from maskcli.checks.context import Run, columns_are_positions, keep
+from maskcli.checks.context import Run, columns_are_positions, crossing, keep
 from maskcli.checks.context import queries as placing
+from maskcli.checks.evicted import _named_self
 from maskcli.checks.intent import intent
 from maskcli.checks.real import PADDING_TRUE, stated
 from maskcli.checks.registry import Rule
@@ -31,13 +32,39 @@ from maskcli.text import Finding
 POSITIONS = ("cache_position", "input_pos", "position_ids")
 
 
-def _positions(call, top) -> np.ndarray | None:
-    """The queries' positions where the model call (or `model`) states them; None where they would be guessed."""
+def _positions(call, top, run: Run | None = None) -> np.ndarray | None:
+    """The queries' positions where the model call (or `model`) states them, or where the call is its site's first
+    and its queries are the model call's token ids (a first pass from an empty cache: positions 0 .. Lq - 1); None
+    where they would be guessed."""
     q_len = call.shape[2]
     arguments = {} if top is None else top.arguments
     said = call.details.get("queries") is not None or any(
         isinstance(arguments.get(name), np.ndarray) and arguments[name].shape[-1] == q_len for name in POSITIONS)
-    return placing(call, top) if said else None
+    if said:
+        return placing(call, top)
+    return np.arange(q_len) if run is not None and _first_pass(run, call, top) else None
+
+
+def _self_by_name(call) -> bool:
+    """A call set apart as a cross-attention by its lengths alone (more queries than keys) under a module path named a
+    self-attention (checks/evicted.py's reading): a first pass over a cache that kept fewer keys than it was handed."""
+    reading = crossing(call)
+    return reading.by in ("shape", "none") and call.details.get("kv_source") != "other" and \
+        _named_self(call.where) is not None
+
+
+def _first_pass(run: Run, call, top) -> bool:
+    """The first call of its site, made by a model call handed the queries as its token ids: no earlier call of the
+    run wrote this layer's cache, so query i is the model call's token i."""
+    arguments = {} if top is None else top.arguments
+    given = arguments.get("first_ids")  # (a hand-written forward's first argument: trace/tops.py)
+    ids = arguments.get("input_ids", given[1] if isinstance(given, tuple) and len(given) == 2 else None)
+    if not (isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.shape[1] == call.shape[2] > 1
+            and ids.shape[0] == call.shape[0] and top.first == min(t.first for t in run.tops)):
+        return False
+    site = run.sites().get(call.where, [])  # (a call set apart as cross is in no site of run.calls: run.cross too)
+    return not any(other.index < call.index for other in site) and \
+        not any(other.where == call.where and other.index < call.index for other in run.cross)
 
 
 def _real(top, rows: int, need: int) -> np.ndarray | None:
@@ -73,8 +100,8 @@ def miscounted(run: Run) -> list:
     found, done = [], set()
     if not any(getattr(top, "stated", ()) for top in run.tops):
         return found  # (no config stated anywhere: every call's intent is empty, no layer sliding or chunked)
-    for call in run.calls:
-        if call.stored is None or call.shape[2] > call.shape[3]:
+    for call in [*run.calls, *(call for call in run.cross if _self_by_name(call))]:
+        if call.stored is None:
             continue
         stated_for = intent(run, call)
         index = _index(run, call, stated_for) if stated_for else None
@@ -90,9 +117,9 @@ def miscounted(run: Run) -> list:
         top = run.top(call)
         if columns_are_positions(call, top):
             continue  # (config.py places the window on them)
-        own = _positions(call, top)
-        if own is None or own.min() < 0:
-            continue
+        own = _positions(call, top, run)
+        if own is None or own.min() < 0 or (call.shape[2] > call.shape[3] and not _first_pass(run, call, top)):
+            continue  # (more queries than keys: read only where no earlier call can have filled the cache)
         rows = call.shape[0]
         real = _real(top, rows, int(own.max()) + 1)
         key = (call.mask, call.shape, tuple(own), None if real is None else real.tobytes())  # (one mask, other places)

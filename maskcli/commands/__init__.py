@@ -36,7 +36,9 @@ def main() -> None:
     def stop(number, frame):  # a kill or a closed terminal ends like Ctrl-C: files being written are removed
         raise Stopped(128 + number)
 
-    from maskcli.commands.app import SIGNALS
+    from maskcli.commands.app import OWN_PROCESS, SIGNALS
+
+    OWN_PROCESS.append(True)
 
     for name in ("SIGTERM", "SIGHUP"):
         number = getattr(signal, name, None)

@@ -22,9 +22,10 @@ except ImportError:  # pragma: no cover - older typer raises click's
 
 from maskcli import __version__
 from maskcli.commands.guards import floor_columns, no_nul
+from maskcli.commands.messages import smaller as _smaller, usage_message as _usage_message
+from maskcli.commands.said import _pending, _written, done, flush_warnings, flush_written, unwrite, warn  # noqa: F401
 from maskcli.errors import MaskError
-from maskcli.render import wrapped
-from maskcli.text import shortened, wrap_example
+from maskcli.text import wrap_example
 
 UsageError = _click_exceptions.UsageError
 NoArgsIsHelpError = getattr(_click_exceptions, "NoArgsIsHelpError", ())
@@ -59,7 +60,11 @@ class MaskcliGroup(TyperGroup):
         return params
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from maskcli.files import CREATED
+
         _pending.clear()
+        _written.clear()
+        CREATED.clear()
         floor_columns()
         from rich.console import Console
 
@@ -68,42 +73,23 @@ class MaskcliGroup(TyperGroup):
         if sys.stdout is None and given[:1] != ["trace"]:  # started with stdout closed (>&-): every table and --json
             # would vanish; trace's stdout is the program's (python runs one with it closed) and its report stderr
             fail("stdout is closed, so nothing maskcli prints can be seen: send it to a file or /dev/null instead")
-        try:
-            no_nul(sys.argv[1:] if args is None else list(args))
-            code = _completion_for(sys.argv[1:] if args is None else list(args))
+
+        def run():
+            no_nul(given)
+            code = _completion_for(given)
             if code is None:
-                code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+                code = super(MaskcliGroup, self).main(args, prog_name, complete_var, standalone_mode=False, **extra)
                 flush_warnings()
-        except NoArgsIsHelpError as error:
-            typer.echo(error.ctx.get_help())
-            code = 0
-        except UsageError as error:
-            command = error.ctx.command_path if error.ctx else "maskcli"
-            fail(f"{_usage_message(error, sys.argv[1:] if args is None else list(args)).rstrip('.')} (see '{command} --help')")
-        except MaskError as error:
-            fail(str(error), error.pointer)
-        except (_Interrupted, KeyboardInterrupt):
-            typer.echo("maskcli: interrupted", err=True)
-            code = 130
-        except (_PipeClosed, BrokenPipeError):
-            quiet_stdout()  # the reader went away (| head): stop quietly, as a killed pipe writer does
-            code = 141
-        except MemoryError:
-            fail(f"ran out of memory: {_smaller(sys.argv[1:] if args is None else list(args))}")
-        except OSError as error:
-            fail(f"{error.strerror or error}{': ' + repr(error.filename) if error.filename else ''}")
-        except RecursionError:
-            fail("the input is nested too deeply to read: give a flat list or a file")
-        except Exception as error:
-            if "can't allocate memory" in str(error) or type(error).__name__ == "OutOfMemoryError":
-                fail(f"ran out of memory: {_smaller(sys.argv[1:] if args is None else list(args))}")
-            fail(f"unexpected {type(error).__name__}: {' '.join(str(error).split())[:300]} (a maskcli bug: please report the command)")
+            return code
+
+        code = handled(run, given)
         if not standalone_mode:
             return code
         sys.exit(code if isinstance(code, int) else 0)
 
 
 SIGNALS: dict = {}  # signal number -> its handler before main() set maskcli's (trace gives them back to the program)
+OWN_PROCESS: list = []  # [True] once main() runs: the process is maskcli's, which ends as a traced program's would
 
 SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
 
@@ -127,38 +113,49 @@ def _completion_for(args: list[str]) -> int | None:
     return 0
 
 
-def _smaller(args: list[str]) -> str:
-    """How to ask for less, for the command that ran out of memory."""
-    command = next((arg for arg in args if not arg.startswith("-")), "")
-    if command in ("inspect", "convert") or "--mask" in args:
-        return "the mask file is too large to work on here: slice the part you need into a smaller file first (like mask[0, 0])"
-    if command == "serve":  # serve has no --len: its sizes are the batch's
-        return "the batch is too large to check here: save fewer requests (a part of the batch) and check that"
-    if command == "pack":
-        return "the batch is too large to check here: save fewer batch rows or tokens (a part of the batch) and check that"
-    if command == "model":
-        return "use shorter --lengths, fewer --new-tokens, or a larger --prefill-chunk"
-    if command == "trace":
-        return "the program's masks are too large to keep here: give a smaller --max-bytes, or run the program on smaller inputs"
-    if command in ("attend", "verify"):
-        return "use a smaller --len (or fewer batch rows or heads, a smaller --head-dim or --dtype)"
-    return "use a smaller --len (or fewer batch rows or heads, or a larger --block)"
+def handled(run, args: list[str]) -> int:
+    """run()'s exit status as maskcli gives a command's: every bad input, ours or click's, told as one line on stderr
+    with status 2 (fail() raises SystemExit(2)), an interruption 130, a closed stdout 141."""
+    try:
+        code = run()
+    except typer.Exit as stop:  # (a command's work run outside click: trace's report where the program calls os._exit)
+        code = stop.exit_code
+    except NoArgsIsHelpError as error:
+        typer.echo(error.ctx.get_help())
+        code = 0
+    except UsageError as error:
+        command = error.ctx.command_path if error.ctx else "maskcli"
+        fail(f"{_usage_message(error, args).rstrip('.')} (see '{command} --help')")
+    except MaskError as error:
+        fail(str(error), error.pointer)
+    except (_Interrupted, KeyboardInterrupt):
+        typer.echo("maskcli: interrupted", err=True)
+        code = 130
+    except (_PipeClosed, BrokenPipeError):
+        quiet_stdout()  # the reader went away (| head): stop quietly, as a killed pipe writer does
+        code = 141
+    except MemoryError:
+        fail(f"ran out of memory: {_smaller(args)}")
+    except OSError as error:
+        fail(f"{error.strerror or error}{': ' + repr(error.filename) if error.filename else ''}")
+    except RecursionError:
+        fail("the input is nested too deeply to read: give a flat list or a file")
+    except Exception as error:
+        if "can't allocate memory" in str(error) or type(error).__name__ == "OutOfMemoryError":
+            fail(f"ran out of memory: {_smaller(args)}")
+        fail(f"unexpected {type(error).__name__}: {' '.join(str(error).split())[:300]} (a maskcli bug: please report the command)")
+    flush_written()  # (not after fail(): the files are removed, and the one line says why)
+    return code
 
 
-def _usage_message(error, args: list[str]) -> str:
-    """click's message, with the value the user gave quoted where a value was bad."""
-    param = getattr(error, "param", None)
-    message = getattr(error, "message", None)
-    if param is None or not message or not getattr(param, "opts", None) or type(error).__name__ != "BadParameter":
-        return error.format_message()
-    found = None  # the last time the option is given: click keeps the last value, so that is the bad one
-    for index, arg in enumerate(args):
-        for opt in param.opts:
-            if arg == opt and index + 1 < len(args):
-                found = f"{opt} {shortened(args[index + 1], 60)!r}: {message}"
-            elif arg.startswith(opt + "=") and opt.startswith("--"):
-                found = f"{opt} {shortened(arg[len(opt) + 1:], 60)!r}: {message}"
-    return found or error.format_message()
+def outcome(run) -> int:
+    """handled(run), its SystemExit read as the status it carries: for a command's last work done outside click
+    (trace's report where the program ends by os._exit, or in the process that reports for it)."""
+    try:
+        code = handled(run, sys.argv[1:])
+    except SystemExit as stop:
+        code = stop.code
+    return code if isinstance(code, int) else (0 if code is None else 1)
 
 
 def make_console(**options):
@@ -197,6 +194,7 @@ LONGEST_ERROR = 1000  # characters in the error line: a reader of stderr gets a 
 def fail(message: str, pointer: tuple[str, int] | None = None) -> None:
     """The error as one line on stderr, exit status 2; on a terminal, a caret under the text `pointer` names."""
     _pending.clear()  # a warning about input that is then refused would be a second line about the same thing
+    unwrite()
     one_line = " ".join(message.splitlines())  # a quoted value (a repr, say) may hold line breaks
     room = LONGEST_ERROR - len("maskcli: error: ")
     if len(one_line) > room:  # a value or a list quoted whole: its start (what) and end (the fix) stay
@@ -209,23 +207,6 @@ def fail(message: str, pointer: tuple[str, int] | None = None) -> None:
     except (OSError, ValueError):  # stderr full or closed (2>/dev/full): the status still says what happened
         _quiet(sys.stderr)
     sys.exit(2)
-
-
-_pending: list[str] = []
-
-
-def warn(message: str, now: bool = False) -> None:
-    """A warning on stderr: held until the command has checked all of its input (an error then says it
-    alone), unless `now` (before long work the user may want to stop)."""
-    _pending.append(message)
-    if now:
-        flush_warnings()
-
-
-def flush_warnings() -> None:
-    for message in _pending:
-        typer.echo(wrapped(f"maskcli: warning: {message}", sys.stderr), err=True, nl=False)
-    _pending.clear()
 
 
 LARGE_WRITE = 1 << 30  # bytes past which a write is announced before it starts
@@ -290,12 +271,6 @@ class WholeWrites:
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
-
-
-def done(message: str) -> None:
-    """What was written, on stderr, so that stdout stays the view (or the JSON)."""
-    flush_warnings()
-    typer.echo(message, err=True)
 
 
 # Options --help leaves out, so that it fits a screen (--help-all and docs/reference.md show them): python parameter

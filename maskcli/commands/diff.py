@@ -149,6 +149,9 @@ def diff(
     kinds = user_kinds(mask.mask_mod, mask.mask_mod_args)
     options = replace(mask, mask_mod=None, mask_mod_args=None)
     is_file = {label: _is_file(text) for label, text in texts.items()}
+    for flag, value in (("--key", options.key), ("--from", options.from_)):  # (read from a file side only: with none
+        if value is not None and not any(is_file.values()):  # it was dropped without a word)
+            raise MaskError(f"{flag} {value} is for a mask file: give A or B as a file (a .pt, .npy, ...), or drop {flag}")
     # a tensor's shape says its own positions: the position, padding and kind options are the expressions'
     sides: dict[str, Mask] = {label: _side(texts[label], _for_a_file(options), kinds, label) for label in texts if is_file[label]}
     if sides:

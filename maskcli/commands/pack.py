@@ -113,6 +113,10 @@ def _model(use_cache: str | None, config: str | None):
         answer = {"yes": True, "true": True, "1": True, "no": False, "false": False, "0": False}.get(use_cache.strip().lower())
         if answer is None:
             raise MaskError(f"--use-cache {use_cache!r}: say yes or no (yes: the model makes a cache, as transformers' configs default to)")
+        if config is not None:  # (read all the same: a --config that names no family or file is said, not dropped)
+            from maskcli.hf.families import use_cache_of
+
+            use_cache_of(config)
         return Model(answer, f"--use-cache {'yes' if answer else 'no'}", stated=True)
     if config is not None:
         from maskcli.hf.families import use_cache_of

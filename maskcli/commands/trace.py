@@ -106,8 +106,11 @@ def trace(
     if job is not None:
         job.begin()
 
-    from maskcli.commands.app import SIGNALS
+    import contextlib
+
+    from maskcli.commands.app import OWN_PROCESS, SIGNALS, outcome
     from maskcli.trace.capture import Trace
+    from maskcli.trace.ending import Exits, alone, finish as python_exit, join_threads, others
     from maskcli.trace.run import World, run_program
 
     from maskcli.trace.spawned import Spawns
@@ -117,23 +120,43 @@ def trace(
     spawns = Spawns(apis, max_bytes, program, expectations, tracer)  # processes the program spawns: each traced as a rank
     world = World(SIGNALS)  # the program's signal handlers while it runs; maskcli's streams and limits after it
     spare = _spare_stderr()
-    with world, tracer, ProcessGroups(lambda: len(tracer.calls)) as groups, spawns:
+
+    def finish(status: int) -> None:
+        _reopen_stderr(spare)
+        named = apis if api != ",".join(APIS) else ()  # the APIs the user asked for by name
+        unseen = [f"--api {name}: the program never imported {module_name}, so --api {name} recorded nothing"
+                  for name, module_name in (("flash", "flash_attn"), ("hf", "transformers"), ("vllm", "vllm")) if name in named and name not in tracer.patched]
+        if job is not None:
+            from maskcli.commands.traceranks import report_ranks
+
+            report_ranks(tracer, job, groups, program, status, expectations, json_path, save, targets, unseen, check_, rank_timeout)
+        if spawns.world:
+            from maskcli.commands.traceranks import report_spawned
+
+            report_spawned(tracer, spawns, program, status, expectations, json_path, save, targets, check_, rank_timeout)
+        _report(tracer, program, status, expectations, json_path, save, targets, unseen, check_)
+
+    def exiting(status: int) -> int:  # the program's os._exit(status): the trace ends there, and reports, as it would
+        world.flush = False  # (python's os._exit flushes nothing: what the program left unflushed is lost there too)
+        stack.close()
+        return alone(lambda: outcome(lambda: finish(status)), (tracer,)) if OWN_PROCESS else outcome(lambda: finish(status))
+
+    import threading
+
+    before = set(threading.enumerate())
+    with contextlib.ExitStack() as stack:
+        groups = ProcessGroups(lambda: len(tracer.calls))
+        for context in (world, tracer, groups, spawns, Exits(exiting)):
+            stack.enter_context(context)
         status = run_program(script, module, program_args)
+        join_threads(before)  # (python's exit joins them before its atexit functions; their calls are the program's)
     if world.forked():  # a child the program forked, back from its code: it exits as it would, its parent reports
         raise typer.Exit(status)
-    _reopen_stderr(spare)
-    named = apis if api != ",".join(APIS) else ()  # the APIs the user asked for by name
-    unseen = [f"--api {name}: the program never imported {module_name}, so --api {name} recorded nothing"
-              for name, module_name in (("flash", "flash_attn"), ("hf", "transformers"), ("vllm", "vllm")) if name in named and name not in tracer.patched]
-    if job is not None:
-        from maskcli.commands.traceranks import report_ranks
+    if OWN_PROCESS and others():  # daemon threads: held where the program's end left them while the report is
+        from maskcli.trace import run  # written, as python's exit stops them (a KeyboardInterrupt's end is main()'s)
 
-        report_ranks(tracer, job, groups, program, status, expectations, json_path, save, targets, unseen, check_, rank_timeout)
-    if spawns.world:
-        from maskcli.commands.traceranks import report_spawned
-
-        report_spawned(tracer, spawns, program, status, expectations, json_path, save, targets, check_, rank_timeout)
-    _report(tracer, program, status, expectations, json_path, save, targets, unseen, check_)
+        raise typer.Exit(alone(lambda: outcome(lambda: finish(status)), (tracer,), None if run.interrupted else python_exit))
+    finish(status)
 
 
 def _spare_stderr() -> int | None:

@@ -53,6 +53,8 @@ def parse_sizes(text: str) -> np.ndarray:
         sizes = np.array([int(v) for v in text.replace(" ", "").split(",") if v], dtype=np.int64)
     except ValueError:
         raise MaskError(f"--docs {text!r}: give document sizes as whole numbers, like 300,500,224") from None
+    except OverflowError:  # (past int64: no mask is that long)
+        raise MaskError(f"--docs {text!r}: a size is past 2^63 - 1 tokens; give the sizes the mask's documents have, like 300,500,224") from None
     if sizes.size == 0 or (sizes < 1).any():
         raise MaskError(f"--docs {text!r}: give one size of at least 1 per document, like 300,500,224")
     return sizes

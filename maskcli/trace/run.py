@@ -54,6 +54,7 @@ class World:
 
     def __init__(self, handlers: dict | None = None):
         self.handlers = handlers or {}  # signal number -> the handler before maskcli's (commands.main keeps them)
+        self.flush = True  # False where the program ends by os._exit, which flushes nothing
 
     def __enter__(self) -> World:
         self.streams = (sys.stdout, sys.stderr)
@@ -66,8 +67,8 @@ class World:
         return self
 
     def __exit__(self, *exc) -> None:
-        for stream in (sys.stdout, sys.stderr):  # python flushes them at exit: the program's own, wherever they go
-            with contextlib.suppress(Exception):
+        for stream in (sys.stdout, sys.stderr) if self.flush else ():  # python flushes them at exit: the program's own,
+            with contextlib.suppress(Exception):  # wherever they go
                 stream.flush()
         sys.stdout, sys.stderr = self.streams
         sys.setrecursionlimit(max(self.limit, sys.getrecursionlimit()))
@@ -176,6 +177,15 @@ def _print_traceback() -> None:
         seen.add(id(chained))
         chained.__traceback__ = _without_ours(chained.__traceback__)
         chained = chained.__cause__ or chained.__context__
+    hook = sys.excepthook
+    if hook is not sys.__excepthook__ and hook is not None:  # the program's own hook, which python calls instead
+        try:
+            hook(kind, error, error.__traceback__)
+            return
+        except BaseException as failed:  # noqa: BLE001 - python's words for a hook that raises, then the error itself
+            print("Error in sys.excepthook:", file=sys.stderr)
+            traceback.print_exception(type(failed), failed, _without_ours(failed.__traceback__), file=sys.stderr, chain=False)
+            print("\nOriginal exception was:", file=sys.stderr)
     traceback.print_exception(kind, error, error.__traceback__, file=sys.stderr)
 
 

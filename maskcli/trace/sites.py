@@ -101,7 +101,7 @@ class Sites:
         held = padding()  # the padding the program's frames hold (checks/held.py)
         if held is not None:
             details["held_padding"] = held
-        window = window_held(self.stack, _own_dirs())
+        window = window_held(self.stack, _own_dirs(), details)  # (and a plain int one beside its query's position)
         if window is not None:
             details["window_handed"] = window
 

@@ -53,11 +53,16 @@ def _encoder(holder) -> bool:
     return str(getattr(kind, "name", kind)).upper() in ("ENCODER_ONLY", "ENCODER")
 
 
-def window_held(stack: list, skip: tuple[str, ...]) -> tuple[str, int, int, str] | None:
+def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None) -> tuple[str, int, int, str] | None:
     """(name, left, right, where) of the outermost window statement: the running modules' (`stack`, outermost first)
     attributes, else the variables of the program frames (those whose files do not start with `skip`), outermost
     first; None where none states one or the outermost states none. Only frames whose code names a window have their
-    locals read (a module's dict lookups cost next to nothing)."""
+    locals read (a module's dict lookups cost next to nothing).
+
+    `counted` (a dict), where given, gets under "window_counted" (name, W, p, where) of the outermost frame that holds
+    a plain int window W > 0 (or -1, none) beside the int position p of its one query (`cur_pos`, `start_pos`: POSITIONS; or its
+    sequence's length, p + 1: LENGTHS): W keys or W + 1 by its convention, at least min(W, p + 1) whichever
+    (checks/handed.py's window-narrower, which reads it for one query only: a length of 1 says nothing)."""
     for module in stack:
         attributes = vars(module)
         for name in ATTRIBUTES:
@@ -81,8 +86,32 @@ def window_held(stack: list, skip: tuple[str, ...]) -> tuple[str, int, int, str]
                         if said is not None:
                             found = (name, said, f"{name} in {code.co_name}()")
                             break
+                if counted is not None:
+                    plain = _plain(variables, code.co_name)
+                    if plain is not None:
+                        counted["window_counted"] = plain
         frame = frame.f_back
     return None if found is None else _result(*found)
+
+
+POSITIONS = ("cur_pos", "current_pos", "cur_position", "start_pos", "input_pos", "past_len", "past_length")
+LENGTHS = ("seq_len", "context_len", "kv_len", "kv_seqlen", "kv_seqlens", "seq_length", "context_length")
+
+
+def _plain(variables: dict, function: str) -> tuple | None:
+    """(name, W, p, where) of a frame holding a plain int window and the int position of its query, else None."""
+    for name in ("sliding_window", "window_size"):
+        window = variables.get(name)
+        if type(window) is int and (window > 0 or window == -1):  # (-1: the layer states it has none)
+            for position in POSITIONS:
+                at = variables.get(position)
+                if type(at) is int and at >= 0:
+                    return name, window, at, f"{name} = {window} and {position} = {at} in {function}()"
+            for length in LENGTHS:  # (the tokens of the query's sequence, its own the last: p = length - 1)
+                held = variables.get(length)
+                if type(held) is int and held > 1:
+                    return name, window, held - 1, f"{name} = {window} and {length} = {held} in {function}()"
+    return None
 
 
 def _result(name: str, said, where: str) -> tuple | None:
