@@ -26,3 +26,70 @@ def test_transformer_xls_scores_laid_out_queries_keys_batch_heads_and_softmaxed_
     assert [(c.api, c.shape) for c in t.calls] == [("softmax", (bsz, heads, qlen, klen))]
     reference = np.array([[j <= i + mlen for j in range(klen)] for i in range(qlen)])  # a double loop
     assert np.array_equal(t.calls[0].keep()[1, 1], reference)
+
+
+def test_scores_in_transformer_xl_axis_order_are_read_as_b_h_lq_lk():
+    """Transformer-XL (kimiyoung/transformer-xl mem_transformer.py) makes scores (Lq, Lk, B, H) by einsum("ibnd,jbnd->
+    ijbn"), adds a relative term, masks them with attn_mask[:, :, :, None] and softmaxes over dim 1: read through the
+    einsum's own axis order, each (b, h) plane is the mask the program built (a double loop over absolute positions:
+    mlen cached keys, then causal, the first `pad[b]` memory slots of row b padded). A softmax over heads is none."""
+    g = torch.Generator().manual_seed(0)
+    q_len, mlen, b, h, d = 4, 3, 2, 3, 8
+    k_len, pad = mlen + q_len, (0, 2)
+
+    def attend(q, k, v, rel, mask, dim=1):
+        score = (torch.einsum("ibnd,jbnd->ijbn", q, k) + rel) * d ** -0.5
+        score = score.float().masked_fill(mask[:, :, :, None], -float("inf")).type_as(score)
+        return torch.einsum("ijbn,jbnd->ibnd", F.softmax(score, dim=dim), v)
+
+    q, k, v = torch.randn(q_len, b, h, d, generator=g), torch.randn(k_len, b, h, d, generator=g), torch.randn(k_len, b, h, d, generator=g)
+    rel = torch.randn(q_len, k_len, 1, h, generator=g)
+    causal = torch.triu(torch.ones(q_len, k_len), diagonal=1 + mlen).bool()[:, :, None]
+    mask = causal | (torch.arange(k_len)[None, :, None] < torch.tensor(pad)[None, None, :])  # (Lq, Lk, B): True masks
+    plain = attend(q, k, v, rel, mask)
+    with maskcli.trace() as t:
+        traced = attend(q, k, v, rel, mask)
+    assert torch.equal(plain, traced)
+    assert [c.shape for c in t.calls] == [(b, h, q_len, k_len)]
+    keep = t.calls[0].keep()
+    for row in range(b):
+        wanted = np.array([[pad[row] <= j <= mlen + i for j in range(k_len)] for i in range(q_len)])
+        for head in range(h):
+            assert np.array_equal(keep[row, head], wanted), (row, head)
+    assert np.array_equal(keep, np.broadcast_to((~mask).permute(2, 0, 1)[:, None].numpy(), keep.shape))
+    with maskcli.trace() as t:
+        attend(q, k, v, rel, mask, dim=-1)  # (over the heads: no query-by-key weights)
+    assert t.calls == []
+
+
+def test_scores_laid_out_b_lq_h_lk_by_einsum_or_a_permute_are_read_as_b_h_lq_lk():
+    """Scores (B, Lq, H, Lk) softmaxed over their last dim, made by einsum("bqhd,bkhd->bqhk") or by q @ kᵀ permuted
+    (permute(0, 2, 1, 3), transpose(1, 2)), masked with a mask the program builds in that layout (each head its own
+    window, each batch row its own keys): every (b, h) plane is that head's window of that row (a double loop)."""
+    g = torch.Generator().manual_seed(1)
+    b, h, q_len, k_len, d = 2, 3, 4, 6, 8
+    lengths = (6, 5)
+    wanted = np.array([[[[k_len - q_len + i - (head + 2) < j <= k_len - q_len + i and j < lengths[row] for j in range(k_len)]
+                         for i in range(q_len)] for head in range(h)] for row in range(b)])
+    mask = torch.from_numpy(wanted).permute(0, 2, 1, 3).contiguous()  # (B, Lq, H, Lk): True keeps
+
+    def einsum(q, k):  # q (B, Lq, H, D), k (B, Lk, H, D)
+        return torch.einsum("bqhd,bkhd->bqhk", q, k)
+
+    def permuted(q, k):
+        return (q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2)).permute(0, 2, 1, 3)
+
+    def transposed(q, k):
+        return torch.matmul(q.permute(0, 2, 1, 3), k.permute(0, 2, 3, 1)).transpose(1, 2)
+
+    q, k = torch.randn(b, q_len, h, d, generator=g), torch.randn(b, k_len, h, d, generator=g)
+    for scores in (einsum, permuted, transposed):
+        def attend(q, k):
+            return torch.softmax(scores(q, k).masked_fill(~mask, float("-inf")) / d ** 0.5, dim=-1)
+
+        plain = attend(q, k)
+        with maskcli.trace() as t:
+            traced = attend(q, k)
+        assert torch.equal(plain, traced), scores.__name__
+        assert [c.shape for c in t.calls] == [(b, h, q_len, k_len)], scores.__name__
+        assert np.array_equal(t.calls[0].keep(), wanted), scores.__name__

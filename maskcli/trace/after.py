@@ -37,8 +37,8 @@ class After:
 
     def note(self, out, call, seen) -> None:
         """Follow `out`, the weights of softmax `call` (read as `seen`)."""
-        if not isinstance(out, torch.Tensor) or call.mask is None:
-            return
+        if not isinstance(out, torch.Tensor) or call.mask is None or "axes" in seen.details:
+            return  # (weights in another axis order than their call's mask, layout.py: not followed)
         found = self._found
         if len(found) >= KEEP:
             found.clear()

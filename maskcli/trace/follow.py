@@ -9,8 +9,8 @@ import threading
 
 import torch
 
-import maskcli.trace.layouts as layouts
 import maskcli.trace.masks as readers
+from maskcli.trace.layouts import reader as laid
 from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.overflow import WATCHED
 
@@ -89,9 +89,8 @@ class Follow:
         softmaxed = None
         if reader is not None and not self.busy and not self.within:
             if reader is not readers.softmax or self.scores.attention(readers.softmax_input(args, kwargs)):
-                if reader is readers.softmax and layouts.over_keys_at_1(args, kwargs) \
-                        and self.scores.has(readers.softmax_input(args, kwargs)):
-                    reader = layouts.ijbn_softmax  # (Transformer-XL's (Lq, Lk, B, H) scores, softmaxed over dim 1)
+                if reader is readers.softmax and self.scores.axes:  # scores in another axis order (layouts.py)
+                    reader = laid(reader, self.scores, args, kwargs)
                 self._softmax, made = None, len(self._calls)
                 self.capture(reader, args, kwargs)
                 softmaxed, self._softmax = self._softmax, None

@@ -1,30 +1,127 @@
-"""Attention scores laid out other than (..., Lq, Lk): read as the softmax over their (B, H, Lq, Lk) view.
+"""Scores laid out in another axis order than (B, H, Lq, Lk), where the product that made them says which axis is which.
 
-Transformer-XL's and XLNet's original code einsum their scores as (Lq, Lk, B, H) ('ibnd,jbnd->ijbn') and softmax them
-over dim 1. follow.py hands such a softmax to ijbn_softmax only where scores.py saw that tensor made from q @ kᵀ: a
-4-D softmax over dim 1 is otherwise most often a segmentation map's over its classes, no attention.
+Transformer-XL's and XLNet's `einsum("ibnd,jbnd->ijbn", q, k)` gives (Lq, Lk, B, H) and softmaxes over dim 1; a port may write
+"bqhd,bkhd->bqhk" and softmax over the last dim of (B, Lq, H, Lk). The einsum's equation states the layout: the output
+axes that both operands hold are the batch and head axes, the one only the first operand holds is one side of the
+product and the one only the second holds the other. A softmax over one of those two is attention over it (its keys),
+read as the usual (B, H, Lq, Lk) scores through a permuted view of the same tensor (no copy). Scores from q @ kᵀ
+(matmul, bmm, or an einsum ending in the query and key axes) that the program permutes or transposes before the
+softmax are followed the same way. Only scores scores.py saw made so are read here: a 4-D softmax over dim 1 is most
+often a segmentation map's over its classes, no attention. An axis order is a permutation `axes` of the tensor's
+dimensions: x.permute(axes) puts the shared axes first and the two sides of the product last; None: the plain order.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from maskcli.trace.masks import Seen, softmax, softmax_input
+TURNS = frozenset({torch.permute, torch.Tensor.permute, torch.transpose, torch.Tensor.transpose, torch.swapaxes,
+                   torch.Tensor.swapaxes, torch.swapdims, torch.Tensor.swapdims, torch.movedim, torch.Tensor.movedim})
+NONE = object()  # (carried(): `out` is no scores)
 
 
-def over_keys_at_1(args: tuple, kwargs: dict) -> bool:
-    """A softmax over dim 1 of a 4-D tensor (the (Lq, Lk, B, H) layout, where that tensor is scores)."""
-    x = softmax_input(args, kwargs)
+@functools.lru_cache(maxsize=256)
+def einsum_axes(equation, rank: int) -> tuple[int, ...] | None:
+    """The axis order of a two-operand einsum's output: the axes both operands hold (in output order), then the one only
+    the first holds, then the one only the second holds; None where the output has not exactly one axis of each
+    operand alone ("blhd,blhdj->blhj", Longformer's band of keys gathered per position, has none of the first's alone),
+    or where the equation is not one of two operands with an explicit output. An ellipsis stands for shared axes."""
+    if not isinstance(equation, str) or "->" not in equation:
+        return None
+    given, out = equation.replace(" ", "").split("->")
+    parts = given.split(",")
+    if len(parts) != 2 or out.count("...") > 1:
+        return None
+    extra = rank - len(out.replace("...", ""))
+    letters = out.replace("...", "." * max(extra, 0))
+    if len(letters) != rank:
+        return None
+    shared, first, second = [], [], []
+    for axis, letter in enumerate(letters):
+        if letter == ".":
+            shared.append(axis)
+            continue
+        ours, theirs = letter in parts[0], letter in parts[1]
+        (shared if ours and theirs else first if ours else second).append(axis)
+    if len(first) != 1 or len(second) != 1:
+        return None
+    return (*shared, first[0], second[0])
+
+
+def carried(func, args: tuple, kwargs: dict, x: torch.Tensor, out: torch.Tensor, axes):
+    """The axis order of `out`, computed by `func` from scores `x` laid out as `axes` (None: plain): None where `out` is
+    plain scores, a permutation, or NONE where `out` is no scores maskcli can still read (a reshape of laid-out ones)."""
+    if func in TURNS and args and args[0] is x:
+        turn = _turn(func, args, kwargs, x.dim())
+        if turn is None or out.dim() != x.dim():
+            return NONE
+        where = {given: axis for axis, given in enumerate(turn)}  # x's axis -> its place in out
+        new = tuple(where[axis] for axis in (axes or range(x.dim())))
+        return None if new == tuple(range(len(new))) else new
+    if axes is None:  # (plain scores: what keeps their last two dimensions is scores, scores.py)
+        return None if tuple(x.shape[-2:]) == tuple(out.shape[-2:]) else NONE
+    if out.dim() == x.dim() and all(a == b or a == 1 for a, b in zip(x.shape, out.shape)):
+        return axes  # (elementwise: a scaling, an added bias, masked_fill, a cast)
+    return NONE
+
+
+def _turn(func, args: tuple, kwargs: dict, rank: int) -> tuple[int, ...] | None:
+    """out's dimensions as x's: out axis i is x axis turn[i]; None where the arguments are not read."""
+    rest = list(args[1:])
+    try:
+        if func in (torch.permute, torch.Tensor.permute):
+            dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest or kwargs.get("dims")
+            turn = tuple(int(d) % rank for d in dims)
+            return turn if sorted(turn) == list(range(rank)) else None
+        if func in (torch.movedim, torch.Tensor.movedim):
+            source, destination = (rest + [kwargs.get("source"), kwargs.get("destination")])[:2]
+            source = [source] if isinstance(source, int) else list(source)
+            destination = [destination] if isinstance(destination, int) else list(destination)
+            placed = {int(d) % rank: int(s) % rank for s, d in zip(source, destination)}
+            left = iter(a for a in range(rank) if a not in placed.values())
+            return tuple(placed[i] if i in placed else next(left) for i in range(rank))
+        names = ("dim0", "dim1") if func in (torch.transpose, torch.Tensor.transpose) else ("axis0", "axis1") \
+            if func in (torch.swapaxes, torch.Tensor.swapaxes) else ("dim0", "dim1")
+        a, b = (rest + [kwargs.get(names[0]), kwargs.get(names[1])])[:2]
+        a, b = int(a) % rank, int(b) % rank
+    except (TypeError, ValueError, IndexError, KeyError, StopIteration):
+        return None
+    turn = list(range(rank))
+    turn[a], turn[b] = b, a
+    return tuple(turn)
+
+
+def reader(softmax, scores, args: tuple, kwargs: dict):
+    """The reader of a softmax over scores laid out in another axis order (`softmax`, masks.softmax, where they are
+    plain): over one side of the product, that softmax read through the permuted view (its keys: the softmax's axis);
+    over any other axis, no attention call (None)."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    axes = scores.axes_of(x)
+    if axes is None:
+        return softmax
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    return isinstance(x, torch.Tensor) and x.dim() == 4 and dim == 1
+    if not isinstance(dim, int):
+        return _nothing
+    dim %= x.dim()
+    if dim == axes[-2]:  # (over the first operand's side: those are the keys it attends over)
+        axes = (*axes[:-2], axes[-1], axes[-2])
+    elif dim != axes[-1]:
+        return _nothing
+
+    def laid(args_, kwargs_):
+        seen = softmax((x.permute(axes), -1), {})
+        if seen is not None:
+            seen.details["axes"] = list(axes)  # (the program's scores are this permutation of (B, H, Lq, Lk)'s)
+        return seen
+
+    laid.api = "softmax"
+    return laid
 
 
-def ijbn_softmax(args: tuple, kwargs: dict) -> Seen | None:
-    """The softmax over dim 1 of (Lq, Lk, B, H) scores, read as `softmax` reads their (B, H, Lq, Lk) view."""
-    seen = softmax((softmax_input(args, kwargs).permute(2, 3, 0, 1), -1), {})
-    if seen is not None:
-        seen.details["layout"] = "ijbn"
-    return seen
+def _nothing(args: tuple, kwargs: dict):
+    return None
 
 
-ijbn_softmax.api = "softmax"
+_nothing.api = "softmax"

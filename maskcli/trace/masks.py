@@ -353,7 +353,8 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
 
 def exp_softmax(args: tuple, kwargs: dict) -> Seen | None:
     """exp of attention scores: a softmax written by hand (ONNX's reference `exp(x - max(x)) / sum`), read as the
-    softmax over its input's last dimension. Only called on tensors scores.py saw made from q @ kᵀ (capture.py)."""
+    softmax over its input's last dimension. Only called on tensors scores.py saw made from q @ kᵀ (capture.py), in
+    their plain axis order (exp states no axis: scores laid out otherwise, layouts.py, are not read here)."""
     x = softmax_input(args, kwargs)
     if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4):
         return None
@@ -367,7 +368,7 @@ def exp_reader(scores):
     """The reader of torch.exp / Tensor.exp: exp_softmax where the input is scores (trace/scores.py), else no call."""
     def exp(args, kwargs):  # (seen only while the mode follows scores: exp is not patched at its entry)
         x = softmax_input(args, kwargs)
-        return exp_softmax(args, kwargs) if isinstance(x, torch.Tensor) and scores.has(x) else None
+        return exp_softmax(args, kwargs) if isinstance(x, torch.Tensor) and scores.has(x) and scores.axes_of(x) is None else None
     exp.api = "softmax"
     return exp
 

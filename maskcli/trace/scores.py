@@ -7,7 +7,9 @@ projection's weight is 2-D) are remembered by identity, and so is every tensor c
 from one of them that keeps its last two dimensions (the scaling, masked_fill, an added
 mask or bias, a cast): a softmax over one of those is attention. A softmax over a tensor
 maskcli saw no matmul make (scores built by hand, or made before the trace began) is
-attention where its shape says so: 4-D (B, H, Lq, Lk), or 3-D with as many queries as keys.
+attention where its shape says so: 4-D (B, H, Lq, Lk), or 3-D with as many queries as keys. Scores in another axis
+order that their einsum states, or that the program permuted (Transformer-XL's (Lq, Lk, B, H)), carry that order
+(layouts.py): a softmax over their keys is read through a permuted view.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
 
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
            torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum}
@@ -27,6 +31,7 @@ class Scores:
 
     def __init__(self):
         self._found: dict[int, weakref.ref] = {}
+        self.axes: dict[int, tuple] = {}  # id -> the axis order of scores not laid out (.., Lq, Lk) (layouts.py)
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -42,16 +47,26 @@ class Scores:
                 operands = operands[0]
             if func in (torch.baddbmm, torch.Tensor.baddbmm):
                 operands = operands[1:3]  # (input, batch1, batch2): the product is batch1 @ batch2
-            if sum(isinstance(x, torch.Tensor) and x.dim() >= 3 for x in operands) >= 2 and \
-                    (func is not torch.einsum or _query_by_key(args[0])):
-                self._note(out)
+            if sum(isinstance(x, torch.Tensor) and x.dim() >= 3 for x in operands) >= 2:
+                if func is not torch.einsum or _query_by_key(args[0]):
+                    self._note(out)
+                else:  # (the equation states another axis order: Transformer-XL's "ibnd,jbnd->ijbn")
+                    axes = einsum_axes(args[0], out.dim())
+                    if axes is not None:
+                        self._note(out, axes)
             return
         if not self._found:
             return
+        laid = self.axes or func in TURNS
         for x in (*args, *kwargs.values()):
-            if isinstance(x, torch.Tensor) and self.has(x) and tuple(x.shape[-2:]) == tuple(out.shape[-2:]):
-                self._note(out)
-                return
+            if isinstance(x, torch.Tensor) and self.has(x):
+                if laid:  # (scores in another axis order, or turned into one: layouts.py)
+                    axes = carried(func, args, kwargs, x, out, self.axes.get(id(x)))
+                else:  # (plain scores: what keeps their last two dimensions is scores)
+                    axes = None if tuple(x.shape[-2:]) == tuple(out.shape[-2:]) else NONE
+                if axes is not NONE:
+                    self._note(out, axes)
+                    return
 
     def has(self, tensor: torch.Tensor) -> bool:
         found = self._found.get(id(tensor))
@@ -65,20 +80,30 @@ class Scores:
             return True
         return x.dim() == 4 or (x.dim() == 3 and x.shape[-1] == x.shape[-2])
 
-    def _note(self, tensor: torch.Tensor) -> None:
-        found = self._found  # (one dict for the trace's life: the mode reads it as "following")
+    def axes_of(self, x) -> tuple | None:
+        """The axis order of scores `x` (layouts.py), None where plain or not scores."""
+        return self.axes.get(id(x)) if self.axes and self.has(x) else None
+
+    def _note(self, tensor: torch.Tensor, axes: tuple | None = None) -> None:
+        found, laid = self._found, self.axes  # (one dict for the trace's life: the mode reads it as "following")
         if len(found) >= KEEP:
             found.clear()
+            laid.clear()
         key = id(tensor)
 
         def gone(ref) -> None:  # a tensor let go is forgotten at once, so the mode stops following when none is left
             if found.get(key) is ref:  # (its id reused by a later tensor: that one keeps its own entry)
                 del found[key]
+                laid.pop(key, None)
 
         try:
             found[key] = weakref.ref(tensor, gone)
         except TypeError:  # (a tensor subclass without weak references: not remembered)
-            pass
+            return
+        if axes is not None:
+            laid[key] = axes
+        elif laid:
+            laid.pop(key, None)
 
 
 def _one_query(scores, out: torch.Tensor) -> bool:
@@ -97,12 +122,8 @@ def _query_by_key(equation) -> bool:
     parts = given.split(",")
     if len(out) < 2 or len(parts) != 2:
         return True
-
-    def apart(query: str, key: str) -> bool:
-        return (query in parts[0]) != (query in parts[1]) and (key in parts[0]) != (key in parts[1])
-
-    # (or laid out (Lq, Lk, B, H), Transformer-XL's "ibnd,jbnd->ijbn", softmaxed over dim 1: trace/layouts.py)
-    return apart(out[-2], out[-1]) or len(out) == 4 and apart(out[0], out[1]) and (out[0] in parts[0]) != (out[1] in parts[0])
+    query, key = out[-2], out[-1]  # (scores laid out otherwise, Transformer-XL's "ibnd,jbnd->ijbn": layouts.py)
+    return (query in parts[0]) != (query in parts[1]) and (key in parts[0]) != (key in parts[1])
 
 
 def banded(shape: tuple, stack: list) -> bool:
