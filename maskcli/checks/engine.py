@@ -15,7 +15,9 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "fully-masked": {"fill-became-inf (wrong)"},  # the NaN rows, said with the fill that overflowed (dtypes.py)
     "padding-lost": {"padding-ignored"},
     "mask-of-another-row": {"padding-per-head"},  # one row's padding on another row's heads, said by the keys (heads.py)
-    "padding-unused": {"padding-ignored", "padding-lost", "encoder-padding-ignored"},  # the same keys, said from the call's arguments  # the keys the model call's attention_mask pads (arguments.py)
+    # the same keys, said from the padding mask the model call was handed (arguments.py; not from its input ids, which
+    # say the pads without the mask the program held and never passed: both are said then)
+    "padding-unused": {"padding-ignored (a mask)", "padding-lost", "encoder-padding-ignored"},
     "documents-leak": {"varlen-leak", "varlen-disagree"},  # documents given outright (varlen.py)
     "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
     "window-miscounted": {"prefill-chunks-differ"},  # a prefill chunk's rows, said against the whole pass (prefill.py)
@@ -55,6 +57,8 @@ def apply(groups: list, run: Run) -> list:
         codes = {f.code for f in group.findings}
         if any(f.code == "fill-became-inf" and f.severity is None for f in group.findings):
             codes.add("fill-became-inf (wrong)")
+        if any(f.code == "padding-ignored" and not (f.source or "").startswith("input ids") for f in group.findings):
+            codes.add("padding-ignored (a mask)")
         gone = {code for code, by in SAID_BY.items() if codes & by}
         if any(severity(f) == "wrong" for f in group.findings if f.code != "prefill-chunks-differ" and f.code not in gone):
             gone.add("prefill-chunks-differ")  # a chunk another rule calls wrong
