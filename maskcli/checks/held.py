@@ -306,10 +306,13 @@ def held_inverted(run: Run) -> list:
                     padded = ~real.all(axis=1)
                     # keys the padding does not cover (a relay, CLS or register token put before or after the tokens):
                     # its keys are the call's last ones or its first ones, and the complement must hold over them
+                    # (the keys beside them are seen, as a relay or CLS token is: a cache's unwritten slots past the
+                    # tokens, which no query sees, are no such keys and the tokens are not read as the call's last ones)
                     extra = k_len - table.shape[1]
                     for at in sorted({extra, 0}, reverse=True):
                         over = cells[padded][..., at:at + table.shape[1]]
-                        if (over == ~real[padded][:, None, None, :]).all():
+                        beside = np.delete(cells[padded], np.arange(at, at + table.shape[1]), axis=-1)
+                        if (over == ~real[padded][:, None, None, :]).all() and beside.all():
                             break
                     else:
                         continue
