@@ -279,3 +279,9 @@ def test_trl_ppo_batched_forward_pass_seq2seq_no_attention_mask(tmp_path):
     from checkbugs import check_bug
 
     check_bug(tmp_path, "trl_ppo_batched_forward_pass_seq2seq_no_attention_mask", "padding-ignored")
+
+
+def test_unsloth_grpo_accumulated_loss_left_padded_no_attention_mask(tmp_path):
+    """unsloth#3176: GRPO's accumulated loss runs the left-padded batch with is_causal and no attention_mask
+    (written blind, batch blind-p; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "unsloth_grpo_accumulated_loss_left_padded_no_attention_mask", "padding-ignored")

@@ -398,3 +398,9 @@ def test_mlx_vlm_batch_generate_left_padding_dropped(tmp_path):
     """mlx-vlm#1946: batch generate drops the processor's left padding before the caches
     (written blind, batch blind-o; caught before any rule was changed for it)."""
     check_bug(tmp_path, "mlx_vlm_batch_generate_left_padding_dropped", "padding-unused")
+
+
+def test_vllm_omni_cosyvoice3_dit_streaming_chunk_mask_after_attention(tmp_path):
+    """vllm-omni#5704: CosyVoice 3's DiT builds its streaming chunk and padding mask after the attention that needed it
+    (written blind, batch blind-p; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "vllm_omni_cosyvoice3_dit_streaming_chunk_mask_after_attention", "padding-unused")

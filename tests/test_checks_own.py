@@ -81,3 +81,10 @@ def test_a_causal_flag_on_a_cross_attention_is_no_promise_about_its_memory(tmp_p
     hits = [f for f in found if f["code"] == "causal-flag-ignored"]
     assert status == 1 and hits and all(".attn1" in f["message"] for f in hits), report
     assert tuple(hits[0]["cell"]) == first((2, 6, 6), lambda b, q, k: k > q)
+
+
+def test_transformers_llama_sdpa_output_attentions_eager_fallback_no_causal_mask(tmp_path):
+    """transformers#30652: Llama's SDPA attention falling back to eager for output_attentions drops the causal mask
+    (written blind, batch blind-p; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "transformers_llama_sdpa_output_attentions_eager_fallback_no_causal_mask",
+              "causal-flag-ignored")
