@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from checkbugs import check_bug, traced
 from maskcli.checks.fullblocks import _segments
@@ -57,11 +58,13 @@ def test_quiet_where_each_image_is_one_window(tmp_path):
 def test_transformers_tower_with_a_port_s_whole_image_windows(tmp_path):
     """transformers' own Qwen2.5-VL vision tower, its window index replaced by whole images: the config's window_size
     over patch_size (64 patches) says the windowed blocks' 256 keys are too many."""
+    pytest.importorskip("transformers")  # (its Qwen2_5_VisionTransformerPretrainedModel: the hf extra)
     [hit] = check_bug(tmp_path, "hf_qwen25_vision_windows_lost", "full-blocks-windowed", HERE)
     assert "sees 256 keys, more than the 64 patches of one window (window_size=112 over patch_size=14" in hit["message"]
 
 
 def test_transformers_tower_quiet_on_an_image_of_one_window(tmp_path):
     """An 8 x 8-patch image is one window of the config's: every block rightly sees all of it."""
+    pytest.importorskip("transformers")
     status, found, report = traced(tmp_path, "hf_qwen25_vision_windows_lost", False, HERE, ("--one",))
     assert [f for f in found if f["code"] == "full-blocks-windowed"] == [] and status == 0, report
