@@ -21,6 +21,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from maskcli.trace.maskfacts import attention_bias
 from maskcli.trace.overflow import CASTS, may_overflow
 from maskcli.trace.patch import swap
 from maskcli.trace.scores import MATMULS
@@ -170,16 +171,9 @@ def _sdpa_as_called(*args, **kwargs):
     where its __torch_function__ is handed F.scaled_dot_product_attention itself (it compares identity with F's
     attribute, which is the wrapper while tracing): it is handed its dispatch here, as python would hand it."""
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-    if mask is not None and type(mask) is not torch.Tensor and isinstance(mask, _attention_bias()):
+    if attention_bias(mask):
         return type(mask)._dispatch(*args, **kwargs)
     return sdpa()(*args, **kwargs)
-
-
-@functools.cache
-def _attention_bias() -> type:
-    from torch.nn.attention.bias import CausalBias
-
-    return CausalBias
 
 
 def _hook(trace, original, stands_for):

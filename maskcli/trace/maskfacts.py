@@ -92,3 +92,13 @@ def nan_scores(scores: torch.Tensor, details: dict) -> None:
     if scores.numel() and bool(torch.isnan(scores.amax())):
         nan = torch.isnan(scores).any(dim=-1).reshape(-1)
         details["nan_scores"] = torch.nonzero(nan).flatten()[:NAN_ROWS].tolist()
+
+
+def attention_bias(mask) -> bool:
+    """`mask` is one of torch's attention-bias objects (torch.nn.attention.bias.CausalBias): a tensor subclass whose
+    cells exist only as its dispatch materialises them, and which SDPA hands on to that dispatch."""
+    if mask is None or type(mask) is torch.Tensor or not isinstance(mask, torch.Tensor):
+        return False
+    from torch.nn.attention.bias import CausalBias
+
+    return isinstance(mask, CausalBias)

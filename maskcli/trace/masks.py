@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from maskcli import tracefile
 from maskcli.inspect.polarity import additive_keep
-from maskcli.trace.maskfacts import empty_rows as _empty_rows, infinite as _infinite, nan_scores as _nan_scores, poison
+from maskcli.trace.maskfacts import attention_bias as _attention_bias, empty_rows as _empty_rows, infinite as _infinite, \
+    nan_scores as _nan_scores, poison
 from maskcli.text import step_label
 from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
@@ -175,7 +176,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     q_shape, k_shape = tuple(q.shape), tuple(k.shape)  # (each shape read once: a tensor's attributes cost a call each)
     q_len, k_len = q_shape[-2], k_shape[-2]
     lead = q_shape[:-2]
-    if mask is not None and type(mask) is not torch.Tensor and hasattr(mask, "_materialize"):
+    if _attention_bias(mask):
         mask = mask._materialize(q.device)  # (an attention-bias object, CausalBias: its (Lq, Lk) cells, as its dispatch runs)
     if mask is not None:
         mask_shape = tuple(mask.shape)
