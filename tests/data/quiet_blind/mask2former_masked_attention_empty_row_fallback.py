@@ -10,7 +10,7 @@ empty at that scale would have a fully blocked row, so the decoder un-blocks tha
 (`attn_mask[torch.where(attn_mask.sum(-1) == attn_mask.shape[-1])] = False`): that query then attends
 to every pixel. Self-attention among the queries is unmasked.
 Mask meant: cross-attention Q=20 queries x H*W pixels (16, 64 or 256 keys), each row the query's own
-foreground (data dependent, different per head-copy only by batch), an empty row opened fully;
+foreground (data dependent, the same for every head), an empty row opened fully;
 query self-attention full 20x20.
 """
 import torch
