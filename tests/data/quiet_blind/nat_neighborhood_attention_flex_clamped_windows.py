@@ -10,6 +10,8 @@ Mask meant: query pixel (r, c) sees exactly 15 keys: rows |clamp(r, 1, 4) - r'| 
 |clamp(c, 2, 7) - c'| <= 2. Not symmetric at the borders (a corner pixel's window is off-center),
 bidirectional, no causality.
 """
+import warnings
+
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -67,6 +69,8 @@ class NATLayer(nn.Module):
 
 
 if __name__ == "__main__":
+    # eager CPU flex runs unfused; that is fine for a 60-token canvas
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     torch.manual_seed(0)
     layers = nn.Sequential(*[NATLayer(dim=32, num_heads=4, kernel_size=(3, 5)) for _ in range(2)]).eval()
     x = torch.randn(2, 6, 10, 32)  # B, H, W, C (NAT keeps channels last)
