@@ -2,7 +2,9 @@
 
 Follows huggingface/transformers src/transformers/models/wav2vec2/modeling_wav2vec2.py
 (Wav2Vec2PreTrainedModel._get_feat_extract_output_lengths, _get_feature_vector_attention_mask,
-Wav2Vec2Encoder.forward, eager attention), written as plain torch with the project's names.
+Wav2Vec2Encoder.forward, eager attention), written as plain torch with the project's names; the
+additive mask is the explicit `(1.0 - mask) * finfo.min` form of the pre-masking_utils versions
+(transformers 5.x builds the same bidirectional padding mask with create_bidirectional_mask).
 Three utterances of 4000, 2600 and 1300 samples are zero-padded to 4000; `attention_mask` is per
 sample. The conv feature encoder (kernels 10,3,3,3,3,2,2; strides 5,2,2,2,2,2,2) turns 4000 samples
 into 12 frames; each utterance's frame count comes from the conv length formula, and the frame mask
