@@ -1,8 +1,11 @@
 """LightLLM FA3 FP8 decode attention in MTP-verify mode: non-causal, expanded seqlens.
 
-Citation: ModelTC/LightLLM commit c071ffd82 ("fix(fa3/fp8): narrow decode verify
-to b_att_seq_len + causal (#4)"), read in the upstream git history
-(lightllm/common/basemodel/attention/fa3/fp8.py).
+Citation: ModelTC/LightLLM#1338 (squash-merged as 2d5c0570f, "Qwen3.5 MTP
+speculative decoding"); the change is commit c071ffd82 ("fix(fa3/fp8): narrow
+decode verify to b_att_seq_len + causal (#4)") on the PR branch
+(refs/pull/1330/head). Read in the upstream git history
+(lightllm/common/basemodel/attention/fa3/fp8.py); main before #1338 had the
+buggy arguments.
 
 Bug: with MTP speculative decoding (mtp_step > 0), a verify decode step runs
 mtp_size = mtp_step + 1 query tokens per request. `Fa3DecodeAttState.init_state`

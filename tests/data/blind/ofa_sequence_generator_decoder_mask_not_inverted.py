@@ -1,6 +1,7 @@
 """OFA (transformers port) beam search: decoder self-attention mask passed as `tokens.eq(pad)`.
 
-Citation: OFA-Sys/OFA commit b3f1e6a ("invert mask for the latest PRs"), the
+Citation: OFA-Sys/OFA commit b3f1e6a ("invert mask for the latest PRs", on the
+public branch feature/add_transformers that holds the transformers port), the
 follow-up of OFA-Sys/OFA#254 (merge 134ad29), which switched `modeling_ofa.py`
 to the Hugging Face mask convention (1 = attend, `_expand_mask` inverts).
 Read in the upstream git history

@@ -1,8 +1,13 @@
 """TGI Gaudi backend: Qwen2 sliding window applied although use_sliding_window is false.
 
-Citation: huggingface/text-generation-inference commit 99323542 ("qwen2 sliding
-window fix, mllama does not contain sliding window"), read in the upstream git
-history (backends/gaudi/server/text_generation_server/...).
+Citation: huggingface/text-generation-inference#3280 ("[gaudi] Gemma3 sliding
+window support", squash-merged as 429dcd9c); the fix is the PR-branch commit
+99323542 ("qwen2 sliding window fix, mllama does not contain sliding window"),
+read in the upstream git history (backends/gaudi/server/text_generation_server/...).
+Provenance caveat: the buggy state exists on that PR's branch (commit 8c988de9
+made the HPU attention honour window_size_left; 99323542 fixed Qwen2 two commits
+later, before the squash merge). On main before #3280 the HPU attention ignored
+window_size_left, so released builds never ran this banded mask.
 
 Bug: Qwen2 checkpoints ship `sliding_window` together with
 `use_sliding_window: false` (the window is disabled). The Gaudi
