@@ -12,11 +12,13 @@ attends a different sequence than the rollout (PPO KL / clipfrac high before any
 
 Fix: build_attention_mask_from_nested() derives the mask from the jagged input_ids' own lengths.
 
-This program: two jagged rows (prompt + response) as torch nested jagged tensors, the engine's
+This program: two jagged rows (prompt + response) as torch nested tensors (strided layout here: the
+jagged layout verl uses imports torch._dynamo and doubles the run time; the padding is the same), the engine's
 prepare_model_inputs padding them back to dense, and a small causal LM whose attention layer combines
 the 2-D attention_mask with the causal triangle and calls F.scaled_dot_product_attention.
 """
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +67,7 @@ class TinyCausalLM(nn.Module):
 
 
 def build_attention_mask_from_nested(input_ids, max_seq_len):
-    seq_len_effective = input_ids.offsets().diff()
+    seq_len_effective = torch.tensor([t.numel() for t in input_ids.unbind()])
     positions = torch.arange(int(max_seq_len)).unsqueeze(0)
     return (positions < seq_len_effective.unsqueeze(1)).to(torch.int32)
 
@@ -90,9 +92,9 @@ def main():
     config = EngineConfig()
     prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
     responses = [torch.tensor([11, 12]), torch.tensor([13])]
-    input_ids = torch.nested.nested_tensor([torch.cat([p, r]) for p, r in zip(prompts, responses)],
-                                           layout=torch.jagged)
-    loss_mask = torch.nested.nested_tensor([torch.ones_like(r) for r in responses], layout=torch.jagged)
+    warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage")
+    input_ids = torch.nested.nested_tensor([torch.cat([p, r]) for p, r in zip(prompts, responses)])
+    loss_mask = torch.nested.nested_tensor([torch.ones_like(r) for r in responses])
     model = TinyCausalLM().eval()
     inputs = prepare_model_inputs(config, {"input_ids": input_ids, "loss_mask": loss_mask})
     with torch.no_grad():
