@@ -5,7 +5,7 @@ issue"); it rolls back the pad-token change of rllm-org/rllm#226. I read the dif
 (rllm/trainer/verl/agent_ppo_trainer.py, rllm/parser/utils.py, chat_template_parser.py).
 
 Bug: fix_pad_token() replaced a pad_token equal to eos_token by the unk token, else by the BOS token. For a
-tokenizer without unk whose pad is its eos (the DeepSeek-R1-Distill-Qwen family that
+tokenizer without unk whose pad is its eos (as I understand it, the DeepSeek-R1-Distill-Qwen family that
 DeepseekQwenChatTemplateParser serves) the pad becomes BOS, which DeepseekQwenChatTemplateParser.parse puts
 at the start of every first message. generate_agent_trajectory then built
 attention_mask = torch.where(trajectory_batch != pad_token_id, 1, 0): the BOS of every prompt is masked out
