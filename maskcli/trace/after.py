@@ -148,7 +148,10 @@ class After:
                 or not weights.is_floating_point() or weights.numel() != seen.keep.numel():
             return
         with torch.no_grad():
-            bad = torch.isnan(out).any(dim=-1) & torch.isfinite(weights).all(dim=-1)  # (.., Lq)
+            nan = torch.isnan(out).any(dim=-1)  # (.., Lq): the weights read only where the output has NaN at all
+            if not bool(nan.any()):
+                return
+            bad = nan & torch.isfinite(weights).all(dim=-1)
             if bool(bad.any()):
                 flat = bad.reshape(-1).nonzero().flatten().tolist()[:4096]
                 call.details["nan_values"] = seen.details["nan_values"] = flat
