@@ -114,8 +114,10 @@ class Follow:
         followed = self._followed
         if softmaxed is not None:  # its weights followed: a 0/1 mask multiplied in afterwards is its mask (after.py)
             self.after.note(out, *softmaxed)
+            if self.scores is not None and self.scores.added:  # scores + a 0/1 mask: it masked nothing (scores.py)
+                self.scores.ones_added(readers.softmax_input(args, kwargs), *softmaxed)
         elif followed[2] and not self.busy:
-            self.after.after(self, func, args)
+            self.after.after(self, func, args, out)
         if (func in WATCHED or followed[0]) and isinstance(out, torch.Tensor) and out.dim() >= 2 \
                 and out.is_floating_point() and not self.busy and has_values(out):
             self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)

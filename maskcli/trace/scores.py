@@ -22,6 +22,9 @@ from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
 
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
            torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum}
+ADDS = {torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__, torch.Tensor.__radd__,
+        torch.Tensor.__iadd__}
+ADDEND_MOST = 1 << 22  # cells of an added mask read for 0s and 1s at most
 KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
 HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")  # a module's own head count
 
@@ -32,6 +35,7 @@ class Scores:
     def __init__(self):
         self._found: dict[int, weakref.ref] = {}
         self.axes: dict[int, tuple] = {}  # id -> the axis order of scores not laid out (.., Lq, Lk) (layouts.py)
+        self.added: dict[int, torch.Tensor] = {}  # id -> a float mask of only 0s and 1s added to these scores (ones_added)
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -65,8 +69,23 @@ class Scores:
                 else:  # (plain scores: what keeps their last two dimensions is scores)
                     axes = None if tuple(x.shape[-2:]) == tuple(out.shape[-2:]) else NONE
                 if axes is not NONE:
+                    addend = self.added.get(id(x)) if self.added else None
                     self._note(out, axes)
+                    if func in ADDS and addend is None:
+                        addend = _zero_one(args, x, out)
+                    if addend is not None and axes is None:
+                        self.added[id(out)] = addend
                     return
+
+    def ones_added(self, x, call, seen) -> None:
+        """At softmax `call` over scores `x`: details["zero_one"] where a 0/1 mask added to them masked nothing in some
+        row (checks/kernels.py's ones-added, as for SDPA's float attn_mask)."""
+        addend = self.added.get(id(x)) if isinstance(x, torch.Tensor) and self.has(x) else None
+        if addend is None or "axes" in seen.details:
+            return
+        keep = seen.keep if seen.keep is not None else seen.materialize()
+        if zero_one_seen(addend, x, keep):
+            call.details["zero_one"] = seen.details["zero_one"] = True
 
     def has(self, tensor: torch.Tensor) -> bool:
         found = self._found.get(id(tensor))
@@ -89,12 +108,17 @@ class Scores:
         if len(found) >= KEEP:
             found.clear()
             laid.clear()
+            self.added.clear()
         key = id(tensor)
+
+        added = self.added
+        added.pop(key, None)  # (an id a dead tensor had, now this one's)
 
         def gone(ref) -> None:  # a tensor let go is forgotten at once, so the mode stops following when none is left
             if found.get(key) is ref:  # (its id reused by a later tensor: that one keeps its own entry)
                 del found[key]
                 laid.pop(key, None)
+                added.pop(key, None)
 
         try:
             found[key] = weakref.ref(tensor, gone)
@@ -104,6 +128,39 @@ class Scores:
             laid[key] = axes
         elif laid:
             laid.pop(key, None)
+
+
+def _zero_one(args: tuple, scores: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    """The other operand of scores + mask where it is a float tensor of only 0s and 1s, some of each, that broadcasts to
+    the sum: a keep (or pad) mask cast to float and added as it is, which masks nothing (QEfficient#1159)."""
+    other = next((a for a in args[:2] if isinstance(a, torch.Tensor) and a is not scores), None)
+    if other is None or not other.is_floating_point() or other.dim() < 2 or other.numel() > ADDEND_MOST \
+            or other.device.type == "meta" or len(args) > 2:  # (add(x, y, alpha=...): not a plain sum)
+        return None
+    with torch.no_grad():
+        zeros = other == 0
+        if not bool(zeros.any()) or not bool((zeros | (other == 1)).all()) or bool(zeros.all()):
+            return None
+        try:
+            torch.broadcast_shapes(other.shape, out.shape)
+        except RuntimeError:
+            return None
+        return other.detach() == 1
+
+
+def zero_one_seen(addend: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None) -> bool:
+    """A query row of the softmax over `x` (scores plus the 0/1 `addend`, bool: where it adds 1) whose keys it sees
+    (`keep`, the call's mask) include keys the addend sets apart (some added 1, some 0): the mask the program built
+    masks nothing there. Not where something else masks one side away (a masked_fill beside the addition)."""
+    if keep is None:
+        return False
+    with torch.no_grad():
+        try:
+            ones = addend.broadcast_to(x.shape).reshape(keep.shape)
+        except RuntimeError:
+            return False
+        both = (keep & ones).any(dim=-1) & (keep & ~ones).any(dim=-1)
+        return bool(both.any())
 
 
 def _one_query(scores, out: torch.Tensor) -> bool:
