@@ -5,13 +5,16 @@ Each kind reads its candidate parameters off the tensor's profile, once per plac
 bound to their kinds in one call (`terms.bound_each`). `table` groups the candidates by the options that place them:
 each group's positions are resolved once (`placing`: a Frame, and its key padding's intervals), its candidates'
 intervals are made in one call (`terms.placed_each`), and `matching` compares every candidate with the tensor's own
-runs (`runs`, read once) in one pass: one stack of intervals, a batch row per candidate. No Mask is made here:
-structure.py builds one for the candidate it names.
+runs (`runs`, read once) in one pass: one stack of intervals, a batch row per candidate. Before that, a candidate
+whose kinds declare something the tensor lacks at its positions (`lacking`, read once per placement: a later key
+seen, a query that does not see itself or position 0) is ruled out and never made (`ruled_out`). No Mask is made
+here: structure.py builds one for the candidate it names.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 
@@ -43,25 +46,27 @@ def bare(name: str) -> Term:
 def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile:
     """What the kinds read candidates from: first and last visible key per row, in absolute positions."""
     q_len, k_len = ref.shape
-    positions = np.arange(k_start, k_start + k_len)
+    seen = ref.any(axis=1)  # argmax of the bool rows, not a min over an int64 copy of every cell (L^2 x 8 bytes)
     return Profile(
         q=np.arange(q_start, q_start + q_len),
-        first=np.where(ref, positions, k_start + k_len).min(axis=1),
-        last=np.where(ref, positions, k_start - 1).max(axis=1),
-        seen=ref.any(axis=1),
+        first=np.where(seen, ref.argmax(axis=1), k_len) + k_start,
+        last=np.where(seen, k_len - 1 - ref[:, ::-1].argmax(axis=1), -1) + k_start,
+        seen=seen,
         k_start=k_start,
         k_end=k_start + k_len,
         marked=marked,
     )
 
 
-def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str) -> list[tuple[str, Term, dict]]:
+def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str, base: Profile | None = None) -> list[tuple[str, Term, dict]]:
     """(kind name, Term, options) read off one (Lq, Lk) keep matrix: simplest kind first, and for each kind the
     queries at the end of the keys (as a cache puts them) before top-left. A value a kind refuses (as a typed one
-    would be) is no candidate."""
+    would be) is no candidate. `base`: the matrix's profile with its queries from 0 where the caller has it (each
+    placement moves only its queries: the rows are read once)."""
     read = []  # (rank, placement, kind, its values, options)
+    base = profile(ref, 0, 0, marked) if base is None else base
     for order, (options, q_start) in enumerate(placements):
-        seen = profile(ref, q_start, 0, marked)
+        seen = base if q_start == 0 else replace(base, q=base.q + q_start)
         for kind in all_kinds():
             if kind.recognise is not None:
                 read += [(kind.rank, order, kind, params, options) for params in kind.recognise(seen)]
