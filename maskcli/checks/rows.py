@@ -120,14 +120,15 @@ def reach(stored: dict, q_len: int) -> tuple[np.ndarray, np.ndarray]:
     return np.broadcast_to(first, (first.shape[0], q_len)), np.broadcast_to(last, (last.shape[0], q_len))
 
 
-def later(call, stored: dict, structure, real=None) -> list[Finding]:
+def later(call, stored: dict, structure, real=None, past=None) -> list[Finding]:
     """A query of a trace group that sees a key after its own position, the queries placed at the end of the keys.
     `real`: bool (B, Lq) the queries the model call states real (stated_queries), or a function giving it or None, asked
     only where some query sees a later key: its padding queries are left out (a padding row's output is never used,
     whatever it sees: a left-padded row's last padding query over the real keys after it, at GPT-2's -1e4). Where it
     states none, a mask no kind names has its padding rows read off its cells (_read_queries); one reading either way,
     and every test below reads the real queries alone (the runs of later keys that padding rows see say nothing of a
-    causal mask's slip)."""
+    causal mask's slip). `past`: a function saying whether the model call states its queries past every key
+    (past_the_keys): then no key is later than a query, wherever the mask lets them look."""
     if structure is not None and structure.expression is not None and structure.kind not in MEANT_LATER:
         return []
     if call.api in ("flash", "hf") and not call.details.get("causal"):
@@ -139,7 +140,7 @@ def later(call, stored: dict, structure, real=None) -> list[Finding]:
     q_len, k_len = call.shape[2:]
     own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
     seeing = reach(stored, q_len)[1] > own[None, :]  # (b*h, Lq)
-    if not seeing.any():
+    if not seeing.any() or past is not None and past():
         return []
     real = real() if callable(real) else real
     b, h = stored["planes"]
@@ -201,6 +202,25 @@ def _slip(cells: np.ndarray, run: np.ndarray, k_len: int) -> bool:
     last = k_len - 1 - cells.any(axis=1)[:, ::-1].argmax(axis=-1)  # (B*H,): the last key any query of the plane sees
     run_end = k_len - 1 - run[..., ::-1].argmax(axis=-1)
     return bool((run_end[has] == np.broadcast_to(last[:, None], has.shape)[has]).all())
+
+
+def past_the_keys(run, calls: list) -> bool:
+    """Every call of a trace group (calls that share mask and shape) is made by a model call that states its first
+    query's position (context.STARTS: start_pos, query_offset, ...) at or past the call's last key: its queries' own
+    tokens are no keys of it (an MTP drafter's queries over the target's cache, a block that attends to a cache it is
+    not written into), so every key precedes every query, and no placement among the keys (bottom-right, or top-left
+    at a static cache's start) is where the program says they sit."""
+    from maskcli.checks.context import STARTS
+
+    if run is None or not calls:
+        return False
+    k_len = calls[0].shape[3]
+    for call in calls:
+        top = run.top(call)
+        given = {} if top is None else top.arguments
+        if not any(isinstance(given.get(name), int) and given[name] >= k_len for name in STARTS):
+            return False
+    return True
 
 
 def _read_queries(cells: np.ndarray, own: np.ndarray) -> np.ndarray:

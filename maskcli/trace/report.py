@@ -16,7 +16,7 @@ from maskcli.checks.kernels import asked, ignored_is_causal, top_left, top_left_
 from maskcli.checks.named import closest as closest_rows
 from maskcli.checks.named import polarity, same_as
 from maskcli.checks.registry import as_json, severity
-from maskcli.checks.rows import MEANT_LATER, empty_rows, later, stated_queries
+from maskcli.checks.rows import MEANT_LATER, empty_rows, later, past_the_keys, stated_queries
 from maskcli.text import Finding, spans, step_text
 from maskcli.trace.names import PADDING, also_documents, flags, flipped_keep
 
@@ -154,7 +154,7 @@ def _named(calls: list, run=None) -> Group:
         if structure.kind in MEANT_LATER:  # nothing, or a raw tril/triu: is it a known mask read the wrong way round?
             flipped = recognise(flipped_keep(keep4, given), padding=given)  # (the padding is not what is flipped)
             other = None if flipped.expression is None else flipped.expression + flags(flipped.options, q_len, k_len)
-            group.findings += polarity(first, flipped.kind, other)
+            group.findings += polarity(first, flipped.kind, other, lambda: past_the_keys(run, calls))
     else:
         named = _name_on_intervals(stored, q_len, k_len, _documents(first))
         if named is not None:
@@ -164,7 +164,7 @@ def _named(calls: list, run=None) -> Group:
                                  "and it is none of full, causal, a window", None)
     if q_len and k_len:  # (no token: no row to see nothing, no later key)
         group.findings[:0] = empty_rows(first, stored, structure) + later(
-            first, stored, structure, lambda: stated_queries(run, calls))
+            first, stored, structure, lambda: stated_queries(run, calls), lambda: past_the_keys(run, calls))
     details = first.details
     group.findings += bias(details) + fills(details) + poisoned(details) + asked(first, stored, group.name) + score_mod(details)
     group.findings += refused(calls)
