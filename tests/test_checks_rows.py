@@ -331,7 +331,7 @@ def _gpt2_keep(real: list[int], diagonal: int) -> np.ndarray:
 def test_a_one_row_batchs_padding_row_that_sees_every_key_is_no_slip():
     """decision_transformer (tests/data/quiet_blind): a batch of ONE left-padded row through GPT-2's -1e4 fills: the last
     padding query sees every key, the real ones after it included (its output is never used): no slip of a causal mask.
-    The same batch with the causal buffer one key off, its real queries stated (restate: the model call's
+    The same batch with the causal buffer one key off, its real tokens stated (the model call's
     attention_mask), is still one, on its real rows; its padding rows' runs do not make it a note."""
     from maskcli.checks.registry import severity
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from maskcli import tracefile
 from maskcli.checks.context import cross
+from maskcli.checks.real import by_row
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -122,13 +123,15 @@ def reach(stored: dict, q_len: int) -> tuple[np.ndarray, np.ndarray]:
 
 def later(call, stored: dict, structure, real=None, past=None) -> list[Finding]:
     """A query of a trace group that sees a key after its own position, the queries placed at the end of the keys.
-    `real`: bool (B, Lq) the queries the model call states real (stated_queries), or a function giving it or None, asked
-    only where some query sees a later key: its padding queries are left out (a padding row's output is never used,
-    whatever it sees: a left-padded row's last padding query over the real keys after it, at GPT-2's -1e4). Where it
-    states none, a mask no kind names has its padding rows read off its cells (_read_queries); one reading either way,
-    and every test below reads the real queries alone (the runs of later keys that padding rows see say nothing of a
-    causal mask's slip). `past`: a function saying whether the model call states its queries past every key
-    (past_the_keys): then no key is later than a query, wherever the mask lets them look."""
+
+    `real`: bool (B, Lk) the tokens the model call states real (stated_tokens), or a function giving it or None, asked
+    only where some query sees a later key. Its padding queries are left out (a padding row's output is never used,
+    whatever it sees: a left-padded row's last padding query over the real keys after it, at GPT-2's -1e4), and a mask
+    no kind names is judged on its real queries over its real keys alone (the runs of later keys that padding rows see
+    say nothing of a causal mask's slip; keys the program states padding are the padding rules', not a causal order's).
+    Where it states none, such a mask has its padding rows read off its cells (_read_queries): only the real ones are
+    said, and the tests read the cells whole (a guess from the cells does not reshape them). `past`: a function saying
+    whether the model call states its queries past every key (past_the_keys): then no key is later than a query."""
     if structure is not None and structure.expression is not None and structure.kind not in MEANT_LATER:
         return []
     if call.api in ("flash", "hf") and not call.details.get("causal"):
@@ -144,18 +147,20 @@ def later(call, stored: dict, structure, real=None, past=None) -> list[Finding]:
         return []
     real = real() if callable(real) else real
     b, h = stored["planes"]
-    if real is not None and real.shape[1] == q_len and b in (1, real.shape[0]):
-        seeing = seeing.reshape(b, h, q_len).any(axis=1) & real  # (B, Lq): the real queries that see later keys
+    if real is not None and q_len <= k_len and real.shape[1] == k_len and b in (1, real.shape[0]):
+        seeing = seeing.reshape(b, h, q_len).any(axis=1) & real[:, own]  # (B, Lq): the real queries that see later keys
     else:
         real = None
     rows = np.flatnonzero(seeing.any(axis=0))
     unnamed = structure is not None and structure.kind is None and stored["form"] != "stats"
     if len(rows) and unnamed:  # (a mask no kind names: its cells read once for every test below)
         cells = tracefile.dense(stored)
-        if real is None:
-            real = _read_queries(cells, own)
-        # (its padding query rows see nothing here, so that every test below reads real ones)
-        cells = np.broadcast_to(cells, (max(real.shape[0], cells.shape[0]), *cells.shape[1:])) & real[:, None, :, None]
+        if real is None:  # (read off the cells, which stay whole: a mask built both ways is read as it was built)
+            ahead = (by_row(cells) & (np.arange(k_len)[None, None, :] > own[None, :, None])).any(axis=-1)  # (B, Lq)
+            rows = np.intersect1d(rows, np.flatnonzero((ahead & _read_queries(cells, own)).any(axis=0)))
+        else:  # (the program's word: its padding queries and keys out, so that every test below reads real ones)
+            cells = np.broadcast_to(cells, (max(real.shape[0], cells.shape[0]), *cells.shape[1:])) \
+                & real[:, None, own, None] & real[:, None, None, :]
         planes = cells.reshape(-1, q_len, k_len)
         run = _next_run(planes, q_len, k_len)
         # a slip of a causal mask (one key off, the wrong way round) reaches the keys right after the query; keys seen
@@ -173,22 +178,19 @@ def later(call, stored: dict, structure, real=None, past=None) -> list[Finding]:
                     "a causal mask with an off-by-one, or one read the wrong way round?")]
 
 
-def stated_queries(run, calls: list) -> np.ndarray | None:
-    """Bool (B, Lq): the queries of a trace group (calls that share mask and shape) whose own token the model call states
-    real (checks/real.py stated: its attention_mask, lengths, ...), placed as `later` places them, every call's model
-    call stating the same; None where one states none, or the queries have no place among the keys."""
+def stated_tokens(run, calls: list) -> np.ndarray | None:
+    """Bool (B, Lk): the tokens of a trace group's keys (calls that share mask and shape) the model call states real
+    (checks/real.py stated: its attention_mask, lengths, ...), every call's model call stating the same; None where one
+    states none, or the group attends across (its queries' tokens are no keys of it)."""
     from maskcli.checks.real import stated
 
-    if run is None or not calls:
+    if run is None or not calls or cross(calls[0]):
         return None
-    first = calls[0]
-    rows, _, q_len, k_len = first.shape
-    if q_len > k_len or cross(first):
-        return None
+    rows, _, _, k_len = calls[0].shape
     said = [stated(run.top(call), rows, k_len) for call in calls]
     if any(s is None for s in said) or any(not np.array_equal(s[0], said[0][0]) for s in said[1:]):
         return None
-    return said[0][0][:, k_len - q_len + np.arange(q_len)]
+    return said[0][0]
 
 
 def _slip(cells: np.ndarray, run: np.ndarray, k_len: int) -> bool:
@@ -230,7 +232,7 @@ def _read_queries(cells: np.ndarray, own: np.ndarray) -> np.ndarray:
     query after it sees, in a batch of one row too: a padding row left unmasked, as GPT-2's -1e4 leaves the last one of
     a left-padded row (its keys all -1e4 or near it); a causal mask one key off has such a full row too, whose key the
     next row sees."""
-    from maskcli.checks.real import by_row, read_off
+    from maskcli.checks.real import read_off
 
     planes = by_row(cells)
     q_len, k_len = planes.shape[1:]

@@ -16,7 +16,7 @@ from maskcli.checks.kernels import asked, ignored_is_causal, top_left, top_left_
 from maskcli.checks.named import closest as closest_rows
 from maskcli.checks.named import polarity, same_as
 from maskcli.checks.registry import as_json, severity
-from maskcli.checks.rows import MEANT_LATER, empty_rows, later, past_the_keys, stated_queries
+from maskcli.checks.rows import MEANT_LATER, empty_rows, later, past_the_keys, stated_tokens
 from maskcli.text import Finding, spans, step_text
 from maskcli.trace.names import PADDING, also_documents, flags, flipped_keep
 
@@ -84,7 +84,7 @@ def where_text(paths: list[str]) -> str:
 def group(calls: list, named: int | None = None, run=None) -> list[Group]:
     """Calls with the same mask, API and shape form one group, in the order of their first call; the first `named`
     groups named and checked, the rest counted (Group.named False: `unnamed` says them in one line). `run`
-    (maskcli.checks.context.Run): the model calls whose stated padding a group's checks read (rows.stated_queries)."""
+    (maskcli.checks.context.Run): the model calls whose stated padding a group's checks read (rows.stated_tokens)."""
     found: dict[tuple, list] = {}
     for call in calls:
         key = (call.mask, call.api, call.shape, *(call.details.get(name) for name in ("error", "q_start", "fill_value", "additive", "score_mod_read")))
@@ -164,7 +164,7 @@ def _named(calls: list, run=None) -> Group:
                                  "and it is none of full, causal, a window", None)
     if q_len and k_len:  # (no token: no row to see nothing, no later key)
         group.findings[:0] = empty_rows(first, stored, structure) + later(
-            first, stored, structure, lambda: stated_queries(run, calls), lambda: past_the_keys(run, calls))
+            first, stored, structure, lambda: stated_tokens(run, calls), lambda: past_the_keys(run, calls))
     details = first.details
     group.findings += bias(details) + fills(details) + poisoned(details) + asked(first, stored, group.name) + score_mod(details)
     group.findings += refused(calls)
