@@ -681,6 +681,29 @@ def test_one_querys_scores_squeezed_to_b_lk_are_attention_and_a_classifiers_are_
     assert np.array_equal(t.calls[0].keep()[:, 0, 0], ~pad.numpy())
 
 
+def test_one_sequences_2d_scores_are_attention_and_a_projections_are_not():
+    """maskcli.trace.scores: q.mm(k.T), torch.mm and @ of two 2-D tensors no parameter made (Graphormer's head over a
+    graph batch's nodes) are one sequence's (Lq, Lk) scores: a softmax over them, through their scaling and masked_fill,
+    is a call (1, 1, Lq, Lk) whose mask is the graphs' blocks by a double loop over `ptr`; a 2-D softmax over x @ W
+    (a parameter, or its transpose) is no call."""
+    torch.manual_seed(0)
+    ptr, n = [0, 3, 7], 7
+    same = torch.tensor([[any(ptr[g] <= i < ptr[g + 1] and ptr[g] <= j < ptr[g + 1] for g in range(len(ptr) - 1))
+                          for j in range(n)] for i in range(n)])
+    x, head, weight = torch.randn(n, 8), nn.Linear(8, 8), nn.Parameter(torch.randn(8, 5))
+    with maskcli.trace() as t, torch.no_grad():
+        q, k = head(x), head(x + 1)
+        (x @ weight).softmax(-1)  # (a projection's logits)
+        torch.softmax(x.mm(head.weight.t()), dim=-1)
+        a = q.mm(k.transpose(0, 1)) / 8 ** 0.5
+        torch.softmax(a.masked_fill(~same, float("-inf")), dim=-1)
+        torch.softmax(torch.mm(q, k.t()).masked_fill(~same, float("-inf")), dim=1)
+        F.softmax((q @ k.T).masked_fill(~same, float("-inf")), dim=-1)
+    assert [c.shape for c in t.calls] == [(1, 1, n, n)] * 3
+    for call in t.calls:
+        assert np.array_equal(call.keep()[0, 0], same.numpy())
+
+
 def test_flex_attention_masked_by_its_score_mod_is_recorded_as_the_kernel_masks():
     """A score_mod's -inf cells are masked as the BlockMask's are: read on the index grid in bands, checked against
     FlexAttention's own create_mask of the score_mod (torch/nn/attention/flex_attention.py 1735-1739: -inf cells
