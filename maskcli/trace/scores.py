@@ -3,7 +3,8 @@
 A model's last softmax is over its logits (B, T, vocab), which is no attention call
 (minGPT's generate, a sampling loop). So while tracing, the outputs of matmul, bmm,
 baddbmm and einsum of two batched operands (q @ kᵀ: both at least 3-D, where a
-projection's weight is 2-D) are remembered by identity, and so is every tensor computed
+projection's weight is 2-D), and of mm / matmul of two 2-D tensors neither of which is a parameter (one unbatched
+sequence's q @ kᵀ, a graph's nodes: read (1, 1, Lq, Lk)), are remembered by identity, and so is every tensor computed
 from one of them that keeps its last two dimensions (the scaling, masked_fill, an added
 mask or bias, a cast): a softmax over one of those is attention. A softmax over a tensor
 maskcli saw no matmul make (scores built by hand, or made before the trace began) is
