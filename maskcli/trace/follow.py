@@ -13,6 +13,7 @@ import maskcli.trace.masks as readers
 from maskcli.trace.layouts import reader as laid
 from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.overflow import WATCHED
+from maskcli.trace.scores import as_matrix
 
 
 class Local(threading.local):
@@ -91,6 +92,8 @@ class Follow:
             if reader is not readers.softmax or self.scores.attention(readers.softmax_input(args, kwargs)):
                 if reader is readers.softmax and self.scores.axes:  # scores in another axis order (layouts.py)
                     reader = laid(reader, self.scores, args, kwargs)
+                elif reader is readers.softmax and self.scores.matrices:  # one sequence's (Lq, Lk) (scores.py)
+                    reader = as_matrix(reader, self.scores, args, kwargs)
                 self._softmax, made = None, len(self._calls)
                 self.capture(reader, args, kwargs)
                 softmaxed, self._softmax = self._softmax, None

@@ -3,7 +3,8 @@
 A model's last softmax is over its logits (B, T, vocab), which is no attention call
 (minGPT's generate, a sampling loop). So while tracing, the outputs of matmul, bmm,
 baddbmm and einsum of two batched operands (q @ kᵀ: both at least 3-D, where a
-projection's weight is 2-D) are remembered by identity, and so is every tensor computed
+projection's weight is 2-D), and of mm / matmul of two 2-D tensors neither of which is a parameter (one unbatched
+sequence's q @ kᵀ, a graph's nodes: read (1, 1, Lq, Lk)), are remembered by identity, and so is every tensor computed
 from one of them that keeps its last two dimensions (the scaling, masked_fill, an added
 mask or bias, a cast): a softmax over one of those is attention. A softmax over a tensor
 maskcli saw no matmul make (scores built by hand, or made before the trace began) is
@@ -21,7 +22,8 @@ import torch
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
 
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
-           torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum}
+           torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum, torch.mm, torch.Tensor.mm}
+PLAIN = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.mm, torch.Tensor.mm}
 ADDS = {torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__, torch.Tensor.__radd__,
         torch.Tensor.__iadd__}
 ADDEND_MOST = 1 << 22  # cells of an added mask read for 0s and 1s at most
@@ -36,13 +38,17 @@ class Scores:
         self._found: dict[int, weakref.ref] = {}
         self.axes: dict[int, tuple] = {}  # id -> the axis order of scores not laid out (.., Lq, Lk) (layouts.py)
         self.added: dict[int, torch.Tensor] = {}  # id -> a float mask of only 0s and 1s added to these scores (ones_added)
+        self.matrices: set[int] = set()  # ids of 2-D scores (Lq, Lk) of one unbatched sequence (per_graph), not (B, Lk)
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
         if not isinstance(out, torch.Tensor) or out.dim() < 3:
+            if func in PLAIN and per_graph(args):  # (one sequence's q @ kᵀ unbatched: a graph's nodes, q.mm(k.T))
+                self._note(out, matrix=True)
+                return
             if isinstance(out, torch.Tensor) and out.dim() == 2 and self._found and args and isinstance(args[0], torch.Tensor) \
                     and self.has(args[0]) and (_one_query(args[0], out) or args[0].shape == out.shape):
-                self._note(out)  # (one decoder state against a memory, Luong's bmm(context, h[:, :, None]).squeeze(2),
+                self._note(out, matrix=id(args[0]) in self.matrices and args[0].shape == out.shape)  # (one decoder state against a memory, Luong's bmm(context, h[:, :, None]).squeeze(2),
                 # and what is computed from those (B, Lk) scores: its masked_fill, its scaling)
             return
         if func in MATMULS:
@@ -103,12 +109,13 @@ class Scores:
         """The axis order of scores `x` (layouts.py), None where plain or not scores."""
         return self.axes.get(id(x)) if self.axes and self.has(x) else None
 
-    def _note(self, tensor: torch.Tensor, axes: tuple | None = None) -> None:
-        found, laid = self._found, self.axes  # (one dict for the trace's life: the mode reads it as "following")
-        if len(found) >= KEEP:
+    def _note(self, tensor: torch.Tensor, axes: tuple | None = None, matrix: bool = False) -> None:
+        found, laid, matrices = self._found, self.axes, self.matrices  # (one dict for the trace's life: the mode reads
+        if len(found) >= KEEP:  # it as "following")
             found.clear()
             laid.clear()
             self.added.clear()
+            matrices.clear()
         key = id(tensor)
 
         added = self.added
@@ -119,6 +126,7 @@ class Scores:
                 del found[key]
                 laid.pop(key, None)
                 added.pop(key, None)
+                matrices.discard(key)
 
         try:
             found[key] = weakref.ref(tensor, gone)
@@ -128,6 +136,43 @@ class Scores:
             laid[key] = axes
         elif laid:
             laid.pop(key, None)
+        if matrix:
+            matrices.add(key)
+        elif matrices:
+            matrices.discard(key)
+
+
+def as_matrix(softmax, scores: Scores, args: tuple, kwargs: dict):
+    """The reader of a softmax over 2-D scores of one unbatched sequence (Scores.matrices): read as (1, Lq, Lk), one
+    batch row of Lq queries, not as the (B, Lk) single-query scores a 2-D softmax is otherwise read as."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or id(x) not in scores.matrices or not scores.has(x):
+        return softmax
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dim not in (-1, 1):
+        return softmax
+
+    def matrix(args_, kwargs_):
+        return softmax((x[None], -1), {})
+
+    matrix.api = "softmax"
+    return matrix
+
+
+def per_graph(args: tuple) -> bool:
+    """A product of two 2-D tensors neither of which is a parameter or a view of one (x @ W is a projection, whose
+    weight is one): q @ kᵀ of one unbatched sequence (a graph's nodes, as Graphormer's head computes
+    query.mm(key.transpose(0, 1))), noted as scores; a softmax over them, or over what keeps their shape, is attention,
+    and no other 2-D softmax is."""
+    if len(args) != 2:
+        return False
+    a, b = args
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 2 \
+        and not _weight(a) and not _weight(b)
+
+
+def _weight(x: torch.Tensor) -> bool:
+    return isinstance(x, torch.nn.Parameter) or isinstance(x._base, torch.nn.Parameter)
 
 
 def _zero_one(args: tuple, scores: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
