@@ -20,6 +20,11 @@ BUGS = [
     ("vllm_minicpm_idefics2_vit_patch_mask_dropped", "padding-ignored"),
     # huggingface/transformers#35043: BertGeneration builds no mask at all with use_cache: its softmax masks nowhere
     ("bert_generation_use_cache_drops_extended_mask", "padding-ignored"),
+    # written blind (batch blind-s), caught before any rule was changed for them:
+    # NVIDIA-NeMo/RL#4167: packing boundaries nested in flash_attn_kwargs, which the attention never reads
+    ("nemo_rl_packed_nested_flash_attn_kwargs_ignored_by_automodel", "documents-leak"),
+    # huggingface/trl#3673: padding-free collator's all-ones mask hides the packed position_ids from FA2
+    ("trl_sft_padding_free_packed_all_ones_mask_hides_position_ids", "documents-leak"),
 ]
 
 

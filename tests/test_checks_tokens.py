@@ -203,3 +203,9 @@ def test_transformers_collator_double_padding_erases_attention_mask(tmp_path):
     (written blind, batch blind-n; caught before any rule was changed for it)."""
     pytest.importorskip("transformers")  # (its BertModel: the hf extra)
     check_bug(tmp_path, "transformers_collator_double_padding_erases_attention_mask", "padding-unmarked")
+
+
+def test_internvl_collator_default_pad_id_zero(tmp_path):
+    """OpenGVLab/InternVL#967: concat_pad_data_collator's default pad_id=0 masks a real id-0 token and attends the real
+    pads (written blind, batch blind-s; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "internvl_concat_pad_collator_default_pad_id_zero", "trained-token-masked")
