@@ -290,3 +290,30 @@ def test_unsloth_grpo_accumulated_loss_left_padded_no_attention_mask(tmp_path):
     """unsloth#3176: GRPO's accumulated loss runs the left-padded batch with is_causal and no attention_mask
     (written blind, batch blind-p; caught before any rule was changed for it)."""
     check_bug(tmp_path, "unsloth_grpo_accumulated_loss_left_padded_no_attention_mask", "padding-ignored")
+
+
+def _packed_leak(segments: list[list[int]], positions: list[list[int]]):
+    """bad(b, q, k) of a causal mask over packed rows: a real query at or after a key of another document (a new one
+    where the position restarts at 0 after a real token; segment number 0 = padding), by a loop over positions."""
+    def document(b, i):
+        return sum(1 for j in range(1, i + 1) if positions[b][j] == 0 and segments[b][j] and segments[b][j - 1])
+
+    def bad(b, q, k):
+        padding_q = positions[b][q] == 0 and (q + 1 == len(positions[b]) or positions[b][q + 1] == 0)
+        return k <= q and segments[b][k] != 0 and not padding_q and document(b, q) != document(b, k)
+    return bad
+
+
+def test_an_attention_mask_of_packed_sample_numbers_is_real_tokens_not_one_document(tmp_path):
+    # axolotl-ai-cloud/axolotl#3796 (written blind, batch blind-s): the multipack collator's attention_mask numbers
+    # the samples (1, 1, 1, 1, 2, 2, 2, 3, ...); kept for sdpa, it is cast to bool and the documents leak
+    found = check_bug(tmp_path, "axolotl_multipack_sdpa_keeps_segment_attention_mask", "documents-leak")
+    segments = [[1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 3, 0]]
+    positions = [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 0]]
+    assert tuple(found[0]["cell"]) == first((1, 12, 12), _packed_leak(segments, positions))
+    # written another way: two rows, one padded at its start, an eager softmax with an additive mask
+    found = check_bug(tmp_path, "segment_numbers_mask_read_as_padding", "documents-leak",
+                      Path(__file__).parent / "data" / "packed")
+    segments = [[0, 0, 1, 1, 1, 2, 2, 2, 2], [1, 1, 2, 2, 2, 3, 3, 3, 3]]
+    positions = [[0, 0, 0, 1, 2, 0, 1, 2, 3], [0, 1, 0, 1, 2, 0, 1, 2, 3]]
+    assert tuple(found[0]["cell"]) == first((2, 9, 9), _packed_leak(segments, positions))
