@@ -317,3 +317,26 @@ def test_an_attention_mask_of_packed_sample_numbers_is_real_tokens_not_one_docum
     segments = [[0, 0, 1, 1, 1, 2, 2, 2, 2], [1, 1, 2, 2, 2, 3, 3, 3, 3]]
     positions = [[0, 0, 0, 1, 2, 0, 1, 2, 3], [0, 1, 0, 1, 2, 0, 1, 2, 3]]
     assert tuple(found[0]["cell"]) == first((2, 9, 9), _packed_leak(segments, positions))
+
+
+def _prompt_then_completion(ids: list[list[int]], pad: int):
+    """bad(b, q, k) of a causal mask: a real query (not the pad id) sees a key in the pad-id run at its row's start,
+    by a loop over positions."""
+    def bad(b, q, k):
+        leading = all(ids[b][j] == pad for j in range(k + 1))
+        return k <= q and ids[b][q] != pad and leading
+    return bad
+
+
+def test_left_padded_prompts_then_right_padded_completions_scored_with_no_mask(tmp_path):
+    # huggingface/trl#2708 (written blind, batch blind-s): GRPO's per-token log-probs over prompt + completion ids with
+    # no attention_mask; the processing class states pad id 0 and left padding
+    found = check_bug(tmp_path, "trl_grpo_per_token_logps_without_attention_mask", "padding-ignored")
+    ids = [[5, 6, 7, 8, 9, 10, 20, 21, 2, 0], [5, 6, 7, 8, 9, 10, 22, 2, 0, 0],
+           [0, 0, 0, 0, 11, 12, 23, 24, 25, 2], [0, 0, 0, 0, 11, 12, 26, 2, 0, 0]]
+    assert tuple(found[0]["cell"]) == first((4, 10, 10), _prompt_then_completion(ids, 0))
+    # written another way: a critic's eager softmax, the pad id its own dataclass config states, no tokenizer
+    found = check_bug(tmp_path, "rollout_prompt_response_ids_no_mask", "padding-ignored",
+                      Path(__file__).parent / "data" / "tokens")
+    ids = [[4, 5, 6, 7, 10, 11, 1], [1, 1, 8, 9, 12, 13, 14]]
+    assert tuple(found[0]["cell"]) == first((2, 7, 7), _prompt_then_completion(ids, 1))
