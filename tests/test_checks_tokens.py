@@ -127,6 +127,7 @@ def test_an_attention_mask_built_from_the_zero_frames_of_left_padded_features_is
 
 
 def test_the_tokenizer_is_read_from_the_calling_frames_once_and_only_where_one_is_meant():
+    import dataclasses
     from types import SimpleNamespace
 
     import torch
@@ -153,6 +154,13 @@ def test_the_tokenizer_is_read_from_the_calling_frames_once_and_only_where_one_i
     assert "tokenizer_pad_id" not in run(left, SimpleNamespace(pad_token_id=1, eos_token_id=2))  # two that differ
     del left  # (this frame is one the trace searches too)
     assert "tokenizer_pad_id" not in run(SimpleNamespace(pad_token_id=0))  # no eos id, no side: not a tokenizer
+
+    @dataclasses.dataclass
+    class EngineConfig:  # a config of the program's own that pads its batches (verl's): its pad id alone is read
+        pad_token_id: int = 4
+
+    found = run(EngineConfig())
+    assert found["tokenizer_pad_id"] == 4 and "first (EngineConfig) in run()" in found["tokenizer"]
 
 
 def test_a_collator_that_pads_the_attention_masks_with_the_pad_id_is_found(tmp_path):
