@@ -435,3 +435,5 @@ def test_a_loss_mask_over_a_prompt_of_many_ids_is_not_read_as_padding():
     assert readings(held, 2, 5, (loss_ids,)) == []
     assert [t.tolist() for t in readings(held, 2, 5, (pad_ids,))] == [held["rows"].tolist()]
     assert readings(held, 2, 5, (np.where(pad_ids == 4, 2, pad_ids),)) == []  # the pad id among the real tokens too
+    image = {**held, "rows": np.array([[0, 0, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=bool)}  # two placeholders each row
+    assert readings(image, 2, 5, (np.array([[9, 9, 4, 5, 6], [9, 9, 7, 5, 6]]),)) == []

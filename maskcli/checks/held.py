@@ -68,13 +68,13 @@ def readings(held: dict, rows: int, length: int, ids: tuple = ()) -> list[np.nda
 
 
 def _at_one_id(real: np.ndarray, ids: tuple) -> bool:
-    """Each row a run of real tokens at one edge, each with one, some row padded, and token ids held beside it equal to
-    one id exactly where it says padding and nowhere else: the data's own padding (DeepSpeed-Chat's collator pads its
+    """Each row a run of real tokens at one edge, each with one, rows of different lengths, and token ids held beside
+    it equal to one id exactly where it says padding and nowhere else: the data's own padding (DeepSpeed-Chat's collator pads its
     prompts on the left to a fixed length, so no row is whole, and names its prompt mask plain `mask`), where a loss
     mask over a prompt would hide tokens of many ids."""
     count = real.sum(axis=1)
-    if real.shape[0] < 2 or count.min() < 1 or count.min() == real.shape[1]:
-        return False
+    if real.shape[0] < 2 or count.min() < 1 or count.min() == count.max():
+        return False  # (as many zeros in every row: a span of one id each row has, an image's placeholders, not padding)
     at = np.arange(real.shape[1])[None, :]
     if not ((real == (at < count[:, None])).all(axis=1) | (real == (at >= real.shape[1] - count[:, None])).all(axis=1)).all():
         return False
