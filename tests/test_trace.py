@@ -330,6 +330,37 @@ def test_a_call_maskcli_cannot_read_is_noted_and_the_program_goes_on():
     assert out.shape == (1, 1, 2, 8) and len(t.calls) == 2
 
 
+def test_calls_under_inference_mode_are_read_with_a_mask_held_and_handed_in_every_layer():
+    """Tensors made under torch.inference_mode have no version counter: each layer's call is read, not noted unread."""
+
+    class Layer(nn.Module):
+        def forward(self, x, mask):
+            return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(), Layer()])
+
+        def forward(self, x, attention_mask):
+            mask = torch.ones(4, 4, dtype=torch.bool).tril()[None, None] & attention_mask[:, None, None, :].bool()
+            for layer in self.layers:
+                x = layer(x, mask)
+            return x
+
+    lengths = [4, 3]
+    wanted = np.zeros((2, 4, 4), dtype=bool)  # right-padded causal rows by a double loop
+    for b in range(2):
+        for i in range(4):
+            for j in range(4):
+                wanted[b, i, j] = j <= i and j < lengths[b]
+    with maskcli.trace() as t, torch.inference_mode():
+        Model()(torch.randn(2, 1, 4, 8), torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]))
+    assert len(t.calls) == 2 and all("error" not in call.details for call in t.calls)
+    for call in t.calls:
+        assert np.array_equal(call.keep()[:, 0], wanted)
+
+
 def test_report_groups_the_calls_and_names_each_mask():
     model = Decoder(layers=4)
     caches = [[] for _ in model.layers]
