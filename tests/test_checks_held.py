@@ -404,3 +404,15 @@ def test_vllm_omni_cosyvoice3_dit_streaming_chunk_mask_after_attention(tmp_path)
     """vllm-omni#5704: CosyVoice 3's DiT builds its streaming chunk and padding mask after the attention that needed it
     (written blind, batch blind-p; caught before any rule was changed for it)."""
     check_bug(tmp_path, "vllm_omni_cosyvoice3_dit_streaming_chunk_mask_after_attention", "padding-unused")
+
+
+def test_icefall_zipformer_downsampled_encoder_padding_mask_is_attn_mask(tmp_path):
+    """k2-fsa/icefall#767: Zipformer's downsampled stack is called with the attention mask (None) as its key padding mask
+    (written blind, batch blind-q; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "icefall_zipformer_downsampled_encoder_padding_mask_is_attn_mask", "padding-unused")
+
+
+def test_mobius_qwen3_asr_audio_encoder_mask_not_plumbed(tmp_path):
+    """onnxruntime/mobius#264: Qwen3-ASR's audio encoder gets no mask, so padded mel tokens are attended
+    (written blind, batch blind-q; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "mobius_qwen3_asr_audio_encoder_mask_not_plumbed", "padding-unused")
