@@ -1,0 +1,58 @@
+"""Keys whose K and V are exactly zero at an edge of an SDPA call's key axis: the data's own padding.
+
+A key row that is zero in every head and every dimension of both K and V is not a token: it is a buffer row nobody
+wrote (whisper.cpp's K/V views of GGML_PAD(n_ctx, 256) rows, only n_ctx written) or a padding position whose input
+was zeros, through projections without a bias (LLaVA's re-padded image+text embeddings; any `nn.Embedding` row of
+its `padding_idx` under a bias-free projection). Recorded per batch row as the length of the run of such keys at the
+start and at the end of the keys, and the query rows that are zero too (padding queries themselves); checks/zerokv.py
+says where real queries see them.
+
+Cheap where there is nothing to find: the first and last key of every row are looked at (one small reduction); the
+whole table only where one of them is zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SPANS = 64  # zero query spans kept per batch row (more: the row is left out, as unread)
+
+
+def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """{"zero_kv": {"left": [..], "right": [..], "zero_q": [[[start, end], ...], ...]}} per batch row (call.shape[0]
+    rows, or 1 where K's batch is broadcast), or {} where no edge key is zero in K and V."""
+    try:
+        if not (3 <= k.dim() <= 4 and k.dim() == v.dim() == q.dim()) or k.shape[-2] < 3 or k.device.type == "meta" \
+                or k.is_nested or v.shape[-2] != k.shape[-2]:
+            return {}
+        with torch.no_grad():
+            ends = k[..., :: k.shape[-2] - 1, :]  # the first and the last key (a view)
+            if not bool((ends == 0).all(dim=-1).any()):
+                return {}
+            zero = (_rows(k) & _rows(v)).cpu()  # (B, Lk)
+            zero_q = _rows(q).cpu()
+    except Exception:  # noqa: BLE001 - a tensor not read here (fake, compiled, sparse) holds no padding we can see
+        return {}
+    length = zero.shape[1]
+    left = torch.where(zero.all(dim=1), length, (~zero).int().argmax(dim=1))
+    right = torch.where(zero.all(dim=1), length, (~zero).flip(1).int().argmax(dim=1))
+    if not bool(((left >= 2) | (right >= 2)).any()):
+        return {}
+    return {"zero_kv": {"left": left.tolist(), "right": right.tolist(), "zero_q": [_spans(row) for row in zero_q]}}
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """Bool (B, L): the rows of (B, H, L, E) or (H, L, E) (one batch row) that are zero in every head and dimension."""
+    zero = (t == 0).all(dim=-1)
+    return zero.all(dim=1) if t.dim() == 4 else zero.all(dim=0)[None]
+
+
+def _spans(row: torch.Tensor) -> list | None:
+    """[[start, end), ...] of the True runs of a 1-D bool tensor; None past SPANS runs."""
+    if not bool(row.any()):
+        return []
+    padded = torch.cat([torch.zeros(1, dtype=torch.int8), row.to(torch.int8), torch.zeros(1, dtype=torch.int8)])
+    change = torch.nonzero(padded[1:] != padded[:-1]).flatten().tolist()
+    if len(change) > 2 * SPANS:
+        return None
+    return [change[i:i + 2] for i in range(0, len(change), 2)]
