@@ -69,8 +69,8 @@ def zero_keys_seen(run: Run) -> list:
             found.append((call, Finding("zero-keys-seen", (
                 f"query {q} of batch row {b} (not zero itself) sees key {k}, one of keys {spans(keys)} whose K and V "
                 f"are exactly zero in every head: no token (an unwritten buffer row, or padding whose input was "
-                f"zeros); {int(seen.any(axis=1).sum())} real queries of this row give them weight and average their "
-                f"zeros in (hide them in the mask: -inf / False over those keys)"),
+                f"zeros); {int(seen.any(axis=1).sum())} of this row's real queries give them weight and average "
+                f"their zeros in (hide them in the mask: -inf / False over those keys)"),
                 expected=f"keys {spans(keys)} of batch row {b} hidden from every real query",
                 source="the call's own K and V: zero rows at an edge of the keys", cell=(b, q, k))))
             break
