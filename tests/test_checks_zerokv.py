@@ -37,15 +37,15 @@ def test_the_trace_records_each_rows_edge_runs_of_keys_zero_in_k_and_v():
     q[1, :, :2] = 0
     k[2, 0, 6], v[2, :, 6] = 0, 0  # row 2: K zero in one head only: a token
     v[0, 1, 4] = 0  # row 0's key 4: V zero in one head, K not: a token
-    table = zero_kv(q, k, v)["zero_kv"]
+    table = zero_kv(q, k, v, tuple(k.shape))["zero_kv"]
     for b in range(3):
         zero = [bool((k[b, :, j] == 0).all() and (v[b, :, j] == 0).all()) for j in range(7)]
         assert (table["left"][b], table["right"][b]) == _runs(zero)
     assert table["zero_q"] == [[], [[0, 2]], []]
-    assert zero_kv(q, torch.randn(3, 2, 7, 4), v) == {}  # no edge key zero: nothing read further
+    assert zero_kv(q, torch.randn(3, 2, 7, 4), v, (3, 2, 7, 4)) == {}  # no edge key zero: nothing read further
     one = torch.randn(3, 2, 7, 4)
     one[:, :, 0] = 0
-    assert zero_kv(q, one, one.clone()) == {}  # one zero key alone (a null key) is no padding's run
+    assert zero_kv(q, one, one.clone(), tuple(one.shape)) == {}  # one zero key alone (a null key) is no padding's run
 
 
 def _call(keep: np.ndarray, table: dict) -> SimpleNamespace:

@@ -13,24 +13,26 @@ at (a few microseconds a call); the whole table only where one of them is zero.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 SPANS = 64  # zero query spans kept per batch row (more: the row is left out, as unread)
 
 
-def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple) -> dict:
     """{"zero_kv": {"left": [..], "right": [..], "zero_q": [[[start, end], ...], ...]}} per batch row (call.shape[0]
-    rows, or 1 where K's batch is broadcast), or {} where no edge key is zero in K and V."""
+    rows, or 1 where K's batch is broadcast), or {} where no edge key is zero in K and V. `k_shape`: K's shape, read
+    once by the caller."""
+    if not 3 <= len(k_shape) <= 4 or k_shape[-2] < 3:
+        return {}
     try:
-        if not (3 <= k.dim() <= 4 and k.dim() == v.dim() == q.dim()) or k.shape[-2] < 3 or k.device.type == "meta" \
-                or k.is_nested or v.shape[-2] != k.shape[-2]:
-            return {}
-        if not _edge_may_be_zero(k):
+        if not _edge_may_be_zero(k, k_shape[-2]) or not (k.dim() == v.dim() == q.dim()) or k.is_nested \
+                or v.shape[-2] != k_shape[-2]:
             return {}
         with torch.no_grad():
             zero = (_rows(k) & _rows(v)).cpu()  # (B, Lk)
             zero_q = _rows(q).cpu()
-    except Exception:  # noqa: BLE001 - a tensor not read here (fake, compiled, sparse) holds no padding we can see
+    except Exception:  # noqa: BLE001 - a tensor not read here (fake, compiled, meta, sparse) holds no padding we can see
         return {}
     length = zero.shape[1]
     left = torch.where(zero.all(dim=1), length, (~zero).int().argmax(dim=1))
@@ -40,14 +42,17 @@ def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
     return {"zero_kv": {"left": left.tolist(), "right": right.tolist(), "zero_q": [_spans(row) for row in zero_q]}}
 
 
-def _edge_may_be_zero(k: torch.Tensor) -> bool:
+_NUMPY = (torch.float32, torch.float64, torch.float16)
+
+
+def _edge_may_be_zero(k: torch.Tensor, length: int) -> bool:
     """Whether the first or the last key of some row and head is 0 in its first dimension (a key zero in every
-    dimension is): on the CPU read through numpy (a microsecond or two; torch's ops cost several each)."""
-    if k.device.type == "cpu" and k.dtype in (torch.float32, torch.float64, torch.float16):
-        ends = k.detach().numpy()[..., :: k.shape[-2] - 1, 0]
-        return bool((ends == 0).any())
+    dimension is): on the CPU read through numpy (about two microseconds; torch's ops cost several each)."""
+    if k.is_cpu and k.dtype in _NUMPY:
+        ends = (k.detach() if k.requires_grad else k).numpy()[..., :: length - 1, 0]
+        return np.count_nonzero(ends) < ends.size
     with torch.no_grad():
-        return bool((k[..., :: k.shape[-2] - 1, 0] == 0).any())
+        return bool((k[..., :: length - 1, 0] == 0).any())
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
