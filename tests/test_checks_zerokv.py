@@ -105,3 +105,26 @@ def test_a_zero_null_key_and_a_finished_rows_pad_queries_are_quiet(tmp_path):
     """A learned null key initialised to zero (one key alone) and a finished row fed pad tokens (zero queries)."""
     status, found, report = traced(tmp_path, "null_key_and_finished_rows", False, ZEROKV)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_flex_decode_whose_mask_mod_keeps_the_unwritten_slots(tmp_path):
+    """Another kernel: FlexAttention over a zero-filled cache of 16 slots, a mask_mod that keeps every key; its fix
+    keeps each query to the slots at or before its own. Traced in its own process (dynamo's guards on __main__)."""
+    import json
+    import subprocess
+    import sys
+
+    program = ZEROKV / "flex_cache_decode_mask_mod_unbounded.py"
+    for fixed in (False, True):
+        out = tmp_path / f"flex{int(fixed)}.json"
+        done = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--json", str(out), str(program),
+                               *(["--fixed"] if fixed else [])], capture_output=True, text=True, timeout=600)
+        data = json.loads(out.read_text())
+        found = [f for g in data["groups"] for f in g["findings"] if f["severity"] == "wrong"]
+        assert data["exit_status"] == 0, done.stderr
+        if fixed:
+            assert (done.returncode, found) == (0, []), done.stdout
+        else:
+            assert done.returncode == 1, done.stdout
+            hit = next(f for f in found if f["code"] == "zero-keys-seen")
+            assert tuple(hit["cell"]) == first((2, 5, 16), lambda b, q, k: k >= 5)
