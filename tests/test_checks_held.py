@@ -437,3 +437,14 @@ def test_a_loss_mask_over_a_prompt_of_many_ids_is_not_read_as_padding():
     assert readings(held, 2, 5, (np.where(pad_ids == 4, 2, pad_ids),)) == []  # the pad id among the real tokens too
     image = {**held, "rows": np.array([[0, 0, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=bool)}  # two placeholders each row
     assert readings(image, 2, 5, (np.array([[9, 9, 4, 5, 6], [9, 9, 7, 5, 6]]),)) == []
+
+def test_icefall_zipformer_downsampled_encoder_padding_mask_is_attn_mask(tmp_path):
+    """k2-fsa/icefall#767: Zipformer's downsampled stack is called with the attention mask (None) as its key padding mask
+    (written blind, batch blind-q; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "icefall_zipformer_downsampled_encoder_padding_mask_is_attn_mask", "padding-unused")
+
+
+def test_mobius_qwen3_asr_audio_encoder_mask_not_plumbed(tmp_path):
+    """onnxruntime/mobius#264: Qwen3-ASR's audio encoder gets no mask, so padded mel tokens are attended
+    (written blind, batch blind-q; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "mobius_qwen3_asr_audio_encoder_mask_not_plumbed", "padding-unused")
