@@ -45,3 +45,10 @@ def test_quiet_where_the_emptied_rows_are_zeroed_or_never_read(tmp_path):
     status, found, report = traced(tmp_path, "one_layer", False, tmp_path)
     assert "nan-spread" not in {f["code"] for f in found}, report
     assert status == 0, report
+
+
+def test_exllamav2_padded_batch_attn_mask_neg_inf_nan(tmp_path):
+    """exllamav2 586f25c: the causal triangle filled with -inf empties left-padded rows; the NaN reaches the real
+    tokens through the next layer and the cache (written blind, batch blind-r; caught before any rule was changed
+    for it)."""
+    check_bug(tmp_path, "exllamav2_padded_batch_attn_mask_neg_inf_nan", "nan-spread")

@@ -374,3 +374,11 @@ def test_mlx_vlm_gemma4_mtp_drafter_swa_mask_absolute_offset(tmp_path):
     from checkbugs import check_bug
 
     check_bug(tmp_path, "mlx_vlm_gemma4_mtp_drafter_swa_mask_absolute_offset", "fully-masked")
+
+
+def test_ofa_sequence_generator_decoder_mask_not_inverted(tmp_path):
+    """OFA b3f1e6a: the generator passes tokens.eq(pad) (True = pad) where the decoder expects 1 = keep, so every
+    real token is a masked key (written blind, batch blind-r; caught before any rule was changed for it)."""
+    from checkbugs import check_bug
+
+    check_bug(tmp_path, "ofa_sequence_generator_decoder_mask_not_inverted", "fully-masked")
