@@ -404,3 +404,10 @@ def test_vllm_omni_cosyvoice3_dit_streaming_chunk_mask_after_attention(tmp_path)
     """vllm-omni#5704: CosyVoice 3's DiT builds its streaming chunk and padding mask after the attention that needed it
     (written blind, batch blind-p; caught before any rule was changed for it)."""
     check_bug(tmp_path, "vllm_omni_cosyvoice3_dit_streaming_chunk_mask_after_attention", "padding-unused")
+
+
+def test_deepspeed_hybrid_engine_bloom_mask_inverted_twice(tmp_path):
+    """DeepSpeed#5101: the already-inverted HF mask inverted again, so each left-padded row attends its padding only.
+    Its fix adds input_mask * -10000 to the scores, whose decode cells land on both sides of -1e4: read as an additive
+    mask (trace/masks.py), not a fill of one cell, it is quiet (written blind, batch blind-r)."""
+    check_bug(tmp_path, "deepspeed_hybrid_engine_bloom_mask_inverted_twice", "padding-only-attended")

@@ -386,7 +386,9 @@ def _finite_fill(scores: torch.Tensor, lowest: float, details: dict) -> torch.Te
     low = (scores <= FILL_AT_MOST) & (scores != lowest) & torch.isfinite(scores)
     if not bool(low.any()):
         return low
-    values = scores[low]
+    # the constant is looked for among every far-negative value: -10000 added to a score may sit just above -1e4
+    # (DeepSpeed's BLOOM softmax, a decode row of -9999.7 beside one of -10000.2), which is no fill's exception
+    values = scores[(scores <= FILL_AT_MOST / 2) & (scores != lowest) & torch.isfinite(scores)]
     if bool((values == values[0]).all()):
         details["fill_value"] = float(values[0])
         details["fill"] = details["fill"] or "finite"
