@@ -23,6 +23,7 @@ from maskcli.inspect.polarity import additive_keep
 from maskcli.trace.maskfacts import attention_bias as _attention_bias, empty_rows as _empty_rows, infinite as _infinite, \
     nan_scores as _nan_scores, poison
 from maskcli.text import step_label
+from maskcli.trace.queried import query_tensor
 from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
 from maskcli.intervals import Intervals
@@ -187,6 +188,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
     if _same_storage(q, k):
         details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.crossing)
+    details["query_tensor"] = query_tensor(q)  # (the same queries again: no prompt's next chunk, checks/prefill.py)
     if mask is not None:
         details["mask_dtype"] = _dtype(mask)
         if q_len > 1 and (len(mask_shape) < 2 or mask_shape[-2] == 1):  # one row for every query: no query's own position
