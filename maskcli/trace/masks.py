@@ -188,7 +188,8 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
     if _same_storage(q, k):
         details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.crossing)
-    details["query_tensor"] = query_tensor(q)  # (the same queries again: no prompt's next chunk, checks/prefill.py)
+    if q_len > 1:  # (the same queries again: no prompt's next chunk, checks/prefill.py; a decode step is no chunk)
+        details["query_tensor"] = query_tensor(q)
     if mask is not None:
         details["mask_dtype"] = _dtype(mask)
         if q_len > 1 and (len(mask_shape) < 2 or mask_shape[-2] == 1):  # one row for every query: no query's own position
