@@ -188,8 +188,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
     if _same_storage(q, k):
         details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.crossing)
-    if q_len > 1:  # (the same queries again: no prompt's next chunk, checks/prefill.py; a decode step is no chunk)
-        details["query_tensor"] = query_tensor(q)
+    details["query_tensor"] = query_tensor(q) if q_len > 1 else None  # (queries seen again: no chunk, checks/prefill.py)
     if mask is not None:
         details["mask_dtype"] = _dtype(mask)
         if q_len > 1 and (len(mask_shape) < 2 or mask_shape[-2] == 1):  # one row for every query: no query's own position
@@ -389,9 +388,7 @@ def _finite_fill(scores: torch.Tensor, lowest: float, details: dict) -> torch.Te
     low = (scores <= FILL_AT_MOST) & (scores != lowest) & torch.isfinite(scores)
     if not bool(low.any()):
         return low
-    # the constant is looked for among every far-negative value: -10000 added to a score may sit just above -1e4
-    # (DeepSpeed's BLOOM softmax, a decode row of -9999.7 beside one of -10000.2), which is no fill's exception
-    values = scores[(scores <= FILL_AT_MOST / 2) & (scores != lowest) & torch.isfinite(scores)]
+    values = scores[(scores <= FILL_AT_MOST / 2) & (scores != lowest) & torch.isfinite(scores)]  # (-1e4 + a score: either side)
     if bool((values == values[0]).all()):
         details["fill_value"] = float(values[0])
         details["fill"] = details["fill"] or "finite"
