@@ -6,7 +6,6 @@ from maskcli.checks.context import Run, cross, masked_somewhere, queries
 from maskcli.checks import config
 from maskcli.checks.arguments import over_stated_padding
 from maskcli.checks.registry import all_rules, severity
-from maskcli.checks.rows import restate
 from maskcli.checks.spans import explained
 
 CONFIG = {rule.code for rule in config.RULES}
@@ -70,5 +69,4 @@ def apply(groups: list, run: Run) -> list:
     for group in groups:
         if group.calls and all(call.index in judged for call in group.calls):
             group.findings = [f for f in group.findings if f.code != "sees-later"]
-    restate(run, groups)  # later keys seen only by queries the model call states are padding (rows.py)
     return groups

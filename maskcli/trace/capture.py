@@ -192,7 +192,7 @@ class Trace(Outer, Follow):
         from maskcli.checks.context import Run
         from maskcli.trace.report import group
 
-        return apply(group(self.calls), Run(self.calls, self.tops))
+        return apply(group(self.calls, run=(run := Run(self.calls, self.tops))), run)  # (the run's padding: rows.py)
 
     def report(self) -> str:
         """The grouped report as plain text, one line per group and one per finding."""
