@@ -376,3 +376,9 @@ def test_mlx_lm_gemma3_sliding_window_mask_dropped_without_cache(tmp_path):
     """mlx-lm#430: with no cache the sliding layers get the "causal" string: no window
     (written blind, batch blind-o; caught before any rule was changed for it)."""
     check_bug(tmp_path, "mlx_lm_gemma3_sliding_window_mask_dropped_without_cache", "window-missing")
+
+
+def test_tgi_gaudi_qwen2_use_sliding_window_false_ignored(tmp_path):
+    """text-generation-inference#3280: a Qwen2 config with use_sliding_window false still gets a banded prefill mask
+    (written blind, batch blind-r; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "tgi_gaudi_qwen2_use_sliding_window_false_ignored", "window-on-full-layer")

@@ -448,3 +448,48 @@ def test_mobius_qwen3_asr_audio_encoder_mask_not_plumbed(tmp_path):
     """onnxruntime/mobius#264: Qwen3-ASR's audio encoder gets no mask, so padded mel tokens are attended
     (written blind, batch blind-q; caught before any rule was changed for it)."""
     check_bug(tmp_path, "mobius_qwen3_asr_audio_encoder_mask_not_plumbed", "padding-unused")
+
+def test_deepspeed_hybrid_engine_bloom_mask_inverted_twice(tmp_path):
+    """DeepSpeed#5101: the already-inverted HF mask inverted again, so each left-padded row attends its padding only.
+    Its fix adds input_mask * -10000 to the scores, whose decode cells land on both sides of -1e4: read as an additive
+    mask (trace/masks.py), not a fill of one cell, it is quiet (written blind, batch blind-r)."""
+    check_bug(tmp_path, "deepspeed_hybrid_engine_bloom_mask_inverted_twice", "padding-only-attended")
+
+
+def test_tgi_gemma3_flashinfer_padded_custom_mask(tmp_path):
+    """text-generation-inference#3324: the padded (B, 1, L, L) Gemma 3 mask (image spans both ways) handed to
+    flashinfer, which reads request i's block flattened at its packed offset: each request's call sees cells its own
+    block hides (written blind, batch blind-r). The fix unpads the mask: every call is its request's block."""
+    hit = check_bug(tmp_path, "tgi_gemma3_flashinfer_padded_custom_mask", "held-mask-ignored")[0]
+    assert "2 requests padded to 9" in hit["message"], hit
+
+
+def _prefix_lm(b: int, q: int, k: int, lengths, prefixes) -> bool:
+    """Request b's prefix-LM cell by a plain test: its prefix both ways, then causal, inside its length."""
+    n, p = lengths[b], prefixes[b]
+    return q < n and k < n and (k <= q or (q < p and k < p))
+
+
+def test_a_request_loop_that_reuses_the_first_requests_mask(tmp_path):
+    """Written another way: a prefix-LM batch held as attention_mask (B, 1, L, L), each request attended in a loop,
+    every block sliced from request 0's mask. Request 1's call (4 tokens, prefix 1) is flagged at the first cell it sees
+    that its own block hides, by a double loop; the fix (request i's block) is quiet."""
+    lengths, prefixes = [6, 4], [3, 1]
+    hit = check_bug(tmp_path, "prefix_lm_request_loop_reuses_first_mask", "held-mask-ignored", HELD)[0]
+    expected = first((1, 4, 4), lambda _, q, k: _prefix_lm(0, q, k, lengths, prefixes)
+                     and not _prefix_lm(1, q, k, lengths, prefixes))
+    assert tuple(hit["cell"]) == expected == (0, 0, 1), hit
+
+
+def test_a_left_padded_request_loop_over_each_requests_own_block_is_quiet(tmp_path):
+    """The same loop on a left-padded batch, each request attending its own bottom-right block: quiet (the block a
+    request's call keeps to may be either corner of its padded mask)."""
+    text = (HELD / "prefix_lm_request_loop_reuses_first_mask.py").read_text()
+    text = text.replace("hidden[i:i + 1, :n]", "hidden[i:i + 1, hidden.shape[1] - n:]")
+    text = text.replace("attention_mask[row:row + 1, :, :n, :n]", "attention_mask[i:i + 1, :, -n:, -n:]")
+    text = text.replace("real = (q_pos < n) & (k_pos < n)", "real = (q_pos >= size - n) & (k_pos >= size - n)")
+    text = text.replace("((q_pos < p) & (k_pos < p))", "((q_pos < size - n + p) & (k_pos < size - n + p))")
+    assert text.count("-n:") == 2 and "size - n + p" in text
+    (tmp_path / "left.py").write_text(text)
+    status, found, report = traced(tmp_path, "left", False, tmp_path)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -72,3 +72,10 @@ def test_nan_values_of_a_left_padded_encoder_reach_its_real_queries(tmp_path):
     assert hit["severity"] == "wrong" and f"query rows {rows[0]}-{rows[-1]} of batch row 0" in hit["message"], hit
     status, found, report = traced(tmp_path, "streaming_encoder_zeroed_rows_bound_to_another_name", True, FIXQ2)
     assert status == 0 and "nan-spread" not in {f["code"] for f in found}, report
+
+
+def test_exllamav2_padded_batch_attn_mask_neg_inf_nan(tmp_path):
+    """exllamav2 586f25c: the causal triangle filled with -inf empties left-padded rows; the NaN reaches the real
+    tokens through the next layer and the cache (written blind, batch blind-r; caught before any rule was changed
+    for it)."""
+    check_bug(tmp_path, "exllamav2_padded_batch_attn_mask_neg_inf_nan", "nan-spread")

@@ -177,3 +177,72 @@ def test_a_plain_chunked_prefill_that_lets_every_query_see_the_caches_last_windo
 
     expected = first((1, 18, 18), lambda b, q, k: q >= chunk and seen(q, k) and q - k >= w)
     assert hit["code"] == "window-lost" and tuple(hit["cell"]) == expected
+
+
+CASCADE = '''
+import torch
+import torch.nn.functional as F
+
+torch.manual_seed(0)
+
+
+def attend(q, k, v, causal):
+    """(out, lse) of one part of a cascade, as a flash kernel returns them (its causal over as many keys as queries)."""
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal), scores.logsumexp(-1)
+
+
+prefix, new, dim = 8, 4, 16
+keys, values = torch.randn(1, 2, prefix + new, dim), torch.randn(1, 2, prefix + new, dim)
+q = torch.randn(1, 2, new, dim)
+parts = []
+for step in range(2):
+    if step == 0:
+        parts.append(attend(q, keys[:, :, prefix:], values[:, :, prefix:], causal=True))  # the new tokens
+    else:
+        parts.append(attend(q, keys[:, :, :prefix], values[:, :, :prefix], causal=False))  # the cached prefix
+(o_new, lse_new), (o_prefix, lse_prefix) = parts
+top = torch.maximum(lse_new, lse_prefix)
+w_new, w_prefix = (lse_new - top).exp()[..., None], (lse_prefix - top).exp()[..., None]
+merged = (o_new * w_new + o_prefix * w_prefix) / (w_new + w_prefix)
+one_pass = F.scaled_dot_product_attention(
+    q, keys, values, attn_mask=torch.ones(new, prefix + new, dtype=torch.bool).tril(prefix))
+assert torch.allclose(merged, one_pass, atol=1e-5)
+'''
+
+
+def test_a_cascades_prefix_and_new_token_parts_are_no_chunks(tmp_path):
+    """A prompt-cache hit attends its new tokens causally to themselves and the same queries again to the cached prefix
+    with no mask, then merges the two by their log-sum-exp (LightLLM's, SGLang's cascade): one pass over prefix + new
+    keys, which the program asserts. The prefix part continues the new tokens' positions with the keys grown by
+    exactly their number, yet it is no later chunk of a prompt (the same query tensor again): quiet. The same helper
+    handed each chunk of a prompt, the later chunk seeing every key, is a chunked prefill that sees later keys: found.
+    (Not told apart where the scores are softmaxed by hand: a softmax's input records no query tensor.)"""
+    script = tmp_path / "cascade.py"
+    script.write_text(CASCADE)
+    out = tmp_path / "c.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    found = [f for group in json.loads(out.read_text())["groups"] for f in group["findings"] if f["severity"] == "wrong"]
+    assert result.exit_code == 0 and found == [], result.output
+    # two chunks of one prompt (4 then 8 keys behind a cache that keeps them), the second unmasked
+    chunked = CASCADE.split("parts = []")[0] + (
+        "for step in range(2):\n"
+        "    attend(keys[:, :, 4 * step:4 * step + 4], keys[:, :, :4 * step + 4], values[:, :, :4 * step + 4], step == 0)\n")
+    script.write_text(chunked)
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    found = [f for group in json.loads(out.read_text())["groups"] for f in group["findings"] if f["severity"] == "wrong"]
+    assert result.exit_code == 1 and [(f["code"], f["cell"]) for f in found] == [("prefill-chunks-differ", [0, 4, 5])], result.output
+
+
+def test_lightllm_deepseek2_prompt_cache_prefix_merge_dropped_is_quiet(tmp_path):
+    """LightLLM#893 (written blind, batch blind-r): the bug drops the merged result after attention, so buggy and fixed
+    make the same attention calls, new tokens causal from one line and the cached prefix unmasked from another. Neither
+    is a chunked prefill: both runs quiet (the bug is not in any mask; docs/checks.md, the blind split)."""
+    from pathlib import Path
+
+    blind = Path(__file__).parent / "data" / "blind"
+    for fixed in (False, True):
+        status, found, report = traced(tmp_path, "lightllm_deepseek2_prompt_cache_prefix_merge_dropped", fixed, blind)
+        assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -422,3 +422,11 @@ def test_queries_stated_past_the_keys_see_no_later_key_and_queries_among_them_st
     rows = [q for q in range(4) if any(10 + q - 6 < k <= 10 + q + 1 and k > 10 + q for k in range(14))]
     hit = [f for f in found if f["code"] == "sees-later"]
     assert rows == [0, 1, 2] and hit and hit[0]["message"].startswith("query rows 0-2 see later keys"), report
+
+
+def test_ofa_sequence_generator_decoder_mask_not_inverted(tmp_path):
+    """OFA b3f1e6a: the generator passes tokens.eq(pad) (True = pad) where the decoder expects 1 = keep, so every
+    real token is a masked key (written blind, batch blind-r; caught before any rule was changed for it)."""
+    from checkbugs import check_bug
+
+    check_bug(tmp_path, "ofa_sequence_generator_decoder_mask_not_inverted", "fully-masked")

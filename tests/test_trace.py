@@ -207,6 +207,23 @@ def test_an_additive_mask_in_the_scores_is_a_bias_read_where_its_weight_is_exact
     assert [f.code for f in group.findings] == ["additive"]
 
 
+
+def test_an_additive_mask_whose_cells_straddle_minus_1e4_is_no_fill():
+    """DeepSpeed's BLOOM softmax adds input_mask * -10000 to the scores: a decode row's masked cells land on both sides
+    of -1e4 (-9999.7 beside -10000.2). One cell at or below -1e4 is no constant fill: every masked cell is read where
+    softmax gives it weight exactly 0, as the program computes."""
+    scores = torch.tensor([0.3, 0.1, -0.2, 0.5, -0.4, 0.2])[None, None, None, :].repeat(2, 1, 1, 1)
+    pad = torch.tensor([[0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)  # batch row 1: 3 padding keys
+    with maskcli.trace() as t:
+        weights = (scores + pad[:, None, None, :] * -10000.0).softmax(-1)
+    (call,) = t.calls
+    keep = np.broadcast_to(call.keep(), call.shape)
+    for b in range(2):
+        for k in range(6):
+            assert keep[b, 0, 0, k] == (pad[b, k] == 0)
+    assert np.array_equal(keep, (weights > 0).numpy())
+    assert call.details["additive"] is True and "fill_value" not in call.details
+
 class Layer(nn.Module):
     def forward(self, x, cache):
         cache.append(x)

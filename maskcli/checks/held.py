@@ -230,6 +230,11 @@ def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | 
     counted = ~cells.all(axis=2) | ~cells.all(axis=(1, 2), keepdims=False)[:, None]  # (rows every key unmasked: NaN-proof)
     for held in helds:
         table = held["rows"]
+        if rows == 1 and table.ndim == 3 and table.shape[0] > 1:
+            found = _request_finding(call, held, cells[0], counted[0])
+            if found is not None:
+                return found
+            continue
         if table.shape[-2:] != (q_len, k_len) or table.ndim == 3 and table.shape[0] not in (1, rows):
             continue
         table = np.broadcast_to(table if table.ndim == 3 else table[None], (rows, q_len, k_len))
@@ -247,6 +252,46 @@ def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | 
                 f"this call does not bound what the kernel lets each query see (combined the wrong way, or dropped?)"),
                 expected=f"within {held['name']}", source=said, cell=(b, q, k))
     return None
+
+
+def _request_finding(call, held, cells: np.ndarray, counted: np.ndarray) -> Finding | None:
+    """A prefill call of one request (batch 1, n x n) under a padded batch's mask the program holds, (B, L, L), n <= L:
+    the call is some request's block of it, its top-left one (right padding) or its bottom-right one (left padding),
+    read either way round, of a request with as many real tokens as the call's queries (its own cells kept, or hidden);
+    a block with padding inside (its own cells unlike) is no request's. Said where every such
+    reading hides a cell the kernel lets a query see (TGI#3324: the padded mask handed to flashinfer, which reads
+    request i's block flattened at its packed offset, so each request reads another's cells at the wrong row length)."""
+    table = held["rows"]
+    q_len, length = cells.shape[0], table.shape[-1]
+    if cells.shape[1] != q_len or table.shape[-2] != length or not 2 <= q_len <= length or cross(call):
+        return None  # (a request's prefill: its queries its own keys, query j key j)
+    worst = None
+    for i in range(table.shape[0]):
+        own = np.diagonal(table[i])
+        if q_len not in (int(own.sum()), int((~own).sum())):
+            continue  # (not as many queries as this request's real tokens, either polarity: another request)
+        for block in (table[i, :q_len, :q_len], table[i, length - q_len:, length - q_len:]):
+            own = np.diagonal(block)
+            if not (own.all() or not own.any()):
+                continue  # padding inside the block (its own cells unlike): no request's block
+            if block.all() or not block.any():
+                return None  # (a block that says nothing either way: a request this call may be)
+            for bad in (cells & ~block & counted[:, None], cells & block & counted[:, None]):  # (True = keep; = hide)
+                if not bad.any():
+                    return None  # a reading the kernel keeps to
+                if worst is None or int(bad.sum()) < int(worst[1].sum()):
+                    worst = (i, bad)
+    if worst is None:
+        return None
+    i, bad = worst
+    q, k = (int(x) for x in np.argwhere(bad)[0])
+    said = f"{held['name']} in {held['where']}"
+    return Finding("held-mask-ignored", (
+        f"query {q} sees key {k}, which {said} ({table.shape[0]} requests padded to {length}) hides in the block of "
+        f"every request of {q_len} tokens, whichever way round it is read ({int(bad.sum())} such cells at least, in "
+        f"request {i}'s): this call of one request does not keep to the mask the program holds for the batch (a "
+        "padded mask read as a packed one, or another request's?)"), expected=f"a request's block of {held['name']}",
+        source=said, cell=(0, q, k))
 
 
 def held_documents(run: Run) -> list:

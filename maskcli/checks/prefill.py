@@ -8,7 +8,10 @@ prefilled in chunks, as `generate(prefill_chunk_size=...)`, vLLM and SGLang do. 
 recent keys ending at its last query), their rows put together must be the mask one pass over the prompt
 gives: the config's layer kind (causal, window(sliding_window), local(attention_chunk_size)) where a
 config says it, else the first chunk's own shape carried on (causal, or the window it shows). A later chunk
-whose queries see later keys, or miss keys of earlier chunks that one pass lets them see, is wrong. Keys
+whose queries see later keys, or miss keys of earlier chunks that one pass lets them see, is wrong. A call
+handed the very queries an earlier call of its site attended (the same tensor, unchanged: trace/queried.py) is no
+chunk: a cascade attends its new tokens to themselves and, again, to the cached prefix, and merges the two by their
+log-sum-exp (LightLLM's, SGLang's); one pass is what the merge computes, not what either call shows. Keys
 past a chunk's last query (a static cache's slots not yet written) are cache.py's; the first chunk is
 checked alone by the other rules, and a group another rule already calls wrong is not told twice
 (engine.py). `maskcli model` places its calls itself and checks `--prefill-chunk` against its own single
@@ -39,12 +42,16 @@ def key_positions(call, own: np.ndarray) -> np.ndarray:
 def runs(run: Run, calls: list) -> list[list]:
     """The call site's prefill chunks: runs of at least two calls of several queries, (call, queries, keys) each, the
     first from position 0, each continuing the one before it."""
-    found, current = [], []
+    found, current, handed = [], [], set()
     for call in calls:
         if call.details.get("queries") is not None:
             return []  # placed by `model`, whose --prefill-chunk checks its chunks against its own single pass
         own = queries(call, run.top(call))
         keys = key_positions(call, own) if call.shape[2] > 1 and (np.diff(own) == 1).all() else None
+        same = _handed(call)
+        if same is not None and same in handed:
+            keys = None  # queries an earlier call attended already (a cascade's other part): no prompt's next chunk
+        handed.add(same)
         continues = bool(current) and int(own[0]) == int(current[-1][1][-1]) + 1 and call.shape[:2] == current[-1][0].shape[:2]
         if continues and repeated(run, current[-1][0], call):
             continues = False  # the same queries again, the earlier mask kept (a draft's test-time steps): no chunk
@@ -55,6 +62,13 @@ def runs(run: Run, calls: list) -> list[list]:
             found.append(current)
         current = [(call, own, keys)] if keys is not None and own[0] == 0 else []
     return found + ([current] if len(current) > 1 else [])
+
+
+def _handed(call):
+    """The query tensor the kernel was handed, comparable between calls (trace/queried.py's query_tensor); None where
+    not recorded."""
+    given = call.details.get("query_tensor")
+    return None if given is None else repr(given)
 
 
 def together(chunks: list) -> np.ndarray | None:

@@ -26,6 +26,7 @@ from maskcli.text import step_label
 from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
 from maskcli.trace.zerokv import zero_kv
+from maskcli.trace.queried import query_tensor
 from maskcli.intervals import Intervals
 
 
@@ -71,8 +72,7 @@ class Seen(Operands):
 
 @dataclass(slots=True)
 class Call(Operands):
-    """One attention call: where it came from, what it computed on, and its mask (a key into Trace.masks; trace/capture.py
-    records them)."""
+    """One attention call: where it came from, what it computed on, its mask (a key into Trace.masks; capture.py)."""
 
     index: int = 0
     where: str = ""
@@ -184,8 +184,8 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
         if len(mask_shape) > 2:
             lead = _broadcast(lead, mask_shape[:-2])
     details = {"is_causal": is_causal, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False)),
-               "dropout_p": float(given.get("dropout_p", 0.0) or 0.0)}
-    details.update(zero_kv(q, k, v, k_shape))  # keys zero in K and V at an edge: the data's own padding (checks/zerokv.py)
+               "dropout_p": float(given.get("dropout_p", 0.0) or 0.0), **zero_kv(q, k, v, k_shape),  # (K, V zero: zerokv.py)
+               "query_tensor": query_tensor(q) if q_len > 1 else None}  # (queries seen again: no chunk, checks/prefill.py)
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
     if _same_storage(q, k):
         details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.crossing)
@@ -388,7 +388,7 @@ def _finite_fill(scores: torch.Tensor, lowest: float, details: dict) -> torch.Te
     low = (scores <= FILL_AT_MOST) & (scores != lowest) & torch.isfinite(scores)
     if not bool(low.any()):
         return low
-    values = scores[low]
+    values = scores[(scores <= FILL_AT_MOST / 2) & (scores != lowest) & torch.isfinite(scores)]  # (-1e4 + a score: either side)
     if bool((values == values[0]).all()):
         details["fill_value"] = float(values[0])
         details["fill"] = details["fill"] or "finite"

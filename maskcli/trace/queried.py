@@ -8,6 +8,7 @@ was given, not the ones the kernel was handed.
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
@@ -41,3 +42,27 @@ def note(details: dict, stack: list) -> None:
         given = query_input(stack)
         if given is not None:
             details["query_input"] = given
+
+
+_COUNT = itertools.count()
+_BASES = None  # the query tensors' bases seen alive, each with its serial number (a WeakIdKeyDictionary, made once)
+
+
+def query_tensor(q: torch.Tensor) -> tuple | None:
+    """Which queries a kernel was handed: (serial of q's base tensor, storage offset, shape, strides, the base's
+    version). Two calls with equal ones attend the same query values (the base alive between them, so never memory
+    reused, and not written in place since), as a cascade's prefix and new-token parts do (checks/prefill.py: no later
+    chunk of a prompt); a prompt's next chunk has other queries. None where q is no plain tensor."""
+    global _BASES
+    try:
+        base = q if q._base is None else q._base
+        if _BASES is None:
+            from torch.utils.weak import WeakIdKeyDictionary
+
+            _BASES = WeakIdKeyDictionary()
+        serial = _BASES.get(base)
+        if serial is None:
+            serial = _BASES[base] = next(_COUNT)
+        return serial, q.storage_offset(), tuple(q.shape), tuple(q.stride()), base._version
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # (tensor subclasses: nothing to compare)
+        return None
