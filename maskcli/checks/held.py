@@ -19,11 +19,8 @@ Where every query of each padded row sees exactly the keys such a mask calls pad
 turned round on its way (padding-only-attended: torch_brain#74's bias filled where the keep-mask is True); no row need
 be whole there, as the exact complement is the statement.
 
-Two more things a frame may hold: a mask over the call's cells (a streaming encoder's `chunk_mask`, a bool
-(B, 1, Lq, Lk) mask handed down as `attention_mask` / `attn_mask` / `mask`), which the kernel's mask must keep
-inside, read either way round as its name does not say its polarity (held-mask-ignored: espnet#4751's AND,
-Megatron-LM#7039's window that replaced it); and 2-D positions that restart at 0 (held-documents-leak: a packing
-loop's, torchtitan#3130's).
+One more thing a frame may hold: 2-D positions that restart at 0 (held-documents-leak: a packing loop's,
+torchtitan#3130's). A mask over the call's cells it holds is checks/heldcells.py's.
 """
 
 from __future__ import annotations
@@ -193,107 +190,6 @@ def held_padding(run: Run) -> list:
     return found
 
 
-def held_cells(run: Run) -> list:
-    """Calls whose queries see cells that a mask the program holds there (a chunk mask; a bool (B, 1, Lq, Lk) mask handed
-    down as attention_mask / attn_mask / mask) hides, whichever way round it is read."""
-    found, done = [], {}
-    for call in run.calls:
-        helds = [held for held in call.details.get("held_padding") or () if held["kind"] == "cells"]
-        rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
-        if not helds or call.stored is None or q_len < 2:
-            continue
-        key = (call.mask, call.shape, tuple(id(h["rows"]) for h in helds))
-        if key not in done:
-            done[key] = _cells_finding(call, helds, rows, q_len, k_len)
-        if done[key] is not None:
-            found.append((call, done[key]))
-    return found
-
-
-def _padding_queries(table: np.ndarray) -> np.ndarray:
-    """Bool (rows, Lq): the queries whose own cell the held mask treats unlike most queries' own (hidden where the rest
-    are kept, or the other way round, whichever its polarity): its padding queries (a trainer's causal & padding mask),
-    whose rows the kernel may fill as it likes (MaxText's segment ids let padding see padding)."""
-    rows, q_len, k_len = table.shape
-    if q_len != k_len:
-        return np.zeros((rows, q_len), dtype=bool)
-    own = table[:, np.arange(q_len), np.arange(q_len)]
-    usual = own.mean() >= 0.5
-    return own != usual if (own == usual).mean() > 0.5 else np.zeros((rows, q_len), dtype=bool)
-
-
-def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | None:
-    cells = keep(call)
-    if cells is None or cells.shape[0] not in (1, rows):
-        return None
-    cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
-    counted = ~cells.all(axis=2) | ~cells.all(axis=(1, 2), keepdims=False)[:, None]  # (rows every key unmasked: NaN-proof)
-    for held in helds:
-        table = held["rows"]
-        if rows == 1 and table.ndim == 3 and table.shape[0] > 1:
-            found = _request_finding(call, held, cells[0], counted[0])
-            if found is not None:
-                return found
-            continue
-        if table.shape[-2:] != (q_len, k_len) or table.ndim == 3 and table.shape[0] not in (1, rows):
-            continue
-        table = np.broadcast_to(table if table.ndim == 3 else table[None], (rows, q_len, k_len))
-        if table.all() or not table.any():
-            continue
-        counted = counted & ~_padding_queries(table)
-        either = [cells & ~table & counted[:, :, None], cells & table & counted[:, :, None]]  # (True = keep; True = hide)
-        if all(bad.any() for bad in either):
-            bad = min(either, key=lambda x: int(x.sum()))
-            b, q, k = first_cell(bad)
-            said = f"{held['name']} in {held['where']}"
-            return Finding("held-mask-ignored", (
-                f"batch row {b}: query {q} sees key {k}, which {said} hides whichever way round it is read "
-                f"(True = keep or True = masked; {int(bad.sum())} such cells at least): the mask the program holds for "
-                f"this call does not bound what the kernel lets each query see (combined the wrong way, or dropped?)"),
-                expected=f"within {held['name']}", source=said, cell=(b, q, k))
-    return None
-
-
-def _request_finding(call, held, cells: np.ndarray, counted: np.ndarray) -> Finding | None:
-    """A prefill call of one request (batch 1, n x n) under a padded batch's mask the program holds, (B, L, L), n <= L:
-    the call is some request's block of it, its top-left one (right padding) or its bottom-right one (left padding),
-    read either way round, of a request with as many real tokens as the call's queries (its own cells kept, or hidden);
-    a block with padding inside (its own cells unlike) is no request's. Said where every such
-    reading hides a cell the kernel lets a query see (TGI#3324: the padded mask handed to flashinfer, which reads
-    request i's block flattened at its packed offset, so each request reads another's cells at the wrong row length)."""
-    table = held["rows"]
-    q_len, length = cells.shape[0], table.shape[-1]
-    if cells.shape[1] != q_len or table.shape[-2] != length or not 2 <= q_len <= length or cross(call):
-        return None  # (a request's prefill: its queries its own keys, query j key j)
-    worst = None
-    for i in range(table.shape[0]):
-        own = np.diagonal(table[i])
-        if q_len not in (int(own.sum()), int((~own).sum())):
-            continue  # (not as many queries as this request's real tokens, either polarity: another request)
-        for block in (table[i, :q_len, :q_len], table[i, length - q_len:, length - q_len:]):
-            own = np.diagonal(block)
-            if not (own.all() or not own.any()):
-                continue  # padding inside the block (its own cells unlike): no request's block
-            if block.all() or not block.any():
-                return None  # (a block that says nothing either way: a request this call may be)
-            for bad in (cells & ~block & counted[:, None], cells & block & counted[:, None]):  # (True = keep; = hide)
-                if not bad.any():
-                    return None  # a reading the kernel keeps to
-                if worst is None or int(bad.sum()) < int(worst[1].sum()):
-                    worst = (i, bad)
-    if worst is None:
-        return None
-    i, bad = worst
-    q, k = (int(x) for x in np.argwhere(bad)[0])
-    said = f"{held['name']} in {held['where']}"
-    return Finding("held-mask-ignored", (
-        f"query {q} sees key {k}, which {said} ({table.shape[0]} requests padded to {length}) hides in the block of "
-        f"every request of {q_len} tokens, whichever way round it is read ({int(bad.sum())} such cells at least, in "
-        f"request {i}'s): this call of one request does not keep to the mask the program holds for the batch (a "
-        "padded mask read as a packed one, or another request's?)"), expected=f"a request's block of {held['name']}",
-        source=said, cell=(0, q, k))
-
-
 def held_documents(run: Run) -> list:
     """A query that sees another document's key, the documents marked by positions the program holds at the call that
     restart at 0 inside a row (a packing loop's `positions`, never handed to the model call: arguments.py reads those
@@ -404,9 +300,6 @@ RULES = (
     Rule("padding-unused", "wrong", "call", "a real query that sees a key the batch's padding held by the program's own "
          "frames (a padding mask or lengths, built and never handed on) calls padding, every way it may be read",
          held_padding),
-    Rule("held-mask-ignored", "wrong", "call", "a query that sees a cell that a mask the program's own frames hold at the "
-         "call hides, whichever way round it is read (a chunk mask, a bool mask handed down: combined by AND, or "
-         "replaced by a window)", held_cells),
     Rule("held-documents-leak", "wrong", "call", "a query that sees another packed document's key, the documents marked "
          "by positions the program's own frames hold at the call restarting at 0 (never handed to the model call)",
          held_documents),

@@ -37,7 +37,7 @@ GIVEN = ("run", "group", "tensor", "stages", "batch", "layout", "split", "part",
 MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", "rolled", "paged", "arguments",
            "memory", "heads", "sides", "steps", "cache", "spans", "own", "dropped", "tokens", "layers", "dtypes",
            "softmaxed", "padflag", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes",
-           "stages", "packing", "held", "frames", "subsampled", "patches", "nans", "segments", "withheld", "swin", "across",
+           "stages", "packing", "held", "heldcells", "frames", "subsampled", "patches", "nans", "segments", "withheld", "swin", "across",
            "crosspad", "crossq", "batchaxis", "decoders", "headrows", "evicted", "media", "shard", "serve", "servemasks",
            "servesteps", "serveexpect", "ranks", "fullblocks", "zerokv")
 
