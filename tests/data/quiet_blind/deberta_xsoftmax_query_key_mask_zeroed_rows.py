@@ -87,6 +87,7 @@ def main():
     input_mask = (torch.arange(7)[None] < torch.tensor(lengths)[:, None]).long()
     x = torch.randn(3, 7, 32, requires_grad=True)
     out, probs = attn(x, get_attention_mask(input_mask))
+    probs = probs.detach()
     assert not torch.isnan(out).any() and not torch.isnan(probs).any()
     # padding query rows are exactly zero; real rows sum to one over real keys only
     assert float(probs[1, :, 4:].abs().sum()) == 0.0 and float(probs[1, :, :4, 4:].abs().sum()) == 0.0
