@@ -39,6 +39,7 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
         found += _built_from(module, places, found)
     found += _numbers(module, path)
     found += _full_blocks(module, path)
+    found += _memory_lengths(module, path)
     found += padding_flags(module, places)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
@@ -143,6 +144,24 @@ def _full_blocks(root, path) -> list[Stated]:
             found.append(Stated(f"self.{FULL_BLOCKS[0]}={list(value)} of {scope or type(module).__name__}", scope,
                                 {FULL_BLOCKS[0]: tuple(value)}))
     return found
+
+
+MEMORY = "mem_len"  # a recurrent-memory model's own memory length (Transformer-XL's, the Feedback Transformer's)
+
+
+def _memory_lengths(root, path) -> list[Stated]:
+    """A module's own int `mem_len`, for the calls under it (checks/memlen.py); none where any module of the model
+    holds another memory count beside it (a compressed memory's `cmem_len`, memory key/values `num_mem_kv`: more keys
+    than the memory the one length counts)."""
+    found, other = [], False
+    for module in root.modules():
+        for name, value in vars(module).items():
+            if type(value) is int and "mem" in name and name != MEMORY:
+                other = True
+        value, scope = vars(module).get(MEMORY), path(module)
+        if type(value) is int and value > 0 and scope is not None:
+            found.append(Stated(f"self.{MEMORY}={value} of {scope or type(module).__name__}", scope, {MEMORY: value}))
+    return [] if other else found
 
 
 PADDING_FLAGS = ("mask_pad_tokens", "mask_padding", "mask_pad", "use_padding_mask", "use_pad_mask")  # a wrapper's
