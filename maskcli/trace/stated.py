@@ -40,6 +40,7 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
     found += _numbers(module, path)
     found += _full_blocks(module, path)
     found += _memory_lengths(module, path)
+    found += _model_causal(module)
     found += padding_flags(module, places)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
@@ -162,6 +163,16 @@ def _memory_lengths(root, path) -> list[Stated]:
         if type(value) is int and value > 0 and scope is not None:
             found.append(Stated(f"self.{MEMORY}={value} of {scope or type(module).__name__}", scope, {MEMORY: value}))
     return [] if other else found
+
+
+def _model_causal(root) -> list[Stated]:
+    """The outermost module's own `causal` / `is_causal` = True (a language model that packs memory slots beside its
+    tokens and builds its own mask: recurrent-memory-transformer's `self.causal`), as `model_causal` for its calls
+    (checks/reach.py); its layers' own flags say how each kernel is called, not what the model is."""
+    for name in ("causal", "is_causal"):
+        if vars(root).get(name) is True:
+            return [Stated(f"self.{name}=True of {type(root).__name__}", None, {"model_causal": True})]
+    return []
 
 
 PADDING_FLAGS = ("mask_pad_tokens", "mask_padding", "mask_pad", "use_padding_mask", "use_pad_mask")  # a wrapper's
