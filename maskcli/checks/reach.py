@@ -20,11 +20,22 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
-def leaks(cells: np.ndarray) -> np.ndarray:
-    """Bool (rows, L, L): cells (q, j), j > q, that q does not see but reaches through one key it sees."""
-    seen = cells.astype(np.int32)
-    reached = np.matmul(seen, seen) > 0
-    later = np.triu(np.ones(cells.shape[-2:], dtype=bool), 1)
+MOST = 1 << 27  # multiply-adds one call's reach may cost (rows * L * L * keys through which a later one is read)
+
+
+def leaks(cells: np.ndarray) -> np.ndarray | None:
+    """Bool (rows, L, L): cells (q, j), j > q, that q does not see but reaches through one key it sees; None where that
+    costs more than MOST. Only keys some earlier query sees, or whose own row sees a later key, can carry one (none
+    under a triangle or a window: the common case costs one pass)."""
+    rows, length, _ = cells.shape
+    later = np.triu(np.ones((length, length), dtype=bool), 1)
+    through = np.flatnonzero((cells & later[None]).any(axis=(0, 1)) | (cells & later[None]).any(axis=(0, 2)))
+    if through.size == 0:
+        return np.zeros_like(cells)
+    if rows * length * length * through.size > MOST:
+        return None
+    seen = cells.astype(np.float32)  # (BLAS: an int matmul is a Python-speed loop in numpy)
+    reached = np.matmul(seen[:, :, through], seen[:, through, :]) > 0
     return reached & ~cells & later[None]
 
 
@@ -50,7 +61,7 @@ def through_slots(run: Run) -> list:
             if cells is None:
                 continue
             bad = leaks(cells.any(axis=1))
-            if not bad.any():
+            if bad is None or not bad.any():
                 continue
             b, q, j = first_cell(bad)
             row = cells.any(axis=1)[b]
