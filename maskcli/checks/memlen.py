@@ -38,7 +38,7 @@ def over_memory(run: Run) -> list:
         said = [one for one in top.stated if FIELD in one.fields]
         if not said:
             continue
-        length, source, scope = said[0].fields[FIELD], said[0].source, said[0].scope or ""
+        length, source, scope = said[0].fields[FIELD], said[0].source, said[0].fields.get("mem_scope") or ""
         done = set()
         for call in run.calls[top.first:top.end]:
             q_len, k_len = call.shape[2], call.shape[3]

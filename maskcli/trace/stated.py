@@ -161,7 +161,9 @@ def _memory_lengths(root, path) -> list[Stated]:
                 other = True
         value, scope = vars(module).get(MEMORY), path(module)
         if type(value) is int and value > 0 and scope is not None:
-            found.append(Stated(f"self.{MEMORY}={value} of {scope or type(module).__name__}", scope, {MEMORY: value}))
+            found.append(Stated(f"self.{MEMORY}={value} of {scope or type(module).__name__}", None,
+                                {MEMORY: value, "mem_scope": scope}))  # (scope None: no config of the layers' kinds,
+            # which would hide the program's own config variables from checks/intent.py's stated_for)
     return [] if other else found
 
 
