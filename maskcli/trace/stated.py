@@ -41,6 +41,7 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
     found += _full_blocks(module, path)
     found += _memory_lengths(module, path)
     found += _model_causal(module)
+    found += _neighbours(module, path)
     found += padding_flags(module, places)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
@@ -165,6 +166,28 @@ def _memory_lengths(root, path) -> list[Stated]:
                                 {MEMORY: value, "mem_scope": scope}))  # (scope None: no config of the layers' kinds,
             # which would hide the program's own config variables from checks/intent.py's stated_for)
     return [] if other else found
+
+
+NEIGHBOURS = ("num_nearest_neighbors", "num_neighbors", "n_neighbors")  # a k-nearest-neighbour attention's own k
+BESIDES = ("radius", "cutoff", "adj", "sparse")  # words of another reason to hide a neighbour (valid_radius, adjacency)
+
+
+def _neighbours(root, path) -> list[Stated]:
+    """A module's own int k of NEIGHBOURS, for the calls under it (checks/neighbours.py); none where it also holds
+    another reason to hide a neighbour (a finite `valid_radius`, `only_sparse_neighbors=True`, an adjacency)."""
+    found = []
+    for module in root.modules():
+        own, scope = vars(module), path(module)
+        name = next((name for name in NEIGHBOURS if type(own.get(name)) is int and own[name] > 0), None)
+        k = None if name is None else own[name]
+        if k is None or scope is None:
+            continue
+        other = [n for n, value in own.items() if any(word in n for word in BESIDES)
+                 and (value is True or type(value) in (int, float) and value not in (0, float("inf")))]
+        if not other:
+            found.append(Stated(f"self.{name}={k} of {scope or type(module).__name__}", None,
+                                {"neighbours": k, "neighbours_scope": scope}))
+    return found
 
 
 def _model_causal(root) -> list[Stated]:
