@@ -30,6 +30,32 @@ def test_opentau_temporal_attention_padded_history(tmp_path):
     check_bug(tmp_path, "opentau_spacetime_video_temporal_attn_padded_history", "padding-unused")
 
 
+def test_mist_bool_key_padding_added_to_scores(tmp_path):
+    """DiffMS#25: the bool key padding mask added (+1.0) to the scores instead of the -inf mask built beside it."""
+    check_bug(tmp_path, "mist_peak_attention_bool_key_padding_added_to_scores", "padding-unused")
+
+
+def test_alphafold2_pair_mask_sum_of_bool_masks(tmp_path):
+    """alphafold2 dda22b5: the pair mask `mask_i + mask_j` (OR) handed to the (b i) j axial attention, which keeps to
+    it; the residue mask main() holds says the padded residues' pairs are padding. The fix's fully padded pair rows
+    (a finite fill, max subtracted: every key seen) are padded rows, not real queries seeing padding."""
+    check_bug(tmp_path, "alphafold2_pair_mask_sum_of_bool_masks", "padding-unused")
+
+
+def test_pair_padding_and_of_pads(tmp_path):
+    """Written another way: True = padding, `pad_i & pad_j` folded (b j) i into SDPA's key padding; the first cell is a
+    double loop's over the residues' padding (a real column's real query that sees a padded residue)."""
+    status, found, report = traced(tmp_path, "pair_padding_and_of_pads", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "padding-unused")
+    assert hit["severity"] == "wrong"
+    lengths = [5, 3]
+    assert tuple(hit["cell"]) == first(
+        (10, 5, 5), lambda r, q, k: q < lengths[r // 5] and r % 5 < lengths[r // 5] <= k)
+    status, found, report = traced(tmp_path, "pair_padding_and_of_pads", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
 def test_padding_mask_never_passed(tmp_path):
     """Written another way: left-padded, True = padding, nn.MultiheadAttention; the first cell is a double loop's over
     the stated padding (real queries, padded keys: the call masks nothing)."""

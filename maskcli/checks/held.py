@@ -83,6 +83,46 @@ def _at_one_id(real: np.ndarray, ids: tuple) -> bool:
     return False
 
 
+def pair_rows(held: dict, rows: int, length: int) -> list[np.ndarray | None]:
+    """Bool (rows,) per table of readings(): where the batch is folded with as many rows each as the keys (`b * n`
+    rows, n the keys' length: axial attention over a pair map, AlphaFold's (b i) j), whether each row's own token is
+    real; None for a table of no such fold. A row of a padded token is a padded pair (i, j) for every j, which no key
+    mask need keep to (a finite fill over the whole row, its max subtracted, reads as seeing every key)."""
+    tables = readings(held, rows, length)
+    size = held["rows"].shape[0] if held["rows"].ndim == 2 else 0
+    if not tables or size < 2 or rows != size * length:
+        return [None] * len(tables)
+    at = np.arange(rows)
+    half = len(tables) // 2  # (readings: the folds by repeat_interleave first, then those by repeat)
+    out = []
+    for index, table in enumerate(tables):
+        base = table[:: length] if index < half else table[:size]  # (rows of one batch element each way round)
+        out.append(base[at // length, at % length] if index < half else base[at % size, at // size])
+    return out
+
+
+def _wider_pairs(helds: list[dict], rows: int, length: int) -> set[int]:
+    """Ids of held (rows, length) padding masks over a pair map's rows (`b * n` rows, n the keys' length) that call real,
+    in a row of a real token, a key that another held (b, length) padding of the batch calls padding, every way round
+    the fold may be read: a pair mask built wider than both its tokens' padding (alphafold2 dda22b5: `mask_i + mask_j`
+    on bools is OR), which the kernel keeping to does not make the batch's padding kept."""
+    masks = [held for held in helds if held["kind"] in ("keep", "pad") and held["rows"].ndim == 2
+             and held["rows"].shape[1] == length]
+    wider = set()
+    for inner in masks:
+        if inner["rows"].shape[0] != rows:
+            continue
+        called = inner["rows"] if inner["kind"] == "keep" else ~inner["rows"]
+        for outer in masks:
+            if outer is inner or outer["rows"].shape[0] * length != rows or outer["rows"].shape[0] < 2:
+                continue
+            pairs = list(zip(readings(outer, rows, length), pair_rows(outer, rows, length)))
+            if pairs and all(row_real is not None and (called & row_real[:, None] & ~real).any()
+                             for real, row_real in pairs):
+                wider.add(id(inner))
+    return wider
+
+
 def _padding(real: np.ndarray, right_only: bool) -> bool:
     """Each row a run of real tokens at one edge, each with one, one row all real and one not."""
     count = real.sum(axis=1)
@@ -159,12 +199,17 @@ def held_padding(run: Run) -> list:
             # lengths), which no key mask need keep to: a reading seen through
         first, seen_through = None, True
         ids = tuple(h["rows"] for h in helds if h["kind"] == "ids")
+        wider = _wider_pairs(helds, rows, k_len)
         for held in helds:
+            if id(held) in wider:
+                continue  # (a pair mask that calls real what its batch's padding does not is no padding kept to)
             tables = readings(held, rows, k_len, ids) if _tracks_keys(run, call, held) else []
             if not tables:
                 continue
-            for real in tables:
+            for real, row_real in zip(tables, pair_rows(held, rows, k_len)):
                 bad = _seen(cells, real, own)
+                if row_real is not None:
+                    bad = bad & row_real[:, None, None]
                 if not bad.any() or own is not None and beside_memory(run, call, real):
                     seen_through = False
                     break
@@ -184,7 +229,9 @@ def held_padding(run: Run) -> list:
         done[key] = Finding("padding-unused", (
             f"batch row {b}: {query} sees key {k}, which the program's own padding calls padding: {said} is {what} of "
             f"these {k_len} keys, held by a function that made this call, and the mask handed to the kernel does not "
-            f"keep to it ({int(bad.sum())} such cells) — built and never handed on?"),
+            f"keep to it ({int(bad.sum())} such cells) — " + (
+                "the pair mask handed down is wider than both its tokens' padding (OR where AND was meant?)" if wider
+                else "built and never handed on?")),
             expected="no real query sees a key the program's padding calls padding", source=said, cell=(b, q, k))
         found.append((call, done[key]))
     return found

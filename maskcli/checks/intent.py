@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset")  # what a Stated says of its config, not its fields
+FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset",  # what a Stated says of its config,
+         "mem_len", "mem_scope", "model_causal", "neighbours", "neighbours_scope")  # not its fields (a model's memory length, its own causal flag: read by
+# checks/memlen.py and reach.py alone, no layer kind)
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
           "use_sliding_window", "max_window_layers", "no_rope_layers",

@@ -27,6 +27,8 @@ LENGTHS = re.compile(r"^(?!cu_|max_)(?:\w+_)?(?:len|lens|lengths|seq_lens|seqlen
 CELLS = re.compile(r"(?:^|_)chunk_masks?$")  # a streaming encoder's chunk mask (L, L) or (B, L, L): its polarity unsaid
 POSITIONS = re.compile(r"^(?:position_ids|positions|pos_ids)$")  # (B, L) positions that restart: packed documents
 IDS = re.compile(r"^(?:input_ids|idx|tokens)$")  # (B, L) token ids, read beside a mask the same frame holds (checks/tokens.py)
+GRAPHS = re.compile(r"^(?:batch|batch_index|batch_idx|batch_vec|node_batch|graph_index|graph_ids?)$")  # PyG's node ->
+# graph index of a mini-batch of graphs concatenated node after node (checks/graphs.py)
 HANDED = re.compile(r"^(?:attention_mask|attn_mask|mask)$")  # a bool mask over the cells, handed down: polarity unsaid
 MOST = 1 << 16  # cells of one held mask read at most (a batch's padding, not a sequence's cells)
 FRAMES = 24
@@ -72,7 +74,8 @@ def padding() -> list[dict] | None:
         if names is None:
             names = _NAMES.put(code, _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else
                 tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
-                      or CELLS.search(n) or POSITIONS.search(n) or IDS.search(n) or HANDED.search(n)))
+                      or CELLS.search(n) or POSITIONS.search(n) or IDS.search(n) or HANDED.search(n)
+                      or GRAPHS.search(n)))
         if names is _OUTSIDE:
             frame = frame.f_back
             continue
@@ -140,6 +143,8 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
         if value.dim() != 2 or value.is_floating_point() or value.dtype == torch.bool:
             return None
         return {"kind": "ids", "rows": value.detach().cpu().numpy().astype(np.int64)}
+    if GRAPHS.search(name):
+        return _graphs(value)
     if value.dim() == 1 and LENGTHS.search(name) and not value.is_floating_point() and value.dtype != torch.bool:
         return {"kind": "lengths", "rows": value.detach().cpu().numpy().astype(np.int64)}
     if value.dim() == 1 and LENGTHS.search(name) and value.is_floating_point() and value.numel() > 1:
@@ -172,3 +177,15 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
     if not np.isin(rows, (0, 1)).all():
         return None
     return {"kind": "pad" if PAD.search(name) else "keep", "rows": rows.astype(bool)}
+
+
+def _graphs(value: torch.Tensor) -> dict | None:
+    """A PyG batch vector (kind "graphs"): 1-D ints from 0 that rise by 0 or 1, two graphs at least and one of two nodes
+    at least (not `arange`, nor a batch of token ids)."""
+    if value.dim() != 1 or value.is_floating_point() or value.dtype == torch.bool or value.numel() < 3:
+        return None
+    rows = value.detach().cpu().numpy().astype(np.int64)
+    steps = np.diff(rows)
+    if rows[0] != 0 or rows[-1] < 1 or not np.isin(steps, (0, 1)).all() or not (steps == 0).any():
+        return None
+    return {"kind": "graphs", "rows": rows}

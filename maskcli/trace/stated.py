@@ -39,6 +39,9 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
         found += _built_from(module, places, found)
     found += _numbers(module, path)
     found += _full_blocks(module, path)
+    found += _memory_lengths(module, path)
+    found += _model_causal(module)
+    found += _neighbours(module, path)
     found += padding_flags(module, places)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
@@ -143,6 +146,58 @@ def _full_blocks(root, path) -> list[Stated]:
             found.append(Stated(f"self.{FULL_BLOCKS[0]}={list(value)} of {scope or type(module).__name__}", scope,
                                 {FULL_BLOCKS[0]: tuple(value)}))
     return found
+
+
+MEMORY = "mem_len"  # a recurrent-memory model's own memory length (Transformer-XL's, the Feedback Transformer's)
+
+
+def _memory_lengths(root, path) -> list[Stated]:
+    """A module's own int `mem_len`, for the calls under it (checks/memlen.py); none where any module of the model
+    holds another memory count beside it (a compressed memory's `cmem_len`, memory key/values `num_mem_kv`: more keys
+    than the memory the one length counts)."""
+    found, other = [], False
+    for module in root.modules():
+        for name, value in vars(module).items():
+            if type(value) is int and "mem" in name and name != MEMORY:
+                other = True
+        value, scope = vars(module).get(MEMORY), path(module)
+        if type(value) is int and value > 0 and scope is not None:
+            found.append(Stated(f"self.{MEMORY}={value} of {scope or type(module).__name__}", None,
+                                {MEMORY: value, "mem_scope": scope}))  # (scope None: no config of the layers' kinds,
+            # which would hide the program's own config variables from checks/intent.py's stated_for)
+    return [] if other else found
+
+
+NEIGHBOURS = ("num_nearest_neighbors", "num_neighbors", "n_neighbors")  # a k-nearest-neighbour attention's own k
+BESIDES = ("radius", "cutoff", "adj", "sparse")  # words of another reason to hide a neighbour (valid_radius, adjacency)
+
+
+def _neighbours(root, path) -> list[Stated]:
+    """A module's own int k of NEIGHBOURS, for the calls under it (checks/neighbours.py); none where it also holds
+    another reason to hide a neighbour (a finite `valid_radius`, `only_sparse_neighbors=True`, an adjacency)."""
+    found = []
+    for module in root.modules():
+        own, scope = vars(module), path(module)
+        name = next((name for name in NEIGHBOURS if type(own.get(name)) is int and own[name] > 0), None)
+        k = None if name is None else own[name]
+        if k is None or scope is None:
+            continue
+        other = [n for n, value in own.items() if any(word in n for word in BESIDES)
+                 and (value is True or type(value) in (int, float) and value not in (0, float("inf")))]
+        if not other:
+            found.append(Stated(f"self.{name}={k} of {scope or type(module).__name__}", None,
+                                {"neighbours": k, "neighbours_scope": scope}))
+    return found
+
+
+def _model_causal(root) -> list[Stated]:
+    """The outermost module's own `causal` / `is_causal` = True (a language model that packs memory slots beside its
+    tokens and builds its own mask: recurrent-memory-transformer's `self.causal`), as `model_causal` for its calls
+    (checks/reach.py); its layers' own flags say how each kernel is called, not what the model is."""
+    for name in ("causal", "is_causal"):
+        if vars(root).get(name) is True:
+            return [Stated(f"self.{name}=True of {type(root).__name__}", None, {"model_causal": True})]
+    return []
 
 
 PADDING_FLAGS = ("mask_pad_tokens", "mask_padding", "mask_pad", "use_padding_mask", "use_pad_mask")  # a wrapper's

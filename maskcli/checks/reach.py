@@ -1,0 +1,81 @@
+"""A model that states itself causal whose query reads, through a key it sees, a later token it is masked from.
+
+A causal language model's query may see only what came before it; where the model packs other slots beside its
+tokens (recurrent memory slots, summary tokens) and builds its own mask, each slot's row says what that slot reads
+at one layer, and the next layer's key at that slot carries it. So a query that sees a key whose own row sees a later
+key the query itself is masked from reads that later token one layer on: the future leaks through the slot
+(recurrent-memory-transformer-pytorch cdff28a: `F.pad(tril, (read, mem) * 2, value=True)` let every token see the
+write memories, which see the whole segment). Read where the outermost module states `causal=True` / `is_causal=True`
+(trace/stated.py's `model_causal`) and two or more self-attention calls of the model call share the mask (a layer
+on another). Quiet on a triangle (no row sees later), a bidirectional block or prefix (a query of it sees it whole),
+and slots every token is masked from.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, cross, first_cell, keep
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding
+
+
+MOST = 1 << 27  # multiply-adds one call's reach may cost (rows * L * L * keys through which a later one is read)
+
+
+def leaks(cells: np.ndarray) -> np.ndarray | None:
+    """Bool (rows, L, L): cells (q, j), j > q, that q does not see but reaches through one key it sees; None where that
+    costs more than MOST. Only keys some earlier query sees, or whose own row sees a later key, can carry one (none
+    under a triangle or a window: the common case costs one pass)."""
+    rows, length, _ = cells.shape
+    later = np.triu(np.ones((length, length), dtype=bool), 1)
+    through = np.flatnonzero((cells & later[None]).any(axis=(0, 1)) | (cells & later[None]).any(axis=(0, 2)))
+    if through.size == 0:
+        return np.zeros_like(cells)
+    if rows * length * length * through.size > MOST:
+        return None
+    seen = cells.astype(np.float32)  # (BLAS: an int matmul is a Python-speed loop in numpy)
+    reached = np.matmul(seen[:, :, through], seen[:, through, :]) > 0
+    return reached & ~cells & later[None]
+
+
+def through_slots(run: Run) -> list:
+    """Self-attention calls of a model stating causal=True whose queries reach later tokens through a key they see."""
+    found = []
+    for top in run.tops:
+        said = next((one for one in top.stated if one.fields.get("model_causal")), None)
+        if said is None:
+            continue
+        calls = [call for call in run.calls[top.first:top.end] if call.stored is not None and not cross(call)
+                 and call.shape[2] == call.shape[3] > 2]
+        counts: dict = {}
+        for call in calls:
+            counts[(call.mask, call.shape)] = counts.get((call.mask, call.shape), 0) + 1
+        done = set()
+        for call in calls:
+            key = (call.mask, call.shape)
+            if counts[key] < 2 or key in done:
+                continue  # (one layer alone: nothing reads its slots one layer on)
+            done.add(key)
+            cells = keep(call)
+            if cells is None:
+                continue
+            bad = leaks(cells.any(axis=1))
+            if bad is None or not bad.any():
+                continue
+            b, q, j = first_cell(bad)
+            row = cells.any(axis=1)[b]
+            k = int(np.flatnonzero(row[q] & row[:, j])[0])
+            found.append((call, Finding("causal-leak-through", (
+                f"batch row {b}: query {q} is masked from later key {j}, but sees key {k}, whose own row sees key {j}: "
+                f"one layer on, key {k} carries token {j} to query {q} ({int(bad.sum())} such cells), while "
+                f"{said.source} states the model causal (slots packed beside the tokens that every token may see?)"),
+                expected="no query reaches a later key through a key it sees", source=said.source, cell=(b, q, j))))
+    return found
+
+
+RULES = (
+    Rule("causal-leak-through", "wrong", "steps", "a model that states itself causal whose query sees a key whose own "
+         "row sees a later key the query is masked from (the future read one layer on, through packed slots)",
+         through_slots),
+)

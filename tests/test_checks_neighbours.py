@@ -1,0 +1,42 @@
+"""checks/neighbours.py (and trace/stated.py's neighbour count): a k-nearest-neighbour attention's real nodes against
+the k its module states and the padding the program holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from checkbugs import check_bug, traced
+
+NEIGHBOURS = Path(__file__).parent / "data" / "neighbours"
+
+
+def test_en_transformer_knn_neighbours_include_padding(tmp_path):
+    """En-transformer b98429c: padded atoms at the origin ranked among the 3 nearest, masked after the topk."""
+    hits = check_bug(tmp_path, "en_transformer_knn_neighbours_include_padding", "neighbours-padded")
+    assert tuple(hits[0]["cell"])[:2] == (1, 0)  # molecule 1's first atom, of 4 real: sees 1 of 3 slots
+
+
+def test_point_cloud_knn_left_padded(tmp_path):
+    """Written another way: `num_neighbors = 2`, left-padded, `node_pad_mask` True = padding, cdist ranking, einsum
+    scores; the first node flagged is the first real node (by the padding, a plain loop) whose own 2 nearest points by
+    the same distances include a padded one. Its fix (padding ranked last) is quiet."""
+    status, found, report = traced(tmp_path, "point_cloud_knn_left_padded", False, NEIGHBOURS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "neighbours-padded")
+    assert hit["severity"] == "wrong"
+    torch.manual_seed(0)
+    n, lengths = 5, [5, 3]
+    points = torch.randn(2, n, 3) * 4
+    points[1, :2] = points[1, 2:4] + 0.01
+    expected = None
+    for b in range(2):
+        pad = [i < n - lengths[b] for i in range(n)]
+        for i in range(n):
+            nearest = sorted(range(n), key=lambda j: float((points[b, i] - points[b, j]).norm()))[:2]
+            if expected is None and not pad[i] and any(pad[j] for j in nearest):
+                expected = (b, i)
+    assert tuple(hit["cell"])[:2] == expected
+    status, found, report = traced(tmp_path, "point_cloud_knn_left_padded", True, NEIGHBOURS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
