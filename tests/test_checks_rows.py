@@ -282,6 +282,24 @@ def test_later_keys_in_runs_no_slip_of_a_triangle_makes_are_a_note_and_a_slip_st
     assert severity(found) == "suspicious" and "the wrong way round?" in found.message
 
 
+def test_a_graphs_adjacency_whose_later_keys_skip_a_key_is_a_note():
+    """A graph's nodes in one (Lq, Lk) plane (torch_geometric's TransformerConv over a ring with one directed chord,
+    written blind in quiet-f): node 0 sees its ring neighbours 1 and 4, past keys 2-3 it does not see, which no slip of a
+    causal mask makes (a slip skips no key): a note, not suspicious. tril(1), every later key next to the query's own,
+    stays suspicious."""
+    from maskcli.checks.registry import severity
+
+    n = 5
+    edges = {(i, (i + 1) % n) for i in range(n)} | {((i + 1) % n, i) for i in range(n)} | {(i, i) for i in range(n)}
+    edges |= {(0, n // 2)}  # (source 0, target 2: node 2 sees node 0, not back)
+    ring = cells(1, n, n, lambda b, q, k: (k, q) in edges)
+    unnamed = SimpleNamespace(expression=None, kind=None)
+    [found] = later(*call(ring), unnamed)
+    assert found.code == "sees-later" and severity(found) == "note", found
+    [found] = later(*call(cells(1, n, n, lambda b, q, k: k <= q + 1)), unnamed)
+    assert severity(found) == "suspicious", found
+
+
 def test_a_padded_causal_mask_one_key_off_no_expression_names_is_still_an_off_by_one():
     # query and key padding both hidden (right-padded rows of lengths 4, 7, 5): no kind names the mask, and every later
     # key a query sees sees it back (query i sees i + 1, which sees i): yet query i sees every earlier key while key
