@@ -128,3 +128,11 @@ def test_a_flex_decode_whose_mask_mod_keeps_the_unwritten_slots(tmp_path):
             assert done.returncode == 1, done.stdout
             hit = next(f for f in found if f["code"] == "zero-keys-seen")
             assert tuple(hit["cell"]) == first((2, 5, 16), lambda b, q, k: k >= 5)
+
+
+def test_zero_image_features_the_model_call_states_real_are_quiet(tmp_path):
+    """A blank image's features under a bias-free projector: the image tokens' K and V are zero at the start of a row,
+    but the model call's attention_mask states them real tokens, and the program's word is taken over the values'
+    (Gemma 3's tiny vision-language model under generate, in benchmarks/false_alarms_modes.py, is this)."""
+    status, found, report = traced(tmp_path, "zero_image_features_stated_real", False, ZEROKV)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

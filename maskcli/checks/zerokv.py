@@ -16,7 +16,9 @@ Quiet where the mask hides those keys (the fixes: whisper.cpp's -inf over [n_ctx
 padding mask), where only queries that are zero themselves see them (a right-padded causal batch: padding queries
 only; a finished row of a batched generate, fed pad tokens, whose query is the pad), where the zeros are one key
 alone (x-transformers' `add_zero_kv`, a learned null key initialised to zero) or every key of the row, and where they
-lie between real keys (not padding's shape).
+lie between real keys (not padding's shape), and where the model call states outright (its attention_mask, its
+lengths) that those keys are real tokens: the program's word over the values' (a tiny vision-language model's image
+tokens whose features are zero, Gemma 3's under generate, are tokens).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, keep
+from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -49,6 +52,8 @@ def zero_keys_seen(run: Run) -> list:
         rows, _, q_len, k_len = call.shape
         if cells is None or cells.shape[0] not in (1, rows) or len(table["left"]) not in (1, rows):
             continue
+        said = stated(run.top(call), rows, k_len)
+        tokens = said[0] if said is not None and said[2] else None  # (the real tokens the model call states outright)
         for b in range(rows):
             left, right = table["left"][b % len(table["left"])], table["right"][b % len(table["right"])]
             zero_q = table["zero_q"][b % len(table["zero_q"])] if table["zero_q"] else []
@@ -59,6 +64,8 @@ def zero_keys_seen(run: Run) -> list:
                 padding[:left] = True
             if right >= RUN:
                 padding[k_len - right:] = True
+            if tokens is not None:
+                padding &= ~tokens[b % tokens.shape[0]]  # (the keys the program states are tokens are tokens)
             real = _real(zero_q, q_len) if len(zero_q) else np.ones(q_len, dtype=bool)
             seen = cells[b % cells.shape[0]].any(axis=0) & real[:, None] & padding[None, :]  # (Lq, Lk)
             if not seen.any():
