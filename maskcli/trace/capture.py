@@ -34,12 +34,11 @@ from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import WATCHED, Overflows
 from maskcli.trace.scores import Scores, banded as banded_scores
-from maskcli.trace.sites import Sites, running
+from maskcli.trace.sites import Sites, running, walk
 from maskcli.trace.stated import outside
 from maskcli.trace.store import read_calls, store
 from maskcli.trace.threads import Threads
 from maskcli.trace.tops import DOCUMENTS, documents
-from maskcli.trace.walk import walk
 
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
@@ -317,15 +316,13 @@ class Trace(Outer, Follow):
         first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
         if first is not None and not has_values(first):
             return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real
-        walked = walk(sys._getframe(1))  # the stack read once for every reader of it (trace/walk.py)
-        found = running(None, walked.calls)  # the modules whose calls are running, innermost first
+        found = running(None, (walked := walk(sys._getframe(1))).calls)  # modules running, innermost first (walk.py)
         self.busy = True
         sites = self.sites
         try:
             with self._lock:  # (threads of the program record one at a time: indexes, steps and the store stay whole)
                 made = len(self._calls)
-                stack = sites.load([module for module, _, _ in reversed(found)])
-                sites.walked = walked
+                sites.load([module for module, _, _ in reversed(found)], walked)
                 try:
                     self._record(reader, args, kwargs)
                     if len(self._calls) > made and found:
@@ -335,8 +332,7 @@ class Trace(Outer, Follow):
                                 documents(self._calls, made, given)
                         self._outer(found, made)
                 finally:
-                    stack.clear()
-                    sites.walked = None
+                    sites.unload()
         finally:
             self.busy = False
 

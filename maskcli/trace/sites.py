@@ -23,6 +23,7 @@ import torch
 from maskcli.trace.crossing import Readings
 from maskcli.trace.held import padding
 from maskcli.trace.swin import shifted_windows
+from maskcli.trace.walk import own_dirs as _own_dirs, walk  # noqa: F401 - (walk: capture.py's, one import line there)
 from maskcli.trace.windows import window_held
 
 FRAMES = 64  # frames of the program searched for a module's owner
@@ -56,9 +57,10 @@ class Sites:
             self._name(module)
         self.stack.append(module)
 
-    def load(self, modules) -> list:
+    def load(self, modules, walked=None) -> list:
         """The stack of this thread as `modules` (outermost first: the module calls running, read from the frames at an
-        attention call), each named where it is not yet; the stack."""
+        attention call), each named where it is not yet; the stack. `walked`: the call's frames (walk.py), for note()."""
+        self.walked = walked
         stack, names = self.stack, self._names
         stack.clear()
         for module in modules:
@@ -66,6 +68,11 @@ class Sites:
                 self._name(module)
             stack.append(module)
         return stack
+
+    def unload(self) -> None:
+        """The call recorded: this thread's stack emptied, its frames let go."""
+        self.stack.clear()
+        self.walked = None
 
     def leave(self, module) -> None:
         stack = self.stack
@@ -294,11 +301,6 @@ def frames_outside(count: int, held: dict | None = None) -> list[str]:
                 held.update((n, variables[n]) for n in HELD if variables.get(n) is not None)
         frame = frame.f_back
     return found + ["?"] * (count - len(found))
-
-
-@functools.cache
-def _own_dirs() -> tuple[str, ...]:
-    return (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<frozen")
 
 
 @functools.lru_cache(maxsize=1024)

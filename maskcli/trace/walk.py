@@ -10,9 +10,13 @@ it reads. What each reader then does with its frames is unchanged.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
-from maskcli.trace import held as held_module, windows as windows_module
+import maskcli.trace.held as held_module
+import maskcli.trace.windows as windows_module
 
 _CALL = torch.nn.Module._call_impl.__code__
 _KINDS: dict[int, tuple] = {}  # id(code) -> (code, calls, held names or None, windows' own, names a window, crossing's)
@@ -64,11 +68,19 @@ def walk(frame) -> Walked:
 def _kind(code) -> tuple:
     """(1 for nn.Module's _call_impl, 2 for a `__call__`, else 0; the names held.padding reads, None for code not the
     program's; the program's by windows.py; names a window; the program's by crossing.py)."""
-    from maskcli.trace.crossing import _skip as crossing_skip
-    from maskcli.trace.sites import _own_dirs
-
     name = code.co_filename
     call = 1 if code is _CALL or code.co_name == "_call_impl" else 2 if code.co_name == "__call__" else 0
-    return call, held_module.names(code), not name.startswith(_own_dirs()), \
-        not windows_module._NAMES.isdisjoint(code.co_varnames), \
-        not (name.startswith(crossing_skip()) or name.startswith("<"))
+    return call, held_module.names(code), not name.startswith(own_dirs()), \
+        not windows_module._NAMES.isdisjoint(code.co_varnames), not (name.startswith(_dirs()) or name.startswith("<"))
+
+
+@functools.cache
+def _dirs() -> tuple[str, ...]:
+    """torch's code and maskcli's (crossing.py's _skip)."""
+    return os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.cache
+def own_dirs() -> tuple[str, ...]:
+    """torch's, maskcli's and frozen code: no program frame (sites.py's frames_outside, windows.py's frames)."""
+    return (*_dirs(), "<frozen")
