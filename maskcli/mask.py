@@ -311,16 +311,17 @@ def _cached_predicate(mask: Mask, device):
 # --- building one from what the user typed ---------------------------------------------------
 
 
-def build(expression: str, options: MaskOptions | None = None, default_length: int | None = None, kinds=None,
-          written: bool = False, **flags) -> Mask:
+def build(expression: str | None, options: MaskOptions | None = None, default_length: int | None = None, kinds=None, *,
+          before=None, after=None, **flags) -> Mask:
     """The Mask an expression and options describe; keyword flags are MaskOptions fields. `kinds`: the user's own.
 
-    `written`: maskcli wrote the expression itself (pack's document sizes): no limit on a typed one's length.
-    `default_length`: the number of queries when neither --len nor the data says (inputs given to attend).
+    `default_length`: the number of queries when neither --len nor the data says (inputs given to attend). `before`,
+    `after`: terms a source bound itself (a batch's documents, a config's layer type), and-ed around the expression's
+    (None: they alone) as one expression's are (terms.joined), with nothing written to be parsed.
     """
     options = options or MaskOptions(**flags)
-    tree = ex.parse(expression, None if written else ex.MAX_TEXT)
-    resolved, used = terms.resolve(tree, options.params, expression, kinds)
+    resolved, used = (terms.joined(before, after, source=None), []) if expression is None else \
+        terms.resolve(ex.parse(expression, ex.MAX_TEXT), options.params, expression, kinds, before=before, after=after)
     terms.check_flags_used(resolved, options.params, used, expression)
     return placed(resolved, options, default_length)
 

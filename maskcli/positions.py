@@ -35,15 +35,17 @@ class Frame:
     pad_id: int | None = None
     pad_side: str = "right"  # where --lengths puts the padding (--pad): right, or left as Hugging Face's padding_side
 
-    @property
+    # read once per frame (its fields never change): every kind placed on one frame, recognition's candidates
+    # among them, reads them off the frame rather than working them out again
+    @functools.cached_property
     def q_end(self) -> int:
         return self.q_start + self.q_len
 
-    @property
+    @functools.cached_property
     def k_end(self) -> int:
         return self.k_start + self.k_len
 
-    @property
+    @functools.cached_property
     def n(self) -> int:
         """Length of the sequence the positions index: labels and words cover 0..n-1."""
         return max(self.q_end, self.k_end)
@@ -74,8 +76,12 @@ class Frame:
         first = int(np.argmax(valid))
         return first if valid[first] else len(valid)
 
+    @functools.cached_property
     def q_positions(self) -> np.ndarray:
-        return np.arange(self.q_start, self.q_end, dtype=np.int64)
+        """int64 absolute query positions, made once per frame and read-only (every kind placed on it shares them)."""
+        found = np.arange(self.q_start, self.q_end, dtype=np.int64)
+        found.flags.writeable = False
+        return found
 
     def describe(self) -> str:
         """'queries 4-5 · keys 0-5' in words, for headers."""

@@ -102,11 +102,13 @@ def bound_each(found: list[tuple[Kind, dict]], refuse: bool = False) -> list[Ter
 # --- binding calls to kinds ------------------------------------------------------------------
 
 
-def resolve(tree, flags: dict[str, object], source: str, extra: dict[str, Kind] | None = None) -> tuple[object, list[str]]:
+def resolve(tree, flags: dict[str, object], source: str, extra: dict[str, Kind] | None = None, before=None,
+            after=None) -> tuple[object, list[str]]:
     """Bind every call of a parsed tree to its kind; return the tree of Terms and the flags it read.
 
     `flags` maps a parameter flag (--window) to what the user gave; `source` is the
-    expression as typed, quoted in messages; `extra` holds kinds of the user's own (mask_mods).
+    expression as typed, quoted in messages; `extra` holds kinds of the user's own (mask_mods); `before`, `after`:
+    terms bound elsewhere, and-ed around the expression's (`joined`).
     """
     used: list[str] = []
     extra = extra or {}
@@ -121,10 +123,22 @@ def resolve(tree, flags: dict[str, object], source: str, extra: dict[str, Kind] 
             values[param.name] = param.check(value, where if call.called else f"{param.flag} {value}")
         return Term(kind, tuple((p.name, values[p.name]) for p in kind.params), at=call.at)
 
-    return _documents_inherited(ex.with_leaves(tree, [bind(call) for call in ex.leaves(tree)]), source), used
+    return joined(before, ex.with_leaves(tree, [bind(call) for call in ex.leaves(tree)]), after, source=source), used
 
 
-def _documents_inherited(tree, source: str):
+def joined(*parts, source: str | None):
+    """Trees of terms (None: left out) and-ed in order, each documents parameter left out taking the joined tree's
+    labels, as in one expression: an expression's terms with those a source bound itself (`resolve`'s before and
+    after: a packed batch's documents, a config's layer type). `source`: the typed text, quoted where it is not clear
+    which labels (None: the joined terms' text)."""
+    given = [part for part in parts if part is not None]
+    if not given:
+        raise ValueError("joined: no terms")
+    tree = given[0] if len(given) == 1 else ex.both(*given)
+    return _documents_inherited(tree, source)
+
+
+def _documents_inherited(tree, source: str | None):
     """Give each documents parameter left out (local's) the expression's document labels, where it has one set.
 
     So `document(0,0,0,1,1) & local(2)` restarts its chunks at each document, as Hugging Face's packed
@@ -141,7 +155,7 @@ def _documents_inherited(tree, source: str):
         named = " and ".join(shortened(t.text(), 40) for t in given[:2])
         first = wanting[0]
         raise MaskError(
-            f"{shortened(first.text(), 40)} in {shortened(source, 80)!r}: the expression has different document labels "
+            f"{shortened(first.text(), 40)} in {shortened(text(tree) if source is None else source, 80)!r}: the expression has different document labels "
             f"({named}), so which documents restart its chunks is not clear: give them, like "
             f"{first.kind.name}({first.values[first.kind.params[0].name]}, documents=[0,0,1,1])"
         )
@@ -235,8 +249,9 @@ def _number(value):
     return value
 
 
-def check_flags_used(tree, flags: dict, used: list[str], source: str) -> None:
-    """Refuse a parameter flag that no bare kind of the expression reads."""
+def check_flags_used(tree, flags: dict, used: list[str], source: str | None) -> None:
+    """Refuse a parameter flag that no bare kind of the expression reads (`source`: the typed text; None: the terms'
+    text, made only to be quoted)."""
     from maskcli.kinds import flags as flag_table
 
     for flag, value in flags.items():
@@ -247,7 +262,7 @@ def check_flags_used(tree, flags: dict, used: list[str], source: str) -> None:
         shown = f"{flag} {value}"
         if written:
             raise MaskError(f"{shown} does not apply: {written[0]} in the expression gives its own; drop {flag}")
-        raise MaskError(f"{shown} does not apply to {source!r}: it is for {', '.join(readers)}")
+        raise MaskError(f"{shown} does not apply to {text(tree) if source is None else source!r}: it is for {', '.join(readers)}")
 
 
 # --- what a tree of terms gives ----------------------------------------------------------------

@@ -20,6 +20,11 @@ BUGS = [
     ("vllm_minicpm_idefics2_vit_patch_mask_dropped", "padding-ignored"),
     # huggingface/transformers#35043: BertGeneration builds no mask at all with use_cache: its softmax masks nowhere
     ("bert_generation_use_cache_drops_extended_mask", "padding-ignored"),
+    # written blind (batch blind-s), caught before any rule was changed for them:
+    # NVIDIA-NeMo/RL#4167: packing boundaries nested in flash_attn_kwargs, which the attention never reads
+    ("nemo_rl_packed_nested_flash_attn_kwargs_ignored_by_automodel", "documents-leak"),
+    # huggingface/trl#3673: padding-free collator's all-ones mask hides the packed position_ids from FA2
+    ("trl_sft_padding_free_packed_all_ones_mask_hides_position_ids", "documents-leak"),
 ]
 
 
@@ -285,3 +290,53 @@ def test_unsloth_grpo_accumulated_loss_left_padded_no_attention_mask(tmp_path):
     """unsloth#3176: GRPO's accumulated loss runs the left-padded batch with is_causal and no attention_mask
     (written blind, batch blind-p; caught before any rule was changed for it)."""
     check_bug(tmp_path, "unsloth_grpo_accumulated_loss_left_padded_no_attention_mask", "padding-ignored")
+
+
+def _packed_leak(segments: list[list[int]], positions: list[list[int]]):
+    """bad(b, q, k) of a causal mask over packed rows: a real query at or after a key of another document (a new one
+    where the position restarts at 0 after a real token; segment number 0 = padding), by a loop over positions."""
+    def document(b, i):
+        return sum(1 for j in range(1, i + 1) if positions[b][j] == 0 and segments[b][j] and segments[b][j - 1])
+
+    def bad(b, q, k):
+        padding_q = positions[b][q] == 0 and (q + 1 == len(positions[b]) or positions[b][q + 1] == 0)
+        return k <= q and segments[b][k] != 0 and not padding_q and document(b, q) != document(b, k)
+    return bad
+
+
+def test_an_attention_mask_of_packed_sample_numbers_is_real_tokens_not_one_document(tmp_path):
+    # axolotl-ai-cloud/axolotl#3796 (written blind, batch blind-s): the multipack collator's attention_mask numbers
+    # the samples (1, 1, 1, 1, 2, 2, 2, 3, ...); kept for sdpa, it is cast to bool and the documents leak
+    found = check_bug(tmp_path, "axolotl_multipack_sdpa_keeps_segment_attention_mask", "documents-leak")
+    segments = [[1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 3, 0]]
+    positions = [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 0]]
+    assert tuple(found[0]["cell"]) == first((1, 12, 12), _packed_leak(segments, positions))
+    # written another way: two rows, one padded at its start, an eager softmax with an additive mask
+    found = check_bug(tmp_path, "segment_numbers_mask_read_as_padding", "documents-leak",
+                      Path(__file__).parent / "data" / "packed")
+    segments = [[0, 0, 1, 1, 1, 2, 2, 2, 2], [1, 1, 2, 2, 2, 3, 3, 3, 3]]
+    positions = [[0, 0, 0, 1, 2, 0, 1, 2, 3], [0, 1, 0, 1, 2, 0, 1, 2, 3]]
+    assert tuple(found[0]["cell"]) == first((2, 9, 9), _packed_leak(segments, positions))
+
+
+def _prompt_then_completion(ids: list[list[int]], pad: int):
+    """bad(b, q, k) of a causal mask: a real query (not the pad id) sees a key in the pad-id run at its row's start,
+    by a loop over positions."""
+    def bad(b, q, k):
+        leading = all(ids[b][j] == pad for j in range(k + 1))
+        return k <= q and ids[b][q] != pad and leading
+    return bad
+
+
+def test_left_padded_prompts_then_right_padded_completions_scored_with_no_mask(tmp_path):
+    # huggingface/trl#2708 (written blind, batch blind-s): GRPO's per-token log-probs over prompt + completion ids with
+    # no attention_mask; the processing class states pad id 0 and left padding
+    found = check_bug(tmp_path, "trl_grpo_per_token_logps_without_attention_mask", "padding-ignored")
+    ids = [[5, 6, 7, 8, 9, 10, 20, 21, 2, 0], [5, 6, 7, 8, 9, 10, 22, 2, 0, 0],
+           [0, 0, 0, 0, 11, 12, 23, 24, 25, 2], [0, 0, 0, 0, 11, 12, 26, 2, 0, 0]]
+    assert tuple(found[0]["cell"]) == first((4, 10, 10), _prompt_then_completion(ids, 0))
+    # written another way: a critic's eager softmax, the pad id its own dataclass config states, no tokenizer
+    found = check_bug(tmp_path, "rollout_prompt_response_ids_no_mask", "padding-ignored",
+                      Path(__file__).parent / "data" / "tokens")
+    ids = [[4, 5, 6, 7, 10, 11, 1], [1, 1, 8, 9, 12, 13, 14]]
+    assert tuple(found[0]["cell"]) == first((2, 7, 7), _prompt_then_completion(ids, 1))

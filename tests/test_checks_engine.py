@@ -353,7 +353,11 @@ def test_is_causal_at_decode_is_said_once_per_step_by_the_finding_that_names_it(
 
 QUIET_BLIND = Path(__file__).parent / "data" / "quiet_blind"
 _FLEX = {"packed_documents_flex_cu_seqlens", "self_forcing_block_causal_video",  # dynamo's guards: own process
-         "modded_nanogpt_flex_long_short_window_blockmasks", "flex_packed_prefix_lm_documents_and_or_masks_softcap"}
+         "modded_nanogpt_flex_long_short_window_blockmasks", "flex_packed_prefix_lm_documents_and_or_masks_softcap",
+         "nat_neighborhood_attention_flex_clamped_windows"}
+# softmax over the queries (slot attention's slots compete for each input): not attention over keys, so no call is
+# recorded, and the report says 0 calls rather than reading the slots as keys
+_NO_CALL = {"slot_attention_softmax_over_slots_no_mask"}
 _HF = {p.stem for p in QUIET_BLIND.glob("hf_*.py")} | {  # (built from transformers' classes, or importing it: skipped
     p.stem for p in QUIET_BLIND.glob("*.py") if re.search(r"^\s*(?:from|import) transformers\b", p.read_text(), re.M)}
 
@@ -361,8 +365,8 @@ _HF = {p.stem for p in QUIET_BLIND.glob("hf_*.py")} | {  # (built from transform
 @pytest.mark.parametrize("name", sorted(p.stem for p in QUIET_BLIND.glob("*.py")))
 def test_no_alarm_on_correct_programs_written_blind(tmp_path, name):
     """tests/data/quiet_blind: correct programs written, as their projects write them (MANIFEST_quiet-b.md,
-    MANIFEST_quiet-c.md and MANIFEST_quiet-d.md name each one's upstream code), by a helper who had not read the rules:
-    no wrong or suspicious finding, exit 0."""
+    MANIFEST_quiet-c.md, MANIFEST_quiet-d.md and MANIFEST_quiet-e.md name each one's upstream code), by a helper who had
+    not read the rules: no wrong or suspicious finding, exit 0."""
     if name in _HF:
         pytest.importorskip("transformers")
     out = tmp_path / f"{name}.json"
@@ -375,6 +379,6 @@ def test_no_alarm_on_correct_programs_written_blind(tmp_path, name):
         result = runner.invoke(app, ["trace", "--json", str(out), str(program)])
         status, report = result.exit_code, result.output
     data = json.loads(out.read_text())
-    assert data["exit_status"] == 0 and data["calls"], report
+    assert data["exit_status"] == 0 and bool(data["calls"]) == (name not in _NO_CALL), report
     alarms = [f for g in data["groups"] for f in g["findings"] if f["severity"] in ("wrong", "suspicious")]
     assert (status, alarms) == (0, []), report

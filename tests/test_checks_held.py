@@ -404,3 +404,47 @@ def test_vllm_omni_cosyvoice3_dit_streaming_chunk_mask_after_attention(tmp_path)
     """vllm-omni#5704: CosyVoice 3's DiT builds its streaming chunk and padding mask after the attention that needed it
     (written blind, batch blind-p; caught before any rule was changed for it)."""
     check_bug(tmp_path, "vllm_omni_cosyvoice3_dit_streaming_chunk_mask_after_attention", "padding-unused")
+
+
+def _left_padding_seen(real: list[list[int]]):
+    """bad(b, q, k) of a causal mask: a real query sees a key its row's held mask calls padding, by a double loop."""
+    return lambda b, q, k: k <= q and real[b][q] == 1 and real[b][k] == 0
+
+
+def test_a_prompt_mask_padded_to_a_fixed_length_whose_zeros_are_one_token_id(tmp_path):
+    """deepspeedai/DeepSpeedExamples#468 (written blind, batch blind-s): the PPO actor generates from prompts the
+    collator left-pads to a fixed length (no row whole), the prompt mask (plain `mask`) held by the trainer and never
+    handed to generate. Its zeros are exactly the input ids' pad tokens, so it is padding, not a loss mask."""
+    found = check_bug(tmp_path, "ds_chat_ppo_generate_without_prompt_attention_mask", "padding-unused")
+    real = [[0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1]]
+    assert tuple(found[0]["cell"]) == first((2, 8, 8), _left_padding_seen(real))
+    # written another way: SDPA's is_causal, the mask named attention_mask, the pad id a module-level constant
+    found = check_bug(tmp_path, "fixed_length_left_pad_mask_not_passed", "padding-unused", HELD)
+    real = [[0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1]]
+    assert tuple(found[0]["cell"]) == first((2, 7, 7), _left_padding_seen(real))
+
+
+def test_a_loss_mask_over_a_prompt_of_many_ids_is_not_read_as_padding():
+    """A held 0/1 mask that zeros a prompt of several token ids (a loss mask) is not padding; zeros at exactly one id,
+    found nowhere else, are (checked against the rule's own helper on hand-made rows)."""
+    from maskcli.checks.held import readings
+
+    held = {"kind": "keep", "name": "mask", "rows": np.array([[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]], dtype=bool)}
+    loss_ids = np.array([[7, 8, 9, 4, 5], [7, 9, 4, 5, 6]])
+    pad_ids = np.array([[2, 2, 2, 4, 5], [2, 2, 4, 5, 6]])
+    assert readings(held, 2, 5, (loss_ids,)) == []
+    assert [t.tolist() for t in readings(held, 2, 5, (pad_ids,))] == [held["rows"].tolist()]
+    assert readings(held, 2, 5, (np.where(pad_ids == 4, 2, pad_ids),)) == []  # the pad id among the real tokens too
+    image = {**held, "rows": np.array([[0, 0, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=bool)}  # two placeholders each row
+    assert readings(image, 2, 5, (np.array([[9, 9, 4, 5, 6], [9, 9, 7, 5, 6]]),)) == []
+
+def test_icefall_zipformer_downsampled_encoder_padding_mask_is_attn_mask(tmp_path):
+    """k2-fsa/icefall#767: Zipformer's downsampled stack is called with the attention mask (None) as its key padding mask
+    (written blind, batch blind-q; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "icefall_zipformer_downsampled_encoder_padding_mask_is_attn_mask", "padding-unused")
+
+
+def test_mobius_qwen3_asr_audio_encoder_mask_not_plumbed(tmp_path):
+    """onnxruntime/mobius#264: Qwen3-ASR's audio encoder gets no mask, so padded mel tokens are attended
+    (written blind, batch blind-q; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "mobius_qwen3_asr_audio_encoder_mask_not_plumbed", "padding-unused")

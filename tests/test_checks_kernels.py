@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from checkbugs import check_bug, traced
@@ -76,3 +78,28 @@ def test_mlx_vlm_vision_mask_of_additive_ones(tmp_path):
     """Blaizzy/mlx-vlm#704 (written blind, caught before any rule was tuned for it): the vision block mask built as
     0/1 floats and added to the scores, so it hides nothing."""
     check_bug(tmp_path, "mlx_vlm_qwen2_vl_vision_additive_ones_mask", "ones-added")
+
+
+def test_qeff_gemma4_vision_patch_mask_added_as_zero_one(tmp_path):
+    """quic/efficient-transformers#1159 item 3 (written blind): the patch validity added to eager scores as 1 (real)
+    and 0 (padding), so padded patches stay attended; the fix adds finfo.min."""
+    [hit] = check_bug(tmp_path, "qeff_gemma4_vision_padding_mask_added_as_zero_one", "ones-added")
+    assert "added to these scores" in hit["message"]
+
+
+def test_pad_flags_added_in_place_to_folded_heads_scores(tmp_path):
+    """Written another way (tests/data/fixq2): heads folded into the batch (bmm), right-padded, the pad flags
+    (1 = pad) added in place; -1e9 times them is quiet. What the 0/1 sum does to the weights, against softmax itself:
+    a padded key keeps weight, where the fix's leaves it none."""
+    check_bug(tmp_path, "encoder_added_pad_flags", "ones-added", Path(__file__).parent / "data" / "fixq2")
+    import torch
+
+    from maskcli.trace.scores import zero_one_seen
+
+    scores = torch.randn(1, 3, 4)
+    pad = torch.tensor([[[0.0, 0, 1, 1]]])
+    assert torch.softmax(scores + pad, -1)[..., 2:].min() > 0.01
+    assert torch.softmax(scores + pad * -1e9, -1)[..., 2:].max() == 0
+    keep = torch.ones(1, 3, 4, dtype=torch.bool)
+    assert zero_one_seen(pad == 1, scores, keep)
+    assert not zero_one_seen(pad == 1, scores, keep & (pad == 0))  # (a fill beside it masks the padded keys: quiet)

@@ -7,6 +7,7 @@ from pathlib import Path
 from checkbugs import check_bug, traced
 
 NANS = Path(__file__).parent / "data" / "nans"
+FIXQ2 = Path(__file__).parent / "data" / "fixq2"
 
 
 def test_graphormer_bias_padded_with_minus_inf(tmp_path):
@@ -45,3 +46,29 @@ def test_quiet_where_the_emptied_rows_are_zeroed_or_never_read(tmp_path):
     status, found, report = traced(tmp_path, "one_layer", False, tmp_path)
     assert "nan-spread" not in {f["code"] for f in found}, report
     assert status == 0, report
+
+
+def test_vit_padding_patches_filled_with_minus_inf(tmp_path):
+    """lucidrains/vit-pytorch#26 (written blind; fixed by 6c8dfc1's finite fill): the padding patches' rows are NaN
+    at the first layer, and at the second the real tokens' weights are finite (their NaN scores against the padded
+    keys filled with -inf again) while their output is NaN, read through the values. The real rows are CLS and the
+    patches of the mask's top half, by a loop over the patch mask (CLS prepended)."""
+    [hit] = check_bug(tmp_path, "vit_pytorch_padding_patch_mask_neg_inf_nan", "nan-spread")
+    patches = [r < 2 for r in range(4) for _ in range(4)]  # mask[0, 2:, :] = False
+    real = [0] + [1 + i for i, kept in enumerate(patches) if kept]
+    assert f"query rows {real[0]}-{real[-1]} of batch row 0" in hit["message"], hit
+    assert "the output" in hit["message"]
+
+
+def test_nan_values_of_a_left_padded_encoder_reach_its_real_queries(tmp_path):
+    """Written another way: a left-padded two-layer encoder with torch.matmul, whose emptied rows it meant to zero
+    into a copy it never reads (tests/data/fixq2): the second layer's real queries (positions 2-5 of row 0, by a loop
+    over the padding) are NaN through the values; the fix is quiet."""
+    real = [1 if t >= 2 else 0 for t in range(6)]
+    rows = [t for t in range(6) if real[t]]
+    status, found, report = traced(tmp_path, "streaming_encoder_zeroed_rows_bound_to_another_name", False, FIXQ2)
+    assert status == 1, report
+    [hit] = [f for f in found if f["code"] == "nan-spread"]
+    assert hit["severity"] == "wrong" and f"query rows {rows[0]}-{rows[-1]} of batch row 0" in hit["message"], hit
+    status, found, report = traced(tmp_path, "streaming_encoder_zeroed_rows_bound_to_another_name", True, FIXQ2)
+    assert status == 0 and "nan-spread" not in {f["code"] for f in found}, report

@@ -88,3 +88,9 @@ def test_transformers_llama_sdpa_output_attentions_eager_fallback_no_causal_mask
     (written blind, batch blind-p; caught before any rule was changed for it)."""
     check_bug(tmp_path, "transformers_llama_sdpa_output_attentions_eager_fallback_no_causal_mask",
               "causal-flag-ignored")
+
+
+def test_gpt_neox_causal_mask_value_too_small_to_mask(tmp_path):
+    """EleutherAI/gpt-neox 102d09b8: MASK_VALUE = -1e-7 adds almost nothing, so the causal attention sees later keys
+    (written blind, batch blind-s; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "gpt_neox_early_causal_mask_value_negligible", "causal-flag-ignored")

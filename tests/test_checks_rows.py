@@ -331,7 +331,7 @@ def _gpt2_keep(real: list[int], diagonal: int) -> np.ndarray:
 def test_a_one_row_batchs_padding_row_that_sees_every_key_is_no_slip():
     """decision_transformer (tests/data/quiet_blind): a batch of ONE left-padded row through GPT-2's -1e4 fills: the last
     padding query sees every key, the real ones after it included (its output is never used): no slip of a causal mask.
-    The same batch with the causal buffer one key off, its real queries stated (restate: the model call's
+    The same batch with the causal buffer one key off, its real tokens stated (the model call's
     attention_mask), is still one, on its real rows; its padding rows' runs do not make it a note."""
     from maskcli.checks.registry import severity
 
@@ -374,3 +374,51 @@ def test_mlx_vlm_gemma4_mtp_drafter_swa_mask_absolute_offset(tmp_path):
     from checkbugs import check_bug
 
     check_bug(tmp_path, "mlx_vlm_gemma4_mtp_drafter_swa_mask_absolute_offset", "fully-masked")
+
+
+def test_a_drafters_window_over_a_cache_it_sits_past_is_no_later_key(tmp_path):
+    """The fixed mlx-vlm drafter: its queries sit past the target's cache (its model call's query_offset, 20, at or past
+    every layer's last key: the drafter writes no key of its own), each over the last keys of its window. Placed at the
+    end of the keys they would see later ones, and read the other way round the mask is a causal one at a static
+    cache's start; neither placement is where the program says its queries are: no sees-later, no polarity."""
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "mlx_vlm_gemma4_mtp_drafter_swa_mask_absolute_offset", True)
+    assert (status, [f for f in found if f["severity"] in ("wrong", "suspicious")]) == (0, []), report
+
+
+WINDOW_PAST_CACHE = """
+import sys
+import torch
+import torch.nn.functional as F
+INSIDE = "--inside" in sys.argv  # the block's own keys written into the cache before it attends
+class Block(torch.nn.Module):
+    def forward(self, x, cache_k, cache_v, start_pos):
+        q = x.view(1, 1, 4, 8)
+        k, v = (torch.cat([c, q], dim=2) for c in (cache_k, cache_v)) if INSIDE else (cache_k, cache_v)
+        k_len = k.shape[2]
+        q_idx = torch.arange(start_pos, start_pos + 4)[:, None]
+        k_idx = torch.arange(k_len)[None, :]
+        keep = (k_idx > q_idx - 6) & (k_idx <= q_idx + int(INSIDE))  # (inside: the band one key off)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+torch.manual_seed(0)
+cache = torch.randn(1, 1, 10, 8)
+with torch.no_grad():
+    Block()(torch.randn(1, 4, 8), cache, cache.clone(), 10)
+"""
+
+
+def test_queries_stated_past_the_keys_see_no_later_key_and_queries_among_them_still_do(tmp_path):
+    """A block of 4 queries whose model call states start_pos 10 over a cache of 10 keys it is not written into: a window
+    of 6 back from each query, every key before every query (quiet). The same block written into the cache first (keys
+    10-13 its own, start_pos 10 = 14 - 4: the queries at the end of the keys) with its band one key off: the rows that
+    see a later key, by a double loop, are still said."""
+    from checkbugs import traced
+
+    (tmp_path / "past.py").write_text(WINDOW_PAST_CACHE)
+    status, found, report = traced(tmp_path, "past", False, folder=tmp_path)
+    assert (status, [f for f in found if f["severity"] in ("wrong", "suspicious")]) == (0, []), report
+    status, found, report = traced(tmp_path, "past", False, folder=tmp_path, args=("--inside",))
+    rows = [q for q in range(4) if any(10 + q - 6 < k <= 10 + q + 1 and k > 10 + q for k in range(14))]
+    hit = [f for f in found if f["code"] == "sees-later"]
+    assert rows == [0, 1, 2] and hit and hit[0]["message"].startswith("query rows 0-2 see later keys"), report

@@ -10,8 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import maskcli
+from pathlib import Path
+
 from checkbugs import check_bug
 from maskcli.checks.registry import severity
+
+FIXQ2 = Path(__file__).parent / "data" / "fixq2"
 
 
 def test_nisqa_alignment_mask_after_softmax_is_flagged_and_its_fix_is_not(tmp_path):
@@ -101,3 +105,42 @@ def test_timm_eva_mask_applied_after_softmax(tmp_path):
     fills the padding with -inf after the softmax; the fix fills the scores before it and is quiet."""
     found = check_bug(tmp_path, "timm_eva_attention_mask_applied_after_softmax", "masked-after-softmax")
     assert "after the softmax" in found[0]["message"]
+
+
+def test_flamingo_rows_zeroed_out_of_place_are_lost(tmp_path):
+    """lucidrains/flamingo-pytorch 10913ab (written blind): `attn.masked_fill(text_without_media_mask, 0.)` not
+    assigned, so text before the first image attends every image uniformly; its fix assigns it. The rows named are
+    those whose cumulative media count is 0, by a loop over the program's own token ids."""
+    [hit] = check_bug(tmp_path, "flamingo_text_before_first_media_attention_not_zeroed", "zeroing-lost")
+    text = [[9, 9, 9, 5, 11, 12, 13, 5, 14, 15], [9, 5, 11, 12, 13, 14, 5, 15, 16, 17]]
+    before = sorted({q for row in text for q in range(len(row)) if 5 not in row[:q + 1]})
+    assert f"query rows {before[0]}-{before[-1]}" in hit["message"], hit
+
+
+def test_rows_zeroed_into_a_copy_the_product_never_reads_are_lost():
+    """Written another way: torch.masked_fill (the function) over the emptied rows of a left-padded query-and-key mask,
+    filled with -inf, bound to a name torch.matmul never reads; the product is NaN there exactly as softmax's own
+    weights are. Reading the zeroed copy instead is quiet (and its output is finite)."""
+    q, k, v, keep = _heads([3, 5])
+    outputs = {}
+
+    def program(read_copy):
+        def run():
+            pair = keep[:, None, :, None] & keep[:, None, None, :]
+            attn = torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~pair, float("-inf")), dim=-1)
+            zeroed = torch.masked_fill(attn, ~keep[:, None, :, None], 0.0)
+            outputs[read_copy] = torch.matmul(zeroed if read_copy else attn, v)
+        return run
+
+    found = traced(program(False))
+    [hit] = [f for f in found if f[0] == "zeroing-lost"]
+    empty = [t for t in range(5) if not keep[0, t]]  # (batch row 0's padding queries, by a loop)
+    assert hit[1] == "wrong" and f"query rows {empty[0]}-{empty[-1]}" in hit[2], hit
+    assert torch.isnan(outputs[False][0, :, empty]).all()
+    assert [f for f in traced(program(True)) if f[0] == "zeroing-lost"] == []
+    assert not torch.isnan(outputs[True]).any()
+
+
+def test_a_zeroing_copy_from_a_file_program_two_layers(tmp_path):
+    """tests/data/fixq2's left-padded two-layer encoder: the typo'd copy is caught (zeroing-lost), its fix is quiet."""
+    check_bug(tmp_path, "streaming_encoder_zeroed_rows_bound_to_another_name", "zeroing-lost", FIXQ2)

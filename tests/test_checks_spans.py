@@ -326,3 +326,49 @@ def test_gemma4_vision_spans_stated_by_a_config_of_the_programs_own_and_the_imag
     hit = caught(tmp_path, "vision_spans_on_wrong_layers_dict_config", ("span-not-bidirectional", "span-leak"))
     rows = [[1, 9, 9, 9, 4, 5, 6], [1, 2, 3, 9, 9, 9, 7]]
     assert tuple(hit["cell"]) == first((2, 7, 7), lambda b, q, k: rows[b][q] == rows[b][k] == 9 and q < k < q + 4)
+
+
+def test_gemma4_images_made_bidirectional_where_the_config_leaves_them_causal(tmp_path):
+    """NVIDIA-NeMo/Megatron-Bridge#5333 (written blind): a SimpleNamespace config held by Gemma4VLModel, its text
+    config's use_bidirectional_attention None (gemma-4-E2B), yet the image blocks are or-ed on; the fix returns the
+    causal mask. The first cell: a double loop over later keys of the same image run in the program's ids."""
+    from checkbugs import first
+
+    [hit, *_] = check_bug(tmp_path, "megatron_bridge_gemma4_vl_image_block_bidirectional_unconditional", "span-leak")
+    ids = [[2, 3, 7, 7, 7, 7, 4, 5, 6], [2, 7, 7, 7, 3, 4, 5, 6, 8]]
+    assert tuple(hit["cell"]) == first((2, 9, 9), lambda b, q, k: q < k and ids[b][q] == ids[b][k] == 7
+                                       and all(t == 7 for t in ids[b][q:k + 1]))
+    assert "use_bidirectional_attention=None" in hit["message"]
+
+
+def test_gemma4_port_with_a_dict_config_left_padded(tmp_path):
+    """Written another way (tests/data/fixq2): the config a dict at the program's top level (model_type "gemma4"),
+    a left-padded batch, an additive mask for an eager softmax. The cells counted are a loop's: later real keys of
+    the query's own image run (all of them, as the config says causal)."""
+    from checkbugs import first
+
+    folder = Path(__file__).parent / "data" / "fixq2"
+    [hit] = check_bug(tmp_path, "gemma4_port_dict_config_image_block_unconditional", "span-leak", folder)
+    ids = [[0, 0, 2, 9, 9, 9, 3, 4], [2, 3, 9, 9, 9, 9, 9, 4]]
+    same = lambda b, q, k: q < k and all(t == 9 for t in ids[b][q:k + 1])
+    cells = sum(same(b, q, k) for b in range(2) for q in range(8) for k in range(8))
+    assert f"({cells} cells)" in hit["message"] and tuple(hit["cell"]) == first((2, 8, 8), same)
+
+
+def test_a_none_use_bidirectional_attention_speaks_only_for_gemma4():
+    """Gemma 3's field is a bool about text (its images are bidirectional whatever it says): None there, or in a
+    config naming no family, states nothing of the images; a Gemma 4 one does."""
+    from maskcli.checks.intent import Stated, fields_of
+    from maskcli.checks.spans import _images_causal
+
+    def top(config, holder):
+        return Top("M", stated=(Stated(f"self.config of {holder} (SimpleNamespace)", "", fields_of(config)),))
+
+    text = SimpleNamespace(hidden_size=8, use_bidirectional_attention=None)
+    config = SimpleNamespace(image_token_id=5, text_config=text)
+    assert _images_causal(top(config, "Gemma4ForConditionalGeneration")) == (5, "self.config of "
+                                                                            "Gemma4ForConditionalGeneration (SimpleNamespace)")
+    assert _images_causal(top(config, "Gemma3ForConditionalGeneration")) is None
+    assert _images_causal(top(config, "VisionLanguageModel")) is None
+    vision = SimpleNamespace(image_token_id=5, text_config=SimpleNamespace(use_bidirectional_attention="vision"))
+    assert _images_causal(top(vision, "Gemma4ForConditionalGeneration")) is None

@@ -127,6 +127,7 @@ def test_an_attention_mask_built_from_the_zero_frames_of_left_padded_features_is
 
 
 def test_the_tokenizer_is_read_from_the_calling_frames_once_and_only_where_one_is_meant():
+    import dataclasses
     from types import SimpleNamespace
 
     import torch
@@ -153,6 +154,13 @@ def test_the_tokenizer_is_read_from_the_calling_frames_once_and_only_where_one_i
     assert "tokenizer_pad_id" not in run(left, SimpleNamespace(pad_token_id=1, eos_token_id=2))  # two that differ
     del left  # (this frame is one the trace searches too)
     assert "tokenizer_pad_id" not in run(SimpleNamespace(pad_token_id=0))  # no eos id, no side: not a tokenizer
+
+    @dataclasses.dataclass
+    class EngineConfig:  # a config of the program's own that pads its batches (verl's): its pad id alone is read
+        pad_token_id: int = 4
+
+    found = run(EngineConfig())
+    assert found["tokenizer_pad_id"] == 4 and "first (EngineConfig) in run()" in found["tokenizer"]
 
 
 def test_a_collator_that_pads_the_attention_masks_with_the_pad_id_is_found(tmp_path):
@@ -203,3 +211,29 @@ def test_transformers_collator_double_padding_erases_attention_mask(tmp_path):
     (written blind, batch blind-n; caught before any rule was changed for it)."""
     pytest.importorskip("transformers")  # (its BertModel: the hf extra)
     check_bug(tmp_path, "transformers_collator_double_padding_erases_attention_mask", "padding-unmarked")
+
+
+def test_internvl_collator_default_pad_id_zero(tmp_path):
+    """OpenGVLab/InternVL#967: concat_pad_data_collator's default pad_id=0 masks a real id-0 token and attends the real
+    pads (written blind, batch blind-s; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "internvl_concat_pad_collator_default_pad_id_zero", "trained-token-masked")
+
+
+def _text_hidden(ids: list[list[int]], mask: list[list[int]], pad: int):
+    """bad(b, q, k): a text query (not the pad id) does not see a text key at or before it that the mask calls
+    padding (a causal mask keeping the mask's 1s), by a loop over positions."""
+    return lambda b, q, k: k <= q and ids[b][q] != pad and ids[b][k] != pad and mask[b][k] == 0
+
+
+def test_a_mask_from_the_response_only_against_the_pad_id_a_config_of_the_programs_own_states(tmp_path):
+    # verl-project/verl#6278 (written blind, batch blind-s): the dense attention_mask padded from the response-only
+    # loss_mask; the pad id is stated by the engine's own dataclass config (no tokenizer, no EOS)
+    found = check_bug(tmp_path, "verl_fsdp_no_padding_attention_mask_from_loss_mask", "real-tokens-masked")
+    ids, mask = [[5, 6, 7, 11, 12], [8, 9, 13, 0, 0]], [[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]]
+    assert tuple(found[0]["cell"]) == first((2, 5, 5), _text_hidden(ids, mask, 0))
+    assert "EngineConfig" in found[0]["message"]
+    # written another way: a reward model's eager softmax, left padding with id 3, the config held by the scoring step
+    found = check_bug(tmp_path, "mask_from_response_mask_config_pad_id", "real-tokens-masked", folder=TOKENS)
+    ids, mask = [[3, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13]], [[0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1]]
+    assert tuple(found[0]["cell"]) == first((2, 6, 6), _text_hidden(ids, mask, 3))
+    assert "BatchConfig" in found[0]["message"]

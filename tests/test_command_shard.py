@@ -310,6 +310,18 @@ def test_a_batch_with_padding_or_two_batches_is_one_line(tmp_path):
     assert result.exit_code == 2 and "give one BATCH file, not 2" in result.output
 
 
+def test_a_bad_expr_beside_a_batch_is_quoted_as_typed(tmp_path):
+    # the batch's documents are a term joined to the EXPR, not text written around it: the error quotes what was typed
+    path = tmp_path / "batch.json"
+    path.write_text(json.dumps({"position_ids": [[0, 1, 2, 0, 1, 2, 3]]}))
+    result = invoke([path, "causal &", "--ranks", 2])
+    assert result.exit_code == 2 and result.output.strip().splitlines() == [
+        "maskcli: error: mask expression 'causal &': expected a kind name, '(' or '~', found the end at character 9; "
+        "see maskcli kinds for every kind and its parameters"]
+    result = invoke([path, "nosuch(3)", "--ranks", 2])
+    assert result.exit_code == 2 and "unknown mask kind 'nosuch' in 'nosuch(3)':" in result.output
+
+
 def test_the_ring_steps_are_coloured_as_blocks_colours_its_map():
     # contiguous causal over 2 ranks: rank 0 sees part of its own keys (step 0) and none of rank 1's (step 1), rank 1
     # part of its own and all of rank 0's

@@ -107,3 +107,29 @@ def test_stacked_candidates_compare_each_as_a_dense_comparison_would():
     same = same_each(stacked(found, 6, 10), want)
     expected = [bool(np.array_equal(cells, want_cells)) for cells in rows] + [bool(want_cells.all())]
     assert same.tolist() == expected == [True, False, True, False, True, False]
+
+
+def test_candidates_their_kinds_rule_out_are_never_made_and_never_rebuild_the_tensor():
+    # a window read the other way round: its queries see later keys and never themselves, so every causal kind and
+    # every kind whose queries see themselves is ruled out before its intervals are made; a blocked diagonal does not
+    from maskcli.inspect.candidates import RULED_OUT, lacking, ruled_out
+
+    keep = by_loop(lambda q, k: not 0 <= q - k < 3, 8, 8, 0)
+    listed = [(term, options) for _, term, options in candidates(keep, [({"length": 8}, 0)], "attend")]
+    listed += [(tree, {"length": 8}) for _, tree in composites(profile(keep, 0, 0, "attend"), keep)]
+    found = table(listed, runs(keep))
+    from maskcli.terms import text
+
+    out = [text(tree) for (tree, _), seen in zip(listed, found) if seen == RULED_OUT]
+    assert {"causal", "full", "window(1)"} & set(out) and not any(text.startswith(("tril", "triu")) for text in out)
+    for (tree, options), seen in zip(listed, found):
+        if seen == RULED_OUT:
+            assert placed_verdict(tree, options, keep) is False, text(tree)
+    frame = table([(build("causal").expression, {"length": 8})])[0][0]
+    assert lacking(runs(keep), frame, True) == {"causal", "sees_own", "sees_first"}
+    assert lacking(runs(keep), frame, False) == {"causal"}  # key padding may cut a query's own key, never add a later one
+    window = by_loop(lambda q, k: 0 <= q - k < 3, 8, 8, 0)
+    assert lacking(runs(window), frame, True) == {"sees_first"}
+    assert ruled_out(build("causal & window(2)").expression, frozenset({"sees_first"})) is False
+    assert ruled_out(build("causal & (window(2) | sink(1))").expression, frozenset({"sees_first"})) is True  # sinks: key 0
+    assert ruled_out(build("full | window(2)").expression, frozenset({"causal"})) is False

@@ -201,3 +201,30 @@ def test_a_tree_whose_ancestor_lines_are_many_runs_is_drawn_from_a_dense_table()
     expected = [[k < 3 or k - 3 in ref.ancestors_or_self(parents, q) for k in range(143)] for q in range(140)]
     assert mask.dense()[0, 0].tolist() == expected
     assert create_mask(mask.mask_mod, 1, 1, 140, 143, device="cpu")[0, 0].tolist() == expected
+
+
+DECLARED = [  # an expression of each kind that declares what every query sees, at a few placements each
+    "full", "causal", "window(1)", "window(3)", "lookback(1)", "lookback(4)", "prefix(1)", "prefix(5)", "sink(1)", "sink(3)",
+    "local(1)", "local(3)", "band(1)", "band(3)", "chunk(2,2,0,0,1,1,5,5,3,3)", "document(1,1,0,0,0,2,2,2,2,2)",
+    "segment(3,0,0,1,1,1,2,2,2,2)", "document(0,0,0,0,0,1,1,1,1,1) & local(2)",
+]
+
+
+@pytest.mark.parametrize("text", DECLARED)
+@pytest.mark.parametrize("placement", [{"length": 10}, {"length": 4, "offset": 6}, {"length": 3, "offset": 2, "kv_len": 10}])
+def test_what_a_kind_declares_every_query_sees_holds_cell_by_cell(text, placement):
+    # recognition rules a kind out of a tensor that lacks what the kind declares (inspect/candidates.py's ruled_out):
+    # each declaration read against the cells, query by query on absolute positions
+    built = build(text, MaskOptions(**placement))
+    cells, f = built.dense()[0, 0], built.frame
+    kinds = [term.kind for term in built.expression.items] if hasattr(built.expression, "items") else [built.expression.kind]
+    for i, q in enumerate(range(f.q_start, f.q_end)):
+        row = {k for k in range(f.k_start, f.k_end) if cells[i, k - f.k_start]}
+        if any(kind.causal for kind in kinds):
+            assert max(row, default=-1) <= q, (text, q, row)
+        if all(kind.sees_own for kind in kinds):
+            assert q in row, (text, q, row)
+        if all(kind.sees_first for kind in kinds):
+            assert 0 in row, (text, q, row)
+    declared = {kind.name for kind in all_kinds() if kind.sees_own or kind.sees_first}
+    assert declared <= {"full", "causal", "window", "lookback", "prefix", "sink", "local", "band", "chunk", "document", "segment", "tree"}

@@ -81,3 +81,21 @@ def test_read_takes_fields_given_as_options_over_the_file_and_field_maps(tmp_pat
     assert np.array_equal(packed.documents(over).dense()[0, 0], from_position_ids([[0, 1, 0, 1, 2, 3]])[0])
     alone = registry.read("packed", None, {"cu_seqlens": "0,2,6"})
     assert np.array_equal(packed.documents(alone).dense()[0, 0], from_cu_seqlens([0, 2, 6], 6))
+
+
+def test_sequence_is_document_bound_to_the_sizes_and_one_row_with_padding_is_refused():
+    # shard's BATCH: the documents of one row of real tokens, as a term and-ed into a mask (mask.build's before);
+    # cells by a double loop over the documents position_ids restart
+    from maskcli.mask import MaskOptions, build
+
+    batch = from_arrays({"position_ids": np.array([[0, 1, 2, 0, 1, 0, 1, 2, 3]])}, {"position_ids": "position_ids"})
+    term = packed.sequence(batch)
+    assert term.kind.name == "document" and term.values["labels"].as_json() == [0, 0, 0, 1, 1, 2, 2, 2, 2]
+    doc = [0, 0, 0, 1, 1, 2, 2, 2, 2]
+    mask = build("causal & window(2)", MaskOptions(), before=term)
+    reference = np.array([[doc[q] == doc[k] and 0 <= q - k < 2 for k in range(9)] for q in range(9)])
+    assert np.array_equal(mask.dense()[0, 0], reference)
+    padded = from_arrays({"position_ids": np.array([[0, 1, 2, 0, 1]]), "attention_mask": np.array([[1, 1, 1, 1, 0]])},
+                         {"position_ids": "position_ids", "attention_mask": "attention_mask"})
+    with pytest.raises(MaskError, match="holds 1 padding token"):
+        packed.sequence(padded, "BATCH 'b.pt'")

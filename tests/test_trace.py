@@ -282,6 +282,34 @@ def test_a_call_that_hands_on_to_modules_own_is_one_module_call():
         model(torch.randn(1, 1, 3, 4))
     assert [c.where for c in t.calls] == ["0", "1"] and [(top.first, top.end) for top in t.tops] == [(0, 2)]
 
+def _decode_function(self, x, position_ids):
+    """Attention in a plain function handed the layer as `self` (unsloth's fast decode forwards): no module call runs."""
+    scores = x @ x.transpose(-1, -2)
+    return torch.softmax(scores.masked_fill(~torch.ones(x.shape[-2], x.shape[-2]).tril().bool(), float("-inf")), dim=-1)
+
+
+class _MethodModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def step(self, x, position_ids):  # (a model's method called as one, not through forward)
+        return [_decode_function(layer, x, position_ids) for layer in self.layers]
+
+
+def test_attention_in_functions_handed_a_module_is_read_as_that_modules_call():
+    """No module call runs: the frames whose first argument is a module stand for them, innermost first: the layer's
+    path for each call, and one model call (a Top, with its position_ids) per call of the model's method."""
+    model = _MethodModel()
+    with maskcli.trace() as t:
+        for step in range(2):
+            model.step(torch.randn(1, 1, 3, 4), torch.arange(3)[None] + step)
+    assert [(c.where, c.step) for c in t.calls] == [("layers.0", 0), ("layers.1", 0), ("layers.0", 1), ("layers.1", 1)]
+    assert [(top.where, top.first, top.end) for top in t.tops] == [("_MethodModel", 0, 2), ("_MethodModel", 2, 4)]
+    assert np.array_equal(t.tops[1].arguments["position_ids"], np.arange(1, 4)[None])
+    assert np.array_equal(t.calls[0].keep()[0, 0], np.tril(np.ones((3, 3), dtype=bool)))
+
+
 def test_past_max_bytes_a_call_keeps_its_shape_and_counts_only():
     keep = torch.from_numpy(window_keep(64, 64, 5))
     q, k, v = qkv(1, 1, 64, 64)
@@ -300,6 +328,37 @@ def test_a_call_maskcli_cannot_read_is_noted_and_the_program_goes_on():
         with pytest.raises(RuntimeError):  # SDPA itself refuses a mask with is_causal; the error is the program's own
             F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(3, 3, dtype=torch.bool))
     assert out.shape == (1, 1, 2, 8) and len(t.calls) == 2
+
+
+def test_calls_under_inference_mode_are_read_with_a_mask_held_and_handed_in_every_layer():
+    """Tensors made under torch.inference_mode have no version counter: each layer's call is read, not noted unread."""
+
+    class Layer(nn.Module):
+        def forward(self, x, mask):
+            return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(), Layer()])
+
+        def forward(self, x, attention_mask):
+            mask = torch.ones(4, 4, dtype=torch.bool).tril()[None, None] & attention_mask[:, None, None, :].bool()
+            for layer in self.layers:
+                x = layer(x, mask)
+            return x
+
+    lengths = [4, 3]
+    wanted = np.zeros((2, 4, 4), dtype=bool)  # right-padded causal rows by a double loop
+    for b in range(2):
+        for i in range(4):
+            for j in range(4):
+                wanted[b, i, j] = j <= i and j < lengths[b]
+    with maskcli.trace() as t, torch.inference_mode():
+        Model()(torch.randn(2, 1, 4, 8), torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]))
+    assert len(t.calls) == 2 and all("error" not in call.details for call in t.calls)
+    for call in t.calls:
+        assert np.array_equal(call.keep()[:, 0], wanted)
 
 
 def test_report_groups_the_calls_and_names_each_mask():
@@ -679,6 +738,29 @@ def test_one_querys_scores_squeezed_to_b_lk_are_attention_and_a_classifiers_are_
         torch.bmm(memory, h[:, :, None]).squeeze(2).masked_fill(pad, float("-inf")).softmax(dim=1)
     assert [c.shape for c in t.calls] == [(3, 1, 1, 6)]
     assert np.array_equal(t.calls[0].keep()[:, 0, 0], ~pad.numpy())
+
+
+def test_one_sequences_2d_scores_are_attention_and_a_projections_are_not():
+    """maskcli.trace.scores: q.mm(k.T), torch.mm and @ of two 2-D tensors no parameter made (Graphormer's head over a
+    graph batch's nodes) are one sequence's (Lq, Lk) scores: a softmax over them, through their scaling and masked_fill,
+    is a call (1, 1, Lq, Lk) whose mask is the graphs' blocks by a double loop over `ptr`; a 2-D softmax over x @ W
+    (a parameter, or its transpose) is no call."""
+    torch.manual_seed(0)
+    ptr, n = [0, 3, 7], 7
+    same = torch.tensor([[any(ptr[g] <= i < ptr[g + 1] and ptr[g] <= j < ptr[g + 1] for g in range(len(ptr) - 1))
+                          for j in range(n)] for i in range(n)])
+    x, head, weight = torch.randn(n, 8), nn.Linear(8, 8), nn.Parameter(torch.randn(8, 5))
+    with maskcli.trace() as t, torch.no_grad():
+        q, k = head(x), head(x + 1)
+        (x @ weight).softmax(-1)  # (a projection's logits)
+        torch.softmax(x.mm(head.weight.t()), dim=-1)
+        a = q.mm(k.transpose(0, 1)) / 8 ** 0.5
+        torch.softmax(a.masked_fill(~same, float("-inf")), dim=-1)
+        torch.softmax(torch.mm(q, k.t()).masked_fill(~same, float("-inf")), dim=1)
+        F.softmax((q @ k.T).masked_fill(~same, float("-inf")), dim=-1)
+    assert [c.shape for c in t.calls] == [(1, 1, n, n)] * 3
+    for call in t.calls:
+        assert np.array_equal(call.keep()[0, 0], same.numpy())
 
 
 def test_flex_attention_masked_by_its_score_mod_is_recorded_as_the_kernel_masks():

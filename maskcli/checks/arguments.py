@@ -140,11 +140,13 @@ def padding(run: Run) -> list:
 
 
 def document_starts(position_ids: np.ndarray, real: np.ndarray | None) -> np.ndarray:
-    """Int64 (B, L): each token's document number, a new one where the position restarts at 0 after a real token."""
+    """Int64 (B, L): each token's document number, a new one where the position restarts at 0 after a real token.
+    `real` is the model call's attention_mask: 0 = padding, any other value a real token (a multipack collator writes
+    each packed sample's number there, 1, 1, 2, 2, 2, 3: axolotl's multipack collator)."""
     restart = np.zeros(position_ids.shape, dtype=bool)
     restart[:, 1:] = (position_ids[:, 1:] == 0) & (position_ids[:, :-1] >= 0)
     if real is not None:
-        restart[:, 1:] &= (real[:, 1:] == 1) & (real[:, :-1] == 1)
+        restart[:, 1:] &= (real[:, 1:] != 0) & (real[:, :-1] != 0)
     return np.cumsum(restart, axis=1)
 
 
@@ -182,7 +184,7 @@ def documents(run: Run) -> list:
         labels = np.broadcast_to(labels, (rows, labels.shape[1]))
         across = cells & (labels[:, :, None] != labels[:, None, :])
         if real is not None:
-            across &= np.broadcast_to(real == 1, (rows, real.shape[1]))[:, None, :]
+            across &= np.broadcast_to(real != 0, (rows, real.shape[1]))[:, None, :]
         across &= ~np.broadcast_to(padded_positions(positions), (rows, positions.shape[1]))[:, :, None]
         if across.any():
             b, q, k = first_cell(across)

@@ -22,6 +22,11 @@ from maskcli.keypadding import read as found_padding  # noqa: F401 - key padding
 
 DENSE_CELLS = 1 << 22  # masks checked cell by cell up to this many cells (b*h*Lq*Lk as stored)
 LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+# the int a model call states its first query's position by, where a cache of the program's own is written (Meta's Llama
+# forward(tokens, start_pos), Keras-hub's cache_update_index) or a block of queries sits past another's cache (an MTP
+# drafter's query_offset, past_key_values_length, seqlen_offset): trace/tops.py keeps them, queries() and rows.py read them
+STARTS = ("start_pos", "cache_update_index", "query_offset", "q_offset", "past_key_values_length", "past_length",
+          "seqlen_offset")
 
 
 @dataclass
@@ -296,8 +301,8 @@ def queries(call, top: Top | None) -> np.ndarray:
         given = arguments.get(name)
         if isinstance(given, np.ndarray) and given.ndim <= 2 and given.shape[-1] == q_len:
             return given.reshape(-1, q_len)[0].astype(np.int64)
-    for name in ("start_pos", "cache_update_index"):  # the int a cache of the program's own is written at
-        start = arguments.get(name)  # (trace/tops.py STARTS)
+    for name in STARTS:  # the int a cache of the program's own is written at
+        start = arguments.get(name)
         if isinstance(start, int) and start + q_len <= k_len:
             return np.arange(start, start + q_len)
     held = arguments.get("cache_length")

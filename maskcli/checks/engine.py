@@ -6,7 +6,6 @@ from maskcli.checks.context import Run, cross, masked_somewhere, queries
 from maskcli.checks import config
 from maskcli.checks.arguments import over_stated_padding
 from maskcli.checks.registry import all_rules, severity
-from maskcli.checks.rows import restate
 from maskcli.checks.spans import explained
 
 CONFIG = {rule.code for rule in config.RULES}
@@ -24,6 +23,7 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "chunks-misplaced": {"chunks-misaligned"},  # chunks from column 0 of a left-padded row, said with the config (config.py)
     "causal-config-ignored": {"causal-flag-ignored", "decoder-sees-later"},  # the module's own causal word (own.py, decoders.py)
     "held-mask-ignored": {"padding-per-head", "mask-argument-dropped", "mask-dropped"},  # the same cells, said by the call's keys or arguments
+    "zero-keys-seen": {"unwritten-slot", "padding-ignored", "padding-unused", "padding-lost"},  # zero K/V, said by their cause
 }
 
 
@@ -70,5 +70,4 @@ def apply(groups: list, run: Run) -> list:
     for group in groups:
         if group.calls and all(call.index in judged for call in group.calls):
             group.findings = [f for f in group.findings if f.code != "sees-later"]
-    restate(run, groups)  # later keys seen only by queries the model call states are padding (rows.py)
     return groups

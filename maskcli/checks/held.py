@@ -36,9 +36,9 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
-def readings(held: dict, rows: int, length: int) -> list[np.ndarray]:
+def readings(held: dict, rows: int, length: int, ids: tuple = ()) -> list[np.ndarray]:
     """Bool (rows, length) real keys, one per way `held` may lie over the call's `rows` batch rows and `length` keys;
-    [] where it is not padding of this call."""
+    [] where it is not padding of this call. `ids`: the token ids (B, L) the frames hold beside it (_at_one_id)."""
     found = held["rows"]
     if held["kind"] in ("cells", "positions", "ids"):
         return []
@@ -55,7 +55,7 @@ def readings(held: dict, rows: int, length: int) -> list[np.ndarray]:
         if found.ndim != 2 or found.shape[1] != length:
             return []
         real = found if held["kind"] == "keep" else ~found
-        if not _padding(real, right_only=held["name"] == "mask"):
+        if not _padding(real, right_only=held["name"] == "mask") and not _at_one_id(real, ids):
             return []
         tables = [real]
     size = tables[0].shape[0]
@@ -65,6 +65,25 @@ def readings(held: dict, rows: int, length: int) -> list[np.ndarray]:
         n = rows // size
         return [t[np.arange(rows) // n] for t in tables] + [t[np.arange(rows) % size] for t in tables]
     return []
+
+
+def _at_one_id(real: np.ndarray, ids: tuple) -> bool:
+    """Each row a run of real tokens at one edge, each with one, rows of different lengths, and token ids held beside
+    it equal to one id exactly where it says padding and nowhere else: the data's own padding (DeepSpeed-Chat's collator pads its
+    prompts on the left to a fixed length, so no row is whole, and names its prompt mask plain `mask`), where a loss
+    mask over a prompt would hide tokens of many ids."""
+    count = real.sum(axis=1)
+    if real.shape[0] < 2 or count.min() < 1 or count.min() == count.max():
+        return False  # (as many zeros in every row: a span of one id each row has, an image's placeholders, not padding)
+    at = np.arange(real.shape[1])[None, :]
+    if not ((real == (at < count[:, None])).all(axis=1) | (real == (at >= real.shape[1] - count[:, None])).all(axis=1)).all():
+        return False
+    for tokens in ids:
+        if tokens.shape == real.shape:
+            pad = np.unique(tokens[~real])
+            if len(pad) == 1 and not (tokens[real] == pad[0]).any():
+                return True
+    return False
 
 
 def _padding(real: np.ndarray, right_only: bool) -> bool:
@@ -142,8 +161,9 @@ def held_padding(run: Run) -> list:
             continue  # a cross-attention with as many queries as keys: the padding may be its queries' own (a decoder's
             # lengths), which no key mask need keep to: a reading seen through
         first, seen_through = None, True
+        ids = tuple(h["rows"] for h in helds if h["kind"] == "ids")
         for held in helds:
-            tables = readings(held, rows, k_len) if _tracks_keys(run, call, held) else []
+            tables = readings(held, rows, k_len, ids) if _tracks_keys(run, call, held) else []
             if not tables:
                 continue
             for real in tables:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder")  # what a Stated says of its config, not its fields
+FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset")  # what a Stated says of its config, not its fields
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
           "use_sliding_window", "max_window_layers", "no_rope_layers",
@@ -82,6 +82,38 @@ def fields_of(value) -> dict:
                     pass
     found = {name: items[name] for name in FIELDS if items.get(name) is not None}
     text = items.get("text_config")
+    unset = _bidirectional_unset(value, items, text)
+    if unset is not None:
+        return {**_fields_besides(value, items, text, found), "bidirectional_unset": unset}
+    return _fields_besides(value, items, text, found)
+
+
+def _bidirectional_unset(value, items: dict, text) -> dict | None:
+    """{"image_token_id", "model"} where a config of the program's own (not transformers') states an image token id and,
+    on itself or its text config, `use_bidirectional_attention` set to None: Gemma 4's word that its image tokens are
+    causal (only "vision" makes them bidirectional: transformers' modeling_gemma4.py 2476), read by checks/spans.py
+    where the model is Gemma 4."""
+    if any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(value).__mro__):
+        return None
+    image = next((items[n] for n in IMAGE_IDS if isinstance(items.get(n), int) and not isinstance(items[n], bool)), None)
+    if image is None:
+        return None
+    inner = {}
+    if text is not None and text is not value:
+        try:
+            inner = dict(text) if isinstance(text, dict) else dict(vars(text))
+        except TypeError:
+            inner = {}
+    holder = items if "use_bidirectional_attention" in items else inner
+    if "use_bidirectional_attention" not in holder or holder["use_bidirectional_attention"] is not None:
+        return None
+    model = " ".join(str(x) for x in (items.get("model_type"), inner.get("model_type"), type(value).__name__,
+                                      type(text).__name__) if x)
+    return {"image_token_id": image, "model": model}
+
+
+def _fields_besides(value, items: dict, text, found: dict) -> dict:
+    """fields_of's reading once `found` (FIELDS with a value) is known."""
     if not found and text is not None and text is not value and not any(
             base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(value).__mro__):
         inner = fields_of(text) if isinstance(text, dict) or config_like(text, named=True) else {}

@@ -72,10 +72,17 @@ def ones_added(run: Run) -> list:
     """A float attn_mask of 0s and 1s: a keep mask (True = attend) cast to float and added to the scores, which masks
     nothing (SDPA adds a float mask: torch/nn/functional.py scaled_dot_product_attention's docstring)."""
     found, done = [], set()
-    for call in run.calls:
+    for call in [*run.calls, *getattr(run, "unmasked", ())]:  # (a 0/1 mask that masks nothing leaves its site unmasked)
         if not call.details.get("zero_one") or call.mask in done:
             continue
         done.add(call.mask)
+        if call.api == "softmax":  # (the program's own sum, scores + mask: trace/scores.py)
+            found.append((call, Finding(
+                "ones-added", "the float mask added to these scores before the softmax holds only 0 and 1: a keep (or "
+                "pad) mask cast to float and added as it is shifts a key's score by 1 at most, so it masks nothing "
+                "(add (1 - mask) * finfo.min, or masked_fill the scores)", expected="an additive mask: 0 and -inf",
+                source="a 0/1 float tensor added to the scores")))
+            continue
         found.append((call, Finding(
             "ones-added", "the float attn_mask holds only 0 and 1: a keep mask cast to float is added to the scores, "
             "so it masks nothing (pass it as bool, or as (1 - mask) * finfo.min)", expected="an additive mask: 0 and -inf",

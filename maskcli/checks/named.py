@@ -24,9 +24,11 @@ def same_as(structure, same: str | None) -> list[Finding]:
     return [Finding("same-as", f"{structure.expression} is also {same}: the same cells")] if same is not None else []
 
 
-def polarity(call, kind: str | None, named: str | None) -> list[Finding]:
-    """A mask that no kind names (or a raw tril/triu) whose other reading the recogniser names (`named`, of `kind`)."""
-    if named is None or kind in MEANT_LATER or _edge_padding(call):
+def polarity(call, kind: str | None, named: str | None, past=None) -> list[Finding]:
+    """A mask that no kind names (or a raw tril/triu) whose other reading the recogniser names (`named`, of `kind`).
+    `past`: a function saying whether the model call states its queries past every key (rows.past_the_keys): the other
+    reading places them among the keys (bottom-right, or top-left at a static cache's start), where they are not."""
+    if named is None or kind in MEANT_LATER or _edge_padding(call) or past is not None and past():
         return []
     meaning = {"mha": "MHA reads a bool mask as True = masked", "sdpa": "SDPA reads a bool mask as True = may attend"}.get(call.api, "")
     return [Finding("polarity", f"read the other way round it is {named}: a mask in the wrong polarity?"

@@ -6,7 +6,9 @@ softmax's scores hold NaN in a query row that an earlier call of the run let see
 the rows that saw nothing was handed on as keys or values (a bias of -inf over padded nodes' whole rows, DGL's
 Graphormer, dgl#5476: the padded nodes' outputs are NaN, the next layer's real nodes score NaN against them and their
 softmax is NaN everywhere). That is no longer a condition maskcli cannot see: the run's own scores are NaN there, so
-it is *wrong*.
+it is *wrong*. The NaN may come in through the values alone (vit-pytorch#26: the next layer fills the padded keys'
+NaN scores with -inf, so its real rows' weights are finite and 0 there, and 0 x NaN is NaN): the product of a real
+row's finite weights with the values is NaN (trace/after.py's `nan_values`), wrong too.
 
 Stays quiet where no earlier call made NaN rows (NaN of the program's data is not the mask's), where the earlier rows
 were zeroed after their softmax (trace/after.py), and where only the rows that saw nothing before score NaN again.
@@ -44,12 +46,13 @@ def nan_spread(run: Run) -> list:
     if not sources:
         return found
     for call in calls:
-        flat = call.details.get("nan_scores")
+        flat = [*(call.details.get("nan_scores") or ()), *(call.details.get("nan_values") or ())]
         if not flat or call.api != "softmax":
             continue
         b_len, h_len, q_len = call.shape[0], call.shape[1], call.shape[2]
         nan = np.zeros(b_len * h_len * q_len, dtype=bool)
-        nan[np.asarray(flat, dtype=np.int64)] = True
+        flat = np.asarray(flat, dtype=np.int64)
+        nan[flat[flat < nan.size]] = True
         nan = nan.reshape(b_len, h_len, q_len).any(axis=1)  # (B, Lq): rows with a NaN score in any head
         for source in sources:
             if source.index >= call.index or source.shape[0] != b_len:
@@ -64,7 +67,8 @@ def nan_spread(run: Run) -> list:
             rows = [int(q) for q in np.flatnonzero(hit[b])]
             empty = [int(q) for q in np.flatnonzero(~seen[b])]
             found.append((call, Finding("nan-spread", (
-                f"the scores of query rows {spans(rows)} of batch row {b} are NaN here, though these queries saw keys "
+                f"the {'scores' if not call.details.get('nan_values') else 'scores or the output'} of query rows "
+                f"{spans(rows)} of batch row {b} are NaN here, though these queries saw keys "
                 f"at {source.where} (call {source.index}); there rows {spans(empty) or 'of other batch rows'} saw no "
                 f"key at all and their softmax of all -inf gave NaN, which this call reads as keys or values: the "
                 f"NaN of rows the mask empties spreads to real queries (mask the padded keys, not whole rows, or zero "

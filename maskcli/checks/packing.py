@@ -59,8 +59,17 @@ def leaks(twins: list, ref) -> list[Finding]:
 
 
 def left_out(paths: list) -> list[Finding]:
-    """Tokens an applicable path never computes (its `problems`, pack/paths.py)."""
-    return [Finding("left-out", problem) for p in paths if p.applies for problem in p.problems]
+    """Tokens an applicable path never computes: those before the first token its sequences start at (its `left_out`,
+    pack/paths.py; only flash_attention_2 on position_ids whose first is not their minimum leaves any out)."""
+    found = []
+    for p in paths:
+        if p.applies and p.left_out is not None:
+            first, start = p.left_out
+            found.append(Finding("left-out", f"{p.name} leaves out token{'s' if first > 1 else ''} "
+                                 f"{'0' if first == 1 else f'0-{first - 1}'}: flash_attention_2 starts a sequence only where "
+                                 f"position_ids equal their minimum ({start}), and the first one is at token {first}, so their "
+                                 "attention output is never computed (start each document's position_ids at the same value)"))
+    return found
 
 
 def rope(batch, ref, pad: np.ndarray) -> list[Finding]:

@@ -39,7 +39,7 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "softmaxed", "padflag", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes",
            "stages", "packing", "held", "frames", "subsampled", "patches", "nans", "segments", "withheld", "swin", "across",
            "crosspad", "crossq", "batchaxis", "decoders", "headrows", "evicted", "media", "shard", "serve", "servemasks",
-           "servesteps", "serveexpect", "ranks", "fullblocks")
+           "servesteps", "serveexpect", "ranks", "fullblocks", "zerokv")
 
 
 @dataclass(frozen=True)

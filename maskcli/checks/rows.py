@@ -6,12 +6,11 @@ gave (inspect). Attention run through a mask on a device (attend) has its own in
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 
 from maskcli import tracefile
 from maskcli.checks.context import cross
+from maskcli.checks.real import by_row
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -122,9 +121,17 @@ def reach(stored: dict, q_len: int) -> tuple[np.ndarray, np.ndarray]:
     return np.broadcast_to(first, (first.shape[0], q_len)), np.broadcast_to(last, (last.shape[0], q_len))
 
 
-def later(call, stored: dict, structure, real: np.ndarray | None = None) -> list[Finding]:
+def later(call, stored: dict, structure, real=None, past=None) -> list[Finding]:
     """A query of a trace group that sees a key after its own position, the queries placed at the end of the keys.
-    `real`: bool (B, Lq) the queries the model call states real (restate): the padding ones are left out."""
+
+    `real`: bool (B, Lk) the tokens the model call states real (stated_tokens), or a function giving it or None, asked
+    only where some query sees a later key. Its padding queries are left out (a padding row's output is never used,
+    whatever it sees: a left-padded row's last padding query over the real keys after it, at GPT-2's -1e4), and a mask
+    no kind names is judged on its real queries over its real keys alone (the runs of later keys that padding rows see
+    say nothing of a causal mask's slip; keys the program states padding are the padding rules', not a causal order's).
+    Where it states none, such a mask has its padding rows read off its cells (_read_queries): only the real ones are
+    said, and the tests read the cells whole (a guess from the cells does not reshape them). `past`: a function saying
+    whether the model call states its queries past every key (past_the_keys): then no key is later than a query."""
     if structure is not None and structure.expression is not None and structure.kind not in MEANT_LATER:
         return []
     if call.api in ("flash", "hf") and not call.details.get("causal"):
@@ -135,15 +142,27 @@ def later(call, stored: dict, structure, real: np.ndarray | None = None) -> list
         return []  # one mask row broadcast to every query (a key padding mask, or GQA heads packed as rows): no query order
     q_len, k_len = call.shape[2:]
     own = k_len - q_len + np.arange(q_len)  # bottom-right: query i sits at key position Lk - Lq + i
-    rows = np.flatnonzero((reach(stored, q_len)[1] > own[None, :]).any(axis=0))
+    seeing = reach(stored, q_len)[1] > own[None, :]  # (b*h, Lq)
+    if not seeing.any() or past is not None and past():
+        return []
+    real = real() if callable(real) else real
+    b, h = stored["planes"]
+    if real is not None and q_len <= k_len and real.shape[1] == k_len and b in (1, real.shape[0]):
+        seeing = seeing.reshape(b, h, q_len).any(axis=1) & real[:, own]  # (B, Lq): the real queries that see later keys
+    else:
+        real = None
+    rows = np.flatnonzero(seeing.any(axis=0))
     unnamed = structure is not None and structure.kind is None and stored["form"] != "stats"
     if len(rows) and unnamed:  # (a mask no kind names: its cells read once for every test below)
         cells = tracefile.dense(stored)
-        if real is not None:  # (its padding query rows see nothing here, so that every test below reads real ones)
-            cells = np.broadcast_to(cells, (max(real.shape[0], cells.shape[0]), *cells.shape[1:])) & real[:, None, :, None]
+        if real is None:  # (read off the cells, which stay whole: a mask built both ways is read as it was built)
+            ahead = (by_row(cells) & (np.arange(k_len)[None, None, :] > own[None, :, None])).any(axis=-1)  # (B, Lq)
+            rows = np.intersect1d(rows, np.flatnonzero((ahead & _read_queries(cells, own)).any(axis=0)))
+        else:  # (the program's word: its padding queries and keys out, so that every test below reads real ones)
+            cells = np.broadcast_to(cells, (max(real.shape[0], cells.shape[0]), *cells.shape[1:])) \
+                & real[:, None, own, None] & real[:, None, None, :]
         planes = cells.reshape(-1, q_len, k_len)
         run = _next_run(planes, q_len, k_len)
-        rows = _real_rows(cells, own, rows)  # (its padding rows may see every key)
         # a slip of a causal mask (one key off, the wrong way round) reaches the keys right after the query; keys seen
         # only further on, past one the query does not see, are another stream's (BD3-LM's noised block over the
         # clean copy of the sequence laid after it), which no slip of a triangle makes
@@ -159,41 +178,19 @@ def later(call, stored: dict, structure, real: np.ndarray | None = None) -> list
                     "a causal mask with an off-by-one, or one read the wrong way round?")]
 
 
-def restate(run, groups) -> None:
-    """Each group's sees-later judged again where the model call states which of the call's keys are padding
-    (checks/real.py stated: its attention_mask, lengths, ...), every call of the group alike: gone where only padding
-    queries see later keys (a padding row's output is never used, whatever it sees: a left-padded row's last padding
-    query over the real keys after it, at GPT-2's -1e4), and for a mask no expression names, judged on the real queries
-    alone (the runs of later keys that padding rows see say nothing of a causal mask's slip)."""
-    from maskcli.checks.context import keep
+def stated_tokens(run, calls: list) -> np.ndarray | None:
+    """Bool (B, Lk): the tokens of a trace group's keys (calls that share mask and shape) the model call states real
+    (checks/real.py stated: its attention_mask, lengths, ...), every call's model call stating the same; None where one
+    states none, or the group attends across (its queries' tokens are no keys of it)."""
     from maskcli.checks.real import stated
 
-    for group in groups:
-        at = next((i for i, f in enumerate(group.findings) if f.code == "sees-later"), None)
-        if at is None or not group.calls:
-            continue
-        first = group.calls[0]
-        rows, _, q_len, k_len = first.shape
-        cells = keep(first) if q_len <= k_len and not cross(first) else None
-        if cells is None:
-            continue
-        said = [stated(run.top(call), rows, k_len) for call in group.calls]  # (a group's calls share mask and shape)
-        if any(s is None for s in said) or any(not np.array_equal(s[0], said[0][0]) for s in said[1:]):
-            continue
-        own = k_len - q_len + np.arange(q_len)  # (placed as `later` places them)
-        real = said[0][0][:, own]  # (B, Lq): queries whose own token the model call states real
-        cells = np.broadcast_to(cells, (max(rows, cells.shape[0]), *cells.shape[1:]))
-        seen = (cells.any(axis=1) & (np.arange(k_len)[None, None, :] > own[None, :, None])).any(axis=-1)  # (B, Lq)
-        if not (seen & real).any():
-            new = []
-        elif group.expression is None:
-            new = later(first, first.stored, _UNNAMED, real=real)
-        else:
-            continue
-        group.findings[at:at + 1] = new
-
-
-_UNNAMED = SimpleNamespace(kind=None, expression=None)
+    if run is None or not calls or cross(calls[0]):
+        return None
+    rows, _, _, k_len = calls[0].shape
+    said = [stated(run.top(call), rows, k_len) for call in calls]
+    if any(s is None for s in said) or any(not np.array_equal(s[0], said[0][0]) for s in said[1:]):
+        return None
+    return said[0][0]
 
 
 def _slip(cells: np.ndarray, run: np.ndarray, k_len: int) -> bool:
@@ -209,13 +206,33 @@ def _slip(cells: np.ndarray, run: np.ndarray, k_len: int) -> bool:
     return bool((run_end[has] == np.broadcast_to(last[:, None], has.shape)[has]).all())
 
 
-def _real_rows(cells: np.ndarray, own: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """The query rows of `rows` that see a later key in some batch row where they are a real query (checks/real.py): the
-    padding rows of a left-padded batch that Hugging Face's SDPA path lets see every key are not a causal mask's slip.
-    Nor is a row that sees every key while the other rows of its batch row do not and whose own key no query after it
-    sees, in a batch of one row too: a padding row left unmasked, as GPT-2's -1e4 leaves the last one of a left-padded
-    row (its keys all -1e4 or near it); a causal mask one key off has such a full row too, whose key the next row sees."""
-    from maskcli.checks.real import by_row, read_off
+def past_the_keys(run, calls: list) -> bool:
+    """Every call of a trace group (calls that share mask and shape) is made by a model call that states its first
+    query's position (context.STARTS: start_pos, query_offset, ...) at or past the call's last key: its queries' own
+    tokens are no keys of it (an MTP drafter's queries over the target's cache, a block that attends to a cache it is
+    not written into), so every key precedes every query, and no placement among the keys (bottom-right, or top-left
+    at a static cache's start) is where the program says they sit."""
+    from maskcli.checks.context import STARTS
+
+    if run is None or not calls:
+        return False
+    k_len = calls[0].shape[3]
+    for call in calls:
+        top = run.top(call)
+        given = {} if top is None else top.arguments
+        if not any(isinstance(given.get(name), int) and given[name] >= k_len for name in STARTS):
+            return False
+    return True
+
+
+def _read_queries(cells: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """Bool (B, Lq): the real queries of keep cells (b, h, Lq, Lk) read off them where the model call states none
+    (checks/real.py read_off): the padding rows of a left-padded batch that Hugging Face's SDPA path lets see every key
+    are not real. Nor is a row that sees every key while the other rows of its batch row do not and whose own key no
+    query after it sees, in a batch of one row too: a padding row left unmasked, as GPT-2's -1e4 leaves the last one of
+    a left-padded row (its keys all -1e4 or near it); a causal mask one key off has such a full row too, whose key the
+    next row sees."""
+    from maskcli.checks.real import read_off
 
     planes = by_row(cells)
     q_len, k_len = planes.shape[1:]
@@ -225,8 +242,7 @@ def _real_rows(cells: np.ndarray, own: np.ndarray, rows: np.ndarray) -> np.ndarr
         column = planes[:, :, np.clip(own, 0, k_len - 1)]  # (B, row r, query q): r sees q's own key
         full &= ~np.tril(column, k=-1).any(axis=1) & (own >= 0)[None, :]  # (no row after q sees it)
     real = read_off(planes, own)[1] if planes.shape[0] > 1 else np.ones_like(full)
-    later = (planes & (np.arange(k_len)[None, None, :] > own[None, :, None])).any(axis=-1)  # (B, Lq)
-    return np.flatnonzero((later & real & ~full).any(axis=0))
+    return real & ~full
 
 
 def _next_run(cells: np.ndarray, q_len: int, k_len: int) -> np.ndarray:

@@ -5,12 +5,17 @@ trace/after.py follows each recorded softmax's output; a fill of -inf (or at mos
 states there which keys it means to mask; the softmax had already spread the row's weight over them, so the rest
 of the row does not sum to 1, and a weighted sum over weights of -inf is -inf or NaN. That contradiction is the
 program's own: wrong. A fill of 0 after the softmax (WeNet's rows with no key) is not this (after.py's zeroed_after).
+
+A fill of 0 after the softmax made out of place and never read (`attn.masked_fill(rows, 0.)` on a line of its own)
+states which rows the program means to have no weight; the product with the values reads the softmax's own weights,
+so those rows still attend (uniform over every key where all are masked with a finite fill, NaN with -inf): the
+program's statement and the weights it uses disagree, wrong (zeroing-lost; trace/after.py's `zeroed_unused`).
 """
 
 from __future__ import annotations
 
 from maskcli.checks.registry import Rule
-from maskcli.text import Finding
+from maskcli.text import Finding, spans
 
 
 def filled_after(run) -> list:
@@ -32,7 +37,37 @@ def filled_after(run) -> list:
     return found
 
 
+def zeroing_lost(run) -> list:
+    """(call, Finding) for each call site whose rows the program zeroed after the softmax in a copy it never read."""
+    found, done = [], set()
+    for call in [*run.calls, *getattr(run, "cross", ()), *getattr(run, "unmasked", ())]:
+        lost = call.details.get("zeroed_unused")
+        if not lost or call.where in done:
+            continue
+        done.add(call.where)
+        b_len, h_len, q_len = call.shape[0], call.shape[1], call.shape[2]
+        rows = sorted({int(i) % q_len for i in lost.get("rows") or ()})
+        batch = sorted({int(i) // (h_len * q_len) for i in lost.get("rows") or ()}) if b_len > 1 else [0]
+        found.append((call, Finding("zeroing-lost", (
+            f"the program zeroes the weights of query rows {spans(rows)} (batch rows {spans(batch)}) after the softmax "
+            f"with an out-of-place masked_fill whose result is never used: the product with the values reads the "
+            f"softmax's own weights, so those rows still attend ({_what(call)}); assign it "
+            "(`attn = attn.masked_fill(...)`) or use masked_fill_"),
+            expected="those query rows' weights 0, as the program's masked_fill states",
+            source="masked_fill(weights, rows, 0) after the softmax, its result dropped")))
+    return found
+
+
+def _what(call) -> str:
+    if call.details.get("fill") == "-inf" and call.details.get("nan_rows"):
+        return "NaN where a row's every key is -inf"
+    return "a row whose every key is masked spreads its weight over all of them, the keys it masks included"
+
+
 RULES = (
+    Rule("zeroing-lost", "wrong", "call", "rows a program zeroes after the softmax in an out-of-place masked_fill "
+         "whose result is dropped, so the weights the values are read with are the softmax's (flamingo-pytorch 10913ab)",
+         zeroing_lost),
     Rule("masked-after-softmax", "wrong", "call", "a mask (-inf fill) written into a softmax's weights after the "
          "softmax instead of into its scores before it", filled_after),
 )

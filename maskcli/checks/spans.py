@@ -181,6 +181,33 @@ def _image_ids_stated(top) -> bool:
                for one in getattr(top, "stated", ()) or ())
 
 
+GEMMA4 = re.compile(r"gemma[-_ ]?4", re.IGNORECASE)
+
+
+def _images_causal(top) -> tuple[int, str] | None:
+    """(image token id, where stated) of a Gemma 4 config of the program's own whose `use_bidirectional_attention` is
+    None (intent.py's bidirectional_unset): transformers' Gemma 4 runs its image tokens causal then, so no span is
+    bidirectional. Gemma 4 as the config names it (its model_type, its class) or the module holding it (its class)."""
+    for one in getattr(top, "stated", ()) or ():
+        unset = one.fields.get("bidirectional_unset")
+        if isinstance(unset, dict) and GEMMA4.search(f"{unset.get('model', '')} {one.source}"):
+            return unset["image_token_id"], one.source
+    return None
+
+
+def _by_causal_images(call, top) -> tuple[Family, np.ndarray] | None:
+    """The image runs of a Gemma 4 whose config leaves use_bidirectional_attention None: spans no layer makes
+    bidirectional (layers "none"), so an image token that sees a later one contradicts the config."""
+    found = _images_causal(top)
+    ids = top.arguments.get("input_ids")
+    if isinstance(ids, np.ndarray) and ids.ndim == 1 and call.shape[0] == 1:
+        ids = ids[None, :]
+    if found is None or not isinstance(ids, np.ndarray) or ids.ndim != 2 or not (ids == found[0]).any():
+        return None
+    argument = f"use_bidirectional_attention=None ({found[1]}, a Gemma 4 with image_token_id={found[0]})"
+    return Family(argument, None, "image", "text", "none"), runs(ids == found[0])
+
+
 def _by_image_id(run: Run, call, top) -> tuple[Family, np.ndarray] | None:
     """Gemma 4's image spans where no transformers config names the family: the stated intent (a config of the
     program's own, its text config's `use_bidirectional_attention="vision"` beside the `image_token_id` it states:
@@ -202,7 +229,7 @@ def _by_image_id(run: Run, call, top) -> tuple[Family, np.ndarray] | None:
 def _spanned(run: Run):
     """(call, its model call, family, block ids, query positions) for each call whose later keys the token types judge."""
     if not any(_model_type(top.config) in FAMILIES or any(name in top.arguments for name in (*PREFIX, *IMAGES))
-               or _image_ids_stated(top) for top in run.tops):
+               or _image_ids_stated(top) or _images_causal(top) for top in run.tops):
         return  # no model call of the run gives spans (most runs stop here)
     shown = _shown_both_ways(run)
     for call in run.calls:
@@ -210,6 +237,8 @@ def _spanned(run: Run):
         family = _family(top, call.shape[0], _length(top, call))
         if family is None and top is not None and top.config is None and _image_ids_stated(top):
             family = _by_image_id(run, call, top)
+        elif family is None and top is not None and _images_causal(top):  # (a config of its own: never transformers')
+            family = _by_causal_images(call, top)
         if family is None or call.stored is None or any(word in (call.where or "").split(".") for word in TOWERS):
             continue
         family, ids = family

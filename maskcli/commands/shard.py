@@ -87,8 +87,9 @@ def shard(
         raise typer.Exit(1)
 
 
-def _batch(expressions: list[str]) -> tuple[list[str], str | None]:
-    """The EXPRs, less the one that names a file: a packed BATCH (as pack reads it), its documents as document(...)."""
+def _batch(expressions: list[str]):
+    """The EXPRs, less the one that names a file: a packed BATCH (as pack reads it), its documents as a term
+    (`document` bound to their sizes: and-ed into each mask as it is, never written to be parsed back)."""
     import os
 
     batches = [text for text in expressions if os.path.isfile(text)]
@@ -96,25 +97,25 @@ def _batch(expressions: list[str]) -> tuple[list[str], str | None]:
         return expressions, None
     if len(batches) > 1:
         raise MaskError(f"give one BATCH file, not {len(batches)} ({', '.join(map(repr, batches))}): a layout splits one sequence")
-    from maskcli.pack.boundaries import document_sizes
-    from maskcli.sources import registry
+    from maskcli.sources import packed, registry
 
-    sizes = document_sizes(registry.read("packed", batches[0]), f"BATCH {batches[0]!r}")
-    return [text for text in expressions if text != batches[0]], f"document(sizes=[{','.join(map(str, sizes.tolist()))}])"
+    where = f"BATCH {batches[0]!r}"
+    return [text for text in expressions if text != batches[0]], packed.sequence(registry.read("packed", batches[0]), where)
 
 
 def _masks(expressions: list[str], options: MaskOptions, model: str | None, load) -> list[tuple[str, object]]:
     """(label, Mask) per layer type: the EXPRs, the --mask files, or --model's layer types (and-ed with one EXPR); a
-    BATCH's documents are and-ed into each."""
+    BATCH's documents are and-ed into each. The documents and the layer types are terms, placed with the EXPR's
+    (`load`'s before and after); only what the user typed is parsed."""
     files = list(options.mask_file or [])
     one = replace(options, mask_file=None)
     expressions, documents = _batch(expressions)
-    if documents is not None:
-        if files:
-            raise MaskError("a BATCH gives the documents of the EXPRs or --model's layer types: give no --mask with it")
-        if model is None:
-            return [(text, load(f"{documents} & ({text})", one)) for text in expressions] or [(documents, load(documents, one))]
-        expressions = [f"{documents} & ({expressions[0]})" if expressions else documents] + expressions[1:]
+    if documents is not None and files:
+        raise MaskError("a BATCH gives the documents of the EXPRs or --model's layer types: give no --mask with it")
+    if documents is not None and model is None:
+        from maskcli.terms import text as named
+
+        return [(text, load(text, one, before=documents)) for text in expressions] or [(named(documents), load(None, one, before=documents))]
     if model is not None:
         from maskcli.hf import require
 
@@ -122,15 +123,15 @@ def _masks(expressions: list[str], options: MaskOptions, model: str | None, load
             require()
         except MaskError:
             raise MaskError('--model reads a family\'s config with transformers, which is not installed: pip install "maskcli[hf]"') from None
-        from maskcli.hf.layers import expression, layer_masks
+        from maskcli.hf.layers import bound, layer_masks
 
         if files or len(expressions) > 1:
             raise MaskError("--model gives one mask per layer type: add at most one EXPR (and-ed into each, like a document(...) mask), and no --mask")
         found, _, skipped = layer_masks(model, missing="error")
         if not found:
             raise MaskError(f"{model}: none of its layer types ({', '.join(skipped)}) holds an attention mask to shard")
-        extra = f"({expressions[0]}) & " if expressions else ""
-        return [(kind, load(extra + expression(mask), one)) for kind, mask in found.items()]
+        extra = expressions[0] if expressions else None
+        return [(kind, load(extra, one, before=documents, after=bound(mask))) for kind, mask in found.items()]
     if not expressions and not files:
         raise MaskError("give a mask: an expression like \"causal & window(4096)\", --mask FILE, or --model FAMILY")
     masks = [(text, load(text, one)) for text in expressions]

@@ -44,7 +44,22 @@ def layer_masks(source: str, missing: str = "full") -> tuple[dict[str, tuple[str
     return masks, types, skipped
 
 
-def expression(mask: tuple[str, int | None]) -> str:
-    """A layer type's mask, ("full", None) | ("window", W) | ("chunk", C), as a maskcli expression."""
+def bound(mask: tuple[str, int | None]):
+    """A layer type's mask, ("full", None) | ("window", W) | ("chunk", C), as terms bound to their kinds (causal,
+    causal & window(W), local(C)): and-ed into a Mask as they are (mask.build's after), nothing parsed."""
+    from maskcli import expression as ex
+    from maskcli import terms
+    from maskcli.kinds import get as get_kind
+
     what, size = mask
-    return {"full": "causal", "window": f"causal & window({size})", "chunk": f"local({size})"}[what]
+    causal = terms.bound(get_kind("causal"), {})
+    if what == "window":
+        return ex.both(causal, terms.bound(get_kind("window"), {"window": size}))
+    return terms.bound(get_kind("local"), {"chunk_size": size}) if what == "chunk" else causal
+
+
+def expression(mask: tuple[str, int | None]) -> str:
+    """A layer type's mask as a maskcli expression, to be shown: its terms' text."""
+    from maskcli import terms
+
+    return terms.text(bound(mask))

@@ -54,7 +54,8 @@ def view(run) -> View:
     from maskcli.checks.engine import apply
     from maskcli.trace.report import group
 
-    groups = apply(group(run.calls), Run(run.calls, getattr(run.trace, "tops", [])))
+    checked = Run(run.calls, getattr(run.trace, "tops", []))
+    groups = apply(group(run.calls, run=checked), checked)
     numbers = {call.index: number for number, g in enumerate(groups) for call in g.calls}
     types = list(dict.fromkeys(run.types))
     layers = {kind: [i for i, t in enumerate(run.types) if t == kind] for kind in types}

@@ -5,18 +5,22 @@ Each kind reads its candidate parameters off the tensor's profile, once per plac
 bound to their kinds in one call (`terms.bound_each`). `table` groups the candidates by the options that place them:
 each group's positions are resolved once (`placing`: a Frame, and its key padding's intervals), its candidates'
 intervals are made in one call (`terms.placed_each`), and `matching` compares every candidate with the tensor's own
-runs (`runs`, read once) in one pass: one stack of intervals, a batch row per candidate. No Mask is made here:
-structure.py builds one for the candidate it names.
+runs (`runs`, read once) in one pass: one stack of intervals, a batch row per candidate. Before that, a candidate
+whose kinds declare something the tensor lacks at its positions (`lacking`, read once per placement: a later key
+seen, a query that does not see itself or position 0) is ruled out and never made (`ruled_out`). No Mask is made
+here: structure.py builds one for the candidate it names.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 
 from maskcli.batchdata import pad_side, padding, with_padding
 from maskcli.errors import MaskError
+from maskcli.expression import And, Or
 from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
 from maskcli.kinds import all_kinds
 from maskcli.kinds import get as get_kind
@@ -31,6 +35,7 @@ MAX_LABELS = 4096  # label kinds are read off masks up to this long; longer labe
 PLACING = {"length", "offset", "kv_len", "heads"}  # options that only say where the queries sit (and the heads)
 PADDING = {"lengths", "pad", "ids", "pad_id"}  # the key padding recognition reads off a tensor (keypadding.options)
 REFUSED = "refused"
+RULED_OUT = "ruled out"  # its kinds' declarations say it cannot make the tensor's cells (`ruled_out`)
 
 
 def bare(name: str) -> Term:
@@ -41,25 +46,27 @@ def bare(name: str) -> Term:
 def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile:
     """What the kinds read candidates from: first and last visible key per row, in absolute positions."""
     q_len, k_len = ref.shape
-    positions = np.arange(k_start, k_start + k_len)
+    seen = ref.any(axis=1)  # argmax of the bool rows, not a min over an int64 copy of every cell (L^2 x 8 bytes)
     return Profile(
         q=np.arange(q_start, q_start + q_len),
-        first=np.where(ref, positions, k_start + k_len).min(axis=1),
-        last=np.where(ref, positions, k_start - 1).max(axis=1),
-        seen=ref.any(axis=1),
+        first=np.where(seen, ref.argmax(axis=1), k_len) + k_start,
+        last=np.where(seen, k_len - 1 - ref[:, ::-1].argmax(axis=1), -1) + k_start,
+        seen=seen,
         k_start=k_start,
         k_end=k_start + k_len,
         marked=marked,
     )
 
 
-def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str) -> list[tuple[str, Term, dict]]:
+def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str, base: Profile | None = None) -> list[tuple[str, Term, dict]]:
     """(kind name, Term, options) read off one (Lq, Lk) keep matrix: simplest kind first, and for each kind the
     queries at the end of the keys (as a cache puts them) before top-left. A value a kind refuses (as a typed one
-    would be) is no candidate."""
+    would be) is no candidate. `base`: the matrix's profile with its queries from 0 where the caller has it (each
+    placement moves only its queries: the rows are read once)."""
     read = []  # (rank, placement, kind, its values, options)
+    base = profile(ref, 0, 0, marked) if base is None else base
     for order, (options, q_start) in enumerate(placements):
-        seen = profile(ref, q_start, 0, marked)
+        seen = base if q_start == 0 else replace(base, q=base.q + q_start)
         for kind in all_kinds():
             if kind.recognise is not None:
                 read += [(kind.rank, order, kind, params, options) for params in kind.recognise(seen)]
@@ -105,11 +112,12 @@ def placing(options: dict):
         return None
 
 
-def table(listed: list[tuple[object, dict]]) -> list:
+def table(listed: list[tuple[object, dict]], rows: Intervals | None = None) -> list:
     """For each (tree of terms, options): (frame, its key intervals (1, Lq, K), the key padding cut on) as
     mask.placed would place it, with no Mask; REFUSED where placed refuses it (a size its labels, its draft tree,
     its sinks or its padding do not fit); None where the terms cannot say alone (`placing`'s, intervals not few,
-    several batch rows). The candidates placed alike are placed once and made in one call."""
+    several batch rows). The candidates placed alike are placed once and made in one call. Given the tensor's
+    `rows` (`runs`), a candidate its kinds rule out at its positions (`ruled_out`) is RULED_OUT, never made."""
     found: list = [None] * len(listed)
     groups: dict[tuple, list[int]] = {}
     for i, (_, options) in enumerate(listed):
@@ -121,12 +129,51 @@ def table(listed: list[tuple[object, dict]]) -> list:
                 found[i] = place
             continue
         frame, cut = place
+        if rows is not None and rows.starts.shape[1] == frame.q_len:
+            lacks = lacking(rows, frame, cut is None)  # once per placement: every candidate placed so reads it
+            for i in [i for i in members if ruled_out(listed[i][0], lacks)]:
+                found[i] = RULED_OUT
+            members = [i for i in members if found[i] is None]
         for i, got in zip(members, placed_each([listed[i][0] for i in members], frame)):
             if isinstance(got, MaskError):
                 found[i] = REFUSED
             elif got is not None and got.shape[0] == 1:
                 found[i] = (frame, got, cut)
     return found
+
+
+def lacking(rows: Intervals, frame: Frame, uncut: bool) -> frozenset[str]:
+    """What the tensor's cells (`rows`, keys from 0) lack with its queries at `frame`'s positions, in the words of
+    the kinds' declarations: "causal" where some query sees a later key; "sees_own" and "sees_first" where some query
+    does not see its own position, or position 0 (asked only `uncut`: key padding may cut either, and only where they
+    are keys)."""
+    starts, ends = rows.starts[0], rows.ends[0]  # (Lq, K): empty intervals are [k_end, k_end)
+    q = np.arange(frame.q_start, frame.q_end, dtype=np.int64)[:, None]
+    lacks = set()
+    if ((ends > starts) & (ends - 1 > q)).any():
+        lacks.add("causal")
+    if uncut and frame.k_start == 0 and frame.k_len > 0:
+        if frame.q_end <= frame.k_end and not ((starts <= q) & (q < ends)).any(axis=1).all():
+            lacks.add("sees_own")
+        if not ((starts <= 0) & (0 < ends)).any(axis=1).all():
+            lacks.add("sees_first")
+    return frozenset(lacks)
+
+
+def ruled_out(tree, lacks: frozenset[str]) -> bool:
+    """Whether the tree's masks all hold something the tensor lacks (`lacking`), whatever their parameters, read off
+    its kinds' declarations (Kind.causal, sees_own, sees_first): an And holds what one of its items holds (causal)
+    or all do (sees_*), an Or the reverse; a negation is held to nothing."""
+    return any(_holds(tree, fact) for fact in lacks)
+
+
+def _holds(tree, fact: str) -> bool:
+    if isinstance(tree, Term):
+        return getattr(tree.kind, fact)
+    if isinstance(tree, (And, Or)):
+        joined = any if isinstance(tree, And) == (fact == "causal") else all
+        return joined(_holds(item, fact) for item in tree.items)
+    return False
 
 
 def on_terms(tree, options: dict):
@@ -146,9 +193,9 @@ def matching(listed: list[tuple[object, dict]], shape: tuple[int, int], rows: In
     compared in one pass: one stack of intervals, a batch row per candidate, cut by its key padding."""
     verdicts: list[bool | None] = []
     compared = []  # (index, frame, intervals, cut)
-    for i, seen in enumerate(table(listed)):
-        verdicts.append(False if seen == REFUSED else None)
-        if seen is not None and seen != REFUSED:
+    for i, seen in enumerate(table(listed, rows)):
+        verdicts.append(False if seen in (REFUSED, RULED_OUT) else None)
+        if seen is not None and seen not in (REFUSED, RULED_OUT):
             frame, got, cut = seen
             if (frame.q_len, frame.k_len) != shape:
                 verdicts[i] = False

@@ -268,7 +268,8 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         alone = found("padding", bare("padding"), {**base, **padding})  # (not sink(n) or prefix(n), the same cells by chance)
         if alone is not None:
             return alone
-    read = candidates(ref, placements, marked)  # once: the placements read the same with and without the padding
+    rows_read = profile(ref, 0, 0, marked)  # once: each placement, and the composites, read it
+    read = candidates(ref, placements, marked, rows_read)  # once: the placements read the same with and without the padding
     for extra in [{}] if padding is None else [{}, padding]:
         if extra:
             alone = found("padding", bare("padding"), {**base, **extra})
@@ -278,7 +279,7 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         if structure is None and q_len == k_len and k_len <= MAX_LABELS:  # then masks of two kinds
             from maskcli.inspect.composite import composites
 
-            structure = first([(kind, tree, {"length": q_len, **extra}) for kind, tree in composites(profile(ref, 0, 0, marked), ref)])
+            structure = first([(kind, tree, {"length": q_len, **extra}) for kind, tree in composites(rows_read, ref)])
         if structure is not None:
             return structure
     if key_padding and heads == 1 and batch == 1 and q_len != k_len:  # a square one is (L, L): B == S would be a coincidence

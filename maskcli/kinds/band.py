@@ -11,7 +11,7 @@ from maskcli.kinds.base import Kind, Param, Profile, column, one_interval
 
 
 def _band_intervals(p, frame):
-    q = column(frame.q_positions())
+    q = column(frame.q_positions)
     return one_interval(frame, q - p["window"] + 1, q + p["window"])
 
 
@@ -51,5 +51,6 @@ KINDS = (
         why=_band_why,
         rank=7,
         recognise=_band_candidates,
+        sees_own=True,
     ),
 )

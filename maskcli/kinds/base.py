@@ -143,6 +143,10 @@ class Kind:
     sequence: Callable[[dict], int | None] | None = None  # the sequence length its parameters fix
     queries: Callable[[dict], int | None] | None = None  # the number of queries its parameters fix
     causal: bool = False  # no query sees a later key, whatever the parameters
+    # every query sees its own position / position 0 where they are keys and no padding cuts them, whatever the
+    # parameters: recognition rules the kind out of a tensor with a row that does not, before making its intervals
+    sees_own: bool = False
+    sees_first: bool = False
     options: str = ""  # extra command-line options in the example (`--len 8`)
     aliases: tuple[str, ...] = field(default=())
     frame_data: bool = False  # reads the frame's batch data (padding), not only positions

@@ -22,7 +22,7 @@ def _full_predicate(p, frame, device):
 
 
 def _causal_intervals(p, frame):
-    return one_interval(frame, frame.k_start, column(frame.q_positions() + 1))
+    return one_interval(frame, frame.k_start, column(frame.q_positions + 1))
 
 
 def _causal_predicate(p, frame, device):
@@ -37,12 +37,12 @@ def _causal_candidates(profile: Profile):
 
 
 def _tril_intervals(p, frame):
-    ones = one_interval(frame, frame.k_start, column(frame.q_positions() + p["diagonal"] + 1))
+    ones = one_interval(frame, frame.k_start, column(frame.q_positions + p["diagonal"] + 1))
     return ones if p["means"] == "keep" else ~ones
 
 
 def _triu_intervals(p, frame):
-    ones = one_interval(frame, column(frame.q_positions() + p["diagonal"]), frame.k_end)
+    ones = one_interval(frame, column(frame.q_positions + p["diagonal"]), frame.k_end)
     return ones if p["means"] == "keep" else ~ones
 
 
@@ -138,6 +138,8 @@ KINDS = (
         rank=0,
         recognise=lambda profile: iter([{}]),
         aliases=("bidirectional",),  # Hugging Face's name (bidirectional_mask_function, create_bidirectional_mask)
+        sees_own=True,
+        sees_first=True,
     ),
     Kind(
         name="causal",
@@ -152,6 +154,8 @@ KINDS = (
         recognise=_causal_candidates,
         causal=True,
         aliases=("prefill",),
+        sees_own=True,
+        sees_first=True,
     ),
     Kind(
         name="tril",

@@ -25,7 +25,7 @@ def same_label(labels: np.ndarray, frame, what: str, skip_negative: bool = False
     `skip_negative` leaves out labels below 0 (block ids' -1, "no block"): their queries get no
     interval here, however often they come back.
     """
-    q = frame.q_positions()
+    q = frame.q_positions
     rows, n = labels.shape
     flat = labels.reshape(-1)
     # runs over every batch row at once (a row's first position always starts a run): 1M rows are one pass
@@ -138,7 +138,7 @@ class LabelCounts:
             if self.valid is not None:
                 weight &= self.valid[b if self.valid.shape[0] > 1 else 0]
             groups, group = np.unique(labels, return_inverse=True)
-            q = f.q_positions()
+            q = f.q_positions
             through = None
             if self.causal:  # keys of its label at or before each position, by a running sum within each label
                 order = np.argsort(group, kind="stable")
@@ -155,7 +155,7 @@ class LabelCounts:
     def keys_below(self, b: int, positions):
         """For ascending key positions, yield int64 (Lq,): per query row of batch row b, its visible keys before each."""
         group, weight, group_q, through, seen, count = self._row(b)
-        q = self.frame.q_positions()
+        q = self.frame.q_positions
         so_far = np.zeros(count, dtype=np.int64)  # per label: the keys that count before `done`
         done = 0
         for x in positions:
@@ -175,7 +175,7 @@ def _segment_intervals(p, frame):
 
 
 def _document_intervals(p, frame):
-    causal = one_interval(frame, frame.k_start, column(frame.q_positions() + 1))
+    causal = one_interval(frame, frame.k_start, column(frame.q_positions + 1))
     return same_label(p["labels"].array, frame, "document labels") & causal
 
 
@@ -192,7 +192,7 @@ def _chunk_intervals(p, frame):
     if down.any():
         row, position = (int(i) for i in np.argwhere(down)[0])
         raise NotFew(f"chunk labels go down at position {position + 1} ({labels[row, position]} then {labels[row, position + 1]})")
-    q = frame.q_positions()
+    q = frame.q_positions
     # labels that never go down: the keys whose label is at most the query's are one prefix
     ends = np.stack([np.searchsorted(row, row[q], side="right") for row in labels])
     return Intervals.of(np.int64(0), ends[:, :, None], frame.k_start, frame.k_end)
@@ -320,6 +320,7 @@ KINDS = (
         recognise=_chunk_candidates,
         check=_chunk_check,
         sequence=_sequence,
+        sees_own=True,
     ),
     Kind(
         name="document",
@@ -336,6 +337,7 @@ KINDS = (
         sequence=_sequence,
         documents=True,
         causal=True,
+        sees_own=True,
     ),
     Kind(
         name="segment",
@@ -351,6 +353,7 @@ KINDS = (
         recognise=_document_candidates,
         sequence=_sequence,
         documents=True,
+        sees_own=True,
     ),
     Kind(
         name="blocks",

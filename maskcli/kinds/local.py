@@ -11,7 +11,7 @@ from maskcli.kinds.labels import at_position, position_table, run_start, run_sta
 
 
 def _window_intervals(p, frame):
-    q = column(frame.q_positions())
+    q = column(frame.q_positions)
     return one_interval(frame, q - p["window"] + 1, q + 1)
 
 
@@ -40,7 +40,7 @@ def _window_candidates(profile: Profile):
 
 
 def _lookback_intervals(p, frame):
-    q = column(frame.q_positions())
+    q = column(frame.q_positions)
     return one_interval(frame, q - p["window"] + 1, frame.k_end)
 
 
@@ -72,7 +72,7 @@ def _sink_why(p, frame, b, q, kv):
 
 
 def _prefix_intervals(p, frame):
-    return one_interval(frame, frame.k_start, column(np.maximum(frame.q_positions() + 1, p["prefix"])))
+    return one_interval(frame, frame.k_start, column(np.maximum(frame.q_positions + 1, p["prefix"])))
 
 
 def _prefix_predicate(p, frame, device):
@@ -139,7 +139,7 @@ def _local_why(p, frame, b, q, kv):
 
 
 def _local_intervals(p, frame):
-    q = frame.q_positions()
+    q = frame.q_positions
     return one_interval(frame, chunk_starts(p, frame, q)[:, :, None], column(q + 1))
 
 
@@ -201,6 +201,7 @@ KINDS = (
         rank=2,
         recognise=_window_candidates,
         causal=True,
+        sees_own=True,
     ),
     Kind(
         name="lookback",
@@ -213,6 +214,7 @@ KINDS = (
         predicate=_lookback_predicate,
         why=_lookback_why,
         rank=6,  # its cells are triu(1 - W, means=keep), which inspect names: nothing more to recognise
+        sees_own=True,
     ),
     Kind(
         name="prefix",
@@ -226,6 +228,8 @@ KINDS = (
         rank=3,
         recognise=_prefix_candidates,
         check=_prefix_check,
+        sees_own=True,
+        sees_first=True,
     ),
     Kind(
         name="sink",
@@ -239,6 +243,7 @@ KINDS = (
         rank=4,
         recognise=_sink_candidates,
         check=_sink_check,
+        sees_first=True,
     ),
     Kind(
         name="local",
@@ -260,5 +265,6 @@ KINDS = (
         sequence=lambda p: None if p["documents"] is None else p["documents"].length,
         causal=True,
         frame_data=True,
+        sees_own=True,
     ),
 )

@@ -143,5 +143,6 @@ KINDS = (
         check=_check,
         queries=lambda p: p["parents"].length,
         causal=True,
+        sees_own=True,
     ),
 )

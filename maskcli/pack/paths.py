@@ -74,7 +74,9 @@ class Path:
     options: MaskOptions | None
     mask: Mask | None
     notes: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)  # findings about what the path does to the batch
+    # (the first token a sequence starts at, the position_id that starts one) where the path never computes the
+    # tokens before it: checks/packing.py's left-out says so
+    left_out: tuple[int, int] | None = None
     condition: str | None = None  # what its mask rests on that pack cannot see and nobody stated (a leak is then suspicious)
 
     @property
@@ -298,10 +300,7 @@ def hf_flash(batch: Batch, fields: dict[str, bd.Boundaries], model: Model) -> Pa
                 return path
             # prepare_fa_kwargs_from_position_ids: cu_seq_lens_q = [indices where position_ids == min, total], so the
             # tokens before the first minimum are in no sequence and flash_attn_varlen_func computes nothing for them.
-            return replace(path, problems=[
-                f"hf-flash leaves out token{'s' if first > 1 else ''} {'0' if first == 1 else f'0-{first - 1}'}: flash_attention_2 starts a "
-                f"sequence only where position_ids equal their minimum ({int(flat.min())}), and the first one is at token {first}, "
-                "so their attention output is never computed (start each document's position_ids at the same value)"])
+            return replace(path, left_out=(first, int(flat.min())))
         if batch.rows > 1 and _restarts(positions):
             notes.append("position_ids restart but are not read: flash_attention_2 reads packed position_ids only for one batch row")
     dropped = " (the all-ones attention_mask is dropped)" if "attention_mask" in f else ""

@@ -100,7 +100,7 @@ def expect(checked: list, pattern: str, expression: str) -> list[str]:
 def across(checked: list) -> tuple[list[tuple[str, list]], list[str]]:
     """((a layer group, serve's steps findings over its steps: skipped or repeated positions, earlier keys read from
     other pages) for each group of more than one step; notes on groups whose requests could not be followed)."""
-    from maskcli.checks.servesteps import steps
+    from maskcli.checks import registry
 
     groups: dict[int, list] = {}
     for c in checked:
@@ -112,7 +112,7 @@ def across(checked: list) -> tuple[list[tuple[str, list]], list[str]]:
             continue
         where = _where(members[0])
         try:
-            out.append((where, steps([c.batch for c in members], [f"vllm step {c.captured.step}" for c in members])))
+            out.append((where, registry.run("request-steps", [c.batch for c in members], [f"vllm step {c.captured.step}" for c in members])))
         except MaskError as error:
             notes.append(f"--api vllm: the steps of {where} were not followed across: {error}")
     return out, notes

@@ -7,9 +7,12 @@ from maskcli.mask import Mask, MaskOptions, build
 from maskcli.sources.base import Source
 
 
-def load(expression: str, options: MaskOptions, default_length: int | None = None, kinds: dict | None = None) -> Mask:
-    """The Mask the expression describes over the sizes the options give (`default_length` where they give none)."""
-    return build(expression, options, default_length=default_length, kinds=kinds)
+def load(expression: str | None, options: MaskOptions, default_length: int | None = None, kinds: dict | None = None,
+         before=None, after=None) -> Mask:
+    """The Mask the expression describes over the sizes the options give (`default_length` where they give none);
+    `before`, `after`: terms another source bound (a packed batch's documents, a config's layer type), and-ed around
+    it as they are (the expression None: they alone)."""
+    return build(expression, options, default_length=default_length, kinds=kinds, before=before, after=after)
 
 
 SOURCE = Source("expression", load)

@@ -37,6 +37,19 @@ def documents(batch: Batch, reference: str | None = None, where: str = "the batc
     return documents_mask("document", ref.starts, pad)  # made from the sizes: no text to parse
 
 
+def sequence(batch: Batch, where: str = "the batch"):
+    """`document` bound to the sizes of the documents of a batch of one row with no padding (what shard splits: the
+    real tokens of one sequence), as a term: and-ed into a mask as it is (mask.build's before), never written to be
+    parsed back."""
+    from maskcli import terms
+    from maskcli.kinds import get as get_kind
+    from maskcli.kinds.values import from_sizes
+    from maskcli.pack.boundaries import document_sizes
+
+    sizes = document_sizes(batch, where)
+    return terms.bound(get_kind("document"), {"labels": from_sizes([sizes], "document(sizes=...)")})
+
+
 def load(spec: str, options: MaskOptions | None = None, reference: str | None = None) -> Mask:
     """The Mask a BATCH file's documents imply (`documents`); the mask options do not apply: the batch says the
     sizes."""

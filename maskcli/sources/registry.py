@@ -48,10 +48,12 @@ def from_file(path: str, options: MaskOptions, flag: str = "--mask") -> Mask:
     return for_file(path, options).load(path, options, flag)
 
 
-def load(expression: str | None, options: MaskOptions, default_length: int | None = None) -> Mask:
+def load(expression: str | None, options: MaskOptions, default_length: int | None = None, before=None,
+         after=None) -> Mask:
     """The mask an expression, a --mask file or a --mask-mod describes (an expression may use the mask_mod's name),
-    viewed over the region --rows and --keys give."""
-    return region(_load(expression, options, default_length), options)
+    viewed over the region --rows and --keys give. `before`, `after`: terms another source bound (shard's packed
+    batch documents, --model's layer type), and-ed around the expression's (`mask.build`)."""
+    return region(_load(expression, options, default_length, before, after), options)
 
 
 def values(file: str, key: str | None, from_: str | None, work: tuple[float, str]) -> tuple:
@@ -78,7 +80,8 @@ def region(mask: Mask, options: MaskOptions) -> Mask:
     return mask.crop(parse_region(options.rows, "--rows"), parse_region(options.keys, "--keys"))
 
 
-def _load(expression: str | None, options: MaskOptions, default_length: int | None = None) -> Mask:
+def _load(expression: str | None, options: MaskOptions, default_length: int | None = None, before=None,
+          after=None) -> Mask:
     from maskcli.sources import usermod
 
     kinds = usermod.kinds(options.mask_mod, options.mask_mod_args)
@@ -91,8 +94,8 @@ def _load(expression: str | None, options: MaskOptions, default_length: int | No
     for flag, value in (("--key", options.key), ("--from", options.from_)):
         if value is not None:
             raise MaskError(f"{flag} {value} is for --mask FILE: give --mask too, or drop {flag}")
-    if expression is None:
+    if expression is None and before is None and after is None:  # with bound terms and no expression: they alone
         if not kinds:
             raise MaskError("give a mask: an expression like \"causal & window(3)\", --mask FILE, or --mask-mod FILE.py:NAME (maskcli kinds lists the kinds)")
         expression = next(iter(kinds))
-    return sources()["expression"].load(expression, options, default_length, kinds)
+    return sources()["expression"].load(expression, options, default_length, kinds, before, after)

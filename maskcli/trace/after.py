@@ -7,7 +7,15 @@ that broadcasts to it; the call's mask is then what the program computes, the so
 
 A masked_fill of those weights with 0 over every row that sees no key (WeNet's and ESPnet's
 `softmax(scores).masked_fill(mask, 0.0)`) zeroes the NaN a softmax of all -inf gives there: the call records it
-(details `zeroed_after`), so that no check says NaN of rows the program itself sets to 0.
+(details `zeroed_after`), so that no check says NaN of rows the program itself sets to 0. Where that fill is out of
+place (`attn.masked_fill(rows, 0.)`, its result never bound) and the product with the values then reads the softmax's
+own weights, the zeroing was lost (flamingo-pytorch 10913ab): the call records `zeroed_unused` (checks/softmaxed.py)
+and no longer `zeroed_after`.
+
+At each product a followed softmax output is the first operand of (weights @ v, einsum over the keys), the query rows
+whose weights are all finite but whose output holds NaN are recorded (details `nan_values`: flat (b, h, q) indices):
+the values carried NaN into rows that gave those keys weight 0 (vit-pytorch#26: the padding patches' NaN rows of the
+layer before, read here as values; checks/nans.py).
 
 A fill of -inf (or a finite fill at most -1e4) written into those weights (NISQA's `att[~mask] = -inf` after
 `softmax`) is a mask applied after the softmax: the softmax already gave those keys weight, and the weights now hold
@@ -23,6 +31,9 @@ import torch
 MULS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.mul_, torch.Tensor.__mul__, torch.Tensor.__rmul__,
                   torch.Tensor.__imul__})
 FILLS = frozenset({torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_})
+COPIES = frozenset({torch.masked_fill, torch.Tensor.masked_fill})  # (out of place: the weights stay as they were)
+PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm,
+                      torch.einsum})
 WRITES = frozenset({torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.index_put_})  # (in place: the weights
 # themselves hold the fill afterwards)
 FILL_AT_MOST = -1e4  # (a fill: as trace/masks.py reads one in scores)
@@ -34,6 +45,7 @@ class After:
 
     def __init__(self):
         self._found: dict[int, tuple] = {}
+        self._copied: dict[int, list] = {}  # id(weights) -> the rows an out-of-place masked_fill zeroed in a copy
 
     def note(self, out, call, seen) -> None:
         """Follow `out`, the weights of softmax `call` (read as `seen`)."""
@@ -44,19 +56,26 @@ class After:
             found.clear()
         key = id(out)
 
+        copied = self._copied
+        copied.pop(key, None)  # (an id a dead output had, now this one's)
+
         def gone(ref) -> None:
             if found.get(key, (None,))[0] is ref:
                 del found[key]
+                copied.pop(key, None)
 
         try:
             found[key] = (weakref.ref(out, gone), call, seen)
         except TypeError:
             pass
 
-    def after(self, trace, func, args: tuple) -> None:
+    def after(self, trace, func, args: tuple, out=None) -> None:
         """On a multiplication of a followed softmax output by a 0/1 tensor: that call's mask narrowed to it."""
         if func in FILLS:
-            self._filled(args)
+            self._filled(args, func in COPIES)
+            return
+        if func in PRODUCTS:
+            self._product(func, args, out)
             return
         if func in WRITES:
             self._written(args)
@@ -69,9 +88,10 @@ class After:
                 self._narrow(trace, mine, other, entry)
                 return
 
-    def _filled(self, args: tuple) -> None:
+    def _filled(self, args: tuple, copy: bool = False) -> None:
         """masked_fill(weights, where, 0) of a followed softmax output: its rows with no key zeroed, if all covered; with
-        a fill (-inf, at most -1e4) instead: a mask after the softmax (_record)."""
+        a fill (-inf, at most -1e4) instead: a mask after the softmax (_record). `copy`: out of place (the rows it
+        zeroes whole are remembered: a product that reads the weights themselves afterwards lost them, _product)."""
         if len(args) < 3 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor):
             return
         entry = self._found.get(id(args[0]))
@@ -94,10 +114,47 @@ class After:
                 where = args[1].to(torch.bool).broadcast_to(args[0].shape).reshape(seen.keep.shape)
             except RuntimeError:
                 return
+            if copy:
+                whole = where.all(dim=-1)  # (.., Lq): rows the copy zeroes whole
+                if bool(whole.any()):
+                    if len(self._copied) >= KEEP:
+                        self._copied.clear()
+                    self._copied[id(args[0])] = whole.reshape(-1).nonzero().flatten().tolist()[:4096]
             empty = ~seen.keep.any(dim=-1)  # (.., Lq): the rows a softmax of all -inf makes NaN
             if bool(empty.any()) and bool(where[empty].all()):
                 call.details["zeroed_after"] = True
                 seen.details["zeroed_after"] = True
+
+    def _product(self, func, args: tuple, out) -> None:
+        """weights @ values of a followed softmax output: rows the values turned NaN (`nan_values`), and rows an
+        out-of-place masked_fill zeroed in a copy the product does not read (`zeroed_unused`)."""
+        operands = args[1:] if func is torch.einsum else args
+        if func is torch.einsum and len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = operands[0]
+        if not operands or not isinstance(operands[0], torch.Tensor):
+            return
+        weights = operands[0]
+        entry = self._found.get(id(weights))
+        if entry is None or entry[0]() is not weights:
+            return
+        _, call, seen = entry
+        rows = self._copied.pop(id(weights), None)
+        if rows is not None:
+            lost = {"rows": rows, "cells": len(rows)}
+            for details in (call.details, seen.details):
+                details["zeroed_unused"] = lost
+                details.pop("zeroed_after", None)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape[:-1]) != tuple(weights.shape[:-1]) \
+                or not weights.is_floating_point() or weights.numel() != seen.keep.numel():
+            return
+        with torch.no_grad():
+            nan = torch.isnan(out).any(dim=-1)  # (.., Lq): the weights read only where the output has NaN at all
+            if not bool(nan.any()):
+                return
+            bad = nan & torch.isfinite(weights).all(dim=-1)
+            if bool(bad.any()):
+                flat = bad.reshape(-1).nonzero().flatten().tolist()[:4096]
+                call.details["nan_values"] = seen.details["nan_values"] = flat
 
     def _narrow(self, trace, out: torch.Tensor, other: torch.Tensor, entry: tuple) -> None:
         _, call, seen = entry

@@ -192,7 +192,7 @@ class Trace(Outer, Follow):
         from maskcli.checks.context import Run
         from maskcli.trace.report import group
 
-        return apply(group(self.calls), Run(self.calls, self.tops))
+        return apply(group(self.calls, run=(run := Run(self.calls, self.tops))), run)  # (the run's padding: rows.py)
 
     def report(self) -> str:
         """The grouped report as plain text, one line per group and one per finding."""
@@ -316,7 +316,7 @@ class Trace(Outer, Follow):
         first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
         if first is not None and not has_values(first):
             return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real
-        found = running(None, (walked := walk(sys._getframe(1))).calls)  # modules running, innermost first (walk.py)
+        found = running((frame := sys._getframe(1)), (walked := walk(frame)).calls)  # modules running (walk.py)
         self.busy = True
         sites = self.sites
         try:

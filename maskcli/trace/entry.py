@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from maskcli.trace.maskfacts import attention_bias
 from maskcli.trace.overflow import CASTS, may_overflow
 from maskcli.trace.patch import swap
-from maskcli.trace.scores import MATMULS
+from maskcli.trace.scores import MATMULS, per_graph
 
 compiling = torch.compiler.is_dynamo_compiling
 
@@ -32,8 +32,8 @@ compiling = torch.compiler.is_dynamo_compiling
 TENSOR = {"softmax": "softmax", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm", "baddbmm": "baddbmm",
           "to": "to", "half": "half", "bfloat16": "bfloat16", "type": "type", "type_as": "type_as",
           "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "__rsub__": "__rsub__",
-          "mul": "mul", "__mul__": "mul", "__rmul__": "mul"}
-TORCH = ("softmax", "matmul", "bmm", "baddbmm", "add", "sub", "mul")
+          "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "mm": "mm"}
+TORCH = ("softmax", "matmul", "bmm", "baddbmm", "add", "sub", "mul", "mm")
 CANONICAL: dict = {}  # a wrapper -> the function it stands for (what the mode is handed, while it is on, for a method)
 
 
@@ -86,8 +86,8 @@ def _wrapper(trace, original, stands_for, kind: str):
 
 
 def _product(args: tuple, kwargs: dict, out) -> bool:
-    """A product that may be q @ kᵀ (scores.py reads its operands)."""
-    return isinstance(out, torch.Tensor) and out.dim() >= 3
+    """A product that may be q @ kᵀ (scores.py reads its operands; a 2-D one of two tensors no parameter made)."""
+    return isinstance(out, torch.Tensor) and (out.dim() >= 3 or out.dim() == 2 and per_graph(args))
 
 
 def _cast(args: tuple, kwargs: dict, out) -> bool:

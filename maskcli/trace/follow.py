@@ -13,6 +13,7 @@ import maskcli.trace.masks as readers
 from maskcli.trace.layouts import reader as laid
 from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.overflow import WATCHED
+from maskcli.trace.scores import as_matrix
 
 
 class Local(threading.local):
@@ -91,6 +92,8 @@ class Follow:
             if reader is not readers.softmax or self.scores.attention(readers.softmax_input(args, kwargs)):
                 if reader is readers.softmax and self.scores.axes:  # scores in another axis order (layouts.py)
                     reader = laid(reader, self.scores, args, kwargs)
+                elif reader is readers.softmax and self.scores.matrices:  # one sequence's (Lq, Lk) (scores.py)
+                    reader = as_matrix(reader, self.scores, args, kwargs)
                 self._softmax, made = None, len(self._calls)
                 self.capture(reader, args, kwargs)
                 softmaxed, self._softmax = self._softmax, None
@@ -114,8 +117,10 @@ class Follow:
         followed = self._followed
         if softmaxed is not None:  # its weights followed: a 0/1 mask multiplied in afterwards is its mask (after.py)
             self.after.note(out, *softmaxed)
+            if self.scores is not None and self.scores.added:  # scores + a 0/1 mask: it masked nothing (scores.py)
+                self.scores.ones_added(readers.softmax_input(args, kwargs), *softmaxed)
         elif followed[2] and not self.busy:
-            self.after.after(self, func, args)
+            self.after.after(self, func, args, out)
         if (func in WATCHED or followed[0]) and isinstance(out, torch.Tensor) and out.dim() >= 2 \
                 and out.is_floating_point() and not self.busy and has_values(out):
             self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)

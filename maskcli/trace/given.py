@@ -125,7 +125,7 @@ def dropped(found: tuple[str, torch.Tensor], cells, shape: tuple, cache: dict, m
     from maskcli.inspect.polarity import additive_keep
 
     name, tensor = found
-    key = (id(tensor), tensor._version, mask, name)
+    key = (id(tensor), object() if tensor.is_inference() else tensor._version, mask, name)  # (inference: no version)
     if key in cache and cache[key][0] is tensor:
         return cache[key][1]
     b, h, q_len, k_len = (int(x) for x in shape)

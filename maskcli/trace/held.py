@@ -121,18 +121,26 @@ def _own_mask(frame, outer: set) -> bool:
 def _read(name: str, value: torch.Tensor, code) -> dict | None:
     """What `value`, held under `name` by `code`'s frame, says (the same dict while the tensor is unchanged)."""
     key = (id(value), name, id(code))  # (the code's id: hashing the code object itself costs a microsecond)
+    if value.is_inference():  # (made under torch.inference_mode: no version counter, so read afresh each time)
+        return _described(name, value, code)
     held = _READ.get(key)
     if held is not None and held[0] is value and held[1] == value._version and held[3] is code:
         return held[2]
+    read = _described(name, value, code)
+    if len(_READ) > 256:
+        _READ.pop(next(iter(_READ)))
+    _READ[key] = (value, value._version, read, code)  # (the tensor and code held: their ids stay their own)
+    return read
+
+
+def _described(name: str, value: torch.Tensor, code) -> dict | None:
+    """What `value`, held under `name` by `code`'s frame, says, read now."""
     try:
         read = _as_padding(name, value)
     except Exception:  # noqa: BLE001 - a tensor that cannot be read here (meta, fake, sparse) holds no padding we can see
         read = None
     if read is not None:
         read = {**read, "name": name, "where": f"{code.co_name}() of {os.path.basename(code.co_filename)}"}
-    if len(_READ) > 256:
-        _READ.pop(next(iter(_READ)))
-    _READ[key] = (value, value._version, read, code)  # (the tensor and code held: their ids stay their own)
     return read
 
 

@@ -21,7 +21,7 @@ def dropped(attn_mask: torch.Tensor, batch: int, heads: int, q_len: int, k_len: 
     import weakref
 
     held = _DROPPED.get(id(attn_mask))
-    if held is not None and held[0]() is attn_mask and held[1] == attn_mask._version:
+    if held is not None and held[0]() is attn_mask and not attn_mask.is_inference() and held[1] == attn_mask._version:
         return held[2]
     own = ~attn_mask if attn_mask.dtype == torch.bool else additive_keep(attn_mask.detach())
     own = own.reshape(batch, heads, q_len, -1) if own.dim() == 3 else own.reshape(1, 1, q_len, -1)
@@ -41,7 +41,7 @@ def dropped(attn_mask: torch.Tensor, batch: int, heads: int, q_len: int, k_len: 
     if len(_DROPPED) >= 64:
         _DROPPED.pop(next(iter(_DROPPED)))
     try:
-        _DROPPED[id(attn_mask)] = (weakref.ref(attn_mask), attn_mask._version, found)
+        _DROPPED[id(attn_mask)] = (weakref.ref(attn_mask), None if attn_mask.is_inference() else attn_mask._version, found)
     except TypeError:  # (a tensor subclass without weak references: read again next time)
         pass
     return found

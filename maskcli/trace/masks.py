@@ -25,6 +25,7 @@ from maskcli.trace.maskfacts import attention_bias as _attention_bias, empty_row
 from maskcli.text import step_label
 from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
+from maskcli.trace.zerokv import zero_kv
 from maskcli.intervals import Intervals
 
 
@@ -184,6 +185,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
             lead = _broadcast(lead, mask_shape[:-2])
     details = {"is_causal": is_causal, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False)),
                "dropout_p": float(given.get("dropout_p", 0.0) or 0.0)}
+    details.update(zero_kv(q, k, v, k_shape))  # keys zero in K and V at an edge: the data's own padding (checks/zerokv.py)
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
     if _same_storage(q, k):
         details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.crossing)

@@ -16,7 +16,7 @@ from maskcli.checks.kernels import asked, ignored_is_causal, top_left, top_left_
 from maskcli.checks.named import closest as closest_rows
 from maskcli.checks.named import polarity, same_as
 from maskcli.checks.registry import as_json, severity
-from maskcli.checks.rows import MEANT_LATER, empty_rows, later
+from maskcli.checks.rows import MEANT_LATER, empty_rows, later, past_the_keys, stated_tokens
 from maskcli.text import Finding, spans, step_text
 from maskcli.trace.names import PADDING, also_documents, flags, flipped_keep
 
@@ -81,15 +81,16 @@ def where_text(paths: list[str]) -> str:
     return ", ".join(parts)
 
 
-def group(calls: list, named: int | None = None) -> list[Group]:
+def group(calls: list, named: int | None = None, run=None) -> list[Group]:
     """Calls with the same mask, API and shape form one group, in the order of their first call; the first `named`
-    groups named and checked, the rest counted (Group.named False: `unnamed` says them in one line)."""
+    groups named and checked, the rest counted (Group.named False: `unnamed` says them in one line). `run`
+    (maskcli.checks.context.Run): the model calls whose stated padding a group's checks read (rows.stated_tokens)."""
     found: dict[tuple, list] = {}
     for call in calls:
         key = (call.mask, call.api, call.shape, *(call.details.get(name) for name in ("error", "q_start", "fill_value", "additive", "score_mod_read")))
         found.setdefault(key, []).append(call)
     named = NAMED if named is None else named
-    return [_named(members) if number < named else Group(members, f"not named: past the first {named} groups", None, named=False)
+    return [_named(members, run) if number < named else Group(members, f"not named: past the first {named} groups", None, named=False)
             for number, members in enumerate(found.values())]
 
 
@@ -109,7 +110,7 @@ def unnamed(groups: list) -> str | None:
             f"the rules that read every call read these too{said}; --json (Trace.groups()) lists every group")
 
 
-def _named(calls: list) -> Group:
+def _named(calls: list, run=None) -> Group:
     first = calls[0]
     stored = first.stored
     if stored is None:
@@ -153,7 +154,7 @@ def _named(calls: list) -> Group:
         if structure.kind in MEANT_LATER:  # nothing, or a raw tril/triu: is it a known mask read the wrong way round?
             flipped = recognise(flipped_keep(keep4, given), padding=given)  # (the padding is not what is flipped)
             other = None if flipped.expression is None else flipped.expression + flags(flipped.options, q_len, k_len)
-            group.findings += polarity(first, flipped.kind, other)
+            group.findings += polarity(first, flipped.kind, other, lambda: past_the_keys(run, calls))
     else:
         named = _name_on_intervals(stored, q_len, k_len, _documents(first))
         if named is not None:
@@ -162,7 +163,8 @@ def _named(calls: list) -> Group:
             group = Group(calls, f"not named: {q_len:,} x {k_len:,} cells are too many to rebuild cell by cell, "
                                  "and it is none of full, causal, a window", None)
     if q_len and k_len:  # (no token: no row to see nothing, no later key)
-        group.findings[:0] = empty_rows(first, stored, structure) + later(first, stored, structure)
+        group.findings[:0] = empty_rows(first, stored, structure) + later(
+            first, stored, structure, lambda: stated_tokens(run, calls), lambda: past_the_keys(run, calls))
     details = first.details
     group.findings += bias(details) + fills(details) + poisoned(details) + asked(first, stored, group.name) + score_mod(details)
     group.findings += refused(calls)

@@ -3,7 +3,8 @@
 A model's last softmax is over its logits (B, T, vocab), which is no attention call
 (minGPT's generate, a sampling loop). So while tracing, the outputs of matmul, bmm,
 baddbmm and einsum of two batched operands (q @ kᵀ: both at least 3-D, where a
-projection's weight is 2-D) are remembered by identity, and so is every tensor computed
+projection's weight is 2-D), and of mm / matmul of two 2-D tensors neither of which is a parameter (one unbatched
+sequence's q @ kᵀ, a graph's nodes: read (1, 1, Lq, Lk)), are remembered by identity, and so is every tensor computed
 from one of them that keeps its last two dimensions (the scaling, masked_fill, an added
 mask or bias, a cast): a softmax over one of those is attention. A softmax over a tensor
 maskcli saw no matmul make (scores built by hand, or made before the trace began) is
@@ -21,7 +22,11 @@ import torch
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
 
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
-           torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum}
+           torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum, torch.mm, torch.Tensor.mm}
+PLAIN = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.mm, torch.Tensor.mm}
+ADDS = {torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__, torch.Tensor.__radd__,
+        torch.Tensor.__iadd__}
+ADDEND_MOST = 1 << 22  # cells of an added mask read for 0s and 1s at most
 KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
 HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")  # a module's own head count
 
@@ -32,13 +37,18 @@ class Scores:
     def __init__(self):
         self._found: dict[int, weakref.ref] = {}
         self.axes: dict[int, tuple] = {}  # id -> the axis order of scores not laid out (.., Lq, Lk) (layouts.py)
+        self.added: dict[int, torch.Tensor] = {}  # id -> a float mask of only 0s and 1s added to these scores (ones_added)
+        self.matrices: set[int] = set()  # ids of 2-D scores (Lq, Lk) of one unbatched sequence (per_graph), not (B, Lk)
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
         if not isinstance(out, torch.Tensor) or out.dim() < 3:
+            if func in PLAIN and per_graph(args):  # (one sequence's q @ kᵀ unbatched: a graph's nodes, q.mm(k.T))
+                self._note(out, matrix=True)
+                return
             if isinstance(out, torch.Tensor) and out.dim() == 2 and self._found and args and isinstance(args[0], torch.Tensor) \
                     and self.has(args[0]) and (_one_query(args[0], out) or args[0].shape == out.shape):
-                self._note(out)  # (one decoder state against a memory, Luong's bmm(context, h[:, :, None]).squeeze(2),
+                self._note(out, matrix=id(args[0]) in self.matrices and args[0].shape == out.shape)  # (one decoder state against a memory, Luong's bmm(context, h[:, :, None]).squeeze(2),
                 # and what is computed from those (B, Lk) scores: its masked_fill, its scaling)
             return
         if func in MATMULS:
@@ -65,8 +75,23 @@ class Scores:
                 else:  # (plain scores: what keeps their last two dimensions is scores)
                     axes = None if tuple(x.shape[-2:]) == tuple(out.shape[-2:]) else NONE
                 if axes is not NONE:
+                    addend = self.added.get(id(x)) if self.added else None
                     self._note(out, axes)
+                    if func in ADDS and addend is None:
+                        addend = _zero_one(args, x, out)
+                    if addend is not None and axes is None:
+                        self.added[id(out)] = addend
                     return
+
+    def ones_added(self, x, call, seen) -> None:
+        """At softmax `call` over scores `x`: details["zero_one"] where a 0/1 mask added to them masked nothing in some
+        row (checks/kernels.py's ones-added, as for SDPA's float attn_mask)."""
+        addend = self.added.get(id(x)) if isinstance(x, torch.Tensor) and self.has(x) else None
+        if addend is None or "axes" in seen.details:
+            return
+        keep = seen.keep if seen.keep is not None else seen.materialize()
+        if zero_one_seen(addend, x, keep):
+            call.details["zero_one"] = seen.details["zero_one"] = True
 
     def has(self, tensor: torch.Tensor) -> bool:
         found = self._found.get(id(tensor))
@@ -84,17 +109,24 @@ class Scores:
         """The axis order of scores `x` (layouts.py), None where plain or not scores."""
         return self.axes.get(id(x)) if self.axes and self.has(x) else None
 
-    def _note(self, tensor: torch.Tensor, axes: tuple | None = None) -> None:
-        found, laid = self._found, self.axes  # (one dict for the trace's life: the mode reads it as "following")
-        if len(found) >= KEEP:
+    def _note(self, tensor: torch.Tensor, axes: tuple | None = None, matrix: bool = False) -> None:
+        found, laid, matrices = self._found, self.axes, self.matrices  # (one dict for the trace's life: the mode reads
+        if len(found) >= KEEP:  # it as "following")
             found.clear()
             laid.clear()
+            self.added.clear()
+            matrices.clear()
         key = id(tensor)
+
+        added = self.added
+        added.pop(key, None)  # (an id a dead tensor had, now this one's)
 
         def gone(ref) -> None:  # a tensor let go is forgotten at once, so the mode stops following when none is left
             if found.get(key) is ref:  # (its id reused by a later tensor: that one keeps its own entry)
                 del found[key]
                 laid.pop(key, None)
+                added.pop(key, None)
+                matrices.discard(key)
 
         try:
             found[key] = weakref.ref(tensor, gone)
@@ -104,6 +136,76 @@ class Scores:
             laid[key] = axes
         elif laid:
             laid.pop(key, None)
+        if matrix:
+            matrices.add(key)
+        elif matrices:
+            matrices.discard(key)
+
+
+def as_matrix(softmax, scores: Scores, args: tuple, kwargs: dict):
+    """The reader of a softmax over 2-D scores of one unbatched sequence (Scores.matrices): read as (1, Lq, Lk), one
+    batch row of Lq queries, not as the (B, Lk) single-query scores a 2-D softmax is otherwise read as."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or id(x) not in scores.matrices or not scores.has(x):
+        return softmax
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dim not in (-1, 1):
+        return softmax
+
+    def matrix(args_, kwargs_):
+        return softmax((x[None], -1), {})
+
+    matrix.api = "softmax"
+    return matrix
+
+
+def per_graph(args: tuple) -> bool:
+    """A product of two 2-D tensors neither of which is a parameter or a view of one (x @ W is a projection, whose
+    weight is one): q @ kᵀ of one unbatched sequence (a graph's nodes, as Graphormer's head computes
+    query.mm(key.transpose(0, 1))), noted as scores; a softmax over them, or over what keeps their shape, is attention,
+    and no other 2-D softmax is."""
+    if len(args) != 2:
+        return False
+    a, b = args
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 2 \
+        and not _weight(a) and not _weight(b)
+
+
+def _weight(x: torch.Tensor) -> bool:
+    return isinstance(x, torch.nn.Parameter) or isinstance(x._base, torch.nn.Parameter)
+
+
+def _zero_one(args: tuple, scores: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    """The other operand of scores + mask where it is a float tensor of only 0s and 1s, some of each, that broadcasts to
+    the sum: a keep (or pad) mask cast to float and added as it is, which masks nothing (QEfficient#1159)."""
+    other = next((a for a in args[:2] if isinstance(a, torch.Tensor) and a is not scores), None)
+    if other is None or not other.is_floating_point() or other.dim() < 2 or other.numel() > ADDEND_MOST \
+            or other.device.type == "meta" or len(args) > 2:  # (add(x, y, alpha=...): not a plain sum)
+        return None
+    with torch.no_grad():
+        zeros = other == 0
+        if not bool(zeros.any()) or not bool((zeros | (other == 1)).all()) or bool(zeros.all()):
+            return None
+        try:
+            torch.broadcast_shapes(other.shape, out.shape)
+        except RuntimeError:
+            return None
+        return other.detach() == 1
+
+
+def zero_one_seen(addend: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None) -> bool:
+    """A query row of the softmax over `x` (scores plus the 0/1 `addend`, bool: where it adds 1) whose keys it sees
+    (`keep`, the call's mask) include keys the addend sets apart (some added 1, some 0): the mask the program built
+    masks nothing there. Not where something else masks one side away (a masked_fill beside the addition)."""
+    if keep is None:
+        return False
+    with torch.no_grad():
+        try:
+            ones = addend.broadcast_to(x.shape).reshape(keep.shape)
+        except RuntimeError:
+            return False
+        both = (keep & ones).any(dim=-1) & (keep & ~ones).any(dim=-1)
+        return bool(both.any())
 
 
 def _one_query(scores, out: torch.Tensor) -> bool:

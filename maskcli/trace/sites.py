@@ -201,7 +201,7 @@ def running(frame, calls: list | None = None) -> list[tuple]:
     nn.Module's _call_impl frames (one per call, hooks or not; dynamo keeps those of the code it compiled around a graph
     break). Read at an attention call instead of hooks on every module call of the program. `calls`: the frames among
     them that are module calls (_call_impl's or a `__call__`), where the call's stack was walked already (walk.py)."""
-    found, call = [], _CALL
+    found, call, start = [], _CALL, frame
     for frame in (_outwards(frame) if calls is None else calls):
         code = frame.f_code
         if code is call or code.co_name == "_call_impl":
@@ -213,7 +213,30 @@ def running(frame, calls: list | None = None) -> list[tuple]:
             own = _own_call(frame)
             if own is not None and not (found and found[-1][0] is own[0]):  # (a `__call__` that calls super().__call__:
                 found.append(own)  # its _call_impl frame, inside it, is the module's call already)
+    return found or _handed(start)
+
+
+def _handed(frame) -> list[tuple]:
+    """Where no module's call runs: (module, frame, its variables as _call_impl's) of each frame whose first argument
+    is a module, innermost first, each module once (its innermost frame): a module's method called as one (a model's
+    `prefill(self, ids)`), or a function handed a layer as `self` (unsloth's fast decode forwards), so that their
+    attention has the layer's path and the model's call its arguments and config, as a module call's would."""
+    found, seen = [], set()
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and not code.co_filename.startswith(_OWN):
+            module = frame.f_locals.get(code.co_varnames[0])
+            if isinstance(module, torch.nn.Module) and id(module) not in seen:
+                seen.add(id(module))
+                variables = frame.f_locals
+                names = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
+                found.append((module, frame, {"self": module, "args": (),
+                                              "kwargs": {n: variables[n] for n in names if n in variables}}))
+        frame = frame.f_back
     return found
+
+
+_OWN = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))  # (torch's and maskcli's frames)
 
 
 def _outwards(frame):

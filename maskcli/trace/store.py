@@ -148,7 +148,8 @@ def store(trace, seen) -> str:
         _remember(trace, cache_key, (key, seen.intervals))  # (the intervals held, so that their id stays theirs)
         return key
     cache_key = None
-    if seen.sources:  # the same mask tensor given again (every layer of a model): read it once
+    if seen.sources and not any(x.is_inference() for x in seen.sources):  # the same mask tensor given again (every
+        # layer of a model): read it once (one made under torch.inference_mode has no version counter: read each time)
         # (its version counter moves with every change in place: a mask changed between calls is read again)
         cache_key = (seen.api, seen.shape, tuple((id(x), x._version) for x in seen.sources))
         found = trace._cache.get(cache_key)

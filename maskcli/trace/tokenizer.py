@@ -3,8 +3,10 @@
 Read once per outermost module (trace/tops.py), where neither the module's config nor the module states a pad id:
 the nearest program frames (the function that called the model and its callers; torch's and maskcli's left out)
 are searched for one object, not a module or a tensor (or one such object kept as `tokenizer` /
-`processing_class` / `processor` by an object they hold: a collator's), that has an int `pad_token_id` and an `eos_token_id` or a
-`padding_side` (a transformers tokenizer, a stand-in of the program's own). Two that differ: nothing is read.
+`processing_class` / `processor` by an object they hold: a collator's), that has an int `pad_token_id` and an
+`eos_token_id` or a `padding_side` (a transformers tokenizer, a stand-in of the program's own), or a config of the
+program's own (a dataclass, or a class named `...Config`) with an int `pad_token_id` alone (verl's engine config, which
+pads the batch). Two that differ: nothing is read.
 Where no such object is held, an int those functions keep as `pad_id` / `pad_token_id` (a `generate(..., pad_id=0)`
 of the program's own: torchtune's) is the pad id, where they name one value only.
 Kept as `tokenizer_pad_id`, `tokenizer_eos_id`, `tokenizer_bos_id`, `padding_side` and `tokenizer` (where it was
@@ -63,7 +65,7 @@ def _search(frame=None) -> dict:
                     bos = _int(getattr(value, "bos_token_id", None))
                 except Exception:  # noqa: BLE001 - a property of the program's that raises: not a tokenizer read here
                     continue
-                if pad is None or (eos is None and not isinstance(side, str)):
+                if pad is None or (eos is None and not isinstance(side, str) and not _config(value)):
                     continue
                 where = "at the top of" if frame.f_code.co_name == "<module>" else f"in {frame.f_code.co_name}() of"
                 found[id(value)] = {"tokenizer_pad_id": pad, **({"tokenizer_eos_id": eos} if eos is not None else {}),
@@ -80,6 +82,12 @@ def _search(frame=None) -> dict:
                                                                                if k != "tokenizer"} for one in said[1:]):
         return {}
     return said[0]
+
+
+def _config(value) -> bool:
+    """A config of the program's own: a dataclass instance, or an instance of a class named `...Config` / `...Cfg`."""
+    kind = type(value)
+    return hasattr(kind, "__dataclass_fields__") or kind.__name__.lower().endswith(("config", "cfg"))
 
 
 HOLDERS = ("tokenizer", "processing_class", "processor")  # where a collator, trainer or pipeline keeps its tokenizer

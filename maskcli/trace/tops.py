@@ -16,7 +16,7 @@ import weakref
 import numpy as np
 import torch
 
-from maskcli.checks.context import Top
+from maskcli.checks.context import STARTS, Top  # (STARTS: the first query's position as an int)
 from maskcli.trace.held import program_frames
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
@@ -37,9 +37,6 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
 LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
 DOCUMENTS = frozenset(("cu_seqlens", "cu_seq_lens_q", "cu_seqlens_q"))  # handed to an inner module: documents()
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k")  # kept as ints too
-# the first query's position as an int, where a cache of the program's own is written (checks/context.py queries):
-# Meta's Llama forward(tokens, start_pos), Keras-hub's cache_update_index
-STARTS = ("start_pos", "cache_update_index")
 SOURCE_PAD = ("src_pad_idx", "src_pad_id", "source_pad_id", "src_pad_token_id", "source_pad_idx")  # each side's pad id
 TARGET_PAD = ("trg_pad_idx", "tgt_pad_idx", "trg_pad_id", "tgt_pad_id", "target_pad_id", "target_pad_idx",
               "tgt_pad_token_id", "trg_pad_token_id")

@@ -1,0 +1,84 @@
+"""Real queries that see keys whose K and V are exactly zero at an edge of the keys: padding the data itself states.
+
+A key that is zero in every head and dimension of both K and V is no token (trace/zerokv.py records them at each SDPA
+call): it is a buffer row nobody wrote, or a padding position whose input was zeros under bias-free projections. Its
+score is 0 and its value 0, so every real query that sees it gives it weight exp(0 - max) and averages zeros into
+its output. Where such keys make a run of two or more at the start or the end of a batch row's keys (the shape
+padding takes), that row holds real keys too, and a query that is not zero itself sees one of them, the mask lets a
+real token attend what the data states is padding: wrong.
+
+- whisper.cpp#3941: the encoder's and the cross-attention's K/V are views of buffers GGML_PAD(n_ctx, 256) rows long,
+  only n_ctx of them written, and flash attention is given no mask: 216 zero rows at the end of 256 keys are seen.
+- LLaVA#1720: the spliced image+text embeddings are re-padded on the left with zeros and the rebuilt mask dropped, so
+  the first layer's bias-free K/V of the padding are zero and the causal queries after them see them.
+
+Quiet where the mask hides those keys (the fixes: whisper.cpp's -inf over [n_ctx, n_ctx_pad), LLaVA's causal &
+padding mask), where only queries that are zero themselves see them (a right-padded causal batch: padding queries
+only; a finished row of a batched generate, fed pad tokens, whose query is the pad), where the zeros are one key
+alone (x-transformers' `add_zero_kv`, a learned null key initialised to zero) or every key of the row, and where they
+lie between real keys (not padding's shape).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, keep
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding, spans
+
+RUN = 2  # zero keys in a row at an edge read as padding (one alone: a null key)
+
+
+def _real(zero_q: list, q_len: int) -> np.ndarray:
+    """Bool (Lq,): the queries not zero themselves, from their zero spans."""
+    real = np.ones(q_len, dtype=bool)
+    for start, end in zero_q:
+        real[start:end] = False
+    return real
+
+
+def zero_keys_seen(run: Run) -> list:
+    """(call, Finding) for a call whose real queries see an edge run of keys zero in K and V (the data's padding)."""
+    found, done = [], set()
+    for call in [*run.calls, *run.cross, *run.unmasked]:
+        table = call.details.get("zero_kv")
+        if not table or (call.where, call.shape) in done:
+            continue
+        cells = keep(call)
+        rows, _, q_len, k_len = call.shape
+        if cells is None or cells.shape[0] not in (1, rows) or len(table["left"]) not in (1, rows):
+            continue
+        for b in range(rows):
+            left, right = table["left"][b % len(table["left"])], table["right"][b % len(table["right"])]
+            zero_q = table["zero_q"][b % len(table["zero_q"])] if table["zero_q"] else []
+            if left >= k_len or zero_q is None or (left < RUN and right < RUN):
+                continue  # (every key zero: no padding's shape; too many zero query spans: left unread)
+            padding = np.zeros(k_len, dtype=bool)
+            if left >= RUN:
+                padding[:left] = True
+            if right >= RUN:
+                padding[k_len - right:] = True
+            real = _real(zero_q, q_len) if len(zero_q) else np.ones(q_len, dtype=bool)
+            seen = cells[b % cells.shape[0]].any(axis=0) & real[:, None] & padding[None, :]  # (Lq, Lk)
+            if not seen.any():
+                continue
+            q, k = (int(i) for i in np.argwhere(seen)[0])
+            keys = [int(i) for i in np.flatnonzero(padding)]
+            done.add((call.where, call.shape))  # (each layer's and step's shape said once)
+            found.append((call, Finding("zero-keys-seen", (
+                f"query {q} of batch row {b} (not zero itself) sees key {k}, one of keys {spans(keys)} whose K and V "
+                f"are exactly zero in every head: no token (an unwritten buffer row, or padding whose input was "
+                f"zeros); {int(seen.any(axis=1).sum())} of this row's real queries give them weight and average "
+                f"their zeros in (hide them in the mask: -inf / False over those keys)"),
+                expected=f"keys {spans(keys)} of batch row {b} hidden from every real query",
+                source="the call's own K and V: zero rows at an edge of the keys", cell=(b, q, k))))
+            break
+    return found
+
+
+RULES = (
+    Rule("zero-keys-seen", "wrong", "call", "real queries that see a run of keys at an edge of the keys whose K and V "
+         "are exactly zero (an unwritten buffer row, zero padding): whisper.cpp#3941's K/V padded to 256 rows with "
+         "no mask, LLaVA#1720's re-padded embeddings with the rebuilt mask dropped", zero_keys_seen),
+)

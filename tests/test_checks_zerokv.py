@@ -1,0 +1,130 @@
+"""checks/zerokv.py (and trace/zerokv.py, which records what it reads): real queries that see a run of keys at an edge
+of the keys whose K and V are exactly zero, an unwritten buffer row or zero padding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from checkbugs import check_bug, first, traced
+from maskcli import tracefile
+from maskcli.checks.context import Run
+from maskcli.checks.zerokv import zero_keys_seen
+from maskcli.trace.zerokv import zero_kv
+
+ZEROKV = Path(__file__).parent / "data" / "zerokv"
+
+
+def _runs(zero: list[bool]) -> tuple[int, int]:
+    """(zero keys at the start, at the end) of one row, by a plain loop."""
+    left = 0
+    while left < len(zero) and zero[left]:
+        left += 1
+    right = 0
+    while right < len(zero) and zero[len(zero) - 1 - right]:
+        right += 1
+    return left, right
+
+
+def test_the_trace_records_each_rows_edge_runs_of_keys_zero_in_k_and_v():
+    torch.manual_seed(0)
+    k, v, q = torch.randn(3, 2, 7, 4), torch.randn(3, 2, 7, 4), torch.randn(3, 2, 7, 4)
+    k[0, :, 5:], v[0, :, 5:] = 0, 0  # row 0: two zero keys at the end
+    k[1, :, :3], v[1, :, :3] = 0, 0  # row 1: three at the start, and its first two queries zero
+    q[1, :, :2] = 0
+    k[2, 0, 6], v[2, :, 6] = 0, 0  # row 2: K zero in one head only: a token
+    v[0, 1, 4] = 0  # row 0's key 4: V zero in one head, K not: a token
+    table = zero_kv(q, k, v, tuple(k.shape))["zero_kv"]
+    for b in range(3):
+        zero = [bool((k[b, :, j] == 0).all() and (v[b, :, j] == 0).all()) for j in range(7)]
+        assert (table["left"][b], table["right"][b]) == _runs(zero)
+    assert table["zero_q"] == [[], [[0, 2]], []]
+    assert zero_kv(q, torch.randn(3, 2, 7, 4), v, (3, 2, 7, 4)) == {}  # no edge key zero: nothing read further
+    one = torch.randn(3, 2, 7, 4)
+    one[:, :, 0] = 0
+    assert zero_kv(q, one, one.clone(), tuple(one.shape)) == {}  # one zero key alone (a null key) is no padding's run
+
+
+def _call(keep: np.ndarray, table: dict) -> SimpleNamespace:
+    stored = tracefile.from_dense(keep, keep.shape)
+    return SimpleNamespace(api="sdpa", shape=keep.shape, details={"zero_kv": table}, stored=stored, where="layer",
+                           index=0, step="prefill")
+
+
+def test_only_real_queries_seeing_an_edge_run_are_found():
+    causal = np.tril(np.ones((6, 6), dtype=bool))[None, None].repeat(2, axis=0)
+    right = {"left": [0, 0], "right": [0, 3], "zero_q": [[], [[3, 6]]]}  # row 1 right-padded, its pad queries zero
+    assert zero_keys_seen(Run([_call(causal, right)])) == []  # causal: only its pad queries see the padding
+    full = np.ones((2, 1, 6, 6), dtype=bool)
+    [(_, found)] = zero_keys_seen(Run([_call(full, right)]))
+    assert found.code == "zero-keys-seen" and found.cell == first((2, 6, 6), lambda b, q, k: b == 1 and k >= 3)
+    left = {"left": [2, 0], "right": [0, 0], "zero_q": [[[0, 2]], []]}  # row 0 left-padded, is_causal
+    [(_, found)] = zero_keys_seen(Run([_call(causal, left)]))
+    assert found.cell == first((2, 6, 6), lambda b, q, k: b == 0 and q >= 2 and k < 2 and k <= q)
+    hidden = causal.copy()
+    hidden[0, :, :, :2] = False
+    assert zero_keys_seen(Run([_call(hidden, left)])) == []  # the padding hidden: the fix
+    every = {"left": [6, 0], "right": [6, 0], "zero_q": [[], []]}
+    assert zero_keys_seen(Run([_call(full, every)])) == []  # every key zero: no padding's shape
+
+
+def test_whisper_cpp_flash_attn_padded_kv_rows_unmasked(tmp_path):
+    """ggml-org/whisper.cpp#3941: the encoder's and the cross-attention's K/V are buffers of GGML_PAD(n_ctx, 256) rows,
+    only n_ctx written, and flash attention gets no mask (written blind, batch blind-q)."""
+    found = check_bug(tmp_path, "whisper_cpp_flash_attn_padded_kv_rows_unmasked", "zero-keys-seen")
+    assert tuple(found[0]["cell"]) == (0, 0, 40) and "keys 40-255" in found[0]["message"]
+
+
+def test_llava_prepare_multimodal_drops_padded_attention_mask(tmp_path):
+    """haotian-liu/LLaVA#1720: the spliced image+text embeddings re-padded on the left with zeros, the rebuilt mask
+    dropped, so the decoder's is_causal queries see the padding (written blind, batch blind-q)."""
+    found = check_bug(tmp_path, "llava_prepare_multimodal_drops_padded_attention_mask", "zero-keys-seen")
+    pads = (0, 3)  # images of 6 and 3 feature tokens: 12 and 9 positions, the second left-padded by 3
+    assert tuple(found[0]["cell"]) == first((2, 12, 12), lambda b, q, k: q >= pads[b] and k < pads[b] and k <= q)
+
+
+def test_zero_keys_a_rule_names_the_cause_of_are_said_once_by_it(tmp_path):
+    """A rotary encoder, `padding_idx=0` and bias-free projections, right-padded, no mask: its input ids say the
+    padding (padding-ignored), and the zero keys are not said again; its fix is quiet."""
+    found = check_bug(tmp_path, "encoder_right_padded_zero_embeddings_no_mask", "padding-ignored", folder=ZEROKV)
+    assert tuple(found[0]["cell"]) == first((3, 6, 6), lambda b, q, k: k >= (6, 3, 4)[b] and q < (6, 3, 4)[b])
+    _, every, _ = traced(tmp_path, "encoder_right_padded_zero_embeddings_no_mask", False, ZEROKV)
+    assert "zero-keys-seen" not in {f["code"] for f in every}
+
+
+def test_a_preallocated_cache_attended_over_its_unwritten_slots(tmp_path):
+    """Written another way: a batched decode over a zero-filled cache of 12 slots, every slot attended."""
+    found = check_bug(tmp_path, "static_cache_decode_attends_unwritten_slots", "zero-keys-seen", folder=ZEROKV)
+    assert tuple(found[0]["cell"]) == (0, 0, 4)
+
+
+def test_a_zero_null_key_and_a_finished_rows_pad_queries_are_quiet(tmp_path):
+    """A learned null key initialised to zero (one key alone) and a finished row fed pad tokens (zero queries)."""
+    status, found, report = traced(tmp_path, "null_key_and_finished_rows", False, ZEROKV)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_a_flex_decode_whose_mask_mod_keeps_the_unwritten_slots(tmp_path):
+    """Another kernel: FlexAttention over a zero-filled cache of 16 slots, a mask_mod that keeps every key; its fix
+    keeps each query to the slots at or before its own. Traced in its own process (dynamo's guards on __main__)."""
+    import json
+    import subprocess
+    import sys
+
+    program = ZEROKV / "flex_cache_decode_mask_mod_unbounded.py"
+    for fixed in (False, True):
+        out = tmp_path / f"flex{int(fixed)}.json"
+        done = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--json", str(out), str(program),
+                               *(["--fixed"] if fixed else [])], capture_output=True, text=True, timeout=600)
+        data = json.loads(out.read_text())
+        found = [f for g in data["groups"] for f in g["findings"] if f["severity"] == "wrong"]
+        assert data["exit_status"] == 0, done.stderr
+        if fixed:
+            assert (done.returncode, found) == (0, []), done.stdout
+        else:
+            assert done.returncode == 1, done.stdout
+            hit = next(f for f in found if f["code"] == "zero-keys-seen")
+            assert tuple(hit["cell"]) == first((2, 5, 16), lambda b, q, k: k >= 5)
