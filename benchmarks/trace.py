@@ -7,9 +7,10 @@ left padding, prefill then --steps decode steps with a KV cache, every layer cal
 with a sliding-window mask (the model builds the mask once per step and hands it to every
 layer, as decoders do). Traced means inside `maskcli.trace()`: torch's attention entry points, and the
 products, casts and sums the trace watches, are wrapped (trace/entry.py; the rest of torch runs untouched,
-and a TorchFunctionMode is on only while a tensor it follows is alive), each call's modules are read from
-its frames (hooks only on the outermost module), and each step's mask is copied (its own cells) to be read
-after the run, each distinct content once (trace/store.py).
+and a TorchFunctionMode is on only while a tensor it follows is alive), each call's stack is walked once for
+every reader of it (trace/walk.py: the modules running, the padding and the window its frames hold, the call
+site's line; hooks only on the outermost module), and each step's mask is copied (its own cells) to be read
+after the run, each distinct content once (trace/store.py). docs/python.md gives the figures of each round.
 The two sides alternate run by run, so a slow spell on a shared machine hits both; each run is
 timed by the wall clock and by this process's CPU time (steadier where other programs share the
 cores). It prints the median of each side and the median of the paired ratios with quartiles

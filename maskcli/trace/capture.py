@@ -34,7 +34,7 @@ from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import WATCHED, Overflows
 from maskcli.trace.scores import Scores, banded as banded_scores
-from maskcli.trace.sites import Sites, running
+from maskcli.trace.sites import Sites, running, walk
 from maskcli.trace.stated import outside
 from maskcli.trace.store import read_calls, store
 from maskcli.trace.threads import Threads
@@ -316,13 +316,13 @@ class Trace(Outer, Follow):
         first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
         if first is not None and not has_values(first):
             return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real
-        found = running(sys._getframe(1))  # the modules whose calls are running, innermost first
+        found = running((frame := sys._getframe(1)), (walked := walk(frame)).calls)  # modules running (walk.py)
         self.busy = True
         sites = self.sites
         try:
             with self._lock:  # (threads of the program record one at a time: indexes, steps and the store stay whole)
                 made = len(self._calls)
-                stack = sites.load([module for module, _, _ in reversed(found)])
+                sites.load([module for module, _, _ in reversed(found)], walked)
                 try:
                     self._record(reader, args, kwargs)
                     if len(self._calls) > made and found:
@@ -332,7 +332,7 @@ class Trace(Outer, Follow):
                                 documents(self._calls, made, given)
                         self._outer(found, made)
                 finally:
-                    stack.clear()
+                    sites.unload()
         finally:
             self.busy = False
 
@@ -372,7 +372,7 @@ class Trace(Outer, Follow):
         if seen.child:
             site, where = self.sites.current(seen.child)
         held = self._held  # (a million calls are a million records: their shapes and words kept once, details compact)
-        shape, q, k, v, where = (held.setdefault(x, x) for x in (tuple(int(x) for x in seen.shape), seen.q, seen.k, seen.v, where))
+        shape, q, k, v, where = (held.setdefault(x, x) for x in (tuple(map(int, seen.shape)), seen.q, seen.k, seen.v, where))
         self._append(Call(seen.api, shape, q, k, v, held.setdefault(seen.dtype, seen.dtype), held.setdefault(seen.device, seen.device),
                           index=len(self._calls), where=where, step=self.sites.step(site), mask=key, details=dict(seen.details), trace=self))
         if seen.api == "softmax":

@@ -57,11 +57,12 @@ class Readings:
         self._read.clear()
         self._keys.clear()
 
-    def of(self, stack: list, shape: tuple) -> dict | None:
-        """The reading of the call being made now, with (B, H, Lq, Lk) `shape`, by the running modules `stack`."""
+    def of(self, stack: list, shape: tuple, line: tuple | None = None) -> dict | None:
+        """The reading of the call being made now, with (B, H, Lq, Lk) `shape`, by the running modules `stack`.
+        `line`: _line's (codes, lines), where the call's stack was walked already (trace/walk.py)."""
         q_len, k_len = int(shape[2]), int(shape[3])
         frame = sys._getframe(1)
-        codes, lines = _line(frame, bool(stack))
+        codes, lines = _line(frame, bool(stack)) if line is None else line
         key = (id(stack[-1]) if stack else None, *map(id, codes), *lines)  # (ids: hashing a code object costs a us)
         held = self._read.get(key)
         if held is None or (stack and held[0] is not stack[-1]) or held[2] != codes:  # (the same codes: equal at once)

@@ -66,6 +66,7 @@ def alone(report, reset=(), then=None) -> int:
     import warnings
 
     wait = _waiter()  # (made now: importing ctypes after the fork would let the interpreter go)
+    _hold_streams()
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e6)  # (a thread waiting for the interpreter does not ask this one to let it go)
     with warnings.catch_warnings():  # (3.12: "this process is multi-threaded": its copy runs one thread, by design)
@@ -97,6 +98,59 @@ def alone(report, reset=(), then=None) -> int:
         with contextlib.suppress(Exception):
             sys.stderr.flush()
         os._exit(code)
+
+
+def _hold_streams() -> None:
+    """sys.stdout and sys.stderr made to stop the threads left running at their next write (they wait there for the
+    process to end, holding no lock of the stream), and then flushed here, a few times with a pause between, which
+    waits for a thread writing now to be done with the write it is in (a print makes two). A thread that prints in a
+    loop spends its time without the interpreter inside the write that holds the stream's lock, and that is where it
+    hands the interpreter over: held from then on through the report (alone()), it would still hold the lock at the
+    flush of python's exit, which then aborts ("_enter_buffered_busy") where python mostly exits 0 (python's own exit
+    takes the interpreter from it once, at the end, not after a wait)."""
+    import time
+
+    me, held = threading.get_ident(), []
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Held):
+            setattr(sys, name, _Held(stream, me))
+            held.append(stream)
+    for _ in range(3) if held else ():
+        for stream in held:
+            with contextlib.suppress(Exception):
+                stream.flush()
+        time.sleep(0.005)  # (a thread that waited for the lock or the interpreter ends its print and stops at the next)
+
+
+class _Held:
+    """A standard stream that only the thread `owner` writes through; any other thread that writes or flushes it waits
+    there until the process ends (python's exit would have stopped it by then)."""
+
+    _never = threading.Event()
+
+    def __init__(self, stream, owner: int):
+        self._stream, self._owner = stream, owner
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def _mine(self) -> None:
+        if threading.get_ident() != self._owner:
+            while True:
+                self._never.wait()
+
+    def write(self, text):
+        self._mine()
+        return self._stream.write(text)
+
+    def writelines(self, lines):
+        self._mine()
+        return self._stream.writelines(lines)
+
+    def flush(self):
+        self._mine()
+        return self._stream.flush()
 
 
 def finish(code: int) -> None:

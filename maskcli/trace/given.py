@@ -36,7 +36,7 @@ def stored(trace, seen) -> str:
 def note(seen, trace, key: str, cache: dict) -> None:
     """Set seen.details["dropped_mask"] where a mask the program's frames hand toward this call is not kept to (the
     kernel's mask: `key` in trace's store, maybe a copy not read yet: store.unread_cells)."""
-    shape = tuple(int(x) for x in seen.shape)
+    shape = tuple(map(int, seen.shape))
     stored = trace._masks.get(key)
     if math.prod(shape) > CELLS or stored is not None and stored.get("form") == "stats":  # (math's: numpy's costs more)
         return

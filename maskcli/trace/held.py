@@ -61,29 +61,41 @@ def program_frames(frame, limit: int):
         frame = frame.f_back
 
 
-def padding() -> list[dict] | None:
-    """[{name, where, kind: keep | pad | lengths, rows: np.ndarray}] held by the program's frames now; None if none."""
+def names(code):
+    """The names of `code`'s variables that may hold padding (matched once per code), or None for code that is not the
+    program's (torch's, maskcli's, the standard library's, `<...>`)."""
     global _SKIP
     if not _SKIP:
         _SKIP = _skipped()
-    frame, searched, found, seen = sys._getframe(1), 0, [], set()
-    innermost, outer = None, []  # (the function that made the call; cells masks built above it, handed to no function)
-    while frame is not None and searched < FRAMES:
-        code = frame.f_code
-        names = _NAMES.get(code)
-        if names is None:
-            names = _NAMES.put(code, _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else
-                tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
-                      or CELLS.search(n) or POSITIONS.search(n) or IDS.search(n) or HANDED.search(n)
-                      or GRAPHS.search(n)))
-        if names is _OUTSIDE:
+    found = _NAMES.get(code)
+    if found is None:
+        found = _NAMES.put(code, _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else
+            tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
+                  or CELLS.search(n) or POSITIONS.search(n) or IDS.search(n) or HANDED.search(n)
+                  or GRAPHS.search(n)))
+    return None if found is _OUTSIDE else found
+
+
+def padding(frames: list | None = None) -> list[dict] | None:
+    """[{name, where, kind: keep | pad | lengths, rows: np.ndarray}] held by the program's frames now; None if none.
+    `frames`: (frame, names()) of the program's first FRAMES frames, innermost first, where the call's stack was walked
+    already (trace/walk.py); else they are found from the caller's frame."""
+    if frames is None:
+        frames = []
+        frame = sys._getframe(1)
+        while frame is not None and len(frames) < FRAMES:
+            found = names(frame.f_code)
+            if found is not None:
+                frames.append((frame, found))
             frame = frame.f_back
-            continue
-        searched += 1
+    found, seen = [], set()
+    innermost, outer = None, []  # (the function that made the call; cells masks built above it, handed to no function)
+    for frame, held in frames:
         innermost = innermost or frame
-        if names:
+        if held:
+            code = frame.f_code
             variables = frame.f_locals
-            for name in names:
+            for name in held:
                 value = variables.get(name)
                 if isinstance(value, torch.Tensor) and id(value) not in seen:
                     seen.add(id(value))
@@ -93,7 +105,6 @@ def padding() -> list[dict] | None:
                         if read["kind"] == "cells" and HANDED.search(name) and frame is not innermost \
                                 and name not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
                             outer.append((read, id(value)))
-        frame = frame.f_back
     if outer and _own_mask(innermost, {held for _, held in outer}):
         found = [read for read in found if not any(read is o for o, _ in outer)]
     return found or None

@@ -23,6 +23,7 @@ import torch
 from maskcli.trace.crossing import Readings
 from maskcli.trace.held import padding
 from maskcli.trace.swin import shifted_windows
+from maskcli.trace.walk import own_dirs as _own_dirs, walk  # noqa: F401 - (walk: capture.py's, one import line there)
 from maskcli.trace.windows import window_held
 
 FRAMES = 64  # frames of the program searched for a module's owner
@@ -37,6 +38,7 @@ class Sites:
         self._taken: dict[str, int] = {}  # shown name -> id of the module that has it
         self._steps: Counter = Counter()
         self.readings = Readings()  # each call site's cross-attention reading, read at its first call (trace/crossing.py)
+        self.walked = None  # the frames of the call being recorded, walked once for every reader (trace/walk.py)
 
     @property
     def stack(self) -> list:
@@ -55,9 +57,10 @@ class Sites:
             self._name(module)
         self.stack.append(module)
 
-    def load(self, modules) -> list:
+    def load(self, modules, walked=None) -> list:
         """The stack of this thread as `modules` (outermost first: the module calls running, read from the frames at an
-        attention call), each named where it is not yet; the stack."""
+        attention call), each named where it is not yet; the stack. `walked`: the call's frames (walk.py), for note()."""
+        self.walked = walked
         stack, names = self.stack, self._names
         stack.clear()
         for module in modules:
@@ -65,6 +68,11 @@ class Sites:
                 self._name(module)
             stack.append(module)
         return stack
+
+    def unload(self) -> None:
+        """The call recorded: this thread's stack emptied, its frames let go."""
+        self.stack.clear()
+        self.walked = None
 
     def leave(self, module) -> None:
         stack = self.stack
@@ -91,17 +99,20 @@ class Sites:
             details["module_causal" if not flag.endswith("=False") else "module_not_causal"] = flag.removesuffix("=False")
         if caller is not None:
             details["caller"] = caller
+        walked = self.walked
         if "cross" not in details:  # (a reader may have said it already: one query's scores, trace/masks.py)
-            reading = self.readings.of(self.stack, shape)  # keys another sequence's? (checks/context.crossing)
+            line = None if walked is None else walked.line_within if self.stack else walked.line
+            reading = self.readings.of(self.stack, shape, line)  # keys another sequence's? (checks/context.crossing)
             if reading is not None:
                 details["cross"] = reading
         windows = shifted_windows(self.stack)  # a Swin block's shifted windows and the mask it holds (checks/swin.py)
         if windows is not None:
             details["shifted_windows"] = windows
-        held = padding()  # the padding the program's frames hold (checks/held.py)
+        held = padding(None if walked is None else walked.held)  # the padding the program's frames hold (checks/held.py)
         if held is not None:
             details["held_padding"] = held
-        window = window_held(self.stack, _own_dirs(), details)  # (and a plain int one beside its query's position)
+        window = window_held(self.stack, _own_dirs(), details, None if walked is None else walked.windows)  # (and a plain
+        # int one beside its query's position)
         if window is not None:
             details["window_handed"] = window
 
@@ -160,7 +171,8 @@ class Sites:
 
     def _root(self, root) -> None:
         """A module no other one holds: named from itself, with a prefix where one of its names is taken already."""
-        names = [(child, sub) for sub, child in root.named_modules() if id(child) not in self._names]
+        tree = list(root.named_modules())  # (walked once: _tree names them from it where no prefix is needed)
+        names = [(child, sub) for sub, child in tree if id(child) not in self._names]
         if any(self._taken.get(sub or type(child).__name__, id(child)) != id(child) for child, sub in names):
             label = _variable(root)
             if label is None or label in self._taken:
@@ -170,11 +182,13 @@ class Sites:
                 label = f"{type(root).__name__}#{count}"
             self._tree(root, label)
         else:
-            self._tree(root, "")
+            self._tree(root, "", tree)
 
-    def _tree(self, module, prefix: str) -> None:
+    def _tree(self, module, prefix: str, tree: list | None = None) -> None:
+        """`module` and everything under it named by their paths under `prefix` (`tree`: its named_modules(), walked
+        already, where the prefix is "")."""
         wrapped = type(module).__name__ == "OptimizedModule"  # torch.compile's: the program's module is its _orig_mod
-        for sub, child in module.named_modules(prefix=prefix):
+        for sub, child in tree if tree is not None else module.named_modules(prefix=prefix):
             if wrapped:
                 sub = ".".join(part for part in sub.split(".") if part != "_orig_mod")
             if id(child) not in self._names:
@@ -182,12 +196,13 @@ class Sites:
                 self._taken.setdefault(sub or type(child).__name__, id(child))
 
 
-def running(frame) -> list[tuple]:
+def running(frame, calls: list | None = None) -> list[tuple]:
     """(module, frame, its variables) of each module call running in `frame` and those that called it, innermost first:
     nn.Module's _call_impl frames (one per call, hooks or not; dynamo keeps those of the code it compiled around a graph
-    break). Read at an attention call instead of hooks on every module call of the program."""
+    break). Read at an attention call instead of hooks on every module call of the program. `calls`: the frames among
+    them that are module calls (_call_impl's or a `__call__`), where the call's stack was walked already (walk.py)."""
     found, call, start = [], _CALL, frame
-    while frame is not None:
+    for frame in (_outwards(frame) if calls is None else calls):
         code = frame.f_code
         if code is call or code.co_name == "_call_impl":
             variables = frame.f_locals
@@ -198,7 +213,6 @@ def running(frame) -> list[tuple]:
             own = _own_call(frame)
             if own is not None and not (found and found[-1][0] is own[0]):  # (a `__call__` that calls super().__call__:
                 found.append(own)  # its _call_impl frame, inside it, is the module's call already)
-        frame = frame.f_back
     return found or _handed(start)
 
 
@@ -223,6 +237,12 @@ def _handed(frame) -> list[tuple]:
 
 
 _OWN = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))  # (torch's and maskcli's frames)
+
+
+def _outwards(frame):
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
 
 
 def _own_call(frame) -> tuple | None:
@@ -304,11 +324,6 @@ def frames_outside(count: int, held: dict | None = None) -> list[str]:
                 held.update((n, variables[n]) for n in HELD if variables.get(n) is not None)
         frame = frame.f_back
     return found + ["?"] * (count - len(found))
-
-
-@functools.cache
-def _own_dirs() -> tuple[str, ...]:
-    return (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<frozen")
 
 
 @functools.lru_cache(maxsize=1024)

@@ -160,7 +160,7 @@ def store(trace, seen) -> str:
     copy = _copy(keep)
     if copy is not None:  # read after the run (read_unread)
         key = f"{PENDING}{len(trace._read) + len(trace._unread)}"
-        trace._unread[key] = (copy, tuple(keep.shape), tuple(int(x) for x in seen.shape))
+        trace._unread[key] = (copy, tuple(keep.shape), tuple(map(int, seen.shape)))
         trace._unread_bytes += copy.numel() + OBJECT  # (a million tiny masks: their tensors' own bytes count too)
         if trace._unread_bytes > UNREAD:
             read_unread(trace)

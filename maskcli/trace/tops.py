@@ -44,6 +44,7 @@ TARGET_PAD = ("trg_pad_idx", "tgt_pad_idx", "trg_pad_id", "tgt_pad_id", "target_
 # flattened to (B, patches), the key order of its attention (checks/real.py)
 PATCHES = ("patch_attention_mask", "patch_attn_mask")
 MOST = 1 << 20  # elements of one argument kept (a batch's 2-D ids; never a 4-D mask)
+_NAMED = ARGUMENTS + PATCHES
 
 
 @functools.cache
@@ -78,8 +79,10 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     `held`: what was read of the program's frames as the call ran (`withheld`)."""
     signature, given = _given(module, args, kwargs)
     found = {}
-    for name in ARGUMENTS + PATCHES:
+    for name in _NAMED:
         value = given.get(name)
+        if value is None:  # (most of these names are not the call's: one lookup each, every step)
+            continue
         if name in PATCHES and isinstance(value, torch.Tensor) and value.dim() == 3:
             value = value.flatten(1)
         if isinstance(value, torch.Tensor) and value.dim() <= 2 and value.numel() <= MOST and value.device.type != "meta" \

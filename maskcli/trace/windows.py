@@ -53,11 +53,13 @@ def _encoder(holder) -> bool:
     return str(getattr(kind, "name", kind)).upper() in ("ENCODER_ONLY", "ENCODER")
 
 
-def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None) -> tuple[str, int, int, str] | None:
+def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None,
+                frames: list | None = None) -> tuple[str, int, int, str] | None:
     """(name, left, right, where) of the outermost window statement: the running modules' (`stack`, outermost first)
     attributes, else the variables of the program frames (those whose files do not start with `skip`), outermost
     first; None where none states one or the outermost states none. Only frames whose code names a window have their
-    locals read (a module's dict lookups cost next to nothing).
+    locals read (a module's dict lookups cost next to nothing). `frames`: (frame, whether its code names a window) of
+    the first FRAMES program frames, where the call's stack was walked already (trace/walk.py).
 
     `counted` (a dict), where given, gets under "window_counted" (name, W, p, where) of the outermost frame that holds
     a plain int window W > 0 (or -1, none) beside the int position p of its one query (`cur_pos`, `start_pos`: POSITIONS; or its
@@ -70,32 +72,42 @@ def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None)
                 said = _said(name, attributes[name], module)
                 if said is not None:
                     return _result(name, said, f"self.{name} of {type(module).__name__}")
-    frame, seen, found = sys._getframe(1), 0, None
-    while frame is not None and seen < FRAMES:
-        code = frame.f_code
-        kind = _CODES.get(code)
-        if kind is None:  # (co_varnames is built anew at each read: once per code object)
-            kind = _CODES.put(code, (not code.co_filename.startswith(skip), not _NAMES.isdisjoint(code.co_varnames)))
-        if kind[0]:
-            seen += 1
-            if kind[1]:
-                variables = frame.f_locals
-                for name in LOCALS:
-                    if name in variables and name != "sliding_window_size":  # (a bare int of that name: whose convention?)
-                        said = _said(name, variables[name])
-                        if said is not None:
-                            found = (name, said, f"{name} in {code.co_name}()")
-                            break
-                if counted is not None:
-                    plain = _plain(variables, code.co_name)
-                    if plain is not None:
-                        counted["window_counted"] = plain
-        frame = frame.f_back
+    if frames is None:
+        frames = []
+        frame = sys._getframe(1)
+        while frame is not None and len(frames) < FRAMES:
+            own, named = _kind(frame.f_code, skip)
+            if own:
+                frames.append((frame, named))
+            frame = frame.f_back
+    found = None
+    for frame, named in frames:
+        if named:
+            code = frame.f_code
+            variables = frame.f_locals
+            for name in LOCALS:
+                if name in variables and name != "sliding_window_size":  # (a bare int of that name: whose convention?)
+                    said = _said(name, variables[name])
+                    if said is not None:
+                        found = (name, said, f"{name} in {code.co_name}()")
+                        break
+            if counted is not None:
+                plain = _plain(variables, code.co_name)
+                if plain is not None:
+                    counted["window_counted"] = plain
     return None if found is None else _result(*found)
 
 
 POSITIONS = ("cur_pos", "current_pos", "cur_position", "start_pos", "input_pos", "past_len", "past_length")
 LENGTHS = ("seq_len", "context_len", "kv_len", "kv_seqlen", "kv_seqlens", "seq_length", "context_length")
+
+
+def _kind(code, skip: tuple[str, ...]) -> tuple[bool, bool]:
+    """(the program's own, names a window) of a code object (co_varnames is built anew at each read: once per code)."""
+    kind = _CODES.get(code)
+    if kind is None:
+        kind = _CODES.put(code, (not code.co_filename.startswith(skip), not _NAMES.isdisjoint(code.co_varnames)))
+    return kind
 
 
 def _plain(variables: dict, function: str) -> tuple | None:
