@@ -94,6 +94,8 @@ class Follow:
                     reader = laid(reader, self.scores, args, kwargs)
                 elif reader is readers.softmax and self.scores.matrices:  # one sequence's (Lq, Lk) (scores.py)
                     reader = as_matrix(reader, self.scores, args, kwargs)
+                    if reader is not readers.softmax and self.interfaces:  # (one piece of a Hugging Face attention
+                        return call(*args, **kwargs)  # function's call, a document or a head: its interface records the whole)
                 self._softmax, made = None, len(self._calls)
                 self.capture(reader, args, kwargs)
                 softmaxed, self._softmax = self._softmax, None
