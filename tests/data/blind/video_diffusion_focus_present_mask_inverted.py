@@ -30,15 +30,6 @@ def exists(x):
     return x is not None
 
 
-def prob_mask_like(shape, prob, device):
-    if prob == 1:
-        return torch.ones(shape, device=device, dtype=torch.bool)
-    elif prob == 0:
-        return torch.zeros(shape, device=device, dtype=torch.bool)
-    else:
-        return torch.zeros(shape, device=device).float().uniform_(0, 1) < prob
-
-
 class Attention(nn.Module):
     def __init__(self, dim, heads=4, dim_head=32, rotary_emb=None):
         super().__init__()
