@@ -83,12 +83,12 @@ def _at_one_id(real: np.ndarray, ids: tuple) -> bool:
     return False
 
 
-def pair_rows(held: dict, rows: int, length: int) -> list[np.ndarray | None]:
+def pair_rows(held: dict, rows: int, length: int, ids: tuple = ()) -> list[np.ndarray | None]:
     """Bool (rows,) per table of readings(): where the batch is folded with as many rows each as the keys (`b * n`
     rows, n the keys' length: axial attention over a pair map, AlphaFold's (b i) j), whether each row's own token is
     real; None for a table of no such fold. A row of a padded token is a padded pair (i, j) for every j, which no key
     mask need keep to (a finite fill over the whole row, its max subtracted, reads as seeing every key)."""
-    tables = readings(held, rows, length)
+    tables = readings(held, rows, length, ids)  # (the same tables as the caller's: `ids` as it hands readings)
     size = held["rows"].shape[0] if held["rows"].ndim == 2 else 0
     if not tables or size < 2 or rows != size * length:
         return [None] * len(tables)
@@ -206,7 +206,7 @@ def held_padding(run: Run) -> list:
             tables = readings(held, rows, k_len, ids) if _tracks_keys(run, call, held) else []
             if not tables:
                 continue
-            for real, row_real in zip(tables, pair_rows(held, rows, k_len)):
+            for real, row_real in zip(tables, pair_rows(held, rows, k_len, ids)):
                 bad = _seen(cells, real, own)
                 if row_real is not None:
                     bad = bad & row_real[:, None, None]
