@@ -133,7 +133,8 @@ def test_a_padding_mask_kept_to_exactly_the_other_way_round_is_the_programs_conv
 
 def test_a_keras_way_pad_mask_gets_no_alarm_and_one_kept_to_neither_reading_is_found(tmp_path):
     # KerasHub's padding_mask (True on the tokens) AND-ed with a causal mask: the blind reproduction's fix, and a
-    # decoder written another way (left padded, an eager softmax, `pad_mask`)
+    # decoder written another way (left padded, an eager softmax, `pad_mask`; then an SDPA decode step whose pad_mask is
+    # True on the slots written so far: held.py's padding-only-attended, read as torch's, saw only the future real)
     from checkbugs import traced
 
     blind = ROOT / "tests" / "data" / "blind"

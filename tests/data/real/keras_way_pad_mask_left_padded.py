@@ -5,10 +5,13 @@ softmax: every real query sees its own and earlier real tokens, no padding. torc
 padding; here the mask keeps to the other reading exactly, so nothing the program states is contradicted.
 With `--query-side` the block lays pad_mask along the queries instead of the keys: the padding rows see nothing
 and the real queries see the left pads before them, which neither reading of `pad_mask` allows.
+Then one decode step over a cache of 9 slots, 7 written: its `pad_mask` is True on slots 0 .. 7 (the tokens so far),
+the query at slot 7 sees them all (SDPA, a bool mask).
 """
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 QUERY_SIDE = "--query-side" in sys.argv
@@ -38,7 +41,18 @@ def main():
     x = torch.randn(3, 7, 16)
     with torch.no_grad():
         out = Block(16, 2).eval()(x, pad_mask)
-    print(out[:, -1, :3])
+        print(out[:, -1, :3])
+        step = DecodeStep()(torch.randn(3, 9, 16), torch.arange(9)[None, :].expand(3, -1) <= 7, cache_update_index=7)
+        print(step[:, 0, :3])
+
+
+class DecodeStep(nn.Module):
+    def forward(self, cache, pad_mask, cache_update_index):
+        """One query at slot `cache_update_index` over the cache's slots; `pad_mask` True on the slots written so far."""
+        at = cache_update_index
+        q = cache[:, None, at:at + 1]
+        allowed = (torch.arange(cache.shape[1]) <= at)[None, None, None, :] & pad_mask[:, None, None, :]
+        return F.scaled_dot_product_attention(q, cache[:, None], cache[:, None], attn_mask=allowed)[:, 0]
 
 
 if __name__ == "__main__":
