@@ -102,3 +102,48 @@ def test_a_left_padded_hugging_face_generate_gets_no_alarm():
     result = runner.invoke(app, ["model", "llama"])
     assert result.exit_code == 0, result.output
     assert "--pad left" in result.output and "wrong" not in result.output
+
+
+def _keras_way(starts, length, query_side=False):
+    """(bool (B, L) True on each row's tokens from `starts`, bool (B, L, L) causal AND that mask along the keys, or
+    along the queries), by a double loop."""
+    tokens = np.array([[k >= start for k in range(length)] for start in starts])
+    cells = np.zeros((len(starts), length, length), dtype=bool)
+    for b in range(len(starts)):
+        for q in range(length):
+            for k in range(q + 1):
+                cells[b, q, k] = tokens[b, q] if query_side else tokens[b, k]
+    return tokens, cells
+
+
+def test_a_padding_mask_kept_to_exactly_the_other_way_round_is_the_programs_convention():
+    from maskcli.checks.real import kept_turned
+
+    tokens, cells = _keras_way([0, 3, 2], 7)
+    own = np.arange(7)
+    torch_reading = ~tokens  # (what `stated` reads from a padding_mask: True = padding)
+    assert kept_turned("padding_mask of Block", torch_reading, cells, own)
+    assert kept_turned("pad_mask of Block", torch_reading, cells, own)
+    # torch's own argument name has one convention; an attention_mask is 1 on the tokens everywhere
+    assert not kept_turned("key_padding_mask of Block", torch_reading, cells, own)
+    # a mask kept to neither reading: laid along the queries, the real queries see the pads before them
+    _, along_queries = _keras_way([0, 3, 2], 7, query_side=True)
+    assert not kept_turned("padding_mask of Block", torch_reading, along_queries, own)
+
+
+def test_a_keras_way_pad_mask_gets_no_alarm_and_one_kept_to_neither_reading_is_found(tmp_path):
+    # KerasHub's padding_mask (True on the tokens) AND-ed with a causal mask: the blind reproduction's fix, and a
+    # decoder written another way (left padded, an eager softmax, `pad_mask`; then an SDPA decode step whose pad_mask is
+    # True on the slots written so far: held.py's padding-only-attended, read as torch's, saw only the future real)
+    from checkbugs import traced
+
+    blind = ROOT / "tests" / "data" / "blind"
+    if (blind / "keras_hub_gemma2_flash_branch_skips_sliding_window.py").exists():
+        status, found, report = traced(tmp_path, "keras_hub_gemma2_flash_branch_skips_sliding_window", True, blind)
+        assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+    folder = ROOT / "tests" / "data" / "real"
+    status, found, report = traced(tmp_path, "keras_way_pad_mask_left_padded", False, folder)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+    status, found, report = traced(tmp_path, "keras_way_pad_mask_left_padded", False, folder, ("--query-side",))
+    hit = [f for f in found if f["code"] == "real-query-blind" and f["severity"] == "wrong"]
+    assert status == 1 and hit and tuple(hit[0]["cell"]) == (1, 0, 0), report

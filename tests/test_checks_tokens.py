@@ -237,3 +237,9 @@ def test_a_mask_from_the_response_only_against_the_pad_id_a_config_of_the_progra
     ids, mask = [[3, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13]], [[0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1]]
     assert tuple(found[0]["cell"]) == first((2, 6, 6), _text_hidden(ids, mask, 3))
     assert "BatchConfig" in found[0]["message"]
+
+
+def test_coreml_sd3_t5_encoder_attention_mask_inverted(tmp_path):
+    """apple/ml-stable-diffusion (SD3 T5 encoder): the padding mask's polarity inverted, so real tokens attend the pads
+    and the pads are called real (written blind, batch blind-u; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "coreml_sd3_t5_encoder_attention_mask_inverted", "padding-unmarked")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, beside_memory, columns_are_positions, first_cell, keep, queries, real_queries
-from maskcli.checks.real import stated
+from maskcli.checks.real import kept_turned, stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -119,6 +119,8 @@ def padding(run: Run) -> list:
         bad = _seen_padding(cells, real, own)
         if readings is not None and not all(_seen_padding(cells, other, own).any() for other in readings[1:]):
             continue  # (folded one way the mask keeps to the padding: quiet)
+        if bad.any() and readings is None and kept_turned(source, real, cells, own):
+            continue  # (a `padding_mask` True on the tokens, Keras's way round, kept to exactly: real.kept_turned)
         if bad.any():
             b, q, k = first_cell(bad)
             step = "a decode step" if call.shape[2] == 1 and call.step > 0 else f"step {call.step}"

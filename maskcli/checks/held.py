@@ -289,6 +289,17 @@ def _edge_runs(real: np.ndarray, right_only: bool) -> bool:
 EXTRA_KEYS = 4  # keys besides the tokens a held padding covers (a relay node, CLS, registers) that it may leave out
 
 
+def _after_every_query(call, run: Run, real: np.ndarray, at: int) -> bool:
+    """Every key the mask calls real, in each padded row, lies after every query of a self-attention (a decode step
+    at position i whose `padding_mask` is True on 0 .. i, Keras's way round: read as torch's, its "real" keys are the
+    unwritten future, which the call never shows whichever way the mask is meant)."""
+    if cross(call) or not real.any(axis=1).all():
+        return False
+    own = queries(call, run.top(call))
+    first = np.argmax(real, axis=1) + at
+    return bool(len(own) and (first > own.max()).all())
+
+
 def held_inverted(run: Run) -> list:
     """Calls whose every query, in every padded batch row, sees exactly the keys a padding mask the program holds calls
     padding, and none it calls real: the mask turned round on its way to the kernel (torch_brain#74)."""
@@ -324,6 +335,8 @@ def held_inverted(run: Run) -> list:
                             break
                     else:
                         continue
+                    if _after_every_query(call, run, real[padded], at):
+                        continue  # (the complement is then causality itself: it says nothing of which way round)
                     b = int(np.flatnonzero(padded)[0])
                     k = int(np.flatnonzero(~real[b])[0]) + at
                     said = f"{held['name']} in {held['where']}"

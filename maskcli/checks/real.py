@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from maskcli.checks.context import keep, queries
+from maskcli.checks.context import keep, queries, real_queries
 
 PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = padding
 REAL_TRUE = ("attention_mask", "patch_attention_mask", "patch_attn_mask")  # 1 = a real token (a real patch)
@@ -131,6 +131,27 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
         return None
     real, name, sure = found[0]
     return first, (name if name.startswith("input ids") else f"{name} of {top.where}"), sure
+
+
+EITHER_WAY = ("padding_mask", "pad_mask")  # True = padding in torch / fairseq; True = a real token in Keras / Flax
+
+
+def kept_turned(source: str, real: np.ndarray, cells: np.ndarray, own: np.ndarray) -> bool:
+    """The statement is a mask whose name both conventions use (EITHER_WAY: `stated` reads it as torch does) and the
+    cells (rows, Lq, Lk) keep exactly to it read the other way round: every row has a token it then calls real, no such
+    query sees another key, and each sees some key. Its polarity is then the program's other convention (KerasHub's
+    `padding_mask`, True on the tokens, AND-ed with the causal mask), so no statement of the program's contradicts it;
+    a mask that keeps to neither reading is still read as torch's."""
+    if source.split(" ")[0] not in EITHER_WAY:
+        return False
+    turned = ~real
+    if not turned.any(axis=1).all():
+        return False
+    mine = real_queries(turned, own)
+    length = real.shape[1]
+    if (cells[:, :, :length] & mine[:, :, None] & real[:, None, :]).any() or cells[:, :, length:][mine].any():
+        return False
+    return bool(mine.any() and cells[mine].any(axis=-1).all())
 
 
 def read_off(cells: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -22,7 +22,7 @@ import re
 import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries
-from maskcli.checks.real import stated
+from maskcli.checks.real import kept_turned, stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -118,6 +118,8 @@ def sides(run: Run) -> list:
             continue
         done.add(key)
         seen = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
+        if not judge_keys and kept_turned(source, keys_real, seen, queries(call, top)):
+            continue  # (a `padding_mask` True on the tokens, Keras's way round, kept to exactly: real.kept_turned)
         if judge_keys:
             bad = seen & own_real[:, :, None] & ~keys_real[:, None, :]
             if bad.any():
