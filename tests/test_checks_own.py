@@ -33,6 +33,10 @@ def test_fewer_queries_than_keys_placed_last_that_see_a_later_key_are_found(tmp_
     over 4 memory states whose causal mask waits for an argument never passed; both fixes quiet."""
     found = check_bug(tmp_path, "local_attention_exact_windowsize_drops_causal_mask", "causal-flag-ignored")
     assert "LocalAttention.causal" in found[0]["message"]
+    # lucidrains/local-attention a4836b3 (written blind): bfloat16 bucket positions collide past 256, so some
+    # queries see a later key of their bucket; its fix (long positions) quiet
+    found = check_bug(tmp_path, "local_attention_half_precision_positions_break_causal_mask", "causal-flag-ignored")
+    assert "LocalAttention.causal" in found[0]["message"]
     found = check_bug(tmp_path, "memory_segment_causal_flag", "causal-flag-ignored", folder=OWN)
     assert _cell(found) == first((1, 10, 10), lambda b, q, k: q >= 4 and k > q)  # queries at memory 4 + i
 

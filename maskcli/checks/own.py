@@ -64,9 +64,10 @@ def flag_ignored(run: Run) -> list:
         b, _, q, k = first_cell(later)
         found.append((call, Finding("causal-flag-ignored", (
             f"{_layer(None, call)}'s module states {said.split('.')[-1]}=True ({said}), but its {call.api} over "
-            f"({call.shape[2]}, {call.shape[3]}) scores {'masks nothing' if square else 'hides no later key (its queries the last keys)'}: "
+            f"({call.shape[2]}, {call.shape[3]}) scores {'masks nothing' if square else 'let a real query see a later key (its queries the last keys)'}: "
             f"query {int(placed.own[q])} sees later key {k} "
-            f"({int(later.any(axis=1).sum())} such cells): the flag never reached the mask"),
+            f"({int(later.any(axis=1).sum())} such cells): the flag never reached the mask"
+            f"{'' if square else ', or not all of it'}"),
             expected="causal", source=said, cell=(b, int(placed.own[q]), k))))
     return found
 
