@@ -6,9 +6,9 @@
   merged only where an extra att_mask was passed). Over fewer queries than keys that the one reading of
   cross-attention (checks/context.crossing) does not call another sequence's, the queries sit at the end of the keys
   (a memory, a look-back bucket before them) and a real query that sees any later key contradicts the flag
-  (local-attention#5: causal and exact_windowsize AND-ed, so every bucket saw its own future). Left alone: a call made through a transformers attention
-  interface (its mask is masking_utils', built from the config; the module's flag is read only where no mask is
-  given), later keys its model call's token types account for (PaliGemma's prefix at prefill), a config that states
+  (local-attention#5: causal and exact_windowsize AND-ed, so every bucket saw its own future). Left alone: a call
+  made through a transformers attention interface (its mask is masking_utils', built from the config; the module's
+  flag is read only where no mask is given), later keys its model call's token types account for (PaliGemma's prefix at prefill), a config that states
   the attention both ways (the flag disagrees with the config, not with the mask), one query or a cache.
 - A full-attention layer (by the config's layer kinds) that is causal in a model call whose sliding layers see a
   symmetric window (`|q - k| < W`): the program attends both ways, and a full layer sees at least what a sliding
@@ -37,7 +37,8 @@ POSITIONS = ("cache_position", "input_pos", "position_ids")  # a model call's wo
 def flag_ignored(run: Run) -> list:
     """A module that states itself causal whose square scores are masked nowhere (on real queries and keys)."""
     candidates = [call for call in run.calls if call.details.get("module_causal") and call.details.get("hf") is None
-                  and call.stored is not None and 1 < call.shape[2] <= call.shape[3] and call.details.get("slots") is None
+                  and call.stored is not None and 1 < call.shape[2] <= call.shape[3]
+                  and call.details.get("slots") is None
                   and (call.shape[2] == call.shape[3] or not cross(call))]
     if not candidates:
         return []  # (most runs: no module says it is causal, or every call of one is transformers')
@@ -64,7 +65,8 @@ def flag_ignored(run: Run) -> list:
         b, _, q, k = first_cell(later)
         found.append((call, Finding("causal-flag-ignored", (
             f"{_layer(None, call)}'s module states {said.split('.')[-1]}=True ({said}), but its {call.api} over "
-            f"({call.shape[2]}, {call.shape[3]}) scores {'masks nothing' if square else 'let a real query see a later key (its queries the last keys)'}: "
+            f"({call.shape[2]}, {call.shape[3]}) scores "
+            f"{'masks nothing' if square else 'let a real query see a later key (its queries the last keys)'}: "
             f"query {int(placed.own[q])} sees later key {k} "
             f"({int(later.any(axis=1).sum())} such cells): the flag never reached the mask"
             f"{'' if square else ', or not all of it'}"),
