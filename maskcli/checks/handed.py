@@ -114,8 +114,8 @@ def held_window(run: Run) -> list:
     # a step at which another call held the same window keeps to it: the window is chosen per layer (Gemma 2's
     # alternating local and global layers, one attend() for both), not dropped on a path (the layer rules judge that);
     # and a site whose one run of the function attending (trace/windows.py's window_frame) keeps to the window in
-    # another call over the same queries (each seeing the same newest key) attends them by two branches (native sparse attention's block-causal fine branch beside its
-    # sliding one): the window claims one branch, not every call
+    # another call over the same queries (each seeing the same newest key) attends them by two branches (native
+    # sparse attention's block-causal fine branch beside its sliding one): the window claims one branch, not every call
     found = [(call, f) for i, (call, f) in enumerate(found) if f.code != "window-dropped"
              or ((call.step, call.shape[2:], tuple(call.details["window_handed"])) not in kept
                  and (branch[i][1] is None or branch[i] not in branches))]
