@@ -9,7 +9,8 @@
   (local-attention#5: causal and exact_windowsize AND-ed, so every bucket saw its own future). Left alone: a call
   made through a transformers attention interface (its mask is masking_utils', built from the config; the module's
   flag is read only where no mask is given), later keys its model call's token types account for (PaliGemma's prefix
-  at prefill), a config that states the attention both ways (the flag disagrees with the config, not with the mask), one query or a cache.
+  at prefill), a config that states the attention both ways (the flag disagrees with the config, not with the mask),
+  one query.
 - A full-attention layer (by the config's layer kinds) that is causal in a model call whose sliding layers see a
   symmetric window (`|q - k| < W`): the program attends both ways, and a full layer sees at least what a sliding
   one does (transformers#42820: T5Gemma2's encoder attention flagged is_causal, so SDPA ran it causal where the
