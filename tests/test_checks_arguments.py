@@ -108,6 +108,7 @@ def test_a_mask_made_from_the_ids_the_wrong_way_round_is_found_by_the_embeddings
 @pytest.mark.parametrize("name", [
     "label_cross_attention_inverted_padding_mask",  # InseeFrLab/torchTextClassifiers#92: attention_mask == 0 to SDPA
     "paligemma_prefix_lm_unmasks_padding_in_training",  # transformers#35855: the prefix unmasked after the padding
+    "llada_mdm_attention_ignores_padding_mask",  # ML-GSAI/LLaDA#89: attn_mask=None though attention_mask was given
 ])
 def test_blind_reproductions_of_a_stated_padding_ignored_are_flagged(tmp_path, name):
     """Written blind (each caught before any rule was tuned for the blind split)."""

@@ -109,3 +109,21 @@ def test_a_global_layer_whose_cache_is_trimmed_to_the_local_window(tmp_path):
     want = sum(1 for k in range(p + 1) if k <= p)
     seen = sum(1 for k in range(p - 4, p + 1))
     assert f"the query at position {p} sees {seen} keys" in hit["message"] and hit["expected"] == f"{want} keys"
+
+
+def test_two_branches_in_one_run_the_window_claims_one(tmp_path):
+    """Native sparse attention (lucidrains' d1f5d41 fix, blind reproduction): one forward_inference attends the new
+    token by a block-causal fine branch (up to its block of 4 keys) and a sliding branch (3 keys): the window claims
+    the sliding branch, not the fine one (no window-dropped). Written otherwise: a prefill module holding
+    window_size=(2, 0) sums a block-causal and a sliding SDPA over the same queries, quiet; with --drop its sliding
+    branch masks causality alone, so no call of the run keeps to the window: still caught, its first cell against a
+    loop over absolute positions."""
+    blind = Path(__file__).parent / "data" / "blind"
+    status, found, report = traced(tmp_path, "nsa_inference_fine_block_causal_window_off_by_one", True, blind)
+    assert [f for f in found if f["code"] == "window-dropped"] == [] and status == 0, report
+    status, found, report = traced(tmp_path, "window_and_block_branches", False, QUIET)
+    assert [f for f in found if f["severity"] == "wrong"] == [] and status == 0, report
+    status, found, report = traced(tmp_path, "window_and_block_branches", False, QUIET, ("--drop",))
+    hits = [f for f in found if f["code"] == "window-dropped" and f["severity"] == "wrong"]
+    assert status == 1 and len(hits) == 2, report
+    assert tuple(hits[0]["cell"]) == first((2, 8, 8), lambda b, q, k: k <= q and q - k > 2 and q // 4 == k // 4)

@@ -27,6 +27,20 @@ def test_an_is_causal_attribute_sdpa_is_not_told_is_found(tmp_path):
     assert "CausalSelfAttention.is_causal" in found[0]["message"]
 
 
+def test_fewer_queries_than_keys_placed_last_that_see_a_later_key_are_found(tmp_path):
+    """lucidrains/local-attention#5 (written blind): causal and exact_windowsize AND-ed, so each bucket's queries (the
+    last 4 of its 8 look-back keys) see their own bucket's future. Written otherwise: a Transformer-XL style segment
+    over 4 memory states whose causal mask waits for an argument never passed; both fixes quiet."""
+    found = check_bug(tmp_path, "local_attention_exact_windowsize_drops_causal_mask", "causal-flag-ignored")
+    assert "LocalAttention.causal" in found[0]["message"]
+    # lucidrains/local-attention a4836b3 (written blind): bfloat16 bucket positions collide past 256, so some
+    # queries see a later key of their bucket; its fix (long positions) quiet
+    found = check_bug(tmp_path, "local_attention_half_precision_positions_break_causal_mask", "causal-flag-ignored")
+    assert "LocalAttention.causal" in found[0]["message"]
+    found = check_bug(tmp_path, "memory_segment_causal_flag", "causal-flag-ignored", folder=OWN)
+    assert _cell(found) == first((1, 10, 10), lambda b, q, k: q >= 4 and k > q)  # queries at memory 4 + i
+
+
 def test_a_flash_varlen_prompt_pass_run_not_causal_on_a_left_padded_batch_is_found(tmp_path):
     # huggingface/transformers#41966 (written blind): GPT-2's is_causal = attention_mask is None and q_len > 1, so a
     # left-padded batch's FlashAttention-2 prompt pass ran with causal=False although the module says is_causal

@@ -54,7 +54,7 @@ def _spans(rows: np.ndarray, real) -> tuple:
 
 def held_window(run: Run) -> list:
     """A real query that sees keys further apart than the window held, or a mask narrower than it."""
-    found, done, kept = [], set(), set()
+    found, done, kept, branches, branch = [], {}, set(), set(), {}
     for call in run.calls:
         held = call.details.get("window_handed")
         if not held or len(held) != 4 or call.stored is None or call.details.get("slots") is not None:
@@ -64,8 +64,10 @@ def held_window(run: Run) -> list:
         own = queries(call, top)
         key = (call.where, call.mask, call.shape, tuple(own), tuple(held))
         if key in done:
+            if done[key] is not None:  # (the same mask kept to the window: so does this call, in its run)
+                branches.add((call.where, call.details.get("window_frame"), tuple(held), done[key]))
             continue
-        done.add(key)
+        done[key] = None
         cells = keep(call)
         if cells is None:
             continue
@@ -75,10 +77,15 @@ def held_window(run: Run) -> list:
         width = left + right + 1
         keys = _positions(call, own, top)
         wide = has & (hi - lo + 1 > width)
+        # where each query's newest key sits from its placing: the same in two calls of one run that attend the same
+        # queries (each tile of a query-tiled kernel sees other keys)
+        ends = (call.shape[:3], tuple(np.where(has, keys[last] - own[None, :], -1 - len(keys)).ravel().tolist()))
         said = f"{where} holds {name} = {_shown(name, left, right)} (a query at p sees keys {_reach(left, right)})"
         expected = f"window({width})" if right == 0 else f"band({left + 1})"
         if not wide.any():
+            done[key] = ends
             kept.add((call.step, call.shape[2:], tuple(held)))
+            branches.add((call.where, call.details.get("window_frame"), tuple(held), ends))
             interior = has & (count == hi - lo + 1) & (lo > 0) & (hi < total[:, None] - 1)
             lengths = set(count[interior].tolist())
             # (sliding_window_size counts the query in LitGPT's and Keras-hub's, not SGLang's: only the span is sure)
@@ -98,16 +105,21 @@ def held_window(run: Run) -> list:
         # a one-sided window ends at the query's own key: the newest key a row sees is where it sits, as a kernel's
         # query tile places it (a symmetric one's queries are placed as trace places them)
         at = z if right == 0 else int(own[q])
+        branch[len(found)] = (call.where, call.details.get("window_frame"), tuple(held), ends)
         found.append((call, Finding("window-dropped", (
             f"{said}, but query {at} of batch row {b} sees keys {a} .. {z}, a span of "
             f"{int(hi[b, q] - lo[b, q] + 1)} real keys where the window spans {width} ({int(wide.sum())} such rows; step {call.step}): the window "
             f"is dropped on this path"),
             expected=expected, source=where, cell=(b, at, a))))
-    found += _counted(run)
     # a step at which another call held the same window keeps to it: the window is chosen per layer (Gemma 2's
-    # alternating local and global layers, one attend() for both), not dropped on a path (the layer rules judge that)
-    return [(call, f) for call, f in found if f.code != "window-dropped"
-            or (call.step, call.shape[2:], tuple(call.details["window_handed"])) not in kept]
+    # alternating local and global layers, one attend() for both), not dropped on a path (the layer rules judge that);
+    # and a site whose one run of the function attending (trace/windows.py's window_frame) keeps to the window in
+    # another call over the same queries (each seeing the same newest key) attends them by two branches (native
+    # sparse attention's block-causal fine branch beside its sliding one): the window claims one branch, not every call
+    found = [(call, f) for i, (call, f) in enumerate(found) if f.code != "window-dropped"
+             or ((call.step, call.shape[2:], tuple(call.details["window_handed"])) not in kept
+                 and (branch[i][1] is None or branch[i] not in branches))]
+    return found + _counted(run)
 
 
 def _counted(run: Run) -> list:

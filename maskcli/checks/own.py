@@ -3,10 +3,14 @@
 - A module whose own attribute says it is causal (`self.causal = True`, `self.is_causal = True`: trace records it
   on each call the module makes, trace/sites.py causal_flag) but whose softmax or kernel over square (L, L) scores
   masks nothing at all on the real queries and keys: the flag never reached the mask (xformers#103: the causal mask
-  merged only where an extra att_mask was passed). Left alone: a call made through a transformers attention
-  interface (its mask is masking_utils', built from the config; the module's flag is read only where no mask is
-  given), later keys its model call's token types account for (PaliGemma's prefix at prefill), a config that states
-  the attention both ways (the flag disagrees with the config, not with the mask), one query or a cache.
+  merged only where an extra att_mask was passed). Over fewer queries than keys that the one reading of
+  cross-attention (checks/context.crossing) does not call another sequence's, the queries sit at the end of the keys
+  (a memory, a look-back bucket before them) and a real query that sees any later key contradicts the flag
+  (local-attention#5: causal and exact_windowsize AND-ed, so every bucket saw its own future). Left alone: a call
+  made through a transformers attention interface (its mask is masking_utils', built from the config; the module's
+  flag is read only where no mask is given), later keys its model call's token types account for (PaliGemma's prefix
+  at prefill), a config that states the attention both ways (the flag disagrees with the config, not with the mask),
+  one query.
 - A full-attention layer (by the config's layer kinds) that is causal in a model call whose sliding layers see a
   symmetric window (`|q - k| < W`): the program attends both ways, and a full layer sees at least what a sliding
   one does (transformers#42820: T5Gemma2's encoder attention flagged is_causal, so SDPA ran it causal where the
@@ -22,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.config import _each_layer_call, _layer, _placed
-from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.context import Run, cross, first_cell, keep
 from maskcli.checks.intent import intent
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import explained
@@ -34,7 +38,9 @@ POSITIONS = ("cache_position", "input_pos", "position_ids")  # a model call's wo
 def flag_ignored(run: Run) -> list:
     """A module that states itself causal whose square scores are masked nowhere (on real queries and keys)."""
     candidates = [call for call in run.calls if call.details.get("module_causal") and call.details.get("hf") is None
-                  and call.stored is not None and call.shape[2] == call.shape[3] > 1 and call.details.get("slots") is None]
+                  and call.stored is not None and 1 < call.shape[2] <= call.shape[3]
+                  and call.details.get("slots") is None
+                  and (call.shape[2] == call.shape[3] or not cross(call))]
     if not candidates:
         return []  # (most runs: no module says it is causal, or every call of one is transformers')
     judged, found, done = explained(run), [], set()
@@ -49,14 +55,22 @@ def flag_ignored(run: Run) -> list:
             continue
         cells = keep(call)
         placed = None if cells is None else _placed(call, run, cells)
-        if placed is None or not placed.holds("full") or placed.holds("causal"):
+        # (square scores: only a mask that masks nothing is sure; fewer queries than keys, placed as the last keys
+        # where the one reading says they are no other sequence's: a later key seen at all contradicts the flag)
+        square = call.shape[2] == call.shape[3]
+        if placed is None or (square and not placed.holds("full")) or placed.holds("causal"):
             continue
         later = placed.seen & placed.judged & (placed.keys[None, :] > placed.own[:, None])[None, None]
+        if not later.any():
+            continue
         b, _, q, k = first_cell(later)
         found.append((call, Finding("causal-flag-ignored", (
             f"{_layer(None, call)}'s module states {said.split('.')[-1]}=True ({said}), but its {call.api} over "
-            f"({call.shape[2]}, {call.shape[3]}) scores masks nothing: query {int(placed.own[q])} sees later key {k} "
-            f"({int(later.any(axis=1).sum())} such cells): the flag never reached the mask"),
+            f"({call.shape[2]}, {call.shape[3]}) scores "
+            f"{'masks nothing' if square else 'let a real query see a later key (its queries the last keys)'}: "
+            f"query {int(placed.own[q])} sees later key {k} "
+            f"({int(later.any(axis=1).sum())} such cells): the flag never reached the mask"
+            f"{'' if square else ', or not all of it'}"),
             expected="causal", source=said, cell=(b, int(placed.own[q]), k))))
     return found
 

@@ -26,6 +26,9 @@ ATTRIBUTES = ("window_left", "window_size", "sliding_window", "sliding_window_si
 NONE = "none"
 _NAMES = frozenset(LOCALS)
 _CODES = ByCode()  # code object -> (the program's own, names a window)
+# the innermost program frame of the last call that held a window, and its count: held, so that a later frame cannot
+# take its id (one frame's locals kept alive until the next such call)
+_INVOKED: list = [None, 0]
 
 
 def _said(name: str, value, holder=None) -> tuple | None:
@@ -71,6 +74,7 @@ def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None,
             if name in attributes:
                 said = _said(name, attributes[name], module)
                 if said is not None:
+                    _invoked(frames, counted)
                     return _result(name, said, f"self.{name} of {type(module).__name__}")
     if frames is None:
         frames = []
@@ -95,7 +99,23 @@ def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None,
                 plain = _plain(variables, code.co_name)
                 if plain is not None:
                     counted["window_counted"] = plain
-    return None if found is None else _result(*found)
+    if found is None:
+        return None
+    _invoked(frames, counted)
+    return _result(*found)
+
+
+def _invoked(frames: list | None, counted: dict | None) -> None:
+    """Under "window_frame" of `counted`: the count of the innermost program frame's invocation, the same for every
+    call made in one run of that function (checks/handed.py: a function attending the same queries twice, within the
+    window and past it, attends them by two branches)."""
+    if counted is None or not frames:
+        return
+    frame = frames[0][0]
+    if frame is not _INVOKED[0]:
+        _INVOKED[0] = frame
+        _INVOKED[1] += 1
+    counted["window_frame"] = _INVOKED[1]
 
 
 POSITIONS = ("cur_pos", "current_pos", "cur_position", "start_pos", "input_pos", "past_len", "past_length")
