@@ -94,7 +94,7 @@ class Call(Operands):
         return {"index": self.index, "where": self.where, "api": self.api, "step": self.step,
                 "step_label": self.details.get("step_name") or step_label(self.step, self.shape[2]), "shape": list(self.shape),
                 "q": list(self.q), "k": list(self.k), "v": list(self.v), "dtype": self.dtype, "device": self.device,
-                "mask": self.mask, "details": dict(self.details)}
+                "mask": self.mask, "details": {k: v for k, v in self.details.items() if k != "query_tensor"}}  # (a tensor's id)
 
 
 def _four(lead: tuple[int, ...]) -> tuple[int, int]:
