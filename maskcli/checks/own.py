@@ -67,7 +67,7 @@ def flag_ignored(run: Run) -> list:
         found.append((call, Finding("causal-flag-ignored", (
             f"{_layer(None, call)}'s module states {said.split('.')[-1]}=True ({said}), but its {call.api} over "
             f"({call.shape[2]}, {call.shape[3]}) scores "
-            f"{'masks nothing' if square else 'let a real query see a later key (its queries the last keys)'}: "
+            f"{'masks nothing' if square else 'let a real query see a later key'}: "
             f"query {int(placed.own[q])} sees later key {k} "
             f"({int(later.any(axis=1).sum())} such cells): the flag never reached the mask"
             f"{'' if square else ', or not all of it'}"),
