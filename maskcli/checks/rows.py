@@ -170,7 +170,7 @@ def later(call, stored: dict, structure, real=None, past=None) -> list[Finding]:
     if len(rows) == 0 or unnamed and (_both_ways(cells, q_len, k_len) or _spans(planes, run, q_len, k_len)):
         return []
     shown = spans(rows[:200].tolist())
-    if unnamed and not _slip(planes, run, k_len):
+    if unnamed and not _slip(planes, run, own):
         return [Finding("sees-later", f"query rows {shown} see later keys (queries placed at the end of the keys), in "
                         "runs no slip of a causal mask makes (of differing lengths, or past keys it does not see): a mask meant "
                         "both ways in places?",
@@ -194,14 +194,14 @@ def stated_tokens(run, calls: list) -> np.ndarray | None:
     return said[0][0]
 
 
-def _slip(cells: np.ndarray, run: np.ndarray, k_len: int) -> bool:
+def _slip(cells: np.ndarray, run: np.ndarray, own: np.ndarray) -> bool:
     """The later keys seen as a causal mask's slip lays them: every query that sees some sees as many right after its
     own (the diagonal moved by that many), or every one sees on to the last key its batch row sees (the triangle the
     wrong way round); runs of differing lengths that stop short are a mask built both ways in places (BD3-LM), and so
-    is a later key seen past one the query does not see (a graph's adjacency: a ring's wrap): a slip skips no key."""
-    k_at = np.arange(k_len)[None, None, :]
-    own = (k_len - cells.shape[1] + np.arange(cells.shape[1]))[None, :, None]
-    if (cells & (k_at > own) & ~run).any():
+    is a later key seen past one the query does not see (a graph's adjacency: a ring's wrap): a slip skips no key.
+    `own`: each query's own key (later's placement)."""
+    k_len = cells.shape[-1]
+    if (cells & (np.arange(k_len)[None, None, :] > own[None, :, None]) & ~run).any():
         return False
     counts = run.sum(axis=-1)
     has = counts > 0
