@@ -26,7 +26,7 @@ from maskcli.text import step_label
 from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
 from maskcli.trace.zerokv import zero_kv
-from maskcli.trace.queried import query_tensor
+from maskcli.trace.queried import LOCAL, query_tensor
 from maskcli.intervals import Intervals
 
 
@@ -94,7 +94,7 @@ class Call(Operands):
         return {"index": self.index, "where": self.where, "api": self.api, "step": self.step,
                 "step_label": self.details.get("step_name") or step_label(self.step, self.shape[2]), "shape": list(self.shape),
                 "q": list(self.q), "k": list(self.k), "v": list(self.v), "dtype": self.dtype, "device": self.device,
-                "mask": self.mask, "details": {k: v for k, v in self.details.items() if k != "query_tensor"}}  # (a tensor's id)
+                "mask": self.mask, "details": {k: v for k, v in self.details.items() if k not in LOCAL}}
 
 
 def _four(lead: tuple[int, ...]) -> tuple[int, int]:

@@ -44,6 +44,10 @@ def note(details: dict, stack: list) -> None:
             details["query_input"] = given
 
 
+# details that name this process's objects (a query tensor's serial, a count of a function's runs: windows.py): read by
+# the checks as the run ends, kept out of --json and --save (meaningless in a file, or beside another process's run)
+LOCAL = ("query_tensor", "window_frame")
+
 _COUNT = itertools.count()
 _BASES = None  # the query tensors' bases seen alive, each with its serial number (a WeakIdKeyDictionary, made once)
 
