@@ -807,3 +807,18 @@ for width in (2, 3, 4, 5, 6, 7, 2, 6):  # six distinct masks, two of them given 
         shown = runner.invoke(app, ["show", "--mask", f"t.pt:{g['calls'][-1]}", "--json"])
         assert shown.exit_code == 0, shown.output
         assert json.loads(shown.stdout)["mask"][0][0] == window_reference(8, 8, width)
+
+
+def test_an_excepthook_the_program_sets_is_its_own_and_ends_with_it(tmp_path, monkeypatch):
+    """The program's hook prints its error (as python calls it), and is gone once the program is: torch.distributed
+    sets one for good at init_process_group, and maskcli's own errors after the run are not the program's."""
+    monkeypatch.chdir(tmp_path)
+    before = sys.excepthook
+    script = write(tmp_path, "hooked.py", """
+        import sys
+        sys.excepthook = lambda kind, error, tb: print("hooked:", error, file=sys.stderr)
+        raise ValueError("boom")
+    """)
+    result = trace(script)
+    assert result.exit_code == 1 and result.stderr.startswith("hooked: boom\n")
+    assert sys.excepthook is before

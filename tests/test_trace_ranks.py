@@ -287,8 +287,10 @@ def test_processes_the_program_spawns_are_its_ranks_in_one_report_and_one_trace(
         assert np.array_equal(np.broadcast_to(dense(data["masks"][call["mask"]]), call["shape"])[0, 0], expected)
 
 
-def test_the_process_groups_a_rank_is_in_are_read_before_the_program_destroys_them():
+def test_the_process_groups_a_rank_is_in_are_read_before_the_program_destroys_them(monkeypatch):
     import torch.distributed as dist
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # init_process_group prefixes "[rank0]:" for good
 
     from maskcli.trace.ranks import ProcessGroups
 

@@ -94,7 +94,7 @@ interrupted = False  # the program ended by a KeyboardInterrupt it did not catch
 
 def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     """The program's exit status: 0, its sys.exit code, or 1 after an exception (its traceback on stderr)."""
-    saved_argv, saved_path, saved_folder = sys.argv[:], sys.path[:], os.getcwd()
+    saved_argv, saved_path, saved_folder, saved_hook = sys.argv[:], sys.path[:], os.getcwd(), sys.excepthook
     modules = {name: module for name, module in sys.modules.items()  # what the trace's own exit and report import
                if name.partition(".")[0] in ("torch", "maskcli", "numpy")}
     try:
@@ -124,6 +124,7 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         return 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+        sys.excepthook = saved_hook  # a hook the program set (torch.distributed's "[rank0]:" prefix) ends with it
         for name, module in modules.items():  # a program that del sys.modules["torch"]: importing torch again would
             sys.modules.setdefault(name, module)  # register its operators twice (RuntimeError) in the trace's report
         with contextlib.suppress(OSError):  # the program may have moved (os.chdir): maskcli's own work is where it began
