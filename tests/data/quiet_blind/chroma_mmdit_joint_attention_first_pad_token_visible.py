@@ -1,13 +1,16 @@
 """MMDiT double-stream block (Flux / Chroma layout): joint attention over [text tokens, image tokens].
 
-Follows huggingface/diffusers src/diffusers/models/transformers/transformer_chroma.py and
-pipelines/chroma/pipeline_chroma.py (_prepare_attention_mask: the T5 attention mask for the text part, ones for
-the image part, concatenated; the text is first in the joint sequence, as in FluxAttnProcessor), recalled.
-Each stream has its own qkv projections and modulation; the two streams meet in ONE attention call over the
-concatenated sequence. Mask, the same for every query row (text and image): padded T5 keys hidden, every image
-key visible; no causal part (a diffusion model denoises all image tokens at once). Padded text *queries* still
-compute a row (their outputs are never used: the text stream is dropped after the last block).
-A prompt padded to max_sequence_length gives the same image output as the prompt alone.
+Follows huggingface/diffusers src/diffusers/pipelines/chroma/pipeline_chroma.py (_get_t5_prompt_embeds:
+`attention_mask = mask_indices <= seq_lengths`, i.e. the real tokens AND the first padding token stay visible;
+_prepare_attention_mask: that text mask, then ones for the image tokens) and
+src/diffusers/models/transformers/transformer_chroma.py (text first in the joint sequence, as in Flux).
+Each stream has its own qkv projections; the two streams meet in ONE attention call over the concatenated
+sequence. Mask: padded T5 keys hidden except the first pad token, every image key visible, no causal part (a
+diffusion model denoises all image tokens at once). Chroma's transformer also hides padded text *query* rows
+(outer product of the mask); here the mask is [B, 1, 1, S] (key side only, as a Flux-style processor takes it):
+padded text queries compute a row whose output is never used (the text stream is dropped after the last block),
+so the image output is the same. A prompt padded to max_sequence_length gives the same image output as the
+prompt followed by its one visible pad token alone.
 """
 import torch
 from torch import nn
@@ -97,7 +100,7 @@ class ChromaTransformerBlock(nn.Module):
 
 
 def _prepare_attention_mask(batch_size, text_attention_mask, image_seq_len):
-    """[B, txt] T5 mask + ones for the image -> [B, 1, 1, txt + img] boolean key mask."""
+    """[B, txt] text mask + ones for the image -> [B, 1, 1, txt + img] boolean key mask."""
     image_mask = torch.ones(batch_size, image_seq_len, dtype=torch.bool)
     attention_mask = torch.cat([text_attention_mask.bool(), image_mask], dim=1)
     return attention_mask[:, None, None, :]
@@ -110,8 +113,11 @@ def main():
     dim = config.inner_dim
     image_seq_len = 16  # 4x4 latent, patch_size 1
     prompt_embeds = torch.randn(2, config.max_sequence_length, dim)
-    text_attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
-    prompt_embeds[1, 3:] = 0.0  # what T5 padding looks like after masking the embeddings
+    tokenizer_mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
+    # Chroma: all except the first padding token are masked out in the transformer.
+    seq_lengths = tokenizer_mask.sum(dim=1)
+    mask_indices = torch.arange(tokenizer_mask.size(1)).unsqueeze(0).expand(2, -1)
+    text_attention_mask = mask_indices <= seq_lengths.unsqueeze(1)
     latents = torch.randn(2, image_seq_len, dim)
     temb = 0.1 * torch.randn(2, 3 * dim)
 
@@ -123,7 +129,7 @@ def main():
 
     mask = _prepare_attention_mask(2, text_attention_mask, image_seq_len)
     batched = run(latents, prompt_embeds, temb, mask)
-    alone = run(latents[1:], prompt_embeds[1:, :3], temb[1:], None)
+    alone = run(latents[1:], prompt_embeds[1:, :4], temb[1:], None)
     assert torch.allclose(batched[1], alone[0], atol=1e-5), (batched[1] - alone[0]).abs().max()
     print("mmdit joint attention ok:", tuple(batched.shape))
 
