@@ -98,6 +98,14 @@ def group_scores(g) -> list[Finding]:
     return bias(details) + fills(details) + poisoned(details) + score_mod(details)
 
 
+def tensor_fills(analysis, count: int | None = None) -> list[Finding]:
+    """A tensor a user gave (inspect's Analysis, taken as it comes): a fill that overflows float16 or bfloat16, then an
+    integer mask whose 1s mark the masked cells (`count`, the model's heads, is the shape rule's)."""
+    from maskcli.tensorfile import dtype_name
+
+    return sentinel_overflow(dtype_name(analysis.tensor), analysis.convention.sentinel) + ones_masked(analysis.convention)
+
+
 RULES = (
     Rule("finite-fill", "note", "call", "scores filled with a finite value where masked: a row filled everywhere gets "
          "uniform weights", group_scores, "scores"),
@@ -108,6 +116,6 @@ RULES = (
     Rule("score-mod", "note", "call", "a flex score_mod that also adds a bias, or whose masking could not be read off "
          "its -inf cells", group_scores, "scores"),
     Rule("sentinel-overflow", "wrong", "call", "a fill value that is -inf in float16 or bfloat16, so a fully masked row "
-         "gives NaN", sentinel_overflow, "tensor"),
-    Rule("ones-masked", "note", "call", "an integer mask whose 1s mark the masked cells", ones_masked, "tensor"),
+         "gives NaN", tensor_fills, "tensor"),
+    Rule("ones-masked", "note", "call", "an integer mask whose 1s mark the masked cells", tensor_fills, "tensor"),
 )

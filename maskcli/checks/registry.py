@@ -74,9 +74,10 @@ def rule(code: str) -> Rule | None:
     return _by_code().get(code)
 
 
-def run(given: str, *args, **kwargs) -> list[Finding]:
+def run(given: str, *args, **kwargs) -> list:
     """The findings of every rule whose check is `given` what the caller holds (one of GIVEN), each function called
-    once (one may make several codes), in the registry's order."""
+    once (one may make several codes), in the registry's order. (A rule given every rank's calls, `ranks`, says which
+    call each finding is about: (call, Finding) pairs.)"""
     found, done = [], set()
     for each in all_rules():
         if each.given == given and each.check not in done:
