@@ -83,6 +83,12 @@ class Frame:
         found.flags.writeable = False
         return found
 
+    @functools.cached_property
+    def q_column(self) -> np.ndarray:
+        """q_positions as a (1, Lq, 1) column, one key interval per query row: what the kinds' intervals start from,
+        made once per frame (read-only, like q_positions)."""
+        return self.q_positions.reshape(1, -1, 1)
+
     def describe(self) -> str:
         """'queries 4-5 · keys 0-5' in words, for headers."""
         return f"queries {_span(self.q_start, self.q_end)} · keys {_span(self.k_start, self.k_end)}"

@@ -94,3 +94,23 @@ def test_run_calls_each_check_given_what_the_caller_holds_once_in_the_registrys_
     assert [(f.code, f.rank) for f in found] == [("shard-dropped-token", None), ("shard-duplicate-token", 0), ("shard-uneven", 0)]
     assert [f.code for f in run("layout", layouts.headtail(30, 4))] == ["shard-padding"]
     assert run("layout", layouts.headtail(32, 4)) == []
+
+
+def test_outside_checks_a_rules_check_is_asked_of_the_registry_not_imported():
+    """Read off the source: no module outside checks/ imports the function a rule declares as its check (a new rule
+    then touches only its module and MODULES), but pack's, which still calls its batch rules one by one. Helpers that
+    stand beside a rule (rows.py's given_*, kernels.top_left_is_causal) are no rule's check."""
+    declared = {(r.check.__module__, r.check.__name__) for r in all_rules()}
+    imported = set()
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent.name == "checks":
+            continue
+        text = path.read_text()
+        for module, wrapped, line in re.findall(r"from (maskcli\.checks\.\w+) import (?:\(([^)]*)\)|([\w, ]+)$)", text, re.M):
+            for name in re.findall(r"(\w+)(?: as \w+)?", wrapped or line):
+                imported.add((path.relative_to(PACKAGE).as_posix(), module, name))
+        for module, alias in re.findall(r"from maskcli\.checks import (\w+) as (\w+)", text):
+            imported |= {(path.relative_to(PACKAGE).as_posix(), f"maskcli.checks.{module}", name)
+                         for name in re.findall(rf"\b{alias}\.(\w+)\(", text)}
+    called = sorted((where, name) for where, module, name in imported if (module, name) in declared)
+    assert called == [("pack/findings.py", name) for name in ("disagreeing", "labels", "leaks", "left_out", "lengths", "rope")]

@@ -45,7 +45,7 @@ def test_every_code_serve_makes_is_a_rule_of_the_module_that_makes_it():
 
 def test_check_runs_every_rule_given_a_batchs_metadata_through_the_registry():
     """Each batch rule's function runs once (one function makes several codes); --expect's, --model's and the
-    steps' rules need more than the batch, and serve calls them itself."""
+    steps' rules need more than the batch, and serve asks the registry for them with it."""
     from maskcli.checks import serve, servemasks
 
     given = {r.check for r in all_rules() if r.given == "metadata"}
@@ -117,3 +117,26 @@ def test_local_lengths_and_a_virtual_batch_across_a_chunk():
     found = check(from_tensors(merged, "batch"))
     assert [(f.code, f.request) for f in found] == [("local-crosses-chunk", 1)]
     assert "request 1's queries 5..11, across a chunk of 4" in found[0].message
+
+
+def test_expect_given_the_batchs_name_compares_every_request_and_names_the_batch():
+    """trace --api vllm's --expect: its pattern chose the step by its layers, so every request of the step is compared
+    (through the registry), the first differing cell found here by a double loop over each request's positions."""
+    from maskcli.checks import registry
+
+    b = from_tensors(vllm(allocate([Req(0, 3), Req(5, 4)], 4), 4), "batch")
+    first = None
+    for r in range(b.requests):
+        q_start, q_len, seq_len = b.frame(r)
+        for q in range(q_start, q_start + q_len):
+            for k in range(seq_len):
+                if first is None and (k <= q) != (q - 2 < k <= q):  # each request's causal mask against window(2)
+                    first = (r, q, k)
+    found = registry.run("expectations", b, [("layers.0", "window(2)")], where="vllm step 3 (layers.0)")
+    assert [(f.code, f.request, f.cell) for f in found] == [("expect", first[0], first[1:])]
+    assert found[0].message.startswith(f"--expect layers.0=window(2): vllm step 3 (layers.0): request {first[0]} ")
+    assert found[0].message.endswith("; 1 more differ: requests 1")
+    [alone] = registry.run("expectations", b, [("layers.0", "window(2)")])  # serve's own: the pattern names requests
+    assert "no request matches 'layers.0'" in alone.message
+    assert registry.run("expectations", b, [("x", "causal")], where="vllm step 3 (layers.0)") == [
+        Finding("expect", "--expect: every request matched holds (1 expectation)", "note")]

@@ -48,3 +48,18 @@ def test_a_4d_mask_whose_heads_sdpa_cannot_broadcast_is_flagged(count):
 
 def test_nothing_is_said_without_a_head_count():
     assert heads((3, L, S), None) == [] and heads((1, 3, L, S), None) == []
+
+
+@pytest.mark.parametrize("first", [1, 2, 3, 4])
+def test_a_tensor_a_user_gave_has_its_shape_read_through_the_registry_against_its_heads(first):
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from maskcli.checks import registry
+    from maskcli.inspect.polarity import Convention
+
+    given = SimpleNamespace(tensor=np.zeros((first, L, S), dtype=bool), convention=Convention("keep", "values", ""))
+    shape = [f for f in registry.run("tensor", given, H) if f.code.startswith("3d")]
+    assert ("3d-shape" in [f.code for f in shape]) == (not sdpa_takes((first, L, S)))
+    assert registry.run("tensor", given) == []  # no head count, nothing said

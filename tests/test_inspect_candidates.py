@@ -133,3 +133,20 @@ def test_candidates_their_kinds_rule_out_are_never_made_and_never_rebuild_the_te
     assert ruled_out(build("causal & window(2)").expression, frozenset({"sees_first"})) is False
     assert ruled_out(build("causal & (window(2) | sink(1))").expression, frozenset({"sees_first"})) is True  # sinks: key 0
     assert ruled_out(build("full | window(2)").expression, frozenset({"causal"})) is False
+
+
+def test_a_kind_its_declarations_rule_out_at_a_placement_is_not_asked_for_candidates_there():
+    # a window read the other way round: queries see later keys and not themselves, so no causal kind and no kind whose
+    # queries see themselves is asked (the table would rule each out); asked without the rows, every kind is
+    keep = by_loop(lambda q, k: not 0 <= q - k < 3, 12, 12, 0)
+    place = [({"length": 12}, 0)]
+    every = candidates(keep, place, "masked")
+    asked = candidates(keep, place, "masked", rows=runs(keep))
+    from maskcli.kinds import get as kind
+
+    out = {name for name, _, _ in every} - {name for name, _, _ in asked}
+    assert out and all(kind(name).causal or kind(name).sees_own or kind(name).sees_first for name in out)
+    assert [item for item in every if item[0] not in out] == asked  # the rest as they were, in order
+    # key padding may cut a query's own key and key 0: then only a later key seen rules a kind out
+    cut = {name for name, _, _ in candidates(keep, place, "masked", rows=runs(keep), uncut=False)}
+    assert {name for name in out if not kind(name).causal} <= cut and not cut & {name for name in out if kind(name).causal}

@@ -228,3 +228,25 @@ def test_what_a_kind_declares_every_query_sees_holds_cell_by_cell(text, placemen
             assert 0 in row, (text, q, row)
     declared = {kind.name for kind in all_kinds() if kind.sees_own or kind.sees_first}
     assert declared <= {"full", "causal", "window", "lookback", "prefix", "sink", "local", "band", "chunk", "document", "segment", "tree"}
+
+
+def _profile(keep: np.ndarray):
+    from maskcli.inspect.candidates import profile
+
+    return profile(keep, 0, 0, "attend")
+
+
+def test_the_label_kinds_make_no_candidate_whose_rows_see_keys_before_their_group():
+    # a window's rows see the keys before them: no document, segment or blocks labels, and no chunk (its rows see from
+    # key 0); packed documents and chunks still give theirs, their labels the ones the cells were written with
+    n = 12
+    window = np.array([[0 <= q - k < 3 for k in range(n)] for q in range(n)])
+    for name in ("chunk", "document", "segment", "blocks"):
+        assert list(get(name).recognise(_profile(window))) == [], name
+    docs = [0] * 5 + [1] * 4 + [2] * 3
+    packed = np.array([[docs[k] == docs[q] and k <= q for k in range(n)] for q in range(n)])
+    [found] = get("document").recognise(_profile(packed))
+    assert found["labels"].array[0].tolist() == docs and found["labels"].length == n and found["labels"].rows == 1
+    chunks = np.array([[docs[k] <= docs[q] for k in range(n)] for q in range(n)])
+    [found] = get("chunk").recognise(_profile(chunks))
+    assert found["labels"].array[0].tolist() == docs

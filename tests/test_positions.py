@@ -50,3 +50,14 @@ def test_cache_offsets_and_kv_windows():
 def test_bad_positions_say_what_to_fix(given, says):
     with pytest.raises(MaskError, match=says):
         place(**given)
+
+
+def test_a_frames_query_column_is_its_positions_made_once_and_read_only():
+    import numpy as np
+
+    from maskcli.positions import Frame
+
+    frame = Frame(3, 4, 0, 7)
+    column = frame.q_column
+    assert column.shape == (1, 4, 1) and column[0, :, 0].tolist() == [3, 4, 5, 6] and column.dtype == np.int64
+    assert frame.q_column is column and not column.flags.writeable

@@ -4,6 +4,7 @@ broadcasts over, and the value a -1e9 fill wrote in the compute dtype."""
 from __future__ import annotations
 
 from maskcli.attention.stages import Stages, compact, fill_value
+from maskcli.checks import registry
 from maskcli.checks import stages as rules
 from maskcli.text import Finding
 
@@ -16,4 +17,4 @@ def mask_findings(keep, mask) -> list[Finding]:
 def run_findings(stages: Stages, mask) -> list[Finding]:
     """What a run made of the mask: rows that see no key, weight rows off 1, scores not finite, a fill that overflows."""
     fill = fill_value("-1e9", stages.scaled.dtype) if stages.fill == "-1e9" else None
-    return rules.run_findings(stages, mask, compact(stages.keep, (0, 1)), fill)
+    return registry.run("stages", stages, mask, compact(stages.keep, (0, 1)), fill)

@@ -91,16 +91,31 @@ def ones_masked(convention) -> list[Finding]:
     )]
 
 
+def group_scores(g) -> list[Finding]:
+    """What a trace group's first call recorded of its scores (checks/grouped.py): a bias beside the fill, a finite
+    fill or an additive mask, NaN or +inf in the mask, a score_mod that adds more than its masking."""
+    details = g.first.details
+    return bias(details) + fills(details) + poisoned(details) + score_mod(details)
+
+
+def tensor_fills(analysis, count: int | None = None) -> list[Finding]:
+    """A tensor a user gave (inspect's Analysis, taken as it comes): a fill that overflows float16 or bfloat16, then an
+    integer mask whose 1s mark the masked cells (`count`, the model's heads, is the shape rule's)."""
+    from maskcli.tensorfile import dtype_name
+
+    return sentinel_overflow(dtype_name(analysis.tensor), analysis.convention.sentinel) + ones_masked(analysis.convention)
+
+
 RULES = (
     Rule("finite-fill", "note", "call", "scores filled with a finite value where masked: a row filled everywhere gets "
-         "uniform weights", fills, "group"),
-    Rule("additive", "note", "call", "an additive mask added to the scores rather than a fill", fills, "group"),
-    Rule("bias", "note", "call", "a float mask that also adds a bias (ALiBi, relative positions)", bias, "group"),
+         "uniform weights", group_scores, "scores"),
+    Rule("additive", "note", "call", "an additive mask added to the scores rather than a fill", group_scores, "scores"),
+    Rule("bias", "note", "call", "a float mask that also adds a bias (ALiBi, relative positions)", group_scores, "scores"),
     Rule("mask-nan", "wrong", "call", "a float attn_mask holding NaN or +inf: the kernel's output is NaN on every row "
-         "holding one", poisoned, "group"),
+         "holding one", group_scores, "scores"),
     Rule("score-mod", "note", "call", "a flex score_mod that also adds a bias, or whose masking could not be read off "
-         "its -inf cells", score_mod, "group"),
+         "its -inf cells", group_scores, "scores"),
     Rule("sentinel-overflow", "wrong", "call", "a fill value that is -inf in float16 or bfloat16, so a fully masked row "
-         "gives NaN", sentinel_overflow, "tensor"),
-    Rule("ones-masked", "note", "call", "an integer mask whose 1s mark the masked cells", ones_masked, "tensor"),
+         "gives NaN", tensor_fills, "tensor"),
+    Rule("ones-masked", "note", "call", "an integer mask whose 1s mark the masked cells", tensor_fills, "tensor"),
 )

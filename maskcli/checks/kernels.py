@@ -168,17 +168,24 @@ def refused(calls: list) -> list[Finding]:
                     "(the program saw the error)", severity="note")]
 
 
+def group_kernel(g) -> list[Finding]:
+    """What the kernel made of a trace group's arguments (checks/grouped.py): what HF asked and it did not apply, calls
+    it refused, is_causal a module's fast path ignored, is_causal aligned top-left."""
+    first = g.first
+    return asked(first, g.stored, g.name) + refused(g.calls) + ignored_is_causal(first, g.k_len) + top_left(first, g.q_len, g.k_len)
+
+
 RULES = (
     Rule("call-raised", "note", "call", "a call whose kernel raised (torch refused its arguments): no attention ran with "
-         "its mask", refused, "group"),
+         "its mask", group_kernel, "kernel"),
     Rule("top-left-causal", "wrong", "call", "is_causal with fewer queries than keys: SDPA aligns it top-left, so a "
-         "decode step behind a cache sees key 0 only", top_left, "group"),
+         "decode step behind a cache sees key 0 only", group_kernel, "kernel"),
     Rule("hf-not-causal", "wrong", "call", "Hugging Face asked for a causal mask that the attention function did not "
-         "apply", asked, "group"),
+         "apply", group_kernel, "kernel"),
     Rule("hf-not-windowed", "wrong", "call", "Hugging Face asked for a sliding window that the attention function did "
-         "not apply", asked, "group"),
+         "not apply", group_kernel, "kernel"),
     Rule("ignored-is-causal", "wrong", "call", "is_causal=True on nn.MultiheadAttention's or an encoder layer's fast "
-         "path, which never reads it: no mask, or a mask that lets queries see later keys, applied", ignored_is_causal, "group"),
+         "path, which never reads it: no mask, or a mask that lets queries see later keys, applied", group_kernel, "kernel"),
     Rule("hint-ignored", "wrong", "call", "is_causal=True beside a mask that lets queries see later keys: the kernel "
          "applied the mask", hint_ignored),
     Rule("mask-dropped", "wrong", "call", "is_causal=True on nn.MultiheadAttention's slow path (no key padding mask, "

@@ -57,10 +57,23 @@ def _edge_padding(call) -> bool:
     return bool(((columns < count) == kept).all() or ((columns >= kept.shape[1] - count) == kept).all())
 
 
+def group_named(g) -> list[Finding]:
+    """What the recogniser made of a trace group (checks/grouped.py), where it read the cells: the nearest expression
+    to a mask nothing rebuilds, another name for the same cells, and a mask that no kind names (or a raw tril/triu)
+    whose other reading one does."""
+    if g.structure is None:
+        return []
+    found = closest(g.structure) + same_as(g.structure, g.same())
+    if g.structure.kind in MEANT_LATER:
+        kind, named = g.flipped()
+        found += polarity(g.first, kind, named, lambda: g.past)
+    return found
+
+
 RULES = (
     Rule("polarity", "suspicious", "call", "a mask that is a known one read the other way round (True = masked given "
-         "where True = attend is read)", polarity, "group"),
+         "where True = attend is read)", group_named, "named"),
     Rule("same-as", "note", "call", "a mask two expressions name alike (local(C) and document(sizes=...)): the same "
-         "cells", same_as, "group"),
-    Rule("closest", "note", "call", "the expression nearest a mask nothing rebuilds, and where they differ", closest, "group"),
+         "cells", group_named, "named"),
+    Rule("closest", "note", "call", "the expression nearest a mask nothing rebuilds, and where they differ", group_named, "named"),
 )

@@ -10,9 +10,11 @@ what it catches. Severity is what a renderer colours by and what sets the exit s
 
 What a rule reads: one `call` (or one tensor a user gave), a call `site` across its steps, the
 `steps` of a whole run (calls with the model call that made them: its config and arguments), a
-packed `batch` (pack), or the `ranks` of a context-parallel split (shard). What its check is `given`: a trace's `run` (engine.py runs these over a
-trace), or what the command that calls it has in hand: a trace `group`'s call, stored mask and name
-(trace's report), a `tensor` a user gave (inspect), attention `stages` (attend), a packed `batch` (pack), a shard
+packed `batch` (pack), or the `ranks` of a context-parallel split (shard). What its check is `given`: a trace's `run`
+(engine.py runs these over a trace), or what the command that calls it has in hand: a trace group (grouped.py's
+Grouped: the calls of one mask, its stored cells and name), which trace's report hands to the rules given its
+`cells`, then what it was `named`, then the call's `scores`, then what the `kernel` made of its arguments (findings
+in that order); a `tensor` a user gave (inspect), attention `stages` (attend), a packed `batch` (pack), a shard
 `layout`, one mask's `split` over it, one rank's captured `part`, a serving engine's batch `metadata` (alone; with
 serve's --expect `expectations`; with --model's `layer-masks`) or a request's steps across step files
 (`request-steps`), or every rank's calls of a traced job (`ranks`).
@@ -32,8 +34,8 @@ from maskcli.text import Finding
 
 SEVERITIES = ("wrong", "suspicious", "note")
 READS = ("call", "site", "steps", "batch", "ranks")
-GIVEN = ("run", "group", "tensor", "stages", "batch", "layout", "split", "part", "metadata", "expectations", "layer-masks",
-         "request-steps", "ranks")
+GIVEN = ("run", "cells", "named", "scores", "kernel", "tensor", "stages", "batch", "layout", "split", "part", "metadata",
+         "expectations", "layer-masks", "request-steps", "ranks")
 MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", "rolled", "paged", "arguments",
            "memory", "heads", "sides", "steps", "cache", "spans", "own", "dropped", "tokens", "layers", "dtypes",
            "softmaxed", "padflag", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes",
@@ -72,9 +74,10 @@ def rule(code: str) -> Rule | None:
     return _by_code().get(code)
 
 
-def run(given: str, *args, **kwargs) -> list[Finding]:
+def run(given: str, *args, **kwargs) -> list:
     """The findings of every rule whose check is `given` what the caller holds (one of GIVEN), each function called
-    once (one may make several codes), in the registry's order."""
+    once (one may make several codes), in the registry's order. (A rule given every rank's calls, `ranks`, says which
+    call each finding is about: (call, Finding) pairs.)"""
     found, done = [], set()
     for each in all_rules():
         if each.given == given and each.check not in done:

@@ -355,10 +355,19 @@ def given_later(keep4: np.ndarray, structure, q_offset: int = 0) -> list[Finding
     return [Finding("sees-later", message)]
 
 
+def group_cells(g) -> list[Finding]:
+    """A trace group's rows (checks/grouped.py): those that see no key, then those that see later keys (read off the
+    rows, so not where the mask was kept as counts only)."""
+    found = empty_rows(g.first, g.stored, g.structure)
+    if g.stored["form"] != "stats":
+        found += later(g.first, g.stored, g.structure, g.real, lambda: g.past)
+    return found
+
+
 RULES = (
     Rule("fully-masked", "note", "call", "query rows that see no key: wrong where the kernel turns them into NaN, "
          "suspicious where a softmax of the program's does (it may zero them after), a note where the kernel gives 0 (the "
-         "padding query rows of a left-padded batch)", empty_rows, "group"),
+         "padding query rows of a left-padded batch)", group_cells, "cells"),
     Rule("sees-later", "suspicious", "call", "queries that see keys after their own position in a mask no kind names "
-         "(a causal mask off by one, or read the wrong way round)", later, "group"),
+         "(a causal mask off by one, or read the wrong way round)", group_cells, "cells"),
 )

@@ -32,14 +32,19 @@ def names(b, r: int) -> tuple[str, ...]:
     return (str(r),) if b.request_ids is None else (str(r), str(int(b.request_ids[r])))
 
 
-def expect(b, expectations: list[tuple[str, str]]) -> list[Finding]:
+def expect(b, expectations: list[tuple[str, str]], where: str | None = None) -> list[Finding]:
     """One finding per expectation that does not hold: its first differing request with the first differing cell,
-    and how many more differ; a pattern that matches no request is one too."""
+    and how many more differ; a pattern that matches no request is one too. `where`: the batch's name where the
+    pattern chose the batch, not its requests (trace --api vllm matches a step by its layers): every request of it is
+    compared, and the message says which batch."""
     out = []
     for pattern, expression in expectations:
-        head = f"--expect {pattern}={expression}"
-        matched = [r for r in range(b.requests) if any(fnmatchcase(name, pattern) for name in names(b, r))]
-        if not matched:
+        head = f"--expect {pattern}={expression}" + (f": {where}" if where is not None else "")
+        if where is not None:
+            matched = list(range(b.requests))
+        else:
+            matched = [r for r in range(b.requests) if any(fnmatchcase(name, pattern) for name in names(b, r))]
+        if not matched and where is None:
             known = "request indexes 0 to " + str(b.requests - 1) if b.requests else "no requests at all"
             out.append(Finding("expect", f"{head}: no request matches {pattern!r} (the batch has {known})"))
             continue

@@ -32,9 +32,14 @@ def heads(shape: tuple, count: int | None) -> list[Finding]:
     return []
 
 
+def tensor_shape(analysis, count: int | None = None) -> list[Finding]:
+    """A tensor a user gave (inspect's Analysis, taken as it comes), against the model's heads (`count`, --heads)."""
+    return heads(analysis.tensor.shape, count)
+
+
 RULES = (
     Rule("3d-heads", "wrong", "call", "a 3-D mask of one plane per head, which nn.MultiheadAttention reads per batch "
-         "row and head", heads, "tensor"),
-    Rule("3d-shape", "wrong", "call", "a 3-D mask whose first dimension neither SDPA nor MHA accepts", heads, "tensor"),
-    Rule("heads-mismatch", "wrong", "call", "a 4-D mask whose heads do not broadcast to the model's", heads, "tensor"),
+         "row and head", tensor_shape, "tensor"),
+    Rule("3d-shape", "wrong", "call", "a 3-D mask whose first dimension neither SDPA nor MHA accepts", tensor_shape, "tensor"),
+    Rule("heads-mismatch", "wrong", "call", "a 4-D mask whose heads do not broadcast to the model's", tensor_shape, "tensor"),
 )

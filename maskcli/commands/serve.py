@@ -65,14 +65,12 @@ def serve(
     from maskcli.checks import registry
     from maskcli.checks.pagemap import page_map
     from maskcli.checks.servecheck import check
-    from maskcli.checks.serveexpect import expect as expect_requests
-    from maskcli.checks.servesteps import steps
     from maskcli.render import serve as render
     from maskcli.serve.engines import by_name
     from maskcli.sources import registry as sources
 
     batches = [sources.read("engine", file) for file in files]
-    across = steps(batches) if len(batches) > 1 else []
+    across = registry.run("request-steps", batches) if len(batches) > 1 else []
     reports, wrong = [], bool(across)
     console = None
     if not json_:
@@ -82,11 +80,9 @@ def serve(
     for file, batch in zip(files, batches):
         title = by_name(batch.engine).TITLE
         source = "inline JSON" if is_inline(file) else file
-        findings = check(batch) + expect_requests(batch, expectations)
+        findings = check(batch) + registry.run("expectations", batch, expectations)
         if layers is not None:
-            from maskcli.checks.serveexpect import against_config
-
-            findings += against_config(batch, layers, model)
+            findings += registry.run("layer-masks", batch, layers, model)
         wrong |= bool(registry.wrong(findings))
         # the tables list the first requests only; --json and --html every one
         rows = render.request_rows(batch, page_map(batch), None if json_ or html_path is not None else render.TABLE_REQUESTS)

@@ -6,10 +6,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from maskcli.checks.fills import ones_masked, sentinel_overflow
+from maskcli.checks import registry
 from maskcli.checks.kernels import given_top_left
 from maskcli.checks.rows import given_empty_rows, given_later
-from maskcli.checks.shapes import heads as heads_rule
 from maskcli.inspect.apis import api_fits, broadcast_text
 from maskcli.inspect.polarity import Convention, check_maskable, classify, marks, sdpa_view, to_keep
 from maskcli.inspect.structure import Structure, recognise
@@ -82,7 +81,9 @@ def analyse(tensor, heads: int | None = None, convention: Convention | None = No
         keep4 = keep[:, None, None, :]
     analysis = Analysis(tensor, convention, keep4, structure, [], api_fits(tensor, convention, key_padding), broadcast_text(tensor))
     q_offset = analysis.q_offset
+    # the codes the trace report's group rules own, found in a tensor by the functions beside them; then every rule
+    # given a tensor (checks/registry.py)
     found = given_empty_rows(keep4, structure.reading, q_offset) + given_later(keep4, structure, q_offset)
-    found += given_top_left(structure, as_sdpa) + sentinel_overflow(dtype_name(tensor), convention.sentinel)
-    return replace(analysis, findings=found + ones_masked(convention) + heads_rule(tensor.shape, heads))
+    found += given_top_left(structure, as_sdpa)
+    return replace(analysis, findings=found + registry.run("tensor", analysis, heads))
 

@@ -58,22 +58,34 @@ def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile
     )
 
 
-def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str, base: Profile | None = None) -> list[tuple[str, Term, dict]]:
+def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str, base: Profile | None = None,
+               rows: Intervals | None = None, uncut: bool = True) -> list[tuple[str, Term, dict]]:
     """(kind name, Term, options) read off one (Lq, Lk) keep matrix: simplest kind first, and for each kind the
     queries at the end of the keys (as a cache puts them) before top-left. A value a kind refuses (as a typed one
     would be) is no candidate. `base`: the matrix's profile with its queries from 0 where the caller has it (each
-    placement moves only its queries: the rows are read once)."""
+    placement moves only its queries: the rows are read once). Given the tensor's `rows` (`runs`), a kind whose
+    declarations hold what the tensor lacks at a placement (`lacking`; `uncut`: no key padding will cut the
+    candidates) is not asked for candidates there: `table` would rule every one of them out."""
     read = []  # (rank, placement, kind, its values, options)
     base = profile(ref, 0, 0, marked) if base is None else base
     for order, (options, q_start) in enumerate(placements):
         seen = base if q_start == 0 else replace(base, q=base.q + q_start)
+        lacks = _lacks(rows, options, uncut)
         for kind in all_kinds():
-            if kind.recognise is not None:
+            if kind.recognise is not None and not any(getattr(kind, fact) for fact in lacks):
                 read += [(kind.rank, order, kind, params, options) for params in kind.recognise(seen)]
     read = [item for item in read if not any(isinstance(v, Labels) and v.shape[1] > MAX_LABELS for v in item[3].values())]
     read.sort(key=lambda item: item[:2])
     terms = bound_each([(kind, params) for _, _, kind, params, _ in read])
     return [(item[2].name, term, item[4]) for item, term in zip(read, terms) if term is not None]
+
+
+def _lacks(rows: Intervals | None, options: dict, uncut: bool) -> frozenset[str]:
+    """What the tensor lacks at the positions `options` give (`lacking`), where `table` would read it; none else."""
+    place = placing(options) if rows is not None else None
+    if place is None or place == REFUSED or place[1] is not None or rows.starts.shape[1] != place[0].q_len:
+        return frozenset()
+    return lacking(rows, place[0], uncut)
 
 
 @functools.cache

@@ -269,7 +269,9 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         if alone is not None:
             return alone
     rows_read = profile(ref, 0, 0, marked)  # once: each placement, and the composites, read it
-    read = candidates(ref, placements, marked, rows_read)  # once: the placements read the same with and without the padding
+    # once: the placements read the same with and without the padding (so only what padding cannot cut rules a kind
+    # out); every kind's where the closest is asked for (it may be a kind the tensor rules out)
+    read = candidates(ref, placements, marked, rows_read, None if nearest else rows, uncut=padding is None)
     for extra in [{}] if padding is None else [{}, padding]:
         if extra:
             alone = found("padding", bare("padding"), {**base, **extra})

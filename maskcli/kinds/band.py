@@ -7,12 +7,13 @@ band(S + 1)). band(W) & causal is window(W): W counts as window counts, the quer
 
 from __future__ import annotations
 
-from maskcli.kinds.base import Kind, Param, Profile, column, one_interval
+from maskcli.intervals import Intervals
+from maskcli.kinds.base import Kind, Param, Profile
 
 
 def _band_intervals(p, frame):
-    q = column(frame.q_positions)
-    return one_interval(frame, q - p["window"] + 1, q + p["window"])
+    q = frame.q_column
+    return Intervals.of(q - p["window"] + 1, q + p["window"], frame.k_start, frame.k_end)
 
 
 def _band_predicate(p, frame, device):

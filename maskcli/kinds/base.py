@@ -79,10 +79,16 @@ class Labels:
     form: str  # "inline", "sizes" or "file"
     text: str  # as it prints inside the call: 0,0,1,1 / sizes=[3,5] / "labels.npy"
     shape: tuple[int, int] | None = None  # (R, n); read off the array where not given
+    rows: int = field(init=False)  # R, and n: plain values, read by every candidate a kind makes of them
+    length: int = field(init=False)
 
     def __post_init__(self):
         if self.shape is None:
             object.__setattr__(self, "shape", tuple(self.made.shape))
+        object.__setattr__(self, "rows", self.shape[0])
+        object.__setattr__(self, "length", self.shape[1])
+        if not callable(self.made):
+            self.__dict__["array"] = self.made  # (what `array` would return: no call to make it)
 
     @functools.cached_property
     def array(self) -> np.ndarray:
@@ -96,14 +102,6 @@ class Labels:
 
     def __hash__(self) -> int:
         return hash((self.form, self.text))
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0]
-
-    @property
-    def length(self) -> int:
-        return self.shape[1]
 
     def as_json(self):
         rows = self.array.tolist()
@@ -174,12 +172,3 @@ class Kind:
 def row_of(table: np.ndarray, b: int) -> np.ndarray:
     """Batch row b of a (R, n) table that has one row per batch row, or one row for all."""
     return table[b if table.shape[0] > 1 else 0]
-
-
-def column(values) -> np.ndarray:
-    """int64 positions as a (1, L, 1) column: one interval per query row."""
-    return np.asarray(values, dtype=np.int64).reshape(1, -1, 1)
-
-
-def one_interval(frame: Frame, starts, ends) -> Intervals:
-    return Intervals.of(starts, ends, frame.k_start, frame.k_end)

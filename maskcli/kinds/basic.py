@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from maskcli.kinds.base import Kind, Param, Profile, column, one_interval
+from maskcli.intervals import Intervals
+from maskcli.kinds.base import Kind, Param, Profile
 
 MEANS = Param(
     "means", "choice", "read the matrix's 1-cells as keep (may attend) or block (masked)", "--means",
@@ -11,7 +12,7 @@ MEANS = Param(
 
 
 def _full_intervals(p, frame):
-    return one_interval(frame, frame.k_start, frame.k_end)
+    return Intervals.of(frame.k_start, frame.k_end, frame.k_start, frame.k_end)
 
 
 def _full_predicate(p, frame, device):
@@ -22,7 +23,7 @@ def _full_predicate(p, frame, device):
 
 
 def _causal_intervals(p, frame):
-    return one_interval(frame, frame.k_start, column(frame.q_positions + 1))
+    return Intervals.of(frame.k_start, frame.q_column + 1, frame.k_start, frame.k_end)
 
 
 def _causal_predicate(p, frame, device):
@@ -37,12 +38,12 @@ def _causal_candidates(profile: Profile):
 
 
 def _tril_intervals(p, frame):
-    ones = one_interval(frame, frame.k_start, column(frame.q_positions + p["diagonal"] + 1))
+    ones = Intervals.of(frame.k_start, frame.q_column + (p["diagonal"] + 1), frame.k_start, frame.k_end)
     return ones if p["means"] == "keep" else ~ones
 
 
 def _triu_intervals(p, frame):
-    ones = one_interval(frame, column(frame.q_positions + p["diagonal"]), frame.k_end)
+    ones = Intervals.of(frame.q_column + p["diagonal"], frame.k_end, frame.k_start, frame.k_end)
     return ones if p["means"] == "keep" else ~ones
 
 

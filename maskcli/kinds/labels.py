@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
-from maskcli.kinds.base import Kind, Labels, Param, Profile, column, one_interval, row_of
+from maskcli.kinds.base import Kind, Labels, Param, Profile, row_of
 from maskcli.kinds.values import inline
 
 
@@ -175,7 +175,7 @@ def _segment_intervals(p, frame):
 
 
 def _document_intervals(p, frame):
-    causal = one_interval(frame, frame.k_start, column(frame.q_positions + 1))
+    causal = Intervals.of(frame.k_start, frame.q_column + 1, frame.k_start, frame.k_end)
     return same_label(p["labels"].array, frame, "document labels") & causal
 
 
@@ -281,7 +281,8 @@ def _whole_sequence(profile: Profile) -> bool:
 
 
 def _chunk_candidates(profile: Profile):
-    if _whole_sequence(profile) and profile.seen.all():
+    # a chunk mask's rows all see from key 0 (or, with key padding, from the same first real key): else no candidate
+    if _whole_sequence(profile) and profile.seen.all() and (profile.first == profile.first[0]).all():
         labels = _from_starts(np.r_[False, profile.last[1:] != profile.last[:-1]])
         sizes = np.bincount(labels.array[0])
         if (sizes == 1).sum() > len(sizes) / 2 and sizes.max() > 1:
@@ -291,12 +292,24 @@ def _chunk_candidates(profile: Profile):
 
 def _document_candidates(profile: Profile):
     if _whole_sequence(profile) and profile.seen.all():
-        yield {"labels": _from_starts(np.r_[False, profile.first[1:] != profile.first[:-1]])}
+        new = np.r_[False, profile.first[1:] != profile.first[:-1]]
+        if _own_groups(profile, new):
+            yield {"labels": _from_starts(new)}
+
+
+def _own_groups(profile: Profile, new: np.ndarray) -> bool:
+    """Whether no row sees a key before its group (rows from one `new` start to the next) begins: a row of a
+    document, segment or block sees only its group's keys (key padding only takes some away), so labels read off a
+    tensor whose rows see earlier keys (a window's) are no candidate, and are not made."""
+    starts = np.flatnonzero(np.r_[True, new[1:]])
+    return bool((profile.first[starts] >= starts).all())
 
 
 def _blocks_candidates(profile: Profile):
     if _whole_sequence(profile) and profile.seen.any():
         block = np.r_[False, profile.first[1:] != profile.first[:-1]]
+        if not _own_groups(profile, block):
+            return
         ids = np.cumsum(block)
         ids[~profile.seen] = -1
         yield {"labels": inline([ids.tolist()], "recognised ids")}

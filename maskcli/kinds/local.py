@@ -5,14 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.errors import MaskError
-from maskcli.kinds.base import Kind, Param, Profile, column, one_interval, row_of
+from maskcli.intervals import Intervals
+from maskcli.kinds.base import Kind, Param, Profile, row_of
 from maskcli.kinds.basic import later
 from maskcli.kinds.labels import at_position, position_table, run_start, run_starts
 
 
 def _window_intervals(p, frame):
-    q = column(frame.q_positions)
-    return one_interval(frame, q - p["window"] + 1, q + 1)
+    q = frame.q_column
+    return Intervals.of(q - p["window"] + 1, q + 1, frame.k_start, frame.k_end)
 
 
 def _window_predicate(p, frame, device):
@@ -40,8 +41,8 @@ def _window_candidates(profile: Profile):
 
 
 def _lookback_intervals(p, frame):
-    q = column(frame.q_positions)
-    return one_interval(frame, q - p["window"] + 1, frame.k_end)
+    q = frame.q_column
+    return Intervals.of(q - p["window"] + 1, frame.k_end, frame.k_start, frame.k_end)
 
 
 def _lookback_predicate(p, frame, device):
@@ -72,7 +73,7 @@ def _sink_why(p, frame, b, q, kv):
 
 
 def _prefix_intervals(p, frame):
-    return one_interval(frame, frame.k_start, column(np.maximum(frame.q_positions + 1, p["prefix"])))
+    return Intervals.of(frame.k_start, np.maximum(frame.q_column + 1, p["prefix"]), frame.k_start, frame.k_end)
 
 
 def _prefix_predicate(p, frame, device):
@@ -90,7 +91,7 @@ def _prefix_candidates(profile: Profile):
 
 
 def _sink_intervals(p, frame):
-    return one_interval(frame, 0, p["sink"])
+    return Intervals.of(0, p["sink"], frame.k_start, frame.k_end)
 
 
 def _sink_predicate(p, frame, device):
@@ -139,8 +140,7 @@ def _local_why(p, frame, b, q, kv):
 
 
 def _local_intervals(p, frame):
-    q = frame.q_positions
-    return one_interval(frame, chunk_starts(p, frame, q)[:, :, None], column(q + 1))
+    return Intervals.of(chunk_starts(p, frame, frame.q_positions)[:, :, None], frame.q_column + 1, frame.k_start, frame.k_end)
 
 
 def _local_predicate(p, frame, device):

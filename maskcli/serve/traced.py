@@ -75,7 +75,7 @@ def matched(checked: list, pattern: str) -> list:
 def expect(checked: list, pattern: str, expression: str) -> list[str]:
     """Lines on the steps `pattern` matches whose requests are not `expression` at their own positions: the first
     differing step's first differing request and cell, then how many steps more; empty where every one holds."""
-    from maskcli.checks.serveexpect import first_difference
+    from maskcli.checks import registry
 
     head = f"--expect {pattern}={expression}"
     lines, differing = [], []
@@ -84,12 +84,12 @@ def expect(checked: list, pattern: str, expression: str) -> list[str]:
         if c.batch is None:
             lines.append(f"{head}: {where}: cannot compare: {c.error}")
             continue
-        found = first_difference(c.batch, list(range(c.batch.requests)), expression, f"{head}: {where}")
-        if found is None:
+        found = registry.wrong(registry.run("expectations", c.batch, [(pattern, expression)], where=where))
+        if not found:
             continue
         differing.append(c.captured.step)
         if len(differing) == 1:
-            lines.append(found.message)
+            lines.append(found[0].message)
     if len(differing) > 1:
         from maskcli.text import spans
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.shard import rank_part
+from maskcli.checks import registry as rules
 from maskcli.errors import MaskError
 from maskcli.intervals import Intervals
 from maskcli.mask import Mask, MaskOptions
@@ -107,5 +107,5 @@ def check_parts(mask: Mask, layout: Layout, parts: list[np.ndarray]) -> list[Fin
         local_rows = np.where(rows >= 0, np.arange(rows.size), -1)
         local = cells_at(intervals, np.where(local_rows < layout.length, local_rows, -1), local_keys)
         causal = (rows[:, None] >= keys[None, :]) & (rows[:, None] >= 0) & (keys[None, :] >= 0)
-        found += rank_part(expected, part, rows, keys, r, mask.title, local, causal)
+        found += rules.run("part", expected, part, rows, keys, r, mask.title, local, causal)
     return found

@@ -128,7 +128,7 @@ def _calls(n: int) -> str:
 def merge(parts: dict[int, dict], missing: dict[int, str], world: int) -> Merged:
     """The job's report from each rank's part (rank -> part): calls renumbered, groups of one mask, API, shape, name
     and findings joined across ranks in the order of their first call, and the rules that compare ranks."""
-    from maskcli.checks.ranks import replicas
+    from maskcli.checks import registry
 
     calls, masks, found = [], {}, {}
     for rank in sorted(parts):
@@ -156,7 +156,7 @@ def merge(parts: dict[int, dict], missing: dict[int, str], world: int) -> Merged
         if all(call.where in shared for call in group.calls):
             group.findings = [_partial(f) for f in group.findings]
     by_call = {call.index: group for group in groups for call in group.calls}
-    for call, finding in replicas([call for call in calls if call.where not in shared], replicated):
+    for call, finding in registry.run("ranks", [call for call in calls if call.where not in shared], replicated):
         group = by_call[call.index]
         if all((f.code, f.message) != (finding.code, finding.message) for f in group.findings):
             group.findings.append(finding)

@@ -1,5 +1,6 @@
 """A trace in a screen: calls whose masks are the same grouped into one row, each group's mask named by inspect's
-recogniser, and what is wrong with it for the API that applied it (the rules of maskcli.checks that read a group)."""
+recogniser, and what is wrong with it for the API that applied it: the rules of maskcli.checks given a trace group
+(checks/grouped.py), asked of the registry as the group is read (its cells, its name, its scores, its kernel)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from maskcli import tracefile
-from maskcli.checks.fills import bias, fills, poisoned, score_mod
-from maskcli.checks.kernels import refused
-from maskcli.checks.kernels import asked, ignored_is_causal, top_left, top_left_is_causal
-from maskcli.checks.named import closest as closest_rows
-from maskcli.checks.named import polarity, same_as
+from maskcli.checks import registry
+from maskcli.checks.grouped import Grouped
+from maskcli.checks.kernels import top_left_is_causal
 from maskcli.checks.registry import as_json, severity
-from maskcli.checks.rows import MEANT_LATER, empty_rows, later, past_the_keys, stated_tokens
 from maskcli.text import Finding, spans, step_text
 from maskcli.trace.names import PADDING, also_documents, flags, flipped_keep
 
@@ -117,10 +115,10 @@ def _named(calls: list, run=None) -> Group:
         return Group(calls, f"not read: {first.details.get('error')}", None)
     if stored["form"] == "stats":
         return Group(calls, f"not kept ({stored['why']}): {stored['kept']:,} cells attended", None,
-                     empty_rows(first, stored, None))
+                     _found(Grouped(calls, stored, run=run), "cells"))
     b, h = stored["planes"]
     q_len, k_len = first.shape[2:]
-    structure = None
+    structure, same, other = None, None, None
     if q_len == 0 or k_len == 0 or 0 in first.shape[:2]:  # attention over no token, or a batch of 0 rows (0 heads):
         # nothing to name (its queries, if any, see no key)
         rows = "".join(f"{n} {what}, " for n, what in zip(first.shape[:2], ("batch rows", "heads")) if n == 0)
@@ -149,12 +147,11 @@ def _named(calls: list, run=None) -> Group:
             closest = structure.closest
             near = f"; closest {closest['expression']}, {closest['cells_apart']} cells apart" if closest else ""
             group = Group(calls, f"no expression rebuilds it{near}", None)
-            group.findings += closest_rows(structure)
-        group.findings += same_as(structure, also_documents(structure, keep4, q_len, k_len))
-        if structure.kind in MEANT_LATER:  # nothing, or a raw tril/triu: is it a known mask read the wrong way round?
-            flipped = recognise(flipped_keep(keep4, given), padding=given)  # (the padding is not what is flipped)
-            other = None if flipped.expression is None else flipped.expression + flags(flipped.options, q_len, k_len)
-            group.findings += polarity(first, flipped.kind, other, lambda: past_the_keys(run, calls))
+        same = lambda: also_documents(structure, keep4, q_len, k_len)  # noqa: E731
+
+        def other():  # the mask read the other way round (the padding is not what is flipped): its kind and name
+            flipped = recognise(flipped_keep(keep4, given), padding=given)
+            return flipped.kind, None if flipped.expression is None else flipped.expression + flags(flipped.options, q_len, k_len)
     else:
         named = _name_on_intervals(stored, q_len, k_len, _documents(first))
         if named is not None:
@@ -162,14 +159,15 @@ def _named(calls: list, run=None) -> Group:
         else:
             group = Group(calls, f"not named: {q_len:,} x {k_len:,} cells are too many to rebuild cell by cell, "
                                  "and it is none of full, causal, a window", None)
-    if q_len and k_len:  # (no token: no row to see nothing, no later key)
-        group.findings[:0] = empty_rows(first, stored, structure) + later(
-            first, stored, structure, lambda: stated_tokens(run, calls), lambda: past_the_keys(run, calls))
-    details = first.details
-    group.findings += bias(details) + fills(details) + poisoned(details) + asked(first, stored, group.name) + score_mod(details)
-    group.findings += refused(calls)
-    group.findings += ignored_is_causal(first, k_len) + top_left(first, q_len, k_len)
+    seen = Grouped(calls, stored, structure, group.name, same, other, run)
+    cells = ("cells",) if q_len and k_len else ()  # (no token: no row to see nothing, no later key)
+    group.findings = _found(seen, *cells, "named", "scores", "kernel")
     return group
+
+
+def _found(seen: Grouped, *given: str) -> list[Finding]:
+    """The findings of every rule given a trace group at each of `given`, in that order (checks/registry.py)."""
+    return [f for each in given for f in registry.run(each, seen)]
 
 
 def _documents(call) -> str | None:
