@@ -22,6 +22,7 @@ import torch
 
 from maskcli.trace.crossing import Readings
 from maskcli.trace.held import padding
+from maskcli.trace.reqlens import lengths
 from maskcli.trace.swin import shifted_windows
 from maskcli.trace.walk import own_dirs as _own_dirs, walk  # noqa: F401 - (walk: capture.py's, one import line there)
 from maskcli.trace.windows import window_held
@@ -111,6 +112,9 @@ class Sites:
         held = padding(None if walked is None else walked.held)  # the padding the program's frames hold (checks/held.py)
         if held is not None:
             details["held_padding"] = held
+        stated = None if walked is None else lengths(walked.held)  # an engine's per-request lengths (checks/reqlens.py)
+        if stated is not None:
+            details["request_lengths"] = stated
         window = window_held(self.stack, _own_dirs(), details, None if walked is None else walked.windows)  # (and a plain
         # int one beside its query's position)
         if window is not None:
