@@ -33,7 +33,7 @@ def _statement(call):
 
 def _windowed(run: Run, call) -> bool:
     """The program states a window for this call: its frames hand one, or a config it states has one."""
-    if call.details.get("window_handed") is not None:
+    if call.details.get("window_handed") is not None or call.details["request_lengths"].get("window"):
         return True
     top = run.top(call)
     stated = () if top is None else top.stated
@@ -56,33 +56,53 @@ def _groups(run: Run) -> list[tuple[tuple, list]]:
     return found
 
 
-def request_keys(run: Run) -> list:
-    """The calls, one per request in the metadata's order, whose keys differ from the request's stated key count."""
+def requests(run: Run) -> list[tuple]:
+    """(call, request, its stated keys, the statement's source) of every call that is one request's of a statement
+    made one call per request, in its order (read once per run)."""
+    held = run.__dict__.get("_requests")
+    if held is not None and held[0] == (id(run.calls), len(run.calls)):
+        return held[1]
     found = []
     for (queries, keys, source), calls in _groups(run):
         count = len(queries)
         if len(calls) % count or any(call.shape[0] != 1 or call.shape[2] != queries[i % count]
                                      for i, call in enumerate(calls)):
             continue  # (not one call per request in the statement's order: nothing says which call is which request)
-        for i, call in enumerate(calls):
-            request, stated, k_len = i % count, keys[i % count], call.shape[3]
-            if k_len == stated or k_len < stated and _windowed(run, call):
+        found += [(call, i % count, keys[i % count], source) for i, call in enumerate(calls)]
+    run.__dict__["_requests"] = ((id(run.calls), len(run.calls)), found)
+    return found
+
+
+def stated_first(run: Run) -> dict[int, int]:
+    """call index -> the position of its first query that the engine's metadata states (the request's keys less its
+    new tokens), for calls one per request: a paged call handed whole blocks whose queries are a request's first
+    tokens sits at 0, its later slots unwritten (steps.py's top-left-mask reads it)."""
+    return {call.index: stated - call.shape[2] for call, _, stated, _ in requests(run)}
+
+
+def request_keys(run: Run) -> list:
+    """The calls, one per request in the metadata's order, whose keys differ from the request's stated key count."""
+    found = []
+    for call, request, stated, source in requests(run):
+        k_len = call.shape[3]
+        if k_len == stated or k_len < stated and _windowed(run, call):
+            continue
+        if k_len > stated:
+            cells = keep(call)
+            if cells is None:
                 continue
-            if k_len > stated:
-                cells = keep(call)
-                if cells is None:
-                    continue
-                seen = int(cells[:, :, -1].any(axis=(0, 1)).sum())  # (the request's last query: every key it attends)
-                if seen <= stated:
-                    continue  # (a padded buffer whose slots past the request's keys are masked)
-                said = f"its last query sees {seen} keys"
-                why = "keys past the request's own (stale slots, or another request's)"
-            else:
-                said = f"it is handed {k_len} keys"
-                why = "the request's other keys (its cached prefix) left out of the call"
-            found.append((call, Finding(CODE, (
-                f"request {request} of the batch ({call.shape[2]} queries): {said} where {source} states {stated}: "
-                f"{why}"), expected=f"{stated} keys for request {request}", source=source)))
+            seen = int(cells[:, :, -1].any(axis=(0, 1)).sum())  # (the request's last query: every key it attends)
+            if seen <= stated:
+                continue  # (a padded buffer whose slots past the request's keys are masked)
+            said = f"its last query sees {seen} keys"
+            why = "keys past the request's own (stale slots, or another request's)"
+        else:
+            said = f"it is handed {k_len} keys"
+            why = "the request's other keys (its cached prefix) left out, or its count read from another field"
+        queries = f"{call.shape[2]} quer{'y' if call.shape[2] == 1 else 'ies'}"
+        found.append((call, Finding(CODE, (
+            f"request {request} of the batch ({queries}): {said} where {source} states {stated}: {why}"),
+            expected=f"{stated} keys for request {request}", source=source)))
     return found
 
 

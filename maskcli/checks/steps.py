@@ -16,6 +16,7 @@ import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, equals, first_cell, found_padding, keep, queries
 from maskcli.checks.real import Real, by_row, resolve
+from maskcli.checks.reqlens import stated_first
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -149,8 +150,8 @@ def alignment(run: Run) -> list:
         if call.step == 0 or q_len >= k_len or call.mask in done or call.stored is None:
             continue
         top, own, positions = run.placed(call)
-        if own[0] == 0 or not positions:
-            continue
+        if own[0] == 0 or not positions or stated_first(run).get(call.index) == 0:
+            continue  # (an engine's metadata placing the queries at the start: the later keys are unwritten slots)
         done.add(call.mask)
         cells = keep(call)
         if cells is None or (cells & (np.arange(k_len)[None, :] > np.arange(q_len)[:, None])).any():

@@ -27,9 +27,13 @@ KEYS = frozenset(("kv_seq_lens", "kv_seq_lens_host", "kv_lens", "kv_seq_len", "k
                   "b_seq_len", "b_att_seq_len", "seqused_k", "seqlens_k", "b_kv_seq_len"))
 KEYS_CUMULATIVE = frozenset(("cu_seqlens_k", "cu_seq_lens_k", "cu_seqlens_kv", "kv_cu_seq_lens", "cu_kv_seq_lens",
                              "b1_cu_kv_seq_len"))
-QUERIES = frozenset(("q_seq_lens", "query_lens", "q_lens", "b_q_seq_len", "query_seq_lens", "q_seq_len"))
+QUERIES = frozenset(("q_seq_lens", "query_lens", "q_lens", "b_q_seq_len", "query_seq_lens", "q_seq_len",
+                     "extend_seq_lens"))  # (SGLang's: the new tokens of each request)
 QUERIES_CUMULATIVE = frozenset(("cu_seqlens_q", "cu_seq_lens_q", "q_cu_seq_lens", "query_start_loc", "b1_cu_q_seq_len",
                                 "cu_q_seq_lens"))
+# a window of keys a request's attention may keep to (fewer keys than the request has: a rolling buffer)
+WINDOWS = frozenset(("sliding_window", "window_size", "sliding_window_size", "window_left", "attention_window",
+                     "local_window_size", "attention_chunk_size", "window"))
 NAMES = KEYS | KEYS_CUMULATIVE | QUERIES | QUERIES_CUMULATIVE
 MOST = 4096  # requests of one batch read at most
 _OWN: dict[type, bool] = {}  # class -> whether its objects are read (the program's own classes, SimpleNamespace)
@@ -39,10 +43,12 @@ def lengths(frames: list) -> dict | None:
     """{"queries": (source, [per request]), "keys": (source, [per request])} stated by the objects the program's frames
     hold (`frames`: (frame, names) innermost first, as trace/walk.py hands held.py its frames); None where either is
     unstated, or the key lengths of as many requests as the query lengths disagree."""
-    queries, keys, seen = [], [], set()
+    queries, keys, seen, window = [], [], set(), None
     for frame, _ in frames:
         where = f"{frame.f_code.co_name}() of {os.path.basename(frame.f_code.co_filename)}"
         for variable, value in list(frame.f_locals.items()):
+            if window is None:
+                window = _window(variable, value, where)
             if id(value) in seen or not _read(value):
                 continue
             seen.add(id(value))
@@ -59,7 +65,27 @@ def lengths(frames: list) -> dict | None:
     matching = [(source, k) for source, k in keys if len(k) == len(queries[0][1])]
     if not matching or len({tuple(k) for _, k in matching}) != 1:
         return None
-    return {"queries": queries[0], "keys": matching[0], "besides": [s for s, _ in matching[1:]]}
+    return {"queries": queries[0], "keys": matching[0], "besides": [s for s, _ in matching[1:]], "window": window}
+
+
+def _window(variable: str, value, where: str) -> str | None:
+    """Where a frame's variable, or an attribute of the object or module it holds (a layer's `self.sliding_window`),
+    states a window of some keys (an int above 0, or a pair with one): such a request may be handed fewer keys."""
+    if variable in WINDOWS and _positive(value):
+        return f"{variable}={value!r} (in {where})"
+    held = getattr(value, "__dict__", None)
+    if not isinstance(held, dict) or isinstance(value, type):
+        return None
+    for name in WINDOWS.intersection(held):
+        if _positive(held[name]):
+            return f"{variable}.{name}={held[name]!r} (in {where})"
+    return None
+
+
+def _positive(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(type(x) is int and x > 0 for x in value)
+    return type(value) is int and value > 0
 
 
 def _read(value) -> bool:
