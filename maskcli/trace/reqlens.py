@@ -21,6 +21,8 @@ import types
 import numpy as np
 import torch
 
+from maskcli.trace.codes import ByCode
+
 # total keys per request (the new tokens included), as engines name them; `context_lens` and `cache_seqlens` are left
 # out: several engines count the cached tokens alone under them (flash_attn_with_kvcache appends `k` after them)
 KEYS = frozenset(("kv_seq_lens", "kv_seq_lens_host", "kv_lens", "kv_seq_len", "kv_seqlens", "seq_lens", "seq_lens_tensor",
@@ -36,6 +38,7 @@ WINDOWS = frozenset(("sliding_window", "window_size", "sliding_window_size", "wi
                      "local_window_size", "attention_chunk_size", "window"))
 NAMES = KEYS | KEYS_CUMULATIVE | QUERIES | QUERIES_CUMULATIVE
 MOST = 4096  # requests of one batch read at most
+_CODES = ByCode()  # code object -> whether it is the program's own
 _OWN: dict[type, bool] = {}  # class -> whether its objects are read (the program's own classes, SimpleNamespace)
 
 
@@ -43,14 +46,14 @@ def lengths(frames: list) -> dict | None:
     """{"queries": (source, [per request]), "keys": (source, [per request])} stated by the objects the program's frames
     hold (`frames`: (frame, names) innermost first, as trace/walk.py hands held.py its frames); None where either is
     unstated, or the key lengths of as many requests as the query lengths disagree."""
-    queries, keys, seen, window = [], [], set(), None
+    queries, keys, seen = [], [], set()
+    frames = [(frame, names) for frame, names in frames if _own(frame.f_code)]
     for frame, _ in frames:
-        where = f"{frame.f_code.co_name}() of {os.path.basename(frame.f_code.co_filename)}"
+        where = None
         for variable, value in list(frame.f_locals.items()):
-            if window is None:
-                window = _window(variable, value, where)
             if id(value) in seen or not _read(value):
                 continue
+            where = where or _where(frame)
             seen.add(id(value))
             _fields(value, variable, where, queries, keys)
             for name, inner in list(vars(value).items()):
@@ -65,7 +68,13 @@ def lengths(frames: list) -> dict | None:
     matching = [(source, k) for source, k in keys if len(k) == len(queries[0][1])]
     if not matching or len({tuple(k) for _, k in matching}) != 1:
         return None
+    window = next((said for frame, _ in frames for variable, value in list(frame.f_locals.items())
+                   if (said := _window(variable, value, _where(frame))) is not None), None)
     return {"queries": queries[0], "keys": matching[0], "besides": [s for s, _ in matching[1:]], "window": window}
+
+
+def _where(frame) -> str:
+    return f"{frame.f_code.co_name}() of {os.path.basename(frame.f_code.co_filename)}"
 
 
 def _window(variable: str, value, where: str) -> str | None:
@@ -86,6 +95,15 @@ def _positive(value) -> bool:
     if isinstance(value, (tuple, list)):
         return any(type(x) is int and x > 0 for x in value)
     return type(value) is int and value > 0
+
+
+def _own(code) -> bool:
+    """The code is the program's own (not an installed package's: a transformers model's frames state no engine's
+    metadata, and reading their variables at every call would cost the trace)."""
+    own = _CODES.get(code)
+    if own is None:
+        own = _CODES.put(code, not code.co_filename.startswith(_libraries()))
+    return own
 
 
 def _read(value) -> bool:
