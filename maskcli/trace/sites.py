@@ -21,6 +21,7 @@ from collections import Counter
 import torch
 
 from maskcli.trace.crossing import Readings
+from maskcli.trace.forwardflag import forward_flag
 from maskcli.trace.held import padding
 from maskcli.trace.reqlens import lengths
 from maskcli.trace.swin import shifted_windows
@@ -95,7 +96,7 @@ class Sites:
         """What a call's details say of where it was made: the running module's own word that it is causal
         (checks/own.py), the line that called the function attending (checks/steps.py's causal-lost), whether its
         keys are another sequence's (trace/crossing.py; `shape`: the call's (B, H, Lq, Lk))."""
-        flag = causal_flag(self.stack)
+        flag = causal_flag(self.stack) or (None if self.walked is None else forward_flag(self.stack, self.walked.held))
         if flag is not None:
             details["module_causal" if not flag.endswith("=False") else "module_not_causal"] = flag.removesuffix("=False")
         if caller is not None:
