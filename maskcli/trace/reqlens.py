@@ -18,7 +18,6 @@ import sys
 import sysconfig
 import types
 
-import numpy as np
 import torch
 
 from maskcli.trace.codes import ByCode
@@ -39,7 +38,8 @@ WINDOWS = frozenset(("sliding_window", "window_size", "sliding_window_size", "wi
 NAMES = KEYS | KEYS_CUMULATIVE | QUERIES | QUERIES_CUMULATIVE
 MOST = 4096  # requests of one batch read at most
 _CODES = ByCode()  # code object -> whether it is the program's own
-_OWN: dict[type, bool] = {}  # class -> whether its objects are read (the program's own classes, SimpleNamespace)
+_OWN: dict[type, bool] = {}
+_TENSORS: dict[int, tuple] = {}  # id(tensor) -> (tensor, version, its ints)  # class -> whether its objects are read (the program's own classes, SimpleNamespace)
 
 
 def lengths(frames: list) -> dict | None:
@@ -47,7 +47,7 @@ def lengths(frames: list) -> dict | None:
     hold (`frames`: (frame, names) innermost first, as trace/walk.py hands held.py its frames); None where either is
     unstated, or the key lengths of as many requests as the query lengths disagree."""
     queries, keys, seen = [], [], set()
-    frames = [(frame, names) for frame, names in frames if _own(frame.f_code)]
+    frames = [(frame, names) for frame, names in frames if _own(frame.f_code)]  # (a module's top level: no call's)
     for frame, _ in frames:
         where = None
         for variable, value in list(frame.f_locals.items()):
@@ -69,7 +69,7 @@ def lengths(frames: list) -> dict | None:
     if not matching or len({tuple(k) for _, k in matching}) != 1:
         return None
     window = next((said for frame, _ in frames for variable, value in list(frame.f_locals.items())
-                   if (said := _window(variable, value, _where(frame))) is not None), None)
+                   if (said := _window(variable, value, frame)) is not None), None)
     return {"queries": queries[0], "keys": matching[0], "besides": [s for s, _ in matching[1:]], "window": window}
 
 
@@ -77,17 +77,18 @@ def _where(frame) -> str:
     return f"{frame.f_code.co_name}() of {os.path.basename(frame.f_code.co_filename)}"
 
 
-def _window(variable: str, value, where: str) -> str | None:
-    """Where a frame's variable, or an attribute of the object or module it holds (a layer's `self.sliding_window`),
-    states a window of some keys (an int above 0, or a pair with one): such a request may be handed fewer keys."""
+def _window(variable: str, value, frame) -> str | None:
+    """Where a frame's variable, or an attribute of the module or program object it holds (a layer's
+    `self.sliding_window`), states a window of some keys (an int above 0, or a pair with one): such a request may be
+    handed fewer keys."""
     if variable in WINDOWS and _positive(value):
-        return f"{variable}={value!r} (in {where})"
-    held = getattr(value, "__dict__", None)
-    if not isinstance(held, dict) or isinstance(value, type):
+        return f"{variable}={value!r} (in {_where(frame)})"
+    if not isinstance(value, torch.nn.Module) and not _read(value):
         return None
+    held = vars(value)
     for name in WINDOWS.intersection(held):
         if _positive(held[name]):
-            return f"{variable}.{name}={held[name]!r} (in {where})"
+            return f"{variable}.{name}={held[name]!r} (in {_where(frame)})"
     return None
 
 
@@ -98,11 +99,12 @@ def _positive(value) -> bool:
 
 
 def _own(code) -> bool:
-    """The code is the program's own (not an installed package's: a transformers model's frames state no engine's
-    metadata, and reading their variables at every call would cost the trace)."""
+    """The code is a function of the program's own (not an installed package's: a transformers model's frames state no
+    engine's metadata, and reading their variables at every call would cost the trace; nor a module's top level, whose
+    variables speak for no one call)."""
     own = _CODES.get(code)
     if own is None:
-        own = _CODES.put(code, not code.co_filename.startswith(_libraries()))
+        own = _CODES.put(code, not code.co_filename.startswith(_libraries()) and code.co_name != "<module>")
     return own
 
 
@@ -159,7 +161,16 @@ def _ints(value) -> list[int] | None:
         if value.dim() != 1 or value.is_floating_point() or value.dtype == torch.bool or not 0 < value.numel() <= MOST \
                 or value.device.type == "meta":
             return None
-        return [int(x) for x in value.detach().cpu().numpy().astype(np.int64)]
+        if not value.is_inference():  # (read once while unchanged: the same metadata at every layer's call)
+            held = _TENSORS.get(id(value))
+            if held is not None and held[0] is value and held[1] == value._version:
+                return held[2]
+        rows = [int(x) for x in value.detach().cpu().tolist()]
+        if not value.is_inference():
+            if len(_TENSORS) > 64:
+                _TENSORS.pop(next(iter(_TENSORS)))
+            _TENSORS[id(value)] = (value, value._version, rows)  # (the tensor held: its id stays its own)
+        return rows
     if isinstance(value, (list, tuple)) and 0 < len(value) <= MOST and all(type(x) is int for x in value):
         return list(value)
     return None
