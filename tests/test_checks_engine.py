@@ -169,6 +169,8 @@ QUIET = [  # tests/data/quiet: correct programs of the kinds a rule could misrea
     "longformer_global_local",  # a symmetric band, a global token, padding
     "beam_search_cache_reorder",  # the cache reordered by beam each step
     "beam_search_left_padded_reorder",  # the same over a left-padded batch, the mask reordered with it
+    "engine_request_lengths_padded_window_verify",  # per-request metadata: masked block slots, a rolling window, verify
+    "keras_port_seq2seq_use_causal_mask",  # use_causal_mask per call, Keras padding masks (True = a token)
 ]
 
 

@@ -127,3 +127,26 @@ def test_two_branches_in_one_run_the_window_claims_one(tmp_path):
     hits = [f for f in found if f["code"] == "window-dropped" and f["severity"] == "wrong"]
     assert status == 1 and len(hits) == 2, report
     assert tuple(hits[0]["cell"]) == first((2, 8, 8), lambda b, q, k: k <= q and q - k > 2 and q // 4 == k // 4)
+
+
+WINDOWS = Path(__file__).parent / "data" / "windows"
+
+
+def test_keras_hub_flash_branch_returns_before_the_window(tmp_path):
+    """keras-hub#2186: Gemma 2's flash branch returns before `_mask_sliding_window`; its `padding_mask` is True on the
+    tokens (read so where the mask keeps to it exactly: checks/real.py), right-padded prompts of 8 and 6 in a cache of
+    12. Query 4 of row 0 is the first real query that sees further back than sliding_window_size = 4 (read as
+    p - 4 .. p). The fix's decode steps write into the shorter row's padded slots: no padding lost there."""
+    found = check_bug(tmp_path, "keras_hub_gemma2_flash_branch_skips_sliding_window", "window-dropped")
+    lengths, window = (8, 6), 4
+    assert tuple(found[0]["cell"]) == first(
+        (2, 12, 12), lambda b, q, k: k <= q < lengths[b] and k < lengths[b] and q - k > window)
+
+
+def test_flax_port_pad_mask_branch_drops_the_window(tmp_path):
+    """Written another way: a Flax port's `pad_mask` (True on the tokens) whose padded branch leaves the window out;
+    the first real query that sees a key further back than sliding_window_size = 3, by a double loop."""
+    found = check_bug(tmp_path, "flax_port_pad_mask_branch_drops_window", "window-dropped", WINDOWS)
+    lengths, window = (8, 5), 3
+    assert tuple(found[0]["cell"]) == first(
+        (2, 8, 8), lambda b, q, k: k <= q < lengths[b] and k < lengths[b] and q - k > window)

@@ -108,3 +108,20 @@ def test_gpt_neox_causal_mask_value_too_small_to_mask(tmp_path):
     """EleutherAI/gpt-neox 102d09b8: MASK_VALUE = -1e-7 adds almost nothing, so the causal attention sees later keys
     (written blind, batch blind-s; caught before any rule was changed for it)."""
     check_bug(tmp_path, "gpt_neox_early_causal_mask_value_negligible", "causal-flag-ignored")
+
+
+def test_a_forward_argument_use_causal_mask_that_never_reached_the_softmax(tmp_path):
+    """keras#23038: MultiHeadAttention called with use_causal_mask=True leaves causality to the fused kernel, and the
+    dropout path it then takes applies no mask (trace/forwardflag.py reads the forward argument); the fix builds it."""
+    found = check_bug(tmp_path, "keras_mha_causal_only_fast_path_drops_mask_with_dropout", "causal-flag-ignored")
+    assert _cell(found) == first((2, 7, 7), lambda b, q, k: k > q)
+    assert "use_causal_mask=True" in found[0]["source"]
+
+
+def test_is_causal_dropped_where_a_padding_mask_is_given(tmp_path):
+    """Written another way: `is_causal=is_causal and key_padding_mask is None`, a right-padded batch (lengths 7, 5):
+    the first real query that sees a later real key, by a double loop; the fix ANDs a causal triangle in: quiet."""
+    found = check_bug(tmp_path, "is_causal_dropped_with_key_padding", "causal-flag-ignored", OWN)
+    lengths = (7, 5)
+    assert _cell(found) == first((2, 7, 7), lambda b, q, k: k > q and q < lengths[b] and k < lengths[b])
+    assert found[0]["source"] == "SelfAttention.forward(is_causal=True)"

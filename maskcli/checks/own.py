@@ -35,6 +35,12 @@ from maskcli.text import Finding, spans
 POSITIONS = ("cache_position", "input_pos", "position_ids")  # a model call's word on where its queries are
 
 
+def _word(said: str) -> str:
+    """`causal=True` of a module's attribute flag ('Class.causal'), `forward(is_causal=True)` of a forward argument's
+    ('Class.forward(is_causal=True)': trace/forwardflag.py)."""
+    return said.split(".", 1)[-1] if said.endswith(")") else f"{said.split('.')[-1]}=True"
+
+
 def flag_ignored(run: Run) -> list:
     """A module that states itself causal whose square scores are masked nowhere (on real queries and keys)."""
     candidates = [call for call in run.calls if call.details.get("module_causal") and call.details.get("hf") is None
@@ -65,7 +71,7 @@ def flag_ignored(run: Run) -> list:
             continue
         b, _, q, k = first_cell(later)
         found.append((call, Finding("causal-flag-ignored", (
-            f"{_layer(None, call)}'s module states {said.split('.')[-1]}=True ({said}), but its {call.api} over "
+            f"{_layer(None, call)}'s module states {_word(said)} ({said}), but its {call.api} over "
             f"({call.shape[2]}, {call.shape[3]}) scores "
             f"{'masks nothing' if square else 'let a real query see a later key'}: "
             f"query {int(placed.own[q])} sees later key {k} "

@@ -180,6 +180,8 @@ def resolve(call, top, cells: np.ndarray) -> Real:
         keys, mine = read_off(cells, own)
         return Real(keys, mine, None)
     keys, source, sure = said
+    if kept_turned(source, keys, cells, own):  # (KerasHub's `padding_mask`, True on the tokens, kept to exactly)
+        keys = ~keys
     inside = (own >= 0) & (own < k_len)
     mine = np.zeros((rows, q_len), dtype=bool)
     mine[:, inside] = keys[:, own[inside]]

@@ -16,6 +16,7 @@ import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, equals, first_cell, found_padding, keep, queries
 from maskcli.checks.real import Real, by_row, resolve
+from maskcli.checks.reqlens import stated_first
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -85,18 +86,19 @@ def sites(run: Run) -> list:
                 key = (call.mask, call.shape, id(later_top))  # (every layer's prefill of one model call: one mask)
                 if key not in read:
                     read[key] = _prefill(call, later_top)
-                head, shown, done = call, read[key], {call.mask}
+                head, shown, done, written = call, read[key], {call.mask}, set()
                 continue
             if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not positions:
                 continue
+            written.update(own.tolist())  # (each step's queries write their slots: not the prefill's padding since)
             done.add(call.mask)
             later = keep(call)
             if later is None:
                 continue
             # every layer of one step hands its calls one mask against one prefill: judged once for all of them
-            verdict = (id(shown), call.mask, call.shape, id(later_top), own.tobytes())
+            verdict = (id(shown), call.mask, call.shape, id(later_top), own.tobytes(), len(written), max(written))
             if verdict not in judged:
-                judged[verdict] = _judge(call, later_top, later, own, *shown)
+                judged[verdict] = _judge(call, later_top, later, own, *shown, written)
             said = judged[verdict]
             if said is None:
                 continue
@@ -118,13 +120,19 @@ def sites(run: Run) -> list:
     return found
 
 
-def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window) -> tuple | None:
+def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window, written: set = frozenset()) -> tuple | None:
     """("padding", b, q, k) where a decode step's real query sees a key its prefill padded, else ("window", b, q, keys
-    back less 1) where one sees further back than the prefill's window, else None."""
+    back less 1) where one sees further back than the prefill's window, else None. `written`: the positions the site's
+    steps since the prefill placed their queries at, whose slots they wrote (KerasHub's sampler generates from the
+    shortest prompt's end, into the longer rows' padded slots): no padding of the prefill's there any more."""
     asking = _Asking(call, top, later, max(later.shape[0], call.shape[0]))  # its real queries, resolved where a rule would speak
     if padded is not None and later.shape[0] in (1, padded.shape[0]):
         width = padded.shape[1]
         bad = later[..., :width] & padded[:, None, None, :]  # (one mask row for every batch row broadcasts)
+        at = [k for k in written if 0 <= k < width]
+        if at and bad.any():
+            bad = bad.copy()
+            bad[..., at] = False
         if bad.any():
             bad = bad & asking()[..., None]
         if bad.any():
@@ -149,8 +157,8 @@ def alignment(run: Run) -> list:
         if call.step == 0 or q_len >= k_len or call.mask in done or call.stored is None:
             continue
         top, own, positions = run.placed(call)
-        if own[0] == 0 or not positions:
-            continue
+        if own[0] == 0 or not positions or stated_first(run).get(call.index) == 0:
+            continue  # (an engine's metadata placing the queries at the start: the later keys are unwritten slots)
         done.add(call.mask)
         cells = keep(call)
         if cells is None or (cells & (np.arange(k_len)[None, :] > np.arange(q_len)[:, None])).any():

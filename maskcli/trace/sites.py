@@ -21,7 +21,9 @@ from collections import Counter
 import torch
 
 from maskcli.trace.crossing import Readings
+from maskcli.trace.forwardflag import forward_flag
 from maskcli.trace.held import padding
+from maskcli.trace.reqlens import lengths
 from maskcli.trace.swin import shifted_windows
 from maskcli.trace.walk import own_dirs as _own_dirs, walk  # noqa: F401 - (walk: capture.py's, one import line there)
 from maskcli.trace.windows import window_held
@@ -94,7 +96,7 @@ class Sites:
         """What a call's details say of where it was made: the running module's own word that it is causal
         (checks/own.py), the line that called the function attending (checks/steps.py's causal-lost), whether its
         keys are another sequence's (trace/crossing.py; `shape`: the call's (B, H, Lq, Lk))."""
-        flag = causal_flag(self.stack)
+        flag = causal_flag(self.stack) or (None if self.walked is None else forward_flag(self.stack, self.walked.held))
         if flag is not None:
             details["module_causal" if not flag.endswith("=False") else "module_not_causal"] = flag.removesuffix("=False")
         if caller is not None:
@@ -111,6 +113,9 @@ class Sites:
         held = padding(None if walked is None else walked.held)  # the padding the program's frames hold (checks/held.py)
         if held is not None:
             details["held_padding"] = held
+        stated = None if walked is None else lengths(walked.held)  # an engine's per-request lengths (checks/reqlens.py)
+        if stated is not None:
+            details["request_lengths"] = stated
         window = window_held(self.stack, _own_dirs(), details, None if walked is None else walked.windows)  # (and a plain
         # int one beside its query's position)
         if window is not None:

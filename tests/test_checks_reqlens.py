@@ -1,0 +1,59 @@
+"""checks/reqlens.py (and trace/reqlens.py): an engine's per-request attention against the key counts its own
+metadata object states for each request."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from checkbugs import check_bug, traced
+
+REQLENS = Path(__file__).parent / "data" / "reqlens"
+QUIET = Path(__file__).parent / "data" / "quiet"
+
+
+def _said(flagged: list[dict]) -> list[tuple[int, int, int]]:
+    """(request, keys the call has or its last query sees, keys stated) of each finding, read off its message."""
+    found = []
+    for f in flagged:
+        request = int(re.search(r"request (\d+)", f["message"]).group(1))
+        had = int(re.search(r"(?:handed|sees) (\d+) keys", f["message"]).group(1))
+        stated = int(re.search(r"states (\d+)", f["message"]).group(1))
+        found.append((request, had, stated))
+    return found
+
+
+def test_xllm_prefix_cache_prefill_misses_cached_prefix(tmp_path):
+    """xLLM#2161: the prefix-cache hit's 3 new tokens attend only themselves; AttentionMetadata.kv_seq_lens states 11
+    (its 8 cached tokens and the 3 new), request B's 5 keys are its own (quiet)."""
+    flagged = check_bug(tmp_path, "xllm_npu_prefix_cache_prefill_misses_cached_prefix", "request-keys-differ")
+    assert _said(flagged) == [(0, 3, 8 + 3)]
+    assert "kv_seq_lens" in flagged[0]["source"]
+
+
+def test_lightllm_fp8_verify_reads_per_token_lengths(tmp_path):
+    """LightLLM#1338: the verify kernel is handed the expanded per-token b_seq_len ([5, 6, 7, 8, 9, 10]) where the
+    state's per-request counts (cu_seqlens_k, b_att_seq_len) are the two requests' 7 and 10 tokens."""
+    flagged = check_bug(tmp_path, "lightllm_fp8_fa3_mtp_verify_noncausal", "request-keys-differ")
+    lens, mtp = [7, 10], 3
+    per_token = [n - mtp + 1 + i for n in lens for i in range(mtp)]
+    assert _said(flagged) == [(r, per_token[r], lens[r]) for r in range(len(lens))]  # (the kernel reads entries 0, 1)
+
+
+def test_paged_fallback_gathers_whole_blocks(tmp_path):
+    """Written another way (vLLM v1's FlashAttentionMetadata, `seq_lens` beside `query_start_loc`): a torch fallback
+    that gathers every slot of a request's blocks of 4 sees the stale slots past seq_lens; each request's last query
+    sees its blocks' every slot. Its fix cuts the keys to seqused_k: quiet."""
+    flagged = check_bug(tmp_path, "paged_decode_gathers_whole_blocks", "request-keys-differ", REQLENS)
+    steps = [([6, 3], [[3, 1], [5]]), ([7, 5], [[3, 1], [0, 6]])]  # (seq_lens, block tables) of the program's 2 steps
+    expected = [(r, 4 * len(table), n) for seq_lens, tables in steps for r, (n, table) in enumerate(zip(seq_lens, tables))
+                if 4 * len(table) != n]
+    assert _said(flagged) == expected
+
+
+def test_quiet_on_padded_blocks_a_rolling_window_and_per_token_lengths(tmp_path):
+    """Whole blocks with the slots past seq_lens masked (and a request's first tokens at their start: not top-left),
+    a rolling buffer of the layer's sliding_window keys, a verify state holding per-token lengths beside the
+    per-request ones: no finding."""
+    status, found, report = traced(tmp_path, "engine_request_lengths_padded_window_verify", False, QUIET)
+    assert (status, [f for f in found if f["severity"] in ("wrong", "suspicious")]) == (0, []), report
