@@ -822,3 +822,50 @@ def test_an_excepthook_the_program_sets_is_its_own_and_ends_with_it(tmp_path, mo
     result = trace(script)
     assert result.exit_code == 1 and result.stderr.startswith("hooked: boom\n")
     assert sys.excepthook is before
+
+
+HOSTILE_CONFIG = """
+import torch, torch.nn as nn, torch.nn.functional as F
+reads = []
+class Config:
+    def __getattr__(self, name):  # every name it lacks: counted, then refused (python reads none of them)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        reads.append(name)
+        raise AttributeError(name)
+class Odd:
+    def __getattr__(self, name):  # every name: an object that refuses to be compared or tested
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Odd()
+    def __bool__(self):
+        raise TypeError("bool of Odd")
+    def __eq__(self, other):
+        raise TypeError("eq of Odd")
+    __hash__ = None
+class Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+    def forward(self, input_ids, attention_mask=None):
+        x = torch.randn(input_ids.shape[0], 2, input_ids.shape[1], 4)
+        return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+config = Odd() if "odd" in __import__("sys").argv else Config()
+out = Model(config)(torch.ones(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 5, dtype=torch.long))
+print("reads", len(reads), list(out.shape))
+"""
+
+
+@pytest.mark.parametrize("which", ["counting", "odd"])
+def test_a_config_whose_attribute_reads_are_the_programs_code_runs_as_under_python(tmp_path, monkeypatch, which):
+    """hunt 7: trace ran a config's __getattr__ for every field it looks for (the program printed "reads 24" where
+    python prints "reads 0"), and a rule's read of a config answering an object whose __bool__ / __eq__ raise ended in
+    "unexpected TypeError"; the program's stdout is python's, and the one call is read."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "hostile_config.py", HOSTILE_CONFIG)
+    python = subprocess.run([sys.executable, script, which], capture_output=True, text=True, timeout=300)
+    result = trace(script, which)
+    assert result.exit_code == python.returncode == 0, (result.output, python.stderr)
+    assert result.stdout == python.stdout == "reads 0 [2, 2, 5, 4]\n"
+    assert "maskcli bug" not in result.stderr and "1 attention call in 1 group" in result.stderr
+    assert "causal" in result.stderr
