@@ -869,3 +869,24 @@ def test_a_config_whose_attribute_reads_are_the_programs_code_runs_as_under_pyth
     assert result.stdout == python.stdout == "reads 0 [2, 2, 5, 4]\n"
     assert "maskcli bug" not in result.stderr and "1 attention call in 1 group" in result.stderr
     assert "causal" in result.stderr
+
+
+def test_a_layer_that_holds_itself_is_traced_as_python_runs_it(tmp_path, monkeypatch):
+    """hunt 7: a function handed a module that holds itself (`layer.self_attn = layer`) made trace loop forever looking
+    for the module's parameters; python runs it at once. The program's output is python's and its calls are read."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "itself.py", """
+        import torch, torch.nn as nn
+        layer = nn.Module()
+        layer.proj = nn.Linear(4, 4)
+        layer.self_attn = layer
+        def attention_forward(self, x):
+            s = x @ x.transpose(-1, -2)
+            s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+            return s.softmax(-1) @ x
+        print(list(attention_forward(layer, torch.randn(1, 2, 5, 4)).shape))
+    """)
+    result = trace(script)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "[1, 2, 5, 4]\n"
+    assert "1 attention call in 1 group" in result.stderr and "causal" in result.stderr
