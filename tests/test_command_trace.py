@@ -890,3 +890,17 @@ def test_a_layer_that_holds_itself_is_traced_as_python_runs_it(tmp_path, monkeyp
     assert result.exit_code == 0, result.output
     assert result.stdout == "[1, 2, 5, 4]\n"
     assert "1 attention call in 1 group" in result.stderr and "causal" in result.stderr
+
+
+def test_a_call_at_the_programs_top_level_has_no_caller_of_maskclis(tmp_path, monkeypatch):
+    """hunt 7: --json said the caller of a call made at a script's top level was typer's "main.py:1519" (the CLI that
+    ran the program); the program's outermost line has no caller of the program's: "?"."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "top.py", """
+        import torch, torch.nn.functional as F
+        x = torch.randn(1, 2, 4, 8)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+    """)
+    result = trace("--json", "t.json", script)
+    assert result.exit_code == 0, result.output
+    assert [call["details"].get("caller") for call in json.loads((tmp_path / "t.json").read_text())["calls"]] == ["?"]
