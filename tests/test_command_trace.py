@@ -904,3 +904,22 @@ def test_a_call_at_the_programs_top_level_has_no_caller_of_maskclis(tmp_path, mo
     result = trace("--json", "t.json", script)
     assert result.exit_code == 0, result.output
     assert [call["details"].get("caller") for call in json.loads((tmp_path / "t.json").read_text())["calls"]] == ["?"]
+
+
+def test_a_warning_torch_raises_in_a_followed_call_is_shown_at_the_programs_line(tmp_path, monkeypatch):
+    """hunt 7: float() of a softmax's weights (a tensor the trace follows, its __float__ run by the trace's mode) warned
+    at maskcli's line `out = call(*args, **kwargs)`; python shows the program's own line, as trace now does."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "warns.py", """
+        import torch
+        q = torch.randn(5, 8, requires_grad=True)
+        w = torch.softmax(q.mm(q.T).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf")), -1)
+        total = float(w.sum())
+    """)
+    python = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    result = trace(script)
+    assert result.exit_code == python.returncode == 0, result.output
+    warned = [line for line in python.stderr.splitlines() if "UserWarning" in line or line.startswith("  total")]
+    assert len(warned) == 2 and "warns.py:5: UserWarning" in warned[0], python.stderr
+    assert result.stderr.startswith("\n".join([warned[0], python.stderr.splitlines()[1], warned[1]])), result.stderr[:600]
+    assert "call(*args" not in result.stderr
