@@ -923,3 +923,21 @@ def test_a_warning_torch_raises_in_a_followed_call_is_shown_at_the_programs_line
     assert len(warned) == 2 and "warns.py:5: UserWarning" in warned[0], python.stderr
     assert result.stderr.startswith("\n".join([warned[0], python.stderr.splitlines()[1], warned[1]])), result.stderr[:600]
     assert "call(*args" not in result.stderr
+
+
+def test_a_negative_cache_position_states_no_place_for_the_queries(tmp_path, monkeypatch):
+    """hunt 7: a model call handed cache_position=[-3, -2, -1, 0, 1] (which its model never reads) made unwritten-slot
+    say "query -1 sees cache slot 2 ... holds no key yet", exit 1, on a correct causal program. A slot below 0 is no
+    slot: the call states no place, and the causal mask stands alone."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "negpos.py", """
+        import torch, torch.nn as nn, torch.nn.functional as F
+        class Model(nn.Module):
+            def forward(self, input_ids, cache_position=None):
+                x = torch.randn(input_ids.shape[0], 2, input_ids.shape[1], 4)
+                return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        print(list(Model()(torch.ones(2, 5, dtype=torch.long), cache_position=torch.tensor([-3, -2, -1, 0, 1])).shape))
+    """)
+    result = trace(script)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "[2, 2, 5, 4]\n" and "unwritten-slot" not in result.stderr and "causal" in result.stderr

@@ -94,6 +94,10 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         elif name in LISTS and isinstance(value, (list, tuple)) and 1 < len(value) <= MOST \
                 and all(isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0 for x in value):
             found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
+    for name in ("cache_position", "input_pos"):  # slots of a cache: one below 0 is none (the program's own nonsense,
+        held_slots = found.get(name)  # which its model may never read): it states no place for the queries
+        if isinstance(held_slots, np.ndarray) and held_slots.size and held_slots.min() < 0:
+            del found[name]
     for name in STARTS:
         value = given.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
