@@ -181,7 +181,27 @@ def load(path: str) -> dict:
         _check_mask(stored, f"{where} is damaged: mask {_quoted(name)}")
     for index, call in enumerate(calls):
         _check_call(call, masks, f"{where} is damaged: call {index}")
+    _check_ranks(data, calls, f"{where} is damaged")
     return data
+
+
+def _check_ranks(data: dict, calls: list, where: str) -> None:
+    """A trace of several ranks (trace under torchrun) lists them in 'ranks' and gives every call its rank, a whole
+    number; a trace of one process has neither."""
+    ranked = [call for call in calls if "rank" in call]
+    for call in ranked:
+        rank = call["rank"]
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= LIMIT:
+            raise MaskError(f"{where}: call {calls.index(call)}'s rank is {_quoted(rank)}; it is a whole number from 0")
+    if "ranks" not in data:
+        if ranked:
+            raise MaskError(f"{where}: its calls name ranks but it lists none ('ranks'); write it again with maskcli trace --save")
+        return
+    ranks = data["ranks"]
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(one, dict) for one in ranks) \
+            or len(ranked) != len(calls):
+        raise MaskError(f"{where}: 'ranks' is {_quoted(ranks)} with {len(ranked)} of its {len(calls)} calls ranked; a trace "
+                        "of several ranks lists each rank and ranks every call: write it again with maskcli trace --save")
 
 
 LIMIT = 1 << 40  # no traced length comes near a trillion; past it the sizes below would wrap int64

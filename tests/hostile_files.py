@@ -141,6 +141,20 @@ TRACE_DAMAGE = {  # file name -> what is changed in a good trace file
 }
 
 
+def _ranked(data, rank0=0, rank1=1, ranks=None) -> None:
+    """The trace of a job of two ranks (trace under torchrun --save), one call each, with the ranks given."""
+    data["calls"][0]["rank"], data["calls"][1]["rank"] = rank0, rank1
+    data["ranks"] = ranks if ranks is not None else [{"rank": 0, "exit_status": 0, "calls": [0, 1]},
+                                                     {"rank": 1, "exit_status": 0, "calls": [1, 2]}]
+
+
+RANK_DAMAGE = {  # hunt 7: a call's rank text or a list (sorted with the others: "unexpected TypeError"), no rank list
+    "t_rankstr.pt": lambda d: _ranked(d, rank1="1"),
+    "t_ranklist.pt": lambda d: _ranked(d, rank1=[1]),
+    "t_ranksint.pt": lambda d: _ranked(d, ranks=5),
+}
+
+
 def _empty_batch(data) -> None:
     """A call over a batch of 0 rows, as trace --save writes one (SDPA accepts it): was an IndexError in show."""
     data["masks"]["e"] = {"form": "intervals", "shape": [0, 2, 4, 4], "planes": [0, 1],
@@ -175,7 +189,7 @@ def plant_crafted(folder) -> None:
     (folder / "dump" / "metadata.jsonl").write_text('["plan", 1]\n')
     (folder / "dump2").mkdir()
     (folder / "dump2" / "metadata.jsonl").write_text('"BatchPrefillWithPagedKVCacheWrapper.plan"\n')
-    for name, mutate in TRACE_DAMAGE.items():
+    for name, mutate in {**TRACE_DAMAGE, **RANK_DAMAGE}.items():
         _trace(folder / name, mutate)
     _trace(folder / "t_good.pt")
     _trace(folder / "t_batch0.pt", _empty_batch)

@@ -822,3 +822,122 @@ def test_an_excepthook_the_program_sets_is_its_own_and_ends_with_it(tmp_path, mo
     result = trace(script)
     assert result.exit_code == 1 and result.stderr.startswith("hooked: boom\n")
     assert sys.excepthook is before
+
+
+HOSTILE_CONFIG = """
+import torch, torch.nn as nn, torch.nn.functional as F
+reads = []
+class Config:
+    def __getattr__(self, name):  # every name it lacks: counted, then refused (python reads none of them)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        reads.append(name)
+        raise AttributeError(name)
+class Odd:
+    def __getattr__(self, name):  # every name: an object that refuses to be compared or tested
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Odd()
+    def __bool__(self):
+        raise TypeError("bool of Odd")
+    def __eq__(self, other):
+        raise TypeError("eq of Odd")
+    __hash__ = None
+class Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+    def forward(self, input_ids, attention_mask=None):
+        x = torch.randn(input_ids.shape[0], 2, input_ids.shape[1], 4)
+        return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+config = Odd() if "odd" in __import__("sys").argv else Config()
+out = Model(config)(torch.ones(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 5, dtype=torch.long))
+print("reads", len(reads), list(out.shape))
+"""
+
+
+@pytest.mark.parametrize("which", ["counting", "odd"])
+def test_a_config_whose_attribute_reads_are_the_programs_code_runs_as_under_python(tmp_path, monkeypatch, which):
+    """hunt 7: trace ran a config's __getattr__ for every field it looks for (the program printed "reads 24" where
+    python prints "reads 0"), and a rule's read of a config answering an object whose __bool__ / __eq__ raise ended in
+    "unexpected TypeError"; the program's stdout is python's, and the one call is read."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "hostile_config.py", HOSTILE_CONFIG)
+    python = subprocess.run([sys.executable, script, which], capture_output=True, text=True, timeout=300)
+    result = trace(script, which)
+    assert result.exit_code == python.returncode == 0, (result.output, python.stderr)
+    assert result.stdout == python.stdout == "reads 0 [2, 2, 5, 4]\n"
+    assert "maskcli bug" not in result.stderr and "1 attention call in 1 group" in result.stderr
+    assert "causal" in result.stderr
+
+
+def test_a_layer_that_holds_itself_is_traced_as_python_runs_it(tmp_path, monkeypatch):
+    """hunt 7: a function handed a module that holds itself (`layer.self_attn = layer`) made trace loop forever looking
+    for the module's parameters; python runs it at once. The program's output is python's and its calls are read."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "itself.py", """
+        import torch, torch.nn as nn
+        layer = nn.Module()
+        layer.proj = nn.Linear(4, 4)
+        layer.self_attn = layer
+        def attention_forward(self, x):
+            s = x @ x.transpose(-1, -2)
+            s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+            return s.softmax(-1) @ x
+        print(list(attention_forward(layer, torch.randn(1, 2, 5, 4)).shape))
+    """)
+    result = trace(script)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "[1, 2, 5, 4]\n"
+    assert "1 attention call in 1 group" in result.stderr and "causal" in result.stderr
+
+
+def test_a_call_at_the_programs_top_level_has_no_caller_of_maskclis(tmp_path, monkeypatch):
+    """hunt 7: --json said the caller of a call made at a script's top level was typer's "main.py:1519" (the CLI that
+    ran the program); the program's outermost line has no caller of the program's: "?"."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "top.py", """
+        import torch, torch.nn.functional as F
+        x = torch.randn(1, 2, 4, 8)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+    """)
+    result = trace("--json", "t.json", script)
+    assert result.exit_code == 0, result.output
+    assert [call["details"].get("caller") for call in json.loads((tmp_path / "t.json").read_text())["calls"]] == ["?"]
+
+
+def test_a_warning_torch_raises_in_a_followed_call_is_shown_at_the_programs_line(tmp_path, monkeypatch):
+    """hunt 7: float() of a softmax's weights (a tensor the trace follows, its __float__ run by the trace's mode) warned
+    at maskcli's line `out = call(*args, **kwargs)`; python shows the program's own line, as trace now does."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "warns.py", """
+        import torch
+        q = torch.randn(5, 8, requires_grad=True)
+        w = torch.softmax(q.mm(q.T).masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf")), -1)
+        total = float(w.sum())
+    """)
+    python = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    result = trace(script)
+    assert result.exit_code == python.returncode == 0, result.output
+    warned = [line for line in python.stderr.splitlines() if "UserWarning" in line or line.startswith("  total")]
+    assert len(warned) == 2 and "warns.py:5: UserWarning" in warned[0], python.stderr
+    assert result.stderr.startswith("\n".join([warned[0], python.stderr.splitlines()[1], warned[1]])), result.stderr[:600]
+    assert "call(*args" not in result.stderr
+
+
+def test_a_negative_cache_position_states_no_place_for_the_queries(tmp_path, monkeypatch):
+    """hunt 7: a model call handed cache_position=[-3, -2, -1, 0, 1] (which its model never reads) made unwritten-slot
+    say "query -1 sees cache slot 2 ... holds no key yet", exit 1, on a correct causal program. A slot below 0 is no
+    slot: the call states no place, and the causal mask stands alone."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "negpos.py", """
+        import torch, torch.nn as nn, torch.nn.functional as F
+        class Model(nn.Module):
+            def forward(self, input_ids, cache_position=None):
+                x = torch.randn(input_ids.shape[0], 2, input_ids.shape[1], 4)
+                return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        print(list(Model()(torch.ones(2, 5, dtype=torch.long), cache_position=torch.tensor([-3, -2, -1, 0, 1])).shape))
+    """)
+    result = trace(script)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "[2, 2, 5, 4]\n" and "unwritten-slot" not in result.stderr and "causal" in result.stderr

@@ -297,6 +297,10 @@ CRAFTED = [
     (["inspect", "t_good.pt"], "FILE 't_good.pt' is a maskcli trace file (2 calls), not a tensor file: where a mask is read, "
                                "name one call of it, FILE:0"),  # was "entry 'format' of the dict is str"
     (["show", "--mask", "t_good.pt"], "is a maskcli trace file (2 calls), not a tensor file"),
+    # hunt 7: a call's rank that is text or a list, a rank list that is a number (unexpected TypeError in show / shard)
+    (["show", "--mask", "t_rankstr.pt:rank1:0"], "call 1's rank is '1'; it is a whole number from 0"),
+    (["shard", "causal", "--trace", "t_ranklist.pt"], "call 1's rank is [1]; it is a whole number from 0"),
+    (["shard", "causal", "--trace", "t_ranksint.pt"], "'ranks' is 5 with 2 of its 2 calls ranked"),
 ] + [([command, *spec], name) for name in TRACE_DAMAGE
      for command, spec in (("inspect", [f"{name}:0"]), ("show", ["--mask", f"{name}:1"]), ("diff", [f"{name}:0", "causal"]))]
 

@@ -41,8 +41,31 @@ def findings(run: Run) -> list:
     for rule in all_rules():
         if rule.given == "run" and rule.check not in done:
             done.add(rule.check)  # (one function may make the findings of several codes)
-            found += rule.check(run)
+            try:
+                found += rule.check(run)
+            except Exception as error:
+                if not program_raised(error):
+                    raise
+                # (a config or an argument of the program's whose __eq__, __bool__ or property raises when read after
+                # the run: python ran it, so the rule reads it as stating nothing, as a config that raises on read)
     return found
+
+
+def program_raised(error: BaseException) -> bool:
+    """The exception was raised by the traced program's own code, run by a rule's read of one of its objects (a
+    config's __eq__, __bool__ or property): the innermost frame is neither maskcli's nor an installed library's nor
+    the standard library's. An error of maskcli's own is raised in maskcli's frames (or a library's below them)."""
+    import os
+    import sysconfig
+
+    tb, name = error.__traceback__, None
+    while tb is not None:
+        name, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    if name is None or name.startswith("<"):
+        return False
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the maskcli package
+    libraries = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return not any(os.path.abspath(name).startswith(root + os.sep) for root in (here, *libraries))
 
 
 def apply(groups: list, run: Run) -> list:
@@ -66,7 +89,12 @@ def apply(groups: list, run: Run) -> list:
             gone.add("top-left-causal")  # queries at a static cache's start, its slots past them unwritten: top-left
             # is where they sit (cache.py reads those slots)
         group.findings = [f for f in group.findings if f.code not in gone]
-    judged = explained(run)  # later keys the model call's token types account for (spans.py): not a causal mask's slip
+    try:
+        judged = explained(run)  # later keys the model call's token types account for (spans.py): not a causal mask's slip
+    except Exception as error:
+        if not program_raised(error):
+            raise
+        judged = set()  # (a program's config that raises when read: as in findings)
     for group in groups:
         if group.calls and all(call.index in judged for call in group.calls):
             group.findings = [f for f in group.findings if f.code != "sees-later"]

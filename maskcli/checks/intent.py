@@ -58,12 +58,70 @@ def config_like(value, named: bool = False) -> bool:
     if isinstance(value, type) or callable(value) and not hasattr(value, "__dict__"):
         return False
     kind = type(value)
-    if dataclasses.is_dataclass(value) or kind.__name__ in ("SimpleNamespace", "Namespace") or hasattr(value, "_fields"):
+    if dataclasses.is_dataclass(value) or kind.__name__ in ("SimpleNamespace", "Namespace") or \
+            read(value, "_fields", MISSING) is not MISSING:
         return True
     if any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in kind.__mro__):
         return True
     return (hasattr(value, "__dict__") or hasattr(kind, "__slots__")) and (
         named or any(word in kind.__name__.lower() for word in LIKE))
+
+
+MISSING = object()
+LIBRARIES = ("builtins", "transformers", "torch", "argparse", "types", "collections", "omegaconf", "dataclasses")
+
+
+def dynamic(value) -> bool:
+    """The object's class answers attribute reads with code of the program's own: a __getattr__ or __getattribute__
+    defined by a class that is not the standard library's, torch's or transformers'. Reading a name such an object
+    lacks runs the program's code (it may count, print or change state), which a trace must not: python would not."""
+    for base in type(value).__mro__[:-1]:
+        held = vars(base)
+        if ("__getattr__" in held or "__getattribute__" in held) and \
+                str(getattr(base, "__module__", "")).split(".")[0] not in LIBRARIES:
+            return True
+    return False
+
+
+def read(value, name: str, default=None):
+    """getattr(value, name, default) as a config reader needs it: never raising (a property of the program's that raises
+    states nothing), and on a `dynamic` object a static read (its own and its class's attributes, properties run as
+    written), never its __getattr__."""
+    try:
+        if not dynamic(value):
+            return getattr(value, name, default)
+        import inspect
+
+        found = inspect.getattr_static(value, name, MISSING)
+        if found is MISSING:
+            return default
+        getter = getattr(type(found), "__get__", None)
+        return found if getter is None else getter(found, value, type(value))
+    except Exception:  # noqa: BLE001 - the program's own code raising inside a read: not stated
+        return default
+
+
+class StaticView:
+    """A `dynamic` config as the checks read it after the run: its attributes read by `read`, never by its __getattr__,
+    so that no rule runs the program's attribute code (trace/tops.py keeps a model's config so)."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, held):
+        object.__setattr__(self, "_held", held)
+
+    def __getattr__(self, name):
+        found = read(self._held, name, MISSING)
+        if found is MISSING:
+            raise AttributeError(name)
+        return found
+
+    @property
+    def __dict__(self):
+        try:
+            return dict(vars(self._held))
+        except TypeError:
+            return {}
 
 
 def fields_of(value) -> dict:
@@ -75,13 +133,13 @@ def fields_of(value) -> dict:
         try:
             items = dict(vars(value))
         except TypeError:  # (slots, a named tuple: its fields read one by one below)
-            items = {name: getattr(value, name, None) for name in (*COUNTS, *getattr(value, "_fields", ()))}
+            names = read(value, "_fields", ())
+            items = {name: read(value, name) for name in (*COUNTS, *(names if isinstance(names, tuple) else ()))}
         for name in FIELDS:  # (a transformers config maps some names: attribute_map; a dataclass may use slots)
             if name not in items:
-                try:
-                    items[name] = getattr(value, name)
-                except Exception:  # noqa: BLE001 - a property of the program's that raises: not stated
-                    pass
+                found = read(value, name, MISSING)  # (never the program's __getattr__: `read`)
+                if found is not MISSING:
+                    items[name] = found
     found = {name: items[name] for name in FIELDS if items.get(name) is not None}
     text = items.get("text_config")
     unset = _bidirectional_unset(value, items, text)

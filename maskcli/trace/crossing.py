@@ -261,11 +261,12 @@ def _ends_with(key: torch.Tensor, query: torch.Tensor) -> bool:
 def _owns_weights(module) -> bool:
     """Whether `module` or one inside it holds a parameter: next(module.parameters(), None) is not None, by its
     modules' own dicts (parameters() hashes every tensor it passes: tens of us, at every attention call)."""
-    pending = [module]
+    pending, seen = [module], set()
     while pending:  # (in any order: only whether one is there)
         found = pending.pop()
-        if found is None:
+        if found is None or id(found) in seen:  # (a module that holds itself or its parent: each looked at once)
             continue
+        seen.add(id(found))
         for value in found._parameters.values():
             if value is not None:
                 return True

@@ -97,6 +97,10 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     saved_argv, saved_path, saved_folder, saved_hook = sys.argv[:], sys.path[:], os.getcwd(), sys.excepthook
     modules = {name: module for name, module in sys.modules.items()  # what the trace's own exit and report import
                if name.partition(".")[0] in ("torch", "maskcli", "numpy")}
+    import warnings
+
+    saved_show = warnings.showwarning
+    warnings.showwarning = _as_the_programs(saved_show)
     try:
         if module is not None:
             sys.argv = [module, *args]
@@ -123,12 +127,36 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         _print_traceback()
         return 1
     finally:
+        if getattr(warnings.showwarning, "__wrapped__", None) is saved_show:  # (one the program set stays its own)
+            warnings.showwarning = saved_show
         sys.argv, sys.path[:] = saved_argv, saved_path
         sys.excepthook = saved_hook  # a hook the program set (torch.distributed's "[rank0]:" prefix) ends with it
         for name, module in modules.items():  # a program that del sys.modules["torch"]: importing torch again would
             sys.modules.setdefault(name, module)  # register its operators twice (RuntimeError) in the trace's report
         with contextlib.suppress(OSError):  # the program may have moved (os.chdir): maskcli's own work is where it began
             os.chdir(saved_folder)
+
+
+def _as_the_programs(show):
+    """warnings.showwarning that puts a warning torch raised inside a call the trace followed (a tensor's __float__ run
+    by the trace's mode: its innermost Python frame is maskcli's) at the program's line, as python shows it."""
+    import functools
+
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    skip = (own + os.sep, os.path.dirname(os.path.abspath(__import__("torch").__file__)) + os.sep,
+            os.path.abspath(__import__("warnings").__file__))
+
+    @functools.wraps(show)
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if str(filename).startswith(skip[0]):
+            frame = sys._getframe(1)
+            while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+                frame = frame.f_back
+            if frame is not None:
+                filename, lineno, line = frame.f_code.co_filename, frame.f_lineno, None
+        return show(message, category, filename, lineno, file, line)
+
+    return showwarning
 
 
 def _run_script(script: str) -> None:

@@ -321,6 +321,8 @@ def frames_outside(count: int, held: dict | None = None) -> list[str]:
     frame, found, here = sys._getframe(1), [], None
     while frame is not None and len(found) < count:
         name = frame.f_code.co_filename
+        if name == _RUNNER:  # (maskcli's frame that runs the program: what called it is maskcli's CLI, not the program)
+            break
         if not name.startswith(skip):
             here = os.getcwd() if here is None else here
             found.append(f"{_shown(name, here)}:{frame.f_lineno}")
@@ -329,6 +331,9 @@ def frames_outside(count: int, held: dict | None = None) -> list[str]:
                 held.update((n, variables[n]) for n in HELD if variables.get(n) is not None)
         frame = frame.f_back
     return found + ["?"] * (count - len(found))
+
+
+_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.py")  # (trace/run.py: runs the program)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -21,6 +21,8 @@ import weakref
 
 import torch
 
+from maskcli.checks.intent import read
+
 FRAMES = 6  # program frames searched
 PAD_NAMES = ("pad_id", "pad_token_id", "pad_idx", "pad_index")  # an int local of a function that calls the model
 
@@ -59,10 +61,10 @@ def _search(frame=None) -> dict:
                 if id(value) in found or isinstance(value, (torch.nn.Module, torch.Tensor, type, int, str, dict)):
                     continue
                 try:
-                    pad = _int(getattr(value, "pad_token_id", None))
-                    side = getattr(value, "padding_side", None)
-                    eos = _int(getattr(value, "eos_token_id", None))
-                    bos = _int(getattr(value, "bos_token_id", None))
+                    pad = _int(read(value, "pad_token_id"))  # (read: never the program's __getattr__, which may count
+                    side = read(value, "padding_side")  # or print)
+                    eos = _int(read(value, "eos_token_id"))
+                    bos = _int(read(value, "bos_token_id"))
                 except Exception:  # noqa: BLE001 - a property of the program's that raises: not a tokenizer read here
                     continue
                 if pad is None or (eos is None and not isinstance(side, str) and not _config(value)):
@@ -70,7 +72,7 @@ def _search(frame=None) -> dict:
                 where = "at the top of" if frame.f_code.co_name == "<module>" else f"in {frame.f_code.co_name}() of"
                 found[id(value)] = {"tokenizer_pad_id": pad, **({"tokenizer_eos_id": eos} if eos is not None else {}),
                                     **({"tokenizer_bos_id": bos} if bos is not None else {}),
-                                    **({"padding_side": side} if side in ("left", "right") else {}),
+                                    **({"padding_side": side} if isinstance(side, str) and side in ("left", "right") else {}),
                                     "tokenizer": f"{name} ({type(value).__name__}) {where} "
                                                  f"{os.path.basename(frame.f_code.co_filename)}"}
         frame = frame.f_back

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from maskcli.checks.context import STARTS, Top  # (STARTS: the first query's position as an int)
+from maskcli.checks.intent import StaticView, dynamic, read
 from maskcli.trace.held import program_frames
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
@@ -93,6 +94,10 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         elif name in LISTS and isinstance(value, (list, tuple)) and 1 < len(value) <= MOST \
                 and all(isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0 for x in value):
             found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
+    for name in ("cache_position", "input_pos"):  # slots of a cache: one below 0 is none (the program's own nonsense,
+        held_slots = found.get(name)  # which its model may never read): it states no place for the queries
+        if isinstance(held_slots, np.ndarray) and held_slots.size and held_slots.min() < 0:
+            del found[name]
     for name in STARTS:
         value = given.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
@@ -119,7 +124,10 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         sizes = _static_sizes(cache)
         if sizes:
             found["cache_slots"] = sizes
-    return Top(where, getattr(module, "config", None), found, first, end, stated)
+    config = getattr(module, "config", None)
+    if config is not None and dynamic(config):  # (its __getattr__ is the program's: the checks read it statically)
+        config = StaticView(config)
+    return Top(where, config, found, first, end, stated)
 
 
 IDS = ("input_ids", "idx", "tokens", "src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
@@ -289,7 +297,7 @@ def _token_ids(module) -> dict:
                          ("eos_id", ("eos_token_id", "eos_id")), ("media_token_id", ("media_token_id",)),
                          ("src_pad_id", SOURCE_PAD), ("trg_pad_id", TARGET_PAD)):
         for owner in (config, module):
-            value = next((getattr(owner, f, None) for f in fields if isinstance(getattr(owner, f, None), int)), None)
+            value = next((read(owner, f) for f in fields if isinstance(read(owner, f), int)), None)  # (read: never the program's __getattr__)
             if value is not None and not isinstance(value, bool):
                 found[name] = int(value)
                 break
