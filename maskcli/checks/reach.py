@@ -130,7 +130,7 @@ def look_ahead_open(run: Run) -> list:
                 f"batch row {b}: query {q} sees every key up to its own and is masked from key {q + 1} (a look-ahead "
                 f"mask), yet sees later keys {spans(open_keys.tolist())}; key {k}'s own row sees key {j}, so one layer "
                 f"on ({counts[key]} calls share this mask) query {q} reads token {j} it is masked from "
-                f"({int(bad.sum())} such cells): keys the look-ahead leaves open (padding AND-ed where OR was meant?)"),
+                f"({int(bad.sum())} such cells): keys the look-ahead leaves open (a padding mask combined with it the wrong way round?)"),
                 expected="no query reads a later key through a later key it sees", cell=(b, q, j))))
     return found
 
