@@ -75,24 +75,25 @@ def through_slots(run: Run) -> list:
 
 
 def _look_ahead(cells: np.ndarray) -> np.ndarray:
-    """Bool (rows, L): queries q that see every key up to their own and are masked from key q + 1 (a look-ahead mask's
-    row, whatever else it leaves open)."""
+    """Bool (rows, L): queries q that see every key up to their own, are masked from key q + 1 (a look-ahead mask's
+    row, whatever else it leaves open) and see a key after that."""
     length = cells.shape[-1]
-    at = np.arange(length - 1)
-    upto = np.logical_and.accumulate(cells, axis=-1)[:, np.arange(length), np.arange(length)]
-    ahead = np.zeros_like(upto)
-    ahead[:, :-1] = upto[:, :-1] & ~cells[:, at, at + 1]
-    return ahead
+    at = np.arange(length)
+    first_hidden = np.where(cells.all(axis=-1), length, np.argmin(cells, axis=-1))
+    last_seen = length - 1 - np.argmax(cells[..., ::-1], axis=-1)
+    return (first_hidden == at + 1) & (last_seen > at + 1)
 
 
 def ahead_leaks(cells: np.ndarray) -> np.ndarray | None:
     """Bool (rows, L, L): cells (q, j), j > q, of look-ahead rows q (_look_ahead) that q does not see but reads through a
-    later key k it sees, whose own row sees j; None where that costs more than MOST."""
+    later key k it sees, whose own row sees j; None where that costs more than MOST. A triangle, a window or a prefix
+    has no such row: one pass over the cells."""
     rows, length, _ = cells.shape
-    later = np.triu(np.ones((length, length), dtype=bool), 1)
-    opened = cells & later[None] & _look_ahead(cells)[:, :, None]  # (rows, q, k): later keys a look-ahead row sees
-    if not opened.any():
+    ahead = _look_ahead(cells)
+    if not ahead.any():
         return np.zeros_like(cells)
+    later = np.triu(np.ones((length, length), dtype=bool), 1)
+    opened = cells & later[None] & ahead[:, :, None]  # (rows, q, k): later keys a look-ahead row sees
     through = np.flatnonzero(opened.any(axis=(0, 1)))
     if rows * length * length * through.size > MOST:
         return None
