@@ -37,3 +37,11 @@ def test_quiet_where_the_lengths_are_kept_to(tmp_path):
     for name, folder in (("nemo_tts_aligner_text_mask_not_inverted", None), ("sdpa_left_padding_mask_as_keep_mask", TURNED)):
         _, found, report = traced(tmp_path, name, True, *(() if folder is None else (folder,)))
         assert not [f for f in found if f["code"] == "lengths-inverted"], report
+
+
+def test_quiet_on_a_left_padded_row_half_padding_whose_whole_row_sees_every_key(tmp_path):
+    """Read right-padded, the correct left-padded mask of a row of 3 real keys in 6 keeps exactly that reading's
+    padding; the whole row sees every key, which no turned mask does: quiet, both forms."""
+    for fixed in (False, True):
+        status, found, report = traced(tmp_path, "left_padded_half_rows_kept", fixed, TURNED)
+        assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
