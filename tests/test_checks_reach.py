@@ -32,3 +32,42 @@ def test_summary_tokens_visible_to_causal_tokens(tmp_path):
                                        and any(sees[q, k] and sees[k, j] for k in range(size)))
     status, found, report = traced(tmp_path, "summary_tokens_visible_to_causal_tokens", True, REACH)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def _look_ahead_leak(sees, size: int):
+    """The reference of look-ahead-open over one plane `sees(q, k)`: q sees every key up to its own and not q + 1, and
+    a later key k it sees sees a later j that q does not."""
+    def bad(_, q, j):
+        return (q + 1 < size and all(sees(q, k) for k in range(q + 1)) and not sees(q, q + 1) and j > q
+                and not sees(q, j) and any(k > q and sees(q, k) and sees(k, j) for k in range(size)))
+    return bad
+
+
+def test_doctr_master_tgt_mask_keeps_padding_visible(tmp_path):
+    """doctr#546: `~eq(target, pad) & look_ahead` handed as nn.TransformerDecoderLayer's tgt_mask (True = masked): the
+    trailing `<pad>` keys open to every query, and their rows see the whole word; the first cell is a double loop's."""
+    hit = check_bug(tmp_path, "doctr_master_tgt_mask_keeps_padding_visible", "look-ahead-open")[0]
+    real = 7  # <sos>, five letters, <eos>; then three <pad>
+    assert tuple(hit["cell"]) == first((2, 10, 10), _look_ahead_leak(lambda q, k: k <= q or k >= real, 10))
+
+
+def test_causal_or_padding_keep_mask(tmp_path):
+    """Written another way: SDPA's keep mask (True = may attend) built `causal | is_pad` over a right-padded batch of
+    three lengths, three layers; the first cell is a double loop's over the rows' padding."""
+    status, found, report = traced(tmp_path, "sdpa_causal_or_padding_keep_mask", False, REACH)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "look-ahead-open")
+    assert hit["severity"] == "wrong"
+    lengths = [6, 3, 4]
+    cells = [_look_ahead_leak(lambda q, k, n=n: k <= q or k >= n, 6) for n in lengths]
+    assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, j: cells[b](b, q, j))
+    status, found, report = traced(tmp_path, "sdpa_causal_or_padding_keep_mask", True, REACH)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_quiet_on_persistent_memory_that_reads_no_token(tmp_path):
+    """Learned memory slots after the tokens, which every token reads and which read only each other: no token reaches a
+    later one through them (either form of the mask)."""
+    for fixed in (False, True):
+        status, found, report = traced(tmp_path, "persistent_memory_after_tokens", fixed, REACH)
+        assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -17,7 +17,7 @@ import numpy as np
 
 from maskcli.checks.context import Run, cross, first_cell, keep
 from maskcli.checks.registry import Rule
-from maskcli.text import Finding
+from maskcli.text import Finding, spans
 
 
 MOST = 1 << 27  # multiply-adds one call's reach may cost (rows * L * L * keys through which a later one is read)
@@ -74,8 +74,73 @@ def through_slots(run: Run) -> list:
     return found
 
 
+def _look_ahead(cells: np.ndarray) -> np.ndarray:
+    """Bool (rows, L): queries q that see every key up to their own, are masked from key q + 1 (a look-ahead mask's
+    row, whatever else it leaves open) and see a key after that."""
+    length = cells.shape[-1]
+    at = np.arange(length)
+    first_hidden = np.where(cells.all(axis=-1), length, np.argmin(cells, axis=-1))
+    last_seen = length - 1 - np.argmax(cells[..., ::-1], axis=-1)
+    return (first_hidden == at + 1) & (last_seen > at + 1)
+
+
+def ahead_leaks(cells: np.ndarray) -> np.ndarray | None:
+    """Bool (rows, L, L): cells (q, j), j > q, of look-ahead rows q (_look_ahead) that q does not see but reads through a
+    later key k it sees, whose own row sees j; None where that costs more than MOST. A triangle, a window or a prefix
+    has no such row: one pass over the cells."""
+    rows, length, _ = cells.shape
+    ahead = _look_ahead(cells)
+    if not ahead.any():
+        return np.zeros_like(cells)
+    later = np.triu(np.ones((length, length), dtype=bool), 1)
+    opened = cells & later[None] & ahead[:, :, None]  # (rows, q, k): later keys a look-ahead row sees
+    through = np.flatnonzero(opened.any(axis=(0, 1)))
+    if rows * length * length * through.size > MOST:
+        return None
+    reached = np.matmul(opened[:, :, through].astype(np.float32), cells[:, through, :].astype(np.float32)) > 0
+    return reached & ~cells & later[None]
+
+
+def look_ahead_open(run: Run) -> list:
+    """Self-attention calls, two or more of one model call sharing the mask, whose look-ahead rows read later tokens
+    through later keys they see."""
+    found = []
+    for top in run.tops:
+        calls = [call for call in run.calls[top.first:top.end] if call.stored is not None and not cross(call)
+                 and call.shape[2] == call.shape[3] > 2]
+        counts: dict = {}
+        for call in calls:
+            counts[(call.mask, call.shape)] = counts.get((call.mask, call.shape), 0) + 1
+        done = set()
+        for call in calls:
+            key = (call.mask, call.shape)
+            if counts[key] < 2 or key in done:
+                continue  # (one layer alone: nothing reads its keys one layer on)
+            done.add(key)
+            cells = keep(call)
+            if cells is None:
+                continue
+            cells = cells.any(axis=1)
+            bad = ahead_leaks(cells)
+            if bad is None or not bad.any():
+                continue
+            b, q, j = first_cell(bad)
+            k = int(np.flatnonzero(cells[b, q] & cells[b, :, j] & (np.arange(cells.shape[-1]) > q))[0])
+            open_keys = np.flatnonzero(cells[b, q, q + 1:]) + q + 1
+            found.append((call, Finding("look-ahead-open", (
+                f"batch row {b}: query {q} sees every key up to its own and is masked from key {q + 1} (a look-ahead "
+                f"mask), yet sees later keys {spans(open_keys.tolist())}; key {k}'s own row sees key {j}, so one layer "
+                f"on ({counts[key]} calls share this mask) query {q} reads token {j} it is masked from "
+                f"({int(bad.sum())} such cells): keys the look-ahead leaves open (a padding mask combined with it the wrong way round?)"),
+                expected="no query reads a later key through a later key it sees", cell=(b, q, j))))
+    return found
+
+
 RULES = (
     Rule("causal-leak-through", "wrong", "steps", "a model that states itself causal whose query sees a key whose own "
          "row sees a later key the query is masked from (the future read one layer on, through packed slots)",
          through_slots),
+    Rule("look-ahead-open", "wrong", "steps", "a query of a look-ahead mask (every key up to its own, not the next) that "
+         "sees a later key whose own row sees a later key the query is masked from, two or more layers sharing the mask",
+         look_ahead_open),
 )
