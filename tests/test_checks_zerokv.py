@@ -48,6 +48,30 @@ def test_the_trace_records_each_rows_edge_runs_of_keys_zero_in_k_and_v():
     assert zero_kv(q, one, one.clone(), tuple(one.shape)) == {}  # one zero key alone (a null key) is no padding's run
 
 
+def test_the_runs_are_read_from_the_edges_of_the_keys_the_mask_keeps():
+    """A static cache's unwritten tail hidden by the mask is not read (no run there); zero keys the mask keeps at the
+    edge of the kept keys are a run from that edge, its bounds recorded; the rule finds them where a real query sees
+    them, by a plain loop over the kept keys."""
+    torch.manual_seed(0)
+    k, v, q = torch.zeros(2, 2, 40, 4), torch.zeros(2, 2, 40, 4), torch.randn(2, 2, 3, 4)
+    k[:, :, :10], v[:, :, :10] = torch.randn(2, 2, 10, 4), torch.randn(2, 2, 10, 4)  # 10 slots written, 30 not
+    k[1, :, 2:5], v[1, :, 2:5] = 0, 0  # row 1: slots 2-4 zero, kept from slot 2 on
+    mask = torch.zeros(2, 1, 3, 40, dtype=torch.bool)
+    mask[0, :, :, :10] = True  # row 0: the written slots
+    mask[1, :, :, 2:10] = True  # row 1: from slot 2
+    table = zero_kv(q, k, v, tuple(k.shape), mask)["zero_kv"]
+    assert table["keys"] == [[0, 10], [2, 10]] and table["right"] == [0, 0]
+    for b in range(2):
+        lo, hi = table["keys"][b]
+        zero = [bool((k[b, :, j] == 0).all() and (v[b, :, j] == 0).all()) for j in range(lo, hi)]
+        assert table["left"][b] == (_runs(zero)[0] if _runs(zero)[0] >= 2 else 0)
+    assert zero_kv(q, k, v, tuple(k.shape), torch.where(mask, 0.0, float("-inf")))["zero_kv"] == table  # additive alike
+    assert zero_kv(q, k, v, tuple(k.shape), mask[:1].expand(2, 1, 3, 40)) == {}  # the tail hidden, row 1's zeros too
+    assert zero_kv(q, k, v, tuple(k.shape))["zero_kv"]["right"] == [30, 30]  # no mask: every slot's edge read
+    [(_, found)] = zero_keys_seen(Run([_call(mask.numpy(), table)]))
+    assert found.cell == (1, 0, 2) and "keys 2-4" in found.message
+
+
 def _call(keep: np.ndarray, table: dict) -> SimpleNamespace:
     stored = tracefile.from_dense(keep, keep.shape)
     return SimpleNamespace(api="sdpa", shape=keep.shape, details={"zero_kv": table}, stored=stored, where="layer",
