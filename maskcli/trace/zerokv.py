@@ -68,12 +68,12 @@ def _cpu(t: torch.Tensor) -> np.ndarray | None:
     return cells if cells.ndim == 4 else cells[None]
 
 
-def _bounds(mask, is_causal: bool, q_len: int, k_len: int) -> np.ndarray | None:
-    """(R, 2): [first, last + 1) of the keys some query of each batch row keeps (R: 1, or the mask's batch), None where
+def _bounds(mask, is_causal: bool, q_len: int, k_len: int) -> list | None:
+    """R x [first, last + 1) of the keys some query of each batch row keeps (R: 1, or the mask's batch), None where
     every key may be kept (no mask, or one not read here: then every key's edge is read, as it was). A float mask hides
     a cell at or below the additive sentinel (-1e4, -inf); NaN and +inf count as kept (more read, never less)."""
     if mask is None:
-        return np.array([[0, min(q_len, k_len)]]) if is_causal and q_len < k_len else None  # (top-left causal)
+        return [[0, min(q_len, k_len)]] if is_causal and q_len < k_len else None  # (top-left causal)
     if not isinstance(mask, torch.Tensor) or mask.dim() < 1 or mask.shape[-1] != k_len or not mask.is_cpu:
         return None
     from maskcli.inspect.polarity import SENTINEL_AT_MOST
@@ -92,7 +92,7 @@ def _bounds(mask, is_causal: bool, q_len: int, k_len: int) -> np.ndarray | None:
     first = kept.argmax(axis=1)
     last = k_len - kept[:, ::-1].argmax(axis=1)
     none = ~kept.any(axis=1)
-    bounds = np.stack([np.where(none, 0, first), np.where(none, 0, last)], axis=1)
+    bounds = np.stack([np.where(none, 0, first), np.where(none, 0, last)], axis=1).tolist()
     import weakref
 
     if len(_VISIBLE) > 64:
@@ -105,39 +105,34 @@ _VISIBLE: dict = {}  # id(mask) -> (a weak reference to it, its version, its row
 CHUNK = 16  # keys read at first past an edge whose first key may be zero (then 4x as many each time)
 
 
-def _zero_kv_cpu(q: np.ndarray, k: np.ndarray, v: np.ndarray, bounds: np.ndarray | None) -> dict:
+def _zero_kv_cpu(q: np.ndarray, k: np.ndarray, v: np.ndarray, bounds: list | None) -> dict:
     """zero_kv over 4-D numpy views: for each batch row, the first dimension of the first and last key it keeps in
     every head of K and V (one element a head), and only where one is zero the keys inward from it, a chunk at a time,
     until one is not (a run is read as far as it goes, never the keys past it); each run's two ends read whole."""
-    rows = max(k.shape[0], v.shape[0], 1 if bounds is None else bounds.shape[0])
+    rows = max(k.shape[0], v.shape[0], 1 if bounds is None else len(bounds))
     length = k.shape[2]
     k0, v0 = k[..., 0], v[..., 0]  # (B, H, Lk) views
-    spans = np.broadcast_to(np.array([[0, length]]) if bounds is None else bounds, (rows, 2))
+    spans = [[0, length]] * rows if bounds is None else bounds * rows if len(bounds) == 1 else bounds
     left, right = [0] * rows, [0] * rows
-    picked = np.arange(rows)
-    kept = spans[:, 1] > spans[:, 0]
-    first, last = np.where(kept, spans[:, 0], 0), np.where(kept, spans[:, 1] - 1, 0)
-    edges = [~(t[picked % t.shape[0], :, at] != 0).any(axis=1) for at in (first, last) for t in (k0, v0)]  # (R,) each
-    starts, ends = edges[0] & edges[1] & kept, edges[2] & edges[3] & kept  # rows whose first / last kept key may be zero
-    if not (starts.any() or ends.any()):
-        return {}  # (the common case: every row's edge keys hold something, one element a head read of each)
-    for b in np.flatnonzero(starts | ends).tolist():
-        lo, hi = int(spans[b, 0]), int(spans[b, 1])
+    count = np.count_nonzero
+    for b, (lo, hi) in enumerate(spans):
+        if hi <= lo:
+            continue
         kb, vb = k0[b % k0.shape[0]], v0[b % v0.shape[0]]
-        for side in ("left", "right"):
-            if not (starts if side == "left" else ends)[b]:
-                continue
-            run = _run(kb, vb, lo, hi, side == "left")
-            at_ends = (lo, lo + run - 1) if side == "left" else (hi - run, hi - 1)
+        for forward, at in ((True, lo), (False, hi - 1)):
+            if count(kb[:, at]) or count(vb[:, at]):
+                continue  # (the common case: the edge key holds something, one element a head read)
+            run = _run(kb, vb, lo, hi, forward)
+            at_ends = (lo, lo + run - 1) if forward else (hi - run, hi - 1)
             if run >= 2 and run < hi - lo and not all(_whole_np(t[b % t.shape[0]], at) for t in (k, v) for at in at_ends):
                 run = 0
-            (left if side == "left" else right)[b] = run
-    if all(max(a, c) < 2 or a >= hi - lo for a, c, (lo, hi) in zip(left, right, spans.tolist())):
+            (left if forward else right)[b] = run
+    if all(max(a, c) < 2 or a >= hi - lo for a, c, (lo, hi) in zip(left, right, spans)):
         return {}  # (no run of two at an edge, or every key kept zero: no padding's shape, as the rule reads it)
     zero_q = ~(q[..., 0] != 0).any(axis=1)  # (B, Lq): a query whose first dimension is 0 in every head
     found = {"left": left, "right": right, "zero_q": [_spans_np(row) for row in zero_q]}
-    if bounds is not None and (spans[:, 0].any() or (spans[:, 1] != length).any()):
-        found["keys"] = spans.tolist()
+    if bounds is not None and any(lo or hi != length for lo, hi in spans):
+        found["keys"] = [list(x) for x in spans]
     return {"zero_kv": found}
 
 
