@@ -76,11 +76,11 @@ def _bounds(mask, is_causal: bool, q_len: int, k_len: int) -> list | None:
         return [[0, min(q_len, k_len)]] if is_causal and q_len < k_len else None  # (top-left causal)
     if not isinstance(mask, torch.Tensor) or mask.dim() < 1 or mask.shape[-1] != k_len or not mask.is_cpu:
         return None
-    from maskcli.inspect.polarity import SENTINEL_AT_MOST
-
     found = _VISIBLE.get(id(mask))
     if found is not None and found[0]() is mask and found[1] == mask._version:
         return found[2]  # (one mask handed to every layer of a step: read once)
+    from maskcli.inspect.polarity import SENTINEL_AT_MOST
+
     try:
         cells = (mask.detach() if mask.requires_grad else mask).numpy()
     except (RuntimeError, TypeError):
