@@ -7,13 +7,13 @@ its `padding_idx` under a bias-free projection). Recorded per batch row as the l
 start and at the end of the keys, and the query rows that are zero too (padding queries themselves); checks/zerokv.py
 says where real queries see them.
 
-Read from the edges of the keys the call's mask keeps (each batch row's first and last kept key; every key where
-there is no mask): a static cache's unwritten tail, hidden by the mask, is not read at all, so the cost does not grow
-with the cache's length. Cheap where there is nothing to find: the first dimension of those two keys in every head of
-K and V (one element a head; on the CPU through numpy, a few microseconds a call). Where one is zero, the keys inward
-from it are read the same way, a chunk at a time, only as far as the run goes, and each run's first and last key are
-read whole, in K and in V; a run whose ends are not zero is none. Each row's kept bounds are recorded ("keys") where
-they are not every key; checks/zerokv.py reads the runs from them.
+Cheap where there is nothing to find: the first dimension of each row's first and last key in every head of K and V
+(one element a head; on the CPU through numpy, a few microseconds a call). Where one may be zero, the run is read
+from the same side's edge of the keys the call's mask keeps (each batch row's first and last kept key; every key where
+there is no mask) inward, a chunk at a time, only as far as it goes: a static cache's unwritten tail, hidden by the
+mask, is not read, so the cost does not grow with the cache's length. Each run's first and last key are read whole,
+in K and in V; a run whose ends are not zero is none. Each row's kept bounds are recorded ("keys") where they are
+not every key; checks/zerokv.py reads the runs from them.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, m
     try:
         if not (k.dim() == v.dim() == q.dim()) or k.is_nested or v.shape[-2] != k_shape[-2]:
             return {}
-        cells = [_cpu(t) for t in (q, k, v)]
-        if all(c is not None for c in cells):  # (numpy: a few us an operation where torch's cost tens)
-            return _zero_kv_cpu(*cells, _bounds(mask, is_causal, q.shape[-2], k_shape[-2]))
+        cells = [_cpu(t) for t in (k, v)]
+        if cells[0] is not None and cells[1] is not None and q.is_cpu and q.dtype in _NUMPY and type(q) is torch.Tensor:
+            # (numpy: a few us an operation where torch's cost tens)
+            return _zero_kv_cpu(q, *cells, lambda: _bounds(mask, is_causal, q.shape[-2], k_shape[-2]))
         if not _edge_may_be_zero(k, k_shape[-2]):
             return {}
         with torch.no_grad():
@@ -105,23 +106,29 @@ _VISIBLE: dict = {}  # id(mask) -> (a weak reference to it, its version, its row
 CHUNK = 16  # keys read at first past an edge whose first key may be zero (then 4x as many each time)
 
 
-def _zero_kv_cpu(q: np.ndarray, k: np.ndarray, v: np.ndarray, bounds: list | None) -> dict:
-    """zero_kv over 4-D numpy views: for each batch row, the first dimension of the first and last key it keeps in
-    every head of K and V (one element a head), and only where one is zero the keys inward from it, a chunk at a time,
-    until one is not (a run is read as far as it goes, never the keys past it); each run's two ends read whole."""
-    rows = max(k.shape[0], v.shape[0], 1 if bounds is None else len(bounds))
+def _zero_kv_cpu(q: torch.Tensor, k: np.ndarray, v: np.ndarray, bounds) -> dict:
+    """zero_kv over 4-D numpy views of K and V (q: read last, where a run is found). First the first dimension of each row's first and last key in every head of K and
+    V (one element a head): where neither may be zero, nothing more is read (most calls). Where one may, `bounds()`
+    (each row's kept keys, or None) is asked, and the run is read from the same side's edge of the kept keys inward, a
+    chunk at a time, only as far as it goes (never the hidden keys past the edge: a static cache's unwritten tail);
+    each run's two ends read whole."""
     length = k.shape[2]
     k0, v0 = k[..., 0], v[..., 0]  # (B, H, Lk) views
-    spans = [[0, length]] * rows if bounds is None else bounds * rows if len(bounds) == 1 else bounds
-    left, right = [0] * rows, [0] * rows
     count = np.count_nonzero
+    edge = ~(k0[:, :, :: length - 1].any(axis=1) | v0[:, :, :: length - 1].any(axis=1))  # (B, 2): may be zero
+    if not edge.any():
+        return {}  # (the common case: every row's first and last key hold something)
+    kept = bounds()
+    rows = max(k.shape[0], v.shape[0], 1 if kept is None else len(kept))
+    spans = [[0, length]] * rows if kept is None else kept * rows if len(kept) == 1 else kept
+    left, right = [0] * rows, [0] * rows
     for b, (lo, hi) in enumerate(spans):
         if hi <= lo:
             continue
         kb, vb = k0[b % k0.shape[0]], v0[b % v0.shape[0]]
         for forward, at in ((True, lo), (False, hi - 1)):
-            if count(kb[:, at]) or count(vb[:, at]):
-                continue  # (the common case: the edge key holds something, one element a head read)
+            if not edge[b % edge.shape[0], 0 if forward else 1] or count(kb[:, at]) or count(vb[:, at]):
+                continue  # (a run starts where the keys start, and the first key kept is in it)
             run = _run(kb, vb, lo, hi, forward)
             at_ends = (lo, lo + run - 1) if forward else (hi - run, hi - 1)
             if run >= 2 and run < hi - lo and not all(_whole_np(t[b % t.shape[0]], at) for t in (k, v) for at in at_ends):
@@ -129,9 +136,9 @@ def _zero_kv_cpu(q: np.ndarray, k: np.ndarray, v: np.ndarray, bounds: list | Non
             (left if forward else right)[b] = run
     if all(max(a, c) < 2 or a >= hi - lo for a, c, (lo, hi) in zip(left, right, spans)):
         return {}  # (no run of two at an edge, or every key kept zero: no padding's shape, as the rule reads it)
-    zero_q = ~(q[..., 0] != 0).any(axis=1)  # (B, Lq): a query whose first dimension is 0 in every head
+    zero_q = ~(_cpu(q)[..., 0] != 0).any(axis=1)  # (B, Lq): a query whose first dimension is 0 in every head
     found = {"left": left, "right": right, "zero_q": [_spans_np(row) for row in zero_q]}
-    if bounds is not None and any(lo or hi != length for lo, hi in spans):
+    if kept is not None and any(lo or hi != length for lo, hi in spans):
         found["keys"] = [list(x) for x in spans]
     return {"zero_kv": found}
 
