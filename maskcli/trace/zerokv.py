@@ -88,12 +88,11 @@ def _bounds(mask, is_causal: bool, q_len: int, k_len: int) -> list | None:
         return None
     if cells.dtype != bool:
         cells = ~(cells <= SENTINEL_AT_MOST)
-    planes = cells.reshape(-1, k_len) if cells.ndim < 4 else cells.reshape(cells.shape[0], -1, k_len)
-    kept = planes.any(axis=-2) if planes.ndim == 3 else planes.any(axis=0)[None]  # (R, Lk)
-    first = kept.argmax(axis=1)
-    last = k_len - kept[:, ::-1].argmax(axis=1)
-    none = ~kept.any(axis=1)
-    bounds = np.stack([np.where(none, 0, first), np.where(none, 0, last)], axis=1).tolist()
+    either = np.logical_or.reduce
+    kept = either(cells.reshape(cells.shape[0], -1, k_len), axis=1) if cells.ndim == 4 \
+        else either(cells.reshape(-1, k_len), axis=0)[None]  # (R, Lk)
+    bounds = [[first, k_len - last] if row[first] else [0, 0]
+              for row, first, last in zip(kept, kept.argmax(axis=1).tolist(), kept[:, ::-1].argmax(axis=1).tolist())]
     import weakref
 
     if len(_VISIBLE) > 64:
@@ -115,9 +114,13 @@ def _zero_kv_cpu(q: torch.Tensor, k: np.ndarray, v: np.ndarray, bounds) -> dict:
     length = k.shape[2]
     k0, v0 = k[..., 0], v[..., 0]  # (B, H, Lk) views
     count = np.count_nonzero
-    edge = ~(k0[:, :, :: length - 1].any(axis=1) | v0[:, :, :: length - 1].any(axis=1))  # (B, 2): may be zero
+    ends = k0[:, :, :: length - 1]  # (B, H, 2)
+    if count(ends) == ends.size:
+        return {}  # (the common case: no head's first or last key is 0 in its first dimension; one C call)
+    either = np.logical_or.reduce
+    edge = ~(either(ends, axis=1) | either(v0[:, :, :: length - 1], axis=1))  # (B, 2): may be zero
     if not edge.any():
-        return {}  # (the common case: every row's first and last key hold something)
+        return {}
     kept = bounds()
     rows = max(k.shape[0], v.shape[0], 1 if kept is None else len(kept))
     spans = [[0, length]] * rows if kept is None else kept * rows if len(kept) == 1 else kept
