@@ -106,8 +106,9 @@ CHUNK = 16  # keys read at first past an edge whose first key may be zero (then 
 
 
 def _zero_kv_cpu(q: torch.Tensor, k: np.ndarray, v: np.ndarray, bounds) -> dict:
-    """zero_kv over 4-D numpy views of K and V (q: read last, where a run is found). First the first dimension of each row's first and last key in every head of K and
-    V (one element a head): where neither may be zero, nothing more is read (most calls). Where one may, `bounds()`
+    """zero_kv over 4-D numpy views of K and V (q: read last, where a run is found). First the first dimension of each
+    row's first and last key in every head of K and V (one element a head): where neither may be zero, nothing more is
+    read (most calls). Where one may, `bounds()`
     (each row's kept keys, or None) is asked, and the run is read from the same side's edge of the kept keys inward, a
     chunk at a time, only as far as it goes (never the hidden keys past the edge: a static cache's unwritten tail);
     each run's two ends read whole."""
