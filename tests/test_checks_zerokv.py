@@ -67,6 +67,8 @@ def test_the_runs_are_read_from_the_edges_of_the_keys_the_mask_keeps():
         kept = min(start, hi) - lo if start > lo else 0
         assert table["left"][b] == (kept if kept >= 2 else 0)
     assert zero_kv(q, k, v, tuple(k.shape), torch.where(mask, 0.0, float("-inf")))["zero_kv"] == table  # additive alike
+    with torch.inference_mode():  # (a mask made there keeps no version counter: read each time, never cached)
+        assert zero_kv(q, k, v, tuple(k.shape), mask.clone())["zero_kv"] == table
     assert zero_kv(q, k, v, tuple(k.shape))["zero_kv"]["right"] == [30, 30]  # no mask: the unwritten tail is a run
     [(_, found)] = zero_keys_seen(Run([_call(mask.numpy(), table)]))
     assert found.cell == (1, 0, 2) and "keys 2-4" in found.message

@@ -77,8 +77,9 @@ def _bounds(mask, is_causal: bool, q_len: int, k_len: int) -> list | None:
         return [[0, min(q_len, k_len)]] if is_causal and q_len < k_len else None  # (top-left causal)
     if not isinstance(mask, torch.Tensor) or mask.dim() < 1 or mask.shape[-1] != k_len or not mask.is_cpu:
         return None
+    version = None if mask.is_inference() else mask._version  # (an inference_mode tensor keeps no version counter)
     found = _VISIBLE.get(id(mask))
-    if found is not None and found[0]() is mask and found[1] == mask._version:
+    if found is not None and version is not None and found[0]() is mask and found[1] == version:
         return found[2]  # (one mask handed to every layer of a step: read once)
     from maskcli.inspect.polarity import SENTINEL_AT_MOST
 
@@ -97,7 +98,8 @@ def _bounds(mask, is_causal: bool, q_len: int, k_len: int) -> list | None:
 
     if len(_VISIBLE) > 64:
         _VISIBLE.clear()
-    _VISIBLE[id(mask)] = (weakref.ref(mask), mask._version, bounds)
+    if version is not None:
+        _VISIBLE[id(mask)] = (weakref.ref(mask), version, bounds)
     return bounds
 
 
