@@ -9,8 +9,11 @@ layer, as decoders do). Traced means inside `maskcli.trace()`: torch's attention
 products, casts and sums the trace watches, are wrapped (trace/entry.py; the rest of torch runs untouched,
 and a TorchFunctionMode is on only while a tensor it follows is alive), each call's stack is walked once for
 every reader of it (trace/walk.py: the modules running, the padding and the window its frames hold, the call
-site's line; hooks only on the outermost module), and each step's mask is copied (its own cells) to be read
-after the run, each distinct content once (trace/store.py). docs/python.md gives the figures of each round.
+site's line; hooks only on the outermost module; a module no running one holds is looked for from its caller
+outward), K and V are read for zero-keys-seen only at the edges of each row's keys (trace/zerokv.py: one element a
+head, through numpy), and each step's mask is copied (its own cells) to be read after the run, each distinct content
+once (trace/store.py). docs/python.md gives the figures of each round; benchmarks/zerokv.py times the K/V reading over
+a static cache of 64k slots.
 The two sides alternate run by run, so a slow spell on a shared machine hits both; each run is
 timed by the wall clock and by this process's CPU time (steadier where other programs share the
 cores). It prints the median of each side and the median of the paired ratios with quartiles

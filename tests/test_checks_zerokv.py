@@ -48,6 +48,34 @@ def test_the_trace_records_each_rows_edge_runs_of_keys_zero_in_k_and_v():
     assert zero_kv(q, one, one.clone(), tuple(one.shape)) == {}  # one zero key alone (a null key) is no padding's run
 
 
+def test_the_runs_are_read_from_the_edges_of_the_keys_the_mask_keeps():
+    """A static cache's unwritten tail hidden by the mask is no run (its last kept key holds something); a run at the
+    start of the keys is read from the first key the mask keeps, its bounds recorded, and the rule finds it where a
+    real query sees it; zero keys kept after hidden keys that hold something are no run at an edge."""
+    torch.manual_seed(0)
+    k, v, q = torch.zeros(2, 2, 40, 4), torch.zeros(2, 2, 40, 4), torch.randn(2, 2, 3, 4)
+    k[:, :, :10], v[:, :, :10] = torch.randn(2, 2, 10, 4), torch.randn(2, 2, 10, 4)  # 10 slots written, 30 not
+    k[1, :, :5], v[1, :, :5] = 0, 0  # row 1: slots 0-4 zero, kept from slot 2 on
+    mask = torch.zeros(2, 1, 3, 40, dtype=torch.bool)
+    mask[0, :, :, :10] = True  # row 0: the written slots
+    mask[1, :, :, 2:10] = True  # row 1: from slot 2
+    table = zero_kv(q, k, v, tuple(k.shape), mask)["zero_kv"]
+    assert table["keys"] == [[0, 10], [2, 10]] and table["right"] == [0, 0]
+    for b in range(2):  # by a plain loop: the run at the start of the keys, over the kept ones
+        lo, hi = table["keys"][b]
+        start = _runs([bool((k[b, :, j] == 0).all() and (v[b, :, j] == 0).all()) for j in range(40)])[0]
+        kept = min(start, hi) - lo if start > lo else 0
+        assert table["left"][b] == (kept if kept >= 2 else 0)
+    assert zero_kv(q, k, v, tuple(k.shape), torch.where(mask, 0.0, float("-inf")))["zero_kv"] == table  # additive alike
+    with torch.inference_mode():  # (a mask made there keeps no version counter: read each time, never cached)
+        assert zero_kv(q, k, v, tuple(k.shape), mask.clone())["zero_kv"] == table
+    assert zero_kv(q, k, v, tuple(k.shape))["zero_kv"]["right"] == [30, 30]  # no mask: the unwritten tail is a run
+    [(_, found)] = zero_keys_seen(Run([_call(mask.numpy(), table)]))
+    assert found.cell == (1, 0, 2) and "keys 2-4" in found.message
+    k[1, :, 0], v[1, :, 0] = 1.0, 1.0  # slot 0 holds something: slots 2-4 lie between keys, no padding's shape
+    assert zero_kv(q, k, v, tuple(k.shape), mask) == {}
+
+
 def _call(keep: np.ndarray, table: dict) -> SimpleNamespace:
     stored = tracefile.from_dense(keep, keep.shape)
     return SimpleNamespace(api="sdpa", shape=keep.shape, details={"zero_kv": table}, stored=stored, where="layer",

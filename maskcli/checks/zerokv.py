@@ -54,16 +54,18 @@ def zero_keys_seen(run: Run) -> list:
             continue
         said = stated(run.top(call), rows, k_len)
         tokens = said[0] if said is not None and said[2] else None  # (the real tokens the model call states outright)
+        bounds = table.get("keys")  # (each row's keys some query keeps, where the runs were read from their edges)
         for b in range(rows):
             left, right = table["left"][b % len(table["left"])], table["right"][b % len(table["right"])]
             zero_q = table["zero_q"][b % len(table["zero_q"])] if table["zero_q"] else []
-            if left >= k_len or zero_q is None or (left < RUN and right < RUN):
+            lo, hi = bounds[b % len(bounds)] if bounds else (0, k_len)
+            if left >= hi - lo or zero_q is None or (left < RUN and right < RUN):
                 continue  # (every key zero: no padding's shape; too many zero query spans: left unread)
             padding = np.zeros(k_len, dtype=bool)
             if left >= RUN:
-                padding[:left] = True
+                padding[lo:lo + left] = True
             if right >= RUN:
-                padding[k_len - right:] = True
+                padding[hi - right:hi] = True
             if tokens is not None:
                 padding &= ~tokens[b % tokens.shape[0]]  # (the keys the program states are tokens are tokens)
             real = _real(zero_q, q_len) if len(zero_q) else np.ones(q_len, dtype=bool)

@@ -322,7 +322,7 @@ class Trace(Outer, Follow):
         try:
             with self._lock:  # (threads of the program record one at a time: indexes, steps and the store stay whole)
                 made = len(self._calls)
-                sites.load([module for module, _, _ in reversed(found)], walked)
+                sites.load([module for module, _, _ in reversed(found)], walked, [frame for _, frame, _ in reversed(found)])
                 try:
                     self._record(reader, args, kwargs)
                     if len(self._calls) > made and found:

@@ -184,7 +184,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
         if len(mask_shape) > 2:
             lead = _broadcast(lead, mask_shape[:-2])
     details = {"is_causal": is_causal, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False)),
-               "dropout_p": float(given.get("dropout_p", 0.0) or 0.0), **zero_kv(q, k, v, k_shape),  # (K, V zero: zerokv.py)
+               "dropout_p": float(given.get("dropout_p", 0.0) or 0.0), **zero_kv(q, k, v, k_shape, mask, is_causal),  # (K, V zero: zerokv.py)
                "query_tensor": query_tensor(q) if q_len > 1 else None}  # (queries seen again: no chunk, checks/prefill.py)
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
     if _same_storage(q, k):

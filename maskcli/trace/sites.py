@@ -59,15 +59,17 @@ class Sites:
             self._name(module)
         self.stack.append(module)
 
-    def load(self, modules, walked=None) -> list:
+    def load(self, modules, walked=None, frames=None) -> list:
         """The stack of this thread as `modules` (outermost first: the module calls running, read from the frames at an
-        attention call), each named where it is not yet; the stack. `walked`: the call's frames (walk.py), for note()."""
+        attention call), each named where it is not yet; the stack. `walked`: the call's frames (walk.py), for note().
+        `frames`: each module's call frame, beside `modules` (where a module is not held by one running around it, its
+        holder is looked for from the frame that called it outward: the frames inside its own call hold none)."""
         self.walked = walked
         stack, names = self.stack, self._names
         stack.clear()
-        for module in modules:
+        for i, module in enumerate(modules):
             if id(module) not in names:
-                self._name(module)
+                self._name(module, None if frames is None else frames[i].f_back)
             stack.append(module)
         return stack
 
@@ -155,8 +157,9 @@ class Sites:
 
     # --- naming -------------------------------------------------------------------------------
 
-    def _name(self, module) -> None:
-        """Name `module` and everything under it by its path in the outermost module that holds it."""
+    def _name(self, module, caller=None) -> None:
+        """Name `module` and everything under it by its path in the outermost module that holds it. `caller`: the frame
+        that called it, where known (the program's frames are searched for a holder from there outward)."""
         owner = None
         for outer in self.stack:  # a running module that holds it
             path = _path(outer, module)
@@ -164,7 +167,7 @@ class Sites:
                 owner = (outer, path)
                 break
         if owner is None:
-            owner = _owner(module)  # else one the program's frames hold
+            owner = _owner(module, caller)  # else one the program's frames hold
         if owner is None:
             self._root(module)
             return
@@ -273,10 +276,11 @@ def _path(outer, module) -> str | None:
     return None
 
 
-def _modules_in_frames():
-    """The nn.Modules the frames of the program hold in their variables (innermost frame first), each once."""
+def _modules_in_frames(start=None):
+    """The nn.Modules the frames of the program hold in their variables (innermost frame first, from `start` where
+    given), each once."""
     skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    frame, seen, searched = sys._getframe(1), set(), 0
+    frame, seen, searched = sys._getframe(1) if start is None else start, set(), 0
     while frame is not None and searched < FRAMES:
         if not frame.f_code.co_filename.startswith(skip):  # torch's and maskcli's own frames hold none of the program's
             searched += 1
@@ -288,11 +292,11 @@ def _modules_in_frames():
         frame = frame.f_back
 
 
-def _owner(module) -> tuple[torch.nn.Module, str] | None:
-    """(holder, path) of the outermost module in the program's frames that holds `module` (a compiled module's
-    wrapper left out: its `_orig_mod` is torch.compile's, not the program's)."""
+def _owner(module, start=None) -> tuple[torch.nn.Module, str] | None:
+    """(holder, path) of the outermost module in the program's frames (from `start` outward, where given) that holds
+    `module` (a compiled module's wrapper left out: its `_orig_mod` is torch.compile's, not the program's)."""
     best, tried = None, set()
-    for _, candidate in _modules_in_frames():
+    for _, candidate in _modules_in_frames(start):
         if candidate is module or id(candidate) in tried or type(candidate).__name__ == "OptimizedModule":
             continue
         tried.add(id(candidate))  # (a model is `self` in many of its frames: its modules walked once)

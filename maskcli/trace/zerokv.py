@@ -7,11 +7,13 @@ its `padding_idx` under a bias-free projection). Recorded per batch row as the l
 start and at the end of the keys, and the query rows that are zero too (padding queries themselves); checks/zerokv.py
 says where real queries see them.
 
-Cheap where there is nothing to find: the first dimension of the first and last key of every row and head is looked
-at (a few microseconds a call). Where one is zero, each key's first dimension in every head says which may be zero
-(one element a key and head: a static cache of a million slots is not read in its every dimension at each step),
-and the first and last key of each run at an edge are read whole, in K and in V; a run whose ends are not zero is
-none.
+Cheap where there is nothing to find: the first dimension of each row's first and last key in every head of K and V
+(one element a head; on the CPU through numpy, a few microseconds a call). Where one may be zero, the run is read
+from the same side's edge of the keys the call's mask keeps (each batch row's first and last kept key; every key where
+there is no mask) inward, a chunk at a time, only as far as it goes: a static cache's unwritten tail, hidden by the
+mask, is not read, so the cost does not grow with the cache's length. Each run's first and last key are read whole,
+in K and in V; a run whose ends are not zero is none. Each row's kept bounds are recorded ("keys") where they are
+not every key; checks/zerokv.py reads the runs from them.
 """
 
 from __future__ import annotations
@@ -22,15 +24,22 @@ import torch
 SPANS = 64  # zero query spans kept per batch row (more: the row is left out, as unread)
 
 
-def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple) -> dict:
+def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask=None, is_causal: bool = False) -> dict:
     """{"zero_kv": {"left": [..], "right": [..], "zero_q": [[[start, end], ...], ...]}} per batch row (call.shape[0]
     rows, or 1 where K's batch is broadcast), or {} where no edge key is zero in K and V. `k_shape`: K's shape, read
-    once by the caller."""
+    once by the caller. `mask` (SDPA's attn_mask) or `is_causal`: the runs are read from the edges of the keys some
+    query keeps (each row's first and last kept key), and each row's [first, last + 1) is recorded as "keys" where it
+    is not every key: hidden slots (a static cache's unwritten tail) are not read at all."""
     if not 3 <= len(k_shape) <= 4 or k_shape[-2] < 3:
         return {}
     try:
-        if not _edge_may_be_zero(k, k_shape[-2]) or not (k.dim() == v.dim() == q.dim()) or k.is_nested \
-                or v.shape[-2] != k_shape[-2]:
+        if not (k.dim() == v.dim() == q.dim()) or k.is_nested or v.shape[-2] != k_shape[-2]:
+            return {}
+        cells = [_cpu(t) for t in (k, v)]
+        if cells[0] is not None and cells[1] is not None and q.is_cpu and q.dtype in _NUMPY and type(q) is torch.Tensor:
+            # (numpy: a few us an operation where torch's cost tens)
+            return _zero_kv_cpu(q, *cells, lambda: _bounds(mask, is_causal, q.shape[-2], k_shape[-2]))
+        if not _edge_may_be_zero(k, k_shape[-2]):
             return {}
         with torch.no_grad():
             zero = (_first(k) & _first(v)).cpu()  # (B, Lk): candidates, from each key's first dimension
@@ -50,6 +59,126 @@ def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple) -
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, compiled, meta, sparse) holds no padding we can see
         return {}
     return {"zero_kv": {"left": left, "right": right, "zero_q": [_spans(row) for row in zero_q]}}
+
+
+def _cpu(t: torch.Tensor) -> np.ndarray | None:
+    """A CPU tensor's cells as a numpy view (no copy), 4-D; None elsewhere (a GPU's, bfloat16, a subclass)."""
+    if not t.is_cpu or t.dtype not in _NUMPY or type(t) is not torch.Tensor:
+        return None
+    cells = (t.detach() if t.requires_grad else t).numpy()
+    return cells if cells.ndim == 4 else cells[None]
+
+
+def _bounds(mask, is_causal: bool, q_len: int, k_len: int) -> list | None:
+    """R x [first, last + 1) of the keys some query of each batch row keeps (R: 1, or the mask's batch), None where
+    every key may be kept (no mask, or one not read here: then every key's edge is read, as it was). A float mask hides
+    a cell at or below the additive sentinel (-1e4, -inf); NaN and +inf count as kept (more read, never less)."""
+    if mask is None:
+        return [[0, min(q_len, k_len)]] if is_causal and q_len < k_len else None  # (top-left causal)
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 1 or mask.shape[-1] != k_len or not mask.is_cpu:
+        return None
+    version = None if mask.is_inference() else mask._version  # (an inference_mode tensor keeps no version counter)
+    found = _VISIBLE.get(id(mask))
+    if found is not None and version is not None and found[0]() is mask and found[1] == version:
+        return found[2]  # (one mask handed to every layer of a step: read once)
+    from maskcli.inspect.polarity import SENTINEL_AT_MOST
+
+    try:
+        cells = (mask.detach() if mask.requires_grad else mask).numpy()
+    except (RuntimeError, TypeError):
+        return None
+    if cells.dtype != bool:
+        cells = ~(cells <= SENTINEL_AT_MOST)
+    either = np.logical_or.reduce
+    kept = either(cells.reshape(cells.shape[0], -1, k_len), axis=1) if cells.ndim == 4 \
+        else either(cells.reshape(-1, k_len), axis=0)[None]  # (R, Lk)
+    bounds = [[first, k_len - last] if row[first] else [0, 0]
+              for row, first, last in zip(kept, kept.argmax(axis=1).tolist(), kept[:, ::-1].argmax(axis=1).tolist())]
+    import weakref
+
+    if len(_VISIBLE) > 64:
+        _VISIBLE.clear()
+    if version is not None:
+        _VISIBLE[id(mask)] = (weakref.ref(mask), version, bounds)
+    return bounds
+
+
+_VISIBLE: dict = {}  # id(mask) -> (a weak reference to it, its version, its rows' bounds)
+CHUNK = 16  # keys read at first past an edge whose first key may be zero (then 4x as many each time)
+
+
+def _zero_kv_cpu(q: torch.Tensor, k: np.ndarray, v: np.ndarray, bounds) -> dict:
+    """zero_kv over 4-D numpy views of K and V (q: read last, where a run is found). First the first dimension of each
+    row's first and last key in every head of K and V (one element a head): where neither may be zero, nothing more is
+    read (most calls). Where one may, `bounds()`
+    (each row's kept keys, or None) is asked, and the run is read from the same side's edge of the kept keys inward, a
+    chunk at a time, only as far as it goes (never the hidden keys past the edge: a static cache's unwritten tail);
+    each run's two ends read whole."""
+    length = k.shape[2]
+    k0, v0 = k[..., 0], v[..., 0]  # (B, H, Lk) views
+    count = np.count_nonzero
+    ends = k0[:, :, :: length - 1]  # (B, H, 2)
+    if count(ends) == ends.size:
+        return {}  # (the common case: no head's first or last key is 0 in its first dimension; one C call)
+    either = np.logical_or.reduce
+    edge = ~(either(ends, axis=1) | either(v0[:, :, :: length - 1], axis=1))  # (B, 2): may be zero
+    if not edge.any():
+        return {}
+    kept = bounds()
+    rows = max(k.shape[0], v.shape[0], 1 if kept is None else len(kept))
+    spans = [[0, length]] * rows if kept is None else kept * rows if len(kept) == 1 else kept
+    left, right = [0] * rows, [0] * rows
+    for b, (lo, hi) in enumerate(spans):
+        if hi <= lo:
+            continue
+        kb, vb = k0[b % k0.shape[0]], v0[b % v0.shape[0]]
+        for forward, at in ((True, lo), (False, hi - 1)):
+            if not edge[b % edge.shape[0], 0 if forward else 1] or count(kb[:, at]) or count(vb[:, at]):
+                continue  # (a run starts where the keys start, and the first key kept is in it)
+            run = _run(kb, vb, lo, hi, forward)
+            at_ends = (lo, lo + run - 1) if forward else (hi - run, hi - 1)
+            if run >= 2 and run < hi - lo and not all(_whole_np(t[b % t.shape[0]], at) for t in (k, v) for at in at_ends):
+                run = 0
+            (left if forward else right)[b] = run
+    if all(max(a, c) < 2 or a >= hi - lo for a, c, (lo, hi) in zip(left, right, spans)):
+        return {}  # (no run of two at an edge, or every key kept zero: no padding's shape, as the rule reads it)
+    zero_q = ~(_cpu(q)[..., 0] != 0).any(axis=1)  # (B, Lq): a query whose first dimension is 0 in every head
+    found = {"left": left, "right": right, "zero_q": [_spans_np(row) for row in zero_q]}
+    if kept is not None and any(lo or hi != length for lo, hi in spans):
+        found["keys"] = [list(x) for x in spans]
+    return {"zero_kv": found}
+
+
+def _run(k0: np.ndarray, v0: np.ndarray, lo: int, hi: int, forward: bool) -> int:
+    """How many keys from the edge of [lo, hi) (its first with `forward`, else its last) inward have a first dimension
+    0 in every head of K (k0: (H, Lk)) and V, read CHUNK keys at first and four times as many each time after."""
+    run, size = 0, 1  # (the edge key alone first: most calls stop there)
+    while run < hi - lo:
+        start, stop = (lo + run, min(hi, lo + run + size)) if forward else (max(lo, hi - run - size), hi - run)
+        zero = ~((k0[:, start:stop] != 0).any(axis=0) | (v0[:, start:stop] != 0).any(axis=0))
+        if not forward:
+            zero = zero[::-1]
+        if not zero.all():
+            return run + int(zero.argmin())
+        run += stop - start
+        size = CHUNK if size == 1 else size * 4
+    return run
+
+
+def _whole_np(t: np.ndarray, at: int) -> bool:
+    """Whether key `at` of one batch row's (H, Lk, E) cells is 0 in every head and dimension."""
+    return not t[:, at].any()
+
+
+def _spans_np(row: np.ndarray) -> list | None:
+    """[[start, end), ...] of the True runs of a 1-D bool array; None past SPANS runs."""
+    if not row.any():
+        return []
+    change = np.flatnonzero(np.diff(np.concatenate([[False], row, [False]]).astype(np.int8)))
+    if change.size > 2 * SPANS:
+        return None
+    change = change.tolist()
+    return [change[i:i + 2] for i in range(0, len(change), 2)]
 
 
 def _first(t: torch.Tensor) -> torch.Tensor:
