@@ -1,9 +1,9 @@
 """MASTER scene-text recogniser decoder: target mask = query-row pad mask & lower-triangular mask.
 
-Follows wenwenyu/MASTER-pytorch model/master.py (MASTER.make_mask: ``trg_pad_mask = (target != padding_symbol)
+Follows wenwenyu/MASTER-pytorch model/transformer.py (Decoder._generate_target_mask: ``trg_pad_mask = (target != padding_symbol)
 .unsqueeze(1).unsqueeze(3)`` -- a mask over QUERY rows, (b, 1, len, 1) -- and'ed with torch.tril; decode with
 src_mask None over the flattened CNN feature map; greedy_decode re-running the decoder on the growing prefix)
-and model/transformer.py (attention: ``scores.masked_fill(mask == 0, -1e9)`` then softmax; MultiHeadAttention).
+and its dot_product_attention (``scores.masked_fill(mask == 0, -1e9)`` then softmax; MultiHeadAttention).
 Mask meant: each real target character sees itself and earlier characters; padded target rows are blanked (their
 outputs are ignored by the loss, which uses ignore_index=padding_symbol); the image memory is fully visible
 (fixed-size images have no padding).
