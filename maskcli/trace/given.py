@@ -77,12 +77,22 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
                 if isinstance(value, torch.Tensor) and id(value) not in own and value.is_floating_point() \
                         and value.dim() >= 2 and tuple(value.shape[-2:]) == (q_len, k_len):
                     return f"{name} of {code.co_name}()", value
+                if isinstance(value, torch.Tensor) and id(value) not in own and _bool_over(value, shape):
+                    return f"{name} of {code.co_name}() (bool, read either way round)", value
                 blocks = None if value is None or isinstance(value, torch.Tensor) or id(value) in own \
                     else block_diagonal(value, q_len, k_len)
                 if blocks is not None:
                     return f"{name} of {code.co_name}() ({type(value).__name__})", blocks
         frame = frame.f_back
     return None
+
+
+def _bool_over(value: torch.Tensor, shape: tuple) -> bool:
+    """A bool mask laid out as the kernel takes one, (B or 1, H or 1, Lq or 1, Lk): over the call's cells, or over its
+    keys for every query (a key padding mask broadcast: the Flux processor's [B, 1, 1, txt + img], diffusers#11065)."""
+    b, h, q_len, k_len = (int(x) for x in shape)
+    return value.dtype == torch.bool and value.dim() == 4 and value.shape[0] in (1, b) and value.shape[1] in (1, h) \
+        and value.shape[2] in (1, q_len) and value.shape[3] == k_len
 
 
 def _starts(value, name: str) -> list[int] | None:
@@ -129,6 +139,12 @@ def dropped(found: tuple[str, torch.Tensor], cells, shape: tuple, cache: dict, m
     if key in cache and cache[key][0] is tensor:
         return cache[key][1]
     b, h, q_len, k_len = (int(x) for x in shape)
+    if tensor.dtype == torch.bool:
+        result = _either_way(name, tensor.detach().cpu().numpy(), cells(), q_len, k_len)
+        if len(cache) > 64:
+            cache.clear()
+        cache[key] = (tensor, result)
+        return result
     kernel = cells()  # (built only here: the same mask tensor and kernel mask again is answered from the cache)
     with torch.no_grad():
         keep = additive_keep(tensor.detach()).cpu()
@@ -157,3 +173,31 @@ def dropped(found: tuple[str, torch.Tensor], cells, shape: tuple, cache: dict, m
         cache.clear()
     cache[key] = (tensor, result)
     return result
+
+
+def _either_way(name: str, mask: np.ndarray, kernel: np.ndarray, q_len: int, k_len: int) -> dict | None:
+    """dropped()'s answer for a bool mask (B|1, H|1, Lq|1, Lk), whose polarity its frame does not say: read as True =
+    keep and as True = masked, a cell lost where the kernel sees it on a row the reading leaves some key; said only
+    where both readings lose cells (the kernel keeps to neither), the reading that loses fewer. A key mask's padding
+    queries (their own key, placed bottom-right, masked) are not counted: where padding queries look is the pad's
+    business (a causal kernel over right padding sees no padding key from a real query)."""
+    try:
+        planes = np.broadcast_shapes(mask.shape, kernel.shape)
+    except ValueError:
+        return None
+    if mask.all() or not mask.any():
+        return None
+    seen = np.broadcast_to(kernel, planes)
+    best = None
+    for keep in (mask, ~mask):
+        given = np.broadcast_to(keep, planes)
+        counted = given.any(axis=-1, keepdims=True)
+        if mask.shape[2] == 1 and q_len <= k_len:
+            counted = counted & keep[:, :, 0, k_len - q_len:][..., None]  # (the query's own key kept: a real query)
+        lost = seen & ~given & counted
+        if not lost.any():
+            return None  # (the kernel keeps to this reading)
+        if best is None or int(lost.sum()) < best["cells"]:
+            best = {"name": name, "cell": [int(x) for x in np.argwhere(lost)[0]], "cells": int(lost.sum()),
+                    "masked": int((~given & counted).sum())}
+    return best
