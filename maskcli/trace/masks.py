@@ -26,6 +26,7 @@ from maskcli.text import step_label
 from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
 from maskcli.trace.zerokv import zero_kv
+from maskcli.trace import gathered
 from maskcli.trace.queried import LOCAL, query_tensor
 from maskcli.intervals import Intervals
 
@@ -187,6 +188,8 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
                "dropout_p": float(given.get("dropout_p", 0.0) or 0.0), **zero_kv(q, k, v, k_shape),  # (K, V zero: zerokv.py)
                "query_tensor": query_tensor(q) if q_len > 1 else None}  # (queries seen again: no chunk, checks/prefill.py)
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
+    if mask is None and not is_causal and q_len > 1:  # (keys a varlen path gathered, read against its mask: gathered.py)
+        gathered.note(seen, k)
     if _same_storage(q, k):
         details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.crossing)
     if mask is not None:
