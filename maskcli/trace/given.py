@@ -21,6 +21,8 @@ import sys
 import numpy as np
 import torch
 
+from maskcli.trace.gathered import note as _gathered
+
 CELLS = 1 << 22  # b*h*Lq*Lk past which nothing is compared (no L^2 work on a long sequence's call)
 NAMES = ("attn_mask", "attention_mask", "attn_bias", "mask", "bias_mask")
 FRAMES = 3  # program frames looked at: the attending function, its caller and theirs
@@ -55,6 +57,16 @@ def note(seen, trace, key: str, cache: dict) -> None:
 @functools.cache
 def _skip() -> tuple[str, ...]:
     return (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
+
+
+def gathered_keys(seen, key: torch.Tensor, unmasked: bool) -> None:
+    """At a kernel call that masks nothing (`unmasked`) with several queries: where its keys were gathered from a padded
+    batch across the mask a frame holds beside it (trace/gathered.py)."""
+    if unmasked and seen.shape[2] > 1:
+        try:
+            _gathered(seen, key)
+        except Exception:  # noqa: BLE001 - a frame or tensor maskcli cannot read: the call is recorded without this
+            pass
 
 
 def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
