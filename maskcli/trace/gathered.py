@@ -60,12 +60,13 @@ def _named(code) -> bool:
     return named
 
 
-def _masks(variables: dict) -> list:
-    """(name, bool (B, Lk)) of the frame's masks over keys: 2-D, or (B, 1, 1, Lk); bools or 0/1."""
+def _masks(variables: dict, n: int) -> list:
+    """(name, bool (B, Lk)) of the frame's masks over more than `n` keys: 2-D, or (B, 1, 1, Lk); bools or 0/1."""
     found = []
     for name, value in variables.items():
-        if not (isinstance(value, torch.Tensor) and MASKS.search(name)) or value.numel() > CELLS:
-            continue
+        if not (isinstance(value, torch.Tensor) and MASKS.search(name)) or value.numel() > CELLS or value.dim() < 2 \
+                or value.shape[-1] <= n:
+            continue  # (no more keys than the kernel has: nothing was gathered; read no values)
         if value.dim() == 4 and value.shape[1] == value.shape[2] == 1:
             value = value[:, 0, 0]
         if value.dim() != 2 or value.shape[1] < 2:
@@ -87,19 +88,17 @@ def _padded(variables: dict, rows: int, length: int, heads: int, dim: int):
             continue
         shape = tuple(int(x) for x in value.shape)
         if shape[1:] == (length, heads, dim):
-            yield name, value
+            yield name, value, value
         elif shape[1:] == (heads, length, dim):
-            yield name, value.transpose(1, 2)
+            yield name, value, value.transpose(1, 2)
 
 
 def _in_frame(frame, rows: torch.Tensor, n: int, heads: int, dim: int) -> dict | None:
     variables = frame.f_locals
-    for mask_name, mask in _masks(variables):
+    for mask_name, mask in _masks(variables, n):
         b_len, length = mask.shape
-        if n >= length:
-            continue  # (not fewer keys than the padded row: nothing was gathered)
-        for key_name, padded in _padded(variables, b_len, length, heads, dim):
-            at = _positions(padded, rows)
+        for key_name, held, padded in _padded(variables, b_len, length, heads, dim):
+            at = _positions(held, padded, rows)
             if at is None:
                 continue
             batch = {b for b, _ in at}
@@ -116,16 +115,26 @@ def _in_frame(frame, rows: torch.Tensor, n: int, heads: int, dim: int) -> dict |
     return None
 
 
-def _positions(padded: torch.Tensor, rows: torch.Tensor) -> list | None:
-    """[(b, position)] of each kernel key row in `padded` (B, Lk, H, D), matched by exact value; None where a row is
-    found nowhere or in more than one place (repeated rows: no provenance)."""
-    table = padded.detach().reshape(padded.shape[0] * padded.shape[1], -1).cpu().numpy()
+_PLACES: dict = {}  # (id, version) of a padded key tensor -> (it, {row bytes: [flat indices]}): hashed once
+
+
+def _positions(held: torch.Tensor, padded: torch.Tensor, rows: torch.Tensor) -> list | None:
+    """[(b, position)] of each kernel key row in `padded` (B, Lk, H, D, a view of the frame's `held`), matched by exact
+    value; None where a row is found nowhere or in more than one place (repeated rows: no provenance)."""
     wanted = rows.detach().reshape(rows.shape[0], -1).cpu().numpy()
-    if table.dtype != wanted.dtype:
+    if padded.dtype != rows.dtype:
         return None
-    places: dict = {}
-    for index, row in enumerate(table):
-        places.setdefault(row.tobytes(), []).append(index)
+    key = (id(held), None if held.is_inference() else held._version, tuple(padded.shape))
+    cached = _PLACES.get(key)
+    if cached is None or cached[0] is not held:
+        table = padded.detach().reshape(padded.shape[0] * padded.shape[1], -1).cpu().numpy()
+        places: dict = {}
+        for index, row in enumerate(table):
+            places.setdefault(row.tobytes(), []).append(index)
+        if len(_PLACES) > 16:
+            _PLACES.clear()
+        cached = _PLACES[key] = (held, places)  # (the tensor held: its id stays its own)
+    places = cached[1]
     found = []
     for row in wanted:
         hits = places.get(row.tobytes())
