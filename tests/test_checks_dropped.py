@@ -152,4 +152,5 @@ def test_a_bool_pad_mask_whose_fill_is_discarded_is_found(tmp_path):
     [hit] = found
     assert "mask of attend() (bool, read either way round)" in hit["message"]
     pad = [[0, 0, 0, 0, 0], [1, 1, 0, 0, 0]]  # lengths 5 and 3 of 5, padded on the left
-    assert tuple(hit["cell"]) == first((2, 5, 5), _either_side(pad))  # (row 0 has no padding: row 1's first such cell)
+    # (said as read True = padding, the reading that keeps more tokens' own cells: a real query that sees a pad)
+    assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: not pad[b][q] and pad[b][k])

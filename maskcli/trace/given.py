@@ -200,16 +200,22 @@ def _either_way(name: str, mask: np.ndarray, kernel: np.ndarray, q_len: int, k_l
     if mask.all() or not mask.any():
         return None
     seen = np.broadcast_to(kernel, planes)
-    best = None
+    best, rank = None, None
     for keep in (mask, ~mask):
         given = np.broadcast_to(keep, planes)
         counted = given.any(axis=-1, keepdims=True)
-        if mask.shape[2] == 1 and q_len <= k_len:
-            counted = counted & keep[:, :, 0, k_len - q_len:][..., None]  # (the query's own key kept: a real query)
+        own = None
+        if q_len <= k_len:  # (each query's own key, placed bottom-right: kept where the reading calls the query real)
+            at = np.arange(q_len)
+            own = keep[:, :, 0, k_len - q_len:] if mask.shape[2] == 1 else keep[:, :, at, k_len - q_len + at]
+        if own is not None and mask.shape[2] == 1:
+            counted = counted & own[..., None]  # (a key mask's padding queries: not judged)
         lost = seen & ~given & counted
         if not lost.any():
             return None  # (the kernel keeps to this reading)
-        if best is None or int(lost.sum()) < best["cells"]:
-            best = {"name": name, "cell": [int(x) for x in np.argwhere(lost)[0]], "cells": int(lost.sum()),
-                    "masked": int((~given & counted).sum())}
+        # (said in the likelier reading: the one that keeps more queries' own keys, then the one that loses fewer cells)
+        this = (-(int(own.sum()) if own is not None else 0), int(lost.sum()))
+        if rank is None or this < rank:
+            best, rank = {"name": name, "cell": [int(x) for x in np.argwhere(lost)[0]], "cells": int(lost.sum()),
+                          "masked": int((~given & counted).sum())}, this
     return best
