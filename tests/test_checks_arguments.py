@@ -341,3 +341,21 @@ def test_left_padded_prompts_then_right_padded_completions_scored_with_no_mask(t
                       Path(__file__).parent / "data" / "tokens")
     ids = [[4, 5, 6, 7, 10, 11, 1], [1, 1, 8, 9, 12, 13, 14]]
     assert tuple(found[0]["cell"]) == first((2, 7, 7), _prompt_then_completion(ids, 1))
+
+
+def test_alphafold3_template_embedder_mask_not_forwarded(tmp_path):
+    """lucidrains/alphafold3-pytorch 43ccb98: TemplateEmbedder repeats the residue mask per template but runs its
+    pairformer stack without it, so triangle attention over (batch, template, row) folded rows attends padded residues
+    (written blind, batch blind-x; caught before any rule was changed for it). Complexes of 5 and 3 residues: the
+    padded keys of the second are 3 and 4, whichever way the batch is folded."""
+    [hit] = check_bug(tmp_path, "alphafold3_template_embedder_mask_not_forwarded", "padding-ignored")
+    assert "either way round" in hit["message"] and hit["cell"][2] in (3, 4)
+
+
+def test_ankh_feature_extraction_without_attention_mask(tmp_path):
+    """agemagician/Ankh#24: the README's feature extraction keeps only input_ids of a padded batch, so the shorter
+    protein (9 residues + </s> = 10 tokens) attends its pads (written blind, batch blind-x; caught before any rule
+    was changed for it)."""
+    pytest.importorskip("transformers")
+    [hit] = check_bug(tmp_path, "ankh_feature_extraction_without_attention_mask", "padding-ignored")
+    assert hit["cell"][0] == 1 and hit["cell"][2] >= 10

@@ -124,3 +124,33 @@ def test_a_module_that_says_it_is_not_causal_speaks_for_itself(tmp_path, name):
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert status == 0, report
     assert "causal" in report and "full" in report
+
+
+def _either_side(pad: list[list[int]]):
+    """bad(b, q, k) of a bool key mask read either way round: query q and key k on opposite sides of row b's padding
+    (one a pad, the other real), which a kernel that drops the mask lets the query see."""
+    return lambda b, q, k: pad[b][q] != pad[b][k]
+
+
+def test_diffusers_flux_attn_processor_drops_attention_mask(tmp_path):
+    """huggingface/diffusers#11065: FluxAttnProcessor2_0 takes the [B, 1, 1, txt + img] bool mask from
+    joint_attention_kwargs but calls SDPA without it, so the T5 padding stays visible in joint attention (written
+    blind, batch blind-x; missed before, caught by reading the bool mask the processor was handed either way round).
+    Its fix passes attn_mask=attention_mask: quiet."""
+    [hit] = check_bug(tmp_path, "diffusers_flux_attn_processor_drops_attention_mask", "mask-argument-dropped")
+    assert "attention_mask of __call__() (bool, read either way round)" in hit["message"]
+    text = [[1, 1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0]]
+    pad = [[1 - t for t in row] + [0] * 4 for row in text]  # the 4 image tokens are real
+    b, q, k = hit["cell"]
+    assert _either_side(pad)(b, q, k) and pad[b][q] == 0  # (read True = keep: a real query sees a padded key)
+
+
+def test_a_bool_pad_mask_whose_fill_is_discarded_is_found(tmp_path):
+    """Written another way (tests/data/dropped): the other polarity (True = padding), left-padded, an eager softmax, the
+    mask named `mask` as (B, 1, 1, L), dropped by a masked_fill that is not in place. The fix assigns it: quiet."""
+    found = check_bug(tmp_path, "bool_pad_mask_fill_discarded", "mask-argument-dropped", folder=DROPPED)
+    [hit] = found
+    assert "mask of attend() (bool, read either way round)" in hit["message"]
+    pad = [[0, 0, 0, 0, 0], [1, 1, 0, 0, 0]]  # lengths 5 and 3 of 5, padded on the left
+    # (said as read True = padding, the reading that keeps more tokens' own cells: a real query that sees a pad)
+    assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: not pad[b][q] and pad[b][k])

@@ -110,3 +110,11 @@ def test_five_d_scores_read_their_axis_before_the_heads_by_what_the_batch_axis_s
     assert hit.code == "padding-per-head" and "heads 2-3 hide keys 2-3" in hit.message
     empty = five([[4, 0], [4, 0]])  # alike in every batch row, the plane that differs hides every key
     assert found(empty, (2, 2, 2)) == []
+
+
+def test_diffusers_hunyuan_video_bnn_mask_broadcast_over_heads(tmp_path):
+    """huggingface/diffusers#10454: HunyuanVideo hands SDPA a [B, N, N] mask, which broadcasts on the heads axis, so
+    head h of each sample takes sample h's padding (written blind, batch blind-x; caught before any rule was changed
+    for it)."""
+    [hit] = check_bug(tmp_path, "diffusers_hunyuan_video_bnn_mask_broadcast_over_heads", "padding-per-head")
+    assert "differs by head" in hit["message"]

@@ -103,3 +103,9 @@ def test_pad_flags_added_in_place_to_folded_heads_scores(tmp_path):
     keep = torch.ones(1, 3, 4, dtype=torch.bool)
     assert zero_one_seen(pad == 1, scores, keep)
     assert not zero_one_seen(pad == 1, scores, keep & (pad == 0))  # (a fill beside it masks the padded keys: quiet)
+
+
+def test_diffusers_chroma_float_attention_mask_added_not_masked(tmp_path):
+    """huggingface/diffusers#12116 (fixed by #12263): Chroma's 0/1 text+image mask reaches SDPA as float, an additive
+    +1/+0 that hides no padding (written blind, batch blind-x; caught before any rule was changed for it)."""
+    check_bug(tmp_path, "diffusers_chroma_float_attention_mask_added_not_masked", "ones-added")

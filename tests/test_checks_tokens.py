@@ -243,3 +243,12 @@ def test_coreml_sd3_t5_encoder_attention_mask_inverted(tmp_path):
     """apple/ml-stable-diffusion (SD3 T5 encoder): the padding mask's polarity inverted, so real tokens attend the pads
     and the pads are called real (written blind, batch blind-u; caught before any rule was changed for it)."""
     check_bug(tmp_path, "coreml_sd3_t5_encoder_attention_mask_inverted", "padding-unmarked")
+
+
+def test_diffusers_chroma_t5_encoder_sees_extra_padding_token(tmp_path):
+    """huggingface/diffusers#12508: Chroma's "real tokens + one pad" mask, meant for the MMDiT, is also handed to the
+    T5 encoder, which attends the first pad (written blind, batch blind-x; caught before any rule was changed for it).
+    Row 0 has 7 real tokens: key 7 is its first pad."""
+    pytest.importorskip("transformers")
+    [hit] = check_bug(tmp_path, "diffusers_chroma_t5_encoder_sees_extra_padding_token", "padding-unmarked")
+    assert hit["cell"] == [0, 0, 7]

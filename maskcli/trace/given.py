@@ -21,6 +21,8 @@ import sys
 import numpy as np
 import torch
 
+from maskcli.trace.gathered import note as _gathered
+
 CELLS = 1 << 22  # b*h*Lq*Lk past which nothing is compared (no L^2 work on a long sequence's call)
 NAMES = ("attn_mask", "attention_mask", "attn_bias", "mask", "bias_mask")
 FRAMES = 3  # program frames looked at: the attending function, its caller and theirs
@@ -57,6 +59,16 @@ def _skip() -> tuple[str, ...]:
     return (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
 
 
+def gathered_keys(seen, key: torch.Tensor, unmasked: bool) -> None:
+    """At a kernel call that masks nothing (`unmasked`) with several queries: where its keys were gathered from a padded
+    batch across the mask a frame holds beside it (trace/gathered.py)."""
+    if unmasked and seen.shape[2] > 1:
+        try:
+            _gathered(seen, key)
+        except Exception:  # noqa: BLE001 - a frame or tensor maskcli cannot read: the call is recorded without this
+            pass
+
+
 def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
     """('parameter in function()', tensor) of the nearest program frame's float mask over the call's (Lq, Lk) that is
     not one the kernel was given; None where there is none."""
@@ -77,12 +89,22 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
                 if isinstance(value, torch.Tensor) and id(value) not in own and value.is_floating_point() \
                         and value.dim() >= 2 and tuple(value.shape[-2:]) == (q_len, k_len):
                     return f"{name} of {code.co_name}()", value
+                if isinstance(value, torch.Tensor) and id(value) not in own and _bool_over(value, shape):
+                    return f"{name} of {code.co_name}() (bool, read either way round)", value
                 blocks = None if value is None or isinstance(value, torch.Tensor) or id(value) in own \
                     else block_diagonal(value, q_len, k_len)
                 if blocks is not None:
                     return f"{name} of {code.co_name}() ({type(value).__name__})", blocks
         frame = frame.f_back
     return None
+
+
+def _bool_over(value: torch.Tensor, shape: tuple) -> bool:
+    """A bool mask laid out as the kernel takes one, (B or 1, H or 1, Lq or 1, Lk): over the call's cells, or over its
+    keys for every query (a key padding mask broadcast: the Flux processor's [B, 1, 1, txt + img], diffusers#11065)."""
+    b, h, q_len, k_len = (int(x) for x in shape)
+    return value.dtype == torch.bool and value.dim() == 4 and value.shape[0] in (1, b) and value.shape[1] in (1, h) \
+        and value.shape[2] in (1, q_len) and value.shape[3] == k_len
 
 
 def _starts(value, name: str) -> list[int] | None:
@@ -129,6 +151,12 @@ def dropped(found: tuple[str, torch.Tensor], cells, shape: tuple, cache: dict, m
     if key in cache and cache[key][0] is tensor:
         return cache[key][1]
     b, h, q_len, k_len = (int(x) for x in shape)
+    if tensor.dtype == torch.bool:
+        result = _either_way(name, tensor.detach().cpu().numpy(), cells(), q_len, k_len)
+        if len(cache) > 64:
+            cache.clear()
+        cache[key] = (tensor, result)
+        return result
     kernel = cells()  # (built only here: the same mask tensor and kernel mask again is answered from the cache)
     with torch.no_grad():
         keep = additive_keep(tensor.detach()).cpu()
@@ -157,3 +185,37 @@ def dropped(found: tuple[str, torch.Tensor], cells, shape: tuple, cache: dict, m
         cache.clear()
     cache[key] = (tensor, result)
     return result
+
+
+def _either_way(name: str, mask: np.ndarray, kernel: np.ndarray, q_len: int, k_len: int) -> dict | None:
+    """dropped()'s answer for a bool mask (B|1, H|1, Lq|1, Lk), whose polarity its frame does not say: read as True =
+    keep and as True = masked, a cell lost where the kernel sees it on a row the reading leaves some key; said only
+    where both readings lose cells (the kernel keeps to neither), the reading that loses fewer. A key mask's padding
+    queries (their own key, placed bottom-right, masked) are not counted: where padding queries look is the pad's
+    business (a causal kernel over right padding sees no padding key from a real query)."""
+    try:
+        planes = np.broadcast_shapes(mask.shape, kernel.shape)
+    except ValueError:
+        return None
+    if mask.all() or not mask.any():
+        return None
+    seen = np.broadcast_to(kernel, planes)
+    best, rank = None, None
+    for keep in (mask, ~mask):
+        given = np.broadcast_to(keep, planes)
+        counted = given.any(axis=-1, keepdims=True)
+        own = None
+        if q_len <= k_len:  # (each query's own key, placed bottom-right: kept where the reading calls the query real)
+            at = np.arange(q_len)
+            own = keep[:, :, 0, k_len - q_len:] if mask.shape[2] == 1 else keep[:, :, at, k_len - q_len + at]
+        if own is not None and mask.shape[2] == 1:
+            counted = counted & own[..., None]  # (a key mask's padding queries: not judged)
+        lost = seen & ~given & counted
+        if not lost.any():
+            return None  # (the kernel keeps to this reading)
+        # (said in the likelier reading: the one that keeps more queries' own keys, then the one that loses fewer cells)
+        this = (-(int(own.sum()) if own is not None else 0), int(lost.sum()))
+        if rank is None or this < rank:
+            best, rank = {"name": name, "cell": [int(x) for x in np.argwhere(lost)[0]], "cells": int(lost.sum()),
+                          "masked": int((~given & counted).sum())}, this
+    return best

@@ -1,10 +1,9 @@
 """The mask each attention API applies, read from the arguments of one call, in keep form.
 
-Each reader returns a Seen: the (B, H, Lq, Lk) shape the kernel applies after
-broadcasting, the q/k/v shapes, what else the call said (is_causal, scale, ...) and the
-mask either as a bool torch tensor of 4 dimensions that broadcasts to that shape, or as
-key intervals (is_causal, no mask, FlexAttention's blocks), so that no L x L tensor is made
-where the program made none.
+Each reader returns a Seen: the (B, H, Lq, Lk) shape the kernel applies after broadcasting, the q/k/v shapes, what
+else the call said (is_causal, scale, ...) and the mask either as a bool torch tensor of 4 dimensions that broadcasts to
+that shape, or as key intervals (is_causal, no mask, FlexAttention's blocks), so that no L x L tensor is made where the
+program made none.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from maskcli.inspect.polarity import additive_keep
 from maskcli.trace.maskfacts import attention_bias as _attention_bias, empty_rows as _empty_rows, infinite as _infinite, \
     nan_scores as _nan_scores, poison
 from maskcli.text import step_label
-from maskcli.trace.given import stored  # noqa: F401 - a call stored with the mask its frames handed it (capture.py)
+from maskcli.trace.given import gathered_keys, stored  # noqa: F401 - stored: with the mask its frames handed (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
 from maskcli.trace.zerokv import zero_kv
 from maskcli.trace.queried import LOCAL, query_tensor
@@ -187,6 +186,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
                "dropout_p": float(given.get("dropout_p", 0.0) or 0.0), **zero_kv(q, k, v, k_shape, mask, is_causal),  # (K, V zero: zerokv.py)
                "query_tensor": query_tensor(q) if q_len > 1 else None}  # (queries seen again: no chunk, checks/prefill.py)
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
+    gathered_keys(seen, k, mask is None and not is_causal)  # (keys a varlen path gathered, against its mask: gathered.py)
     if _same_storage(q, k):
         details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.crossing)
     if mask is not None:
