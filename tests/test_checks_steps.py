@@ -167,3 +167,10 @@ def test_hyprstream_llama_cached_multitoken_tril0_mask(tmp_path):
     """hyprstream#1521: a cached multi-token forward masked with tril(0) on [q_len, kv_len], hiding the cached history
     (written blind, batch blind-m; caught before any rule was changed for it)."""
     check_bug(tmp_path, "hyprstream_llama_cached_multitoken_tril0_mask", "top-left-mask")
+
+
+def test_almide_wasm_mha_core_causal_mask_ignores_cache_offset(tmp_path):
+    """almide/almide#227: mha_core masks `j > i` with a KV cache, so a decode step's one query sees key 0 only, not the
+    cached keys before it (written blind, batch blind-y; caught before any rule was changed for it). Fix quiet."""
+    found = check_bug(tmp_path, "almide_wasm_mha_core_causal_mask_ignores_cache_offset", "top-left-mask")
+    assert "keys 0..0 only" in found[0]["message"]
