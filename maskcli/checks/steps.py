@@ -87,6 +87,15 @@ def sites(run: Run) -> list:
                     read[key] = _prefill(call, later_top)
                 head, shown, done = call, read[key], {call.mask}
                 continue
+            if shown is None and head is None and positions:
+                # (no prefill here yet: the layer's prefill may have gone through another module of it, its decode
+                # through a fused kernel call in the parent, H-Net's CausalMHA)
+                adopted = _layer_prefill(run, where, call, own)
+                if adopted is not None:
+                    key = (adopted.mask, adopted.shape, id(run.top(adopted)))
+                    if key not in read:
+                        read[key] = _prefill(adopted, run.top(adopted))
+                    head, shown, done = adopted, read[key], set()
             if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not positions:
                 continue
             done.add(call.mask)
@@ -106,15 +115,35 @@ def sites(run: Run) -> list:
                 found.append((call, Finding("padding-lost", (
                     f"at step {call.step} query {int(own[q])} of batch row {b} sees key {k}, which no query of that "
                     f"row saw at step {head.step} (its padding): the padding is lost behind the cache"),
-                    expected=f"the key padding of step {head.step}", source=f"{where} at step {head.step}",
+                    expected=f"the key padding of step {head.step}", source=f"{head.where} at step {head.step}",
                     cell=(b, int(own[q]), k))))
             else:
                 b, q, back = said[1:]
                 found.append((call, Finding("window-lost", (
-                    f"step {head.step} of {where} is window({window}), but at step {call.step} query {int(own[q])} "
-                    f"sees {back + 1} keys back: the window is lost behind the cache"),
-                    expected=f"window({window})", source=f"{where} at step {head.step}",
+                    f"step {head.step} of {head.where} is window({window}), but at step {call.step} query {int(own[q])} "
+                    f"{'' if head.where == where else f'of {where} '}sees {back + 1} keys back: the window is lost "
+                    f"behind the cache"), expected=f"window({window})", source=f"{head.where} at step {head.step}",
                     cell=(b, int(own[q]), int(own[q] - back)))))
+    return found
+
+
+def _layer_prefill(run: Run, where: str, call, own: np.ndarray):
+    """The prefill, at a module of the same layer (this call's module's child or parent), whose keys are exactly the keys
+    this decode step finds before its own (its queries continue that prefill's sequence, Lq == Lk there): one layer
+    whose prefill and decode go through two modules share one cache. None where no such call came before."""
+    if not where or ":" in where or not len(own) or call.shape[2] >= call.shape[3]:
+        return None
+    found = None
+    for other, calls in run.sites().items():
+        if not other or ":" in other or not (other.startswith(where + ".") or where.startswith(other + ".")):
+            continue
+        for before in calls:
+            if before.index >= call.index:
+                break
+            q_len, k_len = before.shape[2:]
+            if q_len == k_len == int(own[0]) and before.shape[0] == call.shape[0] and \
+                    (found is None or before.index > found.index) and run.placed(before)[1][:1].tolist() == [0]:
+                found = before
     return found
 
 
