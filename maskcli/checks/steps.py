@@ -51,6 +51,10 @@ def _prefill(call, top):
     real = resolve(call, top, by_row(cells, max(cells.shape[0], call.shape[0])))
     own = queries(call, top)
     padded = ~real.keys
+    # (keys a real query of the row sees are not padding the prefill kept: a stated padding it ignored is
+    # arguments.py's padding-ignored, said there)
+    batch = np.broadcast_to(cells, (real.keys.shape[0], *cells.shape[1:]))
+    padded = padded & ~(batch & real.queries[:, None, :, None]).any(axis=(1, 2))
     # (keys past the prefill's last query are a static cache's unwritten slots, 0 in a mask padded to the cache
     # (Bloom's 2-D mask): later tokens written there, not padding; their own step's attention_mask says which)
     padded[:, int(own.max(initial=-1)) + 1:] = False
