@@ -9,9 +9,9 @@ says the cache dropped the keys the chunk's later rows saw: a window of c keys, 
 over-attend (ExecuTorch's StaticAttentionMask, pytorch/executorch#21857: row k of a local layer's chunk sees cache_len
 + k + 1 keys).
 
-Wrong where a sibling layer of the same step holds more keys than this one (the program states this layer's cache,
-smaller than its global layers', a local one); suspicious otherwise (a cache that evicts with no window meant, a
-model trained on full attention rolled past its context, would be built so). Quiet on a step whose counts do not grow
+Said only where a sibling layer of the same step holds more keys than this one (the program states this layer's
+cache, smaller than its global layers', a local one): a segment-recurrent model's memory (Transformer-XL, the
+Compressive Transformer) is a fixed-size cache every query of a segment sees whole by design. Quiet on a step whose counts do not grow
 by one key a row (a tree of drafts, a window already full, chunked attention restarting within the step) and where
 the first row sees one key (a new sequence, a chunk of chunked attention).
 """
@@ -57,26 +57,28 @@ def overattend(run: Run) -> list:
                 continue
             if before is not None and before[0].shape == call.shape and (first >= 2).all() \
                     and np.array_equal(first, before[1]):
-                found.append((call, _finding(run, where, before[0], call, int(first[0]), q_len)))
+                said = _finding(run, where, before[0], call, int(first[0]), q_len)
+                if said is not None:
+                    found.append((call, said))
             before = (call, first)
     return found
 
 
-def _finding(run: Run, where: str, earlier, call, seen: int, q_len: int) -> Finding:
-    """The finding: wrong where a sibling site of the same step holds more keys (this layer's cache is the local one)."""
+def _finding(run: Run, where: str, earlier, call, seen: int, q_len: int) -> Finding | None:
+    """The finding where a sibling site of the same step holds more keys (the program made this layer's cache the
+    local one), else None: Transformer-XL's and the Compressive Transformer's memories are fixed-size caches that
+    every query of a segment sees whole, by design."""
     k_len = call.shape[3]
     wider = next((other for other in run.calls if other.step == call.step and other.where != where
                   and other.shape[2] == q_len and other.shape[3] > k_len), None)
-    condition = "" if wider is not None else (" (if this layer is a sliding window: a cache that rolls past a full "
-                                              "attention's context by design would be built so)")
-    source = (f"{wider.where}, a layer of the same step, holds {wider.shape[3]} keys: this one's {k_len} is a local "
-              f"layer's cache") if wider is not None else f"{where}: {k_len} keys at every step (a fixed-size cache)"
+    if wider is None:
+        return None
     return Finding("chunk-rows-overattend", (
         f"at step {call.step} the first query sees {seen} keys, as at step {earlier.step}, but the last query of step "
         f"{earlier.step} saw {seen + q_len - 1}: the cache keeps a window of {seen} keys and each chunk's later rows "
-        f"see past it{condition}"), None if wider is not None else "suspicious",
-        expected=f"every query over the cache sees at most {seen} keys", source=source,
-        cell=(0, q_len - 1, 0))
+        f"see past it"), expected=f"every query over the cache sees at most {seen} keys",
+        source=f"{wider.where}, a layer of the same step, holds {wider.shape[3]} keys: this one's {k_len} is a local "
+               f"layer's cache", cell=(0, q_len - 1, 0))
 
 
 RULES = (
