@@ -200,13 +200,3 @@ def test_a_window_lost_in_the_parent_module_over_a_left_padded_batch(tmp_path):
     expected = first((2, 1, 7), lambda b, q, k: real[b][k] == 1 and 6 - k > 3)
     assert tuple(hit["cell"]) == (expected[0], 6, expected[2])
 
-
-def test_a_packed_kv_holding_the_layers_own_keys_is_self_attention(tmp_path):
-    """flash-attn's MHA hands its self-attention's cache to `inner_cross_attn(q, kv)`: kv ends with the packed qkv's
-    own keys and values, so the call is read as self-attention (checks/context.crossing), not cross."""
-    from checkbugs import traced
-
-    _, _, _ = traced(tmp_path, "hnet_kvcache_decode_drops_sliding_window", True)
-    data = json.loads((tmp_path / "hnet_kvcache_decode_drops_sliding_window-fixed.json").read_text())
-    prefill = data["calls"][0]
-    assert prefill["where"] == "layers.0.mixer.inner_cross_attn" and prefill["details"]["cross"]["cross"] is False
