@@ -359,3 +359,25 @@ def test_ankh_feature_extraction_without_attention_mask(tmp_path):
     pytest.importorskip("transformers")
     [hit] = check_bug(tmp_path, "ankh_feature_extraction_without_attention_mask", "padding-ignored")
     assert hit["cell"][0] == 1 and hit["cell"][2] >= 10
+
+
+# a model whose `forward` the program calls directly (no module call of the model runs, only its layers'): that call,
+# read from the frame around its layers' calls (trace/outer.py), states the batch's padding by its ids
+
+def test_exllama_generate_simple_batch_ignores_padding_mask(tmp_path):
+    """turboderp/exllama 899aaa0: batched generate_simple calls `model.forward(ids, cache)` without the left-padding
+    mask: the prompts' pads (config.pad_token_id 0) are attended (written blind, batch blind-y; caught once trace read
+    a directly called forward as the model's call). Fix quiet."""
+    found = check_bug(tmp_path, "exllama_generate_simple_batch_ignores_padding_mask", "padding-ignored")
+    ids = [[0, 0, 0, 0, 1, 3], [1, 7, 8, 5, 9, 10]]  # the prefill's input ids, left-padded with 0
+    expected = first((2, 6, 6), lambda b, q, k: ids[b][q] != 0 and k <= q and ids[b][k] == 0)
+    assert tuple(found[0]["cell"]) == expected
+
+
+def test_a_padding_ignored_under_a_model_forward_called_directly_is_found(tmp_path):
+    """The same bug written otherwise: the pad id stated by nn.Embedding(padding_idx=5) alone, SDPA with is_causal,
+    a batch of three left-padded prompts."""
+    hit = caught(tmp_path, "padding_ignored_model_forward_called_directly", ("padding-ignored",))
+    ids = [[5, 5, 5, 7, 8], [5, 9, 10, 11, 12], [13, 14, 15, 16, 17]]
+    expected = first((3, 5, 5), lambda b, q, k: ids[b][q] != 5 and k <= q and ids[b][k] == 5)
+    assert tuple(hit["cell"]) == expected

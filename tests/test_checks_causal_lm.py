@@ -52,3 +52,26 @@ def test_doge_under_sdpas_is_causal_skip_in_its_own_process(tmp_path):
         wrong = [f["code"] for g in data["groups"] for f in g["findings"] if f["severity"] == "wrong"]
         assert data["exit_status"] == 0, done.stderr
         assert (done.returncode, wrong) == ((0, []) if fixed else (1, ["causal-lm-both-ways"])), done.stdout
+
+
+# a site whose decode steps attend through a function the program names causal: that name states the layer causal,
+# and a prompt pass of the same site that attends both ways contradicts it
+
+def test_mlxcel_internlm3_prefill_maskless_bidirectional(tmp_path):
+    """lablup/mlxcel#999: InternLM3's leaf hands the generator's mask, None, to an unmasked SDPA for the prompt, while
+    its decode steps go through causal_attention() (written blind, batch blind-y; caught once the attending function's
+    name was read as a statement). Fix quiet."""
+    from checkbugs import check_bug
+
+    found = check_bug(tmp_path, "mlxcel_internlm3_prefill_maskless_bidirectional", "causal-lm-both-ways")
+    assert found[0]["message"].startswith("its decode steps attend through causal_attention()")
+    assert tuple(found[0]["cell"]) == next((0, q, k) for q in range(6) for k in range(6) if k > q)
+
+
+def test_a_prompt_unmasked_beside_a_decode_method_named_causal_is_found(tmp_path):
+    """The same bug written otherwise: the kernels as methods of the layer (`_decode_causal`), a batch of two."""
+    from checkbugs import caught
+
+    hit = caught(tmp_path, "prefill_unmasked_beside_a_causal_decode_function", ("causal-lm-both-ways",))
+    assert hit["message"].startswith("its decode steps attend through _decode_causal()")
+    assert tuple(hit["cell"]) == next((0, q, k) for q in range(5) for k in range(5) if k > q)

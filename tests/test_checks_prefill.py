@@ -246,3 +246,11 @@ def test_lightllm_deepseek2_prompt_cache_prefix_merge_dropped_is_quiet(tmp_path)
     for fixed in (False, True):
         status, found, report = traced(tmp_path, "lightllm_deepseek2_prompt_cache_prefix_merge_dropped", fixed, blind)
         assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_open_lm_rectangular_mask_tril_in_padded_columns(tmp_path):
+    """mlfoundations/open_lm#235: the rectangular mask's triangle written in the last q columns of a width padded to a
+    multiple of 8, then cut to k: the cached 3-token step sees a later key (written blind, batch blind-y; caught before
+    any rule was changed for it). Fix quiet."""
+    found = check_bug(tmp_path, "open_lm_rectangular_mask_tril_in_padded_columns", "prefill-chunks-differ")
+    assert "later than itself" in found[0]["message"]

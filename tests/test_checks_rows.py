@@ -448,3 +448,11 @@ def test_ofa_sequence_generator_decoder_mask_not_inverted(tmp_path):
     from checkbugs import check_bug
 
     check_bug(tmp_path, "ofa_sequence_generator_decoder_mask_not_inverted", "fully-masked")
+
+
+def test_mobius_static_cache_nonpad_kv_seqlen_before_scatter(tmp_path):
+    """onnxruntime/mobius#365: nonpad_kv_seqlen counted before the static cache's scatter, so the prefill passes 0
+    valid keys and sees none (written blind, batch blind-y; caught before any rule was changed for it). Fix quiet."""
+    from checkbugs import check_bug
+
+    check_bug(tmp_path, "mobius_static_cache_nonpad_kv_seqlen_before_scatter", "fully-masked")

@@ -167,3 +167,36 @@ def test_hyprstream_llama_cached_multitoken_tril0_mask(tmp_path):
     """hyprstream#1521: a cached multi-token forward masked with tril(0) on [q_len, kv_len], hiding the cached history
     (written blind, batch blind-m; caught before any rule was changed for it)."""
     check_bug(tmp_path, "hyprstream_llama_cached_multitoken_tril0_mask", "top-left-mask")
+
+
+def test_almide_wasm_mha_core_causal_mask_ignores_cache_offset(tmp_path):
+    """almide/almide#227: mha_core masks `j > i` with a KV cache, so a decode step's one query sees key 0 only, not the
+    cached keys before it (written blind, batch blind-y; caught before any rule was changed for it). Fix quiet."""
+    found = check_bug(tmp_path, "almide_wasm_mha_core_causal_mask_ignores_cache_offset", "top-left-mask")
+    assert "keys 0..0 only" in found[0]["message"]
+
+
+# a layer whose prefill runs through a child module and whose decode steps attend in the layer itself: one cache, two
+# call sites (the prefill's keys are exactly those each first decode step finds before its own query)
+
+def test_hnet_kvcache_decode_drops_sliding_window(tmp_path):
+    """goombalab/hnet#20: CausalMHA hands its window to the prefill's FlashCausalCrossAttention (a child module) but
+    not to flash_attn_with_kvcache at decode, called in CausalMHA itself: decode attends the whole cache (written
+    blind, batch blind-y; caught once window-lost read a layer's prefill at its child module). Fix quiet."""
+    found = check_bug(tmp_path, "hnet_kvcache_decode_drops_sliding_window", "window-lost")
+    own = 6  # the first decode step's query: after the 6-token prompt
+    assert found[0]["message"].startswith("step 0 of layers.0.mixer.inner_cross_attn is window(4), but at step 0 "
+                                          f"query {own} of layers.0.mixer sees {own + 1} keys back")
+    assert tuple(found[0]["cell"]) == (0, own, 0)
+
+
+def test_a_window_lost_in_the_parent_module_over_a_left_padded_batch(tmp_path):
+    """The same bug written otherwise: separate q, k, v, an additive mask, a left-padded batch; the decode step keeps
+    the padding but not the window (window 3 keys back, 4 with the query's own)."""
+    from checkbugs import caught, first
+
+    hit = caught(tmp_path, "window_lost_in_the_parent_module", ("window-lost",))
+    real = [[0, 0, 1, 1, 1, 1, 1], [1] * 7]  # decode step 0: 7 keys, the query at 6
+    expected = first((2, 1, 7), lambda b, q, k: real[b][k] == 1 and 6 - k > 3)
+    assert tuple(hit["cell"]) == (expected[0], 6, expected[2])
+

@@ -400,3 +400,30 @@ def test_a_layer_handed_query_and_key_as_the_annotated_transformer_writes_it():
         layer(torch.randn(2, 8, 8), torch.randn(2, 8, 8), torch.randn(8, 8), causal)
     assert crossing(t.calls[1]).source == "key handed to MultiHeadedAttention.forward() of test_trace_crossing.py is " \
         "another tensor than its query"
+
+
+def test_a_packed_kv_holding_the_layers_own_keys_is_self_attention(tmp_path):
+    """flash-attn's MHA hands its self-attention's cache to `inner_cross_attn(q, kv)`: kv ends with the packed qkv's
+    own keys and values, so the call is read as self-attention (checks/context.crossing), not cross."""
+    import json
+
+    from checkbugs import traced
+
+    traced(tmp_path, "hnet_kvcache_decode_drops_sliding_window", True)
+    data = json.loads((tmp_path / "hnet_kvcache_decode_drops_sliding_window-fixed.json").read_text())
+    prefill = data["calls"][0]
+    assert prefill["where"] == "layers.0.mixer.inner_cross_attn" and prefill["details"]["cross"]["cross"] is False
+
+
+def test_a_packed_kv_is_the_queries_own_only_where_it_ends_with_their_packed_keys():
+    """trace/crossing._packed_own: kv (B, S', 2, H, D) whose last S rows equal the packed qkv's keys and values (the
+    queries' `qkv[:, :, 0]` base) is the layer's own; a kv of other values, or a query with no packed base, is not."""
+    from maskcli.trace.crossing import _packed_own
+
+    torch.manual_seed(0)
+    qkv = torch.randn(1, 5, 3, 2, 4)
+    q = qkv[:, :, 0]
+    own = torch.cat([torch.randn(1, 3, 2, 2, 4), qkv[:, :, 1:]], dim=1)  # a cache of 3 earlier keys, then its own
+    assert _packed_own(q, own) and _packed_own(q, qkv[:, :, 1:].clone())
+    assert not _packed_own(q, torch.randn(1, 8, 2, 2, 4))  # an encoder's memory, packed the same way
+    assert not _packed_own(torch.randn(1, 5, 2, 4), own)  # a query of its own storage: nothing packed to compare

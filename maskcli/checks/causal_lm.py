@@ -5,7 +5,9 @@ token predicts the next from the ones before it; trace/tops.py records the name)
 position 0, as many as keys) in which every real query sees every real key, later ones included, and whose keys the
 same call site then extends one decode step at a time, wrote a cache no causal LM writes: the causal mask was dropped
 on that path (transformers#48748: Doge's own dynamic mask under SDPA's is_causal skip; unsloth#2868: the SDPA fallback
-called with is_causal=False). Left alone: a model call given token types, a prefix length or image positions (a
+called with is_causal=False). A site whose decode steps attend through a program function whose name says causal
+(`causal_attention()`, trace/sites.py records it) states the layer causal the same way, where its prompt pass went
+through another function (lablup/mlxcel#999: the generator's mask None handed to an unmasked SDPA). Left alone: a model call given token types, a prefix length or image positions (a
 prefix-LM or an image block attends both ways on purpose: spans.py), a config that states the attention
 bidirectional or its config `is_decoder=False` (RobertaForCausalLM run as an encoder, as transformers warns it
 will), keys that are not the model call's own tokens (a vision tower inside the model), and a prompt pass
@@ -50,8 +52,10 @@ def both_ways(run: Run) -> list:
     for calls in run.sites().values():
         first = calls[0]
         top = run.top(first)
-        if top is None or "causal_lm" not in top.arguments or first.stored is None:
-            continue  # (most runs: no model that names itself a causal LM)
+        named = next((call.details["function_causal"] for call in calls[1:] if "function_causal" in call.details
+                      and call.shape[2] < call.shape[3]), None) if "function_causal" not in first.details else None
+        if top is None or "causal_lm" not in top.arguments and named is None or first.stored is None:
+            continue  # (most runs: no model that names itself a causal LM, no decode step through a causal function)
         if any(name in top.arguments for name in (*SPANS, *PREFIX, *IMAGES)) or not _prompt(run, first, top):
             continue
         k_len = first.shape[3]
@@ -69,11 +73,14 @@ def both_ways(run: Run) -> list:
         if not judged.any() or (judged & ~rows).any() or not (judged & later).any():
             continue
         b, q, k = first_cell(rows & judged & later)
+        said = f"{top.arguments['causal_lm']} states a causal LM" if "causal_lm" in top.arguments else \
+            f"its decode steps attend through {named}"
         found.append((first, Finding("causal-lm-both-ways", (
-            f"{top.arguments['causal_lm']} states a causal LM, but its prompt pass attends both ways: every real query "
+            f"{said}, but its prompt pass attends both ways: every real query "
             f"sees every real key (query {q} of batch row {b} sees later key {k}; {int((rows & judged & later).sum())} "
             f"such cells), and later steps decode over the cache it wrote (step {first.step})"),
-            expected="causal", source=f"the model class {top.arguments['causal_lm']}", cell=(b, q, k))))
+            expected="causal", source=f"the model class {top.arguments['causal_lm']}" if "causal_lm" in top.arguments
+            else f"{named} at {first.where}'s decode steps", cell=(b, q, k))))
     return found
 
 

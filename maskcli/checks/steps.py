@@ -52,6 +52,10 @@ def _prefill(call, top):
     real = resolve(call, top, by_row(cells, max(cells.shape[0], call.shape[0])))
     own = queries(call, top)
     padded = ~real.keys
+    # (keys a real query of the row sees are not padding the prefill kept: a stated padding it ignored is
+    # arguments.py's padding-ignored, said there)
+    batch = np.broadcast_to(cells, (real.keys.shape[0], *cells.shape[1:]))
+    padded = padded & ~(batch & real.queries[:, None, :, None]).any(axis=(1, 2))
     # (keys past the prefill's last query are a static cache's unwritten slots, 0 in a mask padded to the cache
     # (Bloom's 2-D mask): later tokens written there, not padding; their own step's attention_mask says which)
     padded[:, int(own.max(initial=-1)) + 1:] = False
@@ -88,6 +92,15 @@ def sites(run: Run) -> list:
                     read[key] = _prefill(call, later_top)
                 head, shown, done, written = call, read[key], {call.mask}, set()
                 continue
+            if shown is None and head is None and positions:
+                # (no prefill here yet: the layer's prefill may have gone through another module of it, its decode
+                # through a fused kernel call in the parent, H-Net's CausalMHA)
+                adopted = _layer_prefill(run, where, call, own)
+                if adopted is not None:
+                    key = (adopted.mask, adopted.shape, id(run.top(adopted)))
+                    if key not in read:
+                        read[key] = _prefill(adopted, run.top(adopted))
+                    head, shown, done = adopted, read[key], set()
             if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not positions:
                 continue
             written.update(own.tolist())  # (each step's queries write their slots: not the prefill's padding since)
@@ -108,15 +121,35 @@ def sites(run: Run) -> list:
                 found.append((call, Finding("padding-lost", (
                     f"at step {call.step} query {int(own[q])} of batch row {b} sees key {k}, which no query of that "
                     f"row saw at step {head.step} (its padding): the padding is lost behind the cache"),
-                    expected=f"the key padding of step {head.step}", source=f"{where} at step {head.step}",
+                    expected=f"the key padding of step {head.step}", source=f"{head.where} at step {head.step}",
                     cell=(b, int(own[q]), k))))
             else:
                 b, q, back = said[1:]
                 found.append((call, Finding("window-lost", (
-                    f"step {head.step} of {where} is window({window}), but at step {call.step} query {int(own[q])} "
-                    f"sees {back + 1} keys back: the window is lost behind the cache"),
-                    expected=f"window({window})", source=f"{where} at step {head.step}",
+                    f"step {head.step} of {head.where} is window({window}), but at step {call.step} query {int(own[q])} "
+                    f"{'' if head.where == where else f'of {where} '}sees {back + 1} keys back: the window is lost "
+                    f"behind the cache"), expected=f"window({window})", source=f"{head.where} at step {head.step}",
                     cell=(b, int(own[q]), int(own[q] - back)))))
+    return found
+
+
+def _layer_prefill(run: Run, where: str, call, own: np.ndarray):
+    """The prefill, at a module of the same layer (this call's module's child or parent), whose keys are exactly the keys
+    this decode step finds before its own (its queries continue that prefill's sequence, Lq == Lk there): one layer
+    whose prefill and decode go through two modules share one cache. None where no such call came before."""
+    if not where or ":" in where or not len(own) or call.shape[2] >= call.shape[3]:
+        return None
+    found = None
+    for other, calls in run.sites().items():
+        if not other or ":" in other or not (other.startswith(where + ".") or where.startswith(other + ".")):
+            continue
+        for before in calls:
+            if before.index >= call.index:
+                break
+            q_len, k_len = before.shape[2:]
+            if q_len == k_len == int(own[0]) and before.shape[0] == call.shape[0] and \
+                    (found is None or before.index > found.index) and run.placed(before)[1][:1].tolist() == [0]:
+                found = before
     return found
 
 

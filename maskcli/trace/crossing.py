@@ -202,6 +202,9 @@ def _memory(stack: list, q_len: int, k_len: int, frame) -> dict | None:
                     isinstance(first, torch.Tensor) and first.dim() >= 2 and value.dim() >= 2
                     and (q_len, k_len) == (first.shape[-2], value.shape[-2])):
                 return None  # (keys of neither: a joint attention over both sequences)
+            if name in METHOD_ONLY and isinstance(first, torch.Tensor) and _packed_own(first, value):
+                return {"cross": False, "by": "memory", "source": f"{name} handed to {where} holds its queries' own "
+                        f"packed keys and values"}
             reading = {"cross": True, "by": "kv" if name in METHOD_ONLY else "memory", "source": f"{name} handed to {where}"}
             unmasked = next((n for n in masks if n in variables and variables[n] is None), None)
             if unmasked is not None:
@@ -209,6 +212,29 @@ def _memory(stack: list, q_len: int, k_len: int, frame) -> dict | None:
             return reading
         return {"cross": False, "by": "memory", "source": f"{' / '.join(names)}=None handed to {where}"}
     return None
+
+
+def _packed_own(query: torch.Tensor, kv: torch.Tensor) -> bool:
+    """`query` is the first of a packed qkv (flash-attn's (B, S, 3, H, D): `qkv[:, :, 0]`) and `kv`'s last S rows hold
+    the other two: the layer's own keys and values, joined to its cache (flash-attn's MHA hands its self-attention's
+    cache to its `inner_cross_attn(q, kv)`)."""
+    base = query._base
+    try:
+        if base is None or base.dim() != kv.dim() or base.dim() < 3:
+            return False
+        packs = [d for d in range(base.dim()) if base.shape[d] == 3 and kv.shape[d] == 2]
+        rows = [d for d in range(base.dim()) if d not in packs and base.shape[d] != kv.shape[d]]
+        if len(packs) != 1 or len(rows) > 1:
+            return False
+        own = base.narrow(packs[0], 1, 2)
+        if rows:
+            length = own.shape[rows[0]]
+            if kv.shape[rows[0]] < length:
+                return False
+            kv = kv.narrow(rows[0], kv.shape[rows[0]] - length, length)
+        return kv.shape == own.shape and bool(torch.equal(kv, own))
+    except (RuntimeError, NotImplementedError):  # (tensor subclasses, meta tensors: nothing to compare)
+        return False
 
 
 QUERY, KEY = ("query", "queries"), ("key", "keys")  # the layer's inputs, before it projects them

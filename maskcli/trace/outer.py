@@ -7,7 +7,29 @@ finished as they end (what the checks read of each: tops.py). A trace mixes this
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
+import weakref
+
+import torch
+
+
+@functools.cache
+def _own() -> tuple[str, ...]:
+    """torch's code and maskcli's: their frames are not the program's."""
+    return os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+_HOLDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # outer module -> ids of the modules it holds
+
+
+def _holds(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
+    """`inner` is one of `outer`'s modules (read once per outer module)."""
+    held = _HOLDS.get(outer)
+    if held is None:
+        held = _HOLDS[outer] = frozenset(id(m) for m in outer.modules())
+    return id(inner) in held
 
 
 class Outer:
@@ -19,7 +41,7 @@ class Outer:
         """Call `first` (and any after it) was made inside the outermost module call `found[-1]` (sites.running): that
         call held until it is finished (_finish), and its module hooked so that its later calls are finished as they
         end (a module's hooks are read as its call begins: this call ran without them)."""
-        local, (module, frame, variables) = self._local, found[-1]
+        local, (module, frame, variables) = self._local, self._called(found[-1])
         held = local.outer
         if held is not None and held[0] is frame:
             held[5] = len(self._calls)
@@ -48,6 +70,31 @@ class Outer:
         if id(module) not in self._handles:
             self._handles[id(module)] = (module.register_forward_pre_hook(self._outer_pre),
                                          module.register_forward_hook(self._outer_post, always_call=True, with_kwargs=True))
+
+    def _called(self, outermost: tuple) -> tuple:
+        """The outermost module call, or the `forward` of a module holding it that the program called directly around it
+        (ExLlama's generator calls `model.forward(ids, cache, input_mask=...)`: no module call of the model runs, only
+        its layers'), as (module, its frame, variables as _call_impl's), so that the model's call gives the checks its
+        arguments and config. Walked once per module call: its answer is kept with that call's frame."""
+        inner, frame = outermost[0], outermost[1]
+        kept = self.__dict__.get("_called_kept")
+        if kept is not None and kept[0] is frame:
+            return kept[1]
+        found, walk = outermost, frame.f_back
+        while walk is not None:
+            code = walk.f_code
+            # (only a `forward` outside every module call is one called directly: another method around a module
+            # call, a LightningModule's training_step, is not the model's call and does not hold its arguments)
+            if code.co_name == "forward" and code.co_argcount and not code.co_filename.startswith(_own()):
+                module = walk.f_locals.get(code.co_varnames[0])
+                if isinstance(module, torch.nn.Module) and module is not found[0] and _holds(module, inner):
+                    variables = walk.f_locals
+                    names = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
+                    found = (module, walk, {"self": module, "args": (),
+                                            "kwargs": {n: variables[n] for n in names if n in variables}})
+            walk = walk.f_back
+        self.__dict__["_called_kept"] = (frame, found)
+        return found
 
     def _outer_pre(self, module, args) -> None:
         held = self._local.outer

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 import threading
 from collections import Counter
@@ -29,6 +30,19 @@ from maskcli.trace.walk import own_dirs as _own_dirs, walk  # noqa: F401 - (walk
 from maskcli.trace.windows import window_held
 
 FRAMES = 64  # frames of the program searched for a module's owner
+_CAUSAL = re.compile(r"(?:^|_)causal(?:_|$)", re.IGNORECASE)
+_NOT_CAUSAL = re.compile(r"non_?causal|not_causal|bidirectional", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=4096)
+def _causal_name(name: str) -> bool:
+    return bool(_CAUSAL.search(name)) and not _NOT_CAUSAL.search(name)
+
+
+def causal_function(codes: tuple) -> str | None:
+    """`name()` of the innermost program function attending where its name says causal (`causal_attention`, mlxcel's
+    `causal_attention` behind its decode steps), else None."""
+    return f"{codes[0].co_name}()" if codes and _causal_name(codes[0].co_name) else None
 
 
 class Sites:
@@ -109,6 +123,10 @@ class Sites:
             reading = self.readings.of(self.stack, shape, line)  # keys another sequence's? (checks/context.crossing)
             if reading is not None:
                 details["cross"] = reading
+        if walked is not None:  # the program's function that attends names itself causal (checks/causal_lm.py)
+            named = causal_function((walked.line_within if self.stack else walked.line)[0])
+            if named is not None:
+                details["function_causal"] = named
         windows = shifted_windows(self.stack)  # a Swin block's shifted windows and the mask it holds (checks/swin.py)
         if windows is not None:
             details["shifted_windows"] = windows
