@@ -81,9 +81,9 @@ class Discarded:
             return None
         return entry[3], entry[4]
 
-    def note(self, x, seen) -> None:
-        """At softmax `seen` over `x`: details `fill_discarded` (the cells the dropped fill would hide, as the call's
-        (b, h, Lq, Lk), and its value) where such a fill was made of `x`."""
+    def note(self, x, call, seen) -> None:
+        """At softmax `call` (read as `seen`) over `x`: details `fill_discarded` (the cells the dropped fill would hide,
+        as the call's (b, h, Lq, Lk), and its value) where such a fill was made of `x`."""
         found = self.dropped(x)
         if found is None or "axes" in seen.details or seen.keep is None:
             return
@@ -93,4 +93,4 @@ class Discarded:
                 hidden = mask.to(torch.bool).broadcast_to(x.shape).reshape(seen.keep.shape)
             except RuntimeError:
                 return
-        seen.details["fill_discarded"] = {"hidden": hidden.cpu().numpy(), "value": value}
+        call.details["fill_discarded"] = seen.details["fill_discarded"] = {"hidden": hidden.cpu().numpy(), "value": value}

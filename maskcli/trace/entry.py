@@ -22,7 +22,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from maskcli.trace import discarded
+from maskcli.trace.discarded import FILLS, wanted as _fill
 from maskcli.trace.maskfacts import attention_bias
 from maskcli.trace.overflow import CASTS, may_overflow
 from maskcli.trace.patch import swap
@@ -108,7 +108,7 @@ def _sum(args: tuple, kwargs: dict, out) -> bool:
 _FLOATING = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
 
 
-_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum, FILL: discarded.wanted}
+_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum, FILL: _fill}
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,7 +133,7 @@ def patch(trace) -> list:
             continue
         held = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name)
         kind = ATTENTION if stands_for in readers else PRODUCT if stands_for in MATMULS else CAST if stands_for in CASTS \
-            else FILL if stands_for in discarded.FILLS else SUM
+            else FILL if stands_for in FILLS else SUM
         wrapper = _wrapper(trace, original, stands_for, kind)
         setattr(owner, name, wrapper)
         done.append((owner, name, held, wrapper))

@@ -101,6 +101,8 @@ class Follow:
                 self._softmax, made = None, len(self._calls)
                 self.capture(reader, args, kwargs)
                 softmaxed, self._softmax = self._softmax, None
+                if softmaxed is not None and self.discarded.dropped(readers.softmax_input(args, kwargs)) is not None:
+                    self.discarded.note(readers.softmax_input(args, kwargs), *softmaxed)  # (its fill thrown away)
                 self.within += 1  # (what the call runs itself is its own: MHA's SDPA, F.softmax's Tensor.softmax)
                 try:
                     out = call(*args, **kwargs)
