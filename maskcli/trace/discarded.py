@@ -37,7 +37,7 @@ def wanted(args: tuple, kwargs: dict, out) -> bool:
 def _value(args: tuple, kwargs: dict) -> float | None:
     value = args[2] if len(args) > 2 else kwargs.get("value")
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_meta:
+        if value.numel() != 1 or value.device.type != "cpu":  # (reading a device's scalar would wait on the device)
             return None
         value = value.item()
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
