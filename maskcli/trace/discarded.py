@@ -39,7 +39,10 @@ def _value(args: tuple, kwargs: dict) -> float | None:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.device.type != "cpu":  # (reading a device's scalar would wait on the device)
             return None
-        value = value.item()
+        try:
+            value = value.item()
+        except Exception:  # noqa: BLE001 - a fake or wrapped scalar (meta, vmap): no value to read here
+            return None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
