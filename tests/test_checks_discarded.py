@@ -78,3 +78,15 @@ def test_a_dropped_key_padding_fill_first_cell_and_count(tmp_path):
     assert tuple(hit["cell"]) == first((2, 3, 6), lambda b, q, k: k >= lengths[b])
     count = sum(k >= lengths[b] for b in range(2) for q in range(3) for k in range(6))
     assert f"({count} such cells" in hit["message"].replace("\n", " ")
+
+
+def test_a_fill_under_inference_mode_is_read_without_a_version():
+    """Tensors made under torch.inference_mode keep no version counter: the fill is still remembered (and the program
+    never sees an error of the trace's: TRL's reference log-probs build their bias so)."""
+    found = Discarded()
+    with torch.inference_mode():
+        scores = torch.randn(2, 3, 4)
+        mask = torch.tensor([False, True, False, True])
+        found.after(torch.Tensor.masked_fill, (scores, mask, -1e9), {}, scores.masked_fill(mask, -1e9))
+        hidden, value = found.dropped(scores)
+    assert torch.equal(hidden, mask) and value == -1e9

@@ -26,6 +26,13 @@ MOST = 1 << 20  # cells of a fill's mask read at most
 
 def wanted(args: tuple, kwargs: dict, out) -> bool:
     """An out-of-place masked_fill of floating scores of 2 dimensions or more with a masking value (entry.py)."""
+    try:
+        return _wanted(args, kwargs, out)
+    except Exception:  # noqa: BLE001 - nothing of the trace may reach the program: a call not read is no fill
+        return False
+
+
+def _wanted(args: tuple, kwargs: dict, out) -> bool:
     given = args[0] if args else kwargs.get("input", kwargs.get("self"))
     if not isinstance(out, torch.Tensor) or not isinstance(given, torch.Tensor) or given.dim() < 2 \
             or not out.is_floating_point() or out.numel() > MOST:
@@ -46,6 +53,12 @@ def _value(args: tuple, kwargs: dict) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for one made under torch.inference_mode, which keeps none (its cells, read at
+    the softmax, still show a fill written since: checks/discarded.py judges only cells the kernel sees)."""
+    return None if tensor.is_inference() else tensor._version
+
+
 class Discarded:
     """The out-of-place fills of the run, by the identity of the scores they filled (module docstring)."""
 
@@ -55,6 +68,12 @@ class Discarded:
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Remember an out-of-place fill of a masking value (what `wanted` lets through)."""
+        try:
+            self._after(func, args, kwargs, out)
+        except Exception:  # noqa: BLE001 - nothing of the trace may reach the program: a fill not read is forgotten
+            pass
+
+    def _after(self, func, args: tuple, kwargs: dict, out) -> None:
         if func not in FILLS or not wanted(args, kwargs, out):
             return
         given = args[0] if args else kwargs.get("input", kwargs.get("self"))
@@ -71,7 +90,7 @@ class Discarded:
                 del found[key]
 
         try:
-            found[key] = (weakref.ref(given, gone), given._version, weakref.ref(out), mask.detach(), _value(args, kwargs))
+            found[key] = (weakref.ref(given, gone), _version(given), weakref.ref(out), mask.detach(), _value(args, kwargs))
         except TypeError:
             pass
 
@@ -80,7 +99,10 @@ class Discarded:
         if not self._found or not isinstance(x, torch.Tensor):
             return None
         entry = self._found.get(id(x))
-        if entry is None or entry[0]() is not x or entry[1] != x._version or entry[2]() is not None:
+        try:
+            if entry is None or entry[0]() is not x or entry[1] != _version(x) or entry[2]() is not None:
+                return None
+        except Exception:  # noqa: BLE001 - a tensor whose version cannot be read (a wrapped one): no statement here
             return None
         return entry[3], entry[4]
 
