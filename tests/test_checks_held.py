@@ -527,3 +527,32 @@ def test_a_left_padded_request_loop_over_each_requests_own_block_is_quiet(tmp_pa
     (tmp_path / "left.py").write_text(text)
     status, found, report = traced(tmp_path, "left", False, tmp_path)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_espnet_forward_one_step_no_memory_mask(tmp_path):
+    """espnet#5679: main holds `hlens` (a one-letter-prefixed lengths name, ESPnet's) while forward_one_step hands the
+    source attention `memory_mask=None`; its softmax masks nothing, yet its layer was handed the memory as `key`
+    apart from its `query` (a cross-attention), so it is read against the held lengths."""
+    check_bug(tmp_path, "espnet_decoder_forward_one_step_no_memory_mask", "padding-unused")
+
+
+def test_source_attention_ilens_left_padded(tmp_path):
+    """Written another way: `ilens` over a left-padded memory, a plain function attending one query per step; either
+    way the lengths may lie, the query sees padded frames (the first cell a double loop's over the right-padded
+    reading, read first). The mask handed on is quiet."""
+    status, found, report = traced(tmp_path, "source_attention_ilens_never_passed", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "padding-unused")
+    assert hit["severity"] == "wrong"
+    lengths = [4, 7]
+    assert tuple(hit["cell"]) == first((2, 1, 7), lambda b, q, k: k >= lengths[b])
+    status, found, report = traced(tmp_path, "source_attention_ilens_never_passed", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_one_letter_lengths_names():
+    """ESPnet's `ilens` / `hlens` / `olens` are lengths; `maxlen`, `max_len` and `cu_seqlens` are not."""
+    from maskcli.trace.held import LENGTHS
+
+    assert all(LENGTHS.search(n) for n in ("ilens", "hlens", "olens", "src_len", "lengths", "seq_lens"))
+    assert not any(LENGTHS.search(n) for n in ("maxlen", "max_len", "cu_seqlens", "helens"))

@@ -168,3 +168,28 @@ def test_a_luong_attention_that_masks_the_source_padding_is_quiet_and_matches_sd
         keys = memory[:, None]
         reference = F.scaled_dot_product_attention(q, keys, keys, attn_mask=(src != 1)[:, None, None, :], scale=1.0)
     assert torch.allclose(contexts[:, 0], reference[:, 0, 0], atol=1e-5)
+
+
+def test_bart_pretrain_padded_batch_without_attention_mask(tmp_path):
+    """transformers-bart-pretrain#11: sources padded with the config's pad_token_id, no attention_mask fed: the input
+    ids at the pad id state the encoder's padding, which the cross-attention (and the encoder's self-attention,
+    arguments.py) attends."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "bart_pretrain_padded_batch_without_attention_mask", "encoder-padding-ignored")[0]
+    assert "no attention_mask given" in hit["message"]
+
+
+def test_t5_left_padded_sources_no_attention_mask(tmp_path):
+    """Written another way: T5, sources left-padded by hand with pad id 0, labels given; the first cell is a double
+    loop's over the decoder queries and the stated source padding; the mask handed in is quiet."""
+    status, found, report = traced(tmp_path, "t5_left_padded_sources_no_attention_mask", fixed=False, folder=ARGS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "encoder-padding-ignored")
+    assert hit["severity"] == "wrong"
+    ids = [[5, 6, 7, 8, 9, 1], [0, 0, 0, 10, 11, 1]]
+    assert tuple(hit["cell"]) == first((2, 4, 6), lambda b, q, k: ids[b][k] == 0)
+    encoder = next(f for f in found if f["code"] == "padding-ignored")  # (the encoder's self-attention: arguments.py)
+    assert tuple(encoder["cell"]) == first((2, 6, 6), lambda b, q, k: ids[b][q] != 0 and ids[b][k] == 0)
+    status, found, report = traced(tmp_path, "t5_left_padded_sources_no_attention_mask", fixed=True, folder=ARGS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -5,15 +5,16 @@ may see a padding key, at any step and in any layer the call reaches, prefill an
 (generate hands the whole mask, cached tokens included, to each step). `position_ids` that restart
 at 0 inside a row mark packed documents (transformers' find_packed_sequence_indices, masking_utils.py):
 no query may see another document's keys. Keys are read where the key columns are positions (a cache
-that keeps every key from position 0); an encoder-decoder's attention_mask is its encoder's, so it is
-left alone. The packed-batch rules of `pack` are in packing.py.
+that keeps every key from position 0); an encoder-decoder's attention_mask (or its input ids at the pad id, where
+it is handed no mask) is its encoder's, so it is read on its encoder's self-attention only (by module path; its
+cross-attention is memory.py's). The packed-batch rules of `pack` are in packing.py.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, beside_memory, columns_are_positions, first_cell, keep, queries, real_queries
+from maskcli.checks.context import Run, beside_memory, columns_are_positions, cross, first_cell, keep, queries, real_queries
 from maskcli.checks.real import kept_turned, stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -58,6 +59,15 @@ def over_stated_padding(call, run: Run) -> bool:
     return said is not None and said[2] and not said[0].all() and call.shape[3] > 1
 
 
+def _encoder_side(call) -> bool:
+    """A self-attention of an encoder-decoder's encoder, by its module path (`model.encoder.layers.0.self_attn`): the
+    keys the model call's attention_mask / input ids are of."""
+    from maskcli.checks.sides import DECODER, ENCODER
+
+    where = getattr(call, "where", "") or ""
+    return bool(ENCODER.search(where)) and not DECODER.search(where) and not cross(call)
+
+
 def _seen_padding(cells: np.ndarray, real: np.ndarray, own: np.ndarray) -> np.ndarray:
     """Bool (rows, Lq, length): real queries (placed at `own`) that see a key `real` calls padding."""
     length = real.shape[1]
@@ -87,8 +97,9 @@ def padding(run: Run) -> list:
         top = run.top(call)
         if top is None or call.stored is None or not top.arguments:
             continue
-        if getattr(top.config, "is_encoder_decoder", False) or not columns_are_positions(call, top):
-            continue
+        if getattr(top.config, "is_encoder_decoder", False) and not _encoder_side(call) \
+                or not columns_are_positions(call, top):
+            continue  # (an encoder-decoder's padding is its encoder's: read on its encoder's own layers only)
         rows, k_len = call.shape[0], call.shape[3]
         given = top.arguments.get("attention_mask")
         said = stated(top, rows, k_len)

@@ -163,10 +163,11 @@ def _seen(cells: np.ndarray, real: np.ndarray, own: np.ndarray | None) -> np.nda
 
 
 def _over_memory(call) -> bool:
-    """A call whose keys are a memory its attention layer was handed by name (`context`, `memory`, a method's `kv`: the
-    one reading of cross-attention, checks/context.crossing, which holds the memory as long as the keys)."""
+    """A call whose keys are a memory its attention layer was handed by name (`context`, `memory`, a method's `kv`, or
+    a `key` other than its `query`: ESPnet's `src_attn(x, memory, memory, mask)`; the one reading of cross-attention,
+    checks/context.crossing, which holds the memory as long as the keys)."""
     reading = crossing(call)
-    return reading.cross and reading.by in ("memory", "kv")
+    return reading.cross and reading.by in ("memory", "kv", "inputs")
 
 
 def held_padding(run: Run) -> list:

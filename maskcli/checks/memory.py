@@ -3,7 +3,9 @@
 The model call states which encoder tokens are real by `encoder_attention_mask` (1 = a real token, as
 Hugging Face's decoders with cross-attention take it), `memory_key_padding_mask` (True = padding, as
 nn.Transformer and nn.TransformerDecoder take it), or, for an encoder-decoder model (config
-`is_encoder_decoder`), its `attention_mask`, which is the encoder's. A cross-attention call (context.crossing:
+`is_encoder_decoder`), its `attention_mask`, which is the encoder's; handed none, its input ids at the pad id its
+config states in a run at one end of each row (a padded batch fed without its mask: transformers-bart-pretrain#11,
+real.stated's reading). A cross-attention call (context.crossing:
 what the program states, or more queries than keys) whose keys are that many tokens must hide the padded ones from
 every decoder query that attends at all; a batch row whose memory is all padding is left alone (a kernel
 may unmask it to avoid NaN). The self-attention side of padding is arguments.py's.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, crossing, first_cell, keep
+from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -36,6 +39,12 @@ def memory_padding(top, rows: int, length: int) -> tuple[np.ndarray, str] | None
         said = side_tokens(top, "src")
         if said is not None and said[0].shape == (rows, length) and said[0].any(axis=1).all():
             return said[0], said[1]
+    if not found and getattr(top.config, "is_encoder_decoder", False):
+        # (handed no mask at all: its input ids, the encoder's, at the pad id its config states, in a run at one end
+        # of each row: a padded batch fed without its attention_mask, transformers-bart-pretrain#11)
+        said = stated(top, rows, length)
+        if said is not None and said[2] and said[1].startswith("input ids") and said[0].any(axis=1).all():
+            return said[0], f"encoder {said[1]} of {top.where} (no attention_mask given)"
     if not found or any(not np.array_equal(real, found[0][0]) for real, _ in found[1:]):
         return None
     return found[0][0], f"{found[0][1]} of {top.where}"

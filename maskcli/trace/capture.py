@@ -33,7 +33,8 @@ import maskcli.trace.entry as entry
 from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import WATCHED, Overflows
-from maskcli.trace.scores import Scores, banded as banded_scores
+from maskcli.trace.discarded import FILLS as DISCARDED, Discarded
+from maskcli.trace.scores import MATMULS, Scores, banded as banded_scores
 from maskcli.trace.sites import Sites, running, walk
 from maskcli.trace.stated import outside
 from maskcli.trace.store import read_calls, store
@@ -77,11 +78,9 @@ class Trace(Outer, Follow):
 
         self.after = After()  # (softmax outputs multiplied by a 0/1 mask afterwards: after.py)
         self._softmax = None  # (the (call, seen) of the softmax just recorded, for the mode to follow its output)
-        self.overflows = Overflows()
-        from maskcli.trace.scores import MATMULS
-
+        self.overflows, self.discarded = Overflows(), Discarded()  # (fills whose result was thrown away: discarded.py)
         # the torch functions the mode looks at whatever runs: the rest only while a tensor it follows is alive
-        self.watched = frozenset({*self.readers, *WATCHED, *(MATMULS if self.scores is not None else ())})
+        self.watched = frozenset({*self.readers, *WATCHED, *((*MATMULS, *DISCARDED) if self.scores is not None else ())})
         self._followed = (self.overflows._found, self.scores._found if self.scores is not None else {}, self.after._found)
         self.sites = Sites()
         self._tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments

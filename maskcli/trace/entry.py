@@ -4,7 +4,8 @@ A TorchFunctionMode on for the whole run makes every torch call of the program p
 dispatch (a tiny model's generate: 1.4x before anything is recorded). So, as profilers do,
 the few entry points that matter are swapped while tracing, on torch's classes and modules:
 attention (F.scaled_dot_product_attention, the softmaxes), the products that make q @ kᵀ
-scores (scores.py), and the casts and sums where a fill may overflow (overflow.py). A builtin
+scores (scores.py), the casts and sums where a fill may overflow (overflow.py), and the out-of-place masked_fills
+whose result may be thrown away (discarded.py). A builtin
 is replaced by a wrapper in its namespace (torch.softmax, torch.Tensor.to, Tensor.__add__);
 a Python function has its code swapped (patch.swap: F.softmax, torch.einsum), so that names
 bound to it earlier reach the hook too. Each wrapper hands the call to Trace.dispatch as the
@@ -21,6 +22,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from maskcli.trace.discarded import FILLS, wanted as _fill
 from maskcli.trace.maskfacts import attention_bias
 from maskcli.trace.overflow import CASTS, may_overflow
 from maskcli.trace.patch import swap
@@ -32,8 +34,8 @@ compiling = torch.compiler.is_dynamo_compiling
 TENSOR = {"softmax": "softmax", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm", "baddbmm": "baddbmm",
           "to": "to", "half": "half", "bfloat16": "bfloat16", "type": "type", "type_as": "type_as",
           "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "__rsub__": "__rsub__",
-          "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "mm": "mm"}
-TORCH = ("softmax", "matmul", "bmm", "baddbmm", "add", "sub", "mul", "mm")
+          "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "mm": "mm", "masked_fill": "masked_fill"}
+TORCH = ("softmax", "matmul", "bmm", "baddbmm", "add", "sub", "mul", "mm", "masked_fill")
 CANONICAL: dict = {}  # a wrapper -> the function it stands for (what the mode is handed, while it is on, for a method)
 
 
@@ -56,7 +58,7 @@ def sdpa():
     return _originals()[("F", "scaled_dot_product_attention")]
 
 
-ATTENTION, PRODUCT, CAST, SUM = "attention", "product", "cast", "sum"
+ATTENTION, PRODUCT, CAST, SUM, FILL = "attention", "product", "cast", "sum", "fill"
 
 
 def _wrapper(trace, original, stands_for, kind: str):
@@ -106,7 +108,7 @@ def _sum(args: tuple, kwargs: dict, out) -> bool:
 _FLOATING = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
 
 
-_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum}
+_WANTED = {ATTENTION: None, PRODUCT: _product, CAST: _cast, SUM: _sum, FILL: _fill}
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,7 +133,7 @@ def patch(trace) -> list:
             continue
         held = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name)
         kind = ATTENTION if stands_for in readers else PRODUCT if stands_for in MATMULS else CAST if stands_for in CASTS \
-            else SUM
+            else FILL if stands_for in FILLS else SUM
         wrapper = _wrapper(trace, original, stands_for, kind)
         setattr(owner, name, wrapper)
         done.append((owner, name, held, wrapper))

@@ -10,6 +10,7 @@ import threading
 import torch
 
 import maskcli.trace.masks as readers
+from maskcli.trace.discarded import FILLS as DISCARDED
 from maskcli.trace.layouts import reader as laid
 from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.overflow import WATCHED
@@ -89,7 +90,8 @@ class Follow:
         reader = self.readers.get(func)
         softmaxed = None
         if reader is not None and not self.busy and not self.within:
-            if reader is not readers.softmax or self.scores.attention(readers.softmax_input(args, kwargs)):
+            if reader is not readers.softmax or self.scores.attention(readers.softmax_input(args, kwargs)) \
+                    or self.discarded.dropped(readers.softmax_input(args, kwargs)) is not None:  # (its fill says so)
                 if reader is readers.softmax and self.scores.axes:  # scores in another axis order (layouts.py)
                     reader = laid(reader, self.scores, args, kwargs)
                 elif reader is readers.softmax and self.scores.matrices:  # one sequence's (Lq, Lk) (scores.py)
@@ -99,6 +101,8 @@ class Follow:
                 self._softmax, made = None, len(self._calls)
                 self.capture(reader, args, kwargs)
                 softmaxed, self._softmax = self._softmax, None
+                if softmaxed is not None and self.discarded.dropped(readers.softmax_input(args, kwargs)) is not None:
+                    self.discarded.note(readers.softmax_input(args, kwargs), *softmaxed)  # (its fill thrown away)
                 self.within += 1  # (what the call runs itself is its own: MHA's SDPA, F.softmax's Tensor.softmax)
                 try:
                     out = call(*args, **kwargs)
@@ -128,5 +132,7 @@ class Follow:
             self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)
         if self.scores is not None:
             self.scores.after(func, args, kwargs, out)
+            if func in DISCARDED:  # (an out-of-place fill of scores: discarded.py)
+                self.discarded.after(func, args, kwargs, out)
         if (followed[0] or followed[1] or followed[2]) and not self._local.moded:
             self._follow()

@@ -23,7 +23,7 @@ from maskcli.trace.codes import ByCode
 
 KEEP = re.compile(r"(?:^|_)attention_mask$|^mask$|^input_mask$")  # 1 = a real token
 PAD = re.compile(r"(?:^|_)(?:key_)?padding_mask$|(?:^|_)pad_mask$|(?:^|_)is_pad$")  # True = padding
-LENGTHS = re.compile(r"^(?!cu_|max_)(?:\w+_)?(?:len|lens|lengths|seq_lens|seqlens)$")
+LENGTHS = re.compile(r"^(?!cu_|max_)(?:\w+_|[a-z])?(?:len|lens|lengths|seq_lens|seqlens)$")  # (ESPnet's `ilens`, `hlens`)
 CELLS = re.compile(r"(?:^|_)chunk_masks?$")  # a streaming encoder's chunk mask (L, L) or (B, L, L): its polarity unsaid
 POSITIONS = re.compile(r"^(?:position_ids|positions|pos_ids)$")  # (B, L) positions that restart: packed documents
 IDS = re.compile(r"^(?:input_ids|idx|tokens)$")  # (B, L) token ids, read beside a mask the same frame holds (checks/tokens.py)

@@ -1,0 +1,121 @@
+"""A masked_fill of scores whose result the program threw away: the softmax then runs over the scores unfilled.
+
+`scores.masked_fill(mask, -1e9)` is out of place: where its result is never bound (`a.masked_fill(...)` as a statement,
+mead-baseline#223; ParlAI#3068's `l1.masked_fill(attn_mask, neginf)`), the scores the softmax reads are the ones
+before it, and the keys the fill was to hide take weight. The fill is still the program's own statement of what it
+hides. So each out-of-place masked_fill with a masking value (-inf, the dtype's lowest, or at most -1e4: a fill as
+trace/masks.py reads one) is remembered by the identity of the tensor it filled (weak references: nothing is kept
+alive), and a softmax over that very tensor, unchanged since (its version) while the fill's result is already gone
+(never used: freed before the softmax ran), is attention whatever its shape (the fill says what it masks: additive
+Bahdanau scores made by a Linear, no q @ kᵀ), and its call records the cells the fill would hide (details
+`fill_discarded`: checks/discarded.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+FILLS = frozenset({torch.masked_fill, torch.Tensor.masked_fill})  # (out of place: the in-place masked_fill_ fills
+# the scores themselves)
+FILL_AT_MOST = -1e4  # (a fill: as trace/masks.py reads one in scores)
+KEEP = 64  # fills remembered at most (more: all forgotten)
+MOST = 1 << 20  # cells of a fill's mask read at most
+
+
+def wanted(args: tuple, kwargs: dict, out) -> bool:
+    """An out-of-place masked_fill of floating scores of 2 dimensions or more with a masking value (entry.py)."""
+    try:
+        return _wanted(args, kwargs, out)
+    except Exception:  # noqa: BLE001 - nothing of the trace may reach the program: a call not read is no fill
+        return False
+
+
+def _wanted(args: tuple, kwargs: dict, out) -> bool:
+    given = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    if not isinstance(out, torch.Tensor) or not isinstance(given, torch.Tensor) or given.dim() < 2 \
+            or not out.is_floating_point() or out.numel() > MOST:
+        return False
+    value = _value(args, kwargs)
+    return value is not None and (value <= FILL_AT_MOST or value == torch.finfo(out.dtype).min)
+
+
+def _value(args: tuple, kwargs: dict) -> float | None:
+    value = args[2] if len(args) > 2 else kwargs.get("value")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.device.type != "cpu":  # (reading a device's scalar would wait on the device)
+            return None
+        try:
+            value = value.item()
+        except Exception:  # noqa: BLE001 - a fake or wrapped scalar (meta, vmap): no value to read here
+            return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for one made under torch.inference_mode, which keeps none (its cells, read at
+    the softmax, still show a fill written since: checks/discarded.py judges only cells the kernel sees)."""
+    return None if tensor.is_inference() else tensor._version
+
+
+class Discarded:
+    """The out-of-place fills of the run, by the identity of the scores they filled (module docstring)."""
+
+    def __init__(self):
+        self._found: dict[int, tuple] = {}  # id(scores) -> (ref to scores, their version, ref to the fill's result,
+        # the mask, the value)
+
+    def after(self, func, args: tuple, kwargs: dict, out) -> None:
+        """Remember an out-of-place fill of a masking value (what `wanted` lets through)."""
+        try:
+            self._after(func, args, kwargs, out)
+        except Exception:  # noqa: BLE001 - nothing of the trace may reach the program: a fill not read is forgotten
+            pass
+
+    def _after(self, func, args: tuple, kwargs: dict, out) -> None:
+        if func not in FILLS or not wanted(args, kwargs, out):
+            return
+        given = args[0] if args else kwargs.get("input", kwargs.get("self"))
+        mask = args[1] if len(args) > 1 else kwargs.get("mask")
+        if not isinstance(mask, torch.Tensor) or mask.numel() > MOST:
+            return
+        found = self._found
+        if len(found) >= KEEP:
+            found.clear()
+        key = id(given)
+
+        def gone(ref) -> None:
+            if found.get(key, (None,))[0] is ref:
+                del found[key]
+
+        try:
+            found[key] = (weakref.ref(given, gone), _version(given), weakref.ref(out), mask.detach(), _value(args, kwargs))
+        except TypeError:
+            pass
+
+    def dropped(self, x) -> tuple | None:
+        """(mask, value) of a fill of `x` whose result is gone while `x` is unchanged since; None where there is none."""
+        if not self._found or not isinstance(x, torch.Tensor):
+            return None
+        entry = self._found.get(id(x))
+        try:
+            if entry is None or entry[0]() is not x or entry[1] != _version(x) or entry[2]() is not None:
+                return None
+        except Exception:  # noqa: BLE001 - a tensor whose version cannot be read (a wrapped one): no statement here
+            return None
+        return entry[3], entry[4]
+
+    def note(self, x, call, seen) -> None:
+        """At softmax `call` (read as `seen`) over `x`: details `fill_discarded` (the cells the dropped fill would hide,
+        as the call's (b, h, Lq, Lk), and its value) where such a fill was made of `x`."""
+        found = self.dropped(x)
+        if found is None or "axes" in seen.details or seen.keep is None:
+            return
+        mask, value = found
+        with torch.no_grad():
+            try:
+                hidden = mask.to(torch.bool).broadcast_to(x.shape).reshape(seen.keep.shape)
+            except RuntimeError:
+                return
+        call.details["fill_discarded"] = seen.details["fill_discarded"] = {"hidden": hidden.cpu().numpy(), "value": value}

@@ -1,0 +1,92 @@
+"""checks/discarded.py (and trace/discarded.py, which records the fill): a masked_fill of the scores whose result the
+program threw away, so the softmax attends the keys the fill was to hide."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from checkbugs import check_bug, first, traced
+from maskcli.trace.discarded import Discarded, wanted
+
+DISCARDED = Path(__file__).parent / "data" / "discarded"
+
+
+def test_mead_baseline_bahdanau_energies_fill_discarded(tmp_path):
+    """mead-baseline#223: `a.masked_fill(keys_mask == 0, -1e9)` as a statement; the Bahdanau energies (a Linear's, no
+    q @ kᵀ: the fill itself says they are attention) over padded source states."""
+    check_bug(tmp_path, "mead_baseline_bahdanau_attention_masked_fill_discarded", "fill-discarded")
+
+
+def test_parlai_polyencoder_codes_attention_fill_noop(tmp_path):
+    """ParlAI#3068: `l1.masked_fill(attn_mask, neginf)` dropped: the codes attend the context's padding."""
+    check_bug(tmp_path, "parlai_polyencoder_codes_attention_masked_fill_noop", "fill-discarded")
+
+
+def test_causal_fill_thrown_away_first_cell_and_fixes(tmp_path):
+    """Written another way (4-D heads, a causal fill by torch.masked_fill's function form): the first cell is a double
+    loop's over the causal mask's later keys; the in-place fill is quiet, and so is a fill whose result is held while
+    the raw scores are softmaxed beside it (the program may use them both)."""
+    status, found, report = traced(tmp_path, "causal_fill_thrown_away", False, DISCARDED)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "fill-discarded")
+    assert hit["severity"] == "wrong"
+    assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: k > q)
+    for args in ((), ("--kept",)):
+        if args:
+            status, found, report = traced(tmp_path, "causal_fill_thrown_away", False, DISCARDED, args)
+        else:
+            status, found, report = traced(tmp_path, "causal_fill_thrown_away", True, DISCARDED)
+        assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_a_dropped_fill_is_remembered_only_while_its_scores_are_unchanged():
+    """The record itself: an out-of-place fill of a masking value whose result is gone is found; one whose result is
+    held, a fill of 0 (no mask), and scores written since (their version) are not."""
+    found = Discarded()
+    scores = torch.randn(2, 3, 4)
+    mask = torch.tensor([False, False, True, True])
+    found.after(torch.Tensor.masked_fill, (scores, mask, -1e9), {}, scores.masked_fill(mask, -1e9))
+    hidden, value = found.dropped(scores)
+    assert torch.equal(hidden, mask) and value == -1e9
+    held = scores.masked_fill(mask, float("-inf"))
+    found.after(torch.Tensor.masked_fill, (scores, mask, float("-inf")), {}, held)
+    assert found.dropped(scores) is None  # (its result still held: the program may use it)
+    assert not wanted((scores, mask, 0.0), {}, scores.masked_fill(mask, 0.0))
+    found.after(torch.masked_fill, (scores, mask, -1e9), {}, torch.masked_fill(scores, mask, -1e9))
+    scores.add_(1.0)
+    assert found.dropped(scores) is None  # (written since: the fill was not of these values)
+
+
+def test_a_dropped_key_padding_fill_first_cell_and_count(tmp_path):
+    """A third way, written here: 4-D scores of one head, a key padding fill from lengths thrown away. The finding's
+    first cell and count are a double loop's over the lengths (every query of a row sees its padded keys)."""
+    program = tmp_path / "dropped_padding_fill.py"
+    program.write_text(
+        "import torch\n"
+        "torch.manual_seed(0)\n"
+        "q, k = torch.randn(2, 1, 3, 4), torch.randn(2, 1, 6, 4)\n"
+        "pad = torch.arange(6)[None, :] >= torch.tensor([6, 2])[:, None]\n"
+        "scores = q @ k.transpose(-1, -2)\n"
+        "scores.masked_fill(pad[:, None, None, :], -1e9)\n"
+        "print(torch.softmax(scores, -1).shape)\n")
+    status, found, report = traced(tmp_path, "dropped_padding_fill", False, tmp_path)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "fill-discarded")
+    lengths = [6, 2]
+    assert tuple(hit["cell"]) == first((2, 3, 6), lambda b, q, k: k >= lengths[b])
+    count = sum(k >= lengths[b] for b in range(2) for q in range(3) for k in range(6))
+    assert f"({count} such cells" in hit["message"].replace("\n", " ")
+
+
+def test_a_fill_under_inference_mode_is_read_without_a_version():
+    """Tensors made under torch.inference_mode keep no version counter: the fill is still remembered (and the program
+    never sees an error of the trace's: TRL's reference log-probs build their bias so)."""
+    found = Discarded()
+    with torch.inference_mode():
+        scores = torch.randn(2, 3, 4)
+        mask = torch.tensor([False, True, False, True])
+        found.after(torch.Tensor.masked_fill, (scores, mask, -1e9), {}, scores.masked_fill(mask, -1e9))
+        hidden, value = found.dropped(scores)
+    assert torch.equal(hidden, mask) and value == -1e9
