@@ -56,7 +56,7 @@ def lengths_inverted(run: Run) -> list:
                 b, whole = int(np.flatnonzero(~real.all(axis=1))[0]), int(np.flatnonzero(real.all(axis=1))[0])
                 said = f"{held['name']} in {held['where']}"
                 done[key] = Finding("lengths-inverted", (
-                    f"the mask keeps exactly the keys the batch's lengths {said} call padding: batch row {b} sees only "
+                    f"the mask keeps exactly the keys that the batch's lengths (`{held['name']}` in {held['where']}) call padding: batch row {b} sees only "
                     f"keys {np.flatnonzero(~real[b]).tolist()}, and batch row {whole}, which the lengths call whole, "
                     f"sees no key at all: the mask read the wrong way round (a mask of the real tokens filled where it "
                     f"is True, or the padding handed where True = may attend is read)"), expected=f"the real keys of {held['name']}", source=said,
