@@ -33,7 +33,7 @@ import maskcli.trace.entry as entry
 from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import WATCHED, Overflows
-from maskcli.trace.scores import Scores, banded as banded_scores
+from maskcli.trace.scores import HEADS, Scores, banded as banded_scores, stated_heads
 from maskcli.trace.sites import Sites, running, walk
 from maskcli.trace.stated import outside
 from maskcli.trace.store import read_calls, store
@@ -361,6 +361,8 @@ class Trace(Outer, Follow):
                 interface.unpack_gqa(seen, frames[-1])
             elif seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS): cut here, once, before it is stored
                 interface.leave_out_sink(seen, frames[-1].get("sink_keys") if frames else self.sink_keys())
+                if (heads := stated_heads(self.sites.stack, HEADS + ("heads", "n_local_heads"))) is not None:
+                    seen.details["stated_heads"] = heads
             key = readers.stored(self, seen)  # (self._store, and a mask the frames handed the call: trace/given.py)
         except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
