@@ -68,7 +68,7 @@ def per_head(run: Run) -> list:
         keys = np.flatnonzero(odd[b, h])
         showing = int(np.flatnonzero(seen[b, :, keys[0]])[0])
         same = all(np.array_equal(cells[r], cells[0]) for r in range(1, cells.shape[0]))
-        if not _heads_axis(call, cells.shape[1], same):
+        if not _heads_axis(call, {cells.shape[1], *(lead[2:] if lead else ())}, same):
             continue
         said = "; the mask is the same in every batch row and differs by head instead" if same else ""
         bad_heads = np.flatnonzero(odd[b].any(axis=1))
@@ -85,17 +85,18 @@ def per_head(run: Run) -> list:
     return found
 
 
-def _heads_axis(call, heads: int, same: bool) -> bool:
+def _heads_axis(call, heads: set, same: bool) -> bool:
     """Whether the program states that the axis read as heads is its heads: a kernel's own layout (SDPA, MHA, flex,
     flash take (B, H, ..)), an einsum or permute that laid the scores out (details["axes"], trace/layouts.py), or the
-    head count its module holds (details["stated_heads"]) equal to that axis. Hand-written scores in another order
+    head count its module holds (details["stated_heads"]) equal to that axis (`heads`: of 5-D scores (B, N, R, ..), N * R
+    or R). Hand-written scores in another order
     (heads first, (H, B, Lq, Lk); einsum "bshc,btc->bsht", (B, Lq, H, Lk)) read as (B, H, Lq, Lk) put a batch or
     query axis in the heads' place: a mask alike in every "batch row" and differing by "head" is then the program's
     own padding or causal mask. A head count that contradicts the axis is always quiet; none stated is quiet there."""
     if call.api != "softmax" or "axes" in call.details:
         return True
     stated = call.details.get("stated_heads")
-    return stated == heads if stated is not None or same else True
+    return stated in heads if stated is not None or same else True
 
 
 def _kv_heads(cells: np.ndarray, lead: tuple) -> bool:
