@@ -33,7 +33,7 @@ import maskcli.trace.entry as entry
 from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import WATCHED, Overflows
-from maskcli.trace.scores import HEADS, Scores, banded as banded_scores, stated_heads
+from maskcli.trace.scores import Scores, banded as banded_scores
 from maskcli.trace.sites import Sites, running, walk
 from maskcli.trace.stated import outside
 from maskcli.trace.store import read_calls, store
@@ -355,14 +355,12 @@ class Trace(Outer, Follow):
             if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
                 seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
             self.sites.note(seen.details, caller, seen.shape)
-            queried.note(seen.details, self.sites.stack)  # (the layer's own queries, where padding is held: crossq.py)
+            queried.note(seen.details, self.sites.stack, seen.api)  # (the layer's own queries, its head count)
             frames = self.interfaces
             if frames and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                 interface.unpack_gqa(seen, frames[-1])
             elif seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS): cut here, once, before it is stored
                 interface.leave_out_sink(seen, frames[-1].get("sink_keys") if frames else self.sink_keys())
-                if (heads := stated_heads(self.sites.stack, HEADS + ("heads", "n_local_heads"))) is not None:
-                    seen.details["stated_heads"] = heads
             key = readers.stored(self, seen)  # (self._store, and a mask the frames handed the call: trace/given.py)
         except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
