@@ -118,3 +118,35 @@ def test_diffusers_hunyuan_video_bnn_mask_broadcast_over_heads(tmp_path):
     for it)."""
     [hit] = check_bug(tmp_path, "diffusers_hunyuan_video_bnn_mask_broadcast_over_heads", "padding-per-head")
     assert "differs by head" in hit["message"]
+
+
+def test_heads_first_scores_are_no_batch_mask_on_the_heads(tmp_path):
+    """Hand-written scores laid out (H, B, Lq, Lk), each batch row's padding on dim 1 (the program checks itself against a
+    double loop over rows and heads): read as (B, H, Lq, Lk) they look like one batch mask laid on the heads, which
+    the program never wrote. Quiet where the module's head count (2) is not the axis read as heads (3), and where no
+    module states a head count."""
+    for args in ((), ("--unstated",)):
+        status, found, report = traced(tmp_path, "heads_first_scores_padding", fixed=False, folder=ARGS, args=args)
+        assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+        assert "(2,3,5,5)" in report, report  # (the heads-first call was read, as (B, H) = (2, 3))
+
+
+def test_hand_written_scores_claim_the_heads_axis_only_where_the_program_states_it(monkeypatch):
+    """A softmax's mask alike in every batch row and differing by head: said where the module's head count is the axis
+    read as heads, or where an einsum or permute laid the scores out (details["axes"]); quiet where the head count is
+    another axis's size, or none is stated. A kernel's own layout (SDPA) states its heads."""
+    n = 4
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    cells = np.stack([np.stack([causal.numpy(), (causal & (torch.arange(n) < 2)).numpy()])] * 2)  # (2, 2, 4, 4)
+    monkeypatch.setattr(heads, "keep", lambda c: c.cells)
+
+    def found(api, details):
+        call = _Call(cells)
+        call.api, call.details = api, details
+        return heads.per_head(Run([call], [], []))
+
+    assert len(found("sdpa", {})) == 1
+    assert len(found("softmax", {"stated_heads": 2})) == 1
+    assert len(found("softmax", {"axes": [0, 2, 1, 3]})) == 1
+    assert found("softmax", {"stated_heads": 4}) == []
+    assert found("softmax", {}) == []

@@ -10,6 +10,8 @@ calls whose key columns are positions and whose queries include each such key's 
 5-D scores (B, N, R, Lq, Lk) are heads N * R only where N carries the batch's padding (every batch row alike, N's
 planes not); where batch rows differ, N is batch-like (OpenFold's MSA rows, a video's frames: each plane its own padding)
 and only R is heads (_kv_heads).
+Hand-written scores (a softmax) are read only where the program states which axis is heads (_heads_axis): scores in
+another order (heads first, or (B, Lq, H, Lk)) taken for (B, H, Lq, Lk) would lay the batch on the heads' place.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def per_head(run: Run) -> list:
         keys = np.flatnonzero(odd[b, h])
         showing = int(np.flatnonzero(seen[b, :, keys[0]])[0])
         same = all(np.array_equal(cells[r], cells[0]) for r in range(1, cells.shape[0]))
+        if not _heads_axis(call, {cells.shape[1], *(lead[2:] if lead else ())}, same):
+            continue
         said = "; the mask is the same in every batch row and differs by head instead" if same else ""
         bad_heads = np.flatnonzero(odd[b].any(axis=1))
         b, plane = divmod(b, per)
@@ -79,6 +83,20 @@ def per_head(run: Run) -> list:
             expected="every head of a batch row pads the same keys", source="the other heads of the same batch row",
             cell=(b, int(keys[0]), int(keys[0])))))  # (the key's own query, as absolute positions)
     return found
+
+
+def _heads_axis(call, heads: set, same: bool) -> bool:
+    """Whether the program states that the axis read as heads is its heads: a kernel's own layout (SDPA, MHA, flex,
+    flash take (B, H, ..)), an einsum or permute that laid the scores out (details["axes"], trace/layouts.py), or the
+    head count its module holds (details["stated_heads"]) equal to that axis (`heads`: of 5-D scores (B, N, R, ..), N * R
+    or R). Hand-written scores in another order
+    (heads first, (H, B, Lq, Lk); einsum "bshc,btc->bsht", (B, Lq, H, Lk)) read as (B, H, Lq, Lk) put a batch or
+    query axis in the heads' place: a mask alike in every "batch row" and differing by "head" is then the program's
+    own padding or causal mask. A head count that contradicts the axis is always quiet; none stated is quiet there."""
+    if call.api != "softmax" or "axes" in call.details:
+        return True
+    stated = call.details.get("stated_heads")
+    return stated in heads if stated is not None or same else True
 
 
 def _kv_heads(cells: np.ndarray, lead: tuple) -> bool:

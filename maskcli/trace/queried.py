@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from maskcli.trace.scores import HEADS, stated_heads
+
 INNERMOST = 4  # running modules read, innermost first (a whole model's input speaks for no one layer)
 FRAMES = 24
 
@@ -36,8 +38,12 @@ def query_input(stack: list) -> tuple[int, int] | None:
     return None
 
 
-def note(details: dict, stack: list) -> None:
-    """details["query_input"] = query_input(stack), at a call whose frames hold padding (details["held_padding"])."""
+def note(details: dict, stack: list, api: str = "") -> None:
+    """details["query_input"] = query_input(stack), at a call whose frames hold padding (details["held_padding"]); at a
+    softmax, details["stated_heads"]: the head count its innermost module that states one holds, which tells which axis
+    of hand-written scores is heads (checks/heads.py)."""
+    if api == "softmax" and (heads := stated_heads(stack, HEADS + ("heads", "n_local_heads"))) is not None:
+        details["stated_heads"] = heads
     if "held_padding" in details and stack:
         given = query_input(stack)
         if given is not None:

@@ -235,9 +235,15 @@ def banded(shape: tuple, stack: list) -> bool:
     heads and heads for queries. The innermost running module that states a head count decides."""
     if len(shape) != 4:
         return False
+    heads = stated_heads(stack)
+    return heads is not None and shape[2] == heads != shape[1]
+
+
+def stated_heads(stack: list, names: tuple = HEADS) -> int | None:
+    """The head count the innermost running module that states one holds (`names`), None where none does."""
     for module in reversed(stack):
-        heads = next((value for value in map(lambda name: getattr(module, name, None), HEADS)
+        heads = next((value for value in map(lambda name: getattr(module, name, None), names)
                       if isinstance(value, int) and not isinstance(value, bool)), None)
         if heads is not None:
-            return shape[2] == heads != shape[1]
-    return False
+            return heads
+    return None
