@@ -39,6 +39,25 @@ def leaks(cells: np.ndarray) -> np.ndarray | None:
     return reached & ~cells & later[None]
 
 
+def _shared(run: Run, top):
+    """(call, its kept cells, how many calls share them) once per mask that two or more square self-attention calls
+    of the model call share (one layer alone: nothing reads its keys one layer on)."""
+    calls = [call for call in run.calls[top.first:top.end] if call.stored is not None and not cross(call)
+             and call.shape[2] == call.shape[3] > 2]
+    counts: dict = {}
+    for call in calls:
+        counts[(call.mask, call.shape)] = counts.get((call.mask, call.shape), 0) + 1
+    done = set()
+    for call in calls:
+        key = (call.mask, call.shape)
+        if counts[key] < 2 or key in done:
+            continue
+        done.add(key)
+        cells = keep(call)
+        if cells is not None:
+            yield call, cells, counts[key]
+
+
 def through_slots(run: Run) -> list:
     """Self-attention calls of a model stating causal=True whose queries reach later tokens through a key they see."""
     found = []
@@ -46,20 +65,7 @@ def through_slots(run: Run) -> list:
         said = next((one for one in top.stated if one.fields.get("model_causal")), None)
         if said is None:
             continue
-        calls = [call for call in run.calls[top.first:top.end] if call.stored is not None and not cross(call)
-                 and call.shape[2] == call.shape[3] > 2]
-        counts: dict = {}
-        for call in calls:
-            counts[(call.mask, call.shape)] = counts.get((call.mask, call.shape), 0) + 1
-        done = set()
-        for call in calls:
-            key = (call.mask, call.shape)
-            if counts[key] < 2 or key in done:
-                continue  # (one layer alone: nothing reads its slots one layer on)
-            done.add(key)
-            cells = keep(call)
-            if cells is None:
-                continue
+        for call, cells, _ in _shared(run, top):
             bad = leaks(cells.any(axis=1))
             if bad is None or not bad.any():
                 continue
@@ -106,20 +112,7 @@ def look_ahead_open(run: Run) -> list:
     through later keys they see."""
     found = []
     for top in run.tops:
-        calls = [call for call in run.calls[top.first:top.end] if call.stored is not None and not cross(call)
-                 and call.shape[2] == call.shape[3] > 2]
-        counts: dict = {}
-        for call in calls:
-            counts[(call.mask, call.shape)] = counts.get((call.mask, call.shape), 0) + 1
-        done = set()
-        for call in calls:
-            key = (call.mask, call.shape)
-            if counts[key] < 2 or key in done:
-                continue  # (one layer alone: nothing reads its keys one layer on)
-            done.add(key)
-            cells = keep(call)
-            if cells is None:
-                continue
+        for call, cells, sharing in _shared(run, top):
             cells = cells.any(axis=1)
             bad = ahead_leaks(cells)
             if bad is None or not bad.any():
@@ -130,7 +123,7 @@ def look_ahead_open(run: Run) -> list:
             found.append((call, Finding("look-ahead-open", (
                 f"batch row {b}: query {q} sees every key up to its own and is masked from key {q + 1} (a look-ahead "
                 f"mask), yet sees later keys {spans(open_keys.tolist())}; key {k}'s own row sees key {j}, so one layer "
-                f"on ({counts[key]} calls share this mask) query {q} reads token {j} it is masked from "
+                f"on ({sharing} calls share this mask) query {q} reads token {j} it is masked from "
                 f"({int(bad.sum())} such cells): keys the look-ahead leaves open (a padding mask combined with it the wrong way round?)"),
                 expected="no query reads a later key through a later key it sees", cell=(b, q, j))))
     return found
