@@ -174,6 +174,7 @@ def test_bart_pretrain_padded_batch_without_attention_mask(tmp_path):
     """transformers-bart-pretrain#11: sources padded with the config's pad_token_id, no attention_mask fed: the input
     ids at the pad id state the encoder's padding, which the cross-attention (and the encoder's self-attention,
     arguments.py) attends."""
+    pytest.importorskip("transformers")
     from checkbugs import check_bug
 
     hit = check_bug(tmp_path, "bart_pretrain_padded_batch_without_attention_mask", "encoder-padding-ignored")[0]
@@ -183,6 +184,7 @@ def test_bart_pretrain_padded_batch_without_attention_mask(tmp_path):
 def test_t5_left_padded_sources_no_attention_mask(tmp_path):
     """Written another way: T5, sources left-padded by hand with pad id 0, labels given; the first cell is a double
     loop's over the decoder queries and the stated source padding; the mask handed in is quiet."""
+    pytest.importorskip("transformers")
     status, found, report = traced(tmp_path, "t5_left_padded_sources_no_attention_mask", fixed=False, folder=ARGS)
     assert status == 1, report
     hit = next(f for f in found if f["code"] == "encoder-padding-ignored")
