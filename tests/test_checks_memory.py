@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from checkbugs import first, traced
 from pathlib import Path
+import pytest
 
 from maskcli.checks.context import Run, Top
 from maskcli.checks.memory import memory
