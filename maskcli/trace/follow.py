@@ -90,8 +90,9 @@ class Follow:
         reader = self.readers.get(func)
         softmaxed = None
         if reader is not None and not self.busy and not self.within:
-            if reader is not readers.softmax or self.scores.attention(readers.softmax_input(args, kwargs)) \
-                    or self.discarded.dropped(readers.softmax_input(args, kwargs)) is not None:  # (its fill says so)
+            given = readers.softmax_input(args, kwargs) if reader is readers.softmax else None
+            if reader is not readers.softmax or self.scores.attention(given) \
+                    or self.discarded.dropped(given) is not None:  # (a fill of its input, thrown away, says so)
                 if reader is readers.softmax and self.scores.axes:  # scores in another axis order (layouts.py)
                     reader = laid(reader, self.scores, args, kwargs)
                 elif reader is readers.softmax and self.scores.matrices:  # one sequence's (Lq, Lk) (scores.py)
@@ -101,8 +102,8 @@ class Follow:
                 self._softmax, made = None, len(self._calls)
                 self.capture(reader, args, kwargs)
                 softmaxed, self._softmax = self._softmax, None
-                if softmaxed is not None and self.discarded.dropped(readers.softmax_input(args, kwargs)) is not None:
-                    self.discarded.note(readers.softmax_input(args, kwargs), *softmaxed)  # (its fill thrown away)
+                if softmaxed is not None and given is not None:
+                    self.discarded.note(given, *softmaxed)  # (a fill of its input thrown away: note reads dropped())
                 self.within += 1  # (what the call runs itself is its own: MHA's SDPA, F.softmax's Tensor.softmax)
                 try:
                     out = call(*args, **kwargs)

@@ -19,8 +19,7 @@ def forward_flag(stack: list, frames: list) -> str | None:
         return None
     module = stack[-1]
     code = getattr(getattr(type(module), "forward", None), "__code__", None)
-    if code is None or NAMES[0] not in code.co_varnames and NAMES[1] not in code.co_varnames \
-            and NAMES[2] not in code.co_varnames:
+    if code is None or not any(name in code.co_varnames for name in NAMES):
         return None
     arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
     for frame, _ in frames:

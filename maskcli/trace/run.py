@@ -14,6 +14,7 @@ import signal
 import sys
 import traceback
 import types
+import warnings
 
 from maskcli.errors import MaskError
 
@@ -97,8 +98,6 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
     saved_argv, saved_path, saved_folder, saved_hook = sys.argv[:], sys.path[:], os.getcwd(), sys.excepthook
     modules = {name: module for name, module in sys.modules.items()  # what the trace's own exit and report import
                if name.partition(".")[0] in ("torch", "maskcli", "numpy")}
-    import warnings
-
     saved_show = warnings.showwarning
     warnings.showwarning = _as_the_programs(saved_show)
     try:
@@ -144,7 +143,7 @@ def _as_the_programs(show):
 
     own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     skip = (own + os.sep, os.path.dirname(os.path.abspath(__import__("torch").__file__)) + os.sep,
-            os.path.abspath(__import__("warnings").__file__))
+            os.path.abspath(warnings.__file__))
 
     @functools.wraps(show)
     def showwarning(message, category, filename, lineno, file=None, line=None):
