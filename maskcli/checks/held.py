@@ -290,7 +290,7 @@ def _edge_runs(real: np.ndarray, right_only: bool) -> bool:
 EXTRA_KEYS = 4  # keys besides the tokens a held padding covers (a relay node, CLS, registers) that it may leave out
 
 
-def _after_every_query(call, run: Run, real: np.ndarray, at: int) -> bool:
+def after_every_query(call, run: Run, real: np.ndarray, at: int) -> bool:
     """Every key the mask calls real, in each padded row, lies after every query of a self-attention (a decode step
     at position i whose `padding_mask` is True on 0 .. i, Keras's way round: read as torch's, its "real" keys are the
     unwritten future, which the call never shows whichever way the mask is meant)."""
@@ -336,7 +336,7 @@ def held_inverted(run: Run) -> list:
                             break
                     else:
                         continue
-                    if _after_every_query(call, run, real[padded], at):
+                    if after_every_query(call, run, real[padded], at):
                         continue  # (the complement is then causality itself: it says nothing of which way round)
                     b = int(np.flatnonzero(padded)[0])
                     k = int(np.flatnonzero(~real[b])[0]) + at

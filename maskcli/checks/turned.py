@@ -8,7 +8,7 @@ see no key at all (NaN weights, or SDPA's zeros), the mask was read the wrong wa
 into `masked_fill_(mask, -inf)`), or the padding (True = padding) handed to SDPA, which reads True = may attend.
 The other reading then hides real keys in every row, so no reading of the program's own lengths is kept to: wrong.
 Quiet where a padded row's query sees a key the reading calls real, where a whole row sees a key, and on a mask that
-is the complement only as causality is (every such key after every query: held._after_every_query). A held padding
+is the complement only as causality is (every such key after every query: held.after_every_query). A held padding
 mask (True = padding, or 1 = real) turned round is held.py's padding-only-attended.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, keep
-from maskcli.checks.held import _after_every_query, readings
+from maskcli.checks.held import after_every_query, readings
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -51,7 +51,7 @@ def lengths_inverted(run: Run) -> list:
             seen = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))  # (over the heads)
             for held in helds:
                 real = next((one for one in readings(held, rows, k_len) if _turned(seen, one)), None)
-                if real is None or _after_every_query(call, run, real[~real.all(axis=1)], 0):
+                if real is None or after_every_query(call, run, real[~real.all(axis=1)], 0):
                     continue
                 b, whole = int(np.flatnonzero(~real.all(axis=1))[0]), int(np.flatnonzero(real.all(axis=1))[0])
                 said = f"{held['name']} in {held['where']}"
