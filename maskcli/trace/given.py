@@ -144,8 +144,6 @@ def dropped(found: tuple[str, torch.Tensor], cells, shape: tuple, cache: dict, m
     """{"name", "cell": (b, q, k), "cells"} where the kernel's keep `cells()` (b, h, Lq, Lk as stored, 1s broadcast)
     sees a cell the handed mask masks on a row it does not mask whole; None where the kernel keeps to it. `mask`: the
     kernel mask's key in the store (with the tensor's id and version, what the answer is cached by)."""
-    from maskcli.inspect.polarity import additive_keep
-
     name, tensor = found
     key = (id(tensor), object() if tensor.is_inference() else tensor._version, mask, name)  # (inference: no version)
     if key in cache and cache[key][0] is tensor:
@@ -153,39 +151,39 @@ def dropped(found: tuple[str, torch.Tensor], cells, shape: tuple, cache: dict, m
     b, h, q_len, k_len = (int(x) for x in shape)
     if tensor.dtype == torch.bool:
         result = _either_way(name, tensor.detach().cpu().numpy(), cells(), q_len, k_len)
-        if len(cache) > 64:
-            cache.clear()
-        cache[key] = (tensor, result)
-        return result
-    kernel = cells()  # (built only here: the same mask tensor and kernel mask again is answered from the cache)
-    with torch.no_grad():
-        keep = additive_keep(tensor.detach()).cpu()
-    if keep.all():
-        result = None
-    else:
-        lead = tuple(keep.shape[:-2])
-        if len(lead) == 1 and lead[0] == b * h and b * h > 1:  # (b * h, Lq, Lk): the heads folded into the batch
-            keep = keep.reshape(b, h, q_len, k_len)
-        else:
-            keep = keep.reshape((1,) * max(0, 4 - keep.dim()) + tuple(keep.shape[-min(keep.dim(), 4):]))
-        try:
-            planes = np.broadcast_shapes(tuple(keep.shape), kernel.shape)
-        except ValueError:
-            planes = None
-        if planes is None or planes[0] not in (1, b) or planes[1] not in (1, h):
-            result = None
-        else:
-            given = np.broadcast_to(keep.numpy(), planes)
-            seen = np.broadcast_to(kernel, planes)
-            lost = seen & ~given & given.any(axis=-1, keepdims=True)
-            result = None if not lost.any() else {
-                "name": name, "cell": [int(x) for x in np.argwhere(lost)[0]], "cells": int(lost.sum()),
-                "masked": int((~given & given.any(axis=-1, keepdims=True)).sum())}
+    else:  # (the kernel's cells built only here: the same mask tensor and kernel mask again is answered from the cache)
+        result = _additive(name, tensor, cells(), b, h, q_len, k_len)
     if len(cache) > 64:
         cache.clear()
     cache[key] = (tensor, result)
     return result
 
+
+def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: int, q_len: int, k_len: int) -> dict | None:
+    """dropped()'s answer for a float (additive) mask: the cells the kernel sees that it masks, on rows it leaves some key."""
+    from maskcli.inspect.polarity import additive_keep
+
+    with torch.no_grad():
+        keep = additive_keep(tensor.detach()).cpu()
+    if keep.all():
+        return None
+    lead = tuple(keep.shape[:-2])
+    if len(lead) == 1 and lead[0] == b * h and b * h > 1:  # (b * h, Lq, Lk): the heads folded into the batch
+        keep = keep.reshape(b, h, q_len, k_len)
+    else:
+        keep = keep.reshape((1,) * max(0, 4 - keep.dim()) + tuple(keep.shape[-min(keep.dim(), 4):]))
+    try:
+        planes = np.broadcast_shapes(tuple(keep.shape), kernel.shape)
+    except ValueError:
+        return None
+    if planes[0] not in (1, b) or planes[1] not in (1, h):
+        return None
+    given = np.broadcast_to(keep.numpy(), planes)
+    seen = np.broadcast_to(kernel, planes)
+    lost = seen & ~given & given.any(axis=-1, keepdims=True)
+    return None if not lost.any() else {
+        "name": name, "cell": [int(x) for x in np.argwhere(lost)[0]], "cells": int(lost.sum()),
+        "masked": int((~given & given.any(axis=-1, keepdims=True)).sum())}
 
 def _either_way(name: str, mask: np.ndarray, kernel: np.ndarray, q_len: int, k_len: int) -> dict | None:
     """dropped()'s answer for a bool mask (B|1, H|1, Lq|1, Lk), whose polarity its frame does not say: read as True =
