@@ -1,6 +1,6 @@
 """Qwen2.5-VL vision tower in cosmos-rl: full-attention layers never chosen (all layers windowed).
 
-Citation: nvidia-cosmos/cosmos-rl#171 "fix: qwen2.5-vl model bug" (merged 2025-07-24).
+Citation: nvidia-cosmos/cosmos-rl#171 "fix: qwen2.5-vl model bug" (opened and merged 2025-07-24).
 Bug (from the PR description): the vision encoder has two kinds of attention layers, full attention
 (``fullatt_block_indexes``, e.g. [7, 15, 23, 31]) and window attention. The type was chosen with
 ``if layer_num in self.fullatt_block_indexes`` while iterating ``self.blocks.items()`` of an

@@ -1,7 +1,7 @@
 """TensorRT-LLM Gemma3 (PyTorch flow): FlashInfer custom mask lets image tokens see all images, later ones too.
 
 Citation: NVIDIA/TensorRT-LLM#5976 "enh: Bidirectional mask with multiple images for Gemma3"
-(merged 2025-07). Bug (PR description): in ``Gemma3ForCausalLM._get_token_type_mask`` all image
+(opened 2025-07-11, merged). Bug (PR description): in ``Gemma3ForCausalLM._get_token_type_mask`` all image
 tokens got token type 1 "regardless of which image they belong to", and the context mask was
 ``causal | (type[q] == type[k] where type != 0)``, so in a request with several images every image
 token attended bidirectionally to every other image's tokens, including images later in the

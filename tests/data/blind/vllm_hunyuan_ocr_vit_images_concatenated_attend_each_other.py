@@ -1,7 +1,7 @@
 """vLLM HunyuanOCR vision tower: all images of a batch concatenated into one unmasked ViT sequence.
 
 Citation: vllm-project/vllm#30344 "[Bugfix] Fix HunyuanOCR cross-image contamination in batch
-processing" (merged 2025-12-09; fixes vllm#30342; diagnosis in Tencent-Hunyuan/HunyuanOCR#60).
+processing" (opened 2025-12-09, merged; fixes vllm#30342; diagnosis in Tencent-Hunyuan/HunyuanOCR#60).
 Bug: ``HunYuanVisionTransformer.forward`` embeds each image's patches ((N_i, D) per image), then
 concatenates them along the patch dimension and runs every ``HunYuanVisionBlock`` over the single
 sequence of sum(N_i) patches, with no mask and no cu_seqlens. Concurrent requests whose images were

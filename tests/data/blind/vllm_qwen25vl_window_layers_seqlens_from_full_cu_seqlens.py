@@ -1,7 +1,7 @@
 """vLLM Qwen2.5-VL vision tower: window-attention layers reuse seqlens pre-computed from full cu_seqlens.
 
 Citation: vllm-project/vllm#15200 "[Bugfix] Fix incorrect qwen2.5-vl attention mask pre-computation"
-(merged 2025-03-20; fixes vllm#15122 and vllm#15197; the bug came in with vllm#14377).
+(opened 2025-03-20, merged; fixes vllm#15122 and vllm#15197; the bug came in with vllm#14377).
 Bug: #14377 moved the attention-mask metadata out of the layer loop of
 ``Qwen2_5_VisionTransformer.forward``: ``max_seqlen`` (FLASH_ATTN) and ``seqlens`` (XFORMERS) were
 computed once from the per-frame ``cu_seqlens`` and handed to every block, while the window
