@@ -1,6 +1,6 @@
 """SGLang Qwen3-VL vision tower: cu_seqlens per video instead of per frame, so frames attend each other.
 
-Citation: sgl-project/sglang#11458 "[BugFix][Qwen3-VL]: fix cu_seqlens in qwen3-vl" (opened 2025-10-11, merged)
+Citation: sgl-project/sglang#11458 "[BugFix][Qwen3-VL]: fix cu_seqlens in qwen3-vl" (opened 2025-10-11, merged);
 the same fix was proposed for SGLang's Qwen2.5-VL in sgl-project/sglang#12261.
 Bug (PR description): "The implementation of cu_seqlens is inconsistent with the HF implementation,
 resulting in accuracy issues with multi-frame/multi-patch inputs." SGLang built
