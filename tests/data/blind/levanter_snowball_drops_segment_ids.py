@@ -13,8 +13,9 @@ segment changing when a token of the first segment changed). The fix forwards th
 segment ids included, to the transformer.
 
 This program ports the pieces to torch: Levanter's ``AttentionMask`` (causal flag + segment ids,
-materialized into a boolean [q, k] mask), ``LmExample.causal``, and a Snowball-shaped LM head
-model whose attention is an explicit softmax over ``q @ k^T`` with the materialized mask applied.
+materialized into a boolean [q, k] mask), ``LmExample.causal``, and an LM head model named after
+Snowball whose layers are a generic pre-norm decoder (I did not read snowball.py's layers); its
+attention is an explicit softmax over ``q @ k^T`` with the materialized mask applied.
 One packed row holds two segments (5 + 3 tokens); buggy, the second segment sees the first.
 """
 import sys
