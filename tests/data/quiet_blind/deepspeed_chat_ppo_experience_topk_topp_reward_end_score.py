@@ -67,12 +67,12 @@ class OPTForCausalLM(nn.Module):
 class RewardModel(nn.Module):
     def __init__(self, base, pad_token_id=PAD):
         super().__init__()
-        self.rwtranrsformer = base  # DeepSpeed-Chat's own spelling
+        self.rwtransformer = base
         self.v_head = nn.Linear(D, 1, bias=False)
         self.PAD_ID = pad_token_id
 
     def forward_value(self, input_ids, attention_mask, return_value_only=False, prompt_length=0):
-        values = self.v_head(self.rwtranrsformer(input_ids, attention_mask)).squeeze(-1)
+        values = self.v_head(self.rwtransformer(input_ids, attention_mask)).squeeze(-1)
         if return_value_only:
             return values
         chosen_end_scores = []
@@ -129,7 +129,7 @@ def main():
     # DeepSpeed-Chat's prompt collator pads on the left so every prompt ends at prompt_length
     prompts = torch.stack([F.pad(p, (prompt_length - len(p), 0), value=PAD) for p in raw_prompts])
     prompt_mask = prompts.ne(PAD).long()
-    seq = generate(actor, prompts, prompt_mask, max_new_tokens=8, generator=torch.Generator().manual_seed(1))
+    seq = generate(actor, prompts, prompt_mask, max_new_tokens=6, generator=torch.Generator().manual_seed(1))
     # make sure some answers end early with EOS followed by pad (the case that matters)
     seq[0, prompt_length + 3], seq[0, prompt_length + 4:] = EOS, PAD
 
