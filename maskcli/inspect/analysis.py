@@ -23,15 +23,7 @@ class Analysis:
     apis: list
     broadcast: str
     as_sdpa: np.ndarray  # bool (B, H, Lq, Lk): the keep cells as SDPA reads them, whatever reading was chosen
-
-    @property
-    def q_offset(self) -> int:
-        """The absolute position of query row 0: the kind's own, else bottom-right alignment (maskcli's reading)."""
-        if self.structure.reading != "mask":
-            return 0
-        if self.structure.mask is not None:
-            return self.structure.mask.q_offset
-        return max(0, self.keep4.shape[-1] - self.keep4.shape[-2])
+    q_offset: int  # the absolute position of query row 0 (_q_offset): a value, as the rules read it
 
     def report(self, source: str) -> dict:
         """Everything said about the tensor, JSON-ready."""
@@ -61,6 +53,15 @@ class Analysis:
         }
 
 
+def _q_offset(structure: Structure, keep4: np.ndarray) -> int:
+    """The absolute position of query row 0: the kind's own, else bottom-right alignment (maskcli's reading)."""
+    if structure.reading != "mask":
+        return 0
+    if structure.mask is not None:
+        return structure.mask.q_offset
+    return max(0, keep4.shape[-1] - keep4.shape[-2])
+
+
 def analyse(tensor, heads: int | None = None, convention: Convention | None = None, padding: dict | None = None,
             where: str = "the tensor") -> Analysis:
     """Classify, recognise and find what is wrong, in one go; `convention` overrides the classification.
@@ -79,7 +80,7 @@ def analyse(tensor, heads: int | None = None, convention: Convention | None = No
     if key_padding:
         keep4 = keep[:, None, None, :]
     analysis = Analysis(tensor, convention, keep4, structure, [], api_fits(tensor, convention, key_padding),
-                        broadcast_text(tensor), as_sdpa)
+                        broadcast_text(tensor), as_sdpa, _q_offset(structure, keep4))
     # every rule given a tensor (checks/registry.py), those whose code a trace group's rule finds too among them
     return replace(analysis, findings=registry.run("tensor", analysis, heads))
 

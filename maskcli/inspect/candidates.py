@@ -24,7 +24,7 @@ from maskcli.expression import And, Or
 from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
 from maskcli.kinds import all_kinds
 from maskcli.kinds import get as get_kind
-from maskcli.kinds.base import Labels, Profile
+from maskcli.kinds.base import Kind, Labels, Profile
 from maskcli.kinds.padding import key_runs
 from maskcli.mask import MaskOptions
 from maskcli.positions import Frame
@@ -70,7 +70,7 @@ def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str,
     base = profile(ref, 0, 0, marked) if base is None else base
     for order, (options, q_start) in enumerate(placements):
         seen = base if q_start == 0 else replace(base, q=base.q + q_start)
-        lacks = _lacks(rows, options, uncut)
+        lacks = lacks_at(rows, options, uncut)
         for kind in all_kinds():
             if kind.recognise is not None and not any(getattr(kind, fact) for fact in lacks):
                 read += [(kind.rank, order, kind, params, options) for params in kind.recognise(seen)]
@@ -80,7 +80,7 @@ def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str,
     return [(item[2].name, term, item[4]) for item, term in zip(read, terms) if term is not None]
 
 
-def _lacks(rows: Intervals | None, options: dict, uncut: bool) -> frozenset[str]:
+def lacks_at(rows: Intervals | None, options: dict, uncut: bool) -> frozenset[str]:
     """What the tensor lacks at the positions `options` give (`lacking`), where `table` would read it; none else."""
     place = placing(options) if rows is not None else None
     if place is None or place == REFUSED or place[1] is not None or rows.starts.shape[1] != place[0].q_len:
@@ -180,12 +180,14 @@ def ruled_out(tree, lacks: frozenset[str]) -> bool:
 
 
 def _holds(tree, fact: str) -> bool:
-    if isinstance(tree, Term):
-        return getattr(tree.kind, fact)
-    if isinstance(tree, (And, Or)):
-        joined = any if isinstance(tree, And) == (fact == "causal") else all
-        return joined(_holds(item, fact) for item in tree.items)
-    return False
+    """`tree`: a tree of terms, or a composite's form (composite.FORMS: a Kind, or (And | Or, form, ...))."""
+    if isinstance(tree, (Term, Kind)):
+        return getattr(tree.kind if isinstance(tree, Term) else tree, fact)
+    joined, items = (type(tree), tree.items) if isinstance(tree, (And, Or)) else (tree[0], tree[1:]) if isinstance(tree, tuple) else (None, ())
+    if joined not in (And, Or):
+        return False
+    each = any if (joined is And) == (fact == "causal") else all
+    return each(_holds(item, fact) for item in items)
 
 
 def on_terms(tree, options: dict):

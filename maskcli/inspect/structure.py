@@ -20,7 +20,7 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.expression import parse
-from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, matching, on_terms, profile, runs, same_cells, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
+from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, lacks_at, matching, on_terms, profile, runs, same_cells, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
 from maskcli.intervals import Intervals, NotFew
 from maskcli.keypadding import options as _padding_options
 from maskcli.kinds.padding import key_runs
@@ -281,7 +281,9 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         if structure is None and q_len == k_len and k_len <= MAX_LABELS:  # then masks of two kinds
             from maskcli.inspect.composite import composites
 
-            structure = first([(kind, tree, {"length": q_len, **extra}) for kind, tree in composites(rows_read, ref)])
+            lacks = frozenset() if extra else lacks_at(rows, {"length": q_len}, True)  # a form ruled out is not read
+            listed = [(kind, tree, {"length": q_len, **extra}) for kind, tree in composites(rows_read, ref, lacks)]
+            structure = first(listed) if listed else None
         if structure is not None:
             return structure
     if key_padding and heads == 1 and batch == 1 and q_len != k_len:  # a square one is (L, L): B == S would be a coincidence
