@@ -44,6 +44,14 @@ def spans(values: list[int]) -> str:
     return ", ".join(parts)
 
 
+def plane_text(b: int, h: int, shape) -> str:
+    """' (batch 1, head 2)': which plane of a (B, H, ...) mask, where there are several."""
+    parts = [f"batch {b}"] if shape[0] > 1 else []
+    if shape[1] > 1:
+        parts.append(f"head {h}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def shell_quote(text: str) -> str:
     """A command-line word: bare where the shell leaves it alone, else in double quotes where that is safe."""
     import shlex

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from maskcli.attention.stages import Stages, compact, fill_value
 from maskcli.checks import registry
-from maskcli.checks import stages as rules
 from maskcli.text import Finding
 
 
 def mask_findings(keep, mask) -> list[Finding]:
-    """Rows of the mask alone (bool (B, H, Lq, Lk) on a device) that see nothing, queries that see later keys."""
-    return rules.mask_findings(compact(keep, (0, 1)), mask)
+    """Rows of the mask alone (bool (B, H, Lq, Lk) on a device) that see nothing, queries that see later keys: every
+    rule given the `mask`."""
+    return registry.run("mask", compact(keep, (0, 1)), mask)
 
 
 def run_findings(stages: Stages, mask) -> list[Finding]:

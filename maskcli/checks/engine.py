@@ -38,11 +38,11 @@ def findings(run: Run) -> list:
     unmasked = [call for call in run.calls if call.where not in attending]
     run = Run([call for call in calls if not cross(call)], run.tops, crossing, unmasked)
     found, done = [], set()
-    for rule in all_rules():
-        if rule.given == "run" and rule.check not in done:
-            done.add(rule.check)  # (one function may make the findings of several codes)
+    for check in [check for rule in all_rules() for given, check in rule.checks() if given == "run"]:
+        if check not in done:
+            done.add(check)  # (one function may make the findings of several codes)
             try:
-                found += rule.check(run)
+                found += check(run)
             except Exception as error:
                 if not program_raised(error):
                     raise

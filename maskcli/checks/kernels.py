@@ -124,6 +124,11 @@ def given_top_left(structure, as_sdpa: np.ndarray) -> list[Finding]:
     )]
 
 
+def tensor_top_left(a, _heads=None) -> list[Finding]:
+    """A tensor a user gave (inspect's Analysis, taken as it comes): causal aligned top-left as SDPA reads it."""
+    return given_top_left(a.structure, a.as_sdpa)
+
+
 def ignored_is_causal(call, k_len: int) -> list[Finding]:
     """is_causal=True on a module's fast path, which never reads it (trace/modules.py: it applied no mask)."""
     if not call.details.get("ignored_is_causal"):
@@ -179,7 +184,7 @@ RULES = (
     Rule("call-raised", "note", "call", "a call whose kernel raised (torch refused its arguments): no attention ran with "
          "its mask", group_kernel, "kernel"),
     Rule("top-left-causal", "wrong", "call", "is_causal with fewer queries than keys: SDPA aligns it top-left, so a "
-         "decode step behind a cache sees key 0 only", group_kernel, "kernel"),
+         "decode step behind a cache sees key 0 only", group_kernel, "kernel", also=(("tensor", tensor_top_left),)),
     Rule("hf-not-causal", "wrong", "call", "Hugging Face asked for a causal mask that the attention function did not "
          "apply", group_kernel, "kernel"),
     Rule("hf-not-windowed", "wrong", "call", "Hugging Face asked for a sliding window that the attention function did "

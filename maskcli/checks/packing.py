@@ -1,8 +1,8 @@
 """A packed batch (pack): fields that place the documents differently, attention paths that leak across documents or
 onto padding or leave tokens out, position_ids that count on, labels at a document's edge, lengths that do not add up.
 
-pack/findings.py gathers what these read (each field's boundaries, each path's cells, the reference documents) and
-calls them; nothing here builds a mask.
+pack/findings.py gathers what these read (each field's boundaries, each path's cells, the reference documents) into
+one Packed and asks the registry for every rule given that `batch`; nothing here builds a mask.
 """
 
 from __future__ import annotations
@@ -172,20 +172,49 @@ def lengths(batch, pad: np.ndarray) -> tuple[list[Finding], list[str]]:
     return findings, notes
 
 
+# What each rule is given: pack/findings.py's Packed, taken as it comes (checks/ imports nothing of pack/): the batch,
+# the `reference` documents, `pad`, the fields' `disagreements`, the `majority` that outvoted another and the fields
+# that vote (`voters`), the paths' checks grouped where they build the same mask (`twins`), the `paths`, the padding
+# the fields besides the lengths say (`others_pad`), and `notes`, where a rule adds what it says that is no finding.
+
+def on_fields(p) -> list[Finding]:
+    return disagreeing(p.disagreements, p.reference, p.majority, p.voters)
+
+
+def on_paths(p) -> list[Finding]:
+    return leaks(p.twins, p.reference) + left_out(p.paths)
+
+
+def on_rope(p) -> list[Finding]:
+    return rope(p.batch, p.reference, p.pad)
+
+
+def on_labels(p) -> list[Finding]:
+    found, notes = labels(p.batch, p.reference, p.pad)
+    p.notes.extend(notes)
+    return found
+
+
+def on_lengths(p) -> list[Finding]:
+    found, notes = lengths(p.batch, p.others_pad)
+    p.notes.extend(notes)
+    return found
+
+
 RULES = (
     Rule("fields-disagree", "wrong", "batch", "two fields of a packed batch that place the documents differently",
-         disagreeing, "batch"),
-    Rule("cross-document", "wrong", "batch", "an attention path that lets tokens see another document", leaks, "batch"),
-    Rule("sees-padding", "wrong", "batch", "an attention path that lets real tokens see padding", leaks, "batch"),
-    Rule("rope-continues", "wrong", "batch", "position_ids that count on across a document boundary", rope, "batch"),
-    Rule("labels-on-padding", "wrong", "batch", "labels that are not -100 on padding", labels, "batch"),
+         on_fields, "batch"),
+    Rule("cross-document", "wrong", "batch", "an attention path that lets tokens see another document", on_paths, "batch"),
+    Rule("sees-padding", "wrong", "batch", "an attention path that lets real tokens see padding", on_paths, "batch"),
+    Rule("rope-continues", "wrong", "batch", "position_ids that count on across a document boundary", on_rope, "batch"),
+    Rule("labels-on-padding", "wrong", "batch", "labels that are not -100 on padding", on_labels, "batch"),
     Rule("labels-across", "wrong", "batch", "labels that predict the next document's first token at some boundaries",
-         labels, "batch"),
-    Rule("lengths-sum", "wrong", "batch", "cu_seqlens that do not add up to the batch's tokens", lengths, "batch"),
-    Rule("q-k-differ", "wrong", "batch", "cu_seq_lens_q and cu_seq_lens_k that differ in self-attention", lengths,
+         on_labels, "batch"),
+    Rule("lengths-sum", "wrong", "batch", "cu_seqlens that do not add up to the batch's tokens", on_lengths, "batch"),
+    Rule("q-k-differ", "wrong", "batch", "cu_seq_lens_q and cu_seq_lens_k that differ in self-attention", on_lengths,
          "batch"),
-    Rule("max-length", "wrong", "batch", "max_length below the longest document", lengths, "batch"),
+    Rule("max-length", "wrong", "batch", "max_length below the longest document", on_lengths, "batch"),
     Rule("left-out", "wrong", "batch", "tokens an attention path never computes (transformers' flash path takes the "
          "documents from where position_ids equal their minimum, so tokens before the first such start get no output)",
-         left_out, "batch"),
+         on_paths, "batch"),
 )

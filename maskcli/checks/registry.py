@@ -14,13 +14,15 @@ packed `batch` (pack), or the `ranks` of a context-parallel split (shard). What 
 (engine.py runs these over a trace), or what the command that calls it has in hand: a trace group (grouped.py's
 Grouped: the calls of one mask, its stored cells and name), which trace's report hands to the rules given its
 `cells`, then what it was `named`, then the call's `scores`, then what the `kernel` made of its arguments (findings
-in that order); a `tensor` a user gave (inspect), attention `stages` (attend), a packed `batch` (pack), a shard
+in that order); a `tensor` a user gave (inspect), attention `stages` (attend) or the `mask` alone it runs (attend,
+verify), a packed `batch` (pack: pack/findings.py's Packed), a shard
 `layout`, one mask's `split` over it, one rank's captured `part`, a serving engine's batch `metadata` (alone; with
 serve's --expect `expectations`; with --model's `layer-masks`) or a request's steps across step files
 (`request-steps`), or every rank's calls of a traced job (`ranks`).
-A code that several commands find (fully-masked, sees-later, top-left-causal) is one rule, whose check is
-the trace report's; the functions that find it in a tensor or a run stand beside it (rows.py's
-given_*, kernels.py's given_top_left, stages.py).
+A code that several commands find (fully-masked, sees-later, top-left-causal) is one rule: its check is the trace
+report's, and its `also` holds the check given what another command holds (a tensor inspect was given: rows.py's
+tensor_rows, kernels.py's tensor_top_left; the mask attend runs: stages.py's mask_findings). No code outside this
+package calls a check: every command asks run().
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from maskcli.text import Finding
 
 SEVERITIES = ("wrong", "suspicious", "note")
 READS = ("call", "site", "steps", "batch", "ranks")
-GIVEN = ("run", "cells", "named", "scores", "kernel", "tensor", "stages", "batch", "layout", "split", "part", "metadata",
+GIVEN = ("run", "cells", "named", "scores", "kernel", "tensor", "stages", "mask", "batch", "layout", "split", "part", "metadata",
          "expectations", "layer-masks", "request-steps", "ranks")
 MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", "rolled", "paged", "arguments",
            "memory", "heads", "sides", "steps", "cache", "spans", "own", "dropped", "tokens", "layers", "dtypes",
@@ -52,6 +54,13 @@ class Rule:
     catches: str  # the bug, in one line (docs, `maskcli checks`)
     check: Callable  # the function of this package that makes its findings (one function may make several codes)
     given: str = "run"  # one of GIVEN: what `check` is called with
+    # the same code found in what other commands hold: (given, check) pairs (the trace group's fully-masked rows, found
+    # in a tensor inspect was given and in the mask attend runs, is one rule)
+    also: tuple[tuple[str, Callable], ...] = ()
+
+    def checks(self) -> tuple[tuple[str, Callable], ...]:
+        """Each (given, check) of the rule: its own, then those it `also` has."""
+        return ((self.given, self.check),) + self.also
 
 
 @functools.cache
@@ -80,9 +89,10 @@ def run(given: str, *args, **kwargs) -> list:
     call each finding is about: (call, Finding) pairs.)"""
     found, done = [], set()
     for each in all_rules():
-        if each.given == given and each.check not in done:
-            done.add(each.check)
-            found += each.check(*args, **kwargs)
+        for asked, check in each.checks():
+            if asked == given and check not in done:
+                done.add(check)
+                found += check(*args, **kwargs)
     return found
 
 

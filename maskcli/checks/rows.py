@@ -1,7 +1,7 @@
 """Rows: query rows that see no key, and queries that see keys after their own position.
 
-Each rule is written once per what it reads: a trace group's stored mask (trace's report), a tensor a user
-gave (inspect). Attention run through a mask on a device (attend) has its own in stages.py.
+Each rule is one code with a check per what it reads: a trace group's stored mask (trace's report), a tensor a user
+gave (inspect), the mask attend and verify run on a device (stages.py's mask_findings, declared here as the rule's).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from maskcli import tracefile
 from maskcli.checks.context import cross
 from maskcli.checks.real import by_row
 from maskcli.checks.registry import Rule
-from maskcli.text import Finding, spans
+from maskcli.checks.stages import mask_findings as mask_rows
+from maskcli.text import Finding, plane_text, spans
 
 MEANT_LATER = (None, "tril", "triu")  # kinds that mean later keys (full, segment, blocks, ...) are not flagged
 
@@ -296,14 +297,6 @@ def _spans(cells: np.ndarray, later: np.ndarray, q_len: int, k_len: int) -> bool
     return bool((~going | ((last[:, 1:] == ends) & cells[:, np.arange(1, q_len), own[:-1]])).all())
 
 
-def where(b: int, h: int, shape) -> str:
-    """' (batch 1, head 2)': which plane, where there are several."""
-    parts = [f"batch {b}"] if shape[0] > 1 else []
-    if shape[1] > 1:
-        parts.append(f"head {h}")
-    return f" ({', '.join(parts)})" if parts else ""
-
-
 def given_empty_rows(keep4: np.ndarray, reading: str, q_offset: int = 0) -> list[Finding]:
     """Query rows of a tensor a user gave (inspect) that see no key; a key padding mask's batch rows that hide every key."""
     empty = ~keep4.any(axis=-1)  # (B, H, Lq)
@@ -321,7 +314,7 @@ def given_empty_rows(keep4: np.ndarray, reading: str, q_offset: int = 0) -> list
         who = f"query row {rows[0]} sees" if len(rows) == 1 else f"query rows {spans(rows)} see"
         found.append(Finding(
             "fully-masked",
-            f"{who} no key at all{where(b, h, keep4.shape)}: softmax over nothing, NaN with an -inf fill and "
+            f"{who} no key at all{plane_text(b, h, keep4.shape)}: softmax over nothing, NaN with an -inf fill and "
             "uniform weights over the masked keys with a finite one (maskcli verify shows what each backend does)",
         ))
     return found
@@ -341,7 +334,7 @@ def given_later(keep4: np.ndarray, structure, q_offset: int = 0) -> list[Finding
         return []
     b, h = (int(x) for x in np.argwhere(later[..., rows[0], :].any(axis=-1))[0])
     keys = np.flatnonzero(later[b, h, rows[0]]).tolist()
-    plane = where(b, h, keep4.shape).strip(" ()")
+    plane = plane_text(b, h, keep4.shape).strip(" ()")
     example = f"query {q_offset + rows[0]} sees key{'s' if len(keys) > 1 else ''} {spans(keys)}" + (f" in {plane}" if plane else "")
     shown = [q_offset + r for r in rows]
     who = f"query row {shown[0]} sees" if len(rows) == 1 else f"query rows {spans(shown)} see"
@@ -353,6 +346,12 @@ def given_later(keep4: np.ndarray, structure, q_offset: int = 0) -> list[Finding
     else:
         message = f"{who} later keys ({example}): a bidirectional mask, or one read the wrong way round?"
     return [Finding("sees-later", message)]
+
+
+def tensor_rows(a, _heads=None) -> list[Finding]:
+    """A tensor a user gave (inspect's Analysis, taken as it comes): rows that see no key, then queries that see later
+    keys, at the query positions its structure places them."""
+    return given_empty_rows(a.keep4, a.structure.reading, a.q_offset) + given_later(a.keep4, a.structure, a.q_offset)
 
 
 def group_cells(g) -> list[Finding]:
@@ -367,7 +366,9 @@ def group_cells(g) -> list[Finding]:
 RULES = (
     Rule("fully-masked", "note", "call", "query rows that see no key: wrong where the kernel turns them into NaN, "
          "suspicious where a softmax of the program's does (it may zero them after), a note where the kernel gives 0 (the "
-         "padding query rows of a left-padded batch)", group_cells, "cells"),
+         "padding query rows of a left-padded batch)", group_cells, "cells",
+         also=(("tensor", tensor_rows), ("mask", mask_rows))),
     Rule("sees-later", "suspicious", "call", "queries that see keys after their own position in a mask no kind names "
-         "(a causal mask off by one, or read the wrong way round)", group_cells, "cells"),
+         "(a causal mask off by one, or read the wrong way round)", group_cells, "cells",
+         also=(("tensor", tensor_rows), ("mask", mask_rows))),
 )

@@ -2,14 +2,14 @@
 queries that see later keys, scores that are not finite, weight rows that do not sum to 1, a fill that overflows.
 
 These read torch tensors where they are (attention/stages.py's Stages); torch is imported inside each function, as
-the rest of this package needs none. attention/findings.py hands them what they read.
+the rest of this package needs none. attention/findings.py asks the registry for them (given `stages`, a run; given
+`mask`, the mask alone: mask_findings, the check rows.py's fully-masked and sees-later rules have for it).
 """
 
 from __future__ import annotations
 
 from maskcli.checks.registry import Rule
-from maskcli.checks.rows import where
-from maskcli.text import Finding, spans
+from maskcli.text import Finding, plane_text, spans
 
 RAW_MATRICES = ("tril", "triu")  # causal only by their diagonal: where later keys are worth a word
 
@@ -54,7 +54,7 @@ def mask_findings(keep, mask) -> list[Finding]:
     """
     findings = []
     for b, h, rows in _rows_by_slice(fully_masked_rows(keep), mask.q_offset):
-        findings.append(Finding("fully-masked", f"{_rows(rows, 'see')} no key at all{where(b, h, keep.shape)}"))
+        findings.append(Finding("fully-masked", f"{_rows(rows, 'see')} no key at all{plane_text(b, h, keep.shape)}"))
     findings += later_key_findings(keep, mask)
     return findings
 
@@ -77,7 +77,7 @@ def later_key_findings(keep, mask) -> list[Finding]:
         findings.append(
             Finding(
                 "sees-later",
-                f"{_rows(rows, 'see')} later keys{where(b, h, keep.shape)}, which {mask.text} "
+                f"{_rows(rows, 'see')} later keys{plane_text(b, h, keep.shape)}, which {mask.text} "
                 f"should not allow: query {first} sees keys {spans(keys)}{hint}",
             )
         )
@@ -130,7 +130,7 @@ def run_findings(stages, mask, keep, fill: float | None) -> list[Finding]:
         findings.append(Finding("row-sum", f"with --dropout {stages.dropout} the weight rows no longer sum to 1 (kept weights are scaled by 1/(1-p))"))
     else:
         for b, h, rows in _rows_by_slice(off, q_offset):
-            findings.append(Finding("row-sum", f"the weights of query row{'s' if len(rows) > 1 else ''} {spans(rows)} do not sum to 1{where(b, h, off.shape)}"))
+            findings.append(Finding("row-sum", f"the weights of query row{'s' if len(rows) > 1 else ''} {spans(rows)} do not sum to 1{plane_text(b, h, off.shape)}"))
     return findings
 
 
@@ -171,7 +171,7 @@ def _empty_row_findings(stages, keep, empty, q_offset: int) -> list[Finding]:
             )
         else:
             severity, effect = "suspicious", "the weights there are whatever the fill left"
-        findings.append(Finding("fully-masked", f"{_rows(rows, 'see')} no key{where(b, h, keep.shape)}: {effect}", severity))
+        findings.append(Finding("fully-masked", f"{_rows(rows, 'see')} no key{plane_text(b, h, keep.shape)}: {effect}", severity))
     return findings
 
 
@@ -206,14 +206,14 @@ def _non_finite_findings(stages, keep, q_offset: int) -> tuple:
                 + "scale the inputs down"
             )
         findings.append(
-            Finding("non-finite", f"the scores of query row{'s' if len(rows) > 1 else ''} {spans(rows)} hold {what}{where(b, h, broken.shape)}: {cause}")
+            Finding("non-finite", f"the scores of query row{'s' if len(rows) > 1 else ''} {spans(rows)} hold {what}{plane_text(b, h, broken.shape)}: {cause}")
         )
     # finite scores that the scale takes past the dtype's range
     overflowed = (~torch.isfinite(stages.scaled) & counted).any(dim=-1) & ~broken
     for b, h, rows in _rows_by_slice(overflowed, q_offset):
         findings.append(Finding(
             "non-finite",
-            f"the scaled scores of query row{'s' if len(rows) > 1 else ''} {spans(rows)} hold inf{where(b, h, overflowed.shape)}: "
+            f"the scaled scores of query row{'s' if len(rows) > 1 else ''} {spans(rows)} hold inf{plane_text(b, h, overflowed.shape)}: "
             f"scores × {stages.scale:.6g} overflows {_name(dtype)} (largest {torch.finfo(dtype).max:.6g}); use a smaller --scale",
         ))
     return broken | overflowed, findings

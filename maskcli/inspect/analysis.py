@@ -7,8 +7,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from maskcli.checks import registry
-from maskcli.checks.kernels import given_top_left
-from maskcli.checks.rows import given_empty_rows, given_later
 from maskcli.inspect.apis import api_fits, broadcast_text
 from maskcli.inspect.polarity import Convention, check_maskable, classify, marks, sdpa_view, to_keep
 from maskcli.inspect.structure import Structure, recognise
@@ -24,15 +22,8 @@ class Analysis:
     findings: list
     apis: list
     broadcast: str
-
-    @property
-    def q_offset(self) -> int:
-        """The absolute position of query row 0: the kind's own, else bottom-right alignment (maskcli's reading)."""
-        if self.structure.reading != "mask":
-            return 0
-        if self.structure.mask is not None:
-            return self.structure.mask.q_offset
-        return max(0, self.keep4.shape[-1] - self.keep4.shape[-2])
+    as_sdpa: np.ndarray  # bool (B, H, Lq, Lk): the keep cells as SDPA reads them, whatever reading was chosen
+    q_offset: int  # the absolute position of query row 0 (_q_offset): a value, as the rules read it
 
     def report(self, source: str) -> dict:
         """Everything said about the tensor, JSON-ready."""
@@ -62,6 +53,15 @@ class Analysis:
         }
 
 
+def _q_offset(structure: Structure, keep4: np.ndarray) -> int:
+    """The absolute position of query row 0: the kind's own, else bottom-right alignment (maskcli's reading)."""
+    if structure.reading != "mask":
+        return 0
+    if structure.mask is not None:
+        return structure.mask.q_offset
+    return max(0, keep4.shape[-1] - keep4.shape[-2])
+
+
 def analyse(tensor, heads: int | None = None, convention: Convention | None = None, padding: dict | None = None,
             where: str = "the tensor") -> Analysis:
     """Classify, recognise and find what is wrong, in one go; `convention` overrides the classification.
@@ -79,11 +79,8 @@ def analyse(tensor, heads: int | None = None, convention: Convention | None = No
     key_padding = structure.reading == "key padding [B, S]"
     if key_padding:
         keep4 = keep[:, None, None, :]
-    analysis = Analysis(tensor, convention, keep4, structure, [], api_fits(tensor, convention, key_padding), broadcast_text(tensor))
-    q_offset = analysis.q_offset
-    # the codes the trace report's group rules own, found in a tensor by the functions beside them; then every rule
-    # given a tensor (checks/registry.py)
-    found = given_empty_rows(keep4, structure.reading, q_offset) + given_later(keep4, structure, q_offset)
-    found += given_top_left(structure, as_sdpa)
-    return replace(analysis, findings=found + registry.run("tensor", analysis, heads))
+    analysis = Analysis(tensor, convention, keep4, structure, [], api_fits(tensor, convention, key_padding),
+                        broadcast_text(tensor), as_sdpa, _q_offset(structure, keep4))
+    # every rule given a tensor (checks/registry.py), those whose code a trace group's rule finds too among them
+    return replace(analysis, findings=registry.run("tensor", analysis, heads))
 

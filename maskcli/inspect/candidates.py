@@ -24,7 +24,7 @@ from maskcli.expression import And, Or
 from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
 from maskcli.kinds import all_kinds
 from maskcli.kinds import get as get_kind
-from maskcli.kinds.base import Labels, Profile
+from maskcli.kinds.base import Kind, Labels, Profile
 from maskcli.kinds.padding import key_runs
 from maskcli.mask import MaskOptions
 from maskcli.positions import Frame
@@ -59,18 +59,19 @@ def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile
 
 
 def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str, base: Profile | None = None,
-               rows: Intervals | None = None, uncut: bool = True) -> list[tuple[str, Term, dict]]:
+               rows: Intervals | None = None, uncut: bool = True, known: dict | None = None) -> list[tuple[str, Term, dict]]:
     """(kind name, Term, options) read off one (Lq, Lk) keep matrix: simplest kind first, and for each kind the
     queries at the end of the keys (as a cache puts them) before top-left. A value a kind refuses (as a typed one
     would be) is no candidate. `base`: the matrix's profile with its queries from 0 where the caller has it (each
     placement moves only its queries: the rows are read once). Given the tensor's `rows` (`runs`), a kind whose
     declarations hold what the tensor lacks at a placement (`lacking`; `uncut`: no key padding will cut the
-    candidates) is not asked for candidates there: `table` would rule every one of them out."""
+    candidates) is not asked for candidates there: `table` would rule every one of them out. `known`: the
+    placements one recognition has worked out (`placed_at`)."""
     read = []  # (rank, placement, kind, its values, options)
     base = profile(ref, 0, 0, marked) if base is None else base
     for order, (options, q_start) in enumerate(placements):
         seen = base if q_start == 0 else replace(base, q=base.q + q_start)
-        lacks = _lacks(rows, options, uncut)
+        lacks = lacks_at(rows, options, uncut, known)
         for kind in all_kinds():
             if kind.recognise is not None and not any(getattr(kind, fact) for fact in lacks):
                 read += [(kind.rank, order, kind, params, options) for params in kind.recognise(seen)]
@@ -80,12 +81,33 @@ def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str,
     return [(item[2].name, term, item[4]) for item, term in zip(read, terms) if term is not None]
 
 
-def _lacks(rows: Intervals | None, options: dict, uncut: bool) -> frozenset[str]:
+def lacks_at(rows: Intervals | None, options: dict, uncut: bool, known: dict | None = None) -> frozenset[str]:
     """What the tensor lacks at the positions `options` give (`lacking`), where `table` would read it; none else."""
-    place = placing(options) if rows is not None else None
+    place = placed_at(options, known) if rows is not None else None
     if place is None or place == REFUSED or place[1] is not None or rows.starts.shape[1] != place[0].q_len:
         return frozenset()
-    return lacking(rows, place[0], uncut)
+    return _lacking_once(rows, place[0], uncut, options, known)
+
+
+def placed_at(options: dict, known: dict | None):
+    """`placing(options)`, worked out once per recognition: `known` is a dict its caller keeps for one tensor (the
+    candidates' reading, the table, the composites and the Mask of the one named all read the same placements)."""
+    if known is None:
+        return placing(options)
+    key = tuple(sorted(options.items()))
+    if key not in known:
+        known[key] = placing(options)
+    return known[key]
+
+
+def _lacking_once(rows: Intervals, frame: Frame, uncut: bool, options: dict, known: dict | None) -> frozenset[str]:
+    """`lacking` at one placement, read once per recognition where `known` keeps it (the tensor's `rows` are one)."""
+    if known is None:
+        return lacking(rows, frame, uncut)
+    key = ("lacks", tuple(sorted(options.items())), uncut)
+    if key not in known:
+        known[key] = lacking(rows, frame, uncut)
+    return known[key]
 
 
 @functools.cache
@@ -124,25 +146,26 @@ def placing(options: dict):
         return None
 
 
-def table(listed: list[tuple[object, dict]], rows: Intervals | None = None) -> list:
+def table(listed: list[tuple[object, dict]], rows: Intervals | None = None, known: dict | None = None) -> list:
     """For each (tree of terms, options): (frame, its key intervals (1, Lq, K), the key padding cut on) as
     mask.placed would place it, with no Mask; REFUSED where placed refuses it (a size its labels, its draft tree,
     its sinks or its padding do not fit); None where the terms cannot say alone (`placing`'s, intervals not few,
     several batch rows). The candidates placed alike are placed once and made in one call. Given the tensor's
-    `rows` (`runs`), a candidate its kinds rule out at its positions (`ruled_out`) is RULED_OUT, never made."""
+    `rows` (`runs`), a candidate its kinds rule out at its positions (`ruled_out`) is RULED_OUT, never made.
+    `known`: the placements one recognition has worked out (`placed_at`)."""
     found: list = [None] * len(listed)
     groups: dict[tuple, list[int]] = {}
     for i, (_, options) in enumerate(listed):
         groups.setdefault(tuple(sorted(options.items())), []).append(i)
     for key, members in groups.items():
-        place = placing(dict(key))
+        place = placed_at(dict(key), known)
         if place is None or place == REFUSED:
             for i in members:
                 found[i] = place
             continue
         frame, cut = place
         if rows is not None and rows.starts.shape[1] == frame.q_len:
-            lacks = lacking(rows, frame, cut is None)  # once per placement: every candidate placed so reads it
+            lacks = _lacking_once(rows, frame, cut is None, dict(key), known)  # every candidate placed so reads it
             for i in [i for i in members if ruled_out(listed[i][0], lacks)]:
                 found[i] = RULED_OUT
             members = [i for i in members if found[i] is None]
@@ -180,12 +203,14 @@ def ruled_out(tree, lacks: frozenset[str]) -> bool:
 
 
 def _holds(tree, fact: str) -> bool:
-    if isinstance(tree, Term):
-        return getattr(tree.kind, fact)
-    if isinstance(tree, (And, Or)):
-        joined = any if isinstance(tree, And) == (fact == "causal") else all
-        return joined(_holds(item, fact) for item in tree.items)
-    return False
+    """`tree`: a tree of terms, or a composite's form (composite.FORMS: a Kind, or (And | Or, form, ...))."""
+    if isinstance(tree, (Term, Kind)):
+        return getattr(tree.kind if isinstance(tree, Term) else tree, fact)
+    joined, items = (type(tree), tree.items) if isinstance(tree, (And, Or)) else (tree[0], tree[1:]) if isinstance(tree, tuple) else (None, ())
+    if joined not in (And, Or):
+        return False
+    each = any if (joined is And) == (fact == "causal") else all
+    return each(_holds(item, fact) for item in items)
 
 
 def on_terms(tree, options: dict):
@@ -198,14 +223,15 @@ def on_terms(tree, options: dict):
     return frame, (got if cut is None else got & cut)
 
 
-def matching(listed: list[tuple[object, dict]], shape: tuple[int, int], rows: Intervals | None) -> list[bool | None]:
+def matching(listed: list[tuple[object, dict]], shape: tuple[int, int], rows: Intervals | None,
+             known: dict | None = None) -> list[bool | None]:
     """For each (tree, options): True where its cells are the tensor's first batch row and head (`rows`, as `runs`
     gives them, None where a row has more runs than a few), False where they are not or mask.placed refuses it,
     None where the terms cannot say alone (then a Mask's cells must). Every candidate placed by `table`, then
     compared in one pass: one stack of intervals, a batch row per candidate, cut by its key padding."""
     verdicts: list[bool | None] = []
     compared = []  # (index, frame, intervals, cut)
-    for i, seen in enumerate(table(listed, rows)):
+    for i, seen in enumerate(table(listed, rows, known)):
         verdicts.append(False if seen in (REFUSED, RULED_OUT) else None)
         if seen is not None and seen not in (REFUSED, RULED_OUT):
             frame, got, cut = seen

@@ -12,22 +12,30 @@ real models:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from maskcli.errors import MaskError
-from maskcli.expression import both, either
+from maskcli.expression import And, Or, both, either
+from maskcli.inspect.candidates import ruled_out
 from maskcli.kinds import get as get_kind
 from maskcli.kinds.base import Profile
 from maskcli.kinds.values import inline
-from maskcli.terms import Term, bound
+from maskcli.terms import bound_each
+
+NAMES = ("document", "window", "causal", "blocks", "sink")  # the kinds the forms join
 
 
-def _term(name: str, **values) -> Term | None:
-    """The kind `name` bound to values read off the tensor; None where one is refused (no mask to rebuild)."""
-    try:
-        return bound(get_kind(name), values)
-    except MaskError:
-        return None
+@functools.cache
+def _kinds() -> dict:
+    """Each kind the forms join, looked up once."""
+    return dict(zip(NAMES, map(get_kind, NAMES)))
+
+
+def _term(name: str, **values):
+    """The kind `name` bound to values read off the tensor; None where one is refused (no mask to rebuild). The
+    readers bind all of a tree's terms in one call (terms.bound_each), as this does one."""
+    return bound_each([(_kinds()[name], values)])[0]
 
 
 def _labels(labels: np.ndarray):
@@ -41,19 +49,19 @@ def _window(profile: Profile) -> int | None:
     return int((profile.q - profile.first)[rows].max()) + 1
 
 
-def document_window(profile: Profile):
+def document_window(profile: Profile, _cells, k: dict):
     """Documents start where a row sees only itself; the window is the widest look-back."""
     width = _window(profile)
     if width is None or width < 2 or not profile.seen.all() or profile.q[0] != 0 or len(profile.q) != profile.k_end:
         return
     starts = profile.first == profile.q
     starts[0] = False
-    document, window = _term("document", labels=_labels(np.cumsum(starts))), _term("window", window=width)
+    document, window = bound_each([(k["document"], {"labels": _labels(np.cumsum(starts))}), (k["window"], {"window": width})])
     if document is not None and window is not None:
         yield "document", both(document, window)
 
 
-def causal_blocks(profile: Profile):
+def causal_blocks(profile: Profile, _cells, k: dict):
     """Rows that see past themselves belong to a block that ends at the last key they see."""
     if not (profile.first == profile.k_start).all() or profile.q[0] != 0 or len(profile.q) != profile.k_end:
         return
@@ -64,19 +72,24 @@ def causal_blocks(profile: Profile):
         start = int(np.flatnonzero(members)[0])
         ids[start : int(end) + 1] = number
     if (ids >= 0).any():
-        blocks = _term("blocks", labels=_labels(ids))
+        causal, blocks = bound_each([(k["causal"], {}), (k["blocks"], {"labels": _labels(ids)})])
         if blocks is not None:
-            yield "blocks", either(_term("causal"), blocks)
+            yield "blocks", either(causal, blocks)
 
 
-def composites(profile: Profile, cells: np.ndarray):
-    """(kind, tree of terms) of two-kind masks worth rebuilding, for one (Lq, Lk) keep matrix."""
-    yield from document_window(profile)
-    yield from causal_blocks(profile)
-    yield from _streaming(profile, cells)
+def composites(profile: Profile, cells: np.ndarray, lacks: frozenset[str] = frozenset()) -> list:
+    """(kind, tree of terms) of two-kind masks worth rebuilding, for one (Lq, Lk) keep matrix. A form whose masks all
+    hold what the matrix lacks (`lacks`: candidates.lacking at its positions) is not read: its trees, bound and
+    placed, would be ruled out (candidates.ruled_out reads a form's kinds as it reads a tree's)."""
+    k = _kinds()
+    found = []
+    for form, read in FORMS:
+        if not (lacks and ruled_out(form(k), lacks)):
+            found += read(profile, cells, k)
+    return found
 
 
-def _streaming(profile: Profile, cells: np.ndarray):
+def _streaming(profile: Profile, cells: np.ndarray, k: dict):
     """causal & (window(W) | sink(S)): in the last row, S leading keys, a gap, then the W keys of its window."""
     if not profile.seen.all():
         return
@@ -84,6 +97,13 @@ def _streaming(profile: Profile, cells: np.ndarray):
     edges = np.diff(last_row, prepend=0, append=0)
     starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
     if len(starts) == 2 and starts[0] == 0:
-        window, sink = _term("window", window=int(ends[1] - starts[1])), _term("sink", sink=int(ends[0]))
+        causal, window, sink = bound_each([(k["causal"], {}), (k["window"], {"window": int(ends[1] - starts[1])}),
+                                           (k["sink"], {"sink": int(ends[0])})])
         if window is not None and sink is not None:
-            yield "sink", both(_term("causal"), either(window, sink))
+            yield "sink", both(causal, either(window, sink))
+
+
+# each form: its kinds joined as its trees join them ((And | Or, Kind, ...), for candidates.ruled_out), and its reader
+FORMS = ((lambda k: (And, k["document"], k["window"]), document_window),
+         (lambda k: (Or, k["causal"], k["blocks"]), causal_blocks),
+         (lambda k: (And, k["causal"], (Or, k["window"], k["sink"])), _streaming))

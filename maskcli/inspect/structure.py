@@ -20,12 +20,13 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.expression import parse
-from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, matching, on_terms, profile, runs, same_cells, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
+from maskcli.inspect.candidates import MAX_LABELS, REFUSED, bare, candidates, lacks_at, matching, placed_at, on_terms, profile, runs, same_cells, table  # noqa: F401  (on_terms, same_cells: recognition's, for its tests)
 from maskcli.intervals import Intervals, NotFew
 from maskcli.keypadding import options as _padding_options
 from maskcli.kinds.padding import key_runs
 from maskcli.mask import Mask, MaskOptions
 from maskcli.mask import build as build_mask
+from maskcli.mask import from_terms
 from maskcli.mask import placed as _placed
 from maskcli.mask import placing as _placing
 from maskcli.terms import resolve
@@ -72,16 +73,22 @@ def fully_masked_rows(keep: np.ndarray) -> np.ndarray:
 REBUILD_CELLS = 1 << 24  # cells of a candidate built cell by cell to compare with a key padding row
 
 
-def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None = None, compared: bool = False) -> Mask | None:
+def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None = None, compared: bool = False,
+             known: dict | None = None) -> Mask | None:
     """The Mask when `expression` (a tree of terms, or text to parse) with `options` is exactly `keep` (B, H, Lq, Lk);
     a row of size 1 compares by broadcasting. A tree is compared on its terms first (`matching`, unless `compared`
     says the table did; `rows`: the tensor's first batch row and head as `runs` gives them): a Mask is built only
-    for a candidate whose cells are the tensor's, and then checked on every batch row and head."""
+    for a candidate whose cells are the tensor's, and then checked on every batch row and head: on the positions the
+    table placed it at, where `known` holds them (`placed_at`), else placed again."""
     if not isinstance(expression, str) and keep.shape[2] != 1 and not compared:
         if matching([(expression, options)], keep.shape[2:], rows if rows is not None else runs(keep[0, 0]))[0] is False:
             return None
     try:
-        built = build_mask(expression, MaskOptions(**options)) if isinstance(expression, str) else _placed(expression, MaskOptions(**options))
+        place = placed_at(options, known) if known is not None and not isinstance(expression, str) else None
+        if place is not None and place != REFUSED:
+            built = from_terms(expression, place[0], options.get("heads", 1))
+        else:
+            built = build_mask(expression, MaskOptions(**options)) if isinstance(expression, str) else _placed(expression, MaskOptions(**options))
     except MaskError:
         return None
     batch, heads, q_len, k_len = keep.shape
@@ -231,7 +238,7 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
 
     def found(kind: str, tree, options: dict, reading: str = "mask", note: str = "", compared: bool = False) -> Structure | None:
         options = {**options, **head_option}
-        built = _rebuild(tree, options, keep4, rows, compared)
+        built = _rebuild(tree, options, keep4, rows, compared, known if compared else None)
         if built is None:
             return None
         if "length" in options and "offset" not in options and "kv_len" not in options:
@@ -248,7 +255,7 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     def first(listed: list[tuple[str, object, dict]]) -> Structure | None:
         """The first of the candidates that rebuilds the tensor: all of them compared in one `matching`."""
         placed = [(kind, tree, {**options, **head_option}) for kind, tree, options in listed]
-        verdicts = matching([(tree, options) for _, tree, options in placed], (q_len, k_len), rows) if q_len != 1 else [None] * len(placed)
+        verdicts = matching([(tree, options) for _, tree, options in placed], (q_len, k_len), rows, known) if q_len != 1 else [None] * len(placed)
         for (kind, tree, options), verdict in zip(placed, verdicts):
             structure = found(kind, tree, options, compared=True) if verdict is not False else None  # None: a Mask's cells say
             if structure is not None:
@@ -271,7 +278,8 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     rows_read = profile(ref, 0, 0, marked)  # once: each placement, and the composites, read it
     # once: the placements read the same with and without the padding (so only what padding cannot cut rules a kind
     # out); every kind's where the closest is asked for (it may be a kind the tensor rules out)
-    read = candidates(ref, placements, marked, rows_read, None if nearest else rows, uncut=padding is None)
+    known: dict = {}  # each placement's positions and what the tensor lacks there, worked out once (placed_at)
+    read = candidates(ref, placements, marked, rows_read, None if nearest else rows, uncut=padding is None, known=known)
     for extra in [{}] if padding is None else [{}, padding]:
         if extra:
             alone = found("padding", bare("padding"), {**base, **extra})
@@ -281,7 +289,9 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
         if structure is None and q_len == k_len and k_len <= MAX_LABELS:  # then masks of two kinds
             from maskcli.inspect.composite import composites
 
-            structure = first([(kind, tree, {"length": q_len, **extra}) for kind, tree in composites(rows_read, ref)])
+            lacks = frozenset() if extra else lacks_at(rows, {"length": q_len}, True, known)  # a form ruled out is not read
+            listed = [(kind, tree, {"length": q_len, **extra}) for kind, tree in composites(rows_read, ref, lacks)]
+            structure = first(listed) if listed else None
         if structure is not None:
             return structure
     if key_padding and heads == 1 and batch == 1 and q_len != k_len:  # a square one is (L, L): B == S would be a coincidence

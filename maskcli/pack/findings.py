@@ -1,5 +1,5 @@
-"""The check of a packed batch: fields side by side, each path's mask, what leaks, and the verdict (the rules that
-make its findings are checks/packing.py's).
+"""The check of a packed batch: fields side by side, each path's mask, what leaks, and the verdict (what the rules
+read is gathered into one Packed, and the registry asked for every rule given that `batch`: checks/packing.py's).
 
 Cells are counted on key intervals, over real query tokens only: what a padding token's own
 query sees changes no loss, so paths that differ there alone agree.
@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from maskcli.checks.packing import FIRST, disagreeing, labels, leaks, left_out, lengths, rope
+from maskcli.checks import registry
+from maskcli.checks.packing import FIRST
 from maskcli.diff import Difference, RowDifference
 from maskcli.intervals import Intervals
 from maskcli.pack import boundaries as bd
@@ -28,6 +29,21 @@ class PathCheck:
     cross_cells: int | None  # cells where a real token sees another document (None: no documents known)
     first_cross: list[tuple[int, int, int]]  # (row, query, key)
     pad_cells: int  # cells where a real token sees padding
+
+
+@dataclass(frozen=True)
+class Packed:
+    """What a packed batch's rules read (checks/packing.py, given `batch`), worked out once here."""
+    batch: Batch
+    reference: bd.Boundaries | None  # the documents every path's leak is counted against
+    pad: np.ndarray  # bool (B, L): a token some field calls padding
+    disagreements: list[bd.Disagreement]
+    majority: list[bd.Boundaries]  # the fields that agree on the reference (empty where the user chose it)
+    voters: set[str]  # the names of the fields that vote
+    twins: list[list[PathCheck]]  # the applicable paths' checks, grouped where they build the same mask
+    paths: list[Path]
+    others_pad: np.ndarray  # bool (B, L): padding as the fields besides the lengths themselves say
+    notes: list[str]  # what a rule says that is no finding, in the order said
 
 
 @dataclass(frozen=True)
@@ -53,11 +69,9 @@ class Report:
     def ok(self) -> bool:
         """Exit status 0: nothing wrong was found, and the paths agree but for those whose mask rests on a condition
         nobody stated (their leaks are suspicious: checks/packing.py)."""
-        from maskcli.checks.registry import wrong
-
         conditional = tuple(f"{c.path.name}: " for c in self.checks if c.path.applies and c.path.condition)
         settled = [d for d in self.differences if not (d.a.text.startswith(conditional) or d.b.text.startswith(conditional))]
-        return all(d.equal for d in settled) and not wrong(self.findings)
+        return all(d.equal for d in settled) and not registry.wrong(self.findings)
 
 
 def check(batch: Batch, eos: int | None = None, reference: str | None = None, model: Model | None = None) -> Report:
@@ -88,7 +102,6 @@ def check(batch: Batch, eos: int | None = None, reference: str | None = None, mo
         checks.append(PathCheck(p, twin.cross_cells, twin.first_cross, twin.pad_cells) if twin else
                       _path_check(p, intervals.get(p.name), segment, keys, real))
     differences = _differences([p for p in paths if p.applies], intervals, real)
-    findings: list[Finding] = []
     notes = list(batch.notes)
     for b in fields:
         notes += b.notes
@@ -96,15 +109,10 @@ def check(batch: Batch, eos: int | None = None, reference: str | None = None, mo
         notes += [f"{p.name}: {note}" for note in p.notes if p.applies]
     disagreements = bd.disagreements(fields, ref, pad)
     majority = bd.majority(fields, pad) if reference is None else []  # a reference the user chose is no majority's
-    findings += disagreeing(disagreements, ref, majority, {b.name for b in bd.voters(fields)})
-    findings += leaks(_twins(checks), ref) + left_out(paths) + rope(batch, ref, pad)
-    on_labels, label_notes = labels(batch, ref, pad)
-    findings += on_labels
-    notes += label_notes
     others = [b for b in fields if not b.name.startswith("cu_")]  # what says padding besides the lengths themselves
-    on_lengths, length_notes = lengths(batch, bd.padding(others, batch.rows, batch.length))
-    findings += on_lengths
-    notes += length_notes
+    read = Packed(batch, ref, pad, disagreements, majority, {b.name for b in bd.voters(fields)}, _twins(checks), paths,
+                  bd.padding(others, batch.rows, batch.length), notes)
+    findings: list[Finding] = registry.run("batch", read)
     notes += _padding_notes(pad, checks)
     group = [b.name for b in majority]
     outvoted = len(group) > 1 and any(b.name not in group for b in bd.voters(fields))
