@@ -137,10 +137,11 @@ def test_composites_are_trees_of_terms_that_rebuild_the_double_loop_and_print_as
 
 def test_a_composite_whose_value_a_kind_refuses_is_no_candidate():
     """A sink of 0 leading keys (the last row's first run not at key 0) is refused by sink's check: not yielded."""
-    from maskcli.inspect.composite import _term
+    from maskcli.inspect.composite import _kinds
+    from maskcli.terms import bound_each
 
-    assert _term("sink", sink=0) is None
-    assert _term("window", window=3) is not None
+    assert bound_each([(_kinds()["sink"], {"sink": 0}), (_kinds()["window"], {"window": 3})])[0] is None
+    assert bound_each([(_kinds()["window"], {"window": 3})])[0] is not None
 
 
 # --- on_terms: a candidate compared on its terms, no Mask built -------------------------------------------------------

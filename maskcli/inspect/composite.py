@@ -32,12 +32,6 @@ def _kinds() -> dict:
     return dict(zip(NAMES, map(get_kind, NAMES)))
 
 
-def _term(name: str, **values):
-    """The kind `name` bound to values read off the tensor; None where one is refused (no mask to rebuild). The
-    readers bind all of a tree's terms in one call (terms.bound_each), as this does one."""
-    return bound_each([(_kinds()[name], values)])[0]
-
-
 def _labels(labels: np.ndarray):
     return inline([labels.tolist()], "recognised labels")
 
