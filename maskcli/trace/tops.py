@@ -29,7 +29,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "input_ids", "idx", "tokens", "inputs", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
              "padding_mask", "pad_mask", "mask", "input_mask", "tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets",
              "lang_x",  # (OpenFlamingo's and Otter's text ids beside their media: checks/media.py)
-             "image_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
+             "image_mask", "image_token_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
              "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k",
              # the encoder's padding a cross-attention must keep (checks/memory.py) and the decoder's own:
              "encoder_attention_mask", "memory_key_padding_mask", "decoder_attention_mask", "tgt_key_padding_mask",
