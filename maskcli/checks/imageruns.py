@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, cross, first_cell, keep, layer
+from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.items import placed
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import runs
 from maskcli.text import Finding
@@ -39,25 +40,6 @@ def _marked(top) -> tuple[str, np.ndarray] | None:
     return None
 
 
-def _requests(run: Run, top, length: int) -> list[tuple[object, int]] | None:
-    """(call, offset of its first token) for each self-attention call of the model call, where the calls of every
-    layer, in order, hold the `length` packed tokens one after another (one call a request); None otherwise."""
-    by_layer: dict = {}
-    for call in run.calls[top.first:top.end]:
-        if cross(call) or call.shape[2] != call.shape[3]:
-            return None
-        by_layer.setdefault((layer(call), call.where), []).append(call)
-    placed = []
-    for calls in by_layer.values():
-        if sum(call.shape[2] for call in calls) != length or any(call.shape[0] != 1 for call in calls):
-            return None
-        offset = 0
-        for call in calls:
-            placed.append((call, offset))
-            offset += call.shape[2]
-    return placed
-
-
 def later_image(run: Run) -> list:
     """Per model call marking its image tokens: the first call whose image query sees a later image's key, where the
     program's masks see images both ways."""
@@ -67,11 +49,8 @@ def later_image(run: Run) -> list:
         if marked is None:
             continue
         name, is_image = marked
-        placed = _requests(run, top, len(is_image))
-        if not placed:
-            continue
         both_ways, leak = False, None
-        for call, offset in placed:
+        for call, offset in placed(run, top, len(is_image)):
             cells = keep(call)
             if cells is None:
                 continue
