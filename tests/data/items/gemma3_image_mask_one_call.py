@@ -3,8 +3,11 @@ layer, its mask causal with the image tokens bidirectional.
 
 Bug: the bidirectional part is `image_mask[q] & image_mask[k]`, so the first image sees the second, later one.
 Fixed (--fixed): each run of image tokens numbered, and a query sees a later key only of its own image (transformers'
-get_block_sequence_ids_for_mask)."""
+get_block_sequence_ids_for_mask).
+With --all-images-one-span: the same all-images mask under a config of the program's own that names no family (a
+model that attends all its images as one span, as Molmo2 does, on purpose): correct, not judged wrong."""
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -12,6 +15,7 @@ import torch.nn.functional as F
 from transformers import Gemma3TextConfig
 
 FIXED = "--fixed" in sys.argv
+ONE_SPAN = "--all-images-one-span" in sys.argv
 
 
 class Layer(nn.Module):
@@ -53,5 +57,7 @@ torch.manual_seed(0)
 config = Gemma3TextConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=2, head_dim=8)
 ids = torch.tensor([[1, 2, 30, 30, 30, 30, 3, 30, 30, 4, 5]])
+if ONE_SPAN:
+    config = SimpleNamespace(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
 with torch.no_grad():
     print(Model(config)(ids, image_mask=ids == 30).shape)
