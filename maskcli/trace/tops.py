@@ -24,11 +24,12 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
              "cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k",  # flash's, transformers' CB
              "cu_window_seqlens",  # (Qwen2.5-VL's vision window segments beside its image ones: checks/fullblocks.py)
+             "grid_thw", "image_grid_thw", "video_grid_thw",  # a vision tower's items, (t, h, w) patches each: checks/items.py
              # what else states where tokens are, as hand-written models name it (checks/real.py, tree.py, spans.py):
              "input_ids", "idx", "tokens", "inputs", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
              "padding_mask", "pad_mask", "mask", "input_mask", "tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets",
              "lang_x",  # (OpenFlamingo's and Otter's text ids beside their media: checks/media.py)
-             "image_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
+             "image_mask", "image_token_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
              "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k",
              # the encoder's padding a cross-attention must keep (checks/memory.py) and the decoder's own:
              "encoder_attention_mask", "memory_key_padding_mask", "decoder_attention_mask", "tgt_key_padding_mask",
@@ -105,6 +106,9 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(_first_ids(signature, given, found))
     found.update(_token_ids(module))
     found.update(_zeros(given, found))
+    found.update(_images(given))
+    if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw")):
+        found["module_class"] = type(module).__name__  # (the tower's family: how it attends a video, checks/items.py)
     convs = _convs(module)
     if convs:
         found["convs"] = convs
@@ -178,6 +182,17 @@ def _convs(module) -> tuple:
     except TypeError:
         pass
     return found
+
+
+def _images(given: dict) -> dict:
+    """{"image_shapes": (name, ((H, W), ...))}: an argument that is a list of two or more images, (C, H, W) or
+    (1, C, H, W) float tensors (eole's and pixtral's `images`): the items a vision tower may concatenate (checks/items.py)."""
+    for name, value in given.items():
+        if isinstance(value, (list, tuple)) and 1 < len(value) <= 256 and all(
+                isinstance(x, torch.Tensor) and x.is_floating_point() and (x.dim() == 3 or x.dim() == 4 and x.shape[0] == 1)
+                for x in value):
+            return {"image_shapes": (name, tuple((int(x.shape[-2]), int(x.shape[-1])) for x in value))}
+    return {}
 
 
 def _zeros(given: dict, found: dict) -> dict:
