@@ -1,11 +1,12 @@
 """Megatron-core style attention whose causal masking is chosen by an AttnMaskType enum, not a mask tensor.
 
 Follows NVIDIA/Megatron-LM megatron/core/transformer/enums.py (AttnMaskType.padding / causal / no_mask),
-megatron/core/fusions/fused_softmax.py (FusedScaleMaskSoftmax: for AttnMaskType.causal with no mask given it
-builds the upper-triangular mask itself, as ScaledUpperTriangMaskedSoftmax does) and
+megatron/core/fusions/fused_softmax.py (FusedScaleMaskSoftmax.forward_torch_softmax: for AttnMaskType.causal with
+no mask given and sq > 1 it builds get_default_causal_mask(sq) itself, as the fused ScaledUpperTriangMaskedSoftmax
+kernel does) and
 megatron/core/transformer/dot_product_attention.py (DotProductAttention.forward with [sq, b, np, hn] layout,
 baddbmm of q and k^T). GPT layer specs pass attn_mask_type=AttnMaskType.causal and, when training without
-reset_attention_mask, attention_mask=None. Recalled, not read line by line.
+reset_attention_mask, attention_mask=None. fused_softmax.py read at the stored version; the rest recalled.
 
 Mask meant: plain causal self-attention for a GPT decoder during training, selected by the enum.
 """
@@ -33,6 +34,11 @@ class TransformerConfig:
     attention_softmax_in_fp32: bool = True
 
 
+def get_default_causal_mask(sq: int) -> torch.Tensor:
+    """True above the diagonal: the keys a query may NOT see (Megatron masks where True)."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
 def attention_mask_func(attention_scores, attention_mask):
     attention_scores.masked_fill_(attention_mask, -10000.0)
     return attention_scores
@@ -52,7 +58,8 @@ class FusedScaleMaskSoftmax(nn.Module):
         if self.scale is not None:
             input = input * self.scale
         if self.attn_mask_type == AttnMaskType.causal and mask is None and sq > 1:
-            mask = torch.triu(torch.ones((1, 1, sq, sk), device=input.device, dtype=torch.bool), diagonal=1)
+            assert sq == sk, "causal mask is only for self attention"
+            mask = get_default_causal_mask(sq)
         mask_output = self.mask_func(input, mask) if mask is not None else input
         return torch.nn.Softmax(dim=-1)(mask_output)
 

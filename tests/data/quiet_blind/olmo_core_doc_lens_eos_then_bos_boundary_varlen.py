@@ -3,7 +3,7 @@
 Follows allenai/OLMo-core src/olmo_core/data/utils.py (get_document_lengths with bos_token_id: a boundary is
 an EOS immediately followed by a BOS; get_cumulative_document_lengths: zero-padded doc_lens of the whole batch
 flattened into one cu_doc_lens) and the collator / attention path that feeds cu_doc_lens + max_doc_len to a
-varlen flash attention (here: a varlen loop fallback over the flattened batch, each segment causal).
+varlen flash attention (utils.py read at the stored version; here: a varlen loop fallback over the flattened batch, each segment causal).
 
 Mask meant: causal attention inside each document, nothing across documents, also across instance rows of the
 batch (cu_doc_lens runs over the flattened batch). The tokenizer uses the EOS id to end chat turns too, so an

@@ -2,7 +2,7 @@
 
 Follows WenjieDu/SAITS modeling/SA_models.py (SAITS._process: torch.cat([X, masks], dim=2) as input,
 diagonal_attention_mask=True in the DMSA blocks) and modeling/layers.py (ScaledDotProductAttention:
-attn.masked_fill(attn_mask == 1, -1e9) with attn_mask = torch.eye(d_time)). Recalled, not read line by line.
+attn.masked_fill(attn_mask == 1, -1e9) with attn_mask = torch.eye(d_time) in EncoderLayer). layers.py read at the stored version; the rest recalled.
 
 Masks meant: a zero in X is a real reading only where masks == 1; where masks == 0 the zero is a fill value,
 and the model knows because the mask is concatenated to every time step's features (so no key is hidden for
