@@ -39,7 +39,7 @@ class CMLMLite(nn.Module):
         self.embed_tokens = nn.Embedding(vocab, d, padding_idx=PAD)
         self.embed_positions = nn.Embedding(32, d)
         self.encoder = nn.TransformerEncoderLayer(d, 4, 64, dropout=0.0, batch_first=True)
-        self.layers = nn.ModuleList([NATDecoderLayer(d), NATDecoderLayer(d)])
+        self.layers = nn.ModuleList([NATDecoderLayer(d)])
         self.output_projection = nn.Linear(d, vocab)
 
     def forward_encoder(self, src_tokens):
