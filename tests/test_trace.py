@@ -456,12 +456,28 @@ def test_a_keep_mask_handed_to_multihead_attention_is_said_to_look_flipped():
     (group,) = t.groups()
     codes = {finding.code: finding.message for finding in group.findings}
     assert codes["polarity"].startswith("read the other way round it is causal") and "MHA reads a bool mask as True = masked" in codes["polarity"]
+
     # query 3 hides keys 0-3 (its row of tril is all True), yet key 3 is seen by query 0 (which hides key 0 only):
     # a real token with no key to read, so the softmax MHA runs gives NaN there (checks/rows.py, 580e420)
     assert codes["fully-masked"].startswith("query 3 of batch row 0 sees no key at all, not even its own, though its "
                                             "token is a real key that query 0 sees") and "NaN there" in codes["fully-masked"]
     assert {f.code: f.severity for f in group.findings}["fully-masked"] == "wrong"
     assert codes["sees-later"].startswith("query rows 0-2 see later keys")
+
+
+def test_a_mask_hiding_each_querys_own_key_is_not_said_to_look_flipped():
+    """SAITS' diagonally-masked attention (masked_fill(eye == 1, -1e9)): read the other way round it is window(1), each
+    query seeing its own key alone, attention nobody means; the mask as given is read as meant. An eye handed to MHA
+    (True = masked) is the same cells; a causal mask flipped is still said to look flipped (above)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, 5, 4).unbind(0)
+    eye = torch.eye(5)[None, None]
+    with maskcli.trace() as t:
+        scores = (q @ k.transpose(-2, -1)).masked_fill(eye == 1, -1e9)
+        torch.softmax(scores, dim=-1) @ v
+        nn.MultiheadAttention(4, 1).eval()(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), attn_mask=eye[0, 0].bool())
+    assert [call.keep()[0, 0].tolist() for call in t.calls] == [(~np.eye(5, dtype=bool)).tolist()] * 2
+    assert all(finding.code != "polarity" for group in t.groups() for finding in group.findings)
 
 
 def test_where_and_step_words():

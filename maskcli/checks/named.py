@@ -28,11 +28,21 @@ def polarity(call, kind: str | None, named: str | None, past=None) -> list[Findi
     """A mask that no kind names (or a raw tril/triu) whose other reading the recogniser names (`named`, of `kind`).
     `past`: a function saying whether the model call states its queries past every key (rows.past_the_keys): the other
     reading places them among the keys (bottom-right, or top-left at a static cache's start), where they are not."""
-    if named is None or kind in MEANT_LATER or _edge_padding(call) or past is not None and past():
+    if named is None or kind in MEANT_LATER or _edge_padding(call) or _one_key_each(call) or past is not None and past():
         return []
     meaning = {"mha": "MHA reads a bool mask as True = masked", "sdpa": "SDPA reads a bool mask as True = may attend"}.get(call.api, "")
     return [Finding("polarity", f"read the other way round it is {named}: a mask in the wrong polarity?"
                     + (f" ({meaning})" if meaning else ""))]
+
+
+def _one_key_each(call) -> bool:
+    """The other reading lets each query see exactly one key (the mask as given hides one key a row, its own in SAITS'
+    diagonally-masked attention, leave-one-out scoring): attention over one key alone copies that key's value, no
+    mask anyone means, so the mask as given is read as meant."""
+    from maskcli.checks.context import keep
+
+    cells = keep(call) if getattr(call, "stored", None) is not None else None
+    return cells is not None and cells.size > 0 and bool(((~cells).sum(axis=-1) == 1).all())
 
 
 def _edge_padding(call) -> bool:
