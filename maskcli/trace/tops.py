@@ -22,6 +22,7 @@ from maskcli.trace.held import program_frames
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
+             "segment_ids",  # (each token's packed document, as JAX stacks name it: checks/varlen.py)
              "cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k",  # flash's, transformers' CB
              "cu_window_seqlens",  # (Qwen2.5-VL's vision window segments beside its image ones: checks/fullblocks.py)
              # what else states where tokens are, as hand-written models name it (checks/real.py, tree.py, spans.py):
@@ -94,6 +95,8 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         elif name in LISTS and isinstance(value, (list, tuple)) and 1 < len(value) <= MOST \
                 and all(isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0 for x in value):
             found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
+    if "segment_ids" not in found and "seq_idx" not in found:
+        found.update(_held_segments(given))
     for name in ("cache_position", "input_pos"):  # slots of a cache: one below 0 is none (the program's own nonsense,
         held_slots = found.get(name)  # which its model may never read): it states no place for the queries
         if isinstance(held_slots, np.ndarray) and held_slots.size and held_slots.min() < 0:
@@ -128,6 +131,25 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     if config is not None and dynamic(config):  # (its __getattr__ is the program's: the checks read it statically)
         config = StaticView(config)
     return Top(where, config, found, first, end, stated)
+
+
+SEGMENTS = ("segment_ids", "seq_idx")  # fields of an argument object that name each token's packed document
+
+
+def _held_segments(given: dict) -> dict:
+    """{"segment_ids": int (B, L), "segments_held_by": the argument's name}: each token's packed document, held as a field of an argument the model call was handed
+    (Levanter's `AttentionMask(is_causal=True, segment_ids=...)`, a batch dict's "segment_ids"), where the call was not
+    handed the tensor itself. Read statically (intent.read: never the program's __getattr__); tensors, modules and
+    plain values are passed over, so most calls read nothing."""
+    for name, value in given.items():
+        if value is None or isinstance(value, (torch.Tensor, torch.nn.Module, int, float, str, bool, list, tuple)):
+            continue
+        for field in SEGMENTS:
+            held = value.get(field) if isinstance(value, dict) else read(value, field)
+            if isinstance(held, torch.Tensor) and held.dim() == 2 and held.numel() <= MOST and not held.is_floating_point() \
+                    and held.dtype != torch.bool and held.device.type != "meta":
+                return {"segment_ids": held.detach().cpu().numpy().astype(np.int64), "segments_held_by": name}
+    return {}
 
 
 IDS = ("input_ids", "idx", "tokens", "src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
