@@ -252,3 +252,34 @@ def test_diffusers_chroma_t5_encoder_sees_extra_padding_token(tmp_path):
     pytest.importorskip("transformers")
     [hit] = check_bug(tmp_path, "diffusers_chroma_t5_encoder_sees_extra_padding_token", "padding-unmarked")
     assert hit["cell"] == [0, 0, 7]
+
+
+def test_a_decoders_start_token_at_the_pad_id_is_not_padding(tmp_path):
+    """T5 / Marian / Chronos start the decoder from the pad id (`decoder_start_token_id == pad_token_id`): every decoder
+    row begins with that one real token. Quiet on a Marian-style model whose dataclass config states it, and on the
+    Chronos program written blind (quiet-i), whose decoder cross-attends an encoder and states the start id nowhere."""
+    from checkbugs import traced
+
+    quiet = Path(__file__).parent / "data" / "quiet"
+    status, found, report = traced(tmp_path, "marian_style_decoder_start_is_pad_batched_generate", False, quiet)
+    assert (status, [f for f in found if f["severity"] in ("wrong", "suspicious")]) == (0, []), report
+    assert "padding-unmarked" not in report
+
+
+def test_the_start_token_reading_needs_one_leading_pad_in_every_row_and_a_decoder():
+    from types import SimpleNamespace
+
+    from maskcli.checks.tokens import _start_token
+
+    top = SimpleNamespace(config=SimpleNamespace(decoder_start_token_id=3))
+    plain = SimpleNamespace(config=SimpleNamespace())
+    run = SimpleNamespace(cross=[], calls=[], top=lambda call: None)
+    one = np.array([[1, 0, 0], [1, 0, 0]], bool)
+    assert _start_token(run, top, one, 3)  # the config says the decoder starts at the pad id
+    assert not _start_token(run, top, one, 4)  # another start id: the leading pad id is padding
+    assert not _start_token(run, plain, one, 3)  # no statement, no cross-attention: a decoder-only model's padding
+    assert not _start_token(run, top, np.array([[1, 0, 0], [1, 1, 0]], bool), 3)  # left padding differs by row
+    assert not _start_token(run, top, np.array([[0, 0, 1], [0, 0, 1]], bool), 3)  # at the end: right padding
+    call = object()
+    crossing = SimpleNamespace(cross=[call], calls=[], top=lambda c: plain if c is call else None)
+    assert _start_token(crossing, plain, one, 3)  # the module's calls cross-attend to an encoder: a decoder

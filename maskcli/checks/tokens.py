@@ -28,7 +28,10 @@ Where the attention_mask disagrees with the ids, the ids win: they are the data 
   0 inside its row, real tokens after it, and a later real query that sees a key before it does not see it
   (InternLM/xtuner#567: `input_ids.ne(pad_index)` with pad == EOS masks every turn's EOS of a multi-turn sample).
   A 0 at the row's end is left alone (no real query after it), as are tokens the loss ignores.
-Left alone: no pad id stated, a mask not 0/1 or not over the ids, an encoder-decoder's mask (its encoder's).
+Left alone: no pad id stated, a mask not 0/1 or not over the ids, an encoder-decoder's mask (its encoder's), and a
+decoder's start token at the pad id (T5, BART, Chronos: `decoder_start_token_id == pad_token_id`): every row begins
+with exactly one token at the pad id, where the config states that start id or the module's calls cross-attend to an
+encoder (a decoder's left padding would differ from row to row).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.arguments import _cells_by_row, _seen_padding
-from maskcli.checks.context import Run, columns_are_positions, first_cell, queries, real_queries
+from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, queries, real_queries
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -58,6 +61,17 @@ def _run_at_edge(pad: np.ndarray, side: str | None) -> bool:
     left = bool(((columns < count) == pad).all())
     right = bool(((columns >= pad.shape[1] - count) == pad).all())
     return {"left": left, "right": right}.get(side, left or right)
+
+
+def _start_token(run: Run, top, at_pad: np.ndarray, pad_id: int) -> bool:
+    """Every row begins with one token at the pad id, a decoder's start token: the config says the start id is the pad
+    id, or the module's own calls cross-attend to an encoder (an encoder-decoder's decoder, however its config is held)."""
+    if not (at_pad[:, 0].all() and (at_pad.sum(axis=1) == 1).all()):
+        return False
+    if getattr(top.config, "decoder_start_token_id", None) == pad_id:
+        return True
+    return any(run.top(call) is top for call in run.cross) \
+        or any(run.top(call) is top and cross(call) for call in run.calls)
 
 
 def _calls(run: Run, top, rows: int, length: int):
@@ -94,7 +108,7 @@ def tokens(run: Run) -> list:
         others = {arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")} - {None}
         side = arguments.get("padding_side")
         if pad_id not in others and at_pad.any() and not at_pad.all(axis=1).any() and _run_at_edge(at_pad, side) \
-                and (at_pad & (given == 1)).any():
+                and (at_pad & (given == 1)).any() and not _start_token(run, top, at_pad, pad_id):
             found += _unmarked(run, top, at_pad, given, pad_id, said, side)
         hidden = (given == 0) & ~at_pad
         if any(len(np.unique(ids[b][hidden[b]])) >= 2 for b in range(rows)):
@@ -125,7 +139,8 @@ def _held_unmarked(run: Run, seen: set) -> list:
             others = {top.arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")} - {None}
             side = top.arguments.get("padding_side")
             if pad_id in others or not at_pad.any() or at_pad.all(axis=1).any() or not _run_at_edge(at_pad, side) \
-                    or not (at_pad & given["rows"]).any() or not columns_are_positions(call, top):
+                    or not (at_pad & given["rows"]).any() or not columns_are_positions(call, top) \
+                    or _start_token(run, top, at_pad, pad_id):
                 continue
             cells = _cells_by_row(call, rows)
             if cells is None:
