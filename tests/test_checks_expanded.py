@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from checkbugs import check_bug
-from maskcli.trace.tops import handed
+from maskcli.trace.packed import handed
 
 PACKED = Path(__file__).parent / "data" / "packed"
 

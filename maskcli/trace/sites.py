@@ -12,7 +12,6 @@ told apart: the later one by the name the program holds it by, else `Class#N`.
 
 from __future__ import annotations
 
-import enum
 import functools
 import os
 import re
@@ -25,6 +24,7 @@ import torch
 from maskcli.trace.crossing import Readings
 from maskcli.trace.forwardflag import forward_flag
 from maskcli.trace.held import padding
+from maskcli.trace.masktype import mask_type
 from maskcli.trace.reqlens import lengths
 from maskcli.trace.swin import shifted_windows
 from maskcli.trace.walk import own_dirs as _own_dirs, walk  # noqa: F401 - (walk: capture.py's, one import line there)
@@ -381,26 +381,4 @@ def causal_flag(stack: list) -> str | None:
         value = vars(module).get(name, getattr(type(module), name, None))
         if isinstance(value, bool):
             return f"{type(module).__name__}.{name}" + ("" if value else "=False")
-    return _mask_type(module)
-
-
-MASK_TYPES = ("attn_mask_type", "mask_type", "softmax_type")  # Megatron's / Transformer Engine's / apex's words
-CAUSAL_TYPE = re.compile(r"causal|upper_triang", re.IGNORECASE)  # 'causal', 'padding_causal', 'causal_bottom_right',
-# AttnMaskType.causal, SoftmaxType.SCALED_UPPER_TRIANG_MASKED (the fused kernel that applies the triangle itself)
-
-
-def _mask_type(module) -> str | None:
-    """'Class.attn_mask_type=causal' where the module's own mask-type attribute (a str or an Enum member) names a
-    causal mask: its word that its scores are causal, as a flag is (only True is read: 'padding', 'no_mask' and
-    'arbitrary' say nothing of causality). An Enum is read by its member's name and value."""
-    for name in MASK_TYPES:
-        value = vars(module).get(name, getattr(type(module), name, None))
-        if isinstance(value, str):
-            text = value
-        elif isinstance(value, enum.Enum):
-            text = f"{value.name} {value.value}"
-        else:
-            continue
-        if CAUSAL_TYPE.search(text):
-            return f"{type(module).__name__}.{name}={value if isinstance(value, str) else value.name}"
-    return None
+    return mask_type(module)
