@@ -38,6 +38,9 @@ def documents(calls: list, start: int, kwargs: dict, tokens: int | None = None) 
 PACKED = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_k", "cu_seqlens")  # a packed-sequence object's fields
 
 
+_PLAIN = frozenset((type(None), bool, int, float, str, tuple, list, dict, torch.Tensor, torch.nn.Parameter))
+
+
 def handed(variables: dict) -> tuple[dict, int | None] | None:
     """(the documents, the tokens it attends over) of one running module call (its _call_impl's `args` / `kwargs`):
     cu_seqlens given by keyword, or held by an argument object (Megatron's `PackedSeqParams(cu_seqlens_q=...,
@@ -45,15 +48,17 @@ def handed(variables: dict) -> tuple[dict, int | None] | None:
     tensor argument (its hidden states: (T, H), (S, B, H) or (B, S, H) flattened, as a varlen kernel reads them).
     None where it was handed none (a dict lookup or two per argument)."""
     args, kwargs = variables.get("args") or (), variables.get("kwargs") or {}
-    given = kwargs if not DOCUMENTS.isdisjoint(kwargs) else None
+    given = kwargs if kwargs and not DOCUMENTS.isdisjoint(kwargs) else None
     if given is None:
-        for value in (*args, *kwargs.values()):
-            fields = getattr(value, "__dict__", None) if not isinstance(value, (torch.Tensor, torch.nn.Module)) else None
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            if type(value) in _PLAIN or isinstance(value, (torch.Tensor, torch.nn.Module)):
+                continue  # (most arguments: a type lookup each)
+            fields = getattr(value, "__dict__", None)
             if isinstance(fields, dict) and not DOCUMENTS.isdisjoint(fields):
                 given = {name: fields[name] for name in PACKED if name in fields}
                 break
-    if given is None:
-        return None
+        else:
+            return None
     hidden = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
     tokens = hidden.numel() // hidden.shape[-1] if hidden is not None and hidden.dim() in (2, 3) and hidden.shape[-1] else None
     return given, tokens
