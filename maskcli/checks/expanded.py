@@ -6,7 +6,7 @@ tokens they were made over. A vision-language model expands its ids inside its f
 expansion before the language model's varlen attention reads them (Megatron-LM#3427: they were not; the tail of
 one sample was attended as part of the next, and the last tokens fell outside every sub-sequence).
 
-Read from what trace records of the innermost module handed the documents (trace/tops.py `handed`: by keyword or
+Read from what trace records of the innermost module handed the documents (trace/packed.py `handed`: by keyword or
 in an argument object, and how many tokens its hidden states hold). Said where the boundaries end exactly at the
 model call's own token count (B x L ids: they are the ids' boundaries) while that module attends over more tokens:
 the expansion happened after they were made, and no token past their end is in any document. Quiet where they end at
