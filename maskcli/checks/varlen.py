@@ -42,7 +42,7 @@ def _cumulative(cu: np.ndarray, tokens: int) -> np.ndarray | None:
 def given(top, call=None) -> list[tuple[str, np.ndarray]]:
     """(argument, int64 labels (B, L) or (1, B*L)) of each document argument the model call was given: cu_seq_lens over
     the flattened tokens, seq_idx per token (its rows the call's rows); else those the module that made `call` was
-    handed (trace/tops.py's documents: cu_seqlens an encoder builds inside and gives each layer)."""
+    handed (trace/packed.py's documents: cu_seqlens an encoder builds inside and gives each layer)."""
     found = []
     arguments = top.arguments
     inner = {} if call is None else call.details.get("documents") or {}
