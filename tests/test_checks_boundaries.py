@@ -155,3 +155,46 @@ def test_a_left_padded_chunked_decode_is_judged_with_the_padding_its_prefill_sho
     result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
     found = [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]]
     assert result.exit_code == 0 and [f for f in found if f["severity"] != "note"] == [], result.output
+
+
+def _documents_seen(ids, eos):
+    """A block-causal mask by `eos` (an EOS ends its own document), as a predicate over (b, q, k)."""
+    def seen(b, q, k):
+        return k <= q and sum(t == eos for t in ids[b][:q]) == sum(t == eos for t in ids[b][:k])
+    return seen
+
+
+def test_a_block_causal_module_splitting_on_an_eos_the_data_never_holds_is_found(tmp_path):
+    # the model's eos (0, a config dict's default) is absent: its mask is plain causal; the tokenizer's EOS is 257
+    hit = caught(tmp_path, "eos_documents_model_eos_never_synced", ("eos-documents-leak",))
+    text = [list(b"abc") + [257] + list(b"de") + [257] + list(b"f") + [257],
+            list(b"ghij") + [257] + list(b"klm") + [257]]
+    assert tuple(hit["cell"]) == _eos_cell(text, 257, _documents_seen(text, 0))
+    assert "DocumentAttention.mask_type=block_causal" in hit["message"] and "ByteTokenizer" in hit["message"]
+
+
+def test_torchtitan_eos_id_never_synced_from_the_tokenizer(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    # pytorch/torchtitan#1144: flex block_causal built on eos_id 0, the tokenizer's EOS 2 (flex: its own process)
+    root = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root.parent), os.environ.get("PYTHONPATH", "")])}
+    found = {}
+    for fixed in (False, True):
+        out = tmp_path / f"t{fixed}.json"
+        done = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--json", str(out),
+                               str(root / "data" / "bugs" / "torchtitan_flex_block_causal_default_eos_id.py"),
+                               *(["--fixed"] if fixed else [])], capture_output=True, text=True, timeout=600, env=env)
+        found[fixed] = (done.returncode, [f for g in json.loads(out.read_text())["groups"] for f in g["findings"]])
+    status, flagged = found[False]
+    hits = [f for f in flagged if f["code"] == "eos-documents-leak" and f["severity"] == "wrong"]
+    assert status == 1 and hits
+    ids = [[1, 17, 23, 9, 2, 1, 40, 33, 12, 51, 2, 1, 8, 19, 27, 44]]
+    assert tuple(hits[0]["cell"]) == _eos_cell(ids, 2, _documents_seen(ids, 0))
+    assert "FlexAttention.attn_mask_type=block_causal" in hits[0]["message"]
+    status, quiet = found[True]
+    assert status == 0 and not [f for f in quiet if f["severity"] == "wrong"]

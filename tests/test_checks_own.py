@@ -125,3 +125,41 @@ def test_is_causal_dropped_where_a_padding_mask_is_given(tmp_path):
     lengths = (7, 5)
     assert _cell(found) == first((2, 7, 7), lambda b, q, k: k > q and q < lengths[b] and k < lengths[b])
     assert found[0]["source"] == "SelfAttention.forward(is_causal=True)"
+
+
+def test_a_fused_softmax_type_that_the_fallback_ignores_is_found(tmp_path):
+    # NVIDIA/TransformerEngine#1524: SoftmaxType.SCALED_UPPER_TRIANG_MASKED run as a plain scaled softmax on fallback
+    found = check_bug(tmp_path, "te_jax_softmax_fallback_drops_causal", "causal-flag-ignored")
+    assert _cell(found) == first((2, 6, 6), lambda b, q, k: k > q)
+    assert "Softmax.softmax_type=SCALED_UPPER_TRIANG_MASKED" in found[0]["message"]
+
+
+def test_an_attn_mask_type_enum_that_sdpa_is_not_told_is_found(tmp_path):
+    found = check_bug(tmp_path, "mask_type_causal_sdpa_unmasked", "causal-flag-ignored", folder=OWN)
+    assert _cell(found) == first((3, 5, 5), lambda b, q, k: k > q)
+    assert "CoreAttention.attn_mask_type=causal" in found[0]["message"]
+
+
+def test_mask_types_read_as_causal_and_those_that_say_nothing():
+    import enum
+
+    from torch import nn
+
+    from maskcli.trace.sites import causal_flag
+
+    class Kind(enum.Enum):
+        padding = 1
+        padding_causal = 2
+        no_mask = 3
+
+    def said(**attributes):
+        module = nn.Module()
+        for name, value in attributes.items():
+            setattr(module, name, value)
+        return causal_flag([module])
+
+    assert said(attn_mask_type="causal_bottom_right") == "Module.attn_mask_type=causal_bottom_right"
+    assert said(mask_type=Kind.padding_causal) == "Module.mask_type=padding_causal"
+    assert said(attn_mask_type=Kind.padding) is None and said(attn_mask_type="no_mask") is None
+    assert said(attn_mask_type="arbitrary", softmax_type="scaled") is None
+    assert said(is_causal=False, attn_mask_type="causal") == "Module.is_causal=False"  # (the flag speaks first)

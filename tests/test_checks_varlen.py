@@ -211,3 +211,40 @@ def test_cu_seqlens_of_a_function_that_attends_over_one_flattened_row(tmp_path, 
         assert wrong[0]["expected"] == "document(sizes=[3,4,2])"
     else:
         assert status == 0 and wrong == []
+
+
+def test_segment_ids_held_by_the_mask_object_the_model_drops(tmp_path):
+    # marin-community/marin#9029: Levanter's AttentionMask(segment_ids=...) replaced by a plain causal one
+    found = check_bug(tmp_path, "levanter_snowball_drops_segment_ids", "varlen-leak")
+    assert "segment_ids (of its attn_mask argument)" in found[0]["message"]
+    assert "document(sizes=[5,3])" in found[0]["message"]
+    assert found[0]["cell"][1:] == [5, 0]  # the first token of the second segment sees the first segment's first
+
+
+def test_segment_ids_argument_of_padded_rows_ignored_by_sdpa(tmp_path):
+    from pathlib import Path
+
+    found = check_bug(tmp_path, "segment_ids_argument_ignored", "varlen-leak", Path(__file__).parent / "data" / "packed")
+    # cells across segments a causal mask keeps, by a double loop over the segment ids the program hands
+    segments = [[1, 1, 1, 2, 2, 2, 2, 3, 3], [1, 1, 1, 1, 1, 2, 2, 0, 0]]
+    across = sum(1 for row in segments for q in range(9) for k in range(q) if row[q] != row[k])
+    assert f"({across} such cells)" in found[0]["message"]
+
+
+def test_segment_ids_read_from_an_argument_object_statically():
+    import torch
+
+    from maskcli.trace.tops import _held_segments
+
+    class Mask:
+        def __init__(self, ids):
+            self.segment_ids = ids
+
+        def __getattr__(self, name):  # the program's own: never run by the read
+            raise AssertionError(name)
+
+    ids = torch.tensor([[0, 0, 1, 1]])
+    held = _held_segments({"mask": Mask(ids), "x": torch.zeros(1, 4)})
+    assert held["segments_held_by"] == "mask" and held["segment_ids"].tolist() == [[0, 0, 1, 1]]
+    assert _held_segments({"batch": {"segment_ids": ids}})["segment_ids"].tolist() == [[0, 0, 1, 1]]
+    assert _held_segments({"mask": Mask(torch.zeros(4)), "n": 3}) == {}  # (not per-token rows: nothing)

@@ -18,6 +18,8 @@ offset (the query positions) are resolved, so a mask that holds unpadded is judg
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from maskcli.checks.arguments import document_starts
@@ -122,14 +124,39 @@ def chunks(run: Run) -> list:
     return found
 
 
-def _separators(top, rows: int, k_len: int) -> np.ndarray | None:
-    """Bool (rows, Lk): the model call's input ids at its EOS id; None where it gives neither."""
-    eos = None if top is None else top.arguments.get("eos_id")
+def _eos(top, tokens: np.ndarray):
+    """(EOS id(s), where said) the input ids are split at: the model's own `eos_id`; where that occurs nowhere in them,
+    the EOS of the tokenizer the program tokenized them with, if it differs (trace/tokenizer.py: a model whose
+    eos_id was never synced from its tokenizer splits on an id the data does not hold: torchtitan#1144)."""
+    own, data = top.arguments.get("eos_id"), top.arguments.get("tokenizer_eos_id")
+    if own is not None and np.isin(tokens, np.atleast_1d(own)).any() or data is None or data == own:
+        return (None, "") if own is None else (own, "")
+    said = f"the EOS of {top.arguments.get('tokenizer', 'the tokenizer')}"
+    return data, said + ("" if own is None else f"; the model's eos_id {own} occurs nowhere in them")
+
+
+def _separators(top, rows: int, k_len: int) -> tuple[np.ndarray, object, str] | None:
+    """(bool (rows, Lk) the model call's input ids at its EOS id, that id, where it was said: "" for the model's own);
+    None where it gives neither."""
     tokens = None if top is None else next((top.arguments[n] for n in TOKENS if isinstance(top.arguments.get(n), np.ndarray)), None)
-    if eos is None or tokens is None or tokens.ndim != 2 or tokens.shape[1] != k_len or tokens.shape[0] not in (1, rows):
+    if tokens is None or tokens.ndim != 2 or tokens.shape[1] != k_len or tokens.shape[0] not in (1, rows):
+        return None
+    eos, said = _eos(top, tokens)
+    if eos is None:
         return None
     found = np.broadcast_to(np.isin(tokens, np.atleast_1d(eos)), (rows, k_len))
-    return found if found.any() else None
+    return (found, eos, said) if found.any() else None
+
+
+DOCUMENT_TYPE = re.compile(r"block_?causal|document", re.IGNORECASE)  # torchtitan's attn_mask_type="block_causal"
+
+
+def _document_word(call) -> str | None:
+    """The attending module's own mask type where it names a document mask (trace/sites.py: 'FlexAttention.attn_mask_type
+    =block_causal', torchtitan's word for causal within the documents its input ids' EOS ends): the program's statement
+    that the mask restarts at each EOS, where no mask of the run shows it."""
+    said = call.details.get("module_causal") or ""
+    return said if "=" in said and DOCUMENT_TYPE.search(said.split("=", 1)[1]) else None
 
 
 def _restarts_at(seen: np.ndarray, real, separators: np.ndarray) -> bool:
@@ -148,8 +175,9 @@ def _restarts_at(seen: np.ndarray, real, separators: np.ndarray) -> bool:
 
 def eos_documents(run: Run) -> list:
     """Real queries that see a key across an EOS, in a run whose masks restart at some EOS."""
-    judged, restarts = [], False
-    if not any("eos_id" in top.arguments and any(n in top.arguments for n in TOKENS) for top in run.tops):
+    judged, restarts = [], None
+    if not any(("eos_id" in top.arguments or "tokenizer_eos_id" in top.arguments) and any(n in top.arguments for n in TOKENS)
+               for top in run.tops):
         return []  # no model call states EOS-delimited input ids (most runs stop here)
     for call in run.calls:
         top = run.top(call)
@@ -157,10 +185,11 @@ def eos_documents(run: Run) -> list:
         if call.stored is None or q_len != k_len or q_len < 3 or not columns_are_positions(call, top):
             continue
         rows = call.shape[0]
-        separators = _separators(top, rows, k_len)
-        cells = None if separators is None else keep(call)
+        held = _separators(top, rows, k_len)
+        cells = None if held is None else keep(call)
         if cells is None or cells.shape[0] not in (1, rows):
             continue
+        separators, eos, said = held
         seen = by_row(cells, rows)
         real = resolve(call, top, seen)
         count = np.cumsum(separators, axis=1)  # EOS at or before each position
@@ -168,22 +197,26 @@ def eos_documents(run: Run) -> list:
         keys = np.arange(k_len)
         across = (before[:, :, None] - count[:, None, :] > 0) & (keys[None, None, :] < keys[None, :, None])
         across &= real.queries[:, :, None] & real.keys[:, None, :]
-        restarts |= _restarts_at(seen, real, separators)
-        judged.append((call, top, seen, across))
-    if not restarts:
+        if restarts is None and _restarts_at(seen, real, separators):
+            restarts = "the mask restarts its documents at an EOS (id {eos}) elsewhere"
+        word = _document_word(call)
+        if restarts is None and word is not None:
+            restarts = f"{word} states a document mask (each EOS ends a document; the input ids' EOS: id {{eos}})"
+        judged.append((call, top, seen, across, eos, said))
+    if restarts is None:
         return []
     found, done = [], set()
-    for call, top, seen, across in judged:
+    for call, top, seen, across, eos, said in judged:
         leak = seen & across
         if not leak.any() or call.mask in done:
             continue
         done.add(call.mask)
         b, q, k = first_cell(leak)
         found.append((call, Finding("eos-documents-leak", (
-            f"the mask restarts its documents at an EOS (id {top.arguments['eos_id']}) elsewhere, but query {q} of batch "
-            f"row {b} sees key {k} across an EOS ({int(leak.sum())} such cells): that document's boundary is lost"),
-            expected="a document mask from the EOS in the input ids", source=f"input ids of {top.where} at their EOS id",
-            cell=(b, q, k))))
+            f"{restarts.replace('{eos}', str(eos))}{f' ({said})' if said else ''}, but query {q} of batch row {b} sees key {k} "
+            f"across an EOS ({int(leak.sum())} such cells): that document's boundary is lost"),
+            expected="a document mask from the EOS in the input ids",
+            source=f"input ids of {top.where} at " + (said.split(";")[0] if said else "their EOS id"), cell=(b, q, k))))
     return found
 
 

@@ -36,9 +36,11 @@ POSITIONS = ("cache_position", "input_pos", "position_ids")  # a model call's wo
 
 
 def _word(said: str) -> str:
-    """`causal=True` of a module's attribute flag ('Class.causal'), `forward(is_causal=True)` of a forward argument's
+    """`causal=True` of a module's attribute flag ('Class.causal'), `attn_mask_type=causal` of its mask type's
+    ('Class.attn_mask_type=causal': trace/sites.py), `forward(is_causal=True)` of a forward argument's
     ('Class.forward(is_causal=True)': trace/forwardflag.py)."""
-    return said.split(".", 1)[-1] if said.endswith(")") else f"{said.split('.')[-1]}=True"
+    tail = said.split(".", 1)[-1]
+    return tail if said.endswith(")") or "=" in tail else f"{said.split('.')[-1]}=True"
 
 
 def flag_ignored(run: Run) -> list:

@@ -25,6 +25,7 @@ from maskcli.checks.registry import Rule
 from maskcli.kinds.values import rows_text
 from maskcli.text import Finding
 
+LABELS = ("seq_idx", "segment_ids")  # each token's document; segment_ids also as a field of an argument (trace/tops.py)
 CUMULATIVE = ("cu_seq_lens_q", "cu_seqlens")  # (cu_seq_lens_k is the same in self-attention: pack's q-k-differ)
 SHOWN = 6  # document starts a message lists
 
@@ -41,11 +42,11 @@ def _cumulative(cu: np.ndarray, tokens: int) -> np.ndarray | None:
 def given(top, call=None) -> list[tuple[str, np.ndarray]]:
     """(argument, int64 labels (B, L) or (1, B*L)) of each document argument the model call was given: cu_seq_lens over
     the flattened tokens, seq_idx per token (its rows the call's rows); else those the module that made `call` was
-    handed (trace/tops.py's documents: cu_seqlens an encoder builds inside and gives each layer)."""
+    handed (trace/packed.py's documents: cu_seqlens an encoder builds inside and gives each layer)."""
     found = []
     arguments = top.arguments
     inner = {} if call is None else call.details.get("documents") or {}
-    if inner and not any(name in arguments for name in (*CUMULATIVE, "seq_idx")):
+    if inner and not any(name in arguments for name in (*CUMULATIVE, *LABELS)):
         arguments = dict(arguments)
         for name, value in inner.items():
             other = inner.get("cu_seqlens_k", inner.get("cu_seqlens_kv", value))
@@ -53,7 +54,7 @@ def given(top, call=None) -> list[tuple[str, np.ndarray]]:
                 arguments.setdefault("cu_seqlens", value)  # (flash's names; q and k that differ: no documents)
             elif name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k"):
                 arguments.setdefault(name, value)
-    rows_of = next((a for a in ("position_ids", "seq_idx", "attention_mask") if a in arguments), None)
+    rows_of = next((a for a in ("position_ids", *LABELS, "attention_mask") if a in arguments), None)
     for name in CUMULATIVE:
         cu = arguments.get(name)
         if cu is None or cu.ndim != 1:
@@ -64,9 +65,10 @@ def given(top, call=None) -> list[tuple[str, np.ndarray]]:
         labels = _cumulative(cu, shape[0] * shape[1])
         if labels is not None:
             found.append((name, labels.reshape(shape)))
-    seq_idx = arguments.get("seq_idx")
-    if seq_idx is not None and seq_idx.ndim == 2:
-        found.append(("seq_idx", seq_idx))
+    for name in LABELS:
+        seq_idx = arguments.get(name)
+        if seq_idx is not None and seq_idx.ndim == 2:
+            found.append((name, seq_idx))
     return found
 
 
@@ -84,6 +86,8 @@ def expression(labels: np.ndarray) -> str:
 
 
 def _named(name: str, top) -> str:
+    if name == "segment_ids" and top.arguments.get("segments_held_by"):
+        return f"segment_ids (of its {top.arguments['segments_held_by']} argument)"
     return "cu_seq_lens_q/k" if name == "cu_seq_lens_q" and "cu_seq_lens_k" in top.arguments else name
 
 
@@ -107,7 +111,7 @@ def _cells(call, labels: np.ndarray):
 
 def _handed(run: Run) -> bool:
     """Whether any model call of the run was given documents (most runs: none, and the rules stop here)."""
-    return any(name in top.arguments for top in run.tops for name in (*CUMULATIVE, "seq_idx")) \
+    return any(name in top.arguments for top in run.tops for name in (*CUMULATIVE, *LABELS)) \
         or any("documents" in call.details for call in run.calls)
 
 

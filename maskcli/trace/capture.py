@@ -39,7 +39,7 @@ from maskcli.trace.sites import Sites, running, walk
 from maskcli.trace.stated import outside
 from maskcli.trace.store import read_calls, store
 from maskcli.trace.threads import Threads
-from maskcli.trace.tops import DOCUMENTS, documents
+from maskcli.trace.packed import documents, handed
 
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
@@ -326,9 +326,9 @@ class Trace(Outer, Follow):
                     self._record(reader, args, kwargs)
                     if len(self._calls) > made and found:
                         for _, _, variables in found[:-1]:  # documents handed to an inner module (innermost first)
-                            given = variables.get("kwargs")
-                            if given and not DOCUMENTS.isdisjoint(given):
-                                documents(self._calls, made, given)
+                            given = handed(variables)
+                            if given is not None:
+                                documents(self._calls, made, *given)
                         self._outer(found, made)
                 finally:
                     sites.unload()

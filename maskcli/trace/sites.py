@@ -24,6 +24,7 @@ import torch
 from maskcli.trace.crossing import Readings
 from maskcli.trace.forwardflag import forward_flag
 from maskcli.trace.held import padding
+from maskcli.trace.masktype import mask_type
 from maskcli.trace.reqlens import lengths
 from maskcli.trace.swin import shifted_windows
 from maskcli.trace.walk import own_dirs as _own_dirs, walk  # noqa: F401 - (walk: capture.py's, one import line there)
@@ -380,4 +381,4 @@ def causal_flag(stack: list) -> str | None:
         value = vars(module).get(name, getattr(type(module), name, None))
         if isinstance(value, bool):
             return f"{type(module).__name__}.{name}" + ("" if value else "=False")
-    return None
+    return mask_type(module)

@@ -8,7 +8,10 @@ are searched for one object, not a module or a tensor (or one such object kept a
 program's own (a dataclass, or a class named `...Config`) with an int `pad_token_id` alone (verl's engine config, which
 pads the batch). Two that differ: nothing is read.
 Where no such object is held, an int those functions keep as `pad_id` / `pad_token_id` (a `generate(..., pad_id=0)`
-of the program's own: torchtune's) is the pad id, where they name one value only.
+of the program's own: torchtune's) is the pad id, where they name one value only. Where neither is, the one EOS id
+(`eos_token_id`, or `eos_id` as sentencepiece and tiktoken wrappers name it) of a tokenizer with no pad id (held as
+`tokenizer`, or of a class named `...Tokenizer`) is kept alone: the EOS the data was tokenized with, which
+checks/boundaries.py holds against the one the model's mask splits on.
 Kept as `tokenizer_pad_id`, `tokenizer_eos_id`, `tokenizer_bos_id`, `padding_side` and `tokenizer` (where it was
 found) in the model call's arguments (checks/tokens.py reads them).
 """
@@ -47,7 +50,7 @@ def _int(value) -> int | None:
 
 def _search(frame=None) -> dict:
     skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
-    frame, searched, found, named = sys._getframe(2) if frame is None else frame, 0, {}, {}
+    frame, searched, found, named, eos_only = sys._getframe(2) if frame is None else frame, 0, {}, {}, {}
     while frame is not None and searched < FRAMES:
         if not frame.f_code.co_filename.startswith(skip):
             searched += 1
@@ -67,9 +70,14 @@ def _search(frame=None) -> dict:
                     bos = _int(read(value, "bos_token_id"))
                 except Exception:  # noqa: BLE001 - a property of the program's that raises: not a tokenizer read here
                     continue
+                where = "at the top of" if frame.f_code.co_name == "<module>" else f"in {frame.f_code.co_name}() of"
+                if pad is None and _tokenizer(name, value):  # (a tokenizer with no pad id: its EOS alone, as `eos_id`
+                    eos = eos if eos is not None else _int(read(value, "eos_id"))  # sentencepiece / tiktoken wrappers name it)
+                    if eos is not None:
+                        eos_only.setdefault(eos, {"tokenizer_eos_id": eos, "tokenizer": f"{name} ({type(value).__name__}) "
+                                                  f"{where} {os.path.basename(frame.f_code.co_filename)}"})
                 if pad is None or (eos is None and not isinstance(side, str) and not _config(value)):
                     continue
-                where = "at the top of" if frame.f_code.co_name == "<module>" else f"in {frame.f_code.co_name}() of"
                 found[id(value)] = {"tokenizer_pad_id": pad, **({"tokenizer_eos_id": eos} if eos is not None else {}),
                                     **({"tokenizer_bos_id": bos} if bos is not None else {}),
                                     **({"padding_side": side} if isinstance(side, str) and side in ("left", "right") else {}),
@@ -80,10 +88,17 @@ def _search(frame=None) -> dict:
     if not said and len(named) == 1:  # no tokenizer object: one pad id the calling functions name as such
         pad, where = next(iter(named.items()))
         return {"tokenizer_pad_id": pad, "tokenizer": where}
+    if not said and len(eos_only) == 1:  # no tokenizer with a pad id: the one EOS a tokenizer without one states
+        return next(iter(eos_only.values()))
     if not said or any({k: v for k, v in one.items() if k != "tokenizer"} != {k: v for k, v in said[0].items()
                                                                                if k != "tokenizer"} for one in said[1:]):
         return {}
     return said[0]
+
+
+def _tokenizer(name: str, value) -> bool:
+    """A tokenizer by its name: held as `tokenizer` (or a collator's `.tokenizer`), or of a class named `...Tokenizer`."""
+    return name.split(".")[-1] in HOLDERS[:1] or type(value).__name__.lower().endswith("tokenizer")
 
 
 def _config(value) -> bool:

@@ -22,6 +22,7 @@ from maskcli.trace.held import program_frames
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
+             "segment_ids",  # (each token's packed document, as JAX stacks name it: checks/varlen.py)
              "cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k",  # flash's, transformers' CB
              "cu_window_seqlens",  # (Qwen2.5-VL's vision window segments beside its image ones: checks/fullblocks.py)
              "grid_thw", "image_grid_thw", "video_grid_thw",  # a vision tower's items, (t, h, w) patches each: checks/items.py
@@ -37,7 +38,6 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "src", "source", "src_ids", "source_ids", "trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids",
              "input_src", "src_tokens", "source_tokens", "src_seq", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens")
 LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
-DOCUMENTS = frozenset(("cu_seqlens", "cu_seq_lens_q", "cu_seqlens_q"))  # handed to an inner module: documents()
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k")  # kept as ints too
 SOURCE_PAD = ("src_pad_idx", "src_pad_id", "source_pad_id", "src_pad_token_id", "source_pad_idx")  # each side's pad id
 TARGET_PAD = ("trg_pad_idx", "tgt_pad_idx", "trg_pad_id", "tgt_pad_id", "target_pad_id", "target_pad_idx",
@@ -95,6 +95,8 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         elif name in LISTS and isinstance(value, (list, tuple)) and 1 < len(value) <= MOST \
                 and all(isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0 for x in value):
             found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
+    if "segment_ids" not in found and "seq_idx" not in found:
+        found.update(_held_segments(given))
     for name in ("cache_position", "input_pos"):  # slots of a cache: one below 0 is none (the program's own nonsense,
         held_slots = found.get(name)  # which its model may never read): it states no place for the queries
         if isinstance(held_slots, np.ndarray) and held_slots.size and held_slots.min() < 0:
@@ -132,6 +134,25 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     if config is not None and dynamic(config):  # (its __getattr__ is the program's: the checks read it statically)
         config = StaticView(config)
     return Top(where, config, found, first, end, stated)
+
+
+SEGMENTS = ("segment_ids", "seq_idx")  # fields of an argument object that name each token's packed document
+
+
+def _held_segments(given: dict) -> dict:
+    """{"segment_ids": int (B, L), "segments_held_by": the argument's name}: each token's packed document, held as a field of an argument the model call was handed
+    (Levanter's `AttentionMask(is_causal=True, segment_ids=...)`, a batch dict's "segment_ids"), where the call was not
+    handed the tensor itself. Read statically (intent.read: never the program's __getattr__); tensors, modules and
+    plain values are passed over, so most calls read nothing."""
+    for name, value in given.items():
+        if value is None or isinstance(value, (torch.Tensor, torch.nn.Module, int, float, str, bool, list, tuple)):
+            continue
+        for field in SEGMENTS:
+            held = value.get(field) if isinstance(value, dict) else read(value, field)
+            if isinstance(held, torch.Tensor) and held.dim() == 2 and held.numel() <= MOST and not held.is_floating_point() \
+                    and held.dtype != torch.bool and held.device.type != "meta":
+                return {"segment_ids": held.detach().cpu().numpy().astype(np.int64), "segments_held_by": name}
+    return {}
 
 
 IDS = ("input_ids", "idx", "tokens", "src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
@@ -352,18 +373,3 @@ def _zero_row(weight) -> int | None:
 
 
 _IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per module: read once, however many steps call it
-
-
-def documents(calls: list, start: int, kwargs: dict) -> None:
-    """The calls from `start` on, made inside an inner module that was handed documents as a keyword (an encoder
-    layer's `self_attn(hidden, cu_seqlens=...)`: Qwen2-VL's and Qwen3-ASR's), get them as details["documents"]
-    (the innermost module's kept): the model call's arguments do not hold them, as the encoder builds them inside."""
-    found = {}
-    for name in ("cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k", "cu_seqlens_kv"):
-        value = kwargs.get(name)
-        if isinstance(value, torch.Tensor) and value.dim() == 1 and 1 < value.numel() <= MOST and not value.is_floating_point() \
-                and value.device.type != "meta":
-            found[name] = value.detach().cpu().numpy().astype(np.int64)
-    if found:
-        for call in calls[start:]:
-            call.details.setdefault("documents", found)
