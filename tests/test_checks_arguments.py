@@ -381,3 +381,11 @@ def test_a_padding_ignored_under_a_model_forward_called_directly_is_found(tmp_pa
     ids = [[5, 5, 5, 7, 8], [5, 9, 10, 11, 12], [13, 14, 15, 16, 17]]
     expected = first((3, 5, 5), lambda b, q, k: ids[b][q] != 5 and k <= q and ids[b][k] == 5)
     assert tuple(hit["cell"]) == expected
+
+
+def test_kivi_mistral_flash_prefill_drops_padding_mask(tmp_path):
+    """jy-yuan/KIVI#47 (f138c47): the flash-attention prefill of a left-padded batch hands the kernel no padding mask,
+    so the real queries attend the pads (written blind, batch blind-ae; caught before any rule was changed for it).
+    The fix (each sequence unpadded, its own call) is quiet."""
+    pytest.importorskip("transformers")  # (its MistralConfig)
+    check_bug(tmp_path, "kivi_mistral_flash_prefill_drops_padding_mask", "padding-ignored")

@@ -382,3 +382,17 @@ def test_tgi_gaudi_qwen2_use_sliding_window_false_ignored(tmp_path):
     """text-generation-inference#3280: a Qwen2 config with use_sliding_window false still gets a banded prefill mask
     (written blind, batch blind-r; caught before any rule was changed for it)."""
     check_bug(tmp_path, "tgi_gaudi_qwen2_use_sliding_window_false_ignored", "window-on-full-layer")
+
+
+def test_mlx_lm_gemma3_window_masks_from_swapped_caches(tmp_path):
+    """ml-explore/mlx-lm#465 (9a11a81): Gemma 3's global and sliding masks built from each other's caches, so the
+    sliding layer runs unwindowed (written blind, batch blind-ae, a torch port; caught before any rule was changed for
+    it). The fix is quiet."""
+    check_bug(tmp_path, "mlx_lm_gemma3_window_masks_from_swapped_caches", "window-missing")
+
+
+def test_mlx_lm_step3p5_kvcache_decode_mask_drops_window(tmp_path):
+    """ml-explore/mlx-lm#843 (25a4c83): KVCache.make_mask drops window_size on decode steps, so the sliding layer's
+    decode sees every cached key (written blind, batch blind-ae, a torch port; caught before any rule was changed for
+    it). The fix is quiet."""
+    check_bug(tmp_path, "mlx_lm_step3p5_kvcache_decode_mask_drops_window", "window-missing")

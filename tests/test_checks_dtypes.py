@@ -129,3 +129,10 @@ def test_litgpt_softcapping_adds_its_bool_mask_cache_to_the_scores(tmp_path):
     slots no token was written to yet. The fix (masked_fill) is quiet."""
     found = check_bug(tmp_path, "litgpt_softcapping_bool_mask_added_to_scores", "bool-added")
     assert found
+
+
+def test_mlx_lm_gemma2_softcap_attention_adds_bool_mask(tmp_path):
+    """ml-explore/mlx-lm#27 (1dc5de4): Gemma 2's soft-capped attention adds the bool causal mask to the scores, so
+    nothing is masked (written blind, batch blind-ae, a torch port; caught before any rule was changed for it). The
+    fix (the mask turned additive) is quiet."""
+    check_bug(tmp_path, "mlx_lm_gemma2_softcap_attention_adds_bool_mask", "bool-added")

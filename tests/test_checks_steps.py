@@ -200,3 +200,11 @@ def test_a_window_lost_in_the_parent_module_over_a_left_padded_batch(tmp_path):
     expected = first((2, 1, 7), lambda b, q, k: real[b][k] == 1 and 6 - k > 3)
     assert tuple(hit["cell"]) == (expected[0], 6, expected[2])
 
+
+
+def test_unsloth_fast_generate_decode_mask_last_column_only(tmp_path):
+    """unslothai/unsloth#2216: _fast_prepare_inputs_for_generation keeps only the mask's last column, so the decode
+    steps of a left-padded batch attend the pads the prefill hid (written blind, batch blind-ae; caught before any rule
+    was changed for it). The fix is quiet."""
+    pytest.importorskip("transformers")  # (its LlamaConfig)
+    check_bug(tmp_path, "unsloth_fast_generate_decode_mask_last_column_only", "padding-lost")
