@@ -1,0 +1,31 @@
+"""The attention module's own class name as the program's word that the layer is causal (checks/causal_lm.py).
+
+A class the program named `CausalSelfAttention` / `CausalAttention` / `causal_attention` states what its function
+would state if named so (trace/sites.py's `causal_function`): the layer attends causally. It is a weak word, read
+only where the same site's later steps decode over its cache (one query, or a few, over more keys), so that a
+prompt pass attending both ways contradicts it. A `NonCausal...` or `Bidirectional...` class says the opposite and
+is not read; neither is a class on the stack above the attending one (a `CausalVAE`'s spatial attention is no
+causal layer: its causal word is about its convolutions).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+_CAMEL = re.compile(r"Causal(?=[A-Z0-9_]|$)")  # `CausalSelfAttention`, `GPTCausalAttention`
+_SNAKE = re.compile(r"(?:^|_)causal(?:_|$)", re.IGNORECASE)  # `causal_attention` as a class name
+_NOT = re.compile(r"non_?causal|not_?causal|bidirectional|acausal", re.IGNORECASE)
+
+
+@functools.lru_cache(maxsize=1024)
+def _named(name: str) -> bool:
+    return bool(_CAMEL.search(name) or _SNAKE.search(name)) and not _NOT.search(name)
+
+
+def causal_class(stack: list) -> str | None:
+    """The innermost running module's class name where it says causal, else None (one cached lookup a call)."""
+    if not stack:
+        return None
+    name = type(stack[-1]).__name__
+    return name if _named(name) else None
