@@ -381,3 +381,25 @@ def test_a_padding_ignored_under_a_model_forward_called_directly_is_found(tmp_pa
     ids = [[5, 5, 5, 7, 8], [5, 9, 10, 11, 12], [13, 14, 15, 16, 17]]
     expected = first((3, 5, 5), lambda b, q, k: ids[b][q] != 5 and k <= q and ids[b][k] == 5)
     assert tuple(hit["cell"]) == expected
+
+
+# a plain `mask` whose 0s lead each row is the batch's padding where the ids beside it hold one id at exactly those
+# cells (checks/plainpad.py): a prompt's loss mask covers varied ids
+
+def test_x_transformers_autoregressive_wrapper_drops_input_mask(tmp_path):
+    """lucidrains/x-transformers d69d33c: AutoregressiveWrapper popped a `mask` already sized for `x[:, :-1]` and never
+    put it back (written blind, batch blind-v; caught once a left-padded plain mask was read against the ids, one
+    longer, at the pad id 0). Fix quiet. The first cell: a real query that sees a key the mask calls padding, under
+    the causal mask the layers still apply."""
+    found = check_bug(tmp_path, "x_transformers_autoregressive_wrapper_drops_input_mask", "padding-ignored")
+    real = [[True] * 9, [False] * 4 + [True] * 5, [False] * 7 + [True] * 2]  # lengths 10, 6, 3 left-padded, minus one
+    assert "the mask given to AutoregressiveWrapper" in found[0]["message"]
+    assert tuple(found[0]["cell"]) == first((3, 9, 9), lambda b, q, k: real[b][q] and not real[b][k] and k <= q)
+
+
+def test_an_input_mask_dropped_for_is_causal_on_a_left_padded_batch_is_found(tmp_path):
+    """The same bug written otherwise: SDPA's is_causal alone, the `input_mask` as long as the ids (pad id 2, stated by
+    no config or embedding)."""
+    hit = caught(tmp_path, "input_mask_left_padded_dropped_for_is_causal", ("padding-ignored",))
+    real = [[True] * 6, [False] * 3 + [True] * 3, [False] * 2 + [True] * 4]
+    assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: real[b][q] and not real[b][k] and k <= q)
