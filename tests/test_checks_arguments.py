@@ -232,6 +232,7 @@ def test_kyubyong_key_masks_from_position_encoded_keys(tmp_path):
     found = check_bug(tmp_path, "kyubyong_transformer_key_masks_from_position_encoded_keys", "padding-ignored")
     x = [[5, 9, 3, 7, 2, 4], [8, 6, 2, 0, 0, 0]]
     assert tuple(found[0]["cell"]) == first((8, 6, 6), lambda r, q, k: x[r % 2][q] != 0 and x[r % 2][k] == 0)
+    assert "(of the batch of 2 folded with its 4 heads, either way round)" in found[0]["message"]
 
 
 def test_zero_pad_row_keys_from_positions(tmp_path):
@@ -350,6 +351,8 @@ def test_alphafold3_template_embedder_mask_not_forwarded(tmp_path):
     padded keys of the second are 3 and 4, whichever way the batch is folded."""
     [hit] = check_bug(tmp_path, "alphafold3_template_embedder_mask_not_forwarded", "padding-ignored")
     assert "either way round" in hit["message"] and hit["cell"][2] in (3, 4)
+    # (its heads are an axis of their own, (20, 2, 5, 5): the fold is 2 complexes x 2 templates x 5 rows, not heads)
+    assert "(of the batch of 2 folded with 10 rows of another axis each, either way round)" in hit["message"]
 
 
 def test_ankh_feature_extraction_without_attention_mask(tmp_path):
