@@ -100,7 +100,7 @@ def test_a_class_named_causal_attention_masked_only_while_training_is_found(tmp_
 
 def test_class_name_reading():
     """CamelCase and snake_case class names that say causal are read; ones that say the opposite are not."""
-    from maskcli.trace.causalname import causal_class
+    from maskcli.checks.causalname import causal_class
 
     named = [type(name, (torch.nn.Module,), {})() for name in (
         "CausalSelfAttention", "GPTCausalAttention", "causal_attention", "NonCausalAttention", "BidirectionalAttention",

@@ -174,6 +174,7 @@ QUIET = [  # tests/data/quiet: correct programs of the kinds a rule could misrea
     "causal_self_attention_sliding_cache_forecast",  # a class named causal, float features, a sliding cache, kept causal
     "prompt_loss_mask_beside_causal_ids",  # a plain `mask` that is a prompt loss mask (0s leading each row, varied ids)
     "grouped_bias_five_axes_padded",  # an additive (batch, 1, 1, q, k) bias kept by einsum scores and by SDPA
+    "causal_cross_attention_class_perceiver_ar",  # a `CausalCrossAttention` triangle, meant; a `CrossAttention` unmasked
 ]
 
 

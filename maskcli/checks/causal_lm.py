@@ -8,7 +8,7 @@ on that path (transformers#48748: Doge's own dynamic mask under SDPA's is_causal
 called with is_causal=False). A site whose decode steps attend through a program function whose name says causal
 (`causal_attention()`, trace/sites.py records it) states the layer causal the same way, where its prompt pass went
 through another function (lablup/mlxcel#999: the generator's mask None handed to an unmasked SDPA), and so does the
-attending module's own class name (`CausalSelfAttention`, trace/causalname.py: lag-llama#81's first cached forecast
+attending module's own class name (`CausalSelfAttention`, checks/causalname.py: lag-llama#81's first cached forecast
 run `is_causal=False`), whose model call may hand no token ids (a time series' features); a sliding cache's decode
 steps keep as many keys as the prompt's. Left alone: a model call given token types, a prefix length or image positions (a
 prefix-LM or an image block attends both ways on purpose: spans.py), a config that states the attention

@@ -22,7 +22,7 @@ from collections import Counter
 import torch
 
 from maskcli.trace.crossing import Readings
-from maskcli.trace.causalname import causal_class
+from maskcli.checks.causalname import causal_class
 from maskcli.trace.forwardflag import forward_flag
 from maskcli.trace.held import padding
 from maskcli.trace.reqlens import lengths

@@ -5,7 +5,9 @@ would state if named so (trace/sites.py's `causal_function`): the layer attends 
 only where the same site's later steps decode over its cache (one query, or a few, over more keys), so that a
 prompt pass attending both ways contradicts it. A `NonCausal...` or `Bidirectional...` class says the opposite and
 is not read; neither is a class on the stack above the attending one (a `CausalVAE`'s spatial attention is no
-causal layer: its causal word is about its convolutions).
+causal layer: its causal word is about its convolutions). trace/sites.py records it at each call (`class_causal`);
+checks/across.py reads `named` the other way: a cross-attention class named causal too (Perceiver AR's
+`CausalCrossAttention`) states its triangle.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ _NOT = re.compile(r"non_?causal|not_?causal|bidirectional|acausal", re.IGNORECAS
 
 
 @functools.lru_cache(maxsize=1024)
-def _named(name: str) -> bool:
+def named(name: str) -> bool:
+    """The class name (or a text ending in one) says causal."""
     return bool(_CAMEL.search(name) or _SNAKE.search(name)) and not _NOT.search(name)
 
 
@@ -28,4 +31,4 @@ def causal_class(stack: list) -> str | None:
     if not stack:
         return None
     name = type(stack[-1]).__name__
-    return name if _named(name) else None
+    return name if named(name) else None
