@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from checkbugs import check_bug, traced
 
 HELD = Path(__file__).parent / "data" / "held"
@@ -105,3 +107,26 @@ def test_cross_attention_handed_its_context_reads_no_decoder_padding_on_its_keys
     unpadded context; the decoder's `mask` (its queries' padding) says nothing of those keys: no finding."""
     status, found, report = traced(tmp_path, "x_transformers_cross_attention_uses_decoder_mask_for_context", True)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+# the attending module's class name as its word that it is a cross-attention (trace/crossing.py's "class" reading),
+# where no memory argument of the call's says otherwise; a class named causal too states its triangle
+
+def test_transformers_mllama_text_cross_attention_causal_under_sdpa(tmp_path):
+    """huggingface/transformers#48172: MllamaTextCrossAttention never sets is_causal, so SDPA runs is_causal=True over
+    the text queries (written blind, batch blind-p; caught once the class name was read as the module's word, its path
+    being that name too). Fix (is_causal = False, PR #48218) quiet: the 6 text queries see all 10 vision tokens."""
+    pytest.importorskip("transformers")
+
+    found = check_bug(tmp_path, "transformers_mllama_text_cross_attention_causal_under_sdpa", "cross-attention-causal")
+    assert "(class MllamaTextCrossAttention)" in found[0]["message"]
+    assert "(15 cells of later memory hidden)" in found[0]["message"]  # 6 * 5 / 2: the triangle above the diagonal
+
+
+def test_a_hand_written_text_cross_attention_run_causal_is_found(tmp_path):
+    """The same bug written otherwise: a hand-written `TextCrossAttention(x, cond)` whose SDPA line was copied from the
+    self-attention with is_causal=True, as many text states as motion frames."""
+    from checkbugs import caught
+
+    hit = caught(tmp_path, "cross_attention_block_copied_is_causal", ("cross-attention-causal",))
+    assert "(class TextCrossAttention)" in hit["message"] and "(21 cells of later memory hidden)" in hit["message"]

@@ -232,6 +232,7 @@ def test_kyubyong_key_masks_from_position_encoded_keys(tmp_path):
     found = check_bug(tmp_path, "kyubyong_transformer_key_masks_from_position_encoded_keys", "padding-ignored")
     x = [[5, 9, 3, 7, 2, 4], [8, 6, 2, 0, 0, 0]]
     assert tuple(found[0]["cell"]) == first((8, 6, 6), lambda r, q, k: x[r % 2][q] != 0 and x[r % 2][k] == 0)
+    assert "(of the batch of 2 folded with its 4 heads, either way round)" in found[0]["message"]
 
 
 def test_zero_pad_row_keys_from_positions(tmp_path):
@@ -350,6 +351,8 @@ def test_alphafold3_template_embedder_mask_not_forwarded(tmp_path):
     padded keys of the second are 3 and 4, whichever way the batch is folded."""
     [hit] = check_bug(tmp_path, "alphafold3_template_embedder_mask_not_forwarded", "padding-ignored")
     assert "either way round" in hit["message"] and hit["cell"][2] in (3, 4)
+    # (its heads are an axis of their own, (20, 2, 5, 5): the fold is 2 complexes x 2 templates x 5 rows, not heads)
+    assert "(of the batch of 2 folded with 10 rows of another axis each, either way round)" in hit["message"]
 
 
 def test_ankh_feature_extraction_without_attention_mask(tmp_path):
@@ -389,3 +392,25 @@ def test_kivi_mistral_flash_prefill_drops_padding_mask(tmp_path):
     The fix (each sequence unpadded, its own call) is quiet."""
     pytest.importorskip("transformers")  # (its MistralConfig)
     check_bug(tmp_path, "kivi_mistral_flash_prefill_drops_padding_mask", "padding-ignored")
+
+
+# a plain `mask` whose 0s lead each row is the batch's padding where the ids beside it hold one id at exactly those
+# cells (checks/plainpad.py): a prompt's loss mask covers varied ids
+
+def test_x_transformers_autoregressive_wrapper_drops_input_mask(tmp_path):
+    """lucidrains/x-transformers d69d33c: AutoregressiveWrapper popped a `mask` already sized for `x[:, :-1]` and never
+    put it back (written blind, batch blind-v; caught once a left-padded plain mask was read against the ids, one
+    longer, at the pad id 0). Fix quiet. The first cell: a real query that sees a key the mask calls padding, under
+    the causal mask the layers still apply."""
+    found = check_bug(tmp_path, "x_transformers_autoregressive_wrapper_drops_input_mask", "padding-ignored")
+    real = [[True] * 9, [False] * 4 + [True] * 5, [False] * 7 + [True] * 2]  # lengths 10, 6, 3 left-padded, minus one
+    assert "the mask given to AutoregressiveWrapper" in found[0]["message"]
+    assert tuple(found[0]["cell"]) == first((3, 9, 9), lambda b, q, k: real[b][q] and not real[b][k] and k <= q)
+
+
+def test_an_input_mask_dropped_for_is_causal_on_a_left_padded_batch_is_found(tmp_path):
+    """The same bug written otherwise: SDPA's is_causal alone, the `input_mask` as long as the ids (pad id 2, stated by
+    no config or embedding)."""
+    hit = caught(tmp_path, "input_mask_left_padded_dropped_for_is_causal", ("padding-ignored",))
+    real = [[True] * 6, [False] * 3 + [True] * 3, [False] * 2 + [True] * 4]
+    assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: real[b][q] and not real[b][k] and k <= q)

@@ -75,3 +75,36 @@ def test_a_prompt_unmasked_beside_a_decode_method_named_causal_is_found(tmp_path
     hit = caught(tmp_path, "prefill_unmasked_beside_a_causal_decode_function", ("causal-lm-both-ways",))
     assert hit["message"].startswith("its decode steps attend through _decode_causal()")
     assert tuple(hit["cell"]) == next((0, q, k) for q in range(5) for k in range(5) if k > q)
+
+
+# the attending module's own class name (`CausalSelfAttention`) states the layer causal as a function's name does
+
+def test_lag_llama_kv_cache_first_step_attends_future(tmp_path):
+    """time-series-foundation-models/lag-llama#81: with use_kv_cache the first (whole-context) forward ran
+    is_causal=False, and the sliding cache's one-step decodes read what it wrote (written blind, batch blind-u; caught
+    once the class name was read: the model call hands float features, no token ids). Fix quiet."""
+    found = check_bug(tmp_path, "lag_llama_kv_cache_first_step_attends_future", "causal-lm-both-ways")
+    assert found[0]["message"].startswith("its attention module's class CausalSelfAttention states the layer causal")
+    tril = torch.ones(8, 8, dtype=torch.bool).tril().numpy()
+    assert tuple(found[0]["cell"]) == first((2, 8, 8), lambda b, q, k: not tril[q, k])
+
+
+def test_a_class_named_causal_attention_masked_only_while_training_is_found(tmp_path):
+    """The same bug written otherwise: minGPT-style einsum scores and a hand-written softmax masked only `if
+    self.training`, token ids, a growing cache; the site masks nowhere in eval, and the class name makes it attention."""
+    hit = caught(tmp_path, "causal_attention_class_mask_only_while_training", ("causal-lm-both-ways",))
+    assert hit["message"].startswith("its attention module's class CausalAttention states the layer causal")
+    tril = torch.ones(6, 6, dtype=torch.bool).tril().numpy()
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: not tril[q, k])
+
+
+def test_class_name_reading():
+    """CamelCase and snake_case class names that say causal are read; ones that say the opposite are not."""
+    from maskcli.checks.causalname import causal_class
+
+    named = [type(name, (torch.nn.Module,), {})() for name in (
+        "CausalSelfAttention", "GPTCausalAttention", "causal_attention", "NonCausalAttention", "BidirectionalAttention",
+        "CausalityAttention", "Attention")]
+    assert [causal_class([module]) for module in named] == [
+        "CausalSelfAttention", "GPTCausalAttention", "causal_attention", None, None, None, None]
+    assert causal_class([]) is None

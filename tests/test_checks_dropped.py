@@ -154,3 +154,26 @@ def test_a_bool_pad_mask_whose_fill_is_discarded_is_found(tmp_path):
     pad = [[0, 0, 0, 0, 0], [1, 1, 0, 0, 0]]  # lengths 5 and 3 of 5, padded on the left
     # (said as read True = padding, the reading that keeps more tokens' own cells: a real query that sees a pad)
     assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: not pad[b][q] and pad[b][k])
+
+
+# an additive mask with axes of 1 between its batch and its cells (MaxText's (b, 1, 1, t, s), a grouped-query port's
+# (batch, 1, 1, q, k)) is read as the (batch, 1, q, k) mask it broadcasts as (trace/given.py)
+
+def test_maxtext_cudnn_te_causal_ignores_segment_mask(tmp_path):
+    """AI-Hypercomputer/maxtext#878: the segment-aware mask handed to Transformer Engine's DotProductAttention with
+    attn_mask_type="causal", which ignores it: packed documents see each other (written blind, batch blind-u; caught once
+    the (b, 1, 1, t, s) layout was read). Fix ("padding_causal") quiet. The first cell against a double loop over the
+    segment ids and the causal triangle: a query that sees an earlier key of another segment."""
+    found = check_bug(tmp_path, "maxtext_cudnn_te_causal_ignores_segment_mask", "mask-argument-dropped")
+    seg = [[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 2, 2, 2]]
+    assert "mask of __call__()" in found[0]["message"]
+    assert tuple(found[0]["cell"]) == first((2, 8, 8), lambda b, q, k: k <= q and seg[b][q] != seg[b][k] and seg[b][q] != 0)
+
+
+def test_a_grouped_query_ports_five_axis_bias_dropped_for_is_causal_is_found(tmp_path):
+    """The same bug written otherwise: a -1e9 `attn_bias` (batch, 1, 1, q, k) of a grouped-query port, dropped on its
+    fused SDPA path for is_causal=True."""
+    from checkbugs import caught
+
+    hit = caught(tmp_path, "extended_additive_mask_dropped_for_is_causal", ("mask-argument-dropped",))
+    assert "attn_bias of attend()" in hit["message"]

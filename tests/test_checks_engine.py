@@ -171,6 +171,10 @@ QUIET = [  # tests/data/quiet: correct programs of the kinds a rule could misrea
     "beam_search_left_padded_reorder",  # the same over a left-padded batch, the mask reordered with it
     "engine_request_lengths_padded_window_verify",  # per-request metadata: masked block slots, a rolling window, verify
     "keras_port_seq2seq_use_causal_mask",  # use_causal_mask per call, Keras padding masks (True = a token)
+    "causal_self_attention_sliding_cache_forecast",  # a class named causal, float features, a sliding cache, kept causal
+    "prompt_loss_mask_beside_causal_ids",  # a plain `mask` that is a prompt loss mask (0s leading each row, varied ids)
+    "grouped_bias_five_axes_padded",  # an additive (batch, 1, 1, q, k) bias kept by einsum scores and by SDPA
+    "causal_cross_attention_class_perceiver_ar",  # a `CausalCrossAttention` triangle, meant; a `CrossAttention` unmasked
 ]
 
 

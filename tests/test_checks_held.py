@@ -556,3 +556,15 @@ def test_one_letter_lengths_names():
 
     assert all(LENGTHS.search(n) for n in ("ilens", "hlens", "olens", "src_len", "lengths", "seq_lens"))
     assert not any(LENGTHS.search(n) for n in ("maxlen", "max_len", "cu_seqlens", "helens"))
+
+
+def test_lengths_beside_a_left_padded_is_pad_name_a_cell_the_program_calls_padding(tmp_path):
+    """tests/data/dropped/bool_pad_mask_fill_discarded.py holds `lengths` [5, 3] (right- or left-padded) and the
+    left-padded `is_pad` it built from them: the finding names is_pad's reading, whose cell is a real query seeing a
+    left pad (it named lengths' right-padded reading before: query 0, a pad, seeing key 3, a real token)."""
+    status, found, report = traced(tmp_path, "bool_pad_mask_fill_discarded", False,
+                                   Path(__file__).parent / "data" / "dropped")
+    [hit] = [f for f in found if f["code"] == "padding-unused"]
+    assert status == 1 and "is_pad in main()" in hit["message"], report
+    pad = [[0, 0, 0, 0, 0], [1, 1, 0, 0, 0]]  # lengths 5 and 3 of 5, padded on the left
+    assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: not pad[b][q] and pad[b][k])

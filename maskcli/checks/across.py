@@ -7,7 +7,9 @@ before j hides real memory for no reason (TransformerEngine#565: the inter-atten
 `attn_mask_type="causal"`, its `enc_dec_attn_mask` dropped). Said where the mask is exactly the triangle's shape: as
 many queries as keys, no query sees a key after its own index, and every query sees its own (a padding mask on top of
 a triangle is still the triangle's bug). A cross-attention told apart by its module path alone (context.CROSS_WORDS)
-is not read here: the module's own word is.
+is not read here: the module's own word is, and so is the attending module's class name where nothing the call was
+handed says otherwise (trace/crossing.py's "class": transformers#48172, `MllamaTextCrossAttention` run `is_causal=True`
+under SDPA, its 10 vision tokens cut to the text's 6 keys).
 
 A program may state that its cross-attention reads the memory as it arrives: a wait-k policy (simultaneous
 translation, STACL / fairseq's `waitk`: target step t reads source tokens 0 .. t + k - 1), stated as a config field or
@@ -22,6 +24,7 @@ import numpy as np
 from maskcli.checks.context import Run, crossing, keep
 from maskcli.checks.intent import intent
 from maskcli.checks.registry import Rule
+from maskcli.checks.causalname import named as causal_named
 from maskcli.text import Finding
 
 
@@ -48,7 +51,11 @@ def causal_cross(run: Run) -> list:
     found, done = [], {}
     for call in run.cross:
         reading = crossing(call)
-        said = reading.source if reading.by == "said" else None  # (the module's own word: not its path, nor a shape)
+        named = call.details.get("cross") if isinstance(call.details.get("cross"), dict) else {}
+        named = named.get("source") if named.get("by") == "class" else None  # (trace's reading, before the path's)
+        said = reading.source if reading.by == "said" else named if named and not causal_named(named) else None
+        # (the module's own word or its class's name, `MllamaTextCrossAttention`: not its path, nor a shape; a class
+        # named causal too, Perceiver AR's `CausalCrossAttention`, states the triangle)
         q_len, k_len = call.shape[2:]
         if not said or q_len != k_len or q_len < 2:
             continue

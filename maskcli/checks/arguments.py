@@ -42,6 +42,17 @@ def folded(top, rows: int, length: int) -> tuple[list, str, bool] | None:
     return None
 
 
+def _fold_words(call, top, rows: int, length: int) -> str:
+    """How a finding says the call's rows fold the model call's batch (`folded`): with its heads only where the call has
+    no heads axis of its own and the module's head count is the fold (TF's concat of split heads); else with as many
+    rows of another axis (AlphaFold 3's templates and pair rows, its heads an axis of their own)."""
+    size = next((n for n in range(2, rows // 2 + 1) if rows % n == 0 and stated(top, n, length) is not None), rows)
+    each = rows // size
+    if call.shape[1] == 1 and call.details.get("stated_heads") == each:
+        return f" (of the batch of {size} folded with its {each} heads, either way round)"
+    return f" (of the batch of {size} folded with {each} rows of another axis each, either way round)"
+
+
 def over_stated_padding(call, run: Run) -> bool:
     """An eager softmax over 4-D scores (B, H, Lq, Lk), or 3-D ones (B or B * H, Lq, Lk), whose keys are the model call's
     stated tokens, some of them padding: attention over those tokens though it masks nowhere (a mask dropped on a path:
@@ -143,7 +154,7 @@ def padding(run: Run) -> list:
             turned = f"; it hides {hidden} real key{'' if hidden == 1 else 's'}: a padding mask the wrong way round?" if hidden else ""
             said_by = source if source.startswith("input ids") else "the " + source.replace(" of ", " given to ", 1)
             found.append((call, Finding("padding-ignored", (
-                f"batch row {b}{'' if readings is None else ' (of the batch folded with its heads, either way round)'}: "
+                f"batch row {b}{'' if readings is None else _fold_words(call, top, rows, length)}: "
                 f"query {int(own[q])} sees key {k}, which {said_by} "
                 f"{'mark' if source.split(' ')[0].endswith('s') else 'marks'} as padding ({step}; {int(bad.sum())} such "
                 f"cells{turned})" + ("" if sure else f" (if token id {top.arguments.get('pad_id')} is padding there)")),

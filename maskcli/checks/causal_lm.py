@@ -7,7 +7,10 @@ same call site then extends one decode step at a time, wrote a cache no causal L
 on that path (transformers#48748: Doge's own dynamic mask under SDPA's is_causal skip; unsloth#2868: the SDPA fallback
 called with is_causal=False). A site whose decode steps attend through a program function whose name says causal
 (`causal_attention()`, trace/sites.py records it) states the layer causal the same way, where its prompt pass went
-through another function (lablup/mlxcel#999: the generator's mask None handed to an unmasked SDPA). Left alone: a model call given token types, a prefix length or image positions (a
+through another function (lablup/mlxcel#999: the generator's mask None handed to an unmasked SDPA), and so does the
+attending module's own class name (`CausalSelfAttention`, checks/causalname.py: lag-llama#81's first cached forecast
+run `is_causal=False`), whose model call may hand no token ids (a time series' features); a sliding cache's decode
+steps keep as many keys as the prompt's. Left alone: a model call given token types, a prefix length or image positions (a
 prefix-LM or an image block attends both ways on purpose: spans.py), a config that states the attention
 bidirectional or its config `is_decoder=False` (RobertaForCausalLM run as an encoder, as transformers warns it
 will), keys that are not the model call's own tokens (a vision tower inside the model), and a prompt pass
@@ -28,12 +31,16 @@ from maskcli.text import Finding
 SPANS = ("token_type_ids", "mm_token_type_ids")  # image or prefix spans a model attends both ways on purpose
 
 
-def _prompt(run: Run, call, top) -> bool:
-    """The call is the prompt pass over the model call's own tokens: square, from position 0, its keys the tokens."""
+def _prompt(run: Run, call, top, own: bool = False) -> bool:
+    """The call is the prompt pass over the model call's own tokens: square, from position 0, its keys the tokens.
+    `own`: the attending layer names itself causal, so a model call given no token ids (a time series' float
+    features, lag-llama's) is read too; where it is given ids, the keys must still be as many."""
     q_len, k_len = call.shape[2:]
     if q_len != k_len or q_len < 2 or int(queries(call, top)[0]) != 0:
         return False
     tokens = next((top.arguments[n] for n in TOKENS if isinstance(top.arguments.get(n), np.ndarray)), None)
+    if tokens is None and own and "first_ids" not in top.arguments:
+        return True
     return tokens is not None and tokens.ndim == 2 and tokens.shape[1] == k_len
 
 
@@ -54,13 +61,16 @@ def both_ways(run: Run) -> list:
         top = run.top(first)
         named = next((call.details["function_causal"] for call in calls[1:] if "function_causal" in call.details
                       and call.shape[2] < call.shape[3]), None) if "function_causal" not in first.details else None
+        named = named or first.details.get("class_causal")  # (the layer's class: `CausalSelfAttention`)
         if top is None or "causal_lm" not in top.arguments and named is None or first.stored is None:
             continue  # (most runs: no model that names itself a causal LM, no decode step through a causal function)
-        if any(name in top.arguments for name in (*SPANS, *PREFIX, *IMAGES)) or not _prompt(run, first, top):
+        if any(name in top.arguments for name in (*SPANS, *PREFIX, *IMAGES)) \
+                or not _prompt(run, first, top, "causal_lm" not in top.arguments):
             continue
         k_len = first.shape[3]
-        if not any(call.shape[2] < call.shape[3] and call.shape[3] > k_len for call in calls[1:]):
-            continue  # no decode step over the prompt's cache: an encoder run of the model, or one pass
+        if not any(call.shape[2] < call.shape[3] and call.shape[3] >= k_len for call in calls[1:]):
+            continue  # no decode step over the prompt's cache (a sliding one keeps as many keys): one pass, or an
+            # encoder run of the model
         if intent(run, first).bidirectional() is not None or _encoder(top.config, first):
             continue
         cells = keep(first)
@@ -73,18 +83,22 @@ def both_ways(run: Run) -> list:
         if not judged.any() or (judged & ~rows).any() or not (judged & later).any():
             continue
         b, q, k = first_cell(rows & judged & later)
+        classed = named is not None and named == first.details.get("class_causal")
         said = f"{top.arguments['causal_lm']} states a causal LM" if "causal_lm" in top.arguments else \
+            f"its attention module's class {named} states the layer causal" if classed else \
             f"its decode steps attend through {named}"
         found.append((first, Finding("causal-lm-both-ways", (
             f"{said}, but its prompt pass attends both ways: every real query "
             f"sees every real key (query {q} of batch row {b} sees later key {k}; {int((rows & judged & later).sum())} "
             f"such cells), and later steps decode over the cache it wrote (step {first.step})"),
             expected="causal", source=f"the model class {top.arguments['causal_lm']}" if "causal_lm" in top.arguments
-            else f"{named} at {first.where}'s decode steps", cell=(b, q, k))))
+            else f"the class {named} of {first.where}" if classed else f"{named} at {first.where}'s decode steps",
+            cell=(b, q, k))))
     return found
 
 
 RULES = (
-    Rule("causal-lm-both-ways", "wrong", "site", "a model named ...ForCausalLM whose prompt pass attends both ways (every "
+    Rule("causal-lm-both-ways", "wrong", "site", "a model named ...ForCausalLM (or a layer whose class or decode function "
+         "is named causal) whose prompt pass attends both ways (every "
          "real query sees every real key) and then decodes over that cache: a causal mask dropped on that path", both_ways),
 )

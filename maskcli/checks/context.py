@@ -106,12 +106,13 @@ class Run:
 def masked_somewhere(call) -> bool:
     """False for a softmax that masked no cell: a router's or a classifier's as much as an attention's; the rules read
     only the call sites that mask somewhere (an MoE router's softmax is over experts, not keys), or whose module states
-    itself causal (`self.causal = True`: its softmax is attention, masked or not), or whose function was handed an
-    attention mask over its cells that it never applied (trace/given.py)."""
+    itself causal (`self.causal = True`, or a class named `CausalSelfAttention`: its softmax is attention, masked or
+    not), or whose function was handed an attention mask over its cells that it never applied (trace/given.py)."""
     found = call.details
     return call.api != "softmax" or bool(found.get("fill") or found.get("fill_value") is not None or found.get("additive")
                                          or found.get("bool_added")  # (a bool mask added to the scores: dtypes.py)
                                          or found.get("module_causal")  # (a module that says it is causal: own.py)
+                                         or "att" in found.get("class_causal", "").lower()  # (`CausalAttention`)
                                          or found.get("dropped_mask"))  # (handed an attention mask: trace/given.py)
 
 

@@ -170,6 +170,14 @@ def _over_memory(call) -> bool:
     return reading.cross and reading.by in ("memory", "kv", "inputs")
 
 
+def _told(picks: list) -> tuple[dict, np.ndarray]:
+    """(held, bad cells) of the reading a finding names: one the program holds outright (a mask, read one way only)
+    before one of several (lengths, read right- and left-padded), so the cell named is one the program's padding calls
+    padding (lengths beside a left-padded `is_pad`: is_pad's, not the right-padded reading of the lengths)."""
+    count, _, held, bad = min(picks, key=lambda pick: pick[0] > 1)
+    return held, bad
+
+
 def held_padding(run: Run) -> list:
     """Calls whose real queries see keys every reading of every padding the program holds there calls padding."""
     found, done = [], {}
@@ -198,7 +206,7 @@ def held_padding(run: Run) -> list:
         if own is None and q_len == k_len:
             continue  # a cross-attention with as many queries as keys: the padding may be its queries' own (a decoder's
             # lengths), which no key mask need keep to: a reading seen through
-        first, seen_through = None, True
+        seen_through, picks = True, []
         ids = tuple(h["rows"] for h in helds if h["kind"] == "ids")
         wider = _wider_pairs(helds, rows, k_len)
         for held in helds:
@@ -214,13 +222,12 @@ def held_padding(run: Run) -> list:
                 if not bad.any() or own is not None and beside_memory(run, call, real):
                     seen_through = False
                     break
-                if first is None:
-                    first = (held, bad)
+                picks.append((len(tables), real, held, bad))
             if not seen_through:
                 break
-        if first is None or not seen_through:
+        if not picks or not seen_through:
             continue
-        held, bad = first
+        held, bad = _told(picks)
         b, q, k = first_cell(bad)
         what = {"keep": "a padding mask (1 = real)", "pad": "a padding mask (True = padding)",
                 "lengths": "the batch's lengths",

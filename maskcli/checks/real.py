@@ -27,12 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from maskcli.checks.context import keep, queries, real_queries
+from maskcli.checks.plainpad import ids_padding
 
 PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = padding
 REAL_TRUE = ("attention_mask", "patch_attention_mask", "patch_attn_mask")  # 1 = a real token (a real patch)
 LENGTHS = ("lengths", "seq_lens", "seq_lengths", "input_lengths")
 TOKENS = ("input_ids", "idx", "tokens")
-PLAIN = ("mask", "input_mask")  # 1 = a real token, read only where its rows are right padding (_right_padding)
+PLAIN = ("mask", "input_mask")  # 1 = a real token, read where its rows are right padding (_right_padding), or the
+# ids' padding (plainpad.py)
 
 
 @dataclass(frozen=True)
@@ -99,14 +101,14 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
         if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.size \
                 and given.min() >= 0 and given.max() <= 1 and given.shape[0] in (1, rows):
             found.append(((given == 1) if name in REAL_TRUE else (given == 0), name, True))
-    for name in PLAIN:
-        given = arguments.get(name)
-        if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.shape[0] == rows \
-                and rows != length and _right_padding(given):
-            found.append((given == 1, name, True))
     tokens = next((arguments[n] for n in TOKENS if isinstance(arguments.get(n), np.ndarray)), None)
     if tokens is None and "first_ids" in arguments:  # (a hand-written model's `forward(self, x)`: trace/tops.py)
         tokens = arguments["first_ids"][1]
+    for name in PLAIN:
+        given = arguments.get(name)
+        if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.shape[0] == rows \
+                and rows != length and (_right_padding(given) or ids_padding(given, tokens)):
+            found.append((given == 1, name, True))
     tokens = tokens if tokens is not None and tokens.ndim == 2 and tokens.shape == (rows, length) else None
     for name in LENGTHS:
         given = arguments.get(name)

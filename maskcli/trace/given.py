@@ -3,7 +3,8 @@
 At each attention call, the nearest program frames (the function that called the kernel and its callers, torch's
 and maskcli's left out) are looked at for a parameter named like an attention mask (NAMES) that holds an additive
 float mask over exactly the call's (Lq, Lk): -inf or at most -1e4 masks a cell (a bool mask's polarity is not known
-here, so it is left alone), or an xformers-style block-diagonal mask object (`BlockDiagonalMask.from_seqlens`: its
+here, so it is left alone; axes of 1 between its batch and its cells are read away: MaxText's (b, 1, 1, t, s)), or
+an xformers-style block-diagonal mask object (`BlockDiagonalMask.from_seqlens`: its
 `seqlens`, or `q_seqinfo` / `k_seqinfo`'s `seqstart_py`, summing to the call's keys), read as the blocks it keeps
 (mistral-inference#218: a vision block handed the images' mask that never passed it on). Where the kernel sees a cell that mask masks, on a query row the mask leaves some key
 (a row it masks whole may be unmasked on purpose, transformers' _unmask_unattended), the call records where: the
@@ -170,6 +171,8 @@ def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: in
     lead = tuple(keep.shape[:-2])
     if len(lead) == 1 and lead[0] == b * h and b * h > 1:  # (b * h, Lq, Lk): the heads folded into the batch
         keep = keep.reshape(b, h, q_len, k_len)
+    elif len(lead) > 2 and all(n == 1 for n in lead[1:-1]):  # (B, 1, ..., H|1, Lq, Lk): MaxText's (b, 1, 1, t, s)
+        keep = keep.reshape(lead[0], lead[-1], *keep.shape[-2:])
     else:
         keep = keep.reshape((1,) * max(0, 4 - keep.dim()) + tuple(keep.shape[-min(keep.dim(), 4):]))
     try:

@@ -22,6 +22,7 @@ from collections import Counter
 import torch
 
 from maskcli.trace.crossing import Readings
+from maskcli.checks.causalname import causal_class
 from maskcli.trace.forwardflag import forward_flag
 from maskcli.trace.held import padding
 from maskcli.trace.masktype import mask_type
@@ -128,6 +129,9 @@ class Sites:
             named = causal_function((walked.line_within if self.stack else walked.line)[0])
             if named is not None:
                 details["function_causal"] = named
+        named = causal_class(self.stack)  # (the attending module's class named causal: the same weak word)
+        if named is not None:
+            details["class_causal"] = named
         windows = shifted_windows(self.stack)  # a Swin block's shifted windows and the mask it holds (checks/swin.py)
         if windows is not None:
             details["shifted_windows"] = windows

@@ -1,0 +1,41 @@
+"""A plain `mask` (1 = a real token) read as the batch's padding where the ids beside it say so (checks/real.py).
+
+A plain `mask` / `input_mask` of a right-padded batch is padding by its shape alone; one whose 0s lead each row may be
+a loss mask over a prompt as much as left padding, so its shape says nothing. The ids the model call was given say
+which: left padding is one id (the pad id) at exactly the mask's 0s and nowhere at its 1s, while a prompt's loss mask
+covers the prompt's varied ids. The ids may be one longer than the mask (an autoregressive wrapper trains on
+`x[:, :-1]` and is handed the mask of those inputs: x-transformers' AutoregressiveWrapper), read at the mask's own
+columns from either end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _runs(pad: np.ndarray) -> bool:
+    """Every row's padding one run at its start or every row's one run at its end, some row with none, some with two or
+    more (one token at a row's edge is as often a BOS a loss mask skips)."""
+    count = pad.sum(axis=1, keepdims=True)
+    if not pad.any() or pad.all(axis=1).any() or (count > 0).all() or count.max() < 2:
+        return False
+    columns = np.arange(pad.shape[1])[None, :]
+    return bool(((columns < count) == pad).all() or ((columns >= pad.shape[1] - count) == pad).all())
+
+
+def ids_padding(given: np.ndarray, ids: np.ndarray | None) -> bool:
+    """The 0/1 (B, L) `given` is the padding of `ids` (B, L) or (B, L + 1): its 0s one run at an edge of each row,
+    and exactly the cells where the ids hold one value."""
+    if ids is None or ids.ndim != 2 or given.ndim != 2 or ids.shape[0] != given.shape[0] \
+            or ids.shape[1] - given.shape[1] not in (0, 1) or given.min() < 0 or given.max() > 1:
+        return False
+    pad = given == 0
+    if not _runs(pad):
+        return False
+    length = given.shape[1]
+    for part in sorted({0, ids.shape[1] - length}):  # (the mask's columns from the start, then from the end)
+        cells = ids[:, part:part + length]
+        value = cells[pad][0]
+        if ((cells == value) == pad).all():
+            return True
+    return False
