@@ -252,3 +252,18 @@ def test_diffusers_chroma_t5_encoder_sees_extra_padding_token(tmp_path):
     pytest.importorskip("transformers")
     [hit] = check_bug(tmp_path, "diffusers_chroma_t5_encoder_sees_extra_padding_token", "padding-unmarked")
     assert hit["cell"] == [0, 0, 7]
+
+
+def test_a_text_encoder_handed_padded_ids_as_its_first_argument_and_an_all_ones_mask_is_found(tmp_path):
+    # huggingface/transformers#25908: SpeechT5's _generate_speech set encoder_attention_mask = ones_like(input_values)
+    # over text padded with config.pad_token_id (1): 5 tokens then 4 pads, the embedding's padding_idx the pad id
+    found = check_bug(tmp_path, "speecht5_generate_speech_encoder_mask_ignores_pad_tokens", "padding-unmarked")
+    assert tuple(found[0]["cell"]) == first((1, 9, 9), lambda b, q, k: q < 5 and k >= 5)
+    assert "all-ones mask" in found[0]["message"]
+
+
+def test_left_padded_ids_under_the_models_own_name_with_an_all_ones_mask_are_found(tmp_path):
+    # written otherwise: left-padded, the pad id a module attribute, SDPA with a bool keep-mask, ids named `text`
+    found = check_bug(tmp_path, "left_padded_encoder_ones_mask_pad_attribute", "padding-unmarked", folder=TOKENS)
+    pads = (0, 3)
+    assert tuple(found[0]["cell"]) == first((2, 5, 5), lambda b, q, k: q >= pads[b] and k < pads[b])
