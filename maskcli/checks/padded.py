@@ -106,10 +106,11 @@ def _finding(call, top) -> Finding | None:
     per = real.shape[1] // length
     row = int(folds[0][b])
     pads = spans([int(s) for s in np.flatnonzero(~real[row])])
-    over = "" if per == 1 else f" (keys of {per} samples each)"
+    made = f"sample {k}" if per == 1 else f"samples {k * per}-{(k + 1) * per - 1}"
     return Finding("zero-padding-attended", (
-        f"batch row {b}: query {q} sees key {k}, made of samples {pads} that the `{name}` handed to {top.where} calls "
-        f"padding and its `{source}` holds as exact zeros{over} ({int(first.sum())} such cells): the padding mask "
+        f"batch row {b}: query {q} sees key {k}, made of {made}, padding: the `{name}` handed to {top.where} calls "
+        f"samples {pads} of that row padding and its `{source}` holds them as exact zeros ({int(first.sum())} such "
+        f"cells): the padding mask "
         f"never reached this attention (handed to an argument that does not mask, or replaced by a default)"),
         expected="no real query sees a key of padding samples", source=f"{name} of {top.where}", cell=(b, q, k))
 
