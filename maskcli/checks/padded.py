@@ -12,7 +12,8 @@ forecasting defaulted `input_mask` to ones: every patch attended the zero paddin
 
 Zeros alone say nothing (silence, a black border); a mask alone may be another mask (a pretraining mask over real
 samples, which are not 0). Where a fold or a patching may be read several ways, it speaks only where every reading is
-seen through. Left alone: cross-attention, keys that mix real and padding samples, a mask of other values.
+seen through. Left alone: cross-attention, keys that mix real and padding samples, a mask of other values, and where
+the padded input is the memory of a cross-attention the call made, its decoder's self-attention (other tokens).
 """
 
 from __future__ import annotations
@@ -70,10 +71,20 @@ def zero_padding_attended(run: Run) -> list:
             continue
         key = (call.mask, call.shape, id(top))
         if key not in done:
-            done[key] = _finding(call, top)
+            done[key] = None if _decoder_side(run, call, top) else _finding(call, top)
         if done[key] is not None:
             found.append((call, done[key]))
     return found
+
+
+def _decoder_side(run: Run, call, top) -> bool:
+    """The padded input is a memory this model call's cross-attention reads (an encoder's states handed to a decoder,
+    zeroed at the padding): its self-attention calls are then over other tokens unless they are over the samples
+    themselves, outside a module named a decoder."""
+    samples = top.arguments["padded_input"][3].shape[1]
+    if not any(run.top(other) is top and other.shape[3] == samples for other in run.cross):
+        return False
+    return call.shape[3] != samples or "decoder" in call.where.lower()
 
 
 def _finding(call, top) -> Finding | None:
