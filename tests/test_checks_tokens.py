@@ -283,3 +283,18 @@ def test_the_start_token_reading_needs_one_leading_pad_in_every_row_and_a_decode
     call = object()
     crossing = SimpleNamespace(cross=[call], calls=[], top=lambda c: plain if c is call else None)
     assert _start_token(crossing, plain, one, 3)  # the module's calls cross-attend to an encoder: a decoder
+
+
+def test_a_text_encoder_handed_padded_ids_as_its_first_argument_and_an_all_ones_mask_is_found(tmp_path):
+    # huggingface/transformers#25908: SpeechT5's _generate_speech set encoder_attention_mask = ones_like(input_values)
+    # over text padded with config.pad_token_id (1): 5 tokens then 4 pads, the embedding's padding_idx the pad id
+    found = check_bug(tmp_path, "speecht5_generate_speech_encoder_mask_ignores_pad_tokens", "padding-unmarked")
+    assert tuple(found[0]["cell"]) == first((1, 9, 9), lambda b, q, k: q < 5 and k >= 5)
+    assert "all-ones mask" in found[0]["message"]
+
+
+def test_left_padded_ids_under_the_models_own_name_with_an_all_ones_mask_are_found(tmp_path):
+    # written otherwise: left-padded, the pad id a module attribute, SDPA with a bool keep-mask, ids named `text`
+    found = check_bug(tmp_path, "left_padded_encoder_ones_mask_pad_attribute", "padding-unmarked", folder=TOKENS)
+    pads = (0, 3)
+    assert tuple(found[0]["cell"]) == first((2, 5, 5), lambda b, q, k: q >= pads[b] and k < pads[b])

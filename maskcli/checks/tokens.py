@@ -8,6 +8,9 @@ Where the attention_mask disagrees with the ids, the ids win: they are the data 
   start or end (on the tokenizer's `padding_side` where it states one), yet the attention_mask marks them 1 and a
   real query sees them (Automodel#3704: a pad run looked for at the end of left-padded rows, the pad id 0 read as
   EOS by `pad or eos`: an all-ones mask, real tokens attend the padding).
+  The ids are the model call's by name, else its first argument where that is 2-D integer ids under another name
+  (huggingface/transformers#25908: SpeechT5's `_generate_speech` handed its text encoder `input_values` padded with
+  the pad id and `torch.ones_like(input_values)`: the decoder's every step attended the padding).
   The ids and the mask may be held by a function inside the model call instead (`input_ids` beside the
   `attention_mask` of the same function, trace/held.py: FewRel#17's BertModel.forward under a wrapper handed a dict).
 - real-tokens-masked: the attention_mask marks 0 tokens that are not the pad id, of at least two different ids in
@@ -54,6 +57,16 @@ def _pad(arguments: dict) -> tuple[int, str] | None:
     return None
 
 
+def _ids(arguments: dict) -> np.ndarray | None:
+    """The model call's token ids: by name, else its first argument where that is a 2-D integer tensor under another
+    name (trace/tops.py's `first_ids`: SpeechT5's text encoder is handed `input_values`, ids beside its embedding's
+    padding_idx)."""
+    ids = next((arguments[n] for n in TOKENS if isinstance(arguments.get(n), np.ndarray)), None)
+    if ids is None and "first_ids" in arguments:
+        ids = arguments["first_ids"][1]
+    return ids
+
+
 def _run_at_edge(pad: np.ndarray, side: str | None) -> bool:
     """Each row's pad tokens are one run at its start (left) or its end (right), one side for every row."""
     count = pad.sum(axis=1, keepdims=True)
@@ -74,10 +87,12 @@ def _start_token(run: Run, top, at_pad: np.ndarray, pad_id: int) -> bool:
         or any(run.top(call) is top and cross(call) for call in run.calls)
 
 
-def _calls(run: Run, top, rows: int, length: int):
-    """(call, cells (rows, Lq, Lk) over the heads, query positions) of the top's attention calls over its tokens."""
+def _calls(run: Run, top, rows: int, length: int, unmasked: bool = False):
+    """(call, cells (rows, Lq, Lk) over the heads, query positions) of the top's attention calls over its tokens.
+    `unmasked`: also its softmax calls that mask nowhere, square over the tokens (an all-ones mask that hides no pad)."""
     done = set()
-    for call in run.calls:
+    square = [call for call in run.unmasked if call.shape[2] == call.shape[3] == length] if unmasked else []
+    for call in [*run.calls, *square]:
         if run.top(call) is not top or call.stored is None or call.shape[0] != rows or call.shape[3] != length \
                 or not columns_are_positions(call, top) or (call.mask, call.shape) in done:
             continue
@@ -92,7 +107,7 @@ def tokens(run: Run) -> list:
     found, seen = [], set()
     for top in run.tops:
         arguments = top.arguments
-        ids = next((arguments[n] for n in TOKENS if isinstance(arguments.get(n), np.ndarray)), None)
+        ids = _ids(arguments)
         given = arguments.get("attention_mask")
         pad = _pad(arguments)
         if ids is None or pad is None or not isinstance(given, np.ndarray) or ids.ndim != 2 or given.shape != ids.shape \
@@ -159,15 +174,17 @@ def _held_unmarked(run: Run, seen: set) -> list:
 
 def _unmarked(run: Run, top, at_pad, given, pad_id: int, said: str, side) -> list:
     rows, length = at_pad.shape
-    for call, cells, own in _calls(run, top, rows, length):
+    for call, cells, own in _calls(run, top, rows, length, unmasked=True):
         bad = _seen_padding(cells, ~at_pad, own)
         if bad.any():
             b, q, k = first_cell(bad)
             where = f"{side}-padded " if side else ""
+            why = ("an all-ones mask made beside padded ids (ones_like the ids?)" if (given == 1).all() else
+                   "the padding was looked for on the wrong side or with the wrong id")
             return [(call, Finding("padding-unmarked", (
                 f"batch row {b}: query {int(own[q])} sees key {k}, a token at {said} ({pad_id}) in the {where}run "
                 f"at the row's edge, which the attention_mask of {top.where} marks real ({int(bad.sum())} such cells): "
-                f"the padding was looked for on the wrong side or with the wrong id"),
+                f"{why}"),
                 expected="no real query sees a padding key", source=said, cell=(b, int(own[q]), k)))]
     return []
 
@@ -290,7 +307,7 @@ def trained(run: Run) -> list:
 
 
 def ids_of(top) -> np.ndarray:
-    return next(top.arguments[n] for n in TOKENS if isinstance(top.arguments.get(n), np.ndarray))
+    return _ids(top.arguments)
 
 
 RULES = (

@@ -1,0 +1,61 @@
+"""checks/padded.py: a padding mask the model call's zero-padded input confirms, never reaching its attention, caught
+in the published bug's reproduction (tests/data/bugs) and in a program written another way (tests/data/padded), quiet
+on the fixes, on zeros with no mask and on a mask over samples that are not zero; the flagged cell against a double
+loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import maskcli
+from checkbugs import check_bug, first
+from maskcli.checks.registry import severity
+
+PADDED = Path(__file__).parent / "data" / "padded"
+
+
+def test_a_forecasters_padding_mask_handed_as_the_reconstruction_mask_is_found(tmp_path):
+    # sktime/sktime#10685: 16 real steps of 32 in 4 patches of 8, each of 2 channels a batch row; input_mask defaulted
+    found = check_bug(tmp_path, "sktime_momentfm_predict_input_mask_passed_as_mask", "zero-padding-attended")
+    assert tuple(found[0]["cell"]) == first((2, 4, 4), lambda b, q, k: q < 2 and k >= 2)
+    assert "samples 16-31" in found[0]["message"] and "`x_enc`" in found[0]["message"]
+
+
+def test_left_padded_features_whose_input_mask_the_model_never_reads_are_found(tmp_path):
+    # written otherwise: (B, S, C) features left-padded, a float input_mask, two frames a key, SDPA with no mask
+    found = check_bug(tmp_path, "left_padded_features_input_mask_unread", "zero-padding-attended", folder=PADDED)
+    pads = (0, 2)  # keys of padding in each row (4 of 8 frames padded in row 1)
+    assert tuple(found[0]["cell"]) == first((2, 4, 4), lambda b, q, k: q >= pads[b] and k < pads[b])
+
+
+class Frames(nn.Module):
+    """An encoder over frames that masks nothing: the mask it is handed is not its attention's."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(3, 12)
+
+    def forward(self, feats, mask=None):
+        q, k, v = self.qkv(feats).view(*feats.shape[:2], 3, 2, 2).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def _codes(feats, **given) -> list:
+    torch.manual_seed(0)
+    with maskcli.trace() as t, torch.no_grad():
+        Frames()(feats, **given)
+    return [(f.code, severity(f)) for group in t.groups() for f in group.findings]
+
+
+def test_zeros_without_a_mask_and_a_mask_over_samples_that_are_not_zero_are_quiet():
+    feats = torch.randn(2, 6, 3) + 2.0
+    feats[1, 4:] = 0.0  # row 1: two zero frames at its end
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    assert ("zero-padding-attended", "wrong") in _codes(feats, mask=mask)  # (the two below are quiet for a reason)
+    assert not [c for c in _codes(feats) if c[0] == "zero-padding-attended"]  # zeros alone: silence, say
+    real = torch.randn(2, 6, 3) + 2.0  # a mask over samples that are not zero: a pretraining mask, not padding
+    assert not [c for c in _codes(real, mask=mask) if c[0] == "zero-padding-attended"]
