@@ -19,6 +19,7 @@ import torch
 from maskcli.checks.context import STARTS, Top  # (STARTS: the first query's position as an int)
 from maskcli.checks.intent import StaticView, dynamic, read
 from maskcli.trace.held import program_frames
+from maskcli.trace.padded import padded_input
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
@@ -111,7 +112,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(_images(given))
     if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw")):
         found["module_class"] = type(module).__name__  # (the tower's family: how it attends a video, checks/items.py)
-    found.update(_padded_input(given))
+    found.update(padded_input(given))
     convs = _convs(module)
     if convs:
         found["convs"] = convs
@@ -374,35 +375,3 @@ def _zero_row(weight) -> int | None:
 
 
 _IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per module: read once, however many steps call it
-
-
-_PADDING_NAME = re.compile(r"^(?:\w+_)?(?:attention|padding|pad)_mask$|^(?:input_)?mask$")  # (padding_, pad_: True = pad)
-
-
-def _padded_input(given: dict) -> dict:
-    """{"padded_input": (mask name, its values (S,) or (B, S), input name, bool (B, S) where the input is exactly 0)}:
-    a model call handed a 0/1 mask named as a padding mask with a 0 in it (any dtype, 1-D too: a forecaster's
-    `mask=input_mask`) beside a float input (B, S) or (B, C, S) / (B, S, C) with an axis of the mask's S samples: the
-    data's own padding, to hold the mask against (checks/padded.py). Read only where such a mask is handed."""
-    masks = [(name, value) for name, value in given.items() if isinstance(value, torch.Tensor) and _PADDING_NAME.search(name)
-             and value.dim() in (1, 2) and 1 < value.shape[-1] and value.numel() <= MOST and value.device.type != "meta"]
-    for name, value in masks:
-        values = value.detach().cpu()
-        if not bool(((values == 0) | (values == 1)).all()) or bool(values.bool().all()) or not bool(values.bool().any()):
-            continue
-        length = values.shape[-1]
-        for other, data in given.items():
-            if other == name or not isinstance(data, torch.Tensor) or not data.is_floating_point() \
-                    or data.dim() not in (2, 3) or data.numel() > MOST or data.device.type == "meta":
-                continue
-            zero = data.detach() == 0
-            if data.dim() == 2 and data.shape[1] == length:
-                zero = zero.cpu().numpy()
-            elif data.dim() == 3 and data.shape[2] == length:
-                zero = zero.all(1).cpu().numpy()  # (B, C, S)
-            elif data.dim() == 3 and data.shape[1] == length:
-                zero = zero.all(2).cpu().numpy()  # (B, S, C)
-            else:
-                continue
-            return {"padded_input": (name, values.numpy().astype(np.int64), other, zero)}
-    return {}
