@@ -35,10 +35,10 @@ def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, m
     try:
         if not (k.dim() == v.dim() == q.dim()) or k.is_nested or v.shape[-2] != k_shape[-2]:
             return {}
-        cells = [_cpu(t) for t in (k, v)]
-        if cells[0] is not None and cells[1] is not None and q.is_cpu and q.dtype in _NUMPY and type(q) is torch.Tensor:
-            # (numpy: a few us an operation where torch's cost tens)
-            return _zero_kv_cpu(q, *cells, lambda: _bounds(mask, is_causal, q.shape[-2], k_shape[-2]))
+        cells = _cpu(k)
+        if cells is not None and _numpy_ready(v) and _numpy_ready(q):
+            # (numpy: a few us an operation where torch's cost tens; V made a numpy view only where K's edge may be 0)
+            return _zero_kv_cpu(q, cells, lambda: _cpu(v), lambda: _bounds(mask, is_causal, q.shape[-2], k_shape[-2]))
         if not _edge_may_be_zero(k, k_shape[-2]):
             return {}
         with torch.no_grad():
@@ -59,6 +59,11 @@ def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, m
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, compiled, meta, sparse) holds no padding we can see
         return {}
     return {"zero_kv": {"left": left, "right": right, "zero_q": [_spans(row) for row in zero_q]}}
+
+
+def _numpy_ready(t: torch.Tensor) -> bool:
+    """Whether _cpu(t) gives t's cells (asked before making the view: most calls never need V's)."""
+    return t.is_cpu and t.dtype in _NUMPY and type(t) is torch.Tensor
 
 
 def _cpu(t: torch.Tensor) -> np.ndarray | None:
@@ -107,19 +112,21 @@ _VISIBLE: dict = {}  # id(mask) -> (a weak reference to it, its version, its row
 CHUNK = 16  # keys read at first past an edge whose first key may be zero (then 4x as many each time)
 
 
-def _zero_kv_cpu(q: torch.Tensor, k: np.ndarray, v: np.ndarray, bounds) -> dict:
-    """zero_kv over 4-D numpy views of K and V (q: read last, where a run is found). First the first dimension of each
-    row's first and last key in every head of K and V (one element a head): where neither may be zero, nothing more is
-    read (most calls). Where one may, `bounds()`
+def _zero_kv_cpu(q: torch.Tensor, k: np.ndarray, values, bounds) -> dict:
+    """zero_kv over 4-D numpy views of K and V (`values()`: V's, made only where K's edge may be zero; q: read last,
+    where a run is found). First the first dimension of each row's first and last key in every head of K: where none
+    may be zero, nothing more is read (most calls); then V's likewise. Where one may, `bounds()`
     (each row's kept keys, or None) is asked, and the run is read from the same side's edge of the kept keys inward, a
     chunk at a time, only as far as it goes (never the hidden keys past the edge: a static cache's unwritten tail);
     each run's two ends read whole."""
     length = k.shape[2]
-    k0, v0 = k[..., 0], v[..., 0]  # (B, H, Lk) views
+    k0 = k[..., 0]  # (B, H, Lk) view
     count = np.count_nonzero
     ends = k0[:, :, :: length - 1]  # (B, H, 2)
     if count(ends) == ends.size:
         return {}  # (the common case: no head's first or last key is 0 in its first dimension; one C call)
+    v = values()
+    v0 = v[..., 0]
     either = np.logical_or.reduce
     edge = ~(either(ends, axis=1) | either(v0[:, :, :: length - 1], axis=1))  # (B, 2): may be zero
     if not edge.any():
