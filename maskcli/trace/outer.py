@@ -14,8 +14,6 @@ import weakref
 
 import torch
 
-from maskcli.trace.walk import forget
-
 
 @functools.cache
 def _own() -> tuple[str, ...]:
@@ -116,7 +114,6 @@ class Outer:
         if frame is None:  # (finished already)
             return
         held[0] = None  # (its frame let go: the program's variables are its own again)
-        forget()  # (and the frames walk.py kept from its calls)
         for key, value in list(self._outers.items()):
             if value is held:
                 del self._outers[key]

@@ -26,7 +26,7 @@ from maskcli.trace.forwardflag import forward_flag
 from maskcli.trace.held import padding
 from maskcli.trace.reqlens import lengths
 from maskcli.trace.swin import shifted_windows
-from maskcli.trace.walk import forget, own_dirs as _own_dirs, walk  # noqa: F401 - (walk: capture.py's, one import line there)
+from maskcli.trace.walk import own_dirs as _own_dirs, walk  # noqa: F401 - (walk: capture.py's, one import line there)
 from maskcli.trace.windows import window_held
 
 FRAMES = 64  # frames of the program searched for a module's owner
@@ -107,7 +107,6 @@ class Sites:
         self._names.clear()  # the program's modules are its own again once the trace ends
         self._taken.clear()
         self.readings.clear()
-        forget()  # (the frames walk.py kept for the next call's walk)
 
     def note(self, details: dict, caller, shape: tuple) -> None:
         """What a call's details say of where it was made: the running module's own word that it is causal

@@ -36,39 +36,17 @@ class Walked:
 
 
 def walk(frame) -> Walked:
-    """Every reader's frames from `frame` outwards, in one pass. Where the walk reaches a frame the last call's walk
-    kept (the same frame object, at the same instruction: the model's forward looping over its layers, the program's
-    loop over steps), what lies outward of it is taken from there instead of walked again (_KEPT)."""
+    """Every reader's frames from `frame` outwards, in one pass."""
     held_left, windows_left = held_module.FRAMES, windows_module.FRAMES
     calls, held, windows, codes, lines = [], [], [], [], []
     within = None  # (codes, lines) found before the innermost module call
-    kinds, kept = _KINDS, _KEPT
-    marks = []  # (frame, how long each list was as the walk reached it): the frames kept for the next call's walk
-    passed = hit = None  # (a module call passed since the last frame kept; the kept frame reached)
+    kinds = _KINDS
     while frame is not None:
-        if kept:
-            found = kept.get(id(frame))
-            if found is not None and found[0] is frame and found[1] == frame.f_lasti \
-                    and _fits(found, held_left, windows_left, 2 - len(codes), within is None):
-                _, _, more_calls, more_held, _, more_windows, _, more_codes, more_lines, _ = hit = found
-                calls += more_calls
-                held += more_held[:held_left]
-                windows += more_windows[:windows_left]
-                held_left, windows_left = held_left - min(held_left, len(more_held)), windows_left - min(windows_left, len(more_windows))
-                take = 2 - len(codes)
-                codes += more_codes[:take]
-                lines += more_lines[:take]
-                break
         code = frame.f_code
         entry = kinds.get(id(code))
         if entry is None or entry[0] is not code:
             entry = kinds[id(code)] = (code, *_kind(code))
-        _, call, names, own, window, program, caller = entry
-        if call:
-            passed = True
-        elif passed and caller:  # (the frame that made a module call: what is outward of it is the same for its next one)
-            marks.append((frame, len(calls), len(held), len(windows), len(codes)))
-            passed = False
+        _, call, names, own, window, program = entry
         if call:
             calls.append(frame)
             if call == 1 and within is None:
@@ -83,44 +61,17 @@ def walk(frame) -> Walked:
             codes.append(code)
             lines.append(frame.f_lineno)
         frame = frame.f_back
-    kept.clear()  # (only the frames of this call's stack: none that has returned is held past the next call)
-    if hit is not None:
-        kept[id(hit[0])] = hit
-    for at, c, h, w, p in marks:
-        kept[id(at)] = (at, at.f_lasti, calls[c:], held[h:], held_left > 0, windows[w:], windows_left > 0, codes[p:],
-                        lines[p:], len(codes) < 2)
     line = (tuple(codes), tuple(lines))
     return Walked(calls, held, windows, line, line if within is None else within)
 
 
-_KEPT: dict[int, tuple] = {}  # id(frame) -> (frame, its f_lasti, and from it outward: module call frames, held's frames,
-# whether none was cut, windows' frames, whether none was cut, program codes, their lines, whether none was cut)
-
-
-def _fits(found: tuple, held_left: int, windows_left: int, codes_left: int, no_call: bool) -> bool:
-    """Whether the frames kept outward of a frame give this walk what walking them would: each list as long as this
-    walk still takes (or whole), and, where no module call was passed yet, none among them (its `within` is read there)."""
-    _, _, more_calls, more_held, held_whole, more_windows, windows_whole, more_codes, _, codes_whole = found
-    if not (held_whole or len(more_held) >= held_left) or not (windows_whole or len(more_windows) >= windows_left) \
-            or not (codes_whole or len(more_codes) >= codes_left):
-        return False
-    return not no_call or not any(f.f_code is _CALL or f.f_code.co_name == "_call_impl" for f in more_calls)
-
-
-def forget() -> None:
-    """The frames kept for the next call's walk let go (the outermost module call has ended, or the trace)."""
-    _KEPT.clear()
-
-
 def _kind(code) -> tuple:
     """(1 for nn.Module's _call_impl, 2 for a `__call__`, else 0; the names held.padding reads, None for code not the
-    program's; the program's by windows.py; names a window; the program's by crossing.py; not torch's: where a module
-    call was made from, a model's forward looping over its layers, maskcli's demo's too)."""
+    program's; the program's by windows.py; names a window; the program's by crossing.py)."""
     name = code.co_filename
     call = 1 if code is _CALL or code.co_name == "_call_impl" else 2 if code.co_name == "__call__" else 0
     return call, held_module.names(code), not name.startswith(own_dirs()), \
-        not windows_module._NAMES.isdisjoint(code.co_varnames), not (name.startswith(_dirs()) or name.startswith("<")), \
-        not (name.startswith(_dirs()[0]) or name.startswith("<"))
+        not windows_module._NAMES.isdisjoint(code.co_varnames), not (name.startswith(_dirs()) or name.startswith("<"))
 
 
 @functools.cache
