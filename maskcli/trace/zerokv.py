@@ -18,6 +18,8 @@ not every key; checks/zerokv.py reads the runs from them.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -35,6 +37,8 @@ def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, m
     try:
         if not (k.dim() == v.dim() == q.dim()) or k.is_nested or v.shape[-2] != k_shape[-2]:
             return {}
+        if _edges_nonzero(k, k_shape):
+            return {}  # (most calls: no row's first or last key may be zero, read cell by cell)
         cells = _cpu(k)
         if cells is not None and _numpy_ready(v) and _numpy_ready(q):
             # (numpy: a few us an operation where torch's cost tens; V made a numpy view only where K's edge may be 0)
@@ -59,6 +63,34 @@ def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, m
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, compiled, meta, sparse) holds no padding we can see
         return {}
     return {"zero_kv": {"left": left, "right": right, "zero_q": [_spans(row) for row in zero_q]}}
+
+
+def _edges_nonzero(k: torch.Tensor, k_shape: tuple) -> bool:
+    """Whether the first dimension of every row's and head's first and last key of a CPU K is nonzero, each of those
+    cells read alone at its address (about a microsecond a cell, where making a numpy view and counting it costs tens
+    on a traced call, its caches cold from the model's own work); False where that is not known so (more heads than
+    EDGES cells, a tensor not read so: the numpy or torch path then reads them)."""
+    rows, heads = (k_shape[0], k_shape[1]) if len(k_shape) == 4 else (1, k_shape[0])
+    cell = _CELLS.get(k.dtype)
+    if rows * heads * 2 > EDGES or cell is None or not k.is_cpu or type(k) is not torch.Tensor or k.layout != torch.strided:
+        return False
+    base = k.data_ptr()
+    if not base:
+        return False  # (no storage to read: an empty or a zero tensor)
+    strides, size, last = k.stride(), k.element_size(), k_shape[-2] - 1
+    row, head, key = (strides[0], strides[1], strides[2]) if len(k_shape) == 4 else (0, strides[0], strides[1])
+    at, mask = cell.from_address, 0x7FFF if cell is ctypes.c_uint16 else None  # (float16: its bits, sign left out)
+    for b in range(rows):
+        for h in range(heads):
+            for position in (0, last):
+                value = at(base + size * (b * row + h * head + position * key)).value
+                if not (value & mask if mask is not None else value):
+                    return False  # (0 or -0: this edge may be padding, read as before)
+    return True
+
+
+EDGES = 64  # edge cells read one by one at most (more: numpy's one count reads them)
+_CELLS = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double, torch.float16: ctypes.c_uint16}
 
 
 def _numpy_ready(t: torch.Tensor) -> bool:
