@@ -75,6 +75,30 @@ def test_the_edge_keys_read_cell_by_cell_agree_with_each_cells_value_in_every_la
     assert _edges_nonzero(broadcast, tuple(broadcast.shape)) is True
 
 
+def test_masked_zero_edges_read_cell_by_cell_give_what_reading_every_edge_gives(monkeypatch):
+    import maskcli.trace.zerokv as zerokv
+
+    torch.manual_seed(2)
+    cases = []
+    for trial in range(160):
+        b, h, length = 1 + trial % 3, 1 + trial % 2, 4 + trial % 5
+        k, v = torch.randn(b, h, length, 3), torch.randn(b, h, length, 3)
+        pad = torch.randint(0, length - 1, (b,))
+        for row in range(b):  # left padding whose keys are zero (a padding_idx row under bias-free projections)
+            k[row, :, :pad[row]], v[row, :, :pad[row]] = 0, 0
+        if trial % 3 == 0:
+            k[0, :, -1], v[0, :, -1] = 0, 0  # (a zero key the mask keeps, at the end)
+        keep = torch.ones(b, 1, 1, length, dtype=torch.bool)
+        for row in range(b):
+            keep[row, ..., :pad[row] if trial % 4 else 0] = False  # (every fourth: the padding not masked)
+        cases.append((k, v, keep))
+    fast = [zerokv.zero_kv(k, k, v, tuple(k.shape), keep) for k, v, keep in cases]
+    monkeypatch.setattr(zerokv, "_kept_edges_nonzero", lambda *a: False)
+    zerokv._VISIBLE.clear()
+    assert fast == [zerokv.zero_kv(k, k, v, tuple(k.shape), keep) for k, v, keep in cases]
+    assert any(fast) and not all(fast)
+
+
 def test_the_runs_are_read_from_the_edges_of_the_keys_the_mask_keeps():
     """A static cache's unwritten tail hidden by the mask is no run (its last kept key holds something); a run at the
     start of the keys is read from the first key the mask keeps, its bounds recorded, and the rule finds it where a

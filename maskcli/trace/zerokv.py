@@ -39,6 +39,8 @@ def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, m
             return {}
         if _edges_nonzero(k, k_shape):
             return {}  # (most calls: no row's first or last key may be zero, read cell by cell)
+        if _kept_edges_nonzero(k, v, k_shape, lambda: _bounds(mask, is_causal, q.shape[-2], k_shape[-2])):
+            return {}  # (left padding the mask hides: the keys kept at each edge are not zero, read cell by cell)
         cells = _cpu(k)
         if cells is not None and _numpy_ready(v) and _numpy_ready(q):
             # (numpy: a few us an operation where torch's cost tens; V made a numpy view only where K's edge may be 0)
@@ -87,6 +89,52 @@ def _edges_nonzero(k: torch.Tensor, k_shape: tuple) -> bool:
                 if not (value & mask if mask is not None else value):
                     return False  # (0 or -0: this edge may be padding, read as before)
     return True
+
+
+def _kept_edges_nonzero(k: torch.Tensor, v: torch.Tensor, k_shape: tuple, bounds) -> bool:
+    """Where an edge key may be zero: whether each row's first and last key some query keeps (`bounds()`, as
+    _zero_kv_cpu reads them) has a nonzero first dimension in some head of K or of V, read cell by cell (no run of zero
+    keys can start there, so there is none: a left-padded batch whose padding keys are zero and masked); False where that
+    is not known so (more cells than EDGES, a tensor not read so, a row whose kept edge is zero)."""
+    if len(k_shape) != 4 or v.dim() != 4 or k_shape[0] * k_shape[1] * 2 > EDGES or v.shape[0] * v.shape[1] * 2 > EDGES:
+        return False
+    cells = [_cells(t) for t in (k, v)]
+    if cells[0] is None or cells[1] is None:
+        return False
+    kept = bounds()
+    length = k_shape[-2]
+    rows = max(k_shape[0], v.shape[0], 1 if kept is None else len(kept))
+    spans = [[0, length]] * rows if kept is None else kept * rows if len(kept) == 1 else kept
+    for b, (lo, hi) in enumerate(spans):
+        if hi <= lo:
+            continue  # (no key kept: no run read there either)
+        for at in (lo, hi - 1):
+            if not any(_nonzero(cell, b, at) for cell in cells):
+                return False
+    return True
+
+
+def _cells(t: torch.Tensor) -> tuple | None:
+    """(read one cell at an address, its float16 bits' mask or None, base, strides, element size, batch, heads) of a
+    4-D CPU tensor read cell by cell; None where it is not read so."""
+    cell = _CELLS.get(t.dtype)
+    if cell is None or not t.is_cpu or type(t) is not torch.Tensor or t.layout != torch.strided:
+        return None
+    base = t.data_ptr()
+    if not base:
+        return None
+    return cell.from_address, 0x7FFF if cell is ctypes.c_uint16 else None, base, t.stride(), t.element_size(), t.shape[0], t.shape[1]
+
+
+def _nonzero(cells: tuple, b: int, at: int) -> bool:
+    """Whether key `at` of batch row `b` (modulo a broadcast batch) has a nonzero first dimension in some head."""
+    read, mask, base, strides, size, rows, heads = cells
+    start = base + size * ((b % rows) * strides[0] + at * strides[2])
+    for h in range(heads):
+        value = read(start + size * h * strides[1]).value
+        if value & mask if mask is not None else value:
+            return True
+    return False
 
 
 EDGES = 64  # edge cells read one by one at most (more: numpy's one count reads them)
