@@ -45,7 +45,6 @@ APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
 
 
-_MAIN = [threading.main_thread().ident]  # the main thread's ident (_append: a call made in another thread says which)
 ROUTING = frozenset({"mlp", "gate", "router", "moe", "experts", "feed_forward", "ffn"})  # a module path's words
 
 
@@ -222,7 +221,6 @@ class Trace(Outer, Follow):
                 found(sys.modules[name])
         self._entries = entry.patch(self)
         self._local.traced = True
-        _MAIN[0] = threading.main_thread().ident  # (read as the trace begins: a forked child's main thread is its own)
         self.active = True
         self.threads = Threads(lambda: _Traced(self) if self.active else None).__enter__()
         return self
@@ -318,8 +316,7 @@ class Trace(Outer, Follow):
         if first is not None and not has_values(first):
             return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real
         found = running((frame := sys._getframe(1)), (walked := walk(frame)).calls)  # modules running (walk.py)
-        local = self._local
-        local.busy = True
+        self.busy = True
         sites = self.sites
         try:
             with self._lock:  # (threads of the program record one at a time: indexes, steps and the store stay whole)
@@ -336,7 +333,7 @@ class Trace(Outer, Follow):
                 finally:
                     sites.unload()
         finally:
-            local.busy = False
+            self.busy = False
 
     def _record(self, reader, args, kwargs) -> None:
         site, where = self.sites.current()
@@ -387,7 +384,7 @@ class Trace(Outer, Follow):
 
     def _append(self, call: Call) -> None:
         """A call made inside a Hugging Face interface call carries what HF told that call (and is what it did)."""
-        if threading.get_ident() != _MAIN[0]:  # (current_thread() costs a lookup a call; main_thread() a call too)
+        if threading.get_ident() != threading.main_thread().ident:  # (current_thread() costs a lookup a call)
             call.details["thread"] = threading.current_thread().name
         if self.compiled.inside():
             call.details["compiled"] = True
