@@ -11,9 +11,10 @@ and a TorchFunctionMode is on only while a tensor it follows is alive), each cal
 every reader of it (trace/walk.py: the modules running, the padding and the window its frames hold, the call
 site's line; hooks only on the outermost module; a module no running one holds is looked for from its caller
 outward), K and V are read for zero-keys-seen only at the edges of each row's keys (trace/zerokv.py: one element a
-head, through numpy), and each step's mask is copied (its own cells) to be read after the run, each distinct content
-once (trace/store.py). docs/python.md gives the figures of each round; benchmarks/zerokv.py times the K/V reading over
-a static cache of 64k slots.
+head, K's read cell by cell at its address on the CPU where the heads are few, else through numpy; V only where K's
+edge may be zero), and each step's mask is copied (its own cells) to be read after the run, each distinct content
+once (trace/store.py). docs/python.md gives the figures of each round (and what each attempt to make a call do less
+measured in place); benchmarks/zerokv.py times the K/V reading over a static cache of 64k slots.
 The two sides alternate run by run, so a slow spell on a shared machine hits both; each run is
 timed by the wall clock and by this process's CPU time (steadier where other programs share the
 cores). It prints the median of each side and the median of the paired ratios with quartiles

@@ -48,6 +48,57 @@ def test_the_trace_records_each_rows_edge_runs_of_keys_zero_in_k_and_v():
     assert zero_kv(q, one, one.clone(), tuple(one.shape)) == {}  # one zero key alone (a null key) is no padding's run
 
 
+def test_the_edge_keys_read_cell_by_cell_agree_with_each_cells_value_in_every_layout_and_dtype():
+    from maskcli.trace.zerokv import EDGES, _edges_nonzero
+
+    torch.manual_seed(1)
+    for trial in range(240):
+        dtype = (torch.float32, torch.float64, torch.float16)[trial % 3]
+        b, h, length, e = 1 + trial % 3, 1 + trial % 4, 3 + trial % 5, 2 + trial % 3
+        if trial % 2:  # (a transposed view, or one at a storage offset)
+            k = torch.randn(b, length, h, e, dtype=dtype).transpose(1, 2)
+        else:
+            k = torch.randn(b, h, length + 1, e, dtype=dtype)[:, :, 1:]
+        k[..., 0][torch.rand(b, h, length) < 0.15] = -0.0 if trial % 4 == 1 else 0.0  # (the sign bit set: still zero)
+        if trial % 5 == 0:
+            k = k[0]  # (H, Lk, E): one batch row
+        heads = k.shape[:-2]
+        expected = all(float(k[(*index, at, 0)]) != 0 for index in np.ndindex(*heads) for at in (0, k.shape[-2] - 1))
+        assert _edges_nonzero(k, tuple(k.shape)) is expected, (trial, tuple(k.shape))
+        v = torch.randn(k.shape, dtype=dtype)
+        runs = zero_kv(k, k, v, tuple(k.shape))
+        assert (runs == {}) or not expected  # (nonzero edges: nothing read further)
+    wide = torch.randn(EDGES, 1, 5, 2)  # more edge cells than EDGES: not read here (numpy's count reads them)
+    assert _edges_nonzero(wide, tuple(wide.shape)) is False
+    assert zero_kv(wide, wide, wide, tuple(wide.shape)) == {}
+    broadcast = torch.randn(1, 2, 5, 3).expand(3, 2, 5, 3)  # (stride 0 over the batch)
+    assert _edges_nonzero(broadcast, tuple(broadcast.shape)) is True
+
+
+def test_masked_zero_edges_read_cell_by_cell_give_what_reading_every_edge_gives(monkeypatch):
+    import maskcli.trace.zerokv as zerokv
+
+    torch.manual_seed(2)
+    cases = []
+    for trial in range(160):
+        b, h, length = 1 + trial % 3, 1 + trial % 2, 4 + trial % 5
+        k, v = torch.randn(b, h, length, 3), torch.randn(b, h, length, 3)
+        pad = torch.randint(0, length - 1, (b,))
+        for row in range(b):  # left padding whose keys are zero (a padding_idx row under bias-free projections)
+            k[row, :, :pad[row]], v[row, :, :pad[row]] = 0, 0
+        if trial % 3 == 0:
+            k[0, :, -1], v[0, :, -1] = 0, 0  # (a zero key the mask keeps, at the end)
+        keep = torch.ones(b, 1, 1, length, dtype=torch.bool)
+        for row in range(b):
+            keep[row, ..., :pad[row] if trial % 4 else 0] = False  # (every fourth: the padding not masked)
+        cases.append((k, v, keep))
+    fast = [zerokv.zero_kv(k, k, v, tuple(k.shape), keep) for k, v, keep in cases]
+    monkeypatch.setattr(zerokv, "_kept_edges_nonzero", lambda *a: False)
+    zerokv._VISIBLE.clear()
+    assert fast == [zerokv.zero_kv(k, k, v, tuple(k.shape), keep) for k, v, keep in cases]
+    assert any(fast) and not all(fast)
+
+
 def test_the_runs_are_read_from_the_edges_of_the_keys_the_mask_keeps():
     """A static cache's unwritten tail hidden by the mask is no run (its last kept key holds something); a run at the
     start of the keys is read from the first key the mask keeps, its bounds recorded, and the rule finds it where a

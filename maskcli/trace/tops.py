@@ -90,7 +90,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
             value = value.flatten(1)
         if isinstance(value, torch.Tensor) and value.dim() <= 2 and value.numel() <= MOST and value.device.type != "meta" \
                 and (value.dtype == torch.bool or not value.is_floating_point()):
-            found[name] = value.detach().cpu().numpy().astype(np.int64)
+            found[name] = _int64(value)
         elif isinstance(value, int) and not isinstance(value, bool) and name in SCALARS:
             found[name] = value
         elif name in LISTS and isinstance(value, (list, tuple)) and 1 < len(value) <= MOST \
@@ -157,6 +157,15 @@ def _held_segments(given: dict) -> dict:
     return {}
 
 
+def _int64(value: torch.Tensor) -> np.ndarray:
+    """An integer or bool tensor's cells as an int64 array of their own (a copy: the program may change the tensor
+    later). On the CPU one numpy view and one copy, where detach, cpu, numpy and astype are four calls, each of which
+    costs tens of microseconds in a traced step whose caches the model's own work left cold."""
+    if value.is_cpu and type(value) is torch.Tensor and not value.requires_grad:
+        return np.array(value.numpy(), dtype=np.int64)
+    return value.detach().cpu().numpy().astype(np.int64)
+
+
 IDS = ("input_ids", "idx", "tokens", "src", "source", "src_ids", "source_ids", "src_tokens", "input_src")
 
 
@@ -170,7 +179,7 @@ def _first_ids(signature, given: dict, found: dict) -> dict:
     value = given.get(name)
     if isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point() \
             and value.dtype != torch.bool and value.numel() <= MOST and value.device.type != "meta":
-        return {"first_ids": (name, value.detach().cpu().numpy().astype(np.int64))}
+        return {"first_ids": (name, _int64(value))}
     return {}
 
 

@@ -18,6 +18,8 @@ not every key; checks/zerokv.py reads the runs from them.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -35,10 +37,14 @@ def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, m
     try:
         if not (k.dim() == v.dim() == q.dim()) or k.is_nested or v.shape[-2] != k_shape[-2]:
             return {}
-        cells = [_cpu(t) for t in (k, v)]
-        if cells[0] is not None and cells[1] is not None and q.is_cpu and q.dtype in _NUMPY and type(q) is torch.Tensor:
-            # (numpy: a few us an operation where torch's cost tens)
-            return _zero_kv_cpu(q, *cells, lambda: _bounds(mask, is_causal, q.shape[-2], k_shape[-2]))
+        if _edges_nonzero(k, k_shape):
+            return {}  # (most calls: no row's first or last key may be zero, read cell by cell)
+        if _kept_edges_nonzero(k, v, k_shape, lambda: _bounds(mask, is_causal, q.shape[-2], k_shape[-2])):
+            return {}  # (left padding the mask hides: the keys kept at each edge are not zero, read cell by cell)
+        cells = _cpu(k)
+        if cells is not None and _numpy_ready(v) and _numpy_ready(q):
+            # (numpy: a few us an operation where torch's cost tens; V made a numpy view only where K's edge may be 0)
+            return _zero_kv_cpu(q, cells, lambda: _cpu(v), lambda: _bounds(mask, is_causal, q.shape[-2], k_shape[-2]))
         if not _edge_may_be_zero(k, k_shape[-2]):
             return {}
         with torch.no_grad():
@@ -59,6 +65,85 @@ def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, m
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, compiled, meta, sparse) holds no padding we can see
         return {}
     return {"zero_kv": {"left": left, "right": right, "zero_q": [_spans(row) for row in zero_q]}}
+
+
+def _edges_nonzero(k: torch.Tensor, k_shape: tuple) -> bool:
+    """Whether the first dimension of every row's and head's first and last key of a CPU K is nonzero, each of those
+    cells read alone at its address (about a microsecond a cell, where making a numpy view and counting it costs tens
+    on a traced call, its caches cold from the model's own work); False where that is not known so (more heads than
+    EDGES cells, a tensor not read so: the numpy or torch path then reads them)."""
+    rows, heads = (k_shape[0], k_shape[1]) if len(k_shape) == 4 else (1, k_shape[0])
+    cell = _CELLS.get(k.dtype)
+    if rows * heads * 2 > EDGES or cell is None or not k.is_cpu or type(k) is not torch.Tensor or k.layout != torch.strided:
+        return False
+    base = k.data_ptr()
+    if not base:
+        return False  # (no storage to read: an empty or a zero tensor)
+    strides, size, last = k.stride(), k.element_size(), k_shape[-2] - 1
+    row, head, key = (strides[0], strides[1], strides[2]) if len(k_shape) == 4 else (0, strides[0], strides[1])
+    at, mask = cell.from_address, 0x7FFF if cell is ctypes.c_uint16 else None  # (float16: its bits, sign left out)
+    for b in range(rows):
+        for h in range(heads):
+            for position in (0, last):
+                value = at(base + size * (b * row + h * head + position * key)).value
+                if not (value & mask if mask is not None else value):
+                    return False  # (0 or -0: this edge may be padding, read as before)
+    return True
+
+
+def _kept_edges_nonzero(k: torch.Tensor, v: torch.Tensor, k_shape: tuple, bounds) -> bool:
+    """Where an edge key may be zero: whether each row's first and last key some query keeps (`bounds()`, as
+    _zero_kv_cpu reads them) has a nonzero first dimension in some head of K or of V, read cell by cell (no run of zero
+    keys can start there, so there is none: a left-padded batch whose padding keys are zero and masked); False where that
+    is not known so (more cells than EDGES, a tensor not read so, a row whose kept edge is zero)."""
+    if len(k_shape) != 4 or v.dim() != 4 or k_shape[0] * k_shape[1] * 2 > EDGES or v.shape[0] * v.shape[1] * 2 > EDGES:
+        return False
+    cells = [_cells(t) for t in (k, v)]
+    if cells[0] is None or cells[1] is None:
+        return False
+    kept = bounds()
+    length = k_shape[-2]
+    rows = max(k_shape[0], v.shape[0], 1 if kept is None else len(kept))
+    spans = [[0, length]] * rows if kept is None else kept * rows if len(kept) == 1 else kept
+    for b, (lo, hi) in enumerate(spans):
+        if hi <= lo:
+            continue  # (no key kept: no run read there either)
+        for at in (lo, hi - 1):
+            if not any(_nonzero(cell, b, at) for cell in cells):
+                return False
+    return True
+
+
+def _cells(t: torch.Tensor) -> tuple | None:
+    """(read one cell at an address, its float16 bits' mask or None, base, strides, element size, batch, heads) of a
+    4-D CPU tensor read cell by cell; None where it is not read so."""
+    cell = _CELLS.get(t.dtype)
+    if cell is None or not t.is_cpu or type(t) is not torch.Tensor or t.layout != torch.strided:
+        return None
+    base = t.data_ptr()
+    if not base:
+        return None
+    return cell.from_address, 0x7FFF if cell is ctypes.c_uint16 else None, base, t.stride(), t.element_size(), t.shape[0], t.shape[1]
+
+
+def _nonzero(cells: tuple, b: int, at: int) -> bool:
+    """Whether key `at` of batch row `b` (modulo a broadcast batch) has a nonzero first dimension in some head."""
+    read, mask, base, strides, size, rows, heads = cells
+    start = base + size * ((b % rows) * strides[0] + at * strides[2])
+    for h in range(heads):
+        value = read(start + size * h * strides[1]).value
+        if value & mask if mask is not None else value:
+            return True
+    return False
+
+
+EDGES = 64  # edge cells read one by one at most (more: numpy's one count reads them)
+_CELLS = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double, torch.float16: ctypes.c_uint16}
+
+
+def _numpy_ready(t: torch.Tensor) -> bool:
+    """Whether _cpu(t) gives t's cells (asked before making the view: most calls never need V's)."""
+    return t.is_cpu and t.dtype in _NUMPY and type(t) is torch.Tensor
 
 
 def _cpu(t: torch.Tensor) -> np.ndarray | None:
@@ -107,19 +192,21 @@ _VISIBLE: dict = {}  # id(mask) -> (a weak reference to it, its version, its row
 CHUNK = 16  # keys read at first past an edge whose first key may be zero (then 4x as many each time)
 
 
-def _zero_kv_cpu(q: torch.Tensor, k: np.ndarray, v: np.ndarray, bounds) -> dict:
-    """zero_kv over 4-D numpy views of K and V (q: read last, where a run is found). First the first dimension of each
-    row's first and last key in every head of K and V (one element a head): where neither may be zero, nothing more is
-    read (most calls). Where one may, `bounds()`
+def _zero_kv_cpu(q: torch.Tensor, k: np.ndarray, values, bounds) -> dict:
+    """zero_kv over 4-D numpy views of K and V (`values()`: V's, made only where K's edge may be zero; q: read last,
+    where a run is found). First the first dimension of each row's first and last key in every head of K: where none
+    may be zero, nothing more is read (most calls); then V's likewise. Where one may, `bounds()`
     (each row's kept keys, or None) is asked, and the run is read from the same side's edge of the kept keys inward, a
     chunk at a time, only as far as it goes (never the hidden keys past the edge: a static cache's unwritten tail);
     each run's two ends read whole."""
     length = k.shape[2]
-    k0, v0 = k[..., 0], v[..., 0]  # (B, H, Lk) views
+    k0 = k[..., 0]  # (B, H, Lk) view
     count = np.count_nonzero
     ends = k0[:, :, :: length - 1]  # (B, H, 2)
     if count(ends) == ends.size:
         return {}  # (the common case: no head's first or last key is 0 in its first dimension; one C call)
+    v = values()
+    v0 = v[..., 0]
     either = np.logical_or.reduce
     edge = ~(either(ends, axis=1) | either(v0[:, :, :: length - 1], axis=1))  # (B, 2): may be zero
     if not edge.any():
