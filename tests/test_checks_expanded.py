@@ -50,3 +50,14 @@ def test_documents_handed_by_keyword_or_in_an_argument_object():
     given, tokens = handed({"args": (torch.zeros(2, 5, 8),), "kwargs": {"cu_seqlens": cu}})
     assert np.array_equal(given["cu_seqlens"], cu) and tokens == 10
     assert handed({"args": (hidden, object()), "kwargs": {"mask": None}}) is None
+
+
+def test_an_argument_whose_attribute_code_raises_is_read_statically():
+    class Slotted:  # (no instance dict: getattr(x, "__dict__") would reach its __getattr__, which raises KeyError)
+        __slots__ = ("cu",)
+
+        def __getattr__(self, name):
+            raise KeyError(name)
+
+    hidden = torch.zeros(13, 1, 32)
+    assert handed({"args": (hidden, Slotted()), "kwargs": {}}) is None

@@ -53,7 +53,10 @@ def handed(variables: dict) -> tuple[dict, int | None] | None:
         for value in (*args, *kwargs.values()) if kwargs else args:
             if type(value) in _PLAIN or isinstance(value, (torch.Tensor, torch.nn.Module)):
                 continue  # (most arguments: a type lookup each)
-            fields = getattr(value, "__dict__", None)
+            try:  # (never the program's __getattr__ / __getattribute__: a slotted object's may raise anything)
+                fields = object.__getattribute__(value, "__dict__")
+            except Exception:  # noqa: BLE001 - no instance dict, or the program's own descriptor raising: none handed
+                continue
             if isinstance(fields, dict) and not DOCUMENTS.isdisjoint(fields):
                 given = {name: fields[name] for name in PACKED if name in fields}
                 break

@@ -150,7 +150,7 @@ def _held_segments(given: dict) -> dict:
         if value is None or isinstance(value, (torch.Tensor, torch.nn.Module, int, float, str, bool, list, tuple)):
             continue
         for field in SEGMENTS:
-            held = value.get(field) if isinstance(value, dict) else read(value, field)
+            held = dict.get(value, field) if isinstance(value, dict) else read(value, field)  # (a dict subclass's get unread)
             if isinstance(held, torch.Tensor) and held.dim() == 2 and held.numel() <= MOST and not held.is_floating_point() \
                     and held.dtype != torch.bool and held.device.type != "meta":
                 return {"segment_ids": held.detach().cpu().numpy().astype(np.int64), "segments_held_by": name}
