@@ -282,7 +282,7 @@ def held_documents(run: Run) -> list:
     return found
 
 
-def _edge_runs(real: np.ndarray, right_only: bool) -> bool:
+def edge_runs(real: np.ndarray, right_only: bool) -> bool:
     """Each row a run of real tokens at one edge with at least one real token, some row padded (no row need be whole:
     a batch padded to a bucket)."""
     count = real.sum(axis=1)
@@ -328,7 +328,7 @@ def held_inverted(run: Run) -> list:
                     if table.ndim != 2 or table.shape[0] != rows or not 0 <= k_len - table.shape[1] <= EXTRA_KEYS:
                         continue
                     real = table if held["kind"] == "keep" else ~table
-                    if not _edge_runs(real, right_only=held["name"] == "mask"):
+                    if not edge_runs(real, right_only=held["name"] == "mask"):
                         continue
                     padded = ~real.all(axis=1)
                     # keys the padding does not cover (a relay, CLS or register token put before or after the tokens):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, cross, first_cell, keep
+from maskcli.checks.held import edge_runs
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -39,13 +40,9 @@ def _stated(top) -> tuple[str, np.ndarray, str] | None:
     if real.shape[0] not in (1, zero.shape[0]) or real.shape[1] != zero.shape[1]:
         return None
     real = np.broadcast_to(real, zero.shape)
-    count = real.sum(axis=1)
-    at = np.arange(real.shape[1])[None, :]
-    edge = (real == (at < count[:, None])).all(axis=1) | (real == (at >= real.shape[1] - count[:, None])).all(axis=1)
-    padded = count < real.shape[1]
-    if count.min() < 1 or not padded.any() or not edge.all():
+    if not edge_runs(real, right_only=False):
         return None
-    for b in np.flatnonzero(padded):
+    for b in np.flatnonzero(~real.all(axis=1)):
         if not zero[b][~real[b]].all() or zero[b][real[b]].all():
             return None  # (the mask's padding is not the data's zeros: another mask, or the data not padded)
     return name, real, source

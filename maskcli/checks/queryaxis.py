@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, cross, first_cell, keep, queries
-from maskcli.checks.held import _edge_runs
+from maskcli.checks.held import edge_runs
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -31,7 +31,7 @@ def _real(held: dict, rows: int, length: int) -> np.ndarray | None:
     if held["kind"] not in ("keep", "pad") or table.ndim != 2 or table.shape != (rows, length):
         return None
     real = table.astype(bool) if held["kind"] == "keep" else ~table.astype(bool)
-    return real if _edge_runs(real, right_only=held["name"] == "mask") else None
+    return real if edge_runs(real, right_only=held["name"] == "mask") else None
 
 
 def padding_on_queries(run: Run) -> list:
