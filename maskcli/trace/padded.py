@@ -30,14 +30,13 @@ def padded_input(given: dict) -> dict:
             if other == name or not isinstance(data, torch.Tensor) or not data.is_floating_point() \
                     or data.dim() not in (2, 3) or data.numel() > MOST or data.device.type == "meta":
                 continue
-            zero = data.detach() == 0
             if data.dim() == 2 and data.shape[1] == length:
-                zero = zero.cpu().numpy()
+                zero = (data.detach() == 0).cpu().numpy()
             elif data.dim() == 3 and data.shape[2] == length:
-                zero = zero.all(1).cpu().numpy()  # (B, C, S)
+                zero = (data.detach() == 0).all(1).cpu().numpy()  # (B, C, S)
             elif data.dim() == 3 and data.shape[1] == length:
-                zero = zero.all(2).cpu().numpy()  # (B, S, C)
+                zero = (data.detach() == 0).all(2).cpu().numpy()  # (B, S, C)
             else:
-                continue
+                continue  # (no axis of the mask's samples: not compared, so no pass over its cells)
             return {"padded_input": (name, values.numpy().astype(np.int64), other, zero)}
     return {}
