@@ -154,7 +154,8 @@ def _judged(run: Run, top, counts: np.ndarray, frame: np.ndarray, source: str) -
                 f"patch {q} (frame {frames[q]}) sees patch {k} of frame {frames[k]} of the same video: {source} "
                 f"gives it {int(counts[item[q]] // frame[item[q]])} temporal patches of {int(frame[item[q]])}, "
                 "which the reference vision encoders attend one by one (cu_seqlens from repeat_interleave(h * w, t))"
-                + (f", as {family} does" if sure else ", unless this tower attends a video's frames jointly")),
+                + (f", as the reference encoder of the family {family} names does" if sure
+                   else ", unless this tower attends a video's frames jointly")),
                 severity=None if sure else "suspicious", expected="each frame's patches see only their own frame",
                 source=source)))
             break
