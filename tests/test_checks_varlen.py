@@ -248,3 +248,9 @@ def test_segment_ids_read_from_an_argument_object_statically():
     assert held["segments_held_by"] == "mask" and held["segment_ids"].tolist() == [[0, 0, 1, 1]]
     assert _held_segments({"batch": {"segment_ids": ids}})["segment_ids"].tolist() == [[0, 0, 1, 1]]
     assert _held_segments({"mask": Mask(torch.zeros(4)), "n": 3}) == {}  # (not per-token rows: nothing)
+
+    class Batch(dict):
+        def get(self, name, default=None):  # the program's own: never run by the read
+            raise AssertionError(name)
+
+    assert _held_segments({"batch": Batch(segment_ids=ids)})["segment_ids"].tolist() == [[0, 0, 1, 1]]
