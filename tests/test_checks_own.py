@@ -162,4 +162,5 @@ def test_mask_types_read_as_causal_and_those_that_say_nothing():
     assert said(mask_type=Kind.padding_causal) == "Module.mask_type=padding_causal"
     assert said(attn_mask_type=Kind.padding) is None and said(attn_mask_type="no_mask") is None
     assert said(attn_mask_type="arbitrary", softmax_type="scaled") is None
+    assert said(attn_mask_type="non_causal") is None and said(mask_type="NotCausal") is None  # (the opposite word)
     assert said(is_causal=False, attn_mask_type="causal") == "Module.is_causal=False"  # (the flag speaks first)

@@ -376,8 +376,9 @@ def _shown(name: str, here: str) -> str:
 def causal_flag(stack: list) -> str | None:
     """'Class.causal' where the innermost running module's own attribute (or its class's) `is_causal` or `causal` is
     True, 'Class.causal=False' where it is False (an encoder's layer beside a decoder's, under one causal config: the
-    module's own word, checks/dropped.py); None otherwise (two dict lookups: nn.Module's __getattr__ would raise for
-    the usual missing one)."""
+    module's own word, checks/dropped.py); else its mask type where that names a causal mask
+    ('Class.attn_mask_type=causal': trace/masktype.py); None otherwise (dict lookups: nn.Module's __getattr__ would
+    raise for the usual missing one)."""
     if not stack:
         return None
     module = stack[-1]
