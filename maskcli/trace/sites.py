@@ -21,6 +21,7 @@ from collections import Counter
 
 import torch
 
+from maskcli.trace.builders import causal_builder
 from maskcli.trace.crossing import Readings
 from maskcli.trace.forwardflag import forward_flag
 from maskcli.trace.held import padding
@@ -127,6 +128,9 @@ class Sites:
             named = causal_function((walked.line_within if self.stack else walked.line)[0])
             if named is not None:
                 details["function_causal"] = named
+        builder = causal_builder(self.stack)  # a decoder of the program's whose code builds causal masks (checks/directions.py)
+        if builder is not None:
+            details["decoder_builder"] = builder
         windows = shifted_windows(self.stack)  # a Swin block's shifted windows and the mask it holds (checks/swin.py)
         if windows is not None:
             details["shifted_windows"] = windows
