@@ -41,7 +41,7 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "softmaxed", "padflag", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes",
            "stages", "packing", "held", "heldcells", "frames", "subsampled", "patches", "nans", "segments", "withheld", "swin", "across",
            "crosspad", "crossq", "batchaxis", "decoders", "headrows", "evicted", "media", "shard", "serve", "servemasks",
-           "servesteps", "serveexpect", "ranks", "fullblocks", "zerokv", "memlen", "graphs", "reach", "neighbours", "reqlens", "turned", "gathered", "chunkrows", "discarded", "directions")
+           "servesteps", "serveexpect", "ranks", "fullblocks", "zerokv", "memlen", "graphs", "reach", "neighbours", "reqlens", "turned", "gathered", "chunkrows", "discarded", "directions", "rowless")
 
 
 @dataclass(frozen=True)
