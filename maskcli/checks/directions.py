@@ -79,8 +79,9 @@ def causal_run_unsaid(run: Run) -> list:
                 f"{where}'s module states {said.split('.')[-1]}=False ({said}) and its call at step {both[0].step} "
                 f"attends both ways (batch row {b}: query {q} sees later key {k}), yet at step {call.step} its "
                 f"({call.shape[0]}, {call.shape[2]}, {call.shape[3]}) pass runs causal: every real query sees only "
-                f"the keys up to itself (batch row {mb}: query {mq} misses key {mk}) — a causal mask (an is_causal the kernel took from a missing mask?) on this "
-                f"batch shape only"),
+                f"the keys up to itself (batch row {mb}: query {mq} misses key {mk}): a causal mask on this batch "
+                f"shape only" + (" (the kernel's is_causal, taken from a mask left out?)" if call.details.get("is_causal")
+                                 else "")),
                 expected="bidirectional", source=f"{said}=False", cell=first_cell(missed))))
     return found
 

@@ -17,8 +17,9 @@ import sysconfig
 BUILDER = re.compile(r"subsequent_mask|causal_mask|future_mask|look_?ahead_mask|no_?peak_mask|autoregressive_mask",
                      re.IGNORECASE)
 DECODER = re.compile(r"decoder", re.IGNORECASE)
-NOT_AUTOREGRESSIVE = re.compile(r"non_?autoregressive|(?<![a-z])nat(?![a-z])|nar(?![a-z])|mlm|cmlm|masked|bidirectional",
-                                re.IGNORECASE)  # (a decoder that names itself not causal: Mask-CTC's MLMDecoder)
+WORDS = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+")  # a CamelCase name's words
+NOT_AUTOREGRESSIVE = {"na", "nat", "nar", "mlm", "cmlm", "masked", "bidirectional", "nonautoregressive", "non",
+                      "levenshtein", "insertion"}  # (a decoder that names itself not causal: Mask-CTC's MLMDecoder)
 
 
 def causal_builder(stack: list) -> str | None:
@@ -26,20 +27,26 @@ def causal_builder(stack: list) -> str | None:
     whose code holds a causal-mask builder; None where none does."""
     for module in reversed(stack):
         found = _of_class(type(module))
+        if found is STOP:
+            return None
         if found is not None:
-            return found or None
+            return found
     return None
+
+
+STOP = False  # a decoder that names itself not autoregressive: no decoder around it speaks for it
 
 
 @functools.lru_cache(maxsize=1024)
 def _of_class(cls) -> str | None:
-    """The builder a decoder class's code holds; '' for a decoder class that holds none (the search stops there);
-    None for a class that is no decoder of the program's."""
+    """The builder a decoder class's code holds; STOP for a decoder that names itself not autoregressive; None for a
+    class that is no decoder of the program's, or one whose code holds no builder (a layer's class, the builder on the
+    decoder around it)."""
     name = cls.__name__
     if not DECODER.search(name):
         return None
-    if NOT_AUTOREGRESSIVE.search(name):
-        return ""
+    if NOT_AUTOREGRESSIVE & {word.lower() for word in WORDS.findall(name)}:
+        return STOP
     forward = vars(cls).get("forward") or getattr(cls, "forward", None)
     code = getattr(forward, "__code__", None)
     if code is None or not _own(code.co_filename):
@@ -50,7 +57,7 @@ def _of_class(cls) -> str | None:
     names += [key for key, value in held.items() if BUILDER.search(key) and callable(value)
               and not isinstance(value, type)]
     if not names:
-        return ""
+        return None
     return f"{names[0]}() beside {name} in {os.path.basename(code.co_filename)}"
 
 
