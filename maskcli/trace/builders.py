@@ -14,8 +14,10 @@ import os
 import re
 import sysconfig
 
-BUILDER = re.compile(r"subsequent_mask|causal_mask|future_mask|look_?ahead_mask|no_?peak_mask|autoregressive_mask",
-                     re.IGNORECASE)
+BUILDER = re.compile(r"_*(?:(?:get|make|build|create|generate|gen|buffered|square)_)*"
+                     r"(?:subsequent|causal|future|look_?ahead|no_?peak|autoregressive)_(?:attn_|attention_)?mask",
+                     re.IGNORECASE)  # a builder's whole name (fairseq's buffered_future_mask, torch's
+# generate_square_subsequent_mask), not a name that mentions one (a test's)
 DECODER = re.compile(r"decoder", re.IGNORECASE)
 WORDS = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+")  # a CamelCase name's words
 NOT_AUTOREGRESSIVE = {"na", "nat", "nar", "mlm", "cmlm", "masked", "bidirectional", "nonautoregressive", "non",
@@ -52,9 +54,9 @@ def _of_class(cls) -> str | None:
     if code is None or not _own(code.co_filename):
         return None  # (a library's decoder: torch's nn.TransformerDecoder is DETR's too, run without a causal mask)
     names = [key for klass in cls.__mro__ if klass.__module__ == cls.__module__ for key in vars(klass)
-             if BUILDER.search(key) and callable(vars(klass)[key])]
+             if BUILDER.fullmatch(key) and callable(vars(klass)[key])]
     held = getattr(forward, "__globals__", {})
-    names += [key for key, value in held.items() if BUILDER.search(key) and callable(value)
+    names += [key for key, value in held.items() if BUILDER.fullmatch(key) and callable(value)
               and not isinstance(value, type)]
     if not names:
         return None
