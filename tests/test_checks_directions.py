@@ -33,6 +33,13 @@ def test_unpadded_fast_path_tril(tmp_path):
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 
+def test_direction_chosen_per_call_is_quiet(tmp_path):
+    """GritLM's way: the module's attribute says False, the model's forward is handed is_causal per call; its causal
+    call is meant (trace records the forward's word beside the module's)."""
+    status, found, report = traced(tmp_path, "per_call_direction_quiet", False, DIRECTIONS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
 def test_espnet2_decoder_without_subsequent_mask(tmp_path):
     """espnet#1539: ESPnet2's TransformerDecoder built tgt_mask from the target lengths alone; the module defines
     subsequent_mask() beside it."""

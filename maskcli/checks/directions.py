@@ -5,8 +5,9 @@
   another call of the same module (the same site and caller) lets real queries see later real keys: its calls
   disagree, and the module states which is meant (llm2vec#74: LlamaBiModel's SDPA shortcut returned no mask for an
   unpadded batch of one, and transformers 4.40 then ran SDPA with `is_causal=True`; a padded batch got the
-  bidirectional mask). Left alone: a call that its forward's own argument states causal (trace records it as the
-  module's causal word instead), later keys the model call's token types account for, one query, cross-attention.
+  bidirectional mask). Left alone: a site some call of which a running module's forward was handed `is_causal=True`
+  / `causal=True` (GritLM chooses the direction per call: trace/sites.py records it beside the module's False),
+  later keys the model call's token types account for, one query, cross-attention.
 - A decoder's self-attention over its own tokens in which a real query sees a later real key, where the program's
   own decoder class (named a decoder, in the program's files) has a causal-mask builder in its code (ESPnet's
   `subsequent_mask`, fairseq's `buffered_future_mask`, `generate_square_subsequent_mask`: trace/builders.py): the
@@ -61,8 +62,9 @@ def causal_run_unsaid(run: Run) -> list:
         if said is None or len(calls) < 2:
             continue  # (most sites: no module that says it is not causal)
         judged = None
-        read = [(call, _directions(run, call)) for call in calls if call.details.get("module_not_causal") == said
-                and not call.details.get("module_causal")]
+        if any(call.details.get("forward_causal") for call in calls):
+            continue  # a forward around the module handed causal=True on some call: the direction is chosen per call
+        read = [(call, _directions(run, call)) for call in calls if call.details.get("module_not_causal") == said]
         read = [(call, got) for call, got in read if got is not None]
         both = next(((call, got) for call, got in read if got[0].any()), None)
         if both is None:

@@ -116,6 +116,12 @@ class Sites:
         flag = causal_flag(self.stack) or (None if self.walked is None else forward_flag(self.stack, self.walked.held))
         if flag is not None:
             details["module_causal" if not flag.endswith("=False") else "module_not_causal"] = flag.removesuffix("=False")
+            if flag.endswith("=False") and self.walked is not None:  # (a model whose forward is handed causal per call
+                # around a module that says False: GritLM's; checks/directions.py leaves those calls alone)
+                around = next((found for i in range(len(self.stack) - 1, -1, -1)
+                               if (found := forward_flag(self.stack[:i + 1], self.walked.held)) is not None), None)
+                if around is not None:
+                    details["forward_causal"] = around
         if caller is not None:
             details["caller"] = caller
         walked = self.walked
