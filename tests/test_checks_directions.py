@@ -86,14 +86,27 @@ class Encoder(torch.nn.Module):
         return x
 
 
+class EncoderDecoder(torch.nn.Module):  # the Annotated Transformer's whole model: speaks for neither part
+    def forward(self, x):
+        return x
+
+
+class Attention(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
 def test_builder_reading():
     """causal_builder: the innermost decoder class of the program's own whose module or class holds a builder; none for
     a library's decoder (torch's, which DETR runs without a causal mask), a decoder that names itself
-    non-autoregressive (and none around it speaks for it), or no decoder."""
+    non-autoregressive, an encoder (even inside a whole EncoderDecoder), or no decoder."""
     from maskcli.trace.builders import causal_builder
 
     assert causal_builder([TransformerDecoder(), DecoderLayer()]).startswith("subsequent_mask() beside DecoderLayer")
-    assert causal_builder([TransformerDecoder(), Encoder()]).startswith("subsequent_mask() beside TransformerDecoder")
+    assert causal_builder([TransformerDecoder(), Attention()]).startswith("subsequent_mask() beside TransformerDecoder")
+    assert causal_builder([EncoderDecoder(), Encoder(), Attention()]) is None  # the encoder's self-attention
+    assert causal_builder([EncoderDecoder(), TransformerDecoder(), Attention()]).startswith("subsequent_mask() beside "
+                                                                                         "TransformerDecoder")
     assert causal_builder([TransformerDecoder(), MLMDecoder()]) is None
     assert causal_builder([Encoder()]) is None
     layer = torch.nn.TransformerDecoderLayer(8, 2)

@@ -36,18 +36,21 @@ def causal_builder(stack: list) -> str | None:
     return None
 
 
-STOP = False  # a decoder that names itself not autoregressive: no decoder around it speaks for it
+STOP = False  # an encoder, or a decoder that names itself not autoregressive: no decoder around it speaks for it
 
 
 @functools.lru_cache(maxsize=1024)
 def _of_class(cls) -> str | None:
-    """The builder a decoder class's code holds; STOP for a decoder that names itself not autoregressive; None for a
-    class that is no decoder of the program's, or one whose code holds no builder (a layer's class, the builder on the
-    decoder around it)."""
+    """The builder a decoder class's code holds; STOP for an encoder, or a decoder that names itself not autoregressive;
+    None for a class that is no decoder of the program's, or one whose code holds no builder (a layer's class, the
+    builder on the decoder around it)."""
     name = cls.__name__
-    if not DECODER.search(name):
-        return None
-    if NOT_AUTOREGRESSIVE & {word.lower() for word in WORDS.findall(name)}:
+    words = {word.lower() for word in WORDS.findall(name)}
+    if "encoder" in words and "decoder" not in words:
+        return STOP  # an encoder's call, whatever seq2seq model holds it (the Annotated Transformer's EncoderDecoder)
+    if not DECODER.search(name) or "encoder" in name.lower():
+        return None  # (a whole encoder-decoder speaks for neither part)
+    if NOT_AUTOREGRESSIVE & words:
         return STOP
     forward = vars(cls).get("forward") or getattr(cls, "forward", None)
     code = getattr(forward, "__code__", None)
