@@ -21,6 +21,7 @@ from collections import Counter
 
 import torch
 
+from maskcli.trace.builders import causal_builder
 from maskcli.trace.crossing import Readings
 from maskcli.checks.causalname import causal_class
 from maskcli.trace.forwardflag import forward_flag
@@ -117,6 +118,12 @@ class Sites:
         flag = causal_flag(self.stack) or (None if self.walked is None else forward_flag(self.stack, self.walked.held))
         if flag is not None:
             details["module_causal" if not flag.endswith("=False") else "module_not_causal"] = flag.removesuffix("=False")
+            if flag.endswith("=False") and self.walked is not None:  # (a model whose forward is handed causal per call
+                # around a module that says False: GritLM's; checks/directions.py leaves those calls alone)
+                around = next((found for i in range(len(self.stack) - 1, -1, -1)
+                               if (found := forward_flag(self.stack[:i + 1], self.walked.held)) is not None), None)
+                if around is not None:
+                    details["forward_causal"] = around
         if caller is not None:
             details["caller"] = caller
         walked = self.walked
@@ -132,6 +139,9 @@ class Sites:
         named = causal_class(self.stack)  # (the attending module's class named causal: the same weak word)
         if named is not None:
             details["class_causal"] = named
+        builder = causal_builder(self.stack)  # a decoder of the program's whose code builds causal masks (checks/directions.py)
+        if builder is not None:
+            details["decoder_builder"] = builder
         windows = shifted_windows(self.stack)  # a Swin block's shifted windows and the mask it holds (checks/swin.py)
         if windows is not None:
             details["shifted_windows"] = windows

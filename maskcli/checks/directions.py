@@ -1,0 +1,127 @@
+"""Attention that runs in another direction than the program states: causal where it says both ways, or the reverse.
+
+- A module whose own attribute says it is not causal (`self.is_causal = False`, `self.causal = False`: trace records
+  it on each call the module makes, trace/sites.py causal_flag) runs causal on one call over its own tokens, while
+  another call of the same module (the same site and caller) lets real queries see later real keys: its calls
+  disagree, and the module states which is meant (llm2vec#74: LlamaBiModel's SDPA shortcut returned no mask for an
+  unpadded batch of one, and transformers 4.40 then ran SDPA with `is_causal=True`; a padded batch got the
+  bidirectional mask). Left alone: a site some call of which a running module's forward was handed `is_causal=True`
+  / `causal=True` (GritLM chooses the direction per call: trace/sites.py records it beside the module's False),
+  later keys the model call's token types account for, one query, cross-attention.
+- A decoder's self-attention over its own tokens in which a real query sees a later real key, where the program's
+  own decoder class (named a decoder, in the program's files) has a causal-mask builder in its code (ESPnet's
+  `subsequent_mask`, fairseq's `buffered_future_mask`, `generate_square_subsequent_mask`: trace/builders.py): the
+  program builds its decoder causal, and this mask never got that part (espnet#1539: ESPnet2's TransformerDecoder
+  built `tgt_mask` from the target lengths alone). Left alone: a decoder that names itself not autoregressive
+  (an MLM / NAR decoder), a library's decoder (DETR runs torch's without a causal mask), a config that states the
+  attention both ways, later keys token types account for, one query, cross-attention (checks/context.crossing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, cross, first_cell, keep, queries
+from maskcli.checks.intent import intent
+from maskcli.checks.real import by_row, resolve
+from maskcli.checks.registry import Rule
+from maskcli.checks.spans import explained
+from maskcli.text import Finding
+
+
+def _directions(run: Run, call):
+    """(later, causal, missed) of a call over its own tokens from position 0: bool (B, Lq, Lk) real queries seeing
+    later real keys, whether every real query sees exactly the real keys up to itself, bool (B, Lq, Lk) the later real
+    keys real queries miss; None where the call is not such a pass or its cells are not kept."""
+    q_len, k_len = call.shape[2:]
+    if call.stored is None or q_len < 2 or cross(call):
+        return None
+    top = run.top(call)
+    own = queries(call, top)
+    if int(own[0]) != 0 or q_len != k_len:
+        return None
+    cells = keep(call)
+    if cells is None or cells.shape[0] not in (1, call.shape[0]):
+        return None
+    rows = by_row(cells, call.shape[0])
+    real = resolve(call, top, rows)
+    judged = real.queries[:, :, None] & real.keys[:, None, :]
+    if not judged.any():
+        return None
+    ahead = np.arange(k_len)[None, None, :] > own[None, :, None]
+    later = rows & judged & ahead
+    causal = bool(((rows & judged) == (judged & ~ahead)).all())
+    return later, causal, judged & ahead & ~rows
+
+
+def causal_run_unsaid(run: Run) -> list:
+    """Calls of a module that says it is not causal run causal where another of its calls attends both ways."""
+    found = []
+    for (where, _), calls in run.callers().items():
+        said = next((call.details["module_not_causal"] for call in calls if call.details.get("module_not_causal")), None)
+        if said is None or len(calls) < 2:
+            continue  # (most sites: no module that says it is not causal)
+        judged = None
+        if any(call.details.get("forward_causal") for call in calls):
+            continue  # a forward around the module handed causal=True on some call: the direction is chosen per call
+        read = [(call, _directions(run, call)) for call in calls if call.details.get("module_not_causal") == said]
+        read = [(call, got) for call, got in read if got is not None]
+        both = next(((call, got) for call, got in read if got[0].any()), None)
+        if both is None:
+            continue
+        for call, (later, causal, missed) in read:
+            if not causal or later.any() or not missed.any():
+                continue
+            judged = explained(run) if judged is None else judged
+            if call.index in judged or both[0].index in judged:
+                continue
+            b, q, k = first_cell(both[1][0])
+            mb, mq, mk = first_cell(missed)
+            found.append((call, Finding("causal-but-said-not", (
+                f"{where}'s module states {said.split('.')[-1]}=False ({said}) and its call at step {both[0].step} "
+                f"attends both ways (batch row {b}: query {q} sees later key {k}), yet at step {call.step} its "
+                f"({call.shape[0]}, {call.shape[2]}, {call.shape[3]}) pass runs causal: every real query sees only "
+                f"the keys up to itself (batch row {mb}: query {mq} misses key {mk}): a causal mask on this batch "
+                f"shape only" + (" (the kernel's is_causal, taken from a mask left out?)" if call.details.get("is_causal")
+                                 else "")),
+                expected="bidirectional", source=f"{said}=False", cell=first_cell(missed))))
+    return found
+
+
+def decoder_builder_unused(run: Run) -> list:
+    """Self-attention calls of a program's decoder that holds a causal-mask builder where a real query sees later."""
+    found, done, judged = [], set(), None
+    for call in run.calls:
+        said = call.details.get("decoder_builder")
+        if said is None or call.details.get("module_not_causal"):
+            continue
+        key = (call.mask, tuple(call.shape), said)
+        if key in done:
+            continue
+        done.add(key)
+        got = _directions(run, call)
+        if got is None or not got[0].any():
+            continue
+        if intent(run, call).bidirectional() is not None:
+            continue
+        judged = explained(run) if judged is None else judged
+        if call.index in judged:
+            continue
+        later = got[0]
+        b, q, k = first_cell(later)
+        found.append((call, Finding("decoder-mask-not-causal", (
+            f"batch row {b}: query {q} of {call.where} sees the later key {k} ({int(later.sum())} such cells), yet the "
+            f"program's decoder builds causal masks ({said}): its self-attention got the padding mask without the "
+            f"causal part"),
+            expected="causal", source=said, cell=(b, q, k))))
+    return found
+
+
+RULES = (
+    Rule("causal-but-said-not", "wrong", "site", "a module that states itself not causal (is_causal=False) and attends "
+         "both ways on one call runs causal on another of the same site (a kernel's is_causal taken from a missing "
+         "mask on one batch shape)", causal_run_unsaid),
+    Rule("decoder-mask-not-causal", "wrong", "call", "a decoder of the program's own whose code holds a causal-mask "
+         "builder (subsequent_mask, buffered_future_mask) lets a real query of its self-attention see a later real "
+         "key: the causal part never reached the mask", decoder_builder_unused),
+)

@@ -1,0 +1,113 @@
+"""checks/directions.py: attention run in another direction than the program states (causal-but-said-not,
+decoder-mask-not-causal), and trace/builders.py's reading of a decoder's causal-mask builder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from checkbugs import check_bug, first, traced
+
+DIRECTIONS = Path(__file__).parent / "data" / "directions"
+
+
+def test_llm2vec_batch_of_one_runs_causal(tmp_path):
+    """llm2vec#74: LlamaBiModel (is_causal=False) ran SDPA's is_causal on an unpadded batch of one, both ways on a
+    padded batch of two."""
+    hit = check_bug(tmp_path, "llm2vec_llama_bi_model_batch_one_sdpa_is_causal", "causal-but-said-not")[0]
+    assert hit["expected"] == "bidirectional" and "ModifiedLlamaSdpaAttention.is_causal" in hit["source"]
+    assert tuple(hit["cell"]) == first((1, 6, 6), lambda b, q, k: k > q)  # the first later key the causal pass misses
+
+
+def test_unpadded_fast_path_tril(tmp_path):
+    """Written another way: `self.causal = False`, a masked softmax, a right-padded batch first, then an unpadded batch
+    of two that takes a tril "fast path"; its fix is quiet."""
+    status, found, report = traced(tmp_path, "encoder_unpadded_fast_path_tril", False, DIRECTIONS)
+    assert status == 1, report
+    hits = [f for f in found if f["code"] == "causal-but-said-not"]
+    assert hits and all(f["severity"] == "wrong" for f in hits), report
+    assert "SelfAttention.causal" in hits[0]["source"]
+    assert tuple(hits[0]["cell"]) == first((2, 4, 4), lambda b, q, k: k > q)
+    status, found, report = traced(tmp_path, "encoder_unpadded_fast_path_tril", True, DIRECTIONS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_direction_chosen_per_call_is_quiet(tmp_path):
+    """GritLM's way: the module's attribute says False, the model's forward is handed is_causal per call; its causal
+    call is meant (trace records the forward's word beside the module's)."""
+    status, found, report = traced(tmp_path, "per_call_direction_quiet", False, DIRECTIONS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_espnet2_decoder_without_subsequent_mask(tmp_path):
+    """espnet#1539: ESPnet2's TransformerDecoder built tgt_mask from the target lengths alone; the module defines
+    subsequent_mask() beside it."""
+    hit = check_bug(tmp_path, "espnet2_transformer_decoder_no_subsequent_mask", "decoder-mask-not-causal")[0]
+    assert "subsequent_mask()" in hit["source"]
+    real = [[1] * 5, [1, 1, 1, 0, 0]]  # ys_in_lens (5, 3), right-padded
+    assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: k > q and bool(real[b][q] and real[b][k]))
+
+
+def test_future_mask_on_the_incremental_path_only(tmp_path):
+    """Written another way: buffered_future_mask as the decoder class's method, nn.MultiheadAttention with a
+    key_padding_mask, left-padded targets; the mask applied only with an incremental state. Its fix is quiet."""
+    status, found, report = traced(tmp_path, "seq2seq_future_mask_incremental_only", False, DIRECTIONS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "decoder-mask-not-causal")
+    assert hit["severity"] == "wrong" and "buffered_future_mask()" in hit["source"]
+    real = [[0, 0, 1, 1, 1, 1], [1] * 6]  # tokens equal to the padding id 0 lead row 0
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: k > q and bool(real[b][q] and real[b][k]))
+    status, found, report = traced(tmp_path, "seq2seq_future_mask_incremental_only", True, DIRECTIONS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def subsequent_mask(n):  # a builder in this file's globals: the decoder classes below are the program's own
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+class TransformerDecoder(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+class MLMDecoder(torch.nn.Module):  # Mask-CTC's non-autoregressive decoder: both ways on purpose
+    def forward(self, x):
+        return x
+
+
+class DecoderLayer(torch.nn.Module):  # a layer with no builder of its own in a class: the module's globals hold one
+    def forward(self, x):
+        return x
+
+
+class Encoder(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+class EncoderDecoder(torch.nn.Module):  # the Annotated Transformer's whole model: speaks for neither part
+    def forward(self, x):
+        return x
+
+
+class Attention(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+def test_builder_reading():
+    """causal_builder: the innermost decoder class of the program's own whose module or class holds a builder; none for
+    a library's decoder (torch's, which DETR runs without a causal mask), a decoder that names itself
+    non-autoregressive, an encoder (even inside a whole EncoderDecoder), or no decoder."""
+    from maskcli.trace.builders import causal_builder
+
+    assert causal_builder([TransformerDecoder(), DecoderLayer()]).startswith("subsequent_mask() beside DecoderLayer")
+    assert causal_builder([TransformerDecoder(), Attention()]).startswith("subsequent_mask() beside TransformerDecoder")
+    assert causal_builder([EncoderDecoder(), Encoder(), Attention()]) is None  # the encoder's self-attention
+    assert causal_builder([EncoderDecoder(), TransformerDecoder(), Attention()]).startswith("subsequent_mask() beside "
+                                                                                         "TransformerDecoder")
+    assert causal_builder([TransformerDecoder(), MLMDecoder()]) is None
+    assert causal_builder([Encoder()]) is None
+    layer = torch.nn.TransformerDecoderLayer(8, 2)
+    assert causal_builder([torch.nn.TransformerDecoder(layer, 1), layer]) is None
