@@ -32,6 +32,9 @@ BLIND = [  # the third blind batch, caught by rules not written for them
     # huggingface/transformers#40324: Llama 4 chunks counted from column 0 of a left-padded row (its decode step,
     # fixed, is quiet since boundaries.py carries the prefill's padding behind the cache)
     ("transformers_llama4_chunked_mask_ignores_left_padding", "chunks-misaligned"),
+    # vllm-project/vllm#9679 (written blind): the V1 backend object holds window_size=(W, W) beside the model's dict
+    # config (sliding_window=W): the dict, not the backend's kernel bounds, states the window
+    ("vllm_v1_flash_attn_sliding_window_plus_one", "window-off-by-one"),
 ]
 
 
@@ -116,6 +119,9 @@ PROGRAMS = [
     # a kernel spec the model holds states causal and window_size=(3, 0) only: the window is the config.json's it was
     # built from (kept as text at the top of the program, parsed in main())
     ("window_built_from_json_config", (), "window-off-by-one", "sliding_window=3 (hf (dict) in main() of"),
+    # an engine's backend object (no module) holds its kernel's bounds sliding_window=(W, 0) converted from the
+    # dataclass config in the serving function: the config states the window, the bounds reach one key past it
+    ("engine_backend_window_plus_one", (), "window-off-by-one", "sliding_window=3 (model_config (EngineModelConfig) in serve() of"),
 ]
 
 
