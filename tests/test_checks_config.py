@@ -11,7 +11,7 @@ import torch
 
 import maskcli
 from checkbugs import check_bug
-from maskcli.checks.config import Placed, layer_kind, real
+from maskcli.checks.config import Placed, _slack_dropped, layer_kind, real
 from maskcli.checks.registry import severity
 
 
@@ -35,6 +35,9 @@ BLIND = [  # the third blind batch, caught by rules not written for them
     # vllm-project/vllm#9679 (written blind): the V1 backend object holds window_size=(W, W) beside the model's dict
     # config (sliding_window=W): the dict, not the backend's kernel bounds, states the window
     ("vllm_v1_flash_attn_sliding_window_plus_one", "window-off-by-one"),
+    # vllm-project/vllm#4405 (written blind): a prefix prefill's context scores and new-token scores joined along the
+    # keys for one softmax (scores.py), the cached context's unused block slots between them dropped (_slack_dropped)
+    ("vllm_prefix_prefill_context_ignores_sliding_window", "window-missing"),
 ]
 
 
@@ -122,6 +125,8 @@ PROGRAMS = [
     # an engine's backend object (no module) holds its kernel's bounds sliding_window=(W, 0) converted from the
     # dataclass config in the serving function: the config states the window, the bounds reach one key past it
     ("engine_backend_window_plus_one", (), "window-off-by-one", "sliding_window=3 (model_config (EngineModelConfig) in serve() of"),
+    # the same bug as vllm#4405 written otherwise: 4-D batched scores, matmul, a bool masked_fill, a SimpleNamespace
+    ("prefix_prefill_joined_scores_no_window", (), "window-missing", "sliding_window=3 (ENGINE (SimpleNamespace) at the top of"),
 ]
 
 
@@ -388,3 +393,21 @@ def test_tgi_gaudi_qwen2_use_sliding_window_false_ignored(tmp_path):
     """text-generation-inference#3280: a Qwen2 config with use_sliding_window false still gets a banded prefill mask
     (written blind, batch blind-r; caught before any rule was changed for it)."""
     check_bug(tmp_path, "tgi_gaudi_qwen2_use_sliding_window_false_ignored", "window-on-full-layer")
+
+
+def test_unused_slots_between_keys_and_before_the_queries_are_dropped():
+    # a causal prefill of 3 new tokens after 5 cached ones read from 2 blocks of 4 (3 slots unused): against a double
+    # loop over absolute positions, once the slots are gone the queries sit at positions 5..7
+    cells = np.zeros((1, 1, 3, 11), bool)
+    for m in range(3):
+        for j in range(11):
+            cells[0, 0, m, j] = j < 5 or 8 <= j <= 8 + m
+    dropped, own = _slack_dropped(cells, np.arange(8, 11))
+    expected = np.array([[k <= q for k in range(8)] for q in range(5, 8)])
+    assert own.tolist() == [5, 6, 7] and (dropped[0, 0] == expected).all()
+    # unseen columns at the left edge (a window's old keys) or among the queries (later keys) are kept
+    window = cells.copy()
+    window[..., :2] = False
+    kept, own = _slack_dropped(window, np.arange(8, 11))
+    assert kept.shape[-1] == 8 and own.tolist() == [5, 6, 7] and not kept[..., :2].any()
+    assert _slack_dropped(torch.ones(1, 1, 3, 6).tril(3).bool().numpy(), np.arange(3, 6))[0].shape[-1] == 6

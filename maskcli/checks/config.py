@@ -130,8 +130,27 @@ def _placed(call, run: Run, cells) -> Placed | None:
         return None
     own = queries(call, top)
     given = None if top is None else top.arguments.get("attention_mask")
+    if given is None:
+        cells, own = _slack_dropped(cells, own)
     real_k, real_q = real(cells, own, given, call.shape[0], lambda: behind_cache(run, call))
     return Placed(cells, own, real_q, real_k)
+
+
+def _slack_dropped(cells: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The cells without the key columns no query of any row sees that lie between seen keys and before every query
+    (a paged cache's unused block slots ahead of a prefill's new tokens: vLLM's context_attention_fwd joins the cached
+    context's last block, slack and all, to the new tokens), the queries' positions moved back by as many: such columns
+    hold no token, and left in, every key before them sits that many positions further from the queries."""
+    seen = cells.any(axis=(0, 1, 2))
+    held = np.flatnonzero(seen)
+    if held.size == 0 or own[-1] != cells.shape[-1] - 1:
+        return cells, own
+    gap = ~seen
+    gap[:held[0]] = False
+    gap[held[-1] + 1:] = False
+    if not gap.any() or np.flatnonzero(gap)[-1] >= own[0]:
+        return cells, own
+    return cells[..., ~gap], own - int(gap.sum())
 
 
 def _each_layer_call(run: Run) -> list:
