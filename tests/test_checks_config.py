@@ -11,7 +11,8 @@ import torch
 
 import maskcli
 from checkbugs import check_bug
-from maskcli.checks.config import Placed, _slack_dropped, layer_kind, real
+from maskcli.checks.config import Placed, layer_kind, real
+from maskcli.checks.real import slack_dropped
 from maskcli.checks.registry import severity
 
 
@@ -36,7 +37,7 @@ BLIND = [  # the third blind batch, caught by rules not written for them
     # config (sliding_window=W): the dict, not the backend's kernel bounds, states the window
     ("vllm_v1_flash_attn_sliding_window_plus_one", "window-off-by-one"),
     # vllm-project/vllm#4405 (written blind): a prefix prefill's context scores and new-token scores joined along the
-    # keys for one softmax (scores.py), the cached context's unused block slots between them dropped (_slack_dropped)
+    # keys for one softmax (scores.py), the cached context's unused block slots between them dropped (checks/real.py)
     ("vllm_prefix_prefill_context_ignores_sliding_window", "window-missing"),
 ]
 
@@ -402,12 +403,12 @@ def test_unused_slots_between_keys_and_before_the_queries_are_dropped():
     for m in range(3):
         for j in range(11):
             cells[0, 0, m, j] = j < 5 or 8 <= j <= 8 + m
-    dropped, own = _slack_dropped(cells, np.arange(8, 11))
+    dropped, own = slack_dropped(cells, np.arange(8, 11))
     expected = np.array([[k <= q for k in range(8)] for q in range(5, 8)])
     assert own.tolist() == [5, 6, 7] and (dropped[0, 0] == expected).all()
     # unseen columns at the left edge (a window's old keys) or among the queries (later keys) are kept
     window = cells.copy()
     window[..., :2] = False
-    kept, own = _slack_dropped(window, np.arange(8, 11))
+    kept, own = slack_dropped(window, np.arange(8, 11))
     assert kept.shape[-1] == 8 and own.tolist() == [5, 6, 7] and not kept[..., :2].any()
-    assert _slack_dropped(torch.ones(1, 1, 3, 6).tril(3).bool().numpy(), np.arange(3, 6))[0].shape[-1] == 6
+    assert slack_dropped(torch.ones(1, 1, 3, 6).tril(3).bool().numpy(), np.arange(3, 6))[0].shape[-1] == 6

@@ -20,7 +20,7 @@ import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, found_padding, keep, layer, queries
 from maskcli.checks.intent import OTHER_LAYERS, Intent, Stated, fields_of, intent
-from maskcli.checks.real import behind_cache
+from maskcli.checks.real import behind_cache, slack_dropped
 from maskcli.checks.registry import Rule
 from maskcli.keypadding import valid
 from maskcli.text import Finding
@@ -128,29 +128,10 @@ def _placed(call, run: Run, cells) -> Placed | None:
     top = run.top(call)
     if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top):
         return None
-    own = queries(call, top)
-    given = None if top is None else top.arguments.get("attention_mask")
-    if given is None:
-        cells, own = _slack_dropped(cells, own)
+    own, given = queries(call, top), None if top is None else top.arguments.get("attention_mask")
+    cells, own = slack_dropped(cells, own, given)
     real_k, real_q = real(cells, own, given, call.shape[0], lambda: behind_cache(run, call))
     return Placed(cells, own, real_q, real_k)
-
-
-def _slack_dropped(cells: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The cells without the key columns no query of any row sees that lie between seen keys and before every query
-    (a paged cache's unused block slots ahead of a prefill's new tokens: vLLM's context_attention_fwd joins the cached
-    context's last block, slack and all, to the new tokens), the queries' positions moved back by as many: such columns
-    hold no token, and left in, every key before them sits that many positions further from the queries."""
-    seen = cells.any(axis=(0, 1, 2))
-    held = np.flatnonzero(seen)
-    if held.size == 0 or own[-1] != cells.shape[-1] - 1:
-        return cells, own
-    gap = ~seen
-    gap[:held[0]] = False
-    gap[held[-1] + 1:] = False
-    if not gap.any() or np.flatnonzero(gap)[-1] >= own[0]:
-        return cells, own
-    return cells[..., ~gap], own - int(gap.sum())
 
 
 def _each_layer_call(run: Run) -> list:
