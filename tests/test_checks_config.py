@@ -12,6 +12,7 @@ import torch
 import maskcli
 from checkbugs import check_bug
 from maskcli.checks.config import Placed, layer_kind, real
+from maskcli.checks.real import slack_dropped
 from maskcli.checks.registry import severity
 
 
@@ -32,6 +33,12 @@ BLIND = [  # the third blind batch, caught by rules not written for them
     # huggingface/transformers#40324: Llama 4 chunks counted from column 0 of a left-padded row (its decode step,
     # fixed, is quiet since boundaries.py carries the prefill's padding behind the cache)
     ("transformers_llama4_chunked_mask_ignores_left_padding", "chunks-misaligned"),
+    # vllm-project/vllm#9679 (written blind): the V1 backend object holds window_size=(W, W) beside the model's dict
+    # config (sliding_window=W): the dict, not the backend's kernel bounds, states the window
+    ("vllm_v1_flash_attn_sliding_window_plus_one", "window-off-by-one"),
+    # vllm-project/vllm#4405 (written blind): a prefix prefill's context scores and new-token scores joined along the
+    # keys for one softmax (scores.py), the cached context's unused block slots between them dropped (checks/real.py)
+    ("vllm_prefix_prefill_context_ignores_sliding_window", "window-missing"),
 ]
 
 
@@ -116,6 +123,11 @@ PROGRAMS = [
     # a kernel spec the model holds states causal and window_size=(3, 0) only: the window is the config.json's it was
     # built from (kept as text at the top of the program, parsed in main())
     ("window_built_from_json_config", (), "window-off-by-one", "sliding_window=3 (hf (dict) in main() of"),
+    # an engine's backend object (no module) holds its kernel's bounds sliding_window=(W, 0) converted from the
+    # dataclass config in the serving function: the config states the window, the bounds reach one key past it
+    ("engine_backend_window_plus_one", (), "window-off-by-one", "sliding_window=3 (model_config (EngineModelConfig) in serve() of"),
+    # the same bug as vllm#4405 written otherwise: 4-D batched scores, matmul, a bool masked_fill, a SimpleNamespace
+    ("prefix_prefill_joined_scores_no_window", (), "window-missing", "sliding_window=3 (ENGINE (SimpleNamespace) at the top of"),
 ]
 
 
@@ -396,3 +408,21 @@ def test_mlx_lm_step3p5_kvcache_decode_mask_drops_window(tmp_path):
     decode sees every cached key (written blind, batch blind-ae, a torch port; caught before any rule was changed for
     it). The fix is quiet."""
     check_bug(tmp_path, "mlx_lm_step3p5_kvcache_decode_mask_drops_window", "window-missing")
+
+
+def test_unused_slots_between_keys_and_before_the_queries_are_dropped():
+    # a causal prefill of 3 new tokens after 5 cached ones read from 2 blocks of 4 (3 slots unused): against a double
+    # loop over absolute positions, once the slots are gone the queries sit at positions 5..7
+    cells = np.zeros((1, 1, 3, 11), bool)
+    for m in range(3):
+        for j in range(11):
+            cells[0, 0, m, j] = j < 5 or 8 <= j <= 8 + m
+    dropped, own = slack_dropped(cells, np.arange(8, 11))
+    expected = np.array([[k <= q for k in range(8)] for q in range(5, 8)])
+    assert own.tolist() == [5, 6, 7] and (dropped[0, 0] == expected).all()
+    # unseen columns at the left edge (a window's old keys) or among the queries (later keys) are kept
+    window = cells.copy()
+    window[..., :2] = False
+    kept, own = slack_dropped(window, np.arange(8, 11))
+    assert kept.shape[-1] == 8 and own.tolist() == [5, 6, 7] and not kept[..., :2].any()
+    assert slack_dropped(torch.ones(1, 1, 3, 6).tril(3).bool().numpy(), np.arange(3, 6))[0].shape[-1] == 6

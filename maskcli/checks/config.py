@@ -20,7 +20,7 @@ import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, found_padding, keep, layer, queries
 from maskcli.checks.intent import OTHER_LAYERS, Intent, Stated, fields_of, intent
-from maskcli.checks.real import behind_cache
+from maskcli.checks.real import behind_cache, slack_dropped
 from maskcli.checks.registry import Rule
 from maskcli.keypadding import valid
 from maskcli.text import Finding
@@ -128,8 +128,8 @@ def _placed(call, run: Run, cells) -> Placed | None:
     top = run.top(call)
     if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top):
         return None
-    own = queries(call, top)
-    given = None if top is None else top.arguments.get("attention_mask")
+    own, given = queries(call, top), None if top is None else top.arguments.get("attention_mask")
+    cells, own = slack_dropped(cells, own, given)
     real_k, real_q = real(cells, own, given, call.shape[0], lambda: behind_cache(run, call))
     return Placed(cells, own, real_q, real_k)
 

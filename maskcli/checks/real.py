@@ -230,3 +230,23 @@ def behind_cache(run, call) -> np.ndarray | None:
     found = np.ones((keys.shape[0], call.shape[3]), dtype=bool)
     found[:, :keys.shape[1]] = keys
     return found
+
+
+def slack_dropped(cells: np.ndarray, own: np.ndarray, given=None) -> tuple[np.ndarray, np.ndarray]:
+    """The cells without the key columns no query of any row sees that lie between seen keys and before every query
+    (a paged cache's unused block slots ahead of a prefill's new tokens: vLLM's context_attention_fwd joins the cached
+    context's last block, slack and all, to the new tokens), the queries' positions moved back by as many: such columns
+    hold no token, and left in, every key before them sits that many positions further from the queries. Nothing is
+    dropped where the model call hands an attention_mask (`given`): its columns are the cells'."""
+    if given is not None:  # (the model call's attention_mask states the keys: its columns are the cells')
+        return cells, own
+    seen = cells.any(axis=(0, 1, 2))
+    held = np.flatnonzero(seen)
+    if held.size == 0 or own[-1] != cells.shape[-1] - 1:
+        return cells, own
+    gap = ~seen
+    gap[:held[0]] = False
+    gap[held[-1] + 1:] = False
+    if not gap.any() or np.flatnonzero(gap)[-1] >= own[0]:
+        return cells, own
+    return cells[..., ~gap], own - int(gap.sum())

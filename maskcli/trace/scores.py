@@ -28,6 +28,7 @@ ADDS = {torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__, to
         torch.Tensor.__iadd__}
 ADDEND_MOST = 1 << 22  # cells of an added mask read for 0s and 1s at most
 KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
+CATS = {torch.cat, torch.concat, torch.concatenate}
 HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")  # a module's own head count
 
 
@@ -66,6 +67,10 @@ class Scores:
                         self._note(out, axes)
             return
         if not self._found:
+            return
+        if func in CATS:
+            if _keys_joined(self, args, kwargs, out):
+                self._note(out)
             return
         laid = self.axes or func in TURNS
         for x in (*args, *kwargs.values()):
@@ -206,6 +211,17 @@ def zero_one_seen(addend: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | No
             return False
         both = (keep & ones).any(dim=-1) & (keep & ~ones).any(dim=-1)
         return bool(both.any())
+
+
+def _keys_joined(scores: Scores, args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
+    """`out` joins scores along their keys (the last dim): the same queries' scores against two runs of keys, one
+    softmax over both (a prefix-prefill kernel's cached context, then its new tokens: vLLM's context_attention_fwd)."""
+    parts = args[0] if args else kwargs.get("tensors")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not isinstance(parts, (list, tuple)) or dim not in (-1, out.dim() - 1):
+        return False
+    return any(isinstance(x, torch.Tensor) and scores.has(x) and id(x) not in scores.axes and x.dim() == out.dim()
+               and x.shape[:-1] == out.shape[:-1] for x in parts)
 
 
 def _one_query(scores, out: torch.Tensor) -> bool:

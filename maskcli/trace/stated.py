@@ -276,7 +276,7 @@ def _variables(root=None, anything: bool = False, depth: int = 1, places: list |
         name = getattr(module, "__file__", None) or ""
         if name and not name.startswith(skip):
             places.append((f"at the top of {os.path.basename(name)}", vars(module)))
-    found, seen = [], set()
+    found, seen, plain = [], set(), []
     for where, variables in places:
         for variable, value in list(variables.items()):
             if isinstance(value, str) and not variable.startswith("_"):
@@ -291,7 +291,14 @@ def _variables(root=None, anything: bool = False, depth: int = 1, places: list |
             if fields and not any(_same_fields(fields, other) for other in besides or ()):  # (a config modules hold)
                 kind = "JSON text" if isinstance(variables.get(variable), str) else type(value).__name__
                 found.append(Stated(f"{variable} ({kind}) {where}", None, fields))
+                plain.append(not anything or config_like(value))
     distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
+    if len(distinct) > 1 and anything:
+        # an engine's layer or backend object (taken only as `anything`) holds the window in its kernel's convention,
+        # converted from the model's config (vLLM's FlashAttentionImpl: sliding_window = (W - 1, 0)): the one config
+        # the program keeps as a config (a dict, a dataclass, a class named so) is the statement
+        found = [one for one, config in zip(found, plain) if config]
+        distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
     return found[:1] if len(distinct) == 1 else []
 
 
