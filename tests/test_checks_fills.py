@@ -42,18 +42,16 @@ def test_what_a_trace_recorded_of_a_calls_scores():
 
 
 def test_a_tensor_a_user_gave_has_its_fill_and_its_ones_read_through_the_registry():
-    # inspect's Analysis, as it comes: a float16 tensor filled with -1e9 (which float16 holds as -inf, as torch casts it)
-    from types import SimpleNamespace
-
+    # inspect's Analysis (analyse runs the registry's "tensor" rules): a float16 tensor filled with -1e9 (which float16
+    # holds as -inf, as torch casts it)
     import numpy as np
 
-    from maskcli.checks import registry
+    from maskcli.inspect.analysis import analyse
 
     filled = Convention("additive", "values", "", sentinel=-1e9)
     assert torch.tensor(-1e9, dtype=torch.float16).item() == float("-inf")
-    given = SimpleNamespace(tensor=np.zeros((4, 4), dtype=np.float16), convention=filled)
-    assert [f.code for f in registry.run("tensor", given)] == [f.code for f in sentinel_overflow("float16", -1e9)] == []
-    given.tensor = np.zeros((4, 4), dtype=np.float32)  # the tensor's own dtype is not asked: float16's and bfloat16's are
-    assert [f.code for f in registry.run("tensor", given)] == ["sentinel-overflow"]
-    ones = SimpleNamespace(tensor=np.zeros((4, 4), dtype=np.int64), convention=Convention("int", "structure", "", ones_mean="masked"))
-    assert [f.code for f in registry.run("tensor", ones)] == ["ones-masked"]
+    codes = lambda tensor, convention: [f.code for f in analyse(tensor, convention=convention).findings]
+    assert codes(np.zeros((4, 4), dtype=np.float16), filled) == [f.code for f in sentinel_overflow("float16", -1e9)] == []
+    # the tensor's own dtype is not asked: float16's and bfloat16's are
+    assert codes(np.zeros((4, 4), dtype=np.float32), filled) == ["sentinel-overflow"]
+    assert codes(np.zeros((4, 4), dtype=np.int64), Convention("int", "structure", "", ones_mean="masked")) == ["ones-masked"]
