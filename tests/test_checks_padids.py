@@ -75,3 +75,44 @@ def test_id_padding_reads_only_a_run_of_one_id_found_nowhere_else():
     assert id_padding(eos_pads.numpy()) is None
     one_each = torch.tensor([[5, 9, 12, 0], [8, 11, 13, 0]])  # every row the same run: a shared last token, not padding
     assert id_padding(one_each.numpy()) is None
+
+
+def test_mlx_vlm_batch_quantized_cache_mask_ignores_left_padding_is_flagged_and_its_fix_is_not(tmp_path):
+    # Blaizzy/mlx-vlm#1208: the batch cache's make_mask returns "causal" / None, its own left_padding never applied
+    check_bug(tmp_path, "mlx_vlm_batch_quantized_cache_mask_ignores_left_padding", "left-padding-attended")
+
+
+def generate(left_padding: list[int], use_padding: bool, steps: int = 2) -> list:
+    """Written otherwise: a left-padded batch decoded step by step by an eager softmax over a key list kept by hand,
+    the padding a plain local list, the mask a tril slice (and the padding slots hidden where `use_padding`)."""
+    torch.manual_seed(0)
+    rows, prompt, dim = len(left_padding), 4, 8
+    proj = nn.Linear(dim, 3 * dim)
+    with maskcli.trace() as t, torch.no_grad():
+        x, keys, values = torch.randn(rows, prompt, dim), None, None
+        for _ in range(steps + 1):
+            q, k, v = proj(x).chunk(3, dim=-1)
+            keys = k if keys is None else torch.cat([keys, k], 1)
+            values = v if values is None else torch.cat([values, v], 1)
+            n, total = q.shape[1], keys.shape[1]
+            mask = torch.ones(total, total, dtype=torch.bool).tril()[total - n:][None].expand(rows, n, total)
+            if use_padding:
+                mask = mask & (torch.arange(total)[None, None, :] >= torch.tensor(left_padding)[:, None, None])
+            scores = (q @ keys.transpose(1, 2)).masked_fill(~mask, float("-inf"))
+            x = scores.softmax(-1) @ values
+            x = x[:, -1:]
+    return [(f.code, severity(f), f.cell) for group in t.groups() for f in group.findings]
+
+
+def test_a_hand_kept_cache_that_never_masks_its_left_padding_is_flagged_at_prefill_and_decode():
+    left_padding = [0, 3, 1]
+    found = [f for f in generate(left_padding, use_padding=False) if f[0] == "left-padding-attended"]
+    assert {sev for _, sev, _ in found} == {"wrong"} and len(found) == 3  # the prefill and both decode steps
+    # reference at prefill: a double loop over the causal cells of each row's real queries
+    expected = first((3, 4, 4), lambda b, q, k: k <= q and q >= left_padding[b] and k < left_padding[b])
+    assert tuple(found[0][2]) == expected
+
+
+def test_quiet_where_the_left_padding_is_masked_or_no_row_is_padded():
+    assert [f for f in generate([0, 3, 1], use_padding=True) if f[1] == "wrong"] == []
+    assert [f for f in generate([0, 0, 0], use_padding=False) if f[1] == "wrong"] == []

@@ -86,8 +86,55 @@ def pad_ids_unmasked(run: Run) -> list:
     return found
 
 
+def left_padding_attended(run: Run) -> list:
+    """Calls whose real queries see a key slot every left padding the program holds there (`left_padding`, a batch
+    cache's `left_padding`) calls padding."""
+    found, done = [], {}
+    square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
+    for call in [*run.calls, *square]:
+        helds = [h for h in call.details.get("held_padding") or () if h["kind"] == "left"]
+        if not helds or call.stored is None or cross(call):
+            continue
+        rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
+        key = (call.mask, call.shape, tuple(h["rows"].tobytes() for h in helds))
+        if key in done:
+            if done[key] is not None:
+                found.append((call, done[key]))
+            continue
+        done[key] = None
+        helds = [h for h in helds if h["rows"].shape[0] == rows and h["rows"].max() < k_len]
+        cells = keep(call) if helds else None
+        if cells is None or cells.shape[0] not in (1, rows):
+            continue
+        cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
+        own = queries(call, run.top(call))
+        first, kept = None, False
+        for held in helds:  # (several: quiet where any is kept to)
+            real = np.arange(k_len)[None, :] >= held["rows"][:, None]
+            bad = cells & real_queries(real, own)[:, :, None] & (cells & real[:, None, :]).any(axis=2)[:, :, None] \
+                & ~real[:, None, :]
+            if not bad.any():
+                kept = True
+                break
+            first = first or (held, bad)
+        if kept or first is None:
+            continue
+        held, bad = first
+        b, q, k = first_cell(bad)
+        said = f"{held['name']} in {held['where']}"
+        done[key] = Finding("left-padding-attended", (
+            f"batch row {b}: query {int(own[q])} sees key {k}, one of the {int(held['rows'][b])} slots {said} calls "
+            f"this row's left padding ({int(bad.sum())} such cells over {k_len} keys) — the mask built without the "
+            f"padding the batch (or its cache) records?"),
+            expected=f"no real query sees a slot before {held['name']}", source=said, cell=(b, q, k))
+        found.append((call, done[key]))
+    return found
+
+
 RULES = (
     Rule("pad-ids-unmasked", "wrong", "call", "a query that sees a key the batch's own token ids pad (a run of one "
          "id at the rows' edge, found nowhere else) while the padding mask held beside them calls it real",
          pad_ids_unmasked),
+    Rule("left-padding-attended", "wrong", "call", "a real query that sees a key slot the left padding the program "
+         "holds (`left_padding`, a batch cache's `left_padding`) calls padding, at prefill or decode", left_padding_attended),
 )
