@@ -116,3 +116,8 @@ def test_a_hand_kept_cache_that_never_masks_its_left_padding_is_flagged_at_prefi
 def test_quiet_where_the_left_padding_is_masked_or_no_row_is_padded():
     assert [f for f in generate([0, 3, 1], use_padding=True) if f[1] == "wrong"] == []
     assert [f for f in generate([0, 0, 0], use_padding=False) if f[1] == "wrong"] == []
+
+
+def test_id_padding_does_not_read_a_sampled_token_repeated_at_one_rows_end():
+    sampled = torch.tensor([[5, 9, 12, 7, 25, 25], [8, 11, 4, 4, 6, 7], [1, 2, 3, 4, 5, 6]])
+    assert id_padding(sampled.numpy()) is None

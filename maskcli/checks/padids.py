@@ -2,8 +2,8 @@
 
 A function on the stack at an attention call may hold both the batch's token ids (`input_ids`, trace/held.py's kind
 "ids") and a padding mask named as one (`attention_mask`: 1 = real). Where the ids of some rows end (or begin) in a run
-of one id the other rows do not have there, an id found nowhere else in the batch, the rows' runs of different
-lengths and at least one run two long, that run is the data's own padding (pad_sequence's `padding_value`); a mask
+of one id the other rows do not have there, an id found nowhere else in the batch, two rows at least padded with it,
+the rows' runs of different lengths and at least one run two long, that run is the data's own padding (pad_sequence's `padding_value`); a mask
 that calls its keys real, and a kernel that lets queries see them, contradict it (under a causal mask over right
 padding only the padded queries see them; the mask held is what is wrong): the mask was filled by the
 wrong axis or never from the lengths (xtuner#859: `attention_mask[:i] = True` sets whole batch rows, so every row is
@@ -22,8 +22,8 @@ from maskcli.text import Finding
 
 def id_padding(tokens: np.ndarray) -> tuple[np.ndarray, int] | None:
     """(bool (B, L) real tokens, the pad id) where the ids of some rows end (or begin, all rows the same way) in a run
-    of one id found nowhere else in the batch, not every row has it, the runs differ and one is at least two long;
-    else None."""
+    of one id found nowhere else in the batch, two rows at least have it and one not, the runs differ and one is at
+    least two long (a sampled token repeated at one row's end is no padding); else None."""
     if tokens.ndim != 2 or tokens.shape[0] < 2 or tokens.shape[1] < 3:
         return None
     for flip in (False, True):  # right padding, then left
@@ -33,8 +33,8 @@ def id_padding(tokens: np.ndarray) -> tuple[np.ndarray, int] | None:
             same = ids == pad
             run = np.where(same.all(axis=1), ids.shape[1], np.argmax(~same[:, ::-1], axis=1))  # (0 where it ends otherwise)
             real = np.arange(ids.shape[1])[None, :] < (ids.shape[1] - run)[:, None]
-            if run.min() == 0 and run.max() >= 2 and len(set(run.tolist())) > 1 and real.sum(axis=1).min() > 0 \
-                    and not same[real].any():
+            if run.min() == 0 and run.max() >= 2 and (run > 0).sum() >= 2 and len(set(run.tolist())) > 1 \
+                    and real.sum(axis=1).min() > 0 and not same[real].any():
                 return (real[:, ::-1] if flip else real), int(pad)
     return None
 
