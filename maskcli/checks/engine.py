@@ -26,6 +26,7 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "causal-config-ignored": {"causal-flag-ignored", "decoder-sees-later"},  # the module's own causal word (own.py, decoders.py)
     "held-mask-ignored": {"padding-per-head", "mask-argument-dropped", "mask-dropped"},  # the same cells, said by the call's keys or arguments
     "padding-not-per-row": {"padding-unused"},  # the same padding, said where the mask was handed it (held.py)
+    "pad-ids-unmasked": {"padding-unmarked"},  # the same pads, said with the pad id the program states (tokens.py)
     "zero-keys-seen": {"unwritten-slot", "padding-ignored", "padding-unused", "padding-lost"},  # zero K/V, said by their cause
 }
 

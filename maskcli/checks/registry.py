@@ -41,7 +41,7 @@ GIVEN = ("run", "cells", "named", "scores", "kernel", "tensor", "stages", "mask"
 MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", "rolled", "paged", "arguments",
            "memory", "heads", "sides", "steps", "cache", "spans", "own", "dropped", "tokens", "layers", "dtypes",
            "softmaxed", "padflag", "varlen", "prefill", "boundaries", "tree", "rows", "fills", "named", "shapes",
-           "stages", "packing", "held", "heldcells", "frames", "subsampled", "patches", "nans", "segments", "withheld", "swin", "across",
+           "stages", "packing", "held", "padids", "heldcells", "frames", "subsampled", "patches", "nans", "segments", "withheld", "swin", "across",
            "crosspad", "crossq", "batchaxis", "decoders", "headrows", "evicted", "media", "shard", "serve", "servemasks",
            "servesteps", "serveexpect", "ranks", "fullblocks", "zerokv", "memlen", "graphs", "reach", "neighbours", "reqlens", "turned", "gathered", "chunkrows", "discarded",
            "items", "imageruns", "expanded", "queryaxis", "padded", "directions", "rowless", "crosskeys")

@@ -29,6 +29,8 @@ POSITIONS = re.compile(r"^(?:position_ids|positions|pos_ids)$")  # (B, L) positi
 IDS = re.compile(r"^(?:input_ids|idx|tokens)$")  # (B, L) token ids, read beside a mask the same frame holds (checks/tokens.py)
 GRAPHS = re.compile(r"^(?:batch|batch_index|batch_idx|batch_vec|node_batch|graph_index|graph_ids?)$")  # PyG's node ->
 # graph index of a mini-batch of graphs concatenated node after node (checks/graphs.py)
+LEFT = re.compile(r"^(?:left_padding|left_pad|left_pads)$")  # each row's left padding, in keys: a batch cache's (mlx-lm)
+CACHE = re.compile(r"^(?:cache|kv_cache|past_key_values?|prompt_cache)$")  # an object that may hold `left_padding`
 HANDED = re.compile(r"^(?:attention_mask|attn_mask|mask)$")  # a bool mask over the cells, handed down: polarity unsaid
 MOST = 1 << 16  # cells of one held mask read at most (a batch's padding, not a sequence's cells)
 FRAMES = 24
@@ -72,7 +74,7 @@ def names(code):
         found = _NAMES.put(code, _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else
             tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
                   or CELLS.search(n) or POSITIONS.search(n) or IDS.search(n) or HANDED.search(n)
-                  or GRAPHS.search(n)))
+                  or GRAPHS.search(n) or LEFT.search(n) or CACHE.search(n)))
     return None if found is _OUTSIDE else found
 
 
@@ -105,6 +107,11 @@ def padding(frames: list | None = None) -> list[dict] | None:
                         if read["kind"] == "cells" and HANDED.search(name) and frame is not innermost \
                                 and name not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
                             outer.append((read, id(value)))
+                elif value is not None and (LEFT.search(name) or CACHE.search(name)):
+                    read, source = _left(name, value, code)
+                    if read is not None and source not in seen:
+                        seen.add(source)
+                        found.append(read)
     if outer and _own_mask(innermost, {held for _, held in outer}):
         found = [read for read in found if not any(read is o for o, _ in outer)]
     return found or None
@@ -188,6 +195,24 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
     if not np.isin(rows, (0, 1)).all():
         return None
     return {"kind": "pad" if PAD.search(name) else "keep", "rows": rows.astype(bool)}
+
+
+def _left(name: str, value, code) -> tuple[dict | None, int]:
+    """Each batch row's left padding in keys (kind "left"), held as `left_padding` (ints, a list or 1-D tensor) or as a
+    batch cache's `left_padding` attribute (mlx-lm's BatchKVCache: the slots before it in each row are padding); one
+    row at least unpadded and one padded, else None; and the id of what holds them (read once per call)."""
+    source = value if LEFT.search(name) else getattr(value, "left_padding", None)
+    if source is None or isinstance(source, (str, bytes)) or not isinstance(source, (torch.Tensor, list, tuple)):
+        return None, 0
+    try:
+        rows = np.asarray(source.detach().cpu() if isinstance(source, torch.Tensor) else source)
+    except Exception:  # noqa: BLE001 - not a sequence of numbers: no padding we can read
+        return None, 0
+    if rows.ndim != 1 or rows.size < 2 or rows.dtype.kind not in "iu" or rows.min() != 0 or rows.max() < 1:
+        return None, 0
+    said = name if LEFT.search(name) else f"{name}.left_padding"
+    return {"kind": "left", "rows": rows.astype(np.int64), "name": said,
+            "where": f"{code.co_name}() of {os.path.basename(code.co_filename)}"}, id(source)
 
 
 def _graphs(value: torch.Tensor) -> dict | None:

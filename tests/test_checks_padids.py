@@ -1,0 +1,123 @@
+"""checks/padids.py: a padding mask the program holds that calls real the keys its batch's own token ids pad, on a
+reproduction of a published bug (right-padded, causal SDPA) and on a program written otherwise (left-padded by hand,
+a bidirectional eager encoder), and quiet where the mask keeps to the ids' padding or nothing is padded."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import maskcli
+from checkbugs import check_bug, first
+from maskcli.checks.padids import id_padding
+from maskcli.checks.registry import severity
+
+
+def test_xtuner_preference_collate_fn_mask_rows_is_flagged_and_its_fix_is_not(tmp_path):
+    # InternLM/xtuner#859: `attention_mask[:i] = True` sets whole batch rows: every row all ones, the padding attended
+    check_bug(tmp_path, "xtuner_preference_collate_fn_mask_rows", "pad-ids-unmasked")
+
+
+class Encoder(nn.Module):
+    """A bidirectional eager encoder: attention_mask (B, L), 1 = real, filled with -inf before the softmax."""
+
+    def __init__(self, vocab=50, dim=8, heads=2):
+        super().__init__()
+        self.heads, self.embed, self.qkv = heads, nn.Embedding(vocab, dim), nn.Linear(dim, 3 * dim)
+
+    def forward(self, input_ids, attention_mask):
+        x = self.embed(input_ids)
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-1, -2)).masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d)
+
+
+PAD = 3
+SAMPLES = [[5, 9, 12, 7, 20], [8, 11], [14, 6, 30]]
+
+
+def left_padded() -> torch.Tensor:
+    """The samples padded on the left by hand to the longest, with PAD."""
+    width = max(map(len, SAMPLES))
+    return torch.tensor([[PAD] * (width - len(s)) + s for s in SAMPLES])
+
+
+def traced(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list:
+    torch.manual_seed(0)
+    with maskcli.trace() as t, torch.no_grad():
+        Encoder()(input_ids, attention_mask)
+    return [(f.code, severity(f), f.cell) for group in t.groups() for f in group.findings]
+
+
+def test_a_left_padded_batch_whose_mask_is_all_ones_is_flagged_at_its_first_real_query():
+    ids = left_padded()
+    found = [f for f in traced(ids, torch.ones_like(ids)) if f[0] == "pad-ids-unmasked"]
+    # reference: every query sees every key (all ones, bidirectional); the ids' padding by a double loop over the rows
+    pads = [[j < len(ids[0]) - len(s) for j in range(len(ids[0]))] for s in SAMPLES]
+    real_q = [[not p for p in row] for row in pads]
+    expected = first((3, 5, 5), lambda b, q, k: real_q[b][q] and pads[b][k])
+    assert [(code, sev) for code, sev, _ in found] == [("pad-ids-unmasked", "wrong")]
+    assert tuple(found[0][2])[0] == expected[0] and tuple(found[0][2])[2] == expected[2]
+
+
+def test_quiet_where_the_mask_keeps_to_the_ids_padding_or_nothing_is_padded():
+    ids = left_padded()
+    assert [f for f in traced(ids, (ids != PAD).long()) if f[1] == "wrong"] == []
+    unpadded = torch.randint(4, 50, (3, 6), generator=torch.Generator().manual_seed(1))
+    assert [f for f in traced(unpadded, torch.ones_like(unpadded)) if f[1] == "wrong"] == []
+
+
+def test_id_padding_reads_only_a_run_of_one_id_found_nowhere_else():
+    real, pad = id_padding(left_padded().numpy())
+    assert pad == PAD and real.sum(axis=1).tolist() == [5, 2, 3]
+    eos_pads = torch.tensor([[5, 9, 2, 2, 2], [8, 2, 11, 6, 2]])  # pad id = eos, used inside the text too: not read
+    assert id_padding(eos_pads.numpy()) is None
+    one_each = torch.tensor([[5, 9, 12, 0], [8, 11, 13, 0]])  # every row the same run: a shared last token, not padding
+    assert id_padding(one_each.numpy()) is None
+
+
+def test_mlx_vlm_batch_quantized_cache_mask_ignores_left_padding_is_flagged_and_its_fix_is_not(tmp_path):
+    # Blaizzy/mlx-vlm#1208: the batch cache's make_mask returns "causal" / None, its own left_padding never applied
+    check_bug(tmp_path, "mlx_vlm_batch_quantized_cache_mask_ignores_left_padding", "left-padding-attended")
+
+
+def generate(left_padding: list[int], use_padding: bool, steps: int = 2) -> list:
+    """Written otherwise: a left-padded batch decoded step by step by an eager softmax over a key list kept by hand,
+    the padding a plain local list, the mask a tril slice (and the padding slots hidden where `use_padding`)."""
+    torch.manual_seed(0)
+    rows, prompt, dim = len(left_padding), 4, 8
+    proj = nn.Linear(dim, 3 * dim)
+    with maskcli.trace() as t, torch.no_grad():
+        x, keys, values = torch.randn(rows, prompt, dim), None, None
+        for _ in range(steps + 1):
+            q, k, v = proj(x).chunk(3, dim=-1)
+            keys = k if keys is None else torch.cat([keys, k], 1)
+            values = v if values is None else torch.cat([values, v], 1)
+            n, total = q.shape[1], keys.shape[1]
+            mask = torch.ones(total, total, dtype=torch.bool).tril()[total - n:][None].expand(rows, n, total)
+            if use_padding:
+                mask = mask & (torch.arange(total)[None, None, :] >= torch.tensor(left_padding)[:, None, None])
+            scores = (q @ keys.transpose(1, 2)).masked_fill(~mask, float("-inf"))
+            x = scores.softmax(-1) @ values
+            x = x[:, -1:]
+    return [(f.code, severity(f), f.cell) for group in t.groups() for f in group.findings]
+
+
+def test_a_hand_kept_cache_that_never_masks_its_left_padding_is_flagged_at_prefill_and_decode():
+    left_padding = [0, 3, 1]
+    found = [f for f in generate(left_padding, use_padding=False) if f[0] == "left-padding-attended"]
+    assert {sev for _, sev, _ in found} == {"wrong"} and len(found) == 3  # the prefill and both decode steps
+    # reference at prefill: a double loop over the causal cells of each row's real queries
+    expected = first((3, 4, 4), lambda b, q, k: k <= q and q >= left_padding[b] and k < left_padding[b])
+    assert tuple(found[0][2]) == expected
+
+
+def test_quiet_where_the_left_padding_is_masked_or_no_row_is_padded():
+    assert [f for f in generate([0, 3, 1], use_padding=True) if f[1] == "wrong"] == []
+    assert [f for f in generate([0, 0, 0], use_padding=False) if f[1] == "wrong"] == []
+
+
+def test_id_padding_does_not_read_a_sampled_token_repeated_at_one_rows_end():
+    sampled = torch.tensor([[5, 9, 12, 7, 25, 25], [8, 11, 4, 4, 6, 7], [1, 2, 3, 4, 5, 6]])
+    assert id_padding(sampled.numpy()) is None
