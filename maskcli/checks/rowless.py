@@ -51,42 +51,43 @@ def one_mask_for_all(run: Run) -> list:
         if not helds:
             continue
         key = (call.mask, tuple(call.shape), tuple(id(h["rows"]) for h in helds))
-        if key in done:
-            if done[key] is not None:
-                found.append((call, done[key]))
-            continue
-        done[key] = None
-        cells = keep(call)
-        if cells is None:
-            continue
-        planes = cells.any(axis=1)  # (b, Lq, Lk)
-        if planes.shape[0] not in (1, rows) or not (planes == planes[:1]).all():
-            continue  # the mask differs between rows: padding reached it
-        one = planes[0]
-        if one.all(axis=1).all():
-            continue  # masks nothing: a padding mask never built is checks/held.py's
-        for held in helds:
-            lengths = held["rows"].astype(np.int64) + (k_len - int(held["rows"].max()))
-            at = np.arange(k_len)[None, :]
-            seen = []
-            for real in (at < lengths[:, None], at >= k_len - lengths[:, None]):  # right- or left-padded
-                bad = one[None] & real[:, :, None] & ~real[:, None, :]  # a real position's query sees a padding key
-                if not bad.any():
-                    break
-                seen.append(bad)
-            else:
-                bad = seen[0]
-                b, q, k = first_cell(bad)
-                done[key] = Finding("padding-not-per-row", (
-                    f"batch row {b}: query {q} sees key {k}, past the row's {int(lengths[b])} tokens that "
-                    f"{held['name']} in {held['where']} states ({held['rows'].tolist()}, of these {k_len} keys), "
-                    f"read right- or left-padded: the mask is the same for every batch row, so the rows' padding "
-                    f"never reached it ({int(bad.sum())} such cells; a padding mask that masks nothing?)"),
-                    expected="no real query sees a key the batch's lengths call padding",
-                    source=f"{held['name']} in {held['where']}", cell=(b, q, k))
-                found.append((call, done[key]))
-                break
+        if key not in done:
+            done[key] = _finding(call, helds, rows, k_len)
+        if done[key] is not None:
+            found.append((call, done[key]))
     return found
+
+
+def _finding(call, helds: list, rows: int, k_len: int) -> Finding | None:
+    cells = keep(call)
+    if cells is None:
+        return None
+    planes = cells.any(axis=1)  # (b, Lq, Lk)
+    if planes.shape[0] not in (1, rows) or not (planes == planes[:1]).all():
+        return None  # the mask differs between rows: padding reached it
+    one = planes[0]
+    if one.all(axis=1).all():
+        return None  # masks nothing: a padding mask never built is checks/held.py's
+    for held in helds:
+        lengths = held["rows"].astype(np.int64) + (k_len - int(held["rows"].max()))
+        at = np.arange(k_len)[None, :]
+        seen = []
+        for real in (at < lengths[:, None], at >= k_len - lengths[:, None]):  # right- or left-padded
+            bad = one[None] & real[:, :, None] & ~real[:, None, :]  # a real position's query sees a padding key
+            if not bad.any():
+                break
+            seen.append(bad)
+        else:
+            bad = seen[0]
+            b, q, k = first_cell(bad)
+            return Finding("padding-not-per-row", (
+                f"batch row {b}: query {q} sees key {k}, past the row's {int(lengths[b])} tokens that "
+                f"{held['name']} in {held['where']} states ({held['rows'].tolist()}, of these {k_len} keys), "
+                f"read right- or left-padded: the mask is the same for every batch row, so the rows' padding "
+                f"never reached it ({int(bad.sum())} such cells; a padding mask that masks nothing?)"),
+                expected="no real query sees a key the batch's lengths call padding",
+                source=f"{held['name']} in {held['where']}", cell=(b, q, k))
+    return None
 
 
 RULES = (
