@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import maskcli.trace.masks as readers
 import maskcli.trace.queried as queried
 from maskcli.trace.masks import Call, Operands
-from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced
+from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced, said as _said
 from maskcli.trace.outer import Outer
 import maskcli.trace.flash as flash
 import maskcli.trace.compiled as compiled
@@ -306,12 +306,21 @@ class Trace(Outer, Follow):
     def refused(self, made: int, error: BaseException) -> None:
         """The call recorded at `made` raised: the kernel refused it (is_causal=2, shapes apart), no attention ran."""
         if len(self._calls) > made:
-            self._calls[made].details["raised"] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+            self._calls[made].details["raised"] = f"{type(error).__name__}: {_said(error)}"
 
     # --- recording ----------------------------------------------------------------------------
 
     def capture(self, reader, args, kwargs) -> None:
         """Record one call; whatever goes wrong here is noted on the call and never reaches the program."""
+        made = len(self._calls)
+        try:
+            self._capture(reader, args, kwargs)
+        except Exception as error:  # noqa: BLE001 - a frame held what maskcli cannot read: still a call, not read
+            if len(self._calls) == made:
+                self._append(Call(getattr(reader, "api", "?"), (0, 0, 0, 0), (), (), (), "", "", index=made, where="?",
+                                  step=0, details={"error": f"{type(error).__name__}: {_said(error)}"}, trace=self))
+
+    def _capture(self, reader, args, kwargs) -> None:
         first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
         if first is not None and not has_values(first):
             return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real
@@ -364,7 +373,7 @@ class Trace(Outer, Follow):
         except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
             self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self._calls), where=where, step=self.sites.step(site),
-                              details={"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, trace=self))
+                              details={"error": f"{type(error).__name__}: {_said(error)}"}, trace=self))
             return
         finally:
             torch._C._set_grad_enabled(grad)
@@ -397,3 +406,4 @@ class Trace(Outer, Follow):
 
     def _store(self, seen) -> str:
         return store(self, seen)  # (trace/store.py: once per digest, a mask given again unchanged not read again)
+

@@ -121,13 +121,13 @@ _PLACES: dict = {}  # (id, version) of a padded key tensor -> (it, {row bytes: [
 def _positions(held: torch.Tensor, padded: torch.Tensor, rows: torch.Tensor) -> list | None:
     """[(b, position)] of each kernel key row in `padded` (B, Lk, H, D, a view of the frame's `held`), matched by exact
     value; None where a row is found nowhere or in more than one place (repeated rows: no provenance)."""
-    wanted = rows.detach().reshape(rows.shape[0], -1).cpu().numpy()
+    wanted = _bytes(rows.detach().reshape(rows.shape[0], -1))
     if padded.dtype != rows.dtype:
         return None
     key = (id(held), None if held.is_inference() else held._version, tuple(padded.shape))
     cached = _PLACES.get(key)
     if cached is None or cached[0] is not held:
-        table = padded.detach().reshape(padded.shape[0] * padded.shape[1], -1).cpu().numpy()
+        table = _bytes(padded.detach().reshape(padded.shape[0] * padded.shape[1], -1))
         places: dict = {}
         for index, row in enumerate(table):
             places.setdefault(row.tobytes(), []).append(index)
@@ -142,3 +142,8 @@ def _positions(held: torch.Tensor, padded: torch.Tensor, rows: torch.Tensor) -> 
             return None
         found.append(divmod(hits[0], padded.shape[1]))
     return found
+
+
+def _bytes(rows: torch.Tensor) -> np.ndarray:
+    """(n, D) rows as their bytes (n, D * itemsize): bfloat16 and float8 rows, which numpy has no type for, matched too."""
+    return rows.cpu().contiguous().view(torch.uint8).numpy()

@@ -252,7 +252,7 @@ def _handed(frame) -> list[tuple]:
         code = frame.f_code
         if code.co_argcount and not code.co_filename.startswith(_OWN):
             module = frame.f_locals.get(code.co_varnames[0])
-            if isinstance(module, torch.nn.Module) and id(module) not in seen:
+            if issubclass(type(module), torch.nn.Module) and id(module) not in seen:
                 seen.add(id(module))
                 variables = frame.f_locals
                 names = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]

@@ -279,20 +279,28 @@ def _variables(root=None, anything: bool = False, depth: int = 1, places: list |
     found, seen = [], set()
     for where, variables in places:
         for variable, value in list(variables.items()):
-            if isinstance(value, str) and not variable.startswith("_"):
-                value = _json_object(value)  # (a checkpoint's config.json kept as its text)
-                if value is None:
-                    continue
-            if id(value) in seen or variable.startswith("_") or not config_like(value, named=anything) \
-                    or anything and isinstance(value, (torch.nn.Module, torch.Tensor)):
+            try:
+                _variable(variable, value, variables, where, anything, seen, besides, found)
+            except Exception:  # noqa: BLE001 - an object whose every attribute raises (its __class__): it states nothing
                 continue
-            seen.add(id(value))
-            fields = fields_of(value)
-            if fields and not any(_same_fields(fields, other) for other in besides or ()):  # (a config modules hold)
-                kind = "JSON text" if isinstance(variables.get(variable), str) else type(value).__name__
-                found.append(Stated(f"{variable} ({kind}) {where}", None, fields))
     distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
     return found[:1] if len(distinct) == 1 else []
+
+
+def _variable(variable: str, value, variables: dict, where: str, anything: bool, seen: set, besides, found: list) -> None:
+    """One variable of `_variables`' places: appended to `found` where it is a config of its own."""
+    if isinstance(value, str) and not variable.startswith("_"):
+        value = _json_object(value)  # (a checkpoint's config.json kept as its text)
+        if value is None:
+            return
+    if id(value) in seen or variable.startswith("_") or not config_like(value, named=anything) \
+            or anything and isinstance(value, (torch.nn.Module, torch.Tensor)):
+        return
+    seen.add(id(value))
+    fields = fields_of(value)
+    if fields and not any(_same_fields(fields, other) for other in besides or ()):  # (a config modules hold)
+        kind = "JSON text" if isinstance(variables.get(variable), str) else type(value).__name__
+        found.append(Stated(f"{variable} ({kind}) {where}", None, fields))
 
 
 def _same_fields(a: dict, b: dict) -> bool:
