@@ -178,7 +178,7 @@ class Trace(Outer, Follow):
             for top, module in self._pending:
                 try:
                     top.stated = stated(module, path, self._stated, self._frames.get(id(module)))
-                except Exception:  # noqa: BLE001 - a config whose attribute access raises: it states nothing maskcli reads
+                except (Exception, SystemExit):  # noqa: BLE001 - a config whose attribute access raises: it states nothing maskcli reads
                     top.stated = ()
             self._pending.clear()
             self._frames.clear()
@@ -315,7 +315,7 @@ class Trace(Outer, Follow):
         made = len(self._calls)
         try:
             self._capture(reader, args, kwargs)
-        except Exception as error:  # noqa: BLE001 - a frame held what maskcli cannot read: still a call, not read
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - a frame held what maskcli cannot read: still a call, not read
             if len(self._calls) == made:
                 self._append(Call(getattr(reader, "api", "?"), (0, 0, 0, 0), (), (), (), "", "", index=made, where="?",
                                   step=0, details={"error": f"{type(error).__name__}: {_said(error)}"}, trace=self))
@@ -370,7 +370,7 @@ class Trace(Outer, Follow):
             elif seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS): cut here, once, before it is stored
                 interface.leave_out_sink(seen, frames[-1].get("sink_keys") if frames else self.sink_keys())
             key = readers.stored(self, seen)  # (self._store, and a mask the frames handed the call: trace/given.py)
-        except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
+        except (Exception, SystemExit) as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
             self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self._calls), where=where, step=self.sites.step(site),
                               details={"error": f"{type(error).__name__}: {_said(error)}"}, trace=self))

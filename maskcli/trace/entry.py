@@ -81,7 +81,7 @@ def _wrapper(trace, original, stands_for, kind: str):
         try:
             if wanted(args, kwargs, out):
                 after(stands_for, args, kwargs, out)
-        except Exception:  # noqa: BLE001 - nothing of the trace reaches the program (an odd result it cannot ask)
+        except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace reaches the program (an odd result it cannot ask)
             pass
         return out
 

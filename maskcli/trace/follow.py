@@ -94,7 +94,7 @@ class Follow:
         if reader is not None and not self.busy and not self.within:
             try:
                 read = self._before(reader, args, kwargs)
-            except Exception:  # noqa: BLE001 - nothing of the trace may reach the program: the call runs unread
+            except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace may reach the program: the call runs unread
                 read, self._softmax = None, None
             if read is _WHOLE:
                 return call(*args, **kwargs)
@@ -139,7 +139,7 @@ class Follow:
         where a cast, a sum or a product may matter). Whatever goes wrong here stays here: the program has its result."""
         try:
             self._after_call(func, args, kwargs, out, softmaxed)
-        except Exception:  # noqa: BLE001 - nothing of the trace may reach the program: what the call made is not followed
+        except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace may reach the program: what the call made is not followed
             pass
 
     def _after_call(self, func, args: tuple, kwargs: dict, out, softmaxed=None) -> None:
@@ -165,5 +165,5 @@ def said(error: BaseException) -> str:
     """An exception's message on one line, at most 200 characters (one whose __str__ raises: its class alone)."""
     try:
         return " ".join(str(error).split())[:200]
-    except Exception:  # noqa: BLE001 - the program's own exception class may print nothing
+    except (Exception, SystemExit):  # noqa: BLE001 - the program's own exception class may print nothing
         return "(its message cannot be printed)"

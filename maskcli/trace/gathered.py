@@ -64,7 +64,7 @@ def _masks(variables: dict, n: int) -> list:
     """(name, bool (B, Lk)) of the frame's masks over more than `n` keys: 2-D, or (B, 1, 1, Lk); bools or 0/1."""
     found = []
     for name, value in variables.items():
-        if not (isinstance(value, torch.Tensor) and MASKS.search(name)) or value.numel() > CELLS or value.dim() < 2 \
+        if not (issubclass(type(value), torch.Tensor) and MASKS.search(name)) or value.numel() > CELLS or value.dim() < 2 \
                 or value.shape[-1] <= n:
             continue  # (no more keys than the kernel has: nothing was gathered; read no values)
         if value.dim() == 4 and value.shape[1] == value.shape[2] == 1:
@@ -83,7 +83,7 @@ def _masks(variables: dict, n: int) -> list:
 def _padded(variables: dict, rows: int, length: int, heads: int, dim: int):
     """(name, (B, Lk, H, D)) of the frame's float tensors laid out (B, Lk, H, D) or (B, H, Lk, D)."""
     for name, value in variables.items():
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() != 4 \
+        if not issubclass(type(value), torch.Tensor) or not value.is_floating_point() or value.dim() != 4 \
                 or value.numel() > CELLS or value.shape[0] != rows:
             continue
         shape = tuple(int(x) for x in value.shape)

@@ -116,7 +116,7 @@ def _read(value) -> bool:
         own = _OWN.get(kind)
         if own is None:
             own = _OWN[kind] = _program_class(kind)
-    except Exception:  # noqa: BLE001 - a class whose metaclass raises (its hash, dir, __module__): not read
+    except (Exception, SystemExit):  # noqa: BLE001 - a class whose metaclass raises (its hash, dir, __module__): not read
         return False
     return own
 
@@ -144,7 +144,7 @@ def _fields(value, variable: str, where: str, queries: list, keys: list) -> None
     for name in NAMES.intersection(held):
         try:
             rows = _ints(held[name])
-        except Exception:  # noqa: BLE001 - a value that raises as it is read (a list subclass's len): states nothing
+        except (Exception, SystemExit):  # noqa: BLE001 - a value that raises as it is read (a list subclass's len): states nothing
             continue
         if rows is None:
             continue
@@ -163,7 +163,7 @@ def _attributes(value) -> dict:
     """The object's own attributes; {} where its `__dict__` raises or is no dict (a property of the program's)."""
     try:
         held = vars(value)
-    except Exception:  # noqa: BLE001 - the program's object shows nothing here
+    except (Exception, SystemExit):  # noqa: BLE001 - the program's object shows nothing here
         return {}
     return held if type(held) is dict else {}
 

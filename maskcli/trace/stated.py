@@ -52,7 +52,7 @@ def config_like(value, named: bool = False) -> bool:
     or a property raises something other than AttributeError: python runs the program, so trace must)."""
     try:
         return _config_like(value, named)
-    except Exception:  # noqa: BLE001 - the program's own code raising inside a read: not a config maskcli can read
+    except (Exception, SystemExit):  # noqa: BLE001 - the program's own code raising inside a read: not a config maskcli can read
         return False
 
 
@@ -60,7 +60,7 @@ def fields_of(value) -> dict:
     """checks.intent.fields_of on the program's object; {} (states nothing) where reading it raises."""
     try:
         return _fields_of(value)
-    except Exception:  # noqa: BLE001 - as config_like
+    except (Exception, SystemExit):  # noqa: BLE001 - as config_like
         return {}
 
 
@@ -210,7 +210,7 @@ def padding_flags(module, places: list | None) -> list[Stated]:
     found, seen = [], set()
     for where, variables in places or ():
         for value in list(variables.values()):
-            if not isinstance(value, torch.nn.Module) or value is module or id(value) in seen:
+            if not issubclass(type(value), torch.nn.Module) or value is module or id(value) in seen:
                 continue
             seen.add(id(value))
             flags = {n: v for n in PADDING_FLAGS if isinstance(v := vars(value).get(n), bool)}
@@ -281,7 +281,7 @@ def _variables(root=None, anything: bool = False, depth: int = 1, places: list |
         for variable, value in list(variables.items()):
             try:
                 _variable(variable, value, variables, where, anything, seen, besides, found)
-            except Exception:  # noqa: BLE001 - an object whose every attribute raises (its __class__): it states nothing
+            except (Exception, SystemExit):  # noqa: BLE001 - an object whose every attribute raises (its __class__): it states nothing
                 continue
     distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
     return found[:1] if len(distinct) == 1 else []
@@ -307,7 +307,7 @@ def _same_fields(a: dict, b: dict) -> bool:
     """Two configs' fields are equal (the one config a module holds, found again among the program's variables)."""
     try:
         return bool(a == b)
-    except Exception:  # noqa: BLE001 - values that do not compare (arrays): not the same
+    except (Exception, SystemExit):  # noqa: BLE001 - values that do not compare (arrays): not the same
         return False
 
 
