@@ -382,3 +382,14 @@ def test_tgi_gaudi_qwen2_use_sliding_window_false_ignored(tmp_path):
     """text-generation-inference#3280: a Qwen2 config with use_sliding_window false still gets a banded prefill mask
     (written blind, batch blind-r; caught before any rule was changed for it)."""
     check_bug(tmp_path, "tgi_gaudi_qwen2_use_sliding_window_false_ignored", "window-on-full-layer")
+
+
+def test_a_window_wider_than_int64_reads_as_causal():
+    """hunt 8: a config's sliding_window of 2**200 (a SimpleNamespace of the program's) ended the report in "unexpected
+    OverflowError"; a window past every position keeps every earlier key: the causal cells torch.tril gives."""
+    length = 6
+    causal = torch.ones(length, length, dtype=torch.bool).tril().numpy()[None, None]
+    real_k = np.ones((1, length), bool)
+    placed = Placed(causal, np.arange(length), real_k, real_k)
+    assert placed.holds(f"window({2 ** 200})") and placed.holds(f"window({2 ** 63 - 1})")
+    assert not placed.holds("window(3)")
