@@ -14,6 +14,7 @@ Bahdanau scores made by a Linear, no q @ kᵀ), and its call records the cells t
 from __future__ import annotations
 
 import functools
+import numbers
 import weakref
 
 import torch
@@ -59,7 +60,10 @@ def _value(args: tuple, kwargs: dict) -> float | None:
             value = value.item()
         except Exception:  # noqa: BLE001 - a fake or wrapped scalar (meta, vmap): no value to read here
             return None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return float(value) if isinstance(value, numbers.Real) and type(value).__name__ != "bool_" else None  # (numpy's
+    # int64 and float32 scalars, which torch takes as fill values; numpy's bool_ is no number here)
 
 
 def _version(tensor: torch.Tensor) -> int | None:
