@@ -310,17 +310,8 @@ class Trace(Outer, Follow):
 
     # --- recording ----------------------------------------------------------------------------
 
-    def capture(self, reader, args, kwargs) -> None:
-        """Record one call; whatever goes wrong here is noted on the call and never reaches the program."""
-        made = len(self._calls)
-        try:
-            self._capture(reader, args, kwargs)
-        except (Exception, SystemExit) as error:  # noqa: BLE001 - a frame held what maskcli cannot read: still a call, not read
-            if len(self._calls) == made:
-                self._append(Call(getattr(reader, "api", "?"), (0, 0, 0, 0), (), (), (), "", "", index=made, where="?",
-                                  step=0, details={"error": f"{type(error).__name__}: {_said(error)}"}, trace=self))
-
     def _capture(self, reader, args, kwargs) -> None:
+        """Record one call (Follow.capture runs this, and keeps whatever goes wrong here from the program)."""
         first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
         if first is not None and not has_values(first):
             return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real

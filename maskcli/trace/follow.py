@@ -134,6 +134,17 @@ class Follow:
             self.discarded.note(given, *softmaxed)  # (a fill of its input thrown away: note reads dropped())
         return made, softmaxed
 
+    def capture(self, reader, args, kwargs) -> None:
+        """Record one call (Trace._capture); whatever goes wrong here is noted on the call and never reaches the program."""
+        made = len(self._calls)
+        try:
+            self._capture(reader, args, kwargs)
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - a frame held what maskcli cannot read: still a call, not read
+            if len(self._calls) == made:
+                self._append(readers.Call(getattr(reader, "api", "?"), (0, 0, 0, 0), (), (), (), "", "", index=made,
+                                          where="?", step=0, details={"error": f"{type(error).__name__}: {said(error)}"},
+                                          trace=self))
+
     def after_call(self, func, args: tuple, kwargs: dict, out, softmaxed=None) -> None:
         """What a watched call computed, followed (dispatch's part after the call; entry.py's wrappers run it alone
         where a cast, a sum or a product may matter). Whatever goes wrong here stays here: the program has its result."""
