@@ -426,3 +426,14 @@ def test_unused_slots_between_keys_and_before_the_queries_are_dropped():
     kept, own = slack_dropped(window, np.arange(8, 11))
     assert kept.shape[-1] == 8 and own.tolist() == [5, 6, 7] and not kept[..., :2].any()
     assert slack_dropped(torch.ones(1, 1, 3, 6).tril(3).bool().numpy(), np.arange(3, 6))[0].shape[-1] == 6
+
+
+def test_a_window_wider_than_int64_reads_as_causal():
+    """hunt 8: a config's sliding_window of 2**200 (a SimpleNamespace of the program's) ended the report in "unexpected
+    OverflowError"; a window past every position keeps every earlier key: the causal cells torch.tril gives."""
+    length = 6
+    causal = torch.ones(length, length, dtype=torch.bool).tril().numpy()[None, None]
+    real_k = np.ones((1, length), bool)
+    placed = Placed(causal, np.arange(length), real_k, real_k)
+    assert placed.holds(f"window({2 ** 200})") and placed.holds(f"window({2 ** 63 - 1})")
+    assert not placed.holds("window(3)")

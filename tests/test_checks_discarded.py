@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from checkbugs import check_bug, first, traced
@@ -90,3 +91,17 @@ def test_a_fill_under_inference_mode_is_read_without_a_version():
         found.after(torch.Tensor.masked_fill, (scores, mask, -1e9), {}, scores.masked_fill(mask, -1e9))
         hidden, value = found.dropped(scores)
     assert torch.equal(hidden, mask) and value == -1e9
+
+
+def test_a_fill_is_a_masking_fill_by_its_value_alone_read_first():
+    """hunt 8: the value is read before the tensors (a loop of 10^5 fills of 0 pays two comparisons): at most -1e4, or
+    the dtype's lowest (float8_e4m3fn's -448), is a masking fill, a numpy scalar's too (np.int64(-1e9) was missed);
+    0, NaN, a bool, a positive value are not."""
+    scores, mask = torch.randn(2, 3, 4), torch.tensor([False, True, False, True])
+    for value, masking in ((0.0, False), (float("nan"), False), (True, False), (5, False), (-1e4, True),
+                           (float("-inf"), True), (torch.tensor(-1e9), True), (-9999.0, False),
+                           (np.int64(-10 ** 9), True), (np.float32(-1e9), True), (np.bool_(True), False)):
+        assert wanted((scores, mask, value), {}, scores.masked_fill(mask, value)) is masking, value
+    low = torch.randn(2, 3, 4).to(torch.float8_e4m3fn)
+    assert wanted((low, mask, -448.0), {}, low)
+    assert not wanted((scores, mask, -448.0), {}, scores.masked_fill(mask, -448.0))

@@ -74,3 +74,16 @@ def test_a_gather_that_follows_the_mask_either_way_round_is_quiet():
     attn_mask = attn_mask.flip(-1)  # left padding: kept keys 2-5
     got = _noted(key, attn_mask, [0, 1, 2, 3], 1)
     assert got is not None and (got["row"], got["taken"], got["marked"]) == (1, [0, 1, 2, 3], [2, 3, 4, 5])
+
+
+def test_keys_of_a_dtype_numpy_lacks_are_matched_by_their_bytes():
+    """bfloat16 and float8 keys (numpy has no type for them) gathered by a prefix over left padding are found as float32
+    ones are; the same gather over right padding is quiet."""
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float16):
+        key = torch.randn(2, 6, 2, 4).to(dtype)
+        attn_mask = torch.tensor([[True] * 6, [False, False, True, True, True, True]])
+        got = _noted(key, attn_mask, [0, 1, 2, 3], 1)
+        assert got is not None and (got["row"], got["taken"], got["marked"]) == (1, [0, 1, 2, 3], [2, 3, 4, 5]), dtype
+        attn_mask = attn_mask.flip(-1)  # (right padding: the prefix is the kept keys; this frame holds that mask now)
+        assert _noted(key, attn_mask, [0, 1, 2, 3], 1) is None, dtype

@@ -57,3 +57,14 @@ def test_quiet_on_padded_blocks_a_rolling_window_and_per_token_lengths(tmp_path)
     per-request ones: no finding."""
     status, found, report = traced(tmp_path, "engine_request_lengths_padded_window_verify", False, QUIET)
     assert (status, [f for f in found if f["severity"] in ("wrong", "suspicious")]) == (0, []), report
+
+
+def test_a_window_field_that_is_no_window_keeps_no_request_quiet():
+    """hunt 8: a metadata object's `sliding_window=nan` and `window_size=(-1, 'x')` were read as a stated window, so a
+    request handed 3 of its 5 keys passed. A size above 0, or a layer kind other than full attention, is a window."""
+    from maskcli.checks.reqlens import _a_window
+
+    assert [_a_window(v) for v in (4, 4.0, (-1, 3), [0, 2])] == [True] * 4
+    assert [_a_window(v) for v in (float("nan"), float("inf"), -1, 0, True, None, "wide", (-1, "x"))] == [False] * 8
+    assert _a_window(["full_attention", "sliding_attention"], kinds=True)
+    assert not _a_window(["full_attention"] * 2, kinds=True) and not _a_window(["sliding_attention"])

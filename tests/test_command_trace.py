@@ -942,3 +942,59 @@ def test_a_negative_cache_position_states_no_place_for_the_queries(tmp_path, mon
     result = trace(script)
     assert result.exit_code == 0, result.output
     assert result.stdout == "[2, 2, 5, 4]\n" and "unwritten-slot" not in result.stderr and "causal" in result.stderr
+
+
+HOSTILE_OBJECTS = {  # (objects the program holds beside its attention call, which fight every attribute read)
+    "getattribute": "type('H', (), {'__getattribute__': lambda s, n: (_ for _ in ()).throw(RuntimeError('no ' + n))})()",
+    "sysexit": "type('H', (), {'__getattr__': lambda s, n: (_ for _ in ()).throw(SystemExit(9))})()",
+    "class_property": "type('H', (), {'__class__': property(lambda s: 1 / 0)})()",
+    "dict_property": "type('H', (), {'__dict__': property(lambda s: 1 / 0)})()",
+}
+
+
+@pytest.mark.parametrize("hostile", sorted(HOSTILE_OBJECTS))
+def test_an_object_that_fights_being_read_in_the_programs_frames_changes_nothing(tmp_path, monkeypatch, hostile):
+    """hunt 8: an object whose __getattribute__ raises, held as `attention_mask` / `past_key_values` / `meta` where the
+    call is made, crashed the program under trace (isinstance asks __class__) or exited it with status 9 (a SystemExit
+    out of `get_seq_length`); one whose __class__ or __dict__ raises left every call "not read". Now the program runs
+    as under python and its causal call is read: the report names it causal, as torch.tril says it is."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "hostile.py", f"""
+        import torch, torch.nn as nn, torch.nn.functional as F
+        class Attn(nn.Module):
+            def forward(self, x, attention_mask=None, past_key_values=None):
+                meta = attention_mask
+                return F.scaled_dot_product_attention(x, x, x, attn_mask=torch.ones(5, 5, dtype=torch.bool).tril())
+        h = {HOSTILE_OBJECTS[hostile]}
+        print(list(Attn()(torch.ones(2, 2, 5, 4), attention_mask=h, past_key_values=h).shape))
+    """)
+    python = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--json", "t.json", script], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == python.returncode == 0 and result.stdout == python.stdout == "[2, 2, 5, 4]\n", result.stderr
+    calls = json.loads((tmp_path / "t.json").read_text())["calls"]
+    assert len(calls) == 1 and "error" not in calls[0]["details"], calls
+    assert "not read" not in result.stderr and "causal" in result.stderr, result.stderr
+
+
+def test_a_softmax_or_fill_whose_subclass_returns_no_tensor_is_returned_untouched(tmp_path, monkeypatch):
+    """hunt 8: what a watched call returns is the program's, whatever it is: a Tensor subclass whose __torch_function__
+    hands back a tuple for softmax and masked_fill, and None for matmul, runs and prints as under python."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "odd.py", """
+        import torch
+        class T(torch.Tensor):
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                out = super().__torch_function__(func, types, args, kwargs or {})
+                name = getattr(func, "__name__", "")
+                return (out, "x") if name in ("softmax", "masked_fill") else None if name in ("matmul", "__matmul__") else out
+        q = torch.randn(2, 2, 4, 8)
+        s = (q @ q.transpose(-1, -2)).as_subclass(T)
+        print(type(s.masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), -1e9)).__name__,
+              type(s.softmax(-1)).__name__, q.as_subclass(T) @ q.transpose(-1, -2))
+    """)
+    python = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "maskcli", "trace", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == python.returncode == 0 and result.stdout == python.stdout == "tuple tuple None\n", result.stderr
+    assert "Traceback" not in result.stderr and "maskcli bug" not in result.stderr

@@ -47,3 +47,29 @@ def test_nothing_without_query_lengths_and_a_window_is_kept():
     layer = types.SimpleNamespace(sliding_window=4)
     said = _read_in(Metadata(torch.tensor([0, 1, 2]), torch.tensor([12, 9])))  # (layer: the test's own)
     assert said["window"].startswith("layer.sliding_window=4")
+
+
+def test_counts_no_request_can_have_state_nothing():
+    """hunt 8: key counts below the request's own new tokens (0, negative) are no statement (`request-keys-differ` said
+    "states -5" of a correct program); a negative query count neither."""
+    assert _read_in(types.SimpleNamespace(q_lens=[3, 2], seq_lens=[-5, -7])) is None
+    assert _read_in(types.SimpleNamespace(q_lens=[3, 2], seq_lens=[0, 0])) is None
+    assert _read_in(types.SimpleNamespace(q_lens=[-3, -2], seq_lens=[5, 7])) is None
+    said = _read_in(types.SimpleNamespace(q_lens=[3, 2], seq_lens=[3, 9]))
+    assert said["keys"][1] == [3, 9]
+
+
+class _Fights:
+    """A metadata object of the program's whose __dict__ is a property: raising, a list, a dict with a key no name is."""
+
+    def __init__(self, shown):
+        self.__class__ = type("Shown", (_Fights,), {"__dict__": property(shown)})
+
+
+def test_an_object_whose_attributes_cannot_be_listed_states_nothing_and_raises_nothing():
+    for shown in (lambda s: 1 / 0, lambda s: [("seq_lens", [5, 7])], lambda s: {5: "x", "seq_lens": [5, 7]}):
+        meta = _Fights(shown)
+        assert _read_in(meta) is None  # (no query lengths beside it: nothing stated, and nothing raised)
+    del meta  # (this frame's variables are read too)
+    state = types.SimpleNamespace(q_lens=[3, 2], seq_lens=torch.tensor([5, 7]).to_sparse())  # (no strided values)
+    assert _read_in(state) is None

@@ -77,7 +77,7 @@ class Placed:
     def _expected(self, expression: str) -> np.ndarray:
         q, k = self.own[:, None], self.keys[None, :]
         name, _, size = expression.partition("(")
-        size = int(size.rstrip(")")) if size else 0
+        size = min(int(size.rstrip(")")), 1 << 62) if size else 0  # (past every position: int64, not a config's 2**200)
         if name == "causal":
             return (k <= q)[None, None]
         if name == "full":

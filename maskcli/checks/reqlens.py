@@ -37,7 +37,16 @@ def _windowed(run: Run, call) -> bool:
         return True
     top = run.top(call)
     stated = () if top is None else top.stated
-    return any(one.fields.get(name) not in (None, -1, 0, False) for one in stated for name in WINDOWS)
+    return any(_a_window(one.fields.get(name), name == "layer_types") for one in stated for name in WINDOWS)
+
+
+def _a_window(value, kinds: bool = False) -> bool:
+    """A config field that states some window: a size above 0 (a NaN, a negative or a word is none), or a list of
+    them; with `kinds` (layer_types), a list of layer kinds one of which is not full attention."""
+    if isinstance(value, (list, tuple)):
+        return any(_a_window(one) or kinds and isinstance(one, str) and one not in ("full_attention", "full", "global")
+                   for one in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
 
 def _groups(run: Run) -> list[tuple[tuple, list]]:

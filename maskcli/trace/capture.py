@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import maskcli.trace.masks as readers
 import maskcli.trace.queried as queried
 from maskcli.trace.masks import Call, Operands
-from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced
+from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced, said as _said
 from maskcli.trace.outer import Outer
 import maskcli.trace.flash as flash
 import maskcli.trace.compiled as compiled
@@ -178,7 +178,7 @@ class Trace(Outer, Follow):
             for top, module in self._pending:
                 try:
                     top.stated = stated(module, path, self._stated, self._frames.get(id(module)))
-                except Exception:  # noqa: BLE001 - a config whose attribute access raises: it states nothing maskcli reads
+                except (Exception, SystemExit):  # noqa: BLE001 - a config whose attribute access raises: it states nothing maskcli reads
                     top.stated = ()
             self._pending.clear()
             self._frames.clear()
@@ -306,12 +306,12 @@ class Trace(Outer, Follow):
     def refused(self, made: int, error: BaseException) -> None:
         """The call recorded at `made` raised: the kernel refused it (is_causal=2, shapes apart), no attention ran."""
         if len(self._calls) > made:
-            self._calls[made].details["raised"] = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+            self._calls[made].details["raised"] = f"{type(error).__name__}: {_said(error)}"
 
     # --- recording ----------------------------------------------------------------------------
 
-    def capture(self, reader, args, kwargs) -> None:
-        """Record one call; whatever goes wrong here is noted on the call and never reaches the program."""
+    def _capture(self, reader, args, kwargs) -> None:
+        """Record one call (Follow.capture runs this, and keeps whatever goes wrong here from the program)."""
         first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
         if first is not None and not has_values(first):
             return  # inside vmap, or shapes without values (meta, fake): no mask to read, nothing run for real
@@ -361,10 +361,10 @@ class Trace(Outer, Follow):
             elif seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS): cut here, once, before it is stored
                 interface.leave_out_sink(seen, frames[-1].get("sink_keys") if frames else self.sink_keys())
             key = readers.stored(self, seen)  # (self._store, and a mask the frames handed the call: trace/given.py)
-        except Exception as error:  # a call maskcli cannot read is still a call: say so and carry on
+        except (Exception, SystemExit) as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
             self._append(Call(api, (0, 0, 0, 0), (), (), (), "", "", index=len(self._calls), where=where, step=self.sites.step(site),
-                              details={"error": f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"}, trace=self))
+                              details={"error": f"{type(error).__name__}: {_said(error)}"}, trace=self))
             return
         finally:
             torch._C._set_grad_enabled(grad)
@@ -397,3 +397,4 @@ class Trace(Outer, Follow):
 
     def _store(self, seen) -> str:
         return store(self, seen)  # (trace/store.py: once per digest, a mask given again unchanged not read again)
+

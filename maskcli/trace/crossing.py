@@ -193,16 +193,16 @@ def _memory(stack: list, q_len: int, k_len: int, frame) -> dict | None:
         where = f"{where}() of {os.path.basename(code.co_filename)}"
         for name in names:
             value = variables.get(name)
-            if not isinstance(value, torch.Tensor):
+            if not issubclass(type(value), torch.Tensor):
                 continue
             if any(value is other for other in others):
                 return {"cross": False, "by": "memory", "source": f"{name} handed to {where} is its queries' own tensor"}
-            first = next((o for o in others if isinstance(o, torch.Tensor)), None)
+            first = next((o for o in others if issubclass(type(o), torch.Tensor)), None)
             if k_len not in tuple(value.shape[:-1]) and not (
-                    isinstance(first, torch.Tensor) and first.dim() >= 2 and value.dim() >= 2
+                    issubclass(type(first), torch.Tensor) and first.dim() >= 2 and value.dim() >= 2
                     and (q_len, k_len) == (first.shape[-2], value.shape[-2])):
                 return None  # (keys of neither: a joint attention over both sequences)
-            if name in METHOD_ONLY and isinstance(first, torch.Tensor) and _packed_own(first, value):
+            if name in METHOD_ONLY and issubclass(type(first), torch.Tensor) and _packed_own(first, value):
                 return {"cross": False, "by": "memory", "source": f"{name} handed to {where} holds its queries' own "
                         f"packed keys and values"}
             reading = {"cross": True, "by": "kv" if name in METHOD_ONLY else "memory", "source": f"{name} handed to {where}"}
@@ -262,7 +262,7 @@ def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
         if query_name is None or key_name is None:
             return None
         query, key = frame.f_locals.get(query_name), frame.f_locals.get(key_name)
-        if not isinstance(query, torch.Tensor) or not isinstance(key, torch.Tensor) or query.dim() < 2 or key.dim() < 2:
+        if not issubclass(type(query), torch.Tensor) or not issubclass(type(key), torch.Tensor) or query.dim() < 2 or key.dim() < 2:
             return None
         where = f"{type(owner).__name__}.forward() of {os.path.basename(code.co_filename)}"
         if key is query or _ends_with(key, query):

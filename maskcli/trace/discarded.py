@@ -13,6 +13,8 @@ Bahdanau scores made by a Linear, no q @ kᵀ), and its call records the cells t
 
 from __future__ import annotations
 
+import functools
+import numbers
 import weakref
 
 import torch
@@ -33,16 +35,24 @@ def wanted(args: tuple, kwargs: dict, out) -> bool:
 
 
 def _wanted(args: tuple, kwargs: dict, out) -> bool:
-    given = args[0] if args else kwargs.get("input", kwargs.get("self"))
-    if not isinstance(out, torch.Tensor) or not isinstance(given, torch.Tensor) or given.dim() < 2 \
-            or not out.is_floating_point() or out.numel() > MOST:
+    value = _value(args, kwargs)  # (first: most fills of a program are no masking fill, and a float is read fastest)
+    if value is None or not value <= FILL_AT_MOST and (not value < 0 or not isinstance(out, torch.Tensor)
+                                                       or not out.is_floating_point() or value != _lowest(out.dtype)):
         return False
-    value = _value(args, kwargs)
-    return value is not None and (value <= FILL_AT_MOST or value == torch.finfo(out.dtype).min)
+    given = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    return isinstance(out, torch.Tensor) and isinstance(given, torch.Tensor) and given.dim() >= 2 \
+        and out.is_floating_point() and out.numel() <= MOST
+
+
+@functools.lru_cache(maxsize=None)
+def _lowest(dtype) -> float:
+    return torch.finfo(dtype).min
 
 
 def _value(args: tuple, kwargs: dict) -> float | None:
     value = args[2] if len(args) > 2 else kwargs.get("value")
+    if type(value) is float:
+        return value
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.device.type != "cpu":  # (reading a device's scalar would wait on the device)
             return None
@@ -50,7 +60,10 @@ def _value(args: tuple, kwargs: dict) -> float | None:
             value = value.item()
         except Exception:  # noqa: BLE001 - a fake or wrapped scalar (meta, vmap): no value to read here
             return None
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return float(value) if isinstance(value, numbers.Real) and type(value).__name__ != "bool_" else None  # (numpy's
+    # int64 and float32 scalars, which torch takes as fill values; numpy's bool_ is no number here)
 
 
 def _version(tensor: torch.Tensor) -> int | None:

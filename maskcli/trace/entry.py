@@ -78,8 +78,11 @@ def _wrapper(trace, original, stands_for, kind: str):
         if wanted is None:
             return trace.dispatch(stands_for, args, kwargs, original)
         out = original(*args, **kwargs)  # (what follows: nothing is followed in this thread, the mode is off)
-        if wanted(args, kwargs, out):
-            after(stands_for, args, kwargs, out)
+        try:
+            if wanted(args, kwargs, out):
+                after(stands_for, args, kwargs, out)
+        except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace reaches the program (an odd result it cannot ask)
+            pass
         return out
 
     wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = _named(stands_for)  # (not update_wrapper: every trace makes

@@ -17,6 +17,9 @@ from maskcli.trace.overflow import WATCHED
 from maskcli.trace.scores import as_matrix
 
 
+_WHOLE = object()  # (Follow._before: a piece of a call its Hugging Face interface records whole)
+
+
 class Local(threading.local):
     """What each thread of the program has of a trace (the defaults: class attributes, read without a getattr default)."""
 
@@ -88,22 +91,15 @@ class Follow:
         if not self.active or (func not in self.watched and not followed[0] and not followed[1] and not followed[2]):
             return call(*args, **kwargs)
         reader = self.readers.get(func)
-        softmaxed = None
         if reader is not None and not self.busy and not self.within:
-            given = readers.softmax_input(args, kwargs) if reader is readers.softmax else None
-            if reader is not readers.softmax or self.scores.attention(given) \
-                    or self.discarded.dropped(given) is not None:  # (a fill of its input, thrown away, says so)
-                if reader is readers.softmax and self.scores.axes:  # scores in another axis order (layouts.py)
-                    reader = laid(reader, self.scores, args, kwargs)
-                elif reader is readers.softmax and self.scores.matrices:  # one sequence's (Lq, Lk) (scores.py)
-                    reader = as_matrix(reader, self.scores, args, kwargs)
-                    if reader is not readers.softmax and self.interfaces:  # (one piece of a Hugging Face attention
-                        return call(*args, **kwargs)  # function's call, a document or a head: its interface records the whole)
-                self._softmax, made = None, len(self._calls)
-                self.capture(reader, args, kwargs)
-                softmaxed, self._softmax = self._softmax, None
-                if softmaxed is not None and given is not None:
-                    self.discarded.note(given, *softmaxed)  # (a fill of its input thrown away: note reads dropped())
+            try:
+                read = self._before(reader, args, kwargs)
+            except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace may reach the program: the call runs unread
+                read, self._softmax = None, None
+            if read is _WHOLE:
+                return call(*args, **kwargs)
+            if read is not None:
+                made, softmaxed = read
                 self.within += 1  # (what the call runs itself is its own: MHA's SDPA, F.softmax's Tensor.softmax)
                 try:
                     out = call(*args, **kwargs)
@@ -115,12 +111,49 @@ class Follow:
                 self.after_call(func, args, kwargs, out, softmaxed)
                 return out
         out = call(*args, **kwargs)
-        self.after_call(func, args, kwargs, out, softmaxed)
+        self.after_call(func, args, kwargs, out)
         return out
+
+    def _before(self, reader, args: tuple, kwargs: dict):
+        """Record an attention call before it runs: (the index it is recorded at, (call, seen) of a softmax read, else
+        None); None where it is no attention (a softmax over no scores), _WHOLE where its interface records it."""
+        given = readers.softmax_input(args, kwargs) if reader is readers.softmax else None
+        if reader is readers.softmax and not self.scores.attention(given) \
+                and self.discarded.dropped(given) is None:  # (a fill of its input, thrown away, says so)
+            return None
+        if reader is readers.softmax and self.scores.axes:  # scores in another axis order (layouts.py)
+            reader = laid(reader, self.scores, args, kwargs)
+        elif reader is readers.softmax and self.scores.matrices:  # one sequence's (Lq, Lk) (scores.py)
+            reader = as_matrix(reader, self.scores, args, kwargs)
+            if reader is not readers.softmax and self.interfaces:  # (one piece of a Hugging Face attention
+                return _WHOLE  # function's call, a document or a head: its interface records the whole)
+        self._softmax, made = None, len(self._calls)
+        self.capture(reader, args, kwargs)
+        softmaxed, self._softmax = self._softmax, None
+        if softmaxed is not None and given is not None:
+            self.discarded.note(given, *softmaxed)  # (a fill of its input thrown away: note reads dropped())
+        return made, softmaxed
+
+    def capture(self, reader, args, kwargs) -> None:
+        """Record one call (Trace._capture); whatever goes wrong here is noted on the call and never reaches the program."""
+        made = len(self._calls)
+        try:
+            self._capture(reader, args, kwargs)
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - a frame held what maskcli cannot read: still a call, not read
+            if len(self._calls) == made:
+                self._append(readers.Call(getattr(reader, "api", "?"), (0, 0, 0, 0), (), (), (), "", "", index=made,
+                                          where="?", step=0, details={"error": f"{type(error).__name__}: {said(error)}"},
+                                          trace=self))
 
     def after_call(self, func, args: tuple, kwargs: dict, out, softmaxed=None) -> None:
         """What a watched call computed, followed (dispatch's part after the call; entry.py's wrappers run it alone
-        where a cast, a sum or a product may matter)."""
+        where a cast, a sum or a product may matter). Whatever goes wrong here stays here: the program has its result."""
+        try:
+            self._after_call(func, args, kwargs, out, softmaxed)
+        except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace may reach the program: what the call made is not followed
+            pass
+
+    def _after_call(self, func, args: tuple, kwargs: dict, out, softmaxed=None) -> None:
         followed = self._followed
         if softmaxed is not None:  # its weights followed: a 0/1 mask multiplied in afterwards is its mask (after.py)
             self.after.note(out, *softmaxed)
@@ -137,3 +170,11 @@ class Follow:
                 self.discarded.after(func, args, kwargs, out)
         if (followed[0] or followed[1] or followed[2]) and not self._local.moded:
             self._follow()
+
+
+def said(error: BaseException) -> str:
+    """An exception's message on one line, at most 200 characters (one whose __str__ raises: its class alone)."""
+    try:
+        return " ".join(str(error).split())[:200]
+    except (Exception, SystemExit):  # noqa: BLE001 - the program's own exception class may print nothing
+        return "(its message cannot be printed)"

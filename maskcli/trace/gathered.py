@@ -64,7 +64,7 @@ def _masks(variables: dict, n: int) -> list:
     """(name, bool (B, Lk)) of the frame's masks over more than `n` keys: 2-D, or (B, 1, 1, Lk); bools or 0/1."""
     found = []
     for name, value in variables.items():
-        if not (isinstance(value, torch.Tensor) and MASKS.search(name)) or value.numel() > CELLS or value.dim() < 2 \
+        if not (issubclass(type(value), torch.Tensor) and MASKS.search(name)) or value.numel() > CELLS or value.dim() < 2 \
                 or value.shape[-1] <= n:
             continue  # (no more keys than the kernel has: nothing was gathered; read no values)
         if value.dim() == 4 and value.shape[1] == value.shape[2] == 1:
@@ -83,7 +83,7 @@ def _masks(variables: dict, n: int) -> list:
 def _padded(variables: dict, rows: int, length: int, heads: int, dim: int):
     """(name, (B, Lk, H, D)) of the frame's float tensors laid out (B, Lk, H, D) or (B, H, Lk, D)."""
     for name, value in variables.items():
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() != 4 \
+        if not issubclass(type(value), torch.Tensor) or not value.is_floating_point() or value.dim() != 4 \
                 or value.numel() > CELLS or value.shape[0] != rows:
             continue
         shape = tuple(int(x) for x in value.shape)
@@ -121,13 +121,13 @@ _PLACES: dict = {}  # (id, version) of a padded key tensor -> (it, {row bytes: [
 def _positions(held: torch.Tensor, padded: torch.Tensor, rows: torch.Tensor) -> list | None:
     """[(b, position)] of each kernel key row in `padded` (B, Lk, H, D, a view of the frame's `held`), matched by exact
     value; None where a row is found nowhere or in more than one place (repeated rows: no provenance)."""
-    wanted = rows.detach().reshape(rows.shape[0], -1).cpu().numpy()
+    wanted = _bytes(rows.detach().reshape(rows.shape[0], -1))
     if padded.dtype != rows.dtype:
         return None
     key = (id(held), None if held.is_inference() else held._version, tuple(padded.shape))
     cached = _PLACES.get(key)
     if cached is None or cached[0] is not held:
-        table = padded.detach().reshape(padded.shape[0] * padded.shape[1], -1).cpu().numpy()
+        table = _bytes(padded.detach().reshape(padded.shape[0] * padded.shape[1], -1))
         places: dict = {}
         for index, row in enumerate(table):
             places.setdefault(row.tobytes(), []).append(index)
@@ -142,3 +142,8 @@ def _positions(held: torch.Tensor, padded: torch.Tensor, rows: torch.Tensor) -> 
             return None
         found.append(divmod(hits[0], padded.shape[1]))
     return found
+
+
+def _bytes(rows: torch.Tensor) -> np.ndarray:
+    """(n, D) rows as their bytes (n, D * itemsize): bfloat16 and float8 rows, which numpy has no type for, matched too."""
+    return rows.cpu().contiguous().view(torch.uint8).numpy()

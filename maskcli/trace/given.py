@@ -51,7 +51,7 @@ def note(seen, trace, key: str, cache: dict) -> None:
             lost = dropped(found, lambda: unread_cells(trace, key), shape, cache, key)
             if lost is not None:
                 seen.details["dropped_mask"] = lost
-    except Exception:  # noqa: BLE001 - a frame maskcli cannot read: the call is recorded all the same, without this
+    except (Exception, SystemExit):  # noqa: BLE001 - a frame maskcli cannot read: the call is recorded all the same, without this
         pass
 
 
@@ -66,7 +66,7 @@ def gathered_keys(seen, key: torch.Tensor, unmasked: bool) -> None:
     if unmasked and seen.shape[2] > 1:
         try:
             _gathered(seen, key)
-        except Exception:  # noqa: BLE001 - a frame or tensor maskcli cannot read: the call is recorded without this
+        except (Exception, SystemExit):  # noqa: BLE001 - a frame or tensor maskcli cannot read: the call is recorded without this
             pass
 
 
@@ -87,12 +87,12 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
                 if name not in names:
                     continue
                 value = frame.f_locals.get(name)
-                if isinstance(value, torch.Tensor) and id(value) not in own and value.is_floating_point() \
+                if issubclass(type(value), torch.Tensor) and id(value) not in own and value.is_floating_point() \
                         and value.dim() >= 2 and tuple(value.shape[-2:]) == (q_len, k_len):
                     return f"{name} of {code.co_name}()", value
-                if isinstance(value, torch.Tensor) and id(value) not in own and _bool_over(value, shape):
+                if issubclass(type(value), torch.Tensor) and id(value) not in own and _bool_over(value, shape):
                     return f"{name} of {code.co_name}() (bool, read either way round)", value
-                blocks = None if value is None or isinstance(value, torch.Tensor) or id(value) in own \
+                blocks = None if value is None or issubclass(type(value), torch.Tensor) or id(value) in own \
                     else block_diagonal(value, q_len, k_len)
                 if blocks is not None:
                     return f"{name} of {code.co_name}() ({type(value).__name__})", blocks

@@ -99,7 +99,7 @@ def padding(frames: list | None = None) -> list[dict] | None:
             variables = frame.f_locals
             for name in held:
                 value = variables.get(name)
-                if isinstance(value, torch.Tensor) and id(value) not in seen:
+                if issubclass(type(value), torch.Tensor) and id(value) not in seen:
                     seen.add(id(value))
                     read = _read(name, value, code)
                     if read is not None:
@@ -147,7 +147,7 @@ def _described(name: str, value: torch.Tensor, code) -> dict | None:
     """What `value`, held under `name` by `code`'s frame, says, read now."""
     try:
         read = _as_padding(name, value)
-    except Exception:  # noqa: BLE001 - a tensor that cannot be read here (meta, fake, sparse) holds no padding we can see
+    except (Exception, SystemExit):  # noqa: BLE001 - a tensor that cannot be read here (meta, fake, sparse) holds no padding we can see
         read = None
     if read is not None:
         read = {**read, "name": name, "where": f"{code.co_name}() of {os.path.basename(code.co_filename)}"}

@@ -56,14 +56,14 @@ class Outer:
 
             try:  # (tops.py reads it once the call is finished, maybe after the run: the frames are the call's now)
                 tokenizer(module, frame.f_back)
-            except Exception:  # noqa: BLE001 - a program object that cannot be read: no tokenizer read
+            except (Exception, SystemExit):  # noqa: BLE001 - a program object that cannot be read: no tokenizer read
                 pass
         args, kwargs = variables.get("args", ()), variables.get("kwargs", {})
         from maskcli.trace.tops import withheld
 
         try:  # (a mask its caller holds and did not hand over: read while the caller's frames are the call's)
             kept = withheld(module, args, kwargs, frame.f_back)
-        except Exception:  # noqa: BLE001 - a program object that cannot be read: nothing read
+        except (Exception, SystemExit):  # noqa: BLE001 - a program object that cannot be read: nothing read
             kept = {}
         local.outer = held = [frame, module, args, kwargs, first, len(self._calls), kept]
         self._outers[threading.get_ident()] = held
@@ -87,7 +87,7 @@ class Outer:
             # call, a LightningModule's training_step, is not the model's call and does not hold its arguments)
             if code.co_name == "forward" and code.co_argcount and not code.co_filename.startswith(_own()):
                 module = walk.f_locals.get(code.co_varnames[0])
-                if isinstance(module, torch.nn.Module) and module is not found[0] and _holds(module, inner):
+                if issubclass(type(module), torch.nn.Module) and module is not found[0] and _holds(module, inner):
                     variables = walk.f_locals
                     names = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
                     found = (module, walk, {"self": module, "args": (),
@@ -123,7 +123,7 @@ class Outer:
 
         try:  # (the program's objects read: a config whose attribute access raises must not reach it)
             found = top(self.sites.shown(module), module, args, kwargs, first, end, held=kept)
-        except Exception:  # noqa: BLE001 - what the call states is then unknown; its calls stay recorded
+        except (Exception, SystemExit):  # noqa: BLE001 - what the call states is then unknown; its calls stay recorded
             return
         stated = self._stated.get(id(module))  # (read once per module: trace/stated.py)
         if stated is not None and stated[0] is module:

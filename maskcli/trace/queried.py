@@ -31,7 +31,7 @@ def query_input(stack: list) -> tuple[int, int] | None:
         code = frame.f_code
         if code.co_name == "forward" and code.co_argcount > 1 and frame.f_locals.get("self") is owner:
             first = frame.f_locals.get(code.co_varnames[1])
-            if isinstance(first, torch.Tensor) and first.dim() == 3:
+            if issubclass(type(first), torch.Tensor) and first.dim() == 3:
                 return int(first.shape[0]), int(first.shape[1])
             return None
         frame = frame.f_back

@@ -56,16 +56,17 @@ def lengths(frames: list) -> dict | None:
             where = where or _where(frame)
             seen.add(id(value))
             _fields(value, variable, where, queries, keys)
-            for name, inner in list(vars(value).items()):
-                if id(inner) not in seen and not name.startswith("__") and _read(inner):
+            for name, inner in list(_attributes(value).items()):
+                if id(inner) not in seen and type(name) is str and not name.startswith("__") and _read(inner):
                     seen.add(id(inner))
                     _fields(inner, f"{variable}.{name}", where, queries, keys)
     if not queries or not keys:
         return None
     count = {len(q) for _, q in queries}
-    if len(count) != 1 or len({tuple(q) for _, q in queries}) != 1:
-        return None  # (two query statements that differ: nothing says which the call is)
-    matching = [(source, k) for source, k in keys if len(k) == len(queries[0][1])]
+    if len(count) != 1 or len({tuple(q) for _, q in queries}) != 1 or min(queries[0][1]) < 0:
+        return None  # (two query statements that differ: nothing says which the call is; a negative count is none)
+    said = queries[0][1]  # (keys count the new tokens too: fewer keys than queries, or a negative count, state nothing)
+    matching = [(source, k) for source, k in keys if len(k) == len(said) and all(a >= b for a, b in zip(k, said))]
     if not matching or len({tuple(k) for _, k in matching}) != 1:
         return None
     window = next((said for frame, _ in frames for variable, value in list(frame.f_locals.items())
@@ -83,9 +84,9 @@ def _window(variable: str, value, frame) -> str | None:
     handed fewer keys."""
     if variable in WINDOWS and _positive(value):
         return f"{variable}={value!r} (in {_where(frame)})"
-    if not isinstance(value, torch.nn.Module) and not _read(value):
+    if not issubclass(type(value), torch.nn.Module) and not _read(value):
         return None
-    held = vars(value)
+    held = _attributes(value)
     for name in WINDOWS.intersection(held):
         if _positive(held[name]):
             return f"{variable}.{name}={held[name]!r} (in {_where(frame)})"
@@ -93,7 +94,7 @@ def _window(variable: str, value, frame) -> str | None:
 
 
 def _positive(value) -> bool:
-    if isinstance(value, (tuple, list)):
+    if type(value) in (tuple, list):
         return any(type(x) is int and x > 0 for x in value)
     return type(value) is int and value > 0
 
@@ -111,9 +112,12 @@ def _own(code) -> bool:
 def _read(value) -> bool:
     """Whether `value` is an object whose fields are read: of a class the program defines, or a SimpleNamespace."""
     kind = type(value)
-    own = _OWN.get(kind)
-    if own is None:
-        own = _OWN[kind] = _program_class(kind)
+    try:
+        own = _OWN.get(kind)
+        if own is None:
+            own = _OWN[kind] = _program_class(kind)
+    except (Exception, SystemExit):  # noqa: BLE001 - a class whose metaclass raises (its hash, dir, __module__): not read
+        return False
     return own
 
 
@@ -136,12 +140,12 @@ def _libraries() -> tuple[str, ...]:
 
 def _fields(value, variable: str, where: str, queries: list, keys: list) -> None:
     """The length fields of one object, appended to `queries` / `keys` as (source, per-request ints)."""
-    try:
-        held = vars(value)
-    except TypeError:
-        return
+    held = _attributes(value)
     for name in NAMES.intersection(held):
-        rows = _ints(held[name])
+        try:
+            rows = _ints(held[name])
+        except (Exception, SystemExit):  # noqa: BLE001 - a value that raises as it is read (a list subclass's len): states nothing
+            continue
         if rows is None:
             continue
         cumulative = name in KEYS_CUMULATIVE or name in QUERIES_CUMULATIVE
@@ -155,11 +159,20 @@ def _fields(value, variable: str, where: str, queries: list, keys: list) -> None
         (queries if name in QUERIES or name in QUERIES_CUMULATIVE else keys).append((source, rows))
 
 
+def _attributes(value) -> dict:
+    """The object's own attributes; {} where its `__dict__` raises or is no dict (a property of the program's)."""
+    try:
+        held = vars(value)
+    except (Exception, SystemExit):  # noqa: BLE001 - the program's object shows nothing here
+        return {}
+    return held if type(held) is dict else {}
+
+
 def _ints(value) -> list[int] | None:
     """A 1-D integer tensor or a list of ints, as a list; None for anything else."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.is_floating_point() or value.dtype == torch.bool or not 0 < value.numel() <= MOST \
-                or value.device.type == "meta":
+    if issubclass(type(value), torch.Tensor):
+        if value.dim() != 1 or value.layout != torch.strided or value.is_floating_point() or value.dtype == torch.bool \
+                or not 0 < value.numel() <= MOST or value.device.type == "meta":
             return None
         if not value.is_inference():  # (read once while unchanged: the same metadata at every layer's call)
             held = _TENSORS.get(id(value))
@@ -171,6 +184,6 @@ def _ints(value) -> list[int] | None:
                 _TENSORS.pop(next(iter(_TENSORS)))
             _TENSORS[id(value)] = (value, value._version, rows)  # (the tensor held: its id stays its own)
         return rows
-    if isinstance(value, (list, tuple)) and 0 < len(value) <= MOST and all(type(x) is int for x in value):
+    if issubclass(type(value), (list, tuple)) and 0 < len(value) <= MOST and all(type(x) is int for x in value):
         return list(value)
     return None

@@ -115,7 +115,8 @@ class Sites:
         """What a call's details say of where it was made: the running module's own word that it is causal
         (checks/own.py), the line that called the function attending (checks/steps.py's causal-lost), whether its
         keys are another sequence's (trace/crossing.py; `shape`: the call's (B, H, Lq, Lk))."""
-        flag = causal_flag(self.stack) or (None if self.walked is None else forward_flag(self.stack, self.walked.held))
+        walked = self.walked
+        flag = _read(causal_flag, self.stack) or (None if walked is None else _read(forward_flag, self.stack, walked.held))
         if flag is not None:
             details["module_causal" if not flag.endswith("=False") else "module_not_causal"] = flag.removesuffix("=False")
             if flag.endswith("=False") and self.walked is not None:  # (a model whose forward is handed causal per call
@@ -126,35 +127,25 @@ class Sites:
                     details["forward_causal"] = around
         if caller is not None:
             details["caller"] = caller
-        walked = self.walked
         if "cross" not in details:  # (a reader may have said it already: one query's scores, trace/masks.py)
             line = None if walked is None else walked.line_within if self.stack else walked.line
-            reading = self.readings.of(self.stack, shape, line)  # keys another sequence's? (checks/context.crossing)
+            reading = _read(self.readings.of, self.stack, shape, line)  # keys another sequence's? (checks/context.crossing)
             if reading is not None:
                 details["cross"] = reading
-        if walked is not None:  # the program's function that attends names itself causal (checks/causal_lm.py)
-            named = causal_function((walked.line_within if self.stack else walked.line)[0])
-            if named is not None:
-                details["function_causal"] = named
-        named = causal_class(self.stack)  # (the attending module's class named causal: the same weak word)
-        if named is not None:
-            details["class_causal"] = named
-        builder = causal_builder(self.stack)  # a decoder of the program's whose code builds causal masks (checks/directions.py)
-        if builder is not None:
-            details["decoder_builder"] = builder
-        windows = shifted_windows(self.stack)  # a Swin block's shifted windows and the mask it holds (checks/swin.py)
-        if windows is not None:
-            details["shifted_windows"] = windows
-        held = padding(None if walked is None else walked.held)  # the padding the program's frames hold (checks/held.py)
-        if held is not None:
-            details["held_padding"] = held
-        stated = None if walked is None else lengths(walked.held)  # an engine's per-request lengths (checks/reqlens.py)
-        if stated is not None:
-            details["request_lengths"] = stated
-        window = window_held(self.stack, _own_dirs(), details, None if walked is None else walked.windows)  # (and a plain
-        # int one beside its query's position)
-        if window is not None:
-            details["window_handed"] = window
+        held = None if walked is None else walked.held
+        attending = None if walked is None else (walked.line_within if self.stack else walked.line)[0]
+        for key, reader, *arguments in (
+                ("function_causal", causal_function if walked is not None else None, attending),  # (checks/causal_lm.py)
+                ("class_causal", causal_class, self.stack),  # the attending module's class named causal: the same weak word
+                ("decoder_builder", causal_builder, self.stack),  # a decoder whose code builds causal masks (checks/directions.py)
+                ("shifted_windows", shifted_windows, self.stack),  # a Swin block's shifted windows and its mask (checks/swin.py)
+                ("held_padding", padding, held),  # the padding the program's frames hold (checks/held.py)
+                ("request_lengths", lengths if held is not None else None, held),  # an engine's per-request lengths (reqlens.py)
+                # a window the attending module holds (and a plain int one beside its query's position)
+                ("window_handed", window_held, self.stack, _own_dirs(), details, None if walked is None else walked.windows)):
+            value = None if reader is None else _read(reader, *arguments)
+            if value is not None:
+                details[key] = value
 
     def current(self, child: str | None = None) -> tuple[tuple, str]:
         """(site key, where) of a call made now; `child`: the submodule of the running one that attends."""
@@ -248,7 +239,7 @@ def running(frame, calls: list | None = None) -> list[tuple]:
         if code is call or code.co_name == "_call_impl":
             variables = frame.f_locals
             module = variables.get("self")
-            if isinstance(module, torch.nn.Module):
+            if issubclass(type(module), torch.nn.Module):
                 found.append((module, frame, variables))
         elif code.co_name == "__call__":
             own = _own_call(frame)
@@ -267,7 +258,7 @@ def _handed(frame) -> list[tuple]:
         code = frame.f_code
         if code.co_argcount and not code.co_filename.startswith(_OWN):
             module = frame.f_locals.get(code.co_varnames[0])
-            if isinstance(module, torch.nn.Module) and id(module) not in seen:
+            if issubclass(type(module), torch.nn.Module) and id(module) not in seen:
                 seen.add(id(module))
                 variables = frame.f_locals
                 names = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
@@ -291,7 +282,7 @@ def _own_call(frame) -> tuple | None:
     and Flax NNX write `def __call__(self, x, mask=None)`, so no _call_impl frame runs for them): its arguments by
     name, as the keywords a call of it was given. None where the frame is no such module's call."""
     module = frame.f_locals.get("self")
-    if not isinstance(module, torch.nn.Module) or getattr(type(module).__call__, "__code__", None) is not frame.f_code:
+    if not issubclass(type(module), torch.nn.Module) or getattr(type(module).__call__, "__code__", None) is not frame.f_code:
         return None
     code = frame.f_code
     variables = frame.f_locals
@@ -309,6 +300,15 @@ def _path(outer, module) -> str | None:
     return None
 
 
+def _read(reader, *args):
+    """reader(*args), or None where the program's frames hold what it cannot read (an object whose every attribute
+    raises): one reader's detail left out, the call read all the same."""
+    try:
+        return reader(*args)
+    except (Exception, SystemExit):  # noqa: BLE001 - the program's objects are not maskcli's to fail on
+        return None
+
+
 def _modules_in_frames(start=None):
     """The nn.Modules the frames of the program hold in their variables (innermost frame first, from `start` where
     given), each once."""
@@ -318,7 +318,7 @@ def _modules_in_frames(start=None):
         if not frame.f_code.co_filename.startswith(skip):  # torch's and maskcli's own frames hold none of the program's
             searched += 1
             for name, value in list(frame.f_locals.items()):
-                if isinstance(value, torch.nn.Module) and id(value) not in seen:
+                if issubclass(type(value), torch.nn.Module) and id(value) not in seen:
                     if name != "self":  # (a forward's own module, read at a call inside it: named by its caller's variable)
                         seen.add(id(value))
                     yield name, value

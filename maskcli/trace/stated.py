@@ -52,7 +52,7 @@ def config_like(value, named: bool = False) -> bool:
     or a property raises something other than AttributeError: python runs the program, so trace must)."""
     try:
         return _config_like(value, named)
-    except Exception:  # noqa: BLE001 - the program's own code raising inside a read: not a config maskcli can read
+    except (Exception, SystemExit):  # noqa: BLE001 - the program's own code raising inside a read: not a config maskcli can read
         return False
 
 
@@ -60,7 +60,7 @@ def fields_of(value) -> dict:
     """checks.intent.fields_of on the program's object; {} (states nothing) where reading it raises."""
     try:
         return _fields_of(value)
-    except Exception:  # noqa: BLE001 - as config_like
+    except (Exception, SystemExit):  # noqa: BLE001 - as config_like
         return {}
 
 
@@ -210,7 +210,7 @@ def padding_flags(module, places: list | None) -> list[Stated]:
     found, seen = [], set()
     for where, variables in places or ():
         for value in list(variables.values()):
-            if not isinstance(value, torch.nn.Module) or value is module or id(value) in seen:
+            if not issubclass(type(value), torch.nn.Module) or value is module or id(value) in seen:
                 continue
             seen.add(id(value))
             flags = {n: v for n in PADDING_FLAGS if isinstance(v := vars(value).get(n), bool)}
@@ -279,19 +279,11 @@ def _variables(root=None, anything: bool = False, depth: int = 1, places: list |
     found, seen, plain = [], set(), []
     for where, variables in places:
         for variable, value in list(variables.items()):
-            if isinstance(value, str) and not variable.startswith("_"):
-                value = _json_object(value)  # (a checkpoint's config.json kept as its text)
-                if value is None:
-                    continue
-            if id(value) in seen or variable.startswith("_") or not config_like(value, named=anything) \
-                    or anything and isinstance(value, (torch.nn.Module, torch.Tensor)):
+            try:
+                if _variable(variable, value, variables, where, anything, seen, besides, found):
+                    plain.append(not anything or config_like(value))
+            except (Exception, SystemExit):  # noqa: BLE001 - an object whose every attribute raises (its __class__): it states nothing
                 continue
-            seen.add(id(value))
-            fields = fields_of(value)
-            if fields and not any(_same_fields(fields, other) for other in besides or ()):  # (a config modules hold)
-                kind = "JSON text" if isinstance(variables.get(variable), str) else type(value).__name__
-                found.append(Stated(f"{variable} ({kind}) {where}", None, fields))
-                plain.append(not anything or config_like(value))
     distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
     if len(distinct) > 1 and anything:
         # an engine's layer or backend object (taken only as `anything`) holds the window in its kernel's convention,
@@ -302,11 +294,29 @@ def _variables(root=None, anything: bool = False, depth: int = 1, places: list |
     return found[:1] if len(distinct) == 1 else []
 
 
+def _variable(variable: str, value, variables: dict, where: str, anything: bool, seen: set, besides, found: list) -> bool:
+    """One variable of `_variables`' places: appended to `found` where it is a config of its own (True then)."""
+    if isinstance(value, str) and not variable.startswith("_"):
+        value = _json_object(value)  # (a checkpoint's config.json kept as its text)
+        if value is None:
+            return False
+    if id(value) in seen or variable.startswith("_") or not config_like(value, named=anything) \
+            or anything and isinstance(value, (torch.nn.Module, torch.Tensor)):
+        return False
+    seen.add(id(value))
+    fields = fields_of(value)
+    if fields and not any(_same_fields(fields, other) for other in besides or ()):  # (a config modules hold)
+        kind = "JSON text" if isinstance(variables.get(variable), str) else type(value).__name__
+        found.append(Stated(f"{variable} ({kind}) {where}", None, fields))
+        return True
+    return False
+
+
 def _same_fields(a: dict, b: dict) -> bool:
     """Two configs' fields are equal (the one config a module holds, found again among the program's variables)."""
     try:
         return bool(a == b)
-    except Exception:  # noqa: BLE001 - values that do not compare (arrays): not the same
+    except (Exception, SystemExit):  # noqa: BLE001 - values that do not compare (arrays): not the same
         return False
 
 

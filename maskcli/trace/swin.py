@@ -52,9 +52,9 @@ def _held_mask(tokens: int) -> np.ndarray | None:
         code = frame.f_code
         for name in NAMES:
             value = frame.f_locals.get(name) if name in code.co_varnames else None
-            if isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[1] == 1:
+            if issubclass(type(value), torch.Tensor) and value.dim() == 4 and value.shape[1] == 1:
                 value = value[:, 0]  # (windows of every image, 1, N, N): one mask over the heads
-            if isinstance(value, torch.Tensor) and value.dim() == 3 and value.shape[1:] == (tokens, tokens) \
+            if issubclass(type(value), torch.Tensor) and value.dim() == 3 and value.shape[1:] == (tokens, tokens) \
                     and value.numel() <= 1 << 22 and value.device.type != "meta":
                 value = value.detach()
                 return (value if value.dtype == torch.bool else value == 0).cpu().numpy()

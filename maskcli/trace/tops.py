@@ -86,15 +86,15 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         value = given.get(name)
         if value is None:  # (most of these names are not the call's: one lookup each, every step)
             continue
-        if name in PATCHES and isinstance(value, torch.Tensor) and value.dim() == 3:
+        if name in PATCHES and issubclass(type(value), torch.Tensor) and value.dim() == 3:
             value = value.flatten(1)
-        if isinstance(value, torch.Tensor) and value.dim() <= 2 and value.numel() <= MOST and value.device.type != "meta" \
+        if issubclass(type(value), torch.Tensor) and value.dim() <= 2 and value.numel() <= MOST and value.device.type != "meta" \
                 and (value.dtype == torch.bool or not value.is_floating_point()):
             found[name] = _int64(value)
         elif isinstance(value, int) and not isinstance(value, bool) and name in SCALARS:
             found[name] = value
         elif name in LISTS and isinstance(value, (list, tuple)) and 1 < len(value) <= MOST \
-                and all(isinstance(x, int) or isinstance(x, torch.Tensor) and x.dim() == 0 for x in value):
+                and all(isinstance(x, int) or issubclass(type(x), torch.Tensor) and x.dim() == 0 for x in value):
             found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
     if "segment_ids" not in found and "seq_idx" not in found:
         found.update(_held_segments(given))
@@ -177,7 +177,7 @@ def _first_ids(signature, given: dict, found: dict) -> dict:
         return {}
     name = next((n for n in signature.parameters if n != "self"), None)
     value = given.get(name)
-    if isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point() \
+    if issubclass(type(value), torch.Tensor) and value.dim() == 2 and not value.is_floating_point() \
             and value.dtype != torch.bool and value.numel() <= MOST and value.device.type != "meta":
         return {"first_ids": (name, _int64(value))}
     return {}
@@ -233,14 +233,14 @@ def _zeros(given: dict, found: dict) -> dict:
     shapes = {found[n].shape for n in ("padding_mask", "key_padding_mask", "pad_mask", "attention_mask")
               if isinstance(found.get(n), np.ndarray) and found[n].ndim == 2}
     for name, value in given.items():
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() in (2, 3) \
+        if issubclass(type(value), torch.Tensor) and value.is_floating_point() and value.dim() in (2, 3) \
                 and tuple(value.shape[:2]) in shapes and value.numel() <= MOST and value.device.type != "meta":
             zero = value.detach() == 0
             return {"zeros": (name, (zero if value.dim() == 2 else zero.all(-1)).cpu().numpy())}
     patches = next((found[n] for n in PATCHES if isinstance(found.get(n), np.ndarray) and found[n].ndim == 2), None)
     if patches is not None:  # images (B, C, H, W) with a mask over their patches: which patches are exactly 0
         for name, value in given.items():
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() == 4 \
+            if issubclass(type(value), torch.Tensor) and value.is_floating_point() and value.dim() == 4 \
                     and value.shape[0] == patches.shape[0] and value.numel() <= MOST and value.device.type != "meta":
                 zero = _zero_patches(value.detach(), patches.shape[1])
                 return {} if zero is None else {"zeros": (name, zero)}
@@ -289,7 +289,7 @@ def _withheld(signature, given: dict, frame) -> dict:
 
 def _padding_like(held) -> np.ndarray | None:
     """Int (B, N) of a 2-D 0/1 tensor with some 0; None for anything else."""
-    if not isinstance(held, torch.Tensor) or held.dim() != 2 or held.numel() > MOST or held.device.type == "meta" \
+    if not issubclass(type(held), torch.Tensor) or held.dim() != 2 or held.numel() > MOST or held.device.type == "meta" \
             or held.is_floating_point():
         return None
     rows = held.detach().cpu().numpy().astype(np.int64)
@@ -303,7 +303,7 @@ def _held(cache) -> int | None:
     (cache_utils.py StaticLayer.get_seq_length, 502: cumulative_length, the positions written)."""
     if isinstance(cache, dict):  # Flax's 'cache' collection as ports keep it: its `cache_index` counts the tokens written
         held = cache.get("cache_index")
-        if isinstance(held, torch.Tensor) and held.dim() == 0 and not held.is_floating_point():
+        if issubclass(type(held), torch.Tensor) and held.dim() == 0 and not held.is_floating_point():
             held = int(held)
         return held if isinstance(held, int) and not isinstance(held, bool) and held >= 0 else None
     length = getattr(cache, "get_seq_length", None)
@@ -311,7 +311,7 @@ def _held(cache) -> int | None:
         return None
     try:
         held = int(length())
-    except Exception:  # (a cache of the program's own whose method wants arguments: nothing read, nothing changed)
+    except (Exception, SystemExit):  # (a cache of the program's own whose method wants arguments: nothing read, nothing changed)
         return None
     return held if held >= 0 else None
 
@@ -323,7 +323,7 @@ def _static_sizes(cache) -> tuple[int, ...]:
     600-613). Read off `max_cache_len` of the layers that have one as an int (the static ones); () for any other."""
     if isinstance(cache, dict):  # (Flax's `cached_key`, (*batch, max_length, heads, depth): its slots along -3)
         key = cache.get("cached_key")
-        return (int(key.shape[-3]),) if isinstance(key, torch.Tensor) and key.dim() >= 3 else ()
+        return (int(key.shape[-3]),) if issubclass(type(key), torch.Tensor) and key.dim() >= 3 else ()
     layers = getattr(cache, "self_attention_cache", cache)  # (an encoder-decoder's: its decoder's own keys)
     found = {getattr(layer, "max_cache_len", None) for layer in getattr(layers, "layers", None) or ()}
     return tuple(sorted(size for size in found if isinstance(size, int) and size > 0))
@@ -376,7 +376,7 @@ def _token_ids(module) -> dict:
 def _zero_row(weight) -> int | None:
     """The one row of a token embedding that is exactly zero (TF's `zero_pad=True`, a `padding_idx` set by hand): the
     id the program pads with; None where none or several are, or the table is too large to read once."""
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() > 1 << 24 or weight.device.type == "meta":
+    if not issubclass(type(weight), torch.Tensor) or weight.dim() != 2 or weight.numel() > 1 << 24 or weight.device.type == "meta":
         return None
     with torch.no_grad():
         rows = torch.nonzero((weight == 0).all(dim=1)).flatten()
