@@ -52,14 +52,13 @@ def test_nothing_is_said_without_a_head_count():
 
 @pytest.mark.parametrize("first", [1, 2, 3, 4])
 def test_a_tensor_a_user_gave_has_its_shape_read_through_the_registry_against_its_heads(first):
-    from types import SimpleNamespace
-
     import numpy as np
 
-    from maskcli.checks import registry
+    from maskcli.inspect.analysis import analyse
     from maskcli.inspect.polarity import Convention
 
-    given = SimpleNamespace(tensor=np.zeros((first, L, S), dtype=bool), convention=Convention("keep", "values", ""))
-    shape = [f for f in registry.run("tensor", given, H) if f.code.startswith("3d")]
+    # inspect's Analysis (analyse runs the registry's "tensor" rules, with the head count the user gave)
+    tensor, keep = np.zeros((first, L, S), dtype=bool), Convention("keep", "values", "")
+    shape = [f for f in analyse(tensor, H, keep).findings if f.code.startswith("3d")]
     assert ("3d-shape" in [f.code for f in shape]) == (not sdpa_takes((first, L, S)))
-    assert registry.run("tensor", given) == []  # no head count, nothing said
+    assert [f for f in analyse(tensor, None, keep).findings if f.code.startswith("3d")] == []  # no head count: nothing said
