@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+import pytest
+
 from checkbugs import check_bug, traced
 from maskcli.checks.items import _patches
 
@@ -54,6 +56,7 @@ def test_one_call_per_segment_placed_in_order(tmp_path):
 
 
 def test_quiet_on_transformers_qwen2_vl_with_an_image_and_a_video(tmp_path):
+    pytest.importorskip("transformers")  # (its Qwen2-VL: the hf extra)
     status, found, report = traced(tmp_path, "hf_qwen2_vl_image_and_video", False, HERE)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
 
