@@ -414,3 +414,9 @@ def test_an_input_mask_dropped_for_is_causal_on_a_left_padded_batch_is_found(tmp
     hit = caught(tmp_path, "input_mask_left_padded_dropped_for_is_causal", ("padding-ignored",))
     real = [[True] * 6, [False] * 3 + [True] * 3, [False] * 2 + [True] * 4]
     assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: real[b][q] and not real[b][k] and k <= q)
+
+
+def test_olmo_core_grpo_logprobs_without_doc_lens(tmp_path):
+    """allenai/open-instruct#1670: OLMo-core GRPO's forward_for_logprobs drops doc_lens, so packed rollouts attend
+    across documents (written blind, batch blind-ab; caught before any rule was changed for it). The fix is quiet."""
+    check_bug(tmp_path, "olmo_core_grpo_logprobs_without_doc_lens", "documents-leak")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from checkbugs import check_bug, first, traced
 
@@ -568,3 +569,18 @@ def test_lengths_beside_a_left_padded_is_pad_name_a_cell_the_program_calls_paddi
     assert status == 1 and "is_pad in main()" in hit["message"], report
     pad = [[0, 0, 0, 0, 0], [1, 1, 0, 0, 0]]  # lengths 5 and 3 of 5, padded on the left
     assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: not pad[b][q] and pad[b][k])
+
+
+def test_t5_generate_encoder_mask_dropped_for_cross_attention_chronos_context(tmp_path):
+    """huggingface/transformers#36018: generate handed the decode steps no encoder mask, so cross-attention saw the
+    left-padded context (written blind, batch blind-ac, a Chronos-style context; caught before any rule was changed
+    for it). The fix is quiet."""
+    pytest.importorskip("transformers")  # (its T5Config)
+    check_bug(tmp_path, "t5_generate_encoder_mask_dropped_for_cross_attention_chronos_context", "padding-unused")
+
+
+def test_mlx_vlm_llava_language_overwrites_caller_mask(tmp_path):
+    """Blaizzy/mlx-vlm#1913 (c070536e): LLaVA's language model replaces the caller's padding-aware mask with a plain
+    causal one (written blind, batch blind-ad, a torch port; caught before any rule was changed for it). The fix is
+    quiet."""
+    check_bug(tmp_path, "mlx_vlm_llava_language_overwrites_caller_mask", "held-mask-ignored")

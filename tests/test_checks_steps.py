@@ -208,3 +208,10 @@ def test_unsloth_fast_generate_decode_mask_last_column_only(tmp_path):
     was changed for it). The fix is quiet."""
     pytest.importorskip("transformers")  # (its LlamaConfig)
     check_bug(tmp_path, "unsloth_fast_generate_decode_mask_last_column_only", "padding-lost")
+
+
+def test_transformers_llava_cached_decode_extended_mask_appended_after_text_mask(tmp_path):
+    """huggingface/transformers#29389: LLaVA's cached decode appends the extended mask after the text mask, so a decode
+    step attends the merge padding the prefill hid (written blind, batch blind-aa; caught before any rule was changed
+    for it). The fix is quiet."""
+    check_bug(tmp_path, "transformers_llava_cached_decode_extended_mask_appended_after_text_mask", "padding-lost")

@@ -299,3 +299,10 @@ def test_left_padded_ids_under_the_models_own_name_with_an_all_ones_mask_are_fou
     found = check_bug(tmp_path, "left_padded_encoder_ones_mask_pad_attribute", "padding-unmarked", folder=TOKENS)
     pads = (0, 3)
     assert tuple(found[0]["cell"]) == first((2, 5, 5), lambda b, q, k: q >= pads[b] and k < pads[b])
+
+
+def test_idefics_processor_longest_padding_attention_mask_all_ones(tmp_path):
+    """huggingface/transformers#28591 (fixed by #29449): IDEFICS' processor re-pads the tokenizer's padded batch and
+    rebuilds attention_mask as all ones, so real tokens attend the padding (written blind, batch blind-aa; caught
+    before any rule was changed for it). The fix is quiet."""
+    check_bug(tmp_path, "idefics_processor_longest_padding_attention_mask_all_ones", "padding-unmarked")
