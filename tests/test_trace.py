@@ -1217,3 +1217,21 @@ def test_banded_scores_a_position_gathers_its_keys_into_are_no_query_by_key_call
     with maskcli.trace() as t, torch.no_grad():
         Heads()(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8))
     assert [c.shape for c in t.calls] == [(1, 2, 4, 6)]
+
+
+def test_block_local_scores_joined_with_global_keys_are_no_query_by_key_scores():
+    """Pegasus-X's global-local attention (transformers' PegasusXGlobalLocalAttention, written out): each block's
+    queries score the global keys and their own block's keys, joined along the last axis of 5-D (B, H, blocks, X, G + Y)
+    scores: keys that differ from block to block, no one row of key positions. The padded keys hidden there must not
+    be read as a batch row's padding laid on another's heads (padding-per-head, a false alarm before)."""
+    torch.manual_seed(0)
+    batch, heads, blocks, size, globals_, dim = 2, 2, 3, 4, 2, 8
+    local_q, local_k = torch.randn(2, batch, heads, blocks, size, dim).unbind(0)
+    global_k = torch.randn(batch, heads, globals_, dim)
+    padding = torch.zeros(batch, blocks * size)
+    padding[1, -3:] = -1e9  # row 1's last three tokens are padding
+    with maskcli.trace() as t:
+        to_global = torch.einsum("BHNXF,BHGF->BHNXG", local_q, global_k)
+        to_local = torch.einsum("BHNXF,BHNYF->BHNXY", local_q, local_k) + padding.view(batch, 1, blocks, 1, size)
+        torch.softmax(torch.cat([to_global, to_local], dim=-1), dim=-1)
+    assert all(finding.code != "padding-per-head" for group in t.groups() for finding in group.findings)

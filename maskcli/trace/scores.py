@@ -215,10 +215,12 @@ def zero_one_seen(addend: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | No
 
 def _keys_joined(scores: Scores, args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
     """`out` joins scores along their keys (the last dim): the same queries' scores against two runs of keys, one
-    softmax over both (a prefix-prefill kernel's cached context, then its new tokens: vLLM's context_attention_fwd)."""
+    softmax over both (a prefix-prefill kernel's cached context, then its new tokens: vLLM's context_attention_fwd).
+    At most (B, H, Lq, Lk): block-local scores with a block axis more (Pegasus-X's, BigBird's: (B, H, blocks, X, G + Y),
+    global keys beside each block's own) join keys that differ from block to block, no one row of key positions."""
     parts = args[0] if args else kwargs.get("tensors")
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if not isinstance(parts, (list, tuple)) or dim not in (-1, out.dim() - 1):
+    if not isinstance(parts, (list, tuple)) or out.dim() > 4 or dim not in (-1, out.dim() - 1):
         return False
     return any(isinstance(x, torch.Tensor) and scores.has(x) and id(x) not in scores.axes and x.dim() == out.dim()
                and x.shape[:-1] == out.shape[:-1] for x in parts)
