@@ -8,7 +8,7 @@ import re
 import numpy as np
 import torch
 
-MOST = 1 << 20  # elements of one argument kept (as trace/tops.py keeps)
+MOST = 1 << 20  # elements of one model-call argument kept (a batch's 2-D ids; never a 4-D mask): tops.py's too
 
 
 _PADDING_NAME = re.compile(r"^(?:\w+_)?(?:attention|padding|pad)_mask$|^(?:input_)?mask$")  # (padding_, pad_: True = pad)

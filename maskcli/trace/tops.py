@@ -19,7 +19,7 @@ import torch
 from maskcli.checks.context import STARTS, Top  # (STARTS: the first query's position as an int)
 from maskcli.checks.intent import StaticView, dynamic, read
 from maskcli.trace.held import program_frames
-from maskcli.trace.padded import padded_input
+from maskcli.trace.padded import MOST, padded_input  # (MOST: elements of one argument kept, the one limit)
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
@@ -46,7 +46,6 @@ TARGET_PAD = ("trg_pad_idx", "tgt_pad_idx", "trg_pad_id", "tgt_pad_id", "target_
 # a vision tower's patch padding, True (1) = a real patch: Idefics2's (B, H/p, W/p), MiniCPM-V's (B, 1, patches); kept
 # flattened to (B, patches), the key order of its attention (checks/real.py)
 PATCHES = ("patch_attention_mask", "patch_attn_mask")
-MOST = 1 << 20  # elements of one argument kept (a batch's 2-D ids; never a 4-D mask)
 _NAMED = ARGUMENTS + PATCHES
 
 
