@@ -56,13 +56,15 @@ def main():
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
         # Reference: each dialog alone, unpadded, so it sees exactly its own tokens causally.
         for i, ids in enumerate(batch_ids):
-            alone = model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits[0]
+            ones = torch.ones(1, len(ids), dtype=torch.long)
+            alone = model(input_ids=torch.tensor([ids]), attention_mask=ones).logits[0]
             assert torch.allclose(logits[i, -len(ids):], alone, atol=1e-4), i
 
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=4, min_new_tokens=2,
                              do_sample=False, pad_token_id=EOS)
         for i, ids in enumerate(batch_ids):
-            alone = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            ones = torch.ones(1, len(ids), dtype=torch.long)
+            alone = model.generate(input_ids=torch.tensor([ids]), attention_mask=ones,
                                    max_new_tokens=4, min_new_tokens=2, do_sample=False, pad_token_id=EOS)
             got = out[i, input_ids.shape[1]:]
             want = alone[0, len(ids):]

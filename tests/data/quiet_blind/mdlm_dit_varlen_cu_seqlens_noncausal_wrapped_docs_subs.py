@@ -82,7 +82,8 @@ class DDiTBlock(nn.Module):
 
     def forward(self, x, rotary_cos_sin, c, seqlens=None):
         batch_size, seq_len = x.shape[0], x.shape[1]
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c)[:, None].chunk(6, dim=2)
+        modulation = self.adaLN_modulation(c)[:, None].chunk(6, dim=2)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulation
         x_skip = x
         x = self.norm1(x) * (1 + scale_msa) + shift_msa
         qkv = self.qkv(x, rotary_cos_sin).reshape(batch_size * seq_len, 3, self.n_heads, -1)  # (b s) three h d

@@ -172,7 +172,8 @@ class Decoder(nn.Module):
         slf_attn_mask = (slf_attn_mask_keypad + slf_attn_mask_subseq).gt(0)
         output_length = ys_in_pad.size(1)
         dec_enc_attn_mask = get_attn_pad_mask(encoder_padded_outputs, encoder_input_lengths, output_length)
-        dec_output = self.tgt_word_emb(ys_in_pad) * self.x_logit_scale + positional_encoding(output_length, self.d_model)
+        dec_output = self.tgt_word_emb(ys_in_pad) * self.x_logit_scale
+        dec_output = dec_output + positional_encoding(output_length, self.d_model)
         for slf_attn, enc_attn, pos_ffn in self.layer_stack:
             dec_output, _ = slf_attn(dec_output, dec_output, dec_output, mask=slf_attn_mask)
             dec_output = dec_output * non_pad_mask
