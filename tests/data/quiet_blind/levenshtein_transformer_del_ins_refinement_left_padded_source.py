@@ -113,18 +113,18 @@ def _apply_del_words(in_tokens, word_del_pred):
 def _apply_ins_masks(in_tokens, mask_ins_pred):
     in_masks = in_tokens.ne(PAD)
     in_lengths = in_masks.sum(1)
+    # fairseq's "HACK": turn the paddings into eos first, so that the padded slots, which scatter onto the
+    # same output slot as the row's </s>, write </s> there again
+    in_tokens = in_tokens.masked_fill(~in_masks, EOS)
     mask_ins_pred = mask_ins_pred.masked_fill(~in_masks[:, 1:], 0)
     out_lengths = in_lengths + mask_ins_pred.sum(1)
     out_max_len = int(out_lengths.max())
     out_masks = torch.arange(out_max_len)[None, :] < out_lengths[:, None]
     reordering = (mask_ins_pred + in_masks[:, 1:].long()).cumsum(1)
-    # padding of the input goes to a spare column that is cut off, so it cannot overwrite the row's </s>
-    reordering = reordering.masked_fill(~in_masks[:, 1:], out_max_len)
-    out_tokens = torch.full((in_tokens.size(0), out_max_len + 1), PAD, dtype=torch.long)
-    out_tokens[:, :out_max_len].masked_fill_(out_masks, UNK)
+    out_tokens = torch.full((in_tokens.size(0), out_max_len), PAD, dtype=torch.long).masked_fill_(out_masks, UNK)
     out_tokens[:, 0] = in_tokens[:, 0]
     out_tokens.scatter_(1, reordering, in_tokens[:, 1:])
-    return out_tokens[:, :out_max_len]
+    return out_tokens
 
 
 def masked_softmax_reference(q, k, v, key_pad):
