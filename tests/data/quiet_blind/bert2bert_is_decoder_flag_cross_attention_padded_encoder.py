@@ -143,7 +143,7 @@ def shift_tokens_right(input_ids, pad_token_id, decoder_start_token_id):
 
 
 class EncoderDecoderModel(nn.Module):
-    def __init__(self, encoder_config, decoder_config, decoder_start_token_id=101 % 60):
+    def __init__(self, encoder_config, decoder_config, decoder_start_token_id=41):
         super().__init__()
         self.encoder = BertModel(encoder_config)
         self.decoder = BertModel(decoder_config)
