@@ -9,7 +9,7 @@ CrossEntropyLoss(ignore_index=PAD_IDX)).  Batches are sequence-first (batch_firs
 
 Mask meant: encoder = bidirectional over each row's real source tokens; decoder self-attention =
 causal AND not target padding; cross-attention = every target position sees that row's real source
-tokens only.  Target rows at padding positions are queries whose outputs the loss ignores.
+tokens only.  Target rows at padding positions are queries whose outputs the loss ignores (ignore_index=PAD_IDX).
 """
 import math
 
@@ -97,19 +97,21 @@ if __name__ == "__main__":
         if p.dim() > 1:
             nn.init.xavier_uniform_(p)
     loss_fn = nn.CrossEntropyLoss(ignore_index=PAD_IDX)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9)
     pairs = [([5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26]),  # longest source, no padding
              ([13], [30, 31]),  # one-token source: the rest of the column is padding
              ([14, 15, 16], [32, 33, 34, 35, 36, 37, 38, 39])]
     src, tgt = collate_fn(pairs)
-    model.train()
-    tgt_input = tgt[:-1, :]
-    src_mask, tgt_mask, src_padding_mask, tgt_padding_mask = create_mask(src, tgt_input)
-    logits = model(src, tgt_input, src_mask, tgt_mask, src_padding_mask, tgt_padding_mask, src_padding_mask)
-    optimizer.zero_grad()
-    tgt_out = tgt[1:, :]
-    loss = loss_fn(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1))
-    loss.backward()
-    optimizer.step()
-    assert torch.isfinite(loss)
-    print(f"train loss {loss.item():.4f}")
+    # the tutorial's evaluate(): same masks as train_epoch, no optimizer step
+    model.eval()
+    with torch.no_grad():
+        tgt_input = tgt[:-1, :]
+        src_mask, tgt_mask, src_padding_mask, tgt_padding_mask = create_mask(src, tgt_input)
+        logits = model(src, tgt_input, src_mask, tgt_mask, src_padding_mask, tgt_padding_mask, src_padding_mask)
+        tgt_out = tgt[1:, :]
+        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1))
+        # pair 1 translated alone (no padding anywhere) gives the same logits on its real target positions
+        s1, t1 = collate_fn(pairs[1:2])
+        m = create_mask(s1, t1[:-1])
+        alone = model(s1, t1[:-1], m[0], m[1], m[2], m[3], m[2])
+    assert torch.allclose(logits[: t1.shape[0] - 1, 1], alone[:, 0], atol=1e-4)
+    print(f"eval loss {loss.item():.4f}")
