@@ -123,6 +123,27 @@ def test_a_min_sum_clamped_back_before_the_softmax_is_quiet():
     assert [f for f in traced(program) if f[0] == "fill-became-inf"] == []
 
 
+def test_a_min_sum_put_back_in_place_before_sdpa_is_quiet():
+    """OLMo's model.py: causal bias + padding bias, each finfo.min, overflow to -inf where both mask, and
+    ensure_finite_ puts finfo.min back in place (masked_fill_) before the bias reaches SDPA: the mask SDPA gets holds
+    no -inf (the reference: torch.isneginf at the call), so no fill became -inf there. The same sum passed on
+    without the repair is still said (the test above)."""
+    def program(repair):
+        low = torch.finfo(torch.float32).min
+        causal = torch.full((4, 4), low).triu(1)[None, None]
+        padding = (1.0 - torch.tensor([[1.0, 1, 1, 0]]))[:, None, None, :] * low
+        bias = causal + padding
+        if repair:
+            bias.masked_fill_(bias == float("-inf"), low)
+            assert not torch.isneginf(bias).any()
+        q = torch.randn(1, 2, 4, 8)
+        F.scaled_dot_product_attention(q, q, q, attn_mask=bias)
+
+    assert [f for f in traced(lambda: program(True)) if f[0] == "fill-became-inf"] == []
+    found = [f for f in traced(lambda: program(False)) if f[0] == "fill-became-inf"]
+    assert len(found) == 1 and found[0][1] == "suspicious", found
+
+
 def test_litgpt_softcapping_adds_its_bool_mask_cache_to_the_scores(tmp_path):
     """Lightning-AI/litgpt#1672 (written blind, caught before any rule was changed for it): the softcapping branch
     adds the bool mask_cache to the scores (True + score: nothing masked), so a prefill into the 8-slot KV cache sees

@@ -360,7 +360,8 @@ def test_is_causal_at_decode_is_said_once_per_step_by_the_finding_that_names_it(
 QUIET_BLIND = Path(__file__).parent / "data" / "quiet_blind"
 _FLEX = {"packed_documents_flex_cu_seqlens", "self_forcing_block_causal_video",  # dynamo's guards: own process
          "modded_nanogpt_flex_long_short_window_blockmasks", "flex_packed_prefix_lm_documents_and_or_masks_softcap",
-         "nat_neighborhood_attention_flex_clamped_windows"}
+         "nat_neighborhood_attention_flex_clamped_windows",
+         "lingua_mask_string_causal_sdpa_flex_block_causal"}
 # softmax over the queries (slot attention's slots compete for each input): not attention over keys, so no call is
 # recorded, and the report says 0 calls rather than reading the slots as keys; and BiDAF's trilinear similarity (a
 # Linear over [p; q; p * q], no product of queries and keys) is scores trace does not know as such

@@ -186,8 +186,8 @@ class Overflows:
             return None
         for x in (*args, *kwargs.values()):
             found = self.get(x)
-            if found is None:
-                continue
+            if found is None or (found["op"] != "bool" and not _has_neginf(x.detach())):
+                continue  # (-inf put back to a finite fill in place before the call, OLMo's ensure_finite_: none reached it)
             found = dict(found)
             if api == "softmax" and x.dim() in (3, 4) and found["op"] != "bool":
                 empty = torch.isneginf(x.detach()).all(dim=-1).reshape(-1, x.shape[-2])  # (planes, Lq)
