@@ -14,7 +14,10 @@ outward), K and V are read for zero-keys-seen only at the edges of each row's ke
 head, K's read cell by cell at its address on the CPU where the heads are few, else through numpy; V only where K's
 edge may be zero), and each step's mask is copied (its own cells) to be read after the run, each distinct content
 once (trace/store.py). docs/python.md gives the figures of each round (and what each attempt to make a call do less
-measured in place); benchmarks/zerokv.py times the K/V reading over a static cache of 64k slots.
+measured in place); benchmarks/zerokv.py times the K/V reading over a static cache of 64k slots, and
+benchmarks/trace_steps.py each step of a traced call of the tiny generate below, in place (where its ~8 ms go: about
+a quarter once a trace, an eighth the Tops, a quarter the wrappers and the program run colder), with the bound of a
+call-site cache of the readers (--bound: 0.1-0.6 ms a generate, so not built).
 The two sides alternate run by run, so a slow spell on a shared machine hits both; each run is
 timed by the wall clock and by this process's CPU time (steadier where other programs share the
 cores). It prints the median of each side and the median of the paired ratios with quartiles

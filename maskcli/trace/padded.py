@@ -22,21 +22,30 @@ def padded_input(given: dict) -> dict:
     masks = [(name, value) for name, value in given.items() if isinstance(value, torch.Tensor) and _PADDING_NAME.search(name)
              and value.dim() in (1, 2) and 1 < value.shape[-1] and value.numel() <= MOST and value.device.type != "meta"]
     for name, value in masks:
+        length = value.shape[-1]
+        inputs = [(other, data, axis) for other, data in given.items() if other != name
+                  and (axis := _samples_axis(data, length)) is not _NOT]
+        if not inputs:  # (shapes alone first: a decoder's step hands ids and positions, no float input, so its mask's
+            continue  # values are never read: six torch calls a step, ~0.1 ms in a traced step whose caches are cold)
         values = value.detach().cpu()
         if not bool(((values == 0) | (values == 1)).all()) or bool(values.bool().all()) or not bool(values.bool().any()):
             continue
-        length = values.shape[-1]
-        for other, data in given.items():
-            if other == name or not isinstance(data, torch.Tensor) or not data.is_floating_point() \
-                    or data.dim() not in (2, 3) or data.numel() > MOST or data.device.type == "meta":
-                continue
-            if data.dim() == 2 and data.shape[1] == length:
-                zero = (data.detach() == 0).cpu().numpy()
-            elif data.dim() == 3 and data.shape[2] == length:
-                zero = (data.detach() == 0).all(1).cpu().numpy()  # (B, C, S)
-            elif data.dim() == 3 and data.shape[1] == length:
-                zero = (data.detach() == 0).all(2).cpu().numpy()  # (B, S, C)
-            else:
-                continue  # (no axis of the mask's samples: not compared, so no pass over its cells)
-            return {"padded_input": (name, values.numpy().astype(np.int64), other, zero)}
+        other, data, axis = inputs[0]
+        zero = data.detach() == 0
+        zero = (zero if axis is None else zero.all(axis)).cpu().numpy()  # (B, S); (B, C, S): all(1); (B, S, C): all(2)
+        return {"padded_input": (name, values.numpy().astype(np.int64), other, zero)}
     return {}
+
+
+_NOT = object()  # (_samples_axis: no axis of the mask's samples)
+
+
+def _samples_axis(data, length: int):
+    """The axis a float input (B, S), (B, C, S) or (B, S, C) folds to reach (B, S) of the mask's `length` samples:
+    None for (B, S) itself, 1 or 2, else _NOT (no axis of its samples: never compared, no pass over its cells)."""
+    if not isinstance(data, torch.Tensor) or not data.is_floating_point() or data.dim() not in (2, 3) \
+            or data.numel() > MOST or data.device.type == "meta":
+        return _NOT
+    if data.dim() == 2:
+        return None if data.shape[1] == length else _NOT
+    return 1 if data.shape[2] == length else 2 if data.shape[1] == length else _NOT
