@@ -51,7 +51,7 @@ def _rows(call, top, labels: np.ndarray):
     """Bool (B, L, L) cells where a real query sees a real key of another sample, at a self-attention call over the
     model call's rows from position 0; None where the call is not over them."""
     rows, length = labels.shape
-    if call.shape[2] != length or call.shape[3] != length or call.shape[0] not in (1, rows) or cross(call):
+    if call.shape[2] != length or call.shape[3] != length or call.shape[0] != rows:
         return None
     if queries(call, top)[0] != 0:
         return None
@@ -69,7 +69,8 @@ def _segments(calls: list, labels: np.ndarray):
     None where they do not."""
     flat = labels.reshape(-1)
     flat = flat[flat >= 0]
-    if len(calls) < 2 or sum(c.shape[2] for c in calls) != len(flat):
+    if len(calls) < 2 or sum(c.shape[2] for c in calls) != len(flat) \
+            or any(c.shape[0] != 1 or c.shape[2] != c.shape[3] for c in calls):
         return None
     found, at = [], 0
     for call in calls:
@@ -93,26 +94,26 @@ def leaks(run: Run) -> list:
         labels, numbers = read
         said = f"attention_mask given to {top.where}"
         sites: dict = {}
-        done = set()
         for call in run.calls[top.first:top.end] if _indexed(run, top) else \
                 [c for c in run.calls if top.first <= c.index < top.end]:
-            if run.top(call) is not top or call.stored is None:
-                continue
-            if call.shape[0] == 1 and call.shape[2] == call.shape[3] and call.shape[2] != labels.shape[1] \
-                    and not cross(call):
+            if run.top(call) is top and call.stored is not None and not cross(call):
                 sites.setdefault(call.where, []).append(call)
-                continue
-            key = (call.mask, call.shape)
-            if key in done:
-                continue
-            done.add(key)
-            across = _rows(call, top, labels)
-            if across is not None and across.any():
-                b, q, k = first_cell(across)
-                found.append((call, Finding("samples-leak", (
-                    f"the {said} numbers packed samples (row {b}: {_runs(numbers, b)}), but query {q} of batch row {b} "
-                    f"sees key {k} of another sample ({int(across.sum())} such cells): the mask does not keep to them"),
-                    expected="each packed sample attends only itself", source=said, cell=(b, q, k))))
+        done = set()
+        for calls in sites.values():
+            if _segments(calls, labels) is not None:
+                continue  # (a segment at a time: said below)
+            for call in calls:
+                key = (call.mask, call.shape)
+                if key in done:
+                    continue
+                done.add(key)
+                across = _rows(call, top, labels)
+                if across is not None and across.any():
+                    b, q, k = first_cell(across)
+                    found.append((call, Finding("samples-leak", (
+                        f"the {said} numbers packed samples (row {b}: {_runs(numbers, b)}), but query {q} of batch row "
+                        f"{b} sees key {k} of another sample ({int(across.sum())} such cells): the mask does not keep "
+                        f"to them"), expected="each packed sample attends only itself", source=said, cell=(b, q, k))))
         for calls in sites.values():
             segments = _segments(calls, labels)
             for call, at, across in segments or ():
@@ -121,8 +122,8 @@ def leaks(run: Run) -> list:
                     found.append((call, Finding("samples-leak", (
                         f"the {said} numbers packed samples (row 0: {_runs(numbers, 0)}), but the segment its calls "
                         f"attend at a time from real token {at} ({call.shape[2]} tokens) spans samples: query {q} sees "
-                        f"key {k} of another sample ({int(across.sum())} such cells); one number met again after "
-                        f"another is another sample, and counting tokens per number merges them"),
+                        f"key {k} of another sample ({int(across.sum())} such cells): the segments are not "
+                        f"the runs of the numbers (a number met again after another is another sample)"),
                         expected="one segment per run of a sample number", source=said, cell=(0, q, k))))
     return found
 
