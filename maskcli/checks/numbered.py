@@ -32,6 +32,10 @@ def samples(top) -> tuple[np.ndarray, np.ndarray] | None:
     if not isinstance(numbers, np.ndarray) or numbers.ndim != 2 or numbers.dtype.kind not in "iu" \
             or numbers.size == 0 or numbers.min() < 0 or numbers.max() < 2:
         return None
+    for row in numbers:  # (numbered from 1 in each row, a number first met above every one before it: Longformer's
+        met = row[row != 0]  # 0 / 1 / 2 = padding / local / global, its global question tokens first, is no numbering)
+        if met.size and (met[0] != 1 or (np.diff(np.maximum.accumulate(met)) > 1).any()):
+            return None
     begins = np.ones(numbers.shape, dtype=bool)
     begins[:, 1:] = numbers[:, 1:] != numbers[:, :-1]
     begins &= numbers != 0
@@ -47,7 +51,17 @@ def _runs(numbers: np.ndarray, b: int) -> str:
     return "[" + ", ".join(f"{int(p[0])} x {len(p)}" for p in parts[:8]) + (", ..." if len(parts) > 8 else "") + "]"
 
 
-def _rows(call, top, labels: np.ndarray):
+def _global(cells: np.ndarray, real: np.ndarray, numbers: np.ndarray) -> bool:
+    """Whether the tokens numbered 2 of a mask of 0, 1 and 2 are global tokens, as Longformer reads its attention_mask:
+    they see every real key of their row and every real query sees them."""
+    if numbers.max() != 2:
+        return False
+    two = numbers == 2
+    both = real[:, :, None] & real[:, None, :]
+    return bool(((cells | ~both) | ~(two[:, :, None] | two[:, None, :])).all())
+
+
+def _rows(call, top, labels: np.ndarray, numbers: np.ndarray):
     """Bool (B, L, L) cells where a real query sees a real key of another sample, at a self-attention call over the
     model call's rows from position 0; None where the call is not over them."""
     rows, length = labels.shape
@@ -60,6 +74,8 @@ def _rows(call, top, labels: np.ndarray):
         return None
     cells = np.broadcast_to(cells.any(axis=1), (rows, length, length))
     real = labels >= 0
+    if _global(cells, real, numbers):
+        return None
     return cells & real[:, :, None] & real[:, None, :] & (labels[:, :, None] != labels[:, None, :])
 
 
@@ -107,7 +123,7 @@ def leaks(run: Run) -> list:
                 if key in done:
                     continue
                 done.add(key)
-                across = _rows(call, top, labels)
+                across = _rows(call, top, labels, numbers)
                 if across is not None and across.any():
                     b, q, k = first_cell(across)
                     found.append((call, Finding("samples-leak", (
