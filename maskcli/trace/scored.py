@@ -26,11 +26,13 @@ def _hole(mask) -> bool:
     if not issubclass(type(mask), torch.Tensor) or mask.dim() != 2 or mask.numel() > MOST or mask.shape[1] < 3 \
             or mask.device.type == "meta" or mask.is_floating_point():
         return False
-    real = mask.detach().cpu().numpy() != 0
-    before = np.cumsum(real, axis=1) > 0
-    after = np.flip(np.cumsum(np.flip(real, axis=1), axis=1), axis=1) > 0
-    return bool((~real & before & after).any())
-
+    real = mask.detach().cpu().numpy() != 0  # (numpy: a few reductions at every model call, generate's steps too)
+    count = real.sum(axis=1)
+    if (count == real.shape[1]).all():
+        return False
+    first = real.argmax(axis=1)
+    last = real.shape[1] - 1 - real[:, ::-1].argmax(axis=1)
+    return bool(((count > 0) & (last - first + 1 > count)).any())
 
 def scored(given: dict, frame) -> dict:
     """{"scored": (name, where, int (B, C))} of the completion mask the frames from `frame` outward hold, where the
