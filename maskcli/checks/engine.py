@@ -20,6 +20,7 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     # say the pads without the mask the program held and never passed: both are said then)
     "padding-unused": {"padding-ignored (a mask)", "padding-lost", "encoder-padding-ignored"},
     "documents-leak": {"varlen-leak", "varlen-disagree"},  # documents given outright (varlen.py)
+    "samples-leak": {"documents-leak", "varlen-leak"},  # numbered samples, said by their position_ids or cu_seqlens first
     "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
     "window-miscounted": {"prefill-chunks-differ"},  # a prefill chunk's rows, said against the whole pass (prefill.py)
     "chunks-misplaced": {"chunks-misaligned"},  # chunks from column 0 of a left-padded row, said with the config (config.py)

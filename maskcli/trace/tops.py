@@ -71,8 +71,10 @@ def withheld(module, args: tuple, kwargs: dict, caller) -> dict:
     """What `_withheld` reads of one outermost call, from the program's frames from `caller` (the frame that made the
     call) outward: read as the call runs (outer.py), since its Top is made later, when those frames hold other values
     or have returned."""
+    from maskcli.trace.scored import scored  # (a trainer's completion mask beside a mask with a hole)
+
     signature, given = _given(module, args, kwargs)
-    return _withheld(signature, given, caller)
+    return {**_withheld(signature, given, caller), **scored(given, caller)}
 
 
 def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, stated: tuple = (),
