@@ -178,7 +178,7 @@ def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: in
     elif len(lead) == 1 and lead[0] > 1:
         # (N, Lq, Lk): per head as torch broadcasts it, or per batch row as a program that unsqueezes it or permutes
         # its scores (batch first) before adding applies it; the frame does not say which, so either may be kept to
-        readings = [keep.reshape(1, lead[0], q_len, k_len), keep.reshape(lead[0], 1, q_len, k_len)]
+        readings = [keep.reshape(lead[0], 1, q_len, k_len), keep.reshape(1, lead[0], q_len, k_len)]  # (a tie: said per row)
     else:
         readings = [keep.reshape((1,) * max(0, 4 - keep.dim()) + tuple(keep.shape[-min(keep.dim(), 4):]))]
     best = None
