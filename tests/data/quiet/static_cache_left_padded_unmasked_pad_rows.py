@@ -5,7 +5,11 @@ of them; the float mask is causal over the slots AND the padding mask, which the
 cache (the prompt's mask, then ones for the tokens it generates). A padding query (left padding of the short prompt)
 would see no key; its row is opened on every key instead (transformers' sdpa path does this so that no row gives
 NaN), so it sees the unwritten slots: nothing reads its output. Prefill of 5 tokens, then 2 decode steps. Correct.
+With `--offsets` the model call is handed each row's left-padding count instead of the mask and builds the mask
+itself: the call then states no padding, and the unwritten slots' zero K and V are all the data says.
 """
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -30,8 +34,10 @@ class Decoder(torch.nn.Module):
         self.qkv = torch.nn.Linear(DIM, 3 * DIM)
         self.head = torch.nn.Linear(DIM, 32)
 
-    def forward(self, idx, input_pos, cache, attention_mask):
+    def forward(self, idx, input_pos, cache, attention_mask=None, offsets=None):
         b, t = idx.shape
+        if offsets is not None:
+            attention_mask = (torch.arange(SLOTS)[None, :] >= offsets[:, None]).long()
         x = self.embed(idx)
         q, k, v = self.qkv(x).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
         k, v = cache.write(input_pos, k, v)
@@ -50,7 +56,8 @@ pad_mask[:, :5] = (prompts != PAD).long()
 cache, pos, idx, out = Cache(2), torch.arange(5), prompts, []
 with torch.no_grad():
     for _ in range(3):
-        nxt = model(idx, pos, cache, pad_mask)[:, -1].argmax(-1) % 30 + 1  # (never the pad id)
+        given = {"offsets": (prompts == PAD).sum(-1)} if "--offsets" in sys.argv else {"attention_mask": pad_mask}
+        nxt = model(idx, pos, cache, **given)[:, -1].argmax(-1) % 30 + 1  # (never the pad id)
         out.append(nxt.tolist())
         idx, pos = nxt[:, None], pos[-1:] + 1
 print("generated", out)
