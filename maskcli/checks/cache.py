@@ -66,7 +66,9 @@ def unwritten(run: Run) -> list:
             continue
         rows = max(cells.shape[0], call.shape[0])
         real = resolve(call, top, by_row(cells, rows)).queries  # (B, Lq): a padding query's row is unmasked whole on
-        bad = np.broadcast_to(cells, (rows, *cells.shape[1:]))[..., end:] & real[:, None, :, None]  # purpose (no NaN)
+        if cells.shape[0] == 1 and (real == real[:1]).all():  # purpose (no NaN); a mask broadcast over the batch
+            real = real[:1]  # rows is counted once, as stored
+        bad = cells[..., end:] & real[:, None, :, None]
         if bad.any():
             b, h, q, k = first_cell(bad)
             query, count = int(positions[q]), int(bad.sum())
