@@ -3,7 +3,11 @@ on programs written as other projects write them (tests/data/rows), against a do
 
 from __future__ import annotations
 
-from checkbugs import caught, first
+from pathlib import Path
+
+from checkbugs import caught, first, traced
+
+QUIET = Path(__file__).parent / "data" / "quiet"
 
 
 def _chunk_cell(real, seen, size, q_len, k_len, own):
@@ -198,3 +202,27 @@ def test_torchtitan_eos_id_never_synced_from_the_tokenizer(tmp_path):
     assert "FlexAttention.attn_mask_type=block_causal" in hits[0]["message"]
     status, quiet = found[True]
     assert status == 0 and not [f for f in quiet if f["severity"] == "wrong"]
+
+
+def test_a_chunk_size_beside_a_context_that_reaches_past_it_is_no_chunked_layer():
+    """attention_chunk_size with context fields (Gemma 4 audio's attention_context_left / _right, a streaming encoder's
+    num_left_chunks) is the block a local window is computed in: no layer kind is expected of it; alone, Llama 4's."""
+    from maskcli.checks.intent import Intent, Stated, fields_of
+
+    def kind(**config):
+        return Intent([Stated("cfg", None, fields_of(config))]).kind(0)
+
+    assert kind(attention_chunk_size=4) == ("chunked_attention", "attention_chunk_size=4", True)
+    assert kind(attention_chunk_size=4, attention_context_left=4, attention_context_right=0) is None
+    assert kind(attention_chunk_size=4, num_left_chunks=1) is None
+    assert kind(sliding_window=8, attention_context_left=4)[0] == "sliding_attention"  # (a window is still read)
+
+
+def test_chunks_with_a_stated_left_context_are_quiet(tmp_path):
+    """Written after Gemma 4's audio tower (transformers#48818's fix, tests/data/blind): chunks of 4 that each see the
+    chunk before (num_left_chunks=1), over absolute frames of a right-padded batch, one SDPA call. chunks-misplaced
+    read attention_chunk_size alone and said a frame saw another chunk."""
+    status, found, report = traced(tmp_path, "streaming_chunks_with_left_chunks", False, QUIET)
+    assert not [f for f in found if f["code"].startswith("chunks-")], report
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report

@@ -125,3 +125,16 @@ def test_a_decode_step_that_attends_a_static_cache_s_empty_slots(tmp_path, name,
     assert status == 1, report
     cells = [f["cell"] for f in found if f["code"] == "unwritten-slot"]
     assert cells == [[0, 3, 4]], report  # decode 2 (query 4, slot 5 empty) shares decode 1's stored mask: one finding
+
+
+@pytest.mark.parametrize("args", [(), ("--offsets",)])
+def test_padding_query_rows_unmasked_whole_over_a_static_cache_are_quiet(tmp_path, args):
+    """Written after tt-xla#2953's fix (tests/data/blind ttxla_llama_static_cache_prompt_length_attention_mask): a
+    static cache over a left-padded batch, the padding mask as wide as the cache, and a padding query's empty row
+    opened on every slot (transformers' no-NaN rows). Those rows see unwritten slots on purpose: no unwritten-slot,
+    nor padding-unused on the padding it holds, nor sees-later (the queries sit at input_pos, not at the slots' end);
+    handed the padding counts instead of the mask (--offsets), the same."""
+    status, found, report = traced(tmp_path, "static_cache_left_padded_unmasked_pad_rows", False,
+                                   Path(__file__).parent / "data" / "quiet", args)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report

@@ -177,3 +177,35 @@ def test_a_grouped_query_ports_five_axis_bias_dropped_for_is_causal_is_found(tmp
 
     hit = caught(tmp_path, "extended_additive_mask_dropped_for_is_causal", ("mask-argument-dropped",))
     assert "attn_bias of attend()" in hit["message"]
+
+
+def test_a_three_axis_mask_is_read_per_batch_row_or_per_head_against_a_double_loop():
+    """A (N, Lq, Lk) additive mask: torch broadcasts it over the heads, but a program that unsqueezes it (or adds it
+    to scores permuted batch-first) applies it per batch row; either reading the kernel keeps to is no drop."""
+    import numpy as np
+    import torch
+
+    from maskcli.trace.given import dropped
+
+    b = h = 2
+    n = 5
+    lengths = (5, 3)
+    given = torch.tensor([[[0.0 if q < lengths[r] and k < lengths[r] else -1e9 for k in range(n)] for q in range(n)]
+                          for r in range(b)])  # (B, L, L), per batch row
+    per_row = np.array([[[[q < lengths[r] and k < lengths[r] for k in range(n)] for q in range(n)]] for r in range(b)])
+    assert dropped(("mask of f()", given), lambda: per_row, (b, h, n, n), {}, "rows") is None
+    per_head = np.transpose(per_row, (1, 0, 2, 3))  # (1, H, L, L): as torch broadcasts it over the heads
+    assert dropped(("mask of f()", given), lambda: per_head, (b, h, n, n), {}, "heads") is None
+    everything = np.ones((1, 1, n, n), bool)  # a kernel that drops it: row 1's real queries see keys 3, 4
+    lost = dropped(("mask of f()", given), lambda: everything, (b, h, n, n), {}, "none")
+    bad = [(r, q, k) for r in range(b) for q in range(n) for k in range(n) if q < lengths[r] <= k]
+    assert lost["cells"] == len(bad) and (lost["cell"][0], *lost["cell"][2:]) == bad[0]  # (said per batch row)
+
+
+def test_a_batch_mask_unsqueezed_over_as_many_heads_as_rows_is_quiet(tmp_path):
+    """Written after the kannada translator's fix (tests/data/blind, ajhalthor/Transformer-Neural-Network#15, which
+    adds its (B, L, L) mask to scores permuted batch-first): a (B, L, L) -1e9 padding mask unsqueezed over the heads,
+    batch size = head count, kept by the kernel: no mask-argument-dropped (it was read per head before)."""
+    status, found, report = traced(tmp_path, "batch_mask_unsqueezed_heads_equal_batch", False, QUIET)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report

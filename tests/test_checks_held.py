@@ -584,3 +584,13 @@ def test_mlx_vlm_llava_language_overwrites_caller_mask(tmp_path):
     causal one (written blind, batch blind-ad, a torch port; caught before any rule was changed for it). The fix is
     quiet."""
     check_bug(tmp_path, "mlx_vlm_llava_language_overwrites_caller_mask", "held-mask-ignored")
+
+
+def test_a_padding_query_over_a_static_cache_placed_at_its_cache_position_is_not_judged(tmp_path):
+    """tt-xla#2953's fix, written another way: the 12-slot padding mask the model call holds is left-padded, the prompt's
+    5 queries sit at input_pos 0-4 over 12 slots, and a padding query's empty row is opened on every slot. Fewer
+    queries than keys no longer means each is judged where the model call states where they sit: no padding-unused
+    (said before: `batch row 1: query 0 sees key 0`)."""
+    status, found, report = traced(tmp_path, "static_cache_left_padded_unmasked_pad_rows", False, QUIET)
+    assert [f for f in found if f["code"] == "padding-unused"] == [], report
+    assert status == 0, report

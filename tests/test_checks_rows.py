@@ -456,3 +456,24 @@ def test_mobius_static_cache_nonpad_kv_seqlen_before_scatter(tmp_path):
     from checkbugs import check_bug
 
     check_bug(tmp_path, "mobius_static_cache_nonpad_kv_seqlen_before_scatter", "fully-masked")
+
+
+
+def test_queries_over_a_static_cache_are_placed_where_the_model_call_states_them():
+    """Five prompt queries at cache_position 0-4 over 12 slots, row 1 left-padded by 3 (its padding rows opened on
+    every slot, as transformers does): placed at 0-4 (stated_places), its padding queries are no real queries and no
+    real one sees a later key; placed at the end of the slots (7-11), the padding rows read as real ones that see
+    later slots. A real query that sees one slot past its own position sees a later key either way."""
+    q_len, k_len, pads = 5, 12, (0, 3)
+    real = np.array([[k >= pads[b] for k in range(k_len)] for b in range(2)])
+
+    def mask(reach):  # keep(b, q, k) for query q at position q; a padding query's row sees every slot
+        return cells(2, q_len, k_len, lambda b, p, k: p - (k_len - q_len) < pads[b]
+                     or real[b, k] and k <= p - (k_len - q_len) + reach)
+
+    places = np.arange(q_len)
+    assert later(*call(mask(0)), None, real, None, lambda: places) == []
+    assert later(*call(mask(0)), None, real, None, None) != []  # (bottom-right: the padding rows read as real)
+    bad = [q for q in range(q_len) if q >= pads[1] or q >= pads[0]]  # real queries that see slot q + 1
+    [found] = later(*call(mask(1)), None, real, None, lambda: places)
+    assert found.message.startswith(f"query rows {bad[0]}-{bad[-1]} see later keys")

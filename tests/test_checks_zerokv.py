@@ -215,3 +215,14 @@ def test_zero_image_features_the_model_call_states_real_are_quiet(tmp_path):
     (Gemma 3's tiny vision-language model under generate, in benchmarks/false_alarms_modes.py, is this)."""
     status, found, report = traced(tmp_path, "zero_image_features_stated_real", False, ZEROKV)
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+def test_padding_query_rows_opened_on_every_slot_are_not_judged(tmp_path):
+    """A static cache over a left-padded batch, handed only each row's padding count (`--offsets`: the model call
+    states no padding): the short row's padding queries, whose empty rows are opened on every slot (transformers'
+    no-NaN rows), see the unwritten slots' zero K and V. They are padding (checks/real.py reads them off the mask), not
+    real queries: no zero-keys-seen (said before, on tt-xla#2953's reproduction too)."""
+    status, found, report = traced(tmp_path, "static_cache_left_padded_unmasked_pad_rows", False,
+                                   Path(__file__).parent / "data" / "quiet", ("--offsets",))
+    assert [f for f in found if f["code"] == "zero-keys-seen"] == [], report
+    assert status == 0, report

@@ -4,7 +4,8 @@ A static cache (transformers' StaticCache, gpt-fast's KVCache) hands attention a
 slot j holding position j once written. The model call says which positions it writes
 (`cache_position`, gpt-fast's `input_pos`), or a Hugging Face cache says how many tokens it holds:
 past them no slot holds a key yet (its zeros, or a previous run's stale keys). A query that sees such
-a slot attends to nothing the program wrote. An encoder-decoder's cross-attention keys are its
+a slot attends to nothing the program wrote; only real queries are judged (checks/real.py: a left-padded prompt's
+padding queries see every slot where transformers unmasks their rows whole, so that they give no NaN). An encoder-decoder's cross-attention keys are its
 encoder's, so it is left alone. `model` checks each column against the slot its cache returned, read
 off the keys themselves (maskcli.hf.cache, widths.py: it wraps Cache.update and keeps a copy of every
 key); trace reads the cache's own count instead, which costs nothing and needs no transformers here.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -62,7 +64,11 @@ def unwritten(run: Run) -> list:
         cells = keep(call)
         if cells is None:
             continue
-        bad = cells[..., end:]
+        rows = max(cells.shape[0], call.shape[0])
+        real = resolve(call, top, by_row(cells, rows)).queries  # (B, Lq): a padding query's row is unmasked whole on
+        if cells.shape[0] == 1 and (real == real[:1]).all():  # purpose (no NaN); a mask broadcast over the batch
+            real = real[:1]  # rows is counted once, as stored
+        bad = cells[..., end:] & real[:, None, :, None]
         if bad.any():
             b, h, q, k = first_cell(bad)
             query, count = int(positions[q]), int(bad.sum())

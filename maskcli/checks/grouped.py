@@ -45,6 +45,13 @@ class Grouped:
 
         return past_the_keys(self.run, self.calls)
 
+    @functools.cached_property
+    def places(self):
+        """Int (Lq,) key positions the model calls state for the queries (rows.stated_places), or None."""
+        from maskcli.checks.rows import stated_places
+
+        return stated_places(self.run, self.calls)
+
     def real(self):
         """Bool (B, Lk): the keys the model calls state are real tokens (rows.stated_tokens), or None."""
         from maskcli.checks.rows import stated_tokens

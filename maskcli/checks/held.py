@@ -28,7 +28,8 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.arguments import document_starts, padded_positions
-from maskcli.checks.context import Run, beside_memory, cross, crossing, first_cell, keep, queries, real_queries
+from maskcli.checks.context import (Run, beside_memory, columns_are_positions, cross, crossing, first_cell, keep, queries,
+                                    real_queries)
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -202,7 +203,9 @@ def held_padding(run: Run) -> list:
             continue
         cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
         own = None if cross(call) or q_len < k_len else queries(call, run.top(call))
-        # (fewer queries than keys: a decoder's over its memory or a step over its cache; each query is judged)
+        # (fewer queries than keys: a decoder's over its memory or a step over its cache; each query is judged, but
+        # where the model call states where they sit in the keys (a static cache's cache_position), on its own token)
+        placed = None if own is not None or cross(call) else _stated_places(call, run.top(call))
         if own is None and q_len == k_len:
             continue  # a cross-attention with as many queries as keys: the padding may be its queries' own (a decoder's
             # lengths), which no key mask need keep to: a reading seen through
@@ -217,6 +220,8 @@ def held_padding(run: Run) -> list:
                 continue
             for real, row_real in zip(tables, pair_rows(held, rows, k_len, ids)):
                 bad = _seen(cells, real, own)
+                if placed is not None:  # (a query on a padding token: its row is unmasked on purpose, _unmask_unattended)
+                    bad = bad & real_queries(real, placed)[:, :, None]
                 if row_real is not None:
                     bad = bad & row_real[:, None, None]
                 if not bad.any() or own is not None and beside_memory(run, call, real):
@@ -233,7 +238,8 @@ def held_padding(run: Run) -> list:
                 "lengths": "the batch's lengths",
                 "relative": "the batch's relative lengths (each row's share of the padded length)"}[held["kind"]]
         said = f"{held['name']} in {held['where']}"
-        query = f"query {q}" if own is None else f"query {int(own[q])}"
+        at = own if own is not None else placed
+        query = f"query {q}" if at is None else f"query {int(at[q])}"
         done[key] = Finding("padding-unused", (
             f"batch row {b}: {query} sees key {k}, which the program's own padding calls padding: {said} is {what} of "
             f"these {k_len} keys, held by a function that made this call, and the mask handed to the kernel does not "
@@ -243,6 +249,16 @@ def held_padding(run: Run) -> list:
             expected="no real query sees a key the program's padding calls padding", source=said, cell=(b, q, k))
         found.append((call, done[key]))
     return found
+
+
+def _stated_places(call, top) -> np.ndarray | None:
+    """The key position of each of the call's queries where the model call states it (`cache_position`, `input_pos`:
+    a static cache's slot j is position j), else None (a memory's keys, or a cache that says nothing)."""
+    arguments = {} if top is None else top.arguments
+    if not any(isinstance(arguments.get(name), np.ndarray) and arguments[name].shape[-1:] == (call.shape[2],)
+               for name in ("cache_position", "input_pos")) or not columns_are_positions(call, top):
+        return None
+    return queries(call, top)
 
 
 def held_documents(run: Run) -> list:

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset",  # what a Stated says of its config,
-         "mem_len", "mem_scope", "model_causal", "neighbours", "neighbours_scope")  # not its fields (a model's memory length, its own causal flag: read by
+         "mem_len", "mem_scope", "model_causal", "neighbours", "neighbours_scope", "chunk_context")  # not its fields (a model's memory length, its own causal flag: read by
 # checks/memlen.py and reach.py alone, no layer kind)
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
@@ -37,6 +37,10 @@ NAMES = ("config", "cfg", "args", "hparams", "hp", "params", "model_args", "mode
 LIKE = ("config", "args", "param", "setting", "conf", "option")  # words of a config class's name
 ATTENTION = ("head", "attn", "attention")  # words of a field name that say a config is about attention
 GENERAL = ("causal", "bidirectional")  # fields an RNN's or a convolution's config may state as well
+CONTEXT = ("context_left", "context_right", "left_context", "right_context", "past_horizon", "future_horizon",
+           "left_chunks")  # words
+# of a field that sets how far a chunk's queries see past it (Gemma 3n's / Gemma 4's audio conformer, streaming ASR): its
+# attention_chunk_size is then the block its local window is computed in, not a boundary no query sees across
 OTHER_LAYERS = ("every_n", "attention_layers", "attention_types", "block_type", "interval", "global_attn", "local_attn",
                 "attn_types", "stride")  # per-layer fields read nowhere here: where one is set, layer kinds are unknown
 
@@ -201,6 +205,8 @@ def _fields_besides(value, items: dict, text, found: dict) -> dict:
     found["decoder"] = bool(items.get("is_decoder") or items.get("is_encoder_decoder"))  # whose is_causal is a part's
     found["other_layers"] = any(any(word in name for word in OTHER_LAYERS) and items[name] not in (None, False, 0, [], ())
                                 for name in items if isinstance(name, str))
+    found["chunk_context"] = any(any(word in name for word in CONTEXT) and items[name] is not None and items[name] is not False
+                                 for name in items if isinstance(name, str))
     if isinstance(found.get("layer_types"), tuple):
         found["layer_types"] = list(found["layer_types"])
     return found
@@ -229,10 +235,11 @@ class Intent:
             del self.values[name]
         self.transformers = any(one.fields.get("transformers") for one in stated)
         self.other_layers = any(one.fields.get("other_layers") for one in stated)
+        self.chunk_context = any(one.fields.get("chunk_context") for one in stated)
         self.decoder = any(one.fields.get("decoder") for one in stated)
         self.attention = any(one.fields.get("attention") for one in stated)
         self.key = repr((sorted(self.values.items()), sorted(self.sources.items()), self.transformers,
-                         self.other_layers, self.decoder))  # (layers stated alike are judged once per mask)
+                         self.other_layers, self.decoder, self.chunk_context))  # (layers stated alike are judged once per mask)
 
     def __bool__(self) -> bool:
         return bool(self.values)
@@ -325,6 +332,8 @@ class Intent:
             return "sliding_attention", f"{window[1]}={self.values[window[1]]}", not self.transformers
         chunk = self.values.get("attention_chunk_size")
         nope = self.values.get("no_rope_layers")
+        if isinstance(chunk, int) and chunk > 0 and self.chunk_context:
+            return None  # (a block of a local window that reaches past it: its context fields say how far, unread here)
         if isinstance(chunk, int) and chunk > 0 and isinstance(nope, (list, tuple)) and nope:
             if index is None:  # Llama 4: a layer with RoPE (no_rope_layers[i] = 1) is chunked, a NoPE one full
                 return None  # (configuration_llama4.py, layer_types from no_rope_layers)

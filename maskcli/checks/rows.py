@@ -122,7 +122,7 @@ def reach(stored: dict, q_len: int) -> tuple[np.ndarray, np.ndarray]:
     return np.broadcast_to(first, (first.shape[0], q_len)), np.broadcast_to(last, (last.shape[0], q_len))
 
 
-def later(call, stored: dict, structure, real=None, past=None) -> list[Finding]:
+def later(call, stored: dict, structure, real=None, past=None, places=None) -> list[Finding]:
     """A query of a trace group that sees a key after its own position, the queries placed at the end of the keys.
 
     `real`: bool (B, Lk) the tokens the model call states real (stated_tokens), or a function giving it or None, asked
@@ -132,7 +132,8 @@ def later(call, stored: dict, structure, real=None, past=None) -> list[Finding]:
     say nothing of a causal mask's slip; keys the program states padding are the padding rules', not a causal order's).
     Where it states none, such a mask has its padding rows read off its cells (_read_queries): only the real ones are
     said, and the tests read the cells whole (a guess from the cells does not reshape them). `past`: a function saying
-    whether the model call states its queries past every key (past_the_keys): then no key is later than a query."""
+    whether the model call states its queries past every key (past_the_keys): then no key is later than a query.
+    `places`: a function giving the queries' key positions the model call states (stated_places), used instead."""
     if structure is not None and structure.expression is not None and structure.kind not in MEANT_LATER:
         return []
     if call.api in ("flash", "hf") and not call.details.get("causal"):
@@ -146,6 +147,11 @@ def later(call, stored: dict, structure, real=None, past=None) -> list[Finding]:
     seeing = reach(stored, q_len)[1] > own[None, :]  # (b*h, Lq)
     if not seeing.any() or past is not None and past():
         return []
+    stated = places() if places is not None and q_len < k_len else None
+    if stated is not None:  # (where the program says they sit: a static cache's slots past them are unwritten)
+        own, seeing = stated, reach(stored, q_len)[1] > stated[None, :]
+        if not seeing.any():
+            return []
     real = real() if callable(real) else real
     b, h = stored["planes"]
     if real is not None and q_len <= k_len and real.shape[1] == k_len and b in (1, real.shape[0]):
@@ -230,6 +236,26 @@ def past_the_keys(run, calls: list) -> bool:
         if not any(isinstance(given.get(name), int) and given[name] >= k_len for name in STARTS):
             return False
     return True
+
+
+def stated_places(run, calls: list) -> np.ndarray | None:
+    """Int (Lq,): the key position of each query that every call's model call states (`cache_position`, `input_pos`:
+    a static cache's slot j is position j, checks/context.queries), the same for all; None where one states none."""
+    from maskcli.checks.context import columns_are_positions, queries
+
+    found = None
+    for call in calls if run is not None else ():
+        top = run.top(call)
+        given = {} if top is None else top.arguments
+        if not any(isinstance(given.get(name), np.ndarray) and given[name].shape[-1:] == (call.shape[2],)
+                   for name in ("cache_position", "input_pos")) or not columns_are_positions(call, top):
+            return None
+        own = queries(call, top)
+        if found is not None and not np.array_equal(found, own) or own.min(initial=0) < 0 \
+                or own.max(initial=0) >= call.shape[3]:
+            return None
+        found = own
+    return found
 
 
 def _read_queries(cells: np.ndarray, own: np.ndarray) -> np.ndarray:
@@ -359,7 +385,7 @@ def group_cells(g) -> list[Finding]:
     rows, so not where the mask was kept as counts only)."""
     found = empty_rows(g.first, g.stored, g.structure)
     if g.stored["form"] != "stats":
-        found += later(g.first, g.stored, g.structure, g.real, lambda: g.past)
+        found += later(g.first, g.stored, g.structure, g.real, lambda: g.past, lambda: g.places)
     return found
 
 

@@ -16,7 +16,8 @@ Quiet where the mask hides those keys (the fixes: whisper.cpp's -inf over [n_ctx
 padding mask), where only queries that are zero themselves see them (a right-padded causal batch: padding queries
 only; a finished row of a batched generate, fed pad tokens, whose query is the pad), where the zeros are one key
 alone (x-transformers' `add_zero_kv`, a learned null key initialised to zero) or every key of the row, and where they
-lie between real keys (not padding's shape), and where the model call states outright (its attention_mask, its
+lie between real keys (not padding's shape), where the query is padding itself (checks/real.py: a left-padded prompt's
+padding queries, whose rows transformers unmasks whole so that they give no NaN), and where the model call states outright (its attention_mask, its
 lengths) that those keys are real tokens: the program's word over the values' (a tiny vision-language model's image
 tokens whose features are zero, Gemma 3's under generate, are tokens).
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, keep
-from maskcli.checks.real import stated
+from maskcli.checks.real import by_row, resolve, stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -54,6 +55,7 @@ def zero_keys_seen(run: Run) -> list:
             continue
         said = stated(run.top(call), rows, k_len)
         tokens = said[0] if said is not None and said[2] else None  # (the real tokens the model call states outright)
+        placed = None  # (B, Lq) real queries (checks/real.py), read once a row has zero keys at an edge
         bounds = table.get("keys")  # (each row's keys some query keeps, where the runs were read from their edges)
         for b in range(rows):
             left, right = table["left"][b % len(table["left"])], table["right"][b % len(table["right"])]
@@ -69,6 +71,9 @@ def zero_keys_seen(run: Run) -> list:
             if tokens is not None:
                 padding &= ~tokens[b % tokens.shape[0]]  # (the keys the program states are tokens are tokens)
             real = _real(zero_q, q_len) if len(zero_q) else np.ones(q_len, dtype=bool)
+            if placed is None:
+                placed = resolve(call, run.top(call), by_row(cells, max(cells.shape[0], rows))).queries
+            real = real & placed[b % placed.shape[0]]  # (a padding query's row, unmasked whole on purpose: not judged)
             seen = cells[b % cells.shape[0]].any(axis=0) & real[:, None] & padding[None, :]  # (Lq, Lk)
             if not seen.any():
                 continue

@@ -3,7 +3,9 @@
 At each attention call, the nearest program frames (the function that called the kernel and its callers, torch's
 and maskcli's left out) are looked at for a parameter named like an attention mask (NAMES) that holds an additive
 float mask over exactly the call's (Lq, Lk): -inf or at most -1e4 masks a cell (a bool mask's polarity is not known
-here, so it is left alone; axes of 1 between its batch and its cells are read away: MaxText's (b, 1, 1, t, s)), or
+here, so it is left alone; axes of 1 between its batch and its cells are read away: MaxText's (b, 1, 1, t, s); a
+3-D (N, Lq, Lk) mask is read per head, as torch broadcasts it, and per batch row, as a program that unsqueezes it or
+adds it to scores permuted batch-first does: dropped only where the kernel keeps to neither), or
 an xformers-style block-diagonal mask object (`BlockDiagonalMask.from_seqlens`: its
 `seqlens`, or `q_seqinfo` / `k_seqinfo`'s `seqstart_py`, summing to the call's keys), read as the blocks it keeps
 (mistral-inference#218: a vision block handed the images' mask that never passed it on). Where the kernel sees a cell that mask masks, on a query row the mask leaves some key
@@ -170,23 +172,32 @@ def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: in
         return None
     lead = tuple(keep.shape[:-2])
     if len(lead) == 1 and lead[0] == b * h and b * h > 1:  # (b * h, Lq, Lk): the heads folded into the batch
-        keep = keep.reshape(b, h, q_len, k_len)
+        readings = [keep.reshape(b, h, q_len, k_len)]
     elif len(lead) > 2 and all(n == 1 for n in lead[1:-1]):  # (B, 1, ..., H|1, Lq, Lk): MaxText's (b, 1, 1, t, s)
-        keep = keep.reshape(lead[0], lead[-1], *keep.shape[-2:])
+        readings = [keep.reshape(lead[0], lead[-1], *keep.shape[-2:])]
+    elif len(lead) == 1 and lead[0] > 1:
+        # (N, Lq, Lk): per head as torch broadcasts it, or per batch row as a program that unsqueezes it or permutes
+        # its scores (batch first) before adding applies it; the frame does not say which, so either may be kept to
+        readings = [keep.reshape(lead[0], 1, q_len, k_len), keep.reshape(1, lead[0], q_len, k_len)]  # (a tie: said per row)
     else:
-        keep = keep.reshape((1,) * max(0, 4 - keep.dim()) + tuple(keep.shape[-min(keep.dim(), 4):]))
-    try:
-        planes = np.broadcast_shapes(tuple(keep.shape), kernel.shape)
-    except ValueError:
-        return None
-    if planes[0] not in (1, b) or planes[1] not in (1, h):
-        return None
-    given = np.broadcast_to(keep.numpy(), planes)
-    seen = np.broadcast_to(kernel, planes)
-    lost = seen & ~given & given.any(axis=-1, keepdims=True)
-    return None if not lost.any() else {
-        "name": name, "cell": [int(x) for x in np.argwhere(lost)[0]], "cells": int(lost.sum()),
-        "masked": int((~given & given.any(axis=-1, keepdims=True)).sum())}
+        readings = [keep.reshape((1,) * max(0, 4 - keep.dim()) + tuple(keep.shape[-min(keep.dim(), 4):]))]
+    best = None
+    for reading in readings:
+        try:
+            planes = np.broadcast_shapes(tuple(reading.shape), kernel.shape)
+        except ValueError:
+            continue
+        if planes[0] not in (1, b) or planes[1] not in (1, h):
+            continue
+        given = np.broadcast_to(reading.numpy(), planes)
+        seen = np.broadcast_to(kernel, planes)
+        lost = seen & ~given & given.any(axis=-1, keepdims=True)
+        if not lost.any():
+            return None  # (the kernel keeps to this reading of the mask's axes)
+        if best is None or int(lost.sum()) < best["cells"]:
+            best = {"name": name, "cell": [int(x) for x in np.argwhere(lost)[0]], "cells": int(lost.sum()),
+                    "masked": int((~given & given.any(axis=-1, keepdims=True)).sum())}
+    return best
 
 def _either_way(name: str, mask: np.ndarray, kernel: np.ndarray, q_len: int, k_len: int) -> dict | None:
     """dropped()'s answer for a bool mask (B|1, H|1, Lq|1, Lk), whose polarity its frame does not say: read as True =

@@ -91,7 +91,7 @@ def _held(root, path) -> list[Stated]:
 
 WINDOWS = ("sliding_window", "layer_types", "sliding_window_pattern", "sliding_window_layers", "max_window_layers",
            "use_sliding_window", "attention_chunk_size", "no_rope_layers", "sliding_window_size")
-BUILT_FROM = (*WINDOWS, "layers", "transformers", "other_layers", "attention", "decoder", "causal_decoder")
+BUILT_FROM = (*WINDOWS, "layers", "transformers", "other_layers", "attention", "decoder", "causal_decoder", "chunk_context")
 
 
 def _windowed(fields: dict) -> bool:
