@@ -53,3 +53,38 @@ short = torch.tensor([[False] * 5, [False, False, False, False, True]])
 with torch.no_grad():
     Model().eval()(torch.randn(2, 5, 8), pad, short, torch.randn(2, 3, 8))
 '''
+
+
+def test_a_decoders_causal_self_attention_is_not_read_as_the_memorys_encoder(tmp_path):
+    """A left-padded source and a right-padded target as long as it (fairseq's default sides): the cross-attention sees
+    the source's real keys, which in one row are exactly the target's padding; the decoder's causal self-attention,
+    the last square call before it, is not the encoder whose padding it keeps to."""
+    program = tmp_path / "sides.py"
+    program.write_text(SIDES)
+    status, found, report = traced(tmp_path, "sides", False, tmp_path)
+    assert [f for f in found if f["code"] == "memory-padding-inverted"] == [], report
+
+
+SIDES = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.decoder = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, source, source_pad, target, target_pad):
+        memory = self.encoder(source, src_key_padding_mask=source_pad)
+        causal = nn.Transformer.generate_square_subsequent_mask(target.shape[1]) < 0
+        return self.decoder(target, memory, tgt_mask=causal, tgt_key_padding_mask=target_pad,
+                            memory_key_padding_mask=source_pad)
+
+
+source_pad = torch.tensor([[False] * 5, [True, True, True, False, False]])
+target_pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
+with torch.no_grad():
+    Model().eval()(torch.randn(2, 5, 8), source_pad, torch.randn(2, 5, 8), target_pad)
+'''

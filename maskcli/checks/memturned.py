@@ -1,8 +1,8 @@
 """A cross-attention that sees only the memory keys its own encoder masked as padding: the memory's mask turned round.
 
 The same model call ran a self-attention over the memory's tokens first (an encoder: square, as many batch rows and
-keys as the cross-attention has keys), whose mask hides, in some batch row, a run of keys at one end from every real
-query (checks/real.read_off: the encoder's key padding, `src_tokens.eq(padding_idx)` as Uni-Mol builds it). That is the
+keys as the cross-attention has keys, each real token seeing every real token of its row), whose mask hides, in some
+batch row, a run of keys at one end from every real query (checks/real.read_off: the encoder's key padding, `src_tokens.eq(padding_idx)` as Uni-Mol builds it). That is the
 program's own statement of which memory slots are padding. Where the cross-attention's queries of each such row, all
 that attend at all, see none of the keys the encoder called real and some it called padding, its mask is that padding
 read the other way round (lsh0520/3D-MoLM#8: Uni-Mol's `padding_mask`, True = padding, handed on as the Q-Former's
@@ -38,31 +38,45 @@ def _edge_runs(real: np.ndarray) -> bool:
     return bool((((columns < count) == pad) | ((columns >= pad.shape[1] - count) == pad)).all(axis=1).all())
 
 
-def _encoder_padding(run: Run, call, top, rows: int, k_len: int) -> tuple[np.ndarray, str] | None:
+def _encoders(run: Run) -> dict:
+    """{(id(top), rows, keys): [self-attention calls over that many keys, square, in call order]}, built once."""
+    found: dict = {}
+    for other in run.calls:
+        rows, _, q_len, k_len = other.shape
+        if q_len == k_len and other.stored is not None:
+            found.setdefault((id(run.top(other)), rows, k_len), []).append(other)
+    return found
+
+
+def _encoder_padding(encoders: dict, read: dict, call, top, rows: int, k_len: int) -> tuple[np.ndarray, str] | None:
     """(bool (rows, k_len) real memory keys, the encoder call's site) read off the last self-attention of the same
-    model call before `call` over k_len keys of the same batch rows that hides an edge padding; None where none does."""
-    for other in sorted(run.calls, key=lambda c: -c.index):
-        if other.index >= call.index or run.top(other) is not top or other.stored is None \
-                or other.shape[0] != rows or other.shape[2] != k_len or other.shape[3] != k_len:
+    model call before `call` over k_len keys of the same batch rows that hides an edge padding from bidirectional
+    real tokens; None where none does."""
+    for other in reversed(encoders.get((id(top), rows, k_len), ())):
+        if other.index >= call.index:
             continue
-        cells = _by_row(other, rows)
-        if cells is None:
-            continue
-        real, _ = read_off(cells, np.arange(k_len))
-        if _edge_runs(real):
-            return real, other.where
+        key = (other.mask, other.shape)
+        if key not in read:
+            cells = _by_row(other, rows)
+            real = None if cells is None else read_off(cells, np.arange(k_len))[0]
+            both = real is not None and bool((cells | ~(real[:, :, None] & real[:, None, :])).all())
+            read[key] = real if both and _edge_runs(real) else None  # (an encoder: each real token sees every real
+            # token of its row; a decoder's causal self-attention over as many tokens says nothing of the memory)
+        if read[key] is not None:
+            return read[key], other.where
     return None
 
 
 def memory_turned(run: Run) -> list:
     """Cross-attention calls whose attending queries, in every row its encoder pads, see only that padding."""
-    found, done = [], set()
+    found, done, read = [], set(), {}
+    encoders = _encoders(run) if run.cross else {}
     for call in run.cross:
         top = run.top(call)
         if top is None or call.stored is None:
             continue
         rows, _, q_len, k_len = call.shape
-        said = _encoder_padding(run, call, top, rows, k_len)
+        said = _encoder_padding(encoders, read, call, top, rows, k_len)
         if said is None:
             continue
         real, encoder = said
