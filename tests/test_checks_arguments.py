@@ -139,6 +139,55 @@ def test_a_softmax_that_masks_nowhere_over_the_stated_padded_tokens_is_attention
     assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: not pad[b, q] and pad[b, k])
 
 
+def test_src_tokens_at_the_pad_id_their_model_states_are_padding_no_real_query_sees(tmp_path):
+    """`src_tokens` (fairseq's, Uni-Mol's name) are the model call's ids where no target side is handed beside them:
+    deepmodeling/Uni-Mol#364 (written blind: the collate pads the additive attn_bias with 0, so the padding atoms'
+    keys stay open; the model's padding_idx is 0) and a left-padded encoder whose mask uses the wrong id."""
+    check_bug(tmp_path, "unimol_tools_v2_collate_pads_attn_bias_with_zero", "padding-ignored")
+    hit = caught(tmp_path, "src_tokens_pad_mask_wrong_id", ("padding-ignored",))
+    ids = [[2, 5, 7, 3, 9], [1, 1, 4, 6, 8], [1, 1, 1, 10, 11]]
+    assert tuple(hit["cell"]) == first((3, 5, 5), lambda b, q, k: ids[b][q] != 1 and ids[b][k] == 1)
+    assert "pad id 1" in hit["source"]
+
+
+def test_src_tokens_are_not_read_against_an_encoder_decoders_decoder(tmp_path):
+    """A model call handed `src_tokens` that also cross-attends is an encoder-decoder: its decoder's self-attention
+    is over other tokens (fairseq's prev_output_tokens), so the source's padding is not read on it."""
+    program = tmp_path / "seq2seq.py"
+    program.write_text(SEQ2SEQ)
+    status, found, report = traced(tmp_path, "seq2seq", False, tmp_path)
+    assert status == 0 and [f for f in found if f["code"] == "padding-ignored"] == [], report
+
+
+SEQ2SEQ = '''
+import torch
+import torch.nn as nn
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.padding_idx = 1
+        self.embed = nn.Embedding(12, 8, padding_idx=1)
+        self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.decoder = nn.ModuleDict({"self_attn": nn.MultiheadAttention(8, 2, batch_first=True)})
+        self.cross_attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, src_tokens, prev_output_tokens):
+        pad = src_tokens.eq(self.padding_idx)
+        memory = self.encoder(self.embed(src_tokens), src_key_padding_mask=pad)
+        x = self.embed(prev_output_tokens)
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1]) < 0
+        x = x + self.decoder["self_attn"](x, x, x, attn_mask=causal, need_weights=False)[0]
+        return self.cross_attn(x, memory, memory, key_padding_mask=pad, need_weights=False)[0]
+
+
+torch.manual_seed(0)
+with torch.no_grad():
+    Seq2Seq().eval()(torch.tensor([[2, 3, 4, 5], [1, 1, 6, 7]]), torch.tensor([[2, 8, 9, 10], [2, 4, 5, 6]]))
+'''
+
+
 def test_uniem_encoder_called_without_attention_mask(tmp_path):
     """wangyuxinwhy/uniem#23: the pad mask built from the ids (`mask`, right-padded) used for pooling only; the
     model call's ids equal to the pad id say the padding (padding-ignored, said before held.py's padding-unused)."""

@@ -61,13 +61,23 @@ def over_stated_padding(call, run: Run) -> bool:
     if call.api != "softmax" or len(getattr(call, "q", ()) or ()) < 3:
         return False
     top = run.top(call)
-    if top is None or not top.arguments:
+    if top is None or not top.arguments or _decoder_of_source(run, top):
         return False
     said = stated(top, call.shape[0], call.shape[3])
     if said is None:
         fold = folded(top, call.shape[0], call.shape[3])
         said = None if fold is None else (fold[0][0], *fold[1:])
     return said is not None and said[2] and not said[0].all() and call.shape[3] > 1
+
+
+def _decoder_of_source(run: Run, top) -> bool:
+    """The model call's only ids are `src_tokens` (real.SOURCE) and it makes a cross-attention: an encoder-decoder,
+    whose decoder's self-attention is over other tokens than those ids (fairseq's `prev_output_tokens`)."""
+    from maskcli.checks.real import SOURCE, TOKENS
+
+    arguments = top.arguments
+    return SOURCE in arguments and not any(n in arguments for n in (*TOKENS, "first_ids")) \
+        and any(run.top(other) is top for other in run.cross)
 
 
 def _encoder_side(call) -> bool:
@@ -106,7 +116,7 @@ def padding(run: Run) -> list:
     found, done = [], set()
     for call in run.calls:
         top = run.top(call)
-        if top is None or call.stored is None or not top.arguments:
+        if top is None or call.stored is None or not top.arguments or _decoder_of_source(run, top):
             continue
         if getattr(top.config, "is_encoder_decoder", False) and not _encoder_side(call) \
                 or not columns_are_positions(call, top):

@@ -33,6 +33,10 @@ PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = pa
 REAL_TRUE = ("attention_mask", "patch_attention_mask", "patch_attn_mask")  # 1 = a real token (a real patch)
 LENGTHS = ("lengths", "seq_lens", "seq_lengths", "input_lengths")
 TOKENS = ("input_ids", "idx", "tokens")
+SOURCE = "src_tokens"  # (fairseq's and Uni-Mol's encoder ids: read as the tokens where no target side is handed beside
+# them; an encoder-decoder's decoder attends other tokens, so arguments.py reads them only where the model call makes
+# no cross-attention)
+TARGETS = ("trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens")
 PLAIN = ("mask", "input_mask")  # 1 = a real token, read where its rows are right padding (_right_padding), or the
 # ids' padding (plainpad.py)
 
@@ -104,6 +108,8 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
     tokens = next((arguments[n] for n in TOKENS if isinstance(arguments.get(n), np.ndarray)), None)
     if tokens is None and "first_ids" in arguments:  # (a hand-written model's `forward(self, x)`: trace/tops.py)
         tokens = arguments["first_ids"][1]
+    if tokens is None and isinstance(arguments.get(SOURCE), np.ndarray) and not any(n in arguments for n in TARGETS):
+        tokens = arguments[SOURCE]
     for name in PLAIN:
         given = arguments.get(name)
         if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.shape[0] == rows \

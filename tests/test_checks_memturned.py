@@ -1,0 +1,90 @@
+"""checks/memturned.py: a cross-attention that sees only the memory keys its own encoder masked as padding."""
+
+from __future__ import annotations
+
+from checkbugs import caught, check_bug, first, traced
+
+
+def test_3d_molm_q_former_reads_uni_mols_padding_mask_as_its_encoder_attention_mask(tmp_path):
+    """lsh0520/3D-MoLM#8 (written blind): Uni-Mol's padding_mask (True = padding) handed on as BERT's
+    encoder_attention_mask (1 = attend): the learned queries of the 4-atom molecule see its padding atoms only."""
+    hit = check_bug(tmp_path, "molm3d_qformer_unimol_padding_mask_as_encoder_attention_mask", "memory-padding-inverted")[0]
+    assert tuple(hit["cell"]) == (1, 0, 4) and "graph_encoder.attn" in hit["message"]
+
+
+def test_an_mha_cross_attention_handed_the_real_tokens_as_its_key_padding_mask(tmp_path):
+    """The same slip through nn.MultiheadAttention (True = padding both sides), no lengths named: the encoder's
+    src_key_padding_mask says the padding, the cross-attention is handed its complement."""
+    hit = caught(tmp_path, "mha_memory_padding_turned", ("memory-padding-inverted",))
+    sizes = [6, 4, 3]
+    # the first cell (row, query, key) where a query of a padded row sees a key past its memory's length, by a loop
+    # over what nn.MultiheadAttention does with key_padding_mask = (k < size): it hides the real keys
+    expected = first((3, 2, 6), lambda b, q, k: sizes[b] < 6 and not k < sizes[b])
+    assert tuple(hit["cell"]) == expected
+
+
+def test_a_cross_attention_that_sees_real_memory_keys_too_is_left_alone(tmp_path):
+    """A decoder whose memory mask is one key short of its encoder's padding sees a padding key and the real keys:
+    another slip, not this rule's (the mask is not turned round)."""
+    program = tmp_path / "unmasked.py"
+    program.write_text(UNMASKED)
+    status, found, report = traced(tmp_path, "unmasked", False, tmp_path)
+    assert [f for f in found if f["code"] == "memory-padding-inverted"] == [], report
+
+
+UNMASKED = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.cross = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, source, pad, short, target):
+        memory = self.encoder(source, src_key_padding_mask=pad)
+        return self.cross(target, memory, memory, key_padding_mask=short, need_weights=False)[0]
+
+
+pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
+short = torch.tensor([[False] * 5, [False, False, False, False, True]])
+with torch.no_grad():
+    Model().eval()(torch.randn(2, 5, 8), pad, short, torch.randn(2, 3, 8))
+'''
+
+
+def test_a_decoders_causal_self_attention_is_not_read_as_the_memorys_encoder(tmp_path):
+    """A left-padded source and a right-padded target as long as it (fairseq's default sides): the cross-attention sees
+    the source's real keys, which in one row are exactly the target's padding; the decoder's causal self-attention,
+    the last square call before it, is not the encoder whose padding it keeps to."""
+    program = tmp_path / "sides.py"
+    program.write_text(SIDES)
+    status, found, report = traced(tmp_path, "sides", False, tmp_path)
+    assert [f for f in found if f["code"] == "memory-padding-inverted"] == [], report
+
+
+SIDES = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.decoder = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, source, source_pad, target, target_pad):
+        memory = self.encoder(source, src_key_padding_mask=source_pad)
+        causal = nn.Transformer.generate_square_subsequent_mask(target.shape[1]) < 0
+        return self.decoder(target, memory, tgt_mask=causal, tgt_key_padding_mask=target_pad,
+                            memory_key_padding_mask=source_pad)
+
+
+source_pad = torch.tensor([[False] * 5, [True, True, True, False, False]])
+target_pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
+with torch.no_grad():
+    Model().eval()(torch.randn(2, 5, 8), source_pad, torch.randn(2, 5, 8), target_pad)
+'''
