@@ -128,9 +128,10 @@ def _counted_wide(run: Run) -> list:
     more, so the window is dropped on this path (cascadia#151: Gemma 4's export gave its sliding layers the plain
     causal mask). Only `sliding_window` (a `window_size` int is a Swin window, a local-attention block), only where no
     query sees a later key (a symmetric window's W is one side of it), and not at a step where another call holding
-    the same W, or another call of the same site over as many queries and keys, keeps to it (the window chosen per layer
+    the same W over as many queries (its keys sliced to the window, maybe), or another call of the same site over as
+    many queries and keys, keeps to it (the window chosen per layer
     by a mask built beside the frame's variable)."""
-    found, kept, done = [], set(), set()
+    found, kept, done = [], set(), {}
     for call in run.calls:
         said = call.details.get("window_counted")
         if not said or len(said) != 4 or said[0] != "sliding_window" or int(said[1]) <= 0 or call.stored is None \
@@ -139,8 +140,10 @@ def _counted_wide(run: Run) -> list:
         window, where = int(said[1]), str(said[3])
         key = (call.where, call.mask, call.shape, window)
         if key in done:
+            if done[key]:  # (the same mask kept to the window: so does this call, at its step)
+                kept.update(((call.step, call.shape[2], window), (call.where, call.shape[2:], window)))
             continue
-        done.add(key)
+        done[key] = False
         cells = keep(call)
         if cells is None:
             continue
@@ -154,7 +157,8 @@ def _counted_wide(run: Run) -> list:
             continue  # (a query sees a later key: not a one-sided window's mask)
         wide = has & (hi - lo + 1 > window + 1)
         if not wide.any():
-            kept.update(((call.step, call.shape[2:], window), (call.where, call.shape[2:], window)))
+            done[key] = True
+            kept.update(((call.step, call.shape[2], window), (call.where, call.shape[2:], window)))
             continue
         b, q = first_cell(wide)
         a, z = int(keys[first[b, q]]), int(keys[last[b, q]])
@@ -163,8 +167,9 @@ def _counted_wide(run: Run) -> list:
             f"{int(own[q])} of batch row {b} sees keys {a} .. {z}, a span of {int(hi[b, q] - lo[b, q] + 1)} real "
             f"keys ({int(wide.sum())} such rows; step {call.step}): the window is dropped on this path"),
             expected=f"window({window})", source=where, cell=(b, int(own[q]), a))))
-    return [(call, f) for call, f in found if kept.isdisjoint(
-        (at, call.shape[2:], int(call.details["window_counted"][1])) for at in (call.step, call.where))]
+    return [(call, f) for call, f in found if kept.isdisjoint((
+        (call.step, call.shape[2], int(call.details["window_counted"][1])),
+        (call.where, call.shape[2:], int(call.details["window_counted"][1]))))]
 
 
 def _counted(run: Run) -> list:
