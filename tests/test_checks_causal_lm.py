@@ -17,6 +17,9 @@ from checkbugs import caught, check_bug, first
 BUGS = [
     # unslothai/unsloth#2868: the SDPA fallback always called with is_causal=False, no mask
     ("unsloth_sdpa_fallback_is_causal_false", "causal-lm-both-ways"),
+    # huggingface/transformers#30317: under "sdpa" an unpadded prompt's mask is None (meant for is_causal), and AWQ's
+    # fused attention adds a mask only where one is given: an eager softmax that masks nowhere in the prompt pass
+    ("awq_fused_attention_none_mask_from_sdpa", "causal-lm-both-ways"),
 ]
 
 
@@ -32,6 +35,15 @@ def test_a_left_padded_prompt_handed_the_padding_mask_alone(tmp_path):
     real = np.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=bool)
     tril = torch.ones(5, 5, dtype=torch.bool).tril().numpy()
     assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: real[b, q] and real[b, k] and not tril[q, k])
+
+
+def test_an_unpadded_prompt_whose_mask_is_none_through_a_softmax_that_masks_nowhere(tmp_path):
+    """Written otherwise: a GPT-NeoX-style ...ForCausalLM builds its mask only for a padded batch and its eager softmax
+    adds one only where given, so the site masks nowhere (engine.py sets such sites apart); its keys grow one a step
+    over the prompt's cache. Its first cell against torch.tril: the first query that sees a key tril hides."""
+    hit = caught(tmp_path, "causal_lm_unpadded_prompt_mask_none_softmax", ("causal-lm-both-ways",))
+    tril = torch.ones(5, 5, dtype=torch.bool).tril().numpy()
+    assert tuple(hit["cell"]) == first((1, 5, 5), lambda b, q, k: not tril[q, k])
 
 
 def test_doge_under_sdpas_is_causal_skip_in_its_own_process(tmp_path):

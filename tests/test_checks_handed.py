@@ -35,6 +35,9 @@ BUGS = [
     # InternLM/lmdeploy#3772: the sliding-window block manager frees the blocks Gemma 3's global layer still reads
     # (window_size = -1 and kv_seqlens = 15 held: 11 keys seen)
     ("lmdeploy_gemma3_window_block_manager_frees_global_layers", "keys-dropped"),
+    # labscommunity/cascadia#151: Gemma 4's export masks every layer with the plain causal mask, sliding ones too
+    # (sliding_window = 3 and seq_len = 6 held in the layer forward: a prefill query sees 6 keys)
+    ("cascadia_gemma4_export_sliding_layers_unwindowed", "window-dropped"),
 ]
 
 
@@ -127,6 +130,29 @@ def test_two_branches_in_one_run_the_window_claims_one(tmp_path):
     hits = [f for f in found if f["code"] == "window-dropped" and f["severity"] == "wrong"]
     assert status == 1 and len(hits) == 2, report
     assert tuple(hits[0]["cell"]) == first((2, 8, 8), lambda b, q, k: k <= q and q - k > 2 and q // 4 == k // 4)
+
+
+def test_a_right_padded_prefill_that_holds_a_plain_int_window_and_masks_causality(tmp_path):
+    """Written otherwise: `attend` holds sliding_window = 4 beside kv_len (the model keeps it as `self.w`, no config
+    field), SDPA with a boolean mask over a right-padded batch (lengths 9 and 6); the prefill branch masks causality
+    and padding only. W keys or W + 1 by its convention: against a loop over absolute positions, the first real query
+    that sees a real key more than 4 back."""
+    hit = caught(tmp_path, "window_int_prefill_sdpa_unbanded", ("window-dropped",))
+    lengths = (9, 6)
+    b, q, k = first((2, 9, 9), lambda b, q, k: k <= q < lengths[b] and q - k > 4)
+    assert tuple(hit["cell"]) == (b, q, k) and hit["expected"] == "window(4)"
+
+
+def test_a_plain_int_window_chosen_per_layer_or_held_as_one_side_of_a_band(tmp_path):
+    """Quiet: one attend() holds sliding_window = 3 for both layers and the global one masks causality alone (the
+    local one keeps to the window over the same queries); and an encoder's sliding_window = 2 held as one side of
+    |q - k| <= 2 (its queries see later keys)."""
+    status, found, report = traced(tmp_path, "window_int_layers_and_band", False, QUIET)
+    assert [f for f in found if f["code"] == "window-dropped"] == [] and status == 0, report
+    assert "window(3)" in report and " causal" in report
+    status, found, report = traced(tmp_path, "window_int_layers_and_band", False, QUIET, ("--symmetric",))
+    assert [f for f in found if f["severity"] == "wrong"] == [] and status == 0, report
+    assert "band(3)" in report
 
 
 WINDOWS = Path(__file__).parent / "data" / "windows"

@@ -121,3 +121,51 @@ def test_quiet_where_the_left_padding_is_masked_or_no_row_is_padded():
 def test_id_padding_does_not_read_a_sampled_token_repeated_at_one_rows_end():
     sampled = torch.tensor([[5, 9, 12, 7, 25, 25], [8, 11, 4, 4, 6, 7], [1, 2, 3, 4, 5, 6]])
     assert id_padding(sampled.numpy()) is None
+
+
+def test_modelopt_calib_dataloader_drops_attention_mask_is_flagged_and_its_fix_is_not(tmp_path):
+    # NVIDIA/Model-Optimizer#1261: the calibration dataset keeps input_ids only, so the left-padded batches reach the
+    # model with no attention_mask: a plain causal mask, the pads attended
+    check_bug(tmp_path, "modelopt_calib_dataloader_drops_attention_mask", "left-pads-never-masked")
+
+
+class TinyGPT(nn.Module):
+    """Written otherwise: nanoGPT's shape, `idx` and no mask argument at all, an eager softmax under a tril buffer."""
+
+    def __init__(self, vocab=50, dim=8, heads=2, size=16):
+        super().__init__()
+        self.heads, self.embed, self.qkv = heads, nn.Embedding(vocab, dim), nn.Linear(dim, 3 * dim)
+        self.register_buffer("bias", torch.ones(size, size).tril())
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-1, -2)).masked_fill(self.bias[:n, :n] == 0, float("-inf"))
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, d)
+
+
+def gpt_findings(idx: torch.Tensor) -> list:
+    torch.manual_seed(0)
+    with maskcli.trace() as t, torch.no_grad():
+        TinyGPT()(idx)
+    return [(f.code, severity(f), f.cell) for group in t.groups() for f in group.findings]
+
+
+def test_left_padded_ids_given_to_a_model_with_no_mask_at_all_are_flagged_at_the_first_real_query():
+    ids = left_padded()
+    found = [f for f in gpt_findings(ids) if f[0] == "left-pads-never-masked"]
+    # reference: a double loop over torch.tril's cells of each row's real queries, the keys its left padding holds
+    pads = [[j < len(ids[0]) - len(s) for j in range(len(ids[0]))] for s in SAMPLES]
+    tril = torch.ones(5, 5).tril()
+    expected = first((3, 5, 5), lambda b, q, k: tril[q, k] and not pads[b][q] and pads[b][k])
+    assert [(code, sev) for code, sev, _ in found] == [("left-pads-never-masked", "wrong")]
+    assert tuple(found[0][2]) == expected
+
+
+def test_no_alarm_for_right_padding_under_causality_or_an_unpadded_batch_with_no_mask():
+    width = max(map(len, SAMPLES))
+    right = torch.tensor([s + [PAD] * (width - len(s)) for s in SAMPLES])  # (real queries never see a later pad)
+    assert [f for f in gpt_findings(right) if f[1] == "wrong"] == []
+    unpadded = torch.randint(4, 50, (3, 6), generator=torch.Generator().manual_seed(1))
+    assert [f for f in gpt_findings(unpadded) if f[1] == "wrong"] == []

@@ -306,3 +306,30 @@ def test_idefics_processor_longest_padding_attention_mask_all_ones(tmp_path):
     rebuilds attention_mask as all ones, so real tokens attend the padding (written blind, batch blind-aa; caught
     before any rule was changed for it). The fix is quiet."""
     check_bug(tmp_path, "idefics_processor_longest_padding_attention_mask_all_ones", "padding-unmarked")
+
+
+def test_modelopt_ptq_preview_generate_without_attention_mask(tmp_path):
+    # NVIDIA/Model-Optimizer#1673: generate(preview_input_ids) with no mask and pad == eos (its generation_config's):
+    # generate infers all ones, the prompt's five leading pads attended
+    found = check_bug(tmp_path, "modelopt_ptq_preview_generate_without_attention_mask", "padding-unmarked")
+    assert tuple(found[0]["cell"]) == first((1, 8, 8), lambda b, q, k: q >= 5 and k < 5 and k <= q)
+    assert "the model's pad id (2)" in found[0]["message"]
+
+
+def test_a_pad_that_is_the_eos_leading_each_padded_row_twice_or_more_is_padding(tmp_path):
+    """Written otherwise: a bidirectional sentence encoder whose config's pad id is its EOS id, each text ending in
+    that EOS, rows left-padded by 0, 4 and 2 with it and an all-ones mask. The leading run is padding, the closing EOS
+    text. Its first cell against a double loop: a real query that sees a leading pad."""
+    found = check_bug(tmp_path, "pad_is_eos_left_padded_encoder_ones_mask", "padding-unmarked", folder=TOKENS)
+    pads = (0, 4, 2)
+    assert tuple(found[0]["cell"]) == first((3, 7, 7), lambda b, q, k: q >= pads[b] and k < pads[b])
+
+
+def test_a_pad_that_is_the_eos_is_read_only_as_a_leading_run_two_long():
+    from maskcli.checks.tokens import _leading_runs
+
+    ids = np.array([[1, 1, 5, 6, 1], [7, 8, 9, 4, 1], [1, 1, 1, 5, 1]])
+    lead = _leading_runs(ids == 1, None)
+    assert lead.sum(axis=1).tolist() == [2, 0, 3]  # (the closing EOS of each row is text)
+    assert _leading_runs(np.array([[1, 5, 6], [7, 8, 1]]) == 1, None) is None  # one leading EOS: a BOS, say
+    assert _leading_runs(ids == 1, "right") is None

@@ -53,10 +53,22 @@ def _encoder(config, call) -> bool:
     return held.get("is_decoder") is False or told.get("is_causal") is False or told.get("module_is_causal") is False
 
 
+def _unmasked(run: Run) -> list:
+    """The calls of each softmax site that masks nowhere (engine.py sets them apart) in step order, where an outermost
+    module named a causal LM made them: a prompt pass handed no mask at all (transformers#30317: SDPA's mask None,
+    meant for is_causal, handed to AWQ's fused attention, which adds a mask only where one is given)."""
+    sites: dict = {}
+    for call in run.unmasked:
+        top = run.top(call)
+        if call.api == "softmax" and call.stored is not None and top is not None and "causal_lm" in top.arguments:
+            sites.setdefault(call.where, []).append(call)
+    return list(sites.values())
+
+
 def both_ways(run: Run) -> list:
     """A ...ForCausalLM's prompt pass in which every real query sees every real key, decoded over afterwards."""
     found = []
-    for calls in run.sites().values():
+    for calls, grows in [*((calls, 0) for calls in run.sites().values()), *((calls, 1) for calls in _unmasked(run))]:
         first = calls[0]
         top = run.top(first)
         named = next((call.details["function_causal"] for call in calls[1:] if "function_causal" in call.details
@@ -68,7 +80,9 @@ def both_ways(run: Run) -> list:
                 or not _prompt(run, first, top, "causal_lm" not in top.arguments):
             continue
         k_len = first.shape[3]
-        if not any(call.shape[2] < call.shape[3] and call.shape[3] >= k_len for call in calls[1:]):
+        # (grows: a softmax site that masks nowhere must see its keys grow past the prompt's, as a cache's do; a
+        # router's last axis, its experts, never grows)
+        if not any(call.shape[2] < call.shape[3] and call.shape[3] >= k_len + grows for call in calls[1:]):
             continue  # no decode step over the prompt's cache (a sliding one keeps as many keys): one pass, or an
             # encoder run of the model
         if intent(run, first).bidirectional() is not None or _encoder(top.config, first):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, columns_are_positions, first_cell, keep, queries
+from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries
 from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -119,7 +119,57 @@ def held_window(run: Run) -> list:
     found = [(call, f) for i, (call, f) in enumerate(found) if f.code != "window-dropped"
              or ((call.step, call.shape[2:], tuple(call.details["window_handed"])) not in kept
                  and (branch[i][1] is None or branch[i] not in branches))]
-    return found + _counted(run)
+    return found + _counted(run) + _counted_wide(run)
+
+
+def _counted_wide(run: Run) -> list:
+    """A real query of a causal mask whose frame holds a plain int `sliding_window` = W > 0 (trace/windows.py's
+    window_counted) that sees real keys spanning more than W + 1 positions: W keys or W + 1 by its convention, never
+    more, so the window is dropped on this path (cascadia#151: Gemma 4's export gave its sliding layers the plain
+    causal mask). Only `sliding_window` (a `window_size` int is a Swin window, a local-attention block), only where no
+    query sees a later key (a symmetric window's W is one side of it), and not at a step where another call holding
+    the same W over as many queries (its keys sliced to the window, maybe), or another call of the same site over as
+    many queries and keys, keeps to it (the window chosen per layer
+    by a mask built beside the frame's variable)."""
+    found, kept, done = [], set(), {}
+    for call in run.calls:
+        said = call.details.get("window_counted")
+        if not said or len(said) != 4 or said[0] != "sliding_window" or int(said[1]) <= 0 or call.stored is None \
+                or call.details.get("window_handed") or call.details.get("slots") is not None or cross(call):
+            continue
+        window, where = int(said[1]), str(said[3])
+        key = (call.where, call.mask, call.shape, window)
+        if key in done:
+            if done[key]:  # (the same mask kept to the window: so does this call, at its step)
+                kept.update(((call.step, call.shape[2], window), (call.where, call.shape[2:], window)))
+            continue
+        done[key] = False
+        cells = keep(call)
+        if cells is None:
+            continue
+        top = run.top(call)
+        own = queries(call, top)
+        rows = by_row(cells, call.shape[0] if cells.shape[0] in (1, call.shape[0]) else None)
+        real = resolve(call, top, rows)
+        has, lo, hi, count, first, last, total = _spans(rows, real)
+        keys = _positions(call, own, top)
+        if (has & (keys[last] > own[None, :])).any():
+            continue  # (a query sees a later key: not a one-sided window's mask)
+        wide = has & (hi - lo + 1 > window + 1)
+        if not wide.any():
+            done[key] = True
+            kept.update(((call.step, call.shape[2], window), (call.where, call.shape[2:], window)))
+            continue
+        b, q = first_cell(wide)
+        a, z = int(keys[first[b, q]]), int(keys[last[b, q]])
+        found.append((call, Finding("window-dropped", (
+            f"{where}: a window of {window} holds {window} or {window + 1} keys by its convention, but query "
+            f"{int(own[q])} of batch row {b} sees keys {a} .. {z}, a span of {int(hi[b, q] - lo[b, q] + 1)} real "
+            f"keys ({int(wide.sum())} such rows; step {call.step}): the window is dropped on this path"),
+            expected=f"window({window})", source=where, cell=(b, int(own[q]), a))))
+    return [(call, f) for call, f in found if kept.isdisjoint((
+        (call.step, call.shape[2], int(call.details["window_counted"][1])),
+        (call.where, call.shape[2:], int(call.details["window_counted"][1]))))]
 
 
 def _counted(run: Run) -> list:

@@ -131,10 +131,55 @@ def left_padding_attended(run: Run) -> list:
     return found
 
 
+MASKS = ("attention_mask", "padding_mask", "key_padding_mask", "pad_mask", "input_mask", "mask", "src_key_padding_mask",
+         "lengths", "seq_lens", "seq_lengths", "input_lengths")  # (any padding the model call is given: not this rule's)
+
+
+def left_pads_never_masked(run: Run) -> list:
+    """A model call given left-padded token ids and no padding mask at all, whose real queries see the pad keys."""
+    found, done = [], set()
+    for call in run.calls:
+        top = run.top(call)
+        if top is None or call.stored is None or cross(call) or any(n in top.arguments for n in MASKS) \
+                or any(h["kind"] in ("keep", "left") for h in call.details.get("held_padding") or ()):
+            continue  # (a mask given or held, however wrong, is the other rules' to judge)
+        tokens = next((top.arguments[n] for n in ("input_ids", "idx", "tokens")
+                       if isinstance(top.arguments.get(n), np.ndarray)), None)
+        rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
+        if tokens is None or tokens.shape != (rows, k_len) or (id(top), call.mask, call.shape) in done:
+            continue
+        done.add((id(top), call.mask, call.shape))
+        reading = id_padding(tokens)
+        if reading is None or not reading[0][:, -1].all():
+            continue  # (left padding only: a run at the rows' ends is as often a run of mask tokens to fill)
+        cells = keep(call)
+        if cells is None or cells.shape[0] not in (1, rows):
+            continue
+        cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
+        real, pad = reading
+        own = queries(call, top)
+        bad = cells & real_queries(real, own)[:, :, None] & ~real[:, None, :]
+        if not bad.any():
+            continue
+        b, q, k = first_cell(bad)
+        finding = Finding("left-pads-never-masked", (
+            f"batch row {b}: query {int(own[q])} sees key {k}, which the batch's own token ids pad (each padded row of "
+            f"{top.where}'s input ids begins with a run of id {pad}, found nowhere else, in "
+            f"{int((~real).any(axis=1).sum())} of {rows} rows), and the model call was given no padding mask at all "
+            f"({int(bad.sum())} such cells; step {call.step}) — the batch's attention_mask dropped on the way to the "
+            f"model?"), expected=f"no real query sees a key the ids pad with id {pad}", source=f"the input ids of {top.where}",
+            cell=(b, int(own[q]), k))
+        found.append((call, finding))
+    return found
+
+
 RULES = (
     Rule("pad-ids-unmasked", "wrong", "call", "a query that sees a key the batch's own token ids pad (a run of one "
          "id at the rows' edge, found nowhere else) while the padding mask held beside them calls it real",
          pad_ids_unmasked),
     Rule("left-padding-attended", "wrong", "call", "a real query that sees a key slot the left padding the program "
          "holds (`left_padding`, a batch cache's `left_padding`) calls padding, at prefill or decode", left_padding_attended),
+    Rule("left-pads-never-masked", "wrong", "call", "a real query that sees a key the batch's own token ids left-pad (a "
+         "leading run of one id found nowhere else, runs of different lengths) where the model call was given no "
+         "padding mask at all", left_pads_never_masked),
 )

@@ -76,6 +76,17 @@ def _run_at_edge(pad: np.ndarray, side: str | None) -> bool:
     return {"left": left, "right": right}.get(side, left or right)
 
 
+def _leading_runs(at_pad: np.ndarray, side: str | None) -> np.ndarray | None:
+    """Where the pad id is also the EOS (or BOS) id: the run at the pad id each row begins with, where each padded
+    row's is two long at least (an EOS ends a text and a BOS begins one: two in a row at a row's start do neither; the
+    same id later in a row is text), else None. Model-Optimizer#1673: generate's preview, pad == eos, no mask."""
+    if side == "right":
+        return None
+    lead = np.cumprod(at_pad, axis=1).astype(bool)
+    count = lead.sum(axis=1)
+    return lead if count.any() and (count[count > 0] >= 2).all() else None
+
+
 def _start_token(run: Run, top, at_pad: np.ndarray, pad_id: int) -> bool:
     """Every row begins with one token at the pad id, a decoder's start token: the config says the start id is the pad
     id, or the module's own calls cross-attend to an encoder (an encoder-decoder's decoder, however its config is held)."""
@@ -122,9 +133,10 @@ def tokens(run: Run) -> list:
         at_pad = ids == pad_id
         others = {arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")} - {None}
         side = arguments.get("padding_side")
-        if pad_id not in others and at_pad.any() and not at_pad.all(axis=1).any() and _run_at_edge(at_pad, side) \
-                and (at_pad & (given == 1)).any() and not _start_token(run, top, at_pad, pad_id):
-            found += _unmarked(run, top, at_pad, given, pad_id, said, side)
+        padded = at_pad if pad_id not in others else _leading_runs(at_pad, side)
+        if padded is not None and padded.any() and not padded.all(axis=1).any() and _run_at_edge(padded, side) \
+                and (padded & (given == 1)).any() and not _start_token(run, top, padded, pad_id):
+            found += _unmarked(run, top, padded, given, pad_id, said, side)
         hidden = (given == 0) & ~at_pad
         if any(len(np.unique(ids[b][hidden[b]])) >= 2 for b in range(rows)):
             found += _masked(run, top, hidden, given, pad_id, said)

@@ -344,7 +344,7 @@ def _token_ids(module) -> dict:
     for name, fields in (("pad_id", ("pad_token_id", "pad_id", "pad_idx", "padding_idx")),
                          ("eos_id", ("eos_token_id", "eos_id")), ("media_token_id", ("media_token_id",)),
                          ("src_pad_id", SOURCE_PAD), ("trg_pad_id", TARGET_PAD)):
-        for owner in (config, module):
+        for owner in (config, module, read(module, "generation_config")):  # (generate's own pad id: transformers')
             value = next((read(owner, f) for f in fields if isinstance(read(owner, f), int)), None)  # (read: never the program's __getattr__)
             if value is not None and not isinstance(value, bool):
                 found[name] = int(value)
