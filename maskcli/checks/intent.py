@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 
 FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset",  # what a Stated says of its config,
-         "mem_len", "mem_scope", "model_causal", "neighbours", "neighbours_scope")  # not its fields (a model's memory length, its own causal flag: read by
+         "mem_len", "mem_scope", "model_causal", "neighbours", "neighbours_scope", "own")  # not its fields (a model's memory length, its own causal flag: read by
 # checks/memlen.py and reach.py alone, no layer kind)
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
@@ -358,10 +358,11 @@ def stated_for(top, where: str | None) -> list[Stated]:
     where = where or ""
     mine = [one for one in stated if one.scope is not None and (one.scope == "" or where == one.scope
                                                                   or where.startswith(one.scope + "."))]
-    numbers = [one for one in mine if "layer_number" in one.fields]  # (not a config: trace/stated.py's _numbers)
-    held = [one for one in stated if one.scope is not None and "layer_number" not in one.fields]
+    numbers = [one for one in mine if "layer_number" in one.fields or "own" in one.fields]  # (no configs: trace/stated.py's
+    # _numbers, and _kinds's module attributes, which speak beside the configs)
+    held = [one for one in stated if one.scope is not None and "layer_number" not in one.fields and "own" not in one.fields]
     if held:
-        return [one for one in mine if "layer_number" not in one.fields] + numbers
+        return [one for one in mine if one not in numbers] + numbers
     return [one for one in stated if one.scope is None] + numbers
 
 
