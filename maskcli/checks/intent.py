@@ -278,10 +278,13 @@ class Intent:
         return next((name for name in said if name not in GENERAL), next(iter(said)))
 
     def causal(self) -> str | None:
-        """The field that states the attention causal (is_causal=True, causal=True, force_causal_mask=True); None
+        """The field that states the attention causal (is_causal=True, causal=True, force_causal_mask=True,
+        use_bidirectional_attention=False); None
         where none does, or one of them says False (they disagree)."""
         said = {name: self.values[name] for name in ("is_causal", "causal", "force_causal_mask")
                 if isinstance(self.values.get(name), bool)}
+        if isinstance(self.values.get("use_bidirectional_attention"), bool):  # (False: the causal model's own word)
+            said["use_bidirectional_attention"] = not self.values["use_bidirectional_attention"]
         if not said or not all(said.values()) or self.bidirectional() is not None:
             return None
         return next((name for name in said if name not in GENERAL), next(iter(said)))
