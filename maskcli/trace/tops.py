@@ -116,7 +116,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     if convs:
         found["convs"] = convs
     found.update(held or {})
-    if "pad_id" not in found and any(name in found for name in ("input_ids", "idx", "tokens")):
+    if "pad_id" not in found and any(name in found for name in ("input_ids", "idx", "tokens", "first_ids")):
         from maskcli.trace.tokenizer import tokenizer
 
         found.update(tokenizer(module))  # (the tokenizer the program's frames hold: its pad id and side)
