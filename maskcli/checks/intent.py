@@ -27,7 +27,8 @@ FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_patter
           "use_sliding_window", "max_window_layers", "no_rope_layers",
           "sliding_window_size", "attn_type", "attention_type",  # (SGLang's and vLLM's attention layer objects)
           "force_causal_mask",  # (an export wrapper's word that the traced model is causal: torch-to-nnef)
-          "waitk", "wait_k")  # (a simultaneous translation model's wait-k policy: checks/across.py)
+          "waitk", "wait_k",  # (a simultaneous translation model's wait-k policy: checks/across.py)
+          "sliding_windows")  # (a streaming encoder's (left, right) window per layer: checks/sidewindows.py)
 ENCODER_TYPES = ("ENCODER_ONLY", "ENCODER")  # an attn_type that attends both ways (SGLang / vLLM AttentionType)
 IMAGE_IDS = ("image_token_id", "image_token_index")  # kept beside the FIELDS a config states, never alone
 PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers")

@@ -44,7 +44,7 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "stages", "packing", "held", "padids", "heldcells", "frames", "subsampled", "patches", "nans", "segments", "withheld", "swin", "across",
            "crosspad", "crossq", "batchaxis", "decoders", "headrows", "evicted", "media", "shard", "serve", "servemasks",
            "servesteps", "serveexpect", "ranks", "fullblocks", "zerokv", "memlen", "graphs", "reach", "neighbours", "reqlens", "turned", "gathered", "chunkrows", "discarded",
-           "items", "imageruns", "expanded", "queryaxis", "padded", "directions", "rowless", "crosskeys", "memorypads", "globaltokens")
+           "items", "imageruns", "expanded", "queryaxis", "padded", "directions", "rowless", "crosskeys", "memorypads", "globaltokens", "sidewindows")
 
 
 @dataclass(frozen=True)
