@@ -30,6 +30,10 @@ BUGS = [
 BLIND = [  # the third blind batch, caught by rules not written for them
     # sgl-project/sglang#10172: an ENCODER_ONLY RadixAttention layer run causal by the FA3 backend (attn_type stated)
     ("sglang_fa3_backend_encoder_only_layers_run_causal", "bidirectional-run-causal"),
+    # sgl-project/sglang#35434 (written blind): the CPU extend kernel's stage 2 always causal, the layer an nn.Module
+    # RadixAttention built with attn_type=AttentionType.ENCODER_ONLY (its own attribute, no config); its fix's per-request
+    # softmaxes over a ragged batch are no padded batch (checks/ragged.py: no padding-unused)
+    ("sglang_cpu_extend_attention_encoder_only_causal", "bidirectional-run-causal"),
     # huggingface/transformers#40324: Llama 4 chunks counted from column 0 of a left-padded row (its decode step,
     # fixed, is quiet since boundaries.py carries the prefill's padding behind the cache)
     ("transformers_llama4_chunked_mask_ignores_left_padding", "chunks-misaligned"),
@@ -111,6 +115,8 @@ PROGRAMS = [
     # is_causal=False on a dataclass, right-padded; bidirectional=True in a top-level dict handed to a builder
     ("encoder_is_causal_false", (), "bidirectional-run-causal", "is_causal=False (self.config of Embedder (EmbedderConfig))"),
     ("encoder_bidirectional_dict", (), "bidirectional-run-causal", "bidirectional=True (config (dict) at the top of"),
+    # an attention module's own attn_type (a str constant, vLLM's AttentionType) says ENCODER_ONLY; the backend runs causal
+    ("encoder_only_attention_type_str", (), "bidirectional-run-causal", "attn_type='ENCODER_ONLY' (self.attn_type=encoder_only of layers.0.attn)"),
     # a one-sided window where use_bidirectional_attention (hparams) or causal=False (argparse) says both ways
     ("symmetric_window_hparams", (), "window-one-sided", "sliding_window=3 (self.hparams of LocalEncoder (HParams))"),
     ("symmetric_window_namespace", (), "window-one-sided", "window_size=2 (args (Namespace) at the top of"),
@@ -437,3 +443,29 @@ def test_a_window_wider_than_int64_reads_as_causal():
     placed = Placed(causal, np.arange(length), real_k, real_k)
     assert placed.holds(f"window({2 ** 200})") and placed.holds(f"window({2 ** 63 - 1})")
     assert not placed.holds("window(3)")
+
+
+def test_an_attention_modules_own_attn_type_is_read_beside_the_configs():
+    """trace/stated.py's _kinds: a module's own attn_type / attention_type among SGLang's and vLLM's words (an Enum's
+    name or a str) states its kind for the calls under it, and hides no config variable of the program (a GPT-Neo
+    layer's attention_type="local" is no such word)."""
+    from enum import Enum
+
+    import torch
+
+    from maskcli.checks.intent import Intent, Stated, stated_for
+    from maskcli.trace.stated import _kinds
+
+    class AttentionType(Enum):
+        ENCODER_ONLY = "encoder_only"
+
+    model = torch.nn.Module()
+    model.enc, model.dec, model.neo = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+    model.enc.attn_type, model.dec.attention_type, model.neo.attention_type = AttentionType.ENCODER_ONLY, "decoder", "local"
+    found = _kinds(model, lambda module: next(name for name, m in model.named_modules() if m is module))
+    assert [(one.scope, one.fields) for one in found] == [("enc", {"attn_type": "ENCODER_ONLY", "own": True}),
+                                                          ("dec", {"attention_type": "DECODER", "own": True})]
+    top = type("Top", (), {"stated": (*found, Stated("cfg (dict) at the top of p.py", None, {"sliding_window": 3}))})
+    assert Intent(stated_for(top, "enc")).bidirectional() == "attn_type"
+    assert Intent(stated_for(top, "enc")).get("sliding_window") == 3  # (the program's config still speaks)
+    assert Intent(stated_for(top, "dec")).bidirectional() is None

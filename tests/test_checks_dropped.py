@@ -209,3 +209,19 @@ def test_a_batch_mask_unsqueezed_over_as_many_heads_as_rows_is_quiet(tmp_path):
     status, found, report = traced(tmp_path, "batch_mask_unsqueezed_heads_equal_batch", False, QUIET)
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert status == 0, report
+def test_tei_qwen3_equal_length_batch_without_its_causal_bias_is_found(tmp_path):
+    """huggingface/text-embeddings-inference a361df6 (written blind): the causal bias added only to a padded batch's
+    bias, so an equal-length batch attends both ways; the model's own `use_bidirectional_attention=False` says causal,
+    and the same layers run causal for a lone text (calls of the very site: wrong, not suspicious)."""
+    found = check_bug(tmp_path, "tei_candle_qwen3_equal_length_batch_no_causal", "causal-config-ignored")
+    assert tuple(found[0]["cell"]) == first((2, 7, 7), lambda b, q, k: k > q)
+    assert "use_bidirectional_attention=False (self.use_bidirectional_attention=False of Qwen3Model)" in found[0]["message"]
+
+
+def test_a_causal_word_lost_on_a_padded_batch_at_the_same_layers_is_found(tmp_path):
+    """Written another way: `use_bidirectional_attention=False` in a dataclass held as `self.config`, SDPA with
+    is_causal=True for a lone text and the padding mask alone for a right-padded batch (lengths 5, 3)."""
+    found = check_bug(tmp_path, "causal_lost_on_padded_batch", "causal-config-ignored", folder=DROPPED)
+    lengths = (5, 3)
+    assert tuple(found[0]["cell"]) == first((2, 5, 5), lambda b, q, k: q < lengths[b] and k < lengths[b] and k > q)
+    assert "use_bidirectional_attention=False (self.config of Embedder (EmbedConfig))" in found[0]["message"]

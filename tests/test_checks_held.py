@@ -594,3 +594,14 @@ def test_a_padding_query_over_a_static_cache_placed_at_its_cache_position_is_not
     status, found, report = traced(tmp_path, "static_cache_left_padded_unmasked_pad_rows", False, QUIET)
     assert [f for f in found if f["code"] == "padding-unused"] == [], report
     assert status == 0, report
+def test_a_ragged_batch_attended_one_request_at_a_time_is_not_padding(tmp_path):
+    """Requests of 9, 5 and 7 tokens packed with no padding, one softmax per request (its 3 heads on the batch axis,
+    as many as the requests), longest first, `lengths` handed to the model call: each call has exactly its request's
+    keys, so neither padding-unused (the lengths held) nor padding-ignored (the lengths handed on) is said, where each
+    was before (sgl-project/sglang#35434's fix: the CPU extend kernel's stage 2 over one request)."""
+    status, found, report = traced(tmp_path, "ragged_requests_one_at_a_time", False, QUIET)
+    assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+    assert status == 0, report
+    status, found, report = traced(tmp_path, "sglang_cpu_extend_attention_encoder_only_causal", True,
+                                   Path(__file__).parent / "data" / "bugs")
+    assert [f for f in found if f["code"] == "padding-unused"] == [], report

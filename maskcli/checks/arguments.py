@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, beside_memory, columns_are_positions, cross, first_cell, keep, queries, real_queries
+from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.real import kept_turned, stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -138,6 +139,8 @@ def padding(run: Run) -> list:
             said = (readings[0], source, sure)
         real, source, sure = said
         length = real.shape[1]
+        if one_at_a_time(run, call, real.sum(axis=1), lambda one: run.top(one) is top, key=id(top)):
+            continue  # (the model call's lengths of a ragged batch its site attends one sequence at a time: no padding)
         key = (call.mask, call.shape, real.tobytes(), tuple(queries(call, top)))
         if key in done:
             continue

@@ -13,7 +13,8 @@
   sees the keys after it (torch-to-nnef#217: the forced causal mask sized from the KV cache's batch axis, a
   [1, 1, 1, 1] zero mask that broadcasts to "attend everything"). Said *wrong* where every call the statement
   speaks for is so; *suspicious* where others of them are causal (the flag may be said of one part, a decoder
-  beside its vision tower). Left alone: a config that states the attention both ways too, an encoder-decoder's
+  beside its vision tower), unless those are calls of the same site (the very layer, causal in another model call:
+  TEI's Qwen3 left an equal-length batch unmasked, its single texts causal). Left alone: a config that states the attention both ways too, an encoder-decoder's
   (`is_decoder`), transformers' own configs (their `is_causal` is a class's default for one part), later keys the
   model call's token types account for, one query (a decode step sees every cached key rightly).
 """
@@ -30,7 +31,7 @@ from maskcli.text import Finding
 def causal_ignored(run: Run) -> list:
     """A call whose config states it causal but that masks nothing on its real queries and keys (several queries)."""
     judged = None
-    full, causal = [], set()
+    full, causal = [], {}
     for call, stated, index, kind, placed in _each_layer_call(run):
         said = stated.causal()
         if said is None or stated.decoder or stated.transformers or call.shape[2] < 2 \
@@ -38,7 +39,7 @@ def causal_ignored(run: Run) -> list:
             continue
         source = stated.said(said)
         if placed.holds("causal"):
-            causal.add(source)
+            causal.setdefault(source, set()).add(call.where)
             continue
         if not placed.holds("full"):
             continue  # (a window, documents, spans: the rules that can name them)
@@ -51,7 +52,8 @@ def causal_ignored(run: Run) -> list:
     found = []
     for call, index, said, source, placed, later in full:
         b, _, q, k = first_cell(later)
-        sure = source not in causal and stated_sure(said, run, call)
+        # (causal calls of this very site: the word speaks for this layer, which runs causal in another model call)
+        sure = (source not in causal or call.where in causal[source]) and stated_sure(said, run, call)
         found.append((call, Finding("causal-config-ignored", (
             f"{_layer(index, call)} lets each of its {call.shape[2]} queries see the later keys, but the program states its "
             f"attention causal ({source}): query {int(placed.own[q])} sees later key {k} "
@@ -93,5 +95,5 @@ RULES = (
          "attention_mask, mask, attn_bias) whose masked cells the kernel sees: dropped on its way (a flash path)",
          mask_dropped),
     Rule("causal-config-ignored", "wrong", "steps", "a call whose config states the attention causal (is_causal, "
-         "causal, force_causal_mask) but that masks nothing: every query sees the later keys", causal_ignored),
+         "causal, force_causal_mask, use_bidirectional_attention=False) but that masks nothing: every query sees the later keys", causal_ignored),
 )

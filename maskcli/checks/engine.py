@@ -29,6 +29,8 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "padding-not-per-row": {"padding-unused"},  # the same padding, said where the mask was handed it (held.py)
     "pad-ids-unmasked": {"padding-unmarked"},  # the same pads, said with the pad id the program states (tokens.py)
     "polarity": {"memory-padding-inverted"},  # the memory's padding turned round, said with its encoder's (memturned.py)
+    "memory-padding-only-attended": {"padding-only-attended", "lengths-inverted"},  # the same keys, said by the mask or
+    # lengths the frames hold (held.py, turned.py)
     "zero-keys-seen": {"unwritten-slot", "padding-ignored", "padding-unused", "padding-lost"},  # zero K/V, said by their cause
 }
 

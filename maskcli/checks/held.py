@@ -30,6 +30,7 @@ import numpy as np
 from maskcli.checks.arguments import document_starts, padded_positions
 from maskcli.checks.context import (Run, beside_memory, columns_are_positions, cross, crossing, first_cell, keep, queries,
                                     real_queries)
+from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -147,6 +148,15 @@ def _tracks_keys(run: Run, call, held: dict) -> bool:
     return any(h["name"] == held["name"] and _length(h) == first.shape[3] for h in first.details.get("held_padding") or ())
 
 
+def _per_sequence(run: Run, call, held: dict) -> bool:
+    """Held lengths the call's site runs over one sequence at a time (checks/ragged.py): its calls holding lengths of
+    that name and values have each length's keys (SGLang's CPU extend kernel, one softmax per request)."""
+    found = held["rows"]
+    return held["kind"] == "lengths" and one_at_a_time(run, call, found, lambda one: any(
+        h["kind"] == "lengths" and h["name"] == held["name"] and np.array_equal(h["rows"], found)
+        for h in one.details.get("held_padding") or ()), key=(held["name"], found.tobytes()))
+
+
 def _length(held: dict) -> int | None:
     """How many keys a held padding covers: its mask's width, or its longest length."""
     found = held["rows"]
@@ -215,7 +225,8 @@ def held_padding(run: Run) -> list:
         for held in helds:
             if id(held) in wider:
                 continue  # (a pair mask that calls real what its batch's padding does not is no padding kept to)
-            tables = readings(held, rows, k_len, ids) if _tracks_keys(run, call, held) else []
+            tables = readings(held, rows, k_len, ids) if _tracks_keys(run, call, held) \
+                and not _per_sequence(run, call, held) else []
             if not tables:
                 continue
             for real, row_real in zip(tables, pair_rows(held, rows, k_len, ids)):

@@ -20,14 +20,15 @@ import dataclasses
 from dataclasses import dataclass
 
 FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset",  # what a Stated says of its config,
-         "mem_len", "mem_scope", "model_causal", "neighbours", "neighbours_scope", "chunk_context")  # not its fields (a model's memory length, its own causal flag: read by
+         "mem_len", "mem_scope", "model_causal", "neighbours", "neighbours_scope", "chunk_context", "own")  # not its fields (a model's memory length, its own causal flag: read by
 # checks/memlen.py and reach.py alone, no layer kind)
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
           "use_sliding_window", "max_window_layers", "no_rope_layers",
           "sliding_window_size", "attn_type", "attention_type",  # (SGLang's and vLLM's attention layer objects)
           "force_causal_mask",  # (an export wrapper's word that the traced model is causal: torch-to-nnef)
-          "waitk", "wait_k")  # (a simultaneous translation model's wait-k policy: checks/across.py)
+          "waitk", "wait_k",  # (a simultaneous translation model's wait-k policy: checks/across.py)
+          "sliding_windows")  # (a streaming encoder's (left, right) window per layer: checks/sidewindows.py)
 ENCODER_TYPES = ("ENCODER_ONLY", "ENCODER")  # an attn_type that attends both ways (SGLang / vLLM AttentionType)
 IMAGE_IDS = ("image_token_id", "image_token_index")  # kept beside the FIELDS a config states, never alone
 PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers")
@@ -285,10 +286,13 @@ class Intent:
         return next((name for name in said if name not in GENERAL), next(iter(said)))
 
     def causal(self) -> str | None:
-        """The field that states the attention causal (is_causal=True, causal=True, force_causal_mask=True); None
+        """The field that states the attention causal (is_causal=True, causal=True, force_causal_mask=True,
+        use_bidirectional_attention=False); None
         where none does, or one of them says False (they disagree)."""
         said = {name: self.values[name] for name in ("is_causal", "causal", "force_causal_mask")
                 if isinstance(self.values.get(name), bool)}
+        if isinstance(self.values.get("use_bidirectional_attention"), bool):  # (False: the causal model's own word)
+            said["use_bidirectional_attention"] = not self.values["use_bidirectional_attention"]
         if not said or not all(said.values()) or self.bidirectional() is not None:
             return None
         return next((name for name in said if name not in GENERAL), next(iter(said)))
@@ -367,10 +371,11 @@ def stated_for(top, where: str | None) -> list[Stated]:
     where = where or ""
     mine = [one for one in stated if one.scope is not None and (one.scope == "" or where == one.scope
                                                                   or where.startswith(one.scope + "."))]
-    numbers = [one for one in mine if "layer_number" in one.fields]  # (not a config: trace/stated.py's _numbers)
-    held = [one for one in stated if one.scope is not None and "layer_number" not in one.fields]
+    numbers = [one for one in mine if "layer_number" in one.fields or "own" in one.fields]  # (no configs: trace/stated.py's
+    # _numbers, and _kinds's module attributes, which speak beside the configs)
+    held = [one for one in stated if one.scope is not None and "layer_number" not in one.fields and "own" not in one.fields]
     if held:
-        return [one for one in mine if "layer_number" not in one.fields] + numbers
+        return [one for one in mine if one not in numbers] + numbers
     return [one for one in stated if one.scope is None] + numbers
 
 

@@ -38,6 +38,7 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
     elif not any(_windowed(one.fields) for one in found):
         found += _built_from(module, places, found)
     found += _numbers(module, path)
+    found += _kinds(module, path)
     found += _full_blocks(module, path)
     found += _memory_lengths(module, path)
     found += _model_causal(module)
@@ -129,6 +130,33 @@ def _numbers(root, path) -> list[Stated]:
                 label = f"{owner}.{name}={attributes[name]} of {scope or type(module).__name__}"
                 found.append(Stated(label, scope, {"layer_number": attributes[name]}))
                 break
+    return found
+
+
+KINDS = ("attn_type", "attention_type")  # SGLang's / vLLM's attention layer's own AttentionType
+BOTH_WAYS = "use_bidirectional_attention"  # a module's own copy of the config's field, as a bool
+KIND_NAMES = ("ENCODER_ONLY", "ENCODER", "DECODER", "ENCODER_DECODER")  # (their words: GPT-Neo's "local" is no kind)
+
+
+def _kinds(root, path) -> list[Stated]:
+    """A module's own `attn_type` / `attention_type` among KIND_NAMES, an Enum's name or a str (SGLang's RadixAttention
+    is an nn.Module built with `attn_type=AttentionType.ENCODER_ONLY`; vLLM's AttentionType holds str constants), and
+    its own bool `use_bidirectional_attention`, for the calls at or under it; `own` marks it a module's attribute, not a config, so it hides no config variable of the
+    program's (checks/intent.py's stated_for)."""
+    found = []
+    for module in root.modules():
+        scope, own = path(module), vars(module)
+        for name in KINDS:
+            value = own.get(name)
+            kind = getattr(value, "name", value)
+            if scope is not None and isinstance(kind, str) and kind.upper() in KIND_NAMES:
+                found.append(Stated(f"self.{name}={kind} of {scope or type(module).__name__}", scope,
+                                    {name: kind.upper(), "own": True}))
+                break
+        value = own.get(BOTH_WAYS)  # (TEI's Qwen3Model copies the config's word, None read as False, onto itself)
+        if scope is not None and isinstance(value, bool):
+            found.append(Stated(f"self.{BOTH_WAYS}={value} of {scope or type(module).__name__}", scope,
+                                {BOTH_WAYS: value, "own": True}))
     return found
 
 

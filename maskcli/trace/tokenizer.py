@@ -68,6 +68,8 @@ def _search(frame=None) -> dict:
                     side = read(value, "padding_side")  # or print)
                     eos = _int(read(value, "eos_token_id"))
                     bos = _int(read(value, "bos_token_id"))
+                    if pad is None and eos is None and _tokenizer(name, value):  # (sentencepiece wrappers' names: NeMo's
+                        pad, eos, bos = (_int(read(value, n)) for n in ("pad_id", "eos_id", "bos_id"))  # pad_id, eos_id)
                 except Exception:  # noqa: BLE001 - a property of the program's that raises: not a tokenizer read here
                     continue
                 where = "at the top of" if frame.f_code.co_name == "<module>" else f"in {frame.f_code.co_name}() of"
@@ -112,10 +114,10 @@ HOLDERS = ("tokenizer", "processing_class", "processor")  # where a collator, tr
 
 def _held(variables: dict) -> list:
     """(name, object) of a frame's locals, and the tokenizer each holds under one of HOLDERS (a collator's
-    `self.tokenizer`, held by the function that calls the model through its batch: flame's collator)."""
+    `self.tokenizer`, held by the function that calls the model through its batch: flame's collator; a module's)."""
     found = list(variables.items())
-    for name, value in list(found):
-        if isinstance(value, (torch.nn.Module, torch.Tensor, type, int, float, str, dict, list, tuple)) or value is None:
+    for name, value in list(found):  # (a module too: a NeMo model keeps its tokenizer as `self.tokenizer`)
+        if isinstance(value, (torch.Tensor, type, int, float, str, dict, list, tuple)) or value is None:
             continue
         for holder in HOLDERS:
             try:

@@ -33,6 +33,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "lang_x",  # (OpenFlamingo's and Otter's text ids beside their media: checks/media.py)
              "image_mask", "image_token_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
              "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k",
+             "global_attention_mask",  # (Longformer's and LED's global tokens: checks/globaltokens.py)
              # the encoder's padding a cross-attention must keep (checks/memory.py) and the decoder's own:
              "encoder_attention_mask", "memory_key_padding_mask", "decoder_attention_mask", "tgt_key_padding_mask",
              # a hand-written seq2seq model's two sides, each with its own pad id (checks/sides.py):
@@ -118,7 +119,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     if convs:
         found["convs"] = convs
     found.update(held or {})
-    if "pad_id" not in found and any(name in found for name in ("input_ids", "idx", "tokens")):
+    if "pad_id" not in found and any(name in found for name in ("input_ids", "idx", "tokens", "first_ids")):
         from maskcli.trace.tokenizer import tokenizer
 
         found.update(tokenizer(module))  # (the tokenizer the program's frames hold: its pad id and side)
