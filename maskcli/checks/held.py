@@ -1,26 +1,25 @@
 """The padding the program holds at an attention call, against the mask the kernel applied.
 
 A function of the program on the stack when attention runs holds this batch's padding (trace/held.py): a mask named as
-one (`attention_mask`, `mask`, `input_mask`: 1 = a real token; `*padding_mask`, `*pad_mask`, `*is_pad`: True =
-padding) or the batch's lengths (`lengths`, `*_lens`; SpeechBrain's relative `wav_lens`, each row's share of the
-padded length, read right-padded, a key within one of the share's end given the benefit of the doubt). Where the kernel's mask lets a real query see a key that padding
-calls padding, the mask was built and never handed on (uniem#23: the pad mask used for pooling only; SpeechBrain#1107:
-the decoder's memory lengths never reach its cross-attention; OpenTau#254: the padded history frames never reach the
-temporal attention).
+one (`attention_mask`, `mask`, `input_mask`: 1 = a real token; `*padding_mask`, `*pad_mask`, `*is_pad`: True = padding)
+or the batch's lengths (`lengths`, `*_lens`; SpeechBrain's relative `wav_lens`, each row's share of the padded length,
+read right-padded, a key within one of the share's end given the benefit of the doubt). Where the kernel's mask lets a
+real query see a key that padding calls padding, the mask was built and never handed on (uniem#23: the pad mask used for
+pooling only; SpeechBrain#1107: the decoder's memory lengths never reach its cross-attention; OpenTau#254: the padded
+history frames never reach the temporal attention).
 
-What is read as padding, so that a mask meant otherwise (a loss mask, a masked-LM's choice) is not: each row one run
-of real tokens at one edge, every row with a real token, and one row with no padding at all (the longest sample); a
-plain `mask` only right-padded (the loss mask of a prompt is zeros at the start). Its keys are exactly the call's keys.
-Where it cannot say which way the program's padding lies along the keys (lengths: right- or left-padded) or along a
-batch folded with other rows (`b * n` rows: repeat_interleave or repeat), it speaks only where every reading is seen
-through: a program whose mask keeps to its padding one way is quiet. Several held paddings: quiet where any is kept to.
+What is read as padding, so that a mask meant otherwise (a loss mask, a masked-LM's choice) is not: each row one run of
+real tokens at one edge, every row with a real token, and one row with no padding at all (the longest sample); a plain
+`mask` only right-padded (the loss mask of a prompt is zeros at the start). Its keys are exactly the call's keys. Where
+it cannot say which way the program's padding lies along the keys (lengths: right- or left-padded) or along a batch
+folded with other rows (`b * n` rows: repeat_interleave or repeat), it speaks only where every reading is seen through:
+a program whose mask keeps to its padding one way is quiet. Several held paddings: quiet where any is kept to.
 
 Where every query of each padded row sees exactly the keys such a mask calls padding and no real one, the mask was
 turned round on its way (padding-only-attended: torch_brain#74's bias filled where the keep-mask is True); no row need
 be whole there, as the exact complement is the statement.
 
-One more thing a frame may hold: 2-D positions that restart at 0 (held-documents-leak: a packing loop's,
-torchtitan#3130's). A mask over the call's cells it holds is checks/heldcells.py's.
+Also held: 2-D positions restarting at 0 (held-documents-leak, torchtitan#3130's packing loop); cells: heldcells.py.
 """
 
 from __future__ import annotations
