@@ -437,3 +437,41 @@ def test_a_window_wider_than_int64_reads_as_causal():
     placed = Placed(causal, np.arange(length), real_k, real_k)
     assert placed.holds(f"window({2 ** 200})") and placed.holds(f"window({2 ** 63 - 1})")
     assert not placed.holds("window(3)")
+
+
+def test_a_layers_own_attn_type_says_its_kind_over_a_window_every_layer_carries():
+    """AI Edge Torch's Gemma 2 (ai-edge-torch ef37e09): every layer's AttentionConfig carries sliding_window_size and
+    its attn_type (GLOBAL / LOCAL_SLIDING) says which layers use it; a GLOBAL layer's causal mask is no missing window."""
+    import enum
+    from types import SimpleNamespace
+
+    class AttentionType(enum.Enum):
+        GLOBAL = enum.auto()
+        LOCAL_SLIDING = enum.auto()
+
+    class Attention(torch.nn.Module):
+        def __init__(self, config, window):
+            super().__init__()
+            self.config, self.inner = config, _Layer(window)
+
+        def forward(self, x):
+            return self.inner(x)
+
+    def model(types, windows, held=lambda kind: SimpleNamespace(sliding_window_size=2, attn_type=kind)):
+        return torch.nn.Sequential(*(Attention(held(kind), w) for kind, w in zip(types, windows)))
+
+    sliding, full = AttentionType.LOCAL_SLIDING, AttentionType.GLOBAL
+    # the fix's pattern (even layers sliding, odd ones global) and the reverse, each applied as stated: quiet
+    # (sliding_window_size=2 counts the keys before the query: window(3), or window(2) as LitGPT counts it)
+    assert _codes(model([sliding, full, sliding, full], [3, None, 3, None])) == []
+    assert _codes(model([full, sliding], [None, 2])) == []
+    # a layer stated sliding given the plain causal mask, and a global one given the window: wrong
+    assert _codes(model([sliding, full], [None, None])) == [("window-missing", "wrong")]
+    assert _codes(model([sliding, full], [3, 3])) == [("window-on-full-layer", "wrong")]
+    # another holder and spelling: a dict config with attention_type as a string
+    as_dict = lambda kind: {"num_heads": 1, "sliding_window": 3, "attention_type": kind}  # noqa: E731
+    assert _codes(model(["full", "sliding"], [None, 3], as_dict)) == []
+    assert _codes(model(["full", "sliding"], [None, None], as_dict)) == [("window-missing", "wrong")]
+    # a type that names no kind (vLLM's DECODER) leaves the window to every layer, as before
+    decoder = lambda kind: {"sliding_window": 3, "attn_type": kind}  # noqa: E731
+    assert _codes(model(["DECODER", "DECODER"], [None, None], decoder)) == [("window-missing", "wrong")]
