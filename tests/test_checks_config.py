@@ -469,3 +469,39 @@ def test_an_attention_modules_own_attn_type_is_read_beside_the_configs():
     assert Intent(stated_for(top, "enc")).bidirectional() == "attn_type"
     assert Intent(stated_for(top, "enc")).get("sliding_window") == 3  # (the program's config still speaks)
     assert Intent(stated_for(top, "dec")).bidirectional() is None
+def test_a_layers_own_attn_type_says_its_kind_over_a_window_every_layer_carries():
+    """AI Edge Torch's Gemma 2 (ai-edge-torch ef37e09): every layer's AttentionConfig carries sliding_window_size and
+    its attn_type (GLOBAL / LOCAL_SLIDING) says which layers use it; a GLOBAL layer's causal mask is no missing window."""
+    import enum
+    from types import SimpleNamespace
+
+    class AttentionType(enum.Enum):
+        GLOBAL = enum.auto()
+        LOCAL_SLIDING = enum.auto()
+
+    class Attention(torch.nn.Module):
+        def __init__(self, config, window):
+            super().__init__()
+            self.config, self.inner = config, _Layer(window)
+
+        def forward(self, x):
+            return self.inner(x)
+
+    def model(types, windows, held=lambda kind: SimpleNamespace(sliding_window_size=2, attn_type=kind)):
+        return torch.nn.Sequential(*(Attention(held(kind), w) for kind, w in zip(types, windows)))
+
+    sliding, full = AttentionType.LOCAL_SLIDING, AttentionType.GLOBAL
+    # the fix's pattern (even layers sliding, odd ones global) and the reverse, each applied as stated: quiet
+    # (sliding_window_size=2 counts the keys before the query: window(3), or window(2) as LitGPT counts it)
+    assert _codes(model([sliding, full, sliding, full], [3, None, 3, None])) == []
+    assert _codes(model([full, sliding], [None, 2])) == []
+    # a layer stated sliding given the plain causal mask, and a global one given the window: wrong
+    assert _codes(model([sliding, full], [None, None])) == [("window-missing", "wrong")]
+    assert _codes(model([sliding, full], [3, 3])) == [("window-on-full-layer", "wrong")]
+    # another holder and spelling: a dict config with attention_type as a string
+    as_dict = lambda kind: {"num_heads": 1, "sliding_window": 3, "attention_type": kind}  # noqa: E731
+    assert _codes(model(["full", "sliding"], [None, 3], as_dict)) == []
+    assert _codes(model(["full", "sliding"], [None, None], as_dict)) == [("window-missing", "wrong")]
+    # a type that names no kind (vLLM's DECODER) leaves the window to every layer, as before
+    decoder = lambda kind: {"sliding_window": 3, "attn_type": kind}  # noqa: E731
+    assert _codes(model(["DECODER", "DECODER"], [None, None], decoder)) == [("window-missing", "wrong")]

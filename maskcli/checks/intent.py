@@ -313,6 +313,9 @@ class Intent:
             return (str(types[index]), f"layer_types[{index}]", False) if index < len(types) else None
         if self.other_layers:
             return None
+        named = self._named_kind()
+        if named is not None:
+            return named
         window = self.window()
         sliding = window is not None and self.values.get("use_sliding_window", True) is not False
         pattern = self.values.get("sliding_window_pattern")
@@ -348,6 +351,17 @@ class Intent:
         if self.values.get("use_sliding_window") is False:
             return "full_attention", "use_sliding_window=False", False
         return "full_attention", "no sliding_window, layer_types or attention_chunk_size", False
+
+    def _named_kind(self) -> tuple[str, str, bool] | None:
+        """The kind a layer's own attn_type names (AI Edge Torch's GLOBAL / LOCAL_SLIDING) over a window every layer's
+        config carries; None with no window (BigBird's ORIGINAL_FULL) or no kind named (vLLM's DECODER)."""
+        for name in ("attn_type", "attention_type"):
+            value = self.values.get(name)
+            words = set(value.replace("-", "_").split("_")) if isinstance(value, str) and self.window() else set()
+            if words & {"GLOBAL", "FULL", "SLIDING", "LOCAL"}:
+                full = bool(words & {"GLOBAL", "FULL"})
+                return ("full_attention" if full else "sliding_attention"), f"{name}={value}", False
+        return None
 
     def says_full(self) -> bool:
         """Full layers stated outright (use_sliding_window=False, layer_types that name other kinds too), so that a
