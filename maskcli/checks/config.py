@@ -20,7 +20,7 @@ import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, found_padding, keep, layer, queries
 from maskcli.checks.intent import OTHER_LAYERS, Intent, Stated, fields_of, intent
-from maskcli.checks.real import behind_cache, slack_dropped
+from maskcli.checks.real import behind_cache, slack_dropped, trimmed
 from maskcli.checks.registry import Rule
 from maskcli.keypadding import valid
 from maskcli.text import Finding
@@ -126,7 +126,8 @@ def real(cells: np.ndarray, own: np.ndarray, given, batch: int | None = None,
 def _placed(call, run: Run, cells) -> Placed | None:
     """How the call's queries sit among its keys and which are real; None where not known (ring slots, cross-attention)."""
     top = run.top(call)
-    if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top):
+    if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top) \
+            or trimmed(run, call) is not None:
         return None
     own, given = queries(call, top), None if top is None else top.arguments.get("attention_mask")
     cells, own = slack_dropped(cells, own, given)
