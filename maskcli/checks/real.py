@@ -258,7 +258,8 @@ def trimmed(run, call) -> np.ndarray | None:
     position j; None where the keys are every position so far, or where the call or the model call states the
     positions (queries() reads them), or where the count is unsure.
 
-    Counted from the site's last call whose keys are its queries (a pass over an empty cache: positions 0 ..);
+    Counted from the site's last call whose keys are its several queries, or its first (a pass over an empty cache:
+    positions 0 ..);
     each later call's queries follow the ones before. A call of several queries whose keys did not grow by as many
     (a speculative step's keys cropped back) ends the count: its positions are not known from the lengths alone."""
     q_len, k_len = call.shape[2:]
@@ -270,7 +271,7 @@ def trimmed(run, call) -> np.ndarray | None:
         starts, count, before = {}, None, None
         for other in run.sites().get(call.where, []):
             q, k = other.shape[2:]
-            if q == k:
+            if q == k and (q > 1 or count is None):  # (one query over one key after others: a cache trimmed to one)
                 count = 0
             elif count is not None and q > 1 and before is not None and k != before + q:
                 count = None
