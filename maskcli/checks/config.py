@@ -126,8 +126,7 @@ def real(cells: np.ndarray, own: np.ndarray, given, batch: int | None = None,
 def _placed(call, run: Run, cells) -> Placed | None:
     """How the call's queries sit among its keys and which are real; None where not known (ring slots, cross-attention)."""
     top = run.top(call)
-    if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top) \
-            or trimmed(run, call) is not None:
+    if call.details.get("slots") is not None or cells.shape[2] > cells.shape[3] or not columns_are_positions(call, top):
         return None
     own, given = queries(call, top), None if top is None else top.arguments.get("attention_mask")
     cells, own = slack_dropped(cells, own, given)
@@ -330,7 +329,8 @@ def chunks(run: Run) -> list:
     found, missing, chunked = [], [], set()
     for call, stated, index, kind, placed in _each_layer_call(run):
         size = stated.get("attention_chunk_size")
-        if kind is None or kind[0] != "chunked_attention" or not isinstance(size, int) or size < 1:
+        if kind is None or kind[0] != "chunked_attention" or not isinstance(size, int) or size < 1 \
+                or trimmed(run, call) is not None:  # (a front-trimmed cache: chunks need positions; rolled.py counts)
             continue
         where, source = _layer(index, call), stated.said("attention_chunk_size")
         if placed.holds(f"local({size})"):
