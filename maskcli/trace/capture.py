@@ -376,6 +376,8 @@ class Trace(Outer, Follow):
                           index=len(self._calls), where=where, step=self.sites.step(site), mask=key, details=dict(seen.details), trace=self))
         if seen.api == "softmax":
             self._softmax = (self._calls[-1], seen)
+        elif seen.api == "sdpa" and self.discarded._found:  # (its attn_mask filled, the fill thrown away: discarded.py)
+            self.discarded.kernel(self._calls[-1], args, kwargs)
         if not self.sites.stack:  # a call outside any module: what the program's frames state for it, and the
             documents(self._calls, len(self._calls) - 1, self.sites.held)  # cu_seqlens its function holds (HunyuanVideo's)
             if self._local.outer is not None:  # (the module call this thread made calls in has ended: its Top first)
