@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import maskcli
-from checkbugs import check_bug
+from checkbugs import check_bug, traced
 from maskcli.checks.config import Placed, layer_kind, real
 from maskcli.checks.real import slack_dropped
 from maskcli.checks.registry import severity
@@ -39,6 +39,9 @@ BLIND = [  # the third blind batch, caught by rules not written for them
     # vllm-project/vllm#4405 (written blind): a prefix prefill's context scores and new-token scores joined along the
     # keys for one softmax (scores.py), the cached context's unused block slots between them dropped (checks/real.py)
     ("vllm_prefix_prefill_context_ignores_sliding_window", "window-missing"),
+    # NVIDIA/TensorRT-Model-Connect#400 (written blind): gpt-oss's sliding layers given the full causal mask, the
+    # softmax over scores joined to a learned sink column (scores.py leaves it out) and a dict config's layer_types
+    ("gptoss_engine_sliding_layers_full_causal_mask", "window-missing"),
 ]
 
 
@@ -437,3 +440,13 @@ def test_a_window_wider_than_int64_reads_as_causal():
     placed = Placed(causal, np.arange(length), real_k, real_k)
     assert placed.holds(f"window({2 ** 200})") and placed.holds(f"window({2 ** 63 - 1})")
     assert not placed.holds("window(3)")
+
+
+def test_sliding_layers_full_behind_a_sink_column_written_otherwise(tmp_path):
+    """#400's bug written otherwise: a dataclass's layer_types, 4-D batched scores, a per-head sink joined by
+    torch.concat on dim 3. The sink column is no key: the fixed run's sliding layers are read as window(3) over the 7
+    keys (no eighth column), and the buggy run's layer 1 is causal where its config says sliding."""
+    found = check_bug(tmp_path, "sink_column_sliding_layers_full", "window-missing", WINDOWS)
+    assert "layer 1 is a sliding layer" in found[0]["message"].replace("\n", " ")
+    _, _, report = traced(tmp_path, "sink_column_sliding_layers_full", True, WINDOWS)
+    assert "(2,2,7,7)  window(3)" in report and "(2,2,7,8)" not in report

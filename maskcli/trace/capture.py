@@ -359,7 +359,8 @@ class Trace(Outer, Follow):
             if frames and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                 interface.unpack_gqa(seen, frames[-1])
             elif seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS): cut here, once, before it is stored
-                interface.leave_out_sink(seen, frames[-1].get("sink_keys") if frames else self.sink_keys())
+                joined = None if self.scores is None else self.scores.sink(readers.softmax_input(args, kwargs))
+                interface.leave_out_sink(seen, frames[-1].get("sink_keys") if frames else self.sink_keys() or joined)
             key = readers.stored(self, seen)  # (self._store, and a mask the frames handed the call: trace/given.py)
         except (Exception, SystemExit) as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
