@@ -329,9 +329,8 @@ def chunks(run: Run) -> list:
     found, missing, chunked = [], [], set()
     for call, stated, index, kind, placed in _each_layer_call(run):
         size = stated.get("attention_chunk_size")
-        if kind is None or kind[0] != "chunked_attention" or not isinstance(size, int) or size < 1 \
-                or trimmed(run, call) is not None:  # (a front-trimmed cache: chunks need positions; rolled.py counts)
-            continue
+        if kind is None or kind[0] != "chunked_attention" or not isinstance(size, int) or size < 1 or trimmed(run, call) is not None:
+            continue  # (and a front-trimmed cache: its chunks need positions there, rolled.py counts them)
         where, source = _layer(index, call), stated.said("attention_chunk_size")
         if placed.holds(f"local({size})"):
             chunked.add(source)

@@ -137,6 +137,8 @@ class Discarded:
         """At an SDPA `call`: details `fill_discarded` where its attn_mask is a tensor the program filled out of place
         and threw the fill away (Qwen#933: `attention_mask.masked_fill(~causal_mask, min)` as a statement, the
         additive padding mask handed on unfilled), the cells that fill would hide broadcast to the call's shape."""
+        if call.api != "sdpa" or not self._found:
+            return
         try:
             given = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             found = self.dropped(given)
