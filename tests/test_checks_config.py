@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import maskcli
-from checkbugs import check_bug
+from checkbugs import check_bug, traced
 from maskcli.checks.config import Placed, layer_kind, real
 from maskcli.checks.real import slack_dropped
 from maskcli.checks.registry import severity
@@ -43,6 +43,9 @@ BLIND = [  # the third blind batch, caught by rules not written for them
     # vllm-project/vllm#4405 (written blind): a prefix prefill's context scores and new-token scores joined along the
     # keys for one softmax (scores.py), the cached context's unused block slots between them dropped (checks/real.py)
     ("vllm_prefix_prefill_context_ignores_sliding_window", "window-missing"),
+    # NVIDIA/TensorRT-Model-Connect#400 (written blind): gpt-oss's sliding layers given the full causal mask, the
+    # softmax over scores joined to a learned sink column (scores.py leaves it out) and a dict config's layer_types
+    ("gptoss_engine_sliding_layers_full_causal_mask", "window-missing"),
 ]
 
 
@@ -505,3 +508,11 @@ def test_a_layers_own_attn_type_says_its_kind_over_a_window_every_layer_carries(
     # a type that names no kind (vLLM's DECODER) leaves the window to every layer, as before
     decoder = lambda kind: {"sliding_window": 3, "attn_type": kind}  # noqa: E731
     assert _codes(model(["DECODER", "DECODER"], [None, None], decoder)) == [("window-missing", "wrong")]
+def test_sliding_layers_full_behind_a_sink_column_written_otherwise(tmp_path):
+    """#400's bug written otherwise: a dataclass's layer_types, 4-D batched scores, a per-head sink joined by
+    torch.concat on dim 3. The sink column is no key: the fixed run's sliding layers are read as window(3) over the 7
+    keys (no eighth column), and the buggy run's layer 1 is causal where its config says sliding."""
+    found = check_bug(tmp_path, "sink_column_sliding_layers_full", "window-missing", WINDOWS)
+    assert "layer 1 is a sliding layer" in found[0]["message"].replace("\n", " ")
+    _, _, report = traced(tmp_path, "sink_column_sliding_layers_full", True, WINDOWS)
+    assert "(2,2,7,7)  window(3)" in report and "(2,2,7,8)" not in report

@@ -105,3 +105,22 @@ def test_a_fill_is_a_masking_fill_by_its_value_alone_read_first():
     low = torch.randn(2, 3, 4).to(torch.float8_e4m3fn)
     assert wanted((low, mask, -448.0), {}, low)
     assert not wanted((scores, mask, -448.0), {}, scores.masked_fill(mask, -448.0))
+
+
+def test_qwen_sdpa_padding_bias_causal_fill_discarded(tmp_path):
+    """QwenLM/Qwen#933: `attention_mask.masked_fill(~causal_mask, min)` as a statement in the SDPA branch: the
+    additive padding bias reaches the kernel unfilled, so a padded training batch attends to later tokens."""
+    found = check_bug(tmp_path, "qwen_sdpa_padding_mask_masked_fill_discarded", "fill-discarded")
+    assert tuple(found[0]["cell"]) == first((2, 8, 8), lambda b, q, k: k > q)  # the causal fill's first hidden cell
+
+
+def test_sdpa_key_padding_fill_discarded_first_cell(tmp_path):
+    """Written another way: torch.masked_fill's function form filling a left-padded batch's keys into an additive
+    causal bias, passed as the attn_mask keyword. The first cell: a double loop over the pads a real query sees
+    (row 1 leads with 2 pads; its padding queries see no real key, no statement of theirs)."""
+    found = check_bug(tmp_path, "sdpa_padding_fill_thrown_away", "fill-discarded", DISCARDED)
+    pads = [0, 2]
+    bad = lambda b, q, k: k < pads[b] and k <= q and q >= pads[b]  # noqa: E731
+    assert tuple(found[0]["cell"]) == first((2, 5, 5), bad)
+    count = sum(bad(b, q, k) for b in range(2) for q in range(5) for k in range(5))
+    assert f"({count} such cells" in found[0]["message"].replace("\n", " ")

@@ -20,6 +20,11 @@ WINDOWS = Path(__file__).parent / "data" / "windows"
     ("chunked_trimmed_cache_decode", "chunks-miscounted", WINDOWS),  # last C - 1 keys labelled from 0
     # lablup/mlxcel#405: a prompt longer than the window, its first pass over the last W keys only (10 queries, 4 keys)
     ("mlxcel_sliding_prefill_over_window_clamped_mask", "window-miscounted", None),
+    # ml-explore/mlx-lm#1673: a chunk cache trimmed on its buffer's slots drops live keys; its fix (trimmed on the
+    # tokens held) was once called chunks-off-by-one, its columns read as positions after the front was trimmed
+    ("mlx_llama4_chunked_kv_cache_trims_buffer_not_tokens", "chunks-miscounted", None),
+    # written otherwise: a window in a dict config, two rows with an attention_mask, an eager softmax
+    ("window_cache_trimmed_on_buffer_slots", "window-miscounted", WINDOWS),
 ])
 def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code, folder):
     if folder is None:

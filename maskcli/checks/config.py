@@ -20,7 +20,7 @@ import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, found_padding, keep, layer, queries
 from maskcli.checks.intent import OTHER_LAYERS, Intent, Stated, fields_of, intent
-from maskcli.checks.real import behind_cache, slack_dropped
+from maskcli.checks.real import behind_cache, slack_dropped, trimmed
 from maskcli.checks.registry import Rule
 from maskcli.keypadding import valid
 from maskcli.text import Finding
@@ -329,8 +329,8 @@ def chunks(run: Run) -> list:
     found, missing, chunked = [], [], set()
     for call, stated, index, kind, placed in _each_layer_call(run):
         size = stated.get("attention_chunk_size")
-        if kind is None or kind[0] != "chunked_attention" or not isinstance(size, int) or size < 1:
-            continue
+        if kind is None or kind[0] != "chunked_attention" or not isinstance(size, int) or size < 1 or trimmed(run, call) is not None:
+            continue  # (and a front-trimmed cache: its chunks need positions there, rolled.py counts them)
         where, source = _layer(index, call), stated.said("attention_chunk_size")
         if placed.holds(f"local({size})"):
             chunked.add(source)

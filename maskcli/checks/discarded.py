@@ -5,7 +5,8 @@ the softmax reads the scores as they were (mead-baseline#223: Bahdanau attention
 -1e9)`, so the RNN decoder attends the padded source states; ParlAI#3068: the poly-encoder's codes attention
 `l1.masked_fill(attn_mask, neginf)`, so the codes attend the context's padding). The fill is the program's own word on
 which keys it hides; trace records it where its result was freed before the softmax ran over the unchanged scores
-(details `fill_discarded`, trace/discarded.py). A query that sees a key that fill hides, while it sees some key the
+(details `fill_discarded`, trace/discarded.py); likewise an attention mask so filled and handed to SDPA unfilled
+(Qwen#933: `attention_mask.masked_fill(~causal_mask, min)` as a statement, the padding bias alone reaching the kernel). A query that sees a key that fill hides, while it sees some key the
 fill leaves, is *wrong*. Quiet: the fill assigned (`a = a.masked_fill(...)`) or made in place (`masked_fill_`), its
 result still held when the softmax runs (the program may use it otherwise), a fill that hides nothing, and a row the
 fill would hide whole (a softmax over -1e9 everywhere is as uniform as over nothing: no key of it is favoured).
@@ -48,12 +49,14 @@ def discarded(run: Run) -> list:
             if bad.any():
                 b, _, q, k = (int(x) for x in np.argwhere(bad)[0])
                 value = call.details["fill_discarded"].get("value")
+                what, reads, read = ("these scores", "softmax", "the scores") if call.api == "softmax" else (
+                    "this attention mask", "kernel", "the mask")
                 done[key] = Finding("fill-discarded", (
-                    f"batch row {b}: query {q} sees key {k}, which the program's masked_fill of these scores (value "
+                    f"batch row {b}: query {q} sees key {k}, which the program's masked_fill of {what} (value "
                     f"{value:g}) hides, but that fill's result was thrown away: masked_fill is out of place and the "
-                    f"softmax reads the scores unfilled ({int(bad.any(axis=1).sum())} such cells; assign it, or use "
+                    f"{reads} reads {read} unfilled ({int(bad.any(axis=1).sum())} such cells; assign it, or use "
                     f"masked_fill_)"), expected="the keys the masked_fill hides unseen",
-                    source="the masked_fill of the scores", cell=(b, q, k))
+                    source=f"the masked_fill of {what}", cell=(b, q, k))
         if done[key] is not None:
             found.append((call, done[key]))
     return found

@@ -256,3 +256,35 @@ def slack_dropped(cells: np.ndarray, own: np.ndarray, given=None) -> tuple[np.nd
     if not gap.any() or np.flatnonzero(gap)[-1] >= own[0]:
         return cells, own
     return cells[..., ~gap], own - int(gap.sum())
+
+
+def trimmed(run, call) -> np.ndarray | None:
+    """The positions of a call's queries counted along its site, where its cache dropped keys from the front (a chunked
+    or sliding cache trimmed to its size: mlx-lm's ChunkedKVCache.maybe_trim_front) so that key column j is no longer
+    position j; None where the keys are every position so far, or where the call or the model call states the
+    positions (queries() reads them), or where the count is unsure.
+
+    Counted from the site's last call whose keys are its several queries, or its first (a pass over an empty cache:
+    positions 0 ..);
+    each later call's queries follow the ones before. A call of several queries whose keys did not grow by as many
+    (a speculative step's keys cropped back) ends the count: its positions are not known from the lengths alone."""
+    q_len, k_len = call.shape[2:]
+    own = queries(call, run.top(call))
+    if own.size == 0 or int(own[-1]) != k_len - 1:
+        return None  # (positions stated, or not the end of the keys: queries() placed them)
+    held = run.__dict__.setdefault("_trimmed", {})
+    if call.where not in held:  # each site's counted starts, made once per run
+        starts, count, before = {}, None, None
+        for other in run.sites().get(call.where, []):
+            q, k = other.shape[2:]
+            if q == k and (q > 1 or count is None):  # (one query over one key after others: a cache trimmed to one)
+                count = 0
+            elif count is not None and q > 1 and before is not None and k != before + q:
+                count = None
+            starts[other.index] = count
+            count, before = (None if count is None else count + q), k
+        held[call.where] = starts
+    start = held[call.where].get(call.index)
+    if start is None or start + q_len <= k_len:
+        return None
+    return np.arange(start, start + q_len)

@@ -25,7 +25,7 @@ from maskcli.checks.context import Run, columns_are_positions, crossing, keep
 from maskcli.checks.context import queries as placing
 from maskcli.checks.evicted import _named_self
 from maskcli.checks.intent import intent
-from maskcli.checks.real import PADDING_TRUE, stated
+from maskcli.checks.real import PADDING_TRUE, stated, trimmed
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -115,9 +115,10 @@ def miscounted(run: Run) -> list:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             continue
         top = run.top(call)
-        if columns_are_positions(call, top):
+        counted = trimmed(run, call)
+        if counted is None and columns_are_positions(call, top):
             continue  # (config.py places the window on them)
-        own = _positions(call, top, run)
+        own = _positions(call, top, run) if counted is None else counted
         if own is None or own.min() < 0 or (call.shape[2] > call.shape[3] and not _first_pass(run, call, top)):
             continue  # (more queries than keys: read only where no earlier call can have filled the cache)
         rows = call.shape[0]
@@ -132,7 +133,9 @@ def miscounted(run: Run) -> list:
         expected = _expected(real, own, kind[0], size)  # (rows, Lq)
         asking = real[:, own]  # a padding query is padding's business
         seen = cells.sum(axis=-1)  # (b, h, Lq) as stored
-        held = expected <= call.shape[3]  # the cache holds at least as many keys as the query should see
+        # the cache holds at least as many keys as the query should see; or it held them and dropped some from the
+        # front (counted): a chunk or window trimmed below its stated size loses keys its query should still see
+        held = (expected <= call.shape[3]) | (counted is not None)
         judged = (asking & held)[:, None, :]
         fewer = (seen < expected[:, None, :]) & judged
         more = (seen > expected[:, None, :]) & judged & (not kind[2])
@@ -145,10 +148,13 @@ def miscounted(run: Run) -> list:
         span = f"its window({size})" if sliding else f"its chunk of {size}"
         where = f"layer {index}" if index is not None else call.where
         source = stated_for.said(name)
+        why = ("the mask is not placed on the keys the cache holds (its columns are not positions: sliced or rolled "
+               "the wrong way?)") if want <= call.shape[3] else (
+            f"the cache dropped keys of the {'window' if sliding else 'chunk'} from its front (trimmed below {size} "
+            f"tokens, on its buffer's size rather than the tokens it holds?)")
         found.append((call, Finding(code, (
             f"{where}: the query at position {p} of batch row {b} sees {got} of the cache's {call.shape[3]} keys, but "
-            f"{span} holds {want} real token{'s' * (want != 1)} ({source}; {_queries(bad)}): the mask is not placed on "
-            f"the keys the cache holds (its columns are not positions: sliced or rolled the wrong way?)"),
+            f"{span} holds {want} real token{'s' * (want != 1)} ({source}; {_queries(bad)}): {why}"),
             expected=f"{want} keys", source=source)))
     return found
 

@@ -359,7 +359,7 @@ class Trace(Outer, Follow):
             if frames and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                 interface.unpack_gqa(seen, frames[-1])
             elif seen.api == "softmax":  # a learned sink logit is no key (GPT-OSS): cut here, once, before it is stored
-                interface.leave_out_sink(seen, frames[-1].get("sink_keys") if frames else self.sink_keys())
+                interface.leave_out_sink(seen, frames[-1].get("sink_keys") if frames else self.sink_keys() or self.scores.sink(readers.softmax_input(args, kwargs)))
             key = readers.stored(self, seen)  # (self._store, and a mask the frames handed the call: trace/given.py)
         except (Exception, SystemExit) as error:  # a call maskcli cannot read is still a call: say so and carry on
             api = getattr(reader, "api", "?")
@@ -374,8 +374,8 @@ class Trace(Outer, Follow):
         shape, q, k, v, where = (held.setdefault(x, x) for x in (tuple(map(int, seen.shape)), seen.q, seen.k, seen.v, where))
         self._append(Call(seen.api, shape, q, k, v, held.setdefault(seen.dtype, seen.dtype), held.setdefault(seen.device, seen.device),
                           index=len(self._calls), where=where, step=self.sites.step(site), mask=key, details=dict(seen.details), trace=self))
-        if seen.api == "softmax":
-            self._softmax = (self._calls[-1], seen)
+        self._softmax = (self._calls[-1], seen) if seen.api == "softmax" else self._softmax
+        self.discarded.kernel(self._calls[-1], args, kwargs)  # (an SDPA attn_mask filled, the fill thrown away: discarded.py)
         if not self.sites.stack:  # a call outside any module: what the program's frames state for it, and the
             documents(self._calls, len(self._calls) - 1, self.sites.held)  # cu_seqlens its function holds (HunyuanVideo's)
             if self._local.outer is not None:  # (the module call this thread made calls in has ended: its Top first)

@@ -132,3 +132,20 @@ class Discarded:
             except RuntimeError:
                 return
         call.details["fill_discarded"] = seen.details["fill_discarded"] = {"hidden": hidden.cpu().numpy(), "value": value}
+
+    def kernel(self, call, args: tuple, kwargs: dict) -> None:
+        """At an SDPA `call`: details `fill_discarded` where its attn_mask is a tensor the program filled out of place
+        and threw the fill away (Qwen#933: `attention_mask.masked_fill(~causal_mask, min)` as a statement, the
+        additive padding mask handed on unfilled), the cells that fill would hide broadcast to the call's shape."""
+        if call.api != "sdpa" or not self._found:
+            return
+        try:
+            given = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            found = self.dropped(given)
+            if found is None or not given.is_floating_point():
+                return
+            with torch.no_grad():
+                hidden = found[0].to(torch.bool).broadcast_to(given.shape).broadcast_to(call.shape)
+            call.details["fill_discarded"] = {"hidden": hidden.cpu().numpy(), "value": found[1]}
+        except Exception:  # noqa: BLE001 - nothing of the trace may reach the program: a mask not read says nothing
+            return

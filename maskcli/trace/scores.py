@@ -40,6 +40,7 @@ class Scores:
         self.axes: dict[int, tuple] = {}  # id -> the axis order of scores not laid out (.., Lq, Lk) (layouts.py)
         self.added: dict[int, torch.Tensor] = {}  # id -> a float mask of only 0s and 1s added to these scores (ones_added)
         self.matrices: set[int] = set()  # ids of 2-D scores (Lq, Lk) of one unbatched sequence (per_graph), not (B, Lk)
+        self.sinks: dict[int, tuple] = {}  # id -> (a weak reference, the keys before it) of scores joined to a sink column
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -71,6 +72,11 @@ class Scores:
         if func in CATS:
             if _keys_joined(self, args, kwargs, out):
                 self._note(out)
+                keys = _sink_joined(self, args, kwargs)
+                if keys is not None:
+                    if len(self.sinks) >= KEEP:
+                        self.sinks.clear()
+                    self.sinks[id(out)] = (weakref.ref(out), keys)
             return
         laid = self.axes or func in TURNS
         for x in (*args, *kwargs.values()):
@@ -97,6 +103,11 @@ class Scores:
         keep = seen.keep if seen.keep is not None else seen.materialize()
         if zero_one_seen(addend, x, keep):
             call.details["zero_one"] = seen.details["zero_one"] = True
+
+    def sink(self, x) -> int | None:
+        """The keys of scores `x` whose last column is a sink joined to them (_sink_joined); None where none is."""
+        held = self.sinks.get(id(x)) if self.sinks and isinstance(x, torch.Tensor) else None
+        return held[1] if held is not None and held[0]() is x else None
 
     def has(self, tensor: torch.Tensor) -> bool:
         found = self._found.get(id(tensor))
@@ -224,6 +235,19 @@ def _keys_joined(scores: Scores, args: tuple, kwargs: dict, out: torch.Tensor) -
         return False
     return any(isinstance(x, torch.Tensor) and scores.has(x) and id(x) not in scores.axes and x.dim() == out.dim()
                and x.shape[:-1] == out.shape[:-1] for x in parts)
+
+
+def _sink_joined(scores: Scores, args: tuple, kwargs: dict) -> int | None:
+    """The keys of scores joined along their keys to one last column that is no scores (q @ kᵀ made none of it): a
+    learned sink logit per head (openai/gpt-oss's torch reference: `torch.cat([QK, S], dim=-1)`, S the module's
+    `sinks` expanded), on no key position and never masked; None where the parts are not so."""
+    parts = args[0] if args else kwargs.get("tensors")
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2 or not all(isinstance(x, torch.Tensor) for x in parts):
+        return None
+    first, last = parts
+    if not scores.has(first) or scores.has(last) or last.shape[-1] != 1 or first.shape[-1] < 1:
+        return None
+    return int(first.shape[-1])
 
 
 def _one_query(scores, out: torch.Tensor) -> bool:
