@@ -4,14 +4,14 @@ A config is any object or dict that carries one of FIELDS: a transformers config
 argparse Namespace, a plain dict or an object of a class named like one (ModelArgs, GPTConfig, HParams). Trace finds
 them once per outermost module (trace/stated.py): those its modules hold as attributes (`self.config`, `self.cfg`,
 `self.args`, `self.hparams`, ...), each speaking for the calls at or under that module; else the one config the
-program's own variables hold where the model is called (`hf_config = {...}` at the top of the main module, a
-`cfg` in main() handed to a builder), speaking for every call. Only the fields are kept (read once, not the object).
+program's own variables hold where the model is called (`hf_config = {...}` at the top of the main module, a `cfg` in
+main() handed to a builder), speaking for every call. Only the fields are kept (read once, not the object).
 
-Where configs that speak for one call state a field differently (two configs that disagree), the field is left
-out: nothing is expected of it. A layer's kind comes from the most explicit field (layer_types, then a pattern, then
-Qwen2's max_window_layers, then sliding_window / attention_chunk_size alone); `implicit` says it came from
-sliding_window alone in a config that is not transformers' (a hand-written Gemma may alternate with nothing that says
-so: config.py then speaks only where no layer has the window).
+Where configs that speak for one call state a field differently (two configs that disagree), the field is left out:
+nothing is expected of it. A layer's kind comes from the most explicit field (layer_types, then a pattern, then Qwen2's
+max_window_layers, then sliding_window / attention_chunk_size alone); `implicit` says it came from sliding_window alone
+in a config that is not transformers' (a hand-written Gemma may alternate with nothing that says so: config.py then
+speaks only where no layer has the window).
 """
 
 from __future__ import annotations
@@ -19,15 +19,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset",  # what a Stated says of its config,
-         "mem_len", "mem_scope", "model_causal", "neighbours", "neighbours_scope", "chunk_context", "own")  # not its fields (a model's memory length, its own causal flag: read by
-# checks/memlen.py and reach.py alone, no layer kind)
+FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset", "mem_len",
+         "mem_scope", "model_causal", "neighbours", "neighbours_scope", "chunk_context", "own")  # what a Stated says of
+# its config, not its fields (a model's memory length, its own causal flag: read by checks/memlen.py and reach.py alone)
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
-          "use_sliding_window", "max_window_layers", "no_rope_layers",
-          "sliding_window_size", "attn_type", "attention_type",  # (SGLang's and vLLM's attention layer objects)
-          "force_causal_mask",  # (an export wrapper's word that the traced model is causal: torch-to-nnef)
-          "waitk", "wait_k",  # (a simultaneous translation model's wait-k policy: checks/across.py)
+          "use_sliding_window", "max_window_layers", "no_rope_layers", "sliding_window_size",
+          "attn_type", "attention_type",  # (SGLang's, vLLM's, AI Edge Torch's attention layers)
+          "force_causal_mask", "waitk", "wait_k",  # (torch-to-nnef's export word that the model is causal; wait-k: across.py)
           "sliding_windows")  # (a streaming encoder's (left, right) window per layer: checks/sidewindows.py)
 ENCODER_TYPES = ("ENCODER_ONLY", "ENCODER")  # an attn_type that attends both ways (SGLang / vLLM AttentionType)
 IMAGE_IDS = ("image_token_id", "image_token_index")  # kept beside the FIELDS a config states, never alone
@@ -39,9 +38,7 @@ LIKE = ("config", "args", "param", "setting", "conf", "option")  # words of a co
 ATTENTION = ("head", "attn", "attention")  # words of a field name that say a config is about attention
 GENERAL = ("causal", "bidirectional")  # fields an RNN's or a convolution's config may state as well
 CONTEXT = ("context_left", "context_right", "left_context", "right_context", "past_horizon", "future_horizon",
-           "left_chunks")  # words
-# of a field that sets how far a chunk's queries see past it (Gemma 3n's / Gemma 4's audio conformer, streaming ASR): its
-# attention_chunk_size is then the block its local window is computed in, not a boundary no query sees across
+           "left_chunks")  # how far a chunk's queries see past it: its chunk size is then a local window's block (Gemma 4 audio)
 OTHER_LAYERS = ("every_n", "attention_layers", "attention_types", "block_type", "interval", "global_attn", "local_attn",
                 "attn_types", "stride")  # per-layer fields read nowhere here: where one is set, layer kinds are unknown
 
@@ -353,8 +350,7 @@ class Intent:
         return "full_attention", "no sliding_window, layer_types or attention_chunk_size", False
 
     def _named_kind(self) -> tuple[str, str, bool] | None:
-        """The kind a layer's own attn_type names (AI Edge Torch's GLOBAL / LOCAL_SLIDING) over a window every layer's
-        config carries; None with no window (BigBird's ORIGINAL_FULL) or no kind named (vLLM's DECODER)."""
+        """The kind a layer's own attn_type names (AI Edge Torch's GLOBAL / LOCAL_SLIDING) where a window is stated."""
         for name in ("attn_type", "attention_type"):
             value = self.values.get(name)
             words = set(value.replace("-", "_").split("_")) if isinstance(value, str) and self.window() else set()
@@ -383,10 +379,9 @@ def stated_for(top, where: str | None) -> list[Stated]:
     else (where no module of the model holds a config) the program's one config variable."""
     stated = getattr(top, "stated", ()) if top is not None else ()
     where = where or ""
-    mine = [one for one in stated if one.scope is not None and (one.scope == "" or where == one.scope
-                                                                  or where.startswith(one.scope + "."))]
-    numbers = [one for one in mine if "layer_number" in one.fields or "own" in one.fields]  # (no configs: trace/stated.py's
-    # _numbers, and _kinds's module attributes, which speak beside the configs)
+    mine = [one for one in stated if one.scope is not None and (one.scope in ("", where) or where.startswith(one.scope + "."))]
+    numbers = [one for one in mine if "layer_number" in one.fields or "own" in one.fields]  # (trace/stated.py's _numbers
+    # and _kinds: module attributes, which speak beside the configs)
     held = [one for one in stated if one.scope is not None and "layer_number" not in one.fields and "own" not in one.fields]
     if held:
         return [one for one in mine if one not in numbers] + numbers
