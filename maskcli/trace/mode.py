@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import FunctionType
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from maskcli.trace.entry import canonical
@@ -53,11 +54,17 @@ def _called(func):
             if value is func and name in _BUILTINS and name not in _TENSOR_OWN:
                 found = _BUILTINS[name]
                 break
+        else:  # (F.softmax hands the mode whatever F's global `softmax` holds: a program's wrapper, the same way)
+            for name, value in vars(F).items():
+                if value is func and _FUNCTIONAL.get(name, func) is not func:
+                    found = _FUNCTIONAL[name]
+                    break
         if len(_PATCHES) < 4096:
             _PATCHES[func] = found
     return found
 
 
+_FUNCTIONAL = {name: value for name, value in vars(F).items() if type(value) is FunctionType}  # as torch defines them
 _TENSOR_OWN = frozenset(vars(torch.Tensor))  # (what torch.Tensor defines in Python itself, over the builtins: as torch
 # defines it, it is no patch)
 

@@ -172,6 +172,7 @@ class Job:
         except (ValueError, OSError):  # (not the main thread)
             return
         if signal.SIGTERM in world.ours:
+            self._before = world.ours[signal.SIGTERM]  # (maskcli's: signals() puts it back once the report is made)
             world.ours[signal.SIGTERM] = self.stop
 
     @contextlib.contextmanager
@@ -184,6 +185,7 @@ class Job:
         except (ValueError, OSError):  # (not the main thread)
             yield
             return
+        before = getattr(self, "_before", before)
         try:
             yield
         finally:
