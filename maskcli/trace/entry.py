@@ -27,9 +27,9 @@ from maskcli.trace.maskfacts import attention_bias
 from maskcli.trace.overflow import CASTS, may_overflow
 from maskcli.trace.patch import swap
 from maskcli.trace.scores import MATMULS, per_graph
+from maskcli.trace.unseen import plain, unseen
 
 compiling = torch.compiler.is_dynamo_compiling
-unseen = torch._C.DisableTorchFunction
 
 # attribute -> the function the mode is handed for it (a dunder is dispatched under its method's name)
 TENSOR = {"softmax": "softmax", "matmul": "matmul", "__matmul__": "matmul", "bmm": "bmm", "baddbmm": "baddbmm",
@@ -82,9 +82,13 @@ def _wrapper(trace, original, stands_for, kind: str):
             return trace.dispatch(stands_for, args, kwargs, original)
         out = original(*args, **kwargs)  # (what follows: nothing is followed in this thread, the mode is off)
         try:
-            with unseen():  # (a subclass's __torch_function__ sees the program's calls only, as under python)
+            if plain(args, kwargs, out):
                 if wanted(args, kwargs, out):
                     after(stands_for, args, kwargs, out)
+            else:
+                with unseen():  # (a subclass's __torch_function__ sees the program's calls only, as under python)
+                    if wanted(args, kwargs, out):
+                        after(stands_for, args, kwargs, out)
         except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace reaches the program (an odd result it cannot ask)
             pass
         return out

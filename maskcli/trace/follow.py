@@ -15,10 +15,9 @@ from maskcli.trace.layouts import reader as laid
 from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.overflow import WATCHED
 from maskcli.trace.scores import as_matrix
+from maskcli.trace.unseen import plain, unseen
 
 
-unseen = torch._C.DisableTorchFunction  # what maskcli reads of the program's tensors, read with no __torch_function__: a
-# subclass's or a mode of the program sees only the program's own calls, as under python (it counts them, logs them)
 
 _WHOLE = object()  # (Follow._before: a piece of a call its Hugging Face interface records whole)
 
@@ -100,8 +99,11 @@ class Follow:
             # no attention, and nothing it computes is followed; decided before anything of it is read)
         if reader is not None and not self.busy and not self.within:
             try:
-                with unseen():
+                if plain(args, kwargs):
                     read = self._before(reader, args, kwargs)
+                else:
+                    with unseen():
+                        read = self._before(reader, args, kwargs)
             except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace may reach the program: the call runs unread
                 read, self._softmax = None, None
             if read is _WHOLE:
@@ -157,8 +159,11 @@ class Follow:
         """What a watched call computed, followed (dispatch's part after the call; entry.py's wrappers run it alone
         where a cast, a sum or a product may matter). Whatever goes wrong here stays here: the program has its result."""
         try:
-            with unseen():
+            if plain(args, kwargs, out):
                 self._after_call(func, args, kwargs, out, softmaxed)
+            else:
+                with unseen():
+                    self._after_call(func, args, kwargs, out, softmaxed)
         except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace may reach the program: what the call made is not followed
             pass
 
