@@ -45,3 +45,37 @@ def test_quiet_on_a_left_padded_row_half_padding_whose_whole_row_sees_every_key(
     for fixed in (False, True):
         status, found, report = traced(tmp_path, "left_padded_half_rows_kept", fixed, TURNED)
         assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_lengths_held_as_a_numpy_array_a_list_or_a_tuple_are_read_as_a_tensors_are(tmp_path):
+    """hunt 9: the batch's lengths held as numpy / list / tuple (not a tensor) state the same padding: the padding
+    mask handed where True = may attend is lengths-inverted, and the first cell is a double loop's over the lengths;
+    the fix is quiet."""
+    seq_lens, length = [3, 6, 5], 6
+    for held in ("numpy", "list", "tuple"):
+        hit = check_bug(tmp_path, "lengths_not_a_tensor", "lengths-inverted", TURNED, ("--as", held))[0]
+        assert "seq_lens" in hit["message"], hit
+        assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: seq_lens[b] < length and k >= seq_lens[b])
+
+
+def test_lengths_held_as_a_huge_list_or_array_cost_no_loop_and_are_not_read():
+    """A list or array of more lengths than any batch (over held.MOST) is not read, and its size alone is asked: a
+    list of 10^7 items is refused at once (no conversion, no Python loop over it)."""
+    import time
+
+    import numpy as np
+
+    from maskcli.trace import held
+
+    class Code:
+        co_name, co_filename = "f", "p.py"
+
+    huge, array = [1] * 10_000_000, np.ones(10_000_000, dtype=np.int64)
+    started = time.process_time()
+    assert held._lengths_given("seq_lens", huge, Code) is None
+    assert held._lengths_given("seq_lens", array, Code) is None
+    assert time.process_time() - started < 0.05
+    assert held._lengths_given("seq_lens", (4, 2), Code)["rows"].tolist() == [4, 2]
+    assert held._lengths_given("lens", [0.5, 1.0], Code)["kind"] == "relative"
+    for odd in ([], ["3", "4"], [True, False], [[1, 2], [3]], (2, object(), 3), np.ones((2, 2), dtype=int)):
+        assert held._lengths_given("seq_lens", odd, Code) is None, odd

@@ -998,3 +998,48 @@ def test_a_softmax_or_fill_whose_subclass_returns_no_tensor_is_returned_untouche
     result = subprocess.run([sys.executable, "-m", "maskcli", "trace", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == python.returncode == 0 and result.stdout == python.stdout == "tuple tuple None\n", result.stderr
     assert "Traceback" not in result.stderr and "maskcli bug" not in result.stderr
+
+
+def test_a_program_that_wraps_masked_fill_or_counts_in_its_subclass_sees_each_of_its_calls_once(tmp_path, monkeypatch):
+    """hunt 9: a program that replaces Tensor.masked_fill and Tensor.softmax with wrappers of its own (which call the
+    builtins they kept) and a Tensor subclass that counts what its __torch_function__ is handed see the program's calls
+    once each, as under python (the mode was handed the wrapper again for the builtin's call; maskcli's own reads of
+    the tensors reached the subclass); the causal calls are still read."""
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "wrapped.py", """
+        import torch, torch.nn.functional as F
+        kept_fill, kept_softmax, seen = torch.Tensor.masked_fill, torch.Tensor.softmax, {}
+        def fill(self, *args, **kwargs):
+            seen["fill"] = seen.get("fill", 0) + 1
+            return kept_fill(self, *args, **kwargs)
+        def softmax(self, *args, **kwargs):
+            seen["softmax"] = seen.get("softmax", 0) + 1
+            return kept_softmax(self, *args, **kwargs)
+        torch.Tensor.masked_fill, torch.Tensor.softmax = fill, softmax
+        class Logged(torch.Tensor):
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "?")
+                seen[name] = seen.get(name, 0) + 1
+                return super().__torch_function__(func, types, args, kwargs or {})
+        q = torch.randn(1, 2, 5, 4)
+        above = torch.ones(5, 5, dtype=torch.bool).triu(1)
+        for step in range(2):
+            s = q @ q.transpose(-1, -2)
+            w = s.masked_fill(above, float("-inf")).softmax(-1)
+            ql = q.as_subclass(Logged)
+            w2 = F.softmax((ql @ ql.transpose(-1, -2)).masked_fill(above, -1e9), -1)
+        print(sorted(seen.items()), round(float(w.sum()), 3), round(float(w2.sum()), 3))
+    """)
+    python = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "maskcli", "trace", "--save", "t.pt", script], capture_output=True,
+                            text=True, timeout=300)
+    assert python.returncode == 0 and python.stdout.startswith("[('fill', 8), ('matmul', 2), ('softmax', 6)"), python.stdout
+    assert result.returncode == 0 and result.stdout == python.stdout, (result.stdout, python.stdout, result.stderr)
+    from maskcli.tracefile import keep_of, load
+
+    data = load(str(tmp_path / "t.pt"))
+    assert len(data["calls"]) == 4, data["calls"]
+    for call in data["calls"]:
+        keep = np.broadcast_to(keep_of(call, data), call["shape"])
+        assert call["shape"] == [1, 2, 5, 5] and (keep == np.tril(np.ones((5, 5), dtype=bool))).all(), call

@@ -312,3 +312,96 @@ def test_torchrun_a_rank_whose_program_fails_is_in_rank_0s_report_with_its_statu
     from maskcli.tracefile import load
 
     assert [r["exit_status"] for r in load(str(tmp_path / "run.pt"))["ranks"]] == [0, 1]
+
+
+KILLED = """
+import os, sys
+import torch, torch.nn.functional as F
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+keep = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+x = torch.randn(1, 1, 5, 8)
+F.scaled_dot_product_attention(x, x, x, attn_mask=keep)
+if rank == int(sys.argv[1]):
+    os.kill(os.getpid(), 9)
+print(f"rank {rank} done", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("killed", [1, 0])
+def test_torchrun_a_rank_that_kills_itself_is_named_by_the_report_of_the_ranks_left(tmp_path, killed):
+    """hunt 9: a rank SIGKILLed (no Python runs to say so; torchrun then SIGTERMs the others) leaves no part: the
+    other rank's report still comes out (rank 0's, or where rank 0 was the one killed, the rank left's), naming the
+    killed rank, and the trace holds the calls that arrived; torchrun's exit status is the one it gives untraced."""
+    from maskcli.tracefile import dense, load
+
+    path = tmp_path / "killed.py"
+    path.write_text(textwrap.dedent(KILLED))
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHED} | {"OMP_NUM_THREADS": "1"}
+    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                            free_port(), str(path), str(killed)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=240)
+    done = torchrun(2, ["trace", "--save", "run.pt", str(path), str(killed)], tmp_path)
+    assert done.returncode == plain.returncode != 0, (done.returncode, plain.returncode)
+    assert done.stdout == plain.stdout == f"rank {1 - killed} done\n", (done.stdout, plain.stdout)
+    said = " ".join(done.stderr.split())
+    assert "maskcli trace killed.py (2 ranks, torchrun): 1 attention call" in said, done.stderr[-3000:]
+    assert f"rank {1 - killed}: 1 attention call, exit status 0" in said
+    assert f"rank {killed}: died before its report" in said and "wrote run.pt (1 rank of 2)" in said
+    assert said.count("maskcli trace killed.py") == 1
+    data = load(str(tmp_path / "run.pt"))
+    assert [c["rank"] for c in data["calls"]] == [1 - killed]
+    causal = np.array([[k <= q for k in range(5)] for q in range(5)])
+    assert np.array_equal(np.broadcast_to(dense(data["masks"][data["calls"][0]["mask"]]), (1, 1, 5, 5))[0, 0], causal)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".run.pt.ranks-")]  # (the parts removed)
+
+
+def test_a_spawned_process_stopped_as_another_is_killed_still_reports_its_calls(tmp_path):
+    """hunt 9: torch.multiprocessing.spawn SIGTERMs the other processes once one is killed: one that has returned
+    from its function writes its part first, so the report has its calls and names the killed one."""
+    path = tmp_path / "spawnkill.py"
+    path.write_text(textwrap.dedent("""
+        import os, sys, time
+        import torch, torch.nn.functional as F
+        import torch.multiprocessing as mp
+
+        def work(rank):
+            x = torch.randn(1, 1, 5, 8)
+            F.scaled_dot_product_attention(x, x, x, attn_mask=torch.tril(torch.ones(5, 5, dtype=torch.bool)))
+            if rank == 1:
+                time.sleep(0.5)
+                os.kill(os.getpid(), 9)
+
+        if __name__ == "__main__":
+            try:
+                mp.spawn(work, nprocs=2)
+            except Exception as error:
+                print(type(error).__name__)
+                sys.exit(5)
+    """))
+    save = str(tmp_path / "run.pt")
+    result = runner.invoke(app, ["trace", "--save", save, str(path)], env={name: None for name in LAUNCHED})
+    assert result.exit_code == 5, result.output
+    said = " ".join(result.output.split())
+    assert "rank 0: 1 attention call, exit status 0" in said and "rank 1: died before its report" in said, said
+
+
+def test_a_sigterm_while_a_spawned_process_writes_its_part_is_held_until_it_is_written(tmp_path):
+    """The part is written whole, then the SIGTERM delivered as it came: the process ends by it (status -15)."""
+    from launch import ROOT
+
+    script = tmp_path / "held.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from maskcli.trace.spawned import _held_term
+        with _held_term():
+            os.kill(os.getpid(), signal.SIGTERM)
+            open({str(tmp_path / "part")!r}, "w").write("whole")
+        print("not reached")
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -15 and done.stdout == "" and (tmp_path / "part").read_text() == "whole"

@@ -149,6 +149,8 @@ def trace(
         for context in (world, tracer, groups, spawns, Exits(exiting)):
             stack.enter_context(context)
         status = run_program(script, module, program_args)
+        if job is not None:  # (a launcher's SIGTERM from now on: the ranks' report still comes out)
+            job.ended(world)
         join_threads(before)  # (python's exit joins them before its atexit functions; their calls are the program's)
     if world.forked():  # a child the program forked, back from its code: it exits as it would, its parent reports
         raise typer.Exit(status)

@@ -19,19 +19,23 @@ def report_ranks(tracer, job, process_groups, program: str, status: int, expecta
     from maskcli.trace.expect import check
     from maskcli.trace.merged import merge, part
 
-    groups = tracer.groups()
-    failures = check(tracer.calls, expectations) if expectations else []
-    mine = part(tracer, groups, status, program, failures, tracer.notes(), unseen, job, process_groups)
-    if job.rank != 0:
-        job.write(mine)
-        job.wait_taken(timeout)
-        raise typer.Exit(status)
-    others, missing = job.gather(timeout)
-    try:
-        _show(merge({0: mine, **others}, missing, job.world), f"{program} ({job.world} ranks, {job.launcher})", program, status,
-              expectations, json_path, save, targets, check_)
-    finally:  # (its report made: the other ranks may exit now)
-        job.clean()
+    with job.signals():  # (a SIGTERM from the launcher ends the waiting, not the report)
+        groups = tracer.groups()
+        failures = check(tracer.calls, expectations) if expectations else []
+        mine = part(tracer, groups, status, program, failures, tracer.notes(), unseen, job, process_groups)
+        if job.rank != 0:
+            job.write(mine)
+            if not job.wait_taken(timeout, status):  # (True: this rank reports in rank 0's place, which was killed
+                raise typer.Exit(status)  # or still runs its program where this rank's failed)
+        others, missing = job.gather(timeout, status)
+        if job.rank == 0 and not job.claim():  # (a rank whose program failed reported in its place)
+            job.clean()
+            raise typer.Exit(status)
+        try:
+            _show(merge({job.rank: mine, **others}, missing, job.world), f"{program} ({job.world} ranks, {job.launcher})",
+                  program, status, expectations, json_path, save, targets, check_)
+        finally:  # (its report made: the other ranks may exit now)
+            job.clean()
 
 
 def report_spawned(tracer, spawns, program: str, status: int, expectations, json_path: str | None, save: str | None,
@@ -70,7 +74,7 @@ def _show(merged, title: str, program: str, status: int, expectations, json_path
     if expectations and not failures:
         console.print(labelled(f"--expect: every call of every rank matched holds ({len(expectations)} expectation{'s' if len(expectations) != 1 else ''})"))
     write_files(targets, {"--json": json_path, "--save": save}, merged.json(program, status) if json_path else None,
-                merged.calls, merged.masks, ranks=merged.ranks(), said=f" ({len(merged.parts)} ranks)")
+                merged.calls, merged.masks, ranks=merged.ranks(), said=_ranks(len(merged.parts), merged.world))
     if status:
         raise typer.Exit(status)
     if failures or merged.missing or (check_ and any(wrong(group.findings) for group in merged.groups)):
@@ -101,3 +105,8 @@ def write_files(targets: dict, shown: dict, data: dict | None, calls: list, mask
         kept = {key: value for key, value in masks.items() if key in used}
         atomic_write(targets["--save"], lambda path: save_trace(path, rows, kept, ranks))
         done(f"wrote {shown['--save']}{said}")
+
+
+def _ranks(parts: int, world: int) -> str:
+    """' (2 ranks)', or ' (1 rank of 2)' where a rank sent no part."""
+    return f" ({parts} rank{'s' if parts != 1 else ''}{f' of {world}' if parts < world else ''})"

@@ -29,9 +29,14 @@ MOST = 1 << 20  # cells of a fill's mask read at most
 def wanted(args: tuple, kwargs: dict, out) -> bool:
     """An out-of-place masked_fill of floating scores of 2 dimensions or more with a masking value (entry.py)."""
     try:
-        return _wanted(args, kwargs, out)
+        found = _wanted(args, kwargs, out)
     except Exception:  # noqa: BLE001 - nothing of the trace may reach the program: a call not read is no fill
         return False
+    _LAST[0] = out if found else None  # (Discarded.after, next, need not ask again)
+    return found
+
+
+_LAST = [None]  # the result of the fill `wanted` last let through (alive while its call returns: no other has its id)
 
 
 def _wanted(args: tuple, kwargs: dict, out) -> bool:
@@ -87,23 +92,19 @@ class Discarded:
             pass
 
     def _after(self, func, args: tuple, kwargs: dict, out) -> None:
-        if func not in FILLS or not wanted(args, kwargs, out):
+        if func not in FILLS or (_LAST[0] is not out and not wanted(args, kwargs, out)):
             return
+        _LAST[0] = None
         given = args[0] if args else kwargs.get("input", kwargs.get("self"))
         mask = args[1] if len(args) > 1 else kwargs.get("mask")
         if not isinstance(mask, torch.Tensor) or mask.numel() > MOST:
             return
         found = self._found
-        if len(found) >= KEEP:
-            found.clear()
-        key = id(given)
-
-        def gone(ref) -> None:
-            if found.get(key, (None,))[0] is ref:
-                del found[key]
-
+        if len(found) >= KEEP:  # (an entry whose scores are gone stays until then: dropped() compares the reference, and
+            found.clear()  # a callback made per fill cost more than the fill, in a loop of fills of no attention)
         try:
-            found[key] = (weakref.ref(given, gone), _version(given), weakref.ref(out), mask.detach(), _value(args, kwargs))
+            found[id(given)] = (weakref.ref(given), _version(given), weakref.ref(out),
+                                mask.detach() if mask.requires_grad else mask, _value(args, kwargs))
         except TypeError:
             pass
 

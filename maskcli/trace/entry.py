@@ -27,6 +27,7 @@ from maskcli.trace.maskfacts import attention_bias
 from maskcli.trace.overflow import CASTS, may_overflow
 from maskcli.trace.patch import swap
 from maskcli.trace.scores import MATMULS, per_graph
+from maskcli.trace.unseen import plain, unseen
 
 compiling = torch.compiler.is_dynamo_compiling
 
@@ -65,6 +66,8 @@ def _wrapper(trace, original, stands_for, kind: str):
     during, mode, local, after = trace.compiled.during, trace.mode_for_compile, trace._local, trace.after_call
     attention = stands_for is sdpa()
     wanted = _WANTED[kind]
+    if kind == FILL:
+        after = trace.after_fill
 
     def wrapper(*args, **kwargs):
         if compiling():  # dynamo inlines this: nothing of the trace in its graph but a break at attention
@@ -79,8 +82,13 @@ def _wrapper(trace, original, stands_for, kind: str):
             return trace.dispatch(stands_for, args, kwargs, original)
         out = original(*args, **kwargs)  # (what follows: nothing is followed in this thread, the mode is off)
         try:
-            if wanted(args, kwargs, out):
-                after(stands_for, args, kwargs, out)
+            if plain(args, kwargs, out):
+                if wanted(args, kwargs, out):
+                    after(stands_for, args, kwargs, out)
+            else:
+                with unseen():  # (a subclass's __torch_function__ sees the program's calls only, as under python)
+                    if wanted(args, kwargs, out):
+                        after(stands_for, args, kwargs, out)
         except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace reaches the program (an odd result it cannot ask)
             pass
         return out

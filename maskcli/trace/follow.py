@@ -15,6 +15,8 @@ from maskcli.trace.layouts import reader as laid
 from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.overflow import WATCHED
 from maskcli.trace.scores import as_matrix
+from maskcli.trace.unseen import plain, unseen
+
 
 
 _WHOLE = object()  # (Follow._before: a piece of a call its Hugging Face interface records whole)
@@ -91,9 +93,17 @@ class Follow:
         if not self.active or (func not in self.watched and not followed[0] and not followed[1] and not followed[2]):
             return call(*args, **kwargs)
         reader = self.readers.get(func)
+        if reader is readers.softmax and not followed[0] and not followed[1] and not followed[2] \
+                and not self.discarded._found and not _by_shape(args, kwargs):
+            return call(*args, **kwargs)  # (no scores, weights or fill remembered: a softmax of no attention shape is
+            # no attention, and nothing it computes is followed; decided before anything of it is read)
         if reader is not None and not self.busy and not self.within:
             try:
-                read = self._before(reader, args, kwargs)
+                if plain(args, kwargs):
+                    read = self._before(reader, args, kwargs)
+                else:
+                    with unseen():
+                        read = self._before(reader, args, kwargs)
             except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace may reach the program: the call runs unread
                 read, self._softmax = None, None
             if read is _WHOLE:
@@ -149,9 +159,23 @@ class Follow:
         """What a watched call computed, followed (dispatch's part after the call; entry.py's wrappers run it alone
         where a cast, a sum or a product may matter). Whatever goes wrong here stays here: the program has its result."""
         try:
-            self._after_call(func, args, kwargs, out, softmaxed)
+            if plain(args, kwargs, out):
+                self._after_call(func, args, kwargs, out, softmaxed)
+            else:
+                with unseen():
+                    self._after_call(func, args, kwargs, out, softmaxed)
         except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace may reach the program: what the call made is not followed
             pass
+
+    def after_fill(self, func, args: tuple, kwargs: dict, out) -> None:
+        """after_call of an out-of-place masked_fill with a masking value that entry.py's wrapper let through: where no
+        tensor is followed (no scores, weights or overflowed fill alive) nothing but the fill itself is to remember
+        (discarded.py), which is all that runs: a loop of fills of no attention pays for no more."""
+        followed = self._followed
+        if followed[0] or followed[1] or followed[2] or self.scores is None:
+            self.after_call(func, args, kwargs, out)
+        else:
+            self.discarded.after(func, args, kwargs, out)
 
     def _after_call(self, func, args: tuple, kwargs: dict, out, softmaxed=None) -> None:
         followed = self._followed
@@ -170,6 +194,16 @@ class Follow:
                 self.discarded.after(func, args, kwargs, out)
         if (followed[0] or followed[1] or followed[2]) and not self._local.moded:
             self._follow()
+
+
+def _by_shape(args: tuple, kwargs: dict) -> bool:
+    """Whether a softmax's input is attention by its shape alone (scores.py's attention: 4-D, or 3-D square), or may be
+    (not a plain tensor: the full path reads it)."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    if type(x) is not torch.Tensor:
+        return True
+    dims = x.dim()
+    return dims == 4 or dims == 3 and x.shape[1] == x.shape[2]
 
 
 def said(error: BaseException) -> str:

@@ -107,6 +107,11 @@ def padding(frames: list | None = None) -> list[dict] | None:
                         if read["kind"] == "cells" and HANDED.search(name) and frame is not innermost \
                                 and name not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
                             outer.append((read, id(value)))
+                elif type(value) in SEQUENCES and LENGTHS.search(name) and id(value) not in seen:
+                    seen.add(id(value))
+                    read = _lengths_given(name, value, code)
+                    if read is not None:
+                        found.append(read)
                 elif value is not None and (LEFT.search(name) or CACHE.search(name)):
                     read, source = _left(name, value, code)
                     if read is not None and source not in seen:
@@ -195,6 +200,38 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
     if not np.isin(rows, (0, 1)).all():
         return None
     return {"kind": "pad" if PAD.search(name) else "keep", "rows": rows.astype(bool)}
+
+
+SEQUENCES = (np.ndarray, list, tuple)  # lengths held as these are read as a tensor's are (not their subclasses: a
+# named tuple, a structured array say more than lengths)
+NUMBERS = (int, float, np.integer, np.floating)
+
+
+def _lengths_given(name: str, value, code) -> dict | None:
+    """The batch's lengths held as a numpy array, a list or a tuple (the program's statement as a tensor of them is):
+    kind "lengths" for 1-D whole numbers, "relative" for 1-D fractions whose longest is 1.0; None for anything else.
+    Its size is asked first, so a huge one costs nothing; a list or tuple is converted by numpy (no Python loop here),
+    its items plain numbers only (no tensors, no objects: those would run code of theirs)."""
+    size = value.size if type(value) is np.ndarray else len(value)
+    if size == 0 or size > MOST:
+        return None
+    try:
+        if type(value) is not np.ndarray:
+            if not all(isinstance(item, NUMBERS) and type(item) is not bool for item in (value[0], value[-1])):
+                return None
+            value = np.array(value)  # (still, whatever is in the middle: object dtype, or a ragged list's error)
+        rows = value if value.ndim == 1 else None
+    except (Exception, SystemExit):  # noqa: BLE001 - not a sequence of numbers: no lengths we can read
+        return None
+    if rows is None:
+        return None
+    if rows.dtype.kind in "iu":
+        read = {"kind": "lengths", "rows": rows.astype(np.int64)}
+    elif rows.dtype.kind == "f" and rows.size > 1 and np.isfinite(rows).all() and rows.max() == 1.0 and 0 < rows.min() < 1:
+        read = {"kind": "relative", "rows": rows.astype(np.float64)}
+    else:
+        return None
+    return {**read, "name": name, "where": f"{code.co_name}() of {os.path.basename(code.co_filename)}"}
 
 
 def _left(name: str, value, code) -> tuple[dict | None, int]:

@@ -8,7 +8,10 @@ and after.py must see), and both hand each call to Trace.dispatch.
 
 from __future__ import annotations
 
+from types import FunctionType
+
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from maskcli.trace.entry import canonical
@@ -26,10 +29,44 @@ class Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if type(func) is FunctionType:  # (a Python function: torch's own, or a program's patch of a method)
+            func = _called(func)
         if compiling():  # dynamo traces this mode into the graph it builds: add nothing to it (the scores and overflow
             # bookkeeping inlined there broke Gemma 3's rotary; guards on its sets fail), but a graph break at attention
             return self.trace.compiled.during(self, canonical(func), types, args, kwargs)
         return self.trace.dispatch(canonical(func), args, kwargs, func)
+
+
+_BUILTINS = vars(torch._C.TensorBase)
+_PATCHES: dict = {}  # a Python function the mode was handed -> the builtin method it replaces (itself where none)
+
+
+def _called(func):
+    """The function a call handed to the mode as `func` ran: a Tensor method's builtin reaches a mode as whatever
+    `torch.Tensor.<name>` holds when it runs, so where the program replaced that attribute with its own wrapper
+    (`Tensor.masked_fill = counting`, which calls the builtin it kept), the mode is handed that wrapper, and calling it
+    would run the program's code a second time for one call of its own. The builtin runs instead, as under python
+    (the wrapper that called it is already running). Looked up once per function."""
+    found = _PATCHES.get(func)
+    if found is None:
+        found = func
+        for name, value in vars(torch.Tensor).items():
+            if value is func and name in _BUILTINS and name not in _TENSOR_OWN:
+                found = _BUILTINS[name]
+                break
+        else:  # (F.softmax hands the mode whatever F's global `softmax` holds: a program's wrapper, the same way)
+            for name, value in vars(F).items():
+                if value is func and _FUNCTIONAL.get(name, func) is not func:
+                    found = _FUNCTIONAL[name]
+                    break
+        if len(_PATCHES) < 4096:
+            _PATCHES[func] = found
+    return found
+
+
+_FUNCTIONAL = {name: value for name, value in vars(F).items() if type(value) is FunctionType}  # as torch defines them
+_TENSOR_OWN = frozenset(vars(torch.Tensor))  # (what torch.Tensor defines in Python itself, over the builtins: as torch
+# defines it, it is no patch)
 
 
 def has_values(tensor: torch.Tensor) -> bool:

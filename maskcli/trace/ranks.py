@@ -11,10 +11,12 @@ program ends (atomically: a part is whole or absent); rank 0 waits for every par
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import time
@@ -43,6 +45,8 @@ class Job:
     folder: Path
     started: float = field(default_factory=time.time)
     groups: list = field(default_factory=list)  # the process groups (their global ranks) this rank is in, past the world
+    stopped: float | None = None  # when a SIGTERM came after the program ended (the launcher stops the job: a rank failed)
+    failed_first: bool = False  # this rank reports on what is there at once: its program failed while the others ran
 
     def begin(self) -> None:
         """The folder made, and this rank's start said in it (so that rank 0 can tell a rank that died from a slow one)."""
@@ -65,11 +69,18 @@ class Job:
             pickle.dump(data, out, protocol=5)
         os.replace(temp, target)
 
-    def gather(self, timeout: float) -> tuple[dict[int, dict], dict[int, str]]:
+    def gather(self, timeout: float, status: int = 0) -> tuple[dict[int, dict], dict[int, str]]:
         """({rank: part} of the other ranks, {rank: why it has none}) once every rank wrote one, died, or `timeout`
-        seconds passed. The parts stay until clean(): the ranks that wrote them wait for that (wait_taken)."""
+        seconds passed. The parts stay until clean(): the ranks that wrote them wait for that (wait_taken). A rank
+        that reports in rank 0's place because its own program failed while rank 0's still ran (wait_taken) takes
+        what is there at once: the others may be waiting on it in a collective; rank 0 whose own program failed
+        (`status`) waits FAILED seconds at most, for the same reason (untraced, the launcher would stop them now)."""
         parts: dict[int, dict] = {}
         dead: dict[int, str] = {}
+        if self.failed_first:
+            timeout = 0.0
+        elif status and self.rank == 0 and timeout > FAILED:
+            timeout, self.failed_first = FAILED, True
         deadline = time.monotonic() + timeout
         waiting = set(range(self.world)) - {self.rank}
         while waiting:
@@ -83,26 +94,106 @@ class Job:
                 if why is not None:
                     dead[r] = why
                     waiting.discard(r)
-            if not waiting or time.monotonic() > deadline:
-                break
+            if not waiting or time.monotonic() > deadline or self.stopped is not None:
+                break  # (stopped: this pass, made after the signal, was the last: what arrived is reported at once)
             time.sleep(POLL)
         for r in sorted(waiting):
             began = self._marker(r)
-            dead[r] = (f"wrote no part within --rank-timeout {timeout:g} s: it hangs, or its program runs on"
+            dead[r] = (f"was still in its program when rank {self.rank}'s failed (the launcher then stops every rank, "
+                       "as it does untraced): its calls are not in this report" if self.failed_first else
+                       f"sent no part before the launcher stopped the job (SIGTERM, as it does once a rank fails): it "
+                       "failed, was killed, or its program still ran (its status is in the launcher's log)"
+                       if self.stopped is not None else
+                       f"wrote no part within --rank-timeout {timeout:g} s: it hangs, or its program runs on"
                        if began is not None else f"never started maskcli trace within --rank-timeout {timeout:g} s")
         return parts, dead
 
-    def wait_taken(self, timeout: float) -> None:
+    def wait_taken(self, timeout: float, status: int = 0) -> bool:
         """Wait until rank 0 has reported (it removes the parts), or `timeout` seconds: a launcher that sees one rank
-        exit with an error stops the others (torchrun does), which would stop rank 0 before its report."""
-        deadline = time.monotonic() + timeout
+        exit with an error stops the others (torchrun does), which would stop rank 0 before its report. Whether this
+        rank is to report instead (having claimed the report first: a file made only once, so one rank reports):
+        rank 0 died before its report (killed: no Python ran to say so) while this rank's part waits; or this rank's
+        program failed (`status`) and rank 0's has not ended within FAILED seconds (it claims the report then) (it may wait on this rank in a
+        collective, as untraced it would until the launcher stopped it: so this rank reports what there is, and
+        exits as it would have)."""
+        began = time.monotonic()
+        deadline = began + timeout
         mine = self.folder / f"part-{self.rank}.pkl"
         while mine.exists() and time.monotonic() < deadline:
+            if self._died(0) is not None and mine.exists():
+                return self._claim()
+            if status and time.monotonic() > began + FAILED and mine.exists() and self._claim():
+                self.failed_first = True  # (rank 0 claims the report as its program ends: it had not)
+                return True
+            if self.stopped is not None:
+                deadline = min(deadline, self.stopped + GRACE)
             time.sleep(POLL)
+        return False
+
+    def claim(self) -> bool:
+        """Whether this rank is the one to report (rank 0 claims it as its program ends; a rank that reports in its
+        place, first): where another claimed it, this rank's report is not made."""
+        if self._claim():
+            return True
+        try:
+            return (self.folder / "reporter").read_text() == str(os.getpid())
+        except OSError:
+            return True  # (no folder left to say: nobody else reported)
+
+    def _claim(self, again: bool = True) -> bool:
+        path = self.folder / "reporter"
+        try:
+            made = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except OSError:
+            try:
+                pid = int(path.read_text() or "0")
+            except (OSError, ValueError):
+                return False
+            if again and pid and pid != os.getpid() and _gone(pid):  # (it claimed it, then was killed: take it over)
+                path.unlink(missing_ok=True)
+                return self._claim(again=False)
+            return False
+        os.write(made, str(os.getpid()).encode())
+        os.close(made)
+        return True
+
+    def stop(self, number, frame) -> None:
+        """The SIGTERM handler from the program's end on (signals()): the waiting ends, the report comes out."""
+        self.stopped = time.monotonic()
+
+    def ended(self, world) -> None:
+        """The program has ended: from now on a SIGTERM ends the waiting (signals()), here and once `world` (run.World,
+        leaving) puts back maskcli's handlers, so that none comes between the program's end and the report. Rank 0
+        says so in the folder (the other ranks' wait_taken reads it)."""
+        if self.rank == 0:
+            self._claim()  # (where a rank whose program failed claimed it first, claim() says so at the report)
+        try:
+            signal.signal(signal.SIGTERM, self.stop)
+        except (ValueError, OSError):  # (not the main thread)
+            return
+        if signal.SIGTERM in world.ours:
+            self._before = world.ours[signal.SIGTERM]  # (maskcli's: signals() puts it back once the report is made)
+            world.ours[signal.SIGTERM] = self.stop
+
+    @contextlib.contextmanager
+    def signals(self):
+        """While the parts are written, gathered and reported: a SIGTERM (the launcher stopping the job because a rank
+        failed or was killed) ends the waiting, not the process, so the report of what arrived still comes out; the
+        handler before is put back after."""
+        try:
+            before = signal.signal(signal.SIGTERM, self.stop)
+        except (ValueError, OSError):  # (not the main thread)
+            yield
+            return
+        before = getattr(self, "_before", before)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
 
     def clean(self) -> None:
         for path in self.folder.glob("*"):
-            if path.name.startswith(("part-", "started-", ".part-", ".started-")):
+            if path.name.startswith(("part-", "started-", ".part-", ".started-", "reporter")):
                 path.unlink(missing_ok=True)
         try:
             self.folder.rmdir()
@@ -135,12 +226,17 @@ class Job:
         if began is None or began.get("host") != socket.gethostname():
             return None
         try:
-            os.kill(int(began["pid"]), 0)
+            pid = int(began["pid"])
+            os.kill(pid, 0)
         except ProcessLookupError:
-            if self._read(r) is None:  # (it may have written its part as it exited)
-                return f"died before its report (pid {began['pid']}): killed, or it crashed outside Python"
-        except (PermissionError, OSError, ValueError):
+            pass
+        except (PermissionError, OSError, ValueError, TypeError, KeyError):
             return None
+        else:
+            if not _zombie(pid):  # (killed, but not yet reaped by the launcher: gone all the same)
+                return None
+        if r != self.rank and self._read(r) is None:  # (it may have written its part as it exited)
+            return f"died before its report (pid {began['pid']}): killed, or it crashed outside Python"
         return None
 
 
@@ -155,6 +251,29 @@ class Parts(pickle.Unpickler):
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(f"a part holds {module}.{name}, which is no plain value")
         return super().find_class(module, name)
+
+
+FAILED = 5.0  # seconds a rank whose program failed waits for rank 0's program to end before it reports instead
+GRACE = 20.0  # seconds a rank waits on for rank 0's report after a SIGTERM (torchrun kills at 30)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether process `pid` has ended and waits to be reaped (Linux's /proc; elsewhere: not known, so no)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[:1] == [b"Z"]
+    except (OSError, IndexError):
+        return False
 
 
 STALE = 60.0  # seconds: a part or start written this long before this rank began is an earlier job's

@@ -9,6 +9,7 @@ program's process made; that process gathers the parts once its program ends (tr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -83,8 +84,29 @@ def traced(fn, settings: dict, index: int, *args) -> None:
     finally:
         from maskcli.trace.expect import check
 
-        failures = check(tracer.calls, settings["expect"]) if settings["expect"] else []
-        job.write(part(tracer, tracer.groups(), status, settings["program"], failures, tracer.notes(), [], job, watched))
+        with _held_term():  # (spawn's join stops the others once one process fails: this one's part is written first)
+            failures = check(tracer.calls, settings["expect"]) if settings["expect"] else []
+            job.write(part(tracer, tracer.groups(), status, settings["program"], failures, tracer.notes(), [], job, watched))
+
+
+@contextlib.contextmanager
+def _held_term():
+    """A SIGTERM that comes while a spawned process writes its part (its function has returned or raised) is held
+    until the part is written, then delivered as it came: the process ends by it, as it would have, its part kept."""
+    import signal
+
+    came = []
+    try:
+        before = signal.signal(signal.SIGTERM, lambda number, frame: came.append(number))
+    except (ValueError, OSError):  # (not the main thread)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+        if came:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def gather(spawns: Spawns, timeout: float):
