@@ -469,3 +469,23 @@ def test_olmo_core_grpo_logprobs_without_doc_lens(tmp_path):
     """allenai/open-instruct#1670: OLMo-core GRPO's forward_for_logprobs drops doc_lens, so packed rollouts attend
     across documents (written blind, batch blind-ab; caught before any rule was changed for it). The fix is quiet."""
     check_bug(tmp_path, "olmo_core_grpo_logprobs_without_doc_lens", "documents-leak")
+
+
+def test_nemotron_asr_streaming_eager_chunk_mask_inverted(tmp_path):
+    """huggingface/transformers#48817: NemotronAsrStreaming's eager path treats its additive chunk mask as bool,
+    applied inverted (batch blind-ai); written blind and caught before any rule was changed for it. The fix is
+    quiet."""
+    check_bug(tmp_path, "nemotron_asr_streaming_eager_chunk_mask_inverted", "padding-ignored")
+
+
+def test_mlx_embedders_qwen3_attention_mask_discarded(tmp_path):
+    """ml-explore/mlx-swift-lm#418: the Qwen3 embedder discards the caller's attention mask, so left-padded texts
+    attend their pads (batch blind-aj); written blind and caught before any rule was changed for it. The fix is
+    quiet."""
+    check_bug(tmp_path, "mlx_embedders_qwen3_attention_mask_discarded", "padding-ignored")
+
+
+def test_colossalai_pipeline_gpt_raw_mask_on_later_stage(tmp_path):
+    """hpcaitech/ColossalAI#430: only the first pipeline stage turns the 0/1 attention mask into a bias; later stages
+    add it raw (batch blind-ak); written blind and caught before any rule was changed for it. The fix is quiet."""
+    check_bug(tmp_path, "colossalai_pipeline_gpt_raw_mask_on_later_stage", "padding-ignored")

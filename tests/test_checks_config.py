@@ -516,3 +516,10 @@ def test_sliding_layers_full_behind_a_sink_column_written_otherwise(tmp_path):
     assert "layer 1 is a sliding layer" in found[0]["message"].replace("\n", " ")
     _, _, report = traced(tmp_path, "sink_column_sliding_layers_full", True, WINDOWS)
     assert "(2,2,7,7)  window(3)" in report and "(2,2,7,8)" not in report
+
+
+def test_mimi_encoder_transformer_causal_mask_without_sliding_window(tmp_path):
+    """huggingface/transformers#43971: Mimi's encoder transformer builds a plain causal mask and ignores
+    config.sliding_window (batch blind-ai); written blind and caught before any rule was changed for it. The fix
+    is quiet."""
+    check_bug(tmp_path, "mimi_encoder_transformer_causal_mask_without_sliding_window", "window-missing")

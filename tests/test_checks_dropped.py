@@ -225,3 +225,9 @@ def test_a_causal_word_lost_on_a_padded_batch_at_the_same_layers_is_found(tmp_pa
     lengths = (5, 3)
     assert tuple(found[0]["cell"]) == first((2, 5, 5), lambda b, q, k: q < lengths[b] and k < lengths[b] and k > q)
     assert "use_bidirectional_attention=False (self.config of Embedder (EmbedConfig))" in found[0]["message"]
+
+
+def test_ipex_llm_first_token_sdp_causal_drops_mask(tmp_path):
+    """intel/ipex-llm#11153: the first token's SDPA path runs is_causal alone and drops the padding mask (batch blind-
+    ah); written blind and caught before any rule was changed for it. The fix is quiet."""
+    check_bug(tmp_path, "ipex_llm_first_token_sdp_causal_drops_mask", "mask-argument-dropped")

@@ -605,3 +605,11 @@ def test_a_ragged_batch_attended_one_request_at_a_time_is_not_padding(tmp_path):
     status, found, report = traced(tmp_path, "sglang_cpu_extend_attention_encoder_only_causal", True,
                                    Path(__file__).parent / "data" / "bugs")
     assert [f for f in found if f["code"] == "padding-unused"] == [], report
+
+
+def test_funasr_vllm_adaptor_blocks_attend_right_padding(tmp_path):
+    """vllm-project/vllm#55167: vLLM's FunASR adaptor blocks run attention with no lengths, so a short request attends
+    the batch's right padding (batch blind-ai). Its later run of one row alone holds the batch's lengths too:
+    that is no ragged loop (the site's calls are counted within one model call); written blind and caught before
+    any rule was changed for it. The fix is quiet."""
+    check_bug(tmp_path, "funasr_vllm_adaptor_blocks_attend_right_padding", "padding-unused")

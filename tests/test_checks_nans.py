@@ -79,3 +79,10 @@ def test_exllamav2_padded_batch_attn_mask_neg_inf_nan(tmp_path):
     tokens through the next layer and the cache (written blind, batch blind-r; caught before any rule was changed
     for it)."""
     check_bug(tmp_path, "exllamav2_padded_batch_attn_mask_neg_inf_nan", "nan-spread")
+
+
+def test_icefall_zipformer_chunk_mask_padding_rows_nan(tmp_path):
+    """k2-fsa/icefall#774: Zipformer's chunk mask with limited left chunks leaves padded frames' rows masked
+    everywhere, NaN that reaches real frames in the next layer (batch blind-ai); written blind and caught before
+    any rule was changed for it. The fix is quiet."""
+    check_bug(tmp_path, "icefall_zipformer_chunk_mask_padding_rows_nan", "nan-spread")

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from checkbugs import check_bug
 from maskcli import tracefile
 from maskcli.checks.rows import empty_rows, given_empty_rows, given_later, later
 
@@ -477,3 +478,23 @@ def test_queries_over_a_static_cache_are_placed_where_the_model_call_states_them
     bad = [q for q in range(q_len) if q >= pads[1] or q >= pads[0]]  # real queries that see slot q + 1
     [found] = later(*call(mask(1)), None, real, None, lambda: places)
     assert found.message.startswith(f"query rows {bad[0]}-{bad[-1]} see later keys")
+
+
+def test_palm_rlhf_encoder_reward_model_key_mask_inverted(tmp_path):
+    """lucidrains/PaLM-rlhf-pytorch 6e1baf6: the encoder reward model's key padding mask `x < 0` used as a keep-mask,
+    so every real key is masked (batch blind-af); written blind and caught before any rule was changed for it.
+    The fix is quiet."""
+    check_bug(tmp_path, "palm_rlhf_encoder_reward_model_key_mask_inverted", "fully-masked")
+
+
+def test_midashenglm_audio_encoder_mask_inverted_for_sdpa(tmp_path):
+    """vllm-project/vllm#25925: MiDashengLM's audio encoder hands SDPA its length mask inverted (batch blind-ai);
+    written blind and caught before any rule was changed for it. The fix is quiet."""
+    check_bug(tmp_path, "midashenglm_audio_encoder_mask_inverted_for_sdpa", "fully-masked")
+
+
+def test_tinytorch_gpt_additive_causal_mask_into_binary_apply_mask(tmp_path):
+    """harvard-edge/cs249r_book#1785: TinyTorch's GPT passes an additive -inf causal mask to a binary _apply_mask,
+    every kept key gets -1e9 (batch blind-ak); written blind and caught before any rule was changed for it. The
+    fix is quiet."""
+    check_bug(tmp_path, "tinytorch_gpt_additive_causal_mask_into_binary_apply_mask", "fully-masked")

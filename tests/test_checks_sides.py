@@ -77,3 +77,9 @@ def test_one_pad_statement_and_an_encoder_decoders_attention_mask(monkeypatch):
     assert finding.code == "real-query-blind" and finding.cell == (0, 1, 1)
     run = sides.Run([Call()], [Top("Model", EncoderDecoder(), arguments, 0, 1)], [])
     assert sides.sides(run) == []
+
+
+def test_verl_rm_dataset_chosen_mask_from_rejected_ids(tmp_path):
+    """verl-project/verl#1411: RMDataset stacks the rejected row's token ids as the chosen row's attention_mask (batch
+    blind-af); written blind and caught before any rule was changed for it. The fix is quiet."""
+    check_bug(tmp_path, "verl_rm_dataset_chosen_mask_from_rejected_ids", "real-query-blind")

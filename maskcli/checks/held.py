@@ -150,10 +150,10 @@ def _tracks_keys(run: Run, call, held: dict) -> bool:
 def _per_sequence(run: Run, call, held: dict) -> bool:
     """Held lengths the call's site runs over one sequence at a time (checks/ragged.py): its calls holding lengths of
     that name and values have each length's keys (SGLang's CPU extend kernel, one softmax per request)."""
-    found = held["rows"]
-    return held["kind"] == "lengths" and one_at_a_time(run, call, found, lambda one: any(
-        h["kind"] == "lengths" and h["name"] == held["name"] and np.array_equal(h["rows"], found)
-        for h in one.details.get("held_padding") or ()), key=(held["name"], found.tobytes()))
+    found, top = held["rows"], run.top(call)  # (within one model call: the program's own run of one row alone, later,
+    return held["kind"] == "lengths" and one_at_a_time(run, call, found, lambda one: run.top(one) is top and any(
+        h["kind"] == "lengths" and h["name"] == held["name"] and np.array_equal(h["rows"], found)  # is no loop)
+        for h in one.details.get("held_padding") or ()), key=(id(top), held["name"], found.tobytes()))
 
 
 def _length(held: dict) -> int | None:
