@@ -34,7 +34,8 @@ import torch
 # looked at by hand). real-query-blind: XLM's rows built from the ids alone, which see the padding as well
 CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-blind": "padding",
           "encoder-padding-ignored": "padding", "documents-leak": "across documents", "varlen-leak": "across documents",
-          "sees-its-target": "sees later", "sees-later": "sees later", "causal-lost": "sees later"}
+          "sees-its-target": "sees later", "sees-later": "sees later", "causal-lost": "sees later",
+          "left-pads-never-masked": "padding", "samples-leak": "across documents"}
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
 
