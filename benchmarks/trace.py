@@ -236,6 +236,15 @@ def many(distinct: int, calls: int, runs: int) -> None:
           f"{(recorded + reported) / plain:.1f}x the loop")
 
 
+def tiny_llama(LlamaConfig, LlamaForCausalLM):  # noqa: N803 - transformers' classes, imported by the caller
+    """The tiny llama the generate figures use (2 layers, seed 0), with its left-padded rows of ids and their mask."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, pad_token_id=0)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    return LlamaForCausalLM(config).eval(), ids, (ids != 0).long()
+
+
 def hf_generate(runs: int) -> None:
     """A tiny llama's generate (6 attention calls) traced, untraced, and inside a mode that does nothing: the ratios."""
     try:
@@ -251,12 +260,7 @@ def hf_generate(runs: int) -> None:
             return func(*args, **(kwargs or {}))
 
     transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, pad_token_id=0)
-    model = LlamaForCausalLM(config).eval()
-    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
-    mask = (ids != 0).long()
+    model, ids, mask = tiny_llama(LlamaConfig, LlamaForCausalLM)
 
     def run(context) -> tuple[float, float]:
         wall, cpu = time.perf_counter(), time.process_time()

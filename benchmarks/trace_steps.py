@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
+import importlib.util
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -38,6 +38,16 @@ STEPS = [("maskcli.trace.capture", "Trace", "__init__"), ("maskcli.trace.capture
          ("maskcli.trace.tops", "", "top"), ("maskcli.trace.tops", "", "padded_input"), ("maskcli.trace.tops", "", "withheld")]
 
 
+def _benchmark_trace():
+    """benchmarks/trace.py as a module (its name is the standard library's `trace`: loaded from its path)."""
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("maskcli_benchmark_trace", Path(__file__).with_name("trace.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=40)
@@ -48,12 +58,7 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, pad_token_id=0)
-    model = LlamaForCausalLM(config).eval()
-    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
-    mask = (ids != 0).long()
+    model, ids, mask = _benchmark_trace().tiny_llama(LlamaConfig, LlamaForCausalLM)
     clock = time.thread_time_ns
     spent, calls = defaultdict(int), Counter()
     skipping = _bound() if args.bound else None
