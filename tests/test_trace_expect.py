@@ -177,3 +177,11 @@ def test_an_encoder_decoder_holds_causal_on_its_decoder_and_full_on_its_memory(t
     assert result.exit_code == 0 and "every call matched holds (3 expectations)" in result.stderr, result.output
     result, _ = trace(tmp_path, "--expect", "*decoder.layers.*.self_attn=full", script)
     assert result.exit_code == 1 and "row 0: the call sees 0, full sees 0-8" in " ".join(result.stderr.split()), result.output
+
+
+def test_a_pattern_over_a_run_with_no_call_says_none_was_recorded():
+    """A rank (or a program) that never called attention: the line says so, not 'calls came from no calls at all'."""
+    from maskcli.trace.expect import check
+
+    assert check([], [("sdpa", "causal")]) == [
+        "--expect sdpa=causal: no call matches 'sdpa' (no attention call was recorded)"]

@@ -117,8 +117,9 @@ def check(calls: list, expectations: list[tuple[str, str]], names=lambda call: (
         expression, stated = stated_padding(written)
         matched = [call for call in calls if any(fnmatchcase(name, pattern) for name in names(call))]
         if not matched:
-            known = ", ".join(sorted({name for call in calls for name in names(call)})[:6]) or "no calls at all"
-            lines.append(f"{head}: no call matches {pattern!r} (calls came from {known})")
+            known = ", ".join(sorted({name for call in calls for name in names(call)})[:6])
+            lines.append(f"{head}: no call matches {pattern!r} "
+                         f"({f'calls came from {known}' if known else 'no attention call was recorded'})")
             continue
         differing = []
         for call in matched:
