@@ -371,7 +371,13 @@ def test_a_spawned_process_stopped_as_another_is_killed_still_reports_its_calls(
         def work(rank):
             x = torch.randn(1, 1, 5, 8)
             F.scaled_dot_product_attention(x, x, x, attn_mask=torch.tril(torch.ones(5, 5, dtype=torch.bool)))
+            if rank == 0:
+                open(FLAG, "w").close()  # (rank 1 waits for it: on a loaded machine rank 0 may start late)
             if rank == 1:
+                for _ in range(1200):
+                    if os.path.exists(FLAG):
+                        break
+                    time.sleep(0.1)
                 time.sleep(0.5)
                 os.kill(os.getpid(), 9)
 
@@ -381,7 +387,7 @@ def test_a_spawned_process_stopped_as_another_is_killed_still_reports_its_calls(
             except Exception as error:
                 print(type(error).__name__)
                 sys.exit(5)
-    """))
+    """).replace("FLAG", repr(str(tmp_path / "attended"))))
     save = str(tmp_path / "run.pt")
     result = runner.invoke(app, ["trace", "--save", save, str(path)], env={name: None for name in LAUNCHED})
     assert result.exit_code == 5, result.output
