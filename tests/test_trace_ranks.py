@@ -324,6 +324,7 @@ rank = dist.get_rank()
 keep = torch.tril(torch.ones(5, 5, dtype=torch.bool))
 x = torch.randn(1, 1, 5, 8)
 F.scaled_dot_product_attention(x, x, x, attn_mask=keep)
+dist.barrier()  # (both ranks have attended before one is killed, however late the other started)
 if rank == int(sys.argv[1]):
     os.kill(os.getpid(), 9)
 print(f"rank {rank} done", flush=True)
