@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, keep
+from maskcli.checks.context import Run
 from maskcli.checks.held import edge_runs
+from maskcli.checks.memturned import by_row
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -36,11 +37,10 @@ def memory_pads_only(run: Run) -> list:
         key = (call.mask, call.shape, real.tobytes())
         if key not in done:
             done[key] = None
-            cells = keep(call)
+            cells = by_row(call, rows)
             padded = ~real.all(axis=1)
-            if cells is not None and cells.shape[0] in (1, rows) and padded.any() and real.any(axis=1).all():
-                seen = np.broadcast_to(cells.any(axis=1), (rows, call.shape[2], k_len))[padded]
-                if (seen == ~real[padded][:, None, :]).all():
+            if cells is not None and padded.any() and real.any(axis=1).all():
+                if (cells[padded] == ~real[padded][:, None, :]).all():
                     b = int(np.flatnonzero(padded)[0])
                     pads = np.flatnonzero(~real[b]).tolist()
                     said_by = source if source.startswith("input ids") else "the " + source
@@ -68,7 +68,7 @@ def _fixed_length(arguments: dict, rows: int, length: int) -> tuple[np.ndarray, 
             or pad_id in {arguments.get(n) for n in ("tokenizer_eos_id", "tokenizer_bos_id")}:
         return None
     pad = tokens == pad_id
-    if not pad.any() or pad.all(axis=1).any() or not edge_runs(~pad, right_only=False):
+    if not edge_runs(~pad, right_only=False):  # (some row padded, none all padding, each at one edge)
         return None
     return ~pad, f"input ids equal to the pad id {pad_id} of {arguments.get('tokenizer', 'the tokenizer')}", True
 

@@ -16,26 +16,18 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.held import edge_runs
 from maskcli.checks.real import read_off
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
-def _by_row(call, rows: int) -> np.ndarray | None:
+def by_row(call, rows: int) -> np.ndarray | None:
+    """The call's kept cells with the heads folded (any head keeps a cell), (rows, Lq, Lk); None where unread."""
     cells = keep(call)
     if cells is None or cells.shape[0] not in (1, rows):
         return None
     return np.broadcast_to(cells.any(axis=1), (rows, *cells.shape[2:]))
-
-
-def _edge_runs(real: np.ndarray) -> bool:
-    """Every row's padding (~real) is one run at its start or at its end, some row padded and none all padding."""
-    pad = ~real
-    if not pad.any() or pad.all(axis=1).any():
-        return False
-    columns = np.arange(pad.shape[1])[None, :]
-    count = pad.sum(axis=1, keepdims=True)
-    return bool((((columns < count) == pad) | ((columns >= pad.shape[1] - count) == pad)).all(axis=1).all())
 
 
 def _encoders(run: Run) -> dict:
@@ -57,10 +49,10 @@ def _encoder_padding(encoders: dict, read: dict, call, top, rows: int, k_len: in
             continue
         key = (other.mask, other.shape)
         if key not in read:
-            cells = _by_row(other, rows)
+            cells = by_row(other, rows)
             real = None if cells is None else read_off(cells, np.arange(k_len))[0]
             both = real is not None and bool((cells | ~(real[:, :, None] & real[:, None, :])).all())
-            read[key] = real if both and _edge_runs(real) else None  # (an encoder: each real token sees every real
+            read[key] = real if both and edge_runs(real, right_only=False) else None  # (an encoder: each real token sees every real
             # token of its row; a decoder's causal self-attention over as many tokens says nothing of the memory)
         if read[key] is not None:
             return read[key], other.where
@@ -84,7 +76,7 @@ def memory_turned(run: Run) -> list:
         if key in done:
             continue
         done.add(key)
-        cells = _by_row(call, rows)
+        cells = by_row(call, rows)
         if cells is None:
             continue
         padded = (~real).any(axis=1)
