@@ -9,6 +9,7 @@ these as transformers reads them; nothing here imports torch or transformers.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 import weakref
@@ -58,6 +59,15 @@ class Run:
                 found.update(dict.fromkeys(range(top.first, top.end), top))
             index = self.__dict__["_tops"] = ((id(self.tops), len(self.tops)), found)
         return index[1].get(call.index)
+
+    def made_by(self, top: Top) -> list:
+        """The calls of `top` ([top.first, top.end) of the call indices, its inner model calls' too), in order. A slice
+        of run.calls at those indices is not it: engine.py's Run leaves out the cross-attention calls and the softmaxes
+        of sites that mask nowhere, so the calls after one sit at lower places than their indices (calls are kept
+        in index order: found by bisection)."""
+        calls = self.calls
+        first = bisect.bisect_left(calls, top.first, key=lambda call: call.index)
+        return calls[first:bisect.bisect_left(calls, top.end, first, key=lambda call: call.index)]
 
     def placed(self, call) -> tuple[Top | None, np.ndarray, bool]:
         """(run.top(call), queries(call, top) read-only, columns_are_positions(call, top)), found once per call for

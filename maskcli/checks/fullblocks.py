@@ -52,7 +52,7 @@ def same_mask(run: Run) -> list:
         full, source = set(said[0].fields[FIELD]), said[0].source
         scope = said[0].scope or ""
         blocks: dict = {}  # block number -> its calls of this model call, in order
-        for call in run.calls[top.first:top.end]:
+        for call in run.made_by(top):
             index = layer(call)
             if index is None or scope and not (call.where or "").startswith(scope):
                 continue

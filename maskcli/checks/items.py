@@ -95,7 +95,7 @@ def placed(run: Run, top, length: int) -> list[tuple[object, int]]:
     a call over all of them, or the calls of one layer that hold them one part after another, in order (one call per
     image, or per request: transformers' SDPA path splits a tower's sequence by cu_seqlens); other calls left out."""
     by_layer: dict = {}
-    for call in run.calls[top.first:top.end]:
+    for call in run.made_by(top):
         if not cross(call) and call.shape[0] == 1 and call.shape[2] == call.shape[3] <= length:
             by_layer.setdefault((layer(call), call.where), []).append(call)
     found = []

@@ -40,7 +40,7 @@ def over_memory(run: Run) -> list:
             continue
         length, source, scope = said[0].fields[FIELD], said[0].source, said[0].fields.get("mem_scope") or ""
         done = set()
-        for call in run.calls[top.first:top.end]:
+        for call in run.made_by(top):
             q_len, k_len = call.shape[2], call.shape[3]
             if k_len - q_len <= length or cross(call) or scope and not (call.where or "").startswith(scope):
                 continue

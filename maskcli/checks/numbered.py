@@ -110,8 +110,7 @@ def leaks(run: Run) -> list:
         labels, numbers = read
         said = f"attention_mask given to {top.where}"
         sites: dict = {}
-        for call in run.calls[top.first:top.end] if _indexed(run, top) else \
-                [c for c in run.calls if top.first <= c.index < top.end]:
+        for call in run.made_by(top):
             if run.top(call) is top and call.stored is not None and not cross(call):
                 sites.setdefault(call.where, []).append(call)
         done = set()
@@ -142,13 +141,6 @@ def leaks(run: Run) -> list:
                         f"the runs of the numbers (a number met again after another is another sample)"),
                         expected="one segment per run of a sample number", source=said, cell=(0, q, k))))
     return found
-
-
-def _indexed(run: Run, top) -> bool:
-    """Whether the run's calls sit at their own indices (a slice is then the top's calls)."""
-    calls = run.calls
-    return bool(calls) and top.first < top.end and top.end <= len(calls) and calls[top.first].index == top.first \
-        and calls[top.end - 1].index == top.end - 1
 
 
 RULES = (

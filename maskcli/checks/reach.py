@@ -42,7 +42,7 @@ def leaks(cells: np.ndarray) -> np.ndarray | None:
 def _shared(run: Run, top):
     """(call, its kept cells, how many calls share them) once per mask that two or more square self-attention calls
     of the model call share (one layer alone: nothing reads its keys one layer on)."""
-    calls = [call for call in run.calls[top.first:top.end] if call.stored is not None and not cross(call)
+    calls = [call for call in run.made_by(top) if call.stored is not None and not cross(call)
              and call.shape[2] == call.shape[3] > 2]
     counts: dict = {}
     for call in calls:

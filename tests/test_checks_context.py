@@ -1,0 +1,29 @@
+"""checks/context.py: Run.made_by, the calls of one model call, against a filter over every call's own index (the run's
+calls are a subset of the trace's: engine.py leaves out cross-attention calls and softmaxes of sites that mask
+nowhere, so a slice of run.calls at a model call's indices is not its calls)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from maskcli.checks.context import Run, Top
+
+
+@given(st.sets(st.integers(0, 60)), st.integers(0, 60), st.integers(0, 30))
+def test_made_by_is_every_kept_call_whose_index_the_model_call_spans(kept, first, length):
+    calls = [SimpleNamespace(index=index) for index in sorted(kept)]
+    top = Top("model", first=first, end=first + length)
+    assert Run(calls, [top]).made_by(top) == [call for call in calls if first <= call.index < first + length]
+
+
+def test_a_model_call_after_a_left_out_call_gets_its_own_calls_not_its_neighbours():
+    # the trace's calls 0-5; the engine left out call 1 (an MoE router's softmax) and call 3 (a cross-attention)
+    calls = [SimpleNamespace(index=index) for index in (0, 2, 4, 5)]
+    first, second = Top("step 0", first=0, end=3), Top("step 1", first=3, end=6)
+    run = Run(calls, [first, second])
+    assert [call.index for call in run.made_by(first)] == [0, 2]
+    assert [call.index for call in run.made_by(second)] == [4, 5]
+    assert [call.index for call in run.calls[second.first:second.end]] == [5]  # (what a slice gave)
