@@ -149,6 +149,7 @@ def placing(options: dict):
     length, q_start = options["length"], options.get("offset") or 0
     frame = Frame(q_start, length, 0, options.get("kv_len") or q_start + length)
     if set(options) <= PLACING:
+        frame.q_column, frame.k_end, frame.n  # noqa: B018 (read once here, cached: what lacking and the kinds read)
         return frame, None
     given = MaskOptions(**options)
     try:
@@ -189,7 +190,7 @@ def table(listed: list[tuple[object, dict]], rows: Intervals | None = None, know
             for i in [i for i in members if ruled_out(listed[i][0], lacks)]:
                 found[i] = RULED_OUT
             members = [i for i in members if found[i] is None]
-        made = known.get(("made", _where(frame))) if known is not None and not frame.padded else None
+        made = known.get(("made", _where(frame))) if known is not None and frame.key_valid is None else None
         kept = {i: made[id(listed[i][0])][1] for i in members
                 if made is not None and id(listed[i][0]) in made and made[id(listed[i][0])][0] is listed[i][0]}
         todo = [i for i in members if i not in kept]  # (`candidates` made the rest, at these positions)
