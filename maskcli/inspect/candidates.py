@@ -307,8 +307,10 @@ def same_each(got: Intervals, want: Intervals) -> np.ndarray:
 def runs(keep: np.ndarray) -> Intervals | None:
     """A (Lq, Lk) keep matrix's cells as exact key intervals per query row (keys from 0), (1, Lq, K), in the normal
     form intervals.py keeps; None where a row has more runs than a few (then cells are compared)."""
+    frame = Frame(0, 1, 0, keep.shape[1])
+    frame.k_end  # noqa: B018 (read where the frame is made: cached for key_runs)
     try:
-        rows = key_runs(keep, Frame(0, 1, 0, keep.shape[1]), "the tensor")  # each query row read as a batch row's
+        rows = key_runs(keep, frame, "the tensor")  # each query row read as a batch row's
     except NotFew:
         return None
     return Intervals(rows.starts[None, :, 0], rows.ends[None, :, 0], rows.k_start, rows.k_end)
