@@ -120,6 +120,8 @@ PROGRAMS = [
     ("encoder_bidirectional_dict", (), "bidirectional-run-causal", "bidirectional=True (config (dict) at the top of"),
     # an attention module's own attn_type (a str constant, vLLM's AttentionType) says ENCODER_ONLY; the backend runs causal
     ("encoder_only_attention_type_str", (), "bidirectional-run-causal", "attn_type='ENCODER_ONLY' (self.attn_type=encoder_only of layers.0.attn)"),
+    # use_bidirectional_attention="all" (Gemma 4's string, not a bool) in a dict on self.cfg, left-padded, additive mask
+    ("encoder_bidirectional_all_dict", (), "bidirectional-run-causal", "use_bidirectional_attention='all' (self.cfg of Encoder (dict))"),
     # a one-sided window where use_bidirectional_attention (hparams) or causal=False (argparse) says both ways
     ("symmetric_window_hparams", (), "window-one-sided", "sliding_window=3 (self.hparams of LocalEncoder (HParams))"),
     ("symmetric_window_namespace", (), "window-one-sided", "window_size=2 (args (Namespace) at the top of"),
@@ -523,3 +525,12 @@ def test_mimi_encoder_transformer_causal_mask_without_sliding_window(tmp_path):
     config.sliding_window (batch blind-ai); written blind and caught before any rule was changed for it. The fix
     is quiet."""
     check_bug(tmp_path, "mimi_encoder_transformer_causal_mask_without_sliding_window", "window-missing")
+
+
+def test_gemma4_bidirectional_all_still_causal(tmp_path):
+    # huggingface/transformers#46077 (written blind, batch blind-as): use_bidirectional_attention="all" never set
+    # is_causal=False, so the mask helpers built causal masks; its fix (random ids, a hand-made right-padding mask) is
+    # quiet: no id is the pad id, the mask is the batch's only padding statement (checks/tokens.py's _filler)
+    pytest.importorskip("transformers")
+    flagged = check_bug(tmp_path, "gemma4_bidirectional_all_still_causal_mask", "bidirectional-run-causal")
+    assert "use_bidirectional_attention='all'" in flagged[0]["source"]

@@ -333,3 +333,21 @@ def test_a_pad_that_is_the_eos_is_read_only_as_a_leading_run_two_long():
     assert lead.sum(axis=1).tolist() == [2, 0, 3]  # (the closing EOS of each row is text)
     assert _leading_runs(np.array([[1, 5, 6], [7, 8, 1]]) == 1, None) is None  # one leading EOS: a BOS, say
     assert _leading_runs(ids == 1, "right") is None
+
+
+def test_a_hand_made_padding_mask_over_filler_ids_is_no_masked_text():
+    from maskcli.checks.tokens import _filler
+    # no id at the pad id; the mask's 0s one run at the end of a row, the longest row unpadded: padding, not text
+    at_pad = np.zeros((2, 10), bool)
+    given = np.ones((2, 10), int)
+    given[1, 7:] = 0
+    assert _filler(at_pad, given, None)
+    every = given.copy()
+    every[0, 8:] = 0  # every row has 0s (a response masked in each row: DPO#1): not a padded batch's shape
+    assert not _filler(at_pad, every, None)
+    inside = given.copy()
+    inside[0, 3] = 0  # a 0 inside a row: not padding
+    assert not _filler(at_pad, inside, None)
+    stated = at_pad.copy()
+    stated[1, 9] = True  # the ids state padding with the pad id somewhere: they speak, the mask is judged against them
+    assert not _filler(stated, given, None)

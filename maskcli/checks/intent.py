@@ -271,10 +271,11 @@ class Intent:
 
     def bidirectional(self) -> str | None:
         """The field that states the attention bidirectional (is_causal=False, causal=False, bidirectional=True,
-        use_bidirectional_attention=True); None where none does or they disagree."""
+        use_bidirectional_attention=True or "all"); None where none does or they disagree."""
         said = {name: self.values[name] is (name in ("bidirectional", "use_bidirectional_attention"))
                 for name in ("is_causal", "causal", "bidirectional", "use_bidirectional_attention")
                 if isinstance(self.values.get(name), bool)}
+        said.update({"use_bidirectional_attention": True} if self.values.get("use_bidirectional_attention") == "all" else {})
         for name in ("attn_type", "attention_type"):
             if isinstance(self.values.get(name), str) and name not in said:
                 said[name] = self.values[name] in ENCODER_TYPES
@@ -284,8 +285,7 @@ class Intent:
 
     def causal(self) -> str | None:
         """The field that states the attention causal (is_causal=True, causal=True, force_causal_mask=True,
-        use_bidirectional_attention=False); None
-        where none does, or one of them says False (they disagree)."""
+        use_bidirectional_attention=False); None where none does, or one of them says False (they disagree)."""
         said = {name: self.values[name] for name in ("is_causal", "causal", "force_causal_mask")
                 if isinstance(self.values.get(name), bool)}
         if isinstance(self.values.get("use_bidirectional_attention"), bool):  # (False: the causal model's own word)

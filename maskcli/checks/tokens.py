@@ -16,7 +16,9 @@ Where the attention_mask disagrees with the ids, the ids win: they are the data 
 - real-tokens-masked: the attention_mask marks 0 tokens that are not the pad id, of at least two different ids in
   one row (padding is one id; these are text), and the attention hides from a query such a token before it
   (0xallam/Direct-Preference-Optimization#1: the collator's mask zero over every response token, so no response
-  token attends the response before it).
+  token attends the response before it). Left alone where no id of the batch is the pad id and the mask's 0s are a
+  padded batch's (one run at one edge of a row, the longest row unpadded): the mask is then the only padding the
+  program states, over filler ids (transformers#46077's fix: random ids, `attention_mask[1, 7:] = 0`).
 - sees-its-target: the program's loss takes the model call's own input ids shifted by one as its targets (trace/
   losses.py: a next-token predictor), yet a query sees the key one position after it, the very token it is asked
   to predict (pytorch/tutorials#2478: the word-language-model tutorial ran nn.TransformerEncoder without its
@@ -87,6 +89,15 @@ def _leading_runs(at_pad: np.ndarray, side: str | None) -> np.ndarray | None:
     return lead if count.any() and (count[count > 0] >= 2).all() else None
 
 
+def _filler(at_pad: np.ndarray, given: np.ndarray, side: str | None) -> bool:
+    """The attention_mask is the batch's only padding statement: no id of the batch is the pad id, and its 0s are the
+    shape of a padded batch (one run at one edge of each row, the longest row unpadded): the ids under them are filler
+    (random ids a test draws beside a hand-made mask, transformers#46077's embedding batch), not masked text."""
+    zeros = given == 0
+    return not at_pad.any() and _run_at_edge(zeros, side) and not zeros.all(axis=1).any() \
+        and not zeros.any(axis=1).all()
+
+
 def _start_token(run: Run, top, at_pad: np.ndarray, pad_id: int) -> bool:
     """Every row begins with one token at the pad id, a decoder's start token: the config says the start id is the pad
     id, or the module's own calls cross-attend to an encoder (an encoder-decoder's decoder, however its config is held)."""
@@ -138,7 +149,7 @@ def tokens(run: Run) -> list:
                 and (padded & (given == 1)).any() and not _start_token(run, top, padded, pad_id):
             found += _unmarked(run, top, padded, given, pad_id, said, side)
         hidden = (given == 0) & ~at_pad
-        if any(len(np.unique(ids[b][hidden[b]])) >= 2 for b in range(rows)):
+        if not _filler(at_pad, given, side) and any(len(np.unique(ids[b][hidden[b]])) >= 2 for b in range(rows)):
             found += _masked(run, top, hidden, given, pad_id, said)
     return found + _held_unmarked(run, seen)
 
