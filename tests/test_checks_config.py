@@ -120,6 +120,8 @@ PROGRAMS = [
     ("encoder_bidirectional_dict", (), "bidirectional-run-causal", "bidirectional=True (config (dict) at the top of"),
     # an attention module's own attn_type (a str constant, vLLM's AttentionType) says ENCODER_ONLY; the backend runs causal
     ("encoder_only_attention_type_str", (), "bidirectional-run-causal", "attn_type='ENCODER_ONLY' (self.attn_type=encoder_only of layers.0.attn)"),
+    # the model's own `self.is_causal = False` (no config), a right-padded batch, SDPA with a bool keep-mask and-ed causal
+    ("model_is_causal_false_sdpa", (), "bidirectional-run-causal", "is_causal=False (self.is_causal=False of Denoiser)"),
     # use_bidirectional_attention="all" (Gemma 4's string, not a bool) in a dict on self.cfg, left-padded, additive mask
     ("encoder_bidirectional_all_dict", (), "bidirectional-run-causal", "use_bidirectional_attention='all' (self.cfg of Encoder (dict))"),
     # a one-sided window where use_bidirectional_attention (hparams) or causal=False (argparse) says both ways
@@ -534,3 +536,10 @@ def test_gemma4_bidirectional_all_still_causal(tmp_path):
     pytest.importorskip("transformers")
     flagged = check_bug(tmp_path, "gemma4_bidirectional_all_still_causal_mask", "bidirectional-run-causal")
     assert "use_bidirectional_attention='all'" in flagged[0]["source"]
+
+
+def test_llada_masked_diffusion_run_with_the_arm_causal_mask(tmp_path):
+    # LounesMD/LLaDA_Arithmetic#3 (written blind, batch blind-as): TransformerModel(causal=False) for the masked-diffusion
+    # model, yet its forward always builds log(tril): the model's own flag states it bidirectional (trace/stated.py)
+    flagged = check_bug(tmp_path, "llada_arithmetic_masked_diffusion_uses_causal_mask", "bidirectional-run-causal")
+    assert flagged[0]["source"].startswith("causal=False (self.causal=False of TransformerModel)")

@@ -221,10 +221,19 @@ def _neighbours(root, path) -> list[Stated]:
 def _model_causal(root) -> list[Stated]:
     """The outermost module's own `causal` / `is_causal` = True (a language model that packs memory slots beside its
     tokens and builds its own mask: recurrent-memory-transformer's `self.causal`), as `model_causal` for its calls
-    (checks/reach.py); its layers' own flags say how each kernel is called, not what the model is."""
+    (checks/reach.py); its layers' own flags say how each kernel is called, not what the model is. False: the model
+    states its attention both ways (checks/config.py's bidirectional-run-causal), a part of it that may be a decoder
+    (cross-attention, nn.TransformerDecoder) said as `decoder`."""
     for name in ("causal", "is_causal"):
         if vars(root).get(name) is True:
             return [Stated(f"self.{name}=True of {type(root).__name__}", None, {"model_causal": True})]
+        if vars(root).get(name) is False:  # the model's own word that it attends both ways (LLaDA_Arithmetic#3's
+            # TransformerModel(causal=False)), about attention where no convolution or RNN under it could be meant
+            other = any(isinstance(m, (torch.nn.modules.conv._ConvNd, torch.nn.RNNBase)) for m in root.modules())
+            decoder = any(isinstance(m, (torch.nn.TransformerDecoderLayer, torch.nn.TransformerDecoder)) for m in
+                          root.modules()) or any(w in n for n, _ in root.named_modules() for w in ("cross", "encoder_attn"))
+            return [Stated(f"self.{name}=False of {type(root).__name__}", "", {name: False, "own": True,
+                                                                            "attention": not other, "decoder": decoder})]
     return []
 
 
