@@ -275,7 +275,7 @@ def _withheld(signature, given: dict, frame) -> dict:
     some 0 (checks/withheld.py). Read only where such a parameter went unfilled; `frame`: the one that made the call."""
     if signature is None or frame is None:
         return {}
-    names = [name for name in signature.parameters if MASK_PARAMETER.match(name) and given.get(name) is None]
+    names = [name for name in _mask_parameters(signature) if given.get(name) is None]
     if not names:
         return {}
     for frame in program_frames(frame, WITHHELD_FRAMES):
@@ -287,6 +287,16 @@ def _withheld(signature, given: dict, frame) -> dict:
                 if rows is not None:
                     return {"withheld": (name, f"{code.co_name}() of {os.path.basename(code.co_filename)}", rows)}
     return {}
+
+
+_MASKS: dict = {}  # id(signature) -> (signature, its parameters MASK_PARAMETER matches): matched once per forward
+
+
+def _mask_parameters(signature) -> tuple:
+    held = _MASKS.get(id(signature))
+    if held is None or held[0] is not signature:
+        held = _MASKS[id(signature)] = (signature, tuple(n for n in signature.parameters if MASK_PARAMETER.match(n)))
+    return held[1]
 
 
 def _padding_like(held) -> np.ndarray | None:
