@@ -163,6 +163,7 @@ class Outer:
         tiny model's configs take longer to read than its whole forward). The frames were kept at the call."""
         from maskcli.trace.stated import stated
 
+        self.made()  # (the tops that wait first: trace/later.py)
         with self._lock:
             if self._names is None:
                 path = self.sites.path
