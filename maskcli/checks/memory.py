@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, crossing, first_cell, keep
+from maskcli.checks.context import Run, cross, crossing, first_cell, keep
 from maskcli.checks.memturned import encoder_padding
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
@@ -71,14 +71,17 @@ def memory(run: Run) -> list:
     found, done, read = [], set(), {}
     one_query = [call for call in run.unmasked if call.details.get("one_query")]  # (a decoder state's softmax over
     # the memory that masks nowhere: Luong attention handed no source mask, trace/masks.py)
-    for call in [*run.cross, *one_query]:
+    unmasked = [call for call in run.unmasked if cross(call) and not call.details.get("one_query")]  # (a
+    # cross-attention softmax handed no mask anywhere: read against its encoder's mask alone)
+    luong, bare = {id(call) for call in one_query}, {id(call) for call in unmasked}
+    for call in [*run.cross, *one_query, *unmasked]:
         top = run.top(call)
         if top is None or call.stored is None:
             continue
         rows, _, q_len, k_len = call.shape
-        said = memory_padding(top, rows, k_len) if top.arguments else None
+        said = memory_padding(top, rows, k_len) if top.arguments and id(call) not in bare else None
         encoded = None
-        if said is None and call in run.cross:
+        if said is None and id(call) not in luong:
             encoded = encoder_padding(run, call, read)
             if encoded is None:
                 continue
