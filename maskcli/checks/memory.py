@@ -8,7 +8,10 @@ config states in a run at one end of each row (a padded batch fed without its ma
 real.stated's reading). A cross-attention call (context.crossing:
 what the program states, or more queries than keys) whose keys are that many tokens must hide the padded ones from
 every decoder query that attends at all; a batch row whose memory is all padding is left alone (a kernel
-may unmask it to avoid NaN). The self-attention side of padding is arguments.py's.
+may unmask it to avoid NaN). Where the model call states none, the memory's encoder states it by its own
+self-attention's mask (memturned.encoder_padding: a key padding mask, or a segment mask keeping real with real and
+padding with padding, nari-labs/dia#230); a cross-attention softmax that masks nowhere is read against it too. The
+self-attention side of padding is arguments.py's.
 """
 
 from __future__ import annotations

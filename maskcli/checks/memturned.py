@@ -1,6 +1,7 @@
 """A cross-attention that sees only the memory keys its own encoder masked as padding: the memory's mask turned round.
 
-The same model call ran a self-attention over the memory's tokens first (an encoder: square, as many batch rows and
+The same model call (or one of its own before it that made no cross-attention: an encoder run on its own) ran a
+self-attention over the memory's tokens first (an encoder: square, as many batch rows and
 keys as the cross-attention has keys, each real token seeing every real token of its row), whose mask hides, in some
 batch row, a run of keys at one end from every real query (checks/real.read_off: the encoder's key padding, `src_tokens.eq(padding_idx)` as Uni-Mol builds it). That is the
 program's own statement of which memory slots are padding. Where the cross-attention's queries of each such row, all
