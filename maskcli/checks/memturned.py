@@ -80,7 +80,7 @@ def encoder_padding(run: Run, call, read: dict | None = None) -> Encoded | None:
         mine = run.top(other)
         if mine is not top and (mine is None or id(mine) in crossing_tops) or block and _block(other.where) == block:
             continue
-        key = (other.mask, other.shape)
+        key = (other.mask, other.shape, id(mine))  # (its ids may say which run of a segment mask is the padding)
         if key not in read:
             read[key] = _stated(other, mine, rows, k_len)
         if read[key] is not None:
