@@ -74,6 +74,7 @@ def test_ids_of_more_axes_beside_a_stated_pad_id_are_folded_into_a_calls_rows():
     ids[1, 0, 1, 1:] = 0
     assert nested_ids({"x": ids}, {}) == {}  # (no pad id stated)
     assert nested_ids({"image": ids.to(torch.uint8)}, {"pad_id": 0}) == {}
+    assert nested_ids({"attention_mask": ids, "position_ids": ids}, {"pad_id": 0}) == {}  # (a mask, positions)
     name, kept = nested_ids({"seq": ids[0, 0], "retrieved": ids}, {"pad_id": 0})["nested_ids"]
     assert name == "retrieved" and np.array_equal(kept, ids.numpy())
     top = Top("RETRO", arguments={"pad_id": 0, "nested_ids": (name, kept)})

@@ -45,6 +45,8 @@ def nested_ids(given: dict, found: dict) -> dict:
     if not isinstance(found.get("pad_id"), int):
         return {}
     for name, value in given.items():
+        if "mask" in name or "position" in name:  # (a 4-D 0/1 mask or 3-D rope positions: no ids)
+            continue
         if issubclass(type(value), torch.Tensor) and value.dim() in (3, 4) and value.dtype in (torch.int64, torch.int32) \
                 and value.numel() <= MOST and value.device.type != "meta":  # (token ids: never a uint8 image)
             return {"nested_ids": (name, value.detach().cpu().numpy().astype(np.int64))}
