@@ -67,3 +67,25 @@ def test_the_stack_read_is_the_one_that_makes_the_frames():
     convs = (layer(10, 5), layer(3, 2), layer(2, 2), layer(8, 1, 4))
     assert _stack(convs, 400, made(400, [conv1d(10, 5), conv1d(3, 2), conv1d(2, 2)])) == [c[0] for c in convs[:3]]
     assert _stack(convs, 400, 21) is None
+
+
+def test_fairseq_s2t_lengths_mask_first_padded_frame_kept_batch_folded_with_heads(tmp_path):
+    """fairseq 8ad9f316 (written blind, batch blind-ar): `arange(0..T-1) > lengths` keeps the first padded frame; 12
+    real samples of 20 make 6 frames through the Conv1d(3, stride 2, padding 1), the mask keeps 7, over a softmax whose
+    rows are the batch of 2 folded with its 2 heads (bsz * num_heads)."""
+    [hit] = check_bug(tmp_path, "fairseq_s2t_encoder_padding_mask_off_by_one", "padded-frames-attended")
+    real = made(12, [torch.nn.Conv1d(1, 1, 3, stride=2, padding=1)])
+    assert real == 6 and hit["cell"][2] == real and "batch row 1" in hit["message"], hit
+
+
+def test_head_major_fold_of_a_mask_one_frame_long(tmp_path):
+    """Written another way: two Conv1d(5, stride 2, padding 2), lengths counted by the same formula and masked with
+    `<=`, the batch of 3 folded head-major (`repeat(heads, 1)`) into baddbmm + softmax; its fix (`<`) is quiet."""
+    name = "s2t_head_major_fold_lengths_mask_one_frame_long"
+    real = made(21, [torch.nn.Conv1d(1, 1, 5, stride=2, padding=2)] * 2)
+    status, found, report = traced(tmp_path, name, False, SUBSAMPLED)
+    assert status == 1, report
+    [hit] = [f for f in found if f["code"] == "padded-frames-attended"]
+    assert hit["severity"] == "wrong" and hit["cell"] == [1, 0, real] and "batch row 1" in hit["message"], report
+    status, found, report = traced(tmp_path, name, True, SUBSAMPLED)
+    assert status == 0 and not [f for f in found if f["severity"] == "wrong"], report

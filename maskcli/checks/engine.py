@@ -6,6 +6,7 @@ from maskcli.checks.context import Run, cross, masked_somewhere, queries
 from maskcli.checks import config
 from maskcli.checks.arguments import over_stated_padding
 from maskcli.checks.registry import all_rules, severity
+from maskcli.checks.lookahead import within
 from maskcli.checks.spans import explained
 
 CONFIG = {rule.code for rule in config.RULES}
@@ -104,6 +105,7 @@ def apply(groups: list, run: Run) -> list:
             raise
         judged = set()  # (a program's config that raises when read: as in findings)
     for group in groups:
-        if group.calls and all(call.index in judged for call in group.calls):
+        if group.calls and all(call.index in judged or within(call) for call in group.calls):  # (or within a
+            # look-ahead the program states: lookahead.py)
             group.findings = [f for f in group.findings if f.code != "sees-later"]
     return groups

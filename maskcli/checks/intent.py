@@ -20,8 +20,8 @@ import dataclasses
 from dataclasses import dataclass
 
 FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset", "mem_len",
-         "mem_scope", "model_causal", "neighbours", "neighbours_scope", "chunk_context", "own")  # what a Stated says of
-# its config, not its fields (a model's memory length, its own causal flag: read by checks/memlen.py and reach.py alone)
+         "mem_scope", "model_causal", "neighbours", "neighbours_scope", "chunk_context", "own", "chunk_right", "chunk_scope")
+# what a Stated says of its config, not its fields (memlen.py, reach.py, chunkahead.py read them alone)
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
           "use_sliding_window", "max_window_layers", "no_rope_layers", "sliding_window_size",

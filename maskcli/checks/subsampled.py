@@ -12,7 +12,8 @@ subsampled `[:-2:2]`, the first sample of each receptive field, where the last o
 Read only where the stack's layers, in the order the model registers them, map the held padding's S exactly to the
 call's L keys (the layers up to there: a positional convolution or an adapter after them is not counted), the call is
 a self-attention whose every query of a row sees the same keys (key padding), and the held padding is a padded batch
-(one run of real samples from the start of each row). Stays quiet on frames hidden that the stack calls real
+(one run of real samples from the start of each row), its rows the call's or folded with other rows (fairseq's
+`bsz * num_heads`: every way round the fold is read must keep a padded frame). Stays quiet on frames hidden that the stack calls real
 (frames.py says that of an unpadded row), and where a layer's padding is not a number ("same").
 """
 
@@ -95,28 +96,40 @@ def _finding(call, convs: tuple, helds: list, rows: int, k_len: int) -> Finding 
     if seen is None:
         return None
     for held in helds:
-        counted = _real_counts(held, rows)
+        size = held["rows"].shape[0] if held["rows"].ndim else 0
+        if size < 2 or rows % size:
+            continue
+        counted = _real_counts(held, size)
         if counted is None or counted[0] <= k_len:
             continue
         samples, real = counted
         layers = _stack(convs, samples, k_len)
         if layers is None:
             continue
-        made = _out_all(real, layers)
-        bad = seen & (np.arange(k_len)[None, :] >= made[:, None])
-        if not bad.any():
+        made, bads = _out_all(real, layers), []
+        for each in _folds(size, rows):  # (a batch folded with its heads: every way round must hold the frames)
+            bads.append((each, seen & (np.arange(k_len)[None, :] >= made[each][:, None])))
+        if not all(bad.any() for _, bad in bads):
             continue
-        b = int(np.argwhere(bad.any(axis=1))[0][0])
-        keys = [int(k) for k in np.flatnonzero(bad[b])]
+        each, bad = min(bads, key=lambda read: int(read[1].sum()))  # (the reading that keeps the fewest: the fold's own)
+        r = int(np.argwhere(bad.any(axis=1))[0][0])
+        b, keys = int(each[r]), [int(k) for k in np.flatnonzero(bad[r])]
         said = f"{held['name']} in {held['where']}"
+        fold = "" if rows == size else f" (call row {r}: the batch of {size} folded with {rows // size} rows each)"
         stack = ", ".join(f"k{k}/s{s}" + (f"/p{p}" if p else "") for k, s, p, _, _ in layers)
         return Finding("padded-frames-attended", (
-            f"batch row {b} has {int(real[b])} real samples of {samples} ({said}); the model's own strided layers "
+            f"batch row {b}{fold} has {int(real[b])} real samples of {samples} ({said}); the model's own strided layers "
             f"({stack}) make {int(made[b])} frames of them, yet this attention over the {k_len} frames keeps frames "
             f"{spans(keys)} of that row as real keys: frames computed from the padding (the frame mask reduced from the "
             f"sample mask another way than the convolutions count)"),
-            expected=f"batch row {b}: frames 0-{int(made[b]) - 1} real", source=said, cell=(b, 0, keys[0]))
+            expected=f"batch row {b}: frames 0-{int(made[b]) - 1} real", source=said, cell=(r, 0, keys[0]))
     return None
+
+
+def _folds(size: int, rows: int) -> list:
+    """Each call row's batch row, every way the call's rows may fold a batch of `size` (none where they are the batch)."""
+    at = np.arange(rows)
+    return [at] if rows == size else [at // (rows // size), at % size]
 
 
 def _out_all(n: np.ndarray, layers: list) -> np.ndarray:

@@ -30,7 +30,7 @@ from maskcli.trace.masktype import mask_type
 from maskcli.trace.reqlens import lengths
 from maskcli.trace.swin import shifted_windows
 from maskcli.trace.walk import own_dirs as _own_dirs, walk  # noqa: F401 - (walk: capture.py's, one import line there)
-from maskcli.trace.windows import window_held
+from maskcli.trace.windows import look_ahead, window_held
 
 FRAMES = 64  # frames of the program searched for a module's owner
 _CAUSAL = re.compile(r"(?:^|_)causal(?:_|$)", re.IGNORECASE)
@@ -140,6 +140,7 @@ class Sites:
                 ("decoder_builder", causal_builder, self.stack),  # a decoder whose code builds causal masks (checks/directions.py)
                 ("shifted_windows", shifted_windows, self.stack),  # a Swin block's shifted windows and its mask (checks/swin.py)
                 ("held_padding", padding, held),  # the padding the program's frames hold (checks/held.py)
+                ("look_ahead", look_ahead if walked is not None else None, self.stack, walked and walked.windows),
                 ("request_lengths", lengths if held is not None else None, held),  # an engine's per-request lengths (reqlens.py)
                 # a window the attending module holds (and a plain int one beside its query's position)
                 ("window_handed", window_held, self.stack, _own_dirs(), details, None if walked is None else walked.windows)):

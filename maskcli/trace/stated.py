@@ -43,6 +43,7 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
     found += _memory_lengths(module, path)
     found += _model_causal(module)
     found += _neighbours(module, path)
+    found += _chunk_right(module, path)
     found += padding_flags(module, places)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
@@ -234,6 +235,23 @@ def _model_causal(root) -> list[Stated]:
                           root.modules()) or any(w in n for n, _ in root.named_modules() for w in ("cross", "encoder_attn"))
             return [Stated(f"self.{name}=False of {type(root).__name__}", "", {name: False, "own": True,
                                                                             "attention": not other, "decoder": decoder})]
+    return []
+
+
+CHUNK_SIZES = ("chunk_size_current", "chunk_size", "chunk_len", "chunk_length", "N_c")  # a streaming encoder's chunk
+CHUNK_RIGHT = ("chunk_size_right", "right_chunk_size", "chunk_right", "N_r")  # and its right context (neural_sp's N_c, N_r)
+
+
+def _chunk_right(root, path) -> list[Stated]:
+    """A module's own int chunk size and the chunk's right context (neural_sp's `chunk_size_current`,
+    `chunk_size_right`), for the calls under it (checks/chunkahead.py)."""
+    for module in root.modules():
+        own, scope = vars(module), path(module)
+        size = next((own[n] for n in CHUNK_SIZES if type(own.get(n)) is int and own[n] > 0), None)
+        name = next((n for n in CHUNK_RIGHT if type(own.get(n)) is int and own[n] > 0), None)
+        if size is not None and name is not None and scope is not None:
+            return [Stated(f"self.{name}={own[name]} of {scope or type(module).__name__}", None,
+                           {"chunk_right": (size, own[name]), "chunk_scope": scope})]
     return []
 
 

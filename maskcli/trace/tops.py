@@ -19,7 +19,7 @@ import torch
 from maskcli.checks.context import STARTS, Top  # (STARTS: the first query's position as an int)
 from maskcli.checks.intent import StaticView, dynamic, read
 from maskcli.trace.held import program_frames
-from maskcli.trace.padded import MOST, padded_input  # (MOST: elements of one argument kept, the one limit)
+from maskcli.trace.padded import MOST, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
 from maskcli.trace.tokenids import token_ids as _token_ids
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
@@ -109,6 +109,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
             found[name] = value
     found.update(_first_ids(signature, given, found))
     found.update(_token_ids(module))
+    found.update(nested_ids(given, found))  # (ids of more axes beside that pad id: RETRO's neighbours)
     found.update(_zeros(given, found))
     found.update(_images(given))
     if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw")):

@@ -148,3 +148,44 @@ def _plain(variables: dict, function: str) -> tuple | None:
 
 def _result(name: str, said, where: str) -> tuple | None:
     return None if said is NONE else (name, said[0], said[1], where)
+
+
+_CONTEXTS = ByCode()  # code object -> the names it uses that may hold an attention context
+
+
+def _context_names(code) -> tuple[str, ...]:
+    names = _CONTEXTS.get(code)
+    if names is None:
+        used = code.co_varnames + (code.co_names if code.co_name == "<module>" else ())
+        names = _CONTEXTS.put(code, tuple(n for n in used if "context" in n.lower() and "att" in n.lower()))
+    return names
+
+
+def _pair(value) -> tuple[int, int] | None:
+    """(left, right) of an attention context stated as a pair of whole numbers (NeMo's `att_context_size=[4, 1]`,
+    left -1 for unlimited), where it states a look-ahead (right >= 1); None otherwise."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(type(x) is int for x in value) \
+            and value[0] >= -1 and value[1] >= 1:
+        return value[0], value[1]
+    return None
+
+
+def look_ahead(stack: list, frames: list) -> tuple[int, int, str] | None:
+    """(left, right, where) of the attention context the program states at the call: an attribute of a running module,
+    outermost first, else a variable of a program frame (its locals, or a module's top level), outermost first, whose
+    name says an attention context (`att_context_size`, `ATT_CONTEXT`) and whose value is a (left, right) pair of
+    whole numbers with a look-ahead of right >= 1 keys after the query (checks/lookahead.py: later keys within it are
+    the program's word, no causal mask's slip)."""
+    for module in stack:
+        for name, value in vars(module).items():
+            if "context" in name.lower() and "att" in name.lower() and (said := _pair(value)) is not None:
+                return *said, f"self.{name}={list(said)} of {type(module).__name__}"
+    found = None
+    for frame, _ in frames:
+        for name in _context_names(frame.f_code):
+            variables = frame.f_globals if frame.f_code.co_name == "<module>" else frame.f_locals
+            said = _pair(variables.get(name))
+            if said is not None:
+                where = "at the top of the program" if frame.f_code.co_name == "<module>" else f"in {frame.f_code.co_name}()"
+                found = (*said, f"{name}={list(said)} {where}")
+    return found
