@@ -279,7 +279,8 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     # once: the placements read the same with and without the padding (so only what padding cannot cut rules a kind
     # out); every kind's where the closest is asked for (it may be a kind the tensor rules out)
     known: dict = {}  # each placement's positions and what the tensor lacks there, worked out once (placed_at)
-    read = candidates(ref, placements, marked, rows_read, None if nearest else rows, uncut=padding is None, known=known)
+    read = candidates(ref, placements, marked, rows_read, None if nearest else rows, uncut=padding is None, known=known,
+                      made=rows)  # each candidate's intervals made as it is read, for `first`'s table
     for extra in [{}] if padding is None else [{}, padding]:
         if extra:
             alone = found("padding", bare("padding"), {**base, **extra})
