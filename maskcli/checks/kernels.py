@@ -87,8 +87,8 @@ def ones_added(run: Run) -> list:
         name = call.details["zero_one"] if isinstance(call.details["zero_one"], str) else "attn_mask"
         dtype = call.details.get("mask_dtype") or call.details.get(f"{name}_dtype")
         found.append((call, Finding(
-            "ones-added", f"the float {name} holds only 0 and 1: a keep (or pad) mask cast to float is added to the "
-            "scores, so it masks nothing (pass it as bool, or as (1 - mask) * finfo.min)",
+            "ones-added", f"the float {name} holds only 0 and 1: a keep mask cast to float is added to the scores, "
+            "so it masks nothing (pass it as bool, or as (1 - mask) * finfo.min)",
             expected="an additive mask: 0 and -inf", source=f"{call.api}'s {name}, {dtype}")))
     return found
 
