@@ -99,8 +99,10 @@ def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None
         return None
     if q_len == 1 and f.q_len != 1:  # a [B, 1, 1, S] row stands for every query, so every built row must be it
         if built.exact and f.k_start == 0:  # on intervals: O(S) for a key padding row of any length
+            if heads > 1 and not (keep == keep[:, :1]).all():
+                return None  # (a key padding row is one per batch row: heads that differ are not it)
             try:
-                wanted = key_runs(keep.reshape(batch, k_len), f)
+                wanted = key_runs(keep[:, 0].reshape(batch, k_len), f)
             except NotFew:
                 return None
             got = built.intervals()
