@@ -543,3 +543,20 @@ def test_llada_masked_diffusion_run_with_the_arm_causal_mask(tmp_path):
     # model, yet its forward always builds log(tril): the model's own flag states it bidirectional (trace/stated.py)
     flagged = check_bug(tmp_path, "llada_arithmetic_masked_diffusion_uses_causal_mask", "bidirectional-run-causal")
     assert flagged[0]["source"].startswith("causal=False (self.causal=False of TransformerModel)")
+
+
+def test_a_modernbert_window_run_causal_is_its_bands_causal_half(tmp_path):
+    """The fix of BONSAI#343 (tests/data/bugs) runs ModernBERT's sliding layer causal: |q - k| <= sliding_window and
+    causal, sliding_window + 1 keys. ModernBertConfig's sliding_window is a half window (local_attention // 2) and
+    transformers' ModernBertAttention, whose is_causal is False, adds 1 to it for the kernel's window: against
+    transformers itself. So a module that states itself not causal is not one key wider than its config's window."""
+    pytest.importorskip("transformers")
+    from transformers import ModernBertConfig
+    from transformers.models.modernbert.modeling_modernbert import ModernBertAttention
+
+    config = ModernBertConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=2, local_attention=8,
+                              global_attn_every_n_layers=2)
+    module = ModernBertAttention(config, layer_idx=1)
+    assert config.sliding_window == 4 and module.sliding_window == 5 and module.is_causal is False
+    status, found, report = traced(tmp_path, "corebehrt_modernbert_is_causal_update_attention_mask_never_called", True)
+    assert status == 0 and not [f for f in found if f["code"] == "window-off-by-one"], report

@@ -231,3 +231,40 @@ def test_ipex_llm_first_token_sdp_causal_drops_mask(tmp_path):
     """intel/ipex-llm#11153: the first token's SDPA path runs is_causal alone and drops the padding mask (batch blind-
     ah); written blind and caught before any rule was changed for it. The fix is quiet."""
     check_bug(tmp_path, "ipex_llm_first_token_sdp_causal_drops_mask", "mask-argument-dropped")
+
+
+def test_is_causal_the_program_set_on_a_transformers_config_is_its_own_word(tmp_path):
+    """FGA-DIKU/BONSAI#343 (written blind, batch blind-an): `config.is_causal = True` on a ModernBertConfig, whose class
+    defines no such field, and a ModernBertModel that never reads it: the encoder attends both ways. The field is the
+    program's, set on the very config its layers are built from, so it speaks over transformers' ModernBertAttention's
+    hard-coded is_causal=False. The fix hands the layers causal masks (its sliding one |q - k| <= 4 and causal: 5 keys,
+    no off-by-one: test_checks_config.py)."""
+    [hit] = check_bug(tmp_path, "corebehrt_modernbert_is_causal_update_attention_mask_never_called", "causal-config-ignored")
+    b, q, k = first((2, 8, 8), lambda b, q, k: k > q)
+    assert tuple(hit["cell"]) == (b, q, k) and "ModernBertConfig" in hit["source"]
+
+
+def test_is_causal_passed_to_a_transformers_config_it_does_not_define_is_read(tmp_path):
+    """Written another way (tests/data/addedfields): `BertConfig(..., is_causal=True)` over a right-padded batch, a
+    BertModel that never reads it; the fix's own 4-D causal mask is quiet."""
+    check_bug(tmp_path, "ehr_bert_config_is_causal_kwarg_unread", "causal-config-ignored",
+              Path(__file__).parent / "data" / "addedfields")
+
+
+def test_only_fields_a_transformers_config_class_defines_nowhere_are_the_programs():
+    """configread.added: BertConfig defines is_decoder (a class field) and no is_causal; one set on it is added, and a
+    program's own class's fields are read by its __init__'s parameters and its class attributes."""
+    from transformers import BertConfig
+
+    from maskcli.checks.configread import added
+
+    config = BertConfig(is_causal=True)
+    assert config.is_causal is True and added(config, ["is_causal", "is_decoder"]) == ("is_causal",)
+
+    class Own:
+        sliding_window = 4
+
+        def __init__(self, is_causal=True):
+            self.is_causal, self.causal = is_causal, True
+
+    assert added(Own(), ["is_causal", "sliding_window", "causal"]) == ("causal",)

@@ -109,3 +109,28 @@ def test_diffusers_chroma_float_attention_mask_added_not_masked(tmp_path):
     """huggingface/diffusers#12116 (fixed by #12263): Chroma's 0/1 text+image mask reaches SDPA as float, an additive
     +1/+0 that hides no padding (written blind, batch blind-x; caught before any rule was changed for it)."""
     check_bug(tmp_path, "diffusers_chroma_float_attention_mask_added_not_masked", "ones-added")
+
+
+def test_sasrec_float_tril_added_by_multihead_attention(tmp_path):
+    """pmixer/SASRec.pytorch aab3261 (written blind, batch blind-an): `torch.tril(torch.ones((tl, tl)))` handed to
+    nn.MultiheadAttention as attn_mask: a float mask MHA adds (+1 / +0), so every item sees the later ones; the fix
+    passes `~torch.tril(bool)`. Against nn.MultiheadAttention itself: the float tril masks no later key, the bool one
+    masks them all."""
+    [hit] = check_bug(tmp_path, "sasrec_pytorch_float_tril_attn_mask_adds_instead_of_blocks", "ones-added")
+    assert "float attn_mask" in hit["message"]
+    import torch
+
+    torch.manual_seed(0)
+    mha, x = torch.nn.MultiheadAttention(8, 1).eval(), torch.randn(4, 1, 8)
+    _, added = mha(x, x, x, attn_mask=torch.tril(torch.ones(4, 4)))
+    _, blocked = mha(x, x, x, attn_mask=~torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    later = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    assert added[0][later].min() > 0 and blocked[0][later].max() == 0
+
+
+def test_float_key_padding_mask_added_by_multihead_attention(tmp_path):
+    """Written another way (tests/data/mhafloat): a recommender's batch_first nn.MultiheadAttention over a right-padded
+    batch, its key_padding_mask `(ids == 0).float()`, which MHA adds (+1 on a pad): the pads are attended; the bool
+    mask is quiet. The finding names the argument."""
+    [hit] = check_bug(tmp_path, "bst_float_key_padding_mask_added", "ones-added", Path(__file__).parent / "data" / "mhafloat")
+    assert "float key_padding_mask" in hit["message"]

@@ -144,3 +144,25 @@ def test_rows_zeroed_into_a_copy_the_product_never_reads_are_lost():
 def test_a_zeroing_copy_from_a_file_program_two_layers(tmp_path):
     """tests/data/fixq2's left-padded two-layer encoder: the typo'd copy is caught (zeroing-lost), its fix is quiet."""
     check_bug(tmp_path, "streaming_encoder_zeroed_rows_bound_to_another_name", "zeroing-lost", FIXQ2)
+
+
+def test_a_causal_head_mask_without_its_diagonal_empties_the_first_query(tmp_path):
+    """NVIDIA-Merlin/Transformers4Rec 3d94628 (written blind, batch blind-an): the causal head_mask multiplied into GPT-2's
+    probabilities is `torch.tril(ones, diagonal=-1)`: no interaction keeps its own weight and the first reads nothing,
+    though GPT-2's own `bias` mask before the softmax keeps each query's own key. The fix's tril is quiet. Against the
+    softmax and the product themselves: the first row's weights are all 0 after the product, the others' are not."""
+    [hit] = check_bug(tmp_path, "transformers4rec_gpt2_head_mask_tril_excludes_diagonal", "emptied-after-softmax")
+    assert tuple(hit["cell"]) == (0, 0, 0)
+    weights = torch.softmax(torch.randn(4, 4).masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), -1e4), -1)
+    product = weights * torch.tril(torch.ones(4, 4), diagonal=-1)
+    assert product[0].abs().sum() == 0 and (product[1:].sum(-1) > 0).all()
+    assert (weights * torch.tril(torch.ones(4, 4))).equal(weights)  # (the fix's product changes nothing)
+
+
+def test_a_future_mask_with_its_diagonal_multiplied_into_left_padded_weights(tmp_path):
+    """Written another way (tests/data/headmask): einsum attention over a left-padded batch, padding and later keys
+    filled before torch.softmax, then the weights times `1 - triu(ones, 0)`: the first real item of each session reads
+    nothing (its padded rows, which see no real key, are not the finding's). The fix's triu(ones, 1) is quiet."""
+    [hit] = check_bug(tmp_path, "session_future_mask_multiplied_drops_diagonal", "emptied-after-softmax",
+                      Path(__file__).parent / "data" / "headmask")
+    assert tuple(hit["cell"]) == (0, 2, 2)  # batch row 0's first real item, at position 2 after its 2 pads

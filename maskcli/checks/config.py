@@ -1,17 +1,16 @@
 """What each layer's mask should be, read from the configs the program states its attention in (checks/intent.py).
 
-A layer's kind: `layer_types[i]` where a config has them (transformers 5 fills them in every config's __init__:
-Qwen2's from use_sliding_window and max_window_layers, configuration_qwen2.py lines 83-90); else a pattern
-(sliding_window_pattern, sliding_window_layers, Qwen2's max_window_layers); else `sliding_window` (unless
-use_sliding_window is False) makes every layer a sliding one, `attention_chunk_size` a chunked one. A config that
-states the attention bidirectional (is_causal=False, causal=False, bidirectional=True, use_bidirectional_attention)
-makes full layers full and a window symmetric.
+A layer's kind: `layer_types[i]` where a config has them (transformers 5 fills them in every config's __init__: Qwen2's
+from use_sliding_window and max_window_layers, configuration_qwen2.py lines 83-90); else a pattern (sliding_window_pattern,
+sliding_window_layers, Qwen2's max_window_layers); else `sliding_window` (unless use_sliding_window is False) makes every
+layer a sliding one, `attention_chunk_size` a chunked one. A config that states the attention bidirectional (is_causal=False,
+causal=False, bidirectional=True, use_bidirectional_attention) makes full layers full and a window symmetric.
 
 A rule here speaks only where the mask is exactly a specific wrong one (the window one key wider or narrower, plain
 causal where the window or the chunks would cut, a window on a full layer, a one-sided window or a causal mask where
-the config says both ways), compared per batch row on the real queries and keys only (the model call's
-attention_mask, else the padding read off the mask: keypadding), so a rule that holds unpadded holds padded; a mask
-no such expression rebuilds (image spans, documents) is left to the rules that can name it.
+the config says both ways), compared per batch row on the real queries and keys only (the model call's attention_mask,
+else the padding read off the mask: keypadding), so a rule that holds unpadded holds padded; a mask no such expression
+rebuilds (image spans, documents) is left to the rules that can name it.
 """
 
 from __future__ import annotations
@@ -225,9 +224,10 @@ def window(run: Run) -> list:
                     f"{where} is a sliding layer ({kind[1]}) but its mask has no window: queries see keys {size} or "
                     f"more positions away ({source})"), expected=f"band({size})", source=source)))
             continue
-        if placed.holds(f"window({size})") or name == "sliding_window_size" and placed.holds(f"window({size - 1})"):
-            windowed.add((source, index))  # (sliding_window_size counts the query in LitGPT's and Keras-hub's, not SGLang's)
-            continue
+        if placed.holds(f"window({size})") or name == "sliding_window_size" and placed.holds(f"window({size - 1})") \
+                or call.details.get("module_not_causal") and placed.holds(f"window({size + 1})"):
+            windowed.add((source, index))  # (sliding_window_size counts the query in LitGPT's and Keras-hub's, not SGLang's;
+            continue  # a module that states itself not causal has a band's one side, |q - k| <= W: ModernBERT's, run causal)
         for other in (size + 1, size - 1):
             if other >= 1 and placed.holds(f"window({other})") and not placed.holds("causal"):
                 # (a causal mask whose queries sit fewer than W + 1 positions in is window(W + 1) too: no window

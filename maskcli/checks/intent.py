@@ -19,9 +19,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from maskcli.checks.configread import LIBRARIES, MISSING, StaticView, dynamic, read  # noqa: F401 - (read from here too)
+from maskcli.checks.configread import added as _added
+
 FLAGS = ("transformers", "other_layers", "decoder", "attention", "causal_decoder", "bidirectional_unset", "mem_len",
-         "mem_scope", "model_causal", "neighbours", "neighbours_scope", "chunk_context", "own", "chunk_right", "chunk_scope")
-# what a Stated says of its config, not its fields (memlen.py, reach.py, chunkahead.py read them alone)
+         "mem_scope", "model_causal", "neighbours", "neighbours_scope", "chunk_context", "own", "chunk_right", "chunk_scope",
+         "added")
+# what a Stated says of its config, not its fields (a model's memory length, its own causal flag: memlen.py, reach.py,
+# chunkahead.py read them alone; the fields of a transformers config its class defines nowhere: configread.py)
 FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_pattern", "sliding_window_layers",
           "attention_chunk_size", "is_causal", "causal", "bidirectional", "use_bidirectional_attention",
           "use_sliding_window", "max_window_layers", "no_rope_layers", "sliding_window_size",
@@ -67,63 +72,6 @@ def config_like(value, named: bool = False) -> bool:
         return True
     return (hasattr(value, "__dict__") or hasattr(kind, "__slots__")) and (
         named or any(word in kind.__name__.lower() for word in LIKE))
-
-
-MISSING = object()
-LIBRARIES = ("builtins", "transformers", "torch", "argparse", "types", "collections", "omegaconf", "dataclasses")
-
-
-def dynamic(value) -> bool:
-    """The object's class answers attribute reads with code of the program's own: a __getattr__ or __getattribute__
-    defined by a class that is not the standard library's, torch's or transformers'. Reading a name such an object
-    lacks runs the program's code (it may count, print or change state), which a trace must not: python would not."""
-    for base in type(value).__mro__[:-1]:
-        held = vars(base)
-        if ("__getattr__" in held or "__getattribute__" in held) and \
-                str(getattr(base, "__module__", "")).split(".")[0] not in LIBRARIES:
-            return True
-    return False
-
-
-def read(value, name: str, default=None):
-    """getattr(value, name, default) as a config reader needs it: never raising (a property of the program's that raises
-    states nothing), and on a `dynamic` object a static read (its own and its class's attributes, properties run as
-    written), never its __getattr__."""
-    try:
-        if not dynamic(value):
-            return getattr(value, name, default)
-        import inspect
-
-        found = inspect.getattr_static(value, name, MISSING)
-        if found is MISSING:
-            return default
-        getter = getattr(type(found), "__get__", None)
-        return found if getter is None else getter(found, value, type(value))
-    except Exception:  # noqa: BLE001 - the program's own code raising inside a read: not stated
-        return default
-
-
-class StaticView:
-    """A `dynamic` config as the checks read it after the run: its attributes read by `read`, never by its __getattr__,
-    so that no rule runs the program's attribute code (trace/tops.py keeps a model's config so)."""
-
-    __slots__ = ("_held",)
-
-    def __init__(self, held):
-        object.__setattr__(self, "_held", held)
-
-    def __getattr__(self, name):
-        found = read(self._held, name, MISSING)
-        if found is MISSING:
-            raise AttributeError(name)
-        return found
-
-    @property
-    def __dict__(self):
-        try:
-            return dict(vars(self._held))
-        except TypeError:
-            return {}
 
 
 def fields_of(value) -> dict:
@@ -199,6 +147,7 @@ def _fields_besides(value, items: dict, text, found: dict) -> dict:
     found["transformers"] = any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in type(value).__mro__)
     if found["transformers"]:
         found.pop("window_size", None)  # (transformers' attention reads sliding_window; a window_size is a vision window)
+        found["added"] = _added(value, [name for name in found if name in FIELDS])  # (the program's own: classfields.py)
     found["attention"] = any(word in name.lower() for name in items if isinstance(name, str) for word in ATTENTION)
     found["decoder"] = bool(items.get("is_decoder") or items.get("is_encoder_decoder"))  # whose is_causal is a part's
     found["other_layers"] = any(any(word in name for word in OTHER_LAYERS) and items[name] not in (None, False, 0, [], ())
@@ -232,6 +181,9 @@ class Intent:
         for name in dropped:
             del self.values[name]
         self.transformers = any(one.fields.get("transformers") for one in stated)
+        inner = max((one for one in stated if one.fields.get("transformers")), key=lambda one: len(one.scope or ""), default=None)
+        self.added = set() if inner is None else {name for name in inner.fields.get("added", ()) if name in self.values
+                                                  and self.sources[name] == inner.source}  # (the innermost config's)
         self.other_layers = any(one.fields.get("other_layers") for one in stated)
         self.chunk_context = any(one.fields.get("chunk_context") for one in stated)
         self.decoder = any(one.fields.get("decoder") for one in stated)

@@ -70,7 +70,8 @@ def mask_dropped(run: Run) -> list:
 
 def ones_added(run: Run) -> list:
     """A float attn_mask of 0s and 1s: a keep mask (True = attend) cast to float and added to the scores, which masks
-    nothing (SDPA adds a float mask: torch/nn/functional.py scaled_dot_product_attention's docstring)."""
+    nothing (SDPA adds a float mask: torch/nn/functional.py scaled_dot_product_attention's docstring; so does
+    nn.MultiheadAttention, its attn_mask and its key_padding_mask alike: multi_head_attention_forward's docstring)."""
     found, done = [], set()
     for call in [*run.calls, *getattr(run, "unmasked", ())]:  # (a 0/1 mask that masks nothing leaves its site unmasked)
         if not call.details.get("zero_one") or call.mask in done:
@@ -83,10 +84,12 @@ def ones_added(run: Run) -> list:
                 "(add (1 - mask) * finfo.min, or masked_fill the scores)", expected="an additive mask: 0 and -inf",
                 source="a 0/1 float tensor added to the scores")))
             continue
+        name = call.details["zero_one"] if isinstance(call.details["zero_one"], str) else "attn_mask"
+        dtype = call.details.get("mask_dtype") or call.details.get(f"{name}_dtype")
         found.append((call, Finding(
-            "ones-added", "the float attn_mask holds only 0 and 1: a keep mask cast to float is added to the scores, "
-            "so it masks nothing (pass it as bool, or as (1 - mask) * finfo.min)", expected="an additive mask: 0 and -inf",
-            source=f"{call.api}'s attn_mask, {call.details.get('mask_dtype')}")))
+            "ones-added", f"the float {name} holds only 0 and 1: a keep mask cast to float is added to the scores, "
+            "so it masks nothing (pass it as bool, or as (1 - mask) * finfo.min)",
+            expected="an additive mask: 0 and -inf", source=f"{call.api}'s {name}, {dtype}")))
     return found
 
 

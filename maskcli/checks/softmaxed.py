@@ -10,6 +10,13 @@ A fill of 0 after the softmax made out of place and never read (`attn.masked_fil
 states which rows the program means to have no weight; the product with the values reads the softmax's own weights,
 so those rows still attend (uniform over every key where all are masked with a finite fill, NaN with -inf): the
 program's statement and the weights it uses disagree, wrong (zeroing-lost; trace/after.py's `zeroed_unused`).
+
+A 0/1 product after the softmax (a head mask multiplied into the probabilities) that leaves a query row no key at all,
+where the softmax's own mask gave it keys, makes that query's output 0: it attends to nothing, its own token
+included (Transformers4Rec 3d94628: a causal head_mask built with `torch.tril(..., diagonal=-1)` on GPT-2, whose own
+`bias` mask keeps each query's own key). The program's mask before the softmax states the keys the query reads; the
+product takes them all (emptied-after-softmax; trace/after.py's `emptied_after`). Quiet on a padding row (its own
+token's key seen by no query after the product) and on a head zeroed whole (a head pruned, as head_mask is meant).
 """
 
 from __future__ import annotations
@@ -58,6 +65,25 @@ def zeroing_lost(run) -> list:
     return found
 
 
+def emptied_after(run) -> list:
+    """(call, Finding) for each call site whose real query rows a 0/1 product after the softmax left with no key."""
+    found, done = [], set()
+    for call in [*run.calls, *getattr(run, "cross", ()), *getattr(run, "unmasked", ())]:
+        emptied = call.details.get("emptied_after")
+        if not emptied or call.where in done:
+            continue
+        done.add(call.where)
+        b, h, q = emptied["cell"]
+        found.append((call, Finding("emptied-after-softmax", (
+            f"a 0/1 product after the softmax leaves query {q} (batch row {b}, head {h}) no key at all, though the "
+            f"softmax's own mask gave it keys {spans(emptied['lost'])} and its own token's key {emptied['own']} is "
+            f"seen by other queries: its output is 0 ({emptied['rows']} such rows); a mask multiplied into the "
+            "probabilities that drops the diagonal (tril(diagonal=-1) where tril was meant?)"),
+            expected="every real query keeps the keys its mask before the softmax gives it (its own included)",
+            source="the softmax's own mask (its keys kept before the product)", cell=(b, q, emptied["own"]))))
+    return found
+
+
 def _what(call) -> str:
     if call.details.get("fill") == "-inf" and call.details.get("nan_rows"):
         return "NaN where a row's every key is -inf"
@@ -70,4 +96,7 @@ RULES = (
          zeroing_lost),
     Rule("masked-after-softmax", "wrong", "call", "a mask (-inf fill) written into a softmax's weights after the "
          "softmax instead of into its scores before it", filled_after),
+    Rule("emptied-after-softmax", "wrong", "call", "a 0/1 product after the softmax (a head mask multiplied into the "
+         "probabilities) that leaves a real query no key, where the softmax's own mask gave it keys (Transformers4Rec "
+         "3d94628)", emptied_after),
 )

@@ -20,6 +20,10 @@ layer before, read here as values; checks/nans.py).
 A fill of -inf (or a finite fill at most -1e4) written into those weights (NISQA's `att[~mask] = -inf` after
 `softmax`) is a mask applied after the softmax: the softmax already gave those keys weight, and the weights now hold
 -inf. The call records it (details `filled_after`: the fill and the cells), for checks/after.py to say.
+
+A 0/1 product that leaves a real query row no key at all, where the softmax's own mask gave it keys (a causal head
+mask built with tril(diagonal=-1): Transformers4Rec 3d94628), does not narrow the call's mask (the row would read as
+a padding row's); it is recorded as details `emptied_after` (checks/softmaxed.py).
 """
 
 from __future__ import annotations
@@ -169,6 +173,7 @@ class After:
                 return
             keep = seen.keep & ~zero.reshape(seen.keep.shape)
             if not bool(keep.any(dim=-1).all()):
+                _emptied(call, seen, keep)  # (a real query left no key: checks/softmaxed.py's emptied-after-softmax)
                 return  # (a row left with no key: renormalising it is 0 / 0, not a mask the program meant)
         seen.keep = keep
         q_len = keep.shape[-2]
@@ -215,3 +220,24 @@ def _record(call, seen, where: torch.Tensor, value: float) -> None:
     filled = {"value": "-inf" if value == float("-inf") else f"{value:g}", "cells": cells, "rows": rows}
     call.details["filled_after"] = filled
     seen.details["filled_after"] = filled
+
+
+def _emptied(call, seen, keep: torch.Tensor) -> None:
+    """The query rows a 0/1 product after the softmax leaves with no key where the softmax's own mask gave them some,
+    whose own token's key (position q + Lk - Lq) another query of the row still sees (a real token, not padding),
+    in a head whose other rows keep keys (not a head pruned whole): recorded as details `emptied_after` (the first
+    (b, h, q), how many, and the keys the first lost)."""
+    q_len, k_len = keep.shape[-2:]
+    if q_len > k_len:
+        return
+    had = seen.keep  # (the same shape: _narrow's product covers the weights)
+    emptied = had.any(dim=-1) & ~keep.any(dim=-1)  # (B, H, Lq)
+    own = torch.arange(q_len, device=keep.device) + (k_len - q_len)
+    real = keep.any(dim=-2)[..., own]  # (B, H, Lq): the query's own key, seen by some query after the product
+    bad = emptied & real & ~emptied.all(dim=-1, keepdim=True)
+    if not bool(bad.any()):
+        return
+    b, h, q = (int(x) for x in bad.nonzero()[0])
+    lost = had[b, h, q].nonzero().flatten().tolist()[:64]
+    found = {"cell": [b, h, q], "rows": int(bad.sum()), "lost": lost, "own": int(own[q])}
+    call.details["emptied_after"] = seen.details["emptied_after"] = found

@@ -1,6 +1,7 @@
 """Facts about a mask read at a call (trace/masks.py asks): NaN or +inf added to the scores; of a float mask's rows
 that see no key, which are NaN and which uniform; where nn.MultiheadAttention's merged mask adds -inf; and what F.multi_head_attention_forward dropped,
-an attn_mask handed beside is_causal=True, which it replaces with SDPA's causal mask where it hands the call to SDPA."""
+an attn_mask handed beside is_causal=True, which it replaces with SDPA's causal mask where it hands the call to SDPA;
+whether a float mask added to the scores holds only 0s and 1s (a keep mask cast to float, which masks nothing)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,24 @@ from maskcli.inspect.polarity import additive_keep
 
 NAME_DROPPED = 1 << 20  # cells of a dropped attn_mask named by the recogniser (past it: its differing cell only)
 _DROPPED: dict = {}  # id(attn_mask) -> (a weak reference to it, its version, what _dropped found): one tensor every step
+
+
+def note_zero_one(mask: torch.Tensor, details: dict, name: str | None = None) -> None:
+    """details["zero_one"] (True, or the argument's `name` where not attn_mask) where `mask` is a float 0/1 mask added
+    to the scores (zero_one)."""
+    if zero_one(mask):
+        details["zero_one"] = name or True
+
+
+def zero_one(mask: torch.Tensor) -> bool:
+    """A float mask added to the scores that holds only 0s and 1s, some of each: a keep (or pad) mask cast to float
+    and added as it is, which masks nothing (checks/kernels.py's ones-added; SDPA's and nn.MultiheadAttention's alike).
+    One of 1s alone adds a constant, and one of 0s alone is no mask."""
+    if not mask.is_floating_point():
+        return False
+    mask = mask.detach()
+    zeros, ones = mask == 0, mask == 1
+    return bool((zeros | ones).all()) and bool(zeros.any()) and bool(ones.any())
 
 
 def dropped(attn_mask: torch.Tensor, batch: int, heads: int, q_len: int, k_len: int) -> dict | None:

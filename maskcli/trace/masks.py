@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from maskcli import tracefile
 from maskcli.inspect.polarity import additive_keep
 from maskcli.trace.maskfacts import attention_bias as _attention_bias, empty_rows as _empty_rows, infinite as _infinite, \
-    nan_scores as _nan_scores, poison
+    nan_scores as _nan_scores, note_zero_one, poison
 from maskcli.text import step_label
 from maskcli.trace.given import gathered_keys, stored  # noqa: F401 - stored: with the mask its frames handed (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
@@ -143,10 +143,8 @@ def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
         poison(mask.detach(), details)
     if details is not None and bool((keep & (mask.detach() != 0)).any()):
         details["bias"] = True
-        zeros = mask == 0
-        if bool((zeros | (mask == 1)).all()) and bool(zeros.any()):  # a keep mask of 0s and 1s added as it is
-            details["zero_one"] = True  # (checks/kernels.py); one of 1s alone adds a constant: it masks nothing, and
-            # a keep mask of all 1s masks nothing either (Doge's dt_states bias at a step where no key is masked)
+        note_zero_one(mask, details)  # a keep mask of 0s and 1s added as it is; not one of 1s alone, a constant (Doge's
+        # dt_states bias at a step where no key is masked)
     return keep
 
 
@@ -281,10 +279,12 @@ def mha(args: tuple, kwargs: dict) -> Seen:
         own = ~attn_mask if attn_mask.dtype == torch.bool else additive_keep(attn_mask.detach())
         own = own.reshape(batch, heads, q_len, -1) if own.dim() == 3 else own.reshape(1, 1, q_len, -1)
         keep = _allow_extra(own, extra)
+        note_zero_one(attn_mask, details)  # a float 0/1 mask MHA adds to the scores (SASRec.pytorch aab3261)
     if padding is not None:  # (N, S), or (S) unbatched: True = a padding key
         details["key_padding_mask_dtype"] = _dtype(padding)
         own = ~padding if padding.dtype == torch.bool else additive_keep(padding.detach())
         keep = keep & _allow_extra(own.reshape(batch, 1, 1, -1), extra)
+        note_zero_one(padding, details, "key_padding_mask")  # (a float pad mask of 1s and 0s, added as it is)
         details["key_padding"] = _key_padding(_allow_extra(own.reshape(batch, 1, 1, -1), extra))
     if attn_mask is None and padding is None:
         seen.intervals = everything(q_len, k_len)

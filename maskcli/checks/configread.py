@@ -1,0 +1,83 @@
+"""Reading a config of the program's as a rule needs it, and which of a transformers config's fields the program set.
+
+A config's attributes are read statically where its class answers reads with code of the program's own (`read`,
+`StaticView`: never its __getattr__, which python would not have run).
+
+A transformers config's `is_causal` is usually a class's default for one part of a composite model (checks/dropped.py
+leaves those alone). One that the config's class defines nowhere (no dataclass field, no __init__ parameter, no class
+attribute, no attribute_map entry) was set by the program (`config.is_causal = True` on a ModernBertConfig:
+FGA-DIKU/BONSAI#343), and is the program's own word, as a field of a config of its own would be (`added`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+MISSING = object()
+LIBRARIES = ("builtins", "transformers", "torch", "argparse", "types", "collections", "omegaconf", "dataclasses")
+
+
+def dynamic(value) -> bool:
+    """The object's class answers attribute reads with code of the program's own: a __getattr__ or __getattribute__
+    defined by a class that is not the standard library's, torch's or transformers'. Reading a name such an object
+    lacks runs the program's code (it may count, print or change state), which a trace must not: python would not."""
+    for base in type(value).__mro__[:-1]:
+        held = vars(base)
+        if ("__getattr__" in held or "__getattribute__" in held) and \
+                str(getattr(base, "__module__", "")).split(".")[0] not in LIBRARIES:
+            return True
+    return False
+
+
+def read(value, name: str, default=None):
+    """getattr(value, name, default) as a config reader needs it: never raising (a property of the program's that raises
+    states nothing), and on a `dynamic` object a static read (its own and its class's attributes, properties run as
+    written), never its __getattr__."""
+    try:
+        if not dynamic(value):
+            return getattr(value, name, default)
+        found = inspect.getattr_static(value, name, MISSING)
+        if found is MISSING:
+            return default
+        getter = getattr(type(found), "__get__", None)
+        return found if getter is None else getter(found, value, type(value))
+    except Exception:  # noqa: BLE001 - the program's own code raising inside a read: not stated
+        return default
+
+
+class StaticView:
+    """A `dynamic` config as the checks read it after the run: its attributes read by `read`, never by its __getattr__,
+    so that no rule runs the program's attribute code (trace/tops.py keeps a model's config so)."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, held):
+        object.__setattr__(self, "_held", held)
+
+    def __getattr__(self, name):
+        found = read(self._held, name, MISSING)
+        if found is MISSING:
+            raise AttributeError(name)
+        return found
+
+    @property
+    def __dict__(self):
+        try:
+            return dict(vars(self._held))
+        except TypeError:
+            return {}
+
+
+def added(value, names) -> tuple[str, ...]:
+    """The `names` (fields the config `value` states) that its class defines nowhere, sorted; () where it defines all."""
+    kind = type(value)
+    defined = set(getattr(kind, "attribute_map", None) or {})
+    if dataclasses.is_dataclass(kind):
+        defined |= {field.name for field in dataclasses.fields(kind)}
+    try:
+        defined |= set(inspect.signature(kind.__init__).parameters)
+    except (TypeError, ValueError):
+        return ()  # (a class whose parameters cannot be read: nothing said to be the program's)
+    return tuple(sorted(name for name in names if name not in defined
+                        and not any(name in vars(base) for base in kind.__mro__)))
