@@ -11,7 +11,8 @@ keeps `cu_seqlens` and `cu_window_seqlens`), or where the tower's config states 
 where it sees no more (every image fits inside one window: both kinds rightly see it all); suspicious where nothing
 states either. A full block that sees only a part of what a windowed block sees (every cell of its within the
 windowed one's, fewer somewhere) is wrong wherever the program states the full blocks: a window is a part of its
-image, so the two kinds' segments are swapped (Pai-Megatron-Patch#552). Each block's calls are compared whole (transformers' SDPA path attends one window or image per call).
+image, so the two kinds' segments are swapped (Pai-Megatron-Patch#552). Each block's calls are compared whole
+(transformers' SDPA path attends one window or image per call).
 """
 
 from __future__ import annotations
