@@ -36,7 +36,8 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           "encoder-padding-ignored": "padding", "documents-leak": "across documents", "varlen-leak": "across documents",
           "sees-its-target": "sees later", "sees-later": "sees later", "causal-lost": "sees later",
           "left-pads-never-masked": "padding", "samples-leak": "across documents",
-          "samples-see-other-memories": "across documents"}
+          "samples-see-other-memories": "across documents",
+          "joint-text-cut": "text cut"}  # (no mode measures a prompt's real tokens dropped: any such finding unconfirmed)
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
 
