@@ -26,7 +26,7 @@ class JointAttention(nn.Module):
         scores = q @ k.transpose(-1, -2) / (WIDTH // HEADS) ** 0.5
         if key_keep is not None:
             scores = scores.masked_fill(~key_keep[:, None, None, :], float("-inf"))
-        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, joint.shape[1] // 1, WIDTH)
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, joint.shape[1], WIDTH)
         return out[:, text.shape[1]:], out[:, :text.shape[1]]
 
 
