@@ -37,8 +37,10 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           "sees-its-target": "sees later", "sees-later": "sees later", "causal-lost": "sees later",
           "left-pads-never-masked": "padding", "samples-leak": "across documents",
           "chunk-lookahead-compounds": "sees later", "mask-none-differs": "sees later",
-          "emptied-after-softmax": "a query that reads nothing"}  # (no mode's check confirms it: no family multiplies
-# its weights after the softmax, so any such finding here is one to look at by hand)
+          "samples-see-other-memories": "across documents",
+          "emptied-after-softmax": "a query that reads nothing",  # (no mode's check confirms these two: no family
+          "joint-text-cut": "text cut"}  # multiplies its weights after a softmax or drops a prompt's real tokens: any
+# such finding here is one to look at by hand)
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
 

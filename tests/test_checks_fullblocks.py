@@ -1,5 +1,5 @@
 """checks/fullblocks.py (and trace/stated.py's fullatt_block_indexes, trace/tops.py's cu_window_seqlens): a vision
-tower whose full-attention blocks and windowed blocks see one mask."""
+tower whose full-attention blocks and windowed blocks see one mask, or whose full blocks see less than the windowed ones."""
 
 from __future__ import annotations
 
@@ -68,3 +68,19 @@ def test_transformers_tower_quiet_on_an_image_of_one_window(tmp_path):
     pytest.importorskip("transformers")
     status, found, report = traced(tmp_path, "hf_qwen25_vision_windows_lost", False, HERE, ("--one",))
     assert [f for f in found if f["code"] == "full-blocks-windowed"] == [] and status == 0, report
+
+
+def test_pai_megatron_full_and_window_seqlens_swapped(tmp_path):
+    """alibaba/Pai-Megatron-Patch#552: the frame cu_seqlens handed to the window layers and the window ones to the
+    full layers: the full blocks see a 4-patch window, the windowed blocks a 16-patch frame."""
+    [hit] = check_bug(tmp_path, "pai_megatron_qwen25vl_vision_full_and_window_seqlens_swapped", "full-blocks-windowed")
+    assert "block 1 is a full-attention block (self.fullatt_block_indexes=[1, 3] of Qwen2_5VisionModel)" in hit["message"]
+    assert "at most 4 keys a query against 16" in hit["message"]
+
+
+def test_an_inverted_choice_over_two_images_written_another_way(tmp_path):
+    """Two images of 16 and 8 patches, an explicit softmax with -inf fills, `cu_window if number in
+    self.fullatt_block_indexes else cu_image`: the full blocks 3 and 7 see windows of 4 patches, the others an image."""
+    [hit] = check_bug(tmp_path, "tower_inverted_choice", "full-blocks-windowed", HERE)
+    assert hit["message"].startswith("block 3 is a full-attention block (self.fullatt_block_indexes=[3, 7] of VisionTower)")
+    assert "segments are swapped" in hit["message"]

@@ -64,3 +64,10 @@ def test_quiet_on_transformers_qwen2_vl_with_an_image_and_a_video(tmp_path):
 def test_quiet_on_joint_views_of_one_size_and_a_temporal_module(tmp_path):
     status, found, report = traced(tmp_path, "multiview_views_and_temporal_frames", False, HERE)
     assert status == 0 and [f for f in found if f["code"] == "items-joined"] == [], report
+
+
+def test_sglang_jax_qwen25vl_cu_seqlens_only_a_flag(tmp_path):
+    """sgl-project/sglang-jax#1289: cu_seqlens used only as a flag, the full-attention blocks run unmasked over an image
+    of 16 patches and a video of two 16-patch frames (grid_thw [(1, 4, 4), (2, 4, 4)]), caught before blind-am's tuning."""
+    found = check_bug(tmp_path, "sglang_jax_qwen25vl_vit_cu_seqlens_unused_as_mask", "items-joined")
+    assert "patch 12 (image 0) sees patch 16 of image 1 in one sequence of 48 patches" in found[0]["message"]

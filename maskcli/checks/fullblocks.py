@@ -9,7 +9,10 @@ mask from the image seqlens). Wrong where the model call was handed both segment
 keeps `cu_seqlens` and `cu_window_seqlens`), or where the tower's config states its window (`window_size` pixels over
 `patch_size`-pixel patches: transformers' vision config) and a query sees more patches than one window holds; quiet
 where it sees no more (every image fits inside one window: both kinds rightly see it all); suspicious where nothing
-states either. Each block's calls are compared whole (transformers' SDPA path attends one window or image per call).
+states either. A full block that sees only a part of what a windowed block sees (every cell of its within the
+windowed one's, fewer somewhere) is wrong wherever the program states the full blocks: a window is a part of its
+image, so the two kinds' segments are swapped (Pai-Megatron-Patch#552). Each block's calls are compared whole
+(transformers' SDPA path attends one window or image per call).
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ def same_mask(run: Run) -> list:
         hit = next(((f, w) for f in sorted(blocks) if f in full for w in sorted(blocks)
                     if w not in full and sign[f] == sign[w]), None)
         if hit is None:
+            swapped = _narrower(blocks, full)
+            if swapped is not None:
+                found.append(_swapped(*swapped, source))
             continue
         index, other = hit
         call, cells = blocks[index][0]
@@ -94,6 +100,32 @@ def same_mask(run: Run) -> list:
             f"same mask: {how}" + ("" if sure else ", unless every image fits inside one window")),
             severity=None if sure else "suspicious", expected="the image's segments (cu_seqlens)", source=source)))
     return found
+
+
+def _narrower(blocks: dict, full: set) -> tuple | None:
+    """(full block, windowed block) where the full block's every call sees a part of what the windowed block's call
+    at the same place sees, and strictly less somewhere (a window is a part of its image, never more); None else."""
+    for f in sorted(blocks):
+        for w in sorted(blocks):
+            if f not in full or w in full or len(blocks[f]) != len(blocks[w]):
+                continue
+            pairs = [(a, b) for (_, a), (_, b) in zip(blocks[f], blocks[w])]
+            if all(a.shape == b.shape and not np.any(a & ~b) for a, b in pairs) and \
+                    any(np.any(b & ~a) for a, b in pairs):
+                return (blocks[f], blocks[w], f, w)
+    return None
+
+
+def _swapped(made, other_made, index: int, other: int, source: str) -> tuple:
+    """The finding for a full block that sees less than a windowed one: the two kinds' segments swapped."""
+    call, cells = made[0]
+    widest = max(int(c.sum(-1).max()) for _, c in made)
+    most = max(int(c.sum(-1).max()) for _, c in other_made)
+    return (call, Finding("full-blocks-windowed", (
+        f"block {index} is a full-attention block ({source}) and block {other} a windowed one, but the full block "
+        f"sees only a part of what the windowed one sees (at most {widest} keys a query against {most}): a window is "
+        f"a part of its image, so the full and windowed blocks' segments are swapped"),
+        severity=None, expected="the image's segments (cu_seqlens)", source=source))
 
 
 RULES = (
