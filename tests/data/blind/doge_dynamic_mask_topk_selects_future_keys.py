@@ -1,11 +1,15 @@
-# HKUSTDial/flash-sparse-attention#146 (examples/modeling/modeling_doge.py): the dynamic-mask
-# top-k key selection ran on dt_states expanded over all queries before the causal mask was applied.
+# HKUSTDial/flash-sparse-attention#146 (examples/modeling/modeling_doge.py, flex variant): with a
+# causal BlockMask, prepare_dynamic_mask skipped the causal mask, so the top-k key selection ran on
+# dt_states expanded over all queries and kept future keys that the causal block mask then removed.
 import sys
+import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+warnings.filterwarnings("ignore")
 FIXED = "--fixed" in sys.argv
 
 
@@ -13,36 +17,22 @@ class DogeConfig:
     hidden_size = 32
     num_attention_heads = 4
     head_dim = 8
-    keep_window_size = 4  # each query keeps at most this many keys
+    keep_window_size = 4  # dynamic masking only when the sequence is longer than this
     vocab_size = 50
 
 
-def prepare_dynamic_mask(hidden_states, attn_bias, keep_window_size, attention_mask=None):
-    """Keep the keep_window_size keys with the largest dynamic bias; mask out the rest."""
-    min_dtype = torch.finfo(hidden_states.dtype).min
-    attn_mask = attn_bias
-    if FIXED and attention_mask is not None:
-        attn_mask = attn_mask.masked_fill(attention_mask != 0, min_dtype)
-    if attn_mask.shape[-1] > keep_window_size:
-        topk_indices = torch.topk(attn_mask, keep_window_size, dim=-1, largest=True, sorted=False).indices
-        active_mask = torch.zeros_like(attn_mask).scatter(-1, topk_indices, 1.0)
-        attn_mask = attn_mask.masked_fill(active_mask == 0.0, min_dtype)
-    return attn_mask
+def flex_attention_forward(module, query, key, value, attention_mask, attention_bias, scaling):
+    block_mask = attention_mask if isinstance(attention_mask, BlockMask) else None
 
+    def score_mod(score, batch_idx, head_idx, q_idx, kv_idx):
+        return score + attention_bias[batch_idx][head_idx][q_idx][kv_idx]
 
-def eager_attention_forward(query, key, value, attention_mask, attention_bias, scaling):
-    attn_weights = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    attn_weights = attn_weights + attention_bias
-    if attention_mask is not None:
-        attn_weights = attn_weights.masked_fill(attention_mask != 0, torch.finfo(attn_weights.dtype).min)
-    attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(attn_weights, value)
+    return flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling)
 
 
 class DogeAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.config = config
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
         self.scaling = self.head_dim ** -0.5
@@ -61,16 +51,34 @@ class DogeAttention(nn.Module):
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-        # Sampling dt_states from value_states to generate attention bias
+        # calculate dynamic mask from value_states
         dt_states = self.dt_proj(value_states.transpose(1, 2).reshape(bsz, value_states.shape[-2], -1))
         dt_states = torch.exp(self.A * F.softplus(dt_states)).transpose(-1, -2)
-        attn_bias = dt_states[:, :, None, :].expand(-1, -1, hidden_states.shape[1], -1)  # [b, h, q, k]
-        attn_bias = prepare_dynamic_mask(hidden_states, attn_bias, self.keep_window_size, attention_mask)
-
-        attn_output = eager_attention_forward(query_states, key_states, value_states,
-                                              attention_mask, attn_bias, self.scaling)
+        attn_bias, attn_mask = self.prepare_dynamic_mask(hidden_states, dt_states, self.keep_window_size,
+                                                         attention_mask)
+        self.last_attn_mask = attn_mask
+        attn_output = flex_attention_forward(self, query_states, key_states, value_states,
+                                             attention_mask, attn_bias, self.scaling)
         attn_output = attn_output.transpose(1, 2).reshape(bsz, q_len, -1)
         return self.o_proj(attn_output)
+
+    def prepare_dynamic_mask(self, hidden_states, dt_states, keep_window_size=2048, attention_mask=None):
+        min_dtype = torch.finfo(hidden_states.dtype).min
+        dtype = hidden_states.dtype
+        attn_bias = dt_states[:, :, None, :].expand(-1, -1, hidden_states.shape[1], -1)  # [b, h, q, k]
+        if FIXED and isinstance(attention_mask, BlockMask):
+            q_idx = torch.arange(hidden_states.shape[1])
+            attention_mask = torch.where(q_idx[:, None] >= q_idx[None, :], 0.0, min_dtype)[None, None]
+        if attention_mask is not None and not isinstance(attention_mask, BlockMask):
+            attn_bias = attn_bias.masked_fill(attention_mask[:, :, :, : attn_bias.shape[-1]] != 0, min_dtype)
+        if attn_bias.shape[-1] > keep_window_size:
+            topk_values, topk_indices = torch.topk(attn_bias, keep_window_size, dim=-1, largest=True, sorted=False)
+            valid_topk = topk_values != min_dtype
+            attn_mask = torch.zeros_like(attn_bias, dtype=dtype).scatter(-1, topk_indices, valid_topk.to(dtype))
+            attn_bias = attn_bias.masked_fill(attn_mask == 0.0, min_dtype)
+        else:
+            attn_mask = torch.ones_like(attn_bias, dtype=dtype)
+        return attn_bias, attn_mask
 
 
 def main():
@@ -80,19 +88,16 @@ def main():
     attn = DogeAttention(config)
     input_ids = torch.randint(0, config.vocab_size, (2, 16))
     seq_len = input_ids.shape[1]
-    # causal mask: nonzero above the diagonal (future keys)
-    causal_mask = torch.triu(torch.ones(seq_len, seq_len), diagonal=1)[None, None]
+
+    def causal_mask_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    block_mask = create_block_mask(causal_mask_mod, None, None, seq_len, seq_len, device="cpu")
     with torch.no_grad():
-        out = attn(embed(input_ids), causal_mask)
-    # how many keys each query actually attends to (should be min(i + 1, keep_window_size))
-    hs = embed(input_ids)
-    with torch.no_grad():
-        v = attn.v_proj(hs)
-        dt = torch.exp(attn.A * F.softplus(attn.dt_proj(v))).transpose(-1, -2)
-        bias = prepare_dynamic_mask(hs, dt[:, :, None, :].expand(-1, -1, seq_len, -1),
-                                    config.keep_window_size, causal_mask)
-    visible = ((bias > torch.finfo(hs.dtype).min) & (causal_mask == 0)).sum(-1).float().mean().item()
-    print(f"mean keys attended per query: {visible:.2f} (window {config.keep_window_size}); "
+        out = attn(embed(input_ids), block_mask)
+    causal = torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool))
+    kept = ((attn.last_attn_mask != 0) & causal).sum(-1).float().mean().item()
+    print(f"mean past keys kept per query: {kept:.2f} (window {config.keep_window_size}); "
           f"output norm {out.norm().item():.4f}")
 
 
