@@ -263,7 +263,7 @@ def window(run: Run) -> list:
     # where this layer has it at another step (a prefill with the window, a decode step without)
     sources = {source for source, _ in windowed}
     from maskcli.checks.windowpaths import counted_both_ways  # (one config's window kept two ways by two paths)
-    return found + counted_both_ways(run) + [(call, finding) for call, index, kind, finding in missing
+    return found + counted_both_ways(_each_layer_call(run), _layer) + [(call, finding) for call, index, kind, finding in missing
                                             if not kind[2] or finding.source not in sources or (finding.source, index) in windowed]
 
 

@@ -13,20 +13,19 @@ window-off-by-one rule, whose check calls this.
 from __future__ import annotations
 
 import re
+from typing import Callable
 
-from maskcli.checks.context import Run
 from maskcli.text import Finding
 
 _HOLDER = re.compile(r"\((\S+ \([^()]*\))")  # "config (Config)" of "sliding_window_size=4 (config (Config) in f() of x.py)"
 
 
-def counted_both_ways(run: Run) -> list:
+def counted_both_ways(layer_calls: list, named: Callable) -> list:
     """(call, window-off-by-one) for each call keeping W + 1 keys of a `sliding_window_size` W that another call site
-    reading the same config keeps as exactly W."""
-    from maskcli.checks.config import _each_layer_call, _layer
-
+    reading the same config keeps as exactly W. `layer_calls`: config.py's (call, intent, layer, kind, placed) of a
+    run; `named`: its name of a layer (config.py's `_layer`)."""
     paths: dict = {}
-    for call, stated, index, kind, placed in _each_layer_call(run):
+    for call, stated, index, kind, placed in layer_calls:
         if kind is None or kind[0] != "sliding_attention" or stated.window() is None or stated.bidirectional():
             continue
         size, name = stated.window()  # (W + 1: the wider reading)
@@ -47,8 +46,8 @@ def counted_both_ways(run: Run) -> list:
         for call, index, wide, said, size in each:
             if wide and call.where != narrow[0].where:
                 found.append((call, Finding("window-off-by-one", (
-                    f"{_layer(index, call)} sees window({size + 1}), one key wider than its config's {said}, which "
-                    f"the program's other path ({_layer(narrow[1], narrow[0])}) keeps as window({size}) from the same "
+                    f"{named(index, call)} sees window({size + 1}), one key wider than its config's {said}, which "
+                    f"the program's other path ({named(narrow[1], narrow[0])}) keeps as window({size}) from the same "
                     f"config: the window counted with the query once more (an inclusive left bound given W, not W - 1)"),
                     expected=f"window({size})", source=f"{said}; window({size}) at {narrow[0].where}")))
     return found
