@@ -130,3 +130,22 @@ def test_a_hand_written_text_cross_attention_run_causal_is_found(tmp_path):
 
     hit = caught(tmp_path, "cross_attention_block_copied_is_causal", ("cross-attention-causal",))
     assert "(class TextCrossAttention)" in hit["message"] and "(21 cells of later memory hidden)" in hit["message"]
+
+
+def test_transformer_engine_inter_attention_inherits_causal_window(tmp_path):
+    """TransformerEngine#629: the self-attention's causal window (-1, 0) handed to the inter-attention beside its
+    padding mask; 4 target queries over 10 source keys, the triangle aligned bottom-right (flash-attention's window)."""
+    check_bug(tmp_path, "transformer_engine_decoder_cross_attention_inherits_causal_window", "cross-attention-causal")
+
+
+def test_cache_causal_mask_reused_for_cross_attention_over_padded_memory(tmp_path):
+    """Written another way: a cache-layout causal mask (`tril(diagonal=k_len - q_len)`) and the memory's padding handed
+    to a module holding `is_cross_attention = True`; 3 queries over 7 keys, memory lengths 7 and 5. The cells counted
+    hidden are the real memory keys past each query's bottom-right diagonal (a double loop), padding set aside."""
+    folder = Path(__file__).parent / "data" / "across"
+    name = "cached_decoder_cross_attention_reuses_cache_causal_mask"
+    flagged = check_bug(tmp_path, name, "cross-attention-causal", folder)
+    lengths, q_len, k_len = (7, 5), 3, 7
+    hidden = sum(1 for n in lengths for i in range(q_len) for j in range(k_len) if j > i + k_len - q_len and j < n)
+    assert f"({hidden} cells of later memory hidden)" in flagged[0]["message"]
+    assert "is_cross_attention=True" in flagged[0]["source"]

@@ -4,9 +4,13 @@ A call the program itself says is a cross-attention (a running module's `attenti
 `is_cross_attention=True`: checks/context.crossing's "said") attends from the decoder's tokens to the encoder's memory: key j
 is encoder token j, not a later position of the query's own sequence, so a triangle that hides key j from every query
 before j hides real memory for no reason (TransformerEngine#565: the inter-attention called with the self-attention's
-`attn_mask_type="causal"`, its `enc_dec_attn_mask` dropped). Said where the mask is exactly the triangle's shape: as
-many queries as keys, no query sees a key after its own index, and every query sees its own (a padding mask on top of
-a triangle is still the triangle's bug). A cross-attention told apart by its module path alone (context.CROSS_WORDS)
+`attn_mask_type="causal"`, its `enc_dec_attn_mask` dropped). Said where the mask is exactly the triangle's shape, per
+batch row with the memory's padding (columns no query of the row sees) set aside: no query sees a key after its own
+index, and every query sees its own real one (a padding mask on top of a triangle is still the triangle's bug). With
+fewer queries than keys the triangle may be aligned bottom-right, as flash-attention / Transformer Engine place a
+causal window type `(-1, 0)`: query i sees keys 0..i + Lk - Lq (TransformerEngine#629: the self-attention's window
+handed to the inter-attention beside its padding mask). A wait-k policy the program states makes the triangle of
+offset k - 1 meant. A cross-attention told apart by its module path alone (context.CROSS_WORDS)
 is not read here: the module's own word is, and so is the attending module's class name where nothing the call was
 handed says otherwise (trace/crossing.py's "class": transformers#48172, `MllamaTextCrossAttention` run `is_causal=True`
 under SDPA, its 10 vision tokens cut to the text's 6 keys).
@@ -46,6 +50,23 @@ def wait_k(run: Run, call) -> tuple[int, str] | None:
     return None
 
 
+def _triangle(cells: np.ndarray, q_len: int, k_len: int) -> tuple[int, int] | None:
+    """(offset, cells hidden) where the (b, h, Lq, Lk) mask is a causal triangle over the keys: query i sees no key past
+    i + offset and sees key i + offset unless no query of its row sees that key (padding of the memory), with some real
+    key hidden past the diagonal; offset 0 (top-left) or Lk - Lq (bottom-right, the kernel's convention for a window or
+    causal type over fewer queries than keys: TransformerEngine#629). None where neither is."""
+    padding = ~cells.any(axis=-2, keepdims=True)  # columns no query of the batch row and head sees
+    rows, columns = np.arange(q_len)[:, None], np.arange(k_len)[None, :]
+    for offset in sorted({0, max(k_len - q_len, 0)}):
+        later, diagonal = columns > rows + offset, columns == rows + offset
+        if cells[..., later].any() or not (cells | padding)[..., diagonal].all():
+            continue
+        hidden = int((~cells & ~padding)[..., later].sum())
+        if hidden:
+            return offset, hidden
+    return None
+
+
 def causal_cross(run: Run) -> list:
     """Calls a module states are cross-attention whose mask is a causal triangle over the memory."""
     found, done = [], {}
@@ -57,7 +78,7 @@ def causal_cross(run: Run) -> list:
         # (the module's own word or its class's name, `MllamaTextCrossAttention`: not its path, nor a shape; a class
         # named causal too, Perceiver AR's `CausalCrossAttention`, states the triangle)
         q_len, k_len = call.shape[2:]
-        if not said or q_len != k_len or q_len < 2:
+        if not said or q_len < 2:
             continue
         key = (call.mask, call.shape)
         if key not in done:
@@ -65,24 +86,24 @@ def causal_cross(run: Run) -> list:
             cells = keep(call)
             if cells is None:
                 continue
-            later = np.triu(np.ones((q_len, k_len), dtype=bool), 1)
-            diagonal = np.eye(q_len, dtype=bool)
-            if cells[..., later].any() or not cells[..., diagonal].all():
+            triangle = _triangle(cells, q_len, k_len)
+            if triangle is None:
                 continue
-            hidden = int((~cells[..., later]).sum())
+            offset, hidden = triangle
             policy = wait_k(run, call)
-            if policy is not None and policy[0] == 1:
-                continue  # (wait-1: target step t reads source tokens 0..t, the triangle the program states)
+            if policy is not None and policy[0] == offset + 1:
+                continue  # (wait-k: target step t reads source tokens 0..t + k - 1, the triangle the program states)
             why = "the self-attention's causal mask type handed to the cross-attention?" if policy is None else (
-                f"the program's wait-k policy says query i reads keys 0..i + {policy[0] - 1} ({policy[1]}): a wait-1 "
-                f"mask, or the self-attention's causal mask handed to the cross-attention?")
+                f"the program's wait-k policy says query i reads keys 0..i + {policy[0] - 1} ({policy[1]}): a "
+                f"wait-{offset + 1} mask, or the self-attention's causal mask handed to the cross-attention?")
+            sees = "keys 0..i" if offset == 0 else f"keys 0..i + {offset} (the triangle aligned bottom-right)"
             done[key] = Finding("cross-attention-causal", (
                 f"the program says this call is a cross-attention ({said}), yet its mask is a causal triangle over "
-                f"the memory: query {0} sees only key 0, query i only keys 0..i ({hidden} cells of later memory "
-                f"hidden): {why}"),
+                f"the memory: query 0 sees only {'key 0' if offset == 0 else f'keys 0..{offset}'}, query i only {sees} ({hidden} cells of later "
+                f"memory hidden): {why}"),
                 expected="no causal triangle over the encoder's memory" if policy is None else
                 f"query i reads keys 0..i + {policy[0] - 1} (wait-{policy[0]})",
-                source=said if policy is None else f"{said}; {policy[1]}", cell=(0, 0, 1))
+                source=said if policy is None else f"{said}; {policy[1]}", cell=(0, 0, offset + 1))
         if done[key] is not None:
             found.append((call, done[key]))
     return found

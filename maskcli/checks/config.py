@@ -262,9 +262,9 @@ def window(run: Run) -> list:
     # sliding_window alone in a config not transformers': a layer without it is missing it where no layer has it, or
     # where this layer has it at another step (a prefill with the window, a decode step without)
     sources = {source for source, _ in windowed}
-    found += [(call, finding) for call, index, kind, finding in missing
-              if not kind[2] or finding.source not in sources or (finding.source, index) in windowed]
-    return found
+    from maskcli.checks.windowpaths import counted_both_ways  # (one config's window kept two ways by two paths)
+    return found + counted_both_ways(_each_layer_call(run), _layer) + [(call, finding) for call, index, kind, finding in missing
+                                            if not kind[2] or finding.source not in sources or (finding.source, index) in windowed]
 
 
 def full_layers(run: Run) -> list:
