@@ -134,7 +134,20 @@ def _differ(union: np.ndarray, cells: np.ndarray, chunks: list) -> np.ndarray:
     for _, own, _ in chunks:
         start[own[0]:own[-1] + 1] = own[0]
     inside = np.arange(union.shape[-1])[None, :] >= start[:, None]
-    return (cells != union) & ~(cells & ~union & inside)
+    return (cells != union) & ~(cells & ~union & inside) & ~_withdrawn(union, chunks)
+
+
+def _withdrawn(union: np.ndarray, chunks: list) -> np.ndarray:
+    """Bool (B, P, P): a batch row's earlier keys that a chunk hides from every one of its queries while another row
+    of the same call sees them: keys taken out of that row's cache on purpose, per row (a speculative verify's
+    rejected drafts past the row's accepted length, with the cache rolled back only to the batch's longest), not a
+    chunking slip, which builds every row's rows alike."""
+    out = np.zeros(union.shape, dtype=bool)
+    for _, own, _ in chunks:
+        rows = union[:, own[0]:own[-1] + 1, :own[0]].any(axis=1)  # (B, keys before the chunk) seen by any query
+        hidden = ~rows & rows.any(axis=0, keepdims=True)
+        out[:, own[0]:own[-1] + 1, :own[0]] = hidden[:, None, :]
+    return out
 
 
 def _real(run: Run, chunks: list, union: np.ndarray) -> np.ndarray:
