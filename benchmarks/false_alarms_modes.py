@@ -35,7 +35,8 @@ import torch
 CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-blind": "padding",
           "encoder-padding-ignored": "padding", "documents-leak": "across documents", "varlen-leak": "across documents",
           "sees-its-target": "sees later", "sees-later": "sees later", "causal-lost": "sees later",
-          "left-pads-never-masked": "padding", "samples-leak": "across documents"}
+          "left-pads-never-masked": "padding", "samples-leak": "across documents",
+          "one-pass-sees-later": "sees later"}
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
 

@@ -17,6 +17,9 @@ BUGS = [
     # QwenLM/Qwen#979 (written blind): causal_mask None unless query and key lengths agree, so several new tokens
     # over a KV cache see each other's future
     ("qwen_multitoken_kvcache_causal_mask_none", "prefill-chunks-differ"),
+    # sonos/torch-to-nnef#217 (written blind, blind-ap): the export's causal mask sized from the cache's batch axis, a
+    # [1, 1] mask, so the prompt pass is bidirectional; the program checks it against token-by-token steps
+    ("torch_to_nnef_llm_export_mask_sized_from_batch_dim", "one-pass-sees-later"),
 ]
 
 
@@ -304,3 +307,17 @@ def test_a_verify_window_that_hides_one_rows_rejected_drafts_is_no_chunk_bug(tmp
         hidden = eval(hide)
         expected = first((2, 12, 12), lambda b, q, k: (k <= q) != (k <= q and not (q >= 9 and k in hidden[b])))
         assert [(f["code"], tuple(f["cell"])) for f in found] == [("prefill-chunks-differ", expected)], result.output
+
+
+def test_a_full_pass_checked_against_cached_steps_over_the_same_ids_is_found(tmp_path):
+    """The same bug written another way (tests/data/repass/): a nanoGPT-style block whose hand-written softmax masks
+    the future only on the cached path, a batch of two; the cached steps over the same ids say what each query sees.
+    Every cell of the full pass that sees a later key is one, found at the first a loop finds; the fix is quiet."""
+    from pathlib import Path
+
+    from checkbugs import first
+
+    folder = Path(__file__).parent / "data" / "repass"
+    hits = check_bug(tmp_path, "gpt_cached_sampler_full_pass_bidirectional", "one-pass-sees-later", folder)
+    assert tuple(hits[0]["cell"]) == first((2, 5, 5), lambda b, q, k: k > q)
+    assert "in 5 steps" in hits[0]["message"] and "20 such cells" in hits[0]["message"]
