@@ -213,3 +213,20 @@ def test_runs_are_each_rows_cells_and_same_cells_compares_them_cell_for_cell():
     assert same_cells(sink, runs(only_first))
     only_first[5, 1] = True
     assert not same_cells(sink, runs(only_first))
+
+
+def test_a_single_query_over_several_identical_heads_is_read_as_its_key_padding():
+    """A decode step's (B, H, 1, S) mask, its heads alike, with batch row 1's last two keys masked: key padding of
+    lengths 8 and 6 (its rows against a double loop), where it raised on reshaping every head into one row per batch
+    row. Heads that differ are no key padding: nothing is named, and nothing raises."""
+    keep = np.ones((2, 3, 1, 8), bool)
+    keep[1, :, :, 6:] = False
+    found = recognise(keep)
+    assert found.expression == "padding" and found.options["lengths"] == "8,6"
+    cells = found.mask.dense()
+    lengths = (8, 6)
+    for b in range(2):
+        for k in range(8):
+            assert bool(cells[b, 0, -1, k]) == (k < lengths[b])
+    keep[0, 1, :, 7] = False
+    assert recognise(keep).expression is None

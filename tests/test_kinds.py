@@ -250,3 +250,31 @@ def test_the_label_kinds_make_no_candidate_whose_rows_see_keys_before_their_grou
     chunks = np.array([[docs[k] <= docs[q] for k in range(n)] for q in range(n)])
     [found] = get("chunk").recognise(_profile(chunks))
     assert found["labels"].array[0].tolist() == docs
+
+
+def test_recognised_asks_every_kind_once_and_makes_each_candidates_intervals_at_its_placement():
+    """kinds.base.recognised: every candidate of one reading, bound and made at its frame in one call; each made
+    candidate's cells are those of a double loop over absolute positions (q - 3 < kv <= q), and the order is the
+    kinds' rank, then the placement, as recognition reads them."""
+    from maskcli.intervals import Intervals
+    from maskcli.kinds.base import NOT_MADE, recognised
+    from maskcli.positions import Frame
+
+    length = 10
+    keep = np.array([[q - 3 < k <= q for k in range(length)] for q in range(length)])
+    frame = Frame(0, length, 0, length)
+    found = recognised(all_kinds(), [(0, _profile(keep), frozenset(), frame, frozenset())], 4096)
+    assert [kind.rank for kind, *_ in found] == sorted(kind.rank for kind, *_ in found)
+    window = [(checked, made) for kind, checked, _, made in found if kind.name == "window"]
+    assert window == [((("window", 3),), window[0][1])]
+    made = window[0][1]
+    assert isinstance(made, Intervals)
+    assert np.array_equal(made.dense(0, 0, length), keep)
+    # asked to rule out what a kind holding "causal" would be (a later key seen): no causal kind's intervals made
+    ruled = recognised(all_kinds(), [(0, _profile(keep), frozenset(), frame, frozenset({"causal"}))], 4096)
+    assert all(made is NOT_MADE for kind, _, _, made in ruled if kind.causal)
+    assert any(made is not NOT_MADE for kind, _, _, made in ruled if not kind.causal)
+    # no frame: nothing made, the same candidates
+    unmade = recognised(all_kinds(), [(0, _profile(keep), frozenset(), None, frozenset())], 4096)
+    assert [(k.name, c) for k, c, _, _ in unmade] == [(k.name, c) for k, c, _, _ in found]
+    assert all(made is NOT_MADE for *_, made in unmade)

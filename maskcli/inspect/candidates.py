@@ -1,10 +1,11 @@
 """Every candidate name of one keep matrix, read, placed and compared with the tensor at once: the table recognition
 asks.
 
-Each kind reads its candidate parameters off the tensor's profile, once per placement (`candidates`), and they are
-bound to their kinds in one call (`terms.bound_each`). `table` groups the candidates by the options that place them:
-each group's positions are resolved once (`placing`: a Frame, and its key padding's intervals), its candidates'
-intervals are made in one call (`terms.placed_each`), and `matching` compares every candidate with the tensor's own
+Each kind reads its candidate parameters off the tensor's profile, once per placement, and every kind is asked in one
+call per reading (`candidates`, `kinds.base.recognised`: each kind module entered once), which binds them and makes
+their intervals at their placement too. `table` groups the candidates by the options that place them: each group's
+positions are resolved once (`placing`: a Frame, and its key padding's intervals), the intervals `candidates` made are
+taken as they are and any others made in one call (`terms.placed_each`), and `matching` compares every candidate with the tensor's own
 runs (`runs`, read once) in one pass: one stack of intervals, a batch row per candidate. Before that, a candidate
 whose kinds declare something the tensor lacks at its positions (`lacking`, read once per placement: a later key
 seen, a query that does not see itself or position 0) is ruled out and never made (`ruled_out`). No Mask is made
@@ -24,11 +25,11 @@ from maskcli.expression import And, Or
 from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
 from maskcli.kinds import all_kinds
 from maskcli.kinds import get as get_kind
-from maskcli.kinds.base import Kind, Labels, Profile
+from maskcli.kinds.base import NOT_MADE, Kind, Profile, recognised
 from maskcli.kinds.padding import key_runs
 from maskcli.mask import MaskOptions
 from maskcli.positions import Frame
-from maskcli.terms import Term, bound_each, placed_each
+from maskcli.terms import Term, placed_each
 from maskcli.terms import intervals as intervals_of
 
 MAX_LABELS = 4096  # label kinds are read off masks up to this long; longer labels make no useful command
@@ -59,26 +60,45 @@ def profile(ref: np.ndarray, q_start: int, k_start: int, marked: str) -> Profile
 
 
 def candidates(ref: np.ndarray, placements: list[tuple[dict, int]], marked: str, base: Profile | None = None,
-               rows: Intervals | None = None, uncut: bool = True, known: dict | None = None) -> list[tuple[str, Term, dict]]:
+               rows: Intervals | None = None, uncut: bool = True, known: dict | None = None,
+               made: Intervals | None = None) -> list[tuple[str, Term, dict]]:
     """(kind name, Term, options) read off one (Lq, Lk) keep matrix: simplest kind first, and for each kind the
     queries at the end of the keys (as a cache puts them) before top-left. A value a kind refuses (as a typed one
     would be) is no candidate. `base`: the matrix's profile with its queries from 0 where the caller has it (each
     placement moves only its queries: the rows are read once). Given the tensor's `rows` (`runs`), a kind whose
     declarations hold what the tensor lacks at a placement (`lacking`; `uncut`: no key padding will cut the
     candidates) is not asked for candidates there: `table` would rule every one of them out. `known`: the
-    placements one recognition has worked out (`placed_at`)."""
-    read = []  # (rank, placement, kind, its values, options)
+    placements one recognition has worked out (`placed_at`). Every kind is asked in one call (`kinds.base.recognised`:
+    each kind module entered once); given `made` (the tensor's rows `table` will compare them with) and `known`, each
+    candidate's intervals at its placement, before any key padding, are made in that same call and kept in `known`
+    for `table` (`made_at`), except where its kinds hold what the tensor lacks there (`table` rules it out unmade)."""
     base = profile(ref, 0, 0, marked) if base is None else base
+    asks = []  # (order, profile, lacks, frame to make the intervals on, what rules a candidate out of being made)
     for order, (options, q_start) in enumerate(placements):
         seen = base if q_start == 0 else replace(base, q=base.q + q_start)
-        lacks = lacks_at(rows, options, uncut, known)
-        for kind in all_kinds():
-            if kind.recognise is not None and not any(getattr(kind, fact) for fact in lacks):
-                read += [(kind.rank, order, kind, params, options) for params in kind.recognise(seen)]
-    read = [item for item in read if not any(isinstance(v, Labels) and v.shape[1] > MAX_LABELS for v in item[3].values())]
-    read.sort(key=lambda item: item[:2])
-    terms = bound_each([(kind, params) for _, _, kind, params, _ in read])
-    return [(item[2].name, term, item[4]) for item, term in zip(read, terms) if term is not None]
+        frame, rules_out = None, frozenset()
+        if made is not None and known is not None:
+            place = placed_at(options, known)
+            if place is not None and place != REFUSED and place[1] is None and made.starts.shape[1] == place[0].q_len:
+                frame, rules_out = place[0], _lacking_once(made, place[0], True, options, known)
+        asks.append((order, seen, lacks_at(rows, options, uncut, known), frame, rules_out))
+    read = recognised(all_kinds(), asks, MAX_LABELS)
+    found, made_at = [], {}
+    for kind, checked, order, intervals in read:
+        if checked is None:  # a value the kind refuses
+            continue
+        term = Term(kind, checked)
+        found.append((kind.name, term, placements[order][0]))
+        if intervals is not NOT_MADE:
+            frame = asks[order][3]
+            made_at.setdefault(_where(frame), {})[id(term)] = (term, intervals)
+    for where, each in made_at.items():
+        known[("made", where)] = each
+    return found
+
+
+def _where(frame: Frame) -> tuple[int, int, int, int]:
+    return frame.q_start, frame.q_len, frame.k_start, frame.k_len
 
 
 def lacks_at(rows: Intervals | None, options: dict, uncut: bool, known: dict | None = None) -> frozenset[str]:
@@ -129,6 +149,7 @@ def placing(options: dict):
     length, q_start = options["length"], options.get("offset") or 0
     frame = Frame(q_start, length, 0, options.get("kv_len") or q_start + length)
     if set(options) <= PLACING:
+        frame.q_column, frame.k_end, frame.n  # noqa: B018 (read once here, cached: what lacking and the kinds read)
         return frame, None
     given = MaskOptions(**options)
     try:
@@ -169,7 +190,12 @@ def table(listed: list[tuple[object, dict]], rows: Intervals | None = None, know
             for i in [i for i in members if ruled_out(listed[i][0], lacks)]:
                 found[i] = RULED_OUT
             members = [i for i in members if found[i] is None]
-        for i, got in zip(members, placed_each([listed[i][0] for i in members], frame)):
+        made = known.get(("made", _where(frame))) if known is not None and frame.key_valid is None else None
+        kept = {i: made[id(listed[i][0])][1] for i in members
+                if made is not None and id(listed[i][0]) in made and made[id(listed[i][0])][0] is listed[i][0]}
+        todo = [i for i in members if i not in kept]  # (`candidates` made the rest, at these positions)
+        kept.update(zip(todo, placed_each([listed[i][0] for i in todo], frame)) if todo else ())
+        for i, got in ((i, kept[i]) for i in members):
             if isinstance(got, MaskError):
                 found[i] = REFUSED
             elif got is not None and got.shape[0] == 1:
@@ -281,8 +307,10 @@ def same_each(got: Intervals, want: Intervals) -> np.ndarray:
 def runs(keep: np.ndarray) -> Intervals | None:
     """A (Lq, Lk) keep matrix's cells as exact key intervals per query row (keys from 0), (1, Lq, K), in the normal
     form intervals.py keeps; None where a row has more runs than a few (then cells are compared)."""
+    frame = Frame(0, 1, 0, keep.shape[1])
+    frame.k_end  # noqa: B018 (read where the frame is made: cached for key_runs)
     try:
-        rows = key_runs(keep, Frame(0, 1, 0, keep.shape[1]), "the tensor")  # each query row read as a batch row's
+        rows = key_runs(keep, frame, "the tensor")  # each query row read as a batch row's
     except NotFew:
         return None
     return Intervals(rows.starts[None, :, 0], rows.ends[None, :, 0], rows.k_start, rows.k_end)

@@ -99,8 +99,10 @@ def _rebuild(expression, options: dict, keep: np.ndarray, rows: Intervals | None
         return None
     if q_len == 1 and f.q_len != 1:  # a [B, 1, 1, S] row stands for every query, so every built row must be it
         if built.exact and f.k_start == 0:  # on intervals: O(S) for a key padding row of any length
+            if heads > 1 and not (keep == keep[:, :1]).all():
+                return None  # (a key padding row is one per batch row: heads that differ are not it)
             try:
-                wanted = key_runs(keep.reshape(batch, k_len), f)
+                wanted = key_runs(keep[:, 0].reshape(batch, k_len), f)
             except NotFew:
                 return None
             got = built.intervals()
@@ -279,7 +281,8 @@ def recognise(keep4: np.ndarray, key_padding: bool = False, marked: str = "atten
     # once: the placements read the same with and without the padding (so only what padding cannot cut rules a kind
     # out); every kind's where the closest is asked for (it may be a kind the tensor rules out)
     known: dict = {}  # each placement's positions and what the tensor lacks there, worked out once (placed_at)
-    read = candidates(ref, placements, marked, rows_read, None if nearest else rows, uncut=padding is None, known=known)
+    read = candidates(ref, placements, marked, rows_read, None if nearest else rows, uncut=padding is None, known=known,
+                      made=rows)  # each candidate's intervals made as it is read, for `first`'s table
     for extra in [{}] if padding is None else [{}, padding]:
         if extra:
             alone = found("padding", bare("padding"), {**base, **extra})

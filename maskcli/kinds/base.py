@@ -10,7 +10,6 @@ registry collects every module of this package, so adding a kind is one module.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.intervals import Intervals
+from maskcli.kinds.values import Labels, row_of  # noqa: F401  (where the kinds and their users import them)
 from maskcli.positions import Frame
 
 REQUIRED = object()
@@ -64,48 +64,6 @@ class Param:
         if self.type == "labels":
             return value  # Labels are checked where they are made
         raise ValueError(f"unknown parameter type {self.type!r}")
-
-
-@dataclass(frozen=True, eq=False)
-class Labels:
-    """Integer labels per absolute position, one row or one per batch row, and how they were written.
-
-    `made` is the array, or what makes it on first use of `array`: labels from segment sizes
-    are two numbers until a view needs them, so the mask's memory guards, which read only the
-    shape, refuse `document(sizes=[1000000000])` before 8 GB of labels exist.
-    """
-
-    made: np.ndarray | Callable[[], np.ndarray]  # int64 (R, n), or a function that returns it
-    form: str  # "inline", "sizes" or "file"
-    text: str  # as it prints inside the call: 0,0,1,1 / sizes=[3,5] / "labels.npy"
-    shape: tuple[int, int] | None = None  # (R, n); read off the array where not given
-    rows: int = field(init=False)  # R, and n: plain values, read by every candidate a kind makes of them
-    length: int = field(init=False)
-
-    def __post_init__(self):
-        if self.shape is None:
-            object.__setattr__(self, "shape", tuple(self.made.shape))
-        object.__setattr__(self, "rows", self.shape[0])
-        object.__setattr__(self, "length", self.shape[1])
-        if not callable(self.made):
-            self.__dict__["array"] = self.made  # (what `array` would return: no call to make it)
-
-    @functools.cached_property
-    def array(self) -> np.ndarray:
-        return self.made() if callable(self.made) else self.made
-
-    def __eq__(self, other) -> bool:
-        return (
-            isinstance(other, Labels) and (self.form, self.text, self.shape) == (other.form, other.text, other.shape)
-            and bool(np.array_equal(self.array, other.array))
-        )
-
-    def __hash__(self) -> int:
-        return hash((self.form, self.text))
-
-    def as_json(self):
-        rows = self.array.tolist()
-        return rows[0] if len(rows) == 1 else rows
 
 
 MaskMod = Callable[..., Any]
@@ -169,6 +127,61 @@ class Kind:
         return f"{self.name}({', '.join(parts)})"
 
 
-def row_of(table: np.ndarray, b: int) -> np.ndarray:
-    """Batch row b of a (R, n) table that has one row per batch row, or one row for all."""
-    return table[b if table.shape[0] > 1 else 0]
+NOT_MADE = object()  # a candidate whose intervals `recognised` was not asked to make
+
+
+def recognised(kinds, asks, max_labels: int) -> list[tuple]:
+    """Every kind's candidates read off one reading's profile, bound and placed in one call: recognition's, per
+    reading. `asks`: per placement, (its order, the profile with its queries there, the facts the tensor lacks there
+    (a kind that declares one is not asked: Kind.causal, sees_own, sees_first), the Frame to make the candidates'
+    intervals on (None: none made), and the facts that rule a candidate out of being made there). The kinds are
+    asked module by module (each kind module entered once), and each candidate's values checked as typed ones are
+    (Param.check) and its intervals made as terms.placed_each makes one term's (its draft tree's queries, its labels'
+    sequence and its own check first: a MaskError where placed refuses it, None where its intervals are not few).
+    Returns (kind, its checked (name, value) pairs or None where a value is refused, placement order, its intervals,
+    a MaskError, None, or NOT_MADE), simplest kind first, then by placement; labels longer than `max_labels` are no
+    candidate."""
+    from maskcli.intervals import NotFew
+
+    for _, _, _, frame, _ in asks:  # positions read once per frame here, before any kind reads them
+        if frame is not None:
+            frame.q_column, frame.k_end, frame.n  # noqa: B018 (cached on the frame)
+    by_module: dict[str, list[Kind]] = {}
+    for kind in kinds:
+        if kind.recognise is not None:
+            by_module.setdefault(kind.recognise.__module__, []).append(kind)
+    found = []  # (rank, order, name, index, kind, checked, made)
+    for module_kinds in by_module.values():
+        for kind in module_kinds:
+            for order, seen, lacks, frame, rules_out in asks:
+                if any(getattr(kind, fact) for fact in lacks):
+                    continue
+                for index, values in enumerate(list(kind.recognise(seen))):
+                    if any(isinstance(v, Labels) and v.shape[1] > max_labels for v in values.values()):
+                        continue
+                    try:
+                        checked = tuple((p.name, p.check(values.get(p.name, p.default), kind.name)) for p in kind.params)
+                    except MaskError:
+                        found.append((kind.rank, order, kind.name, index, kind, None, NOT_MADE))
+                        continue
+                    made = NOT_MADE
+                    if frame is not None and not any(getattr(kind, fact) for fact in rules_out):
+                        made_values = dict(checked)  # as terms.placed_each makes one term's (inline: the kind's
+                        try:  # module is entered once by this frame, not once per candidate)
+                            fixed = kind.queries(made_values) if kind.queries is not None else frame.q_len
+                            if fixed != frame.q_len:
+                                raise MaskError(f"--len {frame.q_len} does not match the {fixed} draft tokens of the tree")
+                            count = kind.sequence(made_values) if kind.sequence is not None else None
+                            if count is not None and count != frame.n:
+                                raise MaskError(f"the labels of {kind.name} have {count} entries, the mask {frame.n} positions")
+                            if kind.check is not None:
+                                kind.check(made_values, frame, kind.name)
+                            made = kind.intervals(made_values, frame)
+                        except MaskError as error:
+                            made = error
+                        except NotFew:
+                            made = None
+                    found.append((kind.rank, order, kind.name, index, kind, checked, made))
+    found.sort(key=lambda item: item[:4])
+    return [(kind, checked, order, made) for _, order, _, _, kind, checked, made in found]
+

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.intervals import MAX_PER_ROW, Intervals, NotFew
-from maskcli.kinds.base import Kind, Labels, Param, Profile, row_of
-from maskcli.kinds.values import inline
+from maskcli.kinds.base import Kind, Param, Profile
+from maskcli.kinds.values import Labels, inline, row_of
 
 
 def _labels_param(help_text: str) -> Param:

@@ -6,7 +6,8 @@ import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.intervals import Intervals
-from maskcli.kinds.base import Kind, Param, Profile, row_of
+from maskcli.kinds.base import Kind, Param, Profile
+from maskcli.kinds.values import row_of
 from maskcli.kinds.basic import later
 from maskcli.kinds.labels import at_position, position_table, run_start, run_starts
 

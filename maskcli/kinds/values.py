@@ -1,23 +1,76 @@
-"""Integer lists as kinds take them: inline (`0,0,1,1`, `;` between batch rows), from segment sizes, or from a file.
+"""Integer lists as kinds take them: inline (`0,0,1,1`, `;` between batch rows), from segment sizes, or from a file;
+and the Labels they make, and a table's row per batch row (`row_of`).
 
-Only numpy is needed, except for .pt files (torch.load with weights_only=True).
+Only numpy is needed, except for .pt files (torch.load with weights_only=True). Labels and row_of live here, below
+kinds/base.py (which imports them for the kinds), not in base: the kinds make and read them while base's
+`recognised` asks the kinds for candidates, and a kind calling into base there would climb back into the module
+asking it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.text import shortened
-from maskcli.kinds.base import Labels
 
 FILE_SUFFIXES = (".npy", ".json", ".txt", ".pt")
 _INT = re.compile(r"^\s*[+-]?[0-9]+\s*$")
 INT64_LIMIT = 1 << 62  # labels and ids stay far from int64's edge, so differences and sums cannot wrap
+
+
+@dataclass(frozen=True, eq=False)
+class Labels:
+    """Integer labels per absolute position, one row or one per batch row, and how they were written.
+
+    `made` is the array, or what makes it on first use of `array`: labels from segment sizes
+    are two numbers until a view needs them, so the mask's memory guards, which read only the
+    shape, refuse `document(sizes=[1000000000])` before 8 GB of labels exist.
+    """
+
+    made: np.ndarray | Callable[[], np.ndarray]  # int64 (R, n), or a function that returns it
+    form: str  # "inline", "sizes" or "file"
+    text: str  # as it prints inside the call: 0,0,1,1 / sizes=[3,5] / "labels.npy"
+    shape: tuple[int, int] | None = None  # (R, n); read off the array where not given
+    rows: int = field(init=False)  # R, and n: plain values, read by every candidate a kind makes of them
+    length: int = field(init=False)
+
+    def __post_init__(self):
+        if self.shape is None:
+            object.__setattr__(self, "shape", tuple(self.made.shape))
+        object.__setattr__(self, "rows", self.shape[0])
+        object.__setattr__(self, "length", self.shape[1])
+        if not callable(self.made):
+            self.__dict__["array"] = self.made  # (what `array` would return: no call to make it)
+
+    @functools.cached_property
+    def array(self) -> np.ndarray:
+        return self.made() if callable(self.made) else self.made
+
+    def __eq__(self, other) -> bool:
+        return (
+            isinstance(other, Labels) and (self.form, self.text, self.shape) == (other.form, other.text, other.shape)
+            and bool(np.array_equal(self.array, other.array))
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.form, self.text))
+
+    def as_json(self):
+        rows = self.array.tolist()
+        return rows[0] if len(rows) == 1 else rows
+
+
+def row_of(table: np.ndarray, b: int) -> np.ndarray:
+    """Batch row b of a (R, n) table that has one row per batch row, or one row for all."""
+    return table[b if table.shape[0] > 1 else 0]
 
 
 def rows_text(rows) -> str:
