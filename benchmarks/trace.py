@@ -33,7 +33,8 @@ the CPU clock, median and quartiles (target <= 10%).
 Then a tiny Hugging Face llama (LlamaConfig, random weights, 2 layers, batch 2 with left padding):
 `generate` of 3 new tokens (6 attention calls) inside `maskcli.trace()` against the same generate
 untraced, pairs alternating as above, the median of the paired ratios by both clocks (target <= 1.25x), and
-the time its masks take to read once the run is over (not in the ratio: after the run, as the report reads them);
+the time its masks and its model calls' Tops take to read once the run is over (not in the ratio: after the run, as
+the report reads them; a Top handed only plain values and small integer tensors is made then, trace/later.py);
 beside it the same generate inside a TorchFunctionMode that does nothing but call each function, the
 floor of any trace that sees every torch call from Python (each of its ~850 calls pays the mode's
 dispatch). Skipped where transformers is not installed, or with --no-hf.
@@ -268,13 +269,14 @@ def hf_generate(runs: int) -> None:
             model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
         return time.perf_counter() - wall, time.process_time() - cpu
 
-    after = []  # CPU seconds a traced run's recorded calls take to read once it is over (the masks copied at the calls)
+    after = []  # CPU seconds a traced run's recorded calls and tops take to read once it is over (the masks copied at
+    # the calls, the Tops made once the run is over: trace/later.py)
 
     def traced() -> tuple[float, float]:
         t = maskcli.trace()
         elapsed = run(t)
         start = time.process_time()
-        assert len(t.calls) == 6, len(t.calls)
+        assert len(t.calls) == 6 and len(t.tops) == 3, (len(t.calls), len(t.tops))
         after.append(time.process_time() - start)
         return elapsed
 
@@ -285,7 +287,7 @@ def hf_generate(runs: int) -> None:
     after.clear()
     samples = [(run(contextlib.nullcontext()), traced(), run(Nothing())) for _ in range(max(runs, 4) * 2)]
     print(f"tiny HF llama generate (2 layers, 3 new tokens, 6 attention calls), {len(samples)} runs (after a traced run, "
-          f"its masks read: median {statistics.median(after) * 1e3:.2f} ms by the CPU clock):")
+          f"its masks and tops read: median {statistics.median(after) * 1e3:.2f} ms by the CPU clock):")
     for clock, which in (("wall", 0), ("cpu", 1)):
         plain = statistics.median(a[which] for a, _, _ in samples)
         ratios = [b[which] / a[which] for a, b, _ in samples]

@@ -10,6 +10,8 @@ import pytest
 from checkbugs import ROWS, caught, check_bug, first, traced
 from maskcli.checks.arguments import document_starts
 
+ARGS = Path(__file__).parent / "data" / "args"
+
 BUGS = [
     ("decode_mask_sliced", "padding-ignored"),  # thu-nics/C2C#19: the mask sliced to one column at decode
     ("prefill_mask_ignores_padding", "padding-ignored"),  # ml-explore/mlx-lm#1906: a plain causal mask at prefill
@@ -25,6 +27,9 @@ BUGS = [
     ("nemo_rl_packed_nested_flash_attn_kwargs_ignored_by_automodel", "documents-leak"),
     # huggingface/trl#3673: padding-free collator's all-ones mask hides the packed position_ids from FA2
     ("trl_sft_padding_free_packed_all_ones_mask_hides_position_ids", "documents-leak"),
+    # written blind (batch blind-ao), caught before any rule was changed for them:
+    # hiyouga/LlamaFactory#4224: neat_packing's numbered mask patched into a function Llama never calls
+    ("llamafactory_neat_packing_segment_mask_reaches_model_as_plain_causal", "documents-leak"),
 ]
 
 
@@ -113,6 +118,32 @@ def test_a_mask_made_from_the_ids_the_wrong_way_round_is_found_by_the_embeddings
 def test_blind_reproductions_of_a_stated_padding_ignored_are_flagged(tmp_path, name):
     """Written blind (each caught before any rule was tuned for the blind split)."""
     check_bug(tmp_path, name, "padding-ignored")
+
+
+def test_retro_retrieved_padding_mask_polarity(tmp_path):
+    """lucidrains/RETRO-pytorch 0b01736: `mask = retrieved == self.pad_id` kept by an Attention that keeps True: the
+    encoder's self-attention over each neighbour chunk (the (batch, chunks, neighbours) axes folded into its rows) sees
+    only its padding. The padding is the 4-D `retrieved` ids at the model's stated pad id 0; the first cell is a double
+    loop's over the neighbours' lengths (the program pads four of them: rows 1, 2, 4, 7 at 5, 3, 6, 2 tokens)."""
+    hit = check_bug(tmp_path, "retro_retrieved_padding_mask_polarity", "padding-ignored")[0]
+    lengths = [8, 5, 3, 8, 6, 8, 8, 2]
+    assert tuple(hit["cell"][:3]) == first((8, 8, 8), lambda b, q, k: q < lengths[b] <= k)
+    assert "`retrieved` (2, 2, 2, 8)" in hit["source"], hit
+
+
+def test_multiple_choice_candidates_pad_mask_handed_as_keep(tmp_path):
+    """Written another way: (batch, choices, tokens) ids flattened to one MHA row per choice, left-padded with the pad
+    id its embedding states, the mask of real tokens handed as key_padding_mask; the first cell is a double loop's
+    (a real query, a pad key) over the flattened ids; the fix is quiet."""
+    status, found, report = traced(tmp_path, "multiple_choice_candidates_pad_mask_as_keep", fixed=False, folder=ARGS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "padding-ignored")
+    assert hit["severity"] == "wrong"
+    flat = [[1, 1, 4, 5, 6, 7], [7, 8, 9, 3, 2, 5], [1, 1, 1, 6, 4, 9],
+            [1, 3, 3, 4, 8, 2], [1, 1, 1, 1, 7, 5], [1, 1, 2, 9, 6, 3]]
+    assert tuple(hit["cell"][:3]) == first((6, 6, 6), lambda b, q, k: flat[b][q] != 1 and flat[b][k] == 1)
+    status, found, report = traced(tmp_path, "multiple_choice_candidates_pad_mask_as_keep", fixed=True, folder=ARGS)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
 
 
 def test_xlnet_generate_over_left_padding_is_found_without_calling_its_query_stream_a_reversed_mask():

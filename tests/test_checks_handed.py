@@ -41,6 +41,19 @@ BUGS = [
 ]
 
 
+def test_a_square_call_that_sees_later_keys_names_the_query_by_its_own_place(tmp_path):
+    """meta-pytorch/torchtune#1835 (written blind, batch blind-ao): Gemma2Attention's torch.where(sliding_mask == 1,
+    mask, -2.38e38) makes the bool causal mask additive, so the band |q - k| < 4 is all visible. The window rule names
+    the first query that sees a span wider than 5 keys by its own place (a double loop over the band), not by its
+    newest key (it sees later ones); the bug is caught by the loss's targets."""
+    check_bug(tmp_path, "torchtune_gemma2_sliding_mask_where_float_unmasks_future", "sees-its-target")
+    _, found, _ = traced(tmp_path, "torchtune_gemma2_sliding_mask_where_float_unmasks_future", False)
+    dropped = [f for f in found if f["code"] == "window-dropped"]
+    wide = first((1, 12, 12), lambda b, q, k: abs(q - k) < 4 and sum(abs(q - j) < 4 for j in range(12)) > 5)
+    assert dropped and tuple(dropped[0]["cell"]) == wide
+    assert f"query {wide[1]} of batch row 0 sees keys {wide[2]} .. 5" in " ".join(dropped[0]["message"].split())
+
+
 @pytest.mark.parametrize("name, code", BUGS)
 def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code):
     check_bug(tmp_path, name, code)

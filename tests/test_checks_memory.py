@@ -10,6 +10,7 @@ from maskcli.checks.context import Run, Top
 from maskcli.checks.memory import memory
 
 ARGS = Path(__file__).parent / "data" / "args"
+ENCODED = Path(__file__).parent / "data" / "encoded"
 
 
 def test_gpt2_cross_attention_drops_encoder_mask(tmp_path):
@@ -196,3 +197,119 @@ def test_t5_left_padded_sources_no_attention_mask(tmp_path):
     assert tuple(encoder["cell"]) == first((2, 6, 6), lambda b, q, k: ids[b][q] != 0 and ids[b][k] == 0)
     status, found, report = traced(tmp_path, "t5_left_padded_sources_no_attention_mask", fixed=True, folder=ARGS)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_dia_cross_attention_attends_text_padding(tmp_path):
+    """nari-labs/dia#230: the decoder's cross-attention over the padded text ran with no attn_mask; the text padding is
+    stated by the encoder's own self-attention (a segment mask, real with real and padding with padding: Dia's
+    create_attn_mask(src, src)), run as a model call of its own before the decoder's, and by the pad id 0 of the ids
+    it was handed. The first cell is a double loop's over the prompts' lengths (5 and 9, each twice: the CFG rows)."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "dia_decoder_cross_attention_attends_text_padding", "encoder-padding-ignored")[0]
+    lengths = [5, 5, 9, 9]
+    assert tuple(hit["cell"]) == first((4, 1, 16), lambda b, q, k: k >= lengths[b])
+    assert "the encoder's own self-attention (self_attention) marks as padding" in hit["message"], hit["message"]
+
+
+def test_greedy_decode_source_mask_left_out(tmp_path):
+    """Written another way: an Annotated-Transformer-style seq2seq (softmax attention, masked_fill(mask == 0, -1e9)),
+    its source left-padded with a pad id no rule reads, whose greedy decoding hands the decoder no source mask: the
+    encoder's self-attention (its own model call) hides the padding; the source attention, a softmax site that masks
+    nowhere, sees it. The first cell is a double loop's over the source's pad ids; the fix is quiet."""
+    status, found, report = traced(tmp_path, "greedy_decode_source_mask_left_out", fixed=False, folder=ENCODED)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "encoder-padding-ignored")
+    assert hit["severity"] == "wrong"
+    src = [[1, 1, 5, 6, 7, 8], [4, 9, 3, 2, 7, 5], [1, 1, 1, 3, 4, 6]]
+    assert tuple(hit["cell"]) == first((3, 1, 6), lambda b, q, k: src[b][k] == 1)
+    status, found, report = traced(tmp_path, "greedy_decode_source_mask_left_out", fixed=True, folder=ENCODED)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
+
+
+
+
+def _encoder_then_decoder(encoder_mask, cross_mask, src=None):
+    """An encoder (SDPA self-attention under `encoder_mask`, (B, L, L) bool or None) run as a model call of its own,
+    then a decoder's cross-attention (module path `cross_attn`) under `cross_mask` ((B, Q, L) or None), traced; the
+    findings (code, severity, cell) and the cross-attention's output."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import maskcli
+
+    class Attend(nn.Module):
+        def forward(self, q, k, mask):
+            return F.scaled_dot_product_attention(q, k, k, attn_mask=None if mask is None else mask[:, None])
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.self_attn = nn.Embedding(10, 8), Attend()
+
+        def forward(self, ids, mask):
+            x = self.embed(ids)[:, None]
+            return self.self_attn(x, x, mask)
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cross_attn = Attend()
+
+        def forward(self, queries, memory, mask):
+            return self.cross_attn(queries, memory, mask)
+
+    torch.manual_seed(0)
+    encoder, decoder = Encoder(), Decoder()
+    rows, length = encoder_mask.shape[0] if encoder_mask is not None else 2, 6
+    src = torch.randint(2, 10, (rows, length)) if src is None else src
+    with maskcli.trace() as t, torch.no_grad():
+        memory = encoder(src, encoder_mask)
+        out = decoder(torch.randn(rows, 1, 3, 8), memory, cross_mask)
+    from maskcli.checks.registry import severity
+
+    found = [(f.code, severity(f), f.cell) for g in t.groups() for f in g.findings if severity(f) != "note"]
+    return found, out, memory
+
+
+def _segments(lengths, length=6):
+    import torch
+
+    keys = torch.arange(length)
+    head = keys[None, :] < torch.tensor(lengths)[:, None]
+    return head[:, :, None] == head[:, None, :], head
+
+
+def test_a_segment_encoder_mask_states_the_padding_its_cross_attention_must_hide():
+    """A segment mask (real with real, padding with padding) whose runs differ in length between rows, its encoder
+    handed ids with no one pad id on either run (nothing says which run is the padding): a cross-attention query that
+    sees keys of both runs sees the padding whichever run it is (cell: a double loop's first query seeing both, at the
+    second run's first key); one that sees only the first run is quiet."""
+    segment, head = _segments([4, 2])
+    found, _, _ = _encoder_then_decoder(segment, None)
+    hits = [f for f in found if f[0] == "encoder-padding-ignored"]
+    assert len(hits) == 1 and hits[0][1] == "wrong", found
+    both = lambda b, q, k: k == [4, 2][b]  # noqa: E731 - (every query sees every key: the second run's first key)
+    assert hits[0][2] == first((2, 3, 6), both)
+    cross = head[:, None, :].expand(2, 3, 6)
+    found, _, _ = _encoder_then_decoder(segment, cross)
+    assert [f for f in found if f[1] == "wrong"] == [], found
+
+
+def test_a_cross_attention_over_an_unpadded_or_chunked_memory_is_quiet():
+    """Quiet: an encoder with no mask (a memory with no padding) under a full cross-attention; an encoder of fixed
+    chunks (two runs of 3 in every row: block-diagonal, not padding) under a full cross-attention; an encoder that
+    hides the padding from every query, its cross-attention masked the same way."""
+    import torch
+
+    assert [f for f in _encoder_then_decoder(None, None)[0] if f[0] == "encoder-padding-ignored"] == []
+    chunks, _ = _segments([3, 3])
+    assert [f for f in _encoder_then_decoder(chunks, None)[0] if f[0] == "encoder-padding-ignored"] == []
+    real = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    keys = real[:, None, :].expand(2, 6, 6)
+    found, _, _ = _encoder_then_decoder(keys, real[:, None, :].expand(2, 3, 6))
+    assert [f for f in found if f[1] == "wrong"] == [], found
+    found, _, _ = _encoder_then_decoder(keys, None)
+    hit = next(f for f in found if f[0] == "encoder-padding-ignored")
+    assert hit[1] == "wrong" and hit[2] == first((2, 3, 6), lambda b, q, k: not bool(real[b, k]))

@@ -61,6 +61,29 @@ def test_the_model_calls_statement_of_its_padding_in_each_form():
     assert stated(Top("Model", arguments=both), 2, 4) is None
 
 
+def test_ids_of_more_axes_beside_a_stated_pad_id_are_folded_into_a_calls_rows():
+    """RETRO's `retrieved` (batch, chunks, neighbours, tokens) beside `self.pad_id`: trace/padded.nested_ids keeps it
+    (never a uint8 image, never without a pad id), stated() folds its leading axes into a call's rows of as many tokens,
+    each cell against a double loop over the 4-D ids; a call of other rows or tokens is not read by them."""
+    import torch
+
+    from maskcli.trace.padded import nested_ids
+
+    ids = torch.randint(1, 9, (2, 2, 2, 5))
+    ids[0, 1, 0, 3:] = 0
+    ids[1, 0, 1, 1:] = 0
+    assert nested_ids({"x": ids}, {}) == {}  # (no pad id stated)
+    assert nested_ids({"image": ids.to(torch.uint8)}, {"pad_id": 0}) == {}
+    assert nested_ids({"attention_mask": ids, "position_ids": ids}, {"pad_id": 0}) == {}  # (a mask, positions)
+    name, kept = nested_ids({"seq": ids[0, 0], "retrieved": ids}, {"pad_id": 0})["nested_ids"]
+    assert name == "retrieved" and np.array_equal(kept, ids.numpy())
+    top = Top("RETRO", arguments={"pad_id": 0, "nested_ids": (name, kept)})
+    real, source, sure = stated(top, 8, 5)
+    expected = [[bool(ids[b, c, n, t] != 0) for t in range(5)] for b in range(2) for c in range(2) for n in range(2)]
+    assert real.tolist() == expected and sure and "`retrieved` (2, 2, 2, 5)" in source
+    assert stated(top, 4, 10) is None and stated(top, 8, 4) is None
+
+
 def test_a_vision_towers_patch_mask_states_its_real_patches():
     """patch_attention_mask / patch_attn_mask, True on the real patches (trace keeps a 3-D one flattened): 1 = real,
     as attention_mask; read only where it is as long as the call's keys."""

@@ -13,6 +13,7 @@ from checkbugs import check_bug, first
 from maskcli.checks.tokens import _run_at_edge
 
 TOKENS = Path(__file__).parent / "data" / "tokens"
+UNIFORM = Path(__file__).parent / "data" / "uniform"
 
 
 def test_left_padding_with_pad_id_zero_left_unmasked_is_found(tmp_path):
@@ -333,3 +334,36 @@ def test_a_pad_that_is_the_eos_is_read_only_as_a_leading_run_two_long():
     assert lead.sum(axis=1).tolist() == [2, 0, 3]  # (the closing EOS of each row is text)
     assert _leading_runs(np.array([[1, 5, 6], [7, 8, 1]]) == 1, None) is None  # one leading EOS: a BOS, say
     assert _leading_runs(ids == 1, "right") is None
+
+
+def test_a_real_token_that_sees_no_key_under_a_finite_fill_sees_its_target(tmp_path):
+    """swiss-ai/Megatron-LM#40 (written blind, batch blind-ao): the BOS xdoc mask hides every BOS row; its scores are
+    filled with -10000, so softmax weighs every key alike there, the next token among them, and the loss counts it.
+    The rows found against a double loop over the program's BOS positions."""
+    found = check_bug(tmp_path, "swiss_megatron_bos_xdoc_mask_hides_bos_and_own_doc_start", "sees-its-target")
+    assert tuple(found[0]["cell"]) == (0, 0, 1)
+    assert "2 such queries" in found[0]["message"]  # (the two BOS rows: 0 and 6)
+
+
+def test_a_document_mask_strict_on_the_diagonal_blinds_each_first_token_to_a_uniform_row(tmp_path):
+    """Written otherwise: a nanoGPT-style model on EOS-delimited packed documents whose hand-built mask takes keys
+    strictly before the query; each document's first token sees nothing, filled with -1e9: uniform weights over the
+    whole row. Its first flagged row against a double loop over the documents."""
+    found = check_bug(tmp_path, "strict_document_mask_first_token_blind", "sees-its-target", folder=UNIFORM)
+    rows = [[5, 6, 7, 0, 8, 9, 10, 11, 0, 12, 13, 0], [14, 15, 0, 16, 17, 18, 0, 19, 20, 21, 22, 0]]
+    starts = {(b, q) for b, row in enumerate(rows) for q in range(11) if q == 0 or row[q - 1] == 0}
+    assert tuple(found[0]["cell"]) == first((2, 11, 12), lambda b, q, k: (b, q) in starts and k == q + 1)
+    assert f"{len(starts)} such queries" in found[0]["message"]
+
+
+def test_the_same_left_padding_bug_written_by_another_hand(tmp_path):
+    """NVIDIA-NeMo/Automodel#3704 written blind a second time (batch blind-ao; blind-d's is the same fix, which the
+    writer's exclusion list missed): caught as blind-d's is, and its fix, whose attention_mask states the left padding,
+    gets no sees-its-target from the padding rows."""
+    check_bug(tmp_path, "automodel_sft_left_padded_attention_mask_all_ones", "padding-unmarked")
+
+
+def test_an_all_zero_attention_mask_over_real_ids_is_a_real_query_blind(tmp_path):
+    """coreweave/kubernetes-cloud#146 (written blind, batch blind-ao): the finetuner's mask is torch.zeros, so every
+    token of a GPT-NeoX training batch sees no key; the ids say they are real (none is the pad id)."""
+    check_bug(tmp_path, "coreweave_finetuner_dataset_attention_mask_all_zeros", "real-query-blind")

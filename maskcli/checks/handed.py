@@ -80,7 +80,8 @@ def held_window(run: Run) -> list:
         # where each query's newest key sits from its placing: the same in two calls of one run that attend the same
         # queries (each tile of a query-tiled kernel sees other keys)
         ends = (call.shape[:3], tuple(np.where(has, keys[last] - own[None, :], -1 - len(keys)).ravel().tolist()))
-        said = f"{where} holds {name} = {_shown(name, left, right)} (a query at p sees keys {_reach(left, right)})"
+        said = f"{where} holds {name} = {_shown(name, left, right)} (a query at p sees keys {_reach(left, right)}" + \
+            (" at most: some count the query in it)" if name == "sliding_window_size" else ")")
         expected = f"window({width})" if right == 0 else f"band({left + 1})"
         if not wide.any():
             done[key] = ends
@@ -103,8 +104,10 @@ def held_window(run: Run) -> list:
         b, q = first_cell(wide)
         a, z = int(keys[first[b, q]]), int(keys[last[b, q]])
         # a one-sided window ends at the query's own key: the newest key a row sees is where it sits, as a kernel's
-        # query tile places it (a symmetric one's queries are placed as trace places them)
-        at = z if right == 0 else int(own[q])
+        # query tile places it (a symmetric one's queries are placed as trace places them, and so are a square call's
+        # over positions, every query there: its newest key may be a later one, seen where the window is dropped)
+        square = call.shape[2] == call.shape[3] and columns_are_positions(call, top)
+        at = z if right == 0 and not square else int(own[q])
         branch[len(found)] = (call.where, call.details.get("window_frame"), tuple(held), ends)
         found.append((call, Finding("window-dropped", (
             f"{said}, but query {at} of batch row {b} sees keys {a} .. {z}, a span of "

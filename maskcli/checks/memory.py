@@ -8,14 +8,18 @@ config states in a run at one end of each row (a padded batch fed without its ma
 real.stated's reading). A cross-attention call (context.crossing:
 what the program states, or more queries than keys) whose keys are that many tokens must hide the padded ones from
 every decoder query that attends at all; a batch row whose memory is all padding is left alone (a kernel
-may unmask it to avoid NaN). The self-attention side of padding is arguments.py's.
+may unmask it to avoid NaN). Where the model call states none, the memory's encoder states it by its own
+self-attention's mask (memturned.encoder_padding: a key padding mask, or a segment mask keeping real with real and
+padding with padding, nari-labs/dia#230); a cross-attention softmax that masks nowhere is read against it too. The
+self-attention side of padding is arguments.py's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, crossing, first_cell, keep
+from maskcli.checks.context import Run, cross, crossing, first_cell, keep
+from maskcli.checks.memturned import encoder_padding
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -65,16 +69,26 @@ def _decoder_queries(top, rows: int, q_len: int) -> np.ndarray | None:
 
 
 def memory(run: Run) -> list:
-    """A real decoder query of a cross-attention call that sees an encoder key the model call states is padding."""
-    found, done = [], set()
+    """A real decoder query of a cross-attention call that sees an encoder key the model call states is padding, or
+    that its encoder's own self-attention masks as padding (checks/memturned.encoder_padding)."""
+    found, done, read = [], set(), {}
     one_query = [call for call in run.unmasked if call.details.get("one_query")]  # (a decoder state's softmax over
     # the memory that masks nowhere: Luong attention handed no source mask, trace/masks.py)
-    for call in [*run.cross, *one_query]:
+    unmasked = [call for call in run.unmasked if cross(call) and not call.details.get("one_query")]  # (a
+    # cross-attention softmax handed no mask anywhere: read against its encoder's mask alone)
+    luong, bare = {id(call) for call in one_query}, {id(call) for call in unmasked}
+    for call in [*run.cross, *one_query, *unmasked]:
         top = run.top(call)
-        if top is None or call.stored is None or not top.arguments:
+        if top is None or call.stored is None:
             continue
         rows, _, q_len, k_len = call.shape
-        said = memory_padding(top, rows, k_len)
+        said = memory_padding(top, rows, k_len) if top.arguments and id(call) not in bare else None
+        encoded = None
+        if said is None and id(call) not in luong:
+            encoded = encoder_padding(run, call, read)
+            if encoded is None:
+                continue
+            said = (encoded.real, f"the mask of {encoded.where}")
         if said is None:
             continue
         real, source = said
@@ -90,17 +104,43 @@ def memory(run: Run) -> list:
         decoder = _decoder_queries(top, rows, q_len)
         if decoder is not None:
             asking = asking & decoder
+        if encoded is not None:  # (a query that sees every key where others of its row see fewer: a padding query
+            full = cells.all(axis=-1)  # unmasked against NaN)
+            asking = asking & ~(full & ~full.all(axis=1, keepdims=True))
+            if not encoded.known:
+                found += _across_runs(call, cells, asking, encoded)
+                continue
         asking &= real.any(axis=1)[:, None]  # (a memory that is all padding: some kernels unmask its row)
         bad = cells & asking[:, :, None] & ~real[:, None, :]
         if bad.any():
             b, q, k = first_cell(bad)
             unmasked = " (the call is given no mask at all)" if cells.all() else ""
+            whose = f"encoder's own self-attention ({encoded.where})" if encoded is not None \
+                else source.replace(" of ", " given to ", 1)
             found.append((call, Finding("encoder-padding-ignored", (
-                f"batch row {b}: decoder query {q} sees encoder key {k}, which the {source.replace(' of ', ' given to ', 1)} "
+                f"batch row {b}: decoder query {q} sees encoder key {k}, which the {whose} "
                 f"marks as padding ({int(bad.sum())} such cells){unmasked}: the cross-attention mask drops the "
                 f"encoder's padding{_why(call)}"), expected="no decoder query sees a padded encoder key", source=source,
                 cell=(b, q, k))))
     return found
+
+
+def _across_runs(call, cells: np.ndarray, asking: np.ndarray, encoded) -> list:
+    """The encoder's segment mask keeps each row's two runs apart, real with real and padding with padding, and says
+    not which is which: a decoder query that sees keys of both sees padding whichever it is."""
+    head = encoded.real
+    both = (cells & head[:, None, :]).any(axis=-1) & (cells & ~head[:, None, :]).any(axis=-1) & asking
+    if not both.any():
+        return []
+    b, q = (int(x) for x in np.argwhere(both)[0])
+    first = int(np.flatnonzero(~head[b])[0])
+    unmasked = " (the call is given no mask at all)" if cells.all() else ""
+    return [(call, Finding("encoder-padding-ignored", (
+        f"batch row {b}: decoder query {q} sees encoder keys 0-{first - 1} and {first}-{head.shape[1] - 1}, which the "
+        f"encoder's own self-attention ({encoded.where}) keeps apart, each run seeing only itself (real with real, "
+        f"padding with padding; {int(both.sum())} such queries){unmasked}: whichever run is the padding, this query "
+        f"sees it: the cross-attention mask drops the encoder's padding{_why(call)}"),
+        expected="no decoder query sees a padded encoder key", source=f"the mask of {encoded.where}", cell=(b, q, first)))]
 
 
 def _why(call) -> str:

@@ -1,6 +1,7 @@
 """A cross-attention that sees only the memory keys its own encoder masked as padding: the memory's mask turned round.
 
-The same model call ran a self-attention over the memory's tokens first (an encoder: square, as many batch rows and
+The same model call (or one of its own before it that made no cross-attention: an encoder run on its own) ran a
+self-attention over the memory's tokens first (an encoder: square, as many batch rows and
 keys as the cross-attention has keys, each real token seeing every real token of its row), whose mask hides, in some
 batch row, a run of keys at one end from every real query (checks/real.read_off: the encoder's key padding, `src_tokens.eq(padding_idx)` as Uni-Mol builds it). That is the
 program's own statement of which memory slots are padding. Where the cross-attention's queries of each such row, all
@@ -12,6 +13,8 @@ no encoder self-attention over those keys masks padding, or where its padding is
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,47 +34,125 @@ def by_row(call, rows: int) -> np.ndarray | None:
 
 
 def _encoders(run: Run) -> dict:
-    """{(id(top), rows, keys): [self-attention calls over that many keys, square, in call order]}, built once."""
+    """{(rows, keys): [square self-attention calls over that many keys, in call order]}, built once per run."""
+    held = run.__dict__.get("_encoders")
+    if held is not None and held[0] == (id(run.calls), len(run.calls)):
+        return held[1]
     found: dict = {}
     for other in run.calls:
         rows, _, q_len, k_len = other.shape
         if q_len == k_len and other.stored is not None:
-            found.setdefault((id(run.top(other)), rows, k_len), []).append(other)
+            found.setdefault((rows, k_len), []).append(other)
+    run.__dict__["_encoders"] = ((id(run.calls), len(run.calls)), found)
     return found
 
 
-def _encoder_padding(encoders: dict, read: dict, call, top, rows: int, k_len: int) -> tuple[np.ndarray, str] | None:
-    """(bool (rows, k_len) real memory keys, the encoder call's site) read off the last self-attention of the same
-    model call before `call` over k_len keys of the same batch rows that hides an edge padding from bidirectional
-    real tokens; None where none does."""
-    for other in reversed(encoders.get((id(top), rows, k_len), ())):
+class Encoded(NamedTuple):
+    """The memory's padding as its encoder's self-attention states it: `real` (bool (rows, keys)) the real keys where
+    `known`, else the run of each row holding key 0 (a segment mask whose two runs say nothing of which is the
+    padding); `where` the encoder call's site."""
+
+    real: np.ndarray
+    where: str
+    known: bool
+
+
+def encoder_padding(run: Run, call, read: dict | None = None) -> Encoded | None:
+    """The padding of `call`'s memory (a cross-attention's keys) read off the last bidirectional self-attention before
+    it over as many keys of the same batch rows: of the same model call, or of one that made no cross-attention (an
+    encoder run on its own, before the decoder's calls), never of the cross-attention's own block (a decoder layer's
+    self-attention over its own tokens). Its mask states the padding two ways: an edge run of keys hidden from every
+    real query (Uni-Mol's `padding_mask`, nn.TransformerEncoder's src_key_padding_mask), or a segment mask keeping real
+    with real and padding with padding (Dia's `create_attn_mask(src, src)`: its runs' lengths differing between rows,
+    or the ids the encoder was handed constant on one of them, the pad id). None where no such call states one."""
+    from maskcli.checks.context import _block
+
+    read = {} if read is None else read
+    rows, _, _, k_len = call.shape
+    top = run.top(call)
+    crossing_tops = read.get("tops")
+    if crossing_tops is None:
+        crossing_tops = read["tops"] = {id(run.top(other)) for other in run.cross}
+    block = _block(call.where)
+    for other in reversed(_encoders(run).get((rows, k_len), ())):
         if other.index >= call.index:
             continue
-        key = (other.mask, other.shape)
+        mine = run.top(other)
+        if mine is not top and (mine is None or id(mine) in crossing_tops) or block and _block(other.where) == block:
+            continue
+        key = (other.mask, other.shape, id(mine))  # (its ids may say which run of a segment mask is the padding)
         if key not in read:
-            cells = by_row(other, rows)
-            real = None if cells is None else read_off(cells, np.arange(k_len))[0]
-            both = real is not None and bool((cells | ~(real[:, :, None] & real[:, None, :])).all())
-            read[key] = real if both and edge_runs(real, right_only=False) else None  # (an encoder: each real token sees every real
-            # token of its row; a decoder's causal self-attention over as many tokens says nothing of the memory)
+            read[key] = _stated(other, mine, rows, k_len)
         if read[key] is not None:
-            return read[key], other.where
+            return read[key]
     return None
+
+
+def _stated(other, top, rows: int, k_len: int) -> Encoded | None:
+    """What one self-attention call's mask states of its keys' padding (encoder_padding), or None."""
+    cells = by_row(other, rows)
+    if cells is None:
+        return None
+    real = read_off(cells, np.arange(k_len))[0]
+    if bool((cells | ~(real[:, :, None] & real[:, None, :])).all()) and edge_runs(real, right_only=False):
+        return Encoded(real, other.where, True)  # (an encoder: each real token sees every real token of its row; a
+        # decoder's causal self-attention over as many tokens says nothing of the memory)
+    head = _segments(cells)
+    if head is None:
+        return None
+    side = _pad_side(top, head)
+    if side is not None:
+        return Encoded(head if side == "tail" else ~head, other.where, True)
+    lengths = head.sum(axis=1)
+    if len(set(lengths[lengths < k_len].tolist())) > 1 or (lengths == k_len).any():
+        return Encoded(head, other.where, False)  # (runs of one length in every row: fixed chunks, not padding)
+    return None
+
+
+def _segments(cells: np.ndarray) -> np.ndarray | None:
+    """Bool (rows, keys): each row's run holding key 0, where every row's cells keep exactly one run [0, s) with
+    itself and the rest [s, L) with itself (s = L: an unpadded row), some row split; else None."""
+    k_len = cells.shape[2]
+    if cells.shape[1] != k_len:
+        return None
+    count = cells[:, 0, :].sum(axis=1)
+    head = np.arange(k_len)[None, :] < count[:, None]
+    if count.min() < 1 or (count == k_len).all():
+        return None
+    if not np.array_equal(cells, head[:, :, None] == head[:, None, :]):
+        return None
+    return head
+
+
+def _pad_side(top, head: np.ndarray) -> str | None:
+    """"tail" or "head": the run the encoder's own ids (its model call's input ids) fill with one id in every split
+    row, the other run holding some other id; None where neither or both do, or no ids of that shape were handed."""
+    arguments = {} if top is None else top.arguments
+    ids = next((arguments[n] for n in ("input_ids", "idx", "tokens", "src") if isinstance(arguments.get(n), np.ndarray)),
+               arguments["first_ids"][1] if isinstance(arguments.get("first_ids"), tuple) else None)
+    if not isinstance(ids, np.ndarray) or ids.shape != head.shape:
+        return None
+    split = ~head.all(axis=1)
+    sides = []
+    for name, pad in (("tail", ~head), ("head", head)):
+        cells = ids[split][pad[split]]
+        if cells.size and (cells == cells[0]).all() and (ids[split][~pad[split]] != cells[0]).any():
+            sides.append(name)
+    return sides[0] if len(sides) == 1 else None
 
 
 def memory_turned(run: Run) -> list:
     """Cross-attention calls whose attending queries, in every row its encoder pads, see only that padding."""
     found, done, read = [], set(), {}
-    encoders = _encoders(run) if run.cross else {}
     for call in run.cross:
         top = run.top(call)
         if top is None or call.stored is None:
             continue
         rows, _, q_len, k_len = call.shape
-        said = _encoder_padding(encoders, read, call, top, rows, k_len)
-        if said is None:
+        said = encoder_padding(run, call, read)
+        if said is None or not said.known:
             continue
-        real, encoder = said
+        real, encoder = said.real, said.where
         key = (call.mask, call.shape, real.tobytes())
         if key in done:
             continue

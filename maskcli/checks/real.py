@@ -116,6 +116,10 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
                 and rows != length and (_right_padding(given) or ids_padding(given, tokens)):
             found.append((given == 1, name, True))
     tokens = tokens if tokens is not None and tokens.ndim == 2 and tokens.shape == (rows, length) else None
+    nested, folded = arguments.get("nested_ids"), ""
+    if tokens is None and isinstance(nested, tuple) and nested[1].shape[-1] == length \
+            and int(np.prod(nested[1].shape[:-1])) == rows:  # (ids of more axes, folded into the call's rows: tops.py)
+        tokens, folded = nested[1].reshape(rows, length), f" (`{nested[0]}` {tuple(nested[1].shape)}, its leading axes folded into the call's rows)"
     for name in LENGTHS:
         given = arguments.get(name)
         if isinstance(given, np.ndarray) and given.shape == (rows,) and given.min(initial=0) >= 0 \
@@ -131,7 +135,7 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
             or _prompt_and_completion(tokens == pad_id, arguments.get("padding_side"))):  # (a mask given wins)
         # (a pad id that is also the EOS or BOS may end or start a real sequence)
         sure = pad_id not in {arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")}
-        found.append((tokens != pad_id, f"input ids equal to the pad id {pad_id}{by}", sure))
+        found.append((tokens != pad_id, f"input ids equal to the pad id {pad_id}{by}{folded}", sure))
     if not found:
         return None
     first = np.broadcast_to(found[0][0], (rows, length))

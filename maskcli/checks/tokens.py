@@ -21,7 +21,8 @@ Where the attention_mask disagrees with the ids, the ids win: they are the data 
   losses.py: a next-token predictor), yet a query sees the key one position after it, the very token it is asked
   to predict (pytorch/tutorials#2478: the word-language-model tutorial ran nn.TransformerEncoder without its
   square subsequent mask). Only positions whose target the loss counts are judged (a prefix whose labels are
-  ignored may attend both ways).
+  ignored may attend both ways). A real query that sees no key under a finite fill weighs every key alike, its
+  target among them (swiss-ai/Megatron-LM#40: every BOS row masked, filled with -10000).
 - padding-inverted: a padding mask the model call is given (`padding_mask`, `key_padding_mask`, `pad_mask`: True
   = padding; `attention_mask`: 1 = real) over the same (batch, length) as a float input whose samples are exactly 0
   in one run at an edge of each padded row (F.pad's zeros), and the mask calls padding exactly the samples that are
@@ -43,6 +44,7 @@ import numpy as np
 
 from maskcli.checks.arguments import _cells_by_row, _seen_padding
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, queries, real_queries
+from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -235,16 +237,30 @@ def targets(run: Run) -> list:
                 continue
             bad = np.zeros(cells.shape, bool)
             q = np.arange(length - 1)
-            bad[:, q, q + 1] = cells[:, q, q + 1] & predicts[:, q]
+            uniform = _uniform(call, cells)  # (a row that sees no key under a finite fill weighs every key alike)
+            said = stated(top, rows, length)  # (of a real token only: a padding row's output is the program's to drop)
+            uniform &= True if said is None else np.broadcast_to(said[0], uniform.shape)
+            bad[:, q, q + 1] = (cells[:, q, q + 1] | uniform[:, q]) & predicts[:, q]
             if bad.any():
                 b, q, k = first_cell(bad)
+                how = (f"sees no key, and its finite fill gives it uniform weights over every key: it sees key {k}"
+                       if uniform[b, q] else f"sees key {k}")
                 found.append((call, Finding("sees-its-target", (
-                    f"batch row {b}: query {q} sees key {k}, the token its loss asks it to predict (the targets of the "
+                    f"batch row {b}: query {q} {how}, the token its loss asks it to predict (the targets of the "
                     f"program's loss are the input ids of {top.where} shifted by one; {int(bad.sum())} such queries): "
                     f"a next-token model needs a causal mask"), expected="causal", source="the loss's targets",
                     cell=(b, q, k))))
                 break
     return found
+
+
+def _uniform(call, cells: np.ndarray) -> np.ndarray:
+    """Bool (rows, Lq): the query rows that see no key and whose softmax, over a finite fill, weighs every key alike
+    (rows.what_api_does: a plain softmax whose fill is not -inf, nothing zeroing the row after it, no sink column)."""
+    details = call.details
+    finite = call.api == "softmax" and details.get("fill") not in (None, "-inf") and not details.get("sink_column") \
+        and not details.get("zeroed_after")
+    return ~cells.any(axis=-1) if finite else np.zeros(cells.shape[:2], bool)
 
 
 def inverted(run: Run) -> list:

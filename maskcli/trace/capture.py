@@ -153,37 +153,6 @@ class Trace(Outer, Follow):
             found = self._local.interfaces = []
         return found
 
-    @property
-    def tops(self) -> list:
-        """Each outermost module call (maskcli.checks.context.Top), the configs its program states read (settle())."""
-        if self._outers:
-            with self._lock:
-                for held in list(self._outers.values()):
-                    self._finish(held)
-        if self._pending:
-            self.settle()
-        return self._tops
-
-    def settle(self) -> None:
-        """Read the configs the pending tops' modules state (trace/stated.py): after the run, not while it runs (a
-        tiny model's configs take longer to read than its whole forward). The frames were kept at the call."""
-        from maskcli.trace.stated import stated
-
-        with self._lock:
-            if self._names is None:
-                path = self.sites.path
-            else:
-                names = self._names
-                path = lambda module: None if (found := names.get(id(module))) is None else found[1]  # noqa: E731
-            for top, module in self._pending:
-                try:
-                    top.stated = stated(module, path, self._stated, self._frames.get(id(module)))
-                except (Exception, SystemExit):  # noqa: BLE001 - a config whose attribute access raises: it states nothing maskcli reads
-                    top.stated = ()
-            self._pending.clear()
-            self._frames.clear()
-            self._names = None
-
     def groups(self) -> list:
         """The calls grouped by mask, API and shape, each named, with findings (maskcli.trace.report.Group): those
         made where a mask is named, and those of the rules that read the run (maskcli.checks)."""
@@ -380,7 +349,7 @@ class Trace(Outer, Follow):
             documents(self._calls, len(self._calls) - 1, self.sites.held)  # cu_seqlens its function holds (HunyuanVideo's)
             if self._local.outer is not None:  # (the module call this thread made calls in has ended: its Top first)
                 self._finish(self._local.outer)
-            outside(self._tops, where, len(self._calls) - 1, self._loose)
+            outside(self.made(), where, len(self._calls) - 1, self._loose)
 
     def _append(self, call: Call) -> None:
         """A call made inside a Hugging Face interface call carries what HF told that call (and is what it did)."""

@@ -119,11 +119,19 @@ class Outer:
                 del self._outers[key]
         if self._local.outer is held:
             self._local.outer = None
+        from maskcli.trace.later import later
         from maskcli.trace.tops import top
 
+        losses, self._local.losses = getattr(self._local, "losses", None), None  # (its own loss: trace/losses.py)
+        where = self.sites.shown(module)
         try:  # (the program's objects read: a config whose attribute access raises must not reach it)
-            found = top(self.sites.shown(module), module, args, kwargs, first, end, held=kept)
+            found = None if losses else later(where, module, args, kwargs, first, end, kept)
+            if found is None:  # (made now: its arguments may change behind it; else once the run is over, made())
+                found = top(where, module, args, kwargs, first, end, held=kept)
+            else:
+                self.__dict__["_laters"] = True
         except (Exception, SystemExit):  # noqa: BLE001 - what the call states is then unknown; its calls stay recorded
+            self._local.losses = losses  # (kept for the next call's Top, as before it was read)
             return
         stated = self._stated.get(id(module))  # (read once per module: trace/stated.py)
         if stated is not None and stated[0] is module:
@@ -131,8 +139,58 @@ class Outer:
         else:  # read once the run is over (settle()), from the frames kept as it was called
             self._pending.append((found, module))
         self._tops.append(found)
-        losses, self._local.losses = getattr(self._local, "losses", None), None  # (its own loss: trace/losses.py)
         if losses:
             from maskcli.trace.losses import inside
 
             inside(found, losses)
+
+    # --- the tops, once the run is over ----------------------------------------------------------
+
+    @property
+    def tops(self) -> list:
+        """Each outermost module call (maskcli.checks.context.Top), the configs its program states read (settle())."""
+        if self._outers:
+            with self._lock:
+                for held in list(self._outers.values()):
+                    self._finish(held)
+        self.made()
+        if self._pending:
+            self.settle()
+        return self._tops
+
+    def settle(self) -> None:
+        """Read the configs the pending tops' modules state (trace/stated.py): after the run, not while it runs (a
+        tiny model's configs take longer to read than its whole forward). The frames were kept at the call."""
+        from maskcli.trace.stated import stated
+
+        self.made()  # (the tops that wait first: trace/later.py)
+        with self._lock:
+            if self._names is None:
+                path = self.sites.path
+            else:
+                names = self._names
+                path = lambda module: None if (found := names.get(id(module))) is None else found[1]  # noqa: E731
+            for top, module in self._pending:
+                try:
+                    top.stated = stated(module, path, self._stated, self._frames.get(id(module)))
+                except (Exception, SystemExit):  # noqa: BLE001 - a config whose attribute access raises: it states nothing maskcli reads
+                    top.stated = ()
+            self._pending.clear()
+            self._frames.clear()
+            self._names = None
+
+    def made(self) -> list:
+        """The tops so far, each made where it waited to be (trace/later.py: a Top made once the run is over)."""
+        if self.__dict__.pop("_laters", False):
+            from maskcli.trace.later import Later
+
+            with self._lock:
+                tops, made = self._tops, {}
+                for i, found in enumerate(tops):
+                    if isinstance(found, Later):
+                        made[id(found)] = tops[i] = found.make()
+                if made:
+                    self._tops[:] = [found for found in tops if found is not None]
+                    self._pending[:] = [(made.get(id(found), found), module) for found, module in self._pending
+                                        if made.get(id(found), found) is not None]
+        return self._tops

@@ -37,6 +37,23 @@ def padded_input(given: dict) -> dict:
     return {}
 
 
+def nested_ids(given: dict, found: dict) -> dict:
+    """{"nested_ids": (name, int (..., L) ids)}: a model call's 3-D or 4-D integer argument beside the pad id its model
+    states (RETRO's `retrieved`, (batch, chunks, neighbours, tokens), `self.pad_id`), under any name: ids whose leading
+    axes the attention folds into its batch rows (checks/real.stated flattens them to a call's rows). Read only where a
+    pad id is stated, the first such argument."""
+    if not isinstance(found.get("pad_id"), int):
+        return {}
+    for name, value in given.items():
+        if any(word in name for word in ("mask", "position", "box", "coord", "label", "pixel")):
+            # (a 4-D 0/1 mask, 3-D rope positions, LayoutLM's (B, L, 4) bbox, labels or pixels: no token ids)
+            continue
+        if issubclass(type(value), torch.Tensor) and value.dim() in (3, 4) and value.dtype in (torch.int64, torch.int32) \
+                and value.numel() <= MOST and value.device.type != "meta":  # (token ids: never a uint8 image)
+            return {"nested_ids": (name, value.detach().cpu().numpy().astype(np.int64))}
+    return {}
+
+
 _NOT = object()  # (_samples_axis: no axis of the mask's samples)
 
 

@@ -14,6 +14,7 @@ import re
 import numpy as np
 import torch
 
+from maskcli.trace.codes import ByCode
 from maskcli.trace.held import program_frames
 
 SCORED = re.compile(r"^(?:completion_mask|response_mask)$")
@@ -34,21 +35,35 @@ def _hole(mask) -> bool:
     last = real.shape[1] - 1 - real[:, ::-1].argmax(axis=1)
     return bool(((count > 0) & (last - first + 1 > count)).any())
 
+
 def scored(given: dict, frame) -> dict:
     """{"scored": (name, where, int (B, C))} of the completion mask the frames from `frame` outward hold, where the
-    model call's attention_mask has a hole; {} otherwise."""
-    if frame is None or not _hole(given.get("attention_mask")):
+    model call's attention_mask has a hole; {} otherwise. (The frames' variable names are looked at first, matched once
+    per code: at most model calls none is a completion mask's, and the mask's hole, a copy and a few reductions, is
+    not read.)"""
+    if frame is None:
         return {}
-    for frame in program_frames(frame, FRAMES):
+    frames = [frame for frame in program_frames(frame, FRAMES) if _names(frame.f_code)]
+    if not frames or not _hole(given.get("attention_mask")):
+        return {}
+    for frame in frames:
         code = frame.f_code
-        if code.co_name == "<module>" or not any(SCORED.match(name) for name in code.co_varnames):
-            continue
         variables = frame.f_locals
-        for name in code.co_varnames:
-            held = variables.get(name) if SCORED.match(name) else None
+        for name in _names(code):
+            held = variables.get(name)
             if issubclass(type(held), torch.Tensor) and held.dim() == 2 and held.numel() <= MOST \
                     and not held.is_floating_point() and held.device.type != "meta":
                 rows = held.detach().cpu().numpy().astype(np.int64)
                 if np.isin(rows, (0, 1)).all():
                     return {"scored": (name, f"{code.co_name}() of {os.path.basename(code.co_filename)}", rows)}
     return {}
+
+
+_NAMES = ByCode()  # code object -> the names of its variables SCORED matches, in their order ((): none, or module code)
+
+
+def _names(code) -> tuple:
+    found = _NAMES.get(code)
+    if found is None:
+        found = _NAMES.put(code, () if code.co_name == "<module>" else tuple(n for n in code.co_varnames if SCORED.match(n)))
+    return found

@@ -19,7 +19,8 @@ import torch
 from maskcli.checks.context import STARTS, Top  # (STARTS: the first query's position as an int)
 from maskcli.checks.intent import StaticView, dynamic, read
 from maskcli.trace.held import program_frames
-from maskcli.trace.padded import MOST, padded_input  # (MOST: elements of one argument kept, the one limit)
+from maskcli.trace.padded import MOST, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
+from maskcli.trace.tokenids import token_ids as _token_ids
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
@@ -41,9 +42,6 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "input_src", "src_tokens", "source_tokens", "src_seq", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens")
 LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k")  # kept as ints too
-SOURCE_PAD = ("src_pad_idx", "src_pad_id", "source_pad_id", "src_pad_token_id", "source_pad_idx")  # each side's pad id
-TARGET_PAD = ("trg_pad_idx", "tgt_pad_idx", "trg_pad_id", "tgt_pad_id", "target_pad_id", "target_pad_idx",
-              "tgt_pad_token_id", "trg_pad_token_id")
 # a vision tower's patch padding, True (1) = a real patch: Idefics2's (B, H/p, W/p), MiniCPM-V's (B, 1, patches); kept
 # flattened to (B, patches), the key order of its attention (checks/real.py)
 PATCHES = ("patch_attention_mask", "patch_attn_mask")
@@ -79,9 +77,10 @@ def withheld(module, args: tuple, kwargs: dict, caller) -> dict:
 
 
 def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, stated: tuple = (),
-        held: dict | None = None) -> Top:
+        held: dict | None = None, cached: dict | None = None) -> Top:
     """The Top of one outermost call: its config and the position arguments it was given (positional ones by name).
-    `held`: what was read of the program's frames as the call ran (`withheld`)."""
+    `held`: what was read of the program's frames as the call ran (`withheld`); `cached`: what `cache_read` read of
+    its cache as the call ended, where the Top is made later (trace/later.py)."""
     signature, given = _given(module, args, kwargs)
     found = {}
     for name in _NAMED:
@@ -110,6 +109,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
             found[name] = value
     found.update(_first_ids(signature, given, found))
     found.update(_token_ids(module))
+    found.update(nested_ids(given, found))  # (ids of more axes beside that pad id: RETRO's neighbours)
     found.update(_zeros(given, found))
     found.update(_images(given))
     if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw")):
@@ -125,7 +125,16 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         found.update(tokenizer(module))  # (the tokenizer the program's frames hold: its pad id and side)
     if type(module).__name__.endswith("ForCausalLM"):  # the model states itself a causal LM (checks/causal_lm.py)
         found["causal_lm"] = type(module).__name__
-    cache = given.get("cache", given.get("past_key_values"))  # (transformers 5.24's keyword; the older name)
+    found.update(cache_read(given) if cached is None else cached)
+    config = getattr(module, "config", None)
+    if config is not None and dynamic(config):  # (its __getattr__ is the program's: the checks read it statically)
+        config = StaticView(config)
+    return Top(where, config, found, first, end, stated)
+
+
+def cache_read(given: dict) -> dict:
+    """What a call's cache holds as the call ends: its class, the tokens it holds, a static cache's slots."""
+    found, cache = {}, given.get("cache", given.get("past_key_values"))  # (transformers 5.24's keyword; the older name)
     if cache is not None:
         found["past_key_values"] = type(cache).__name__
         held = _held(cache)
@@ -134,10 +143,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         sizes = _static_sizes(cache)
         if sizes:
             found["cache_slots"] = sizes
-    config = getattr(module, "config", None)
-    if config is not None and dynamic(config):  # (its __getattr__ is the program's: the checks read it statically)
-        config = StaticView(config)
-    return Top(where, config, found, first, end, stated)
+    return found
 
 
 SEGMENTS = ("segment_ids", "seq_idx")  # fields of an argument object that name each token's packed document
@@ -275,7 +281,7 @@ def _withheld(signature, given: dict, frame) -> dict:
     some 0 (checks/withheld.py). Read only where such a parameter went unfilled; `frame`: the one that made the call."""
     if signature is None or frame is None:
         return {}
-    names = [name for name in signature.parameters if MASK_PARAMETER.match(name) and given.get(name) is None]
+    names = [name for name in _mask_parameters(signature) if given.get(name) is None]
     if not names:
         return {}
     for frame in program_frames(frame, WITHHELD_FRAMES):
@@ -287,6 +293,16 @@ def _withheld(signature, given: dict, frame) -> dict:
                 if rows is not None:
                     return {"withheld": (name, f"{code.co_name}() of {os.path.basename(code.co_filename)}", rows)}
     return {}
+
+
+_MASKS: dict = {}  # id(signature) -> (signature, its parameters MASK_PARAMETER matches): matched once per forward
+
+
+def _mask_parameters(signature) -> tuple:
+    held = _MASKS.get(id(signature))
+    if held is None or held[0] is not signature:
+        held = _MASKS[id(signature)] = (signature, tuple(n for n in signature.parameters if MASK_PARAMETER.match(n)))
+    return held[1]
 
 
 def _padding_like(held) -> np.ndarray | None:
@@ -329,60 +345,3 @@ def _static_sizes(cache) -> tuple[int, ...]:
     layers = getattr(cache, "self_attention_cache", cache)  # (an encoder-decoder's: its decoder's own keys)
     found = {getattr(layer, "max_cache_len", None) for layer in getattr(layers, "layers", None) or ()}
     return tuple(sorted(size for size in found if isinstance(size, int) and size > 0))
-
-
-def _token_ids(module) -> dict:
-    """pad_id and eos_id the program states: its config's pad_token_id / eos_token_id, else the module's own attributes
-    of those names, else (pad_id) its token embedding's padding_idx (nn.Embedding(padding_idx=...)) or its one row of
-    zeros (TF's zero_pad); a seq2seq model's
-    src_pad_id / trg_pad_id from its src_pad_idx / trg_pad_idx and their kin; a Flamingo-style model's media_token_id,
-    with the only_attend_previous flags its modules hold (by module path)."""
-    held = _IDS.get(module)
-    if held is not None:
-        return held
-    found = {}
-    config = getattr(module, "config", None)
-    for name, fields in (("pad_id", ("pad_token_id", "pad_id", "pad_idx", "padding_idx")),
-                         ("eos_id", ("eos_token_id", "eos_id")), ("media_token_id", ("media_token_id",)),
-                         ("src_pad_id", SOURCE_PAD), ("trg_pad_id", TARGET_PAD)):
-        for owner in (config, module, read(module, "generation_config")):  # (generate's own pad id: transformers')
-            value = next((read(owner, f) for f in fields if isinstance(read(owner, f), int)), None)  # (read: never the program's __getattr__)
-            if value is not None and not isinstance(value, bool):
-                found[name] = int(value)
-                break
-    if "src_pad_id" not in found:  # (the source side's embedding, named so, with its padding_idx: Seq2Seq-PyTorch's)
-        embedding = next((m for name, m in module.named_modules() if isinstance(m, torch.nn.Embedding)
-                          and re.search(r"(?:^|[._])(?:src|source)(?:[._]|$)", name)), None)
-        if embedding is not None and embedding.padding_idx is not None:
-            found["src_pad_id"] = int(embedding.padding_idx)
-    if "pad_id" not in found:
-        embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
-        if embedding is not None and embedding.padding_idx is not None:
-            found["pad_id"] = int(embedding.padding_idx)
-        elif embedding is not None:
-            zero = _zero_row(embedding.weight)
-            if zero is not None:
-                found["pad_id"] = zero
-    if "media_token_id" in found:  # (what each media cross-attention states of the images it may see: checks/media.py)
-        flags = tuple((path, value) for path, m in module.named_modules()
-                      if isinstance(value := vars(m).get("only_attend_previous"), bool))
-        if flags:
-            found["only_attend_previous"] = flags
-    try:
-        _IDS[module] = found
-    except TypeError:
-        pass
-    return found
-
-
-def _zero_row(weight) -> int | None:
-    """The one row of a token embedding that is exactly zero (TF's `zero_pad=True`, a `padding_idx` set by hand): the
-    id the program pads with; None where none or several are, or the table is too large to read once."""
-    if not issubclass(type(weight), torch.Tensor) or weight.dim() != 2 or weight.numel() > 1 << 24 or weight.device.type == "meta":
-        return None
-    with torch.no_grad():
-        rows = torch.nonzero((weight == 0).all(dim=1)).flatten()
-    return int(rows[0]) if rows.numel() == 1 else None
-
-
-_IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per module: read once, however many steps call it
