@@ -36,7 +36,7 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           "encoder-padding-ignored": "padding", "documents-leak": "across documents", "varlen-leak": "across documents",
           "sees-its-target": "sees later", "sees-later": "sees later", "causal-lost": "sees later",
           "left-pads-never-masked": "padding", "samples-leak": "across documents",
-          "chunk-lookahead-compounds": "sees later", "mask-none-differs": "sees later",
+          "chunk-lookahead-compounds": "sees later", "mask-none-differs": "sees later", "one-pass-sees-later": "sees later",
           "samples-see-other-memories": "across documents",
           "emptied-after-softmax": "a query that reads nothing",  # (no mode's check confirms these two: no family
           "joint-text-cut": "text cut"}  # multiplies its weights after a softmax or drops a prompt's real tokens: any

@@ -17,6 +17,9 @@ BUGS = [
     # QwenLM/Qwen#979 (written blind): causal_mask None unless query and key lengths agree, so several new tokens
     # over a KV cache see each other's future
     ("qwen_multitoken_kvcache_causal_mask_none", "prefill-chunks-differ"),
+    # sonos/torch-to-nnef#217 (written blind, blind-ap): the export's causal mask sized from the cache's batch axis, a
+    # [1, 1] mask, so the prompt pass is bidirectional; the program checks it against token-by-token steps
+    ("torch_to_nnef_llm_export_mask_sized_from_batch_dim", "one-pass-sees-later"),
 ]
 
 
@@ -257,3 +260,64 @@ def test_open_lm_rectangular_mask_tril_in_padded_columns(tmp_path):
     says it more directly and the same cells are not told twice). Fix quiet."""
     found = check_bug(tmp_path, "open_lm_rectangular_mask_tril_in_padded_columns", "causal-flag-ignored")
     assert "query 4 sees later key 5" in found[0]["message"]
+
+
+VERIFY = '''
+import torch
+import torch.nn.functional as F
+
+torch.manual_seed(0)
+HIDE = [[], [7, 8]]  # each batch row's rejected drafts of the first verify window, hidden at the second
+
+
+def attend(x, cache, hide=None):
+    cache.append(x)
+    keys = torch.cat(cache, dim=2)
+    n, total = x.shape[2], keys.shape[2]
+    mask = (torch.arange(total - n, total)[:, None] >= torch.arange(total)[None]).repeat(x.shape[0], 1, 1)
+    for b, keys_hidden in enumerate(hide or []):
+        mask[b, :, keys_hidden] = False
+    return F.scaled_dot_product_attention(x, keys, keys, attn_mask=mask[:, None])
+
+
+cache = []
+attend(torch.randn(2, 2, 6, 8), cache)  # the prompt
+attend(torch.randn(2, 2, 3, 8), cache)  # verify window 1: drafts at 6-8
+attend(torch.randn(2, 2, 3, 8), cache, HIDE)  # verify window 2 at 9-11
+'''
+
+
+def test_a_verify_window_that_hides_one_rows_rejected_drafts_is_no_chunk_bug(tmp_path):
+    """mlxcel#163's fix: after a mixed-accept round the shared cache keeps every row's drafts, and the next verify
+    window hides, in the row that accepted fewer, its rejected ones (keys 7-8 of batch row 1) while batch row 0 sees
+    them: keys taken out of one row's cache on purpose, no chunk that lost earlier keys. The same keys hidden in every
+    row is a chunk that lost them: found, at the first cell a loop over one causal pass finds."""
+    from checkbugs import first
+
+    script = tmp_path / "verify.py"
+    out = tmp_path / "v.json"
+    for hide, status in (("[[], [7, 8]]", 0), ("[[7, 8], [7, 8]]", 1)):
+        script.write_text(VERIFY.replace("[[], [7, 8]]", hide))
+        result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+        found = [f for group in json.loads(out.read_text())["groups"] for f in group["findings"] if f["severity"] == "wrong"]
+        assert result.exit_code == status, result.output
+        if status == 0:
+            assert found == [], result.output
+            continue
+        hidden = eval(hide)
+        expected = first((2, 12, 12), lambda b, q, k: (k <= q) != (k <= q and not (q >= 9 and k in hidden[b])))
+        assert [(f["code"], tuple(f["cell"])) for f in found] == [("prefill-chunks-differ", expected)], result.output
+
+
+def test_a_full_pass_checked_against_cached_steps_over_the_same_ids_is_found(tmp_path):
+    """The same bug written another way (tests/data/repass/): a nanoGPT-style block whose hand-written softmax masks
+    the future only on the cached path, a batch of two; the cached steps over the same ids say what each query sees.
+    Every cell of the full pass that sees a later key is one, found at the first a loop finds; the fix is quiet."""
+    from pathlib import Path
+
+    from checkbugs import first
+
+    folder = Path(__file__).parent / "data" / "repass"
+    hits = check_bug(tmp_path, "gpt_cached_sampler_full_pass_bidirectional", "one-pass-sees-later", folder)
+    assert tuple(hits[0]["cell"]) == first((2, 5, 5), lambda b, q, k: k > q)
+    assert "in 5 steps" in hits[0]["message"] and "20 such cells" in hits[0]["message"]

@@ -226,3 +226,36 @@ def test_padding_query_rows_opened_on_every_slot_are_not_judged(tmp_path):
                                    Path(__file__).parent / "data" / "quiet", ("--offsets",))
     assert [f for f in found if f["code"] == "zero-keys-seen"] == [], report
     assert status == 0, report
+
+
+def test_veloxquant_nestedkv_ragged_head_budgets_zero_padded_keys_attended(tmp_path):
+    """rajveer43/VeloxQuant-MLX#364 (written blind, blind-ap): each head keeps its own number of keys, the shorter
+    heads zero-padded at the front to the longest, and the decode step attends with no mask. No key is zero in every
+    head: the run is one head's own, found where that head's real query sees it (kept 5, 7, 4, 6: head 0's keys 0-1
+    first)."""
+    hits = check_bug(tmp_path, "veloxquant_nestedkv_ragged_head_budgets_zero_padded_keys_attended", "zero-keys-seen")
+    assert hits[0]["cell"] == [0, 0, 0] and "in head 0, one of keys 0-1" in hits[0]["message"]
+
+
+def test_one_heads_zero_padding_in_a_padded_batch_under_a_rows_only_mask(tmp_path):
+    """The same bug written another way (tests/data/zerokv/): per-head budgets in a batch of two, a (B, 1, 1, L) bool
+    mask of the batch's rows handed to SDPA. The first (row, head) whose zero slots a real query sees, by a loop over
+    the budgets; the fix's per-head mask is quiet."""
+    budgets = [[6, 4, 6, 3], [5, 6, 2, 6]]
+    longest = max(max(row) for row in budgets)
+    pads = [(b, h, longest - n) for b in range(2) for h, n in enumerate(budgets[b]) if longest - n >= 2]
+    b, h, n = pads[0]
+    hits = check_bug(tmp_path, "adakv_head_budgets_zero_padded_no_head_mask", "zero-keys-seen", ZEROKV)
+    assert hits[0]["cell"] == [b, 0, 0] and f"in head {h}, one of keys 0-{n - 1} " in hits[0]["message"]
+
+
+def test_a_head_whose_every_key_is_zero_or_one_zero_key_alone_is_no_head_padding():
+    """A head zero everywhere (a pruned head) holds no real key to pad beside; one zero key alone is a null key: the
+    trace records no head's run for either."""
+    torch.manual_seed(1)
+    k, v, q = torch.randn(1, 3, 6, 4), torch.randn(1, 3, 6, 4), torch.randn(1, 3, 1, 4)
+    k[0, 0], v[0, 0] = 0, 0  # head 0: every key zero
+    k[0, 1, 5], v[0, 1, 5] = 0, 0  # head 1: key 5 alone
+    assert zero_kv(q, k, v, tuple(k.shape)) == {}
+    k[0, 2, :2], v[0, 2, :2] = 0, 0  # head 2: keys 0-1, the other heads' real: one head's padding
+    assert zero_kv(q, k, v, tuple(k.shape))["zero_kv"]["heads"] == [[[2, 2, 0]]]

@@ -224,6 +224,25 @@ def test_an_additive_mask_whose_cells_straddle_minus_1e4_is_no_fill():
     assert np.array_equal(keep, (weights > 0).numpy())
     assert call.details["additive"] is True and "fill_value" not in call.details
 
+
+def test_an_additive_mask_whose_cells_all_sit_just_above_minus_1e4_is_read_by_its_weights():
+    """The same BLOOM softmax at a later layer: -10000 plus a positive score puts every padded key of the decode row
+    just above -1e4 (-9999.7), none at or below it. Softmax still gives them weight exactly 0: read so, not as keys
+    kept (which called the fix's padding seen)."""
+    scores = torch.tensor([0.3, 0.1, 0.2, 0.5, -0.4, 0.2])[None, None, None, :].repeat(2, 1, 1, 1)
+    pad = torch.tensor([[0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)  # batch row 1: 3 padding keys
+    with maskcli.trace() as t:
+        weights = (scores + pad[:, None, None, :] * -10000.0).softmax(-1)
+    assert float((scores + pad[:, None, None, :] * -10000.0).min()) > -1e4
+    (call,) = t.calls
+    keep = np.broadcast_to(call.keep(), call.shape)
+    for b in range(2):
+        for k in range(6):
+            assert keep[b, 0, 0, k] == (pad[b, k] == 0)
+    assert np.array_equal(keep, (weights > 0).numpy())
+    assert call.details["additive"] is True and "fill_value" not in call.details
+
+
 class Layer(nn.Module):
     def forward(self, x, cache):
         cache.append(x)

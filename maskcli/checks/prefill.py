@@ -16,6 +16,11 @@ past a chunk's last query (a static cache's slots not yet written) are cache.py'
 checked alone by the other rules, and a group another rule already calls wrong is not told twice
 (engine.py). `maskcli model` places its calls itself and checks `--prefill-chunk` against its own single
 pass (hf/chunks.py): its calls are left to it.
+
+The other way round (one-pass-sees-later): a program that attends a prompt in one pass and feeds the same token ids
+(the model call's input_ids) again at the same site from an empty cache, step by step (an export checked against
+token-by-token decoding), states by the steps what each query sees; a later key the one pass shows a real query and
+no step does is the one pass's slip (torch-to-nnef#217: the causal mask sized from the cache's batch axis, [1, 1]).
 """
 
 from __future__ import annotations
@@ -134,7 +139,20 @@ def _differ(union: np.ndarray, cells: np.ndarray, chunks: list) -> np.ndarray:
     for _, own, _ in chunks:
         start[own[0]:own[-1] + 1] = own[0]
     inside = np.arange(union.shape[-1])[None, :] >= start[:, None]
-    return (cells != union) & ~(cells & ~union & inside)
+    return (cells != union) & ~(cells & ~union & inside) & ~_withdrawn(union, chunks)
+
+
+def _withdrawn(union: np.ndarray, chunks: list) -> np.ndarray:
+    """Bool (B, P, P): a batch row's earlier keys that a chunk hides from every one of its queries while another row
+    of the same call sees them: keys taken out of that row's cache on purpose, per row (a speculative verify's
+    rejected drafts past the row's accepted length, with the cache rolled back only to the batch's longest), not a
+    chunking slip, which builds every row's rows alike."""
+    out = np.zeros(union.shape, dtype=bool)
+    for _, own, _ in chunks:
+        rows = union[:, own[0]:own[-1] + 1, :own[0]].any(axis=1)  # (B, keys before the chunk) seen by any query
+        hidden = ~rows & rows.any(axis=0, keepdims=True)
+        out[:, own[0]:own[-1] + 1, :own[0]] = hidden[:, None, :]
+    return out
 
 
 def _real(run: Run, chunks: list, union: np.ndarray) -> np.ndarray:
@@ -203,7 +221,108 @@ def chunked(run: Run) -> list:
     return found
 
 
+IDS = ("input_ids", "idx", "tokens")  # the model call's token ids, batch-major (trace/tops.py keeps them)
+
+
+def _ids(top) -> np.ndarray | None:
+    """(B, L) token ids the model call was handed; None where it states none."""
+    arguments = {} if top is None else top.arguments
+    return next((arguments[n] for n in IDS if isinstance(arguments.get(n), np.ndarray) and arguments[n].ndim == 2), None)
+
+
+def _slots(run: Run, calls: list) -> list[list]:
+    """A call site's calls by their place among the site's calls of their model call (a module that runs every layer
+    at one site: its first call is layer 0 at every step), each in step order."""
+    slots, seen = [], {}
+    for call in calls:
+        top = run.top(call)
+        at = seen[id(top)] = seen.get(id(top), -1) + 1
+        while len(slots) <= at:
+            slots.append([])
+        slots[at].append(call)
+    return slots
+
+
+def _stepped(run: Run, calls: list) -> list[tuple[list, np.ndarray]]:
+    """Runs of calls that feed one prompt from an empty cache (the first call's queries from position 0, every call's
+    keys exactly the positions up to its last query, each continuing the one before), at least two, with their model
+    calls' token ids put together: ([(call, queries, keys)], ids (B, P))."""
+    found, current, ids = [], [], []
+    for call in calls + [None]:
+        top = None if call is None else run.top(call)
+        own = None if call is None else queries(call, top)
+        given = _ids(top)
+        ok = own is not None and given is not None and given.shape[-1] == call.shape[2] and call.shape[3] == own[-1] + 1 \
+            and (np.diff(own) == 1).all()
+        if ok and current and int(own[0]) == int(current[-1][1][-1]) + 1 and call.shape[:2] == current[-1][0].shape[:2] \
+                and given.shape[0] == ids[-1].shape[0]:
+            current.append((call, own, np.arange(call.shape[3])))
+            ids.append(given)
+            continue
+        if len(current) > 1:
+            found.append((current, np.concatenate(ids, axis=1)))
+        current, ids = ([(call, own, np.arange(call.shape[3]))], [given]) if ok and own[0] == 0 else ([], [])
+    return found
+
+
+def repassed(run: Run) -> list:
+    """A prompt the program attends in one pass and again, from an empty cache, in steps over the same token ids at the
+    same call site (an export checked against token-by-token decoding): where the one pass lets a query see a later
+    key, which the steps, the program's own reading of the same tokens, never show it."""
+    found, sites = [], {}
+    for call in [*run.calls, *run.unmasked]:  # (a site that masks nowhere, its one pass full: engine.py's unmasked)
+        if call.stored is not None:
+            sites.setdefault(call.where, []).append(call)
+    for calls in sites.values():
+        if len(calls) < 3 or not any(call.shape[2] > 1 for call in calls):
+            continue
+        calls.sort(key=lambda call: call.index)
+        for slot in _slots(run, calls):
+            for chunks, ids in _stepped(run, slot):
+                if len(chunks) < 3:
+                    continue
+                steps = together(chunks)
+                for call in slot:
+                    hit = None if steps is None else _later(run, call, chunks, ids, steps)
+                    if hit is not None:
+                        found.append((call, hit))
+                        break
+    return found
+
+
+def _later(run: Run, call, chunks: list, ids: np.ndarray, steps: np.ndarray) -> Finding | None:
+    """The one pass `call` over the stepped prompt's first tokens, where a query sees a later key the steps keep real."""
+    length = call.shape[2]
+    top = run.top(call)
+    if length < 2 or call.shape[3] != length or any(call is chunk[0] for chunk in chunks) or length > ids.shape[1]:
+        return None
+    given = _ids(top)
+    if given is None or given.shape != (ids.shape[0], length) or not np.array_equal(given, ids[:, :length]) \
+            or not np.array_equal(queries(call, top), np.arange(length)):
+        return None
+    cells = keep(call)
+    if cells is None or cells.shape[0] not in (1, ids.shape[0]):
+        return None
+    one = np.broadcast_to(cells.any(axis=1), (ids.shape[0], length, length))
+    real = steps[:, :length, :length].any(axis=1)  # (B, keys): keys some step shows (its real tokens)
+    later = one & ~steps[:, :length, :length] & np.triu(np.ones((length, length), dtype=bool), 1) & real[:, None, :] \
+        & real[:, :, None]  # (later keys a step's own block shows too: a block both ways, as the one pass has it)
+    if not later.any():
+        return None
+    b, q, k = first_cell(later)
+    return Finding("one-pass-sees-later", (
+        f"query {q} of batch row {b} sees later key {k} in one pass over the {length}-token prompt (step {call.step}), "
+        f"but the same call site fed the same token ids again from an empty cache in {len(chunks)} steps (steps "
+        f"{chunks[0][0].step}-{chunks[-1][0].step}), which never show a query a later key: {int(later.sum())} such "
+        f"cells (the one pass has lost its causal mask)"),
+        expected="causal, as the steps over the same tokens", source=f"the same site's steps {chunks[0][0].step}-"
+        f"{chunks[-1][0].step} over the same token ids", cell=(b, q, k))
+
+
 RULES = (
+    Rule("one-pass-sees-later", "wrong", "site", "a prompt attended in one pass whose queries see later keys, where "
+         "the same site fed the same token ids again from an empty cache, step by step (torch-to-nnef#217: an export's "
+         "causal mask sized from the cache's batch axis, a [1, 1] mask)", repassed),
     Rule("prefill-chunks-differ", "wrong", "site", "a prompt prefilled in chunks behind a cache whose masks put together "
          "differ from one pass over it (a chunk that misses earlier chunks' keys or sees later ones)", chunked),
 )

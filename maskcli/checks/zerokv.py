@@ -88,7 +88,42 @@ def zero_keys_seen(run: Run) -> list:
                 expected=f"keys {spans(keys)} of batch row {b} hidden from every real query",
                 source="the call's own K and V: zero rows at an edge of the keys", cell=(b, q, k))))
             break
+        if table.get("heads") and (call.where, call.shape) not in done:
+            found += _in_heads(run, call, table, cells, tokens)
+            done.add((call.where, call.shape))
     return found
+
+
+def _in_heads(run: Run, call, table: dict, cells: np.ndarray, tokens) -> list:
+    """Real queries of a head that see an edge run of keys zero in that head's K and V alone (trace/zerokv.py's
+    "heads": a cache that pads each head's kept keys to the longest head's), the other heads' keys there real."""
+    rows, heads, q_len, k_len = call.shape
+    placed = resolve(call, run.top(call), by_row(cells, max(cells.shape[0], rows))).queries
+    bounds = table.get("keys")
+    for b in range(rows):
+        lo, hi = bounds[b % len(bounds)] if bounds else (0, k_len)
+        zero_q = table["zero_q"][b % len(table["zero_q"])] if table["zero_q"] else []
+        if zero_q is None:
+            continue
+        real = (_real(zero_q, q_len) if len(zero_q) else np.ones(q_len, dtype=bool)) & placed[b % placed.shape[0]]
+        for h, left, right in table["heads"][b % len(table["heads"])]:
+            padding = np.zeros(k_len, dtype=bool)
+            padding[lo:lo + left] = left >= RUN
+            padding[hi - right:hi] = right >= RUN
+            if tokens is not None:
+                padding &= ~tokens[b % tokens.shape[0]]
+            seen = cells[b % cells.shape[0], h % cells.shape[1]] & real[:, None] & padding[None, :]
+            if h >= heads or not seen.any():
+                continue
+            q, k = (int(i) for i in np.argwhere(seen)[0])
+            keys = [int(i) for i in np.flatnonzero(padding)]
+            return [(call, Finding("zero-keys-seen", (
+                f"query {q} of batch row {b} (not zero itself) sees key {k} in head {h}, one of keys {spans(keys)} "
+                f"whose K and V are exactly zero in that head, where other heads hold real keys: a head's keys padded "
+                f"with zeros to the longest head's, given weight and averaged in (hide them in that head's mask)"),
+                expected=f"keys {spans(keys)} of batch row {b} hidden from head {h}'s real queries",
+                source="the call's own K and V: one head's zero rows at an edge of the keys", cell=(b, q, k)))]
+    return []
 
 
 RULES = (

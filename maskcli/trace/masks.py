@@ -385,13 +385,12 @@ def _finite_fill(scores: torch.Tensor, lowest: float, details: dict) -> torch.Te
     (not -inf, not the dtype's lowest) that are all one exact constant are a fill, and the cells equal to it masked.
     Several such values are an additive mask added to the scores (BERT's (1 - mask) * -10000 + score): no cell equals
     a fill, so the cells are read as masked where softmax gives them weight exactly 0, as the program computes."""
-    low = (scores <= FILL_AT_MOST) & (scores != lowest) & torch.isfinite(scores)
-    if not bool(low.any()):
-        return low
-    values = scores[(scores <= FILL_AT_MOST / 2) & (scores != lowest) & torch.isfinite(scores)]  # (-1e4 + a score: either side)
-    if bool((values == values[0]).all()):
-        details["fill_value"] = float(values[0])
-        details["fill"] = details["fill"] or "finite"
+    near = (scores <= FILL_AT_MOST / 2) & (scores != lowest) & torch.isfinite(scores)  # (-1e4 + a score: either side;
+    low, values = near & (scores <= FILL_AT_MOST), scores[near]  # an additive mask's cells may all sit above -1e4)
+    if not len(values) or bool((values == values[0]).all()):
+        if bool(low.any()):
+            details["fill_value"] = float(values[0])
+            details["fill"] = details["fill"] or "finite"
         return low
     details["additive"] = True  # (-10000 + a score may sit just above -1e4: every cell's weight decides)
     return torch.softmax(scores, dim=-1) == 0

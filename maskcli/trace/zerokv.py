@@ -109,8 +109,8 @@ def _kept_edges_nonzero(k: torch.Tensor, v: torch.Tensor, k_shape: tuple, bounds
         if hi <= lo:
             continue  # (no key kept: no run read there either)
         for at in (lo, hi - 1):
-            if not any(_nonzero(cell, b, at) for cell in cells):
-                return False
+            if not all(a or c for a, c in zip(_nonzero(cells[0], b, at), _nonzero(cells[1], b, at))):
+                return False  # (a head whose K and V are 0 there: a run may start, in that head alone)
     return True
 
 
@@ -126,15 +126,12 @@ def _cells(t: torch.Tensor) -> tuple | None:
     return cell.from_address, 0x7FFF if cell is ctypes.c_uint16 else None, base, t.stride(), t.element_size(), t.shape[0], t.shape[1]
 
 
-def _nonzero(cells: tuple, b: int, at: int) -> bool:
-    """Whether key `at` of batch row `b` (modulo a broadcast batch) has a nonzero first dimension in some head."""
+def _nonzero(cells: tuple, b: int, at: int) -> list[bool]:
+    """Whether key `at` of batch row `b` (modulo a broadcast batch) has a nonzero first dimension, in each head."""
     read, mask, base, strides, size, rows, heads = cells
     start = base + size * ((b % rows) * strides[0] + at * strides[2])
-    for h in range(heads):
-        value = read(start + size * h * strides[1]).value
-        if value & mask if mask is not None else value:
-            return True
-    return False
+    values = [read(start + size * h * strides[1]).value for h in range(heads)]
+    return [bool(value & mask if mask is not None else value) for value in values]
 
 
 EDGES = 64  # edge cells read one by one at most (more: numpy's one count reads them)
@@ -210,7 +207,7 @@ def _zero_kv_cpu(q: torch.Tensor, k: np.ndarray, values, bounds) -> dict:
     either = np.logical_or.reduce
     edge = ~(either(ends, axis=1) | either(v0[:, :, :: length - 1], axis=1))  # (B, 2): may be zero
     if not edge.any():
-        return {}
+        return _head_runs(q, k, v, bounds)
     kept = bounds()
     rows = max(k.shape[0], v.shape[0], 1 if kept is None else len(kept))
     spans = [[0, length]] * rows if kept is None else kept * rows if len(kept) == 1 else kept
@@ -228,12 +225,42 @@ def _zero_kv_cpu(q: torch.Tensor, k: np.ndarray, values, bounds) -> dict:
                 run = 0
             (left if forward else right)[b] = run
     if all(max(a, c) < 2 or a >= hi - lo for a, c, (lo, hi) in zip(left, right, spans)):
-        return {}  # (no run of two at an edge, or every key kept zero: no padding's shape, as the rule reads it)
+        return _head_runs(q, k, v, bounds)  # (no run of two at an edge in every head, or every key zero: a head's own?)
     zero_q = ~(_cpu(q)[..., 0] != 0).any(axis=1)  # (B, Lq): a query whose first dimension is 0 in every head
     found = {"left": left, "right": right, "zero_q": [_spans_np(row) for row in zero_q]}
     if kept is not None and any(lo or hi != length for lo, hi in spans):
         found["keys"] = [list(x) for x in spans]
     return {"zero_kv": found}
+
+
+def _head_runs(q: torch.Tensor, k: np.ndarray, v: np.ndarray, bounds) -> dict:
+    """Runs of keys zero in K and V at an edge of some heads' keys only, where no key there is zero in every head: a
+    cache that pads each head's own kept keys to the longest head's (VeloxQuant's NestedKV, its front zero-padded):
+    {"zero_kv": {"left": 0s, "right": 0s, "zero_q": .., "heads": per row [[head, left, right], ...]}}, or {}."""
+    length, k0, v0 = k.shape[2], k[..., 0], v[..., 0]
+    if k0.shape[1] != v0.shape[1] or not ((k0[:, :, :: length - 1] == 0) & (v0[:, :, :: length - 1] == 0)).any():
+        return {}
+    kept = bounds()
+    rows = max(k.shape[0], v.shape[0], 1 if kept is None else len(kept))
+    spans = [[0, length]] * rows if kept is None else kept * rows if len(kept) == 1 else kept
+    heads = []
+    for b, (lo, hi) in enumerate(spans):
+        found, kb, vb = [], k[b % k.shape[0]], v[b % v.shape[0]]
+        for h in range(k0.shape[1]):
+            runs = [0, 0]
+            for side, at in ((0, lo), (1, hi - 1)):  # (another head holding a key there: zero in this head alone)
+                if hi - lo > 2 and not kb[h, at, 0] and not vb[h, at, 0] and (kb[:, at, 0].any() or vb[:, at, 0].any()):
+                    run = _run(kb[h:h + 1, :, 0], vb[h:h + 1, :, 0], lo, hi, side == 0)
+                    ends = (lo, lo + run - 1) if side == 0 else (hi - run, hi - 1)
+                    runs[side] = run if 2 <= run < hi - lo and not any(t[h, e].any() for t in (kb, vb) for e in ends) else 0
+            if max(runs) >= 2:
+                found.append([h, *runs])
+        heads.append(found)
+    if not any(heads):
+        return {}
+    zero_q = ~(_cpu(q)[..., 0] != 0).any(axis=1)
+    return {"zero_kv": {"left": [0] * rows, "right": [0] * rows, "zero_q": [_spans_np(row) for row in zero_q],
+                        "heads": heads, **({"keys": [list(x) for x in spans]} if kept is not None else {})}}
 
 
 def _run(k0: np.ndarray, v0: np.ndarray, lo: int, hi: int, forward: bool) -> int:
