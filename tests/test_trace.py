@@ -207,22 +207,12 @@ def test_an_additive_mask_in_the_scores_is_a_bias_read_where_its_weight_is_exact
     assert [f.code for f in group.findings] == ["additive"]
 
 
-
 def test_an_additive_mask_whose_cells_straddle_minus_1e4_is_no_fill():
     """DeepSpeed's BLOOM softmax adds input_mask * -10000 to the scores: a decode row's masked cells land on both sides
     of -1e4 (-9999.7 beside -10000.2). One cell at or below -1e4 is no constant fill: every masked cell is read where
     softmax gives it weight exactly 0, as the program computes."""
     scores = torch.tensor([0.3, 0.1, -0.2, 0.5, -0.4, 0.2])[None, None, None, :].repeat(2, 1, 1, 1)
-    pad = torch.tensor([[0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)  # batch row 1: 3 padding keys
-    with maskcli.trace() as t:
-        weights = (scores + pad[:, None, None, :] * -10000.0).softmax(-1)
-    (call,) = t.calls
-    keep = np.broadcast_to(call.keep(), call.shape)
-    for b in range(2):
-        for k in range(6):
-            assert keep[b, 0, 0, k] == (pad[b, k] == 0)
-    assert np.array_equal(keep, (weights > 0).numpy())
-    assert call.details["additive"] is True and "fill_value" not in call.details
+    _padding_read_by_its_weights(scores)
 
 
 def test_an_additive_mask_whose_cells_all_sit_just_above_minus_1e4_is_read_by_its_weights():
@@ -230,17 +220,8 @@ def test_an_additive_mask_whose_cells_all_sit_just_above_minus_1e4_is_read_by_it
     just above -1e4 (-9999.7), none at or below it. Softmax still gives them weight exactly 0: read so, not as keys
     kept (which called the fix's padding seen)."""
     scores = torch.tensor([0.3, 0.1, 0.2, 0.5, -0.4, 0.2])[None, None, None, :].repeat(2, 1, 1, 1)
-    pad = torch.tensor([[0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)  # batch row 1: 3 padding keys
-    with maskcli.trace() as t:
-        weights = (scores + pad[:, None, None, :] * -10000.0).softmax(-1)
-    assert float((scores + pad[:, None, None, :] * -10000.0).min()) > -1e4
-    (call,) = t.calls
-    keep = np.broadcast_to(call.keep(), call.shape)
-    for b in range(2):
-        for k in range(6):
-            assert keep[b, 0, 0, k] == (pad[b, k] == 0)
-    assert np.array_equal(keep, (weights > 0).numpy())
-    assert call.details["additive"] is True and "fill_value" not in call.details
+    assert float((scores + PAD[:, None, None, :] * -10000.0).min()) > -1e4
+    _padding_read_by_its_weights(scores)
 
 
 class Layer(nn.Module):
@@ -1254,3 +1235,20 @@ def test_block_local_scores_joined_with_global_keys_are_no_query_by_key_scores()
         to_local = torch.einsum("BHNXF,BHNYF->BHNXY", local_q, local_k) + padding.view(batch, 1, blocks, 1, size)
         torch.softmax(torch.cat([to_global, to_local], dim=-1), dim=-1)
     assert all(finding.code != "padding-per-head" for group in t.groups() for finding in group.findings)
+
+
+PAD = torch.tensor([[0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)  # batch row 1: 3 padding keys
+
+
+def _padding_read_by_its_weights(scores):
+    """BLOOM's softmax of scores + padding * -10000, traced: its one call keeps exactly the keys PAD says are real
+    (a double loop), which are the keys softmax weighs above 0, read as an additive mask."""
+    with maskcli.trace() as t:
+        weights = (scores + PAD[:, None, None, :] * -10000.0).softmax(-1)
+    (call,) = t.calls
+    keep = np.broadcast_to(call.keep(), call.shape)
+    for b in range(2):
+        for k in range(6):
+            assert keep[b, 0, 0, k] == (PAD[b, k] == 0)
+    assert np.array_equal(keep, (weights > 0).numpy())
+    assert call.details["additive"] is True and "fill_value" not in call.details
