@@ -574,9 +574,13 @@ def test_lengths_beside_a_left_padded_is_pad_name_a_cell_the_program_calls_paddi
 def test_t5_generate_encoder_mask_dropped_for_cross_attention_chronos_context(tmp_path):
     """huggingface/transformers#36018: generate handed the decode steps no encoder mask, so cross-attention saw the
     left-padded context (written blind, batch blind-ac, a Chronos-style context; caught before any rule was changed
-    for it). The fix is quiet."""
+    for it, as padding-unused). The fix is quiet. Said now by encoder-padding-ignored, which reads the padding off the
+    encoder's own self-attention (checks/memory.py) and speaks for padding-unused (engine.SAID_BY): the cells against a
+    double loop over the context's left padding (row 1: 5 pads, never to be seen)."""
     pytest.importorskip("transformers")  # (its T5Config)
-    check_bug(tmp_path, "t5_generate_encoder_mask_dropped_for_cross_attention_chronos_context", "padding-unused")
+    [hit, *_] = check_bug(tmp_path, "t5_generate_encoder_mask_dropped_for_cross_attention_chronos_context",
+                          "encoder-padding-ignored")
+    assert tuple(hit["cell"]) == first((2, 1, 11), lambda b, q, k: b == 1 and k < 5)
 
 
 def test_mlx_vlm_llava_language_overwrites_caller_mask(tmp_path):
