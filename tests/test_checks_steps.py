@@ -17,6 +17,8 @@ BUGS = [
     # (is_causal with a cache, lucidrains/x-transformers#187 and onnx/onnx#8068: kernels.py's top-left-causal says it,
     # naming is_causal, not top-left-mask a second time: test_checks_kernels.py)
     ("cached_prefill_not_causal", "causal-lost"),  # Mikyx-1/TinyLLM#17: no causal mask once a cache is attached
+    # Zefan-Cai/KVCache-Factory#49 (written blind, batch blind-ap): H2O's scoring mask causal only in its last window
+    ("kvcache_factory_h2o_scoring_causal_mask_only_in_window", "causal-lost"),
 ]
 
 
