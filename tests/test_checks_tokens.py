@@ -173,6 +173,12 @@ def test_a_collator_that_pads_the_attention_masks_with_the_pad_id_is_found(tmp_p
     assert "(22 such cells)" in found[0]["message"] and "pad id (1)" in found[0]["message"]
 
 
+def test_the_same_collator_bug_written_by_another_hand(tmp_path):
+    """SeanLee97/AnglE#89 written blind again (batch blind-ar): the collator's masks padded with the pad id 1 and
+    handed to a transformers RobertaModel: caught as the first writing is, its fix quiet."""
+    check_bug(tmp_path, "angle_collator_mask_padded_with_pad_id_written_again", "padding-unmarked")
+
+
 def _hole_seen_by_none(ids, mask, pad):
     """bad(b, q, k) by a loop: k a token at the pad id inside its row (a real token after it) that the loss trains on,
     q a later real query."""
