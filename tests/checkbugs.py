@@ -17,9 +17,14 @@ ROWS = Path(__file__).parent / "data" / "rows"  # the same bugs written as other
 runner = CliRunner()
 
 
+def imports_transformers(program: Path) -> bool:
+    """Whether the program imports transformers (its tests skip where the hf extra is not installed)."""
+    return re.search(r"^\s*(?:from|import) transformers\b", program.read_text(), re.M) is not None
+
+
 def traced(tmp_path, name: str, fixed: bool, folder: Path = BUGS, args: tuple = ()) -> tuple[int, list[dict], str]:
     """(exit status, the findings of every group, the report) of `maskcli trace FOLDER/NAME.py [ARGS] [--fixed]`."""
-    if re.search(r"^\s*(?:from|import) transformers\b", (folder / f"{name}.py").read_text(), re.M):
+    if imports_transformers(folder / f"{name}.py"):
         pytest.importorskip("transformers")  # (a program built from transformers' classes: the hf extra)
     out = tmp_path / f"{name}{'-'.join(('', *args))}{'-fixed' if fixed else ''}.json"
     result = runner.invoke(app, ["trace", "--json", str(out), str(folder / f"{name}.py"), *args, *(["--fixed"] if fixed else [])])

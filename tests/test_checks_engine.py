@@ -5,7 +5,6 @@ correct program gets no wrong or suspicious finding (the full sweep over every f
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from checkbugs import imports_transformers
 from maskcli.commands import app
 
 runner = CliRunner()
@@ -367,7 +367,7 @@ _FLEX = {"packed_documents_flex_cu_seqlens", "self_forcing_block_causal_video", 
 # Linear over [p; q; p * q], no product of queries and keys) is scores trace does not know as such
 _NO_CALL = {"slot_attention_softmax_over_slots_no_mask", "allennlp_bidaf_masked_softmax_renormalised"}
 _HF = {p.stem for p in QUIET_BLIND.glob("hf_*.py")} | {  # (built from transformers' classes, or importing it: skipped
-    p.stem for p in QUIET_BLIND.glob("*.py") if re.search(r"^\s*(?:from|import) transformers\b", p.read_text(), re.M)}
+    p.stem for p in QUIET_BLIND.glob("*.py") if imports_transformers(p)}
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in QUIET_BLIND.glob("*.py")))

@@ -18,6 +18,7 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 NAME = "attention_mask"
+HANDED = {"none": "no attention_mask", "ones": "an attention_mask of all ones"}  # what each state says in a finding
 
 
 def _stated(top, rows: int, length: int) -> str | None:
@@ -61,12 +62,11 @@ def none_differs(run: Run) -> list:
             if other is None:
                 continue
             b, h, q, k = first_cell(later)
-            handed = {"none": "no attention_mask", "ones": "an attention_mask of all ones"}
             found.append((call, Finding("mask-none-differs", (
-                f"handed {handed[state]}, query {q} of batch row {b} sees later key {k}, "
+                f"handed {HANDED[state]}, query {q} of batch row {b} sees later key {k}, "
                 f"while the same call site over the same ids is causal at step {other[0].step}, handed "
-                f"{handed[other[2]]}: neither masks a token, so the two should attend alike (the causal mask dropped on "
-                f"the branch for {handed[state]}?)"), expected="causal", source=f"{where} at step {other[0].step}",
+                f"{HANDED[other[2]]}: neither masks a token, so the two should attend alike (the causal mask dropped on "
+                f"the branch for {HANDED[state]}?)"), expected="causal", source=f"{where} at step {other[0].step}",
                 cell=(b, q, k))))
             break
     return found
