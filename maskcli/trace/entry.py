@@ -62,14 +62,12 @@ def sdpa():
 ATTENTION, PRODUCT, CAST, SUM, FILL = "attention", "product", "cast", "sum", "fill"
 
 
-def _wrapper(original, stands_for, kind: str):
-    """The wrapper of one entry point, made once a process (entry points are put in place at each trace's enter: their
-    wrappers are not made anew), and `bind`, which hands its calls to a trace (bind(None): to none, each call then runs
-    as untraced) and returns what it was bound to before."""
+def _wrapper(trace, original, stands_for, kind: str):
+    during, mode, local, after = trace.compiled.during, trace.mode_for_compile, trace._local, trace.after_call
     attention = stands_for is sdpa()
     wanted = _WANTED[kind]
-    fill = kind == FILL
-    trace, during, mode, local, after = _UNBOUND
+    if kind == FILL:
+        after = trace.after_fill
 
     def wrapper(*args, **kwargs):
         if compiling():  # dynamo inlines this: nothing of the trace in its graph but a break at attention
@@ -95,38 +93,9 @@ def _wrapper(original, stands_for, kind: str):
             pass
         return out
 
-    def bind(bound: tuple | None) -> tuple:
-        nonlocal trace, during, mode, local, after
-        before = (trace, during, mode, local, after)
-        if bound is None:
-            trace, during, mode, local, after = _UNBOUND
-        else:
-            trace, during, mode, local = bound[:4]
-            after = bound[5] if fill else bound[4]
-        return None if before[0] is _UNBOUND[0] else (*before[:4], before[4], before[4])
-
-    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = _named(stands_for)  # (not update_wrapper: __wrapped__ would
-    CANONICAL[wrapper] = stands_for  # give inspect.signature a builtin's, which has none)
-    return wrapper, bind
-
-
-def _bound(trace) -> tuple:
-    """What a wrapper reads of the trace it hands calls to (bind's argument)."""
-    return trace, trace.compiled.during, trace.mode_for_compile, trace._local, trace.after_call, trace.after_fill
-
-
-class _Passing:
-    """The trace of a wrapper bound to none (a program that kept a wrapper past its trace): every call passes."""
-
-    active = False
-    _local = type("Local", (), {"busy": True, "moded": False, "traced": False})()
-
-    @staticmethod
-    def passes() -> bool:
-        return True
-
-
-_UNBOUND = (_Passing(), lambda mode, func, types, args, kwargs: func(*args, **kwargs), None, _Passing._local, None)
+    wrapper.__name__, wrapper.__qualname__, wrapper.__doc__ = _named(stands_for)  # (not update_wrapper: every trace makes
+    CANONICAL[wrapper] = stands_for  # these, and __wrapped__ would give inspect.signature a builtin's, which has none)
+    return wrapper
 
 
 def _product(args: tuple, kwargs: dict, out) -> bool:
@@ -169,21 +138,20 @@ def patch(trace) -> list:
     scores, the casts and sums where a fill may overflow); the callables that put them back, in the order to run them."""
     originals = _originals()
     watched, readers = trace.watched, trace.readers
-    bound = _bound(trace)
-    done = []  # (owner, name, what it held, the wrapper's bind, what it was bound to before)
+    done = []  # (owner, name, what it held, the wrapper put there)
     for owner, name, original, stands_for in _entries():
         if stands_for not in watched or owner is F and stands_for not in readers:
             continue
         held = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else getattr(owner, name)
         kind = ATTENTION if stands_for in readers else PRODUCT if stands_for in MATMULS else CAST if stands_for in CASTS \
             else FILL if stands_for in FILLS else SUM
-        wrapper, bind = _shared(owner, name, kind)
-        done.append((owner, name, held, bind, bind(bound)))
+        wrapper = _wrapper(trace, original, stands_for, kind)
         setattr(owner, name, wrapper)
+        done.append((owner, name, held, wrapper))
 
     def put_back() -> None:  # (one callable for them all: a trace is entered once per generate, as often as it records)
-        for owner, name, held, bind, before in reversed(done):
-            bind(before)  # (a trace in a trace: the outer one's again; else none, and the trace let go)
+        for owner, name, held, wrapper in reversed(done):
+            CANONICAL.pop(wrapper, None)
             if held is _MISSING:
                 delattr(owner, name)
             else:
@@ -197,18 +165,6 @@ def patch(trace) -> list:
         if put_back_code is not None:
             undo.append(put_back_code)
     return undo[::-1]
-
-
-_SHARED: dict = {}  # (owner, attribute, kind) -> (wrapper, bind): each entry point's wrapper, made once a process
-
-
-def _shared(owner, name: str, kind: str) -> tuple:
-    key = (id(owner), name, kind)
-    found = _SHARED.get(key)
-    if found is None:
-        original, stands_for = next((o, f) for w, n, o, f in _entries() if w is owner and n == name)
-        found = _SHARED[key] = _wrapper(original, stands_for, kind)
-    return found
 
 
 @functools.cache
