@@ -286,3 +286,11 @@ def test_attention_options_at_the_top_of_the_program_never_passed_are_found(tmp_
     [hit] = check_bug(tmp_path, "attention_opts_causal_never_passed", "causal-config-ignored", folder=DROPPED)
     assert tuple(hit["cell"]) == first((2, 9, 9), lambda b, q, k: k > q)
     assert "causal=True (attention_opts (dict) at the top of" in hit["message"]
+
+
+def test_tei_qwen3_equal_length_batch_written_blind_is_found(tmp_path):
+    """huggingface/text-embeddings-inference#882 (blind-ax; the same bug as tei_candle_qwen3_equal_length_batch_no_causal
+    by another hand): the causal bias added only onto a padding bias; the config class states
+    use_bidirectional_attention = False. Against a double loop over the 6 tokens: the first later key seen."""
+    [hit] = check_bug(tmp_path, "tei_qwen3_equal_length_batch_drops_causal_mask", "causal-config-ignored")
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: k > q)
