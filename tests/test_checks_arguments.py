@@ -35,6 +35,11 @@ BUGS = [
     # NVIDIA-NeMo/Automodel#491 (blind-ax): DeepseekV3Model never hands attention_mask to its MLA blocks (TE runs plain
     # causal over a left-padded batch)
     ("automodel_deepseek_v3_mla_te_padding_mask_not_causal", "padding-ignored"),
+    # written blind (batch blind-av), caught before any rule was changed for them:
+    # gc-os-ai/pyaptamer#178: AptaTrans' nn.TransformerEncoders run with no mask over zero-padded tokens (padding_idx=0)
+    ("pyaptamer_aptatrans_encoder_padding_zeros_attended", "padding-ignored"),
+    # lucidrains/alphafold2 c85682e: the structure module calls the IPA block without the residue mask it was given
+    ("alphafold2_structure_module_ipa_ignores_residue_mask", "padding-ignored"),
 ]
 
 
