@@ -46,6 +46,10 @@ BLIND = [  # the third blind batch, caught by rules not written for them
     # NVIDIA/TensorRT-Model-Connect#400 (written blind): gpt-oss's sliding layers given the full causal mask, the
     # softmax over scores joined to a learned sink column (scores.py leaves it out) and a dict config's layer_types
     ("gptoss_engine_sliding_layers_full_causal_mask", "window-missing"),
+    # onnxruntime/mobius#371 (written blind, batch blind-aw): the direct GQA path's GQAContext never set
+    # local_window_size, so a dataclass config's sliding_window (every layer_types entry sliding) ran full causal,
+    # prefill and cached decode
+    ("mobius_direct_gqa_path_drops_sliding_window", "window-missing"),
 ]
 
 

@@ -23,6 +23,15 @@ def test_gpt2_cross_attention_drops_encoder_mask(tmp_path):
                                    "gpt2_cross_attention_drops_encoder_mask.py)"), hit["message"]
 
 
+def test_t5_export_wrappers_drop_the_encoder_padding(tmp_path):
+    """huggingface/optimum-executorch#230 (written blind, batch blind-aw): the export wrappers ran the T5 encoder over a
+    static-length input padded with the pad id 0 and the decoder without encoder_attention_mask."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "optimum_executorch_t5_encoder_padding_mask_dropped", "encoder-padding-ignored")[0]
+    assert hit["cell"] == [0, 0, 6], hit  # (the prompt is 6 tokens; key 6 is the first pad)
+
+
 def test_memory_key_padding_mask_not_passed(tmp_path):
     """Written another way: nn.TransformerDecoder, memory left-padded and stated True = padding, never handed on; the
     first cell reported is the first a double loop finds over the stated padding (the call has no mask)."""
