@@ -32,6 +32,11 @@ BUGS = [
     ("llamafactory_neat_packing_segment_mask_reaches_model_as_plain_causal", "documents-leak"),
     # deepspeedai/DeepSpeed#1466 (blind-ap): the fused softmax drops the padding mask on a triangular (causal) pass
     ("deepspeed_inference_gpt2_softmax_drops_padding_mask_when_triangular", "padding-ignored"),
+    # written blind (batch blind-av), caught before any rule was changed for them:
+    # gc-os-ai/pyaptamer#178: AptaTrans' nn.TransformerEncoders run with no mask over zero-padded tokens (padding_idx=0)
+    ("pyaptamer_aptatrans_encoder_padding_zeros_attended", "padding-ignored"),
+    # lucidrains/alphafold2 c85682e: the structure module calls the IPA block without the residue mask it was given
+    ("alphafold2_structure_module_ipa_ignores_residue_mask", "padding-ignored"),
 ]
 
 
