@@ -141,6 +141,16 @@ def test_retro_retrieved_padding_mask_polarity(tmp_path):
     assert "`retrieved` (2, 2, 2, 8)" in hit["source"], hit
 
 
+def test_a_static_length_batch_embedded_without_its_attention_mask(tmp_path):
+    """optimum-executorch#230's bug written another way: a sentence-embedding export pads every text to the fixed
+    length 12 with BertConfig's pad id 0 (no row unpadded) and calls BertModel with the ids alone; the first cell is a
+    double loop's (a real query, a pad key); the fix hands the mask and is quiet."""
+    [hit] = check_bug(tmp_path, "bert_max_length_batch_embedded_without_attention_mask", "padding-ignored", folder=ARGS)
+    lengths = [5, 8]
+    assert tuple(hit["cell"]) == first((2, 12, 12), lambda b, q, k: q < lengths[b] <= k), hit
+    assert hit["source"].startswith("input ids equal to the pad id 0"), hit
+
+
 def test_multiple_choice_candidates_pad_mask_handed_as_keep(tmp_path):
     """Written another way: (batch, choices, tokens) ids flattened to one MHA row per choice, left-padded with the pad
     id its embedding states, the mask of real tokens handed as key_padding_mask; the first cell is a double loop's

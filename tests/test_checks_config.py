@@ -49,6 +49,10 @@ BLIND = [  # the third blind batch, caught by rules not written for them
     # huggingface/transformers#40163 (fixes #39408; blind-ax, the same bug as hf_window_off_by_one by another hand): the
     # flash path's window_size=(W, W) against a plain class config's sliding_window=W
     ("transformers_flash_attention_sliding_window_one_key_too_many", "window-off-by-one"),
+    # onnxruntime/mobius#371 (written blind, batch blind-aw): the direct GQA path's GQAContext never set
+    # local_window_size, so a dataclass config's sliding_window (every layer_types entry sliding) ran full causal,
+    # prefill and cached decode
+    ("mobius_direct_gqa_path_drops_sliding_window", "window-missing"),
 ]
 
 

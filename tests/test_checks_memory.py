@@ -23,6 +23,15 @@ def test_gpt2_cross_attention_drops_encoder_mask(tmp_path):
                                    "gpt2_cross_attention_drops_encoder_mask.py)"), hit["message"]
 
 
+def test_t5_export_wrappers_drop_the_encoder_padding(tmp_path):
+    """huggingface/optimum-executorch#230 (written blind, batch blind-aw): the export wrappers ran the T5 encoder over a
+    static-length input padded with the pad id 0 and the decoder without encoder_attention_mask."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "optimum_executorch_t5_encoder_padding_mask_dropped", "encoder-padding-ignored")[0]
+    assert hit["cell"] == [0, 0, 6], hit  # (the prompt is 6 tokens; key 6 is the first pad)
+
+
 def test_memory_key_padding_mask_not_passed(tmp_path):
     """Written another way: nn.TransformerDecoder, memory left-padded and stated True = padding, never handed on; the
     first cell reported is the first a double loop finds over the stated padding (the call has no mask)."""
@@ -313,3 +322,17 @@ def test_a_cross_attention_over_an_unpadded_or_chunked_memory_is_quiet():
     found, _, _ = _encoder_then_decoder(keys, None)
     hit = next(f for f in found if f[0] == "encoder-padding-ignored")
     assert hit[1] == "wrong" and hit[2] == first((2, 3, 6), lambda b, q, k: not bool(real[b, k]))
+
+
+def test_a_memory_mask_from_the_batchs_longest_source_beside_the_encoders_per_row_padding(tmp_path):
+    """quic/efficient-transformers abe7288a1's cross-attention half, written another way: nn.Transformer's encoder is
+    handed each row's src_key_padding_mask, the decoder a memory_key_padding_mask built from the batch's longest source
+    (every token real): the memory mask calls real what the encoder's own self-attention masks as padding. The first
+    cell is a double loop's over the per-row lengths; the fix (one mask for both) is quiet."""
+    from checkbugs import check_bug
+
+    [hit] = check_bug(tmp_path, "batch_max_length_memory_mask_beside_per_row_source_mask", "encoder-padding-ignored",
+                      folder=ENCODED)
+    lengths = [10, 6, 8]
+    assert tuple(hit["cell"]) == first((3, 5, 10), lambda b, q, k: k >= lengths[b]), hit
+    assert "though the memory_key_padding_mask given to Transformer calls it real" in hit["message"], hit

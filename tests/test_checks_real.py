@@ -61,6 +61,28 @@ def test_the_model_calls_statement_of_its_padding_in_each_form():
     assert stated(Top("Model", arguments=both), 2, 4) is None
 
 
+def test_a_batch_padded_to_a_static_length_states_its_padding_by_its_pad_ids():
+    """No row unpadded (an exported program's fixed input length, `padding="max_length"`): each row's run of two pads
+    at least, at one end, is padding where the pad id is no EOS or BOS; a double loop says which keys are real."""
+    lengths, length = [5, 8], 12
+    ids = np.array([[7 + k if k < n else 0 for k in range(length)] for n in lengths])
+    expected = [[k < n for k in range(length)] for n in lengths]
+    real, source, sure = stated(Top("Model", arguments={"input_ids": ids, "pad_id": 0}), 2, length)
+    assert real.tolist() == expected and sure and source.startswith("input ids equal to the pad id 0")
+    one = np.array([[5, 17, 23, 9, 31, 1] + [0] * 10])  # (a batch of one: T5's exported encoder, optimum-executorch#230)
+    assert stated(Top("Model", arguments={"input_ids": one, "pad_id": 0}), 1, 16)[0].tolist() == [[k < 6 for k in range(16)]]
+    left = ids[:, ::-1].copy()
+    assert stated(Top("Model", arguments={"input_ids": left, "pad_id": 0}), 2, length)[0].tolist() == \
+        [row[::-1] for row in expected]
+    # not where a row ends in one pad id only (a sampled token, a decoder's start token), nor where the pad id is the
+    # EOS (an EOS ends a text: two may close a row), nor where a row is all pad ids
+    short = np.array([[7, 8, 9, 0], [7, 8, 0, 0]])
+    assert stated(Top("Model", arguments={"input_ids": short, "pad_id": 0}), 2, 4) is None
+    assert stated(Top("Model", arguments={"input_ids": ids, "pad_id": 0, "eos_id": 0}), 2, length) is None
+    empty = np.array([[7, 8, 0, 0], [0, 0, 0, 0]])
+    assert stated(Top("Model", arguments={"input_ids": empty, "pad_id": 0}), 2, 4) is None
+
+
 def test_ids_of_more_axes_beside_a_stated_pad_id_are_folded_into_a_calls_rows():
     """RETRO's `retrieved` (batch, chunks, neighbours, tokens) beside `self.pad_id`: trace/padded.nested_ids keeps it
     (never a uint8 image, never without a pad id), stated() folds its leading axes into a call's rows of as many tokens,

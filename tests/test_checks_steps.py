@@ -19,6 +19,9 @@ BUGS = [
     ("cached_prefill_not_causal", "causal-lost"),  # Mikyx-1/TinyLLM#17: no causal mask once a cache is attached
     # Zefan-Cai/KVCache-Factory#49 (written blind, batch blind-ap): H2O's scoring mask causal only in its last window
     ("kvcache_factory_h2o_scoring_causal_mask_only_in_window", "causal-lost"),
+    # TransformerLensOrg/TransformerLens#1617 (written blind, batch blind-aw): generate() merged the caller's
+    # attention_mask into step 0's kwargs only, so every cached decode step of a left-padded prompt saw the pads
+    ("transformerlens_bridge_generate_padding_mask_step0_only", "padding-lost"),
 ]
 
 

@@ -32,6 +32,14 @@ def test_fairseq_wav2vec2_frame_mask_reshaped_from_samples(tmp_path):
     assert hit["cell"] == [0, 0, real] and f"make {real} frames of them" in hit["message"]
 
 
+def test_qefficient_cohere_asr_encoder_run_without_its_frame_mask(tmp_path):
+    """quic/efficient-transformers abe7288a1 (written blind, batch blind-aw): the QPC forward ran the Parakeet encoder
+    with no padding mask over a batch whose short clip has 41 real samples of 96: its strided convs make 6 frames of
+    them, and the encoder's self-attention keeps all 12 (the fix hands it positions < feature_lengths)."""
+    hit = check_bug(tmp_path, "qefficient_cohere_asr_scalar_valid_frames_encoder_mask", "padded-frames-attended")
+    assert hit[0]["cell"][0] == 1 and "make 6 frames of them" in hit[0]["message"], hit
+
+
 def test_wenet_conv2d_subsampling_mask_sliced_from_the_end(tmp_path):
     """wenet#1602: 13 real frames of 20; two Conv2d(3, stride 2) make 2, the [:-2:2] slices keep all 4."""
     [hit] = check_bug(tmp_path, "wenet_conv2d_subsampling4_mask_sliced_from_end", "padded-frames-attended")

@@ -25,6 +25,14 @@ def test_cu_seqlens_overwritten_from_the_attention_mask(tmp_path):
     check_bug(tmp_path, "fla_cu_seqlens_overwritten", "varlen-leak")  # fla-org/flash-linear-attention#842
 
 
+def test_exporter_reshapes_ragged_vision_segments_into_equal_chunks(tmp_path):
+    """huggingface/transformers#47871 (written blind, batch blind-aw): the export-safe vision attention cut the flat
+    sequence into `num_segments` equal chunks, so cu_seqlens [0, 24, 32] became two chunks of 16: the second holds
+    the end of the first image and the whole second one, and they attend each other."""
+    [hit] = check_bug(tmp_path, "transformers_exporter_vision_segments_reshaped_uniform", "varlen-leak")
+    assert hit["cell"] == [1, 0, 8], hit  # (flat token 16, of image 0, sees flat token 24, of image 1)
+
+
 def test_the_leak_is_said_once_with_the_documents_it_crosses(tmp_path):
     """The flattened batch's position_ids restart where cu_seq_lens say (DataCollatorWithFlattening writes both):
     the leak is one finding, naming the documents as the collator's lengths give them, at the first cell a double

@@ -74,3 +74,13 @@ def test_quiet_where_the_padding_reached_the_attention_or_pads_no_row():
     assert withheld(run_of(keyed, rows)) == []
     assert withheld(run_of(causal, np.array([[1, 1, 1], [1, 1, 1]]))) == []
     assert withheld(run_of(causal, np.array([[0, 1, 1], [1, 0, 0]]))) == []
+
+
+def test_quiet_on_a_call_over_another_batch_none_of_whose_rows_the_held_mask_pads():
+    """An unpadded reference run of one row (6 keys, every one seen) beside the padded batch's held key_padding_mask
+    (3 x 10, rows 1 and 2 padded): its one row is the held mask's row 0, unpadded, so nothing of that padding is about
+    it (it was read as found, every padded row of it vacuously seeing every key). The batch's own call: found."""
+    held = np.array([[0] * 10, [0] * 6 + [1] * 4, [0] * 8 + [1] * 2])
+    assert withheld(run_of(np.ones((1, 1, 5, 6), bool), held, "src_key_padding_mask")) == []
+    [(_, found)] = withheld(run_of(np.ones((3, 1, 5, 12), bool), held, "src_key_padding_mask"))
+    assert "batch row 1 padded at 6, 7, 8, 9" in found.message

@@ -92,6 +92,11 @@ def memory(run: Run) -> list:
         if said is None:
             continue
         real, source = said
+        if encoded is None and id(call) not in luong:  # (the stated memory mask calls real what the memory's own
+            # encoder masks as padding: two statements of the program over one memory, the encoder's per row)
+            own = encoder_padding(run, call, read)
+            if own is not None and own.known and (real & ~own.real).any() and own.real.any(axis=1).all():
+                real, encoded = real & own.real, own
         cells = keep(call)
         if cells is None or cells.shape[0] not in (1, rows):
             continue
@@ -114,12 +119,14 @@ def memory(run: Run) -> list:
         bad = cells & asking[:, :, None] & ~real[:, None, :]
         if bad.any():
             b, q, k = first_cell(bad)
-            unmasked = " (the call is given no mask at all)" if cells.all() else ""
             whose = f"encoder's own self-attention ({encoded.where})" if encoded is not None \
                 else source.replace(" of ", " given to ", 1)
+            though = "" if encoded is None or source == f"the mask of {encoded.where}" else \
+                f", though the {source.replace(' of ', ' given to ', 1)} calls it real"
+            unmasked = " (the call is given no mask at all)" if cells.all() and not though else ""
             found.append((call, Finding("encoder-padding-ignored", (
                 f"batch row {b}: decoder query {q} sees encoder key {k}, which the {whose} "
-                f"marks as padding ({int(bad.sum())} such cells){unmasked}: the cross-attention mask drops the "
+                f"marks as padding ({int(bad.sum())} such cells){unmasked}{though}: the cross-attention mask drops the "
                 f"encoder's padding{_why(call)}"), expected="no decoder query sees a padded encoder key", source=source,
                 cell=(b, q, k))))
     return found

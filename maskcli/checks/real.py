@@ -10,7 +10,8 @@ each batch row, never the clean shape of one example. The padding is, in this or
    right-padded batch's (1 = a real token), `lengths` / `seq_lens` (each row's real
    tokens first, or last where its input ids lead with the pad id), or its input ids equal to the pad id the
    program states (config `pad_token_id`, its embedding's `padding_idx`; else the tokenizer's it holds, on the tokenizer's
-   padding side) in a run at one end of each row, or left-padded prompts followed by right-padded completions
+   padding side) in a run at one end of each row (some row unpadded; or every row padded to a static length, two
+   pads at least each, where the pad id is no EOS or BOS), or left-padded prompts followed by right-padded completions
    (a run at each end of each row: an RL trainer's prompt + completion ids);
 2. else read off the mask: a key no real query of a batch row sees while a real query of another row does.
    Query rows that see no key, and rows that see every key where other rows of the same batch row do not
@@ -56,6 +57,16 @@ def _edge(pad: np.ndarray) -> bool:
     if not pad.any() or pad.all(axis=1).any() or not (~pad.any(axis=1)).any():
         return False
     count = pad.sum(axis=1, keepdims=True)
+    columns = np.arange(pad.shape[1])[None, :]
+    return bool(((columns < count) == pad).all() or ((columns >= pad.shape[1] - count) == pad).all())
+
+
+def _static(pad: np.ndarray) -> bool:
+    """Every row padded, each one run of two at least at the same end and none all padding: a batch padded to a
+    static length (an exported program's fixed input, `padding="max_length"`), so no row is left unpadded for _edge."""
+    count = pad.sum(axis=1, keepdims=True)
+    if count.min() < 2 or pad.all(axis=1).any():
+        return False
     columns = np.arange(pad.shape[1])[None, :]
     return bool(((columns < count) == pad).all() or ((columns >= pad.shape[1] - count) == pad).all())
 
@@ -131,11 +142,12 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
     pad_id, by = arguments.get("pad_id"), ""
     if not isinstance(pad_id, int) and isinstance(arguments.get("tokenizer_pad_id"), int):
         pad_id, by = arguments["tokenizer_pad_id"], f" of {arguments.get('tokenizer', 'the tokenizer')}"
-    if not found and tokens is not None and isinstance(pad_id, int) and (_edge(tokens == pad_id) and (
-            not by or _on_side(tokens == pad_id, arguments.get("padding_side")))
+    # (a pad id that is also the EOS or BOS may end or start a real sequence)
+    sure = pad_id not in {arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")}
+    if not found and tokens is not None and isinstance(pad_id, int) and (
+            (_edge(tokens == pad_id) or sure and _static(tokens == pad_id))
+            and (not by or _on_side(tokens == pad_id, arguments.get("padding_side")))
             or _prompt_and_completion(tokens == pad_id, arguments.get("padding_side"))):  # (a mask given wins)
-        # (a pad id that is also the EOS or BOS may end or start a real sequence)
-        sure = pad_id not in {arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")}
         found.append((tokens != pad_id, f"input ids equal to the pad id {pad_id}{by}{folded}", sure))
     if not found:
         return None

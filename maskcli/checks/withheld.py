@@ -56,7 +56,7 @@ def _padding_seen(call, real: np.ndarray, padded: list) -> bool:
     """The call masks none of the held padding: where the mask is over the call's keys, some real query of a padded
     row sees a key it calls padding (causal order alone hides right padding: quiet there); else (frames expanded into
     tokens somewhere among the keys) each padded row's last query sees every key. True also where the call cannot be
-    read (no mask stored: every key seen)."""
+    read (no mask stored: every key seen). False where no padded row is one of the call's rows."""
     if call.stored is None:
         return True
     cells = keep(call)
@@ -66,7 +66,9 @@ def _padding_seen(call, real: np.ndarray, padded: list) -> bool:
     if real.shape[1] == call.shape[3] == call.shape[2]:
         return any((cells[b if rows > 1 else 0].any(axis=0) & real[b][:, None] & ~real[b][None, :]).any()
                    for b in padded if b < call.shape[0])
-    return all(cells[b if rows > 1 else 0, :, -1, :].all() for b in padded if b < call.shape[0])
+    inside = [b for b in padded if b < call.shape[0]]  # (none: a call over another batch, an unpadded reference run
+    # of one row beside the padded batch's mask, says nothing of that mask's padding)
+    return bool(inside) and all(cells[b if rows > 1 else 0, :, -1, :].all() for b in inside)
 
 
 RULES = (
