@@ -1,5 +1,5 @@
-# deepspeedai/DeepSpeed#1912 (fixed by #1913): DeepSpeedSelfAttentionFunction overwrote input_mask with a dummy
-# `torch.empty(1)`, so the softmax kernel saw no mask and padded prompts were attended during generation.
+# deepspeedai/DeepSpeed#1912: since #1705 (e46d808a1) DeepSpeedSelfAttentionFunction overwrote input_mask with a dummy
+# `torch.empty(1)`, so padded prompts were attended in generation; b4fcd98ff (#1899) removed the overwrite.
 import sys
 import torch
 import torch.nn as nn
