@@ -7,7 +7,8 @@ Where the attention_mask disagrees with the ids, the ids win: they are the data 
 - padding-unmarked: each batch row's tokens at the pad id (not also the EOS or BOS id) form one run at the row's
   start or end (on the tokenizer's `padding_side` where it states one), yet the attention_mask marks them 1 and a
   real query sees them (Automodel#3704: a pad run looked for at the end of left-padded rows, the pad id 0 read as
-  EOS by `pad or eos`: an all-ones mask, real tokens attend the padding).
+  EOS by `pad or eos`: an all-ones mask, real tokens attend the padding). Also where rows of one batch disagree on
+  the pad run that ends them, one row's marked padding and another's real (checks/padruns.py: trl#487).
   The ids are the model call's by name, else its first argument where that is 2-D integer ids under another name
   (huggingface/transformers#25908: SpeechT5's `_generate_speech` handed its text encoder `input_values` padded with
   the pad id and `torch.ones_like(input_values)`: the decoder's every step attended the padding).
@@ -47,6 +48,7 @@ import numpy as np
 
 from maskcli.checks.arguments import _cells_by_row, _seen_padding
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, queries, real_queries
+from maskcli.checks.padruns import disagreeing
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -148,9 +150,12 @@ def tokens(run: Run) -> list:
         others = {arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")} - {None}
         side = arguments.get("padding_side")
         padded = at_pad if pad_id not in others else _leading_runs(at_pad, side)
+        before = len(found)
         if padded is not None and padded.any() and not padded.all(axis=1).any() and _run_at_edge(padded, side) \
                 and (padded & (given == 1)).any() and not _start_token(run, top, padded, pad_id):
             found += _unmarked(run, top, padded, given, pad_id, said, side)
+        if len(found) == before:  # (rows that disagree on the pad run ending them: padruns.py)
+            found += disagreeing(run, top, _calls(run, top, rows, length, unmasked=True), at_pad, given, pad_id, said)
         hidden = (given == 0) & ~at_pad
         if not _filler(at_pad, given, side) and any(len(np.unique(ids[b][hidden[b]])) >= 2 or _inside(hidden[b], given[b])
                                                     for b in range(rows)):
