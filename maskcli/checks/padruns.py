@@ -48,7 +48,7 @@ def disagreeing(run, top, calls, at_pad: np.ndarray, given: np.ndarray, pad_id: 
         b, q, k = first_cell(seen & real_q[:, :, None] if only == "" else seen)
         return [(call, Finding("padding-unmarked", (
             f"batch row {b}: query {int(own[q])} sees key {k}, a token at {said} ({pad_id}) in the run that ends the row "
-            f"(after its first, an EOS that pads), which the attention_mask of {top.where} marks real, while it marks "
+            f"(past its first token, which may be an EOS that pads), which the attention_mask of {top.where} marks real, while it marks "
             f"the same run padding in batch row {masked[0]} ({int(kept.sum())} such tokens{only}): the pads a finished "
             f"sequence was extended with kept as text?"),
             expected="no query of the batch sees a padding key", source=said, cell=(b, int(own[q]), k)))]
