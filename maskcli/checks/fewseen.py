@@ -65,7 +65,7 @@ def _finding(call, rows: int, length: int) -> Finding | None:
                 f"batch row {b}: query {q} sees key {k}, which the same mask calls padding: it hides key {k} from its "
                 f"own query and from {hidden} of the {int(own.sum())} queries that see themselves ({int(bad.sum())} such "
                 f"cells): a "
-                f"token's row built apart from the padding (a CLS or summary token prepended, its row left all ones?)"),
+                f"token's row built apart from the padding (a CLS or summary token prepended or appended, its row left all ones?)"),
                 expected="no real query sees a key the mask calls padding", source="the mask's own padding",
                 cell=(b, q, k))
     return None
