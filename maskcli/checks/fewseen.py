@@ -27,6 +27,8 @@ def against(cells: np.ndarray) -> np.ndarray:
     rows, length, _ = cells.shape
     at = np.arange(length)
     own = cells[:, at, at]  # (B, L): a token's own cell kept
+    if own.all() or not own.any():
+        return np.zeros_like(cells)  # (no token the mask calls padding, or none real: most masks, read at once)
     seen = cells & own[:, :, None]  # (by queries whose own cell is kept)
     others = seen.sum(axis=1) - own  # (B, L): the other own-kept queries that see each key
     count = own.sum(axis=1, keepdims=True) - 1  # (B, 1): own-kept queries other than the token itself
