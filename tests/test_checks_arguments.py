@@ -37,6 +37,11 @@ BUGS = [
     ("deepspeed_inference_attention_mask_overwritten_by_dummy", "padding-ignored"),
     # lean-dojo/ReProver#34: the ByT5 premise encoder called with input_ids only, a right-padded batch
     ("reprover_premise_encoder_drops_attention_mask", "padding-ignored"),
+    # written blind (batch blind-av), caught before any rule was changed for them:
+    # gc-os-ai/pyaptamer#178: AptaTrans' nn.TransformerEncoders run with no mask over zero-padded tokens (padding_idx=0)
+    ("pyaptamer_aptatrans_encoder_padding_zeros_attended", "padding-ignored"),
+    # lucidrains/alphafold2 c85682e: the structure module calls the IPA block without the residue mask it was given
+    ("alphafold2_structure_module_ipa_ignores_residue_mask", "padding-ignored"),
 ]
 
 

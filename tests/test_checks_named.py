@@ -28,3 +28,32 @@ def test_two_names_for_the_same_cells_and_the_nearest_expression():
     near = SimpleNamespace(closest={"expression": "causal", "rows": ["row 1: +key 2", "row 2: +key 3", "row 3"]})
     assert closest(near)[0].message == "against causal: row 1: +key 2; row 2: +key 3"
     assert closest(SimpleNamespace(closest=None)) == []
+
+
+def test_whole_batch_rows_masked_are_not_said_to_look_flipped():
+    """An MSA's column attention (lucidrains/alphafold2's AxialAttention) folds each residue's column into the batch:
+    a padded residue's column is a batch row that sees nothing, the others see everything. Read the other way round it
+    is padding with lengths 0, which only swaps the empty rows: no polarity slip. A padding mask the wrong way round,
+    which keeps part of each row, is still said to look flipped."""
+    import torch
+
+    import maskcli
+
+    torch.manual_seed(0)
+    real = torch.ones(6, 3, dtype=torch.bool)
+    real[4:] = False  # residues 4-5 are padding: their columns' MSA rows are all masked
+    q, k, v = torch.randn(3, 6, 2, 3, 4).unbind(0)
+    keep = torch.arange(4)[None] < torch.tensor([4, 2, 3])[:, None]  # True = real, handed where True = masked
+    q2, k2, v2 = torch.randn(3, 3, 2, 4, 4).unbind(0)
+    with maskcli.trace() as t:
+        pair = real[:, None, :, None] & real[:, None, None, :]
+        (q @ k.transpose(-2, -1)).masked_fill(~pair, -torch.finfo(q.dtype).max).softmax(-1) @ v
+        (q2 @ k2.transpose(-2, -1)).masked_fill(keep[:, None, None, :], -1e9).softmax(-1) @ v2
+    column, flipped = t.calls
+    cells = column.keep()
+    for b, h, i, j in np.ndindex(cells.shape):  # what the kernel kept: every cell of a real column, none of a padded one
+        assert cells[b, h, i, j] == (b < 4)
+    groups = {g.calls[0].index: g for g in t.groups()}
+    assert [f.code for f in groups[column.index].findings if f.code == "polarity"] == []
+    [said] = [f for f in groups[flipped.index].findings if f.code == "polarity"]
+    assert said.message == "read the other way round it is padding (--lengths 4,2,3): a mask in the wrong polarity?"

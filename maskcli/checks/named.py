@@ -28,7 +28,8 @@ def polarity(call, kind: str | None, named: str | None, past=None) -> list[Findi
     """A mask that no kind names (or a raw tril/triu) whose other reading the recogniser names (`named`, of `kind`).
     `past`: a function saying whether the model call states its queries past every key (rows.past_the_keys): the other
     reading places them among the keys (bottom-right, or top-left at a static cache's start), where they are not."""
-    if named is None or kind in MEANT_LATER or _edge_padding(call) or _one_key_each(call) or past is not None and past():
+    if named is None or kind in MEANT_LATER or _edge_padding(call) or _one_key_each(call) or _whole_rows(call) \
+            or past is not None and past():
         return []
     meaning = {"mha": "MHA reads a bool mask as True = masked", "sdpa": "SDPA reads a bool mask as True = may attend"}.get(call.api, "")
     return [Finding("polarity", f"read the other way round it is {named}: a mask in the wrong polarity?"
@@ -43,6 +44,21 @@ def _one_key_each(call) -> bool:
 
     cells = keep(call) if getattr(call, "stored", None) is not None else None
     return cells is not None and cells.size > 0 and bool(((~cells).sum(axis=-1) == 1).all())
+
+
+def _whole_rows(call) -> bool:
+    """The mask as given hides whole batch rows and nothing else (each row, over its heads, queries and keys, keeps every
+    cell or none, some row each way): a batch row that is all padding, as an MSA's column attention folds a padded
+    residue's column into the batch (AlphaFold's axial attention). The other reading only swaps which rows are empty,
+    and a padding mask read the wrong way round keeps part of a row; so it is no sign of a polarity slip."""
+    from maskcli.checks.context import keep
+
+    cells = keep(call) if getattr(call, "stored", None) is not None else None
+    if cells is None or not cells.size:
+        return False
+    rows = cells.reshape(cells.shape[0], -1)
+    full, empty = rows.all(axis=1), ~rows.any(axis=1)
+    return bool((full | empty).all() and full.any() and empty.any())
 
 
 def _edge_padding(call) -> bool:
