@@ -37,6 +37,9 @@ BUGS = [
     ("deepspeed_inference_attention_mask_overwritten_by_dummy", "padding-ignored"),
     # lean-dojo/ReProver#34: the ByT5 premise encoder called with input_ids only, a right-padded batch
     ("reprover_premise_encoder_drops_attention_mask", "padding-ignored"),
+    # NVIDIA-NeMo/Automodel#491 (blind-ax): DeepseekV3Model never hands attention_mask to its MLA blocks (TE runs plain
+    # causal over a left-padded batch)
+    ("automodel_deepseek_v3_mla_te_padding_mask_not_causal", "padding-ignored"),
     # written blind (batch blind-av), caught before any rule was changed for them:
     # gc-os-ai/pyaptamer#178: AptaTrans' nn.TransformerEncoders run with no mask over zero-padded tokens (padding_idx=0)
     ("pyaptamer_aptatrans_encoder_padding_zeros_attended", "padding-ignored"),
@@ -532,3 +535,14 @@ def test_colossalai_pipeline_gpt_raw_mask_on_later_stage(tmp_path):
     """hpcaitech/ColossalAI#430: only the first pipeline stage turns the 0/1 attention mask into a bias; later stages
     add it raw (batch blind-ak); written blind and caught before any rule was changed for it. The fix is quiet."""
     check_bug(tmp_path, "colossalai_pipeline_gpt_raw_mask_on_later_stage", "padding-ignored")
+
+
+def test_a_pad_mask_one_on_the_tokens_is_read_by_its_ids(tmp_path):
+    """vllm-project/semantic-router#3406 (blind-ax): candle's ModernBERT flash path calls flash_attn with neither the
+    local window nor the padding. Its `pad_mask` (a name both conventions use) is 1 on the tokens: read as torch's it
+    would call row 0 all padding, while the ids hold the pad id 0 at each of its 0s and nowhere else, so its 1s are the
+    tokens (checks/real.py). Its first cell against a double loop over the right-padded rows (lengths 12, 7): a real
+    query that sees a padding key. The fix (a windowed kernel given window_left and window_right) is quiet."""
+    [hit] = check_bug(tmp_path, "modernbert_candle_flash_path_drops_local_window_and_padding", "padding-ignored")
+    lengths = (12, 7)
+    assert tuple(hit["cell"]) == first((2, 12, 12), lambda b, q, k: q < lengths[b] <= k)

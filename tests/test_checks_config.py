@@ -46,6 +46,9 @@ BLIND = [  # the third blind batch, caught by rules not written for them
     # NVIDIA/TensorRT-Model-Connect#400 (written blind): gpt-oss's sliding layers given the full causal mask, the
     # softmax over scores joined to a learned sink column (scores.py leaves it out) and a dict config's layer_types
     ("gptoss_engine_sliding_layers_full_causal_mask", "window-missing"),
+    # huggingface/transformers#40163 (fixes #39408; blind-ax, the same bug as hf_window_off_by_one by another hand): the
+    # flash path's window_size=(W, W) against a plain class config's sliding_window=W
+    ("transformers_flash_attention_sliding_window_one_key_too_many", "window-off-by-one"),
 ]
 
 

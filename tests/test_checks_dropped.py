@@ -268,3 +268,29 @@ def test_only_fields_a_transformers_config_class_defines_nowhere_are_the_program
             self.is_causal, self.causal = is_causal, True
 
     assert added(Own(), ["is_causal", "sliding_window", "causal"]) == ("causal",)
+
+
+def test_dreamer4_encoder_attend_fn_built_without_its_causal_kwargs_is_found(tmp_path):
+    """lucidrains/dreamer4#2: encode() builds `attend_kwargs = dict(causal=True, ...)` and then the attend fn without
+    it, so no call of the encoder's softmax site ever masks (engine.py sets such sites apart). The dict's own name says
+    it is the attention's. Against a double loop over the 15 tokens: the first cell of a later key."""
+    [hit] = check_bug(tmp_path, "dreamer4_video_tokenizer_encoder_attend_not_causal", "causal-config-ignored")
+    assert tuple(hit["cell"]) == first((1, 15, 15), lambda b, q, k: k > q)
+    assert "causal=True (attend_kwargs (dict) in encode()" in hit["message"]
+
+
+def test_attention_options_at_the_top_of_the_program_never_passed_are_found(tmp_path):
+    """Written otherwise (tests/data/dropped): `attention_opts = {"causal": True, "dropout": 0.0}` at the main module's
+    top level (no field names attention: the variable's name does), a functional matmul-softmax attention the blocks
+    call without it, two equal-length rows. The fix passes `**attention_opts`: quiet."""
+    [hit] = check_bug(tmp_path, "attention_opts_causal_never_passed", "causal-config-ignored", folder=DROPPED)
+    assert tuple(hit["cell"]) == first((2, 9, 9), lambda b, q, k: k > q)
+    assert "causal=True (attention_opts (dict) at the top of" in hit["message"]
+
+
+def test_tei_qwen3_equal_length_batch_written_blind_is_found(tmp_path):
+    """huggingface/text-embeddings-inference#882 (blind-ax; the same bug as tei_candle_qwen3_equal_length_batch_no_causal
+    by another hand): the causal bias added only onto a padding bias; the config class states
+    use_bidirectional_attention = False. Against a double loop over the 6 tokens: the first later key seen."""
+    [hit] = check_bug(tmp_path, "tei_qwen3_equal_length_batch_drops_causal_mask", "causal-config-ignored")
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: k > q)

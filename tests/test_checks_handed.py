@@ -189,3 +189,19 @@ def test_flax_port_pad_mask_branch_drops_the_window(tmp_path):
     lengths, window = (8, 5), 3
     assert tuple(found[0]["cell"]) == first(
         (2, 8, 8), lambda b, q, k: k <= q < lengths[b] and k < lengths[b] and q - k > window)
+
+
+WINDOWS = Path(__file__).parent / "data" / "windows"
+
+
+def test_a_window_held_both_ways_as_window_left_and_window_right(tmp_path):
+    """Written otherwise (blind-ax's ModernBERT flash path, whose fix was called window-dropped): a local encoder layer
+    holds window_left = 2 and window_right = 2 (|i - j| <= 2) over a right-padded batch (lengths 10, 6). The fix's band
+    is quiet; the buggy fast path masks the padding alone. Its first cell against a loop over positions: the first real
+    query that sees a real key more than 2 away either way."""
+    hit = check_bug(tmp_path, "window_left_right_encoder_eager_softmax", "window-dropped", WINDOWS)[0]
+    lengths = (10, 6)
+    b, q, k = first((2, 10, 10), lambda b, q, k: q < lengths[b] and k < lengths[b] and abs(q - k) > 2)
+    # (the finding names the query and the first key it sees: the buggy path's every real key, from 0)
+    assert tuple(hit["cell"]) == (b, q, 0) and hit["expected"] == "band(3)"
+    assert "window_left = 2 and window_right = 2" in hit["message"] and "p - 2 .. p + 2" in hit["message"]

@@ -170,3 +170,21 @@ def test_a_keras_way_pad_mask_gets_no_alarm_and_one_kept_to_neither_reading_is_f
     status, found, report = traced(tmp_path, "keras_way_pad_mask_left_padded", False, folder, ("--query-side",))
     hit = [f for f in found if f["code"] == "real-query-blind" and f["severity"] == "wrong"]
     assert status == 1 and hit and tuple(hit[0]["cell"]) == (1, 0, 0), report
+
+
+def test_a_pad_mask_is_read_the_way_round_its_ids_say():
+    """A `pad_mask` / `padding_mask` (names both conventions use) is torch's, 1 = padding, unless that reading calls a
+    row all padding while the ids hold one id at each of its 0s and never at a 1: then its 1s are the tokens."""
+    lengths = np.array([4, 2])
+    expected = [[k < n for k in range(4)] for n in lengths]  # right-padded rows of 4 and 2 tokens
+    ones_on_tokens = np.array(expected, dtype=np.int64)
+    ids = np.array([[5, 6, 7, 8], [5, 6, 0, 0]])
+    for name in ("pad_mask", "padding_mask"):
+        real, source, _ = stated(Top("Model", arguments={name: ones_on_tokens, "input_ids": ids}), 2, 4)
+        assert real.tolist() == expected and source == f"{name} of Model"
+        # torch's way round (1 = padding) is still read as torch's, with the same ids
+        real, _, _ = stated(Top("Model", arguments={name: 1 - ones_on_tokens, "input_ids": ids}), 2, 4)
+        assert real.tolist() == expected
+        # without ids to say otherwise, torch's reading stands
+        real, _, _ = stated(Top("Model", arguments={name: ones_on_tokens}), 2, 4)
+        assert real.tolist() == [[not cell for cell in row] for row in expected]

@@ -23,7 +23,7 @@
 
 from __future__ import annotations
 
-from maskcli.checks.config import _each_layer_call, _layer
+from maskcli.checks.config import _each_layer_call, _layer, _layer_calls
 from maskcli.checks.context import Run, first_cell
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import explained
@@ -34,7 +34,7 @@ def causal_ignored(run: Run) -> list:
     """A call whose config states it causal but that masks nothing on its real queries and keys (several queries)."""
     judged = None
     full, causal = [], {}
-    for call, stated, index, kind, placed in _each_layer_call(run):
+    for call, stated, index, kind, placed in [*_each_layer_call(run), *_never_masked(run)]:
         said = stated.causal()
         own = said in stated.added  # (set by the program on the layer's own transformers config: configread.py)
         if said is None or stated.decoder or stated.transformers and not own or call.shape[2] < 2 \
@@ -54,6 +54,8 @@ def causal_ignored(run: Run) -> list:
             full.append((call, index, said, source, placed, later))
     found = []
     for call, index, said, source, placed, later in full:
+        if any(call is one for one in run.unmasked) and (source in causal or not stated_sure(said, run, call)):
+            continue  # (a site that masks nowhere, beside causal calls the word speaks for: a vision tower's, say)
         b, _, q, k = first_cell(later)
         # (causal calls of this very site: the word speaks for this layer, which runs causal in another model call)
         sure = (source not in causal or call.where in causal[source]) and stated_sure(said, run, call)
@@ -66,6 +68,16 @@ def causal_ignored(run: Run) -> list:
             severity=None if sure else "suspicious", expected="causal", source=source,
             cell=(b, int(placed.own[q]), k))))
     return found
+
+
+def _never_masked(run: Run) -> list:
+    """config.py's layer calls of the square softmax sites that mask nowhere (engine.py sets them apart as `unmasked`:
+    a softmax may be a router's): an attend function built without its causal flag masks nothing at any call
+    (dreamer4#2's encoder attend fn); read where the program states a config, for causal-config-ignored alone."""
+    square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
+    if not square or not any(top.stated for top in run.tops):
+        return []
+    return list(_layer_calls(Run(square, run.tops)))
 
 
 def mask_dropped(run: Run) -> list:

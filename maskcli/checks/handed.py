@@ -212,6 +212,8 @@ def _counted(run: Run) -> list:
 
 
 def _shown(name: str, left: int, right: int) -> str:
+    if name == "window_left" and right > 0:  # (a window_right beside it: trace/windows.py)
+        return f"{left} and window_right = {right}"
     return str(left) if name in ("window_left", "sliding_window_size") else f"({left}, {right})"
 
 

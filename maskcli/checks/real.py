@@ -100,12 +100,13 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
     if top is None:
         return None
     arguments, found = top.arguments, []
+    tokens = next((arguments[n] for n in TOKENS if isinstance(arguments.get(n), np.ndarray)), None)
     for name in (*REAL_TRUE, *PADDING_TRUE):
         given = arguments.get(name)
         if isinstance(given, np.ndarray) and given.ndim == 2 and given.shape[1] == length and given.size \
                 and given.min() >= 0 and given.max() <= 1 and given.shape[0] in (1, rows):
-            found.append(((given == 1) if name in REAL_TRUE else (given == 0), name, True))
-    tokens = next((arguments[n] for n in TOKENS if isinstance(arguments.get(n), np.ndarray)), None)
+            turned = name in REAL_TRUE or name in EITHER_WAY and _ones_are_tokens(given, tokens)
+            found.append(((given == 1) if turned else (given == 0), name, True))
     if tokens is None and "first_ids" in arguments:  # (a hand-written model's `forward(self, x)`: trace/tops.py)
         tokens = arguments["first_ids"][1]
     if tokens is None and isinstance(arguments.get(SOURCE), np.ndarray) and not any(n in arguments for n in TARGETS):
@@ -143,6 +144,17 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
         return None
     real, name, sure = found[0]
     return first, (name if name.startswith("input ids") else f"{name} of {top.where}"), sure
+
+
+def _ones_are_tokens(given: np.ndarray, tokens) -> bool:
+    """A mask of a name both conventions use (EITHER_WAY) whose 1s are the tokens, by the ids beside it: read as
+    torch's (1 = padding) it calls some row all padding and not every row, while the ids hold one id at each of its 0s
+    and never that id at a 1 (candle's ModernBERT `pad_mask`, 1 on the tokens of a right-padded batch)."""
+    if not isinstance(tokens, np.ndarray) or tokens.shape != given.shape or not (given == 0).any():
+        return False
+    whole = (given == 1).all(axis=1)
+    at_zeros = np.unique(tokens[given == 0])
+    return bool(whole.any() and not whole.all() and len(at_zeros) == 1 and not (tokens[given == 1] == at_zeros[0]).any())
 
 
 EITHER_WAY = ("padding_mask", "pad_mask")  # True = padding in torch / fairseq; True = a real token in Keras / Flax

@@ -26,8 +26,9 @@ from maskcli.checks.real import kept_turned, stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
-SOURCE = ("src", "source", "src_ids", "source_ids", "input_src", "src_tokens", "source_tokens", "src_seq")
-TARGET = ("trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens")
+SOURCE = ("src", "source", "src_ids", "source_ids", "input_src", "src_tokens", "source_tokens", "src_seq", "source_seq")
+TARGET = ("trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens",
+          "trg_seq", "tgt_seq", "target_seq")
 ENCODER = re.compile(r"(?:^|\.)(?:enc|encoder|src|source)(?:_?layers?|_?blocks?|oder)?(?:\.|$)", re.IGNORECASE)
 DECODER = re.compile(r"(?:^|\.)(?:dec|decoder|trg|tgt|target)(?:_?layers?|_?blocks?|oder)?(?:\.|$)", re.IGNORECASE)
 

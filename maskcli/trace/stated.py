@@ -361,6 +361,8 @@ def _variable(variable: str, value, variables: dict, where: str, anything: bool,
     seen.add(id(value))
     fields = fields_of(value)
     if fields and not any(_same_fields(fields, other) for other in besides or ()):  # (a config modules hold)
+        if any(word in variable.lower() for word in ("attn", "attend", "attention")):
+            fields = {**fields, "attention": True}  # (its own name says it is the attention's: `attend_kwargs`)
         kind = "JSON text" if isinstance(variables.get(variable), str) else type(value).__name__
         found.append(Stated(f"{variable} ({kind}) {where}", None, fields))
         return True

@@ -19,7 +19,7 @@ def token_ids(module) -> dict:
     """pad_id and eos_id the program states: its config's pad_token_id / eos_token_id, else the module's own attributes
     of those names, else (pad_id) its token embedding's padding_idx (nn.Embedding(padding_idx=...)) or its one row of
     zeros (TF's zero_pad); a seq2seq model's
-    src_pad_id / trg_pad_id from its src_pad_idx / trg_pad_idx and their kin; a Flamingo-style model's media_token_id,
+    src_pad_id / trg_pad_id from its src_pad_idx / trg_pad_idx and their kin, or each side's embedding's padding_idx; a Flamingo-style model's media_token_id,
     with the only_attend_previous flags its modules hold (by module path)."""
     held = _IDS.get(module)
     if held is not None:
@@ -39,6 +39,11 @@ def token_ids(module) -> dict:
                           and re.search(r"(?:^|[._])(?:src|source)(?:[._]|$)", name)), None)
         if embedding is not None and embedding.padding_idx is not None:
             found["src_pad_id"] = int(embedding.padding_idx)
+    if "trg_pad_id" not in found:  # (the target side's embedding, named so, with its padding_idx: pengshuang/Transformer's)
+        embedding = next((m for name, m in module.named_modules() if isinstance(m, torch.nn.Embedding)
+                          and re.search(r"(?:^|[._])(?:tgt|trg|target)(?:[._]|$)", name)), None)
+        if embedding is not None and embedding.padding_idx is not None:
+            found["trg_pad_id"] = int(embedding.padding_idx)
     if "pad_id" not in found:
         embedding = next((m for m in module.modules() if isinstance(m, torch.nn.Embedding)), None)
         if embedding is not None and embedding.padding_idx is not None:

@@ -39,7 +39,8 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "encoder_attention_mask", "memory_key_padding_mask", "decoder_attention_mask", "tgt_key_padding_mask",
              # a hand-written seq2seq model's two sides, each with its own pad id (checks/sides.py):
              "src", "source", "src_ids", "source_ids", "trg", "tgt", "target", "trg_ids", "tgt_ids", "target_ids",
-             "input_src", "src_tokens", "source_tokens", "src_seq", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens")
+             "input_src", "src_tokens", "source_tokens", "src_seq", "input_trg", "input_tgt", "trg_tokens", "tgt_tokens",
+             "source_seq", "trg_seq", "tgt_seq", "target_seq")
 LISTS = ("cu_seqlens_q", "cu_seqlens_k", "cumulative_seqlens_q", "cumulative_seqlens_k")  # kept from a list of ints too
 SCALARS = ("prefix_len", "prefix_length", "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k")  # kept as ints too
 # a vision tower's patch padding, True (1) = a real patch: Idefics2's (B, H/p, W/p), MiniCPM-V's (B, 1, patches); kept

@@ -2,7 +2,7 @@
 
 A window is stated in a kernel's convention by an attribute of a running module (the attention module, a backend
 module, SGLang's RadixAttention) or by a variable of a program frame on the way to the kernel: `window_left` = L, `window_size` / `sliding_window` = (L, 0) (FlashAttention, FlashInfer,
-Transformer Engine: a query at p sees keys p - L .. p), and SGLang's `sliding_window_size` = L on an object (the same
+Transformer Engine: a query at p sees keys p - L .. p; a frame's `window_left` beside a `window_right` = R: p - L .. p + R), and SGLang's `sliding_window_size` = L on an object (the same
 L; both ways, |q - k| <= L, where that object's `attn_type` is ENCODER_ONLY). -1 and (-1, -1) state no window. A plain
 int `window_size` / `sliding_window` (W keys or W - 1: conventions differ) and an (h, w) pair (Swin's spatial window)
 state nothing here.
@@ -50,6 +50,16 @@ def _said(name: str, value, holder=None) -> tuple | None:
     return None
 
 
+def _right(variables: dict) -> int | None:
+    """The keys after the query a frame (or a module) states beside its `window_left`: a whole `window_right` >= 0 (candle's and
+    FlashAttention's `window_size_right`: a window both ways, p - left .. p + right), else None."""
+    for name in ("window_right", "window_size_right"):
+        value = variables.get(name)
+        if type(value) is int and value >= 0:
+            return value
+    return None
+
+
 def _encoder(holder) -> bool:
     """The object says it attends both ways: SGLang's / vLLM's attn_type ENCODER_ONLY."""
     kind = vars(holder).get("attn_type") if hasattr(holder, "__dict__") else None
@@ -73,6 +83,8 @@ def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None,
         for name in ATTRIBUTES:
             if name in attributes:
                 said = _said(name, attributes[name], module)
+                if name == "window_left" and said not in (None, NONE) and _right(attributes) is not None:
+                    said = (said[0], _right(attributes))  # (its window_right beside it: a window both ways)
                 if said is not None:
                     _invoked(frames, counted)
                     return _result(name, said, f"self.{name} of {type(module).__name__}")
@@ -92,6 +104,8 @@ def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None,
             for name in LOCALS:
                 if name in variables and name != "sliding_window_size":  # (a bare int of that name: whose convention?)
                     said = _said(name, variables[name])
+                    if name == "window_left" and said not in (None, NONE) and _right(variables) is not None:
+                        said = (said[0], _right(variables))  # (its frame's window_right: a window both ways)
                     if said is not None:
                         found = (name, said, f"{name} in {code.co_name}()")
                         break
