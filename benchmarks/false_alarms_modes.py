@@ -37,7 +37,7 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           "sees-its-target": "sees later", "sees-later": "sees later", "causal-lost": "sees later",
           "left-pads-never-masked": "padding", "samples-leak": "across documents",
           "chunk-lookahead-compounds": "sees later", "mask-none-differs": "sees later", "one-pass-sees-later": "sees later",
-          "samples-see-other-memories": "across documents",
+          "samples-see-other-memories": "across documents", "padding-seen-by-one": "padding",
           "emptied-after-softmax": "a query that reads nothing",  # (no mode's check confirms these two: no family
           "joint-text-cut": "text cut"}  # multiplies its weights after a softmax or drops a prompt's real tokens: any
 # such finding here is one to look at by hand)

@@ -32,6 +32,11 @@ BUGS = [
     ("llamafactory_neat_packing_segment_mask_reaches_model_as_plain_causal", "documents-leak"),
     # deepspeedai/DeepSpeed#1466 (blind-ap): the fused softmax drops the padding mask on a triangular (causal) pass
     ("deepspeed_inference_gpt2_softmax_drops_padding_mask_when_triangular", "padding-ignored"),
+    # written blind (batches blind-at, blind-au), caught before any rule was changed for them:
+    # deepspeedai/DeepSpeed#1912: the input_mask overwritten by a dummy, left pads attended in generation
+    ("deepspeed_inference_attention_mask_overwritten_by_dummy", "padding-ignored"),
+    # lean-dojo/ReProver#34: the ByT5 premise encoder called with input_ids only, a right-padded batch
+    ("reprover_premise_encoder_drops_attention_mask", "padding-ignored"),
     # NVIDIA-NeMo/Automodel#491 (blind-ax): DeepseekV3Model never hands attention_mask to its MLA blocks (TE runs plain
     # causal over a left-padded batch)
     ("automodel_deepseek_v3_mla_te_padding_mask_not_causal", "padding-ignored"),

@@ -27,3 +27,17 @@ def test_a_model_call_after_a_left_out_call_gets_its_own_calls_not_its_neighbour
     assert [call.index for call in run.made_by(first)] == [0, 2]
     assert [call.index for call in run.made_by(second)] == [4, 5]
     assert [call.index for call in run.calls[second.first:second.end]] == [5]  # (what a slice gave)
+
+
+def test_queries_sit_at_cache_positions_that_count_up_but_not_at_positions_that_restart():
+    import numpy as np
+
+    from maskcli.checks.context import queries
+
+    call = SimpleNamespace(shape=(1, 2, 6, 10), details={})
+    cached = Top("model", arguments={"input_pos": np.arange(4, 10)[None]})
+    assert queries(call, cached).tolist() == [4, 5, 6, 7, 8, 9]  # a cache's slots: where the keys are
+    # torchtune's packed input_pos restarts at each document: no cache placement, the queries are the last keys
+    packed = Top("model", arguments={"input_pos": np.array([[0, 1, 2, 0, 1, 2]])})
+    square = SimpleNamespace(shape=(1, 2, 6, 6), details={})
+    assert queries(square, packed).tolist() == [k for k in range(6)]

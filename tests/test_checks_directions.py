@@ -20,6 +20,14 @@ def test_llm2vec_batch_of_one_runs_causal(tmp_path):
     assert tuple(hit["cell"]) == first((1, 6, 6), lambda b, q, k: k > q)  # the first later key the causal pass misses
 
 
+def test_a_bidirectional_flag_set_on_the_modules_only_is_found(tmp_path):
+    # embeddings-benchmark/mteb#5469 (blind-au, caught before tuning): is_causal=False on the attention modules but not
+    # on the config: a padded document batch gets create_causal_mask's causal mask, an unpadded one none (both ways)
+    hit = check_bug(tmp_path, "mteb_colqwen_bidirectional_flag_only_on_modules", "causal-but-said-not")[0]
+    assert hit["expected"] == "bidirectional" and "Qwen3_5Attention.is_causal" in hit["source"]
+    assert tuple(hit["cell"]) == first((2, 10, 10), lambda b, q, k: k > q)  # the padded pass's first later key missed
+
+
 def test_unpadded_fast_path_tril(tmp_path):
     """Written another way: `self.causal = False`, a masked softmax, a right-padded batch first, then an unpadded batch
     of two that takes a tril "fast path"; its fix is quiet."""

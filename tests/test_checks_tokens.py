@@ -45,6 +45,38 @@ def test_an_sft_mask_built_from_the_labels_is_found(tmp_path):
     assert tuple(found[0]["cell"]) == first((2, 7, 7), lambda b, q, k: k < prompt[b] and k < q)
 
 
+def test_a_mask_from_the_ids_that_hides_each_chat_turns_eos_is_found(tmp_path):
+    # OpenRLHF 01b8a23d: `seq != eos & seq != pad` hides the <|eot_id|> closing each turn inside the prompt; the pad id is
+    # the program's top-level PAD_TOKEN_ID
+    found = check_bug(tmp_path, "openrlhf_actor_process_sequences_masks_eos_inside_prompt", "real-tokens-masked")
+    eos_inside = ({3, 6}, {6})  # the prompts' turn-closing eos ids (9), not the pad id 0
+    assert tuple(found[0]["cell"]) == first((2, 13, 13), lambda b, q, k: k in eos_inside[b] and k <= q)
+    assert "PAD_TOKEN_ID=0 at the top of" in found[0]["message"] and "all of id 9" in found[0]["message"]
+
+
+def test_a_chatml_collator_mask_that_drops_every_im_end_is_found(tmp_path):
+    found = check_bug(tmp_path, "chatml_collator_mask_drops_im_end_turns", "real-tokens-masked", folder=TOKENS)
+    ends = ({4, 8, 13}, {3, 8})  # <|im_end|> (6) of each turn; the config's pad id is 2
+    assert tuple(found[0]["cell"]) == first((2, 14, 14), lambda b, q, k: k in ends[b] and k <= q)
+    assert "the model's pad id (2)" in found[0]["message"]
+
+
+def test_pads_a_finished_sample_kept_as_response_are_found(tmp_path):
+    # huggingface/trl#487: row 1's response keeps the pad (= eos, id 1) tokens generation appended, attention_mask 1,
+    # while row 0's collator padding is 0; the padded queries (scored as response) see them
+    found = check_bug(tmp_path, "trl_ppo_batched_generation_keeps_pad_tokens_in_response", "padding-unmarked")
+    kept = ((), (9, 10))  # past the first token of each row's run of id 1 (8 .. 10), which closes the text
+    assert tuple(found[0]["cell"]) == first((2, 11, 11), lambda b, q, k: k in kept[b] and k <= q)
+    assert "marks the same run padding in batch row 0" in found[0]["message"] and "padded queries only" in found[0]["message"]
+
+
+def test_a_reward_batch_that_keeps_a_rollouts_padding_is_found(tmp_path):
+    found = check_bug(tmp_path, "reward_batch_keeps_rollout_padding", "padding-unmarked", folder=TOKENS)
+    kept = ((8, 9), ())  # row 0 ends 2, 0, 0, 0 (EOS, then the rollout's pads marked 1); row 1's collator pads are 0
+    assert tuple(found[0]["cell"]) == first((2, 10, 10), lambda b, q, k: k in kept[b] and k <= q)
+    assert "the model's pad id (0)" in found[0]["message"]
+
+
 def test_a_pad_run_is_one_run_at_one_edge_of_every_row():
     left = np.array([[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]], bool)
     assert _run_at_edge(left, None) and _run_at_edge(left, "left") and not _run_at_edge(left, "right")

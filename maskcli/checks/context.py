@@ -312,8 +312,9 @@ def queries(call, top: Top | None) -> np.ndarray:
     arguments = {} if top is None else top.arguments
     for name in ("cache_position", "input_pos"):
         given = arguments.get(name)
-        if isinstance(given, np.ndarray) and given.ndim <= 2 and given.shape[-1] == q_len:
-            return given.reshape(-1, q_len)[0].astype(np.int64)
+        if isinstance(given, np.ndarray) and given.ndim <= 2 and given.shape[-1] == q_len \
+                and not (np.diff(given.reshape(-1, q_len)[0]) < 0).any():  # (positions that restart: packed documents'
+            return given.reshape(-1, q_len)[0].astype(np.int64)  # positions, torchtune's input_pos, not cache slots)
     for name in STARTS:  # the int a cache of the program's own is written at
         start = arguments.get(name)
         if isinstance(start, int) and start + q_len <= k_len:

@@ -7,14 +7,16 @@ Where the attention_mask disagrees with the ids, the ids win: they are the data 
 - padding-unmarked: each batch row's tokens at the pad id (not also the EOS or BOS id) form one run at the row's
   start or end (on the tokenizer's `padding_side` where it states one), yet the attention_mask marks them 1 and a
   real query sees them (Automodel#3704: a pad run looked for at the end of left-padded rows, the pad id 0 read as
-  EOS by `pad or eos`: an all-ones mask, real tokens attend the padding).
+  EOS by `pad or eos`: an all-ones mask, real tokens attend the padding). Also where rows of one batch disagree on
+  the pad run that ends them, one row's marked padding and another's real (checks/padruns.py: trl#487).
   The ids are the model call's by name, else its first argument where that is 2-D integer ids under another name
   (huggingface/transformers#25908: SpeechT5's `_generate_speech` handed its text encoder `input_values` padded with
   the pad id and `torch.ones_like(input_values)`: the decoder's every step attended the padding).
   The ids and the mask may be held by a function inside the model call instead (`input_ids` beside the
   `attention_mask` of the same function, trace/held.py: FewRel#17's BertModel.forward under a wrapper handed a dict).
 - real-tokens-masked: the attention_mask marks 0 tokens that are not the pad id, of at least two different ids in
-  one row (padding is one id; these are text), and the attention hides from a query such a token before it
+  one row (padding is one id; these are text), or of one id inside the row (real tokens before and after it:
+  OpenRLHF 01b8a23d's `seq != eos & seq != pad` hid every chat turn's EOS), and the attention hides from a query such a token before it
   (0xallam/Direct-Preference-Optimization#1: the collator's mask zero over every response token, so no response
   token attends the response before it). Left alone where no id of the batch is the pad id and the mask's 0s are a
   padded batch's (one run at one edge of a row, the longest row unpadded): the mask is then the only padding the
@@ -46,6 +48,7 @@ import numpy as np
 
 from maskcli.checks.arguments import _cells_by_row, _seen_padding
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, queries, real_queries
+from maskcli.checks.padruns import disagreeing
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -147,13 +150,24 @@ def tokens(run: Run) -> list:
         others = {arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")} - {None}
         side = arguments.get("padding_side")
         padded = at_pad if pad_id not in others else _leading_runs(at_pad, side)
+        before = len(found)
         if padded is not None and padded.any() and not padded.all(axis=1).any() and _run_at_edge(padded, side) \
                 and (padded & (given == 1)).any() and not _start_token(run, top, padded, pad_id):
             found += _unmarked(run, top, padded, given, pad_id, said, side)
+        if len(found) == before:  # (rows that disagree on the pad run ending them: padruns.py)
+            found += disagreeing(run, top, _calls(run, top, rows, length, unmasked=True), at_pad, given, pad_id, said)
         hidden = (given == 0) & ~at_pad
-        if not _filler(at_pad, given, side) and any(len(np.unique(ids[b][hidden[b]])) >= 2 for b in range(rows)):
+        if not _filler(at_pad, given, side) and any(len(np.unique(ids[b][hidden[b]])) >= 2 or _inside(hidden[b], given[b])
+                                                    for b in range(rows)):
             found += _masked(run, top, hidden, given, pad_id, said)
     return found + _held_unmarked(run, seen)
+
+
+def _inside(hidden: np.ndarray, given: np.ndarray) -> bool:
+    """A row's masked text of one id lies inside it (a token the mask marks real before it and after it): no padding
+    of any side, and not the stated pad id (OpenRLHF 01b8a23d: `seq != eos & seq != pad` masks every chat turn's EOS)."""
+    real = np.flatnonzero(given == 1)
+    return real.size > 0 and bool(hidden[real[0]:real[-1]].any())
 
 
 def _held_unmarked(run: Run, seen: set) -> list:
@@ -227,8 +241,10 @@ def _masked(run: Run, top, hidden, given, pad_id: int, said: str) -> list:
             count = int(hidden.sum())
             return [(call, Finding("real-tokens-masked", (
                 f"batch row {b}: query {int(own[q])} does not see key {k}, which the attention_mask of {top.where} "
-                f"marks padding, but its id is not {said} ({pad_id}): {count} tokens it masks are text, of "
-                f"{len(np.unique(ids_of(top)[hidden]))} different ids (a mask built from the wrong part of the batch?)"), expected="every real token seen as its mask allows",
+                f"marks padding, but its id is not {said} ({pad_id}): {count} tokens it masks are text, "
+                + (f"of {len(np.unique(ids_of(top)[hidden]))} different ids (a mask built from the wrong part of the batch?)"
+                   if len(np.unique(ids_of(top)[hidden])) > 1 else f"all of id {int(ids_of(top)[hidden][0])}, inside "
+                   f"the row (a mask built from the ids at that id: an EOS that ends each turn?)")), expected="every real token seen as its mask allows",
                 source=said, cell=(b, int(own[q]), k)))]
     return []
 
@@ -357,7 +373,7 @@ RULES = (
     Rule("padding-unmarked", "wrong", "steps", "tokens at the stated pad id in a run at the row's edge that the "
          "attention_mask marks real, seen by real queries (padding looked for on the wrong side, or the wrong id)",
          tokens),
-    Rule("real-tokens-masked", "wrong", "steps", "tokens that are not the pad id, of several ids in a row, that the "
+    Rule("real-tokens-masked", "wrong", "steps", "tokens that are not the pad id, of several ids in a row or inside it, that the "
          "attention_mask marks padding and the attention hides (a collator's mask over the wrong part)", tokens),
     Rule("trained-token-masked", "wrong", "steps", "a token the program's loss trains on that the attention_mask marks "
          "padding inside its row, hidden from the real queries after it (a mask from ids whose pad id is the EOS)",

@@ -8,7 +8,8 @@ are searched for one object, not a module or a tensor (or one such object kept a
 program's own (a dataclass, or a class named `...Config`) with an int `pad_token_id` alone (verl's engine config, which
 pads the batch). Two that differ: nothing is read.
 Where no such object is held, an int those functions keep as `pad_id` / `pad_token_id` (a `generate(..., pad_id=0)`
-of the program's own: torchtune's) is the pad id, where they name one value only. Where neither is, the one EOS id
+of the program's own: torchtune's), or a constant the program's top level names so (`PAD_TOKEN_ID = 0`, OpenRLHF's
+reproduction), is the pad id, where they name one value only. Where neither is, the one EOS id
 (`eos_token_id`, or `eos_id` as sentencepiece and tiktoken wrappers name it) of a tokenizer with no pad id (held as
 `tokenizer`, or of a class named `...Tokenizer`) is kept alone: the EOS the data was tokenized with, which
 checks/boundaries.py holds against the one the model's mask splits on.
@@ -28,6 +29,7 @@ from maskcli.checks.intent import read
 
 FRAMES = 6  # program frames searched
 PAD_NAMES = ("pad_id", "pad_token_id", "pad_idx", "pad_index")  # an int local of a function that calls the model
+TOP_PAD_NAMES = ("PAD_ID", "PAD_TOKEN_ID", "PAD_IDX", "PAD_INDEX")  # a constant at the top of the main module
 
 
 def tokenizer(module, frame=None) -> dict:
@@ -54,12 +56,12 @@ def _search(frame=None) -> dict:
     while frame is not None and searched < FRAMES:
         if not frame.f_code.co_filename.startswith(skip):
             searched += 1
-            if frame.f_code.co_name != "<module>":  # (a function's own pad id: torchtune's generate(..., pad_id=0))
-                for name in PAD_NAMES:
-                    pad = _int(frame.f_locals.get(name))
-                    if pad is not None:
-                        named.setdefault(pad, f"{name}={pad} in {frame.f_code.co_name}() of "
-                                              f"{os.path.basename(frame.f_code.co_filename)}")
+            top = frame.f_code.co_name == "<module>"  # (a function's own pad id: torchtune's generate(..., pad_id=0);
+            for name in PAD_NAMES if not top else TOP_PAD_NAMES:  # the main module's constant: `PAD_TOKEN_ID = 0`)
+                pad = _int(frame.f_locals.get(name))
+                if pad is not None:
+                    named.setdefault(pad, f"{name}={pad} {'at the top of' if top else f'in {frame.f_code.co_name}() of'} "
+                                          f"{os.path.basename(frame.f_code.co_filename)}")
             for name, value in _held(frame.f_locals):
                 if id(value) in found or isinstance(value, (torch.nn.Module, torch.Tensor, type, int, str, dict)):
                     continue

@@ -1,0 +1,55 @@
+"""padding-unmarked (checks/tokens.py's rule) where rows of one batch disagree on the run of pad ids that ends them.
+
+The pad id is stated (tokens.py reads it) and several rows end in a run of it. The run's first token may be the EOS
+that closes the text (pad == EOS, GPT-2's tokenizer: it is real), the rest of it is padding. Where the model call's
+attention_mask marks that rest 0 in one row and 1 in another, the mask contradicts itself over the same tokens of the
+same batch: one row's pads are kept as text, and the queries there (the pads' own outputs: log-probs, values a
+trainer scores) attend them (huggingface/trl#487: `_generate_batched` kept the pads a finished sample was extended
+with, and `prepare_model_inputs` gave them attention_mask 1 while the collator's right padding got 0). Under a causal
+mask only the padded queries see them; the finding says so. Left alone: every row marking its run alike (a
+generate loop appends ones for the pads of a finished row in every row: transformers' generate), a run of one token
+(the EOS), a row whose every token is the pad id, left edges (a left-padded prompt's pads are another run).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import first_cell, real_queries
+from maskcli.text import Finding
+
+
+def tails(at_pad: np.ndarray) -> np.ndarray:
+    """Bool (B, L): each row's run of the pad id at its end, less the run's first token (an EOS that pads)."""
+    rows, length = at_pad.shape
+    run = np.argmax(~at_pad[:, ::-1], axis=1)  # (length where the row is all pad: left alone by the caller)
+    run = np.where(at_pad.all(axis=1), length, run)
+    at = np.arange(length)[None, :]
+    return at > (length - run)[:, None]
+
+
+def disagreeing(run, top, calls, at_pad: np.ndarray, given: np.ndarray, pad_id: int, said: str) -> list:
+    """padding-unmarked where the attention_mask marks the pad run ending one row padding and another's real, and a
+    query sees one of the latter. `calls`: tokens.py's (call, cells, own) of the model call's attention."""
+    if at_pad.all(axis=1).any():
+        return []
+    rest = tails(at_pad)
+    masked = [b for b in range(len(rest)) if rest[b].any() and not given[b][rest[b]].any()]
+    kept = rest & (given == 1)
+    if not masked or not kept.any():
+        return []
+    for call, cells, own in calls:
+        length = rest.shape[1]
+        seen = cells[:, :, :length] & kept[:, None, :]
+        if not seen.any():
+            continue
+        real_q = real_queries((given == 1) & ~rest, own)
+        only = "" if (seen & real_q[:, :, None]).any() else ", padded queries only"
+        b, q, k = first_cell(seen & real_q[:, :, None] if only == "" else seen)
+        return [(call, Finding("padding-unmarked", (
+            f"batch row {b}: query {int(own[q])} sees key {k}, a token at {said} ({pad_id}) in the run that ends the row "
+            f"(past its first token, which may be an EOS that pads), which the attention_mask of {top.where} marks real, while it marks "
+            f"the same run padding in batch row {masked[0]} ({int(kept.sum())} such tokens{only}): the pads a finished "
+            f"sequence was extended with kept as text?"),
+            expected="no query of the batch sees a padding key", source=said, cell=(b, int(own[q]), k)))]
+    return []
