@@ -201,6 +201,13 @@ def test_three_step_files_are_one_pass(tmp_path):
     ('{"cu_seqlens_q":[0,2],"seqused_k":[4],"window_size":3}', "window_size [3] is a pair (left, right)"),
     ('{"qo_indptr":[0,2],"kv_indptr":[0,1],"kv_indices":[3],"kv_last_page_len":[2],"page_size":4,"custom_mask":[1,1]}',
      "custom_mask holds 2 cells; the requests' (qo_len x kv_len) masks need 4"),
+    # hard15: values the engine's storage type cannot hold were cast and wrapped into other bits (999 -> 231), exit 0
+    ('{"qo_indptr":[0,1],"paged_kv_indptr":[0,1],"paged_kv_indices":[1],"paged_kv_last_page_len":[3],"page_size":4,'
+     '"packed_custom_mask":[999]}', "packed_custom_mask holds 999, outside 0 to 255: its values are bytes (uint8)"),
+    ('{"qo_indptr":[0,1],"paged_kv_indptr":[0,1],"paged_kv_indices":[1],"paged_kv_last_page_len":[3],"page_size":4,'
+     '"packed_custom_mask":[-1]}', "packed_custom_mask holds -1, outside 0 to 255"),
+    ('{"seq_lens":[2],"num_cached_tokens_per_seq":[3],"num_contexts":0,"spec_decoding_packed_mask":[[[1],[8589934595]]]}',
+     "spec_decoding_packed_mask holds 8589934595, outside -2,147,483,648 to 4,294,967,295: its values are 32-bit words"),
     ('{"seq_lens":[2],"num_cached_tokens_per_seq":[3],"spec_decoding_packed_mask":[[[3],[3]]]}', "no num_contexts"),
     ('{"input_ids":[1,2]}', "none of them an engine's batch metadata names"),
     ('{"cu_seqlens_q":[0,2],"seqused_k":[4],"cache_leftpad":[7]}', "cache_leftpad 7 is past seqused_k 4 for request 0"),
