@@ -259,6 +259,21 @@ def test_model_from_a_config_file(tmp_path):
             "window_size=(3, 0) here).") in " ".join(result.stdout.split("\n"))
 
 
+@pytest.mark.parametrize("layers", [-4, 0, 2.5, 10**11])
+def test_a_config_whose_layer_count_is_no_count_is_one_line(tmp_path, layers):
+    """hard15: -4 layers was read as a model of no layers (a "wrong model" finding, exit 1); 10^11 was read layer by
+    layer past any timeout."""
+    pytest.importorskip("transformers", reason="serve --model reads configs with transformers (the hf extra)")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "mistral", "sliding_window": 4, "num_hidden_layers": layers}))
+    before = set(tmp_path.iterdir())
+    result = serve(WINDOW_BATCH, "--model", config)
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    assert result.stderr == (f"maskcli: error: {str(config)!r}: num_hidden_layers {layers} is not a number of layers: give a "
+                             "whole number from 1 to 1,048,576 (models have a few hundred at most)\n")
+    assert set(tmp_path.iterdir()) == before
+
+
 def test_model_without_transformers_is_one_line(monkeypatch):
     import sys
 
