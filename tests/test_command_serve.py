@@ -206,6 +206,10 @@ def test_three_step_files_are_one_pass(tmp_path):
      '"packed_custom_mask":[999]}', "packed_custom_mask holds 999, outside 0 to 255: its values are bytes (uint8)"),
     ('{"qo_indptr":[0,1],"paged_kv_indptr":[0,1],"paged_kv_indices":[1],"paged_kv_last_page_len":[3],"page_size":4,'
      '"packed_custom_mask":[-1]}', "packed_custom_mask holds -1, outside 0 to 255"),
+    # hard15: a flag where a count of tokens goes was read as 1 (block_size true: a page of 1 token, false table-short findings)
+    ('{"query_start_loc":[0,2],"seq_lens":[2],"block_table_tensor":[[1]],"block_size":true}',
+     "block_size holds True, a flag; it is a number of tokens"),
+    ('{"qo_indptr":[0,2],"kv_indptr":[0,5],"causal":1,"window_left":true}', "window_left holds True, a flag; it is a number of tokens"),
     ('{"seq_lens":[2],"num_cached_tokens_per_seq":[3],"num_contexts":0,"spec_decoding_packed_mask":[[[1],[8589934595]]]}',
      "spec_decoding_packed_mask holds 8589934595, outside -2,147,483,648 to 4,294,967,295: its values are 32-bit words"),
     ('{"seq_lens":[2],"num_cached_tokens_per_seq":[3],"spec_decoding_packed_mask":[[[3],[3]]]}', "no num_contexts"),
