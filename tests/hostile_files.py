@@ -197,6 +197,8 @@ def plant_crafted(folder) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "nested tensors are in prototype stage"
         torch.save(torch.nested.nested_tensor([t, t[:2]]), folder / "nested.pt")
+        # one cell stored, 10^12 cells meant: to_dense tried 4 TB and quoted the allocator's message (hard15)
+        torch.save(torch.sparse_coo_tensor([[0], [0]], [1.0], (10**6, 10**6)), folder / "sparse_huge.pt")
     torch.save({"cu_seqlens_q": torch.tensor([0.0, 2.5, 4.0]), "cu_seqlens_k": torch.tensor([0, 2, 4])}, folder / "fa_float.pt")
     torch.save({"cu_seqlens_q": torch.tensor([0.0, float("nan"), 4.0]), "cu_seqlens_k": torch.tensor([0, 2, 4])}, folder / "fa_nan.pt")
     torch.save({"startend_row_indices": torch.tensor([[[[1.5], [2.0], [3.0], [4.0]]]])}, folder / "fm_float.pt")

@@ -201,6 +201,17 @@ def test_three_step_files_are_one_pass(tmp_path):
     ('{"cu_seqlens_q":[0,2],"seqused_k":[4],"window_size":3}', "window_size [3] is a pair (left, right)"),
     ('{"qo_indptr":[0,2],"kv_indptr":[0,1],"kv_indices":[3],"kv_last_page_len":[2],"page_size":4,"custom_mask":[1,1]}',
      "custom_mask holds 2 cells; the requests' (qo_len x kv_len) masks need 4"),
+    # hard15: values the engine's storage type cannot hold were cast and wrapped into other bits (999 -> 231), exit 0
+    ('{"qo_indptr":[0,1],"paged_kv_indptr":[0,1],"paged_kv_indices":[1],"paged_kv_last_page_len":[3],"page_size":4,'
+     '"packed_custom_mask":[999]}', "packed_custom_mask holds 999, outside 0 to 255: its values are bytes (uint8)"),
+    ('{"qo_indptr":[0,1],"paged_kv_indptr":[0,1],"paged_kv_indices":[1],"paged_kv_last_page_len":[3],"page_size":4,'
+     '"packed_custom_mask":[-1]}', "packed_custom_mask holds -1, outside 0 to 255"),
+    # hard15: a flag where a count of tokens goes was read as 1 (block_size true: a page of 1 token, false table-short findings)
+    ('{"query_start_loc":[0,2],"seq_lens":[2],"block_table_tensor":[[1]],"block_size":true}',
+     "block_size holds True, a flag; it is a number of tokens"),
+    ('{"qo_indptr":[0,2],"kv_indptr":[0,5],"causal":1,"window_left":true}', "window_left holds True, a flag; it is a number of tokens"),
+    ('{"seq_lens":[2],"num_cached_tokens_per_seq":[3],"num_contexts":0,"spec_decoding_packed_mask":[[[1],[8589934595]]]}',
+     "spec_decoding_packed_mask holds 8589934595, outside -2,147,483,648 to 4,294,967,295: its values are 32-bit words"),
     ('{"seq_lens":[2],"num_cached_tokens_per_seq":[3],"spec_decoding_packed_mask":[[[3],[3]]]}', "no num_contexts"),
     ('{"input_ids":[1,2]}', "none of them an engine's batch metadata names"),
     ('{"cu_seqlens_q":[0,2],"seqused_k":[4],"cache_leftpad":[7]}', "cache_leftpad 7 is past seqused_k 4 for request 0"),
@@ -250,6 +261,21 @@ def test_model_from_a_config_file(tmp_path):
     assert ("• wrong model (request 0, query 7 key 3): --model " + str(config) + ": the batch's window_size gives window(5); "
             f"{config}'s sliding_attention layers have sliding_window 4: off by one (one key more; HF's sliding_window 4 is "
             "window_size=(3, 0) here).") in " ".join(result.stdout.split("\n"))
+
+
+@pytest.mark.parametrize("layers", [-4, 0, 2.5, 10**11])
+def test_a_config_whose_layer_count_is_no_count_is_one_line(tmp_path, layers):
+    """hard15: -4 layers was read as a model of no layers (a "wrong model" finding, exit 1); 10^11 was read layer by
+    layer past any timeout."""
+    pytest.importorskip("transformers", reason="serve --model reads configs with transformers (the hf extra)")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "mistral", "sliding_window": 4, "num_hidden_layers": layers}))
+    before = set(tmp_path.iterdir())
+    result = serve(WINDOW_BATCH, "--model", config)
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    assert result.stderr == (f"maskcli: error: {str(config)!r}: num_hidden_layers {layers} is not a number of layers: give a "
+                             "whole number from 1 to 1,048,576 (models have a few hundred at most)\n")
+    assert set(tmp_path.iterdir()) == before
 
 
 def test_model_without_transformers_is_one_line(monkeypatch):

@@ -268,6 +268,9 @@ CRAFTED = [
     (["serve", "dump2"], "its last line is a JSON str, not the record of a call"),
     (["inspect", "nested.pt"], "'nested.pt' is a nested tensor"),
     (["show", "--mask", "nested.pt"], "'nested.pt' is a nested tensor"),
+    (["inspect", "sparse_huge.pt"], "the dense mask 1000000 x 1000000 would need 4.5 TiB (5,000,000,000,000 bytes) "
+                                    "to make 'sparse_huge.pt' (torch.sparse_coo) dense"),
+    (["show", "--mask", "sparse_huge.pt"], "to make 'sparse_huge.pt' (torch.sparse_coo) dense"),
     (["show", "--mask", "fa_float.pt", "--from", "flash-attn"], "cu_seqlens_q holds 2.5"),  # was read as 2, exit 0
     (["export", "--for", "sdpa", "--mask", "fa_nan.pt", "--from", "flash-attn"], "cu_seqlens_q holds nan"),
     (["export", "--for", "sdpa", "--mask", "fm_float.pt", "--from", "flashmask"], "startend_row_indices holds 1.5"),

@@ -26,6 +26,7 @@ MOST_PARAMETERS = 3_000_000
 # a tiny layer is about 10,000 parameters, so MOST_PARAMETERS holds some 300: a config whose last new layer type comes
 # later is refused before a layer is built (100,000 layers took minutes to build, then were refused by their count)
 MOST_LAYERS = 256
+MOST_READ_LAYERS = 2**20  # layers a config.json may say: each is read by rule (layer_types), some seconds for this many
 MOST_WINDOW = 2**40  # a sliding window, chunk size or prefill chunk past it: transformers overflows int64 arithmetic
 LONGEST_PATTERN = 48  # items (runs, or repeated groups of runs) written out; past it, a count per type
 LONGEST_GROUP = 16  # runs in a repeated group: looking for longer ones made 100,000 layers in no pattern take hours
@@ -95,6 +96,10 @@ def file_config(path: str):
             raise MaskError(f"{path!r}: {name} {json.dumps(size)[:40]} is no size in tokens: give a whole number of 1 or more, or null for none")
         if isinstance(size, int) and size > MOST_WINDOW:  # 2^63 ended in "cannot run ...: Overflow when unpacking long long"
             raise MaskError(f"{path!r}: {name} {size} is past the {MOST_WINDOW:,} tokens maskcli runs: give a smaller one")
+    count = values.get("num_hidden_layers")  # -4 read as a model of no layers; 10^11 was read layer by layer, for ever
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MOST_READ_LAYERS):
+        raise MaskError(f"{path!r}: num_hidden_layers {json.dumps(count)[:40]} is not a number of layers: give a whole "
+                        f"number from 1 to {MOST_READ_LAYERS:,} (models have a few hundred at most)")
     try:
         with quiet():
             config = transformers.AutoConfig.for_model(kind, **values)

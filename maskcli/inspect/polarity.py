@@ -49,6 +49,10 @@ def check_maskable(values, where: str) -> np.ndarray:
     if math.prod(shape) == 0:
         raise MaskError(f"{where} is empty (shape {shape})")
     if torch_in and str(values.layout) != "torch.strided":
+        from maskcli.memory import check_dense_fits  # a sparse file's few values can stand for cells past any memory
+
+        check_dense_fits(tuple(shape), values.element_size() + 1, f"to make {where} ({values.layout}) dense",
+                         fix="save the mask at a size whose cells fit, or as a maskcli expression or intervals")
         try:
             values = values.to_dense()
         except Exception as error:  # some layouts have no dense form for some dtypes

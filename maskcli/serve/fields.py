@@ -79,8 +79,16 @@ class Fields:
             raise MaskError(f"{self.source!r}: {self.key(*names)} has {values.size} entries for {requests} requests; give one per request")
         return None if values is None else values[:requests]
 
+    def count(self, *names: str):
+        """A scalar that counts tokens (a page size, a window side): True or False there is no count (true was read as 1)."""
+        key = self.key(*names)
+        if key is not None and np.asarray(self.arrays[key]).dtype == np.bool_:
+            raise MaskError(f"{self.source!r}: {key} holds {bool(np.asarray(self.arrays[key]).ravel()[0]) if np.size(self.arrays[key]) else '[]'}, "
+                            f"a flag; it is a number of tokens")
+        return self.scalar(*names)
+
     def page_size(self, *names: str) -> int:
-        size = self.scalar(*names)
+        size = self.count(*names)
         if size is None:
             raise MaskError(f"{self.source!r} has a page table but no page size: add {names[0]} (tokens per page) to the file")
         return checked_page_size(size, f"{self.source!r}: {self.key(*names)}")
@@ -94,7 +102,7 @@ class Fields:
     def limit(self, *names: str) -> tuple[int | None, tuple[str, ...]]:
         """A window's side, -1 for no limit (FlashInfer's window_left, SGLang's sliding_window_size), and a note where
         it is another negative value: the kernel reads any negative side as no limit (-5 was read so, silently)."""
-        value = self.scalar(*names)
+        value = self.count(*names)
         if value is None or value >= -1:
             return value, ()
         return value, (f"{self.key(*names)} {value}: the kernel reads any negative window side as no limit (as -1)",)

@@ -61,6 +61,7 @@ def _parents(drafts: np.ndarray) -> np.ndarray:
 
 def unpack_bytes(packed: np.ndarray, indptr: np.ndarray, sizes: np.ndarray, where: str) -> list[np.ndarray]:
     """FlashInfer's packed custom mask: per request `sizes[r]` bits from byte indptr[r], little-endian."""
+    _in_range(packed, -128 if packed.dtype == np.int8 else 0, 255, where, "bytes (uint8)")  # astype(uint8) wraps 999 to 231
     out = []
     for r, size in enumerate(sizes.tolist()):
         segment = packed[indptr[r]:indptr[r + 1]].astype(np.uint8)
@@ -71,7 +72,16 @@ def unpack_bytes(packed: np.ndarray, indptr: np.ndarray, sizes: np.ndarray, wher
     return out
 
 
-def unpack_words(words: np.ndarray, nodes: int) -> np.ndarray:
+def _in_range(values: np.ndarray, low: int, high: int, where: str, what: str) -> None:
+    """Refuse values that the engine's storage type cannot hold: cast to it, they would wrap into other bits."""
+    if values.size and (int(values.min()) < low or int(values.max()) > high):
+        bad = int(values.min()) if int(values.min()) < low else int(values.max())
+        raise MaskError(f"{where} holds {bad}, outside {low:,} to {high:,}: its values are {what}; "
+                        f"save the mask as the engine packs it")
+
+
+def unpack_words(words: np.ndarray, nodes: int, where: str = "spec_decoding_packed_mask") -> np.ndarray:
     """TensorRT-LLM's spec_decoding_packed_mask row block (nodes, words) int32 -> bool (nodes, nodes)."""
+    _in_range(words[:nodes], -2**31, 2**32 - 1, where, "32-bit words (int32, or their unsigned reading)")  # <i4 wraps 2^33
     as_bytes = np.ascontiguousarray(words[:nodes].astype("<i4")).view(np.uint8).reshape(nodes, -1)
     return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :nodes].astype(bool)

@@ -83,7 +83,7 @@ def _trees(f: Fields, new: np.ndarray, cached: np.ndarray):
         nodes = int(new[r])
         if nodes > 32 * rows.shape[1]:
             raise MaskError(f"{f.source!r}: generation request {r} has {nodes} nodes but {rows.shape[1]} mask words per node")
-        drafts = unpack_words(rows[starts[g]:starts[g + 1]], nodes)
+        drafts = unpack_words(rows[starts[g]:starts[g + 1]], nodes, f"{f.source!r}: spec_decoding_packed_mask")
         trees[r] = drafts
     offsets = f.raw("spec_decoding_position_offsets")
     if offsets is None:
