@@ -28,7 +28,7 @@ def tails(at_pad: np.ndarray) -> np.ndarray:
     return at > (length - run)[:, None]
 
 
-def disagreeing(run, top, calls, at_pad: np.ndarray, given: np.ndarray, pad_id: int, said: str) -> list:
+def disagreeing(top, calls, at_pad: np.ndarray, given: np.ndarray, pad_id: int, said: str) -> list:
     """padding-unmarked where the attention_mask marks the pad run ending one row padding and another's real, and a
     query sees one of the latter. `calls`: tokens.py's (call, cells, own) of the model call's attention."""
     if at_pad.all(axis=1).any():
@@ -38,8 +38,8 @@ def disagreeing(run, top, calls, at_pad: np.ndarray, given: np.ndarray, pad_id: 
     kept = rest & (given == 1)
     if not masked or not kept.any():
         return []
+    length = rest.shape[1]
     for call, cells, own in calls:
-        length = rest.shape[1]
         seen = cells[:, :, :length] & kept[:, None, :]
         if not seen.any():
             continue

@@ -56,6 +56,11 @@ def _edge(pad: np.ndarray) -> bool:
     """Every row's padding one run at the start or at the end (a padded batch), and some row has none."""
     if not pad.any() or pad.all(axis=1).any() or not (~pad.any(axis=1)).any():
         return False
+    return _one_run_at_an_end(pad)
+
+
+def _one_run_at_an_end(pad: np.ndarray) -> bool:
+    """Every row's padding one run at its start, or every row's one run at its end."""
     count = pad.sum(axis=1, keepdims=True)
     columns = np.arange(pad.shape[1])[None, :]
     return bool(((columns < count) == pad).all() or ((columns >= pad.shape[1] - count) == pad).all())
@@ -64,11 +69,9 @@ def _edge(pad: np.ndarray) -> bool:
 def _static(pad: np.ndarray) -> bool:
     """Every row padded, each one run of two at least at the same end and none all padding: a batch padded to a
     static length (an exported program's fixed input, `padding="max_length"`), so no row is left unpadded for _edge."""
-    count = pad.sum(axis=1, keepdims=True)
-    if count.min() < 2 or pad.all(axis=1).any():
+    if pad.sum(axis=1).min() < 2 or pad.all(axis=1).any():
         return False
-    columns = np.arange(pad.shape[1])[None, :]
-    return bool(((columns < count) == pad).all() or ((columns >= pad.shape[1] - count) == pad).all())
+    return _one_run_at_an_end(pad)
 
 
 def _prompt_and_completion(pad: np.ndarray, side: str | None) -> bool:
@@ -144,10 +147,10 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
         pad_id, by = arguments["tokenizer_pad_id"], f" of {arguments.get('tokenizer', 'the tokenizer')}"
     # (a pad id that is also the EOS or BOS may end or start a real sequence)
     sure = pad_id not in {arguments.get(n) for n in ("eos_id", "tokenizer_eos_id", "tokenizer_bos_id")}
-    if not found and tokens is not None and isinstance(pad_id, int) and (
-            (_edge(tokens == pad_id) or sure and _static(tokens == pad_id))
-            and (not by or _on_side(tokens == pad_id, arguments.get("padding_side")))
-            or _prompt_and_completion(tokens == pad_id, arguments.get("padding_side"))):  # (a mask given wins)
+    at_pad = tokens == pad_id if tokens is not None and isinstance(pad_id, int) else None
+    if not found and at_pad is not None and (
+            (_edge(at_pad) or sure and _static(at_pad)) and (not by or _on_side(at_pad, arguments.get("padding_side")))
+            or _prompt_and_completion(at_pad, arguments.get("padding_side"))):  # (a mask given wins)
         found.append((tokens != pad_id, f"input ids equal to the pad id {pad_id}{by}{folded}", sure))
     if not found:
         return None

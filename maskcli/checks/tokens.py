@@ -155,7 +155,7 @@ def tokens(run: Run) -> list:
                 and (padded & (given == 1)).any() and not _start_token(run, top, padded, pad_id):
             found += _unmarked(run, top, padded, given, pad_id, said, side)
         if len(found) == before:  # (rows that disagree on the pad run ending them: padruns.py)
-            found += disagreeing(run, top, _calls(run, top, rows, length, unmasked=True), at_pad, given, pad_id, said)
+            found += disagreeing(top, _calls(run, top, rows, length, unmasked=True), at_pad, given, pad_id, said)
         hidden = (given == 0) & ~at_pad
         if not _filler(at_pad, given, side) and any(len(np.unique(ids[b][hidden[b]])) >= 2 or _inside(hidden[b], given[b])
                                                     for b in range(rows)):
@@ -238,13 +238,13 @@ def _masked(run: Run, top, hidden, given, pad_id: int, said: str) -> list:
         bad = ~cells & text_q[:, :, None] & hidden[:, None, :] & before
         if bad.any():
             b, q, k = first_cell(bad)
-            count = int(hidden.sum())
+            count, ids = int(hidden.sum()), np.unique(ids_of(top)[hidden])
             return [(call, Finding("real-tokens-masked", (
                 f"batch row {b}: query {int(own[q])} does not see key {k}, which the attention_mask of {top.where} "
                 f"marks padding, but its id is not {said} ({pad_id}): {count} tokens it masks are text, "
-                + (f"of {len(np.unique(ids_of(top)[hidden]))} different ids (a mask built from the wrong part of the batch?)"
-                   if len(np.unique(ids_of(top)[hidden])) > 1 else f"all of id {int(ids_of(top)[hidden][0])}, inside "
-                   f"the row (a mask built from the ids at that id: an EOS that ends each turn?)")), expected="every real token seen as its mask allows",
+                + (f"of {len(ids)} different ids (a mask built from the wrong part of the batch?)" if len(ids) > 1 else
+                   f"all of id {int(ids[0])}, inside the row (a mask built from the ids at that id: an EOS that ends "
+                   f"each turn?)")), expected="every real token seen as its mask allows",
                 source=said, cell=(b, int(own[q]), k)))]
     return []
 

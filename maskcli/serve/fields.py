@@ -82,9 +82,10 @@ class Fields:
     def count(self, *names: str):
         """A scalar that counts tokens (a page size, a window side): True or False there is no count (true was read as 1)."""
         key = self.key(*names)
-        if key is not None and np.asarray(self.arrays[key]).dtype == np.bool_:
-            raise MaskError(f"{self.source!r}: {key} holds {bool(np.asarray(self.arrays[key]).ravel()[0]) if np.size(self.arrays[key]) else '[]'}, "
-                            f"a flag; it is a number of tokens")
+        values = None if key is None else np.asarray(self.arrays[key])
+        if values is not None and values.dtype == np.bool_:
+            held = bool(values.ravel()[0]) if values.size else "[]"
+            raise MaskError(f"{self.source!r}: {key} holds {held}, a flag; it is a number of tokens")
         return self.scalar(*names)
 
     def page_size(self, *names: str) -> int:
