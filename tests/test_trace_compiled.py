@@ -100,15 +100,42 @@ def test_nanogpt_sampled_through_torch_compile_and_with_dynamo_disabled(monkeypa
         assert np.array_equal(call.keep()[0, 0], np.tril(np.ones((call.shape[2],) * 2, dtype=bool)))
 
 
+def test_a_backend_computing_scores_while_dynamo_compiles_leaves_the_mode_stack_as_dynamo_saved_it():
+    """Dynamo saves the torch function mode stack as it starts compiling a frame and checks it unchanged when it builds
+    the frame's guards. A backend's own q @ kᵀ (here a check of attention-shaped products, kept) once made the trace
+    follow it and push its mode in the middle of that compile: dynamo raised "Guard failed on the same frame it was
+    created ... ___check_torch_function_mode_stack()" and the correct program died (as Gemma 3's compiled generate did
+    once in CI). What runs while dynamo compiles is dynamo's, not the program's: it passes untraced, and the program's
+    own attention is recorded as without the backend's work."""
+    kept = []
+
+    def backend(gm, example_inputs):
+        q = torch.randn(1, 2, 4, 8)
+        kept.append(q @ q.transpose(-1, -2))  # (followed were it the program's: scores alive past the compile)
+        return gm.forward
+
+    def scaled(q):  # (ops around the attention call: graphs for the backend on both sides of its break)
+        return attend(q * 2) + 1
+
+    fast = torch.compile(scaled, backend=backend)
+    x = torch.randn(1, 2, 4, 8)
+    with maskcli.trace() as t:
+        outs = [fast(x) for _ in range(2)]
+    assert len(kept) == 2 and all(torch.allclose(out, scaled(x), atol=1e-6) for out in outs)
+    assert torch.overrides._get_current_function_mode_stack() == []
+    assert [(c.api, c.shape) for c in t.calls] == [("sdpa", (1, 2, 4, 4))] * 2
+    for call in t.calls:
+        assert np.array_equal(call.keep()[0, 0], np.tril(np.ones((4, 4), dtype=bool)))
+
+
 def test_a_program_transformers_compiles_under_generate_runs_to_its_end(tmp_path):
     """On CUDA, generate with a static cache compiles the model's forward itself (transformers 5.24,
     generation/utils.py _valid_auto_compile_criteria); dynamo then traced maskcli's mode into its graph, and
     Gemma 3's rotary `cos.to(dtype=x.dtype)` got a tensor for a dtype: the traced program died (seen on an H200).
     Here the criteria are forced on the CPU: the program runs to its end, its eager calls are traced, the compiled
-    call is counted. `maskcli trace` runs in a process of its own, as a user runs it: in the suite's process, after
-    earlier tests had compiled 41 other frames, dynamo's own check of the mode stack once failed on the frame it had
-    just compiled ("Guard failed on the same frame it was created", CI, torch 2.13; never seen in a process of its
-    own, nor after this file's or test_command_trace's and test_hf's tests)."""
+    call is counted. `maskcli trace` runs in a process of its own, as a user runs it. (In CI this program once died of
+    dynamo's "Guard failed on the same frame it was created ... ___check_torch_function_mode_stack()": torch calls made
+    while dynamo compiled pushed the trace's mode; the test above makes that happen every time.)"""
     import json
     import subprocess
     from pathlib import Path

@@ -330,7 +330,7 @@ def test_threads_left_running_at_the_end_are_joined_or_stopped_as_python_does(tm
         for length in [*range(2, 40), 512]:  # (a report of some length)
             attend(length, causal=bool(length % 2))
         def wake():
-            time.sleep(0.05)
+            time.sleep(2)  # (long past the program's end: under load 0.05 s let the untraced one wake too)
             print("daemon woke", flush=True)
         threading.Thread(target=wake, daemon=True).start()
         print("main done", flush=True)

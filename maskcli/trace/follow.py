@@ -12,7 +12,7 @@ import torch
 import maskcli.trace.masks as readers
 from maskcli.trace.discarded import FILLS as DISCARDED
 from maskcli.trace.layouts import reader as laid
-from maskcli.trace.mode import Mode, has_values
+from maskcli.trace.mode import Mode, building, has_values
 from maskcli.trace.overflow import WATCHED
 from maskcli.trace.scores import as_matrix
 from maskcli.trace.unseen import plain, unseen
@@ -54,16 +54,17 @@ class Follow:
 
     def passes(self) -> bool:
         """Whether a watched call now runs as it would untraced (entry.py's wrappers): the trace ended, maskcli is
-        recording, a thread it does not trace, or this thread's mode is on (it hands the call to dispatch itself)."""
+        recording, a thread it does not trace, dynamo compiling (mode.building), or this thread's mode is on (it hands
+        the call to dispatch itself)."""
         local = self._local
         if local.moded and (self._followed[0] or self._followed[1] or self._followed[2] or not self._unfollow()):
             return True
-        return not self.active or local.busy or not local.traced
+        return not self.active or local.busy or not local.traced or building()
 
     def _follow(self) -> None:
         """This thread's mode on: a tensor is followed now."""
         local = self._local
-        if local.moded or not self.active or not local.traced:
+        if local.moded or not self.active or not local.traced or building():
             return
         if local.mode is None:
             local.mode = Mode(self)
@@ -74,7 +75,7 @@ class Follow:
         """This thread's mode off, where it is the innermost mode (not inside its own handler, nor under a mode the
         program entered since); whether it is off now."""
         local = self._local
-        if torch.overrides._get_current_function_mode() is not local.mode:
+        if torch.overrides._get_current_function_mode() is not local.mode or building():
             return False
         torch._C._pop_torch_function_stack()
         local.moded = False
@@ -90,7 +91,8 @@ class Follow:
         """A watched call (or, while a tensor is followed, any): recorded where it is attention, what it computes
         followed (scores.py, overflow.py, after.py), run as `call(*args, **kwargs)` and its result returned untouched."""
         followed = self._followed
-        if not self.active or (func not in self.watched and not followed[0] and not followed[1] and not followed[2]):
+        if not self.active or (func not in self.watched and not followed[0] and not followed[1] and not followed[2]) \
+                or building():
             return call(*args, **kwargs)
         reader = self.readers.get(func)
         if reader is readers.softmax and not followed[0] and not followed[1] and not followed[2] \
@@ -158,6 +160,8 @@ class Follow:
     def after_call(self, func, args: tuple, kwargs: dict, out, softmaxed=None) -> None:
         """What a watched call computed, followed (dispatch's part after the call; entry.py's wrappers run it alone
         where a cast, a sum or a product may matter). Whatever goes wrong here stays here: the program has its result."""
+        if building():  # (dynamo's own calls as it compiles: mode.building)
+            return
         try:
             if plain(args, kwargs, out):
                 self._after_call(func, args, kwargs, out, softmaxed)
@@ -172,6 +176,8 @@ class Follow:
         tensor is followed (no scores, weights or overflowed fill alive) nothing but the fill itself is to remember
         (discarded.py), which is all that runs: a loop of fills of no attention pays for no more."""
         followed = self._followed
+        if building():
+            return
         if followed[0] or followed[1] or followed[2] or self.scores is None:
             self.after_call(func, args, kwargs, out)
         else:

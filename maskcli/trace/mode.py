@@ -19,6 +19,25 @@ from maskcli.trace.entry import canonical
 compiling = torch.compiler.is_dynamo_compiling
 
 
+def _building():
+    """building(): whether dynamo is compiling a frame in this thread now (torch._guards' compile context, set around
+    a whole compile: its tracing, the backend, its guards). Its own torch calls then (a backend's, AOT's on real tensors,
+    a table dynamo fills under a mode of its own) are none of the program's: the trace lets them pass, and never pushes
+    or pops its mode there. Dynamo saves the mode stack as a compile starts and checks it unchanged at its end: the mode
+    pushed for a backend's q @ kᵀ failed that check ("Guard failed on the same frame it was created"), and the correct
+    program with it."""
+    try:
+        from torch._guards import CompileContext
+
+        current = CompileContext.try_get
+    except (ImportError, AttributeError):  # (a torch without it: no compile context to read)
+        return lambda: False
+    return lambda: current() is not None
+
+
+building = _building()
+
+
 class Mode(TorchFunctionMode):
     """A trace's mode (module docstring): every call handed to Trace.dispatch as the function it stands for."""
 
