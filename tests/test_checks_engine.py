@@ -175,6 +175,7 @@ QUIET = [  # tests/data/quiet: correct programs of the kinds a rule could misrea
     "prompt_loss_mask_beside_causal_ids",  # a plain `mask` that is a prompt loss mask (0s leading each row, varied ids)
     "grouped_bias_five_axes_padded",  # an additive (batch, 1, 1, q, k) bias kept by einsum scores and by SDPA
     "causal_cross_attention_class_perceiver_ar",  # a `CausalCrossAttention` triangle, meant; a `CrossAttention` unmasked
+    "summary_token_appended_beside_lengths",  # `lengths` of the input's tokens, a summary key appended after them
 ]
 
 

@@ -56,6 +56,9 @@ def test_the_model_calls_statement_of_its_padding_in_each_form():
     assert stated(Top("Model", arguments={"input_ids": ids, "pad_id": 0, "eos_id": 0}), 2, 4)[2] is False
     # the pad id inside a row (not a run at one end) is no padding
     assert stated(Top("Model", arguments={"input_ids": np.array([[5, 0, 7, 8], [5, 6, 7, 8]]), "pad_id": 0}), 2, 4) is None
+    # lengths that count an input of 4 positions place no key of a call over 5 (a summary key appended: which is it?)
+    assert stated(Top("Model", arguments={"lengths": lengths, "lengths_over": 4}), 2, 4)[0].tolist() == expected
+    assert stated(Top("Model", arguments={"lengths": lengths, "lengths_over": 4}), 2, 5) is None
     # two statements that differ (an encoder's and a decoder's): neither is taken
     both = {"attention_mask": forms["attention_mask"], "padding_mask": np.zeros((2, 4), dtype=np.int64)}
     assert stated(Top("Model", arguments=both), 2, 4) is None
@@ -104,6 +107,27 @@ def test_ids_of_more_axes_beside_a_stated_pad_id_are_folded_into_a_calls_rows():
     expected = [[bool(ids[b, c, n, t] != 0) for t in range(5)] for b in range(2) for c in range(2) for n in range(2)]
     assert real.tolist() == expected and sure and "`retrieved` (2, 2, 2, 5)" in source
     assert stated(top, 4, 10) is None and stated(top, 8, 4) is None
+
+
+def test_the_positions_lengths_count_are_the_first_arguments_batch_first_or_sequence_first():
+    """trace/padded.lengths_over: the sequence axis of a model call's first argument beside `lengths` (B,), read only
+    where such lengths are handed and an axis of the first argument is their rows."""
+    import inspect
+
+    import torch
+
+    from maskcli.trace.padded import lengths_over
+
+    def forward(self, x, lengths=None, seq_lens=None):
+        pass
+
+    signature = inspect.signature(forward)
+    lengths = torch.tensor([5, 3, 2])
+    assert lengths_over(signature, {"x": torch.zeros(3, 5, 8), "lengths": lengths}) == {"lengths_over": 5}
+    assert lengths_over(signature, {"x": torch.zeros(7, 3, 8), "seq_lens": lengths}) == {"lengths_over": 7}
+    assert lengths_over(signature, {"x": torch.zeros(3, 5, 8)}) == {}  # (no lengths)
+    assert lengths_over(signature, {"x": torch.zeros(4, 5, 8), "lengths": lengths}) == {}  # (no axis of their rows)
+    assert lengths_over(signature, {"x": 1.0, "lengths": lengths}) == {}
 
 
 def test_a_vision_towers_patch_mask_states_its_real_patches():

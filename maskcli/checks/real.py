@@ -135,10 +135,11 @@ def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
     if tokens is None and isinstance(nested, tuple) and nested[1].shape[-1] == length \
             and int(np.prod(nested[1].shape[:-1])) == rows:  # (ids of more axes, folded into the call's rows: tops.py)
         tokens, folded = nested[1].reshape(rows, length), f" (`{nested[0]}` {tuple(nested[1].shape)}, its leading axes folded into the call's rows)"
+    over = arguments.get("lengths_over", length)  # (the positions the lengths count: trace/padded.lengths_over)
     for name in LENGTHS:
         given = arguments.get(name)
         if isinstance(given, np.ndarray) and given.shape == (rows,) and given.min(initial=0) >= 0 \
-                and given.max(initial=0) <= length:
+                and given.max(initial=0) <= length and over >= length:  # (keys beyond the input's: not placed)
             columns = np.arange(length)[None, :]
             left = tokens is not None and "pad_id" in arguments and (tokens[:, 0] == arguments["pad_id"]).any()
             found.append(((columns >= length - given[:, None]) if left else (columns < given[:, None]), name, True))

@@ -8,6 +8,8 @@ import re
 import numpy as np
 import torch
 
+from maskcli.checks.real import LENGTHS  # (each row's real tokens, by the names a model call takes them)
+
 MOST = 1 << 20  # elements of one model-call argument kept (a batch's 2-D ids; never a 4-D mask): tops.py's too
 
 
@@ -52,6 +54,20 @@ def nested_ids(given: dict, found: dict) -> dict:
                 and value.numel() <= MOST and value.device.type != "meta":  # (token ids: never a uint8 image)
             return {"nested_ids": (name, value.detach().cpu().numpy().astype(np.int64))}
     return {}
+
+
+def lengths_over(signature, given: dict) -> dict:
+    """{"lengths_over": T}: where a model call is handed each row's length (LENGTHS, (B,)), the positions its first
+    argument has, (B, T, ...) or sequence-first (T, B, ...): what the lengths count. An attention over more keys than
+    that (a summary or memory token appended, a CLS prepended) holds keys the lengths do not place (checks/real.py)."""
+    rows = next((value.shape[0] for name in LENGTHS if issubclass(type(value := given.get(name)), torch.Tensor)
+                 and value.dim() == 1), None)
+    if rows is None or signature is None:
+        return {}
+    first = given.get(next((n for n in signature.parameters if n != "self"), None))
+    if not issubclass(type(first), torch.Tensor) or first.dim() < 2 or rows not in first.shape[:2]:
+        return {}
+    return {"lengths_over": int(first.shape[1] if first.shape[0] == rows else first.shape[0])}
 
 
 _NOT = object()  # (_samples_axis: no axis of the mask's samples)
