@@ -3,8 +3,8 @@
 Follows ML-GSAI/LLaDA generate.py (generate: x filled with mask_id after the prompt, gen_length split
 into blocks, get_num_transfer_tokens spreading each block's masked tokens over its steps,
 remasking='low_confidence': confidence = softmax prob of the argmax, -inf past the current block,
-the top-k masked positions committed per row; the batched version passes attention_mask for
-left-padded prompts). The denoiser is bidirectional: every real token attends to every real token,
+the top-k masked positions committed per row; at commit 41760b9 generate takes one prompt, here a
+batch of left-padded prompts is run with an attention_mask, as batched serving of it does). The denoiser is bidirectional: every real token attends to every real token,
 including later still-masked ones; padding keys are excluded with a boolean SDPA mask, and RoPE
 positions count real tokens only. Reference: each prompt generated alone, no padding, no mask; the
 generated tokens must be identical and the final logits equal.
