@@ -18,7 +18,7 @@ class Qwen2Config:
     num_attention_heads = 4
     num_key_value_heads = 2
     use_sliding_window = False
-    sliding_window = 4  # a placeholder in the released config.json files; only honoured when use_sliding_window
+    sliding_window = 4
     max_window_layers = 2
     rms_norm_eps = 1e-6
 

@@ -21,7 +21,7 @@ class Gemma3nTextConfig:
 
 
 def maybe_set_sliding_window_pattern(hf_text_config):
-    # the fix: derive the interleave pattern for gemma3n from its layer_types
+    # gemma3n configs describe the interleave with layer_types only
     if hf_text_config.model_type == "gemma3n_text" and getattr(hf_text_config, "sliding_window_pattern", None) is None:
         hf_text_config.sliding_window_pattern = hf_text_config.layer_types.index("full_attention") + 1
 
