@@ -24,6 +24,7 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 PADDING = re.compile(r"pad(?:ding)?_mask$")
+ATTENTION = re.compile(r"attention_mask$")  # (trace/tops.py DECODER_MASK: 1 = attend, 0 = padding, in every row)
 
 
 def withheld(run: Run) -> list:
@@ -37,8 +38,8 @@ def withheld(run: Run) -> list:
         name, where, rows = held[0], held[1], np.asarray(held[2])
         real = ~rows.astype(bool) if PADDING.search(name) else rows.astype(bool)  # (key_padding_mask: True = padding)
         padded = [b for b in range(len(real)) if not real[b].all()]
-        if not padded or len(padded) == len(real) or not real.any(axis=1).all():
-            continue
+        if not padded or len(padded) == len(real) and not ATTENTION.search(name) or not real.any(axis=1).all():
+            continue  # (an attention mask's 0s are padding whatever the other rows hold: a batch of one is padded)
         calls = [call for call in run.calls if top.first <= call.index < top.end and run.top(call) is top]
         if not calls or any(not _padding_seen(call, real, padded) for call in calls):
             continue
