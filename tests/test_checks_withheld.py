@@ -115,3 +115,17 @@ def test_an_attention_mask_held_for_a_batch_of_one_is_padding():
     [(_, found)] = withheld(run_of(causal, np.array([[1, 0, 1]]), "decoder_attention_mask"))
     assert "batch row 0 padded at 1" in found.message
     assert withheld(run_of(causal, np.array([[1, 0, 1]]), "frame_mask")) == []
+
+
+def test_a_decoder_attention_mask_of_another_sequence_is_not_read_on_generates_calls():
+    """A training batch's `decoder_attention_mask` (3 x 7) held in main() beside `model.generate`, whose decoder
+    attends its own tokens (a 1 x 1 prompt pass, then fewer keys than the mask's columns): quiet. The same mask beside
+    a 7 x 7 call over those tokens that attends both ways: found (a loop over its cells and the mask's padding); a
+    causal one hides that right padding from the real queries: quiet."""
+    held = np.array([[1] * 7, [1, 1, 1, 0, 0, 0, 0], [1] * 5 + [0, 0]])
+    assert withheld(run_of(causal_cells(3, 1), held, "decoder_attention_mask")) == []
+    cells = np.ones((3, 1, 7, 7), bool)
+    assert any(cells[1, 0, q, k] and held[1][q] and not held[1][k] for q in range(7) for k in range(7))
+    [(_, found)] = withheld(run_of(cells, held, "decoder_attention_mask"))
+    assert "batch row 1 padded at 3, 4, 5, 6" in found.message
+    assert withheld(run_of(causal_cells(3, 7), held, "decoder_attention_mask")) == []
