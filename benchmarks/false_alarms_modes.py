@@ -39,8 +39,10 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           "chunk-lookahead-compounds": "sees later", "mask-none-differs": "sees later", "one-pass-sees-later": "sees later",
           "samples-see-other-memories": "across documents", "padding-seen-by-one": "padding",
           "emptied-after-softmax": "a query that reads nothing",  # (no mode's check confirms these two: no family
-          "joint-text-cut": "text cut"}  # multiplies its weights after a softmax or drops a prompt's real tokens: any
-# such finding here is one to look at by hand)
+          "joint-text-cut": "text cut",  # multiplies its weights after a softmax or drops a prompt's real tokens: any
+          # such finding here is one to look at by hand)
+          "window-differs-at-decode": "a window of another width"}  # (nor this: a family whose prefill and decode
+# lay two windows; its prompt's logits against the same tokens decoded one at a time would confirm it)
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
 

@@ -45,6 +45,9 @@ BUGS = [
     ("pyaptamer_aptatrans_encoder_padding_zeros_attended", "padding-ignored"),
     # lucidrains/alphafold2 c85682e: the structure module calls the IPA block without the residue mask it was given
     ("alphafold2_structure_module_ipa_ignores_residue_mask", "padding-ignored"),
+    # huggingface/transformers#17455 (fixed by #21870): ProphetNet's padding mask `.repeat(num_heads, 1, 1)` (head-major)
+    # added to `bmm` scores of queries viewed batch-major (B * H rows): heads take another sample's padding
+    ("prophetnet_attention_mask_repeat_mixes_batch_and_heads", "padding-ignored"),
 ]
 
 
@@ -556,6 +559,26 @@ def test_a_pad_mask_one_on_the_tokens_is_read_by_its_ids(tmp_path):
     [hit] = check_bug(tmp_path, "modernbert_candle_flash_path_drops_local_window_and_padding", "padding-ignored")
     lengths = (12, 7)
     assert tuple(hit["cell"]) == first((2, 12, 12), lambda b, q, k: q < lengths[b] <= k)
+
+
+def test_key_padding_repeated_head_major_onto_batch_major_bmm_scores(tmp_path):
+    """Written another way than ProphetNet's: a text encoder's `torch.bmm` scores of queries reshaped (B, H, L, D) to
+    (B * H, L, D), masked_fill(-inf) with the key padding `.repeat(heads, 1)` (head-major). Batch-major, row n is sample
+    n // H: the finding's row, read by a loop over the padded ids, is a row whose sample is shorter than the mask the
+    repeat laid on it; the fix (repeat_interleave) is quiet."""
+    texts = [[4, 9, 13, 2, 7], [5, 3, 8], [11, 6, 2, 9]]
+    heads, width = 3, 5
+    lengths = [len(t) for t in texts]
+    laid = [lengths[n % len(texts)] for n in range(len(texts) * heads)]  # what .repeat(heads, 1) lays on row n
+    name = "encoder_key_padding_repeat_not_interleaved_bmm"
+    folder = Path(__file__).parent / "data" / "folded"
+    status, found, report = traced(tmp_path, name, False, folder)
+    assert status == 1, report
+    [hit] = [f for f in found if f["code"] == "padding-ignored" and f["severity"] == "wrong"]
+    row, _, key = hit["cell"]
+    assert "batch-major" in hit["message"] and lengths[row // heads] <= key < laid[row] <= width, report
+    status, found, report = traced(tmp_path, name, True, folder)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 
 BATCHDICT = Path(__file__).parent / "data" / "batchdict"

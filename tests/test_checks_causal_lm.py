@@ -20,6 +20,10 @@ BUGS = [
     # huggingface/transformers#30317: under "sdpa" an unpadded prompt's mask is None (meant for is_causal), and AWQ's
     # fused attention adds a mask only where one is given: an eager softmax that masks nowhere in the prompt pass
     ("awq_fused_attention_none_mask_from_sdpa", "causal-lm-both-ways"),
+    # intel/ipex-llm#11767: with the compressed (SnapKV) cache the lookup step's 4 candidates are attended with
+    # attention_mask = None behind 8 compressed keys (and layer 1's prompt pass, after a compressor's softmax at the
+    # same module, with none either)
+    ("ipex_llm_compresskv_lookup_step_drops_causal_mask", "causal-lm-both-ways"),
 ]
 
 
@@ -120,3 +124,22 @@ def test_class_name_reading():
     assert [causal_class([module]) for module in named] == [
         "CausalSelfAttention", "GPTCausalAttention", "causal_attention", None, None, None, None]
     assert causal_class([]) is None
+
+
+def test_a_verify_step_behind_the_cache_handed_the_padding_mask_alone(tmp_path):
+    """Written another way than ipex-llm#11767: a hand-written LlamaForCausalLM verifies 3 draft tokens at once over a
+    left-padded batch, its mask causal only where there is no cache, so the verify step gets the padding alone. The
+    finding's cell against torch.tril laid bottom-right over the 8 keys: the first draft token sees the last one's key,
+    which tril hides; the fix (tril at every step) is quiet."""
+    from checkbugs import traced
+
+    folder = Path(__file__).parent / "data" / "causallm"
+    name = "draft_verify_left_padded_padding_mask_only_behind_cache"
+    status, found, report = traced(tmp_path, name, False, folder)
+    assert status == 1, report
+    [hit] = [f for f in found if f["code"] == "causal-lm-both-ways" and f["severity"] == "wrong"]
+    tril = torch.ones(3, 8, dtype=torch.bool).tril(8 - 3).numpy()
+    b, q, k = hit["cell"]
+    assert not tril[q - (8 - 3), k] and tril[q - (8 - 3), q]
+    status, found, report = traced(tmp_path, name, True, folder)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -84,3 +84,48 @@ def test_quiet_on_a_call_over_another_batch_none_of_whose_rows_the_held_mask_pad
     assert withheld(run_of(np.ones((1, 1, 5, 6), bool), held, "src_key_padding_mask")) == []
     [(_, found)] = withheld(run_of(np.ones((3, 1, 5, 12), bool), held, "src_key_padding_mask"))
     assert "batch row 1 padded at 6, 7, 8, 9" in found.message
+
+
+def test_bart_generate_drops_decoder_attention_mask(tmp_path):
+    """transformers#15556 (fixed by #20726): BART's prepare_inputs_for_generation never forwards the
+    `decoder_attention_mask` that the generation loop at the top of the script keeps in `model_kwargs`; the decoder
+    prompt "</s> <pad> <s>" masks its pad at 1 (a batch of one: every row padded, as an attention mask may be)."""
+    hits = check_bug(tmp_path, "bart_generate_drops_decoder_attention_mask", "mask-withheld")
+    assert "`decoder_attention_mask` (1 x 3, batch row 0 padded at 1)" in hits[0]["message"]
+    assert "the top of bart_generate_drops_decoder_attention_mask.py" in hits[0]["message"]
+
+
+def test_a_t5_greedy_loop_that_keeps_the_decoder_prompt_mask_in_its_kwargs(tmp_path):
+    """Written another way: a function's own T5 greedy loop (eager softmax, position bias) over a batch of two decoder
+    prompts, the second left-padded, its `decoder_attention_mask` kept in `step_kwargs` and never handed over."""
+    decoder_attention_mask = [[1, 1, 1, 1], [0, 1, 1, 1]]
+    padded = [(b, k) for b, row in enumerate(decoder_attention_mask) for k, real in enumerate(row) if not real]
+    status, found, report = traced(tmp_path, "t5_greedy_loop_decoder_prompt_mask_kept_in_kwargs", False, WITHHELD)
+    assert status == 1, report
+    hits = [f for f in found if f["code"] == "mask-withheld" and f["severity"] == "wrong"]
+    assert hits and f"batch row {padded[0][0]} padded at {padded[0][1]}" in hits[0]["message"], report
+    status, found, report = traced(tmp_path, "t5_greedy_loop_decoder_prompt_mask_kept_in_kwargs", True, WITHHELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_an_attention_mask_held_for_a_batch_of_one_is_padding():
+    """A held `decoder_attention_mask` whose only row is padded: found (an attention mask's 0s are padding); a
+    `frame_mask` whose every row has a 0 stays quiet (it may mark something else than padding)."""
+    causal = causal_cells(1, 3)
+    [(_, found)] = withheld(run_of(causal, np.array([[1, 0, 1]]), "decoder_attention_mask"))
+    assert "batch row 0 padded at 1" in found.message
+    assert withheld(run_of(causal, np.array([[1, 0, 1]]), "frame_mask")) == []
+
+
+def test_a_decoder_attention_mask_of_another_sequence_is_not_read_on_generates_calls():
+    """A training batch's `decoder_attention_mask` (3 x 7) held in main() beside `model.generate`, whose decoder
+    attends its own tokens (a 1 x 1 prompt pass, then fewer keys than the mask's columns): quiet. The same mask beside
+    a 7 x 7 call over those tokens that attends both ways: found (a loop over its cells and the mask's padding); a
+    causal one hides that right padding from the real queries: quiet."""
+    held = np.array([[1] * 7, [1, 1, 1, 0, 0, 0, 0], [1] * 5 + [0, 0]])
+    assert withheld(run_of(causal_cells(3, 1), held, "decoder_attention_mask")) == []
+    cells = np.ones((3, 1, 7, 7), bool)
+    assert any(cells[1, 0, q, k] and held[1][q] and not held[1][k] for q in range(7) for k in range(7))
+    [(_, found)] = withheld(run_of(cells, held, "decoder_attention_mask"))
+    assert "batch row 1 padded at 3, 4, 5, 6" in found.message
+    assert withheld(run_of(causal_cells(3, 7), held, "decoder_attention_mask")) == []

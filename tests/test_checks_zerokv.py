@@ -124,7 +124,7 @@ def test_the_runs_are_read_from_the_edges_of_the_keys_the_mask_keeps():
     [(_, found)] = zero_keys_seen(Run([_call(mask.numpy(), table)]))
     assert found.cell == (1, 0, 2) and "keys 2-4" in found.message
     k[1, :, 0], v[1, :, 0] = 1.0, 1.0  # slot 0 holds something: slots 2-4 lie between keys, no padding's shape
-    assert zero_kv(q, k, v, tuple(k.shape), mask) == {}
+    assert zero_kv(q, k, v, tuple(k.shape), mask) == {"unwritten": 30}  # (only the buffer's 30 unwritten slots)
 
 
 def _call(keep: np.ndarray, table: dict) -> SimpleNamespace:
@@ -259,3 +259,26 @@ def test_a_head_whose_every_key_is_zero_or_one_zero_key_alone_is_no_head_padding
     assert zero_kv(q, k, v, tuple(k.shape)) == {}
     k[0, 2, :2], v[0, 2, :2] = 0, 0  # head 2: keys 0-1, the other heads' real: one head's padding
     assert zero_kv(q, k, v, tuple(k.shape))["zero_kv"]["heads"] == [[[2, 2, 0]]]
+
+
+def test_a_static_buffers_unwritten_slots_are_recorded_and_place_the_queries_before_them():
+    """A zero-filled buffer of 16 slots, 10 written (eole's `k_cache[:, :, cache_slice] = k`): the trace records the 6
+    unwritten slots at its end (counted by a loop over the slots), and the 10 queries sit at the written slots 0..9, not
+    at the end of the buffer; a buffer every slot of which is written records nothing (a dynamic cache)."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 10, 4)
+    k, v = torch.zeros(1, 2, 16, 4), torch.zeros(1, 2, 16, 4)
+    k[:, :, :10], v[:, :, :10] = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
+    unwritten = 0
+    for slot in reversed(range(16)):
+        if k[:, :, slot].any() or v[:, :, slot].any():
+            break
+        unwritten += 1
+    details = zero_kv(q, k, v, tuple(k.shape))
+    assert details["unwritten"] == unwritten == 6
+    from maskcli.checks.context import queries
+
+    call = SimpleNamespace(shape=(1, 2, 10, 16), details=details)
+    assert queries(call, None).tolist() == list(range(16 - unwritten - 10, 16 - unwritten)) == list(range(10))
+    full = torch.randn(1, 2, 16, 4)
+    assert "unwritten" not in zero_kv(q, full, full, tuple(full.shape))

@@ -44,12 +44,25 @@ def folded(top, rows: int, length: int) -> tuple[list, str, bool] | None:
     return None
 
 
+def _batch_major(call, top, rows: int, length: int) -> np.ndarray | None:
+    """Bool (rows, length): the model call's stated padding of its B rows laid on the call's B * H rows batch-major
+    (row n is sample n // H), where the call's scores were made from a (B, H, ..) query viewed so (trace/scores.py's
+    details["fold"]: `q.view(B * H, L, D)`); None where that layout is not known (either way round is read then)."""
+    fold = call.details.get("fold")
+    if not isinstance(fold, (list, tuple)) or len(fold) != 2 or fold[0] * fold[1] != rows:
+        return None
+    said = stated(top, fold[0], length)
+    return None if said is None else said[0][np.arange(rows) // fold[1]]
+
+
 def _fold_words(call, top, rows: int, length: int) -> str:
     """How a finding says the call's rows fold the model call's batch (`folded`): with its heads only where the call has
     no heads axis of its own and the module's head count is the fold (TF's concat of split heads); else with as many
     rows of another axis (AlphaFold 3's templates and pair rows, its heads an axis of their own)."""
     size = next((n for n in range(2, rows // 2 + 1) if rows % n == 0 and stated(top, n, length) is not None), rows)
     each = rows // size
+    if _batch_major(call, top, rows, length) is not None:
+        return f" (of the batch of {size} folded with its {each} heads batch-major, as its scores were laid out)"
     if call.shape[1] == 1 and call.details.get("stated_heads") == each:
         return f" (of the batch of {size} folded with its {each} heads, either way round)"
     return f" (of the batch of {size} folded with {each} rows of another axis each, either way round)"
@@ -131,7 +144,7 @@ def padding(run: Run) -> list:
             said = stated(top, rows, given.shape[1])
         if said is None:
             said = _prefill_of_slots(call, top, rows, k_len)
-        readings, placed = None, None
+        readings, placed, laid = None, None, None
         if said is None:
             said = folded(top, rows, k_len)  # (the batch folded with its heads: read both ways round)
             if said is None:
@@ -140,6 +153,9 @@ def padding(run: Run) -> list:
                     continue  # (keys that are not the stated tokens: a prompt prepended inside the model, CPM-Ant's)
                 said, placed = said[:3], said[3]
             readings, source, sure = said
+            laid = _batch_major(call, top, rows, k_len)  # (its scores' rows laid out so: trace/scores.py)
+            if laid is not None:
+                readings = [laid]
             said = (readings[0], source, sure)
         real, source, sure = said
         length = real.shape[1]
@@ -171,7 +187,9 @@ def padding(run: Run) -> list:
             earlier = np.arange(length)[None, None, :] < np.minimum(own, length)[None, :, None]
             real_q = real_queries(real, own)
             hidden = int((~cells[:, :, :length] & real_q[:, :, None] & real[:, None, :] & earlier).sum())
-            turned = f"; it hides {hidden} real key{'' if hidden == 1 else 's'}: a padding mask the wrong way round?" if hidden else ""
+            turned = f"; it hides {hidden} real key{'' if hidden == 1 else 's'}: " + (
+                "another sample's padding on these heads, a repeat where repeat_interleave was meant?" if laid is not None
+                else "a padding mask the wrong way round?") if hidden else ""
             said_by = source if source.startswith("input ids") else "the " + source.replace(" of ", " given to ", 1)
             found.append((call, Finding("padding-ignored", (
                 f"batch row {b}{'' if readings is None else placed if placed is not None else _fold_words(call, top, rows, length)}: "

@@ -1,4 +1,5 @@
-"""A model that states itself a causal LM whose prompt pass attends both ways, and which then decodes over that cache.
+"""A model that states itself a causal LM whose prompt pass attends both ways, and which then decodes over that cache;
+or whose step of several new tokens behind its cache attends both ways (a verify step handed no mask, ipex-llm#11767).
 
 The outermost module's class is named `...ForCausalLM` (transformers' contract for AutoModelForCausalLM: each
 token predicts the next from the ones before it; trace/tops.py records the name). Its prompt pass (queries from
@@ -69,7 +70,11 @@ def both_ways(run: Run) -> list:
     """A ...ForCausalLM's prompt pass in which every real query sees every real key, decoded over afterwards."""
     found = []
     for calls, grows in [*((calls, 0) for calls in run.sites().values()), *((calls, 1) for calls in _unmasked(run))]:
-        first = calls[0]
+        found += _steps_both_ways(run, calls)
+        # (the site's first square call of two queries or more: a softmax of the program's own at the same module, a
+        # cache compressor's scoring of the prompt's last queries (ipex-llm's SnapKV), may come before it)
+        at = next((n for n, call in enumerate(calls) if call.shape[2] == call.shape[3] >= 2), 0)
+        first, calls = calls[at], calls[at:]
         top = run.top(first)
         named = next((call.details["function_causal"] for call in calls[1:] if "function_causal" in call.details
                       and call.shape[2] < call.shape[3]), None) if "function_causal" not in first.details else None
@@ -82,10 +87,10 @@ def both_ways(run: Run) -> list:
         k_len = first.shape[3]
         # (grows: a softmax site that masks nowhere must see its keys grow past the prompt's, as a cache's do; a
         # router's last axis, its experts, never grows)
-        if not any(call.shape[2] < call.shape[3] and call.shape[3] >= k_len + grows for call in calls[1:]):
+        if not any(call.shape[2] < call.shape[3] and (call.shape[3] >= k_len + grows or not grows) for call in calls[1:]):
             continue  # no decode step over the prompt's cache (a sliding one keeps as many keys): one pass, or an
             # encoder run of the model
-        if intent(run, first).bidirectional() is not None or _encoder(top.config, first):
+        if _open(run, first, top):
             continue
         cells = keep(first)
         if cells is None:
@@ -111,8 +116,50 @@ def both_ways(run: Run) -> list:
     return found
 
 
+def _open(run: Run, call, top) -> bool:
+    """The program states this attention both ways after all: its config (bidirectional) or its own is_decoder=False."""
+    return intent(run, call).bidirectional() is not None or _encoder(top.config, call)
+
+
+def _steps_both_ways(run: Run, calls: list) -> list:
+    """A ...ForCausalLM's step of several new tokens behind its cache (a speculative or prompt-lookup verify step, a
+    chunk of a prompt: its model call's token ids as many as the call's queries, fewer queries than keys) in which
+    every real query sees every key, the later new tokens' included (ipex-llm#11767: the compressed cache's lookup
+    step set attention_mask = None). Quiet where the model call attends the site twice (a split attention: the cache
+    over one call, the new tokens over another, merged after), and where the program states the attention both ways."""
+    found = []
+    for call in calls:
+        top = run.top(call)
+        q_len, k_len = call.shape[2:]
+        if top is None or "causal_lm" not in top.arguments or not 2 <= q_len < k_len or call.stored is None:
+            continue  # (most calls: a prompt pass, a decode step of one token, or no causal LM)
+        tokens = next((top.arguments[n] for n in TOKENS if isinstance(top.arguments.get(n), np.ndarray)), None)
+        if tokens is None or tokens.ndim != 2 or tokens.shape[1] != q_len or \
+                any(name in top.arguments for name in (*SPANS, *PREFIX, *IMAGES)):
+            continue
+        if sum(1 for other in calls if run.top(other) is top) != 1 or _open(run, call, top):
+            continue
+        cells = keep(call)
+        if cells is None:
+            continue
+        rows = by_row(cells, call.shape[0] if cells.shape[0] in (1, call.shape[0]) else None)
+        real = resolve(call, top, rows)
+        judged = real.queries[:, :, None] & real.keys[:, None, :]
+        if not real.queries[:, 0].any() or (judged & ~rows).any() or not real.keys[:, -1].any():
+            continue  # (a query that misses a real key: a mask was applied, judged by the other rules)
+        b = int(np.flatnonzero(real.queries[:, 0] & real.keys[:, -1])[0])
+        found.append((call, Finding("causal-lm-both-ways", (
+            f"{top.arguments['causal_lm']} states a causal LM, but its step {call.step} of {q_len} new tokens behind "
+            f"the cache ({k_len - q_len} earlier keys) attends both ways: every real query sees every real key, so the "
+            f"first new token of batch row {b} sees the last one's key {k_len - 1} ({int(judged.sum())} such cells, "
+            f"none masked)"), expected="causal over the new tokens, placed after the cache's keys",
+            source=f"the model class {top.arguments['causal_lm']}", cell=(b, k_len - q_len, k_len - 1))))
+    return found
+
+
 RULES = (
     Rule("causal-lm-both-ways", "wrong", "site", "a model named ...ForCausalLM (or a layer whose class or decode function "
          "is named causal) whose prompt pass attends both ways (every "
-         "real query sees every real key) and then decodes over that cache: a causal mask dropped on that path", both_ways),
+         "real query sees every real key) and then decodes over that cache, or whose step of several new tokens behind "
+         "its cache (a verify step) does: a causal mask dropped on that path", both_ways),
 )

@@ -303,8 +303,9 @@ def queries(call, top: Top | None) -> np.ndarray:
     """The absolute position of each query row: `model`'s placing, the model call's cache_position or input_pos, the
     int its own cache is written at (start_pos, cache_update_index), the last tokens a static cache holds (its slots
     past them unwritten), its position_ids where every batch row counts up by 1 (the furthest row's: a left-padded row
-    counts from its first real token; transformers' generate passes position_ids alone), else the end of the keys (a
-    cache that keeps every key, the key columns being positions)."""
+    counts from its first real token; transformers' generate passes position_ids alone), the last slots written of a
+    buffer whose last keys are zero in K and V (a static cache of the program's own, trace/zerokv.py), else the end of
+    the keys (a cache that keeps every key, the key columns being positions)."""
     q_len, k_len = call.shape[2:]
     placed = call.details.get("queries")
     if placed is not None:
@@ -331,6 +332,9 @@ def queries(call, top: Top | None) -> np.ndarray:
         rows = given.reshape(-1, q_len)
         if (np.diff(rows, axis=1) == 1).all():
             return rows[int(rows[:, 0].argmax())].astype(np.int64)
+    unwritten = call.details.get("unwritten")  # a static buffer's last slots, zero in K and V: none written yet
+    if isinstance(unwritten, int) and 0 < unwritten <= k_len - q_len:  # (trace/zerokv.py)
+        return np.arange(k_len - unwritten - q_len, k_len - unwritten)
     return np.arange(k_len - q_len, k_len)
 
 

@@ -24,6 +24,7 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 PADDING = re.compile(r"pad(?:ding)?_mask$")
+ATTENTION = re.compile(r"attention_mask$")  # (trace/tops.py DECODER_MASK: 1 = attend, 0 = padding, in every row)
 
 
 def withheld(run: Run) -> list:
@@ -37,10 +38,10 @@ def withheld(run: Run) -> list:
         name, where, rows = held[0], held[1], np.asarray(held[2])
         real = ~rows.astype(bool) if PADDING.search(name) else rows.astype(bool)  # (key_padding_mask: True = padding)
         padded = [b for b in range(len(real)) if not real[b].all()]
-        if not padded or len(padded) == len(real) or not real.any(axis=1).all():
-            continue
+        if not padded or len(padded) == len(real) and not ATTENTION.search(name) or not real.any(axis=1).all():
+            continue  # (an attention mask's 0s are padding whatever the other rows hold: a batch of one is padded)
         calls = [call for call in run.calls if top.first <= call.index < top.end and run.top(call) is top]
-        if not calls or any(not _padding_seen(call, real, padded) for call in calls):
+        if not calls or any(not _padding_seen(call, real, padded, bool(ATTENTION.search(name))) for call in calls):
             continue
         b = padded[0]
         finding = Finding("mask-withheld", (
@@ -52,7 +53,7 @@ def withheld(run: Run) -> list:
     return found
 
 
-def _padding_seen(call, real: np.ndarray, padded: list) -> bool:
+def _padding_seen(call, real: np.ndarray, padded: list, tokens: bool = False) -> bool:
     """The call masks none of the held padding: where the mask is over the call's keys, some real query of a padded
     row sees a key it calls padding (causal order alone hides right padding: quiet there); else (frames expanded into
     tokens somewhere among the keys) each padded row's last query sees every key. True also where the call cannot be
@@ -63,6 +64,16 @@ def _padding_seen(call, real: np.ndarray, padded: list) -> bool:
     if cells is None:
         return False  # (too big to read: said nothing of)
     rows = cells.shape[0]
+    if tokens:  # an attention mask: one column per key token, the call's first keys (never frames expanded); a call
+        # over fewer keys than it has columns attends another sequence (generate's own decoder tokens beside a
+        # training batch's decoder_attention_mask): nothing of it is said
+        width, q_len, k_len = real.shape[1], call.shape[2], call.shape[3]
+        if width > k_len or q_len == k_len != width:
+            return False
+        inside = [b for b in padded if b < call.shape[0]]
+        return bool(inside) and all(
+            (cells[b if rows > 1 else 0, :, :, :width] & ~real[b][None, None, :]
+             & (real[b][None, :, None] if q_len == k_len else True)).any() for b in inside)
     if real.shape[1] == call.shape[3] == call.shape[2]:
         return any((cells[b if rows > 1 else 0].any(axis=0) & real[b][:, None] & ~real[b][None, :]).any()
                    for b in padded if b < call.shape[0])

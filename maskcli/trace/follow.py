@@ -189,6 +189,8 @@ class Follow:
             self.after.note(out, *softmaxed)
             if self.scores is not None and self.scores.added:  # scores + a 0/1 mask: it masked nothing (scores.py)
                 self.scores.ones_added(readers.softmax_input(args, kwargs), *softmaxed)
+            if self.scores is not None and self.scores.folds:  # a batch folded with its heads, batch-major (scores.py)
+                self.scores.fold_of(readers.softmax_input(args, kwargs), *softmaxed)
         elif followed[2] and not self.busy:
             self.after.after(self, func, args, out)
         if (func in WATCHED or followed[0]) and isinstance(out, torch.Tensor) and out.dim() >= 2 \

@@ -41,6 +41,7 @@ class Scores:
         self.added: dict[int, torch.Tensor] = {}  # id -> a float mask of only 0s and 1s added to these scores (ones_added)
         self.matrices: set[int] = set()  # ids of 2-D scores (Lq, Lk) of one unbatched sequence (per_graph), not (B, Lk)
         self.sinks: dict[int, tuple] = {}  # id -> (a weak reference, the keys before it) of scores joined to a sink column
+        self.folds: dict[int, tuple] = {}  # id -> (B, H) of scores whose rows are a (B, H, ..) query viewed batch-major
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -62,6 +63,9 @@ class Scores:
             if sum(isinstance(x, torch.Tensor) and x.dim() >= 3 for x in operands) >= 2:
                 if func is not torch.einsum or _query_by_key(args[0]):
                     self._note(out)
+                    fold = batch_major(operands[0], out)
+                    if fold is not None:
+                        self.folds[id(out)] = fold
                 else:  # (the equation states another axis order: Transformer-XL's "ibnd,jbnd->ijbn")
                     axes = einsum_axes(args[0], out.dim())
                     if axes is not None:
@@ -88,6 +92,8 @@ class Scores:
                 if axes is not NONE:
                     addend = self.added.get(id(x)) if self.added else None
                     self._note(out, axes)
+                    if self.folds and axes is None and id(x) in self.folds:
+                        self.folds[id(out)] = self.folds[id(x)]  # (the mask added to folded scores: folded alike)
                     if func in ADDS and addend is None:
                         addend = _zero_one(args, x, out)
                     if addend is not None and axes is None:
@@ -103,6 +109,13 @@ class Scores:
         keep = seen.keep if seen.keep is not None else seen.materialize()
         if zero_one_seen(addend, x, keep):
             call.details["zero_one"] = seen.details["zero_one"] = True
+
+    def fold_of(self, x, call, seen) -> None:
+        """At softmax `call` over scores `x`: details["fold"] = [B, H] where their rows are a (B, H, ..) query tensor
+        viewed as B * H rows, batch-major (row n is sample n // H): checks/arguments.py reads the batch one way round."""
+        fold = self.folds.get(id(x)) if isinstance(x, torch.Tensor) and self.has(x) else None
+        if fold is not None and "axes" not in seen.details:
+            call.details["fold"] = seen.details["fold"] = list(fold)
 
     def sink(self, x) -> int | None:
         """The keys of scores `x` whose last column is a sink joined to them (_sink_joined); None where none is."""
@@ -131,17 +144,20 @@ class Scores:
             found.clear()
             laid.clear()
             self.added.clear()
+            self.folds.clear()
             matrices.clear()
         key = id(tensor)
 
-        added = self.added
+        added, folds = self.added, self.folds
         added.pop(key, None)  # (an id a dead tensor had, now this one's)
+        folds.pop(key, None)
 
         def gone(ref) -> None:  # a tensor let go is forgotten at once, so the mode stops following when none is left
             if found.get(key) is ref:  # (its id reused by a later tensor: that one keeps its own entry)
                 del found[key]
                 laid.pop(key, None)
                 added.pop(key, None)
+                folds.pop(key, None)
                 matrices.discard(key)
 
         try:
@@ -156,6 +172,24 @@ class Scores:
             matrices.add(key)
         elif matrices:
             matrices.discard(key)
+
+
+def batch_major(a, out) -> tuple[int, int] | None:
+    """(B, H) where the scores' first operand `a` (B * H, Lq, D) is a view of a contiguous-in-its-first-two-axes 4-D
+    (B, H, Lq, D) tensor flattened batch-major (`q.view(B * H, L, D)` of `_shape`'s (B, H, L, D): ProphetNet's and
+    BART's eager attention), B and H both 2 or more; None where the layout is not so known (a `cat` of split heads)."""
+    try:
+        base = a._base if isinstance(a, torch.Tensor) and a.dim() == 3 and out.dim() == 3 else None
+        if base is None or base.dim() != 4:
+            return None
+        rows, heads = int(base.shape[0]), int(base.shape[1])
+        if rows < 2 or heads < 2 or rows * heads != a.shape[0] or a.storage_offset() != base.storage_offset():
+            return None
+        if a.stride(0) != base.stride(1) or base.stride(0) != heads * base.stride(1) or a.shape[1] != base.shape[2]:
+            return None
+        return rows, heads
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
 
 
 def as_matrix(softmax, scores: Scores, args: tuple, kwargs: dict):

@@ -275,6 +275,9 @@ def _zero_patches(images: torch.Tensor, count: int) -> np.ndarray | None:
 # side's, a decoder's: padding-ignored and memory.py read those), a loss, label or head mask, which mask no padding
 MASK_PARAMETER = re.compile(r"^(?!.*(?:attention|attn|loss|label|labels|head|causal|lm)_)\w*?(?:frame|image|img|video|audio"
                             r"|speech|clip|patch|media|vision|visual|pixel|item|obs|feature|padding|pad|valid)s?_mask$")
+# a decoder's own attention mask (HF's 1 = attend, 0 = padding), which generation code keeps beside the model's inputs
+# and may never hand over (transformers#15556: BART's prepare_inputs_for_generation dropped `decoder_attention_mask`)
+DECODER_MASK = re.compile(r"^decoder_attention_mask$")
 WITHHELD_FRAMES = 4  # program frames read outward from the model call: its caller and theirs
 
 
@@ -288,14 +291,18 @@ def _withheld(signature, given: dict, frame) -> dict:
     names = [name for name in _mask_parameters(signature) if given.get(name) is None]
     if not names:
         return {}
-    for frame in program_frames(frame, WITHHELD_FRAMES):
+    for n, frame in enumerate(program_frames(frame, WITHHELD_FRAMES)):
         code = frame.f_code
-        variables = frame.f_locals if code.co_name != "<module>" else {}  # (a module's globals speak for no call)
+        # (a module's globals speak for no call, but the main module's own line that made this call: a generation
+        # loop written at the top of the script, its `model_kwargs` held there)
+        variables = frame.f_locals if code.co_name != "<module>" or n == 0 and frame.f_globals.get("__name__") == "__main__" \
+            else {}
         for name in names:
             for held in (variables.get(name), *(v.get(name) for v in variables.values() if isinstance(v, dict))):
                 rows = _padding_like(held)
                 if rows is not None:
-                    return {"withheld": (name, f"{code.co_name}() of {os.path.basename(code.co_filename)}", rows)}
+                    at = "the top" if code.co_name == "<module>" else f"{code.co_name}()"
+                    return {"withheld": (name, f"{at} of {os.path.basename(code.co_filename)}", rows)}
     return {}
 
 
@@ -305,7 +312,8 @@ _MASKS: dict = {}  # id(signature) -> (signature, its parameters MASK_PARAMETER 
 def _mask_parameters(signature) -> tuple:
     held = _MASKS.get(id(signature))
     if held is None or held[0] is not signature:
-        held = _MASKS[id(signature)] = (signature, tuple(n for n in signature.parameters if MASK_PARAMETER.match(n)))
+        held = _MASKS[id(signature)] = (signature, tuple(n for n in signature.parameters
+                                                         if MASK_PARAMETER.match(n) or DECODER_MASK.match(n)))
     return held[1]
 
 

@@ -39,6 +39,18 @@ def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, m
             return {}
         if _edges_nonzero(k, k_shape):
             return {}  # (most calls: no row's first or last key may be zero, read cell by cell)
+    except Exception:  # noqa: BLE001 - as below
+        return {}
+    found = _edge_runs(q, k, v, k_shape, mask, is_causal)
+    try:
+        return {**found, **_unwritten(k, v, k_shape, q.shape[-2])}
+    except Exception:  # noqa: BLE001 - as below
+        return found
+
+
+def _edge_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask, is_causal: bool) -> dict:
+    """zero_kv past its first test (some row's first or last key may be zero)."""
+    try:
         if _kept_edges_nonzero(k, v, k_shape, lambda: _bounds(mask, is_causal, q.shape[-2], k_shape[-2])):
             return {}  # (left padding the mask hides: the keys kept at each edge are not zero, read cell by cell)
         cells = _cpu(k)
@@ -65,6 +77,25 @@ def zero_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, m
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, compiled, meta, sparse) holds no padding we can see
         return {}
     return {"zero_kv": {"left": left, "right": right, "zero_q": [_spans(row) for row in zero_q]}}
+
+
+def _unwritten(k: torch.Tensor, v: torch.Tensor, k_shape: tuple, q_len: int) -> dict:
+    """{"unwritten": n}: the last n keys are zero in K's and V's first dimension in every batch row and head, and the
+    first and last of them in every dimension, where fewer queries than keys sit before them (n <= Lk - Lq): a static
+    buffer's slots past the ones written (eole's `k_cache[:, :, cache_slice] = k` into zeros), so the queries are the
+    last written slots (checks/context.queries). CPU tensors only (read through numpy views: two C calls); {} else."""
+    if len(k_shape) != 4 or not _numpy_ready(k) or not _numpy_ready(v) or v.dim() != 4 or q_len >= k_shape[-2]:
+        return {}
+    k0, v0 = _cpu(k)[..., 0], _cpu(v)[..., 0]  # (B, H, Lk) views
+    written = np.logical_or.reduce((k0 != 0).reshape(-1, k0.shape[-1]), axis=0) | \
+        np.logical_or.reduce((v0 != 0).reshape(-1, v0.shape[-1]), axis=0)
+    if written[-1] or not written.any():
+        return {}
+    last = int(written.shape[0] - 1 - written[::-1].argmax())
+    count = written.shape[0] - 1 - last
+    if last + 1 < q_len or any(t[:, :, at].any() for t in (_cpu(k), _cpu(v)) for at in (last + 1, written.shape[0] - 1)):
+        return {}
+    return {"unwritten": count}
 
 
 def _edges_nonzero(k: torch.Tensor, k_shape: tuple) -> bool:
