@@ -1,5 +1,5 @@
-# sgl-project/sglang#40476: Mllama text cross-attention ran over every one of max_num_tiles tile slots of an
-# image, so text tokens attended to the processor's zero-padding tiles; the fix masks keys to the valid tiles.
+# sgl-project/sglang#40476: Mllama ran text cross-attention with cross_attention_mask = None over all
+# max_num_tiles tile slots of an image, so text attended to padded tiles; the fix masks keys to the real tiles.
 import sys
 
 import torch
@@ -51,46 +51,56 @@ class MllamaForConditionalGeneration(nn.Module):
         self.cross_attn = MllamaTextCrossAttention(config)
         self.cross_attn_attn_gate = nn.Parameter(torch.tensor(0.7))
 
-    def forward(self, positions, hidden_states, encoder_states_list, num_tiles_list, encoder_lens):
-        # hidden_states: flattened text tokens of all requests in the batch (token-packed, as in the server)
+    def flat_encoder_result(self, cross_attention_states, encoder_lens_need):
+        out = [cross_attention_states[i][:n] for i, n in enumerate(encoder_lens_need) if n > 0]
+        return torch.cat(out)
+
+    def forward(self, hidden_states, seq_lens, cross_attention_states, aspect_ratio_mask, encoder_lens):
+        # cross_attention_states: (bs, num_image, max_num_tiles, num_patches, dim), tiles padded by the processor
+        bs = cross_attention_states.shape[0]
+        cross_attention_states = cross_attention_states.view(bs, -1, self.config.hidden_size)
+        cross_attention_states = self.flat_encoder_result(cross_attention_states, encoder_lens)
+
+        cross_attention_mask = None  # TODO: support multi-image by this mask
+        if FIXED:
+            # aspect_ratio_mask marks the real tiles of each image; keys of padded tiles are masked out
+            tile_mask = aspect_ratio_mask.bool().repeat_interleave(self.config.num_patches_per_tile, dim=-1)
+            cross_attention_mask = [tile_mask[i].flatten()[:n] for i, n in enumerate(encoder_lens)]
+
         outputs = []
-        start = 0
-        for req, (enc_len, enc_states) in enumerate(zip(encoder_lens, encoder_states_list)):
-            seq_len = int(positions[req])
-            h = hidden_states[start:start + seq_len]
-            # cross_attention_states: every tile slot of the image, padded to max_num_tiles by the processor
-            cross_states = enc_states.reshape(-1, self.config.hidden_size)[:enc_len]
+        q_start = kv_start = 0
+        for req, (seq_len, enc_len) in enumerate(zip(seq_lens, encoder_lens)):
+            h = hidden_states[q_start:q_start + seq_len]
+            kv = cross_attention_states[kv_start:kv_start + enc_len]
             mask = None
-            if FIXED:
-                valid = torch.zeros(self.config.max_num_tiles, self.config.num_patches_per_tile, dtype=torch.bool)
-                valid[: num_tiles_list[req]] = True
-                mask = valid.flatten()[:enc_len][None, None, :].expand(1, seq_len, enc_len)
-            attn = self.cross_attn(h, cross_states, attention_mask=mask)
+            if cross_attention_mask is not None:
+                mask = cross_attention_mask[req][None, None, :].expand(1, seq_len, enc_len)
+            attn = self.cross_attn(h, kv, attention_mask=mask)
             outputs.append(h + self.cross_attn_attn_gate.tanh() * attn)
-            start += seq_len
+            q_start += seq_len
+            kv_start += enc_len
         return torch.cat(outputs)
 
 
 config = MllamaConfig()
 model = MllamaForConditionalGeneration(config).eval()
 
-# two requests; request 0 has an image split into 2 tiles, request 1 an image of 4 tiles
-num_tiles_list = [2, 4]
-encoder_states_list = []
-for n in num_tiles_list:
-    tiles = torch.randn(config.max_num_tiles, config.num_patches_per_tile, config.hidden_size)
-    # padded tile slots are zero pixels; after the vision tower they are not zero features
-    tiles[n:] = torch.randn(config.max_num_tiles - n, config.num_patches_per_tile, config.hidden_size) * 0.5 + 1.0
-    encoder_states_list.append(tiles)
-encoder_lens = [config.max_num_tiles * config.num_patches_per_tile] * 2
-positions = torch.tensor([6, 5])
-hidden_states = torch.randn(int(positions.sum()), config.hidden_size)
+# two requests, one image each; request 0's image was split into 2 tiles, request 1's into 4
+num_tiles = [2, 4]
+cross_attention_states = torch.randn(2, 1, config.max_num_tiles, config.num_patches_per_tile, config.hidden_size)
+aspect_ratio_mask = torch.zeros(2, 1, config.max_num_tiles, dtype=torch.int64)
+for i, n in enumerate(num_tiles):
+    aspect_ratio_mask[i, 0, :n] = 1
+    # padded tile slots hold zero pixels; after the vision tower and projector they are not zero features
+    cross_attention_states[i, 0, n:] = cross_attention_states[i, 0, n:] * 0.5 + 1.0
+encoder_lens = [1 * config.max_num_tiles * config.num_patches_per_tile] * 2  # num_media * num_tiles * num_patches
+seq_lens = [6, 5]
+hidden_states = torch.randn(sum(seq_lens), config.hidden_size)
 
 with torch.no_grad():
-    out = model(positions, hidden_states, encoder_states_list, num_tiles_list, encoder_lens)
-    # reference: request 0 alone with only its two real tiles in cross_attention_states
-    ref_model_states = [encoder_states_list[0][:2]]
-    ref = model(positions[:1], hidden_states[:6], ref_model_states, [2],
+    out = model(hidden_states, seq_lens, cross_attention_states, aspect_ratio_mask, encoder_lens)
+    # reference: request 0 alone, its image given with exactly its 2 real tiles
+    ref = model(hidden_states[:6], [6], cross_attention_states[:1, :, :2], aspect_ratio_mask[:1, :, :2],
                 [2 * config.num_patches_per_tile])
 
 print("mode:", "fixed" if FIXED else "buggy")
