@@ -16,6 +16,17 @@ from typer.testing import CliRunner
 from checkbugs import imports_transformers
 from maskcli.commands import app
 
+
+@pytest.fixture(autouse=True)
+def _default_dtype():
+    """Each program traced in this process starts from torch's default dtype: a correct program that sets float64 (a
+    forecaster's, a tree verifier's) must not leave it to the next (mixed-dtype errors and NaN in programs after it)."""
+    import torch
+
+    held = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(held)
+
 runner = CliRunner()
 
 PROGRAMS = {
