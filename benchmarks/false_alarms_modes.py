@@ -38,6 +38,8 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           "left-pads-never-masked": "padding", "samples-leak": "across documents",
           "chunk-lookahead-compounds": "sees later", "mask-none-differs": "sees later", "one-pass-sees-later": "sees later",
           "samples-see-other-memories": "across documents", "padding-seen-by-one": "padding",
+          "window-escaped": "beyond the window",  # (a sliding layer's keys past its window: no mode checks it either)
+          "handed-mask-made-causal": "a prefix made causal",  # (later keys a handed mask shows, hidden: nor this one)
           "emptied-after-softmax": "a query that reads nothing",  # (no mode's check confirms these two: no family
           "joint-text-cut": "text cut",  # multiplies its weights after a softmax or drops a prompt's real tokens: any
           # such finding here is one to look at by hand)

@@ -43,6 +43,8 @@ BUGS = [
     # written blind (batch blind-av), caught before any rule was changed for them:
     # gc-os-ai/pyaptamer#178: AptaTrans' nn.TransformerEncoders run with no mask over zero-padded tokens (padding_idx=0)
     ("pyaptamer_aptatrans_encoder_padding_zeros_attended", "padding-ignored"),
+    # WhereIsAI/BiLLM#6 (blind-bh, caught before tuning): the bidirectional layers' all-zero mask drops the key padding
+    ("billm_bidirectional_layers_unmask_padding", "padding-ignored"),
     # lucidrains/alphafold2 c85682e: the structure module calls the IPA block without the residue mask it was given
     ("alphafold2_structure_module_ipa_ignores_residue_mask", "padding-ignored"),
     # huggingface/transformers#17455 (fixed by #21870): ProphetNet's padding mask `.repeat(num_heads, 1, 1)` (head-major)

@@ -70,6 +70,30 @@ def test_future_mask_on_the_incremental_path_only(tmp_path):
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 
+def test_t5_decoder_self_attention_reading_the_encoders_direction(tmp_path):
+    """TransformerLens#1681: one cfg (attention_dir="bidirectional") shared by the encoder and decoder T5Blocks, so the
+    decoder's self-attention is never masked; the block says it is a decoder (self.is_decoder) and its attention class
+    holds apply_causal_mask."""
+    hit = check_bug(tmp_path, "transformerlens_t5_decoder_self_attention_shares_bidirectional_cfg",
+                    "decoder-mask-not-causal")[0]
+    assert "apply_causal_mask() beside T5Block (is_decoder=True)" in hit["source"]
+    assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: k > q)  # the targets are unpadded
+
+
+def test_a_block_causal_only_while_training(tmp_path):
+    """Written another way: blocks that say `self.is_decoder`, nn.MultiheadAttention with a key_padding_mask from the
+    pad id over right-padded targets, make_causal_mask in the module's globals applied only while training; scored in
+    eval mode. Its fix is quiet."""
+    status, found, report = traced(tmp_path, "seq2seq_is_decoder_block_causal_only_in_training", False, DIRECTIONS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "decoder-mask-not-causal")
+    assert hit["severity"] == "wrong" and "make_causal_mask() beside Block (is_decoder=True)" in hit["source"]
+    real = [[1] * 5, [1, 1, 1, 0, 0]]  # tgt == PAD marks row 1's last two
+    assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: k > q and bool(real[b][q] and real[b][k]))
+    status, found, report = traced(tmp_path, "seq2seq_is_decoder_block_causal_only_in_training", True, DIRECTIONS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
 def subsequent_mask(n):  # a builder in this file's globals: the decoder classes below are the program's own
     return torch.ones(n, n, dtype=torch.bool).tril()
 
@@ -104,6 +128,23 @@ class Attention(torch.nn.Module):
         return x
 
 
+class CausalCapable(torch.nn.Module):  # TransformerLens' attention: a method that applies the causal mask
+    def apply_causal_mask(self, scores):
+        return scores
+
+    def forward(self, x):
+        return x
+
+
+class Block(torch.nn.Module):  # T5's block: says which side it is, no word "decoder" in its class
+    def __init__(self, is_decoder):
+        super().__init__()
+        self.is_decoder = is_decoder
+
+    def forward(self, x):
+        return x
+
+
 def test_builder_reading():
     """causal_builder: the innermost decoder class of the program's own whose module or class holds a builder; none for
     a library's decoder (torch's, which DETR runs without a causal mask), a decoder that names itself
@@ -117,5 +158,10 @@ def test_builder_reading():
                                                                                          "TransformerDecoder")
     assert causal_builder([TransformerDecoder(), MLMDecoder()]) is None
     assert causal_builder([Encoder()]) is None
+    # a block that says it is a decoder: the builder its class's module holds, or the attention's class inside it
+    assert causal_builder([Block(True), Attention()]).startswith("subsequent_mask() beside Block (is_decoder=True)")
+    assert causal_builder([Block(True), CausalCapable()]).startswith("subsequent_mask() beside Block")
+    assert causal_builder([Block(False), CausalCapable()]) is None  # an encoder's block
+    assert causal_builder([Attention(), Block(False), CausalCapable()]) is None
     layer = torch.nn.TransformerDecoderLayer(8, 2)
     assert causal_builder([torch.nn.TransformerDecoder(layer, 1), layer]) is None

@@ -19,6 +19,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from maskcli.checks.context import Run, cross, first_cell, keep, queries
@@ -27,6 +29,8 @@ from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import explained
 from maskcli.text import Finding
+
+ATTENTION = re.compile(r"attn|attention", re.IGNORECASE)  # a module named as an attention (`self_attn`, `attn`)
 
 
 def _directions(run: Run, call):
@@ -91,7 +95,10 @@ def causal_run_unsaid(run: Run) -> list:
 def decoder_builder_unused(run: Run) -> list:
     """Self-attention calls of a program's decoder that holds a causal-mask builder where a real query sees later."""
     found, done, judged = [], set(), None
-    for call in run.calls:
+    # (a softmax site that masks nowhere is set apart from run.calls (engine.py): a decoder's self-attention that got no
+    # mask at all is one, read where its module is named an attention's)
+    bare = [call for call in run.unmasked if call.api == "softmax" and ATTENTION.search(call.where.split(".")[-1])]
+    for call in run.calls + bare:
         said = call.details.get("decoder_builder")
         if said is None or call.details.get("module_not_causal"):
             continue
@@ -111,8 +118,8 @@ def decoder_builder_unused(run: Run) -> list:
         b, q, k = first_cell(later)
         found.append((call, Finding("decoder-mask-not-causal", (
             f"batch row {b}: query {q} of {call.where} sees the later key {k} ({int(later.sum())} such cells), yet the "
-            f"program's decoder builds causal masks ({said}): its self-attention got the padding mask without the "
-            f"causal part"),
+            f"program's decoder builds causal masks ({said}): its self-attention's mask never got the "
+            f"causal part (the padding mask alone, or none)"),
             expected="causal", source=said, cell=(b, q, k))))
     return found
 

@@ -38,7 +38,16 @@ def _same_else(a, b) -> bool:
     two = {k: v for k, v in b.arguments.items() if k != NAME}
     if one.keys() != two.keys() or not any(isinstance(v, np.ndarray) for v in one.values()):
         return False
-    return all(np.array_equal(v, two[k]) if isinstance(v, np.ndarray) else v == two[k] for k, v in one.items())
+    return all(_equal(v, two[k]) for k, v in one.items())
+
+
+def _equal(one, two) -> bool:
+    """Equal arguments, arrays by their cells, (name, array) pairs (first_ids, handed_cells) item by item."""
+    if isinstance(one, np.ndarray) or isinstance(two, np.ndarray):
+        return isinstance(one, np.ndarray) and isinstance(two, np.ndarray) and np.array_equal(one, two)
+    if isinstance(one, tuple) and isinstance(two, tuple):
+        return len(one) == len(two) and all(_equal(a, b) for a, b in zip(one, two))
+    return bool(one == two)
 
 
 def none_differs(run: Run) -> list:

@@ -14,7 +14,7 @@ import os
 import re
 import sysconfig
 
-BUILDER = re.compile(r"_*(?:(?:get|make|build|create|generate|gen|buffered|square)_)*"
+BUILDER = re.compile(r"_*(?:(?:get|make|build|create|generate|gen|buffered|square|apply)_)*"
                      r"(?:subsequent|causal|future|look_?ahead|no_?peak|autoregressive)_(?:attn_|attention_)?mask",
                      re.IGNORECASE)  # a builder's whole name (fairseq's buffered_future_mask, torch's
 # generate_square_subsequent_mask), not a name that mentions one (a test's)
@@ -26,14 +26,59 @@ NOT_AUTOREGRESSIVE = {"na", "nat", "nar", "mlm", "cmlm", "masked", "bidirectiona
 
 def causal_builder(stack: list) -> str | None:
     """'subsequent_mask() beside DecoderLayer in FILE' for the innermost decoder class of the program's own on `stack`
-    whose code holds a causal-mask builder; None where none does."""
-    for module in reversed(stack):
+    whose code holds a causal-mask builder; None where none does. A module of the program's own that says it is a
+    decoder itself (`self.is_decoder = True`, as T5's blocks and BERT's layers do) is one too, its builder held by its
+    class or by the class of a module inside it on the stack (TransformerLens' T5Block around an attention whose class
+    holds `apply_causal_mask`); one that says False (an encoder's block) speaks for what is inside it: no decoder."""
+    for at in range(len(stack) - 1, -1, -1):
+        module = stack[at]
+        flag = _own_flag(module)
+        if flag is False:
+            return None
         found = _of_class(type(module))
         if found is STOP:
             return None
         if found is not None:
             return found
+        if flag is True:
+            return _held_inside(stack[at:])
     return None
+
+
+def _own_flag(module) -> bool | None:
+    """The module's own bool `is_decoder`, where its class is the program's own; None elsewhere."""
+    try:
+        flag = vars(module).get("is_decoder")
+    except TypeError:
+        return None
+    if not isinstance(flag, bool):
+        return None
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    return flag if code is not None and _own(code.co_filename) else None
+
+
+def _held_inside(modules: list) -> str | None:
+    """The builder the code of the first of `modules` (a module that says it is a decoder) or of one inside it holds."""
+    for module in modules:
+        names = _builders(type(module))
+        if names:
+            return f"{names[0]}() beside {type(modules[0]).__name__} (is_decoder=True) in {names[1]}"
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _builders(cls) -> tuple:
+    """(builder name, file) that a class of the program's own holds (its methods, its forward's globals); () if none."""
+    forward = vars(cls).get("forward") or getattr(cls, "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is None or not _own(code.co_filename):
+        return ()
+    names = [key for klass in cls.__mro__ if klass.__module__ == cls.__module__ for key in vars(klass)
+             if BUILDER.fullmatch(key) and callable(vars(klass)[key])]
+    names += [key for key, value in getattr(forward, "__globals__", {}).items() if BUILDER.fullmatch(key)
+              and callable(value) and not isinstance(value, type)]
+    return (names[0], os.path.basename(code.co_filename)) if names else ()
 
 
 STOP = False  # an encoder, or a decoder that names itself not autoregressive: no decoder around it speaks for it

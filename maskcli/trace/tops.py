@@ -18,6 +18,7 @@ import torch
 
 from maskcli.checks.context import STARTS, Top  # (STARTS: the first query's position as an int)
 from maskcli.checks.intent import StaticView, dynamic, read
+from maskcli.trace.handedcells import handed_cells
 from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids
 from maskcli.trace.padded import MOST, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
@@ -118,6 +119,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw")):
         found["module_class"] = type(module).__name__  # (the tower's family: how it attends a video, checks/items.py)
     found.update(padded_input(given))
+    found.update(handed_cells(given))  # (a (B, L, L) mask the call was handed: checks/handedcausal.py)
     found.update(lengths_over(signature, given))
     convs = _convs(module)
     if convs:
