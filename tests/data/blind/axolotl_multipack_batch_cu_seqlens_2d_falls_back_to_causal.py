@@ -34,18 +34,28 @@ def get_cu_seqlens_from_pos_ids(position_ids):
         position_ids = position_ids.unsqueeze(0)
     results, max_seq_lens = [], []
     for row in position_ids:
-        starts = torch.nonzero(row == 0).flatten()
-        cu = torch.cat([starts, torch.tensor([len(row)])]).to(torch.int32)
-        results.append(cu)
-        max_seq_lens.append(int((cu[1:] - cu[:-1]).max()))
-    if FIXED:
-        # offset each row's boundaries into the flattened (b s) token axis
-        seq_len = position_ids.shape[1]
-        flat = [results[0]] + [r[1:] + i * seq_len for i, r in enumerate(results) if i > 0]
-        return torch.cat(flat), max(max_seq_lens)
-    width = max(len(r) for r in results)
-    padded = torch.stack([F.pad(r, (0, width - len(r)), value=r[-1].item()) for r in results])
-    return padded, max(max_seq_lens)
+        # Count the number of consecutive zeros from the right side
+        padding_length = (row == 0).int().flip(dims=[0]).cumprod(dim=0).sum().item()
+        adjusted_row = row[:-padding_length] if padding_length else row.clone()
+        # Find where the position resets to 0 (indicating a new sequence)
+        seq_starts = torch.cat([torch.tensor([True]), adjusted_row[1:] == 0])
+        start_indices = torch.cat([torch.nonzero(seq_starts).unbind(dim=1)[0], torch.tensor([len(adjusted_row)])])
+        seq_lengths = start_indices[1:] - start_indices[:-1]
+        cu_seqlens = torch.cat([torch.tensor([0]), seq_lengths.cumsum(0)]).to(torch.int32)
+        if padding_length:
+            cu_seqlens = torch.cat([cu_seqlens, torch.tensor([len(row)], dtype=torch.int32)])
+        results.append(cu_seqlens)
+        max_seq_lens.append((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    max_value = max(t.max() for t in results)
+    max_length = max(t.size(0) for t in results)
+    padded_results = [F.pad(t, (0, max_length - t.size(0)), "constant", max_value) for t in results]
+    return torch.stack(padded_results).to(dtype=torch.int32), torch.stack(max_seq_lens)
+
+
+def flatten_cu_seqlens(cu_seqlens, seq_length):
+    # one cumulative-length vector over the (b s) token axis, as the varlen kernel expects
+    rows = [torch.unique_consecutive(r) + i * seq_length for i, r in enumerate(cu_seqlens)]
+    return torch.unique_consecutive(torch.cat(rows)).to(torch.int32)
 
 
 class LlamaAttention(nn.Module):
@@ -81,8 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(hidden_size)
         self.mlp = nn.Sequential(nn.Linear(hidden_size, 64), nn.SiLU(), nn.Linear(64, hidden_size))
 
-    def forward(self, hidden_states, position_ids):
-        cu_seqlens, max_seqlen = get_cu_seqlens_from_pos_ids(position_ids)
+    def forward(self, hidden_states, cu_seqlens, max_seqlen):
         h = hidden_states + self.self_attn.flashattn_forward(self.input_layernorm(hidden_states), cu_seqlens, max_seqlen)
         return h + self.mlp(h)
 
@@ -97,8 +106,14 @@ class TinyLlama(nn.Module):
 
     def forward(self, input_ids, position_ids):
         h = self.embed_tokens(input_ids) + self.pos(position_ids)
+        seq_length = input_ids.shape[1]
+        position_ids = position_ids.view(-1, seq_length).long()
+        cu_seqlens, max_seqlen = get_cu_seqlens_from_pos_ids(position_ids)
+        cu_seqlens = cu_seqlens.squeeze()
+        if FIXED and cu_seqlens.dim() > 1:
+            cu_seqlens, max_seqlen = flatten_cu_seqlens(cu_seqlens, seq_length), max_seqlen.max()
         for layer in self.layers:
-            h = layer(h, position_ids)
+            h = layer(h, cu_seqlens, max_seqlen)
         return self.lm_head(h)
 
 
