@@ -45,7 +45,8 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "crosspad", "crossq", "batchaxis", "decoders", "headrows", "evicted", "media", "shard", "serve", "servemasks",
            "servesteps", "serveexpect", "ranks", "fullblocks", "zerokv", "memlen", "graphs", "reach", "neighbours", "reqlens", "turned", "gathered", "chunkrows", "discarded",
            "items", "imageruns", "expanded", "queryaxis", "padded", "directions", "rowless", "crosskeys", "numbered", "scored",
-           "memturned", "memorypads", "globaltokens", "sidewindows", "chunkahead", "nomask", "foldedcross", "jointtext", "fewseen")
+           "memturned", "memorypads", "globaltokens", "sidewindows", "chunkahead", "nomask", "foldedcross", "jointtext", "fewseen",
+           "docrows")
 
 
 @dataclass(frozen=True)
