@@ -402,6 +402,46 @@ def test_a_layer_handed_query_and_key_as_the_annotated_transformer_writes_it():
         "another tensor than its query"
 
 
+def test_query_and_key_rebound_to_their_projections_are_read_as_the_layer_was_handed_them():
+    """The Annotated Transformer writes `query, key, value = [lin(x).view(...) ... for lin, x in zip(...)]`: by the time
+    the kernel runs, the forward's `query` and `key` are two projections, other tensors whatever the attention. Read as
+    nn.Module's call handed them (its args and kwargs; with a forward hook set too, where forward runs in a closure):
+    `self_attn(x, x, x)` is self, `src_attn(x, m, m)` cross."""
+
+    class MultiHeadedAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linears = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+        def forward(self, query, key, value, mask=None):
+            query, key, value = [lin(x).view(x.shape[0], -1, 2, 4).transpose(1, 2)
+                                 for lin, x in zip(self.linears, (query, key, value))]
+            scores = query @ key.transpose(-2, -1) / 2.0
+            if mask is not None:
+                scores = scores.masked_fill(mask == 0, -1e9)
+            return (scores.softmax(-1) @ value).transpose(1, 2).reshape(query.shape[0], -1, 8)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn, self.src_attn = MultiHeadedAttention(), MultiHeadedAttention()
+
+        def forward(self, x, m):
+            x = self.self_attn(x, x, x, torch.ones(6, 6).tril())
+            return self.src_attn(x, m, m)
+
+    torch.manual_seed(0)
+    layer = Layer().eval()
+    x, m = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+    for hooked in (False, True):
+        if hooked:
+            layer.self_attn.register_forward_pre_hook(lambda module, args: None)
+            layer.src_attn.register_forward_hook(lambda module, args, out: None)
+        with torch.no_grad():
+            found = _crossings(lambda: layer(x, m))
+        assert found == {"self_attn": {(False, "inputs")}, "src_attn": {(True, "inputs")}}, hooked
+
+
 def test_a_packed_kv_holding_the_layers_own_keys_is_self_attention(tmp_path):
     """flash-attn's MHA hands its self-attention's cache to `inner_cross_attn(q, kv)`: kv ends with the packed qkv's
     own keys and values, so the call is read as self-attention (checks/context.crossing), not cross."""

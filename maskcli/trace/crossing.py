@@ -261,7 +261,9 @@ def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
         key_name = next((n for n in params if n in KEY), None)
         if query_name is None or key_name is None:
             return None
-        query, key = frame.f_locals.get(query_name), frame.f_locals.get(key_name)
+        given = _handed(frame, owner, code)  # (as handed: its locals may hold their projections by now)
+        given = given if query_name in given and key_name in given else frame.f_locals
+        query, key = given.get(query_name), given.get(key_name)
         if not issubclass(type(query), torch.Tensor) or not issubclass(type(key), torch.Tensor) or query.dim() < 2 or key.dim() < 2:
             return None
         where = f"{type(owner).__name__}.forward() of {os.path.basename(code.co_filename)}"
@@ -271,6 +273,24 @@ def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
             return None  # (keys of neither: the layer joined them, or laid them out otherwise)
         return {"cross": True, "by": "inputs", "source": f"{key_name} handed to {where} is another tensor than its {query_name}"}
     return None
+
+
+def _handed(frame, owner, code) -> dict:
+    """The arguments the forward running in `frame` was handed, by name, as nn.Module's call passed them ({} where it
+    was called otherwise): the Annotated Transformer's `query, key, value = [lin(x) ... for lin, x in zip(...)]`
+    rebinds them to projections before the kernel runs, and `self_attn(x, x, x, mask)` would read as keys of another
+    tensor (its _call_impl's `args` and `kwargs`, or those of the closure it runs forward in where hooks are set)."""
+    caller = frame.f_back
+    if caller is None or caller.f_code is not _CALL and (caller.f_code.co_name != "inner"
+                                                          or caller.f_code.co_filename != _CALL.co_filename):
+        return {}
+    held = caller.f_locals
+    args, kwargs = held.get("args"), held.get("kwargs")
+    if held.get("self") is not owner or not isinstance(args, tuple) or not isinstance(kwargs, dict):
+        return {}
+    handed = dict(zip(code.co_varnames[1:code.co_argcount], args))
+    handed.update(kwargs)
+    return handed
 
 
 def _ends_with(key: torch.Tensor, query: torch.Tensor) -> bool:
