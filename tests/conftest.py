@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 try:  # (the vLLM venv runs tests/test_trace_vllm.py with pytest alone: no property tests there)
@@ -19,6 +21,19 @@ def cpu_unless_marked_cuda(request, monkeypatch):
     computed on the CPU, so they pin it there (an explicit --device still wins)."""
     if request.node.get_closest_marker("cuda") is None:
         monkeypatch.setenv("MASKCLI_DEVICE", "cpu")
+
+
+@pytest.fixture(autouse=True)
+def torch_default_dtype_restored():
+    """A program traced in the test's process (CliRunner's `maskcli trace`, `maskcli.trace()`) may set torch's default
+    dtype (float64, for a reference computed exactly) and leave it set, as a script may: the next test's program would
+    run in it. Each test starts in the dtype the one before it started in."""
+    torch = sys.modules.get("torch")
+    dtype = None if torch is None else torch.get_default_dtype()
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_default_dtype(dtype or torch.float32)
 
 
 @pytest.fixture(autouse=True)

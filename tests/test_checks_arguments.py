@@ -556,3 +556,29 @@ def test_a_pad_mask_one_on_the_tokens_is_read_by_its_ids(tmp_path):
     [hit] = check_bug(tmp_path, "modernbert_candle_flash_path_drops_local_window_and_padding", "padding-ignored")
     lengths = (12, 7)
     assert tuple(hit["cell"]) == first((2, 12, 12), lambda b, q, k: q < lengths[b] <= k)
+
+
+BATCHDICT = Path(__file__).parent / "data" / "batchdict"
+
+
+def test_ids_held_in_a_batch_dict_with_a_target_item_appended(tmp_path):
+    """datawhalechina/torch-rechub b0c1516 (blind-ba, missed before): BST runs nn.TransformerEncoder over a history
+    right-padded with item 0 (the item embedding's padding_idx) and the target item appended, with no
+    src_key_padding_mask; the ids reach the model inside its batch dict `x`. The 8 ids are 8 of the 9 keys, at the
+    start or the end: the cell named is a double loop's over cells that are a real query seeing a pad key either way
+    (history lengths 8, 3, 5). The fix (the padding mask, the target kept) is quiet."""
+    [hit] = check_bug(tmp_path, "torch_rechub_bst_behavior_sequence_padding_unmasked", "padding-ignored")
+    lengths = [8, 3, 5]
+    assert tuple(hit["cell"]) == first((3, 9, 9), lambda b, q, k: q < lengths[b] and lengths[b] + 1 <= k <= 7), hit
+    assert hit["source"].startswith('input ids x["hist_movie_id"] equal to the pad id 0'), hit
+
+
+def test_ids_held_in_a_batch_dict_left_padded_with_a_cls_key_prepended(tmp_path):
+    """The same bug written another way (RecBole's `interaction` dict, sequences left-padded with item 0, a CLS token
+    prepended, a hand-written encoder on SDPA with no mask): caught, the cell a double loop's over cells a real query
+    sees a pad key under either placement of the 8 ids among the 9 keys; the fix (mask from `item_seq != 0`, the CLS
+    kept) is quiet."""
+    [hit] = check_bug(tmp_path, "recbole_style_interaction_dict_cls_keys_unmasked", "padding-ignored", folder=BATCHDICT)
+    lengths = [8, 3, 5]
+    assert tuple(hit["cell"]) == first((3, 9, 9), lambda b, q, k: q >= 9 - lengths[b] and 1 <= k <= 7 - lengths[b]), hit
+    assert 'interaction["item_seq"]' in hit["source"], hit

@@ -366,7 +366,9 @@ _FLEX = {"packed_documents_flex_cu_seqlens", "self_forcing_block_causal_video", 
 # softmax over the queries (slot attention's slots compete for each input): not attention over keys, so no call is
 # recorded, and the report says 0 calls rather than reading the slots as keys; and BiDAF's trilinear similarity (a
 # Linear over [p; q; p * q], no product of queries and keys) is scores trace does not know as such
-_NO_CALL = {"slot_attention_softmax_over_slots_no_mask", "allennlp_bidaf_masked_softmax_renormalised"}
+# HSTU's pointwise attention (SiLU of the scores times a 0/1 validity mask, no softmax) is no softmax attention either
+_NO_CALL = {"slot_attention_softmax_over_slots_no_mask", "allennlp_bidaf_masked_softmax_renormalised",
+            "hstu_jagged_histories_silu_pointwise_attention_causal_valid_mask"}
 _HF = {p.stem for p in QUIET_BLIND.glob("hf_*.py")} | {  # (built from transformers' classes, or importing it: skipped
     p.stem for p in QUIET_BLIND.glob("*.py") if imports_transformers(p)}
 

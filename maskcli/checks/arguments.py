@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, beside_memory, columns_are_positions, cross, first_cell, keep, queries, real_queries
+from maskcli.checks.heldpad import held_readings
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.real import kept_turned, stated
 from maskcli.checks.registry import Rule
@@ -130,11 +131,14 @@ def padding(run: Run) -> list:
             said = stated(top, rows, given.shape[1])
         if said is None:
             said = _prefill_of_slots(call, top, rows, k_len)
-        readings = None
+        readings, placed = None, None
         if said is None:
             said = folded(top, rows, k_len)  # (the batch folded with its heads: read both ways round)
             if said is None:
-                continue  # (keys that are not the stated tokens: a prompt prepended inside the model, CPM-Ant's)
+                said = held_readings(top, rows, k_len)  # (ids held in a batch dict, a key or two of the model's own beside)
+                if said is None:
+                    continue  # (keys that are not the stated tokens: a prompt prepended inside the model, CPM-Ant's)
+                said, placed = said[:3], said[3]
             readings, source, sure = said
             said = (readings[0], source, sure)
         real, source, sure = said
@@ -153,7 +157,10 @@ def padding(run: Run) -> list:
         own = queries(call, top)
         bad = _seen_padding(cells, real, own)
         if readings is not None and not all(_seen_padding(cells, other, own).any() for other in readings[1:]):
-            continue  # (folded one way the mask keeps to the padding: quiet)
+            continue  # (folded one way, or the ids placed one way, the mask keeps to the padding: quiet)
+        if placed is not None:  # (the cell named: one that every placement of the ids calls padding, where one is)
+            every = np.logical_and.reduce([_seen_padding(cells, other, own) for other in readings])
+            bad = every if every.any() else bad
         if bad.any() and readings is None and kept_turned(source, real, cells, own):
             continue  # (a `padding_mask` True on the tokens, Keras's way round, kept to exactly: real.kept_turned)
         if bad.any():
@@ -167,7 +174,7 @@ def padding(run: Run) -> list:
             turned = f"; it hides {hidden} real key{'' if hidden == 1 else 's'}: a padding mask the wrong way round?" if hidden else ""
             said_by = source if source.startswith("input ids") else "the " + source.replace(" of ", " given to ", 1)
             found.append((call, Finding("padding-ignored", (
-                f"batch row {b}{'' if readings is None else _fold_words(call, top, rows, length)}: "
+                f"batch row {b}{'' if readings is None else placed if placed is not None else _fold_words(call, top, rows, length)}: "
                 f"query {int(own[q])} sees key {k}, which {said_by} "
                 f"{'mark' if source.split(' ')[0].endswith('s') else 'marks'} as padding ({step}; {int(bad.sum())} such "
                 f"cells{turned})" + ("" if sure else f" (if token id {top.arguments.get('pad_id')} is padding there)")),

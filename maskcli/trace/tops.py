@@ -19,6 +19,7 @@ import torch
 from maskcli.checks.context import STARTS, Top  # (STARTS: the first query's position as an int)
 from maskcli.checks.intent import StaticView, dynamic, read
 from maskcli.trace.held import program_frames
+from maskcli.trace.heldids import held_ids
 from maskcli.trace.padded import MOST, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
 from maskcli.trace.tokenids import token_ids as _token_ids
 
@@ -109,6 +110,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             found[name] = value
     found.update(_first_ids(signature, given, found))
+    found.update(held_ids(given, module, found))  # (ids inside a batch dict, `model(x)`: trace/heldids.py)
     found.update(_token_ids(module))
     found.update(nested_ids(given, found))  # (ids of more axes beside that pad id: RETRO's neighbours)
     found.update(_zeros(given, found))
