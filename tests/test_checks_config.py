@@ -256,6 +256,27 @@ def test_program_variables_speak_only_as_one_config():
     assert _codes(model) == []
 
 
+def test_a_config_that_copies_part_of_another_adds_nothing_to_it():
+    # a runtime's copy of the model's window (vLLM's cache_config.sliding_window) beside the config that states the
+    # layers' types: the copy says nothing the model's config does not, so the model's config speaks alone
+    model = torch.nn.Sequential(_Layer(3), _Layer(3))  # both layers windowed
+    model_config = {"sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]}  # noqa: F841 - read by trace
+    cache_config = {"sliding_window": 3}
+    assert _codes(model) == [("window-on-full-layer", "wrong")]
+    cache_config["sliding_window"] = 5  # a copy that says another window: which one is the model's is not known
+    assert _codes(model) == []
+    cache_config["sliding_window"], cache_config["is_causal"] = 3, True  # a config that states more than a copy
+    assert _codes(model) == []
+
+
+def test_the_model_wide_window_a_full_layer_falls_back_to(tmp_path):
+    # vllm-project/vllm#21863 (written blind): Gemma3n's full layer (layer_types[3], window None) falls back to
+    # cache_config.sliding_window, the copy of hf_config's window; the fix leaves the runtime's window None
+    check_bug(tmp_path, "vllm_gemma3n_global_layers_fall_back_to_sliding_window", "window-on-full-layer")
+    # written another way: a dataclass ModelArgs and a runtime dict, a right-padded batch, eager softmax
+    check_bug(tmp_path, "runtime_window_copied_onto_full_layers", "window-on-full-layer", WINDOWS)
+
+
 def test_a_bidirectional_said_of_another_part_is_suspicious():
     model = torch.nn.Sequential(_Layer(None), _Layer(None))
     rnn_config = {"hidden_size": 8, "bidirectional": True}  # noqa: F841 - an LSTM's, maybe: nothing names attention

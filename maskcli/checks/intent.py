@@ -326,6 +326,14 @@ def _same(a, b) -> bool:
         return False
 
 
+def said_by_another(fields: dict, others: list[dict]) -> bool:
+    """Another config states every field `fields` states, with the same value, and more besides: `fields` adds nothing
+    to it (vLLM's cache_config.sliding_window copied from the model's config, which states the layer_types too)."""
+    said = {name: value for name, value in fields.items() if name not in FLAGS or value}  # (a flag False says nothing)
+    return any(len(set(other) - set(FLAGS)) > len(set(said) - set(FLAGS)) and all(
+        name in other and _same(value, other[name]) for name, value in said.items()) for other in others)
+
+
 def stated_for(top, where: str | None) -> list[Stated]:
     """The configs that speak for a call at module path `where` made within `top`: those of modules at or above it,
     else (where no module of the model holds a config) the program's one config variable."""

@@ -10,6 +10,7 @@ import numpy as np
 
 from maskcli import tracefile
 from maskcli.checks.context import cross
+from maskcli.checks.emptyreal import real_but_empty
 from maskcli.checks.real import by_row
 from maskcli.checks.registry import Rule
 from maskcli.checks.stages import mask_findings as mask_rows
@@ -77,33 +78,13 @@ def empty_rows(call, stored: dict, structure) -> list[Finding]:
         return [Finding("fully-masked", f"every query of every batch row sees no key at all, in a self-attention whose "
                         f"queries are its own keys: the mask masks everything ({what_api_does(call)})", "wrong",
                         expected="each query sees at least its own key")]
-    orphan = _real_but_empty(call, stored, empty)
+    orphan = real_but_empty(call, stored, empty)
     if orphan is not None:
-        b, q, k = orphan
+        b, q, why = orphan
         return [Finding("fully-masked", (
-            f"query {q} of batch row {b} sees no key at all, not even its own, though its token is a real key that "
-            f"query {k} sees, in a self-attention whose keys are its queries' own projection: {what_api_does(call)}"),
-            "wrong", expected="each query whose token is a key others see sees at least its own key", cell=(b, q, q))]
+            f"query {q} of batch row {b} sees no key at all, not even its own, though {why}: {what_api_does(call)}"),
+            "wrong", expected="each query whose token is real sees at least its own key", cell=(b, q, q))]
     return [Finding("fully-masked", f"{who} {verb} no key at all: {what_api_does(call)}", severity)]
-
-
-def _real_but_empty(call, stored: dict, empty: np.ndarray) -> tuple[int, int, int] | None:
-    """(batch row, query, a query that sees its key) where a self-attention's query sees no key while its own token is
-    a key another query of the row sees: keys read off the queries' own projection (trace/masks.py's kv_source), as
-    many as the queries, so query i is key i. Padding is hidden as a key too (its column unseen), so this token is
-    real, and a real token with no key to read has no output the program can mean (LLMs-from-scratch#1061's future
-    mask handed to SDPA as a keep-mask: the last token sees nothing)."""
-    if call.details.get("kv_source") != "query" or call.shape[2] != call.shape[3] or stored["form"] == "stats":
-        return None
-    cells = tracefile.dense(stored).any(axis=1)  # (b, Lq, Lk) over the heads
-    if cells.shape[1] != cells.shape[2] or cells.shape[0] != empty.shape[0]:
-        return None
-    seen_as_key = cells.any(axis=1)  # (b, Lk)
-    hit = empty & seen_as_key
-    if not hit.any():
-        return None
-    b, q = (int(i) for i in np.argwhere(hit)[0])
-    return b, q, int(np.flatnonzero(cells[b, :, q])[0])
 
 
 def reach(stored: dict, q_len: int) -> tuple[np.ndarray, np.ndarray]:

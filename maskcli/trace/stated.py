@@ -17,7 +17,7 @@ import sysconfig
 
 import torch
 
-from maskcli.checks.intent import NAMES, NUMBERS, Stated
+from maskcli.checks.intent import NAMES, NUMBERS, Stated, said_by_another
 from maskcli.checks.intent import config_like as _config_like
 from maskcli.checks.intent import fields_of as _fields_of
 
@@ -339,6 +339,7 @@ def _variables(root=None, anything: bool = False, depth: int = 1, places: list |
                     plain.append(not anything or config_like(value))
             except (Exception, SystemExit):  # noqa: BLE001 - an object whose every attribute raises (its __class__): it states nothing
                 continue
+    found = [one for one in found if not said_by_another(one.fields, [other.fields for other in found])]  # (a copy)
     distinct = {repr(sorted((k, repr(v)) for k, v in one.fields.items())) for one in found}
     if len(distinct) > 1 and anything:
         # an engine's layer or backend object (taken only as `anything`) holds the window in its kernel's convention,

@@ -1,0 +1,57 @@
+"""A query of a self-attention that sees no key at all though its token is real: the mask hides every key from a token
+whose output the program uses (rows.py's fully-masked, *wrong* there; rows of padding that see nothing are routine).
+
+A token is real where the program says so in either of two ways:
+- another query of its row sees it as a key, its keys being its queries' own projection (LLMs-from-scratch#1061's
+  future mask handed to SDPA as a keep-mask: the last token sees nothing);
+- the padding mask the program holds at the call (trace/held.py: `mask`, `attention_mask` 1 = real; `*pad_mask`
+  True = padding) calls it real, over as many keys as queries in a self-attention, and the call's mask keeps to that
+  padding (no query of the row sees a key it calls padding: the padding read the way the program applies it, not a
+  loss mask or one of the other polarity). pi-zero-pytorch 346bb05: the flex mask_fn AND-ed `key >= prefix_length`
+  into the padded causal mask, so every image and language token of the prefix saw no key.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli import tracefile
+from maskcli.checks.context import cross
+
+
+def real_but_empty(call, stored: dict, empty: np.ndarray) -> tuple[int, int, str] | None:
+    """(batch row, query, why its token is real) for the first such query; None where there is none. `empty`: bool
+    (b, Lq) rows that see no key in some head."""
+    if call.shape[2] != call.shape[3] or stored["form"] == "stats":
+        return None
+    cells = tracefile.dense(stored)  # (b, h, Lq, Lk)
+    if cells.shape[2] != cells.shape[3] or cells.shape[0] != empty.shape[0]:
+        return None
+    seen = cells.any(axis=1)  # (b, Lq, Lk) over the heads
+    if call.details.get("kv_source") == "query":
+        hit = empty & seen.any(axis=1)  # (b, Lk): a key another query sees
+        if hit.any():
+            b, q = (int(i) for i in np.argwhere(hit)[0])
+            k = int(np.flatnonzero(seen[b, :, q])[0])
+            return b, q, (f"its token is a real key that query {k} sees, in a self-attention whose keys are its "
+                          "queries' own projection")
+    helds = call.details.get("held_padding") or ()
+    if not helds or cross(call):
+        return None
+    for held in helds:
+        rows = held.get("rows")
+        if held.get("kind") not in ("keep", "pad") or not isinstance(rows, np.ndarray) or rows.dtype != bool \
+                or rows.ndim != 2 or rows.shape[1] != cells.shape[3] or cells.shape[0] not in (1, rows.shape[0]):
+            continue  # (a mask stored once for the batch, every row's the same: read against each row's padding)
+        real = rows if held["kind"] == "keep" else ~rows
+        sees = np.broadcast_to(seen, (rows.shape[0], *seen.shape[1:]))
+        nothing = ~np.broadcast_to(cells.any(axis=3).any(axis=1), rows.shape)  # (b, Lq): no key in any head
+        if real.all() or not real.any(axis=1).all() or (sees & ~real[:, None, :]).any():
+            continue  # (no padding, a row with no real token, or a mask that does not keep to this padding)
+        hit = nothing & real
+        if hit.any():
+            b, q = (int(i) for i in np.argwhere(hit)[0])
+            return b, q, (f"its token is real by the program's own padding mask {held['name']} in {held['where']}, "
+                          "which the mask keeps to (no query sees a key it calls padding), in a self-attention of as "
+                          "many queries as keys")
+    return None
