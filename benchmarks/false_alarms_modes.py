@@ -43,8 +43,11 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           "emptied-after-softmax": "a query that reads nothing",  # (no mode's check confirms these two: no family
           "joint-text-cut": "text cut",  # multiplies its weights after a softmax or drops a prompt's real tokens: any
           # such finding here is one to look at by hand)
-          "window-differs-at-decode": "a window of another width"}  # (nor this: a family whose prefill and decode
-# lay two windows; its prompt's logits against the same tokens decoded one at a time would confirm it)
+          "window-differs-at-decode": "a window of another width",  # (nor this: a family whose prefill and decode
+          # lay two windows; its prompt's logits against the same tokens decoded one at a time would confirm it)
+          "document-row-empty": "a query that reads nothing",  # (a packed document's token cut out of it: the packed
+          # mode's check confirms a leak only where a finite fill spreads the row over other documents)
+          "nan-rows-backward": "NaN gradients"}  # (no mode runs a backward pass: looked at by hand)
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
 

@@ -86,3 +86,32 @@ def test_icefall_zipformer_chunk_mask_padding_rows_nan(tmp_path):
     everywhere, NaN that reaches real frames in the next layer (batch blind-ai); written blind and caught before
     any rule was changed for it. The fix is quiet."""
     check_bug(tmp_path, "icefall_zipformer_chunk_mask_padding_rows_nan", "nan-spread")
+
+
+def test_nan_rows_the_backward_pass_goes_through(tmp_path):
+    """dgl#2657 (written blind, batch blind-be): the SetTransformer's padded node rows are -inf everywhere; their
+    outputs are dropped, but backward through the weights @ values product gives NaN gradients. The fix zeroes those
+    weights after the softmax. The rows that see no key in batch row 1, by a loop over the graphs' sizes."""
+    found = check_bug(tmp_path, "dgl_set_transformer_padded_node_rows_fully_masked_nan_grads", "nan-rows-backward")
+    sizes, heads = [5, 3, 4], 2
+    empty = sum(heads * (max(sizes) - n) for n in sizes)
+    assert found[0]["message"].startswith(f"{empty} query rows")
+    assert f"query rows {sizes[1]}-{max(sizes) - 1} of batch row 1 see no key" in found[0]["message"]
+
+
+def test_nan_rows_of_a_pair_mask_in_a_trained_point_set_model(tmp_path):
+    """Written another way: one attention layer over padded point sets, a matmul softmax masked by the outer product
+    of the real flags, the real points pooled, loss.backward(); the fix masks the keys only (nan-spread cannot say
+    it: there is no later layer)."""
+    found = check_bug(tmp_path, "point_set_pair_mask_backward_nan_grads", "nan-rows-backward", NANS)
+    sizes, heads = [6, 4, 5], 2
+    assert found[0]["message"].startswith(f"{sum(heads * (6 - n) for n in sizes)} query rows")
+
+
+def test_nan_rows_with_no_backward_pass_are_not_said(tmp_path):
+    """The same NaN rows in a forward pass that autograd records but no backward pass follows: nothing is said."""
+    program = tmp_path / "forward_only.py"
+    source = (NANS / "point_set_pair_mask_backward_nan_grads.py").read_text()
+    program.write_text(source.split("loss = nn.functional")[0] + "print(model(points, real).requires_grad)\n")
+    status, found, report = traced(tmp_path, "forward_only", False, tmp_path)
+    assert not [f for f in found if f["code"] == "nan-rows-backward"], report

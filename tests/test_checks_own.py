@@ -164,3 +164,24 @@ def test_mask_types_read_as_causal_and_those_that_say_nothing():
     assert said(attn_mask_type="arbitrary", softmax_type="scaled") is None
     assert said(attn_mask_type="non_causal") is None and said(mask_type="NotCausal") is None  # (the opposite word)
     assert said(is_causal=False, attn_mask_type="causal") == "Module.is_causal=False"  # (the flag speaks first)
+
+
+def test_a_model_stated_causal_whose_encoder_got_no_mask_is_found(tmp_path):
+    """speechbrain#2182 (written blind, batch blind-az): TransformerASR(causal=True) keeps `self.causal` but
+    make_masks built no src_mask, so the encoder's self-attention saw later frames; the decoder's look-ahead mask and
+    the cross-attention are left alone. The first later key a real query sees, by a double loop over the lengths."""
+    found = check_bug(tmp_path, "speechbrain_transformer_asr_causal_encoder_without_src_mask", "causal-flag-ignored")
+    assert all(f["message"].startswith("encoder.") for f in found)
+    lengths = [24, 18]
+    assert _cell(found) == first((2, 24, 24), lambda b, q, k: q < lengths[b] and q < k < lengths[b])
+    assert "model states causal=True (TransformerASR.causal)" in found[0]["message"]
+
+
+def test_a_causal_lm_on_an_encoder_stack_given_key_padding_only_is_found(tmp_path):
+    """Written another way: a GPT-style model on nn.TransformerEncoder states `self.is_causal = True` and hands the
+    stack only src_key_padding_mask (a right-padded batch); its fix passes the subsequent mask with is_causal=True."""
+    found = check_bug(tmp_path, "causal_lm_encoder_stack_key_padding_only", "causal-flag-ignored", folder=OWN)
+    lengths = [6, 4]
+    assert _cell(found) == first((2, 6, 6), lambda b, q, k: q < lengths[b] and q < k < lengths[b])
+    cells = sum(1 for n in lengths for q in range(n) for k in range(q + 1, n))
+    assert f"({cells} such cells)" in found[0]["message"] and "TinyCausalLM.is_causal" in found[0]["message"]

@@ -262,3 +262,36 @@ def test_segment_ids_read_from_an_argument_object_statically():
             raise AssertionError(name)
 
     assert _held_segments({"batch": Batch(segment_ids=ids)})["segment_ids"].tolist() == [[0, 0, 1, 1]]
+
+
+def test_decoder_segment_ids_of_a_packed_decoder_are_read(tmp_path):
+    """maxtext#4476 (written blind, batch blind-be): the cuDNN flash training branch is handed decoder_segment_ids
+    and passes a causal mask only, so the second packed segment (tokens 7-11) sees the first."""
+    found = check_bug(tmp_path, "maxtext_cudnn_flash_jax_train_ignores_decoder_segment_ids", "varlen-leak")
+    segments = [1] * 7 + [2] * 5
+    across = sum(1 for q in range(12) for k in range(q) if segments[q] != segments[k])
+    assert found[0]["message"].startswith("decoder_segment_ids given to Decoder")
+    assert f"({across} such cells)" in found[0]["message"] and found[0]["cell"] == [0, 7, 0]
+
+
+def test_decoder_segment_ids_with_padding_in_a_t5x_port(tmp_path):
+    """Written another way: a T5X-style decoder-only port, two packed rows (segment 0 = padding), a hand-written
+    softmax with the causal mask only; its fix ANDs the segment mask. Cells across segments, by a double loop."""
+    from pathlib import Path
+
+    found = check_bug(tmp_path, "t5x_decoder_only_packed_causal_ignores_segments", "varlen-leak",
+                      Path(__file__).parent / "data" / "segments")
+    segments = [[1, 1, 1, 1, 2, 2, 2, 3, 3], [1, 1, 1, 1, 1, 0, 0, 0, 0]]
+    across = sum(1 for row in segments for q in range(9) for k in range(q + 1) if row[q] != row[k])
+    assert f"({across} such cells)" in found[0]["message"]
+
+
+def test_decoder_segment_ids_beside_an_encoder_are_not_read():
+    import torch
+
+    from maskcli.trace.tops import _decoder_segments
+
+    ids = torch.tensor([[1, 1, 2, 2]])
+    assert _decoder_segments({"decoder_segment_ids": ids})["segment_ids"].tolist() == [[1, 1, 2, 2]]
+    assert _decoder_segments({"decoder_segment_ids": ids, "encoder_input_tokens": torch.zeros(1, 3)}) == {}
+    assert _decoder_segments({"decoder_segment_ids": ids.float()}) == {}

@@ -79,8 +79,36 @@ def nan_spread(run: Run) -> list:
     return found
 
 
+def nan_backward(run: Run) -> list:
+    """A softmax whose rows that see no key are NaN, multiplied by values autograd records, that the run's backward
+    pass went through (trace/after.py's `nan_backward`)."""
+    found, done = [], set()
+    for call in sorted([*run.calls, *run.unmasked], key=lambda call: call.index):
+        rows = call.details.get("nan_backward")
+        if not rows or call.api != "softmax" or call.details.get("zeroed_after") or (call.mask, call.shape) in done:
+            continue
+        done.add((call.mask, call.shape))
+        cells = keep(call)
+        empty = None if cells is None else ~cells.any(axis=(1, 3))  # (B, Lq): rows that see no key in any head
+        b = 0 if empty is None or not empty.any() else int(np.flatnonzero(empty.any(axis=1))[0])
+        which = "" if empty is None or not empty.any() else \
+            f" (query rows {spans(np.flatnonzero(empty[b]).tolist())} of batch row {b} see no key)"
+        found.append((call, Finding("nan-rows-backward", (
+            f"{rows} query rows of this softmax (over its batch rows and heads) see no key at all and are NaN (softmax of "
+            f"all -inf){which}; the run's "
+            f"backward pass went through their product with the values, whose gradient is weightsᵀ @ grad: NaN x 0 "
+            f"is NaN, so the values and every parameter before them get NaN gradients, whether or not those rows' "
+            f"outputs are used (zero the weights of the rows that see nothing after the softmax, or mask the keys "
+            f"only)"),
+            expected="no NaN weights in a product the backward pass goes through",
+            source="the run's own backward pass", cell=(b, 0, 0))))
+    return found
+
+
 RULES = (
     Rule("nan-spread", "wrong", "steps", "a later softmax whose real queries score NaN after an earlier call's rows "
          "that see no key (every key -inf) gave NaN: the NaN of emptied rows handed on as keys or values (dgl#5476)",
          nan_spread),
+    Rule("nan-rows-backward", "wrong", "steps", "a softmax's rows that see no key (every key -inf, NaN) multiplied by "
+         "values the run's backward pass goes through: NaN gradients for the whole model (dgl#2657)", nan_backward),
 )

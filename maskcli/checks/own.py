@@ -45,15 +45,15 @@ def _word(said: str) -> str:
 
 def flag_ignored(run: Run) -> list:
     """A module that states itself causal whose square scores are masked nowhere (on real queries and keys)."""
-    candidates = [call for call in run.calls if call.details.get("module_causal") and call.details.get("hf") is None
-                  and call.stored is not None and 1 < call.shape[2] <= call.shape[3]
+    candidates = [(call, call.details.get("module_causal") or _model_flag(run, call)) for call in run.calls
+                  if call.details.get("hf") is None and call.stored is not None and 1 < call.shape[2] <= call.shape[3]
                   and call.details.get("slots") is None
                   and (call.shape[2] == call.shape[3] or not cross(call))]
+    candidates = [(call, said) for call, said in candidates if said]
     if not candidates:
         return []  # (most runs: no module says it is causal, or every call of one is transformers')
     judged, found, done = explained(run), [], set()
-    for call in candidates:
-        said = call.details["module_causal"]
+    for call, said in candidates:
         key = (call.mask, call.shape, said)
         if key in done or call.index in judged:
             continue
@@ -73,7 +73,7 @@ def flag_ignored(run: Run) -> list:
             continue
         b, _, q, k = first_cell(later)
         found.append((call, Finding("causal-flag-ignored", (
-            f"{_layer(None, call)}'s module states {_word(said)} ({said}), but its {call.api} over "
+            f"{_layer(None, call)}'s {'module' if call.details.get('module_causal') else 'model'} states {_word(said)} ({said}), but its {call.api} over "
             f"({call.shape[2]}, {call.shape[3]}) scores "
             f"{'masks nothing' if square else 'let a real query see a later key'}: "
             f"query {int(placed.own[q])} sees later key {k} "
@@ -81,6 +81,21 @@ def flag_ignored(run: Run) -> list:
             f"{'' if square else ', or not all of it'}"),
             expected="causal", source=said, cell=(b, int(placed.own[q]), k))))
     return found
+
+
+def _model_flag(run: Run, call) -> str | None:
+    """'Model.causal' where the outermost module states itself causal (trace/stated.py's model_causal: its own
+    `self.causal = True`) and `call` is one of its square self-attentions whose own module says nothing either way:
+    the model's word is then the layer's (speechbrain#2182: TransformerASR(causal=True) built no mask for its encoder,
+    the decoder's look-ahead mask alone was made)."""
+    if call.details.get("module_not_causal") or call.shape[2] != call.shape[3] or cross(call):
+        return None
+    top = run.top(call)
+    said = None if top is None else next((one for one in top.stated if one.fields.get("model_causal")), None)
+    if said is None:
+        return None
+    name = said.source.split("=", 1)[0].removeprefix("self.")  # "self.causal=True of TransformerASR"
+    return f"{said.source.rsplit(' of ', 1)[-1]}.{name}"
 
 
 def full_narrower(run: Run) -> list:

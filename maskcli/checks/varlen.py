@@ -88,6 +88,8 @@ def expression(labels: np.ndarray) -> str:
 def _named(name: str, top) -> str:
     if name == "segment_ids" and top.arguments.get("segments_held_by"):
         return f"segment_ids (of its {top.arguments['segments_held_by']} argument)"
+    if name == "segment_ids" and top.arguments.get("segments_named"):
+        return top.arguments["segments_named"]
     return "cu_seq_lens_q/k" if name == "cu_seq_lens_q" and "cu_seq_lens_k" in top.arguments else name
 
 

@@ -148,6 +148,9 @@ class After:
             for details in (call.details, seen.details):
                 details["zeroed_unused"] = lost
                 details.pop("zeroed_after", None)
+        if isinstance(out, torch.Tensor) and out.requires_grad and call.details.get("nan_rows") \
+                and "nan_backward" not in call.details and len(operands) > 1:
+            _backward(out, operands[1], weights, call, seen)
         if not isinstance(out, torch.Tensor) or tuple(out.shape[:-1]) != tuple(weights.shape[:-1]) \
                 or not weights.is_floating_point() or weights.numel() != seen.keep.numel():
             return
@@ -203,6 +206,32 @@ class After:
         with torch.no_grad():
             where = args[0] == value if value == float("-inf") else args[0] <= FILL_AT_MOST
         _record(entry[1], entry[2], where, value)
+
+
+def _backward(out: torch.Tensor, values, weights: torch.Tensor, call, seen) -> None:
+    """Weights whose rows are NaN (a softmax of all -inf, not zeroed) multiplied by values autograd records: a hook on
+    the product records on the call, once the backward pass reaches it, `nan_backward` (the NaN rows' count), since the
+    values' gradient is then weightsᵀ @ grad, NaN × 0 = NaN wherever those rows are, whatever the program does with
+    their outputs (dgl#2657: the padded node rows' outputs dropped, the model's gradients NaN; checks/nans.py)."""
+    if not isinstance(values, torch.Tensor) or not values.requires_grad:
+        return
+    with torch.no_grad():
+        rows = int(torch.isnan(weights).all(dim=-1).sum())
+    if not rows:
+        return
+    details = (call.details, seen.details)
+    for one in details:
+        one["nan_backward"] = None  # (followed: set once the backward pass reaches the product)
+
+    def reached(grad):
+        for one in details:
+            one["nan_backward"] = rows
+        return None
+
+    try:
+        out.register_hook(reached)
+    except RuntimeError:
+        pass
 
 
 def _number(value) -> float | None:

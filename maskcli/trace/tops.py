@@ -101,7 +101,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
                 and all(isinstance(x, int) or issubclass(type(x), torch.Tensor) and x.dim() == 0 for x in value):
             found[name] = np.array([int(x) for x in value], dtype=np.int64)  # (continuous batching keeps them as lists)
     if "segment_ids" not in found and "seq_idx" not in found:
-        found.update(_held_segments(given))
+        found.update(_held_segments(given) or _decoder_segments(given))
     for name in ("cache_position", "input_pos"):  # slots of a cache: one below 0 is none (the program's own nonsense,
         held_slots = found.get(name)  # which its model may never read): it states no place for the queries
         if isinstance(held_slots, np.ndarray) and held_slots.size and held_slots.min() < 0:
@@ -169,6 +169,18 @@ def _held_segments(given: dict) -> dict:
                     and held.dtype != torch.bool and held.device.type != "meta":
                 return {"segment_ids": held.detach().cpu().numpy().astype(np.int64), "segments_held_by": name}
     return {}
+
+
+def _decoder_segments(given: dict) -> dict:
+    """{"segment_ids": int (B, L), "segments_named": "decoder_segment_ids"}: a decoder-only model's packed documents as
+    Flax stacks name them (MaxText's and T5X's `decoder_segment_ids`, 0 for padding), where the call is handed nothing
+    of an encoder (`encoder_*`: then the ids are one side's of two, and that side's self-attention is not told apart)."""
+    value = given.get("decoder_segment_ids")
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.numel() > MOST or value.is_floating_point() \
+            or value.dtype == torch.bool or value.device.type == "meta" \
+            or any(name.startswith("encoder_") and given[name] is not None for name in given):
+        return {}
+    return {"segment_ids": _int64(value), "segments_named": "decoder_segment_ids"}
 
 
 def _int64(value: torch.Tensor) -> np.ndarray:
