@@ -25,9 +25,10 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "padding-unused": {"padding-ignored (a mask)", "padding-lost", "encoder-padding-ignored"},
     "documents-leak": {"varlen-leak", "varlen-disagree"},  # documents given outright (varlen.py)
     "samples-leak": {"documents-leak", "varlen-leak"},  # numbered samples, said by their position_ids or cu_seqlens first
-    "top-left-mask": {"top-left-causal"},
-    "window-differs-at-decode": {"window-lost"},  # a decode step wider than its prefill: said as the window lost  # the is_causal that made the top-left mask (kernels.py)
+    "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
+    "window-differs-at-decode": {"window-lost"},  # a decode step wider than its prefill: said as the window lost
     "window-miscounted": {"prefill-chunks-differ"},  # a prefill chunk's rows, said against the whole pass (prefill.py)
+    "window-escaped": {"prefill-chunks-differ"},  # keys past a window a chunk laid from its own start (prefill.py)
     "chunks-misplaced": {"chunks-misaligned"},  # chunks from column 0 of a left-padded row, said with the config (config.py)
     "causal-config-ignored": {"causal-flag-ignored", "decoder-sees-later"},  # the module's own causal word (own.py, decoders.py)
     "held-mask-ignored": {"padding-per-head", "mask-argument-dropped", "mask-dropped"},  # the same cells, said by the call's keys or arguments
