@@ -12,7 +12,8 @@ Read per batch row on the real queries and keys only and at each query's own pos
 the model call's attention_mask, else the padding read off the mask, cache offsets resolved), so a left-padded row or
 a decode step is read as an unpadded prefill is. Left to config.py: a mask with no window at all (causal or full:
 window-missing), a window one key off, a window kept on one side only (window-half-missing); a config that states the
-attention both ways (a band, not a window behind the query). Later keys a sliding layer's image block lets a query
+attention both ways (a band, not a window behind the query); a mask where a real query does not see the key at its own
+position (packed requests over a paged cache: the keys are not laid by position there). Later keys a sliding layer's image block lets a query
 see are not read here: the fix keeps them (transformers' sliding overlay bounds the keys behind a query only).
 """
 
@@ -37,6 +38,11 @@ def window_reach(run: Run) -> list:
         if placed.holds("causal") or placed.holds("full") or any(
                 placed.holds(f"window({w})") for w in (size - 1, size, size + 1) if w >= 1) or _half(placed, size):
             continue  # (config.py's: no window, or one key off, or one side only)
+        own = placed.own.astype(np.int64)
+        if own.min(initial=0) < 0 or own.max(initial=0) >= placed.seen.shape[-1] or (
+                placed.judged.any(axis=-1) & ~placed.seen[..., np.arange(own.size), own]).any():
+            continue  # (a real query that does not see its own position: its keys are not laid by position there, as
+            # a paged cache's packed requests are not)
         back = placed.own[:, None] - placed.keys[None, :]  # (Lq, Lk): how far behind each query each key sits
         beyond = (back > size)[None, None] & placed.judged  # real keys past either count of the window
         seen = np.broadcast_to(placed.seen, beyond.shape) & beyond
