@@ -92,12 +92,10 @@ def both_ways(run: Run) -> list:
             # encoder run of the model
         if _open(run, first, top):
             continue
-        cells = keep(first)
-        if cells is None:
+        read = _judged(first, top)
+        if read is None:
             continue
-        rows = by_row(cells, first.shape[0] if cells.shape[0] in (1, first.shape[0]) else None)
-        real = resolve(first, top, rows)
-        judged = real.queries[:, :, None] & real.keys[:, None, :]
+        rows, real, judged = read
         later = np.arange(k_len)[None, None, :] > np.arange(k_len)[None, :, None]
         if not judged.any() or (judged & ~rows).any() or not (judged & later).any():
             continue
@@ -139,12 +137,10 @@ def _steps_both_ways(run: Run, calls: list) -> list:
             continue
         if sum(1 for other in calls if run.top(other) is top) != 1 or _open(run, call, top):
             continue
-        cells = keep(call)
-        if cells is None:
+        read = _judged(call, top)
+        if read is None:
             continue
-        rows = by_row(cells, call.shape[0] if cells.shape[0] in (1, call.shape[0]) else None)
-        real = resolve(call, top, rows)
-        judged = real.queries[:, :, None] & real.keys[:, None, :]
+        rows, real, judged = read
         if not real.queries[:, 0].any() or (judged & ~rows).any() or not real.keys[:, -1].any():
             continue  # (a query that misses a real key: a mask was applied, judged by the other rules)
         b = int(np.flatnonzero(real.queries[:, 0] & real.keys[:, -1])[0])
@@ -155,6 +151,17 @@ def _steps_both_ways(run: Run, calls: list) -> list:
             f"none masked)"), expected="causal over the new tokens, placed after the cache's keys",
             source=f"the model class {top.arguments['causal_lm']}", cell=(b, k_len - q_len, k_len - 1))))
     return found
+
+
+def _judged(call, top):
+    """(rows: bool (B, Lq, Lk) cells kept in any head, real: its real queries and keys, judged: real query x real key)
+    of one call; None where its cells are not kept."""
+    cells = keep(call)
+    if cells is None:
+        return None
+    rows = by_row(cells, call.shape[0] if cells.shape[0] in (1, call.shape[0]) else None)
+    real = resolve(call, top, rows)
+    return rows, real, real.queries[:, :, None] & real.keys[:, None, :]
 
 
 RULES = (
