@@ -9,7 +9,8 @@ is in eval mode under inference_mode, batch_first=True, so the fast path applies
 src_key_padding_mask (True = padding) is the program's statement of which tokens exist.  The padded rows of
 the output are not attention outputs at all; a checker must not read them as queries that attended to
 nothing.  Reference: each sequence alone, unpadded, through the same encoder's weights applied layer by layer by hand
-(post-norm: norm1(x + self_attn(x)), norm2(h + ffn(h)); eval, so dropout is off; no mask at all).  Real rows must agree to float32 rounding; padded rows must be exactly 0.
+(post-norm: norm1(x + self_attn(x)), norm2(h + ffn(h)); eval, so dropout is off; no mask at all).  Real rows must agree to float32 rounding; padded rows must be exactly 0.  The same encoder is also run
+on its slow path (autograd on), where the padded rows are ordinary garbage rows; real rows must agree.
 """
 import warnings
 import torch
@@ -39,6 +40,15 @@ with torch.inference_mode():
         max_diff = max(max_diff, (out[b, :n] - ref[0]).abs().max().item())
     pad_abs = out[pad].abs().max().item()
 
+# the same module on its slow path (autograd on: no nested tensor, no fused kernel): key_padding_mask is applied
+# inside MultiheadAttention and the padded query rows come back as garbage attention outputs, not zeros.
+# Both paths mean the same thing: only the real rows are results.
+with torch.enable_grad():
+    slow = enc(src.clone().requires_grad_(True), src_key_padding_mask=pad).detach()
+slow_diff = (slow[~pad] - out[~pad]).abs().max().item()
+slow_pad_rows = slow[pad].abs().max().item()
+
 print("output is nested-to-padded:", tuple(out.shape), "padded rows max |.|:", pad_abs)
 print("max |fast path batch - per-sequence manual layers|:", max_diff)
-assert pad_abs == 0.0 and max_diff < 1e-4
+print("max |fast - slow path| on real rows:", slow_diff, " slow path padded rows max |.| (garbage):", slow_pad_rows)
+assert pad_abs == 0.0 and max_diff < 1e-4 and slow_diff < 1e-4
