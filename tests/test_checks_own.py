@@ -27,6 +27,20 @@ def test_an_is_causal_attribute_sdpa_is_not_told_is_found(tmp_path):
     assert "CausalSelfAttention.is_causal" in found[0]["message"]
 
 
+def test_a_causal_flag_kept_by_an_attention_impl_object_that_never_built_the_mask_is_found(tmp_path):
+    # vllm-omni#7324: FlashAttentionImpl (no nn.Module) holds causal=True; its dense path handed SDPA attn_mask=None
+    found = check_bug(tmp_path, "vllm_omni_npu_dense_path_drops_causal", "causal-flag-ignored")
+    assert _cell(found) == first((1, 10, 10), lambda b, q, k: k > q)
+    assert "FlashAttentionImpl.causal" in found[0]["message"]
+
+
+def test_an_is_causal_backend_dataclass_that_applies_only_key_padding_is_found(tmp_path):
+    found = check_bug(tmp_path, "backend_object_causal_padded", "causal-flag-ignored", folder=OWN)
+    lengths = (9, 6, 4)  # right-padded rows: only real queries and keys are judged
+    assert _cell(found) == first((3, 9, 9), lambda b, q, k: k > q and q < lengths[b] and k < lengths[b])
+    assert "EagerBackend.is_causal" in found[0]["message"]
+
+
 def test_fewer_queries_than_keys_placed_last_that_see_a_later_key_are_found(tmp_path):
     """lucidrains/local-attention#5 (written blind): causal and exact_windowsize AND-ed, so each bucket's queries (the
     last 4 of its 8 look-back keys) see their own bucket's future. Written otherwise: a Transformer-XL style segment

@@ -5,9 +5,17 @@ Keras's MultiHeadAttention and its ports take causality per call, `self_attentio
 an attribute (trace/sites.py causal_flag reads those): the innermost running module's own forward frame, found among
 the program's frames trace/walk.py walked, holds the argument as the caller passed it. Only True is read: an argument
 left False says the caller did not ask, not that the layer attends both ways.
+
+An attention implementation that is no nn.Module (vLLM's `FlashAttentionImpl`, held by the layer as `self.attn` and
+called as `self.attn.forward_fa_npu(q, k, v)`) keeps its word as its own attribute: `self.causal = True` on an object
+of the program's own class whose method runs between the innermost module's forward and the kernel says that this
+call is causal, as the module's attribute would (held_flag; vllm-omni#7324: the dense NPU path never built the mask
+that flag asked for). Again only True is read.
 """
 
 from __future__ import annotations
+
+import torch
 
 NAMES = ("use_causal_mask", "is_causal", "causal")
 
@@ -29,3 +37,29 @@ def forward_flag(stack: list, frames: list) -> str | None:
                     return f"{type(module).__name__}.forward({name}=True)"
             return None
     return None
+
+
+def held_flag(stack: list, frames: list) -> str | None:
+    """'Class.causal' where a method running inside the innermost module's forward (among `frames`, innermost first)
+    belongs to an object of the program's own class, no nn.Module, whose own attribute `causal` / `is_causal` is True."""
+    from maskcli.trace.reqlens import _read as own_object
+
+    if not stack or not frames:
+        return None
+    module = stack[-1]
+    for frame, _ in frames:
+        owner = frame.f_locals.get("self")
+        if owner is module or isinstance(owner, torch.nn.Module):
+            return None  # (the module's forward reached: its own word is causal_flag's)
+        if owner is None or not own_object(owner):
+            continue
+        held = vars(owner)
+        for name in NAMES[1:]:
+            if held.get(name) is True:
+                return f"{type(owner).__name__}.{name}"
+    return None
+
+
+def stated_flag(stack: list, frames: list) -> str | None:
+    """The forward argument's word (forward_flag), else an attention implementation object's (held_flag)."""
+    return forward_flag(stack, frames) or held_flag(stack, frames)

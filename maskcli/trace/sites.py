@@ -24,7 +24,7 @@ import torch
 from maskcli.trace.builders import causal_builder
 from maskcli.trace.crossing import Readings
 from maskcli.checks.causalname import causal_class
-from maskcli.trace.forwardflag import forward_flag
+from maskcli.trace.forwardflag import forward_flag, stated_flag
 from maskcli.trace.held import padding
 from maskcli.trace.masktype import mask_type
 from maskcli.trace.reqlens import lengths
@@ -116,7 +116,7 @@ class Sites:
         (checks/own.py), the line that called the function attending (checks/steps.py's causal-lost), whether its
         keys are another sequence's (trace/crossing.py; `shape`: the call's (B, H, Lq, Lk))."""
         walked = self.walked
-        flag = _read(causal_flag, self.stack) or (None if walked is None else _read(forward_flag, self.stack, walked.held))
+        flag = _read(causal_flag, self.stack) or (None if walked is None else _read(stated_flag, self.stack, walked.held))
         if flag is not None:
             details["module_causal" if not flag.endswith("=False") else "module_not_causal"] = flag.removesuffix("=False")
             if flag.endswith("=False") and self.walked is not None:  # (a model whose forward is handed causal per call
