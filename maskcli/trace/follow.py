@@ -16,6 +16,7 @@ from maskcli.trace.mode import Mode, building, has_values
 from maskcli.trace.overflow import WATCHED
 from maskcli.trace.scores import as_matrix
 from maskcli.trace.unseen import plain, unseen
+from maskcli.trace.weakfill import weak_filled
 
 
 
@@ -189,6 +190,8 @@ class Follow:
             self.after.note(out, *softmaxed)
             if self.scores is not None and self.scores.added:  # scores + a 0/1 mask: it masked nothing (scores.py)
                 self.scores.ones_added(readers.softmax_input(args, kwargs), *softmaxed)
+            if self.scores is not None and self.scores.weak:  # a mask filled with about 0: it masks nothing (weakfill.py)
+                weak_filled(self.scores.weak, self.scores.has, readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.folds:  # a batch folded with its heads, batch-major (scores.py)
                 self.scores.fold_of(readers.softmax_input(args, kwargs), *softmaxed)
         elif followed[2] and not self.busy:

@@ -20,6 +20,7 @@ import weakref
 import torch
 
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
+from maskcli.trace.weakfill import WHERES, carry
 
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
            torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum, torch.mm, torch.Tensor.mm}
@@ -42,6 +43,7 @@ class Scores:
         self.matrices: set[int] = set()  # ids of 2-D scores (Lq, Lk) of one unbatched sequence (per_graph), not (B, Lk)
         self.sinks: dict[int, tuple] = {}  # id -> (a weak reference, the keys before it) of scores joined to a sink column
         self.folds: dict[int, tuple] = {}  # id -> (B, H) of scores whose rows are a (B, H, ..) query viewed batch-major
+        self.weak: dict[int, tuple] = {}  # id -> (fill, cells) a fill of about zero replaced in these scores (weakfill.py)
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -98,6 +100,8 @@ class Scores:
                         addend = _zero_one(args, x, out)
                     if addend is not None and axes is None:
                         self.added[id(out)] = addend
+                    if axes is None and (self.weak or func in WHERES):
+                        carry(self.weak, self.has, func, args, kwargs, x, out)
                     return
 
     def ones_added(self, x, call, seen) -> None:
@@ -145,12 +149,14 @@ class Scores:
             laid.clear()
             self.added.clear()
             self.folds.clear()
+            self.weak.clear()
             matrices.clear()
         key = id(tensor)
 
-        added, folds = self.added, self.folds
+        added, folds, weak = self.added, self.folds, self.weak
         added.pop(key, None)  # (an id a dead tensor had, now this one's)
         folds.pop(key, None)
+        weak.pop(key, None)
 
         def gone(ref) -> None:  # a tensor let go is forgotten at once, so the mode stops following when none is left
             if found.get(key) is ref:  # (its id reused by a later tensor: that one keeps its own entry)
@@ -158,6 +164,7 @@ class Scores:
                 laid.pop(key, None)
                 added.pop(key, None)
                 folds.pop(key, None)
+                weak.pop(key, None)
                 matrices.discard(key)
 
         try:
