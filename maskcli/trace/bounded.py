@@ -2,7 +2,7 @@
 
 A cache bounded to the last W tokens (VeloxQuant's `SlidingWindowKVCache(inner, window_size=4)`, a rotating cache's
 `max_size`-less kin) is often no module: an object whose method hands its keys to the kernel (`cache.attend(q)`).
-Where a program frame on the way to the kernel is a method of an object that is no torch module and holds an int
+Where a program frame on the way to the kernel, inside the attending module, is a method of an object that is no torch module and holds an int
 `window_size` / `sliding_window` W > 0 among its attributes, the keys the kernel reads are that object's, and the
 object states that it keeps W of them (W + 1 by another convention; plus its sink tokens where it holds an int count
 of them: StreamingLLM's `n_sinks`, `num_sink_tokens`). Recorded as (name, W, sinks, where) under "window_bounded".
@@ -41,13 +41,17 @@ def _sinks(attributes: dict) -> int | None:
 
 def bounded(frames: list | None, found: dict) -> None:
     """Under found["window_bounded"]: (name, W, sinks, where) of the innermost program frame that is a method of a
-    non-module object holding an int window W > 0 (see above); nothing where none is."""
+    non-module object holding an int window W > 0, inside the innermost running module (`frames` innermost first: an
+    engine's or a generator's method around the model holds a window for some of its layers, not these keys); nothing
+    where none is."""
     for frame, _ in frames or ():
         code = frame.f_code
         if not _method(code):
             continue
         holder = frame.f_locals.get("self")
-        if holder is None or isinstance(holder, torch.nn.Module) or not hasattr(holder, "__dict__"):
+        if isinstance(holder, torch.nn.Module):
+            return  # (the attending module: an object outside it, an engine or a generator, holds no keys of this call)
+        if holder is None or not hasattr(holder, "__dict__"):
             continue
         attributes = vars(holder)
         for name in NAMES:
