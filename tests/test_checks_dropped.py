@@ -294,3 +294,18 @@ def test_tei_qwen3_equal_length_batch_written_blind_is_found(tmp_path):
     use_bidirectional_attention = False. Against a double loop over the 6 tokens: the first later key seen."""
     [hit] = check_bug(tmp_path, "tei_qwen3_equal_length_batch_drops_causal_mask", "causal-config-ignored")
     assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: k > q)
+
+
+def test_a_group_isolation_mask_handed_on_through_kwargs_that_the_layer_never_reads_is_found(tmp_path):
+    # HXMap/MapQR#12: MapTRv2Head's (36, 36) bool self_attn_mask (True = masked) reaches DetrTransformerDecoderLayer
+    # only in **kwargs; its self-attention reads attn_masks (None): one2one queries (the first 3 * 4) see one2many ones
+    found = check_bug(tmp_path, "mapqr_one2many_self_attn_mask_dropped", "mask-argument-dropped")
+    group = lambda i: i // 4 < 3  # noqa: E731 - (one2one polyline points first)
+    assert tuple(found[0]["cell"]) == first((1, 36, 36), lambda b, q, k: group(q) != group(k))
+    assert "self_attn_mask in **kwargs" in found[0]["message"]
+
+
+def test_a_keep_mask_parameter_named_self_attention_mask_that_sdpa_is_never_handed_is_found(tmp_path):
+    found = check_bug(tmp_path, "group_detr_keep_mask_parameter_unused", "mask-argument-dropped", folder=DROPPED)
+    assert tuple(found[0]["cell"]) == first((2, 10, 10), lambda b, q, k: q // 5 != k // 5)
+    assert "self_attention_mask of forward()" in found[0]["message"]

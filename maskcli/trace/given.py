@@ -1,7 +1,8 @@
 """A mask the program handed to the function that attends, read beside what the kernel masked (checks/dropped.py).
 
 At each attention call, the nearest program frames (the function that called the kernel and its callers, torch's
-and maskcli's left out) are looked at for a parameter named like an attention mask (NAMES) that holds an additive
+and maskcli's left out) are looked at for a parameter named like an attention mask (NAMES, a name ending in SUFFIXES,
+such an entry of its `**kwargs`: _parameters) that holds an additive
 float mask over exactly the call's (Lq, Lk): -inf or at most -1e4 masks a cell (a bool mask's polarity is not known
 here, so it is left alone; axes of 1 between its batch and its cells are read away: MaxText's (b, 1, 1, t, s); a
 3-D (N, Lq, Lk) mask is read per head, as torch broadcasts it, and per batch row, as a program that unsqueezes it or
@@ -17,6 +18,7 @@ One comparison per distinct (mask tensor, kernel mask): L^2 cells, as reading th
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 import sys
@@ -28,6 +30,7 @@ from maskcli.trace.gathered import note as _gathered
 
 CELLS = 1 << 22  # b*h*Lq*Lk past which nothing is compared (no L^2 work on a long sequence's call)
 NAMES = ("attn_mask", "attention_mask", "attn_bias", "mask", "bias_mask")
+SUFFIXES = ("_attn_mask", "_attention_mask")  # `self_attn_mask`, `cross_attention_mask`: an attention mask by name
 FRAMES = 3  # program frames looked at: the attending function, its caller and theirs
 
 
@@ -88,11 +91,10 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
         if not frame.f_code.co_filename.startswith(skip):
             searched += 1
             code = frame.f_code
-            names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
-            for name in NAMES:
-                if name not in names:
-                    continue
-                value = frame.f_locals.get(name)
+            for name, value in _parameters(frame, code):
+                if issubclass(type(value), torch.Tensor) and id(value) not in own and value.dtype == torch.bool \
+                        and value.dim() == 2 and tuple(value.shape) == (q_len, k_len) and q_len > 2:
+                    value = value[None, None]  # (one (Lq, Lk) bool mask for every row and head: MapTR's self_attn_mask)
                 if issubclass(type(value), torch.Tensor) and id(value) not in own and value.is_floating_point() \
                         and value.dim() >= 2 and tuple(value.shape[-2:]) == (q_len, k_len):
                     return f"{name} of {code.co_name}()", value
@@ -104,6 +106,24 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
                     return f"{name} of {code.co_name}() ({type(value).__name__})", blocks
         frame = frame.f_back
     return None
+
+
+def _parameters(frame, code) -> list:
+    """(name, value) of the frame's parameters named like an attention mask: NAMES, a name ending in one of SUFFIXES
+    (`self_attn_mask`, `cross_attention_mask`), and such entries of its `**kwargs` (a mask handed on through kwargs
+    that a layer never reads: MapQR#12's self_attn_mask, passed to a DetrTransformerDecoderLayer that reads only
+    attn_masks)."""
+    count = code.co_argcount + code.co_kwonlyargcount
+    names = code.co_varnames[:count]
+    variables = frame.f_locals
+    found = [(name, variables.get(name)) for name in NAMES if name in names]  # (NAMES' order first, as before)
+    found += [(name, variables.get(name)) for name in names if name not in NAMES and name.endswith(SUFFIXES)]
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        extra = variables.get(code.co_varnames[count + bool(code.co_flags & inspect.CO_VARARGS)])
+        if isinstance(extra, dict):
+            found += [(f"{name} in **kwargs", value) for name, value in extra.items()
+                      if isinstance(name, str) and (name in NAMES or name.endswith(SUFFIXES))]
+    return found
 
 
 def _bool_over(value: torch.Tensor, shape: tuple) -> bool:
