@@ -27,3 +27,19 @@ def test_captions_of_two_lengths_and_an_explicit_softmax(tmp_path):
     found = check_bug(tmp_path, "dit_caption_ids_folded", "samples-see-other-memories", HERE)
     assert "the 2 memories of `text_lens`" in found[0]["message"] and "[4, 7]" in found[0]["message"]
     assert found[0]["cell"] == [0, 0, 4]
+
+
+def test_a_folded_batch_handed_no_mask_for_unpadded_prompts_is_found(tmp_path):
+    """hpcaitech/Open-Sora#609: with mask=None (every prompt full length) no BlockDiagonalMask is built, so the 2
+    videos' 32 latent tokens each attend both prompts; the memories are the layer's `cond` argument, (2, 6, C)."""
+    found = check_bug(tmp_path, "opensora_cross_attention_no_mask_mixes_batch_prompts", "samples-see-other-memories")
+    assert "handed 2 samples of 32 queries and attends them as one sequence of 64 over 12 keys" in found[0]["message"]
+    assert "the 2 memories of `cond`" in found[0]["message"]
+    own = lambda q, k: q // 32 == k // 6  # noqa: E731 - (sample of the query, sample of the key)
+    assert found[0]["cell"] == [0, *next((q, k) for q in range(64) for k in range(12) if not own(q, k))]
+
+
+def test_a_resampler_that_folds_three_samples_into_one_softmax_call_is_found(tmp_path):
+    found = check_bug(tmp_path, "resampler_folded_batch_no_block_mask", "samples-see-other-memories", HERE)
+    assert "the 3 memories of `context`" in found[0]["message"] and "[5, 5, 5]" in found[0]["message"]
+    assert found[0]["cell"] == [0, *next((q, k) for q in range(12) for k in range(15) if q // 4 != k // 5)]

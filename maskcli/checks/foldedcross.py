@@ -5,7 +5,9 @@ batch: the image queries (B, N) become one sequence of B * N, the captions one s
 to end, and a block-diagonal mask (xformers' `BlockDiagonalMask.from_seqlens([N] * B, y_lens)`, or `torch.block_diag`
 in its torch fallback) keeps each sample's queries on its own caption. What the program states: the layer's forward
 was handed (B, N) queries (trace/queried.py), the kernel attends one row of B * N queries, and the program holds B
-lengths (trace/held.py: `y_lens`, the caption lengths) that sum to the call's keys. A query of sample b that sees a key
+lengths (trace/held.py: `y_lens`, the caption lengths) that sum to the call's keys, or, holding none, was handed the
+memories as a (B, M, D) tensor beside its (B, N, D) queries and folded them into the call's B * M keys
+(trace/queried.py's memory_input: Open-Sora#609, `mask=None` for unpadded prompts, so no block diagonal was built). A query of sample b that sees a key
 of another sample's span is wrong (ComfyUI_ExtraModels#36: the SDP fallback's float mask of zeros lets every image
 attend every caption, its cond and uncond halves mixed). Quiet where each sample's queries see only their own span
 (the fix's block diagonal), where the lengths do not sum to the keys or are not one per sample (the memory is shared
@@ -35,6 +37,16 @@ def _spans(call, batch: int) -> tuple[np.ndarray, dict] | None:
     return None
 
 
+def _memories(call, batch: int) -> tuple[np.ndarray, dict] | None:
+    """(cumulative key ends, a reading) of the memories the layer's forward was handed as a (B, M, D) tensor beside its
+    (B, N, D) queries, folded into the call's B * M keys (trace/queried.py's memory_input): B spans of M keys each."""
+    memory = call.details.get("memory_input")
+    if not memory or int(memory[1]) != batch or batch * int(memory[2]) != int(call.shape[3]):
+        return None
+    return np.arange(batch + 1) * int(memory[2]), {
+        "name": memory[0], "where": f"the layer's forward argument, ({batch}, {int(memory[2])}, ...)"}
+
+
 def samples_see_other_memories(run: Run) -> list:
     """Per call site, its first cross-attention call over a folded batch whose sample sees another sample's keys."""
     found, seen = [], set()
@@ -45,7 +57,7 @@ def samples_see_other_memories(run: Run) -> list:
         batch, n = int(given[0]), int(given[1])
         if batch < 2 or int(call.shape[2]) != batch * n:
             continue
-        spans = _spans(call, batch)
+        spans = _spans(call, batch) or _memories(call, batch)
         if spans is None:
             continue
         ends, held = spans

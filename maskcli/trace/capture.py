@@ -323,7 +323,7 @@ class Trace(Outer, Follow):
             if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
                 seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
             self.sites.note(seen.details, caller, seen.shape)
-            queried.note(seen.details, self.sites.stack, seen.api)  # (the layer's own queries, its head count)
+            queried.note(seen.details, self.sites.stack, seen.api, seen.shape)  # (the layer's own queries, its head count)
             frames = self.interfaces
             if frames and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                 interface.unpack_gqa(seen, frames[-1])

@@ -38,16 +38,50 @@ def query_input(stack: list) -> tuple[int, int] | None:
     return None
 
 
-def note(details: dict, stack: list, api: str = "") -> None:
+def folded_inputs(stack: list, shape: tuple) -> tuple[tuple[int, int], tuple[str, int, int]] | None:
+    """((B, N), (name, B, M)) where a one-row call over Lq = B * N queries and Lk = B * M keys (B >= 2) is made inside
+    the forward of the innermost running module that owns weights, whose first argument is (B, N, D) and whose other
+    tensor argument `name` is (B, M, D'): the layer was handed B samples and B memories and folded both into one
+    sequence (Open-Sora#609's MultiHeadCrossAttention(x, cond, mask=None): checks/foldedcross.py); None otherwise."""
+    q_len, k_len = int(shape[2]), int(shape[3])
+    owner = next((m for m in reversed(stack[-INNERMOST:]) if next(m.parameters(), None) is not None), None)
+    frame, searched = sys._getframe(2), 0
+    while owner is not None and frame is not None and searched < FRAMES:
+        searched += 1
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_argcount > 2 and frame.f_locals.get("self") is owner:
+            values = [(name, frame.f_locals.get(name)) for name in code.co_varnames[1:code.co_argcount]]
+            first = values[0][1]
+            if not issubclass(type(first), torch.Tensor) or first.dim() != 3 or first.shape[0] < 2 \
+                    or int(first.shape[0]) * int(first.shape[1]) != q_len:
+                return None
+            batch = int(first.shape[0])
+            for name, value in values[1:]:
+                if issubclass(type(value), torch.Tensor) and value.dim() == 3 and int(value.shape[0]) == batch \
+                        and batch * int(value.shape[1]) == k_len:
+                    return (batch, int(first.shape[1])), (name, batch, int(value.shape[1]))
+            return None
+        frame = frame.f_back
+    return None
+
+
+def note(details: dict, stack: list, api: str = "", shape: tuple | None = None) -> None:
     """details["query_input"] = query_input(stack), at a call whose frames hold padding (details["held_padding"]); at a
     softmax, details["stated_heads"]: the head count its innermost module that states one holds, which tells which axis
-    of hand-written scores is heads (checks/heads.py)."""
+    of hand-written scores is heads (checks/heads.py). At a one-row call over several queries that another
+    sequence's keys (details["cross"]), the layer's folded samples and memories: details["query_input"] and
+    details["memory_input"] (folded_inputs)."""
     if api == "softmax" and (heads := stated_heads(stack, HEADS + ("heads", "n_local_heads"))) is not None:
         details["stated_heads"] = heads
     if "held_padding" in details and stack:
         given = query_input(stack)
         if given is not None:
             details["query_input"] = given
+    if shape is not None and stack and int(shape[0]) == 1 and int(shape[2]) > 2 and details.get("cross") \
+            and "query_input" not in details:
+        folded = folded_inputs(stack, shape)
+        if folded is not None:
+            details["query_input"], details["memory_input"] = folded
 
 
 # details that name this process's objects (a query tensor's serial, a count of a function's runs: windows.py): read by
