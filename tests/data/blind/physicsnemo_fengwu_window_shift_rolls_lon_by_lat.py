@@ -1,4 +1,4 @@
-# NVIDIA/physicsnemo#1492 (addresses #1399): the Pangu/FengWu shifted-window block rolled the longitude axis by
+# NVIDIA/physicsnemo#1492 (addresses #1399): the Pangu/FengWu shifted-window block rolled the longitude axis forward by
 # shift_lat instead of shift_lon, so the shifted-window attention mask (built for shift_lon) no longer matched the tokens.
 import sys
 
@@ -99,10 +99,7 @@ class Transformer2DBlock(nn.Module):
         attn_windows = self.attn(x_windows, mask=self.attn_mask)
         shifted_x = window_reverse(attn_windows, self.window_size, Lat, Lon)
         if self.roll:
-            if FIXED:
-                x = torch.roll(shifted_x, shifts=(shift_lat, shift_lon), dims=(1, 2))
-            else:
-                x = torch.roll(shifted_x, shifts=(shift_lat, shift_lat), dims=(1, 2))
+            x = torch.roll(shifted_x, shifts=(shift_lat, shift_lon), dims=(1, 2))
         else:
             x = shifted_x
         x = shortcut + x.reshape(B, Lat * Lon, C)
