@@ -1,5 +1,5 @@
-# nishide-dev/unturtle#54: run_attention's SDPA fallback injected causal masking for bidirectional A2D (diffusion)
-# models: packed input without a collator block mask got build_sdpa_packed_attention_mask (causal blocks).
+# nishide-dev/unturtle#44 (closes #39; generalised in #54): a packed batch reaching the A2D (diffusion LM) SDPA
+# fallback without the collator's block_attention_mask fell through to run_attention's causal packed-block mask.
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
@@ -27,15 +27,12 @@ def build_sdpa_packed_attention_mask(seq_info, *, dtype, device, sliding_window=
     return mask
 
 
-def build_sdpa_packed_bidirectional_attention_mask(seq_info, *, dtype, device, sliding_window=None):
-    seq_lengths, _, _ = seq_info
-    total = int(seq_lengths.sum().item())
-    mask = torch.full((total, total), float("-inf"), dtype=dtype, device=device)
-    offset = 0
-    for length in seq_lengths.tolist():
-        mask[offset : offset + length, offset : offset + length] = 0.0
-        offset += length
-    return mask
+def _build_bidirectional_packed_sdpa_mask(seq_lengths, total_len, device):
+    """Bidirectional block-diagonal bool mask [1, 1, L, L] from per-sample lengths (B == 1)."""
+    doc_ids = torch.repeat_interleave(torch.arange(len(seq_lengths), device=device), seq_lengths)
+    keep = doc_ids[:, None] == doc_ids[None, :]
+    assert keep.shape[-1] == total_len
+    return keep[None, None]
 
 
 @dataclass
@@ -44,7 +41,6 @@ class AttentionConfig:
     n_kv_heads: int
     n_groups: int
     sdpa_kwargs: Optional[dict] = None
-    causal: bool = True
 
 
 @dataclass
@@ -64,14 +60,11 @@ def run_attention(*, config, context, Q, K, V):
     local_mask = context.attention_mask
     is_causal_local = False
     if context.seq_info is not None and local_mask is None:
-        build = build_sdpa_packed_attention_mask
-        if FIXED and not config.causal:
-            build = build_sdpa_packed_bidirectional_attention_mask
-        local_mask = build(context.seq_info, dtype=Q.dtype, device=Q.device, sliding_window=context.sliding_window)
+        local_mask = build_sdpa_packed_attention_mask(
+            context.seq_info, dtype=Q.dtype, device=Q.device, sliding_window=context.sliding_window
+        )
     else:
         is_causal_local = local_mask is None and Q.shape[-2] == K.shape[-2]
-        if FIXED and not config.causal:
-            is_causal_local = False
     kwargs = dict(config.sdpa_kwargs or {})
     kwargs.setdefault("attn_mask", local_mask)
     kwargs.setdefault("is_causal", is_causal_local)
@@ -98,11 +91,14 @@ class A2DLlamaAttention(nn.Module):
         V = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         if seq_info is not None:
             # SDPA packed path: use block_attention_mask from the collator when present.
+            # Do NOT fall back to build_sdpa_packed_attention_mask() -- it builds causal blocks.
             effective_mask = kwargs.get("block_attention_mask", None)
+            if FIXED and effective_mask is None:
+                effective_mask = _build_bidirectional_packed_sdpa_mask(seq_info[0], q_len, hidden_states.device)
         else:
             effective_mask = attention_mask
         config = AttentionConfig(backend=SDPA, n_kv_heads=self.n_heads, n_groups=1,
-                                 sdpa_kwargs={"is_causal": False}, causal=False)
+                                 sdpa_kwargs={"is_causal": False})
         context = AttentionContext(bsz=bsz, q_len=q_len, kv_seq_len=K.shape[-2], n_heads=self.n_heads,
                                    head_dim=self.head_dim, seq_info=seq_info, attention_mask=effective_mask,
                                    causal_mask=None)
