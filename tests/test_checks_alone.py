@@ -32,6 +32,15 @@ def test_a_packed_encoder_batch_built_with_a_causal_tril_is_found(tmp_path):
     assert hit["cell"] == [0, 0, 1]
 
 
+def test_a_packed_decoder_mask_without_its_tril_is_found(tmp_path):
+    """The other way round: a nanoGPT-style decoder, causal alone (SDPA is_causal=True), handed a document mask with
+    no tril when packed: full inside each document. Fixed: the document mask ANDed with torch.tril."""
+    [hit] = check_bug(tmp_path, "decoder_packed_documents_without_tril", "document-unlike-alone", PACKED)
+    assert "tokens 0-4 (5 tokens, position_ids restarting) is full inside it" in hit["message"]
+    assert "run on a 5-token sequence alone (step 1) is causal over it" in hit["message"]
+    assert hit["cell"] == [0, 0, 1]  # query 0 sees key 1, above torch.tril's diagonal
+
+
 def test_kinds_against_tril():
     n = 5
     causal = torch.tril(torch.ones(n, n, dtype=torch.bool)).numpy()

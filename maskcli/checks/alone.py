@@ -6,10 +6,11 @@ of the packed mask is the mask its tokens get run alone. Where the program runs 
 alone (a square self-attention from position 0, one document a row, no padding), and the site's mask there is full
 (bidirectional: every query sees every key) or causal for that length, that is the program's own statement of how
 the layer attends a sequence of that many tokens; a packed document of the same length whose block is the other
-one contradicts it (nishide-dev/unturtle#44: an A2D diffusion LM, full when each document runs alone, given the
-causal packed-block fallback mask on the packed batch, causal inside each document). Read per batch row and head of
+one (full where alone is causal, causal where alone is full) contradicts it (nishide-dev/unturtle#44: an A2D
+diffusion LM, full when each document runs alone, given the causal packed-block fallback mask on the packed batch,
+causal inside each document). Read per batch row and head of
 the packed call, its padding (attention_mask 0) left out; a length the site ran alone two ways says nothing, nor a
-site that never ran a sequence alone.
+site that never ran a sequence alone, nor a packed block that is neither full nor causal (a window, a prefix).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def unlike_alone(run: Run) -> list:
             n = len(tokens)
             q, k = _cell(cells[b][:, tokens][:, :, tokens], kind)
             said = "sees every key of it" if kind == "full" else "is causal over it"
-            got = "causal inside it" if other == "causal" else ("full inside it" if other == "full" else "neither")
+            got = "causal inside it" if other == "causal" else "full inside it (every token sees every other)"
             found.append((call, Finding("document-unlike-alone", (
                 f"batch row {b}: the packed document at tokens {spans(tokens)} ({n} tokens, position_ids restarting) is "
                 f"{got}, while the same layer run on a {n}-token sequence alone ({step_label(was.step, was.shape[2])}) "
@@ -122,7 +123,8 @@ def _first(cells, labels, live, alone):
             kind, was = alone[len(tokens)]
             block = cells[b][:, tokens][:, :, tokens]
             other = _kind(block)
-            if other != kind:
+            if other is not None and other != kind:  # (a block neither full nor causal: a window, a prefix, chunks,
+                # whatever else the document holds that its run alone did not: not said)
                 return b, tokens.tolist(), kind, other, was
     return None
 
