@@ -68,22 +68,15 @@ def _alone(run: Run, calls: list) -> dict[int, tuple[str, object]]:
 def unlike_alone(run: Run) -> list:
     """A packed document (position_ids restarting) whose block is full where the same site runs that length causal
     alone, or causal where it runs it full."""
-    found, done = [], set()
+    found, done, read = [], set(), {}
     for where, calls in run.sites().items():
+        packed = [(call, said) for call in calls if (said := _packed(run, call, read)) is not None]
+        if not packed:
+            continue  # (no packed call at this site: its calls alone are not read)
         alone = _alone(run, calls)
         if not alone:
             continue
-        for call in calls:
-            top = run.top(call)
-            positions = None if top is None else top.arguments.get("position_ids")
-            if not isinstance(positions, np.ndarray) or positions.ndim != 2 or positions.shape[1] != call.shape[3] \
-                    or not _square_from_zero(run, call):
-                continue
-            real = top.arguments.get("attention_mask")
-            real = real if isinstance(real, np.ndarray) and real.shape == positions.shape else None
-            labels = document_starts(positions, real)
-            if not (labels[:, -1] > 0).any():
-                continue
+        for call, (positions, real, labels) in packed:
             cells = keep(call)
             key = (where, call.mask, call.shape, positions.tobytes())
             if cells is None or key in done:
@@ -110,6 +103,22 @@ def unlike_alone(run: Run) -> list:
                 expected=f"each packed document attended as the site attends it alone: {kind}",
                 source=f"the calls of {where} on a sequence alone", cell=(b, tokens[q], tokens[k]))))
     return found
+
+
+def _packed(run: Run, call, read: dict) -> tuple | None:
+    """(position_ids, attention_mask or None, document labels) of a square self-attention from position 0 whose model
+    call's position_ids restart inside a row; None otherwise (`read`: each model call's, read once)."""
+    top = run.top(call)
+    positions = None if top is None else top.arguments.get("position_ids")
+    if not isinstance(positions, np.ndarray) or positions.ndim != 2 or positions.shape[1] != call.shape[3] \
+            or not _square_from_zero(run, call):
+        return None
+    if id(top) not in read:
+        real = top.arguments.get("attention_mask")
+        real = real if isinstance(real, np.ndarray) and real.shape == positions.shape else None
+        labels = document_starts(positions, real)
+        read[id(top)] = (positions, real, labels) if (labels[:, -1] > 0).any() else None
+    return read[id(top)]
 
 
 def _first(cells, labels, live, alone):
