@@ -1,4 +1,4 @@
-# pytorch/text#1758 ("fix missed mask arg in torchtext transformer"): the RoBERTa/XLM-R
+# pytorch/text#1758 (commit cfd1ae2, "fix missed mask arg in torchtext transformer"): the RoBERTa/XLM-R
 # TransformerEncoder computed padding_mask but called torch.nn.TransformerEncoder without it,
 # so real tokens attended to <pad> in a padded batch (classification logits depend on padding).
 import sys
@@ -51,10 +51,11 @@ class TransformerEncoder(Module):
         if not self.normalize_before:
             embedded = self.embedding_layer_norm(embedded)
         embedded = self.dropout(embedded)
+        padded_embedded = embedded * (1 - padding_mask.unsqueeze(-1).type_as(embedded))
         if FIXED:
-            encoded = self.layers(embedded, src_key_padding_mask=padding_mask)
+            encoded = self.layers(padded_embedded, src_key_padding_mask=padding_mask)
         else:
-            encoded = self.layers(embedded)
+            encoded = self.layers(padded_embedded)
         # B x T x C -> T x B x C
         encoded = encoded.transpose(1, 0)
         if self.normalize_before:
