@@ -12,7 +12,8 @@ decoded one at a time. (A decode step that sees further back than the prefill's 
 Quiet where either side's window never cuts (a prompt shorter than the window, a decode step before position W), where
 both show one width, and on calls whose key columns are not positions (ring slots, cross-attention). The decode step
 is read against the site's latest prompt pass that showed a window, the sequence it decodes or another one: one layer
-has one window whichever sequence it attends.
+has one window whichever sequence it attends. A site's decode window is read at its first decode step that shows one (a
+later step wider than that is window-lost's).
 """
 
 from __future__ import annotations
@@ -57,8 +58,10 @@ def differing(run: Run) -> list:
             if key not in read:
                 read[key] = _shown(call, top, own)
             other = read[key]
-            if other is None or other == width:
+            if other is None:
                 continue
+            if other == width:
+                break  # (the site's decode window is read at its first decode step that shows one: the prompt's)
             found.append((call, Finding("window-differs-at-decode", (
                 f"step {head.step} of {head.where} is window({width}) (each prompt query sees the {width} keys up to its "
                 f"own), but at step {call.step} query {int(own[0])} sees the {other} keys up to its own: one layer's "
