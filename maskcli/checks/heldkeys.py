@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, beside_memory, cross
+from maskcli.checks.context import Run, _block, beside_memory, cross
 
 _KEYS: dict = {}  # id of a held cells mask -> (that held, its key padding read, or None): read once while held
 
@@ -37,7 +37,13 @@ def keys_of(run: Run, call, unmasked: list) -> list | None:
         helds = [_as_keys(h, ids, k_len) if h["kind"] == "cells" else h for h in helds]
         helds = [h for h in helds if h is not None]
     if run.cross and not cross(call) and q_len >= k_len:
-        helds = [h for h in helds if not any(beside_memory(run, call, real) for real in readings(h, rows, k_len, ids))]
+        # (the answer is the same for every call of one block, model call and shape over the same held arrays: once a run)
+        known = run.__dict__.setdefault("_memory_helds", {})
+        key = (id(run.top(call)), _block(call.where), call.shape, tuple(id(h["rows"]) for h in helds))
+        if key not in known:
+            known[key] = [h for h in helds
+                          if not any(beside_memory(run, call, real) for real in readings(h, rows, k_len, ids))]
+        helds = known[key]
     return helds
 
 
