@@ -617,3 +617,59 @@ def test_funasr_vllm_adaptor_blocks_attend_right_padding(tmp_path):
     that is no ragged loop (the site's calls are counted within one model call); written blind and caught before
     any rule was changed for it. The fix is quiet."""
     check_bug(tmp_path, "funasr_vllm_adaptor_blocks_attend_right_padding", "padding-unused")
+
+
+def test_opennmt_decoder_layer_dec_mask_reset_to_none(tmp_path):
+    """OpenNMT-py#1044 (batch blind-bj): `dec_mask = None` left after the decoder layer built it, so the self-attention
+    ran unmasked. The layer holds `tgt_pad_mask` (B, 1, L), read as its (B, L), beside `src_pad_mask` of as many keys,
+    which the context attention keeps to: the memory's, left out of the self-attention's readings (it used to make the
+    call quiet, as a padding "kept"). The first cell is a double loop's over the target padding."""
+    [hit] = [f for f in check_bug(tmp_path, "opennmt_transformer_decoder_layer_dec_mask_reset_to_none", "padding-unused")
+             if "tgt_pad_mask" in f["source"]][:1]
+    dec_in = [[2, 13, 14, 15, 16], [2, 17, 18, 3, 1]]  # (PAD = 1)
+    assert tuple(hit["cell"]) == first((2, 5, 5), lambda b, q, k: dec_in[b][q] != 1 and dec_in[b][k] == 1)
+
+
+def test_a_decoders_self_attention_mask_dropped_beside_a_padded_memory(tmp_path):
+    """Written another way: (B, 1, 1, L) keep masks held as decoder_attention_mask and encoder_attention_mask, the
+    source as long as the target and padded in the other row, an einsum attention; the fix (target padding AND the
+    causal triangle) is quiet."""
+    [hit] = check_bug(tmp_path, "decoder_self_mask_dropped_beside_memory", "padding-unused", folder=HELD)
+    assert "decoder_attention_mask" in hit["source"]
+    target = [[1, 21, 22, 23, 0, 0], [1, 24, 25, 26, 27, 28]]
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: target[b][q] != 0 and target[b][k] == 0)
+
+
+def test_practical_nlp_attention_head_drops_padding_mask(tmp_path):
+    """keitakurita/Practical_NLP_in_PyTorch#8 (batch blind-bj): AttentionHead calls its ScaledDotProductAttention
+    without the (B, L, L) pad mask (True = padding) it was handed; the fix fills the exp with 0 before its sum, which
+    trace now reads as the mask (trace/after.py). The mask, handed down as `mask`, is a key row expanded over the
+    queries: read as the padding (checks/heldkeys.py)."""
+    [hit] = check_bug(tmp_path, "practical_nlp_transformer_attention_head_drops_padding_mask", "padding-unused")
+    tokens = [[5, 7, 3, 9, 11, 2], [4, 8, 6, 0, 0, 0]]
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: tokens[b][q] != 0 and tokens[b][k] == 0)
+
+
+def test_an_expanded_keep_mask_dropped_on_a_left_padded_batch(tmp_path):
+    """Written another way: left padding, a (B, L, L) keep mask (True = may attend) named attn_mask, a plain softmax."""
+    [hit] = check_bug(tmp_path, "expanded_keep_mask_dropped_left_padded", "padding-unused", folder=HELD)
+    pad = [[1, 1, 0, 0, 0], [0] * 5, [1, 1, 1, 0, 0]]
+    assert tuple(hit["cell"]) == first((3, 5, 5), lambda b, q, k: not pad[b][q] and bool(pad[b][k]))
+
+
+def test_a_key_row_broadcast_over_the_queries_is_read_as_its_padding(monkeypatch):
+    """trace/held.py reads (B, 1, L) and (B, 1, 1, L) masks under a padding mask's name as their (B, L)."""
+    import torch
+
+    from maskcli.trace import held
+
+    monkeypatch.setattr(held, "_SKIP", ("/nonexistent",))
+
+    def inner():
+        tgt_pad_mask = torch.tensor([[False, False, True], [False, False, False]]).unsqueeze(1)
+        attention_mask = torch.tensor([[1, 0, 0], [1, 1, 1]])[:, None, None, :]
+        return held.padding()
+
+    found = {one["name"]: one for one in inner()}
+    assert found["tgt_pad_mask"]["kind"] == "pad" and found["tgt_pad_mask"]["rows"].tolist() == [[0, 0, 1], [0, 0, 0]]
+    assert found["attention_mask"]["kind"] == "keep" and found["attention_mask"]["rows"].tolist() == [[1, 0, 0], [1, 1, 1]]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from checkbugs import check_bug
 from maskcli.checks.registry import severity
+from maskcli.testing import keep_array
 
 FIXQ2 = Path(__file__).parent / "data" / "fixq2"
 
@@ -166,3 +169,25 @@ def test_a_future_mask_with_its_diagonal_multiplied_into_left_padded_weights(tmp
     [hit] = check_bug(tmp_path, "session_future_mask_multiplied_drops_diagonal", "emptied-after-softmax",
                       Path(__file__).parent / "data" / "headmask")
     assert tuple(hit["cell"]) == (0, 2, 2)  # batch row 0's first real item, at position 2 after its 2 pads
+
+
+def test_an_exp_filled_with_zero_before_its_sum_is_the_calls_mask():
+    """A softmax written by hand as exp, masked_fill(pad, 0), / sum (Practical_NLP_in_PyTorch's fix): the call's mask is
+    the padding's, as a double loop over the keys says; the exp alone reads as full."""
+    lengths, length = (5, 3), 5
+    torch.manual_seed(0)
+    q, k = torch.randn(2, length, 4), torch.randn(2, length, 4)
+    pad = torch.tensor([[i >= n for i in range(length)] for n in lengths])
+
+    def program(fill: bool):
+        weights = torch.exp(torch.bmm(q, k.transpose(1, 2)) / 2)
+        if fill:
+            weights = weights.masked_fill(pad[:, None, :].expand(2, length, length), 0)
+        return weights / weights.sum(dim=-1, keepdim=True)
+
+    for fill in (True, False):
+        with maskcli.trace() as t, torch.no_grad():
+            program(fill)
+        keep = keep_array(t.calls[0])
+        expected = [[[fill is False or k_ < n for k_ in range(length)] for _ in range(length)] for n in lengths]
+        assert np.broadcast_to(keep, (2, 1, length, length))[:, 0].tolist() == expected

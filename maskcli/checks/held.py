@@ -27,8 +27,8 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.arguments import document_starts, padded_positions
-from maskcli.checks.context import (Run, beside_memory, columns_are_positions, cross, crossing, first_cell, keep, queries,
-                                    real_queries)
+from maskcli.checks.context import Run, columns_are_positions, cross, crossing, first_cell, keep, queries, real_queries
+from maskcli.checks.heldkeys import keys_of
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -197,7 +197,7 @@ def held_padding(run: Run) -> list:
     handed = [call for call in run.unmasked if call.api == "softmax" and not call.shape[2] == call.shape[3] > 1
               and _over_memory(call)]
     for call in [*run.calls, *run.cross, *square, *handed]:  # (a softmax that masks nothing: its mask may be the one never handed on)
-        helds = call.details.get("held_padding")
+        helds = keys_of(run, call, square)  # (a key mask expanded over the cells read; the memory's padding left out)
         if not helds or call.stored is None:
             continue
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
@@ -234,7 +234,7 @@ def held_padding(run: Run) -> list:
                     bad = bad & real_queries(real, placed)[:, :, None]
                 if row_real is not None:
                     bad = bad & row_real[:, None, None]
-                if not bad.any() or own is not None and beside_memory(run, call, real):
+                if not bad.any():
                     seen_through = False
                     break
                 picks.append((len(tables), real, held, bad))

@@ -76,7 +76,7 @@ class After:
     def after(self, trace, func, args: tuple, out=None) -> None:
         """On a multiplication of a followed softmax output by a 0/1 tensor: that call's mask narrowed to it."""
         if func in FILLS:
-            self._filled(args, func in COPIES)
+            self._filled(trace, args, func in COPIES)
             return
         if func in PRODUCTS:
             self._product(func, args, out)
@@ -92,10 +92,11 @@ class After:
                 self._narrow(trace, mine, other, entry)
                 return
 
-    def _filled(self, args: tuple, copy: bool = False) -> None:
+    def _filled(self, trace, args: tuple, copy: bool = False) -> None:
         """masked_fill(weights, where, 0) of a followed softmax output: its rows with no key zeroed, if all covered; with
         a fill (-inf, at most -1e4) instead: a mask after the softmax (_record). `copy`: out of place (the rows it
-        zeroes whole are remembered: a product that reads the weights themselves afterwards lost them, _product)."""
+        zeroes whole are remembered: a product that reads the weights themselves afterwards lost them, _product). A
+        hand-written softmax's exp (details by_hand "exp") filled with 0 in rows that keep keys is masked (_narrowed)."""
         if len(args) < 3 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor):
             return
         entry = self._found.get(id(args[0]))
@@ -128,6 +129,11 @@ class After:
             if bool(empty.any()) and bool(where[empty].all()):
                 call.details["zeroed_after"] = True
                 seen.details["zeroed_after"] = True
+            keep = seen.keep & ~where
+            if seen.details.get("by_hand") != "exp" or bool((keep == seen.keep).all()) \
+                    or not bool((keep.any(dim=-1) | empty).all()):
+                return  # (a softmax's weights zeroed are not renormalised by it; a row left no key is no mask meant)
+        self._narrowed(trace, args[0], keep, entry, "filled with 0 after exp, before the sum that normalises it")
 
     def _product(self, func, args: tuple, out) -> None:
         """weights @ values of a followed softmax output: rows the values turned NaN (`nan_values`), and rows an
@@ -178,11 +184,18 @@ class After:
             if not bool(keep.any(dim=-1).all()):
                 _emptied(call, seen, keep)  # (a real query left no key: checks/softmaxed.py's emptied-after-softmax)
                 return  # (a row left with no key: renormalising it is 0 / 0, not a mask the program meant)
+        self._narrowed(trace, out, keep, entry, "multiplied by a 0/1 mask after the softmax")
+
+    def _narrowed(self, trace, out: torch.Tensor, keep: torch.Tensor, entry: tuple, how: str) -> None:
+        """The call of `entry` (its weights `out`) masked by `keep`, as the program computes it (`how`, in words). (A
+        hand-written softmax's exp filled with 0 before its sum, `attn.masked_fill(mask, 0) / attn.sum(-1)`, is one:
+        Practical_NLP_in_PyTorch's ScaledDotProductAttention.)"""
+        _, call, seen = entry
         seen.keep = keep
         q_len = keep.shape[-2]
         if q_len > 1 and bool((keep == keep[..., :1, :]).all()):
             seen.details["mask_rows"] = 1
-        seen.details["masked_after"] = "multiplied by a 0/1 mask after the softmax"
+        seen.details["masked_after"] = how
         from maskcli.trace.given import stored
 
         trace.busy = True
