@@ -631,11 +631,11 @@ def test_opennmt_decoder_layer_dec_mask_reset_to_none(tmp_path):
 
 
 def test_a_decoders_self_attention_mask_dropped_beside_a_padded_memory(tmp_path):
-    """Written another way: (B, 1, 1, L) keep masks held as decoder_attention_mask and encoder_attention_mask, the
-    source as long as the target and padded in the other row, an einsum attention; the fix (target padding AND the
-    causal triangle) is quiet."""
+    """Written another way: (B, 1, 1, L) padding masks (True = padding) held as target_padding_mask and
+    source_padding_mask, the source as long as the target and padded in the other row, an einsum attention; the fix
+    (target padding AND the causal triangle) is quiet."""
     [hit] = check_bug(tmp_path, "decoder_self_mask_dropped_beside_memory", "padding-unused", folder=HELD)
-    assert "decoder_attention_mask" in hit["source"]
+    assert "target_padding_mask" in hit["source"]
     target = [[1, 21, 22, 23, 0, 0], [1, 24, 25, 26, 27, 28]]
     assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: target[b][q] != 0 and target[b][k] == 0)
 
@@ -658,7 +658,8 @@ def test_an_expanded_keep_mask_dropped_on_a_left_padded_batch(tmp_path):
 
 
 def test_a_key_row_broadcast_over_the_queries_is_read_as_its_padding(monkeypatch):
-    """trace/held.py reads (B, 1, L) and (B, 1, 1, L) masks under a padding mask's name as their (B, L)."""
+    """trace/held.py reads (B, 1, L) and (B, 1, 1, L) masks under a padding mask's name as their (B, L), and not under
+    a keep mask's name."""
     import torch
 
     from maskcli.trace import held
@@ -672,4 +673,5 @@ def test_a_key_row_broadcast_over_the_queries_is_read_as_its_padding(monkeypatch
 
     found = {one["name"]: one for one in inner()}
     assert found["tgt_pad_mask"]["kind"] == "pad" and found["tgt_pad_mask"]["rows"].tolist() == [[0, 0, 1], [0, 0, 0]]
-    assert found["attention_mask"]["kind"] == "keep" and found["attention_mask"]["rows"].tolist() == [[1, 0, 0], [1, 1, 1]]
+    # named as a keep mask, a broadcast (B, 1, 1, L) says no polarity: True = kept in HF, True = masked in Megatron
+    assert "attention_mask" not in found

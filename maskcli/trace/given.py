@@ -92,9 +92,12 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
             searched += 1
             code = frame.f_code
             for name, value in _parameters(frame, code):
-                if issubclass(type(value), torch.Tensor) and id(value) not in own and value.dtype == torch.bool \
+                if id(value) in own:
+                    continue  # (the kernel's own mask, however it is viewed below)
+                if issubclass(type(value), torch.Tensor) and value.dtype == torch.bool and name.split()[0] not in NAMES \
                         and value.dim() == 2 and tuple(value.shape) == (q_len, k_len) and q_len > 2:
-                    value = value[None, None]  # (one (Lq, Lk) bool mask for every row and head: MapTR's self_attn_mask)
+                    value = value[None, None]  # (one (Lq, Lk) bool mask for every row and head: MapTR's self_attn_mask;
+                    # a plain `mask` of that shape is as often the one the function just made for the kernel itself)
                 if issubclass(type(value), torch.Tensor) and id(value) not in own and value.is_floating_point() \
                         and value.dim() >= 2 and tuple(value.shape[-2:]) == (q_len, k_len):
                     return f"{name} of {code.co_name}()", value

@@ -2,8 +2,8 @@
 
 Read at each call from the functions of the program on the stack (not torch's, maskcli's, nor the standard library's),
 by variable name only (a code object's names are matched once; its locals are read only where one matches): a 2-D
-mask of 0/1 or bools named as a padding mask is (so is a (B, 1, L) or (B, 1, 1, L) one of bools or integers, a key
-row broadcast over the queries as OpenNMT's `tgt_pad_mask` is, read as its (B, L); or the diagonal of a (B, L, L) one
+mask of 0/1 or bools named as a padding mask is (so is a (B, 1, L) or (B, 1, 1, L) one of bools or integers named as
+padding, a key row broadcast over the queries as OpenNMT's `tgt_pad_mask` is, read as its (B, L); or the diagonal of a (B, L, L) one
 named as padding: each token's own cell), 1-D integer lengths, and 1-D relative lengths (each row's share of the padded length, the longest 1.0);
 also 2-D token ids (`input_ids`, `idx`, `tokens`: kind "ids", read beside the mask the same function holds,
 checks/tokens.py). checks/held.py says where the kernel's mask
@@ -195,8 +195,10 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
         # however its rows were laid (a key mask repeated over the queries, an outer product, or either side's)
         rows = value.diagonal(dim1=-2, dim2=-1).detach().cpu().numpy()
         return {"kind": "pad", "rows": rows.astype(bool)} if np.isin(rows, (0, 1)).all() else None
-    if value.dim() in (3, 4) and value.shape[1:-1] == (1,) * (value.dim() - 2) and value.shape[-1] > 1 \
-            and not value.is_floating_point():  # (a float one is as often BERT's additive extended mask: 0 = kept)
+    if PAD.search(name) and value.dim() in (3, 4) and value.shape[1:-1] == (1,) * (value.dim() - 2) \
+            and value.shape[-1] > 1 and not value.is_floating_point():  # (named as padding only: a (B, 1, 1, L) one
+        # named as a keep mask is True = kept in HF and the Annotated Transformer, True = masked in Megatron and NeMo
+        # (`attention_mask` [b, 1, sq, sk]); a float one is as often BERT's additive extended mask, 0 = kept
         value = value.reshape(value.shape[0], value.shape[-1])  # (B, 1, L) / (B, 1, 1, L): one key row for every query
     if value.dim() != 2 or LENGTHS.search(name) or CELLS.search(name):
         return None

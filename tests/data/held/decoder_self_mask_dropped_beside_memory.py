@@ -1,5 +1,5 @@
-"""A seq2seq decoder written as the Annotated Transformer writes masks ((B, 1, 1, L) bools, True = a real token, held
-as `decoder_attention_mask` and `encoder_attention_mask`), an einsum attention with a -inf fill and softmax: the decoder
+"""A seq2seq decoder that keeps its padding as (B, 1, 1, L) bools, True = a padded token, held as `target_padding_mask`
+and `source_padding_mask` (fairseq's and MHA's polarity, broadcast over heads and queries), an einsum attention with a -inf fill and softmax: the decoder
 layer hands its self-attention no mask at all (a refactor passed `mask=None` where the combined causal and padding mask
 was meant), so every target token sees the padding and the future. The source is as long as the target and padded in
 another row, so the memory's padding, kept by the cross-attention, is held beside the target's. --fixed hands the
@@ -52,13 +52,13 @@ class Decoder(nn.Module):
 
     def forward(self, target_ids, memory, source_ids):
         length = target_ids.shape[1]
-        decoder_attention_mask = (target_ids != self.pad_id)[:, None, None, :]  # (B, 1, 1, L)
-        encoder_attention_mask = (source_ids != self.pad_id)[:, None, None, :]
+        target_padding_mask = (target_ids == self.pad_id)[:, None, None, :]  # (B, 1, 1, L), True = padding
+        source_padding_mask = (source_ids == self.pad_id)[:, None, None, :]
         future = torch.ones(length, length, dtype=torch.bool).tril()
-        self_mask = decoder_attention_mask & future
+        self_mask = ~target_padding_mask & future
         x = self.embed(target_ids)
         for layer in self.layers:
-            x = layer(x, memory, self_mask, encoder_attention_mask)
+            x = layer(x, memory, self_mask, ~source_padding_mask)
         return x
 
 
