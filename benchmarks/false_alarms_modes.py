@@ -47,6 +47,7 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           # lay two windows; its prompt's logits against the same tokens decoded one at a time would confirm it)
           "document-row-empty": "a query that reads nothing",  # (a packed document's token cut out of it: the packed
           # mode's check confirms a leak only where a finite fill spreads the row over other documents)
+          "named-causal-sees-later": "sees later",
           "nan-rows-backward": "NaN gradients"}  # (no mode runs a backward pass: looked at by hand)
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
