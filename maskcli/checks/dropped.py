@@ -83,7 +83,7 @@ def _never_masked(run: Run) -> list:
 def mask_dropped(run: Run) -> list:
     """A call whose kernel sees cells of the additive mask the program handed to the function that attends (trace/given.py)."""
     found, done = [], set()
-    for call in run.calls:
+    for call in [*run.calls, *run.cross]:  # (a cross-attention's handed mask is the program's word as much)
         lost = call.details.get("dropped_mask")
         if not lost or (call.mask, lost["name"]) in done:
             continue
@@ -92,7 +92,9 @@ def mask_dropped(run: Run) -> list:
         found.append((call, Finding("mask-argument-dropped", (
             f"{call.where} was handed a mask ({lost['name']}, {lost['masked']} cells masked on rows it leaves some key), "
             f"but its {call.api} sees {lost['cells']} of those cells (batch row {b}, head {h}, query {q}, key {k}): "
-            f"the mask was dropped on its way to the kernel"), expected=lost["name"], source=lost["name"],
+            + ("the mask was inverted on its way to the kernel: on every row it keeps some keys of, the kernel keeps "
+               "exactly the cells it masks and masks the ones it keeps" if lost.get("inverted") else
+               "the mask was dropped on its way to the kernel")), expected=lost["name"], source=lost["name"],
             cell=(b, q, k))))
     return found
 
