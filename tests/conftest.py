@@ -24,16 +24,19 @@ def cpu_unless_marked_cuda(request, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def torch_default_dtype_restored():
+def torch_global_state_restored():
     """A program traced in the test's process (CliRunner's `maskcli trace`, `maskcli.trace()`) may set torch's default
-    dtype (float64, for a reference computed exactly) and leave it set, as a script may: the next test's program would
-    run in it. Each test starts in the dtype the one before it started in."""
+    dtype (float64, for a reference computed exactly) or turn autograd off at its top level
+    (`torch.set_grad_enabled(False)`, ColBERT's inference script) and leave it so, as a script may: the next test's
+    program would run in it. Each test starts in the dtype and grad mode the one before it started in."""
     torch = sys.modules.get("torch")
     dtype = None if torch is None else torch.get_default_dtype()
+    grad = True if torch is None else torch.is_grad_enabled()
     yield
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_default_dtype(dtype or torch.float32)
+        torch.set_grad_enabled(grad)
 
 
 @pytest.fixture(autouse=True)

@@ -191,6 +191,8 @@ class Follow:
                 self.scores.ones_added(readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.folds:  # a batch folded with its heads, batch-major (scores.py)
                 self.scores.fold_of(readers.softmax_input(args, kwargs), *softmaxed)
+            if self.scores is not None and self.scores.sliced:  # q @ kᵀ over a cache's tail (trace/sliced.py)
+                self.scores.sliced_of(readers.softmax_input(args, kwargs), *softmaxed)
         elif followed[2] and not self.busy:
             self.after.after(self, func, args, out)
         if (func in WATCHED or followed[0]) and isinstance(out, torch.Tensor) and out.dim() >= 2 \

@@ -64,7 +64,11 @@ def _skip() -> tuple[str, ...]:
 
 def gathered_keys(seen, key: torch.Tensor, unmasked: bool) -> None:
     """At a kernel call that masks nothing (`unmasked`) with several queries: where its keys were gathered from a padded
-    batch across the mask a frame holds beside it (trace/gathered.py)."""
+    batch across the mask a frame holds beside it (trace/gathered.py). And at any call, where its keys are the tail
+    of a longer key tensor (trace/sliced.py)."""
+    from maskcli.trace.sliced import note as _sliced
+
+    _sliced(seen.details, key)
     if unmasked and seen.shape[2] > 1:
         try:
             _gathered(seen, key)

@@ -20,6 +20,7 @@ import weakref
 import torch
 
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
+from maskcli.trace.sliced import tail
 
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
            torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum, torch.mm, torch.Tensor.mm}
@@ -42,6 +43,7 @@ class Scores:
         self.matrices: set[int] = set()  # ids of 2-D scores (Lq, Lk) of one unbatched sequence (per_graph), not (B, Lk)
         self.sinks: dict[int, tuple] = {}  # id -> (a weak reference, the keys before it) of scores joined to a sink column
         self.folds: dict[int, tuple] = {}  # id -> (B, H) of scores whose rows are a (B, H, ..) query viewed batch-major
+        self.sliced: dict[int, tuple] = {}  # id -> (start, length) of scores whose kᵀ is the tail of a longer key tensor
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -66,6 +68,9 @@ class Scores:
                     fold = batch_major(operands[0], out)
                     if fold is not None:
                         self.folds[id(out)] = fold
+                    cut = tail(operands[1], turned=True) if len(operands) == 2 and func is not torch.einsum else None
+                    if cut is not None:  # (q @ kᵀ over keys sliced off a cache's tail: trace/sliced.py)
+                        self.sliced[id(out)] = cut
                 else:  # (the equation states another axis order: Transformer-XL's "ibnd,jbnd->ijbn")
                     axes = einsum_axes(args[0], out.dim())
                     if axes is not None:
@@ -94,6 +99,8 @@ class Scores:
                     self._note(out, axes)
                     if self.folds and axes is None and id(x) in self.folds:
                         self.folds[id(out)] = self.folds[id(x)]  # (the mask added to folded scores: folded alike)
+                    if self.sliced and axes is None and id(x) in self.sliced:
+                        self.sliced[id(out)] = self.sliced[id(x)]
                     if func in ADDS and addend is None:
                         addend = _zero_one(args, x, out)
                     if addend is not None and axes is None:
@@ -116,6 +123,12 @@ class Scores:
         fold = self.folds.get(id(x)) if isinstance(x, torch.Tensor) and self.has(x) else None
         if fold is not None and "axes" not in seen.details:
             call.details["fold"] = seen.details["fold"] = list(fold)
+
+    def sliced_of(self, x, call, seen) -> None:
+        """At softmax `call` over scores `x`: details["keys_sliced"] where their kᵀ was a cache's tail (trace/sliced.py)."""
+        cut = self.sliced.get(id(x)) if isinstance(x, torch.Tensor) and self.has(x) else None
+        if cut is not None and "axes" not in seen.details:
+            call.details["keys_sliced"] = seen.details["keys_sliced"] = cut
 
     def sink(self, x) -> int | None:
         """The keys of scores `x` whose last column is a sink joined to them (_sink_joined); None where none is."""
@@ -145,12 +158,14 @@ class Scores:
             laid.clear()
             self.added.clear()
             self.folds.clear()
+            self.sliced.clear()
             matrices.clear()
         key = id(tensor)
 
-        added, folds = self.added, self.folds
+        added, folds, sliced = self.added, self.folds, self.sliced
         added.pop(key, None)  # (an id a dead tensor had, now this one's)
         folds.pop(key, None)
+        sliced.pop(key, None)
 
         def gone(ref) -> None:  # a tensor let go is forgotten at once, so the mode stops following when none is left
             if found.get(key) is ref:  # (its id reused by a later tensor: that one keeps its own entry)
@@ -158,6 +173,7 @@ class Scores:
                 laid.pop(key, None)
                 added.pop(key, None)
                 folds.pop(key, None)
+                sliced.pop(key, None)
                 matrices.discard(key)
 
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 
+from maskcli.trace.bounded import bounded
 from maskcli.trace.codes import ByCode
 
 FRAMES = 12  # program frames read outward from the kernel's caller
@@ -78,6 +79,8 @@ def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None,
     a plain int window W > 0 (or -1, none) beside the int position p of its one query (`cur_pos`, `start_pos`: POSITIONS; or its
     sequence's length, p + 1: LENGTHS): W keys or W + 1 by its convention, at least min(W, p + 1) whichever
     (checks/handed.py's window-narrower, which reads it for one query only: a length of 1 says nothing)."""
+    if counted is not None and frames is not None:
+        bounded(frames, counted)  # (a cache object's window, whatever the modules state: checks/cachewindow.py)
     for module in stack:
         attributes = vars(module)
         for name in ATTRIBUTES:
@@ -96,6 +99,8 @@ def window_held(stack: list, skip: tuple[str, ...], counted: dict | None = None,
             if own:
                 frames.append((frame, named))
             frame = frame.f_back
+        if counted is not None:
+            bounded(frames, counted)
     found = None
     for frame, named in frames:
         if named:
