@@ -24,7 +24,7 @@
 from __future__ import annotations
 
 from maskcli.checks.config import _each_layer_call, _layer, _layer_calls
-from maskcli.checks.context import Run, first_cell
+from maskcli.checks.context import Run, cross, first_cell
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import explained
 from maskcli.text import Finding
@@ -85,8 +85,8 @@ def mask_dropped(run: Run) -> list:
     found, done = [], set()
     for call in [*run.calls, *run.cross]:  # (a cross-attention's handed mask is the program's word as much)
         lost = call.details.get("dropped_mask")
-        if not lost or (call.mask, lost["name"]) in done:
-            continue
+        if not lost or (call.mask, lost["name"]) in done or cross(call) and "(bool" in lost["name"]:
+            continue  # (a cross-attention's frames hold the queries' own bool mask too: only an additive one is read)
         done.add((call.mask, lost["name"]))
         b, h, q, k = lost["cell"]
         found.append((call, Finding("mask-argument-dropped", (

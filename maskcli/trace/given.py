@@ -213,6 +213,9 @@ def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: in
             best = {"name": name, "cell": [int(x) for x in np.argwhere(lost)[0]], "cells": int(lost.sum()),
                     "masked": int((~given & given.any(axis=-1, keepdims=True)).sum()),
                     "inverted": bool(partial.any() and (seen == ~given)[partial].all())}
+    if best is not None and tensor.dim() == 4 and tensor.shape[2] == 1 < q_len and not best["inverted"]:
+        return None  # (a key padding bias read for every query: only where the kernel keeps its very inverse; a padding
+        # query under a finite fill sees the padding keys it is left, GPT-2's left-padded rows, and is no dropped mask)
     return best
 
 def _either_way(name: str, mask: np.ndarray, kernel: np.ndarray, q_len: int, k_len: int) -> dict | None:
