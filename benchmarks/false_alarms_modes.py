@@ -48,9 +48,13 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           "document-row-empty": "a query that reads nothing",  # (a packed document's token cut out of it: the packed
           # mode's check confirms a leak only where a finite fill spreads the row over other documents)
           "named-causal-sees-later": "sees later",
-          "nan-rows-backward": "NaN gradients",  # (no mode runs a backward pass: looked at by hand)
-          "cache-window-overrun": "beyond the window"}  # (keys a window cache object says it let go: no family holds
-          # one; any such finding here is one to look at by hand)
+           "nan-rows-backward": "NaN gradients",  # (no mode runs a backward pass: looked at by hand)
+           "document-unlike-alone": "a document attended otherwise than alone",  # (no mode runs a packed batch beside
+           # each of its documents alone through one call site: any such finding here is one to look at by hand)
+           "swin-roll-shift": "windows of other tokens",  # (a vision block's map rolled by another shift: no language
+           # family's mode runs one; looked at by hand)
+           "cache-window-overrun": "beyond the window"}  # (keys a window cache object says it let go: no family holds
+           # one; any such finding here is one to look at by hand)
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
 

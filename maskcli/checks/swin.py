@@ -60,7 +60,7 @@ def shifted_windows(run: Run) -> list:
     found, done = [], {}
     for call in [*run.calls, *run.unmasked]:
         held = call.details.get("shifted_windows")
-        if not held:
+        if not held or held.get("window") is None:  # (a block read for its roll alone: checks/swinroll.py)
             continue
         keep = np.asarray(held["keep"], dtype=bool)
         key = (keep.tobytes(), keep.shape, held["window"], held["shift"], tuple(held.get("resolution") or ()))

@@ -5,6 +5,8 @@ its windows are cut from a map rolled by that shift, so the mask its window atte
 numbers and the map's size. Read only under such a module: the (nW, N, N) mask (`mask` / `attn_mask`, 0 / -100 added,
 or bool; (nW * B, 1, N, N) as
 repeated over a batch's images) a function of the program on the stack holds, and the module's `input_resolution` where it has one.
+With it (and for a block of windows of any shape, mask or none) "rolled": how far the block rolled its map
+(trace/swinroll.py, checks/swinroll.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from maskcli.trace.held import program_frames
+from maskcli.trace.swinroll import block_roll
 
 INNERMOST = 4  # running modules read, innermost first
 FRAMES = 4  # program frames searched for the windows' mask
@@ -34,16 +37,19 @@ def shifted_windows(stack: list) -> dict | None:
         own = module.__dict__
         if "shift_size" not in own:  # (every call of every program passes here: the common case first)
             continue
+        rolled = block_roll(module)  # (how far the block rolled its map: checks/swinroll.py; any windows' shape)
         shift, window = _size(own.get("shift_size")), _size(own.get("window_size"))
         if shift is None or window is None or not 0 < shift < window:
+            if rolled is not None:
+                return {"window": None, "shift": None, "rolled": rolled}
             continue
         keep = _held_mask(window * window)
         if keep is None:
-            return None
+            return None if rolled is None else {"window": None, "shift": None, "rolled": rolled}
         resolution = own.get("input_resolution")
         resolution = tuple(int(x) for x in resolution) if isinstance(resolution, (tuple, list)) and len(resolution) == 2 \
             and all(isinstance(x, int) for x in resolution) else None
-        return {"window": window, "shift": shift, "resolution": resolution, "keep": keep}
+        return {"window": window, "shift": shift, "resolution": resolution, "keep": keep, "rolled": rolled}
     return None
 
 

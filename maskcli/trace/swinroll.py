@@ -1,0 +1,87 @@
+"""How far a shifted-window block rolled its map before cutting windows, read at an attention call made under it.
+
+A running module holding `shift_size` and `window_size` (Swin's SwinTransformerBlock and its ports: Pangu / FengWu's
+Transformer3DBlock, Uformer's, Video Swin's; an int or one per axis) rolls its (H, W) map by that shift before cutting
+it into windows, and its window mask is cut for that shift (checks/swinroll.py). The roll is read off the tensors the
+block's own forward frame holds while its window attention runs: two 4-D tensors of one shape of which one is the
+other rolled along two axes (channels last or first) by one offset only, found by the first plane's values and
+confirmed with torch.roll on the whole tensor; the roll of the one the frame holds later from the one it holds first
+(the variables in the order the forward names them: the map, then the map rolled). Nothing where no pair or more than one offset is found (a map whose
+values repeat), nor where the block rolled in place (no pre-roll tensor held).
+"""
+
+from __future__ import annotations
+
+import sys
+from itertools import combinations
+
+import torch
+
+from maskcli.trace.held import program_frames
+
+FRAMES = 6  # program frames searched for the block's forward
+TENSORS = 8  # 4-D tensors of that frame compared, at most
+CELLS = 1 << 22  # tensors compared up to this many elements
+CANDIDATES = 16  # offsets tried per pair (the first plane's cells equal to the rolled plane's first)
+
+
+def _pair(value) -> tuple[int, int] | None:
+    """(a, b) of an int or of a pair of ints; None otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, (tuple, list)) and len(value) == 2 \
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return int(value[0]), int(value[1])
+    return None
+
+
+def block_roll(module) -> dict | None:
+    """{"shift", "window", "roll", "map", "dims"} of a block stating a shift on both axes whose forward frame holds its
+    map and the map rolled by one offset; None otherwise."""
+    own = module.__dict__
+    shift, window = _pair(own.get("shift_size")), _pair(own.get("window_size"))
+    if shift is None or window is None or not all(0 < s < w for s, w in zip(shift, window)):
+        return None
+    frame = next((f for f in program_frames(sys._getframe(1), FRAMES) if f.f_locals.get("self") is module), None)
+    if frame is None:
+        return None
+    tensors, seen = [], set()
+    for value in frame.f_locals.values():
+        if issubclass(type(value), torch.Tensor) and value.dim() == 4 and 0 < value.numel() <= CELLS \
+                and value.device.type != "meta" and id(value) not in seen:
+            seen.add(id(value))
+            tensors.append(value.detach())
+    resolution = _pair(tuple(own["input_resolution"])[-2:]) if isinstance(own.get("input_resolution"), (tuple, list)) \
+        and len(own["input_resolution"]) >= 2 else None
+    found = set()
+    for first, second in combinations(tensors[:TENSORS], 2):  # (the frame's order: the map before the rolled one)
+        if first.shape != second.shape or first.dtype != second.dtype:
+            continue
+        for dims in ((1, 2), (2, 3)):
+            size = (first.shape[dims[0]], first.shape[dims[1]])
+            if size[0] % window[0] or size[1] % window[1] or resolution is not None and size != resolution:
+                continue
+            offset = _offset(first, second, dims)
+            if offset is not None:
+                found.add((dims, offset, size))
+    if len(found) != 1:
+        return None
+    dims, offset, size = found.pop()
+    return {"shift": shift, "window": window, "roll": offset, "map": size, "dims": dims}
+
+
+def _offset(first: torch.Tensor, second: torch.Tensor, dims: tuple[int, int]) -> tuple[int, int] | None:
+    """The one nonzero (a, b), each modulo its axis, with second == torch.roll(first, (a, b), dims); None where none
+    or more than one is."""
+    height, width = first.shape[dims[0]], first.shape[dims[1]]
+    plane = first.movedim(dims, (-2, -1)).reshape(-1, height, width)[0]
+    corner = second.movedim(dims, (-2, -1)).reshape(-1, height, width)[0, 0, 0]
+    spots = torch.nonzero(plane == corner)[:CANDIDATES + 1].tolist()
+    if not spots or len(spots) > CANDIDATES:
+        return None
+    matches = []
+    for i, j in spots:
+        offset = ((-i) % height, (-j) % width)
+        if torch.equal(torch.roll(first, offset, dims), second):
+            matches.append(offset)
+    return matches[0] if len(matches) == 1 and matches[0] != (0, 0) else None

@@ -1,0 +1,60 @@
+"""checks/swinroll.py (and trace/swinroll.py): a shifted-window block that rolls its map by another shift than its
+own shift_size, on the published bug's reproduction (tests/data/bugs) and a block written another way
+(tests/data/swin), both quiet fixed; the roll read against a loop over the map's cells."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from checkbugs import check_bug, traced
+from maskcli.checks.swinroll import _off
+from maskcli.trace.swinroll import _offset
+
+SWIN = Path(__file__).parent / "data" / "swin"
+
+
+def test_fengwu_longitude_rolled_by_the_latitude_shift_is_found(tmp_path):
+    """NVIDIA/physicsnemo#1492 (written blind, batch blind-bk): shift_size=(1, 3), the map rolled by (-1, -1) along
+    (lat, lon); the mask built for shift_lon = 3."""
+    [hit] = check_bug(tmp_path, "physicsnemo_fengwu_window_shift_rolls_lon_by_lat", "swin-roll-shift")
+    assert "states shift_size=(1, 3) (window_size=(2, 6)) but rolls its 4x12 map by (-1, -1)" in hit["message"]
+    assert "axis 2 (length 12) by 1, not 3" in hit["message"] and "axis 1" not in hit["message"].split(":")[1]
+
+
+def test_a_channel_first_block_rolled_by_half_the_window_is_found(tmp_path):
+    """Written another way: (B, C, H, W) maps rolled along dims (2, 3) by window_size // 2 = 2 under shift_size=1,
+    an additive -inf mask over an einsum softmax in the block itself."""
+    [hit] = check_bug(tmp_path, "channel_first_block_rolls_half_window", "swin-roll-shift", SWIN)
+    assert "rolls its 8x8 map by (-2, -2) along axes (2, 3)" in hit["message"]
+
+
+def test_swins_own_block_and_the_earlier_swin_program_roll_as_stated(tmp_path):
+    """microsoft/Swin-Transformer's construction (roll by -shift_size) and the half-window-mask program (its bug is
+    the mask, its roll is right): no swin-roll-shift."""
+    quiet = Path(__file__).parent / "data" / "quiet_blind"
+    for name, folder in (("swin_shifted_window_attention", quiet), ("swin_mask_built_for_half_window_shift", SWIN)):
+        for fixed in (False, True):
+            _, found, report = traced(tmp_path, name, fixed, folder)
+            assert "swin-roll-shift" not in [f["code"] for f in found], report
+
+
+def _loop_roll(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """x rolled by (a, b) along dims (1, 2) by a loop over the cells: out[i, j] = x[i - a, j - b]."""
+    out = torch.empty_like(x)
+    h, w = x.shape[1], x.shape[2]
+    for i in range(h):
+        for j in range(w):
+            out[:, i, j] = x[:, (i - a) % h, (j - b) % w]
+    return out
+
+
+def test_the_offset_found_is_the_loops():
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 12, 3)
+    for a, b in ((-1, -3), (-1, -1), (2, 5), (0, 6)):
+        assert _offset(x, _loop_roll(x, a, b), (1, 2)) == (a % 4, b % 12)
+    assert _offset(x, x.clone(), (1, 2)) is None  # (no roll)
+    assert _offset(torch.zeros(1, 4, 4, 2), torch.zeros(1, 4, 4, 2), (1, 2)) is None  # (every offset: none said)
+    assert not _off(11, 1, 12) and not _off(1, 1, 12) and _off(11, 3, 12)
