@@ -49,6 +49,7 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           # mode's check confirms a leak only where a finite fill spreads the row over other documents)
           "fill-masks-nothing": "sees later",  # (a fill of about zero: the cells it masks, often later keys or pads,
           # keep their weight; padding where the mask was a key padding mask)
+          "named-causal-sees-later": "sees later",
           "nan-rows-backward": "NaN gradients",  # (no mode runs a backward pass: looked at by hand)
           "document-unlike-alone": "a document attended otherwise than alone",  # (no mode runs a packed batch beside
           # each of its documents alone through one call site: any such finding here is one to look at by hand)

@@ -309,3 +309,24 @@ def test_a_keep_mask_parameter_named_self_attention_mask_that_sdpa_is_never_hand
     found = check_bug(tmp_path, "group_detr_keep_mask_parameter_unused", "mask-argument-dropped", folder=DROPPED)
     assert tuple(found[0]["cell"]) == first((2, 10, 10), lambda b, q, k: q // 5 != k // 5)
     assert "self_attention_mask of forward()" in found[0]["message"]
+
+
+def test_diffusers_npu_backend_additive_text_mask_cast_to_bool_and_inverted(tmp_path):
+    # huggingface/diffusers#14397 (written blind, batch blind-br): dispatch_attention_fn hands the LTX-2 cross-attention
+    # the additive [B, 1, 1, S_text] bias; the npu path casts it to bool and inverts it for a kernel that discards True,
+    # so the 12 video queries see exactly the padded text tokens (rows of 5 and 7 real tokens of 8)
+    found = check_bug(tmp_path, "diffusers_npu_backend_additive_mask_cast_to_bool_inverted", "mask-argument-dropped")
+    real = (5, 7)
+    padded = [(b, q, k) for b in range(2) for q in range(12) for k in range(8) if k >= real[b]]
+    b, q, k = first((2, 12, 8), lambda b, q, k: (b, q, k) in padded)
+    assert tuple(found[0]["cell"]) == (b, q, k)
+    assert f"sees {len(padded)} of those cells" in found[0]["message"] and "inverted on its way" in found[0]["message"]
+    assert "attn_mask of dispatch_attention_fn()" in found[0]["message"]
+
+
+def test_an_extended_additive_mask_cast_to_bool_for_sdpa_over_a_padded_batch(tmp_path):
+    found = check_bug(tmp_path, "bert_fused_path_extended_mask_to_bool", "mask-argument-dropped", folder=DROPPED)
+    real = (6, 3, 4)  # row 0 unpadded: the mask keeps every key of it, so no row of it is read
+    padded = [(b, q, k) for b in range(3) for q in range(6) for k in range(6) if k >= real[b]]
+    assert tuple(found[0]["cell"]) == first((3, 6, 6), lambda b, q, k: (b, q, k) in padded)
+    assert f"sees {len(padded)} of those cells" in found[0]["message"] and "inverted on its way" in found[0]["message"]

@@ -220,3 +220,24 @@ def test_transformers_llava_cached_decode_extended_mask_appended_after_text_mask
     step attends the merge padding the prefill hid (written blind, batch blind-aa; caught before any rule was changed
     for it). The fix is quiet."""
     check_bug(tmp_path, "transformers_llava_cached_decode_extended_mask_appended_after_text_mask", "padding-lost")
+
+
+def test_layers_of_the_prompt_in_one_loop_over_a_static_buffer_are_not_decode_steps(tmp_path):
+    """llama.cpp's kq_mask over a static KV buffer (ggml-org/llama.cpp#28318's fix, written blind, batch blind-br): every
+    layer's softmax is one line in a loop, so the prompt's second layer is the site's second call; it shares the prompt's
+    mask (causal over the written cells, the empty cells past them masked) and is no decode step placed after 11 keys.
+    A decode step whose mask is built from its row number (j <= i) still is: its query sees cell 0 only."""
+    from checkbugs import traced
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "data" / "staticbuf"
+    name = "kv_buffer_layers_in_one_loop_decode_mask_by_row"
+    status, found, report = traced(tmp_path, name, False, folder)
+    assert status == 1, report
+    [hit] = [f for f in found if f["code"] == "top-left-mask"]
+    assert hit["severity"] == "wrong" and "at step 3 " in hit["message"], report  # (the first decode step, not layer 1)
+    status, found, report = traced(tmp_path, name, True, folder)
+    assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
+    status, found, report = traced(tmp_path, "llamacpp_gemma4_e4b_image_chunk_decoded_non_causal", True,
+                                   folder.parent / "blind")
+    assert status == 0 and "top-left-mask" not in [f["code"] for f in found], report

@@ -97,3 +97,28 @@ def test_head_major_fold_of_a_mask_one_frame_long(tmp_path):
     assert hit["severity"] == "wrong" and hit["cell"] == [1, 0, real] and "batch row 1" in hit["message"], report
     status, found, report = traced(tmp_path, name, True, SUBSAMPLED)
     assert status == 0 and not [f for f in found if f["severity"] == "wrong"], report
+
+
+def test_moonshine_strided_frame_mask_keeps_frames_made_partly_of_the_padding(tmp_path):
+    """huggingface/transformers#35922's fix (written blind, batch blind-bq): `attention_mask[..., ::384][..., :mask_len]`
+    keeps each frame whose stride's first sample is real: row 1's 9600 real samples make 23 frames through the convs,
+    the mask keeps 25. Frames 23-24 are computed partly from the last real samples and partly from the padding (the
+    input samples each reads found by autograd through the model's own conv stack), and the message says so."""
+    blind = Path(__file__).parent / "data" / "blind"
+    status, found, report = traced(tmp_path, "moonshine_batched_audio_padding_not_masked", True, blind)
+    [hit] = {f["message"]: f for f in found if f["code"] == "padded-frames-attended"}.values()
+    convs = [torch.nn.Conv1d(1, 1, 127, stride=64), torch.nn.Conv1d(1, 1, 7, stride=3), torch.nn.Conv1d(1, 1, 3, stride=2)]
+    assert made(9600, convs) == 23 and "make 23 frames of them" in hit["message"]
+    x = torch.zeros(1, 1, 28800, requires_grad=True)
+    y = x
+    for conv in convs:
+        y = conv(y)
+    reads = []
+    for frame in (23, 24):
+        (grad,) = torch.autograd.grad(y[0, 0, frame], x, retain_graph=True)
+        reads.append(torch.nonzero(grad[0, 0] != 0).flatten())
+    first, last = int(reads[0].min()), int(reads[0].max())
+    assert all(int(r.min()) < 9600 <= int(r.max()) for r in reads)  # (each partly real, partly padding)
+    assert "keeps frames 23-24 of that row" in hit["message"]
+    assert "partly from the row's last real samples and partly from the padding" in hit["message"]
+    assert f"frame 23 is computed from samples {first}-{last}, the row's real ones end at 9599" in hit["message"]

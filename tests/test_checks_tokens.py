@@ -91,6 +91,24 @@ def test_a_language_model_tutorial_run_without_its_causal_mask_is_found(tmp_path
     assert "shifted by one; 340 such queries" in found[0]["message"]  # 34 queries with a next key, 10 sequences
 
 
+def test_pix2struct_text_decoder_config_not_a_decoder_trained_on_shifted_labels_is_found(tmp_path):
+    # huggingface/transformers#23051 (written blind, batch blind-bq): Pix2StructTextConfig left is_decoder=False, so
+    # get_extended_attention_mask made a padding-only mask over an unpadded batch: the decoder's softmax masks nowhere,
+    # while its forward's loss takes `labels`, the decoder inputs being those labels shifted right
+    found = check_bug(tmp_path, "pix2struct_text_decoder_not_causal_in_training", "sees-its-target")
+    assert tuple(found[0]["cell"]) == first((2, 7, 7), lambda b, q, k: k == q + 1)
+    assert "input ids of Pix2StructTextModel shifted by one; 12 such queries" in found[0]["message"]  # 6 a row
+
+
+def test_a_seq2seq_decoder_whose_einsum_softmax_masks_nowhere_under_its_labels_loss_is_found(tmp_path):
+    found = check_bug(tmp_path, "seq2seq_decoder_einsum_softmax_no_mask_labels_in_forward", "sees-its-target",
+                      folder=TOKENS)
+    trained = (5, 4, 5)  # labels -100 from 4 (row 1) and 5 (row 2): query q's target counts where labels[q] is real
+    counted = [(b, q) for b in range(3) for q in range(5) if q < trained[b]]
+    assert tuple(found[0]["cell"]) == first((3, 6, 6), lambda b, q, k: k == q + 1 and (b, q) in counted)
+    assert f"{len(counted)} such queries" in found[0]["message"]
+
+
 def test_a_padded_gpt_whose_loss_is_shifted_inside_the_batch_is_found(tmp_path):
     found = check_bug(tmp_path, "gpt_loss_shifted_padding_mask_only", "sees-its-target", folder=TOKENS)
     lengths = (6, 4)  # a target counts where the next token is real (labels -100 on the padding)

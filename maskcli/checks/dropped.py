@@ -24,7 +24,7 @@
 from __future__ import annotations
 
 from maskcli.checks.config import _each_layer_call, _layer, _layer_calls
-from maskcli.checks.context import Run, first_cell
+from maskcli.checks.context import Run, cross, first_cell
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import explained
 from maskcli.text import Finding
@@ -83,16 +83,18 @@ def _never_masked(run: Run) -> list:
 def mask_dropped(run: Run) -> list:
     """A call whose kernel sees cells of the additive mask the program handed to the function that attends (trace/given.py)."""
     found, done = [], set()
-    for call in run.calls:
+    for call in [*run.calls, *run.cross]:  # (a cross-attention's handed mask is the program's word as much)
         lost = call.details.get("dropped_mask")
-        if not lost or (call.mask, lost["name"]) in done:
-            continue
+        if not lost or (call.mask, lost["name"]) in done or cross(call) and "(bool" in lost["name"]:
+            continue  # (a cross-attention's frames hold the queries' own bool mask too: only an additive one is read)
         done.add((call.mask, lost["name"]))
         b, h, q, k = lost["cell"]
         found.append((call, Finding("mask-argument-dropped", (
             f"{call.where} was handed a mask ({lost['name']}, {lost['masked']} cells masked on rows it leaves some key), "
             f"but its {call.api} sees {lost['cells']} of those cells (batch row {b}, head {h}, query {q}, key {k}): "
-            f"the mask was dropped on its way to the kernel"), expected=lost["name"], source=lost["name"],
+            + ("the mask was inverted on its way to the kernel: on every row it keeps some keys of, the kernel keeps "
+               "exactly the cells it masks and masks the ones it keeps" if lost.get("inverted") else
+               "the mask was dropped on its way to the kernel")), expected=lost["name"], source=lost["name"],
             cell=(b, q, k))))
     return found
 

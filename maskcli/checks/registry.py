@@ -46,7 +46,8 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "servesteps", "serveexpect", "ranks", "fullblocks", "zerokv", "memlen", "graphs", "reach", "neighbours", "reqlens", "turned", "gathered", "chunkrows", "discarded",
            "items", "imageruns", "expanded", "queryaxis", "padded", "directions", "rowless", "crosskeys", "numbered", "scored",
            "memturned", "memorypads", "globaltokens", "sidewindows", "chunkahead", "nomask", "foldedcross", "jointtext", "fewseen",
-           "stepwindows", "windowreach", "handedcausal", "docrows", "cachewindow", "slicedkeys", "alone", "swinroll", "weakfill")
+           "stepwindows", "windowreach", "handedcausal", "docrows", "cachewindow", "slicedkeys", "alone", "swinroll", "weakfill",
+           "namedcausal")
 
 
 @dataclass(frozen=True)

@@ -184,10 +184,10 @@ def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window, writte
 def alignment(run: Run) -> list:
     """A decode step (not a site's first call) whose mask is causal aligned top-left, its queries at keys 0..Lq-1,
     where the run places them after earlier keys: each query sees the first keys, not its own."""
-    found, done = [], set()
+    found, done, first = [], set(), _first_steps(run)
     for call in run.calls:
         q_len, k_len = call.shape[2:]
-        if call.step == 0 or q_len >= k_len or call.mask in done or call.stored is None:
+        if call.step == 0 or q_len >= k_len or call.mask in done or call.stored is None or id(call) in first:
             continue
         top, own, positions = run.placed(call)
         if own[0] == 0 or not positions or stated_first(run).get(call.index) == 0:
@@ -203,6 +203,19 @@ def alignment(run: Run) -> list:
                 f"not the {int(own[0])} keys before it (a mask sliced as mask[:Lq, :Lk]; bottom-right is "
                 f"mask[Lk - Lq:Lk, :Lk])"), expected=f"causal with the queries at {int(own[0])}..{int(own[-1])}",
                 source=f"{call.where}: {k_len - q_len} earlier keys", cell=(0, int(own[0]), 1))))
+    return found
+
+
+def _first_steps(run: Run) -> set:
+    """The calls that are the layers of their site's first step: those in the same model call as the site's first call,
+    with its shape (one line that every layer of a forward calls in a loop, llama.cpp's graph over a static KV buffer,
+    counts each layer a step; the layers of one model call share their placing, so none of them is a decode step)."""
+    found = set()
+    for calls in run.sites().values():
+        top = run.top(calls[0])
+        if top is None:
+            continue
+        found.update(id(call) for call in calls[1:] if run.top(call) is top and call.shape == calls[0].shape)
     return found
 
 

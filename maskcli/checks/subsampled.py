@@ -120,10 +120,32 @@ def _finding(call, convs: tuple, helds: list, rows: int, k_len: int) -> Finding 
         return Finding("padded-frames-attended", (
             f"batch row {b}{fold} has {int(real[b])} real samples of {samples} ({said}); the model's own strided layers "
             f"({stack}) make {int(made[b])} frames of them, yet this attention over the {k_len} frames keeps frames "
-            f"{spans(keys)} of that row as real keys: frames computed from the padding (the frame mask reduced from the "
-            f"sample mask another way than the convolutions count)"),
+            f"{spans(keys)} of that row as real keys: {_made_of(keys, layers, int(real[b]))} (the frame mask reduced "
+            f"from the sample mask another way than the convolutions count; the row alone has no such frames)"),
             expected=f"batch row {b}: frames 0-{int(made[b]) - 1} real", source=said, cell=(r, 0, keys[0]))
     return None
+
+
+def _inputs(t: int, layers: list) -> tuple[int, int]:
+    """The first and last input sample that frame `t` of the stack's output is computed from."""
+    a, b = t, t
+    for k, s, p, d, _ in reversed(layers):
+        a, b = a * s - p, b * s - p + d * (k - 1)
+    return a, b
+
+
+def _made_of(keys: list, layers: list, n: int) -> str:
+    """What the kept frames are computed from: wholly from the padding, or partly from the row's last real samples
+    (samples 0..n-1) and partly from the padding (a reduction that reads each frame's first sample, wenet#1602)."""
+    fields = [_inputs(t, layers) for t in keys]
+    part = [t for t, (a, _) in zip(keys, fields) if a < n]
+    said = f"frame {keys[0]} is computed from samples {max(fields[0][0], 0)}-{fields[0][1]}, the row's real ones end at {n - 1}"
+    if not part:
+        return f"frames computed wholly from the padding ({said})"
+    if len(part) == len(keys):
+        return f"frames computed partly from the row's last real samples and partly from the padding ({said})"
+    return (f"frames computed from the padding, {spans(part)} of them partly from the row's last real samples "
+            f"({said})")
 
 
 def _folds(size: int, rows: int) -> list:

@@ -259,7 +259,8 @@ def targets(run: Run) -> list:
         axis, predicts = said
         predicts = predicts if axis == 1 else predicts.T  # (batch, sequence)
         rows, length = predicts.shape
-        for call, cells, own in _calls(run, top, rows, length):
+        for call, cells, own in _calls(run, top, rows, length, unmasked=True):  # (a softmax that masks nowhere:
+            # the padding-only mask of a decoder its config calls no decoder, transformers#23051)
             if call.shape[2] != length or not (own == np.arange(length)).all():
                 continue
             bad = np.zeros(cells.shape, bool)

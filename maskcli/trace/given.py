@@ -85,7 +85,7 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
     q_len, k_len = int(shape[2]), int(shape[3])
     if q_len < 2:
         return None
-    skip, frame, searched = _skip(), sys._getframe(1), 0
+    skip, frame, searched, either = _skip(), sys._getframe(1), 0, None
     own = {id(x) for x in sources}
     while frame is not None and searched < FRAMES:
         if not frame.f_code.co_filename.startswith(skip):
@@ -99,16 +99,26 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
                     value = value[None, None]  # (one (Lq, Lk) bool mask for every row and head: MapTR's self_attn_mask;
                     # a plain `mask` of that shape is as often the one the function just made for the kernel itself)
                 if issubclass(type(value), torch.Tensor) and id(value) not in own and value.is_floating_point() \
-                        and value.dim() >= 2 and tuple(value.shape[-2:]) == (q_len, k_len):
+                        and value.dim() >= 2 and (tuple(value.shape[-2:]) == (q_len, k_len) or _keys_over(value, shape)):
                     return f"{name} of {code.co_name}()", value
-                if issubclass(type(value), torch.Tensor) and id(value) not in own and _bool_over(value, shape):
-                    return f"{name} of {code.co_name}() (bool, read either way round)", value
+                if either is None and issubclass(type(value), torch.Tensor) and id(value) not in own \
+                        and _bool_over(value, shape):  # (an additive mask a caller handed, its polarity known, wins:
+                    either = f"{name} of {code.co_name}() (bool, read either way round)", value  # the bool came of it)
+                    continue
                 blocks = None if value is None or issubclass(type(value), torch.Tensor) or id(value) in own \
                     else block_diagonal(value, q_len, k_len)
                 if blocks is not None:
                     return f"{name} of {code.co_name}() ({type(value).__name__})", blocks
         frame = frame.f_back
-    return None
+    return either
+
+
+def _keys_over(value: torch.Tensor, shape: tuple) -> bool:
+    """A 4-D float mask over the call's keys for every query, (B or 1, H or 1, 1, Lk): a key padding bias broadcast
+    (LTX-2's `(1 - mask) * -10000` as [B, 1, 1, S_text], diffusers#14397)."""
+    b, h, _, k_len = (int(x) for x in shape)
+    return value.dim() == 4 and value.shape[0] in (1, b) and value.shape[1] in (1, h) and value.shape[2] == 1 \
+        and value.shape[3] == k_len
 
 
 def _parameters(frame, code) -> list:
@@ -222,8 +232,13 @@ def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: in
         if not lost.any():
             return None  # (the kernel keeps to this reading of the mask's axes)
         if best is None or int(lost.sum()) < best["cells"]:
+            partial = given.any(axis=-1) & ~given.all(axis=-1)  # (rows the mask keeps some keys of and masks others)
             best = {"name": name, "cell": [int(x) for x in np.argwhere(lost)[0]], "cells": int(lost.sum()),
-                    "masked": int((~given & given.any(axis=-1, keepdims=True)).sum())}
+                    "masked": int((~given & given.any(axis=-1, keepdims=True)).sum()),
+                    "inverted": bool(partial.any() and (seen == ~given)[partial].all())}
+    if best is not None and tensor.dim() == 4 and tensor.shape[2] == 1 < q_len and not best["inverted"]:
+        return None  # (a key padding bias read for every query: only where the kernel keeps its very inverse; a padding
+        # query under a finite fill sees the padding keys it is left, GPT-2's left-padded rows, and is no dropped mask)
     return best
 
 def _either_way(name: str, mask: np.ndarray, kernel: np.ndarray, q_len: int, k_len: int) -> dict | None:

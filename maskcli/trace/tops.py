@@ -18,6 +18,7 @@ import torch
 
 from maskcli.checks.context import STARTS, Top  # (STARTS: the first query's position as an int)
 from maskcli.checks.intent import StaticView, dynamic, read
+from maskcli.trace.causalarg import causal_arg
 from maskcli.trace.handedcells import handed_cells
 from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids
@@ -120,6 +121,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         found["module_class"] = type(module).__name__  # (the tower's family: how it attends a video, checks/items.py)
     found.update(padded_input(given))
     found.update(handed_cells(given))  # (a (B, L, L) mask the call was handed: checks/handedcausal.py)
+    found.update(causal_arg(given))  # (a mask it was handed named causal: checks/namedcausal.py)
     found.update(lengths_over(signature, given))
     convs = _convs(module)
     if convs:
