@@ -197,7 +197,7 @@ def held_padding(run: Run) -> list:
     handed = [call for call in run.unmasked if call.api == "softmax" and not call.shape[2] == call.shape[3] > 1
               and _over_memory(call)]
     for call in [*run.calls, *run.cross, *square, *handed]:  # (a softmax that masks nothing: its mask may be the one never handed on)
-        helds = keys_of(run, call, square)  # (a key mask expanded over the cells read; the memory's padding left out)
+        helds = keys_of(run, call, square, readings)  # (a key mask expanded over the cells read; the memory's padding left out)
         if not helds or call.stored is None:
             continue
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]

@@ -22,19 +22,18 @@ from maskcli.checks.context import Run, _block, beside_memory, cross
 _KEYS: dict = {}  # id of a held cells mask -> (that held, its key padding read, or None): read once while held
 
 
-def keys_of(run: Run, call, unmasked: list) -> list | None:
+def keys_of(run: Run, call, unmasked: list, readings) -> list | None:
     """The paddings `call`'s frames hold that may be of its keys: those it holds, a key mask expanded over the cells read
     as the padding it is (where `call` is one of `unmasked`, square softmaxes whose site masks nowhere), and no padding
-    the block's cross-attention keeps to (where `call` is a self-attention); None where it holds none."""
-    from maskcli.checks.held import readings
-
+    the block's cross-attention keeps to (where `call` is a self-attention); None where it holds none. `readings`:
+    checks/held.py's, each way a held padding reads over the keys (handed in: held.py is this module's caller)."""
     helds = call.details.get("held_padding")
     if not helds:
         return helds
     rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
     ids = tuple(h["rows"] for h in helds if h["kind"] == "ids")
     if any(call is one for one in unmasked):
-        helds = [_as_keys(h, ids, k_len) if h["kind"] == "cells" else h for h in helds]
+        helds = [_as_keys(h, ids, k_len, readings) if h["kind"] == "cells" else h for h in helds]
         helds = [h for h in helds if h is not None]
     if run.cross and not cross(call) and q_len >= k_len:
         # (the answer is the same for every call of one block, model call and shape over the same held arrays: once a run)
@@ -47,7 +46,7 @@ def keys_of(run: Run, call, unmasked: list) -> list | None:
     return helds
 
 
-def _as_keys(held: dict, ids: tuple, length: int) -> dict | None:
+def _as_keys(held: dict, ids: tuple, length: int, readings) -> dict | None:
     """`held` (kind cells) as the padding of its keys, kind "pad" (True = padding) or "keep" (True = real), where its
     query rows repeat one key row each batch row and exactly one way round of that row is a padded batch; else None."""
     found = _KEYS.get(id(held["rows"]))
@@ -57,8 +56,6 @@ def _as_keys(held: dict, ids: tuple, length: int) -> dict | None:
     table = held["rows"]
     if table.ndim == 3 and table.shape[-1] == length and table.shape[0] > 1 and table.shape[1] > 1 \
             and (table == table[:, :1, :]).all():
-        from maskcli.checks.held import readings
-
         row = table[:, 0, :]
         ways = [{**held, "kind": kind, "rows": row} for kind in ("keep", "pad")]
         ways = [way for way in ways if readings(way, row.shape[0], length, ids)]
