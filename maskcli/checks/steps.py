@@ -81,7 +81,8 @@ def sites(run: Run) -> list:
     """Each decode step against the latest prefill (its first query at position 0) before it at its site: a later
     prefill is a new sequence (another batch, an encoder called again with another mask), not a step behind the
     cache."""
-    found, read, judged = [], {}, {}
+    found, judged = [], {}
+    read = run.__dict__.setdefault("_prefills", {})  # (each prompt pass read once a run: stepwindows.py reads them too)
     for where, calls in run.sites().items():
         head = shown = None
         for call in calls:

@@ -23,7 +23,7 @@ import numpy as np
 from maskcli.checks.context import Run, keep
 from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
-from maskcli.checks.steps import _window
+from maskcli.checks.steps import _prefill, _window
 from maskcli.text import Finding
 
 
@@ -47,11 +47,13 @@ def differing(run: Run) -> list:
             if not positions or call.details.get("slots") is not None or not len(own):
                 continue
             key = (call.mask, call.shape, own.tobytes(), id(top))
-            if own[0] == 0 and q_len >= 2:  # a prompt pass
-                if key not in read:
-                    read[key] = _shown(call, top, own)
-                if read[key] is not None:
-                    head, width = call, read[key]
+            if own[0] == 0 and q_len >= 2:  # a prompt pass: its window as steps.py's sites read it (once a run)
+                prefills = run.__dict__.setdefault("_prefills", {})
+                if (call.mask, call.shape, id(top)) not in prefills:
+                    prefills[(call.mask, call.shape, id(top))] = _prefill(call, top)
+                shown = prefills[(call.mask, call.shape, id(top))]
+                if shown is not None and shown[1] is not None:
+                    head, width = call, shown[1]
                 continue
             if width is None or q_len >= k_len:
                 continue
