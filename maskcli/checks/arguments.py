@@ -128,7 +128,7 @@ def _prefill_of_slots(call, top, rows: int, k_len: int):
 def padding(run: Run) -> list:
     """Real queries that see a key the model call states is padding (its attention_mask, a key padding mask, lengths,
     or its input ids at the pad id: checks/real.py), whichever way round the mask handed to the kernel was built."""
-    found, done = [], set()
+    found, done, statements = [], set(), {}
     for call in run.calls:
         top = run.top(call)
         if top is None or call.stored is None or not top.arguments or _decoder_of_source(run, top):
@@ -138,7 +138,9 @@ def padding(run: Run) -> list:
             continue  # (an encoder-decoder's padding is its encoder's: read on its encoder's own layers only)
         rows, k_len = call.shape[0], call.shape[3]
         given = top.arguments.get("attention_mask")
-        said = stated(top, rows, k_len)
+        if (id(top), rows, k_len) not in statements:  # (every layer of one model call: one statement)
+            statements[id(top), rows, k_len] = stated(top, rows, k_len)
+        said = statements[id(top), rows, k_len]
         if said is None and isinstance(given, np.ndarray) and given.ndim == 2 and "cache_position" in top.arguments \
                 and k_len > given.shape[1]:  # a static cache's slots past the mask (cache.py's)
             said = stated(top, rows, given.shape[1])

@@ -74,7 +74,7 @@ def _fits(real: np.ndarray, rows: int, length: int) -> np.ndarray | None:
 
 def sides(run: Run) -> list:
     """Per call, its side's real keys and queries against the cells: padded keys seen, real queries that see nothing."""
-    found, done = [], set()
+    found, done, statements = [], set(), {}
     for call in [*run.calls, *run.cross]:
         top = run.top(call)
         cells = keep(call)
@@ -83,7 +83,9 @@ def sides(run: Run) -> list:
         rows, _, q_len, k_len = call.shape
         if cells.shape[0] not in (1, rows):
             continue
-        said = {side: side_tokens(top, side) for side in ("src", "trg")}
+        if ("sides", id(top)) not in statements:
+            statements["sides", id(top)] = {side: side_tokens(top, side) for side in ("src", "trg")}
+        said = statements["sides", id(top)]
         said = {side: found_ for side, found_ in said.items() if found_ is not None}
         crossing = cross(call)
         if said:
@@ -103,7 +105,9 @@ def sides(run: Run) -> list:
             source, sure, judge_keys = said[keys_side][1], True, True
         elif not crossing and columns_are_positions(call, top) and not getattr(top.config, "is_encoder_decoder", False):
             # (an encoder-decoder's attention_mask is its encoder's: its decoder's keys are other tokens)
-            statement = stated(top, rows, k_len)
+            if (id(top), rows, k_len) not in statements:  # (every layer of one model call: one statement)
+                statements[id(top), rows, k_len] = stated(top, rows, k_len)
+            statement = statements[id(top), rows, k_len]
             if statement is None or not statement[2]:
                 continue
             keys_real, source, _ = statement
