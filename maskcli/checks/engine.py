@@ -29,6 +29,8 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "window-differs-at-decode": {"window-lost"},  # a decode step wider than its prefill: said as the window lost
     "window-miscounted": {"prefill-chunks-differ"},  # a prefill chunk's rows, said against the whole pass (prefill.py)
     "window-escaped": {"prefill-chunks-differ"},  # keys past a window a chunk laid from its own start (prefill.py)
+    "window-keys-sliced": {"prefill-chunks-differ"},  # a chunk's keys sliced short of its window, said against the
+    # whole pass (prefill.py: a ring cache that overflowed hands the chunk its last keys only)
     "chunks-misplaced": {"chunks-misaligned"},  # chunks from column 0 of a left-padded row, said with the config (config.py)
     "causal-config-ignored": {"causal-flag-ignored", "decoder-sees-later"},  # the module's own causal word (own.py, decoders.py)
     "held-mask-ignored": {"padding-per-head", "mask-argument-dropped", "mask-dropped"},  # the same cells, said by the call's keys or arguments

@@ -65,13 +65,13 @@ def _skip() -> tuple[str, ...]:
     return (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
 
 
-def gathered_keys(seen, key: torch.Tensor, unmasked: bool) -> None:
+def gathered_keys(seen, key: torch.Tensor, unmasked: bool, query=None) -> None:
     """At a kernel call that masks nothing (`unmasked`) with several queries: where its keys were gathered from a padded
     batch across the mask a frame holds beside it (trace/gathered.py). And at any call, where its keys are the tail
     of a longer key tensor (trace/sliced.py)."""
     from maskcli.trace.sliced import note as _sliced
 
-    _sliced(seen.details, key)
+    _sliced(seen.details, key, query)
     if unmasked and seen.shape[2] > 1:
         try:
             _gathered(seen, key)

@@ -39,8 +39,10 @@ def tail(key, turned: bool = False) -> tuple[int, int] | None:
         return None
 
 
-def note(details: dict, key) -> None:
-    """details["keys_sliced"] = (start, length) where the kernel's `key` is a tail slice of its base."""
+def note(details: dict, key, query=None) -> None:
+    """details["keys_sliced"] = (start, length) where the kernel's `key` is a tail slice of its base and its `query` is
+    not the same slice of its own (a packed batch's last request, `q[:, sl]`, `k[:, sl]`: its keys are that request's
+    own, not a cache cut short)."""
     found = tail(key)
-    if found is not None:
+    if found is not None and (query is None or tail(query) != found):
         details["keys_sliced"] = found
