@@ -17,7 +17,7 @@ import numpy as np
 from maskcli.checks.context import Run, beside_memory, columns_are_positions, cross, first_cell, keep, queries, real_queries
 from maskcli.checks.heldpad import held_readings
 from maskcli.checks.ragged import one_at_a_time
-from maskcli.checks.real import kept_turned, stated
+from maskcli.checks.real import kept_turned, stated, stated_once
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -138,9 +138,7 @@ def padding(run: Run) -> list:
             continue  # (an encoder-decoder's padding is its encoder's: read on its encoder's own layers only)
         rows, k_len = call.shape[0], call.shape[3]
         given = top.arguments.get("attention_mask")
-        if (id(top), rows, k_len) not in statements:  # (every layer of one model call: one statement)
-            statements[id(top), rows, k_len] = stated(top, rows, k_len)
-        said = statements[id(top), rows, k_len]
+        said = stated_once(statements, top, rows, k_len)
         if said is None and isinstance(given, np.ndarray) and given.ndim == 2 and "cache_position" in top.arguments \
                 and k_len > given.shape[1]:  # a static cache's slots past the mask (cache.py's)
             said = stated(top, rows, given.shape[1])

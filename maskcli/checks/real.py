@@ -107,6 +107,15 @@ def _on_side(pad: np.ndarray, side: str | None) -> bool:
     return at is None or bool((at == pad).all())
 
 
+def stated_once(memo: dict, top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
+    """stated(top, rows, length), read once per model call and length into `memo` (a rule's own: every layer of one
+    model call asks it the same)."""
+    key = (id(top), rows, length)
+    if key not in memo:
+        memo[key] = stated(top, rows, length)
+    return memo[key]
+
+
 def stated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
     """(bool (rows, length) real tokens, the argument that says it, whether outright) the model call states for its
     `length` tokens; None where it states none, or states two masks that differ (an encoder's and a decoder's). Its

@@ -22,7 +22,7 @@ import re
 import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries
-from maskcli.checks.real import kept_turned, stated
+from maskcli.checks.real import kept_turned, stated_once
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -105,9 +105,7 @@ def sides(run: Run) -> list:
             source, sure, judge_keys = said[keys_side][1], True, True
         elif not crossing and columns_are_positions(call, top) and not getattr(top.config, "is_encoder_decoder", False):
             # (an encoder-decoder's attention_mask is its encoder's: its decoder's keys are other tokens)
-            if (id(top), rows, k_len) not in statements:  # (every layer of one model call: one statement)
-                statements[id(top), rows, k_len] = stated(top, rows, k_len)
-            statement = statements[id(top), rows, k_len]
+            statement = stated_once(statements, top, rows, k_len)
             if statement is None or not statement[2]:
                 continue
             keys_real, source, _ = statement

@@ -48,10 +48,10 @@ def differing(run: Run) -> list:
                 continue
             key = (call.mask, call.shape, own.tobytes(), id(top))
             if own[0] == 0 and q_len >= 2:  # a prompt pass: its window as steps.py's sites read it (once a run)
-                prefills = run.__dict__.setdefault("_prefills", {})
-                if (call.mask, call.shape, id(top)) not in prefills:
-                    prefills[(call.mask, call.shape, id(top))] = _prefill(call, top)
-                shown = prefills[(call.mask, call.shape, id(top))]
+                prefills, pass_key = run.__dict__.setdefault("_prefills", {}), (call.mask, call.shape, id(top))
+                if pass_key not in prefills:
+                    prefills[pass_key] = _prefill(call, top)
+                shown = prefills[pass_key]
                 if shown is not None and shown[1] is not None:
                     head, width = call, shown[1]
                 continue
