@@ -55,6 +55,8 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           # each of its documents alone through one call site: any such finding here is one to look at by hand)
           "swin-roll-shift": "windows of other tokens",  # (a vision block's map rolled by another shift: no language
           # family's mode runs one; looked at by hand)
+          "memory-rows-shifted": "padding",  # (a cross-attention's rows on the padding: no language family holds
+          # one; looked at by hand)
           "cache-window-overrun": "beyond the window"}  # (keys a window cache object says it let go: no family holds
           # one; any such finding here is one to look at by hand)
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
