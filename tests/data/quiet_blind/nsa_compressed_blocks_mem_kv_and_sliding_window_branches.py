@@ -1,19 +1,23 @@
 """Native Sparse Attention: compressed-block branch plus sliding-window branch.
 
 Follows lucidrains/native-sparse-attention-pytorch,
-native_sparse_attention_pytorch/native_sparse_attention.py, SparseAttention.forward
-(the compressed branch with compress_mem_kv and its causal mask on block ends, and
-the sliding_window branch), gated by strategy_combine (sigmoid gates per head).
+native_sparse_attention_pytorch/native_sparse_attention.py @0d96765c5d5400b877a3882d7e33d7b3a24b9e85,
+SparseAttention.forward (branch 1, compressed: ck_seq = (arange(nblocks)+1)*block - 1
+padded with -1 for compress_mem_kv, cmask = einx.less('j, i -> i j', ck_seq, cq_seq),
+filled with -finfo.max; branch 3, sliding window, as its create_sliding_mask:
+q >= kv and q - kv <= window_size), mixed by sigmoid strategy gates (here one gate
+pair per head instead of the project's per-token Linear).
 
 Compressed branch: the sequence is cut into blocks of `compress_block_size`; every
 complete block is compressed into one key/value (here a learned linear mix over the
-block, as the project's compress MLP). Query i may only read compressed block j when
-the WHOLE block lies at or before i (block end <= i): a block containing a future
-token would leak it. Queries before the first complete block would see no block at
-all, so `num_compressed_mem_kv` learned memory keys are prepended and are visible to
-every query. A partial trailing block is dropped (no query of this sequence lies at
-or after its end). The sliding branch is ordinary causal attention
-restricted to the last `window` tokens.
+block, standing in for the project's compress MLP). Query i may only read compressed
+block j when the WHOLE block lies strictly before i (block end < i): a block containing
+a future token would leak it (the project also leaves out the block that ends AT i;
+query i still sees that token through the sliding branch). Queries up to the end of
+the first block would see no block at all, so `num_compressed_mem_kv` learned memory
+keys are prepended and are visible to every query. A partial trailing block is
+dropped (no query of this sequence comes after its end). The sliding branch is causal
+attention to the token itself and the `window` tokens before it.
 The result is checked against a per-query loop that gathers the allowed keys itself.
 """
 import torch
@@ -26,7 +30,7 @@ BS, MEM, WINDOW = 4, 1, 5
 
 def attend(q, k, v, mask):
     s = (q @ k.transpose(-1, -2)) / D ** 0.5
-    s = s.masked_fill(~mask, float("-inf"))
+    s = s.masked_fill(~mask, -torch.finfo(s.dtype).max)
     return torch.softmax(s, -1) @ v
 
 
@@ -45,14 +49,14 @@ def sparse_attention(q, k, v, p):
     ck = torch.cat([mem_k, ck], 2)
     cv = torch.cat([mem_v, cv], 2)
     # block j covers tokens [j*BS, (j+1)*BS); its last token is (j+1)*BS - 1
-    cmpr_end = torch.arange(1, nb + 1) * BS - 1
-    seq = torch.arange(n)
-    cmask = cmpr_end[None, :] <= seq[:, None]            # (n, nb)
-    cmask = torch.cat([torch.ones(n, MEM, dtype=torch.bool), cmask], 1)
+    ck_seq = torch.arange(1, nb + 1) * BS - 1
+    ck_seq = torch.nn.functional.pad(ck_seq, (MEM, 0), value=-1)   # memory kv: always visible
+    cq_seq = torch.arange(n)
+    cmask = ck_seq[None, :] < cq_seq[:, None]            # (n, MEM + nb)
     compressed_out = attend(q, ck, cv, cmask)
 
-    dist = seq[:, None] - seq[None, :]
-    smask = (dist >= 0) & (dist < WINDOW)
+    dist = cq_seq[:, None] - cq_seq[None, :]
+    smask = (dist >= 0) & (dist <= WINDOW)
     sliding_out = attend(q, k, v, smask)
 
     gates = torch.sigmoid(p["gate"])                     # (H, 2)
@@ -66,13 +70,13 @@ def reference(q, k, v, p):
         for h in range(H):
             for i in range(q.shape[2]):
                 keys, vals = [p["mem_k"][0, 0, m] for m in range(MEM)], [p["mem_v"][0, 0, m] for m in range(MEM)]
-                for j in range(i + 1 - BS + 1):          # blocks fully inside [0, i]
-                    if j % BS == 0:
+                for j in range(0, i - BS + 1, BS):        # blocks ending before i
+                    if j + BS - 1 < i:
                         keys.append(k[b, h, j:j + BS].T @ p["wk"])
                         vals.append(v[b, h, j:j + BS].T @ p["wv"])
                 K, V = torch.stack(keys), torch.stack(vals)
                 a = torch.softmax(K @ q[b, h, i] / D ** 0.5, 0) @ V
-                lo = max(0, i - WINDOW + 1)
+                lo = max(0, i - WINDOW)
                 s = torch.softmax(k[b, h, lo:i + 1] @ q[b, h, i] / D ** 0.5, 0) @ v[b, h, lo:i + 1]
                 out[b, h, i] = gates[h, 0] * a + gates[h, 1] * s
     return out

@@ -39,24 +39,31 @@ def flash_attn_varlen_ref(q, k, v, cu_q, cu_k, causal):
 
 
 def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal, rank, world_size):
-    total_length = cu_seqlens[-1]
+    total_length = cu_seqlens[-1].item()
     assert total_length % world_size == 0
     length_per_rank = total_length // world_size
     left = torch.searchsorted(cu_seqlens, rank * length_per_rank)
     right = torch.searchsorted(cu_seqlens, (rank + 1) * length_per_rank)
+    # after this, cu_seqlens[left:right + 1] contains all the sequence for this rank
     if cu_seqlens[left] != rank * length_per_rank:
-        left -= 1  # the slice starts inside a document
-    left, right = int(left), int(right)
-    cu_seqlens = cu_seqlens[left:right + 1].clone()
-    cu_seqlens_q = cu_seqlens.clamp(rank * length_per_rank, (rank + 1) * length_per_rank)
-    cu_seqlens_q = cu_seqlens_q - rank * length_per_rank
-    max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    if not causal:
-        cu_seqlens_k = cu_seqlens.clone()
+        left -= 1
+    left, right = left.item(), right.item()
+    # q is always the same. just calculate the cu_seqlens for the local slice
+    cu_seqlens_q = cu_seqlens[left:right + 1].clone()
+    cu_seqlens_q -= rank * length_per_rank
+    cu_seqlens_q[0] = 0
+    cu_seqlens_q[-1] = length_per_rank
+    cu_seqlens_k = cu_seqlens[left:right + 1].clone()
+    if causal:
+        # the last k seq ends where the local q slice ends
+        slice_right = (rank + 1) * length_per_rank
+        cu_seqlens_k[-1] = slice_right
     else:
-        cu_seqlens_k = cu_seqlens.clamp(max=(rank + 1) * length_per_rank)
-    local_k_slice = slice(int(cu_seqlens_k[0]), int(cu_seqlens_k[-1]))
-    cu_seqlens_k = cu_seqlens_k - cu_seqlens_k[0]
+        slice_right = cu_seqlens[right].item()
+    slice_left = cu_seqlens[left].item()
+    cu_seqlens_k -= slice_left
+    max_seqlen_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()
+    local_k_slice = slice(slice_left, slice_right)
     return cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), max_seqlen_q, local_k_slice
 
 
