@@ -61,3 +61,20 @@ def test_quiet_where_the_padding_rows_hold_one_pattern_or_a_real_row_lines_up():
     assert _shifted(cells, pad, "ids") is None
     cells[0, 2:] = True  # the real rows see every key (unmatched): the padding row 1 moved by 2 is real position 3
     assert _shifted(cells, pad, "ids").cell == (0, 1, 0)
+
+
+def test_the_padding_a_handed_self_attention_mask_isolates():
+    """torchtune's `tril & padding_mask | eye` over a left-padded row beside an unpadded one: the positions that see
+    only themselves and that no other sees, found here by a loop, are the padding; a plain causal mask isolates none."""
+    from maskcli.checks.context import Top
+    from maskcli.checks.shiftedrows import isolated
+
+    real = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=bool)
+    cells = (np.tril(np.ones((5, 5), dtype=bool))[None] & real[:, None, :]) | np.eye(5, dtype=bool)[None]
+    loop = [[all(cells[b, q, k] == (q == k) for k in range(5)) and all(cells[b, q2, q] == (q2 == q) for q2 in range(5))
+             for q in range(5)] for b in range(2)]
+    top = Top("Model", None, {"handed_cells": ("mask", cells)}, 0, 1)
+    found = isolated(top, 2, 5)
+    assert found is not None and (~found[0]).tolist() == loop
+    causal = Top("Model", None, {"handed_cells": ("mask", np.tril(np.ones((2, 5, 5), dtype=bool)))}, 0, 1)
+    assert isolated(causal, 2, 5) is None

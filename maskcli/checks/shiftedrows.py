@@ -6,7 +6,8 @@ by a collate. Where the tokens are left-padded (for generation) but each mask is
 the mask belongs to the sample's token i and lands on position i of the padded row, p positions before that token
 (meta-pytorch/torchtune#1601): the padding positions carry the rows built for real tokens, and the real tokens the
 rows of others. What the program states: the text's padding (the model call's ids at the pad id it names, a mask of
-its tokens: checks/real.py's `stated`, read outright). A query row that *selects* memory keys (sees some, not all:
+its tokens: checks/real.py's `stated`, read outright; else the positions the self-attention mask the model call was
+handed over its tokens isolates, each seeing only itself: torchtune's `tril & padding_mask | eye`). A query row that *selects* memory keys (sees some, not all:
 a row that sees none, or every key, is one the mask leaves unmatched: a token before any image, unmasked against NaN)
 carries a token's structure; where, in a padded batch row, some padding position selects, the padding rows do not all
 see the same keys (they differ as the tokens' rows differ), and moved by the row's padding every selecting row lands on
@@ -21,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, keep
-from maskcli.checks.real import by_row, stated
+from maskcli.checks.real import _edge, by_row, stated
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -36,7 +37,8 @@ def rows_shifted(run: Run) -> list:
         if top is None or call.stored is None or q_len < 2 or k_len < 2:
             continue
         text = stated(top, rows, q_len)
-        if text is None or not text[2]:
+        text = text if text is not None and text[2] else isolated(top, rows, q_len)
+        if text is None:
             continue
         key = (call.mask, call.shape, id(top))
         if key in done:
@@ -49,6 +51,23 @@ def rows_shifted(run: Run) -> list:
         if finding is not None:
             found.append((call, finding))
     return found
+
+
+def isolated(top, rows: int, length: int) -> tuple[np.ndarray, str, bool] | None:
+    """(bool (rows, length) real tokens, what says it, True) read off the self-attention mask the model call was handed
+    over its tokens (trace/handedcells.py, True = may attend): the positions it isolates, each seeing only itself and
+    seen by no other (torchtune's `tril & padding_mask | eye`: a padding query kept on its own key against NaN), where
+    they are a padded batch's (one run at an edge of each row, some row unpadded); None otherwise."""
+    handed = top.arguments.get("handed_cells")
+    if handed is None or handed[1].shape[1:] != (length, length) or handed[1].shape[0] not in (1, rows):
+        return None
+    name, cells = handed
+    own = np.eye(length, dtype=bool)[None]
+    alone = (cells == own).all(axis=2) & (cells == own).all(axis=1)  # (row k sees only k; column k seen only by k)
+    alone = np.broadcast_to(alone, (rows, length))
+    if not _edge(alone):
+        return None
+    return ~alone, f"positions the `{name}` handed to {top.where} isolates (each sees only itself)", True
 
 
 def _shifted(cells: np.ndarray, pad: np.ndarray, source: str) -> Finding | None:

@@ -29,8 +29,7 @@ from maskcli.checks.intent import read
 
 FRAMES = 6  # program frames searched
 PAD_NAMES = ("pad_id", "pad_token_id", "pad_idx", "pad_index")  # an int local of a function that calls the model
-TOP_PAD_NAMES = ("PAD_ID", "PAD_TOKEN_ID", "PAD_IDX", "PAD_INDEX", "PAD")  # a constant at the top of the main module
-# (`PAD, IMG = 0, 1`: torchtune-style reproductions name the pad token so)
+TOP_PAD_NAMES = ("PAD_ID", "PAD_TOKEN_ID", "PAD_IDX", "PAD_INDEX")  # a constant at the top of the main module
 
 
 def tokenizer(module, frame=None) -> dict:
