@@ -57,3 +57,31 @@ def test_whole_batch_rows_masked_are_not_said_to_look_flipped():
     assert [f.code for f in groups[column.index].findings if f.code == "polarity"] == []
     [said] = [f for f in groups[flipped.index].findings if f.code == "polarity"]
     assert said.message == "read the other way round it is padding (--lengths 4,2,3): a mask in the wrong polarity?"
+
+
+def test_a_cross_mask_whose_imageless_rows_keep_every_tile_is_not_said_to_look_flipped():
+    """mllama's cross-attention mask (transformers' _prepare_cross_attention_mask): a text token before any image keeps
+    every tile (its output is zeroed after the call), the others keep the real tiles 0-3 of 6. Read the other way
+    round the first row would see no tile at all: no sign of a polarity slip. A causal mask handed the wrong way round
+    in the same run is still said to look flipped."""
+    import torch
+    import torch.nn.functional as F
+
+    import maskcli
+
+    torch.manual_seed(0)
+    q, v = torch.randn(2, 1, 2, 6, 8).unbind(0)
+    k = torch.randn(1, 2, 6, 8)
+    meant = torch.zeros(6, 6, dtype=torch.bool)
+    meant[:1] = True  # text before the image: every tile, zeroed after
+    meant[1:, :4] = True  # the real tiles
+    with maskcli.trace() as t:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=meant)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(6, 6, dtype=torch.bool).triu(1))
+    given, flipped = t.calls
+    for i, j in np.ndindex(6, 6):  # what the kernel kept, against the mask built by hand above
+        assert given.keep()[0, 0, i, j] == (i < 1 or j < 4)
+    groups = {g.calls[0].index: g for g in t.groups()}
+    assert [f for f in groups[given.index].findings if f.code == "polarity"] == []
+    [said] = [f for f in groups[flipped.index].findings if f.code == "polarity"]
+    assert said.message.startswith("read the other way round it is causal")

@@ -63,8 +63,9 @@ def _whole_rows(call) -> bool:
 
 def _edge_padding(call) -> bool:
     """The mask as given is a key padding mask padded at either end (each batch row's queries, over its heads, keep one
-    run of keys that starts at the first or ends at the last, some row keeping every key): its reversed reading is the
-    other end's padding, no sign of a polarity slip (a left-padded encoder memory)."""
+    run of keys that starts at the first or ends at the last, some row keeping every key, or some queries keeping every
+    key and the others the run): its reversed reading is the other end's padding, no sign of a polarity slip (a
+    left-padded encoder memory)."""
     import numpy as np
 
     from maskcli.checks.context import keep
@@ -73,14 +74,32 @@ def _edge_padding(call) -> bool:
     if cells is None or not cells.size:
         return False
     rows = cells.any(axis=1)  # (b, Lq, Lk)
+    some_full = rows.all(axis=-1).any()  # a query keeping every key: the other reading would leave it none
     if not (rows == rows[:, :1]).all():
-        return False
+        rows = _but_full_rows(rows)
+        if rows is None:
+            return False
     kept = rows[:, 0]  # (b, Lk)
-    if not kept.all(axis=1).any() or not kept.any(axis=1).all():
+    if not (some_full or kept.all(axis=1).any()) or not kept.any(axis=1).all():
         return False
     count = kept.sum(axis=1, keepdims=True)
     columns = np.arange(kept.shape[1])[None, :]
     return bool(((columns < count) == kept).all() or ((columns >= kept.shape[1] - count) == kept).all())
+
+
+def _but_full_rows(rows):
+    """Rows (b, Lq, Lk) where each query either keeps every key or keeps what the batch row's other queries keep
+    (mllama's cross-attention mask: a text token before any image keeps all the tiles, its output zeroed after, and the
+    others keep the real tiles), as (b, Lq, Lk) with the full rows given the others' keys; None where the queries keep
+    more than one other set (a causal mask's rows). The other reading would leave the full rows no key at all."""
+    import numpy as np
+
+    full = rows.all(axis=-1)  # (b, Lq)
+    first = np.argmax(~full, axis=1)  # each batch row's first query not keeping every key (0 where all do)
+    kept = np.take_along_axis(rows, first[:, None, None], axis=1)  # (b, 1, Lk)
+    if not ((rows == kept) | full[..., None]).all():
+        return None
+    return np.broadcast_to(kept, rows.shape)
 
 
 def group_named(g) -> list[Finding]:
