@@ -59,8 +59,11 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           # one; any such finding here is one to look at by hand)
           "window-lopsided": "beyond the window",  # (a both-ways sliding layer wider on one side: a family run with
           # use_bidirectional_attention would confirm it; looked at by hand)
-          "window-keys-dropped": "a window of another width"}  # (keys a sliding cache dropped inside the window: no
+          "window-keys-dropped": "a window of another width",  # (keys a sliding cache dropped inside the window: no
           # mode feeds a second multi-token turn to a wrapped cache; looked at by hand)
+          "mask-rows-same-shard": "another shard's mask rows",  # (no family splits its queries over context-parallel
+          # shards: any such finding here is one to look at by hand)
+          "blocks-seen-before-they-end": "sees later"}
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
 
