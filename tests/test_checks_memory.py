@@ -362,6 +362,7 @@ def test_torchtune_tiles_padded_before_the_mask_counted_them(tmp_path):
     keys = zero_tile_keys([[[[[[v]]] for v in zero]]], 20)[0]
     assert keys == list(range(5, 20)) and hit["cell"] == [0, 0, keys[0]]
     assert "tiles 1-3 of batch row 0 exactly 0" in hit["message"]
+    assert "(the call's mask keeps every key)" in hit["message"]  # (an all-True mask handed to SDPA, not none)
 
 
 def test_image_slots_padded_with_zero_images_and_no_key_padding_mask(tmp_path):
@@ -379,5 +380,6 @@ def test_image_slots_padded_with_zero_images_and_no_key_padding_mask(tmp_path):
     assert keys == [[], list(range(4, 12))]
     assert hit["severity"] == "wrong" and hit["cell"] == [1, 0, keys[1][0]], report
     assert "(24 such cells)" in hit["message"]  # (the 3 real queries of row 1 over its 8 padded keys)
+    assert "(the call is given no mask at all)" in hit["message"]  # (MHA handed neither mask)
     status, found, report = traced(tmp_path, "mha_padded_image_slots_cross_attended", True, folder)
     assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report

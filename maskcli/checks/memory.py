@@ -130,7 +130,7 @@ def memory(run: Run) -> list:
                 else source if tiled else source.replace(" of ", " given to ", 1)
             though = "" if encoded is None or source == f"the mask of {encoded.where}" else \
                 f", though the {source.replace(' of ', ' given to ', 1)} calls it real"
-            unmasked = " (the call is given no mask at all)" if cells.all() and not though else ""
+            unmasked = _unmasked(call, cells) if not though else ""
             found.append((call, Finding("encoder-padding-ignored", (
                 f"batch row {b}: decoder query {q} sees encoder key {k}, which the {whose} "
                 f"marks as padding ({int(bad.sum())} such cells){unmasked}{though}: the cross-attention mask drops the "
@@ -148,13 +148,23 @@ def _across_runs(call, cells: np.ndarray, asking: np.ndarray, encoded) -> list:
         return []
     b, q = (int(x) for x in np.argwhere(both)[0])
     first = int(np.flatnonzero(~head[b])[0])
-    unmasked = " (the call is given no mask at all)" if cells.all() else ""
+    unmasked = _unmasked(call, cells)
     return [(call, Finding("encoder-padding-ignored", (
         f"batch row {b}: decoder query {q} sees encoder keys 0-{first - 1} and {first}-{head.shape[1] - 1}, which the "
         f"encoder's own self-attention ({encoded.where}) keeps apart, each run seeing only itself (real with real, "
         f"padding with padding; {int(both.sum())} such queries){unmasked}: whichever run is the padding, this query "
         f"sees it: the cross-attention mask drops the encoder's padding{_why(call)}"),
         expected="no decoder query sees a padded encoder key", source=f"the mask of {encoded.where}", cell=(b, q, first)))]
+
+
+def _unmasked(call, cells: np.ndarray) -> str:
+    """Where the call masks nothing: whether it was handed no mask, or one that keeps every key (torchtune's all-True
+    cross-attention mask over padded tiles)."""
+    if not cells.all():
+        return ""
+    given = any(key in call.details for key in ("mask_dtype", "attn_mask_dtype", "key_padding_mask_dtype"))
+    return " (the call's mask keeps every key)" if given or call.api not in ("sdpa", "mha") \
+        else " (the call is given no mask at all)"
 
 
 def _why(call) -> str:
