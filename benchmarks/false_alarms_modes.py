@@ -55,8 +55,11 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           # each of its documents alone through one call site: any such finding here is one to look at by hand)
           "swin-roll-shift": "windows of other tokens",  # (a vision block's map rolled by another shift: no language
           # family's mode runs one; looked at by hand)
-          "cache-window-overrun": "beyond the window"}  # (keys a window cache object says it let go: no family holds
+          "cache-window-overrun": "beyond the window",  # (keys a window cache object says it let go: no family holds
           # one; any such finding here is one to look at by hand)
+          "mask-rows-same-shard": "another shard's mask rows",  # (no family splits its queries over context-parallel
+          # shards: any such finding here is one to look at by hand)
+          "blocks-seen-before-they-end": "sees later"}
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
 

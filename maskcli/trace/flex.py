@@ -16,6 +16,7 @@ import torch
 from maskcli.intervals import Intervals
 from maskcli.tracefile import by_row
 from maskcli.trace.masks import Seen, _dtype, _four, everything
+from maskcli.trace.queried import query_tensor
 from maskcli.trace.zerokv import zero_kv
 
 FLEX_NAMES = ("query", "key", "value", "score_mod", "block_mask", "scale", "enable_gqa", "return_lse", "kernel_options")
@@ -29,6 +30,7 @@ def flex(args: tuple, kwargs: dict) -> Seen:
     score_mod = given.get("score_mod")
     details = {"score_mod": score_mod is not None, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False))}
     details.update(zero_kv(q, k, v, tuple(k.shape)))  # keys zero in K and V at an edge (trace/zerokv.py)
+    details["query_tensor"] = query_tensor(q) if q.shape[-2] > 1 else None  # (a sibling branch's queries: checks/branchrows.py)
     seen = Seen("flex", (*_four(tuple(q.shape[:-2])), q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape),
                 _dtype(q), str(q.device), details=details)
     if block_mask is None:

@@ -65,13 +65,16 @@ def _skip() -> tuple[str, ...]:
     return (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<")
 
 
-def gathered_keys(seen, key: torch.Tensor, unmasked: bool, query=None) -> None:
+def gathered_keys(seen, key: torch.Tensor, unmasked: bool, query=None, mask=None) -> None:
     """At a kernel call that masks nothing (`unmasked`) with several queries: where its keys were gathered from a padded
     batch across the mask a frame holds beside it (trace/gathered.py). And at any call, where its keys are the tail
-    of a longer key tensor (trace/sliced.py)."""
+    of a longer key tensor (trace/sliced.py), and where its mask is a block of rows of a square one (trace/maskrows.py)."""
+    from maskcli.trace.maskrows import note as _rows
     from maskcli.trace.sliced import note as _sliced
 
     _sliced(seen.details, key, query)
+    if mask is not None:
+        _rows(seen.details, mask, int(seen.shape[3]))
     if unmasked and seen.shape[2] > 1:
         try:
             _gathered(seen, key)
