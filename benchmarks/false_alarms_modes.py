@@ -55,8 +55,14 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           # each of its documents alone through one call site: any such finding here is one to look at by hand)
           "swin-roll-shift": "windows of other tokens",  # (a vision block's map rolled by another shift: no language
           # family's mode runs one; looked at by hand)
+          "memory-rows-shifted": "padding",  # (a cross-attention's rows on the padding: no language family holds
+          # one; looked at by hand)
           "cache-window-overrun": "beyond the window",  # (keys a window cache object says it let go: no family holds
           # one; any such finding here is one to look at by hand)
+          "window-lopsided": "beyond the window",  # (a both-ways sliding layer wider on one side: a family run with
+          # use_bidirectional_attention would confirm it; looked at by hand)
+          "window-keys-dropped": "a window of another width",  # (keys a sliding cache dropped inside the window: no
+          # mode feeds a second multi-token turn to a wrapped cache; looked at by hand)
           "mask-rows-same-shard": "another shard's mask rows",  # (no family splits its queries over context-parallel
           # shards: any such finding here is one to look at by hand)
           "blocks-seen-before-they-end": "sees later"}

@@ -45,3 +45,47 @@ def test_sdpa_prefix_hidden_by_a_suffix_key_term(tmp_path):
     hit = caught(tmp_path, "sdpa_prefix_hidden_by_suffix_key_term", ("fully-masked",))
     assert "input_mask" in hit["message"]
 
+
+
+def test_a_cross_attention_row_whose_whole_context_is_masked_takes_uniform_weights():
+    """A cross-attention (6 queries over 4 memory keys) whose key padding hides batch row 1's whole context: with a
+    finite fill its real queries read the masked context (wrong); where the kernel gives those rows 0 (SDPA) or the
+    program zeroes their output after the product (`zeroed_output`), a note; a batch whose every row is masked is no
+    such row (no other row sees its context)."""
+    context = np.array([[True, True, True, False], [False, False, False, False]])
+    keep = np.zeros((2, 1, 6, 4), dtype=bool)
+    for b in range(2):
+        for q in range(6):
+            for k in range(4):
+                keep[b, 0, q, k] = bool(context[b, k])
+    finite = {"fill": "finite", "fill_value": -3.4e38}
+    memory, stored = call(keep, "softmax", **finite)
+    memory.where = "decoder.layers.0.encoder_attn"
+    [found] = empty_rows(memory, stored, None)
+    assert (found.code, found.severity) == ("fully-masked", "wrong")
+    assert found.message.startswith("every query of batch row 1 sees no key of its context at all"), found.message
+    for api, details in (("sdpa", {}), ("softmax", {**finite, "zeroed_output": True})):
+        other, stored = call(keep, api, **details)
+        other.where = "decoder.layers.0.encoder_attn"
+        assert [f.severity for f in empty_rows(other, stored, None)] == ["note"], api
+    both, stored = call(np.zeros((2, 1, 6, 4), dtype=bool), "softmax", **finite)
+    both.where = "decoder.layers.0.encoder_attn"
+    assert [f.severity for f in empty_rows(both, stored, None)] == ["note"]
+
+
+def test_x_transformers_cross_attend_to_a_fully_padded_context(tmp_path):
+    # lucidrains/x-transformers#263 (written blind, blind-bz): context_mask all False for sample 1, a finite fill, the
+    # softmax spreads its queries over the padded context; the fix zeroes the rows' output (out.masked_fill)
+    flagged = check_bug(tmp_path, "x_transformers_cross_attend_fully_padded_context", "fully-masked")
+    assert flagged[0]["message"].startswith("every query of batch row 1 sees no key of its context at all"), flagged
+
+
+def test_media_cross_attention_with_a_sample_that_has_no_image(tmp_path):
+    # written another way (tests/data/emptycross/): bmm over (B * heads) matrices, a batch of 3 whose sample 1 has no
+    # image; the fix multiplies the output by has_media. Sample 1's two heads are rows 2 and 3 of the folded axis.
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "data" / "emptycross"
+    flagged = check_bug(tmp_path, "media_cross_attention_sample_without_image", "fully-masked", folder)
+    heads, sample = 2, 1
+    assert flagged[0]["message"].startswith(f"every query of batch row {sample * heads} sees no key"), flagged

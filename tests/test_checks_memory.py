@@ -336,3 +336,48 @@ def test_a_memory_mask_from_the_batchs_longest_source_beside_the_encoders_per_ro
     lengths = [10, 6, 8]
     assert tuple(hit["cell"]) == first((3, 5, 10), lambda b, q, k: k >= lengths[b]), hit
     assert "though the memory_key_padding_mask given to Transformer calls it real" in hit["message"], hit
+
+
+def zero_tile_keys(images, keys: int) -> list[list[int]]:
+    """Each row's keys made of tiles (the axes between the batch and the last three) whose values are all exactly 0,
+    by a plain loop over the tiles, keys / tiles keys each."""
+    import numpy as np
+
+    images = np.asarray(images)
+    tiles = images.reshape(images.shape[0], -1, *images.shape[-3:])
+    per = keys // tiles.shape[1]
+    found = []
+    for row in tiles:
+        found.append([t * per + j for t, tile in enumerate(row) if all(v == 0 for v in tile.flatten()) for j in range(per)])
+    return found
+
+
+def test_torchtune_tiles_padded_before_the_mask_counted_them(tmp_path):
+    """meta-pytorch/torchtune#1836: each image padded to 4 tiles before VisionCrossAttentionMask counted them, so
+    the text cross-attends the zero tiles' keys (5 a tile)."""
+    from checkbugs import check_bug
+
+    [hit] = check_bug(tmp_path, "torchtune_llama3_2_vision_padded_tiles_attended_by_text", "encoder-padding-ignored")
+    zero = [1] + [0, 0, 0]  # the 1-tile image's tiles (1 = holds pixels), padded to 4
+    keys = zero_tile_keys([[[[[[v]]] for v in zero]]], 20)[0]
+    assert keys == list(range(5, 20)) and hit["cell"] == [0, 0, keys[0]]
+    assert "tiles 1-3 of batch row 0 exactly 0" in hit["message"]
+
+
+def test_image_slots_padded_with_zero_images_and_no_key_padding_mask(tmp_path):
+    """Written another way: up to 3 images a sample, the missing slots all-zero, nn.MultiheadAttention handed no
+    key_padding_mask (right-padded text: its padding queries left out); the fix's key_padding_mask is quiet."""
+    import torch
+
+    folder = Path(__file__).parent / "data" / "tiles"
+    status, found, report = traced(tmp_path, "mha_padded_image_slots_cross_attended", False, folder)
+    assert status == 1, report
+    [hit] = [f for f in found if f["code"] == "encoder-padding-ignored"]
+    images = torch.zeros(2, 3, 3, 8, 8)
+    images[0], images[1, 0] = 1.0, 1.0  # the program's counts: 3 images and 1
+    keys = zero_tile_keys(images.numpy(), 12)
+    assert keys == [[], list(range(4, 12))]
+    assert hit["severity"] == "wrong" and hit["cell"] == [1, 0, keys[1][0]], report
+    assert "(24 such cells)" in hit["message"]  # (the 3 real queries of row 1 over its 8 padded keys)
+    status, found, report = traced(tmp_path, "mha_padded_image_slots_cross_attended", True, folder)
+    assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report

@@ -20,6 +20,10 @@ BUGS = [
     # sonos/torch-to-nnef#217 (written blind, blind-ap): the export's causal mask sized from the cache's batch axis, a
     # [1, 1] mask, so the prompt pass is bidirectional; the program checks it against token-by-token steps
     ("torch_to_nnef_llm_export_mask_sized_from_batch_dim", "one-pass-sees-later"),
+    # panbanda/higgs#203 (written blind, blind-bx): the prefill's Causal mask variant dropped by the layers' match, the
+    # prompt pass into the cache unmasked; `model.forward_trunk(tokens, cache)` is called directly, so the outermost
+    # module calls are the blocks and the ids are the ones forward_trunk holds (checked against token-by-token steps)
+    ("higgs_bonsai_prefill_causal_mask_variant_dropped", "one-pass-sees-later"),
 ]
 
 
@@ -321,3 +325,18 @@ def test_a_full_pass_checked_against_cached_steps_over_the_same_ids_is_found(tmp
     hits = check_bug(tmp_path, "gpt_cached_sampler_full_pass_bidirectional", "one-pass-sees-later", folder)
     assert tuple(hits[0]["cell"]) == first((2, 5, 5), lambda b, q, k: k > q)
     assert "in 5 steps" in hits[0]["message"] and "20 such cells" in hits[0]["message"]
+
+
+def test_a_prompt_pass_of_a_decoder_run_by_a_plain_function_is_found(tmp_path):
+    """Written another way (tests/data/repass/): no module is the model, a function runs the blocks over `input_ids`
+    (the ids read off the frame that holds them), einsum scores and a hand-written softmax, a batch of two; the prompt
+    prefilled into an empty cache unmasked. Every cell k > q of the 6-token prompt in both rows is one (a loop)."""
+    from pathlib import Path
+
+    from checkbugs import first
+
+    folder = Path(__file__).parent / "data" / "repass"
+    hits = check_bug(tmp_path, "functional_decoder_cached_prompt_unmasked", "one-pass-sees-later", folder)
+    later = sum(1 for b in range(2) for q in range(6) for k in range(6) if k > q)
+    assert tuple(hits[0]["cell"]) == first((2, 6, 6), lambda b, q, k: k > q)
+    assert f"{later} such cells" in hits[0]["message"] and "in 6 steps" in hits[0]["message"], hits

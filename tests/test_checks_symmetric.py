@@ -24,3 +24,21 @@ def test_an_encoder_band_built_with_a_strict_less_than(tmp_path):
     assert flagged[0]["source"] == "sliding_window=8 (self.config of LocalEncoder (EncoderConfig))", flagged
     assert "sees |q - k| <= 3, one key short on each side of the |q - k| <= 4" in flagged[0]["message"]
 
+
+
+def test_embeddinggemma_overlay_ored_onto_the_causal_window(tmp_path):
+    # huggingface/transformers#40700: the sliding mask_mod `kv > q - 8` OR `|q - kv| <= 4` sees 7 keys back and 4
+    # ahead, where the dataclass config on self.config states sliding_window=8 with use_bidirectional_attention
+    flagged = check_bug(tmp_path, "transformers_embeddinggemma_bidirectional_window_too_wide", "window-lopsided")
+    assert flagged[0]["source"].startswith("sliding_window=8 (self.config of Gemma3TextModel"), flagged
+    assert "sees 7 keys behind each query and 4 ahead" in flagged[0]["message"]
+
+
+def test_a_left_padded_encoder_causal_window_ored_with_the_band(tmp_path):
+    # a dict config on self.cfg (sliding_window=6, is_causal=False), SDPA, row 0 left-padded by 3: read on the real
+    # queries and keys only, 5 keys behind and 3 ahead (a double loop over positions: W - 1 = 5 behind, W // 2 = 3 ahead)
+    flagged = check_bug(tmp_path, "encoder_causal_window_ored_with_band_left_padded", "window-lopsided", WINDOWS)
+    behind = [sum(1 for k in range(q - 10, q) if k >= 0 and (q - k <= 3 or 0 <= q - k < 6)) for q in range(8, 14)]
+    ahead = [sum(1 for k in range(q + 1, q + 10) if k - q <= 3) for q in range(5, 10)]
+    assert set(behind) == {5} and set(ahead) == {3}
+    assert "sees 5 keys behind each query and 3 ahead" in flagged[0]["message"], flagged

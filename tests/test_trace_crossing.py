@@ -233,7 +233,8 @@ with torch.no_grad():
 def test_a_hand_written_cross_attention_with_a_context_argument(tmp_path):
     """A layer of neutral names (`blocks.1`, class Mixer) handed `context`: 3 queries over 10 memory keys, no mask, a
     correct program: quiet, its second block read as a cross-attention by that argument, its first (handed None) as a
-    self-attention. The same program with the argument named `other_input` says nothing of its keys."""
+    self-attention. The same program with the argument named `other_input` is read by the forward's first two hidden
+    states (x, other_input): cross where it is handed one of other length, nothing said where it is handed None."""
     from checkbugs import traced
 
     program = textwrap.dedent(HAND)
@@ -246,7 +247,8 @@ def test_a_hand_written_cross_attention_with_a_context_argument(tmp_path):
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     with maskcli.trace() as t:
         exec(compile(program.replace("CONTEXT", "other_input"), "hand.py", "exec"), {})
-    assert [crossing(c)[:2] for c in t.calls] == [(False, "none")] * 2  # (fewer queries than keys: nothing said)
+    assert [crossing(c)[:2] for c in t.calls] == [(False, "none"), (True, "inputs")]  # (handed None: nothing said;
+    # handed another hidden state of 10 over 3 queries: read by the forward's first two parameters)
 
 
 def test_a_perceiver_latent_array_as_long_as_its_inputs():
@@ -467,3 +469,32 @@ def test_a_packed_kv_is_the_queries_own_only_where_it_ends_with_their_packed_key
     assert _packed_own(q, own) and _packed_own(q, qkv[:, :, 1:].clone())
     assert not _packed_own(q, torch.randn(1, 8, 2, 2, 4))  # an encoder's memory, packed the same way
     assert not _packed_own(torch.randn(1, 5, 2, 4), own)  # a query of its own storage: nothing packed to compare
+
+
+def test_a_forward_of_x_and_y_read_by_its_first_two_hidden_states():
+    """torchtune's MultiHeadAttention.forward(x, y, mask): handed (h, encoder_out) of other lengths it is a
+    cross-attention, handed (h, h) a self-attention; two of equal lengths, or a y that is no (B, L, D) hidden state of
+    x's batch and width (a position table), say nothing."""
+    import torch.nn.functional as F
+
+    class MultiHeadAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, y, mask=None):
+            q, k = self.q_proj(x)[:, None], self.k_proj(y)[:, None]
+            return F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+
+    ca, sa, same = MultiHeadAttention(), MultiHeadAttention(), MultiHeadAttention()  # (one reading per call site)
+    h = torch.randn(2, 5, 8)
+
+    with maskcli.trace() as t:
+        ca(h, torch.randn(2, 7, 8))
+        sa(h, h)
+        same(h, torch.randn(2, 5, 8))  # equal lengths: nothing said by the inputs
+    readings = [crossing(call) for call in t.calls]
+    assert (readings[0].cross, readings[0].by) == (True, "inputs")
+    assert "y handed to MultiHeadAttention.forward()" in readings[0].source
+    assert (readings[1].cross, readings[1].by) == (False, "inputs")
+    assert readings[2].by != "inputs"

@@ -9,6 +9,13 @@ A token is real where the program says so in either of two ways:
   padding (no query of the row sees a key it calls padding: the padding read the way the program applies it, not a
   loss mask or one of the other polarity). pi-zero-pytorch 346bb05: the flex mask_fn AND-ed `key >= prefix_length`
   into the padded causal mask, so every image and language token of the prefix saw no key.
+
+A cross-attention whose mask hides a batch row's whole context (every query of the row sees no key, other rows see
+some) from a softmax with a finite fill gives that row's queries, the decoder's own tokens, uniform weights over the
+context the program masks: its padding is read (x-transformers#263: a sample with no conditioning spread its
+attention over the padded context; the fix zeroes those rows' output, trace/after.py's `zeroed_output`). Wrong there;
+quiet where the kernel or the program gives those rows 0 (SDPA, flash, flex, a fill of 0 after), and on padding
+queries, which a cross-attention's key mask never hides whole.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import numpy as np
 
 from maskcli import tracefile
 from maskcli.checks.context import cross
+from maskcli.text import Finding
 
 
 def real_but_empty(call, stored: dict, empty: np.ndarray) -> tuple[int, int, str] | None:
@@ -55,3 +63,20 @@ def real_but_empty(call, stored: dict, empty: np.ndarray) -> tuple[int, int, str
                           "which the mask keeps to (no query sees a key it calls padding), in a self-attention of as "
                           "many queries as keys")
     return None
+
+
+def context_masked_whole(call, stored: dict, empty: np.ndarray, effect: str) -> Finding | None:
+    """fully-masked, wrong, for a cross-attention batch row whose every query sees no key and takes uniform weights over
+    the masked context (`effect`: rows.py's what_api_does); None elsewhere. `empty`: bool (b, Lq) rows that see no key."""
+    if not cross(call) or not effect.startswith("uniform weights") or empty.shape[0] < 2 or stored["form"] == "stats":
+        return None
+    whole = empty.all(axis=1)  # (b,): batch rows whose every query sees nothing
+    cells = tracefile.dense(stored)
+    if not whole.any() or whole.all() or not cells.any(axis=(1, 2, 3))[~whole].all():
+        return None
+    b = int(np.flatnonzero(whole)[0])
+    return Finding("fully-masked", (
+        f"every query of batch row {b} sees no key of its context at all in this cross-attention ({call.shape[3]} keys, "
+        f"each masked by the program), where the other batch rows see theirs: {effect}, so the row's real queries read "
+        "the context the program masked as padding (zero those rows' output, or give them a key)"), "wrong",
+        expected="no weight on keys the mask hides: 0 output for a row with no key", cell=(b, 0, 0))

@@ -22,6 +22,7 @@ from maskcli.checks.context import Run, cross, crossing, first_cell, keep
 from maskcli.checks.memturned import encoder_padding
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
+from maskcli.checks.tiles import tile_padding
 from maskcli.text import Finding
 
 
@@ -83,8 +84,10 @@ def memory(run: Run) -> list:
             continue
         rows, _, q_len, k_len = call.shape
         said = memory_padding(top, rows, k_len) if top.arguments and id(call) not in bare else None
-        encoded = None
-        if said is None and id(call) not in luong:
+        encoded, tiled = None, said is None and id(call) not in luong and tile_padding(top, rows, k_len)
+        if tiled:  # (the image input's zero tiles: checks/tiles.py)
+            said = tiled
+        elif said is None and id(call) not in luong:
             encoded = encoder_padding(run, call, read)
             if encoded is None:
                 continue
@@ -92,7 +95,7 @@ def memory(run: Run) -> list:
         if said is None:
             continue
         real, source = said
-        if encoded is None and id(call) not in luong:  # (the stated memory mask calls real what the memory's own
+        if encoded is None and not tiled and id(call) not in luong:  # (the stated memory mask calls real what the memory's own
             # encoder masks as padding: two statements of the program over one memory, the encoder's per row)
             own = encoder_padding(run, call, read)
             if own is not None and own.known and (real & ~own.real).any() and own.real.any(axis=1).all():
@@ -109,18 +112,22 @@ def memory(run: Run) -> list:
         decoder = _decoder_queries(top, rows, q_len)
         if decoder is not None:
             asking = asking & decoder
-        if encoded is not None:  # (a query that sees every key where others of its row see fewer: a padding query
-            full = cells.all(axis=-1)  # unmasked against NaN)
-            asking = asking & ~(full & ~full.all(axis=1, keepdims=True))
-            if not encoded.known:
-                found += _across_runs(call, cells, asking, encoded)
-                continue
+        if encoded is not None or tiled:  # (a query that sees every key where others of its row see fewer: a padding
+            full = cells.all(axis=-1)  # query unmasked against NaN, a text token before the image given every key and
+            asking = asking & ~(full & ~full.all(axis=1, keepdims=True))  # its output zeroed: torchtune's skip_mask)
+        if encoded is not None and not encoded.known:
+            found += _across_runs(call, cells, asking, encoded)
+            continue
+        if tiled:  # (the text's own padding, where the model call states it for these queries)
+            text = stated(top, rows, q_len)
+            if text is not None and text[2]:
+                asking = asking & text[0]
         asking &= real.any(axis=1)[:, None]  # (a memory that is all padding: some kernels unmask its row)
         bad = cells & asking[:, :, None] & ~real[:, None, :]
         if bad.any():
             b, q, k = first_cell(bad)
             whose = f"encoder's own self-attention ({encoded.where})" if encoded is not None \
-                else source.replace(" of ", " given to ", 1)
+                else source if tiled else source.replace(" of ", " given to ", 1)
             though = "" if encoded is None or source == f"the mask of {encoded.where}" else \
                 f", though the {source.replace(' of ', ' given to ', 1)} calls it real"
             unmasked = " (the call is given no mask at all)" if cells.all() and not though else ""

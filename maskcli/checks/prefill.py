@@ -224,10 +224,16 @@ def chunked(run: Run) -> list:
 IDS = ("input_ids", "idx", "tokens")  # the model call's token ids, batch-major (trace/tops.py keeps them)
 
 
-def _ids(top) -> np.ndarray | None:
-    """(B, L) token ids the model call was handed; None where it states none."""
+def _ids(top, call=None) -> np.ndarray | None:
+    """(B, L) token ids the model call was handed; where it was handed none (a model's own method, such as
+    `forward_trunk(tokens, cache)`, called directly: the outermost module calls are its layers), the 2-D token ids the
+    function that holds `call`'s mask was handed (trace/held.py's kind "ids"); None where neither states any."""
     arguments = {} if top is None else top.arguments
-    return next((arguments[n] for n in IDS if isinstance(arguments.get(n), np.ndarray) and arguments[n].ndim == 2), None)
+    given = next((arguments[n] for n in IDS if isinstance(arguments.get(n), np.ndarray) and arguments[n].ndim == 2), None)
+    if given is not None or call is None:
+        return given
+    return next((held["rows"] for held in call.details.get("held_padding") or () if held["kind"] == "ids"
+                 and isinstance(held["rows"], np.ndarray) and held["rows"].ndim == 2), None)
 
 
 def _slots(run: Run, calls: list) -> list[list]:
@@ -236,7 +242,8 @@ def _slots(run: Run, calls: list) -> list[list]:
     slots, seen = [], {}
     for call in calls:
         top = run.top(call)
-        at = seen[id(top)] = seen.get(id(top), -1) + 1
+        made = id(top) if top is not None else ("step", call.step)  # (no module call: the step stands for it)
+        at = seen[made] = seen.get(made, -1) + 1
         while len(slots) <= at:
             slots.append([])
         slots[at].append(call)
@@ -251,7 +258,7 @@ def _stepped(run: Run, calls: list) -> list[tuple[list, np.ndarray]]:
     for call in calls + [None]:
         top = None if call is None else run.top(call)
         own = None if call is None else queries(call, top)
-        given = _ids(top)
+        given = _ids(top, call)
         ok = own is not None and given is not None and given.shape[-1] == call.shape[2] and call.shape[3] == own[-1] + 1 \
             and (np.diff(own) == 1).all()
         if ok and current and int(own[0]) == int(current[-1][1][-1]) + 1 and call.shape[:2] == current[-1][0].shape[:2] \
@@ -296,7 +303,7 @@ def _later(run: Run, call, chunks: list, ids: np.ndarray, steps: np.ndarray) -> 
     top = run.top(call)
     if length < 2 or call.shape[3] != length or any(call is chunk[0] for chunk in chunks) or length > ids.shape[1]:
         return None
-    given = _ids(top)
+    given = _ids(top, call)
     if given is None or given.shape != (ids.shape[0], length) or not np.array_equal(given, ids[:, :length]) \
             or not np.array_equal(queries(call, top), np.arange(length)):
         return None

@@ -10,7 +10,7 @@ import numpy as np
 
 from maskcli import tracefile
 from maskcli.checks.context import cross
-from maskcli.checks.emptyreal import real_but_empty
+from maskcli.checks.emptyreal import context_masked_whole, real_but_empty
 from maskcli.checks.real import by_row
 from maskcli.checks.registry import Rule
 from maskcli.checks.stages import mask_findings as mask_rows
@@ -26,6 +26,8 @@ def what_api_does(call) -> str:
         return "0 output there (the sink logit, left out, takes the softmax's whole weight)"
     if api == "softmax" and details.get("zeroed_after"):  # masked_fill(weights, mask, 0) after it (trace/after.py)
         return "0 output there (the program zeroes those rows' weights after the softmax)"
+    if api == "softmax" and details.get("zeroed_output"):  # masked_fill(weights @ v, rows, 0) (trace/after.py)
+        return "0 output there (the program zeroes those rows' output after the product with the values)"
     if api == "softmax":
         return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf" and details.get("nan_rows", True)
                 else "uniform weights over every key there, masked ones included (a finite fill)")
@@ -79,6 +81,9 @@ def empty_rows(call, stored: dict, structure) -> list[Finding]:
                         f"queries are its own keys: the mask masks everything ({what_api_does(call)})", "wrong",
                         expected="each query sees at least its own key")]
     orphan = real_but_empty(call, stored, empty)
+    whole = context_masked_whole(call, stored, empty, what_api_does(call))
+    if whole is not None:
+        return [whole]
     if orphan is not None:
         b, q, why = orphan
         return [Finding("fully-masked", (

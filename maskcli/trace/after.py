@@ -17,6 +17,11 @@ whose weights are all finite but whose output holds NaN are recorded (details `n
 the values carried NaN into rows that gave those keys weight 0 (vit-pytorch#26: the padding patches' NaN rows of the
 layer before, read here as values; checks/nans.py).
 
+The product's output is followed too where some query row saw no key: a masked_fill of it with 0 over every such
+row (x-transformers' `out.masked_fill(row_is_entirely_masked[..., None], 0.)`, 35f7000), or a product of it with a
+0/1 tensor that is 0 there, sets those rows' output to 0
+whatever the softmax gave them (details `zeroed_output`: checks/rows.py's what_api_does says so).
+
 A fill of -inf (or a finite fill at most -1e4) written into those weights (NISQA's `att[~mask] = -inf` after
 `softmax`) is a mask applied after the softmax: the softmax already gave those keys weight, and the weights now hold
 -inf. The call records it (details `filled_after`: the fill and the cells), for checks/after.py to say.
@@ -76,6 +81,7 @@ class After:
     def after(self, trace, func, args: tuple, out=None) -> None:
         """On a multiplication of a followed softmax output by a 0/1 tensor: that call's mask narrowed to it."""
         if func in FILLS:
+            self._output_filled(args)
             self._filled(trace, args, func in COPIES)
             return
         if func in PRODUCTS:
@@ -87,6 +93,9 @@ class After:
         if func not in MULS or len(args) < 2:
             return
         for mine, other in ((args[0], args[1]), (args[1], args[0])):
+            if isinstance(mine, torch.Tensor) and ("output", id(mine)) in self._found and isinstance(other, torch.Tensor):
+                self._output_filled((mine, other == 0, 0))  # (output * keep: the rows it multiplies by 0, zeroed)
+                return
             entry = self._found.get(id(mine)) if isinstance(mine, torch.Tensor) else None
             if entry is not None and entry[0]() is mine and isinstance(other, torch.Tensor):
                 self._narrow(trace, mine, other, entry)
@@ -161,6 +170,9 @@ class After:
                 or not weights.is_floating_point() or weights.numel() != seen.keep.numel():
             return
         with torch.no_grad():
+            empty = ~seen.keep.any(dim=-1)  # (.., Lq): rows that see no key
+            if bool(empty.any()):
+                self._follow_output(out, call, seen, empty)
             nan = torch.isnan(out).any(dim=-1)  # (.., Lq): the weights read only where the output has NaN at all
             if not bool(nan.any()):
                 return
@@ -168,6 +180,38 @@ class After:
             if bool(bad.any()):
                 flat = bad.reshape(-1).nonzero().flatten().tolist()[:4096]
                 call.details["nan_values"] = seen.details["nan_values"] = flat
+
+    def _follow_output(self, out: torch.Tensor, call, seen, empty: torch.Tensor) -> None:
+        """Follow `out`, weights @ v of a softmax whose `empty` rows see no key, for a fill of 0 over those rows (kept
+        beside the weights, under ("output", id): the tracer follows products and fills while either is alive)."""
+        outputs, key = self._found, ("output", id(out))
+        if len(outputs) >= KEEP:
+            outputs.clear()
+
+        def gone(ref) -> None:
+            if outputs.get(key, (None,))[0] is ref:
+                del outputs[key]
+
+        try:
+            outputs[key] = (weakref.ref(out, gone), call, seen, empty)
+        except TypeError:
+            pass
+
+    def _output_filled(self, args: tuple) -> None:
+        """masked_fill(output, where, 0) of a followed product over every row its softmax left no key: zeroed_output."""
+        if len(args) < 3 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor):
+            return
+        entry = self._found.get(("output", id(args[0])))
+        if entry is None or entry[0]() is not args[0] or _number(args[2]) != 0:
+            return
+        _, call, seen, empty = entry
+        with torch.no_grad():
+            try:
+                where = args[1].to(torch.bool).broadcast_to(args[0].shape).all(dim=-1).reshape(empty.shape)
+            except RuntimeError:
+                return
+            if bool(where[empty].all()):
+                call.details["zeroed_output"] = seen.details["zeroed_output"] = True
 
     def _narrow(self, trace, out: torch.Tensor, other: torch.Tensor, entry: tuple) -> None:
         _, call, seen = entry

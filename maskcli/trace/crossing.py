@@ -245,7 +245,9 @@ def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
     Keras-style port's `MultiHeadAttention(query, value, key)`): keys from another tensor than the queries, as long as
     the call's keys and of other values, are another sequence's; the queries' own tensor, or one of equal values (a
     position added to each apart, `attn(x + pos, x + pos, x)`), or one ending with the queries' values (a cache joined
-    before them) is self-attention. Only the forward of the layer that projects them: inside it `q` and `k` (or a
+    before them) is self-attention. A forward that names neither is read by its first two parameters where they are
+    two (B, L, D) hidden states over the call's queries and keys, of other lengths (torchtune's `forward(self, x, y)`,
+    handed `(h, encoder_out)` by its cross-attention layer), or the same tensor. Only the forward of the layer that projects them: inside it `q` and `k` (or a
     kernel's `query`, `key`) are projections, different whatever the attention."""
     if not stack:
         return None
@@ -259,12 +261,17 @@ def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
         params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
         query_name = next((n for n in params if n in QUERY), None)
         key_name = next((n for n in params if n in KEY), None)
-        if query_name is None or key_name is None:
-            return None
+        plain = query_name is None or key_name is None
+        if plain:  # (torchtune's `forward(self, x, y, *, mask)`: its first two parameters, read only as two sequences
+            if code.co_argcount < 3:  # of one batch and width over other lengths than each other: _plain)
+                return None
+            query_name, key_name = code.co_varnames[1:3]
         given = _handed(frame, owner, code)  # (as handed: its locals may hold their projections by now)
         given = given if query_name in given and key_name in given else frame.f_locals
         query, key = given.get(query_name), given.get(key_name)
         if not issubclass(type(query), torch.Tensor) or not issubclass(type(key), torch.Tensor) or query.dim() < 2 or key.dim() < 2:
+            return None
+        if plain and key is not query and not _plain(query, key, q_len, k_len):
             return None
         where = f"{type(owner).__name__}.forward() of {os.path.basename(code.co_filename)}"
         if key is query or _ends_with(key, query):
@@ -273,6 +280,14 @@ def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
             return None  # (keys of neither: the layer joined them, or laid them out otherwise)
         return {"cross": True, "by": "inputs", "source": f"{key_name} handed to {where} is another tensor than its {query_name}"}
     return None
+
+
+def _plain(x: torch.Tensor, y: torch.Tensor, q_len: int, k_len: int) -> bool:
+    """Two hidden states (B, L, D) of one batch and width, x over the call's queries and y over its keys, of other
+    lengths: the layer attends from x to y (torchtune's MultiHeadAttention(x, y)). Equal lengths say nothing (a
+    position table or a second view of the same tokens may be handed beside them)."""
+    return x.dim() == y.dim() == 3 and q_len != k_len and x.shape[0] == y.shape[0] and x.shape[-1] == y.shape[-1] \
+        and x.shape[-2] == q_len and y.shape[-2] == k_len
 
 
 def _handed(frame, owner, code) -> dict:

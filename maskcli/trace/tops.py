@@ -23,6 +23,7 @@ from maskcli.trace.handedcells import handed_cells
 from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids
 from maskcli.trace.padded import MOST, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
+from maskcli.trace.tiles import zero_units
 from maskcli.trace.tokenids import token_ids as _token_ids
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
@@ -117,6 +118,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(nested_ids(given, found))  # (ids of more axes beside that pad id: RETRO's neighbours)
     found.update(_zeros(given, found))
     found.update(_images(given))
+    found.update(zero_units(given))  # (an image input's tiles that are exactly 0: checks/tiles.py)
     if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw")):
         found["module_class"] = type(module).__name__  # (the tower's family: how it attends a video, checks/items.py)
     found.update(padded_input(given))
