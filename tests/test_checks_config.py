@@ -588,3 +588,23 @@ def test_a_modernbert_window_run_causal_is_its_bands_causal_half(tmp_path):
     assert config.sliding_window == 4 and module.sliding_window == 5 and module.is_causal is False
     status, found, report = traced(tmp_path, "corebehrt_modernbert_is_causal_update_attention_mask_never_called", True)
     assert status == 0 and not [f for f in found if f["code"] == "window-off-by-one"], report
+
+
+def test_a_layers_own_sliding_window_says_its_kind(tmp_path):
+    # huggingface/transformers#35924 (fixed by #36162; written blind): Qwen2's eager mask lost the window; each layer
+    # keeps its own `self.sliding_window` (4 on both: the program's reading of max_window_layers), which says it slides,
+    # over transformers' direction of max_window_layers in a config that is not transformers'
+    flagged = check_bug(tmp_path, "transformers_qwen2_eager_sliding_window_mask_dropped", "window-missing")
+    assert {f["message"].split(" is a")[0] for f in flagged} == {"layer 0", "layer 1"}, flagged
+    assert "self.sliding_window=4 of layers" in flagged[0]["message"], flagged
+    # written another way: a ModelArgs dataclass, blocks that keep a window only below max_window_layers, left padding
+    flagged = check_bug(tmp_path, "own_window_layers_left_padded", "window-missing", INTENT)
+    assert {f["message"].split(" is a")[0] for f in flagged} == {"layer 0", "layer 1"}, flagged
+
+
+def test_a_full_layers_own_none_window_beside_a_shared_config(tmp_path):
+    # huggingface/transformers#31670 (written blind): Gemma 2's sliding layer zeroed FA2's 2-D padding mask (real
+    # tokens masked as padding). Every layer holds the config (sliding_window=8 alone), its odd attention layer keeps
+    # `self.sliding_window = None` and its decoder layer `is_sliding=False`: that full layer's causal mask is right (the
+    # fix was called window-missing, each layer's config a source of its own)
+    check_bug(tmp_path, "transformers_gemma2_fa2_sliding_layer_zeroes_padding_mask", "real-query-blind")

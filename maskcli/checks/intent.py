@@ -169,7 +169,9 @@ class Intent:
         numbered = [one for one in stated if "layer_number" in one.fields]
         deepest = max(numbered, key=lambda one: len(one.scope or ""), default=None)  # the innermost module's number
         self.layer = None if deepest is None else deepest.fields["layer_number"]
-        stated = [one for one in stated if "layer_number" not in one.fields]
+        own = max((one for one in stated if "layer_slides" in one.fields), key=lambda one: len(one.scope or ""), default=None)
+        self.slides = None if own is None else (own.fields["layer_slides"], own.source)  # (trace/ownwindow.py)
+        stated = [one for one in stated if "layer_number" not in one.fields and "layer_slides" not in one.fields]
         for one in stated:
             for name, value in one.fields.items():
                 if name in FLAGS:
@@ -189,7 +191,7 @@ class Intent:
         self.decoder = any(one.fields.get("decoder") for one in stated)
         self.attention = any(one.fields.get("attention") for one in stated)
         self.key = repr((sorted(self.values.items()), sorted(self.sources.items()), self.transformers,
-                         self.other_layers, self.decoder, self.chunk_context))  # (layers stated alike are judged once per mask)
+                         self.other_layers, self.decoder, self.chunk_context, self.slides))  # (layers stated alike are judged once per mask)
 
     def __bool__(self) -> bool:
         return bool(self.values)
@@ -281,6 +283,10 @@ class Intent:
                 chosen = index in self._sliding_layers(layers)
             return ("sliding_attention" if chosen else "full_attention"), "sliding_window_layers", False
         most = self.values.get("max_window_layers")
+        if sliding and self.slides is not None and not (self.transformers and isinstance(most, int)):
+            # the layer's own word (its is_sliding, its sliding_window: trace/ownwindow.py) over sliding_window alone and
+            # a max_window_layers the program's own code reads (Qwen's docs and transformers' once said it both ways)
+            return ("sliding_attention" if self.slides[0] else "full_attention"), self.slides[1], False
         if sliding and isinstance(most, int) and (self.transformers or self.values.get("use_sliding_window") is True):
             kind = "sliding_attention" if index >= most else "full_attention"  # configuration_qwen2.py 87-91
             return kind, f"max_window_layers={most}", False
@@ -340,9 +346,9 @@ def stated_for(top, where: str | None) -> list[Stated]:
     stated = getattr(top, "stated", ()) if top is not None else ()
     where = where or ""
     mine = [one for one in stated if one.scope is not None and (one.scope in ("", where) or where.startswith(one.scope + "."))]
-    numbers = [one for one in mine if "layer_number" in one.fields or "own" in one.fields]  # (trace/stated.py's _numbers
+    numbers = [one for one in mine if "layer_number" in one.fields or "own" in one.fields or "layer_slides" in one.fields]  # (trace/stated.py's _numbers
     # and _kinds: module attributes, which speak beside the configs)
-    held = [one for one in stated if one.scope is not None and "layer_number" not in one.fields and "own" not in one.fields]
+    held = [one for one in stated if one.scope is not None and not {"layer_number", "own", "layer_slides"} & set(one.fields)]
     if held:
         return [one for one in mine if one not in numbers] + numbers
     return [one for one in stated if one.scope is None] + numbers
