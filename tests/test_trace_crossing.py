@@ -233,8 +233,8 @@ with torch.no_grad():
 def test_a_hand_written_cross_attention_with_a_context_argument(tmp_path):
     """A layer of neutral names (`blocks.1`, class Mixer) handed `context`: 3 queries over 10 memory keys, no mask, a
     correct program: quiet, its second block read as a cross-attention by that argument, its first (handed None) as a
-    self-attention. The same program with the argument named `other_input` is read by the forward's first two hidden
-    states (x, other_input): cross where it is handed one of other length, nothing said where it is handed None."""
+    self-attention. The same program with the argument named `other_input` says nothing of its keys (only torchtune's
+    (x, y) is read by its names: test_a_forward_of_x_and_y_read_by_its_first_two_hidden_states)."""
     from checkbugs import traced
 
     program = textwrap.dedent(HAND)
@@ -247,8 +247,7 @@ def test_a_hand_written_cross_attention_with_a_context_argument(tmp_path):
     assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     with maskcli.trace() as t:
         exec(compile(program.replace("CONTEXT", "other_input"), "hand.py", "exec"), {})
-    assert [crossing(c)[:2] for c in t.calls] == [(False, "none"), (True, "inputs")]  # (handed None: nothing said;
-    # handed another hidden state of 10 over 3 queries: read by the forward's first two parameters)
+    assert [crossing(c)[:2] for c in t.calls] == [(False, "none")] * 2  # (fewer queries than keys: nothing said)
 
 
 def test_a_perceiver_latent_array_as_long_as_its_inputs():
@@ -498,3 +497,29 @@ def test_a_forward_of_x_and_y_read_by_its_first_two_hidden_states():
     assert "y handed to MultiHeadAttention.forward()" in readings[0].source
     assert (readings[1].cross, readings[1].by) == (False, "inputs")
     assert readings[2].by != "inputs"
+
+
+def test_a_forward_of_a_shard_and_the_whole_sequence_is_self_attention():
+    """A context-parallel rank's layer handed its shard of the sequence and the whole one its keys are gathered from
+    (Cornstarch's ContextParallelAttention(local_hidden_states, all_hidden_states)): x is a run of y's rows, a view of
+    it or a copy, so the same tokens: not another sequence, though their lengths differ."""
+    import torch.nn.functional as F
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, y, mask=None):
+            q, k = self.q_proj(x)[:, None], self.k_proj(y)[:, None]
+            return F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+
+    viewed, copied, other = Attention(), Attention(), Attention()
+    whole = torch.randn(2, 12, 8)
+    with maskcli.trace() as t:
+        viewed(whole[:, 4:8], whole)  # rank 1 of 3: a view of the whole
+        copied(whole[:, 8:].clone(), whole)  # rank 2: the same values in its own storage
+        other(whole[:, 8:] + 1, whole)  # values the whole does not hold: another sequence
+    readings = [crossing(call) for call in t.calls]
+    assert [r.cross for r in readings[:2]] == [False, False]
+    assert (readings[2].cross, readings[2].by) == (True, "inputs")

@@ -245,9 +245,9 @@ def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
     Keras-style port's `MultiHeadAttention(query, value, key)`): keys from another tensor than the queries, as long as
     the call's keys and of other values, are another sequence's; the queries' own tensor, or one of equal values (a
     position added to each apart, `attn(x + pos, x + pos, x)`), or one ending with the queries' values (a cache joined
-    before them) is self-attention. A forward that names neither is read by its first two parameters where they are
-    two (B, L, D) hidden states over the call's queries and keys, of other lengths (torchtune's `forward(self, x, y)`,
-    handed `(h, encoder_out)` by its cross-attention layer), or the same tensor. Only the forward of the layer that projects them: inside it `q` and `k` (or a
+    before them) is self-attention. torchtune's `forward(self, x, y)` (y: the sequence x attends, x itself in a
+    self-attention) is read where they are two (B, L, D) hidden states over the call's queries and keys, of other
+    lengths and y holding no run of x (handed `(h, encoder_out)` by its cross-attention layer), or the same tensor. Only the forward of the layer that projects them: inside it `q` and `k` (or a
     kernel's `query`, `key`) are projections, different whatever the attention."""
     if not stack:
         return None
@@ -262,10 +262,10 @@ def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
         query_name = next((n for n in params if n in QUERY), None)
         key_name = next((n for n in params if n in KEY), None)
         plain = query_name is None or key_name is None
-        if plain:  # (torchtune's `forward(self, x, y, *, mask)`: its first two parameters, read only as two sequences
-            if code.co_argcount < 3:  # of one batch and width over other lengths than each other: _plain)
+        if plain:  # (torchtune's `forward(self, x, y, *, mask)`: x and y, read only as two sequences of one batch and
+            if tuple(code.co_varnames[1:3]) != ("x", "y"):  # width over other lengths than each other: _plain)
                 return None
-            query_name, key_name = code.co_varnames[1:3]
+            query_name, key_name = "x", "y"
         given = _handed(frame, owner, code)  # (as handed: its locals may hold their projections by now)
         given = given if query_name in given and key_name in given else frame.f_locals
         query, key = given.get(query_name), given.get(key_name)
@@ -287,7 +287,22 @@ def _plain(x: torch.Tensor, y: torch.Tensor, q_len: int, k_len: int) -> bool:
     lengths: the layer attends from x to y (torchtune's MultiHeadAttention(x, y)). Equal lengths say nothing (a
     position table or a second view of the same tokens may be handed beside them)."""
     return x.dim() == y.dim() == 3 and q_len != k_len and x.shape[0] == y.shape[0] and x.shape[-1] == y.shape[-1] \
-        and x.shape[-2] == q_len and y.shape[-2] == k_len
+        and x.shape[-2] == q_len and y.shape[-2] == k_len and not _a_block_of(x, y)
+
+
+def _a_block_of(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """`x` is a run of `y`'s rows along dim -2: a view of its storage, or equal values at some offset (a
+    context-parallel rank's shard beside the whole sequence its keys are gathered from: the same tokens, self)."""
+    try:
+        if x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr():
+            return True
+        n = x.shape[-2]
+        if n > y.shape[-2] or n == 0:
+            return False
+        starts = (y == x[..., :1, :]).all(dim=-1).all(dim=0).nonzero().flatten().tolist()  # rows of y equal to x's first
+        return any(s + n <= y.shape[-2] and torch.equal(y[..., s:s + n, :], x) for s in starts[:8])
+    except (RuntimeError, NotImplementedError):  # (tensor subclasses, meta tensors: nothing to compare)
+        return False
 
 
 def _handed(frame, owner, code) -> dict:
