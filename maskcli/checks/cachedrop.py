@@ -22,7 +22,7 @@ import numpy as np
 from maskcli.checks.context import Run, keep
 from maskcli.checks.prefill import _ids, _slots
 from maskcli.checks.registry import Rule
-from maskcli.checks.steps import _prefill
+from maskcli.checks.steps import prefill_once
 from maskcli.text import Finding
 
 
@@ -35,7 +35,7 @@ def _passes(run: Run, slot: list) -> list:
         ids = _ids(top, call)
         if q_len < 2 or q_len != k_len or ids is None or ids.shape[1] != q_len:
             continue
-        shown = _prefill(call, top)
+        shown = prefill_once(run, call, top)
         cells = keep(call)
         if shown is None or shown[1] is None or cells is None or cells.shape[0] not in (1, ids.shape[0]):
             continue

@@ -36,14 +36,14 @@ def rows_shifted(run: Run) -> list:
         rows, _, q_len, k_len = call.shape
         if top is None or call.stored is None or q_len < 2 or k_len < 2:
             continue
-        text = stated(top, rows, q_len)
-        text = text if text is not None and text[2] else isolated(top, rows, q_len)
-        if text is None:
-            continue
         key = (call.mask, call.shape, id(top))
         if key in done:
             continue
         done.add(key)
+        text = stated(top, rows, q_len)
+        text = text if text is not None and text[2] else isolated(top, rows, q_len)
+        if text is None:
+            continue
         cells = keep(call)
         if cells is None or cells.shape[0] not in (1, rows):
             continue

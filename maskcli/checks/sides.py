@@ -74,7 +74,7 @@ def _fits(real: np.ndarray, rows: int, length: int) -> np.ndarray | None:
 
 def sides(run: Run) -> list:
     """Per call, its side's real keys and queries against the cells: padded keys seen, real queries that see nothing."""
-    found, done, statements = [], set(), {}
+    found, done, statements, sided = [], set(), {}, {}
     for call in [*run.calls, *run.cross]:
         top = run.top(call)
         cells = keep(call)
@@ -83,9 +83,9 @@ def sides(run: Run) -> list:
         rows, _, q_len, k_len = call.shape
         if cells.shape[0] not in (1, rows):
             continue
-        if ("sides", id(top)) not in statements:
-            statements["sides", id(top)] = {side: side_tokens(top, side) for side in ("src", "trg")}
-        said = statements["sides", id(top)]
+        if id(top) not in sided:  # (each model call's sides read once: every layer of it asks the same)
+            sided[id(top)] = {side: side_tokens(top, side) for side in ("src", "trg")}
+        said = sided[id(top)]
         said = {side: found_ for side, found_ in said.items() if found_ is not None}
         crossing = cross(call)
         if said:

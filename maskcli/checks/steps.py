@@ -43,6 +43,15 @@ def _window(cells: np.ndarray, own: np.ndarray, real: Real) -> int | None:
     return width
 
 
+def prefill_once(run: Run, call, top):
+    """_prefill(call, top), read once a run for every layer's call of one mask in one model call (steps.py's sites,
+    stepwindows.py and cachedrop.py ask it of the same prompt passes)."""
+    read, key = run.__dict__.setdefault("_prefills", {}), (call.mask, call.shape, id(top))
+    if key not in read:
+        read[key] = _prefill(call, top)
+    return read[key]
+
+
 def _prefill(call, top):
     """(padded (B, Lk) or None, window or None) a prefill shows, on its real rows; None where it shows neither or cannot
     be read."""
@@ -82,26 +91,19 @@ def sites(run: Run) -> list:
     prefill is a new sequence (another batch, an encoder called again with another mask), not a step behind the
     cache."""
     found, judged = [], {}
-    read = run.__dict__.setdefault("_prefills", {})  # (each prompt pass read once a run: stepwindows.py reads them too)
     for where, calls in run.sites().items():
         head = shown = None
         for call in calls:
             later_top, own, positions = run.placed(call)
             if own[:1].tolist() == [0]:  # a prefill (a static cache's too: its unwritten slots after)
-                key = (call.mask, call.shape, id(later_top))  # (every layer's prefill of one model call: one mask)
-                if key not in read:
-                    read[key] = _prefill(call, later_top)
-                head, shown, done, written = call, read[key], {call.mask}, set()
+                head, shown, done, written = call, prefill_once(run, call, later_top), {call.mask}, set()
                 continue
             if shown is None and head is None and positions:
                 # (no prefill here yet: the layer's prefill may have gone through another module of it, its decode
                 # through a fused kernel call in the parent, H-Net's CausalMHA)
                 adopted = _layer_prefill(run, where, call, own)
                 if adopted is not None:
-                    key = (adopted.mask, adopted.shape, id(run.top(adopted)))
-                    if key not in read:
-                        read[key] = _prefill(adopted, run.top(adopted))
-                    head, shown, done = adopted, read[key], set()
+                    head, shown, done = adopted, prefill_once(run, adopted, run.top(adopted)), set()
             if shown is None or call.mask in done or call.shape[3] < head.shape[3] or not positions:
                 continue
             written.update(own.tolist())  # (each step's queries write their slots: not the prefill's padding since)

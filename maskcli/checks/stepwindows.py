@@ -23,7 +23,7 @@ import numpy as np
 from maskcli.checks.context import Run, keep
 from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
-from maskcli.checks.steps import _prefill, _window
+from maskcli.checks.steps import _window, prefill_once
 from maskcli.text import Finding
 
 
@@ -48,10 +48,7 @@ def differing(run: Run) -> list:
                 continue
             key = (call.mask, call.shape, own.tobytes(), id(top))
             if own[0] == 0 and q_len >= 2:  # a prompt pass: its window as steps.py's sites read it (once a run)
-                prefills, pass_key = run.__dict__.setdefault("_prefills", {}), (call.mask, call.shape, id(top))
-                if pass_key not in prefills:
-                    prefills[pass_key] = _prefill(call, top)
-                shown = prefills[pass_key]
+                shown = prefill_once(run, call, top)
                 if shown is not None and shown[1] is not None:
                     head, width = call, shown[1]
                 continue

@@ -71,7 +71,8 @@ class Scores:
                     if fold is not None:
                         self.folds[id(out)] = fold
                     cut = tail(operands[1], turned=True) if len(operands) == 2 and func is not torch.einsum else None
-                    if cut is not None and tail(operands[0]) != cut:  # (q sliced alike: a packed batch's last request)  # (q @ kᵀ over keys sliced off a cache's tail: trace/sliced.py)
+                    if cut is not None and tail(operands[0]) != cut:  # (q @ kᵀ over keys sliced off a cache's tail:
+                        # trace/sliced.py; q sliced alike is a packed batch's last request, its own keys)
                         self.sliced[id(out)] = cut
                 else:  # (the equation states another axis order: Transformer-XL's "ibnd,jbnd->ijbn")
                     axes = einsum_axes(args[0], out.dim())
