@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, beside_memory, columns_are_positions, cross, first_cell, keep, queries, real_queries
+from maskcli.checks.context import Run, beside_memory, cross, first_cell, keep, queries, real_queries
 from maskcli.checks.heldpad import held_readings
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.real import kept_turned, stated, stated_once
@@ -133,8 +133,8 @@ def padding(run: Run) -> list:
         top = run.top(call)
         if top is None or call.stored is None or not top.arguments or _decoder_of_source(run, top):
             continue
-        if getattr(top.config, "is_encoder_decoder", False) and not _encoder_side(call) \
-                or not columns_are_positions(call, top):
+        _, own, positions = run.placed(call)
+        if getattr(top.config, "is_encoder_decoder", False) and not _encoder_side(call) or not positions:
             continue  # (an encoder-decoder's padding is its encoder's: read on its encoder's own layers only)
         rows, k_len = call.shape[0], call.shape[3]
         given = top.arguments.get("attention_mask")
@@ -161,7 +161,7 @@ def padding(run: Run) -> list:
         length = real.shape[1]
         if one_at_a_time(run, call, real.sum(axis=1), lambda one: run.top(one) is top, key=id(top)):
             continue  # (the model call's lengths of a ragged batch its site attends one sequence at a time: no padding)
-        key = (call.mask, call.shape, real.tobytes(), tuple(queries(call, top)))
+        key = (call.mask, call.shape, real.tobytes(), real.shape, own.tobytes())
         if key in done:
             continue
         done.add(key)
@@ -170,7 +170,6 @@ def padding(run: Run) -> list:
         cells = _cells_by_row(call, rows)
         if cells is None:
             continue
-        own = queries(call, top)
         bad = _seen_padding(cells, real, own)
         if readings is not None and not all(_seen_padding(cells, other, own).any() for other in readings[1:]):
             continue  # (folded one way, or the ids placed one way, the mask keeps to the padding: quiet)

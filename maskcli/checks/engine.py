@@ -5,7 +5,7 @@ from __future__ import annotations
 from maskcli.checks.context import Run, cross, masked_somewhere, queries
 from maskcli.checks import config
 from maskcli.checks.arguments import over_stated_padding
-from maskcli.checks.registry import all_rules, severity
+from maskcli.checks.registry import given, severity
 from maskcli.checks.lookahead import within
 from maskcli.checks.spans import explained
 
@@ -53,17 +53,15 @@ def findings(run: Run) -> list:
     crossing = [call for call in calls if cross(call)]  # its queries sit nowhere among its keys: read apart (steps.py)
     unmasked = [call for call in run.calls if call.where not in attending]
     run = Run([call for call in calls if not cross(call)], run.tops, crossing, unmasked)
-    found, done = [], set()
-    for check in [check for rule in all_rules() for given, check in rule.checks() if given == "run"]:
-        if check not in done:
-            done.add(check)  # (one function may make the findings of several codes)
-            try:
-                found += check(run)
-            except Exception as error:
-                if not program_raised(error):
-                    raise
-                # (a config or an argument of the program's whose __eq__, __bool__ or property raises when read after
-                # the run: python ran it, so the rule reads it as stating nothing, as a config that raises on read)
+    found = []
+    for check in given("run"):  # (one function may make the findings of several codes: called once)
+        try:
+            found += check(run)
+        except Exception as error:
+            if not program_raised(error):
+                raise
+            # (a config or an argument of the program's whose __eq__, __bool__ or property raises when read after
+            # the run: python ran it, so the rule reads it as stating nothing, as a config that raises on read)
     return found
 
 

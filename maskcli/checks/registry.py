@@ -87,16 +87,25 @@ def rule(code: str) -> Rule | None:
     return _by_code().get(code)
 
 
-def run(given: str, *args, **kwargs) -> list:
-    """The findings of every rule whose check is `given` what the caller holds (one of GIVEN), each function called
-    once (one may make several codes), in the registry's order. (A rule given every rank's calls, `ranks`, says which
-    call each finding is about: (call, Finding) pairs.)"""
-    found, done = [], set()
+@functools.cache
+def given(asked: str) -> tuple[Callable, ...]:
+    """Each check function of a rule that is `asked` what the caller holds (one of GIVEN), once (one function may make
+    several codes), in the registry's order: read once a process (a trace's every group asks it)."""
+    found = {}
     for each in all_rules():
-        for asked, check in each.checks():
-            if asked == given and check not in done:
-                done.add(check)
-                found += check(*args, **kwargs)
+        for kind, check in each.checks():
+            if kind == asked:
+                found.setdefault(check, None)
+    return tuple(found)
+
+
+def run(asked: str, *args, **kwargs) -> list:
+    """The findings of every rule whose check is given what the caller holds (`asked`, one of GIVEN), each function
+    called once, in the registry's order. (A rule given every rank's calls, `ranks`, says which call each finding is
+    about: (call, Finding) pairs.)"""
+    found = []
+    for check in given(asked):
+        found += check(*args, **kwargs)
     return found
 
 

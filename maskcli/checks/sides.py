@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries
+from maskcli.checks.context import Run, cross, first_cell, keep
 from maskcli.checks.real import kept_turned, stated_once
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
@@ -99,17 +99,17 @@ def sides(run: Run) -> list:
             if crossing:
                 own_real = _fits(said[queries_side][0], rows, q_len)
             else:
-                own = queries(call, top)
+                own = run.placed(call)[1]
                 own_real = None if keys_real is None or own.max(initial=-1) >= k_len or own.min(initial=0) < 0 \
                     else keys_real[:, own]
             source, sure, judge_keys = said[keys_side][1], True, True
-        elif not crossing and columns_are_positions(call, top) and not getattr(top.config, "is_encoder_decoder", False):
+        elif not crossing and run.placed(call)[2] and not getattr(top.config, "is_encoder_decoder", False):
             # (an encoder-decoder's attention_mask is its encoder's: its decoder's keys are other tokens)
             statement = stated_once(statements, top, rows, k_len)
             if statement is None or not statement[2]:
                 continue
             keys_real, source, _ = statement
-            own = queries(call, top)
+            own = run.placed(call)[1]
             own_real = None if own.max(initial=-1) >= k_len or own.min(initial=0) < 0 else keys_real[:, own]
             sure, judge_keys = True, False  # (a padded key seen: arguments.py's, for this statement)
         else:
@@ -121,7 +121,7 @@ def sides(run: Run) -> list:
             continue
         done.add(key)
         seen = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
-        if not judge_keys and kept_turned(source, keys_real, seen, queries(call, top)):
+        if not judge_keys and kept_turned(source, keys_real, seen, run.placed(call)[1]):
             continue  # (a `padding_mask` True on the tokens, Keras's way round, kept to exactly: real.kept_turned)
         if judge_keys:
             bad = seen & own_real[:, :, None] & ~keys_real[:, None, :]
