@@ -1,7 +1,8 @@
 """Real queries that see keys whose K and V are exactly zero at an edge of the keys: padding the data itself states.
 
 A key that is zero in every head and dimension of both K and V is no token (trace/zerokv.py records them at each SDPA
-call): it is a buffer row nobody wrote, or a padding position whose input was zeros under bias-free projections. Its
+call), nor one whose K and V are each one nonzero value throughout (trace/fillkv.py: `torch.full(..., 7.0)`'s slots
+that nobody wrote; vllm#47926's DFlash context-KV buffer, attended whole on a prefix-cache hit): it is a buffer row nobody wrote, or a padding position whose input was zeros under bias-free projections. Its
 score is 0 and its value 0, so every real query that sees it gives it weight exp(0 - max) and averages zeros into
 its output. Where such keys make a run of two or more at the start or the end of a batch row's keys (the shape
 padding takes), that row holds real keys too, and a query that is not zero itself sees one of them, the mask lets a
@@ -80,18 +81,32 @@ def zero_keys_seen(run: Run) -> list:
             q, k = (int(i) for i in np.argwhere(seen)[0])
             keys = [int(i) for i in np.flatnonzero(padding)]
             done.add((call.where, call.shape))  # (each layer's and step's shape said once)
+            fill = _fill(table, left, right, k, lo)
             found.append((call, Finding("zero-keys-seen", (
                 f"query {q} of batch row {b} (not zero itself) sees key {k}, one of keys {spans(keys)} whose K and V "
-                f"are exactly zero in every head: no token (an unwritten buffer row, or padding whose input was "
-                f"zeros); {int(seen.any(axis=1).sum())} of this row's real queries give them weight and average "
-                f"their zeros in (hide them in the mask: -inf / False over those keys)"),
+                + (f"are exactly zero in every head: no token (an unwritten buffer row, or padding whose input was "
+                   f"zeros); " if fill is None else
+                   f"are one value in every head and dimension (K {fill[0]:g}, V {fill[1]:g}): no token, a buffer's "
+                   f"fill nobody wrote; ")
+                + f"{int(seen.any(axis=1).sum())} of this row's real queries give them weight and average "
+                f"their {'zeros' if fill is None else 'fill'} in (hide them in the mask: -inf / False over those keys)"),
                 expected=f"keys {spans(keys)} of batch row {b} hidden from every real query",
-                source="the call's own K and V: zero rows at an edge of the keys", cell=(b, q, k))))
+                source="the call's own K and V: " + ("zero rows" if fill is None else "rows of one fill value")
+                + " at an edge of the keys", cell=(b, q, k))))
             break
         if table.get("heads") and (call.where, call.shape) not in done:
             found += _in_heads(run, call, table, cells, tokens)
             done.add((call.where, call.shape))
     return found
+
+
+def _fill(table: dict, left: int, right: int, k: int, lo: int) -> list | None:
+    """[K's, V's] fill of the edge run key `k` is in, where trace/fillkv.py read the run as one nonzero value's
+    (its table's "fill"); None where it is zeros."""
+    fills = table.get("fill")
+    if not fills:
+        return None
+    return fills["left"] if left >= RUN and lo <= k < lo + left and fills.get("left") else fills.get("right")
 
 
 def _in_heads(run: Run, call, table: dict, cells: np.ndarray, tokens) -> list:
