@@ -282,3 +282,62 @@ def test_a_static_buffers_unwritten_slots_are_recorded_and_place_the_queries_bef
     assert queries(call, None).tolist() == list(range(16 - unwritten - 10, 16 - unwritten)) == list(range(10))
     full = torch.randn(1, 2, 16, 4)
     assert "unwritten" not in zero_kv(q, full, full, tuple(full.shape))
+
+
+def _fill_runs(k: torch.Tensor, v: torch.Tensor, b: int) -> tuple[int, int]:
+    """(keys at the start, at the end) of batch row b whose K and V are each the edge key's one value, by plain loops
+    over every head and dimension (0: the edge key is not one nonzero value in K and in V)."""
+    length = k.shape[2]
+
+    def one(t, j):
+        values = {float(x) for x in t[b, :, j].flatten()}
+        return next(iter(values)) if len(values) == 1 and values != {0.0} else None
+
+    runs = []
+    for order in (range(length), range(length - 1, -1, -1)):
+        order = list(order)
+        fill = (one(k, order[0]), one(v, order[0]))
+        run = 0
+        while None not in fill and run < length and (one(k, order[run]), one(v, order[run])) == fill:
+            run += 1
+        runs.append(run if run >= 2 else 0)
+    return tuple(runs)
+
+
+def test_the_trace_reads_edge_runs_of_one_nonzero_fill_as_unwritten_buffer_rows():
+    """trace/fillkv.py: a buffer made by torch.full / torch.ones leaves the slots nobody wrote one value in every head
+    and dimension; an edge run of them is recorded as zerokv's is, with its fill."""
+    from maskcli.trace.fillkv import edge_kv
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 3, 4)
+    k, v = torch.randn(2, 2, 9, 4), torch.randn(2, 2, 9, 4)
+    k[:, :, :4], v[:, :, :4] = 7.0, -3.0  # every row: four slots of the fill at the start
+    k[:, :, 7:], v[:, :, 7:] = 1.0, 1.0  # and two of another at the end
+    found = edge_kv(q, k, v, tuple(k.shape))
+    table = found["zero_kv"]
+    for b in range(2):
+        assert (table["left"][b], table["right"][b]) == _fill_runs(k, v, b)
+    assert table["fill"] == {"left": [7.0, -3.0], "right": [1.0, 1.0]} and found["unwritten"] == 2
+    assert edge_kv(q, torch.randn(2, 2, 9, 4), v, (2, 2, 9, 4)) == {}  # nothing of one value at an edge
+    one = torch.randn(2, 2, 9, 4)
+    one[:, :, 0] = 5.0
+    assert "zero_kv" not in edge_kv(q, one, one.clone(), (2, 2, 9, 4))  # one key alone: a learned null key's shape
+    varied = k.clone()
+    varied[:, :, :4, 0] = 6.0  # K's edge keys not one value throughout: tokens
+    assert edge_kv(q, varied, v, (2, 2, 9, 4))["zero_kv"]["left"] == [0, 0]
+
+
+def test_vllm_dflash_draft_attends_unwritten_prefix_cache_context(tmp_path):
+    """vllm-project/vllm#47926: on a prefix-cache hit the DFlash drafter's block attends every context-KV slot, the
+    16 restored ones never written (the buffer's torch.full 7.0 / -3.0); its fix masks them (written blind, blind-cf)."""
+    found = check_bug(tmp_path, "vllm_dflash_draft_attends_unwritten_prefix_cache_context", "zero-keys-seen")
+    assert tuple(found[0]["cell"]) == (0, 0, 0) and "keys 0-15" in found[0]["message"]
+    assert "K 7, V -3" in found[0]["message"]
+
+
+def test_a_ones_filled_cache_attended_whole_in_a_batched_decode(tmp_path):
+    """Written another way: a (B, H, S, D) cache made by torch.ones, a boolean mask built over the whole buffer at
+    every step of a batched generation loop; its fix keeps only the written slots."""
+    found = check_bug(tmp_path, "ones_filled_kv_cache_batched_decode_whole_buffer", "zero-keys-seen", folder=ZEROKV)
+    assert tuple(found[0]["cell"]) == (0, 0, 5) and "keys 5-15" in found[0]["message"]

@@ -48,7 +48,9 @@ def _constant(cells: np.ndarray, at: int) -> float | None:
 
 def _fill_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask, is_causal: bool) -> dict:
     """{"zero_kv": {... "fill": {"left": [K's, V's] or None, "right": ...}}} of the runs of one nonzero constant at
-    an edge of the keys (every batch row's edge key that value: a buffer's fill is the same in every row), or {}."""
+    an edge of the keys (every batch row's edge key that value: a buffer's fill is the same in every row), or {};
+    with zerokv's "unwritten" where the buffer's last slots hold the fill (the queries are the written slots before
+    them, masked or not: checks/context.queries)."""
     kc, vc = _cpu(k), _cpu(v)
     if kc is None or vc is None or vc.shape[2] != kc.shape[2] or vc.shape[-1] < 2:
         return {}
@@ -56,12 +58,15 @@ def _fill_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, 
     ends = kc[:, :, :: length - 1, :2]  # (B, H, 2, 2): the first two dimensions of each edge key
     if not (ends[..., 0] == ends[..., 1]).any():
         return {}  # (the common case: no edge key holds one value in its first two dimensions)
-    table, fills = None, {"left": None, "right": None}
+    table, fills, unwritten = None, {"left": None, "right": None}, {}
     for side, at in (("left", 0), ("right", length - 1)):
         k_fill, v_fill = _constant(kc, at), _constant(vc, at)
         if k_fill is None or v_fill is None:
             continue
-        shifted = zero_kv(q, k - k_fill, v - v_fill, k_shape, mask, is_causal).get("zero_kv")
+        read = zero_kv(q, k - k_fill, v - v_fill, k_shape, mask, is_causal)
+        if side == "right" and "unwritten" in read:  # (a static buffer's fill past its written slots, masked or
+            unwritten = {"unwritten": read["unwritten"]}  # not: the queries are the last written ones, as zerokv's)
+        shifted = read.get("zero_kv")
         if not shifted or not any(run >= 2 for run in shifted[side]):
             continue
         other = "right" if side == "left" else "left"
@@ -72,6 +77,6 @@ def _fill_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, 
             table[side] = shifted[side]
         fills[side] = [k_fill, v_fill]
     if table is None:
-        return {}
+        return unwritten
     table["fill"] = fills
-    return {"zero_kv": table}
+    return {"zero_kv": table, **unwritten}
