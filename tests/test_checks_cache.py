@@ -138,3 +138,20 @@ def test_padding_query_rows_unmasked_whole_over_a_static_cache_are_quiet(tmp_pat
                                    Path(__file__).parent / "data" / "quiet", args)
     assert [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
     assert status == 0, report
+
+
+def test_vllm_ascend_draft_steps_attend_rejected_tokens(tmp_path):
+    """vllm-project/vllm-ascend#14883: the drafter's later one-token steps reuse the verify step's seq_lens, each
+    request's rejected drafts still counted: the query written at slot 11 (row 0) sees slots 12-14 (written blind,
+    batch blind-cf). Its fix subtracts num_rejected."""
+    found = check_bug(tmp_path, "vllm_ascend_draft_steps_attend_rejected_tokens", "unwritten-slot")
+    assert tuple(found[0]["cell"]) == (0, 11, 12) and "slots 12-14" in found[0]["message"]
+
+
+def test_a_speculative_loops_kv_len_not_brought_back_after_verify(tmp_path):
+    """Written another way: one sequence, a cache arena written with index_copy_, an additive -inf mask built from
+    kv_len, which the verify step advanced by 4 drafts of which 2 were accepted; the verify block itself (each draft
+    sees the drafts before it) and the step after the stale slot is overwritten are quiet."""
+    found = check_bug(tmp_path, "spec_decode_kv_len_not_rolled_back_after_verify", "unwritten-slot",
+                      folder=Path(__file__).parent / "data" / "caches")
+    assert [tuple(f["cell"]) for f in found] == [(0, 8, 9)] and "slot 9 past it" in found[0]["message"]

@@ -47,6 +47,10 @@ def _written(call, top) -> tuple[np.ndarray, str] | None:
 
 
 def unwritten(run: Run) -> list:
+    return _unwritten(run) + past_written(run)
+
+
+def _unwritten(run: Run) -> list:
     found, done = [], set()
     for call in run.calls:
         top = run.top(call)
@@ -79,7 +83,45 @@ def unwritten(run: Run) -> list:
     return found
 
 
+def past_written(run: Run) -> list:
+    """(call, Finding) for a step over a cache buffer that wrote its queries' keys to slots [p, p + Lq) of a batch
+    row (trace/slotwrites.py's "written": where the buffer changed since the site's last call), whose mask keeps that
+    row's slots as one run [0, end) from slot 0 with end past p + Lq and short of the buffer's last slot: the
+    queries are the newest tokens, and the mask's length counts slots past them (vllm-ascend#14883: a draft step's
+    seq_lens still counting the verify step's rejected drafts). A buffer whose every slot is kept (one that rolls,
+    slot p the newest and the ones after it older) and a mask of other shape are left alone."""
+    found, done = [], set()
+    for call in run.calls:
+        wrote = call.details.get("written")
+        if not wrote or call.details.get("slots") is not None or call.mask in done:
+            continue
+        cells = keep(call)
+        rows, _, q_len, k_len = call.shape
+        if cells is None or len(wrote) not in (1, rows) or cells.shape[0] not in (1, rows):
+            continue
+        kept = by_row(cells, rows).any(axis=1)  # (B, Lk): the slots some query of the row keeps
+        for b in range(rows):
+            start, stop = wrote[b % len(wrote)]
+            row = kept[b]
+            end = int(row.argmin()) if not row.all() else k_len
+            if stop >= end or end >= k_len or row[end:].any() or not row[:stop].all():
+                continue  # (the row's mask stops at its newest slot, or is no run from slot 0 short of the end)
+            done.add(call.mask)
+            found.append((call, Finding("unwritten-slot", (
+                f"batch row {b}'s {'query' if q_len == 1 else 'queries'} wrote {'its key' if q_len == 1 else 'their keys'} "
+                f"to cache slot{'s' if q_len > 1 else ''} {start}{'' if q_len == 1 else f'-{stop - 1}'} at this step (the "
+                f"newest token{'s' if q_len > 1 else ''}), and {'it sees' if q_len == 1 else 'they see'} slot{'' if end - 1 == stop else 's'} "
+                f"{stop if end - 1 == stop else f'{stop}-{end - 1}'} past {'it' if q_len == 1 else 'them'}: the mask's length ({end}) counts {end - stop} "
+                f"slot{'s' if end - stop > 1 else ''} no token of this sequence holds yet (stale keys: a length not "
+                f"brought back after a step, e.g. rejected drafts)"),
+                expected=f"batch row {b}: slots 0-{stop - 1} only", source="the slots this step wrote in the cache "
+                "buffer it hands attention (where the buffer changed since the site's last call)",
+                cell=(b, start, stop))))
+            break
+    return found
+
+
 RULES = (
     Rule("unwritten-slot", "wrong", "steps", "a static cache's slots not yet written, attended (the mask built for "
-         "the written length, or none)", unwritten),
+         "the written length, or none), or slots past the ones a step wrote its own keys to", unwritten),
 )

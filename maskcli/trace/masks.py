@@ -24,7 +24,7 @@ from maskcli.trace.maskfacts import attention_bias as _attention_bias, empty_row
 from maskcli.text import step_label
 from maskcli.trace.given import gathered_keys, stored  # noqa: F401 - stored: with the mask its frames handed (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
-from maskcli.trace.fillkv import edge_kv
+from maskcli.trace.keyreads import key_reads
 from maskcli.trace.queried import LOCAL, query_tensor
 from maskcli.intervals import Intervals
 
@@ -181,7 +181,7 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
         if len(mask_shape) > 2:
             lead = _broadcast(lead, mask_shape[:-2])
     details = {"is_causal": is_causal, "scale": given.get("scale"), "enable_gqa": bool(given.get("enable_gqa", False)),
-               "dropout_p": float(given.get("dropout_p", 0.0) or 0.0), **edge_kv(q, k, v, k_shape, mask, is_causal),  # (K, V zero or one fill: zerokv.py, fillkv.py)
+               "dropout_p": float(given.get("dropout_p", 0.0) or 0.0), **key_reads(q, k, v, k_shape, mask, is_causal),  # (K, V: zerokv.py, fillkv.py, slotwrites.py)
                "query_tensor": query_tensor(q) if q_len > 1 else None}  # (queries seen again: no chunk, checks/prefill.py)
     seen = Seen("sdpa", (*_four(lead), q_len, k_len), q_shape, k_shape, tuple(v.shape), _dtype(q), _device_name(q.device), details=details)
     gathered_keys(seen, k, mask is None and not is_causal, q, mask)  # (keys a varlen path gathered, against its mask: gathered.py)

@@ -1,0 +1,16 @@
+"""What an SDPA call's own K and V state, read once a call: edge runs of keys nobody wrote (zero, or one fill value:
+trace/zerokv.py, trace/fillkv.py) and the cache slots the step wrote its own keys to (trace/slotwrites.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from maskcli.trace.fillkv import edge_kv
+from maskcli.trace.slotwrites import written
+
+
+def key_reads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask=None, is_causal: bool = False) -> dict:
+    """The details of edge_kv and of written, merged."""
+    found = edge_kv(q, k, v, k_shape, mask, is_causal)
+    wrote = written(q.shape[-2], k, v, k_shape)
+    return {**found, **wrote} if wrote else found

@@ -1,0 +1,54 @@
+"""The key slots a step wrote into a cache buffer it hands attention whole, read off the buffer itself.
+
+A cache the program preallocates (vLLM's and vllm-ascend's paged `key_cache`, gpt-fast's KVCache, a drafter's
+buffer) is handed to attention as the same tensor at every step of a call site, each step writing its new tokens'
+keys into it first (`key_cache[rows, :, positions] = k`, slot_mapping). What a step wrote is where the buffer
+changed since the site's last call: a checksum of each slot (its first dimension summed over the heads, of K and of
+V) is kept per buffer (its storage address and shape), and the next call over that buffer compares its own. Where
+every batch row changed in exactly the call's query count of slots, one run [p, p + Lq), those are the slots the
+step's queries wrote their keys to: their positions, stated by the program's own write (details "written": per row
+[p, p + Lq)). checks/cache.py holds each query's keys against it: a query sees no slot past its own.
+
+Read only on the CPU, for a 4-D K of more keys than queries (a cache); a buffer that rolls (every slot changed), a
+new tensor each step (a dynamic cache's cat: another address or shape) or a step that wrote nothing (a
+cross-attention's memory) records nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+KEPT = 64  # buffers whose checksums are kept at once (more: the oldest goes)
+_SEEN: dict = {}  # (storage address, shape) -> (B, S) checksums of K and of V at that buffer's last call
+
+
+def written(q_len: int, k: torch.Tensor, v: torch.Tensor, k_shape: tuple) -> dict:
+    """{"written": [[p, p + Lq], ...] per batch row} where the buffer K (and V) changed in exactly those slots since
+    its last call, else {}; the checksums kept for the next call."""
+    if len(k_shape) != 4 or q_len >= k_shape[2] or not k.is_cpu or type(k) is not torch.Tensor \
+            or k.dtype not in _FLOATS or v.dim() != 4 or tuple(v.shape[:3]) != tuple(k_shape[:3]):
+        return {}
+    try:
+        with torch.no_grad():
+            sums = torch.stack((k[..., 0].sum(dim=1), v[..., 0].sum(dim=1))).float().numpy().copy()  # (2, B, S)
+        key = (k.data_ptr(), k_shape, v.data_ptr())
+    except Exception:  # noqa: BLE001 - a tensor not read here (fake, meta, a subclass's) states no write
+        return {}
+    before = _SEEN.pop(key, None)
+    if len(_SEEN) >= KEPT:
+        _SEEN.pop(next(iter(_SEEN)))
+    _SEEN[key] = sums
+    if before is None or before.shape != sums.shape:
+        return {}
+    changed = (before != sums).any(axis=0)  # (B, S)
+    runs = []
+    for row in changed:
+        at = np.flatnonzero(row)
+        if at.size != q_len or at[-1] - at[0] != q_len - 1:
+            return {}  # (a row that wrote no slot, or other slots than its queries: nothing stated)
+        runs.append([int(at[0]), int(at[-1]) + 1])
+    return {"written": runs}
+
+
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
