@@ -3,15 +3,16 @@
 A cache the program preallocates (vLLM's and vllm-ascend's paged `key_cache`, gpt-fast's KVCache, a drafter's
 buffer) is handed to attention as the same tensor at every step of a call site, each step writing its new tokens'
 keys into it first (`key_cache[rows, :, positions] = k`, slot_mapping). What a step wrote is where the buffer
-changed since the site's last call: a checksum of each slot (its first dimension summed over the heads, of K and of
-V) is kept per buffer (its storage address and shape), and the next call over that buffer compares its own. Where
+changed since the site's last call: each slot's first dimension in head 0, of K and of V (a write changes every
+head of a slot), is kept per buffer (its storage address and shape), and the next call over that buffer compares its
+own. Where
 every batch row changed in exactly the call's query count of slots, one run [p, p + Lq), those are the slots the
 step's queries wrote their keys to: their positions, stated by the program's own write (details "written": per row
 [p, p + Lq)). checks/cache.py holds each query's keys against it: a query sees no slot past its own.
 
-Read only on the CPU, for a 4-D K of more keys than queries (a cache); a buffer that rolls (every slot changed), a
-new tensor each step (a dynamic cache's cat: another address or shape) or a step that wrote nothing (a
-cross-attention's memory) records nothing.
+Read only on the CPU, for a 4-D K of more keys than queries (a cache) that was written in place (its version counter
+past 0: a tensor made anew each step, a dynamic cache's cat, is not read at all); a buffer that rolls (every slot
+changed), another address or shape, or a step that wrote nothing (a cross-attention's memory) records nothing.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ def written(q_len: int, k: torch.Tensor, v: torch.Tensor, k_shape: tuple) -> dic
             or k.dtype not in _FLOATS or v.dim() != 4 or tuple(v.shape[:3]) != tuple(k_shape[:3]):
         return {}
     try:
-        with torch.no_grad():
-            sums = torch.stack((k[..., 0].sum(dim=1), v[..., 0].sum(dim=1))).float().numpy().copy()  # (2, B, S)
+        if not k.is_inference() and k._version == 0:
+            return {}  # (never written in place: a new tensor each step, a dynamic cache's cat; no buffer to compare)
+        with torch.no_grad():  # (head 0's first dimension of each slot: a write changes every head of it)
+            sums = np.stack((_column(k), _column(v)))  # (2, B, S)
         key = (k.data_ptr(), k_shape, v.data_ptr())
     except Exception:  # noqa: BLE001 - a tensor not read here (fake, meta, a subclass's) states no write
         return {}
@@ -49,6 +52,13 @@ def written(q_len: int, k: torch.Tensor, v: torch.Tensor, k_shape: tuple) -> dic
             return {}  # (a row that wrote no slot, or other slots than its queries: nothing stated)
         runs.append([int(at[0]), int(at[-1]) + 1])
     return {"written": runs}
+
+
+def _column(t: torch.Tensor) -> np.ndarray:
+    """A copy of head 0's first dimension of every slot of a 4-D tensor, (B, S), as float32 or float64 cells."""
+    if t.dtype == torch.bfloat16:
+        return t[:, 0, :, 0].float().numpy().copy()
+    return (t.detach() if t.requires_grad else t).numpy()[:, 0, :, 0].copy()
 
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
