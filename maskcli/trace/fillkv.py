@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from maskcli.trace.zerokv import _cpu, zero_kv
+from maskcli.trace.zerokv import _CELLS, _cpu, zero_kv
 
 
 def edge_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask=None, is_causal: bool = False) -> dict:
@@ -46,11 +46,32 @@ def _constant(cells: np.ndarray, at: int) -> float | None:
     return value
 
 
+def _edges_equal(k: torch.Tensor, k_shape: tuple) -> bool | None:
+    """Whether the first or the last key of batch row 0 and head 0 has its first two dimensions equal, four cells each
+    read alone at its address (a fill is one value in every row and head of its edge key, so row 0's head 0 says
+    whether one may be there); None where not read so (a tensor not a plain CPU one of a dtype read so)."""
+    cell = _CELLS.get(k.dtype)
+    if cell is None or not k.is_cpu or type(k) is not torch.Tensor or k.layout != torch.strided:
+        return None
+    base = k.data_ptr()
+    if not base:
+        return None
+    strides, size, read = k.stride(), k.element_size(), cell.from_address
+    step = size * strides[-1]
+    for at in (0, k_shape[-2] - 1):
+        start = base + size * at * strides[-2]
+        if read(start).value == read(start + step).value:
+            return True
+    return False
+
+
 def _fill_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask, is_causal: bool) -> dict:
     """{"zero_kv": {... "fill": {"left": [K's, V's] or None, "right": ...}}} of the runs of one nonzero constant at
     an edge of the keys (every batch row's edge key that value: a buffer's fill is the same in every row), or {};
     with zerokv's "unwritten" where the buffer's last slots hold the fill (the queries are the written slots before
     them, masked or not: checks/context.queries)."""
+    if _edges_equal(k, k_shape) is False:
+        return {}  # (most calls: read cell by cell, no edge key holds one value in its first two dimensions)
     kc, vc = _cpu(k), _cpu(v)
     if kc is None or vc is None or vc.shape[2] != kc.shape[2] or vc.shape[-1] < 2:
         return {}

@@ -27,12 +27,17 @@ _SEEN: dict = {}  # (storage address, shape) -> (B, S) checksums of K and of V a
 def written(q_len: int, k: torch.Tensor, v: torch.Tensor, k_shape: tuple) -> dict:
     """{"written": [[p, p + Lq], ...] per batch row} where the buffer K (and V) changed in exactly those slots since
     its last call, else {}; the checksums kept for the next call."""
-    if len(k_shape) != 4 or q_len >= k_shape[2] or not k.is_cpu or type(k) is not torch.Tensor \
-            or k.dtype not in _FLOATS or v.dim() != 4 or tuple(v.shape[:3]) != tuple(k_shape[:3]):
+    if len(k_shape) != 4 or q_len >= k_shape[2]:
         return {}
     try:
-        if not k.is_inference() and k._version == 0:
+        if k._version == 0:
             return {}  # (never written in place: a new tensor each step, a dynamic cache's cat; no buffer to compare)
+    except RuntimeError:
+        pass  # (an inference tensor keeps no version counter: read it)
+    if not k.is_cpu or type(k) is not torch.Tensor or k.dtype not in _FLOATS or v.dim() != 4 \
+            or tuple(v.shape[:3]) != tuple(k_shape[:3]):
+        return {}
+    try:
         with torch.no_grad():  # (head 0's first dimension of each slot: a write changes every head of it)
             sums = np.stack((_column(k), _column(v)))  # (2, B, S)
         key = (k.data_ptr(), k_shape, v.data_ptr())
