@@ -51,7 +51,8 @@ def argument_ignored(run: Run) -> list:
         found.append((call, Finding("causal-argument-ignored", (
             f"{call.where}: the model call was handed is_causal=False ({top.where or 'the model'}(..., "
             f"is_causal=False)), but its {call.api} over ({q_len}, {k_len}) scores is causal: batch row {b}'s query "
-            f"{int(placed.own[q])} does not see the later real key {k} ({int(hidden.any(axis=1).sum())} such cells): the "
+            f"{int(placed.own[q])} does not see the later real key {k} ({int(hidden.any(axis=1).sum())} such cells): "
+            f"the "
             f"caller's word never reached the mask (the attention read its module's own is_causal instead?)"),
             expected="full", source=said, cell=(b, int(placed.own[q]), k))))
     return found

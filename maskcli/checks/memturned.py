@@ -100,9 +100,9 @@ def _before(run: Run, call, rows: int, k_len: int) -> list:
 
 
 def _expanded(encoded: Encoded, top, rows: int) -> Encoded | None:
-    """The encoder's padding over its own rows expanded to the cross-attention's `rows`: each row repeated (transformers'
-    _expand_inputs_for_generation, repeat_interleave) or the batch tiled; where the two differ, the one the model call's
-    own memory mask states (its encoder attention mask over those rows), else None (which is not known)."""
+    """The encoder's padding over its own rows expanded to the cross-attention's `rows`: each row repeated
+    (transformers' _expand_inputs_for_generation, repeat_interleave) or the batch tiled; where the two differ, the one
+    the model call's own memory mask states (its encoder attention mask over those rows), else None (not known)."""
     times = rows // encoded.real.shape[0]
     each, tiled = np.repeat(encoded.real, times, axis=0), np.tile(encoded.real, (times, 1))
     if np.array_equal(each, tiled):
