@@ -131,7 +131,6 @@ def test_a_verify_step_behind_the_cache_handed_the_padding_mask_alone(tmp_path):
     left-padded batch, its mask causal only where there is no cache, so the verify step gets the padding alone. The
     finding's cell against torch.tril laid bottom-right over the 8 keys: the first draft token sees the last one's key,
     which tril hides; the fix (tril at every step) is quiet."""
-
     folder = Path(__file__).parent / "data" / "causallm"
     name = "draft_verify_left_padded_padding_mask_only_behind_cache"
     status, found, report = traced(tmp_path, name, False, folder)
