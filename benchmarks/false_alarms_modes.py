@@ -66,7 +66,8 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           "mask-rows-same-shard": "another shard's mask rows",  # (no family splits its queries over context-parallel
           # shards: any such finding here is one to look at by hand)
           "blocks-seen-before-they-end": "sees later",
-          "frames-over-cache": "beyond the window"}  # (frames a video model's rolling cache evicts: no language
+          "frames-over-cache": "beyond the window",
+          "zero-memory-seen": "padding"}  # (frames a video model's rolling cache evicts: no language
           # family states local_attn_size; looked at by hand)
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
