@@ -67,7 +67,8 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           # shards: any such finding here is one to look at by hand)
           "blocks-seen-before-they-end": "sees later",
           "frames-over-cache": "beyond the window",
-          "zero-memory-seen": "padding"}  # (frames a video model's rolling cache evicts: no language
+          "zero-memory-seen": "padding",
+          "frames-see-later-blocks": "sees later"}  # (frames a video model's rolling cache evicts: no language
           # family states local_attn_size; looked at by hand)
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 

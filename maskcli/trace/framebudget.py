@@ -70,3 +70,45 @@ def frame_budget(root, places: list | None) -> list[Stated]:
         return []
     (budget, source), = found.items()
     return [Stated(source, None, {FLAG: budget})]
+
+
+BLOCK = "frame_block"  # (frames of a block, source): a FLAG of checks/intent.py
+
+
+def frame_blocks(root, places: list | None) -> list[Stated]:
+    """One Stated {BLOCK: (frames a block, source)} where the program states its video model block-causal over frames:
+    a module of the model's own int `num_frame_per_block` / `causal_block_size` (FastVideo's, Self-Forcing's), else an
+    object of the program's frames (a training wrapper: FastVideo's LongCatCausalModel, `self._causal_block_size`) that
+    holds `root` as its one module; [] where none states it or several state different blocks."""
+    found = {}
+    for module in root.modules():
+        for name in (*BLOCKS, *("_" + n for n in BLOCKS)):
+            value = vars(module).get(name)
+            if type(value) is int and value > 0:
+                found.setdefault(value, f"self.{name}={value} of {type(module).__name__}")
+    if not found:
+        for where, variables in places or ():
+            for value in list(variables.values()):
+                if isinstance(value, (torch.Tensor, type)) or value is root or not hasattr(value, "__dict__"):
+                    continue
+                try:
+                    held = [v for v in vars(value).values() if isinstance(v, torch.nn.Module)]
+                except TypeError:
+                    continue
+                if len(held) != 1 or held[0] is not root:
+                    continue  # (a wrapper of a causal student and its bidirectional teacher states neither's alone)
+                for name in (*BLOCKS, *("_" + n for n in BLOCKS)):
+                    own = vars(value).get(name)
+                    if type(own) is int and own > 0:
+                        found.setdefault(own, f"self.{name}={own} of {type(value).__name__} ({where}), which holds "
+                                              f"{type(root).__name__}")
+    return [Stated(source, None, {BLOCK: (frames, source)}) for frames, source in found.items()] if len(found) == 1 else []
+
+
+def video_input(given: dict) -> dict:
+    """{"video_input": (B, d1, d2, H, W)}: the shape of a model call's first 5-D float argument (a video latent,
+    [B, C, T, H, W] or [B, T, C, H, W]; a shape only, checks/frameblocks.py reads it where frame blocks are stated)."""
+    for value in given.values():
+        if isinstance(value, torch.Tensor) and value.dim() == 5 and value.is_floating_point():
+            return {"video_input": tuple(int(x) for x in value.shape)}
+    return {}
