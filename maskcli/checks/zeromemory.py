@@ -10,7 +10,9 @@ image attend what the program itself erased: a zero state under the key and valu
 any other, so the padding still takes softmax weight. Wrong.
 
 Quiet where the mask hides them (the fix: the tokenizer's mask handed as `encoder_attention_mask`), on a
-self-attention (checks/zerokv.py reads its keys), where the zeros are one position alone (a learned null token), a
+self-attention (checks/zerokv.py reads its keys), on an argument a self-attention of the same call attends over (the
+queries' own input: a zero-padded decoder input beside an encoder's memory as long), where the zeros are one position
+alone (a learned null token), a
 whole row (an empty prompt's, classifier-free guidance's null condition) or between real positions, and where the
 call's keys are not that argument's positions (another length, other batch rows).
 """
@@ -51,8 +53,10 @@ def zero_memory_seen(run: Run) -> list:
         said = None if top is None else top.arguments.get("zero_memory")
         if not said or not cross(call):
             continue
-        if id(top) not in padding:
-            padding[id(top)] = [(name, _edges(zero)) for name, zero in said]
+        if id(top) not in padding:  # (an argument whose positions a self-attention of the call attends is the
+            # queries' own input, a zero-padded decoder input, not the memory: left alone)
+            own = {(c.shape[0], c.shape[2]) for c in run.made_by(top) if c.shape[2] == c.shape[3]}
+            padding[id(top)] = [(name, _edges(zero)) for name, zero in said if zero.shape not in own]
         for name, pad in padding[id(top)]:
             if call.shape[0] != pad.shape[0] or call.shape[3] != pad.shape[1] or not pad.any():
                 continue
