@@ -17,6 +17,8 @@ block of whole frames attends both ways: checks/causal_lm.py).
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from maskcli.checks.configread import read
@@ -61,7 +63,7 @@ def frame_budget(root, places: list | None) -> list[Stated]:
     if not found:
         for where, variables in places or ():
             for name, value in list(variables.items()):
-                if name.startswith("_") or isinstance(value, (torch.nn.Module, torch.Tensor, type)):
+                if name.startswith("_") or isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType)):
                     continue
                 budget = _budget(value) if isinstance(value, dict) or hasattr(value, "__dict__") else None
                 if budget is not None:
@@ -89,7 +91,8 @@ def frame_blocks(root, places: list | None) -> list[Stated]:
     if not found:
         for where, variables in places or ():
             for value in list(variables.values()):
-                if isinstance(value, (torch.Tensor, type)) or value is root or not hasattr(value, "__dict__"):
+                if isinstance(value, (torch.Tensor, type, types.ModuleType, types.FunctionType)) or value is root \
+                        or not hasattr(value, "__dict__"):
                     continue
                 try:
                     held = [v for v in vars(value).values() if isinstance(v, torch.nn.Module)]
