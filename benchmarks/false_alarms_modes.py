@@ -66,8 +66,12 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           "mask-rows-same-shard": "another shard's mask rows",  # (no family splits its queries over context-parallel
           # shards: any such finding here is one to look at by hand)
           "blocks-seen-before-they-end": "sees later",
-          "causal-argument-ignored": "a both-ways call run causal"}  # (a model call handed is_causal=False: no mode
+          "causal-argument-ignored": "a both-ways call run causal",  # (a model call handed is_causal=False: no mode
           # hands one; any such finding here is one to look at by hand)
+          "frames-over-cache": "beyond the window",
+          "zero-memory-seen": "padding",
+          "frames-see-later-blocks": "sees later"}  # (frames a video model's rolling cache evicts: no language
+          # family states local_attn_size; looked at by hand)
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
 

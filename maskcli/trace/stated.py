@@ -20,6 +20,7 @@ import torch
 from maskcli.checks.intent import NAMES, NUMBERS, Stated, said_by_another
 from maskcli.checks.intent import config_like as _config_like
 from maskcli.checks.intent import fields_of as _fields_of
+from maskcli.trace.framebudget import frame_blocks, frame_budget
 from maskcli.trace.owndecoder import own_decoders
 from maskcli.trace.ownwindow import own_windows
 
@@ -47,7 +48,7 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
     found += _model_causal(module)
     found += _neighbours(module, path)
     found += _chunk_right(module, path)
-    found += padding_flags(module, places)
+    found += padding_flags(module, places) + frame_budget(module, places) + frame_blocks(module, places)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
 
