@@ -4,7 +4,8 @@ Dynamic chunk training (WeNet, SpeechBrain, icefall) builds each layer's mask fr
 kept in a config object or dict that the encoder's forward is handed (SpeechBrain's `DynChunkTrainConfig(chunk_size,
 left_context_size)`, handed to `TransformerASR.encode` as `dynchunktrain_config`) and that is gone by the time the
 layers attend: the mask builder has returned. The functions on the stack still hold it. Read at each call from the
-program's frames (trace/walk.py's), by variable name (a code object's names matched once): a dict, dataclass or
+program's frames (trace/walk.py's), by variable name (a code object's names matched once: `*config*`, `*cfg*`,
+`*conf`, `*chunk*`, `hparams`): a dict, dataclass or
 namespace with an int `chunk_size` > 0 and a left context, counted in chunks (`left_context_size`, SpeechBrain's
 "number of chunks of left context"; `num_left_chunks`, `num_decoding_left_chunks`: WeNet's) or in frames
 (`left_context_frames`: icefall's), where None means the whole past.
@@ -20,7 +21,7 @@ import torch
 from maskcli.checks.configread import MISSING, read
 from maskcli.trace.codes import ByCode
 
-NAMED = re.compile(r"config|cfg|conf$|chunk|(?:^|_)(?:args|opts|options|hparams)$")
+NAMED = re.compile(r"config|cfg|conf$|chunk|(?:^|_)hparams$")  # (not `args`: every *args function has one)
 SIZES = ("chunk_size", "static_chunk_size", "decoding_chunk_size")
 CHUNKS = ("left_context_size", "num_left_chunks", "left_chunks", "num_decoding_left_chunks", "left_context_chunks",
           "decoding_left_chunks")
