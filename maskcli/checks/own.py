@@ -61,7 +61,7 @@ def flag_ignored(run: Run) -> list:
             continue
         done.add(key)
         stated = intent(run, call)
-        if stated and stated.bidirectional() is not None:
+        if stated and stated.bidirectional() is not None or one_chunk(run, call):
             continue
         cells = keep(call)
         placed = None if cells is None else _placed(call, run, cells)
@@ -98,6 +98,16 @@ def _model_flag(run: Run, call) -> str | None:
         return None
     name = said.source.split("=", 1)[0].removeprefix("self.")  # "self.causal=True of TransformerASR"
     return f"{said.source.rsplit(' of ', 1)[-1]}.{name}"
+
+
+def one_chunk(run: Run, call) -> bool:
+    """The model states chunk sizes beside its causal flag (trace/chunksizes.py: a streaming encoder, causal meaning
+    chunk-causal) of which one spans the call's queries, or -1 / 0 (the whole utterance): its queries may be one chunk,
+    which sees itself whole (icefall's Zipformer streaming one chunk of 8 frames with chunk_size=(8,); dropped.py's
+    causal-config-ignored asks too)."""
+    top = run.top(call)
+    said = None if top is None else next((one for one in top.stated if one.fields.get("model_chunks")), None)
+    return said is not None and any(size <= 0 or size >= call.shape[2] for size in said.fields["model_chunks"][0])
 
 
 def full_narrower(run: Run) -> list:

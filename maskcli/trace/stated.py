@@ -20,6 +20,7 @@ import torch
 from maskcli.checks.intent import NAMES, NUMBERS, Stated, said_by_another
 from maskcli.checks.intent import config_like as _config_like
 from maskcli.checks.intent import fields_of as _fields_of
+from maskcli.trace.chunksizes import chunk_sizes
 from maskcli.trace.framebudget import frame_blocks, frame_budget
 from maskcli.trace.owndecoder import own_decoders
 from maskcli.trace.ownwindow import own_windows
@@ -231,7 +232,8 @@ def _model_causal(root) -> list[Stated]:
     (cross-attention, nn.TransformerDecoder) said as `decoder`."""
     for name in ("causal", "is_causal"):
         if vars(root).get(name) is True:
-            return [Stated(f"self.{name}=True of {type(root).__name__}", None, {"model_causal": True})]
+            return [Stated(f"self.{name}=True of {type(root).__name__}", None,
+                           {"model_causal": True, **chunk_sizes(root)})]
         if vars(root).get(name) is False:  # the model's own word that it attends both ways (LLaDA_Arithmetic#3's
             # TransformerModel(causal=False)), about attention where no convolution or RNN under it could be meant
             other = any(isinstance(m, (torch.nn.modules.conv._ConvNd, torch.nn.RNNBase)) for m in root.modules())
