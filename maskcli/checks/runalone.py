@@ -8,9 +8,10 @@ and seeing what it sees alone. The batch contradicts it where
 - its attention_mask calls padding a token of the stretch, which the run alone holds real (alibaba/ROLL#304: eos ==
   pad, so the response mask `ids != pad` hides each response's eos, which the program's reference runs with it);
 - a real query of the stretch sees a real key outside it (praxis#38: documents packed between pad ids under a plain
-  causal mask: document B run alone sees itself, packed it sees document A), or a key of it that the same layer run
-  alone does not let it see, or misses one it does.
-Read per batch row, the n-th call of each site in the batch against the n-th alone; a stretch found nowhere in a row or
+  causal mask: document B run alone sees itself, packed it sees document A).
+Inside the stretch nothing is compared: a model run two ways (GritLM's one model, bidirectional to embed and causal to
+generate, on the same tokens) attends its keys otherwise by design (document-unlike-alone reads packed documents' kinds).
+Read per batch row, on the batch's calls whose sites the run alone has too; a stretch found nowhere in a row or
 twice, or with an ordinary token beside it (a prompt the row continues, a context the run alone leaves out), says
 nothing, nor a row that is the whole run alone unpadded in a batch of one (the same sequence run twice).
 """
@@ -91,7 +92,7 @@ def unlike_run_alone(run: Run) -> list:
                 sites = [where for where in mine if where in theirs]
                 if not sites:
                     continue
-                hit = _first(mine, theirs, sites, ids.shape[0], b, i, n, real[b])
+                hit = _first(mine, sites, ids.shape[0], i, n, real[b], b)
                 said = f"the program runs tokens {spans(list(range(i, i + n)))} of batch row {b} alone ({n} tokens, " \
                        f"another call of {top.where})"
                 hidden = np.flatnonzero(~real[b, i:i + n]) + i
@@ -105,32 +106,30 @@ def unlike_run_alone(run: Run) -> list:
                         source=f"the attention_mask of {top.where}, against the program's run of those tokens alone",
                         cell=(b, k, k))))
                 elif hit is not None:
-                    call, q, k, seen = hit
-                    where = "outside it" if not i <= k < i + n else "of it, which the same layer run alone " + (
-                        "does not show it" if seen else "shows it")
+                    call, q, k = hit
                     found.append((call, Finding("unlike-run-alone", (
-                        f"{said}; but in the batch query {q} of that stretch {'sees' if seen else 'does not see'} key "
-                        f"{k} {where}: the stretch is attended otherwise than the program runs it alone"),
-                        expected="each query of the stretch seeing what it sees run alone, and nothing outside it",
+                        f"{said}; but in the batch query {q} of that stretch sees key {k} outside it: the stretch is "
+                        f"attended otherwise than the program runs it alone (its boundary is lost)"),
+                        expected="each real query of the stretch seeing no real key outside it",
                         source="the program's run of those tokens alone", cell=(b, q, k))))
                 break  # (one finding a batch call per stretch run alone)
     return found
 
 
-def _first(mine: dict, theirs: dict, sites: list, rows: int, b: int, i: int, n: int, real: np.ndarray):
-    """(batch call, query, key, seen in the batch) of the first real query of the stretch whose row differs from the
-    same layer's run alone over the batch's real keys; None where none does."""
+def _first(mine: dict, sites: list, rows: int, i: int, n: int, real: np.ndarray, b: int):
+    """(batch call, query, key) of the first real query of the stretch [i, i + n) in batch row `b` that sees a real key
+    outside it, at a site the run alone has too; None where none does."""
+    outside = real.copy()
+    outside[i:i + n] = False
     for where in sites:
-        for call, alone in zip(mine[where], theirs[where]):
-            cells, own = _rows(keep(call), rows), _rows(keep(alone), 1)
-            if cells is None or own is None:
+        for call in mine[where]:
+            cells = _rows(keep(call), rows)
+            if cells is None:
                 continue
-            want = np.zeros((n, cells.shape[2]), dtype=bool)
-            want[:, i:i + n] = own[0]
-            differ = (cells[b, i:i + n] != want) & real[None, :] & real[i:i + n, None]
-            if differ.any():
-                q, k = first_cell(differ)
-                return call, q + i, k, bool(cells[b, q + i, k])
+            leak = cells[b, i:i + n] & outside[None, :] & real[i:i + n, None]
+            if leak.any():
+                q, k = first_cell(leak)
+                return call, q + i, k
     return None
 
 
