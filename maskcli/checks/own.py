@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from maskcli.checks.callcausal import said_both_ways
 from maskcli.checks.config import _each_layer_call, _layer, _placed
 from maskcli.checks.context import Run, cross, first_cell, keep
 from maskcli.checks.intent import intent
@@ -49,7 +50,8 @@ def flag_ignored(run: Run) -> list:
                   if call.details.get("hf") is None and call.stored is not None and 1 < call.shape[2] <= call.shape[3]
                   and call.details.get("slots") is None
                   and (call.shape[2] == call.shape[3] or not cross(call))]
-    candidates = [(call, said) for call, said in candidates if said]
+    candidates = [(call, said) for call, said in candidates if said and not said_both_ways(run.top(call))]
+    # (a model call handed is_causal=False overrides its modules' own flag: checks/callcausal.py)
     if not candidates:
         return []  # (most runs: no module says it is causal, or every call of one is transformers')
     judged, found, done = explained(run), [], set()

@@ -20,6 +20,7 @@ import torch
 from maskcli.checks.intent import NAMES, NUMBERS, Stated, said_by_another
 from maskcli.checks.intent import config_like as _config_like
 from maskcli.checks.intent import fields_of as _fields_of
+from maskcli.trace.owndecoder import own_decoders
 from maskcli.trace.ownwindow import own_windows
 
 FRAMES = 12  # program frames searched for config variables (the call's own and its callers)
@@ -39,7 +40,7 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
     elif not any(_windowed(one.fields) for one in found):
         found += _built_from(module, places, found)
     found += _numbers(module, path)
-    found += own_windows(module, path)
+    found += own_windows(module, path) + own_decoders(module, path)
     found += _kinds(module, path)
     found += _full_blocks(module, path)
     found += _memory_lengths(module, path)

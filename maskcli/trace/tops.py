@@ -115,6 +115,11 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         value = given.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             found[name] = value
+    if type(given.get("is_causal")) is bool and not type(module).__module__.startswith("torch.") and not any(
+            issubclass(type(v), torch.Tensor) and v.dim() >= 2 and v.shape[-1] == v.shape[-2] > 1
+            and (v.dtype == torch.bool or v.is_floating_point()) for v in given.values()):
+        found["is_causal"] = given["is_causal"]  # (the caller's own word, handed explicitly and beside no (L, L) mask
+        # of its own, whose cells say what is seen: checks/callcausal.py)
     found.update(_first_ids(signature, given, found))
     found.update(held_ids(given, module, found))  # (ids inside a batch dict, `model(x)`: trace/heldids.py)
     found.update(_token_ids(module))
