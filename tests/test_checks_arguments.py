@@ -607,3 +607,37 @@ def test_ids_held_in_a_batch_dict_left_padded_with_a_cls_key_prepended(tmp_path)
     lengths = [8, 3, 5]
     assert tuple(hit["cell"]) == first((3, 9, 9), lambda b, q, k: q >= 9 - lengths[b] and 1 <= k <= 7 - lengths[b]), hit
     assert 'interaction["item_seq"]' in hit["source"], hit
+
+
+def test_packed_samples_stated_by_qwen2_vl_rope_ids_that_the_model_no_longer_reads_are_found(tmp_path):
+    """hiyouga/EasyR1#494 (written blind, batch blind-cd): the padding-free actor hands Qwen2-VL (3, 1, nnz) mrope
+    position_ids of two samples, which restart at 0 at the second; transformers reads packed samples from a 4th text
+    row only, so the mask is plain causal. Fixed: the (4, 1, nnz) ids, and the per-sample mask transformers builds."""
+    [hit, *_] = check_bug(tmp_path, "easyr1_qwen2vl_rmpad_mrope_position_ids_drop_text_ids", "documents-leak")
+    assert hit["message"].startswith("position_ids restart at 0 (packed documents) but query 7 of batch row 0 sees key 0")
+
+
+def test_packed_samples_stated_by_multimodal_rope_ids_an_image_opens_are_found(tmp_path):
+    """Written another way: a hand-written VLM decoder given (3, 1, nnz) t/h/w rope ids, the second sample opening
+    with a 2x2 image (its w row restarts at 0 inside the image: only all three at 0 start a sample), under SDPA's
+    is_causal=True. Fixed: a block-diagonal causal mask from where all three rows restart."""
+    [hit, *_] = check_bug(tmp_path, "packed_vlm_mrope_ids_sdpa_is_causal", "documents-leak",
+                          Path(__file__).parent / "data" / "mrope")
+    assert hit["cell"] == [0, 5, 0]
+
+
+def test_multimodal_rope_ids_read_as_one_position_per_token_against_a_loop():
+    """flat_positions: the text row of 4, else the largest of 3 (t, h, w); documents start where that restarts."""
+    from maskcli.checks.arguments import flat_positions
+
+    t = [0, 1, 2, 0, 0, 0, 0, 2]
+    h = [0, 1, 2, 0, 0, 1, 1, 2]
+    w = [0, 1, 2, 0, 1, 0, 1, 2]
+    rope = np.array([t, h, w])[:, None, :]
+    flat = flat_positions({"mrope_position_ids": rope})
+    assert flat.tolist() == [[max(t[i], h[i], w[i]) for i in range(8)]]
+    starts = [i for i in range(1, 8) if t[i] == h[i] == w[i] == 0]  # a sample's first token: all three rows at 0
+    assert document_starts(flat, None).tolist() == [[sum(1 for s in starts if s <= i) for i in range(8)]]
+    text = np.array([[0, 1, 2, 0, 1, 2, 3, 4]])
+    assert flat_positions({"mrope_position_ids": np.concatenate([text[None], rope])}).tolist() == text.tolist()
+    assert flat_positions({"position_ids": text, "mrope_position_ids": rope}) is text

@@ -211,6 +211,19 @@ def document_starts(position_ids: np.ndarray, real: np.ndarray | None) -> np.nda
     return np.cumsum(restart, axis=1)
 
 
+def flat_positions(arguments: dict):
+    """A model call's position_ids, one position per token (B, L): as given where 2-D; else its multimodal rope ids
+    (C, B, L) (trace/tops.py keeps them apart, as `mrope_position_ids`): Qwen2-VL's 3 rows (t, h, w), read as the
+    largest of them (all 3 are 0 only at a sample's first token: an image's grid counts on from the text before it),
+    or transformers' 4, read as the text row it reads packed samples from (the first), so a restart at 0 is a packed
+    sample's first token either way (EasyR1#494: (3, 1, nnz) ids of two samples, which the model no longer reads)."""
+    positions = arguments.get("position_ids")
+    rope = arguments.get("mrope_position_ids")
+    if positions is None and isinstance(rope, np.ndarray) and rope.ndim == 3 and rope.shape[0] in (3, 4):
+        return rope[0] if rope.shape[0] == 4 else rope.max(axis=0)
+    return positions
+
+
 def padded_positions(position_ids: np.ndarray) -> np.ndarray:
     """Bool (B, L): tokens at position 0 followed by another 0 or by the row's end: the padding a packing collator
     pads position_ids with (zeros), not a document's first token (which the next one counts on from). Their queries
@@ -226,7 +239,7 @@ def documents(run: Run) -> list:
     found, done = [], set()
     for call in run.calls:
         top = run.top(call)
-        positions = None if top is None else top.arguments.get("position_ids")
+        positions = None if top is None else flat_positions(top.arguments)
         if positions is None or positions.ndim != 2 or call.stored is None or call.shape[2] != call.shape[3]:
             continue
         real = top.arguments.get("attention_mask")

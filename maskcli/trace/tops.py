@@ -99,6 +99,9 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         if issubclass(type(value), torch.Tensor) and value.dim() <= 2 and value.numel() <= MOST and value.device.type != "meta" \
                 and (value.dtype == torch.bool or not value.is_floating_point()):
             found[name] = _int64(value)
+        elif name == "position_ids" and issubclass(type(value), torch.Tensor) and value.dim() == 3 and value.shape[0] in (3, 4) \
+                and value.numel() <= MOST and not value.is_floating_point():  # (multimodal rope's (C, B, L): kept apart)
+            found["mrope_position_ids"] = _int64(value)  # (checks/arguments.py's flat_positions reads them)
         elif isinstance(value, int) and not isinstance(value, bool) and name in SCALARS:
             found[name] = value
         elif name in LISTS and isinstance(value, (list, tuple)) and 1 < len(value) <= MOST \

@@ -1,0 +1,140 @@
+"""A stretch of a batch row that the program also runs alone through the same model, attended otherwise in the batch.
+
+Where the program runs its model on a few tokens alone (one row of ids, no padding, each attention site a square
+self-attention from position 0) and those ids are a stretch of a row of another call of the same model, bounded there
+by the row's edges, its padding (attention_mask 0) or an id the model states it pads or ends a sequence with (pad_id,
+eos_id), the run alone is the program's own statement of that stretch: a sequence of its own, each of its tokens real
+and seeing what it sees alone. The batch contradicts it where
+- its attention_mask calls padding a token of the stretch, which the run alone holds real (alibaba/ROLL#304: eos ==
+  pad, so the response mask `ids != pad` hides each response's eos, which the program's reference runs with it);
+- a real query of the stretch sees a real key outside it (praxis#38: documents packed between pad ids under a plain
+  causal mask: document B run alone sees itself, packed it sees document A).
+Inside the stretch nothing is compared: a model run two ways (GritLM's one model, bidirectional to embed and causal to
+generate, on the same tokens) attends its keys otherwise by design (document-unlike-alone reads packed documents' kinds).
+Read per batch row, on the batch's calls whose sites the run alone has too; a stretch found nowhere in a row or
+twice, or with an ordinary token beside it (a prompt the row continues, a context the run alone leaves out), says
+nothing, nor a row that is the whole run alone unpadded in a batch of one (the same sequence run twice).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import Run, cross, first_cell, keep
+from maskcli.checks.real import TOKENS, by_row
+from maskcli.checks.registry import Rule
+from maskcli.text import Finding, spans
+
+
+def _ids(top) -> np.ndarray | None:
+    return next((top.arguments[n] for n in TOKENS if isinstance(top.arguments.get(n), np.ndarray)
+                 and top.arguments[n].ndim == 2), None)
+
+
+def _real(top, ids: np.ndarray) -> np.ndarray:
+    """Bool (B, L): the model call's attention_mask != 0 where it gives one of the ids' shape, else every token."""
+    real = top.arguments.get("attention_mask")
+    return real != 0 if isinstance(real, np.ndarray) and real.shape == ids.shape else np.ones(ids.shape, dtype=bool)
+
+
+def _square(run: Run, top, length: int) -> dict[str, list]:
+    """Site -> the model call's square self-attention calls over `length` keys from position 0, in order."""
+    found: dict[str, list] = {}
+    for call in run.made_by(top):
+        if call.stored is None or cross(call) or not call.shape[2] == call.shape[3] == length:
+            continue
+        _, own, positions = run.placed(call)
+        if positions and own.size and int(own[0]) == 0:
+            found.setdefault(call.where, []).append(call)
+    return found
+
+
+def _at(row: np.ndarray, stretch: np.ndarray) -> int | None:
+    """Where `stretch` occurs in `row`, where it occurs once; else None."""
+    if len(stretch) > len(row):
+        return None
+    hits = np.flatnonzero((np.lib.stride_tricks.sliding_window_view(row, len(stretch)) == stretch).all(axis=1))
+    return int(hits[0]) if len(hits) == 1 else None
+
+
+def _bounded(row: np.ndarray, real: np.ndarray, i: int, n: int, ends: set) -> bool:
+    """The stretch [i, i + n) of a row has on each side the row's edge, padding, or an id the model pads or ends with."""
+    before = i == 0 or not real[i - 1] or int(row[i - 1]) in ends
+    after = i + n == len(row) or not real[i + n] or int(row[i + n]) in ends
+    return before and after
+
+
+def _rows(cells: np.ndarray | None, rows: int) -> np.ndarray | None:
+    return None if cells is None or cells.shape[0] not in (1, rows) else by_row(cells, rows)
+
+
+def unlike_run_alone(run: Run) -> list:
+    """Tokens the program runs alone that the batch's attention_mask calls padding, or whose queries attend otherwise."""
+    tops = [(top, ids) for top in run.tops if (ids := _ids(top)) is not None]
+    alone = [(top, ids[0]) for top, ids in tops if ids.shape[0] == 1 and ids.shape[1] >= 3 and _real(top, ids).all()]
+    if not alone:
+        return []  # (no model call on one unpadded row: most runs stop here)
+    found, squares = [], {}
+    for top, ids in tops:
+        real = _real(top, ids)
+        ends = {v for v in (top.arguments.get("pad_id"), top.arguments.get("eos_id")) if isinstance(v, int)}
+        for other, stretch in alone:
+            n = len(stretch)
+            if other is top or other.where != top.where or ids.shape == (1, n):
+                continue
+            for b in range(ids.shape[0]):
+                i = _at(ids[b], stretch)
+                if i is None or not _bounded(ids[b], real[b], i, n, ends):
+                    continue
+                if id(top) not in squares:
+                    squares[id(top)] = _square(run, top, ids.shape[1])
+                mine, theirs = squares[id(top)], _square(run, other, n)
+                sites = [where for where in mine if where in theirs]
+                if not sites:
+                    continue
+                hit = _first(mine, sites, ids.shape[0], i, n, real[b], b)
+                said = f"the program runs tokens {spans(list(range(i, i + n)))} of batch row {b} alone ({n} tokens, " \
+                       f"another call of {top.where})"
+                hidden = np.flatnonzero(~real[b, i:i + n]) + i
+                if len(hidden):
+                    k = int(hidden[0])
+                    call = mine[sites[0]][0]
+                    found.append((call, Finding("unlike-run-alone", (
+                        f"{said}, each of them real; but the attention_mask of this call calls {len(hidden)} of them "
+                        f"padding (token {k}, id {int(ids[b, k])}): a real token of that sequence hidden from the batch"),
+                        expected="every token the program runs alone real in the batch",
+                        source=f"the attention_mask of {top.where}, against the program's run of those tokens alone",
+                        cell=(b, k, k))))
+                elif hit is not None:
+                    call, q, k = hit
+                    found.append((call, Finding("unlike-run-alone", (
+                        f"{said}; but in the batch query {q} of that stretch sees key {k} outside it: the stretch is "
+                        f"attended otherwise than the program runs it alone (its boundary is lost)"),
+                        expected="each real query of the stretch seeing no real key outside it",
+                        source="the program's run of those tokens alone", cell=(b, q, k))))
+                break  # (one finding a batch call per stretch run alone)
+    return found
+
+
+def _first(mine: dict, sites: list, rows: int, i: int, n: int, real: np.ndarray, b: int):
+    """(batch call, query, key) of the first real query of the stretch [i, i + n) in batch row `b` that sees a real key
+    outside it, at a site the run alone has too; None where none does."""
+    outside = real.copy()
+    outside[i:i + n] = False
+    for where in sites:
+        for call in mine[where]:
+            cells = _rows(keep(call), rows)
+            if cells is None:
+                continue
+            leak = cells[b, i:i + n] & outside[None, :] & real[i:i + n, None]
+            if leak.any():
+                q, k = first_cell(leak)
+                return call, q + i, k
+    return None
+
+
+RULES = (
+    Rule("unlike-run-alone", "wrong", "steps", "a stretch of a batch row, bounded by the row's edges, padding, pad or eos "
+         "ids, that the program also runs alone through the same model, hidden as padding or attended otherwise in the "
+         "batch (seeing keys outside it)", unlike_run_alone),
+)

@@ -1,0 +1,62 @@
+"""checks/runalone.py: a stretch of a batch row that the program also runs alone through the same model, hidden as
+padding or attended otherwise in the batch, on the published bugs' reproductions (tests/data/bugs) and programs
+written another way (tests/data/runalone), each quiet fixed; the stretch's reading against a loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from checkbugs import check_bug
+from maskcli.checks.runalone import _at, _bounded
+
+RUNALONE = Path(__file__).parent / "data" / "runalone"
+
+
+def test_an_eos_equal_to_pad_masked_out_of_each_response_is_found(tmp_path):
+    """alibaba/ROLL#304 (written blind, batch blind-cd): Qwen3's eos == pad, the response mask is `ids != pad`, so each
+    response's eos is padding in the actor's batch; the program's reference runs each sequence alone with its eos."""
+    found = check_bug(tmp_path, "roll_pad_eq_eos_masks_response_eos", "unlike-run-alone")
+    assert [f["cell"] for f in found][:2] == [[0, 8, 8], [1, 7, 7]]
+    assert "the program runs tokens 2-8 of batch row 0 alone (7 tokens" in found[0]["message"]
+    assert "calls 1 of them padding (token 8, id 3)" in found[0]["message"]
+
+
+def test_documents_packed_between_pad_ids_under_a_plain_causal_mask_are_found(tmp_path):
+    """0-5788719150923125/praxis#38 (written blind, batch blind-cd): documents packed between pad ids, a plain triu
+    causal mask; the program runs document B alone. Fixed: same block AND causal (create_block_ids)."""
+    [hit, *_] = check_bug(tmp_path, "praxis_packed_sequences_plain_causal_mask", "unlike-run-alone")
+    assert hit["message"].startswith("the program runs tokens 6-9 of batch row 0 alone (4 tokens")
+    assert "query 6 of that stretch sees key 0 outside it" in hit["message"]
+    assert hit["cell"] == [0, 6, 0]
+
+
+def test_documents_packed_between_eos_ids_in_a_padded_batch_are_found(tmp_path):
+    """Written another way: a nanoGPT-style decoder (eos id in its config dataclass), two packed rows, one
+    right-padded, SDPA handed causal AND key padding only; document B run alone. Fixed: AND same document."""
+    [hit, *_] = check_bug(tmp_path, "packed_eos_separated_batch_sdpa_bool_mask", "unlike-run-alone", RUNALONE)
+    assert hit["cell"] == [0, 4, 0]
+
+
+def test_an_sft_collator_masking_the_eos_it_pads_with_is_found(tmp_path):
+    """Written another way: pad == eos, `input_ids != pad_id` masks each example's eos; nn.MultiheadAttention with a
+    causal attn_mask and a key_padding_mask; each example run alone with its eos. Fixed: the mask from the lengths."""
+    found = check_bug(tmp_path, "sft_collator_eos_pad_masks_eos_mha", "unlike-run-alone", RUNALONE)
+    assert [f["cell"] for f in found][:2] == [[0, 5, 5], [1, 3, 3]]
+
+
+def test_a_stretch_is_read_once_and_bounded_against_a_loop():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        row = rng.integers(0, 4, size=9)
+        n = int(rng.integers(1, 5))
+        stretch = rng.integers(0, 4, size=n)
+        places = [i for i in range(len(row) - n + 1) if all(row[i + j] == stretch[j] for j in range(n))]
+        assert _at(row, stretch) == (places[0] if len(places) == 1 else None)
+    for _ in range(200):  # bounded: each side the row's edge, a padding token, or an id the model pads or ends with
+        row, real = rng.integers(0, 4, size=8), rng.random(8) < 0.7
+        i, n = int(rng.integers(0, 6)), int(rng.integers(1, 3))
+        left = "edge" if i == 0 else ("pad" if not real[i - 1] else int(row[i - 1]))
+        right = "edge" if i + n == 8 else ("pad" if not real[i + n] else int(row[i + n]))
+        assert _bounded(row, real, i, n, {0}) == (left in ("edge", "pad", 0) and right in ("edge", "pad", 0))
