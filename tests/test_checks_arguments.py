@@ -607,3 +607,29 @@ def test_ids_held_in_a_batch_dict_left_padded_with_a_cls_key_prepended(tmp_path)
     lengths = [8, 3, 5]
     assert tuple(hit["cell"]) == first((3, 9, 9), lambda b, q, k: q >= 9 - lengths[b] and 1 <= k <= 7 - lengths[b]), hit
     assert 'interaction["item_seq"]' in hit["source"], hit
+
+
+def test_bert_tf_port_minus_1e4_padding_mask_leaks_under_outlier_scores(tmp_path):
+    """huggingface/transformers#17306 (written blind, batch blind-ce; caught before tuning, and its fix called
+    padding-per-head): BERT's `(1 - mask) * -10000.0` added to scores that span about ±1.6e5 lowers the padded keys less
+    than the scores differ, so real queries read them. The finding says so rather than "a mask the wrong way round" (the
+    real keys softmax zeroes are the scores' own: trace/finitefill.py); the fix's finfo.min is quiet."""
+    [hit] = check_bug(tmp_path, "transformers_bert_tf_port_minus_1e4_padding_mask_leaks", "padding-ignored")
+    assert "additive mask lowers a padded key less than the scores differ" in hit["message"]
+    assert tuple(hit["cell"]) == (0, 0, 6)  # (row 0's first real query; its keys 6-7 are the pads)
+
+
+def test_an_additive_mask_outweighed_by_outlier_scores_over_a_left_padded_batch(tmp_path):
+    """The same bug written another way: a RoBERTa-style encoder over a left-padded batch (pad id 1), einsum scores
+    unscaled, `(mask - 1) * 10000` added: found at a real query and a key at the pad id (the batch's ids, written
+    here); its finfo.min fix is quiet."""
+    fills = Path(__file__).parent / "data" / "fills"
+    status, found, report = traced(tmp_path, "outlier_scores_additive_padding", fixed=False, folder=fills)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "padding-ignored" and f["severity"] == "wrong")
+    b, q, k = hit["cell"]
+    ids = [[1, 1, 7, 8, 9, 10, 11], [1, 12, 13, 14, 15, 16, 17], [18, 19, 20, 21, 22, 23, 24]]
+    assert ids[b][k] == 1 and ids[b][q] != 1  # a real query, a key at the pad id
+    assert "less than the scores differ" in hit["message"]
+    status, found, report = traced(tmp_path, "outlier_scores_additive_padding", fixed=True, folder=fills)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
