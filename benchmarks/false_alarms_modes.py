@@ -61,6 +61,8 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           # one; looked at by hand)
           "cache-window-overrun": "beyond the window",  # (keys a window cache object says it let go: no family holds
           # one; any such finding here is one to look at by hand)
+          "patches-run-causal": "sees later",  # (a vision tower handed a patch mask, run causal: the vlm mode's
+          # families take pixel_values, not a patch mask; looked at by hand)
           "window-lopsided": "beyond the window",  # (a both-ways sliding layer wider on one side: a family run with
           # use_bidirectional_attention would confirm it; looked at by hand)
           "window-keys-dropped": "a window of another width",  # (keys a sliding cache dropped inside the window: no

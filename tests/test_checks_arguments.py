@@ -641,3 +641,27 @@ def test_multimodal_rope_ids_read_as_one_position_per_token_against_a_loop():
     text = np.array([[0, 1, 2, 0, 1, 2, 3, 4]])
     assert flat_positions({"mrope_position_ids": np.concatenate([text[None], rope])}).tolist() == text.tolist()
     assert flat_positions({"position_ids": text, "mrope_position_ids": rope}) is text
+def test_bert_tf_port_minus_1e4_padding_mask_leaks_under_outlier_scores(tmp_path):
+    """huggingface/transformers#17306 (written blind, batch blind-ce; caught before tuning, and its fix called
+    padding-per-head): BERT's `(1 - mask) * -10000.0` added to scores that span about ±1.6e5 lowers the padded keys less
+    than the scores differ, so real queries read them. The finding says so rather than "a mask the wrong way round" (the
+    real keys softmax zeroes are the scores' own: trace/finitefill.py); the fix's finfo.min is quiet."""
+    [hit] = check_bug(tmp_path, "transformers_bert_tf_port_minus_1e4_padding_mask_leaks", "padding-ignored")
+    assert "additive mask lowers a padded key less than the scores differ" in hit["message"]
+    assert tuple(hit["cell"]) == (0, 0, 6)  # (row 0's first real query; its keys 6-7 are the pads)
+
+
+def test_an_additive_mask_outweighed_by_outlier_scores_over_a_left_padded_batch(tmp_path):
+    """The same bug written another way: a RoBERTa-style encoder over a left-padded batch (pad id 1), einsum scores
+    unscaled, `(mask - 1) * 10000` added: found at a real query and a key at the pad id (the batch's ids, written
+    here); its finfo.min fix is quiet."""
+    fills = Path(__file__).parent / "data" / "fills"
+    status, found, report = traced(tmp_path, "outlier_scores_additive_padding", fixed=False, folder=fills)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "padding-ignored" and f["severity"] == "wrong")
+    b, q, k = hit["cell"]
+    ids = [[1, 1, 7, 8, 9, 10, 11], [1, 12, 13, 14, 15, 16, 17], [18, 19, 20, 21, 22, 23, 24]]
+    assert ids[b][k] == 1 and ids[b][q] != 1  # a real query, a key at the pad id
+    assert "less than the scores differ" in hit["message"]
+    status, found, report = traced(tmp_path, "outlier_scores_additive_padding", fixed=True, folder=fills)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

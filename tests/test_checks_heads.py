@@ -150,3 +150,20 @@ def test_hand_written_scores_claim_the_heads_axis_only_where_the_program_states_
     assert len(found("softmax", {"axes": [0, 2, 1, 3]})) == 1
     assert found("softmax", {"stated_heads": 4}) == []
     assert found("softmax", {}) == []
+
+
+def test_scores_that_hide_cells_of_their_own_say_nothing_of_padding(monkeypatch):
+    """A softmax read through an additive mask whose scores lie 1e4 and more apart (trace/finitefill.py's scores_hide):
+    a key no query of one head weighs is that head's scores, not a mask, so the same cells that are found on a call
+    whose mask is a mask are quiet there (transformers#17306's fix, blind-ce: finfo.min over outlier scores)."""
+    n = 4
+    full = np.ones((n, n), dtype=bool)
+    odd = full.copy()
+    odd[:, 2] = False  # head 1 of row 0 weighs key 2 from no query
+    cells = np.stack([np.stack([full, odd]), np.stack([full, full])])
+    (_, finding), = _found(cells, monkeypatch)
+    assert finding.code == "padding-per-head" and finding.cell == (0, 2, 2)
+    call = _Call(cells)
+    call.details = {"additive": True, "scores_hide": 1.6e5}
+    monkeypatch.setattr(heads, "keep", lambda c: c.cells)
+    assert heads.per_head(Run([call], [], [])) == []

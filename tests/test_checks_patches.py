@@ -1,5 +1,6 @@
 """checks/patches.py: a vision tower's real patches attending patches its images hold as exactly-0 padding that
-the patch mask calls real; the zero patches found here by a loop over each patch's pixels."""
+the patch mask calls real (the zero patches found here by a loop over each patch's pixels); a tower handed a patch
+mask run causal over its patches."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from checkbugs import check_bug, traced
+from checkbugs import check_bug, first, traced
 
 PATCHES = Path(__file__).parent / "data" / "patches"
 
@@ -71,3 +72,26 @@ def test_zero_patches_read_as_the_loop_reads_them():
     loop = zero_patches(images, 4)
     assert [np.flatnonzero(row).tolist() for row in found] == loop
     assert not _padded(found) and _padded(found[:2])
+
+
+def test_onnxruntime_siglip_fused_attention_marked_causal(tmp_path):
+    """microsoft/onnxruntime#25360 (written blind, batch blind-ce; missed before tuning): the CLIP attention fusion sets
+    `causal=(add_mask is not None)`, so SigLIP's tower, handed a patch_attention_mask, runs causal over its patches.
+    The first cell is the first (row, patch, later patch) a double loop finds with both patches real."""
+    [hit, *_] = check_bug(tmp_path, "onnxruntime_siglip_fused_attention_marked_causal", "patches-run-causal")
+    real = [[True] * 9, [True] * 6 + [False] * 3]  # the program's patch_attention_mask
+    assert tuple(hit["cell"]) == first((2, 9, 9), lambda b, q, k: real[b][q] and real[b][k] and k > q)
+
+
+def test_a_navit_tower_written_by_hand_run_causal_over_its_patches(tmp_path):
+    """The same bug written another way: a NaViT-style tower over images of 9 and 6 patches, a (B, 1, P) patch_attn_mask,
+    a hand-written softmax whose export helper adds a triu(1) to every masked attention. Found, at the first cell a
+    double loop finds; its fix (padding only) is quiet."""
+    status, found, report = traced(tmp_path, "navit_tower_bool_mask_causal_flag", fixed=False, folder=PATCHES)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "patches-run-causal")
+    real = [[True] * 9, [True] * 6 + [False] * 3]
+    assert hit["severity"] == "wrong" and tuple(hit["cell"]) == first(
+        (2, 9, 9), lambda b, q, k: real[b][q] and real[b][k] and k > q)
+    status, found, report = traced(tmp_path, "navit_tower_bool_mask_causal_flag", fixed=True, folder=PATCHES)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

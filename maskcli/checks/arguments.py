@@ -186,9 +186,10 @@ def padding(run: Run) -> list:
             earlier = np.arange(length)[None, None, :] < np.minimum(own, length)[None, :, None]
             real_q = real_queries(real, own)
             hidden = int((~cells[:, :, :length] & real_q[:, :, None] & real[:, None, :] & earlier).sum())
+            hidden = 0 if call.details.get("scores_hide") else hidden  # (real keys its own scores zero: no mask's)
             turned = f"; it hides {hidden} real key{'' if hidden == 1 else 's'}: " + (
                 "another sample's padding on these heads, a repeat where repeat_interleave was meant?" if laid is not None
-                else "a padding mask the wrong way round?") if hidden else ""
+                else "a padding mask the wrong way round?") if hidden else _outweighed(call)
             said_by = source if source.startswith("input ids") else "the " + source.replace(" of ", " given to ", 1)
             found.append((call, Finding("padding-ignored", (
                 f"batch row {b}{'' if readings is None else placed if placed is not None else _fold_words(call, top, rows, length)}: "
@@ -198,6 +199,13 @@ def padding(run: Run) -> list:
                 None if sure else "suspicious", expected="no real query sees a padding key", source=source,
                 cell=(b, int(own[q]), k))))
     return found
+
+
+def _outweighed(call) -> str:
+    """Where the scores' own values hide cells (trace/finitefill.py): an additive mask they outweigh."""
+    value = call.details.get("scores_hide")
+    return "" if not value else (f"; the scores reach {value:.3g} in magnitude, so the additive mask lowers a "
+                                 "padded key less than the scores differ: mask with finfo(dtype).min")
 
 
 def document_starts(position_ids: np.ndarray, real: np.ndarray | None) -> np.ndarray:

@@ -12,6 +12,8 @@ planes not); where batch rows differ, N is batch-like (OpenFold's MSA rows, a vi
 and only R is heads (_kv_heads).
 Hand-written scores (a softmax) are read only where the program states which axis is heads (_heads_axis): scores in
 another order (heads first, or (B, Lq, H, Lk)) taken for (B, H, Lq, Lk) would lay the batch on the heads' place.
+Scores whose own values hide cells (trace/finitefill.py's scores_hide: an additive mask read by softmax's zero weights
+over scores 1e4 and more apart) are not read: a key no query of one head weighs is then that head's scores, not a mask.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def per_head(run: Run) -> list:
     found, done = [], set()
     for call in run.calls:
         cells = keep(call)
-        if cells is None or cells.shape[1] < 2 or call.shape[0] < 2:
+        if cells is None or cells.shape[1] < 2 or call.shape[0] < 2 or call.details.get("scores_hide"):
             continue
         key = (call.mask, call.shape)
         if key in done:  # (asked first: the same key is never read twice, whatever the checks below say)

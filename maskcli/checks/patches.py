@@ -10,6 +10,13 @@ such patches real and the tower's real patches attend them, the mask was filled 
 
 Read only where the zero patches are, in each row, one run at its end, some row has none and none is all zero (a
 padded batch, not a dark image); stays quiet where the mask hides them (the fix) and where no real patch sees them.
+
+A tower handed a patch mask states that its tokens are an image's patches: a grid, with no order a causal mask could
+follow, attended both ways (SigLIP, Idefics2, NaViT). A self-attention of that model call over exactly its patches
+that lets no real patch see any later real patch ran causal (microsoft/onnxruntime#25360: the CLIP attention fusion set
+`causal=(add_mask is not None)`, so SigLIP's tower with a patch padding mask was fused causal): wrong. Quiet where some
+real patch sees a later one (a window, a both-ways mask), on rows of one real patch, and on calls over another count
+of tokens (a text side, pooled queries).
 """
 
 from __future__ import annotations
@@ -67,8 +74,40 @@ def padded_patches_attended(run: Run) -> list:
     return found
 
 
+def patches_run_causal(run: Run) -> list:
+    """Self-attention calls of a model call handed a patch mask, over exactly its patches, where no real patch sees a
+    later real patch."""
+    found, done = [], set()
+    for call in run.calls:  # (self-attention: cross-attention calls are apart, engine.py)
+        top = run.top(call)
+        name = None if top is None else next((n for n in PATCH_MASKS if isinstance(top.arguments.get(n), np.ndarray)), None)
+        if name is None or call.shape[2] != call.shape[3] or (call.mask, call.shape, id(top)) in done:
+            continue
+        done.add((call.mask, call.shape, id(top)))
+        real = top.arguments[name] != 0
+        rows, count = real.shape
+        cells = keep(call)
+        if call.shape[0] != rows or call.shape[2] != count or cells is None or cells.shape[0] not in (1, rows):
+            continue
+        seen = np.broadcast_to(cells.any(axis=1), (rows, count, count))
+        later = real[:, :, None] & real[:, None, :] & (np.arange(count)[None, None, :] > np.arange(count)[None, :, None])
+        if not later.any() or (seen & later).any():
+            continue
+        b, q, k = (int(i) for i in np.argwhere(later)[0])
+        found.append((call, Finding("patches-run-causal", (
+            f"{call.where} runs causal over the image's patches: batch row {b}'s real patch {q} does not see the later "
+            f"real patch {k} ({int(later.sum())} such cells), though the model call was handed a {name} (a vision "
+            f"tower's patches: a grid attended both ways, with no order to be causal in); a causal flag set on an "
+            f"encoder's attention?"), expected="every real patch sees every real patch",
+            source=f"the {name} handed to {top.where}", cell=(b, q, k))))
+    return found
+
+
 RULES = (
     Rule("padded-patches-attended", "wrong", "steps", "a vision tower's real patches attend patches its images hold "
          "as exactly-0 padding (the row's last ones) that the patch mask it was given calls real (MiniCPM-V#274)",
          padded_patches_attended),
+    Rule("patches-run-causal", "wrong", "steps", "a vision tower handed a patch mask whose self-attention over its "
+         "patches runs causal: no real patch sees a later one (onnxruntime#25360: SigLIP fused causal)",
+         patches_run_causal),
 )

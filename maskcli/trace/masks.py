@@ -25,6 +25,7 @@ from maskcli.text import step_label
 from maskcli.trace.given import gathered_keys, stored  # noqa: F401 - stored: with the mask its frames handed (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
 from maskcli.trace.keyreads import key_reads
+from maskcli.trace.finitefill import FILL_AT_MOST, finite_fill as _finite_fill  # noqa: F401 - (read from here too)
 from maskcli.trace.queried import LOCAL, query_tensor
 from maskcli.intervals import Intervals
 
@@ -374,26 +375,6 @@ def exp_reader(scores):
         return exp_softmax(args, kwargs) if isinstance(x, torch.Tensor) and scores.has(x) and scores.axes_of(x) is None else None
     exp.api = "softmax"
     return exp
-
-
-FILL_AT_MOST = -1e4  # exp(v - s) is exactly 0 once v - s < -103.3 in float32 and bfloat16 (the smallest subnormal,
-# 1.4e-45, is e^-103.3) and < -17.3 in float16: so v <= -1e4 gets weight 0 beside any score above -9896, any ordinary one
-
-
-def _finite_fill(scores: torch.Tensor, lowest: float, details: dict) -> torch.Tensor:
-    """The cells a finite fill masks (masked_fill(mask == 0, -1e9), the Annotated Transformer's): values at most -1e4
-    (not -inf, not the dtype's lowest) that are all one exact constant are a fill, and the cells equal to it masked.
-    Several such values are an additive mask added to the scores (BERT's (1 - mask) * -10000 + score): no cell equals
-    a fill, so the cells are read as masked where softmax gives them weight exactly 0, as the program computes."""
-    near = (scores <= FILL_AT_MOST / 2) & (scores != lowest) & torch.isfinite(scores)  # (-1e4 + a score: either side;
-    low, values = near & (scores <= FILL_AT_MOST), scores[near]  # an additive mask's cells may all sit above -1e4)
-    if not len(values) or bool((values == values[0]).all()):
-        if bool(low.any()):
-            details["fill_value"] = float(values[0])
-            details["fill"] = details["fill"] or "finite"
-        return low
-    details["additive"] = True  # (-10000 + a score may sit just above -1e4: every cell's weight decides)
-    return torch.softmax(scores, dim=-1) == 0
 
 
 sdpa.api, mha.api, softmax.api, exp_softmax.api = "sdpa", "mha", "softmax", "softmax"  # named on a call maskcli could not read

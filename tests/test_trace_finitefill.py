@@ -1,0 +1,38 @@
+"""trace/finitefill.py: a finite fill or an additive mask in a softmax's scores, and scores that hide cells alone."""
+
+from __future__ import annotations
+
+import torch
+
+from maskcli.trace.finitefill import finite_fill
+
+
+def _read(scores: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    details = {"fill": None}
+    return finite_fill(scores, torch.finfo(scores.dtype).min, details), details
+
+
+def test_one_constant_is_a_fill_and_its_cells_are_masked():
+    scores = torch.randn(1, 2, 4, 4)
+    keep = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    masked, details = _read(scores.masked_fill(~keep, -1e9))
+    assert torch.equal(masked, ~keep.expand(1, 2, 4, 4)) and details == {"fill": "finite", "fill_value": -1e9}
+
+
+def test_an_additive_mask_over_ordinary_scores_is_read_by_zero_weights_and_hides_nothing_of_its_own():
+    """BERT's (1 - mask) * -10000 over scores a few apart: masked exactly where the padding is (softmax's zero weights,
+    checked against the padding written here), and no scores_hide."""
+    scores = torch.randn(2, 2, 5, 5) * 3
+    real = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
+    masked, details = _read(scores + (1.0 - real[:, None, None, :].float()) * -10000.0)
+    assert details.get("additive") and "scores_hide" not in details
+    assert torch.equal(masked, (real == 0)[:, None, None, :].expand(2, 2, 5, 5))
+
+
+def test_scores_far_apart_hide_cells_of_their_own():
+    """Scores ±1e5 apart: softmax zeroes real cells no mask lowered (a cell whose own score is above any fill), said as
+    scores_hide with the largest score's magnitude; the cells read are still softmax's zero weights."""
+    scores = torch.tensor([[[[0.0, 1e5, -2e4, 5.0], [3e4, 0.0, -1e4, 2.0], [1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]]]])
+    masked, details = _read(scores + torch.tensor([0.0, 0.0, 0.0, -10000.0]))
+    assert details.get("additive") and details["scores_hide"] == 1e5
+    assert torch.equal(masked, torch.softmax(scores + torch.tensor([0.0, 0.0, 0.0, -10000.0]), -1) == 0)
