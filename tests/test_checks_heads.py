@@ -124,11 +124,14 @@ def test_heads_first_scores_are_no_batch_mask_on_the_heads(tmp_path):
     """Hand-written scores laid out (H, B, Lq, Lk), each batch row's padding on dim 1 (the program checks itself against a
     double loop over rows and heads): read as (B, H, Lq, Lk) they look like one batch mask laid on the heads, which
     the program never wrote. Quiet where the module's head count (2) is not the axis read as heads (3), and where no
-    module states a head count."""
-    for args in ((), ("--unstated",)):
+    module states a head count. Where the module states it (num_heads = 2, the first axis), trace reads the scores
+    heads first (trace/layouts.py): (B, H) = (3, 2), each row's padding its own, lengths 5, 3, 4 as the program wrote."""
+    for args, shape in (((), "(3,2,5,5)"), (("--unstated",), "(2,3,5,5)")):
         status, found, report = traced(tmp_path, "heads_first_scores_padding", fixed=False, folder=ARGS, args=args)
         assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
-        assert "(2,3,5,5)" in report, report  # (the heads-first call was read, as (B, H) = (2, 3))
+        assert shape in report, report
+    assert "padding (--lengths 5,3,4) · softmax prefill (3,2,5,5)" in traced(
+        tmp_path, "heads_first_scores_padding", fixed=False, folder=ARGS)[2]
 
 
 def test_hand_written_scores_claim_the_heads_axis_only_where_the_program_states_it(monkeypatch):
