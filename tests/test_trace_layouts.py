@@ -127,3 +127,21 @@ def test_scores_laid_out_heads_first_by_the_modules_head_count_are_read_as_b_h_l
         Attention(b)(q, k, pad.repeat(2, 1)[:, None, None, :])
     assert [c.shape for c in traced.calls] == [(heads, b, t, t)]
     assert np.array_equal(traced.calls[0].keep()[2, 1, 0], np.arange(t) < lengths[0])
+
+
+
+def test_a_transformers_models_scores_are_read_batch_first_whatever_head_count_a_module_states():
+    """JetMoe's mixture of attention heads (transformers' JetMoeAttention) states a head count that is the batch's (2)
+    and attends with 4 heads: its eager scores (2, 4, Lq, Lk) have the stated head count first. A model of transformers'
+    own lays its scores out (B, H, Lq, Lk) always: `maskcli model jetmoe --attn eager` reads each decode step so, causal
+    over each row's real keys, exit 0 (read heads first, the batch became its heads: padding-ignored, exit 1)."""
+    import pytest
+    from typer.testing import CliRunner
+
+    pytest.importorskip("transformers")
+    from maskcli.commands import app
+
+    result = CliRunner().invoke(app, ["model", "jetmoe", "--attn", "eager"])
+    assert result.exit_code == 0, result.output
+    assert "causal (--lengths 7,5 --pad left) · softmax (2,4,1,7)" in result.output
+    assert "padding-ignored" not in result.output and "padding-per-head" not in result.output

@@ -142,7 +142,8 @@ class Follow:
                 return _WHOLE  # function's call, a document or a head: its interface records the whole)
         if reader is readers.softmax and isinstance(given, torch.Tensor) and given.dim() == 4 \
                 and given.shape[0] != given.shape[1] and self.scores.has(given):  # (H, B, Lq, Lk): layouts.heads_first
-            reader = heads_first(reader, self.scores, args, kwargs, lambda: stated_heads(self.sites.stack, HEADS + ("heads",)))
+            reader = heads_first(reader, self.scores, args, kwargs, lambda: None if _transformers(self.sites.stack)
+                                 else stated_heads(self.sites.stack, HEADS + ("heads",)))
         self._softmax, made = None, len(self._calls)
         self.capture(reader, args, kwargs)
         softmaxed, self._softmax = self._softmax, None
@@ -228,3 +229,9 @@ def said(error: BaseException) -> str:
         return " ".join(str(error).split())[:200]
     except (Exception, SystemExit):  # noqa: BLE001 - the program's own exception class may print nothing
         return "(its message cannot be printed)"
+
+
+def _transformers(stack: list) -> bool:
+    """A module of transformers' own runs the call: its attention lays scores out (B, H, Lq, Lk) whatever head count a
+    module states (JetMoe's mixture of attention heads: 2 heads a module says, 4 it attends with, over a batch of 2)."""
+    return any(type(module).__module__.startswith("transformers.") for module in stack)
