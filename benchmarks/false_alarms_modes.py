@@ -65,7 +65,15 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           # mode feeds a second multi-token turn to a wrapped cache; looked at by hand)
           "mask-rows-same-shard": "another shard's mask rows",  # (no family splits its queries over context-parallel
           # shards: any such finding here is one to look at by hand)
-          "blocks-seen-before-they-end": "sees later"}
+          "blocks-seen-before-they-end": "sees later",
+          "causal-argument-ignored": "a both-ways call run causal",  # (a model call handed is_causal=False: no mode
+          # hands one; any such finding here is one to look at by hand)
+          "frames-over-cache": "beyond the window",
+          "zero-memory-seen": "padding",
+          "frames-see-later-blocks": "sees later",  # (frames a video model's rolling cache evicts: no language
+          # family states local_attn_size; looked at by hand)
+          "chunk-left-context": "a window of another width"}  # (a streaming encoder's chunk config held in its frames:
+# no language family holds one; looked at by hand)
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
 

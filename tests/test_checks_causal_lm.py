@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkbugs import caught, check_bug, first
+from checkbugs import caught, check_bug, first, traced
 
 BUGS = [
     # unslothai/unsloth#2868: the SDPA fallback always called with is_causal=False, no mask
@@ -131,8 +131,6 @@ def test_a_verify_step_behind_the_cache_handed_the_padding_mask_alone(tmp_path):
     left-padded batch, its mask causal only where there is no cache, so the verify step gets the padding alone. The
     finding's cell against torch.tril laid bottom-right over the 8 keys: the first draft token sees the last one's key,
     which tril hides; the fix (tril at every step) is quiet."""
-    from checkbugs import traced
-
     folder = Path(__file__).parent / "data" / "causallm"
     name = "draft_verify_left_padded_padding_mask_only_behind_cache"
     status, found, report = traced(tmp_path, name, False, folder)
@@ -143,3 +141,13 @@ def test_a_verify_step_behind_the_cache_handed_the_padding_mask_alone(tmp_path):
     assert not tril[q - (8 - 3), k] and tril[q - (8 - 3), q]
     status, found, report = traced(tmp_path, name, True, folder)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_video_frames_attended_both_ways_not_a_causal_prompt(tmp_path):
+    """A causal video generator (class CausalFrameAttention) whose config states 4 tokens a frame, decoding one whole
+    frame a step over its cache: each frame attends both ways on purpose, so its first pass is no causal layer's
+    prompt run both ways (quiet); the same model's over-wide cache (its buggy run) is framebudget's."""
+    folder = Path(__file__).parent / "data" / "framebudget"
+    for fixed in (False, True):
+        status, found, report = traced(tmp_path, "causvid_rolling_cache_keeps_sink_plus_local_frames", fixed, folder)
+        assert not [f for f in found if f["code"] == "causal-lm-both-ways"], report

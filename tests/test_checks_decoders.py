@@ -36,3 +36,36 @@ def test_encoder_decoder_and_encoders_left_alone():
     assert fields_of({"is_decoder": True, "is_encoder_decoder": True}) == {}
     assert fields_of({"is_decoder": False, "hidden": 4}) == {}
     assert fields_of({"is_decoder": False, "sliding_window": 4})["causal_decoder"] is False
+
+
+def test_mnn_decoder_embedding_exported_on_the_bidirectional_path(tmp_path):
+    """alibaba/MNN#4548 (written blind, batch blind-cb): every embedding export took the bidirectional "int" mask path,
+    so a Qwen3-Embedding style decoder (its module's own `self.is_decoder = True`) ran both ways at runtime. Said by
+    the module's own attribute (trace/owndecoder.py); the first cell is a loop's over later keys (one unpadded row)."""
+    hit = check_bug(tmp_path, "mnn_decoder_embedding_export_bidirectional_mask", "decoder-sees-later")[0]
+    assert tuple(hit["cell"]) == first((1, 12, 12), lambda b, q, k: k > q)
+    assert hit["source"] == "is_decoder=True (self.is_decoder=True of Embedding)"
+
+
+def test_nntile_t5_generate_leaves_the_decoder_mask_out(tmp_path):
+    """nntile/nntile#377 (written blind, batch blind-cb): the T5 greedy loop re-ran the decoder with no
+    decoder_attention_mask, so its self-attention saw the whole generated prefix both ways; the decoder blocks say
+    `self.is_decoder = True` (the encoder's False speak for theirs)."""
+    found = check_bug(tmp_path, "nntile_t5_generate_decoder_without_causal_mask", "decoder-sees-later")
+    assert all(f["source"].startswith("is_decoder=True (self.is_decoder=True of decoder.") for f in found)
+    assert tuple(found[0]["cell"]) == first((1, 2, 2), lambda b, q, k: k > q)
+
+
+def test_bert_lm_head_layers_that_say_is_decoder(tmp_path):
+    """Written another way: BERT-style layers each keeping `self.is_decoder = True`, a float additive mask built from a
+    right-padded batch's padding alone, handed to SDPA; the first cell is a double loop's over real queries and later
+    real keys. The fix (the triangle and-ed in where is_decoder) is quiet."""
+    folder = Path(__file__).parent / "data" / "owndecoder"
+    status, found, report = traced(tmp_path, "bert_lm_head_layers_is_decoder_padding_only_mask", False, folder)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "decoder-sees-later")
+    assert hit["severity"] == "wrong" and "self.is_decoder=True of layer." in hit["source"]
+    real = [[1] * 6, [1, 1, 1, 0, 0, 0]]
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: k > q and bool(real[b][q] and real[b][k]))
+    status, found, report = traced(tmp_path, "bert_lm_head_layers_is_decoder_padding_only_mask", True, folder)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

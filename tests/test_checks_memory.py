@@ -383,3 +383,29 @@ def test_image_slots_padded_with_zero_images_and_no_key_padding_mask(tmp_path):
     assert "(the call is given no mask at all)" in hit["message"]  # (MHA handed neither mask)
     status, found, report = traced(tmp_path, "mha_padded_image_slots_cross_attended", True, folder)
     assert status == 0 and not [f for f in found if f["severity"] in ("wrong", "suspicious")], report
+
+
+def test_mead_luong_attention_over_a_time_major_padded_source(tmp_path):
+    """mead-ml/mead-baseline#20 (written blind, batch blind-cb): Seq2SeqAttnModel's Luong attention took its softmax over
+    every encoder output of a padded batch; the source is handed time-major (`src` T x B, as nn.LSTM takes it), its pad
+    id its embedding's padding_idx. The first cell is a loop's over the keys past each row's length."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "mead_baseline_seq2seq_luong_attention_attends_source_padding", "encoder-padding-ignored")[0]
+    lengths = [9, 4]
+    assert tuple(hit["cell"]) == first((2, 1, 9), lambda b, q, k: k >= lengths[b])
+    assert "time-major" in hit["source"]
+
+
+def test_a_gru_seq2seq_with_a_time_major_source_and_its_mask_built_unused(tmp_path):
+    """Written another way (bentrevett's pytorch-seq2seq, tutorial 4's model): `src` [src len, batch], the model's own
+    `src_pad_idx`, a Luong "general" score by bmm, F.softmax(dim=1), the mask built and never applied; three rows of
+    lengths 7, 5, 3. The fix (masked_fill(mask == 0, -1e10)) is quiet."""
+    folder = Path(__file__).parent / "data" / "timemajor"
+    status, found, report = traced(tmp_path, "luong_gru_time_major_source_mask_dropped", False, folder)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "encoder-padding-ignored")
+    lengths = [7, 5, 3]
+    assert hit["severity"] == "wrong" and tuple(hit["cell"]) == first((3, 1, 7), lambda b, q, k: k >= lengths[b])
+    status, found, report = traced(tmp_path, "luong_gru_time_major_source_mask_dropped", True, folder)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -88,3 +88,35 @@ target_pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
 with torch.no_grad():
     Model().eval()(torch.randn(2, 5, 8), source_pad, torch.randn(2, 5, 8), target_pad)
 '''
+
+
+def test_transformers_t5_beam_search_over_padded_sources_is_quiet(tmp_path):
+    """quiet-u (written blind, correct): T5's generate with num_beams=3 over a padded batch of 3 sources, then each
+    source alone. Beam search repeats each encoder row per beam, so the cross-attention has 9 (then 3) rows: its memory's
+    padding is the latest encoder run's (1 or 3 rows) expanded, not an older encoder run's that happens to have as many
+    rows (the first batch's 3 rows read against the lone first source's 3 beams said encoder-padding-ignored)."""
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "data" / "quiet_blind"
+    status, found, report = traced(tmp_path, "hf_t5_padded_encoder_inputs_beam_search_generate", False, folder)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_an_encoders_padding_expanded_per_beam_or_tiled_as_the_memory_mask_says():
+    """_expanded: each encoder row repeated (transformers' repeat_interleave) or the batch tiled, the same where only one
+    row; where they differ, the one the model call's own memory mask states, else nothing."""
+    import numpy as np
+
+    from maskcli.checks.context import Top
+    from maskcli.checks.memturned import Encoded, _expanded
+
+    real = np.array([[1, 1, 0], [1, 1, 1]], dtype=bool)
+    each = np.repeat(real, 2, axis=0)  # rows 0, 0, 1, 1
+    tiled = np.concatenate([real, real])  # rows 0, 1, 0, 1
+    encoded = Encoded(real, "encoder.0.attn", True)
+    assert np.array_equal(_expanded(Encoded(real[:1], "e", True), None, 3).real, np.repeat(real[:1], 3, axis=0))
+    assert _expanded(encoded, Top("T5", None, {}, 0, 1), 4) is None  # (which way: not stated)
+    said = Top("T5", None, {"attention_mask": each.astype(np.int64)}, 0, 1)
+    assert np.array_equal(_expanded(encoded, said, 4).real, each)
+    said = Top("T5", None, {"encoder_attention_mask": tiled.astype(np.int64)}, 0, 1)
+    assert np.array_equal(_expanded(encoded, said, 4).real, tiled)

@@ -199,3 +199,23 @@ def test_a_causal_lm_on_an_encoder_stack_given_key_padding_only_is_found(tmp_pat
     assert _cell(found) == first((2, 6, 6), lambda b, q, k: q < lengths[b] and q < k < lengths[b])
     cells = sum(1 for n in lengths for q in range(n) for k in range(q + 1, n))
     assert f"({cells} such cells)" in found[0]["message"] and "TinyCausalLM.is_causal" in found[0]["message"]
+
+
+def test_a_streaming_encoders_chunk_mask_never_returned_is_found_and_one_chunk_alone_is_quiet(tmp_path):
+    # icefall 8ccd06105: Zipformer(causal=True)._get_attn_mask built the chunk mask and had no `return`; the scores are
+    # (H, B, T, T) (trace/layouts.heads_first), the batch right-padded (40, 29); a streaming step of one chunk (8
+    # frames, chunk_size=(8,)) masks nothing in both runs, as one chunk sees itself whole
+    found = check_bug(tmp_path, "icefall_zipformer_streaming_chunk_attn_mask_never_returned", "causal-flag-ignored")
+    lengths = (40, 29)
+    assert _cell(found) == first((2, 40, 40), lambda b, q, k: k > q and q < lengths[b] and k < lengths[b])
+    assert "(40, 40)" in found[0]["message"] and "Zipformer.causal" in found[0]["message"]
+    assert len(found) == 1  # (not the one-chunk step)
+
+
+def test_a_wenet_style_chunk_mask_built_then_the_padding_mask_handed_on_is_found(tmp_path):
+    # the layers handed `masks` (padding alone) where `chunk_masks` was meant, over SDPA, right-padded (12, 9);
+    # static_chunk_size=4: the one-chunk streaming step (4 frames) masks nothing and is quiet in both runs
+    found = check_bug(tmp_path, "wenet_style_chunk_mask_computed_then_padding_passed", "causal-flag-ignored", folder=OWN)
+    lengths = (12, 9)
+    assert _cell(found) == first((2, 12, 12), lambda b, q, k: k > q and q < lengths[b] and k < lengths[b])
+    assert "ConformerEncoder.causal" in found[0]["message"] and len(found) == 1

@@ -83,3 +83,14 @@ def test_verl_rm_dataset_chosen_mask_from_rejected_ids(tmp_path):
     """verl-project/verl#1411: RMDataset stacks the rejected row's token ids as the chosen row's attention_mask (batch
     blind-af); written blind and caught before any rule was changed for it. The fix is quiet."""
     check_bug(tmp_path, "verl_rm_dataset_chosen_mask_from_rejected_ids", "real-query-blind")
+
+
+def test_a_time_major_source_is_read_turned_only_where_asked_for_its_batch_first_shape():
+    """side_tokens with the (B, L) a call reads: tokens handed (L, B) are turned; asked for nothing, or for a shape the
+    tokens have as they are, they are read as they are."""
+    src = np.array([[5, 6], [7, 1], [8, 1]])  # [src len 3, batch 2]: row 1 padded with 1 after its first token
+    top = Top("Seq2Seq", None, {"src": src, "src_pad_id": 1}, 0, 1)
+    real, source = side_tokens(top, "src", (2, 3))
+    assert real.tolist() == [[True, True, True], [True, False, False]] and "time-major" in source
+    assert side_tokens(top, "src")[0].shape == (3, 2) and "time-major" not in side_tokens(top, "src")[1]
+    assert side_tokens(top, "src", (3, 2))[0].shape == (3, 2)

@@ -93,3 +93,37 @@ def test_scores_laid_out_b_lq_h_lk_by_einsum_or_a_permute_are_read_as_b_h_lq_lk(
         assert torch.equal(plain, traced), scores.__name__
         assert [c.shape for c in t.calls] == [(b, h, q_len, k_len)], scores.__name__
         assert np.array_equal(t.calls[0].keep(), wanted), scores.__name__
+
+
+def test_scores_laid_out_heads_first_by_the_modules_head_count_are_read_as_b_h_lq_lk():
+    """icefall's Zipformer attention: q (T, B, H, D) permuted to (H, B, T, D), scores (H, B, T, T) masked with a
+    (B, 1, T) key padding broadcast over the heads, softmaxed over the keys; its module holds num_heads = H. Read as
+    (B, H, Lq, Lk): every (b, h) plane is row b's padding (a double loop). Where the module's head count is the
+    second axis (the usual (B, H, ..)), nothing is turned."""
+    torch.manual_seed(0)
+    heads, b, t, d = 4, 2, 6, 8
+    lengths = (6, 4)
+
+    class Attention(torch.nn.Module):
+        def __init__(self, num_heads):
+            super().__init__()
+            self.num_heads = num_heads
+
+        def forward(self, q, k, pad):  # pad (B, 1, T) over (H, B, T, T), or (B, 1, 1, T) over (B, H, T, T)
+            scores = torch.matmul(q, k.transpose(-1, -2))
+            return scores.masked_fill(pad, float("-inf")).softmax(dim=-1)
+
+    pad = torch.arange(t)[None, :] >= torch.tensor(lengths)[:, None]  # (B, T): True = padding
+    q, k = torch.randn(heads, b, t, d), torch.randn(heads, b, t, d)
+    with maskcli.trace() as traced:
+        Attention(heads)(q, k, pad.unsqueeze(1))
+    assert [c.shape for c in traced.calls] == [(b, heads, t, t)]
+    keep = traced.calls[0].keep()
+    for row in range(b):
+        wanted = np.array([[j < lengths[row] for j in range(t)] for i in range(t)])
+        for head in range(heads):
+            assert np.array_equal(keep[row, head], wanted), (row, head)
+    with maskcli.trace() as traced:  # (B, H, ..) with its own head count second: as it is
+        Attention(b)(q, k, pad.repeat(2, 1)[:, None, None, :])
+    assert [c.shape for c in traced.calls] == [(heads, b, t, t)]
+    assert np.array_equal(traced.calls[0].keep()[2, 1, 0], np.arange(t) < lengths[0])

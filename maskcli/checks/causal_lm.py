@@ -14,7 +14,8 @@ run `is_causal=False`), whose model call may hand no token ids (a time series' f
 steps keep as many keys as the prompt's. Left alone: a model call given token types, a prefix length or image positions (a
 prefix-LM or an image block attends both ways on purpose: spans.py), a config that states the attention
 bidirectional or its config `is_decoder=False` (RobertaForCausalLM run as an encoder, as transformers warns it
-will), keys that are not the model call's own tokens (a vision tower inside the model), and a prompt pass
+will), keys that are not the model call's own tokens (a vision tower inside the model), a video model that states its tokens
+per frame whose calls take whole frames of queries (a frame attends both ways: CausVid's), and a prompt pass
 any real query of which misses a real key (a mask was applied: the other rules judge it).
 """
 
@@ -90,7 +91,7 @@ def both_ways(run: Run) -> list:
         if not any(call.shape[2] < call.shape[3] and (call.shape[3] >= k_len + grows or not grows) for call in calls[1:]):
             continue  # no decode step over the prompt's cache (a sliding one keeps as many keys): one pass, or an
             # encoder run of the model
-        if _open(run, first, top):
+        if _open(run, first, top) or _frame_blocks(top, calls):
             continue
         read = _judged(first, top)
         if read is None:
@@ -117,6 +118,14 @@ def both_ways(run: Run) -> list:
 def _open(run: Run, call, top) -> bool:
     """The program states this attention both ways after all: its config (bidirectional) or its own is_decoder=False."""
     return intent(run, call).bidirectional() is not None or _encoder(top.config, call)
+
+
+def _frame_blocks(top, calls: list) -> bool:
+    """The model states its tokens per frame (a video generator: trace/framebudget.py) and every call of the site
+    takes whole frames of queries: a frame, or a block of frames, attends both ways in a causal video model (CausVid,
+    Self-Forcing), causal only from block to block."""
+    said = next((one.fields["frame_budget"] for one in top.stated if "frame_budget" in one.fields), None)
+    return said is not None and all(call.shape[2] % said[1] == 0 for call in calls)
 
 
 def _steps_both_ways(run: Run, calls: list) -> list:

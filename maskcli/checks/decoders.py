@@ -1,5 +1,6 @@
-"""A config that says its model is a decoder (`is_decoder=True`, not an encoder-decoder's whole) whose self-attention
-lets real queries see later real keys.
+"""A config that says its model is a decoder (`is_decoder=True`, not an encoder-decoder's whole), or a module of the
+program's own class that says so of itself (trace/owndecoder.py), whose self-attention lets real queries see later real
+keys.
 
 `is_decoder=True` is how transformers' BERT family (BERT, RoFormer, BigBird, RemBert, MegatronBert, ...) and their
 ports say the model runs as a causal LM (`XForCausalLM` sets it; `BertModel.forward` then builds a causal mask, not a
@@ -68,7 +69,7 @@ def decoder_sees_later(run: Run) -> list:
             continue
         b, q, k = first_cell(later)
         done[key] = Finding("decoder-sees-later", (
-            f"batch row {b}: query {int(own[q])} sees the later key {k}, yet the program's config says this model is a "
+            f"batch row {b}: query {int(own[q])} sees the later key {k}, yet the program says this model is a "
             f"decoder ({said}): a causal LM whose self-attention is built bidirectional ({int(later.sum())} such cells)"),
             expected="causal", source=said, cell=(b, int(own[q]), k))
         found.append((call, done[key]))

@@ -16,7 +16,8 @@
   beside its vision tower), unless those are calls of the same site (the very layer, causal in another model call:
   TEI's Qwen3 left an equal-length batch unmasked, its single texts causal). Left alone: a config that states the attention both ways too, an encoder-decoder's
   (`is_decoder`), transformers' own configs (their `is_causal` is a class's default for one part), later keys the
-  model call's token types account for, one query (a decode step sees every cached key rightly). A field the program
+  model call's token types account for, one query (a decode step sees every cached key rightly), queries no more than
+  a chunk the streaming model states beside its causal flag (own.one_chunk: a chunk sees itself whole). A field the program
   set itself on the innermost transformers config of the call, which its class defines nowhere (`config.is_causal =
   True` on a ModernBertConfig, whose layers attend both ways: BONSAI#343), is the program's word and read.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from maskcli.checks.config import _each_layer_call, _layer, _layer_calls
 from maskcli.checks.context import Run, cross, first_cell
+from maskcli.checks.own import one_chunk
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import explained
 from maskcli.text import Finding
@@ -38,7 +40,7 @@ def causal_ignored(run: Run) -> list:
         said = stated.causal()
         own = said in stated.added  # (set by the program on the layer's own transformers config: configread.py)
         if said is None or stated.decoder or stated.transformers and not own or call.shape[2] < 2 \
-                or call.details.get("module_not_causal") and not own:  # (the attending module's own causal=False
+                or call.details.get("module_not_causal") and not own or one_chunk(run, call):  # (the attending module's own causal=False
             continue  # speaks for itself; not against the program's word on the very config its layers are built from)
         source = stated.said(said)
         if placed.holds("causal"):

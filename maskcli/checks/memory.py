@@ -41,7 +41,7 @@ def memory_padding(top, rows: int, length: int) -> tuple[np.ndarray, str] | None
     if not found:  # (else a hand-written seq2seq's source tokens at its source pad id: checks/sides.py)
         from maskcli.checks.sides import side_tokens
 
-        said = side_tokens(top, "src")
+        said = side_tokens(top, "src", (rows, length))
         if said is not None and said[0].shape == (rows, length) and said[0].any(axis=1).all():
             return said[0], said[1]
     if not found and getattr(top.config, "is_encoder_decoder", False):

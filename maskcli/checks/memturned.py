@@ -73,18 +73,45 @@ def encoder_padding(run: Run, call, read: dict | None = None) -> Encoded | None:
     crossing_tops = read.get("tops")
     if crossing_tops is None:
         crossing_tops = read["tops"] = {id(run.top(other)) for other in run.cross}
-    block = _block(call.where)
-    for other in reversed(_encoders(run).get((rows, k_len), ())):
-        if other.index >= call.index:
-            continue
+    block, batch = _block(call.where), None
+    for other in _before(run, call, rows, k_len):
         mine = run.top(other)
         if mine is not top and (mine is None or id(mine) in crossing_tops) or block and _block(other.where) == block:
             continue
+        if other.shape[0] != rows and mine is top:
+            continue  # (a batch expanded between the encoder and the decoder is expanded by another model call)
+        batch = other.shape[0] if batch is None else batch
+        if other.shape[0] != batch:
+            continue  # (an older encoder run over another batch: the memory is the latest encoder's, expanded)
         key = (other.mask, other.shape, id(mine))  # (its ids may say which run of a segment mask is the padding)
         if key not in read:
-            read[key] = _stated(other, mine, rows, k_len)
+            read[key] = _stated(other, mine, batch, k_len)
         if read[key] is not None:
-            return read[key]
+            return read[key] if batch == rows else _expanded(read[key], top, rows)
+    return None
+
+
+def _before(run: Run, call, rows: int, k_len: int) -> list:
+    """The square self-attentions over `k_len` keys before `call`, latest first, of its batch rows or of a batch they
+    expand (a row count dividing them: generate's beam search repeats each encoder row num_beams times)."""
+    found = [other for (count, keys), calls in _encoders(run).items() if keys == k_len and count and rows % count == 0
+             for other in calls if other.index < call.index]
+    return sorted(found, key=lambda other: other.index, reverse=True)
+
+
+def _expanded(encoded: Encoded, top, rows: int) -> Encoded | None:
+    """The encoder's padding over its own rows expanded to the cross-attention's `rows`: each row repeated
+    (transformers' _expand_inputs_for_generation, repeat_interleave) or the batch tiled; where the two differ, the one
+    the model call's own memory mask states (its encoder attention mask over those rows), else None (not known)."""
+    times = rows // encoded.real.shape[0]
+    each, tiled = np.repeat(encoded.real, times, axis=0), np.tile(encoded.real, (times, 1))
+    if np.array_equal(each, tiled):
+        return encoded._replace(real=each)
+    arguments = {} if top is None else top.arguments
+    for name in ("encoder_attention_mask", "attention_mask"):
+        given = arguments.get(name)
+        if isinstance(given, np.ndarray) and given.shape == each.shape:
+            return next((encoded._replace(real=one) for one in (each, tiled) if np.array_equal(given != 0, one)), None)
     return None
 
 

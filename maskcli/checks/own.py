@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from maskcli.checks.callcausal import said_both_ways
 from maskcli.checks.config import _each_layer_call, _layer, _placed
 from maskcli.checks.context import Run, cross, first_cell, keep
 from maskcli.checks.intent import intent
@@ -49,7 +50,8 @@ def flag_ignored(run: Run) -> list:
                   if call.details.get("hf") is None and call.stored is not None and 1 < call.shape[2] <= call.shape[3]
                   and call.details.get("slots") is None
                   and (call.shape[2] == call.shape[3] or not cross(call))]
-    candidates = [(call, said) for call, said in candidates if said]
+    candidates = [(call, said) for call, said in candidates if said and not said_both_ways(run.top(call))]
+    # (a model call handed is_causal=False overrides its modules' own flag: checks/callcausal.py)
     if not candidates:
         return []  # (most runs: no module says it is causal, or every call of one is transformers')
     judged, found, done = explained(run), [], set()
@@ -59,7 +61,7 @@ def flag_ignored(run: Run) -> list:
             continue
         done.add(key)
         stated = intent(run, call)
-        if stated and stated.bidirectional() is not None:
+        if stated and stated.bidirectional() is not None or one_chunk(run, call):
             continue
         cells = keep(call)
         placed = None if cells is None else _placed(call, run, cells)
@@ -96,6 +98,16 @@ def _model_flag(run: Run, call) -> str | None:
         return None
     name = said.source.split("=", 1)[0].removeprefix("self.")  # "self.causal=True of TransformerASR"
     return f"{said.source.rsplit(' of ', 1)[-1]}.{name}"
+
+
+def one_chunk(run: Run, call) -> bool:
+    """The model states chunk sizes beside its causal flag (trace/chunksizes.py: a streaming encoder, causal meaning
+    chunk-causal) of which one spans the call's queries, or -1 / 0 (the whole utterance): its queries may be one chunk,
+    which sees itself whole (icefall's Zipformer streaming one chunk of 8 frames with chunk_size=(8,); dropped.py's
+    causal-config-ignored asks too)."""
+    top = run.top(call)
+    said = None if top is None else next((one for one in top.stated if one.fields.get("model_chunks")), None)
+    return said is not None and any(size <= 0 or size >= call.shape[2] for size in said.fields["model_chunks"][0])
 
 
 def full_narrower(run: Run) -> list:

@@ -47,7 +47,8 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "items", "imageruns", "expanded", "queryaxis", "padded", "directions", "rowless", "crosskeys", "numbered", "scored",
            "memturned", "memorypads", "globaltokens", "sidewindows", "chunkahead", "nomask", "foldedcross", "jointtext", "fewseen",
            "stepwindows", "windowreach", "handedcausal", "docrows", "cachewindow", "slicedkeys", "alone", "swinroll", "weakfill",
-           "namedcausal", "cachedrop", "maskrows", "branchrows", "shiftedrows")
+           "namedcausal", "cachedrop", "maskrows", "branchrows", "shiftedrows", "framebudget", "zeromemory", "frameblocks",
+           "callcausal", "chunkleft")
 
 
 @dataclass(frozen=True)

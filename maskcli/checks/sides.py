@@ -33,18 +33,22 @@ ENCODER = re.compile(r"(?:^|\.)(?:enc|encoder|src|source)(?:_?layers?|_?blocks?|
 DECODER = re.compile(r"(?:^|\.)(?:dec|decoder|trg|tgt|target)(?:_?layers?|_?blocks?|oder)?(?:\.|$)", re.IGNORECASE)
 
 
-def side_tokens(top, side: str) -> tuple[np.ndarray, str] | None:
-    """(bool (B, L) real tokens, where it is said) of one side ("src" or "trg") of the model call; None if unstated."""
+def side_tokens(top, side: str, shape: tuple[int, int] | None = None) -> tuple[np.ndarray, str] | None:
+    """(bool (B, L) real tokens, where it is said) of one side ("src" or "trg") of the model call; None if unstated.
+    `shape`: the (B, L) a call reads them as, where tokens handed time-major, (L, B) as nn.LSTM and nn.Transformer take
+    them by default, are read turned (mead-baseline's `src` T x B: its batch rows are its columns)."""
     pad = top.arguments.get(f"{side}_pad_id")
     if not isinstance(pad, int):
         return None
     for name in SOURCE if side == "src" else TARGET:
         tokens = top.arguments.get(name)
         if isinstance(tokens, np.ndarray) and tokens.ndim == 2 and tokens.size:
-            padded = tokens == pad
+            major = shape is not None and shape[0] != shape[1] and tokens.shape == shape[::-1]
+            padded = (tokens.T if major else tokens) == pad
             if padded.any() and not _at_one_end(padded):
                 return None  # (the pad id inside a row: a real word there, not padding by this statement)
-            return ~padded, f"`{name}` of {top.where} at its pad id {pad} ({side}_pad_idx)"
+            turned = f" (time-major, {tokens.shape}: read as {shape})" if major else ""
+            return ~padded, f"`{name}` of {top.where} at its pad id {pad} ({side}_pad_idx){turned}"
     return None
 
 

@@ -34,6 +34,7 @@ from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import WATCHED, Overflows
 from maskcli.trace.discarded import FILLS as DISCARDED, Discarded
+from maskcli.trace.heldchunks import held_chunks
 from maskcli.trace.scores import MATMULS, Scores, banded as banded_scores
 from maskcli.trace.sites import Sites, running, walk
 from maskcli.trace.stated import outside
@@ -324,6 +325,9 @@ class Trace(Outer, Follow):
                 seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
             self.sites.note(seen.details, caller, seen.shape)
             queried.note(seen.details, self.sites.stack, seen.api, seen.shape)  # (the layer's own queries, its head count)
+            chunks = held_chunks(self.sites.walked.held) if self.sites.walked is not None else None
+            if chunks is not None:  # (a streaming encoder's chunk config its frames hold: checks/chunkleft.py)
+                seen.details["held_chunks"] = chunks
             frames = self.interfaces
             if frames and seen.api == "sdpa":  # HF's sdpa may have packed GQA heads as query rows
                 interface.unpack_gqa(seen, frames[-1])

@@ -11,10 +11,10 @@ import torch
 
 import maskcli.trace.masks as readers
 from maskcli.trace.discarded import FILLS as DISCARDED
-from maskcli.trace.layouts import reader as laid
+from maskcli.trace.layouts import heads_first, reader as laid
 from maskcli.trace.mode import Mode, building, has_values
 from maskcli.trace.overflow import WATCHED
-from maskcli.trace.scores import as_matrix
+from maskcli.trace.scores import HEADS, as_matrix, stated_heads
 from maskcli.trace.unseen import plain, unseen
 from maskcli.trace.weakfill import weak_filled
 
@@ -140,6 +140,9 @@ class Follow:
             reader = as_matrix(reader, self.scores, args, kwargs)
             if reader is not readers.softmax and self.interfaces:  # (one piece of a Hugging Face attention
                 return _WHOLE  # function's call, a document or a head: its interface records the whole)
+        if reader is readers.softmax and isinstance(given, torch.Tensor) and given.dim() == 4 \
+                and given.shape[0] != given.shape[1] and self.scores.has(given):  # (H, B, Lq, Lk): layouts.heads_first
+            reader = heads_first(reader, self.scores, args, kwargs, lambda: stated_heads(self.sites.stack, HEADS + ("heads",)))
         self._softmax, made = None, len(self._calls)
         self.capture(reader, args, kwargs)
         softmaxed, self._softmax = self._softmax, None

@@ -125,3 +125,29 @@ def _nothing(args: tuple, kwargs: dict):
 
 
 _nothing.api = "softmax"
+
+
+def heads_first(softmax, scores, args: tuple, kwargs: dict, heads):
+    """The reader of a softmax over the last axis of 4-D scores a q @ kᵀ made (`scores.has`) in no other stated order,
+    whose first axis is the head count its module holds (`heads()`: scores.stated_heads of the modules running, read
+    as the call is recorded) and whose second is not: laid out (H, B, Lq, Lk) (icefall's Zipformer and conformer
+    attention permute q to (H, B, T, D) and mask with a (B, 1, T) key padding broadcast over the heads), read through
+    the view with the first two axes swapped (details["axes"]); as `softmax` reads it elsewhere. Read as (B, H), each
+    "batch row" held every sample, and one sample's padding was read against another's rows."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or dim not in (-1, 3) or not scores.has(x) \
+            or scores.axes_of(x) is not None:
+        return softmax
+
+    def turned(args_, kwargs_):
+        count = heads()
+        if count is None or int(x.shape[0]) != count or int(x.shape[1]) in (1, count):
+            return softmax(args_, kwargs_)
+        seen = softmax((x.permute(1, 0, 2, 3), -1), {})
+        if seen is not None:
+            seen.details["axes"] = [1, 0, 2, 3]
+        return seen
+
+    turned.api = "softmax"
+    return turned

@@ -20,6 +20,9 @@ import torch
 from maskcli.checks.intent import NAMES, NUMBERS, Stated, said_by_another
 from maskcli.checks.intent import config_like as _config_like
 from maskcli.checks.intent import fields_of as _fields_of
+from maskcli.trace.chunksizes import chunk_sizes
+from maskcli.trace.framebudget import frame_blocks, frame_budget
+from maskcli.trace.owndecoder import own_decoders
 from maskcli.trace.ownwindow import own_windows
 
 FRAMES = 12  # program frames searched for config variables (the call's own and its callers)
@@ -39,14 +42,14 @@ def stated(module, path, cache: dict, places: list | None = None) -> tuple[State
     elif not any(_windowed(one.fields) for one in found):
         found += _built_from(module, places, found)
     found += _numbers(module, path)
-    found += own_windows(module, path)
+    found += own_windows(module, path) + own_decoders(module, path)
     found += _kinds(module, path)
     found += _full_blocks(module, path)
     found += _memory_lengths(module, path)
     found += _model_causal(module)
     found += _neighbours(module, path)
     found += _chunk_right(module, path)
-    found += padding_flags(module, places)
+    found += padding_flags(module, places) + frame_budget(module, places) + frame_blocks(module, places)
     cache[id(module)] = (module, tuple(found))
     return cache[id(module)][1]
 
@@ -229,7 +232,8 @@ def _model_causal(root) -> list[Stated]:
     (cross-attention, nn.TransformerDecoder) said as `decoder`."""
     for name in ("causal", "is_causal"):
         if vars(root).get(name) is True:
-            return [Stated(f"self.{name}=True of {type(root).__name__}", None, {"model_causal": True})]
+            return [Stated(f"self.{name}=True of {type(root).__name__}", None,
+                           {"model_causal": True, **chunk_sizes(root)})]
         if vars(root).get(name) is False:  # the model's own word that it attends both ways (LLaDA_Arithmetic#3's
             # TransformerModel(causal=False)), about attention where no convolution or RNN under it could be meant
             other = any(isinstance(m, (torch.nn.modules.conv._ConvNd, torch.nn.RNNBase)) for m in root.modules())

@@ -25,6 +25,8 @@ from maskcli.trace.heldids import held_ids
 from maskcli.trace.padded import MOST, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
 from maskcli.trace.tiles import zero_units
 from maskcli.trace.tokenids import token_ids as _token_ids
+from maskcli.trace.framebudget import video_input
+from maskcli.trace.zeromemory import zero_memory
 
 ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "token_type_ids", "mm_token_type_ids",
              "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx",
@@ -112,6 +114,11 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
         value = given.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             found[name] = value
+    if type(given.get("is_causal")) is bool and not type(module).__module__.startswith("torch.") and not any(
+            issubclass(type(v), torch.Tensor) and v.dim() >= 2 and v.shape[-1] == v.shape[-2] > 1
+            and (v.dtype == torch.bool or v.is_floating_point()) for v in given.values()):
+        found["is_causal"] = given["is_causal"]  # (the caller's own word, handed explicitly and beside no (L, L) mask
+        # of its own, whose cells say what is seen: checks/callcausal.py)
     found.update(_first_ids(signature, given, found))
     found.update(held_ids(given, module, found))  # (ids inside a batch dict, `model(x)`: trace/heldids.py)
     found.update(_token_ids(module))
@@ -122,6 +129,8 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw")):
         found["module_class"] = type(module).__name__  # (the tower's family: how it attends a video, checks/items.py)
     found.update(padded_input(given))
+    found.update(zero_memory(given))  # (a memory input whose padding is zeroed: checks/zeromemory.py)
+    found.update(video_input(given))  # (a video latent's shape: checks/frameblocks.py)
     found.update(handed_cells(given))  # (a (B, L, L) mask the call was handed: checks/handedcausal.py)
     found.update(causal_arg(given))  # (a mask it was handed named causal: checks/namedcausal.py)
     found.update(lengths_over(signature, given))
