@@ -340,3 +340,26 @@ def test_a_prompt_pass_of_a_decoder_run_by_a_plain_function_is_found(tmp_path):
     later = sum(1 for b in range(2) for q in range(6) for k in range(6) if k > q)
     assert tuple(hits[0]["cell"]) == first((2, 6, 6), lambda b, q, k: k > q)
     assert f"{later} such cells" in hits[0]["message"] and "in 6 steps" in hits[0]["message"], hits
+
+
+VARLEN = """
+import torch, torch.nn.functional as F
+def varlen(q, cu_seqlens):
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], q[:, :, s:e], q[:, :, s:e], is_causal=True)
+                      for s, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())], 2)
+print(varlen(torch.randn(1, 2, 6, 8), torch.tensor([0, 0, 3, 3, 6])).shape)
+"""
+
+
+def test_a_call_of_no_queries_between_chunks_is_no_chunk(tmp_path):
+    """A varlen loop over cu_seqlens 0,0,3,3,6: two documents of 3 tokens, each causal (torch.tril's cells), with empty
+    documents before each, attended as calls of 0 queries. A call of no queries neither starts nor continues a prompt's
+    chunks: exit 0, two groups (the empty calls, the causal ones), no finding."""
+    script = tmp_path / "varlen.py"
+    script.write_text(VARLEN)
+    out = tmp_path / "v.json"
+    result = runner.invoke(app, ["trace", "--json", str(out), str(script)])
+    assert result.exit_code == 0, result.output
+    groups = json.loads(out.read_text())["groups"]
+    assert [f for group in groups for f in group["findings"]] == []
+    assert "empty: 0 queries, 0 keys" in result.output and "causal" in result.output

@@ -211,11 +211,16 @@ def _outweighed(call) -> str:
 def document_starts(position_ids: np.ndarray, real: np.ndarray | None) -> np.ndarray:
     """Int64 (B, L): each token's document number, a new one where the position restarts at 0 after a real token.
     `real` is the model call's attention_mask: 0 = padding, any other value a real token (a multipack collator writes
-    each packed sample's number there, 1, 1, 2, 2, 2, 3: axolotl's multipack collator)."""
+    each packed sample's number there, 1, 1, 2, 2, 2, 3: axolotl's multipack collator). A row whose positions go down
+    anywhere but to 0 between real tokens (4, 3, 2, 1, 0: a sequence laid backwards) packs no documents: none read."""
     restart = np.zeros(position_ids.shape, dtype=bool)
     restart[:, 1:] = (position_ids[:, 1:] == 0) & (position_ids[:, :-1] >= 0)
+    down = (position_ids[:, 1:] < position_ids[:, :-1]) & (position_ids[:, 1:] != 0)
     if real is not None:
-        restart[:, 1:] &= (real[:, 1:] != 0) & (real[:, :-1] != 0)
+        both = (real[:, 1:] != 0) & (real[:, :-1] != 0)
+        restart[:, 1:] &= both
+        down &= both
+    restart &= ~down.any(axis=1, keepdims=True)
     return np.cumsum(restart, axis=1)
 
 

@@ -57,7 +57,7 @@ def runs(run: Run, calls: list) -> list[list]:
         if same is not None and same in handed:
             keys = None  # queries an earlier call attended already (a cascade's other part): no prompt's next chunk
         handed.add(same)
-        continues = bool(current) and int(own[0]) == int(current[-1][1][-1]) + 1 and call.shape[:2] == current[-1][0].shape[:2]
+        continues = bool(current) and own.size > 0 and int(own[0]) == int(current[-1][1][-1]) + 1 and call.shape[:2] == current[-1][0].shape[:2]
         if continues and repeated(run, current[-1][0], call):
             continues = False  # the same queries again, the earlier mask kept (a draft's test-time steps): no chunk
         if keys is not None and continues:

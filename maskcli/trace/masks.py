@@ -135,14 +135,15 @@ def _frozen(intervals: Intervals) -> Intervals:
 
 def _keep(mask: torch.Tensor, details: dict | None = None) -> torch.Tensor:
     """Keep form of an SDPA-style mask: bool True = attend; a float mask adds, so -inf (or at most -1e4) masks.
-    A float mask that also adds other values (ALiBi, relative positions) is noted in `details` as a bias."""
+    A float mask that also adds other values (ALiBi, relative positions) is noted in `details` as a bias (an integer
+    one, which SDPA refuses, adds nothing)."""
     if mask.dtype == torch.bool:
         return mask
     keep = additive_keep(mask.detach())
     if details is not None:
         _empty_rows(keep, mask.detach() == float("-inf"), details)
         poison(mask.detach(), details)
-    if details is not None and bool((keep & (mask.detach() != 0)).any()):
+    if details is not None and mask.is_floating_point() and bool((keep & (mask.detach() != 0)).any()):
         details["bias"] = True
         note_zero_one(mask, details)  # a keep mask of 0s and 1s added as it is; not one of 1s alone, a constant (Doge's
         # dt_states bias at a step where no key is masked)
