@@ -329,7 +329,7 @@ def queries(call, top: Top | None) -> np.ndarray:
     arguments = {} if top is None else top.arguments
     for name in ("cache_position", "input_pos"):
         given = arguments.get(name)
-        if isinstance(given, np.ndarray) and given.ndim <= 2 and given.shape[-1] == q_len \
+        if isinstance(given, np.ndarray) and 1 <= given.ndim <= 2 and given.shape[-1] == q_len \
                 and not (np.diff(given.reshape(-1, q_len)[0]) < 0).any():  # (positions that restart: packed documents'
             return given.reshape(-1, q_len)[0].astype(np.int64)  # positions, torchtune's input_pos, not cache slots)
     for name in STARTS:  # the int a cache of the program's own is written at
@@ -344,7 +344,7 @@ def queries(call, top: Top | None) -> np.ndarray:
         return np.arange(held - q_len, held)  # a full static sliding layer's last size - 1 keys and the new ones
         # (cache_utils.py StaticSlidingWindowLayer.update 583-591, 621-624): its columns are not positions
     given = arguments.get("position_ids")
-    if isinstance(given, np.ndarray) and given.ndim <= 2 and given.shape[-1] == q_len:
+    if isinstance(given, np.ndarray) and 1 <= given.ndim <= 2 and given.shape[-1] == q_len:
         rows = given.reshape(-1, q_len)
         if (np.diff(rows, axis=1) == 1).all():
             return rows[int(rows[:, 0].argmax())].astype(np.int64)
