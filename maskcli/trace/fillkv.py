@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from maskcli.trace.zerokv import _CELLS, _cpu, zero_kv
+from maskcli.trace.zerokv import _cells, _cpu, zero_kv
 
 
 def edge_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_shape: tuple, mask=None, is_causal: bool = False) -> dict:
@@ -50,13 +50,10 @@ def _edges_equal(k: torch.Tensor, k_shape: tuple) -> bool | None:
     """Whether the first or the last key of batch row 0 and head 0 has its first two dimensions equal, four cells each
     read alone at its address (a fill is one value in every row and head of its edge key, so row 0's head 0 says
     whether one may be there); None where not read so (a tensor not a plain CPU one of a dtype read so)."""
-    cell = _CELLS.get(k.dtype)
-    if cell is None or not k.is_cpu or type(k) is not torch.Tensor or k.layout != torch.strided:
+    cells = _cells(k)  # (zerokv's reading of a plain CPU tensor cell by cell)
+    if cells is None:
         return None
-    base = k.data_ptr()
-    if not base:
-        return None
-    strides, size, read = k.stride(), k.element_size(), cell.from_address
+    read, _, base, strides, size = cells[:5]
     step = size * strides[-1]
     for at in (0, k_shape[-2] - 1):
         start = base + size * at * strides[-2]
