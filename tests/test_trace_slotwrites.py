@@ -33,3 +33,18 @@ def test_the_slots_each_row_wrote_since_the_last_call_over_the_same_buffer():
     new = torch.randn(2, 2, 12, 4)  # a new tensor each step (a dynamic cache's cat): another buffer
     assert key_reads(torch.randn(2, 2, 1, 4), new, new.clone(), tuple(new.shape)).get("written") is None
     assert slotwrites.written(12, k_buf, v_buf, (2, 2, 12, 4)) == {}  # as many queries as keys: no cache
+
+
+def test_a_trace_that_ends_lets_its_buffers_go():
+    """A buffer freed after one trace may come back at the same address and shape in the next: its first call there
+    compares with nothing (the earlier trace's checksums would have named slots that differ by chance)."""
+    import maskcli
+
+    torch.manual_seed(0)
+    k_buf, v_buf = torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 8, 4)
+    with maskcli.trace():
+        k_buf[:, :, :4] = torch.randn(1, 1, 4, 4)
+        torch.nn.functional.scaled_dot_product_attention(torch.randn(1, 1, 1, 4), k_buf, v_buf)
+        assert slotwrites._SEEN  # the buffer's checksums, kept for its next call
+    assert slotwrites._SEEN == {}
+    assert _step(k_buf, v_buf, [5], 1) == {}

@@ -59,6 +59,12 @@ def written(q_len: int, k: torch.Tensor, v: torch.Tensor, k_shape: tuple) -> dic
     return {"written": runs}
 
 
+def forget() -> None:
+    """A trace ended: the buffers' checksums let go (another trace's buffer may come to the same address and shape,
+    and its first call must compare with nothing)."""
+    _SEEN.clear()
+
+
 def _column(t: torch.Tensor) -> np.ndarray:
     """A copy of head 0's first dimension of every slot of a 4-D tensor, (B, S), as float32 or float64 cells."""
     if t.dtype == torch.bfloat16:
