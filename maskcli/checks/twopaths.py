@@ -41,7 +41,7 @@ def _finite(call) -> bool:
     """Its rows with no key hold a finite fill: uniform weights over every key."""
     details = call.details
     if call.api == "softmax":
-        return details.get("fill") == "finite" and not _zeroed(call) and not details.get("sink_column")
+        return details.get("fill") in ("finite", "min") and not _zeroed(call) and not details.get("sink_column")
     return call.api in ("sdpa", "mha") and bool(details.get("finite_rows")) and not details.get("nan_rows")
 
 
@@ -78,7 +78,8 @@ def paths_differ(run: Run) -> list:
             b = int(np.argwhere(empty.any(axis=1))[0][0])
             rows = np.flatnonzero(empty[b].any(axis=0)).tolist()
             fill = other.details.get("fill_value")
-            fill = f"{fill:g}" if isinstance(fill, (int, float)) else "a finite value"
+            fill = f"{fill:g}" if isinstance(fill, (int, float)) else "the dtype's lowest value" \
+                if other.details.get("fill") == "min" else "a finite value"
             found.append((call, Finding("empty-rows-differ", (
                 f"{where} attends this mask along two paths: on its {call.api} path its query rows "
                 f"{spans(rows[:200])} of batch row {b}, which see no key, are {_what(call)}; its {other.api} path "
