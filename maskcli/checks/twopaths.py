@@ -11,8 +11,8 @@ one filled -inf contradicts it (Stylish-TTS 6cb2c17: the SDPA path filled `-inf`
 padded rows went NaN and, times the padding mask's 0, spread through the next convolution).
 
 Read on calls of one module (the same path) over the same kept cells; quiet where both paths fill alike, where
-neither leaves a row with no key, where the -inf path's rows are zeroed after its softmax (they are then 0, as the
-other path's would not be either way: nothing says which), and on a bool mask (its masked cells are the kernel's).
+neither leaves a row with no key, where the -inf path's rows are zeroed after its softmax (the program then makes them 0 on
+purpose), and on a bool mask (its masked cells are the kernel's own fill).
 """
 
 from __future__ import annotations
