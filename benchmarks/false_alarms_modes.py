@@ -47,6 +47,8 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           # lay two windows; its prompt's logits against the same tokens decoded one at a time would confirm it)
           "document-row-empty": "a query that reads nothing",  # (a packed document's token cut out of it: the packed
           # mode's check confirms a leak only where a finite fill spreads the row over other documents)
+          "unmasked-after-softmax": "sees later",  # (keys a softmax masks weighted again after it: later keys or
+          # padding, whichever its mask hid; no family re-softmaxes or adds to its weights: any finding is looked at)
           "fill-masks-nothing": "sees later",  # (a fill of about zero: the cells it masks, often later keys or pads,
           # keep their weight; padding where the mask was a key padding mask)
           "named-causal-sees-later": "sees later",
