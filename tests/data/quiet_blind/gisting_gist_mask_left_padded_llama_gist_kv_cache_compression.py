@@ -1,7 +1,7 @@
 """Gist tokens (Mu, Li & Goodman 2023), as jayelm/gisting writes them: src/gist.py
 make_gist_mask / make_mask_pre_first_gist / make_mask_post_last_gist (the 4D mask, ANDed with
-`inputs != pad_token`), src/gist_llama.py (the 4D gist mask combined with the causal mask,
-position ids from the padding mask), and gist caching (GistActivations: keep only the gist
+`inputs != pad_token`), src/gist_llama.py (the 4D gist mask combined with the causal mask; position
+ids from the padding mask here, as transformers' generate computes them), and gist caching (GistActivations: keep only the gist
 tokens' keys/values, then decode the input + completion against them at their own positions).
 
 Sequence: [instruction ..., G, G, input ..., completion ...], left padded with pad_token.
