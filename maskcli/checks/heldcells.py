@@ -23,7 +23,7 @@ def held_cells(run: Run) -> list:
     """Calls whose queries see cells that a mask the program holds there (a chunk mask; a bool (B, 1, Lq, Lk) mask handed
     down as attention_mask / attn_mask / mask) hides, whichever way round it is read."""
     found, done = [], {}
-    square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
+    square = [call for call in run.unmasked if call.api in ("softmax", "sdpa") and call.shape[2] == call.shape[3] > 1]
     for call in [*run.calls, *square]:  # (a square softmax whose site masks nowhere: the mask handed down, never used)
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
         helds = [held for held in call.details.get("held_padding") or () if held["kind"] == "cells"
@@ -32,7 +32,7 @@ def held_cells(run: Run) -> list:
             continue
         key = (call.mask, call.shape, tuple(id(h["rows"]) for h in helds))
         if key not in done:
-            done[key] = _cells_finding(call, helds, rows, q_len, k_len, any(call is one for one in square))
+            done[key] = _cells_finding(call, helds, rows, q_len, k_len)
         if done[key] is not None:
             found.append((call, done[key]))
     return found
@@ -49,7 +49,7 @@ def _square(helds, rows: int, q_len: int, k_len: int) -> list[dict]:
         if held.get("kind") == "keep" and held.get("name") in ("mask", "attention_mask") and q_len == k_len > 1 \
                 and isinstance(table, np.ndarray) and table.shape == (q_len, k_len) and q_len != rows \
                 and rows % q_len:
-            found.append({**held, "kind": "cells", "rows": table[None]})
+            found.append({**held, "kind": "cells", "rows": table[None], "square": True})
     return found
 
 
@@ -65,14 +65,12 @@ def _padding_queries(table: np.ndarray) -> np.ndarray:
     return own != usual if (own == usual).mean() > 0.5 else np.zeros((rows, q_len), dtype=bool)
 
 
-def _cells_finding(call, helds, rows: int, q_len: int, k_len: int, unmasked: bool = False) -> Finding | None:
-    """`unmasked`: the call's site masks nowhere, so no row of it is a padding row unmasked on purpose."""
+def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | None:
     cells = keep(call)
     if cells is None or cells.shape[0] not in (1, rows):
         return None
     cells = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
-    counted = ~cells.all(axis=2) | ~cells.all(axis=(1, 2), keepdims=False)[:, None] | unmasked  # (rows every key
-    # unmasked: NaN-proof)
+    counted = ~cells.all(axis=2) | ~cells.all(axis=(1, 2), keepdims=False)[:, None]  # (rows every key unmasked: NaN-proof)
     for held in helds:
         table = held["rows"]
         if rows == 1 and table.ndim == 3 and table.shape[0] > 1:
@@ -85,6 +83,8 @@ def _cells_finding(call, helds, rows: int, q_len: int, k_len: int, unmasked: boo
         table = np.broadcast_to(table if table.ndim == 3 else table[None], (rows, q_len, k_len))
         if table.all() or not table.any():
             continue
+        if held.get("square") and cells.all():  # (a call that masks nothing unmasks no padding row on purpose: the
+            counted = np.ones_like(counted)  # (Lq, Lk) mask dropped; _square's come last, after the cells masks)
         counted = counted & ~_padding_queries(table)
         either = [cells & ~table & counted[:, :, None], cells & table & counted[:, :, None]]  # (True = keep; True = hide)
         if all(bad.any() for bad in either):
