@@ -91,6 +91,23 @@ def test_media_cross_attention_with_a_sample_that_has_no_image(tmp_path):
     assert flagged[0]["message"].startswith(f"every query of batch row {sample * heads} sees no key"), flagged
 
 
+def test_null_guidance_rows_whose_values_are_zero_read_nothing(tmp_path):
+    # written here (tests/data/emptycross/), after quiet-v's MusicGen program: classifier-free guidance's null rows see
+    # no key under a finite fill. Their uniform weights read the text's states where the program kept them (wrong: the
+    # condition leaks into the unconditional branch); where it zeroed them, as MusicGen does, the bias-free
+    # projections make every value they read 0, and the product is 0 there, as zeroing the output would make it.
+    from pathlib import Path
+
+    from checkbugs import traced
+
+    folder = Path(__file__).parent / "data" / "emptycross"
+    flagged = check_bug(tmp_path, "cfg_null_rows_keep_condition_states", "fully-masked", folder)
+    assert flagged[0]["message"].startswith("every query of batch row 2 sees no key of its context at all"), flagged
+    _, findings, report = traced(tmp_path, "cfg_null_rows_keep_condition_states", True, folder)
+    assert [(f["code"], f["severity"]) for f in findings if f["code"] == "fully-masked"] == [("fully-masked", "note")]
+    assert "0 output there (the values those rows read are all 0)" in " ".join(report.split())
+
+
 def test_a_chunk_of_padding_alone_folded_into_the_batch_is_a_padding_query(tmp_path):
     # hourglass-transformer-pytorch 674ede1's fix (blind-cj): the pooled bucket of padding alone, batch row 7 of
     # `(b n) s`, sees none of its 4 keys under a finite fill; the model call's `mask` (2, 16) read in chunks of 4 says
