@@ -106,3 +106,19 @@ def test_null_guidance_rows_whose_values_are_zero_read_nothing(tmp_path):
     _, findings, report = traced(tmp_path, "cfg_null_rows_keep_condition_states", True, folder)
     assert [(f["code"], f["severity"]) for f in findings if f["code"] == "fully-masked"] == [("fully-masked", "note")]
     assert "0 output there (the values those rows read are all 0)" in " ".join(report.split())
+
+
+def test_a_chunk_of_padding_alone_folded_into_the_batch_is_a_padding_query(tmp_path):
+    # hourglass-transformer-pytorch 674ede1's fix (blind-cj): the pooled bucket of padding alone, batch row 7 of
+    # `(b n) s`, sees none of its 4 keys under a finite fill; the model call's `mask` (2, 16) read in chunks of 4 says
+    # the whole chunk is padding, so its query is padding too: no wrong fully-masked (it was one before). The same
+    # read another way: a funnel pooler's left-padded chunks (tests/data/held/).
+    from pathlib import Path
+
+    from checkbugs import traced
+
+    for name, folder in (("hourglass_attention_resampling_sees_padding", Path(__file__).parent / "data" / "bugs"),
+                         ("chunk_pooling_context_padding_dropped", Path(__file__).parent / "data" / "held")):
+        status, found, report = traced(tmp_path, name, True, folder)
+        assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+        assert any(f["code"] == "fully-masked" for f in found) or name.startswith("chunk"), report

@@ -675,3 +675,57 @@ def test_a_key_row_broadcast_over_the_queries_is_read_as_its_padding(monkeypatch
     assert found["tgt_pad_mask"]["kind"] == "pad" and found["tgt_pad_mask"]["rows"].tolist() == [[0, 0, 1], [0, 0, 0]]
     # named as a keep mask, a broadcast (B, 1, 1, L) says no polarity: True = kept in HF, True = masked in Megatron
     assert "attention_mask" not in found
+
+
+def test_hourglass_attention_resampling_sees_padding(tmp_path):
+    """hourglass-transformer-pytorch 674ede1 (written blind, blind-cj): each pooled token attends to its bucket of 4,
+    the buckets folded into the batch `(b n) s`, with no mask; the model call holds `mask` (2, 16), row 1 real to 10.
+    The cell is a double loop's over that mask read in chunks of 4: a row with a real key that sees a padded one."""
+    [hit] = check_bug(tmp_path, "hourglass_attention_resampling_sees_padding", "padding-unused")
+    real = [[True] * 16, [True] * 10 + [False] * 6]
+    chunk = lambda r, k: real[r // 4][(r % 4) * 4 + k]  # noqa: E731 - batch row r is bucket r % 4 of sequence r // 4
+    assert tuple(hit["cell"]) == first((8, 1, 4), lambda r, q, k: any(chunk(r, j) for j in range(4))
+                                      and not chunk(r, k))
+    assert "16 positions, folded into the batch in chunks of 4" in hit["message"], hit
+
+
+def test_chunk_pooling_context_padding_dropped(tmp_path):
+    """Written another way: a funnel pooler's one query per chunk of 4, left-padded rows of 16, 10 and 5 real tokens,
+    `attention_mask` (1 = real), the chunk handed as `context`; its fix hides the padded keys (a chunk of padding alone
+    sees none, under a finite fill: quiet, emptyreal.py)."""
+    [hit] = check_bug(tmp_path, "chunk_pooling_context_padding_dropped", "padding-unused", folder=HELD)
+    real = [[k >= 16 - n for k in range(16)] for n in (16, 10, 5)]
+    chunk = lambda r, k: real[r // 4][(r % 4) * 4 + k]  # noqa: E731
+    assert tuple(hit["cell"]) == first((12, 1, 4), lambda r, q, k: any(chunk(r, j) for j in range(4))
+                                       and not chunk(r, k))
+
+
+def test_infini_transformer_local_attention_not_causal(tmp_path):
+    """dingo-actual/infini-transformer#4 (written blind, blind-cj): the LM builds `torch.tril` over a segment and hands
+    it to each layer, which never passes it to its scores: the layer's `mask` (8, 8), over a batch of 2, cannot be the
+    batch's padding, and every query sees the later keys of its segment (the first: query 0, key 1)."""
+    [hit] = check_bug(tmp_path, "infini_transformer_local_attention_not_causal", "held-mask-ignored")
+    import torch
+
+    tril = torch.ones(8, 8).tril().bool()
+    assert tuple(hit["cell"]) == first((2, 8, 8), lambda b, q, k: not tril[q, k])
+
+
+def test_block_recurrent_causal_mask_dropped_on_sdpa(tmp_path):
+    """Written another way: a block-recurrent LM's (6, 6) triangle handed to each layer with the recurrent state, the
+    SDPA path called without it (a batch of 3); its fix hands attn_mask=mask."""
+    [hit] = check_bug(tmp_path, "block_recurrent_causal_mask_dropped_on_sdpa", "held-mask-ignored", folder=HELD)
+    assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: k > q)
+
+
+def test_a_square_mask_that_may_be_the_batch_padding_is_not_read_as_cells():
+    """heldcells._square: a (L, L) `mask` over a batch of L rows (or a batch L divides) is the batch's padding, not
+    cells; one of another size is cells (1, L, L)."""
+    from maskcli.checks.heldcells import _square
+
+    table = np.tril(np.ones((4, 4), dtype=bool))
+    held = {"kind": "keep", "name": "mask", "rows": table, "where": "f()"}
+    assert _square([held], 4, 4, 4) == [] and _square([held], 8, 4, 4) == []
+    assert _square([{**held, "name": "input_mask"}], 3, 4, 4) == []
+    [cells] = _square([held], 3, 4, 4)
+    assert cells["kind"] == "cells" and cells["rows"].shape == (1, 4, 4) and (cells["rows"][0] == table).all()

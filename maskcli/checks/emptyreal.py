@@ -15,7 +15,9 @@ some) from a softmax with a finite fill gives that row's queries, the decoder's 
 context the program masks: its padding is read (x-transformers#263: a sample with no conditioning spread its
 attention over the padded context; the fix zeroes those rows' output, trace/after.py's `zeroed_output`). Wrong there;
 quiet where the kernel or the program gives those rows 0 (SDPA, flash, flex, a fill of 0 after), and on padding
-queries, which a cross-attention's key mask never hides whole.
+queries, which a cross-attention's key mask never hides whole: a batch row that is a chunk of padding alone, of a
+sequence the program's own padding mask covers folded into the batch in chunks of the keys (checks/heldfold.py: an
+hourglass transformer's pooled bucket attending to its bucket), is such a padding query.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 
 from maskcli import tracefile
 from maskcli.checks.context import cross
+from maskcli.checks.heldfold import folded_padding
 from maskcli.text import Finding
 
 
@@ -73,6 +76,10 @@ def context_masked_whole(call, stored: dict, empty: np.ndarray, effect: str) -> 
     whole = empty.all(axis=1)  # (b,): batch rows whose every query sees nothing
     cells = tracefile.dense(stored)
     if not whole.any() or whole.all() or not cells.any(axis=(1, 2, 3))[~whole].all():
+        return None
+    for _, real in folded_padding(call, call.details.get("held_padding")):
+        whole = whole & real.any(axis=1)  # (a chunk of padding only, of a sequence folded into the batch: its query is
+    if not whole.any():  # the chunk's own, padding too: hourglass-transformer-pytorch 674ede1's fix)
         return None
     b = int(np.flatnonzero(whole)[0])
     return Finding("fully-masked", (

@@ -27,7 +27,8 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.arguments import document_starts, padded_positions
-from maskcli.checks.context import Run, columns_are_positions, cross, crossing, first_cell, keep, queries, real_queries
+from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries, real_queries
+from maskcli.checks.heldfold import folded_padding, over_memory, padded_batch as _padding
 from maskcli.checks.heldkeys import keys_of
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.registry import Rule
@@ -124,17 +125,6 @@ def _wider_pairs(helds: list[dict], rows: int, length: int) -> set[int]:
     return wider
 
 
-def _padding(real: np.ndarray, right_only: bool) -> bool:
-    """Each row a run of real tokens at one edge, each with one, one row all real and one not."""
-    count = real.sum(axis=1)
-    if real.shape[0] < 2 or count.min() < 1 or count.max() != real.shape[1] or count.min() == real.shape[1]:
-        return False
-    at = np.arange(real.shape[1])[None, :]
-    right = (real == (at < count[:, None])).all(axis=1)
-    left = (real == (at >= real.shape[1] - count[:, None])).all(axis=1)
-    return bool(right.all() or not right_only and (left.all() or (right | left).all()))
-
-
 def _tracks_keys(run: Run, call, held: dict) -> bool:
     """Whether a held padding may be of this call's keys: where the call's site began with another number of keys (a
     decoder's self-attention over its growing cache), only if a padding of that name was as long as the keys there too.
@@ -172,14 +162,6 @@ def _seen(cells: np.ndarray, real: np.ndarray, own: np.ndarray | None) -> np.nda
     return cells & (real_q & sees_real)[:, :, None] & ~real[:, None, :]
 
 
-def _over_memory(call) -> bool:
-    """A call whose keys are a memory its attention layer was handed by name (`context`, `memory`, a method's `kv`, or
-    a `key` other than its `query`: ESPnet's `src_attn(x, memory, memory, mask)`; the one reading of cross-attention,
-    checks/context.crossing, which holds the memory as long as the keys)."""
-    reading = crossing(call)
-    return reading.cross and reading.by in ("memory", "kv", "inputs")
-
-
 def _told(picks: list) -> tuple[dict, np.ndarray]:
     """(held, bad cells) of the reading a finding names: one the program holds outright (a mask, read one way only)
     before one of several (lengths, read right- and left-padded), so the cell named is one the program's padding calls
@@ -192,10 +174,10 @@ def held_padding(run: Run) -> list:
     """Calls whose real queries see keys every reading of every padding the program holds there calls padding."""
     found, done = [], {}
     square = [call for call in run.unmasked if call.api == "softmax" and call.shape[2] == call.shape[3] > 1]
-    # (a softmax that masks nothing over the memory its layer was handed (`context`, `memory`: _over_memory) is
+    # (a softmax that masks nothing over the memory its layer was handed (`context`, `memory`: heldfold.over_memory) is
     # attention too, not a router's: OpenNMT's global attention, its context_lengths never passed)
     handed = [call for call in run.unmasked if call.api == "softmax" and not call.shape[2] == call.shape[3] > 1
-              and _over_memory(call)]
+              and over_memory(call)]
     for call in [*run.calls, *run.cross, *square, *handed]:  # (a softmax that masks nothing: its mask may be the one never handed on)
         helds = keys_of(run, call, square, readings)  # (a key mask expanded over the cells read; the memory's padding left out)
         if not helds or call.stored is None:
@@ -226,9 +208,11 @@ def held_padding(run: Run) -> list:
                 continue  # (a pair mask that calls real what its batch's padding does not is no padding kept to)
             tables = readings(held, rows, k_len, ids) if _tracks_keys(run, call, held) \
                 and not _per_sequence(run, call, held) else []
-            if not tables:
-                continue
-            for real, row_real in zip(tables, pair_rows(held, rows, k_len, ids)):
+            pairs = pair_rows(held, rows, k_len, ids) if tables else []
+            if not tables:  # (a sequence's padding over a call that folds it into the batch in chunks: heldfold.py)
+                tables = [real for one, real in folded_padding(call, [held]) if one is held]
+                pairs = [None] * len(tables)
+            for real, row_real in zip(tables, pairs):
                 bad = _seen(cells, real, own)
                 if placed is not None:  # (a query on a padding token: its row is unmasked on purpose, _unmask_unattended)
                     bad = bad & real_queries(real, placed)[:, :, None]
@@ -248,6 +232,8 @@ def held_padding(run: Run) -> list:
                 "lengths": "the batch's lengths",
                 "relative": "the batch's relative lengths (each row's share of the padded length)"}[held["kind"]]
         said = f"{held['name']} in {held['where']}"
+        if held["kind"] in ("keep", "pad") and held["rows"].shape[-1] != k_len:  # (heldfold.py's chunks)
+            what += f" of {held['rows'].shape[-1]} positions, folded into the batch in chunks of {k_len},"
         at = own if own is not None else placed
         query = f"query {q}" if at is None else f"query {int(at[q])}"
         done[key] = Finding("padding-unused", (

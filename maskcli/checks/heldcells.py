@@ -3,7 +3,8 @@
 A frame on the stack when attention runs may hold a mask over the call's cells (trace/held.py: a streaming encoder's
 `chunk_mask`, a bool (B, 1, Lq, Lk) mask handed down as `attention_mask` / `attn_mask` / `mask`), which the kernel's
 mask must keep inside, read either way round as its name does not say its polarity (held-mask-ignored: espnet#4751's
-AND, Megatron-LM#7039's window that replaced it). A padded batch's mask held while the kernel is called one request at
+AND, Megatron-LM#7039's window that replaced it; a 2-D (Lq, Lk) `mask` handed down that cannot be the batch's padding,
+infini-transformer#4's causal triangle the layer took and never passed on). A padded batch's mask held while the kernel is called one request at
 a time (batch 1, n x n) must keep each call inside the block of a request with n real tokens (TGI's Gemma 3 handing a
 padded (B, 1, L, L) mask to a kernel that reads one packed block a request). The padding a frame holds (a padding mask,
 lengths) is checks/held.py's.
@@ -22,9 +23,11 @@ def held_cells(run: Run) -> list:
     """Calls whose queries see cells that a mask the program holds there (a chunk mask; a bool (B, 1, Lq, Lk) mask handed
     down as attention_mask / attn_mask / mask) hides, whichever way round it is read."""
     found, done = [], {}
-    for call in run.calls:
-        helds = [held for held in call.details.get("held_padding") or () if held["kind"] == "cells"]
+    square = [call for call in run.unmasked if call.api in ("softmax", "sdpa") and call.shape[2] == call.shape[3] > 1]
+    for call in [*run.calls, *square]:  # (a square softmax whose site masks nowhere: the mask handed down, never used)
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
+        helds = [held for held in call.details.get("held_padding") or () if held["kind"] == "cells"
+                 and not any(call is one for one in square)] + _square(call.details.get("held_padding"), rows, q_len, k_len)
         if not helds or call.stored is None or q_len < 2:
             continue
         key = (call.mask, call.shape, tuple(id(h["rows"]) for h in helds))
@@ -32,6 +35,21 @@ def held_cells(run: Run) -> list:
             done[key] = _cells_finding(call, helds, rows, q_len, k_len)
         if done[key] is not None:
             found.append((call, done[key]))
+    return found
+
+
+def _square(helds, rows: int, q_len: int, k_len: int) -> list[dict]:
+    """Held 2-D bool masks handed down as `mask` / `attention_mask` (read as a padding mask, 1 = real: trace/held.py)
+    that are (Lq, Lk) over a square call's cells and cannot be its batch's padding (as many rows as its queries, which
+    are not its batch rows nor divide them: a (L, L) causal triangle built once for every batch row and handed down,
+    dingo-actual/infini-transformer#4's `mask` the layer was given and never passed on), as cells (1, Lq, Lk)."""
+    found = []
+    for held in helds or ():
+        table = held.get("rows")
+        if held.get("kind") == "keep" and held.get("name") in ("mask", "attention_mask") and q_len == k_len > 1 \
+                and isinstance(table, np.ndarray) and table.shape == (q_len, k_len) and q_len != rows \
+                and rows % q_len:
+            found.append({**held, "kind": "cells", "rows": table[None], "square": True})
     return found
 
 
@@ -65,6 +83,8 @@ def _cells_finding(call, helds, rows: int, q_len: int, k_len: int) -> Finding | 
         table = np.broadcast_to(table if table.ndim == 3 else table[None], (rows, q_len, k_len))
         if table.all() or not table.any():
             continue
+        if held.get("square") and cells.all():  # (a call that masks nothing unmasks no padding row on purpose: the
+            counted = np.ones_like(counted)  # (Lq, Lk) mask dropped; _square's come last, after the cells masks)
         counted = counted & ~_padding_queries(table)
         either = [cells & ~table & counted[:, :, None], cells & table & counted[:, :, None]]  # (True = keep; True = hide)
         if all(bad.any() for bad in either):

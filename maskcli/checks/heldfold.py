@@ -1,0 +1,66 @@
+"""A padding the program holds over a whole sequence, read over a call that folds that sequence into the batch in
+chunks of its keys' length (a held (B, L) mask, a call of B * L / n batch rows over n keys: `x.reshape(-1, n, d)`).
+
+Hourglass transformers' attention resampling (lucidrains/hourglass-transformer-pytorch 674ede1) pools each bucket of
+`n` tokens into one and lets it attend to its bucket, the buckets folded into the batch, `(b m) n`: the padding mask
+the model call holds, `mask` (B, L), read in those chunks (`mask.reshape(-1, n)`) says which keys of each chunk are
+padding, and a chunk all of padding is a padding chunk, whose query stands for padding too. Read only over a memory the
+attention layer was handed by name (`context`: checks/context.crossing), where the chunks are exact (L a multiple of n,
+as many batch rows as chunks) and the held mask is a padded batch (each row one run of real tokens at one edge, one row
+whole: padded_batch, checks/held.py's reading of padding): a self-attention's batch folded with its heads is not
+read so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from maskcli.checks.context import crossing
+
+
+def padded_batch(real: np.ndarray, right_only: bool) -> bool:
+    """Each row a run of real tokens at one edge, each with one, one row all real and one not."""
+    count = real.sum(axis=1)
+    if real.shape[0] < 2 or count.min() < 1 or count.max() != real.shape[1] or count.min() == real.shape[1]:
+        return False
+    at = np.arange(real.shape[1])[None, :]
+    right = (real == (at < count[:, None])).all(axis=1)
+    left = (real == (at >= real.shape[1] - count[:, None])).all(axis=1)
+    return bool(right.all() or not right_only and (left.all() or (right | left).all()))
+
+
+def over_memory(call) -> bool:
+    """A call whose keys are a memory its attention layer was handed by name (`context`, `memory`, a method's `kv`, or
+    a `key` other than its `query`: ESPnet's `src_attn(x, memory, memory, mask)`; the one reading of cross-attention,
+    checks/context.crossing, which holds the memory as long as the keys)."""
+    reading = crossing(call)
+    return reading.cross and reading.by in ("memory", "kv", "inputs")
+
+
+def chunked(real: np.ndarray, rows: int, length: int) -> np.ndarray | None:
+    """Bool (rows, length) real keys of `real` (B, L), the program's padding read as real (True = a real token), folded
+    into chunks of `length` keys, one batch row each, sequence by sequence; None where the call is no such fold."""
+    if real.ndim != 2 or length < 2 or real.shape[1] <= length or real.shape[1] % length \
+            or real.shape[0] * real.shape[1] != rows * length:
+        return None
+    return real.reshape(rows, length)
+
+
+def folded_padding(call, helds) -> list[tuple[dict, np.ndarray]]:
+    """(held, real keys (rows, Lk)) of each held padding mask over a whole sequence, a padded batch, that `call`, over
+    a memory its layer was handed, folds into chunks of its keys (chunked); [] on any other call."""
+    if not over_memory(call):
+        return []
+    rows, length = call.shape[0], call.shape[3]
+    found = []
+    for held in helds or ():
+        table = held.get("rows")
+        if held.get("kind") not in ("keep", "pad") or not isinstance(table, np.ndarray) or table.ndim != 2:
+            continue
+        real = table if held["kind"] == "keep" else ~table
+        if not padded_batch(real, held["name"] == "mask"):
+            continue
+        folded = chunked(real, rows, length)
+        if folded is not None:
+            found.append((held, folded))
+    return found
