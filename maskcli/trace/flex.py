@@ -39,6 +39,10 @@ def flex(args: tuple, kwargs: dict) -> Seen:
         details["mask_mod"] = getattr(block_mask.mask_mod, "__name__", type(block_mask.mask_mod).__name__)
         details["block_size"] = list(block_mask.BLOCK_SIZE)
         seen.intervals, seen.planes = block_intervals(block_mask, q_len, k_len)
+        from maskcli.trace.flexrows import unvisited  # (a B=None BlockMask whose mask_mod reads b: checks/flexrows.py)
+        lost = unvisited(block_mask, seen.shape[0], q_len, k_len)
+        if lost is not None:
+            details["blocks_of_row_0"] = lost
     if score_mod is not None:
         details["score_mod_name"] = getattr(score_mod, "__name__", type(score_mod).__name__)
         found, planes, details["score_mod_read"] = score_masking(score_mod, *seen.shape, q.device)
