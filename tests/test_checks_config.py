@@ -151,7 +151,7 @@ PROGRAMS = [
     # Megatron's interleaved_attn_pattern (local, global) in a dict held as self.cfg, a 0-based index read as 1-based:
     # layer 5 (global by the period) windowed, on a left-padded batch (the same kind as Megatron-Bridge#5441)
     ("interleaved_pattern_dict_left_padded_off_by_one", (), "window-on-full-layer",
-     "interleaved_attn_pattern=(5, 1), self.cfg of Model (dict)"),
+     "interleaved_attn_pattern=(5, 1) (self.cfg of Model (dict))"),
 ]
 
 
@@ -620,7 +620,7 @@ def test_megatron_interleaved_pattern_states_each_layers_kind(tmp_path):
     layer i (0-based) slides where i % (local + global) < local: layers 3 and 4 are full, and layer 3 is windowed."""
     flagged = check_bug(tmp_path, "megatron_bridge_gemma4_consecutive_global_layers_get_window", "window-on-full-layer")
     assert [f["message"].split(" is a ")[0] for f in flagged] == ["layer 3"], flagged
-    assert flagged[0]["source"].startswith("interleaved_attn_pattern=(3, 2), config (Gemma4ModelProvider) in main()")
+    assert flagged[0]["source"].startswith("interleaved_attn_pattern=(3, 2) (config (Gemma4ModelProvider) in main()")
     local, glob = 3, 2  # the reference: Megatron's fixed classifier, 1-based layer numbers
     kinds = ["sliding" if (n - 1) % (local + glob) < local else "full" for n in range(1, 6)]
     assert kinds == ["sliding", "sliding", "sliding", "full", "full"]

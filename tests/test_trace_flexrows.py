@@ -7,7 +7,12 @@ import torch
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
-from maskcli.trace.flexrows import unvisited  # noqa: E402
+from maskcli.trace.flex import _evaluate  # noqa: E402
+from maskcli.trace.flexrows import unvisited as _unvisited  # noqa: E402
+
+
+def unvisited(*args):
+    return _unvisited(*args, _evaluate)
 
 
 def _reference(mask_mod, block_mask, batch, q_len, k_len):

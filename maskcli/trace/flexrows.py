@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.trace.flex import _evaluate
-
 ROWS = 8
 CELLS = 1 << 22
 
@@ -32,11 +30,25 @@ def _unlisted(block_mask, i: int, k_blocks: int) -> np.ndarray:
     return np.array([j for j in range(k_blocks) if j not in listed], dtype=np.int64)
 
 
-def unvisited(block_mask, batch: int, q_len: int, k_len: int) -> dict | None:
+_LAST: list = [None, None, None]  # the last BlockMask read (held, so that its id is not reused), its key, its answer
+
+
+def unvisited(block_mask, batch: int, q_len: int, k_len: int, evaluate) -> dict | None:
     """{"row", "query", "key", "cells", "keys"} of the first batch row >= 1 whose mask_mod keeps cells in key blocks the
-    one plane's lists never visit (a (q, k) cell, how many such cells, the key range); None where none does."""
+    one plane's lists never visit (a (q, k) cell, how many such cells, the key range); None where none does.
+    `evaluate`: trace/flex.py's reading of a mask_mod on (rows, cols). The answer for one BlockMask is kept: every
+    layer of a model call is handed the same one."""
     if block_mask is None or batch < 2 or int(block_mask.kv_num_blocks.shape[0]) != 1:
         return None
+    key = (batch, q_len, k_len)
+    if _LAST[0] is block_mask and _LAST[1] == key:
+        return _LAST[2]
+    found = _unvisited(block_mask, batch, q_len, k_len, evaluate)
+    _LAST[:] = [block_mask, key, found]
+    return found
+
+
+def _unvisited(block_mask, batch: int, q_len: int, k_len: int, _evaluate) -> dict | None:
     q_block, kv_block = (int(x) for x in block_mask.BLOCK_SIZE)
     k_blocks = -(-k_len // kv_block)
     device = block_mask.kv_indices.device
