@@ -55,6 +55,8 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           "nan-rows-backward": "NaN gradients",  # (no mode runs a backward pass: looked at by hand)
           "unlike-run-alone": "a document attended otherwise than alone",  # (a stretch the program runs alone too:
           # no mode runs a batch beside a stretch of it alone; any such finding here is one to look at by hand)
+          "block-mask-one-row": "keys a later batch row's mask_mod keeps",  # (a B=None BlockMask over a batch: no
+          # family builds a flex BlockMask per batch; any such finding here is one to look at by hand)
           "document-unlike-alone": "a document attended otherwise than alone",  # (no mode runs a packed batch beside
           # each of its documents alone through one call site: any such finding here is one to look at by hand)
           "swin-roll-shift": "windows of other tokens",  # (a vision block's map rolled by another shift: no language

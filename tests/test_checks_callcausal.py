@@ -67,3 +67,56 @@ def test_a_default_left_in_place_or_a_mask_handed_beside_it_says_nothing(tmp_pat
     program.write_text(QUIET)
     status, found, report = traced(tmp_path, "quiet", False, tmp_path)
     assert status == 0 and [f for f in found if f["code"] == "causal-argument-ignored"] == [], report
+
+
+def test_a_helper_called_with_a_literal_causal_false_that_runs_causal(tmp_path):
+    """karpathy/nanochat#805 (written blind, batch blind-ci): the SDPA fallback of `flash_attn_func(..., causal=False)`
+    never received causal and ran is_causal=True. The program's own call line hands the helper causal=False: the
+    kernel's causal mask contradicts it (trace/calledflag.py); its fix, the flag passed on, is quiet."""
+    hit = check_bug(tmp_path, "nanochat_sdpa_fallback_drops_causal_false", "causal-argument-ignored")[0]
+    assert hit["source"] == "BidirectionalSelfAttention.forward: flash_attn_func(..., causal=False)"
+    assert tuple(hit["cell"]) == first((4, 12, 12), lambda b, q, k: k > q)  # the first later key, by a double loop
+
+
+def test_the_same_helper_bug_in_a_padded_encoder_with_a_softmax_of_its_own(tmp_path):
+    """Written another way: a sentence encoder's layer calls `attention(q, k, v, lengths, is_causal=False)` over a
+    right-padded batch; the helper ANDs the triangle in whatever it is told, before a hand-written softmax."""
+    hit = check_bug(tmp_path, "encoder_attention_fn_ignores_is_causal_false", "causal-argument-ignored", FOLDER)[0]
+    assert hit["source"] == "EncoderLayer.forward: attention(..., is_causal=False)"
+    real = [8, 4]  # the rows' real tokens (the program's attention_mask): later real keys hidden, counted by a loop
+    hidden = sum(1 for b in range(2) for q in range(8) for k in range(8) if q < k < real[b])
+    assert f"({hidden} such cells)" in hit["message"]
+
+
+QUIET_HELPER = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def attend(q, k, v, causal_mask=None, is_causal=False):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask)
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(1, -1, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        tri = torch.ones(6, 6, dtype=torch.bool).tril()
+        return attend(q, k, v, causal_mask=tri, is_causal=False)  # its own causal mask handed beside the False
+
+
+with torch.no_grad():
+    Layer()(torch.randn(1, 6, 8))
+"""
+
+
+def test_a_literal_false_beside_a_mask_handed_says_nothing(tmp_path):
+    """A helper called with is_causal=False and a square mask of the program's own: the cells are its word."""
+    program = tmp_path / "quiet_helper.py"
+    program.write_text(QUIET_HELPER)
+    status, found, report = traced(tmp_path, "quiet_helper", False, tmp_path)
+    assert status == 0 and [f for f in found if f["code"] == "causal-argument-ignored"] == [], report

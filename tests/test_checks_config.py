@@ -148,6 +148,10 @@ PROGRAMS = [
     ("engine_backend_window_plus_one", (), "window-off-by-one", "sliding_window=3 (model_config (EngineModelConfig) in serve() of"),
     # the same bug as vllm#4405 written otherwise: 4-D batched scores, matmul, a bool masked_fill, a SimpleNamespace
     ("prefix_prefill_joined_scores_no_window", (), "window-missing", "sliding_window=3 (ENGINE (SimpleNamespace) at the top of"),
+    # Megatron's interleaved_attn_pattern (local, global) in a dict held as self.cfg, a 0-based index read as 1-based:
+    # layer 5 (global by the period) windowed, on a left-padded batch (the same kind as Megatron-Bridge#5441)
+    ("interleaved_pattern_dict_left_padded_off_by_one", (), "window-on-full-layer",
+     "interleaved_attn_pattern=(5, 1) (self.cfg of Model (dict))"),
 ]
 
 
@@ -608,3 +612,15 @@ def test_a_full_layers_own_none_window_beside_a_shared_config(tmp_path):
     # `self.sliding_window = None` and its decoder layer `is_sliding=False`: that full layer's causal mask is right (the
     # fix was called window-missing, each layer's config a source of its own)
     check_bug(tmp_path, "transformers_gemma2_fa2_sliding_layer_zeroes_padding_mask", "real-query-blind")
+
+
+def test_megatron_interleaved_pattern_states_each_layers_kind(tmp_path):
+    """NVIDIA-NeMo/Megatron-Bridge#5441 (written blind, batch blind-ci): `layer_number % sum(pattern) != 0` built the
+    first of two global layers of (3, 2) with a window. The provider's interleaved_attn_pattern (local, global) says
+    layer i (0-based) slides where i % (local + global) < local: layers 3 and 4 are full, and layer 3 is windowed."""
+    flagged = check_bug(tmp_path, "megatron_bridge_gemma4_consecutive_global_layers_get_window", "window-on-full-layer")
+    assert [f["message"].split(" is a ")[0] for f in flagged] == ["layer 3"], flagged
+    assert flagged[0]["source"].startswith("interleaved_attn_pattern=(3, 2) (config (Gemma4ModelProvider) in main()")
+    local, glob = 3, 2  # the reference: Megatron's fixed classifier, 1-based layer numbers
+    kinds = ["sliding" if (n - 1) % (local + glob) < local else "full" for n in range(1, 6)]
+    assert kinds == ["sliding", "sliding", "sliding", "full", "full"]

@@ -36,9 +36,11 @@ def argument_ignored(run: Run) -> list:
         if call.stored is None or q_len != k_len or q_len < 2 or cross(call) or call.details.get("slots") is not None:
             continue
         top = run.top(call)
-        if not said_both_ways(top) or (call.mask, call.shape) in done:
+        word = call.details.get("call_causal")  # (a helper the program called with a literal causal=False: trace/calledflag.py)
+        word = word["said"] if isinstance(word, dict) and word.get("causal") is False else None
+        if word is None and not said_both_ways(top) or (call.mask, call.shape, word) in done:
             continue
-        done.add((call.mask, call.shape))
+        done.add((call.mask, call.shape, word))
         cells = keep(call)
         placed = None if cells is None else _placed(call, run, cells)
         if placed is None or placed.holds("full") or not placed.holds("causal"):
@@ -47,13 +49,14 @@ def argument_ignored(run: Run) -> list:
         if not hidden.any():
             continue
         b, _, q, k = first_cell(hidden)
-        said = f"is_causal=False handed to {top.where or 'the model'}"
+        said = word or f"is_causal=False handed to {top.where or 'the model'}"
+        stated = f"the program calls {word}" if word else \
+            f"the model call was handed is_causal=False ({top.where or 'the model'}(..., is_causal=False))"
+        why = "the helper dropped or defaulted the flag?" if word else "the attention read its module's own is_causal instead?"
         found.append((call, Finding("causal-argument-ignored", (
-            f"{call.where}: the model call was handed is_causal=False ({top.where or 'the model'}(..., "
-            f"is_causal=False)), but its {call.api} over ({q_len}, {k_len}) scores is causal: batch row {b}'s query "
+            f"{call.where}: {stated}, but its {call.api} over ({q_len}, {k_len}) scores is causal: batch row {b}'s query "
             f"{int(placed.own[q])} does not see the later real key {k} ({int(hidden.any(axis=1).sum())} such cells): "
-            f"the "
-            f"caller's word never reached the mask (the attention read its module's own is_causal instead?)"),
+            f"the caller's word never reached the mask ({why})"),
             expected="full", source=said, cell=(b, int(placed.own[q]), k))))
     return found
 

@@ -32,10 +32,11 @@ FIELDS = ("sliding_window", "window_size", "layer_types", "sliding_window_patter
           "use_sliding_window", "max_window_layers", "no_rope_layers", "sliding_window_size",
           "attn_type", "attention_type",  # (SGLang's, vLLM's, AI Edge Torch's attention layers)
           "force_causal_mask", "waitk", "wait_k",  # (torch-to-nnef's export word that the model is causal; wait-k: across.py)
-          "sliding_windows")  # (a streaming encoder's (left, right) window per layer: checks/sidewindows.py)
+          "sliding_windows",  # (a streaming encoder's (left, right) window per layer: checks/sidewindows.py)
+          "interleaved_attn_pattern")  # (Megatron's (local, global) layer counts of one period: Gemma 3 / 4 providers)
 ENCODER_TYPES = ("ENCODER_ONLY", "ENCODER")  # an attn_type that attends both ways (SGLang / vLLM AttentionType)
 IMAGE_IDS = ("image_token_id", "image_token_index")  # kept beside the FIELDS a config states, never alone
-PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers")
+PER_LAYER = ("sliding_window_pattern", "sliding_window_layers", "max_window_layers", "interleaved_attn_pattern")
 COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 NUMBERS = ("layer_idx", "layer_id", "layer_index")  # a module's own 0-based layer number (trace/stated.py)
 NAMES = ("config", "cfg", "args", "hparams", "hp", "params", "model_args", "model_config", "conf", "settings", "opt")
@@ -275,6 +276,11 @@ class Intent:
         if sliding and isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
             full = (index + 1) % pattern == 0  # transformers' Gemma 3 / Cohere2: every pattern-th layer is full
             return ("full_attention" if full else "sliding_attention"), f"sliding_window_pattern={pattern}", False
+        period = self.values.get("interleaved_attn_pattern")  # (local, global): Megatron's `(n - 1) % sum < local`
+        if sliding and isinstance(period, (list, tuple)) and len(period) == 2 and all(
+                type(x) is int and x >= 0 for x in period) and sum(period) > 0:
+            full = index % sum(period) >= period[0]
+            return ("full_attention" if full else "sliding_attention"), f"interleaved_attn_pattern={tuple(period)}", False
         layers = self.values.get("sliding_window_layers")
         if sliding and isinstance(layers, (list, tuple)) and layers:
             if all(isinstance(x, bool) for x in layers):

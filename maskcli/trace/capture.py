@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import maskcli.trace.masks as readers
 import maskcli.trace.queried as queried
+import maskcli.trace.calledflag as calledflag
 from maskcli.trace.masks import Call, Operands
 from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced, said as _said
 from maskcli.trace.outer import Outer
@@ -332,6 +333,7 @@ class Trace(Outer, Follow):
                 seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
             self.sites.note(seen.details, caller, seen.shape)
             queried.note(seen.details, self.sites.stack, seen.api, seen.shape)  # (the layer's own queries, its head count)
+            calledflag.note(seen.details, self.sites.stack, self.sites.walked, seen.shape)  # (a helper's causal= word)
             chunks = held_chunks(self.sites.walked.held) if self.sites.walked is not None else None
             if chunks is not None:  # (a streaming encoder's chunk config its frames hold: checks/chunkleft.py)
                 seen.details["held_chunks"] = chunks

@@ -16,6 +16,7 @@ import torch
 from maskcli.intervals import Intervals
 from maskcli.tracefile import by_row
 from maskcli.trace.masks import Seen, _dtype, _four, everything
+from maskcli.trace.flexrows import unvisited
 from maskcli.trace.queried import query_tensor
 from maskcli.trace.zerokv import zero_kv
 
@@ -39,6 +40,9 @@ def flex(args: tuple, kwargs: dict) -> Seen:
         details["mask_mod"] = getattr(block_mask.mask_mod, "__name__", type(block_mask.mask_mod).__name__)
         details["block_size"] = list(block_mask.BLOCK_SIZE)
         seen.intervals, seen.planes = block_intervals(block_mask, q_len, k_len)
+        lost = unvisited(block_mask, seen.shape[0], q_len, k_len, _evaluate)  # (B=None, a mask_mod reading b: flexrows)
+        if lost is not None:
+            details["blocks_of_row_0"] = lost
     if score_mod is not None:
         details["score_mod_name"] = getattr(score_mod, "__name__", type(score_mod).__name__)
         found, planes, details["score_mod_read"] = score_masking(score_mod, *seen.shape, q.device)
