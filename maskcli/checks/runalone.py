@@ -14,6 +14,11 @@ generate, on the same tokens) attends its keys otherwise by design (document-unl
 Read per batch row, on the batch's calls whose sites the run alone has too; a stretch found nowhere in a row or
 twice, or with an ordinary token beside it (a prompt the row continues, a context the run alone leaves out), says
 nothing, nor a row that is the whole run alone unpadded in a batch of one (the same sequence run twice).
+A call handed an attention_mask of all ones states each of its rows so too, a batch of several rows or one row handed
+as embeddings (their tokens then read by trace/embedids.py: the same vectors, the same id; a float 0/1 mask read as
+the integer one): StateTransformer#93's generate hides the trajectory slots its training forward, the same embeddings
+in a call of the same model with an all-ones mask, keeps real. There the same row run whole twice is said too, where
+what the other call hides is no pad id the model states (a reference run over a row's pads is the doubtful one).
 """
 
 from __future__ import annotations
@@ -27,13 +32,28 @@ from maskcli.text import Finding, spans
 
 
 def _ids(top) -> np.ndarray | None:
-    return next((top.arguments[n] for n in TOKENS if isinstance(top.arguments.get(n), np.ndarray)
+    """The call's token ids (B, L); where it was handed embeddings and no ids, one id per token's vector (trace's
+    embeds_ids: the same vectors, the same id)."""
+    return next((top.arguments[n] for n in (*TOKENS, "embeds_ids") if isinstance(top.arguments.get(n), np.ndarray)
                  and top.arguments[n].ndim == 2), None)
+
+
+def _stated_real(top, ids: np.ndarray) -> bool:
+    """The call was handed an attention_mask of the ids' shape with every token real: each row of it is a sequence of
+    its own, every token real, as the program states it (a batch of several rows, or the whole row of another call)."""
+    real = _mask(top)
+    return isinstance(real, np.ndarray) and real.shape == ids.shape and bool((real != 0).all())
+
+
+def _mask(top):
+    """The model call's attention_mask: its integers, or its floats of 0 and 1 (trace keeps those apart)."""
+    real = top.arguments.get("attention_mask")
+    return real if real is not None else top.arguments.get("float_attention_mask")
 
 
 def _real(top, ids: np.ndarray) -> np.ndarray:
     """Bool (B, L): the model call's attention_mask != 0 where it gives one of the ids' shape, else every token."""
-    real = top.arguments.get("attention_mask")
+    real = _mask(top)
     return real != 0 if isinstance(real, np.ndarray) and real.shape == ids.shape else np.ones(ids.shape, dtype=bool)
 
 
@@ -71,21 +91,25 @@ def _rows(cells: np.ndarray | None, rows: int) -> np.ndarray | None:
 def unlike_run_alone(run: Run) -> list:
     """Tokens the program runs alone that the batch's attention_mask calls padding, or whose queries attend otherwise."""
     tops = [(top, ids) for top in run.tops if (ids := _ids(top)) is not None]
-    alone = [(top, ids[0]) for top, ids in tops if ids.shape[0] == 1 and ids.shape[1] >= 3 and _real(top, ids).all()]
+    alone = [(top, ids[0], False) for top, ids in tops if ids.shape[0] == 1 and ids.shape[1] >= 3 and _real(top, ids).all()]
+    alone += [(top, row, True) for top, ids in tops if ids.shape[1] >= 3 and _stated_real(top, ids)
+              and (ids.shape[0] > 1 or "embeds_ids" in top.arguments) for row in ids]  # (stated: each row real)
     if not alone:
         return []  # (no model call on one unpadded row: most runs stop here)
     found, squares = [], {}
     for top, ids in tops:
         real = _real(top, ids)
         ends = {v for v in (top.arguments.get("pad_id"), top.arguments.get("eos_id")) if isinstance(v, int)}
-        for other, stretch in alone:
+        for other, stretch, stated in alone:
             n = len(stretch)
-            if other is top or other.where != top.where or ids.shape == (1, n):
+            if other is top or other.where != top.where or ids.shape == (1, n) and not stated:
                 continue
             for b in range(ids.shape[0]):
                 i = _at(ids[b], stretch)
                 if i is None or not _bounded(ids[b], real[b], i, n, ends):
                     continue
+                if stated and n == ids.shape[1] and not _hidden_real(ids[b], real[b], top):
+                    continue  # (the same row run twice: said only where what it hides is no pad id)
                 if id(top) not in squares:
                     squares[id(top)] = _square(run, top, ids.shape[1])
                 mine, theirs = squares[id(top)], _square(run, other, n)
@@ -94,14 +118,17 @@ def unlike_run_alone(run: Run) -> list:
                     continue
                 hit = _first(mine, sites, ids.shape[0], i, n, real[b], b)
                 said = f"the program runs tokens {spans(list(range(i, i + n)))} of batch row {b} alone ({n} tokens, " \
-                       f"another call of {top.where})"
+                       f"another call of {top.where})" if not stated else \
+                       f"the program runs tokens {spans(list(range(i, i + n)))} of batch row {b} as a row of another " \
+                       f"call of {top.where} ({n} tokens, its attention_mask all ones)"
                 hidden = np.flatnonzero(~real[b, i:i + n]) + i
                 if len(hidden):
                     k = int(hidden[0])
                     call = mine[sites[0]][0]
+                    token = f"id {int(ids[b, k])}" if "embeds_ids" not in top.arguments else "handed as embeddings"
                     found.append((call, Finding("unlike-run-alone", (
                         f"{said}, each of them real; but the attention_mask of this call calls {len(hidden)} of them "
-                        f"padding (token {k}, id {int(ids[b, k])}): a real token of that sequence hidden from the batch"),
+                        f"padding (token {k}, {token}): a real token of that sequence hidden from the batch"),
                         expected="every token the program runs alone real in the batch",
                         source=f"the attention_mask of {top.where}, against the program's run of those tokens alone",
                         cell=(b, k, k))))
@@ -114,6 +141,13 @@ def unlike_run_alone(run: Run) -> list:
                         source="the program's run of those tokens alone", cell=(b, q, k))))
                 break  # (one finding a batch call per stretch run alone)
     return found
+
+
+def _hidden_real(row: np.ndarray, real: np.ndarray, top) -> bool:
+    """A row the program also runs whole with every token real hides tokens none of which is the model's pad id."""
+    pad = top.arguments.get("pad_id")
+    hidden = row[~real]
+    return bool(hidden.size) and ("embeds_ids" in top.arguments or not isinstance(pad, int) or not (hidden == pad).any())
 
 
 def _first(mine: dict, sites: list, rows: int, i: int, n: int, real: np.ndarray, b: int):
