@@ -14,11 +14,13 @@ generate, on the same tokens) attends its keys otherwise by design (document-unl
 Read per batch row, on the batch's calls whose sites the run alone has too; a stretch found nowhere in a row or
 twice, or with an ordinary token beside it (a prompt the row continues, a context the run alone leaves out), says
 nothing, nor a row that is the whole run alone unpadded in a batch of one (the same sequence run twice).
-A call handed an attention_mask of all ones states each of its rows so too, a batch of several rows or one row handed
-as embeddings (their tokens then read by trace/embedids.py: the same vectors, the same id; a float 0/1 mask read as
-the integer one): StateTransformer#93's generate hides the trajectory slots its training forward, the same embeddings
-in a call of the same model with an all-ones mask, keeps real. There the same row run whole twice is said too, where
-what the other call hides is no pad id the model states (a reference run over a row's pads is the doubtful one).
+A call handed an attention_mask states each of its rows too, in a batch of several rows or one row handed as
+embeddings (their tokens read by trace/embedids.py: the same vectors, the same id; a float 0/1 mask read as the
+integer one): where another call of the same model runs the same row, whole, and calls padding tokens the first keeps
+real, each of them after every token it keeps (it cuts the sequence short as right padding), that is wrong
+(StateTransformer#93: generate hides the trajectory slots that its training forward, the same embeddings with an
+all-ones mask, keeps real). Not said of a run of hidden tokens before a kept one (a context masked on purpose, as an
+ablation or contrastive decoding hides one), nor of tokens that are the pad id the model states.
 """
 
 from __future__ import annotations
@@ -36,13 +38,6 @@ def _ids(top) -> np.ndarray | None:
     embeds_ids: the same vectors, the same id)."""
     return next((top.arguments[n] for n in (*TOKENS, "embeds_ids") if isinstance(top.arguments.get(n), np.ndarray)
                  and top.arguments[n].ndim == 2), None)
-
-
-def _stated_real(top, ids: np.ndarray) -> bool:
-    """The call was handed an attention_mask of the ids' shape with every token real: each row of it is a sequence of
-    its own, every token real, as the program states it (a batch of several rows, or the whole row of another call)."""
-    real = _mask(top)
-    return isinstance(real, np.ndarray) and real.shape == ids.shape and bool((real != 0).all())
 
 
 def _mask(top):
@@ -91,25 +86,21 @@ def _rows(cells: np.ndarray | None, rows: int) -> np.ndarray | None:
 def unlike_run_alone(run: Run) -> list:
     """Tokens the program runs alone that the batch's attention_mask calls padding, or whose queries attend otherwise."""
     tops = [(top, ids) for top in run.tops if (ids := _ids(top)) is not None]
-    alone = [(top, ids[0], False) for top, ids in tops if ids.shape[0] == 1 and ids.shape[1] >= 3 and _real(top, ids).all()]
-    alone += [(top, row, True) for top, ids in tops if ids.shape[1] >= 3 and _stated_real(top, ids)
-              and (ids.shape[0] > 1 or "embeds_ids" in top.arguments) for row in ids]  # (stated: each row real)
+    alone = [(top, ids[0]) for top, ids in tops if ids.shape[0] == 1 and ids.shape[1] >= 3 and _real(top, ids).all()]
     if not alone:
-        return []  # (no model call on one unpadded row: most runs stop here)
+        return _rows_twice(run, tops)  # (no model call on one unpadded row: most runs stop here)
     found, squares = [], {}
     for top, ids in tops:
         real = _real(top, ids)
         ends = {v for v in (top.arguments.get("pad_id"), top.arguments.get("eos_id")) if isinstance(v, int)}
-        for other, stretch, stated in alone:
+        for other, stretch in alone:
             n = len(stretch)
-            if other is top or other.where != top.where or ids.shape == (1, n) and not stated:
+            if other is top or other.where != top.where or ids.shape == (1, n):
                 continue
             for b in range(ids.shape[0]):
                 i = _at(ids[b], stretch)
                 if i is None or not _bounded(ids[b], real[b], i, n, ends):
                     continue
-                if stated and n == ids.shape[1] and not _hidden_real(ids[b], real[b], top):
-                    continue  # (the same row run twice: said only where what it hides is no pad id)
                 if id(top) not in squares:
                     squares[id(top)] = _square(run, top, ids.shape[1])
                 mine, theirs = squares[id(top)], _square(run, other, n)
@@ -118,17 +109,14 @@ def unlike_run_alone(run: Run) -> list:
                     continue
                 hit = _first(mine, sites, ids.shape[0], i, n, real[b], b)
                 said = f"the program runs tokens {spans(list(range(i, i + n)))} of batch row {b} alone ({n} tokens, " \
-                       f"another call of {top.where})" if not stated else \
-                       f"the program runs tokens {spans(list(range(i, i + n)))} of batch row {b} as a row of another " \
-                       f"call of {top.where} ({n} tokens, its attention_mask all ones)"
+                       f"another call of {top.where})"
                 hidden = np.flatnonzero(~real[b, i:i + n]) + i
                 if len(hidden):
                     k = int(hidden[0])
                     call = mine[sites[0]][0]
-                    token = f"id {int(ids[b, k])}" if "embeds_ids" not in top.arguments else "handed as embeddings"
                     found.append((call, Finding("unlike-run-alone", (
                         f"{said}, each of them real; but the attention_mask of this call calls {len(hidden)} of them "
-                        f"padding (token {k}, {token}): a real token of that sequence hidden from the batch"),
+                        f"padding (token {k}, {_token(top, ids, b, k)}): a real token of that sequence hidden from the batch"),
                         expected="every token the program runs alone real in the batch",
                         source=f"the attention_mask of {top.where}, against the program's run of those tokens alone",
                         cell=(b, k, k))))
@@ -140,14 +128,50 @@ def unlike_run_alone(run: Run) -> list:
                         expected="each real query of the stretch seeing no real key outside it",
                         source="the program's run of those tokens alone", cell=(b, q, k))))
                 break  # (one finding a batch call per stretch run alone)
+    return found + _rows_twice(run, tops)
+
+
+def _token(top, ids: np.ndarray, b: int, k: int) -> str:
+    return "handed as embeddings" if "embeds_ids" in top.arguments else f"id {int(ids[b, k])}"
+
+
+def _rows_twice(run: Run, tops: list) -> list:
+    """Rows a call states real in its attention_mask that another call of the same model, over the same row, calls
+    padding after every token it keeps: the program's own statement of that row against a mask that cuts it short."""
+    stated = [(top, ids, _real(top, ids)) for top, ids in tops if getattr(_mask(top), "shape", None) == ids.shape
+              and ids.shape[1] >= 3 and (ids.shape[0] > 1 or "embeds_ids" in top.arguments)]
+    found, squares = [], {}
+    for top, ids in tops:
+        real, pad = _real(top, ids), top.arguments.get("pad_id")
+        for other, theirs, said_real in stated:
+            if other is top or other.where != top.where or theirs.shape[1] != ids.shape[1]:
+                continue
+            for b in range(ids.shape[0]):
+                same = np.flatnonzero((theirs == ids[b]).all(axis=1))
+                if len(same) != 1:
+                    continue
+                hidden = np.flatnonzero(said_real[same[0]] & ~real[b])
+                kept = np.flatnonzero(real[b])
+                if not len(hidden) or not len(kept) or hidden[0] < kept[-1] \
+                        or isinstance(pad, int) and "embeds_ids" not in top.arguments and (ids[b, hidden] == pad).any():
+                    continue  # (said only of tokens after all it keeps, none of them a pad id the model states)
+                for one in (top, other):
+                    if id(one) not in squares:
+                        squares[id(one)] = _square(run, one, ids.shape[1])
+                sites = [where for where in squares[id(top)] if where in squares[id(other)]]
+                if not sites:
+                    continue
+                k, n = int(hidden[0]), ids.shape[1]
+                found.append((squares[id(top)][sites[0]][0], Finding("unlike-run-alone", (
+                    f"the program runs batch row {b} ({n} tokens) as row {int(same[0])} of another call of "
+                    f"{top.where}, whose attention_mask keeps tokens {spans(hidden.tolist())} real; but the "
+                    f"attention_mask of this call calls them padding after its last real token (token {k}, "
+                    f"{_token(top, ids, b, k)}): real tokens of that sequence cut off as if padding"),
+                    expected="every token the program's other run of the row keeps real, real here",
+                    source=f"the attention_mask of {top.where}, against the program's other run of the same row",
+                    cell=(b, k, k))))
+                break  # (one finding a call per run that states the row)
     return found
-
-
-def _hidden_real(row: np.ndarray, real: np.ndarray, top) -> bool:
-    """A row the program also runs whole with every token real hides tokens none of which is the model's pad id."""
-    pad = top.arguments.get("pad_id")
-    hidden = row[~real]
-    return bool(hidden.size) and ("embeds_ids" in top.arguments or not isinstance(pad, int) or not (hidden == pad).any())
 
 
 def _first(mine: dict, sites: list, rows: int, i: int, n: int, real: np.ndarray, b: int):
