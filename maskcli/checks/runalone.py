@@ -135,6 +135,15 @@ def _token(top, ids: np.ndarray, b: int, k: int) -> str:
     return "handed as embeddings" if "embeds_ids" in top.arguments else f"id {int(ids[b, k])}"
 
 
+def _cut_short(row: np.ndarray, said: np.ndarray, real: np.ndarray, pad) -> np.ndarray:
+    """The tokens of a row that one run keeps real (`said`) and another calls padding (`real` False), where each lies
+    after every token the other run keeps and none is the pad id (an int, or None); else none."""
+    hidden, kept = np.flatnonzero(said & ~real), np.flatnonzero(real)
+    if not len(hidden) or not len(kept) or hidden[0] < kept[-1] or isinstance(pad, int) and (row[hidden] == pad).any():
+        return hidden[:0]  # (said only of tokens after all it keeps, none of them a pad id the model states)
+    return hidden
+
+
 def _rows_twice(run: Run, tops: list) -> list:
     """Rows a call states real in its attention_mask that another call of the same model, over the same row, calls
     padding after every token it keeps: the program's own statement of that row against a mask that cuts it short."""
@@ -150,11 +159,9 @@ def _rows_twice(run: Run, tops: list) -> list:
                 same = np.flatnonzero((theirs == ids[b]).all(axis=1))
                 if len(same) != 1:
                     continue
-                hidden = np.flatnonzero(said_real[same[0]] & ~real[b])
-                kept = np.flatnonzero(real[b])
-                if not len(hidden) or not len(kept) or hidden[0] < kept[-1] \
-                        or isinstance(pad, int) and "embeds_ids" not in top.arguments and (ids[b, hidden] == pad).any():
-                    continue  # (said only of tokens after all it keeps, none of them a pad id the model states)
+                hidden = _cut_short(ids[b], said_real[same[0]], real[b], None if "embeds_ids" in top.arguments else pad)
+                if not len(hidden):
+                    continue
                 for one in (top, other):
                     if id(one) not in squares:
                         squares[id(one)] = _square(run, one, ids.shape[1])
