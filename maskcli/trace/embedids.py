@@ -12,7 +12,7 @@ import torch
 from maskcli.trace.padded import MOST  # (elements of one argument kept: the ids' (B, L))
 
 EMBEDS = ("inputs_embeds", "input_embeds", "embeds", "embeddings")
-_CELLS = 1 << 24  # (B, L, D) elements hashed at most: a larger input is not read
+_CELLS = 1 << 22  # (B, L, D) elements hashed at most (32 MB of int64 made once): a larger input is not read
 _WEIGHTS: dict = {}
 
 
