@@ -89,6 +89,8 @@ def mask_dropped(run: Run) -> list:
         lost = call.details.get("dropped_mask")
         if not lost or (call.mask, lost["name"]) in done or cross(call) and "(bool" in lost["name"]:
             continue  # (a cross-attention's frames hold the queries' own bool mask too: only an additive one is read)
+        if "over_weights" in call.details:
+            continue  # (a softmax over an earlier one's weights, whose scores the mask reached: checks/weighted.py)
         done.add((call.mask, lost["name"]))
         b, h, q, k = lost["cell"]
         found.append((call, Finding("mask-argument-dropped", (
