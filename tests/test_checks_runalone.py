@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from checkbugs import check_bug
-from maskcli.checks.runalone import _at, _bounded
+from maskcli.checks.runalone import _at, _bounded, _cut_short
 
 RUNALONE = Path(__file__).parent / "data" / "runalone"
 
@@ -60,3 +60,41 @@ def test_a_stretch_is_read_once_and_bounded_against_a_loop():
         left = "edge" if i == 0 else ("pad" if not real[i - 1] else int(row[i - 1]))
         right = "edge" if i + n == 8 else ("pad" if not real[i + n] else int(row[i + n]))
         assert _bounded(row, real, i, n, {0}) == (left in ("edge", "pad", 0) and right in ("edge", "pad", 0))
+
+
+def test_trajectory_slots_hidden_at_generate_that_training_keeps_real_are_found(tmp_path):
+    """Tsinghua-MARS-Lab/StateTransformer#93 (written blind, batch blind-ck): generate's last pass zeroes the attention
+    mask over the trajectory slots; the program's training forward runs the same embeddings (inputs_embeds, no ids)
+    through the same GPT2Model with an all-ones mask. Fixed: the all-ones mask."""
+    [hit, *_] = check_bug(tmp_path, "statetransformer_generate_masks_future_trajectory_slots", "unlike-run-alone")
+    assert hit["message"].startswith("the program runs batch row 0 (18 tokens) as row 0 of another call of transformer")
+    assert "keeps tokens 10-17 real" in hit["message"] and "(token 10, handed as embeddings)" in hit["message"]
+    assert hit["cell"] == [0, 10, 10]
+
+
+def test_plan_slots_hidden_in_a_left_padded_batch_are_found(tmp_path):
+    """Written another way: a hand-written planner GPT over token ids, a left-padded batch, an explicit softmax over
+    causal AND the attention_mask; the planner zeroes the plan slots its training forward keeps real. Fixed: the
+    collator's mask."""
+    [hit, *_] = check_bug(tmp_path, "trajectory_planner_plan_slots_masked_left_padded", "unlike-run-alone", RUNALONE)
+    assert "keeps tokens 7-10 real" in hit["message"] and "(token 7, id 1)" in hit["message"]
+    assert hit["cell"] == [0, 7, 7]
+
+
+def test_a_row_run_twice_is_said_only_where_the_second_run_cuts_it_short():
+    """The tokens said against a loop over positions: each one the first run keeps and the second hides, said where
+    every one of them lies after every token the second keeps and none is the pad id; a context hidden before a kept
+    token (an ablation), a row hidden whole, or a pad id says nothing."""
+    rng = np.random.default_rng(1)
+    seen = 0
+    for _ in range(500):
+        row = rng.integers(0, 5, size=7)
+        said, real = rng.random(7) < 0.85, rng.random(7) < 0.6
+        pad = None if rng.random() < 0.3 else int(rng.integers(0, 5))
+        hidden = [k for k in range(7) if said[k] and not real[k]]
+        last_kept = max((k for k in range(7) if real[k]), default=None)
+        cut = hidden and last_kept is not None and all(k > last_kept for k in hidden) \
+            and not any(pad is not None and row[k] == pad for k in hidden)
+        assert _cut_short(row, said, real, pad).tolist() == (hidden if cut else [])
+        seen += bool(cut)
+    assert seen > 20

@@ -14,6 +14,13 @@ generate, on the same tokens) attends its keys otherwise by design (document-unl
 Read per batch row, on the batch's calls whose sites the run alone has too; a stretch found nowhere in a row or
 twice, or with an ordinary token beside it (a prompt the row continues, a context the run alone leaves out), says
 nothing, nor a row that is the whole run alone unpadded in a batch of one (the same sequence run twice).
+A call handed an attention_mask states each of its rows too, in a batch of several rows or one row handed as
+embeddings (their tokens read by trace/embedids.py: the same vectors, the same id; a float 0/1 mask read as the
+integer one): where another call of the same model runs the same row, whole, and calls padding tokens the first keeps
+real, each of them after every token it keeps (it cuts the sequence short as right padding), that is wrong
+(StateTransformer#93: generate hides the trajectory slots that its training forward, the same embeddings with an
+all-ones mask, keeps real). Not said of a run of hidden tokens before a kept one (a context masked on purpose, as an
+ablation or contrastive decoding hides one), nor of tokens that are the pad id the model states.
 """
 
 from __future__ import annotations
@@ -27,13 +34,21 @@ from maskcli.text import Finding, spans
 
 
 def _ids(top) -> np.ndarray | None:
-    return next((top.arguments[n] for n in TOKENS if isinstance(top.arguments.get(n), np.ndarray)
+    """The call's token ids (B, L); where it was handed embeddings and no ids, one id per token's vector (trace's
+    embeds_ids: the same vectors, the same id)."""
+    return next((top.arguments[n] for n in (*TOKENS, "embeds_ids") if isinstance(top.arguments.get(n), np.ndarray)
                  and top.arguments[n].ndim == 2), None)
+
+
+def _mask(top):
+    """The model call's attention_mask: its integers, or its floats of 0 and 1 (trace keeps those apart)."""
+    real = top.arguments.get("attention_mask")
+    return real if real is not None else top.arguments.get("float_attention_mask")
 
 
 def _real(top, ids: np.ndarray) -> np.ndarray:
     """Bool (B, L): the model call's attention_mask != 0 where it gives one of the ids' shape, else every token."""
-    real = top.arguments.get("attention_mask")
+    real = _mask(top)
     return real != 0 if isinstance(real, np.ndarray) and real.shape == ids.shape else np.ones(ids.shape, dtype=bool)
 
 
@@ -73,7 +88,7 @@ def unlike_run_alone(run: Run) -> list:
     tops = [(top, ids) for top in run.tops if (ids := _ids(top)) is not None]
     alone = [(top, ids[0]) for top, ids in tops if ids.shape[0] == 1 and ids.shape[1] >= 3 and _real(top, ids).all()]
     if not alone:
-        return []  # (no model call on one unpadded row: most runs stop here)
+        return _rows_twice(run, tops)  # (no model call on one unpadded row: most runs stop here)
     found, squares = [], {}
     for top, ids in tops:
         real = _real(top, ids)
@@ -101,7 +116,7 @@ def unlike_run_alone(run: Run) -> list:
                     call = mine[sites[0]][0]
                     found.append((call, Finding("unlike-run-alone", (
                         f"{said}, each of them real; but the attention_mask of this call calls {len(hidden)} of them "
-                        f"padding (token {k}, id {int(ids[b, k])}): a real token of that sequence hidden from the batch"),
+                        f"padding (token {k}, {_token(top, ids, b, k)}): a real token of that sequence hidden from the batch"),
                         expected="every token the program runs alone real in the batch",
                         source=f"the attention_mask of {top.where}, against the program's run of those tokens alone",
                         cell=(b, k, k))))
@@ -113,6 +128,56 @@ def unlike_run_alone(run: Run) -> list:
                         expected="each real query of the stretch seeing no real key outside it",
                         source="the program's run of those tokens alone", cell=(b, q, k))))
                 break  # (one finding a batch call per stretch run alone)
+    return found + _rows_twice(run, tops)
+
+
+def _token(top, ids: np.ndarray, b: int, k: int) -> str:
+    return "handed as embeddings" if "embeds_ids" in top.arguments else f"id {int(ids[b, k])}"
+
+
+def _cut_short(row: np.ndarray, said: np.ndarray, real: np.ndarray, pad) -> np.ndarray:
+    """The tokens of a row that one run keeps real (`said`) and another calls padding (`real` False), where each lies
+    after every token the other run keeps and none is the pad id (an int, or None); else none."""
+    hidden, kept = np.flatnonzero(said & ~real), np.flatnonzero(real)
+    if not len(hidden) or not len(kept) or hidden[0] < kept[-1] or isinstance(pad, int) and (row[hidden] == pad).any():
+        return hidden[:0]  # (said only of tokens after all it keeps, none of them a pad id the model states)
+    return hidden
+
+
+def _rows_twice(run: Run, tops: list) -> list:
+    """Rows a call states real in its attention_mask that another call of the same model, over the same row, calls
+    padding after every token it keeps: the program's own statement of that row against a mask that cuts it short."""
+    stated = [(top, ids, _real(top, ids)) for top, ids in tops if getattr(_mask(top), "shape", None) == ids.shape
+              and ids.shape[1] >= 3 and (ids.shape[0] > 1 or "embeds_ids" in top.arguments)]
+    found, squares = [], {}
+    for top, ids in tops:
+        real, pad = _real(top, ids), top.arguments.get("pad_id")
+        for other, theirs, said_real in stated:
+            if other is top or other.where != top.where or theirs.shape[1] != ids.shape[1]:
+                continue
+            for b in range(ids.shape[0]):
+                same = np.flatnonzero((theirs == ids[b]).all(axis=1))
+                if len(same) != 1:
+                    continue
+                hidden = _cut_short(ids[b], said_real[same[0]], real[b], None if "embeds_ids" in top.arguments else pad)
+                if not len(hidden):
+                    continue
+                for one in (top, other):
+                    if id(one) not in squares:
+                        squares[id(one)] = _square(run, one, ids.shape[1])
+                sites = [where for where in squares[id(top)] if where in squares[id(other)]]
+                if not sites:
+                    continue
+                k, n = int(hidden[0]), ids.shape[1]
+                found.append((squares[id(top)][sites[0]][0], Finding("unlike-run-alone", (
+                    f"the program runs batch row {b} ({n} tokens) as row {int(same[0])} of another call of "
+                    f"{top.where}, whose attention_mask keeps tokens {spans(hidden.tolist())} real; but the "
+                    f"attention_mask of this call calls them padding after its last real token (token {k}, "
+                    f"{_token(top, ids, b, k)}): real tokens of that sequence cut off as if padding"),
+                    expected="every token the program's other run of the row keeps real, real here",
+                    source=f"the attention_mask of {top.where}, against the program's other run of the same row",
+                    cell=(b, k, k))))
+                break  # (one finding a call per run that states the row)
     return found
 
 

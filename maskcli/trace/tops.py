@@ -19,6 +19,7 @@ import torch
 from maskcli.checks.context import STARTS, Top  # (STARTS: the first query's position as an int)
 from maskcli.checks.intent import StaticView, dynamic, read
 from maskcli.trace.causalarg import causal_arg
+from maskcli.trace.embedids import embed_ids, float_mask
 from maskcli.trace.handedcells import handed_cells
 from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids
@@ -127,6 +128,8 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(_token_ids(module))
     found.update(nested_ids(given, found))  # (ids of more axes beside that pad id: RETRO's neighbours)
     found.update(_zeros(given, found))
+    found.update(embed_ids(given, found))  # (tokens handed as embeddings: one id each, checks/runalone.py)
+    found.update(float_mask(given, found))  # (a 0/1 float attention_mask, kept apart: checks/runalone.py)
     found.update(_images(given))
     found.update(zero_units(given))  # (an image input's tiles that are exactly 0: checks/tiles.py)
     if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw")):
