@@ -85,3 +85,37 @@ def test_a_cross_mask_whose_imageless_rows_keep_every_tile_is_not_said_to_look_f
     assert [f for f in groups[given.index].findings if f.code == "polarity"] == []
     [said] = [f for f in groups[flipped.index].findings if f.code == "polarity"]
     assert said.message.startswith("read the other way round it is causal")
+
+
+def test_guidance_rows_over_zero_values_are_left_out_of_the_other_reading():
+    """A cross-attention over a text condition padded on the right, doubled for classifier-free guidance: the null rows
+    keep no key and read states that are 0 under bias-free projections (MusicGen's generate). Their product with the
+    values is 0, so they are left out: the rest is plain right padding, no sign of a polarity slip, and a batch of
+    null rows alone says nothing either. The same mask over values that are not 0 still looks flipped."""
+    import torch
+
+    import maskcli
+
+    torch.manual_seed(0)
+    lengths = [6, 3, 1, 0, 0, 0]
+    keep = torch.tensor([[k < n for k in range(6)] for n in lengths])  # (6, 6): batch row x key, by a loop
+    states = torch.randn(6, 6, 8)
+    states[3:] = 0  # the null rows' zero states
+    proj = torch.nn.Linear(8, 8, bias=False)
+
+    def attend(x, mask):
+        k = v = proj(x)[:, None]  # (B, 1, 6, 8)
+        q = torch.randn(x.shape[0], 1, 2, 8)
+        scores = q @ k.transpose(-1, -2) + torch.where(mask, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+        return torch.softmax(scores, -1) @ v
+
+    with torch.no_grad(), maskcli.trace() as t:
+        out = attend(states, keep)
+        attend(states[3:], keep[3:])
+    assert out[3:].abs().max() == 0
+    found = {g.calls[0].index: [f.code for f in g.findings] for g in t.groups()}
+    assert "polarity" not in found[0] and "polarity" not in found[1]
+    with torch.no_grad(), maskcli.trace() as t:
+        attend(states + 1, keep)  # (the null rows' values not 0: no reading left out)
+    [group] = t.groups()
+    assert "polarity" in [f.code for f in group.findings]

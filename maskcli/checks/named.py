@@ -65,7 +65,8 @@ def _edge_padding(call) -> bool:
     """The mask as given is a key padding mask padded at either end (each batch row's queries, over its heads, keep one
     run of keys that starts at the first or ends at the last, some row keeping every key, or some queries keeping every
     key and the others the run): its reversed reading is the other end's padding, no sign of a polarity slip (a
-    left-padded encoder memory)."""
+    left-padded encoder memory). Rows that see no key at all and read only values of 0 (trace/after.py's
+    `zeroed_output` "values": MusicGen's guidance rows over zeroed states) are left out of the reading."""
     import numpy as np
 
     from maskcli.checks.context import keep
@@ -80,6 +81,10 @@ def _edge_padding(call) -> bool:
         if rows is None:
             return False
     kept = rows[:, 0]  # (b, Lk)
+    if call.details.get("zeroed_output") == "values":  # (rows that see no key read values that are all 0: a null
+        kept = kept[kept.any(axis=1)]  # condition's, classifier-free guidance's; no padding to read either way)
+        if not kept.size:
+            return True
     if not (some_full or kept.all(axis=1).any()) or not kept.any(axis=1).all():
         return False
     count = kept.sum(axis=1, keepdims=True)
