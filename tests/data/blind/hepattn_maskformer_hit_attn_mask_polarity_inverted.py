@@ -117,6 +117,8 @@ class ObjectHitMaskTask(nn.Module):
             attn_mask = outputs[self.output_object_hit + "_logit"].detach().sigmoid() >= threshold
         else:
             attn_mask = outputs[self.output_object_hit + "_logit"].detach().sigmoid() < threshold
+        # If the attn mask is completely padded for a given entry, unpad it
+        attn_mask[torch.where(torch.all(attn_mask, dim=-1))] = False
         return {self.input_hit: attn_mask}
 
 
