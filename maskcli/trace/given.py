@@ -176,14 +176,25 @@ def _module_arguments(frame) -> list:
     module, args, kwargs = variables.get("self"), variables.get("args") or (), variables.get("kwargs") or {}
     if not isinstance(module, torch.nn.Module) or not isinstance(kwargs, dict):
         return []
-    named = dict(kwargs)
-    if args:
-        try:
-            named = inspect.signature(type(module).forward).bind_partial(module, *args, **kwargs).arguments
-        except (TypeError, ValueError):
-            pass
-    return [(name, value) for name, value in named.items()
-            if isinstance(name, str) and (name in NAMES or name.endswith(SUFFIXES)) and value is not None]
+    named = [(name, args[at]) for at, name in _mask_positions(type(module)) if at < len(args)]
+    named += [(name, value) for name, value in kwargs.items() if isinstance(name, str) and _masklike(name)]
+    return [(name, value) for name, value in named if value is not None]
+
+
+def _masklike(name: str) -> bool:
+    return name in NAMES or name.endswith(SUFFIXES)
+
+
+@functools.cache
+def _mask_positions(cls) -> tuple[tuple[int, str], ...]:
+    """(index in a call's positional args, name) of each positional parameter of `cls.forward` named like an attention
+    mask (its signature read once a class)."""
+    try:
+        parameters = list(inspect.signature(cls.forward).parameters.values())[1:]  # (self)
+    except (TypeError, ValueError):
+        return ()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple((at, p.name) for at, p in enumerate(parameters) if p.kind in positional and _masklike(p.name))
 
 
 def _starts(value, name: str) -> list[int] | None:
