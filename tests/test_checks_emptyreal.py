@@ -89,3 +89,20 @@ def test_media_cross_attention_with_a_sample_that_has_no_image(tmp_path):
     flagged = check_bug(tmp_path, "media_cross_attention_sample_without_image", "fully-masked", folder)
     heads, sample = 2, 1
     assert flagged[0]["message"].startswith(f"every query of batch row {sample * heads} sees no key"), flagged
+
+
+def test_null_guidance_rows_whose_values_are_zero_read_nothing(tmp_path):
+    # written here (tests/data/emptycross/), after quiet-v's MusicGen program: classifier-free guidance's null rows see
+    # no key under a finite fill. Their uniform weights read the text's states where the program kept them (wrong: the
+    # condition leaks into the unconditional branch); where it zeroed them, as MusicGen does, the bias-free
+    # projections make every value they read 0, and the product is 0 there, as zeroing the output would make it.
+    from pathlib import Path
+
+    from checkbugs import traced
+
+    folder = Path(__file__).parent / "data" / "emptycross"
+    flagged = check_bug(tmp_path, "cfg_null_rows_keep_condition_states", "fully-masked", folder)
+    assert flagged[0]["message"].startswith("every query of batch row 2 sees no key of its context at all"), flagged
+    _, findings, report = traced(tmp_path, "cfg_null_rows_keep_condition_states", True, folder)
+    assert [(f["code"], f["severity"]) for f in findings if f["code"] == "fully-masked"] == [("fully-masked", "note")]
+    assert "0 output there (the values those rows read are all 0)" in " ".join(report.split())

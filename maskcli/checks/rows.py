@@ -26,6 +26,8 @@ def what_api_does(call) -> str:
         return "0 output there (the sink logit, left out, takes the softmax's whole weight)"
     if api == "softmax" and details.get("zeroed_after"):  # masked_fill(weights, mask, 0) after it (trace/after.py)
         return "0 output there (the program zeroes those rows' weights after the softmax)"
+    if api == "softmax" and details.get("zeroed_output") == "values":  # (weights @ v is 0 there: trace/after.py)
+        return "0 output there (the values those rows read are all 0)"
     if api == "softmax" and details.get("zeroed_output"):  # masked_fill(weights @ v, rows, 0) (trace/after.py)
         return "0 output there (the program zeroes those rows' output after the product with the values)"
     if api == "softmax":

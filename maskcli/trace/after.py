@@ -20,7 +20,9 @@ layer before, read here as values; checks/nans.py).
 The product's output is followed too where some query row saw no key: a masked_fill of it with 0 over every such
 row (x-transformers' `out.masked_fill(row_is_entirely_masked[..., None], 0.)`, 35f7000), or a product of it with a
 0/1 tensor that is 0 there, sets those rows' output to 0
-whatever the softmax gave them (details `zeroed_output`: checks/rows.py's what_api_does says so).
+whatever the softmax gave them (details `zeroed_output`: checks/rows.py's what_api_does says so). Where the product
+itself is 0 in every such row (the values they read are 0: MusicGen's classifier-free-guidance rows, zero states under
+a bias-free projection), their uniform weights did no harm: `zeroed_output` is "values".
 
 A fill of -inf (or a finite fill at most -1e4) written into those weights (NISQA's `att[~mask] = -inf` after
 `softmax`) is a mask applied after the softmax: the softmax already gave those keys weight, and the weights now hold
@@ -172,6 +174,9 @@ class After:
         with torch.no_grad():
             empty = ~seen.keep.any(dim=-1)  # (.., Lq): rows that see no key
             if bool(empty.any()):
+                if _zero_where(out, empty):  # (the values they read are 0: MusicGen's classifier-free-guidance rows,
+                    # zero states under a bias-free projection, whose uniform weights give 0 as a fill of 0 would)
+                    call.details["zeroed_output"] = seen.details["zeroed_output"] = "values"
                 self._follow_output(out, call, seen, empty)
             nan = torch.isnan(out).any(dim=-1)  # (.., Lq): the weights read only where the output has NaN at all
             if not bool(nan.any()):
@@ -289,6 +294,13 @@ def _backward(out: torch.Tensor, values, weights: torch.Tensor, call, seen) -> N
         out.register_hook(reached)
     except RuntimeError:
         pass
+
+
+def _zero_where(out: torch.Tensor, empty: torch.Tensor) -> bool:
+    """Whether every output row of weights @ v at the `empty` rows (those that see no key) is exactly 0."""
+    if empty.numel() * out.shape[-1] != out.numel() or not out.is_floating_point():
+        return False
+    return bool((out.reshape(-1, out.shape[-1])[empty.reshape(-1)] == 0).all())
 
 
 def _number(value) -> float | None:

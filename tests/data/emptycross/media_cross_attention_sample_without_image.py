@@ -4,7 +4,7 @@ its tokens over the padded latents.
 Bug: a Flamingo-style gated cross-attention block over (B, M) media latents, `media_mask` True where a latent is real;
 sample 1 carries no image (its mask all False, its latents zeros from the collator). The scores are filled with
 torch.finfo.min where the mask is False and soft-maxed through bmm, so sample 1's text tokens take uniform weights
-over its padded latents, and their output is the mean of the padding's values. Fix: the block's output is multiplied
+over its padded latents, and their output is the mean of the padding's values (the projection's bias). Fix: the block's output is multiplied
 by `has_media` (0 for a sample with no image), as the gated block means. Batch of 3 (one sample without an image),
 bmm over (B * heads) matrices.
 """
@@ -21,7 +21,7 @@ class MediaCrossAttention(nn.Module):
         super().__init__()
         self.heads, self.head = heads, dim // heads
         self.q = nn.Linear(dim, dim, bias=False)
-        self.kv = nn.Linear(dim, 2 * dim, bias=False)
+        self.kv = nn.Linear(dim, 2 * dim)  # (with a bias: a zero latent's value is not 0)
         self.out = nn.Linear(dim, dim, bias=False)
 
     def forward(self, text, media, media_mask):
