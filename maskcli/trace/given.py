@@ -151,10 +151,11 @@ def _bool_over(value: torch.Tensor, shape: tuple) -> bool:
     """A bool mask laid out as the kernel takes one, (B or 1, H or 1, Lq or 1, Lk): over the call's cells, or over its
     keys for every query (a key padding mask broadcast: the Flux processor's [B, 1, 1, txt + img], diffusers#11065); or
     one of (B or 1, Lq, Lk), each batch row's cells, that the attending function unsqueezes over the heads itself
-    (hepattn's `attn_mask.unsqueeze(-3)`)."""
+    (hepattn's `attn_mask.unsqueeze(-3)`), where Lq and Lk differ (a query set over another's keys: a square
+    (B, L, L) bool is most often a key padding expanded over the queries, which checks/held.py reads as the padding)."""
     b, h, q_len, k_len = (int(x) for x in shape)
     if value.dtype == torch.bool and value.dim() == 3:
-        return value.shape[0] in (1, b) and tuple(value.shape[1:]) == (q_len, k_len) and q_len > 1
+        return value.shape[0] in (1, b) and tuple(value.shape[1:]) == (q_len, k_len) and 1 < q_len != k_len
     return value.dtype == torch.bool and value.dim() == 4 and value.shape[0] in (1, b) and value.shape[1] in (1, h) \
         and value.shape[2] in (1, q_len) and value.shape[3] == k_len
 
