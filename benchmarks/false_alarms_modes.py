@@ -47,6 +47,8 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           # lay two windows; its prompt's logits against the same tokens decoded one at a time would confirm it)
           "document-row-empty": "a query that reads nothing",  # (a packed document's token cut out of it: the packed
           # mode's check confirms a leak only where a finite fill spreads the row over other documents)
+          "unmasked-after-softmax": "sees later",  # (keys a softmax masks weighted again after it: later keys or
+          # padding, whichever its mask hid; no family re-softmaxes or adds to its weights: any finding is looked at)
           "fill-masks-nothing": "sees later",  # (a fill of about zero: the cells it masks, often later keys or pads,
           # keep their weight; padding where the mask was a key padding mask)
           "named-causal-sees-later": "sees later",
@@ -76,8 +78,12 @@ CLAIMS = {"padding-ignored": "padding", "padding-lost": "padding", "real-query-b
           "zero-memory-seen": "padding",
           "frames-see-later-blocks": "sees later",  # (frames a video model's rolling cache evicts: no language
           # family states local_attn_size; looked at by hand)
-          "chunk-left-context": "a window of another width"}  # (a streaming encoder's chunk config held in its frames:
-# no language family holds one; looked at by hand)
+          "chunk-left-context": "a window of another width",  # (a streaming encoder's chunk config held in its frames:
+          # no language family holds one; looked at by hand)
+          "prefix-blocks-swapped": "a prefix the later part never reads",  # (two held inputs laid end to end: no
+          # family's mode conditions one input on another it lays first; looked at by hand)
+          "empty-rows-differ": "a query that reads nothing"}  # (one module run along two paths over one mask: no
+# mode runs both; looked at by hand)
 MOVES = 1e-5  # logits that differ by more than this moved (masked cells weigh exactly 0: unmoved logits are equal)
 
 

@@ -25,6 +25,30 @@ def test_parlai_polyencoder_codes_attention_fill_noop(tmp_path):
     check_bug(tmp_path, "parlai_polyencoder_codes_attention_masked_fill_noop", "fill-discarded")
 
 
+def test_eduktm_akt_masked_fill_not_inplace(tmp_path):
+    """EduKTM#52: `scores.masked_fill(mask == 0, -1e23)` as a statement before AKT's softmax. Its fix was a false alarm
+    before trace/weights.py: the distance decay's exp of values made of the masked weights, read as a softmax written
+    by hand whose mask was dropped (mask-argument-dropped)."""
+    found = check_bug(tmp_path, "eduktm_akt_masked_fill_not_inplace_future_leak", "fill-discarded")
+    assert tuple(found[0]["cell"]) == first((2, 8, 8), lambda b, q, k: k > q)
+
+
+def test_akt_decay_softmax_reads_the_scores_its_fill_was_made_of(tmp_path):
+    """arghosh/AKT 01b7e8d: `scores_ = scores.masked_fill(mask == 0, -1e32)`, then `scores_ = F.softmax(scores)`: the
+    fill bound to a name, never read, and the softmax over the unfilled scores (the first cell: a double loop over the
+    strictly-past mask's hidden cells on rows it leaves some key, blocks_2.1's call, whose product empties row 0)."""
+    found = check_bug(tmp_path, "akt_distance_decay_softmax_ignores_nopeek_mask", "fill-discarded")
+    assert tuple(found[0]["cell"]) == first((3, 12, 12), lambda b, q, k: q >= 1 and k >= q)
+    assert "bound to a name, is never read" in found[0]["message"]
+
+
+def test_bound_fill_energies_never_read_padded_batch(tmp_path):
+    """Written another way: a right-padded batch's encoder (einsum), `energy_masked = energy.masked_fill(pad, -inf)`
+    and the softmax handed `energy`: the first padded key of batch row 1 (4 of 6 real)."""
+    found = check_bug(tmp_path, "bound_fill_softmax_reads_raw_energies", "fill-discarded", DISCARDED)
+    assert tuple(found[0]["cell"]) == first((2, 6, 6), lambda b, q, k: b == 1 and k >= 4)
+
+
 def test_causal_fill_thrown_away_first_cell_and_fixes(tmp_path):
     """Written another way (4-D heads, a causal fill by torch.masked_fill's function form): the first cell is a double
     loop's over the causal mask's later keys; the in-place fill is quiet, and so is a fill whose result is held while
@@ -49,7 +73,7 @@ def test_a_dropped_fill_is_remembered_only_while_its_scores_are_unchanged():
     scores = torch.randn(2, 3, 4)
     mask = torch.tensor([False, False, True, True])
     found.after(torch.Tensor.masked_fill, (scores, mask, -1e9), {}, scores.masked_fill(mask, -1e9))
-    hidden, value = found.dropped(scores)
+    hidden, value, _ = found.dropped(scores)
     assert torch.equal(hidden, mask) and value == -1e9
     held = scores.masked_fill(mask, float("-inf"))
     found.after(torch.Tensor.masked_fill, (scores, mask, float("-inf")), {}, held)
@@ -89,7 +113,7 @@ def test_a_fill_under_inference_mode_is_read_without_a_version():
         scores = torch.randn(2, 3, 4)
         mask = torch.tensor([False, True, False, True])
         found.after(torch.Tensor.masked_fill, (scores, mask, -1e9), {}, scores.masked_fill(mask, -1e9))
-        hidden, value = found.dropped(scores)
+        hidden, value, _ = found.dropped(scores)
     assert torch.equal(hidden, mask) and value == -1e9
 
 

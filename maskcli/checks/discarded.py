@@ -10,6 +10,8 @@ which keys it hides; trace records it where its result was freed before the soft
 fill leaves, is *wrong*. Quiet: the fill assigned (`a = a.masked_fill(...)`) or made in place (`masked_fill_`), its
 result still held when the softmax runs (the program may use it otherwise), a fill that hides nothing, and a row the
 fill would hide whole (a softmax over -1e9 everywhere is as uniform as over nothing: no key of it is favoured).
+A fill bound to a name that no call reads before it dies (arghosh/AKT 01b7e8d: `scores_ = scores.masked_fill(...)`,
+then `scores_ = F.softmax(scores)`, the unfilled scores) is thrown away as much (trace/discarded.py's `bound`).
 """
 
 from __future__ import annotations
@@ -51,11 +53,14 @@ def discarded(run: Run) -> list:
                 value = call.details["fill_discarded"].get("value")
                 what, reads, read = ("these scores", "softmax", "the scores") if call.api == "softmax" else (
                     "this attention mask", "kernel", "the mask")
+                how = ("that fill's result, bound to a name, is never read: the {reads} reads {read} it was made of, "
+                       "unfilled ({n} such cells; softmax the filled tensor)") if call.details["fill_discarded"].get(
+                    "bound") else ("that fill's result was thrown away: masked_fill is out of place and the {reads} "
+                                   "reads {read} unfilled ({n} such cells; assign it, or use masked_fill_)")
                 done[key] = Finding("fill-discarded", (
                     f"batch row {b}: query {q} sees key {k}, which the program's masked_fill of {what} (value "
-                    f"{value:g}) hides, but that fill's result was thrown away: masked_fill is out of place and the "
-                    f"{reads} reads {read} unfilled ({int(bad.any(axis=1).sum())} such cells; assign it, or use "
-                    f"masked_fill_)"), expected="the keys the masked_fill hides unseen",
+                    f"{value:g}) hides, but " + how.format(reads=reads, read=read, n=int(bad.any(axis=1).sum()))),
+                    expected="the keys the masked_fill hides unseen",
                     source=f"the masked_fill of {what}", cell=(b, q, k))
         if done[key] is not None:
             found.append((call, done[key]))

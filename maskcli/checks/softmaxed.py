@@ -74,6 +74,8 @@ def emptied_after(run) -> list:
             continue
         done.add(call.where)
         b, h, q = emptied["cell"]
+        if _stated_empty(call, b, h, q):
+            continue
         found.append((call, Finding("emptied-after-softmax", (
             f"a 0/1 product after the softmax leaves query {q} (batch row {b}, head {h}) no key at all, though the "
             f"softmax's own mask gave it keys {spans(emptied['lost'])} and its own token's key {emptied['own']} is "
@@ -82,6 +84,17 @@ def emptied_after(run) -> list:
             expected="every real query keeps the keys its mask before the softmax gives it (its own included)",
             source="the softmax's own mask (its keys kept before the product)", cell=(b, q, emptied["own"]))))
     return found
+
+
+def _stated_empty(call, b: int, h: int, q: int) -> bool:
+    """Whether a masked_fill of the scores the program made and threw away (checks/discarded.py says it) hides query
+    `q`'s row whole: the program's own mask gives it no key, so the product emptying it says what the program means
+    (arghosh/AKT 01b7e8d: the fill's result unread, the softmax unmasked, the same mask multiplied in after)."""
+    said = call.details.get("fill_discarded")
+    hidden = said.get("hidden") if isinstance(said, dict) else None
+    if hidden is None or getattr(hidden, "ndim", 0) != 4:
+        return False
+    return bool(hidden[min(b, hidden.shape[0] - 1), min(h, hidden.shape[1] - 1), q].all())
 
 
 def _what(call) -> str:

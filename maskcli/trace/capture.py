@@ -75,15 +75,20 @@ class Trace(Outer, Follow):
             for func in (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax):
                 self.readers[entry.canonical(func)] = readers.softmax  # (the functions themselves, in a trace in a trace)
             self.scores = Scores()
-            self.readers[torch.exp] = self.readers[torch.Tensor.exp] = readers.exp_reader(self.scores)  # (by hand)
         from maskcli.trace.after import After
+        from maskcli.trace.weights import Weights
+
+        self.weights = Weights()  # (a softmax's weights and what is computed of them alone: weights.py)
+        if self.scores is not None:
+            self.readers[torch.exp] = self.readers[torch.Tensor.exp] = readers.exp_reader(self.scores, self.weights)
 
         self.after = After()  # (softmax outputs multiplied by a 0/1 mask afterwards: after.py)
         self._softmax = None  # (the (call, seen) of the softmax just recorded, for the mode to follow its output)
         self.overflows, self.discarded = Overflows(), Discarded()  # (fills whose result was thrown away: discarded.py)
         # the torch functions the mode looks at whatever runs: the rest only while a tensor it follows is alive
         self.watched = frozenset({*self.readers, *WATCHED, *((*MATMULS, *DISCARDED) if self.scores is not None else ())})
-        self._followed = (self.overflows._found, self.scores._found if self.scores is not None else {}, self.after._found)
+        self._followed = (self.overflows._found, self.scores._found if self.scores is not None else {}, self.after._found,
+                          self.weights._found)
         self.sites = Sites()
         self._tops: list = []  # maskcli.checks.context.Top: each outermost module call, its config and arguments
         self._pending: list = []  # (Top, module): tops whose configs are read once the run is over (settle())

@@ -9,6 +9,11 @@ alive), and a softmax over that very tensor, unchanged since (its version) while
 (never used: freed before the softmax ran), is attention whatever its shape (the fill says what it masks: additive
 Bahdanau scores made by a Linear, no q @ kᵀ), and its call records the cells the fill would hide (details
 `fill_discarded`: checks/discarded.py).
+
+A fill bound to a name and never read is thrown away as much (arghosh/AKT 01b7e8d: `scores_ = scores.masked_fill(mask
+== 0, -1e32)`, then `scores_ = F.softmax(scores, dim=-1)`, the name rebound to a softmax over the scores unfilled). So
+the fills of scores are followed until read: a softmax over the scores they filled, while their result is alive and no
+call has read it yet, records the cells too, with `bound`; a call that reads the result later takes that back.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class Discarded:
     def __init__(self):
         self._found: dict[int, tuple] = {}  # id(scores) -> (ref to scores, their version, ref to the fill's result,
         # the mask, the value)
+        self.results: dict[int, list] = {}  # id(a fill's result) -> [ref to it, read since, the details that say it unread]
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Remember an out-of-place fill of a masking value (what `wanted` lets through)."""
@@ -99,40 +105,63 @@ class Discarded:
         mask = args[1] if len(args) > 1 else kwargs.get("mask")
         if not isinstance(mask, torch.Tensor) or mask.numel() > MOST:
             return
-        found = self._found
+        found, results = self._found, self.results
         if len(found) >= KEEP:  # (an entry whose scores are gone stays until then: dropped() compares the reference, and
             found.clear()  # a callback made per fill cost more than the fill, in a loop of fills of no attention)
+            results.clear()
         try:
             found[id(given)] = (weakref.ref(given), _version(given), weakref.ref(out),
                                 mask.detach() if mask.requires_grad else mask, _value(args, kwargs))
+            results[id(out)] = [found[id(given)][2], False, []]
         except TypeError:
             pass
 
-    def dropped(self, x) -> tuple | None:
-        """(mask, value) of a fill of `x` whose result is gone while `x` is unchanged since; None where there is none."""
+    def reads(self, args: tuple, kwargs: dict) -> None:
+        """A call that reads a fill's result (any tensor argument, or one in a list): the fill was not thrown away."""
+        results = self.results
+        for x in (*args, *kwargs.values()):
+            for one in (x if isinstance(x, (list, tuple)) else (x,)):
+                entry = results.get(id(one)) if isinstance(one, torch.Tensor) else None
+                if entry is not None and entry[0]() is one and not entry[1]:
+                    entry[1] = True
+                    for details in entry[2]:
+                        details.pop("fill_discarded", None)
+
+    def dropped(self, x, bound: bool = False) -> tuple | None:
+        """(mask, value, the result's entry or None) of a fill of `x` whose result is gone (`bound`: or alive and read by
+        no call yet) while `x` is unchanged since; None where there is none."""
         if not self._found or not isinstance(x, torch.Tensor):
             return None
         entry = self._found.get(id(x))
         try:
-            if entry is None or entry[0]() is not x or entry[1] != _version(x) or entry[2]() is not None:
+            if entry is None or entry[0]() is not x or entry[1] != _version(x):
+                return None
+            result = entry[2]()
+            held = self.results.get(id(result)) if result is not None else None
+            if result is not None and (not bound or held is None or held[0]() is not result or held[1]):
                 return None
         except Exception:  # noqa: BLE001 - a tensor whose version cannot be read (a wrapped one): no statement here
             return None
-        return entry[3], entry[4]
+        return entry[3], entry[4], held
 
-    def note(self, x, call, seen) -> None:
+    def note(self, x, call, seen, bound: bool = False) -> None:
         """At softmax `call` (read as `seen`) over `x`: details `fill_discarded` (the cells the dropped fill would hide,
-        as the call's (b, h, Lq, Lk), and its value) where such a fill was made of `x`."""
-        found = self.dropped(x)
+        as the call's (b, h, Lq, Lk), and its value) where such a fill was made of `x` (`bound`: or its result is alive
+        and unread, then taken back where a later call reads it)."""
+        found = self.dropped(x, bound)
         if found is None or "axes" in seen.details or seen.keep is None:
             return
-        mask, value = found
+        mask, value, held = found
         with torch.no_grad():
             try:
                 hidden = mask.to(torch.bool).broadcast_to(x.shape).reshape(seen.keep.shape)
             except RuntimeError:
                 return
-        call.details["fill_discarded"] = seen.details["fill_discarded"] = {"hidden": hidden.cpu().numpy(), "value": value}
+        said = {"hidden": hidden.cpu().numpy(), "value": value}
+        if held is not None:
+            said["bound"] = True
+            held[2].extend((call.details, seen.details))
+        call.details["fill_discarded"] = seen.details["fill_discarded"] = said
 
     def kernel(self, call, args: tuple, kwargs: dict) -> None:
         """At an SDPA `call`: details `fill_discarded` where its attn_mask is a tensor the program filled out of place
@@ -143,7 +172,7 @@ class Discarded:
         try:
             given = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             found = self.dropped(given)
-            if found is None or not given.is_floating_point():
+            if found is None or not given.is_floating_point():  # (a mask handed to SDPA: only a fill gone is read)
                 return
             with torch.no_grad():
                 hidden = found[0].to(torch.bool).broadcast_to(given.shape).broadcast_to(call.shape)

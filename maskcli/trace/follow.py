@@ -58,7 +58,8 @@ class Follow:
         recording, a thread it does not trace, dynamo compiling (mode.building), or this thread's mode is on (it hands
         the call to dispatch itself)."""
         local = self._local
-        if local.moded and (self._followed[0] or self._followed[1] or self._followed[2] or not self._unfollow()):
+        if local.moded and (self._followed[0] or self._followed[1] or self._followed[2] or self._followed[3]
+                            or not self._unfollow()):
             return True
         return not self.active or local.busy or not local.traced or building()
 
@@ -92,11 +93,12 @@ class Follow:
         """A watched call (or, while a tensor is followed, any): recorded where it is attention, what it computes
         followed (scores.py, overflow.py, after.py), run as `call(*args, **kwargs)` and its result returned untouched."""
         followed = self._followed
-        if not self.active or (func not in self.watched and not followed[0] and not followed[1] and not followed[2]) \
+        if not self.active or (func not in self.watched and not followed[0] and not followed[1] and not followed[2]
+                               and not followed[3]) \
                 or building():
             return call(*args, **kwargs)
         reader = self.readers.get(func)
-        if reader is readers.softmax and not followed[0] and not followed[1] and not followed[2] \
+        if reader is readers.softmax and not followed[0] and not followed[1] and not followed[2] and not followed[3] \
                 and not self.discarded._found and not _by_shape(args, kwargs):
             return call(*args, **kwargs)  # (no scores, weights or fill remembered: a softmax of no attention shape is
             # no attention, and nothing it computes is followed; decided before anything of it is read)
@@ -147,8 +149,8 @@ class Follow:
         self._softmax, made = None, len(self._calls)
         self.capture(reader, args, kwargs)
         softmaxed, self._softmax = self._softmax, None
-        if softmaxed is not None and given is not None:
-            self.discarded.note(given, *softmaxed)  # (a fill of its input thrown away: note reads dropped())
+        if softmaxed is not None and given is not None:  # (a fill of its input thrown away, or bound and never read:
+            self.discarded.note(given, *softmaxed, bound=self.scores is not None and self.scores.has(given))  # dropped())
         return made, softmaxed
 
     def capture(self, reader, args, kwargs) -> None:
@@ -183,13 +185,15 @@ class Follow:
         followed = self._followed
         if building():
             return
-        if followed[0] or followed[1] or followed[2] or self.scores is None:
+        if followed[0] or followed[1] or followed[2] or followed[3] or self.scores is None:
             self.after_call(func, args, kwargs, out)
         else:
             self.discarded.after(func, args, kwargs, out)
 
     def _after_call(self, func, args: tuple, kwargs: dict, out, softmaxed=None) -> None:
         followed = self._followed
+        if self.discarded.results:  # (a fill's result read: not thrown away, discarded.py)
+            self.discarded.reads(args, kwargs)
         if softmaxed is not None:  # its weights followed: a 0/1 mask multiplied in afterwards is its mask (after.py)
             self.after.note(out, *softmaxed)
             if self.scores is not None and self.scores.added:  # scores + a 0/1 mask: it masked nothing (scores.py)
@@ -200,8 +204,12 @@ class Follow:
                 self.scores.fold_of(readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.sliced:  # q @ kᵀ over a cache's tail (trace/sliced.py)
                 self.scores.sliced_of(readers.softmax_input(args, kwargs), *softmaxed)
-        elif followed[2] and not self.busy:
-            self.after.after(self, func, args, out)
+            self.weights.note(out, *softmaxed, readers.softmax_input(args, kwargs))  # (its weights followed: weights.py)
+        else:
+            if followed[2] and not self.busy:
+                self.after.after(self, func, args, out)
+            if followed[3] and not self.busy:  # (what is computed of a softmax's weights: weights.py)
+                self.weights.after(func, args, kwargs, out, self.scores)
         if (func in WATCHED or followed[0]) and isinstance(out, torch.Tensor) and out.dim() >= 2 \
                 and out.is_floating_point() and not self.busy and has_values(out):
             self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)
@@ -209,7 +217,7 @@ class Follow:
             self.scores.after(func, args, kwargs, out)
             if func in DISCARDED:  # (an out-of-place fill of scores: discarded.py)
                 self.discarded.after(func, args, kwargs, out)
-        if (followed[0] or followed[1] or followed[2]) and not self._local.moded:
+        if (followed[0] or followed[1] or followed[2] or followed[3]) and not self._local.moded:
             self._follow()
 
 

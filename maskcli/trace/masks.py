@@ -369,11 +369,13 @@ def exp_softmax(args: tuple, kwargs: dict) -> Seen | None:
     return seen
 
 
-def exp_reader(scores):
-    """The reader of torch.exp / Tensor.exp: exp_softmax where the input is scores (trace/scores.py), else no call."""
+def exp_reader(scores, weights=None):
+    """The reader of torch.exp / Tensor.exp: exp_softmax where the input is scores (trace/scores.py), not a softmax's
+    weights or what is made of them alone (trace/weights.py: AKT's distance decay), else no call."""
     def exp(args, kwargs):  # (seen only while the mode follows scores: exp is not patched at its entry)
         x = softmax_input(args, kwargs)
-        return exp_softmax(args, kwargs) if isinstance(x, torch.Tensor) and scores.has(x) and scores.axes_of(x) is None else None
+        return exp_softmax(args, kwargs) if isinstance(x, torch.Tensor) and scores.has(x) and scores.axes_of(x) is None \
+            and (weights is None or not weights.has(x)) else None
     exp.api = "softmax"
     return exp
 

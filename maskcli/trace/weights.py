@@ -1,0 +1,130 @@
+"""A softmax's weights followed to the values: what the program computes of them after the softmax.
+
+Each recorded softmax's output is followed (by identity, a weak reference: nothing is kept alive), and so is every
+tensor computed from it alone that keeps its cells (a scaling, a dropout, a 0/1 product, a reshape of the same cells),
+with the softmax it came from (its origin). Three things are read off them:
+
+- an exp of weights is no softmax written by hand (trace/masks.py's exp_reader asks `has`): AKT's distance decay
+  `exp(dist_scores * gamma)`, computed from the cumulative sum of a softmax's weights, is a decay, not attention;
+- a recorded softmax over weights (DisKT#2: `F.softmax(p_attn)` over the probabilities) re-weights every key the
+  first softmax masked (its weight 0 becomes exp(0), as heavy as any other): the call records `over_weights`, the
+  first softmax's index (checks/weighted.py);
+- a tensor added to the weights (`attn + Lg * adjacency_mat`: molecule-attention-transformer 23c9cbe) reaches the
+  product with the values: where it gives a key the softmax masked weight (at least SHARE of its row's largest, on a
+  row the softmax leaves some key), the origin records `weighted_after` (the first cell, how many, and whether the
+  key is padding or later: checks/weighted.py).
+
+A tensor computed from weights and from scores that are not weights (AKT's `scores * total_effect`) is scores, not
+weights: only what is made of weights alone is followed.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from maskcli.trace.after import PRODUCTS
+from maskcli.trace.scores import ADDS
+
+KEEP = 64  # weights followed at most (more: all forgotten)
+SHARE = 1e-3  # a masked key's weight counts from this share of its row's largest weight (an epsilon added does not)
+MOST = 1 << 22  # cells compared at a product at most
+
+
+class Weights:
+    """The softmax outputs, and what is computed of them alone, by identity: id -> (ref, origin call, seen, added)."""
+
+    def __init__(self):
+        self._found: dict[int, tuple] = {}
+
+    def has(self, x) -> bool:
+        return self.entry(x) is not None
+
+    def entry(self, x) -> tuple | None:
+        if not self._found or not isinstance(x, torch.Tensor):
+            return None
+        entry = self._found.get(id(x))
+        return entry if entry is not None and entry[0]() is x else None
+
+    def note(self, out, call, seen, given) -> None:
+        """At softmax `call` (read as `seen`) over `given`, whose output is `out`: follow `out`; where `given` is weights
+        of an earlier softmax, the call records it (`over_weights`) and `out` keeps that one as its origin."""
+        try:
+            prior = self.entry(given)
+            if prior is not None:
+                call.details["over_weights"] = seen.details["over_weights"] = prior[1].index
+                self._keep(out, prior[1], prior[2], False)
+            elif seen.keep is not None and "axes" not in seen.details:
+                self._keep(out, call, seen, False)
+        except Exception:  # noqa: BLE001 - nothing of the trace may reach the program: weights not followed
+            pass
+
+    def after(self, func, args: tuple, kwargs: dict, out, scores) -> None:
+        """What a call computed of followed weights: followed in turn, or (a product) read against the softmax's mask."""
+        if not self._found or not isinstance(out, torch.Tensor):
+            return
+        try:
+            if func in PRODUCTS:
+                self._product(func, args)
+            elif out.dim() >= 2 and out.is_floating_point():
+                self._carry(func, args, kwargs, out, scores)
+        except Exception:  # noqa: BLE001 - nothing of the trace may reach the program
+            pass
+
+    def _carry(self, func, args: tuple, kwargs: dict, out, scores) -> None:
+        entry, given, other = None, None, False
+        for x in (*args, *kwargs.values()):
+            if not isinstance(x, torch.Tensor):
+                continue
+            found = self.entry(x)
+            if found is not None:
+                entry, given = entry or found, given if given is not None else x
+            elif scores is not None and scores.has(x):
+                return  # (weights and logits together: AKT's scores * total_effect is scores)
+            elif x.numel() > 1 and x.is_floating_point():
+                other = True
+        if entry is None or out.shape[-1] != given.shape[-1] or (
+                tuple(out.shape[-2:]) != tuple(given.shape[-2:]) and out.numel() != given.numel()):
+            return
+        self._keep(out, entry[1], entry[2], entry[3] or (func in ADDS and other))
+
+    def _keep(self, out, call, seen, added: bool) -> None:
+        found = self._found
+        if len(found) >= KEEP:
+            found.clear()
+        key = id(out)
+
+        def gone(ref) -> None:
+            if found.get(key, (None,))[0] is ref:
+                del found[key]
+
+        try:
+            found[key] = (weakref.ref(out, gone), call, seen, added)
+        except TypeError:
+            pass
+
+    def _product(self, func, args: tuple) -> None:
+        operands = args[1:] if func is torch.einsum else args
+        if func is torch.einsum and len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = operands[0]
+        entry = self.entry(operands[0]) if operands else None
+        if entry is None or not entry[3] or "weighted_after" in entry[1].details:
+            return  # (only weights something was added to: what else is computed of them keeps a masked key at 0)
+        weights, (_, call, seen, _) = operands[0], entry
+        keep = seen.keep
+        if keep is None or weights.numel() != keep.numel() or weights.numel() > MOST:
+            return
+        with torch.no_grad():
+            weight = weights.detach().reshape(keep.shape).abs()
+            rows = keep.any(dim=-1, keepdim=True)
+            bad = ~keep & rows & (weight > 0) & (weight >= SHARE * weight.amax(dim=-1, keepdim=True))
+            if not bool(bad.any()):
+                return
+            b, h, q, k = (int(x) for x in bad.nonzero()[0])
+            padding = bool((~keep[b, h] | ~rows[b, h]).all(dim=0)[k])  # (a key no query of the row sees)
+            q_len, k_len = keep.shape[-2:]
+            later = k - (k_len - q_len) > q and bool((~keep[b, h, q, k:]).all())
+            found = {"cell": [b, h, q, k], "cells": int(bad.sum()), "padding": padding, "later": later,
+                     "rows": int(bad.any(dim=-1).sum())}
+        call.details["weighted_after"] = seen.details["weighted_after"] = found
