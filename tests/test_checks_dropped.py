@@ -330,3 +330,39 @@ def test_an_extended_additive_mask_cast_to_bool_for_sdpa_over_a_padded_batch(tmp
     padded = [(b, q, k) for b in range(3) for q in range(6) for k in range(6) if k >= real[b]]
     assert tuple(found[0]["cell"]) == first((3, 6, 6), lambda b, q, k: (b, q, k) in padded)
     assert f"sees {len(padded)} of those cells" in found[0]["message"] and "inverted on its way" in found[0]["message"]
+
+
+HANDED = Path(__file__).parent / "data" / "handedmask"
+
+
+def test_a_local_window_mask_a_decoder_layer_rebinds_to_none_is_found(tmp_path):
+    # samvanstroud/hepattn#148 (written blind, batch blind-ch): the decoder hands each layer its local phi-window
+    # cross-attention mask, (1, 8 queries, 32 hits) bool, but layers built with mask_attention=False rebind
+    # `attn_mask = None`: the mask is read from the layer's module call (torch's _call_impl frame), and its
+    # cross-attention keeps to neither reading of it
+    [hit] = check_bug(tmp_path, "hepattn_local_strided_ca_window_mask_dropped", "mask-argument-dropped")
+    assert "attn_mask of MaskFormerDecoderLayer's call (bool, read either way round)" in hit["message"]
+    window = set()  # each query i at hit 4i (stride 32 / 8), window_size 4: hits 4i-2 .. 4i+2, wrapping around
+    for i in range(8):
+        for d in range(-2, 3):
+            window.add((i, (4 * i + d) % 32))
+    assert len(window) == 40 and f"{len(window)} cells masked" in hit["message"]  # (its True cells, read as masked)
+    b, q, k = hit["cell"]
+    assert b == 0 and (q, k) in window
+
+
+def test_a_padded_sector_mask_a_latent_block_rebinds_to_none_is_found(tmp_path):
+    """Written another way (tests/data/handedmask): a Perceiver's latents over a right-padded batch of point clouds, an
+    eager softmax, the (B, latents, points) mask (True = masked) handed positionally to blocks that drop it."""
+    [hit] = check_bug(tmp_path, "perceiver_latent_block_rebinds_cross_mask_to_none", "mask-argument-dropped",
+                      folder=HANDED)
+    assert "cross_attn_mask of LatentBlock's call (bool, read either way round)" in hit["message"]
+    kept = 0  # the sector cells each latent keeps, by a double loop over the two clouds (20 and 13 points)
+    for length in (20, 13):
+        share = length / 4
+        for i in range(4):
+            for k in range(20):
+                kept += max(0, int(i * share - share)) <= k < min(length, int((i + 2) * share) + 1)
+    masked = 2 * 4 * 20 - kept
+    counts = {2 * kept, 2 * masked}  # (either reading, over the 2 heads)
+    assert any(f"{n} cells masked" in hit["message"] for n in counts)

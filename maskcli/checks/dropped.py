@@ -87,8 +87,10 @@ def mask_dropped(run: Run) -> list:
     found, done = [], set()
     for call in [*run.calls, *run.cross]:  # (a cross-attention's handed mask is the program's word as much)
         lost = call.details.get("dropped_mask")
-        if not lost or (call.mask, lost["name"]) in done or cross(call) and "(bool" in lost["name"]:
-            continue  # (a cross-attention's frames hold the queries' own bool mask too: only an additive one is read)
+        if not lost or (call.mask, lost["name"]) in done \
+                or cross(call) and "(bool" in lost["name"] and not lost.get("queries_by_keys"):
+            continue  # (a cross-attention's frames hold the queries' own bool mask too: only an additive one is read,
+            # or a bool one over its own (Lq, Lk) of two lengths, which no self-attention of the queries is: hepattn#148)
         if "over_weights" in call.details:
             continue  # (a softmax over an earlier one's weights, whose scores the mask reached: checks/weighted.py)
         done.add((call.mask, lost["name"]))

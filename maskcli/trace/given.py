@@ -90,11 +90,16 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
         return None
     skip, frame, searched, either = _skip(), sys._getframe(1), 0, None
     own = {id(x) for x in sources}
-    while frame is not None and searched < FRAMES:
-        if not frame.f_code.co_filename.startswith(skip):
-            searched += 1
+    while frame is not None:
+        program = not frame.f_code.co_filename.startswith(skip)
+        if program and searched == FRAMES:
+            break
+        handed_on = () if program or not searched else _module_arguments(frame)
+        if program or handed_on:
+            searched += program
             code = frame.f_code
-            for name, value in _parameters(frame, code):
+            label = f"{code.co_name}()" if program else f"{type(frame.f_locals['self']).__name__}'s call"
+            for name, value in handed_on or _parameters(frame, code):
                 if id(value) in own:
                     continue  # (the kernel's own mask, however it is viewed below)
                 if issubclass(type(value), torch.Tensor) and value.dtype == torch.bool and name.split()[0] not in NAMES \
@@ -103,15 +108,15 @@ def handed(shape: tuple, sources: tuple) -> tuple[str, torch.Tensor] | None:
                     # a plain `mask` of that shape is as often the one the function just made for the kernel itself)
                 if issubclass(type(value), torch.Tensor) and id(value) not in own and value.is_floating_point() \
                         and value.dim() >= 2 and (tuple(value.shape[-2:]) == (q_len, k_len) or _keys_over(value, shape)):
-                    return f"{name} of {code.co_name}()", value
+                    return f"{name} of {label}", value
                 if either is None and issubclass(type(value), torch.Tensor) and id(value) not in own \
                         and _bool_over(value, shape):  # (an additive mask a caller handed, its polarity known, wins:
-                    either = f"{name} of {code.co_name}() (bool, read either way round)", value  # the bool came of it)
+                    either = f"{name} of {label} (bool, read either way round)", _four(value)  # the bool came of it)
                     continue
                 blocks = None if value is None or issubclass(type(value), torch.Tensor) or id(value) in own \
                     else block_diagonal(value, q_len, k_len)
                 if blocks is not None:
-                    return f"{name} of {code.co_name}() ({type(value).__name__})", blocks
+                    return f"{name} of {label} ({type(value).__name__})", blocks
         frame = frame.f_back
     return either
 
@@ -144,10 +149,53 @@ def _parameters(frame, code) -> list:
 
 def _bool_over(value: torch.Tensor, shape: tuple) -> bool:
     """A bool mask laid out as the kernel takes one, (B or 1, H or 1, Lq or 1, Lk): over the call's cells, or over its
-    keys for every query (a key padding mask broadcast: the Flux processor's [B, 1, 1, txt + img], diffusers#11065)."""
+    keys for every query (a key padding mask broadcast: the Flux processor's [B, 1, 1, txt + img], diffusers#11065); or
+    one of (B or 1, Lq, Lk), each batch row's cells, that the attending function unsqueezes over the heads itself
+    (hepattn's `attn_mask.unsqueeze(-3)`), where Lq and Lk differ (a query set over another's keys: a square
+    (B, L, L) bool is most often a key padding expanded over the queries, which checks/held.py reads as the padding)."""
     b, h, q_len, k_len = (int(x) for x in shape)
+    if value.dtype == torch.bool and value.dim() == 3:
+        return value.shape[0] in (1, b) and tuple(value.shape[1:]) == (q_len, k_len) and 1 < q_len != k_len
     return value.dtype == torch.bool and value.dim() == 4 and value.shape[0] in (1, b) and value.shape[1] in (1, h) \
         and value.shape[2] in (1, q_len) and value.shape[3] == k_len
+
+
+def _four(value: torch.Tensor) -> torch.Tensor:
+    """A (B|1, Lq, Lk) bool mask as (B|1, 1, Lq, Lk), as its function unsqueezes it; any other as it is."""
+    return value[:, None] if value.dim() == 3 else value
+
+
+def _module_arguments(frame) -> list:
+    """(name, value) of the arguments named like an attention mask that a module was called with, read from torch's
+    `Module._call_impl` frame that ran it (its `args` and `kwargs`, bound to the module's forward): the mask as the
+    caller handed it, where the module's forward rebound its own parameter before attending (hepattn#148's decoder
+    layer: `attn_mask = None` when built with mask_attention=False, the local window its decoder handed never applied).
+    [] for any other frame."""
+    if frame.f_code.co_name != "_call_impl" or not frame.f_code.co_filename.endswith("module.py"):
+        return []
+    variables = frame.f_locals
+    module, args, kwargs = variables.get("self"), variables.get("args") or (), variables.get("kwargs") or {}
+    if not isinstance(module, torch.nn.Module) or not isinstance(kwargs, dict):
+        return []
+    named = [(name, args[at]) for at, name in _mask_positions(type(module)) if at < len(args)]
+    named += [(name, value) for name, value in kwargs.items() if isinstance(name, str) and _masklike(name)]
+    return [(name, value) for name, value in named if value is not None]
+
+
+def _masklike(name: str) -> bool:
+    return name in NAMES or name.endswith(SUFFIXES)
+
+
+@functools.cache
+def _mask_positions(cls) -> tuple[tuple[int, str], ...]:
+    """(index in a call's positional args, name) of each positional parameter of `cls.forward` named like an attention
+    mask (its signature read once a class)."""
+    try:
+        parameters = list(inspect.signature(cls.forward).parameters.values())[1:]  # (self)
+    except (TypeError, ValueError):
+        return ()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple((at, p.name) for at, p in enumerate(parameters) if p.kind in positional and _masklike(p.name))
 
 
 def _starts(value, name: str) -> list[int] | None:
@@ -196,6 +244,9 @@ def dropped(found: tuple[str, torch.Tensor], cells, shape: tuple, cache: dict, m
         result = _either_way(name, tensor.detach().cpu().numpy(), cells(), q_len, k_len)
     else:  # (the kernel's cells built only here: the same mask tensor and kernel mask again is answered from the cache)
         result = _additive(name, tensor, cells(), b, h, q_len, k_len)
+    if result is not None and q_len != k_len and tuple(tensor.shape[-2:]) == (q_len, k_len):
+        result["queries_by_keys"] = True  # (over the cells of queries and keys of two lengths: not the queries' own
+        # self-attention mask, which a cross-attention's frames hold too: checks/dropped.py reads it there)
     if len(cache) > 64:
         cache.clear()
     cache[key] = (tensor, result)
