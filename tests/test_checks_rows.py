@@ -498,3 +498,19 @@ def test_tinytorch_gpt_additive_causal_mask_into_binary_apply_mask(tmp_path):
     every kept key gets -1e9 (batch blind-ak); written blind and caught before any rule was changed for it. The
     fix is quiet."""
     check_bug(tmp_path, "tinytorch_gpt_additive_causal_mask_into_binary_apply_mask", "fully-masked")
+
+
+def test_later_keys_seen_by_blocks_of_equal_rows_are_a_note():
+    """DN-DETR's decoder self-attention (quiet-v, prepare_for_dn): one denoising group of 3 queries before 5 matching
+    queries; the group sees every query, the matching queries see only themselves. Its rows come in runs of equal rows,
+    which no triangle one key off or the wrong way round makes (its rows differ one from the next): a note. The same
+    size of triangle the wrong way round stays suspicious."""
+    from maskcli.checks.registry import severity
+
+    group = 3
+    dn = cells(1, 8, 8, lambda b, q, k: q < group or k >= group)  # (keep: MHA's attn_mask[group:, :group] = True)
+    unnamed = SimpleNamespace(expression=None, kind=None)
+    [found] = later(*call(dn), unnamed)
+    assert found.code == "sees-later" and severity(found) == "note", found
+    [found] = later(*call(cells(1, 8, 8, lambda b, q, k: k >= q)), unnamed)
+    assert severity(found) == "suspicious", found

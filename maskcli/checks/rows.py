@@ -193,13 +193,21 @@ def _slip(cells: np.ndarray, run: np.ndarray, own: np.ndarray) -> bool:
     """The later keys seen as a causal mask's slip lays them: every query that sees some sees as many right after its
     own (the diagonal moved by that many), or every one sees on to the last key its batch row sees (the triangle the
     wrong way round); runs of differing lengths that stop short are a mask built both ways in places (BD3-LM), and so
-    is a later key seen past one the query does not see (a graph's adjacency: a ring's wrap): a slip skips no key.
+    is a later key seen past one the query does not see (a graph's adjacency: a ring's wrap): a slip skips no key, and
+    so are rows that come in runs of equal rows (a triangle's rows differ one from the next).
     `own`: each query's own key (later's placement)."""
     k_len = cells.shape[-1]
     if (cells & (np.arange(k_len)[None, None, :] > own[None, :, None]) & ~run).any():
         return False
     counts = run.sum(axis=-1)
     has = counts > 0
+    same = np.zeros_like(has)  # (B*H, Lq): a query that sees what the query before or after it sees, key for key
+    if cells.shape[1] > 1:
+        equal = (cells[:, 1:] == cells[:, :-1]).all(axis=-1)
+        same[:, 1:] |= equal
+        same[:, :-1] |= equal
+    if same[has].all():
+        return False  # (rows in runs of equal rows: blocks of queries, DN-DETR's denoising groups; no triangle's slip)
     if len(np.unique(counts[has])) <= 1:
         return True
     last = k_len - 1 - cells.any(axis=1)[:, ::-1].argmax(axis=-1)  # (B*H,): the last key any query of the plane sees
