@@ -192,11 +192,12 @@ def repeated(run: Run, earlier, call) -> bool:
     if earlier.shape[2] != q_len or call.shape[3] != earlier.shape[3] + q_len:
         return False
     cells, before = keep(call), keep(earlier)
-    return cells is not None and before is not None and _kept(before, cells[..., :-q_len])
+    return cells is not None and before is not None and same_cells(before, cells[..., :-q_len])
 
 
-def _kept(earlier: np.ndarray, columns: np.ndarray) -> bool:
-    """The earlier step's cells are these columns exactly (batch rows or heads that repeat kept once in either)."""
+def same_cells(earlier: np.ndarray, columns: np.ndarray) -> bool:
+    """The two cell arrays are the same once broadcast (batch rows or heads that repeat kept once in either); False
+    where they do not broadcast."""
     try:
         left, right = np.broadcast_arrays(earlier, columns)
     except ValueError:

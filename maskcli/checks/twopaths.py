@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, keep
+from maskcli.checks.own import same_cells
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -72,7 +73,7 @@ def paths_differ(run: Run) -> list:
             empty = ~cells.any(axis=-1)  # (b, h, Lq)
             if not empty.any():
                 continue
-            other = next((o for o in fin if o.shape == call.shape and _same(keep(o), cells)), None)
+            other = next((o for o in fin if o.shape == call.shape and (kept := keep(o)) is not None and same_cells(kept, cells)), None)
             if other is None:
                 continue
             b = int(np.argwhere(empty.any(axis=1))[0][0])
@@ -89,16 +90,6 @@ def paths_differ(run: Run) -> list:
                 expected=f"the rows its {other.api} path gives uniform weights (a finite fill)",
                 source=f"the {other.api} path of {where} (call {other.index})", cell=(b, rows[0], 0))))
     return found
-
-
-def _same(other, cells) -> bool:
-    if other is None:
-        return False
-    try:
-        a, b = np.broadcast_arrays(other, cells)
-    except ValueError:
-        return False
-    return bool((a == b).all())
 
 
 RULES = (

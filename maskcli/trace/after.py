@@ -39,6 +39,8 @@ import weakref
 
 import torch
 
+from maskcli.trace.followed import KEEP, follow, operands_of
+
 MULS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.mul_, torch.Tensor.__mul__, torch.Tensor.__rmul__,
                   torch.Tensor.__imul__})
 FILLS = frozenset({torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_})
@@ -48,7 +50,6 @@ PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__
 WRITES = frozenset({torch.Tensor.__setitem__, torch.Tensor.index_put_, torch.index_put_})  # (in place: the weights
 # themselves hold the fill afterwards)
 FILL_AT_MOST = -1e4  # (a fill: as trace/masks.py reads one in scores)
-KEEP = 64  # softmax outputs followed at most (more: all forgotten)
 
 
 class After:
@@ -149,9 +150,7 @@ class After:
     def _product(self, func, args: tuple, out) -> None:
         """weights @ values of a followed softmax output: rows the values turned NaN (`nan_values`), and rows an
         out-of-place masked_fill zeroed in a copy the product does not read (`zeroed_unused`)."""
-        operands = args[1:] if func is torch.einsum else args
-        if func is torch.einsum and len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-            operands = operands[0]
+        operands = operands_of(func, args)
         if not operands or not isinstance(operands[0], torch.Tensor):
             return
         weights = operands[0]
@@ -189,18 +188,7 @@ class After:
     def _follow_output(self, out: torch.Tensor, call, seen, empty: torch.Tensor) -> None:
         """Follow `out`, weights @ v of a softmax whose `empty` rows see no key, for a fill of 0 over those rows (kept
         beside the weights, under ("output", id): the tracer follows products and fills while either is alive)."""
-        outputs, key = self._found, ("output", id(out))
-        if len(outputs) >= KEEP:
-            outputs.clear()
-
-        def gone(ref) -> None:
-            if outputs.get(key, (None,))[0] is ref:
-                del outputs[key]
-
-        try:
-            outputs[key] = (weakref.ref(out, gone), call, seen, empty)
-        except TypeError:
-            pass
+        follow(self._found, ("output", id(out)), out, call, seen, empty)
 
     def _output_filled(self, args: tuple) -> None:
         """masked_fill(output, where, 0) of a followed product over every row its softmax left no key: zeroed_output."""

@@ -58,8 +58,7 @@ class Follow:
         recording, a thread it does not trace, dynamo compiling (mode.building), or this thread's mode is on (it hands
         the call to dispatch itself)."""
         local = self._local
-        if local.moded and (self._followed[0] or self._followed[1] or self._followed[2] or self._followed[3]
-                            or not self._unfollow()):
+        if local.moded and (any(self._followed) or not self._unfollow()):
             return True
         return not self.active or local.busy or not local.traced or building()
 
@@ -93,13 +92,10 @@ class Follow:
         """A watched call (or, while a tensor is followed, any): recorded where it is attention, what it computes
         followed (scores.py, overflow.py, after.py), run as `call(*args, **kwargs)` and its result returned untouched."""
         followed = self._followed
-        if not self.active or (func not in self.watched and not followed[0] and not followed[1] and not followed[2]
-                               and not followed[3]) \
-                or building():
+        if not self.active or (func not in self.watched and not any(followed)) or building():
             return call(*args, **kwargs)
         reader = self.readers.get(func)
-        if reader is readers.softmax and not followed[0] and not followed[1] and not followed[2] and not followed[3] \
-                and not self.discarded._found and not _by_shape(args, kwargs):
+        if reader is readers.softmax and not any(followed) and not self.discarded._found and not _by_shape(args, kwargs):
             return call(*args, **kwargs)  # (no scores, weights or fill remembered: a softmax of no attention shape is
             # no attention, and nothing it computes is followed; decided before anything of it is read)
         if reader is not None and not self.busy and not self.within:
@@ -185,7 +181,7 @@ class Follow:
         followed = self._followed
         if building():
             return
-        if followed[0] or followed[1] or followed[2] or followed[3] or self.scores is None:
+        if any(followed) or self.scores is None:
             self.after_call(func, args, kwargs, out)
         else:
             self.discarded.after(func, args, kwargs, out)
@@ -217,7 +213,7 @@ class Follow:
             self.scores.after(func, args, kwargs, out)
             if func in DISCARDED:  # (an out-of-place fill of scores: discarded.py)
                 self.discarded.after(func, args, kwargs, out)
-        if (followed[0] or followed[1] or followed[2] or followed[3]) and not self._local.moded:
+        if any(followed) and not self._local.moded:
             self._follow()
 
 

@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+from maskcli.trace.followed import operands_of
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
 from maskcli.trace.weakfill import WHERES, carry
 from maskcli.trace.sliced import tail
@@ -59,9 +60,7 @@ class Scores:
                 # and what is computed from those (B, Lk) scores: its masked_fill, its scaling)
             return
         if func in MATMULS:
-            operands = args[1:] if func is torch.einsum else args
-            if func is torch.einsum and len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-                operands = operands[0]
+            operands = operands_of(func, args)
             if func in (torch.baddbmm, torch.Tensor.baddbmm):
                 operands = operands[1:3]  # (input, batch1, batch2): the product is batch1 @ batch2
             if sum(isinstance(x, torch.Tensor) and x.dim() >= 3 for x in operands) >= 2:

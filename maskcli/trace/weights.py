@@ -20,14 +20,12 @@ weights: only what is made of weights alone is followed.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from maskcli.trace.after import PRODUCTS
+from maskcli.trace.followed import follow, operands_of
 from maskcli.trace.scores import ADDS
 
-KEEP = 64  # weights followed at most (more: all forgotten)
 SHARE = 1e-3  # a masked key's weight counts from this share of its row's largest weight (an epsilon added does not)
 MOST = 1 << 22  # cells compared at a product at most
 
@@ -90,24 +88,10 @@ class Weights:
         self._keep(out, entry[1], entry[2], entry[3] or (func in ADDS and other))
 
     def _keep(self, out, call, seen, added: bool) -> None:
-        found = self._found
-        if len(found) >= KEEP:
-            found.clear()
-        key = id(out)
-
-        def gone(ref) -> None:
-            if found.get(key, (None,))[0] is ref:
-                del found[key]
-
-        try:
-            found[key] = (weakref.ref(out, gone), call, seen, added)
-        except TypeError:
-            pass
+        follow(self._found, id(out), out, call, seen, added)
 
     def _product(self, func, args: tuple) -> None:
-        operands = args[1:] if func is torch.einsum else args
-        if func is torch.einsum and len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-            operands = operands[0]
+        operands = operands_of(func, args)
         entry = self.entry(operands[0]) if operands else None
         if entry is None or not entry[3] or "weighted_after" in entry[1].details:
             return  # (only weights something was added to: what else is computed of them keeps a masked key at 0)
