@@ -162,7 +162,8 @@ def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window, writte
     steps since the prefill placed their queries at, whose slots they wrote (KerasHub's sampler generates from the
     shortest prompt's end, into the longer rows' padded slots): no padding of the prefill's there any more."""
     asking = _Asking(call, top, later, max(later.shape[0], call.shape[0]))  # its real queries, resolved where a rule would speak
-    if padded is not None and later.shape[0] in (1, padded.shape[0]):
+    if padded is not None and later.shape[0] in (1, padded.shape[0]) and call.shape[0] in (1, padded.shape[0]):
+        # (a step over another number of batch rows is another batch: its rows are not the prefill's)
         width = padded.shape[1]
         bad = later[..., :width] & padded[:, None, None, :]  # (one mask row for every batch row broadcasts)
         at = [k for k in written if 0 <= k < width]
