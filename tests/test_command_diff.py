@@ -284,3 +284,21 @@ def test_the_names_diff_prints_paste_back_into_show(tree):
     assert shown.exit_code == 0, (name, shown.output)
     cells = np.asarray(json.loads(shown.stdout)["mask"], dtype=bool)[0, 0]
     assert np.array_equal(cells, np.array(ref.dense(tree, q0=0, lq=4, k0=0, lk=4))[0]), name
+
+
+def test_sizes_without_a_placing_place_the_file_where_show_places_them(tmp_path):
+    """--len 3 --kv-len 7 puts the queries at 0-2 (as `show`, and inspect's rebuild command, place them): a file of that
+    shape is read there too, so the file `show` saved is equal to its expression; with no sizes a file's queries sit
+    at the end of its keys, as before."""
+    top_left = torch.ones(3, 7, dtype=torch.bool).tril()  # queries 0-2 over keys 0-6: the reference
+    path = tmp_path / "m.npy"
+    np.save(path, top_left.numpy())
+    result = diff("causal", path, "--len", 3, "--kv-len", 7, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["equal"] is True
+    result = diff("window(2)", path, "--len", 3, "--kv-len", 7, "--json")
+    data = json.loads(result.output)
+    expected = torch.ones(3, 7, dtype=torch.bool).tril() & ~torch.ones(3, 7, dtype=torch.bool).tril(-2)
+    assert result.exit_code == 1 and data["only_b"] == int((top_left & ~expected).sum()) == 1, result.output
+    bottom_right = diff("causal", path, "--json")  # no sizes: the file's queries at 4-6, where causal sees 5 to 7 keys
+    assert bottom_right.exit_code == 1 and json.loads(bottom_right.output)["only_a"] == 12

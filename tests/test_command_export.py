@@ -347,3 +347,24 @@ def test_flex_counts_its_partial_blocks_in_words(args, note):
         block = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, length, length, device="cpu")
         assert int(block.kv_num_blocks.sum()) == 2  # partial blocks, by FlexAttention's own build
     assert note in ok(*args, "--for", "flex").stdout.splitlines()
+
+
+@pytest.mark.parametrize("form", ["flash-attn", "magi", "flashmask", "xformers", "flashinfer"])
+def test_a_file_whose_heads_are_the_same_is_one_mask_for_every_head(tmp_path, form):
+    """A (1, 3, 6, 6) file of one causal mask copied to three heads exports to the formats that hold one mask for
+    every head (show calls its heads identical); a file whose heads differ in one cell is still refused."""
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()  # the reference: torch.tril
+    same, odd = tmp_path / "same.pt", tmp_path / "odd.pt"
+    torch.save(causal.expand(1, 3, 6, 6).clone(), same)
+    different = causal.expand(1, 3, 6, 6).clone()
+    different[0, 1, 5, 0] = False
+    torch.save(different, odd)
+    out = tmp_path / "out.pt"
+    saved = () if form == "xformers" else ("--save", out)  # (xformers' causal is a bias class: no tensors to save)
+    result = export("--mask", same, "--for", form, *saved)
+    assert result.exit_code == 0, result.output
+    if form in ("flash-attn", "magi", "flashmask"):  # (the formats --from reads back)
+        back = runner.invoke(app, ["diff", "causal", str(out), "--from", form, "--len", "6"])
+        assert back.exit_code == 0, back.output
+    refused = export("--mask", odd, "--for", form)
+    assert refused.exit_code == 2 and "differ: use --for sdpa" in refused.output

@@ -106,6 +106,27 @@ def _explain(sides: dict[str, Mask], cell: str, png: str | None, json_: bool, ht
         raise typer.Exit(1)
 
 
+def _placed_alone(texts: dict, is_file: dict, options: MaskOptions, kinds: dict, files: dict) -> dict:
+    """The expression sides built as `show` builds them, and the file re-read at their positions, where the user gave
+    sizes but no placing (--len 3 --kv-len 7: queries 0-2, as `show` and `inspect`'s rebuild command place them) and
+    the file has that shape: a file does not say where its queries sit, so the sizes the user gave say it. Empty where
+    that does not apply (the file then places the expressions: its queries at the end of its keys)."""
+    if not files or len(files) == len(texts) or options.offset is not None or options.align is not None \
+            or (options.length is None and options.kv_len is None):
+        return {}
+    try:
+        alone = {label: _side(texts[label], options, kinds, label) for label in texts if not is_file[label]}
+    except MaskError:
+        return {}  # (the sizes given do not build it alone: the file's shape places it, as without them)
+    g, (label, file) = next(iter(alone.values())).frame, next(iter(files.items()))
+    f = file.frame
+    if (g.q_len, g.k_len) != (f.q_len, f.k_len) or (g.q_start, g.k_start) == (f.q_start, f.k_start):
+        return {}
+    at = replace(_for_a_file(options), offset=g.q_start, kv_start=g.k_start or None)
+    files[label] = _side(texts[label], at, kinds, label)
+    return alone
+
+
 def _positions_given(options: MaskOptions) -> bool:
     return any(value is not None for value in (options.length, options.offset, options.kv_start, options.kv_len, options.align))
 
@@ -154,7 +175,10 @@ def diff(
             raise MaskError(f"{flag} {value} is for a mask file: give A or B as a file (a .pt, .npy, ...), or drop {flag}")
     # a tensor's shape says its own positions: the position, padding and kind options are the expressions'
     sides: dict[str, Mask] = {label: _side(texts[label], _for_a_file(options), kinds, label) for label in texts if is_file[label]}
-    if sides:
+    alone = _placed_alone(texts, is_file, options, kinds, sides)
+    if alone:
+        sides.update(alone)
+    elif sides:
         f = next(iter(sides.values())).frame  # the (first) file places the expressions, unless options say otherwise
         placed = replace(
             options,

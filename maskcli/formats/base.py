@@ -51,9 +51,19 @@ class Format:
     version: str = ""  # the library release whose signatures the printed call is written for (and checked against)
 
 
+def heads_differ(mask: Mask) -> bool:
+    """Whether a format that holds one mask for every head cannot hold this one: mask.heads_differ, read off the cells
+    where a tensor's heads are given (a file whose heads are all the same holds one mask for every head, as `show` says
+    of it: heads 0-2 identical)."""
+    if not mask.heads_differ:
+        return False
+    keep = mask.keep
+    return keep is None or not bool((keep == keep[:, :1]).all())
+
+
 def plain_rows(mask: Mask, what: str) -> tuple[np.ndarray, np.ndarray]:
     """(B, Lq, K) int64 starts and ends of a mask's intervals, broadcast; refused where they are not few."""
-    if mask.heads_differ:
+    if heads_differ(mask):
         raise CannotHold(f"{what} holds one mask for every head, and the heads of {mask.title} differ: use --for sdpa (a dense mask per head)")
     if mask.keep is not None:  # a tensor's cells: its runs of keys, read row by row (the tensor is L x L already)
         iv = cell_runs(mask)

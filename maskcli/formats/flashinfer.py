@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.formats.base import CannotHold, Export
+from maskcli.formats.base import CannotHold, Export, heads_differ
 from maskcli.formats.flash_attn import cu_seqlens
 from maskcli.formats.segments import ELSEWHERE, left_out, sequences
 from maskcli.memory import check_dense_fits
@@ -48,7 +48,7 @@ def _plan(args: str) -> list[str]:
 def _custom(mask, why: str) -> Export:
     """One request per batch row: its (Lq, Lk) keep matrix flattened (custom_mask), and packed as
     flashinfer.segment_packbits packs it (each request's bits little-endian, padded to whole bytes)."""
-    if mask.heads_differ:
+    if heads_differ(mask):
         raise CannotHold("flashinfer's custom mask is one for every head, and this mask's heads differ: use --for sdpa")
     f = mask.frame
     check_dense_fits((mask.batch, f.q_len, f.k_len), 1 + 1 / 8, "as FlashInfer's custom mask", what="the custom mask of")
