@@ -36,18 +36,18 @@ class Blocks:
     q_block: int
     kv_block: int
     kv_num_blocks: np.ndarray
-    kv_indices: np.ndarray
+    kv_indices: np.ndarray | None  # None where only the counts were asked for (layout(..., indices=False))
     full_kv_num_blocks: np.ndarray
-    full_kv_indices: np.ndarray
+    full_kv_indices: np.ndarray | None
     sets: tuple | None = None  # (touched, full) block intervals per batch row, where the mask's intervals are few
 
     @property
     def n_q(self) -> int:
-        return self.kv_indices.shape[-2]
+        return self.kv_num_blocks.shape[-1]
 
     @property
     def n_kv(self) -> int:
-        return self.kv_indices.shape[-1]
+        return -(-self.mask.frame.k_len // self.kv_block)
 
     def counts(self, b: int, h: int = 0) -> tuple[int, int, int]:
         """(full, partial, empty) blocks of batch row b, head h."""
@@ -127,23 +127,29 @@ def transposed(num: np.ndarray, indices: np.ndarray, n_q: int, n_kv: int) -> tup
     return q_num, q_indices
 
 
-def layout(mask: Mask, q_block: int = DEFAULT_BLOCK, kv_block: int = DEFAULT_BLOCK, progress=None) -> Blocks:
-    """The blocks of `mask`: from its intervals where they are few, else from exact counts per block."""
+def layout(mask: Mask, q_block: int = DEFAULT_BLOCK, kv_block: int = DEFAULT_BLOCK, progress=None,
+           indices: bool = True) -> Blocks:
+    """The blocks of `mask`: from its intervals where they are few, else from exact counts per block. `indices`: False
+    where only the counts are read (blocks --summary): a mask with intervals then makes no (n_q, n_kv) array, so the
+    counts of 4M tokens (32,768 x 32,768 blocks) take O(rows), not 8 GB of indices."""
     f = mask.frame
     n_q, n_kv = -(-f.q_len // q_block), -(-f.k_len // kv_block)
     heads = mask.heads if mask.heads_differ else 1  # a file's own heads, a mask_mod that reads h
-    check_dense_fits((mask.batch, heads, n_q, n_kv), 4 * 2 + 2, "for the block indices", what="a block mask of",
-                     fix="use a larger --block, or a shorter mask")
+    if indices or not mask.exact:  # (counted block by block: (n_q, n_kv) counts a plane)
+        check_dense_fits((mask.batch, heads, n_q, n_kv), 4 * 2 + 2, "for the block indices", what="a block mask of",
+                         fix="use a larger --block, or a shorter mask")
     if mask.exact:  # every batch row at once (heads are one: a mask with intervals has no per-head tensor)
         touched, full = mask.intervals().block_sets(f.q_len, q_block, kv_block)
         partial = touched & ~full
         planes = (touched.starts.shape[0], 1, n_q)
-        arrays = {
-            "kv_num_blocks": partial.counts().reshape(planes), "kv_indices": ordered(partial, n_kv).reshape(planes + (n_kv,)),
-            "full_kv_num_blocks": full.counts().reshape(planes), "full_kv_indices": ordered(full, n_kv).reshape(planes + (n_kv,)),
-        }
+        arrays = {"kv_num_blocks": partial.counts().reshape(planes), "full_kv_num_blocks": full.counts().reshape(planes)}
+        if indices:
+            arrays["kv_indices"] = ordered(partial, n_kv).reshape(planes + (n_kv,))
+            arrays["full_kv_indices"] = ordered(full, n_kv).reshape(planes + (n_kv,))
         # one stored row serves every batch row: a broadcast view, as a mask of one plane stays a view
         stacked = {name: np.broadcast_to(value.astype(np.int32, copy=False), (mask.batch,) + value.shape[1:]) for name, value in arrays.items()}
+        stacked.setdefault("kv_indices", None)
+        stacked.setdefault("full_kv_indices", None)
         return Blocks(mask, q_block, kv_block, **stacked, sets=(touched, full))
     parts: dict[str, list] = {"kv_num_blocks": [], "kv_indices": [], "full_kv_num_blocks": [], "full_kv_indices": []}
     for b in range(mask.batch):

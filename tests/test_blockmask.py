@@ -94,3 +94,28 @@ def test_a_million_tokens_in_blocks_of_128():
     assert partial == n + (n - 32)  # the diagonal block, and the block 32 back where the window ends mid-block
     assert full == sum(min(i, 31) for i in range(n))
     assert full + partial + empty == n * n
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=cases(), q_block=st.sampled_from([1, 2, 3, 16]), kv_block=st.sampled_from([1, 2, 5, 16]))
+def test_counts_alone_equal_create_block_mask(case, q_block, kv_block):
+    """layout(..., indices=False) (blocks --summary) makes no index arrays, and its counts are create_block_mask's."""
+    tree, options, frame, valid = case
+    mask = build(ref.text(tree), MaskOptions(**options))
+    f = mask.frame
+    flex = create_block_mask(mask.mask_mod, mask.batch, mask.heads, f.q_len, f.k_len, device="cpu", BLOCK_SIZE=(q_block, kv_block))
+    ours = layout(mask, q_block, kv_block, indices=False)
+    assert ours.kv_indices is None and ours.full_kv_indices is None
+    assert (ours.n_q, ours.n_kv) == tuple(flex.kv_indices.shape[-2:])
+    for b in range(mask.batch):
+        assert ours.counts(b) == (int(flex.full_kv_num_blocks[b, 0].sum()), int(flex.kv_num_blocks[b, 0].sum()),
+                                  ours.n_q * ours.n_kv - int(flex.full_kv_num_blocks[b, 0].sum()) - int(flex.kv_num_blocks[b, 0].sum()))
+    assert ours.sparsity() == pytest.approx(flex.sparsity(), abs=1e-9)
+
+
+def test_the_counts_of_4m_causal_tokens_need_no_block_map():
+    """causal at 4,194,304 tokens: 32,768 x 32,768 blocks of 128, counted from the intervals (the index arrays alone
+    would be 8 GB): n(n-1)/2 full blocks below the diagonal, n partial on it."""
+    n = 4_194_304 // 128
+    ours = layout(build("causal", MaskOptions(length=4_194_304)), indices=False)
+    assert ours.counts(0) == (n * (n - 1) // 2, n, n * n - n * (n - 1) // 2 - n)

@@ -86,7 +86,8 @@ def blocks(
 
         page = blocks_page(built, q_block, kv_block)
     with progress("counting blocks") as update:
-        found = layout(built, q_block, kv_block, update)
+        # (--summary alone reads the counts: no (n_q, n_kv) indices made for a mask with intervals)
+        found = layout(built, q_block, kv_block, update, indices=not summary or save_path is not None or png_path is not None)
     if save_path is not None:
         _save(found, save_path)
         done(f"wrote {save_path} (BlockMask(**torch.load({str(save_path)!r}, weights_only=True), mask_mod=MASK_MOD): "
