@@ -38,9 +38,10 @@ def views(difference: Difference, console, progress=None, map_width: int | None 
         out.append(Text("first rows that differ" + more + ":\n" + "\n".join(f"  {line}" for line in shown), style="yellow"))
     a = difference.a
     f = a.frame
-    rows_labels, cols_labels = axis_labels(a, 0)
-    label_width = max(map(len, rows_labels)) if f.q_len <= 256 else len(str(f.q_end - 1))
-    small = f.q_len <= 256 and label_width + 2 + 3 * f.k_len <= console.width
+    few = f.q_len <= 256 and 3 * f.k_len <= console.width  # (labels made only for a table: a map of 1M rows has none)
+    rows_labels, cols_labels = axis_labels(a, 0) if few else ([], [])
+    label_width = max(map(len, rows_labels)) if few else len(str(f.q_end - 1))
+    small = few and label_width + 2 + 3 * f.k_len <= console.width
     if small and a.tokens is not None:  # the words on both axes where they fit, else on the rows
         from maskcli.render.tables import fits, grid_table
 
