@@ -167,6 +167,14 @@ def plant_crafted(folder) -> None:
     cannot hand to numpy, kernel formats with fractional or no indices, and numbers past what int() reads."""
     import zipfile
 
+    header = b"{'descr': bogus, 'fortran_order': False, 'shape': (2, 2), }"  # a name numpy's parser cannot read
+    (folder / "badheader.npy").write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + b"\x00" * 4)
+    torch.save(torch.tril(torch.ones(4, 4, dtype=torch.bool)), folder / "whole.pt")
+    (folder / "cut.pt").write_bytes((folder / "whole.pt").read_bytes()[:300])  # a .pt cut short: no central directory
+    torch.save(torch.tril(torch.ones(3, 4, 4, dtype=torch.bool)), folder / "good3.pt")
+    _save(folder / "flexneg.pt", {"kv_num_blocks": torch.full((1, 1, 1), -4, dtype=torch.int32), "kv_indices": torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+                                  "full_kv_num_blocks": torch.zeros(1, 1, 1, dtype=torch.int32), "full_kv_indices": torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+                                  "block_size": (128, 128), "seq_lengths": (8, 8)})
     _save(folder / "ps0.pt", _sglang(page_size=0))
     _save(folder / "psneg.pt", _sglang(page_size=-4))
     _save(folder / "wsg.pt", _sglang(sliding_window_size=BIG))

@@ -248,6 +248,14 @@ def test_hostile_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypat
 # answer with exit 0 (the value each line must quote beside it)
 LIMIT = "1,099,511,627,776"
 CRAFTED = [
+    # hunt 24: errors that pasted a library's internals, a count that was a file's negative number, a head count past
+    # every other option's limit
+    (["inspect", "badheader.npy"], "'badheader.npy': not a readable numpy file (its header is not the dictionary a .npy "
+                                   "file starts with (descr, fortran_order, shape)): save it again with numpy.save"),
+    (["inspect", "cut.pt"], "not a readable .pt file (RuntimeError: PytorchStreamReader failed reading zip archive: failed "
+                            "finding central directory): save it again with torch.save(tensor, path)"),
+    (["show", "--mask", "flexneg.pt", "--from", "flex"], "kv_num_blocks holds -4, a negative count of partial blocks"),
+    (["inspect", "good3.pt", "--heads", "99999999999999999999"], "--heads 99999999999999999999 is too large: at most"),
     (["serve", "ps0.pt"], "page_size 0 must be 1 to 1,048,576"),
     (["serve", "psneg.pt"], "page_size -4 must be 1 to 1,048,576"),
     (["serve", "wsg.pt"], f"sliding_window_size holds {2**63 - 1}, past the {LIMIT}"),
@@ -800,7 +808,8 @@ def test_a_full_stdout_after_a_file_is_written_leaves_one_line_and_no_file(tmp_p
         for name in ("x.html", "kept.html"):
             result = subprocess.run([sys.executable, "-m", "maskcli", "show", "causal", "--len", "6", "--html", name],
                                     stdout=full, stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=120, env=env)
-            assert (result.returncode, result.stderr) == (2, "maskcli: error: No space left on device\n")
+            assert (result.returncode, result.stderr) == (2, "maskcli: error: No space left on device while writing the output: "
+                                                  "send it (stdout) to a disk with room, or to /dev/null\n")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["kept.html"]  # (one that was there is replaced, not lost)
     shown = runner.invoke(app, ["show", "causal", "--len", "6", "--html", str(tmp_path / "y.html")])
     assert shown.exit_code == 0 and shown.stderr == f"wrote {tmp_path / 'y.html'}\n" and "<html" in (tmp_path / "y.html").read_text().lower()

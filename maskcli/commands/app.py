@@ -7,6 +7,7 @@ loads neither.
 
 from __future__ import annotations
 
+import errno
 import re
 import sys
 from typing import Annotated
@@ -137,6 +138,9 @@ def handled(run, args: list[str]) -> int:
     except MemoryError:
         fail(f"ran out of memory: {_smaller(args)}")
     except OSError as error:
+        if error.filename is None and error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):  # (a write to stdout:
+            # /dev/full, a full disk behind `> out.txt`; the files maskcli writes name themselves)
+            fail(f"{error.strerror or error} while writing the output: send it (stdout) to a disk with room, or to /dev/null")
         fail(f"{error.strerror or error}{': ' + repr(error.filename) if error.filename else ''}")
     except RecursionError:
         fail("the input is nested too deeply to read: give a flat list or a file")

@@ -55,8 +55,9 @@ def inspect(
     """
     from maskcli.files import FIGURE_SUFFIXES, check_output_path
 
-    if heads is not None and heads < 1:
-        raise MaskError(f"--heads must be at least 1 (your model's head count), got {heads}")
+    from maskcli.positions import check_size
+
+    check_size(heads, "--heads", "your model's head count")
     if from_ is not None:
         check_choice(from_, ("keep", "block"), "--from convention")
     png_path = check_output_path(png, FIGURE_SUFFIXES, "--png") if png is not None else None

@@ -139,6 +139,9 @@ def read(tensors: dict, flags: dict):
     q_len, k_len = (int(x) for x in saved(tensors, "seq_lengths", what))
     if full_idx.ndim != 4 or num.shape != full_num.shape or full_num.shape != full_idx.shape[:3]:
         raise MaskError(f"{what}: full_kv_indices must be (B, H, n_q, n_kv) and the counts (B, H, n_q); got {list(full_idx.shape)} and {list(full_num.shape)}")
+    if (num < 0).any():
+        raise MaskError(f"{what}: kv_num_blocks holds {int(num.min())}, a negative count of partial blocks: save the "
+                        "BlockMask's own kv_num_blocks (each 0 .. the blocks of a row)")
     if int(num.sum()):
         raise MaskError(f"{what}: the BlockMask has {int(num.sum()):,} partial blocks, whose cells only its mask_mod knows; maskcli reads a "
                         "BlockMask exactly only when every block is full or empty: give the mask itself (an expression, or --mask with a dense tensor)")

@@ -36,9 +36,9 @@ def read(path: Path, where: str, reading: Reading = Reading()) -> dict[str, np.n
     except ValueError as error:
         if "pickle" in str(error):  # numpy's refusal of object arrays names allow_pickle
             raise MaskError(f"{where}: refused: it holds Python objects, which would need pickle ({error})") from None
-        raise MaskError(f"{where}: not a readable numpy file ({str(error)[:160]})") from None
+        raise MaskError(f"{where}: not a readable numpy file ({_header_or(error)}): save it again with numpy.save") from None
     except Exception as error:
-        raise MaskError(f"{where}: not a readable numpy file ({type(error).__name__}: {str(error)[:160]})") from None
+        raise MaskError(f"{where}: not a readable numpy file ({_header_or(error)}): save it again with numpy.save") from None
     for name, array in arrays.items():
         if not isinstance(array, np.ndarray):  # np.load hands an .npz member that is not a .npy file over as bytes
             raise MaskError(f"{where}: member {name!r} is not a .npy array (an .npz holds arrays saved by numpy.savez)")
@@ -104,3 +104,12 @@ def _check_unpacked_fits(path: Path, head: bytes, where: str, work: tuple[float,
 
 
 FILE_TYPE = FileType("npy", (".npy", ".npz"), read)
+
+
+def _header_or(error: BaseException) -> str:
+    """What numpy's error says of the file: its header where numpy's parser failed on it (its message then names a
+    Python object of numpy's own, "<ast.Name object at 0x...>", nothing of the file), else the message."""
+    text = " ".join(str(error).split())
+    if "malformed node" in text or " object at 0x" in text or "header" in text.lower() and "ast." in text:
+        return "its header is not the dictionary a .npy file starts with (descr, fortran_order, shape)"
+    return f"{type(error).__name__}: {text[:160]}"

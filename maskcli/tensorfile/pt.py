@@ -36,7 +36,8 @@ def read(path: Path, where: str, reading: Reading = Reading()) -> dict:
             "save the tensor itself with torch.save(tensor, path)"
         ) from None
     except Exception as error:  # torch raises RuntimeError, EOFError, zipfile errors... for bad files
-        raise MaskError(f"{where}: not a readable .pt file ({type(error).__name__}: {str(error)[:160]})") from None
+        raise MaskError(f"{where}: not a readable .pt file ({_first_sentence(error)}): save it again with "
+                        f"torch.save(tensor, path), or give the file the .pt really is") from None
     for name, value in (data.items() if isinstance(data, dict) else [("", data)]):
         if isinstance(value, torch.Tensor) and value.is_nested:  # its sizes are per item: every reader would fail on it
             label = f" entry {name!r}" if name else ""
@@ -75,3 +76,13 @@ def _as_tensor(value):
 
 
 FILE_TYPE = FileType("pt", (".pt", ".pth"), read)
+
+
+def _first_sentence(error: BaseException) -> str:
+    """The error's type and its first sentence (torch's zip errors go on with advice that is not for this file: "This
+    is an internal miniz error. If you are seeing this error, there is a high..."), never cut mid-word."""
+    text = " ".join(str(error).split())
+    first = text.split(". ")[0].rstrip(".")
+    if len(first) > 160:
+        first = first[:160].rsplit(" ", 1)[0] + " ..."
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
