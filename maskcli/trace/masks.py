@@ -347,6 +347,8 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
         details["nan_rows"] = bool(infinite.all(dim=-1).any())
     masked = masked | _finite_fill(scores, lowest, details)
     _nan_scores(scores, details)
+    if "nan_scores" in details:  # (a NaN score is the activations', not a cell the mask left: its row's softmax is NaN
+        masked = masked | torch.isnan(scores)  # whatever it sees; read as no key, not as one seen: TimesFM 1b95563)
     if q_len > 1 and bool(masked.any()) and bool((masked == masked[..., :1, :]).all()):
         details["mask_rows"] = 1  # every query masks the same keys: one row for every query, as sdpa says of a
         # (B, 1, 1, Lk) attn_mask (the Annotated Transformer's masked_fill(src_mask == 0, -1e9)): key padding
