@@ -35,13 +35,14 @@ def flags_hold_fill(run: Run) -> list:
         if not _same(held.get("value"), fill if isinstance(fill, float) else None):
             continue
         done.add((held["name"], held["function"]))
-        found.append((call, Finding("padding-holds-fill", (
-            f"{call.where}: the padding flags `{held['name']}` handed to {held['function']}() hold {held['value']:g} on "
-            f"{held['cells']} of {held['of']} positions, the very fill this call's scores are masked with, where 1.0 "
-            f"(padded) was: the mask was built in place on the flags (a view of them multiplied by the fill), so every "
-            f"reader of `{held['name']}` after it (`1 - {held['name']}`) gets {-held['value']:g} (copy the flags "
-            f"before the product: `.clone()`)"),
-            expected="1.0 where padded", source=f"{held['function']}({held['name']})", cell=(0, 0, 0))))
+        name, value = held["name"], held["value"]
+        said = (f"{call.where}: the padding flags `{name}` handed to {held['function']}() hold {value:g} on "
+                f"{held['cells']} of {held['of']} positions, the very fill this call's scores are masked with, where "
+                f"1.0 (padded) was: the mask was built in place on the flags (a view of them multiplied by the fill), "
+                f"so every reader of `{name}` after it (`1 - {name}`) gets {-value:g} (copy the flags before the "
+                f"product: `.clone()`)")
+        found.append((call, Finding("padding-holds-fill", said, expected="1.0 where padded",
+                                    source=f"{held['function']}({name})", cell=(0, 0, 0))))
     return found
 
 
