@@ -136,3 +136,37 @@ def test_float_key_padding_mask_added_by_multihead_attention(tmp_path):
     mask is quiet. The finding names the argument."""
     [hit] = check_bug(tmp_path, "bst_float_key_padding_mask_added", "ones-added", Path(__file__).parent / "data" / "mhafloat")
     assert "float key_padding_mask" in hit["message"]
+
+
+def test_pytorch_ts_float_triu_tgt_mask_added_by_the_transformer_decoder(tmp_path):
+    """zalandoresearch/pytorch-ts d0a19ab (written blind, batch blind-cm): TransformerNetwork's `tgt_mask` buffer is
+    the float `torch.triu(torch.ones(P, P), diagonal=1)`, which nn.Transformer's decoder adds (+1 on a later step), so
+    the teacher-forced decoder reads the future targets; the fix uses generate_square_subsequent_mask (-inf above
+    the diagonal). Against nn.TransformerDecoderLayer itself: the float triu leaves the later steps' weights > 0."""
+    [hit] = check_bug(tmp_path, "pytorch_ts_transformer_tgt_mask_float_ones_added_not_blocking", "ones-added")
+    assert "float attn_mask" in hit["message"]
+    import torch
+
+    torch.manual_seed(0)
+    mha, x = torch.nn.MultiheadAttention(8, 1).eval(), torch.randn(5, 1, 8)
+    _, added = mha(x, x, x, attn_mask=torch.triu(torch.ones(5, 5), diagonal=1))
+    _, blocked = mha(x, x, x, attn_mask=torch.nn.Transformer.generate_square_subsequent_mask(5))
+    later = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    assert added[0][later].min() > 0 and blocked[0][later].max() == 0
+
+
+def test_float_future_and_pad_flags_added_by_sdpa(tmp_path):
+    """Written another way (tests/data/mhafloat): a hand-rolled forecasting decoder on SDPA over right-padded series,
+    its float "hide" mask (triu(ones, 1) maxed with the padding flags, 1 = hidden) handed as attn_mask, which SDPA
+    adds: the later steps and the padding are read. The bool keep mask `hide == 0` is quiet. Against SDPA itself."""
+    [hit] = check_bug(tmp_path, "forecast_sdpa_float_future_and_pad_flags_added", "ones-added",
+                      Path(__file__).parent / "data" / "mhafloat")
+    assert "float attn_mask" in hit["message"]
+    import torch
+
+    q = torch.randn(1, 1, 4, 8)
+    hide = torch.triu(torch.ones(4, 4), diagonal=1)
+    weights = [torch.nn.functional.scaled_dot_product_attention(q, q, torch.eye(4)[None, None], attn_mask=m)
+               for m in (hide, hide == 0)]
+    later = hide.bool()
+    assert weights[0][0, 0][later].min() > 0 and weights[1][0, 0][later].max() == 0

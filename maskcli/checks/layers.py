@@ -133,8 +133,8 @@ def agree(run: Run) -> list:
     """A layer whose mask differs from a strict majority (three or more layers) of its type in one forward pass."""
     found = []
     for (_, site, _, shape, step, kind, _), calls in _groups(run).items():
-        if len(calls) < 3:
-            continue
+        if len(calls) < 3 or any(call.details.get("nan_scores") for call in calls.values()):
+            continue  # (NaN scores read as no key, trace/masks.py: where they differ it is the activations', not the mask)
         by_mask: dict = {}
         for index, call in sorted(calls.items()):
             by_mask.setdefault(call.mask, []).append(index)

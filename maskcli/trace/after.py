@@ -31,6 +31,9 @@ A fill of -inf (or a finite fill at most -1e4) written into those weights (NISQA
 A 0/1 product that leaves a real query row no key at all, where the softmax's own mask gave it keys (a causal head
 mask built with tril(diagonal=-1): Transformers4Rec 3d94628), does not narrow the call's mask (the row would read as
 a padding row's); it is recorded as details `emptied_after` (checks/softmaxed.py).
+
+Once the weights were read by their product with the values, a 0/1 product of them is the program's own analysis
+(maxjcohen/transformer's `attention_map * future_in_window`, its last query's row all 0), not a mask: not followed.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class After:
     def __init__(self):
         self._found: dict[int, tuple] = {}
         self._copied: dict[int, list] = {}  # id(weights) -> the rows an out-of-place masked_fill zeroed in a copy
+        self._read: set[int] = set()  # id(weights) already read by weights @ values: a product after it is no mask
 
     def note(self, out, call, seen) -> None:
         """Follow `out`, the weights of softmax `call` (read as `seen`)."""
@@ -70,11 +74,13 @@ class After:
 
         copied = self._copied
         copied.pop(key, None)  # (an id a dead output had, now this one's)
+        self._read.discard(key)
 
         def gone(ref) -> None:
             if found.get(key, (None,))[0] is ref:
                 del found[key]
                 copied.pop(key, None)
+                self._read.discard(key)
 
         try:
             found[key] = (weakref.ref(out, gone), call, seen)
@@ -100,7 +106,8 @@ class After:
                 self._output_filled((mine, other == 0, 0))  # (output * keep: the rows it multiplies by 0, zeroed)
                 return
             entry = self._found.get(id(mine)) if isinstance(mine, torch.Tensor) else None
-            if entry is not None and entry[0]() is mine and isinstance(other, torch.Tensor):
+            if entry is not None and entry[0]() is mine and isinstance(other, torch.Tensor) \
+                    and id(mine) not in self._read:  # (weights the values already read: the program's own analysis)
                 self._narrow(trace, mine, other, entry)
                 return
 
@@ -158,6 +165,9 @@ class After:
         if entry is None or entry[0]() is not weights:
             return
         _, call, seen = entry
+        if len(self._read) >= KEEP:
+            self._read.clear()
+        self._read.add(id(weights))
         rows = self._copied.pop(id(weights), None)
         if rows is not None:
             lost = {"rows": rows, "cells": len(rows)}

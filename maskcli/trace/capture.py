@@ -22,6 +22,8 @@ import torch.nn.functional as F
 import maskcli.trace.masks as readers
 import maskcli.trace.queried as queried
 import maskcli.trace.calledflag as calledflag
+import maskcli.trace.askedcausal as askedcausal
+import maskcli.trace.padfill as padfill
 from maskcli.trace.masks import Call, Operands
 from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced, said as _said
 from maskcli.trace.outer import Outer
@@ -334,6 +336,8 @@ class Trace(Outer, Follow):
             self.sites.note(seen.details, caller, seen.shape)
             queried.note(seen.details, self.sites.stack, seen.api, seen.shape)  # (the layer's own queries, its head count)
             calledflag.note(seen.details, self.sites.stack, self.sites.walked, seen.shape)  # (a helper's causal= word)
+            askedcausal.note(seen.details, self.sites.stack, self.sites.walked)  # (mask="subsequent" per forward call)
+            padfill.note(seen.details, self.sites.walked)  # (padding flags that hold the mask's fill)
             chunks = held_chunks(self.sites.walked.held) if self.sites.walked is not None else None
             if chunks is not None:  # (a streaming encoder's chunk config its frames hold: checks/chunkleft.py)
                 seen.details["held_chunks"] = chunks

@@ -23,19 +23,28 @@ NAMES = ("use_causal_mask", "is_causal", "causal")
 def forward_flag(stack: list, frames: list) -> str | None:
     """'Class.forward(use_causal_mask=True)' where the innermost running module's forward, among `frames` ((frame, names)
     innermost first, the program's own), was handed one of NAMES as True; None otherwise."""
+    found = forward_frame(stack, frames, lambda code: any(name in code.co_varnames for name in NAMES))
+    if found is None:
+        return None
+    frame, arguments = found
+    for name in NAMES:
+        if name in arguments and frame.f_locals.get(name) is True:
+            return f"{type(stack[-1]).__name__}.forward({name}=True)"
+    return None
+
+
+def forward_frame(stack: list, frames: list, takes) -> tuple | None:
+    """(frame, its parameter names) of the innermost running module's own forward among `frames` ((frame, names),
+    innermost first), where `takes(code)` says its forward may hold what the reader reads; None otherwise."""
     if not stack or not frames:
         return None
     module = stack[-1]
     code = getattr(getattr(type(module), "forward", None), "__code__", None)
-    if code is None or not any(name in code.co_varnames for name in NAMES):
+    if code is None or not takes(code):
         return None
-    arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
     for frame, _ in frames:
         if frame.f_code is code and frame.f_locals.get("self") is module:
-            for name in NAMES:
-                if name in arguments and frame.f_locals.get(name) is True:
-                    return f"{type(module).__name__}.forward({name}=True)"
-            return None
+            return frame, code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
     return None
 
 

@@ -121,3 +121,18 @@ def attention_bias(mask) -> bool:
     from torch.nn.attention.bias import CausalBias
 
     return isinstance(mask, CausalBias)
+
+
+def query_offset(q: torch.Tensor, k: torch.Tensor) -> int | None:
+    """Where MHA's (L, B, E) query input starts among its key input, both views of one storage with the same strides
+    (`attention(query=x[:, T:], key=x, value=x)`: TFT's decoder queries the forecast steps of the sequence it attends
+    over); None where the query is not such a slice of the keys (checks/padqueries.py)."""
+    try:
+        if q.dim() != k.dim() or q.shape[1:] != k.shape[1:] or q.stride() != k.stride() or q.shape[0] >= k.shape[0]:
+            return None
+        step, offset = k.stride(0), q.storage_offset() - k.storage_offset()
+    except (RuntimeError, NotImplementedError):  # (tensor subclasses: no storage to read)
+        return None
+    if step <= 0 or offset % step or not 0 <= offset // step <= k.shape[0] - q.shape[0]:
+        return None
+    return offset // step

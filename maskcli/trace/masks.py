@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from maskcli import tracefile
 from maskcli.inspect.polarity import additive_keep
 from maskcli.trace.maskfacts import attention_bias as _attention_bias, empty_rows as _empty_rows, infinite as _infinite, \
-    nan_scores as _nan_scores, note_zero_one, poison
+    nan_scores as _nan_scores, note_zero_one, poison, query_offset
 from maskcli.text import step_label
 from maskcli.trace.given import gathered_keys, stored  # noqa: F401 - stored: with the mask its frames handed (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
@@ -263,6 +263,8 @@ def mha(args: tuple, kwargs: dict) -> Seen:
                "key_padding": {}}  # MHA has a key-padding argument: the padding is what it says (maskcli.keypadding)
     if k is q or _same_storage(q, k):
         details["kv_source"] = "query"  # self-attention: MHA(x, x, x) (checks/context.crossing)
+        if (offset := query_offset(q, k)) is not None:  # (the queries a slice of the keys: x[:, T:] against x)
+            details["query_offset"] = offset
     else:  # keys from another tensor: another sequence's, or a cache whose last keys are the queries' own tokens
         details["kv_source"] = "cache" if _ends_with(k, q) else "other"
     seen = Seen("mha", (batch, heads, q_len, k_len), tuple(q.shape), tuple(k.shape), tuple(v.shape), _dtype(q), str(q.device), details=details)
@@ -345,6 +347,8 @@ def softmax(args: tuple, kwargs: dict) -> Seen | None:
         details["nan_rows"] = bool(infinite.all(dim=-1).any())
     masked = masked | _finite_fill(scores, lowest, details)
     _nan_scores(scores, details)
+    if "nan_scores" in details:  # (a NaN score is the activations', not a cell the mask left: its row's softmax is NaN
+        masked = masked | torch.isnan(scores)  # whatever it sees; read as no key, not as one seen: TimesFM 1b95563)
     if q_len > 1 and bool(masked.any()) and bool((masked == masked[..., :1, :]).all()):
         details["mask_rows"] = 1  # every query masks the same keys: one row for every query, as sdpa says of a
         # (B, 1, 1, Lk) attn_mask (the Annotated Transformer's masked_fill(src_mask == 0, -1e9)): key padding
