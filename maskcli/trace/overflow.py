@@ -133,10 +133,13 @@ class Overflows:
         Whatever goes wrong here is the watch's, never the program's: it is let go."""
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not out.is_floating_point():
             return
-        if func in IN_PLACE:  # (every in-place add a model runs: only a bool added to scores is read, at no cost)
-            if scores is not None and scores._found and _bool_mask(args) is not None and scores.has(out):
-                self._note(out, {"op": "bool", "line": frames_outside(1)[0], "shape": list(_bool_mask(args).shape)})
-            return
+        if func in IN_PLACE:  # (every in-place add a model runs: a bool added to scores is read, at no cost; the rest
+            added = _bool_mask(args)  # is looked at only as before, while a noted tensor may be added in)
+            if added is not None and scores is not None and scores._found and scores.has(out):
+                self._note(out, {"op": "bool", "line": frames_outside(1)[0], "shape": list(added.shape)})
+                return
+            if not self._found:
+                return
         if not self._found and (scores is None or not scores._found):  # the common case: only an overflow made here
             try:  # matters, and most sums and casts show at once that they made none (their result holds no -inf)
                 if func in CASTS:
