@@ -30,8 +30,8 @@ SUMS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__, torch.sub, torch.Ten
         torch.mul, torch.Tensor.mul, torch.Tensor.__rmul__}
 CASTS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type, torch.Tensor.type_as}
 ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__}
-IN_PLACE = {torch.Tensor.add_}  # `scores += mask`: only a bool added is looked at (its operand is gone, no overflow)
-WATCHED = SUMS | CASTS | IN_PLACE
+IN_PLACE = {torch.Tensor.add_}  # `scores += mask`: looked at while scores are followed, for a bool added (no overflow:
+WATCHED = SUMS | CASTS  # the operand it overwrote is gone)
 KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
 
 
