@@ -24,6 +24,7 @@ BUGS = [
     # coleygroup/DiffMS#25 (fixed by #26, blind-cq): the MIST encoder builds a -inf mask from its bool key padding mask
     # but adds the bool itself in place (`attn += attn_mask`), so padded peaks are attended
     ("diffms_mist_spectra_encoder_bool_padding_mask_added_not_neg_inf", "bool-added"),
+    ("mist_peak_attention_bool_key_padding_added_to_scores", "bool-added"),  # the same bug, reproduced before (held.py's)
 ]
 
 
