@@ -24,7 +24,7 @@ BUGS = [
     # coleygroup/DiffMS#25 (fixed by #26, blind-cq): the MIST encoder builds a -inf mask from its bool key padding mask
     # but adds the bool itself in place (`attn += attn_mask`), so padded peaks are attended
     ("diffms_mist_spectra_encoder_bool_padding_mask_added_not_neg_inf", "bool-added"),
-    ("mist_peak_attention_bool_key_padding_added_to_scores", "bool-added"),  # the same bug, reproduced before (held.py's)
+    ("mist_peak_attention_bool_key_padding_added_to_scores", "bool-added"),  # the same bug, reproduced before
 ]
 
 
@@ -179,8 +179,8 @@ def test_a_bool_mask_added_in_place_to_left_padded_scores_is_said_at_its_line(tm
 
 
 def test_an_in_place_add_of_a_float_mask_or_of_a_bool_outside_the_scores_is_no_bool_added():
-    # `scores += (~keep) * -1e9` adds a float; a bool added in place to a float tensor that is no q @ kᵀ (a counter) is
-    # not the scores: neither is said
+    # `scores += (~keep) * -1e9` adds a float; a bool added in place to a float tensor that is no q @ kᵀ (a counter)
+    # adds to no scores: neither is said
     def program():
         q = torch.randn(1, 1, 4, 8)
         scores = q @ q.transpose(-1, -2)

@@ -5,8 +5,8 @@ weights, not NaN): torch.finfo(dtype).min, -1e9, -1e10. Two ways turn it into -i
 narrower dtype (-1e10 or finfo(float32).min cast to float16, finfo(float32).min to bfloat16), and a sum
 past the dtype's range (finfo.min + finfo.min, a causal plane added to a padding plane; finfo(float16).min
 plus a score below -16). The trace watches the casts and the sums, subtractions and products the program
-runs (never the in-place ones: their operands are gone once they have run, but for a bool mask added in place) and remembers, by identity as
-scores.py does, every tensor where one made -inf out of finite values, and every tensor computed from one
+runs (never the in-place ones for an overflow: their operands are gone once they have run) and remembers, by
+identity as scores.py does, every tensor where one made -inf out of finite values, and every tensor computed from one
 that keeps its last two dimensions (a view, the scores it is added to, a where). An attention call given one
 carries details["overflow"]: what overflowed, in which dtype, on which line of the program.
 
@@ -30,8 +30,8 @@ SUMS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__, torch.sub, torch.Ten
         torch.mul, torch.Tensor.mul, torch.Tensor.__rmul__}
 CASTS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type, torch.Tensor.type_as}
 ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__}
-IN_PLACE = {torch.Tensor.add_}  # `scores += mask`: looked at while scores are followed, for a bool added (no overflow:
-WATCHED = SUMS | CASTS  # the operand it overwrote is gone)
+WATCHED = SUMS | CASTS
+IN_PLACE = {torch.Tensor.add_}  # `scores += mask`: looked at while scores are followed, for a bool added only
 KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
 
 
@@ -74,7 +74,7 @@ def _overflowed(func, args: tuple, kwargs: dict, out: torch.Tensor) -> dict | No
 
 
 def _bool_mask(args: tuple) -> torch.Tensor | None:
-    """The first bool tensor of two or more dimensions among a sum's operands (a mask over keys, or queries and keys)."""
+    """The first bool tensor of two or more dimensions among a sum's operands (a mask over keys, or over both)."""
     return next((x for x in args if isinstance(x, torch.Tensor) and x.dtype == torch.bool and x.dim() >= 2), None)
 
 
@@ -133,10 +133,13 @@ class Overflows:
         Whatever goes wrong here is the watch's, never the program's: it is let go."""
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not out.is_floating_point():
             return
-        if func in IN_PLACE:  # (every in-place add a model runs: a bool added to scores is read, at no cost; the rest
-            added = _bool_mask(args)  # is looked at only as before, while a noted tensor may be added in)
+        if func in IN_PLACE:  # (a bool added to the scores in place is read here; otherwise an in-place add is looked
+            added = _bool_mask(args)  # at only as before: while a noted tensor may be added in)
             if added is not None and scores is not None and scores._found and scores.has(out):
-                self._note(out, {"op": "bool", "line": frames_outside(1)[0], "shape": list(added.shape)})
+                try:
+                    self._note(out, {"op": "bool", "line": frames_outside(1)[0], "shape": list(added.shape)})
+                except Exception:  # (the watch's, never the program's: let go)
+                    pass
                 return
             if not self._found:
                 return
