@@ -50,6 +50,11 @@ BUGS = [
     # huggingface/transformers#17455 (fixed by #21870): ProphetNet's padding mask `.repeat(num_heads, 1, 1)` (head-major)
     # added to `bmm` scores of queries viewed batch-major (B * H rows): heads take another sample's padding
     ("prophetnet_attention_mask_repeat_mixes_batch_and_heads", "padding-ignored"),
+    # written blind (batch blind-cq), caught before any rule was changed for them:
+    # agemagician/Ankh#24 (fixed by 50f011f, PR #26): the feature-extraction example keeps only the padded input_ids
+    ("ankh_feature_extraction_example_omits_attention_mask", "padding-ignored"),
+    # deepchem/deepchem#3597 (fixed by #3667): the MLM branch of _prepare_batch drops the tokenizer's attention_mask
+    ("deepchem_chemberta_mlm_prepare_batch_drops_attention_mask", "padding-ignored"),
 ]
 
 
@@ -697,3 +702,24 @@ def test_an_additive_mask_outweighed_by_outlier_scores_over_a_left_padded_batch(
     assert "less than the scores differ" in hit["message"]
     status, found, report = traced(tmp_path, "outlier_scores_additive_padding", fixed=True, folder=fills)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_protein_tokens_from_a_batch_converter_embedded_without_their_mask(tmp_path):
+    """Ankh#24's bug written another way: an ESM-style batch converter (<cls> residues <eos>, right-padded with the
+    alphabet's padding_idx 1, which EsmConfig states) hands `tokens` positionally to EsmModel; the first cell is a
+    double loop's (a real query, a pad key); the fix hands tokens.ne(padding_idx) and is quiet."""
+    [hit] = check_bug(tmp_path, "esm_batch_converter_tokens_embedded_without_mask", "padding-ignored", folder=ARGS)
+    lengths = [23 + 2, 16 + 2, 7 + 2]
+    assert tuple(hit["cell"]) == first((3, 25, 25), lambda b, q, k: q < lengths[b] <= k), hit
+    assert hit["source"].startswith("input ids equal to the pad id 1"), hit
+
+
+def test_a_left_padded_mlm_collate_that_returns_no_attention_mask(tmp_path):
+    """deepchem#3597's bug written another way: a DataLoader collate_fn pads on the left with the tokenizer's pad id 0,
+    masks tokens and returns input_ids and labels only, and DistilBertForMaskedLM trains on them; the first cell is a
+    double loop's over the left-padded rows; the fix returns the attention_mask and is quiet."""
+    found = check_bug(tmp_path, "mlm_collate_left_padded_without_attention_mask", "padding-ignored", folder=ARGS)
+    lengths = [17 + 2, 4 + 2, 22 + 2]  # letters of each text without spaces, [CLS] and [SEP]
+    real = lambda b, i: i >= 24 - lengths[b]  # noqa: E731
+    assert tuple(found[0]["cell"]) == first((3, 24, 24), lambda b, q, k: real(b, q) and not real(b, k)), found
+    assert found[0]["source"].startswith("input ids equal to the pad id 0"), found

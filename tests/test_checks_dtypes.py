@@ -4,6 +4,8 @@ where nothing overflowed."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,11 +14,17 @@ import maskcli
 from checkbugs import check_bug
 from maskcli.checks.registry import severity
 
+FILLS = Path(__file__).parent / "data" / "fills"
+
 BUGS = [
     ("opt_fp16_min_fill_overflow", "fill-became-inf"),  # huggingface/transformers#17433, fixed by #17437
     ("flax_fp16_bias_cast_inf", "fill-became-inf"),  # google/flax#982, fixed by #1414 / #1527
     ("mmdet_bool_mask_added", "bool-added"),  # open-mmlab/mmdetection#12351
     ("onnxscript_bool_mask_added", "bool-added"),  # microsoft/onnxscript#580, fixed by #656
+    # coleygroup/DiffMS#25 (fixed by #26, blind-cq): the MIST encoder builds a -inf mask from its bool key padding mask
+    # but adds the bool itself in place (`attn += attn_mask`), so padded peaks are attended
+    ("diffms_mist_spectra_encoder_bool_padding_mask_added_not_neg_inf", "bool-added"),
+    ("mist_peak_attention_bool_key_padding_added_to_scores", "bool-added"),  # the same bug, reproduced before
 ]
 
 
@@ -157,3 +165,29 @@ def test_mlx_lm_gemma2_softcap_attention_adds_bool_mask(tmp_path):
     nothing is masked (written blind, batch blind-ae, a torch port; caught before any rule was changed for it). The
     fix (the mask turned additive) is quiet."""
     check_bug(tmp_path, "mlx_lm_gemma2_softcap_attention_adds_bool_mask", "bool-added")
+
+
+def test_a_bool_mask_added_in_place_to_left_padded_scores_is_said_at_its_line(tmp_path):
+    """The DiffMS bug written another way: a trajectory encoder's (B, 1, 1, L) `valid` flags (True = real, left-padded)
+    added with `scores.add_(...)` to matmul scores, where the -1e9 bias built beside it was meant; its fix is quiet. The
+    reference: torch's own promotion, a bool added to float scores shifts each cell by 0 or 1, so no cell is masked."""
+    scores = torch.zeros(1, 4)
+    scores.add_(torch.tensor([[True, False, True, False]]))
+    assert scores.tolist() == [[1.0, 0.0, 1.0, 0.0]] and torch.softmax(scores, -1).min() > 0
+    [hit] = check_bug(tmp_path, "trajectory_valid_flags_added_in_place", "bool-added", folder=FILLS)
+    assert "(3, 1, 1, 6)" in hit["message"] and "trajectory_valid_flags_added_in_place.py:27" in hit["message"]
+
+
+def test_an_in_place_add_of_a_float_mask_or_of_a_bool_outside_the_scores_is_no_bool_added():
+    # `scores += (~keep) * -1e9` adds a float; a bool added in place to a float tensor that is no q @ kᵀ (a counter)
+    # adds to no scores: neither is said
+    def program():
+        q = torch.randn(1, 1, 4, 8)
+        scores = q @ q.transpose(-1, -2)
+        keep = torch.ones(4, 4, dtype=torch.bool).tril()
+        scores += (~keep).float() * -1e9
+        counts = torch.zeros(4, 4)
+        counts += keep
+        torch.softmax(scores, dim=-1)
+
+    assert [f for f in traced(program) if f[0] == "bool-added"] == []

@@ -13,7 +13,7 @@ import maskcli.trace.masks as readers
 from maskcli.trace.discarded import FILLS as DISCARDED
 from maskcli.trace.layouts import heads_first, reader as laid
 from maskcli.trace.mode import Mode, building, has_values
-from maskcli.trace.overflow import WATCHED
+from maskcli.trace.overflow import IN_PLACE, WATCHED
 from maskcli.trace.scores import HEADS, as_matrix, stated_heads
 from maskcli.trace.unseen import plain, unseen
 from maskcli.trace.weakfill import weak_filled
@@ -206,8 +206,8 @@ class Follow:
                 self.after.after(self, func, args, out)
             if followed[3] and not self.busy:  # (what is computed of a softmax's weights: weights.py)
                 self.weights.after(func, args, kwargs, out, self.scores)
-        if (func in WATCHED or followed[0]) and isinstance(out, torch.Tensor) and out.dim() >= 2 \
-                and out.is_floating_point() and not self.busy and has_values(out):
+        if (func in WATCHED or followed[0] or followed[1] and func in IN_PLACE) and isinstance(out, torch.Tensor) \
+                and out.dim() >= 2 and out.is_floating_point() and not self.busy and has_values(out):
             self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)
         if self.scores is not None:
             self.scores.after(func, args, kwargs, out)

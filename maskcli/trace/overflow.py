@@ -5,12 +5,13 @@ weights, not NaN): torch.finfo(dtype).min, -1e9, -1e10. Two ways turn it into -i
 narrower dtype (-1e10 or finfo(float32).min cast to float16, finfo(float32).min to bfloat16), and a sum
 past the dtype's range (finfo.min + finfo.min, a causal plane added to a padding plane; finfo(float16).min
 plus a score below -16). The trace watches the casts and the sums, subtractions and products the program
-runs (never the in-place ones: their operands are gone once they have run) and remembers, by identity as
-scores.py does, every tensor where one made -inf out of finite values, and every tensor computed from one
+runs (never the in-place ones for an overflow: their operands are gone once they have run) and remembers, by
+identity as scores.py does, every tensor where one made -inf out of finite values, and every tensor computed from one
 that keeps its last two dimensions (a view, the scores it is added to, a where). An attention call given one
 carries details["overflow"]: what overflowed, in which dtype, on which line of the program.
 
-The same watch sees a bool mask added to the scores (scores.py's): the bool counts as 0 and 1, so it masks
+The same watch sees a bool mask added to the scores (scores.py's), out of place or in place (`scores += mask`,
+DiffMS's MIST encoder: the bool is no operand an in-place add overwrites): the bool counts as 0 and 1, so it masks
 nothing and adds 1 to the cells it keeps (or to those it meant to mask). A softmax over such scores carries
 details["bool_added"], with the line that added it.
 """
@@ -30,6 +31,7 @@ SUMS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__, torch.sub, torch.Ten
 CASTS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.type, torch.Tensor.type_as}
 ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__radd__}
 WATCHED = SUMS | CASTS
+IN_PLACE = {torch.Tensor.add_}  # `scores += mask`: looked at while scores are followed, for a bool added only
 KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
 
 
@@ -69,6 +71,11 @@ def _overflowed(func, args: tuple, kwargs: dict, out: torch.Tensor) -> dict | No
     low = [float(x.detach().broadcast_to(out.shape)[over].min()) for x in operands if x.dim() and x.is_floating_point()]
     name = {torch.mul: "product", torch.Tensor.mul: "product", torch.Tensor.__rmul__: "product"}.get(func, "sum")
     return {"op": name, "value": min(low) if low else None, "dtype": _dtype(out)}
+
+
+def _bool_mask(args: tuple) -> torch.Tensor | None:
+    """The first bool tensor of two or more dimensions among a sum's operands (a mask over keys, or over both)."""
+    return next((x for x in args if isinstance(x, torch.Tensor) and x.dtype == torch.bool and x.dim() >= 2), None)
 
 
 NARROW = (torch.float16, torch.bfloat16)
@@ -126,6 +133,16 @@ class Overflows:
         Whatever goes wrong here is the watch's, never the program's: it is let go."""
         if not isinstance(out, torch.Tensor) or out.dim() < 2 or not out.is_floating_point():
             return
+        if func in IN_PLACE:  # (a bool added to the scores in place is read here; otherwise an in-place add is looked
+            added = _bool_mask(args)  # at only as before: while a noted tensor may be added in)
+            if added is not None and scores is not None and scores._found and scores.has(out):
+                try:
+                    self._note(out, {"op": "bool", "line": frames_outside(1)[0], "shape": list(added.shape)})
+                except Exception:  # (the watch's, never the program's: let go)
+                    pass
+                return
+            if not self._found:
+                return
         if not self._found and (scores is None or not scores._found):  # the common case: only an overflow made here
             try:  # matters, and most sums and casts show at once that they made none (their result holds no -inf)
                 if func in CASTS:
@@ -147,9 +164,9 @@ class Overflows:
 
     def _after(self, func, args: tuple, kwargs: dict, out: torch.Tensor, scores) -> None:
         if func in ADDS and scores is not None:  # a bool mask added to scores: True adds 1, nothing is masked
-            bools = [x for x in args if isinstance(x, torch.Tensor) and x.dtype == torch.bool and x.dim() >= 2]
-            if bools and any(isinstance(x, torch.Tensor) and scores.has(x) for x in args):
-                self._note(out, {"op": "bool", "line": frames_outside(1)[0], "shape": list(bools[0].shape)})
+            added = _bool_mask(args)
+            if added is not None and any(isinstance(x, torch.Tensor) and scores.has(x) for x in args):
+                self._note(out, {"op": "bool", "line": frames_outside(1)[0], "shape": list(added.shape)})
                 return
         if func in CASTS or func in SUMS:
             found = _overflowed(func, args, kwargs, out)
