@@ -82,6 +82,10 @@ class Trace(Outer, Follow):
         self.weights = Weights()  # (a softmax's weights and what is computed of them alone: weights.py)
         if self.scores is not None:
             self.readers[torch.exp] = self.readers[torch.Tensor.exp] = readers.exp_reader(self.scores, self.weights)
+            from maskcli.trace.pointwise import ACTIVATIONS, activation_reader
+
+            for func, name in ACTIVATIONS.items():  # (silu(q @ kᵀ): HSTU's attention, no softmax)
+                self.readers[entry.canonical(func)] = activation_reader(self.scores, self.weights, name)
 
         self.after = After()  # (softmax outputs multiplied by a 0/1 mask afterwards: after.py)
         self._softmax = None  # (the (call, seen) of the softmax just recorded, for the mode to follow its output)
