@@ -5,7 +5,9 @@ nothing normalises a row. A masked cell is one filled low before the activation 
 finite fill of at most -1e4: silu, relu and sigmoid make each weight 0 or about 0 there), as a softmax's. Only
 tensors scores.py saw made from q @ kᵀ are read (an activation of anything else is a feed-forward's), in their plain
 axis order, 3-D or 4-D: the call is recorded as the softmax reader reads those scores (masks.py), its details saying
-which activation weighs them (`by_hand`), so what follows the weights (after.py) follows these.
+which activation weighs them (`by_hand`), so what follows the weights (after.py) follows these. Scores with no fill
+are no call: an activation masked by a 0/1 product after it and a scaling (generative-recommenders'
+`silu(qk) / max_seq_len * valid`) would read as full, which it is not.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ def activation_reader(scores, weights, name: str):
                 or scores.axes_of(x) is not None or weights is not None and weights.has(x):
             return None
         seen = softmax((x, -1), {})
-        if seen is not None:
-            seen.details["by_hand"] = name
+        if seen is None or not seen.details.get("fill"):
+            return None  # (no fill before it: its mask, if any, is a product after it, `silu(qk) / n * valid`)
+        seen.details["by_hand"] = name
         return seen
     read.api = "softmax"
     return read
