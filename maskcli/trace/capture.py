@@ -39,6 +39,7 @@ from maskcli.trace.discarded import FILLS as DISCARDED, Discarded
 from maskcli.trace.heldchunks import held_chunks
 from maskcli.trace.scores import MATMULS, Scores, banded as banded_scores
 from maskcli.trace.sites import Sites, running, walk
+from maskcli.trace.singleton import read as read_singleton
 from maskcli.trace.stated import outside
 from maskcli.trace.store import read_calls, store
 from maskcli.trace.threads import Threads
@@ -324,7 +325,7 @@ class Trace(Outer, Follow):
         grad = torch.is_grad_enabled()
         try:
             torch._C._set_grad_enabled(False)  # (torch.no_grad() as a context costs more than the two calls)
-            if reader is readers.softmax and not ROUTING.isdisjoint(where.split(".")) \
+            if reader in (readers.softmax, read_singleton) and not ROUTING.isdisjoint(where.split(".")) \
                     and not self.scores.has(readers.softmax_input(args, kwargs)):
                 return  # a softmax in a module the program names an MLP, router or gate, over no q @ kᵀ it made: a
                 # mixture-of-experts router's (tokens x experts, square only by chance: Zaya's 5 router classes)

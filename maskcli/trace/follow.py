@@ -15,6 +15,7 @@ from maskcli.trace.layouts import heads_first, reader as laid
 from maskcli.trace.mode import Mode, building, has_values
 from maskcli.trace.overflow import WATCHED
 from maskcli.trace.scores import HEADS, as_matrix, stated_heads
+from maskcli.trace.singleton import read as read_singleton, singleton
 from maskcli.trace.unseen import plain, unseen
 from maskcli.trace.weakfill import weak_filled
 
@@ -129,7 +130,9 @@ class Follow:
         """Record an attention call before it runs: (the index it is recorded at, (call, seen) of a softmax read, else
         None); None where it is no attention (a softmax over no scores), _WHOLE where its interface records it."""
         given = readers.softmax_input(args, kwargs) if reader is readers.softmax else None
-        if reader is readers.softmax and not self.scores.attention(given) \
+        if reader is readers.softmax and singleton(args, kwargs) and not self.scores.has(given):
+            reader = read_singleton  # (one element, over no q @ kᵀ: each weight 1, trace/singleton.py)
+        elif reader is readers.softmax and not self.scores.attention(given) \
                 and self.discarded.dropped(given) is None:  # (a fill of its input, thrown away, says so)
             return None
         if reader is readers.softmax and self.scores.axes:  # scores in another axis order (layouts.py)
@@ -224,7 +227,7 @@ def _by_shape(args: tuple, kwargs: dict) -> bool:
     if type(x) is not torch.Tensor:
         return True
     dims = x.dim()
-    return dims == 4 or dims == 3 and x.shape[1] == x.shape[2]
+    return dims == 4 or dims == 3 and x.shape[1] == x.shape[2] or x.shape[-1] == 1 and singleton(args, kwargs)
 
 
 def said(error: BaseException) -> str:
