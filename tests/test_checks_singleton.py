@@ -1,7 +1,7 @@
 """checks/singleton.py: a module's softmax over one element run at each step of one model call, caught in the
 published bug's reproduction (tests/data/bugs) and in a program written another way (tests/data/singleton), quiet on
-the fixes, on a softmax over one element run once per call, on a shared layer's single-token self-attention and on a
-softmax over the steps together; the weights checked against torch.softmax itself."""
+the fixes, on a softmax over one element run once per call, on a shared layer's single-token self-attention, on a
+softmax over the steps together and on a neighbour loop whose line also softmaxes more elements; the weights checked against torch.softmax itself."""
 
 from __future__ import annotations
 
@@ -67,6 +67,18 @@ class Shared(nn.Module):
         return x
 
 
+class Neighbours(nn.Module):
+    """Each point against its neighbours within a radius, one softmax per point: some points have one neighbour."""
+
+    def forward(self, points, feats):
+        out = []
+        for i in range(points.shape[0]):
+            near = ((points - points[i]).norm(dim=-1) < 0.3).nonzero().squeeze(1)
+            weights = torch.einsum("hd,khd->hk", feats[i], feats[near]).softmax(-1)  # (heads, neighbours)
+            out.append(torch.einsum("hk,khd->hd", weights, feats[near]))
+        return torch.stack(out)
+
+
 def _codes(module, *inputs) -> list:
     torch.manual_seed(0)
     with maskcli.trace() as t, torch.no_grad():
@@ -80,3 +92,5 @@ def test_one_element_once_a_single_tokens_shared_layer_and_a_softmax_over_steps_
     assert not [c for c in _codes(Memory(1), query, torch.randn(3, 1, 4)) if c[0] == "softmax-over-one"]  # once
     assert not [c for c in _codes(Memory(4), query, torch.randn(3, 5, 4)) if c[0] == "softmax-over-one"]  # 5 keys
     assert not [c for c in _codes(Shared(), torch.randn(2, 1, 4)) if c[0] == "softmax-over-one"]  # q @ kᵀ, 1 token
+    points = torch.tensor([[0.0, 0.0], [0.1, 0.0], [5.0, 5.0], [0.0, 0.1], [9.0, 9.0]])  # points 2 and 4 alone
+    assert not [c for c in _codes(Neighbours(), points, torch.randn(5, 2, 4)) if c[0] == "softmax-over-one"]

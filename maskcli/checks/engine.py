@@ -40,7 +40,8 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "memory-padding-only-attended": {"padding-only-attended", "lengths-inverted"},  # the same keys, said by the mask or
     # lengths the frames hold (held.py, turned.py)
     "zero-keys-seen": {"unwritten-slot", "padding-ignored", "padding-unused", "padding-lost"},  # zero K/V, said by their cause
-    "real-query-blind": {"mask-fixed-after-call"},  # a row the padding mask, changed after the call, calls real (latefix.py)
+    "real-query-blind": {"mask-fixed-after-call"},  # a row the padding mask, changed after the call, calls real:
+    # said as the fix-up that came too late (latefix.py)
 }
 
 

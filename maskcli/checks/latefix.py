@@ -48,9 +48,9 @@ def _late(call, held: dict, after: np.ndarray) -> Finding | None:
         name, where = held["name"], held["where"]
         return Finding("mask-fixed-after-call", (
             f"batch row{'s' if len(rows) > 1 else ''} {spans(rows)}: every query sees no key, as the padding mask "
-            f"`{name}` ({where}) hides every key of the row at the call; after the call the program changed `{name}` in "
-            f"place to unmask key{'s' if len(keys) > 1 else ''} {spans(keys)} of row {b} (a fix-up of rows with no key, "
-            "as FuxiCTR's adjust_mask), which this attention never saw: apply it before the call"),
+            f"`{name}` ({where}) hides every key of the row at the call; after the call the program changed "
+            f"`{name}` in place to unmask key{'s' if len(keys) > 1 else ''} {spans(keys)} of row {b} (a fix-up of "
+            "rows with no key, as FuxiCTR's adjust_mask), which this attention never saw: apply it before the call"),
             expected=f"key {spans(keys)} of batch row {b} seen, as `{name}` holds it after the call",
             source=f"`{name}` as the model call ended", cell=(b, 0, keys[0]))
     return None

@@ -8,7 +8,8 @@ interest state with weight 1; the fix scores all steps, masks the padding and ta
 trace/singleton.py records such softmaxes (over scores that are not q @ kᵀ). Wrong where one module's softmax over
 one element runs two or more times in one model call, each of its runs weighing its one score 1. Quiet where it runs
 once per model call (one key for one query: a memory of one element), on q @ kᵀ scores over one key (a single
-token's self-attention, read as any other call), and on a softmax over more than one element.
+token's self-attention, read as any other call), on a softmax over more than one element, and where the line that
+runs it also runs it over more elements (`wider`: one neighbour of a point, by the data, not by the code's shape).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def softmax_over_one(run: Run) -> list:
     runs: dict = {}
     for call in (*run.calls, *run.cross, *run.unmasked):
         top = run.top(call)
-        if call.details.get("singleton") and top is not None:
+        if call.details.get("singleton") and not call.details.get("wider") and top is not None:
             runs.setdefault((id(top), call.where), []).append(call)
     found = []
     for (_, where), calls in runs.items():

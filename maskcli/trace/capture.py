@@ -39,7 +39,7 @@ from maskcli.trace.discarded import FILLS as DISCARDED, Discarded
 from maskcli.trace.heldchunks import held_chunks
 from maskcli.trace.scores import MATMULS, Scores, banded as banded_scores
 from maskcli.trace.sites import Sites, running, walk
-from maskcli.trace.singleton import read as read_singleton
+from maskcli.trace.singleton import Singles, read as read_singleton
 from maskcli.trace.stated import outside
 from maskcli.trace.store import read_calls, store
 from maskcli.trace.threads import Threads
@@ -90,6 +90,7 @@ class Trace(Outer, Follow):
 
         self.after = After()  # (softmax outputs multiplied by a 0/1 mask afterwards: after.py)
         self._softmax = None  # (the (call, seen) of the softmax just recorded, for the mode to follow its output)
+        self.singles = Singles()  # (the lines that softmax one element, and whether over more too: singleton.py)
         self.overflows, self.discarded = Overflows(), Discarded()  # (fills whose result was thrown away: discarded.py)
         # the torch functions the mode looks at whatever runs: the rest only while a tensor it follows is alive
         self.watched = frozenset({*self.readers, *WATCHED, *((*MATMULS, *DISCARDED) if self.scores is not None else ())})
