@@ -55,6 +55,9 @@ BUGS = [
     ("ankh_feature_extraction_example_omits_attention_mask", "padding-ignored"),
     # deepchem/deepchem#3597 (fixed by #3667): the MLM branch of _prepare_batch drops the tokenizer's attention_mask
     ("deepchem_chemberta_mlm_prepare_batch_drops_attention_mask", "padding-ignored"),
+    # datawhalechina/torch-rechub#244 (blind-cn): HSTULayer masks only the causal triangle before silu(scores), never
+    # the left-padded PAD keys (padding_idx=0): silu attention is read as attention (trace/pointwise.py)
+    ("torch_rechub_hstu_layer_left_padded_keys_attended", "padding-ignored"),
 ]
 
 
@@ -186,6 +189,16 @@ def test_retro_retrieved_padding_mask_polarity(tmp_path):
     lengths = [8, 5, 3, 8, 6, 8, 8, 2]
     assert tuple(hit["cell"][:3]) == first((8, 8, 8), lambda b, q, k: q < lengths[b] <= k)
     assert "`retrieved` (2, 2, 2, 8)" in hit["source"], hit
+
+
+def test_a_relu_attention_over_right_padded_ids_that_masks_only_its_band(tmp_path):
+    """torch-rechub#244's bug written another way: ReLU attention (no softmax) over histories padded on the right
+    to the embedding's padding_idx 99, only a band |i - j| <= 2 masked; the first cell is a double loop's (a real
+    query, a pad key within its band); the fix ANDs the key mask and is quiet."""
+    [hit] = check_bug(tmp_path, "relu_attention_right_padded_band_mask_no_key_padding", "padding-ignored", folder=ARGS)
+    lengths = [4, 2, 6]
+    assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: q < lengths[b] <= k and abs(q - k) <= 2), hit
+    assert hit["source"].startswith("input ids equal to the pad id 99"), hit
 
 
 def test_a_static_length_batch_embedded_without_its_attention_mask(tmp_path):

@@ -32,6 +32,22 @@ def test_left_padded_features_whose_input_mask_the_model_never_reads_are_found(t
     assert tuple(found[0]["cell"]) == first((2, 4, 4), lambda b, q, k: q >= pads[b] and k < pads[b])
 
 
+def test_dmrs_causal_padding_mask_built_and_never_applied_is_found(tmp_path):
+    # reczoo/FuxiCTR 9d89a67 (#130): User2ItemNet's get_mask() is built, its masked_fill commented out; left padding
+    found = check_bug(tmp_path, "fuxictr_dmr_user2item_causal_padding_mask_never_applied", "zero-padding-attended")
+    seqs = [[0, 0, 0, 5, 9, 3, 17, 2], [0, 0, 0, 0, 0, 11, 4, 8], [6, 13, 7, 21, 30, 1, 19, 25]]  # 0 = padding
+    assert tuple(found[0]["cell"]) == first((3, 8, 8), lambda b, q, k: seqs[b][q] != 0 and seqs[b][k] == 0)
+    assert "`mask`" in found[0]["message"] and "`sequence_emb`" in found[0]["message"]
+
+
+def test_a_float_causal_padding_mask_built_and_never_added_to_einsum_scores_is_found(tmp_path):
+    # written otherwise: right padding by pad_sequence, a float (B, L, L) mask built, never added; einsum scores
+    found = check_bug(tmp_path, "right_padded_history_causal_mask_built_never_added", "zero-padding-attended",
+                      folder=PADDED)
+    lengths = (5, 2, 7)
+    assert tuple(found[0]["cell"]) == first((3, 7, 7), lambda b, q, k: q < lengths[b] <= k)
+
+
 class Frames(nn.Module):
     """An encoder over frames that masks nothing: the mask it is handed is not its attention's."""
 

@@ -13,7 +13,7 @@ CONFIG = {rule.code for rule in config.RULES}
 SAID_BY = {  # a code left out of a group where one of these says the same bug with its source
     "layer-differs": CONFIG,  # the config rule names the layer's type (layers.py would say it again)
     "fully-masked": {"fill-became-inf (wrong)", "padding-on-queries", "document-row-empty",
-                     "nan-rows-backward"},  # the NaN rows, said with the fill that overflowed
+                     "nan-rows-backward", "mask-fixed-after-call"},  # the NaN rows, said with the fill that overflowed
     # (dtypes.py); the padded query rows of a padding laid on the query axis (queryaxis.py)
     "sees-later": {"padding-on-queries"},  # the real rows that see the pads after them: the same padding's axis
     "padding-lost": {"padding-ignored"},
@@ -40,6 +40,8 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "memory-padding-only-attended": {"padding-only-attended", "lengths-inverted"},  # the same keys, said by the mask or
     # lengths the frames hold (held.py, turned.py)
     "zero-keys-seen": {"unwritten-slot", "padding-ignored", "padding-unused", "padding-lost"},  # zero K/V, said by their cause
+    "real-query-blind": {"mask-fixed-after-call"},  # a row the padding mask, changed after the call, calls real:
+    # said as the fix-up that came too late (latefix.py)
 }
 
 

@@ -15,11 +15,14 @@ def fills(details: dict) -> list[Finding]:
     """What a softmax's finite fill, or an additive mask in its scores, makes of the mask read (masks._finite_fill)."""
     found = []
     if details.get("fill_value") is not None:
-        v = f"{details['fill_value']:g}"
+        v, by = f"{details['fill_value']:g}", details.get("by_hand")
         found.append(Finding("finite-fill", (
             f"the scores are filled with {v} where masked (a finite fill, as masked_fill(mask == 0, {v})): beside any "
             "ordinary score such a cell gets softmax weight exactly 0, so it is read as masked; but a row filled "
-            "everywhere gets uniform weights over every key (softmax of equal values), not NaN and not nothing")))
+            "everywhere gets uniform weights over every key (softmax of equal values), not NaN and not nothing")
+            if by in (None, "exp") else (f"the scores are filled with {v} where masked before {by}, which weighs "
+                                        "each score alone (no softmax): such a cell gets weight about 0, so it is "
+                                        "read as masked")))
     if details.get("additive"):
         found.append(Finding("additive", (
             "the scores hold values at most -1e4 that are not one constant: an additive mask added to the scores "

@@ -30,6 +30,8 @@ def what_api_does(call) -> str:
         return "0 output there (the values those rows read are all 0)"
     if api == "softmax" and details.get("zeroed_output"):  # masked_fill(weights @ v, rows, 0) (trace/after.py)
         return "0 output there (the program zeroes those rows' output after the product with the values)"
+    if api == "softmax" and details.get("by_hand") not in (None, "exp"):  # silu(scores): trace/pointwise.py
+        return f"0 output there ({details['by_hand']} of a fill weighs every key about 0)"
     if api == "softmax":
         return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf" and details.get("nan_rows", True)
                 else "uniform weights over every key there, masked ones included (a finite fill)")

@@ -41,6 +41,7 @@ from maskcli.trace.discarded import FILLS as DISCARDED, Discarded
 from maskcli.trace.heldchunks import held_chunks
 from maskcli.trace.scores import MATMULS, Scores, banded as banded_scores
 from maskcli.trace.sites import Sites, running, walk
+from maskcli.trace.singleton import Singles, read as read_singleton
 from maskcli.trace.stated import outside
 from maskcli.trace.store import read_calls, store
 from maskcli.trace.threads import Threads
@@ -84,9 +85,14 @@ class Trace(Outer, Follow):
         self.weights = Weights()  # (a softmax's weights and what is computed of them alone: weights.py)
         if self.scores is not None:
             self.readers[torch.exp] = self.readers[torch.Tensor.exp] = readers.exp_reader(self.scores, self.weights)
+            from maskcli.trace.pointwise import ACTIVATIONS, activation_reader
+
+            for func, name in ACTIVATIONS.items():  # (silu(q @ kᵀ): HSTU's attention, no softmax)
+                self.readers[entry.canonical(func)] = activation_reader(self.scores, self.weights, name)
 
         self.after = After()  # (softmax outputs multiplied by a 0/1 mask afterwards: after.py)
         self._softmax = None  # (the (call, seen) of the softmax just recorded, for the mode to follow its output)
+        self.singles = Singles()  # (the lines that softmax one element, and whether over more too: singleton.py)
         self.overflows, self.discarded = Overflows(), Discarded()  # (fills whose result was thrown away: discarded.py)
         # the torch functions the mode looks at whatever runs: the rest only while a tensor it follows is alive
         self.watched = frozenset({*self.readers, *WATCHED, *((*MATMULS, *DISCARDED) if self.scores is not None else ())})
@@ -322,7 +328,7 @@ class Trace(Outer, Follow):
         grad = torch.is_grad_enabled()
         try:
             torch._C._set_grad_enabled(False)  # (torch.no_grad() as a context costs more than the two calls)
-            if reader is readers.softmax and not ROUTING.isdisjoint(where.split(".")) \
+            if reader in (readers.softmax, read_singleton) and not ROUTING.isdisjoint(where.split(".")) \
                     and not self.scores.has(readers.softmax_input(args, kwargs)):
                 return  # a softmax in a module the program names an MLP, router or gate, over no q @ kᵀ it made: a
                 # mixture-of-experts router's (tokens x experts, square only by chance: Zaya's 5 router classes)

@@ -15,6 +15,7 @@ from maskcli.trace.layouts import heads_first, reader as laid
 from maskcli.trace.mode import Mode, building, has_values
 from maskcli.trace.overflow import IN_PLACE, WATCHED
 from maskcli.trace.scores import HEADS, as_matrix, stated_heads
+from maskcli.trace.singleton import read as read_singleton, singleton, wider
 from maskcli.trace.unseen import plain, unseen
 from maskcli.trace.weakfill import weak_filled
 
@@ -96,6 +97,8 @@ class Follow:
             return call(*args, **kwargs)
         reader = self.readers.get(func)
         if reader is readers.softmax and not any(followed) and not self.discarded._found and not _by_shape(args, kwargs):
+            if wider(args, kwargs):  # (a line that softmaxes more elements: its one-element runs are data's)
+                self.singles.wider()
             return call(*args, **kwargs)  # (no scores, weights or fill remembered: a softmax of no attention shape is
             # no attention, and nothing it computes is followed; decided before anything of it is read)
         if reader is not None and not self.busy and not self.within:
@@ -129,8 +132,12 @@ class Follow:
         """Record an attention call before it runs: (the index it is recorded at, (call, seen) of a softmax read, else
         None); None where it is no attention (a softmax over no scores), _WHOLE where its interface records it."""
         given = readers.softmax_input(args, kwargs) if reader is readers.softmax else None
-        if reader is readers.softmax and not self.scores.attention(given) \
+        if reader is readers.softmax and singleton(args, kwargs) and not self.scores.has(given):
+            reader = read_singleton  # (one element, over no q @ kᵀ: each weight 1, trace/singleton.py)
+        elif reader is readers.softmax and not self.scores.attention(given) \
                 and self.discarded.dropped(given) is None:  # (a fill of its input, thrown away, says so)
+            if wider(args, kwargs):
+                self.singles.wider()
             return None
         if reader is readers.softmax and self.scores.axes:  # scores in another axis order (layouts.py)
             reader = laid(reader, self.scores, args, kwargs)
@@ -144,6 +151,8 @@ class Follow:
                                  else stated_heads(self.sites.stack, HEADS + ("heads",)))
         self._softmax, made = None, len(self._calls)
         self.capture(reader, args, kwargs)
+        if reader is read_singleton and len(self._calls) > made:
+            self.singles.single(self._calls[-1])
         softmaxed, self._softmax = self._softmax, None
         if softmaxed is not None and given is not None:  # (a fill of its input thrown away, or bound and never read:
             self.discarded.note(given, *softmaxed, bound=self.scores is not None and self.scores.has(given))  # dropped())
@@ -224,7 +233,7 @@ def _by_shape(args: tuple, kwargs: dict) -> bool:
     if type(x) is not torch.Tensor:
         return True
     dims = x.dim()
-    return dims == 4 or dims == 3 and x.shape[1] == x.shape[2]
+    return dims == 4 or dims == 3 and x.shape[1] == x.shape[2] or x.shape[-1] == 1 and singleton(args, kwargs)
 
 
 def said(error: BaseException) -> str:
