@@ -33,8 +33,10 @@ GRAPHS = re.compile(r"^(?:batch|batch_index|batch_idx|batch_vec|node_batch|graph
 LEFT = re.compile(r"^(?:left_padding|left_pad|left_pads)$")  # each row's left padding, in keys: a batch cache's (mlx-lm)
 CACHE = re.compile(r"^(?:cache|kv_cache|past_key_values?|prompt_cache)$")  # an object that may hold `left_padding`
 HANDED = re.compile(r"^(?:attention_mask|attn_mask|mask)$")  # a bool mask over the cells, handed down: polarity unsaid
-BATCHES = re.compile(r"^(?:batch|inputs|model_inputs|data|sample|example|features|observations?|kwargs)$")  # a dict of
-# the batch's tensors (LeRobot's `batch["action_is_pad"]`): its entries named as a padding mask are read as held
+BATCHES = re.compile(r"^(?:batch|inputs|data|sample|example|features|observations?)$")  # a dict of the batch's tensors
+# (LeRobot's `batch["action_is_pad"]`): its entries named as a padding mask are read as held (not `**kwargs` nor
+# generate's `model_inputs`: a transformers forward's or generate's frame would be read at every call, for masks the
+# model call is handed anyway)
 MOST = 1 << 16  # cells of one held mask read at most (a batch's padding, not a sequence's cells)
 FRAMES = 24
 
