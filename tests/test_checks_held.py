@@ -759,3 +759,30 @@ def test_an_event_encoders_appended_registers_see_the_left_padding(tmp_path):
     pad_after = lambda b, k: 2 <= k < 8 - lengths[b]  # noqa: E731  (read as put after two tokens: keys 2-7)
     real_q = lambda b, q: not pad_first(b, q) and not pad_after(b, q)  # noqa: E731
     assert tuple(hit["cell"]) == first((3, 8, 8), lambda b, q, k: real_q(b, q) and pad_first(b, k) and pad_after(b, k))
+
+
+def test_a_padding_mask_in_a_dict_of_the_batch_is_read_as_held():
+    """trace/held.py: a dict of the batch's tensors is looked through for entries named as a padding mask (not a plain
+    "mask"), named as the variable that holds the same tensor where the frame has one; other dicts are not read."""
+    import torch
+
+    from maskcli.trace.held import padding
+
+    pad = torch.tensor([[False] * 4, [False, False, True, True]])
+    given = {"action_is_pad": pad, "mask": ~pad, "observation.state": torch.zeros(2, 3)}
+
+    def encode(batch):
+        return padding()
+
+    def named(batch):
+        action_pad_mask = batch["action_is_pad"]  # noqa: F841 - held by the frame under its own name
+        return padding()
+
+    def other(stuff):
+        return padding()
+
+    [read] = encode(given)
+    assert read["name"] == 'batch["action_is_pad"]' and read["kind"] == "pad"
+    assert (read["rows"] == pad.numpy()).all()
+    assert [r["name"] for r in named(given)] == ["action_pad_mask"]
+    assert other(given) is None
