@@ -366,3 +366,51 @@ def test_a_padded_sector_mask_a_latent_block_rebinds_to_none_is_found(tmp_path):
     masked = 2 * 4 * 20 - kept
     counts = {2 * kept, 2 * masked}  # (either reading, over the 2 heads)
     assert any(f"{n} cells masked" in hit["message"] for n in counts)
+
+
+# one sample's mask taken for the whole batch: the kernel applies row r of the handed mask to every batch row
+
+def test_octo_pytorch_encoder_block_takes_the_first_samples_mask_for_the_batch(tmp_path):
+    """s1lent4gnt/octo-pytorch 3380db5 (written blind, batch blind-co): Encoder1DBlock reduces the BlockTransformer's
+    (batch, 1, seq, seq) bool mask to `attention_mask[0, 0]`, so samples 1 and 2, whose first timestep is padding,
+    attend with sample 0's mask (before: mask-argument-dropped said the mask was dropped). Fix: the mask expanded per
+    head and handed whole: quiet. The cell against a double loop over the block rules and the timestep padding."""
+    [hit] = check_bug(tmp_path, "octo_pytorch_encoder_block_first_sample_attention_mask_for_batch", "mask-argument-dropped")
+    assert "only batch row 0's mask reached the kernel" in hit["message"]
+    group = [-1] * 3 + [0, 0, 0, 1, 1, 1]  # 3 task tokens, then per timestep 2 obs tokens and a readout token
+    readout = [False] * 3 + [False, False, True] * 2
+    first_step_padded = [True] * 3 + [False, False, True] + [True] * 3  # (samples 1 and 2: timestep 0's obs padding)
+    real = [[True] * 9, first_step_padded, first_step_padded]
+
+    def rule(q, k):  # task: causal over the task; obs: task and obs of its timestep or before; readout: all of those
+        if group[q] < 0:
+            return group[k] < 0
+        return group[k] <= group[q] and (not readout[k] or readout[q])
+
+    handed = lambda b, q, k: rule(q, k) and real[b][k]  # noqa: E731
+    assert tuple(hit["cell"]) == first((3, 9, 9), lambda b, q, k: handed(0, q, k) and not handed(b, q, k)
+                                       and any(handed(b, q, j) for j in range(9)))
+
+
+def test_a_gpt_block_that_takes_the_first_rows_additive_mask_is_found(tmp_path):
+    """Written another way (tests/data/dropped): a GPT over a left-padded batch of three, an additive (B, 1, L, L) mask
+    of causal and padding, `mask[0, 0]` before SDPA in every block; row 0 is unpadded, so rows 1 and 2 see their
+    padding. The fix hands the mask whole: quiet."""
+    found = check_bug(tmp_path, "gpt_block_first_row_padding_mask_for_batch", "mask-argument-dropped", folder=DROPPED)
+    [hit] = found
+    assert "only batch row 0's mask reached the kernel" in hit["message"]
+    pads = (0, 4, 2)  # left padding of the prompts of 7, 3 and 5 tokens
+    keep = lambda b, q, k: k <= q and (k >= pads[b] or k == q)  # noqa: E731  (a padding query sees itself)
+    assert tuple(hit["cell"]) == first((3, 7, 7), lambda b, q, k: keep(0, q, k) and not keep(b, q, k))
+
+
+def test_one_row_is_the_handed_row_every_batch_row_is_attended_with():
+    import numpy as np
+
+    from maskcli.trace.given import one_row
+
+    given = np.ones((3, 1, 4, 4), bool)
+    given[1, :, :, 0] = given[2, :, :, :2] = False  # rows differ by their padding
+    assert one_row(given, np.broadcast_to(given[1], given.shape)) == 1
+    assert one_row(given, given) is None  # each row its own mask
+    assert one_row(np.ones((3, 1, 4, 4), bool), np.ones((3, 1, 4, 4), bool)) is None  # the rows alike: nothing to say

@@ -729,3 +729,60 @@ def test_a_square_mask_that_may_be_the_batch_padding_is_not_read_as_cells():
     assert _square([{**held, "name": "input_mask"}], 3, 4, 4) == []
     [cells] = _square([held], 3, 4, 4)
     assert cells["kind"] == "cells" and cells["rows"].shape == (1, 4, 4) and (cells["rows"][0] == table).all()
+
+
+# a padding over the tokens of a self-attention whose keys hold a few more (checks/heldextra.py): read at either end
+
+def test_lerobot_act_vae_encoder_never_masks_the_padded_action_steps(tmp_path):
+    """huggingface/lerobot#279 (commit 4895166; written blind, batch blind-co): the VAE encoder over [cls, robot_state,
+    *action_chunk] runs nn.MultiheadAttention with no key_padding_mask while `batch["action_is_pad"]` (a dict entry of
+    the batch encode_latent is handed) covers the 12 action steps; sample 1's last 7 are padding. Fix: the mask with
+    the cls and state keys' False prepended, handed to every layer: quiet. The cell is padding whichever end the
+    action steps lie at, against a double loop."""
+    [hit] = check_bug(tmp_path, "lerobot_act_vae_encoder_action_is_pad_not_masked", "padding-unused")
+    assert 'batch["action_is_pad"]' in hit["message"] and "of 12 tokens, the last or the first of these 14" in hit["message"]
+    n_real = (12, 5)
+    pad_after = lambda b, k: n_real[b] + 2 <= k  # noqa: E731  (the actions after cls and state: keys 2-13)
+    pad_before = lambda b, k: n_real[b] <= k < 12  # noqa: E731  (the actions first: keys 0-11)
+    real_q = lambda b, q: not pad_after(b, q) and not pad_before(b, q)  # noqa: E731
+    assert tuple(hit["cell"]) == first((2, 14, 14), lambda b, q, k: real_q(b, q) and pad_after(b, k) and pad_before(b, k))
+
+
+def test_an_event_encoders_appended_registers_see_the_left_padding(tmp_path):
+    """Written another way (tests/data/held): a left-padded batch of three event sequences, two register tokens
+    appended after them, an einsum softmax attention whose bias is built only when `mask_events` is set (it is not);
+    the collator's `attention_mask` (1 = real) covers the events alone. Fix: the mask padded with the registers'
+    ones and added: quiet."""
+    [hit] = check_bug(tmp_path, "event_encoder_registers_appended_padding_dropped", "padding-unused", folder=HELD)
+    lengths = (6, 2, 4)  # of 6 events, left-padded; the registers are keys 6 and 7
+    pad_first = lambda b, k: k < 6 - lengths[b]  # noqa: E731  (the events are keys 0-5)
+    pad_after = lambda b, k: 2 <= k < 8 - lengths[b]  # noqa: E731  (read as put after two tokens: keys 2-7)
+    real_q = lambda b, q: not pad_first(b, q) and not pad_after(b, q)  # noqa: E731
+    assert tuple(hit["cell"]) == first((3, 8, 8), lambda b, q, k: real_q(b, q) and pad_first(b, k) and pad_after(b, k))
+
+
+def test_a_padding_mask_in_a_dict_of_the_batch_is_read_as_held():
+    """trace/held.py: a dict of the batch's tensors is looked through for entries named as a padding mask (not a plain
+    "mask"), named as the variable that holds the same tensor where the frame has one; other dicts are not read."""
+    import torch
+
+    from maskcli.trace.held import padding
+
+    pad = torch.tensor([[False] * 4, [False, False, True, True]])
+    given = {"action_is_pad": pad, "mask": ~pad, "observation.state": torch.zeros(2, 3)}
+
+    def encode(batch):
+        return padding()
+
+    def named(batch):
+        action_pad_mask = batch["action_is_pad"]  # noqa: F841 - held by the frame under its own name
+        return padding()
+
+    def other(stuff):
+        return padding()
+
+    [read] = encode(given)
+    assert read["name"] == 'batch["action_is_pad"]' and read["kind"] == "pad"
+    assert (read["rows"] == pad.numpy()).all()
+    assert [r["name"] for r in named(given)] == ["action_pad_mask"]
+    assert other(given) is None

@@ -100,6 +100,8 @@ def mask_dropped(run: Run) -> list:
             f"but its {call.api} sees {lost['cells']} of those cells (batch row {b}, head {h}, query {q}, key {k}): "
             + ("the mask was inverted on its way to the kernel: on every row it keeps some keys of, the kernel keeps "
                "exactly the cells it masks and masks the ones it keeps" if lost.get("inverted") else
+               f"only batch row {lost['one_row']}'s mask reached the kernel: every batch row is attended with it, while "
+               "the mask handed in differs by batch row" if lost.get("one_row") is not None else
                "the mask was dropped on its way to the kernel")), expected=lost["name"], source=lost["name"],
             cell=(b, q, k))))
     return found

@@ -28,6 +28,7 @@ import numpy as np
 
 from maskcli.checks.arguments import document_starts, padded_positions
 from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, keep, queries, real_queries
+from maskcli.checks.heldextra import EXTRA_KEYS, beside_extra, seen_both_ways
 from maskcli.checks.heldfold import folded_padding, over_memory, padded_batch as _padding
 from maskcli.checks.heldkeys import keys_of
 from maskcli.checks.ragged import one_at_a_time
@@ -210,7 +211,8 @@ def held_padding(run: Run) -> list:
                 and not _per_sequence(run, call, held) else []
             pairs = pair_rows(held, rows, k_len, ids) if tables else []
             if not tables:  # (a sequence's padding over a call that folds it into the batch in chunks: heldfold.py)
-                tables = [real for one, real in folded_padding(call, [held]) if one is held]
+                tables = [real for one, real in folded_padding(call, [held]) if one is held] \
+                    or beside_extra(run, call, held)  # (or over a few more keys: a CLS or state token's, heldextra.py)
                 pairs = [None] * len(tables)
             for real, row_real in zip(tables, pairs):
                 bad = _seen(cells, real, own)
@@ -227,13 +229,15 @@ def held_padding(run: Run) -> list:
         if not picks or not seen_through:
             continue
         held, bad = _told(picks)
-        b, q, k = first_cell(bad)
+        b, q, k = first_cell(seen_both_ways(picks, held, bad))
         what = {"keep": "a padding mask (1 = real)", "pad": "a padding mask (True = padding)",
                 "lengths": "the batch's lengths",
                 "relative": "the batch's relative lengths (each row's share of the padded length)"}[held["kind"]]
         said = f"{held['name']} in {held['where']}"
-        if held["kind"] in ("keep", "pad") and held["rows"].shape[-1] != k_len:  # (heldfold.py's chunks)
+        if held["kind"] in ("keep", "pad") and held["rows"].shape[-1] > k_len:  # (heldfold.py's chunks)
             what += f" of {held['rows'].shape[-1]} positions, folded into the batch in chunks of {k_len},"
+        elif held["kind"] in ("keep", "pad") and held["rows"].shape[-1] < k_len:  # (heldextra.py's)
+            what += f" of {held['rows'].shape[-1]} tokens, the last or the first"
         at = own if own is not None else placed
         query = f"query {q}" if at is None else f"query {int(at[q])}"
         done[key] = Finding("padding-unused", (
@@ -304,9 +308,6 @@ def edge_runs(real: np.ndarray, right_only: bool) -> bool:
     right = (real == (at < count[:, None])).all(axis=1)
     left = (real == (at >= real.shape[1] - count[:, None])).all(axis=1)
     return bool(right.all() or not right_only and (left.all() or (right | left).all()))
-
-
-EXTRA_KEYS = 4  # keys besides the tokens a held padding covers (a relay node, CLS, registers) that it may leave out
 
 
 def after_every_query(call, run: Run, real: np.ndarray, at: int) -> bool:

@@ -289,7 +289,7 @@ def _additive(name: str, tensor: torch.Tensor, kernel: np.ndarray, b: int, h: in
             partial = given.any(axis=-1) & ~given.all(axis=-1)  # (rows the mask keeps some keys of and masks others)
             best = {"name": name, "cell": [int(x) for x in np.argwhere(lost)[0]], "cells": int(lost.sum()),
                     "masked": int((~given & given.any(axis=-1, keepdims=True)).sum()),
-                    "inverted": bool(partial.any() and (seen == ~given)[partial].all())}
+                    "inverted": bool(partial.any() and (seen == ~given)[partial].all()), "one_row": one_row(given, seen)}
     if best is not None and tensor.dim() == 4 and tensor.shape[2] == 1 < q_len and not best["inverted"]:
         return None  # (a key padding bias read for every query: only where the kernel keeps its very inverse; a padding
         # query under a finite fill sees the padding keys it is left, GPT-2's left-padded rows, and is no dropped mask)
@@ -325,5 +325,17 @@ def _either_way(name: str, mask: np.ndarray, kernel: np.ndarray, q_len: int, k_l
         this = (-(int(own.sum()) if own is not None else 0), int(lost.sum()))
         if rank is None or this < rank:
             best, rank = {"name": name, "cell": [int(x) for x in np.argwhere(lost)[0]], "cells": int(lost.sum()),
-                          "masked": int((~given & counted).sum())}, this
+                          "masked": int((~given & counted).sum()), "one_row": one_row(given, seen)}, this
     return best
+
+
+def one_row(given: np.ndarray, seen: np.ndarray) -> int | None:
+    """The batch row r of the handed mask (B, H, Lq, Lk, broadcast) whose cells the kernel applies to every batch row,
+    where the handed rows differ: one sample's mask taken for the whole batch (octo-pytorch 3380db5's
+    `attention_mask[0, 0]`); None where no one row is it."""
+    if given.shape[0] < 2 or (given == given[:1]).all():
+        return None
+    for r in range(given.shape[0]):
+        if (r == 0 or not (given[r] == given[:r]).all(axis=(1, 2, 3)).any()) and (seen == given[r][None]).all():
+            return r
+    return None

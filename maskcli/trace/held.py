@@ -33,6 +33,10 @@ GRAPHS = re.compile(r"^(?:batch|batch_index|batch_idx|batch_vec|node_batch|graph
 LEFT = re.compile(r"^(?:left_padding|left_pad|left_pads)$")  # each row's left padding, in keys: a batch cache's (mlx-lm)
 CACHE = re.compile(r"^(?:cache|kv_cache|past_key_values?|prompt_cache)$")  # an object that may hold `left_padding`
 HANDED = re.compile(r"^(?:attention_mask|attn_mask|mask)$")  # a bool mask over the cells, handed down: polarity unsaid
+BATCHES = re.compile(r"^(?:batch|inputs|data|sample|example|features|observations?)$")  # a dict of the batch's tensors
+# (LeRobot's `batch["action_is_pad"]`): its entries named as a padding mask are read as held (not `**kwargs` nor
+# generate's `model_inputs`: a transformers forward's or generate's frame would be read at every call, for masks the
+# model call is handed anyway)
 MOST = 1 << 16  # cells of one held mask read at most (a batch's padding, not a sequence's cells)
 FRAMES = 24
 
@@ -75,7 +79,7 @@ def names(code):
         found = _NAMES.put(code, _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else
             tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
                   or CELLS.search(n) or POSITIONS.search(n) or IDS.search(n) or HANDED.search(n)
-                  or GRAPHS.search(n) or LEFT.search(n) or CACHE.search(n)))
+                  or GRAPHS.search(n) or LEFT.search(n) or CACHE.search(n) or BATCHES.search(n)))
     return None if found is _OUTSIDE else found
 
 
@@ -98,6 +102,7 @@ def padding(frames: list | None = None) -> list[dict] | None:
         if held:
             code = frame.f_code
             variables = frame.f_locals
+            batches = []
             for name in held:
                 value = variables.get(name)
                 if issubclass(type(value), torch.Tensor) and id(value) not in seen:
@@ -113,14 +118,37 @@ def padding(frames: list | None = None) -> list[dict] | None:
                     read = _lengths_given(name, value, code)
                     if read is not None:
                         found.append(read)
+                elif type(value) is dict and BATCHES.search(name) and id(value) not in seen:
+                    seen.add(id(value))
+                    batches.append((name, value))  # (read after the frame's variables: a tensor held by both is named
+                    # as the variable that holds it)
                 elif value is not None and (LEFT.search(name) or CACHE.search(name)):
                     read, source = _left(name, value, code)
                     if read is not None and source not in seen:
                         seen.add(source)
                         found.append(read)
+            for name, value in batches:
+                found.extend(_entries(name, value, code, seen))
     if outer and _own_mask(innermost, {held for _, held in outer}):
         found = [read for read in found if not any(read is o for o, _ in outer)]
     return found or None
+
+
+def _entries(name: str, batch: dict, code, seen: set) -> list[dict]:
+    """The padding masks a dict of the batch's tensors holds under a padding mask's name (`batch["action_is_pad"]`),
+    read as a variable of that name is (a plain "mask" entry is not: a loss mask as often); a dict of more than 64
+    entries is not looked through."""
+    found = []
+    if len(batch) <= 64:
+        for key, value in batch.items():
+            if type(key) is str and key != "mask" and (KEEP.search(key) or PAD.search(key)) \
+                    and issubclass(type(value), torch.Tensor) \
+                    and id(value) not in seen:
+                seen.add(id(value))
+                read = _read(key, value, code)
+                if read is not None:
+                    found.append({**read, "name": f'{name}["{key}"]'})
+    return found
 
 
 def _own_mask(frame, outer: set) -> bool:
