@@ -34,6 +34,8 @@ from maskcli.trace.held import program_frames
 MEMORY = ("encoder_hidden_states", "key_value_states", "context", "memory", "encoder_output", "encoder_out",
           "encoder_outputs", "enc_output", "enc_out", "cross_attention_states", "cross_attn_states", "encoder_states",
           "media", "image_embeds", "image_features", "vision_features", "audio_features")  # (Flamingo's, BLIP-2's...)
+CROSS_INPUT = re.compile(r"^cross_(?!.*(?:mask|bias|pos|len|idx|index|type))[a-z_]+$")  # an engine layer's own word for
+# the memory it attends (TensorRT-Model-Connect's BART decoder layer: `cross_k`, `cross_v`, the encoder's output rows)
 METHOD_ONLY = ("kv",)  # a module method's `kv` (x-transformers' `forward(x, kv=None)`): a kernel's packed kv is not one
 CONTEXT_MASKS = ("context_mask", "encoder_attention_mask", "encoder_mask", "memory_mask", "memory_key_padding_mask",
                  "encoder_padding_mask", "cross_attn_mask", "enc_mask")  # the mask of that other sequence's keys
@@ -141,7 +143,8 @@ def _names(code) -> tuple:
     if names is None:
         params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
         method = params[:1] == ("self",)
-        names = _NAMES.put(code, (tuple(n for n in params if n in MEMORY or method and n in METHOD_ONLY),
+        names = _NAMES.put(code, (tuple(n for n in params if n in MEMORY or CROSS_INPUT.match(n)
+                                        or method and n in METHOD_ONLY),
                                 tuple(n for n in params if n in CONTEXT_MASKS) if method else ()))
     return names
 
