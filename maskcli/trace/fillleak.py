@@ -16,6 +16,7 @@ masked key it weighs most, its weight on masked keys, and how far that key's sco
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -28,15 +29,37 @@ MARGIN = 40.0  # exp(-40) ~ 4e-18: a masked cell this far below its row's best k
 
 def fill_leak(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale, enable_gqa: bool) -> dict:
     """{"fill_leak": {...}} where the finite fill of the float `mask` leaves masked cells softmax weight, else {}."""
-    if not mask.is_floating_point() or q.dim() != 4 or k.dim() != 4 or q.device.type == "meta" \
+    if not mask.is_floating_point() or q.dim() != 4 or k.dim() != 4 or mask.dim() > 4 or q.device.type == "meta" \
             or q.is_complex() or not q.is_floating_point():
         return {}
+    try:
+        return _leak(q, k, mask.detach(), scale, enable_gqa)
+    except RuntimeError:  # (shapes SDPA itself refuses, tensor subclasses: nothing read)
+        return {}
+
+
+_WEAKEST: dict = {}  # id(mask) -> (a weak reference to it, its version, its shallowest fill): every layer is handed one
+
+
+def _weakest(m: torch.Tensor) -> float | None:
+    """The shallowest finite fill of `m` (its largest value at most -1e4), None where it has none; read once per mask."""
+    held = _WEAKEST.get(id(m))
+    if held is not None and held[0]() is m and held[1] == m._version:
+        return held[2]
+    lowered = (m <= SENTINEL_AT_MOST) & torch.isfinite(m)
+    value = float(m[lowered].max()) if bool(lowered.any()) else None
+    if len(_WEAKEST) > 64:
+        _WEAKEST.clear()
+    _WEAKEST[id(m)] = (weakref.ref(m), m._version, value)
+    return value
+
+
+def _leak(q: torch.Tensor, k: torch.Tensor, m: torch.Tensor, scale, enable_gqa: bool) -> dict:
     with torch.no_grad():
-        m = mask.detach()
-        lowered = (m <= SENTINEL_AT_MOST) & torch.isfinite(m)
-        if not bool(lowered.any()):
+        weakest = _weakest(m)  # (the shallowest fill: the cell a score can most easily lift back)
+        if weakest is None:
             return {}
-        weakest = float(m[lowered].max())  # (the shallowest fill: the cell a score can most easily lift back)
+        lowered = (m <= SENTINEL_AT_MOST) & torch.isfinite(m)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         qn, kn = q.detach().float().norm(dim=-1).max(), k.detach().float().norm(dim=-1).max()
         if 2 * float(qn * kn) * abs(scale) < -weakest - MARGIN:
@@ -57,8 +80,9 @@ def fill_leak(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale, enabl
             return {}
         worst = torch.where(masked, weights, torch.zeros((), dtype=weights.dtype)).amax(1)  # (B, Lq, Lk) over heads
         key = worst.argmax(-1)  # (B, Lq): the masked key each query row weighs most, in some head
-        gap = raw.amax(1) if raw.shape[1] > 1 else raw[:, 0]
-        kept_best = torch.where(masked.all(1), torch.full((), -math.inf), gap).amax(-1)  # (B, Lq)
-        above = gap.gather(-1, key[..., None])[..., 0] - kept_best
+        raw = raw.broadcast_to(weights.shape)
+        kept_best = torch.where(masked, torch.full((), -math.inf), raw).amax(-1)  # (B, H, Lq): the best key kept
+        at_key = raw.gather(-1, key[:, None, :, None].expand(*weights.shape[:3], 1))[..., 0]
+        above = torch.where(kept_best > -math.inf, at_key - kept_best, torch.full((), -math.inf)).amax(1)  # (B, Lq)
         return {"fill_leak": {"value": weakest, "rows": leaking.any(1).cpu().numpy(), "key": key.cpu().numpy(),
                               "weight": on_masked.amax(1).cpu().numpy(), "above": above.cpu().numpy()}}
