@@ -10,8 +10,8 @@ call of the site, as `cross` (checks/context.crossing decides with it):
      "unmasked": the context-mask parameter handed None (checks/crosspad.py), "grows": True where the keys grew}
 
 `by`, strongest first: "said" (a module's `is_cross_attention` / `attention_type`), "memory" (a memory argument,
-`encoder_hidden_states` / `memory` / `context` ..., holding another tensor than the queries', whose length the keys
-have; None there, or the queries' own tensor: self-attention), "kv" (the same, from a module method's `kv`: weaker,
+`encoder_hidden_states` / `memory` / `context` ..., or an engine layer's `cross_k` / `cross_hidden_states`, holding
+another tensor than the queries', whose length the keys have; None there, or the queries' own tensor: self-attention), "kv" (the same, from a module method's `kv`: weaker,
 it may hold a cache of the queries' own keys), "inputs" (the attending layer's forward handed `key` another tensor
 than its `query`, or the same tokens), "class" (the attending module's class names a cross-attention: LDM's
 `CrossAttention` also runs its self-attention, which its `context=None` says first). "grows" is set on a site whose
