@@ -155,3 +155,53 @@ def test_a_speculative_loops_kv_len_not_brought_back_after_verify(tmp_path):
     found = check_bug(tmp_path, "spec_decode_kv_len_not_rolled_back_after_verify", "unwritten-slot",
                       folder=Path(__file__).parent / "data" / "caches")
     assert [tuple(f["cell"]) for f in found] == [(0, 8, 9)] and "slot 9 past it" in found[0]["message"]
+
+
+APPENDED = '''
+import torch
+
+CACHE, NEW = 12, 4  # an exported static graph: the whole cache buffer, then the step's own keys appended after it
+k_cache, v_cache = torch.zeros(1, 2, CACHE, 8), torch.zeros(1, 2, CACHE, 8)
+
+
+def step(x, input_pos, unwritten_seen=False):
+    n = x.shape[2]
+    keys = torch.cat([k_cache, x], dim=2)
+    mask = torch.full((n, CACHE + n), float("-inf"))
+    for i in range(n):
+        p = int(input_pos[i])
+        mask[i, :int(input_pos[0])] = 0.0  # the slots written by earlier steps
+        mask[i, CACHE:CACHE + i + 1] = 0.0  # the step's own keys, causal
+        if unwritten_seen:
+            mask[i, p:CACHE] = 0.0  # slots no step wrote yet
+    out = torch.nn.functional.scaled_dot_product_attention(x, keys, torch.cat([v_cache, x], dim=2), attn_mask=mask)
+    k_cache[:, :, int(input_pos[0]):int(input_pos[0]) + n] = x
+    v_cache[:, :, int(input_pos[0]):int(input_pos[0]) + n] = x
+    return out
+
+
+class Graph(torch.nn.Module):
+    def forward(self, x, input_pos, unwritten_seen=False):
+        return step(x, input_pos, unwritten_seen)
+
+
+torch.manual_seed(0)
+graph = Graph()
+for start in (0, 4):
+    graph(torch.randn(1, 2, NEW, 8), torch.arange(start, start + NEW), SEEN)
+'''
+
+
+@pytest.mark.parametrize("seen", [False, True])
+def test_keys_appended_after_the_whole_cache_are_no_unwritten_slots(tmp_path, seen):
+    """`cat([k_cache, k])` (ExecuTorch's static llama, pytorch/executorch#14411's runner, written blind in batch
+    blind-cr): the step's own keys sit past the buffer's slots, each query sees its own there and never the slot at
+    its position, so those columns are not read as slots; the slots between the written ones and them still are."""
+    status, found, report = _findings(tmp_path, APPENDED.replace("SEEN", str(seen)))
+    flagged = [f for f in found if f["code"] == "unwritten-slot"]
+    if not seen:
+        assert flagged == [] and status == 0, report
+    else:  # each query sees its own slot: slot j is position j, and a double loop finds the first seen slot past the
+        # step's positions 0..3 (query 0 sees slots 0..11 at step 0)
+        expected = next((0, q, j) for q in range(4) for j in range(12) if j >= 4 and j >= q)
+        assert flagged and tuple(flagged[0]["cell"]) == expected, report

@@ -32,6 +32,28 @@ def test_t5_export_wrappers_drop_the_encoder_padding(tmp_path):
     assert hit["cell"] == [0, 0, 6], hit  # (the prompt is 6 tokens; key 6 is the first pad)
 
 
+def test_an_engine_decoder_cross_attending_a_static_length_source_without_its_mask(tmp_path):
+    """NVIDIA/TensorRT-Model-Connect cc55eb1 (written blind, batch blind-cr): BART's decoder layer cross-attends all
+    24 rows of a source padded to max_source_length (`cross_k` handed to DecLayer.forward, its mask never applied); one
+    batch row, so the padding is read off the encoder's own mask, keys no query sees."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "trtmc_bart_decoder_cross_attention_no_encoder_padding_mask", "encoder-padding-ignored")[0]
+    real = 7 + 2  # (the source's 7 ids between BOS and EOS; rows past them are the pad id's)
+    assert tuple(hit["cell"]) == first((1, 1, 24), lambda b, q, k: k >= real), hit
+    assert "cross_k handed to DecLayer.forward()" in hit["message"]
+
+
+def test_a_decoder_handed_cross_hidden_states_that_drops_their_key_mask(tmp_path):
+    """Written another way: two sources padded to one static length, an eager softmax over `cross_hidden_states`,
+    the whole target teacher-forced; the first flagged cell is a double loop's over the sources' lengths."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "static_source_decoder_cross_states_unmasked", "encoder-padding-ignored", ENCODED)[0]
+    lengths = (5, 9)
+    assert tuple(hit["cell"]) == first((2, 6, 12), lambda b, q, k: k >= lengths[b]), hit
+
+
 def test_memory_key_padding_mask_not_passed(tmp_path):
     """Written another way: nn.TransformerDecoder, memory left-padded and stated True = padding, never handed on; the
     first cell reported is the first a double loop finds over the stated padding (the call has no mask)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -23,11 +24,28 @@ BUGS = [
     # attention_mask into step 0's kwargs only, so every cached decode step of a left-padded prompt saw the pads
     ("transformerlens_bridge_generate_padding_mask_step0_only", "padding-lost"),
 ]
+PREFILLROWS = Path(__file__).parent / "data" / "prefillrows"
 
 
 @pytest.mark.parametrize("name, code", BUGS)
 def test_each_bug_is_flagged_and_its_fix_is_not(tmp_path, name, code):
     check_bug(tmp_path, name, code)
+
+
+@pytest.mark.parametrize("name, folder, chunk", [
+    # Anemll/Anemll#17 (written blind, batch blind-cr): every prefill chunk sliced mask rows [:batch_size] and
+    # position ids arange(batch_size), while its keys went to the cache at current_pos (the chunk's start)
+    ("anemll_chat_batch_prefill_causal_mask_rows_from_zero", None, 8),
+    # the same slip written another way: a bool mask filled into the scores, two prompts, a cache of stale keys
+    ("static_cache_chunk_mask_rows_from_zero", PREFILLROWS, 4),
+])
+def test_chunks_whose_mask_rows_restart_at_zero_beside_current_pos_are_flagged(tmp_path, name, folder, chunk):
+    """The second chunk's first query sits at current_pos = the chunk size (the model call's own argument, where its
+    keys are written), and sees key 0 only: causal would give it keys 0..chunk (a double loop's reading)."""
+    found = check_bug(tmp_path, name, "top-left-mask", *(() if folder is None else (folder,)))
+    first = found[0]
+    assert tuple(first["cell"]) == (0, chunk, 1)
+    assert f"query {chunk} sees keys 0..0 only, not the {chunk} keys before it" in first["message"]
 
 
 HELPER = '''

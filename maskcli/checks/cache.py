@@ -72,7 +72,8 @@ def _unwritten(run: Run) -> list:
         real = resolve(call, top, by_row(cells, rows)).queries  # (B, Lq): a padding query's row is unmasked whole on
         if cells.shape[0] == 1 and (real == real[:1]).all():  # purpose (no NaN); a mask broadcast over the batch
             real = real[:1]  # rows is counted once, as stored
-        bad = cells[..., end:] & real[:, None, :, None]
+        stop = _appended(cells, real, positions, end)
+        bad = cells[..., end:stop] & real[:, None, :, None]
         if bad.any():
             b, h, q, k = first_cell(bad)
             query, count = int(positions[q]), int(bad.sum())
@@ -81,6 +82,25 @@ def _unwritten(run: Run) -> list:
                 f"positions up to {end - 1} ({said}); {count} such cell{'s' if count > 1 else ''}"),
                 expected=f"no key past slot {end - 1}", source=f"{said} of {top.where}", cell=(b, query, end + k))))
     return found
+
+
+def _appended(cells: np.ndarray, real: np.ndarray, positions: np.ndarray, end: int) -> int:
+    """The first key column that is no cache slot: k_len - Lq where the step's own keys are appended after the whole
+    buffer (an exported static graph's `cat([k_cache, k])`: ExecuTorch's and QNN's llama, a TensorRT runtime's), the
+    step's real queries seeing those keys causally and never the slot at their position; else k_len (slot j holds
+    position j)."""
+    k_len, q_len = cells.shape[-1], cells.shape[-2]
+    tail = k_len - q_len
+    if tail < end or q_len < 2 or q_len > len(positions):  # (one query seeing the last key says neither layout)
+        return k_len
+    asking = np.broadcast_to(real[:, None, :], cells.shape[:3])
+    block = cells[..., tail:]  # (B, H, Lq, Lq): the appended keys, causal among the step's queries
+    causal = np.tril(np.ones((q_len, q_len), dtype=bool))
+    at = positions[:q_len].astype(np.int64)
+    slot = cells[:, :, np.arange(q_len), np.clip(at, 0, k_len - 1)]  # (B, H, Lq): its slot read as its position
+    if asking.any() and ((block == causal) | ~asking[..., None]).all() and not (slot & asking).any():
+        return tail
+    return k_len
 
 
 def past_written(run: Run) -> list:

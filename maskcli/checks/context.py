@@ -27,7 +27,7 @@ LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 # forward(tokens, start_pos), Keras-hub's cache_update_index) or a block of queries sits past another's cache (an MTP
 # drafter's query_offset, past_key_values_length, seqlen_offset): trace/tops.py keeps them, queries() and rows.py read them
 STARTS = ("start_pos", "cache_update_index", "query_offset", "q_offset", "past_key_values_length", "past_length",
-          "seqlen_offset")
+          "seqlen_offset", "current_pos")
 
 
 @dataclass

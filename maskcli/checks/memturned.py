@@ -121,6 +121,8 @@ def _stated(other, top, rows: int, k_len: int) -> Encoded | None:
     if cells is None:
         return None
     real = read_off(cells, np.arange(k_len))[0]
+    seen = cells.any(axis=1)  # (a key no query of its row sees is padding too where no other row sees it either, which
+    real = real & seen  # read_off cannot tell: a source padded to an engine's static length, one row or every row)
     if bool((cells | ~(real[:, :, None] & real[:, None, :])).all()) and edge_runs(real, right_only=False):
         return Encoded(real, other.where, True)  # (an encoder: each real token sees every real token of its row; a
         # decoder's causal self-attention over as many tokens says nothing of the memory)

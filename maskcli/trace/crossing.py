@@ -10,8 +10,8 @@ call of the site, as `cross` (checks/context.crossing decides with it):
      "unmasked": the context-mask parameter handed None (checks/crosspad.py), "grows": True where the keys grew}
 
 `by`, strongest first: "said" (a module's `is_cross_attention` / `attention_type`), "memory" (a memory argument,
-`encoder_hidden_states` / `memory` / `context` ..., holding another tensor than the queries', whose length the keys
-have; None there, or the queries' own tensor: self-attention), "kv" (the same, from a module method's `kv`: weaker,
+`encoder_hidden_states` / `memory` / `context` ..., or an engine layer's `cross_k` / `cross_hidden_states`, holding
+another tensor than the queries', whose length the keys have; None there, or the queries' own tensor: self-attention), "kv" (the same, from a module method's `kv`: weaker,
 it may hold a cache of the queries' own keys), "inputs" (the attending layer's forward handed `key` another tensor
 than its `query`, or the same tokens), "class" (the attending module's class names a cross-attention: LDM's
 `CrossAttention` also runs its self-attention, which its `context=None` says first). "grows" is set on a site whose
@@ -34,6 +34,8 @@ from maskcli.trace.held import program_frames
 MEMORY = ("encoder_hidden_states", "key_value_states", "context", "memory", "encoder_output", "encoder_out",
           "encoder_outputs", "enc_output", "enc_out", "cross_attention_states", "cross_attn_states", "encoder_states",
           "media", "image_embeds", "image_features", "vision_features", "audio_features")  # (Flamingo's, BLIP-2's...)
+CROSS_INPUT = re.compile(r"^cross_(?!.*(?:mask|bias|pos|len|idx|index|type))[a-z_]+$")  # an engine layer's own word for
+# the memory it attends (TensorRT-Model-Connect's BART decoder layer: `cross_k`, `cross_v`, the encoder's output rows)
 METHOD_ONLY = ("kv",)  # a module method's `kv` (x-transformers' `forward(x, kv=None)`): a kernel's packed kv is not one
 CONTEXT_MASKS = ("context_mask", "encoder_attention_mask", "encoder_mask", "memory_mask", "memory_key_padding_mask",
                  "encoder_padding_mask", "cross_attn_mask", "enc_mask")  # the mask of that other sequence's keys
@@ -141,7 +143,8 @@ def _names(code) -> tuple:
     if names is None:
         params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
         method = params[:1] == ("self",)
-        names = _NAMES.put(code, (tuple(n for n in params if n in MEMORY or method and n in METHOD_ONLY),
+        names = _NAMES.put(code, (tuple(n for n in params if n in MEMORY or CROSS_INPUT.match(n)
+                                        or method and n in METHOD_ONLY),
                                 tuple(n for n in params if n in CONTEXT_MASKS) if method else ()))
     return names
 

@@ -24,6 +24,7 @@ from maskcli.trace.maskfacts import attention_bias as _attention_bias, empty_row
 from maskcli.text import step_label
 from maskcli.trace.given import gathered_keys, stored  # noqa: F401 - stored: with the mask its frames handed (capture.py)
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
+from maskcli.trace.fillleak import fill_leak
 from maskcli.trace.keyreads import key_reads
 from maskcli.trace.finitefill import FILL_AT_MOST, finite_fill as _finite_fill  # noqa: F401 - (read from here too)
 from maskcli.trace.queried import LOCAL, query_tensor
@@ -191,6 +192,8 @@ def sdpa(args: tuple, kwargs: dict) -> Seen:
         details["kv_source"] = "query"  # one projection of one input (a fused qkv): self-attention (checks/context.crossing)
     if mask is not None:
         details["mask_dtype"] = _dtype(mask)
+        if mask.is_floating_point():  # (a finite fill the scores outgrow: checks/fillleak.py)
+            details.update(fill_leak(q, k, mask, details["scale"], details["enable_gqa"]))
         if q_len > 1 and (len(mask_shape) < 2 or mask_shape[-2] == 1):  # one row for every query: no query's own position
             details["mask_rows"] = 1
         seen.make = lambda: _as_4d(_keep(mask, details), q_len, k_len)  # (not where this mask was read already)

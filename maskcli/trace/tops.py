@@ -19,6 +19,7 @@ import torch
 from maskcli.checks.context import STARTS, Top  # (STARTS: the first query's position as an int)
 from maskcli.checks.intent import StaticView, dynamic, read
 from maskcli.trace.causalarg import causal_arg
+from maskcli.trace.constants import main_constants
 from maskcli.trace.embedids import embed_ids, float_mask
 from maskcli.trace.handedcells import handed_cells
 from maskcli.trace.held import program_frames
@@ -140,6 +141,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(handed_cells(given))  # (a (B, L, L) mask the call was handed: checks/handedcausal.py)
     found.update(causal_arg(given))  # (a mask it was handed named causal: checks/namedcausal.py)
     found.update(lengths_over(signature, given))
+    found.update(main_constants())  # (a window and layer kinds kept as the script's constants: checks/layerwindow.py)
     convs = _convs(module)
     if convs:
         found["convs"] = convs
