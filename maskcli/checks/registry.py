@@ -48,7 +48,8 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "memturned", "memorypads", "globaltokens", "sidewindows", "chunkahead", "nomask", "foldedcross", "jointtext", "fewseen",
            "stepwindows", "windowreach", "handedcausal", "docrows", "cachewindow", "slicedkeys", "alone", "swinroll", "weakfill",
            "namedcausal", "cachedrop", "maskrows", "branchrows", "shiftedrows", "framebudget", "zeromemory", "frameblocks",
-           "callcausal", "chunkleft", "runalone", "swappedprefix", "twopaths", "weighted", "flexrows")
+           "callcausal", "chunkleft", "runalone", "swappedprefix", "twopaths", "weighted", "flexrows",
+           "jointpad")
 
 
 @dataclass(frozen=True)
