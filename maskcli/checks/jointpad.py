@@ -4,9 +4,9 @@ Dual-stream diffusion transformers (Mochi's, HunyuanVideo's, Flux's MM-DiT block
 prompt's tokens apart and attend them as one sequence; the prompt, padded to a fixed length, comes with its padding
 mask, which the attention must apply per sample. What the program states: the prompt's mask the model call was handed
 (`encoder_attention_mask`), or one its frames hold by a text mask's name (`txt_attention_mask`, `prompt_attention_mask`:
-trace/held.py), (B, T), 1 = a real token, each row's real tokens one run at an edge; the attending layer was handed
-(B, N) tokens (trace/queried.py) and its kernel attends N + T tokens over themselves: the T prompt tokens joined to
-them, before or after. Where, whichever of the two places the prompt holds, an image query of some row sees a key that
+trace/held.py), (B, T), 1 = a real token, each row's real tokens one run at an edge; the attending layer, or the block
+around it, was handed (B, N) tokens (trace/queried.py) and its kernel attends N + T tokens over themselves: the T
+prompt tokens joined to them, before or after. Where, whichever of the two places the prompt holds, an image query of some row sees a key that
 row's mask calls padding, the mask never reached the joint attention (diffusers#10033: Mochi's processor joined all
 256 T5 tokens to the video's and ran SDPA with no mask; ParaAttention#26: the first-block cache ran HunyuanVideo's
 blocks with attention_mask=None). A single-stream block handed the joint sequence itself (N + T tokens, nothing
@@ -75,16 +75,20 @@ def _joint(run: Run) -> dict:
     for call in sorted((*run.calls, *run.unmasked), key=lambda c: c.index):  # (an unmasked softmax: no mask at all)
         top, given = run.top(call), call.details.get("query_input")
         batch, q_len, k_len = int(call.shape[0]), int(call.shape[2]), int(call.shape[3])
-        if top is None or not given or cross(call) or q_len != k_len or int(given[0]) != batch:
+        handed = [int(m) for b, m in call.details.get("layer_inputs") or ([given] if given else ()) if int(b) == batch]
+        if top is None or not handed or cross(call) or q_len != k_len:
             continue
         stated = _stated(top, call)
-        if stated is None or stated[1].shape[0] != batch or k_len not in (int(given[1]) + stated[1].shape[1], int(given[1])):
+        if stated is None or stated[1].shape[0] != batch:
+            continue
+        n = next((m for m in handed if m + stated[1].shape[1] == k_len), handed[0])  # (the layer's, else its block's)
+        if n not in (k_len, k_len - stated[1].shape[1]):
             continue
         cells = keep(call)
         if cells is None or cells.shape[0] not in (1, batch):
             continue
         cells = np.broadcast_to(cells.any(axis=1), (batch, q_len, k_len))
-        found.setdefault(id(top), []).append((call, int(given[1]), stated, cells))
+        found.setdefault(id(top), []).append((call, n, stated, cells))
     return found
 
 
@@ -119,15 +123,20 @@ def joint_padding_seen(run: Run) -> list:
             if kind in said or not all(s.any() for s in seen):
                 continue
             said.add(kind)
-            b, q, k = first_cell(seen[-1])
+            cells_at = [first_cell(s) for s in seen]
+            b, q, k = cells_at[-1]
             pads = [int(length - r) for r in real.sum(axis=1)]
-            where = (f"whether the prompt sits before or after the {n} tokens the layer was handed" if by is None else
-                     f"the prompt at keys {starts[0]}-{starts[0] + length - 1}, where {by.where} of the same "
-                     f"model call keeps its padding masked")
+            if by is None:
+                where = (f"the prompt after the {n} tokens the layer was handed, image query {q} of batch row {b} sees "
+                         f"padded prompt key {k}; before them, image query {cells_at[0][1]} of batch row "
+                         f"{cells_at[0][0]} sees padded prompt key {cells_at[0][2]}")
+            else:
+                where = (f"the prompt at keys {starts[0]}-{starts[0] + length - 1}, where {by.where} of the same model "
+                         f"call keeps its padding masked, image query {q} of batch row {b} sees padded prompt key {k}")
             found.append((call, Finding("joint-padding-seen", (
                 f"the joint attention at {call.where} attends {k_len} tokens, {length} of them the prompt's, and "
-                f"{name} ({len(pads)} x {length}) calls {pads} of them padding a row; {where}, image query {q} of "
-                f"batch row {b} sees padded prompt key {k} ({int(seen[-1].sum())} such cells)"),
+                f"{name} ({len(pads)} x {length}) calls {pads} of them padding a row; {where} "
+                f"({int(seen[-1].sum())} such cells)"),
                 expected=f"each row's padded prompt keys hidden from the image queries", source=name, cell=(b, q, k))))
     return found
 
