@@ -127,7 +127,7 @@ def joint_padding_seen(run: Run) -> list:
             b, q, k = cells_at[-1]
             pads = [int(length - r) for r in real.sum(axis=1)]
             if by is None:
-                where = (f"the prompt after the {n} tokens the layer was handed, image query {q} of batch row {b} sees "
+                where = (f"the prompt after the {n} tokens handed to the layer (or a module around it), image query {q} of batch row {b} sees "
                          f"padded prompt key {k}; before them, image query {cells_at[0][1]} of batch row "
                          f"{cells_at[0][0]} sees padded prompt key {cells_at[0][2]}")
             else:
