@@ -1,4 +1,5 @@
-"""checks/jointpad.py: a joint (image + text) attention whose image queries see the prompt padding its text mask states."""
+"""checks/jointpad.py: a joint (image + text) attention whose image queries see the prompt padding its text mask
+states."""
 
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ def test_a_joint_attention_handed_no_mask_sees_the_prompt_padding(tmp_path, name
     [hit] = check_bug(tmp_path, name, "joint-padding-seen", *((folder,) if folder else ()))
     after, before = _first_seen(lengths, width, n, n), _first_seen(lengths, width, n, 0)
     assert hit["cell"] == list(after)
-    assert f"image query {after[1]} of batch row {after[0]} sees padded prompt key {after[2]}; before them, image query " \
-           f"{before[1]} of batch row {before[0]} sees padded prompt key {before[2]}" in hit["message"]
+    assert f"image query {after[1]} of batch row {after[0]} sees padded prompt key {after[2]}; before them, image " \
+           f"query {before[1]} of batch row {before[0]} sees padded prompt key {before[2]}" in hit["message"]
     assert f"calls {[width - x for x in lengths]} of them padding a row" in hit["message"]
 
 

@@ -6,12 +6,13 @@ mask, which the attention must apply per sample. What the program states: the pr
 (`encoder_attention_mask`), or one its frames hold by a text mask's name (`txt_attention_mask`, `prompt_attention_mask`:
 trace/held.py), (B, T), 1 = a real token, each row's real tokens one run at an edge; the attending layer, or the block
 around it, was handed (B, N) tokens (trace/queried.py) and its kernel attends N + T tokens over themselves: the T
-prompt tokens joined to them, before or after. Where, whichever of the two places the prompt holds, an image query of some row sees a key that
-row's mask calls padding, the mask never reached the joint attention (diffusers#10033: Mochi's processor joined all
-256 T5 tokens to the video's and ran SDPA with no mask; ParaAttention#26: the first-block cache ran HunyuanVideo's
-blocks with attention_mask=None). A single-stream block handed the joint sequence itself (N + T tokens, nothing
-joined inside) is read at the place a joint layer of the same model call keeps the padding to (sd-scripts 2e89cd2c:
-Flux's single blocks never handed `txt_attention_mask`, which its double blocks apply to the text before the image).
+prompt tokens joined to them, before or after. Where, whichever of the two places the prompt holds, an image query of
+some row sees a key that row's mask calls padding, the mask never reached the joint attention (diffusers#10033:
+Mochi's processor joined all 256 T5 tokens to the video's and ran SDPA with no mask; ParaAttention#26: the
+first-block cache ran HunyuanVideo's blocks with attention_mask=None). A single-stream block handed the joint
+sequence itself (N + T tokens, nothing joined inside) is read at the place a joint layer of the same model call keeps
+the padding to (sd-scripts 2e89cd2c: Flux's single blocks never handed `txt_attention_mask`, which its double blocks
+apply to the text before the image).
 
 Quiet where one place of the prompt is kept to (the padding masked per row), on rows with no padding, where the keys
 are not N + T (the text trimmed or cut: joint-text-cut; an image-only attention), on a batch the kernel does not keep
@@ -127,9 +128,9 @@ def joint_padding_seen(run: Run) -> list:
             b, q, k = cells_at[-1]
             pads = [int(length - r) for r in real.sum(axis=1)]
             if by is None:
-                where = (f"the prompt after the {n} tokens handed to the layer (or a module around it), image query {q} of batch row {b} sees "
-                         f"padded prompt key {k}; before them, image query {cells_at[0][1]} of batch row "
-                         f"{cells_at[0][0]} sees padded prompt key {cells_at[0][2]}")
+                where = (f"the prompt after the {n} tokens handed to the layer (or a module around it), image query "
+                         f"{q} of batch row {b} sees padded prompt key {k}; before them, image query {cells_at[0][1]} "
+                         f"of batch row {cells_at[0][0]} sees padded prompt key {cells_at[0][2]}")
             else:
                 where = (f"the prompt at keys {starts[0]}-{starts[0] + length - 1}, where {by.where} of the same model "
                          f"call keeps its padding masked, image query {q} of batch row {b} sees padded prompt key {k}")
@@ -137,11 +138,12 @@ def joint_padding_seen(run: Run) -> list:
                 f"the joint attention at {call.where} attends {k_len} tokens, {length} of them the prompt's, and "
                 f"{name} ({len(pads)} x {length}) calls {pads} of them padding a row; {where} "
                 f"({int(seen[-1].sum())} such cells)"),
-                expected=f"each row's padded prompt keys hidden from the image queries", source=name, cell=(b, q, k))))
+                expected="each row's padded prompt keys hidden from the image queries", source=name, cell=(b, q, k))))
     return found
 
 
 RULES = (
-    Rule("joint-padding-seen", "wrong", "steps", "a joint (image + text) attention whose image queries see the prompt "
-         "tokens the model call's text mask calls padding, wherever the prompt sits among the keys", joint_padding_seen),
+    Rule("joint-padding-seen", "wrong", "steps", "a joint (image + text) attention whose image queries see the "
+         "prompt tokens the model call's text mask calls padding, wherever the prompt sits among the keys",
+         joint_padding_seen),
 )

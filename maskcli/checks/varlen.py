@@ -117,8 +117,8 @@ def _cells(call, labels: np.ndarray):
 
 
 def _one_row(call, labels: np.ndarray):
-    """(labels (rows, Lk), the first one's batch row, whether any of them may be the call's) where a one-row call over Lk
-    keys attends one row of a batch of rows of Lk tokens that the documents cover flattened (a loop that attends sample
+    """(labels (rows, Lk), the first one's batch row, whether any of them may be the call's) where a one-row call over
+    Lk keys attends one row of a batch of rows of Lk tokens that the documents cover flattened (a loop that attends sample
     by sample, musubi-tuner's split_attn): its row read from where its queries sit in their batch (`q[i:i + 1]`), else
     every row it may be."""
     k_len, total = call.shape[3], labels.size
