@@ -183,6 +183,29 @@ def test_cu_seqlens_a_plain_attention_function_ignores(tmp_path):
     assert found[0]["cell"] == list(first)
 
 
+@pytest.mark.parametrize("name, rows, folder", [
+    # kohya-ss/musubi-tuner 5bb0a34: attn_varlen_func's split_attn loop attended each sample's whole padded
+    # [image + text] row, the cu_seqlens it holds never read (12 image tokens; prompts of 4 and 7 padded to 10)
+    ("musubi_framepack_split_attn_ignores_text_padding_mask", [[16, 6], [19, 3]], None),
+    # the same bug written another way: an eager softmax loop over the batch inside the attention module, handed
+    # cu_seqlens by keyword (8 video tokens; prompts of 3, 5 and 2 padded to 6)
+    ("per_sample_softmax_loop_ignores_cu_seqlens", [[11, 3], [13, 1], [10, 4]], "windows"),
+])
+def test_a_loop_over_batch_rows_that_attends_each_whole_padded_row(tmp_path, name, rows, folder):
+    """Each call attends one row of the flattened [valid, padding] segments: its row read from where its queries sit
+    in their batch (musubi's q[i:i + 1]), else every row it may be; the first cell that crosses a segment of that row,
+    by a double loop, is the one said. The fixes attend each row's valid tokens alone: quiet."""
+    from pathlib import Path
+
+    found = check_bug(tmp_path, name, "varlen-leak", *((Path(__file__).parent / "data" / folder,) if folder else ()))
+    segment = [[s for s, size in enumerate(row) for _ in range(size)] for row in rows]
+    length = sum(rows[0])
+    cell = next((b, q, k) for b in range(len(rows)) for q in range(length) for k in range(length)
+                if segment[b][q] != segment[b][k])
+    assert found[0]["cell"] == list(cell)
+    assert found[0]["expected"] == f"document(sizes=[{';'.join(','.join(map(str, row)) for row in rows)}])"
+
+
 PLAIN = '''
 import sys
 import torch

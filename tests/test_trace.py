@@ -1181,6 +1181,33 @@ def test_torchs_causal_bias_objects_run_as_under_python_and_are_read_as_their_ce
         assert np.array_equal(call.keep()[0, 0], wanted), lower
 
 
+def test_sdpa_under_a_torch_function_mode_of_the_programs_is_handed_to_it_as_fs_function():
+    """chengzeyi/ParaAttention#26's SparseKVAttnMode runs attention of its own where its __torch_function__ is handed
+    F.scaled_dot_product_attention itself (it compares identity with F's attribute): traced, the mode gets F's
+    attribute, the program's output is what python gives, and the calls recorded are those the mode ran (one per
+    batch row, over the keys it kept), each row's keys checked against the mask it selected them by."""
+    from torch.overrides import TorchFunctionMode
+
+    class KeptKeys(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is not None:
+                mask = kwargs.pop("attn_mask")
+                q, k, v = args
+                return torch.cat([F.scaled_dot_product_attention(q[i:i + 1], k[i:i + 1, :, mask[i]], v[i:i + 1, :, mask[i]])
+                                  for i in range(q.shape[0])])
+            return func(*args, **kwargs)
+
+    q, k, v = qkv(2, 2, 6, 6)
+    keep = torch.tensor([[True] * 4 + [False] * 2, [True] * 6])
+    with KeptKeys():
+        plain = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    with maskcli.trace() as t, KeptKeys():
+        traced = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    assert torch.equal(plain, traced)
+    assert [c.shape for c in t.calls] == [(1, 2, 6, int(row.sum())) for row in keep]
+
+
 def test_banded_scores_a_position_gathers_its_keys_into_are_no_query_by_key_call():
     """Longformer / LED's encoder (modeling_led.py, LEDEncoderSelfAttention) lays scores out (B, L, H, 2w + 1): each
     position's band of keys, not (B, H, Lq, Lk); read as such, positions were heads and heads queries, and LED's padded

@@ -94,21 +94,43 @@ def _named(name: str, top) -> str:
 
 
 def _cells(call, labels: np.ndarray):
-    """(keep cells (rows, Lq, Lk) over the heads, labels (rows, L)) where the call is the model call's self-attention
-    over its documents' tokens: square, from position 0, one batch row per labels row or the rows flattened into one."""
+    """(keep cells (rows, Lq, Lk) over the heads, labels (rows, L), the batch row of the first, whether any of the rows
+    may be the call's) where the call is the model call's self-attention over its documents' tokens: square, from
+    position 0, one batch row per labels row or the rows flattened into one, or one row of them (_one_row)."""
     q_len, k_len = call.shape[2:]
     rows, length = labels.shape
     if q_len != k_len or call.stored is None:
         return None
+    first, either = 0, False
     if length != k_len:  # the call's rows flattened (HF's flash path), or the call's rows are the labels' flattened
-        if rows * length != call.shape[0] * k_len:
+        if rows * length == call.shape[0] * k_len:
+            labels = labels.reshape(call.shape[0], k_len)
+        elif (one := _one_row(call, labels)) is not None:
+            labels, first, either = one
+        else:
             return None
-        labels = labels.reshape(call.shape[0], k_len)
     cells = keep(call)
     if cells is None or cells.shape[0] not in (1, labels.shape[0]) or call.shape[0] not in (1, labels.shape[0]):
         return None
     cells = np.broadcast_to(cells.any(axis=1), (labels.shape[0], q_len, k_len))
-    return cells, labels
+    return cells, labels, first, either
+
+
+def _one_row(call, labels: np.ndarray):
+    """(labels (rows, Lk), the first one's batch row, whether any of them may be the call's) where a one-row call over
+    Lk keys attends one row of a batch of rows of Lk tokens that the documents cover flattened (a loop that attends sample
+    by sample, musubi-tuner's split_attn): its row read from where its queries sit in their batch (`q[i:i + 1]`), else
+    every row it may be."""
+    k_len, total = call.shape[3], labels.size
+    if call.shape[0] != 1 or total % k_len or total == k_len:
+        return None
+    rows = labels.reshape(total // k_len, k_len)
+    given = call.details.get("query_tensor")  # (serial, storage offset, shape, strides, version: trace/queried.py)
+    if given is not None and given[3] and given[3][0] > 0 and given[1] % given[3][0] == 0 \
+            and 0 < given[1] // given[3][0] < len(rows):
+        row = given[1] // given[3][0]
+        return rows[row:row + 1], row, False
+    return rows, 0, True
 
 
 def _handed(run: Run) -> bool:
@@ -136,10 +158,11 @@ def leaks(run: Run) -> list:
             if key in done:
                 break
             done.add(key)
-            cells, labels = placed
+            cells, labels, row, either = placed
             across = cells & (labels[:, :, None] != labels[:, None, :])
-            if across.any():
+            if across.any() and (not either or across.any(axis=(1, 2)).all()):  # (a row unknown: every one it may be)
                 b, q, k = first_cell(across)
+                b += row
                 expected = expression(labels)
                 found.append((call, Finding("varlen-leak", (
                     f"{_named(name, top)} given to {top.where}: documents {expected}, but query {q} of batch row {b} "

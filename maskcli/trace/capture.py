@@ -45,7 +45,7 @@ from maskcli.trace.singleton import Singles, read as read_singleton
 from maskcli.trace.stated import outside
 from maskcli.trace.store import read_calls, store
 from maskcli.trace.threads import Threads
-from maskcli.trace.packed import documents, handed
+from maskcli.trace.packed import documents, handed, held_by
 
 APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
@@ -315,6 +315,7 @@ class Trace(Outer, Follow):
                             given = handed(variables)
                             if given is not None:
                                 documents(self._calls, made, *given)
+                        documents(self._calls, made, held_by(walked))  # (those its attending function holds itself)
                         self._outer(found, made)
                 finally:
                     sites.unload()

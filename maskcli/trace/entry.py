@@ -74,6 +74,8 @@ def _wrapper(trace, original, stands_for, kind: str):
             if attention:
                 return during(mode, stands_for, (), args, kwargs)
             return original(*args, **kwargs)
+        if attention and _stack_depth() and _program_mode(mode):  # (the program's mode decides what runs: handed F's
+            return _to_program_mode(args, kwargs)  # attribute as python hands it, the attention it runs recorded)
         if local.busy or local.moded or not local.traced or not trace.active:  # (the rare cases: Trace.passes)
             if trace.passes():
                 return original(*args, **kwargs)
@@ -187,6 +189,23 @@ def _sdpa_as_called(*args, **kwargs):
     if attention_bias(mask):
         return type(mask)._dispatch(*args, **kwargs)
     return sdpa()(*args, **kwargs)
+
+
+_stack_depth = torch._C._len_torch_function_stack
+
+
+def _program_mode(ours) -> bool:
+    """Whether the innermost TorchFunctionMode on this thread's stack is the program's, not a trace's (`ours`' type)."""
+    return type(torch._C._get_function_stack_at(_stack_depth() - 1)) is not type(ours)
+
+
+def _to_program_mode(args: tuple, kwargs: dict):
+    """SDPA called under a TorchFunctionMode of the program's: its __torch_function__ is handed F's attribute, as
+    python hands it (ParaAttention's SparseKVAttnMode runs its own attention where `func is
+    F.scaled_dot_product_attention`; handed torch's builtin, as the wrapper's call would hand it, it ran plain SDPA
+    instead). What the mode then calls, with itself off the stack, is recorded as any call is."""
+    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+    return torch.overrides.handle_torch_function(F.scaled_dot_product_attention, tensors, *args, **kwargs)
 
 
 def _hook(trace, original, stands_for):

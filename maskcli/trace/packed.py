@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from maskcli.trace.codes import ByCode
+from maskcli.trace.sites import HELD
 from maskcli.trace.tops import MOST
 
 DOCUMENTS = frozenset(("cu_seqlens", "cu_seq_lens_q", "cu_seqlens_q"))  # the names that say a module was handed them
@@ -65,3 +67,23 @@ def handed(variables: dict) -> tuple[dict, int | None] | None:
     hidden = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
     tokens = hidden.numel() // hidden.shape[-1] if hidden is not None and hidden.dim() in (2, 3) and hidden.shape[-1] else None
     return given, tokens
+
+
+_HOLDS = ByCode()  # code -> the names in HELD among its variables (matched once per code)
+
+
+def held_by(walked) -> dict:
+    """The cu_seqlens the innermost function of the program holds as its own variables at a call made inside a module
+    (musubi-tuner's `attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_kv, ...)`, called from a block's processor): a
+    dict lookup by code at most calls, its locals read only where its code names them."""
+    if walked is None or not walked.held:
+        return {}
+    frame = walked.held[0][0]
+    code = frame.f_code
+    names = _HOLDS.get(code)
+    if names is None:
+        names = _HOLDS.put(code, tuple(name for name in HELD if name in code.co_varnames))
+    if not names:
+        return {}
+    variables = frame.f_locals
+    return {name: variables[name] for name in names if variables.get(name) is not None}

@@ -38,6 +38,25 @@ def query_input(stack: list) -> tuple[int, int] | None:
     return None
 
 
+def layer_inputs(stack: list) -> list[tuple[int, int]]:
+    """(B, M) of the first tensor argument, (B, M, D), of each running module that owns weights, up to INNERMOST of
+    them, innermost first, whose forward is on the stack: the tokens each layer and the block around it were handed
+    (a block that joins the image and text tokens before its nn.MultiheadAttention: checks/jointpad.py)."""
+    owners = [m for m in reversed(stack[-INNERMOST:]) if next(m.parameters(), None) is not None]
+    found, frame, searched = {}, sys._getframe(1), 0
+    while owners and frame is not None and searched < FRAMES:
+        searched += 1
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_argcount > 1:
+            owner = frame.f_locals.get("self")
+            if any(owner is m for m in owners) and id(owner) not in found:
+                first = frame.f_locals.get(code.co_varnames[1])
+                found[id(owner)] = (int(first.shape[0]), int(first.shape[1])) \
+                    if issubclass(type(first), torch.Tensor) and first.dim() == 3 else None
+        frame = frame.f_back
+    return [found[id(m)] for m in owners if found.get(id(m)) is not None]
+
+
 def folded_inputs(stack: list, shape: tuple) -> tuple[tuple[int, int], tuple[str, int, int]] | None:
     """((B, N), (name, B, M)) where a one-row call over Lq = B * N queries and Lk = B * M keys (B >= 2) is made inside
     the forward of the innermost running module that owns weights, whose first argument is (B, N, D) and whose other
@@ -77,6 +96,9 @@ def note(details: dict, stack: list, api: str = "", shape: tuple | None = None) 
         given = query_input(stack)
         if given is not None:
             details["query_input"] = given
+        layers = layer_inputs(stack)
+        if layers and layers != [given]:
+            details["layer_inputs"] = layers
     if shape is not None and stack and int(shape[0]) == 1 and int(shape[2]) > 2 and details.get("cross") \
             and "query_input" not in details:
         folded = folded_inputs(stack, shape)
