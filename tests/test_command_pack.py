@@ -349,7 +349,8 @@ def test_a_full_stdout_is_one_line_and_exit_2_as_for_every_command(tmp_path, ext
                                 stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ, "COLUMNS": "80"}, timeout=120)
         shown = subprocess.run([sys.executable, "-m", "maskcli", "show", "causal", "--len", "4"], stdout=full, stderr=subprocess.PIPE,
                                text=True, cwd=tmp_path, timeout=120)
-    assert (result.returncode, result.stderr) == (2, "maskcli: error: No space left on device\n")
+    assert (result.returncode, result.stderr) == (2, "maskcli: error: No space left on device while writing the output: send it (stdout) to a disk with room, "
+                                                  "or to /dev/null\n")
     assert (shown.returncode, shown.stderr) == (result.returncode, result.stderr)  # what show says, pack says
 
 
