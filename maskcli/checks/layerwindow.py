@@ -101,6 +101,8 @@ def _short(sliding, full, top, size: int) -> tuple | None:
         return None
     if (cs & ~cf & real[:, :, None]).any():
         return None  # (the sliding layer sees a key the full one hides: another layout)
+    if _bidirectional(cf, real):
+        return None  # (a full encoder layer: its sliding layers' window is a band, not the W keys up to each query)
     n_s, n_f = cs.sum(-1), cf.sum(-1)
     bad = real & (n_s < np.minimum(n_f, size) - 1)
     if not bad.any():
@@ -108,6 +110,19 @@ def _short(sliding, full, top, size: int) -> tuple | None:
     b, q = (int(i) for i in np.argwhere(bad)[0])
     nearest = int(np.flatnonzero(cf[b, q] & ~cs[b, q])[-1])  # (the newest of them: inside the window, whatever the layout)
     return b, q, int(n_s[b, q]), int(n_f[b, q]), nearest
+
+
+def _bidirectional(cells: np.ndarray, real: np.ndarray) -> bool:
+    """Every real query of each batch row sees the same keys, two or more real queries somewhere: a full layer that
+    attends both ways (a causal one's first query sees fewer keys than its last), read in any layout of its columns."""
+    many = False
+    for b in range(cells.shape[0]):
+        rows = cells[b][real[b]]
+        if len(rows) > 1:
+            many = True
+            if not (rows == rows[:1]).all():
+                return False
+    return many
 
 
 RULES = (
