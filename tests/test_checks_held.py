@@ -43,6 +43,25 @@ def test_alphafold2_pair_mask_sum_of_bool_masks(tmp_path):
     check_bug(tmp_path, "alphafold2_pair_mask_sum_of_bool_masks", "padding-unused")
 
 
+def test_sentence_transformers_signature_filter_drops_attention_mask(tmp_path):
+    # huggingface/sentence-transformers#3509 (commit 560cc336): Transformer.forward kept only the features
+    # inspect.signature(auto_model.forward) names; a forward(self, input_ids, **kwargs) model lost attention_mask
+    found = check_bug(tmp_path, "sentence_transformers_transformer_forward_drops_attention_mask_for_kwargs_model",
+                      "padding-unused")
+    lengths = (10, 4)  # right-padded to 10 with id 0; features["attention_mask"] says so
+    assert tuple(found[0]["cell"]) == first((2, 10, 10), lambda b, q, k: q < lengths[b] <= k)
+    assert "(24 such cells)" in found[0]["message"]
+
+
+def test_signature_filtered_kwargs_drops_key_padding(tmp_path):
+    """sentence-transformers#3509 written another way: plain torch, left padding, True = padding, SDPA; the backbone
+    reads `extra.get("pad_mask")`, which the signature filter dropped; the first cell is a double loop's."""
+    found = check_bug(tmp_path, "signature_filtered_kwargs_drops_key_padding", "padding-unused", folder=HELD)
+    pads = (3, 0, 2)  # left pads of the rows [3, 6, 4 tokens] in 6
+    assert tuple(found[0]["cell"]) == first((3, 6, 6), lambda b, q, k: q >= pads[b] > k)
+    assert "(17 such cells)" in found[0]["message"]
+
+
 def test_pair_padding_and_of_pads(tmp_path):
     """Written another way: True = padding, `pad_i & pad_j` folded (b j) i into SDPA's key padding; the first cell is a
     double loop's over the residues' padding (a real column's real query that sees a padded residue)."""

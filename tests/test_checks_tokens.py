@@ -229,6 +229,15 @@ def test_the_same_collator_bug_written_by_another_hand(tmp_path):
     check_bug(tmp_path, "angle_collator_mask_padded_with_pad_id_written_again", "padding-unmarked")
 
 
+def test_the_same_collator_bug_written_blind_a_third_time(tmp_path):
+    # SeanLee97/AnglE#89 (commit ef0b987), written blind again (batch blind-cs): AngleDataCollator pads the masks with
+    # tokenizer.pad as if ids (pad_token_id 1), RobertaModel attends the padding; the fix pads the ids only
+    found = check_bug(tmp_path, "angle_emb_collator_attention_mask_padded_with_pad_token_id", "padding-unmarked")
+    lengths = (16, 6)  # <s> + words + </s>, right-padded to 16 with id 1
+    assert tuple(found[0]["cell"]) == first((2, 16, 16), lambda b, q, k: q < lengths[b] <= k)
+    assert "(60 such cells)" in found[0]["message"] and "pad id (1)" in found[0]["message"]
+
+
 def _hole_seen_by_none(ids, mask, pad):
     """bad(b, q, k) by a loop: k a token at the pad id inside its row (a real token after it) that the loss trains on,
     q a later real query."""
