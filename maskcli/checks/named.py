@@ -29,7 +29,7 @@ def polarity(call, kind: str | None, named: str | None, past=None) -> list[Findi
     `past`: a function saying whether the model call states its queries past every key (rows.past_the_keys): the other
     reading places them among the keys (bottom-right, or top-left at a static cache's start), where they are not."""
     if named is None or kind in MEANT_LATER or _edge_padding(call) or _one_key_each(call) or _whole_rows(call) \
-            or past is not None and past():
+            or (getattr(call, "details", None) or {}).get("nan_scores") or past is not None and past():  # (NaN: no cells)
         return []
     meaning = {"mha": "MHA reads a bool mask as True = masked", "sdpa": "SDPA reads a bool mask as True = may attend"}.get(call.api, "")
     return [Finding("polarity", f"read the other way round it is {named}: a mask in the wrong polarity?"

@@ -61,6 +61,8 @@ def empty_rows(call, stored: dict, structure) -> list[Finding]:
     # rows the kernel gives 0 are routine (left padding); NaN out of a softmax of the program's own may be zeroed by
     # the program after it (CPM-Ant's masked_fill(score, ~mask, 0)), which a trace does not see: suspicious there
     severity = "note" if "NaN" not in what_api_does(call) else "suspicious" if call.api == "softmax" else "wrong"
+    if call.details.get("nan_scores"):
+        return []  # (NaN scores read as no key: rows the mask kept, not emptied by it; nans.py says where from)
     if stored["form"] == "stats":
         return [Finding("fully-masked", f"{stored['empty_rows']:,} query rows see no key at all: {what_api_does(call)}",
                         severity)] if stored["empty_rows"] else []
