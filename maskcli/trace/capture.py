@@ -71,7 +71,6 @@ class Trace(Outer, Follow):
         self._local = _Local()  # busy, within, interfaces, the mode: each thread the program runs has its own
         self._lock = threading.RLock()
         self.readers = readers.watched(self)  # (the loss: what it states, no call recorded: trace/losses.py)
-        self.readers.update(convpad.watched(self))  # (what a convolution reads of padded frames: trace/convpad.py)
         self._convs: dict = {}  # id(an outermost module call held) -> what its convolutions read (convpad.py)
         if "sdpa" in self.apis:
             self.readers[entry.sdpa()] = readers.sdpa
@@ -208,6 +207,7 @@ class Trace(Outer, Follow):
             if found is not None:
                 found(sys.modules[name])
         self._entries = entry.patch(self)
+        self._undo.append(convpad.patch(self))  # (what a convolution reads of padded frames: trace/convpad.py)
         self._local.traced = True
         self.active = True
         self.threads = Threads(lambda: _Traced(self) if self.active else None).__enter__()

@@ -47,7 +47,6 @@ def _originals() -> dict:
     found.update({("torch", name): getattr(torch, name) for name in TORCH})
     found[("special", "softmax")] = torch.special.softmax
     found[("F", "scaled_dot_product_attention")] = F.scaled_dot_product_attention
-    found[("F", "conv1d")] = F.conv1d  # (what a convolution reads of padded frames: convpad.py)
     return found
 
 
@@ -179,7 +178,6 @@ def _entries() -> tuple:
     found += [(torch, name, originals[("torch", name)], originals[("torch", name)]) for name in TORCH]
     found.append((torch.special, "softmax", originals[("special", "softmax")], originals[("special", "softmax")]))
     found.append((F, "scaled_dot_product_attention", _sdpa_as_called, sdpa()))
-    found.append((F, "conv1d", originals[("F", "conv1d")], originals[("F", "conv1d")]))
     return tuple(found)
 
 
