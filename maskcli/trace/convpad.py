@@ -4,10 +4,11 @@ A Conformer's convolution module (a depthwise Conv1d of kernel K over the frames
 NeMo) runs over the same padded (B, C, T) frames its layer's self-attention masks by their padding: output frame t
 reads input frames t - left .. t - left + (K - 1) x dilation, so the last real frames of a shorter row read padded
 ones unless the program zeroed them first (wenet#223, pytorch/audio#4205). At each `F.conv1d` (wrapped while
-tracing, no stack walked: nn.Conv1d calls it) of stride 1 that reaches later frames, recorded cheaply as it runs: T, how far it reaches past a frame (`reach`), and per batch row
-where the row's constant tail begins (the first frame from which every frame equals the last one: padding zeroed, or
-made one constant by a bias, carries nothing of the padded content; frames that differ there do). Kept per outermost
-module call (the Top it makes: `convs`), so the rule reads them beside that call's attention masks.
+tracing, no stack walked: nn.Conv1d calls it) of stride 1 that reaches later frames, recorded cheaply as it runs:
+T, how far it reaches past a frame (`reach`), and per batch row where the row's constant tail begins (the first
+frame from which every frame equals the last one: padding zeroed, or made one constant by a bias, carries nothing of
+the padded content; frames that differ there do). Kept per outermost module call (the Top it makes: `convs`), so the
+rule reads them beside that call's attention masks.
 """
 
 from __future__ import annotations
