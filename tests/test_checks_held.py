@@ -805,3 +805,18 @@ def test_a_padding_mask_in_a_dict_of_the_batch_is_read_as_held():
     assert (read["rows"] == pad.numpy()).all()
     assert [r["name"] for r in named(given)] == ["action_pad_mask"]
     assert other(given) is None
+
+
+def test_speechbrain_encode_padding_mask_only_in_training(tmp_path):
+    """speechbrain#915 (commit f541989): TransformerASR.encode() built src_key_padding_mask from the relative
+    `wav_len` only `if self.training`, so an eval-mode encode (beam search) attends the padded frames."""
+    check_bug(tmp_path, "speechbrain_transformer_asr_encode_padding_mask_only_in_training", "padding-unused")
+
+
+def test_lengths_mask_built_only_in_training(tmp_path):
+    """Written another way: absolute `src_lengths`, fairseq's padding helper, SDPA keep mask; the first cell and the
+    count are a double loop's over the real queries and the padded keys of each row."""
+    lengths = (5, 11, 8)
+    [hit] = check_bug(tmp_path, "lengths_mask_built_only_in_training", "padding-unused", folder=HELD)
+    assert tuple(hit["cell"]) == first((3, 11, 11), lambda b, q, k: q < lengths[b] <= k)
+    assert f"({sum(n * (11 - n) for n in lengths)} such cells)" in hit["message"].replace("\n", " ")

@@ -40,6 +40,7 @@ class Top:
     first: int = 0
     end: int = 0
     stated: tuple = ()  # maskcli.checks.intent.Stated: the configs the program states its attention in (trace/stated.py)
+    convs: tuple = ()  # what the call's time-mixing convolutions read of its padded frames (trace/convpad.py)
 
 
 @dataclass

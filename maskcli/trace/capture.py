@@ -24,6 +24,7 @@ import maskcli.trace.queried as queried
 import maskcli.trace.calledflag as calledflag
 import maskcli.trace.askedcausal as askedcausal
 import maskcli.trace.padfill as padfill
+import maskcli.trace.convpad as convpad
 from maskcli.trace.masks import Call, Operands
 from maskcli.trace.follow import Follow, Local as _Local, Traced as _Traced, said as _said
 from maskcli.trace.outer import Outer
@@ -70,6 +71,7 @@ class Trace(Outer, Follow):
         self._local = _Local()  # busy, within, interfaces, the mode: each thread the program runs has its own
         self._lock = threading.RLock()
         self.readers = readers.watched(self)  # (the loss: what it states, no call recorded: trace/losses.py)
+        self._convs: dict = {}  # id(an outermost module call held) -> what its convolutions read (convpad.py)
         if "sdpa" in self.apis:
             self.readers[entry.sdpa()] = readers.sdpa
         if "mha" in self.apis:
@@ -205,6 +207,7 @@ class Trace(Outer, Follow):
             if found is not None:
                 found(sys.modules[name])
         self._entries = entry.patch(self)
+        self._undo.append(convpad.patch(self))  # (what a convolution reads of padded frames: trace/convpad.py)
         self._local.traced = True
         self.active = True
         self.threads = Threads(lambda: _Traced(self) if self.active else None).__enter__()

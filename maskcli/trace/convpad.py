@@ -1,0 +1,78 @@
+"""What a time-mixing convolution reads of a padded batch (read for checks/convpad.py).
+
+A Conformer's convolution module (a depthwise Conv1d of kernel K over the frames, in wenet, torchaudio, ESPnet,
+NeMo) runs over the same padded (B, C, T) frames its layer's self-attention masks by their padding: output frame t
+reads input frames t - left .. t - left + (K - 1) x dilation, so the last real frames of a shorter row read padded
+ones unless the program zeroed them first (wenet#223, pytorch/audio#4205). At each `F.conv1d` (wrapped while
+tracing, no stack walked: nn.Conv1d calls it) of stride 1 that reaches later frames, recorded cheaply as it runs:
+T, how far it reaches past a frame (`reach`), and per batch row where the row's constant tail begins (the first
+frame from which every frame equals the last one: padding zeroed, or made one constant by a bias, carries nothing of
+the padded content; frames that differ there do). Kept per outermost module call (the Top it makes: `convs`), so the
+rule reads them beside that call's attention masks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from maskcli.trace.mode import has_values
+
+compiling = torch.compiler.is_dynamo_compiling
+
+MOST = 64  # convolutions kept per outermost module call (a model's layers: the first ones tell)
+
+
+def _int(value, default: int) -> int | str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (tuple, list)):
+        value = value[0] if len(value) == 1 else None
+    return value if type(value) is int else (default if value is None else None)
+
+
+def patch(trace):
+    """F.conv1d (what nn.Conv1d calls) wrapped while `trace` runs, to record what it reads (module docstring) and
+    nothing else: no attention call, no stack walked. What puts it back."""
+    original = F.conv1d
+
+    def conv1d(*args, **kwargs):
+        local = trace._local
+        if trace.active and local.traced and not local.busy and not compiling():
+            trace.busy = True  # (its reads are maskcli's: no wrapper, nor the mode, takes them for the program's)
+            try:
+                with torch._C.DisableTorchFunction():
+                    _read(trace, local.outer, args, kwargs)
+            except (Exception, SystemExit):  # noqa: BLE001 - nothing of the trace reaches the program
+                pass
+            finally:
+                trace.busy = False
+        return original(*args, **kwargs)
+
+    F.conv1d = conv1d
+    return lambda: setattr(F, "conv1d", original)
+
+
+def _read(trace, held, args: tuple, kwargs: dict) -> None:
+    named = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    given = {**dict(zip(named, args)), **kwargs}
+    x, weight = given.get("input"), given.get("weight")
+    if held is None or held[0] is None or not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) \
+            or x.dim() != 3 or not x.is_floating_point() or not has_values(x) or x.shape[-1] < 2:
+        return
+    found = trace._convs.setdefault(id(held), [])
+    kernel, stride = int(weight.shape[-1]), _int(given.get("stride"), 1)
+    padding, dilation = _int(given.get("padding"), 0), _int(given.get("dilation"), 1)
+    if len(found) >= MOST or kernel < 2 or stride != 1 or dilation is None or padding is None:
+        return
+    span = (kernel - 1) * dilation
+    left = {"same": span // 2, "valid": 0}.get(padding) if isinstance(padding, str) else padding
+    if left is None or span - left <= 0:
+        return  # (a causal convolution reads no later frame)
+    with torch.no_grad():
+        x = x.detach()
+        differs = (x[:, :, :-1] != x[:, :, -1:]).any(1)  # (B, T - 1): frame t unlike the last frame
+        at = torch.arange(1, x.shape[-1], device=x.device)
+        tails = torch.where(differs, at, torch.zeros_like(at)).amax(1)
+    found.append({"frames": int(x.shape[-1]), "reach": span - left, "kernel": kernel, "padding": left,
+                  "dilation": dilation, "tails": tuple(int(t) for t in tails.tolist())})

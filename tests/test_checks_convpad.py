@@ -1,0 +1,83 @@
+"""checks/convpad.py (and trace/convpad.py, which records what a convolution reads): padded frames with content that
+a time-mixing convolution mixes into real ones, where the same model call's self-attention masks them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from checkbugs import check_bug, traced
+from maskcli.trace.capture import Trace
+
+CONVPAD = Path(__file__).parent / "data" / "convpad"
+
+
+def test_wenet_conformer_conv_module_ignores_batch_padding_mask(tmp_path):
+    """wenet-e2e/wenet#223 (commit 1a603a7): ConformerEncoderLayer called its ConvolutionModule without `mask_pad`;
+    the first row with padding (lengths 16, 9, 5) names its last real frame and its first padded one."""
+    [hit] = check_bug(tmp_path, "wenet_conformer_conv_module_ignores_batch_padding_mask", "padding-convolved")
+    assert tuple(hit["cell"]) == (1, 8, 9)
+
+
+def test_torchaudio_conformer_conv_module_ignores_key_padding_mask(tmp_path):
+    """pytorch/audio#4205 (fix proposed in pytorch/audio#4206): `_ConvolutionModule` never got the key_padding_mask its
+    ConformerLayer's MultiheadAttention masks (lengths 24, 15, 9)."""
+    [hit] = check_bug(tmp_path, "torchaudio_conformer_conv_module_ignores_key_padding_mask", "padding-convolved")
+    assert tuple(hit["cell"]) == (1, 14, 15)
+
+
+def test_nemo_conv_module_not_given_pad_mask(tmp_path):
+    """Written another way: SDPA's bool keep mask, padding="same" with dilation 2, pad_mask not handed on; the padded
+    frames a real frame reads are a loop's over the kernel's taps."""
+    [hit] = check_bug(tmp_path, "nemo_conv_module_not_given_pad_mask", "padding-convolved", folder=CONVPAD)
+    n, kernel, dilation, left = 7, 5, 2, 4  # row 0 of lengths 7, 12, 10, 12
+    taps = [n - 1 - left + j * dilation for j in range(kernel)]
+    assert tuple(hit["cell"]) == (0, n - 1, n) and max(taps) == 10
+    assert "padded frames\n   7..10" in hit["message"] or "padded frames 7..10" in " ".join(hit["message"].split())
+
+
+def _recorded(run) -> tuple:
+    """What trace/convpad.py recorded of the convolutions `run` made inside one outermost module call."""
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            q = x.transpose(1, 2)[:, None]
+            F.scaled_dot_product_attention(q, q, q)
+            return run(x)
+
+    with Trace() as t:
+        Model()(torch.zeros(2, 3, 6))
+    return t.tops[0].convs
+
+
+def test_constant_tails_against_a_loop():
+    """Each row's constant tail (the first frame from which every frame equals the last) against a plain loop; a causal
+    convolution (no later frame read) and a strided one are not recorded."""
+    x = torch.randn(2, 3, 6)
+    x[0, :, 3:] = 1.5  # row 0: frames 3..5 one constant frame
+    x[1, :, 5] = x[1, :, 2]  # row 1: frame 2 equals the last one, frames 3 and 4 do not
+    weight = torch.randn(3, 1, 3)
+    [conv] = _recorded(lambda _: F.conv1d(x, weight, padding=1, groups=3))
+
+    def tail(row):
+        t = x.shape[-1] - 1
+        while t > 0 and torch.equal(x[row, :, t - 1], x[row, :, -1]):
+            t -= 1
+        return t
+
+    assert conv["tails"] == (tail(0), tail(1)) == (3, 5)
+    assert (conv["reach"], conv["kernel"], conv["padding"]) == (1, 3, 1)
+    assert _recorded(lambda _: F.conv1d(x, weight, padding=2, groups=3)[..., :-2]) == ()  # causal: trimmed after
+    [padded] = _recorded(lambda _: F.conv1d(F.pad(x, (2, 0)), weight, groups=3))  # causal: padded before, so it runs
+    assert padded["frames"] == 8  # over 8 frames, not the attention's 6 (the rule reads convolutions of its T only)
+    assert _recorded(lambda _: F.conv1d(x, weight, stride=2, padding=1, groups=3)) == ()  # subsampling
+
+
+def test_zeroed_padding_is_quiet(tmp_path):
+    """The fixes zero the padded frames before the depthwise conv (torchaudio's) or before a pointwise conv whose bias
+    makes them one constant frame again (wenet's): neither says padding-convolved."""
+    for name, folder in (("wenet_conformer_conv_module_ignores_batch_padding_mask", None),
+                         ("nemo_conv_module_not_given_pad_mask", CONVPAD)):
+        status, found, report = traced(tmp_path, name, True, *((folder,) if folder else ()))
+        assert status == 0 and not [f for f in found if f["code"] == "padding-convolved"], report
