@@ -58,6 +58,9 @@ BUGS = [
     # datawhalechina/torch-rechub#244 (blind-cn): HSTULayer masks only the causal triangle before silu(scores), never
     # the left-padded PAD keys (padding_idx=0): silu attention is read as attention (trace/pointwise.py)
     ("torch_rechub_hstu_layer_left_padded_keys_attended", "padding-ignored"),
+    # lucidrains/vit-pytorch commit 4c89017 (follow-up to PR #356, blind-ct): ViViT's factorized_self_attention variant
+    # takes the frame mask in ViT.forward but never passes it on, so its temporal attention sees the padded frames
+    ("vit_pytorch_vivit_factorized_self_attention_drops_frame_mask", "padding-ignored"),
 ]
 
 

@@ -25,6 +25,9 @@ BUGS = [
     # but adds the bool itself in place (`attn += attn_mask`), so padded peaks are attended
     ("diffms_mist_spectra_encoder_bool_padding_mask_added_not_neg_inf", "bool-added"),
     ("mist_peak_attention_bool_key_padding_added_to_scores", "bool-added"),  # the same bug, reproduced before
+    # huggingface/pytorch-image-models PR #2686 (commit 61a26c7, blind-ct): the non-fused Attention adds the caller's
+    # bool keep-mask over [cls, registers, patches] to the scores (+1/0), so padded patches stay attended
+    ("timm_vit_reg_tokens_bool_attn_mask_added_as_bias_unfused", "bool-added"),
 ]
 
 
