@@ -58,6 +58,9 @@ BUGS = [
     # datawhalechina/torch-rechub#244 (blind-cn): HSTULayer masks only the causal triangle before silu(scores), never
     # the left-padded PAD keys (padding_idx=0): silu attention is read as attention (trace/pointwise.py)
     ("torch_rechub_hstu_layer_left_padded_keys_attended", "padding-ignored"),
+    # lucidrains/vit-pytorch commit 4c89017 (follow-up to PR #356, blind-ct): ViViT's factorized_self_attention variant
+    # takes the frame mask in ViT.forward but never passes it on, so its temporal attention sees the padded frames
+    ("vit_pytorch_vivit_factorized_self_attention_drops_frame_mask", "padding-ignored"),
 ]
 
 
@@ -199,6 +202,18 @@ def test_a_relu_attention_over_right_padded_ids_that_masks_only_its_band(tmp_pat
     lengths = [4, 2, 6]
     assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: q < lengths[b] <= k and abs(q - k) <= 2), hit
     assert hit["source"].startswith("input ids equal to the pad id 99"), hit
+
+
+def test_a_divided_space_time_block_whose_time_attention_is_never_given_the_frame_mask(tmp_path):
+    """vit-pytorch 4c89017's bug (ViViT's factorized temporal attention never given the frame mask) written another
+    way: a TimeSformer-style block's nn.MultiheadAttention over the frames of each patch, folded (patch, batch), clips
+    of 4, 2 and 3 frames; the model call's attention_mask says the padded frames. The first cell is a double loop's over
+    the clips (a real frame's query, a padded frame's key); the fix (key_padding_mask, folded alike) is quiet."""
+    [hit] = check_bug(tmp_path, "timesformer_divided_time_attention_frame_mask_not_passed", "padding-ignored",
+                      folder=ARGS)
+    frames = [4, 2, 3]
+    assert tuple(hit["cell"]) == first((3, 4, 4), lambda b, q, k: q < frames[b] <= k), hit
+    assert "attention_mask given to VideoEncoder" in hit["message"], hit
 
 
 def test_a_static_length_batch_embedded_without_its_attention_mask(tmp_path):

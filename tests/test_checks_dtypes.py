@@ -25,6 +25,9 @@ BUGS = [
     # but adds the bool itself in place (`attn += attn_mask`), so padded peaks are attended
     ("diffms_mist_spectra_encoder_bool_padding_mask_added_not_neg_inf", "bool-added"),
     ("mist_peak_attention_bool_key_padding_added_to_scores", "bool-added"),  # the same bug, reproduced before
+    # huggingface/pytorch-image-models PR #2686 (commit 61a26c7, blind-ct): the non-fused Attention adds the caller's
+    # bool keep-mask over [cls, registers, patches] to the scores (+1/0), so padded patches stay attended
+    ("timm_vit_reg_tokens_bool_attn_mask_added_as_bias_unfused", "bool-added"),
 ]
 
 
@@ -176,6 +179,16 @@ def test_a_bool_mask_added_in_place_to_left_padded_scores_is_said_at_its_line(tm
     assert scores.tolist() == [[1.0, 0.0, 1.0, 0.0]] and torch.softmax(scores, -1).min() > 0
     [hit] = check_bug(tmp_path, "trajectory_valid_flags_added_in_place", "bool-added", folder=FILLS)
     assert "(3, 1, 1, 6)" in hit["message"] and "trajectory_valid_flags_added_in_place.py:27" in hit["message"]
+
+
+def test_a_bool_pair_mask_added_in_front_of_padded_patch_scores_is_said_at_its_line(tmp_path):
+    """timm PR #2686's bug (a bool keep-mask added to the non-fused path's scores) written another way: a NaFlex-style
+    tower's (B, 1, N, N) pair mask over images of 6, 4 and 3 patches, added in front (`bias + q @ kᵀ`); its fix (a
+    0 / -inf bias) is quiet. The reference: torch's promotion shifts each kept cell by 1, so no padded patch is masked."""
+    keep = torch.tensor([True, True, False])
+    assert torch.softmax(keep + torch.zeros(3), -1)[2] > 0
+    [hit] = check_bug(tmp_path, "naflex_pair_keep_mask_added_before_scores", "bool-added", folder=FILLS)
+    assert "(3, 1, 6, 6)" in hit["message"] and "naflex_pair_keep_mask_added_before_scores.py:34" in hit["message"]
 
 
 def test_an_in_place_add_of_a_float_mask_or_of_a_bool_outside_the_scores_is_no_bool_added():

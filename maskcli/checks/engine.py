@@ -22,7 +22,7 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "mask-of-another-row": {"padding-per-head"},  # one row's padding on another row's heads, said by the keys (heads.py)
     # the same keys, said from the padding mask the model call was handed (arguments.py; not from its input ids, which
     # say the pads without the mask the program held and never passed: both are said then)
-    "padding-unused": {"padding-ignored (a mask)", "padding-lost", "encoder-padding-ignored"},
+    "padding-unused": {"padding-ignored (a mask)", "padding-lost", "encoder-padding-ignored", "batch-rows-on-queries"},
     "documents-leak": {"varlen-leak", "varlen-disagree"},  # documents given outright (varlen.py)
     "samples-leak": {"documents-leak", "varlen-leak"},  # numbered samples, said by their position_ids or cu_seqlens first
     "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
@@ -34,6 +34,8 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "chunks-misplaced": {"chunks-misaligned"},  # chunks from column 0 of a left-padded row, said with the config (config.py)
     "causal-config-ignored": {"causal-flag-ignored", "decoder-sees-later"},  # the module's own causal word (own.py, decoders.py)
     "held-mask-ignored": {"padding-per-head", "mask-argument-dropped", "mask-dropped"},  # the same cells, said by the call's keys or arguments
+    "mask-argument-dropped": {"bool-added"},  # a bool mask added to the scores masks nothing, which reads as dropped:
+    # said as the add it was (dtypes.py; timm PR #2686's non-fused path)
     "padding-not-per-row": {"padding-unused"},  # the same padding, said where the mask was handed it (held.py)
     "pad-ids-unmasked": {"padding-unmarked"},  # the same pads, said with the pad id the program states (tokens.py)
     "polarity": {"memory-padding-inverted"},  # the memory's padding turned round, said with its encoder's (memturned.py)

@@ -1,0 +1,63 @@
+"""checks/rowsonqueries.py: a (B, Lk) key padding broadcast by the kernel as (Lq, Lk), caught in the published bug's
+reproduction (tests/data/bugs) and in a program written another way (tests/data/rowsonqueries), quiet on the fixes, on a
+causal mask over right-padded rows of lengths 1 .. B and on a padding whose rows are all equal; the flagged cell against
+a double loop over what the broadcast does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import maskcli
+from checkbugs import check_bug, first
+from maskcli.checks.registry import severity
+
+ROWSONQUERIES = Path(__file__).parent / "data" / "rowsonqueries"
+
+
+def _broadcast_cell(real: list[list[int]]):
+    """The first (b, q, k) where a real query q of row b sees key k, row b's padding, through row q's padding."""
+    n, length = len(real), len(real[0])
+    return first((n, n, length), lambda b, q, k: real[b][q] and real[q][k] and not real[b][k])
+
+
+def test_vivit_temporal_frame_mask_handed_to_sdpa_as_two_d_is_found(tmp_path):
+    # lucidrains/vit-pytorch 4c89017 (follow-up to PR #356, blind-ct): the (b, f + 1) temporal mask handed to SDPA
+    # unreshaped, b == f + 1 == 3; clip 1 has 1 of its 2 frames real (with the temporal CLS token: 2 of 3 keys)
+    found = check_bug(tmp_path, "vit_pytorch_vivit_temporal_mask_2d_to_sdpa_broadcasts_over_queries",
+                      "batch-rows-on-queries")
+    assert tuple(found[0]["cell"]) == _broadcast_cell([[1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    assert "broadcast as (queries, keys)" in found[0]["message"]
+
+
+def test_a_left_padded_pad_mask_filled_into_eager_scores_unexpanded_is_found(tmp_path):
+    # written otherwise: eager masked_fill, left-padded sentences of 2, 3, 4 and 1 tokens, True = padding
+    found = check_bug(tmp_path, "left_padded_pad_mask_filled_unexpanded", "batch-rows-on-queries",
+                      folder=ROWSONQUERIES)
+    real = [[0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]]
+    assert tuple(found[0]["cell"]) == _broadcast_cell(real)
+
+
+def _codes(run) -> list:
+    torch.manual_seed(0)
+    with maskcli.trace() as t, torch.no_grad():
+        run()
+    return [(f.code, severity(f)) for group in t.groups() for f in group.findings]
+
+
+def test_a_causal_mask_over_lengths_one_to_b_and_equal_rows_are_quiet():
+    x = torch.randn(3, 2, 3, 8)
+
+    def causal(attention_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]])):
+        # right-padded rows of 1, 2, 3 tokens: the causal triangle, one plane for every row, is the padding's table
+        # too, and is right (no real query sees a later key, so none sees a right pad)
+        torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+        hidden = torch.ones(3, 3, dtype=torch.bool).triu(1)
+        (x @ x.transpose(-1, -2)).masked_fill(hidden, float("-inf")).softmax(-1)
+
+    def equal(attention_mask=torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0]])):
+        # every row padded alike: a (B, Lk) mask broadcast over the queries masks each row by its own padding
+        (x @ x.transpose(-1, -2)).masked_fill(attention_mask == 0, float("-inf")).softmax(-1)
+
+    assert [c for c in _codes(causal) + _codes(equal) if c[0] == "batch-rows-on-queries"] == []
