@@ -77,6 +77,25 @@ def test_a_reward_batch_that_keeps_a_rollouts_padding_is_found(tmp_path):
     assert "the model's pad id (0)" in found[0]["message"]
 
 
+def test_a_rollout_mask_cut_only_at_the_tokenizers_eos_is_found(tmp_path):
+    # verl-project/verl#213 (fixes #212): get_eos_mask stops at tokenizer.eos_token_id (2) only; responses vLLM stopped
+    # at generation_config's other eos (7) keep their right padding (id 0) at mask 1, row 1's (stopped at 2) at 0
+    found = check_bug(tmp_path, "verl_vllm_rollout_response_mask_tokenizer_eos_only", "padding-unmarked")
+    prompt, responses = 4, ([21, 22, 7], [23, 24, 25, 2], [26, 27, 28, 29, 7])
+    kept = tuple(range(prompt + len(r) + 1, 12) if r[-1] == 7 else () for r in responses)  # past the first pad
+    assert tuple(found[0]["cell"]) == first((3, 12, 12), lambda b, q, k: k in kept[b] and k <= q)
+    assert "marks the same run padding in batch row 1" in found[0]["message"]
+
+
+def test_a_chat_rollout_mask_cut_only_at_the_eos_not_at_im_end_is_found(tmp_path):
+    # written another way: the stop ids a chat sampler used (<|im_end|> 7, EOS 2), the mask cut at the EOS alone, row
+    # by row; prompts unpadded, a Llama critic (eager), the pad id the tokenizer's
+    found = check_bug(tmp_path, "chat_rollout_mask_stops_at_tokenizer_eos_only", "padding-unmarked", folder=TOKENS)
+    kept = ((8, 9), (), ())  # row 0: 30, 31, 7, then pads 0 at 7 .. 9 (past the first); row 2 ends on 7 unpadded
+    assert tuple(found[0]["cell"]) == first((3, 10, 10), lambda b, q, k: k in kept[b] and k <= q)
+    assert "marks the same run padding in batch row 1" in found[0]["message"]
+
+
 def test_a_pad_run_is_one_run_at_one_edge_of_every_row():
     left = np.array([[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]], bool)
     assert _run_at_edge(left, None) and _run_at_edge(left, "left") and not _run_at_edge(left, "right")

@@ -1,0 +1,61 @@
+"""checks/padtail.py: a first decode step whose mask hides the prompt's last position (continued-from-padding), caught
+in the published bug's reproduction (tests/data/bugs) and in a program written another way (tests/data/padtail),
+quiet on the fixes; the flagged row against a loop over the prompts, the row reading against a plain loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from checkbugs import check_bug
+from maskcli.checks.padtail import _rows
+
+PADTAIL = Path(__file__).parent / "data" / "padtail"
+
+
+def _first_short(lengths: list[int], width: int) -> int:
+    """The first batch row whose prompt is shorter than the batch's padded width (its pads after its text)."""
+    return next(b for b, n in enumerate(lengths) if n < width)
+
+
+def test_an_rlhf_collator_that_leaves_the_pads_after_each_prompt_is_found(tmp_path):
+    # deepspeedai/DeepSpeedExamples#457 (commit 9a586b1b): DataCollatorRLHF pads the flipped prompts with
+    # pad=(pad_length, 0), so after the flip back every prompt is followed by pads (mask 0) before generate()
+    found = check_bug(tmp_path, "deepspeed_chat_rlhf_collator_prompt_pad_after_prompt", "continued-from-padding")
+    width = 10  # max_prompt_seq_len
+    b = _first_short([7, 4, 6], width)
+    assert tuple(found[0]["cell"]) == (b, width, width - 1)
+    assert "3 such batch rows" in found[0]["message"]
+
+
+def test_right_padded_prompts_handed_to_generate_are_found(tmp_path):
+    # written another way: GPT-2 (SDPA), a hand-written collator padding on the right, the mask given to generate()
+    found = check_bug(tmp_path, "gpt2_generate_right_padded_prompts", "continued-from-padding", folder=PADTAIL)
+    lengths = [5, 3, 4]
+    width = max(lengths)
+    b = _first_short(lengths, width)
+    assert tuple(found[0]["cell"]) == (b, width, width - 1)
+    assert "keys 3-4" in found[0]["message"] and "2 such batch rows" in found[0]["message"]
+
+
+def _loop(cells: np.ndarray, length: int) -> list[tuple[int, int]]:
+    found = []
+    for b in range(cells.shape[0]):
+        row = [bool(x) for x in cells[b, 0]]
+        if row[length] and not row[length - 1] and any(row[:length - 1]):
+            pads = 0
+            while not row[length - 1 - pads]:
+                pads += 1
+            found.append((b, pads))
+    return found
+
+
+def test_the_rows_read_match_a_plain_loop():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        length = int(rng.integers(2, 8))
+        cells = rng.random((3, 2, length + 2)) < 0.6
+        assert _rows(cells, length) == _loop(cells, length)
+    left = np.array([[[0, 0, 1, 1, 1, 1]]], bool)  # left padding: the prompt's last position real
+    assert _rows(left, 4) == []
