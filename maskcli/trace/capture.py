@@ -41,7 +41,7 @@ from maskcli.trace.overflow import WATCHED, Overflows
 from maskcli.trace.discarded import FILLS as DISCARDED, Discarded
 from maskcli.trace.heldchunks import held_chunks
 from maskcli.trace.scores import MATMULS, Scores, banded as banded_scores
-from maskcli.trace.sites import Sites, _read as _guarded, running, walk
+from maskcli.trace.sites import Sites, guarded, running, walk
 from maskcli.trace.singleton import Singles, read as read_singleton
 from maskcli.trace.stated import outside
 from maskcli.trace.store import read_calls, store
@@ -344,12 +344,12 @@ class Trace(Outer, Follow):
             if overflowed is not None:  # a fill that became -inf on its way here, or a bool added (checks/dtypes.py)
                 seen.details["bool_added" if overflowed["op"] == "bool" else "overflow"] = overflowed
             self.sites.note(seen.details, caller, seen.shape)
-            # each reader of the program's frames guarded alone (sites._read: an object whose __class__ raises leaves
+            # each reader of the program's frames guarded alone (sites.guarded: an object whose __class__ raises leaves
             # that reader's detail out, not the call)
-            _guarded(queried.note, seen.details, self.sites.stack, seen.api, seen.shape)  # (the layer's queries, heads)
-            _guarded(calledflag.note, seen.details, self.sites.stack, self.sites.walked, seen.shape)  # (a helper's causal=)
-            _guarded(askedcausal.note, seen.details, self.sites.stack, self.sites.walked)  # (mask="subsequent" per call)
-            _guarded(padfill.note, seen.details, self.sites.walked)  # (padding flags that hold the mask's fill)
+            guarded(queried.note, seen.details, self.sites.stack, seen.api, seen.shape)  # (the layer's queries, heads)
+            guarded(calledflag.note, seen.details, self.sites.stack, self.sites.walked, seen.shape)  # (a helper's causal=)
+            guarded(askedcausal.note, seen.details, self.sites.stack, self.sites.walked)  # (mask="subsequent" per call)
+            guarded(padfill.note, seen.details, self.sites.walked)  # (padding flags that hold the mask's fill)
             chunks = held_chunks(self.sites.walked.held) if self.sites.walked is not None else None
             if chunks is not None:  # (a streaming encoder's chunk config its frames hold: checks/chunkleft.py)
                 seen.details["held_chunks"] = chunks

@@ -116,7 +116,7 @@ class Sites:
         (checks/own.py), the line that called the function attending (checks/steps.py's causal-lost), whether its
         keys are another sequence's (trace/crossing.py; `shape`: the call's (B, H, Lq, Lk))."""
         walked = self.walked
-        flag = _read(causal_flag, self.stack) or (None if walked is None else _read(stated_flag, self.stack, walked.held))
+        flag = guarded(causal_flag, self.stack) or (None if walked is None else guarded(stated_flag, self.stack, walked.held))
         if flag is not None:
             details["module_causal" if not flag.endswith("=False") else "module_not_causal"] = flag.removesuffix("=False")
             if flag.endswith("=False") and self.walked is not None:  # (a model whose forward is handed causal per call
@@ -129,7 +129,7 @@ class Sites:
             details["caller"] = caller
         if "cross" not in details:  # (a reader may have said it already: one query's scores, trace/masks.py)
             line = None if walked is None else walked.line_within if self.stack else walked.line
-            reading = _read(self.readings.of, self.stack, shape, line)  # keys another sequence's? (checks/context.crossing)
+            reading = guarded(self.readings.of, self.stack, shape, line)  # keys another sequence's? (checks/context.crossing)
             if reading is not None:
                 details["cross"] = reading
         held = None if walked is None else walked.held
@@ -144,7 +144,7 @@ class Sites:
                 ("request_lengths", lengths if held is not None else None, held),  # an engine's per-request lengths (reqlens.py)
                 # a window the attending module holds (and a plain int one beside its query's position)
                 ("window_handed", window_held, self.stack, _own_dirs(), details, None if walked is None else walked.windows)):
-            value = None if reader is None else _read(reader, *arguments)
+            value = None if reader is None else guarded(reader, *arguments)
             if value is not None:
                 details[key] = value
 
@@ -301,7 +301,7 @@ def _path(outer, module) -> str | None:
     return None
 
 
-def _read(reader, *args):
+def guarded(reader, *args):
     """reader(*args), or None where the program's frames hold what it cannot read (an object whose every attribute
     raises): one reader's detail left out, the call read all the same."""
     try:
