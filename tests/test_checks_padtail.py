@@ -47,7 +47,9 @@ def _loop(cells: np.ndarray, length: int) -> list[tuple[int, int]]:
             pads = 0
             while not row[length - 1 - pads]:
                 pads += 1
-            found.append((b, pads))
+            hidden = range(length - pads, length)  # (padding: hidden from every query of the step, not query 0's alone)
+            if not any(cells[b, q, k] for q in range(cells.shape[1]) for k in hidden):
+                found.append((b, pads))
     return found
 
 
@@ -59,3 +61,14 @@ def test_the_rows_read_match_a_plain_loop():
         assert _rows(cells, length) == _loop(cells, length)
     left = np.array([[[0, 0, 1, 1, 1, 1]]], bool)  # left padding: the prompt's last position real
     assert _rows(left, 4) == []
+
+
+def test_keys_a_later_query_of_the_step_sees_are_no_padding():
+    """speculators' EAGLE-3 training-time steps: query i of the step sees prompt keys 0 .. i and its own; query 0 hides
+    keys 1-7, which query 7 sees: the prompt's, not padding (a false alarm on its fixed program before)."""
+    length, q_len = 8, 8
+    cells = np.zeros((1, q_len, length + q_len), bool)
+    for i in range(q_len):
+        cells[0, i, :i + 1] = True
+        cells[0, i, length + i] = True
+    assert _rows(cells, length) == _loop(cells, length) == []

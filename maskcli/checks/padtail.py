@@ -49,8 +49,11 @@ def _rows(cells: np.ndarray, length: int) -> list[tuple[int, int]]:
     for b, row in enumerate(cells[:, 0, :]):
         if not row[length] or row[length - 1] or not row[:length - 1].any():
             continue
-        seen = np.flatnonzero(row[:length])
-        found.append((b, length - 1 - int(seen[-1])))
+        last = int(np.flatnonzero(row[:length])[-1])
+        if cells[b, :, last + 1:length].any():
+            continue  # (padding is hidden from every query of the step: a later query that sees these keys says they
+            # are the prompt's, each query reaching its own part of it, as a draft tree's training-time steps do)
+        found.append((b, length - 1 - last))
     return found
 
 
