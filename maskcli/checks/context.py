@@ -54,12 +54,12 @@ class Run:
         """The innermost outermost-module call that made `call` (the last one that began before it), from an index
         built once per run (every rule asks it of every call)."""
         index = self.__dict__.get("_tops")
-        if index is None or index[0] != (id(self.tops), len(self.tops)):
+        if index is None or index[0] is not self.tops or index[1] != len(self.tops):
             found: dict = {}
             for top in self.tops:  # (a later one that began before a call is its innermost: it overwrites)
                 found.update(dict.fromkeys(range(top.first, top.end), top))
-            index = self.__dict__["_tops"] = ((id(self.tops), len(self.tops)), found)
-        return index[1].get(call.index)
+            index = self.__dict__["_tops"] = (self.tops, len(self.tops), found)  # (self.tops held: its id stays its own)
+        return index[2].get(call.index)
 
     def made_by(self, top: Top) -> list:
         """The calls of `top` ([top.first, top.end) of the call indices, its inner model calls' too), in order. A slice
@@ -84,8 +84,7 @@ class Run:
         key = (id(top), q_len, k_len, None if given is None else (int(given[0]), int(given[1])))
         own = memo.get(key)
         if own is None:
-            own = memo[key] = queries(call, top)
-            own.setflags(write=False)  # (shared by every rule that asks)
+            own = memo[key] = queries(call, top)  # (read-only: shared by every rule that asks)
         found = memo[id(call)] = (call, (top, own, columns_are_positions(call, top, own)))
         return found[1]
 
@@ -322,7 +321,23 @@ def queries(call, top: Top | None) -> np.ndarray:
     past them unwritten), its position_ids where every batch row counts up by 1 (the furthest row's: a left-padded row
     counts from its first real token; transformers' generate passes position_ids alone), the last slots written of a
     buffer whose last keys are zero in K and V (a static cache of the program's own, trace/zerokv.py), else the end of
-    the keys (a cache that keeps every key, the key columns being positions)."""
+    the keys (a cache that keeps every key, the key columns being positions). Read-only: read once per call and top
+    while the call's details stay as they are (every rule asks it of every call)."""
+    held = _QUERIES.get(id(call))
+    if held is not None and held[0] is call and held[1] is top and held[2] == len(call.details):
+        return held[3]
+    if len(_QUERIES) > 1 << 16:
+        _QUERIES.clear()
+    found = _queries(call, top)
+    found.setflags(write=False)
+    _QUERIES[id(call)] = (call, top, len(call.details), found)  # (call and top held: their ids cannot be reused while here)
+    return found
+
+
+_QUERIES: dict[int, tuple] = {}
+
+
+def _queries(call, top: Top | None) -> np.ndarray:
     q_len, k_len = call.shape[2:]
     placed = call.details.get("queries")
     if placed is not None:

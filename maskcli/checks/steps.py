@@ -31,15 +31,17 @@ def _window(cells: np.ndarray, own: np.ndarray, real: Real) -> int | None:
         return None
     k_len = cells.shape[-1]
     first = cells.argmax(axis=-1)  # (B, H, Lq) (read on judged rows only: each sees a key)
+    start = np.broadcast_to(real.keys.argmax(axis=-1)[:, None, None], first.shape)  # each row's first real key
+    if not (first > start)[judged].any():
+        return None  # a window that never cuts (a causal prefill's: asked first, as the cheapest)
     last = k_len - 1 - cells[..., ::-1].argmax(axis=-1)
     count = np.count_nonzero(cells, axis=-1)
     own3 = np.broadcast_to(own[None, None, :], first.shape)
     if not (last == own3)[judged].all() or not (count == last - first + 1)[judged].all():
         return None  # not one run ending at the query's own key
     width = int(count[judged].max())
-    start = np.broadcast_to(real.keys.argmax(axis=-1)[:, None, None], first.shape)  # each row's first real key
-    if not (first == np.maximum(start, own3 - width + 1))[judged].all() or not (first > start)[judged].any():
-        return None  # not a window, or one that never cuts
+    if not (first == np.maximum(start, own3 - width + 1))[judged].all():
+        return None  # not a window
     return width
 
 
