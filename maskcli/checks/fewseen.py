@@ -33,8 +33,12 @@ def against(cells: np.ndarray) -> np.ndarray:
     others = seen.sum(axis=1) - own  # (B, L): the other own-kept queries that see each key
     count = own.sum(axis=1, keepdims=True) - 1  # (B, 1): own-kept queries other than the token itself
     real = own & (2 * others >= count) & (count >= 2)  # (a key most other real queries see: a token of the text)
-    pad = ~own & ((real[:, :, None] & ~cells).sum(axis=1) >= 2)  # (hidden from itself and from two real queries)
-    return cells & real[:, :, None] & pad[:, None, :]
+    found = np.zeros_like(cells)
+    hidden = np.flatnonzero((~own).any(axis=0))  # (only a key hidden from its own query can be padding: read those)
+    pad = ~own[:, hidden] & ((real[:, :, None] & ~cells[:, :, hidden]).sum(axis=1) >= 2)  # (hidden from itself and
+    # from two real queries)
+    found[:, :, hidden] = cells[:, :, hidden] & real[:, :, None] & pad[:, None, :]
+    return found
 
 
 def seen_by_few(run: Run) -> list:
