@@ -62,3 +62,15 @@ def test_the_cells_against_a_loop_and_quiet_on_padding_masks_and_causal_ones():
     unmasked = np.tril(np.ones((5, 5), bool))[None] & left[:, None, :]
     unmasked[~left] = True
     assert not against(unmasked).any() and (against(unmasked) == _loop(unmasked)).all()
+
+
+def test_random_masks_against_the_loop():
+    """The flagged cells on random masks (diagonals kept or not, columns set whole) are the loop's, cell for cell."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        rows, length = int(rng.integers(1, 4)), int(rng.integers(1, 9))
+        cells = rng.random((rows, length, length)) < rng.random()
+        if rng.random() < 0.5:
+            cells |= np.eye(length, dtype=bool)[None]
+            cells[:, :, int(rng.integers(0, length))] = rng.random() < 0.5
+        assert (against(cells) == _loop(cells)).all()
