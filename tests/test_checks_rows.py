@@ -514,3 +514,56 @@ def test_later_keys_seen_by_blocks_of_equal_rows_are_a_note():
     assert found.code == "sees-later" and severity(found) == "note", found
     [found] = later(*call(cells(1, 8, 8, lambda b, q, k: k >= q)), unnamed)
     assert severity(found) == "suspicious", found
+
+
+ENCODER_PADDING = """
+import sys
+import torch
+import torch.nn as nn
+torch.manual_seed(0)
+enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2)
+enc.train("--train" in sys.argv)
+lengths = torch.tensor([int(n) for n in sys.argv[1].split(",")])
+pad = torch.arange(6)[None, :] >= lengths[:, None]  # True = padding, as src_key_padding_mask reads it
+if "--inverted" in sys.argv:
+    pad = ~pad  # True on the real tokens: the polarity mix-up
+with torch.no_grad():
+    enc(torch.randn(len(lengths), 6, 16), src_key_padding_mask=pad)
+"""
+
+
+def _encoder_rows(*flags: str) -> tuple[bool, bool]:
+    """torch's own answer for the program above with lengths 6,4 inverted (batch row 0 all padding): is batch row 0 of
+    the layer's output NaN (eval without grad: the fused fast path), and is its self-attention's output there 0 (the
+    slow path, in training)?"""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True).train("--train" in flags)
+    pad = ~(torch.arange(6)[None, :] >= torch.tensor([6, 4])[:, None])
+    x = torch.randn(2, 6, 16)
+    with torch.no_grad():
+        out = layer(x, src_key_padding_mask=pad)
+        attended = layer.self_attn(x, x, x, key_padding_mask=pad, need_weights=False)[0]
+    return bool(out[0].isnan().all()), bool((attended[0] == 0).all())
+
+
+def test_rows_with_no_key_are_nan_on_mhas_fast_path_and_0_on_its_slow_path_and_in_a_nested_tensor(tmp_path):
+    """An encoder's src_key_padding_mask built True on the real tokens (lengths 6, 4: batch row 0 all True, masked
+    whole): in eval mode without grad nn.TransformerEncoderLayer runs its fused fast path, which gives those rows NaN
+    (wrong, exit 1); in training MHA's slow path gives them 0 (a note). A correct mask over a batch with an empty
+    sequence, left-aligned, goes into a nested tensor that leaves the empty row out (0 there: a note)."""
+    from checkbugs import traced
+
+    (tmp_path / "encoder.py").write_text(ENCODER_PADDING)
+    cases = (("6,4", ("--inverted",), "NaN output there (MHA's fast path", 1),
+             ("6,4", ("--inverted", "--train"), "0 output there (SDPA gives rows with no key 0)", 0),
+             ("0,4", (), "0 output there (the encoder's nested tensor", 0))
+    for lengths, flags, said, status_wanted in cases:
+        status, found, report = traced(tmp_path, "encoder", False, folder=tmp_path, args=(lengths, *flags))
+        empty = [f for f in found if f["code"] == "fully-masked"]
+        assert status == status_wanted and len(empty) == 1 and said in empty[0]["message"], report
+        assert empty[0]["severity"] == ("wrong" if status_wanted else "note"), report
+    assert _encoder_rows()[0] and not _encoder_rows("--train")[0]  # torch's fast path: NaN; its slow path: none
+    assert _encoder_rows("--train")[1]  # (MHA's slow path: 0 on those rows)

@@ -42,6 +42,10 @@ def what_api_does(call) -> str:
         return "uniform weights over the keys its float mask fills with a finite value there, not -inf"
     if api == "mha" and details.get("need_weights"):
         return "NaN there (MHA with need_weights=True runs its own softmax)"
+    if api == "mha" and details.get("nested"):
+        return "0 output there (the encoder's nested tensor leaves its padded tokens out: they come back 0)"
+    if api == "mha" and details.get("path") == "fast":
+        return "NaN output there (MHA's fast path, taken in eval mode without grad, gives rows with no key NaN)"
     if api == "flex":
         return "0 output there (FlexAttention gives rows with no key 0)"
     if api == "flash":

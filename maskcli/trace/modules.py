@@ -67,12 +67,15 @@ def read_fast_encoder_layer(args: tuple, kwargs: dict):
     module, *rest = args
     a = _arguments(module, rest, kwargs)
     src, padding, mask, is_causal = a["src"], a["src_key_padding_mask"], a["src_mask"], a["is_causal"]
-    if src.is_nested and _ENCODERS:  # the encoder packed its padded input into a nested tensor: read its padding
+    nested = src.is_nested and _ENCODERS
+    if nested:  # the encoder packed its padded input into a nested tensor: read its padding
         outer = _ENCODERS[-1]
         src, padding, mask = outer["src"], outer["src_key_padding_mask"], outer["mask"]
     seen = read_functional(*_as_functional(module.self_attn, src, src, src, key_padding_mask=padding,
                                            need_weights=False, attn_mask=mask, is_causal=False))
     seen.child = "self_attn"
+    if nested:
+        seen.details["nested"] = True  # (its padded tokens left out of the nested tensor: they come back 0)
     return _fast(seen, is_causal, mask)
 
 
