@@ -116,3 +116,32 @@ def test_child_processes_are_counted_and_named_as_not_traced():
     assert child.exitcode == 0 and t.calls == []
     assert t.notes() == ["2 child processes not traced (they run in memory of their own; trace the code they run on its own): "
                          "forked (work), os.fork()"]
+
+
+def test_python_subprocesses_are_named_and_a_launchers_ranks_say_how_to_trace_them():
+    """subprocess.Popen of Python (torchrun's agent starts each rank so, RANK in its environment) is a child process not
+    traced, named by what it runs; another program (git, a compiler) is none of the program's code and is not named."""
+    import subprocess
+    import sys
+
+    with maskcli.trace() as t:
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        for rank in (0, 1):
+            subprocess.run([sys.executable, "-u", "-c", "pass"], env={**os.environ, "RANK": str(rank)}, check=True)
+        subprocess.run(["true"], check=True)
+    assert t.calls == [] and t.notes() == [
+        "3 child processes not traced (they run in memory of their own; trace the code they run on its own): python -c, "
+        "rank 0: python -c, rank 1: python -c",
+        "a launcher's ranks run in processes of their own: run the launcher on maskcli trace, which traces every rank and "
+        "reports them together (torchrun --nproc_per_node 2 -m maskcli trace SCRIPT.py)"]
+    subprocess.run(["true"], check=True)  # (the trace over: Popen as it was)
+    assert subprocess.Popen.__init__.__module__ == "subprocess"
+
+
+def test_how_a_subprocess_is_named():
+    from maskcli.trace.threads import python_child
+
+    assert python_child(["python3", "train.py", "--lr", "1"], None) == "python train.py"
+    assert python_child(["/usr/bin/python3.11", "-X", "dev", "-m", "pkg.mod", "x"], {"RANK": "3"}) == "rank 3: python -m pkg.mod"
+    assert python_child("python eval.py --fast", None) == "python eval.py"
+    assert python_child(["git", "rev-parse", "HEAD"], None) is None and python_child([], None) is None

@@ -52,6 +52,7 @@ class TraceCommand(MaskcliCommand):
         "maskcli trace --expect \"layers.*.self_attn=window(4)\" -m maskcli.trace.demo",
         "maskcli trace --save demo.pt --json demo.json -m maskcli.trace.demo",
         "maskcli show --mask demo.pt:layers.1.self_attn@2",
+        "torchrun --nproc_per_node 2 -m maskcli trace train.py  # every rank traced, one report",
     ),
 )
 def trace(

@@ -78,6 +78,19 @@ class Threads:
 
         multiprocessing.process.BaseProcess.start = start_
         self._undo.append(lambda: setattr(multiprocessing.process.BaseProcess, "start", start))
+        import subprocess
+
+        popen = subprocess.Popen.__init__
+
+        def popen_(process, args, *rest, **kwargs):
+            name = python_child(args, kwargs.get("env"))
+            if name is not None:
+                with watch._lock:
+                    watch.processes.append(name)
+            return popen(process, args, *rest, **kwargs)
+
+        subprocess.Popen.__init__ = popen_
+        self._undo.append(lambda: setattr(subprocess.Popen, "__init__", popen))
         _ACTIVE.append(self)
         return self
 
@@ -100,7 +113,34 @@ class Threads:
         if self.processes:
             found.append(f"{_count(len(self.processes), 'child process', 'child processes')} not traced (they run in "
                          f"memory of their own; trace the code they run on its own): {_names(self.processes)}")
+        if any(name.startswith("rank ") for name in self.processes):
+            found.append("a launcher's ranks run in processes of their own: run the launcher on maskcli trace, which "
+                         "traces every rank and reports them together (torchrun --nproc_per_node 2 -m maskcli trace "
+                         "SCRIPT.py)")
         return found
+
+
+def python_child(args, env) -> str | None:
+    """How the report names a subprocess.Popen that runs Python (`python SCRIPT` or `python -m MODULE`, `rank N: ...`
+    where its environment gives it a RANK, as torchrun's agent starts its workers); None for any other program (a
+    program's `git` or compiler is no code of its own to trace)."""
+    import sys
+
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args or ())
+    if not argv:
+        return None
+    words = [os.fsdecode(word) if isinstance(word, (bytes, os.PathLike)) else str(word) for word in argv]
+    if len(words) == 1:
+        words = words[0].split()  # (one string: a shell line, or a program alone)
+    if not words or not (os.path.basename(words[0]).startswith("python") or words[0] == sys.executable):
+        return None
+    rest = words[1:]
+    while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c"):
+        rest = rest[2:] if rest[0] in ("-X", "-W") else rest[1:]  # (python's own flags: -u, -X dev)
+    program = " ".join(rest[:2]) if rest[:1] == ["-m"] else "-c" if rest[:1] == ["-c"] else rest[0] if rest else ""
+    name = f"python {program}".strip()
+    rank = (env or {}).get("RANK") if isinstance(env, dict) else None
+    return f"rank {rank}: {name}" if rank is not None else name
 
 
 def _torch_helpers() -> set:
