@@ -79,3 +79,14 @@ def test_lengths_held_as_a_huge_list_or_array_cost_no_loop_and_are_not_read():
     assert held._lengths_given("lens", [0.5, 1.0], Code)["kind"] == "relative"
     for odd in ([], ["3", "4"], [True, False], [[1, 2], [3]], (2, object(), 3), np.ones((2, 2), dtype=int)):
         assert held._lengths_given("seq_lens", odd, Code) is None, odd
+
+
+def test_lengths_a_script_keeps_at_its_top_level_are_read(tmp_path):
+    """A script's top-level `lengths = [6, 4, 5]` states the batch (trace/held.py reads a script's globals named as
+    lengths or a padding mask): nn.TransformerEncoder handed `arange < lengths` as src_key_padding_mask (True = padding
+    to MHA) keeps exactly the padding; the first cell is a double loop's over the lengths; the fix is quiet."""
+    name = "encoder_top_level_lengths_key_padding_true_on_tokens"
+    hit = check_bug(tmp_path, name, "lengths-inverted", TURNED)[0]
+    lengths, length = [6, 4, 5], 6
+    assert "`lengths` in <module>()" in hit["message"], hit
+    assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: lengths[b] < length and k >= lengths[b])
