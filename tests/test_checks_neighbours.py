@@ -40,3 +40,37 @@ def test_point_cloud_knn_left_padded(tmp_path):
     assert tuple(hit["cell"])[:2] == expected
     status, found, report = traced(tmp_path, "point_cloud_knn_left_padded", True, NEIGHBOURS)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_equiformer_neighbor_topk_selects_padding_tokens(tmp_path):
+    """equiformer-pytorch 5dfc465: padding atoms (at the origin) ranked by the topk beside a finite `valid_radius`, then
+    hidden by the neighbour mask; the radius hides only the farthest slots, so a hidden slot before a seen one is not
+    its doing."""
+    hits = check_bug(tmp_path, "equiformer_neighbor_topk_selects_padding_tokens", "neighbours-padded")
+    assert tuple(hits[0]["cell"])[:2] == (1, 0)  # molecule 1's first atom, of 5 real
+
+
+def test_schnet_cutoff_knn_right_padded(tmp_path):
+    """Written another way: `n_neighbors = 3` beside a `cutoff`, right-padded `atom_lens`, a sort for the ranking,
+    matmul scores over gathered keys, torch.where. The first node flagged is the first real node (a plain loop over
+    the same distances) whose 3 nearest atoms hold a hidden one (padded, or beyond the cutoff) before a seen one; a
+    node whose neighbours all lie beyond the cutoff is not (the fix keeps it: quiet)."""
+    status, found, report = traced(tmp_path, "schnet_cutoff_knn_right_padded", False, NEIGHBOURS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "neighbours-padded")
+    assert hit["severity"] == "wrong"
+    torch.manual_seed(1)
+    lengths, n, cutoff = [5, 7], 7, 2.5
+    pos = torch.randn(2, n, 3)
+    pos[0, 4] = pos[0, 4] + 6.0
+    pos[0, 5:] = pos[0, 1:3] + 0.05
+    expected = None
+    for b in range(2):
+        for i in range(lengths[b]):
+            others = sorted((j for j in range(n) if j != i), key=lambda j: float((pos[b, i] - pos[b, j]).norm()))[:3]
+            seen = [j < lengths[b] and float((pos[b, i] - pos[b, j]).norm()) <= cutoff for j in others]
+            if expected is None and any(not s and any(seen[r + 1:]) for r, s in enumerate(seen)):
+                expected = (b, i)
+    assert tuple(hit["cell"])[:2] == expected
+    status, found, report = traced(tmp_path, "schnet_cutoff_knn_right_padded", True, NEIGHBOURS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -30,3 +30,23 @@ def test_a_fill_of_zero_whose_weights_are_masked_and_renormalised_after_the_soft
     for fixed in (False, True):
         status, found, _ = traced(tmp_path, "encoder_pad_fill_zero_renormalised", fixed, FILLS)
         assert status == 0 and [f for f in found if f["code"] == "fill-masks-nothing"] == []
+
+
+def test_a_cross_attention_that_applies_tanh_after_its_minus_inf_fill_is_found(tmp_path):
+    # zinengtang/Perceiver_VL#2: 6 latents over 12 context keys, sample 1 of length 7; torch.tanh after
+    # masked_fill(~mask, -inf) turns every padded key's score into -1
+    found = check_bug(tmp_path, "perceiver_vl_cross_attention_tanh_after_mask_fill", "fill-masks-nothing")
+    lengths = (12, 7)
+    assert tuple(found[0]["cell"]) == first((2, 6, 12), lambda b, q, k: k >= lengths[b])
+    assert "torch.tanh" in found[0]["message"]
+
+
+def test_a_decoder_that_soft_caps_its_logits_after_the_additive_mask_is_found(tmp_path):
+    # written another way: an HF-style additive finfo.min mask (causal, left-padded by 2 in row 1), then
+    # cap * tanh(s / cap) with cap 5: masked cells reach the softmax as -5; rows with no real key are left out
+    found = check_bug(tmp_path, "decoder_softcap_after_additive_mask", "fill-masks-nothing", folder=FILLS)
+    pad = (0, 2)
+    assert tuple(found[0]["cell"]) == first((2, 6, 6), lambda b, q, k: q >= pad[b] and (k > q or k < pad[b]))
+    assert "-5 at the softmax" in found[0]["message"]
+    cells = sum(1 for b in range(2) for q in range(pad[b], 6) for k in range(6) if k > q or k < pad[b])
+    assert f"had {2 * cells} cells" in found[0]["message"]  # (2 heads)

@@ -7,6 +7,10 @@ padding held by the program's own frames (checks/held.py's readings over the que
 nodes in a row, each real node should see k real neighbours; one that sees fewer had padding picked and then hidden
 (En-transformer b98429c: padded nodes at the origin ranked as nearest, masked after the topk). A row of fewer real
 nodes than k needs only as many. Quiet on the fix (padding ranked last), and where every reading has no such node.
+
+A module that also holds a finite radius (`valid_radius`, a `cutoff`: equiformer-pytorch's) hides the neighbours
+beyond it, the last slots of the ascending ranking its topk returns: only a node that sees a slot after one it is
+hidden from had a nearer neighbour hidden by something else (equiformer-pytorch 5dfc465: padding ranked first).
 """
 
 from __future__ import annotations
@@ -40,7 +44,11 @@ def short(run: Run) -> list:
             helds = [h for h in call.details.get("held_padding") or () if h["kind"] in ("keep", "pad", "lengths")]
             if cells is None or cells.shape[0] not in (1, rows) or not helds:
                 continue
-            seen = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len)).sum(axis=2)  # slots each node sees
+            slots = np.broadcast_to(cells.any(axis=1), (rows, q_len, k_len))
+            seen = slots.sum(axis=2)  # slots each node sees
+            if said.fields.get("neighbours_radius"):  # a hidden slot before a seen one: no radius hid it
+                later = np.flip(np.cumsum(np.flip(slots, axis=2), axis=2), axis=2) > slots
+                seen = np.where((~slots & later).any(axis=2), seen, k)
             first, quiet = None, False
             for held in helds:
                 tables = readings(held, rows, q_len)
@@ -58,10 +66,21 @@ def short(run: Run) -> list:
             said_held = f"{held['name']} in {held['where']}"
             found.append((call, Finding("neighbours-padded", (
                 f"batch row {b}: node {q} sees {int(seen[b, q])} of its {k} neighbour slots, though {said_held} calls "
-                f"{int(readings(held, rows, q_len)[0][b].sum())} of the row's nodes real and {said.source} picks {k}: "
+                f"{int(readings(held, rows, q_len)[0][b].sum())} of the row's nodes real and {said.source} picks {k}"
+                f"{radius_said(said, call, b, q)}: "
                 f"padding was ranked among its nearest neighbours and hidden after ({int(bad.sum())} such nodes)"),
                 expected=f"each real node sees min({k}, real nodes) neighbours", source=said.source, cell=(b, q, 0))))
     return found
+
+
+def radius_said(said, call, b: int, q: int) -> str:
+    """What a stated radius leaves open: it hides the farthest slots, not the nearer one this node lost."""
+    radius = said.fields.get("neighbours_radius")
+    if not radius:
+        return ""
+    slots = keep(call).any(axis=1)[min(b, keep(call).shape[0] - 1), q]
+    return (f" (its {', '.join(radius)} hides only the farthest, the last of the ascending ranking, yet slot "
+            f"{int(np.argmin(slots))} is hidden and slot {int(len(slots) - 1 - np.argmax(slots[::-1]))} seen)")
 
 
 RULES = (

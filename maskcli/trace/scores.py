@@ -23,6 +23,7 @@ from maskcli.trace.followed import operands_of
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
 from maskcli.trace.weakfill import WHERES, carry
 from maskcli.trace.sliced import tail
+from maskcli.trace.undone import BOUNDED, lifted
 
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
            torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm, torch.einsum, torch.mm, torch.Tensor.mm}
@@ -109,6 +110,8 @@ class Scores:
                         self.added[id(out)] = addend
                     if axes is None and (self.weak or func in WHERES):
                         carry(self.weak, self.has, func, args, kwargs, x, out)
+                    if axes is None and func in BOUNDED:  # (a fill lifted back by tanh, a clamp: undone.py)
+                        lifted(self.weak, func, x, out)
                     return
 
     def ones_added(self, x, call, seen) -> None:

@@ -207,8 +207,8 @@ BESIDES = ("radius", "cutoff", "adj", "sparse")  # words of another reason to hi
 
 
 def _neighbours(root, path) -> list[Stated]:
-    """A module's own int k of NEIGHBOURS, for the calls under it (checks/neighbours.py); none where it also holds
-    another reason to hide a neighbour (a finite `valid_radius`, `only_sparse_neighbors=True`, an adjacency)."""
+    """A module's own int k of NEIGHBOURS, for the calls under it (checks/neighbours.py), a finite `valid_radius` beside
+    it (it hides the farthest only); none where it also holds `only_sparse_neighbors=True` or an adjacency."""
     found = []
     for module in root.modules():
         own, scope = vars(module), path(module)
@@ -218,9 +218,9 @@ def _neighbours(root, path) -> list[Stated]:
             continue
         other = [n for n, value in own.items() if any(word in n for word in BESIDES)
                  and (value is True or type(value) in (int, float) and value not in (0, float("inf")))]
-        if not other:
+        if len(radius := [n for n in other if "radius" in n or "cutoff" in n]) == len(other):
             found.append(Stated(f"self.{name}={k} of {scope or type(module).__name__}", None,
-                                {"neighbours": k, "neighbours_scope": scope}))
+                                {"neighbours": k, "neighbours_scope": scope, "neighbours_radius": radius}))
     return found
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from maskcli.trace.undone import near_real
+
 WHERES = {torch.where, torch.Tensor.where, torch.Tensor.masked_fill, torch.Tensor.masked_fill_}
 MOST = 1 << 22  # score cells read at most
 WEAK = 1.0  # a fill at most this far from 0 masks nothing beside ordinary scores
@@ -99,7 +101,10 @@ def weak_filled(weak: dict, has, x, call, seen) -> None:
     keep = seen.keep if seen.keep is not None else seen.materialize()
     if keep is None:
         return
-    fill, cells = held
+    fill, cells, undone = (*held, None)[:3]
+    if undone is not None and cells.shape == x.shape:  # (a fill lifted back: only the cells it left ordinary, and
+        cells = near_real(x, cells)  # the value they hold at the softmax, after any scaling)
+        fill = float(x.detach()[cells][0]) if bool(cells.any()) else fill
     with torch.no_grad():
         try:
             cells = cells.reshape(keep.shape) if cells.numel() == keep.numel() else cells
@@ -110,4 +115,5 @@ def weak_filled(weak: dict, has, x, call, seen) -> None:
         if not count:
             return
         first = tuple(int(i) for i in seen_cells.nonzero()[0])
-    call.details["weak_fill"] = seen.details["weak_fill"] = {"value": fill, "cells": count, "cell": list(first)}
+    call.details["weak_fill"] = seen.details["weak_fill"] = {"value": fill, "cells": count, "cell": list(first),
+                                                             **({"undone": undone} if undone else {})}
