@@ -46,8 +46,8 @@ def block_padding(run: Run) -> list:
             found.append((call, Finding("padding-unused-in-blocks", (
                 f"{call.where}'s {call.api} over {blocks} blocks of {size} (its module states {heads} heads): "
                 f"{_row(b, rows, held)}: query {n * size + i} sees key {n * size + j}, which the program's own "
-                f"{held['name']} ({held['where']}) calls padding, read with block n's keys as {LAYOUTS[0]} or as "
-                f"{LAYOUTS[1]}, and every way the rows fold: the padding never reached the blocks"),
+                f"{held['name']} ({held['where']}) calls padding, read with block n's keys as "
+                f"{' or as '.join(LAYOUTS[:2 - blocks % 2])}, and every way the rows fold: the padding never reached the blocks"),
                 expected=held["name"], source=held["name"], cell=(b, n * size + i, n * size + j))))
             break
     return found
