@@ -414,3 +414,39 @@ def test_one_row_is_the_handed_row_every_batch_row_is_attended_with():
     assert one_row(given, np.broadcast_to(given[1], given.shape)) == 1
     assert one_row(given, given) is None  # each row its own mask
     assert one_row(np.ones((3, 1, 4, 4), bool), np.ones((3, 1, 4, 4), bool)) is None  # the rows alike: nothing to say
+
+
+def test_colt5_heavy_attention_drops_its_routed_key_padding_mask(tmp_path):
+    """lucidrains/CoLT5-attention 0f34926: Attention.forward pads the routed key/values' mask for the null key, then
+    calls `self.attend(q, k, v)` without it, so the heavy branch attends to the padding tokens routed in (written blind,
+    batch blind-da; caught before, but said as "only batch row 0's mask reached the kernel": row 0's mask keeps every
+    key, and a kernel that masks nothing took no row's mask but none). Its fix hands mask=mask: quiet."""
+    [hit] = check_bug(tmp_path, "colt5_attention_heavy_attention_drops_key_padding_mask", "mask-argument-dropped")
+    assert "mask of forward() (bool, read either way round)" in hit["message"]
+    assert "the mask was dropped on its way to the kernel" in hit["message"]
+    routed = [list(range(0, 12, 2)), [0, 1, 2, 3, 6, 9]]  # the routed key positions; lengths 12 and 4
+    keep = [[True] + [i < n for i in row] for row, n in zip(routed, (12, 4))]  # (the null key first, always kept)
+    assert tuple(hit["cell"]) == first((2, 4, 7), lambda b, q, k: not keep[b][k])
+
+
+def test_a_routed_sink_attention_that_never_hands_its_mask_to_attn_is_found(tmp_path):
+    """Written another way (tests/data/dropped): Hugging Face style, a left-padded batch of three, a bool (B, 1, 1, L)
+    mask padded in front for a learned sink key, an eager softmax `_attn` called without it. The fix passes it: quiet."""
+    [hit] = check_bug(tmp_path, "routed_sink_attention_extended_mask_not_passed", "mask-argument-dropped",
+                      folder=DROPPED)
+    assert "the mask was dropped on its way to the kernel" in hit["message"]
+    pads = (0, 4, 2)  # left padding of 7, 3 and 5 tokens in 7
+    keep = lambda b, q, k: k == 0 or k - 1 >= pads[b]  # noqa: E731  (key 0: the sink)
+    assert tuple(hit["cell"]) == first((3, 7, 8), lambda b, q, k: q >= pads[b] and not keep(b, q, k))
+
+
+def test_one_row_is_none_where_the_kernel_masks_nothing():
+    import numpy as np
+
+    from maskcli.trace.given import one_row
+
+    given = np.ones((2, 1, 3, 4), bool)
+    given[1, :, :, 2:] = False  # row 0 keeps every key, row 1 masks its last two
+    assert one_row(given, np.ones_like(given)) is None  # no row's mask reached the kernel: none did
+    seen = np.broadcast_to(given[1], given.shape)
+    assert one_row(given, seen) == 1

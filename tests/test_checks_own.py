@@ -219,3 +219,46 @@ def test_a_wenet_style_chunk_mask_built_then_the_padding_mask_handed_on_is_found
     lengths = (12, 9)
     assert _cell(found) == first((2, 12, 12), lambda b, q, k: k > q and q < lengths[b] and k < lengths[b])
     assert "ConformerEncoder.causal" in found[0]["message"] and len(found) == 1
+
+
+def test_reformer_lsh_chunks_whose_own_bucket_comes_first_are_not_read_as_queries_at_the_end(tmp_path):
+    """lucidrains/reformer-pytorch 9222838 (written blind, batch blind-da): LSHAttention's chunks of 8 hash-sorted
+    queries over [own bucket, the bucket looked back to]; its causal mask, by the sorted positions, is a staircase on the
+    first keys. Read with the queries as the last keys, causal-flag-ignored called both the bug and its fix (contextual
+    keys seen by every query) a flag that never reached the mask. A key hidden from one query and seen by a later one
+    places no query after it: left alone, on both runs (the bug itself, contextual keys hidden by a clamped position,
+    is not what this rule says)."""
+    from checkbugs import traced
+
+    blind = Path(__file__).parent / "data" / "blind"
+    for fixed in (False, True):
+        status, found, report = traced(tmp_path, "reformer_lsh_attention_causal_mask_hides_context_keys", fixed, blind)
+        assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_regained_is_a_key_before_the_queries_hidden_then_seen_against_a_double_loop():
+    import numpy as np
+
+    from maskcli.checks.config import Placed
+    from maskcli.checks.own import regained
+
+    def reference(cells, own):
+        rows = range(cells.shape[2])
+        return any(not cells[b, 0, i, k] and cells[b, 0, j, k] for b in range(cells.shape[0]) for k in range(int(own.min()))
+                   for i in rows for j in rows if j > i)
+
+    lq, lk = 4, 8
+    own, keys = np.arange(lk - lq, lk), np.arange(lk)
+    real_q, real_k = np.ones((1, lq), bool), np.ones((1, lk), bool)
+    masks = {
+        "causal, queries last": keys[None, :] <= own[:, None],
+        "a window of 3": (keys[None, :] <= own[:, None]) & (keys[None, :] > own[:, None] - 3),
+        "a causal staircase on the first keys (the queries first)": keys[None, :] <= np.arange(lq)[:, None],
+        "the first keys' staircase and the rest seen": (keys[None, :] <= np.arange(lq)[:, None]) | (keys[None, :] >= lq),
+    }
+    for name, mask in masks.items():
+        cells = np.ascontiguousarray(mask[None, None])
+        assert regained(Placed(cells, own, real_q, real_k)) == reference(cells, own), name
+    assert not regained(Placed(np.ascontiguousarray(masks["a window of 3"][None, None]), own, real_q, real_k))
+    assert regained(Placed(np.ascontiguousarray(masks["the first keys' staircase and the rest seen"][None, None]), own,
+                           real_q, real_k))

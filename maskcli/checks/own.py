@@ -68,7 +68,8 @@ def flag_ignored(run: Run) -> list:
         # (square scores: only a mask that masks nothing is sure; fewer queries than keys, placed as the last keys
         # where the one reading says they are no other sequence's: a later key seen at all contradicts the flag)
         square = call.shape[2] == call.shape[3]
-        if placed is None or (square and not placed.holds("full")) or placed.holds("causal"):
+        if placed is None or (square and not placed.holds("full")) or placed.holds("causal") \
+                or not square and regained(placed):
             continue
         later = placed.seen & placed.judged & (placed.keys[None, :] > placed.own[:, None])[None, None]
         if not later.any():
@@ -83,6 +84,19 @@ def flag_ignored(run: Run) -> list:
             f"{'' if square else ', or not all of it'}"),
             expected="causal", source=said, cell=(b, int(placed.own[q]), k))))
     return found
+
+
+def regained(placed) -> bool:
+    """Placed with its queries as the last keys, a key before every query that a real query does not see and a later
+    real query sees: no mask of queries after their keys does that (a window, documents, chunks, padding lose an earlier
+    key for good), so the queries are not where they were placed (reformer's LSH chunks, keys = [own bucket, the bucket
+    looked back to], sorted by hash: the first keys are the queries' own, under a causal staircase)."""
+    before = placed.keys < placed.own.min()
+    if not before.any():
+        return False
+    seen, judged = np.broadcast_arrays(placed.seen[..., before], placed.judged[..., before])
+    hidden = np.logical_or.accumulate(~seen & judged, axis=2)
+    return bool((seen[:, :, 1:] & judged[:, :, 1:] & hidden[:, :, :-1]).any())
 
 
 def _model_flag(run: Run, call) -> str | None:

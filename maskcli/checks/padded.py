@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from maskcli.checks.blockpad import not_heads
 from maskcli.checks.context import Run, cross, first_cell, keep
 from maskcli.checks.held import edge_runs
 from maskcli.checks.registry import Rule
@@ -92,8 +93,8 @@ def _finding(call, top) -> Finding | None:
     name, real, source = stated
     keys = _keys(real, length)
     cells = keep(call)
-    if keys is None or cells is None or cells.shape[0] not in (1, rows):
-        return None
+    if keys is None or cells is None or cells.shape[0] not in (1, rows) or not_heads(call):
+        return None  # (an axis of blocks where heads were read: its keys are one block's, no patches of the samples)
     size = real.shape[0]
     if rows == size:
         folds = [np.arange(rows)]

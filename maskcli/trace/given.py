@@ -332,8 +332,9 @@ def _either_way(name: str, mask: np.ndarray, kernel: np.ndarray, q_len: int, k_l
 def one_row(given: np.ndarray, seen: np.ndarray) -> int | None:
     """The batch row r of the handed mask (B, H, Lq, Lk, broadcast) whose cells the kernel applies to every batch row,
     where the handed rows differ: one sample's mask taken for the whole batch (octo-pytorch 3380db5's
-    `attention_mask[0, 0]`); None where no one row is it."""
-    if given.shape[0] < 2 or (given == given[:1]).all():
+    `attention_mask[0, 0]`); None where no one row is it, or where the kernel masks nothing: a row the mask leaves
+    whole is then no row the kernel took but none at all (CoLT5-attention 0f34926's `self.attend(q, k, v)`)."""
+    if given.shape[0] < 2 or (given == given[:1]).all() or seen.all():
         return None
     for r in range(given.shape[0]):
         if (r == 0 or not (given[r] == given[:r]).all(axis=(1, 2, 3)).any()) and (seen == given[r][None]).all():
