@@ -255,9 +255,16 @@ def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
     if not stack:
         return None
     owner = next((m for m in reversed(stack[-INNERMOST:]) if _owns_weights(m)), None)
-    bare = owner is None  # (a layer of no weights handed what was projected before it, d2l's DotProductAttention:
-    owner = stack[-1] if bare else owner  # its queries and keys differ in a self-attention too, so only their lengths
-    # can say it attends another sequence)
+    found = None if owner is None else _handed_inputs(owner, False, stack, q_len, k_len, frame)
+    if found is None and owner is not stack[-1] and not _owns_weights(stack[-1]):
+        # (the innermost layer holds no weights, handed what was projected before it, d2l's DotProductAttention: its
+        # queries and keys differ in a self-attention too, so only their lengths can say it attends another sequence)
+        found = _handed_inputs(stack[-1], True, stack, q_len, k_len, frame)
+    return found
+
+
+def _handed_inputs(owner, bare: bool, stack: list, q_len: int, k_len: int, frame) -> dict | None:
+    """_inputs' reading of the forward of `owner` (`bare`: a layer of no weights, read by the lengths alone)."""
     for frame in _frames(stack, frame):
         code = frame.f_code
         if code.co_name != "forward" or frame.f_locals.get("self") is not owner:
