@@ -57,7 +57,10 @@ class Scores:
                 self._note(out, matrix=True)
                 return
             if func in RESHAPES and isinstance(out, torch.Tensor) and out.dim() == 2 and self._found and args \
-                    and isinstance(args[0], torch.Tensor) and self.has(args[0]) and _rows_folded(args[0], out):
+                    and isinstance(args[0], torch.Tensor) and self.has(args[0]) and _rows_folded(args[0], out) \
+                    and not _one_query(args[0], out):  # (one query's (B, Lk) scores: noted below)
+                if len(self.flat) >= KEEP:
+                    self.flat.clear()  # (entries of dead tensors, read only through their weak reference)
                 self.flat[id(out)] = (weakref.ref(out), tuple(args[0].shape))  # (d2l's masked_softmax: the scores' rows
                 return  # folded to (B * Lq, Lk), filled in place, viewed back)
             if isinstance(out, torch.Tensor) and out.dim() == 2 and self._found and args and isinstance(args[0], torch.Tensor) \
