@@ -674,6 +674,29 @@ def test_ids_held_in_a_batch_dict_left_padded_with_a_cls_key_prepended(tmp_path)
     assert 'interaction["item_seq"]' in hit["source"], hit
 
 
+def test_ids_held_in_a_nested_text_field_dict_handed_to_bert_without_a_mask(tmp_path):
+    """allenai/allennlp#3465, fixed by PR allenai/allennlp#3560 (written blind, batch blind-cz): the
+    PretrainedTransformerEmbedder called BertModel with the token ids only, which reach the model call nested in
+    AllenNLP's TextFieldTensors (`{"bert": {"token_ids": ...}}`), right-padded with the embedding's padding_idx 0. The
+    cell named is a double loop's over a real query of the shorter row seeing a pad key (lengths 10, 6); the fix (the
+    indexer's mask handed on as attention_mask) is quiet."""
+    [hit] = check_bug(tmp_path, "allennlp_pretrained_transformer_embedder_drops_attention_mask", "padding-ignored")
+    lengths = [10, 6]
+    assert tuple(hit["cell"]) == first((2, 10, 10), lambda b, q, k: q < lengths[b] <= k), hit
+    assert hit["source"].startswith('input ids text_field_input["bert"]["token_ids"] equal to the pad id 0'), hit
+
+
+def test_ids_held_in_a_nested_text_field_dict_left_padded_mha_unmasked(tmp_path):
+    """The same bug written another way: an AllenNLP-style classifier handed `{"tokens": {"tokens": ids}}` left-padded
+    with padding_idx 1, nn.MultiheadAttention never given a key_padding_mask: caught, the cell a double loop's over a
+    real query seeing a left pad key (lengths 7, 4, 2); the fix (key_padding_mask from the ids) is quiet."""
+    [hit] = check_bug(tmp_path, "allennlp_style_nested_text_field_left_padded_mha_unmasked", "padding-ignored",
+                      folder=BATCHDICT)
+    lengths = [7, 4, 2]
+    assert tuple(hit["cell"]) == first((3, 7, 7), lambda b, q, k: q >= 7 - lengths[b] and k < 7 - lengths[b]), hit
+    assert 'tokens["tokens"]["tokens"]' in hit["source"], hit
+
+
 def test_packed_samples_stated_by_qwen2_vl_rope_ids_that_the_model_no_longer_reads_are_found(tmp_path):
     """hiyouga/EasyR1#494 (written blind, batch blind-cd): the padding-free actor hands Qwen2-VL (3, 1, nnz) mrope
     position_ids of two samples, which restart at 0 at the second; transformers reads packed samples from a 4th text

@@ -91,6 +91,30 @@ def test_media_cross_attention_with_a_sample_that_has_no_image(tmp_path):
     assert flagged[0]["message"].startswith(f"every query of batch row {sample * heads} sees no key"), flagged
 
 
+def test_d2l_masked_softmax_over_a_sequence_of_valid_length_zero(tmp_path):
+    # d2l-ai/d2l-en#2423 (PR closed unmerged; written blind, blind-cz): masked_softmax folds the (B, Lq, Lk) scores to
+    # rows, fills -1e6 past each valid length in place and views them back; sample 2's valid length is 0, so its real
+    # queries spread uniform weights over its padded keys. The fix multiplies those rows' weights by 0 after the softmax.
+    flagged = check_bug(tmp_path, "d2l_masked_softmax_zero_valid_len_uniform_weights", "fully-masked")
+    valid_lens = [6, 3, 0]
+    empty = valid_lens.index(0)  # (the reference: the first sample with no valid key)
+    assert flagged[0]["message"].startswith(f"every query of batch row {empty} sees no key of its context at all"), flagged
+    assert tuple(flagged[0]["cell"]) == (empty, 0, 0), flagged
+
+
+def test_flattened_scores_of_a_question_that_retrieved_no_passage(tmp_path):
+    # written another way (tests/data/emptycross/): (B, H, Lq, Lk) einsum scores flattened to one row per (sample,
+    # head, query), filled with -1e9 past each passage length, viewed back; a weightless ScaledDotProduct(query, key,
+    # ...) inside a reader with weights; question 1 retrieved nothing. Its heads are not folded into the batch: batch
+    # row 1. The fix multiplies the weights by a bool per sample.
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "data" / "emptycross"
+    flagged = check_bug(tmp_path, "reader_passages_flattened_scores_question_without_passages", "fully-masked", folder)
+    lengths = [9, 0, 4]
+    assert flagged[0]["message"].startswith(f"every query of batch row {lengths.index(0)} sees no key"), flagged
+
+
 def test_null_guidance_rows_whose_values_are_zero_read_nothing(tmp_path):
     # written here (tests/data/emptycross/), after quiet-v's MusicGen program: classifier-free guidance's null rows see
     # no key under a finite fill. Their uniform weights read the text's states where the program kept them (wrong: the

@@ -523,3 +523,31 @@ def test_a_forward_of_a_shard_and_the_whole_sequence_is_self_attention():
     readings = [crossing(call) for call in t.calls]
     assert [r.cross for r in readings[:2]] == [False, False]
     assert (readings[2].cross, readings[2].by) == (True, "inputs")
+
+
+def test_a_layer_of_no_weights_handed_queries_and_keys_is_read_by_their_lengths():
+    """d2l's DotProductAttention(queries, keys, values) holds no weights: what it is handed was projected before it, so
+    its queries and keys are other tensors in a self-attention too. Keys of another length than the queries (no cache)
+    are another sequence's; of the same length they say nothing; inside a layer with weights, that layer is asked
+    first (its own query and key are the queries' tensor: self)."""
+
+    class DotProductAttention(nn.Module):
+        def forward(self, queries, keys, values):
+            return F.scaled_dot_product_attention(queries[:, None], keys[:, None], values[:, None])[:, 0]
+
+    class SelfAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 24)
+            self.inner = DotProductAttention()
+
+        def forward(self, query, key):
+            q, k, v = self.proj(key).chunk(3, dim=-1)
+            return self.inner(self.proj(query).chunk(3, dim=-1)[0], k, v)
+
+    bare, outer = DotProductAttention(), SelfAttention().eval()
+    x, y = torch.randn(2, 4, 8), torch.randn(2, 6, 8)
+    with torch.no_grad():
+        assert _crossings(lambda: bare(x, y, y)) == {"DotProductAttention": {(True, "inputs")}}
+        assert _crossings(lambda: bare(x, torch.randn(2, 4, 8), torch.randn(2, 4, 8))) == {"DotProductAttention": {(False, "none")}}
+        assert _crossings(lambda: outer(x, x)) == {"inner": {(False, "inputs")}}

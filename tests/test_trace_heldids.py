@@ -33,3 +33,13 @@ def test_nothing_where_ids_are_named_the_embeddings_disagree_or_the_fields_pad_d
     assert held_ids({"x": {"seq": hist, "other": torch.tensor([[3, 4, 0], [3, 0, 0]])}}, Model(), {}) == {}
     assert held_ids({"x": {"seq_mask": hist}}, Model(), {}) == {}  # (a mask, by its name)
     assert held_ids({"x": {"seq": torch.tensor([[1, 1, 1], [1, 0, 0]])}}, Model(), {}) == {}  # (0/1: a mask)
+
+
+def test_the_ids_of_a_dict_of_dicts_one_per_indexer():
+    """AllenNLP's TextFieldTensors: the ids one dict level inside the batch dict, its mask field left out by name."""
+    ids = torch.tensor([[3, 4, 5], [3, 0, 0]])
+    given = {"text": {"bert": {"token_ids": ids, "mask": (ids != 0).long()}}}
+    where, held, pad_id = held_ids(given, Model(), {})["held_ids"]
+    assert where == 'text["bert"]["token_ids"]' and pad_id == 0 and np.array_equal(held, ids.numpy())
+    assert held_ids({"text": {"bert": {"token_ids": ids, "offsets": torch.tensor([[3, 4, 0], [3, 0, 0]])}}},
+                    Model(), {}) == {}  # (two fields padded differently: no reading)

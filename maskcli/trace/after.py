@@ -227,7 +227,11 @@ class After:
                 return
             if not bool(zero.any()) or zero.numel() != seen.keep.numel():
                 return
-            keep = seen.keep & ~zero.reshape(seen.keep.shape)
+            zero = zero.reshape(seen.keep.shape)
+            empty = ~seen.keep.any(dim=-1)  # (.., Lq): the rows the softmax gave no key (uniform weights, or NaN)
+            if bool(empty.any()) and bool(zero[empty].all()):  # (d2l's `X * (valid_lens > 0)`: those rows' weights 0)
+                call.details["zeroed_after"] = seen.details["zeroed_after"] = True
+            keep = seen.keep & ~zero
             if not bool(keep.any(dim=-1).all()):
                 _emptied(call, seen, keep)  # (a real query left no key: checks/softmaxed.py's emptied-after-softmax)
                 return  # (a row left with no key: renormalising it is 0 / 0, not a mask the program meant)

@@ -255,8 +255,16 @@ def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
     if not stack:
         return None
     owner = next((m for m in reversed(stack[-INNERMOST:]) if _owns_weights(m)), None)
-    if owner is None:
-        return None
+    found = None if owner is None else _handed_inputs(owner, False, stack, q_len, k_len, frame)
+    if found is None and owner is not stack[-1] and not _owns_weights(stack[-1]):
+        # (the innermost layer holds no weights, handed what was projected before it, d2l's DotProductAttention: its
+        # queries and keys differ in a self-attention too, so only their lengths can say it attends another sequence)
+        found = _handed_inputs(stack[-1], True, stack, q_len, k_len, frame)
+    return found
+
+
+def _handed_inputs(owner, bare: bool, stack: list, q_len: int, k_len: int, frame) -> dict | None:
+    """_inputs' reading of the forward of `owner` (`bare`: a layer of no weights, read by the lengths alone)."""
     for frame in _frames(stack, frame):
         code = frame.f_code
         if code.co_name != "forward" or frame.f_locals.get("self") is not owner:
@@ -265,6 +273,8 @@ def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
         query_name = next((n for n in params if n in QUERY), None)
         key_name = next((n for n in params if n in KEY), None)
         plain = query_name is None or key_name is None
+        if bare and plain:
+            return None
         if plain:  # (torchtune's `forward(self, x, y, *, mask)`: x and y, read only as two sequences of one batch and
             if tuple(code.co_varnames[1:3]) != ("x", "y"):  # width over other lengths than each other: _plain)
                 return None
@@ -279,7 +289,7 @@ def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:
         where = f"{type(owner).__name__}.forward() of {os.path.basename(code.co_filename)}"
         if key is query or _ends_with(key, query):
             return {"cross": False, "by": "inputs", "source": f"{key_name} handed to {where} holds its {query_name}"}
-        if key.shape[-2] != k_len or query.shape[-2] != q_len:
+        if key.shape[-2] != k_len or query.shape[-2] != q_len or bare and q_len == k_len:
             return None  # (keys of neither: the layer joined them, or laid them out otherwise)
         return {"cross": True, "by": "inputs", "source": f"{key_name} handed to {where} is another tensor than its {query_name}"}
     return None

@@ -25,10 +25,7 @@ def held_ids(given: dict, module, found: dict) -> dict:
     if len(batches) != 1:
         return {}
     name, batch = batches[0]
-    fields = [(key, value) for key, value in batch.items() if isinstance(key, str)
-              and not any(word in key.lower() for word in NOT_IDS) and issubclass(type(value), torch.Tensor)
-              and value.dim() == 2 and value.shape[1] > 1 and not value.is_floating_point() and value.dtype != torch.bool
-              and value.numel() <= MOST and value.device.type != "meta"]
+    fields = [(f'{name}["{key}"]', value) for key, value in _fields(batch)]
     if not fields:
         return {}
     pad_id = _padding_idx(module)
@@ -40,8 +37,31 @@ def held_ids(given: dict, module, found: dict) -> dict:
         return {}
     if np.isin(arrays[0][1], (0, 1)).all():  # (a 0/1 field is a mask, whatever its name)
         return {}
-    keys = ", ".join(f'{name}["{key}"]' for key, _ in arrays)
+    keys = ", ".join(key for key, _ in arrays)
     return {"held_ids": (keys, arrays[0][1], pad_id)}
+
+
+def _fields(batch: dict) -> list:
+    """(key, value) of the batch dict's 2-D integer fields whose names say no mask, label, position..., with those of
+    dicts one level inside it (AllenNLP's TextFieldTensors: `{"tokens": {"token_ids": ..., "mask": ...}}`, one dict
+    per indexer) keyed `outer"]["inner`."""
+    found = []
+    for key, value in batch.items():
+        if not isinstance(key, str) or any(word in key.lower() for word in NOT_IDS):
+            continue
+        if type(value) is dict and 0 < len(value) <= 64:
+            found += [(f'{key}"]["{inner}', field) for inner, field in value.items() if isinstance(inner, str)
+                      and type(field) is not dict and not any(word in inner.lower() for word in NOT_IDS) and _ids(field)]
+        elif _ids(value):
+            found.append((key, value))
+    return found
+
+
+def _ids(value) -> bool:
+    """A 2-D integer tensor of two columns at least, small enough to keep."""
+    return issubclass(type(value), torch.Tensor) and value.dim() == 2 and value.shape[1] > 1 \
+        and not value.is_floating_point() and value.dtype != torch.bool and value.numel() <= MOST \
+        and value.device.type != "meta"
 
 
 def _padding_idx(module) -> int | None:

@@ -32,6 +32,7 @@ ADDS = {torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__, to
         torch.Tensor.__iadd__}
 ADDEND_MOST = 1 << 22  # cells of an added mask read for 0s and 1s at most
 KEEP = 256  # live tensors remembered at most (more: all forgotten; the dead ones go as they die)
+RESHAPES = {torch.reshape, torch.Tensor.reshape, torch.Tensor.view, torch.flatten, torch.Tensor.flatten}
 CATS = {torch.cat, torch.concat, torch.concatenate}
 HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")  # a module's own head count
 
@@ -48,6 +49,7 @@ class Scores:
         self.folds: dict[int, tuple] = {}  # id -> (B, H) of scores whose rows are a (B, H, ..) query viewed batch-major
         self.weak: dict[int, tuple] = {}  # id -> (fill, cells) a fill of about zero replaced in these scores (weakfill.py)
         self.sliced: dict[int, tuple] = {}  # id -> (start, length) of scores whose kᵀ is the tail of a longer key tensor
+        self.flat: dict[int, tuple] = {}  # id -> (a weak reference, the scores' shape) of scores' rows folded to 2-D
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -55,6 +57,13 @@ class Scores:
             if func in PLAIN and per_graph(args):  # (one sequence's q @ kᵀ unbatched: a graph's nodes, q.mm(k.T))
                 self._note(out, matrix=True)
                 return
+            if func in RESHAPES and isinstance(out, torch.Tensor) and out.dim() == 2 and self._found and args \
+                    and isinstance(args[0], torch.Tensor) and self.has(args[0]) and _rows_folded(args[0], out) \
+                    and not _one_query(args[0], out):  # (one query's (B, Lk) scores: noted below)
+                if len(self.flat) >= KEEP:
+                    self.flat.clear()  # (entries of dead tensors, read only through their weak reference)
+                self.flat[id(out)] = (weakref.ref(out), tuple(args[0].shape))  # (d2l's masked_softmax: the scores' rows
+                return  # folded to (B * Lq, Lk), filled in place, viewed back)
             if isinstance(out, torch.Tensor) and out.dim() == 2 and self._found and args and isinstance(args[0], torch.Tensor) \
                     and self.has(args[0]) and (_one_query(args[0], out) or args[0].shape == out.shape):
                 self._note(out, matrix=id(args[0]) in self.matrices and args[0].shape == out.shape)  # (one decoder state against a memory, Luong's bmm(context, h[:, :, None]).squeeze(2),
@@ -90,6 +99,11 @@ class Scores:
                         self.sinks.clear()
                     self.sinks[id(out)] = (weakref.ref(out), keys)
             return
+        if self.flat and func in RESHAPES and args and isinstance(args[0], torch.Tensor) and id(args[0]) in self.flat:
+            held = self.flat[id(args[0])]
+            if held[0]() is args[0] and tuple(out.shape) == held[1]:
+                self._note(out)  # (the folded rows viewed back as the scores they were)
+                return
         laid = self.axes or func in TURNS
         for x in (*args, *kwargs.values()):
             if isinstance(x, torch.Tensor) and self.has(x):
@@ -167,6 +181,7 @@ class Scores:
             self.folds.clear()
             self.weak.clear()
             self.sliced.clear()
+            self.flat.clear()
             matrices.clear()
         key = id(tensor)
 
@@ -198,6 +213,11 @@ class Scores:
             matrices.add(key)
         elif matrices:
             matrices.discard(key)
+
+
+def _rows_folded(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """`out` is scores `x` (B.., Lq, Lk) with every axis but the keys' folded into its rows: (B * .. * Lq, Lk)."""
+    return x.dim() >= 3 and out.shape[-1] == x.shape[-1] and out.numel() == x.numel()
 
 
 def batch_major(a, out) -> tuple[int, int] | None:
