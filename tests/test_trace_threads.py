@@ -133,7 +133,7 @@ def test_python_subprocesses_are_named_and_a_launchers_ranks_say_how_to_trace_th
         "3 child processes not traced (they run in memory of their own; trace the code they run on its own): python -c, "
         "rank 0: python -c, rank 1: python -c",
         "a launcher's ranks run in processes of their own: run the launcher on maskcli trace, which traces every rank and "
-        "reports them together (torchrun --nproc_per_node 2 -m maskcli trace SCRIPT.py)"]
+        "reports them together (torchrun --nproc-per-node 2 --no-python maskcli trace SCRIPT.py)"]
     subprocess.run(["true"], check=True)  # (the trace over: Popen as it was)
     assert subprocess.Popen.__init__.__module__ == "subprocess"
 

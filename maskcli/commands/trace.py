@@ -52,7 +52,7 @@ class TraceCommand(MaskcliCommand):
         "maskcli trace --expect \"layers.*.self_attn=window(4)\" -m maskcli.trace.demo",
         "maskcli trace --save demo.pt --json demo.json -m maskcli.trace.demo",
         "maskcli show --mask demo.pt:layers.1.self_attn@2",
-        "torchrun --nproc_per_node 2 -m maskcli trace train.py  # every rank traced, one report",
+        "torchrun --nproc-per-node 2 --no-python maskcli trace train.py  # every rank traced, one report (docs/ranks.md)",
     ),
 )
 def trace(

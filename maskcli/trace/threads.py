@@ -115,8 +115,8 @@ class Threads:
                          f"memory of their own; trace the code they run on its own): {_names(self.processes)}")
         if any(name.startswith("rank ") for name in self.processes):
             found.append("a launcher's ranks run in processes of their own: run the launcher on maskcli trace, which "
-                         "traces every rank and reports them together (torchrun --nproc_per_node 2 -m maskcli trace "
-                         "SCRIPT.py)")
+                         "traces every rank and reports them together (torchrun --nproc-per-node 2 --no-python maskcli "
+                         "trace SCRIPT.py)")
         return found
 
 
