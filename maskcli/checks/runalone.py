@@ -135,8 +135,8 @@ def unlike_run_alone(run: Run) -> list:
 
 
 def _attended(run: Run, top, rows: int) -> dict:
-    """Site -> the number of keys some query of each batch row sees, at the first self-attention of `top` over all its
-    rows (a softmax of a site that masks nowhere: every key)."""
+    """Site -> the most keys one query of each batch row sees (a padded query that sees only itself, or none, is no
+    bound), at the first self-attention of `top` over all its rows (a softmax of a site that masks nowhere: every key)."""
     found = {}
     for call in sorted((c for c in (*run.made_by(top), *run.unmasked) if top.first <= c.index < top.end),
                        key=lambda c: c.index):
@@ -146,7 +146,7 @@ def _attended(run: Run, top, rows: int) -> dict:
         if call in run.unmasked:
             found[call.where] = (call, np.full(rows, call.shape[3]))
         elif cells is not None:
-            found[call.where] = (call, cells.any(axis=1).sum(axis=1))
+            found[call.where] = (call, cells.sum(axis=2).max(axis=1))
     return found
 
 
