@@ -137,13 +137,13 @@ def unlike_run_alone(run: Run) -> list:
 def _attended(run: Run, top, rows: int) -> dict:
     """Site -> the most keys one query of each batch row sees (a padded query that sees only itself, or none, is no
     bound), at the first self-attention of `top` over all its rows (a softmax of a site that masks nowhere: every key)."""
-    found = {}
+    found, unmasked = {}, {id(c) for c in run.unmasked}
     for call in sorted((c for c in (*run.made_by(top), *run.unmasked) if top.first <= c.index < top.end),
                        key=lambda c: c.index):
         if call.where in found or cross(call) or call.shape[0] != rows or call.shape[2] != call.shape[3]:
             continue
         cells = _rows(keep(call), rows) if call.stored is not None else None
-        if call in run.unmasked:
+        if id(call) in unmasked:
             found[call.where] = (call, np.full(rows, call.shape[3]))
         elif cells is not None:
             found[call.where] = (call, cells.sum(axis=2).max(axis=1))
