@@ -54,11 +54,12 @@ def test_a_folded_padding_mask_a_helper_never_passes_is_found(tmp_path):
 
 
 @pytest.mark.parametrize("name, sizes", [("mistral_inference_pixtral_block_mask_not_passed", (6, 4)),
-                                         ("mistral_inference_pixtral_vision_block_drops_image_mask", (12, 4))])
+                                         ("mistral_inference_pixtral_vision_block_drops_image_mask", (12, 4)),
+                                         ("mistral_inference_pixtral_vision_encoder_block_mask_not_passed", (12, 8, 9))])
 def test_a_block_diagonal_image_mask_object_a_block_never_passes_is_found(tmp_path, name, sizes):
-    found = check_bug(tmp_path, name, "mask-argument-dropped")  # mistral-inference#218, written by two writers
+    found = check_bug(tmp_path, name, "mask-argument-dropped")  # mistral-inference#218, written by three writers
     assert "mask of forward() (BlockDiagonalMask)" in found[0]["message"]
-    image = [0] * sizes[0] + [1] * sizes[1]  # the patches of each image: only its own are to be seen
+    image = [i for i, size in enumerate(sizes) for _ in range(size)]  # each patch's image: only its own are seen
     n = sum(sizes)
     assert tuple(found[0]["cell"]) == first((1, n, n), lambda b, q, k: image[q] != image[k])
 

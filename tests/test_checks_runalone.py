@@ -46,6 +46,33 @@ def test_an_sft_collator_masking_the_eos_it_pads_with_is_found(tmp_path):
     assert [f["cell"] for f in found][:2] == [[0, 5, 5], [1, 3, 3]]
 
 
+def _dropped(found: list, samples: list, prefix: int, pad: int) -> None:
+    """Each finding's row attends as many keys as its sample run alone (its ids and `prefix` image embeddings), less its
+    tokens at the pad id, counted here from the samples."""
+    assert len(found) == len(samples)
+    for hit, sample in zip(found, samples):
+        alone = prefix + len(sample)
+        assert f"attends {alone} keys there" in hit["message"], hit["message"]
+        assert f"the row attends {alone - sample.count(pad)} keys at the same site" in hit["message"], hit["message"]
+
+
+def test_a_multimodal_collator_whose_pad_is_the_eot_drops_each_turns_end(tmp_path):
+    """LLaVA-VL/LLaVA-NeXT db8bc66 (written blind, batch blind-cy): llama3's pad == eos (<|eot_id|>), the collator's
+    `input_ids.ne(pad_token_id)` marks every turn's eot padding and prepare_inputs_labels_for_multimodal drops those
+    tokens before the image features go in; the program runs each conversation alone. Fixed: pad_token_id = 0."""
+    found = check_bug(tmp_path, "llava_next_collator_pad_equals_eos_masks_eot", "unlike-run-alone")
+    samples = [[1, 2, 3, -200] + [0] * n_user + [9, 1, 4, 3] + [0] * n_ans + [9] for n_user, n_ans in [(5, 6), (2, 3), (7, 2)]]
+    _dropped(found, [[t for t in s if t != -200] for s in samples], 4, 9)  # (the placeholder becomes 4 features)
+
+
+def test_a_captioner_that_keeps_the_text_its_mask_keeps_left_padded_is_found(tmp_path):
+    """Written another way: a model of its own puts image embeddings before the text its mask keeps, left padding,
+    the config dataclass's pad id == <|im_end|>, SDPA; each sample run alone. Fixed: the mask from the lengths."""
+    found = check_bug(tmp_path, "vlm_prefix_collator_pad_eos_drops_turn_ends_left_padded", "unlike-run-alone", RUNALONE)
+    samples = [[5, 9, 11, 2, 6, 13, 17, 19, 2], [5, 21, 2, 6, 23, 2], [5, 30, 31, 32, 2, 6, 40, 2]]
+    _dropped(found, samples, 3, 2)
+
+
 def test_a_stretch_is_read_once_and_bounded_against_a_loop():
     rng = np.random.default_rng(0)
     for _ in range(200):

@@ -157,6 +157,31 @@ def test_documents_handed_to_each_layer_by_keyword(tmp_path, name, folder):
         check_bug(tmp_path, name, "varlen-leak", Path(__file__).parent / "data" / folder)
 
 
+def test_window_blocks_handed_window_cu_seqlens_but_the_full_image_seqlens(tmp_path):
+    # vllm-project/vllm#15200 (regression from #14377), written blind: the xformers `seqlens` pre-computed once from
+    # the full-image cu_seqlens reach every block, so a windowed block handed cu_seqlens=cu_window_seqlens (windows of
+    # 4x4 patches) runs a BlockDiagonalMask over whole images (96 + 32 patches)
+    from checkbugs import first
+
+    [hit] = check_bug(tmp_path, "vllm_qwen2_5_vl_vision_window_seqlens_precomputed_from_full", "varlen-leak")
+    image = [0] * 96 + [1] * 32
+    window = [p // 16 for p in range(128)]  # the windows the program's get_window_index cuts, in window order
+    assert tuple(hit["cell"]) == first((1, 128, 128), lambda b, q, k: image[q] == image[k] and window[q] != window[k])
+
+
+def test_window_layers_reading_a_mask_cached_from_the_images_lengths_written_another_way(tmp_path):
+    # the same bug written another way: a config dataclass's window_layers, one additive mask cached by the encoder
+    # from the images' lengths (12, 8, 16 patches) and read by every layer, windows of 4 handed by keyword
+    from pathlib import Path
+
+    from checkbugs import first
+
+    [hit] = check_bug(tmp_path, "window_layers_mask_cached_from_global_lengths", "varlen-leak",
+                      Path(__file__).parent / "data" / "windows")
+    image = [i for i, size in enumerate((12, 8, 16)) for _ in range(size)]
+    assert tuple(hit["cell"]) == first((1, 36, 36), lambda b, q, k: image[q] == image[k] and q // 4 != k // 4)
+
+
 def test_documents_a_call_was_handed_are_read_where_the_model_call_has_none():
     class Call:
         details = {"documents": {"cu_seqlens_q": np.array([0, 2, 5])}}

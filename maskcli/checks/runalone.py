@@ -105,12 +105,15 @@ def unlike_run_alone(run: Run) -> list:
                     squares[id(top)] = _square(run, top, ids.shape[1])
                 mine, theirs = squares[id(top)], _square(run, other, n)
                 sites = [where for where in mine if where in theirs]
+                hidden = np.flatnonzero(~real[b, i:i + n]) + i
+                if not sites and len(hidden) and not real[b, :i].any() and not real[b, i + n:].any():
+                    found += _lengthened(run, top, other, ids, b, hidden, n)  # (the model lengthens its tokens)
+                    break
                 if not sites:
                     continue
                 hit = _first(mine, sites, ids.shape[0], i, n, real[b], b)
                 said = f"the program runs tokens {spans(list(range(i, i + n)))} of batch row {b} alone ({n} tokens, " \
                        f"another call of {top.where})"
-                hidden = np.flatnonzero(~real[b, i:i + n]) + i
                 if len(hidden):
                     k = int(hidden[0])
                     call = mine[sites[0]][0]
@@ -129,6 +132,42 @@ def unlike_run_alone(run: Run) -> list:
                         source="the program's run of those tokens alone", cell=(b, q, k))))
                 break  # (one finding a batch call per stretch run alone)
     return found + _rows_twice(run, tops)
+
+
+def _attended(run: Run, top, rows: int) -> dict:
+    """Site -> the most keys one query of each batch row sees (a padded query that sees only itself, or none, is no
+    bound), at the first self-attention of `top` over all its rows (a softmax of a site that masks nowhere: every key)."""
+    found, unmasked = {}, {id(c) for c in run.unmasked}
+    for call in sorted((c for c in (*run.made_by(top), *run.unmasked) if top.first <= c.index < top.end),
+                       key=lambda c: c.index):
+        if call.where in found or cross(call) or call.shape[0] != rows or call.shape[2] != call.shape[3]:
+            continue
+        cells = _rows(keep(call), rows) if call.stored is not None else None
+        if id(call) in unmasked:
+            found[call.where] = (call, np.full(rows, call.shape[3]))
+        elif cells is not None:
+            found[call.where] = (call, cells.sum(axis=2).max(axis=1))
+    return found
+
+
+def _lengthened(run: Run, top, other, ids: np.ndarray, b: int, hidden: np.ndarray, n: int) -> list:
+    """unlike-run-alone where the model lengthens the ids it is handed (an image placeholder into its features), so
+    the kernel's keys are no positions of the ids: batch row `b` holds real only the stretch run alone, less the
+    `hidden` tokens its attention_mask calls padding, and its keys at a site are fewer than the run alone attends
+    there (the same ids, the same lengthening): the hidden tokens were dropped or hidden on the way to the kernel."""
+    mine, theirs = _attended(run, top, ids.shape[0]), _attended(run, other, 1)
+    for where in (w for w in mine if w in theirs):
+        (call, seen), alone = mine[where], int(theirs[where][1][0])
+        if int(seen[b]) < alone:
+            k = int(hidden[0])
+            return [(call, Finding("unlike-run-alone", (
+                f"the program runs batch row {b} alone ({n} tokens, another call of {top.where}), each of them real, "
+                f"and {where} attends {alone} keys there; but the attention_mask of this call calls {len(hidden)} of "
+                f"them padding (token {k}, {_token(top, ids, b, k)}) and the row attends {int(seen[b])} keys at the "
+                f"same site: real tokens of that sequence dropped or hidden as padding"),
+                expected="every token the program runs alone real in the batch",
+                source=f"the attention_mask of {top.where}, against the program's run of those tokens alone"))]
+    return []
 
 
 def _token(top, ids: np.ndarray, b: int, k: int) -> str:
