@@ -103,6 +103,11 @@ def padding(frames: list | None = None) -> list[dict] | None:
     innermost, outer = None, []  # (the function that made the call; cells masks built above it, handed to no function)
     for frame, held in frames:
         innermost = innermost or frame
+        if held and frame.f_code.co_name == "<module>":  # (a script's globals: those its running statement reads)
+            from maskcli.trace.toplevel import read_by
+
+            running = read_by(frame.f_code, frame.f_lineno)
+            held = tuple(name for name in held if name in running)
         if held:
             code = frame.f_code
             variables = frame.f_locals
