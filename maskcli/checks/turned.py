@@ -38,7 +38,8 @@ def lengths_inverted(run: Run) -> list:
     """Calls whose mask is the complement of the real keys the batch's held lengths state, one way they may lie."""
     found, done = [], {}
     for call in [*run.calls, *run.cross]:
-        helds = [held for held in call.details.get("held_padding") or () if held["kind"] == "lengths"]
+        helds = [held for held in (*(call.details.get("held_padding") or ()), *(call.details.get("held_top") or ()))
+                 if held["kind"] == "lengths"]  # (a script's top-level lengths too: trace/toplevel.py)
         if not helds or call.stored is None:
             continue
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]

@@ -103,7 +103,8 @@ def padding(frames: list | None = None) -> list[dict] | None:
     innermost, outer = None, []  # (the function that made the call; cells masks built above it, handed to no function)
     for frame, held in frames:
         innermost = innermost or frame
-        if held and frame.f_code.co_name == "<module>":  # (a script's globals: those its running statement reads)
+        top, start = frame.f_code.co_name == "<module>", len(found)
+        if held and top:  # (a script's globals: those its running statement reads, tagged "top": trace/toplevel.py)
             from maskcli.trace.toplevel import read_by
 
             running = read_by(frame.f_code, frame.f_lineno)
@@ -138,9 +139,23 @@ def padding(frames: list | None = None) -> list[dict] | None:
                         found.append(read)
             for name, value in batches:
                 found.extend(_entries(name, value, code, seen))
+        if top:
+            found[start:] = [dict(read, top=True) for read in found[start:]]
     if outer and _own_mask(innermost, {held for _, held in outer}):
         found = [read for read in found if not any(read is o for o, _ in outer)]
     return found or None
+
+
+def split_top(details: dict) -> None:
+    """A script's top-level statement of its batch (reads tagged "top") moved from details["held_padding"] to
+    details["held_top"]: only a mask that is its exact complement is read against it (checks/turned.py); the rules that
+    read a function's padding as weaker evidence read none of it (a script's globals may be another sequence's)."""
+    top = [read for read in details.get("held_padding", ()) if read.get("top")]
+    if top:
+        details["held_top"] = top
+        details["held_padding"] = [read for read in details["held_padding"] if not read.get("top")]
+        if not details["held_padding"]:
+            del details["held_padding"]
 
 
 def _entries(name: str, batch: dict, code, seen: set) -> list[dict]:

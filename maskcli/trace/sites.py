@@ -25,7 +25,7 @@ from maskcli.trace.builders import causal_builder
 from maskcli.trace.crossing import Readings
 from maskcli.checks.causalname import causal_class
 from maskcli.trace.forwardflag import forward_flag, stated_flag
-from maskcli.trace.held import padding
+from maskcli.trace.held import padding, split_top
 from maskcli.trace.masktype import mask_type
 from maskcli.trace.reqlens import lengths
 from maskcli.trace.swin import shifted_windows
@@ -147,6 +147,7 @@ class Sites:
             value = None if reader is None else guarded(reader, *arguments)
             if value is not None:
                 details[key] = value
+        split_top(details)  # (a script's top-level padding apart: held.py)
 
     def current(self, child: str | None = None) -> tuple[tuple, str]:
         """(site key, where) of a call made now; `child`: the submodule of the running one that attends."""
@@ -311,8 +312,7 @@ def guarded(reader, *args):
 
 
 def _modules_in_frames(start=None):
-    """The nn.Modules the frames of the program hold in their variables (innermost frame first, from `start` where
-    given), each once."""
+    """The nn.Modules the program's frames hold in their variables (innermost first, from `start` where given), once."""
     skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     frame, seen, searched = sys._getframe(1) if start is None else start, set(), 0
     while frame is not None and searched < FRAMES:

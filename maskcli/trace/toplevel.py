@@ -2,9 +2,10 @@
 
 A script keeps its batch at its top level (`lengths = [6, 4]`, then `pad = arange(L) < lengths`, then
 `encoder(x, src_key_padding_mask=pad)`): what it states there is the padding of the call the statement running makes
-only where that statement reads it, directly or through the names it was built from. A global the running statement
-never reads is another batch's: the lengths of a batched run are still held while the script runs each sample alone
-after it (`for b ...: model(x[b:b + 1])`), and are no statement about those calls.
+only where that statement reads it whole, directly or through the names it was built from. A global the running
+statement never reads, or reads a part of (`lengths[b:b + 1]`), is another batch's: the lengths of a batched run are
+still held while the script runs each sample alone after it (`for b ...: model(x[b:b + 1])`), and are no statement
+about those calls.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def _parsed(filename: str) -> tuple[tuple, dict]:
                  if isinstance(child, ast.stmt)]
         stack.extend(inner)
         heads = [value for key, value in ast.iter_fields(node) if key not in ("body", "orelse", "finalbody", "handlers")]
-        loads = {n.id for head in heads for n in _walk(head) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        parts = {id(n.value) for head in heads for n in _walk(head) if isinstance(n, ast.Subscript)}
+        loads = {n.id for head in heads for n in _walk(head) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                 and id(n) not in parts}  # (`lengths[b:b + 1]` reads one sample's part, not the batch's lengths)
         end = node.lineno if inner else getattr(node, "end_lineno", node.lineno)
         statements.append((node.lineno, end, frozenset(loads)))
         stores = {n.id for head in heads for n in _walk(head) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
