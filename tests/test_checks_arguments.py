@@ -61,6 +61,9 @@ BUGS = [
     # lucidrains/vit-pytorch commit 4c89017 (follow-up to PR #356, blind-ct): ViViT's factorized_self_attention variant
     # takes the frame mask in ViT.forward but never passes it on, so its temporal attention sees the padded frames
     ("vit_pytorch_vivit_factorized_self_attention_drops_frame_mask", "padding-ignored"),
+    # huggingface/parler-tts#225 (written blind, batch blind-cw; caught before any rule was changed for it): generate
+    # prepares the left-padded prompts' mask from the pad codes and discards it; the decoder runs causal only
+    ("parler_tts_causal_lm_generate_discards_prepared_attention_mask", "padding-ignored"),
 ]
 
 
@@ -751,3 +754,11 @@ def test_a_left_padded_mlm_collate_that_returns_no_attention_mask(tmp_path):
     real = lambda b, i: i >= 24 - lengths[b]  # noqa: E731
     assert tuple(found[0]["cell"]) == first((3, 24, 24), lambda b, q, k: real(b, q) and not real(b, k)), found
     assert found[0]["source"].startswith("input ids equal to the pad id 0"), found
+
+
+def test_a_generate_loop_whose_inputs_drop_the_attention_mask_is_flagged(tmp_path):
+    # written another way: a config object's pad_token_id, SDPA, a cache kept in a list, and prepare_inputs that
+    # leave the left-padded prompts' attention_mask out of every step
+    found = check_bug(tmp_path, "generate_prepare_inputs_drops_attention_mask", "padding-ignored", folder=ARGS)
+    pads = (0, 2)
+    assert tuple(found[0]["cell"]) == first((2, 5, 5), lambda b, q, k: q >= pads[b] and k < pads[b] and k <= q)
