@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from maskcli.trace.codes import ByCode
+from maskcli.trace.codes import ByCode, named_parameters
 
 NAMED = re.compile(r"^(?!attn_|attention_|causal_|key_padding_|padding_|pad_|loss_|label_)[a-z]\w*_mask$")
 MOST = 1 << 16  # cells of one mask read at most
@@ -30,19 +30,12 @@ def note(details: dict, walked) -> None:
     if walked is None:
         return
     found, seen = [], set()
-    for frame, _ in walked.held:
-        code = frame.f_code
-        names = _NAMES.get(code)
-        if names is None:
-            arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
-            names = _NAMES.put(code, tuple(name for name in arguments if NAMED.search(name)))
-        for name in names:
-            value = frame.f_locals.get(name)
-            rows = _read(value)
-            if rows is not None and id(value) not in seen:
-                seen.add(id(value))
-                found.append({"name": name, "where": f"{code.co_name}() of {os.path.basename(code.co_filename)}",
-                              "rows": rows})
+    for _, code, name, value in named_parameters(walked, _NAMES, NAMED):
+        rows = _read(value)
+        if rows is not None and id(value) not in seen:
+            seen.add(id(value))
+            found.append({"name": name, "where": f"{code.co_name}() of {os.path.basename(code.co_filename)}",
+                          "rows": rows})
     if found:
         details["named_masks"] = found
 
