@@ -2,12 +2,13 @@
 
 scores.py's batch_major reads the fold of q @ kᵀ's first operand from the view it is of (`q.view(B * H, L, D)` of a
 contiguous (B, H, L, D)). A query permuted first and then reshaped is a copy with no base (NeMo FastPitch's
-MultiHeadAttn: `head_q.permute(0, 2, 1, 3).reshape(-1, L, D)` of its (B, L, H, D) projection). The function that
+MultiHeadAttn: `head_q.permute(0, 2, 1, 3).reshape(-1, L, D)` of its (B, L, H, D) projection), or a view of a base
+whose axes are in another order (a time-major (L, B, H, D) whose strides let the reshape merge B and H). The function that
 made the product holds the tensor it was copied from, under a name of its own: its 4-D local with as many elements,
 whose two axes beside (L, D) fold to the B * H rows, and that equals the query once permuted and reshaped so. Its
 earlier axis of those two is the batch (a projection's (B, L, H, D), (B, H, L, D), a time-major (L, B, H, D)); the fold
 is batch-major where that axis is outermost in the rows. Only the product's innermost program frame is read, once per
-product of 3-D operands whose first has no base (no other frames, no other products).
+product of 3-D operands that batch_major did not read (no other frames, no other products).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ MOST = 1 << 20  # elements of a query compared at most
 
 def copied_fold(a, out) -> tuple[int, int] | None:
     """(B, H) where `a` (B * H, L, D) is a copy of a 4-D tensor its caller holds, folded batch-major; None else."""
-    if not isinstance(a, torch.Tensor) or a.dim() != 3 or out.dim() != 3 or a._base is not None or a.numel() > MOST:
+    if not isinstance(a, torch.Tensor) or a.dim() != 3 or out.dim() != 3 or a.numel() > MOST:
         return None
     frame = next(program_frames(sys._getframe(1), 1), None)
     if frame is None:
