@@ -8,7 +8,8 @@ made the product holds the tensor it was copied from, under a name of its own: i
 whose two axes beside (L, D) fold to the B * H rows, and that equals the query once permuted and reshaped so. Its
 earlier axis of those two is the batch (a projection's (B, L, H, D), (B, H, L, D), a time-major (L, B, H, D)); the fold
 is batch-major where that axis is outermost in the rows. Only the product's innermost program frame is read, once per
-product of 3-D operands that batch_major did not read (no other frames, no other products).
+product of 3-D operands that batch_major did not read (no other frames, no other products). A heads-first local
+(H, B, L, D) would be taken for (B, H, L, D): the convention read here is the batch first among the folded axes.
 """
 
 from __future__ import annotations
