@@ -61,6 +61,12 @@ BUGS = [
     # lucidrains/vit-pytorch commit 4c89017 (follow-up to PR #356, blind-ct): ViViT's factorized_self_attention variant
     # takes the frame mask in ViT.forward but never passes it on, so its temporal attention sees the padded frames
     ("vit_pytorch_vivit_factorized_self_attention_drops_frame_mask", "padding-ignored"),
+    # huggingface/parler-tts#225 (written blind, batch blind-cw; caught before any rule was changed for it): generate
+    # prepares the left-padded prompts' mask from the pad codes and discards it; the decoder runs causal only
+    ("parler_tts_causal_lm_generate_discards_prepared_attention_mask", "padding-ignored"),
+    # NVIDIA/NeMo#5450 (written blind, batch blind-cw): FastPitch's MultiHeadAttn copied q/k/v batch-major
+    # (permute(0, 2, 1, 3).reshape) while its key padding was tiled head-major (`.repeat(n_head, ...)`)
+    ("nemo_fastpitch_multiheadattn_batch_major_heads_vs_head_major_mask", "padding-ignored"),
 ]
 
 
@@ -774,3 +780,25 @@ def test_a_left_padded_mlm_collate_that_returns_no_attention_mask(tmp_path):
     real = lambda b, i: i >= 24 - lengths[b]  # noqa: E731
     assert tuple(found[0]["cell"]) == first((3, 24, 24), lambda b, q, k: real(b, q) and not real(b, k)), found
     assert found[0]["source"].startswith("input ids equal to the pad id 0"), found
+
+
+def test_a_generate_loop_whose_inputs_drop_the_attention_mask_is_flagged(tmp_path):
+    # written another way: a config object's pad_token_id, SDPA, a cache kept in a list, and prepare_inputs that
+    # leave the left-padded prompts' attention_mask out of every step
+    found = check_bug(tmp_path, "generate_prepare_inputs_drops_attention_mask", "padding-ignored", folder=ARGS)
+    pads = (0, 2)
+    assert tuple(found[0]["cell"]) == first((2, 5, 5), lambda b, q, k: q >= pads[b] and k < pads[b] and k <= q)
+
+
+def test_a_time_major_query_copied_batch_major_beside_a_head_major_padding_is_flagged(tmp_path):
+    # written another way: (T, B, H, D) projections copied to B * H rows with permute(1, 2, 0, 3).reshape, a left-padded
+    # batch of three, the model call's attention_mask tiled with .repeat(heads, T, 1); matmul, masked_fill out of place
+    found = check_bug(tmp_path, "time_major_heads_folded_batch_major_mask_repeated_head_major", "padding-ignored",
+                      folder=ARGS)
+    pads, samples, heads, length = (0, 3, 1), 3, 2, 6
+
+    def bad(n, q, k):  # row n is sample n // heads (the query's layout); its mask is sample n % samples's (the repeat)
+        own, laid = pads[n // heads], pads[n % samples]
+        return q >= own and k < own and k >= laid
+
+    assert tuple(found[0]["cell"]) == first((samples * heads, length, length), bad)

@@ -19,6 +19,24 @@ def test_axolotl_bidirectional_mask_ignores_padding(tmp_path):
     check_bug(tmp_path, "axolotl_diffusion_bidirectional_mask_ignores_padding", "padding-unused")
 
 
+def test_e2_tts_transformer_self_attention_ignores_lens_mask(tmp_path):
+    """lucidrains/e2-tts-pytorch 58288b2 (written blind, batch blind-cw; caught before any rule was changed for it):
+    Transformer.forward holds `mask` (lens_to_mask) and calls attn(attn_norm(x)) without it."""
+    found = check_bug(tmp_path, "e2_tts_transformer_self_attention_ignores_lens_mask", "padding-unused")
+    lens = (20, 11)  # (the program's lens: batch row 1 is right-padded after 11 frames)
+    assert tuple(found[0]["cell"]) == first((2, 20, 20), lambda b, q, k: q < lens[b] and k >= lens[b])
+
+
+def test_a_conformer_style_lengths_held_and_never_made_a_mask(tmp_path):
+    """Written another way: a left-padded batch, its `src_lengths` held by the encoder, nn.MultiheadAttention called
+    with no key_padding_mask."""
+    found = check_bug(tmp_path, "encoder_src_lengths_never_made_key_padding", "padding-unused", folder=HELD)
+    lengths = (5, 8)  # (lengths say no side: the first cell of either reading, right- or left-padded)
+    right = first((2, 8, 8), lambda b, q, k: q < lengths[b] <= k)
+    left = first((2, 8, 8), lambda b, q, k: k < 8 - lengths[b] <= q)
+    assert tuple(found[0]["cell"]) in (right, left)
+
+
 def test_speechbrain_decode_no_memory_padding_mask(tmp_path):
     """speechbrain#1107: the searcher holds the encoder lengths; the decoder's cross-attention never gets them (either
     way the lengths may lie, right- or left-padded, its queries see padded memory)."""

@@ -32,6 +32,21 @@ def test_a_left_padded_key_padding_mask_unsqueezed_onto_the_queries_is_found(tmp
     assert tuple(found[0]["cell"]) == first((2, 4, 4), lambda b, q, k: q >= pads[b] and k < pads[b])
 
 
+def test_magpietts_query_mask_laid_on_the_query_axis_is_found(tmp_path):
+    # NVIDIA-NeMo/Speech#14836: MagpieTTS's SelfAttention built query_mask[:, None, :, None]; handed as `query_mask`
+    # (a token mask whose polarity its name does not say), 12 and 7 real tokens of 12, right-padded, non-causal
+    found = check_bug(tmp_path, "nemo_magpietts_transformer_self_attention_query_only_padding_mask", "padding-on-queries")
+    real = (12, 7)
+    assert tuple(found[0]["cell"]) == first((2, 12, 12), lambda b, q, k: q < real[b] and k >= real[b])
+
+
+def test_a_vits_style_x_mask_unsqueezed_onto_the_queries_is_found(tmp_path):
+    # written otherwise: VITS's channels-first encoder, a (B, 1, T) `x_mask` of floats, left-padded, a -1e4 fill
+    found = check_bug(tmp_path, "vits_style_x_mask_unsqueezed_on_query_axis", "padding-on-queries", folder=QUERYAXIS)
+    pads = (4, 0)
+    assert tuple(found[0]["cell"]) == first((2, 9, 9), lambda b, q, k: q >= pads[b] and k < pads[b])
+
+
 def _codes(run) -> list:
     torch.manual_seed(0)
     with maskcli.trace() as t, torch.no_grad():
@@ -61,6 +76,13 @@ def test_a_mask_over_both_axes_and_a_cross_attention_over_its_queries_padding_ar
     def only_queries(attention_mask=attention_mask):  # the same self-attention with the query axis alone: found (the two above are not for no reason)
         _attend(x, x, x, (attention_mask == 0)[:, None, :, None])
 
+    def named_both(x_mask=attention_mask):  # a token mask under a name that says no polarity, over both axes: quiet
+        real = x_mask.bool()
+        _attend(x, x, x, ~(real[:, None, :, None] & real[:, None, None, :]))
+
+    def named_keys(x_mask=attention_mask):  # the same mask laid on the keys alone: padded rows see the real keys, quiet
+        _attend(x, x, x, (x_mask == 0)[:, None, None, :])
+
     assert ("padding-on-queries", "wrong") in _codes(only_queries)
-    for run in (both, crossing):
+    for run in (both, crossing, named_both, named_keys):
         assert not [c for c in _codes(run) if c[0] == "padding-on-queries"]

@@ -23,7 +23,11 @@ BUGS = [
     # TransformerLensOrg/TransformerLens#1617 (written blind, batch blind-aw): generate() merged the caller's
     # attention_mask into step 0's kwargs only, so every cached decode step of a left-padded prompt saw the pads
     ("transformerlens_bridge_generate_padding_mask_step0_only", "padding-lost"),
+    # huggingface/parler-tts e51113f (written blind, batch blind-cw; caught before any rule was changed for it): the
+    # prompt's padding merged into the decoder mask only while prompt_hidden_states is given, so cached steps drop it
+    ("parler_tts_decoder_prompt_attention_mask_dropped_on_cached_steps", "padding-lost"),
 ]
+STEPS = Path(__file__).parent / "data" / "caches"
 PREFILLROWS = Path(__file__).parent / "data" / "prefillrows"
 
 
@@ -223,6 +227,13 @@ def test_a_window_lost_in_the_parent_module_over_a_left_padded_batch(tmp_path):
     expected = first((2, 1, 7), lambda b, q, k: real[b][k] == 1 and 6 - k > 3)
     assert tuple(hit["cell"]) == (expected[0], 6, expected[2])
 
+
+
+def test_a_prefix_padding_mask_given_at_prefill_only_is_lost_at_decode(tmp_path):
+    """Written another way: a right-padded conditioning prefix before the tokens, a hand-kept (k, v) cache, SDPA handed
+    the prefix's padding at prefill and no mask on the cached steps."""
+    found = check_bug(tmp_path, "prefix_padding_mask_prefill_only_hand_cache", "padding-lost", folder=STEPS)
+    assert found[0]["message"].startswith("at step 1 query 6 of batch row 1 sees key 3")
 
 
 def test_unsloth_fast_generate_decode_mask_last_column_only(tmp_path):

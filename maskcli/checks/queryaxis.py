@@ -7,6 +7,10 @@ padding, and keeps the padding's keys for the real query rows, the mask was broa
 (`mask[:, None, :, None]`, (B, 1, L, 1), where the keys' `mask[:, None, None, :]` was meant):
 huggingface/transformers#23974, Pix2Struct's vision encoder, whose real patches attended the zero padding patches.
 
+A token mask the program's functions are handed under a `<what>_mask` name (trace/namedmasks.py: NeMo's `query_mask`
+and `x_mask`, VITS's (B, 1, L) `x_mask`) is read too, either way round: NVIDIA-NeMo/Speech#14836, MagpieTTS's
+`query_mask[:, None, :, None]`, whose text encoder's real tokens attended the padded ones.
+
 What makes the statement firm: the mask itself agrees with the held padding, query row for query row (every padded
 query row sees no key, every real one sees some), so the padding is this call's positions and the program meant to
 mask it; only its axis is wrong. No batch row need be whole (a processor pads every image to `max_patches`).
@@ -34,12 +38,18 @@ def _real(held: dict, rows: int, length: int) -> np.ndarray | None:
     return real if edge_runs(real, right_only=held["name"] == "mask") else None
 
 
+def _stated(details: dict) -> list:
+    """The held padding, then each token mask handed under a `<what>_mask` name read both ways round."""
+    named = [{**mask, "kind": kind} for mask in details.get("named_masks") or () for kind in ("keep", "pad")]
+    return [*(details.get("held_padding") or ()), *named]
+
+
 def padding_on_queries(run: Run) -> list:
     """Self-attention calls whose fully hidden query rows are exactly a held padding's padded positions while their
     real query rows see that padding's keys."""
     found, done = [], {}
     for call in run.calls:
-        helds = call.details.get("held_padding")
+        helds = _stated(call.details)
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
         if not helds or call.stored is None or q_len != k_len or cross(call):
             continue
@@ -79,6 +89,7 @@ def _finding(run: Run, call, helds: list, rows: int, length: int) -> Finding | N
 
 RULES = (
     Rule("padding-on-queries", "wrong", "call", "a self-attention whose hidden query rows are exactly the padding the "
-         "program's frames hold while its real queries see the padding keys (the mask broadcast along the query axis: "
-         "transformers#23974)", padding_on_queries),
+         "program's frames hold (a padding mask, or a token mask handed as `x_mask` / `query_mask`) while its real "
+         "queries see the padding keys (the mask broadcast along the query axis: transformers#23974, "
+         "NeMo/Speech#14836)", padding_on_queries),
 )

@@ -27,3 +27,16 @@ class ByCode:
 
     def clear(self) -> None:
         self.found.clear()
+
+
+def named_parameters(walked, names: ByCode, pattern):
+    """(frame, code, name, value) of each parameter whose name `pattern` matches, in the program frames trace/walk.py
+    walked (`walked.held`), innermost first; the matching names found once per code object, kept in `names`."""
+    for frame, _ in walked.held:
+        code = frame.f_code
+        found = names.get(code)
+        if found is None:
+            arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+            found = names.put(code, tuple(name for name in arguments if pattern.search(name)))
+        for name in found:
+            yield frame, code, name, frame.f_locals.get(name)

@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from maskcli.trace.codes import ByCode
+from maskcli.trace.codes import ByCode, named_parameters
 
 FLAGS = re.compile(r"(?:^|_)paddings?$")  # float flags, 1.0 = padded (not `padding_mask`: a mask, of either form)
 MOST = 1 << 16  # cells of one tensor read at most
@@ -30,17 +30,11 @@ def note(details: dict, walked) -> None:
     """details["padding_fill"] where a frame's padding flags hold a fill."""
     if walked is None:
         return
-    for frame, _ in walked.held:
-        code = frame.f_code
-        names = _NAMES.get(code)
-        if names is None:
-            arguments = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
-            names = _NAMES.put(code, tuple(name for name in arguments if FLAGS.search(name)))
-        for name in names:
-            read = _read(frame.f_locals.get(name))
-            if read is not None:
-                details["padding_fill"] = {"name": name, "function": getattr(code, "co_qualname", code.co_name), **read}
-                return
+    for _, code, name, value in named_parameters(walked, _NAMES, FLAGS):
+        read = _read(value)
+        if read is not None:
+            details["padding_fill"] = {"name": name, "function": getattr(code, "co_qualname", code.co_name), **read}
+            return
 
 
 def _read(value) -> dict | None:

@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+from maskcli.trace.copiedfold import copied_fold
 from maskcli.trace.followed import operands_of
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
 from maskcli.trace.weakfill import WHERES, carry
@@ -76,7 +77,7 @@ class Scores:
             if sum(isinstance(x, torch.Tensor) and x.dim() >= 3 for x in operands) >= 2:
                 if func is not torch.einsum or _query_by_key(args[0]):
                     self._note(out)
-                    fold = batch_major(operands[0], out)
+                    fold = batch_major(operands[0], out) or copied_fold(operands[0], out)
                     if fold is not None:
                         self.folds[id(out)] = fold
                     cut = tail(operands[1], turned=True) if len(operands) == 2 and func is not torch.einsum else None
@@ -113,9 +114,10 @@ class Scores:
                     axes = None if tuple(x.shape[-2:]) == tuple(out.shape[-2:]) else NONE
                 if axes is not NONE:
                     addend = self.added.get(id(x)) if self.added else None
-                    self._note(out, axes)
-                    if self.folds and axes is None and id(x) in self.folds:
-                        self.folds[id(out)] = self.folds[id(x)]  # (the mask added to folded scores: folded alike)
+                    fold = self.folds.get(id(x)) if self.folds and axes is None else None  # (read first: an in-place
+                    self._note(out, axes)  # op's `out` is `x`, whose entry _note clears, FastPitch's attn_score.mul_)
+                    if fold is not None:
+                        self.folds[id(out)] = fold  # (the mask added to folded scores: folded alike)
                     if self.sliced and axes is None and id(x) in self.sliced:
                         self.sliced[id(out)] = self.sliced[id(x)]
                     if func in ADDS and addend is None:
