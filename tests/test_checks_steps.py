@@ -270,3 +270,59 @@ def test_layers_of_the_prompt_in_one_loop_over_a_static_buffer_are_not_decode_st
     status, found, report = traced(tmp_path, "llamacpp_gemma4_e4b_image_chunk_decoded_non_causal", True,
                                    folder.parent / "blind")
     assert status == 0 and "top-left-mask" not in [f["code"] for f in found], report
+
+
+def _window_loop(cells, own, keys, queries):
+    """The reference: W where every real query of every row and head sees exactly the W keys up to its own (from its
+    row's first real key on) and some real query's first key is after its row's first real key; else None."""
+    widths, cuts = set(), False
+    rows, heads, q_len, _ = cells.shape
+    for b in range(rows):
+        start = next((k for k in range(keys.shape[1]) if keys[b, k]), 0)
+        for h in range(heads):
+            for q in range(q_len):
+                if not queries[b, q]:
+                    continue
+                seen = [k for k in range(cells.shape[-1]) if cells[b, h, q, k]]
+                if not seen or seen[-1] != own[q] or seen != list(range(seen[0], own[q] + 1)):
+                    return None
+                widths.add(len(seen))
+                cuts |= seen[0] > start
+    if not widths or not cuts:
+        return None
+    width = max(widths)
+    for b in range(rows):
+        start = next((k for k in range(keys.shape[1]) if keys[b, k]), 0)
+        for h in range(heads):
+            for q in range(q_len):
+                if queries[b, q] and not cells[b, h, q, max(start, own[q] - width + 1)]:
+                    return None
+                if queries[b, q] and cells[b, h, q, :max(start, own[q] - width + 1)].any():
+                    return None
+    return width
+
+
+def test_a_prefills_window_read_off_its_intervals_is_the_cells_own():
+    """steps._window reads a stored mask of one interval a row off its starts and ends (no pass over the cells): the
+    same width as from the cells and as a plain loop, on random bands, windows and left padding."""
+    import numpy as np
+
+    from maskcli import tracefile
+    from maskcli.checks.real import Real
+    from maskcli.checks.steps import _window
+
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        rows, heads, length = int(rng.integers(1, 3)), int(rng.integers(1, 3)), int(rng.integers(2, 10))
+        pads = rng.integers(0, length // 2 + 1, rows)
+        width = int(rng.integers(1, length + 1))
+        at = np.arange(length)
+        starts = np.maximum(at[None, None, :] - width + 1, pads[:, None, None]) + (rng.random((rows, heads, length)) < 0.1)
+        ends = at[None, None, :] + 1 - (rng.random((rows, heads, length)) < 0.05)
+        stored = {"form": "intervals", "shape": [rows, heads, length, length], "planes": [rows, heads],
+                  "starts": starts.reshape(rows * heads, length, 1), "ends": ends.reshape(rows * heads, length, 1)}
+        cells = tracefile.dense(stored)
+        keys = at[None, :] >= pads[:, None]
+        real = Real(keys, keys.copy(), None)
+        read = _window(cells, at, real, stored)
+        assert read == _window(cells, at, real) == _window_loop(cells, at, keys, keys), (width, pads)

@@ -128,30 +128,27 @@ def _prefill_of_slots(call, top, rows: int, k_len: int):
 def padding(run: Run) -> list:
     """Real queries that see a key the model call states is padding (its attention_mask, a key padding mask, lengths,
     or its input ids at the pad id: checks/real.py), whichever way round the mask handed to the kernel was built."""
-    found, done, statements = [], set(), {}
+    found, done, statements, decoders, read = [], set(), {}, {}, {}
     for call in run.calls:
         top = run.top(call)
-        if top is None or call.stored is None or not top.arguments or _decoder_of_source(run, top):
+        if top is None or call.stored is None or not top.arguments:
+            continue
+        if id(top) not in decoders:
+            decoders[id(top)] = _decoder_of_source(run, top)
+        if decoders[id(top)]:
             continue
         _, own, positions = run.placed(call)
         if getattr(top.config, "is_encoder_decoder", False) and not _encoder_side(call) or not positions:
             continue  # (an encoder-decoder's padding is its encoder's: read on its encoder's own layers only)
         rows, k_len = call.shape[0], call.shape[3]
-        given = top.arguments.get("attention_mask")
-        said = stated_once(statements, top, rows, k_len)
-        if said is None and isinstance(given, np.ndarray) and given.ndim == 2 and "cache_position" in top.arguments \
-                and k_len > given.shape[1]:  # a static cache's slots past the mask (cache.py's)
-            said = stated(top, rows, given.shape[1])
+        key = (id(top), rows, k_len, id(own))  # (own: placed's, one array for the calls placed alike)
+        if key not in read:  # (every layer of one model call reads the same statement: read once)
+            read[key] = _statement(statements, call, top, rows, k_len)
+        said, placed, both = read[key]
         if said is None:
-            said = _prefill_of_slots(call, top, rows, k_len)
-        readings, placed, laid = None, None, None
-        if said is None:
-            said = folded(top, rows, k_len)  # (the batch folded with its heads: read both ways round)
-            if said is None:
-                said = held_readings(top, rows, k_len)  # (ids held in a batch dict, a key or two of the model's own beside)
-                if said is None:
-                    continue  # (keys that are not the stated tokens: a prompt prepended inside the model, CPM-Ant's)
-                said, placed = said[:3], said[3]
+            continue  # (keys that are not the stated tokens: a prompt prepended inside the model, CPM-Ant's)
+        readings, laid = None, None
+        if both:
             readings, source, sure = said
             laid = _batch_major(call, top, rows, k_len)  # (its scores' rows laid out so: trace/scores.py)
             if laid is not None:
@@ -199,6 +196,26 @@ def padding(run: Run) -> list:
                 None if sure else "suspicious", expected="no real query sees a padding key", source=source,
                 cell=(b, int(own[q]), k))))
     return found
+
+
+def _statement(statements: dict, call, top, rows: int, k_len: int) -> tuple:
+    """(said, placed, both) of padding(): the model call's statement of the call's keys, (real (rows, Lk), source, sure),
+    with both=False; else its readings folded with the heads or held beside it ([readings], source, sure), both=True,
+    `placed` saying how the ids were placed where held; (None, None, False) where it states none."""
+    given = top.arguments.get("attention_mask")
+    said = stated_once(statements, top, rows, k_len)
+    if said is None and isinstance(given, np.ndarray) and given.ndim == 2 and "cache_position" in top.arguments \
+            and k_len > given.shape[1]:  # a static cache's slots past the mask (cache.py's)
+        said = stated(top, rows, given.shape[1])
+    if said is None:
+        said = _prefill_of_slots(call, top, rows, k_len)
+    if said is not None:
+        return said, None, False
+    said = folded(top, rows, k_len)  # (the batch folded with its heads: read both ways round)
+    if said is not None:
+        return said, None, True
+    said = held_readings(top, rows, k_len)  # (ids held in a batch dict, a key or two of the model's own beside)
+    return (None, None, False) if said is None else (said[:3], said[3], True)
 
 
 def _outweighed(call) -> str:

@@ -21,21 +21,23 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
-def _window(cells: np.ndarray, own: np.ndarray, real: Real) -> int | None:
+def _window(cells: np.ndarray, own: np.ndarray, real: Real, stored: dict | None = None) -> int | None:
     """W where every real query of every batch row and head of the prefill sees exactly the W keys up to its own (cut at
     its row's first real key) and the window cuts somewhere; else None. Padding query rows are not read: a window
-    test that needs every query row to see a key fails on every left-padded batch."""
+    test that needs every query row to see a key fails on every left-padded batch. `stored`: the call's stored mask
+    `cells` broadcast, read off its intervals where each row is one (no pass over the cells)."""
     judged = np.broadcast_to(real.queries[:, None, :], cells.shape[:-1])  # (B, H, Lq)
-    seen = cells.any(axis=-1)
+    runs = _runs(stored, cells.shape)
+    seen = cells.any(axis=-1) if runs is None else runs[0] < runs[1]
     if not judged.any() or not seen[judged].all():
         return None
     k_len = cells.shape[-1]
-    first = cells.argmax(axis=-1)  # (B, H, Lq) (read on judged rows only: each sees a key)
+    first = cells.argmax(axis=-1) if runs is None else runs[0]  # (B, H, Lq) (read on judged rows only: each sees a key)
     start = np.broadcast_to(real.keys.argmax(axis=-1)[:, None, None], first.shape)  # each row's first real key
     if not (first > start)[judged].any():
         return None  # a window that never cuts (a causal prefill's: asked first, as the cheapest)
-    last = k_len - 1 - cells[..., ::-1].argmax(axis=-1)
-    count = np.count_nonzero(cells, axis=-1)
+    last = k_len - 1 - cells[..., ::-1].argmax(axis=-1) if runs is None else runs[1] - 1
+    count = np.count_nonzero(cells, axis=-1) if runs is None else runs[1] - runs[0]
     own3 = np.broadcast_to(own[None, None, :], first.shape)
     if not (last == own3)[judged].all() or not (count == last - first + 1)[judged].all():
         return None  # not one run ending at the query's own key
@@ -43,6 +45,19 @@ def _window(cells: np.ndarray, own: np.ndarray, real: Real) -> int | None:
     if not (first == np.maximum(start, own3 - width + 1))[judged].all():
         return None  # not a window
     return width
+
+
+def _runs(stored: dict | None, shape: tuple) -> tuple[np.ndarray, np.ndarray] | None:
+    """(first key, end) of each row's one run of kept keys, broadcast to `shape[:-1]`, from a stored mask of one interval
+    a row (clipped to the keys); None for any other form."""
+    if stored is None or stored.get("form") != "intervals" or np.shape(stored["starts"])[-1] != 1:
+        return None
+    b, h = stored["planes"]
+    k_len = shape[-1]
+    starts = np.clip(np.asarray(stored["starts"])[..., 0], 0, k_len).reshape(b, h, -1)
+    ends = np.clip(np.asarray(stored["ends"])[..., 0], 0, k_len).reshape(b, h, -1)
+    ends = np.maximum(ends, starts)
+    return np.broadcast_to(starts, shape[:-1]), np.broadcast_to(ends, shape[:-1])
 
 
 def prefill_once(run: Run, call, top):
@@ -71,7 +86,7 @@ def _prefill(call, top):
     # (Bloom's 2-D mask): later tokens written there, not padding; their own step's attention_mask says which)
     padded[:, int(own.max(initial=-1)) + 1:] = False
     padded = padded if padded.any() else None
-    window = _window(np.broadcast_to(cells, (real.keys.shape[0], *cells.shape[1:])), own, real)
+    window = _window(np.broadcast_to(cells, (real.keys.shape[0], *cells.shape[1:])), own, real, call.stored)
     return None if padded is None and window is None else (padded, window)
 
 

@@ -33,7 +33,7 @@ def _shown(call, top, own: np.ndarray) -> int | None:
     if cells is None:
         return None
     real = resolve(call, top, by_row(cells, max(cells.shape[0], call.shape[0])))
-    return _window(np.broadcast_to(cells, (real.keys.shape[0], *cells.shape[1:])), own, real)
+    return _window(np.broadcast_to(cells, (real.keys.shape[0], *cells.shape[1:])), own, real, call.stored)
 
 
 def differing(run: Run) -> list:
