@@ -281,8 +281,10 @@ def repassed(run: Run) -> list:
         if call.stored is not None:
             sites.setdefault(call.where, []).append(call)
     for calls in sites.values():
-        if len(calls) < 3 or not any(call.shape[2] > 1 for call in calls):
-            continue
+        if len(calls) < 3 or not any(call.shape[2] > 1 for call in calls) \
+                or sum(run.placed(call)[1][:1].tolist() == [0] for call in calls) < 2:
+            continue  # (the one pass and the steps' first chunk both start at position 0: a site with one such call
+            # has no prompt read twice)
         calls.sort(key=lambda call: call.index)
         for slot in _slots(run, calls):
             for chunks, ids in _stepped(run, slot):
