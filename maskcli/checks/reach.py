@@ -108,8 +108,9 @@ def ahead_leaks(cells: np.ndarray) -> np.ndarray | None:
 
 
 def _one_run_a_row(stored: dict) -> bool:
-    """The stored mask keeps one interval of keys a row (trace's intervals form, one a row)."""
-    return stored.get("form") == "intervals" and np.shape(stored["starts"])[-1] == 1
+    """The stored mask keeps one interval of keys a row, the same in every head (trace's intervals form, one a row, one
+    head plane: heads that differ may keep two runs between them, which look_ahead_open reads over the heads)."""
+    return stored.get("form") == "intervals" and np.shape(stored["starts"])[-1] == 1 and stored["planes"][1] == 1
 
 
 def look_ahead_open(run: Run) -> list:
