@@ -27,32 +27,3 @@ def test_a_model_call_after_a_left_out_call_gets_its_own_calls_not_its_neighbour
     assert [call.index for call in run.made_by(first)] == [0, 2]
     assert [call.index for call in run.made_by(second)] == [4, 5]
     assert [call.index for call in run.calls[second.first:second.end]] == [5]  # (what a slice gave)
-
-
-def test_queries_sit_at_cache_positions_that_count_up_but_not_at_positions_that_restart():
-    import numpy as np
-
-    from maskcli.checks.context import queries
-
-    call = SimpleNamespace(shape=(1, 2, 6, 10), details={})
-    cached = Top("model", arguments={"input_pos": np.arange(4, 10)[None]})
-    assert queries(call, cached).tolist() == [4, 5, 6, 7, 8, 9]  # a cache's slots: where the keys are
-    # torchtune's packed input_pos restarts at each document: no cache placement, the queries are the last keys
-    packed = Top("model", arguments={"input_pos": np.array([[0, 1, 2, 0, 1, 2]])})
-    square = SimpleNamespace(shape=(1, 2, 6, 6), details={})
-    assert queries(square, packed).tolist() == [k for k in range(6)]
-
-
-def test_a_cache_position_of_no_axis_places_nothing():
-    """A model call handed cache_position=torch.tensor(4) (0-d: the hunt's x27) states no query's position: queries()
-    places them at the end of the keys, as with no argument (was an IndexError, "a maskcli bug")."""
-    import numpy as np
-
-    from maskcli.checks.context import Top, queries
-
-    class Call:
-        shape, details = (1, 1, 2, 6), {}
-
-    for given in (np.array(4), np.array([[4, 5]])):
-        top = Top("model", arguments={"cache_position": given, "position_ids": np.array(3)})
-        assert queries(Call(), top).tolist() == [4, 5]  # (the 0-d one: the end of the keys; the 2-D one: as stated)

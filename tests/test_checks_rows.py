@@ -226,40 +226,6 @@ def test_mha_causal_mask_that_hides_the_own_token(tmp_path):
     assert tuple(hit["cell"]) == (0, row, row)
 
 
-def test_a_row_masked_only_by_a_finite_float_fill_is_uniform_not_nan_in_mha_and_sdpa():
-    """fairseq's TransformerEncoderLayer fills its context mask with -1e8 and hands key padding beside it: a padding
-    query whose window holds only padding keys gets uniform weights over the -1e8 keys, as MHA computes (no NaN),
-    where the same row filled with -inf is NaN. What the kernel gives is checked here against torch itself."""
-    import torch
-    import torch.nn.functional as F
-
-    from maskcli.checks.rows import what_api_does
-    from maskcli.trace.masks import mha, sdpa
-
-    torch.manual_seed(0)
-    x = torch.randn(4, 1, 8)  # (L, B, E)
-    weights = [torch.randn(24, 8), torch.zeros(24), torch.randn(8, 8), torch.zeros(8)]
-    padding = torch.tensor([[False, False, True, True]])  # keys 2, 3 padding
-    for fill, nan in ((-1e8, False), (float("-inf"), True)):
-        context = torch.zeros(4, 4)
-        context[3, :2] = fill  # query 3 sees keys 2-3 only, both padding
-        args = (x, x, x, 8, 2, *weights[:2], None, None, False, 0.0, *weights[2:])
-        kwargs = {"training": False, "key_padding_mask": padding, "need_weights": True, "attn_mask": context}
-        seen = mha(args, kwargs)
-        call = SimpleNamespace(api="mha", details=seen.details)
-        out, _ = F.multi_head_attention_forward(*args, **kwargs)
-        assert bool(out[3].isnan().any()) is nan  # torch's own answer
-        assert ("NaN" in what_api_does(call)) is nan, what_api_does(call)
-        q = torch.randn(1, 1, 4, 8)
-        float_mask = context.masked_fill(padding[0][None, :].expand(4, 4), float("-inf"))
-        seen = sdpa((q, q, q), {"attn_mask": float_mask})
-        seen.make()
-        call = SimpleNamespace(api="sdpa", details=seen.details)
-        weights_row = torch.softmax(float_mask[3], -1)
-        assert bool(weights_row.isnan().any()) is nan
-        assert ("uniform" in what_api_does(call)) is (not nan), what_api_does(call)
-
-
 def test_later_keys_in_runs_no_slip_of_a_triangle_makes_are_a_note_and_a_slip_stays_suspicious():
     """BD3-LM (block diffusion) attends a noised copy of the sequence over [x_t, x_0]: each noised block both ways
     within itself and over the clean blocks before it, laid after it: later keys in runs of 3, 15, 11, ... keys,
@@ -552,18 +518,21 @@ def _encoder_rows(*flags: str) -> tuple[bool, bool]:
 def test_rows_with_no_key_are_nan_on_mhas_fast_path_and_0_on_its_slow_path_and_in_a_nested_tensor(tmp_path):
     """An encoder's src_key_padding_mask built True on the real tokens (lengths 6, 4: batch row 0 all True, masked
     whole): in eval mode without grad nn.TransformerEncoderLayer runs its fused fast path, which gives those rows NaN
-    (wrong, exit 1); in training MHA's slow path gives them 0 (a note). A correct mask over a batch with an empty
+    (wrong); in training MHA's slow path gives them 0 (a note); either way the script's lengths say the mask is the
+    wrong way round (lengths-inverted, exit 1). A correct mask over a batch with an empty
     sequence, left-aligned, goes into a nested tensor that leaves the empty row out (0 there: a note)."""
     from checkbugs import traced
 
     (tmp_path / "encoder.py").write_text(ENCODER_PADDING)
-    cases = (("6,4", ("--inverted",), "NaN output there (MHA's fast path", 1),
-             ("6,4", ("--inverted", "--train"), "0 output there (SDPA gives rows with no key 0)", 0),
-             ("0,4", (), "0 output there (the encoder's nested tensor", 0))
-    for lengths, flags, said, status_wanted in cases:
+    cases = (("6,4", ("--inverted",), "NaN output there (MHA's fast path", "wrong"),
+             ("6,4", ("--inverted", "--train"), "0 output there (SDPA gives rows with no key 0)", "note"),
+             ("0,4", (), "0 output there (the encoder's nested tensor", "note"))
+    for lengths, flags, said, severity in cases:
         status, found, report = traced(tmp_path, "encoder", False, folder=tmp_path, args=(lengths, *flags))
         empty = [f for f in found if f["code"] == "fully-masked"]
-        assert status == status_wanted and len(empty) == 1 and said in empty[0]["message"], report
-        assert empty[0]["severity"] == ("wrong" if status_wanted else "note"), report
+        assert len(empty) == 1 and said in empty[0]["message"] and empty[0]["severity"] == severity, report
+        # (the script's top-level lengths say the inverted mask is the wrong way round, whichever path ran: turned.py)
+        inverted = [f["severity"] for f in found if f["code"] == "lengths-inverted"]
+        assert (status, inverted) == ((1, ["wrong"]) if "--inverted" in flags else (0, [])), report
     assert _encoder_rows()[0] and not _encoder_rows("--train")[0]  # torch's fast path: NaN; its slow path: none
     assert _encoder_rows("--train")[1]  # (MHA's slow path: 0 on those rows)

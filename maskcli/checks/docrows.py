@@ -19,7 +19,7 @@ import numpy as np
 from maskcli.checks.arguments import document_starts
 from maskcli.checks.context import Run, cross, keep, queries
 from maskcli.checks.registry import Rule
-from maskcli.checks.rows import what_api_does
+from maskcli.checks.kernelrows import what_api_does
 from maskcli.text import Finding, spans
 
 

@@ -11,53 +11,13 @@ import numpy as np
 from maskcli import tracefile
 from maskcli.checks.context import cross
 from maskcli.checks.emptyreal import context_masked_whole, real_but_empty
+from maskcli.checks.kernelrows import what_api_does
 from maskcli.checks.real import by_row
 from maskcli.checks.registry import Rule
 from maskcli.checks.stages import mask_findings as mask_rows
 from maskcli.text import Finding, plane_text, spans
 
 MEANT_LATER = (None, "tril", "triu")  # kinds that mean later keys (full, segment, blocks, ...) are not flagged
-
-
-def what_api_does(call) -> str:
-    """What the call's API makes of a query row that sees no key."""
-    api, details = call.api, call.details
-    if api == "softmax" and details.get("sink_column"):  # GPT-OSS: the row's unmasked sink logit takes all its weight
-        return "0 output there (the sink logit, left out, takes the softmax's whole weight)"
-    if api == "softmax" and details.get("zeroed_after"):  # masked_fill(weights, mask, 0) after it (trace/after.py)
-        return "0 output there (the program zeroes those rows' weights after the softmax)"
-    if api == "softmax" and details.get("zeroed_output") == "values":  # (weights @ v is 0 there: trace/after.py)
-        return "0 output there (the values those rows read are all 0)"
-    if api == "softmax" and details.get("zeroed_output"):  # masked_fill(weights @ v, rows, 0) (trace/after.py)
-        return "0 output there (the program zeroes those rows' output after the product with the values)"
-    if api == "softmax" and details.get("by_hand") not in (None, "exp"):  # silu(scores): trace/pointwise.py
-        return f"0 output there ({details['by_hand']} of a fill weighs every key about 0)"
-    if api == "softmax":
-        return ("NaN weights there (softmax of all -inf)" if details.get("fill") == "-inf" and details.get("nan_rows", True)
-                else "uniform weights over every key there, masked ones included (a finite fill)")
-    if api == "sdpa" and details.get("poison"):  # (trace/maskfacts.poison: NaN or +inf in a float attn_mask)
-        return (f"NaN output there where the mask adds {details['poison']['value']} to the row, 0 where only -inf or a "
-                "low fill masks it (SDPA gives rows with no key 0)")
-    if api in ("mha", "sdpa") and details.get("finite_rows") and not details.get("nan_rows"):
-        return "uniform weights over the keys its float mask fills with a finite value there, not -inf"
-    if api == "mha" and details.get("need_weights"):
-        return "NaN there (MHA with need_weights=True runs its own softmax)"
-    if api == "mha" and details.get("nested"):
-        return "0 output there (the encoder's nested tensor leaves its padded tokens out: they come back 0)"
-    if api == "mha" and details.get("path") == "fast":
-        return "NaN output there (MHA's fast path, taken in eval mode without grad, gives rows with no key NaN)"
-    if api == "flex":
-        return "0 output there (FlexAttention gives rows with no key 0)"
-    if api == "flash":
-        return "0 output there (FlashAttention gives rows with no key 0)"
-    if api == "hf":
-        used = details.get("hf", {}).get("attn_implementation") or "?"
-        if used.startswith(("flash", "flex", "sdpa")):
-            return f"0 output there ({used} gives rows with no key 0)"
-        if used == "eager":
-            return "uniform weights over every key there (HF's eager adds the dtype's lowest value)"
-        return f"what there depends on the attention function {used!r}"
-    return "0 output there (SDPA gives rows with no key 0)"
 
 
 def empty_rows(call, stored: dict, structure) -> list[Finding]:

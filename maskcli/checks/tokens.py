@@ -284,7 +284,7 @@ def targets(run: Run) -> list:
 
 def _uniform(call, cells: np.ndarray) -> np.ndarray:
     """Bool (rows, Lq): the query rows that see no key and whose softmax, over a finite fill, weighs every key alike
-    (rows.what_api_does: a plain softmax whose fill is not -inf, nothing zeroing the row after it, no sink column)."""
+    (kernelrows.what_api_does: a plain softmax whose fill is not -inf, nothing zeroing the row after it, no sink column)."""
     details = call.details
     finite = call.api == "softmax" and details.get("fill") not in (None, "-inf") and not details.get("sink_column") \
         and not details.get("zeroed_after")
