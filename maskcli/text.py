@@ -100,13 +100,13 @@ CONTINUED = "    "  # the indent of a wrapped example's further lines
 
 
 def wrap_example(line: str, width: int) -> list[str]:
-    """An example (`maskcli ...  # comment`) as lines of at most `width` characters, as a shell script writes it:
+    """An example (`maskcli ...  # comment`, or `torchrun ... maskcli ...`) as lines of at most `width` characters, as a shell script writes it:
     a comment too long to follow the command goes on its own `# ` lines above it, and the command breaks at
     spaces (outside quotes where it can) with ` \\` at the end of each line and its further lines indented.
 
     A word longer than a line is left whole (the terminal folds it)."""
     command, _, comment = line.partition("  # ")
-    if len(line) <= width or not line.startswith("maskcli "):
+    if len(line) <= width or not line.startswith(("maskcli ", "torchrun ")):  # (maskcli's, or run under a launcher)
         return [line]
     lines = [f"# {text}" for text in _fill(comment.split(), width - 2)] if comment else []
     limit = width - len(CONTINUED) - 2

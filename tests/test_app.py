@@ -275,7 +275,7 @@ def test_a_wrapped_example_continues_visibly_at_60_columns(name):
         if row.startswith("    "):
             assert rows[at - 1].endswith(" \\"), (name, rows[at - 1], row)  # the shell's continuation
         else:
-            assert row.startswith(("maskcli ", "# ")), (name, row)
+            assert row.startswith(("maskcli ", "torchrun ", "# ")), (name, row)  # (maskcli, or it under a launcher)
         if row.endswith(" \\"):
             assert rows[at + 1].startswith("    "), (name, row)
     # joined back, the lines are the examples as written, each comment before its command

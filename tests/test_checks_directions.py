@@ -59,12 +59,12 @@ def test_espnet2_decoder_without_subsequent_mask(tmp_path):
 
 def test_future_mask_on_the_incremental_path_only(tmp_path):
     """Written another way: buffered_future_mask as the decoder class's method, nn.MultiheadAttention with a
-    key_padding_mask, left-padded targets; the mask applied only with an incremental state. Its fix is quiet."""
+    key_padding_mask, right-padded targets; the mask applied only with an incremental state. Its fix is quiet."""
     status, found, report = traced(tmp_path, "seq2seq_future_mask_incremental_only", False, DIRECTIONS)
     assert status == 1, report
     hit = next(f for f in found if f["code"] == "decoder-mask-not-causal")
     assert hit["severity"] == "wrong" and "buffered_future_mask()" in hit["source"]
-    real = [[0, 0, 1, 1, 1, 1], [1] * 6]  # tokens equal to the padding id 0 lead row 0
+    real = [[1, 1, 1, 1, 0, 0], [1] * 6]  # tokens equal to the padding id 0 end row 0
     assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: k > q and bool(real[b][q] and real[b][k]))
     status, found, report = traced(tmp_path, "seq2seq_future_mask_incremental_only", True, DIRECTIONS)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report

@@ -2,8 +2,10 @@
 
 Written for checks/directions.py (decoder-mask-not-causal), another way than espnet#1539: fairseq-style
 `buffered_future_mask` as a method of the decoder class (not a module function), nn.MultiheadAttention as the kernel
-with a key_padding_mask (True = padding), targets left-padded. Buggy: `attn_mask` is built only when an
-incremental state is given; the fix builds it whenever there is more than one target position.
+with a key_padding_mask (True = padding), targets right-padded (fairseq's left_pad_target=False: left-padded targets
+under a future mask leave the pads' query rows no key, which MHA's fast path in eval mode fills with NaN, and the next
+layer reads that NaN through every row of the sample). Buggy: `attn_mask` is built only when an incremental state is
+given; the fix builds it whenever there is more than one target position.
 """
 import sys
 
@@ -53,7 +55,7 @@ class Seq2SeqDecoder(nn.Module):
 if __name__ == "__main__":
     decoder = Seq2SeqDecoder().eval()
     memory = torch.randn(2, 7, 16)
-    tokens = torch.tensor([[0, 0, 2, 11, 7, 5], [2, 9, 3, 14, 6, 8]])  # left-padded targets, <bos>=2 first
+    tokens = torch.tensor([[2, 11, 7, 5, 0, 0], [2, 9, 3, 14, 6, 8]])  # right-padded targets, <bos>=2 first
     changed = tokens.clone()
     changed[1, 5] = 30
     with torch.no_grad():
