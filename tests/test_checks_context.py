@@ -27,3 +27,21 @@ def test_a_model_call_after_a_left_out_call_gets_its_own_calls_not_its_neighbour
     assert [call.index for call in run.made_by(first)] == [0, 2]
     assert [call.index for call in run.made_by(second)] == [4, 5]
     assert [call.index for call in run.calls[second.first:second.end]] == [5]  # (what a slice gave)
+
+
+def test_keeps_cells_of_intervals_are_tracefiles_own():
+    """context._dense (one interval a row built in one pass, several ORed) against tracefile.dense, on random intervals
+    (empty, reversed and past the keys too; one row for every query or one a query)."""
+    import numpy as np
+
+    from maskcli import tracefile
+    from maskcli.checks.context import _dense
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        b, h, q, k = (int(x) for x in rng.integers(1, 5, 4))
+        rows, intervals = (q if rng.random() < 0.7 else 1), int(rng.integers(1, 3))
+        stored = {"form": "intervals", "planes": [b, h], "shape": [b, h, q, k],
+                  "starts": rng.integers(-1, k + 1, (b * h, rows, intervals)),
+                  "ends": rng.integers(-1, k + 2, (b * h, rows, intervals))}
+        assert np.array_equal(_dense(stored), np.broadcast_to(tracefile.dense(stored), (b, h, q, k)))

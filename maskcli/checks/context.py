@@ -295,6 +295,10 @@ def _dense(stored: dict) -> np.ndarray:
     q_len, k_len = stored["shape"][2:]
     starts, ends = np.asarray(stored["starts"]), np.asarray(stored["ends"])  # (b*h, Lq or 1, K)
     keys = np.arange(k_len)
+    if starts.shape[2] == 1:  # (one interval a row, most masks: no pass to OR it into)
+        cells = (keys >= starts) & (keys < ends)
+        return np.broadcast_to(cells, (b * h, q_len, k_len)).reshape(b, h, q_len, k_len).copy() \
+            if cells.shape[1] != q_len else cells.reshape(b, h, q_len, k_len)
     cells = np.zeros((b * h, q_len, k_len), dtype=bool)
     for k in range(starts.shape[2]):  # (K is small: a pass per interval column, as Intervals.dense)
         cells |= (keys >= starts[:, :, k, None]) & (keys < ends[:, :, k, None])

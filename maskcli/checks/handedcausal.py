@@ -61,8 +61,11 @@ def _finding(call, name: str, table: np.ndarray, rows: int, length: int) -> Find
     if read is None or cells is None or cells.shape[0] not in (1, rows):
         return None
     handed, real = read
+    later = np.triu(handed, 1)  # (later keys the handed mask shows: none in a causal mask, asked first, as the cheapest)
+    if not later.any():
+        return None
     judged = real[:, :, None] & real[:, None, :] & (np.arange(length)[None, None, :] > np.arange(length)[None, :, None])
-    shown, hidden = handed & judged, ~handed & judged  # later real keys the handed mask shows, and hides
+    shown, hidden = later & judged, ~handed & judged  # later real keys the handed mask shows, and hides
     if not shown.any() or not hidden.any():
         return None  # (no direction per query: causal, or both ways everywhere)
     seen = by_row(cells, rows)

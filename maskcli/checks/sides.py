@@ -81,16 +81,12 @@ def sides(run: Run) -> list:
     found, done, statements, sided = [], set(), {}, {}
     for call in [*run.calls, *run.cross]:
         top = run.top(call)
-        cells = keep(call)
-        if top is None or cells is None or not top.arguments:
+        if top is None or call.stored is None or not top.arguments:
             continue
         rows, _, q_len, k_len = call.shape
-        if cells.shape[0] not in (1, rows):
-            continue
         if id(top) not in sided:  # (each model call's sides read once: every layer of it asks the same)
-            sided[id(top)] = {side: side_tokens(top, side) for side in ("src", "trg")}
+            sided[id(top)] = {side: read for side in ("src", "trg") if (read := side_tokens(top, side)) is not None}
         said = sided[id(top)]
-        said = {side: found_ for side, found_ in said.items() if found_ is not None}
         crossing = cross(call)
         if said:
             if crossing:
@@ -118,7 +114,8 @@ def sides(run: Run) -> list:
             sure, judge_keys = True, False  # (a padded key seen: arguments.py's, for this statement)
         else:
             continue
-        if keys_real is None or own_real is None:
+        cells = keep(call)  # (asked once the call states a side: most calls of a run state none)
+        if keys_real is None or own_real is None or cells is None or cells.shape[0] not in (1, rows):
             continue
         key = (call.mask, call.shape, keys_real.tobytes(), own_real.tobytes(), crossing)
         if key in done:
