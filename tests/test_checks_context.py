@@ -45,3 +45,23 @@ def test_keeps_cells_of_intervals_are_tracefiles_own():
                   "starts": rng.integers(-1, k + 1, (b * h, rows, intervals)),
                   "ends": rng.integers(-1, k + 2, (b * h, rows, intervals))}
         assert np.array_equal(_dense(stored), np.broadcast_to(tracefile.dense(stored), (b, h, q, k)))
+
+
+def test_triu_and_tril_by_a_kept_band_are_numpys():
+    """context.triu / tril (a band made once per shape, ANDed) against np.triu / np.tril, on random cells of 2-4 axes,
+    square and not, every diagonal offset; the band is read-only."""
+    import numpy as np
+    import pytest
+
+    from maskcli.checks.context import band, tril, triu
+
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        q, k = (int(x) for x in rng.integers(1, 7, 2))
+        lead = tuple(int(x) for x in rng.integers(1, 3, int(rng.integers(0, 3))))
+        cells = rng.random((*lead, q, k)) < 0.6
+        for offset in range(-k - 1, k + 2):
+            assert np.array_equal(triu(cells, offset), np.triu(cells, offset))
+            assert np.array_equal(tril(cells, offset), np.tril(cells, offset))
+    with pytest.raises(ValueError):
+        band(3, 3, 1, True)[0, 0] = True

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, cross, keep
+from maskcli.checks.context import Run, band, cross, keep
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -35,8 +35,8 @@ def _causal(call) -> bool | None:
     cells = keep(call) if q_len == k_len and q_len > 1 else None
     if cells is None:
         return None
-    later = np.triu(np.ones((q_len, k_len), dtype=bool), 1)
-    earlier = np.tril(np.ones((q_len, k_len), dtype=bool), -1)
+    later = band(q_len, k_len, 1, True)
+    earlier = band(q_len, k_len, -1, False)
     return not (cells & later).any() and bool((cells & earlier).any())
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.context import Run, first_cell, keep, triu
 from maskcli.checks.real import by_row
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -61,7 +61,7 @@ def _finding(call, name: str, table: np.ndarray, rows: int, length: int) -> Find
     if read is None or cells is None or cells.shape[0] not in (1, rows):
         return None
     handed, real = read
-    later = np.triu(handed, 1)  # (later keys the handed mask shows: none in a causal mask, asked first, as the cheapest)
+    later = triu(handed, 1)  # (later keys the handed mask shows: none in a causal mask, asked first, as the cheapest)
     if not later.any():
         return None
     judged = real[:, :, None] & real[:, None, :] & (np.arange(length)[None, None, :] > np.arange(length)[None, :, None])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.arguments import _cells_by_row
-from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, queries
+from maskcli.checks.context import Run, columns_are_positions, cross, first_cell, queries, triu
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -29,7 +29,7 @@ def named_causal(run: Run) -> list:
             continue
         name, kept = said
         rows, length = kept.shape[0], kept.shape[-1]
-        later = np.triu(kept, k=1)
+        later = triu(kept, k=1)
         if not later.any() or call.shape[2] != length or call.shape[3] != length \
                 or not columns_are_positions(call, top) or int(queries(call, top)[0]) != 0:
             continue

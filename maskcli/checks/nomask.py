@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, cross, equals, first_cell, keep
+from maskcli.checks.context import Run, cross, equals, first_cell, keep, triu
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -63,7 +63,7 @@ def none_differs(run: Run) -> list:
                 read.append((call, top, state, cells))
         causal = [one for one in read if equals(one[3], "causal")]
         for call, top, state, cells in read:
-            later = np.triu(cells, k=1)
+            later = triu(cells, k=1)
             if not later.any():
                 continue
             other = next((one for one in causal if one[2] != state and one[0].shape == call.shape and _same_else(one[1], top)),

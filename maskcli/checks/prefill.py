@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.config import layer_kind
-from maskcli.checks.context import DENSE_CELLS, Run, first_cell, found_padding, keep, layer, queries
+from maskcli.checks.context import DENSE_CELLS, Run, band, first_cell, found_padding, keep, layer, queries
 from maskcli.checks.boundaries import _index
 from maskcli.checks.real import read_off, stated
 from maskcli.checks.own import repeated
@@ -314,7 +314,7 @@ def _later(run: Run, call, chunks: list, ids: np.ndarray, steps: np.ndarray) -> 
         return None
     one = np.broadcast_to(cells.any(axis=1), (ids.shape[0], length, length))
     real = steps[:, :length, :length].any(axis=1)  # (B, keys): keys some step shows (its real tokens)
-    later = one & ~steps[:, :length, :length] & np.triu(np.ones((length, length), dtype=bool), 1) & real[:, None, :] \
+    later = one & ~steps[:, :length, :length] & band(length, length, 1, True) & real[:, None, :] \
         & real[:, :, None]  # (later keys a step's own block shows too: a block both ways, as the one pass has it)
     if not later.any():
         return None

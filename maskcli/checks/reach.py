@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, cross, first_cell, keep
+from maskcli.checks.context import Run, band, cross, first_cell, keep
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -28,7 +28,7 @@ def leaks(cells: np.ndarray) -> np.ndarray | None:
     costs more than MOST. Only keys some earlier query sees, or whose own row sees a later key, can carry one (none
     under a triangle or a window: the common case costs one pass)."""
     rows, length, _ = cells.shape
-    later = np.triu(np.ones((length, length), dtype=bool), 1)
+    later = band(length, length, 1, True)
     through = np.flatnonzero((cells & later[None]).any(axis=(0, 1)) | (cells & later[None]).any(axis=(0, 2)))
     if through.size == 0:
         return np.zeros_like(cells)
@@ -98,7 +98,7 @@ def ahead_leaks(cells: np.ndarray) -> np.ndarray | None:
     ahead = _look_ahead(cells)
     if not ahead.any():
         return np.zeros_like(cells)
-    later = np.triu(np.ones((length, length), dtype=bool), 1)
+    later = band(length, length, 1, True)
     opened = cells & later[None] & ahead[:, :, None]  # (rows, q, k): later keys a look-ahead row sees
     through = np.flatnonzero(opened.any(axis=(0, 1)))
     if rows * length * length * through.size > MOST:

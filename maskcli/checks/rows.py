@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli import tracefile
-from maskcli.checks.context import cross
+from maskcli.checks.context import cross, triu
 from maskcli.checks.emptyreal import context_masked_whole, real_but_empty
 from maskcli.checks.kernelrows import what_api_does
 from maskcli.checks.real import by_row
@@ -259,11 +259,11 @@ def _both_ways(cells: np.ndarray, q_len: int, k_len: int) -> bool:
         return False
     planes = cells.reshape(-1, q_len, k_len)
     back = np.swapaxes(planes, -1, -2)
-    if (np.triu(planes, k=1) & ~back).any():
+    if (triu(planes, k=1) & ~back).any():
         return False
     # and among the queries that see later keys, each sees those earlier ones that see it: a window or a span is
     # symmetric there; a causal mask one key off (tril(1)) sees every earlier key and is seen by one
-    ahead = np.triu(planes, k=1).any(axis=-1)  # (B*H, Lq)
+    ahead = triu(planes, k=1).any(axis=-1)  # (B*H, Lq)
     among = ahead[:, :, None] & ahead[:, None, :]
     return not bool((among & (planes != back)).any())
 
@@ -318,7 +318,7 @@ def given_later(keep4: np.ndarray, structure, q_offset: int = 0) -> list[Finding
     q_len, k_len = keep4.shape[-2:]
     if q_len > k_len:
         return []  # more queries than keys: a cross-attention's, whose queries have no place among its keys
-    later = np.triu(keep4, k=k_len - q_len + 1)  # on the last two axes
+    later = triu(keep4, k=k_len - q_len + 1)  # on the last two axes
     rows = np.flatnonzero(later.any(axis=-1).any(axis=(0, 1))).tolist()
     if not rows:
         return []

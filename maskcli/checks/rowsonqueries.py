@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, cross, first_cell, keep
+from maskcli.checks.context import Run, cross, first_cell, keep, triu
 from maskcli.checks.held import readings
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -50,7 +50,7 @@ def _finding(call, helds: list, rows: int, length: int) -> Finding | None:
     if not (plane == plane[:1]).all():
         return None  # (the mask differs by batch row: the padding reached the rows)
     plane = plane[0]
-    if not np.triu(plane, 1).any():
+    if not triu(plane, 1).any():
         return None  # (no query sees a later key: a causal mask, read as one)
     ids = tuple(h["rows"] for h in helds if h["kind"] == "ids")
     for held in helds:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, columns_are_positions, equals, first_cell, found_padding, keep, queries
+from maskcli.checks.context import Run, columns_are_positions, equals, first_cell, found_padding, keep, queries, triu
 from maskcli.checks.real import Real, by_row, resolve
 from maskcli.checks.reqlens import stated_first
 from maskcli.checks.registry import Rule
@@ -268,7 +268,7 @@ def causal_lost(run: Run) -> list:
             if causal is None and equals(cells, "causal"):
                 causal = call
                 continue
-            later = np.triu(cells, k=1)
+            later = triu(cells, k=1)
             if causal is not None and later.any():
                 b, h, q, k = first_cell(later)
                 found.append((call, Finding("causal-lost", (
