@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.arguments import document_starts
-from maskcli.checks.context import Run, cross, keep, queries
+from maskcli.checks.context import Run, band, cross, keep, queries
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans, step_label
 
@@ -28,7 +28,7 @@ def _kind(block: np.ndarray) -> str | None:
     n = block.shape[-1]
     if block.all():
         return "full"
-    if (block == np.tril(np.ones((n, n), dtype=bool))).all():
+    if (block == band(n, n, 0, False)).all():
         return "causal"
     return None
 
@@ -141,7 +141,7 @@ def _first(cells, labels, live, alone):
 def _cell(block: np.ndarray, kind: str) -> tuple[int, int]:
     """(query, key) in the document of the first cell that differs from `kind` (over the heads)."""
     n = block.shape[-1]
-    want = np.ones((n, n), dtype=bool) if kind == "full" else np.tril(np.ones((n, n), dtype=bool))
+    want = np.ones((n, n), dtype=bool) if kind == "full" else band(n, n, 0, False)
     q, k = np.argwhere((block != want).any(axis=0))[0]
     return int(q), int(k)
 

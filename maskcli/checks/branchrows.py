@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, keep
+from maskcli.checks.context import Run, band, keep
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -31,7 +31,7 @@ def _causal(call) -> bool:
     if cells is None or cells.shape[2] != cells.shape[3]:
         return False
     n = cells.shape[2]
-    later = np.triu(np.ones((n, n), dtype=bool), 1)
+    later = band(n, n, 1, True)
     return not cells[..., later].any() and bool(cells[..., np.arange(n), np.arange(n)].all())
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.context import Run, band, first_cell, keep
 from maskcli.checks.real import by_row, resolve
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -95,7 +95,7 @@ def _appended(cells: np.ndarray, real: np.ndarray, positions: np.ndarray, end: i
         return k_len
     asking = np.broadcast_to(real[:, None, :], cells.shape[:3])
     block = cells[..., tail:]  # (B, H, Lq, Lq): the appended keys, causal among the step's queries
-    causal = np.tril(np.ones((q_len, q_len), dtype=bool))
+    causal = band(q_len, q_len, 0, False)
     at = positions[:q_len].astype(np.int64)
     slot = cells[:, :, np.arange(q_len), np.clip(at, 0, k_len - 1)]  # (B, H, Lq): its slot read as its position
     if asking.any() and ((block == causal) | ~asking[..., None]).all() and not (slot & asking).any():

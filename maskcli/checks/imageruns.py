@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.context import Run, band, first_cell, keep
 from maskcli.checks.items import placed
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import runs
@@ -57,7 +57,7 @@ def later_image(run: Run) -> list:
             n = call.shape[2]
             ids = runs(is_image[None, offset:offset + n])[0]  # (a request's own runs: an image never spans two)
             seen = cells.any(axis=(0, 1))
-            later = np.triu(np.ones((n, n), dtype=bool), 1)
+            later = band(n, n, 1, True)
             image_q = (ids[:, None] >= 0) & (ids[None, :] >= 0)
             both_ways = both_ways or bool((seen & later & image_q & (ids[:, None] == ids[None, :])).any())
             other = seen & later & image_q & (ids[:, None] != ids[None, :])
