@@ -234,3 +234,31 @@ def test_a_pad_mask_is_read_the_way_round_its_ids_say():
         # without ids to say otherwise, torch's reading stands
         real, _, _ = stated(Top("Model", arguments={name: ones_on_tokens}), 2, 4)
         assert real.tolist() == [[not cell for cell in row] for row in expected]
+
+
+def test_real_tokens_read_off_runs_are_read_offs():
+    """real.read_off_runs (one run of keys a row, read off starts and ends: no pass over the cells) against read_off of
+    the same cells, on random runs (empty, full, padded rows), square and behind a cache; and resolve reads a call's own
+    stored runs as its cells."""
+    import numpy as np
+
+    from maskcli.checks.real import _runs, read_off, read_off_runs
+
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        rows, q_len = int(rng.integers(1, 4)), int(rng.integers(1, 7))
+        k_len = q_len + int(rng.integers(0, 4))
+        own = np.arange(k_len - q_len, k_len)
+        starts = rng.integers(0, k_len + 1, (rows, q_len))
+        ends = np.maximum(starts, rng.integers(0, k_len + 1, (rows, q_len)))
+        if rng.random() < 0.3:
+            starts[:, int(rng.integers(0, q_len))] = 0  # (a full row now and then)
+            ends[:, :] = np.where(rng.random((rows, q_len)) < 0.5, k_len, ends)
+        cells = (np.arange(k_len) >= starts[..., None]) & (np.arange(k_len) < ends[..., None])
+        keys, mine = read_off_runs(starts, ends, own, k_len)
+        want_keys, want_mine = read_off(cells, own)
+        assert np.array_equal(keys, want_keys) and np.array_equal(mine, want_mine)
+        stored = {"form": "intervals", "planes": [rows, 1], "shape": [rows, 1, q_len, k_len],
+                  "starts": starts[:, :, None], "ends": ends[:, :, None]}
+        read = _runs(stored, rows, q_len, k_len)
+        assert np.array_equal(read[0], starts) and np.array_equal(read[1], ends)

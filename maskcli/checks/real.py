@@ -219,14 +219,50 @@ def read_off(cells: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return keys, mine & ~empty
 
 
-def resolve(call, top, cells: np.ndarray) -> Real:
+def read_off_runs(starts: np.ndarray, ends: np.ndarray, own: np.ndarray, k_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """read_off of cells that keep one run [start, end) of keys a row (starts, ends: (B, Lq), clipped to the keys),
+    without a pass over the cells: a counted query's run added to its row's keys by a difference array."""
+    rows, q_len = starts.shape
+    empty = starts >= ends
+    full = (starts <= 0) & (ends >= k_len) & (q_len > 1) & (own < k_len - 1)[None, :]
+    full &= ~full.all(axis=1, keepdims=True)
+    counted = ~(empty | full)
+    steps = np.zeros((rows, k_len + 1), dtype=np.int64)
+    b, q = np.nonzero(counted)
+    np.add.at(steps, (b, starts[b, q]), 1)
+    np.add.at(steps, (b, ends[b, q]), -1)
+    seen = np.cumsum(steps[:, :k_len], axis=1) > 0
+    padded = ~seen & seen.any(axis=0, keepdims=True) if rows > 1 else np.zeros_like(seen)
+    keys = ~padded
+    inside = (own >= 0) & (own < k_len)
+    mine = np.zeros((rows, q_len), dtype=bool)
+    mine[:, inside] = keys[:, own[inside]]
+    return keys, mine & ~empty
+
+
+def _runs(stored: dict | None, rows: int, q_len: int, k_len: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(starts, ends) (rows, Lq) of a stored mask of one run of keys a row and one head plane (its rows over the heads
+    are those runs), clipped to the keys; None for any other."""
+    if stored is None or stored.get("form") != "intervals" or np.shape(stored["starts"])[-1] != 1 \
+            or stored["planes"][1] != 1 or stored["planes"][0] not in (1, rows):
+        return None
+    b = stored["planes"][0]
+    starts = np.minimum(np.maximum(np.asarray(stored["starts"])[..., 0], 0), k_len)
+    ends = np.maximum(np.minimum(np.asarray(stored["ends"])[..., 0], k_len), starts)
+    shape = (rows, q_len)
+    return np.broadcast_to(starts.reshape(b, -1), shape), np.broadcast_to(ends.reshape(b, -1), shape)
+
+
+def resolve(call, top, cells: np.ndarray, own_cells: bool = False) -> Real:
     """The real keys and queries of `call` (cells: bool (B, Lq, Lk) over the heads, batch rows broadcast), stated
-    where the model call states them for the call's keys, else read off the cells."""
+    where the model call states them for the call's keys, else read off the cells. `own_cells`: the cells are the call's
+    own stored mask over its heads (by_row(keep(call))), read off its intervals where it keeps one a row."""
     rows, q_len, k_len = cells.shape
     own = queries(call, top)
     said = stated(top, rows, k_len)
     if said is None:
-        keys, mine = read_off(cells, own)
+        runs = _runs(call.stored, rows, q_len, k_len) if own_cells else None
+        keys, mine = read_off(cells, own) if runs is None else read_off_runs(*runs, own, k_len)
         return Real(keys, mine, None)
     keys, source, sure = said
     if kept_turned(source, keys, cells, own):  # (KerasHub's `padding_mask`, True on the tokens, kept to exactly)

@@ -75,7 +75,7 @@ def _prefill(call, top):
     cells = keep(call)
     if cells is None or not columns_are_positions(call, top):
         return None
-    real = resolve(call, top, by_row(cells, max(cells.shape[0], call.shape[0])))
+    real = resolve(call, top, by_row(cells, max(cells.shape[0], call.shape[0])), own_cells=True)
     own = queries(call, top)
     padded = ~real.keys
     # (keys a real query of the row sees are not padding the prefill kept: a stated padding it ignored is

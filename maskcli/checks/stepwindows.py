@@ -32,7 +32,7 @@ def _shown(call, top, own: np.ndarray) -> int | None:
     cells = keep(call)
     if cells is None:
         return None
-    real = resolve(call, top, by_row(cells, max(cells.shape[0], call.shape[0])))
+    real = resolve(call, top, by_row(cells, max(cells.shape[0], call.shape[0])), own_cells=True)
     return _window(np.broadcast_to(cells, (real.keys.shape[0], *cells.shape[1:])), own, real, call.stored)
 
 
