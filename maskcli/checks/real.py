@@ -250,7 +250,8 @@ def _runs(stored: dict | None, rows: int, q_len: int, k_len: int) -> tuple[np.nd
     starts = np.minimum(np.maximum(np.asarray(stored["starts"])[..., 0], 0), k_len)
     ends = np.maximum(np.minimum(np.asarray(stored["ends"])[..., 0], k_len), starts)
     shape = (rows, q_len)
-    return np.broadcast_to(starts.reshape(b, -1), shape), np.broadcast_to(ends.reshape(b, -1), shape)
+    per = starts.shape[-1]  # (rows of a plane: Lq, or 1 for every query; named, as a batch of 0 rows has no -1)
+    return np.broadcast_to(starts.reshape(b, per), shape), np.broadcast_to(ends.reshape(b, per), shape)
 
 
 def resolve(call, top, cells: np.ndarray, own_cells: bool = False) -> Real:

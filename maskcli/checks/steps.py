@@ -56,7 +56,7 @@ def _runs(stored: dict | None, shape: tuple) -> tuple[np.ndarray, np.ndarray] | 
     k_len = shape[-1]
     starts = np.minimum(np.maximum(np.asarray(stored["starts"])[..., 0], 0), k_len)  # (np.clip costs three times this)
     ends = np.maximum(np.minimum(np.asarray(stored["ends"])[..., 0], k_len), starts)
-    starts, ends = starts.reshape(b, h, -1), ends.reshape(b, h, -1)
+    starts, ends = starts.reshape(b, h, starts.shape[-1]), ends.reshape(b, h, ends.shape[-1])  # (no -1: a batch of 0 rows)
     return np.broadcast_to(starts, shape[:-1]), np.broadcast_to(ends, shape[:-1])
 
 
