@@ -210,13 +210,7 @@ def read_off(cells: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray
     full = cells.all(axis=-1) & (q_len > 1) & (own < k_len - 1)[None, :]  # (the last query sees every key: causal)
     full &= ~full.all(axis=1, keepdims=True)  # rows that see every key where others do not (unmasked padding rows)
     counted = ~(empty | full)
-    seen = (cells & counted[:, :, None]).any(axis=1)  # (B, Lk): keys a counted query sees
-    padded = ~seen & seen.any(axis=0, keepdims=True) if rows > 1 else np.zeros_like(seen)
-    keys = ~padded
-    inside = (own >= 0) & (own < k_len)
-    mine = np.zeros((rows, q_len), dtype=bool)
-    mine[:, inside] = keys[:, own[inside]]
-    return keys, mine & ~empty
+    return _real((cells & counted[:, :, None]).any(axis=1), empty, own)  # (B, Lk): keys a counted query sees
 
 
 def read_off_runs(starts: np.ndarray, ends: np.ndarray, own: np.ndarray, k_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -231,11 +225,17 @@ def read_off_runs(starts: np.ndarray, ends: np.ndarray, own: np.ndarray, k_len: 
     b, q = np.nonzero(counted)
     np.add.at(steps, (b, starts[b, q]), 1)
     np.add.at(steps, (b, ends[b, q]), -1)
-    seen = np.cumsum(steps[:, :k_len], axis=1) > 0
+    return _real(np.cumsum(steps[:, :k_len], axis=1) > 0, empty, own)
+
+
+def _real(seen: np.ndarray, empty: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(real keys, real queries) of read_off: keys no counted query of a row sees, where another row's sees them, are
+    padding; a query is real where its own key is and it sees some key."""
+    rows, k_len = seen.shape
     padded = ~seen & seen.any(axis=0, keepdims=True) if rows > 1 else np.zeros_like(seen)
     keys = ~padded
     inside = (own >= 0) & (own < k_len)
-    mine = np.zeros((rows, q_len), dtype=bool)
+    mine = np.zeros(empty.shape, dtype=bool)
     mine[:, inside] = keys[:, own[inside]]
     return keys, mine & ~empty
 
