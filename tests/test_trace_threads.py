@@ -145,3 +145,23 @@ def test_how_a_subprocess_is_named():
     assert python_child(["/usr/bin/python3.11", "-X", "dev", "-m", "pkg.mod", "x"], {"RANK": "3"}) == "rank 3: python -m pkg.mod"
     assert python_child("python eval.py --fast", None) == "python eval.py"
     assert python_child(["git", "rev-parse", "HEAD"], None) is None and python_child([], None) is None
+
+
+def test_torchs_own_compile_workers_are_not_named(monkeypatch):
+    """A Popen that torch's own code starts (inductor's compile workers: `python -c ...` from torch/_inductor) is torch's
+    helper, not the program's child, as torch's pool threads are; one with a RANK (a launcher's rank) still is."""
+    import subprocess
+    import sys
+    import types
+
+    import torch
+
+    source = "def start(args, env=None):\n    return subprocess.run(args, env=env, check=True)\n"
+    module = types.ModuleType("fake_torch_pool")
+    module.subprocess = subprocess
+    exec(compile(source, os.path.join(os.path.dirname(torch.__file__), "_fake_pool.py"), "exec"), module.__dict__)
+    with maskcli.trace() as t:
+        module.start([sys.executable, "-c", "pass"])
+        module.start([sys.executable, "-c", "pass"], env={**os.environ, "RANK": "0"})
+    assert t.notes()[0] == ("1 child process not traced (they run in memory of their own; trace the code they run on "
+                            "its own): rank 0: python -c")

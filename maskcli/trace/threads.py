@@ -84,6 +84,8 @@ class Threads:
 
         def popen_(process, args, *rest, **kwargs):
             name = python_child(args, kwargs.get("env"))
+            if name is not None and not name.startswith("rank ") and _torchs_own():
+                name = None  # (torch's own workers, inductor's compile pool: not the program's, as its threads)
             if name is not None:
                 with watch._lock:
                     watch.processes.append(name)
@@ -118,6 +120,19 @@ class Threads:
                          "traces every rank and reports them together (torchrun --nproc-per-node 2 --no-python maskcli "
                          "trace SCRIPT.py)")
         return found
+
+
+def _torchs_own() -> bool:
+    """The subprocess.Popen running now was started by torch's own code (the first frame outside subprocess.py and
+    this module is torch's: inductor's compile workers), not by the program."""
+    import sys
+
+    import torch
+
+    frame, here, torch_dir = sys._getframe(2), os.path.dirname(__file__), os.path.dirname(torch.__file__)
+    while frame is not None and frame.f_code.co_filename.endswith("subprocess.py"):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith((torch_dir + os.sep, here + os.sep))
 
 
 def python_child(args, env) -> str | None:
