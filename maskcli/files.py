@@ -94,8 +94,10 @@ def check_output_path(path: str, suffixes: tuple[str, ...], flag: str, name: str
     except OSError as error:
         raise MaskError(f"{flag} {path!r}: directory {str(parent)!r} is not a place files can be written "
                         f"({error.strerror or error}): write somewhere else") from None
-    os.close(handle)
-    os.unlink(probe)
+    try:  # (a kill now must not leave the probe behind: "whole, or nothing")
+        os.close(handle)
+    finally:
+        os.unlink(probe)
     return out
 
 
