@@ -286,6 +286,23 @@ _DENSE: dict[int, tuple[dict, np.ndarray]] = {}
 _held = 0  # bytes in _DENSE
 
 
+def one_run_a_row(stored: dict | None) -> bool:
+    """The stored mask keeps one interval of keys a row (trace's intervals form, one interval a row)."""
+    return stored is not None and stored.get("form") == "intervals" and np.shape(stored["starts"])[-1] == 1
+
+
+def runs(stored: dict | None, k_len: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(starts, ends) (b, h, Lq or 1) of a stored mask of one interval a row, clipped to the keys (an empty run: its end
+    at its start), read without a pass over the cells; None for any other form."""
+    if not one_run_a_row(stored):
+        return None
+    b, h = stored["planes"]
+    starts = np.minimum(np.maximum(np.asarray(stored["starts"])[..., 0], 0), k_len)  # (np.clip costs three times this)
+    ends = np.maximum(np.minimum(np.asarray(stored["ends"])[..., 0], k_len), starts)
+    per = starts.shape[-1]  # (Lq, or 1 for every query; named: a batch of 0 rows has no -1 to reshape by)
+    return starts.reshape(b, h, per), ends.reshape(b, h, per)
+
+
 def _dense(stored: dict) -> np.ndarray:
     """tracefile.dense of a mask keep() reads (at most DENSE_CELLS cells, so no free-memory check): every plane in one
     pass per interval column, not a pass per plane (the rules read every stored mask of a run)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, band, cross, first_cell, keep
+from maskcli.checks.context import Run, band, cross, first_cell, keep, one_run_a_row
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding, spans
 
@@ -107,20 +107,15 @@ def ahead_leaks(cells: np.ndarray) -> np.ndarray | None:
     return reached & ~cells & later[None]
 
 
-def _one_run_a_row(stored: dict) -> bool:
-    """The stored mask keeps one interval of keys a row, the same in every head (trace's intervals form, one a row, one
-    head plane: heads that differ may keep two runs between them, which look_ahead_open reads over the heads)."""
-    return stored.get("form") == "intervals" and np.shape(stored["starts"])[-1] == 1 and stored["planes"][1] == 1
-
-
 def look_ahead_open(run: Run) -> list:
     """Self-attention calls, two or more of one model call sharing the mask, whose look-ahead rows read later tokens
     through later keys they see."""
     found = []
     for top in run.tops:
         for call, cells, sharing in _shared(run, top):
-            if _one_run_a_row(call.stored):
-                continue  # (a row of one run of keys masks no key before another it sees: no look-ahead row)
+            if one_run_a_row(call.stored) and call.stored["planes"][1] == 1:
+                continue  # (a row of one run of keys masks no key before another it sees: no look-ahead row; heads that
+                # differ may keep two runs between them, read over the heads below)
             cells = cells.any(axis=1)
             bad = ahead_leaks(cells)
             if bad is None or not bad.any():

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from maskcli.checks.context import keep, queries, real_queries
+from maskcli.checks.context import keep, queries, real_queries, runs
 from maskcli.checks.plainpad import ids_padding
 
 PADDING_TRUE = ("key_padding_mask", "padding_mask", "pad_mask")  # True (1) = padding
@@ -242,16 +242,11 @@ def _real(seen: np.ndarray, empty: np.ndarray, own: np.ndarray) -> tuple[np.ndar
 
 def _runs(stored: dict | None, rows: int, q_len: int, k_len: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(starts, ends) (rows, Lq) of a stored mask of one run of keys a row and one head plane (its rows over the heads
-    are those runs), clipped to the keys; None for any other."""
-    if stored is None or stored.get("form") != "intervals" or np.shape(stored["starts"])[-1] != 1 \
-            or stored["planes"][1] != 1 or stored["planes"][0] not in (1, rows):
+    are those runs: context.runs); None for any other."""
+    if stored is None or stored["planes"][1] != 1 or stored["planes"][0] not in (1, rows):
         return None
-    b = stored["planes"][0]
-    starts = np.minimum(np.maximum(np.asarray(stored["starts"])[..., 0], 0), k_len)
-    ends = np.maximum(np.minimum(np.asarray(stored["ends"])[..., 0], k_len), starts)
-    shape = (rows, q_len)
-    per = starts.shape[-1]  # (rows of a plane: Lq, or 1 for every query; named, as a batch of 0 rows has no -1)
-    return np.broadcast_to(starts.reshape(b, per), shape), np.broadcast_to(ends.reshape(b, per), shape)
+    found = runs(stored, k_len)
+    return None if found is None else tuple(np.broadcast_to(one[:, 0], (rows, q_len)) for one in found)
 
 
 def resolve(call, top, cells: np.ndarray, own_cells: bool = False) -> Real:
@@ -262,8 +257,8 @@ def resolve(call, top, cells: np.ndarray, own_cells: bool = False) -> Real:
     own = queries(call, top)
     said = stated(top, rows, k_len)
     if said is None:
-        runs = _runs(call.stored, rows, q_len, k_len) if own_cells else None
-        keys, mine = read_off(cells, own) if runs is None else read_off_runs(*runs, own, k_len)
+        bounds = _runs(call.stored, rows, q_len, k_len) if own_cells else None
+        keys, mine = read_off(cells, own) if bounds is None else read_off_runs(*bounds, own, k_len)
         return Real(keys, mine, None)
     keys, source, sure = said
     if kept_turned(source, keys, cells, own):  # (KerasHub's `padding_mask`, True on the tokens, kept to exactly)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, columns_are_positions, equals, first_cell, found_padding, keep, queries, triu
+from maskcli.checks.context import Run, columns_are_positions, equals, first_cell, found_padding, keep, queries, runs, triu
 from maskcli.checks.real import Real, by_row, resolve
 from maskcli.checks.reqlens import stated_first
 from maskcli.checks.registry import Rule
@@ -27,17 +27,17 @@ def _window(cells: np.ndarray, own: np.ndarray, real: Real, stored: dict | None 
     test that needs every query row to see a key fails on every left-padded batch. `stored`: the call's stored mask
     `cells` broadcast, read off its intervals where each row is one (no pass over the cells)."""
     judged = np.broadcast_to(real.queries[:, None, :], cells.shape[:-1])  # (B, H, Lq)
-    runs = _runs(stored, cells.shape)
-    seen = cells.any(axis=-1) if runs is None else runs[0] < runs[1]
+    bounds = _runs(stored, cells.shape)
+    seen = cells.any(axis=-1) if bounds is None else bounds[0] < bounds[1]
     if not judged.any() or not seen[judged].all():
         return None
     k_len = cells.shape[-1]
-    first = cells.argmax(axis=-1) if runs is None else runs[0]  # (B, H, Lq) (read on judged rows only: each sees a key)
+    first = cells.argmax(axis=-1) if bounds is None else bounds[0]  # (B, H, Lq) (read on judged rows only: each sees a key)
     start = np.broadcast_to(real.keys.argmax(axis=-1)[:, None, None], first.shape)  # each row's first real key
     if not (first > start)[judged].any():
         return None  # a window that never cuts (a causal prefill's: asked first, as the cheapest)
-    last = k_len - 1 - cells[..., ::-1].argmax(axis=-1) if runs is None else runs[1] - 1
-    count = np.count_nonzero(cells, axis=-1) if runs is None else runs[1] - runs[0]
+    last = k_len - 1 - cells[..., ::-1].argmax(axis=-1) if bounds is None else bounds[1] - 1
+    count = np.count_nonzero(cells, axis=-1) if bounds is None else bounds[1] - bounds[0]
     own3 = np.broadcast_to(own[None, None, :], first.shape)
     if not (last == own3)[judged].all() or not (count == last - first + 1)[judged].all():
         return None  # not one run ending at the query's own key
@@ -48,16 +48,10 @@ def _window(cells: np.ndarray, own: np.ndarray, real: Real, stored: dict | None 
 
 
 def _runs(stored: dict | None, shape: tuple) -> tuple[np.ndarray, np.ndarray] | None:
-    """(first key, end) of each row's one run of kept keys, broadcast to `shape[:-1]`, from a stored mask of one interval
-    a row (clipped to the keys); None for any other form."""
-    if stored is None or stored.get("form") != "intervals" or np.shape(stored["starts"])[-1] != 1:
-        return None
-    b, h = stored["planes"]
-    k_len = shape[-1]
-    starts = np.minimum(np.maximum(np.asarray(stored["starts"])[..., 0], 0), k_len)  # (np.clip costs three times this)
-    ends = np.maximum(np.minimum(np.asarray(stored["ends"])[..., 0], k_len), starts)
-    starts, ends = starts.reshape(b, h, starts.shape[-1]), ends.reshape(b, h, ends.shape[-1])  # (no -1: a batch of 0 rows)
-    return np.broadcast_to(starts, shape[:-1]), np.broadcast_to(ends, shape[:-1])
+    """(first key, end) of each row's one run of kept keys (context.runs), broadcast to `shape[:-1]`; None for a mask of
+    another form."""
+    found = runs(stored, shape[-1])
+    return None if found is None else (np.broadcast_to(found[0], shape[:-1]), np.broadcast_to(found[1], shape[:-1]))
 
 
 def prefill_once(run: Run, call, top):
