@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from maskcli.trace.codes import ByCode
+from maskcli.trace.toplevel import read_by
 
 KEEP = re.compile(r"(?:^|_)attention_mask$|^mask$|^input_mask$")  # 1 = a real token
 PAD = re.compile(r"(?:^|_)(?:key_)?padding_mask$|(?:^|_)pad_mask$|(?:^|_)is_pad$")  # True = padding
@@ -105,8 +106,6 @@ def padding(frames: list | None = None) -> list[dict] | None:
         innermost = innermost or frame
         top, start = frame.f_code.co_name == "<module>", len(found)
         if held and top:  # (a script's globals: those its running statement reads, tagged "top": trace/toplevel.py)
-            from maskcli.trace.toplevel import read_by
-
             running = read_by(frame.f_code, frame.f_lineno)
             held = tuple(name for name in held if name in running)
         if held:

@@ -20,7 +20,13 @@ DEPTH = 8  # assignments followed back from the running statement at most
 def read_by(code, line: int) -> frozenset:
     """The global names the top-level statement of `code` (a module's code) at `line` reads, with the names every
     top-level assignment of those names read, DEPTH assignments back; empty where the source cannot be read."""
-    statements, assigned = _parsed(code.co_filename)
+    return _read_by(code.co_filename, line)
+
+
+@functools.lru_cache(maxsize=1024)
+def _read_by(filename: str, line: int) -> frozenset:
+    """read_by, once per script line (a script's loop makes its attention calls from one line, over and over)."""
+    statements, assigned = _parsed(filename)
     running = None
     for first, last, names in statements:  # (the innermost statement at the line: the shortest that holds it)
         if first <= line <= last and (running is None or last - first < running[1] - running[0]):
