@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli import tracefile
-from maskcli.checks.context import cross, triu
+from maskcli.checks.context import cross, tril, triu
 from maskcli.checks.emptyreal import context_masked_whole, real_but_empty
 from maskcli.checks.kernelrows import what_api_does
 from maskcli.checks.real import by_row
@@ -237,7 +237,7 @@ def _read_queries(cells: np.ndarray, own: np.ndarray) -> np.ndarray:
     full &= ~full.all(axis=1, keepdims=True)  # of a causal mask sees every key)
     if full.any():
         column = planes[:, :, np.clip(own, 0, k_len - 1)]  # (B, row r, query q): r sees q's own key
-        full &= ~np.tril(column, k=-1).any(axis=1) & (own >= 0)[None, :]  # (no row after q sees it)
+        full &= ~tril(column, k=-1).any(axis=1) & (own >= 0)[None, :]  # (no row after q sees it)
     real = read_off(planes, own)[1] if planes.shape[0] > 1 else np.ones_like(full)
     return real & ~full
 
