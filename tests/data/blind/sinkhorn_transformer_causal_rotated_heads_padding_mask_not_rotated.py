@@ -56,6 +56,7 @@ def max_neg_value(tensor):
     return -torch.finfo(tensor.dtype).max
 
 def cumavg(t, dim):
+    # the same commit added dtype=t.dtype here; true division gives the same float result either way
     r = torch.arange(1, t.shape[dim] + 1, device=t.device, dtype=t.dtype)
     expand_slice = [None] * len(t.shape)
     expand_slice[dim] = slice(None, None)
