@@ -204,3 +204,14 @@ def test_an_in_place_add_of_a_float_mask_or_of_a_bool_outside_the_scores_is_no_b
         torch.softmax(scores, dim=-1)
 
     assert [f for f in traced(program) if f[0] == "bool-added"] == []
+
+
+def test_bionemo_esm1nv_core_attention_adds_boolean_mask(tmp_path):
+    """NVIDIA/bionemo-framework beca937 (written blind, batch blind-df; caught before any rule was changed for it):
+    with use_esm_attention, ESM-1nv's core attention adds NeMo's (B, 1, S, S) boolean mask (True = masked) to the
+    baddbmm scores, +1 on padded residues, so nothing is masked. The fix (the key row times -3.4e38) is quiet. The
+    reference: torch's promotion, a bool added to float scores shifts each cell by 0 or 1, so no cell is masked."""
+    assert torch.softmax(torch.zeros(3) + torch.tensor([False, True, True]), -1).min() > 0
+    [hit] = check_bug(tmp_path, "bionemo_esm1nv_core_attention_adds_boolean_mask", "bool-added")
+    assert "(3, 1, 16, 16)" in hit["message"], hit
+    assert "bionemo_esm1nv_core_attention_adds_boolean_mask.py:94" in hit["message"], hit
