@@ -201,6 +201,18 @@ def test_bionemo_llama3_te_bshd_mask_lt_minus_one_never_masks(tmp_path):
     assert "attention_mask given to NVLlamaModel" in hit["message"], hit
 
 
+def test_an_additive_mask_turned_into_a_key_padding_mask_by_a_threshold_it_never_passes(tmp_path):
+    """The bionemo Llama3 bug written another way: a BERT-style encoder over right-padded sentences keeps HF's
+    additive mask, (1 - mask) * -10000, and hands nn.MultiheadAttention `extended < -10000` as its key_padding_mask,
+    False everywhere. The first cell and the count are a double loop's (a real query, a padded key); the fix (`< 0`)
+    is quiet."""
+    [hit] = check_bug(tmp_path, "additive_mask_to_key_padding_threshold_never_holds", "padding-ignored", folder=ARGS)
+    lengths, longest = [9, 4, 6], 9
+    assert tuple(hit["cell"]) == first((3, longest, longest), lambda b, q, k: q < lengths[b] <= k), hit
+    cells = sum(1 for n in lengths for q in range(n) for k in range(longest) if k >= n)
+    assert f"{cells} such cells" in hit["message"] and "attention_mask given to SentenceEncoder" in hit["message"], hit
+
+
 def test_retro_retrieved_padding_mask_polarity(tmp_path):
     """lucidrains/RETRO-pytorch 0b01736: `mask = retrieved == self.pad_id` kept by an Attention that keeps True: the
     encoder's self-attention over each neighbour chunk (the (batch, chunks, neighbours) axes folded into its rows) sees
