@@ -189,6 +189,30 @@ def test_blind_reproductions_of_a_stated_padding_ignored_are_flagged(tmp_path, n
     check_bug(tmp_path, name, "padding-ignored")
 
 
+def test_bionemo_llama3_te_bshd_mask_lt_minus_one_never_masks(tmp_path):
+    """NVIDIA/bionemo-framework 2198daf (written blind, batch blind-df; caught before any rule was changed for it):
+    the Llama3 recipe turns the HF 0/1 mask into TE's boolean mask with `mask[:, None, None, :] < -1`, False
+    everywhere, so a left-padded batch's padding is never masked. The first cell is a double loop's (a real query, a
+    padded key it sees causally); the fix (`~mask.bool()`) is quiet."""
+    [hit] = check_bug(tmp_path, "bionemo_llama3_te_bshd_mask_lt_minus_one_never_masks", "padding-ignored")
+    lengths, longest = [20, 11, 15], 20
+    start = [longest - n for n in lengths]
+    assert tuple(hit["cell"]) == first((3, longest, longest), lambda b, q, k: k < start[b] <= q), hit
+    assert "attention_mask given to NVLlamaModel" in hit["message"], hit
+
+
+def test_an_additive_mask_turned_into_a_key_padding_mask_by_a_threshold_it_never_passes(tmp_path):
+    """The bionemo Llama3 bug written another way: a BERT-style encoder over right-padded sentences keeps HF's
+    additive mask, (1 - mask) * -10000, and hands nn.MultiheadAttention `extended < -10000` as its key_padding_mask,
+    False everywhere. The first cell and the count are a double loop's (a real query, a padded key); the fix (`< 0`)
+    is quiet."""
+    [hit] = check_bug(tmp_path, "additive_mask_to_key_padding_threshold_never_holds", "padding-ignored", folder=ARGS)
+    lengths, longest = [9, 4, 6], 9
+    assert tuple(hit["cell"]) == first((3, longest, longest), lambda b, q, k: q < lengths[b] <= k), hit
+    cells = sum(1 for n in lengths for q in range(n) for k in range(longest) if k >= n)
+    assert f"{cells} such cells" in hit["message"] and "attention_mask given to SentenceEncoder" in hit["message"], hit
+
+
 def test_retro_retrieved_padding_mask_polarity(tmp_path):
     """lucidrains/RETRO-pytorch 0b01736: `mask = retrieved == self.pad_id` kept by an Attention that keeps True: the
     encoder's self-attention over each neighbour chunk (the (batch, chunks, neighbours) axes folded into its rows) sees

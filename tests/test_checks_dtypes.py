@@ -204,3 +204,26 @@ def test_an_in_place_add_of_a_float_mask_or_of_a_bool_outside_the_scores_is_no_b
         torch.softmax(scores, dim=-1)
 
     assert [f for f in traced(program) if f[0] == "bool-added"] == []
+
+
+def test_bionemo_esm1nv_core_attention_adds_boolean_mask(tmp_path):
+    """NVIDIA/bionemo-framework beca937 (written blind, batch blind-df; caught before any rule was changed for it):
+    with use_esm_attention, ESM-1nv's core attention adds NeMo's (B, 1, S, S) boolean mask (True = masked) to the
+    baddbmm scores, +1 on padded residues, so nothing is masked. The fix (the key row times -3.4e38) is quiet. The
+    reference: torch's promotion, a bool added to float scores shifts each cell by 0 or 1, so no cell is masked."""
+    assert torch.softmax(torch.zeros(3) + torch.tensor([False, True, True]), -1).min() > 0
+    [hit] = check_bug(tmp_path, "bionemo_esm1nv_core_attention_adds_boolean_mask", "bool-added")
+    assert "(3, 1, 16, 16)" in hit["message"], hit
+    assert "bionemo_esm1nv_core_attention_adds_boolean_mask.py:94" in hit["message"], hit
+
+
+def test_a_key_padding_mask_added_to_unfolded_bmm_scores_is_said_at_its_line(tmp_path):
+    """The bionemo ESM-1nv bug written another way: a fair-esm style ESM-1b, time-major with the heads folded into
+    the batch for bmm, adds its (B, 1, 1, S) key_padding_mask (`tokens.eq(padding_idx)`, True = padding) to the
+    unfolded scores; its fix (masked_fill with -inf) is quiet. The reference: torch's promotion gives a padded key
+    1 more, never -inf, so its weight stays above 0."""
+    scores = torch.zeros(1, 1, 1, 3) + torch.tensor([False, False, True]).unsqueeze(0).unsqueeze(1).unsqueeze(2)
+    assert scores.dtype == torch.float32 and torch.softmax(scores, -1)[..., 2].item() > 1 / 3
+    [hit] = check_bug(tmp_path, "esm1b_key_padding_mask_added_to_folded_scores", "bool-added", folder=FILLS)
+    assert "(3, 1, 1, 10)" in hit["message"], hit
+    assert "esm1b_key_padding_mask_added_to_folded_scores.py:42" in hit["message"], hit

@@ -115,3 +115,29 @@ def test_nan_rows_with_no_backward_pass_are_not_said(tmp_path):
     program.write_text(source.split("loss = nn.functional")[0] + "print(model(points, real).requires_grad)\n")
     status, found, report = traced(tmp_path, "forward_only", False, tmp_path)
     assert not [f for f in found if f["code"] == "nan-rows-backward"], report
+
+
+def test_fastplms_fastesm_query_and_key_mask_rows_nan(tmp_path):
+    """Synthyra/FastPLMs 0a5ffc4 (written blind, batch blind-df; caught before any rule was changed for it):
+    FastESM2's get_attention_mask ANDs the query and the key axes, so on the manual (output_attentions) path the
+    padded residues' rows are all -inf and NaN, which the second layer reads through V. The rows flagged are batch
+    row 1's residues and those it empties, by a loop over the lengths; the fix (keys only) is quiet."""
+    [hit] = check_bug(tmp_path, "fastplms_fastesm_get_attention_mask_query_rows_nan", "nan-spread")
+    lengths, longest = [12, 7, 9], 12
+    real = [q for q in range(longest) if q < lengths[1]]
+    assert f"query rows {real[0]}-{real[-1]} of batch row 1 are NaN" in hit["message"], hit
+    assert f"rows {lengths[1]}-{longest - 1} saw no key" in hit["message"], hit
+
+
+def test_a_left_padded_pair_bias_built_with_where_empties_the_padded_rows(tmp_path):
+    """The FastPLMs bug written another way: a passage encoder over left-padded passages adds
+    torch.where(real_q & real_k, 0, -inf) to einsum scores, three layers; the padded positions' rows are NaN at the
+    first and the second layer's real queries read them. The rows flagged are batch row 1's real tokens and those
+    its padding empties, by a loop over the left padding; the fix (the key axis only) is quiet."""
+    found = check_bug(tmp_path, "left_padded_encoder_pair_bias_where_minus_inf", "nan-spread", NANS)
+    lengths, longest = [8, 5, 3], 8
+    real = [q for q in range(longest) if q >= longest - lengths[1]]
+    padded = [q for q in range(longest) if q not in real]
+    assert f"query rows {real[0]}-{real[-1]} of batch row 1 are NaN" in found[0]["message"], found
+    assert f"rows {padded[0]}-{padded[-1]} saw no key" in found[0]["message"], found
+    assert found[0]["cell"] == [1, real[0], 0], found
