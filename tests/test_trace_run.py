@@ -123,6 +123,36 @@ def test_a_program_that_closes_and_replaces_its_streams_lowers_the_recursion_lim
     assert '"exit_status": 0' in (tmp_path / "out.json").read_text()
 
 
+def test_the_recursion_limit_counts_from_the_programs_first_frame(tmp_path):
+    """A limit of 20 set before an attention call, the limit read back, and a recursion to 990 frames but not to
+    1,200: as under python (maskcli's own frames below the program and inside its wrappers are not the program's)."""
+    write(tmp_path / "prog.py", """
+        import sys
+        import torch
+        import torch.nn.functional as F
+        def depth(n):
+            return 0 if n == 0 else 1 + depth(n - 1)
+        print(sys.getrecursionlimit(), depth(990))
+        try:
+            depth(1200)
+        except RecursionError:
+            print("too deep")
+        try:
+            sys.setrecursionlimit(0)
+        except ValueError as error:
+            print(error)
+        sys.setrecursionlimit(20)
+        print(sys.getrecursionlimit())
+        x = torch.randn(1, 1, 4, 8)
+        F.scaled_dot_product_attention(x, x, x, is_causal=True)
+        print("ran")
+    """)
+    plain, traced = run_both(tmp_path, ["prog.py"], [])
+    assert plain.returncode == traced.returncode == 0
+    assert traced.stdout == plain.stdout == "1000 990\ntoo deep\nrecursion limit must be greater or equal than 1\n20\nran\n"
+    assert traced.stderr.startswith(REPORT + "prog.py: 1 attention call in 1 group")
+
+
 def test_a_forked_child_that_returns_from_the_program_prints_no_report(tmp_path):
     write(tmp_path / "prog.py", """
         import os

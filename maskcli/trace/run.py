@@ -100,6 +100,8 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
                if name.partition(".")[0] in ("torch", "maskcli", "numpy")}
     saved_show = warnings.showwarning
     warnings.showwarning = _as_the_programs(saved_show)
+    limits = sys.setrecursionlimit, sys.getrecursionlimit
+    _limit_from_the_programs_frame()
     try:
         if module is not None:
             sys.argv = [module, *args]
@@ -126,6 +128,7 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         _print_traceback()
         return 1
     finally:
+        sys.setrecursionlimit, sys.getrecursionlimit = limits
         if getattr(warnings.showwarning, "__wrapped__", None) is saved_show:  # (one the program set stays its own)
             warnings.showwarning = saved_show
         sys.argv, sys.path[:] = saved_argv, saved_path
@@ -134,6 +137,31 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
             sys.modules.setdefault(name, module)  # register its operators twice (RuntimeError) in the trace's report
         with contextlib.suppress(OSError):  # the program may have moved (os.chdir): maskcli's own work is where it began
             os.chdir(saved_folder)
+
+
+def _limit_from_the_programs_frame(headroom: int = 100) -> None:
+    """The recursion limit counted from the program's first frame, as under python: the frames below it (maskcli's
+    command, Typer's, this runner's) and `headroom` for the wrappers an attention call passes through are added to the
+    limit the program sets and taken from the one it reads (a program that sets a limit of 20 runs, as under python)."""
+    import operator
+
+    frame, below = sys._getframe(), 0
+    while frame is not None:
+        frame, below = frame.f_back, below + 1
+    below += headroom
+    real_set, real_get = sys.setrecursionlimit, sys.getrecursionlimit
+
+    def setrecursionlimit(limit, /):
+        limit = operator.index(limit)
+        if limit < 1:
+            raise ValueError("recursion limit must be greater or equal than 1")
+        real_set(limit + below)
+
+    def getrecursionlimit():
+        return real_get() - below
+
+    real_set(real_get() + below)
+    sys.setrecursionlimit, sys.getrecursionlimit = setrecursionlimit, getrecursionlimit
 
 
 def _as_the_programs(show):
