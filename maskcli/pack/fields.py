@@ -124,11 +124,11 @@ def read(path: str | None, given: dict[str, str], maps: list[str]) -> Batch:
         missing = [key for key in named if key not in tensors]
         if missing:
             raise MaskError(f"--field names key {missing[0]!r}, which BATCH {path!r} does not hold; it holds {names_text(tensors)}")
-        for key, tensor in tensors.items():
+        for key in tensors:  # (an .npz's members are unpacked only where they are fields)
             name = named.get(key) or (canonical(key) if key not in named.values() else None)
             if name is None or (name in raw and key not in named):
                 continue
-            raw[name], sources[name] = tensor, (f"{key} via --field" if key in named else key)
+            raw[name], sources[name] = tensors[key], (f"{key} via --field" if key in named else key)
         if not raw:
             raise MaskError(f"BATCH {path!r} holds {names_text(tensors)}, none of them a field maskcli reads "
                             f"({', '.join(ALIASES)}); map one with --field NAME=KEY")

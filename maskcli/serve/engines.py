@@ -64,7 +64,7 @@ def _some(batch: ServeBatch, source: str) -> ServeBatch:
 def from_tensors(tensors: dict, source: str) -> ServeBatch:
     """The batch in named tensors, arrays, lists or numbers (as a file holds them); `source` names it in messages."""
     engine = detect(tensors.keys(), source)
-    arrays = {key: as_numbers(value, f"{source!r}: {key}") for key, value in tensors.items() if key in engine.READS + SHARED}
+    arrays = {key: as_numbers(tensors[key], f"{source!r}: {key}") for key in tensors if key in engine.READS + SHARED}
     fields = Fields(arrays, source, engine.TITLE)
     batch = engine.load(fields)
     validate(batch, source)

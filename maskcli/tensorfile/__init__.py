@@ -15,6 +15,7 @@ float32 (exactly) with the dtype BFLOAT16, whose metadata keeps the name that `d
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +80,26 @@ def load_tensors(source: str, flag: str, json_floats=None, numbers: bool = False
     import torch
 
     floats = str(json_floats or torch.get_default_dtype()).removeprefix("torch.")
-    return {name: as_tensor(value) for name, value in read_tensors(source, flag, floats, numbers).items()}
+    arrays = read_tensors(source, flag, floats, numbers)
+    if isinstance(arrays, dict):
+        return {name: as_tensor(value) for name, value in arrays.items()}
+    return Tensors(arrays)  # an .npz's members, each unpacked when it is asked for
+
+
+class Tensors(Mapping):
+    """An .npz's members as torch tensors, each read (and refused from its headers) when it is first asked for."""
+
+    def __init__(self, arrays: Mapping):
+        self.arrays = arrays
+
+    def __getitem__(self, name: str):
+        return as_tensor(self.arrays[name])
+
+    def __iter__(self):
+        return iter(self.arrays)
+
+    def __len__(self) -> int:
+        return len(self.arrays)
 
 
 def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: bool = False, lists: tuple[str, ...] = (),

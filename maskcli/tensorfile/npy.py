@@ -2,12 +2,15 @@
 cannot hold. np.load reads either by its signature, whatever the suffix says: one file type for both.
 
 An .npz is a zip: its directory says each member's unpacked size and each member's .npy header its shape and dtype,
-so a zip bomb (4 MB of compressed zeros declaring 4 GiB) is refused before a byte of its data is unpacked.
+so a zip bomb (4 MB of compressed zeros declaring 4 GiB) is refused before a byte of its data is unpacked, and a
+member is unpacked only when the caller asks for it by name (`Members`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -17,38 +20,74 @@ from maskcli.tensorfile.base import SLICE_FIX, FileType, Reading
 
 
 def read(path: Path, where: str, reading: Reading = Reading()) -> dict[str, np.ndarray]:
-    """Every array in the file by name (a .npy's named ''), in native byte order; Python objects (pickles), members
-    that are not arrays and dtypes that are not numbers refused, and a file whose arrays with `reading.work` beside
-    them would not fit in memory refused from its headers before they are read."""
+    """Every array in the file by name (a .npy's named ''; an .npz's as `Members`, each read when asked for), in native
+    byte order; Python objects (pickles), members that are not arrays and dtypes that are not numbers refused, and an
+    array that with `reading.work` beside it would not fit in memory refused from its headers before it is read."""
     with path.open("rb") as file:
         head = file.read(6)
     # np.load takes anything without the .npy/.npz signature for a pickle, and would call garbage "objects"
     if not head.startswith((b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06", b"\x80")):
         raise MaskError(f"{where}: not a numpy file (it does not start with the .npy or .npz signature)")
+    if head.startswith(b"PK"):
+        with _numpy_errors(where):
+            with np.load(path, allow_pickle=False) as archive:
+                names = list(archive.files)
+        return Members(path, where, reading.work, names)
     _check_unpacked_fits(path, head, where, reading.work)
-    try:
+    with _numpy_errors(where):
         loaded = np.load(path, allow_pickle=False)
-        if isinstance(loaded, np.ndarray):
-            arrays = {"": loaded}
-        else:  # an .npz reads each array lazily, so its errors come here too
-            with loaded:
-                arrays = {k: loaded[k] for k in loaded.files}
+    return {"": _checked(loaded, "", where)}
+
+
+class Members(Mapping):
+    """An .npz's arrays by name, each unpacked when it is first asked for, and refused from its headers (the zip's
+    directory and the member's .npy header) where it would not fit in memory with the caller's work beside it: a
+    caller that reads two fields of a file unpacks those two, and one that finds none of its names unpacks nothing."""
+
+    def __init__(self, path: Path, where: str, work: tuple[float, str], names: list[str]):
+        self.path, self.where, self.work, self.names, self.read = path, where, work, names, {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.read:
+            if name not in self.names:
+                raise KeyError(name)
+            _check_unpacked_fits(self.path, b"PK", self.where, self.work, name)
+            with _numpy_errors(self.where), np.load(self.path, allow_pickle=False) as archive:
+                self.read[name] = _checked(archive[name], name, self.where)
+        return self.read[name]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@contextlib.contextmanager
+def _numpy_errors(where: str):
+    """numpy's refusals of a file as one line: pickles named, a damaged file said to be one."""
+    try:
+        yield
+    except MaskError:
+        raise
     except ValueError as error:
         if "pickle" in str(error):  # numpy's refusal of object arrays names allow_pickle
             raise MaskError(f"{where}: refused: it holds Python objects, which would need pickle ({error})") from None
         raise MaskError(f"{where}: not a readable numpy file ({_header_or(error)}): save it again with numpy.save") from None
     except Exception as error:
         raise MaskError(f"{where}: not a readable numpy file ({_header_or(error)}): save it again with numpy.save") from None
-    for name, array in arrays.items():
-        if not isinstance(array, np.ndarray):  # np.load hands an .npz member that is not a .npy file over as bytes
-            raise MaskError(f"{where}: member {name!r} is not a .npy array (an .npz holds arrays saved by numpy.savez)")
-        if array.dtype.kind not in "biuf":
-            label = f" {name!r}" if name else ""
-            raise MaskError(f"{where}{label}: numpy dtype {array.dtype} cannot be a tensor of numbers")
-        # torch takes native byte order only; a big-endian array ('>f4') is swapped here. np.asarray, not
-        # np.ascontiguousarray, which makes a 0-d array 1-d and so would read a single number as a mask of one cell
-        arrays[name] = np.asarray(array, dtype=array.dtype.newbyteorder("="), order="C")
-    return arrays
+
+
+def _checked(array, name: str, where: str) -> np.ndarray:
+    """An array of numbers in native byte order; a member that is not an array, or not of numbers, refused."""
+    if not isinstance(array, np.ndarray):  # np.load hands an .npz member that is not a .npy file over as bytes
+        raise MaskError(f"{where}: member {name!r} is not a .npy array (an .npz holds arrays saved by numpy.savez)")
+    if array.dtype.kind not in "biuf":
+        label = f" {name!r}" if name else ""
+        raise MaskError(f"{where}{label}: numpy dtype {array.dtype} cannot be a tensor of numbers")
+    # torch takes native byte order only; a big-endian array ('>f4') is swapped here. np.asarray, not
+    # np.ascontiguousarray, which makes a 0-d array 1-d and so would read a single number as a mask of one cell
+    return np.asarray(array, dtype=array.dtype.newbyteorder("="), order="C")
 
 
 def _npy_header(stream) -> tuple[int, int, int] | None:
@@ -65,9 +104,10 @@ def _npy_header(stream) -> tuple[int, int, int] | None:
         return None
 
 
-def _check_unpacked_fits(path: Path, head: bytes, where: str, work: tuple[float, str] = (0, "to load")) -> None:
-    """Refuse a .npy or .npz whose arrays, as their headers declare them, would not fit in memory (with `work`, the
-    bytes per cell the caller needs beside them), before reading them.
+def _check_unpacked_fits(path: Path, head: bytes, where: str, work: tuple[float, str] = (0, "to load"),
+                         only: str | None = None) -> None:
+    """Refuse a .npy, or an .npz's member named `only`, whose array, as its headers declare it, would not fit in memory (with
+    `work`, the bytes per cell the caller needs beside it), before reading it.
 
     An .npz is a zip: 4 MB of compressed zeros can unpack to 4 GiB, and np.load allocates what each header says.
     The zip's directory says each member's unpacked size; only a member's first bytes (its .npy header) are
@@ -86,7 +126,7 @@ def _check_unpacked_fits(path: Path, head: bytes, where: str, work: tuple[float,
         try:
             with zipfile.ZipFile(path) as archive:
                 for member in archive.infolist():
-                    if not member.filename.endswith(".npy"):
+                    if not member.filename.endswith(".npy") or only is not None and member.filename != only + ".npy":
                         continue
                     with archive.open(member) as stream:
                         found = _npy_header(stream)
