@@ -51,6 +51,15 @@ def test_doctr_master_tgt_mask_keeps_padding_visible(tmp_path):
     assert tuple(hit["cell"]) == first((2, 10, 10), _look_ahead_leak(lambda q, k: k <= q or k >= real, 10))
 
 
+def test_doctr_master_pytorch_port_padding_polarity_inverted_written_blind(tmp_path):
+    """mindee/doctr#546 again (commit d82a4bc, written blind, batch blind-db): `~eq(target, PAD) & look_ahead` as the
+    bool tgt_mask of nn.TransformerDecoderLayer, three words of 3 letters padded to 12; the first cell is a double
+    loop's."""
+    hit = check_bug(tmp_path, "doctr_master_pytorch_tgt_mask_padding_polarity_inverted", "look-ahead-open")[0]
+    real = 5  # <sos>, three letters, <eos>; then seven <pad>
+    assert tuple(hit["cell"]) == first((3, 12, 12), _look_ahead_leak(lambda q, k: k <= q or k >= real, 12))
+
+
 def test_causal_or_padding_keep_mask(tmp_path):
     """Written another way: SDPA's keep mask (True = may attend) built `causal | is_pad` over a right-padded batch of
     three lengths, three layers; the first cell is a double loop's over the rows' padding."""
