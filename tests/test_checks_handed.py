@@ -193,6 +193,16 @@ def test_keras_hub_qwen3_sliding_window_condition_inverted(tmp_path):
         (2, 12, 12), lambda b, q, k: k <= q < lengths[b] and k < lengths[b] and q - k > window)
 
 
+def test_an_sdpa_fallback_whose_window_condition_is_inverted(tmp_path):
+    """Written another way than keras-hub#2289: `window_size = (3, 0)` held as FlashAttention holds it, an SDPA fallback
+    that bands the mask only when no window is set, left-padded rows of 9, 6 and 4; the first real query that sees a
+    real key further back than p - 3, by a double loop."""
+    found = check_bug(tmp_path, "sdpa_fallback_window_condition_inverted_left_padded", "window-dropped", WINDOWS)
+    lengths, size = (9, 6, 4), 9
+    assert tuple(found[0]["cell"]) == first(
+        (3, size, size), lambda b, q, k: size - lengths[b] <= k <= q and q - k > 3)
+
+
 def test_flax_port_pad_mask_branch_drops_the_window(tmp_path):
     """Written another way: a Flax port's `pad_mask` (True on the tokens) whose padded branch leaves the window out;
     the first real query that sees a key further back than sliding_window_size = 3, by a double loop."""
