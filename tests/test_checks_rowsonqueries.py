@@ -47,6 +47,16 @@ def test_a_left_padded_pad_mask_filled_into_eager_scores_unexpanded_is_found(tmp
     assert tuple(found[0]["cell"]) == _broadcast_cell(real)
 
 
+def test_a_cross_attention_encoder_mask_filled_into_bmm_scores_unexpanded_is_found(tmp_path):
+    # written another way than keras#21595: a seq2seq pointer attention's (B, S) encoder_attention_mask (1 = real,
+    # sources of 7, 4 and 5 tokens) filled into 3-D bmm scores as it is, B == Tq == 3; decoder step q of sentence b
+    # masked with sentence q's source padding (no real-query preference: a cross-attention's queries are not its keys)
+    found = check_bug(tmp_path, "cross_attention_encoder_mask_unexpanded_bmm_scores", "batch-rows-on-queries",
+                      folder=ROWSONQUERIES)
+    real = [[int(k < n) for k in range(7)] for n in (7, 4, 5)]
+    assert tuple(found[0]["cell"]) == first((3, 3, 7), lambda b, q, k: real[q][k] and not real[b][k])
+
+
 def _codes(run) -> list:
     torch.manual_seed(0)
     with maskcli.trace() as t, torch.no_grad():

@@ -17,8 +17,9 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     # (dtypes.py); the padded query rows of a padding laid on the query axis (queryaxis.py)
     "sees-later": {"padding-on-queries"},  # the real rows that see the pads after them: the same padding's axis
     "padding-lost": {"padding-ignored"},
-    "encoder-padding-ignored": {"memory-padding-inverted"},  # the same padded memory keys, said as the inverted mask
-    # they are (memturned.py: every padded row sees only the encoder's pads)
+    "encoder-padding-ignored": {"memory-padding-inverted", "batch-rows-on-queries"},  # the same padded memory keys,
+    # said as the inverted mask they are (memturned.py: every padded row sees only the encoder's pads), or as the
+    # memory's padding laid on the queries (rowsonqueries.py)
     "mask-of-another-row": {"padding-per-head"},  # one row's padding on another row's heads, said by the keys (heads.py)
     # the same keys, said from the padding mask the model call was handed (arguments.py; not from its input ids, which
     # say the pads without the mask the program held and never passed: both are said then)
