@@ -74,6 +74,15 @@ def test_causal_or_padding_keep_mask(tmp_path):
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 
+def test_float_per_head_look_ahead_anded_with_real_keys(tmp_path):
+    """Written another way than doctr#546: a float (B * heads, L, L) attn_mask of nn.MultiheadAttention, -inf where a
+    key is later and real (`future & ~is_pad`), right-padded rows of 8, 5 and 6 tokens, two layers; the first cell is a
+    double loop's over the rows' padding."""
+    hit = check_bug(tmp_path, "mha_float_look_ahead_and_real_keys_per_head", "look-ahead-open", REACH)[0]
+    cells = [_look_ahead_leak(lambda q, k, n=n: k <= q or k >= n, 8) for n in (8, 5, 6)]
+    assert tuple(hit["cell"]) == first((3, 8, 8), lambda b, q, j: cells[b](b, q, j))
+
+
 def test_quiet_on_persistent_memory_that_reads_no_token(tmp_path):
     """Learned memory slots after the tokens, which every token reads and which read only each other: no token reaches a
     later one through them (either form of the mask)."""
