@@ -49,18 +49,15 @@ def _spelled_3d(run: Run, where: str, name: str, plane: np.ndarray) -> bool:
 
 def queries_on_batch(run: Run) -> list:
     """Calls whose mask is, in batch row b, the held (Lq, Lk) mask's query row b for every query."""
-    found, done = [], {}
-    for call in [*run.calls, *run.cross]:
-        helds = call.details.get("held_padding")
-        rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
-        if not helds or call.stored is None or rows != q_len or rows < 2:
-            continue
+    said: dict = {}  # (mask, shape, site, held masks) -> Finding or None: one reading for the calls of one mask
+
+    def judged(call, helds: list) -> Finding | None:
         key = (call.mask, call.shape, call.where, tuple(id(h["rows"]) for h in helds))
-        if key not in done:
-            done[key] = _finding(run, call, helds, rows, k_len)
-        if done[key] is not None:
-            found.append((call, done[key]))
-    return found
+        return said[key] if key in said else said.setdefault(key, _finding(run, call, helds, call.shape[0], call.shape[3]))
+
+    return [(call, finding) for call in [*run.calls, *run.cross]
+            if call.details.get("held_padding") and call.stored is not None and call.shape[0] == call.shape[2] > 1
+            and (finding := judged(call, call.details["held_padding"])) is not None]
 
 
 def _finding(run: Run, call, helds: list, rows: int, length: int) -> Finding | None:
