@@ -9,9 +9,9 @@ What makes the statement firm that the held mask is (queries, keys) and not a (B
 mask would then be right to repeat over the queries: some row of it is not one run of seen keys at an edge (a band, a
 block, a causal triangle cut by a window: no padding is laid that way), or the same call site, called elsewhere,
 held the same mask spelled 3-D under the same name, (B, Lq, Lk) with every batch row that plane. (A square one
-must let every query see its own position, as a (queries, keys) mask does: a (B, L) mask with holes need not.) The mask the kernel
-ran with is then, in every batch row b, the held mask's row b for every query, while the held rows differ: a query
-of batch row b sees what query b is allowed, not what its own row says.
+must let every query see its own position, as a (queries, keys) mask does: a (B, L) mask with holes need not.) The
+mask the kernel ran with is then, in every batch row b, the held mask's row b for every query, while the held rows
+differ: a query of batch row b sees what query b is allowed, not what its own row says.
 
 Left alone: a held mask whose rows are all equal (repeating any row is right), a held (B, Lk) padding table with no
 3-D spelling at its site (which it is, nothing says), a kernel mask that differs between the queries of a batch row
@@ -53,7 +53,9 @@ def queries_on_batch(run: Run) -> list:
 
     def judged(call, helds: list) -> Finding | None:
         key = (call.mask, call.shape, call.where, tuple(id(h["rows"]) for h in helds))
-        return said[key] if key in said else said.setdefault(key, _finding(run, call, helds, call.shape[0], call.shape[3]))
+        if key not in said:
+            said[key] = _finding(run, call, helds, call.shape[0], call.shape[3])
+        return said[key]
 
     return [(call, finding) for call in [*run.calls, *run.cross]
             if call.details.get("held_padding") and call.stored is not None and call.shape[0] == call.shape[2] > 1
