@@ -182,6 +182,27 @@ def test_keras_hub_flash_branch_returns_before_the_window(tmp_path):
         (2, 12, 12), lambda b, q, k: k <= q < lengths[b] and k < lengths[b] and q - k > window)
 
 
+def test_keras_hub_qwen3_sliding_window_condition_inverted(tmp_path):
+    """keras-hub#2289 (commit cf8aedf; written blind, batch blind-db): Qwen3Attention's `if not
+    self.sliding_window_size:` skips the band whenever a window is configured; rows of 12 and 9 tokens (the causal and
+    padding mask of Qwen3Decoder), sliding_window_size = 4. The first real query that sees further back than p - 4, by
+    a double loop."""
+    found = check_bug(tmp_path, "keras_hub_qwen3_attention_sliding_window_condition_inverted", "window-dropped")
+    lengths, window = (12, 9), 4
+    assert tuple(found[0]["cell"]) == first(
+        (2, 12, 12), lambda b, q, k: k <= q < lengths[b] and k < lengths[b] and q - k > window)
+
+
+def test_an_sdpa_fallback_whose_window_condition_is_inverted(tmp_path):
+    """Written another way than keras-hub#2289: `window_size = (3, 0)` held as FlashAttention holds it, an SDPA fallback
+    that bands the mask only when no window is set, left-padded rows of 9, 6 and 4; the first real query that sees a
+    real key further back than p - 3, by a double loop."""
+    found = check_bug(tmp_path, "sdpa_fallback_window_condition_inverted_left_padded", "window-dropped", WINDOWS)
+    lengths, size = (9, 6, 4), 9
+    assert tuple(found[0]["cell"]) == first(
+        (3, size, size), lambda b, q, k: size - lengths[b] <= k <= q and q - k > 3)
+
+
 def test_flax_port_pad_mask_branch_drops_the_window(tmp_path):
     """Written another way: a Flax port's `pad_mask` (True on the tokens) whose padded branch leaves the window out;
     the first real query that sees a key further back than sliding_window_size = 3, by a double loop."""

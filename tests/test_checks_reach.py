@@ -51,6 +51,15 @@ def test_doctr_master_tgt_mask_keeps_padding_visible(tmp_path):
     assert tuple(hit["cell"]) == first((2, 10, 10), _look_ahead_leak(lambda q, k: k <= q or k >= real, 10))
 
 
+def test_doctr_master_pytorch_port_padding_polarity_inverted_written_blind(tmp_path):
+    """mindee/doctr#546 again (commit d82a4bc, written blind, batch blind-db): `~eq(target, PAD) & look_ahead` as the
+    bool tgt_mask of nn.TransformerDecoderLayer, three words of 3 letters padded to 12; the first cell is a double
+    loop's."""
+    hit = check_bug(tmp_path, "doctr_master_pytorch_tgt_mask_padding_polarity_inverted", "look-ahead-open")[0]
+    real = 5  # <sos>, three letters, <eos>; then seven <pad>
+    assert tuple(hit["cell"]) == first((3, 12, 12), _look_ahead_leak(lambda q, k: k <= q or k >= real, 12))
+
+
 def test_causal_or_padding_keep_mask(tmp_path):
     """Written another way: SDPA's keep mask (True = may attend) built `causal | is_pad` over a right-padded batch of
     three lengths, three layers; the first cell is a double loop's over the rows' padding."""
@@ -63,6 +72,15 @@ def test_causal_or_padding_keep_mask(tmp_path):
     assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, j: cells[b](b, q, j))
     status, found, report = traced(tmp_path, "sdpa_causal_or_padding_keep_mask", True, REACH)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_float_per_head_look_ahead_anded_with_real_keys(tmp_path):
+    """Written another way than doctr#546: a float (B * heads, L, L) attn_mask of nn.MultiheadAttention, -inf where a
+    key is later and real (`future & ~is_pad`), right-padded rows of 8, 5 and 6 tokens, two layers; the first cell is a
+    double loop's over the rows' padding."""
+    hit = check_bug(tmp_path, "mha_float_look_ahead_and_real_keys_per_head", "look-ahead-open", REACH)[0]
+    cells = [_look_ahead_leak(lambda q, k, n=n: k <= q or k >= n, 8) for n in (8, 5, 6)]
+    assert tuple(hit["cell"]) == first((3, 8, 8), lambda b, q, j: cells[b](b, q, j))
 
 
 def test_quiet_on_persistent_memory_that_reads_no_token(tmp_path):

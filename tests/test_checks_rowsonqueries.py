@@ -31,12 +31,30 @@ def test_vivit_temporal_frame_mask_handed_to_sdpa_as_two_d_is_found(tmp_path):
     assert "broadcast as (queries, keys)" in found[0]["message"]
 
 
+def test_keras_attention_two_d_value_mask_bias_unexpanded_is_found(tmp_path):
+    # keras-team/keras#21595 (fixes #21483; written blind, batch blind-db): keras.layers.Attention's (B, Tv) value mask
+    # turned into a -1e9 bias without expand_dims(axis=-2); right-padded rows of 4, 2, 3 and 1 tokens, B == Tq == 4
+    found = check_bug(tmp_path, "keras_attention_2d_value_mask_broadcast_over_query_axis", "batch-rows-on-queries")
+    real = [[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]]
+    assert tuple(found[0]["cell"]) == _broadcast_cell(real)
+
+
 def test_a_left_padded_pad_mask_filled_into_eager_scores_unexpanded_is_found(tmp_path):
     # written otherwise: eager masked_fill, left-padded sentences of 2, 3, 4 and 1 tokens, True = padding
     found = check_bug(tmp_path, "left_padded_pad_mask_filled_unexpanded", "batch-rows-on-queries",
                       folder=ROWSONQUERIES)
     real = [[0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]]
     assert tuple(found[0]["cell"]) == _broadcast_cell(real)
+
+
+def test_a_cross_attention_encoder_mask_filled_into_bmm_scores_unexpanded_is_found(tmp_path):
+    # written another way than keras#21595: a seq2seq pointer attention's (B, S) encoder_attention_mask (1 = real,
+    # sources of 7, 4 and 5 tokens) filled into 3-D bmm scores as it is, B == Tq == 3; decoder step q of sentence b
+    # masked with sentence q's source padding (no real-query preference: a cross-attention's queries are not its keys)
+    found = check_bug(tmp_path, "cross_attention_encoder_mask_unexpanded_bmm_scores", "batch-rows-on-queries",
+                      folder=ROWSONQUERIES)
+    real = [[int(k < n) for k in range(7)] for n in (7, 4, 5)]
+    assert tuple(found[0]["cell"]) == first((3, 3, 7), lambda b, q, k: real[q][k] and not real[b][k])
 
 
 def _codes(run) -> list:

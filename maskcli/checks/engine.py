@@ -17,8 +17,9 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     # (dtypes.py); the padded query rows of a padding laid on the query axis (queryaxis.py)
     "sees-later": {"padding-on-queries"},  # the real rows that see the pads after them: the same padding's axis
     "padding-lost": {"padding-ignored"},
-    "encoder-padding-ignored": {"memory-padding-inverted"},  # the same padded memory keys, said as the inverted mask
-    # they are (memturned.py: every padded row sees only the encoder's pads)
+    "encoder-padding-ignored": {"memory-padding-inverted", "batch-rows-on-queries"},  # the same padded memory keys,
+    # said as the inverted mask they are (memturned.py: every padded row sees only the encoder's pads), or as the
+    # memory's padding laid on the queries (rowsonqueries.py)
     "mask-of-another-row": {"padding-per-head"},  # one row's padding on another row's heads, said by the keys (heads.py)
     # the same keys, said from the padding mask the model call was handed (arguments.py; not from its input ids, which
     # say the pads without the mask the program held and never passed: both are said then)
@@ -42,6 +43,8 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "memory-padding-only-attended": {"padding-only-attended", "lengths-inverted"},  # the same keys, said by the mask or
     # lengths the frames hold (held.py, turned.py)
     "zero-keys-seen": {"unwritten-slot", "padding-ignored", "padding-unused", "padding-lost"},  # zero K/V, said by their cause
+    "padding-seen-by-one": {"batch-rows-on-queries"},  # a key row laid on the queries hides some queries' padding and
+    # not another's: the same plane, said as the broadcast it was (rowsonqueries.py; keras#21595)
     "real-query-blind": {"mask-fixed-after-call"},  # a row the padding mask, changed after the call, calls real:
     # said as the fix-up that came too late (latefix.py)
 }

@@ -60,8 +60,9 @@ def _finding(call, helds: list, rows: int, length: int) -> Finding | None:
             cells = np.broadcast_to(plane, (rows, rows, length))  # (b, q, k): every batch row sees the plane
             bad = cells & ~real[:, None, :]
             bad = bad if bad.any() else ~cells & real[:, None, :]
-            on_real = bad & real[:, :, None]  # (a real query's cell first, where the queries are the keys' positions)
-            bad = on_real if on_real.any() and not cross(call) else bad
+            if not cross(call) and bad.shape[1] == length:  # (a real query's cell first, where the queries are the
+                on_real = bad & real[:, :, None]  # keys' positions; a cross-attention's queries are not its keys')
+                bad = on_real if on_real.any() else bad
             b, q, k = first_cell(bad)
             said = f"{held['name']} in {held['where']}"
             verb = "sees" if cells[b, q, k] else "does not see"
