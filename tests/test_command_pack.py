@@ -4,6 +4,7 @@ batch files each library writes, and the exit status (0 agree, 1 disagree or a f
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -180,6 +181,22 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
     assert result.stderr.startswith("maskcli: error: ") and result.stderr.count("\n") == 1
     assert says in result.stderr
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize(("tensor", "kind"), [
+    (lambda: torch.empty(3, dtype=torch.int64, device="meta"), "is a meta tensor (a shape, no values)"),
+    (lambda: torch.quantize_per_tensor(torch.tensor([0.0, 3.0, 5.0]), 1.0, 0, torch.qint32), "is a quantized tensor (qint32)"),
+    (lambda: torch.tensor([0, 3, 5]).to_sparse(), "is a sparse_coo tensor"),
+])
+def test_a_field_with_no_plain_values_is_one_line(tmp_path, tensor, kind):
+    """A meta, quantized or sparse cu_seqlens: was an internal error (numpy cannot copy it out), as serve already said."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's quantized tensors are deprecated, not gone)
+        torch.save({"cu_seqlens": tensor()}, tmp_path / "b.pt")
+    result = runner.invoke(app, ["pack", str(tmp_path / "b.pt")])
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    assert result.stderr == (f"maskcli: error: cu_seqlens {kind}; a batch's fields are plain integers: save a dense "
+                             "tensor (.to_dense(), .dequantize())\n")
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".npz"])

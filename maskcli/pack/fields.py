@@ -95,6 +95,11 @@ def _numbers(tensor, where: str) -> np.ndarray:
     if _is_torch(tensor):
         import torch
 
+        from maskcli.tensorfile import without_plain_values
+
+        kind = without_plain_values(tensor)
+        if kind is not None:
+            raise MaskError(f"{where} is {kind}; a batch's fields are plain integers: save a dense tensor (.to_dense(), .dequantize())")
         if tensor.is_complex():
             raise MaskError(f"{where} holds complex numbers; give integers")
         array = tensor.detach().cpu().to(torch.float64 if tensor.is_floating_point() else torch.int64).numpy()
@@ -118,7 +123,7 @@ def read(path: str | None, given: dict[str, str], maps: list[str]) -> Batch:
     if path is not None:
         from maskcli.tensorfile import load_tensors
 
-        tensors = load_tensors(path, "BATCH", numbers=True)
+        tensors = load_tensors(path, "BATCH", numbers=True, work=(BYTES_PER_TOKEN, "to check as a batch"))
         if not tensors or set(tensors) == {""}:
             raise MaskError(f"BATCH {path!r} holds one unnamed tensor; save a dict of named tensors (input_ids, position_ids, cu_seqlens, ...)")
         missing = [key for key in named if key not in tensors]

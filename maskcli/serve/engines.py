@@ -9,7 +9,7 @@ import numpy as np
 from maskcli.errors import MaskError
 from maskcli.serve import choices, flash_attn, flashinfer, sglang, trtllm, vllm
 from maskcli.serve.batch import ServeBatch, validate
-from maskcli.serve.fields import Fields, as_numbers
+from maskcli.serve.fields import Fields, Numbers, as_numbers
 
 ENGINES = (vllm, sglang, flash_attn, flashinfer, trtllm)
 SHARED = ("request_ids",)  # read under every engine's names: which request is which across step files
@@ -45,7 +45,7 @@ def read(source: str) -> ServeBatch:
 
     if not is_inline(source) and is_dump(source):
         return _some(from_tensors(read_dump(source), source), source)
-    tensors = read_tensors(source, "FILE", numbers=True, lists=choices.NAMES, work=(8, "to read as batch metadata (int64)"))
+    tensors = read_tensors(source, "FILE", numbers=True, lists=choices.NAMES, work=(32, "to read as batch metadata (int64)"))
     source = "inline JSON" if is_inline(source) else source
     if set(tensors) == {""}:
         raise MaskError(f"{source!r} holds one unnamed tensor; save a dict of the engine's named fields (query_start_loc, seq_lens, ...)")
@@ -64,8 +64,7 @@ def _some(batch: ServeBatch, source: str) -> ServeBatch:
 def from_tensors(tensors: dict, source: str) -> ServeBatch:
     """The batch in named tensors, arrays, lists or numbers (as a file holds them); `source` names it in messages."""
     engine = detect(tensors.keys(), source)
-    arrays = {key: as_numbers(tensors[key], f"{source!r}: {key}") for key in tensors if key in engine.READS + SHARED}
-    fields = Fields(arrays, source, engine.TITLE)
+    fields = Fields(Numbers(tensors, engine.READS + SHARED, source), source, engine.TITLE)
     batch = engine.load(fields)
     validate(batch, source)
     ids = fields.per_request(fields.vector("request_ids"), batch.requests, "request_ids")

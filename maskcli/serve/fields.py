@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from maskcli.errors import MaskError
@@ -116,13 +118,38 @@ def checked_page_size(size: int, where: str) -> int:
     return size
 
 
+class Numbers(Mapping):
+    """The file's fields named in `reads`, each as_numbers when first looked up: an .npz's members are unpacked only
+    where the engine reads them (a required field missing is said before any is)."""
+
+    def __init__(self, tensors: Mapping, reads: tuple[str, ...], source: str):
+        self.tensors, self.source, self.read = tensors, source, {}
+        self.names = [key for key in tensors if key in reads]
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self.read:
+            if key not in self.names:
+                raise KeyError(key)
+            self.read[key] = as_numbers(self.tensors[key], f"{self.source!r}: {key}")
+        return self.read[key]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, key) -> bool:  # (Mapping's own would read the member to find it there)
+        return key in self.names
+
+
 def as_numbers(value, where: str) -> np.ndarray:
     """A tensor, array or Python number as numpy: bool stays bool, whole floats become int64; every value within
     +-LIMIT (uint8 and bool are masks, kept as they are)."""
     if type(value).__module__.startswith("torch"):
-        kind = ("a meta tensor (a shape, no values)" if value.device.type == "meta" else
-                f"a quantized tensor ({str(value.dtype).removeprefix('torch.')})" if value.is_quantized else
-                f"a {str(value.layout).removeprefix('torch.')} tensor" if str(value.layout) != "torch.strided" else None)
+        from maskcli.tensorfile import without_plain_values
+
+        kind = without_plain_values(value)
         if kind is not None:
             raise MaskError(f"{where} is {kind}; batch metadata is plain integers: save a dense tensor (.to_dense(), .dequantize())")
         value = value.detach().cpu()

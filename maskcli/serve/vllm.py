@@ -28,9 +28,10 @@ NULL_BLOCK = 0  # vllm/v1/core/block_pool.py: the null_block is block_id 0, neve
 
 
 def load(f: Fields) -> ServeBatch:
+    seq_lens = f.vector("seq_lens", "seq_lens_cpu", required=True)  # (said missing before the queries are read)
     q_indptr = f.indptr("query_start_loc", "query_start_loc_cpu")
     requests = len(q_indptr) - 1
-    seq_lens = f.per_request(f.vector("seq_lens", "seq_lens_cpu", required=True), requests, "seq_lens", "seq_lens_cpu")
+    seq_lens = f.per_request(seq_lens, requests, "seq_lens", "seq_lens_cpu")
     computed = f.per_request(f.vector("num_computed_tokens_cpu", "num_computed_tokens"), requests, "num_computed_tokens_cpu", "num_computed_tokens")
     names = {"queries": f.key("query_start_loc", "query_start_loc_cpu"), "seq_lens": f.key("seq_lens", "seq_lens_cpu"),
              "computed": f.key("num_computed_tokens_cpu", "num_computed_tokens") or "num_computed_tokens",

@@ -61,6 +61,19 @@ def as_array(values) -> np.ndarray:
     return values.numpy()
 
 
+def without_plain_values(tensor) -> str | None:
+    """What a torch tensor is where it holds no plain values to read (a meta, quantized, sparse or nested tensor),
+    in words; None for a dense one."""
+    if tensor.device.type == "meta":
+        return "a meta tensor (a shape, no values)"
+    if tensor.is_quantized:
+        return f"a quantized tensor ({str(tensor.dtype).removeprefix('torch.')})"
+    if getattr(tensor, "is_nested", False):
+        return "a nested tensor"
+    layout = str(tensor.layout).removeprefix("torch.")
+    return None if layout == "strided" else f"a {layout} tensor"
+
+
 def as_tensor(values):
     """A numpy array as a torch tensor (a BFLOAT16 one as bfloat16 again); a tensor as it is."""
     import torch
@@ -71,16 +84,17 @@ def as_tensor(values):
     return tensor.to(torch.bfloat16) if dtype_name(values) == "bfloat16" else tensor
 
 
-def load_tensors(source: str, flag: str, json_floats=None, numbers: bool = False) -> dict:
+def load_tensors(source: str, flag: str, json_floats=None, numbers: bool = False, work: tuple[float, str] = (0, "to load")) -> dict:
     """Every tensor in a file (or inline JSON) by name, as torch tensors; a lone tensor is named ''.
 
     JSON carries no dtype: its floats become `json_floats` (a torch dtype), or torch's default dtype. `numbers`:
-    a .pt dict's plain ints and lists of ints are tensors too (a collator's max_length_q is a Python int).
+    a .pt dict's plain ints and lists of ints are tensors too (a collator's max_length_q is a Python int). `work`: as
+    read_tensors's.
     """
     import torch
 
     floats = str(json_floats or torch.get_default_dtype()).removeprefix("torch.")
-    arrays = read_tensors(source, flag, floats, numbers)
+    arrays = read_tensors(source, flag, floats, numbers, work=work)
     if isinstance(arrays, dict):
         return {name: as_tensor(value) for name, value in arrays.items()}
     return Tensors(arrays)  # an .npz's members, each unpacked when it is asked for
@@ -100,6 +114,9 @@ class Tensors(Mapping):
 
     def __len__(self) -> int:
         return len(self.arrays)
+
+    def __contains__(self, key) -> bool:  # (Mapping's own would read the member to find it there)
+        return key in self.arrays
 
 
 def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: bool = False, lists: tuple[str, ...] = (),

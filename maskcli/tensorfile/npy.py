@@ -29,9 +29,10 @@ def read(path: Path, where: str, reading: Reading = Reading()) -> dict[str, np.n
     if not head.startswith((b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06", b"\x80")):
         raise MaskError(f"{where}: not a numpy file (it does not start with the .npy or .npz signature)")
     if head.startswith(b"PK"):
-        with _numpy_errors(where):
-            with np.load(path, allow_pickle=False) as archive:
-                names = list(archive.files)
+        import zipfile
+
+        with _numpy_errors(where), zipfile.ZipFile(path) as archive:  # (np.load's NpzFile names its members so)
+            names = [name.removesuffix(".npy") for name in archive.namelist()]
         return Members(path, where, reading.work, names)
     _check_unpacked_fits(path, head, where, reading.work)
     with _numpy_errors(where):
@@ -61,6 +62,9 @@ class Members(Mapping):
 
     def __len__(self) -> int:
         return len(self.names)
+
+    def __contains__(self, key) -> bool:  # (Mapping's own would read the member to find it there)
+        return key in self.names
 
 
 @contextlib.contextmanager
