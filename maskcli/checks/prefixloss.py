@@ -17,7 +17,7 @@ import numpy as np
 from maskcli.checks.context import Run
 from maskcli.checks.real import stated
 from maskcli.checks.registry import Rule
-from maskcli.checks.tokens import _calls
+from maskcli.checks.tokens import _calls, predicting
 from maskcli.text import Finding
 
 
@@ -42,12 +42,7 @@ def _prefix(seen: np.ndarray, real: np.ndarray) -> int | None:
 def skipped(run: Run) -> list:
     """Rows whose loss starts one query after the last prefix query: the token after the prefix is never a target."""
     found = []
-    for top in run.tops:
-        said = top.arguments.get("next_token")
-        if said is None:
-            continue
-        axis, predicts = said
-        predicts = predicts if axis == 1 else predicts.T  # (batch, sequence)
+    for top, predicts in predicting(run):
         rows, length = predicts.shape
         given = stated(top, rows, length)
         real = np.ones((rows, length), bool) if given is None else np.broadcast_to(given[0], (rows, length))
