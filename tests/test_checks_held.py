@@ -838,3 +838,37 @@ def test_lengths_mask_built_only_in_training(tmp_path):
     [hit] = check_bug(tmp_path, "lengths_mask_built_only_in_training", "padding-unused", folder=HELD)
     assert tuple(hit["cell"]) == first((3, 11, 11), lambda b, q, k: q < lengths[b] <= k)
     assert f"({sum(n * (11 - n) for n in lengths)} such cells)" in hit["message"].replace("\n", " ")
+
+
+def test_megatron_ul2_decoder_only_mask_without_head_axis(tmp_path):
+    """bigscience-workshop/Megatron-DeepSpeed 538c30b (written blind, batch blind-dd): get_batch handed the UL2
+    prefix-LM dec_mask as [b, s, s] beside [b, np, s, s] scores (b == np): head h of each row used row h's prefix."""
+    check_bug(tmp_path, "megatron_deepspeed_ul2_decoder_only_dec_mask_missing_head_axis", "held-mask-ignored")
+
+
+def test_keep_mask_without_head_axis_left_padded(tmp_path):
+    """Written another way: a left-padded causal keep mask (True = may attend) (b, q, k) handed to SDPA beside
+    (b, h, q, k) scores, b == h; the first cell is a double loop's over the kernel's mask (row b, head h reads row h)
+    against the mask the model holds for row b."""
+    [hit] = check_bug(tmp_path, "left_padded_keep_mask_without_head_axis", "held-mask-ignored", folder=HELD)
+    starts = (0, 4, 2)  # (each row's left padding)
+
+    def keep(b, q, k):
+        return q == k or (k <= q and k >= starts[b])
+
+    bad = first((3, 9, 9), lambda b, q, k: not keep(b, q, k) and any(keep(h, q, k) for h in range(3)))
+    assert hit["cell"][0] == bad[0] and not keep(*hit["cell"])
+
+
+def test_mmada_llada_attention_bias_dropped(tmp_path):
+    """Gen-Verse/MMaDA#19 (written blind, batch blind-dd): t2i_generate holds the CFG batch's attention_mask and builds
+    attention_bias from it; LLaDABlock calls SDPA with attn_mask=None."""
+    check_bug(tmp_path, "mmada_llada_block_attention_bias_dropped_t2i_cfg", "padding-unused")
+
+
+def test_diffusion_lm_bias_built_never_added(tmp_path):
+    """Written another way: right-padded, the sampler's additive bias handed to blocks that score by hand and never
+    add it; the first cell is a double loop's over the real queries and padded keys."""
+    lengths = (10, 6)
+    [hit] = check_bug(tmp_path, "diffusion_lm_bias_built_never_added", "padding-unused", folder=HELD)
+    assert tuple(hit["cell"]) == first((2, 10, 10), lambda b, q, k: q < lengths[b] <= k)

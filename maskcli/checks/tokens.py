@@ -249,15 +249,18 @@ def _masked(run: Run, top, hidden, given, pad_id: int, said: str) -> list:
     return []
 
 
+def predicting(run: Run):
+    """(top, bool (batch, sequence): the positions whose next token the loss counts) of each model call a loss reads."""
+    for top in run.tops:
+        said = top.arguments.get("next_token")
+        if said is not None:
+            yield top, (said[1] if said[0] == 1 else said[1].T)
+
+
 def targets(run: Run) -> list:
     """A query that sees the next position's key where the loss's targets say that token is its answer."""
     found = []
-    for top in run.tops:
-        said = top.arguments.get("next_token")
-        if said is None:
-            continue
-        axis, predicts = said
-        predicts = predicts if axis == 1 else predicts.T  # (batch, sequence)
+    for top, predicts in predicting(run):
         rows, length = predicts.shape
         for call, cells, own in _calls(run, top, rows, length, unmasked=True):  # (a softmax that masks nowhere:
             # the padding-only mask of a decoder its config calls no decoder, transformers#23051)

@@ -12,11 +12,15 @@ the positions whose next token is a target).
 
 from __future__ import annotations
 
+import re
+import sys
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 IDS = ("input_ids", "idx", "tokens", "src", "inputs")  # (`inputs`: MLX-LM's models' token ids)
+LOSS_MASK = re.compile(r"^(?:loss_mask|loss_masks|label_mask|loss_weights?|target_mask)$")  # 1 = the loss counts it
 RECENT = 4  # model calls looked back at (a model and its reference model, each called before the loss)
 
 
@@ -27,18 +31,19 @@ def watched(trace) -> dict:
         ignore = kwargs.get("ignore_index", -100)
         if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.numel() > 1 << 20:
             return None
+        weight = _loss_mask(target) if kwargs.get("reduction") == "none" else None
         # (the loss inside the model's own forward, which has made attention calls: not a loss module's own call).
         # The outermost module call held (outer.py) may have returned already: its first call runs without the hook
         # that finishes it, so it is still held after it ends. Inside it only while its frame is on this stack.
         held = trace._local.outer
         inner = held is not None and held[0] is not None and len(trace._calls) > held[4] and _running(held[0])
         if inner:  # its model call is no top yet: read when it is (outer.py's _finish calls inside())
-            found = target.detach().cpu().numpy().astype(np.int64)
+            found = _counted(target.detach().cpu().numpy().astype(np.int64), weight, ignore)
             trace._local.losses = [*(getattr(trace._local, "losses", None) or ()), (found, ignore)][-RECENT:]
             return None
         if not trace.tops:  # (reading them finishes the module calls held that have ended: capture.py)
             return None
-        found = target.detach().cpu().numpy().astype(np.int64)
+        found = _counted(target.detach().cpu().numpy().astype(np.int64), weight, ignore)
         for top in reversed(trace.tops[-RECENT:]):
             ids = next((top.arguments[n] for n in IDS if isinstance(top.arguments.get(n), np.ndarray)), None)
             shifted = None if ids is None or ids.ndim != 2 or "next_token" in top.arguments else _shifted(found, ids, ignore)
@@ -60,10 +65,27 @@ def inside(top, losses) -> None:
             top.arguments["next_token"] = shifted
 
 
+def _loss_mask(target: torch.Tensor) -> np.ndarray | None:
+    """A per-token loss (`reduction="none"`) is weighted by the program after it returns: the 0/1 loss mask its own
+    frames hold by name (Megatron's `loss_mask`), as many cells as the targets, else None."""
+    from maskcli.trace.held import program_frames
+
+    for frame in program_frames(sys._getframe(2), 8):
+        for name, value in frame.f_locals.items():
+            if LOSS_MASK.search(name) and isinstance(value, torch.Tensor) and value.numel() == target.numel():
+                weight = value.detach().cpu().numpy().reshape(-1)
+                if np.isin(weight, (0, 1)).all():
+                    return weight != 0
+    return None
+
+
+def _counted(found: np.ndarray, weight: np.ndarray | None, ignore: int) -> np.ndarray:
+    """The targets, those the loss mask weighs 0 set to the ignore index (not counted)."""
+    return found if weight is None else np.where(weight.reshape(found.shape), found, ignore)
+
+
 def _running(frame) -> bool:
     """Whether `frame` (a module call's) is on the calling thread's stack: that call has not returned."""
-    import sys
-
     here = sys._getframe(2)
     while here is not None:
         if here is frame:

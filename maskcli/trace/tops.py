@@ -25,6 +25,7 @@ from maskcli.trace.handedcells import handed_cells
 from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids
 from maskcli.trace.padded import MOST, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
+from maskcli.trace.targetmap import target_mapping
 from maskcli.trace.tiles import zero_units
 from maskcli.trace.tokenids import token_ids as _token_ids
 from maskcli.trace.framebudget import video_input
@@ -133,6 +134,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(float_mask(given, found))  # (a 0/1 float attention_mask, kept apart: checks/runalone.py)
     found.update(_images(given))
     found.update(zero_units(given))  # (an image input's tiles that are exactly 0: checks/tiles.py)
+    found.update(target_mapping(given))  # (XLNet's query stream: the position each predict stands for, checks/targetmap.py)
     if "image_shapes" in found or any(name in found for name in ("grid_thw", "image_grid_thw", "video_grid_thw")):
         found["module_class"] = type(module).__name__  # (the tower's family: how it attends a video, checks/items.py)
     found.update(padded_input(given))
