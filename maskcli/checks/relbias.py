@@ -3,7 +3,8 @@
 A relative-position bias added to the scores depends on the key's distance from the query alone, up to one constant per
 query row (trace/posbias.py reads it so: each query row less its value at its own column). A site's full pass, as many
 queries as keys and query i at key i, states that function: where every query row of every batch row and head agrees
-on it (one value per distance, not 0 everywhere), the program has said what its bias is. A later step of the same site
+on it (one value per distance, each distance seen in two cells or more, not 0 everywhere), the program has said what
+its bias is. A later step of the same site
 whose queries sit at the end of its keys (a cached decode step, a chunk; the trace places them so) must add the same
 function of the same distances; where it adds another one, its bias rows are not its queries' own:
 TransformerLens#777 sliced ALiBi `alibi[:, :query_ctx, :key_ctx]`, so a cached decode step at position p got row 0 (no
@@ -52,12 +53,12 @@ def _stated(found: dict) -> tuple[np.ndarray, float] | None:
     if read is None:
         return None
     low, high = read
-    seen = np.isfinite(low)
+    seen = np.isfinite(low) & (np.array(found.get("count", 0)) >= 2)  # (a distance one cell shows: nothing agrees on it)
     scale = max(1.0, float(np.abs(low[seen]).max(initial=0.0)), float(np.abs(high[seen]).max(initial=0.0)))
     tolerance = TOLERANCE * scale
     if not seen.any() or not (np.abs(low[seen]) > tolerance).any() or (high[seen] - low[seen] > tolerance).any():
         return None
-    return (low + high) / 2, tolerance
+    return np.where(seen, (low + high) / 2, np.nan), tolerance
 
 
 def _worst(stated: np.ndarray, tolerance: float, found: dict) -> tuple[int, int, float, float] | None:

@@ -41,8 +41,9 @@ def carried(held: dict, had: tuple, out: torch.Tensor, new: torch.Tensor | None)
 
 
 def profile(addends: tuple, x: torch.Tensor, keep: torch.Tensor | None) -> dict | None:
-    """{"heads", "low", "high"} (low and high: per head, per distance -DISTANCE..DISTANCE, the least and greatest bias
-    seen there, each query row less its value at its own column; None where no kept cell lies at that distance), or
+    """{"heads", "low", "high", "count"} (low and high: per head, per distance -DISTANCE..DISTANCE, the least and
+    greatest bias seen there, each query row less its value at its own column, None where no kept cell lies at that
+    distance; count: the cells seen there, over query rows and batch rows), or
     {"heads", "zero": [least, greatest distance]} where it is 0 on every kept cell, or None where there is nothing to
     read (no mask read, too many cells, no kept cell within DISTANCE)."""
     if keep is None or x.dim() < 3 or x.numel() > MOST:
@@ -60,7 +61,8 @@ def profile(addends: tuple, x: torch.Tensor, keep: torch.Tensor | None) -> dict 
         return None
     rows = np.arange(q_len)
     real = kept[:, rows, own]  # (planes, Lq): rows whose own key is kept (padding queries are not)
-    g = bias - bias[:, rows, own][:, :, None]
+    with np.errstate(invalid="ignore"):  # (-inf less -inf on a masked own column: NaN, read as no cell)
+        g = bias - bias[:, rows, own][:, :, None]
     distance = np.arange(k_len)[None, :] - own[:, None]  # (Lq, Lk)
     near = np.abs(distance) <= DISTANCE
     cells = kept & real[:, :, None] & near[None] & np.isfinite(g)
@@ -75,7 +77,8 @@ def profile(addends: tuple, x: torch.Tensor, keep: torch.Tensor | None) -> dict 
     high = np.full(heads * (2 * DISTANCE + 1), -np.inf)
     np.minimum.at(low, slot, values)
     np.maximum.at(high, slot, values)
-    return {"heads": int(heads), "low": _listed(low, heads), "high": _listed(high, heads)}
+    count = np.bincount(slot, minlength=low.size).reshape(heads, -1)
+    return {"heads": int(heads), "low": _listed(low, heads), "high": _listed(high, heads), "count": count.tolist()}
 
 
 def _listed(values: np.ndarray, heads: int) -> list:
