@@ -28,6 +28,10 @@ BUGS = [
     # huggingface/pytorch-image-models PR #2686 (commit 61a26c7, blind-ct): the non-fused Attention adds the caller's
     # bool keep-mask over [cls, registers, patches] to the scores (+1/0), so padded patches stay attended
     ("timm_vit_reg_tokens_bool_attn_mask_added_as_bias_unfused", "bool-added"),
+    # TransformerLensOrg/TransformerLens#1198 (commit 42a2d52, blind-dc): JointQKVAttentionBridge._reconstruct_attention
+    # adds HF's boolean 4D mask (True = attend) to the scores, so a left-padded row attends to its pad keys
+    ("transformerlens_joint_qkv_bridge_bool_4d_mask_added_as_bias", "bool-added"),
+    ("eager_gqa_bool_sdpa_mask_added_right_padded", "bool-added"),  # the same bug: torch.add, GQA, right padded
 ]
 
 

@@ -13,6 +13,7 @@ import maskcli.trace.masks as readers
 from maskcli.trace.discarded import FILLS as DISCARDED
 from maskcli.trace.layouts import heads_first, reader as laid
 from maskcli.trace.mode import Mode, building, has_values
+from maskcli.trace.posbias import bias_of
 from maskcli.trace.overflow import IN_PLACE, WATCHED
 from maskcli.trace.scores import HEADS, as_matrix, stated_heads
 from maskcli.trace.singleton import read as read_singleton, singleton, wider
@@ -209,6 +210,8 @@ class Follow:
                 self.scores.fold_of(readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.sliced:  # q @ kᵀ over a cache's tail (trace/sliced.py)
                 self.scores.sliced_of(readers.softmax_input(args, kwargs), *softmaxed)
+            if self.scores is not None and self.scores.biased:  # a bias added to the scores (trace/posbias.py)
+                bias_of(self.scores.biased, self.scores.has, readers.softmax_input(args, kwargs), *softmaxed)
             self.weights.note(out, *softmaxed, readers.softmax_input(args, kwargs))  # (its weights followed: weights.py)
         else:
             if followed[2] and not self.busy:

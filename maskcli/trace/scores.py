@@ -22,6 +22,7 @@ import torch
 from maskcli.trace.copiedfold import copied_fold
 from maskcli.trace.followed import operands_of
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
+from maskcli.trace.posbias import addend as pos_addend, carried as carried_bias
 from maskcli.trace.weakfill import WHERES, carry
 from maskcli.trace.sliced import tail
 from maskcli.trace.undone import BOUNDED, lifted
@@ -51,6 +52,7 @@ class Scores:
         self.weak: dict[int, tuple] = {}  # id -> (fill, cells) a fill of about zero replaced in these scores (weakfill.py)
         self.sliced: dict[int, tuple] = {}  # id -> (start, length) of scores whose kᵀ is the tail of a longer key tensor
         self.flat: dict[int, tuple] = {}  # id -> (a weak reference, the scores' shape) of scores' rows folded to 2-D
+        self.biased: dict[int, tuple] = {}  # id -> the float tensors added to these scores (posbias.py)
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -114,6 +116,8 @@ class Scores:
                     axes = None if tuple(x.shape[-2:]) == tuple(out.shape[-2:]) else NONE
                 if axes is not NONE:
                     addend = self.added.get(id(x)) if self.added else None
+                    biased = self.biased.get(id(x), ()) if self.biased or func in ADDS else None  # (read before
+                    # _note: an in-place add's `out` is `x`)
                     fold = self.folds.get(id(x)) if self.folds and axes is None else None  # (read first: an in-place
                     self._note(out, axes)  # op's `out` is `x`, whose entry _note clears, FastPitch's attn_score.mul_)
                     if fold is not None:
@@ -124,6 +128,8 @@ class Scores:
                         addend = _zero_one(args, x, out)
                     if addend is not None and axes is None:
                         self.added[id(out)] = addend
+                    if biased is not None and axes is None:  # (a bias added, carried to the softmax: posbias.py)
+                        carried_bias(self.biased, biased, out, pos_addend(args, x, out) if func in ADDS else None)
                     if axes is None and (self.weak or func in WHERES):
                         carry(self.weak, self.has, func, args, kwargs, x, out)
                     if axes is None and func in BOUNDED:  # (a fill lifted back by tanh, a clamp: undone.py)
@@ -184,11 +190,13 @@ class Scores:
             self.weak.clear()
             self.sliced.clear()
             self.flat.clear()
+            self.biased.clear()
             matrices.clear()
         key = id(tensor)
 
-        added, folds, weak, sliced = self.added, self.folds, self.weak, self.sliced
+        added, folds, weak, sliced, biased = self.added, self.folds, self.weak, self.sliced, self.biased
         added.pop(key, None)  # (an id a dead tensor had, now this one's)
+        biased.pop(key, None)
         folds.pop(key, None)
         weak.pop(key, None)
         sliced.pop(key, None)
@@ -201,6 +209,7 @@ class Scores:
                 folds.pop(key, None)
                 weak.pop(key, None)
                 sliced.pop(key, None)
+                biased.pop(key, None)
                 matrices.discard(key)
 
         try:
