@@ -429,7 +429,27 @@ def test_tryout_says_whether_a_family_runs_tiny_or_why_not():
 
     assert tryout("llama") == "runs" and tryout("gemma2") == "runs (eager only)"
     assert tryout("gemma4_text").startswith("cannot be made tiny: AmbiguousGlobalPerLayerAttributeError")
-    assert tryout("bart").startswith("does not shrink to a tiny model: ")
+
+
+@pytest.mark.parametrize("family", ["bart", "whisper", "falcon"])
+def test_encoder_decoder_sizes_and_derived_head_dims_are_made_tiny(family, monkeypatch):
+    """BART's and Whisper's encoder and decoder keep their own heads, FFN widths and layer counts (num_hidden_layers
+    and num_attention_heads name the encoder's: the decoder stayed full size, and 6 heads did not divide 32); Falcon's
+    head_dim is a property worked out from the others. Each runs tiny, and every call is the kernel's own (an
+    independent SDPA capture) and HF's rule."""
+    from maskcli.hf.run import build, tryout
+
+    config = families.tiny(families.load(family), name=family)
+    for key in families.ENCODER_DECODER_SIZES:
+        if hasattr(config, key):
+            assert getattr(config, key) == (2 if key.endswith(("_heads", "_layers")) else families.SIZES["intermediate_size"])
+    assert tryout(family) == "runs"
+    batch = prompt((5, 3), None, 0, "left", 128)
+    seen = kernel_calls(build(config, "sdpa", family), batch, 2, False, monkeypatch)
+    result = run(family, config, batch, new_tokens=2)
+    assert [call.shape for call in result.calls] == [shape for shape, _ in seen]
+    assert all((np.broadcast_to(call.keep(), call.shape) == keep).all() for call, (_, keep) in zip(result.calls, seen))
+    assert check_against_reference(result) == len(result.calls) == 6
 
 
 def kernel_calls(model, batch, new_tokens: int, force_gqa: bool, monkeypatch) -> list[tuple[tuple, np.ndarray]]:

@@ -17,6 +17,11 @@ from maskcli.hf import quiet, reason, require
 # attribute -> tiny value, set where the config has the attribute (None included: head_dim None is hidden / heads)
 SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
          "vocab_size": 128}
+# an encoder's and a decoder's own sizes (BART's, Whisper's: num_hidden_layers and num_attention_heads name the
+# encoder's), as SIZES' attribute says them; the layer counts as num_hidden_layers
+ENCODER_DECODER_SIZES = {"encoder_attention_heads": "num_attention_heads", "decoder_attention_heads": "num_attention_heads",
+                         "encoder_ffn_dim": "intermediate_size", "decoder_ffn_dim": "intermediate_size",
+                         "encoder_layers": "num_hidden_layers", "decoder_layers": "num_hidden_layers"}
 # set only where not None: None says the family has no experts
 EXPERTS = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
            "n_routed_experts": 4, "num_experts_per_tok": 2}
@@ -257,6 +262,8 @@ def _tiny(config, window: int | None, chunk_size: int | None, name: str):
         size = SIZES.get(key.removesuffix("_per_layer")) if key.endswith("_per_layer") else None
         if size is not None and isinstance(value, (list, tuple)):
             changes[key] = [size] * layers
+        elif isinstance(value, int) and not isinstance(value, bool) and key in ENCODER_DECODER_SIZES:
+            changes[key] = layers if key.endswith("_layers") else SIZES[ENCODER_DECODER_SIZES[key]]
     if getattr(config, "layer_types", None):
         changes["layer_types"] = list(config.layer_types[:layers])
     for flag, attribute, value in (("--window", "sliding_window", window), ("--chunk-size", "attention_chunk_size", chunk_size)):
@@ -270,6 +277,9 @@ def _tiny(config, window: int | None, chunk_size: int | None, name: str):
     pad = getattr(config, "pad_token_id", None)
     changes["pad_token_id"] = pad if isinstance(pad, int) and 0 <= pad < SIZES["vocab_size"] else 0
     for key, value in changes.items():
+        declared = getattr(type(config), key, None)
+        if isinstance(declared, property) and declared.fset is None:
+            continue  # worked out from the others (Falcon's head_dim: hidden_size / num_attention_heads)
         try:
             with quiet():
                 setattr(config, key, value)
