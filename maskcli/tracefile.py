@@ -240,8 +240,10 @@ def _check_mask(stored: dict, where: str) -> None:
     for key in names:
         value = stored.get(key)
         if not isinstance(value, np.ndarray) or value.dtype.kind not in "iu" or value.ndim != (4 if form == "bits" else 3):
+            dims = ("4 dimensions (batch planes, head planes, queries, bytes of keys)" if form == "bits" else
+                    "3 dimensions (planes, queries, intervals per row)")
             raise MaskError(f"{where}: {key} is {_quoted(getattr(value, 'dtype', value))} {list(getattr(value, 'shape', []))}; "
-                            f"it is an integer array")
+                            f"it is an integer array of {dims}")
     if form == "bits":
         expected = (b, h, q_len, -(-k_len // 8))
         if stored["bits"].dtype != np.uint8 or stored["bits"].shape != expected:

@@ -41,3 +41,17 @@ def test_a_row_of_many_runs_is_kept_as_bits_and_reads_back():
     stored = tracefile.from_dense(keep, keep.shape)
     assert stored["form"] == "bits" and stored["bits"].nbytes == keep.size // 8
     assert np.array_equal(tracefile.dense(stored), keep)
+
+
+@pytest.mark.parametrize(("form", "key", "shape", "dims"), [
+    ("bits", "bits", (2, 6, 5), "4 dimensions (batch planes, head planes, queries, bytes of keys)"),
+    ("intervals", "starts", (6, 1), "3 dimensions (planes, queries, intervals per row)"),
+])
+def test_a_stored_array_of_the_wrong_rank_is_refused_saying_the_rank_it_needs(tmp_path, form, key, shape, dims):
+    """A crafted trace file: the line said "bits is dtype('uint8') [2, 6, 5]; it is an integer array" of an integer
+    array; it now says how many dimensions, and what each is."""
+    keep = np.tril(np.ones((1, 1, 6, 6), dtype=bool))
+    stored = dict(tracefile.from_dense(keep, keep.shape), form=form, **{key: np.zeros(shape, np.uint8 if form == "bits" else np.int64)})
+    with pytest.raises(MaskError, match=rf"{key} is dtype\('(uint8|int64)'\) \[{', '.join(map(str, shape))}\]; it is an integer array of "
+                       + dims.replace("(", r"\(").replace(")", r"\)")):
+        tracefile._check_mask(stored, "T.pt")
