@@ -431,11 +431,12 @@ def test_tryout_says_whether_a_family_runs_tiny_or_why_not():
     assert tryout("gemma4_text").startswith("cannot be made tiny: AmbiguousGlobalPerLayerAttributeError")
 
 
-@pytest.mark.parametrize("family", ["bart", "whisper", "falcon"])
-def test_encoder_decoder_sizes_and_derived_head_dims_are_made_tiny(family, monkeypatch):
+@pytest.mark.parametrize("family", ["bart", "whisper", "falcon", "deepseek_v3", "gptj"])
+def test_encoder_decoder_latent_and_rotary_sizes_and_derived_head_dims_are_made_tiny(family, monkeypatch):
     """BART's and Whisper's encoder and decoder keep their own heads, FFN widths and layer counts (num_hidden_layers
     and num_attention_heads name the encoder's: the decoder stayed full size, and 6 heads did not divide 32); Falcon's
-    head_dim is a property worked out from the others. Each runs tiny, and every call is the kernel's own (an
+    head_dim is a property worked out from the others; DeepSeek's latent attention and GPT-J's rotary part have widths
+    of their own (64 rotary dims over heads of 16). Each runs tiny, and every call is the kernel's own (an
     independent SDPA capture) and HF's rule."""
     from maskcli.hf.run import build, tryout
 
@@ -443,6 +444,8 @@ def test_encoder_decoder_sizes_and_derived_head_dims_are_made_tiny(family, monke
     for key in families.ENCODER_DECODER_SIZES:
         if hasattr(config, key):
             assert getattr(config, key) == (2 if key.endswith(("_heads", "_layers")) else families.SIZES["intermediate_size"])
+    for key, value in families.LATENT.items():
+        assert getattr(config, key, None) in (None, value)
     assert tryout(family) == "runs"
     batch = prompt((5, 3), None, 0, "left", 128)
     seen = kernel_calls(build(config, "sdpa", family), batch, 2, False, monkeypatch)

@@ -22,6 +22,10 @@ SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "
 ENCODER_DECODER_SIZES = {"encoder_attention_heads": "num_attention_heads", "decoder_attention_heads": "num_attention_heads",
                          "encoder_ffn_dim": "intermediate_size", "decoder_ffn_dim": "intermediate_size",
                          "encoder_layers": "num_hidden_layers", "decoder_layers": "num_hidden_layers"}
+# set only where not None (q_lora_rank None: no LoRA on the queries): multi-head latent attention's widths (DeepSeek's
+# head_dim is its rotary part, qk_rope_head_dim, so both are SIZES' head_dim) and a partial rotary width (GPT-J's)
+LATENT = {"qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "qk_head_dim": 32, "v_head_dim": 16, "kv_lora_rank": 16,
+          "q_lora_rank": 16, "rotary_dim": 8}
 # set only where not None: None says the family has no experts
 EXPERTS = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
            "n_routed_experts": 4, "num_experts_per_tok": 2}
@@ -256,7 +260,7 @@ def _tiny(config, window: int | None, chunk_size: int | None, name: str):
                         f"parameters): give a config.json whose layer_types has each type within its first {MOST_LAYERS} "
                         f"layers (num_hidden_layers to match)")
     changes = {key: value for key, value in SIZES.items() if hasattr(config, key)}
-    changes |= {key: value for key, value in EXPERTS.items() if getattr(config, key, None) is not None}
+    changes |= {key: value for key, value in (EXPERTS | LATENT).items() if getattr(config, key, None) is not None}
     changes["num_hidden_layers"] = layers
     for key, value in vars(config).items():  # head counts kept per layer (Laguna's num_attention_heads_per_layer)
         size = SIZES.get(key.removesuffix("_per_layer")) if key.endswith("_per_layer") else None
