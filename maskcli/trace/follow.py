@@ -209,6 +209,8 @@ class Follow:
                 self.scores.fold_of(readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.sliced:  # q @ kᵀ over a cache's tail (trace/sliced.py)
                 self.scores.sliced_of(readers.softmax_input(args, kwargs), *softmaxed)
+            if self.scores is not None and self.scores.tiles:  # one tile of a larger attention (trace/tiled.py)
+                self.scores.tile_of(readers.softmax_input(args, kwargs), *softmaxed)
             self.weights.note(out, *softmaxed, readers.softmax_input(args, kwargs))  # (its weights followed: weights.py)
         else:
             if followed[2] and not self.busy:

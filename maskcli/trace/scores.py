@@ -24,6 +24,7 @@ from maskcli.trace.followed import operands_of
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
 from maskcli.trace.weakfill import WHERES, carry
 from maskcli.trace.sliced import tail
+from maskcli.trace.tiled import tile
 from maskcli.trace.undone import BOUNDED, lifted
 
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
@@ -51,6 +52,7 @@ class Scores:
         self.weak: dict[int, tuple] = {}  # id -> (fill, cells) a fill of about zero replaced in these scores (weakfill.py)
         self.sliced: dict[int, tuple] = {}  # id -> (start, length) of scores whose kᵀ is the tail of a longer key tensor
         self.flat: dict[int, tuple] = {}  # id -> (a weak reference, the scores' shape) of scores' rows folded to 2-D
+        self.tiles: dict[int, list] = {}  # id -> the batch, query and key spans of scores of one tile (tiled.py)
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -80,6 +82,9 @@ class Scores:
                     fold = batch_major(operands[0], out) or copied_fold(operands[0], out)
                     if fold is not None:
                         self.folds[id(out)] = fold
+                    part = tile(operands[0], operands[1], turned=func is not torch.einsum) if len(operands) == 2 else None
+                    if part is not None:
+                        self.tiles[id(out)] = part
                     cut = tail(operands[1], turned=True) if len(operands) == 2 and func is not torch.einsum else None
                     if cut is not None and tail(operands[0]) != cut:  # (q @ kᵀ over keys sliced off a cache's tail:
                         # trace/sliced.py; q sliced alike is a packed batch's last request, its own keys)
@@ -115,9 +120,12 @@ class Scores:
                 if axes is not NONE:
                     addend = self.added.get(id(x)) if self.added else None
                     fold = self.folds.get(id(x)) if self.folds and axes is None else None  # (read first: an in-place
+                    part = self.tiles.get(id(x)) if self.tiles and axes is None else None
                     self._note(out, axes)  # op's `out` is `x`, whose entry _note clears, FastPitch's attn_score.mul_)
                     if fold is not None:
                         self.folds[id(out)] = fold  # (the mask added to folded scores: folded alike)
+                    if part is not None:
+                        self.tiles[id(out)] = part
                     if self.sliced and axes is None and id(x) in self.sliced:
                         self.sliced[id(out)] = self.sliced[id(x)]
                     if func in ADDS and addend is None:
@@ -153,6 +161,12 @@ class Scores:
         if cut is not None and "axes" not in seen.details:
             call.details["keys_sliced"] = seen.details["keys_sliced"] = cut
 
+    def tile_of(self, x, call, seen) -> None:
+        """At softmax `call` over scores `x`: details["tile"] where they are one tile of a larger attention (tiled.py)."""
+        part = self.tiles.get(id(x)) if isinstance(x, torch.Tensor) and self.has(x) else None
+        if part is not None and "axes" not in seen.details:
+            call.details["tile"] = seen.details["tile"] = part
+
     def sink(self, x) -> int | None:
         """The keys of scores `x` whose last column is a sink joined to them (_sink_joined); None where none is."""
         held = self.sinks.get(id(x)) if self.sinks and isinstance(x, torch.Tensor) else None
@@ -183,6 +197,7 @@ class Scores:
             self.folds.clear()
             self.weak.clear()
             self.sliced.clear()
+            self.tiles.clear()
             self.flat.clear()
             matrices.clear()
         key = id(tensor)
@@ -192,6 +207,8 @@ class Scores:
         folds.pop(key, None)
         weak.pop(key, None)
         sliced.pop(key, None)
+        self.tiles.pop(key, None)
+        tiles = self.tiles
 
         def gone(ref) -> None:  # a tensor let go is forgotten at once, so the mode stops following when none is left
             if found.get(key) is ref:  # (its id reused by a later tensor: that one keeps its own entry)
@@ -201,6 +218,7 @@ class Scores:
                 folds.pop(key, None)
                 weak.pop(key, None)
                 sliced.pop(key, None)
+                tiles.pop(key, None)
                 matrices.discard(key)
 
         try:
