@@ -32,3 +32,16 @@ def test_whole_tensors_are_no_tile():
     q, k, _ = x.view(2, 12, 3, 4, 6).permute(2, 0, 3, 1, 4)  # views, but of every row, query and key
     assert tile(q, k) is None
     assert tile(torch.randn(2, 4, 12, 6), torch.randn(2, 4, 12, 6)) is None
+
+
+def test_a_sequence_cut_into_windows_is_no_tile():
+    q = torch.randn(4, 16, 8)
+    windows = q.reshape(4, 4, 4, 8)  # (b, windows, w, d): every query, in blocks (local-attention's bucketing)
+    assert tile(windows, torch.randn(4, 4, 8, 8)) is None
+
+
+def test_a_chunk_of_a_linear_output_merged_over_batch_and_sequence_is_placed():
+    flat = torch.randn(2 * 12, 72)  # nn.Linear's (B * L, features) output, viewed back as (B, L, features)
+    _, k, _ = flat.view(2, 12, 3, 3, 8).permute(2, 0, 3, 1, 4)
+    q = torch.randn(2, 3, 12, 8)
+    assert tile(q[:, :, 8:12], k[:, :, 4:8].transpose(-2, -1), turned=True) == [[0, 2], [8, 12], [4, 12]]

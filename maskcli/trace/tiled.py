@@ -31,8 +31,14 @@ def _span(t, axis: int) -> tuple[int, int] | None:
     whole = axes[stride]
     while stride * whole in axes and stride * whole not in others:
         whole *= axes[stride * whole]
-    if whole < size:
+    inside = [other for other in others if stride < other < stride * whole]
+    if inside and all(other % stride == 0 for other in inside):
+        whole = min(inside) // stride  # (a base axis that merges this one with an outer one of `t`: a Linear's
+        # (B * L, features) output viewed (B, L, ...), its batch an axis of `t`)
+    elif inside:
         return 0, size
+    if whole <= size:
+        return 0, size  # (whole, or blocks of it cut by another axis: local-attention's windows, no slice)
     start = ((int(t.storage_offset()) - int(base.storage_offset())) // stride) % whole
     return (start, whole) if start + size <= whole else None
 

@@ -47,7 +47,7 @@ class BlockwiseSelfAttention(nn.Module):
 
 torch.manual_seed(0)
 attn = BlockwiseSelfAttention(dim=24, n_heads=3, block=4).eval()
-lengths = [7, 12]
+lengths = [10, 12]
 L = max(lengths)
 x = torch.randn(len(lengths), L, 24)
 pad = torch.arange(L)[None, :] < (L - torch.tensor(lengths))[:, None]  # True = padding, on the left
