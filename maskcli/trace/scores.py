@@ -24,6 +24,7 @@ from maskcli.trace.followed import operands_of
 from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
 from maskcli.trace.weakfill import WHERES, carry
 from maskcli.trace.sliced import tail
+from maskcli.trace.shifted import SUBS, filled_rows
 from maskcli.trace.tiled import tile
 from maskcli.trace.undone import BOUNDED, lifted
 
@@ -53,6 +54,7 @@ class Scores:
         self.sliced: dict[int, tuple] = {}  # id -> (start, length) of scores whose kᵀ is the tail of a longer key tensor
         self.flat: dict[int, tuple] = {}  # id -> (a weak reference, the scores' shape) of scores' rows folded to 2-D
         self.tiles: dict[int, list] = {}  # id -> the batch, query and key spans of scores of one tile (tiled.py)
+        self.shifted: dict[int, tuple] = {}  # id -> (a weak reference, rows filled whole) of scores less their row max
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -126,6 +128,10 @@ class Scores:
                         self.folds[id(out)] = fold  # (the mask added to folded scores: folded alike)
                     if part is not None:
                         self.tiles[id(out)] = part
+                    rows = filled_rows(func, args, x, out) if func in SUBS and axes is None else None
+                    if rows is not None:  # (a row filled whole, shifted by its max: read as no key, shifted.py)
+                        self.shifted = {} if len(self.shifted) >= KEEP else self.shifted
+                        self.shifted[id(out)] = (weakref.ref(out), rows)
                     if self.sliced and axes is None and id(x) in self.sliced:
                         self.sliced[id(out)] = self.sliced[id(x)]
                     if func in ADDS and addend is None:
