@@ -262,3 +262,21 @@ def test_regained_is_a_key_before_the_queries_hidden_then_seen_against_a_double_
     assert not regained(Placed(np.ascontiguousarray(masks["a window of 3"][None, None]), own, real_q, real_k))
     assert regained(Placed(np.ascontiguousarray(masks["the first keys' staircase and the rest seen"][None, None]), own,
                            real_q, real_k))
+
+
+def test_a_causal_flag_that_never_reached_the_tiles_of_a_blockwise_loop_is_found(tmp_path):
+    """lucidrains/memory-efficient-attention-pytorch adf5751 (written blind): the chunked path never applied `causal`,
+    so each (query chunk, key chunk) tile saw its later keys; each tile is placed at its chunks' starts (trace/tiled.py),
+    so the fix's tiles after the diagonal (fully masked) and before it (masking nothing) are quiet. Written otherwise:
+    a flash-style online softmax over left-padded rows that skips the later key blocks but leaves the diagonal ones
+    unmasked; its fix (a triangle on the diagonal) quiet."""
+    found = check_bug(tmp_path, "memory_efficient_attention_pytorch_chunked_key_mask_inverted_causal_dropped",
+                      "causal-flag-ignored")
+    assert "Attention.causal" in found[0]["message"]
+    lengths = (11, 16)  # right-padded; no causal mask in any tile: any later real key of a real query
+    b, q, k = _cell(found)
+    assert k > q and q < lengths[b] and k < lengths[b]
+    found = check_bug(tmp_path, "blockwise_causal_diagonal_tiles_unmasked", "causal-flag-ignored", folder=OWN)
+    assert "BlockwiseSelfAttention.is_causal" in found[0]["message"]
+    pads = (12 - 10, 0)  # left-padded (real queries and keys judged); only the diagonal 4 x 4 blocks see later keys
+    assert _cell(found) == first((2, 12, 12), lambda b, q, k: k > q and q // 4 == k // 4 and min(q, k) >= pads[b])

@@ -536,3 +536,21 @@ def test_rows_with_no_key_are_nan_on_mhas_fast_path_and_0_on_its_slow_path_and_i
         assert (status, inverted) == ((1, ["wrong"]) if "--inverted" in flags else (0, [])), report
     assert _encoder_rows()[0] and not _encoder_rows("--train")[0]  # torch's fast path: NaN; its slow path: none
     assert _encoder_rows("--train")[1]  # (MHA's slow path: 0 on those rows)
+
+
+def test_scores_filled_whole_then_shifted_by_their_row_max_see_no_key(tmp_path):
+    """lucidrains/h-transformer-1d 5385d15 (written blind): the True = keep mask filled where True, so an all-True mask
+    filled every block score, and `S - amax(S)` before `exp` made every row uniform: trace/shifted.py reads the rows
+    filled whole as seeing no key. Written another way: a stable softmax over (B, L, L) scores whose keep mask is added
+    as `mask * -1e9`. Both fixes quiet."""
+    from pathlib import Path
+
+    from checkbugs import traced
+
+    found = check_bug(tmp_path, "h_transformer_1d_hattention_key_mask_polarity_inverted", "fully-masked")
+    assert "the mask masks everything" in found[0]["message"]
+    folder = Path(__file__).parent / "data" / "rows"
+    status, found, report = traced(tmp_path, "stable_softmax_keep_mask_added_as_bias", fixed=False, folder=folder)
+    assert status == 1 and any(f["code"] == "fully-masked" and f["severity"] == "wrong" for f in found), report
+    status, found, report = traced(tmp_path, "stable_softmax_keep_mask_added_as_bias", fixed=True, folder=folder)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report

@@ -326,3 +326,18 @@ def test_a_prefills_window_read_off_its_intervals_is_the_cells_own():
         real = Real(keys, keys.copy(), None)
         read = _window(cells, at, real, stored)
         assert read == _window(cells, at, real) == _window_loop(cells, at, keys, keys), (width, pads)
+
+
+def test_a_repeat_of_a_sites_first_call_is_no_decode_step(tmp_path):
+    """sinkhorn-transformer's sort net (written blind, tests/data/blind): its (buckets, 1 + buckets) scores, each bucket
+    seeing its null key and the buckets before it, run once per forward with the same shape, mask and placing: the
+    second forward is no decode step, so no top-left-mask, on the bug or its fix."""
+    from pathlib import Path
+
+    from checkbugs import traced
+
+    blind = Path(__file__).parent / "data" / "blind"
+    for fixed in (False, True):
+        _, found, report = traced(tmp_path, "sinkhorn_transformer_causal_rotated_heads_padding_mask_not_rotated", fixed,
+                                  folder=blind)
+        assert not [f for f in found if f["code"] == "top-left-mask"], report

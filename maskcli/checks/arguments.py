@@ -19,6 +19,7 @@ from maskcli.checks.heldpad import held_readings
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.real import kept_turned, stated, stated_once
 from maskcli.checks.registry import Rule
+from maskcli.checks.tiled import batch_part, chunk_readings
 from maskcli.text import Finding
 
 
@@ -59,6 +60,11 @@ def _fold_words(call, top, rows: int, length: int) -> str:
     """How a finding says the call's rows fold the model call's batch (`folded`): with its heads only where the call has
     no heads axis of its own and the module's head count is the fold (TF's concat of split heads); else with as many
     rows of another axis (AlphaFold 3's templates and pair rows, its heads an axis of their own)."""
+    if batch_part(call):
+        start, total = call.details["tile"][0]
+        size = chunk_readings(call, top, length)[3]
+        return (f" (of the chunk at rows {start}..{start + rows - 1} of the {total} that fold the batch of {size} with "
+                f"{total // size} rows each, either way round)")
     size = next((n for n in range(2, rows // 2 + 1) if rows % n == 0 and stated(top, n, length) is not None), rows)
     each = rows // size
     if _batch_major(call, top, rows, length) is not None:
@@ -141,7 +147,8 @@ def padding(run: Run) -> list:
         if getattr(top.config, "is_encoder_decoder", False) and not _encoder_side(call) or not positions:
             continue  # (an encoder-decoder's padding is its encoder's: read on its encoder's own layers only)
         rows, k_len = call.shape[0], call.shape[3]
-        key = (id(top), rows, k_len, id(own))  # (own: placed's, one array for the calls placed alike)
+        key = (id(top), rows, k_len, id(own), str(call.details.get("tile")))  # (own: placed's, one array for the calls
+        # placed alike; a chunk of the batch: its place, tiled.py)
         if key not in read:  # (every layer of one model call reads the same statement: read once)
             read[key] = _statement(statements, call, top, rows, k_len)
         said, placed, both = read[key]
@@ -202,6 +209,9 @@ def _statement(statements: dict, call, top, rows: int, k_len: int) -> tuple:
     """(said, placed, both) of padding(): the model call's statement of the call's keys, (real (rows, Lk), source, sure),
     with both=False; else its readings folded with the heads or held beside it ([readings], source, sure), both=True,
     `placed` saying how the ids were placed where held; (None, None, False) where it states none."""
+    if batch_part(call):  # (a chunk of the batch folded with its heads: both ways round, at its place, tiled.py)
+        said = chunk_readings(call, top, k_len)
+        return (None, None, False) if said is None else (said[:3], None, True)
     given = top.arguments.get("attention_mask")
     said = stated_once(statements, top, rows, k_len)
     if said is None and isinstance(given, np.ndarray) and given.ndim == 2 and "cache_position" in top.arguments \

@@ -27,6 +27,7 @@ import numpy as np
 from maskcli import tracefile
 from maskcli.checks.context import cross
 from maskcli.checks.heldfold import folded_padding
+from maskcli.checks.tiled import batch_part
 from maskcli.text import Finding
 
 
@@ -47,8 +48,8 @@ def real_but_empty(call, stored: dict, empty: np.ndarray) -> tuple[int, int, str
             return b, q, (f"its token is a real key that query {k} sees, in a self-attention whose keys are its "
                           "queries' own projection")
     helds = call.details.get("held_padding") or ()
-    if not helds or cross(call):
-        return None
+    if not helds or cross(call) or batch_part(call):
+        return None  # (a call over a chunk of the batch: the padding held for the batch is not its rows', tiled.py)
     for held in helds:
         rows = held.get("rows")
         if held.get("kind") not in ("keep", "pad") or not isinstance(rows, np.ndarray) or rows.dtype != bool \

@@ -33,6 +33,7 @@ from maskcli.checks.heldfold import folded_padding, over_memory, padded_batch as
 from maskcli.checks.heldkeys import keys_of
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.registry import Rule
+from maskcli.checks.tiled import batch_part
 from maskcli.text import Finding
 
 
@@ -181,8 +182,8 @@ def held_padding(run: Run) -> list:
               and over_memory(call)]
     for call in [*run.calls, *run.cross, *square, *handed]:  # (a softmax that masks nothing: its mask may be the one never handed on)
         helds = keys_of(run, call, square, readings)  # (a key mask expanded over the cells read; the memory's padding left out)
-        if not helds or call.stored is None:
-            continue
+        if not helds or call.stored is None or batch_part(call):
+            continue  # (a chunk of a larger batch: the padding held for the batch is not its rows', tiled.py)
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
         key = (call.mask, call.shape, tuple(id(h["rows"]) for h in helds), cross(call))
         if key in done:

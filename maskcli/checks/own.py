@@ -31,6 +31,7 @@ from maskcli.checks.context import Run, cross, first_cell, keep
 from maskcli.checks.intent import intent
 from maskcli.checks.registry import Rule
 from maskcli.checks.spans import explained
+from maskcli.checks.tiled import positions
 from maskcli.text import Finding, spans
 
 POSITIONS = ("cache_position", "input_pos", "position_ids")  # a model call's word on where its queries are
@@ -71,18 +72,20 @@ def flag_ignored(run: Run) -> list:
         if placed is None or (square and not placed.holds("full")) or placed.holds("causal") \
                 or not square and regained(placed):
             continue
-        later = placed.seen & placed.judged & (placed.keys[None, :] > placed.own[:, None])[None, None]
+        own, keys = positions(call, placed.own, placed.keys)  # (one tile of a blockwise loop: at its place, tiled.py)
+        later = placed.seen & placed.judged & (keys[None, :] > own[:, None])[None, None]
         if not later.any():
             continue
         b, _, q, k = first_cell(later)
+        k = int(keys[k])
         found.append((call, Finding("causal-flag-ignored", (
             f"{_layer(None, call)}'s {'module' if call.details.get('module_causal') else 'model'} states {_word(said)} ({said}), but its {call.api} over "
             f"({call.shape[2]}, {call.shape[3]}) scores "
             f"{'masks nothing' if square else 'let a real query see a later key'}: "
-            f"query {int(placed.own[q])} sees later key {k} "
+            f"query {int(own[q])} sees later key {k} "
             f"({int(later.any(axis=1).sum())} such cells): the flag never reached the mask"
             f"{'' if square else ', or not all of it'}"),
-            expected="causal", source=said, cell=(b, int(placed.own[q]), k))))
+            expected="causal", source=said, cell=(b, int(own[q]), k))))
     return found
 
 

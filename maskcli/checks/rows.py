@@ -15,6 +15,7 @@ from maskcli.checks.kernelrows import what_api_does
 from maskcli.checks.real import by_row
 from maskcli.checks.registry import Rule
 from maskcli.checks.stages import mask_findings as mask_rows
+from maskcli.checks.tiled import key_tile
 from maskcli.text import Finding, plane_text, spans
 
 MEANT_LATER = (None, "tril", "triu")  # kinds that mean later keys (full, segment, blocks, ...) are not flagged
@@ -25,8 +26,9 @@ def empty_rows(call, stored: dict, structure) -> list[Finding]:
     # rows the kernel gives 0 are routine (left padding); NaN out of a softmax of the program's own may be zeroed by
     # the program after it (CPM-Ant's masked_fill(score, ~mask, 0)), which a trace does not see: suspicious there
     severity = "note" if "NaN" not in what_api_does(call) else "suspicious" if call.api == "softmax" else "wrong"
-    if call.details.get("nan_scores"):
-        return []  # (NaN scores read as no key: rows the mask kept, not emptied by it; nans.py says where from)
+    if call.details.get("nan_scores") or key_tile(call):
+        return []  # (NaN scores read as no key: rows the mask kept, not emptied by it; nans.py says where from; a tile
+        # of a blockwise loop over other keys than its queries': its rows see keys in other tiles, tiled.py)
     if stored["form"] == "stats":
         return [Finding("fully-masked", f"{stored['empty_rows']:,} query rows see no key at all: {what_api_does(call)}",
                         severity)] if stored["empty_rows"] else []

@@ -24,6 +24,7 @@ import numpy as np
 from maskcli.checks.context import Run, cross, first_cell, keep
 from maskcli.checks.real import kept_turned, stated_once
 from maskcli.checks.registry import Rule
+from maskcli.checks.tiled import batch_part
 from maskcli.text import Finding, spans
 
 SOURCE = ("src", "source", "src_ids", "source_ids", "input_src", "src_tokens", "source_tokens", "src_seq", "source_seq")
@@ -103,7 +104,8 @@ def sides(run: Run) -> list:
                 own_real = None if keys_real is None or own.max(initial=-1) >= k_len or own.min(initial=0) < 0 \
                     else keys_real[:, own]
             source, sure, judge_keys = said[keys_side][1], True, True
-        elif not crossing and run.placed(call)[2] and not getattr(top.config, "is_encoder_decoder", False):
+        elif not crossing and run.placed(call)[2] and not getattr(top.config, "is_encoder_decoder", False) \
+                and not batch_part(call):  # (a chunk of a larger batch: not the model call's rows, tiled.py)
             # (an encoder-decoder's attention_mask is its encoder's: its decoder's keys are other tokens)
             statement = stated_once(statements, top, rows, k_len)
             if statement is None or not statement[2]:

@@ -224,13 +224,17 @@ def alignment(run: Run) -> list:
 def _first_steps(run: Run) -> set:
     """The calls that are the layers of their site's first step: those in the same model call as the site's first call,
     with its shape (one line that every layer of a forward calls in a loop, llama.cpp's graph over a static KV buffer,
-    counts each layer a step; the layers of one model call share their placing, so none of them is a decode step)."""
+    counts each layer a step; the layers of one model call share their placing, so none of them is a decode step).
+    Also a later call of several queries that repeats the first call's shape, mask and placing (no position the model
+    call states moved its queries; one query over a fixed buffer is a decode step, flax's) exactly: nothing was
+    written between them, so it continues no sequence (sinkhorn-transformer's sort net run once per forward, its (buckets, 1 + buckets) scores
+    each bucket's own null key and the buckets before it)."""
     found = set()
     for calls in run.sites().values():
         top = run.top(calls[0])
-        if top is None:
-            continue
-        found.update(id(call) for call in calls[1:] if run.top(call) is top and call.shape == calls[0].shape)
+        found.update(id(call) for call in calls[1:] if call.shape == calls[0].shape and (
+            top is not None and run.top(call) is top or call.mask == calls[0].mask and call.shape[2] > 1
+            and np.array_equal(run.placed(call)[1], run.placed(calls[0])[1])))
     return found
 
 

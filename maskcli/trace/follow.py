@@ -212,6 +212,8 @@ class Follow:
                 self.scores.sliced_of(readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.biased:  # a bias added to the scores (trace/posbias.py)
                 bias_of(self.scores.biased, self.scores.has, readers.softmax_input(args, kwargs), *softmaxed)
+            if self.scores is not None and self.scores.tiles:  # one tile of a larger attention (trace/tiled.py)
+                self.scores.tile_of(readers.softmax_input(args, kwargs), *softmaxed)
             self.weights.note(out, *softmaxed, readers.softmax_input(args, kwargs))  # (its weights followed: weights.py)
         else:
             if followed[2] and not self.busy:

@@ -26,6 +26,7 @@ from maskcli.trace.given import gathered_keys, stored  # noqa: F401 - stored: wi
 from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
 from maskcli.trace.fillleak import fill_leak
 from maskcli.trace.keyreads import key_reads
+from maskcli.trace.shifted import hide
 from maskcli.trace.finitefill import FILL_AT_MOST, finite_fill as _finite_fill  # noqa: F401 - (read from here too)
 from maskcli.trace.queried import LOCAL, query_tensor
 from maskcli.intervals import Intervals
@@ -381,8 +382,12 @@ def exp_reader(scores, weights=None):
     weights or what is made of them alone (trace/weights.py: AKT's distance decay), else no call."""
     def exp(args, kwargs):  # (seen only while the mode follows scores: exp is not patched at its entry)
         x = softmax_input(args, kwargs)
-        return exp_softmax(args, kwargs) if isinstance(x, torch.Tensor) and scores.has(x) and scores.axes_of(x) is None \
+        seen = exp_softmax(args, kwargs) if isinstance(x, torch.Tensor) and scores.has(x) and scores.axes_of(x) is None \
             and (weights is None or not weights.has(x)) else None
+        held = scores.shifted.get(id(x)) if seen is not None and scores.shifted else None
+        if held is not None and held[0]() is x:  # (rows filled whole, then shifted by their max: trace/shifted.py)
+            hide(seen, held[1])
+        return seen
     exp.api = "softmax"
     return exp
 

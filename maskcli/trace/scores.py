@@ -25,6 +25,8 @@ from maskcli.trace.layouts import NONE, TURNS, carried, einsum_axes
 from maskcli.trace.posbias import addend as pos_addend, carried as carried_bias
 from maskcli.trace.weakfill import WHERES, carry
 from maskcli.trace.sliced import tail
+from maskcli.trace.shifted import SUBS, filled_rows
+from maskcli.trace.tiled import tile
 from maskcli.trace.undone import BOUNDED, lifted
 
 MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.bmm,
@@ -53,6 +55,8 @@ class Scores:
         self.sliced: dict[int, tuple] = {}  # id -> (start, length) of scores whose kᵀ is the tail of a longer key tensor
         self.flat: dict[int, tuple] = {}  # id -> (a weak reference, the scores' shape) of scores' rows folded to 2-D
         self.biased: dict[int, tuple] = {}  # id -> the float tensors added to these scores (posbias.py)
+        self.tiles: dict[int, list] = {}  # id -> the batch, query and key spans of scores of one tile (tiled.py)
+        self.shifted: dict[int, tuple] = {}  # id -> (a weak reference, rows filled whole) of scores less their row max
 
     def after(self, func, args: tuple, kwargs: dict, out) -> None:
         """Note `out` of torch function `func` when it is q @ kᵀ, or computed from scores with their last two dims."""
@@ -82,6 +86,9 @@ class Scores:
                     fold = batch_major(operands[0], out) or copied_fold(operands[0], out)
                     if fold is not None:
                         self.folds[id(out)] = fold
+                    part = tile(operands[0], operands[1], turned=func is not torch.einsum) if len(operands) == 2 else None
+                    if part is not None:
+                        self.tiles[id(out)] = part
                     cut = tail(operands[1], turned=True) if len(operands) == 2 and func is not torch.einsum else None
                     if cut is not None and tail(operands[0]) != cut:  # (q @ kᵀ over keys sliced off a cache's tail:
                         # trace/sliced.py; q sliced alike is a packed batch's last request, its own keys)
@@ -119,9 +126,16 @@ class Scores:
                     biased = self.biased.get(id(x), ()) if self.biased or func in ADDS else None  # (read before
                     # _note: an in-place add's `out` is `x`)
                     fold = self.folds.get(id(x)) if self.folds and axes is None else None  # (read first: an in-place
+                    part = self.tiles.get(id(x)) if self.tiles and axes is None else None
                     self._note(out, axes)  # op's `out` is `x`, whose entry _note clears, FastPitch's attn_score.mul_)
                     if fold is not None:
                         self.folds[id(out)] = fold  # (the mask added to folded scores: folded alike)
+                    if part is not None:
+                        self.tiles[id(out)] = part
+                    rows = filled_rows(func, args, x, out) if func in SUBS and axes is None else None
+                    if rows is not None:  # (a row filled whole, shifted by its max: read as no key, shifted.py)
+                        self.shifted = {} if len(self.shifted) >= KEEP else self.shifted
+                        self.shifted[id(out)] = (weakref.ref(out), rows)
                     if self.sliced and axes is None and id(x) in self.sliced:
                         self.sliced[id(out)] = self.sliced[id(x)]
                     if func in ADDS and addend is None:
@@ -159,6 +173,12 @@ class Scores:
         if cut is not None and "axes" not in seen.details:
             call.details["keys_sliced"] = seen.details["keys_sliced"] = cut
 
+    def tile_of(self, x, call, seen) -> None:
+        """At softmax `call` over scores `x`: details["tile"] where they are one tile of a larger attention (tiled.py)."""
+        part = self.tiles.get(id(x)) if isinstance(x, torch.Tensor) and self.has(x) else None
+        if part is not None and "axes" not in seen.details:
+            call.details["tile"] = seen.details["tile"] = part
+
     def sink(self, x) -> int | None:
         """The keys of scores `x` whose last column is a sink joined to them (_sink_joined); None where none is."""
         held = self.sinks.get(id(x)) if self.sinks and isinstance(x, torch.Tensor) else None
@@ -182,34 +202,24 @@ class Scores:
 
     def _note(self, tensor: torch.Tensor, axes: tuple | None = None, matrix: bool = False) -> None:
         found, laid, matrices = self._found, self.axes, self.matrices  # (one dict for the trace's life: the mode reads
+        per_id = (self.added, self.folds, self.weak, self.sliced, self.tiles, self.biased)  # (facts by a tensor's id)
         if len(found) >= KEEP:  # it as "following")
             found.clear()
             laid.clear()
-            self.added.clear()
-            self.folds.clear()
-            self.weak.clear()
-            self.sliced.clear()
             self.flat.clear()
-            self.biased.clear()
             matrices.clear()
+            for facts in per_id:
+                facts.clear()
         key = id(tensor)
-
-        added, folds, weak, sliced, biased = self.added, self.folds, self.weak, self.sliced, self.biased
-        added.pop(key, None)  # (an id a dead tensor had, now this one's)
-        biased.pop(key, None)
-        folds.pop(key, None)
-        weak.pop(key, None)
-        sliced.pop(key, None)
+        for facts in per_id:
+            facts.pop(key, None)  # (an id a dead tensor had, now this one's)
 
         def gone(ref) -> None:  # a tensor let go is forgotten at once, so the mode stops following when none is left
             if found.get(key) is ref:  # (its id reused by a later tensor: that one keeps its own entry)
                 del found[key]
                 laid.pop(key, None)
-                added.pop(key, None)
-                folds.pop(key, None)
-                weak.pop(key, None)
-                sliced.pop(key, None)
-                biased.pop(key, None)
+                for facts in per_id:
+                    facts.pop(key, None)
                 matrices.discard(key)
 
         try:
