@@ -79,7 +79,7 @@ def _worst(stated: np.ndarray, tolerance: float, found: dict) -> tuple[int, int,
 
 def misplaced(run: Run) -> list:
     """(call, Finding) for the first step of each site whose bias is not the function of k - q its full pass states."""
-    found = []
+    found, said = [], set()
     for where, calls in run.sites().items():
         stated = head = None
         for call in calls:
@@ -95,6 +95,9 @@ def misplaced(run: Run) -> list:
             if worst is None:
                 continue
             h, d, want, got = worst
+            if (head.step, call.step, h, d, f"{want:.4g}", f"{got:.4g}") in said:
+                break  # (the layers of one model, each the same slip: said at the first)
+            said.add((head.step, call.step, h, d, f"{want:.4g}", f"{got:.4g}"))
             found.append((call, Finding("position-bias-misplaced", (
                 f"step {head.step} of {where} adds a bias that is one function of the key's distance from the query "
                 f"(head {h}: {want:.4g} at distance {d}, each row less its value at its own key), but at step {call.step} "
