@@ -153,6 +153,20 @@ def test_the_recursion_limit_counts_from_the_programs_first_frame(tmp_path):
     assert traced.stderr.startswith(REPORT + "prog.py: 1 attention call in 1 group")
 
 
+def test_a_trace_in_process_leaves_the_recursion_limit_as_it_found_it(tmp_path):
+    """The limit raised by the frames below the program is taken back when it ends (each run raised it again: a later
+    deep JSON parse in the same process overflowed the C stack), while a limit the program raised stays, as before."""
+    from typer.testing import CliRunner
+
+    from maskcli.commands import app
+
+    write(tmp_path / "prog.py", "import sys\nprint(sys.getrecursionlimit())\n")
+    before = sys.getrecursionlimit()
+    for _ in range(3):
+        assert CliRunner().invoke(app, ["trace", str(tmp_path / "prog.py")]).stdout.startswith(f"{before}\n")
+    assert sys.getrecursionlimit() == before
+
+
 def test_a_forked_child_that_returns_from_the_program_prints_no_report(tmp_path):
     write(tmp_path / "prog.py", """
         import os

@@ -100,7 +100,7 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
                if name.partition(".")[0] in ("torch", "maskcli", "numpy")}
     saved_show = warnings.showwarning
     warnings.showwarning = _as_the_programs(saved_show)
-    limits = sys.setrecursionlimit, sys.getrecursionlimit
+    limits = sys.setrecursionlimit, sys.getrecursionlimit, sys.getrecursionlimit()
     _limit_from_the_programs_frame()
     try:
         if module is not None:
@@ -128,7 +128,9 @@ def run_program(script: str | None, module: str | None, args: list[str]) -> int:
         _print_traceback()
         return 1
     finally:
-        sys.setrecursionlimit, sys.getrecursionlimit = limits
+        programs = sys.getrecursionlimit()  # (the limit the program set, counted from its own first frame)
+        sys.setrecursionlimit, sys.getrecursionlimit = limits[:2]
+        sys.setrecursionlimit(max(limits[2], programs))  # (not the raised one: each traced run would raise it again)
         if getattr(warnings.showwarning, "__wrapped__", None) is saved_show:  # (one the program set stays its own)
             warnings.showwarning = saved_show
         sys.argv, sys.path[:] = saved_argv, saved_path
