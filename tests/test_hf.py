@@ -431,6 +431,18 @@ def test_tryout_says_whether_a_family_runs_tiny_or_why_not():
     assert tryout("gemma4_text").startswith("cannot be made tiny: AmbiguousGlobalPerLayerAttributeError")
 
 
+def test_compressed_key_layers_are_refused_saying_why():
+    """DeepSeek-V4's compressed layers append one key per block of tokens to the softmax: read as positions they were
+    later keys (causal-flag-ignored and sees-later on a correct model), so the family is refused, its layer types named."""
+    from maskcli.errors import MaskError
+
+    config = families.load("deepseek_v4")
+    assert {"compressed_sparse_attention", "heavily_compressed_attention"} <= set(config.layer_types)
+    with pytest.raises(MaskError, match=r"^deepseek_v4: its compressed_sparse_attention and heavily_compressed_attention "
+                       r"layers attend to compressed keys, one per block of tokens"):
+        families.tiny(config, name="deepseek_v4")
+
+
 @pytest.mark.parametrize("family", ["bart", "whisper", "falcon", "deepseek_v3", "gptj"])
 def test_encoder_decoder_latent_and_rotary_sizes_and_derived_head_dims_are_made_tiny(family, monkeypatch):
     """BART's and Whisper's encoder and decoder keep their own heads, FFN widths and layer counts (num_hidden_layers

@@ -298,7 +298,7 @@ CRAFTED = [
     (["show", "--mask", "t_good.pt:\uff11"], "t_good.pt:'\uff11': name a call by its index"),  # was call 1
     (["show", "window(\uff13)", "--len", "4"], "unexpected character '\uff13' at character 8"),  # was window(3)
     (["show", "causal", "--why", "\uff11,0", "--len", "4"], "--why"),
-    (["serve", "nonpy.npz"], "member 'a.txt' is not a .npy array"),
+    (["serve", "nonpy.npz"], "holds a.txt, none of them an engine's batch metadata names"),  # (its one member named, never unpacked)
     (["inspect", "many.npz"], "holds several tensors ('m0', 'm1', 'm2', 'm3', 'm4', 'm5', 'm6', 'm7', ... (3,000 in all))"),
     (["pack", "many.npz"], "holds 'm0', 'm1', 'm2', 'm3', 'm4', 'm5', 'm6', 'm7', ... (3,000 in all), none of them a field"),
     (["shard", "causal", "--len", "8", "--trace", "protocol4.npy"], "'protocol4.npy' is not a trace file maskcli can read"),

@@ -251,6 +251,10 @@ def _tiny(config, window: int | None, chunk_size: int | None, name: str):
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
         raise MaskError(f"{name}: num_hidden_layers {count!r}: a model has a whole number of layers, 1 or more")
     types = layer_types(config)
+    compressed = sorted({kind for kind in types if "compressed" in kind})
+    if compressed:  # (DeepSeek-V4's: its softmax's last columns are blocks of tokens, not positions)
+        raise MaskError(f"{name}: its {' and '.join(compressed)} layers attend to compressed keys, one per block of "
+                        "tokens, beside the tokens' own: maskcli reads each key column as one position, and cannot place them")
     firsts = [types.index(kind) for kind in dict.fromkeys(types)]
     layers = max(2, max(firsts, default=0) + 1)
     if layers > MOST_LAYERS:
