@@ -10,7 +10,8 @@ function of the same distances; where it adds another one, its bias rows are not
 TransformerLens#777 sliced ALiBi `alibi[:, :query_ctx, :key_ctx]`, so a cached decode step at position p got row 0 (no
 distance bias at all) instead of row p. Quiet where the full pass's bias is not a function of k - q (Swin's 2-D
 offsets, an absolute bias, a bias that differs per batch row, one that another full pass of the site adds otherwise:
-XLNet's content-dependent position term), where the bias is 0 on every kept cell (a mask added),
+XLNet's content-dependent position term; a later step whose own cells disagree at one distance, or that is off by
+less than a quarter of what the bias spans), where the bias is 0 on every kept cell (a mask added),
 on distances one of the two steps does not see, and on calls whose key columns are not positions (ring slots).
 """
 
@@ -23,6 +24,7 @@ from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 TOLERANCE = 1e-3  # of the full pass's largest bias: float32 sums, a float16 cast's rounding beside them
+SHIFTED = 0.25  # of the span of a head's bias over the distances its full pass sees: what a misplaced row is off by
 
 
 def _values(found: dict, width: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
@@ -69,9 +71,16 @@ def _worst(stated: np.ndarray, tolerance: float, found: dict) -> tuple[int, int,
     if read is None or read[0].shape != stated.shape:
         return None
     low, high = read
+    if (np.nan_to_num(high - low) > tolerance).any():
+        return None  # (the step's own rows, batch rows or streams disagree at one distance: its bias is no function of
+        # k - q alone, XLNet's q · R with its query stream's content; a row given to other queries is one)
     off = np.fmax(np.abs(low - stated), np.abs(high - stated))  # (NaN where either step saw nothing there)
     off = np.where(np.isfinite(off), off, 0.0)
-    if not (off > tolerance).any():
+    # a row given to other queries is off by the bias's change over whole distances: a quarter of what it spans over
+    # the distances seen at least (XLNet's position term, q · R, drifts by a tenth with the query's content)
+    spread = np.nanmax(stated, axis=1, keepdims=True) - np.nanmin(stated, axis=1, keepdims=True)
+    off = np.where(off > np.maximum(tolerance, SHIFTED * spread), off, 0.0)
+    if not off.any():
         return None
     head, slot = np.unravel_index(int(np.argmax(off)), off.shape)
     added = low[head, slot] if abs(low[head, slot] - stated[head, slot]) >= abs(high[head, slot] - stated[head, slot]) \
