@@ -36,7 +36,8 @@ def test_padding_repeated_over_heads(tmp_path):
 class _Call:
     def __init__(self, cells):
         self.index, self.where, self.step, self.api = 0, "layers.0.attn", 0, "sdpa"
-        self.shape, self.details, self.mask, self.stored = cells.shape, {}, "m", {"form": "dense"}
+        self.shape, self.details, self.mask = cells.shape, {}, "m"
+        self.stored = {"form": "dense", "planes": list(cells.shape[:2])}
         self.cells = cells
 
 

@@ -39,8 +39,11 @@ def per_head(run: Run) -> list:
     """A key one head of a batch row hides from every query, its own included, that another head of the row shows."""
     found, done = [], set()
     for call in run.calls:
+        planes = (call.stored or {}).get("planes")
+        if planes is None or planes[1] < 2 or call.shape[0] < 2 or call.details.get("scores_hide"):
+            continue  # (one head plane: read off the stored mask's planes, before its cells are made)
         cells = keep(call)
-        if cells is None or cells.shape[1] < 2 or call.shape[0] < 2 or call.details.get("scores_hide"):
+        if cells is None:
             continue
         key = (call.mask, call.shape)
         if key in done:  # (asked first: the same key is never read twice, whatever the checks below say)
