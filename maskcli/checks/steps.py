@@ -186,7 +186,7 @@ def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window, writte
         if bad.any():
             b, h, q, k = first_cell(bad)
             return "padding", b, q, k
-    if window is not None and (later & (np.arange(later.shape[-1]) <= own[:, None] - window)).any():
+    if window is not None and _reaches_back(call, later, own, window):
         # (some query sees a key W or more back: only then is how far back each sees counted)
         back = own[None, None, :] - np.where(later.any(axis=-1), later.argmax(axis=-1), own[None, None, :])
         back = np.where(asking(), back, 0)
@@ -194,6 +194,16 @@ def _judge(call, top, later: np.ndarray, own: np.ndarray, padded, window, writte
             b, h, q = first_cell(back >= window)
             return "window", b, q, int(back[b, h, q])
     return None
+
+
+def _reaches_back(call, later: np.ndarray, own: np.ndarray, window: int) -> bool:
+    """Some query of the step sees a key `window` or more back: read off the stored runs' starts where it keeps one run
+    a row (no pass over the cells), else off the cells."""
+    found = runs(call.stored, later.shape[-1])
+    if found is None:
+        return bool((later & (np.arange(later.shape[-1]) <= own[:, None] - window)).any())
+    starts, ends = found
+    return bool(((starts < ends) & (starts <= own - window)).any())
 
 
 def alignment(run: Run) -> list:
