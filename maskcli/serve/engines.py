@@ -9,7 +9,7 @@ import numpy as np
 from maskcli.errors import MaskError
 from maskcli.serve import choices, flash_attn, flashinfer, sglang, trtllm, vllm
 from maskcli.serve.batch import ServeBatch, validate
-from maskcli.serve.fields import Fields, Numbers, as_numbers
+from maskcli.serve.fields import Fields, as_numbers, numbers
 
 ENGINES = (vllm, sglang, flash_attn, flashinfer, trtllm)
 SHARED = ("request_ids",)  # read under every engine's names: which request is which across step files
@@ -64,7 +64,7 @@ def _some(batch: ServeBatch, source: str) -> ServeBatch:
 def from_tensors(tensors: dict, source: str) -> ServeBatch:
     """The batch in named tensors, arrays, lists or numbers (as a file holds them); `source` names it in messages."""
     engine = detect(tensors.keys(), source)
-    fields = Fields(Numbers(tensors, engine.READS + SHARED, source), source, engine.TITLE)
+    fields = Fields(numbers(tensors, engine.READS + SHARED, source), source, engine.TITLE)
     batch = engine.load(fields)
     validate(batch, source)
     ids = fields.per_request(fields.vector("request_ids"), batch.requests, "request_ids")

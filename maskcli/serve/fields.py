@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import numpy as np
 
 from maskcli.errors import MaskError
@@ -118,29 +116,12 @@ def checked_page_size(size: int, where: str) -> int:
     return size
 
 
-class Numbers(Mapping):
+def numbers(tensors, reads: tuple[str, ...], source: str):
     """The file's fields named in `reads`, each as_numbers when first looked up: an .npz's members are unpacked only
     where the engine reads them (a required field missing is said before any is)."""
+    from maskcli.tensorfile.base import Lazy
 
-    def __init__(self, tensors: Mapping, reads: tuple[str, ...], source: str):
-        self.tensors, self.source, self.read = tensors, source, {}
-        self.names = [key for key in tensors if key in reads]
-
-    def __getitem__(self, key: str) -> np.ndarray:
-        if key not in self.read:
-            if key not in self.names:
-                raise KeyError(key)
-            self.read[key] = as_numbers(self.tensors[key], f"{self.source!r}: {key}")
-        return self.read[key]
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def __contains__(self, key) -> bool:  # (Mapping's own would read the member to find it there)
-        return key in self.names
+    return Lazy([key for key in tensors if key in reads], lambda key: as_numbers(tensors[key], f"{source!r}: {key}"))
 
 
 def as_numbers(value, where: str) -> np.ndarray:

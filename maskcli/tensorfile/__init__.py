@@ -15,14 +15,13 @@ float32 (exactly) with the dtype BFLOAT16, whose metadata keeps the name that `d
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
 from maskcli.errors import MaskError
 from maskcli.files import is_inline, readable_file, state  # noqa: F401 - is_inline is read from here too
-from maskcli.tensorfile.base import BFLOAT16, SLICE_FIX, FileType, Reading
+from maskcli.tensorfile.base import BFLOAT16, SLICE_FIX, FileType, Lazy, Reading
 from maskcli.text import names_text, shortened
 
 MODULES = ("pt", "npy", "safetensors", "jsontext")  # the file types, one module each
@@ -97,26 +96,7 @@ def load_tensors(source: str, flag: str, json_floats=None, numbers: bool = False
     arrays = read_tensors(source, flag, floats, numbers, work=work)
     if isinstance(arrays, dict):
         return {name: as_tensor(value) for name, value in arrays.items()}
-    return Tensors(arrays)  # an .npz's members, each unpacked when it is asked for
-
-
-class Tensors(Mapping):
-    """An .npz's members as torch tensors, each read (and refused from its headers) when it is first asked for."""
-
-    def __init__(self, arrays: Mapping):
-        self.arrays = arrays
-
-    def __getitem__(self, name: str):
-        return as_tensor(self.arrays[name])
-
-    def __iter__(self):
-        return iter(self.arrays)
-
-    def __len__(self) -> int:
-        return len(self.arrays)
-
-    def __contains__(self, key) -> bool:  # (Mapping's own would read the member to find it there)
-        return key in self.arrays
+    return Lazy(arrays, lambda name: as_tensor(arrays[name]))  # an .npz's members, each unpacked when asked for
 
 
 def read_tensors(source: str, flag: str, json_floats: str = "float32", numbers: bool = False, lists: tuple[str, ...] = (),

@@ -8,6 +8,7 @@ bfloat16 is float32's top 16 bits) with the dtype BFLOAT16, whose metadata keeps
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,3 +46,27 @@ def short(value) -> str:
     """A value in a message: its repr on one line, cut to 40 characters."""
     text = " ".join(repr(value).split())
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+class Lazy(Mapping):
+    """Values by name, each made by `load(name)` when first asked for and kept: an .npz's members unpacked only where a
+    command reads them (npy._members), and what commands make of them (as torch tensors, as batch metadata)."""
+
+    def __init__(self, names, load: Callable):
+        self.names, self.load, self.made = list(names), load, {}
+
+    def __getitem__(self, name):
+        if name not in self.made:
+            if name not in self.names:
+                raise KeyError(name)
+            self.made[name] = self.load(name)
+        return self.made[name]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name) -> bool:  # (Mapping's own would make the value to find it there)
+        return name in self.names

@@ -3,24 +3,23 @@ cannot hold. np.load reads either by its signature, whatever the suffix says: on
 
 An .npz is a zip: its directory says each member's unpacked size and each member's .npy header its shape and dtype,
 so a zip bomb (4 MB of compressed zeros declaring 4 GiB) is refused before a byte of its data is unpacked, and a
-member is unpacked only when the caller asks for it by name (`Members`).
+member is unpacked only when the caller asks for it by name (`_members`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
 from maskcli.errors import MaskError
-from maskcli.tensorfile.base import SLICE_FIX, FileType, Reading
+from maskcli.tensorfile.base import SLICE_FIX, FileType, Lazy, Reading
 
 
 def read(path: Path, where: str, reading: Reading = Reading()) -> dict[str, np.ndarray]:
-    """Every array in the file by name (a .npy's named ''; an .npz's as `Members`, each read when asked for), in native
+    """Every array in the file by name (a .npy's named ''; an .npz's lazily, each read when asked for), in native
     byte order; Python objects (pickles), members that are not arrays and dtypes that are not numbers refused, and an
     array that with `reading.work` beside it would not fit in memory refused from its headers before it is read."""
     with path.open("rb") as file:
@@ -33,38 +32,24 @@ def read(path: Path, where: str, reading: Reading = Reading()) -> dict[str, np.n
 
         with _numpy_errors(where), zipfile.ZipFile(path) as archive:  # (np.load's NpzFile names its members so)
             names = [name.removesuffix(".npy") for name in archive.namelist()]
-        return Members(path, where, reading.work, names)
+        return _members(path, where, reading.work, names)
     _check_unpacked_fits(path, head, where, reading.work)
     with _numpy_errors(where):
         loaded = np.load(path, allow_pickle=False)
     return {"": _checked(loaded, "", where)}
 
 
-class Members(Mapping):
+def _members(path: Path, where: str, work: tuple[float, str], names: list[str]) -> Lazy:
     """An .npz's arrays by name, each unpacked when it is first asked for, and refused from its headers (the zip's
     directory and the member's .npy header) where it would not fit in memory with the caller's work beside it: a
     caller that reads two fields of a file unpacks those two, and one that finds none of its names unpacks nothing."""
 
-    def __init__(self, path: Path, where: str, work: tuple[float, str], names: list[str]):
-        self.path, self.where, self.work, self.names, self.read = path, where, work, names, {}
+    def load(name: str) -> np.ndarray:
+        _check_unpacked_fits(path, b"PK", where, work, name)
+        with _numpy_errors(where), np.load(path, allow_pickle=False) as archive:
+            return _checked(archive[name], name, where)
 
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self.read:
-            if name not in self.names:
-                raise KeyError(name)
-            _check_unpacked_fits(self.path, b"PK", self.where, self.work, name)
-            with _numpy_errors(self.where), np.load(self.path, allow_pickle=False) as archive:
-                self.read[name] = _checked(archive[name], name, self.where)
-        return self.read[name]
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def __contains__(self, key) -> bool:  # (Mapping's own would read the member to find it there)
-        return key in self.names
+    return Lazy(names, load)
 
 
 @contextlib.contextmanager
