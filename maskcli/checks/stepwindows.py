@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, keep
-from maskcli.checks.real import by_row, resolve
+from maskcli.checks.context import Run, keep, runs
+from maskcli.checks.real import by_row, resolve, stated
 from maskcli.checks.registry import Rule
 from maskcli.checks.steps import _window, prefill_once
 from maskcli.text import Finding
@@ -34,6 +34,17 @@ def _shown(call, top, own: np.ndarray) -> int | None:
         return None
     real = resolve(call, top, by_row(cells, max(cells.shape[0], call.shape[0])), own_cells=True)
     return _window(np.broadcast_to(cells, (real.keys.shape[0], *cells.shape[1:])), own, real, call.stored)
+
+
+def _each_sees(call, top, own: np.ndarray, width: int) -> bool:
+    """What _shown says, window(width), read off the stored runs without a pass over the cells: where the mask keeps
+    one run a row, every query of every row sees exactly the `width` keys up to its own, the window cuts keys off
+    (its first key past 0), and the model call states no padding (rows alike read off the cells show none)."""
+    found = runs(call.stored, call.shape[3])
+    if found is None or not (own - width + 1 > 0).all() or stated(top, call.shape[0], call.shape[3]) is not None:
+        return False
+    starts, ends = found
+    return bool(((ends == own + 1) & (ends - starts == width)).all())
 
 
 def differing(run: Run) -> list:
@@ -55,7 +66,7 @@ def differing(run: Run) -> list:
             if width is None or q_len >= k_len:
                 continue
             if key not in read:
-                read[key] = _shown(call, top, own)
+                read[key] = width if _each_sees(call, top, own, width) else _shown(call, top, own)
             other = read[key]
             if other is None:
                 continue
