@@ -79,6 +79,13 @@ def test_a_member_nobody_asks_for_is_never_unpacked(tmp_path, monkeypatch):
     refused(["serve", tmp_path / "queries.npz"], "holds vLLM CommonAttentionMetadata but no seq_lens or seq_lens_cpu; add it to the file")
     refused(["export", "--mask", tmp_path / "only_mask.npz", "--from", "flashmask", "--for", "sdpa"],
             "the file has no tensor 'startend_row_indices' (it has mask)")
+    # a member that is no .npy file, asked for by name, is refused by it: np.load would inflate its bytes, however many
+    with zipfile.ZipFile(tmp_path / "text.npz", "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("input_ids", bytes(1 << 20))
+    with monkeypatch.context() as patched:
+        patched.setattr(np, "load", lambda *args, **kwargs: pytest.fail("np.load was called"))
+        with pytest.raises(MaskError, match=r"member 'input_ids' is not a .npy array"):
+            read(tmp_path / "text.npz", "text")["input_ids"]
     # the one member pack reads is refused from its header with the work pack does beside it (256 bytes a token)
     bomb(tmp_path / "ids_bomb.npz", name="input_ids", shape=(1 << 24,))
     refused(["pack", tmp_path / "ids_bomb.npz"], "would need 4.0 GiB (4,311,744,512 bytes) to check as a batch")

@@ -31,20 +31,24 @@ def read(path: Path, where: str, reading: Reading = Reading()) -> dict[str, np.n
         import zipfile
 
         with _numpy_errors(where), zipfile.ZipFile(path) as archive:  # (np.load's NpzFile names its members so)
-            names = [name.removesuffix(".npy") for name in archive.namelist()]
-        return _members(path, where, reading.work, names)
+            listed = archive.namelist()
+        return _members(path, where, reading.work, [name.removesuffix(".npy") for name in listed],
+                        {name.removesuffix(".npy") for name in listed if name.endswith(".npy")})
     _check_unpacked_fits(path, head, where, reading.work)
     with _numpy_errors(where):
         loaded = np.load(path, allow_pickle=False)
     return {"": _checked(loaded, "", where)}
 
 
-def _members(path: Path, where: str, work: tuple[float, str], names: list[str]) -> Lazy:
+def _members(path: Path, where: str, work: tuple[float, str], names: list[str], arrays: set[str]) -> Lazy:
     """An .npz's arrays by name, each unpacked when it is first asked for, and refused from its headers (the zip's
     directory and the member's .npy header) where it would not fit in memory with the caller's work beside it: a
-    caller that reads two fields of a file unpacks those two, and one that finds none of its names unpacks nothing."""
+    caller that reads two fields of a file unpacks those two, and one that finds none of its names unpacks nothing.
+    A member that is no .npy file (`arrays` are those that are) is refused by its name, never unpacked."""
 
     def load(name: str) -> np.ndarray:
+        if name not in arrays:  # (np.load would hand its bytes over, however many the zip inflates them to)
+            raise MaskError(f"{where}: member {name!r} is not a .npy array (an .npz holds arrays saved by numpy.savez)")
         _check_unpacked_fits(path, b"PK", where, work, name)
         with _numpy_errors(where), np.load(path, allow_pickle=False) as archive:
             return _checked(archive[name], name, where)
