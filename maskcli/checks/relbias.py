@@ -108,9 +108,10 @@ def misplaced(run: Run) -> list:
             if worst is None:
                 continue
             h, d, want, got = worst
-            if (head.step, call.step, h, d, f"{want:.4g}", f"{got:.4g}") in said:
+            slip = (head.step, call.step, h, d, f"{want:.4g}", f"{got:.4g}")
+            if slip in said:
                 break  # (the layers of one model, each the same slip: said at the first)
-            said.add((head.step, call.step, h, d, f"{want:.4g}", f"{got:.4g}"))
+            said.add(slip)
             found.append((call, Finding("position-bias-misplaced", (
                 f"step {head.step} of {where} adds a bias that is one function of the key's distance from the query "
                 f"(head {h}: {want:.4g} at distance {d}, each row less its value at its own key), but at step {call.step} "
