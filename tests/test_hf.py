@@ -428,7 +428,30 @@ def test_tryout_says_whether_a_family_runs_tiny_or_why_not():
     from maskcli.hf.run import tryout
 
     assert tryout("llama") == "runs" and tryout("gemma2") == "runs (eager only)"
-    assert tryout("gemma4_text").startswith("cannot be made tiny: AmbiguousGlobalPerLayerAttributeError")
+    assert tryout("prophetnet").startswith("cannot be made tiny: setting num_hidden_layers fails (NotImplementedError")
+
+
+@pytest.mark.parametrize("family,window", [("gemma4_text", 3), ("gemma3n_text", 3), ("deepseek_v2", None),
+                                           ("recurrent_gemma", 3), ("falcon_h1", None)])
+def test_per_layer_shared_and_derived_configs_are_made_tiny(family, window, monkeypatch):
+    """Gemma 4 keeps its full layers' head_dim per layer (transformers' per_layer_config, whose global value refuses to
+    be read); Gemma 3n an intermediate size per layer and its last layers reusing earlier layers' keys; DeepSeek-V2's
+    defaults leave its router's top-k None; RecurrentGemma and Falcon-H1 work their layer_types out from other fields
+    (attribute_map to a property), RecurrentGemma with a recurrent width of its own. Each runs tiny, every call is the
+    kernel's own (an independent SDPA capture) and the double loop's rule on absolute positions."""
+    from maskcli.hf.run import build
+
+    config = families.tiny(families.load(family), window=window, name=family)
+    assert sum(p.numel() for p in build(config, "sdpa", family).parameters()) < families.MOST_PARAMETERS
+    if family == "gemma3n_text":
+        assert config.num_kv_shared_layers == config.num_hidden_layers // 2 == 5 and config.intermediate_size == [64] * 10
+    batch = prompt((5, 3), None, 0, "left", 128)
+    seen = kernel_calls(build(config, "sdpa", family), batch, 2, False, monkeypatch)
+    result = run(family, config, batch, new_tokens=2)
+    assert [call.shape for call in result.calls] == [shape for shape, _ in seen]
+    assert all((np.broadcast_to(call.keep(), call.shape) == keep).all() for call, (_, keep) in zip(result.calls, seen))
+    assert check_against_reference(result, window=window) == len(result.calls) > 0
+    assert result.cache_holds
 
 
 def test_compressed_key_layers_are_refused_saying_why():

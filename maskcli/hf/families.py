@@ -16,7 +16,8 @@ from maskcli.hf import quiet, reason, require
 
 # attribute -> tiny value, set where the config has the attribute (None included: head_dim None is hidden / heads)
 SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
-         "vocab_size": 128}
+         "vocab_size": 128, "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8,  # (Gemma 3n's and Gemma
+         "lru_width": 32}  # 4's per-layer embeddings; RecurrentGemma's recurrent width)
 # an encoder's and a decoder's own sizes (BART's, Whisper's: num_hidden_layers and num_attention_heads name the
 # encoder's), as SIZES' attribute says them; the layer counts as num_hidden_layers
 ENCODER_DECODER_SIZES = {"encoder_attention_heads": "num_attention_heads", "decoder_attention_heads": "num_attention_heads",
@@ -263,8 +264,16 @@ def _tiny(config, window: int | None, chunk_size: int | None, name: str):
                         f"would have {layers:,} layers, past the {MOST_LAYERS} maskcli builds (about {MOST_PARAMETERS:,} "
                         f"parameters): give a config.json whose layer_types has each type within its first {MOST_LAYERS} "
                         f"layers (num_hidden_layers to match)")
-    changes = {key: value for key, value in SIZES.items() if hasattr(config, key)}
-    changes |= {key: value for key, value in (EXPERTS | LATENT).items() if getattr(config, key, None) is not None}
+    overrides = _per_layer(config)  # (Gemma 4's full layers' head_dim: read where each layer keeps it)
+    changes = {key: value for key, value in SIZES.items() if _has(config, key)}
+    changes |= {key: value for key, value in (EXPERTS | LATENT).items() if _value(config, key) is not None}
+    if any(_value(config, key) for key in EXPERTS if key.startswith(("num_", "n_")) and key != "num_experts_per_tok") \
+            and _has(config, "num_experts_per_tok"):  # experts, and a router whose top-k the defaults leave None
+        changes["num_experts_per_tok"] = EXPERTS["num_experts_per_tok"]  # (DeepSeek-V2's: its own default cannot run)
+    shared = _value(config, "num_kv_shared_layers")  # the last layers reuse earlier layers' keys (Gemma 3n's): as many
+    if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0:  # layers again, each type among both
+        layers = layers * 2 if len(types) >= layers * 2 else layers
+        changes["num_kv_shared_layers"] = layers // 2 if layers % 2 == 0 and layers // 2 <= shared else 0
     changes["num_hidden_layers"] = layers
     for key, value in vars(config).items():  # head counts kept per layer (Laguna's num_attention_heads_per_layer)
         size = SIZES.get(key.removesuffix("_per_layer")) if key.endswith("_per_layer") else None
@@ -282,10 +291,14 @@ def _tiny(config, window: int | None, chunk_size: int | None, name: str):
         if not hasattr(config, attribute):
             raise MaskError(f"{flag} {value}: {name} has no {attribute} in its config, so {flag} would change nothing")
         changes[attribute] = value
+    for key in SIZES.keys() & changes.keys():  # a size kept per layer (Gemma 3n's intermediate_size): one per tiny layer
+        if isinstance(_value(config, key), (list, tuple)):
+            changes[key] = [changes[key]] * layers
     pad = getattr(config, "pad_token_id", None)
     changes["pad_token_id"] = pad if isinstance(pad, int) and 0 <= pad < SIZES["vocab_size"] else 0
     for key, value in changes.items():
-        declared = getattr(type(config), key, None)
+        declared = getattr(type(config), getattr(type(config), "attribute_map", {}).get(key, key), None)  # (Bamba's
+        # layer_types is its layers_block_type, worked out from attn_layer_indices)
         if isinstance(declared, property) and declared.fset is None:
             continue  # worked out from the others (Falcon's head_dim: hidden_size / num_attention_heads)
         try:
@@ -293,4 +306,34 @@ def _tiny(config, window: int | None, chunk_size: int | None, name: str):
                 setattr(config, key, value)
         except Exception as error:  # noqa: BLE001 - a config that refuses a size: one line saying which
             raise MaskError(f"{name} cannot be made tiny: setting {key} fails ({reason(error)})") from None
+    if overrides is not None:  # each tiny layer's own values: the sizes tiny as the whole model's, the rest as they were
+        kept = {index: {key: changes.get(key, value) for key, value in values.items()}
+                for index, values in overrides.items() if index < layers}
+        with quiet():
+            config.per_layer_config = kept or None
     return config
+
+
+def _per_layer(config) -> dict | None:
+    """{layer: {attribute: value}} a heterogeneous config (transformers' per_layer_config) overrides, taken off the
+    config so its global values can be read and set; None for a config with none."""
+    spec = getattr(config, "__dict__", {}).get("_heterogeneity_spec")
+    if spec is None:
+        return None
+    overrides = {int(index): dict(values) for index, values in spec.per_layer_overrides.items()}
+    config.per_layer_config = None
+    return overrides
+
+
+def _has(config, key: str) -> bool:
+    try:
+        return hasattr(config, key)
+    except Exception:  # noqa: BLE001 - a config's own __getattribute__ that refuses a name (a per-layer one) has it
+        return True
+
+
+def _value(config, key: str):
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - as _has
+        return None
