@@ -1,6 +1,6 @@
 # sgl-project/SpecForge#427: OnlineDFlashModel._create_parallel_attention_mask built the noise half of the [L, 2L]
-# training mask as same_block & causal, but the DFlash draft denoises each block bidirectionally (spec_generate runs the
-# block with no mask), so training hid later block positions from earlier ones; the fix drops the causal term.
+# training mask as same_block & causal with causal[i, j] = (j >= i), so each block position saw only itself and later
+# positions (not the real anchor token); DFlash drafts a block bidirectionally (spec_generate: no mask), fix: same_block.
 import sys
 import torch
 import torch.nn as nn
