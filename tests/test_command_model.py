@@ -462,3 +462,10 @@ def test_each_decode_step_is_told_to_the_progress_bar(monkeypatch):
     steps = json.loads(result.stdout)["steps"]
     assert steps == ["prefill", "decode 1", "decode 2", "decode 3"]  # generate's 4 tokens: the prefill's and 3 decodes'
     assert heard == ["model llama: decode steps", (1, 4), (2, 4), (3, 4), (4, 4)]
+
+
+def test_a_kv_shared_layers_sliced_prefill_is_its_last_query_and_no_finding():
+    result = model("gemma4_unified_assistant")
+    assert result.exit_code == 0, result.output
+    assert "#1 causal (--lengths 5,3 --pad left) · sdpa (2,2,1,5) · model.layers.{6-11}.self_attn\n#2" in result.stdout
+    assert "window-miscounted" not in result.stdout

@@ -664,3 +664,22 @@ def test_a_config_with_no_layers_is_refused_not_made_tiny_with_two(count):
     with pytest.raises(MaskError) as refused:  # tiny() made any count 2 layers, and the run showed their masks
         families.tiny(SimpleNamespace(num_hidden_layers=count), name="bad.json (llama)")
     assert str(refused.value) == f"bad.json (llama): num_hidden_layers {count!r}: a model has a whole number of layers, 1 or more"
+
+
+def test_kv_shared_layers_that_attend_only_the_prefills_last_query_place_it_last(monkeypatch):
+    """Gemma 4's KV-shared layers slice the prefill to generate's logits_to_keep (its last token) before they attend:
+    their (B, H, 1, Lk) prefill calls are the last prompt position's query (it read as position 0, and a window of
+    1024 then 'held 1 real token': window-miscounted on a correct model). Against the double loop and the kernel's own."""
+    from maskcli.hf.run import build
+
+    config = families.tiny(families.load("gemma4_unified_assistant"), name="gemma4_unified_assistant")
+    assert config.num_kv_shared_layers > 0
+    batch = prompt((5, 3), None, 0, "left", 128)
+    seen = kernel_calls(build(config, "sdpa", "gemma4_unified_assistant"), batch, 2, False, monkeypatch)
+    result = run("gemma4_unified_assistant", config, batch, new_tokens=2)
+    sliced = [call for call in result.calls if call.step == 0 and call.shape[2] == 1]
+    assert sliced and all(call.details["queries"] == [4, 5] and call.details["keys"] == [0, 5] for call in sliced)
+    valid = batch.attention_mask.numpy().astype(bool)
+    for call in sliced:
+        assert (np.broadcast_to(call.keep(), call.shape)[:, 0] == reference(valid, [4], list(range(5)))).all()
+    assert all((np.broadcast_to(call.keep(), call.shape) == keep).all() for call, (_, keep) in zip(result.calls, seen))

@@ -29,7 +29,8 @@ LATENT = {"qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "qk_head_dim": 32, "v_
           "q_lora_rank": 16, "rotary_dim": 8}
 # set only where not None: None says the family has no experts
 EXPERTS = {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4,
-           "n_routed_experts": 4, "num_experts_per_tok": 2}
+           "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1}  # (the last two: a router's
+# groups of experts, DeepSeek-V3's: 8 groups of 4 experts were 0 experts a group)
 # query and key heads equal, in every layer (a family's per-layer counts too): with fewer key heads, transformers'
 # SDPA decode packs the query heads into the query axis (maskcli.hf.run unpacks it, where key heads go by other names)
 MOST_PARAMETERS = 3_000_000
@@ -267,7 +268,7 @@ def _tiny(config, window: int | None, chunk_size: int | None, name: str):
     overrides = _per_layer(config)  # (Gemma 4's full layers' head_dim: read where each layer keeps it)
     changes = {key: value for key, value in SIZES.items() if _has(config, key)}
     changes |= {key: value for key, value in (EXPERTS | LATENT).items() if _value(config, key) is not None}
-    if any(_value(config, key) for key in EXPERTS if key.startswith(("num_", "n_")) and key != "num_experts_per_tok") \
+    if any(_value(config, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")) \
             and _has(config, "num_experts_per_tok"):  # experts, and a router whose top-k the defaults leave None
         changes["num_experts_per_tok"] = EXPERTS["num_experts_per_tok"]  # (DeepSeek-V2's: its own default cannot run)
     shared = _value(config, "num_kv_shared_layers")  # the last layers reuse earlier layers' keys (Gemma 3n's): as many

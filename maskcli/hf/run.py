@@ -310,7 +310,9 @@ def positions(call, prompt_len: int, prefill_chunk: int | None, update) -> dict:
     where the slots are in order (a static cache's slots not yet written count on after the last one), else the
     position of each slot ("slots", -1 for none), the slots being a ring."""
     q_len, k_len = call.shape[2:]
-    start = _queries(call.step, prompt_len, prefill_chunk)[0]
+    start, count = _queries(call.step, prompt_len, prefill_chunk)
+    start += max(count - q_len, 0)  # fewer queries than the step feeds are its last ones (Gemma 4's KV-shared layers
+    # slice the prefill to generate's logits_to_keep before they attend)
     found = {"queries": [start, start + q_len]}
     if update is None:  # no cache seen: the keys are the last Lk positions, as a cache that keeps them all returns
         found["keys"] = [start + q_len - k_len, start + q_len]
