@@ -78,6 +78,9 @@ def main(names: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        sys.exit(0)
     given = [arg for arg in sys.argv[1:] if arg != "--no-modes"]
     status = main(given)
     if "--no-modes" not in sys.argv[1:]:
