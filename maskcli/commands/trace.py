@@ -10,7 +10,7 @@ from maskcli.commands.app import MaskcliCommand, app, done, make_console
 from maskcli.commands.options import Check, examples, integer
 from maskcli.errors import MaskError
 
-APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")  # maskcli.trace.capture.APIS, without importing torch for --help
+from maskcli.trace.apis import APIS  # (no torch: --help lists them)
 
 
 def complete_apis(incomplete: str) -> list[str]:

@@ -14,26 +14,9 @@ class _CallablePackage(types.ModuleType):
     def __call__(self, apis=None, max_bytes: int | None = None):
         """A Trace to use as a context manager: `with maskcli.trace() as t:`; then t.calls and t.report(). `apis`:
         which of sdpa, flex, mha, softmax, flash, hf to record (all by default)."""
-        from maskcli.trace.capture import APIS, DEFAULT_MAX_BYTES, Trace
+        from maskcli.trace.capture import DEFAULT_MAX_BYTES, Trace
 
-        return Trace(APIS if apis is None else _apis(apis, APIS), DEFAULT_MAX_BYTES if max_bytes is None else _bytes(max_bytes))
-
-
-def _apis(apis, known: tuple[str, ...]) -> tuple[str, ...]:
-    """The APIs to record: names from `known`, as a list or one comma-separated string; anything else is refused
-    (apis="bogus", or "sdpa" read letter by letter, would record nothing without a word)."""
-    from maskcli.errors import MaskError
-
-    names = [part.strip() for part in apis.split(",")] if isinstance(apis, str) else apis
-    try:
-        names = list(names)
-    except TypeError:
-        raise MaskError(f"trace(apis={apis!r}): give a list of API names ({', '.join(known)})") from None
-    unknown = [name for name in names if name not in known]
-    if unknown or not names:
-        raise MaskError(f"trace(apis={apis!r}): {repr(unknown[0]) + ' is not' if unknown else 'no API is'} one that maskcli "
-                        f"records; choose from {', '.join(known)}")
-    return tuple(names)
+        return Trace(apis, DEFAULT_MAX_BYTES if max_bytes is None else _bytes(max_bytes))  # (apis: checked by Trace)
 
 
 def _bytes(max_bytes) -> int:

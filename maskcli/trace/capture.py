@@ -40,6 +40,7 @@ from maskcli.trace.mode import Mode, has_values
 from maskcli.trace.patch import Watch, swap
 from maskcli.trace.overflow import WATCHED, Overflows
 from maskcli.trace.discarded import FILLS as DISCARDED, Discarded
+from maskcli.trace.apis import APIS, checked as checked_apis
 from maskcli.trace.heldchunks import held_chunks
 from maskcli.trace.scores import MATMULS, Scores, banded as banded_scores
 from maskcli.trace.sites import Sites, guarded, running, walk
@@ -49,7 +50,6 @@ from maskcli.trace.store import read_calls, store
 from maskcli.trace.threads import Threads
 from maskcli.trace.packed import documents, handed, held_by
 
-APIS = ("sdpa", "flex", "mha", "softmax", "flash", "hf", "vllm")
 DEFAULT_MAX_BYTES = 256 << 20
 
 
@@ -59,8 +59,8 @@ ROUTING = frozenset({"mlp", "gate", "router", "moe", "experts", "feed_forward", 
 class Trace(Outer, Follow):
     """`with Trace() as t: ...` records every attention call in t.calls; each distinct mask is kept once in t.masks."""
 
-    def __init__(self, apis=APIS, max_bytes: int = DEFAULT_MAX_BYTES):
-        self.apis = tuple(apis)
+    def __init__(self, apis=None, max_bytes: int = DEFAULT_MAX_BYTES):
+        self.apis = APIS if apis is None else checked_apis(apis)  # (names it records, one line where not: apis.py)
         self.max_bytes = max_bytes
         self._calls: list[Call] = []  # (t.calls: its masks read first where copies of them wait: store.read_unread)
         self._masks: dict[str, dict] = {}
