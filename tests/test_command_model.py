@@ -469,3 +469,5 @@ def test_a_kv_shared_layers_sliced_prefill_is_its_last_query_and_no_finding():
     assert result.exit_code == 0, result.output
     assert "#1 causal (--lengths 5,3 --pad left) · sdpa (2,2,1,5) · model.layers.{6-11}.self_attn\n#2" in result.stdout
     assert "window-miscounted" not in result.stdout
+    assert "cache: layers 6-11 reuse earlier layers' keys (num_kv_shared_layers 6) and write no cache of their own: not " \
+           "compared" in result.stdout

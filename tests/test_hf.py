@@ -202,6 +202,24 @@ def test_a_family_whose_config_says_is_decoder_false_is_said_to_attend_both_ways
     assert not torch.allclose(first, second)  # token 0 saw token 3: both ways
 
 
+@pytest.mark.parametrize("family", ["gpt_neox", "bart", "trocr"])
+def test_a_family_whose_is_decoder_false_its_causal_lm_never_reads_is_said_causal(family):
+    """Every config keeps is_decoder (False): GPT-NeoX's modeling code never reads it, BART's causal LM is its
+    encoder-decoder's decoder, TrOCR's sets it True itself. The listing says causal, as the model attends: checked on
+    transformers itself, a later token leaves an earlier token's output as it was."""
+    import torch
+
+    config = families.default_config(family)
+    assert config.is_decoder is False
+    assert families.shapes(config) == "causal (no window, chunks or layer types)"
+    model = transformers.AutoModelForCausalLM.from_config(families.tiny(config, name=family)).eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    changed = ids.clone()
+    changed[0, 3] = 9
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits[0, :3], model(changed).logits[0, :3])
+
+
 def test_chunked_prefill_put_together_is_the_one_pass_mask_and_hf_rule():
     from maskcli.hf.chunks import assembled
 
@@ -452,6 +470,9 @@ def test_per_layer_shared_and_derived_configs_are_made_tiny(family, window, monk
     assert all((np.broadcast_to(call.keep(), call.shape) == keep).all() for call, (_, keep) in zip(result.calls, seen))
     assert check_against_reference(result, window=window) == len(result.calls) > 0
     assert result.cache_holds
+    if family == "gemma3n_text":  # (layers 5-9 read layers 3's and 4's caches: none of their own to compare)
+        assert "cache: layers 5-9 reuse earlier layers' keys (num_kv_shared_layers 5) and write no cache of their own: " \
+               "not compared" in result.cache_check
 
 
 def test_compressed_key_layers_are_refused_saying_why():

@@ -7,6 +7,7 @@ large, and is refused (by its parameter count on the meta device) rather than bu
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -218,10 +219,31 @@ def shapes(config) -> str:
     types = layer_types(config)
     if len(set(types)) > 1 or (types and types[0] != "full_attention"):
         parts.append(f"layer_types {pattern(types)}")
-    decoder = getattr(config, "is_decoder", None)  # (only the configs of families that read it keep the field: BERT's)
-    if decoder is False:
+    decoder = getattr(config, "is_decoder", None)  # (every config keeps the field; BERT's family reads it)
+    if decoder is False and not getattr(config, "is_encoder_decoder", False) and _reads_is_decoder(config.model_type):
         return "; ".join(parts) or "both ways: is_decoder False (the model attends as an encoder, no causal mask)"
     return "; ".join(parts) or "causal (no window, chunks or layer types)"
+
+
+@functools.lru_cache(maxsize=None)
+def _reads_is_decoder(model_type: str) -> bool:
+    """Whether the family's modeling code reads is_decoder, and its causal LM does not set it True itself: BERT's
+    attends both ways unless told; GPT-NeoX's names it only in an example, TrOCR's causal LM sets it (BART's is the
+    decoder of an encoder-decoder: is_encoder_decoder). Read from the module's source, not imported."""
+    import importlib.util
+    import re
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    module = model_type_to_module_name(model_type)
+    try:
+        spec = importlib.util.find_spec(f"transformers.models.{module}.modeling_{module}")
+        with open(spec.origin, encoding="utf-8") as file:
+            code = [line for line in file if "is_decoder" in line and ">>>" not in line]
+    except (ImportError, AttributeError, TypeError, OSError, ValueError):
+        return True  # (no source to read: as the config says)
+    forced = any(re.match(r"\s*(self\.)?config\.is_decoder\s*=\s*True", line) for line in code)
+    return bool(code) and not forced
 
 
 def listing() -> list[Family]:

@@ -165,7 +165,9 @@ def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = 
                       {"build_s": built - started, "run_s": ran - built}, generated)
     from maskcli.hf import widths
 
-    result.cache_check, result.cache_holds, result.cache_first = widths.check(calls, tracer.updates, steps)
+    shared = getattr(config, "num_kv_shared_layers", 0)
+    result.cache_check, result.cache_holds, result.cache_first = widths.check(
+        calls, tracer.updates, steps, shared if isinstance(shared, int) and not isinstance(shared, bool) else 0)
     result.cache_check += widths.order_notes(calls, tracer.updates, steps)
     if prefill_chunk is not None:
         from maskcli.hf.chunks import check

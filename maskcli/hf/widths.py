@@ -13,8 +13,9 @@ import numpy as np
 from maskcli.text import spans
 
 
-def check(calls: list, updates: list, step_names: list[str]) -> tuple[list[str], bool, dict | None]:
-    """(lines, holds, first): every call of the numbered layers against its layer's cache call at the same step."""
+def check(calls: list, updates: list, step_names: list[str], shared: int = 0) -> tuple[list[str], bool, dict | None]:
+    """(lines, holds, first): every call of the numbered layers against its layer's cache call at the same step.
+    `shared`: the config's num_kv_shared_layers, its last layers reusing earlier layers' keys (no cache of their own)."""
     by_call = {(u.layer, u.step): u for u in updates}
     lines: list[str] = []
     first = None
@@ -43,9 +44,14 @@ def check(calls: list, updates: list, step_names: list[str]) -> tuple[list[str],
     compared = len(calls) - sum(1 for c in calls if c.details["layer"] in unseen)
     if holds:
         lines.append(f"cache: each step's mask is as wide as the keys its cache returned, on their positions ({compared} calls)")
-    if unseen:
-        lines.append(f"cache: layer{'s' if len(unseen) > 1 else ''} {spans(sorted(unseen))}: no cache call seen for some "
-                     "step (a cache of the family's own?): not compared there")
+    last = max((c.details["layer"] for c in calls), default=-1)
+    reusing = {layer for layer in unseen if shared and layer > last - shared}
+    if reusing:
+        lines.append(f"cache: layer{'s' if len(reusing) > 1 else ''} {spans(sorted(reusing))} reuse earlier layers' keys "
+                     f"(num_kv_shared_layers {shared}) and write no cache of their own: not compared")
+    if unseen - reusing:
+        lines.append(f"cache: layer{'s' if len(unseen - reusing) > 1 else ''} {spans(sorted(unseen - reusing))}: no cache "
+                     "call seen for some step (a cache of the family's own?): not compared there")
     return lines, holds, first
 
 
