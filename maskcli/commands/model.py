@@ -26,7 +26,7 @@ def model(
     ctx: typer.Context,
     source: Annotated[str | None, typer.Argument(help="A model family (its model_type, like llama, mistral, gemma3_text; maskcli model --list lists them) or a local config.json. Never downloads anything.", show_default=False, metavar="FAMILY|CONFIG.json")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the families this transformers builds as a causal LM, with what shapes their masks (read from their config classes).")] = False,
-    try_: Annotated[bool, typer.Option("--try", help="With --list: build each family tiny and say whether a padded prefill and decode step run (sdpa and eager, or eager only) or why not.")] = False,
+    try_: Annotated[bool, typer.Option("--try", help="With --list: build each family tiny and say whether a padded prefill and decode step run (sdpa and eager, or eager only) or why not (a minute or more: a progress bar on a terminal).")] = False,
     lengths: Annotated[str | None, typer.Option("--lengths", help="Prompt length per batch row, like 5,3 (default), padded to the longest on --pad's side.", show_default=False)] = None,
     ids: Annotated[str | None, typer.Option("--ids", help="The prompt's token ids per batch row, like '5,6,7;0,8,9' (--pad-id marks padding), instead of --lengths.", show_default=False)] = None,
     pad: Annotated[str, typer.Option("--pad", help="left (the default) or right: where --lengths pads (HF's padding_side).", show_default=False)] = "left",
@@ -159,10 +159,15 @@ def _list(try_: bool) -> None:
     table.add_column("family", no_wrap=True)
     for column in ("what shapes its masks (class defaults)",) + (("built tiny",) if try_ else ()):
         table.add_column(column, overflow="fold", ratio=1)
-    if try_:
-        from maskcli.hf.run import tryout
-    for family in found:
-        table.add_row(family.name, family.shapes, *((tryout(family.name),) if try_ else ()))
+    from maskcli.commands.progress import progress
+
+    with progress(f"model --list --try: {len(found)} families built tiny, each in turn") as update:  # (minutes: a bar
+        for done, family in enumerate(found):  # on a terminal's stderr after the first second)
+            if try_:
+                from maskcli.hf.run import tryout
+
+                update(done, len(found))
+            table.add_row(family.name, family.shapes, *((tryout(family.name),) if try_ else ()))
     make_console().print(table)
 
 
