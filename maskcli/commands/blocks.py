@@ -12,9 +12,9 @@ from maskcli.errors import MaskError
 from maskcli.mask import MaskOptions
 
 BlockOpt = Annotated[str, typer.Option("--block", help="Block size: 128 (FlexAttention's BLOCK_SIZE), or Q,KV for unequal query and key blocks like 128,64.")]
-BlocksPng = Annotated[str | None, typer.Option("--png", help="Write a figure of full, partial and empty blocks: .png, .svg or .pdf (a directory: named after the mask).")]
+BlocksPng = Annotated[str | None, typer.Option("--png", metavar="FILE", help="Write a figure of full, partial and empty blocks: .png, .svg or .pdf (a directory: named after the mask).")]
 BlocksJson = Annotated[bool, typer.Option("--json", help="Print counts, sparsity and kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices exactly as create_block_mask makes them.")]
-BlocksSave = Annotated[str | None, typer.Option("--save", help="Save the BlockMask's tensors (kv and q sides), BLOCK_SIZE and seq_lengths to a .pt file: BlockMask(**torch.load(FILE, weights_only=True), mask_mod=MASK_MOD) rebuilds it in seconds, even at 1M tokens (flex_attention calls mask_mod on partial blocks).")]
+BlocksSave = Annotated[str | None, typer.Option("--save", metavar="FILE", help="Save the BlockMask's tensors (kv and q sides), BLOCK_SIZE and seq_lengths to a .pt file: BlockMask(**torch.load(FILE, weights_only=True), mask_mod=MASK_MOD) rebuilds it in seconds, even at 1M tokens (flex_attention calls mask_mod on partial blocks).")]
 
 
 def parse_block(text: str) -> tuple[int, int]:

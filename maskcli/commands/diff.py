@@ -19,7 +19,7 @@ SIDE_HELP = (
     "A mask expression (\"window(4096)\"), a mask tensor file (.pt, .npy, .npz, .safetensors, .json, in any convention), "
     "or the NAME of your mask_mod loaded with --mask-mod FILE.py:NAME (only that flag runs your code)."
 )
-DiffPng = Annotated[str | None, typer.Option("--png", help="Write a figure coloured by category: .png, .svg or .pdf.")]
+DiffPng = Annotated[str | None, typer.Option("--png", metavar="FILE", help="Write a figure coloured by category: .png, .svg or .pdf.")]
 DiffJson = Annotated[bool, typer.Option("--json", help="Print the counts, the first rows that differ (with intervals and in words) as one JSON object.")]
 
 

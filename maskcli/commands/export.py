@@ -16,7 +16,7 @@ SAVE_SUFFIXES = (".pt", ".safetensors", ".npz")
 INLINE = 16  # tensors of at most this many values are written into the call
 
 ForOpt = Annotated[str | None, typer.Option("--for", help=f"The library: {FORMAT_NAMES}.", show_default=False)]
-ExportSave = Annotated[str | None, typer.Option("--save", help="Write the tensors the call needs: .pt (torch.load(..., weights_only=True)), .safetensors or .npz.")]
+ExportSave = Annotated[str | None, typer.Option("--save", metavar="FILE", help="Write the tensors the call needs: .pt (torch.load(..., weights_only=True)), .safetensors or .npz.")]
 CompareOpt = Annotated[bool, typer.Option("--compare", help="Print what the mask costs in each format at its length (bytes, and whether it holds the mask exactly) instead of a call.")]
 
 

@@ -24,7 +24,7 @@ OUT_SUFFIXES = (".pt", ".npy", ".json")
 
 File = Annotated[str, typer.Argument(help=FILE_HELP, show_default=False)]
 To = Annotated[str, typer.Option("--to", help="Target convention: " + "; ".join(f"{k} = {v}" for k, v in CONVENTIONS.items()) + ".", show_default=False)]
-Out = Annotated[str, typer.Option("--out", help="Output file; .pt, .npy or .json by extension. Written whole or not at all.", show_default=False)]
+Out = Annotated[str, typer.Option("--out", metavar="FILE", help="Output file; .pt, .npy or .json by extension. Written whole or not at all.", show_default=False)]
 ConvertDtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype of an additive or min result: {', '.join(DTYPES)} (default float32).", show_default=False)]
 From = Annotated[str | None, typer.Option(
     "--from", help="Say which way round a bool (or 0/1) input is, where its structure does not tell: keep (True = attend) or block (True = masked).",

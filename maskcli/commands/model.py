@@ -26,7 +26,7 @@ def model(
     ctx: typer.Context,
     source: Annotated[str | None, typer.Argument(help="A model family (its model_type, like llama, mistral, gemma3_text; maskcli model --list lists them) or a local config.json. Never downloads anything.", show_default=False, metavar="FAMILY|CONFIG.json")] = None,
     list_: Annotated[bool, typer.Option("--list", help="List the families this transformers builds as a causal LM, with what shapes their masks (read from their config classes).")] = False,
-    try_: Annotated[bool, typer.Option("--try", help="With --list: build each family tiny and say whether a padded prefill and decode step run (sdpa and eager, or eager only) or why not (a minute or more: a progress bar on a terminal).")] = False,
+    try_: Annotated[bool, typer.Option("--try", help="With --list: build each family tiny and say whether a padded prefill and decode step run (sdpa and eager, or eager only) or why not.")] = False,
     lengths: Annotated[str | None, typer.Option("--lengths", help="Prompt length per batch row, like 5,3 (default), padded to the longest on --pad's side.", show_default=False)] = None,
     ids: Annotated[str | None, typer.Option("--ids", help="The prompt's token ids per batch row, like '5,6,7;0,8,9' (--pad-id marks padding), instead of --lengths.", show_default=False)] = None,
     pad: Annotated[str, typer.Option("--pad", help="left (the default) or right: where --lengths pads (HF's padding_side).", show_default=False)] = "left",
@@ -38,9 +38,9 @@ def model(
     chunk_size: ConfigChunkSize = None,
     prefill_chunk: Annotated[int | None, typer.Option("--prefill-chunk", help="Prefill in chunks of N tokens (generate's prefill_chunk_size), a step each; on absolute positions their masks must equal one pass's (else exit status 1).", parser=integer, show_default=False)] = None,
     expect: Annotated[list[str] | None, typer.Option("--expect", help="LAYERTYPE=EXPR, repeatable: every call of those layers (a shell pattern over layer types or module paths) must be EXPR (padding: as EXPR ends, causal (--lengths 5,3 --pad left), else off the mask); else exit 1.", show_default=False)] = None,
-    png: Annotated[str | None, typer.Option("--png", help="Write a figure of each layer type's mask at each step, per batch row: .png, .svg or .pdf.", show_default=False)] = None,
+    png: Annotated[str | None, typer.Option("--png", metavar="FILE", help="Write a figure of each layer type's mask at each step, per batch row: .png, .svg or .pdf.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print every call, group and table cell as one JSON object instead of the table.")] = False,
-    save: Annotated[str | None, typer.Option("--save", help="Write the captured calls to a trace file that show, diff and inspect read: --mask RUN.pt:7 (call 7) or RUN.pt:PATH@STEP.", show_default=False)] = None,
+    save: Annotated[str | None, typer.Option("--save", metavar="FILE", help="Write the captured calls to a trace file that show, diff and inspect read: --mask RUN.pt:7 (call 7) or RUN.pt:PATH@STEP.", show_default=False)] = None,
 ) -> None:
     """Build a family's model tiny from its config (random weights, offline), run a padded prompt and decode steps, and show the mask each layer type's attention gets at each step.
 

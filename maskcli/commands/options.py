@@ -63,10 +63,10 @@ OUTPUT_PANEL = "Output"
 Tokens = Annotated[str | None, typer.Option("--tokens", help="Words on the axes, one per position (\"the cat sat\" or a .txt/.json/.npy/.pt file).", rich_help_panel=OUTPUT_PANEL)]
 As = Annotated[str, typer.Option("--as", help="Convention shown and saved: keep (the default; True = may attend: SDPA, create_mask), block (True = masked: nn.MultiheadAttention), additive (0 / -inf), min (0 / finfo.min: HF eager), int (1 / 0).", show_default=False, autocompletion=completes(*CONVENTIONS), rich_help_panel=OUTPUT_PANEL)]
 Dtype = Annotated[str | None, typer.Option("--dtype", help=f"Float dtype of --as additive and min: {', '.join(DTYPES)} (default float32).", autocompletion=completes(*DTYPES), rich_help_panel=OUTPUT_PANEL)]
-Png = Annotated[str | None, typer.Option("--png", help="Write a heatmap: .png, .svg or .pdf (a folder: a .png named after the mask).", rich_help_panel=OUTPUT_PANEL)]
+Png = Annotated[str | None, typer.Option("--png", metavar="FILE", help="Write a heatmap: .png, .svg or .pdf (a folder: a .png named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 Json = Annotated[bool, typer.Option("--json", help="Print the mask as JSON: expression, shape, offsets, cells as [B][H][Lq][Lk] lists (--as).", rich_help_panel=OUTPUT_PANEL)]
-Html = Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML page: zoom to any cell, hover for its value and --why.", rich_help_panel=OUTPUT_PANEL)]
-Save = Annotated[str | None, typer.Option("--save", help="Save the mask tensor in the --as convention: .pt or .npy (a folder: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
+Html = Annotated[str | None, typer.Option("--html", metavar="FILE", help="Write a self-contained HTML page: zoom to any cell, hover for its value and --why.", rich_help_panel=OUTPUT_PANEL)]
+Save = Annotated[str | None, typer.Option("--save", metavar="FILE", help="Save the mask tensor in the --as convention: .pt or .npy (a folder: named after the mask).", rich_help_panel=OUTPUT_PANEL)]
 
 
 
@@ -94,7 +94,7 @@ StagesOpt = Annotated[str, typer.Option("--stages", help="Stages to show (defaul
 BatchIndex = Annotated[int | None, typer.Option("--batch-index", help="Show this batch row only (default: up to 4 (batch, head) pairs in tables, 8 in --png).", parser=integer, rich_help_panel=DISPLAY_PANEL)]
 Head = Annotated[int | None, typer.Option("--head", help="Show this head only (default: as for --batch-index).", parser=integer, rich_help_panel=DISPLAY_PANEL)]
 Precision = Annotated[int, typer.Option("--precision", help="Decimals in the tables.", parser=integer, rich_help_panel=DISPLAY_PANEL)]
-FigurePng = Annotated[str | None, typer.Option("--png", help="Write a figure: rows = heads, columns = stages; .png, .svg or .pdf.", rich_help_panel=DISPLAY_PANEL)]
+FigurePng = Annotated[str | None, typer.Option("--png", metavar="FILE", help="Write a figure: rows = heads, columns = stages; .png, .svg or .pdf.", rich_help_panel=DISPLAY_PANEL)]
 StagesJson = Annotated[bool, typer.Option("--json", help="Print every stage as nested lists (\"nan\", \"inf\", \"-inf\" as strings) and findings.", rich_help_panel=DISPLAY_PANEL)]
 Atol = Annotated[float | None, typer.Option("--atol", help="Agreement tolerance on max |diff| (default by dtype: float32 1e-5, float16 5e-3, bfloat16 3e-2, float64 1e-10).", rich_help_panel=COMPUTE_PANEL)]
 Repeat = Annotated[int, typer.Option("--repeat", help="Timed calls per backend (the median is shown), after one warm-up call.", parser=integer, rich_help_panel=COMPUTE_PANEL)]
@@ -133,7 +133,7 @@ def _position_options(heads: int, many_masks: bool = False) -> list[tuple[str, o
         ("m_pad", Annotated[str | None, typer.Option("--pad", help="right (default) or left: where --lengths puts the padding (HF's padding_side).", autocompletion=completes("right", "left"), rich_help_panel=MASK_PANEL)], None),
         ("m_ids", Annotated[str | None, typer.Option("--ids", help="Token ids per batch row ('5,6,7,0;0,8,9,1' or a file); --pad-id marks padding.", rich_help_panel=MASK_PANEL)], None),
         ("m_pad_id", Annotated[int, typer.Option("--pad-id", help="The padding token id for --ids.", parser=integer, rich_help_panel=MASK_PANEL)], 0),
-        ("m_mask_file", Annotated[mask_file, typer.Option("--mask", help="A mask file (.pt .npy .npz .safetensors .json, any convention) or TRACE.pt:N" + ("; repeat for one mask per layer type." if many_masks else "."), rich_help_panel=OWN_PANEL)], None),
+        ("m_mask_file", Annotated[mask_file, typer.Option("--mask", metavar="FILE", help="A mask file (.pt .npy .npz .safetensors .json, any convention) or TRACE.pt:N" + ("; repeat for one mask per layer type." if many_masks else "."), rich_help_panel=OWN_PANEL)], None),
         ("m_key", Annotated[str | None, typer.Option("--key", help="With --mask: which tensor of the file (.npz, .safetensors, a .pt dict, a JSON object).", rich_help_panel=OWN_PANEL)], None),
         ("m_from", Annotated[str | None, typer.Option("--from", help="With --mask: keep or block, where a bool or 0/1 tensor's structure does not tell; or the kernel format the file holds, as maskcli export --save writes it: flash-attn, flashmask, magi or flex.", rich_help_panel=OWN_PANEL)], None),
         ("m_causal", Annotated[bool, typer.Option("--causal", help="With --mask FILE --from flash-attn or flashmask: the kernel's causal=True, where the file does not say.", rich_help_panel=OWN_PANEL)], False),

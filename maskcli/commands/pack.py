@@ -63,7 +63,7 @@ def pack(
     use_cache: Annotated[str | None, typer.Option("--use-cache", help="yes: the model makes a cache, and sdpa/eager/flex read no position_ids (default: --config's, else yes as most configs; Trainer: no).", show_default=False, metavar="yes|no")] = None,
     config: Annotated[str | None, typer.Option("--config", help="The model's config.json, or its family (llama, ...), for its use_cache.", show_default=False, metavar="FAMILY|CONFIG.json")] = None,
     reference: Annotated[str | None, typer.Option("--reference", help="The field that says where the documents are (default: the one most fields agree with, else the first of cu_seq_lens_q, cu_seqlens, position_ids, ...).", show_default=False)] = None,
-    png: Annotated[str | None, typer.Option("--png", help="Write a figure of each path's mask per batch row, with the documents' boundaries and padding: .png, .svg or .pdf.", show_default=False)] = None,
+    png: Annotated[str | None, typer.Option("--png", metavar="FILE", help="Write a figure of each path's mask per batch row, with the documents' boundaries and padding: .png, .svg or .pdf.", show_default=False)] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
     """Check a packed batch: the document boundaries each field implies, side by side, which field each attention path reads and the mask that results, and what leaks across documents.

@@ -33,8 +33,8 @@ def serve(
              "medusa_choices, eagle_choices or tree_choices: the static tree each draft mask must be; or a FlashInfer "
              "API-logging folder of a plan() call (FLASHINFER_LOGLEVEL=10).",
         show_default=False, metavar="FILE...")],
-    png: Annotated[str | None, typer.Option("--png", help="Write a figure of each request's mask and its pages (shared, null, written): .png, .svg or .pdf.", show_default=False)] = None,
-    html: Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML page: per request its positions, its mask (zoom to any cell, hover for --why), its pages (shared, null, written) and the findings.", show_default=False)] = None,
+    png: Annotated[str | None, typer.Option("--png", metavar="FILE", help="Write a figure of each request's mask and its pages (shared, null, written): .png, .svg or .pdf.", show_default=False)] = None,
+    html: Annotated[str | None, typer.Option("--html", metavar="FILE", help="Write a self-contained HTML page: per request its positions, its mask (zoom to any cell, hover for --why), its pages (shared, null, written) and the findings.", show_default=False)] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object: every request's positions, mask, pages, and the findings.")] = False,
     model: Annotated[str | None, typer.Option("--model", help="A model family (as maskcli model --list names them) or a local config.json: the batch's window or chunk must be one its layer types have (sliding_window, attention_chunk_size as transformers reads them), an off-by-one named as such. Needs transformers.", show_default=False)] = None,
     expect: Annotated[list[str] | None, typer.Option("--expect", help="PATTERN=EXPR, repeatable: every request whose index (or request_id) matches PATTERN (as a shell matches: * is every request) must be EXPR at its positions; exit status 1 naming the request and its first wrong cell where not.", show_default=False)] = None,
