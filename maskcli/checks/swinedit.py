@@ -1,4 +1,4 @@
-"""A shifted-window block whose shift_size its own forward edited in place, run unshifted on a map its stated shift cuts.
+"""A shifted-window block whose forward edited its own shift_size in place, run unshifted where its shift cuts.
 
 A block that states `shift_size` > 0 along an axis cuts the rolled map into windows there, and its mask hides the
 pairs the roll brought together, wherever the map holds more than one window along that axis. torchvision's
@@ -28,7 +28,8 @@ def edited_shift(run: Run) -> list:
         if not edited or edited["map"] is None:
             continue
         assigned, now, window, size = edited["assigned"], edited["now"], edited["window"], edited["map"]
-        axes = [i for i in range(2) if 0 < assigned[i] < window[i] and now[i] == 0 and math.ceil(size[i] / window[i]) > 1]
+        axes = [i for i in range(2)
+                if 0 < assigned[i] < window[i] and now[i] == 0 and math.ceil(size[i] / window[i]) > 1]
         if not axes or call.stored is not None and not _hides_nothing(call):
             continue
         said = ", ".join(f"axis {i} ({size[i]} long, {math.ceil(size[i] / window[i])} windows)" for i in axes)

@@ -1,4 +1,4 @@
-"""What the program last assigned to a shifted-window block's `shift_size`, kept while tracing, to tell an edit in place.
+"""What the program last assigned to a shifted-window block's `shift_size`, kept while tracing: an edit in place.
 
 Swin's blocks and their ports state their shifted windows with `shift_size`, an int or a list per axis. A list is the
 module's own object, so a function its forward hands it to can edit it in place (`shift_size[i] = 0` where the window
