@@ -14,15 +14,14 @@ from __future__ import annotations
 
 from maskcli.checks.context import Run
 from maskcli.checks.registry import Rule
+from maskcli.checks.swin import window_facts
 from maskcli.text import Finding
 
 
 def misgrouped(run: Run) -> list:
     found, done = [], {}
-    for call in [*run.calls, *run.unmasked]:
-        held = call.details.get("shifted_windows")
-        grouped = held.get("grouped") if isinstance(held, dict) else None
-        if not grouped or call.shape[0] != grouped["windows"] or call.shape[2] != grouped["tokens"]:
+    for call, grouped in window_facts(run, "grouped"):
+        if call.shape[0] != grouped["windows"] or call.shape[2] != grouped["tokens"]:
             continue
         key = (call.where, grouped["group"], tuple(grouped["cells"]))
         if key not in done:

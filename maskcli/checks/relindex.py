@@ -12,16 +12,13 @@ from __future__ import annotations
 
 from maskcli.checks.context import Run
 from maskcli.checks.registry import Rule
+from maskcli.checks.swin import window_facts
 from maskcli.text import Finding
 
 
 def index_collides(run: Run) -> list:
     found, done = [], {}
-    for call in [*run.calls, *run.unmasked]:
-        held = call.details.get("shifted_windows")
-        index = held.get("index") if isinstance(held, dict) else None
-        if not index:
-            continue
+    for call, index in window_facts(run, "index"):
         key = (call.where, index["row"], tuple(index["window"]))
         if key not in done:
             done[key] = _finding(index)

@@ -66,6 +66,15 @@ def _map(held: dict, windows: int) -> tuple[int, int, int, str] | None:
     return (side * window, side * window, 1, "a square map") if side * side == windows else None
 
 
+def window_facts(run: Run, name: str):
+    """(call, what trace/swin.py read of `name` under the call's window block) for each call that has it."""
+    for call in [*run.calls, *run.unmasked]:
+        held = call.details.get("shifted_windows")
+        value = held.get(name) if isinstance(held, dict) else None
+        if value:
+            yield call, value
+
+
 def shifted_windows(run: Run) -> list:
     """Calls under a Swin block whose held window mask differs from the one its shift and window sizes fix."""
     found, done = [], {}

@@ -17,15 +17,14 @@ import math
 
 from maskcli.checks.context import Run, keep
 from maskcli.checks.registry import Rule
+from maskcli.checks.swin import window_facts
 from maskcli.text import Finding
 
 
 def edited_shift(run: Run) -> list:
     found = []
-    for call in [*run.calls, *run.unmasked]:
-        held = call.details.get("shifted_windows")
-        edited = held.get("edited") if isinstance(held, dict) else None
-        if not edited or edited["map"] is None:
+    for call, edited in window_facts(run, "edited"):
+        if edited["map"] is None:
             continue
         assigned, now, window, size = edited["assigned"], edited["now"], edited["window"], edited["map"]
         axes = [i for i in range(2)

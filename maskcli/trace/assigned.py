@@ -17,19 +17,11 @@ import weakref
 import torch
 
 from maskcli.trace.held import program_frames
+from maskcli.trace.swinroll import _pair  # (a tuple: a copy of a list the program may edit later)
 
 FIELD = "shift_size"
 FRAMES = 6  # program frames searched for the block's forward
 _ASSIGNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its shift_size as last assigned
-
-
-def _pair(value) -> tuple[int, int] | None:
-    """(a, b) of an int or of a list or tuple of two ints (a copy: the list may be edited later); None otherwise."""
-    if type(value) is int:
-        return value, value
-    if type(value) in (list, tuple) and len(value) == 2 and all(type(x) is int for x in value):
-        return int(value[0]), int(value[1])
-    return None
 
 
 def patch(trace) -> callable:

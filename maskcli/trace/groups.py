@@ -19,19 +19,12 @@ import numpy as np
 import torch
 
 from maskcli.trace.held import program_frames
+from maskcli.trace.swinroll import _pair
 
 FIELDS = ("grid_window_size", "grid_size", "window_size", "partition_size")
 FRAMES = 6  # program frames searched for the block's forward
 MOST = 1 << 15  # map cells (B * H * W) read at most
 CHANNELS = 4  # channels whose bytes tell a cell apart
-
-
-def _pair(value) -> tuple[int, int] | None:
-    if type(value) is int:
-        return value, value
-    if type(value) in (list, tuple) and len(value) == 2 and all(type(x) is int for x in value):
-        return int(value[0]), int(value[1])
-    return None
 
 
 def window_groups(module) -> dict | None:
