@@ -13,12 +13,13 @@ tokens than the window's (a class token's extra rows, BEiT's) is not read.
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
 
 MOST = 1 << 16  # index cells read at most
-_DONE: dict = {}  # (id(module), id(index), index._version) -> the reading (None: nothing to say)
+_DONE: dict = {}  # id(index) -> (a weak reference to it, (its version, rows, window), the reading)
 
 
 def _window(value) -> tuple[int, ...] | None:
@@ -38,12 +39,13 @@ def collisions(module) -> dict | None:
     window = _window(module.__dict__.get("window_size"))
     if not issubclass(type(index), torch.Tensor) or not issubclass(type(table), torch.Tensor) or window is None:
         return None
-    key = (id(module), id(index), index._version)
-    if key not in _DONE:
+    key = (index._version, int(table.shape[0]), window)
+    held = _DONE.get(id(index))
+    if held is None or held[0]() is not index or held[1] != key:  # (an id reused by another tensor: read anew)
         if len(_DONE) > 256:
             _DONE.clear()
-        _DONE[key] = _read(index, int(table.shape[0]), window)
-    return _DONE[key]
+        held = _DONE[id(index)] = (weakref.ref(index), key, _read(index, key[1], window))
+    return held[2]
 
 
 def _read(index: torch.Tensor, rows: int, window: tuple[int, ...]) -> dict | None:
