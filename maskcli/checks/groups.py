@@ -14,20 +14,13 @@ from __future__ import annotations
 
 from maskcli.checks.context import Run
 from maskcli.checks.registry import Rule
-from maskcli.checks.swin import window_facts
+from maskcli.checks.swin import window_findings
 from maskcli.text import Finding
 
 
 def misgrouped(run: Run) -> list:
-    found, done = [], {}
-    for call, grouped in window_facts(run, "grouped"):
-        if call.shape[0] != grouped["windows"] or call.shape[2] != grouped["tokens"]:
-            continue
-        key = (call.where, grouped["group"], tuple(grouped["cells"]))
-        if key not in done:
-            done[key] = _finding(grouped)
-        found.append((call, done[key]))
-    return found
+    return window_findings(run, "grouped", _finding,
+                           lambda call, grouped: (call.shape[0], call.shape[2]) == (grouped["windows"], grouped["tokens"]))
 
 
 def _finding(grouped: dict) -> Finding:

@@ -12,18 +12,12 @@ from __future__ import annotations
 
 from maskcli.checks.context import Run
 from maskcli.checks.registry import Rule
-from maskcli.checks.swin import window_facts
+from maskcli.checks.swin import window_findings
 from maskcli.text import Finding
 
 
 def index_collides(run: Run) -> list:
-    found, done = [], {}
-    for call, index in window_facts(run, "index"):
-        key = (call.where, index["row"], tuple(index["window"]))
-        if key not in done:
-            done[key] = _finding(index)
-        found.append((call, done[key]))
-    return found
+    return window_findings(run, "index", _finding)
 
 
 def _finding(index: dict) -> Finding:

@@ -75,6 +75,21 @@ def window_facts(run: Run, name: str):
             yield call, value
 
 
+def window_findings(run: Run, name: str, make, wanted=None) -> list:
+    """(call, make(fact)) for each call with the fact `name` that `wanted(call, fact)` keeps (all, where None), the
+    finding made once per call site and fact."""
+    found, done = [], {}
+    for call, fact in window_facts(run, name):
+        if wanted is not None and not wanted(call, fact):
+            continue
+        key = (call.where, repr(fact))
+        if key not in done:
+            done[key] = make(fact)
+        if done[key] is not None:
+            found.append((call, done[key]))
+    return found
+
+
 def shifted_windows(run: Run) -> list:
     """Calls under a Swin block whose held window mask differs from the one its shift and window sizes fix."""
     found, done = [], {}
