@@ -56,3 +56,23 @@ def test_swins_own_block_is_quiet(tmp_path):
     folder = Path(__file__).parent / "data" / "quiet_blind"
     status, found, report = traced(tmp_path, "swin_shifted_window_attention", False, folder)
     assert status == 0 and "swin-mask-regions" not in [f["code"] for f in found], report
+
+
+def test_esvit_mask_from_the_init_resolution_on_a_smaller_crop(tmp_path):
+    """microsoft/esvit commit b3c892f (issue microsoft/esvit#9): `create_attn_mask(self.H, self.W)` builds the mask of
+    the 8x8 map the block was made for; the local crops' 4x4 maps (one window each, four images) get its four windows.
+    The map is the one the block rolled; the cells apart are the loop's over that 4x4 map, against the 8x8 mask."""
+    [hit] = check_bug(tmp_path, "esvit_swin_block_shift_mask_from_init_resolution", "swin-mask-regions")
+    held = reference(8, 8, 4, 2)
+    differ = int((held != np.tile(reference(4, 4, 4, 2), (4, 1, 1))).sum())
+    assert "over a 4x4 map (the map the block rolled; its input_resolution is 8x8)" in hit["message"], hit
+    assert f"differs in {differ} cells" in hit["message"], hit
+
+
+def test_a_mask_registered_for_the_init_resolution_run_on_a_larger_map(tmp_path):
+    """Written another way: a bool buffer registered in __init__ for 8x8 (4 windows), repeated over the windows of a
+    16x16 map (16 per image) into SDPA: the mask holds 4 windows where the map rolled is cut into 16 (16 // 4 by the
+    loop's count of windows); the fix, built per map size, is quiet."""
+    [hit] = check_bug(tmp_path, "registered_mask_run_at_larger_resolution", "swin-mask-regions", SWIN)
+    assert f"cut into {len(reference(16, 16, 4, 2))} windows per image" in hit["message"], hit
+    assert f"has {len(reference(8, 8, 4, 2))} windows" in hit["message"], hit

@@ -90,3 +90,23 @@ def test_lengths_a_script_keeps_at_its_top_level_are_read(tmp_path):
     lengths, length = [6, 4, 5], 6
     assert "`lengths` in <module>()" in hit["message"], hit
     assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: lengths[b] < length and k >= lengths[b])
+
+
+def test_navit_key_pad_mask_inverted(tmp_path):
+    """lucidrains/vit-pytorch commit 96f66d2 (issue lucidrains/vit-pytorch#306): NaViT's `key_pad_mask = lengths <=
+    arange` is True on the padding, and-ed into the per-image block mask: the full group (24 patches) sees no key, the
+    other (12 patches) only its padded tail. The first cell is a double loop's over the groups' lengths."""
+    hit = check_bug(tmp_path, "vit_pytorch_navit_key_pad_mask_inverted", "lengths-inverted")[0]
+    lengths, length = [24, 12], 24
+    assert "`lengths`" in hit["message"], hit
+    assert tuple(hit["cell"]) == first((2, 24, 24), lambda b, q, k: lengths[b] < length and k >= lengths[b])
+
+
+def test_packed_images_sdpa_key_mask_reversed(tmp_path):
+    """Written another way: a collate's F.pad, image ids padded with -1, `seq_lens`, the keep mask handed to SDPA with
+    `arange >= seq_lens` (True on padding); the first cell is a double loop's over seq_lens (a padded row's first
+    padded key; the full row 0 sees nothing); the fix is quiet."""
+    hit = check_bug(tmp_path, "packed_images_sdpa_key_mask_reversed", "lengths-inverted", TURNED)[0]
+    seq_lens, length = [10, 5, 6], 10
+    assert "`seq_lens`" in hit["message"], hit
+    assert tuple(hit["cell"]) == first((3, 10, 10), lambda b, q, k: seq_lens[b] < length and k >= seq_lens[b])

@@ -10,8 +10,11 @@ itself: ResShift's channel-first port labelled `img_mask[:, h, w, :]` on a (1, 1
 only and transposing each window's tokens (zsyOAOA/ResShift#81).
 
 Tokens ordered column-major in each window are accepted too (a port that flattens windows the other way round
-orders its tokens so); the map's size is the module's `input_resolution` where it states one, else a square map; a
-mask repeated for each image of the batch is read as that many copies.
+orders its tokens so); the map's size is the one the block rolled (trace/swinroll.py: the map it cut its windows
+from, padded), else the module's `input_resolution` where it states one, else a square map; a mask repeated for each
+image of the batch is read as that many copies. A mask built from the `input_resolution` the block was made for while
+it runs on a map of another size is another map's mask (microsoft/esvit#9: the multi-crop views' smaller maps given
+the global view's mask, broadcast over the wrong windows).
 """
 
 from __future__ import annotations
@@ -43,16 +46,48 @@ def expected(height: int, width: int, window: int, shift: int, transposed: bool 
     return windows[:, :, None] == windows[:, None, :]
 
 
-def _map(held: dict, windows: int) -> tuple[int, int, int] | None:
-    """(H, W, images): the map's size and how many images' windows the mask holds (a mask repeated per image)."""
+def _map(held: dict, windows: int) -> tuple[int, int, int, str] | None:
+    """(H, W, images, said): the map's size, how many images' windows the mask holds (a mask repeated per image) and
+    where the size was read; images 0 where the map the block rolled holds a number of windows the mask's is not a
+    multiple of (the mask was cut from another map)."""
     window = held["window"]
+    rolled = (held.get("rolled") or {}).get("map")
     resolution = held.get("resolution")
+    if rolled is not None:  # (the map the block cut its windows from, whatever it was built for)
+        each = (rolled[0] // window) * (rolled[1] // window)
+        said = "the map the block rolled" + (f"; its input_resolution is {resolution[0]}x{resolution[1]}"
+                                             if resolution and tuple(resolution) != tuple(rolled) else "")
+        return int(rolled[0]), int(rolled[1]), windows // each if windows % each == 0 else 0, said
     if resolution and resolution[0] % window == 0 and resolution[1] % window == 0:
         each = (resolution[0] // window) * (resolution[1] // window)
         if windows % each == 0:
-            return int(resolution[0]), int(resolution[1]), windows // each
+            return int(resolution[0]), int(resolution[1]), windows // each, "its input_resolution"
     side = math.isqrt(windows)
-    return (side * window, side * window, 1) if side * side == windows else None
+    return (side * window, side * window, 1, "a square map") if side * side == windows else None
+
+
+def window_facts(run: Run, name: str):
+    """(call, what trace/swin.py read of `name` under the call's window block) for each call that has it."""
+    for call in [*run.calls, *run.unmasked]:
+        held = call.details.get("shifted_windows")
+        value = held.get(name) if isinstance(held, dict) else None
+        if value:
+            yield call, value
+
+
+def window_findings(run: Run, name: str, make, wanted=None) -> list:
+    """(call, make(fact)) for each call with the fact `name` that `wanted(call, fact)` keeps (all, where None), the
+    finding made once per call site and fact."""
+    found, done = [], {}
+    for call, fact in window_facts(run, name):
+        if wanted is not None and not wanted(call, fact):
+            continue
+        key = (call.where, repr(fact))
+        if key not in done:
+            done[key] = make(fact)
+        if done[key] is not None:
+            found.append((call, done[key]))
+    return found
 
 
 def shifted_windows(run: Run) -> list:
@@ -63,7 +98,8 @@ def shifted_windows(run: Run) -> list:
         if not held or held.get("window") is None:  # (a block read for its roll alone: checks/swinroll.py)
             continue
         keep = np.asarray(held["keep"], dtype=bool)
-        key = (keep.tobytes(), keep.shape, held["window"], held["shift"], tuple(held.get("resolution") or ()))
+        key = (keep.tobytes(), keep.shape, held["window"], held["shift"], tuple(held.get("resolution") or ()),
+               tuple((held.get("rolled") or {}).get("map") or ()))
         if key not in done:
             done[key] = _finding(held, keep)
         if done[key] is not None:
@@ -75,7 +111,15 @@ def _finding(held: dict, keep: np.ndarray) -> Finding | None:
     size = _map(held, keep.shape[0])
     if size is None:
         return None
-    (height, width, images), window, shift = size, held["window"], held["shift"]
+    (height, width, images, said), window, shift = size, held["window"], held["shift"]
+    stated = f"the block states shift_size={shift}, window_size={window} over a {height}x{width} map ({said})"
+    source = f"shift_size={shift}, window_size={window}"
+    if not images:
+        each = (height // window) * (width // window)
+        return Finding("swin-mask-regions", (
+            f"{stated}, cut into {each} windows per image, but the mask its window attention holds has "
+            f"{keep.shape[0]} windows: it was built for another map, and its windows are laid on the wrong ones"),
+            expected=f"Swin's mask for shift {shift}, window {window}, {each} windows per image", source=source)
     meant = np.tile(expected(height, width, window, shift), (images, 1, 1))
     if np.array_equal(keep, meant) or np.array_equal(keep, np.tile(expected(height, width, window, shift, True),
                                                                    (images, 1, 1))):
@@ -84,12 +128,10 @@ def _finding(held: dict, keep: np.ndarray) -> Finding | None:
     w, q, k = first_cell(differ)
     how = "sees" if keep[w, q, k] else "hides"
     return Finding("swin-mask-regions", (
-        f"the block states shift_size={shift}, window_size={window} over a {height}x{width} map, which fix its "
-        f"shifted-window mask, but the mask its window attention holds differs in {int(differ.sum())} cells: in window "
-        f"{w}, token {q} {how} token {k} (the regions cut at another shift, labelled along the wrong axes, or the windows' "
-        f"tokens reordered?)"),
-        expected=f"Swin's mask for shift {shift}, window {window}", source=f"shift_size={shift}, window_size={window}",
-        cell=(w, q, k))
+        f"{stated}, which fix its shifted-window mask, but the mask its window attention holds differs in "
+        f"{int(differ.sum())} cells: in window {w}, token {q} {how} token {k} (the regions cut at another shift or "
+        f"for another map, labelled along the wrong axes, or the windows' tokens reordered?)"),
+        expected=f"Swin's mask for shift {shift}, window {window}", source=source, cell=(w, q, k))
 
 
 RULES = (

@@ -22,6 +22,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from maskcli.trace import assigned
 from maskcli.trace.discarded import FILLS, wanted as _fill
 from maskcli.trace.maskfacts import attention_bias
 from maskcli.trace.overflow import CASTS, may_overflow
@@ -159,7 +160,7 @@ def patch(trace) -> list:
             else:
                 setattr(owner, name, held)
 
-    undo = [put_back]
+    undo = [put_back, assigned.patch(trace)]  # (and each block's assigned shift_size: trace/assigned.py)
     python = {f for f in watched if isinstance(f, types.FunctionType)} - {F.multi_head_attention_forward, *originals.values()}
     for function in python:  # F.softmax, torch.einsum, the losses (losses.py): their code swapped (every name bound);
         # (MHA's functional form is swapped by modules.py, which reads the module around it)

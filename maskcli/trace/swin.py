@@ -6,7 +6,10 @@ numbers and the map's size. Read only under such a module: the (nW, N, N) mask (
 or bool; (nW * B, 1, N, N) as
 repeated over a batch's images) a function of the program on the stack holds, and the module's `input_resolution` where it has one.
 With it (and for a block of windows of any shape, mask or none) "rolled": how far the block rolled its map
-(trace/swinroll.py, checks/swinroll.py).
+(trace/swinroll.py, checks/swinroll.py); "edited": a shift_size the block's forward edited in place
+(trace/assigned.py, checks/swinedit.py); "index": a window module's relative-position index that gives two offsets
+one bias row (trace/relindex.py, checks/relindex.py); "grouped": a window or grid block whose groups are not the
+rows by columns of its map its size states (trace/groups.py, checks/groups.py).
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ import sys
 import numpy as np
 import torch
 
+from maskcli.trace.assigned import edited
+from maskcli.trace.groups import window_groups
 from maskcli.trace.held import program_frames
+from maskcli.trace.relindex import collisions
 from maskcli.trace.swinroll import block_roll
 
 INNERMOST = 4  # running modules read, innermost first
@@ -32,7 +38,26 @@ def _size(value) -> int | None:
 
 
 def shifted_windows(stack: list) -> dict | None:
-    """{"window", "shift", "resolution", "keep": bool (nW, N, N)} under a module with a shift; None otherwise."""
+    """{"window", "shift", "resolution", "keep": bool (nW, N, N)} under a module with a shift; with "edited" where the
+    block's shift_size was edited in place (trace/assigned.py), "index" where a window module's relative-position
+    index gives two offsets one row (trace/relindex.py) and "grouped" where a block's groups are not the gh x gw cells
+    of its map it states (trace/groups.py); None where none is said."""
+    found = _shifted(stack)
+    for module in reversed(stack[-INNERMOST:]):
+        own, extra = module.__dict__, {}
+        if "shift_size" in own and (changed := edited(module)) is not None:
+            extra["edited"] = changed
+        if "relative_position_bias_table" in (own.get("_parameters") or ()):
+            if (index := collisions(module)) is not None:
+                extra["index"] = index
+        if (found is None or "grouped" not in found) and (grouped := window_groups(module)) is not None:
+            extra["grouped"] = grouped
+        if extra:
+            found = {"window": None, "shift": None, **(found or {}), **extra}
+    return found
+
+
+def _shifted(stack: list) -> dict | None:
     for module in reversed(stack[-INNERMOST:]):
         own = module.__dict__
         if "shift_size" not in own:  # (every call of every program passes here: the common case first)

@@ -6,8 +6,10 @@ it into windows, and its window mask is cut for that shift (checks/swinroll.py).
 block's own forward frame holds while its window attention runs: two 4-D tensors of one shape of which one is the
 other rolled along two axes (channels last or first) by one offset only, found by the first plane's values and
 confirmed with torch.roll on the whole tensor; the roll of the one the frame holds later from the one it holds first
-(the variables in the order the forward names them: the map, then the map rolled). Nothing where no pair or more than one offset is found (a map whose
-values repeat), nor where the block rolled in place (no pre-roll tensor held).
+(the variables in the order the forward names them: the map, then the map rolled). The map is the one the block holds
+now, of whatever size (a block built for one `input_resolution` run on another: checks/swin.py reads the size rolled);
+where two readings are found, the one over `input_resolution`. Nothing where no pair or more than one offset is found
+(a map whose values repeat), nor where the block rolled in place (no pre-roll tensor held).
 """
 
 from __future__ import annotations
@@ -59,11 +61,13 @@ def block_roll(module) -> dict | None:
             continue
         for dims in ((1, 2), (2, 3)):
             size = (first.shape[dims[0]], first.shape[dims[1]])
-            if size[0] % window[0] or size[1] % window[1] or resolution is not None and size != resolution:
+            if size[0] % window[0] or size[1] % window[1]:
                 continue
             offset = _offset(first, second, dims)
             if offset is not None:
                 found.add((dims, offset, size))
+    if len(found) > 1 and resolution is not None:  # (two readings: the one over the block's input_resolution)
+        found = {one for one in found if one[2] == resolution}
     if len(found) != 1:
         return None
     dims, offset, size = found.pop()
