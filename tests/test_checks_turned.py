@@ -92,6 +92,17 @@ def test_lengths_a_script_keeps_at_its_top_level_are_read(tmp_path):
     assert tuple(hit["cell"]) == first((3, 6, 6), lambda b, q, k: lengths[b] < length and k >= lengths[b])
 
 
+def test_top_level_lengths_tensor_viewed_per_row_in_eval(tmp_path):
+    """Written another way (a new user's first try): the lengths a tensor at the script's top level, viewed per batch
+    row (`lengths[:, None]`, all of the batch: read as the padding's statement) into the encoder's key padding mask,
+    eval without grad (MHA's fast path); the first cell is a double loop's over the lengths; the fix is quiet."""
+    name = "encoder_eval_lengths_tensor_key_padding_true_on_tokens"
+    hit = check_bug(tmp_path, name, "lengths-inverted", TURNED)[0]
+    lengths, length = [6, 4], 6
+    assert "`lengths` in <module>()" in hit["message"], hit
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: lengths[b] < length and k >= lengths[b])
+
+
 def test_navit_key_pad_mask_inverted(tmp_path):
     """lucidrains/vit-pytorch commit 96f66d2 (issue lucidrains/vit-pytorch#306): NaViT's `key_pad_mask = lengths <=
     arange` is True on the padding, and-ed into the per-image block mask: the full group (24 patches) sees no key, the

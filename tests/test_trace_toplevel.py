@@ -46,3 +46,15 @@ def test_the_running_statement_reads_what_it_was_built_from_and_not_what_a_later
 def test_a_script_whose_source_cannot_be_read_reads_nothing(tmp_path):
     code = compile("lengths = [1]\nx = lengths\n", str(tmp_path / "gone.py"), "exec")
     assert read_by(code, 2) == frozenset()
+
+
+def test_a_view_of_every_sample_is_the_batch_and_an_index_of_some_is_not(tmp_path):
+    """`lengths[:, None]`, `lengths[None]` and `lengths[..., None]` view all of the batch's lengths (the batch's
+    statement); `lengths[b]`, `lengths[0]` and `lengths[b:b + 1]` take some samples (another batch's)."""
+    script = ("import torch\nlengths = torch.tensor([6, 4])\n"
+              "a = f(lengths[:, None])\nb = f(lengths[None])\nc = f(lengths[..., None])\n"
+              "d = f(lengths[i])\ne = f(lengths[0])\ng = f(lengths[i:i + 1])\nh = f(lengths[1:, None])\n")
+    path = tmp_path / "views.py"
+    path.write_text(script)
+    code = compile(script, str(path), "exec")
+    assert ["lengths" in read_by(code, line) for line in range(3, 10)] == [True, True, True, False, False, False, False]

@@ -60,7 +60,7 @@ def _parsed(filename: str) -> tuple[tuple, dict]:
                  if isinstance(child, ast.stmt)]
         stack.extend(inner)
         heads = [value for key, value in ast.iter_fields(node) if key not in ("body", "orelse", "finalbody", "handlers")]
-        parts = {id(n.value) for head in heads for n in _walk(head) if isinstance(n, ast.Subscript)}
+        parts = {id(n.value) for head in heads for n in _walk(head) if isinstance(n, ast.Subscript) and _part(n.slice)}
         loads = {n.id for head in heads for n in _walk(head) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
                  and id(n) not in parts}  # (`lengths[b:b + 1]` reads one sample's part, not the batch's lengths)
         end = node.lineno if inner else getattr(node, "end_lineno", node.lineno)
@@ -69,6 +69,15 @@ def _parsed(filename: str) -> tuple[tuple, dict]:
         for name in stores:
             assigned.setdefault(name, set()).update(loads - {name})
     return tuple(statements), assigned
+
+
+def _part(index) -> bool:
+    """An index that takes some samples of a batch (`[b]`, `[b:b + 1]`), not one that views all of them on more axes
+    (`lengths[:, None]`, `lengths[None]`, `[..., None]`): its first item, on the batch axis, not a whole slice."""
+    first = index.elts[0] if isinstance(index, ast.Tuple) and index.elts else index
+    if isinstance(first, ast.Slice):
+        return not (first.lower is None and first.upper is None and first.step is None)
+    return not (isinstance(first, ast.Constant) and (first.value is None or first.value is Ellipsis))
 
 
 def _walk(value):
