@@ -195,7 +195,8 @@ def _one_pass(run: Run, chunks: list, union: np.ndarray) -> tuple[str, str, np.n
 def chunked(run: Run) -> list:
     """A prompt prefilled in chunks whose masks put together differ from one pass over it."""
     found = []
-    for calls in run.sites().values():
+    for calls in run.callers().values():  # (a helper the layer calls from two lines, to itself and to a memory, is two
+        # sites: joeynmt's `mha(x, x, x)` then `mha(x, mem, mem)`, re-run over the whole prefix each step, no chunks)
         if sum(call.shape[2] > 1 for call in calls) < 2:
             continue  # one prefill and its decode steps: no chunks (most runs stop here)
         top = run.top(calls[0])
