@@ -104,6 +104,21 @@ def test_pytorch_translate_decoder_never_passes_self_attn_mask(tmp_path):
     assert tuple(hit["cell"]) == first((8, 7, 7), lambda b, q, k: k > q)  # the targets are unpadded
 
 
+def test_a_decoder_wrapping_torchs_layers_never_hands_them_its_subsequent_mask(tmp_path):
+    """Written another way: the program's own Seq2SeqDecoder around torch's nn.TransformerDecoder holds
+    generate_square_subsequent_mask as a static method and hands the layers tgt_mask=None with the targets' key padding
+    mask; the first row right-padded, a right-padded memory. Its fix is quiet."""
+    name = "torch_decoder_wrapper_square_subsequent_mask_not_passed"
+    status, found, report = traced(tmp_path, name, False, DIRECTIONS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "decoder-mask-not-causal")
+    assert hit["severity"] == "wrong" and "generate_square_subsequent_mask() beside Seq2SeqDecoder" in hit["source"]
+    real = [[1, 1, 1, 1, 0, 0], [1] * 6]  # prev_output_tokens == PAD ends row 0
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: k > q and bool(real[b][q] and real[b][k]))
+    status, found, report = traced(tmp_path, name, True, DIRECTIONS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
 def test_nlp_tutorial_decoder_self_attention_handed_none(tmp_path):
     """graykode/nlp-tutorial 5b4fb5e (written blind, batch blind-dh): the decoder self-attention got None (teacher
     forcing sees later targets) though get_attn_subsequent_mask sits beside the Decoder; the softmax is an inline
