@@ -94,6 +94,55 @@ def test_a_block_causal_only_while_training(tmp_path):
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 
+def test_pytorch_translate_decoder_never_passes_self_attn_mask(tmp_path):
+    """pytorch/translate#230 (written blind, batch blind-dh; caught before any rule was changed for it): after
+    fairseq's refactor the decoder layer no longer masked the future itself, and pytorch_translate's decoder never
+    passed self_attn_mask, so teacher-forced training attends to later targets; buffered_future_mask beside it."""
+    hit = check_bug(tmp_path, "pytorch_translate_transformer_decoder_training_no_self_attn_mask",
+                    "decoder-mask-not-causal")[0]
+    assert "buffered_future_mask()" in hit["source"]
+    assert tuple(hit["cell"]) == first((8, 7, 7), lambda b, q, k: k > q)  # the targets are unpadded
+
+
+def test_a_decoder_wrapping_torchs_layers_never_hands_them_its_subsequent_mask(tmp_path):
+    """Written another way: the program's own Seq2SeqDecoder around torch's nn.TransformerDecoder holds
+    generate_square_subsequent_mask as a static method and hands the layers tgt_mask=None with the targets' key padding
+    mask; the first row right-padded, a right-padded memory. Its fix is quiet."""
+    name = "torch_decoder_wrapper_square_subsequent_mask_not_passed"
+    status, found, report = traced(tmp_path, name, False, DIRECTIONS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "decoder-mask-not-causal")
+    assert hit["severity"] == "wrong" and "generate_square_subsequent_mask() beside Seq2SeqDecoder" in hit["source"]
+    real = [[1, 1, 1, 1, 0, 0], [1] * 6]  # prev_output_tokens == PAD ends row 0
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: k > q and bool(real[b][q] and real[b][k]))
+    status, found, report = traced(tmp_path, name, True, DIRECTIONS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_nlp_tutorial_decoder_self_attention_handed_none(tmp_path):
+    """graykode/nlp-tutorial 5b4fb5e (written blind, batch blind-dh): the decoder self-attention got None (teacher
+    forcing sees later targets) though get_attn_subsequent_mask sits beside the Decoder; the softmax is an inline
+    nn.Softmax() in a layer handed Q as its K (a self-attention), its cross-attention of as many keys told apart."""
+    hit = check_bug(tmp_path, "nlp_tutorial_transformer_decoder_no_subsequent_mask_pad_id_not_zero",
+                    "decoder-mask-not-causal")[0]
+    assert "get_attn_subsequent_mask()" in hit["source"]
+    assert tuple(hit["cell"]) == first((1, 5, 5), lambda b, q, k: k > q)
+
+
+def test_a_decoder_handed_no_look_ahead_mask_at_an_inline_softmax(tmp_path):
+    """Written another way (tests/data/directions): a TensorFlow-tutorial port, `MultiHeadAttention.forward(query, key,
+    value, mask)` with torch.softmax inline, create_look_ahead_mask beside the Decoder never combined with the padding
+    of right-padded targets. Its fix is quiet."""
+    status, found, report = traced(tmp_path, "tf_port_decoder_look_ahead_mask_never_combined", False, DIRECTIONS)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "decoder-mask-not-causal")
+    assert hit["severity"] == "wrong" and "create_look_ahead_mask()" in hit["source"]
+    real = [[1] * 6, [1, 1, 1, 1, 0, 0]]  # tar == 0 ends row 1
+    assert tuple(hit["cell"]) == first((2, 6, 6), lambda b, q, k: k > q and bool(real[b][q] and real[b][k]))
+    status, found, report = traced(tmp_path, "tf_port_decoder_look_ahead_mask_never_combined", True, DIRECTIONS)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
 def subsequent_mask(n):  # a builder in this file's globals: the decoder classes below are the program's own
     return torch.ones(n, n, dtype=torch.bool).tril()
 

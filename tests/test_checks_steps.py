@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from checkbugs import check_bug, runner
+from checkbugs import check_bug, first, runner
 from maskcli.commands import app
 
 BUGS = [
@@ -341,3 +341,20 @@ def test_a_repeat_of_a_sites_first_call_is_no_decode_step(tmp_path):
         _, found, report = traced(tmp_path, "sinkhorn_transformer_causal_rotated_heads_padding_mask_not_rotated", fixed,
                                   folder=blind)
         assert not [f for f in found if f["code"] == "top-left-mask"], report
+
+
+def test_opennmt_lm_prompt_fed_at_step0_without_future_mask(tmp_path):
+    """OpenNMT/OpenNMT-py 628b4726 (written blind, batch blind-dh; caught before any rule was changed for it): the
+    TransformerLMDecoder built its future mask only when step is None, so a 7-token prompt fed at step=0 (cached LM
+    decoding) attends both ways, where the site's teacher-forced pass was causal. Fix quiet."""
+    found = check_bug(tmp_path, "opennmt_transformer_lm_decoder_prompt_at_step0_no_future_mask", "causal-lost")
+    assert tuple(found[0]["cell"]) == first((2, 7, 7), lambda b, q, k: k > q)  # unpadded prompts: the first later key
+
+
+def test_a_prompt_cached_at_its_first_chunk_without_a_causal_mask(tmp_path):
+    """The same slip written another way (tests/data/caches): a nanoGPT-style model with its own KV cache builds its
+    causal mask only while no cache is attached (`if kv_cache is None`), so a left-padded batch of prompts fed in one
+    chunk once the cache is attached sees later prompt tokens; the padding mask still reaches it. Fix quiet."""
+    found = check_bug(tmp_path, "kv_cache_prompt_chunk_mask_only_without_cache", "causal-lost", folder=STEPS)
+    pads = [2, 0]  # the prompts' left padding (the model call's attention_mask)
+    assert tuple(found[0]["cell"]) == first((2, 6, 6), lambda b, q, k: k > q >= pads[b])

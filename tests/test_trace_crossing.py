@@ -403,6 +403,37 @@ def test_a_layer_handed_query_and_key_as_the_annotated_transformer_writes_it():
         "another tensor than its query"
 
 
+def test_a_layer_handed_capital_q_and_k_around_an_inline_softmax():
+    """nlp-tutorial's MultiHeadAttention.forward(Q, K, V, attn_mask), whose scores go through an inline nn.Softmax():
+    handed the decoder's own states as K, self; handed the encoder's output, as long as the target (5 and 5), cross."""
+
+    class MultiHeadAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W_Q, self.W_K = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, Q, K, V, attn_mask=None):
+            scores = self.W_Q(Q) @ self.W_K(K).transpose(-1, -2)
+            if attn_mask is not None:
+                scores = scores.masked_fill(attn_mask, -1e9)
+            return nn.Softmax(dim=-1)(scores[:, None])[:, 0] @ V
+
+    class DecoderLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dec_self_attn, self.dec_enc_attn = MultiHeadAttention(), MultiHeadAttention()
+
+        def forward(self, x, enc, pad):
+            return self.dec_enc_attn(self.dec_self_attn(x, x, x), enc, enc, pad)
+
+    torch.manual_seed(0)
+    layer = DecoderLayer()
+    pad = torch.tensor([True, False, False, False, False]).expand(1, 5, 5)
+    with maskcli.trace() as t, torch.no_grad():
+        layer(torch.randn(1, 5, 8), torch.randn(1, 5, 8), pad)
+    assert [(crossing(call).cross, crossing(call).by) for call in t.calls] == [(False, "inputs"), (True, "inputs")]
+
+
 def test_query_and_key_rebound_to_their_projections_are_read_as_the_layer_was_handed_them():
     """The Annotated Transformer writes `query, key, value = [lin(x).view(...) ... for lin, x in zip(...)]`: by the time
     the kernel runs, the forward's `query` and `key` are two projections, other tensors whatever the attention. Read as

@@ -92,12 +92,20 @@ def causal_run_unsaid(run: Run) -> list:
     return found
 
 
+def _self_by_inputs(call) -> bool:
+    """The attending layer's forward was handed its queries' own tensor as its keys (trace/crossing.py's "inputs")."""
+    read = call.details.get("cross")
+    return isinstance(read, dict) and read.get("by") == "inputs" and read.get("cross") is False
+
+
 def decoder_builder_unused(run: Run) -> list:
     """Self-attention calls of a program's decoder that holds a causal-mask builder where a real query sees later."""
     found, done, judged = [], set(), None
     # (a softmax site that masks nowhere is set apart from run.calls (engine.py): a decoder's self-attention that got no
-    # mask at all is one, read where its module is named an attention's)
-    bare = [call for call in run.unmasked if call.api == "softmax" and ATTENTION.search(call.where.split(".")[-1])]
+    # mask at all is one, read where its module is named an attention's, or where the layer around it was handed its
+    # queries' own tensor as its keys: nlp-tutorial's `MultiHeadAttention(Q, K, V)` around an inline nn.Softmax())
+    bare = [call for call in run.unmasked if call.api == "softmax" and (ATTENTION.search(call.where.split(".")[-1])
+                                                                         or _self_by_inputs(call))]
     for call in run.calls + bare:
         said = call.details.get("decoder_builder")
         if said is None or call.details.get("module_not_causal"):

@@ -41,7 +41,7 @@ def readings(held: dict, rows: int, length: int, ids: tuple = ()) -> list[np.nda
     """Bool (rows, length) real keys, one per way `held` may lie over the call's `rows` batch rows and `length` keys;
     [] where it is not padding of this call. `ids`: the token ids (B, L) the frames hold beside it (_at_one_id)."""
     found = held["rows"]
-    if held["kind"] in ("cells", "positions", "ids"):
+    if held["kind"] in ("cells", "positions", "ids", "columns"):
         return []
     if held["kind"] == "relative":  # right-padded; a key within one of share * length may be real either way it rounds
         if found.size < 2 or length < 4:

@@ -192,10 +192,27 @@ def _one_pass(run: Run, chunks: list, union: np.ndarray) -> tuple[str, str, np.n
     return (*expected, cells, union)
 
 
+def _sites(run: Run) -> list[list]:
+    """Each call site's calls; a site called from two lines that take turns (A, B, A: a helper the layer calls to attend
+    to itself and then to a memory, joeynmt's `mha(x, x, x)` then `mha(x, mem, mem)` re-run over the whole prefix each
+    step) is one site a line. A prompt's chunks may come from other lines one after the other (a prefill, then a
+    verification), never back and forth."""
+    found = []
+    for calls in run.sites().values():
+        lines = [call.details.get("caller") for call in calls]
+        turns = [line for n, line in enumerate(lines) if n == 0 or line != lines[n - 1]]
+        if len(turns) == len(set(turns)):
+            found.append(calls)
+            continue
+        for line in dict.fromkeys(lines):
+            found.append([call for call in calls if call.details.get("caller") == line])
+    return found
+
+
 def chunked(run: Run) -> list:
     """A prompt prefilled in chunks whose masks put together differ from one pass over it."""
     found = []
-    for calls in run.sites().values():
+    for calls in _sites(run):
         if sum(call.shape[2] > 1 for call in calls) < 2:
             continue  # one prefill and its decode steps: no chunks (most runs stop here)
         top = run.top(calls[0])

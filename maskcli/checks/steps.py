@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, equals, first_cell, found_padding, keep, queries, runs, triu
+from maskcli.checks.directions import _directions
 from maskcli.checks.real import Real, by_row, resolve
 from maskcli.checks.reqlens import stated_first
 from maskcli.checks.registry import Rule
@@ -252,7 +253,10 @@ def causal_lost(run: Run) -> list:
     """A call site whose mask is causal in one call of several queries and lets queries see later keys in another
     (a prefill that skips the causal mask when a cache is attached). Only a site whose cache grows (a call with fewer
     queries than keys) has prefills and decode steps; the calls of any other are independent (four BlockMasks passed
-    through one line in a loop). Batches with rows that see no key are left alone: what padding rows see depends on the kernel. nn.MultiheadAttention applies the masks its caller hands it,
+    through one line in a loop). Batches with rows that see no key (padding query rows: what they see depends on the
+    kernel) are read on their real queries and keys (directions.py's reading: causal where every real query sees the
+    real keys up to itself), so a left-padded prompt fed behind a cache without its causal part is one too.
+    nn.MultiheadAttention applies the masks its caller hands it,
     and one module may be called causal and not (nn.TransformerEncoder with and without mask=): there a pass that
     sees later keys is a finding only where decode steps follow it at the site (a prefill)."""
     found, every_row = [], {}  # id(cells) -> (cells, whether every query row sees a key): each layer hands one mask
@@ -271,19 +275,30 @@ def causal_lost(run: Run) -> list:
                 continue
             if id(cells) not in every_row:
                 every_row[id(cells)] = (cells, bool(cells.any(axis=-1).all()))
-            if not every_row[id(cells)][1]:
+            got = _directions(run, call)  # (on the real rows and keys: padding query rows may see anything)
+            if not every_row[id(cells)][1]:  # (padding query rows that see nothing: read on the real rows alone)
+                if got is not None and causal is None and got[1]:
+                    causal = call
+                elif got is not None and causal is not None and got[0].any():
+                    b, q, k = first_cell(got[0])
+                    found.append((call, _lost(where, causal, call, (b, q, k), f"{int(got[0].sum())} such cells of "
+                                              f"real queries and keys")))
                 continue
             if causal is None and equals(cells, "causal"):
                 causal = call
                 continue
-            later = triu(cells, k=1)
+            later = triu(cells, k=1) if got is None else got[0][:, None]
             if causal is not None and later.any():
                 b, h, q, k = first_cell(later)
-                found.append((call, Finding("causal-lost", (
-                    f"step {causal.step} of {where} is causal, but at step {call.step} query {q} sees later key {k} "
-                    f"({int(later.sum())} such cells)"), expected="causal", source=f"{where} at step {causal.step}",
-                    cell=(b, q, k))))
+                found.append((call, _lost(where, causal, call, (b, q, k), f"{int(later.sum())} such cells")))
     return found
+
+
+def _lost(where: str, causal, call, cell: tuple, count: str) -> Finding:
+    b, q, k = cell
+    return Finding("causal-lost", (
+        f"step {causal.step} of {where} is causal, but at step {call.step} query {q} sees later key {k} ({count})"),
+        expected="causal", source=f"{where} at step {causal.step}", cell=(b, q, k))
 
 
 def _decode_follows(calls: list) -> bool:

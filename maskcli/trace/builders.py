@@ -14,10 +14,10 @@ import os
 import re
 import sysconfig
 
-BUILDER = re.compile(r"_*(?:(?:get|make|build|create|generate|gen|buffered|square|apply)_)*"
+BUILDER = re.compile(r"_*(?:(?:get|make|build|create|generate|gen|buffered|square|apply)_)*(?:(?:attn|attention)_)?"
                      r"(?:subsequent|causal|future|look_?ahead|no_?peak|autoregressive)_(?:attn_|attention_)?mask",
                      re.IGNORECASE)  # a builder's whole name (fairseq's buffered_future_mask, torch's
-# generate_square_subsequent_mask), not a name that mentions one (a test's)
+# generate_square_subsequent_mask, nlp-tutorial's get_attn_subsequent_mask), not a name that mentions one (a test's)
 DECODER = re.compile(r"decoder", re.IGNORECASE)
 WORDS = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+")  # a CamelCase name's words
 NOT_AUTOREGRESSIVE = {"na", "nat", "nar", "mlm", "cmlm", "masked", "bidirectional", "nonautoregressive", "non",

@@ -240,7 +240,8 @@ def _packed_own(query: torch.Tensor, kv: torch.Tensor) -> bool:
         return False
 
 
-QUERY, KEY = ("query", "queries"), ("key", "keys")  # the layer's inputs, before it projects them
+QUERY, KEY = ("query", "queries", "Q"), ("key", "keys", "K")  # the layer's inputs, before it projects them
+# (nlp-tutorial's `MultiHeadAttention.forward(self, Q, K, V, attn_mask)`; a lower-case q / k is as often projected)
 
 
 def _inputs(stack: list, q_len: int, k_len: int, frame) -> dict | None:

@@ -26,6 +26,8 @@ from maskcli.trace.toplevel import read_by
 KEEP = re.compile(r"(?:^|_)attention_mask$|^mask$|^input_mask$")  # 1 = a real token
 PAD = re.compile(r"(?:^|_)(?:key_)?padding_mask$|(?:^|_)pad_mask$|(?:^|_)is_pad$")  # True = padding
 LENGTHS = re.compile(r"^(?!cu_|max_)(?:\w+_|[a-z])?(?:len|lens|lengths|seq_lens|seqlens)$")  # (ESPnet's `ilens`, `hlens`)
+COLUMNS = re.compile(r"^(?!cu_|max_)\w+_lengths?$")  # (B, k) lengths, a column each: Sockeye's `valid_length`
+# (total, prepended) pairs (checks/hiddenreal.py; kind "columns", which the rules reading 1-D lengths leave alone)
 CELLS = re.compile(r"(?:^|_)chunk_masks?$")  # a streaming encoder's chunk mask (L, L) or (B, L, L): its polarity unsaid
 POSITIONS = re.compile(r"^(?:position_ids|positions|pos_ids)$")  # (B, L) positions that restart: packed documents
 IDS = re.compile(r"^(?:input_ids|idx|tokens)$")  # (B, L) token ids, read beside a mask the same frame holds (checks/tokens.py)
@@ -84,7 +86,7 @@ def names(code):
         found = _NAMES.put(code, _OUTSIDE if code.co_filename.startswith(_SKIP) or code.co_filename.startswith("<") else
             tuple(n for n in code.co_varnames if KEEP.search(n) or PAD.search(n) or LENGTHS.search(n)
                   or CELLS.search(n) or POSITIONS.search(n) or IDS.search(n) or HANDED.search(n)
-                  or GRAPHS.search(n) or LEFT.search(n) or CACHE.search(n) or BATCHES.search(n)))
+                  or GRAPHS.search(n) or LEFT.search(n) or CACHE.search(n) or BATCHES.search(n) or COLUMNS.search(n)))
     return None if found is _OUTSIDE else found
 
 
@@ -236,6 +238,9 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
         return {"kind": "cells", "rows": value[:, 0].detach().cpu().numpy()}
     if HANDED.search(name) and value.dtype == torch.bool and value.dim() == 3 and value.shape[-1] == value.shape[-2] > 1:
         return {"kind": "cells", "rows": value.detach().cpu().numpy()}  # (B, L, L): a trainer's causal & padding mask
+    if value.dim() == 2 and 2 <= value.shape[1] <= 4 and COLUMNS.search(name) and not value.is_floating_point() \
+            and value.dtype != torch.bool:  # (B, k) lengths, a column each (checks/hiddenreal.py)
+        return {"kind": "columns", "rows": value.detach().cpu().numpy().astype(np.int64)}
     if not (KEEP.search(name) or PAD.search(name) or LENGTHS.search(name) or CELLS.search(name) or POSITIONS.search(name)):
         return None  # (`attn_mask` is read as cells only: a 2-D one is a causal triangle as often as padding)
     if CELLS.search(name) and value.dim() in (2, 3) and value.shape[-1] > 1:

@@ -1,0 +1,52 @@
+"""checks/hiddenreal.py: real-keys-hidden, a self-attention's key mask hiding real tokens the lengths the program
+holds call real (trace/held.py's (B, k) length columns and 1-D lengths)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from checkbugs import check_bug, first
+
+HIDDENREAL = Path(__file__).parent / "data" / "hiddenreal"
+
+
+def _first_hidden(lengths: list[int], prefix: list[int], length: int) -> tuple[int, int, int]:
+    """The reference: the first (row, query, key) where a real key of a right-padded row is one of its prefix tokens
+    that the buggy mask hides, in a row whose padding does not touch them (a padded row with a prefix), by loops."""
+    def bad(b, q, k):
+        return lengths[b] < length and k < prefix[b] <= lengths[b] and q < lengths[b]
+    return first((len(lengths), length, length), bad)
+
+
+def test_sockeye_encoder_masks_prepended_source_tokens(tmp_path):
+    """awslabs/sockeye 60adf20d (PR #1087; written blind, batch blind-dh): prepare_source_length_mask defaulted to
+    mask_prepended_tokens=True, so the encoder's self-attention hid every prepended source token; valid_length holds
+    (total, prepended) per row. Fix quiet."""
+    hit = check_bug(tmp_path, "sockeye_transformer_encoder_masks_prepended_source_tokens", "real-keys-hidden")[0]
+    assert "valid_length" in hit["source"] and "valid_length[:, 0] right-padded" in hit["message"]
+    assert tuple(hit["cell"]) == _first_hidden([10, 8, 12], [4, 3, 0], 12)
+
+
+def test_prefix_tags_hidden_by_a_shared_padding_helper(tmp_path):
+    """Written another way: 1-D src_lengths beside prefix_lengths, nn.MultiheadAttention's key_padding_mask (True =
+    padding) from a helper shared with the cross-attention, a row unpadded whose tags alone are hidden. Fix quiet."""
+    hit = check_bug(tmp_path, "encoder_prefix_tags_masked_by_shared_padding_helper", "real-keys-hidden", HIDDENREAL)[0]
+    assert "src_lengths" in hit["source"]
+    assert tuple(hit["cell"]) == _first_hidden([9, 7, 5], [2, 1, 2], 9)
+
+
+def test_the_rule_reads_every_way_the_lengths_lie():
+    """A mask that only reads shorter lengths (hidden keys one run with the padding) is no finding; one hiding a prefix
+    of a padded row is; a reading the mask accounts for quiets the others."""
+    from maskcli.checks.hiddenreal import _columns, _read_against
+
+    at = np.arange(6)
+    real = np.stack([at < 6, at < 4])
+    shorter = np.broadcast_to(np.stack([at < 6, at < 3])[:, None, :], (2, 6, 6))  # keys 3.. hidden: lengths 6, 3
+    assert _read_against(shorter, real) is True
+    prefix = np.broadcast_to(np.stack([at >= 0, (at >= 1) & (at < 4)])[:, None, :], (2, 6, 6))
+    assert _read_against(prefix, real) == (1, 0)
+    held = {"kind": "columns", "name": "valid_length", "rows": np.array([[6, 1], [4, 1]])}
+    assert [name for name, _ in _columns(held, 6)] == ["valid_length[:, 0] right-padded", "valid_length[:, 0] left-padded"]
