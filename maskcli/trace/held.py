@@ -150,8 +150,9 @@ def split_top(details: dict) -> None:
     details["held_top"]: only a mask that is its exact complement is read against it (checks/turned.py); the rules that
     read a function's padding as weaker evidence read none of it (a script's globals may be another sequence's).
     Positions that go down without restarting (kind "drops"), no padding, go to details["held_positions"]
-    (checks/contextlater.py)."""
+    (checks/contextlater.py), a batch dict's lengths to details["batch_lengths"] (checks/heldlengths.py)."""
     _move(details, "held_positions", lambda read: read["kind"] == "drops")
+    _move(details, "batch_lengths", lambda read: read["kind"] == "batch_lengths")
     _move(details, "held_top", lambda read: read.get("top"))
 
 
@@ -168,17 +169,19 @@ def _move(details: dict, key: str, which) -> None:
 def _entries(name: str, batch: dict, code, seen: set) -> list[dict]:
     """The padding masks a dict of the batch's tensors holds under a padding mask's name (`batch["action_is_pad"]`),
     read as a variable of that name is (a plain "mask" entry is not: a loss mask as often); a dict of more than 64
-    entries is not looked through."""
+    entries is not looked through. Its integer lengths (`batch["seq_lengths"]`: a row's padding, or the documents packed
+    in one row) are kind "batch_lengths", kept apart from the padding (split_top: checks/heldlengths.py)."""
     found = []
     if len(batch) <= 64:
         for key, value in batch.items():
-            if type(key) is str and key != "mask" and (KEEP.search(key) or PAD.search(key)) \
+            lengths = type(key) is str and LENGTHS.search(key)
+            if type(key) is str and key != "mask" and (KEEP.search(key) or PAD.search(key) or lengths) \
                     and issubclass(type(value), torch.Tensor) \
                     and id(value) not in seen:
                 seen.add(id(value))
                 read = _read(key, value, code)
-                if read is not None:
-                    found.append({**read, "name": f'{name}["{key}"]'})
+                if read is not None and (not lengths or read["kind"] == "lengths"):
+                    found.append({**read, "name": f'{name}["{key}"]', **({"kind": "batch_lengths"} if lengths else {})})
     return found
 
 
