@@ -68,3 +68,14 @@ def test_a_causal_prefill_is_no_blocks(monkeypatch):
     monkeypatch.setattr(blocksteps, "keep", lambda c: c.stored["cells"])
     causal = np.tril(np.ones((16, 16), dtype=bool))[None, None]
     assert _judged(SimpleNamespace(shape=causal.shape, where="x", stored={"cells": causal}), 4, np.ones((4, 4), bool)) is None
+
+
+def test_packed_segments_of_other_sizes_are_no_blocks(monkeypatch):
+    # Pixtral's vision encoder packs images of 12, 4 and 8 patches (block-diagonal, full within each) and runs the
+    # 12-patch image alone: the second half of the packed call is two segments, not one block of 12
+    import maskcli.checks.blocksteps as blocksteps
+
+    monkeypatch.setattr(blocksteps, "keep", lambda c: c.stored["cells"])
+    image = np.repeat(np.arange(3), [12, 4, 8])
+    cells = (image[:, None] == image[None, :])[None, None]
+    assert _judged(SimpleNamespace(shape=cells.shape, where="x", stored={"cells": cells}), 12, np.ones((12, 12), bool)) is None

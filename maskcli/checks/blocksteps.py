@@ -10,7 +10,8 @@ must attend its own keys the same way; a block that differs trains the drafter o
 later ones, while `spec_generate` drafts each block with no mask at all). Read over the heads, per batch row, on the queries
 that see some own key and the keys some query sees (a padded query or key, hidden from all, is the padding's); left alone
 where the steps disagree among themselves, where the parallel call's own square has a cell across blocks (a causal
-prefill, a chunked one: not blocks), or where no call of q queries runs at the site.
+prefill, a chunked one: not blocks) or falls apart inside one (packed segments of other sizes: images of 12, 4 and 8
+patches beside calls of 12), or where no call of q queries runs at the site.
 """
 
 from __future__ import annotations
@@ -67,6 +68,21 @@ def blocks_differ(run: Run) -> list:
     return found
 
 
+def _split(cells: np.ndarray, q: int) -> bool:
+    """Whether the (Q, Q) own square falls apart somewhere inside a block of q: no cell across a boundary that is not a
+    multiple of q (packed segments of other sizes, such as images of 12, 4 and 8 patches beside calls of 12), a
+    boundary next to a token that sees and is seen by nothing (padding) left aside."""
+    size = cells.shape[0]
+    at = np.arange(size)
+    right = np.where(cells.any(axis=1), size - 1 - np.argmax(cells[:, ::-1], axis=1), -1)  # each row's last key
+    left = np.where(cells.any(axis=1), np.argmax(cells, axis=1), size)  # and its first
+    bounds = at[1:]
+    crossed = (np.maximum.accumulate(right)[:-1] >= bounds) | (np.minimum.accumulate(left[::-1])[::-1][1:] < bounds)
+    empty = ~cells.any(axis=1) & ~cells.any(axis=0)
+    inside = (bounds % q != 0) & ~empty[:-1] & ~empty[1:]
+    return bool((~crossed & inside).any())
+
+
 def _judged(call, q: int, step: np.ndarray) -> Finding | None:
     """The finding for a parallel call of n blocks of q against the step's square, None where it agrees or is no
     blocks."""
@@ -76,8 +92,8 @@ def _judged(call, q: int, step: np.ndarray) -> Finding | None:
         return None
     block = np.arange(size) // q
     same = block[:, None] == block[None, :]
-    if (own & ~same).any():
-        return None  # a query sees another block's own keys: a prefill, not blocks drafted apart
+    if (own & ~same).any() or _split(own.any(axis=0), q):
+        return None  # a query sees another block's own keys (a prefill), or the call's own segments are not blocks of q
     tiled = np.broadcast_to(np.tile(step, (size // q, size // q)) & same, own.shape)
     real = own.any(axis=2)[:, :, None] & own.any(axis=1)[:, None, :]  # queries and keys some cell of the row keeps
     differ = (own != tiled) & real  # (a padded query or key, hidden from all: the padding's, not the block's)
