@@ -38,7 +38,7 @@ def test_judged_against_a_double_loop(monkeypatch):
     pos = np.array([a + o for a in anchors for o in range(span)])
     n = len(pos)
     positions = np.concatenate([pos, pos])[None]
-    held = {"name": "positions", "where": "f()"}
+    held = {"name": "positions", "where": "f()", "rows": positions}
     for by_index in (True, False):
         cells = np.zeros((1, 1, n, 2 * n), dtype=bool)
         for i in range(n):
@@ -46,7 +46,7 @@ def test_judged_against_a_double_loop(monkeypatch):
                 cells[0, 0, i, j] = j // span < i // span if by_index else pos[j] < anchors[i // span]
                 cells[0, 0, i, n + j] = j // span == i // span
         call = SimpleNamespace(stored=cells, shape=cells.shape)
-        found = contextlater._judged(call, positions, held)
+        found = contextlater._judged(call, held)
         later = sum(1 for i in range(n) for j in range(n) if cells[0, 0, i, j] and pos[j] > pos[i])
         assert (found is None) == (later == 0)
         if found is not None:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from checkbugs import check_bug
-from maskcli.checks import heldlengths
+from maskcli.checks import eachheld, heldlengths
 from maskcli.trace.held import _entries, split_top
 
 HELDLENGTHS = Path(__file__).parent / "data" / "heldlengths"
@@ -42,7 +42,7 @@ def _run(cells, lengths, positions=None):
 
 def test_by_lengths_against_a_double_loop(monkeypatch):
     monkeypatch.setattr(heldlengths, "keep", lambda call: call.stored)
-    monkeypatch.setattr(heldlengths, "cross", lambda call: False)
+    monkeypatch.setattr(eachheld, "cross", lambda call: False)
     lengths, extra = [3, 5, 2], 4  # 10 packed tokens, then 4 deeper samples at positions that go down
     t = sum(lengths) + extra
     doc = [d for d, n in enumerate(lengths) for _ in range(n)]

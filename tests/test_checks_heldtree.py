@@ -63,11 +63,13 @@ def test_judged_against_a_walk_up_the_tree(monkeypatch):
     held = {"name": "tree_mask", "where": "kernel()", "rows": tree}
     for rows in (range(0, 4), range(4, 8), range(0, 8)):
         right = _cells(parents, list(rows), 5, leak=False)
-        assert heldtree._judged(SimpleNamespace(stored=right, shape=right.shape), tree, held) is None
+        assert heldtree._judged(SimpleNamespace(stored=right, shape=right.shape), held) is None
         wrong = _cells(parents, list(rows), 5, leak=True)
         expected = sum(1 for i in rows for j in range(i) if not _ancestor(parents, i, j))
-        found = heldtree._judged(SimpleNamespace(stored=wrong, shape=wrong.shape), tree, held)
+        found = heldtree._judged(SimpleNamespace(stored=wrong, shape=wrong.shape), held)
         assert f"({expected} such cells)" in found.message
+    # a mask not named as a tree is not read
+    assert heldtree._judged(SimpleNamespace(stored=wrong, shape=wrong.shape), {**held, "name": "x_mask"}) is None
     # the mask handed the other way round (True = hidden) is the same tree
     assert heldtree._tree(~tree) is not None and (heldtree._tree(~tree) == tree).all()
     assert heldtree._tree(np.ones((4, 4), dtype=bool)) is None  # a node seeing a later one: no tree in order

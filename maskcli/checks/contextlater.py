@@ -16,37 +16,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, cross, first_cell, keep
+from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.eachheld import first_findings
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
 
 def context_later(run: Run) -> list:
     """Calls whose query sees a context key whose held position is later than the query's."""
-    found, done = [], set()
-    for call in run.calls:
-        helds = call.details.get("held_positions")
-        rows, _, q_len, k_len = call.shape
-        if not helds or call.stored is None or q_len >= k_len or cross(call):
-            continue
-        for held in helds:
-            positions = held["rows"]
-            if positions.shape[1] != k_len or positions.shape[0] not in (1, rows) or (call.mask, id(positions)) in done:
-                continue
-            done.add((call.mask, id(positions)))
-            finding = _judged(call, np.broadcast_to(positions, (rows, k_len)), held)
-            if finding is not None:
-                found.append((call, finding))
-                break
-    return found
+    return first_findings(run, "held_positions", lambda call: call.shape[2] < call.shape[3], _judged)
 
 
-def _judged(call, positions: np.ndarray, held: dict) -> Finding | None:
-    """The finding for `call` against the held (B, Lk) positions, None where no query sees a later context key."""
-    cells = keep(call)
-    if cells is None or cells.shape[0] not in (1, positions.shape[0]):
+def _judged(call, held: dict) -> Finding | None:
+    """The finding for `call` against the held (B or 1, Lk) positions, None where they are not its keys' or no query
+    sees a later context key."""
+    rows, _, q_len, k_len = call.shape
+    positions = held["rows"]
+    cells = None if positions.shape[1] != k_len or positions.shape[0] not in (1, rows) else keep(call)
+    if cells is None or cells.shape[0] not in (1, rows):
         return None
-    q_len, k_len = call.shape[2:]
+    positions = np.broadcast_to(positions, (rows, k_len))
     context = k_len - q_len
     seen = cells.any(axis=1)[..., :context]  # (B, Q, context): over the heads
     own = positions[:, context:]  # (B, Q): the queries' positions

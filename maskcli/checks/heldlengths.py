@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, cross, first_cell, keep
+from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.eachheld import first_findings
 from maskcli.text import Finding
 
 
@@ -30,36 +31,30 @@ def _positions(run: Run, call) -> np.ndarray | None:
 
 def by_lengths(run: Run) -> list:
     """Calls whose packed documents, by the lengths a batch dict holds, see each other's keys."""
-    found, done = [], set()
-    for call in run.calls:
-        helds = call.details.get("batch_lengths")
-        _, _, q_len, k_len = call.shape
-        if not helds or call.stored is None or call.shape[0] != 1 or q_len != k_len or cross(call):
-            continue
-        positions = _positions(run, call)
-        for held in helds:
-            lengths = np.asarray(held["rows"])
-            total = int(lengths.sum())
-            if lengths.ndim != 1 or len(lengths) < 2 or (lengths < 1).any() or total > k_len:
-                continue
-            if positions is None and total != k_len or positions is not None and \
-                    not np.array_equal(positions[:total], np.arange(total)):
-                continue  # (the lengths do not cover the call's first keys)
-            key = (call.mask, tuple(lengths.tolist()))
-            if key in done:
-                continue
-            done.add(key)
-            cells = keep(call)
-            if cells is None:
-                continue
-            document = np.repeat(np.arange(len(lengths)), lengths)
-            across = cells.any(axis=1)[:1, :total, :total] & (document[:, None] != document[None, :])[None]
-            if across.any():
-                b, q, k = first_cell(across)
-                said = f"{held['name']} {lengths.tolist()} in {held['where']}"
-                found.append((call, Finding("held-documents-leak", (
-                    f"{said} packs {len(lengths)} documents in the row, but query {q} (document {int(document[q])}) "
-                    f"sees key {k} of document {int(document[k])} ({int(across.sum())} such cells): the mask does not "
-                    f"keep to the documents"), expected="a document mask from the lengths", source=said, cell=(b, q, k))))
-                break
-    return found
+    return first_findings(run, "batch_lengths", lambda call: call.shape[0] == 1 and call.shape[2] == call.shape[3],
+                          lambda call, held: _judged(call, np.asarray(held["rows"]), held, _positions(run, call)))
+
+
+def _judged(call, lengths: np.ndarray, held: dict, positions: np.ndarray | None) -> Finding | None:
+    """The finding for `call`'s first sum(lengths) queries and keys against the documents, None where the lengths are
+    not two documents or more covering its first keys (`positions`: the keys' held or handed ones), or none sees
+    another's key."""
+    total = int(lengths.sum())
+    if lengths.ndim != 1 or len(lengths) < 2 or (lengths < 1).any() or total > call.shape[3]:
+        return None
+    if positions is None and total != call.shape[3] or positions is not None and \
+            not np.array_equal(positions[:total], np.arange(total)):
+        return None  # (the lengths do not cover the call's first keys)
+    cells = keep(call)
+    if cells is None:
+        return None
+    document = np.repeat(np.arange(len(lengths)), lengths)
+    across = cells.any(axis=1)[:1, :total, :total] & (document[:, None] != document[None, :])[None]
+    if not across.any():
+        return None
+    b, q, k = first_cell(across)
+    said = f"{held['name']} {lengths.tolist()} in {held['where']}"
+    return Finding("held-documents-leak", (
+        f"{said} packs {len(lengths)} documents in the row, but query {q} (document {int(document[q])}) sees key {k} "
+        f"of document {int(document[k])} ({int(across.sum())} such cells): the mask does not keep to the documents"),
+        expected="a document mask from the lengths", source=said, cell=(b, q, k))

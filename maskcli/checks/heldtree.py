@@ -19,7 +19,8 @@ import re
 
 import numpy as np
 
-from maskcli.checks.context import Run, cross, first_cell, keep
+from maskcli.checks.context import Run, first_cell, keep
+from maskcli.checks.eachheld import first_findings
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
 
@@ -52,26 +53,15 @@ def _nodes(draft: np.ndarray) -> np.ndarray | None:
 
 def held_tree(run: Run) -> list:
     """Calls whose queries' rows over the draft keys are not their nodes' rows of the tree mask the program holds."""
-    found, done = [], set()
-    for call in run.calls:
-        helds = [h for h in call.details.get("named_masks") or () if TREE.search(h["name"])]
-        if not helds or call.stored is None or cross(call):
-            continue
-        k_len = call.shape[3]
-        for held in helds:
-            tree = _tree(np.asarray(held["rows"], dtype=bool))
-            if tree is None or tree.shape[0] > k_len or (call.mask, id(held["rows"])) in done:
-                continue
-            done.add((call.mask, id(held["rows"])))
-            finding = _judged(call, tree, held)
-            if finding is not None:
-                found.append((call, finding))
-                break
-    return found
+    return first_findings(run, "named_masks", lambda call: True, _judged)
 
 
-def _judged(call, tree: np.ndarray, held: dict) -> Finding | None:
-    """The finding for `call` against the held tree, None where its rows are their nodes' or its queries no nodes."""
+def _judged(call, held: dict) -> Finding | None:
+    """The finding for `call` against a named mask it holds, None where that is no tree of its draft keys (named so,
+    no longer than its keys), or its rows are their nodes' or its queries no nodes."""
+    tree = _tree(np.asarray(held["rows"], dtype=bool)) if TREE.search(held["name"]) else None
+    if tree is None or tree.shape[0] > call.shape[3]:
+        return None
     cells = keep(call)
     t = tree.shape[0]
     if cells is None:
