@@ -384,7 +384,7 @@ RULES = (
          "frames (a padding mask or lengths, built and never handed on) calls padding, every way it may be read",
          held_padding),
     Rule("held-documents-leak", "wrong", "call", "a query that sees another packed document's key, the documents marked "
-         "by positions the program's own frames hold at the call restarting at 0 (never handed to the model call) or by the "
-         "documents' lengths a batch dict holds (batch[\"seq_lengths\"])",
+         "by positions the program's own frames hold at the call restarting at 0 (never handed to the model call) or "
+         "by the documents' lengths a batch dict holds (batch[\"seq_lengths\"])",
          held_documents),
 )
