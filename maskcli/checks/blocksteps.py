@@ -1,17 +1,17 @@
 """Blocks drafted in parallel whose block mask is not the one the same layer drafts a block alone with.
 
-A block drafter (DFlash, block diffusion, a parallel-decoding head) is trained on many blocks at once and run one
-block at a time: the same call site attends, in one call, Q = n·q queries whose own keys (the last Q key columns, the
-queries placed at the end of their keys) fall apart into n blocks of q that see nothing of each other's keys, and, in
-other calls, q queries alone over their context (the drafting steps). Those steps state how a block attends its own
-keys: the q×q square of their last q columns, the same in every step and batch row. Each block of the parallel call
-must attend its own keys the same way; a block that differs trains the drafter on another mask than it drafts with
-(SpecForge#427: the training mask's block half was `same_block & (j >= i)`, each position seeing only itself and
-later ones, while `spec_generate` drafts each block with no mask at all). Read over the heads, per batch row, on
-the queries that see some own key and the keys some query sees (a padded query or key, hidden from all, is the
-padding's); left alone where the steps disagree among themselves, where the parallel call's own square has a cell across blocks (a causal
-prefill, a chunked one: not blocks) or falls apart inside one (packed segments of other sizes: images of 12, 4 and 8
-patches beside calls of 12), or where no call of q queries runs at the site.
+A block drafter (DFlash, block diffusion, a parallel-decoding head) is trained on many blocks at once and run one block
+at a time: the same call site attends, in one call, Q = n·q queries whose own keys (the last Q key columns, the queries
+placed at the end of their keys) fall apart into n blocks of q that see nothing of each other's keys, and, in other
+calls, q queries alone over their context (the drafting steps). Those steps state how a block attends its own keys: the
+q×q square of their last q columns, the same in every step and batch row. Each block of the parallel call must attend
+its own keys the same way; a block that differs trains the drafter on another mask than it drafts with (SpecForge#427:
+the training mask's block half was `same_block & (j >= i)`, each position seeing only itself and later ones, while
+`spec_generate` drafts each block with no mask at all). Read over the heads, per batch row, on the queries that see
+some own key and the keys some query sees (a padded query or key, hidden from all, is the padding's); left alone where
+the steps disagree among themselves, where the parallel call's own square has a cell across blocks (a causal prefill, a
+chunked one: not blocks) or falls apart inside one (packed segments of other sizes: images of 12, 4 and 8 patches
+beside calls of 12), or where no call of q queries runs at the site.
 """
 
 from __future__ import annotations
