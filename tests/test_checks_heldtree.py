@@ -11,17 +11,9 @@ import numpy as np
 
 from checkbugs import check_bug
 from maskcli.checks import heldtree
+from test_checks_tree import _ancestor  # (a walk up the tree, the reference of both files)
 
 HELDTREE = Path(__file__).parent / "data" / "heldtree"
-
-
-def _ancestor(parents, i, j):
-    """j is i or one of its ancestors, walking the parents one by one."""
-    while i >= 0:
-        if i == j:
-            return True
-        i = parents[i]
-    return False
 
 
 def test_fastdeploy_mask_check_iteration_skips_the_lower_triangle_tiles_is_found(tmp_path):
