@@ -50,3 +50,22 @@ def test_angelslim_eagle3_tree_mask_one_column_right_of_the_draft_keys(tmp_path)
     written one column right of the draft keys; nodes see a sibling and not themselves. The fix is quiet."""
     found = check_bug(tmp_path, "angelslim_eagle3_qwen3_tree_mask_target_length_plus_one", "draft-tree")
     assert "not its ancestor" in found[0]["message"] and "position_ids" in found[0]["message"]
+
+
+def test_siblings_are_a_step_whose_queries_see_only_their_own_keys(monkeypatch):
+    """A draft depth of top_k nodes side by side (EAGLE's top-k drafting) against a chunk of a prompt: each node sees
+    the prompt, its ancestors and itself, none of the nodes drafted with it; a chunk's token sees the one before it."""
+    from types import SimpleNamespace
+
+    import maskcli.checks.tree as tree
+
+    monkeypatch.setattr(tree, "keep", lambda call: call.stored)
+    own, keys = np.arange(9, 12), np.arange(12)
+    depth = np.zeros((1, 2, 3, 12), dtype=bool)
+    depth[..., :7] = True  # the prompt and an ancestor
+    for i in range(3):
+        depth[..., i, 9 + i] = True  # itself (a double loop: no other node of its depth)
+    assert tree.siblings(SimpleNamespace(stored=depth), own, keys)
+    chunk = np.tril(np.ones((12, 12), dtype=bool))[None, None, 9:]
+    assert not tree.siblings(SimpleNamespace(stored=chunk), own, keys)
+    assert not tree.siblings(SimpleNamespace(stored=depth[..., :1, :]), own[:1], keys)  # one query: nothing to tell

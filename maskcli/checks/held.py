@@ -31,6 +31,7 @@ from maskcli.checks.context import Run, columns_are_positions, cross, first_cell
 from maskcli.checks.heldextra import EXTRA_KEYS, beside_extra, seen_both_ways
 from maskcli.checks.heldfold import folded_padding, over_memory, padded_batch as _padding
 from maskcli.checks.heldkeys import keys_of
+from maskcli.checks.heldlengths import by_lengths
 from maskcli.checks.ragged import one_at_a_time
 from maskcli.checks.registry import Rule
 from maskcli.checks.tiled import batch_part
@@ -265,7 +266,7 @@ def _stated_places(call, top) -> np.ndarray | None:
 def held_documents(run: Run) -> list:
     """A query that sees another document's key, the documents marked by positions the program holds at the call that
     restart at 0 inside a row (a packing loop's `positions`, never handed to the model call: arguments.py reads those
-    that are)."""
+    that are), or by the documents' lengths a batch dict holds (heldlengths.py)."""
     found, done = [], {}
     for call in run.calls:
         helds = [held for held in call.details.get("held_padding") or () if held["kind"] == "positions"]
@@ -296,7 +297,7 @@ def held_documents(run: Run) -> list:
                     break
         if done[key] is not None:
             found.append((call, done[key]))
-    return found
+    return found + by_lengths(run)  # (documents by the lengths a batch dict holds: heldlengths.py)
 
 
 def edge_runs(real: np.ndarray, right_only: bool) -> bool:
@@ -383,6 +384,7 @@ RULES = (
          "frames (a padding mask or lengths, built and never handed on) calls padding, every way it may be read",
          held_padding),
     Rule("held-documents-leak", "wrong", "call", "a query that sees another packed document's key, the documents marked "
-         "by positions the program's own frames hold at the call restarting at 0 (never handed to the model call)",
+         "by positions the program's own frames hold at the call restarting at 0 (never handed to the model call) or "
+         "by the documents' lengths a batch dict holds (batch[\"seq_lengths\"])",
          held_documents),
 )

@@ -32,6 +32,7 @@ from maskcli.checks.context import DENSE_CELLS, Run, band, first_cell, found_pad
 from maskcli.checks.boundaries import _index
 from maskcli.checks.real import read_off, stated
 from maskcli.checks.own import repeated
+from maskcli.checks.tree import siblings
 from maskcli.checks.registry import Rule
 from maskcli.keypadding import options
 from maskcli.text import Finding
@@ -60,6 +61,8 @@ def runs(run: Run, calls: list) -> list[list]:
         continues = bool(current) and own.size > 0 and int(own[0]) == int(current[-1][1][-1]) + 1 and call.shape[:2] == current[-1][0].shape[:2]
         if continues and repeated(run, current[-1][0], call):
             continues = False  # the same queries again, the earlier mask kept (a draft's test-time steps): no chunk
+        if keys is not None and siblings(call, own, keys):
+            keys = None  # queries that see none of each other: a draft tree's depth of siblings (tree.py), no chunk
         if keys is not None and continues:
             current.append((call, own, keys))
             continue

@@ -51,7 +51,7 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "callcausal", "chunkleft", "runalone", "swappedprefix", "twopaths", "weighted", "flexrows", "askedcausal", "padqueries", "padfill",
            "latefix", "singleton", "fillleak", "layerwindow", "jointpad", "convpad", "rowsonqueries", "padtail", "queriesonbatch",
            "blockpad", "prefixloss", "targetmap", "relbias", "relindex", "swinedit", "groups",
-           "hiddenreal")
+           "hiddenreal", "blocksteps", "heldtree", "contextlater")
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,21 @@ def _by_depths(draft: np.ndarray, depths: np.ndarray) -> tuple[np.ndarray, np.nd
     return bad, (per_level == 0) & below[None]
 
 
+def siblings(call, own: np.ndarray, keys: np.ndarray) -> bool:
+    """Whether the call's queries (at positions `own`, its key columns at positions `keys`) each see their own key and
+    no other query's, in every batch row: one depth of a draft tree (EAGLE's top-k drafting, each step's top_k nodes
+    attending their ancestors and themselves), nodes side by side, not consecutive tokens of one prompt, of which each
+    sees the one before it."""
+    if len(own) < 2:
+        return False
+    cells = keep(call)
+    columns = [int(np.flatnonzero(keys == p)[0]) if (keys == p).any() else -1 for p in own.tolist()]
+    if cells is None or min(columns) < 0:
+        return False
+    block = cells.any(axis=1)[:, :, columns]  # (B, Q, Q): the queries' own keys, over the heads
+    return bool(np.array_equal(block, np.broadcast_to(np.eye(len(own), dtype=bool), block.shape)))
+
+
 def check(run: Run) -> list:
     """Each verification call whose model call states a draft tree, against that tree."""
     found, done = [], set()

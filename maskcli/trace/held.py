@@ -150,11 +150,20 @@ def padding(frames: list | None = None) -> list[dict] | None:
 def split_top(details: dict) -> None:
     """A script's top-level statement of its batch (reads tagged "top") moved from details["held_padding"] to
     details["held_top"]: only a mask that is its exact complement is read against it (checks/turned.py); the rules that
-    read a function's padding as weaker evidence read none of it (a script's globals may be another sequence's)."""
-    top = [read for read in details.get("held_padding", ()) if read.get("top")]
-    if top:
-        details["held_top"] = top
-        details["held_padding"] = [read for read in details["held_padding"] if not read.get("top")]
+    read a function's padding as weaker evidence read none of it (a script's globals may be another sequence's).
+    Positions that go down without restarting (kind "drops"), no padding, go to details["held_positions"]
+    (checks/contextlater.py), a batch dict's lengths to details["batch_lengths"] (checks/heldlengths.py)."""
+    _move(details, "held_positions", lambda read: read["kind"] == "drops")
+    _move(details, "batch_lengths", lambda read: read["kind"] == "batch_lengths")
+    _move(details, "held_top", lambda read: read.get("top"))
+
+
+def _move(details: dict, key: str, which) -> None:
+    """The reads of details["held_padding"] that `which` picks, moved to details[key]."""
+    moved = [read for read in details.get("held_padding", ()) if which(read)]
+    if moved:
+        details[key] = moved
+        details["held_padding"] = [read for read in details["held_padding"] if not which(read)]
         if not details["held_padding"]:
             del details["held_padding"]
 
@@ -162,17 +171,19 @@ def split_top(details: dict) -> None:
 def _entries(name: str, batch: dict, code, seen: set) -> list[dict]:
     """The padding masks a dict of the batch's tensors holds under a padding mask's name (`batch["action_is_pad"]`),
     read as a variable of that name is (a plain "mask" entry is not: a loss mask as often); a dict of more than 64
-    entries is not looked through."""
+    entries is not looked through. Its integer lengths (`batch["seq_lengths"]`: a row's padding, or the documents packed
+    in one row) are kind "batch_lengths", kept apart from the padding (split_top: checks/heldlengths.py)."""
     found = []
     if len(batch) <= 64:
         for key, value in batch.items():
-            if type(key) is str and key != "mask" and (KEEP.search(key) or PAD.search(key)) \
+            lengths = type(key) is str and LENGTHS.search(key)
+            if type(key) is str and key != "mask" and (KEEP.search(key) or PAD.search(key) or lengths) \
                     and issubclass(type(value), torch.Tensor) \
                     and id(value) not in seen:
                 seen.add(id(value))
                 read = _read(key, value, code)
-                if read is not None:
-                    found.append({**read, "name": f'{name}["{key}"]'})
+                if read is not None and (not lengths or read["kind"] == "lengths"):
+                    found.append({**read, "name": f'{name}["{key}"]', **({"kind": "batch_lengths"} if lengths else {})})
     return found
 
 
@@ -232,7 +243,11 @@ def _as_padding(name: str, value: torch.Tensor) -> dict | None:
         if value.dim() != 2 or value.is_floating_point() or value.dtype == torch.bool or value.shape[1] < 2:
             return None
         rows = value.detach().cpu().numpy().astype(np.int64)
-        return {"kind": "positions", "rows": rows} if ((rows[:, 1:] == 0) & (rows[:, :-1] > 0)).any() else None
+        if ((rows[:, 1:] == 0) & (rows[:, :-1] > 0)).any():
+            return {"kind": "positions", "rows": rows}
+        # positions that go down but never restart at 0: tokens gathered out of order (DFlash's sampled blocks, laid
+        # [context | block] with the context at its own positions): details["held_positions"] (split_top)
+        return {"kind": "drops", "rows": rows} if (rows[:, 1:] < rows[:, :-1]).any() else None
     if HANDED.search(name) and value.dtype == torch.bool and value.dim() == 4 and value.shape[1] == 1 \
             and value.shape[-2] > 1:  # (B, 1, Lq, Lk): one mask for every head
         return {"kind": "cells", "rows": value[:, 0].detach().cpu().numpy()}
