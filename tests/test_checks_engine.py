@@ -369,6 +369,10 @@ _FLEX = {"packed_documents_flex_cu_seqlens", "self_forcing_block_causal_video", 
 # HSTU's pointwise attention (SiLU of the scores times a 0/1 validity mask, no softmax) is no softmax attention either
 _NO_CALL = {"slot_attention_softmax_over_slots_no_mask", "allennlp_bidaf_masked_softmax_renormalised",
             "hstu_jagged_histories_silu_pointwise_attention_causal_valid_mask"}
+# a finding that is true of a correct program: fairseq's left-padded prefix at step 0 leaves its padded queries' rows
+# NaN (a softmax of all -inf, pytorch/pytorch#41508), which nothing reads later; whether a program zeroes or reads such
+# rows no trace sees (test_checks_kernels.py keeps them suspicious), so the one finding is that, and no other
+_TRUE = {"fairseq_mha_prev_key_padding_mask_left_pad_prefix_beam": {("fully-masked", "suspicious")}}
 _HF = {p.stem for p in QUIET_BLIND.glob("hf_*.py")} | {  # (built from transformers' classes, or importing it: skipped
     p.stem for p in QUIET_BLIND.glob("*.py") if imports_transformers(p)}
 
@@ -392,4 +396,7 @@ def test_no_alarm_on_correct_programs_written_blind(tmp_path, name):
     data = json.loads(out.read_text())
     assert data["exit_status"] == 0 and bool(data["calls"]) == (name not in _NO_CALL), report
     alarms = [f for g in data["groups"] for f in g["findings"] if f["severity"] in ("wrong", "suspicious")]
+    if name in _TRUE:
+        assert status == 0 and {(f["code"], f["severity"]) for f in alarms} == _TRUE[name] and "NaN weights" in report, report
+        return
     assert (status, alarms) == (0, []), report

@@ -22,7 +22,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from maskcli.trace import assigned
+import maskcli.trace.assigned as assigned
 from maskcli.trace.discarded import FILLS, wanted as _fill
 from maskcli.trace.maskfacts import attention_bias
 from maskcli.trace.overflow import CASTS, may_overflow
