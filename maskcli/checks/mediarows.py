@@ -48,12 +48,23 @@ def placed(top, rows: int, length: int) -> tuple[np.ndarray, str] | None:
     return None
 
 
-def _blind(call) -> np.ndarray | None:
-    """Bool (B, Lq) queries of `call` that see no key in any head; None where its mask is not kept."""
+def _blind(call, rows: int) -> np.ndarray | None:
+    """Bool (rows, Lq) queries of `call` that see no key in any head; None where its mask is not kept. A call over
+    (rows * heads) matrices (torch.bmm over a batch folded with its heads) is read back to `rows` batch rows, the fold
+    whose heads agree in every row (batch-major, b * H + h, first; else head-major)."""
     cells = keep(call)
     if cells is None or cells.shape[0] not in (1, call.shape[0]):
         return None
-    return np.broadcast_to(~cells.any(axis=(1, 3)), (call.shape[0], call.shape[2]))
+    blind = np.broadcast_to(~cells.any(axis=(1, 3)), (call.shape[0], call.shape[2]))
+    if call.shape[0] == rows:
+        return blind
+    heads = call.shape[0] // rows
+    if call.shape[0] != rows * heads or rows < 1:
+        return None
+    for folded in (blind.reshape(rows, heads, -1), blind.reshape(heads, rows, -1).transpose(1, 0, 2)):
+        if (folded == folded[:, :1]).all():
+            return folded[:, 0]
+    return None
 
 
 def uniform_rows(run: Run) -> list:
@@ -64,8 +75,10 @@ def uniform_rows(run: Run) -> list:
         rows, _, q_len, k_len = call.shape
         if top is None or call.api != "softmax" or not what_api_does(call).startswith("uniform weights"):
             continue
+        given = call.details.get("query_input")  # (the layer's (B, T) queries: a batch folded with its heads has B rows)
+        rows = int(given[0]) if given and call.shape[0] % int(given[0]) == 0 else rows
         media = placed(top, rows, q_len)
-        blind = _blind(call) if media is not None else None
+        blind = _blind(call, rows) if media is not None else None
         if blind is None or not blind.any() or blind.all() or (call.mask, id(top)) in done:
             continue  # (a mask that hides every latent from every text token is no media mask this rule reads)
         done.add((call.mask, id(top)))
@@ -123,7 +136,7 @@ def _seen_after(run: Run, prompt, where: str, k_len: int) -> bool:
         if not top.first <= call.index < top.end or call.where != where or call.shape[3] != k_len \
                 or call.shape[2] != media.shape[1]:
             continue
-        blind = _blind(call)
+        blind = _blind(call, media.shape[0])
         return blind is not None and after.any() and not (blind & after).any()
     return False
 
@@ -136,10 +149,12 @@ def lost_at_decode(run: Run) -> list:
         rows, _, q_len, k_len = call.shape
         if top is None or (call.where, id(top)) in done:
             continue
+        given = call.details.get("query_input")  # (the layer's (B, T) queries: a batch folded with its heads has B rows)
+        rows = int(given[0]) if given and call.shape[0] % int(given[0]) == 0 else rows
         own = placed(top, rows, q_len)
         if own is None or own[0].any():
             continue  # (a step whose own ids place media: the mask is its own to read)
-        blind = _blind(call)
+        blind = _blind(call, rows)
         if blind is None or not blind.any():
             continue
         done.add((call.where, id(top)))
