@@ -74,7 +74,9 @@ def _read(trace, held, args: tuple, kwargs: dict) -> None:
         return
     with torch.no_grad():
         x = x.detach()
-        zeros = zero_runs((x == 0).all(1))  # (what a causal one reads of left padding: checks/convleft.py)
+        # (what a causal one reads of left padding, checks/convleft.py: read where it is causal over its own frames or
+        # over frames the program padded by hand, no padding of its own)
+        zeros = zero_runs((x == 0).all(1)) if left in (0, span) else None
         if span - left == 0:  # (a causal convolution reads no later frame: its zero frames alone are read)
             found.append({"frames": int(x.shape[-1]), "reach": 0, "kernel": kernel, "padding": left,
                           "dilation": dilation, "tails": (), "zeros": zeros})
@@ -94,12 +96,14 @@ def zero_runs(zero: torch.Tensor) -> tuple:
     row of more), found without a loop over the frames."""
     edges = torch.diff(zero.to(torch.int8), dim=1, prepend=zero.new_zeros(zero.shape[0], 1, dtype=torch.int8),
                        append=zero.new_zeros(zero.shape[0], 1, dtype=torch.int8))
-    counts = (edges != 0).sum(1).tolist()
-    found = []
-    for b, count in enumerate(counts):
-        if count > 2 * RUNS:
-            found.append(None)
-            continue
-        at = torch.nonzero(edges[b]).flatten().tolist()
-        found.append(tuple(zip(at[::2], at[1::2])))
+    counts = (edges != 0).sum(1)
+    many = (counts > 2 * RUNS).tolist()
+    at = torch.nonzero(edges[~(counts > 2 * RUNS)]).tolist()  # (one read of the rows kept, not one per row)
+    kept: list = [[] for _ in range(len(many) - sum(many))]
+    for row, t in at:
+        kept[row].append(t)
+    found, rows = [], iter(kept)
+    for more in many:
+        edge = None if more else next(rows)
+        found.append(None if more else tuple(zip(edge[::2], edge[1::2])))
     return tuple(found)
