@@ -67,23 +67,33 @@ def _blind(call, rows: int) -> np.ndarray | None:
     return None
 
 
+def _rows(call) -> int:
+    """The call's batch rows: the layer's (B, T) queries' B where the call folds its batch with its heads."""
+    given = call.details.get("query_input")
+    return int(given[0]) if given and int(given[0]) and call.shape[0] % int(given[0]) == 0 else call.shape[0]
+
+
+def _real(top, rows: int, length: int) -> np.ndarray:
+    """Bool (rows, length) the text tokens the model call states real (all, where it states no padding)."""
+    said = stated(top, rows, length)
+    return np.ones((rows, length), bool) if said is None else np.broadcast_to(said[0], (rows, length))
+
+
 def uniform_rows(run: Run) -> list:
     """Media cross-attention calls whose real text queries see no latent and take uniform weights over them all."""
     found, done = [], set()
     for call in run.cross:
         top = run.top(call)
-        rows, _, q_len, k_len = call.shape
+        _, _, q_len, k_len = call.shape
         if top is None or call.api != "softmax" or not what_api_does(call).startswith("uniform weights"):
             continue
-        given = call.details.get("query_input")  # (the layer's (B, T) queries: a batch folded with its heads has B rows)
-        rows = int(given[0]) if given and call.shape[0] % int(given[0]) == 0 else rows
+        rows = _rows(call)
         media = placed(top, rows, q_len)
         blind = _blind(call, rows) if media is not None else None
         if blind is None or not blind.any() or blind.all() or (call.mask, id(top)) in done:
             continue  # (a mask that hides every latent from every text token is no media mask this rule reads)
         done.add((call.mask, id(top)))
-        said = stated(top, rows, q_len)
-        real = np.ones((rows, q_len), bool) if said is None else np.broadcast_to(said[0], (rows, q_len))
+        real = _real(top, rows, q_len)
         hit = blind & real
         if not hit.any():
             continue
@@ -146,11 +156,10 @@ def lost_at_decode(run: Run) -> list:
     found, memo, done = [], {}, set()
     for call in run.cross:
         top = run.top(call)
-        rows, _, q_len, k_len = call.shape
+        _, _, q_len, k_len = call.shape
         if top is None or (call.where, id(top)) in done:
             continue
-        given = call.details.get("query_input")  # (the layer's (B, T) queries: a batch folded with its heads has B rows)
-        rows = int(given[0]) if given and call.shape[0] % int(given[0]) == 0 else rows
+        rows = _rows(call)
         own = placed(top, rows, q_len)
         if own is None or own[0].any():
             continue  # (a step whose own ids place media: the mask is its own to read)
@@ -162,8 +171,7 @@ def lost_at_decode(run: Run) -> list:
         prompt = _prompt(run, top, rows, past, memo) if past else None
         if prompt is None or not _seen_after(run, prompt, call.where, k_len):
             continue
-        said = stated(top, rows, q_len)
-        real = np.ones((rows, q_len), bool) if said is None else np.broadcast_to(said[0], (rows, q_len))
+        real = _real(top, rows, q_len)
         hit = blind & real & prompt[1].any(axis=1)[:, None]
         if not hit.any():
             continue
