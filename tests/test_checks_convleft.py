@@ -91,3 +91,44 @@ def test_zero_runs_against_a_loop():
     got = zero_runs(zero)
     assert got[0] == () and got[1] == ((0, 7),) and got[2] is None
     assert got[3] == (runs(zero[3]) if len(runs(zero[3])) <= 8 else None)
+
+
+def _hybrid_findings(side: str, zeroed: bool) -> list:
+    """padding-convolved-causal's findings on a tiny attention-then-conv model over a batch padded on `side`."""
+    from maskcli.checks.context import Run, cross
+    from maskcli.checks.convleft import padding_convolved_left
+    from maskcli.trace.capture import Trace
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(8, 8, 3, groups=8, padding=2)
+
+    class Hybrid(torch.nn.Module):
+        def forward(self, x, attention_mask):
+            t = x.shape[1]
+            keep = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & attention_mask[:, None, None, :].bool()
+            keep = keep | torch.eye(t, dtype=torch.bool)  # (a padded query sees itself: no NaN)
+            q = x.view(2, t, 2, 4).transpose(1, 2)
+            h = x + torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=keep).transpose(1, 2).reshape(2, t, 8)
+            if zeroed:
+                h = h * attention_mask[:, :, None]
+            return conv(h.transpose(1, 2))[..., :t]
+
+    mask = torch.ones(2, 6, dtype=torch.long)
+    if side == "left":
+        mask[1, :3] = 0
+    else:
+        mask[1, 3:] = 0
+    with Trace() as t:
+        with torch.no_grad():
+            Hybrid()(torch.randn(2, 6, 8), mask)
+    run = Run([c for c in t.calls if not cross(c)], t.tops)
+    return padding_convolved_left(run)
+
+
+def test_left_padding_with_content_is_caught_and_right_padding_or_zeroed_states_are_quiet():
+    """The first real token after three pads (token 3) reads pad 2 through the kernel-3 conv; right padding leaves no
+    real token after its pads, and zeroed padded states carry nothing."""
+    [(_, hit)] = _hybrid_findings("left", zeroed=False)
+    assert hit.cell == (1, 3, 2)
+    assert _hybrid_findings("right", zeroed=False) == []
+    assert _hybrid_findings("left", zeroed=True) == []

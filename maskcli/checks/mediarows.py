@@ -7,10 +7,11 @@ latents of the media at or before it (text_time = the media tokens up to it), so
 sees none. Two bugs of that mask, each a contradiction of what the program states:
 
 - **media-rows-uniform**: the text tokens that see no latent get uniform weights over every latent from a softmax
-  over a finite fill (-max, shifted by the row max: trace/shifted.py), and the program does not zero those rows after
-  it, so they read the image the mask hides from them (flamingo-mini 196c64b, lucidrains' fix: `alphas.masked_fill(
-  text_time == 0, 0.)`). The queries are text the program places media in, real where no padding is stated (padding
-  it states is left out: a padded token's output is the program's to drop).
+  over a finite fill (-max, shifted by the row max: trace/shifted.py; or a float mask's finite fill handed to SDPA or
+  MHA: kernelrows.what_api_does), and the program does not zero those rows after it, so they read the image the mask
+  hides from them (flamingo-mini 196c64b, lucidrains' fix: `alphas.masked_fill(text_time == 0, 0.)`). The queries
+  are text the program places media in, real where no padding is stated (padding it states is left out: a padded
+  token's output is the program's to drop).
 - **media-lost-at-decode**: at a cached decode step (the call's self-attention reads more keys than its queries: the
   prompt before them) whose own ids hold no media token, a text query of a row sees no latent, though the latest
   prompt of the model (the last earlier call of it that read no cache, over no more tokens than the cache holds)
@@ -85,7 +86,7 @@ def uniform_rows(run: Run) -> list:
     for call in run.cross:
         top = run.top(call)
         _, _, q_len, k_len = call.shape
-        if top is None or call.api != "softmax" or not what_api_does(call).startswith("uniform weights"):
+        if top is None or not what_api_does(call).startswith("uniform weights"):
             continue
         rows = _rows(call)
         media = placed(top, rows, q_len)
@@ -168,7 +169,9 @@ def lost_at_decode(run: Run) -> list:
             continue
         done.add((call.where, id(top)))
         past = _past(run, top, q_len)
-        prompt = _prompt(run, top, rows, past, memo) if past else None
+        if ("prompt", id(top)) not in memo:  # (the layers of one step share their prompt)
+            memo[("prompt", id(top))] = _prompt(run, top, rows, past, memo) if past else None
+        prompt = memo[("prompt", id(top))]
         if prompt is None or not _seen_after(run, prompt, call.where, k_len):
             continue
         real = _real(top, rows, q_len)
