@@ -151,8 +151,8 @@ class Follow:
                 and given.shape[0] != given.shape[1] and self.scores.has(given):  # (H, B, Lq, Lk): layouts.heads_first
             reader = heads_first(reader, self.scores, args, kwargs, lambda: None if _transformers(self.sites.stack)
                                  else stated_heads(self.sites.stack, HEADS + ("heads",)))
-        if given is not None and self.scores.shifted:  # (rows filled whole, less their max: shifted.py)
-            reader = shifted_reader(reader, self.scores, given)
+        if given is not None and self.scores.shifted and reader is not read_singleton:  # (rows filled whole, less
+            reader = shifted_reader(reader, self.scores, given)  # their max: shifted.py)
         self._softmax, made = None, len(self._calls)
         self.capture(reader, args, kwargs)
         if reader is read_singleton and len(self._calls) > made:
