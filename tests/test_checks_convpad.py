@@ -53,7 +53,7 @@ def _recorded(run) -> tuple:
 
 def test_constant_tails_against_a_loop():
     """Each row's constant tail (the first frame from which every frame equals the last) against a plain loop; a causal
-    convolution (no later frame read) and a strided one are not recorded."""
+    convolution (no later frame read) has none, and a strided one is not recorded."""
     x = torch.randn(2, 3, 6)
     x[0, :, 3:] = 1.5  # row 0: frames 3..5 one constant frame
     x[1, :, 5] = x[1, :, 2]  # row 1: frame 2 equals the last one, frames 3 and 4 do not
@@ -68,7 +68,8 @@ def test_constant_tails_against_a_loop():
 
     assert conv["tails"] == (tail(0), tail(1)) == (3, 5)
     assert (conv["reach"], conv["kernel"], conv["padding"]) == (1, 3, 1)
-    assert _recorded(lambda _: F.conv1d(x, weight, padding=2, groups=3)[..., :-2]) == ()  # causal: trimmed after
+    [causal] = _recorded(lambda _: F.conv1d(x, weight, padding=2, groups=3)[..., :-2])  # causal: trimmed after
+    assert (causal["reach"], causal["tails"]) == (0, ())  # (no later frame read: its zero frames alone, convleft.py)
     [padded] = _recorded(lambda _: F.conv1d(F.pad(x, (2, 0)), weight, groups=3))  # causal: padded before, so it runs
     assert padded["frames"] == 8  # over 8 frames, not the attention's 6 (the rule reads convolutions of its T only)
     assert _recorded(lambda _: F.conv1d(x, weight, stride=2, padding=1, groups=3)) == ()  # subsampling

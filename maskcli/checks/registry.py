@@ -49,7 +49,7 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "stepwindows", "windowreach", "handedcausal", "docrows", "cachewindow", "slicedkeys", "alone", "swinroll", "weakfill",
            "namedcausal", "cachedrop", "maskrows", "branchrows", "shiftedrows", "framebudget", "zeromemory", "frameblocks",
            "callcausal", "chunkleft", "runalone", "swappedprefix", "twopaths", "weighted", "flexrows", "askedcausal", "padqueries", "padfill",
-           "latefix", "singleton", "fillleak", "layerwindow", "jointpad", "convpad", "rowsonqueries", "padtail", "queriesonbatch",
+           "latefix", "singleton", "fillleak", "layerwindow", "jointpad", "convpad", "convleft", "mediarows", "rowsonqueries", "padtail", "queriesonbatch",
            "blockpad", "prefixloss", "targetmap", "relbias", "relindex", "swinedit", "groups",
            "hiddenreal", "blocksteps", "heldtree", "contextlater")
 

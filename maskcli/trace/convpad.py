@@ -7,8 +7,11 @@ ones unless the program zeroed them first (wenet#223, pytorch/audio#4205). At ea
 tracing, no stack walked: nn.Conv1d calls it) of stride 1 that reaches later frames, recorded cheaply as it runs:
 T, how far it reaches past a frame (`reach`), and per batch row where the row's constant tail begins (the first
 frame from which every frame equals the last one: padding zeroed, or made one constant by a bias, carries nothing of
-the padded content; frames that differ there do). Kept per outermost module call (the Top it makes: `convs`), so the
-rule reads them beside that call's attention masks.
+the padded content; frames that differ there do). A causal one (its own padding all on the left, reaching no later
+frame: a Mamba or short-conv mixer's) is recorded too, with no tails: per batch row the runs of its frames that are all
+zero (`zeros`, for every convolution), so that checks/convleft.py can tell whether the padded tokens a real one reads
+carry content. Kept per outermost module call (the Top it makes: `convs`), so the rules read them beside that call's
+attention masks.
 """
 
 from __future__ import annotations
@@ -67,12 +70,40 @@ def _read(trace, held, args: tuple, kwargs: dict) -> None:
         return
     span = (kernel - 1) * dilation
     left = {"same": span // 2, "valid": 0}.get(padding) if isinstance(padding, str) else padding
-    if left is None or span - left <= 0:
-        return  # (a causal convolution reads no later frame)
+    if left is None or span - left < 0:
+        return
     with torch.no_grad():
         x = x.detach()
+        # (what a causal one reads of left padding, checks/convleft.py: read where it is causal over its own frames or
+        # over frames the program padded by hand, no padding of its own)
+        zeros = zero_runs((x == 0).all(1)) if left in (0, span) else None
+        if span - left == 0:  # (a causal convolution reads no later frame: its zero frames alone are read)
+            found.append({"frames": int(x.shape[-1]), "reach": 0, "kernel": kernel, "padding": left,
+                          "dilation": dilation, "tails": (), "zeros": zeros})
+            return
         differs = (x[:, :, :-1] != x[:, :, -1:]).any(1)  # (B, T - 1): frame t unlike the last frame
         at = torch.arange(1, x.shape[-1], device=x.device)
         tails = torch.where(differs, at, torch.zeros_like(at)).amax(1)
     found.append({"frames": int(x.shape[-1]), "reach": span - left, "kernel": kernel, "padding": left,
-                  "dilation": dilation, "tails": tuple(int(t) for t in tails.tolist())})
+                  "dilation": dilation, "tails": tuple(int(t) for t in tails.tolist()), "zeros": zeros})
+
+
+RUNS = 8  # runs of zero frames kept per batch row (a row of more is not read: None)
+
+
+def zero_runs(zero: torch.Tensor) -> tuple:
+    """Per batch row of bool (B, T) frames that are all zero, its runs [start, end) of them (at most RUNS; None for a
+    row of more), found without a loop over the frames."""
+    edges = torch.diff(zero.to(torch.int8), dim=1, prepend=zero.new_zeros(zero.shape[0], 1, dtype=torch.int8),
+                       append=zero.new_zeros(zero.shape[0], 1, dtype=torch.int8))
+    counts = (edges != 0).sum(1)
+    many = (counts > 2 * RUNS).tolist()
+    at = torch.nonzero(edges[~(counts > 2 * RUNS)]).tolist()  # (one read of the rows kept, not one per row)
+    kept: list = [[] for _ in range(len(many) - sum(many))]
+    for row, t in at:
+        kept[row].append(t)
+    found, rows = [], iter(kept)
+    for more in many:
+        edge = None if more else next(rows)
+        found.append(None if more else tuple(zip(edge[::2], edge[1::2])))
+    return tuple(found)

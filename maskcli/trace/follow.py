@@ -16,6 +16,7 @@ from maskcli.trace.mode import Mode, building, has_values
 from maskcli.trace.posbias import bias_of
 from maskcli.trace.overflow import IN_PLACE, WATCHED
 from maskcli.trace.scores import HEADS, as_matrix, stated_heads
+from maskcli.trace.shifted import shifted_reader
 from maskcli.trace.singleton import read as read_singleton, singleton, wider
 from maskcli.trace.unseen import plain, unseen
 from maskcli.trace.weakfill import weak_filled
@@ -150,6 +151,8 @@ class Follow:
                 and given.shape[0] != given.shape[1] and self.scores.has(given):  # (H, B, Lq, Lk): layouts.heads_first
             reader = heads_first(reader, self.scores, args, kwargs, lambda: None if _transformers(self.sites.stack)
                                  else stated_heads(self.sites.stack, HEADS + ("heads",)))
+        if given is not None and self.scores.shifted and reader is not read_singleton:  # (rows filled whole, less
+            reader = shifted_reader(reader, self.scores, given)  # their max: shifted.py)
         self._softmax, made = None, len(self._calls)
         self.capture(reader, args, kwargs)
         if reader is read_singleton and len(self._calls) > made:

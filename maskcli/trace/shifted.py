@@ -6,7 +6,10 @@ of at most -1e4: what masks.py reads as masked) becomes all 0 there, so `exp` of
 though the mask hid all of them (h-transformer-1d 5385d15: an all-True keep mask filled where True, every score
 filled, uniform attention after the shift). Where a subtraction's first operand is scores and its second one value per
 row (last axis 1), the rows filled whole are noted on its result (Scores.shifted) and read as seeing no key at the
-`exp` that follows (masks.py's exp_reader). Rows partly filled keep their fill below their real scores: read as before.
+`exp` that follows (masks.py's exp_reader), or at a softmax of it (`shifted_reader`: Flamingo's MaskedCrossAttention
+shifts `sim - sim.amax(-1, keepdim=True)` before `sim.softmax(-1)`, so a text token before the first image, every latent
+filled with -max, read as seeing every latent: flamingo-mini 196c64b). Rows partly filled keep their fill below their
+real scores: read as before.
 """
 
 from __future__ import annotations
@@ -35,3 +38,21 @@ def hide(seen, rows: torch.Tensor) -> None:
         return
     rows = rows if rows.dim() == 3 else rows[:, None]
     seen.keep = keep & ~rows.reshape(rows.shape[0], -1, rows.shape[-1])[..., None].expand_as(keep).to(keep.device)
+
+
+def shifted_reader(reader, scores, given):
+    """`reader` of a softmax over scores less their row max (Scores.shifted), reading the rows filled whole as seeing no
+    key; `reader` itself for any other input."""
+    held = scores.shifted.get(id(given)) if scores.shifted else None
+    if held is None or held[0]() is not given:
+        return reader
+
+    def shifted(args, kwargs):
+        seen = reader(args, kwargs)
+        if seen is not None and "axes" not in seen.details:
+            hide(seen, held[1])
+            seen.details["fill"] = seen.details.get("fill") or "finite"  # (filled low, then made 0 by the shift: the
+        return seen  # softmax weighs such a row's keys alike, as a finite fill does)
+
+    shifted.api = getattr(reader, "api", "softmax")
+    return shifted

@@ -41,6 +41,7 @@ ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "input_pos", "t
              "input_ids", "idx", "tokens", "inputs", "lengths", "seq_lens", "seq_lengths", "input_lengths", "key_padding_mask",
              "padding_mask", "pad_mask", "mask", "input_mask", "tree_parents", "retrieve_indices", "tree_position_ids", "position_offsets",
              "lang_x",  # (OpenFlamingo's and Otter's text ids beside their media: checks/media.py)
+             "media_locations",  # (where a Flamingo text places its media, True at each media token: checks/mediarows.py)
              "image_mask", "image_token_mask", "image_positions", "pixel_positions", "prefix_len", "prefix_lens", "prefix_length",
              "num_prefix_tokens", "num_image_tokens", "waitk", "wait_k",
              "global_attention_mask",  # (Longformer's and LED's global tokens: checks/globaltokens.py)
