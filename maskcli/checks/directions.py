@@ -44,6 +44,15 @@ def _directions(run: Run, call):
     own = queries(call, top)
     if int(own[0]) != 0 or q_len != k_len:
         return None
+    memo = run.__dict__.setdefault("_directions", {})  # (the layers of a pass hand one mask: read once per mask and
+    key = (call.mask, call.shape, id(top), own.tobytes())  # placing, as resolve reads it: the model call's statement)
+    if key not in memo:
+        memo[key] = _read_directions(call, top, own)
+    return memo[key]
+
+
+def _read_directions(call, top, own: np.ndarray):
+    k_len = call.shape[3]
     cells = keep(call)
     if cells is None or cells.shape[0] not in (1, call.shape[0]):
         return None

@@ -275,8 +275,8 @@ def causal_lost(run: Run) -> list:
                 continue
             if id(cells) not in every_row:
                 every_row[id(cells)] = (cells, bool(cells.any(axis=-1).all()))
-            got = _directions(run, call)  # (on the real rows and keys: padding query rows may see anything)
             if not every_row[id(cells)][1]:  # (padding query rows that see nothing: read on the real rows alone)
+                got = _directions(run, call)  # (on the real rows and keys: padding query rows may see anything)
                 if got is not None and causal is None and got[1]:
                     causal = call
                 elif got is not None and causal is not None and got[0].any():
@@ -284,9 +284,10 @@ def causal_lost(run: Run) -> list:
                     found.append((call, _lost(where, causal, call, (b, q, k), f"{int(got[0].sum())} such cells of "
                                               f"real queries and keys")))
                 continue
-            if causal is None and equals(cells, "causal"):
-                causal = call
-                continue
+            if causal is None:
+                causal = call if equals(cells, "causal") else None
+                continue  # (no causal call before it at the site: nothing it could have lost)
+            got = _directions(run, call)
             later = triu(cells, k=1) if got is None else got[0][:, None]
             if causal is not None and later.any():
                 b, h, q, k = first_cell(later)
