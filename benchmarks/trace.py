@@ -121,6 +121,8 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=None, help="compare trace's cost a call under torchrun with this many ranks against one process")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)  # (a worker of --ranks: where its numbers go)
     args = parser.parse_args()
+    if args.runs < 2 or args.many_runs == 1:  # (medians and quartiles of one sample say nothing)
+        parser.error("--runs is 2 or more, and --many-runs 0 (left out) or 2 or more")
     if args.ranks is not None:
         return ranked(args)
     if args.out is not None:
