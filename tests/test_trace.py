@@ -486,7 +486,7 @@ def test_where_and_step_words():
 
     paths = [f"model.layers.{i}.self_attn" for i in (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)] + ["model.vision.attn", "model.layers.5.self_attn"]
     assert where_text(paths) == "model.layers.{0-10}.self_attn, model.vision.attn"
-    assert where_text(paths[:10]) == "model.layers.{0-4, 6-10}.self_attn"
+    assert where_text(paths[:10]) == "model.layers.{0-4,6-10}.self_attn"
     assert where_text(["demo.py:12"]) == "demo.py:12" and where_text(["0", "1", "2", "3.attn"]) == "{0-2}, 3.attn"
     cases = {((0,), 7): "prefill", ((0,), 1): "step 0", ((1, 2, 3), 1): "decode 1-3", ((1,), 1): "decode 1",
              ((0, 1), 7): "prefill, step 1", ((1,), 7): "step 1", ((1, 2, 4), 7): "steps 1-2, 4",

@@ -51,7 +51,7 @@ class Group:
 
 
 def where_text(paths: list[str]) -> str:
-    """'layers.{0-4, 6-10}.self_attn': paths that differ only in one number, said once."""
+    """'layers.{0-4,6-10}.self_attn': paths that differ only in one number, said once."""
     families: dict[str, list[int]] = defaultdict(list)
     order: list[str] = []
     for path in dict.fromkeys(paths):
@@ -75,7 +75,7 @@ def where_text(paths: list[str]) -> str:
         elif len(numbers) == 1:
             parts.append(key.replace("{}", str(numbers[0])))
         else:
-            parts.append(key.replace("{}", "{" + spans(numbers) + "}"))
+            parts.append(key.replace("{}", "{" + spans(numbers).replace(", ", ",") + "}"))  # (one word: never wrapped)
     return ", ".join(parts)
 
 
