@@ -50,7 +50,7 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "namedcausal", "cachedrop", "maskrows", "branchrows", "shiftedrows", "framebudget", "zeromemory", "frameblocks",
            "callcausal", "chunkleft", "runalone", "swappedprefix", "twopaths", "weighted", "flexrows", "askedcausal", "padqueries", "padfill",
            "latefix", "singleton", "fillleak", "layerwindow", "jointpad", "convpad", "rowsonqueries", "padtail", "queriesonbatch",
-           "blockpad", "prefixloss", "targetmap", "relbias", "stalled")
+           "blockpad", "prefixloss", "targetmap", "relbias", "stalled", "causalnone")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""A document of the mask whose position ids do not count one per token, while another document's of the same call do.
+"""A document of the mask whose position ids do not count one per token, while another of the same batch row does.
 
 The model call's `position_ids` (2-D, or the multimodal rope rows (C, B, L) trace/tops.py keeps apart: Qwen2-VL's t, h,
 w) give each token its place; the kernel's mask gives each real query its document: the keys it sees, when they are
-exactly a run [s, q] that ends at itself (causal inside the document, nothing of another). Where one document of the
-call counts its positions on one per token (text: every row of the ids + 1 from one token to the next) and another
-document's positions step by one other constant amount from token to token (0: every token at the same place; 2, 3:
+exactly a run [s, q] that ends at itself (causal inside the document, nothing of another). Where one document of a
+batch row counts its positions on one per token (text: every row of the ids + 1 from one token to the next) and another
+document of the row steps by one other constant amount from token to token (0: every token at the same place; 2, 3:
 a token counted as many times as its segment's number), both over three tokens or more, the ids were read off
 something that is not the document's own tokens: a packed mask of segment ids 1, 2, 3 read as a 0/1 padding mask
 (hiyouga/LlamaFactory#7754: Qwen2-VL's `get_rope_index` kept only the tokens where the mask == 1, so each later packed
@@ -76,23 +76,23 @@ def stalled(run: Run) -> list:
             continue
         done.add(key)
         cells = keep(call)
-        rows = max(call.shape[0], ids.shape[1])
+        rows = call.shape[0]
         if cells is None or cells.shape[0] not in (1, rows) or ids.shape[1] not in (1, rows):
-            continue
+            continue  # (a call of other rows than the model call's: a varlen kernel's one sequence)
         seen = np.broadcast_to(cells.any(axis=1), (rows, *cells.shape[2:]))
         ids = np.broadcast_to(ids, (ids.shape[0], rows, ids.shape[2]))
         steps = [[(s, e, step(ids[:, b], s, e)) for s, e in documents(seen[b])] for b in range(rows)]
-        counting = [(b, s, e) for b in range(rows) for s, e, d in steps[b] if d == 1]
-        off = [(b, s, e, d) for b in range(rows) for s, e, d in steps[b] if d is not None and d != 1]
-        if not counting or not off:
+        off = [(b, s, e, d) for b in range(rows) for s, e, d in steps[b] if d is not None and d != 1
+               and any(one == 1 for _, _, one in steps[b])]
+        if not off:
             continue
         b, s, e, d = off[0]
-        cb, cs, ce = counting[0]
+        cs, ce = next((s, e) for s, e, one in steps[b] if one == 1)
         at = ids[:, b, s].tolist()
         found.append((call, Finding("positions-stalled", (
             f"batch row {b}: the document at tokens {s}-{e} (each query sees the keys from {s} to itself) has position "
             f"ids that {'stay at ' + str(at if len(at) > 1 else at[0]) if d == 0 else f'step by {d} per token'}, "
-            f"while the document at tokens {cs}-{ce}{'' if cb == b else f' of batch row {cb}'} counts one per token "
+            f"while the document at tokens {cs}-{ce} of the same row counts one per token "
             f"({len(off)} document{'s' if len(off) > 1 else ''} so): its ids were read off something other than its "
             f"own tokens (a mask of segment ids read as 0/1?)"),
             expected="position ids that count one per token in each document",
@@ -102,6 +102,6 @@ def stalled(run: Run) -> list:
 
 RULES = (
     Rule("positions-stalled", "wrong", "steps", "a causal document of the mask whose position ids step by a "
-         "constant other than one per token (stalled, or counted by a segment id) while another document's of the "
-         "same call count one per token", stalled),
+         "constant other than one per token (stalled, or counted by a segment id) while another document of the "
+         "same batch row counts one per token", stalled),
 )
