@@ -71,14 +71,10 @@ def stalled(run: Run) -> list:
         if ids is None or call.stored is None or call.shape[2] != call.shape[3] or ids.shape[2] != call.shape[3] \
                 or cross(call) or queries(call, top)[0] != 0:
             continue
-        key = (call.mask, call.shape, ids.tobytes())
-        if key in done:
-            continue
+        cells, rows, key = keep(call), call.shape[0], (call.mask, call.shape, ids.tobytes())
+        if key in done or cells is None or cells.shape[0] not in (1, rows) or ids.shape[1] not in (1, rows):
+            continue  # (read once per mask; a call of other rows than the model call's: a varlen kernel's sequence)
         done.add(key)
-        cells = keep(call)
-        rows = call.shape[0]
-        if cells is None or cells.shape[0] not in (1, rows) or ids.shape[1] not in (1, rows):
-            continue  # (a call of other rows than the model call's: a varlen kernel's one sequence)
         seen = np.broadcast_to(cells.any(axis=1), (rows, *cells.shape[2:]))
         ids = np.broadcast_to(ids, (ids.shape[0], rows, ids.shape[2]))
         steps = [[(s, e, step(ids[:, b], s, e)) for s, e in documents(seen[b])] for b in range(rows)]

@@ -13,6 +13,7 @@ or a vision tower.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -33,6 +34,11 @@ def _names(code) -> tuple:
     return found
 
 
+@functools.lru_cache(maxsize=1024)
+def _encoder(name: str) -> bool:
+    return bool(_ENCODERS.search(name))
+
+
 def _says_not(owner) -> bool:
     """The module, or its config, holds a causal flag that is False."""
     for holder in (owner, getattr(owner, "config", None)):
@@ -46,7 +52,7 @@ def _says_not(owner) -> bool:
 
 def note(details: dict, stack: list, walked) -> None:
     """details["causal_none"] = "name in function() of file" where the attending code holds a causal mask of None."""
-    if not stack or walked is None or any(_ENCODERS.search(type(m).__name__) for m in stack) or _says_not(stack[-1]):
+    if not stack or walked is None or any(_encoder(type(m).__name__) for m in stack) or _says_not(stack[-1]):
         return
     module = stack[-1]
     forward = getattr(getattr(type(module), "forward", None), "__code__", None)
