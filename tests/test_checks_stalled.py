@@ -37,6 +37,8 @@ def test_step_reads_every_row_of_the_ids():
     assert step(text, 0, 3) == 1 and step(text, 4, 6) == 0 and step(text, 3, 5) is None
     image = np.array([[4, 4, 4, 4], [4, 4, 5, 5], [4, 5, 4, 5]])  # Qwen2-VL's (t, h, w) over a 2 x 2 grid
     assert step(image, 0, 3) is None
+    padding = np.array([[0, 1, 2, 0, 0, 0, 0]])  # a collator's zeros, a varlen kernel's sequence of their own
+    assert step(padding, 3, 6) is None
 
 
 def test_llamafactory_qwen2vl_rope_index_packed_mask_segment_ids(tmp_path):

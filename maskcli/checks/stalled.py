@@ -13,8 +13,9 @@ sequence stayed at the ones it was filled with; `cumsum(attention_mask) - 1` ove
 Read on square self-attention calls from position 0 whose keys are the ids' tokens. Left alone: a query that sees a
 later key (no causal document: HF's unmasked padding rows, an encoder), one that does not see itself (padding), an
 image's tokens (their (t, h, w) ids differ from token to token, however the largest of them steps), a run of image
-tokens that share one 1-D id (CogVLM's: inside a document that also counts, so its steps are not constant), and a
-call in which no document counts one per token (nothing states what a step is).
+tokens that share one 1-D id (CogVLM's: inside a document that also counts, so its steps are not constant), a run of
+zeros (a collator's padding, which a varlen kernel may attend as a sequence of its own: open-instruct's DPO fold), and
+a row in which no document counts one per token (nothing states what a step is).
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def documents(seen: np.ndarray) -> list[tuple[int, int]]:
 
 
 def step(ids: np.ndarray, s: int, e: int) -> int | None:
-    """The one amount every row of the ids (C, L) steps by from token to token over [s, e]; None where they differ."""
+    """The one amount every row of the ids (C, L) steps by from token to token over [s, e]; None where they differ, and
+    for a run of zeros (a collator's padding, attended as a sequence of its own by a varlen kernel: docrows.counted)."""
     diffs = np.diff(ids[:, s: e + 1], axis=1)
-    if e - s + 1 < LEAST or diffs.size == 0 or not (diffs == diffs.flat[0]).all():
+    if e - s + 1 < LEAST or diffs.size == 0 or not (diffs == diffs.flat[0]).all() or not ids[:, s: e + 1].any():
         return None
     return int(diffs.flat[0])
 
