@@ -872,3 +872,22 @@ def test_diffusion_lm_bias_built_never_added(tmp_path):
     lengths = (10, 6)
     [hit] = check_bug(tmp_path, "diffusion_lm_bias_built_never_added", "padding-unused", folder=HELD)
     assert tuple(hit["cell"]) == first((2, 10, 10), lambda b, q, k: q < lengths[b] <= k)
+
+
+def test_lmflow_bloom_flash_attention_alibi_bias_ignores_padding(tmp_path):
+    # OptimalScale/LMFlow commit 9f668252 ("fix support for attention_mask"; written blind, batch blind-dk, caught
+    # before any rule was changed for it): the Bloom flash-attention patch handed `alibi * beta` as the bias, the 2-D
+    # attention_mask its forward holds never masked in; left-padded rows attend their pad keys
+    found = check_bug(tmp_path, "lmflow_bloom_flash_attention_alibi_bias_ignores_padding", "padding-unused")
+    pads = (0, 4)  # lengths [10, 6] left-padded to 10; the kernel is causal
+    assert tuple(found[0]["cell"]) == first((2, 10, 10), lambda b, q, k: k < pads[b] <= q and k <= q)
+    assert "(24 such cells)" in found[0]["message"]
+
+
+def test_alibi_encoder_bias_built_without_padding(tmp_path):
+    """LMFlow 9f668252 written another way: a bidirectional ALiBi encoder, right-padded, SDPA, its bias built by the
+    model from the slopes alone while embed() holds the attention_mask; the first cell is a double loop's."""
+    found = check_bug(tmp_path, "alibi_encoder_bias_without_padding", "padding-unused", folder=HELD)
+    lengths = (7, 4, 9)
+    assert tuple(found[0]["cell"]) == first((3, 9, 9), lambda b, q, k: q < lengths[b] <= k)
+    assert "(34 such cells)" in found[0]["message"]

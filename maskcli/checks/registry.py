@@ -51,7 +51,8 @@ MODULES = ("kernels", "config", "anchored", "symmetric", "handed", "causal_lm", 
            "callcausal", "chunkleft", "runalone", "swappedprefix", "twopaths", "weighted", "flexrows", "askedcausal", "padqueries", "padfill",
            "latefix", "singleton", "fillleak", "layerwindow", "jointpad", "convpad", "convleft", "mediarows", "rowsonqueries", "padtail", "queriesonbatch",
            "blockpad", "prefixloss", "targetmap", "relbias", "relindex", "swinedit", "groups",
-           "hiddenreal", "blocksteps", "heldtree", "contextlater")
+           "hiddenreal", "blocksteps", "heldtree", "contextlater",
+           "stalled", "causalnone")
 
 
 @dataclass(frozen=True)

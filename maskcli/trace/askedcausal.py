@@ -11,6 +11,7 @@ hint torch's own modules and Keras's ports may pass beside a causal mask of thei
 
 from __future__ import annotations
 
+from maskcli.trace import causalnone
 from maskcli.trace.forwardflag import forward_frame
 
 NAMES = ("mask", "causal")  # words of a parameter that may carry the word
@@ -18,9 +19,11 @@ NAMES = ("mask", "causal")  # words of a parameter that may carry the word
 
 def note(details: dict, stack: list, walked) -> None:
     """details["forward_word"] = (class, parameter, string or None) of the innermost running module, where one of its
-    forward's parameters named like NAMES was handed a string (or None, in a forward that takes such a string)."""
+    forward's parameters named like NAMES was handed a string (or None, in a forward that takes such a string);
+    also the causal mask the same frames hold as None (trace/causalnone.py)."""
     if not stack or walked is None:
         return
+    causalnone.note(details, stack, walked)
     module = stack[-1]
     if type(module).__module__.startswith("torch."):
         return  # (torch's own modules take tensors and bool hints)
