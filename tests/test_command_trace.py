@@ -103,7 +103,7 @@ def test_masks_repeated_across_layers_form_one_row_named_by_the_recogniser(layer
     result = trace(layers, "--len", "5", "--window", "2", env={"COLUMNS": "120"})
     rows = [line.split() for line in result.stderr.splitlines() if line.strip()[:1].isdigit()]
     assert rows == [
-        ["0", "layers.{0-2,", "4-5}.self_attn", "×5", "sdpa", "prefill", "(1,2,5,5)", "window(2)"],
+        ["0", "layers.{0-2,4-5}.self_attn", "×5", "sdpa", "prefill", "(1,2,5,5)", "window(2)"],
         ["1", "layers.3.self_attn", "sdpa", "prefill", "(1,2,5,5)", "window(3)"],
     ]
 

@@ -11,7 +11,7 @@ hint torch's own modules and Keras's ports may pass beside a causal mask of thei
 
 from __future__ import annotations
 
-from maskcli.trace import causalnone
+import maskcli.trace.causalnone as causalnone
 from maskcli.trace.forwardflag import forward_frame
 
 NAMES = ("mask", "causal")  # words of a parameter that may carry the word

@@ -18,6 +18,7 @@ import os
 import re
 
 from maskcli.checks.causalname import _NOT
+from maskcli.checks.configread import read
 
 _NAME = re.compile(r"causal\w*mask", re.IGNORECASE)
 _FLAGS = ("causal", "is_causal", "use_causal", "use_causal_mask", "decoder")
@@ -40,12 +41,13 @@ def _encoder(name: str) -> bool:
 
 
 def _says_not(owner) -> bool:
-    """The module, or its config, holds a causal flag that is False."""
-    for holder in (owner, getattr(owner, "config", None)):
+    """The module, or its config, holds a causal flag that is False (read as configread reads a config: never the
+    program's own __getattr__, which python would not have run)."""
+    for holder in (owner, read(owner, "config")):
         if holder is None:
             continue
         for flag in _FLAGS[:4]:
-            if getattr(holder, flag, None) is False:
+            if read(holder, flag) is False:
                 return True
     return False
 
