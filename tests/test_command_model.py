@@ -464,6 +464,7 @@ def test_each_decode_step_is_told_to_the_progress_bar(monkeypatch):
     assert heard == ["model llama: decode steps", (1, 4), (2, 4), (3, 4), (4, 4)]
 
 
+@needs_hf
 def test_a_kv_shared_layers_sliced_prefill_is_its_last_query_and_no_finding():
     result = model("gemma4_unified_assistant")
     assert result.exit_code == 0, result.output
