@@ -12,6 +12,7 @@ FGA-DIKU/BONSAI#343), and is the program's own word, as a field of a config of i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 MISSING = object()
@@ -22,7 +23,17 @@ def dynamic(value) -> bool:
     """The object's class answers attribute reads with code of the program's own: a __getattr__ or __getattribute__
     defined by a class that is not the standard library's, torch's or transformers'. Reading a name such an object
     lacks runs the program's code (it may count, print or change state), which a trace must not: python would not."""
-    for base in type(value).__mro__[:-1]:
+    kind = type(value)
+    try:
+        return _dynamic(kind)
+    except TypeError:  # (a class that cannot be a key)
+        return _dynamic.__wrapped__(kind)
+
+
+@functools.lru_cache(maxsize=4096)
+def _dynamic(kind: type) -> bool:
+    """dynamic, once per class (trace asks it of every attending module and its config, at every call)."""
+    for base in kind.__mro__[:-1]:
         held = vars(base)
         if ("__getattr__" in held or "__getattribute__" in held) and \
                 str(getattr(base, "__module__", "")).split(".")[0] not in LIBRARIES:

@@ -263,6 +263,8 @@ def causal_lost(run: Run) -> list:
     for (where, _), calls in run.callers().items():
         if not any(call.shape[2] < call.shape[3] for call in calls):
             continue  # no step behind a cache: independent calls (masks built in a loop, one line for all), no prefill
+        if sum(1 for call in calls if 2 <= call.shape[2] == call.shape[3]) < 2:
+            continue  # (one pass of many queries at most: no causal one before another that could have lost it)
         causal = None
         for n, call in enumerate(calls):
             q_len, k_len = call.shape[2:]

@@ -54,7 +54,7 @@ def _says_not(owner) -> bool:
 
 def note(details: dict, stack: list, walked) -> None:
     """details["causal_none"] = "name in function() of file" where the attending code holds a causal mask of None."""
-    if not stack or walked is None or any(_encoder(type(m).__name__) for m in stack) or _says_not(stack[-1]):
+    if not stack or walked is None:
         return
     module = stack[-1]
     forward = getattr(getattr(type(module), "forward", None), "__code__", None)
@@ -73,5 +73,5 @@ def note(details: dict, stack: list, walked) -> None:
             break
     else:
         return  # (the module's own forward not among the frames: a kernel called from elsewhere)
-    if found is not None:
-        details["causal_none"] = found
+    if found is not None and not any(_encoder(type(m).__name__) for m in stack) and not _says_not(module):
+        details["causal_none"] = found  # (the module's and its config's words read only where a None was found)
