@@ -235,8 +235,8 @@ JSON_FIX = "use a smaller --len, or --summary --json for exact counts at any len
 
 def check_mask_json(mask: Mask) -> None:
     """Refuse the cells of `mask` as JSON that would not fit in memory, or that are more than --json prints."""
-    check_dense_fits(mask.shape, 12, "as JSON", fix=JSON_FIX)
     check_json_size(math.prod(mask.shape), "mask cells", JSON_FIX + " (--save writes the cells to a .npy or .pt file)")
+    check_dense_fits(mask.shape, 12, "as JSON", fix=JSON_FIX)  # (the fixed cap first: more memory would not lift it)
 
 
 def mask_json(mask: Mask, convention: str = "keep", dtype: str = "float32") -> str:
