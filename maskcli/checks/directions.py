@@ -33,7 +33,7 @@ from maskcli.text import Finding
 ATTENTION = re.compile(r"attn|attention", re.IGNORECASE)  # a module named as an attention (`self_attn`, `attn`)
 
 
-def _directions(run: Run, call):
+def pass_directions(run: Run, call):
     """(later, causal, missed) of a call over its own tokens from position 0: bool (B, Lq, Lk) real queries seeing
     later real keys, whether every real query sees exactly the real keys up to itself, bool (B, Lq, Lk) the later real
     keys real queries miss; None where the call is not such a pass or its cells are not kept."""
@@ -77,7 +77,7 @@ def causal_run_unsaid(run: Run) -> list:
         judged = None
         if any(call.details.get("forward_causal") for call in calls):
             continue  # a forward around the module handed causal=True on some call: the direction is chosen per call
-        read = [(call, _directions(run, call)) for call in calls if call.details.get("module_not_causal") == said]
+        read = [(call, pass_directions(run, call)) for call in calls if call.details.get("module_not_causal") == said]
         read = [(call, got) for call, got in read if got is not None]
         both = next(((call, got) for call, got in read if got[0].any()), None)
         if both is None:
@@ -123,7 +123,7 @@ def decoder_builder_unused(run: Run) -> list:
         if key in done:
             continue
         done.add(key)
-        got = _directions(run, call)
+        got = pass_directions(run, call)
         if got is None or not got[0].any():
             continue
         if intent(run, call).bidirectional() is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from maskcli.checks.context import Run, columns_are_positions, equals, first_cell, found_padding, keep, queries, runs, triu
-from maskcli.checks.directions import _directions
+from maskcli.checks.directions import pass_directions
 from maskcli.checks.real import Real, by_row, resolve
 from maskcli.checks.reqlens import stated_first
 from maskcli.checks.registry import Rule
@@ -278,7 +278,7 @@ def causal_lost(run: Run) -> list:
             if id(cells) not in every_row:
                 every_row[id(cells)] = (cells, bool(cells.any(axis=-1).all()))
             if not every_row[id(cells)][1]:  # (padding query rows that see nothing: read on the real rows alone)
-                got = _directions(run, call)  # (on the real rows and keys: padding query rows may see anything)
+                got = pass_directions(run, call)  # (on the real rows and keys: padding query rows may see anything)
                 if got is not None and causal is None and got[1]:
                     causal = call
                 elif got is not None and causal is not None and got[0].any():
@@ -289,7 +289,7 @@ def causal_lost(run: Run) -> list:
             if causal is None:
                 causal = call if equals(cells, "causal") else None
                 continue  # (no causal call before it at the site: nothing it could have lost)
-            got = _directions(run, call)
+            got = pass_directions(run, call)
             later = triu(cells, k=1) if got is None else got[0][:, None]
             if causal is not None and later.any():
                 b, h, q, k = first_cell(later)

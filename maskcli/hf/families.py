@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from maskcli.checks.configread import read
 from maskcli.errors import MaskError
 from maskcli.hf import quiet, reason, require
 
@@ -289,11 +290,11 @@ def _tiny(config, window: int | None, chunk_size: int | None, name: str):
                         f"layers (num_hidden_layers to match)")
     overrides = _per_layer(config)  # (Gemma 4's full layers' head_dim: read where each layer keeps it)
     changes = {key: value for key, value in SIZES.items() if _has(config, key)}
-    changes |= {key: value for key, value in (EXPERTS | LATENT).items() if _value(config, key) is not None}
-    if any(_value(config, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")) \
+    changes |= {key: value for key, value in (EXPERTS | LATENT).items() if read(config, key) is not None}
+    if any(read(config, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")) \
             and _has(config, "num_experts_per_tok"):  # experts, and a router whose top-k the defaults leave None
         changes["num_experts_per_tok"] = EXPERTS["num_experts_per_tok"]  # (DeepSeek-V2's: its own default cannot run)
-    shared = _value(config, "num_kv_shared_layers")  # the last layers reuse earlier layers' keys (Gemma 3n's): as many
+    shared = read(config, "num_kv_shared_layers")  # the last layers reuse earlier layers' keys (Gemma 3n's): as many
     if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0:  # layers again, each type among both
         layers = layers * 2 if len(types) >= layers * 2 else layers
         changes["num_kv_shared_layers"] = layers // 2 if layers % 2 == 0 and layers // 2 <= shared else 0
@@ -315,7 +316,7 @@ def _tiny(config, window: int | None, chunk_size: int | None, name: str):
             raise MaskError(f"{flag} {value}: {name} has no {attribute} in its config, so {flag} would change nothing")
         changes[attribute] = value
     for key in SIZES.keys() & changes.keys():  # a size kept per layer (Gemma 3n's intermediate_size): one per tiny layer
-        if isinstance(_value(config, key), (list, tuple)):
+        if isinstance(read(config, key), (list, tuple)):
             changes[key] = [changes[key]] * layers
     pad = getattr(config, "pad_token_id", None)
     changes["pad_token_id"] = pad if isinstance(pad, int) and 0 <= pad < SIZES["vocab_size"] else 0
@@ -355,8 +356,3 @@ def _has(config, key: str) -> bool:
         return True
 
 
-def _value(config, key: str):
-    try:
-        return getattr(config, key, None)
-    except Exception:  # noqa: BLE001 - as _has
-        return None
