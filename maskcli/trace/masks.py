@@ -388,7 +388,7 @@ def exp_reader(scores, weights=None):
         if held is not None and held[0]() is x:  # (rows filled whole, then shifted by their max: trace/shifted.py)
             hide(seen, held[1])
         return seen
-    exp.api = "softmax"
+    exp.api, exp.of_scores = "softmax", True  # (follow.py asks scores.has before any frame is read)
     return exp
 
 

@@ -34,5 +34,5 @@ def activation_reader(scores, weights, name: str):
             return None  # (no fill before it: its mask, if any, is a product after it, `silu(qk) / n * valid`)
         seen.details["by_hand"] = name
         return seen
-    read.api = "softmax"
+    read.api, read.of_scores = "softmax", True  # (follow.py asks scores.has before any frame is read)
     return read
