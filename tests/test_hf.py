@@ -704,3 +704,27 @@ def test_kv_shared_layers_that_attend_only_the_prefills_last_query_place_it_last
     for call in sliced:
         assert (np.broadcast_to(call.keep(), call.shape)[:, 0] == reference(valid, [4], list(range(5)))).all()
     assert all((np.broadcast_to(call.keep(), call.shape) == keep).all() for call, (_, keep) in zip(result.calls, seen))
+
+
+@pytest.mark.parametrize("refuses", [("sdpa",), ("sdpa", "eager")])
+def test_try_attn_eager_is_said_only_where_the_family_builds_with_eager(refuses, monkeypatch):
+    """A family's own code refusing its config: the hint names --attn eager only where eager builds (DBRX's attention
+    config lacks rope_theta under every attention: no other --attn helps)."""
+    import transformers
+
+    from maskcli.hf.run import build
+
+    made = transformers.AutoModelForCausalLM.from_config
+
+    def from_config(config, attn_implementation=None, **kwargs):
+        if attn_implementation in refuses:
+            raise AttributeError("'LlamaAttentionConfig' object has no attribute 'rope_theta'")
+        return made(config, attn_implementation=attn_implementation, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", from_config)
+    with pytest.raises(MaskError) as raised:
+        build(families.tiny(families.default_config("llama")), "sdpa", "llama")
+    said = str(raised.value)
+    assert said.startswith("llama cannot be built tiny with --attn sdpa: AttributeError: 'LlamaAttentionConfig' object "
+                           "has no attribute 'rope_theta'")
+    assert said.endswith("; try --attn eager") == (refuses == ("sdpa",))

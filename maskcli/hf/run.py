@@ -126,8 +126,18 @@ def build(config, attn: str, name: str):
         except MaskError:
             raise
         except Exception as error:  # noqa: BLE001 - the family's own code refused this config: one line saying why
-            hint = "; try --attn eager" if attn != "eager" else ""
+            hint = "; try --attn eager" if attn != "eager" and _builds(transformers, config, "eager") else ""
             raise MaskError(f"{name} cannot be built tiny with --attn {attn}: {reason(error)}{hint}") from None
+
+
+def _builds(transformers, config, attn: str) -> bool:
+    """The family's model builds with `attn` (on the meta device: no memory, no weights), so that the hint is true."""
+    try:
+        with torch.device("meta"):
+            transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTN[attn])
+    except Exception:  # noqa: BLE001 - it fails the same way: no other --attn to suggest
+        return False
+    return True
 
 
 def run(name: str, config, the_prompt: Prompt, new_tokens: int = 2, attn: str = "sdpa", cache: str = "dynamic",
