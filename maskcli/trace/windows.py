@@ -172,11 +172,21 @@ def _result(name: str, said, where: str) -> tuple | None:
 _CONTEXTS = ByCode()  # code object -> the names it uses that may hold an attention context
 
 
+_PLAIN: set = set()  # the names read that name no attention context (each running module's names, every call)
+
+
+def _context_name(name: str) -> bool:
+    said = "context" in name.lower() and "att" in name.lower()
+    if not said:
+        _PLAIN.add(name)
+    return said
+
+
 def _context_names(code) -> tuple[str, ...]:
     names = _CONTEXTS.get(code)
     if names is None:
         used = code.co_varnames + (code.co_names if code.co_name == "<module>" else ())
-        names = _CONTEXTS.put(code, tuple(n for n in used if "context" in n.lower() and "att" in n.lower()))
+        names = _CONTEXTS.put(code, tuple(n for n in used if _context_name(n)))
     return names
 
 
@@ -196,8 +206,10 @@ def look_ahead(stack: list, frames: list) -> tuple[int, int, str] | None:
     whole numbers with a look-ahead of right >= 1 keys after the query (checks/lookahead.py: later keys within it are
     the program's word, no causal mask's slip)."""
     for module in stack:
-        for name, value in vars(module).items():
-            if "context" in name.lower() and "att" in name.lower() and (said := _pair(value)) is not None:
+        own = vars(module)
+        left = own.keys() - _PLAIN  # (a set difference: most modules' names were all read before, none is left)
+        for name in own if left else ():  # (in the module's own order)
+            if name in left and _context_name(name) and (said := _pair(own[name])) is not None:
                 return *said, f"self.{name}={list(said)} of {type(module).__name__}"
     found = None
     for frame, _ in frames:
