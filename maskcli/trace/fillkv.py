@@ -47,9 +47,9 @@ def _constant(cells: np.ndarray, at: int) -> float | None:
 
 
 def _edges_equal(k: torch.Tensor, k_shape: tuple) -> bool | None:
-    """Whether the first or the last key of batch row 0 and head 0 has its first two dimensions equal, four cells each
-    read alone at its address (a fill is one value in every row and head of its edge key, so row 0's head 0 says
-    whether one may be there); None where not read so (a tensor not a plain CPU one of a dtype read so)."""
+    """Whether the first or the last key of batch row 0 and head 0 has its first two dimensions equal and not zero,
+    four cells each read alone at its address (a fill is one value in every row and head of its edge key, so row 0's
+    head 0 says whether one may be there); None where not read so (a tensor not a plain CPU one of a dtype read so)."""
     cells = _cells(k)  # (zerokv's reading of a plain CPU tensor cell by cell)
     if cells is None:
         return None
@@ -57,8 +57,9 @@ def _edges_equal(k: torch.Tensor, k_shape: tuple) -> bool | None:
     step = size * strides[-1]
     for at in (0, k_shape[-2] - 1):
         start = base + size * at * strides[-2]
-        if read(start).value == read(start + step).value:
-            return True
+        first = read(start).value
+        if first != 0 and first == read(start + step).value:  # (a zero is no fill: _constant's own test, here first;
+            return True  # a model whose padding embeds to 0, HF's padding_idx, has zero edge keys at every call)
     return False
 
 
