@@ -16,6 +16,12 @@ def test_lighthouse_attn_mask_repeat_tiles_batch(tmp_path):
     check_bug(tmp_path, "lighthouse_t2v_attn_mask_repeat_tiles_batch", "mask-of-another-row")
 
 
+def test_lighthouse_cg_detr_attn_mask_repeat_tiles_batch(tmp_path):
+    """line/lighthouse#77 (written blind, batch blind-dn): CG-DETR's T2V encoder, a (B * nhead) mask of the clips'
+    and words' padding outer product tiled with .repeat(nhead, 1, 1)."""
+    check_bug(tmp_path, "lighthouse_cg_detr_t2v_encoder_attn_mask_repeat_tiles_batch", "mask-of-another-row")
+
+
 def test_region_mask_repeated_over_heads(tmp_path):
     """Written another way: batch_first, two heads, a grounding mask whose first token reads every slot (so no head
     hides a key from every query: heads.py's rule has nothing to say); the first cell is a double loop's over what
@@ -28,6 +34,21 @@ def test_region_mask_repeated_over_heads(tmp_path):
     hidden = lambda b, h, q, k: bool(pad[b][k]) or sample((b * 2 + h) % 2, q, k)  # noqa: E731 - with the key padding
     assert tuple(hit["cell"]) == first((2, 3, 5), lambda b, q, k: hidden(b, 0, q, k) and not hidden(b, 1, q, k))
     status, found, report = traced(tmp_path, "region_mask_repeated_over_heads", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_streaming_chunk_mask_expanded_head_major(tmp_path):
+    """Written another way: sequence-first MHA, three right-padded utterances under a streaming chunk mask whose real
+    frames alone are masked against padding, made per head by unsqueeze(0).expand(heads, ...).reshape (head-major,
+    repeat's order); the first cell is a double loop's over what MHA masks at b * heads + h, key padding merged."""
+    status, found, report = traced(tmp_path, "streaming_chunk_mask_expanded_head_major", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "mask-of-another-row" and f["severity"] == "wrong")
+    lengths, heads = [8, 5, 6], 4
+    own = lambda s, q, k: k // 2 > q // 2 or (q < lengths[s] <= k)  # noqa: E731 - utterance s's mask, True = masked
+    hidden = lambda b, h, q, k: k >= lengths[b] or own((b * heads + h) % 3, q, k)  # noqa: E731 - as MHA reads it
+    assert tuple(hit["cell"]) == first((3, 8, 8), lambda b, q, k: len({hidden(b, h, q, k) for h in range(heads)}) == 2)
+    status, found, report = traced(tmp_path, "streaming_chunk_mask_expanded_head_major", True, HELD)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 

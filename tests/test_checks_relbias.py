@@ -18,6 +18,10 @@ BUGS = [
     # TransformerLensOrg/TransformerLens#777 (commit d9792a9, blind-dc): AbstractAttention.forward slices ALiBi as
     # alibi[:, :query_ctx, :key_ctx], so a cached decode step at position p gets row 0 (no distance bias) for row p
     ("transformerlens_alibi_bias_rows_wrong_with_past_kv_cache", "position-bias-misplaced"),
+    # lucidrains/x-transformers#103 (commits dcae403, cc107eb; blind-dp): RelativePositionBias numbers the queries
+    # arange(i) over keys arange(j) that start with j - i Transformer-XL memories, so each query takes the T5 buckets
+    # of a query mem_len tokens earlier
+    ("x_transformers_rel_pos_bias_not_shifted_for_xl_mems", "position-bias-misplaced"),
 ]
 
 
@@ -33,6 +37,18 @@ def test_t5_buckets_placed_from_zero_at_a_cached_step_left_padded(tmp_path):
     hits = check_bug(tmp_path, "t5_buckets_decoder_cache_context_from_zero_left_padded", "position-bias-misplaced",
                      RELBIAS)
     assert len(hits) == 1 and "its query at position 6 of 7 keys" in hits[0]["message"]
+
+
+def test_alibi_chunked_prefill_queries_numbered_from_zero(tmp_path):
+    """Written another way: ALiBi as -slope * |k - q| (MPT's slopes) over a right-padded batch prefilled in chunks of 4
+    through a cache, the chunk's queries numbered arange(q_len). The reference, from ALiBi's definition (Press et al.):
+    at the first chunk the bias at distance -3 is -3 * slope; at the second, the last query (position 7, numbered 3)
+    takes -slope * |4 - 3| at key 4, less -slope * |7 - 3| at its own key."""
+    hits = check_bug(tmp_path, "alibi_chunked_prefill_queries_from_zero", "position-bias-misplaced", RELBIAS)
+    slope = 2 ** (-8 / 4)  # head 0 of 4
+    full, given = -3 * slope, -slope * abs(4 - 3) + slope * abs(7 - 3)
+    assert len(hits) == 1 and f"head 0: {full:g} at distance -3" in hits[0]["message"], hits
+    assert f"it adds {given:g} there" in hits[0]["message"] and "queries at 4..7 of 8 keys" in hits[0]["message"]
 
 
 def _alibi_program(rows_of_last: bool, bloom_style: bool):
