@@ -901,3 +901,12 @@ def test_gpt_sovits_left_padding_mask_as_an_outer_product(tmp_path):
     found = check_bug(tmp_path, "gpt_sovits_t2s_batch_infer_padding_mask_outer_product", "padding-unused")
     pad = [10 - n for n in (4, 10, 7)]
     assert tuple(found[0]["cell"]) == first((3, 15, 15), lambda b, q, k: q >= pad[b] > k), found[0]
+
+
+def test_a_keep_mask_built_as_the_or_of_the_real_flags(tmp_path):
+    """Written another way: a right-padded speech batch whose helper holds the lengths and hands SDPA
+    `valid[:, :, None] | valid[:, None, :]` (True = keep), which hides only the pad-pad pairs. The first cell, by a
+    double loop over the lengths."""
+    found = check_bug(tmp_path, "speech_encoder_keep_mask_or_of_real_flags", "padding-unused", folder=HELD)
+    lengths = (9, 5, 7)
+    assert tuple(found[0]["cell"]) == first((3, 9, 9), lambda b, q, k: q < lengths[b] <= k), found[0]
