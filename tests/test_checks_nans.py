@@ -152,3 +152,13 @@ def test_dia_encoder_pad_query_rows_masked_everywhere(tmp_path):
     lengths = (6, 6, 12, 12)
     real = [q for q in range(16) if q < lengths[0]]
     assert f"query rows {real[0]}-{real[-1]} of batch row 0" in hit["message"], hit
+
+
+def test_pair_mask_product_of_real_flags_with_heads_folded_into_the_batch(tmp_path):
+    """Written another way: heads folded into the batch (B * H, T, T), torch.bmm, the pair mask the product of the
+    right-padded rows' real flags as floats, masked_fill_ in place with -inf; the fix lets pad queries attend pad keys
+    as dia's does. The second layer's real queries of batch row 0 (its 6 phonemes, by a loop over the lengths)."""
+    [hit] = check_bug(tmp_path, "phoneme_encoder_bmm_pair_mask_pad_rows_nan", "nan-spread", NANS)
+    lengths = (6, 10, 3)
+    real = [q for q in range(10) if q < lengths[0]]
+    assert f"query rows {real[0]}-{real[-1]} of batch row 0" in hit["message"], hit
