@@ -442,3 +442,14 @@ def test_dia_decoder_cross_attention_without_the_text_padding(tmp_path):
     hit = check_bug(tmp_path, "dia_decoder_cross_attention_text_padding_unmasked", "encoder-padding-ignored")[0]
     lengths = (5, 5, 11, 11)
     assert tuple(hit["cell"]) == first((4, 1, 16), lambda b, q, k: k >= lengths[b]), hit
+
+
+def test_cached_cross_keys_of_a_left_padded_source_without_their_mask(tmp_path):
+    """Written another way: a Whisper-style greedy decode over a left-padded batch of sources, `encoder_attn` projecting
+    the encoder's states once into the cache dict and handing SDPA attn_mask=None each step; the first cell, by a
+    double loop over the left padding (sources of 4 and 7 in 7 slots)."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "left_padded_source_cached_cross_kv_sdpa_no_mask", "encoder-padding-ignored", ENCODED)[0]
+    pads = (7 - 4, 0)
+    assert tuple(hit["cell"]) == first((2, 1, 7), lambda b, q, k: k < pads[b]), hit
