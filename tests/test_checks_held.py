@@ -891,3 +891,22 @@ def test_alibi_encoder_bias_built_without_padding(tmp_path):
     lengths = (7, 4, 9)
     assert tuple(found[0]["cell"]) == first((3, 9, 9), lambda b, q, k: q < lengths[b] <= k)
     assert "(34 such cells)" in found[0]["message"]
+
+
+def test_gpt_sovits_left_padding_mask_as_an_outer_product(tmp_path):
+    """RVC-Boss/GPT-SoVITS#2153 (053a356; written blind, batch blind-dl, caught before any rule was changed for it):
+    infer_panel_batch_infer's left padding `padding_mask.unsqueeze(1) * padding_mask.unsqueeze(2)` masks only pad
+    query / pad key pairs, so real tokens see the padded text slots. The first cell, by a double loop over the
+    texts' lengths (4, 10, 7 left-padded to 10, then a 5-frame prompt; real queries only)."""
+    found = check_bug(tmp_path, "gpt_sovits_t2s_batch_infer_padding_mask_outer_product", "padding-unused")
+    pad = [10 - n for n in (4, 10, 7)]
+    assert tuple(found[0]["cell"]) == first((3, 15, 15), lambda b, q, k: q >= pad[b] > k), found[0]
+
+
+def test_a_keep_mask_built_as_the_or_of_the_real_flags(tmp_path):
+    """Written another way: a right-padded speech batch whose helper holds the lengths and hands SDPA
+    `valid[:, :, None] | valid[:, None, :]` (True = keep), which hides only the pad-pad pairs. The first cell, by a
+    double loop over the lengths."""
+    found = check_bug(tmp_path, "speech_encoder_keep_mask_or_of_real_flags", "padding-unused", folder=HELD)
+    lengths = (9, 5, 7)
+    assert tuple(found[0]["cell"]) == first((3, 9, 9), lambda b, q, k: q < lengths[b] <= k), found[0]

@@ -431,3 +431,25 @@ def test_a_gru_seq2seq_with_a_time_major_source_and_its_mask_built_unused(tmp_pa
     assert hit["severity"] == "wrong" and tuple(hit["cell"]) == first((3, 1, 7), lambda b, q, k: k >= lengths[b])
     status, found, report = traced(tmp_path, "luong_gru_time_major_source_mask_dropped", True, folder)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
+def test_dia_decoder_cross_attention_without_the_text_padding(tmp_path):
+    """nari-labs/dia#230 (2811af1; written blind, batch blind-dl, caught before any rule was changed for it): each
+    KV-cached decode step's CrossAttention over a text prompt padded to text_length is called with no attn_mask; the
+    encoder's own mask marks the pad slots. The CFG pairs (rows 0-1: 5 tokens, rows 2-3: 11) read by a double loop."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "dia_decoder_cross_attention_text_padding_unmasked", "encoder-padding-ignored")[0]
+    lengths = (5, 5, 11, 11)
+    assert tuple(hit["cell"]) == first((4, 1, 16), lambda b, q, k: k >= lengths[b]), hit
+
+
+def test_cached_cross_keys_of_a_left_padded_source_without_their_mask(tmp_path):
+    """Written another way: a Whisper-style greedy decode over a left-padded batch of sources, `encoder_attn` projecting
+    the encoder's states once into the cache dict and handing SDPA attn_mask=None each step; the first cell, by a
+    double loop over the left padding (sources of 4 and 7 in 7 slots)."""
+    from checkbugs import check_bug
+
+    hit = check_bug(tmp_path, "left_padded_source_cached_cross_kv_sdpa_no_mask", "encoder-padding-ignored", ENCODED)[0]
+    pads = (7 - 4, 0)
+    assert tuple(hit["cell"]) == first((2, 1, 7), lambda b, q, k: k < pads[b]), hit

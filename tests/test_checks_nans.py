@@ -141,3 +141,24 @@ def test_a_left_padded_pair_bias_built_with_where_empties_the_padded_rows(tmp_pa
     assert f"query rows {real[0]}-{real[-1]} of batch row 1 are NaN" in found[0]["message"], found
     assert f"rows {padded[0]}-{padded[-1]} saw no key" in found[0]["message"], found
     assert found[0]["cell"] == [1, real[0], 0], found
+
+
+def test_dia_encoder_pad_query_rows_masked_everywhere(tmp_path):
+    """nari-labs/dia#252 (998fc25; written blind, batch blind-dl, caught before any rule was changed for it):
+    create_attn_mask became p_mask_q & p_mask_k, so the padded text's query rows see no key; the MPS path's -inf
+    softmax makes them NaN, which the next layer's real queries read through V. Row 0's real tokens, by a loop over
+    the texts' lengths (the CFG pairs: 6, 6, 12, 12 of 16)."""
+    [hit] = check_bug(tmp_path, "dia_encoder_pad_query_rows_fully_masked_nan", "nan-spread")
+    lengths = (6, 6, 12, 12)
+    real = [q for q in range(16) if q < lengths[0]]
+    assert f"query rows {real[0]}-{real[-1]} of batch row 0" in hit["message"], hit
+
+
+def test_pair_mask_product_of_real_flags_with_heads_folded_into_the_batch(tmp_path):
+    """Written another way: heads folded into the batch (B * H, T, T), torch.bmm, the pair mask the product of the
+    right-padded rows' real flags as floats, masked_fill_ in place with -inf; the fix lets pad queries attend pad keys
+    as dia's does. The second layer's real queries of batch row 0 (its 6 phonemes, by a loop over the lengths)."""
+    [hit] = check_bug(tmp_path, "phoneme_encoder_bmm_pair_mask_pad_rows_nan", "nan-spread", NANS)
+    lengths = (6, 10, 3)
+    real = [q for q in range(10) if q < lengths[0]]
+    assert f"query rows {real[0]}-{real[-1]} of batch row 0" in hit["message"], hit
