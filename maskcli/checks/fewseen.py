@@ -45,8 +45,8 @@ def seen_by_few(run: Run) -> list:
     found, done = [], {}
     for call in run.calls:
         rows, q_len, k_len = call.shape[0], call.shape[2], call.shape[3]
-        if q_len != k_len or q_len < 3 or call.stored is None or cross(call):
-            continue
+        if q_len != k_len or q_len < 3 or call.stored is None or cross(call) or "topk" in call.details:
+            continue  # (a sparse top-k hides keys by score, not as padding: checks/topk.py)
         key = (call.mask, call.shape)
         if key not in done:
             done[key] = _finding(call, rows, q_len)
