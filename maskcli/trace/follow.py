@@ -234,7 +234,7 @@ class Follow:
         if self.scores is not None:
             if func in TOPS:  # (a sparse top-k ranking scores along their keys: trace/ranked.py)
                 self.ranked = self.ranked or Ranked()
-                self.ranked.note(args, kwargs, self.scores.has)
+                self.ranked.note(args, kwargs, out, self.scores.has)
             self.scores.after(func, args, kwargs, out)
             if func in DISCARDED:  # (an out-of-place fill of scores: discarded.py)
                 self.discarded.after(func, args, kwargs, out)
