@@ -83,19 +83,20 @@ def _finding(call) -> Finding | None:
     if how == "turned":
         b, h, q = (int(x) for x in np.argwhere(kept > 0)[0])
         return Finding("topk-mask-not-topk", (
-            f"batch row {b}, head {h}: query {q} keeps {int(kept[b, h, q])} of {k_len} keys, none of the {int(chose[b, h, q])} "
-            f"its scores' topk({k}) picked, and no query keeps one ({int((kept > 0).sum())} query rows): the top-k mask used "
-            f"the wrong way round (True on the keys below the k-th score, taken as the keep-mask: the best keys dropped)"),
+            f"batch row {b}, head {h}: query {q} keeps {int(kept[b, h, q])} of {k_len} keys, none of the "
+            f"{int(chose[b, h, q])} its scores' topk({k}) picked, and no query keeps one ({int((kept > 0).sum())} "
+            f"query rows): the top-k mask used the wrong way round (True on the keys below the k-th score, taken as "
+            f"the keep-mask: the best keys dropped)"),
             **stated)
     short = kept < chose
     if not short.any():
         return None
     b, h, q = (int(x) for x in np.argwhere(short)[0])
     return Finding("topk-mask-not-topk", (
-        f"batch row {b}, head {h}: query {q} keeps {int(kept[b, h, q])} keys, where the program's topk({k}) picked "
-        f"{int(chose[b, h, q])} among the keys open when it ranked ({int(short.sum())} such query rows): a mask applied "
-        f"after the top-k hid keys it chose (the top-k taken before the causal or padding mask, so keys the query never "
-        f"sees took its top-k slots)"), **stated)
+        f"batch row {b}, head {h}: query {q} keeps {int(kept[b, h, q])} keys, where the program's topk({k}) "
+        f"picked {int(chose[b, h, q])} among the keys open when it ranked ({int(short.sum())} such query rows): a "
+        f"mask applied after the top-k hid keys it chose (the top-k taken before the causal or padding mask, so keys "
+        f"the query never sees took its top-k slots)"), **stated)
 
 
 RULES = (
