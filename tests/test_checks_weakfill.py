@@ -50,3 +50,22 @@ def test_a_decoder_that_soft_caps_its_logits_after_the_additive_mask_is_found(tm
     assert "-5 at the softmax" in found[0]["message"]
     cells = sum(1 for b in range(2) for q in range(pad[b], 6) for k in range(6) if k > q or k < pad[b])
     assert f"had {2 * cells} cells" in found[0]["message"]  # (2 heads)
+
+
+def test_a_logit_softclamp_after_the_causal_fill_is_found(tmp_path):
+    # lucidrains/x-transformers 9078611: Attend fills ~mask and the causal triangle with -finfo.max, then
+    # softclamp(sim, value) = tanh(sim / value) * value lifts every filled cell to -value: the future keys are read
+    found = check_bug(tmp_path, "x_transformers_attend_softclamp_after_causal_mask_leaks_future", "fill-masks-nothing")
+    assert tuple(found[0]["cell"])[1:] == first((1, 16, 16), lambda b, q, k: k > q)[1:]
+    assert "torch.tanh" in found[0]["message"]
+    _, buggy, _ = traced(tmp_path, "x_transformers_attend_softclamp_after_causal_mask_leaks_future", False)
+    assert not {"causal-flag-ignored", "decoder-mask-not-causal"} & {f["code"] for f in buggy}  # (said as the fill)
+
+
+def test_an_encoder_that_clips_its_logits_after_the_padding_fill_is_found(tmp_path):
+    # written another way: heads folded into the batch (torch.bmm), right-padded lengths 7 and 4, masked_fill(-inf)
+    # then scores.clamp(-4, 4): every padded key reaches the softmax as -4
+    found = check_bug(tmp_path, "encoder_logit_clip_after_padding_fill", "fill-masks-nothing", folder=FILLS)
+    lengths = (7, 7, 7, 4, 4, 4)  # (batch row 1's three heads, folded batch-major)
+    assert tuple(found[0]["cell"]) == first((6, 7, 7), lambda b, q, k: k >= lengths[b])
+    assert "clamp" in found[0]["message"] and "-4 at the softmax" in found[0]["message"]

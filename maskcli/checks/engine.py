@@ -34,6 +34,8 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     # whole pass (prefill.py: a ring cache that overflowed hands the chunk its last keys only)
     "chunks-misplaced": {"chunks-misaligned"},  # chunks from column 0 of a left-padded row, said with the config (config.py)
     "causal-config-ignored": {"causal-flag-ignored", "decoder-sees-later"},  # the module's own causal word (own.py, decoders.py)
+    "causal-flag-ignored": {"fill-masks-nothing"},  # a causal fill lifted back to a score (tanh, a clamp): said as
+    "decoder-mask-not-causal": {"fill-masks-nothing"},  # the fill that masks nothing, not as a causal part never built (weakfill.py)
     "held-mask-ignored": {"padding-per-head", "mask-argument-dropped", "mask-dropped"},  # the same cells, said by the call's keys or arguments
     "mask-argument-dropped": {"bool-added"},  # a bool mask added to the scores masks nothing, which reads as dropped:
     # said as the add it was (dtypes.py; timm PR #2686's non-fused path)

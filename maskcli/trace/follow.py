@@ -14,6 +14,7 @@ from maskcli.trace.discarded import FILLS as DISCARDED
 from maskcli.trace.layouts import heads_first, reader as laid
 from maskcli.trace.mode import Mode, building, has_values
 from maskcli.trace.posbias import bias_of
+from maskcli.trace.ranked import TOPS, Ranked
 from maskcli.trace.overflow import IN_PLACE, WATCHED
 from maskcli.trace.scores import HEADS, as_matrix, stated_heads
 from maskcli.trace.shifted import shifted_reader
@@ -53,6 +54,8 @@ class Traced:
 
 class Follow:
     """Trace's dispatch of watched calls (capture.py's Trace mixes this in)."""
+
+    ranked = None  # (the trace's Ranked, made at its first topk over scores: trace/ranked.py)
 
     # --- what passes, and the mode --------------------------------------------------------------
 
@@ -219,6 +222,8 @@ class Follow:
                 bias_of(self.scores.biased, self.scores.has, readers.softmax_input(args, kwargs), *softmaxed)
             if self.scores is not None and self.scores.tiles:  # one tile of a larger attention (trace/tiled.py)
                 self.scores.tile_of(readers.softmax_input(args, kwargs), *softmaxed)
+            if self.ranked is not None and self.ranked.pending is not None:  # a top-k taken over these scores (trace/ranked.py)
+                self.ranked.of(readers.softmax_input(args, kwargs), *softmaxed)
             self.weights.note(out, *softmaxed, readers.softmax_input(args, kwargs))  # (its weights followed: weights.py)
         else:
             if followed[2] and not self.busy:
@@ -229,6 +234,9 @@ class Follow:
                 and out.dim() >= 2 and out.is_floating_point() and not self.busy and has_values(out):
             self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)
         if self.scores is not None:
+            if func in TOPS:  # (a sparse top-k ranking scores along their keys: trace/ranked.py)
+                self.ranked = self.ranked or Ranked()
+                self.ranked.note(args, kwargs, out, self.scores.has)
             self.scores.after(func, args, kwargs, out)
             if func in DISCARDED:  # (an out-of-place fill of scores: discarded.py)
                 self.discarded.after(func, args, kwargs, out)
