@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 import maskcli.trace.masks as readers
-import maskcli.trace.tables as tables
 import maskcli.trace.queried as queried
 import maskcli.trace.calledflag as calledflag
 import maskcli.trace.askedcausal as askedcausal
@@ -73,7 +72,6 @@ class Trace(Outer, Follow):
         self._local = _Local()  # busy, within, interfaces, the mode: each thread the program runs has its own
         self._lock = threading.RLock()
         self.readers = readers.watched(self)  # (the loss: what it states, no call recorded: trace/losses.py)
-        self.readers.update(tables.watched(self))  # (where a model's table of positions is read: trace/tables.py)
         self._convs: dict = {}  # id(an outermost module call held) -> what its convolutions read (convpad.py)
         if "sdpa" in self.apis:
             self.readers[entry.sdpa()] = readers.sdpa

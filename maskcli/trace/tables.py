@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from maskcli.trace.losses import watched as losses
+
 NAMES = re.compile(r"^(?:wpe|embed_positions|position_embeddings?|positional_embeddings?|pos_emb(?:ed|edding|eddings)?"
                    r"|pos_embeddings?)$")
 LIMITS = ("max_position_embeddings", "n_positions", "max_positions", "n_ctx")
@@ -27,7 +29,8 @@ _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def watched(trace) -> dict:
-    """The reader of F.embedding: the indices of each lookup, by the table it reads (its weight), for this thread."""
+    """The readers of what the program states, recording no call: its loss's (trace/losses.py) and F.embedding's, the
+    indices of each lookup by the table it reads (its weight), for this thread."""
     def embedding(args, kwargs):
         index = args[0] if args else kwargs.get("input")
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
@@ -38,7 +41,7 @@ def watched(trace) -> dict:
         return None
 
     embedding.api = "embedding"
-    return {F.embedding: embedding}
+    return {**losses(trace), F.embedding: embedding}
 
 
 def table(module) -> torch.Tensor | None:
