@@ -74,3 +74,11 @@ def test_the_table_is_the_one_embedding_of_positions_not_the_tokens_of_as_many_r
     two = torch.nn.ModuleDict({"encoder": torch.nn.ModuleDict({"embed_positions": torch.nn.Embedding(8, 4)}),
                                "decoder": torch.nn.ModuleDict({"embed_positions": torch.nn.Embedding(8, 4)})})
     assert table(two) is None  # (an encoder's and a decoder's: which one a call read is not known)
+
+
+def test_a_left_padded_opt_batch_placed_from_its_mask_by_the_model_itself_is_quiet(tmp_path):
+    # OPT counts positions from the attention_mask when handed none: each row read from its first real token, as alone
+    from checkbugs import traced
+
+    status, found, report = traced(tmp_path, "opt_left_padded_batch_positions_from_mask", False, ALONEPLACES)
+    assert status == 0 and [f for f in found if f["severity"] in ("wrong", "suspicious")] == [], report
