@@ -36,7 +36,7 @@ def _positions(top, ids: np.ndarray) -> np.ndarray | None:
     return np.broadcast_to(read, ids.shape)
 
 
-def _isolated(run: Run, squares: dict, rows: int, width: int, b: int, i: int, n: int):
+def _isolated(squares: dict, rows: int, width: int, b: int, i: int, n: int):
     """The first of `squares` (site -> the batch call's square self-attention calls from position 0) where the queries
     of tokens [i, i + n) of batch row `b` each see a key and none outside the stretch, at every site; None where one
     sees outside it, or sees nothing, or a call's cells are not read."""
@@ -74,17 +74,18 @@ def positions_unlike_alone(run: Run) -> list:
                 if i is None or not real[b, i:i + n].all() or (pos[b, i:i + n] == theirs).all():
                     continue
                 squares = _square(run, top, ids.shape[1]) if squares is None else squares
-                call = _isolated(run, squares, ids.shape[0], ids.shape[1], b, i, n)
+                call = _isolated(squares, ids.shape[0], ids.shape[1], b, i, n)
                 if call is None:
                     continue
-                shift = pos[b, i:i + n] - theirs
-                by = f"each {int(shift[0])} rows on" if (shift == shift[0]).all() else "rows apart"
+                shift, read = pos[b, i:i + n] - theirs, spans(pos[b, i:i + n].tolist())
+                why = f"each {int(shift[0])} rows on: positions counted from where the sequence sits in the row, not " \
+                      f"from its first token" if (shift == shift[0]).all() else "rows apart"
                 found.append((call, Finding("positions-unlike-alone", (
                     f"batch row {b}: the program runs tokens {spans(list(range(i, i + n)))} alone ({n} tokens, another "
-                    f"call of {top.where}), reading its table of positions at rows {spans(theirs.tolist())}; the batch attends "
-                    f"them as a sequence of their own (no key outside them) but reads them at rows {spans(pos[b, i:i + n].tolist())} "
-                    f"({by}): positions counted from the row's first slot, not the sequence's first token (position_ids "
-                    f"not derived from the attention_mask, or not restarting with each packed sequence?)"),
+                    f"call of {top.where}), reading its table of positions at rows {spans(theirs.tolist())}; the batch "
+                    f"attends them as a sequence of their own (no key outside them) but reads them at rows {read} "
+                    f"({why}; position_ids not derived from the attention_mask, or not restarting with each packed "
+                    f"sequence?)"),
                     expected=f"the rows the run alone reads ({spans(theirs.tolist())})",
                     source="the program's run of those tokens alone, through the same model's table of positions",
                     cell=(b, i, i))))
@@ -93,8 +94,8 @@ def positions_unlike_alone(run: Run) -> list:
 
 
 RULES = (
-    Rule("positions-unlike-alone", "wrong", "steps", "a stretch of a batch row attended as a sequence of its own (no key "
-         "outside it) whose model reads its table of absolute positions at other rows than the program's run of the "
-         "same tokens alone: left-padded rows counted from the row's first slot, packed sequences not restarted",
+    Rule("positions-unlike-alone", "wrong", "steps", "a stretch of a batch row attended as a sequence of its own (no "
+         "key outside it) whose model reads its table of absolute positions at other rows than the program's run of "
+         "the same tokens alone: left-padded rows counted from the row's first slot, packed sequences not restarted",
          positions_unlike_alone),
 )
