@@ -24,6 +24,22 @@ def test_left_padding_with_pad_id_zero_left_unmasked_is_found(tmp_path):
     assert "tok (_Tok) in main()" in found[0]["message"] and "left-padded" in found[0]["message"]
 
 
+def test_a_preference_collators_ones_over_left_padded_ids_is_found(tmp_path):
+    # PKU-Alignment/align-anything#96 (commit 9df86b9; written blind, batch blind-dm): better + worse rows left-padded
+    # to 17 by the processor, the mask rebuilt as new_ones() over those ids
+    found = check_bug(tmp_path, "alignanything_llava_dpo_collator_all_ones_mask_left_padding", "padding-unmarked")
+    pads = tuple(17 - n for n in (13, 14, 10, 17))  # [bos] + prompt (5, 8) + better (6 + eos, 4 + eos) / worse (3, 7)
+    assert tuple(found[0]["cell"]) == first((4, 17, 17), lambda b, q, k: q >= pads[b] and k < pads[b] and k <= q)
+    assert "LlamaForCausalLM" in found[0]["message"] and "ones_like the ids" in found[0]["message"]
+
+
+def test_an_all_ones_mask_over_rows_left_padded_by_flipping_is_found(tmp_path):
+    found = check_bug(tmp_path, "preference_left_padded_ones_like_ids_mask", "padding-unmarked", folder=TOKENS)
+    pads = tuple(10 - n for n in (7, 8, 5, 10))  # chosen rows then rejected rows, flipped, padded, flipped back
+    assert tuple(found[0]["cell"]) == first((4, 10, 10), lambda b, q, k: q >= pads[b] and k < pads[b] and k <= q)
+    assert "the model's pad id (3)" in found[0]["message"]
+
+
 def test_a_mask_built_from_the_wrong_pad_id_of_an_embeddings_padding_idx_is_found(tmp_path):
     found = check_bug(tmp_path, "embedding_pad_idx_mask_from_zero", "padding-unmarked", folder=TOKENS)
     pads = (0, 3)
@@ -37,6 +53,22 @@ def test_a_collator_mask_zero_over_every_response_token_is_found(tmp_path):
     assert "WordTokenizer" in found[0]["message"]
     b, q, k = found[0]["cell"]
     assert k <= q
+
+
+def test_a_dpo_collator_of_ones_then_zeros_over_chosen_and_rejected_is_found(tmp_path):
+    # 0xallam/Direct-Preference-Optimization#2 (fixes #1; written blind, batch blind-dm): prompts of 6 unpadded, chosen
+    # of 9, 4, 7 right-padded; the mask cat(ones_like(prompt), zeros_like(chosen)) hides every chosen token
+    found = check_bug(tmp_path, "dpo_0xallam_train_collate_mask_zeroes_responses", "real-tokens-masked")
+    chosen = (9, 4, 7)
+    assert tuple(found[0]["cell"]) == first((3, 15, 15), lambda b, q, k: 6 <= k < 6 + chosen[b] and k <= q)
+    assert "PhiForCausalLM" in found[0]["message"] and "the model's pad id (0)" in found[0]["message"]
+
+
+def test_a_kto_mask_of_zeros_over_the_completion_after_a_left_padded_prompt_is_found(tmp_path):
+    found = check_bug(tmp_path, "kto_left_padded_prompt_mask_zeros_completion", "real-tokens-masked", folder=TOKENS)
+    completion = (5, 3)  # after prompts left-padded to 6, each completion right-padded to 5
+    assert tuple(found[0]["cell"]) == first((2, 11, 11), lambda b, q, k: 6 <= k < 6 + completion[b] and k <= q)
+    assert "8 tokens it masks are text" in found[0]["message"]
 
 
 def test_an_sft_mask_built_from_the_labels_is_found(tmp_path):

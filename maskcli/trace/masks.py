@@ -23,7 +23,7 @@ from maskcli.trace.maskfacts import attention_bias as _attention_bias, empty_row
     nan_scores as _nan_scores, note_zero_one, poison, query_offset
 from maskcli.text import step_label
 from maskcli.trace.given import gathered_keys, stored  # noqa: F401 - stored: with the mask its frames handed (capture.py)
-from maskcli.trace.losses import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
+from maskcli.trace.tables import watched  # noqa: F401 - readers of what the program states, not calls (capture.py)
 from maskcli.trace.fillleak import fill_leak
 from maskcli.trace.keyreads import key_reads
 from maskcli.trace.shifted import hide

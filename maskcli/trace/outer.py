@@ -122,9 +122,11 @@ class Outer:
             self._local.outer = None
         from maskcli.trace.later import later
         from maskcli.trace.tops import top
+        from maskcli.trace.tables import table_positions
 
         losses, self._local.losses = getattr(self._local, "losses", None), None  # (its own loss: trace/losses.py)
         where = self.sites.shown(module)
+        kept = {**(kept or {}), **table_positions(module, self._local)}  # (the rows its table of positions was read at)
         try:  # (the program's objects read: a config whose attribute access raises must not reach it)
             found = None if losses else later(where, module, args, kwargs, first, end, kept)
             if found is None:  # (made now: its arguments may change behind it; else once the run is over, made())
