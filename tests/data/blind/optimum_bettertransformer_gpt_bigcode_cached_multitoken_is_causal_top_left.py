@@ -56,11 +56,12 @@ class GPTBigCodeAttention(nn.Module):
                         query, key, value, attn_mask=None, dropout_p=dropout_p, is_causal=False
                     )
             else:
-                mask_value = self._get_mask_value(query.device, query.dtype)
-                attention_mask = attention_mask.transpose(1, 2)
-                attn_mask = torch.where(attention_mask, 0.0, mask_value)
+                if attention_mask is not None:
+                    mask_value = self._get_mask_value(query.device, query.dtype)
+                    attention_mask = attention_mask.transpose(1, 2)
+                    attention_mask = torch.where(attention_mask, 0.0, mask_value)
                 sdpa_result = F.scaled_dot_product_attention(
-                    query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=False
+                    query, key, value, attn_mask=attention_mask, dropout_p=dropout_p, is_causal=False
                 )
         else:
             if self.training:
