@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from checkbugs import check_bug
@@ -64,6 +65,7 @@ def test_packed_sentences_of_an_encoder_placed_along_the_row_are_found(tmp_path)
 
 
 def test_the_table_is_the_one_embedding_of_positions_not_the_tokens_of_as_many_rows():
+    pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2Model, LlamaConfig, LlamaModel
 
     gpt2 = GPT2Model(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=64))
