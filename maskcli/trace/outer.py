@@ -165,6 +165,7 @@ class Outer:
     def settle(self) -> None:
         """Read the configs the pending tops' modules state (trace/stated.py): after the run, not while it runs (a
         tiny model's configs take longer to read than its whole forward). The frames were kept at the call."""
+        from maskcli.trace.evictbudget import evict_budgets
         from maskcli.trace.stated import stated
 
         self.made()  # (the tops that wait first: trace/later.py)
@@ -176,7 +177,8 @@ class Outer:
                 path = lambda module: None if (found := names.get(id(module))) is None else found[1]  # noqa: E731
             for top, module in self._pending:
                 try:
-                    top.stated = stated(module, path, self._stated, self._frames.get(id(module)))
+                    top.stated = stated(module, path, self._stated, self._frames.get(id(module))) \
+                        + evict_budgets(module, path)  # (a heavy-hitter budget the first forward set)
                 except (Exception, SystemExit):  # noqa: BLE001 - a config whose attribute access raises: it states nothing maskcli reads
                     top.stated = ()
             self._pending.clear()
