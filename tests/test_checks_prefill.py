@@ -17,6 +17,10 @@ BUGS = [
     # QwenLM/Qwen#979 (written blind): causal_mask None unless query and key lengths agree, so several new tokens
     # over a KV cache see each other's future
     ("qwen_multitoken_kvcache_causal_mask_none", "prefill-chunks-differ"),
+    # intel/ipex-llm PR #9968, commit 2e84575 (written blind, batch blind-dr; caught before any rule was changed for
+    # it): over the fp8 KV cache the causal mask was built only when key_size == kv_seq_len, so a multi-token forward
+    # on top of the cache ran with causal_mask=None
+    ("ipex_llm_qwen_fp8_kv_cache_multitoken_no_causal_mask", "prefill-chunks-differ"),
     # sonos/torch-to-nnef#217 (written blind, blind-ap): the export's causal mask sized from the cache's batch axis, a
     # [1, 1] mask, so the prompt pass is bidirectional; the program checks it against token-by-token steps
     ("torch_to_nnef_llm_export_mask_sized_from_batch_dim", "one-pass-sees-later"),
@@ -325,6 +329,20 @@ def test_a_full_pass_checked_against_cached_steps_over_the_same_ids_is_found(tmp
     hits = check_bug(tmp_path, "gpt_cached_sampler_full_pass_bidirectional", "one-pass-sees-later", folder)
     assert tuple(hits[0]["cell"]) == first((2, 5, 5), lambda b, q, k: k > q)
     assert "in 5 steps" in hits[0]["message"] and "20 such cells" in hits[0]["message"]
+
+
+def test_draft_tokens_verified_over_a_cache_with_is_causal_only_without_past_are_found(tmp_path):
+    """ipex-llm PR #9968's slip written another way: SDPA's is_causal set only while there is no cache, so a batch of
+    two verifying 4 draft tokens in one forward over its 6-token prompt runs them unmasked; the fix's mask is
+    tril(diagonal=past_len). The first cell is where the unmasked verify rows part from one causal pass (a loop)."""
+    from pathlib import Path
+
+    folder = Path(__file__).parent / "data" / "prefillrows"
+    found = check_bug(tmp_path, "spec_verify_draft_tokens_over_cache_is_causal_only_without_past",
+                      "prefill-chunks-differ", folder)
+    prompt, total = 6, 10
+    sees = lambda q, k: k <= q if q < prompt else k < total  # noqa: E731 (the prompt causal, the drafts every key)
+    assert [f["cell"] for f in found] == [[0, *_first_difference(sees, lambda q, k: k <= q, total)]]
 
 
 def test_a_prompt_pass_of_a_decoder_run_by_a_plain_function_is_found(tmp_path):

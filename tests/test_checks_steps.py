@@ -26,6 +26,10 @@ BUGS = [
     # huggingface/parler-tts e51113f (written blind, batch blind-cw; caught before any rule was changed for it): the
     # prompt's padding merged into the decoder mask only while prompt_hidden_states is given, so cached steps drop it
     ("parler_tts_decoder_prompt_attention_mask_dropped_on_cached_steps", "padding-lost"),
+    # intel/ipex-llm PR #10433, commit bd64488 (written blind, batch blind-dr; caught before any rule was changed for
+    # it): the fp8 KV cache's decode path called sdp_fp8(q, k, v) without the attention mask, so a left-padded batch's
+    # decode steps attend to the padded slots the prefill masked
+    ("bigdl_llm_llama_fp8_kv_cache_decode_sdp_drops_padding_mask", "padding-lost"),
 ]
 STEPS = Path(__file__).parent / "data" / "caches"
 PREFILLROWS = Path(__file__).parent / "data" / "prefillrows"
@@ -234,6 +238,16 @@ def test_a_prefix_padding_mask_given_at_prefill_only_is_lost_at_decode(tmp_path)
     the prefix's padding at prefill and no mask on the cached steps."""
     found = check_bug(tmp_path, "prefix_padding_mask_prefill_only_hand_cache", "padding-lost", folder=STEPS)
     assert found[0]["message"].startswith("at step 1 query 6 of batch row 1 sees key 3")
+
+
+def test_a_decode_fast_path_that_drops_the_padding_mask_loses_the_padding(tmp_path):
+    """ipex-llm PR #10433's slip written another way: a GPT-style fused qkv, a boolean padding mask of three
+    left-padded prompts grown per step, SDPA's prompt pass masked and its `q_len == 1` fast path handed no mask."""
+    found = check_bug(tmp_path, "gpt_sdpa_decode_fast_path_drops_key_padding_mask", "padding-lost", folder=STEPS)
+    lengths, width = [7, 4, 2], 7  # the program's prompts, left-padded to 7
+    pads = [(b, k) for b in range(len(lengths)) for k in range(width) if k < width - lengths[b]]
+    b, k = pads[0]  # the first padded key of the first padded row, seen by the first decode query (at position 7)
+    assert [tuple(f["cell"]) for f in found] == [(b, width + s, k) for s in range(3)]
 
 
 def test_unsloth_fast_generate_decode_mask_last_column_only(tmp_path):

@@ -165,6 +165,7 @@ class Outer:
     def settle(self) -> None:
         """Read the configs the pending tops' modules state (trace/stated.py): after the run, not while it runs (a
         tiny model's configs take longer to read than its whole forward). The frames were kept at the call."""
+        from maskcli.trace.evictbudget import evict_budgets
         from maskcli.trace.stated import stated
 
         self.made()  # (the tops that wait first: trace/later.py)
@@ -174,9 +175,12 @@ class Outer:
             else:
                 names = self._names
                 path = lambda module: None if (found := names.get(id(module))) is None else found[1]  # noqa: E731
+            budgets = {}  # (a heavy-hitter budget the first forward set, read once a module)
             for top, module in self._pending:
                 try:
-                    top.stated = stated(module, path, self._stated, self._frames.get(id(module)))
+                    if id(module) not in budgets:
+                        budgets[id(module)] = evict_budgets(module, path)
+                    top.stated = stated(module, path, self._stated, self._frames.get(id(module))) + budgets[id(module)]
                 except (Exception, SystemExit):  # noqa: BLE001 - a config whose attribute access raises: it states nothing maskcli reads
                     top.stated = ()
             self._pending.clear()
