@@ -36,7 +36,7 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "causal-config-ignored": {"causal-flag-ignored", "decoder-sees-later"},  # the module's own causal word (own.py, decoders.py)
     "causal-flag-ignored": {"fill-masks-nothing"},  # a causal fill lifted back to a score (tanh, a clamp): said as
     "decoder-mask-not-causal": {"fill-masks-nothing"},  # the fill that masks nothing, not as a causal part never built (weakfill.py)
-    "held-mask-ignored": {"padding-per-head", "mask-argument-dropped", "mask-dropped"},  # the same cells, said by the call's keys or arguments
+    "held-mask-ignored": {"padding-per-head", "mask-argument-dropped", "mask-dropped", "mask-of-another-row"},  # the same cells, said by the call's keys or arguments
     "mask-argument-dropped": {"bool-added"},  # a bool mask added to the scores masks nothing, which reads as dropped:
     # said as the add it was (dtypes.py; timm PR #2686's non-fused path)
     "padding-not-per-row": {"padding-unused"},  # the same padding, said where the mask was handed it (held.py)
