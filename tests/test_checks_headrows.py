@@ -52,6 +52,37 @@ def test_streaming_chunk_mask_expanded_head_major(tmp_path):
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 
+def test_megatron_ul2_prefix_lm_mask_missing_head_axis(tmp_path):
+    """bigcode-project/Megatron-LM commit 324d70d (written blind, batch blind-dq): the decoder-only UL2 prefix-LM
+    dec_mask (B, s, s) reached masked_fill_ on (B, heads, s, s) scores without its head axis, with B == heads: head h
+    of every row ran with sample h's mask. Said as that row's mask, not as the held mask ignored (held-mask-ignored
+    left out); the first cell is row 0's head 1 (sample 1's prefix of 4 over sample 0's of 10), by a double loop."""
+    found = check_bug(tmp_path, "bigcode_megatron_ul2_decoder_only_prefix_lm_mask_missing_head_axis",
+                      "mask-of-another-row")
+    prefix = [10, 4]
+    shows = lambda s, q, k: k <= q or (q < prefix[s] and k < prefix[s])  # noqa: E731 - sample s's dec_mask, True = keep
+    assert tuple(found[0]["cell"]) == first((1, 16, 16), lambda b, q, k: shows(b, q, k) != shows(1, q, k))
+    _, every, _ = traced(tmp_path, "bigcode_megatron_ul2_decoder_only_prefix_lm_mask_missing_head_axis", False)
+    assert "held-mask-ignored" not in {f["code"] for f in every}
+
+
+def test_sdpa_keep_mask_missing_head_axis(tmp_path):
+    """Written another way: a left-padded batch's (B, L, L) bool keep mask (causal & padding, a pad query sees itself)
+    handed to scaled_dot_product_attention as attn_mask beside (B, heads, L, L) scores, B == heads, so SDPA lays row h's
+    mask on head h of every row; the first cell is a double loop's over the first head that runs with another row's."""
+    status, found, report = traced(tmp_path, "sdpa_causal_pad_mask_missing_head_axis", False, HELD)
+    assert status == 1, report
+    hit = next(f for f in found if f["code"] == "mask-of-another-row" and f["severity"] == "wrong")
+    lengths, size, heads = [7, 3, 5, 8], 8, 4
+    real = lambda b, k: k >= size - lengths[b]  # noqa: E731 - left padding
+    keeps = lambda b, q, k: q == k or (k <= q and real(b, q) and real(b, k))  # noqa: E731 - row b's attn_mask
+    want = next((b, q, k) for b in range(4) for h in range(heads) for q in range(size) for k in range(size)
+                if keeps(b, q, k) != keeps(h, q, k))  # (head h of row b runs with row h's mask)
+    assert tuple(hit["cell"]) == want
+    status, found, report = traced(tmp_path, "sdpa_causal_pad_mask_missing_head_axis", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
 def test_heads_with_their_own_windows_are_quiet():
     """Local and global heads alternating (a design, not a bug) over a right-padded batch: the cells a local head
     hides are far keys, real in every row, so no row's padding explains them."""
