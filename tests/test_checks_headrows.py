@@ -66,20 +66,20 @@ def test_megatron_ul2_prefix_lm_mask_missing_head_axis(tmp_path):
     assert "held-mask-ignored" not in {f["code"] for f in every}
 
 
-def test_sdpa_keep_mask_missing_head_axis(tmp_path):
-    """Written another way: a left-padded batch's (B, L, L) bool keep mask (causal & padding, a pad query sees itself)
-    handed to scaled_dot_product_attention as attn_mask beside (B, heads, L, L) scores, B == heads, so SDPA lays row h's
-    mask on head h of every row; the first cell is a double loop's over the first head that runs with another row's."""
-    status, found, report = traced(tmp_path, "sdpa_causal_pad_mask_missing_head_axis", False, HELD)
+def test_streaming_chunk_masks_missing_head_axis(tmp_path):
+    """Written another way: a streaming speech encoder's (B, T, T) chunk_masks (True = may attend, padding frames
+    hidden) laid on (B, heads, T, T) scores by masked_fill(~mask) without unsqueeze(1), B == heads, so head h of every
+    utterance runs with utterance h's chunks and padding; the first cell is a double loop's over the first head that
+    runs with another row's. The padded keys it sees are said by this rule alone (padding-unused left out)."""
+    status, found, report = traced(tmp_path, "streaming_chunk_masks_missing_head_axis", False, HELD)
     assert status == 1, report
-    hit = next(f for f in found if f["code"] == "mask-of-another-row" and f["severity"] == "wrong")
-    lengths, size, heads = [7, 3, 5, 8], 8, 4
-    real = lambda b, k: k >= size - lengths[b]  # noqa: E731 - left padding
-    keeps = lambda b, q, k: q == k or (k <= q and real(b, q) and real(b, k))  # noqa: E731 - row b's attn_mask
-    want = next((b, q, k) for b in range(4) for h in range(heads) for q in range(size) for k in range(size)
+    assert [f["code"] for f in found if f["severity"] == "wrong"] == ["mask-of-another-row"], report
+    lengths, size, heads = [9, 5, 7], 9, 3
+    keeps = lambda b, q, k: q == k or (k < min((q // 3 + 1) * 3, size) and k < lengths[b])  # noqa: E731 - row b's
+    want = next((b, q, k) for b in range(3) for h in range(heads) for q in range(size) for k in range(size)
                 if keeps(b, q, k) != keeps(h, q, k))  # (head h of row b runs with row h's mask)
-    assert tuple(hit["cell"]) == want
-    status, found, report = traced(tmp_path, "sdpa_causal_pad_mask_missing_head_axis", True, HELD)
+    assert tuple(found[0]["cell"]) == want
+    status, found, report = traced(tmp_path, "streaming_chunk_masks_missing_head_axis", True, HELD)
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 
