@@ -41,7 +41,7 @@ def another_row(run: Run) -> list:
                 done[key] = _finding(keep(call), rows, heads, valid(given, rows, k_len))
             for held in call.details.get("held_padding") or ():
                 if done[key] is None and held.get("kind") == "cells":  # (a (B, Lq, Lk) mask the program holds)
-                    done[key] = _held_finding(keep(call), heads, held)
+                    done[key] = _held_finding(keep(call), rows, heads, held)
         if done[key] is not None:
             found.append((call, done[key]))
     return found
@@ -72,7 +72,7 @@ def _finding(cells, rows: int, heads: int, real: np.ndarray) -> Finding | None:
     return None
 
 
-def _held_finding(cells, heads: int, held: dict) -> Finding | None:
+def _held_finding(cells, rows: int, heads: int, held: dict) -> Finding | None:
     """A head of batch row b that runs with exactly the cells of another row o of a (B, Lq, Lk) mask the program holds
     at the call (read either way round, as its name does not say its polarity), where its own row's differ: row o's
     mask laid on this head (a (B, Lq, Lk) mask broadcast over (B, heads, Lq, Lk) scores: head h gets row h's; or repeat
@@ -80,11 +80,12 @@ def _held_finding(cells, heads: int, held: dict) -> Finding | None:
     table = held["rows"]
     if cells is None or table.ndim != 3 or cells.shape[1] != heads or table.shape[1:] != cells.shape[2:]:
         return None
-    rows = table.shape[0]
-    if rows < 2 or cells.shape[0] not in (1, rows):
-        return None
+    if table.shape[0] != rows or cells.shape[0] not in (1, rows):
+        return None  # (a call of one request under the batch's mask is heldcells.py's)
     cells = np.broadcast_to(cells, (rows, *cells.shape[1:]))
     for reading in (table, ~table):  # (True = keep; True = masked)
+        if not any((cells[b, h] == reading[b]).all() for b in range(rows) for h in range(heads)):
+            continue  # (no head runs with its own row's cells read this way round: not the mask's polarity)
         for b in range(rows):
             for h in range(heads):
                 plane = cells[b, h]
