@@ -52,6 +52,37 @@ def test_streaming_chunk_mask_expanded_head_major(tmp_path):
     assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
 
 
+def test_megatron_ul2_prefix_lm_mask_missing_head_axis(tmp_path):
+    """bigcode-project/Megatron-LM commit 324d70d (written blind, batch blind-dq): the decoder-only UL2 prefix-LM
+    dec_mask (B, s, s) reached masked_fill_ on (B, heads, s, s) scores without its head axis, with B == heads: head h
+    of every row ran with sample h's mask. Said as that row's mask, not as the held mask ignored (held-mask-ignored
+    left out); the first cell is row 0's head 1 (sample 1's prefix of 4 over sample 0's of 10), by a double loop."""
+    found = check_bug(tmp_path, "bigcode_megatron_ul2_decoder_only_prefix_lm_mask_missing_head_axis",
+                      "mask-of-another-row")
+    prefix = [10, 4]
+    shows = lambda s, q, k: k <= q or (q < prefix[s] and k < prefix[s])  # noqa: E731 - sample s's dec_mask, True = keep
+    assert tuple(found[0]["cell"]) == first((1, 16, 16), lambda b, q, k: shows(b, q, k) != shows(1, q, k))
+    _, every, _ = traced(tmp_path, "bigcode_megatron_ul2_decoder_only_prefix_lm_mask_missing_head_axis", False)
+    assert "held-mask-ignored" not in {f["code"] for f in every}
+
+
+def test_streaming_chunk_masks_missing_head_axis(tmp_path):
+    """Written another way: a streaming speech encoder's (B, T, T) chunk_masks (True = may attend, padding frames
+    hidden) laid on (B, heads, T, T) scores by masked_fill(~mask) without unsqueeze(1), B == heads, so head h of every
+    utterance runs with utterance h's chunks and padding; the first cell is a double loop's over the first head that
+    runs with another row's. The padded keys it sees are said by this rule alone (padding-unused left out)."""
+    status, found, report = traced(tmp_path, "streaming_chunk_masks_missing_head_axis", False, HELD)
+    assert status == 1, report
+    assert [f["code"] for f in found if f["severity"] == "wrong"] == ["mask-of-another-row"], report
+    lengths, size, heads = [9, 5, 7], 9, 3
+    keeps = lambda b, q, k: q == k or (k < min((q // 3 + 1) * 3, size) and k < lengths[b])  # noqa: E731 - row b's
+    want = next((b, q, k) for b in range(3) for h in range(heads) for q in range(size) for k in range(size)
+                if keeps(b, q, k) != keeps(h, q, k))  # (head h of row b runs with row h's mask)
+    assert tuple(found[0]["cell"]) == want
+    status, found, report = traced(tmp_path, "streaming_chunk_masks_missing_head_axis", True, HELD)
+    assert status == 0 and [f for f in found if f["severity"] == "wrong"] == [], report
+
+
 def test_heads_with_their_own_windows_are_quiet():
     """Local and global heads alternating (a design, not a bug) over a right-padded batch: the cells a local head
     hides are far keys, real in every row, so no row's padding explains them."""

@@ -842,22 +842,24 @@ def test_lengths_mask_built_only_in_training(tmp_path):
 
 def test_megatron_ul2_decoder_only_mask_without_head_axis(tmp_path):
     """bigscience-workshop/Megatron-DeepSpeed 538c30b (written blind, batch blind-dd): get_batch handed the UL2
-    prefix-LM dec_mask as [b, s, s] beside [b, np, s, s] scores (b == np): head h of each row used row h's prefix."""
-    check_bug(tmp_path, "megatron_deepspeed_ul2_decoder_only_dec_mask_missing_head_axis", "held-mask-ignored")
+    prefix-LM dec_mask as [b, s, s] beside [b, np, s, s] scores (b == np): head h of each row used row h's prefix.
+    Said as that row's mask (headrows.py's mask-of-another-row), not as the held mask ignored."""
+    check_bug(tmp_path, "megatron_deepspeed_ul2_decoder_only_dec_mask_missing_head_axis", "mask-of-another-row")
 
 
 def test_keep_mask_without_head_axis_left_padded(tmp_path):
     """Written another way: a left-padded causal keep mask (True = may attend) (b, q, k) handed to SDPA beside
-    (b, h, q, k) scores, b == h; the first cell is a double loop's over the kernel's mask (row b, head h reads row h)
-    against the mask the model holds for row b."""
-    [hit] = check_bug(tmp_path, "left_padded_keep_mask_without_head_axis", "held-mask-ignored", folder=HELD)
+    (b, h, q, k) scores, b == h; the first cell is a double loop's over the first head whose mask (row b, head h
+    reads row h) differs from the mask the model holds for row b (headrows.py's mask-of-another-row)."""
+    [hit] = check_bug(tmp_path, "left_padded_keep_mask_without_head_axis", "mask-of-another-row", folder=HELD)
     starts = (0, 4, 2)  # (each row's left padding)
 
     def keep(b, q, k):
         return q == k or (k <= q and k >= starts[b])
 
-    bad = first((3, 9, 9), lambda b, q, k: not keep(b, q, k) and any(keep(h, q, k) for h in range(3)))
-    assert hit["cell"][0] == bad[0] and not keep(*hit["cell"])
+    bad = next((b, q, k) for b in range(3) for h in range(3) for q in range(9) for k in range(9)
+               if keep(b, q, k) != keep(h, q, k))
+    assert tuple(hit["cell"]) == bad
 
 
 def test_mmada_llada_attention_bias_dropped(tmp_path):

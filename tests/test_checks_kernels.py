@@ -8,6 +8,8 @@ import pytest
 
 from checkbugs import check_bug, traced
 
+CACHES = Path(__file__).parent / "data" / "caches"
+
 BUGS = [
     # pytorch/pytorch#144858: is_causal=True at a decode step is top-left (torch/nn/functional.py
     # scaled_dot_product_attention: attn_mask = torch.ones(L, S).tril(diagonal=0) where is_causal)
@@ -26,6 +28,9 @@ BUGS = [
     ("mha_empty_sequence_nan", "fully-masked"),
     # written blind (batch blind-ap): deepspeedai/DeepSpeed#2851: BLOOM inference adds the float 0/1 padding mask raw
     ("deepspeed_inference_bloom_float_padding_mask_not_converted", "ones-added"),
+    # written blind (batch blind-dq): huggingface/optimum#1416: BetterTransformer's GPT-BigCode SDPA took is_causal
+    # for batch 1 and several new tokens on top of a KV cache (top-left over the cached prefix)
+    ("optimum_bettertransformer_gpt_bigcode_cached_multitoken_is_causal_top_left", "top-left-causal"),
 ]
 
 
@@ -58,6 +63,14 @@ def test_a_blind_reproduction_of_is_causal_on_a_continued_cache_is_flagged(tmp_p
     """pytorch/executorch#21749, written blind (it caught before any rule was tuned for the blind split): every
     multi-token step of a reference cache ran SDPA is_causal, top-left over the history of a second chat turn."""
     check_bug(tmp_path, "executorch_reference_cache_continuation_is_causal", "top-left-causal")
+
+
+def test_a_speculative_verify_step_with_is_causal_over_a_static_cache_is_flagged(tmp_path):
+    """optimum#1416's bug written another way: a speculative decoder verifies 3 draft tokens of a batch of 2 against a
+    preallocated static cache with SDPA's is_causal (set whenever more than one token is new), top-left over the
+    cached prefix; the fix hands the bottom-right triangle ones(n, past + n).tril(past)."""
+    found = check_bug(tmp_path, "speculative_verify_static_cache_is_causal", "top-left-causal", folder=CACHES)
+    assert "3 queries and 9 keys" in found[0]["message"]
 
 
 def test_a_float_mask_of_ones_alone_is_a_constant_not_a_keep_mask_added():

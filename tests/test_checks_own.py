@@ -280,3 +280,17 @@ def test_a_causal_flag_that_never_reached_the_tiles_of_a_blockwise_loop_is_found
     assert "BlockwiseSelfAttention.is_causal" in found[0]["message"]
     pads = (12 - 10, 0)  # left-padded (real queries and keys judged); only the diagonal 4 x 4 blocks see later keys
     assert _cell(found) == first((2, 12, 12), lambda b, q, k: k > q and q // 4 == k // 4 and min(q, k) >= pads[b])
+
+
+def test_a_causal_mask_dropped_for_sdpa_then_read_by_the_eager_weights_path_is_found(tmp_path):
+    # huggingface/transformers#30652 (written blind, batch blind-dq): LlamaModel._update_causal_mask dropped the mask
+    # of an all-ones padding mask for SDPA's is_causal, but output_attentions=True fell back to eager attention, which
+    # ran with no causal mask
+    found = check_bug(tmp_path, "transformers_llama_sdpa_output_attentions_eager_fallback_drops_causal_mask",
+                      "causal-flag-ignored")
+    assert _cell(found) == first((2, 12, 12), lambda b, q, k: k > q)
+    assert "LlamaSdpaAttention.is_causal" in found[0]["message"]
+    # written another way: a NeoX-style float bias of None for an unpadded batch, read by the return_weights path
+    found = check_bug(tmp_path, "need_weights_eager_path_drops_causal", "causal-flag-ignored", folder=OWN)
+    assert _cell(found) == first((3, 10, 10), lambda b, q, k: k > q)
+    assert "NeoXAttention.causal" in found[0]["message"]

@@ -23,7 +23,8 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "mask-of-another-row": {"padding-per-head"},  # one row's padding on another row's heads, said by the keys (heads.py)
     # the same keys, said from the padding mask the model call was handed (arguments.py; not from its input ids, which
     # say the pads without the mask the program held and never passed: both are said then)
-    "padding-unused": {"padding-ignored (a mask)", "padding-lost", "encoder-padding-ignored", "batch-rows-on-queries"},
+    "padding-unused": {"padding-ignored (a mask)", "padding-lost", "encoder-padding-ignored", "batch-rows-on-queries",
+                       "mask-of-another-row"},  # (another row's padding, laid on this row's head: headrows.py)
     "documents-leak": {"varlen-leak", "varlen-disagree"},  # documents given outright (varlen.py)
     "samples-leak": {"documents-leak", "varlen-leak"},  # numbered samples, said by their position_ids or cu_seqlens first
     "top-left-mask": {"top-left-causal"},  # the is_causal that made the top-left mask (kernels.py)
@@ -36,7 +37,7 @@ SAID_BY = {  # a code left out of a group where one of these says the same bug w
     "causal-config-ignored": {"causal-flag-ignored", "decoder-sees-later"},  # the module's own causal word (own.py, decoders.py)
     "causal-flag-ignored": {"fill-masks-nothing"},  # a causal fill lifted back to a score (tanh, a clamp): said as
     "decoder-mask-not-causal": {"fill-masks-nothing"},  # the fill that masks nothing, not as a causal part never built (weakfill.py)
-    "held-mask-ignored": {"padding-per-head", "mask-argument-dropped", "mask-dropped"},  # the same cells, said by the call's keys or arguments
+    "held-mask-ignored": {"padding-per-head", "mask-argument-dropped", "mask-dropped", "mask-of-another-row"},  # the same cells, said by the call's keys or arguments
     "mask-argument-dropped": {"bool-added"},  # a bool mask added to the scores masks nothing, which reads as dropped:
     # said as the add it was (dtypes.py; timm PR #2686's non-fused path)
     "padding-not-per-row": {"padding-unused"},  # the same padding, said where the mask was handed it (held.py)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from maskcli.checks.context import Run, keep
+from maskcli.checks.context import Run, first_cell, keep
 from maskcli.checks.registry import Rule
 from maskcli.keypadding import valid
 from maskcli.text import Finding
@@ -33,10 +33,15 @@ def another_row(run: Run) -> list:
             continue
         key = (call.mask, call.shape)
         given = call.details.get("key_padding")
+        helds = [held["rows"] for held in call.details.get("held_padding") or () if held.get("kind") == "cells"]
+        key = (*key, tuple(id(table) for table in helds))
         if key not in done:
             done[key] = None
             if given:  # (the call's own key-padding argument says which keys are each row's padding)
                 done[key] = _finding(keep(call), rows, heads, valid(given, rows, k_len))
+            for held in call.details.get("held_padding") or ():
+                if done[key] is None and held.get("kind") == "cells":  # (a (B, Lq, Lk) mask the program holds)
+                    done[key] = _held_finding(keep(call), rows, heads, held)
         if done[key] is not None:
             found.append((call, done[key]))
     return found
@@ -64,6 +69,41 @@ def _finding(cells, rows: int, heads: int, real: np.ndarray) -> Finding | None:
                 f"{other}'s mask laid on this head (a (B * heads, L, S) mask built with repeat, not repeat_interleave?)"),
                 expected="every head of a batch row masks alike", source="the other heads of the same batch row",
                 cell=(b, q, k))
+    return None
+
+
+def _held_finding(cells, rows: int, heads: int, held: dict) -> Finding | None:
+    """A head of batch row b that runs with exactly the cells of another row o of a (B, Lq, Lk) mask the program holds
+    at the call (read either way round, as its name does not say its polarity), where its own row's differ: row o's
+    mask laid on this head (a (B, Lq, Lk) mask broadcast over (B, heads, Lq, Lk) scores: head h gets row h's; or repeat
+    for repeat_interleave: head h of row b gets row (b * heads + h) % B's)."""
+    table = held["rows"]
+    if cells is None or table.ndim != 3 or cells.shape[1] != heads or table.shape[1:] != cells.shape[2:]:
+        return None
+    if table.shape[0] != rows or cells.shape[0] not in (1, rows):
+        return None  # (a call of one request under the batch's mask is heldcells.py's)
+    cells = np.broadcast_to(cells, (rows, *cells.shape[1:]))
+    for reading in (table, ~table):  # (True = keep; True = masked)
+        if not any((cells[b, h] == reading[b]).all() for b in range(rows) for h in range(heads)):
+            continue  # (no head runs with its own row's cells read this way round: not the mask's polarity)
+        for b in range(rows):
+            for h in range(heads):
+                plane = cells[b, h]
+                if (plane == reading[b]).all():
+                    continue  # (its own row's cells)
+                other = next((o for o in range(rows) if o != b and (plane == reading[o]).all()), None)
+                if other is None:
+                    continue
+                q, k = first_cell(plane != reading[b])
+                how = ("a (B, Lq, Lk) mask broadcast over the heads axis: head h gets batch row h's mask (unsqueeze(1) "
+                       "to (B, 1, Lq, Lk)?)") if other == h else ("repeat for repeat_interleave?" if other ==
+                                                                  (b * heads + h) % rows else "another row's mask?")
+                said = f"{held['name']} in {held['where']}"
+                return Finding("mask-of-another-row", (
+                    f"batch row {b}: head {h} runs with batch row {other}'s cells of {said} "
+                    f"({tuple(table.shape)}), not its own: query {q} {'sees' if plane[q, k] else 'is hidden from'} key {k}, "
+                    f"which row {b}'s {'hides' if plane[q, k] else 'shows'} ({int((plane != reading[b]).sum())} cells): "
+                    f"{how}"), expected=f"batch row {b}'s cells of {held['name']}", source=said, cell=(b, q, k))
     return None
 
 
