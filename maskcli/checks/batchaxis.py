@@ -136,7 +136,7 @@ def _run_alone(run: Run) -> list:
             found.append((call, Finding("batch-axis-attended", (
                 f"attention along the batch: its {k_len} keys are the {samples} samples given to {top.where} (the "
                 f"program runs sample {sample} alone, every tensor argument one row of the batch's, and there this "
-                f"site has 1 key and the same {rows} batch rows): row {b} of sample {q} sees row {b} of sample {k}, "
+                f"site has 1 key and the same {rows} batch rows): token {b} of sample {q} sees token {b} of sample {k}, "
                 f"never the other tokens of its own sample (batch_first=False given (batch, seq, embed)?)"),
                 expected="attention over each sample's own tokens, as in its run alone",
                 source=f"{top.where} run on sample {sample} alone", cell=(b, q, k))))
