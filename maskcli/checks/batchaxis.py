@@ -75,15 +75,10 @@ def batch_axis(run: Run) -> list:
         rows, k_len = call.shape[0], call.shape[3]
         if k_len != samples or rows != tokens:
             continue
-        cells = keep(call)
-        if cells is None:
+        cell = _other_sample(call)
+        if cell is None:
             continue
-        seen = np.broadcast_to(cells.any(axis=1), (cells.shape[0], call.shape[2], k_len)).copy()
-        if call.shape[2] == k_len:
-            seen[:, np.arange(k_len), np.arange(k_len)] = False  # (its own sample's cell: what it should see of itself)
-        if not seen.any():
-            continue
-        b, q, k = first_cell(seen)
+        b, q, k = cell
         found.append((call, Finding("batch-axis-attended", (
             f"attention along the batch: its {k_len} keys are the {samples} samples of `{name}` given to "
             f"{where} (padded with {said} {pad_id} along their {tokens} tokens) and its {rows} batch rows are their "
@@ -91,6 +86,19 @@ def batch_axis(run: Run) -> list:
             f"(a layer whose batch_first is not the layout it was handed: batch_first=False given (batch, seq, embed)?)"),
             expected=f"attention over each sample's {tokens} tokens", source=f"{name} given to {where}", cell=(b, q, k))))
     return found + _run_alone(run)
+
+
+def _other_sample(call) -> tuple[int, int, int] | None:
+    """The first (batch row, query, key) where a query sees a key other than its own sample's (the diagonal of a
+    square call), any head; None where none does or the mask is not kept."""
+    cells = keep(call)
+    if cells is None:
+        return None
+    k_len = call.shape[3]
+    seen = np.broadcast_to(cells.any(axis=1), (cells.shape[0], call.shape[2], k_len)).copy()
+    if call.shape[2] == k_len:
+        seen[:, np.arange(k_len), np.arange(k_len)] = False  # (its own sample's cell: what it should see of itself)
+    return first_cell(seen) if seen.any() else None
 
 
 def _alone(run: Run) -> list:
@@ -120,19 +128,14 @@ def _run_alone(run: Run) -> list:
         for call in run.made_by(other):
             alone.setdefault(call.where, call.shape)
         for call in run.made_by(top):
-            rows, _, q_len, k_len = call.shape
+            rows, k_len = call.shape[0], call.shape[3]
             there = alone.get(call.where)
             if k_len != samples or rows == samples or there is None or there[3] != 1 or there[0] != rows:
                 continue
-            cells = keep(call)
-            if cells is None:
+            cell = _other_sample(call)
+            if cell is None:
                 continue
-            seen = np.broadcast_to(cells.any(axis=1), (cells.shape[0], q_len, k_len)).copy()
-            if q_len == k_len:
-                seen[:, np.arange(k_len), np.arange(k_len)] = False  # (its own sample: what it should see of itself)
-            if not seen.any():
-                continue
-            b, q, k = first_cell(seen)
+            b, q, k = cell
             found.append((call, Finding("batch-axis-attended", (
                 f"attention along the batch: its {k_len} keys are the {samples} samples given to {top.where} (the "
                 f"program runs sample {sample} alone, every tensor argument one row of the batch's, and there this "
