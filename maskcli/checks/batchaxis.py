@@ -75,30 +75,29 @@ def batch_axis(run: Run) -> list:
         rows, k_len = call.shape[0], call.shape[3]
         if k_len != samples or rows != tokens:
             continue
-        cell = _other_sample(call)
-        if cell is None:
-            continue
-        b, q, k = cell
-        found.append((call, Finding("batch-axis-attended", (
-            f"attention along the batch: its {k_len} keys are the {samples} samples of `{name}` given to "
-            f"{where} (padded with {said} {pad_id} along their {tokens} tokens) and its {rows} batch rows are their "
-            f"tokens: token {b} of sample {q} sees token {b} of sample {k}, never the other tokens of its own sample "
-            f"(a layer whose batch_first is not the layout it was handed: batch_first=False given (batch, seq, embed)?)"),
-            expected=f"attention over each sample's {tokens} tokens", source=f"{name} given to {where}", cell=(b, q, k))))
+        found += _across(call, f"the {samples} samples of `{name}` given to {where} (padded with {said} {pad_id} along "
+                         f"their {tokens} tokens) and its {rows} batch rows are their tokens",
+                         f"attention over each sample's {tokens} tokens", f"{name} given to {where}")
     return found + _run_alone(run)
 
 
-def _other_sample(call) -> tuple[int, int, int] | None:
-    """The first (batch row, query, key) where a query sees a key other than its own sample's (the diagonal of a
-    square call), any head; None where none does or the mask is not kept."""
+def _across(call, keys: str, expected: str, source: str) -> list:
+    """[(call, batch-axis-attended)] where a query of `call` sees a key other than its own sample's (the diagonal of a
+    square call), any head, its keys being `keys`; [] where none does or the mask is not kept."""
     cells = keep(call)
     if cells is None:
-        return None
+        return []
     k_len = call.shape[3]
     seen = np.broadcast_to(cells.any(axis=1), (cells.shape[0], call.shape[2], k_len)).copy()
     if call.shape[2] == k_len:
         seen[:, np.arange(k_len), np.arange(k_len)] = False  # (its own sample's cell: what it should see of itself)
-    return first_cell(seen) if seen.any() else None
+    if not seen.any():
+        return []
+    b, q, k = first_cell(seen)
+    return [(call, Finding("batch-axis-attended", (
+        f"attention along the batch: its {k_len} keys are {keys}: token {b} of sample {q} sees token {b} of sample {k}, "
+        f"never the other tokens of its own sample (a layer whose batch_first is not the layout it was handed: "
+        f"batch_first=False given (batch, seq, embed)?)"), expected=expected, source=source, cell=(b, q, k)))]
 
 
 def _alone(run: Run) -> list:
@@ -132,17 +131,10 @@ def _run_alone(run: Run) -> list:
             there = alone.get(call.where)
             if k_len != samples or rows == samples or there is None or there[3] != 1 or there[0] != rows:
                 continue
-            cell = _other_sample(call)
-            if cell is None:
-                continue
-            b, q, k = cell
-            found.append((call, Finding("batch-axis-attended", (
-                f"attention along the batch: its {k_len} keys are the {samples} samples given to {top.where} (the "
-                f"program runs sample {sample} alone, every tensor argument one row of the batch's, and there this "
-                f"site has 1 key and the same {rows} batch rows): token {b} of sample {q} sees token {b} of sample {k}, "
-                f"never the other tokens of its own sample (batch_first=False given (batch, seq, embed)?)"),
-                expected="attention over each sample's own tokens, as in its run alone",
-                source=f"{top.where} run on sample {sample} alone", cell=(b, q, k))))
+            found += _across(call, f"the {samples} samples given to {top.where} (the program runs sample {sample} "
+                             f"alone, every tensor argument one row of the batch's, and there this site has 1 key and "
+                             f"the same {rows} batch rows)", "attention over each sample's own tokens, as in its run "
+                             "alone", f"{top.where} run on sample {sample} alone")
     return found
 
 
