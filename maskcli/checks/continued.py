@@ -14,6 +14,8 @@ split in two in order, and on batch-major ids (their first axis is the batch: ro
 
 from __future__ import annotations
 
+import numpy as np
+
 from maskcli.checks.context import Run, keep
 from maskcli.checks.registry import Rule
 from maskcli.text import Finding
@@ -65,7 +67,7 @@ def continued(run: Run) -> list:
             short = mine[:, -n:] < theirs[:, -n:]
             if not short.any():
                 continue
-            b, j = (int(x) for x in zip(*short.nonzero()).__next__())
+            b, j = (int(x) for x in np.argwhere(short)[0])
             q = call.shape[2] - n + j
             found.append((call, Finding("continued-keys-dropped", (
                 f"batch row {b}: query {q} (row {j} of the {n} rows given to {second.where} after {first.where} was "
