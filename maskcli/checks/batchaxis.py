@@ -9,6 +9,13 @@ nn.MultiheadAttention / nn.Transformer*Layer left at batch_first=False and hande
 along both axes or neither (nothing says which is the batch; `input_ids` / `idx` / `tokens` are (batch, seq) as
 transformers names them), where a row holds fewer than 3 tokens, on time-major ids whose padding runs down the columns
 when the call's keys are the columns' tokens (OpenNMT's `src`), and on a call that sees no other key than its own.
+
+A program that runs its model again on one sample of a batch (every tensor argument one row of the batch's, the same
+values: trace/samplerows.py) states that their first axis is the batch, ids or not (a table's features,
+DeepTab's FT-Transformer). A call of the batch whose keys are as many as its samples (B > 1) and whose batch rows are
+not, where the same site run on the one sample has one key and the same batch rows (its keys follow the samples,
+its batch rows do not), attends across the batch (DeepTab d2abc5a: nn.TransformerEncoderLayer left at
+batch_first=False). Quiet where the site's keys are the same in both runs (the tokens of each sample).
 """
 
 from __future__ import annotations
@@ -68,21 +75,66 @@ def batch_axis(run: Run) -> list:
         rows, k_len = call.shape[0], call.shape[3]
         if k_len != samples or rows != tokens:
             continue
-        cells = keep(call)
-        if cells is None:
+        found += _across(call, f"the {samples} samples of `{name}` given to {where} (padded with {said} {pad_id} along "
+                         f"their {tokens} tokens) and its {rows} batch rows are their tokens",
+                         f"attention over each sample's {tokens} tokens", f"{name} given to {where}")
+    return found + _run_alone(run)
+
+
+def _across(call, keys: str, expected: str, source: str) -> list:
+    """[(call, batch-axis-attended)] where a query of `call` sees a key other than its own sample's (the diagonal of a
+    square call), any head, its keys being `keys`; [] where none does or the mask is not kept."""
+    cells = keep(call)
+    if cells is None:
+        return []
+    k_len = call.shape[3]
+    seen = np.broadcast_to(cells.any(axis=1), (cells.shape[0], call.shape[2], k_len)).copy()
+    if call.shape[2] == k_len:
+        seen[:, np.arange(k_len), np.arange(k_len)] = False  # (its own sample's cell: what it should see of itself)
+    if not seen.any():
+        return []
+    b, q, k = first_cell(seen)
+    return [(call, Finding("batch-axis-attended", (
+        f"attention along the batch: its {k_len} keys are {keys}: token {b} of sample {q} sees token {b} of sample {k}, "
+        f"never the other tokens of its own sample (a layer whose batch_first is not the layout it was handed: "
+        f"batch_first=False given (batch, seq, embed)?)"), expected=expected, source=source, cell=(b, q, k)))]
+
+
+def _alone(run: Run) -> list:
+    """(batch top, samples, top of one of its samples run alone, which sample) for each model call of B > 1 rows whose
+    every tensor argument another call of the same module was handed one row of (the same row of each)."""
+    rows = [(top, dict(top.arguments["sample_rows"])) for top in run.tops if top.arguments.get("sample_rows")]
+    found = []
+    for top, held in rows:
+        sizes = {len(hashes) for hashes in held.values()}
+        if len(sizes) != 1 or min(sizes) < 2:
             continue
-        seen = np.broadcast_to(cells.any(axis=1), (cells.shape[0], call.shape[2], k_len)).copy()
-        if call.shape[2] == k_len:
-            seen[:, np.arange(k_len), np.arange(k_len)] = False  # (its own sample's cell: what it should see of itself)
-        if not seen.any():
-            continue
-        b, q, k = first_cell(seen)
-        found.append((call, Finding("batch-axis-attended", (
-            f"attention along the batch: its {k_len} keys are the {samples} samples of `{name}` given to "
-            f"{where} (padded with {said} {pad_id} along their {tokens} tokens) and its {rows} batch rows are their "
-            f"tokens: token {b} of sample {q} sees token {b} of sample {k}, never the other tokens of its own sample "
-            f"(a layer whose batch_first is not the layout it was handed: batch_first=False given (batch, seq, embed)?)"),
-            expected=f"attention over each sample's {tokens} tokens", source=f"{name} given to {where}", cell=(b, q, k))))
+        for other, one in rows:
+            if other.where != top.where or one.keys() != held.keys() or any(len(h) != 1 for h in one.values()):
+                continue
+            same = set.intersection(*({i for i, h in enumerate(held[name]) if h == one[name][0]} for name in held))
+            if same:
+                found.append((top, sizes.pop(), other, min(same)))
+                break
+    return found
+
+
+def _run_alone(run: Run) -> list:
+    """Calls of a batch whose keys are its samples, where the program runs one of them alone (_alone)."""
+    found = []
+    for top, samples, other, sample in _alone(run):
+        alone = {}
+        for call in run.made_by(other):
+            alone.setdefault(call.where, call.shape)
+        for call in run.made_by(top):
+            rows, k_len = call.shape[0], call.shape[3]
+            there = alone.get(call.where)
+            if k_len != samples or rows == samples or there is None or there[3] != 1 or there[0] != rows:
+                continue
+            found += _across(call, f"the {samples} samples given to {top.where} (the program runs sample {sample} "
+                             f"alone, every tensor argument one row of the batch's, and there this site has 1 key and "
+                             f"the same {rows} batch rows)", "attention over each sample's own tokens, as in its run "
+                             "alone", f"{top.where} run on sample {sample} alone")
     return found
 
 

@@ -13,10 +13,11 @@ import maskcli.trace.masks as readers
 from maskcli.trace.discarded import FILLS as DISCARDED
 from maskcli.trace.layouts import heads_first, reader as laid
 from maskcli.trace.mode import Mode, building, has_values
+from maskcli.trace.pooled import Pooled
 from maskcli.trace.posbias import bias_of
 from maskcli.trace.ranked import TOPS, Ranked
 from maskcli.trace.overflow import IN_PLACE, WATCHED
-from maskcli.trace.scores import HEADS, as_matrix, stated_heads
+from maskcli.trace.scores import HEADS, MATMULS, as_matrix, stated_heads
 from maskcli.trace.shifted import shifted_reader
 from maskcli.trace.singleton import read as read_singleton, singleton, wider
 from maskcli.trace.unseen import plain, unseen
@@ -104,8 +105,10 @@ class Follow:
         if reader is readers.softmax and not any(followed) and not self.discarded._found and not _by_shape(args, kwargs):
             if wider(args, kwargs):  # (a line that softmaxes more elements: its one-element runs are data's)
                 self.singles.wider()
-            return call(*args, **kwargs)  # (no scores, weights or fill remembered: a softmax of no attention shape is
+            out = call(*args, **kwargs)  # (no scores, weights or fill remembered: a softmax of no attention shape is
             # no attention, and nothing it computes is followed; decided before anything of it is read)
+            self.pooled().note(args, kwargs, out)  # (but its weights pooled off their axis: trace/pooled.py)
+            return out
         if reader is not None and not self.busy and not self.within:
             try:
                 if plain(args, kwargs):
@@ -130,8 +133,14 @@ class Follow:
                 self.after_call(func, args, kwargs, out, softmaxed)
                 return out
         out = call(*args, **kwargs)
+        if reader is readers.softmax:
+            self.pooled().note(args, kwargs, out)
         self.after_call(func, args, kwargs, out)
         return out
+
+    def pooled(self) -> Pooled:
+        """The softmaxes of no attention remembered, and the products that pool their weights (trace/pooled.py)."""
+        return self.__dict__.get("_pooled") or self.__dict__.setdefault("_pooled", Pooled())
 
     def _before(self, reader, args: tuple, kwargs: dict):
         """Record an attention call before it runs: (the index it is recorded at, (call, seen) of a softmax read, else
@@ -233,6 +242,10 @@ class Follow:
         if (func in WATCHED or followed[0] or followed[1] and func in IN_PLACE) and isinstance(out, torch.Tensor) \
                 and out.dim() >= 2 and out.is_floating_point() and not self.busy and has_values(out):
             self.overflows.after(func, args, kwargs, out, self.scores)  # (fills that overflow to -inf: overflow.py)
+        if func in MATMULS and self.__dict__.get("_pooled") is not None and self._pooled.held and not self.busy:
+            reader = self._pooled.product(func, args, kwargs)  # (weights summed off their softmax's axis: pooled.py)
+            if reader is not None:
+                self.capture(reader, args, kwargs)
         if self.scores is not None:
             if func in TOPS:  # (a sparse top-k ranking scores along their keys: trace/ranked.py)
                 self.ranked = self.ranked or Ranked()

@@ -25,6 +25,7 @@ from maskcli.trace.handedcells import handed_cells
 from maskcli.trace.held import program_frames
 from maskcli.trace.heldids import held_ids
 from maskcli.trace.padded import MOST, lengths_over, nested_ids, padded_input  # (MOST: elements of one argument kept, the one limit)
+from maskcli.trace.samplerows import sample_rows
 from maskcli.trace.targetmap import target_mapping
 from maskcli.trace.tiles import zero_units
 from maskcli.trace.tokenids import token_ids as _token_ids
@@ -144,6 +145,7 @@ def top(where: str, module, args: tuple, kwargs: dict, first: int, end: int, sta
     found.update(handed_cells(given))  # (a (B, L, L) mask the call was handed: checks/handedcausal.py)
     found.update(causal_arg(given))  # (a mask it was handed named causal: checks/namedcausal.py)
     found.update(lengths_over(signature, given))
+    found.update(sample_rows(given))  # (each row of its tensors: a sample run alone, checks/batchaxis.py)
     found.update(main_constants())  # (a window and layer kinds kept as the script's constants: checks/layerwindow.py)
     convs = _convs(module)
     if convs:
